@@ -1,0 +1,68 @@
+// backend.h — the one interface both backends implement (cpu/backend_cpu.cpp, cuda/backend_cuda.cu).
+// main.cpp streams heads through a backend in groups: it reads a group's Q/K/V from the input case
+// into host memory, calls compute(), and writes the group's stage files. A backend never touches
+// files, so both backends are checked by the same I/O code.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "stages.h"
+
+namespace attnstep {
+
+enum class Precision { fp32, tf32 };
+inline const char* precision_name(Precision p) { return p == Precision::tf32 ? "tf32" : "fp32"; }
+
+struct Problem {
+    Dims dims;
+    bool causal = false;       // top-left aligned: query r sees keys c <= r
+    float scale = 0.f;         // multiplies QK; the caller resolves the 1/sqrt(d_k) default
+    Precision precision = Precision::fp32;
+    bool poison = false;       // pre-fill outputs with NaN so unwritten elements show
+};
+
+// The flash kernel's contract: d_k == d_v and one of these widths.
+inline bool flash_supported(const Dims& d) {
+    return d.dk == d.dv && (d.dk == 16 || d.dk == 32 || d.dk == 64 || d.dk == 128);
+}
+
+// Host memory for one group of consecutive heads [first, first + count). Each buffer holds `count`
+// row-major matrices back to back, in the stage table's shape; out[s] is null for stages that are
+// not computed.
+struct HeadGroup {
+    int first = 0, count = 0;
+    const float* q = nullptr;
+    const float* k = nullptr;
+    const float* v = nullptr;
+    float* out[kNumStages] = {};
+};
+
+// Milliseconds spent per stage, summed over groups (device events on the GPU).
+struct StageTimes {
+    double ms[kNumStages] = {};
+};
+
+class Backend {
+public:
+    virtual ~Backend() = default;
+    virtual const char* name() const = 0;          // "cpu" or "cuda"
+    virtual std::string device_name() const = 0;   // e.g. "NVIDIA H200" or "host CPU"
+    // The flash tile sizes (Br query rows, Bc key rows) used for this problem.
+    virtual void flash_tiles(const Problem& p, int* Br, int* Bc) const = 0;
+    // Working memory the backend needs per head for `computed` (device memory for cuda, extra
+    // host memory beyond the HeadGroup buffers for cpu), and what it may use in all.
+    virtual size_t working_bytes_per_head(const Problem& p, StageSet computed) const = 0;
+    virtual size_t available_bytes() const = 0;
+    // Computes every stage in `computed` for the group into group.out. Throws attnstep::Error.
+    virtual void compute(const Problem& p, StageSet computed, HeadGroup& group,
+                         StageTimes* times) = 0;
+};
+
+std::unique_ptr<Backend> make_cpu_backend();
+// Built only with the CUDA toolkit; without it these report "not built with CUDA".
+bool cuda_backend_built();
+bool cuda_device_available();
+std::unique_ptr<Backend> make_cuda_backend();
+
+}  // namespace attnstep

@@ -1,0 +1,31 @@
+// flash.cuh — the FlashAttention forward launchers the CUDA backend dispatches between.
+// All pointers are device memory; `heads` matrices lie back to back, row-major:
+//   Q [heads][N][d], K [heads][M][d], V [heads][M][d] -> O [heads][N][d], lse [heads][N].
+// lse[r] = log sum_c exp(scale * q_r . k_c) over the keys row r sees (natural log).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "../backend.h"
+
+namespace attnstep {
+
+struct FlashArgs {
+    const float* Q;
+    const float* K;
+    const float* V;
+    float* O;
+    float* lse;
+    int heads, N, M, d;
+    float scale;
+    bool causal;
+    Precision precision;
+};
+
+// The tile sizes (Br, Bc) the dispatcher will use for these arguments.
+void flash_forward_tiles(const FlashArgs& a, int* Br, int* Bc);
+
+// Launches the forward pass on `stream`; checks the launch. Requires flash_supported().
+void flash_forward(const FlashArgs& a, cudaStream_t stream);
+
+}  // namespace attnstep

@@ -1,0 +1,119 @@
+// stages.h — the one table of stages in C++: name, shape, and what each stage is computed from.
+// Adding a stage means one line here (and one in verify/stages.py); every loop over stages in the
+// binary (file names, allocation, dependency closure, timings) is driven by this table.
+#pragma once
+
+#include <cstddef>
+#include <string>
+#include <vector>
+
+namespace attnstep {
+
+// Problem sizes. Heads are numbered i = b*heads + h (batch-major).
+struct Dims {
+    int batch = 1, heads = 1;
+    int N = 0;   // seq_q: query rows
+    int M = 0;   // seq_k: key/value rows
+    int dk = 0, dv = 0;
+    int total_heads() const { return batch * heads; }
+};
+
+// Shape symbols used by the table below.
+enum class Sym { N, M, DK, DV, ONE };
+
+inline int sym_value(Sym s, const Dims& d) {
+    switch (s) {
+        case Sym::N: return d.N;
+        case Sym::M: return d.M;
+        case Sym::DK: return d.dk;
+        case Sym::DV: return d.dv;
+        case Sym::ONE: return 1;
+    }
+    return 0;
+}
+
+// X(id, rows, cols, from): `from` is the earlier stage whose buffer this stage is computed from,
+// beyond the inputs Q, K, V that are always loaded (NONE when it needs only those). Order matters:
+// a stage's source comes before it.
+#define ATTNSTEP_STAGES(X)                              \
+    X(Q,                 N,  DK,  NONE)                 \
+    X(K,                 M,  DK,  NONE)                 \
+    X(V,                 M,  DV,  NONE)                 \
+    X(KT,                DK, M,   NONE)                 \
+    X(QK,                N,  M,   NONE)                 \
+    X(QK_scaled,         N,  M,   QK)                   \
+    X(attention_weights, N,  M,   QK_scaled)            \
+    X(output,            N,  DV,  attention_weights)    \
+    X(flash_output,      N,  DV,  NONE)                 \
+    X(flash_lse,         N,  ONE, NONE)
+
+enum class Stage : int {
+#define ATTNSTEP_ENUM(id, r, c, from) id,
+    ATTNSTEP_STAGES(ATTNSTEP_ENUM)
+#undef ATTNSTEP_ENUM
+    NONE
+};
+constexpr int kNumStages = static_cast<int>(Stage::NONE);
+
+struct StageInfo {
+    const char* name;
+    Sym rows, cols;
+    Stage from;
+};
+
+inline const StageInfo& stage_info(Stage s) {
+    static const StageInfo table[kNumStages] = {
+#define ATTNSTEP_INFO(id, r, c, from) {#id, Sym::r, Sym::c, Stage::from},
+        ATTNSTEP_STAGES(ATTNSTEP_INFO)
+#undef ATTNSTEP_INFO
+    };
+    return table[static_cast<int>(s)];
+}
+
+inline const char* stage_name(Stage s) { return stage_info(s).name; }
+inline int stage_rows(Stage s, const Dims& d) { return sym_value(stage_info(s).rows, d); }
+inline int stage_cols(Stage s, const Dims& d) { return sym_value(stage_info(s).cols, d); }
+inline size_t stage_elems(Stage s, const Dims& d) {
+    return static_cast<size_t>(stage_rows(s, d)) * static_cast<size_t>(stage_cols(s, d));
+}
+
+// The flash stages come from the tiled kernel; the rest form the "stage path".
+inline bool is_flash_stage(Stage s) { return s == Stage::flash_output || s == Stage::flash_lse; }
+inline bool is_input_echo(Stage s) { return s == Stage::Q || s == Stage::K || s == Stage::V; }
+
+// A set of stages as a bit mask over the table.
+struct StageSet {
+    unsigned bits = 0;
+    bool has(Stage s) const { return bits & (1u << static_cast<int>(s)); }
+    void add(Stage s) { bits |= 1u << static_cast<int>(s); }
+    bool any_stage_path() const;
+    bool any_flash() const { return has(Stage::flash_output) || has(Stage::flash_lse); }
+    static StageSet all() { StageSet s; s.bits = (1u << kNumStages) - 1; return s; }
+};
+
+inline bool StageSet::any_stage_path() const {
+    for (int i = 0; i < kNumStages; ++i) {
+        Stage s = static_cast<Stage>(i);
+        if (has(s) && !is_flash_stage(s) && !is_input_echo(s)) return true;
+    }
+    return false;
+}
+
+// The selected stages plus everything they are computed from. The flash stages are computed
+// together by one kernel, so either one pulls in both.
+inline StageSet dependency_closure(StageSet sel) {
+    if (sel.any_flash()) { sel.add(Stage::flash_output); sel.add(Stage::flash_lse); }
+    for (int i = kNumStages - 1; i >= 0; --i) {
+        Stage s = static_cast<Stage>(i);
+        if (!sel.has(s)) continue;
+        Stage from = stage_info(s).from;
+        if (from != Stage::NONE) sel.add(from);
+    }
+    return sel;
+}
+
+// Parses "all", "stages" (the stage path), "flash", or a comma-separated list of stage names.
+// Returns false and sets `bad` to the offending token on an unknown name.
+bool parse_stage_list(const std::string& text, StageSet* out, std::string* bad);
+
+}  // namespace attnstep

@@ -1,0 +1,45 @@
+"""Shared fixtures: the built binary, GPU detection, and markers.
+
+Nothing here touches CUDA at import time, so collection works on a CPU-only machine.
+"""
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _gpu_present() -> bool:
+    smi = shutil.which("nvidia-smi")
+    if not smi:
+        return False
+    try:
+        out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return out.returncode == 0 and "GPU" in out.stdout
+
+
+GPU_PRESENT = _gpu_present()
+NO_GPU_REASON = "no NVIDIA GPU found (nvidia-smi -L lists none); CUDA backend tests need one"
+
+
+def pytest_collection_modifyitems(config, items):
+    if GPU_PRESENT:
+        return
+    skip = pytest.mark.skip(reason=NO_GPU_REASON)
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def binary() -> Path:
+    """build/main, configured and built once per test session (incremental)."""
+    from verify.runner import ensure_built
+
+    return ensure_built(REPO / "build")

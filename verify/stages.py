@@ -1,0 +1,96 @@
+"""The one table of stages, dimensions and file names on the Python side.
+
+`cuda_src/stages.h` is its C++ twin; docs/contract.md describes both. Everything that loops over
+stages, builds a file name or decodes a shape goes through this module.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Tuple
+
+# Dimension symbols -> manifest keys (docs/contract.md, "Dimensions").
+DIM_KEYS = ("batch", "heads", "seq_q", "seq_k", "d_k", "d_v")
+FLASH_HEAD_DIMS = (16, 32, 64, 128)
+MAX_HEAD_DIM = 256
+
+INPUT_MANIFEST = "manifest.toml"
+RUN_MANIFEST = "run.toml"
+FORMATS = ("txt", "npy")
+DEFAULT_INPUT_DIR = "data/random_test"
+DEFAULT_OUTPUT_DIR = "data/random_verify"
+
+
+@dataclass(frozen=True)
+class Dims:
+    batch: int
+    heads: int
+    seq_q: int
+    seq_k: int
+    d_k: int
+    d_v: int
+
+    @property
+    def total_heads(self) -> int:
+        return self.batch * self.heads
+
+    def size(self, sym: str) -> int:
+        return {"N": self.seq_q, "M": self.seq_k, "DK": self.d_k, "DV": self.d_v, "1": 1}[sym]
+
+    def decode_head(self, i: int) -> Tuple[int, int]:
+        """Flat head index -> (batch, head); heads are batch-major."""
+        return divmod(i, self.heads)
+
+    @property
+    def flash_supported(self) -> bool:
+        return self.d_k == self.d_v and self.d_k in FLASH_HEAD_DIMS
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    rows: str  # dimension symbol
+    cols: str
+    inputs: Tuple[str, ...]  # stages its isolated reference is computed from
+    meaning: str
+    flash: bool = False
+
+    def shape(self, dims: Dims) -> Tuple[int, int]:
+        return dims.size(self.rows), dims.size(self.cols)
+
+
+_TABLE = (
+    Stage("Q", "N", "DK", (), "query, as the binary read it"),
+    Stage("K", "M", "DK", (), "key, as the binary read it"),
+    Stage("V", "M", "DV", (), "value, as the binary read it"),
+    Stage("KT", "DK", "M", ("K",), "K transposed"),
+    Stage("QK", "N", "M", ("Q", "K"), "Q·Kᵀ, unscaled"),
+    Stage("QK_scaled", "N", "M", ("QK",), "QK·scale, -inf where masked"),
+    Stage("attention_weights", "N", "M", ("QK_scaled",), "row softmax of QK_scaled"),
+    Stage("output", "N", "DV", ("attention_weights", "V"), "attention_weights·V"),
+    Stage("flash_output", "N", "DV", ("Q", "K", "V"), "FlashAttention forward output", flash=True),
+    Stage("flash_lse", "N", "1", ("Q", "K"), "log-sum-exp of each scaled row", flash=True),
+)
+
+STAGES: Dict[str, Stage] = {s.name: s for s in _TABLE}
+STAGE_NAMES = tuple(STAGES)
+INPUT_NAMES = ("Q", "K", "V")
+
+
+def stage_file(stage: str, head: int, fmt: str) -> str:
+    """File name of one stage's matrix for flat head index `head`."""
+    return f"{stage}_head_{head}.{fmt}"
+
+
+def parse_stage_file(name: str):
+    """`QK_scaled_head_3.txt` -> ("QK_scaled", 3, "txt"); None if the name is not a stage file."""
+    stem, dot, ext = name.rpartition(".")
+    if not dot or ext not in FORMATS or "_head_" not in stem:
+        return None
+    stage, _, idx = stem.rpartition("_head_")
+    if not idx.isdigit():
+        return None
+    return stage, int(idx), ext
+
+
+def default_scale(d_k: int) -> float:
+    return 1.0 / float(d_k) ** 0.5
