@@ -1,0 +1,91 @@
+"""Building the binary with CMake and running it as a subprocess (no bindings)."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import List, Optional, Sequence
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_BUILD_DIR = REPO / "build"
+BINARY_NAME = "main"
+BUILD_TIMEOUT_S = 1800
+DEFAULT_RUN_TIMEOUT_S = 600
+# The binary's exit statuses (docs/contract.md).
+EXIT_BAD_INPUT = 2
+EXIT_NO_MEMORY = 3
+
+
+class RunnerError(Exception):
+    """A build or run failure, already worded for the user (one line plus the tool's own output)."""
+
+    def __init__(self, message: str, detail: str = "", exit_code: int = 2):
+        super().__init__(message)
+        self.detail = detail
+        self.exit_code = exit_code
+
+
+def _tail(text: str, lines: int = 25) -> str:
+    return "\n".join(text.strip().splitlines()[-lines:])
+
+
+def _run_tool(cmd: Sequence[str], what: str, timeout: float) -> None:
+    try:
+        proc = subprocess.run(list(cmd), capture_output=True, text=True, timeout=timeout)
+    except FileNotFoundError:
+        raise RunnerError(f"{what}: '{cmd[0]}' not found; install it (see README.md, Prerequisites)")
+    except subprocess.TimeoutExpired:
+        raise RunnerError(f"{what}: timed out after {timeout:.0f} s")
+    if proc.returncode != 0:
+        raise RunnerError(f"{what} failed (exit {proc.returncode})", _tail(proc.stdout + proc.stderr, 40))
+
+
+def ensure_built(build_dir: Path = DEFAULT_BUILD_DIR, cmake_args: Sequence[str] = ()) -> Path:
+    """Configure (once) and build (incrementally) the binary; returns its path."""
+    build_dir = Path(build_dir)
+    if shutil.which("cmake") is None:
+        raise RunnerError("cmake not found on PATH; install CMake >= 3.24 (see README.md)")
+    if not (build_dir / "CMakeCache.txt").exists() or cmake_args:
+        _run_tool(["cmake", "-S", str(REPO), "-B", str(build_dir), "-DCMAKE_BUILD_TYPE=Release",
+                   *cmake_args], "CMake configure", BUILD_TIMEOUT_S)
+    jobs = str(max(1, os.cpu_count() or 1))
+    _run_tool(["cmake", "--build", str(build_dir), "--parallel", jobs], "CMake build", BUILD_TIMEOUT_S)
+    binary = build_dir / BINARY_NAME
+    if not binary.exists():
+        raise RunnerError(f"the build finished but {binary} is missing")
+    return binary
+
+
+@dataclass
+class RunResult:
+    returncode: int
+    stdout: str
+    stderr: str
+    notices: List[str] = field(default_factory=list)
+
+
+def run_binary(binary: Path, in_dir: Path, out_dir: Path, *, backend: str = "auto",
+               extra: Sequence[str] = (), timeout: Optional[float] = DEFAULT_RUN_TIMEOUT_S,
+               check: bool = True) -> RunResult:
+    """Runs `binary --in IN --out OUT --backend B EXTRA...`. With check, a non-zero exit raises
+    RunnerError carrying the binary's stderr and the binary's own exit status."""
+    cmd = [str(binary), "--in", str(in_dir), "--out", str(out_dir), "--backend", backend, *extra]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except FileNotFoundError:
+        raise RunnerError(f"binary not found: {binary}; run 'attnstep run' to build it")
+    except subprocess.TimeoutExpired:
+        raise RunnerError(f"the binary did not finish within {timeout:.0f} s (--timeout): "
+                          + " ".join(cmd))
+    notices = [ln for ln in proc.stderr.splitlines() if ": notice:" in ln]
+    result = RunResult(proc.returncode, proc.stdout, proc.stderr, notices)
+    if check and proc.returncode != 0:
+        first = next((ln for ln in proc.stderr.splitlines() if ln.strip()), "")
+        code = proc.returncode if proc.returncode in (EXIT_BAD_INPUT, EXIT_NO_MEMORY) else 1
+        if proc.returncode < 0:
+            first = f"the binary was killed by signal {-proc.returncode}" + (f": {first}" if first else "")
+        raise RunnerError(first or f"the binary exited with status {proc.returncode}",
+                          _tail(proc.stderr), exit_code=code)
+    return result
