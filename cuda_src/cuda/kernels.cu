@@ -1,0 +1,387 @@
+// kernels.cu — the memory-bound stage kernels of the CUDA backend: transpose (KT), scale + causal
+// mask (QK_scaled), row softmax (attention_weights) and the NaN poison fill.
+// Built by CMake with the binary (cmake -S . -B build && cmake --build build -j2); checked on a
+// GPU by scripts/gpu_smoke.sh, which compares every stage with the CPU backend and float64 NumPy.
+//
+// Each kernel aims at device-to-device copy bandwidth (bytes read + written): 16-byte float4
+// accesses where alignment allows, with a scalar path for odd widths, and several independent
+// loads in flight per thread.
+//   transpose_kernel    32×32 shared-memory tile (padded: no bank conflicts), 8 loads per thread.
+//   scale_mask_kernel   flat float4 over the whole buffer (any M: rows may straddle a vector), 4
+//                       vectors in flight per thread; one index division per vector, only when causal.
+//   softmax_rows_kernel one block per row. Version "cached": the row is read once into registers
+//                       (up to 32 floats per thread, 1024 threads: M <= 32768).
+//                       Version "uncached" (longer rows): three passes over global memory, kept
+//                       because it is correct for any M; slower by the two extra reads.
+#include "kernels.cuh"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+#include "cuda_check.cuh"
+
+namespace attnstep {
+
+namespace {
+
+constexpr unsigned kFullMask = 0xffffffffu;
+constexpr int kWarp = 32;
+
+int device_sm_count() {
+    static int count = 0;  // one device per process; asked once
+    if (count == 0) {
+        int dev = 0;
+        CUDA_CHECK(cudaGetDevice(&dev));
+        CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, dev));
+    }
+    return count;
+}
+
+int round_up(long long x, int to) { return static_cast<int>((x + to - 1) / to * to); }
+
+// ---------------------------------------------------------------------------------------------
+// Transpose
+// ---------------------------------------------------------------------------------------------
+constexpr int kTile = 32;       // a kTile×kTile tile per block
+constexpr int kTileRows = 8;    // threads per block: kTile × kTileRows, each moves kTile/kTileRows
+
+// Grid: x over row tiles of `in` (the long dimension, M for K), y over column tiles, z over heads
+// (grid-stride, so any number of heads fits).
+__global__ void transpose_kernel(const float* __restrict__ in, float* __restrict__ out, int heads,
+                                 int rows, int cols) {
+    __shared__ float tile[kTile][kTile + 1];  // +1: column reads hit 32 different banks
+    const int r0 = blockIdx.x * kTile, c0 = blockIdx.y * kTile;
+    for (int h = blockIdx.z; h < heads; h += gridDim.z) {
+        const float* src = in + static_cast<size_t>(h) * rows * cols;
+        float* dst = out + static_cast<size_t>(h) * rows * cols;
+        const int c = c0 + threadIdx.x;
+#pragma unroll
+        for (int i = 0; i < kTile; i += kTileRows) {
+            const int r = r0 + threadIdx.y + i;
+            if (r < rows && c < cols) tile[threadIdx.y + i][threadIdx.x] = src[static_cast<size_t>(r) * cols + c];
+        }
+        __syncthreads();  // the whole tile is loaded before any thread reads a column of it
+        const int oc = r0 + threadIdx.x;  // output column = input row
+#pragma unroll
+        for (int i = 0; i < kTile; i += kTileRows) {
+            const int orow = c0 + threadIdx.y + i;  // output row = input column
+            if (orow < cols && oc < rows) dst[static_cast<size_t>(orow) * rows + oc] = tile[threadIdx.x][threadIdx.y + i];
+        }
+        __syncthreads();  // every read of the tile is done before the next head overwrites it
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Scale + causal mask
+// ---------------------------------------------------------------------------------------------
+constexpr int kScaleThreads = 256;
+constexpr int kScaleUnroll = 4;  // float4 vectors in flight per thread
+
+// Element e of the flat buffer lies in row (e / M) % N and column e % M of its head. `r` and `c`
+// are that position for the first element; they advance with wrap-around for the next ones.
+template <typename Idx>
+struct MaskCursor {
+    Idx r, c;
+    __device__ MaskCursor(Idx e, Idx N, Idx M) {
+        const Idx row = e / M;
+        c = e - row * M;
+        r = row % N;
+    }
+    __device__ void next(Idx N, Idx M) {
+        if (++c == M) {
+            c = 0;
+            if (++r == N) r = 0;
+        }
+    }
+};
+
+template <typename Idx, bool kCausal>
+__device__ float4 scale_mask4(float4 x, Idx e, Idx N, Idx M, float scale) {
+    float4 y = make_float4(x.x * scale, x.y * scale, x.z * scale, x.w * scale);
+    if (kCausal) {
+        const float ninf = -INFINITY;
+        MaskCursor<Idx> at(e, N, M);
+        if (at.c > at.r) y.x = ninf;
+        at.next(N, M);
+        if (at.c > at.r) y.y = ninf;
+        at.next(N, M);
+        if (at.c > at.r) y.z = ninf;
+        at.next(N, M);
+        if (at.c > at.r) y.w = ninf;
+    }
+    return y;
+}
+
+// `in` and `out` may alias (in-place), so no __restrict__: each element is read and then written
+// by the same thread.
+template <typename Idx, bool kCausal>
+__global__ void scale_mask_kernel(const float* in, float* out, Idx n, Idx N, Idx M, float scale) {
+    const Idx nvec = n / 4;  // cudaMalloc'd buffers are 256-byte aligned, so float4 is safe
+    const float4* in4 = reinterpret_cast<const float4*>(in);
+    float4* out4 = reinterpret_cast<float4*>(out);
+    const Idx chunk = static_cast<Idx>(blockDim.x) * kScaleUnroll;
+    for (Idx first = blockIdx.x * chunk; first < nvec; first += static_cast<Idx>(gridDim.x) * chunk) {
+        float4 x[kScaleUnroll];
+#pragma unroll
+        for (int u = 0; u < kScaleUnroll; ++u) {  // all loads first: kScaleUnroll in flight
+            const Idx v = first + threadIdx.x + u * blockDim.x;
+            if (v < nvec) x[u] = in4[v];
+        }
+#pragma unroll
+        for (int u = 0; u < kScaleUnroll; ++u) {
+            const Idx v = first + threadIdx.x + u * blockDim.x;
+            if (v < nvec) out4[v] = scale_mask4<Idx, kCausal>(x[u], v * 4, N, M, scale);
+        }
+    }
+    // The last n % 4 elements, scalar.
+    const Idx e = nvec * 4 + threadIdx.x;
+    if (blockIdx.x == 0 && e < n) {
+        float y = in[e] * scale;
+        if (kCausal) {
+            MaskCursor<Idx> at(e, N, M);
+            if (at.c > at.r) y = -INFINITY;
+        }
+        out[e] = y;
+    }
+}
+
+template <typename Idx>
+void launch_scale_mask_typed(const float* in, float* out, Idx n, Idx N, Idx M, float scale,
+                             bool causal, cudaStream_t stream) {
+    const long long chunks = (static_cast<long long>(n / 4) + kScaleThreads * kScaleUnroll - 1) /
+                             (kScaleThreads * kScaleUnroll);
+    // Enough blocks to fill every SM several times over; the kernel grid-strides over the rest.
+    const int blocks = static_cast<int>(std::max(1LL, std::min(chunks, 16LL * device_sm_count())));
+    if (causal) {
+        scale_mask_kernel<Idx, true><<<blocks, kScaleThreads, 0, stream>>>(in, out, n, N, M, scale);
+        LAUNCH_CHECK(scale_mask_kernel);
+    } else {
+        scale_mask_kernel<Idx, false><<<blocks, kScaleThreads, 0, stream>>>(in, out, n, N, M, scale);
+        LAUNCH_CHECK(scale_mask_kernel);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Row softmax
+// ---------------------------------------------------------------------------------------------
+constexpr int kSoftmaxMaxThreads = 1024;
+constexpr int kSoftmaxPreferredThreads = 256;
+// Registers cached per thread: at most 32 floats, so that 1024-thread blocks fit the 64 registers
+// per thread that __launch_bounds__(kSoftmaxMaxThreads) allows without spilling.
+constexpr int kSoftmaxMaxCachedFloats = 32;
+
+template <int VEC> struct VecOf;
+template <> struct VecOf<1> { using type = float; };
+template <> struct VecOf<4> { using type = float4; };
+
+__device__ __forceinline__ float lane_of(const float& v, int) { return v; }
+__device__ __forceinline__ float lane_of(const float4& v, int i) {
+    return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+__device__ __forceinline__ void set_lane(float& v, int, float x) { v = x; }
+__device__ __forceinline__ void set_lane(float4& v, int i, float x) {
+    if (i == 0) v.x = x; else if (i == 1) v.y = x; else if (i == 2) v.z = x; else v.w = x;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+    for (int o = kWarp / 2; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(kFullMask, v, o));
+    return v;
+}
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = kWarp / 2; o > 0; o >>= 1) v += __shfl_xor_sync(kFullMask, v, o);
+    return v;
+}
+
+// Block-wide reductions; every thread gets the result. blockDim.x is a multiple of 32.
+template <bool kMax>
+__device__ float block_reduce(float v, float* scratch /* [32] */) {
+    const float identity = kMax ? -INFINITY : 0.f;
+    v = kMax ? warp_max(v) : warp_sum(v);
+    const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();  // every warp's partial is in scratch before any warp reads them
+    v = lane < static_cast<int>(blockDim.x / kWarp) ? scratch[lane] : identity;
+    v = kMax ? warp_max(v) : warp_sum(v);
+    __syncthreads();  // every warp has read scratch before the next reduction overwrites it
+    return v;
+}
+__device__ float row_max(float v, float* scratch) { return block_reduce<true>(v, scratch); }
+__device__ float row_sum(float v, float* scratch) { return block_reduce<false>(v, scratch); }
+
+// One block per row (grid-stride over rows). VEC: floats per access (4 needs M % 4 == 0).
+// kCached: thread t keeps vectors t, t + blockDim, ... (K of them) in registers, so the row is read
+// from global memory once; otherwise the row is read three times (max, sum, write).
+template <int VEC, int K, bool kCached>
+__global__ void __launch_bounds__(kSoftmaxMaxThreads) softmax_rows_kernel(const float* __restrict__ in, float* __restrict__ out,
+                                    long long rows, int M) {
+    using Vec = typename VecOf<VEC>::type;
+    __shared__ float scratch[kWarp];
+    const int nvec = M / VEC;
+    Vec cache[kCached ? K : 1];
+    for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
+        const Vec* src = reinterpret_cast<const Vec*>(in + row * M);
+        Vec* dst = reinterpret_cast<Vec*>(out + row * M);
+
+        // m = rowmax(x)
+        float m = -INFINITY;
+        if (kCached) {
+#pragma unroll
+            for (int k = 0; k < K; ++k) {  // K independent loads in flight
+                const int j = threadIdx.x + k * blockDim.x;
+                if (j < nvec) cache[k] = src[j];
+            }
+#pragma unroll
+            for (int k = 0; k < K; ++k) {
+                if (threadIdx.x + k * blockDim.x < nvec)
+#pragma unroll
+                    for (int i = 0; i < VEC; ++i) m = fmaxf(m, lane_of(cache[k], i));
+            }
+        } else {
+            for (int j = threadIdx.x; j < nvec; j += blockDim.x) {
+                const Vec x = src[j];
+                for (int i = 0; i < VEC; ++i) m = fmaxf(m, lane_of(x, i));
+            }
+        }
+        m = row_max(m, scratch);
+        // A row that is -inf throughout: subtract 0 instead, so exp gives 0 rather than NaN.
+        const float m_safe = m == -INFINITY ? 0.f : m;
+
+        // l = rowsum(exp(x - m))
+        float l = 0.f;
+        if (kCached) {
+#pragma unroll
+            for (int k = 0; k < K; ++k) {
+                if (threadIdx.x + k * blockDim.x < nvec) {
+#pragma unroll
+                    for (int i = 0; i < VEC; ++i) {
+                        const float p = expf(lane_of(cache[k], i) - m_safe);
+                        set_lane(cache[k], i, p);
+                        l += p;
+                    }
+                }
+            }
+        } else {
+            for (int j = threadIdx.x; j < nvec; j += blockDim.x) {
+                const Vec x = src[j];
+                for (int i = 0; i < VEC; ++i) l += expf(lane_of(x, i) - m_safe);
+            }
+        }
+        l = row_sum(l, scratch);
+        const float inv_l = l > 0.f ? 1.f / l : 0.f;  // all-masked row: weights 0
+
+        // P = exp(x - m) / l
+        if (kCached) {
+#pragma unroll
+            for (int k = 0; k < K; ++k) {
+                const int j = threadIdx.x + k * blockDim.x;
+                if (j < nvec) {
+                    Vec p = cache[k];
+#pragma unroll
+                    for (int i = 0; i < VEC; ++i) set_lane(p, i, lane_of(p, i) * inv_l);
+                    dst[j] = p;
+                }
+            }
+        } else {
+            for (int j = threadIdx.x; j < nvec; j += blockDim.x) {
+                Vec p = src[j];
+                for (int i = 0; i < VEC; ++i) set_lane(p, i, expf(lane_of(p, i) - m_safe) * inv_l);
+                dst[j] = p;
+            }
+        }
+    }
+}
+
+template <int VEC, int K, bool kCached>
+void launch_softmax_variant(const float* in, float* out, long long rows, int M, int threads,
+                            cudaStream_t stream) {
+    const int blocks = static_cast<int>(std::min<long long>(rows, 1LL << 30));
+    softmax_rows_kernel<VEC, K, kCached><<<blocks, threads, 0, stream>>>(in, out, rows, M);
+    LAUNCH_CHECK(softmax_rows_kernel);
+}
+
+// Picks registers-per-thread K (vectors of VEC floats) and the block size for a row of nvec
+// vectors: the smallest K whose block is at most kSoftmaxPreferredThreads wide, else at most
+// kSoftmaxMaxThreads; 0 when even the largest K and block do not hold the row (uncached version).
+void softmax_shape(int nvec, int max_k, int* K, int* threads) {
+    for (int limit : {kSoftmaxPreferredThreads, kSoftmaxMaxThreads}) {
+        for (int k = 1; k <= max_k; k *= 2) {
+            const int t = round_up((nvec + k - 1) / k, kWarp);
+            if (t <= limit) {
+                *K = k;
+                *threads = t;
+                return;
+            }
+        }
+    }
+    *K = 0;
+    *threads = kSoftmaxMaxThreads;
+}
+
+template <int VEC>
+void launch_softmax_vec(const float* in, float* out, long long rows, int M, cudaStream_t stream) {
+    int K = 0, threads = 0;
+    softmax_shape(M / VEC, kSoftmaxMaxCachedFloats / VEC, &K, &threads);
+    switch (K) {
+        case 1: return launch_softmax_variant<VEC, 1, true>(in, out, rows, M, threads, stream);
+        case 2: return launch_softmax_variant<VEC, 2, true>(in, out, rows, M, threads, stream);
+        case 4: return launch_softmax_variant<VEC, 4, true>(in, out, rows, M, threads, stream);
+        case 8: return launch_softmax_variant<VEC, 8, true>(in, out, rows, M, threads, stream);
+        case 16:
+            if constexpr (16 * VEC <= kSoftmaxMaxCachedFloats) {
+                return launch_softmax_variant<VEC, 16, true>(in, out, rows, M, threads, stream);
+            }
+            break;
+        case 0: return launch_softmax_variant<VEC, 1, false>(in, out, rows, M, threads, stream);
+        default: break;
+    }
+    fail(kExitInternal, where(__FILE__, __LINE__) + ": softmax: no kernel for K=" + std::to_string(K));
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// Launchers
+// ---------------------------------------------------------------------------------------------
+void launch_transpose(const float* in, float* out, int heads, int rows, int cols,
+                      cudaStream_t stream) {
+    const int max_grid_yz = 65535;
+    const long long col_tiles = (cols + kTile - 1) / kTile;
+    if (col_tiles > max_grid_yz) {
+        fail(kExitInternal, where(__FILE__, __LINE__) + ": transpose: " + std::to_string(cols) +
+                                " columns exceed the grid's y limit");
+    }
+    const dim3 grid((rows + kTile - 1) / kTile, static_cast<unsigned>(col_tiles),
+                    std::min(heads, max_grid_yz));
+    transpose_kernel<<<grid, dim3(kTile, kTileRows), 0, stream>>>(in, out, heads, rows, cols);
+    LAUNCH_CHECK(transpose_kernel);
+}
+
+void launch_scale_mask(const float* in, float* out, int heads, int N, int M, float scale,
+                       bool causal, cudaStream_t stream) {
+    const unsigned long long n = static_cast<unsigned long long>(heads) * N * M;
+    // 32-bit index arithmetic (cheaper division) whenever the flat index, plus one chunk of
+    // look-ahead in the loop, fits.
+    if (n < (1ULL << 31)) {
+        launch_scale_mask_typed<uint32_t>(in, out, static_cast<uint32_t>(n), N, M, scale, causal, stream);
+    } else {
+        launch_scale_mask_typed<uint64_t>(in, out, n, N, M, scale, causal, stream);
+    }
+}
+
+void launch_softmax_rows(const float* in, float* out, long long rows, int M, cudaStream_t stream) {
+    if (rows <= 0 || M <= 0) return;
+    if (M % 4 == 0) {
+        launch_softmax_vec<4>(in, out, rows, M, stream);  // rows start 16-byte aligned
+    } else {
+        launch_softmax_vec<1>(in, out, rows, M, stream);
+    }
+}
+
+void poison_fill(float* p, size_t n, cudaStream_t stream) {
+    // 0xFFFFFFFF is a quiet NaN in IEEE-754 single precision.
+    CUDA_CHECK(cudaMemsetAsync(p, 0xFF, n * sizeof(float), stream));
+}
+
+}  // namespace attnstep

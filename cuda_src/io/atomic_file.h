@@ -1,0 +1,57 @@
+// atomic_file.h — output files that appear only when complete, and a record of what a run wrote.
+// Every output is written to "<name>.tmp-<run_id>" and renamed into place by commit(), so a reader
+// never sees a half-written file; OutputLog remembers the files a run committed so that a run that
+// fails later can remove exactly those (and nothing it did not write).
+#pragma once
+
+#include <cstdint>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+namespace attnstep {
+
+class AtomicFile {
+public:
+    AtomicFile(const std::string& final_path, const std::string& run_id);
+    ~AtomicFile();  // removes the temporary file if commit() was not reached
+    AtomicFile(const AtomicFile&) = delete;
+    AtomicFile& operator=(const AtomicFile&) = delete;
+
+    // Buffered write; the CRC-32 covers every byte written.
+    void write(const void* data, size_t len);
+    void write(const std::string& s) { write(s.data(), s.size()); }
+    // Flushes, closes and renames into place; returns the CRC-32 of the file's bytes.
+    uint32_t commit();
+    const std::string& path() const { return final_path_; }
+
+private:
+    void flush_buffer();
+    std::string final_path_, tmp_path_;
+    FILE* f_ = nullptr;
+    std::vector<char> buf_;
+    uint32_t crc_ = 0;
+};
+
+// The files one run has committed, in order, with their CRC-32.
+class OutputLog {
+public:
+    struct Entry {
+        std::string path, key;  // key: e.g. "QK_head_3", used for run.toml's crc32_<key>
+        uint32_t crc;
+    };
+    void add(const std::string& path, const std::string& key, uint32_t crc) {
+        entries_.push_back({path, key, crc});
+    }
+    const std::vector<Entry>& entries() const { return entries_; }
+    // Removes every committed file (a failed run leaves none of its own files behind).
+    void remove_all() const;
+
+private:
+    std::vector<Entry> entries_;
+};
+
+// Removes a file if it exists; fails (exit 2) when it exists and cannot be removed.
+void remove_if_exists(const std::string& path);
+
+}  // namespace attnstep

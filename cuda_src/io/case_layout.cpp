@@ -1,0 +1,293 @@
+// case_layout.cpp — finding and checking input/output case folders; see case_layout.h.
+#include "case_layout.h"
+
+#include <cstdio>
+#include <filesystem>
+#include <map>
+#include <set>
+#include <system_error>
+
+#include "../common.h"
+#include "manifest.h"
+
+namespace fs = std::filesystem;
+
+namespace attnstep {
+
+namespace {
+
+const Stage kInputs[] = {Stage::Q, Stage::K, Stage::V};
+constexpr int kMaxHeadDim = 256;  // verify/stages.py MAX_HEAD_DIM; shared memory bounds on the GPU
+const char* kManifestName = "manifest.toml";
+
+std::string join(const std::string& dir, const std::string& name) { return dir + "/" + name; }
+
+// ------------------------------------------------------------ manifest keys
+enum class KeyType { Int, Float, Bool, String };
+struct KeySpec {
+    const char* key;
+    KeyType type;
+};
+const KeySpec kManifestKeys[] = {
+    {"batch", KeyType::Int},  {"heads", KeyType::Int},   {"seq_q", KeyType::Int},
+    {"seq_k", KeyType::Int},  {"d_k", KeyType::Int},     {"d_v", KeyType::Int},
+    {"causal", KeyType::Bool}, {"scale", KeyType::Float}, {"format", KeyType::String},
+    {"seed", KeyType::Int},   {"distribution", KeyType::String}, {"generator", KeyType::String},
+};
+const char* kDimKeys[] = {"batch", "heads", "seq_q", "seq_k", "d_k", "d_v"};
+
+std::string known_keys() {
+    std::string s;
+    for (const KeySpec& k : kManifestKeys) s += (s.empty() ? "" : " ") + std::string(k.key);
+    return s;
+}
+
+bool type_matches(const ManifestValue& v, KeyType t) {
+    switch (t) {
+        case KeyType::Int: return v.kind == ManifestValue::Int;
+        case KeyType::Float: return v.kind == ManifestValue::Float || v.kind == ManifestValue::Int;
+        case KeyType::Bool: return v.kind == ManifestValue::Bool;
+        case KeyType::String: return v.kind == ManifestValue::String;
+    }
+    return false;
+}
+
+const char* type_word(KeyType t) {
+    switch (t) {
+        case KeyType::Int: return "an integer";
+        case KeyType::Float: return "a number";
+        case KeyType::Bool: return "true or false";
+        case KeyType::String: return "a double-quoted string";
+    }
+    return "?";
+}
+
+void check_manifest_keys(const Manifest& m) {
+    for (const auto& kv : m.values) {
+        const KeySpec* spec = nullptr;
+        for (const KeySpec& k : kManifestKeys)
+            if (kv.first == k.key) spec = &k;
+        if (!spec)
+            fail(kExitBadInput, m.path + ":" + std::to_string(m.key_lines.at(kv.first)) +
+                                    ":1: unknown key '" + kv.first + "'",
+                 "known keys: " + known_keys());
+        if (!type_matches(kv.second, spec->type))
+            fail(kExitBadInput, m.where(kv.first) + ": '" + kv.first + "' must be " +
+                                    type_word(spec->type));
+    }
+}
+
+void apply_manifest(const Manifest& m, InputCase* c) {
+    check_manifest_keys(m);
+    int* dims[] = {&c->dims.batch, &c->dims.heads, &c->dims.N, &c->dims.M, &c->dims.dk, &c->dims.dv};
+    for (int i = 0; i < 6; ++i) {
+        const ManifestValue* v = m.find(kDimKeys[i]);
+        if (!v)
+            fail(kExitBadInput, m.path + ": missing key '" + std::string(kDimKeys[i]) + "'",
+                 "a manifest names all of batch heads seq_q seq_k d_k d_v");
+        if (v->i < 1 || v->i > (1 << 24))
+            fail(kExitBadInput, m.where(kDimKeys[i]) + ": " + kDimKeys[i] + " = " +
+                                    std::to_string(v->i) + " is out of range (must be >= 1)");
+        *dims[i] = static_cast<int>(v->i);
+    }
+    for (const char* k : {"d_k", "d_v"})
+        if (m.find(k)->i > kMaxHeadDim)
+            fail(kExitBadInput, m.where(k) + ": " + k + " = " + std::to_string(m.find(k)->i) +
+                                    " exceeds " + std::to_string(kMaxHeadDim),
+                 "head dimensions are 1.." + std::to_string(kMaxHeadDim));
+    if (const ManifestValue* v = m.find("causal")) c->causal = v->b;
+    if (const ManifestValue* v = m.find("scale")) {
+        c->has_scale = true;
+        c->scale = v->f;
+        if (!std::isfinite(v->f) || v->f == 0)
+            fail(kExitBadInput, m.where("scale") + ": scale must be finite and non-zero");
+    }
+    if (const ManifestValue* v = m.find("format"))
+        if (!parse_format(v->s, &c->format))
+            fail(kExitBadInput, m.where("format") + ": format \"" + v->s + "\" is not \"txt\" or \"npy\"");
+}
+
+// ------------------------------------------------------------ the folder's head files
+// indices[fmt][input] = the head numbers present, from names "<Q|K|V>_head_<i>.<txt|npy>".
+struct HeadFiles {
+    std::set<int> indices[2][3];
+};
+
+HeadFiles list_head_files(const std::string& dir) {
+    HeadFiles hf;
+    std::error_code ec;
+    for (const fs::directory_entry& e : fs::directory_iterator(dir, ec)) {
+        std::string name = e.path().filename().string();
+        for (int fi = 0; fi < 2; ++fi)
+            for (int ii = 0; ii < 3; ++ii) {
+                std::string prefix = std::string(stage_name(kInputs[ii])) + "_head_";
+                std::string suffix = std::string(".") + format_name(static_cast<Format>(fi));
+                if (name.size() <= prefix.size() + suffix.size() || name.compare(0, prefix.size(), prefix) ||
+                    name.compare(name.size() - suffix.size(), suffix.size(), suffix))
+                    continue;
+                std::string num = name.substr(prefix.size(), name.size() - prefix.size() - suffix.size());
+                if (num.empty() || num.size() > 9 || num.find_first_not_of("0123456789") != std::string::npos ||
+                    (num.size() > 1 && num[0] == '0'))
+                    continue;
+                hf.indices[fi][ii].insert(std::stoi(num));
+            }
+    }
+    if (ec) fail(kExitBadInput, dir + ": cannot list the folder: " + ec.message());
+    return hf;
+}
+
+Format detect_format(const std::string& dir, const HeadFiles& hf) {
+    bool txt = hf.indices[0][0].count(0), npy = hf.indices[1][0].count(0);
+    if (txt && npy)
+        fail(kExitBadInput, dir + ": both Q_head_0.txt and Q_head_0.npy exist",
+             "remove one, or add format = \"txt\" (or \"npy\") to manifest.toml");
+    if (!txt && !npy)
+        fail(kExitBadInput, join(dir, head_file_name(Stage::Q, 0, Format::txt)) +
+                                ": missing (no Q_head_0.txt or Q_head_0.npy in the input folder)",
+             "generate a case with `attnstep generate`, or point --in at a case folder");
+    return txt ? Format::txt : Format::npy;
+}
+
+// Every Q/K/V file for heads 0..total-1 exists, and none beyond.
+void check_head_files(const InputCase& c, const HeadFiles& hf, int total, bool from_manifest) {
+    const std::set<int>* idx = hf.indices[static_cast<int>(c.format)];
+    std::string count_word = from_manifest ? "the manifest's batch*heads = " + std::to_string(total)
+                                           : std::to_string(total) + " heads (Q_head_0.." +
+                                                 std::to_string(total - 1) + " with no gaps)";
+    for (int ii = 0; ii < 3; ++ii) {
+        for (int h = 0; h < total; ++h)
+            if (!idx[ii].count(h))
+                fail(kExitBadInput, c.file(kInputs[ii], h) + ": missing (the case has " + count_word + ")",
+                     from_manifest ? "regenerate the case, or fix batch/heads in manifest.toml"
+                                   : "every head needs Q_head_i, K_head_i and V_head_i");
+        if (!idx[ii].empty() && *idx[ii].rbegin() >= total) {
+            int extra = *idx[ii].rbegin();
+            std::string why = from_manifest ? "beyond " + count_word
+                                            : (ii == 0 ? "but Q_head_" + std::to_string(total) + " is missing (a gap)"
+                                                       : "without a matching Q file (the case has " + count_word + ")");
+            fail(kExitBadInput, c.file(kInputs[ii], extra) + ": exists " + why,
+                 "heads are numbered 0..batch*heads-1 with no gaps; remove stray files");
+        }
+    }
+}
+
+void check_shape(const std::string& path, MatrixShape got, int rows, int cols, const std::string& what,
+                 bool from_manifest) {
+    if (got.rows == rows && got.cols == cols) return;
+    fail(kExitBadInput, path + ": holds " + std::to_string(got.rows) + " x " + std::to_string(got.cols) +
+                            " values but " + (from_manifest ? "the manifest says " : "head 0 says ") + what +
+                            " = " + std::to_string(rows) + " x " + std::to_string(cols),
+         from_manifest ? "regenerate the case, or fix manifest.toml" : "every head must have the same shapes");
+}
+
+std::string shape_words(Stage s) {
+    switch (s) {
+        case Stage::Q: return "seq_q x d_k";
+        case Stage::K: return "seq_k x d_k";
+        default: return "seq_k x d_v";
+    }
+}
+
+}  // namespace
+
+std::string head_file_name(Stage s, int head, Format fmt) {
+    return std::string(stage_name(s)) + "_head_" + std::to_string(head) + "." + format_name(fmt);
+}
+
+std::string InputCase::file(Stage input, int head) const {
+    return join(dir, head_file_name(input, head, format));
+}
+
+InputCase open_input_case(const std::string& dir_in) {
+    InputCase c;
+    c.dir = dir_in;
+    while (c.dir.size() > 1 && c.dir.back() == '/') c.dir.pop_back();
+    std::error_code ec;
+    if (!fs::is_directory(c.dir, ec))
+        fail(kExitBadInput, c.dir + ": input folder not found",
+             "generate a case with `attnstep generate`, or pass --in DIR");
+    std::string manifest_path = join(c.dir, kManifestName);
+    c.has_manifest = fs::exists(manifest_path, ec);
+    HeadFiles hf = list_head_files(c.dir);
+    if (c.has_manifest) {
+        Manifest m = read_manifest(manifest_path);
+        apply_manifest(m, &c);
+        if (!m.find("format")) c.format = detect_format(c.dir, hf);
+        check_head_files(c, hf, c.dims.total_heads(), true);
+    } else {
+        c.format = detect_format(c.dir, hf);
+        int heads = 0;
+        while (hf.indices[static_cast<int>(c.format)][0].count(heads)) ++heads;
+        c.dims.batch = 1;
+        c.dims.heads = heads;
+        check_head_files(c, hf, heads, false);
+        MatrixShape q = probe_matrix_shape(c.file(Stage::Q, 0), c.format);
+        MatrixShape k = probe_matrix_shape(c.file(Stage::K, 0), c.format);
+        MatrixShape v = probe_matrix_shape(c.file(Stage::V, 0), c.format);
+        c.dims.N = q.rows;
+        c.dims.dk = q.cols;
+        c.dims.M = k.rows;
+        c.dims.dv = v.cols;
+        if (k.cols != q.cols)
+            fail(kExitBadInput, c.file(Stage::K, 0) + ": rows hold " + std::to_string(k.cols) +
+                                    " values but Q_head_0's hold " + std::to_string(q.cols) + " (d_k)",
+                 "Q and K need the same width d_k");
+        if (v.rows != k.rows)
+            fail(kExitBadInput, c.file(Stage::V, 0) + ": has " + std::to_string(v.rows) +
+                                    " rows but K_head_0 has " + std::to_string(k.rows) + " (seq_k)",
+                 "K and V need the same number of rows seq_k");
+        for (Stage s : {Stage::Q, Stage::V}) {
+            int w = s == Stage::Q ? c.dims.dk : c.dims.dv;
+            if (w > kMaxHeadDim)
+                fail(kExitBadInput, c.file(s, 0) + ": rows hold " + std::to_string(w) + " values; " +
+                                        (s == Stage::Q ? "d_k" : "d_v") + " must be <= " +
+                                        std::to_string(kMaxHeadDim),
+                     "head dimensions are 1.." + std::to_string(kMaxHeadDim));
+        }
+    }
+    // Head 0's shapes always (a cheap early check that the manifest matches the files), and every
+    // .npy header (it costs one small read per file); text heads are checked as they are read.
+    int probe_heads = c.format == Format::npy ? c.dims.total_heads() : 1;
+    for (int h = 0; h < probe_heads; ++h)
+        for (Stage s : kInputs)
+            check_shape(c.file(s, h), probe_matrix_shape(c.file(s, h), c.format), stage_rows(s, c.dims),
+                        stage_cols(s, c.dims), shape_words(s), c.has_manifest || h > 0);
+    return c;
+}
+
+void read_head_inputs(const InputCase& c, int head, bool allow_nonfinite, float* q, float* k, float* v) {
+    const char* origin = c.has_manifest ? " from the manifest" : " from head 0";
+    float* dst[] = {q, k, v};
+    for (int ii = 0; ii < 3; ++ii) {
+        Stage s = kInputs[ii];
+        read_matrix(c.file(s, head), c.format, stage_rows(s, c.dims), stage_cols(s, c.dims), allow_nonfinite,
+                    shape_words(s) + origin, dst[ii]);
+    }
+}
+
+void prepare_output_dir(const std::string& out_dir, const std::string& in_dir, const std::string& run_id) {
+    std::error_code ec;
+    if (fs::exists(out_dir, ec) && !fs::is_directory(out_dir, ec))
+        fail(kExitBadInput, out_dir + ": exists and is not a folder", "pass --out a folder path");
+    fs::create_directories(out_dir, ec);
+    if (ec || !fs::is_directory(out_dir))
+        fail(kExitBadInput, out_dir + ": cannot create the output folder: " +
+                                (ec ? ec.message() : std::string("not a folder")),
+             "pass --out a folder you can write to");
+    std::error_code e1, e2;
+    fs::path a = fs::canonical(out_dir, e1), b = fs::canonical(in_dir, e2);
+    if (!e1 && !e2 && a == b)
+        fail(kExitBadInput, out_dir + ": the output folder is the input folder (" + a.string() + ")",
+             "outputs would overwrite the inputs; pass a different --out");
+    // A real write is the only reliable test (permission bits say nothing on read-only mounts or
+    // for root).
+    std::string probe = join(out_dir, ".attnstep-probe-" + run_id);
+    FILE* f = std::fopen(probe.c_str(), "wb");
+    if (!f)
+        fail(kExitBadInput, out_dir + ": the output folder is not writable",
+             "pass --out a folder you can write to");
+    std::fclose(f);
+    std::remove(probe.c_str());
+}
+
+}  // namespace attnstep

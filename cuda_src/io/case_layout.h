@@ -1,0 +1,40 @@
+// case_layout.h — the input and output case folders of docs/contract.md: file names, the input
+// manifest, and the checks that run before anything is written (every input file present, no
+// head gaps, the manifest agrees with the files, the output folder usable).
+#pragma once
+
+#include <string>
+
+#include "../stages.h"
+#include "matrix_io.h"
+
+namespace attnstep {
+
+// "<stage>_head_<i>.<ext>": the one place the binary spells a per-head file name.
+std::string head_file_name(Stage s, int head, Format fmt);
+
+struct InputCase {
+    std::string dir;       // as given, without trailing '/'
+    bool has_manifest = false;
+    Format format = Format::txt;
+    Dims dims;
+    bool causal = false;   // from the manifest (default false)
+    bool has_scale = false;
+    double scale = 0;      // from the manifest when has_scale
+    std::string file(Stage input, int head) const;  // input is Q, K or V
+};
+
+// Finds and checks an input case; reads the manifest and probes head 0's shapes (and every .npy
+// header), but reads no matrix values. Fails with exit 2 on any layout problem.
+InputCase open_input_case(const std::string& dir);
+
+// Reads one head's Q, K, V into the given buffers (shapes from the case's dims).
+void read_head_inputs(const InputCase& c, int head, bool allow_nonfinite, float* q, float* k,
+                      float* v);
+
+// Creates the output folder if needed and checks that it is writable and not the input folder
+// (outputs would overwrite inputs). Fails with exit 2.
+void prepare_output_dir(const std::string& out_dir, const std::string& in_dir,
+                        const std::string& run_id);
+
+}  // namespace attnstep

@@ -1,0 +1,35 @@
+// matrix_io.h — strict reading and exact writing of one row-major float32 matrix per file, in the
+// two formats of docs/contract.md: text (.txt, one row per line, %.9g) and NumPy .npy v1.0 '<f4'.
+// Every reading error is an attnstep::Error (exit 2) naming file:line:col (text) or file and
+// element (npy), with a HINT on how to fix the input.
+#pragma once
+
+#include <string>
+
+namespace attnstep {
+
+class AtomicFile;
+
+enum class Format { txt, npy };
+inline const char* format_name(Format f) { return f == Format::npy ? "npy" : "txt"; }
+// "txt"/"npy" -> Format; false for anything else.
+bool parse_format(const std::string& s, Format* out);
+
+struct MatrixShape {
+    int rows = 0, cols = 0;
+};
+
+// The shape a file holds, without reading (npy) or converting (txt) its values: for text the
+// number of data rows and the number of values on the first row (the strict read checks the rest).
+MatrixShape probe_matrix_shape(const std::string& path, Format fmt);
+
+// Reads exactly rows x cols values into dst (row-major). `what` names the expected shape's origin
+// for error messages, e.g. "seq_q x d_k from the manifest".
+void read_matrix(const std::string& path, Format fmt, int rows, int cols, bool allow_nonfinite,
+                 const std::string& what, float* dst);
+
+// Writes rows x cols values; text files start with `header` (one '#' comment line, no newline).
+void write_matrix(AtomicFile& out, Format fmt, const float* src, int rows, int cols,
+                  const std::string& header);
+
+}  // namespace attnstep

@@ -1,0 +1,4 @@
+"""`python -m verify` is the `attnstep` command."""
+from .cli import main
+
+main()

@@ -1,0 +1,397 @@
+"""Case folders on disk: strict matrix reading/writing (text and .npy), manifests, layout.
+
+Every user error is a CaseError whose message is one line naming the file (and line and column
+where they apply); the CLI turns it into exit status 2.
+"""
+from __future__ import annotations
+
+import io
+import math
+import os
+import tomllib
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+import numpy as np
+
+from .stages import (DIM_KEYS, FORMATS, INPUT_MANIFEST, INPUT_NAMES, MAX_HEAD_DIM, RUN_MANIFEST,
+                     STAGES, Dims, default_scale, parse_stage_file, stage_file)
+
+
+class CaseError(Exception):
+    """Bad input: the message is one line that names what is wrong and where."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Atomic writes: a file appears complete or not at all.
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    path = Path(path)
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+        os.replace(tmp, path)
+    except OSError as exc:
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
+        raise CaseError(f"{path}: cannot write: {exc.strerror or exc}") from None
+
+
+# ----------------------------------------------------------------------------------------------
+# Matrices.
+
+def _format_rows(arr: np.ndarray) -> str:
+    """%.9g round-trips float32 exactly; inf/nan print as 'inf', '-inf', 'nan'."""
+    buf = io.StringIO()
+    np.savetxt(buf, np.asarray(arr, dtype=np.float32).astype(np.float64), fmt="%.9g", delimiter=" ")
+    return buf.getvalue()
+
+
+def matrix_bytes(arr: np.ndarray, fmt: str, header: Optional[str] = None) -> bytes:
+    if fmt == "npy":
+        buf = io.BytesIO()
+        np.save(buf, np.ascontiguousarray(arr, dtype="<f4"), allow_pickle=False)
+        return buf.getvalue()
+    text = (f"# {header}\n" if header else "") + _format_rows(arr)
+    return text.encode("ascii")
+
+
+def write_matrix(path: Path, arr: np.ndarray, fmt: str, header: Optional[str] = None) -> None:
+    atomic_write_bytes(path, matrix_bytes(arr, fmt, header))
+
+
+def _first_bad_token(tokens: List[str]) -> Optional[int]:
+    for j, tok in enumerate(tokens):
+        try:
+            float(tok)
+        except ValueError:
+            return j
+    return None
+
+
+def parse_text_matrix(data: bytes, name: str, shape: Optional[Tuple[int, int]] = None,
+                      allow_nonfinite: bool = True) -> np.ndarray:
+    """Strict parse of one text matrix. `shape` (rows, cols) when known; errors name line:col."""
+    try:
+        text = data.decode("ascii")
+    except UnicodeDecodeError as exc:
+        raise CaseError(f"{name}: not a text matrix (non-ASCII byte at offset {exc.start}); "
+                        "HINT: is it a .npy file with the wrong extension?") from None
+    lines = text.split("\n")
+    rows: List[Tuple[int, List[str]]] = []
+    blank_at = None
+    for lineno, line in enumerate(lines, start=1):
+        stripped = line.strip()
+        if stripped.startswith("#"):
+            continue
+        if not stripped:
+            blank_at = blank_at or lineno
+            continue
+        if blank_at is not None:
+            raise CaseError(f"{name}:{blank_at}: blank line inside the matrix; "
+                            "HINT: one matrix row per line, no empty lines")
+        rows.append((lineno, stripped.split()))
+    if not rows:
+        raise CaseError(f"{name}: empty file: no matrix rows")
+    want_cols = shape[1] if shape else len(rows[0][1])
+    for lineno, tokens in rows:
+        if len(tokens) != want_cols:
+            what = "missing values" if len(tokens) < want_cols else "extra values"
+            raise CaseError(f"{name}:{lineno}: {what}: {len(tokens)} values on this row, expected "
+                            f"{want_cols}; HINT: a ragged or truncated row")
+    if shape and len(rows) != shape[0]:
+        last = rows[-1][0]
+        raise CaseError(f"{name}:{last}: {len(rows)} rows, expected {shape[0]}; "
+                        "HINT: the file is truncated or has extra rows")
+    try:
+        flat = np.array([tok for _, tokens in rows for tok in tokens], dtype=np.float64)
+    except ValueError:
+        for lineno, tokens in rows:
+            j = _first_bad_token(tokens)
+            if j is not None:
+                raise CaseError(f"{name}:{lineno}:{j + 1}: not a number: {tokens[j][:40]!r}") from None
+        raise
+    mat = flat.reshape(len(rows), want_cols)
+    if not allow_nonfinite:
+        _reject_nonfinite(mat, name, [ln for ln, _ in rows])
+    return mat.astype(np.float32)
+
+
+def _reject_nonfinite(mat: np.ndarray, name: str, linenos: Optional[List[int]] = None) -> None:
+    bad = np.argwhere(~np.isfinite(mat))
+    if bad.size:
+        r, c = (int(x) for x in bad[0])
+        where = f"{linenos[r]}:{c + 1}" if linenos else f"row {r}, col {c}"
+        raise CaseError(f"{name}:{where}: {mat[r, c]} in an input ({len(bad)} non-finite values); "
+                        "HINT: inputs must be finite (--allow-nonfinite to accept them)")
+
+
+def parse_npy_matrix(data: bytes, name: str, shape: Optional[Tuple[int, int]] = None,
+                     allow_nonfinite: bool = True) -> np.ndarray:
+    try:
+        arr = np.load(io.BytesIO(data), allow_pickle=False)
+    except (ValueError, OSError, EOFError) as exc:
+        raise CaseError(f"{name}: not a valid .npy file ({str(exc).splitlines()[0]})") from None
+    if arr.dtype != np.dtype("<f4"):
+        raise CaseError(f"{name}: dtype {arr.dtype}, expected float32 ('<f4'); "
+                        "HINT: save with arr.astype(np.float32)")
+    if arr.ndim != 2:
+        raise CaseError(f"{name}: {arr.ndim}-d array, expected a 2-d matrix")
+    if shape and tuple(arr.shape) != tuple(shape):
+        raise CaseError(f"{name}: shape {arr.shape[0]}x{arr.shape[1]}, expected {shape[0]}x{shape[1]}")
+    if not allow_nonfinite:
+        _reject_nonfinite(arr, name)
+    return arr
+
+
+def read_bytes(path: Path) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except FileNotFoundError:
+        raise CaseError(f"{path}: missing file") from None
+    except IsADirectoryError:
+        raise CaseError(f"{path}: is a folder, expected a matrix file") from None
+    except OSError as exc:
+        raise CaseError(f"{path}: cannot read: {exc.strerror or exc}") from None
+
+
+def parse_matrix(data: bytes, path: Path, shape=None, allow_nonfinite=True) -> np.ndarray:
+    parse = parse_npy_matrix if str(path).endswith(".npy") else parse_text_matrix
+    return parse(data, str(path), shape, allow_nonfinite)
+
+
+def read_matrix(path: Path, shape=None, allow_nonfinite=True) -> np.ndarray:
+    return parse_matrix(read_bytes(path), path, shape, allow_nonfinite)
+
+
+def crc32_hex(data: bytes) -> str:
+    return f"{zlib.crc32(data) & 0xFFFFFFFF:08x}"
+
+
+def text_header_fields(data: bytes) -> Dict[str, str]:
+    """`# attnstep stage=QK head=3 ... run=ID` -> {"stage": "QK", ...}; {} when absent."""
+    first = data[:512].split(b"\n", 1)[0].decode("ascii", "replace")
+    if not first.startswith("# attnstep"):
+        return {}
+    return dict(tok.split("=", 1) for tok in first[2:].split() if "=" in tok)
+
+
+# ----------------------------------------------------------------------------------------------
+# Manifests: flat `key = value` TOML.
+
+INPUT_KEYS = {**{k: int for k in DIM_KEYS}, "causal": bool, "scale": float, "format": str,
+              "seed": int, "distribution": str, "generator": str}
+
+
+def read_toml(path: Path) -> dict:
+    data = read_bytes(path)
+    try:
+        return tomllib.loads(data.decode("utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise CaseError(f"{path}: not a valid manifest ({exc})") from None
+
+
+def _toml_value(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, float):
+        return repr(v) if math.isfinite(v) else ("inf" if v > 0 else "-inf") if not math.isnan(v) else "nan"
+    if isinstance(v, int):
+        return str(v)
+    return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def write_toml(path: Path, values: dict, comment: str) -> None:
+    body = f"# {comment}\n" + "".join(f"{k} = {_toml_value(v)}\n" for k, v in values.items())
+    atomic_write_bytes(path, body.encode("utf-8"))
+
+
+def validate_dims(values: dict, where: str) -> Dims:
+    for key in DIM_KEYS:
+        v = values.get(key)
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise CaseError(f"{where}: '{key}' must be an integer (got {v!r})")
+        if v < 1:
+            raise CaseError(f"{where}: '{key}' = {v}: dimensions must be >= 1")
+    for key in ("d_k", "d_v"):
+        if values[key] > MAX_HEAD_DIM:
+            raise CaseError(f"{where}: '{key}' = {values[key]}: at most {MAX_HEAD_DIM} is supported")
+    return Dims(*(values[k] for k in DIM_KEYS))
+
+
+# ----------------------------------------------------------------------------------------------
+# Input cases.
+
+@dataclass
+class InputCase:
+    path: Path
+    dims: Dims
+    fmt: str
+    causal: bool = False
+    scale: Optional[float] = None
+    meta: dict = field(default_factory=dict)
+
+    def file(self, name: str, head: int) -> Path:
+        return self.path / stage_file(name, head, self.fmt)
+
+    def load(self, name: str, head: int) -> np.ndarray:
+        shape = STAGES[name].shape(self.dims)
+        return read_matrix(self.file(name, head), shape, allow_nonfinite=False)
+
+    @property
+    def effective_scale(self) -> float:
+        return self.scale if self.scale is not None else default_scale(self.dims.d_k)
+
+
+def _head_files(folder: Path) -> Dict[Tuple[str, int], str]:
+    found = {}
+    for entry in os.listdir(folder):
+        parsed = parse_stage_file(entry)
+        if parsed and parsed[0] in INPUT_NAMES:
+            found[(parsed[0], parsed[1])] = parsed[2]
+    return found
+
+
+def load_input_case(folder: Path) -> InputCase:
+    """Reads the manifest (or infers shapes from the files) and checks the layout is complete."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise CaseError(f"{folder}: input case folder not found; HINT: run 'attnstep generate' first")
+    files = _head_files(folder)
+    manifest = folder / INPUT_MANIFEST
+    if manifest.exists():
+        values = read_toml(manifest)
+        unknown = sorted(set(values) - set(INPUT_KEYS))
+        if unknown:
+            raise CaseError(f"{manifest}: unknown key '{unknown[0]}'")
+        dims = validate_dims(values, str(manifest))
+        fmt = values.get("format", "txt")
+        if fmt not in FORMATS:
+            raise CaseError(f"{manifest}: format = {fmt!r}; expected one of {', '.join(FORMATS)}")
+        case = InputCase(folder, dims, fmt, bool(values.get("causal", False)), values.get("scale"),
+                         {k: values[k] for k in ("seed", "distribution", "generator") if k in values})
+    else:
+        case = _infer_case(folder, files)
+    _check_layout(case, files)
+    return case
+
+
+def _infer_case(folder: Path, files) -> InputCase:
+    heads = 0
+    while ("Q", heads) in files:
+        heads += 1
+    if heads == 0:
+        raise CaseError(f"{folder}: no Q_head_0.txt or Q_head_0.npy and no {INPUT_MANIFEST}; "
+                        "HINT: is this an input case folder?")
+    fmt = files[("Q", 0)]
+    q = read_matrix(folder / stage_file("Q", 0, fmt))
+    k = read_matrix(folder / stage_file("K", 0, fmt)) if ("K", 0) in files else None
+    v = read_matrix(folder / stage_file("V", 0, fmt)) if ("V", 0) in files else None
+    if k is None or v is None:
+        missing = "K" if k is None else "V"
+        raise CaseError(f"{folder / stage_file(missing, 0, fmt)}: missing file (Q_head_0 exists)")
+    if k.shape[1] != q.shape[1]:
+        raise CaseError(f"{folder / stage_file('K', 0, fmt)}: {k.shape[1]} columns but Q_head_0 has "
+                        f"{q.shape[1]}; HINT: Q and K must share d_k")
+    if v.shape[0] != k.shape[0]:
+        raise CaseError(f"{folder / stage_file('V', 0, fmt)}: {v.shape[0]} rows but K_head_0 has "
+                        f"{k.shape[0]}; HINT: K and V must share seq_k")
+    values = dict(batch=1, heads=heads, seq_q=q.shape[0], seq_k=k.shape[0], d_k=q.shape[1], d_v=v.shape[1])
+    return InputCase(folder, validate_dims(values, str(folder)), fmt)
+
+
+def _check_layout(case: InputCase, files) -> None:
+    total = case.dims.total_heads
+    for i in range(total):
+        for name in INPUT_NAMES:
+            if (name, i) not in files:
+                raise CaseError(f"{case.file(name, i)}: missing file ({total} heads expected)")
+            if files[(name, i)] != case.fmt:
+                raise CaseError(f"{case.path / stage_file(name, i, files[(name, i)])}: format "
+                                f"'{files[(name, i)]}' but the case is '{case.fmt}'")
+    extra = sorted((i, n) for (n, i) in files if i >= total)
+    if extra:
+        i, n = extra[0]
+        raise CaseError(f"{case.path / stage_file(n, i, files[(n, i)])}: unexpected file: the case has "
+                        f"{total} heads (0..{total - 1})")
+
+
+def clear_input_files(folder: Path) -> None:
+    """Removes an earlier case's Q/K/V head files and manifest, so no stale head survives."""
+    for (name, i), fmt in _head_files(folder).items():
+        (folder / stage_file(name, i, fmt)).unlink()
+    (folder / INPUT_MANIFEST).unlink(missing_ok=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# Output cases (what the binary wrote).
+
+RUN_KEYS_REQUIRED = ("run_id", "backend", "precision", "format", "stages", "causal", "scale") + DIM_KEYS
+
+
+@dataclass
+class RunInfo:
+    path: Path
+    values: dict
+    dims: Dims
+    stages: Tuple[str, ...]
+    fmt: str
+
+    @property
+    def run_id(self) -> str:
+        return str(self.values["run_id"])
+
+    def crc(self, stage: str, head: int) -> Optional[str]:
+        return self.values.get(f"crc32_{stage}_head_{head}")
+
+    def file(self, stage: str, head: int) -> Path:
+        return self.path / stage_file(stage, head, self.fmt)
+
+    @property
+    def flash_tiles(self) -> Optional[Tuple[int, int]]:
+        br, bc = self.values.get("flash_block_q"), self.values.get("flash_block_k")
+        return (int(br), int(bc)) if br and bc else None
+
+    def timings(self) -> Dict[str, float]:
+        return {k[len("time_ms_"):]: float(v) for k, v in self.values.items() if k.startswith("time_ms_")}
+
+
+def load_run(folder: Path) -> RunInfo:
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise CaseError(f"{folder}: output case folder not found; HINT: run 'attnstep run' first")
+    manifest = folder / RUN_MANIFEST
+    if not manifest.exists():
+        raise CaseError(f"{manifest}: missing: the binary's run did not finish, or {folder} is not an "
+                        "output case; HINT: run 'attnstep run' again")
+    values = read_toml(manifest)
+    missing = [k for k in RUN_KEYS_REQUIRED if k not in values]
+    if missing:
+        raise CaseError(f"{manifest}: missing key '{missing[0]}'")
+    dims = validate_dims(values, str(manifest))
+    stages = tuple(s for s in str(values["stages"]).split(",") if s)
+    unknown = [s for s in stages if s not in STAGES]
+    if unknown:
+        raise CaseError(f"{manifest}: unknown stage '{unknown[0]}' in 'stages'")
+    fmt = values["format"]
+    if fmt not in FORMATS:
+        raise CaseError(f"{manifest}: format = {fmt!r}; expected one of {', '.join(FORMATS)}")
+    return RunInfo(folder, values, dims, stages, fmt)
+
+
+def foreign_stage_files(run: RunInfo) -> List[str]:
+    """Stage files in the output folder that this run did not write (earlier runs' leftovers)."""
+    listed = {stage_file(s, i, run.fmt) for s in run.stages for i in range(run.dims.total_heads)}
+    out = []
+    for entry in sorted(os.listdir(run.path)):
+        parsed = parse_stage_file(entry)
+        if parsed and parsed[0] in STAGES and entry not in listed:
+            out.append(entry)
+    return out
+
+

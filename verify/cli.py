@@ -1,0 +1,284 @@
+"""The `attnstep` command line: generate, run, check, demo, bench.
+
+Exit statuses: 0 every stage passes; 1 a stage fails; 2 bad usage or bad input (one line, no
+traceback). `run` passes on the binary's own status (3: not enough memory; 1: a CUDA failure).
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Dict, Optional, Tuple
+
+import click
+
+from . import tolerance
+from .case import CaseError, load_run
+from .compare import Options, check as run_check, error_ratio_map
+from .generate import DEFAULT_DIMS, DISTRIBUTIONS, generate_case
+from .report import failure_lines, header_lines, summary_lines, table_lines, write_json, write_junit, write_plots
+from .runner import DEFAULT_BUILD_DIR, DEFAULT_RUN_TIMEOUT_S, RunnerError, ensure_built, run_binary
+from .stages import DEFAULT_INPUT_DIR, DEFAULT_OUTPUT_DIR, FORMATS, STAGE_NAMES, Dims
+
+BACKENDS = ("auto", "cuda", "cpu")
+PRECISIONS = ("fp32", "tf32")
+# Work (N·M·heads) above which `check` shows a progress bar.
+PROGRESS_MIN_WORK = 1 << 24
+
+
+class InputError(click.ClickException):
+    """A user error: one line on stderr, exit status 2 (or the binary's own status)."""
+
+    def __init__(self, message: str, exit_code: int = 2):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def _user_errors(fn):
+    """Turns CaseError / RunnerError into a one-line message and the right exit status."""
+    import functools
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except CaseError as exc:
+            raise InputError(str(exc)) from None
+        except RunnerError as exc:
+            if exc.detail:
+                click.echo(exc.detail, err=True)
+            raise InputError(str(exc), exc.exit_code) from None
+    return wrapper
+
+
+# ---- options shared by several commands, defined once -------------------------------------------
+in_option = click.option("--in", "in_dir", type=click.Path(file_okay=False, path_type=Path),
+                         default=DEFAULT_INPUT_DIR, show_default=True, help="Input case folder (Q/K/V).")
+out_option = click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path),
+                          default=DEFAULT_OUTPUT_DIR, show_default=True,
+                          help="Output case folder (the binary's stage files).")
+build_option = click.option("--build-dir", type=click.Path(file_okay=False, path_type=Path),
+                            default=DEFAULT_BUILD_DIR, show_default=True,
+                            help="CMake build folder; built incrementally when needed.")
+backend_option = click.option("--backend", type=click.Choice(BACKENDS), default="auto", show_default=True,
+                              help="Binary backend; auto uses CUDA when a GPU is present.")
+timeout_option = click.option("--timeout", type=click.FloatRange(min=1), default=DEFAULT_RUN_TIMEOUT_S,
+                              show_default=True, help="Seconds before the binary is stopped.")
+json_option = click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),
+                           help="Write the full report as JSON to this file.")
+
+
+def dims_options(fn):
+    defaults = DEFAULT_DIMS
+    for name, flag, help_text in reversed((
+            ("batch", "--batch", "Batch size B."), ("heads", "--heads", "Heads per batch element H."),
+            ("seq_q", "--seq-q", "Query rows N."), ("seq_k", "--seq-k", "Key/value rows M."),
+            ("d_k", "--d-k", "Query/key width d_k (1..256; flash needs 16, 32, 64 or 128)."),
+            ("d_v", "--d-v", "Value width d_v (1..256; flash needs d_v = d_k)."))):
+        fn = click.option(flag, name, type=click.IntRange(min=1), default=getattr(defaults, name),
+                          show_default=True, help=help_text)(fn)
+    return fn
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="attnstep", message="%(prog)s %(version)s")
+def cli():
+    """attnstep: find the stage where CUDA attention code goes wrong.
+
+    Generate an input case, run the binary (CUDA or CPU backend) that writes every intermediate
+    stage, and check each stage against a float64 NumPy reference.
+    """
+
+
+@cli.command()
+@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path),
+              default=DEFAULT_INPUT_DIR, show_default=True, help="Input case folder to write.")
+@dims_options
+@click.option("--causal/--no-causal", default=False, show_default=True,
+              help="Causal (top-left aligned) masking.")
+@click.option("--scale", type=float, default=None, help="Score scale [default: 1/sqrt(d_k)].")
+@click.option("--seed", type=int, default=0, show_default=True, help="Random seed.")
+@click.option("--dist", "distribution", type=click.Choice(tuple(DISTRIBUTIONS)), default="uniform",
+              show_default=True, help="uniform [0,1) as the original; normal; large (logits in the hundreds).")
+@click.option("--format", "fmt", type=click.Choice(FORMATS), default="txt", show_default=True,
+              help="Matrix file format.")
+@_user_errors
+def generate(out_dir, batch, heads, seq_q, seq_k, d_k, d_v, causal, scale, seed, distribution, fmt):
+    """Write a random input case.
+
+    Writes Q_head_{i}, K_head_{i}, V_head_{i} for every head i (batch-major) and manifest.toml
+    into OUT.
+    """
+    dims = Dims(batch, heads, seq_q, seq_k, d_k, d_v)
+    generate_case(out_dir, dims, causal=causal, scale=scale, seed=seed, distribution=distribution, fmt=fmt)
+    click.echo(f"wrote {dims.total_heads} heads (N={seq_q} M={seq_k} d_k={d_k} d_v={d_v}, "
+               f"{distribution}, seed {seed}) to {out_dir}")
+
+
+def _run_args(stages, fmt, precision, poison, causal, scale, max_memory_mb, allow_nonfinite):
+    args = []
+    if stages:
+        args += ["--stages", stages]
+    if fmt:
+        args += ["--format", fmt]
+    if precision:
+        args += ["--precision", precision]
+    if poison:
+        args.append("--poison")
+    if causal:
+        args.append("--causal")
+    if scale is not None:
+        args += ["--scale", repr(scale)]
+    if max_memory_mb:
+        args += ["--max-memory-mb", str(max_memory_mb)]
+    if allow_nonfinite:
+        args.append("--allow-nonfinite")
+    return args
+
+
+@cli.command()
+@in_option
+@out_option
+@backend_option
+@build_option
+@timeout_option
+@click.option("--stages", help="Stages to write: all, stages, flash, or a comma list "
+              f"({', '.join(STAGE_NAMES)}).")
+@click.option("--format", "fmt", type=click.Choice(FORMATS), help="Output format [default: the input's].")
+@click.option("--precision", type=click.Choice(PRECISIONS), help="fp32 (default) or tf32 GEMMs/flash.")
+@click.option("--poison", is_flag=True, help="Pre-fill outputs with NaN so unwritten elements show.")
+@click.option("--causal", is_flag=True, help="Force causal masking (overrides the manifest).")
+@click.option("--scale", type=float, help="Override the score scale.")
+@click.option("--max-memory-mb", type=click.IntRange(min=1), help="Cap the binary's working memory.")
+@click.option("--allow-nonfinite", is_flag=True, help="Accept NaN/Inf in the inputs.")
+@_user_errors
+def run(in_dir, out_dir, backend, build_dir, timeout, stages, fmt, precision, poison, causal, scale,
+        max_memory_mb, allow_nonfinite):
+    """Build the binary if needed and run it on a case.
+
+    Runs build/main on IN and writes every stage file and run.toml into OUT.
+    """
+    binary = ensure_built(build_dir)
+    result = run_binary(binary, in_dir, out_dir, backend=backend, timeout=timeout,
+                        extra=_run_args(stages, fmt, precision, poison, causal, scale, max_memory_mb,
+                                        allow_nonfinite))
+    for line in result.notices:
+        click.echo(line, err=True)
+    if result.stdout.strip():
+        click.echo(result.stdout.rstrip())
+
+
+def _parse_tol(values) -> Dict[str, Tuple[float, float]]:
+    out = {}
+    for item in values:
+        stage, eq, rest = item.partition("=")
+        if not eq or stage not in STAGE_NAMES:
+            raise click.BadParameter(f"{item!r}: expected STAGE=ATOL[,RTOL] with STAGE one of "
+                                     f"{', '.join(STAGE_NAMES)}", param_hint="--tol")
+        parts = rest.split(",")
+        try:
+            atol = float(parts[0])
+            rtol = float(parts[1]) if len(parts) > 1 else 0.0
+        except ValueError:
+            raise click.BadParameter(f"{item!r}: ATOL and RTOL must be numbers", param_hint="--tol")
+        if len(parts) > 2 or atol < 0 or rtol < 0:
+            raise click.BadParameter(f"{item!r}: expected STAGE=ATOL[,RTOL], both >= 0", param_hint="--tol")
+        out[stage] = (atol, rtol)
+    return out
+
+
+CHECK_HELP = """Check every stage of a run against a float64 reference.
+
+Compares each stage file in OUT (written by the binary from the input case IN) with a float64
+NumPy reference, twice: chained (from the original inputs) and isolated (from the binary's own
+previous stages). Prints a stage table, the first failing stage with a diagnosis, and exits 0 when
+every stage passes, 1 when one fails, 2 on bad input.
+
+\b
+"""
+
+
+def _check_and_report(in_dir, out_dir, opts, json_path, junit_path, plot_dir, per_head, quiet=False) -> bool:
+    run_info = load_run(out_dir)
+    d = run_info.dims
+    work = d.seq_q * d.seq_k * d.total_heads
+    if work >= PROGRESS_MIN_WORK and d.total_heads > 1:
+        with click.progressbar(length=d.total_heads, label="checking heads", file=sys.stderr) as bar:
+            report = run_check(in_dir, out_dir, opts, progress=lambda h: bar.update(1))
+    else:
+        report = run_check(in_dir, out_dir, opts)
+    if not quiet:
+        for line in header_lines(report) + table_lines(report, per_head) + failure_lines(report):
+            click.echo(line)
+    for line in summary_lines(report):
+        click.echo(line)
+    if json_path:
+        write_json(report, json_path)
+    if junit_path:
+        write_junit(report, junit_path)
+    if plot_dir and not report.passed:
+        paths = write_plots(report, plot_dir, lambda s, h: error_ratio_map(report.run, report.case, s, h, opts))
+        click.echo(f"wrote {len(paths)} error maps to {plot_dir}")
+    return report.passed
+
+
+@cli.command(help=CHECK_HELP + tolerance.describe_model())
+@in_option
+@out_option
+@json_option
+@click.option("--junit", "junit_path", type=click.Path(dir_okay=False, path_type=Path),
+              help="Write a JUnit XML report (one test case per stage x head).")
+@click.option("--plot", "plot_dir", type=click.Path(file_okay=False, path_type=Path),
+              help="Write error heat maps (PNG) of failing stages into this folder (needs matplotlib).")
+@click.option("--atol", type=click.FloatRange(min=0), help="Absolute tolerance for every stage "
+              "(replaces the error model).")
+@click.option("--rtol", type=click.FloatRange(min=0), help="Relative tolerance for every stage "
+              "(replaces the error model).")
+@click.option("--tol", "tol", multiple=True, metavar="STAGE=ATOL[,RTOL]",
+              help="Tolerance for one stage (replaces the error model there); repeatable.")
+@click.option("--stage", "only", multiple=True, type=click.Choice(STAGE_NAMES),
+              help="Check only this stage; repeatable.")
+@click.option("--per-head", is_flag=True, help="One table row per stage x head.")
+@click.pass_context
+@_user_errors
+def check(ctx, in_dir, out_dir, json_path, junit_path, plot_dir, atol, rtol, tol, only, per_head):
+    opts = Options(atol=atol, rtol=rtol, per_stage=_parse_tol(tol), only_stages=list(only) or None)
+    passed = _check_and_report(in_dir, out_dir, opts, json_path, junit_path, plot_dir, per_head)
+    ctx.exit(0 if passed else 1)
+
+
+@cli.command()
+@click.option("--data-dir", type=click.Path(file_okay=False, path_type=Path), default=Path("data"),
+              show_default=True, help="Where random_test/ and random_verify/ go.")
+@backend_option
+@build_option
+@timeout_option
+@json_option
+@click.option("--seed", type=int, default=0, show_default=True, help="Random seed.")
+@click.pass_context
+@_user_errors
+def demo(ctx, data_dir, backend, build_dir, timeout, json_path, seed):
+    """Build, generate the default case, run, and check.
+
+    The original workflow in one command: 12 heads, N = M = 128, d = 64, uniform inputs, into
+    DATA_DIR/random_test and DATA_DIR/random_verify.
+    """
+    in_dir, out_dir = data_dir / "random_test", data_dir / "random_verify"
+    click.echo(f"[1/4] building the binary in {build_dir}")
+    binary = ensure_built(build_dir)
+    click.echo(f"[2/4] generating {in_dir}")
+    generate_case(in_dir, DEFAULT_DIMS, seed=seed)
+    click.echo(f"[3/4] running {binary.name} --backend {backend}")
+    result = run_binary(binary, in_dir, out_dir, backend=backend, timeout=timeout)
+    for line in result.notices:
+        click.echo(line, err=True)
+    click.echo(f"[4/4] checking {out_dir}")
+    passed = _check_and_report(in_dir, out_dir, Options(), json_path, None, None, False)
+    ctx.exit(0 if passed else 1)
+
+
+def main() -> None:  # console-script entry point
+    cli(prog_name="attnstep")
+
+
+if __name__ == "__main__":
+    main()

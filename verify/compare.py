@@ -1,0 +1,331 @@
+"""The comparison engine: every stage × head, chained and isolated, with integrity checks.
+
+Each stage of each head is compared twice (issue #3, item 2):
+  * chained  — against the float64 reference computed from the original inputs;
+  * isolated — against a float64 reference computed from the binary's own upstream outputs.
+A stage that fails in isolation is a fault of its own (status FAIL); one that fails only chained,
+downstream of a failing stage, has inherited the error (status INHERITED). The first stage, in the
+stage table's order, with a fault of its own is the culprit the report names.
+
+Heads are processed one at a time, so memory stays bounded by one head's matrices.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from . import diagnose as diag
+from . import invariants, tolerance
+from .case import (CaseError, InputCase, RunInfo, crc32_hex, foreign_stage_files, load_input_case,
+                   load_run, parse_matrix, read_bytes, text_header_fields)
+from .reference import compute_stage, reference_chain
+from .stages import DIM_KEYS, STAGES, Dims
+
+# Statuses of one stage × head; only PASS passes.
+PASS, FAIL, INHERITED = "PASS", "FAIL", "INHERITED"
+MISSING, STALE, SHAPE, UNREADABLE = "MISSING", "STALE", "SHAPE", "UNREADABLE"
+MAX_LISTED_MISMATCHES = 5
+
+
+@dataclass
+class Options:
+    """Tolerance overrides: (atol, rtol) replace the error model for every stage or one stage."""
+    atol: Optional[float] = None
+    rtol: Optional[float] = None
+    per_stage: Dict[str, Tuple[float, float]] = field(default_factory=dict)
+    only_stages: Optional[Sequence[str]] = None
+
+    def override(self, stage: str) -> Optional[Tuple[float, float]]:
+        if stage in self.per_stage:
+            return self.per_stage[stage]
+        if self.atol is not None or self.rtol is not None:
+            return (self.atol or 0.0, self.rtol or 0.0)
+        return None
+
+
+@dataclass
+class Comparison:
+    """One comparison of got against want under an element-wise allowance."""
+    passed: bool
+    total: int
+    mismatched: int
+    max_abs: float
+    max_rel: float
+    worst: Optional[Tuple[int, int]]
+    got: float
+    want: float
+    allowed: float
+    tol_used: float   # max |got - want| / allowed: < 1 passes; the headroom is 1 - tol_used
+    min_atol: float   # the smallest absolute tolerance that would have passed
+    first: List[dict] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        d = {k: getattr(self, k) for k in ("passed", "total", "mismatched", "max_abs", "max_rel",
+                                             "tol_used", "min_atol")}
+        d["worst"] = None if self.worst is None else {
+            "row": self.worst[0], "col": self.worst[1], "got": self.got, "want": self.want,
+            "allowed": self.allowed}
+        d["first_mismatches"] = self.first
+        return d
+
+
+def elementwise_error(got: np.ndarray, want: np.ndarray) -> np.ndarray:
+    """|got - want| where equal infinities count as 0 and NaN stays NaN (NaN never passes)."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        err = np.abs(got - want)
+    same = (got == want)  # equal infinities included
+    return np.where(same, 0.0, err)
+
+
+def compare_arrays(got: np.ndarray, want: np.ndarray, allowed: np.ndarray) -> Comparison:
+    err = elementwise_error(got, want)
+    bad = ~(err <= allowed)  # NaN compares False, so it is bad
+    total = int(err.size)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = np.where(err == 0, 0.0, err / allowed)
+        rel = np.where(err == 0, 0.0, err / np.abs(want))
+    ratio = np.where(np.isnan(ratio), np.inf, ratio)
+    rel = np.where(np.isnan(rel), np.inf, rel)
+    if total == 0:
+        return Comparison(True, 0, 0, 0.0, 0.0, None, 0.0, 0.0, 0.0, 0.0, 0.0)
+    flat = int(np.argmax(ratio))
+    r, c = np.unravel_index(flat, err.shape)
+    bad_idx = np.argwhere(bad)[:MAX_LISTED_MISMATCHES]
+    first = [{"row": int(i), "col": int(j), "got": float(got[i, j]), "want": float(want[i, j]),
+              "allowed": float(allowed[i, j])} for i, j in bad_idx]
+    err_clean = np.where(np.isnan(err), np.inf, err)
+    return Comparison(
+        passed=not bad.any(), total=total, mismatched=int(bad.sum()),
+        max_abs=float(err_clean.max()), max_rel=float(rel.max()), worst=(int(r), int(c)),
+        got=float(got[r, c]), want=float(want[r, c]), allowed=float(allowed[r, c]),
+        tol_used=float(ratio.max()), min_atol=float(err_clean.max()), first=first)
+
+
+@dataclass
+class HeadResult:
+    stage: str
+    head: int
+    batch: int
+    head_in_batch: int
+    status: str
+    chained: Optional[Comparison] = None
+    isolated: Optional[Comparison] = None
+    violations: List[invariants.Violation] = field(default_factory=list)
+    diagnosis: List[diag.Diagnosis] = field(default_factory=list)
+    message: str = ""
+
+    @property
+    def passed(self) -> bool:
+        return self.status == PASS
+
+    @property
+    def main(self) -> Optional[Comparison]:
+        """The comparison that explains the status: isolated for own faults, else chained."""
+        if self.status == FAIL and self.isolated is not None and not self.isolated.passed:
+            return self.isolated
+        return self.chained
+
+    def to_json(self) -> dict:
+        main = self.main
+        d = {"stage": self.stage, "head": self.head, "batch": self.batch,
+             "head_in_batch": self.head_in_batch, "passed": self.passed, "status": self.status,
+             "inherited": self.status == INHERITED, "message": self.message}
+        d.update(main.to_json() if main else {"total": 0, "mismatched": None})
+        d["chained"] = self.chained.to_json() if self.chained else None
+        d["isolated"] = self.isolated.to_json() if self.isolated else None
+        d["violations"] = [{"code": v.code, "message": v.message, "count": v.count} for v in self.violations]
+        d["diagnosis"] = [{"code": x.code, "message": x.message, "detail": x.detail} for x in self.diagnosis]
+        return d
+
+
+@dataclass
+class Report:
+    run: RunInfo
+    case: InputCase
+    results: List[HeadResult]
+    foreign_files: List[str]
+
+    @property
+    def stages(self) -> List[str]:
+        seen: List[str] = []
+        for r in self.results:
+            if r.stage not in seen:
+                seen.append(r.stage)
+        return seen
+
+    @property
+    def passed(self) -> bool:
+        return all(r.passed for r in self.results)
+
+    @property
+    def first_failure(self) -> Optional[HeadResult]:
+        """The culprit: the first stage (table order), then head, failing on its own."""
+        own = [r for r in self.results if r.status not in (PASS, INHERITED)]
+        if not own:
+            own = [r for r in self.results if not r.passed]
+        order = {s: i for i, s in enumerate(STAGES)}
+        return min(own, key=lambda r: (order[r.stage], r.head)) if own else None
+
+    @property
+    def first_failing_stage(self) -> Optional[str]:
+        f = self.first_failure
+        return f.stage if f else None
+
+    def stage_results(self, stage: str) -> List[HeadResult]:
+        return [r for r in self.results if r.stage == stage]
+
+
+# ----------------------------------------------------------------------------------------------
+
+def _load_output(run: RunInfo, stage: str, head: int, dims: Dims):
+    """(matrix or None, HeadResult-status or None, message) for one stage file."""
+    path = run.file(stage, head)
+    if not path.exists():
+        return None, MISSING, f"{path.name} is missing (run.toml lists stage {stage})"
+    data = read_bytes(path)
+    want_crc = run.crc(stage, head)
+    if want_crc is not None and crc32_hex(data) != str(want_crc):
+        hdr = text_header_fields(data)
+        origin = f" (its header says run {hdr['run']})" if hdr.get("run") and hdr["run"] != run.run_id else ""
+        return None, STALE, (f"{path.name} was not written by run {run.run_id}{origin}: its CRC-32 "
+                             "differs from run.toml (a file from an earlier run, or edited since)")
+    if want_crc is None:
+        return None, STALE, f"{path.name} is not listed in run.toml's CRC table: not from run {run.run_id}"
+    shape = STAGES[stage].shape(dims)
+    try:
+        mat = parse_matrix(data, path, None)
+    except CaseError as exc:
+        return None, UNREADABLE, str(exc)
+    if mat.shape != shape:
+        return None, SHAPE, (f"{path.name} is {mat.shape[0]}x{mat.shape[1]}, expected "
+                             f"{shape[0]}x{shape[1]} ({STAGES[stage].rows}x{STAGES[stage].cols})")
+    return mat.astype(np.float64), None, ""
+
+
+def _allowed(stage: str, src: Dict[str, np.ndarray], want: np.ndarray, run: RunInfo,
+             opts: Options) -> np.ndarray:
+    ov = opts.override(stage)
+    if ov is not None:
+        atol, rtol = ov
+        return atol + rtol * np.where(np.isfinite(want), np.abs(want), 0.0)
+    return tolerance.stage_bound(stage, src, want, scale=float(run.values["scale"]),
+                                 causal=bool(run.values["causal"]),
+                                 precision=str(run.values["precision"]))
+
+
+def _upstream(stage: str) -> List[str]:
+    """Every stage this one is computed from, transitively."""
+    out: List[str] = []
+    for name in STAGES[stage].inputs:
+        for up in _upstream(name) + [name]:
+            if up not in out:
+                out.append(up)
+    return out
+
+
+def check_head(run: RunInfo, case: InputCase, head: int, opts: Options,
+               ref_of_head: Callable[[str, int], np.ndarray]) -> List[HeadResult]:
+    dims = run.dims
+    scale, causal = float(run.values["scale"]), bool(run.values["causal"])
+    inputs = {name: case.load(name, head).astype(np.float64) for name in ("Q", "K", "V")}
+    stages = [s for s in STAGES if s in run.stages and (opts.only_stages is None or s in opts.only_stages)]
+    chain = reference_chain(inputs, scale, causal, stages)
+    b, h = dims.decode_head(head)
+    got: Dict[str, np.ndarray] = {}
+    results: Dict[str, HeadResult] = {}
+    for stage in stages:
+        res = HeadResult(stage, head, b, h, PASS)
+        results[stage] = res
+        mat, bad_status, msg = _load_output(run, stage, head, dims)
+        if mat is None:
+            res.status, res.message = bad_status, msg
+            code = {STALE: "stale", MISSING: "missing", SHAPE: "shape", UNREADABLE: "unreadable"}[bad_status]
+            res.diagnosis.append(diag.Diagnosis(code, msg, {}))
+            continue
+        got[stage] = mat
+        names = STAGES[stage].inputs
+        src_chain = {n: chain[n] if n in chain else inputs[n] for n in names}
+        # Isolated: the binary's own upstream where it wrote it (else the reference's).
+        src_iso = {n: got.get(n, src_chain[n]) for n in names}
+        want_chain = chain[stage]
+        want_iso = compute_stage(stage, src_iso, scale, causal)
+        res.chained = compare_arrays(mat, want_chain, _allowed(stage, src_chain, want_chain, run, opts))
+        res.isolated = compare_arrays(mat, want_iso, _allowed(stage, src_iso, want_iso, run, opts))
+        ctx = {"dims": dims, "scale": scale, "causal": causal, "precision": run.values["precision"],
+               "input": inputs.get(stage), "K_got": got.get("K", inputs["K"]),
+               "output_got": got.get("output"), "QK_scaled_got": got.get("QK_scaled")}
+        res.violations = invariants.check_invariants(stage, mat, ctx)
+        upstream_failed = [u for u in _upstream(stage) if u in results and not results[u].passed]
+        if not res.isolated.passed or res.violations:
+            res.status = FAIL
+        elif not res.chained.passed:
+            res.status = INHERITED if upstream_failed else FAIL
+            res.message = (f"inherits the error of {upstream_failed[0]}" if upstream_failed else
+                           "fails against the reference chain only: error accumulated upstream")
+        if res.status == FAIL:
+            bound = _allowed(stage, src_iso, want_iso, run, opts)
+            res.diagnosis = diag.diagnose(stage, mat, want_iso, {
+                "dims": dims, "scale": scale, "causal": causal, "head": head, "src": src_iso,
+                "ref_of_head": functools.partial(ref_of_head, stage), "flash_tiles": run.flash_tiles,
+                "bound": bound})
+            for v in res.violations:
+                if not any(d.code == v.code for d in res.diagnosis):
+                    res.diagnosis.append(diag.Diagnosis(v.code, v.message, {"count": v.count}))
+    return list(results.values())
+
+
+def check(in_dir: Path, out_dir: Path, opts: Optional[Options] = None,
+          progress: Optional[Callable[[int], None]] = None) -> Report:
+    """Loads both cases, checks their agreement, and compares every stage × head."""
+    opts = opts or Options()
+    run = load_run(out_dir)
+    case = load_input_case(in_dir)
+    for key in DIM_KEYS:
+        if getattr(case.dims, key) != getattr(run.dims, key):
+            raise CaseError(f"{Path(out_dir) / 'run.toml'}: {key} = {getattr(run.dims, key)} but the input "
+                            f"case {in_dir} has {key} = {getattr(case.dims, key)}; HINT: the output was "
+                            "computed from another input case: run the binary again")
+    if opts.only_stages:
+        unknown = [s for s in opts.only_stages if s not in STAGES]
+        if unknown:
+            raise CaseError(f"unknown stage '{unknown[0]}'; stages are: {', '.join(STAGES)}")
+
+    @functools.lru_cache(maxsize=8)
+    def head_chain(head: int):
+        inputs = {n: case.load(n, head) for n in ("Q", "K", "V")}
+        return reference_chain(inputs, float(run.values["scale"]), bool(run.values["causal"]), run.stages)
+
+    def ref_of_head(stage: str, head: int) -> np.ndarray:
+        return head_chain(head)[stage]
+
+    results: List[HeadResult] = []
+    for head in range(run.dims.total_heads):
+        results.extend(check_head(run, case, head, opts, ref_of_head))
+        if progress:
+            progress(head)
+    return Report(run, case, results, foreign_stage_files(run))
+
+
+def error_ratio_map(run: RunInfo, case: InputCase, stage: str, head: int,
+                    opts: Optional[Options] = None) -> np.ndarray:
+    """|got - want| / allowed of one stage × head against its isolated reference (for plots)."""
+    opts = opts or Options()
+    scale, causal = float(run.values["scale"]), bool(run.values["causal"])
+    inputs = {n: case.load(n, head).astype(np.float64) for n in ("Q", "K", "V")}
+    got, _, msg = _load_output(run, stage, head, run.dims)
+    if got is None:
+        raise CaseError(msg)
+    src = {}
+    for n in STAGES[stage].inputs:
+        up = _load_output(run, n, head, run.dims)[0] if n in run.stages else None
+        src[n] = up if up is not None else reference_chain(inputs, scale, causal, [n])[n]
+    want = compute_stage(stage, src, scale, causal)
+    allowed = _allowed(stage, src, want, run, opts)
+    err = elementwise_error(got, want)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = np.where(err == 0, 0.0, err / allowed)
+    return np.where(np.isnan(ratio), np.inf, ratio)

@@ -1,0 +1,60 @@
+"""Input case generator: random Q, K, V per head plus the manifest the binary reads."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable, Dict, Optional
+
+import numpy as np
+
+from .case import CaseError, clear_input_files, validate_dims, write_matrix, write_toml
+from .stages import DIM_KEYS, FORMATS, INPUT_MANIFEST, INPUT_NAMES, STAGES, Dims, stage_file
+
+# The `large` distribution scales N(0, 1) by this factor, so that scaled logits q·k/√d_k have a
+# standard deviation of LARGE_STD² = 100 and reach the hundreds: exp() of them overflows float32
+# (limit ≈ 88.7) unless the softmax subtracts the row maximum first.
+LARGE_STD = 10.0
+
+Sampler = Callable[[np.random.Generator, tuple], np.ndarray]
+
+DISTRIBUTIONS: Dict[str, Sampler] = {
+    "uniform": lambda rng, shape: rng.random(shape, dtype=np.float32),  # [0, 1), as the original
+    "normal": lambda rng, shape: rng.standard_normal(shape, dtype=np.float32),
+    "large": lambda rng, shape: rng.standard_normal(shape, dtype=np.float32) * np.float32(LARGE_STD),
+}
+
+# The original workflow's case: 12 heads, N = M = 128, d = 64.
+DEFAULT_DIMS = Dims(batch=1, heads=12, seq_q=128, seq_k=128, d_k=64, d_v=64)
+
+
+def generate_case(out_dir: Path, dims: Dims, *, causal: bool = False, scale: Optional[float] = None,
+                  seed: int = 0, distribution: str = "uniform", fmt: str = "txt") -> Path:
+    """Writes Q/K/V for every head (batch-major) and manifest.toml into `out_dir`.
+
+    The manifest is written last, so an interrupted generation leaves no case that looks complete.
+    """
+    validate_dims({k: getattr(dims, k) for k in DIM_KEYS}, "generate")
+    if distribution not in DISTRIBUTIONS:
+        raise CaseError(f"unknown distribution {distribution!r}; choose from {', '.join(DISTRIBUTIONS)}")
+    if fmt not in FORMATS:
+        raise CaseError(f"unknown format {fmt!r}; choose from {', '.join(FORMATS)}")
+    if scale is not None and not np.isfinite(scale):
+        raise CaseError(f"scale = {scale}: must be finite")
+    out_dir = Path(out_dir)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise CaseError(f"{out_dir}: cannot create the case folder: {exc.strerror or exc}") from None
+    clear_input_files(out_dir)
+    sample = DISTRIBUTIONS[distribution]
+    rng = np.random.default_rng(seed)
+    for i in range(dims.total_heads):  # one head at a time: bounded memory
+        for name in INPUT_NAMES:
+            mat = sample(rng, STAGES[name].shape(dims))
+            write_matrix(out_dir / stage_file(name, i, fmt), mat, fmt)
+    manifest = {k: getattr(dims, k) for k in DIM_KEYS}
+    manifest.update(causal=causal, format=fmt, seed=seed, distribution=distribution,
+                    generator="attnstep generate")
+    if scale is not None:
+        manifest["scale"] = float(scale)
+    write_toml(out_dir / INPUT_MANIFEST, manifest, "attnstep input case (see docs/contract.md)")
+    return out_dir

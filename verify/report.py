@@ -1,0 +1,230 @@
+"""Reports of a check: the terminal table, JSON, JUnit XML and error heat maps."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import List, Optional
+from xml.sax.saxutils import escape, quoteattr
+
+from .case import CaseError, atomic_write_bytes
+from .compare import FAIL, INHERITED, PASS, Comparison, HeadResult, Report
+
+MAX_DETAILED_FAILURES = 8
+
+
+def _g(x: Optional[float]) -> str:
+    if x is None:
+        return "-"
+    if x == 0:
+        return "0"
+    if math.isinf(x) or math.isnan(x):
+        return str(x)
+    return f"{x:.3g}" if 1e-3 <= abs(x) < 1e5 else f"{x:.2e}"
+
+
+def stage_status(results: List[HeadResult]) -> str:
+    statuses = {r.status for r in results}
+    if statuses == {PASS}:
+        return PASS
+    own = statuses - {PASS, INHERITED}
+    return sorted(own)[0] if own else INHERITED
+
+
+def _worst(results: List[HeadResult]) -> Optional[HeadResult]:
+    scored = [r for r in results if r.main is not None]
+    return max(scored, key=lambda r: r.main.tol_used) if scored else (results[0] if results else None)
+
+
+def _location(r: HeadResult, c: Comparison) -> str:
+    if c.worst is None:
+        return "-"
+    return f"b{r.batch} h{r.head_in_batch} [{c.worst[0]},{c.worst[1]}]"
+
+
+def header_lines(report: Report) -> List[str]:
+    d, v = report.run.dims, report.run.values
+    return [f"attnstep check: run {report.run.run_id} ({v['backend']}"
+            f"{', ' + str(v['device']) if v.get('device') else ''}, {v['precision']}), "
+            f"{d.total_heads} heads (batch {d.batch} x {d.heads}), N={d.seq_q} M={d.seq_k} "
+            f"d_k={d.d_k} d_v={d.d_v}, {'causal' if v['causal'] else 'not causal'}, "
+            f"scale {float(v['scale']):.6g}"]
+
+
+def table_lines(report: Report, per_head: bool = False) -> List[str]:
+    cols = ("stage", "heads ok", "status", "max abs", "max rel", "mismatched", "tol used",
+            "worst at", "got", "want")
+    rows = []
+    for stage in report.stages:
+        res = report.stage_results(stage)
+        groups = [(f"{stage}", res)]
+        if per_head:
+            groups = [(f"{stage}[{r.head}]", [r]) for r in res]
+        for label, rs in groups:
+            w = _worst(rs)
+            c = w.main if w else None
+            ok = sum(r.passed for r in rs)
+            mism = sum((r.main.mismatched if r.main else 0) for r in rs)
+            total = sum((r.main.total if r.main else 0) for r in rs)
+            rows.append((label, f"{ok}/{len(rs)}", stage_status(rs),
+                         _g(c.max_abs) if c else "-", _g(c.max_rel) if c else "-",
+                         f"{mism}/{total}", _g(c.tol_used) if c else "-",
+                         _location(w, c) if c else "-",
+                         _g(c.got) if c and not c.passed else "", _g(c.want) if c and not c.passed else ""))
+    widths = [max(len(str(x)) for x in col) for col in zip(cols, *rows)]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    return [fmt.format(*cols), fmt.format(*("-" * w for w in widths))] + [fmt.format(*r) for r in rows]
+
+
+def failure_lines(report: Report) -> List[str]:
+    lines = []
+    own = [r for r in report.results if r.status not in (PASS, INHERITED)]
+    for r in own[:MAX_DETAILED_FAILURES]:
+        where = f"{r.stage} head {r.head} (batch {r.batch}, head {r.head_in_batch})"
+        c = r.main
+        if r.status != FAIL or c is None:
+            lines.append(f"{r.status} {where}: {r.message}")
+        else:
+            kind = "isolated" if c is r.isolated else "chained"
+            lines.append(
+                f"FAIL {where}: {c.mismatched}/{c.total} elements outside the tolerance ({kind}); "
+                f"worst at [{c.worst[0]},{c.worst[1]}]: got {_g(c.got)}, want {_g(c.want)}, "
+                f"|diff| {_g(c.max_abs)} > allowed {_g(c.allowed)} (rel {_g(c.max_rel)})")
+            if c.first:
+                lines.append("    first mismatches: " + "; ".join(
+                    f"[{m['row']},{m['col']}] got {_g(m['got'])} want {_g(m['want'])}" for m in c.first))
+        for v in r.violations:
+            lines.append(f"    check {v.code}: {v.message}")
+        for d in r.diagnosis:
+            lines.append(f"    diagnosis {d.code}: {d.message}")
+    if len(own) > MAX_DETAILED_FAILURES:
+        lines.append(f"... and {len(own) - MAX_DETAILED_FAILURES} more failing stage x head pairs "
+                     "(--json has them all)")
+    return lines
+
+
+def summary_lines(report: Report) -> List[str]:
+    lines = []
+    if report.foreign_files:
+        lines.append(f"note: {len(report.foreign_files)} stage files in {report.run.path} are not "
+                     f"from run {report.run.run_id} and were ignored (e.g. {report.foreign_files[0]})")
+    first = report.first_failure
+    if first is None:
+        used = max((r.main.tol_used for r in report.results if r.main), default=0.0)
+        lines.append(f"PASS: all {len(report.stages)} stages x {report.run.dims.total_heads} heads; "
+                     f"largest fraction of tolerance used {_g(used)} (headroom {_g(max(0.0, 1 - used))})")
+        return lines
+    inherited = [s for s in report.stages
+                 if stage_status(report.stage_results(s)) == INHERITED]
+    lines.append(f"FAIL: first failing stage: {first.stage} (head {first.head}: batch {first.batch}, "
+                 f"head {first.head_in_batch})" + (f"; {first.diagnosis[0].code}: "
+                                                   f"{first.diagnosis[0].message}" if first.diagnosis else ""))
+    if inherited:
+        lines.append(f"      inherited downstream (pass in isolation): {', '.join(inherited)}")
+    return lines
+
+
+def _jsonable(x):
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)
+    if isinstance(x, dict):
+        return {k: _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if hasattr(x, "item"):
+        return _jsonable(x.item())
+    return x
+
+
+def to_json(report: Report) -> dict:
+    v, d = report.run.values, report.run.dims
+    first = report.first_failure
+    stages = []
+    for stage in report.stages:
+        rs = report.stage_results(stage)
+        w = _worst(rs)
+        stages.append({"stage": stage, "status": stage_status(rs), "passed": all(r.passed for r in rs),
+                       "heads_passed": sum(r.passed for r in rs), "heads": len(rs),
+                       "tol_used": w.main.tol_used if w and w.main else None,
+                       "max_abs": w.main.max_abs if w and w.main else None,
+                       "worst_head": w.head if w else None})
+    return _jsonable({
+        "passed": report.passed, "first_failing_stage": report.first_failing_stage,
+        "first_failure": first.to_json() if first else None,
+        "run_id": report.run.run_id, "backend": v.get("backend"), "device": v.get("device"),
+        "precision": v.get("precision"), "causal": bool(v["causal"]), "scale": float(v["scale"]),
+        "dims": {k: getattr(d, k) for k in ("batch", "heads", "seq_q", "seq_k", "d_k", "d_v")},
+        "stages": stages, "results": [r.to_json() for r in report.results],
+        "foreign_files": report.foreign_files, "timings_ms": report.run.timings()})
+
+
+def write_json(report: Report, path: Path) -> None:
+    atomic_write_bytes(Path(path), (json.dumps(to_json(report), indent=2) + "\n").encode())
+
+
+def write_junit(report: Report, path: Path) -> None:
+    cases = []
+    for r in report.results:
+        name = quoteattr(f"head_{r.head}")
+        cls = quoteattr(f"attnstep.{r.stage}")
+        if r.passed:
+            cases.append(f"    <testcase classname={cls} name={name}/>")
+            continue
+        c = r.main
+        msg = r.message or (f"{c.mismatched}/{c.total} elements outside the tolerance; worst "
+                            f"got {_g(c.got)} want {_g(c.want)}" if c else r.status)
+        body = "\n".join([msg] + [f"{d.code}: {d.message}" for d in r.diagnosis])
+        cases.append(f"    <testcase classname={cls} name={name}>\n"
+                     f"      <failure type={quoteattr(r.status)} message={quoteattr(msg)}>"
+                     f"{escape(body)}</failure>\n    </testcase>")
+    failures = sum(not r.passed for r in report.results)
+    xml = ('<?xml version="1.0" encoding="UTF-8"?>\n'
+           f'<testsuites>\n  <testsuite name="attnstep" tests="{len(report.results)}" '
+           f'failures="{failures}" errors="0">\n' + "\n".join(cases) + "\n  </testsuite>\n</testsuites>\n")
+    atomic_write_bytes(Path(path), xml.encode("utf-8"))
+
+
+def write_plots(report: Report, folder: Path, error_map) -> List[Path]:
+    """One PNG per failing stage × head: |error| / allowed as a heat map, and the per-(query-tile,
+    key-tile) maximum. `error_map(stage, head)` returns that ratio array (compare.error_ratio_map)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        import numpy as np
+    except ImportError:
+        raise CaseError("--plot needs matplotlib: pip install 'attnstep[plot]' (or pip install matplotlib)")
+    folder = Path(folder)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise CaseError(f"{folder}: cannot create the plot folder: {exc.strerror or exc}") from None
+    br, bc = report.run.flash_tiles or (64, 64)
+    written = []
+    for r in report.results:
+        if r.status != FAIL and r.status != INHERITED:
+            continue
+        ratio = error_map(r.stage, r.head)
+        shown = np.log10(np.clip(np.where(np.isfinite(ratio), ratio, 1e6), 1e-3, 1e6))
+        tr, tc = -(-ratio.shape[0] // br), -(-ratio.shape[1] // bc)
+        grid = np.zeros((tr, tc))
+        for i in range(tr):
+            for j in range(tc):
+                grid[i, j] = shown[i * br:(i + 1) * br, j * bc:(j + 1) * bc].max()
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
+        im = axes[0].imshow(shown, aspect="auto", cmap="magma", vmin=-3, vmax=6, interpolation="nearest")
+        axes[0].set_title(f"{r.stage} head {r.head}: log10(|err| / allowed)")
+        axes[0].set_xlabel("col")
+        axes[0].set_ylabel("row")
+        fig.colorbar(im, ax=axes[0])
+        im2 = axes[1].imshow(grid, aspect="auto", cmap="magma", vmin=-3, vmax=6, interpolation="nearest")
+        axes[1].set_title(f"max per {br}x{bc} tile (query tile x key tile)")
+        axes[1].set_xlabel("key tile")
+        axes[1].set_ylabel("query tile")
+        fig.colorbar(im2, ax=axes[1])
+        fig.tight_layout()
+        path = folder / f"{r.stage}_head_{r.head}.png"
+        fig.savefig(path, dpi=90)
+        plt.close(fig)
+        written.append(path)
+    return written
