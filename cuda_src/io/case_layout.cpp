@@ -1,6 +1,7 @@
 // case_layout.cpp — finding and checking input/output case folders; see case_layout.h.
 #include "case_layout.h"
 
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <map>

@@ -1,0 +1,191 @@
+// cli.cpp — command-line parsing and CASE resolution; see cli.h.
+#include "cli.h"
+
+#include <cerrno>
+#include <cmath>
+#include <cstdlib>
+#include <filesystem>
+#include <system_error>
+
+#include "common.h"
+
+namespace fs = std::filesystem;
+
+namespace attnstep {
+
+namespace {
+
+const char* kUsageHint = "run `main --help` for the options";
+const char* kDefaultCase = "random_test";
+
+[[noreturn]] void usage_error(const std::string& what) { fail(kExitBadInput, what, kUsageHint); }
+
+double parse_number(const std::string& opt, const std::string& text) {
+    char* end = nullptr;
+    errno = 0;
+    double v = std::strtod(text.c_str(), &end);
+    if (text.empty() || *end != '\0' || errno == ERANGE || !std::isfinite(v))
+        usage_error(opt + ": '" + text + "' is not a finite number");
+    return v;
+}
+
+long long parse_positive_int(const std::string& opt, const std::string& text) {
+    char* end = nullptr;
+    errno = 0;
+    long long v = std::strtoll(text.c_str(), &end, 10);
+    if (text.empty() || *end != '\0' || errno == ERANGE || v <= 0)
+        usage_error(opt + ": '" + text + "' is not a positive integer");
+    return v;
+}
+
+template <typename T, size_t K>
+T pick(const std::string& opt, const std::string& text, const char* const (&names)[K], const T (&values)[K]) {
+    std::string allowed;
+    for (size_t i = 0; i < K; ++i) {
+        if (text == names[i]) return values[i];
+        allowed += (i ? "|" : "") + std::string(names[i]);
+    }
+    usage_error(opt + ": '" + text + "' is not one of " + allowed);
+}
+
+}  // namespace
+
+void print_usage(FILE* to) {
+    std::fprintf(to,
+        "usage: main [CASE] [--in DIR] [--out DIR] [--backend auto|cuda|cpu] [--causal]\n"
+        "            [--scale S] [--stages LIST] [--format txt|npy] [--precision fp32|tf32]\n"
+        "            [--poison] [--allow-nonfinite] [--max-memory-mb MB]\n"
+        "       main --bench ...   (benchmarks; CUDA builds only)\n"
+        "\n"
+        "Computes attention one stage at a time and writes every stage per head (docs/contract.md).\n"
+        "  CASE               case name under ./data or ../data (default random_test); output goes\n"
+        "                     to the sibling <name with _test -> _verify>\n"
+        "  --in DIR           input case folder (Q/K/V_head_<i>.txt|.npy, optional manifest.toml)\n"
+        "  --out DIR          output case folder (created; must differ from --in)\n"
+        "  --backend B        auto (CUDA when built and a GPU is present, else CPU), cuda, cpu\n"
+        "  --causal           top-left causal mask (query i sees keys j <= i); overrides the manifest\n"
+        "  --scale S          scale for QK (default: the manifest's, else 1/sqrt(d_k))\n"
+        "  --stages LIST      all | stages | flash | comma-separated stage names (default all)\n"
+        "  --format F         output format txt|npy (default: the input's)\n"
+        "  --precision P      fp32 | tf32 (GEMM operands rounded to TF32)\n"
+        "  --poison           pre-fill outputs with NaN so unwritten elements show\n"
+        "  --allow-nonfinite  accept NaN/Inf in the inputs\n"
+        "  --max-memory-mb MB cap the working memory (heads are processed in groups that fit)\n"
+        "exit status: 0 ok, 1 internal/CUDA failure, 2 bad usage or input, 3 not enough memory\n");
+}
+
+Options parse_cli(int argc, char** argv) {
+    Options o;
+    bool have_in = false;
+    for (int i = 1; i < argc; ++i) {
+        std::string arg = argv[i], value;
+        bool inline_value = false;
+        if (arg.size() > 2 && arg.compare(0, 2, "--") == 0) {
+            size_t eq = arg.find('=');
+            if (eq != std::string::npos) {
+                value = arg.substr(eq + 1);
+                arg = arg.substr(0, eq);
+                inline_value = true;
+            }
+        }
+        auto take_value = [&]() -> std::string {
+            if (inline_value) return value;
+            if (i + 1 >= argc) usage_error(arg + " needs a value");
+            return argv[++i];
+        };
+        auto no_value = [&]() {
+            if (inline_value) usage_error(arg + " takes no value");
+        };
+        if (arg == "--help" || arg == "-h") { o.help = true; }
+        else if (arg == "--in") { o.in_dir = take_value(); have_in = true; }
+        else if (arg == "--out") { o.out_dir = take_value(); }
+        else if (arg == "--backend") {
+            static const char* const names[] = {"auto", "cuda", "cpu"};
+            static const BackendChoice values[] = {BackendChoice::Auto, BackendChoice::Cuda, BackendChoice::Cpu};
+            o.backend = pick(arg, take_value(), names, values);
+        }
+        else if (arg == "--causal") { no_value(); o.causal = true; }
+        else if (arg == "--scale") {
+            o.scale = parse_number(arg, take_value());
+            if (o.scale == 0) usage_error("--scale: must be non-zero");
+            o.has_scale = true;
+        }
+        else if (arg == "--stages") {
+            o.stages_text = take_value();
+            o.stages_given = true;
+            std::string bad;
+            if (!parse_stage_list(o.stages_text, &o.stages, &bad)) {
+                std::string names;
+                for (int s = 0; s < kNumStages; ++s) names += std::string(" ") + stage_name(static_cast<Stage>(s));
+                fail(kExitBadInput, "--stages: unknown stage '" + bad + "'",
+                     "use all, stages, flash or a comma-separated list of:" + names);
+            }
+        }
+        else if (arg == "--format") {
+            std::string v = take_value();
+            if (!parse_format(v, &o.format)) usage_error("--format: '" + v + "' is not one of txt|npy");
+            o.has_format = true;
+        }
+        else if (arg == "--precision") {
+            static const char* const names[] = {"fp32", "tf32"};
+            static const Precision values[] = {Precision::fp32, Precision::tf32};
+            o.precision = pick(arg, take_value(), names, values);
+        }
+        else if (arg == "--poison") { no_value(); o.poison = true; }
+        else if (arg == "--allow-nonfinite") { no_value(); o.allow_nonfinite = true; }
+        else if (arg == "--max-memory-mb") { o.max_memory_mb = parse_positive_int(arg, take_value()); }
+        else if (arg.size() > 1 && arg[0] == '-') { usage_error("unknown option '" + arg + "'"); }
+        else if (o.case_name.empty()) { o.case_name = arg; }
+        else { usage_error("unexpected argument '" + arg + "' (CASE is already '" + o.case_name + "')"); }
+    }
+    if (have_in && !o.case_name.empty())
+        usage_error("give either CASE ('" + o.case_name + "') or --in, not both");
+    return o;
+}
+
+std::string verify_name_for(const std::string& case_name) {
+    const std::string suffix = "_test";
+    if (case_name.size() > suffix.size() &&
+        case_name.compare(case_name.size() - suffix.size(), suffix.size(), suffix) == 0)
+        return case_name.substr(0, case_name.size() - suffix.size()) + "_verify";
+    return case_name + "_verify";
+}
+
+void resolve_case_paths(Options* o) {
+    if (o->in_dir.empty()) {
+        std::string name = o->case_name.empty() ? kDefaultCase : o->case_name;
+        std::string data;
+        std::error_code ec;
+        for (const char* root : {"data", "../data"})
+            if (fs::is_directory(fs::path(root) / name, ec)) { data = root; break; }
+        if (data.empty())
+            fail(kExitBadInput, "case '" + name + "' not found in ./data or ../data",
+                 "generate it with `attnstep generate`, or pass --in DIR");
+        o->in_dir = data + "/" + name;
+        if (o->out_dir.empty()) o->out_dir = data + "/" + verify_name_for(name);
+        return;
+    }
+    if (o->out_dir.empty()) {
+        fs::path in = fs::path(o->in_dir).lexically_normal();
+        if (!in.has_filename()) in = in.parent_path();  // "dir/" -> "dir"
+        std::string name = in.filename().string();
+        if (name.empty() || name == "." || name == "..")
+            usage_error("--out is needed: cannot derive an output folder name from --in '" + o->in_dir + "'");
+        o->out_dir = (in.parent_path() / verify_name_for(name)).string();
+    }
+}
+
+bool names_flash_explicitly(const std::string& stages_text) {
+    size_t start = 0;
+    while (true) {
+        size_t comma = stages_text.find(',', start);
+        std::string tok = stages_text.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
+        StageSet s;
+        std::string bad;
+        if (tok != "all" && parse_stage_list(tok, &s, &bad) && s.any_flash()) return true;
+        if (comma == std::string::npos) return false;
+        start = comma + 1;
+    }
+}
+
+}  // namespace attnstep

@@ -1,0 +1,50 @@
+// cli.h — the binary's command line (docs/contract.md, "The binary"), parsed into Options.
+// Bad usage throws attnstep::Error with exit 2; main() prints it as one `main: error:` line.
+#pragma once
+
+#include <cstdio>
+#include <string>
+
+#include "backend.h"
+#include "io/matrix_io.h"
+#include "stages.h"
+
+namespace attnstep {
+
+enum class BackendChoice { Auto, Cuda, Cpu };
+
+struct Options {
+    std::string case_name;           // positional CASE (the original `./main random_test` form)
+    std::string in_dir, out_dir;     // empty until given or resolved
+    BackendChoice backend = BackendChoice::Auto;
+    bool causal = false;             // --causal (overrides the manifest's causal = false)
+    bool has_scale = false;
+    double scale = 0;
+    std::string stages_text = "all";
+    bool stages_given = false;
+    StageSet stages = StageSet::all();
+    bool has_format = false;
+    Format format = Format::txt;
+    Precision precision = Precision::fp32;
+    bool poison = false;
+    bool allow_nonfinite = false;
+    long long max_memory_mb = 0;     // 0: no cap beyond MemAvailable/2
+    bool help = false;
+};
+
+Options parse_cli(int argc, char** argv);
+
+// CASE -> --in <data>/CASE and --out <data>/<CASE with _test -> _verify>, where <data> is the
+// first of ./data, ../data that holds CASE; with no CASE and no --in, CASE = random_test. A given
+// --in without --out writes next to it with the same naming rule.
+void resolve_case_paths(Options* o);
+
+// The `_test` -> `_verify` naming rule for output folders.
+std::string verify_name_for(const std::string& case_name);
+
+void print_usage(FILE* to);
+
+// True when the user's --stages list names a flash stage itself (not only through `all`).
+bool names_flash_explicitly(const std::string& stages_text);
+
+}  // namespace attnstep

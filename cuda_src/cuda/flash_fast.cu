@@ -1,0 +1,541 @@
+// flash_fast.cu — fast FlashAttention-2 forward on tensor cores (mma.sync m16n8k8 TF32, sm_80+,
+// built for sm_90): O = softmax(scale·Q·Kᵀ [causal-masked])·V and lse = log Σ exp(scale·q·k), per
+// head, never holding the N×M matrix.
+//
+//   Precision::fp32 (default): 3xTF32. Every operand x is split x = hi + lo, hi = tf32(x),
+//     lo = tf32(x − hi); a·b ≈ hi·hi + hi·lo + lo·hi accumulated in FP32 (the small terms first),
+//     which keeps the error at the level of a plain FP32 kernel. Both GEMMs (S = Q Kᵀ, O += P V).
+//   Precision::tf32: one product tf32(a)·tf32(b): about 3x less tensor work, ~3e-4 relative error.
+//
+// Structure (FlashAttention-2): a block of NW warps owns Br = 16·NW query rows, each warp 16 rows
+// whose Q fragments stay in registers. K and V tiles of Bc rows stream through shared memory with
+// cp.async, double buffered (tile j+1 loads while tile j is used). Per tile each warp computes its
+// 16×Bc block of S in registers, updates the running max m and sum l (online softmax, log2
+// domain), rescales its O accumulator and adds P·V, with P taken straight from the S accumulators:
+// the k index of both MMAs is permuted (logical column t ↔ physical 2t, t+4 ↔ 2t+1) so that the
+// accumulator layout of S is the operand layout of P, with no shuffles or shared-memory round trip.
+// Causal: tiles above the diagonal are never loaded; only tiles that cross it are masked. Tails
+// (N, M not multiples of the tiles) are zero-filled by cp.async and masked. When heads·⌈N/Br⌉
+// blocks cannot fill the GPU, the KV loop is split across blocks and a combine kernel merges the
+// partial outputs with their lse.
+//
+// Build: part of build/main (CMake globs cuda_src/cuda/*.cu); check resources with
+//   nvcc -arch=sm_90 -std=c++17 -Xptxas -v -c cuda_src/cuda/flash_fast.cu
+// Exploration variants (other Bc / warps per block) are compiled only with
+// -DATTNSTEP_FLASH_FAST_VARIANTS (scripts/bench_gpu.sh); `main --bench --fast-variant I` picks one.
+// Run / time / check: build/main --bench --batch 4 --heads 16 --seq-q 4096 --seq-k 4096 --d 64 --check
+//
+// Versions (measured figures: docs/performance.md, notes):
+//   v1: this file. Q fragments in registers (raw FP32, split per k-step), K/V split in registers
+//       per warp, Br = 64, Bc = 64 (d ≤ 64) / 64 (d = 128), 2-stage cp.async.
+#include "flash_fast.cuh"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+#include "cuda_check.cuh"
+
+namespace attnstep {
+namespace {
+
+constexpr int kWarp = 32;
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+constexpr int kMaxSplits = 16;
+
+__host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
+
+// ---------------------------------------------------------------------------------------------
+// Device helpers: TF32 conversion, the MMA, cp.async.
+
+__device__ __forceinline__ uint32_t to_tf32(float x) {
+    uint32_t r;
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+    return r;
+}
+
+// x = hi + lo with both parts representable in TF32 (lo only in 3xTF32 mode).
+template <bool kThree>
+__device__ __forceinline__ void split(float x, uint32_t& hi, uint32_t& lo) {
+    hi = to_tf32(x);
+    if (kThree) lo = to_tf32(x - __uint_as_float(hi));
+}
+
+// C(16×8) += A(16×8, row) · B(8×8, col), TF32 inputs, FP32 accumulators.
+__device__ __forceinline__ void mma_tf32(float (&c)[4], const uint32_t (&a)[4],
+                                         const uint32_t (&b)[2]) {
+    asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// c += a·b in the chosen precision; the small cross terms go first so they are not lost.
+template <bool kThree>
+__device__ __forceinline__ void mma_split(float (&c)[4], const uint32_t (&ahi)[4],
+                                          const uint32_t (&alo)[4], const uint32_t (&bhi)[2],
+                                          const uint32_t (&blo)[2]) {
+    if (kThree) {
+        mma_tf32(c, alo, bhi);
+        mma_tf32(c, ahi, blo);
+    }
+    mma_tf32(c, ahi, bhi);
+}
+
+// 16-byte global → shared copy; reads nothing and writes zeros when !valid (tails).
+__device__ __forceinline__ void cp_async_16(float* dst, const float* src, bool valid) {
+    const unsigned saddr = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+    const int bytes = valid ? 16 : 0;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(saddr), "l"(src),
+                 "r"(bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n"); }
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
+}
+
+__device__ __forceinline__ float quad_max(float x) {
+    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+    return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+__device__ __forceinline__ float quad_sum(float x) {
+    x += __shfl_xor_sync(0xffffffffu, x, 1);
+    return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The tile configuration. Rows of K are padded by 8 floats (the 8-byte fragment loads of 4 rows
+// × 4 threads then cover all 32 banks), rows of V by 4 (the scalar loads of rows 2t, 2t+1 land
+// in distinct banks). Both pads keep rows 16-byte aligned for cp.async.
+
+template <int D_, int BC_, int NW_>
+struct Tiles {
+    static constexpr int D = D_, BC = BC_, NW = NW_;
+    static constexpr int BR = 16 * NW, THREADS = NW * kWarp;
+    static constexpr int LDK = D + 8, LDV = D + 4;
+    static constexpr int K_STAGE = BC * LDK, V_STAGE = BC * LDV;  // floats per stage
+    static constexpr size_t SMEM_BYTES = 2 * (K_STAGE + V_STAGE) * sizeof(float);
+    static_assert(D % 8 == 0 && BC % 8 == 0, "tiles are made of 8×8 MMA pieces");
+};
+
+struct FastParams {
+    const float* Q;
+    const float* K;
+    const float* V;
+    float* O;       // [heads][N][D], or the split partials [splits][heads][N][D]
+    float* lse;     // [heads][N],    or [splits][heads][N]
+    int heads, N, M;
+    float scale_log2;  // scale·log2(e): the softmax runs in base 2
+    int splits;
+};
+
+// Copies rows [row0, row0 + BC) of a [M][D] matrix into a padded shared tile; rows >= M are zeros
+// so masked keys multiply as 0, not as leftover NaN.
+template <class T, int LD>
+__device__ __forceinline__ void load_tile(float* tile, const float* src, int row0, int M) {
+    constexpr int kChunksPerRow = T::D / 4;
+    constexpr int kChunks = T::BC * kChunksPerRow;
+#pragma unroll
+    for (int c = threadIdx.x; c < kChunks; c += T::THREADS) {
+        const int r = c / kChunksPerRow, col = (c % kChunksPerRow) * 4;
+        const bool valid = row0 + r < M;
+        const float* g = src + static_cast<size_t>(valid ? row0 + r : 0) * T::D + col;
+        cp_async_16(tile + r * LD + col, g, valid);
+    }
+}
+
+// S(16×BC) = Q_w · K_jᵀ for this warp's 16 rows. qf holds the warp's Q fragments (raw FP32),
+// k-permuted: qf[ks] = {Q[g][8ks+2t], Q[g+8][8ks+2t], Q[g][8ks+2t+1], Q[g+8][8ks+2t+1]}.
+template <class T, bool kThree>
+__device__ __forceinline__ void qk_tile(float (&s)[T::BC / 8][4], const float (&qf)[T::D / 8][4],
+                                        const float* Ks, int g, int t) {
+#pragma unroll
+    for (int nt = 0; nt < T::BC / 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[nt][e] = 0.f;
+#pragma unroll
+    for (int ks = 0; ks < T::D / 8; ++ks) {
+        uint32_t ahi[4], alo[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) split<kThree>(qf[ks][e], ahi[e], alo[e]);
+#pragma unroll
+        for (int nt = 0; nt < T::BC / 8; ++nt) {
+            // b0 = K[8nt+g][8ks+2t], b1 = K[8nt+g][8ks+2t+1]: one 8-byte load.
+            const float2 kv =
+                *reinterpret_cast<const float2*>(Ks + (nt * 8 + g) * T::LDK + ks * 8 + 2 * t);
+            uint32_t bhi[2], blo[2];
+            split<kThree>(kv.x, bhi[0], blo[0]);
+            split<kThree>(kv.y, bhi[1], blo[1]);
+            mma_split<kThree>(s[nt], ahi, alo, bhi, blo);
+        }
+    }
+}
+
+// Keys past M, and (causal) keys after the query, get -inf. Rows: g and g+8 of the warp.
+template <class T, bool kCausal>
+__device__ __forceinline__ void mask_tile(float (&s)[T::BC / 8][4], int key0, int M, int row0,
+                                          int t) {
+#pragma unroll
+    for (int nt = 0; nt < T::BC / 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int key = key0 + nt * 8 + 2 * t + (e & 1);
+            const int row = row0 + (e >= 2 ? 8 : 0);
+            if (key >= M || (kCausal && key > row)) s[nt][e] = -INFINITY;
+        }
+}
+
+// Online softmax for one tile, in base 2: x = S·scale·log2e, m_new = max(m, rowmax x),
+// P = 2^(x − m_new), l = l·2^(m − m_new) + rowsum P, O = O·2^(m − m_new). Rows g (e = 0, 1) and
+// g+8 (e = 2, 3). l is kept per thread (a quarter of each row) and summed across the quad at the
+// end; m is reduced across the quad here, so every thread rescales by the same factor.
+template <class T>
+__device__ __forceinline__ void online_softmax(float (&s)[T::BC / 8][4], float (&o)[T::D / 8][4],
+                                               float (&m)[2], float (&l)[2], float scale_log2) {
+    float mx[2] = {m[0], m[1]};
+#pragma unroll
+    for (int nt = 0; nt < T::BC / 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            s[nt][e] *= scale_log2;
+            mx[e >> 1] = fmaxf(mx[e >> 1], s[nt][e]);
+        }
+    float base[2], alpha[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        mx[r] = quad_max(mx[r]);
+        // A row with no visible key yet keeps m = -inf; subtract 0 then, so 2^(-inf - base) = 0
+        // instead of NaN.
+        base[r] = mx[r] == -INFINITY ? 0.f : mx[r];
+        alpha[r] = exp2f(m[r] - base[r]);
+        m[r] = mx[r];
+        l[r] *= alpha[r];
+    }
+#pragma unroll
+    for (int nt = 0; nt < T::BC / 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            s[nt][e] = exp2f(s[nt][e] - base[e >> 1]);
+            l[e >> 1] += s[nt][e];
+        }
+#pragma unroll
+    for (int nt = 0; nt < T::D / 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o[nt][e] *= alpha[e >> 1];
+}
+
+// O(16×D) += P(16×BC) · V_j. P's fragment for keys 8kk..8kk+7 is the S accumulator s[kk] under
+// the k permutation: a = {P[g][2t], P[g+8][2t], P[g][2t+1], P[g+8][2t+1]} = {s0, s2, s1, s3};
+// b0 = V[8kk+2t][8nt+g], b1 = V[8kk+2t+1][8nt+g].
+template <class T, bool kThree>
+__device__ __forceinline__ void pv_tile(float (&o)[T::D / 8][4], const float (&s)[T::BC / 8][4],
+                                        const float* Vs, int g, int t) {
+#pragma unroll
+    for (int kk = 0; kk < T::BC / 8; ++kk) {
+        uint32_t ahi[4], alo[4];
+        split<kThree>(s[kk][0], ahi[0], alo[0]);
+        split<kThree>(s[kk][2], ahi[1], alo[1]);
+        split<kThree>(s[kk][1], ahi[2], alo[2]);
+        split<kThree>(s[kk][3], ahi[3], alo[3]);
+        const float* v0 = Vs + (kk * 8 + 2 * t) * T::LDV + g;
+#pragma unroll
+        for (int nt = 0; nt < T::D / 8; ++nt) {
+            uint32_t bhi[2], blo[2];
+            split<kThree>(v0[nt * 8], bhi[0], blo[0]);
+            split<kThree>(v0[nt * 8 + T::LDV], bhi[1], blo[1]);
+            mma_split<kThree>(o[nt], ahi, alo, bhi, blo);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The kernel. Grid: x = query blocks (reversed, so the longest causal blocks start first),
+// y = heads, z = KV splits. Block: NW warps. Shared memory: T::SMEM_BYTES (2 stages of K and V).
+
+template <class T, bool kThree, bool kCausal>
+__global__ void __launch_bounds__(T::THREADS)
+    flash_fast_kernel(const FastParams p) {
+    extern __shared__ float4 smem_f4[];
+    float* const Ks = reinterpret_cast<float*>(smem_f4);  // [2][BC][LDK]
+    float* const Vs = Ks + 2 * T::K_STAGE;                 // [2][BC][LDV]
+
+    const int qblock = gridDim.x - 1 - blockIdx.x;
+    const int head = blockIdx.y, split_id = blockIdx.z;
+    const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+    const int g = lane >> 2, t = lane & 3;  // MMA fragment coordinates: group, thread in group
+    const int q0 = qblock * T::BR;          // first query row of the block
+    const int wrow0 = q0 + warp * 16;       // first query row of the warp
+    const int row0 = wrow0 + g, row1 = row0 + 8;
+
+    const float* Qh = p.Q + static_cast<size_t>(head) * p.N * T::D;
+    const float* Kh = p.K + static_cast<size_t>(head) * p.M * T::D;
+    const float* Vh = p.V + static_cast<size_t>(head) * p.M * T::D;
+
+    // The KV tiles this block visits: all of them, or (causal) those up to the block's last row;
+    // then this split's share.
+    int n_tiles = ceil_div(p.M, T::BC);
+    if (kCausal) n_tiles = min(n_tiles, ceil_div(min(q0 + T::BR, p.N), T::BC));
+    const int per_split = ceil_div(n_tiles, p.splits);
+    const int tile_begin = min(n_tiles, split_id * per_split);
+    const int tile_end = min(n_tiles, tile_begin + per_split);
+
+    // Q fragments (k-permuted, see qk_tile); rows past N read as zeros and are never stored.
+    float qf[T::D / 8][4];
+#pragma unroll
+    for (int ks = 0; ks < T::D / 8; ++ks) {
+        const int col = ks * 8 + 2 * t;
+        const float2 a = row0 < p.N
+            ? *reinterpret_cast<const float2*>(Qh + static_cast<size_t>(row0) * T::D + col)
+            : make_float2(0.f, 0.f);
+        const float2 b = row1 < p.N
+            ? *reinterpret_cast<const float2*>(Qh + static_cast<size_t>(row1) * T::D + col)
+            : make_float2(0.f, 0.f);
+        qf[ks][0] = a.x;
+        qf[ks][1] = b.x;
+        qf[ks][2] = a.y;
+        qf[ks][3] = b.y;
+    }
+
+    float o[T::D / 8][4];
+#pragma unroll
+    for (int nt = 0; nt < T::D / 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o[nt][e] = 0.f;
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+
+    if (tile_begin < tile_end) {
+        // Commit groups go K_j, V_j, K_j+1, V_j+1, ...: S can start as soon as K_j is in.
+        load_tile<T, T::LDK>(Ks, Kh, tile_begin * T::BC, p.M);
+        cp_async_commit();
+        load_tile<T, T::LDV>(Vs, Vh, tile_begin * T::BC, p.M);
+        cp_async_commit();
+    }
+    for (int j = tile_begin; j < tile_end; ++j) {
+        const int stage = (j - tile_begin) & 1;
+        const float* Kj = Ks + stage * T::K_STAGE;
+        const float* Vj = Vs + stage * T::V_STAGE;
+        const bool more = j + 1 < tile_end;
+        if (more) {
+            load_tile<T, T::LDK>(Ks + (stage ^ 1) * T::K_STAGE, Kh, (j + 1) * T::BC, p.M);
+            cp_async_commit();
+            load_tile<T, T::LDV>(Vs + (stage ^ 1) * T::V_STAGE, Vh, (j + 1) * T::BC, p.M);
+            cp_async_commit();
+            cp_async_wait<3>();
+        } else {
+            cp_async_wait<1>();
+        }
+        __syncthreads();  // K_j has landed for every thread's copies
+
+        float s[T::BC / 8][4];
+        qk_tile<T, kThree>(s, qf, Kj, g, t);  // S = Q Kᵀ
+        const int key0 = j * T::BC;
+        const bool tail = key0 + T::BC > p.M;
+        const bool diagonal = kCausal && key0 + T::BC - 1 > wrow0;
+        if (tail || diagonal) mask_tile<T, kCausal>(s, key0, p.M, row0, t);
+        online_softmax<T>(s, o, m, l, p.scale_log2);  // m = rowmax, P = exp(S − m), l = rowsum
+
+        if (more) cp_async_wait<2>(); else cp_async_wait<0>();
+        __syncthreads();  // V_j has landed
+        pv_tile<T, kThree>(o, s, Vj, g, t);  // O += P V
+        __syncthreads();  // every warp is done with this stage before tile j+2 overwrites it
+    }
+
+    // O = O / l, lse = (m + log2 l)·ln 2. A split that saw no key writes O = 0, lse = -inf, which
+    // the combine step weighs as 0.
+    float* O = p.O + (static_cast<size_t>(split_id) * p.heads + head) * p.N * T::D;
+    float* lse = p.lse + (static_cast<size_t>(split_id) * p.heads + head) * p.N;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int row = r == 0 ? row0 : row1;
+        const float lsum = quad_sum(l[r]);
+        if (row >= p.N) continue;
+        const float inv = lsum > 0.f ? 1.f / lsum : 0.f;
+#pragma unroll
+        for (int nt = 0; nt < T::D / 8; ++nt) {
+            *reinterpret_cast<float2*>(O + static_cast<size_t>(row) * T::D + nt * 8 + 2 * t) =
+                make_float2(o[nt][2 * r] * inv, o[nt][2 * r + 1] * inv);
+        }
+        if (t == 0) lse[row] = lsum > 0.f ? (m[r] + log2f(lsum)) * kLn2 : -INFINITY;
+    }
+}
+
+// Merges the splits: lse = log Σ_i exp(lse_i), O = Σ_i exp(lse_i − lse) O_i. One thread per
+// output element; the thread of column 0 also writes lse.
+__global__ void flash_fast_combine(const float* Opart, const float* lse_part, float* O, float* lse,
+                                   int rows, int d, int splits) {
+    const long long idx = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+    if (idx >= static_cast<long long>(rows) * d) return;
+    const int row = static_cast<int>(idx / d), col = static_cast<int>(idx % d);
+    float mx = -INFINITY;
+    for (int i = 0; i < splits; ++i) mx = fmaxf(mx, lse_part[static_cast<size_t>(i) * rows + row]);
+    float wsum = 0.f, acc = 0.f;
+    for (int i = 0; i < splits; ++i) {
+        const float li = lse_part[static_cast<size_t>(i) * rows + row];
+        const float w = li == -INFINITY ? 0.f : expf(li - mx);
+        wsum += w;
+        acc += w * Opart[(static_cast<size_t>(i) * rows + row) * d + col];
+    }
+    O[idx] = acc / wsum;
+    if (col == 0) lse[row] = mx + logf(wsum);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Launchers and dispatch.
+
+struct Plan {
+    int Br, Bc, splits;
+};
+
+// Blocks of one instantiation that fit on an SM at once, asked of the runtime once.
+template <class T, bool kThree, bool kCausal>
+int blocks_per_sm() {
+    static int cached = 0;
+    if (cached == 0) {
+        auto kernel = flash_fast_kernel<T, kThree, kCausal>;
+        // Above 48 KB a kernel must opt in to its dynamic shared memory.
+        CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(T::SMEM_BYTES)));
+        CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&cached, kernel, T::THREADS,
+                                                                 T::SMEM_BYTES));
+        if (cached < 1) cached = 1;
+    }
+    return cached;
+}
+
+int sm_count() {
+    static int count = 0;
+    if (count == 0) {
+        int dev = 0;
+        CUDA_CHECK(cudaGetDevice(&dev));
+        CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, dev));
+    }
+    return count;
+}
+
+// Split the KV loop only when the blocks would leave SMs idle, into at most kMaxSplits parts of
+// at least 2 tiles each (fewer tiles per split means more partial outputs than useful work).
+template <class T, bool kThree, bool kCausal>
+int choose_splits(const FlashArgs& a) {
+    const long long blocks = static_cast<long long>(a.heads) * ceil_div(a.N, T::BR);
+    const long long slots = static_cast<long long>(sm_count()) * blocks_per_sm<T, kThree, kCausal>();
+    if (blocks >= slots) return 1;
+    const int n_tiles = ceil_div(a.M, T::BC);
+    int splits = static_cast<int>((slots + blocks - 1) / blocks);
+    splits = std::min(splits, std::max(1, n_tiles / 2));
+    return std::max(1, std::min(splits, kMaxSplits));
+}
+
+template <class T, bool kThree, bool kCausal>
+void launch(const FlashArgs& a, int splits, cudaStream_t stream) {
+    auto kernel = flash_fast_kernel<T, kThree, kCausal>;
+    blocks_per_sm<T, kThree, kCausal>();  // also raises the shared-memory limit
+    splits = std::max(1, std::min(splits, ceil_div(a.M, T::BC)));
+    FastParams p{a.Q, a.K, a.V, a.O, a.lse, a.heads, a.N, a.M, a.scale * kLog2e, splits};
+    const dim3 grid(ceil_div(a.N, T::BR), a.heads, splits);
+    if (splits == 1) {
+        kernel<<<grid, T::THREADS, T::SMEM_BYTES, stream>>>(p);
+        LAUNCH_CHECK(flash_fast_kernel);
+        return;
+    }
+    // Partial outputs live in a stream-ordered workspace, freed after the combine step.
+    const size_t rows = static_cast<size_t>(a.heads) * a.N;
+    float* ws = nullptr;
+    CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&ws),
+                               static_cast<size_t>(splits) * rows * (a.d + 1) * sizeof(float),
+                               stream));
+    p.O = ws;
+    p.lse = ws + static_cast<size_t>(splits) * rows * a.d;
+    kernel<<<grid, T::THREADS, T::SMEM_BYTES, stream>>>(p);
+    LAUNCH_CHECK(flash_fast_kernel);
+    const int threads = 256;
+    const long long elems = static_cast<long long>(rows) * a.d;
+    flash_fast_combine<<<static_cast<unsigned>((elems + threads - 1) / threads), threads, 0,
+                         stream>>>(p.O, p.lse, a.O, a.lse, static_cast<int>(rows), a.d, splits);
+    LAUNCH_CHECK(flash_fast_combine);
+    CUDA_CHECK(cudaFreeAsync(ws, stream));
+}
+
+// One tile configuration: dispatch on precision and causality. forced_splits <= 0 chooses.
+template <class T>
+bool run_config(const FlashArgs& a, int forced_splits, Plan* plan, bool do_launch,
+                cudaStream_t stream) {
+    const bool three = a.precision == Precision::fp32;
+    int splits = forced_splits;
+    if (splits <= 0) {
+        splits = three ? (a.causal ? choose_splits<T, true, true>(a) : choose_splits<T, true, false>(a))
+                       : (a.causal ? choose_splits<T, false, true>(a)
+                                   : choose_splits<T, false, false>(a));
+    }
+    splits = std::max(1, std::min(splits, ceil_div(a.M, T::BC)));
+    if (plan) *plan = Plan{T::BR, T::BC, splits};
+    if (!do_launch) return true;
+    if (three) {
+        if (a.causal) launch<T, true, true>(a, splits, stream);
+        else launch<T, true, false>(a, splits, stream);
+    } else {
+        if (a.causal) launch<T, false, true>(a, splits, stream);
+        else launch<T, false, false>(a, splits, stream);
+    }
+    return true;
+}
+
+// The shipped configuration per head dim (Br = 64 rows per block of 4 warps, Bc = 64 keys).
+// variant != 0 selects exploration configurations when they are compiled in.
+bool dispatch(const FlashArgs& a, int variant, int forced_splits, Plan* plan, bool do_launch,
+              cudaStream_t stream) {
+    if (a.heads < 1 || a.heads > 65535 || a.N < 1 || a.M < 1) return false;
+    switch (variant) {
+        case 0:
+            switch (a.d) {
+                case 16: return run_config<Tiles<16, 64, 4>>(a, forced_splits, plan, do_launch, stream);
+                case 32: return run_config<Tiles<32, 64, 4>>(a, forced_splits, plan, do_launch, stream);
+                case 64: return run_config<Tiles<64, 64, 4>>(a, forced_splits, plan, do_launch, stream);
+                case 128: return run_config<Tiles<128, 64, 4>>(a, forced_splits, plan, do_launch, stream);
+                default: return false;  // no variant: the clean kernel handles it
+            }
+#ifdef ATTNSTEP_FLASH_FAST_VARIANTS
+        case 1:  // Bc = 32: fewer registers for S, more tiles
+            switch (a.d) {
+                case 64: return run_config<Tiles<64, 32, 4>>(a, forced_splits, plan, do_launch, stream);
+                case 128: return run_config<Tiles<128, 32, 4>>(a, forced_splits, plan, do_launch, stream);
+                default: return false;
+            }
+        case 2:  // 8 warps: Br = 128, K/V tiles shared by twice the rows
+            switch (a.d) {
+                case 64: return run_config<Tiles<64, 64, 8>>(a, forced_splits, plan, do_launch, stream);
+                case 128: return run_config<Tiles<128, 32, 8>>(a, forced_splits, plan, do_launch, stream);
+                default: return false;
+            }
+#endif
+        default:
+            return false;
+    }
+}
+
+}  // namespace
+
+bool flash_forward_fast(const FlashArgs& a, cudaStream_t stream) {
+    return dispatch(a, 0, 0, nullptr, true, stream);
+}
+
+bool flash_fast_plan(const FlashArgs& a, int* Br, int* Bc, int* splits) {
+    Plan plan{};
+    if (!dispatch(a, 0, 0, &plan, false, nullptr)) return false;
+    if (Br) *Br = plan.Br;
+    if (Bc) *Bc = plan.Bc;
+    if (splits) *splits = plan.splits;
+    return true;
+}
+
+bool flash_forward_fast_splits(const FlashArgs& a, int splits, cudaStream_t stream) {
+    return dispatch(a, 0, std::max(1, splits), nullptr, true, stream);
+}
+
+// For bench.cu's exploration of configurations (declared there, not in the public header).
+bool flash_forward_fast_variant(const FlashArgs& a, int variant, int splits, cudaStream_t stream) {
+    return dispatch(a, variant, splits, nullptr, true, stream);
+}
+
+}  // namespace attnstep

@@ -1,0 +1,306 @@
+// flash_fwd.cu — FlashAttention-2 style forward pass in FP32 (the flash_output and flash_lse
+// stages), and flash_forward(), the dispatcher declared in flash.cuh.
+// Built by CMake with the binary (cmake -S . -B build && cmake --build build -j2); checked on a
+// GPU by scripts/gpu_smoke.sh against the CPU backend and a float64 NumPy reference.
+//
+// Algorithm (Dao 2023, Algorithm 1, forward): a block owns Br query rows Qi and walks the Tc key
+// tiles Kj, Vj of Bc rows, keeping a running row max m, row sum l and unnormalized output O:
+//   S = Qi Kjᵀ · scale (masked to -inf), m_new = max(m, rowmax(S)), P = exp(S - m_new),
+//   l = exp(m - m_new)·l + rowsum(P), O = exp(m - m_new)·O + P Vj;  finally O /= l, lse = m + log l.
+// N×M is never materialized: S and P live one Br×Bc tile at a time.
+//
+// Versions:
+//   flash_fwd_kernel<d>  the clean kernel: FP32 CUDA cores, shared-memory tiles, 128 threads.
+//                        Precision::tf32 runs this FP32 kernel too (no tensor-core path here;
+//                        flash_fast.cu adds one).
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+#include <string>
+
+#include "cuda_check.cuh"
+#include "flash.cuh"
+
+namespace attnstep {
+
+namespace {
+
+constexpr unsigned kFullMask = 0xffffffffu;
+constexpr int kFlashThreads = 128;
+constexpr int kColLanes = 16;                              // tx: the threads that share a query row
+constexpr int kRowGroups = kFlashThreads / kColLanes;      // ty: 8 groups of rows
+constexpr int kMaxGridY = 65535;
+
+// Tile sizes and shared memory per block, decided here for each head width d:
+//   d   Br  Bc  shared memory = 4·(Br·(d+4) + Bc·(d+4) + Bc·d + Br·(Bc+16)) bytes
+//   16  64  64  4·(1280 + 1280 + 1024 + 5120) = 34,816 B
+//   32  64  64  4·(2304 + 2304 + 2048 + 5120) = 47,104 B
+//   64  64  64  4·(4352 + 4352 + 4096 + 5120) = 71,680 B  (above 48 KB: opt-in attribute)
+//   128 64  32  4·(8448 + 4224 + 4096 + 3072) = 79,360 B  (Bc halved to keep O in registers)
+// Registers per thread hold S (Br/8 × Bc/16) and O (Br/8 × d/16).
+template <int D>
+struct FlashTile {
+    static constexpr int Br = 64;
+    static constexpr int Bc = D == 128 ? 32 : 64;
+    static constexpr int kRows = Br / kRowGroups;     // query rows per thread: ty + 8·ii
+    static constexpr int kCols = Bc / kColLanes;      // S columns per thread: tx + 16·jj
+    static constexpr int kDims = D / kColLanes;       // O columns per thread: tx + 16·q
+    // Qi and Kj rows padded by 4 floats: the 8 lanes of one float4 shared load touch 8 different
+    // 4-bank groups. Ps rows padded by 16: rows r and r+1 (the two half-warps) are 16 banks apart.
+    static constexpr int kQKStride = D + 4;
+    static constexpr int kPStride = Bc + 16;
+    static constexpr size_t kSmemBytes =
+        sizeof(float) * (Br * kQKStride + Bc * kQKStride + Bc * D + Br * kPStride);
+};
+static_assert(FlashTile<16>::kSmemBytes == 34816 && FlashTile<32>::kSmemBytes == 47104 &&
+                  FlashTile<64>::kSmemBytes == 71680 && FlashTile<128>::kSmemBytes == 79360,
+              "the shared-memory table above is out of date");
+
+// Copies rows [first, first + kTileRows) of a [n_rows][D] matrix into a shared tile with row
+// stride `stride`, float4 at a time; rows past n_rows become 0 so tails contribute nothing.
+template <int D, int kTileRows>
+__device__ void load_tile(float* tile, int stride, const float* src, int first, int n_rows) {
+    constexpr int kVecsPerRow = D / 4;
+    constexpr int kVecs = kTileRows * kVecsPerRow;
+#pragma unroll
+    for (int e = threadIdx.x; e < kVecs; e += kFlashThreads) {
+        const int r = e / kVecsPerRow, c4 = e % kVecsPerRow;
+        const int g = first + r;
+        const float4 v = g < n_rows ? reinterpret_cast<const float4*>(src + static_cast<size_t>(g) * D)[c4]
+                                    : make_float4(0.f, 0.f, 0.f, 0.f);
+        *reinterpret_cast<float4*>(tile + r * stride + c4 * 4) = v;
+    }
+}
+
+// Max and sum over the 16 lanes of a half-warp (the threads that share a query row).
+__device__ __forceinline__ float row_max(float v) {
+    for (int o = kColLanes / 2; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(kFullMask, v, o));
+    return v;
+}
+__device__ __forceinline__ float row_sum(float v) {
+    for (int o = kColLanes / 2; o > 0; o >>= 1) v += __shfl_xor_sync(kFullMask, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float dot4(float4 a, float4 b) {
+    return a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w;
+}
+__device__ __forceinline__ float lane_of(float4 v, int i) {
+    return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+
+// S = Qi Kjᵀ · scale for this thread's rows (ty + 8·ii) and columns (tx + 16·jj).
+template <int D>
+__device__ void tile_scores(const float* Qi, const float* Kj, float scale, int tx, int ty,
+                            float (&S)[FlashTile<D>::kRows][FlashTile<D>::kCols]) {
+    using T = FlashTile<D>;
+#pragma unroll
+    for (int ii = 0; ii < T::kRows; ++ii)
+#pragma unroll
+        for (int jj = 0; jj < T::kCols; ++jj) S[ii][jj] = 0.f;
+#pragma unroll 4
+    for (int k = 0; k < D; k += 4) {
+        float4 q[T::kRows], kv[T::kCols];
+#pragma unroll
+        for (int ii = 0; ii < T::kRows; ++ii)
+            q[ii] = *reinterpret_cast<const float4*>(Qi + (ty + kRowGroups * ii) * T::kQKStride + k);
+#pragma unroll
+        for (int jj = 0; jj < T::kCols; ++jj)
+            kv[jj] = *reinterpret_cast<const float4*>(Kj + (tx + kColLanes * jj) * T::kQKStride + k);
+#pragma unroll
+        for (int ii = 0; ii < T::kRows; ++ii)
+#pragma unroll
+            for (int jj = 0; jj < T::kCols; ++jj) S[ii][jj] += dot4(q[ii], kv[jj]);
+    }
+#pragma unroll
+    for (int ii = 0; ii < T::kRows; ++ii)
+#pragma unroll
+        for (int jj = 0; jj < T::kCols; ++jj) S[ii][jj] *= scale;
+}
+
+// O += P Vj for this thread's rows and output columns (tx + 16·q).
+template <int D>
+__device__ void accumulate_pv(const float* Ps, const float* Vj, int tx, int ty,
+                              float (&O)[FlashTile<D>::kRows][FlashTile<D>::kDims]) {
+    using T = FlashTile<D>;
+#pragma unroll 2
+    for (int c = 0; c < T::Bc; c += 4) {
+        float4 p[T::kRows];
+#pragma unroll
+        for (int ii = 0; ii < T::kRows; ++ii)
+            p[ii] = *reinterpret_cast<const float4*>(Ps + (ty + kRowGroups * ii) * T::kPStride + c);
+#pragma unroll
+        for (int cc = 0; cc < 4; ++cc) {
+            float v[T::kDims];
+#pragma unroll
+            for (int q = 0; q < T::kDims; ++q) v[q] = Vj[(c + cc) * D + tx + kColLanes * q];
+#pragma unroll
+            for (int ii = 0; ii < T::kRows; ++ii)
+#pragma unroll
+                for (int q = 0; q < T::kDims; ++q) O[ii][q] += lane_of(p[ii], cc) * v[q];
+        }
+    }
+}
+
+// Grid: x = Tr query tiles, y = heads (grid-stride, so any number of heads fits).
+template <int D>
+__global__ void __launch_bounds__(kFlashThreads)
+flash_fwd_kernel(const float* __restrict__ Q, const float* __restrict__ K,
+                 const float* __restrict__ V, float* __restrict__ O, float* __restrict__ lse,
+                 int heads, int N, int M, float scale, bool causal) {
+    using T = FlashTile<D>;
+    constexpr int Br = T::Br, Bc = T::Bc;
+    extern __shared__ float4 smem4[];  // float4: 16-byte alignment for the vector accesses
+    float* Qi = reinterpret_cast<float*>(smem4);  // [Br][d+4]
+    float* Kj = Qi + Br * T::kQKStride;           // [Bc][d+4]
+    float* Vj = Kj + Bc * T::kQKStride;           // [Bc][d]
+    float* Ps = Vj + Bc * D;                      // [Br][Bc+16]
+
+    const int tx = threadIdx.x % kColLanes, ty = threadIdx.x / kColLanes;
+    const int i = blockIdx.x;  // this block's query tile
+    const int row0 = i * Br;
+    const int Tc = (M + Bc - 1) / Bc;
+    // Causal: key tile j is entirely above the diagonal (skipped) when its first column lies past
+    // the last real row of this query tile.
+    const int last_row = min(row0 + Br, N) - 1;
+    const int Tc_visible = causal ? min(Tc, last_row / Bc + 1) : Tc;
+
+    for (int h = blockIdx.y; h < heads; h += gridDim.y) {
+        const float* Qh = Q + static_cast<size_t>(h) * N * D;
+        const float* Kh = K + static_cast<size_t>(h) * M * D;
+        const float* Vh = V + static_cast<size_t>(h) * M * D;
+        // Qi's previous readers (tile_scores of the last head) all passed the barrier after
+        // their last S, so Qi may be overwritten here.
+        load_tile<D, Br>(Qi, T::kQKStride, Qh, row0, N);
+
+        float m[T::kRows], l[T::kRows], Oacc[T::kRows][T::kDims];
+#pragma unroll
+        for (int ii = 0; ii < T::kRows; ++ii) {
+            m[ii] = -INFINITY;
+            l[ii] = 0.f;
+#pragma unroll
+            for (int q = 0; q < T::kDims; ++q) Oacc[ii][q] = 0.f;
+        }
+
+        for (int j = 0; j < Tc_visible; ++j) {
+            __syncthreads();  // every read of the previous Kj, Vj and Ps is done before reloading
+            load_tile<D, Bc>(Kj, T::kQKStride, Kh, j * Bc, M);
+            load_tile<D, Bc>(Vj, D, Vh, j * Bc, M);
+            __syncthreads();  // Qi, Kj and Vj are complete in shared memory
+
+            // S = Qi Kjᵀ · scale; -inf past the last key (c >= M) and above the diagonal (c > r).
+            float S[T::kRows][T::kCols];
+            tile_scores<D>(Qi, Kj, scale, tx, ty, S);
+#pragma unroll
+            for (int ii = 0; ii < T::kRows; ++ii) {
+                const int r = row0 + ty + kRowGroups * ii;
+#pragma unroll
+                for (int jj = 0; jj < T::kCols; ++jj) {
+                    const int c = j * Bc + tx + kColLanes * jj;
+                    if (c >= M || (causal && c > r)) S[ii][jj] = -INFINITY;
+                }
+            }
+
+#pragma unroll
+            for (int ii = 0; ii < T::kRows; ++ii) {
+                // m_new = max(m, rowmax(S))
+                float tile_max = -INFINITY;
+#pragma unroll
+                for (int jj = 0; jj < T::kCols; ++jj) tile_max = fmaxf(tile_max, S[ii][jj]);
+                const float m_new = fmaxf(m[ii], row_max(tile_max));
+                // A row with every key so far masked keeps m = -inf; subtracting 0 then gives
+                // P = 0 and alpha = 0 instead of NaN from (-inf) - (-inf).
+                const float m_sub = m_new == -INFINITY ? 0.f : m_new;
+                // P = exp(S - m_new), written to Ps for the P Vj product across lanes.
+                float p_sum = 0.f;
+#pragma unroll
+                for (int jj = 0; jj < T::kCols; ++jj) {
+                    const float p = expf(S[ii][jj] - m_sub);
+                    p_sum += p;
+                    Ps[(ty + kRowGroups * ii) * T::kPStride + tx + kColLanes * jj] = p;
+                }
+                // l = exp(m - m_new)·l + rowsum(P); O = exp(m - m_new)·O
+                const float alpha = expf(m[ii] - m_sub);
+                l[ii] = alpha * l[ii] + row_sum(p_sum);
+#pragma unroll
+                for (int q = 0; q < T::kDims; ++q) Oacc[ii][q] *= alpha;
+                m[ii] = m_new;
+            }
+            __syncthreads();  // Ps is complete before threads read other lanes' columns of it
+
+            // O += P Vj
+            accumulate_pv<D>(Ps, Vj, tx, ty, Oacc);
+        }
+
+        // O /= l, lse = m + log(l); tail rows (r >= N) are never written.
+#pragma unroll
+        for (int ii = 0; ii < T::kRows; ++ii) {
+            const int r = row0 + ty + kRowGroups * ii;
+            if (r >= N) continue;
+            const float inv_l = 1.f / l[ii];
+            float* Or = O + (static_cast<size_t>(h) * N + r) * D;
+#pragma unroll
+            for (int q = 0; q < T::kDims; ++q) Or[tx + kColLanes * q] = Oacc[ii][q] * inv_l;
+            if (tx == 0) lse[static_cast<size_t>(h) * N + r] = m[ii] + logf(l[ii]);
+        }
+    }
+}
+
+template <int D>
+void launch_flash_fwd(const FlashArgs& a, cudaStream_t stream) {
+    using T = FlashTile<D>;
+    // Above 48 KB of dynamic shared memory a kernel must opt in; done once per width.
+    static bool smem_attribute_set = false;
+    if (!smem_attribute_set) {
+        CUDA_CHECK(cudaFuncSetAttribute(flash_fwd_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(T::kSmemBytes)));
+        smem_attribute_set = true;
+    }
+    const long long Tr = (static_cast<long long>(a.N) + T::Br - 1) / T::Br;
+    const dim3 grid(static_cast<unsigned>(Tr), static_cast<unsigned>(a.heads < kMaxGridY ? a.heads : kMaxGridY));
+    flash_fwd_kernel<D><<<grid, kFlashThreads, T::kSmemBytes, stream>>>(
+        a.Q, a.K, a.V, a.O, a.lse, a.heads, a.N, a.M, a.scale, a.causal);
+    LAUNCH_CHECK(flash_fwd_kernel);
+}
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+[[noreturn]] void unsupported_width(int d, const char* file, int line) {
+    fail(kExitInternal, where(file, line) + ": flash_forward: head width d=" + std::to_string(d) +
+                            " has no kernel (supported: 16, 32, 64, 128)",
+         "callers must check flash_supported() first");
+}
+
+}  // namespace
+
+void flash_forward_tiles(const FlashArgs& a, int* Br, int* Bc) {
+    switch (a.d) {
+        case 16: *Br = FlashTile<16>::Br; *Bc = FlashTile<16>::Bc; return;
+        case 32: *Br = FlashTile<32>::Br; *Bc = FlashTile<32>::Bc; return;
+        case 64: *Br = FlashTile<64>::Br; *Bc = FlashTile<64>::Bc; return;
+        case 128: *Br = FlashTile<128>::Br; *Bc = FlashTile<128>::Bc; return;
+        default: unsupported_width(a.d, __FILE__, __LINE__);
+    }
+}
+
+void flash_forward(const FlashArgs& a, cudaStream_t stream) {
+    if (a.heads <= 0 || a.N <= 0 || a.M <= 0) {
+        fail(kExitInternal, where(__FILE__, __LINE__) + ": flash_forward: empty problem (heads=" +
+                                std::to_string(a.heads) + " N=" + std::to_string(a.N) +
+                                " M=" + std::to_string(a.M) + ")");
+    }
+    if (!aligned16(a.Q) || !aligned16(a.K) || !aligned16(a.V) || !aligned16(a.O)) {
+        fail(kExitInternal, where(__FILE__, __LINE__) +
+                                ": flash_forward: Q, K, V and O must be 16-byte aligned (float4 loads)");
+    }
+    switch (a.d) {
+        case 16: return launch_flash_fwd<16>(a, stream);
+        case 32: return launch_flash_fwd<32>(a, stream);
+        case 64: return launch_flash_fwd<64>(a, stream);
+        case 128: return launch_flash_fwd<128>(a, stream);
+        default: unsupported_width(a.d, __FILE__, __LINE__);
+    }
+}
+
+}  // namespace attnstep

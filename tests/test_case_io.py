@@ -1,0 +1,130 @@
+"""The verifier's own strict reading of matrices and cases (no binary needed)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from verify.case import (CaseError, load_input_case, matrix_bytes, parse_text_matrix, read_matrix,
+                         write_matrix)
+from verify.generate import generate_case
+from verify.stages import Dims, parse_stage_file, stage_file
+
+
+def test_float32_text_round_trip_is_exact(tmp_path):
+    rng = np.random.default_rng(1)
+    a = (rng.standard_normal((17, 9)) * 10.0 ** rng.integers(-30, 30, (17, 9))).astype(np.float32)
+    a[0, 0], a[0, 1] = np.float32(np.inf) * -1, np.float32(1e-45)
+    write_matrix(tmp_path / "m.txt", a, "txt", header="attnstep test")
+    back = read_matrix(tmp_path / "m.txt")
+    assert back.dtype == np.float32
+    np.testing.assert_array_equal(back, a)
+
+
+def test_npy_round_trip(tmp_path):
+    a = np.arange(12, dtype=np.float32).reshape(3, 4) / 7
+    write_matrix(tmp_path / "m.npy", a, "npy")
+    np.testing.assert_array_equal(read_matrix(tmp_path / "m.npy", (3, 4)), a)
+    assert np.load(tmp_path / "m.npy").dtype == np.float32
+
+
+@pytest.mark.parametrize("text, shape, message", [
+    (b"1 2 3\n4 5\n", None, "m.txt:2: missing values: 2 values on this row, expected 3"),
+    (b"1 2\n4 5 6\n", None, "m.txt:2: extra values"),
+    (b"1 2\n3 x\n", None, "m.txt:2:2: not a number: 'x'"),
+    (b"1 2\n3 4\n", (3, 2), "m.txt:2: 2 rows, expected 3"),
+    (b"# only a comment\n", None, "m.txt: empty file"),
+    (b"1 2\n\n3 4\n", None, "m.txt:2: blank line inside the matrix"),
+    (b"1 2\xff\n", None, "not a text matrix"),
+], ids=["ragged", "extra", "non-numeric", "truncated", "empty", "blank-line", "binary"])
+def test_strict_text_errors_name_line_and_column(text, shape, message):
+    with pytest.raises(CaseError, match=None) as exc:
+        parse_text_matrix(text, "m.txt", shape)
+    assert message in str(exc.value)
+    assert "\n" not in str(exc.value)
+
+
+def test_nonfinite_inputs_rejected_with_location():
+    with pytest.raises(CaseError) as exc:
+        parse_text_matrix(b"# header\n1 2\n3 nan\n", "q.txt", allow_nonfinite=False)
+    assert "q.txt:3:2" in str(exc.value)
+    assert parse_text_matrix(b"1 inf\n", "ok.txt").shape == (1, 2)
+
+
+def test_npy_wrong_dtype_and_shape(tmp_path):
+    np.save(tmp_path / "a.npy", np.zeros((2, 2)))
+    with pytest.raises(CaseError, match="dtype float64, expected float32"):
+        read_matrix(tmp_path / "a.npy")
+    np.save(tmp_path / "b.npy", np.zeros((2, 3), dtype=np.float32))
+    with pytest.raises(CaseError, match="shape 2x3, expected 3x2"):
+        read_matrix(tmp_path / "b.npy", (3, 2))
+    (tmp_path / "c.npy").write_bytes(b"\x93NUMPY garbage")
+    with pytest.raises(CaseError, match="not a valid .npy file"):
+        read_matrix(tmp_path / "c.npy")
+
+
+def test_stage_file_names_round_trip():
+    assert parse_stage_file(stage_file("QK_scaled", 11, "txt")) == ("QK_scaled", 11, "txt")
+    assert parse_stage_file("run.toml") is None
+    assert parse_stage_file("Q_head_x.txt") is None
+
+
+def _seed_style_case(folder, heads=3, n=5, m=7, d=4):
+    """What the original workflow wrote: np.savetxt(fmt='%.6f'), no manifest."""
+    rng = np.random.default_rng(0)
+    for i in range(heads):
+        for name, rows in (("Q", n), ("K", m), ("V", m)):
+            np.savetxt(folder / f"{name}_head_{i}.txt", rng.random((rows, d)), fmt="%.6f")
+
+
+def test_case_without_manifest_is_inferred(tmp_path):
+    _seed_style_case(tmp_path)
+    case = load_input_case(tmp_path)
+    assert case.dims == Dims(1, 3, 5, 7, 4, 4)
+    assert case.load("K", 2).shape == (7, 4)
+
+
+def test_case_gaps_and_extras_are_errors(tmp_path):
+    _seed_style_case(tmp_path)
+    (tmp_path / "K_head_1.txt").unlink()
+    with pytest.raises(CaseError, match="K_head_1.txt: missing file"):
+        load_input_case(tmp_path)
+
+
+def test_manifest_disagreeing_with_files(tmp_path):
+    generate_case(tmp_path, Dims(1, 2, 4, 6, 8, 8))
+    np.savetxt(tmp_path / "Q_head_1.txt", np.zeros((5, 8)), fmt="%.6f")
+    case = load_input_case(tmp_path)
+    with pytest.raises(CaseError, match=r"Q_head_1.txt:5: 5 rows, expected 4"):
+        case.load("Q", 1)
+
+
+def test_manifest_unknown_key_and_bad_dims(tmp_path):
+    generate_case(tmp_path, Dims(1, 1, 2, 2, 2, 2))
+    manifest = tmp_path / "manifest.toml"
+    manifest.write_text(manifest.read_text() + "heeds = 3\n")
+    with pytest.raises(CaseError, match="unknown key 'heeds'"):
+        load_input_case(tmp_path)
+    manifest.write_text(manifest.read_text().replace("heeds = 3\n", "").replace("seq_q = 2", "seq_q = 0"))
+    with pytest.raises(CaseError, match="'seq_q' = 0: dimensions must be >= 1"):
+        load_input_case(tmp_path)
+
+
+def test_generate_replaces_an_earlier_case(tmp_path):
+    generate_case(tmp_path, Dims(1, 4, 3, 3, 2, 2))
+    generate_case(tmp_path, Dims(1, 2, 3, 3, 2, 2), fmt="npy")
+    case = load_input_case(tmp_path)
+    assert case.dims.heads == 2 and case.fmt == "npy"
+    assert not list(tmp_path.glob("*.txt"))
+
+
+def test_large_distribution_reaches_hundreds(tmp_path):
+    generate_case(tmp_path, Dims(1, 1, 64, 64, 64, 64), distribution="large", seed=3)
+    case = load_input_case(tmp_path)
+    q, k = case.load("Q", 0).astype(np.float64), case.load("K", 0).astype(np.float64)
+    logits = q @ k.T / 8.0
+    assert np.abs(logits).max() > 200  # exp() of these overflows float32 without max-subtraction
+
+
+def test_matrix_bytes_header_is_a_comment():
+    data = matrix_bytes(np.ones((1, 2), np.float32), "txt", header="attnstep stage=Q head=0")
+    assert data.splitlines()[0] == b"# attnstep stage=Q head=0"

@@ -1,0 +1,161 @@
+"""The Click CLI, through CliRunner: exit statuses, messages, reports."""
+from __future__ import annotations
+
+import json
+import xml.etree.ElementTree as ET
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from verify.case import crc32_hex, read_matrix, write_matrix
+from verify.cli import cli
+
+SMALL = ["--heads", "2", "--seq-q", "9", "--seq-k", "13", "--d-k", "16", "--d-v", "16"]
+
+
+@pytest.fixture
+def runner():
+    return CliRunner()
+
+
+def _one_line_error(result, code=2):
+    assert result.exit_code == code, result.output
+    assert "Traceback" not in result.output
+    return result.output.strip().splitlines()[-1]
+
+
+def test_generate_writes_case_and_manifest(runner, tmp_path):
+    res = runner.invoke(cli, ["generate", "--out", str(tmp_path / "c"), *SMALL, "--causal", "--seed", "4"])
+    assert res.exit_code == 0, res.output
+    assert (tmp_path / "c" / "manifest.toml").read_text().count("causal = true") == 1
+    assert read_matrix(tmp_path / "c" / "K_head_1.txt").shape == (13, 16)
+
+
+def test_generate_rejects_bad_dims(runner, tmp_path):
+    res = runner.invoke(cli, ["generate", "--out", str(tmp_path), "--d-k", "0"])
+    assert res.exit_code == 2 and "--d-k" in res.output
+
+
+def test_check_help_documents_the_tolerance_model(runner):
+    res = runner.invoke(cli, ["check", "--help"])
+    assert res.exit_code == 0
+    assert "tolerance" in res.output.lower() and "2^-24" in res.output.replace("2**-24", "2^-24")
+
+
+def test_check_without_a_run_is_a_one_line_error(runner, tmp_path):
+    runner.invoke(cli, ["generate", "--out", str(tmp_path / "in"), *SMALL])
+    (tmp_path / "out").mkdir()
+    line = _one_line_error(runner.invoke(cli, ["check", "--in", str(tmp_path / "in"),
+                                                "--out", str(tmp_path / "out")]))
+    assert "run.toml: missing" in line
+
+
+def test_check_rejects_bad_tol(runner, tmp_path):
+    res = runner.invoke(cli, ["check", "--tol", "QKX=1e-3"])
+    assert res.exit_code == 2 and "--tol" in res.output
+
+
+def test_run_reports_binary_input_errors(runner, tmp_path, binary):
+    runner.invoke(cli, ["generate", "--out", str(tmp_path / "in"), *SMALL])
+    (tmp_path / "in" / "V_head_1.txt").write_text("1 2\n")
+    line = _one_line_error(runner.invoke(cli, ["run", "--in", str(tmp_path / "in"),
+                                               "--out", str(tmp_path / "out"), "--backend", "cpu"]))
+    assert "V_head_1.txt" in line
+
+
+@pytest.fixture
+def good_run(runner, tmp_path, binary):
+    in_dir, out_dir = tmp_path / "in", tmp_path / "out"
+    assert runner.invoke(cli, ["generate", "--out", str(in_dir), *SMALL]).exit_code == 0
+    res = runner.invoke(cli, ["run", "--in", str(in_dir), "--out", str(out_dir), "--backend", "cpu"])
+    assert res.exit_code == 0, res.output
+    return in_dir, out_dir
+
+
+def _plant(out_dir, name, mutate):
+    """Rewrites one stage file and its CRC in run.toml, as a buggy binary would have written it."""
+    path = out_dir / name
+    header = path.read_bytes().split(b"\n", 1)[0].decode()
+    mat = mutate(read_matrix(path))
+    write_matrix(path, mat, "txt", header=header[2:])
+    manifest = out_dir / "run.toml"
+    lines = []
+    for line in manifest.read_text().splitlines():
+        if line.startswith(f"crc32_{name.rsplit('.', 1)[0]} "):
+            line = f'crc32_{name.rsplit(".", 1)[0]} = "{crc32_hex(path.read_bytes())}"'
+        lines.append(line)
+    manifest.write_text("\n".join(lines) + "\n")
+
+
+def test_check_passes_with_json_and_junit(runner, good_run, tmp_path):
+    in_dir, out_dir = good_run
+    res = runner.invoke(cli, ["check", "--in", str(in_dir), "--out", str(out_dir),
+                              "--json", str(tmp_path / "r.json"), "--junit", str(tmp_path / "r.xml")])
+    assert res.exit_code == 0, res.output
+    assert "PASS: all" in res.output
+    rep = json.loads((tmp_path / "r.json").read_text())
+    assert rep["passed"] is True and rep["first_failing_stage"] is None
+    entry = rep["results"][0]
+    for key in ("stage", "head", "passed", "max_abs", "max_rel", "tol_used", "worst", "diagnosis"):
+        assert key in entry
+    suite = ET.parse(tmp_path / "r.xml").getroot().find("testsuite")
+    assert suite.get("failures") == "0" and int(suite.get("tests")) == len(rep["results"])
+
+
+def test_check_names_first_failing_stage_and_writes_plots(runner, good_run, tmp_path):
+    in_dir, out_dir = good_run
+    _plant(out_dir, "QK_head_1.txt", lambda m: m * 2.0)
+    res = runner.invoke(cli, ["check", "--in", str(in_dir), "--out", str(out_dir),
+                              "--json", str(tmp_path / "r.json"), "--plot", str(tmp_path / "plots")])
+    assert res.exit_code == 1, res.output
+    rep = json.loads((tmp_path / "r.json").read_text())
+    assert rep["first_failing_stage"] == "QK"
+    assert "first failing stage: QK (head 1" in res.output
+    assert (tmp_path / "plots" / "QK_head_1.png").stat().st_size > 1000
+
+
+def test_stale_file_is_refused(runner, good_run, tmp_path):
+    in_dir, out_dir = good_run
+    path = out_dir / "output_head_0.txt"
+    path.write_bytes(path.read_bytes().replace(b"\n", b" \n", 2))  # same numbers, another file
+    res = runner.invoke(cli, ["check", "--in", str(in_dir), "--out", str(out_dir), "--json",
+                              str(tmp_path / "r.json")])
+    assert res.exit_code == 1
+    rep = json.loads((tmp_path / "r.json").read_text())
+    assert rep["first_failure"]["status"] == "STALE"
+    assert rep["first_failure"]["diagnosis"][0]["code"] == "stale"
+
+
+def test_tolerance_override_can_fail_a_correct_run(runner, good_run):
+    in_dir, out_dir = good_run
+    res = runner.invoke(cli, ["check", "--in", str(in_dir), "--out", str(out_dir), "--tol", "QK=0"])
+    # a float32 GEMM against float64 is not exact: a zero tolerance must fail QK
+    assert res.exit_code == 1 and "first failing stage: QK" in res.output
+
+
+def test_demo_runs_the_default_case(runner, tmp_path, binary):
+    res = runner.invoke(cli, ["demo", "--data-dir", str(tmp_path), "--backend", "cpu",
+                              "--build-dir", str(binary.parent)])
+    assert res.exit_code == 0, res.output
+    assert "12 heads" in res.output and "PASS" in res.output
+
+
+def test_python_dash_m_verify(tmp_path):
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-m", "verify", "--help"], capture_output=True, text=True)
+    assert out.returncode == 0 and "generate" in out.stdout and "check" in out.stdout
+
+
+def test_seed_scripts_run_the_same_code(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+    repo = Path(__file__).resolve().parent.parent
+    out = subprocess.run([sys.executable, str(repo / "scripts" / "generate.py"), "--out",
+                          str(tmp_path / "c"), *SMALL], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    out = subprocess.run([sys.executable, str(repo / "scripts" / "verify.py"), "--in", str(tmp_path / "c"),
+                          "--out", str(tmp_path / "none")], capture_output=True, text=True)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
