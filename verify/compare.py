@@ -207,14 +207,19 @@ def _load_output(run: RunInfo, stage: str, head: int, dims: Dims):
 
 
 def _allowed(stage: str, src: Dict[str, np.ndarray], want: np.ndarray, run: RunInfo,
-             opts: Options) -> np.ndarray:
+             opts: Options, chain: Optional[Dict[str, np.ndarray]] = None) -> np.ndarray:
+    """The element-wise allowance: the user's atol + rtol·|want| where given, else the error model:
+    isolated (this stage's own rounding, from `src`) or, with `chain`, the error accumulated along
+    the reference chain from the original inputs."""
     ov = opts.override(stage)
     if ov is not None:
         atol, rtol = ov
         return atol + rtol * np.where(np.isfinite(want), np.abs(want), 0.0)
-    return tolerance.stage_bound(stage, src, want, scale=float(run.values["scale"]),
-                                 causal=bool(run.values["causal"]),
-                                 precision=str(run.values["precision"]))
+    model = dict(scale=float(run.values["scale"]), causal=bool(run.values["causal"]),
+                 precision=str(run.values["precision"]))
+    if chain is not None:
+        return tolerance.chained_bound(stage, chain, **model)
+    return tolerance.stage_bound(stage, src, want, **model)
 
 
 def _upstream(stage: str) -> List[str]:
@@ -233,7 +238,7 @@ def check_head(run: RunInfo, case: InputCase, head: int, opts: Options,
     scale, causal = float(run.values["scale"]), bool(run.values["causal"])
     inputs = {name: case.load(name, head).astype(np.float64) for name in ("Q", "K", "V")}
     stages = [s for s in STAGES if s in run.stages and (opts.only_stages is None or s in opts.only_stages)]
-    chain = reference_chain(inputs, scale, causal, stages)
+    chain = {**inputs, **reference_chain(inputs, scale, causal, stages)}
     b, h = dims.decode_head(head)
     got: Dict[str, np.ndarray] = {}
     results: Dict[str, HeadResult] = {}
@@ -247,13 +252,13 @@ def check_head(run: RunInfo, case: InputCase, head: int, opts: Options,
             res.diagnosis.append(diag.Diagnosis(code, msg, {}))
             continue
         got[stage] = mat
-        names = STAGES[stage].inputs
+        names = STAGES[stage].inputs or (stage,)  # an echo's reference is the input file itself
         src_chain = {n: chain[n] if n in chain else inputs[n] for n in names}
         # Isolated: the binary's own upstream where it wrote it (else the reference's).
         src_iso = {n: got.get(n, src_chain[n]) for n in names}
         want_chain = chain[stage]
         want_iso = compute_stage(stage, src_iso, scale, causal)
-        res.chained = compare_arrays(mat, want_chain, _allowed(stage, src_chain, want_chain, run, opts))
+        res.chained = compare_arrays(mat, want_chain, _allowed(stage, src_chain, want_chain, run, opts, chain))
         res.isolated = compare_arrays(mat, want_iso, _allowed(stage, src_iso, want_iso, run, opts))
         ctx = {"dims": dims, "scale": scale, "causal": causal, "precision": run.values["precision"],
                "input": inputs.get(stage), "K_got": got.get("K", inputs["K"]),
@@ -320,7 +325,7 @@ def error_ratio_map(run: RunInfo, case: InputCase, stage: str, head: int,
     if got is None:
         raise CaseError(msg)
     src = {}
-    for n in STAGES[stage].inputs:
+    for n in STAGES[stage].inputs or (stage,):
         up = _load_output(run, n, head, run.dims)[0] if n in run.stages else None
         src[n] = up if up is not None else reference_chain(inputs, scale, causal, [n])[n]
     want = compute_stage(stage, src, scale, causal)

@@ -37,7 +37,7 @@ def _worst(results: List[HeadResult]) -> Optional[HeadResult]:
 
 
 def _location(r: HeadResult, c: Comparison) -> str:
-    if c.worst is None:
+    if c.worst is None or c.max_abs == 0:
         return "-"
     return f"b{r.batch} h{r.head_in_batch} [{c.worst[0]},{c.worst[1]}]"
 

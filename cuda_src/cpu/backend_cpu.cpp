@@ -26,6 +26,8 @@ namespace {
 constexpr int kFlashBr = 64;  // query rows per tile (FlashAttention's Br)
 constexpr int kFlashBc = 64;  // key rows per tile (Bc)
 const float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr int kRowBlock = 64;  // QK rows per work item
+inline size_t row_blocks(int rows) { return static_cast<size_t>((rows + kRowBlock - 1) / kRowBlock); }
 
 // Rounds to TF32 (10 explicit mantissa bits), round to nearest even, as tensor cores read
 // operands; Inf and NaN pass through.
@@ -61,10 +63,22 @@ void parallel_for(size_t n, Fn fn) {
 
 inline bool masked(bool causal, int r, int c) { return causal && c > r; }  // top-left aligned
 
-inline float dot(const float* a, const float* b, int n) {
-    float acc = 0.f;
-    for (int i = 0; i < n; ++i) acc += a[i] * b[i];
-    return acc;
+// A rows x cols matrix transposed (cols x rows).
+std::vector<float> transposed(const float* a, int rows, int cols) {
+    std::vector<float> t(static_cast<size_t>(rows) * cols);
+    for (int r = 0; r < rows; ++r)
+        for (int c = 0; c < cols; ++c) t[static_cast<size_t>(c) * rows + r] = a[static_cast<size_t>(r) * cols + c];
+    return t;
+}
+
+// out[0..n) = x[0..k) . B (k x n, row-major), accumulated over k in order.
+inline void row_times_matrix(const float* x, const float* B, int k, int n, float* out) {
+    std::fill_n(out, n, 0.f);
+    for (int t = 0; t < k; ++t) {
+        const float xt = x[t];
+        const float* Bt = B + static_cast<size_t>(t) * n;
+        for (int c = 0; c < n; ++c) out[c] += xt * Bt[c];
+    }
 }
 
 // The per-head matrices of one stage inside a group buffer.
@@ -154,13 +168,17 @@ void CpuBackend::run_stage(Stage s, const Problem& p, HeadGroup& g, const float*
             });
             break;
         case Stage::QK:
-            // QK[r][c] = Q[r] . K[c]: both operands are contiguous rows (K is used untransposed).
-            parallel_for(rows_all, [&](size_t hr) {
-                size_t h = hr / N, r = hr % N;
-                const float* Qr = q + stage_elems(Stage::Q, d) * h + r * dk;
-                const float* K = k + stage_elems(Stage::K, d) * h;
-                float* row = out.head(static_cast<int>(h)) + r * M;
-                for (int c = 0; c < M; ++c) row[c] = dot(Qr, K + static_cast<size_t>(c) * dk, dk);
+            // QK[r][:] = sum_t Q[r][t] KT[t][:]: an axpy over a transposed copy of K vectorises
+            // across columns, while each element still accumulates over t in order, like a dot.
+            // Items are (head, block of kRowBlock rows); each makes its own KT copy, 1/kRowBlock of
+            // its arithmetic.
+            parallel_for(static_cast<size_t>(g.count) * row_blocks(N), [&](size_t item) {
+                const size_t h = item / row_blocks(N);
+                const int r0 = static_cast<int>(item % row_blocks(N)) * kRowBlock, r1 = std::min(N, r0 + kRowBlock);
+                std::vector<float> KT = transposed(k + stage_elems(Stage::K, d) * h, M, dk);
+                for (int r = r0; r < r1; ++r)
+                    row_times_matrix(q + stage_elems(Stage::Q, d) * h + static_cast<size_t>(r) * dk, KT.data(), dk, M,
+                                     out.head(static_cast<int>(h)) + static_cast<size_t>(r) * M);
             });
             break;
         case Stage::QK_scaled: {
@@ -240,14 +258,14 @@ void CpuBackend::flash(const Problem& p, HeadGroup& g, const float* q, const flo
         for (int j = 0; j < Tc; ++j) {
             const int c0 = j * Bc, cols = std::min(Bc, M - c0);
             if (p.causal && c0 > r0 + rows - 1) break;  // this and later tiles are above the diagonal
+            const std::vector<float> KjT = transposed(K + static_cast<size_t>(c0) * d, cols, d);  // d x cols
             for (int rr = 0; rr < rows; ++rr) {
                 const int r = r0 + rr;
                 // S = scale * Qi Kjᵀ (masked -> -inf), m_new = max(m, rowmax(S))
                 float m_new = m[rr];
+                row_times_matrix(Qi + static_cast<size_t>(rr) * d, KjT.data(), d, cols, S.data());
                 for (int cc = 0; cc < cols; ++cc) {
-                    const int c = c0 + cc;
-                    S[cc] = masked(p.causal, r, c) ? kNegInf
-                                                   : dot(Qi + static_cast<size_t>(rr) * d, K + static_cast<size_t>(c) * d, d) * p.scale;
+                    S[cc] = masked(p.causal, r, c0 + cc) ? kNegInf : S[cc] * p.scale;
                     m_new = std::max(m_new, S[cc]);
                 }
                 if (m_new == kNegInf) continue;  // nothing visible yet in this row

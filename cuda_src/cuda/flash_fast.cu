@@ -47,11 +47,18 @@ constexpr int kMaxSplits = 16;
 __host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
 
 // ---------------------------------------------------------------------------------------------
-// Device helpers: TF32 conversion, the MMA, cp.async.
+// Device helpers: TF32 conversion, the MMA, cp.async. TF32 mma.sync and cp.async need sm_80; the
+// build also targets older GPUs, where these compile to nothing and flash_forward_fast declines
+// at run time (device_supported), so they are never launched there.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+#define ATTNSTEP_FAST_UNAVAILABLE 1
+#endif
 
 __device__ __forceinline__ uint32_t to_tf32(float x) {
-    uint32_t r;
+    uint32_t r = 0;
+#ifndef ATTNSTEP_FAST_UNAVAILABLE
     asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+#endif
     return r;
 }
 
@@ -65,10 +72,12 @@ __device__ __forceinline__ void split(float x, uint32_t& hi, uint32_t& lo) {
 // C(16×8) += A(16×8, row) · B(8×8, col), TF32 inputs, FP32 accumulators.
 __device__ __forceinline__ void mma_tf32(float (&c)[4], const uint32_t (&a)[4],
                                          const uint32_t (&b)[2]) {
+#ifndef ATTNSTEP_FAST_UNAVAILABLE
     asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
         "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#endif
 }
 
 // c += a·b in the chosen precision; the small cross terms go first so they are not lost.
@@ -85,15 +94,23 @@ __device__ __forceinline__ void mma_split(float (&c)[4], const uint32_t (&ahi)[4
 
 // 16-byte global → shared copy; reads nothing and writes zeros when !valid (tails).
 __device__ __forceinline__ void cp_async_16(float* dst, const float* src, bool valid) {
+#ifndef ATTNSTEP_FAST_UNAVAILABLE
     const unsigned saddr = static_cast<unsigned>(__cvta_generic_to_shared(dst));
     const int bytes = valid ? 16 : 0;
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(saddr), "l"(src),
                  "r"(bytes));
+#endif
 }
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n"); }
+__device__ __forceinline__ void cp_async_commit() {
+#ifndef ATTNSTEP_FAST_UNAVAILABLE
+    asm volatile("cp.async.commit_group;\n");
+#endif
+}
 template <int kPending>
 __device__ __forceinline__ void cp_async_wait() {
+#ifndef ATTNSTEP_FAST_UNAVAILABLE
     asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
+#endif
 }
 
 __device__ __forceinline__ float quad_max(float x) {
@@ -110,13 +127,18 @@ __device__ __forceinline__ float quad_sum(float x) {
 // × 4 threads then cover all 32 banks), rows of V by 4 (the scalar loads of rows 2t, 2t+1 land
 // in distinct banks). Both pads keep rows 16-byte aligned for cp.async.
 
-template <int D_, int BC_, int NW_>
+template <int D_, int BC_, int NW_, int MINB_, bool QSMEM_>
 struct Tiles {
     static constexpr int D = D_, BC = BC_, NW = NW_;
+    static constexpr int MIN_BLOCKS = MINB_;  // __launch_bounds__ occupancy target (register cap)
+    // Q fragments in registers (D/2 of them per thread) or re-read from shared memory per tile:
+    // at D = 128 the registers do not fit beside O and S without spilling.
+    static constexpr bool Q_SMEM = QSMEM_;
     static constexpr int BR = 16 * NW, THREADS = NW * kWarp;
-    static constexpr int LDK = D + 8, LDV = D + 4;
+    static constexpr int LDK = D + 8, LDV = D + 4, LDQ = D + 8;
     static constexpr int K_STAGE = BC * LDK, V_STAGE = BC * LDV;  // floats per stage
-    static constexpr size_t SMEM_BYTES = 2 * (K_STAGE + V_STAGE) * sizeof(float);
+    static constexpr int Q_FLOATS = Q_SMEM ? BR * LDQ : 0;
+    static constexpr size_t SMEM_BYTES = (2 * (K_STAGE + V_STAGE) + Q_FLOATS) * sizeof(float);
     static_assert(D % 8 == 0 && BC % 8 == 0, "tiles are made of 8×8 MMA pieces");
 };
 
@@ -146,10 +168,34 @@ __device__ __forceinline__ void load_tile(float* tile, const float* src, int row
     }
 }
 
-// S(16×BC) = Q_w · K_jᵀ for this warp's 16 rows. qf holds the warp's Q fragments (raw FP32),
-// k-permuted: qf[ks] = {Q[g][8ks+2t], Q[g+8][8ks+2t], Q[g][8ks+2t+1], Q[g+8][8ks+2t+1]}.
+// The warp's Q fragments: raw FP32 in registers, or (T::Q_SMEM) its 16 rows in shared memory.
+template <class T>
+struct QFrags {
+    float reg[T::Q_SMEM ? 1 : T::D / 8][4];
+    const float* rows;  // the warp's first row in shared memory (T::Q_SMEM)
+};
+
+// Fragment ks of Q, k-permuted: {Q[g][8ks+2t], Q[g+8][8ks+2t], Q[g][8ks+2t+1], Q[g+8][8ks+2t+1]}.
+template <class T>
+__device__ __forceinline__ void q_fragment(const QFrags<T>& q, int ks, int g, int t,
+                                           float (&a)[4]) {
+    if constexpr (T::Q_SMEM) {
+        const float2 x = *reinterpret_cast<const float2*>(q.rows + g * T::LDQ + ks * 8 + 2 * t);
+        const float2 y =
+            *reinterpret_cast<const float2*>(q.rows + (g + 8) * T::LDQ + ks * 8 + 2 * t);
+        a[0] = x.x;
+        a[1] = y.x;
+        a[2] = x.y;
+        a[3] = y.y;
+    } else {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) a[e] = q.reg[ks][e];
+    }
+}
+
+// S(16×BC) = Q_w · K_jᵀ for this warp's 16 rows.
 template <class T, bool kThree>
-__device__ __forceinline__ void qk_tile(float (&s)[T::BC / 8][4], const float (&qf)[T::D / 8][4],
+__device__ __forceinline__ void qk_tile(float (&s)[T::BC / 8][4], const QFrags<T>& q,
                                         const float* Ks, int g, int t) {
 #pragma unroll
     for (int nt = 0; nt < T::BC / 8; ++nt)
@@ -157,9 +203,11 @@ __device__ __forceinline__ void qk_tile(float (&s)[T::BC / 8][4], const float (&
         for (int e = 0; e < 4; ++e) s[nt][e] = 0.f;
 #pragma unroll
     for (int ks = 0; ks < T::D / 8; ++ks) {
+        float a[4];
+        q_fragment<T>(q, ks, g, t, a);
         uint32_t ahi[4], alo[4];
 #pragma unroll
-        for (int e = 0; e < 4; ++e) split<kThree>(qf[ks][e], ahi[e], alo[e]);
+        for (int e = 0; e < 4; ++e) split<kThree>(a[e], ahi[e], alo[e]);
 #pragma unroll
         for (int nt = 0; nt < T::BC / 8; ++nt) {
             // b0 = K[8nt+g][8ks+2t], b1 = K[8nt+g][8ks+2t+1]: one 8-byte load.
@@ -187,21 +235,28 @@ __device__ __forceinline__ void mask_tile(float (&s)[T::BC / 8][4], int key0, in
         }
 }
 
-// Online softmax for one tile, in base 2: x = S·scale·log2e, m_new = max(m, rowmax x),
+// x = S·scale·log2e: the softmax runs in base 2. Before masking, so that a negative scale cannot
+// turn a masked -inf into +inf.
+template <class T>
+__device__ __forceinline__ void scale_tile(float (&s)[T::BC / 8][4], float scale_log2) {
+#pragma unroll
+    for (int nt = 0; nt < T::BC / 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[nt][e] *= scale_log2;
+}
+
+// Online softmax for one tile of x (scaled, masked), in base 2: m_new = max(m, rowmax x),
 // P = 2^(x − m_new), l = l·2^(m − m_new) + rowsum P, O = O·2^(m − m_new). Rows g (e = 0, 1) and
 // g+8 (e = 2, 3). l is kept per thread (a quarter of each row) and summed across the quad at the
 // end; m is reduced across the quad here, so every thread rescales by the same factor.
 template <class T>
 __device__ __forceinline__ void online_softmax(float (&s)[T::BC / 8][4], float (&o)[T::D / 8][4],
-                                               float (&m)[2], float (&l)[2], float scale_log2) {
+                                               float (&m)[2], float (&l)[2]) {
     float mx[2] = {m[0], m[1]};
 #pragma unroll
     for (int nt = 0; nt < T::BC / 8; ++nt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            s[nt][e] *= scale_log2;
-            mx[e >> 1] = fmaxf(mx[e >> 1], s[nt][e]);
-        }
+        for (int e = 0; e < 4; ++e) mx[e >> 1] = fmaxf(mx[e >> 1], s[nt][e]);
     float base[2], alpha[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -255,8 +310,11 @@ __device__ __forceinline__ void pv_tile(float (&o)[T::D / 8][4], const float (&s
 // y = heads, z = KV splits. Block: NW warps. Shared memory: T::SMEM_BYTES (2 stages of K and V).
 
 template <class T, bool kThree, bool kCausal>
-__global__ void __launch_bounds__(T::THREADS)
+__global__ void __launch_bounds__(T::THREADS, T::MIN_BLOCKS)
     flash_fast_kernel(const FastParams p) {
+#ifdef ATTNSTEP_FAST_UNAVAILABLE
+    __trap();  // never launched below sm_80 (device_supported)
+#endif
     extern __shared__ float4 smem_f4[];
     float* const Ks = reinterpret_cast<float*>(smem_f4);  // [2][BC][LDK]
     float* const Vs = Ks + 2 * T::K_STAGE;                 // [2][BC][LDV]
@@ -281,21 +339,35 @@ __global__ void __launch_bounds__(T::THREADS)
     const int tile_begin = min(n_tiles, split_id * per_split);
     const int tile_end = min(n_tiles, tile_begin + per_split);
 
-    // Q fragments (k-permuted, see qk_tile); rows past N read as zeros and are never stored.
-    float qf[T::D / 8][4];
+    // Q (k-permuted, see q_fragment); rows past N read as zeros and are never stored.
+    QFrags<T> qf;
+    if constexpr (T::Q_SMEM) {
+        float* const Qs = Vs + 2 * T::V_STAGE;  // [BR][LDQ]
+        constexpr int kChunksPerRow = T::D / 4;
+        for (int c = threadIdx.x; c < T::BR * kChunksPerRow; c += T::THREADS) {
+            const int r = c / kChunksPerRow, col = (c % kChunksPerRow) * 4;
+            const float4 v = q0 + r < p.N
+                ? *reinterpret_cast<const float4*>(Qh + static_cast<size_t>(q0 + r) * T::D + col)
+                : make_float4(0.f, 0.f, 0.f, 0.f);
+            *reinterpret_cast<float4*>(Qs + r * T::LDQ + col) = v;
+        }
+        qf.rows = Qs + warp * 16 * T::LDQ;  // read after the first __syncthreads of the loop
+    } else {
 #pragma unroll
-    for (int ks = 0; ks < T::D / 8; ++ks) {
-        const int col = ks * 8 + 2 * t;
-        const float2 a = row0 < p.N
-            ? *reinterpret_cast<const float2*>(Qh + static_cast<size_t>(row0) * T::D + col)
-            : make_float2(0.f, 0.f);
-        const float2 b = row1 < p.N
-            ? *reinterpret_cast<const float2*>(Qh + static_cast<size_t>(row1) * T::D + col)
-            : make_float2(0.f, 0.f);
-        qf[ks][0] = a.x;
-        qf[ks][1] = b.x;
-        qf[ks][2] = a.y;
-        qf[ks][3] = b.y;
+        for (int ks = 0; ks < T::D / 8; ++ks) {
+            const int col = ks * 8 + 2 * t;
+            const float2 a = row0 < p.N
+                ? *reinterpret_cast<const float2*>(Qh + static_cast<size_t>(row0) * T::D + col)
+                : make_float2(0.f, 0.f);
+            const float2 b = row1 < p.N
+                ? *reinterpret_cast<const float2*>(Qh + static_cast<size_t>(row1) * T::D + col)
+                : make_float2(0.f, 0.f);
+            qf.reg[ks][0] = a.x;
+            qf.reg[ks][1] = b.x;
+            qf.reg[ks][2] = a.y;
+            qf.reg[ks][3] = b.y;
+        }
+        qf.rows = nullptr;
     }
 
     float o[T::D / 8][4];
@@ -330,11 +402,12 @@ __global__ void __launch_bounds__(T::THREADS)
 
         float s[T::BC / 8][4];
         qk_tile<T, kThree>(s, qf, Kj, g, t);  // S = Q Kᵀ
+        scale_tile<T>(s, p.scale_log2);
         const int key0 = j * T::BC;
         const bool tail = key0 + T::BC > p.M;
         const bool diagonal = kCausal && key0 + T::BC - 1 > wrow0;
         if (tail || diagonal) mask_tile<T, kCausal>(s, key0, p.M, row0, t);
-        online_softmax<T>(s, o, m, l, p.scale_log2);  // m = rowmax, P = exp(S − m), l = rowsum
+        online_softmax<T>(s, o, m, l);  // m = rowmax, P = exp(S − m), l = rowsum
 
         if (more) cp_async_wait<2>(); else cp_async_wait<0>();
         __syncthreads();  // V_j has landed
@@ -402,6 +475,17 @@ int blocks_per_sm() {
         if (cached < 1) cached = 1;
     }
     return cached;
+}
+
+// TF32 mma.sync and cp.async need compute capability 8.0 or newer.
+bool device_supported() {
+    static int major = -1;
+    if (major < 0) {
+        int dev = 0;
+        CUDA_CHECK(cudaGetDevice(&dev));
+        CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+    }
+    return major >= 8;
 }
 
 int sm_count() {
@@ -485,27 +569,33 @@ bool run_config(const FlashArgs& a, int forced_splits, Plan* plan, bool do_launc
 // variant != 0 selects exploration configurations when they are compiled in.
 bool dispatch(const FlashArgs& a, int variant, int forced_splits, Plan* plan, bool do_launch,
               cudaStream_t stream) {
-    if (a.heads < 1 || a.heads > 65535 || a.N < 1 || a.M < 1) return false;
+    if (a.heads < 1 || a.heads > 65535 || a.N < 1 || a.M < 1 || !device_supported()) return false;
     switch (variant) {
         case 0:
             switch (a.d) {
-                case 16: return run_config<Tiles<16, 64, 4>>(a, forced_splits, plan, do_launch, stream);
-                case 32: return run_config<Tiles<32, 64, 4>>(a, forced_splits, plan, do_launch, stream);
-                case 64: return run_config<Tiles<64, 64, 4>>(a, forced_splits, plan, do_launch, stream);
-                case 128: return run_config<Tiles<128, 64, 4>>(a, forced_splits, plan, do_launch, stream);
+                case 16: return run_config<Tiles<16, 64, 4, 3, false>>(a, forced_splits, plan, do_launch, stream);
+                case 32: return run_config<Tiles<32, 64, 4, 3, false>>(a, forced_splits, plan, do_launch, stream);
+                case 64: return run_config<Tiles<64, 64, 4, 2, true>>(a, forced_splits, plan, do_launch, stream);
+                case 128: return run_config<Tiles<128, 32, 4, 2, true>>(a, forced_splits, plan, do_launch, stream);
                 default: return false;  // no variant: the clean kernel handles it
             }
 #ifdef ATTNSTEP_FLASH_FAST_VARIANTS
-        case 1:  // Bc = 32: fewer registers for S, more tiles
+        case 1:  // smaller/larger KV tiles
             switch (a.d) {
-                case 64: return run_config<Tiles<64, 32, 4>>(a, forced_splits, plan, do_launch, stream);
-                case 128: return run_config<Tiles<128, 32, 4>>(a, forced_splits, plan, do_launch, stream);
+                case 64: return run_config<Tiles<64, 32, 4, 4, true>>(a, forced_splits, plan, do_launch, stream);
+                case 128: return run_config<Tiles<128, 64, 4, 1, true>>(a, forced_splits, plan, do_launch, stream);
                 default: return false;
             }
-        case 2:  // 8 warps: Br = 128, K/V tiles shared by twice the rows
+        case 2:  // d = 64: Q in registers; d = 128: 8 warps (Br = 128)
             switch (a.d) {
-                case 64: return run_config<Tiles<64, 64, 8>>(a, forced_splits, plan, do_launch, stream);
-                case 128: return run_config<Tiles<128, 32, 8>>(a, forced_splits, plan, do_launch, stream);
+                case 64: return run_config<Tiles<64, 64, 4, 2, false>>(a, forced_splits, plan, do_launch, stream);
+                case 128: return run_config<Tiles<128, 32, 8, 1, true>>(a, forced_splits, plan, do_launch, stream);
+                default: return false;
+            }
+        case 3:  // 8 warps (Br = 128): K/V tiles shared by twice the rows
+            switch (a.d) {
+                case 64: return run_config<Tiles<64, 64, 8, 1, true>>(a, forced_splits, plan, do_launch, stream);
+                case 128: return run_config<Tiles<128, 64, 8, 1, true>>(a, forced_splits, plan, do_launch, stream);
                 default: return false;
             }
 #endif

@@ -7,6 +7,7 @@
 #include <map>
 #include <set>
 #include <system_error>
+#include <vector>
 
 #include "../common.h"
 #include "manifest.h"
@@ -246,13 +247,23 @@ InputCase open_input_case(const std::string& dir_in) {
                      "head dimensions are 1.." + std::to_string(kMaxHeadDim));
         }
     }
-    // Head 0's shapes always (a cheap early check that the manifest matches the files), and every
-    // .npy header (it costs one small read per file); text heads are checked as they are read.
-    int probe_heads = c.format == Format::npy ? c.dims.total_heads() : 1;
-    for (int h = 0; h < probe_heads; ++h)
-        for (Stage s : kInputs)
-            check_shape(c.file(s, h), probe_matrix_shape(c.file(s, h), c.format), stage_rows(s, c.dims),
-                        stage_cols(s, c.dims), shape_words(s), c.has_manifest || h > 0);
+    // Before anything is written: head 0 read strictly for text (line-exact errors when the
+    // manifest and the files disagree; values are checked again when the head is read for real),
+    // and every .npy header (one small read per file). Later text heads are checked as read.
+    if (c.format == Format::txt) {
+        std::vector<float> scratch;
+        const char* origin = c.has_manifest ? " from the manifest" : " from head 0";
+        for (Stage s : kInputs) {
+            scratch.resize(stage_elems(s, c.dims));
+            read_matrix(c.file(s, 0), c.format, stage_rows(s, c.dims), stage_cols(s, c.dims), true,
+                        shape_words(s) + origin, scratch.data());
+        }
+    } else {
+        for (int h = 0; h < c.dims.total_heads(); ++h)
+            for (Stage s : kInputs)
+                check_shape(c.file(s, h), probe_matrix_shape(c.file(s, h), c.format), stage_rows(s, c.dims),
+                            stage_cols(s, c.dims), shape_words(s), c.has_manifest || h > 0);
+    }
     return c;
 }
 

@@ -2,6 +2,7 @@
 #include "matrix_io.h"
 
 #include <cerrno>
+#include <charconv>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -155,12 +156,13 @@ MatrixShape probe_text(const std::string& path) {
     return s;
 }
 
+// %.9g (float32 round-trips exactly); std::to_chars formats as printf would, several times faster.
 void write_text_value(std::string& line, float v) {
+    if (std::isnan(v)) { line += "nan"; return; }  // never "-nan"
+    if (std::isinf(v)) { line += v > 0 ? "inf" : "-inf"; return; }
     char buf[32];
-    if (std::isnan(v)) std::snprintf(buf, sizeof buf, "nan");  // never "-nan"
-    else if (std::isinf(v)) std::snprintf(buf, sizeof buf, v > 0 ? "inf" : "-inf");
-    else std::snprintf(buf, sizeof buf, "%.9g", static_cast<double>(v));
-    line += buf;
+    std::to_chars_result res = std::to_chars(buf, buf + sizeof buf, v, std::chars_format::general, 9);
+    line.append(buf, res.ptr);
 }
 
 void write_text(AtomicFile& out, const float* src, int rows, int cols, const std::string& header) {

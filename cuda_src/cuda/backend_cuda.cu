@@ -1,0 +1,356 @@
+// backend_cuda.cu — the CUDA backend: computes a group of heads stage by stage on the GPU with
+// cuBLAS GEMMs, the kernels of kernels.cu and the flash forward of flash_fwd.cu.
+// Built by CMake when a CUDA toolkit is found (ATTNSTEP_HAVE_CUDA=1); run with
+// `build/main --in data/random_test --out data/random_verify --backend cuda`; checked on a GPU by
+// scripts/gpu_smoke.sh and tests/test_gpu_backend.py.
+//
+// Per group: Q, K, V are copied host -> device once, each stage in `computed` runs on one stream
+// (timed with a pair of CUDA events), and each computed stage is copied back to group.out[s].
+// Device memory is one arena, carved into one buffer per stage and kept between groups (it only
+// grows), so a run of equal groups allocates once.
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+
+#include <memory>
+#include <string>
+
+#include "../backend.h"
+#include "../common.h"
+#include "cuda_check.cuh"
+#include "flash.cuh"
+#include "kernels.cuh"
+
+namespace attnstep {
+
+namespace {
+
+constexpr size_t kBufferAlign = 256;  // each stage buffer starts 256-byte aligned (float4-safe)
+constexpr double kUsableFraction = 0.9;  // of the device's free memory
+constexpr double kMiB = 1024.0 * 1024.0;
+
+size_t align_up(size_t n) { return (n + kBufferAlign - 1) / kBufferAlign * kBufferAlign; }
+
+// The inputs are always on the device (every stage derives from them); other stages only when
+// computed.
+bool needs_device_buffer(Stage s, StageSet computed) { return is_input_echo(s) || computed.has(s); }
+
+size_t group_stage_bytes(Stage s, const Dims& d, int heads) {
+    return stage_elems(s, d) * sizeof(float) * static_cast<size_t>(heads);
+}
+
+std::string mib(size_t bytes) { return std::to_string(static_cast<long long>(bytes / kMiB + 0.5)) + " MiB"; }
+
+// A computed stage whose source is not computed means the caller skipped dependency_closure().
+void check_sources_computed(StageSet computed) {
+    for (int i = 0; i < kNumStages; ++i) {
+        const Stage s = static_cast<Stage>(i);
+        const Stage from = stage_info(s).from;
+        if (computed.has(s) && from != Stage::NONE && !computed.has(from)) {
+            fail(kExitInternal, where(__FILE__, __LINE__) + ": stage " + stage_name(s) +
+                                    " requested without its source stage " + stage_name(from) +
+                                    " (dependency_closure not applied)");
+        }
+    }
+}
+
+class CudaBackend final : public Backend {
+public:
+    CudaBackend();
+    ~CudaBackend() override { release(); }
+    CudaBackend(const CudaBackend&) = delete;
+    CudaBackend& operator=(const CudaBackend&) = delete;
+
+    const char* name() const override { return "cuda"; }
+    std::string device_name() const override { return device_name_; }
+    void flash_tiles(const Problem& p, int* Br, int* Bc) const override;
+    size_t working_bytes_per_head(const Problem& p, StageSet computed) const override;
+    size_t available_bytes() const override;
+    void compute(const Problem& p, StageSet computed, HeadGroup& group, StageTimes* times) override;
+
+private:
+    struct Buffers {
+        float* at[kNumStages] = {};
+    };
+    Buffers carve_buffers(const Dims& d, StageSet computed, int heads);
+    void reserve_arena(size_t bytes);
+    void run_stages(const Problem& p, StageSet computed, int heads, const Buffers& b);
+    void gemm_qk(const Dims& d, int heads, const float* Q, const float* K, float* QK);
+    void gemm_output(const Dims& d, int heads, const float* P, const float* V, float* O);
+    // Runs `work` on the stream between the stage's two events.
+    template <class Work>
+    void timed(Stage s, Work&& work);
+    void release() noexcept;
+
+    std::string device_name_;
+    cudaStream_t stream_ = nullptr;
+    cublasHandle_t blas_ = nullptr;
+    cudaEvent_t start_[kNumStages] = {};
+    cudaEvent_t stop_[kNumStages] = {};
+    bool timed_[kNumStages] = {};
+    void* arena_ = nullptr;
+    size_t arena_bytes_ = 0;
+};
+
+CudaBackend::CudaBackend() {
+    try {
+        int dev = 0;
+        CUDA_CHECK(cudaGetDevice(&dev));
+        cudaDeviceProp prop{};
+        CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
+        device_name_ = prop.name;
+        CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+        CUBLAS_CHECK(cublasCreate(&blas_));
+        CUBLAS_CHECK(cublasSetStream(blas_, stream_));
+        for (int i = 0; i < kNumStages; ++i) {
+            CUDA_CHECK(cudaEventCreate(&start_[i]));
+            CUDA_CHECK(cudaEventCreate(&stop_[i]));
+        }
+    } catch (...) {
+        release();  // the destructor does not run for a constructor that throws
+        throw;
+    }
+}
+
+// Errors are ignored here: this runs on the way out, possibly while another error unwinds.
+void CudaBackend::release() noexcept {
+    if (arena_) cudaFree(arena_);
+    arena_ = nullptr;
+    arena_bytes_ = 0;
+    for (int i = 0; i < kNumStages; ++i) {
+        if (start_[i]) cudaEventDestroy(start_[i]);
+        if (stop_[i]) cudaEventDestroy(stop_[i]);
+        start_[i] = stop_[i] = nullptr;
+    }
+    if (blas_) cublasDestroy(blas_);
+    blas_ = nullptr;
+    if (stream_) cudaStreamDestroy(stream_);
+    stream_ = nullptr;
+}
+
+void CudaBackend::flash_tiles(const Problem& p, int* Br, int* Bc) const {
+    if (!flash_supported(p.dims)) {  // no flash stage for this width: no tiles to report
+        *Br = *Bc = 0;
+        return;
+    }
+    FlashArgs a{};
+    a.heads = 1;
+    a.N = p.dims.N;
+    a.M = p.dims.M;
+    a.d = p.dims.dk;
+    a.precision = p.precision;
+    flash_forward_tiles(a, Br, Bc);
+}
+
+size_t CudaBackend::working_bytes_per_head(const Problem& p, StageSet computed) const {
+    size_t bytes = 0;
+    for (int i = 0; i < kNumStages; ++i) {
+        const Stage s = static_cast<Stage>(i);
+        // Each buffer may gain up to kBufferAlign of padding per group; counting it per head is
+        // a safe over-estimate.
+        if (needs_device_buffer(s, computed)) bytes += group_stage_bytes(s, p.dims, 1) + kBufferAlign;
+    }
+    return bytes;
+}
+
+size_t CudaBackend::available_bytes() const {
+    size_t free_bytes = 0, total_bytes = 0;
+    CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
+    // The arena is reused (or freed before a larger one), so it counts as available.
+    return static_cast<size_t>(kUsableFraction * static_cast<double>(free_bytes + arena_bytes_));
+}
+
+void CudaBackend::reserve_arena(size_t bytes) {
+    if (bytes <= arena_bytes_) return;
+    if (arena_) CUDA_CHECK(cudaFree(arena_));
+    arena_ = nullptr;
+    arena_bytes_ = 0;
+    const cudaError_t err = cudaMalloc(&arena_, bytes);
+    if (err == cudaErrorMemoryAllocation) {
+        (void)cudaGetLastError();  // clear it, so later calls do not report it again
+        arena_ = nullptr;
+        size_t free_bytes = 0, total_bytes = 0;
+        cudaMemGetInfo(&free_bytes, &total_bytes);
+        fail(kExitNoMemory,
+             "the CUDA backend needs " + mib(bytes) + " of device memory for this group of heads; " +
+                 mib(free_bytes) + " of " + mib(total_bytes) + " are free on " + device_name_,
+             "lower --max-memory-mb so that fewer heads go to the GPU at once, or select fewer stages");
+    }
+    CUDA_CHECK(err);
+    arena_bytes_ = bytes;
+}
+
+CudaBackend::Buffers CudaBackend::carve_buffers(const Dims& d, StageSet computed, int heads) {
+    size_t offsets[kNumStages] = {};
+    size_t total = 0;
+    for (int i = 0; i < kNumStages; ++i) {
+        const Stage s = static_cast<Stage>(i);
+        if (!needs_device_buffer(s, computed)) continue;
+        offsets[i] = total;
+        total += align_up(group_stage_bytes(s, d, heads));
+    }
+    reserve_arena(total);
+    Buffers b;
+    for (int i = 0; i < kNumStages; ++i) {
+        if (needs_device_buffer(static_cast<Stage>(i), computed))
+            b.at[i] = reinterpret_cast<float*>(static_cast<char*>(arena_) + offsets[i]);
+    }
+    return b;
+}
+
+template <class Work>
+void CudaBackend::timed(Stage s, Work&& work) {
+    const int i = static_cast<int>(s);
+    CUDA_CHECK(cudaEventRecord(start_[i], stream_));
+    work();
+    CUDA_CHECK(cudaEventRecord(stop_[i], stream_));
+    timed_[i] = true;
+}
+
+// Row-major S[N][M] = Q[N][dk] · K[M][dk]ᵀ. cuBLAS is column-major, and a row-major X[r][c] is the
+// column-major Xᵀ (c×r, leading dimension c). So compute the column-major Sᵀ (M×N, ldc = M)
+// = K · Qᵀ, where A = K is stored column-major as dk×M (lda = dk) and taken transposed (M×dk),
+// and B = Q is stored column-major as dk×N (ldb = dk) and taken as is (= Qᵀ, dk×N).
+void CudaBackend::gemm_qk(const Dims& d, int heads, const float* Q, const float* K, float* QK) {
+    const float one = 1.f, zero = 0.f;
+    CUBLAS_CHECK(cublasSgemmStridedBatched(
+        blas_, CUBLAS_OP_T, CUBLAS_OP_N, /*m=*/d.M, /*n=*/d.N, /*k=*/d.dk, &one,
+        K, /*lda=*/d.dk, /*strideA=*/static_cast<long long>(d.M) * d.dk,
+        Q, /*ldb=*/d.dk, /*strideB=*/static_cast<long long>(d.N) * d.dk, &zero,
+        QK, /*ldc=*/d.M, /*strideC=*/static_cast<long long>(d.N) * d.M, heads));
+}
+
+// Row-major O[N][dv] = P[N][M] · V[M][dv]. Column-major: Oᵀ (dv×N, ldc = dv) = Vᵀ · Pᵀ, where
+// Vᵀ is V's storage read column-major (dv×M, lda = dv) and Pᵀ is P's (M×N, ldb = M); no transposes.
+void CudaBackend::gemm_output(const Dims& d, int heads, const float* P, const float* V, float* O) {
+    const float one = 1.f, zero = 0.f;
+    CUBLAS_CHECK(cublasSgemmStridedBatched(
+        blas_, CUBLAS_OP_N, CUBLAS_OP_N, /*m=*/d.dv, /*n=*/d.N, /*k=*/d.M, &one,
+        V, /*lda=*/d.dv, /*strideA=*/static_cast<long long>(d.M) * d.dv,
+        P, /*ldb=*/d.M, /*strideB=*/static_cast<long long>(d.N) * d.M, &zero,
+        O, /*ldc=*/d.dv, /*strideC=*/static_cast<long long>(d.N) * d.dv, heads));
+}
+
+void CudaBackend::run_stages(const Problem& p, StageSet computed, int heads, const Buffers& b) {
+    const Dims& d = p.dims;
+    auto buf = [&](Stage s) { return b.at[static_cast<int>(s)]; };
+    if (computed.has(Stage::KT)) {
+        timed(Stage::KT, [&] { launch_transpose(buf(Stage::K), buf(Stage::KT), heads, d.M, d.dk, stream_); });
+    }
+    if (computed.has(Stage::QK)) {
+        timed(Stage::QK, [&] { gemm_qk(d, heads, buf(Stage::Q), buf(Stage::K), buf(Stage::QK)); });
+    }
+    if (computed.has(Stage::QK_scaled)) {
+        timed(Stage::QK_scaled, [&] {
+            launch_scale_mask(buf(Stage::QK), buf(Stage::QK_scaled), heads, d.N, d.M, p.scale, p.causal, stream_);
+        });
+    }
+    if (computed.has(Stage::attention_weights)) {
+        timed(Stage::attention_weights, [&] {
+            launch_softmax_rows(buf(Stage::QK_scaled), buf(Stage::attention_weights),
+                                static_cast<long long>(heads) * d.N, d.M, stream_);
+        });
+    }
+    if (computed.has(Stage::output)) {
+        timed(Stage::output, [&] { gemm_output(d, heads, buf(Stage::attention_weights), buf(Stage::V), buf(Stage::output)); });
+    }
+    if (computed.any_flash()) {
+        FlashArgs a{};
+        a.Q = buf(Stage::Q);
+        a.K = buf(Stage::K);
+        a.V = buf(Stage::V);
+        a.O = buf(Stage::flash_output);
+        a.lse = buf(Stage::flash_lse);
+        a.heads = heads;
+        a.N = d.N;
+        a.M = d.M;
+        a.d = d.dk;
+        a.scale = p.scale;
+        a.causal = p.causal;
+        a.precision = p.precision;
+        // One kernel writes both flash stages; its time is booked to flash_output alone so that
+        // the per-stage times still add up to the run.
+        timed(Stage::flash_output, [&] { flash_forward(a, stream_); });
+    }
+}
+
+void CudaBackend::compute(const Problem& p, StageSet computed, HeadGroup& group, StageTimes* times) {
+    const int heads = group.count;
+    if (heads <= 0) return;
+    check_sources_computed(computed);
+    if (computed.any_flash() && !flash_supported(p.dims)) {
+        fail(kExitBadInput,
+             "the flash stages need d_k == d_v in {16, 32, 64, 128}; got d_k=" + std::to_string(p.dims.dk) +
+                 ", d_v=" + std::to_string(p.dims.dv),
+             "select the stage path only (--stages stages) for this shape");
+    }
+    const Dims& d = p.dims;
+    // cuBLAS: true FP32 unless TF32 tensor-core math was asked for.
+    CUBLAS_CHECK(cublasSetMathMode(
+        blas_, p.precision == Precision::tf32 ? CUBLAS_TF32_TENSOR_OP_MATH : CUBLAS_DEFAULT_MATH));
+
+    const Buffers b = carve_buffers(d, computed, heads);
+    for (bool& t : timed_) t = false;
+
+    if (p.poison) {  // every output buffer starts as NaN, so an element a stage skips shows
+        for (int i = 0; i < kNumStages; ++i) {
+            const Stage s = static_cast<Stage>(i);
+            if (computed.has(s) && !is_input_echo(s)) poison_fill(b.at[i], stage_elems(s, d) * heads, stream_);
+        }
+    }
+
+    // Inputs. The echo stages Q, K, V are the device copies read back, so their time is the upload.
+    const float* host_inputs[] = {group.q, group.k, group.v};
+    const Stage inputs[] = {Stage::Q, Stage::K, Stage::V};
+    for (int k = 0; k < 3; ++k) {
+        const Stage s = inputs[k];
+        if (!host_inputs[k]) fail(kExitInternal, where(__FILE__, __LINE__) + ": no host data for input " + stage_name(s));
+        timed(s, [&] {
+            CUDA_CHECK(cudaMemcpyAsync(b.at[static_cast<int>(s)], host_inputs[k], group_stage_bytes(s, d, heads),
+                                       cudaMemcpyHostToDevice, stream_));
+        });
+    }
+
+    run_stages(p, computed, heads, b);
+
+    for (int i = 0; i < kNumStages; ++i) {
+        const Stage s = static_cast<Stage>(i);
+        if (!computed.has(s) || !group.out[i]) continue;  // out[s] is null for stages not written
+        CUDA_CHECK(cudaMemcpyAsync(group.out[i], b.at[i], group_stage_bytes(s, d, heads),
+                                   cudaMemcpyDeviceToHost, stream_));
+    }
+    // Errors inside kernels surface here, reported at this line.
+    CUDA_CHECK(cudaStreamSynchronize(stream_));
+
+    if (!times) return;
+    for (int i = 0; i < kNumStages; ++i) {
+        if (!timed_[i] || !computed.has(static_cast<Stage>(i))) continue;
+        float ms = 0.f;
+        CUDA_CHECK(cudaEventElapsedTime(&ms, start_[i], stop_[i]));
+        times->ms[i] += ms;
+    }
+}
+
+}  // namespace
+
+bool cuda_backend_built() { return true; }
+
+// Never throws: "no device", "insufficient driver" and the like all mean "use the CPU".
+bool cuda_device_available() {
+    int count = 0;
+    const cudaError_t err = cudaGetDeviceCount(&count);
+    if (err != cudaSuccess) {
+        (void)cudaGetLastError();
+        return false;
+    }
+    return count > 0;
+}
+
+std::unique_ptr<Backend> make_cuda_backend() {
+    if (!cuda_device_available()) {
+        fail(kExitBadInput, "--backend cuda: no usable CUDA device found (cudaGetDeviceCount reports none)",
+             "use --backend cpu or --backend auto on a machine without a GPU");
+    }
+    return std::make_unique<CudaBackend>();
+}
+
+}  // namespace attnstep

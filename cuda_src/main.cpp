@@ -1,0 +1,318 @@
+// main.cpp — the attnstep binary: reads an input case, computes the selected attention stages
+// head group by head group on a backend, and writes one file per stage and head plus run.toml
+// (docs/contract.md). Order of work, so that bad input never leaves a half-written case:
+//   1. parse the command line, find and check the input case (every file, the manifest, shapes),
+//      choose the stages, the backend and the head-group size: all before writing anything;
+//   2. remove the previous run.toml, then per group: read Q/K/V, compute, write the stage files
+//      (each via a temporary file and rename);
+//   3. write run.toml last. On any failure after step 2 began, remove this run's files.
+#include <algorithm>
+#include <chrono>
+#include <csignal>
+#include <cstdint>
+#include <ctime>
+#include <cmath>
+#include <cstdio>
+#include <random>
+#include <string>
+#include <vector>
+#include <unistd.h>
+
+#include "backend.h"
+#include "bench.h"
+#include "cli.h"
+#include "common.h"
+#include "io/atomic_file.h"
+#include "io/crc32.h"
+#include "io/case_layout.h"
+#include "io/host_memory.h"
+#include "io/manifest.h"
+#include "io/matrix_io.h"
+#include "stages.h"
+
+namespace attnstep {
+
+namespace {
+
+const char* kRunManifest = "run.toml";
+const size_t kMiB = size_t(1) << 20;
+
+// Ctrl-C / SIGTERM while files are being written: the handler only records the signal (and
+// restores the default, so a second one kills at once); the run checks between files and fails
+// like any other error, which removes this run's files. Exit status 128 + signal, as shells use.
+volatile std::sig_atomic_t g_signal = 0;
+extern "C" void on_signal(int sig) {
+    g_signal = sig;
+    std::signal(sig, SIG_DFL);
+}
+
+void check_interrupted() {
+    if (g_signal)
+        fail(128 + g_signal, "interrupted by signal " + std::to_string(g_signal) + "; removed this run's files");
+}
+
+void notice(const std::string& line) { std::fprintf(stderr, "main: notice: %s\n", line.c_str()); }
+
+// Unique per run: UTC time, process id and 32 random bits.
+std::string make_run_id() {
+    std::time_t now = std::time(nullptr);
+    char t[32];
+    std::strftime(t, sizeof t, "%Y%m%dT%H%M%SZ", std::gmtime(&now));
+    std::random_device rd;
+    char buf[80];
+    std::snprintf(buf, sizeof buf, "%s-%d-%08x", t, static_cast<int>(::getpid()), static_cast<unsigned>(rd()));
+    return buf;
+}
+
+std::unique_ptr<Backend> choose_backend(BackendChoice choice) {
+    switch (choice) {
+        case BackendChoice::Cpu: return make_cpu_backend();
+        case BackendChoice::Cuda:
+            if (!cuda_backend_built())
+                fail(kExitBadInput, "--backend cuda: this binary was built without CUDA",
+                     "install the CUDA toolkit and rebuild, or use --backend cpu");
+            if (!cuda_device_available())
+                fail(kExitBadInput, "--backend cuda: no CUDA device found",
+                     "run on a machine with an NVIDIA GPU, or use --backend cpu");
+            return make_cuda_backend();
+        case BackendChoice::Auto:
+            if (cuda_backend_built() && cuda_device_available()) return make_cuda_backend();
+            notice("no CUDA device found; using the CPU backend");
+            return make_cpu_backend();
+    }
+    fail(kExitInternal, where(__FILE__, __LINE__) + ": unknown backend choice");
+}
+
+Problem make_problem(const Options& o, const InputCase& c) {
+    Problem p;
+    p.dims = c.dims;
+    p.causal = o.causal || c.causal;
+    double scale = o.has_scale ? o.scale : c.has_scale ? c.scale : 1.0 / std::sqrt(static_cast<double>(c.dims.dk));
+    p.scale = static_cast<float>(scale);
+    p.precision = o.precision;
+    p.poison = o.poison;
+    return p;
+}
+
+// The stages to write: the user's list, less the flash stages when the dimensions do not allow
+// them and the user did not name them.
+StageSet select_stages(const Options& o, const Dims& d) {
+    StageSet sel = o.stages;
+    if (!sel.any_flash() || flash_supported(d)) return sel;
+    std::string why = "flash stages need d_k = d_v in {16, 32, 64, 128}; this case has d_k = " +
+                      std::to_string(d.dk) + ", d_v = " + std::to_string(d.dv);
+    if (names_flash_explicitly(o.stages_text))
+        fail(kExitBadInput, "--stages " + o.stages_text + ": " + why,
+             "drop the flash stages (--stages stages) or generate a case with a supported head size");
+    notice(why + "; skipping flash_output and flash_lse");
+    sel.bits &= ~((1u << static_cast<int>(Stage::flash_output)) | (1u << static_cast<int>(Stage::flash_lse)));
+    return sel;
+}
+
+// ---------------------------------------------------------------- memory plan
+struct GroupPlan {
+    size_t host_per_head = 0, work_per_head = 0, host_budget = 0, work_budget = 0;
+    int group_size = 0;
+};
+
+size_t input_bytes_per_head(const Dims& d) {
+    return (stage_elems(Stage::Q, d) + stage_elems(Stage::K, d) + stage_elems(Stage::V, d)) * sizeof(float);
+}
+
+size_t stage_bytes_per_head(const Dims& d, StageSet computed) {
+    size_t b = 0;
+    for (int i = 0; i < kNumStages; ++i)
+        if (computed.has(static_cast<Stage>(i))) b += stage_elems(static_cast<Stage>(i), d) * sizeof(float);
+    return b;
+}
+
+std::string mib(size_t bytes) {
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "%.1f MiB", static_cast<double>(bytes) / kMiB);
+    return buf;
+}
+
+// The largest group of heads that fits both the host budget (min of MemAvailable/2 and
+// --max-memory-mb) and the backend's working memory; exit 3 when not even one head fits.
+GroupPlan plan_groups(const Options& o, const Problem& p, StageSet computed, const Backend& be) {
+    GroupPlan g;
+    size_t cap = o.max_memory_mb > 0 ? static_cast<size_t>(o.max_memory_mb) * kMiB : SIZE_MAX;
+    g.host_per_head = input_bytes_per_head(p.dims) + stage_bytes_per_head(p.dims, computed);
+    g.work_per_head = be.working_bytes_per_head(p, computed);
+    g.host_budget = std::min(host_budget_bytes(), cap);
+    g.work_budget = std::min(be.available_bytes(), cap);
+    bool big_stage_path = computed.has(Stage::QK) || computed.has(Stage::QK_scaled) ||
+                          computed.has(Stage::attention_weights);
+    std::string hint = big_stage_path
+                           ? "the N x M stages dominate: --stages flash needs no N x M buffers; or use a "
+                             "smaller case or a larger --max-memory-mb"
+                           : "use a smaller case or a larger --max-memory-mb";
+    if (g.host_per_head > g.host_budget)
+        fail(kExitNoMemory, "not enough host memory: one head needs " + mib(g.host_per_head) +
+                                " (inputs + stage buffers) but the budget is " + mib(g.host_budget) +
+                                " (min of MemAvailable/2 and --max-memory-mb)", hint);
+    if (g.work_per_head > g.work_budget)
+        fail(kExitNoMemory, std::string("not enough ") + be.name() + " working memory: one head needs " +
+                                mib(g.work_per_head) + " but " + mib(g.work_budget) + " is available", hint);
+    size_t by_host = g.host_budget / g.host_per_head;
+    size_t by_work = g.work_per_head ? g.work_budget / g.work_per_head : SIZE_MAX;
+    g.group_size = static_cast<int>(std::min<size_t>({by_host, by_work, static_cast<size_t>(p.dims.total_heads())}));
+    return g;
+}
+
+// ---------------------------------------------------------------- the run
+struct RunState {
+    std::string run_id, out_dir;
+    Format out_format = Format::txt;
+    OutputLog log;
+    StageTimes times;
+};
+
+void write_group(RunState& rs, const HeadGroup& g, StageSet written, const Dims& d) {
+    for (int i = 0; i < kNumStages; ++i) {
+        Stage s = static_cast<Stage>(i);
+        if (!written.has(s)) continue;
+        for (int j = 0; j < g.count; ++j) {
+            int head = g.first + j;
+            std::string name = head_file_name(s, head, rs.out_format);
+            int rows = stage_rows(s, d), cols = stage_cols(s, d);
+            std::string header = "# attnstep stage=" + std::string(stage_name(s)) + " head=" + std::to_string(head) +
+                                 " rows=" + std::to_string(rows) + " cols=" + std::to_string(cols) +
+                                 " run=" + rs.run_id;
+            check_interrupted();
+            AtomicFile f(rs.out_dir + "/" + name, rs.run_id);
+            write_matrix(f, rs.out_format, g.out[i] + stage_elems(s, d) * j, rows, cols, header);
+            uint32_t crc = f.commit();
+            rs.log.add(f.path(), name.substr(0, name.rfind('.')), crc);
+        }
+    }
+}
+
+std::string stage_list(StageSet set) {
+    std::string s;
+    for (int i = 0; i < kNumStages; ++i)
+        if (set.has(static_cast<Stage>(i))) s += (s.empty() ? "" : ",") + std::string(stage_name(static_cast<Stage>(i)));
+    return s;
+}
+
+void write_run_manifest(RunState& rs, const Options& o, const Problem& p, const Backend& be, StageSet computed,
+                        StageSet written) {
+    int Br = 0, Bc = 0;  // 0: no flash stage was computed
+    if (computed.any_flash()) be.flash_tiles(p, &Br, &Bc);
+    ManifestWriter w;
+    w.comment("attnstep run manifest (docs/contract.md); written last");
+    w.add("run_id", rs.run_id);
+    w.add("backend", be.name());
+    w.add("device", be.device_name());
+    w.add("precision", precision_name(p.precision));
+    w.add("format", format_name(rs.out_format));
+    w.add("input", o.in_dir);
+    const Dims& d = p.dims;
+    w.add("batch", d.batch);
+    w.add("heads", d.heads);
+    w.add("seq_q", d.N);
+    w.add("seq_k", d.M);
+    w.add("d_k", d.dk);
+    w.add("d_v", d.dv);
+    w.add_bool("causal", p.causal);
+    w.add_float("scale", static_cast<double>(p.scale));
+    w.add("stages", stage_list(written));
+    w.add("flash_block_q", Br);
+    w.add("flash_block_k", Bc);
+    w.add_bool("poison", p.poison);
+    for (int i = 0; i < kNumStages; ++i)
+        if (computed.has(static_cast<Stage>(i)))
+            w.add_float(std::string("time_ms_") + stage_name(static_cast<Stage>(i)), rs.times.ms[i]);
+    for (const OutputLog::Entry& e : rs.log.entries()) w.add("crc32_" + e.key, crc32_hex(e.crc));
+    AtomicFile f(rs.out_dir + "/" + kRunManifest, rs.run_id);
+    f.write(w.text());
+    f.commit();
+}
+
+int run(int argc, char** argv) {
+    Options o = parse_cli(argc, argv);
+    if (o.help) {
+        print_usage(stdout);
+        return kExitOk;
+    }
+    resolve_case_paths(&o);
+    InputCase in = open_input_case(o.in_dir);
+    Problem p = make_problem(o, in);
+    StageSet written = select_stages(o, p.dims);
+    StageSet computed = dependency_closure(written);
+    std::unique_ptr<Backend> be = choose_backend(o.backend);
+    GroupPlan plan = plan_groups(o, p, computed, *be);
+
+    RunState rs;
+    rs.run_id = make_run_id();
+    rs.out_dir = o.out_dir;
+    rs.out_format = o.has_format ? o.format : in.format;
+    prepare_output_dir(o.out_dir, o.in_dir, rs.run_id);
+    // From here on files change: a failure removes everything this run wrote.
+    std::signal(SIGINT, on_signal);
+    std::signal(SIGTERM, on_signal);
+    try {
+        remove_if_exists(rs.out_dir + "/" + kRunManifest);
+        const Dims& d = p.dims;
+        const int total = d.total_heads();
+        std::vector<float> buf[kNumStages];
+        std::vector<float> q, k, v;
+        for (int first = 0; first < total; first += plan.group_size) {
+            HeadGroup g;
+            g.first = first;
+            g.count = std::min(plan.group_size, total - first);
+            q.resize(stage_elems(Stage::Q, d) * g.count);
+            k.resize(stage_elems(Stage::K, d) * g.count);
+            v.resize(stage_elems(Stage::V, d) * g.count);
+            for (int j = 0; j < g.count; ++j)
+                read_head_inputs(in, first + j, o.allow_nonfinite, q.data() + stage_elems(Stage::Q, d) * j,
+                                 k.data() + stage_elems(Stage::K, d) * j, v.data() + stage_elems(Stage::V, d) * j);
+            g.q = q.data();
+            g.k = k.data();
+            g.v = v.data();
+            for (int i = 0; i < kNumStages; ++i)
+                if (computed.has(static_cast<Stage>(i))) {
+                    buf[i].resize(stage_elems(static_cast<Stage>(i), d) * g.count);
+                    g.out[i] = buf[i].data();
+                }
+            check_interrupted();
+            be->compute(p, computed, g, &rs.times);
+            write_group(rs, g, written, d);
+        }
+        check_interrupted();
+        write_run_manifest(rs, o, p, *be, computed, written);
+    } catch (...) {
+        rs.log.remove_all();
+        throw;
+    }
+    return kExitOk;
+}
+
+bool wants_bench(int argc, char** argv) {
+    for (int i = 1; i < argc; ++i)
+        if (std::string(argv[i]) == "--bench") return true;
+    return false;
+}
+
+}  // namespace
+
+}  // namespace attnstep
+
+int main(int argc, char** argv) {
+    using namespace attnstep;
+    try {
+        if (wants_bench(argc, argv)) return run_bench(argc, argv);
+        return run(argc, argv);
+    } catch (const Error& e) {
+        std::fprintf(stderr, "main: error: %s\n", e.what());
+        if (!e.hint.empty()) std::fprintf(stderr, "HINT: %s\n", e.hint.c_str());
+        return e.exit_code;
+    } catch (const std::bad_alloc&) {
+        std::fprintf(stderr, "main: error: out of host memory while allocating buffers\n"
+                             "HINT: lower --max-memory-mb so heads are processed in smaller groups\n");
+        return kExitNoMemory;
+    } catch (const std::exception& e) {
+        std::fprintf(stderr, "main: error: internal: %s\n", e.what());
+        return kExitInternal;
+    }
+}

@@ -1,0 +1,171 @@
+"""verify/bench.py: parsing, table, goals and plot from canned results; the binary's --bench
+options on the CPU build; and (gpu) a tiny real run whose flash check must pass."""
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from verify import bench as vb
+
+SHAPE = {"batch": 4, "heads": 16, "seq_q": 4096, "seq_k": 4096, "d": 64, "causal": False, "scale": 0.125}
+
+
+def _binary_json(precision="fp32", flash_fast_tflops=60.0, check_passed=True, err=2e-7):
+    """What `main --bench --json` writes, trimmed to one shape."""
+    def k(name, kind, ms, rate, fraction, **extra):
+        key = "gbps" if kind == "memory" else "tflops"
+        return {"name": name, "kind": kind, "status": "ok", "ms": ms, key: rate, "fraction": fraction, **extra}
+
+    return {
+        "tool": "attnstep bench", "format": 1, "device": "NVIDIA H200", "sm_count": 132,
+        "shape": dict(SHAPE), "precision": precision, "warmup": 3, "reps": 20,
+        "ceilings": {"sgemm_ms": 1.0, "sgemm_tflops": 50.0, "copy_ms": 0.5, "copy_gbps": 4000.0},
+        "passed": check_passed,
+        "kernels": [
+            k("KT", "memory", 0.05, 3500.0, 0.875),
+            k("QK", "gemm", 1.0, 45.0, 0.9),
+            k("QK_scaled", "memory", 1.2, 3000.0, 0.75),
+            {"name": "attention_weights", "kind": "memory", "status": "skipped (memory)"},
+            k("output", "gemm", 1.1, 40.0, 0.8),
+            k("flash", "attention", 20.0, 14.0, 0.28, tiles="64x64"),
+            k("flash_fast", "attention", 4.6, flash_fast_tflops, 1.2, tiles="64x64, splits 1",
+              check={"passed": check_passed, "max_rel_err": err, "max_lse_err": 1e-7}),
+        ],
+    }
+
+
+def _results(**kw):
+    runs = [{"binary": _binary_json("fp32", **kw), "sdpa": {"status": "ok", "ms": 7.9, "tflops": 35.0, "torch": "2.11"}},
+            {"binary": _binary_json("tf32", flash_fast_tflops=160.0),
+             "sdpa": {"status": "ok", "ms": 7.9, "tflops": 35.0, "torch": "2.11"}}]
+    return {"tool": "attnstep bench", "format": 1, "device": "NVIDIA H200", "date": "2026-11-22T04:00:00Z",
+            "torch": "2.11", "runs": runs}
+
+
+def test_shape_list_is_the_issue_list():
+    shapes = vb.default_shapes()
+    assert len(shapes) == 13
+    big = {(s.seq_q, s.d, s.causal) for s in shapes[1:]}
+    assert big == {(n, d, c) for n in (1024, 4096, 16384) for d in (64, 128) for c in (False, True)}
+    assert all((s.batch, s.heads, s.seq_q) == (4, 16, s.seq_k) for s in shapes[1:])
+
+
+def test_shape_id_flops_and_parse():
+    s = vb.parse_shape("4,16,4096,4096,64,causal")
+    assert s.id == "B4-H16-N4096-M4096-d64-causal"
+    assert s.flash_flop == 4 * 4 * 16 * 4096 * 4096 * 64 / 2
+    assert vb._parse_id(s.id) == s
+    with pytest.raises(Exception, match="B,H,N,M,D"):
+        vb.parse_shape("4,16,0,4096,64")
+
+
+def test_binary_args_carry_every_setting(tmp_path):
+    args = vb.binary_args(vb.Shape(1, 2, 3, 4, 16, True), "tf32", 1, 5, tmp_path / "x.json", True, "flash")
+    joined = " ".join(args)
+    for part in ("--bench", "--batch 1", "--heads 2", "--seq-q 3", "--seq-k 4", "--d 16",
+                 "--precision tf32", "--warmup 1", "--reps 5", "--only flash", "--causal", "--check"):
+        assert part in joined
+
+
+def test_reps_shrink_only_for_large_work():
+    assert vb.reps_for(vb.Shape(1, 12, 128, 128, 64, False), 20) == 20
+    assert vb.reps_for(vb.Shape(4, 16, 16384, 16384, 128, False), 20) == 5
+
+
+def test_parse_rejects_missing_fields():
+    data = _binary_json()
+    del data["ceilings"]
+    with pytest.raises(vb.BenchError, match="ceilings"):
+        vb.parse_binary_json(data, "x")
+    data = _binary_json()
+    del data["kernels"][1]["tflops"]
+    with pytest.raises(vb.BenchError, match="QK"):
+        vb.parse_binary_json(data, "x")
+
+
+def test_rows_table_and_ratios():
+    rows = vb.rows_from_results(_results())
+    ff = [r for r in rows if r.kernel == "flash_fast" and r.precision == "fp32"][0]
+    assert ff.vs_sdpa == pytest.approx(60.0 / 35.0)
+    assert "err 2.0e-07" in ff.note
+    table = vb.format_table(rows)
+    assert "skipped (memory)" in table
+    assert "1.71x" in table and "60.00 TFLOP/s" in table and "3500 GB/s" in table
+
+
+def test_goals_report_met_and_missed():
+    lines = vb.evaluate_goals(vb.rows_from_results(_results()))
+    text = "\n".join(lines)
+    assert "met    fp32 flash_fast >= 1.5x SDPA" in text
+    assert "met    tf32 flash_fast >= 150 TFLOP/s" in text
+    assert "MISSED QK_scaled >= 80% of copy bandwidth" in text  # 75 %
+    assert "met    QK >= 90% of cuBLAS SGEMM" in text
+    slow = vb.evaluate_goals(vb.rows_from_results(_results(flash_fast_tflops=40.0)))
+    assert any(line.startswith("MISSED fp32 flash_fast") for line in slow)
+
+
+def test_plot_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "bench.png"
+    vb.write_plot(vb.rows_from_results(_results()), path, "t")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_from_json(tmp_path):
+    src = tmp_path / "results.json"
+    src.write_text(json.dumps(_results()))
+    png = tmp_path / "p.png"
+    res = CliRunner().invoke(vb.bench, ["--from-json", str(src), "--plot", str(png)])
+    assert res.exit_code == 0, res.output
+    assert "NVIDIA H200" in res.output and "goals (issue 5)" in res.output
+    assert png.exists()
+
+
+def test_cli_failed_check_exits_1(tmp_path):
+    src = tmp_path / "results.json"
+    src.write_text(json.dumps(_results(check_passed=False, err=0.3)))
+    res = CliRunner().invoke(vb.bench, ["--from-json", str(src)])
+    assert res.exit_code == 1
+    assert "FAIL" in res.output
+
+
+def test_cli_bad_results_file_exits_2(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"runs": [{"binary": {"device": "x"}}]}))
+    res = CliRunner().invoke(vb.bench, ["--from-json", str(bad)])
+    assert res.exit_code == 2
+    assert "shape" in res.output
+    res = CliRunner().invoke(vb.bench, ["--shape", "1,2,3"])
+    assert res.exit_code == 2
+
+
+def test_binary_bench_rejects_bad_options(binary):
+    """On any build: bad --bench options are exit 2 with one line naming the option."""
+    for args, what in ((["--precision", "fp16"], "--precision"), (["--d", "0"], "--d"),
+                       (["--bogus"], "--bogus"), (["--reps"], "--reps")):
+        proc = subprocess.run([str(binary), "--bench", *args], capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2, (args, proc.stderr)
+        assert what in proc.stderr.splitlines()[0]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["fp32", "tf32"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_gpu_bench_tiny_shape_checks(binary, tmp_path, precision, causal):
+    """A real run on a tiny irregular shape: every kernel timed, every flash row checked (all rows)."""
+    shape = vb.Shape(1, 3, 127, 333, 64, causal)
+    data = vb.run_binary_bench(binary, shape, precision, warmup=1, reps=3, check=True)
+    assert data["passed"] is True
+    names = {k["name"]: k for k in data["kernels"]}
+    assert set(names) >= {"KT", "QK", "QK_scaled", "attention_weights", "output", "flash", "flash_fast"}
+    for k in names.values():
+        assert k["status"] == "ok" and k["ms"] > 0
+    assert names["flash_fast"]["check"]["passed"] is True
+    tol = 1e-4 if precision == "fp32" else 5e-3
+    assert names["flash_fast"]["check"]["max_rel_err"] < tol
+    assert data["ceilings"]["copy_gbps"] > 0 and data["ceilings"]["sgemm_tflops"] > 0

@@ -1,0 +1,523 @@
+"""The binary's file contract, run as a subprocess on the CPU backend (docs/contract.md).
+
+Strict input reading (each rejection: exit 2, one `main: error:` line naming file and line, nothing
+written), --stages selection, atomic outputs, CRC-32s, the original `./main random_test` form,
+head groups under --max-memory-mb, exit 3, and .npy round trips. Cases are written here with
+NumPy directly, independent of verify/generate.py.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import tomllib
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from verify.stages import INPUT_NAMES, RUN_MANIFEST, STAGE_NAMES, stage_file
+
+from conftest import GPU_PRESENT
+
+
+# ------------------------------------------------------------------ helpers
+def write_case(path: Path, heads=2, n=5, m=7, dk=16, dv=16, fmt="txt", manifest=True, seed=0,
+               extra_manifest="", batch=1):
+    """Writes a random case; returns {(name, head): float32 array}."""
+    path.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    shapes = {"Q": (n, dk), "K": (m, dk), "V": (m, dv)}
+    mats = {}
+    for i in range(batch * heads):
+        for name in INPUT_NAMES:
+            a = rng.standard_normal(shapes[name]).astype(np.float32)
+            mats[name, i] = a
+            if fmt == "txt":
+                np.savetxt(path / stage_file(name, i, "txt"), a, fmt="%.6f")
+                mats[name, i] = np.loadtxt(path / stage_file(name, i, "txt"), dtype=np.float32, ndmin=2)
+            else:
+                np.save(path / stage_file(name, i, "npy"), a)
+    if manifest:
+        (path / "manifest.toml").write_text(
+            f"batch = {batch}\nheads = {heads}\nseq_q = {n}\nseq_k = {m}\nd_k = {dk}\nd_v = {dv}\n"
+            f'format = "{fmt}"\n' + extra_manifest)
+    return mats
+
+
+def run(binary, *args, cwd=None):
+    return subprocess.run([str(binary), *map(str, args)], capture_output=True, text=True, cwd=cwd,
+                          timeout=300)
+
+
+def run_cpu(binary, in_dir, out_dir, *extra):
+    return run(binary, "--in", in_dir, "--out", out_dir, "--backend", "cpu", *extra)
+
+
+def error_line(proc, code=2):
+    assert proc.returncode == code, proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("main: error:")]
+    assert len(lines) == 1, proc.stderr
+    return lines[0]
+
+
+def read_run(out_dir: Path) -> dict:
+    return tomllib.loads((out_dir / RUN_MANIFEST).read_text())
+
+
+def files_in(path: Path):
+    return sorted(p.name for p in path.iterdir()) if path.exists() else []
+
+
+def set_token(path: Path, line: int, col_index: int, token: str):
+    """Replaces the col_index-th value on 1-based `line`."""
+    lines = path.read_text().splitlines()
+    vals = lines[line - 1].split()
+    vals[col_index] = token
+    lines[line - 1] = " ".join(vals)
+    path.write_text("\n".join(lines) + "\n")
+
+
+def drop_line(path: Path, line: int):
+    lines = path.read_text().splitlines()
+    del lines[line - 1]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def edit_line(path: Path, line: int, fn):
+    lines = path.read_text().splitlines()
+    lines[line - 1] = fn(lines[line - 1])
+    path.write_text("\n".join(lines) + "\n")
+
+
+# ------------------------------------------------------------------ strict input: rejections
+def _truncated(d):
+    drop_line(d / "Q_head_1.txt", 5)
+
+
+def _ragged(d):
+    edit_line(d / "K_head_0.txt", 4, lambda s: " ".join(s.split()[:-1]))
+
+
+def _extra_value(d):
+    edit_line(d / "V_head_1.txt", 2, lambda s: s + " 1.5")
+
+
+def _extra_row(d):
+    p = d / "Q_head_0.txt"
+    p.write_text(p.read_text() + " ".join(["0.5"] * 16) + "\n")
+
+
+def _non_numeric(d):
+    set_token(d / "V_head_0.txt", 3, 2, "1.2.3")
+
+
+def _nan(d):
+    set_token(d / "Q_head_0.txt", 2, 0, "nan")
+
+
+def _inf(d):
+    set_token(d / "K_head_1.txt", 6, 15, "-inf")
+
+
+def _blank_inside(d):
+    edit_line(d / "K_head_1.txt", 3, lambda s: s + "\n")
+
+
+def _empty(d):
+    (d / "V_head_1.txt").write_text("")
+
+
+def _missing_head_file(d):
+    (d / "K_head_1.txt").unlink()
+
+
+def _beyond_manifest(d):
+    for name in INPUT_NAMES:
+        shutil.copy(d / f"{name}_head_0.txt", d / f"{name}_head_2.txt")
+
+
+def _manifest_mismatch(d):
+    p = d / "manifest.toml"
+    p.write_text(p.read_text().replace("seq_q = 5", "seq_q = 6"))
+
+
+def _unknown_key(d):
+    p = d / "manifest.toml"
+    p.write_text(p.read_text() + "colour = 3\n")
+
+
+def _bad_type(d):
+    p = d / "manifest.toml"
+    p.write_text(p.read_text() + "causal = 1\n")
+
+
+def _zero_dim(d):
+    p = d / "manifest.toml"
+    p.write_text(p.read_text().replace("heads = 2", "heads = 0"))
+
+
+def _negative_dim(d):
+    p = d / "manifest.toml"
+    p.write_text(p.read_text().replace("seq_k = 7", "seq_k = -7"))
+
+
+def _dk_too_big(d):
+    p = d / "manifest.toml"
+    p.write_text(p.read_text().replace("d_k = 16", "d_k = 300"))
+
+
+# (id, mutation, file named in the message, its 1-based line or None for file-level errors, words)
+REJECTIONS = [
+    ("truncated", _truncated, "Q_head_1.txt", 5, "ends after 4 rows"),
+    ("ragged", _ragged, "K_head_0.txt", 4, "has 15 values"),
+    ("extra-value", _extra_value, "V_head_1.txt", 2, "has 17 values"),
+    ("extra-row", _extra_row, "Q_head_0.txt", 6, "extra row"),
+    ("non-numeric", _non_numeric, "V_head_0.txt", 3, "not a number: '1.2.3'"),
+    ("nan", _nan, "Q_head_0.txt", 2, "non-finite"),
+    ("inf", _inf, "K_head_1.txt", 6, "non-finite"),
+    ("blank-line", _blank_inside, "K_head_1.txt", 4, "blank line"),
+    ("empty", _empty, "V_head_1.txt", 1, "empty file"),
+    ("missing-head-file", _missing_head_file, "K_head_1.txt", None, "missing"),
+    ("beyond-manifest", _beyond_manifest, "_head_2.txt", None, "beyond"),
+    ("manifest-mismatch", _manifest_mismatch, "Q_head_0.txt", 6, "expected 6 x 16 (seq_q x d_k from the manifest)"),
+    ("unknown-key", _unknown_key, "manifest.toml", 8, "unknown key 'colour'"),
+    ("bad-type", _bad_type, "manifest.toml", 8, "must be true or false"),
+    ("zero-dim", _zero_dim, "manifest.toml", 2, "heads = 0"),
+    ("negative-dim", _negative_dim, "manifest.toml", 4, "seq_k = -7"),
+    ("dk-over-256", _dk_too_big, "manifest.toml", 5, "exceeds 256"),
+]
+
+
+@pytest.mark.parametrize("mutate,fname,line,words",
+                         [pytest.param(*r[1:], id=r[0]) for r in REJECTIONS])
+def test_bad_input_is_rejected_naming_file_and_line(binary, tmp_path, mutate, fname, line, words):
+    in_dir, out_dir = tmp_path / "in", tmp_path / "out"
+    write_case(in_dir)
+    mutate(in_dir)
+    proc = run_cpu(binary, in_dir, out_dir)
+    msg = error_line(proc)
+    assert fname in msg and words in msg, msg
+    if line is not None:
+        assert re.search(re.escape(fname) + rf":{line}:\d+: ", msg), msg
+    assert "HINT:" in proc.stderr or "manifest.toml" in fname
+    # Nothing half-written: no run.toml, no stage file, no temporary file.
+    assert files_in(out_dir) == []
+
+
+def test_nonfinite_inputs_run_with_allow_nonfinite(binary, tmp_path):
+    in_dir, out_dir = tmp_path / "in", tmp_path / "out"
+    write_case(in_dir)
+    _nan(in_dir)
+    assert "--allow-nonfinite" in run_cpu(binary, in_dir, out_dir).stderr
+    proc = run_cpu(binary, in_dir, out_dir, "--allow-nonfinite", "--stages", "Q")
+    assert proc.returncode == 0, proc.stderr
+    q = np.loadtxt(out_dir / "Q_head_0.txt", ndmin=2)
+    assert np.isnan(q[1, 0]) and np.isfinite(np.delete(q.ravel(), 16)).all()
+
+
+def test_head_gap_without_manifest_is_rejected(binary, tmp_path):
+    in_dir = tmp_path / "in"
+    write_case(in_dir, heads=4, manifest=False)
+    for name in INPUT_NAMES:
+        (in_dir / f"{name}_head_2.txt").unlink()
+    msg = error_line(run_cpu(binary, in_dir, tmp_path / "out"))
+    assert "Q_head_3.txt" in msg and "gap" in msg, msg
+
+
+def test_q_without_k_is_rejected(binary, tmp_path):
+    in_dir = tmp_path / "in"
+    write_case(in_dir, heads=3, manifest=False)
+    (in_dir / "K_head_2.txt").unlink()
+    msg = error_line(run_cpu(binary, in_dir, tmp_path / "out"))
+    assert "K_head_2.txt: missing" in msg, msg
+
+
+def test_no_inputs_at_all(binary, tmp_path):
+    (tmp_path / "in").mkdir()
+    msg = error_line(run_cpu(binary, tmp_path / "in", tmp_path / "out"))
+    assert "Q_head_0" in msg
+
+
+def test_out_equal_to_in_is_refused(binary, tmp_path):
+    in_dir = tmp_path / "in"
+    write_case(in_dir)
+    before = {p.name: p.read_bytes() for p in in_dir.iterdir()}
+    msg = error_line(run_cpu(binary, in_dir, tmp_path / "." / "in"))
+    assert "input folder" in msg
+    assert {p.name: p.read_bytes() for p in in_dir.iterdir()} == before
+
+
+def test_uncreatable_output_folder_is_refused(binary, tmp_path):
+    in_dir = tmp_path / "in"
+    write_case(in_dir)
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    msg = error_line(run_cpu(binary, in_dir, blocker / "out"))
+    assert str(blocker / "out") in msg
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root can write into a read-only folder")
+def test_unwritable_output_folder_is_refused(binary, tmp_path):
+    in_dir, out_dir = tmp_path / "in", tmp_path / "out"
+    write_case(in_dir)
+    out_dir.mkdir()
+    out_dir.chmod(0o500)
+    try:
+        msg = error_line(run_cpu(binary, in_dir, out_dir))
+    finally:
+        out_dir.chmod(0o700)
+    assert "not writable" in msg
+
+
+@pytest.mark.parametrize("args,words", [
+    (["--bogus"], "unknown option '--bogus'"),
+    (["--backend", "tpu"], "'tpu' is not one of auto|cuda|cpu"),
+    (["--scale", "abc"], "--scale"),
+    (["--format", "csv"], "--format"),
+    (["--precision", "fp16"], "--precision"),
+    (["--max-memory-mb", "0"], "--max-memory-mb"),
+    (["--stages", "QK,softmax"], "unknown stage 'softmax'"),
+    (["--stages"], "--stages needs a value"),
+], ids=["unknown-option", "backend", "scale", "format", "precision", "max-memory", "stage", "no-value"])
+def test_bad_usage_is_one_line_exit_2(binary, tmp_path, args, words):
+    write_case(tmp_path / "in")
+    msg = error_line(run_cpu(binary, tmp_path / "in", tmp_path / "out", *args))
+    assert words in msg, msg
+    assert files_in(tmp_path / "out") == []
+
+
+def test_help_exits_0(binary):
+    proc = run(binary, "--help")
+    assert proc.returncode == 0 and "--max-memory-mb" in proc.stdout
+
+
+@pytest.mark.skipif(GPU_PRESENT, reason="checks the no-GPU behaviour")
+def test_backend_cuda_without_gpu_is_exit_2_and_auto_falls_back(binary, tmp_path):
+    write_case(tmp_path / "in")
+    proc = run(binary, "--in", tmp_path / "in", "--out", tmp_path / "out", "--backend", "cuda")
+    assert "cuda" in error_line(proc)
+    proc = run(binary, "--in", tmp_path / "in", "--out", tmp_path / "out")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.strip() == "main: notice: no CUDA device found; using the CPU backend"
+    assert read_run(tmp_path / "out")["backend"] == "cpu"
+
+
+# ------------------------------------------------------------------ outputs
+def test_run_manifest_keys_and_crc32_match_zlib(binary, tmp_path):
+    in_dir, out_dir = tmp_path / "in", tmp_path / "out"
+    write_case(in_dir, batch=2, heads=2)
+    assert run_cpu(binary, in_dir, out_dir).returncode == 0
+    r = read_run(out_dir)
+    for key in ("run_id", "backend", "device", "precision", "format", "input", "batch", "heads",
+                "seq_q", "seq_k", "d_k", "d_v", "causal", "scale", "stages", "flash_block_q",
+                "flash_block_k", "poison"):
+        assert key in r, key
+    assert (r["batch"], r["heads"], r["seq_q"], r["seq_k"], r["d_k"], r["d_v"]) == (2, 2, 5, 7, 16, 16)
+    assert r["scale"] == pytest.approx(0.25) and r["causal"] is False and r["poison"] is False
+    assert r["stages"].split(",") == list(STAGE_NAMES)
+    assert (r["flash_block_q"], r["flash_block_k"]) == (64, 64)
+    assert all(f"time_ms_{s}" in r for s in STAGE_NAMES)
+    crcs = {k[len("crc32_"):]: v for k, v in r.items() if k.startswith("crc32_")}
+    expected = {stage_file(s, i, "txt") for s in STAGE_NAMES for i in range(4)}
+    assert {k + ".txt" for k in crcs} == expected
+    assert set(files_in(out_dir)) == expected | {RUN_MANIFEST}
+    for key, crc in crcs.items():
+        assert crc == f"{zlib.crc32((out_dir / (key + '.txt')).read_bytes()):08x}", key
+    header = (out_dir / "QK_head_3.txt").read_text().splitlines()[0]
+    assert header == f"# attnstep stage=QK head=3 rows=5 cols=7 run={r['run_id']}"
+
+
+def test_run_ids_are_unique(binary, tmp_path):
+    write_case(tmp_path / "in")
+    ids = set()
+    for _ in range(3):
+        assert run_cpu(binary, tmp_path / "in", tmp_path / "out", "--stages", "Q").returncode == 0
+        ids.add(read_run(tmp_path / "out")["run_id"])
+    assert len(ids) == 3
+
+
+@pytest.mark.parametrize("stages,written", [
+    ("QK_scaled", ["QK_scaled"]),
+    ("flash", ["flash_output", "flash_lse"]),
+    ("flash_lse", ["flash_lse"]),
+    ("stages", [s for s in STAGE_NAMES if not s.startswith("flash")]),
+    ("output,KT", ["KT", "output"]),
+], ids=["one-stage", "flash", "flash-lse", "stage-path", "list"])
+def test_stages_selection_writes_only_the_named(binary, tmp_path, stages, written):
+    write_case(tmp_path / "in")
+    proc = run_cpu(binary, tmp_path / "in", tmp_path / "out", "--stages", stages)
+    assert proc.returncode == 0, proc.stderr
+    r = read_run(tmp_path / "out")
+    assert r["stages"].split(",") == written
+    assert set(files_in(tmp_path / "out")) == {stage_file(s, i, "txt") for s in written for i in range(2)} | {RUN_MANIFEST}
+    # Dependencies are computed (timed) but not written.
+    if stages == "QK_scaled":
+        assert "time_ms_QK" in r
+
+
+def test_unsupported_flash_dims(binary, tmp_path):
+    write_case(tmp_path / "in", dk=24, dv=40)
+    msg = error_line(run_cpu(binary, tmp_path / "in", tmp_path / "out", "--stages", "QK,flash_output"))
+    assert "d_k = 24, d_v = 40" in msg
+    assert files_in(tmp_path / "out") == []
+    proc = run_cpu(binary, tmp_path / "in", tmp_path / "out")
+    assert proc.returncode == 0, proc.stderr
+    assert [ln for ln in proc.stderr.splitlines() if "notice" in ln and "flash" in ln]
+    r = read_run(tmp_path / "out")
+    assert "flash" not in r["stages"] and r["flash_block_q"] == 0
+
+
+def test_failed_run_removes_its_own_files_and_run_toml(binary, tmp_path):
+    """Heads 0 and 1 are written in their own groups before head 2's broken file is read."""
+    in_dir, out_dir = tmp_path / "in", tmp_path / "out"
+    write_case(in_dir, heads=3, n=192, m=192, dk=64, dv=64)
+    assert run_cpu(binary, in_dir, out_dir).returncode == 0
+    assert (out_dir / RUN_MANIFEST).exists()
+    stale = out_dir / "stale_note.txt"
+    stale.write_text("not ours")
+    drop_line(in_dir / "V_head_2.txt", 100)
+    proc = run_cpu(binary, in_dir, out_dir, "--max-memory-mb", "1")
+    assert "V_head_2.txt:192:1" in error_line(proc)
+    # No run.toml, none of this run's files (heads 0 and 1 were rewritten, then removed), no temp
+    # files; head 2's files from the previous run stay, as the previous run's (unlisted) leftovers.
+    left = files_in(out_dir)
+    assert RUN_MANIFEST not in left and not [f for f in left if ".tmp-" in f]
+    assert not [f for f in left if "_head_0." in f or "_head_1." in f]
+    assert stale.exists() and "QK_head_2.txt" in left
+
+
+# ------------------------------------------------------------------ inputs in other forms
+def test_savetxt_case_without_manifest_runs(binary, tmp_path):
+    in_dir, out_dir = tmp_path / "in", tmp_path / "out"
+    mats = write_case(in_dir, heads=3, n=9, m=11, dk=8, dv=12, manifest=False)
+    proc = run_cpu(binary, in_dir, out_dir, "--causal", "--scale", "0.5")
+    assert proc.returncode == 0, proc.stderr
+    r = read_run(out_dir)
+    assert (r["batch"], r["heads"], r["seq_q"], r["seq_k"], r["d_k"], r["d_v"]) == (1, 3, 9, 11, 8, 12)
+    assert r["causal"] is True and r["scale"] == 0.5 and r["format"] == "txt"
+    # The echo round-trips the float32 values exactly.
+    q = np.loadtxt(out_dir / "Q_head_2.txt", dtype=np.float32, ndmin=2)
+    assert np.array_equal(q, mats["Q", 2])
+
+
+def test_inconsistent_heads_without_manifest(binary, tmp_path):
+    in_dir = tmp_path / "in"
+    write_case(in_dir, heads=2, manifest=False)
+    np.savetxt(in_dir / "K_head_1.txt", np.ones((8, 16)), fmt="%.6f")
+    msg = error_line(run_cpu(binary, in_dir, tmp_path / "out"))
+    assert "K_head_1.txt:8:1" in msg and "from head 0" in msg, msg
+
+
+def test_original_workflow_from_build_dir(binary, tmp_path):
+    """`./main random_test` from build/ reads ../data/random_test and writes ../data/random_verify."""
+    write_case(tmp_path / "data" / "random_test", manifest=False)
+    build = tmp_path / "build"
+    build.mkdir()
+    shutil.copy(binary, build / "main")
+    proc = run("./main", "random_test", "--backend", "cpu", cwd=build)
+    assert proc.returncode == 0, proc.stderr
+    r = read_run(tmp_path / "data" / "random_verify")
+    assert r["input"] == "../data/random_test"
+    # ... and from the repository root, ./data comes first.
+    proc = run(build / "main", "random_test", "--backend", "cpu", "--stages", "Q", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert read_run(tmp_path / "data" / "random_verify")["input"] == "data/random_test"
+    msg = error_line(run(build / "main", "nope_test", cwd=tmp_path))
+    assert "nope_test" in msg
+
+
+def _matrices(out_dir: Path, fmt: str):
+    """Every stage file's values (the header line holds the run id, so compare values)."""
+    load = (lambda p: np.load(p)) if fmt == "npy" else (lambda p: np.loadtxt(p, dtype=np.float32, ndmin=2))
+    return {p.name: load(p) for p in sorted(out_dir.iterdir()) if p.suffix == "." + fmt}
+
+
+@pytest.mark.parametrize("fmt", ["txt", "npy"])
+def test_several_groups_give_identical_outputs(binary, tmp_path, fmt):
+    in_dir = tmp_path / "in"
+    write_case(in_dir, heads=5, n=192, m=192, dk=64, dv=64, fmt=fmt, extra_manifest="causal = true\n")
+    assert run_cpu(binary, in_dir, tmp_path / "one").returncode == 0
+    assert run_cpu(binary, in_dir, tmp_path / "many", "--max-memory-mb", "1").returncode == 0
+    one, many = _matrices(tmp_path / "one", fmt), _matrices(tmp_path / "many", fmt)
+    assert one.keys() == many.keys() and len(one) == 5 * len(STAGE_NAMES)
+    for name in one:
+        assert np.array_equal(one[name], many[name], equal_nan=True), name
+    if fmt == "npy":  # no header line: the bytes, and so the CRCs, agree too
+        c1 = {k: v for k, v in read_run(tmp_path / "one").items() if k.startswith("crc32_")}
+        assert c1 == {k: v for k, v in read_run(tmp_path / "many").items() if k.startswith("crc32_")}
+
+
+def test_exit_3_when_one_head_does_not_fit(binary, tmp_path):
+    in_dir = tmp_path / "in"
+    write_case(in_dir, heads=1, n=512, m=512, dk=16, dv=16)
+    proc = run_cpu(binary, in_dir, tmp_path / "out", "--max-memory-mb", "1")
+    msg = error_line(proc, code=3)
+    assert "MiB" in msg and "--stages flash" in proc.stderr
+    assert files_in(tmp_path / "out") == []
+    # The flash path holds no N x M buffer, so it fits.
+    proc = run_cpu(binary, in_dir, tmp_path / "out", "--max-memory-mb", "1", "--stages", "flash")
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_npy_round_trip_and_format_switch(binary, tmp_path):
+    in_dir = tmp_path / "in"
+    mats = write_case(in_dir, heads=2, n=6, m=9, dk=32, dv=32, fmt="npy")
+    assert run_cpu(binary, in_dir, tmp_path / "npy").returncode == 0
+    r = read_run(tmp_path / "npy")
+    assert r["format"] == "npy"
+    for i in range(2):
+        for name in INPUT_NAMES:
+            got = np.load(tmp_path / "npy" / stage_file(name, i, "npy"))
+            assert got.dtype == np.dtype("<f4") and np.array_equal(got, mats[name, i])
+    assert np.load(tmp_path / "npy" / "flash_lse_head_1.npy").shape == (6, 1)
+    # npy in, txt out: values round-trip exactly through %.9g.
+    assert run_cpu(binary, in_dir, tmp_path / "txt", "--format", "txt").returncode == 0
+    for name in ("QK_scaled_head_1", "output_head_0"):
+        t = np.loadtxt(tmp_path / "txt" / f"{name}.txt", dtype=np.float32, ndmin=2)
+        assert np.array_equal(t, np.load(tmp_path / "npy" / f"{name}.npy"))
+    # txt out read back in as an npy case: the binary reads its own npy output.
+    case2 = tmp_path / "case2"
+    case2.mkdir()
+    for name in INPUT_NAMES:
+        for i in range(2):
+            shutil.copy(tmp_path / "npy" / stage_file(name, i, "npy"), case2)
+    assert run_cpu(binary, case2, tmp_path / "again").returncode == 0
+    assert read_run(tmp_path / "again")["crc32_Q_head_0"] == r["crc32_Q_head_0"]
+
+
+@pytest.mark.parametrize("bad,words", [
+    (lambda a, p: np.save(p, a.astype(np.float64)), "'<f8'"),
+    (lambda a, p: np.save(p, np.asfortranarray(a)), "fortran_order"),
+    (lambda a, p: np.save(p, a.ravel()), "not 2-D"),
+    (lambda a, p: (np.save(p, a), p.write_bytes(p.read_bytes()[:-4])), "data bytes"),
+], ids=["float64", "fortran", "1-d", "truncated"])
+def test_bad_npy_is_rejected(binary, tmp_path, bad, words):
+    in_dir = tmp_path / "in"
+    mats = write_case(in_dir, fmt="npy", n=6, m=9)
+    bad(mats["K", 1], in_dir / "K_head_1.npy")
+    msg = error_line(run_cpu(binary, in_dir, tmp_path / "out"))
+    assert "K_head_1.npy" in msg and words in msg, msg
+    assert files_in(tmp_path / "out") == []
+
+
+def test_sigterm_while_writing_removes_this_runs_files(binary, tmp_path):
+    """Signalled once its first output file appears, the run stops between files and cleans up."""
+    import signal
+    import time
+
+    in_dir, out_dir = tmp_path / "in", tmp_path / "out"
+    write_case(in_dir, heads=8, n=384, m=384, dk=32, dv=32, fmt="npy")
+    out_dir.mkdir()
+    proc = subprocess.Popen([str(binary), "--in", str(in_dir), "--out", str(out_dir), "--backend", "cpu",
+                             "--format", "txt"], stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not any(out_dir.iterdir()) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.002)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert "interrupted by signal 15" in err
+    assert files_in(out_dir) == []

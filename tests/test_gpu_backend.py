@@ -1,0 +1,132 @@
+"""The CUDA backend, stage by stage, against the CPU backend and the float64 reference (gpu marker).
+
+Every CUDA run uses --poison, so an element a kernel fails to write stays NaN and fails the test.
+Shapes: tests/shapes.py (irregular on purpose) plus rows that take the softmax kernel's other paths
+(odd M > 1024, M > 32768: the uncached version) and several flash key tiles.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from verify.case import load_run, read_matrix
+from verify.generate import generate_case
+from verify.reference import reference_chain
+from verify.runner import run_binary
+from verify.stages import INPUT_NAMES, Dims, stage_file
+
+from shapes import SHAPES, shape_id
+
+pytestmark = pytest.mark.gpu
+
+# Rows that reach the kernels' other paths: scalar softmax over an odd M > 1024 with d_k != d_v;
+# M > 32768 (softmax without the register cache; flash over 600+ key tiles); float4 rows of
+# 4100 columns with several heads.
+LONG_ROW_SHAPES = [
+    Dims(batch=1, heads=1, seq_q=33, seq_k=1029, d_k=8, d_v=40),
+    Dims(batch=1, heads=1, seq_q=4, seq_k=40000, d_k=16, d_v=16),
+    Dims(batch=1, heads=2, seq_q=70, seq_k=4100, d_k=32, d_v=32),
+]
+# Largest error allowed, relative to the largest magnitude of the reference stage. FP32 lands
+# near 1e-6 on these shapes; TF32 (10-bit mantissa operands) near 1e-3.
+FP32_TOL = 1e-4
+TF32_TOL = 1e-2
+
+
+def rel_err(got: np.ndarray, ref: np.ndarray) -> float:
+    """max |got - ref| / max |ref| over the finite reference entries; inf when the -inf entries
+    (masked) differ or the shapes do, NaN when `got` holds a NaN (NaN never passes)."""
+    got = np.asarray(got, dtype=np.float64)
+    ref = np.asarray(ref, dtype=np.float64)
+    if got.shape != ref.shape:
+        return float("inf")
+    if np.isnan(got).any():
+        return float("nan")
+    masked = np.isinf(ref)
+    if not np.array_equal(np.isinf(got), masked) or not np.array_equal(got[masked], ref[masked]):
+        return float("inf")
+    finite = ~masked
+    if not finite.any():
+        return 0.0
+    return float(np.max(np.abs(got[finite] - ref[finite])) / max(np.max(np.abs(ref[finite])), 1e-30))
+
+
+def within(err: float, tol: float) -> bool:
+    return bool(err <= tol)  # False for NaN
+
+
+def run_case(binary: Path, in_dir: Path, out_dir: Path, backend: str, *extra: str):
+    run_binary(binary, in_dir, out_dir, backend=backend, extra=list(extra))
+    return load_run(out_dir)
+
+
+def inputs_of(in_dir: Path, head: int):
+    return {name: read_matrix(in_dir / stage_file(name, head, "npy")) for name in INPUT_NAMES}
+
+
+def case_params():
+    return [pytest.param(d, causal, id=shape_id(d, causal))
+            for d in SHAPES + LONG_ROW_SHAPES for causal in (False, True)]
+
+
+@pytest.mark.parametrize("dims, causal", case_params())
+def test_cuda_matches_cpu_and_reference(binary, tmp_path, dims, causal):
+    in_dir = generate_case(tmp_path / "in", dims, causal=causal, seed=11, distribution="normal", fmt="npy")
+    cuda = run_case(binary, in_dir, tmp_path / "cuda", "cuda", "--poison")
+    cpu = run_case(binary, in_dir, tmp_path / "cpu", "cpu")
+    assert cuda.values["backend"] == "cuda" and cuda.values["poison"] is True
+    assert cuda.stages == cpu.stages
+    assert ("flash_output" in cuda.stages) == dims.flash_supported
+    scale = float(cuda.values["scale"])
+    failures = []
+    for head in range(dims.total_heads):
+        ref = reference_chain(inputs_of(in_dir, head), scale, causal, cuda.stages)
+        for stage in cuda.stages:
+            got = read_matrix(cuda.file(stage, head))
+            e_ref = rel_err(got, ref[stage])
+            e_cpu = rel_err(got, read_matrix(cpu.file(stage, head)))
+            if not (within(e_ref, FP32_TOL) and within(e_cpu, FP32_TOL)):
+                failures.append(f"{stage} head {head}: vs reference {e_ref:.3g}, vs cpu {e_cpu:.3g} "
+                                f"(tol {FP32_TOL:g})")
+    assert not failures, failures
+
+
+def test_fp32_is_true_fp32_and_tf32_is_opt_in(binary, tmp_path):
+    dims = Dims(batch=1, heads=2, seq_q=127, seq_k=333, d_k=64, d_v=64)
+    in_dir = generate_case(tmp_path / "in", dims, seed=5, distribution="normal", fmt="npy")
+    errs = {}
+    for precision in ("fp32", "tf32"):
+        run = run_case(binary, in_dir, tmp_path / precision, "cuda", "--precision", precision,
+                       "--stages", "QK")
+        assert run.values["precision"] == precision
+        ref = reference_chain(inputs_of(in_dir, 0), float(run.values["scale"]), False, ["QK"])
+        errs[precision] = rel_err(read_matrix(run.file("QK", 0)), ref["QK"])
+    # FP32 GEMMs (CUBLAS_DEFAULT_MATH) are ~1e-7 here; TF32 tensor-core math rounds operands to a
+    # 10-bit mantissa and lands orders of magnitude higher.
+    assert errs["fp32"] < 1e-5, errs
+    assert errs["tf32"] <= TF32_TOL and errs["tf32"] > 10 * errs["fp32"], errs
+
+
+def test_several_groups_match_one_group(binary, tmp_path):
+    # --max-memory-mb 1 forces groups of a few heads; the device arena is then reused across groups.
+    dims = Dims(batch=2, heads=6, seq_q=128, seq_k=96, d_k=64, d_v=64)
+    in_dir = generate_case(tmp_path / "in", dims, causal=True, seed=3, distribution="normal", fmt="npy")
+    whole = run_case(binary, in_dir, tmp_path / "whole", "cuda", "--poison")
+    parts = run_case(binary, in_dir, tmp_path / "parts", "cuda", "--poison", "--max-memory-mb", "1")
+    for head in range(dims.total_heads):
+        for stage in whole.stages:
+            e = rel_err(read_matrix(parts.file(stage, head)), read_matrix(whole.file(stage, head)))
+            assert within(e, 1e-6), f"{stage} head {head}: {e:.3g}"
+
+
+def test_run_manifest_names_device_tiles_and_timings(binary, tmp_path):
+    dims = Dims(batch=1, heads=2, seq_q=65, seq_k=70, d_k=64, d_v=64)
+    in_dir = generate_case(tmp_path / "in", dims, seed=1, fmt="npy")
+    run = run_case(binary, in_dir, tmp_path / "out", "cuda")
+    assert run.values["device"] and run.values["device"] != "host CPU"
+    assert run.flash_tiles == (64, 64)
+    times = run.timings()
+    for stage in ("KT", "QK", "QK_scaled", "attention_weights", "output", "flash_output"):
+        assert stage in times and times[stage] > 0.0, (stage, times)

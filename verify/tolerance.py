@@ -1,0 +1,339 @@
+"""The tolerance model: an element-wise bound on |got - ref| for every stage, from rounding analysis.
+
+Each float32 operation rounds to nearest: its result carries an error uniform in ±ulp/2, at most
+u·|x| and with a standard deviation at most u·|x|/√3 (u = 2⁻²⁴ for fp32; UNIT_ROUNDOFF gives u per
+computing precision, the only thing precision changes). A stage's error is a sum of many such
+independent roundings, so the model computes, per element, the VARIANCE of that sum from the
+actual data (the partial sums the computation passes through), and allows LAMBDA standard
+deviations: a probabilistic bound in the sense of Higham & Mary (2019), but with the exact partial
+sums instead of the worst-case Σ|a_i b_i|, so it stays within ~10× the typical error of a correct
+computation (a worst-case γ_K·Σ|a_i b_i| bound is 50-200× looser for K = 64..1024 and lets real
+bugs through). Operations that are bounded but not random (exp/log ulp errors, the scale's own
+rounding) enter as their bound. describe_model() is the text `check --help` shows.
+
+Masked entries (-inf in the reference) get bound 0: they must match exactly.
+"""
+from __future__ import annotations
+
+import textwrap
+from typing import Dict, Optional, Tuple
+
+import numpy as np
+
+from .stages import STAGES
+
+UNIT_ROUNDOFF = {"fp32": 2.0**-24, "tf32": 2.0**-11, "bf16": 2.0**-8}
+
+# Standard deviations allowed. The modeled errors are sums of independent bounded roundings, close
+# to Gaussian: P(|Z| > 6) ≈ 2e-9 per element. Calibrated by tests/test_tolerance.py (zero false
+# failures over hundreds of simulated correct runs; a 10×-typical single-element error fails).
+LAMBDA = 6.0
+# Variance of one rounding, in units of (u·|x|)². Round to nearest errs uniformly within
+# ±ulp(x)/2 = ±u·2^e (2^e ≤ |x| < 2^(e+1)): variance (u·2^e)²/3 ≤ (u·x)²/3. Over the many
+# roundings of a sum the mantissas of the partial sums are spread log-uniformly (Benford), and
+# E[(2^e/|x|)²] = 3/(8 ln 2) ≈ 0.541, so a sum of roundings has variance 0.541/3 ≈ 0.18 (u·x)²
+# per rounding; single roundings use their bound instead (QK_scaled, the det terms).
+ROUND_VAR = 3.0 / (8.0 * np.log(2.0)) / 3.0
+EXP_ULPS = 2.0               # CUDA expf/exp2f: ≤ 2 ulp (CUDA C Programming Guide, Table 'single')
+LOG_ULPS = 1.0               # CUDA logf: ≤ 1 ulp
+ULP_IN_U = 2.0               # one ulp of a normal float is at most 2u·|x|
+# The fast flash kernel multiplies in 3xTF32: a·b ≈ a_hi·b_hi + a_hi·b_lo + a_lo·b_hi, each part
+# TF32 (u_tf32 = 2⁻¹¹). The low parts are themselves TF32 roundings of a rounding error, and the
+# dropped a_lo·b_lo is a product of two: three terms of variance (2⁻²²·ROUND_VAR)·|ab|² ... each
+# (2⁻¹¹)²·ROUND_VAR twice over, i.e. 16u²·ROUND_VAR² per term, instead of one fp32 rounding.
+FLASH_PRODUCT_VAR = 3 * 16.0 * ROUND_VAR**2           # in units of (u·|a b|)²
+# Per key element, the flash kernels round the logit once before exp (S·scale, or S·scale·log2e in
+# the fast kernel); the fast kernel's float32 scale·log2e is one more rounding common to the whole
+# head (a relative scale error ≤ u: see _common_scale_det).
+FLASH_LOGIT_ROUNDINGS = 1
+# The online softmax rescales its running sums (O and l) by exp(m_old - m_new) once per key tile
+# (Bc ≥ 8 keys): at most one more rounding of the partial sum per 8 keys.
+FLASH_RESCALE_FACTOR = 1.0 + 1.0 / 8.0
+# Final per-element roundings after the accumulation: the softmax's 1/l and ·(1/l); flash's
+# division by l and the split-KV combine (rescale, add, divide).
+SOFTMAX_FINAL_ROUNDINGS = 2
+FLASH_FINAL_ROUNDINGS = 4
+# Absolute floor: float32 flushes or underflows results below 2⁻¹²⁶ ≈ 1.2e-38 (exp of logits
+# more than ~87 below the row max, FTZ on the GPU); 2⁻¹¹⁰ ≈ 7.7e-34 covers that and stays far
+# below any value an attention stage produces at ordinary magnitudes.
+ABS_FLOOR = 2.0**-110
+# Above this many multiply-adds per head the exact partial-sum energy (chunked cumsum) costs too
+# much; the model then uses its expectation over random summation orders, inflated by
+# ENERGY_FALLBACK_FACTOR to cover orders whose partial sums wander further than average.
+ENERGY_EXACT_MAX_MACS = 1 << 27
+ENERGY_FALLBACK_FACTOR = 8.0
+_CHUNK_ELEMS = 1 << 21
+
+
+class ToleranceError(ValueError):
+    """A request the model cannot answer (unknown stage or precision, missing input)."""
+
+
+def unit_roundoff(precision: str) -> float:
+    if precision not in UNIT_ROUNDOFF:
+        raise ToleranceError(f"unknown precision {precision!r}; the tolerance model knows "
+                             f"{', '.join(UNIT_ROUNDOFF)}")
+    return UNIT_ROUNDOFF[precision]
+
+
+# ---------------------------------------------------------------------------------------------
+# Dot products: the partial-sum energy
+# ---------------------------------------------------------------------------------------------
+
+def _step_var(partial: np.ndarray, t: np.ndarray, u: float) -> np.ndarray:
+    """Variance bound of the rounding of each addition s_k = s_(k-1) + t_k: uniform within
+    ±u|s_k| (variance ROUND_VAR·u²s_k²), and never more than min(|t_k|, |s_(k-1)|): round to
+    nearest picks the closer of the floats next to the sum, and both addends are floats at
+    distance |s_(k-1)| and |t_k| from it. This keeps a sum dominated by one term (the softmax
+    of large logits) tight."""
+    prev = partial - t
+    return np.minimum(ROUND_VAR * (u * partial) ** 2, np.minimum(t * t, prev * prev))
+
+
+def dot_var(A: np.ndarray, B: np.ndarray, u: float, product_var: float = ROUND_VAR) -> np.ndarray:
+    """Variance of the float32 error of each element of A @ B (R×K times K×C), from its products
+    t_k and partial sums s_k: Σ_k var(rounding of s_k), the largest of three summation orders'
+    (index order, reverse order, and the expectation over random orders, which covers blocked,
+    strided and tiled orders whose partial sums wander where the index order's did not), plus
+    product_var·u²·Σ_k t_k² for the products' own rounding (an upper bound when FMA fuses them)."""
+    A = np.asarray(A, dtype=np.float64)
+    B = np.asarray(B, dtype=np.float64)
+    R, K = A.shape
+    C = B.shape[1]
+    if R * K * C > ENERGY_EXACT_MAX_MACS:
+        return _expected_var(A, B, u, product_var)
+    out = np.empty((R, C))
+    rows = max(1, _CHUNK_ELEMS // max(1, K * C))
+    for r0 in range(0, R, rows):
+        t = A[r0:r0 + rows, :, None] * B[None, :, :]          # (r, K, C) products
+        s = np.cumsum(t, axis=1)                               # index-order partial sums
+        total = s[:, -1:, :]
+        t2 = t * t
+        fwd = _step_var(s, t, u).sum(axis=1)
+        bwd = _step_var(total - s + t, t, u).sum(axis=1)      # reverse order: t_K, t_K + t_(K-1), …
+        # Random order: E[s_k²] averaged over k is Σt²/6 + S²/3 (sampling without replacement).
+        mean_s2 = t2.sum(axis=1, keepdims=True) / 6.0 + total * total / 3.0
+        rnd = np.minimum(ROUND_VAR * u * u * mean_s2, t2).sum(axis=1)
+        out[r0:r0 + rows] = np.maximum(np.maximum(fwd, bwd), rnd) + product_var * u * u * t2.sum(axis=1)
+    return out
+
+
+def _expected_var(A: np.ndarray, B: np.ndarray, u: float, product_var: float) -> np.ndarray:
+    """For very large heads: E[Σ_k s_k²] over random orders, (K+1)(Σt²/6 + S²/3), inflated by
+    ENERGY_FALLBACK_FACTOR for orders whose partial sums wander further than average."""
+    K = A.shape[1]
+    S = A @ B
+    T2 = (A * A) @ (B * B)
+    energy = ENERGY_FALLBACK_FACTOR * (K + 1) * (T2 / 6.0 + S * S / 3.0)
+    return u * u * (ROUND_VAR * energy + product_var * T2)
+
+
+# ---------------------------------------------------------------------------------------------
+# Softmax and its propagation
+# ---------------------------------------------------------------------------------------------
+
+def _softmax_parts(S: np.ndarray):
+    """p = softmax rows of S (masked -inf -> 0), d = S - rowmax (0 where masked), finite mask."""
+    finite = np.isfinite(S)
+    m = np.max(np.where(finite, S, -np.inf), axis=1, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0.0)
+    d = np.where(finite, S - m, 0.0)
+    e = np.where(finite, np.exp(d), 0.0)
+    l = e.sum(axis=1, keepdims=True)
+    p = e / np.where(l > 0, l, 1.0)
+    return p, d, m, finite
+
+
+def _exponent_var(d: np.ndarray, finite: np.ndarray, u: float, S: Optional[np.ndarray] = None,
+                  logit_roundings: int = 0) -> np.ndarray:
+    """Variance of the relative error η_j of e_j = exp(d_j): the subtraction S_j - m rounds
+    (u|d_j|), exp errs by ≤ EXP_ULPS ulp, and each rounding of the logit itself adds u|S_j|."""
+    exp_rel = EXP_ULPS * ULP_IN_U * u
+    var = ROUND_VAR * (u * d) ** 2 + ROUND_VAR * exp_rel ** 2
+    if S is not None and logit_roundings:
+        var = var + logit_roundings * ROUND_VAR * (u * np.where(finite, S, 0.0)) ** 2
+    return np.where(finite, var, 0.0)
+
+
+def _rowsum_rel_var(p: np.ndarray, u: float, extra_roundings: float = 1.0) -> np.ndarray:
+    """Relative variance of l = Σ_j e_j (N×1), from the partial sums of p in index or reverse
+    order (positive terms: any other order's partial sums are no larger on average)."""
+    s = np.cumsum(p, axis=1)
+    fwd = _step_var(s, p, u).sum(axis=1)
+    bwd = _step_var(1.0 - s + p, p, u).sum(axis=1)
+    return (extra_roundings * np.maximum(fwd, bwd))[:, None]
+
+
+def _weights_var(p: np.ndarray, eta_var: np.ndarray, l_var: np.ndarray, u: float) -> np.ndarray:
+    """Variance of Δp_j = p_j[(η_j - Σ_k p_k η_k) - ε_l] + final roundings, with independent η."""
+    own = (1.0 - p) ** 2 * eta_var
+    others = (p * p * eta_var).sum(axis=1, keepdims=True) - p * p * eta_var
+    return p * p * (own + np.maximum(others, 0.0) + l_var + SOFTMAX_FINAL_ROUNDINGS * ROUND_VAR * u * u)
+
+
+def _mixed_output_var(p: np.ndarray, eta_var: np.ndarray, V: np.ndarray, O: np.ndarray) -> np.ndarray:
+    """Variance of Σ_j p_j η_j (v_j - O) (the exponent errors after normalization: a common error
+    of all η cancels), for independent η_j: Σ_j w_j (v_j - O)² with w = p²·var(η), by three GEMMs."""
+    w = p * p * eta_var
+    var = w @ (V * V) - 2.0 * O * (w @ V) + O * O * w.sum(axis=1, keepdims=True)
+    return np.maximum(var, 0.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-stage variances (isolated: the inputs are exactly what the binary read)
+# ---------------------------------------------------------------------------------------------
+
+def _need(src: Dict[str, np.ndarray], stage: str, *names: str) -> Tuple[np.ndarray, ...]:
+    missing = [n for n in names if n not in src]
+    if missing:
+        raise ToleranceError(f"stage {stage}: the tolerance model needs input(s) "
+                             f"{', '.join(missing)}; got {', '.join(sorted(src)) or 'none'}")
+    return tuple(np.asarray(src[n], dtype=np.float64) for n in names)
+
+
+def _scaled_logits(Q: np.ndarray, K: np.ndarray, scale: float, causal: bool) -> np.ndarray:
+    S = (Q @ K.T) * scale
+    if causal:
+        S = np.where(np.triu(np.ones(S.shape, dtype=bool), k=1), -np.inf, S)
+    return S
+
+
+def _flash_parts(src, scale: float, causal: bool, u: float):
+    """What both flash stages share: logits, weights, and the variance of each exponent."""
+    Q, K = _need(src, "flash", "Q", "K")
+    S = _scaled_logits(Q, K, scale, causal)
+    p, d, m, finite = _softmax_parts(S)
+    s_var = scale * scale * dot_var(Q, K.T, u, FLASH_PRODUCT_VAR)
+    eta_var = np.where(finite, s_var, 0.0) + _exponent_var(d, finite, u, S, FLASH_LOGIT_ROUNDINGS)
+    l_var = _rowsum_rel_var(p, u, extra_roundings=FLASH_RESCALE_FACTOR)
+    return S, p, m, eta_var, l_var
+
+
+def _variance_and_det(stage: str, src, ref: np.ndarray, scale: float, causal: bool,
+                      u: float) -> Tuple[np.ndarray, np.ndarray]:
+    """(variance, deterministic part) of the error of one head of `stage`, isolated."""
+    zero = np.zeros(ref.shape)
+    if STAGES[stage].inputs == () or stage == "KT":
+        return zero, zero  # echoes and the transpose copy bits: they must be exact
+    if stage == "QK":
+        Q, K = _need(src, stage, "Q", "K")
+        return dot_var(Q, K.T, u), zero
+    if stage == "QK_scaled":
+        # One rounding of the product plus the float32 scale's own rounding (when the given scale
+        # is the float64 1/√d_k rather than the value the binary used): ≤ 2u|ref|.
+        return zero, np.where(np.isfinite(ref), 2.0 * u * np.abs(ref), 0.0)
+    if stage == "attention_weights":
+        (S,) = _need(src, stage, "QK_scaled")
+        p, d, _, finite = _softmax_parts(S)
+        # The softmax reads the very float32 QK_scaled the isolated reference starts from, so the
+        # input's rounding is not this stage's error (chained_bound propagates upstream errors).
+        eta_var = _exponent_var(d, finite, u)
+        return _weights_var(p, eta_var, _rowsum_rel_var(p, u), u), zero
+    if stage == "output":
+        P, V = _need(src, stage, "attention_weights", "V")
+        return dot_var(P, V, u), zero
+    if stage == "flash_output":
+        (V,) = _need(src, stage, "V")
+        S, p, m, eta_var, l_var = _flash_parts(src, scale, causal, u)
+        O = p @ V
+        # P̃·V accumulated key by key (plus the tile rescales), with 3xTF32 products.
+        pv_var = FLASH_RESCALE_FACTOR * dot_var(p, V, u, FLASH_PRODUCT_VAR)
+        var = (pv_var + _mixed_output_var(p, eta_var, V, O) + O * O * l_var
+               + FLASH_FINAL_ROUNDINGS * ROUND_VAR * (u * O) ** 2)
+        # A relative scale error δ ≤ u moves every logit by δ·S_j: ΔO = δ Σ_j p_j (S_j - S̄)(v_j - O).
+        w = u * p * np.abs(np.where(np.isfinite(S), S, 0.0) - (p * np.where(np.isfinite(S), S, 0.0)).sum(axis=1, keepdims=True))
+        det = w @ np.abs(V) + np.abs(O) * w.sum(axis=1, keepdims=True)
+        return var, det
+    if stage == "flash_lse":
+        S, p, m, eta_var, l_var = _flash_parts(src, scale, causal, u)
+        # Δlse = Σ_j p_j η_j + Δl/l; then log (≤ LOG_ULPS ulp), the m + log l addition and the
+        # log2-domain conversions of m (a few u|m|).
+        var = (p * p * eta_var).sum(axis=1, keepdims=True) + l_var
+        log_l = np.log(np.exp(np.where(np.isfinite(S), S - m, -np.inf)).sum(axis=1, keepdims=True))
+        # (+ u·|S̄|: the common scale error δ moves lse by δ·Σ_j p_j S_j)
+        det = u * (LOG_ULPS * ULP_IN_U * np.abs(log_l) + 3.0 * np.abs(m) + np.abs(ref))
+        return var, det
+    raise ToleranceError(f"no tolerance model for stage {stage!r}")
+
+
+def _finish(ref: np.ndarray, var: np.ndarray, det: np.ndarray) -> np.ndarray:
+    bound = LAMBDA * np.sqrt(var) + det + ABS_FLOOR
+    return np.where(np.isfinite(ref), bound, 0.0)
+
+
+def stage_bound(stage: str, src: Dict[str, np.ndarray], ref: np.ndarray, *, scale: float,
+                causal: bool, precision: str = "fp32") -> np.ndarray:
+    """Element-wise bound on |got - ref| for one head of `stage` computed from `src` (isolated).
+
+    src holds the float64 values of the stage's inputs (verify.stages.STAGES[stage].inputs); the
+    flash stages use Q, K (and V for flash_output). Q, K, V and KT get 0 (bit-exact copies);
+    entries where ref is ±inf (masked) get 0 and must match exactly.
+    """
+    if stage not in STAGES:
+        raise ToleranceError(f"unknown stage {stage!r}")
+    u = unit_roundoff(precision)
+    ref = np.asarray(ref, dtype=np.float64)
+    var, det = _variance_and_det(stage, src, ref, scale, causal, u)
+    if STAGES[stage].inputs == () or stage == "KT":
+        return np.zeros(ref.shape)
+    return _finish(ref, var, det)
+
+
+# ---------------------------------------------------------------------------------------------
+# Chained: the error accumulated along the stage path from the original inputs
+# ---------------------------------------------------------------------------------------------
+
+def chained_bound(stage: str, chain: Dict[str, np.ndarray], *, scale: float, causal: bool,
+                  precision: str = "fp32") -> np.ndarray:
+    """Bound on |got - chain[stage]| where chain holds the float64 reference chain from the
+    original inputs (Q, K, V and every stage up to `stage`): each stage's own error plus the
+    upstream errors propagated through it (QK's dot-product error through the scale and the
+    softmax Jacobian, the softmax's errors through P·V with the normalization's cancellation).
+    stage_bound() alone would cry wolf here: QK's rounding reaches QK_scaled and beyond."""
+    if stage not in STAGES:
+        raise ToleranceError(f"unknown stage {stage!r}")
+    u = unit_roundoff(precision)
+    if stage not in ("QK_scaled", "attention_weights", "output"):
+        src = {n: chain[n] for n in ("Q", "K", "V") if n in chain}
+        src.update({n: chain[n] for n in STAGES[stage].inputs if n in chain})
+        return stage_bound(stage, src, chain[stage], scale=scale, causal=causal, precision=precision)
+    Q, K = _need(chain, stage, "Q", "K")
+    S = _scaled_logits(Q, K, scale, causal)
+    p, d, _, finite = _softmax_parts(S)
+    # Error of the binary's QK_scaled: QK's dot product, scaled, plus ≤ 2u|S| of its own.
+    s_var = np.where(finite, scale * scale * dot_var(Q, K.T, u), 0.0)
+    s_det = np.where(finite, 2.0 * u * np.abs(np.where(finite, S, 0.0)), 0.0)
+    if stage == "QK_scaled":
+        return _finish(S, s_var, s_det)
+    # The deterministic part of the logit error enters as extra variance (bounded, (2u|S|)²/3·3).
+    eta_var = s_var + ROUND_VAR * 3.0 * s_det ** 2 + _exponent_var(d, finite, u)
+    l_var = _rowsum_rel_var(p, u)
+    if stage == "attention_weights":
+        return _finish(S, _weights_var(p, eta_var, l_var, u), np.zeros(S.shape))
+    (V,) = _need(chain, stage, "V")
+    O = p @ V
+    final = SOFTMAX_FINAL_ROUNDINGS * ROUND_VAR * u * u * ((p * p) @ (V * V))
+    var = dot_var(p, V, u) + _mixed_output_var(p, eta_var, V, O) + O * O * l_var + final
+    return _finish(O, var, np.zeros(O.shape))
+
+
+def describe_model() -> str:
+    """The tolerance model, for `attnstep check --help`."""
+    text = f"""
+    Tolerance model (per element; override with --atol/--rtol): bound = {LAMBDA:g}·σ + det + floor,
+    σ² the variance of the float32 rounding errors of the stage, computed from the data: every
+    rounding of a value x errs by at most u·|x|, with variance (u·x)²/3; u = 2^-24 for fp32,
+    2^-11 tf32, 2^-8 bf16 (the precision only changes u). Q, K, V, KT: 0 (bit-exact).
+    QK, output (dot products of length K): σ² = u²/3·(Σ_k s_k² + Σ_k t_k²) over the partial sums
+    s_k and products t_k, the larger of forward and reverse order (K·u·Σ|a b| is 50-200x looser).
+    QK_scaled: det = 2u|ref| (the product and the float32 scale). attention_weights: the relative
+    error η_j of exp(S_j - m) (the subtraction u|S_j - m|, expf {EXP_ULPS:g} ulp) propagated through
+    the normalization, Δp_j = p_j[(1-p_j)η_j - Σ_k≠j p_k η_k - ε_l], ε_l the row sum's rounding
+    (partial sums of p), plus 1/l and the multiply. flash_output: logit errors (the QK dot product
+    with 3xTF32 products, {FLASH_LOGIT_ROUNDINGS} roundings of the logit, exp) enter as
+    Σ_j p_j η_j (v_j - O); the online P·V and l sums with a rounding per tile rescale; the final
+    division. flash_lse: Σ_j p_j η_j + ε_l + log ({LOG_ULPS:g} ulp) + a few u·|m|. Masked entries
+    (-inf) must match exactly; NaN never passes. Floor: 2^-110 absolute (float32 underflow, FTZ).
+    Chained checking adds each upstream stage's error propagated through the stage.
+    """
+    return textwrap.dedent(text).strip("\n")
