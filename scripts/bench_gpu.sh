@@ -4,7 +4,8 @@
 # (all rows, both precisions, causal and not, forced KV splits), time the variants on the issue's
 # goal shapes, then run the full `bench` sweep (stage path, flash kernels, PyTorch SDPA).
 #
-#   scripts/bench_gpu.sh [build] [correct] [variants] [full]     (default: all four)
+#   scripts/bench_gpu.sh [build] [correct] [variants] [goal] [full]   (default: all but goal)
+# goal: the full bench on the four goal shapes only (B4 H16 N=M=4096, d 64/128, causal or not).
 #
 # Logs go to $OUT (or ./bench_gpu_out): correct.log, variants.log, full.log, bench.json, bench.png.
 # The last lines printed are the variant table and the full sweep's goals.
@@ -31,7 +32,7 @@ if want build; then
         tail -n 40 "$OUT/build.log"; echo "build FAILED"; exit 1
     fi
     echo "build: $((SECONDS - t0)) s"
-    grep -A2 "flash_fast_kernel" "$OUT/build.log" | grep -E "registers|spill" | sort | uniq -c | head -n 20
+    grep -A3 "flash_fast_kernel" "$OUT/build.log" | grep -E "registers|spill" | sort | uniq -c | head -n 20
 fi
 
 # One --bench run: prints its flash rows prefixed by a label; a failed check or crash sets status.
@@ -96,6 +97,13 @@ if want variants; then
             done
         done
     } 2>&1 | tee "$OUT/variants.log" >/dev/null
+fi
+
+if want goal; then
+    python3 -m verify.bench --build-dir $BUILD --json "$OUT/bench.json" --plot "$OUT/bench.png" \
+        --shape 4,16,4096,4096,64 --shape 4,16,4096,4096,64,causal \
+        --shape 4,16,4096,4096,128 --shape 4,16,4096,4096,128,causal >"$OUT/goal.log" 2>&1 || status=1
+    grep -vE "^bench: B" "$OUT/goal.log" | cut -c1-160 | head -n 80
 fi
 
 if want full; then

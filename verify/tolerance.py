@@ -16,6 +16,7 @@ Masked entries (-inf in the reference) get bound 0: they must match exactly.
 from __future__ import annotations
 
 import textwrap
+from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
 import numpy as np
@@ -34,17 +35,39 @@ LAMBDA = 6.0
 # E[(2^e/|x|)²] = 3/(8 ln 2) ≈ 0.541, so a sum of roundings has variance 0.541/3 ≈ 0.18 (u·x)²
 # per rounding; single roundings use their bound instead (QK_scaled, the det terms).
 ROUND_VAR = 3.0 / (8.0 * np.log(2.0)) / 3.0
-EXP_ULPS = 2.0               # CUDA expf/exp2f: ≤ 2 ulp (CUDA C Programming Guide, Table 'single')
-LOG_ULPS = 1.0               # CUDA logf: ≤ 1 ulp
 ULP_IN_U = 2.0               # one ulp of a normal float is at most 2u·|x|
+LOG_ULPS = 1.0               # CUDA logf/log2f: ≤ 1 ulp (CUDA C Programming Guide)
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """What the model assumes of the binary's arithmetic, per backend (run.toml's `backend`)."""
+    exp_var: float        # variance of exp's relative error, in units of u²
+    flash_product_var: float  # variance of one product in the flash GEMMs, in units of (u·ab)²
+    common_scale: bool    # the flash logits carry one rounded scale factor common to the head
+    lse_roundings: int    # roundings of lse's magnitude: m + log l, log2-domain conversions
+
+
+# Measured on an H200 (see the report of issue 3): expf errs 0.48 ulp RMS (max 1.86), exp2f 0.75
+# ulp RMS (max 2.06); logf/log2f 0.30 ulp RMS. One ulp is 2^(e-23), so a relative variance of
+# (0.75 ulp)² is 0.75²·4·0.541 ≈ 1.2 u² (Benford mantissas); λ·√1.2 u = 6.6u > 2 ulp, the max.
+_GPU_EXP_VAR = 0.75**2 * 4 * (3.0 / (8.0 * np.log(2.0)))
 # The fast flash kernel multiplies in 3xTF32: a·b ≈ a_hi·b_hi + a_hi·b_lo + a_lo·b_hi, each part
-# TF32 (u_tf32 = 2⁻¹¹). The low parts are themselves TF32 roundings of a rounding error, and the
-# dropped a_lo·b_lo is a product of two: three terms of variance (2⁻²²·ROUND_VAR)·|ab|² ... each
-# (2⁻¹¹)²·ROUND_VAR twice over, i.e. 16u²·ROUND_VAR² per term, instead of one fp32 rounding.
-FLASH_PRODUCT_VAR = 3 * 16.0 * ROUND_VAR**2           # in units of (u·|a b|)²
-# Per key element, the flash kernels round the logit once before exp (S·scale, or S·scale·log2e in
-# the fast kernel); the fast kernel's float32 scale·log2e is one more rounding common to the whole
-# head (a relative scale error ≤ u: see _common_scale_det).
+# TF32 (u_tf32 = 2⁻¹¹). The low parts are TF32 roundings of a TF32 rounding error and the dropped
+# a_lo·b_lo is a product of two: three terms of variance (2⁻¹¹)⁴·ROUND_VAR² = 16u²·ROUND_VAR².
+_GPU_FLASH_PRODUCT_VAR = 3 * 16.0 * ROUND_VAR**2
+KERNELS = {
+    # cuda: expf/exp2f as measured, 3xTF32 flash, scale·log2e rounded once for the whole head.
+    "cuda": Kernel(_GPU_EXP_VAR, _GPU_FLASH_PRODUCT_VAR, True, 4),
+    # cpu (cuda_src/cpu/backend_cpu.cpp): std::exp correctly rounded in practice (one rounding),
+    # plain float32 products (no FMA without -march), the float32 scale exactly as run.toml says.
+    "cpu": Kernel(ROUND_VAR, ROUND_VAR, False, 2),
+}
+# Unknown backend: the larger of each.
+ANY_KERNEL = Kernel(*(max(getattr(k, f) for k in KERNELS.values())
+                      for f in ("exp_var", "flash_product_var", "common_scale", "lse_roundings")))
+# Per key element, the flash kernels round the logit once before exp (S·scale, or S·scale·log2e
+# in the fast kernel).
 FLASH_LOGIT_ROUNDINGS = 1
 # The online softmax rescales its running sums (O and l) by exp(m_old - m_new) once per key tile
 # (Bc ≥ 8 keys): at most one more rounding of the partial sum per 8 keys.
@@ -144,15 +167,24 @@ def _softmax_parts(S: np.ndarray):
     return p, d, m, finite
 
 
-def _exponent_var(d: np.ndarray, finite: np.ndarray, u: float, S: Optional[np.ndarray] = None,
-                  logit_roundings: int = 0) -> np.ndarray:
+def _exponent_var(d: np.ndarray, finite: np.ndarray, u: float, kernel: Kernel,
+                  S: Optional[np.ndarray] = None, logit_roundings: int = 0) -> np.ndarray:
     """Variance of the relative error η_j of e_j = exp(d_j): the subtraction S_j - m rounds
-    (u|d_j|), exp errs by ≤ EXP_ULPS ulp, and each rounding of the logit itself adds u|S_j|."""
-    exp_rel = EXP_ULPS * ULP_IN_U * u
-    var = ROUND_VAR * (u * d) ** 2 + ROUND_VAR * exp_rel ** 2
+    (u|d_j|), exp errs (kernel.exp_var), and each rounding of the logit itself adds u|S_j|."""
+    var = ROUND_VAR * (u * d) ** 2 + kernel.exp_var * u * u
     if S is not None and logit_roundings:
         var = var + logit_roundings * ROUND_VAR * (u * np.where(finite, S, 0.0)) ** 2
     return np.where(finite, var, 0.0)
+
+
+def _f32_subtraction_error(S: np.ndarray, m: np.ndarray, d: np.ndarray, u: float) -> np.ndarray:
+    """|fl(S - m) - (S - m)| for float32 S and m (IEEE subtraction, the same on CPU and GPU);
+    bounded by u|d| in precisions whose inputs are not float32."""
+    if u != UNIT_ROUNDOFF["fp32"]:
+        return u * np.abs(d)
+    with np.errstate(invalid="ignore", over="ignore"):
+        d32 = (S.astype(np.float32) - m.astype(np.float32)).astype(np.float64)
+    return np.where(np.isfinite(d32), np.abs(d32 - d), u * np.abs(d))
 
 
 def _rowsum_rel_var(p: np.ndarray, u: float, extra_roundings: float = 1.0) -> np.ndarray:
@@ -198,19 +230,29 @@ def _scaled_logits(Q: np.ndarray, K: np.ndarray, scale: float, causal: bool) -> 
     return S
 
 
-def _flash_parts(src, scale: float, causal: bool, u: float):
+def _flash_parts(src, scale: float, causal: bool, u: float, kernel: Kernel):
     """What both flash stages share: logits, weights, and the variance of each exponent."""
     Q, K = _need(src, "flash", "Q", "K")
     S = _scaled_logits(Q, K, scale, causal)
     p, d, m, finite = _softmax_parts(S)
-    s_var = scale * scale * dot_var(Q, K.T, u, FLASH_PRODUCT_VAR)
-    eta_var = np.where(finite, s_var, 0.0) + _exponent_var(d, finite, u, S, FLASH_LOGIT_ROUNDINGS)
+    s_var = scale * scale * dot_var(Q, K.T, u, kernel.flash_product_var)
+    eta_var = np.where(finite, s_var, 0.0) + _exponent_var(d, finite, u, kernel, S,
+                                                           FLASH_LOGIT_ROUNDINGS)
     l_var = _rowsum_rel_var(p, u, extra_roundings=FLASH_RESCALE_FACTOR)
     return S, p, m, eta_var, l_var
 
 
-def _variance_and_det(stage: str, src, ref: np.ndarray, scale: float, causal: bool,
-                      u: float) -> Tuple[np.ndarray, np.ndarray]:
+def _common_scale_det(S: np.ndarray, p: np.ndarray, u: float):
+    """A relative error δ ≤ u of the head's one float32 scale factor moves every logit by δ·S_j:
+    ΔO = δ·Σ_j p_j (S_j - S̄)(v_j - O) and Δlse = δ·S̄ (S̄ = Σ_j p_j S_j). Returns the weights
+    w_j = u·p_j·|S_j - S̄| and u·|S̄|."""
+    Sf = np.where(np.isfinite(S), S, 0.0)
+    mean = (p * Sf).sum(axis=1, keepdims=True)
+    return u * p * np.abs(Sf - mean), u * np.abs(mean)
+
+
+def _variance_and_det(stage: str, src, ref: np.ndarray, scale: float, causal: bool, u: float,
+                      kernel: Kernel) -> Tuple[np.ndarray, np.ndarray]:
     """(variance, deterministic part) of the error of one head of `stage`, isolated."""
     zero = np.zeros(ref.shape)
     if STAGES[stage].inputs == () or stage == "KT":
@@ -224,34 +266,39 @@ def _variance_and_det(stage: str, src, ref: np.ndarray, scale: float, causal: bo
         return zero, np.where(np.isfinite(ref), 2.0 * u * np.abs(ref), 0.0)
     if stage == "attention_weights":
         (S,) = _need(src, stage, "QK_scaled")
-        p, d, _, finite = _softmax_parts(S)
+        p, d, m, finite = _softmax_parts(S)
         # The softmax reads the very float32 QK_scaled the isolated reference starts from, so the
-        # input's rounding is not this stage's error (chained_bound propagates upstream errors).
-        eta_var = _exponent_var(d, finite, u)
+        # input's rounding is not this stage's error (chained_bound propagates upstream errors),
+        # and its float32 subtraction S - m is known exactly: its error replaces the u|d| model.
+        eta_var = _exponent_var(np.zeros(d.shape), finite, u, kernel)
+        eta_var = eta_var + np.where(finite, _f32_subtraction_error(S, m, d, u) ** 2, 0.0)
         return _weights_var(p, eta_var, _rowsum_rel_var(p, u), u), zero
     if stage == "output":
         P, V = _need(src, stage, "attention_weights", "V")
         return dot_var(P, V, u), zero
     if stage == "flash_output":
         (V,) = _need(src, stage, "V")
-        S, p, m, eta_var, l_var = _flash_parts(src, scale, causal, u)
+        S, p, m, eta_var, l_var = _flash_parts(src, scale, causal, u, kernel)
         O = p @ V
-        # P̃·V accumulated key by key (plus the tile rescales), with 3xTF32 products.
-        pv_var = FLASH_RESCALE_FACTOR * dot_var(p, V, u, FLASH_PRODUCT_VAR)
+        # P̃·V accumulated key by key (plus the tile rescales); the final division (and, on the
+        # GPU, the split-KV combine) adds FLASH_FINAL_ROUNDINGS roundings of O.
+        pv_var = FLASH_RESCALE_FACTOR * dot_var(p, V, u, kernel.flash_product_var)
         var = (pv_var + _mixed_output_var(p, eta_var, V, O) + O * O * l_var
                + FLASH_FINAL_ROUNDINGS * ROUND_VAR * (u * O) ** 2)
-        # A relative scale error δ ≤ u moves every logit by δ·S_j: ΔO = δ Σ_j p_j (S_j - S̄)(v_j - O).
-        w = u * p * np.abs(np.where(np.isfinite(S), S, 0.0) - (p * np.where(np.isfinite(S), S, 0.0)).sum(axis=1, keepdims=True))
-        det = w @ np.abs(V) + np.abs(O) * w.sum(axis=1, keepdims=True)
+        det = zero
+        if kernel.common_scale:
+            w, _ = _common_scale_det(S, p, u)
+            det = w @ np.abs(V) + np.abs(O) * w.sum(axis=1, keepdims=True)
         return var, det
     if stage == "flash_lse":
-        S, p, m, eta_var, l_var = _flash_parts(src, scale, causal, u)
-        # Δlse = Σ_j p_j η_j + Δl/l; then log (≤ LOG_ULPS ulp), the m + log l addition and the
-        # log2-domain conversions of m (a few u|m|).
-        var = (p * p * eta_var).sum(axis=1, keepdims=True) + l_var
-        log_l = np.log(np.exp(np.where(np.isfinite(S), S - m, -np.inf)).sum(axis=1, keepdims=True))
-        # (+ u·|S̄|: the common scale error δ moves lse by δ·Σ_j p_j S_j)
-        det = u * (LOG_ULPS * ULP_IN_U * np.abs(log_l) + 3.0 * np.abs(m) + np.abs(ref))
+        S, p, m, eta_var, l_var = _flash_parts(src, scale, causal, u, kernel)
+        # Δlse = Σ_j p_j η_j + Δl/l, then log (≤ LOG_ULPS ulp of log l) and the roundings of
+        # values of lse's magnitude (m + log l; on the GPU the log2-domain conversions).
+        log_l = ref - m
+        var = ((p * p * eta_var).sum(axis=1, keepdims=True) + l_var
+               + ROUND_VAR * u * u * ((LOG_ULPS * ULP_IN_U * log_l) ** 2
+                                      + kernel.lse_roundings * (np.abs(m) + np.abs(ref)) ** 2 / 4))
+        det = _common_scale_det(S, p, u)[1] if kernel.common_scale else zero
         return var, det
     raise ToleranceError(f"no tolerance model for stage {stage!r}")
 
@@ -261,21 +308,32 @@ def _finish(ref: np.ndarray, var: np.ndarray, det: np.ndarray) -> np.ndarray:
     return np.where(np.isfinite(ref), bound, 0.0)
 
 
+def _kernel(backend: Optional[str]) -> Kernel:
+    if backend is None:
+        return ANY_KERNEL
+    if backend not in KERNELS:
+        raise ToleranceError(f"unknown backend {backend!r}; the tolerance model knows "
+                             f"{', '.join(KERNELS)}")
+    return KERNELS[backend]
+
+
 def stage_bound(stage: str, src: Dict[str, np.ndarray], ref: np.ndarray, *, scale: float,
-                causal: bool, precision: str = "fp32") -> np.ndarray:
+                causal: bool, precision: str = "fp32", backend: Optional[str] = None) -> np.ndarray:
     """Element-wise bound on |got - ref| for one head of `stage` computed from `src` (isolated).
 
     src holds the float64 values of the stage's inputs (verify.stages.STAGES[stage].inputs); the
     flash stages use Q, K (and V for flash_output). Q, K, V and KT get 0 (bit-exact copies);
-    entries where ref is ±inf (masked) get 0 and must match exactly.
+    entries where ref is ±inf (masked) get 0 and must match exactly. backend (run.toml's
+    `backend`, "cpu" or "cuda") picks the arithmetic assumed; None assumes the looser of both.
     """
     if stage not in STAGES:
         raise ToleranceError(f"unknown stage {stage!r}")
     u = unit_roundoff(precision)
+    kernel = _kernel(backend)
     ref = np.asarray(ref, dtype=np.float64)
-    var, det = _variance_and_det(stage, src, ref, scale, causal, u)
     if STAGES[stage].inputs == () or stage == "KT":
         return np.zeros(ref.shape)
+    var, det = _variance_and_det(stage, src, ref, scale, causal, u, kernel)
     return _finish(ref, var, det)
 
 
@@ -284,7 +342,7 @@ def stage_bound(stage: str, src: Dict[str, np.ndarray], ref: np.ndarray, *, scal
 # ---------------------------------------------------------------------------------------------
 
 def chained_bound(stage: str, chain: Dict[str, np.ndarray], *, scale: float, causal: bool,
-                  precision: str = "fp32") -> np.ndarray:
+                  precision: str = "fp32", backend: Optional[str] = None) -> np.ndarray:
     """Bound on |got - chain[stage]| where chain holds the float64 reference chain from the
     original inputs (Q, K, V and every stage up to `stage`): each stage's own error plus the
     upstream errors propagated through it (QK's dot-product error through the scale and the
@@ -293,10 +351,12 @@ def chained_bound(stage: str, chain: Dict[str, np.ndarray], *, scale: float, cau
     if stage not in STAGES:
         raise ToleranceError(f"unknown stage {stage!r}")
     u = unit_roundoff(precision)
+    kernel = _kernel(backend)
     if stage not in ("QK_scaled", "attention_weights", "output"):
         src = {n: chain[n] for n in ("Q", "K", "V") if n in chain}
         src.update({n: chain[n] for n in STAGES[stage].inputs if n in chain})
-        return stage_bound(stage, src, chain[stage], scale=scale, causal=causal, precision=precision)
+        return stage_bound(stage, src, chain[stage], scale=scale, causal=causal,
+                           precision=precision, backend=backend)
     Q, K = _need(chain, stage, "Q", "K")
     S = _scaled_logits(Q, K, scale, causal)
     p, d, _, finite = _softmax_parts(S)
@@ -305,8 +365,8 @@ def chained_bound(stage: str, chain: Dict[str, np.ndarray], *, scale: float, cau
     s_det = np.where(finite, 2.0 * u * np.abs(np.where(finite, S, 0.0)), 0.0)
     if stage == "QK_scaled":
         return _finish(S, s_var, s_det)
-    # The deterministic part of the logit error enters as extra variance (bounded, (2u|S|)²/3·3).
-    eta_var = s_var + ROUND_VAR * 3.0 * s_det ** 2 + _exponent_var(d, finite, u)
+    # The bounded part of the logit error enters the softmax as variance (at most its square).
+    eta_var = s_var + s_det ** 2 + _exponent_var(d, finite, u, kernel)
     l_var = _rowsum_rel_var(p, u)
     if stage == "attention_weights":
         return _finish(S, _weights_var(p, eta_var, l_var, u), np.zeros(S.shape))
@@ -320,20 +380,22 @@ def chained_bound(stage: str, chain: Dict[str, np.ndarray], *, scale: float, cau
 def describe_model() -> str:
     """The tolerance model, for `attnstep check --help`."""
     text = f"""
-    Tolerance model (per element; override with --atol/--rtol): bound = {LAMBDA:g}·σ + det + floor,
-    σ² the variance of the float32 rounding errors of the stage, computed from the data: every
-    rounding of a value x errs by at most u·|x|, with variance (u·x)²/3; u = 2^-24 for fp32,
-    2^-11 tf32, 2^-8 bf16 (the precision only changes u). Q, K, V, KT: 0 (bit-exact).
-    QK, output (dot products of length K): σ² = u²/3·(Σ_k s_k² + Σ_k t_k²) over the partial sums
-    s_k and products t_k, the larger of forward and reverse order (K·u·Σ|a b| is 50-200x looser).
-    QK_scaled: det = 2u|ref| (the product and the float32 scale). attention_weights: the relative
-    error η_j of exp(S_j - m) (the subtraction u|S_j - m|, expf {EXP_ULPS:g} ulp) propagated through
-    the normalization, Δp_j = p_j[(1-p_j)η_j - Σ_k≠j p_k η_k - ε_l], ε_l the row sum's rounding
-    (partial sums of p), plus 1/l and the multiply. flash_output: logit errors (the QK dot product
-    with 3xTF32 products, {FLASH_LOGIT_ROUNDINGS} roundings of the logit, exp) enter as
-    Σ_j p_j η_j (v_j - O); the online P·V and l sums with a rounding per tile rescale; the final
-    division. flash_lse: Σ_j p_j η_j + ε_l + log ({LOG_ULPS:g} ulp) + a few u·|m|. Masked entries
-    (-inf) must match exactly; NaN never passes. Floor: 2^-110 absolute (float32 underflow, FTZ).
-    Chained checking adds each upstream stage's error propagated through the stage.
+    Tolerance model (per element; --atol/--rtol override it): bound = {LAMBDA:g}·σ + det + floor.
+    σ² is the variance of the stage's float32 rounding errors, computed from the data: a rounding
+    of x errs uniformly within ±u|x| (variance ≈ 0.18·(u·x)² for Benford-spread mantissas);
+    u = 2^-24 fp32, 2^-11 tf32, 2^-8 bf16 (the precision only changes u). Q, K, V, KT: 0.
+    QK, output (dot products of length K): σ² = Σ_k var(rounding of partial sum s_k) + the
+    products' roundings; s_k in index order, reverse order and on average over random orders,
+    the largest (a worst-case K·u·Σ|a·b| bound is 50-200x looser and lets bugs through); a
+    rounding never errs by more than the smaller addend. QK_scaled: det = 2u|ref|.
+    attention_weights: the relative error η_j of exp(S_j - m) (the subtraction u|S_j - m|, exp's
+    error as measured on the GPU) propagated through the normalization: Δp_j = p_j[(1-p_j)η_j -
+    Σ_k≠j p_k η_k - ε_l], ε_l the row sum's rounding; then 1/l and the multiply.
+    flash_output: logit errors (the QK dot product, 3xTF32 products on the GPU, the logit's
+    rounding, exp) enter as Σ_j p_j η_j (v_j - O); the online P·V and l sums (a rounding per
+    tile rescale); the final division; on the GPU the scale·log2e factor's rounding (det).
+    flash_lse: Σ_j p_j η_j + ε_l + log ({LOG_ULPS:g} ulp) + roundings of m + log l.
+    Masked entries (-inf) must match exactly; NaN never passes; floor 2^-110 (float32
+    underflow, FTZ). Chained checking adds each upstream stage's error propagated through it.
     """
     return textwrap.dedent(text).strip("\n")
