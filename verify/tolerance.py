@@ -103,14 +103,21 @@ def unit_roundoff(precision: str) -> float:
 # Dot products: the partial-sum energy
 # ---------------------------------------------------------------------------------------------
 
+def _rounding_var(x: np.ndarray, u: float) -> np.ndarray:
+    """Variance of rounding x to nearest: uniform within ±ulp(x)/2, ulp(x) = u·2^e for x in
+    [2^(e-1), 2^e): ulp²/12 (at most (u·x)²/3, on average ROUND_VAR·(u·x)²)."""
+    _, e = np.frexp(x)
+    return (u * np.ldexp(1.0, e)) ** 2 / 12.0
+
+
 def _step_var(partial: np.ndarray, t: np.ndarray, u: float) -> np.ndarray:
-    """Variance bound of the rounding of each addition s_k = s_(k-1) + t_k: uniform within
-    ±u|s_k| (variance ROUND_VAR·u²s_k²), and never more than min(|t_k|, |s_(k-1)|): round to
-    nearest picks the closer of the floats next to the sum, and both addends are floats at
-    distance |s_(k-1)| and |t_k| from it. This keeps a sum dominated by one term (the softmax
-    of large logits) tight."""
+    """Variance bound of the rounding of each addition s_k = s_(k-1) + t_k: ulp(s_k)²/12 from the
+    binade the partial sum lies in, and never more than min(|t_k|, |s_(k-1)|)²: round to nearest
+    picks the closer of the floats next to the sum, and both addends are floats at distance
+    |s_(k-1)| and |t_k| from it. This keeps a sum dominated by one term (the softmax of large
+    logits) tight."""
     prev = partial - t
-    return np.minimum(ROUND_VAR * (u * partial) ** 2, np.minimum(t * t, prev * prev))
+    return np.minimum(_rounding_var(partial, u), np.minimum(t * t, prev * prev))
 
 
 def dot_var(A: np.ndarray, B: np.ndarray, u: float, product_var: float = ROUND_VAR) -> np.ndarray:
@@ -137,7 +144,9 @@ def dot_var(A: np.ndarray, B: np.ndarray, u: float, product_var: float = ROUND_V
         # Random order: E[s_k²] averaged over k is Σt²/6 + S²/3 (sampling without replacement).
         mean_s2 = t2.sum(axis=1, keepdims=True) / 6.0 + total * total / 3.0
         rnd = np.minimum(ROUND_VAR * u * u * mean_s2, t2).sum(axis=1)
-        out[r0:r0 + rows] = np.maximum(np.maximum(fwd, bwd), rnd) + product_var * u * u * t2.sum(axis=1)
+        # Products: one rounding each (its binade's ulp²/12), scaled for split-precision kernels.
+        prod = _rounding_var(t, u).sum(axis=1) * (product_var / ROUND_VAR)
+        out[r0:r0 + rows] = np.maximum(np.maximum(fwd, bwd), rnd) + prod
     return out
 
 

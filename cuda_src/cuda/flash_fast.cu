@@ -54,19 +54,25 @@ __host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / 
 #define ATTNSTEP_FAST_UNAVAILABLE 1
 #endif
 
-__device__ __forceinline__ uint32_t to_tf32(float x) {
-    uint32_t r = 0;
-#ifndef ATTNSTEP_FAST_UNAVAILABLE
-    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
-#endif
-    return r;
+// Rounding to TF32 (10 explicit mantissa bits), nearest with ties away from zero, as
+// cvt.rna.tf32.f32 does for finite x, but with two integer instructions: cvt is a conversion,
+// which runs at a quarter of the integer rate and was the limiter of v1 (docs/performance.md).
+__device__ __forceinline__ uint32_t round_tf32(float x) {
+    return (__float_as_uint(x) + 0x1000u) & 0xffffe000u;
+}
+
+// The same rounding on the FP32 pipe (Veltkamp split with 2^13 + 1), so that the two halves of
+// split() run on different pipes. Exact for |x| < 2^125; used only for the small lo parts.
+__device__ __forceinline__ uint32_t round_tf32_fp(float x) {
+    const float c = __fmul_rn(x, 8193.f);
+    return __float_as_uint(__fsub_rn(c, __fsub_rn(c, x)));
 }
 
 // x = hi + lo with both parts representable in TF32 (lo only in 3xTF32 mode).
 template <bool kThree>
 __device__ __forceinline__ void split(float x, uint32_t& hi, uint32_t& lo) {
-    hi = to_tf32(x);
-    if (kThree) lo = to_tf32(x - __uint_as_float(hi));
+    hi = round_tf32(x);
+    if (kThree) lo = round_tf32_fp(__fsub_rn(x, __uint_as_float(hi)));
 }
 
 // C(16×8) += A(16×8, row) · B(8×8, col), TF32 inputs, FP32 accumulators.
@@ -127,15 +133,24 @@ __device__ __forceinline__ float quad_sum(float x) {
 // × 4 threads then cover all 32 banks), rows of V by 4 (the scalar loads of rows 2t, 2t+1 land
 // in distinct banks). Both pads keep rows 16-byte aligned for cp.async.
 
-template <int D_, int BC_, int NW_, int MINB_, bool QSMEM_>
+// Where the warp's Q fragments live for the whole KV loop.
+enum class QStore {
+    regs,       // raw FP32 in registers (D/2 per thread), split per use: small D
+    smem,       // raw FP32 in shared memory, split per use: D = 128, where split Q would not fit
+    smem_split  // split once into hi/lo pairs in shared memory: no conversions in the loop
+};
+
+template <int D_, int BC_, int NW_, int MINB_, QStore QS_>
 struct Tiles {
     static constexpr int D = D_, BC = BC_, NW = NW_;
     static constexpr int MIN_BLOCKS = MINB_;  // __launch_bounds__ occupancy target (register cap)
-    // Q fragments in registers (D/2 of them per thread) or re-read from shared memory per tile:
-    // at D = 128 the registers do not fit beside O and S without spilling.
-    static constexpr bool Q_SMEM = QSMEM_;
+    // Q in registers does not fit beside O and S at D >= 64 without spilling.
+    static constexpr bool Q_SMEM = QS_ != QStore::regs, Q_SPLIT = QS_ == QStore::smem_split;
     static constexpr int BR = 16 * NW, THREADS = NW * kWarp;
-    static constexpr int LDK = D + 8, LDV = D + 4, LDQ = D + 8;
+    // Split Q in shared memory: per row, for each k pair (2i, 2i+1), the float4
+    // {hi(2i), lo(2i), hi(2i+1), lo(2i+1)}; rows padded by 16 floats so that the 16-byte fragment
+    // loads of a quarter warp (2 rows × 4 threads) hit distinct banks. Raw Q: padded like K.
+    static constexpr int LDK = D + 8, LDV = D + 4, LDQ = Q_SPLIT ? 2 * D + 16 : D + 8;
     static constexpr int K_STAGE = BC * LDK, V_STAGE = BC * LDV;  // floats per stage
     static constexpr int Q_FLOATS = Q_SMEM ? BR * LDQ : 0;
     static constexpr size_t SMEM_BYTES = (2 * (K_STAGE + V_STAGE) + Q_FLOATS) * sizeof(float);
@@ -168,28 +183,42 @@ __device__ __forceinline__ void load_tile(float* tile, const float* src, int row
     }
 }
 
-// The warp's Q fragments: raw FP32 in registers, or (T::Q_SMEM) its 16 rows in shared memory.
+// The warp's Q fragments: raw FP32 in registers, or (T::Q_SMEM) its 16 rows, already split, in
+// shared memory.
 template <class T>
 struct QFrags {
     float reg[T::Q_SMEM ? 1 : T::D / 8][4];
     const float* rows;  // the warp's first row in shared memory (T::Q_SMEM)
 };
 
-// Fragment ks of Q, k-permuted: {Q[g][8ks+2t], Q[g+8][8ks+2t], Q[g][8ks+2t+1], Q[g+8][8ks+2t+1]}.
-template <class T>
+// Fragment ks of Q, k-permuted: {Q[g][8ks+2t], Q[g+8][8ks+2t], Q[g][8ks+2t+1], Q[g+8][8ks+2t+1]},
+// as hi and lo parts.
+template <class T, bool kThree>
 __device__ __forceinline__ void q_fragment(const QFrags<T>& q, int ks, int g, int t,
-                                           float (&a)[4]) {
-    if constexpr (T::Q_SMEM) {
-        const float2 x = *reinterpret_cast<const float2*>(q.rows + g * T::LDQ + ks * 8 + 2 * t);
-        const float2 y =
-            *reinterpret_cast<const float2*>(q.rows + (g + 8) * T::LDQ + ks * 8 + 2 * t);
-        a[0] = x.x;
-        a[1] = y.x;
-        a[2] = x.y;
-        a[3] = y.y;
+                                           uint32_t (&ahi)[4], uint32_t (&alo)[4]) {
+    if constexpr (T::Q_SPLIT) {
+        const int col = (ks * 8 + 2 * t) * 2;
+        const float4 x = *reinterpret_cast<const float4*>(q.rows + g * T::LDQ + col);
+        const float4 y = *reinterpret_cast<const float4*>(q.rows + (g + 8) * T::LDQ + col);
+        ahi[0] = __float_as_uint(x.x);
+        ahi[1] = __float_as_uint(y.x);
+        ahi[2] = __float_as_uint(x.z);
+        ahi[3] = __float_as_uint(y.z);
+        alo[0] = __float_as_uint(x.y);
+        alo[1] = __float_as_uint(y.y);
+        alo[2] = __float_as_uint(x.w);
+        alo[3] = __float_as_uint(y.w);
+    } else if constexpr (T::Q_SMEM) {
+        const float* r0 = q.rows + g * T::LDQ + ks * 8 + 2 * t;
+        const float2 x = *reinterpret_cast<const float2*>(r0);
+        const float2 y = *reinterpret_cast<const float2*>(r0 + 8 * T::LDQ);
+        split<kThree>(x.x, ahi[0], alo[0]);
+        split<kThree>(y.x, ahi[1], alo[1]);
+        split<kThree>(x.y, ahi[2], alo[2]);
+        split<kThree>(y.y, ahi[3], alo[3]);
     } else {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) a[e] = q.reg[ks][e];
+        for (int e = 0; e < 4; ++e) split<kThree>(q.reg[ks][e], ahi[e], alo[e]);
     }
 }
 
@@ -203,11 +232,8 @@ __device__ __forceinline__ void qk_tile(float (&s)[T::BC / 8][4], const QFrags<T
         for (int e = 0; e < 4; ++e) s[nt][e] = 0.f;
 #pragma unroll
     for (int ks = 0; ks < T::D / 8; ++ks) {
-        float a[4];
-        q_fragment<T>(q, ks, g, t, a);
         uint32_t ahi[4], alo[4];
-#pragma unroll
-        for (int e = 0; e < 4; ++e) split<kThree>(a[e], ahi[e], alo[e]);
+        q_fragment<T, kThree>(q, ks, g, t, ahi, alo);
 #pragma unroll
         for (int nt = 0; nt < T::BC / 8; ++nt) {
             // b0 = K[8nt+g][8ks+2t], b1 = K[8nt+g][8ks+2t+1]: one 8-byte load.
@@ -283,10 +309,17 @@ __device__ __forceinline__ void online_softmax(float (&s)[T::BC / 8][4], float (
 
 // O(16×D) += P(16×BC) · V_j. P's fragment for keys 8kk..8kk+7 is the S accumulator s[kk] under
 // the k permutation: a = {P[g][2t], P[g+8][2t], P[g][2t+1], P[g+8][2t+1]} = {s0, s2, s1, s3};
-// b0 = V[8kk+2t][8nt+g], b1 = V[8kk+2t+1][8nt+g].
+// b0 = V[8kk+2t][8nt+g], b1 = V[8kk+2t+1][8nt+g]. The tile's products are summed in a fresh
+// accumulator and added to O in FP32: the tensor cores' own accumulation truncates, and a chain
+// over all M keys (v1) gave 10x the error of a plain FP32 kernel.
 template <class T, bool kThree>
 __device__ __forceinline__ void pv_tile(float (&o)[T::D / 8][4], const float (&s)[T::BC / 8][4],
                                         const float* Vs, int g, int t) {
+    float acc[T::D / 8][4];
+#pragma unroll
+    for (int nt = 0; nt < T::D / 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[nt][e] = 0.f;
 #pragma unroll
     for (int kk = 0; kk < T::BC / 8; ++kk) {
         uint32_t ahi[4], alo[4];
@@ -300,9 +333,13 @@ __device__ __forceinline__ void pv_tile(float (&o)[T::D / 8][4], const float (&s
             uint32_t bhi[2], blo[2];
             split<kThree>(v0[nt * 8], bhi[0], blo[0]);
             split<kThree>(v0[nt * 8 + T::LDV], bhi[1], blo[1]);
-            mma_split<kThree>(o[nt], ahi, alo, bhi, blo);
+            mma_split<kThree>(acc[nt], ahi, alo, bhi, blo);
         }
     }
+#pragma unroll
+    for (int nt = 0; nt < T::D / 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o[nt][e] += acc[nt][e];
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -349,7 +386,20 @@ __global__ void __launch_bounds__(T::THREADS, T::MIN_BLOCKS)
             const float4 v = q0 + r < p.N
                 ? *reinterpret_cast<const float4*>(Qh + static_cast<size_t>(q0 + r) * T::D + col)
                 : make_float4(0.f, 0.f, 0.f, 0.f);
-            *reinterpret_cast<float4*>(Qs + r * T::LDQ + col) = v;
+            if constexpr (!T::Q_SPLIT) {
+                *reinterpret_cast<float4*>(Qs + r * T::LDQ + col) = v;
+                continue;
+            }
+            uint32_t hi[4], lo[4];
+            split<true>(v.x, hi[0], lo[0]);
+            split<true>(v.y, hi[1], lo[1]);
+            split<true>(v.z, hi[2], lo[2]);
+            split<true>(v.w, hi[3], lo[3]);
+            float* dst = Qs + r * T::LDQ + col * 2;  // k pairs (col, col+1), (col+2, col+3)
+            *reinterpret_cast<float4*>(dst) = make_float4(
+                __uint_as_float(hi[0]), __uint_as_float(lo[0]), __uint_as_float(hi[1]), __uint_as_float(lo[1]));
+            *reinterpret_cast<float4*>(dst + 4) = make_float4(
+                __uint_as_float(hi[2]), __uint_as_float(lo[2]), __uint_as_float(hi[3]), __uint_as_float(lo[3]));
         }
         qf.rows = Qs + warp * 16 * T::LDQ;  // read after the first __syncthreads of the loop
     } else {
@@ -573,29 +623,29 @@ bool dispatch(const FlashArgs& a, int variant, int forced_splits, Plan* plan, bo
     switch (variant) {
         case 0:
             switch (a.d) {
-                case 16: return run_config<Tiles<16, 64, 4, 3, false>>(a, forced_splits, plan, do_launch, stream);
-                case 32: return run_config<Tiles<32, 64, 4, 3, false>>(a, forced_splits, plan, do_launch, stream);
-                case 64: return run_config<Tiles<64, 64, 4, 2, true>>(a, forced_splits, plan, do_launch, stream);
-                case 128: return run_config<Tiles<128, 32, 4, 2, true>>(a, forced_splits, plan, do_launch, stream);
+                case 16: return run_config<Tiles<16, 64, 4, 3, QStore::regs>>(a, forced_splits, plan, do_launch, stream);
+                case 32: return run_config<Tiles<32, 64, 4, 3, QStore::regs>>(a, forced_splits, plan, do_launch, stream);
+                case 64: return run_config<Tiles<64, 64, 4, 2, QStore::smem_split>>(a, forced_splits, plan, do_launch, stream);
+                case 128: return run_config<Tiles<128, 32, 4, 2, QStore::smem>>(a, forced_splits, plan, do_launch, stream);
                 default: return false;  // no variant: the clean kernel handles it
             }
 #ifdef ATTNSTEP_FLASH_FAST_VARIANTS
         case 1:  // smaller/larger KV tiles
             switch (a.d) {
-                case 64: return run_config<Tiles<64, 32, 4, 4, true>>(a, forced_splits, plan, do_launch, stream);
-                case 128: return run_config<Tiles<128, 64, 4, 1, true>>(a, forced_splits, plan, do_launch, stream);
+                case 64: return run_config<Tiles<64, 32, 4, 4, QStore::smem_split>>(a, forced_splits, plan, do_launch, stream);
+                case 128: return run_config<Tiles<128, 64, 4, 1, QStore::smem>>(a, forced_splits, plan, do_launch, stream);
                 default: return false;
             }
-        case 2:  // d = 64: Q in registers; d = 128: 8 warps (Br = 128)
+        case 2:  // d = 64: raw Q in shared memory; d = 128: 8 warps (Br = 128)
             switch (a.d) {
-                case 64: return run_config<Tiles<64, 64, 4, 2, false>>(a, forced_splits, plan, do_launch, stream);
-                case 128: return run_config<Tiles<128, 32, 8, 1, true>>(a, forced_splits, plan, do_launch, stream);
+                case 64: return run_config<Tiles<64, 64, 4, 2, QStore::smem>>(a, forced_splits, plan, do_launch, stream);
+                case 128: return run_config<Tiles<128, 32, 8, 1, QStore::smem>>(a, forced_splits, plan, do_launch, stream);
                 default: return false;
             }
         case 3:  // 8 warps (Br = 128): K/V tiles shared by twice the rows
             switch (a.d) {
-                case 64: return run_config<Tiles<64, 64, 8, 1, true>>(a, forced_splits, plan, do_launch, stream);
-                case 128: return run_config<Tiles<128, 64, 8, 1, true>>(a, forced_splits, plan, do_launch, stream);
+                case 64: return run_config<Tiles<64, 64, 8, 1, QStore::smem_split>>(a, forced_splits, plan, do_launch, stream);
+                case 128: return run_config<Tiles<128, 64, 8, 1, QStore::smem>>(a, forced_splits, plan, do_launch, stream);
                 default: return false;
             }
 #endif

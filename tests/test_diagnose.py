@@ -1,0 +1,196 @@
+"""Each diagnosis code found on its planted pattern, and nothing found on correct or noisy results.
+
+Patterns are planted into the float64 reference of random Q/K/V (what a buggy binary would have
+written), with the isolated reference and the tolerance model's bound as verify.compare passes them.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from test_tolerance import flash32, sample, simulate
+from verify import tolerance
+from verify.diagnose import diagnose
+from verify.reference import compute_stage, reference_chain, softmax_rows
+from verify.stages import STAGES, Dims
+
+HEADS = 4
+SHAPES = {"square": (32, 32, 16), "rect": (24, 40, 16)}
+
+
+def make_case(shape="rect", causal=False, dist="normal", seed=0):
+    """{head: chain} of float64 references, plus dims and scale."""
+    N, M, d = SHAPES[shape]
+    rng = np.random.default_rng(seed)
+    scale = float(np.float32(1 / np.sqrt(d)))
+    chains = {}
+    for h in range(HEADS):
+        qkv = {n: sample(rng, dist, sh).astype(np.float64) for n, sh in (("Q", (N, d)), ("K", (M, d)), ("V", (M, d)))}
+        chains[h] = reference_chain(qkv, scale, causal, list(STAGES))
+        chains[h].update(qkv)
+    return chains, Dims(1, HEADS, N, M, d, d), scale
+
+
+def run(stage, got, chains, dims, scale, causal, head=1, tiles=None):
+    """diagnose() as verify.compare calls it: isolated src = the reference chain's upstream."""
+    src = {n: chains[head][n] for n in (("Q", "K", "V") if STAGES[stage].flash else STAGES[stage].inputs)}
+    want = compute_stage(stage, src, scale, causal)
+    bound = tolerance.stage_bound(stage, src, want, scale=scale, causal=causal)
+    ctx = {"dims": dims, "scale": scale, "causal": causal, "head": head, "src": src,
+           "ref_of_head": lambda h: chains[h][stage], "flash_tiles": tiles, "bound": bound}
+    return diagnose(stage, got, want, ctx)
+
+
+def codes(found):
+    return [d.code for d in found]
+
+
+def _col_major_K(c, scale):
+    N, d = c["Q"].shape
+    return c["Q"] @ c["K"].reshape(d, -1)
+
+
+def _unwritten_rows(c, stage):
+    got = c[stage].copy()
+    got[8:16, :] = 0.0
+    return got
+
+
+def _nan_rect(c, stage):
+    got = c[stage].copy()
+    got[4:9, 3:12] = np.nan
+    return got
+
+
+def _one_nan(c, stage):
+    got = c[stage].copy()
+    got[5, 7] = np.nan
+    return got
+
+
+def _boundary_rows(c, stage, p=4):
+    got = c[stage].copy()
+    got[p - 1::p, :] += 0.05 * np.abs(got[p - 1::p, :]).max()
+    return got
+
+
+def _tail_tile(c, stage, p=16):
+    got = c[stage].copy()
+    n = got.shape[0]
+    got[(n // p) * p:, :] *= 1.1
+    return got
+
+
+def _mask_shift(c, scale, k):
+    S = c["QK"] * scale
+    return np.where(np.triu(np.ones(S.shape, bool), k + 1), -np.inf, S)
+
+
+def _flash_unmasked(c, scale):
+    return softmax_rows(c["QK"] * scale) @ c["V"]
+
+
+def _flash_bottom_right(c, scale):
+    S = c["QK"] * scale
+    N, M = S.shape
+    S = np.where(np.triu(np.ones(S.shape, bool), M - N + 1), -np.inf, S)
+    return softmax_rows(S) @ c["V"]
+
+
+# (id, stage, shape, causal, builder(chain, scale) -> got, expected code, detail check)
+PLANTS = [
+    ("QK-transposed-square", "QK", "square", False, lambda c, s: c["QK"].T, "transposed", None),
+    ("QK-transposed-rect", "QK", "rect", False, lambda c, s: c["QK"].T.reshape(c["QK"].shape), "transposed", None),
+    ("QK-layout-colmajor-write", "QK", "rect", False, lambda c, s: c["QK"].T.reshape(c["QK"].shape), "layout", None),
+    ("QK-layout-K-lda", "QK", "rect", False, _col_major_K, "layout", lambda d: "K" in d["how"]),
+    ("output-layout-V-colmajor", "output", "rect", False,
+     lambda c, s: c["attention_weights"] @ c["V"].reshape(c["V"].shape[1], -1).T, "layout", lambda d: "V" in d["how"]),
+    ("QK-scaled-sqrt-dk", "QK", "rect", False, lambda c, s: c["QK"] * 4.0, "scaled", lambda d: "√d_k" in d["names"]),
+    ("QK_scaled-twice", "QK_scaled", "rect", False, lambda c, s: c["QK_scaled"] * s, "scaled",
+     lambda d: any("twice" in n for n in d["names"])),
+    ("QK_scaled-missing", "QK_scaled", "rect", True, lambda c, s: np.where(np.isinf(c["QK_scaled"]), -np.inf, c["QK"]),
+     "scaled", lambda d: any("missing" in n for n in d["names"])),
+    ("flash_output-scale-twice", "flash_output", "rect", False,
+     lambda c, s: softmax_rows(c["QK"] * s * s) @ c["V"], "scaled", lambda d: "scale applied twice" in d["names"]),
+    ("attention_weights-softmax-columns", "attention_weights", "square", False,
+     lambda c, s: softmax_rows(c["QK_scaled"].T).T, "softmax_axis", None),
+    ("attention_weights-softmax-columns-rect", "attention_weights", "rect", False,
+     lambda c, s: softmax_rows(c["QK_scaled"].T).reshape(c["QK_scaled"].shape), "softmax_axis", None),
+    ("output-unwritten-rows", "output", "rect", False, lambda c, s: _unwritten_rows(c, "output"), "unwritten",
+     lambda d: d["rows"] == [8, 15]),
+    ("QK-unwritten-nan-block", "QK", "rect", False, lambda c, s: _nan_rect(c, "QK"), "unwritten",
+     lambda d: d["rows"] == [4, 8] and d["cols"] == [3, 11]),
+    ("QK-nonfinite", "QK", "rect", False, lambda c, s: _one_nan(c, "QK"), "nonfinite", lambda d: d["first"] == [5, 7]),
+    ("QK_scaled-mask-missing", "QK_scaled", "rect", True, lambda c, s: c["QK"] * s, "mask_missing", None),
+    ("attention_weights-mask-missing", "attention_weights", "rect", True,
+     lambda c, s: softmax_rows(c["QK"] * s), "mask_missing", None),
+    ("flash_output-mask-missing", "flash_output", "rect", True, lambda c, s: _flash_unmasked(c, s), "mask_missing", None),
+    ("QK_scaled-mask-offset+1", "QK_scaled", "rect", True, lambda c, s: _mask_shift(c, s, 1), "mask_offset",
+     lambda d: d["offset"] == 1),
+    ("QK_scaled-mask-offset-2", "QK_scaled", "rect", True, lambda c, s: _mask_shift(c, s, -2), "mask_offset",
+     lambda d: d["offset"] == -2),
+    ("flash_output-bottom-right-mask", "flash_output", "rect", True, lambda c, s: _flash_bottom_right(c, s),
+     "mask_offset", lambda d: d["offset"] == 16),
+    ("output-tile-boundary-rows", "output", "square", False, lambda c, s: _boundary_rows(c, "output"),
+     "tile_boundary", lambda d: d["period"] == 4),
+    ("flash_output-tail-tile", "flash_output", "rect", False, lambda c, s: _tail_tile(c, "flash_output"),
+     "tile_boundary", lambda d: d["period"] == 16 and d["range"] == [16, 23]),
+]
+
+
+@pytest.mark.parametrize("stage,shape,causal,build,code,check", [p[1:] for p in PLANTS], ids=[p[0] for p in PLANTS])
+def test_planted_pattern_is_named(stage, shape, causal, build, code, check):
+    chains, dims, scale = make_case(shape, causal)
+    got = build(chains[1], scale)
+    found = run(stage, got, chains, dims, scale, causal, tiles=(16, 16))
+    assert code in codes(found), f"{code} not in {[(d.code, d.message) for d in found]}"
+    d = next(x for x in found if x.code == code)
+    assert "\n" not in d.message and stage in d.message
+    if check is not None:
+        assert check(d.detail), d.detail
+    import json
+    json.dumps(d.detail)  # JSON-able
+
+
+def test_head_permuted_names_the_head():
+    chains, dims, scale = make_case("rect")
+    found = run("output", chains[3]["output"], chains, dims, scale, False, head=1)
+    assert codes(found)[0] == "head_permuted"
+    assert found[0].detail["matches_head"] == 3
+
+
+def test_transposed_is_most_confident_and_message_reads_well():
+    chains, dims, scale = make_case("square")
+    found = run("QK", chains[1]["QK"].T, chains, dims, scale, False)
+    assert found[0].code == "transposed"
+    assert found[0].message.startswith("QK looks transposed: got[i,j] ≈ want[j,i] (max diff")
+
+
+def _correct_float32(chains, dims, scale, causal, head=1):
+    c = chains[head]
+    got = simulate(c["Q"], c["K"], c["V"], scale, causal)
+    O, lse = flash32(c["Q"], c["K"], c["V"], scale, causal, 16)
+    got.update(flash_output=O, flash_lse=lse)
+    return {k: np.asarray(v, np.float64) for k, v in got.items()}
+
+
+NO_FIRE = [(shape, causal, dist) for shape in SHAPES for causal in (False, True) for dist in ("uniform", "normal", "large")]
+
+
+@pytest.mark.parametrize("shape,causal,dist", NO_FIRE, ids=[f"{s}-{'causal' if c else 'full'}-{d}" for s, c, d in NO_FIRE])
+def test_nothing_fires_on_correct_or_noisy_results(shape, causal, dist):
+    """Correct float32 results, and the same with noise of 3 tolerance widths on 5% of the elements:
+    no hypothesis may claim a bug pattern (a noisy result is simply out of tolerance)."""
+    chains, dims, scale = make_case(shape, causal, dist, seed=5)
+    got_all = _correct_float32(chains, dims, scale, causal)
+    rng = np.random.default_rng(9)
+    for stage in ("QK", "QK_scaled", "attention_weights", "output", "flash_output", "flash_lse"):
+        got = got_all[stage]
+        assert run(stage, got, chains, dims, scale, causal, tiles=(16, 16)) == []
+        src = {n: chains[1][n] for n in (("Q", "K", "V") if STAGES[stage].flash else STAGES[stage].inputs)}
+        want = compute_stage(stage, src, scale, causal)
+        bound = tolerance.stage_bound(stage, src, want, scale=scale, causal=causal)
+        hit = (rng.random(got.shape) < 0.05) & np.isfinite(want)
+        noisy = np.where(hit, want + 3 * bound * rng.choice([-1.0, 1.0], got.shape), got)
+        found = run(stage, noisy, chains, dims, scale, causal, tiles=(16, 16))
+        assert found == [], f"{stage}: {[(d.code, d.message) for d in found]}"

@@ -1,0 +1,265 @@
+"""The mutation suite (issue 3): plant each bug pattern into correct outputs of the binary and
+check that `attnstep check` catches it, blames the planted stage, names the pattern, and reports
+the stage downstream of it as inherited rather than as a new fault.
+
+A planted stage file is rewritten keeping its header line, and run.toml's CRC entry is updated
+(except for `stale`, which is the point of that test). As a buggy binary would, every stage-path
+stage downstream of the planted one is recomputed from it in float32 (the CPU backend's
+arithmetic), so downstream stages are correct given their input and fail only chained.
+A false-alarm suite runs correct cases over many seeds, shapes and distributions.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from test_tolerance import mm_seq, scale_mask32, softmax32
+from verify.case import read_toml
+from verify.cli import cli
+from verify.reference import softmax_rows
+from verify.stages import STAGES, stage_file
+
+f32 = np.float32
+SHAPES = {  # name: (heads, N, M, d, causal)
+    "rect": (3, 48, 80, 16, False),
+    "square-causal": (2, 64, 64, 32, True),
+    "tiles": (2, 130, 70, 16, False),  # the CPU backend's flash tiles are 64: a 2-row tail tile
+}
+STAGE_PATH = ("QK", "QK_scaled", "attention_weights", "output")
+
+
+def _invoke(*args) -> "click.testing.Result":
+    return CliRunner().invoke(cli, [str(a) for a in args], catch_exceptions=False)
+
+
+@pytest.fixture(scope="module")
+def cases(binary, tmp_path_factory):
+    """One correct output case per shape, computed by the binary's CPU backend."""
+    root = tmp_path_factory.mktemp("mutations")
+    out = {}
+    for name, (heads, N, M, d, causal) in SHAPES.items():
+        base = root / name
+        r = _invoke("generate", "--out", base / "in", "--heads", heads, "--seq-q", N, "--seq-k", M,
+                    "--d-k", d, "--d-v", d, "--dist", "normal", "--seed", 11,
+                    "--causal" if causal else "--no-causal")
+        assert r.exit_code == 0, r.output
+        subprocess.run([str(binary), "--in", str(base / "in"), "--out", str(base / "out"),
+                        "--backend", "cpu"], check=True, capture_output=True)
+        out[name] = base
+    return out
+
+
+class Case:
+    """A writable copy of a correct output case."""
+
+    def __init__(self, base: Path, work: Path):
+        self.input = base / "in"
+        self.out = work / "out"
+        shutil.copytree(base / "out", self.out)
+        self.run = read_toml(self.out / "run.toml")
+        self.scale = float(self.run["scale"])
+        self.causal = bool(self.run["causal"])
+        self.heads = int(self.run["batch"]) * int(self.run["heads"])
+
+    def path(self, stage: str, head: int) -> Path:
+        return self.out / stage_file(stage, head, "txt")
+
+    def load(self, stage: str, head: int) -> np.ndarray:
+        return np.loadtxt(self.path(stage, head), ndmin=2)
+
+    def input_matrix(self, name: str, head: int) -> np.ndarray:
+        return np.loadtxt(self.input / stage_file(name, head, "txt"), ndmin=2)
+
+    def write(self, stage: str, head: int, mat: np.ndarray, update_crc: bool = True) -> None:
+        """Rewrite a stage file keeping its header line; optionally re-stamp its CRC in run.toml."""
+        path = self.path(stage, head)
+        header = path.read_text().splitlines()[0]
+        body = "\n".join(" ".join(f"{v:.9g}" for v in row) for row in np.asarray(mat, f32))
+        data = (header + "\n" + body + "\n").encode()
+        path.write_bytes(data)
+        if update_crc:
+            key = f"crc32_{stage}_head_{head}"
+            toml = self.out / "run.toml"
+            lines = [f'{key} = "{zlib.crc32(data):08x}"' if ln.startswith(key + " ") else ln
+                     for ln in toml.read_text().splitlines()]
+            toml.write_text("\n".join(lines) + "\n")
+
+    def plant(self, stage: str, head: int, mat: np.ndarray) -> None:
+        """Write the planted stage, then recompute the stage-path stages after it in float32."""
+        self.write(stage, head, mat)
+        if stage not in STAGE_PATH:
+            return
+        cur = {stage: np.asarray(mat, f32)}
+        for nxt in STAGE_PATH[STAGE_PATH.index(stage) + 1:]:
+            if nxt == "QK_scaled":
+                cur[nxt] = scale_mask32(cur["QK"], self.scale, self.causal)
+            elif nxt == "attention_weights":
+                cur[nxt] = softmax32(cur["QK_scaled"])
+            else:
+                cur[nxt] = mm_seq(cur["attention_weights"], self.input_matrix("V", head).astype(f32))
+            self.write(nxt, head, cur[nxt])
+
+    def check(self, tmp: Path) -> dict:
+        report = tmp / "report.json"
+        r = _invoke("check", "--in", self.input, "--out", self.out, "--json", report)
+        data = json.loads(report.read_text())
+        data["exit_code"] = r.exit_code
+        data["output"] = r.output
+        return data
+
+
+def _results(report: dict, stage: str, head: int = None):
+    return [e for e in report["results"] if e["stage"] == stage and (head is None or e["head"] == head)]
+
+
+HEAD = 1  # the planted head
+
+
+def _transposed(c: Case):
+    qk = c.load("QK", HEAD)
+    return "QK", qk.T.reshape(qk.shape)
+
+
+def _scaled_twice(c: Case):
+    return "QK_scaled", c.load("QK_scaled", HEAD) * c.scale
+
+
+def _softmax_columns(c: Case):
+    return "attention_weights", softmax_rows(c.load("QK_scaled", HEAD).T).T
+
+
+def _head_permuted(c: Case):
+    return "QK", c.load("QK", 0)
+
+
+def _layout(c: Case):
+    Q = c.input_matrix("Q", HEAD).astype(f32)
+    K = c.input_matrix("K", HEAD).astype(f32)
+    return "QK", mm_seq(Q, K.reshape(K.shape[1], K.shape[0]))  # K read as a d×M (column-major) buffer
+
+
+def _unwritten(c: Case):
+    o = c.load("output", HEAD)
+    o[8:16, :] = 0.0
+    return "output", o
+
+
+def _poison(c: Case):
+    o = c.load("flash_output", HEAD)
+    o[3:7, 2:9] = np.nan
+    return "flash_output", o
+
+
+def _nonfinite(c: Case):
+    qk = c.load("QK", HEAD)
+    qk[5, 7] = np.inf
+    return "QK", qk
+
+
+def _mask_missing(c: Case):
+    return "QK_scaled", c.load("QK", HEAD) * c.scale
+
+
+def _mask_offset(c: Case):
+    s = c.load("QK", HEAD) * c.scale
+    return "QK_scaled", np.where(np.triu(np.ones(s.shape, bool), 2), -np.inf, s)  # c > r + 1
+
+
+def _tail_tile(c: Case):
+    o = c.load("flash_output", HEAD)
+    o[128:, :] *= 1.01  # the last 64-row query tile (rows 128..129)
+    return "flash_output", o
+
+
+def _mixture(c: Case):
+    qk = c.load("QK", HEAD) * 4.0  # scaled by √d_k … and an unwritten block on top
+    qk[0:4, :] = 0.0
+    return "QK", qk
+
+
+# id: (shape, builder, expected code, downstream stage that must be INHERITED or None)
+MUTATIONS = {
+    "transposed-QK": ("rect", _transposed, "transposed", "QK_scaled"),
+    "scaled-QK_scaled-twice": ("rect", _scaled_twice, "scaled", "attention_weights"),
+    "softmax_axis-weights": ("square-causal", _softmax_columns, "softmax_axis", "output"),
+    "head_permuted-QK": ("rect", _head_permuted, "head_permuted", "attention_weights"),
+    "layout-QK-K-column-major": ("rect", _layout, "layout", "QK_scaled"),
+    "unwritten-output-rows": ("rect", _unwritten, "unwritten", None),
+    "unwritten-flash-poison": ("tiles", _poison, "unwritten", None),
+    "nonfinite-QK": ("rect", _nonfinite, "nonfinite", None),
+    "mask_missing-QK_scaled": ("square-causal", _mask_missing, "mask_missing", "attention_weights"),
+    "mask_offset-QK_scaled": ("square-causal", _mask_offset, "mask_offset", "output"),
+    "tile_boundary-flash-tail": ("tiles", _tail_tile, "tile_boundary", None),
+    "mixture-scaled-and-unwritten-QK": ("rect", _mixture, "unwritten", "QK_scaled"),
+}
+
+
+@pytest.mark.parametrize("name", list(MUTATIONS), ids=list(MUTATIONS))
+def test_planted_bug_is_caught_localized_and_named(cases, tmp_path, name):
+    shape, build, code, downstream = MUTATIONS[name]
+    case = Case(cases[shape], tmp_path)
+    stage, mat = build(case)
+    case.plant(stage, HEAD, mat)
+    report = case.check(tmp_path)
+    assert report["exit_code"] == 1, report["output"]
+    assert report["first_failing_stage"] == stage, report["output"]
+    planted = _results(report, stage, HEAD)[0]
+    assert planted["status"] == "FAIL"
+    found = [d["code"] for d in planted["diagnosis"]]
+    assert code in found, (found, [d["message"] for d in planted["diagnosis"]])
+    for other in range(case.heads):  # the other heads are untouched and pass
+        if other != HEAD:
+            assert _results(report, stage, other)[0]["passed"], other
+    if downstream:
+        down = _results(report, downstream, HEAD)[0]
+        assert down["status"] == "INHERITED" and down["inherited"], down["status"]
+        assert down["isolated"]["passed"] and not down["chained"]["passed"]
+
+
+def test_stale_file_from_an_earlier_run(cases, tmp_path):
+    """A file left by another run (its CRC differs from run.toml) is `stale`, not a numeric bug."""
+    case = Case(cases["rect"], tmp_path)
+    earlier = case.load("attention_weights", HEAD)
+    earlier[0, 0] += 1e-3
+    case.write("attention_weights", HEAD, earlier, update_crc=False)
+    report = case.check(tmp_path)
+    assert report["exit_code"] == 1
+    assert report["first_failing_stage"] == "attention_weights"
+    planted = _results(report, "attention_weights", HEAD)[0]
+    assert planted["status"] == "STALE"
+    assert "stale" in [d["code"] for d in planted["diagnosis"]]
+
+
+def test_the_scale_factor_is_reported(cases, tmp_path):
+    case = Case(cases["rect"], tmp_path)
+    case.plant("QK_scaled", HEAD, case.load("QK_scaled", HEAD) * case.scale)
+    report = case.check(tmp_path)
+    d = next(d for d in _results(report, "QK_scaled", HEAD)[0]["diagnosis"] if d["code"] == "scaled")
+    assert abs(d["detail"]["factor"] - case.scale) < 1e-3 * case.scale
+    assert any("twice" in n for n in d["detail"]["names"])
+
+
+FALSE_ALARM = [(N, M, d, dist, causal, seed)
+               for seed, (N, M, d) in enumerate([(1, 1, 16), (7, 33, 16), (64, 64, 64), (100, 37, 32),
+                                                 (33, 129, 128), (128, 96, 16)])
+               for dist in ("uniform", "normal", "large") for causal in (False, True)]
+
+
+@pytest.mark.parametrize("N,M,d,dist,causal,seed", FALSE_ALARM,
+                         ids=[f"N{c[0]}-M{c[1]}-d{c[2]}-{c[3]}-{'causal' if c[4] else 'full'}" for c in FALSE_ALARM])
+def test_no_false_alarm_on_correct_cpu_runs(binary, tmp_path, N, M, d, dist, causal, seed):
+    r = _invoke("generate", "--out", tmp_path / "in", "--heads", 2, "--seq-q", N, "--seq-k", M,
+                "--d-k", d, "--d-v", d, "--dist", dist, "--seed", 100 + seed,
+                "--causal" if causal else "--no-causal")
+    assert r.exit_code == 0, r.output
+    subprocess.run([str(binary), "--in", str(tmp_path / "in"), "--out", str(tmp_path / "out"),
+                    "--backend", "cpu"], check=True, capture_output=True)
+    r = _invoke("check", "--in", tmp_path / "in", "--out", tmp_path / "out")
+    assert r.exit_code == 0, r.output
