@@ -14,12 +14,24 @@ namespace attnstep {
 enum class Precision { fp32, tf32 };
 inline const char* precision_name(Precision p) { return p == Precision::tf32 ? "tf32" : "fp32"; }
 
+// Which FlashAttention kernel the CUDA backend runs: `fast` (tensor cores, cuda/flash_fast.cu)
+// where it has a variant, else `clean` (cuda/flash_fwd.cu); forcing one lets users verify both.
+enum class FlashKernel { automatic, fast, clean };
+
 struct Problem {
     Dims dims;
     bool causal = false;       // top-left aligned: query r sees keys c <= r
     float scale = 0.f;         // multiplies QK; the caller resolves the 1/sqrt(d_k) default
     Precision precision = Precision::fp32;
     bool poison = false;       // pre-fill outputs with NaN so unwritten elements show
+    FlashKernel flash_kernel = FlashKernel::automatic;
+};
+
+// How the flash stages are computed: the tile sizes (Br query rows, Bc key rows) and the kernel's
+// name, both recorded in run.toml (the verifier uses the tiles to diagnose tile-boundary bugs).
+struct FlashPlan {
+    int Br = 0, Bc = 0;
+    std::string kernel;
 };
 
 // The flash kernel's contract: d_k == d_v and one of these widths.
@@ -48,8 +60,8 @@ public:
     virtual ~Backend() = default;
     virtual const char* name() const = 0;          // "cpu" or "cuda"
     virtual std::string device_name() const = 0;   // e.g. "NVIDIA H200" or "host CPU"
-    // The flash tile sizes (Br query rows, Bc key rows) used for this problem.
-    virtual void flash_tiles(const Problem& p, int* Br, int* Bc) const = 0;
+    // How the flash stages would be computed for this problem (flash_supported() holds).
+    virtual FlashPlan flash_plan(const Problem& p) const = 0;
     // Working memory the backend needs per head for `computed` (device memory for cuda, extra
     // host memory beyond the HeadGroup buffers for cpu), and what it may use in all.
     virtual size_t working_bytes_per_head(const Problem& p, StageSet computed) const = 0;

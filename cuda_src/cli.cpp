@@ -54,7 +54,7 @@ void print_usage(FILE* to) {
     std::fprintf(to,
         "usage: main [CASE] [--in DIR] [--out DIR] [--backend auto|cuda|cpu] [--causal]\n"
         "            [--scale S] [--stages LIST] [--format txt|npy] [--precision fp32|tf32]\n"
-        "            [--poison] [--allow-nonfinite] [--max-memory-mb MB]\n"
+        "            [--poison] [--flash-kernel auto|fast|clean] [--allow-nonfinite] [--max-memory-mb MB]\n"
         "       main --bench ...   (benchmarks; CUDA builds only)\n"
         "\n"
         "Computes attention one stage at a time and writes every stage per head (docs/contract.md).\n"
@@ -69,6 +69,8 @@ void print_usage(FILE* to) {
         "  --format F         output format txt|npy (default: the input's)\n"
         "  --precision P      fp32 | tf32 (GEMM operands rounded to TF32)\n"
         "  --poison           pre-fill outputs with NaN so unwritten elements show\n"
+        "  --flash-kernel K   auto | fast | clean: the CUDA flash kernel (auto: fast where it has a\n"
+        "                     variant for d, else clean)\n"
         "  --allow-nonfinite  accept NaN/Inf in the inputs\n"
         "  --max-memory-mb MB cap the working memory (heads are processed in groups that fit)\n"
         "exit status: 0 ok, 1 internal/CUDA failure, 2 bad usage or input, 3 not enough memory\n");
@@ -132,6 +134,11 @@ Options parse_cli(int argc, char** argv) {
             o.precision = pick(arg, take_value(), names, values);
         }
         else if (arg == "--poison") { no_value(); o.poison = true; }
+        else if (arg == "--flash-kernel") {
+            static const char* const names[] = {"auto", "fast", "clean"};
+            static const FlashKernel values[] = {FlashKernel::automatic, FlashKernel::fast, FlashKernel::clean};
+            o.flash_kernel = pick(arg, take_value(), names, values);
+        }
         else if (arg == "--allow-nonfinite") { no_value(); o.allow_nonfinite = true; }
         else if (arg == "--max-memory-mb") { o.max_memory_mb = parse_positive_int(arg, take_value()); }
         else if (arg.size() > 1 && arg[0] == '-') { usage_error("unknown option '" + arg + "'"); }

@@ -27,6 +27,7 @@ struct Options {
     Format format = Format::txt;
     Precision precision = Precision::fp32;
     bool poison = false;
+    FlashKernel flash_kernel = FlashKernel::automatic;
     bool allow_nonfinite = false;
     long long max_memory_mb = 0;     // 0: no cap beyond MemAvailable/2
     bool help = false;

@@ -91,6 +91,7 @@ Problem make_problem(const Options& o, const InputCase& c) {
     p.scale = static_cast<float>(scale);
     p.precision = o.precision;
     p.poison = o.poison;
+    p.flash_kernel = o.flash_kernel;
     return p;
 }
 
@@ -197,8 +198,8 @@ std::string stage_list(StageSet set) {
 
 void write_run_manifest(RunState& rs, const Options& o, const Problem& p, const Backend& be, StageSet computed,
                         StageSet written) {
-    int Br = 0, Bc = 0;  // 0: no flash stage was computed
-    if (computed.any_flash()) be.flash_tiles(p, &Br, &Bc);
+    FlashPlan flash;  // tiles 0 and no kernel: no flash stage was computed
+    if (computed.any_flash()) flash = be.flash_plan(p);
     ManifestWriter w;
     w.comment("attnstep run manifest (docs/contract.md); written last");
     w.add("run_id", rs.run_id);
@@ -217,8 +218,9 @@ void write_run_manifest(RunState& rs, const Options& o, const Problem& p, const 
     w.add_bool("causal", p.causal);
     w.add_float("scale", static_cast<double>(p.scale));
     w.add("stages", stage_list(written));
-    w.add("flash_block_q", Br);
-    w.add("flash_block_k", Bc);
+    w.add("flash_block_q", flash.Br);
+    w.add("flash_block_k", flash.Bc);
+    if (!flash.kernel.empty()) w.add("flash_kernel", flash.kernel);
     w.add_bool("poison", p.poison);
     for (int i = 0; i < kNumStages; ++i)
         if (computed.has(static_cast<Stage>(i)))

@@ -7,6 +7,7 @@
 #   scripts/bench_gpu.sh [build] [correct] [variants] [goal] [full]   (default: all but goal)
 # goal: the full bench on the four goal shapes only (B4 H16 N=M=4096, d 64/128, causal or not).
 #
+# VARIANTS="0" limits both loops to the shipped configuration.
 # Logs go to $OUT (or ./bench_gpu_out): correct.log, variants.log, full.log, bench.json, bench.png.
 # The last lines printed are the variant table and the full sweep's goals.
 set -uo pipefail
@@ -16,6 +17,7 @@ mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 BUILD=build-gpu
 MAIN=$BUILD/main
+VARIANTS=${VARIANTS:-0 1 2 3}  # flash_fast configurations checked and timed (0 = shipped)
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(build correct variants full)
 want() { local s; for s in "${steps[@]}"; do [ "$s" = "$1" ] && return 0; done; return 1; }
@@ -52,7 +54,7 @@ if want correct; then
                         "1 1 1000 500 64" "1 1 500 1000 128"; do
                 set -- $spec
                 for causal in "" "--causal"; do
-                    for variant in 0 1 2 3; do
+                    for variant in $VARIANTS; do
                         [ $variant -gt 0 ] && [ $5 -lt 64 ] && continue
                         run "correct B$1 H$2 N$3 M$4 d$5 $prec ${causal:-full} v$variant" \
                             --batch $1 --heads $2 --seq-q $3 --seq-k $4 --d $5 --precision $prec $causal \
@@ -84,7 +86,7 @@ if want variants; then
         for d in 64 128; do
             for causal in "" "--causal"; do
                 for prec in fp32 tf32; do
-                    for variant in 0 1 2 3; do
+                    for variant in $VARIANTS; do
                         out=$(timeout 120 $MAIN --bench --only flash --batch 4 --heads 16 --seq-q 4096 \
                               --seq-k 4096 --d $d $causal --precision $prec --warmup 2 --reps 10 --check \
                               --fast-variant $variant 2>&1)

@@ -24,7 +24,8 @@ def _binary_json(precision="fp32", flash_fast_tflops=60.0, check_passed=True, er
     return {
         "tool": "attnstep bench", "format": 1, "device": "NVIDIA H200", "sm_count": 132,
         "shape": dict(SHAPE), "precision": precision, "warmup": 3, "reps": 20,
-        "ceilings": {"sgemm_ms": 1.0, "sgemm_tflops": 50.0, "copy_ms": 0.5, "copy_gbps": 4000.0},
+        "ceilings": {"sgemm_ms": 1.0, "sgemm_tflops": 50.0, "copy_ms": 0.5, "copy_gbps": 4000.0,
+                     "mma_tf32_tflops": 140.0, "mma_bf16_tflops": 560.0},
         "passed": check_passed,
         "kernels": [
             k("KT", "memory", 0.05, 3500.0, 0.875),
@@ -123,6 +124,7 @@ def test_cli_from_json(tmp_path):
     res = CliRunner().invoke(vb.bench, ["--from-json", str(src), "--plot", str(png)])
     assert res.exit_code == 0, res.output
     assert "NVIDIA H200" in res.output and "goals (issue 5)" in res.output
+    assert "ceilings (fp32, first shape): cuBLAS SGEMM 50.0 TFLOP/s, copy 4000 GB/s, mma.sync TF32 140" in res.output
     assert png.exists()
 
 

@@ -12,13 +12,20 @@ from verify.runner import run_binary
 
 from shapes import shape_params
 
-BACKENDS = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)]
+# (backend, extra binary arguments): the CUDA backend with each flash kernel and each precision.
+BACKENDS = [
+    pytest.param(("cpu", ()), id="cpu"),
+    pytest.param(("cuda", ()), id="cuda", marks=pytest.mark.gpu),
+    pytest.param(("cuda", ("--flash-kernel", "clean")), id="cuda-clean-flash", marks=pytest.mark.gpu),
+    pytest.param(("cuda", ("--precision", "tf32")), id="cuda-tf32", marks=pytest.mark.gpu),
+]
 
 
 def _run_and_check(binary, tmp_path, dims, causal, backend, **gen):
+    name, extra = backend
     in_dir, out_dir = tmp_path / "in", tmp_path / "out"
     generate_case(in_dir, dims, causal=causal, **gen)
-    run_binary(binary, in_dir, out_dir, backend=backend)
+    run_binary(binary, in_dir, out_dir, backend=name, extra=extra)
     return check(in_dir, out_dir)
 
 

@@ -126,7 +126,9 @@ def test_run_manifest_names_device_tiles_and_timings(binary, tmp_path):
     in_dir = generate_case(tmp_path / "in", dims, seed=1, fmt="npy")
     run = run_case(binary, in_dir, tmp_path / "out", "cuda")
     assert run.values["device"] and run.values["device"] != "host CPU"
-    assert run.flash_tiles == (64, 64)
+    assert run.values["flash_kernel"].startswith("cuda-fast")
+    clean = run_case(binary, in_dir, tmp_path / "clean", "cuda", "--flash-kernel", "clean")
+    assert clean.flash_tiles == (64, 64) and clean.values["flash_kernel"] == "cuda-clean"
     times = run.timings()
     for stage in ("KT", "QK", "QK_scaled", "attention_weights", "output", "flash_output"):
         assert stage in times and times[stage] > 0.0, (stage, times)

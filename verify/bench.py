@@ -288,6 +288,26 @@ def format_table(rows: Sequence[Row]) -> str:
     return "\n".join(lines)
 
 
+def ceiling_lines(results: dict) -> List[str]:
+    """The ceilings each binary run measured, one line per distinct precision (they vary little
+    between shapes; the per-run values are in the JSON)."""
+    lines, seen = [], set()
+    for run in results.get("runs", []):
+        b = run.get("binary") or {}
+        c, prec = b.get("ceilings") or {}, b.get("precision")
+        if prec in seen or not c:
+            continue
+        seen.add(prec)
+        parts = [f"cuBLAS SGEMM {c.get('sgemm_tflops', float('nan')):.1f} TFLOP/s",
+                 f"copy {c.get('copy_gbps', float('nan')):.0f} GB/s"]
+        if c.get("mma_tf32_tflops"):
+            parts.append(f"mma.sync TF32 {c['mma_tf32_tflops']:.0f} TFLOP/s")
+        if c.get("mma_bf16_tflops"):
+            parts.append(f"mma.sync BF16 {c['mma_bf16_tflops']:.0f} TFLOP/s")
+        lines.append(f"ceilings ({prec}, first shape): " + ", ".join(parts))
+    return lines
+
+
 def _is_goal_shape(r: Row, results_shape: Dict[str, Shape]) -> bool:
     s = results_shape[r.shape]
     return (s.batch, s.heads, s.seq_q, s.seq_k) == tuple(GOAL_SHAPE.values())
@@ -440,6 +460,8 @@ def bench(build_dir, shape_specs, precision, warmup, reps, only, check, use_torc
         click.echo(f"device: {results.get('device', '?')}  date: {results.get('date', '?')}  "
                    f"torch: {results.get('torch') or 'not timed'}")
         click.echo(format_table(rows))
+        for line in ceiling_lines(results):
+            click.echo(line)
         goals = evaluate_goals(rows)
         if goals:
             click.echo("goals (issue 5):")

@@ -12,6 +12,7 @@ from typing import Dict, Optional, Tuple
 import click
 
 from . import tolerance
+from .bench import bench
 from .case import CaseError, load_run
 from .compare import Options, check as run_check, error_ratio_map
 from .generate import DEFAULT_DIMS, DISTRIBUTIONS, generate_case
@@ -274,6 +275,9 @@ def demo(ctx, data_dir, backend, build_dir, timeout, json_path, seed):
     click.echo(f"[4/4] checking {out_dir}")
     passed = _check_and_report(in_dir, out_dir, Options(), json_path, None, None, False)
     ctx.exit(0 if passed else 1)
+
+
+cli.add_command(bench)  # verify/bench.py: GPU timings against ceilings and PyTorch SDPA
 
 
 def main() -> None:  # console-script entry point

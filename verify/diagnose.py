@@ -115,8 +115,6 @@ def _unwritten(stage, got, want, ctx, width) -> List[Diagnosis]:
     box = blank[r0:r1 + 1, c0:c1 + 1]
     if box.mean() < UNWRITTEN_DENSITY or suspect.sum() < 2:
         return []
-    if (wrong & ~blank).sum() > 0.1 * wrong.sum():  # most of the damage must be the blank region
-        return []
     kinds = [k for k, m in (("NaN", np.isnan(box)), ("zeros", box & (got[r0:r1 + 1, c0:c1 + 1] == 0)),
                             ("poison", np.isin(got[r0:r1 + 1, c0:c1 + 1], POISON_VALUES))) if m.any()]
     whole = "whole matrix" if (r1 - r0 + 1, c1 - c0 + 1) == got.shape else \
@@ -206,8 +204,11 @@ def _scaled(stage, got, want, ctx, width) -> List[Diagnosis]:
     dims = ctx.get("dims")
     d_k = dims.d_k if dims is not None else 1
     scale = float(ctx.get("scale", 1.0))
-    fin = np.isfinite(got) & np.isfinite(want)
-    if not fin.any() or (np.isfinite(want) != np.isfinite(got)).any():
+    # Entries left blank (0 or NaN where want is not) belong to an unwritten region, not to the
+    # scaling: fit the factor on the rest.
+    blank = (np.isnan(got) | (got == 0)) & (want != 0) & np.isfinite(want)
+    fin = np.isfinite(got) & np.isfinite(want) & ~blank
+    if not fin.any() or (np.isfinite(want) != np.isfinite(got))[~blank].any():
         return []
     g, w = got[fin], want[fin]
     ww = float(w @ w)
@@ -218,7 +219,8 @@ def _scaled(stage, got, want, ctx, width) -> List[Diagnosis]:
             if diff <= MATCH_WIDTHS * width * max(1.0, abs(f)):
                 names = _scale_names(f, scale, d_k, stage)
                 named = f" ≈ {' = '.join(names)}" if names else ""
-                return [Diagnosis("scaled", f"{stage} is scaled: got ≈ {f:.6g}·want{named} "
+                rest = f", apart from {int(blank.sum())} blank entries" if blank.any() else ""
+                return [Diagnosis("scaled", f"{stage} is scaled: got ≈ {f:.6g}·want{named}{rest} "
                                   f"(max diff {diff:.2g})", {"factor": f, "names": names,
                                                              "max_diff": diff}, 0.9)]
     src = ctx.get("src") or {}

@@ -48,7 +48,7 @@ def header_lines(report: Report) -> List[str]:
             f"{', ' + str(v['device']) if v.get('device') else ''}, {v['precision']}), "
             f"{d.total_heads} heads (batch {d.batch} x {d.heads}), N={d.seq_q} M={d.seq_k} "
             f"d_k={d.d_k} d_v={d.d_v}, {'causal' if v['causal'] else 'not causal'}, "
-            f"scale {float(v['scale']):.6g}"]
+            f"scale {float(v['scale']):.6g}" + (f", flash kernel {v['flash_kernel']}" if v.get("flash_kernel") else "")]
 
 
 def table_lines(report: Report, per_head: bool = False) -> List[str]:

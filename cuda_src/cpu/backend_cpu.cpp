@@ -94,10 +94,7 @@ public:
     std::string device_name() const override {
         return "host CPU (" + std::to_string(std::max(1u, std::thread::hardware_concurrency())) + " threads)";
     }
-    void flash_tiles(const Problem&, int* Br, int* Bc) const override {
-        *Br = kFlashBr;
-        *Bc = kFlashBc;
-    }
+    FlashPlan flash_plan(const Problem&) const override { return {kFlashBr, kFlashBc, "cpu-tiled"}; }
     size_t working_bytes_per_head(const Problem& p, StageSet computed) const override {
         // TF32 keeps rounded copies of Q, K, V; the flash tiles' scratch is per thread, not per
         // head, and small enough to ignore.

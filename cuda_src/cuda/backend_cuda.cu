@@ -65,7 +65,7 @@ public:
 
     const char* name() const override { return "cuda"; }
     std::string device_name() const override { return device_name_; }
-    void flash_tiles(const Problem& p, int* Br, int* Bc) const override;
+    FlashPlan flash_plan(const Problem& p) const override;
     size_t working_bytes_per_head(const Problem& p, StageSet computed) const override;
     size_t available_bytes() const override;
     void compute(const Problem& p, StageSet computed, HeadGroup& group, StageTimes* times) override;
@@ -133,18 +133,17 @@ void CudaBackend::release() noexcept {
     stream_ = nullptr;
 }
 
-void CudaBackend::flash_tiles(const Problem& p, int* Br, int* Bc) const {
-    if (!flash_supported(p.dims)) {  // no flash stage for this width: no tiles to report
-        *Br = *Bc = 0;
-        return;
-    }
+FlashPlan CudaBackend::flash_plan(const Problem& p) const {
+    if (!flash_supported(p.dims)) return {};  // no flash stage for this width: nothing to report
     FlashArgs a{};
-    a.heads = 1;
+    a.heads = p.dims.total_heads();  // the split decision depends on the work; groups may be smaller
     a.N = p.dims.N;
     a.M = p.dims.M;
     a.d = p.dims.dk;
+    a.causal = p.causal;
     a.precision = p.precision;
-    flash_forward_tiles(a, Br, Bc);
+    a.kernel = p.flash_kernel;
+    return flash_forward_plan(a);
 }
 
 size_t CudaBackend::working_bytes_per_head(const Problem& p, StageSet computed) const {
@@ -277,6 +276,7 @@ void CudaBackend::run_stages(const Problem& p, StageSet computed, int heads, con
         a.scale = p.scale;
         a.causal = p.causal;
         a.precision = p.precision;
+        a.kernel = p.flash_kernel;
         // One kernel writes both flash stages; its time is booked to flash_output alone so that
         // the per-stage times still add up to the run.
         timed(Stage::flash_output, [&] { flash_forward(a, stream_); });

@@ -222,7 +222,62 @@ struct Result {
 struct Ceilings {
     double sgemm_ms = 0, sgemm_tflops = 0;
     double copy_ms = 0, copy_gbps = 0;
+    double mma_tf32_tflops = 0;  // mma.sync m16n8k8 TF32 issue rate: flash_fast's own ceiling
+    double mma_bf16_tflops = 0;  // mma.sync m16n8k16 BF16: the rate a split-BF16 kernel would see
 };
+
+// ---------------------------------------------------------------------------------------------
+// The tensor-core ceiling of flash_fast: every warp issues kMmaChains independent chains of
+// mma.sync.m16n8k8 TF32 (2·16·8·8 FLOP each; no loads, no dependencies beyond each chain), enough
+// warps to fill every SM. The same for m16n8k16 BF16, the rate a split-BF16 (bf16x3) kernel would
+// run at. sm_80+ only; 0 elsewhere.
+constexpr int kMmaChains = 8, kMmaIters = 128, kMmaWarpsPerBlock = 8;
+
+template <bool kBf16>
+__global__ void mma_peak(float* sink) {
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+    float c[kMmaChains][4] = {};
+    const uint32_t a0 = kBf16 ? 0x3f803f80u + threadIdx.x : __float_as_uint(1.0f + threadIdx.x * 1e-3f);
+    const uint32_t b0 = kBf16 ? 0x3f003f00u : __float_as_uint(0.5f);
+    for (int it = 0; it < kMmaIters; ++it) {
+#pragma unroll
+        for (int k = 0; k < kMmaChains; ++k) {
+            if (kBf16) {
+                asm volatile(
+                    "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                    "{%0,%1,%2,%3}, {%4,%4,%4,%4}, {%5,%5}, {%0,%1,%2,%3};"
+                    : "+f"(c[k][0]), "+f"(c[k][1]), "+f"(c[k][2]), "+f"(c[k][3])
+                    : "r"(a0), "r"(b0));
+            } else {
+                asm volatile(
+                    "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
+                    "{%0,%1,%2,%3}, {%4,%4,%4,%4}, {%5,%5}, {%0,%1,%2,%3};"
+                    : "+f"(c[k][0]), "+f"(c[k][1]), "+f"(c[k][2]), "+f"(c[k][3])
+                    : "r"(a0), "r"(b0));
+            }
+        }
+    }
+    float acc = 0.f;
+#pragma unroll
+    for (int k = 0; k < kMmaChains; ++k) acc += c[k][0] + c[k][1] + c[k][2] + c[k][3];
+    if (acc == 1234.5f) *sink = acc;  // keeps the work alive; never true in practice
+#endif
+}
+
+// TFLOP/s of mma.sync m16n8k8 TF32 (kBf16 false) or m16n8k16 BF16 (true).
+template <bool kBf16>
+double measure_mma(const cudaDeviceProp& prop, Timer& timer, int warmup, int reps, cudaStream_t s) {
+    if (prop.major < 8) return 0;
+    DeviceBuffer sink(1);
+    const int blocks = prop.multiProcessorCount * 2;  // 16 warps per SM, 8 chains each
+    const double ms = timer.median_ms(warmup, std::max(3, reps / 4), [&] {
+        mma_peak<kBf16><<<blocks, kMmaWarpsPerBlock * 32, 0, s>>>(sink.p);
+        LAUNCH_CHECK(mma_peak);
+    });
+    const double k = kBf16 ? 16 : 8;
+    const double flops = 2.0 * 16 * 8 * k * kMmaChains * double(kMmaIters) * blocks * kMmaWarpsPerBlock;
+    return flops / (ms * 1e-3) / 1e12;
+}
 
 void set_rate(Result& r, const Ceilings& c) {
     if (r.kind == Kind::memory) {
@@ -397,8 +452,9 @@ void print_table(const Options& o, const std::string& device, const Ceilings& c,
     std::printf("bench: %s  B=%d H=%d N=%d M=%d d=%d %s precision=%s  (median of %d, %d warm-up)\n",
                 device.c_str(), o.batch, o.heads, o.N, o.M, o.d, o.causal ? "causal" : "non-causal",
                 precision_name(o.precision), o.reps, o.warmup);
-    std::printf("ceilings: cuBLAS SGEMM (QK shape) %.1f TFLOP/s, device copy %.0f GB/s%s\n",
-                c.sgemm_tflops, c.copy_gbps,
+    std::printf("ceilings: cuBLAS SGEMM (QK shape) %.1f TFLOP/s, device copy %.0f GB/s, "
+                "mma.sync TF32 %.0f / BF16 %.0f TFLOP/s%s\n",
+                c.sgemm_tflops, c.copy_gbps, c.mma_tf32_tflops, c.mma_bf16_tflops,
                 group > 0 ? fmt(", stage path in groups of %.0f heads", group).c_str() : "");
     std::printf("%-18s %10s %16s %9s  %s\n", "kernel", "ms", "rate", "ceiling", "note");
     for (const Result& r : results) {
@@ -433,7 +489,9 @@ void write_json(const Options& o, const std::string& device, int sms, const Ceil
        << ",\n  \"reps\": " << o.reps << ",\n  \"stage_group_heads\": " << group << ",\n"
        << "  \"ceilings\": {\"sgemm_ms\": " << num(c.sgemm_ms) << ", \"sgemm_tflops\": " << num(c.sgemm_tflops)
        << ", \"copy_ms\": " << num(c.copy_ms) << ", \"copy_gbps\": " << num(c.copy_gbps)
-       << ", \"copy_bytes\": " << num(2.0 * kCopyBytes) << "},\n"
+       << ", \"copy_bytes\": " << num(2.0 * kCopyBytes)
+       << ", \"mma_tf32_tflops\": " << num(c.mma_tf32_tflops)
+       << ", \"mma_bf16_tflops\": " << num(c.mma_bf16_tflops) << "},\n"
        << "  \"passed\": " << (passed ? "true" : "false") << ",\n  \"kernels\": [\n";
     for (size_t i = 0; i < results.size(); ++i) {
         const Result& r = results[i];
@@ -595,6 +653,8 @@ int bench(const Options& o) {
         group = stage_group(o, free_bytes, total_heads);
         StagePath sp{o, blas, s, group};
         c = measure_ceilings(o, sp, timer, s);
+        c.mma_tf32_tflops = measure_mma<false>(prop, timer, o.warmup, o.reps, s);
+        c.mma_bf16_tflops = measure_mma<true>(prop, timer, o.warmup, o.reps, s);
         if (o.only != "flash") bench_stage_path(o, sp, Q, K, V, total_heads, timer, s, &results);
 
         if (o.only != "stages") {

@@ -20,10 +20,18 @@ struct FlashArgs {
     float scale;
     bool causal;
     Precision precision;
+    FlashKernel kernel = FlashKernel::automatic;
 };
 
-// The tile sizes (Br, Bc) the dispatcher will use for these arguments.
-void flash_forward_tiles(const FlashArgs& a, int* Br, int* Bc);
+// What the dispatcher will run for these arguments: the kernel and its tiles. Throws (exit 2)
+// when `kernel` forces the fast kernel and it has no variant for them.
+FlashPlan flash_forward_plan(const FlashArgs& a);
+
+inline void flash_forward_tiles(const FlashArgs& a, int* Br, int* Bc) {
+    FlashPlan plan = flash_forward_plan(a);
+    *Br = plan.Br;
+    *Bc = plan.Bc;
+}
 
 // Launches the forward pass on `stream`; checks the launch. Requires flash_supported().
 void flash_forward(const FlashArgs& a, cudaStream_t stream);

@@ -8,7 +8,7 @@
 //   Precision::tf32: one product tf32(a)·tf32(b): about 3x less tensor work, ~3e-4 relative error.
 //
 // Structure (FlashAttention-2): a block of NW warps owns Br = 16·NW query rows, each warp 16 rows
-// whose Q fragments stay in registers. K and V tiles of Bc rows stream through shared memory with
+// whose Q stays in registers (d <= 32) or in shared memory (QStore). K and V tiles of Bc rows stream through shared memory with
 // cp.async, double buffered (tile j+1 loads while tile j is used). Per tile each warp computes its
 // 16×Bc block of S in registers, updates the running max m and sum l (online softmax, log2
 // domain), rescales its O accumulator and adds P·V, with P taken straight from the S accumulators:
@@ -25,9 +25,15 @@
 // -DATTNSTEP_FLASH_FAST_VARIANTS (scripts/bench_gpu.sh); `main --bench --fast-variant I` picks one.
 // Run / time / check: build/main --bench --batch 4 --heads 16 --seq-q 4096 --seq-k 4096 --d 64 --check
 //
-// Versions (measured figures: docs/performance.md, notes):
-//   v1: this file. Q fragments in registers (raw FP32, split per k-step), K/V split in registers
-//       per warp, Br = 64, Bc = 64 (d ≤ 64) / 64 (d = 128), 2-stage cp.async.
+// Versions (H200, B4 H16 N=M=4096, TFLOP/s fp32 | tf32; all numbers in docs/performance.md):
+//   v1: cvt.rna.tf32 conversions, K/V split per warp, Q raw in registers, O accumulated over all
+//       keys inside the tensor cores. d64: 40 | 90, d128: 39 | 92. Error 3.5e-5: 10x a plain FP32
+//       kernel (the tensor cores truncate while accumulating; a 1536-MMA chain adds that up).
+//   v2: per-tile P·V accumulator added to O in FP32 (error 1.0e-6, below the clean FP32
+//       kernel's 3e-6); integer TF32 rounding instead of cvt; Q in shared memory. Same speed as
+//       v1, so conversions were not the limiter: the mma.sync TF32 rate is (bench measures it).
+//   v3: this file: v2 with the fastest tile configuration per d from v2's variant sweep:
+//       d64 Br 64 / Bc 64 / 4 warps (43 | 103), d128 Br 128 / Bc 64 / 8 warps (47 | 119).
 #include "flash_fast.cuh"
 
 #include <algorithm>
@@ -621,31 +627,31 @@ bool dispatch(const FlashArgs& a, int variant, int forced_splits, Plan* plan, bo
               cudaStream_t stream) {
     if (a.heads < 1 || a.heads > 65535 || a.N < 1 || a.M < 1 || !device_supported()) return false;
     switch (variant) {
-        case 0:
+        case 0:  // the shipped configurations (fastest of scripts/bench_gpu.sh's variants, run 2)
             switch (a.d) {
                 case 16: return run_config<Tiles<16, 64, 4, 3, QStore::regs>>(a, forced_splits, plan, do_launch, stream);
                 case 32: return run_config<Tiles<32, 64, 4, 3, QStore::regs>>(a, forced_splits, plan, do_launch, stream);
-                case 64: return run_config<Tiles<64, 64, 4, 2, QStore::smem_split>>(a, forced_splits, plan, do_launch, stream);
-                case 128: return run_config<Tiles<128, 32, 4, 2, QStore::smem>>(a, forced_splits, plan, do_launch, stream);
+                case 64: return run_config<Tiles<64, 64, 4, 2, QStore::smem>>(a, forced_splits, plan, do_launch, stream);
+                case 128: return run_config<Tiles<128, 64, 8, 1, QStore::smem>>(a, forced_splits, plan, do_launch, stream);
                 default: return false;  // no variant: the clean kernel handles it
             }
 #ifdef ATTNSTEP_FLASH_FAST_VARIANTS
-        case 1:  // smaller/larger KV tiles
+        case 1:  // Bc = 32, more blocks per SM
             switch (a.d) {
                 case 64: return run_config<Tiles<64, 32, 4, 4, QStore::smem_split>>(a, forced_splits, plan, do_launch, stream);
-                case 128: return run_config<Tiles<128, 64, 4, 1, QStore::smem>>(a, forced_splits, plan, do_launch, stream);
+                case 128: return run_config<Tiles<128, 32, 4, 2, QStore::smem>>(a, forced_splits, plan, do_launch, stream);
                 default: return false;
             }
-        case 2:  // d = 64: raw Q in shared memory; d = 128: 8 warps (Br = 128)
+        case 2:  // d = 64: Q split once in shared memory; d = 128: 8 warps, Bc = 32
             switch (a.d) {
-                case 64: return run_config<Tiles<64, 64, 4, 2, QStore::smem>>(a, forced_splits, plan, do_launch, stream);
+                case 64: return run_config<Tiles<64, 64, 4, 2, QStore::smem_split>>(a, forced_splits, plan, do_launch, stream);
                 case 128: return run_config<Tiles<128, 32, 8, 1, QStore::smem>>(a, forced_splits, plan, do_launch, stream);
                 default: return false;
             }
-        case 3:  // 8 warps (Br = 128): K/V tiles shared by twice the rows
+        case 3:  // d = 64: 8 warps (Br = 128); d = 128: 4 warps, Bc = 64
             switch (a.d) {
                 case 64: return run_config<Tiles<64, 64, 8, 1, QStore::smem_split>>(a, forced_splits, plan, do_launch, stream);
-                case 128: return run_config<Tiles<128, 64, 8, 1, QStore::smem>>(a, forced_splits, plan, do_launch, stream);
+                case 128: return run_config<Tiles<128, 64, 4, 1, QStore::smem>>(a, forced_splits, plan, do_launch, stream);
                 default: return false;
             }
 #endif

@@ -22,6 +22,7 @@
 
 #include "cuda_check.cuh"
 #include "flash.cuh"
+#include "flash_fast.cuh"
 
 namespace attnstep {
 
@@ -275,12 +276,30 @@ bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 
 }  // namespace
 
-void flash_forward_tiles(const FlashArgs& a, int* Br, int* Bc) {
+// The fast kernel runs unless the clean one is forced; forcing the fast one where it has no
+// variant is the user's error, not a silent fallback.
+bool use_fast_kernel(const FlashArgs& a, FlashPlan* plan) {
+    if (a.kernel == FlashKernel::clean) return false;
+    int Br = 0, Bc = 0, splits = 1;
+    if (flash_fast_plan(a, &Br, &Bc, &splits)) {
+        *plan = {Br, Bc, std::string(a.precision == Precision::tf32 ? "cuda-fast-tf32" : "cuda-fast-3xtf32") +
+                             (splits > 1 ? "-split" + std::to_string(splits) : "")};
+        return true;
+    }
+    if (a.kernel == FlashKernel::fast)
+        fail(kExitBadInput, "--flash-kernel fast: no fast variant for d=" + std::to_string(a.d) + " on this GPU",
+             "use --flash-kernel auto or clean");
+    return false;
+}
+
+FlashPlan flash_forward_plan(const FlashArgs& a) {
+    FlashPlan plan;
+    if (use_fast_kernel(a, &plan)) return plan;
     switch (a.d) {
-        case 16: *Br = FlashTile<16>::Br; *Bc = FlashTile<16>::Bc; return;
-        case 32: *Br = FlashTile<32>::Br; *Bc = FlashTile<32>::Bc; return;
-        case 64: *Br = FlashTile<64>::Br; *Bc = FlashTile<64>::Bc; return;
-        case 128: *Br = FlashTile<128>::Br; *Bc = FlashTile<128>::Bc; return;
+        case 16: return {FlashTile<16>::Br, FlashTile<16>::Bc, "cuda-clean"};
+        case 32: return {FlashTile<32>::Br, FlashTile<32>::Bc, "cuda-clean"};
+        case 64: return {FlashTile<64>::Br, FlashTile<64>::Bc, "cuda-clean"};
+        case 128: return {FlashTile<128>::Br, FlashTile<128>::Bc, "cuda-clean"};
         default: unsupported_width(a.d, __FILE__, __LINE__);
     }
 }
@@ -295,6 +314,8 @@ void flash_forward(const FlashArgs& a, cudaStream_t stream) {
         fail(kExitInternal, where(__FILE__, __LINE__) +
                                 ": flash_forward: Q, K, V and O must be 16-byte aligned (float4 loads)");
     }
+    FlashPlan plan;
+    if (use_fast_kernel(a, &plan) && flash_forward_fast(a, stream)) return;
     switch (a.d) {
         case 16: return launch_flash_fwd<16>(a, stream);
         case 32: return launch_flash_fwd<32>(a, stream);
