@@ -8,7 +8,9 @@ from __future__ import annotations
 import io
 import math
 import os
+import re
 import tomllib
+import warnings
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -65,13 +67,30 @@ def write_matrix(path: Path, arr: np.ndarray, fmt: str, header: Optional[str] = 
     atomic_write_bytes(path, matrix_bytes(arr, fmt, header))
 
 
+# The number syntax both readers accept (cuda_src/io/matrix_io.cpp has the same rule).
+_NUMBER = re.compile(r"^[+-]?(?:(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?|inf|infinity|nan)$", re.IGNORECASE)
+_BLANK_INSIDE = re.compile(r"(?:^|\n)[ \t\r]*\n[ \t\r\n]*\S")  # a blank line before a row
+
+
 def _first_bad_token(tokens: List[str]) -> Optional[int]:
     for j, tok in enumerate(tokens):
-        try:
-            float(tok)
-        except ValueError:
+        if not _NUMBER.match(tok):
             return j
     return None
+
+
+def _fast_parse(text: str) -> Optional[np.ndarray]:
+    """NumPy's C parser for well-formed files; None when anything is off, so that the precise
+    line-by-line pass below finds and names the problem."""
+    if _BLANK_INSIDE.search(text):
+        return None
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "empty input" warnings: the precise pass reports it
+            mat = np.loadtxt(io.StringIO(text), dtype=np.float64, comments="#", ndmin=2)
+    except ValueError:
+        return None
+    return mat if mat.size else None
 
 
 def parse_text_matrix(data: bytes, name: str, shape: Optional[Tuple[int, int]] = None,
@@ -82,10 +101,26 @@ def parse_text_matrix(data: bytes, name: str, shape: Optional[Tuple[int, int]] =
     except UnicodeDecodeError as exc:
         raise CaseError(f"{name}: not a text matrix (non-ASCII byte at offset {exc.start}); "
                         "HINT: is it a .npy file with the wrong extension?") from None
-    lines = text.split("\n")
+    mat = _fast_parse(text)
+    linenos = None
+    if mat is None or (shape and mat.shape != tuple(shape)):
+        mat, linenos = _precise_parse(text, name, shape)
+    with np.errstate(over="ignore"):
+        mat32 = mat.astype(np.float32)
+    overflow = np.argwhere(np.isfinite(mat) & ~np.isfinite(mat32))
+    if overflow.size:
+        r, c = (int(x) for x in overflow[0])
+        raise CaseError(f"{name}:{_where(r, c, linenos, text)}: value {mat[r, c]:.9g} overflows float32")
+    if not allow_nonfinite:
+        _reject_nonfinite(mat32, name, linenos, text)
+    return mat32
+
+
+def _precise_parse(text: str, name: str, shape) -> Tuple[np.ndarray, List[int]]:
+    """Line by line: names the first ragged row, bad token or blank line with line:col."""
     rows: List[Tuple[int, List[str]]] = []
     blank_at = None
-    for lineno, line in enumerate(lines, start=1):
+    for lineno, line in enumerate(text.split("\n"), start=1):
         stripped = line.strip()
         if stripped.startswith("#"):
             continue
@@ -100,33 +135,34 @@ def parse_text_matrix(data: bytes, name: str, shape: Optional[Tuple[int, int]] =
         raise CaseError(f"{name}: empty file: no matrix rows")
     want_cols = shape[1] if shape else len(rows[0][1])
     for lineno, tokens in rows:
+        j = _first_bad_token(tokens)
+        if j is not None:
+            raise CaseError(f"{name}:{lineno}:{j + 1}: not a number: {tokens[j][:40]!r}")
         if len(tokens) != want_cols:
             what = "missing values" if len(tokens) < want_cols else "extra values"
             raise CaseError(f"{name}:{lineno}: {what}: {len(tokens)} values on this row, expected "
                             f"{want_cols}; HINT: a ragged or truncated row")
     if shape and len(rows) != shape[0]:
-        last = rows[-1][0]
-        raise CaseError(f"{name}:{last}: {len(rows)} rows, expected {shape[0]}; "
+        raise CaseError(f"{name}:{rows[-1][0]}: {len(rows)} rows, expected {shape[0]}; "
                         "HINT: the file is truncated or has extra rows")
-    try:
-        flat = np.array([tok for _, tokens in rows for tok in tokens], dtype=np.float64)
-    except ValueError:
-        for lineno, tokens in rows:
-            j = _first_bad_token(tokens)
-            if j is not None:
-                raise CaseError(f"{name}:{lineno}:{j + 1}: not a number: {tokens[j][:40]!r}") from None
-        raise
-    mat = flat.reshape(len(rows), want_cols)
-    if not allow_nonfinite:
-        _reject_nonfinite(mat, name, [ln for ln, _ in rows])
-    return mat.astype(np.float32)
+    flat = np.array([tok for _, tokens in rows for tok in tokens], dtype=np.float64)
+    return flat.reshape(len(rows), want_cols), [ln for ln, _ in rows]
 
 
-def _reject_nonfinite(mat: np.ndarray, name: str, linenos: Optional[List[int]] = None) -> None:
+def _where(r: int, c: int, linenos: Optional[List[int]], text: Optional[str] = None) -> str:
+    """line:col of matrix element (r, c), 1-based."""
+    if linenos is None and text is not None:
+        linenos = [i for i, ln in enumerate(text.split("\n"), start=1)
+                   if ln.strip() and not ln.strip().startswith("#")]
+    return f"{linenos[r]}:{c + 1}" if linenos else f"row {r}, col {c}"
+
+
+def _reject_nonfinite(mat: np.ndarray, name: str, linenos: Optional[List[int]] = None,
+                      text: Optional[str] = None) -> None:
     bad = np.argwhere(~np.isfinite(mat))
     if bad.size:
         r, c = (int(x) for x in bad[0])
-        where = f"{linenos[r]}:{c + 1}" if linenos else f"row {r}, col {c}"
+        where = _where(r, c, linenos, text) if (linenos or text) else f"row {r}, col {c}"
         raise CaseError(f"{name}:{where}: {mat[r, c]} in an input ({len(bad)} non-finite values); "
                         "HINT: inputs must be finite (--allow-nonfinite to accept them)")
 

@@ -73,7 +73,8 @@ def run_binary(binary: Path, in_dir: Path, out_dir: Path, *, backend: str = "aut
     RunnerError carrying the binary's stderr and the binary's own exit status."""
     cmd = [str(binary), "--in", str(in_dir), "--out", str(out_dir), "--backend", backend, *extra]
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        # errors="replace": the binary quotes bad input bytes back in its messages
+        proc = subprocess.run(cmd, capture_output=True, text=True, errors="replace", timeout=timeout)
     except FileNotFoundError:
         raise RunnerError(f"binary not found: {binary}; run 'attnstep run' to build it")
     except subprocess.TimeoutExpired:

@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <strings.h>  // strncasecmp
 #include <vector>
 
 #include "../common.h"
@@ -95,6 +96,20 @@ std::string at(const std::string& path, int line, int col) {
     return path + ":" + std::to_string(line) + ":" + std::to_string(col);
 }
 
+// The number syntax both readers accept (verify/case.py has the same rule): decimal digits, sign,
+// point and exponent, or inf/infinity/nan. strtof alone would also take hex floats and "nan(...)",
+// which NumPy's reader rejects, and the two sides must agree on what is valid.
+bool plain_number_syntax(const char* s, size_t n) {
+    static const char* const words[] = {"inf", "infinity", "nan"};
+    const char* w = s + ((n > 0 && (s[0] == '+' || s[0] == '-')) ? 1 : 0);
+    size_t wn = n - static_cast<size_t>(w - s);
+    for (const char* word : words)
+        if (wn == std::strlen(word) && strncasecmp(w, word, wn) == 0) return true;
+    for (size_t i = 0; i < n; ++i)
+        if (!std::strchr("0123456789+-.eE", s[i])) return false;
+    return true;
+}
+
 float parse_value(const std::string& path, int line, const Token& t, bool allow_nonfinite) {
     char buf[64];
     if (t.len >= sizeof buf)
@@ -105,7 +120,7 @@ float parse_value(const std::string& path, int line, const Token& t, bool allow_
     char* endp = nullptr;
     errno = 0;
     float v = std::strtof(buf, &endp);
-    if (endp != buf + t.len)
+    if (endp != buf + t.len || !plain_number_syntax(buf, t.len))
         fail(kExitBadInput, at(path, line, t.col) + ": not a number: '" + buf + "'",
              "values are decimal numbers separated by spaces, as np.savetxt writes them");
     if (errno == ERANGE && std::isinf(v))
