@@ -39,7 +39,16 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def binary() -> Path:
-    """build/main, configured and built once per test session (incremental)."""
+    """The binary under test: $ATTNSTEP_BINARY when set (a prebuilt or your own binary), else
+    build/main, configured and built once per test session (incremental)."""
+    import os
+
     from verify.runner import ensure_built
 
+    given = os.environ.get("ATTNSTEP_BINARY")
+    if given:
+        path = Path(given).resolve()
+        if not path.is_file():
+            pytest.exit(f"ATTNSTEP_BINARY={given}: no such file", returncode=2)
+        return path
     return ensure_built(REPO / "build")

@@ -124,7 +124,8 @@ def test_cli_from_json(tmp_path):
     res = CliRunner().invoke(vb.bench, ["--from-json", str(src), "--plot", str(png)])
     assert res.exit_code == 0, res.output
     assert "NVIDIA H200" in res.output and "goals (issue 5)" in res.output
-    assert "ceilings (fp32, first shape): cuBLAS SGEMM 50.0 TFLOP/s, copy 4000 GB/s, mma.sync TF32 140" in res.output
+    assert ("ceilings (fp32, B4-H16-N4096-M4096-d64): cuBLAS SGEMM 50.0 TFLOP/s, copy 4000 GB/s, "
+            "mma.sync TF32 140 TFLOP/s, mma.sync BF16 560 TFLOP/s") in res.output
     assert png.exists()
 
 
@@ -134,6 +135,38 @@ def test_cli_failed_check_exits_1(tmp_path):
     res = CliRunner().invoke(vb.bench, ["--from-json", str(src)])
     assert res.exit_code == 1
     assert "FAIL" in res.output
+
+
+def test_failed_shape_keeps_the_others(tmp_path):
+    results = _results()
+    results["runs"].append({"shape": "B4-H16-N16384-M16384-d128", "precision": "fp32",
+                            "error": "main --bench exited 1: out of memory"})
+    rows = vb.rows_from_results(results)
+    assert rows[-1].status.startswith("failed: main --bench exited 1") and rows[-1].n == 16384
+    src = tmp_path / "results.json"
+    src.write_text(json.dumps(results))
+    res = CliRunner().invoke(vb.bench, ["--from-json", str(src)])
+    assert res.exit_code == 1
+    assert "60.00 TFLOP/s" in res.output and "failed on 1 shape" in res.output
+
+
+def test_collect_goes_on_after_a_failing_shape(tmp_path, monkeypatch):
+    """A shape whose binary run fails is recorded and the sweep continues."""
+    calls = []
+
+    def fake_run(binary, shape, prec, warmup, reps, check, only="all", timeout=0):
+        calls.append(shape.id)
+        if shape.seq_q == 7:
+            raise vb.BenchError("boom")
+        data = _binary_json(prec)
+        data["shape"] = {**SHAPE, "seq_q": shape.seq_q, "seq_k": shape.seq_k}
+        return data
+
+    monkeypatch.setattr(vb, "run_binary_bench", fake_run)
+    shapes = [vb.Shape(1, 1, 7, 7, 64, False), vb.Shape(1, 1, 9, 9, 64, False)]
+    res = vb.collect(Path("main"), shapes, ("fp32",), 0, 1, False, use_torch=False, only="all", log=lambda m: None)
+    assert len(calls) == 2 and res["runs"][0]["error"] == "boom" and "binary" in res["runs"][1]
+    assert res["device"] == "NVIDIA H200"
 
 
 def test_cli_bad_results_file_exits_2(tmp_path):

@@ -97,13 +97,14 @@ class Case:
         if stage not in STAGE_PATH:
             return
         cur = {stage: np.asarray(mat, f32)}
-        for nxt in STAGE_PATH[STAGE_PATH.index(stage) + 1:]:
-            if nxt == "QK_scaled":
-                cur[nxt] = scale_mask32(cur["QK"], self.scale, self.causal)
-            elif nxt == "attention_weights":
-                cur[nxt] = softmax32(cur["QK_scaled"])
-            else:
-                cur[nxt] = mm_seq(cur["attention_weights"], self.input_matrix("V", head).astype(f32))
+        for nxt in STAGE_PATH[STAGE_PATH.index(stage) + 1:]:  # (NaN plants propagate quietly)
+            with np.errstate(invalid="ignore"):
+                if nxt == "QK_scaled":
+                    cur[nxt] = scale_mask32(cur["QK"], self.scale, self.causal)
+                elif nxt == "attention_weights":
+                    cur[nxt] = softmax32(cur["QK_scaled"])
+                else:
+                    cur[nxt] = mm_seq(cur["attention_weights"], self.input_matrix("V", head).astype(f32))
             self.write(nxt, head, cur[nxt])
 
     def check(self, tmp: Path) -> dict:
@@ -249,7 +250,8 @@ def test_the_scale_factor_is_reported(cases, tmp_path):
 
 FALSE_ALARM = [(N, M, d, dist, causal, seed)
                for seed, (N, M, d) in enumerate([(1, 1, 16), (7, 33, 16), (64, 64, 64), (100, 37, 32),
-                                                 (33, 129, 128), (128, 96, 16)])
+                                                 (33, 129, 128), (128, 96, 16), (65, 65, 32), (3, 200, 64),
+                                                 (96, 17, 48), (50, 50, 16)])
                for dist in ("uniform", "normal", "large") for causal in (False, True)]
 
 
@@ -263,4 +265,4 @@ def test_no_false_alarm_on_correct_cpu_runs(binary, tmp_path, N, M, d, dist, cau
     subprocess.run([str(binary), "--in", str(tmp_path / "in"), "--out", str(tmp_path / "out"),
                     "--backend", "cpu"], check=True, capture_output=True)
     r = _invoke("check", "--in", tmp_path / "in", "--out", tmp_path / "out")
-    assert r.exit_code == 0, r.output
+    assert r.exit_code == 0, r.output  # 60 cases x 2 heads x 10 stages: zero false failures

@@ -261,11 +261,12 @@ def _typical_case(stage, dist, rng, N=24, M=48, d=48, runs=12):
 
 TIGHT = [(s, d) for s in STAGE_PATH + ["flash_output", "flash_lse"] for d in DISTS]
 # Fraction of elements that must catch a single-element error of 10× and 20× its typical error.
-# Measured (N=48, M=48, d=48): the stage path catches 10× at 88-100% of elements for uniform and
-# normal data. Where an element's error is one or two roundings (one-hot rows of `large`, lse
-# ≈ m + log l), 6σ of a single rounding is ~2.5 of its RMS already, so those are held to less.
-CATCH = {"default": (0.85, 0.99), "flash_output": (0.65, 0.95), "flash_lse": (0.7, 0.85),
-         "large": (0.45, 0.6)}
+# Measured (N=M=d=48, λ = 6.5): the stage path catches 10× at 82-100% of the elements for uniform
+# and normal data, 20× at ≥ 97%. Where an element's error is one or two roundings (one-hot rows
+# of `large`, lse ≈ m + log l), 6.5σ of a single rounding is ~2.7 of its RMS already, so those
+# are held to less (measured: 10× at 47-70%, 20× at 57-90%).
+CATCH = {"default": (0.8, 0.97), "flash_output": (0.6, 0.95), "flash_lse": (0.65, 0.8),
+         "large": (0.4, 0.5)}
 
 
 @pytest.mark.parametrize("stage,dist", TIGHT, ids=[f"{s}-{d}" for s, d in TIGHT])

@@ -238,6 +238,11 @@ def rows_from_results(results: dict) -> List[Row]:
     """Flattens a results document (see `collect`) into one row per shape × precision × kernel."""
     rows: List[Row] = []
     for i, run in enumerate(results.get("runs", [])):
+        if "error" in run:  # the binary failed on this shape; the sweep went on
+            shape = _parse_id(run.get("shape", "B0-H0-N0-M0-d0"))
+            rows.append(Row(shape.id, shape.seq_q, shape.d, shape.causal, run.get("precision", "?"),
+                            "main --bench", "attention", f"failed: {run['error']}"))
+            continue
         binary = parse_binary_json(run.get("binary"), f"runs[{i}].binary")
         shape = _shape_of(binary)
         prec = binary["precision"]
@@ -289,22 +294,29 @@ def format_table(rows: Sequence[Row]) -> str:
 
 
 def ceiling_lines(results: dict) -> List[str]:
-    """The ceilings each binary run measured, one line per distinct precision (they vary little
-    between shapes; the per-run values are in the JSON)."""
+    """The ceilings measured by the largest run of each precision (the SGEMM ceiling is on that
+    run's QK shape; the copy and mma.sync ceilings do not depend on the shape). Per-run values
+    are in the JSON."""
     lines, seen = [], set()
-    for run in results.get("runs", []):
+
+    def size(run):
+        sh = (run.get("binary") or {}).get("shape") or {}
+        return sh.get("seq_q", 0) * sh.get("seq_k", 0) * sh.get("d", 0)
+
+    for run in sorted(results.get("runs", []), key=size, reverse=True):
         b = run.get("binary") or {}
         c, prec = b.get("ceilings") or {}, b.get("precision")
         if prec in seen or not c:
             continue
         seen.add(prec)
+        where = _shape_of(b).id if isinstance(b.get("shape"), dict) else "?"
         parts = [f"cuBLAS SGEMM {c.get('sgemm_tflops', float('nan')):.1f} TFLOP/s",
                  f"copy {c.get('copy_gbps', float('nan')):.0f} GB/s"]
         if c.get("mma_tf32_tflops"):
             parts.append(f"mma.sync TF32 {c['mma_tf32_tflops']:.0f} TFLOP/s")
         if c.get("mma_bf16_tflops"):
             parts.append(f"mma.sync BF16 {c['mma_bf16_tflops']:.0f} TFLOP/s")
-        lines.append(f"ceilings ({prec}, first shape): " + ", ".join(parts))
+        lines.append(f"ceilings ({prec}, {where}): " + ", ".join(parts))
     return lines
 
 
@@ -355,7 +367,9 @@ def write_plot(rows: Sequence[Row], path: Path, title: str = "") -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
-    attention = [r for r in rows if r.status == "ok" and r.kind in ("attention", "gemm") and r.rate]
+    # SDPA always runs in fp32: one line for it, from the fp32 runs.
+    attention = [r for r in rows if r.status == "ok" and r.kind in ("attention", "gemm") and r.rate
+                 and not (r.kernel == SDPA and r.precision != "fp32")]
     panels = sorted({(r.d, r.causal) for r in attention})
     if not panels:
         raise BenchError("nothing to plot: no kernel with a TFLOP/s figure")
@@ -364,7 +378,7 @@ def write_plot(rows: Sequence[Row], path: Path, title: str = "") -> None:
         series: Dict[str, List[Row]] = {}
         for r in attention:
             if (r.d, r.causal) == (d, causal):
-                series.setdefault(f"{r.kernel} {r.precision}", []).append(r)
+                series.setdefault(r.kernel if r.kernel == SDPA else f"{r.kernel} {r.precision}", []).append(r)
         for label, pts in sorted(series.items()):
             pts = sorted(pts, key=lambda r: r.n)
             ax.plot([p.n for p in pts], [p.rate for p in pts], marker="o", label=label,
@@ -391,13 +405,18 @@ def collect(binary: Path, shapes: Iterable[Shape], precisions: Sequence[str], wa
         for prec in precisions:
             r = reps_for(shape, reps)
             t0 = time.monotonic()
-            data = run_binary_bench(binary, shape, prec, warmup, r, check, only)
+            try:
+                data = run_binary_bench(binary, shape, prec, warmup, r, check, only)
+            except BenchError as exc:  # one shape failing must not lose the others' numbers
+                runs.append({"shape": shape.id, "precision": prec, "error": str(exc)})
+                log(f"bench: {shape.id} {prec}: FAILED: {exc}")
+                continue
             run = {"binary": data}
             if torch_version and only != "stages":
                 run["sdpa"] = time_sdpa(shape, prec, warmup, r)
             runs.append(run)
             log(f"bench: {shape.id} {prec}: {time.monotonic() - t0:.1f} s")
-    device = runs[0]["binary"]["device"] if runs else "?"
+    device = next((r["binary"]["device"] for r in runs if "binary" in r), "?")
     return {"tool": "attnstep bench", "format": RESULTS_FORMAT, "device": device,
             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "torch": torch_version,
             "runs": runs}
@@ -472,8 +491,12 @@ def bench(build_dir, shape_specs, precision, warmup, reps, only, check, use_torc
     except (BenchError, RunnerError) as exc:
         raise _UserError(str(exc)) from None
     failed = [r for r in rows if "FAIL" in r.note]
+    crashed = [r for r in rows if r.status.startswith("failed:")]
     if failed:
         click.echo(f"bench: {len(failed)} flash result(s) failed the float64 check", err=True)
+    if crashed:
+        click.echo(f"bench: main --bench failed on {len(crashed)} shape(s); see the table", err=True)
+    if failed or crashed:
         raise SystemExit(1)
 
 

@@ -26,8 +26,7 @@ from .reference import causal_mask, log_sum_exp_rows
 NONFINITE = "nonfinite"
 NEGATIVE_WEIGHTS = "negative_weights"
 ROW_SUM = "row_sum"
-MASK_NOT_ZERO = "mask_missing"          # a masked weight is not 0: the mask was not applied
-MASK_NOT_NEG_INF = "mask_missing"       # a masked score is not -inf
+MASK_MISSING = "mask_missing"           # a masked weight is not 0 / a masked score not -inf
 NOT_TRANSPOSE = "not_transpose"
 ECHO_MISMATCH = "echo_mismatch"
 FLASH_VS_OUTPUT = "flash_vs_output"
@@ -83,7 +82,7 @@ def _softmax_checks(got: np.ndarray, ctx: dict) -> List[Violation]:
     v = _violation(NEGATIVE_WEIGHTS, "attention_weights", finite & (got < 0), "are negative")
     if v:
         out.append(v)
-    v = _violation(MASK_NOT_ZERO, "attention_weights", masked & finite & (got != 0),
+    v = _violation(MASK_MISSING, "attention_weights", masked & finite & (got != 0),
                    "above the diagonal are not 0 although causal masking is on")
     if v:
         out.append(v)
@@ -213,7 +212,7 @@ def check_invariants(stage: str, got: np.ndarray, ctx: dict) -> List[Violation]:
                     out.append(v)
     elif stage == "QK_scaled" and causal:
         masked = _masked(got.shape, True)
-        v = _violation(MASK_NOT_NEG_INF, "QK_scaled", masked & (got != -np.inf) & ~np.isnan(got),
+        v = _violation(MASK_MISSING, "QK_scaled", masked & (got != -np.inf) & ~np.isnan(got),
                        "above the diagonal are not -inf although causal masking is on")
         if v:
             out.append(v)

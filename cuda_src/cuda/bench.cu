@@ -11,14 +11,16 @@
 // forward (4·B·H·N·M·d, halved when causal), GB/s of bytes read + written for the memory-bound
 // stages (KT, QK_scaled, attention_weights). Ceilings measured in the same run: the cuBLAS
 // strided-batched SGEMM on the QK shape (the stage path's own call; TF32 math under
-// --precision tf32) and a device-to-device copy. The stage path needs two N×M buffers per head;
-// heads go through in groups that fit in device memory (a stage's time is summed over groups), or
-// the stage path is reported as "skipped (memory)". --check compares sampled rows of every flash
+// --precision tf32), a device-to-device copy, and the issue rates of mma.sync TF32 (flash_fast's
+// tensor-core ceiling) and BF16. The stage path needs two N×M buffers per head; heads go through
+// in groups that fit in device memory (a stage's time is summed over groups), or the stage path
+// is reported as "skipped (memory)". --check compares sampled rows of every flash
 // kernel's output and lse with a float64 host computation (all rows with --check-rows 0) and
 // exits 1 when one exceeds the tolerance, so a fast but wrong kernel is caught.
 //
 // Output: a table on stdout; with --json, the same numbers as JSON (written atomically), read by
-// verify/bench.py. Versions: v1 (this file).
+// verify/bench.py. Versions: v1 (this file; the mma.sync ceilings and the re-measured group size
+// were added after the last device run of its session and have not run on a GPU yet).
 #include "../bench.h"
 
 #include <cublas_v2.h>
@@ -32,6 +34,7 @@
 #include <cstring>
 #include <ctime>
 #include <fstream>
+#include <memory>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -231,7 +234,7 @@ struct Ceilings {
 // mma.sync.m16n8k8 TF32 (2·16·8·8 FLOP each; no loads, no dependencies beyond each chain), enough
 // warps to fill every SM. The same for m16n8k16 BF16, the rate a split-BF16 (bf16x3) kernel would
 // run at. sm_80+ only; 0 elsewhere.
-constexpr int kMmaChains = 8, kMmaIters = 128, kMmaWarpsPerBlock = 8;
+constexpr int kMmaChains = 8, kMmaIters = 4096, kMmaWarpsPerBlock = 8;  // ~1 ms per launch
 
 template <bool kBf16>
 __global__ void mma_peak(float* sink) {
@@ -316,11 +319,15 @@ struct StagePath {
     }
 };
 
-// Heads per group so that KT, two N×M buffers and the output fit in `free_bytes`.
-int stage_group(const Options& o, size_t free_bytes, int total_heads) {
+// Heads per group so that KT, two N×M buffers and the output fit in the free device memory,
+// leaving a margin for cuBLAS and the runtime (1 GiB or 3% of the card, the larger).
+int stage_group(const Options& o, int total_heads) {
+    size_t free_bytes = 0, total_bytes = 0;
+    CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
+    const size_t margin = std::max(kMemoryMargin, total_bytes / 32);
     const double per_head = 4.0 * (2.0 * o.N * o.M + static_cast<double>(o.d) * o.M +
                                    static_cast<double>(o.N) * o.d);
-    const double usable = free_bytes > kMemoryMargin ? double(free_bytes - kMemoryMargin) : 0.0;
+    const double usable = free_bytes > margin ? double(free_bytes - margin) : 0.0;
     return static_cast<int>(std::min<double>(total_heads, std::floor(usable / per_head)));
 }
 
@@ -549,7 +556,7 @@ Ceilings measure_ceilings(const Options& o, const StagePath& sp, Timer& timer, c
     return c;
 }
 
-void bench_stage_path(const Options& o, const StagePath& sp, const DeviceBuffer& Q,
+void bench_stage_path(const Options& o, StagePath& sp, const DeviceBuffer& Q,
                       const DeviceBuffer& K, const DeviceBuffer& V, int total_heads, Timer& timer,
                       cudaStream_t s, std::vector<Result>* out) {
     const double H = total_heads, N = o.N, M = o.M, d = o.d;
@@ -560,16 +567,27 @@ void bench_stage_path(const Options& o, const StagePath& sp, const DeviceBuffer&
     sc.bytes = 2 * 4 * H * N * M;
     sm.bytes = 2 * 4 * H * N * M;
     ov.flops = 2 * H * N * M * d;
-    if (sp.group < 1) {
+    auto skipped = [&] {
         for (Result* r : {&kt, &qk, &sc, &sm, &ov}) {
             r->status = "skipped (memory)";
             out->push_back(*r);
         }
-        return;
-    }
+    };
+    sp.group = stage_group(o, total_heads);  // measured now: the ceilings' buffers are freed
+    if (sp.group < 1) return skipped();
     const int G = sp.group;
-    DeviceBuffer KT(size_t(G) * o.d * o.M), A(size_t(G) * o.N * o.M), B(size_t(G) * o.N * o.M),
-        O(size_t(G) * o.N * o.d);
+    std::unique_ptr<DeviceBuffer> KTb, Ab, Bb, Ob;
+    try {
+        KTb = std::make_unique<DeviceBuffer>(size_t(G) * o.d * o.M);
+        Ab = std::make_unique<DeviceBuffer>(size_t(G) * o.N * o.M);
+        Bb = std::make_unique<DeviceBuffer>(size_t(G) * o.N * o.M);
+        Ob = std::make_unique<DeviceBuffer>(size_t(G) * o.N * o.d);
+    } catch (const Error&) {
+        cudaGetLastError();  // an out-of-memory error is not sticky; clear it and go on
+        sp.group = 0;
+        return skipped();
+    }
+    DeviceBuffer &KT = *KTb, &A = *Ab, &B = *Bb, &O = *Ob;
     // Runs `stage(first_head, heads)` over every group; buffers hold one group at a time.
     auto over_groups = [&](auto&& stage) {
         for (int h0 = 0; h0 < total_heads; h0 += G) stage(h0, std::min(G, total_heads - h0));
@@ -647,15 +665,16 @@ int bench(const Options& o) {
         fill(Q, 3ull * o.seed + 1, s);
         fill(K, 3ull * o.seed + 2, s);
         fill(V, 3ull * o.seed + 3, s);
-        size_t free_bytes = 0, total_bytes = 0;
-        CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
-        // The copy ceiling's buffers are freed before the stage path allocates its own.
-        group = stage_group(o, free_bytes, total_heads);
-        StagePath sp{o, blas, s, group};
+        // An estimate for the SGEMM ceiling's shape; the stage path sizes its groups again once
+        // the ceilings' buffers are freed.
+        StagePath sp{o, blas, s, stage_group(o, total_heads)};
         c = measure_ceilings(o, sp, timer, s);
         c.mma_tf32_tflops = measure_mma<false>(prop, timer, o.warmup, o.reps, s);
         c.mma_bf16_tflops = measure_mma<true>(prop, timer, o.warmup, o.reps, s);
-        if (o.only != "flash") bench_stage_path(o, sp, Q, K, V, total_heads, timer, s, &results);
+        if (o.only != "flash") {
+            bench_stage_path(o, sp, Q, K, V, total_heads, timer, s, &results);
+            group = sp.group;
+        }
 
         if (o.only != "stages") {
             FlashArgs a{Q.p, K.p, V.p, O.p, lse.p, total_heads, o.N, o.M, o.d, o.scale, o.causal, o.precision};

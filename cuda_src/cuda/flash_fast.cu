@@ -61,14 +61,16 @@ __host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / 
 #endif
 
 // Rounding to TF32 (10 explicit mantissa bits), nearest with ties away from zero, as
-// cvt.rna.tf32.f32 does for finite x, but with two integer instructions: cvt is a conversion,
-// which runs at a quarter of the integer rate and was the limiter of v1 (docs/performance.md).
+// cvt.rna.tf32.f32 does for finite x, with two integer instructions instead of one conversion
+// (conversions issue at 16/clk/SM). v2 replaced cvt by this expecting a 2x gain; the time did not
+// move (the MMAs are the limiter, docs/performance.md), but it is no slower, so it stayed.
 __device__ __forceinline__ uint32_t round_tf32(float x) {
     return (__float_as_uint(x) + 0x1000u) & 0xffffe000u;
 }
 
 // The same rounding on the FP32 pipe (Veltkamp split with 2^13 + 1), so that the two halves of
-// split() run on different pipes. Exact for |x| < 2^125; used only for the small lo parts.
+// split() run on different pipes. x·8193 must not overflow: |x| < 2^114. Used only for the lo
+// parts, which are at most 2^-11 of the input, so inputs up to 2^125 in magnitude are fine.
 __device__ __forceinline__ uint32_t round_tf32_fp(float x) {
     const float c = __fmul_rn(x, 8193.f);
     return __float_as_uint(__fsub_rn(c, __fsub_rn(c, x)));
@@ -627,7 +629,12 @@ bool dispatch(const FlashArgs& a, int variant, int forced_splits, Plan* plan, bo
               cudaStream_t stream) {
     if (a.heads < 1 || a.heads > 65535 || a.N < 1 || a.M < 1 || !device_supported()) return false;
     switch (variant) {
-        case 0:  // the shipped configurations (fastest of scripts/bench_gpu.sh's variants, run 2)
+        // The shipped configurations (fastest of scripts/bench_gpu.sh's variant sweep). Per block,
+        // from ptxas (-Xptxas -v, sm_90; registers fp32 / tf32) and SMEM_BYTES:
+        //   d16:  128 threads, 127 / 90 regs, 22 KB;   d32: 128 threads, 161 / 119 regs, 38 KB;
+        //   d64:  128 threads, 164 / 137 regs, 88 KB (2 blocks/SM);
+        //   d128: 256 threads, 244 / 196 regs, 202 KB (1 block/SM).
+        case 0:
             switch (a.d) {
                 case 16: return run_config<Tiles<16, 64, 4, 3, QStore::regs>>(a, forced_splits, plan, do_launch, stream);
                 case 32: return run_config<Tiles<32, 64, 4, 3, QStore::regs>>(a, forced_splits, plan, do_launch, stream);
