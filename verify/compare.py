@@ -216,7 +216,7 @@ def _allowed(stage: str, src: Dict[str, np.ndarray], want: np.ndarray, run: RunI
         atol, rtol = ov
         return atol + rtol * np.where(np.isfinite(want), np.abs(want), 0.0)
     model = dict(scale=float(run.values["scale"]), causal=bool(run.values["causal"]),
-                 precision=str(run.values["precision"]))
+                 precision=str(run.values["precision"]), backend=str(run.values["backend"]))
     if chain is not None:
         return tolerance.chained_bound(stage, chain, **model)
     return tolerance.stage_bound(stage, src, want, **model)
@@ -261,7 +261,7 @@ def check_head(run: RunInfo, case: InputCase, head: int, opts: Options,
         res.chained = compare_arrays(mat, want_chain, _allowed(stage, src_chain, want_chain, run, opts, chain))
         res.isolated = compare_arrays(mat, want_iso, _allowed(stage, src_iso, want_iso, run, opts))
         ctx = {"dims": dims, "scale": scale, "causal": causal, "precision": run.values["precision"],
-               "input": inputs.get(stage), "K_got": got.get("K", inputs["K"]),
+               "backend": run.values["backend"], "inputs": inputs, "input": inputs.get(stage), "K_got": got.get("K", inputs["K"]),
                "output_got": got.get("output"), "QK_scaled_got": got.get("QK_scaled")}
         res.violations = invariants.check_invariants(stage, mat, ctx)
         upstream_failed = [u for u in _upstream(stage) if u in results and not results[u].passed]
