@@ -115,6 +115,7 @@ class HeadResult:
     chained: Optional[Comparison] = None
     isolated: Optional[Comparison] = None
     violations: List[invariants.Violation] = field(default_factory=list)
+    notes: List[invariants.Violation] = field(default_factory=list)  # found, but blamed elsewhere
     diagnosis: List[diag.Diagnosis] = field(default_factory=list)
     message: str = ""
 
@@ -138,6 +139,7 @@ class HeadResult:
         d["chained"] = self.chained.to_json() if self.chained else None
         d["isolated"] = self.isolated.to_json() if self.isolated else None
         d["violations"] = [{"code": v.code, "message": v.message, "count": v.count} for v in self.violations]
+        d["notes"] = [{"code": v.code, "message": v.message, "count": v.count} for v in self.notes]
         d["diagnosis"] = [{"code": x.code, "message": x.message, "detail": x.detail} for x in self.diagnosis]
         return d
 
@@ -232,6 +234,17 @@ def _upstream(stage: str) -> List[str]:
     return out
 
 
+# Consistency checks between the flash stages and the stage path: when they disagree and the
+# stage-path partner already failed, the partner is at fault and the flash stage is not blamed.
+_CONSISTENCY_PARTNER = {invariants.FLASH_VS_OUTPUT: "output", invariants.LSE_VS_SCORES: "QK_scaled"}
+
+
+def _blamed_elsewhere(violations, results: Dict[str, "HeadResult"]) -> List[invariants.Violation]:
+    return [v for v in violations if v.code in _CONSISTENCY_PARTNER
+            and _CONSISTENCY_PARTNER[v.code] in results
+            and not results[_CONSISTENCY_PARTNER[v.code]].passed]
+
+
 def check_head(run: RunInfo, case: InputCase, head: int, opts: Options,
                ref_of_head: Callable[[str, int], np.ndarray]) -> List[HeadResult]:
     dims = run.dims
@@ -264,6 +277,8 @@ def check_head(run: RunInfo, case: InputCase, head: int, opts: Options,
                "backend": run.values["backend"], "inputs": inputs, "input": inputs.get(stage), "K_got": got.get("K", inputs["K"]),
                "output_got": got.get("output"), "QK_scaled_got": got.get("QK_scaled")}
         res.violations = invariants.check_invariants(stage, mat, ctx)
+        res.notes = _blamed_elsewhere(res.violations, results)
+        res.violations = [v for v in res.violations if v not in res.notes]
         upstream_failed = [u for u in _upstream(stage) if u in results and not results[u].passed]
         if not res.isolated.passed or res.violations:
             res.status = FAIL

@@ -122,6 +122,7 @@ def _consistency(code: str, stage: str, got: np.ndarray, other: np.ndarray, allo
                          f"{other.shape[0]}x{other.shape[1]}", 1, None)
     with np.errstate(invalid="ignore"):
         diff = np.where(got == other, 0.0, np.abs(got - other))
+    diff = np.where(np.isnan(diff), np.inf, diff)  # NaN disagrees most, and must be locatable
     bad = ~(diff <= allowed)
     if not bad.any():
         return None

@@ -93,8 +93,6 @@ def failure_lines(report: Report) -> List[str]:
             if c.first:
                 lines.append("    first mismatches: " + "; ".join(
                     f"[{m['row']},{m['col']}] got {_g(m['got'])} want {_g(m['want'])}" for m in c.first))
-        for v in r.violations:
-            lines.append(f"    check {v.code}: {v.message}")
         for d in r.diagnosis:
             lines.append(f"    diagnosis {d.code}: {d.message}")
     if len(own) > MAX_DETAILED_FAILURES:

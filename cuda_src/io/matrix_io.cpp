@@ -111,17 +111,23 @@ bool plain_number_syntax(const char* s, size_t n) {
 }
 
 float parse_value(const std::string& path, int line, const Token& t, bool allow_nonfinite) {
-    char buf[64];
-    if (t.len >= sizeof buf)
-        fail(kExitBadInput, at(path, line, t.col) + ": not a number: '" +
-                                std::string(t.begin, 20) + "...'");
-    std::memcpy(buf, t.begin, t.len);
-    buf[t.len] = '\0';
+    // strtof needs a terminated string; tokens are short, but a valid number may have any number
+    // of digits, so a long one gets a heap copy rather than an error.
+    char small[64];
+    std::string big;
+    char* buf = small;
+    if (t.len >= sizeof small) {
+        big.assign(t.begin, t.len);
+        buf = &big[0];
+    } else {
+        std::memcpy(small, t.begin, t.len);
+        small[t.len] = '\0';
+    }
     char* endp = nullptr;
     errno = 0;
     float v = std::strtof(buf, &endp);
     if (endp != buf + t.len || !plain_number_syntax(buf, t.len))
-        fail(kExitBadInput, at(path, line, t.col) + ": not a number: '" + buf + "'",
+        fail(kExitBadInput, at(path, line, t.col) + ": not a number: '" + std::string(buf, std::min<size_t>(t.len, 40)) + "'",
              "values are decimal numbers separated by spaces, as np.savetxt writes them");
     if (errno == ERANGE && std::isinf(v))
         fail(kExitBadInput, at(path, line, t.col) + ": value '" + buf + "' overflows float32",
