@@ -4,6 +4,7 @@
 # and the benchmarks.
 #
 #   scripts/gpu_check.sh [build] [tests] [demo] [sanitize] [large] [bench]   (default: all)
+#   ATTNSTEP_BINARY=build-gpu/main scripts/gpu_check.sh tests sanitize large   (a prebuilt binary)
 #
 # Logs go to $OUT (or ./gpu_check_out); the last lines printed are a summary table.
 set -uo pipefail
@@ -29,7 +30,12 @@ step() {  # step NAME CMD...: runs CMD, logs to $OUT/NAME.log, records PASS/FAIL
 { nvidia-smi -L; nvcc --version | tail -n 1; python3 -c 'import numpy, click; print("numpy", numpy.__version__, "click", click.__version__)'; } >"$OUT/env.log" 2>&1
 cat "$OUT/env.log"
 
-if want build; then
+# ATTNSTEP_BINARY: a binary built elsewhere for sm_90 (carried along); used when it runs here.
+if [ -n "${ATTNSTEP_BINARY:-}" ] && "$ATTNSTEP_BINARY" --help >/dev/null 2>&1; then
+    BUILD=$(dirname "$(realpath "$ATTNSTEP_BINARY")")
+    echo "using the prebuilt $ATTNSTEP_BINARY"
+elif want build; then
+    unset ATTNSTEP_BINARY
     step build bash -c "cmake -S . -B $BUILD -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 \
         && cmake --build $BUILD --parallel 16"
 fi

@@ -17,11 +17,9 @@ Masked entries (-inf in the reference) get bound 0: they must match exactly.
 """
 from __future__ import annotations
 
-import hashlib
 import textwrap
-from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Dict, Optional, Tuple
+from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -117,51 +115,57 @@ def unit_roundoff(precision: str) -> float:
 _EXPONENT_BITS = np.uint64(0x7FF0000000000000)
 
 
+class HeadCache:
+    """The quantities several bounds of one head share (logits, softmax parts, dot-product
+    variances, the flash parts, whole chained bounds), computed once per head: the chained and
+    isolated checks, both flash stages and the invariants ask for them again and again.
+
+    Entries are keyed by the IDENTITY of their source arrays, not their contents (hashing a 4096²
+    matrix costs about as much as what it saves). The cache keeps each source array alive, so its
+    id cannot be reused, and the caller promises not to modify a source while the cache lives:
+    compare.check_head makes one per head and drops it when the head is done."""
+
+    def __init__(self) -> None:
+        self._memo: Dict[tuple, tuple] = {}
+
+    def get(self, what: str, sources: Sequence[np.ndarray], params: tuple, compute: Callable):
+        key = (what, tuple(id(a) for a in sources), params)
+        hit = self._memo.get(key)
+        if hit is None:
+            hit = (tuple(sources), compute())
+            self._memo[key] = hit
+        return hit[1]
+
+
+def _memo(cache: Optional[HeadCache], what: str, sources: Sequence[np.ndarray], params: tuple,
+          compute: Callable):
+    """compute(), or its value memoized in `cache` under (what, sources by identity, params)."""
+    return compute() if cache is None else cache.get(what, sources, params, compute)
+
+
 def _rounding_var(x: np.ndarray, u: float) -> np.ndarray:
     """Variance of rounding x to nearest: uniform within ±ulp(x)/2, ulp(x) = 2u·2^e for x in
     [2^e, 2^(e+1)): ulp²/12 (at most (u·x)²/3, on average ROUND_VAR·(u·x)²). 2^e is x with its
     mantissa bits cleared."""
     p2 = (np.ascontiguousarray(x, dtype=np.float64).view(np.uint64) & _EXPONENT_BITS).view(np.float64)
-    return (u * u / 3.0) * p2 * p2
+    out = np.multiply(p2, u * u / 3.0)   # (u²/3)·p2·p2, in place on one temporary
+    return np.multiply(out, p2, out=out)
 
 
-def _step_var(partial: np.ndarray, t: np.ndarray, u: float) -> np.ndarray:
+def _step_var(partial: np.ndarray, t: np.ndarray, u: float,
+              t2: Optional[np.ndarray] = None) -> np.ndarray:
     """Variance bound of the rounding of each addition s_k = s_(k-1) + t_k: ulp(s_k)²/12 from the
     binade the partial sum lies in, and never more than min(|t_k|, |s_(k-1)|)²: round to nearest
     picks the closer of the floats next to the sum, and both addends are floats at distance
     |s_(k-1)| and |t_k| from it. This keeps a sum dominated by one term (the softmax of large
-    logits) tight."""
+    logits) tight. t2 (= t·t) may be passed when the caller has it already."""
     prev = partial - t
-    return np.minimum(_rounding_var(partial, u), np.minimum(t * t, prev * prev))
-
-
-_DOT_CACHE: "OrderedDict[tuple, np.ndarray]" = OrderedDict()
-_DOT_CACHE_SIZE = 16
-
-
-def _digest(x: np.ndarray) -> bytes:
-    return hashlib.blake2b(np.ascontiguousarray(x).tobytes(), digest_size=16).digest()
+    np.multiply(prev, prev, out=prev)
+    np.minimum(prev, t * t if t2 is None else t2, out=prev)
+    return np.minimum(_rounding_var(partial, u), prev, out=prev)
 
 
 def dot_var(A: np.ndarray, B: np.ndarray, u: float, product_var: float = ROUND_VAR) -> np.ndarray:
-    """dot_var_uncached, memoized on the operands' contents: the isolated and chained checks and
-    the flash stages ask for the same products (Q·Kᵀ, P·V) several times per head."""
-    A = np.asarray(A, dtype=np.float64)
-    B = np.asarray(B, dtype=np.float64)
-    key = (A.shape, B.shape, _digest(A), _digest(B), u, product_var)
-    hit = _DOT_CACHE.get(key)
-    if hit is None:
-        hit = dot_var_uncached(A, B, u, product_var)
-        hit.setflags(write=False)
-        _DOT_CACHE[key] = hit
-        if len(_DOT_CACHE) > _DOT_CACHE_SIZE:
-            _DOT_CACHE.popitem(last=False)
-    else:
-        _DOT_CACHE.move_to_end(key)
-    return hit
-
-
-def dot_var_uncached(A: np.ndarray, B: np.ndarray, u: float, product_var: float = ROUND_VAR) -> np.ndarray:
     """Variance of the float32 error of each element of A @ B (R×K times K×C), from its products
     t_k and partial sums s_k: Σ_k var(rounding of s_k), the largest of three summation orders'
     (index order, reverse order, and the expectation over random orders, which covers blocked,
@@ -180,8 +184,11 @@ def dot_var_uncached(A: np.ndarray, B: np.ndarray, u: float, product_var: float 
         s = np.cumsum(t, axis=1)                               # index-order partial sums
         total = s[:, -1:, :]
         t2 = t * t
-        fwd = _step_var(s, t, u).sum(axis=1)
-        bwd = _step_var(total - s + t, t, u).sum(axis=1)      # reverse order: t_K, t_K + t_(K-1), …
+        fwd = _step_var(s, t, u, t2).sum(axis=1)
+        # Reverse order: t_K, t_K + t_(K-1), …, i.e. total - s + t (s is not needed after this).
+        np.subtract(total, s, out=s)
+        s += t
+        bwd = _step_var(s, t, u, t2).sum(axis=1)
         # Random order: E[s_k²] averaged over k is Σt²/6 + S²/3 (sampling without replacement).
         mean_s2 = t2.sum(axis=1, keepdims=True) / 6.0 + total * total / 3.0
         rnd = np.minimum(ROUND_VAR * u * u * mean_s2, t2).sum(axis=1)
