@@ -47,7 +47,7 @@ if want tests; then
 fi
 
 if want demo; then
-    step demo $ATTNSTEP demo --backend cuda --build-dir $BUILD --data-dir "$OUT/demo_data" --json "$OUT/demo.json"
+    step demo $ATTNSTEP demo --backend cuda --binary $BUILD/main --data-dir "$OUT/demo_data" --json "$OUT/demo.json"
     grep -E "^(PASS|FAIL)" "$OUT/demo.log"
     rm -rf "$OUT/demo_data"
 fi

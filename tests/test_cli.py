@@ -136,7 +136,7 @@ def test_tolerance_override_can_fail_a_correct_run(runner, good_run):
 
 def test_demo_runs_the_default_case(runner, tmp_path, binary):
     res = runner.invoke(cli, ["demo", "--data-dir", str(tmp_path), "--backend", "cpu",
-                              "--build-dir", str(binary.parent)])
+                              "--binary", str(binary)])
     assert res.exit_code == 0, res.output
     assert "12 heads" in res.output and "PASS" in res.output
 

@@ -62,6 +62,9 @@ build_option = click.option("--build-dir", type=click.Path(file_okay=False, path
                             help="CMake build folder; built incrementally when needed.")
 backend_option = click.option("--backend", type=click.Choice(BACKENDS), default="auto", show_default=True,
                               help="Binary backend; auto uses CUDA when a GPU is present.")
+binary_option = click.option("--binary", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+                             help="Run this binary instead of building BUILD_DIR/main (e.g. your own, "
+                             "writing the output case of docs/contract.md).")
 timeout_option = click.option("--timeout", type=click.FloatRange(min=1), default=DEFAULT_RUN_TIMEOUT_S,
                               show_default=True, help="Seconds before the binary is stopped.")
 json_option = click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),
@@ -141,6 +144,7 @@ def _run_args(stages, fmt, precision, poison, causal, scale, max_memory_mb, allo
 @out_option
 @backend_option
 @build_option
+@binary_option
 @timeout_option
 @click.option("--stages", help="Stages to write: all, stages, flash, or a comma list "
               f"({', '.join(STAGE_NAMES)}).")
@@ -152,13 +156,13 @@ def _run_args(stages, fmt, precision, poison, causal, scale, max_memory_mb, allo
 @click.option("--max-memory-mb", type=click.IntRange(min=1), help="Cap the binary's working memory.")
 @click.option("--allow-nonfinite", is_flag=True, help="Accept NaN/Inf in the inputs.")
 @_user_errors
-def run(in_dir, out_dir, backend, build_dir, timeout, stages, fmt, precision, poison, causal, scale,
+def run(in_dir, out_dir, backend, build_dir, binary, timeout, stages, fmt, precision, poison, causal, scale,
         max_memory_mb, allow_nonfinite):
     """Build the binary if needed and run it on a case.
 
     Runs build/main on IN and writes every stage file and run.toml into OUT.
     """
-    binary = ensure_built(build_dir)
+    binary = binary or ensure_built(build_dir)
     result = run_binary(binary, in_dir, out_dir, backend=backend, timeout=timeout,
                         extra=_run_args(stages, fmt, precision, poison, causal, scale, max_memory_mb,
                                         allow_nonfinite))
@@ -252,20 +256,21 @@ def check(ctx, in_dir, out_dir, json_path, junit_path, plot_dir, atol, rtol, tol
               show_default=True, help="Where random_test/ and random_verify/ go.")
 @backend_option
 @build_option
+@binary_option
 @timeout_option
 @json_option
 @click.option("--seed", type=int, default=0, show_default=True, help="Random seed.")
 @click.pass_context
 @_user_errors
-def demo(ctx, data_dir, backend, build_dir, timeout, json_path, seed):
+def demo(ctx, data_dir, backend, build_dir, binary, timeout, json_path, seed):
     """Build, generate the default case, run, and check.
 
     The original workflow in one command: 12 heads, N = M = 128, d = 64, uniform inputs, into
     DATA_DIR/random_test and DATA_DIR/random_verify.
     """
     in_dir, out_dir = data_dir / "random_test", data_dir / "random_verify"
-    click.echo(f"[1/4] building the binary in {build_dir}")
-    binary = ensure_built(build_dir)
+    click.echo(f"[1/4] using {binary}" if binary else f"[1/4] building the binary in {build_dir}")
+    binary = binary or ensure_built(build_dir)
     click.echo(f"[2/4] generating {in_dir}")
     generate_case(in_dir, DEFAULT_DIMS, seed=seed)
     click.echo(f"[3/4] running {binary.name} --backend {backend}")

@@ -182,7 +182,7 @@ def dot_var(A: np.ndarray, B: np.ndarray, u: float, product_var: float = ROUND_V
     for r0 in range(0, R, rows):
         t = A[r0:r0 + rows, :, None] * B[None, :, :]          # (r, K, C) products
         s = np.cumsum(t, axis=1)                               # index-order partial sums
-        total = s[:, -1:, :]
+        total = s[:, -1:, :].copy()  # a copy: s is overwritten below
         t2 = t * t
         fwd = _step_var(s, t, u, t2).sum(axis=1)
         # Reverse order: t_K, t_K + t_(K-1), …, i.e. total - s + t (s is not needed after this).
