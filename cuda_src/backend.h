@@ -4,6 +4,7 @@
 // files, so both backends are checked by the same I/O code.
 #pragma once
 
+#include <cmath>
 #include <memory>
 #include <string>
 
@@ -27,6 +28,15 @@ struct Problem {
     FlashKernel flash_kernel = FlashKernel::automatic;
 };
 
+// Problem::scale is a float32, so a scale given as a double (--scale, the manifest's `scale`) is
+// usable only when its float32 value is finite and non-zero: 1e39 would become inf, 1e-50 zero.
+inline bool scale_fits_float32(double s) {
+    float f = static_cast<float>(s);  // IEEE conversion: overflow gives inf, underflow 0
+    return std::isfinite(f) && f != 0.f;
+}
+inline constexpr const char kScaleRangeWords[] =
+    "its float32 value must be finite and non-zero (|scale| within about 1.4e-45..3.4e38)";
+
 // How the flash stages are computed: the tile sizes (Br query rows, Bc key rows) and the kernel's
 // name, both recorded in run.toml (the verifier uses the tiles to diagnose tile-boundary bugs).
 struct FlashPlan {
@@ -34,9 +44,12 @@ struct FlashPlan {
     std::string kernel;
 };
 
-// The flash kernel's contract: d_k == d_v and one of these widths.
+// The flash kernel's contract: d_k == d_v and one of the widths in kFlashHeadDims (stages.h).
 inline bool flash_supported(const Dims& d) {
-    return d.dk == d.dv && (d.dk == 16 || d.dk == 32 || d.dk == 64 || d.dk == 128);
+    if (d.dk != d.dv) return false;
+    for (int w : kFlashHeadDims)
+        if (d.dk == w) return true;
+    return false;
 }
 
 // Host memory for one group of consecutive heads [first, first + count). Each buffer holds `count`

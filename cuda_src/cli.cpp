@@ -72,7 +72,8 @@ void print_usage(FILE* to) {
         "  --flash-kernel K   auto | fast | clean: the CUDA flash kernel (auto: fast where it has a\n"
         "                     variant for d, else clean)\n"
         "  --allow-nonfinite  accept NaN/Inf in the inputs\n"
-        "  --max-memory-mb MB cap the working memory (heads are processed in groups that fit)\n"
+        "  --max-memory-mb MB cap the working memory, at most 1 PiB (heads are processed in groups\n"
+        "                     that fit)\n"
         "exit status: 0 ok, 1 internal/CUDA failure, 2 bad usage or input, 3 not enough memory\n");
 }
 
@@ -108,8 +109,9 @@ Options parse_cli(int argc, char** argv) {
         }
         else if (arg == "--causal") { no_value(); o.causal = true; }
         else if (arg == "--scale") {
-            o.scale = parse_number(arg, take_value());
-            if (o.scale == 0) usage_error("--scale: must be non-zero");
+            std::string text = take_value();
+            o.scale = parse_number(arg, text);
+            if (!scale_fits_float32(o.scale)) usage_error("--scale: '" + text + "': " + kScaleRangeWords);
             o.has_scale = true;
         }
         else if (arg == "--stages") {
@@ -140,7 +142,12 @@ Options parse_cli(int argc, char** argv) {
             o.flash_kernel = pick(arg, take_value(), names, values);
         }
         else if (arg == "--allow-nonfinite") { no_value(); o.allow_nonfinite = true; }
-        else if (arg == "--max-memory-mb") { o.max_memory_mb = parse_positive_int(arg, take_value()); }
+        else if (arg == "--max-memory-mb") {
+            std::string text = take_value();
+            o.max_memory_mb = parse_positive_int(arg, text);
+            if (o.max_memory_mb > kMaxMemoryMb)  // beyond this, MB x MiB could overflow size_t
+                usage_error("--max-memory-mb: '" + text + "' exceeds " + std::to_string(kMaxMemoryMb) + " (1 PiB)");
+        }
         else if (arg.size() > 1 && arg[0] == '-') { usage_error("unknown option '" + arg + "'"); }
         else if (o.case_name.empty()) { o.case_name = arg; }
         else { usage_error("unexpected argument '" + arg + "' (CASE is already '" + o.case_name + "')"); }

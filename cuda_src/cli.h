@@ -11,6 +11,9 @@
 
 namespace attnstep {
 
+// The largest --max-memory-mb: 2^30 MiB = 1 PiB, so MB x 2^20 bytes fits any 64-bit size_t.
+constexpr long long kMaxMemoryMb = 1LL << 30;
+
 enum class BackendChoice { Auto, Cuda, Cpu };
 
 struct Options {
@@ -29,7 +32,7 @@ struct Options {
     bool poison = false;
     FlashKernel flash_kernel = FlashKernel::automatic;
     bool allow_nonfinite = false;
-    long long max_memory_mb = 0;     // 0: no cap beyond MemAvailable/2
+    long long max_memory_mb = 0;     // 0: no cap beyond MemAvailable/2; else 1..kMaxMemoryMb
     bool help = false;
 };
 

@@ -87,6 +87,7 @@ Problem make_problem(const Options& o, const InputCase& c) {
     Problem p;
     p.dims = c.dims;
     p.causal = o.causal || c.causal;
+    // A given scale was checked to survive the float32 conversion (scale_fits_float32).
     double scale = o.has_scale ? o.scale : c.has_scale ? c.scale : 1.0 / std::sqrt(static_cast<double>(c.dims.dk));
     p.scale = static_cast<float>(scale);
     p.precision = o.precision;
@@ -100,7 +101,7 @@ Problem make_problem(const Options& o, const InputCase& c) {
 StageSet select_stages(const Options& o, const Dims& d) {
     StageSet sel = o.stages;
     if (!sel.any_flash() || flash_supported(d)) return sel;
-    std::string why = "flash stages need d_k = d_v in {16, 32, 64, 128}; this case has d_k = " +
+    std::string why = "flash stages need d_k = d_v in " + flash_head_dims_text() + "; this case has d_k = " +
                       std::to_string(d.dk) + ", d_v = " + std::to_string(d.dv);
     if (names_flash_explicitly(o.stages_text))
         fail(kExitBadInput, "--stages " + o.stages_text + ": " + why,
@@ -208,13 +209,7 @@ void write_run_manifest(RunState& rs, const Options& o, const Problem& p, const 
     w.add("precision", precision_name(p.precision));
     w.add("format", format_name(rs.out_format));
     w.add("input", o.in_dir);
-    const Dims& d = p.dims;
-    w.add("batch", d.batch);
-    w.add("heads", d.heads);
-    w.add("seq_q", d.N);
-    w.add("seq_k", d.M);
-    w.add("d_k", d.dk);
-    w.add("d_v", d.dv);
+    for (const DimKey& k : kDimKeys) w.add(k.key, p.dims.*k.field);
     w.add_bool("causal", p.causal);
     w.add_float("scale", static_cast<double>(p.scale));
     w.add("stages", stage_list(written));

@@ -18,6 +18,30 @@ struct Dims {
     int total_heads() const { return batch * heads; }
 };
 
+// The manifest key of each Dims field (input manifest.toml and run.toml; verify/stages.py
+// DIM_KEYS), in the order both manifests list them.
+struct DimKey {
+    const char* key;
+    int Dims::*field;
+};
+inline constexpr DimKey kDimKeys[] = {
+    {"batch", &Dims::batch}, {"heads", &Dims::heads}, {"seq_q", &Dims::N},
+    {"seq_k", &Dims::M},     {"d_k", &Dims::dk},      {"d_v", &Dims::dv},
+};
+
+// Head-dimension limits (verify/stages.py MAX_HEAD_DIM, FLASH_HEAD_DIMS): d_k and d_v are
+// 1..kMaxHeadDim (shared-memory bounds on the GPU); the flash kernels exist for these widths only
+// (flash_supported() in backend.h).
+inline constexpr int kMaxHeadDim = 256;
+inline constexpr int kFlashHeadDims[] = {16, 32, 64, 128};
+
+// "{16, 32, 64, 128}", for messages.
+inline std::string flash_head_dims_text() {
+    std::string s;
+    for (int w : kFlashHeadDims) s += (s.empty() ? "{" : ", ") + std::to_string(w);
+    return s + "}";
+}
+
 // Shape symbols used by the table below.
 enum class Sym { N, M, DK, DV, ONE };
 
@@ -86,18 +110,9 @@ struct StageSet {
     unsigned bits = 0;
     bool has(Stage s) const { return bits & (1u << static_cast<int>(s)); }
     void add(Stage s) { bits |= 1u << static_cast<int>(s); }
-    bool any_stage_path() const;
     bool any_flash() const { return has(Stage::flash_output) || has(Stage::flash_lse); }
     static StageSet all() { StageSet s; s.bits = (1u << kNumStages) - 1; return s; }
 };
-
-inline bool StageSet::any_stage_path() const {
-    for (int i = 0; i < kNumStages; ++i) {
-        Stage s = static_cast<Stage>(i);
-        if (has(s) && !is_flash_stage(s) && !is_input_echo(s)) return true;
-    }
-    return false;
-}
 
 // The selected stages plus everything they are computed from. The flash stages are computed
 // together by one kernel, so either one pulls in both.

@@ -18,7 +18,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from verify.stages import INPUT_NAMES, RUN_MANIFEST, STAGE_NAMES, stage_file
+from verify.stages import (DIM_KEYS, FLASH_HEAD_DIMS, INPUT_NAMES, MAX_HEAD_DIM, RUN_MANIFEST, STAGE_NAMES,
+                           stage_file)
 
 from conftest import GPU_PRESENT
 
@@ -169,6 +170,21 @@ def _dk_too_big(d):
     p.write_text(p.read_text().replace("d_k = 16", "d_k = 300"))
 
 
+def _scale_overflows_float32(d):
+    p = d / "manifest.toml"
+    p.write_text(p.read_text() + "scale = 1e39\n")
+
+
+def _scale_underflows_float32(d):
+    p = d / "manifest.toml"
+    p.write_text(p.read_text() + "scale = 1e-50\n")
+
+
+def _scale_nan(d):
+    p = d / "manifest.toml"
+    p.write_text(p.read_text() + "scale = nan\n")
+
+
 # (id, mutation, file named in the message, its 1-based line or None for file-level errors, words)
 REJECTIONS = [
     ("truncated", _truncated, "Q_head_1.txt", 5, "ends after 4 rows"),
@@ -188,6 +204,9 @@ REJECTIONS = [
     ("zero-dim", _zero_dim, "manifest.toml", 2, "heads = 0"),
     ("negative-dim", _negative_dim, "manifest.toml", 4, "seq_k = -7"),
     ("dk-over-256", _dk_too_big, "manifest.toml", 5, "exceeds 256"),
+    ("scale-inf-as-float32", _scale_overflows_float32, "manifest.toml", 8, "float32 value must be finite"),
+    ("scale-zero-as-float32", _scale_underflows_float32, "manifest.toml", 8, "float32 value must be finite"),
+    ("scale-nan", _scale_nan, "manifest.toml", 8, "scale = nan"),
 ]
 
 
@@ -281,12 +300,38 @@ def test_unwritable_output_folder_is_refused(binary, tmp_path):
     (["--max-memory-mb", "0"], "--max-memory-mb"),
     (["--stages", "QK,softmax"], "unknown stage 'softmax'"),
     (["--stages"], "--stages needs a value"),
-], ids=["unknown-option", "backend", "scale", "format", "precision", "max-memory", "stage", "no-value"])
+    (["--scale", "1e39"], "--scale: '1e39': its float32 value must be finite"),
+    (["--scale", "-1e39"], "--scale: '-1e39': its float32 value must be finite"),
+    (["--scale", "1e-50"], "--scale: '1e-50': its float32 value must be finite"),
+    (["--scale", "0"], "--scale: '0'"),
+    (["--scale", "nan"], "--scale: 'nan'"),
+    (["--max-memory-mb", "17592186044416"], "--max-memory-mb: '17592186044416' exceeds 1073741824"),
+    (["--max-memory-mb", "1073741825"], "--max-memory-mb: '1073741825' exceeds"),
+], ids=["unknown-option", "backend", "scale", "format", "precision", "max-memory", "stage", "no-value",
+        "scale-inf-as-float32", "scale-neg-inf-as-float32", "scale-zero-as-float32", "scale-zero", "scale-nan",
+        "max-memory-wraps", "max-memory-over-1PiB"])
 def test_bad_usage_is_one_line_exit_2(binary, tmp_path, args, words):
     write_case(tmp_path / "in")
     msg = error_line(run_cpu(binary, tmp_path / "in", tmp_path / "out", *args))
     assert words in msg, msg
     assert files_in(tmp_path / "out") == []
+
+
+@pytest.mark.parametrize("scale", ["3.4e38", "-1e-40", "1e-44"])
+def test_extreme_scales_that_fit_float32_run(binary, tmp_path, scale):
+    """The float32 check rejects only what would become inf or 0, not large or subnormal scales."""
+    write_case(tmp_path / "in")
+    proc = run_cpu(binary, tmp_path / "in", tmp_path / "out", "--scale", scale, "--stages", "Q")
+    assert proc.returncode == 0, proc.stderr
+    assert read_run(tmp_path / "out")["scale"] == float(np.float32(float(scale)))
+
+
+def test_largest_max_memory_mb_runs(binary, tmp_path):
+    """1 PiB is accepted and caps nothing: one group holds every head."""
+    write_case(tmp_path / "in", heads=3)
+    proc = run_cpu(binary, tmp_path / "in", tmp_path / "out", "--max-memory-mb", str(1 << 30))
+    assert proc.returncode == 0, proc.stderr
+    assert len([f for f in files_in(tmp_path / "out") if f.startswith("QK_head_")]) == 3
 
 
 def test_help_exits_0(binary):
@@ -356,6 +401,55 @@ def test_stages_selection_writes_only_the_named(binary, tmp_path, stages, writte
     # Dependencies are computed (timed) but not written.
     if stages == "QK_scaled":
         assert "time_ms_QK" in r
+
+
+# (id, {input: shape} overriding a 5 x 16 / 7 x 16 / 7 x 16 case, file named, shape words)
+EMPTY_NPY = [
+    ("seq_q-0", {"Q": (0, 16)}, "Q_head_0.npy", "empty 0 x 16 array (seq_q x d_k)"),
+    ("d_k-0", {"Q": (5, 0), "K": (7, 0)}, "Q_head_0.npy", "empty 5 x 0 array (seq_q x d_k)"),
+    ("seq_k-0", {"K": (0, 16), "V": (0, 16)}, "K_head_0.npy", "empty 0 x 16 array (seq_k x d_k)"),
+    ("d_v-0", {"V": (7, 0)}, "V_head_0.npy", "empty 7 x 0 array (seq_k x d_v)"),
+]
+
+
+@pytest.mark.parametrize("shapes,fname,words", [pytest.param(*e[1:], id=e[0]) for e in EMPTY_NPY])
+def test_empty_npy_without_manifest_is_rejected(binary, tmp_path, shapes, fname, words):
+    """Without a manifest the dimensions come from head 0's .npy shapes; none may be 0."""
+    in_dir = tmp_path / "in"
+    write_case(in_dir, heads=2, fmt="npy", manifest=False)
+    for name, shape in shapes.items():
+        for i in range(2):
+            np.save(in_dir / stage_file(name, i, "npy"), np.zeros(shape, np.float32))
+    proc = run_cpu(binary, in_dir, tmp_path / "out")
+    msg = error_line(proc)
+    assert f"main: error: {in_dir / fname}: holds an {words}; every dimension must be >= 1" == msg, msg
+    assert files_in(tmp_path / "out") == []
+
+
+def test_head_dim_limits_match_verify_stages(binary, tmp_path):
+    """The C++ limits (stages.h kMaxHeadDim, kFlashHeadDims) agree with verify/stages.py."""
+    write_case(tmp_path / "max", heads=1, n=2, m=3, dk=MAX_HEAD_DIM, dv=MAX_HEAD_DIM)
+    assert run_cpu(binary, tmp_path / "max", tmp_path / "max_out", "--stages", "Q,V").returncode == 0
+    write_case(tmp_path / "over", heads=1, n=2, m=3, dk=MAX_HEAD_DIM + 1, dv=16)
+    assert f"exceeds {MAX_HEAD_DIM}" in error_line(run_cpu(binary, tmp_path / "over", tmp_path / "o2"))
+    widths = "{" + ", ".join(map(str, FLASH_HEAD_DIMS)) + "}"
+    for d in sorted({*FLASH_HEAD_DIMS, min(FLASH_HEAD_DIMS) - 1, max(FLASH_HEAD_DIMS) + 1}):
+        write_case(tmp_path / f"d{d}", heads=1, n=3, m=4, dk=d, dv=d)
+        proc = run_cpu(binary, tmp_path / f"d{d}", tmp_path / f"d{d}_out", "--stages", "flash")
+        if d in FLASH_HEAD_DIMS:
+            assert proc.returncode == 0, proc.stderr
+            assert read_run(tmp_path / f"d{d}_out")["stages"] == "flash_output,flash_lse"
+        else:
+            assert f"flash stages need d_k = d_v in {widths}; this case has d_k = {d}" in error_line(proc)
+
+
+def test_run_toml_lists_the_dimension_keys_in_order(binary, tmp_path):
+    """run.toml writes the same dimension keys as manifest.toml reads (stages.h kDimKeys = DIM_KEYS)."""
+    write_case(tmp_path / "in", batch=2, heads=3, n=4, m=6, dk=8, dv=12)
+    assert run_cpu(binary, tmp_path / "in", tmp_path / "out", "--stages", "Q").returncode == 0
+    r = read_run(tmp_path / "out")
+    assert [k for k in r if k in DIM_KEYS] == list(DIM_KEYS)
+    assert [r[k] for k in DIM_KEYS] == [2, 3, 4, 6, 8, 12]
 
 
 def test_unsupported_flash_dims(binary, tmp_path):

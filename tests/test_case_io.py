@@ -30,7 +30,7 @@ def test_npy_round_trip(tmp_path):
 @pytest.mark.parametrize("text, shape, message", [
     (b"1 2 3\n4 5\n", None, "m.txt:2: missing values: 2 values on this row, expected 3"),
     (b"1 2\n4 5 6\n", None, "m.txt:2: extra values"),
-    (b"1 2\n3 x\n", None, "m.txt:2:2: not a number: 'x'"),
+    (b"1 2\n3 x\n", None, "m.txt:2:3: not a number: 'x'"),  # character columns, as the binary
     (b"1 2\n3 4\n", (3, 2), "m.txt:2: 2 rows, expected 3"),
     (b"# only a comment\n", None, "m.txt: empty file"),
     (b"1 2\n\n3 4\n", None, "m.txt:2: blank line inside the matrix"),
@@ -105,7 +105,7 @@ def test_manifest_unknown_key_and_bad_dims(tmp_path):
     with pytest.raises(CaseError, match="unknown key 'heeds'"):
         load_input_case(tmp_path)
     manifest.write_text(manifest.read_text().replace("heeds = 3\n", "").replace("seq_q = 2", "seq_q = 0"))
-    with pytest.raises(CaseError, match="'seq_q' = 0: dimensions must be >= 1"):
+    with pytest.raises(CaseError, match="'seq_q' = 0: dimensions must be in 1.."):
         load_input_case(tmp_path)
 
 
@@ -128,3 +128,52 @@ def test_large_distribution_reaches_hundreds(tmp_path):
 def test_matrix_bytes_header_is_a_comment():
     data = matrix_bytes(np.ones((1, 2), np.float32), "txt", header="attnstep stage=Q head=0")
     assert data.splitlines()[0] == b"# attnstep stage=Q head=0"
+
+
+@pytest.mark.parametrize("line, message", [
+    ("causal = \"yes\"", "'causal' must be true or false"),
+    ("scale = 0.0", "scale = 0.0: must be finite and non-zero in float32"),
+    ("scale = 1e-50", "must be finite and non-zero in float32"),
+    ("scale = 1e39", "must be finite and non-zero in float32"),
+    ("seed = 99999999999999999999", "'seed' must be an integer"),
+], ids=["causal-string", "scale-zero", "scale-underflow", "scale-overflow", "seed-huge"])
+def test_manifest_value_types_and_scale(tmp_path, line, message):
+    generate_case(tmp_path, Dims(1, 1, 2, 2, 2, 2))
+    manifest = tmp_path / "manifest.toml"
+    key = line.split(" =")[0]
+    kept = [ln for ln in manifest.read_text().splitlines() if not ln.startswith(key + " =")]
+    manifest.write_text("\n".join(kept + [line]) + "\n")
+    with pytest.raises(CaseError, match=message):
+        load_input_case(tmp_path)
+
+
+def test_manifest_without_format_follows_the_files(tmp_path):
+    generate_case(tmp_path, Dims(1, 2, 3, 4, 2, 2), fmt="npy")
+    manifest = tmp_path / "manifest.toml"
+    manifest.write_text(manifest.read_text().replace('format = "npy"\n', ""))
+    assert load_input_case(tmp_path).fmt == "npy"
+
+
+def test_text_reader_takes_only_the_contract_syntax():
+    for bad, col in ((b"1 2 # note\n", 5), (b"1 2\f\n", 3), (b"0x1p3 1\n", 1), (b"1_0 1\n", 1)):
+        with pytest.raises(CaseError, match=f"m.txt:1:{col}: not a number"):
+            parse_text_matrix(bad, "m.txt")
+    assert parse_text_matrix(b"1 2\r\n3 4\r\n", "m.txt").shape == (2, 2)  # CRLF, as the binary
+
+
+def test_interrupted_generate_leaves_the_earlier_case_whole(tmp_path, monkeypatch):
+    import verify.generate as gen
+    generate_case(tmp_path, Dims(1, 3, 4, 4, 2, 2), seed=1)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    calls = []
+
+    def failing_write(path, mat, fmt):
+        calls.append(path)
+        if len(calls) == 4:  # after head 0 and one file of head 1
+            raise CaseError(f"{path}: cannot write: disk full")
+        return write_matrix(path, mat, fmt)
+
+    monkeypatch.setattr(gen, "write_matrix", failing_write)
+    with pytest.raises(CaseError, match="disk full"):
+        generate_case(tmp_path, Dims(1, 2, 5, 5, 2, 2), seed=2)
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before  # untouched, no staging left

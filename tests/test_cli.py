@@ -59,7 +59,7 @@ def test_check_rejects_bad_tol(runner, tmp_path):
 def test_run_reports_binary_input_errors(runner, tmp_path, binary):
     runner.invoke(cli, ["generate", "--out", str(tmp_path / "in"), *SMALL])
     (tmp_path / "in" / "V_head_1.txt").write_text("1 2\n")
-    line = _one_line_error(runner.invoke(cli, ["run", "--in", str(tmp_path / "in"),
+    line = _one_line_error(runner.invoke(cli, ["run", "--in", str(tmp_path / "in"), "--binary", str(binary),
                                                "--out", str(tmp_path / "out"), "--backend", "cpu"]))
     assert "V_head_1.txt" in line
 
@@ -68,7 +68,8 @@ def test_run_reports_binary_input_errors(runner, tmp_path, binary):
 def good_run(runner, tmp_path, binary):
     in_dir, out_dir = tmp_path / "in", tmp_path / "out"
     assert runner.invoke(cli, ["generate", "--out", str(in_dir), *SMALL]).exit_code == 0
-    res = runner.invoke(cli, ["run", "--in", str(in_dir), "--out", str(out_dir), "--backend", "cpu"])
+    res = runner.invoke(cli, ["run", "--in", str(in_dir), "--out", str(out_dir), "--backend", "cpu",
+                              "--binary", str(binary)])
     assert res.exit_code == 0, res.output
     return in_dir, out_dir
 
@@ -159,3 +160,29 @@ def test_seed_scripts_run_the_same_code(tmp_path):
     out = subprocess.run([sys.executable, str(repo / "scripts" / "verify.py"), "--in", str(tmp_path / "c"),
                           "--out", str(tmp_path / "none")], capture_output=True, text=True)
     assert out.returncode == 2 and "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("args", [["--atol", "nan"], ["--rtol", "-1"], ["--tol", "QK=nan"],
+                                  ["--tol", "QK=1e-3,inf"]], ids=["atol-nan", "rtol-neg", "tol-nan", "tol-inf"])
+def test_check_rejects_nonfinite_tolerances(runner, args):
+    res = runner.invoke(cli, ["check", *args])
+    assert res.exit_code == 2 and "Traceback" not in res.output
+
+
+def test_run_timeout_stops_the_binary_and_leaves_no_case(runner, tmp_path, binary):
+    runner.invoke(cli, ["generate", "--out", str(tmp_path / "in"), "--heads", "8", "--seq-q", "700",
+                        "--seq-k", "700", "--d-k", "64", "--d-v", "64"])
+    res = runner.invoke(cli, ["run", "--in", str(tmp_path / "in"), "--out", str(tmp_path / "out"),
+                              "--backend", "cpu", "--binary", str(binary), "--timeout", "1"])
+    assert res.exit_code == 1 and "--timeout" in res.output, res.output
+    left = list((tmp_path / "out").glob("*")) if (tmp_path / "out").exists() else []
+    assert not left, left  # SIGTERM: the binary removed its own files, temporaries included
+
+
+def test_binary_option_takes_relative_paths(runner, tmp_path, binary, monkeypatch):
+    runner.invoke(cli, ["generate", "--out", str(tmp_path / "in"), *SMALL])
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "main").symlink_to(binary)
+    monkeypatch.chdir(tmp_path)
+    res = runner.invoke(cli, ["run", "--in", "in", "--out", "out", "--backend", "cpu", "--binary", "bin/main"])
+    assert res.exit_code == 0, res.output

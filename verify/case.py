@@ -12,14 +12,14 @@ import re
 import tomllib
 import warnings
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from .stages import (DIM_KEYS, FORMATS, INPUT_MANIFEST, INPUT_NAMES, MAX_HEAD_DIM, RUN_MANIFEST,
-                     STAGES, Dims, default_scale, parse_stage_file, stage_file)
+from .stages import (DIM_KEYS, FORMATS, INPUT_MANIFEST, INPUT_NAMES, MAX_DIM, MAX_HEAD_DIM,
+                     PRECISIONS, RUN_MANIFEST, STAGES, Dims, parse_stage_file, stage_file)
 
 
 class CaseError(Exception):
@@ -70,6 +70,9 @@ def write_matrix(path: Path, arr: np.ndarray, fmt: str, header: Optional[str] = 
 # The number syntax both readers accept (cuda_src/io/matrix_io.cpp has the same rule).
 _NUMBER = re.compile(r"^[+-]?(?:(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?|inf|infinity|nan)$", re.IGNORECASE)
 _BLANK_INSIDE = re.compile(r"(?:^|\n)[ \t\r]*\n[ \t\r\n]*\S")  # a blank line before a row
+# What np.loadtxt takes but the contract does not: a '#' after a value, form feeds, vertical tabs.
+_FAST_UNSAFE = re.compile(r"[\f\v]|^[ \t\r]*[^#\s][^\n]*#", re.MULTILINE)
+_SEPARATORS = re.compile(r"[ \t\r]+")  # the binary separates values by spaces and tabs only
 
 
 def _first_bad_token(tokens: List[str]) -> Optional[int]:
@@ -82,7 +85,7 @@ def _first_bad_token(tokens: List[str]) -> Optional[int]:
 def _fast_parse(text: str) -> Optional[np.ndarray]:
     """NumPy's C parser for well-formed files; None when anything is off, so that the precise
     line-by-line pass below finds and names the problem."""
-    if _BLANK_INSIDE.search(text):
+    if _BLANK_INSIDE.search(text) or _FAST_UNSAFE.search(text):
         return None
     try:
         with warnings.catch_warnings():
@@ -120,8 +123,9 @@ def _precise_parse(text: str, name: str, shape) -> Tuple[np.ndarray, List[int]]:
     """Line by line: names the first ragged row, bad token or blank line with line:col."""
     rows: List[Tuple[int, List[str]]] = []
     blank_at = None
-    for lineno, line in enumerate(text.split("\n"), start=1):
-        stripped = line.strip()
+    lines = text.split("\n")
+    for lineno, line in enumerate(lines, start=1):
+        stripped = line.strip(" \t\r")
         if stripped.startswith("#"):
             continue
         if not stripped:
@@ -130,14 +134,15 @@ def _precise_parse(text: str, name: str, shape) -> Tuple[np.ndarray, List[int]]:
         if blank_at is not None:
             raise CaseError(f"{name}:{blank_at}: blank line inside the matrix; "
                             "HINT: one matrix row per line, no empty lines")
-        rows.append((lineno, stripped.split()))
+        rows.append((lineno, _SEPARATORS.split(stripped)))
     if not rows:
         raise CaseError(f"{name}: empty file: no matrix rows")
     want_cols = shape[1] if shape else len(rows[0][1])
     for lineno, tokens in rows:
         j = _first_bad_token(tokens)
         if j is not None:
-            raise CaseError(f"{name}:{lineno}:{j + 1}: not a number: {tokens[j][:40]!r}")
+            col = _char_column(lines[lineno - 1], tokens, j)
+            raise CaseError(f"{name}:{lineno}:{col}: not a number: {tokens[j][:40]!r}")
         if len(tokens) != want_cols:
             what = "missing values" if len(tokens) < want_cols else "extra values"
             raise CaseError(f"{name}:{lineno}: {what}: {len(tokens)} values on this row, expected "
@@ -147,6 +152,17 @@ def _precise_parse(text: str, name: str, shape) -> Tuple[np.ndarray, List[int]]:
                         "HINT: the file is truncated or has extra rows")
     flat = np.array([tok for _, tokens in rows for tok in tokens], dtype=np.float64)
     return flat.reshape(len(rows), want_cols), [ln for ln, _ in rows]
+
+
+def _char_column(line: str, tokens: List[str], j: int) -> int:
+    """1-based character column of token j in line (the binary's column convention)."""
+    pos = 0
+    for i, tok in enumerate(tokens):
+        pos = line.index(tok, pos)
+        if i == j:
+            break
+        pos += len(tok)
+    return pos + 1
 
 
 def _where(r: int, c: int, linenos: Optional[List[int]], text: Optional[str] = None) -> str:
@@ -222,6 +238,30 @@ def text_header_fields(data: bytes) -> Dict[str, str]:
 
 INPUT_KEYS = {**{k: int for k in DIM_KEYS}, "causal": bool, "scale": float, "format": str,
               "seed": int, "distribution": str, "generator": str}
+_TYPE_WORDS = {int: "an integer", bool: "true or false", float: "a number", str: "a quoted string"}
+INT64 = 2**63
+
+
+def check_types(values: dict, types: dict, where: str) -> None:
+    """Each known key has its type (an int is a number too, a bool is not an int)."""
+    for key, want in types.items():
+        if key not in values:
+            continue
+        v = values[key]
+        ok = (isinstance(v, bool) if want is bool else
+              isinstance(v, (int, float)) and not isinstance(v, bool) if want is float else
+              isinstance(v, int) and not isinstance(v, bool) and -INT64 <= v < INT64 if want is int else
+              isinstance(v, want))
+        if not ok:
+            raise CaseError(f"{where}: '{key}' must be {_TYPE_WORDS[want]} (got {v!r})")
+
+
+def check_scale(scale, where: str) -> float:
+    """The scale the binary can use: finite and non-zero in float32."""
+    s32 = np.float32(scale) if np.isfinite(scale) and abs(scale) < 3.5e38 else np.float32(np.inf)
+    if not np.isfinite(s32) or s32 == 0:
+        raise CaseError(f"{where}: scale = {scale!r}: must be finite and non-zero in float32")
+    return float(scale)
 
 
 def read_toml(path: Path) -> dict:
@@ -252,8 +292,8 @@ def validate_dims(values: dict, where: str) -> Dims:
         v = values.get(key)
         if not isinstance(v, int) or isinstance(v, bool):
             raise CaseError(f"{where}: '{key}' must be an integer (got {v!r})")
-        if v < 1:
-            raise CaseError(f"{where}: '{key}' = {v}: dimensions must be >= 1")
+        if not 1 <= v <= MAX_DIM:
+            raise CaseError(f"{where}: '{key}' = {v}: dimensions must be in 1..{MAX_DIM}")
     for key in ("d_k", "d_v"):
         if values[key] > MAX_HEAD_DIM:
             raise CaseError(f"{where}: '{key}' = {values[key]}: at most {MAX_HEAD_DIM} is supported")
@@ -269,8 +309,7 @@ class InputCase:
     dims: Dims
     fmt: str
     causal: bool = False
-    scale: Optional[float] = None
-    meta: dict = field(default_factory=dict)
+    scale: Optional[float] = None  # None: 1/sqrt(d_k)
 
     def file(self, name: str, head: int) -> Path:
         return self.path / stage_file(name, head, self.fmt)
@@ -278,10 +317,6 @@ class InputCase:
     def load(self, name: str, head: int) -> np.ndarray:
         shape = STAGES[name].shape(self.dims)
         return read_matrix(self.file(name, head), shape, allow_nonfinite=False)
-
-    @property
-    def effective_scale(self) -> float:
-        return self.scale if self.scale is not None else default_scale(self.dims.d_k)
 
 
 def _head_files(folder: Path) -> Dict[Tuple[str, int], str]:
@@ -305,12 +340,14 @@ def load_input_case(folder: Path) -> InputCase:
         unknown = sorted(set(values) - set(INPUT_KEYS))
         if unknown:
             raise CaseError(f"{manifest}: unknown key '{unknown[0]}'")
+        check_types(values, INPUT_KEYS, str(manifest))
         dims = validate_dims(values, str(manifest))
-        fmt = values.get("format", "txt")
+        # Without a `format` line the files say, as the binary reads it.
+        fmt = values.get("format", files.get(("Q", 0), FORMATS[0]))
         if fmt not in FORMATS:
             raise CaseError(f"{manifest}: format = {fmt!r}; expected one of {', '.join(FORMATS)}")
-        case = InputCase(folder, dims, fmt, bool(values.get("causal", False)), values.get("scale"),
-                         {k: values[k] for k in ("seed", "distribution", "generator") if k in values})
+        scale = check_scale(values["scale"], str(manifest)) if "scale" in values else None
+        case = InputCase(folder, dims, fmt, values.get("causal", False), scale)
     else:
         case = _infer_case(folder, files)
     _check_layout(case, files)
@@ -368,6 +405,9 @@ def clear_input_files(folder: Path) -> None:
 # Output cases (what the binary wrote).
 
 RUN_KEYS_REQUIRED = ("run_id", "backend", "precision", "format", "stages", "causal", "scale") + DIM_KEYS
+RUN_KEY_TYPES = {**{k: int for k in DIM_KEYS}, "run_id": str, "backend": str, "device": str,
+                 "precision": str, "format": str, "stages": str, "causal": bool, "scale": float,
+                 "flash_block_q": int, "flash_block_k": int, "flash_kernel": str, "poison": bool}
 
 
 @dataclass
@@ -409,6 +449,11 @@ def load_run(folder: Path) -> RunInfo:
     missing = [k for k in RUN_KEYS_REQUIRED if k not in values]
     if missing:
         raise CaseError(f"{manifest}: missing key '{missing[0]}'")
+    check_types(values, RUN_KEY_TYPES, str(manifest))
+    check_scale(values["scale"], str(manifest))
+    if values["precision"] not in PRECISIONS:
+        raise CaseError(f"{manifest}: precision = {values['precision']!r}; expected one of "
+                        f"{', '.join(PRECISIONS)}")
     dims = validate_dims(values, str(manifest))
     stages = tuple(s for s in str(values["stages"]).split(",") if s)
     unknown = [s for s in stages if s not in STAGES]

@@ -5,6 +5,7 @@ traceback). `run` passes on the binary's own status (3: not enough memory; 1: a 
 """
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 from typing import Dict, Optional, Tuple
@@ -24,6 +25,23 @@ BACKENDS = ("auto", "cuda", "cpu")
 PRECISIONS = ("fp32", "tf32")
 # Work (N·M·heads) above which `check` shows a progress bar.
 PROGRESS_MIN_WORK = 1 << 24
+
+
+class Tolerance(click.ParamType):
+    """A finite number >= 0 (NaN or inf would make every comparison fail or pass)."""
+    name = "tolerance"
+
+    def convert(self, value, param, ctx):
+        try:
+            x = float(value)
+        except (TypeError, ValueError):
+            self.fail(f"{value!r} is not a number", param, ctx)
+        if not 0 <= x < math.inf:
+            self.fail(f"{value!r}: a tolerance must be finite and >= 0", param, ctx)
+        return x
+
+
+TOLERANCE = Tolerance()
 
 
 class InputError(click.ClickException):
@@ -62,7 +80,8 @@ build_option = click.option("--build-dir", type=click.Path(file_okay=False, path
                             help="CMake build folder; built incrementally when needed.")
 backend_option = click.option("--backend", type=click.Choice(BACKENDS), default="auto", show_default=True,
                               help="Binary backend; auto uses CUDA when a GPU is present.")
-binary_option = click.option("--binary", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+binary_option = click.option("--binary", type=click.Path(exists=True, dir_okay=False, resolve_path=True,
+                                                       path_type=Path),
                              help="Run this binary instead of building BUILD_DIR/main (e.g. your own, "
                              "writing the output case of docs/contract.md).")
 timeout_option = click.option("--timeout", type=click.FloatRange(min=1), default=DEFAULT_RUN_TIMEOUT_S,
@@ -185,7 +204,7 @@ def _parse_tol(values) -> Dict[str, Tuple[float, float]]:
             rtol = float(parts[1]) if len(parts) > 1 else 0.0
         except ValueError:
             raise click.BadParameter(f"{item!r}: ATOL and RTOL must be numbers", param_hint="--tol")
-        if len(parts) > 2 or atol < 0 or rtol < 0:
+        if len(parts) > 2 or not (0 <= atol < math.inf and 0 <= rtol < math.inf):
             raise click.BadParameter(f"{item!r}: expected STAGE=ATOL[,RTOL], both >= 0", param_hint="--tol")
         out[stage] = (atol, rtol)
     return out
@@ -234,9 +253,9 @@ def _check_and_report(in_dir, out_dir, opts, json_path, junit_path, plot_dir, pe
               help="Write a JUnit XML report (one test case per stage x head).")
 @click.option("--plot", "plot_dir", type=click.Path(file_okay=False, path_type=Path),
               help="Write error heat maps (PNG) of failing stages into this folder (needs matplotlib).")
-@click.option("--atol", type=click.FloatRange(min=0), help="Absolute tolerance for every stage "
+@click.option("--atol", type=TOLERANCE, help="Absolute tolerance for every stage "
               "(replaces the error model).")
-@click.option("--rtol", type=click.FloatRange(min=0), help="Relative tolerance for every stage "
+@click.option("--rtol", type=TOLERANCE, help="Relative tolerance for every stage "
               "(replaces the error model).")
 @click.option("--tol", "tol", multiple=True, metavar="STAGE=ATOL[,RTOL]",
               help="Tolerance for one stage (replaces the error model there); repeatable.")

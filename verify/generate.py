@@ -1,12 +1,14 @@
 """Input case generator: random Q, K, V per head plus the manifest the binary reads."""
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
 from typing import Callable, Dict, Optional
 
 import numpy as np
 
-from .case import CaseError, clear_input_files, validate_dims, write_matrix, write_toml
+from .case import CaseError, check_scale, clear_input_files, validate_dims, write_matrix, write_toml
 from .stages import DIM_KEYS, FORMATS, INPUT_MANIFEST, INPUT_NAMES, STAGES, Dims, stage_file
 
 # The `large` distribution scales N(0, 1) by this factor, so that scaled logits q·k/√d_k have a
@@ -30,31 +32,43 @@ def generate_case(out_dir: Path, dims: Dims, *, causal: bool = False, scale: Opt
                   seed: int = 0, distribution: str = "uniform", fmt: str = "txt") -> Path:
     """Writes Q/K/V for every head (batch-major) and manifest.toml into `out_dir`.
 
-    The manifest is written last, so an interrupted generation leaves no case that looks complete.
+    Everything is written into a temporary folder inside `out_dir` first and moved into place at
+    the end (the manifest last), so an interrupted generation leaves neither a mix of old and new
+    heads nor a partial case that a manifest-less reader would take for a smaller complete one.
     """
     validate_dims({k: getattr(dims, k) for k in DIM_KEYS}, "generate")
     if distribution not in DISTRIBUTIONS:
         raise CaseError(f"unknown distribution {distribution!r}; choose from {', '.join(DISTRIBUTIONS)}")
     if fmt not in FORMATS:
         raise CaseError(f"unknown format {fmt!r}; choose from {', '.join(FORMATS)}")
-    if scale is not None and not np.isfinite(scale):
-        raise CaseError(f"scale = {scale}: must be finite")
+    if scale is not None:
+        check_scale(scale, "--scale")
     out_dir = Path(out_dir)
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise CaseError(f"{out_dir}: cannot create the case folder: {exc.strerror or exc}") from None
-    clear_input_files(out_dir)
-    sample = DISTRIBUTIONS[distribution]
-    rng = np.random.default_rng(seed)
-    for i in range(dims.total_heads):  # one head at a time: bounded memory
-        for name in INPUT_NAMES:
-            mat = sample(rng, STAGES[name].shape(dims))
-            write_matrix(out_dir / stage_file(name, i, fmt), mat, fmt)
-    manifest = {k: getattr(dims, k) for k in DIM_KEYS}
-    manifest.update(causal=causal, format=fmt, seed=seed, distribution=distribution,
-                    generator="attnstep generate")
-    if scale is not None:
-        manifest["scale"] = float(scale)
-    write_toml(out_dir / INPUT_MANIFEST, manifest, "attnstep input case (see docs/contract.md)")
+    staging = out_dir / f".attnstep-generate-{os.getpid()}"
+    try:
+        staging.mkdir()
+        names = []
+        sample = DISTRIBUTIONS[distribution]
+        rng = np.random.default_rng(seed)
+        for i in range(dims.total_heads):  # one head at a time: bounded memory
+            for name in INPUT_NAMES:
+                names.append(stage_file(name, i, fmt))
+                write_matrix(staging / names[-1], sample(rng, STAGES[name].shape(dims)), fmt)
+        manifest = {k: getattr(dims, k) for k in DIM_KEYS}
+        manifest.update(causal=causal, format=fmt, seed=seed, distribution=distribution,
+                        generator="attnstep generate")
+        if scale is not None:
+            manifest["scale"] = float(scale)
+        write_toml(staging / INPUT_MANIFEST, manifest, "attnstep input case (see docs/contract.md)")
+        clear_input_files(out_dir)
+        for name in names + [INPUT_MANIFEST]:
+            os.replace(staging / name, out_dir / name)
+    except OSError as exc:
+        raise CaseError(f"{out_dir}: cannot write the case: {exc.strerror or exc}") from None
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     return out_dir

@@ -132,16 +132,31 @@ def _consistency(code: str, stage: str, got: np.ndarray, other: np.ndarray, allo
                      f"{got[where]:.9g} vs {other[where]:.9g}", int(bad.sum()), where)
 
 
+def _reference(ctx: dict, src: Dict[str, np.ndarray], names: List[str]) -> Dict[str, np.ndarray]:
+    """The reference chain of `names` from `src`: the caller's (ctx "chain", computed from
+    ctx "inputs") when src is those inputs and it has them all, else computed here."""
+    chain, inputs = ctx.get("chain"), ctx.get("inputs")
+    if (chain is not None and inputs is not None and all(n in chain for n in names)
+            and all(src[n] is inputs[n] for n in src)):
+        return {n: chain[n] for n in names}
+    from .reference import reference_chain
+    return reference_chain(src, float(ctx["scale"]), bool(ctx["causal"]), names)
+
+
+def _bound_args(ctx: dict) -> dict:
+    """The tolerance model's keyword arguments (ctx "tolerance_cache": the head's HeadCache)."""
+    return dict(scale=float(ctx["scale"]), causal=bool(ctx["causal"]),
+                precision=ctx.get("precision", "fp32"), backend=ctx.get("backend"),
+                cache=ctx.get("tolerance_cache"))
+
+
 def _flash_output_check(got: np.ndarray, ctx: dict) -> Optional[Violation]:
     """|flash_output - output| ≤ bound(flash_output) + chained bound(output), both from Q, K, V."""
     output_got, src = ctx.get("output_got"), _flash_src(ctx)
     if output_got is None or src is None:
         return None
-    from .reference import reference_chain
-    scale, causal = float(ctx["scale"]), bool(ctx["causal"])
-    kw = dict(scale=scale, causal=causal, precision=ctx.get("precision", "fp32"),
-              backend=ctx.get("backend"))
-    chain = reference_chain(src, scale, causal, ["Q", "K", "V", "output"])
+    kw = _bound_args(ctx)
+    chain = _reference(ctx, src, ["Q", "K", "V", "output"])
     ref = chain["output"]
     allowed = (tolerance.stage_bound("flash_output", src, ref, **kw)
                + tolerance.chained_bound("output", chain, **kw))
@@ -157,12 +172,8 @@ def _flash_lse_check(got: np.ndarray, ctx: dict) -> Optional[Violation]:
     scores = np.asarray(scores, np.float64)
     if not (np.isfinite(scores) | (scores == -np.inf)).all() or (scores == -np.inf).all(axis=1).any():
         return None  # QK_scaled's own check reports it
-    from .reference import reference_chain
-    scale, causal = float(ctx["scale"]), bool(ctx["causal"])
-    kw = dict(scale=scale, causal=causal, precision=ctx.get("precision", "fp32"),
-              backend=ctx.get("backend"))
-    chain = reference_chain(src, scale, causal, ["Q", "K", "V", "QK_scaled", "attention_weights",
-                                                 "flash_lse"])
+    kw = _bound_args(ctx)
+    chain = _reference(ctx, src, ["Q", "K", "V", "QK_scaled", "attention_weights", "flash_lse"])
     s_bound = tolerance.chained_bound("QK_scaled", chain, **kw)
     inherited = (chain["attention_weights"] * s_bound).sum(axis=1, keepdims=True)
     allowed = tolerance.stage_bound("flash_lse", src, chain["flash_lse"], **kw) + inherited

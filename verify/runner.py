@@ -13,6 +13,9 @@ DEFAULT_BUILD_DIR = REPO / "build"
 BINARY_NAME = "main"
 BUILD_TIMEOUT_S = 1800
 DEFAULT_RUN_TIMEOUT_S = 600
+# After --timeout the binary gets SIGTERM, on which it removes this run's files; it is killed
+# only if it has not finished within this grace period.
+TERMINATE_GRACE_S = 30
 # The binary's exit statuses (docs/contract.md).
 EXIT_BAD_INPUT = 2
 EXIT_NO_MEMORY = 3
@@ -74,12 +77,24 @@ def run_binary(binary: Path, in_dir: Path, out_dir: Path, *, backend: str = "aut
     cmd = [str(binary), "--in", str(in_dir), "--out", str(out_dir), "--backend", backend, *extra]
     try:
         # errors="replace": the binary quotes bad input bytes back in its messages
-        proc = subprocess.run(cmd, capture_output=True, text=True, errors="replace", timeout=timeout)
+        child = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                 errors="replace")
     except FileNotFoundError:
         raise RunnerError(f"binary not found: {binary}; run 'attnstep run' to build it")
+    except OSError as exc:
+        raise RunnerError(f"cannot run {binary}: {exc.strerror or exc}")
+    try:
+        stdout, stderr = child.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        raise RunnerError(f"the binary did not finish within {timeout:.0f} s (--timeout): "
-                          + " ".join(cmd))
+        child.terminate()
+        try:
+            child.communicate(timeout=TERMINATE_GRACE_S)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.communicate()
+        raise RunnerError(f"the binary did not finish within {timeout:.0f} s (--timeout) and was "
+                          "stopped; its partial output was removed", exit_code=1)
+    proc = subprocess.CompletedProcess(cmd, child.returncode, stdout, stderr)
     notices = [ln for ln in proc.stderr.splitlines() if ": notice:" in ln]
     result = RunResult(proc.returncode, proc.stdout, proc.stderr, notices)
     if check and proc.returncode != 0:

@@ -13,6 +13,8 @@ DIM_KEYS = ("batch", "heads", "seq_q", "seq_k", "d_k", "d_v")
 FLASH_HEAD_DIMS = (16, 32, 64, 128)
 MAX_HEAD_DIM = 256
 
+PRECISIONS = ("fp32", "tf32")  # what the binary computes in (--precision)
+MAX_DIM = 2**31 - 1             # the binary holds dimensions in 32-bit ints
 INPUT_MANIFEST = "manifest.toml"
 RUN_MANIFEST = "run.toml"
 FORMATS = ("txt", "npy")

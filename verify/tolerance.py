@@ -132,7 +132,11 @@ class HeadCache:
         key = (what, tuple(id(a) for a in sources), params)
         hit = self._memo.get(key)
         if hit is None:
-            hit = (tuple(sources), compute())
+            value = compute()
+            for a in value if isinstance(value, tuple) else (value,):
+                if isinstance(a, np.ndarray):
+                    a.setflags(write=False)  # shared: a consumer must not modify it
+            hit = (tuple(sources), value)
             self._memo[key] = hit
         return hit[1]
 
@@ -162,7 +166,10 @@ def _step_var(partial: np.ndarray, t: np.ndarray, u: float,
     prev = partial - t
     np.multiply(prev, prev, out=prev)
     np.minimum(prev, t * t if t2 is None else t2, out=prev)
-    return np.minimum(_rounding_var(partial, u), prev, out=prev)
+    # Into the C-ordered rounding variance: the caller's sum over an axis adds in memory order,
+    # and partial may be laid out otherwise (products with Kᵀ).
+    rv = _rounding_var(partial, u)
+    return np.minimum(rv, prev, out=rv)
 
 
 def dot_var(A: np.ndarray, B: np.ndarray, u: float, product_var: float = ROUND_VAR) -> np.ndarray:
@@ -204,34 +211,70 @@ def _expected_var(A: np.ndarray, B: np.ndarray, u: float, product_var: float) ->
     K = A.shape[1]
     S = A @ B
     T2 = (A * A) @ (B * B)
-    energy = ENERGY_FALLBACK_FACTOR * (K + 1) * (T2 / 6.0 + S * S / 3.0)
-    return u * u * (ROUND_VAR * energy + product_var * T2)
+    # In place, in this grouping: u·u·(ROUND_VAR·energy + product_var·T2),
+    # energy = ENERGY_FALLBACK_FACTOR·(K + 1)·(T2/6 + S·S/3).
+    var = np.divide(T2, 6.0)
+    np.multiply(S, S, out=S)
+    S /= 3.0
+    var += S
+    var *= ENERGY_FALLBACK_FACTOR * (K + 1)
+    var *= ROUND_VAR
+    T2 *= product_var
+    var += T2
+    var *= u * u
+    return var
 
 
 # ---------------------------------------------------------------------------------------------
 # Softmax and its propagation
 # ---------------------------------------------------------------------------------------------
+# The N×M arithmetic below works in place on fresh temporaries, in the very order of the plain
+# formulas in the comments (a·b = b·a exactly, so only the grouping matters): the bound of a
+# 4096² head must come out bit for bit as from the formulas themselves.
+
+# Rows per block of the row-sum variance: a block's temporaries stay in the CPU cache.
+_ROW_BLOCK_ELEMS = 1 << 16
+
 
 def _softmax_parts(S: np.ndarray):
     """p = softmax rows of S (masked -inf -> 0), d = S - rowmax (0 where masked), finite mask."""
     finite = np.isfinite(S)
-    m = np.max(np.where(finite, S, -np.inf), axis=1, keepdims=True)
+    masked = None if finite.all() else ~finite  # an unmasked head skips every where()
+    m = np.max(S if masked is None else np.where(finite, S, -np.inf), axis=1, keepdims=True)
     m = np.where(np.isfinite(m), m, 0.0)
-    d = np.where(finite, S - m, 0.0)
-    e = np.where(finite, np.exp(d), 0.0)
+    d = S - m                                  # where(finite, S - m, 0)
+    if masked is not None:
+        np.copyto(d, 0.0, where=masked)
+    e = np.exp(d)                              # where(finite, exp(d), 0)
+    if masked is not None:
+        np.copyto(e, 0.0, where=masked)
     l = e.sum(axis=1, keepdims=True)
-    p = e / np.where(l > 0, l, 1.0)
+    p = np.divide(e, np.where(l > 0, l, 1.0), out=e)
     return p, d, m, finite
+
+
+def _softmax(S: np.ndarray, cache: Optional[HeadCache]):
+    return _memo(cache, "softmax", (S,), (), lambda: _softmax_parts(S))
 
 
 def _exponent_var(d: np.ndarray, finite: np.ndarray, u: float, kernel: Kernel,
                   S: Optional[np.ndarray] = None, logit_roundings: int = 0) -> np.ndarray:
     """Variance of the relative error η_j of e_j = exp(d_j): the subtraction S_j - m rounds
     (u|d_j|), exp errs (kernel.exp_var), and each rounding of the logit itself adds u|S_j|."""
-    var = ROUND_VAR * (u * d) ** 2 + kernel.exp_var * u * u
+    # var = ROUND_VAR·(u·d)² + exp_var·u·u
+    var = np.multiply(d, u)
+    np.multiply(var, var, out=var)
+    var *= ROUND_VAR
+    var += kernel.exp_var * u * u
     if S is not None and logit_roundings:
-        var = var + logit_roundings * ROUND_VAR * (u * np.where(finite, S, 0.0)) ** 2
-    return np.where(finite, var, 0.0)
+        # var += logit_roundings·ROUND_VAR·(u·S)², S taken as 0 where masked
+        s2 = np.where(finite, S, 0.0)
+        s2 *= u
+        np.multiply(s2, s2, out=s2)
+        s2 *= logit_roundings * ROUND_VAR
+        var += s2
+    np.copyto(var, 0.0, where=~finite)         # where(finite, var, 0)
+    return var
 
 
 def _f32_subtraction_error(S: np.ndarray, m: np.ndarray, d: np.ndarray, u: float) -> np.ndarray:
@@ -240,30 +283,67 @@ def _f32_subtraction_error(S: np.ndarray, m: np.ndarray, d: np.ndarray, u: float
     if u != UNIT_ROUNDOFF["fp32"]:
         return u * np.abs(d)
     with np.errstate(invalid="ignore", over="ignore"):
-        d32 = (S.astype(np.float32) - m.astype(np.float32)).astype(np.float64)
-    return np.where(np.isfinite(d32), np.abs(d32 - d), u * np.abs(d))
+        err = (S.astype(np.float32) - m.astype(np.float32)).astype(np.float64)
+    inexact = ~np.isfinite(err)           # where(isfinite(d32), |d32 - d|, u|d|)
+    err -= d
+    np.abs(err, out=err)
+    if inexact.any():
+        np.copyto(err, u * np.abs(d), where=inexact)
+    return err
 
 
-def _rowsum_rel_var(p: np.ndarray, u: float, extra_roundings: float = 1.0) -> np.ndarray:
+def _rowsum_step_var(p: np.ndarray, u: float) -> np.ndarray:
+    """max(index order, reverse order) of Σ_k var(rounding of s_k) for each row's Σ_k p_k (N,),
+    block by block of rows (each row's sums are its own, so blocking changes no bit)."""
+    N, M = p.shape
+    out = np.empty(N)
+    rows = max(1, _ROW_BLOCK_ELEMS // max(1, M))
+    for r0 in range(0, N, rows):
+        pb = p[r0:r0 + rows]
+        s = np.cumsum(pb, axis=1)
+        t2 = pb * pb
+        fwd = _step_var(s, pb, u, t2).sum(axis=1)
+        np.subtract(1.0, s, out=s)             # reverse order's partial sums: 1 - s + p
+        s += pb
+        bwd = _step_var(s, pb, u, t2).sum(axis=1)
+        out[r0:r0 + rows] = np.maximum(fwd, bwd)
+    return out
+
+
+def _rowsum_rel_var(p: np.ndarray, u: float, extra_roundings: float = 1.0,
+                    cache: Optional[HeadCache] = None) -> np.ndarray:
     """Relative variance of l = Σ_j e_j (N×1), from the partial sums of p in index or reverse
     order (positive terms: any other order's partial sums are no larger on average)."""
-    s = np.cumsum(p, axis=1)
-    fwd = _step_var(s, p, u).sum(axis=1)
-    bwd = _step_var(1.0 - s + p, p, u).sum(axis=1)
-    return (extra_roundings * np.maximum(fwd, bwd))[:, None]
+    steps = _memo(cache, "rowsum", (p,), (u,), lambda: _rowsum_step_var(p, u))
+    return (extra_roundings * steps)[:, None]
 
 
-def _weights_var(p: np.ndarray, eta_var: np.ndarray, l_var: np.ndarray, u: float) -> np.ndarray:
+def _p2_eta(p: np.ndarray, eta_var: np.ndarray, cache: Optional[HeadCache]) -> np.ndarray:
+    """p²·var(η): the exponent errors' weight in the weights, the output and lse."""
+    return _memo(cache, "p2 eta", (p, eta_var), (), lambda: np.multiply(np.multiply(p, p), eta_var))
+
+
+def _weights_var(p: np.ndarray, eta_var: np.ndarray, l_var: np.ndarray, u: float,
+                 cache: Optional[HeadCache] = None) -> np.ndarray:
     """Variance of Δp_j = p_j[(η_j - Σ_k p_k η_k) - ε_l] + final roundings, with independent η."""
-    own = (1.0 - p) ** 2 * eta_var
-    others = (p * p * eta_var).sum(axis=1, keepdims=True) - p * p * eta_var
-    return p * p * (own + np.maximum(others, 0.0) + l_var + SOFTMAX_FINAL_ROUNDINGS * ROUND_VAR * u * u)
+    w = _p2_eta(p, eta_var, cache)
+    others = np.subtract(w.sum(axis=1, keepdims=True), w)     # Σ_k p_k²η_k - p_j²η_j
+    np.maximum(others, 0.0, out=others)
+    var = np.subtract(1.0, p)                                 # own = (1 - p)²·η
+    np.multiply(var, var, out=var)
+    var *= eta_var
+    var += others                                             # p²·(own + others + l + final)
+    var += l_var
+    var += SOFTMAX_FINAL_ROUNDINGS * ROUND_VAR * u * u
+    var *= np.multiply(p, p)
+    return var
 
 
-def _mixed_output_var(p: np.ndarray, eta_var: np.ndarray, V: np.ndarray, O: np.ndarray) -> np.ndarray:
+def _mixed_output_var(p: np.ndarray, eta_var: np.ndarray, V: np.ndarray, O: np.ndarray,
+                      cache: Optional[HeadCache] = None) -> np.ndarray:
     """Variance of Σ_j p_j η_j (v_j - O) (the exponent errors after normalization: a common error
     of all η cancels), for independent η_j: Σ_j w_j (v_j - O)² with w = p²·var(η), by three GEMMs."""
-    w = p * p * eta_var
+    w = _p2_eta(p, eta_var, cache)
     var = w @ (V * V) - 2.0 * O * (w @ V) + O * O * w.sum(axis=1, keepdims=True)
     return np.maximum(var, 0.0)
 
@@ -281,21 +361,50 @@ def _need(src: Dict[str, np.ndarray], stage: str, *names: str) -> Tuple[np.ndarr
 
 
 def _scaled_logits(Q: np.ndarray, K: np.ndarray, scale: float, causal: bool) -> np.ndarray:
-    S = (Q @ K.T) * scale
+    S = Q @ K.T
+    S *= scale
     if causal:
-        S = np.where(np.triu(np.ones(S.shape, dtype=bool), k=1), -np.inf, S)
+        np.copyto(S, -np.inf, where=np.triu(np.ones(S.shape, dtype=bool), k=1))
     return S
 
 
-def _flash_parts(src, scale: float, causal: bool, u: float, kernel: Kernel):
+def _logits(Q: np.ndarray, K: np.ndarray, scale: float, causal: bool,
+            cache: Optional[HeadCache]) -> np.ndarray:
+    return _memo(cache, "logits", (Q, K), (scale, causal), lambda: _scaled_logits(Q, K, scale, causal))
+
+
+def _qk_var(Q: np.ndarray, K: np.ndarray, u: float, product_var: float,
+            cache: Optional[HeadCache]) -> np.ndarray:
+    """dot_var of Q·Kᵀ (keyed on Q and K: K.T is a new view object at every call)."""
+    return _memo(cache, "QK var", (Q, K), (u, product_var), lambda: dot_var(Q, K.T, u, product_var))
+
+
+def _pv_var(p: np.ndarray, V: np.ndarray, u: float, product_var: float,
+            cache: Optional[HeadCache]) -> np.ndarray:
+    return _memo(cache, "PV var", (p, V), (u, product_var), lambda: dot_var(p, V, u, product_var))
+
+
+def _pv(p: np.ndarray, V: np.ndarray, cache: Optional[HeadCache]) -> np.ndarray:
+    return _memo(cache, "PV", (p, V), (), lambda: p @ V)
+
+
+def _flash_parts(src, scale: float, causal: bool, u: float, kernel: Kernel,
+                 cache: Optional[HeadCache] = None):
     """What both flash stages share: logits, weights, and the variance of each exponent."""
     Q, K = _need(src, "flash", "Q", "K")
-    S = _scaled_logits(Q, K, scale, causal)
-    p, d, m, finite = _softmax_parts(S)
-    s_var = scale * scale * dot_var(Q, K.T, u, kernel.flash_product_var)
-    eta_var = np.where(finite, s_var, 0.0) + _exponent_var(d, finite, u, kernel, S,
-                                                           FLASH_LOGIT_ROUNDINGS)
-    l_var = _rowsum_rel_var(p, u, extra_roundings=FLASH_RESCALE_FACTOR)
+    return _memo(cache, "flash parts", (Q, K), (scale, causal, u, kernel),
+                 lambda: _compute_flash_parts(Q, K, scale, causal, u, kernel, cache))
+
+
+def _compute_flash_parts(Q, K, scale: float, causal: bool, u: float, kernel: Kernel,
+                         cache: Optional[HeadCache]):
+    S = _logits(Q, K, scale, causal, cache)
+    p, d, m, finite = _softmax(S, cache)
+    # eta_var = where(finite, scale²·var(QK), 0) + the exponent's own
+    eta_var = np.multiply(scale * scale, _qk_var(Q, K, u, kernel.flash_product_var, cache))
+    np.copyto(eta_var, 0.0, where=~finite)
+    eta_var += _exponent_var(d, finite, u, kernel, S, FLASH_LOGIT_ROUNDINGS)
+    l_var = _rowsum_rel_var(p, u, FLASH_RESCALE_FACTOR, cache)
     s_det = np.zeros(S.shape)
     if kernel.mma_passes:
         s_det = np.where(finite, scale * _mma_truncation_det(Q, K.T, u, kernel.mma_passes), 0.0)
@@ -322,15 +431,48 @@ def _mma_truncation_det(A: np.ndarray, B: np.ndarray, u: float, passes: int) -> 
     return passes * ULP_IN_U * u * total
 
 
+def _flash_output_var_det(src, scale: float, causal: bool, u: float, kernel: Kernel,
+                          cache: Optional[HeadCache]) -> Tuple[np.ndarray, np.ndarray]:
+    (V,) = _need(src, "flash_output", "V")
+    S, p, m, eta_var, l_var, s_det = _flash_parts(src, scale, causal, u, kernel, cache)
+    O = _pv(p, V, cache)
+    # P̃·V accumulated key by key (plus the tile rescales); the final division (and, on the
+    # GPU, the split-KV combine) adds FLASH_FINAL_ROUNDINGS roundings of O.
+    pv_var = FLASH_RESCALE_FACTOR * _pv_var(p, V, u, kernel.flash_product_var, cache)
+    var = (pv_var + _mixed_output_var(p, eta_var, V, O, cache) + O * O * l_var
+           + FLASH_FINAL_ROUNDINGS * ROUND_VAR * (u * O) ** 2)
+    # One-signed parts: a common scale error and tensor-core truncation of the logits move
+    # O by at most Σ_j p_j·|ΔS_j|·|v_j - O|; truncation in P̃·V adds its own.
+    w = p * s_det
+    if kernel.common_scale:
+        w = w + _common_scale_det(S, p, u)[0]
+    det = w @ np.abs(V) + np.abs(O) * w.sum(axis=1, keepdims=True)
+    if kernel.mma_passes:
+        det = det + _mma_truncation_det(p, V, u, kernel.mma_passes)
+    return var, det
+
+
+def _flash_lse_sums(src, scale: float, causal: bool, u: float, kernel: Kernel,
+                    cache: Optional[HeadCache]):
+    """The row sums of flash_lse's bound: Σ_j p_j²·var(η_j) and the one-signed part."""
+    S, p, m, eta_var, l_var, s_det = _flash_parts(src, scale, causal, u, kernel, cache)
+    eta_sum = _p2_eta(p, eta_var, cache).sum(axis=1, keepdims=True)
+    det = (p * s_det).sum(axis=1, keepdims=True)
+    if kernel.common_scale:
+        det = det + _common_scale_det(S, p, u)[1]
+    return m, eta_sum, l_var, det
+
+
 def _variance_and_det(stage: str, src, ref: np.ndarray, scale: float, causal: bool, u: float,
-                      kernel: Kernel) -> Tuple[np.ndarray, np.ndarray]:
+                      kernel: Kernel, cache: Optional[HeadCache] = None
+                      ) -> Tuple[np.ndarray, np.ndarray]:
     """(variance, deterministic part) of the error of one head of `stage`, isolated."""
     zero = np.zeros(ref.shape)
     if STAGES[stage].inputs == () or stage == "KT":
         return zero, zero  # echoes and the transpose copy bits: they must be exact
     if stage == "QK":
         Q, K = _need(src, stage, "Q", "K")
-        return dot_var(Q, K.T, u), zero
+        return _qk_var(Q, K, u, ROUND_VAR, cache), zero
     if stage == "QK_scaled":
         # One rounding of the product plus the float32 scale's own rounding (when the given scale
         # is the float64 1/√d_k rather than the value the binary used): ≤ 2u|ref|.
@@ -341,6 +483,7 @@ def _variance_and_det(stage: str, src, ref: np.ndarray, scale: float, causal: bo
         # The softmax reads the very float32 QK_scaled the isolated reference starts from, so the
         # input's rounding is not this stage's error (chained_bound propagates upstream errors),
         # and its float32 subtraction S - m is known exactly: its error replaces the u|d| model.
+        # (The binary's own QK_scaled: nothing else shares these, so they are not cached.)
         eta_var = _exponent_var(np.zeros(d.shape), finite, u, kernel)
         eta_var = eta_var + np.where(finite, _f32_subtraction_error(S, m, d, u) ** 2, 0.0)
         return _weights_var(p, eta_var, _rowsum_rel_var(p, u), u), zero
@@ -348,41 +491,31 @@ def _variance_and_det(stage: str, src, ref: np.ndarray, scale: float, causal: bo
         P, V = _need(src, stage, "attention_weights", "V")
         return dot_var(P, V, u), zero
     if stage == "flash_output":
-        (V,) = _need(src, stage, "V")
-        S, p, m, eta_var, l_var, s_det = _flash_parts(src, scale, causal, u, kernel)
-        O = p @ V
-        # P̃·V accumulated key by key (plus the tile rescales); the final division (and, on the
-        # GPU, the split-KV combine) adds FLASH_FINAL_ROUNDINGS roundings of O.
-        pv_var = FLASH_RESCALE_FACTOR * dot_var(p, V, u, kernel.flash_product_var)
-        var = (pv_var + _mixed_output_var(p, eta_var, V, O) + O * O * l_var
-               + FLASH_FINAL_ROUNDINGS * ROUND_VAR * (u * O) ** 2)
-        # One-signed parts: a common scale error and tensor-core truncation of the logits move
-        # O by at most Σ_j p_j·|ΔS_j|·|v_j - O|; truncation in P̃·V adds its own.
-        w = p * s_det
-        if kernel.common_scale:
-            w = w + _common_scale_det(S, p, u)[0]
-        det = w @ np.abs(V) + np.abs(O) * w.sum(axis=1, keepdims=True)
-        if kernel.mma_passes:
-            det = det + _mma_truncation_det(p, V, u, kernel.mma_passes)
-        return var, det
+        Q, K, V = _need(src, stage, "Q", "K", "V")
+        return _memo(cache, "flash_output var", (Q, K, V), (scale, causal, u, kernel),
+                     lambda: _flash_output_var_det(src, scale, causal, u, kernel, cache))
     if stage == "flash_lse":
-        S, p, m, eta_var, l_var, s_det = _flash_parts(src, scale, causal, u, kernel)
+        Q, K = _need(src, stage, "Q", "K")
+        m, eta_sum, l_var, det = _memo(
+            cache, "flash_lse sums", (Q, K), (scale, causal, u, kernel),
+            lambda: _flash_lse_sums(src, scale, causal, u, kernel, cache))
         # Δlse = Σ_j p_j η_j + Δl/l, then log (≤ LOG_ULPS ulp of log l) and the roundings of
         # values of lse's magnitude (m + log l; on the GPU the log2-domain conversions).
         log_l = ref - m
-        var = ((p * p * eta_var).sum(axis=1, keepdims=True) + l_var
+        var = (eta_sum + l_var
                + ROUND_VAR * u * u * ((LOG_ULPS * ULP_IN_U * log_l) ** 2
                                       + kernel.lse_roundings * (np.abs(m) + np.abs(ref)) ** 2 / 4))
-        det = (p * s_det).sum(axis=1, keepdims=True)
-        if kernel.common_scale:
-            det = det + _common_scale_det(S, p, u)[1]
         return var, det
     raise ToleranceError(f"no tolerance model for stage {stage!r}")
 
 
 def _finish(ref: np.ndarray, var: np.ndarray, det: np.ndarray) -> np.ndarray:
-    bound = LAMBDA * np.sqrt(var) + det + ABS_FLOOR
-    return np.where(np.isfinite(ref), bound, 0.0)
+    bound = np.sqrt(var)                       # LAMBDA·√var + det + floor, 0 where ref is ±inf
+    bound *= LAMBDA
+    bound += det
+    bound += ABS_FLOOR
+    np.copyto(bound, 0.0, where=~np.isfinite(ref))
+    return bound
 
 
 def _kernel(backend: Optional[str]) -> Kernel:
@@ -395,13 +528,15 @@ def _kernel(backend: Optional[str]) -> Kernel:
 
 
 def stage_bound(stage: str, src: Dict[str, np.ndarray], ref: np.ndarray, *, scale: float,
-                causal: bool, precision: str = "fp32", backend: Optional[str] = None) -> np.ndarray:
+                causal: bool, precision: str = "fp32", backend: Optional[str] = None,
+                cache: Optional[HeadCache] = None) -> np.ndarray:
     """Element-wise bound on |got - ref| for one head of `stage` computed from `src` (isolated).
 
     src holds the float64 values of the stage's inputs (verify.stages.STAGES[stage].inputs); the
     flash stages use Q, K (and V for flash_output). Q, K, V and KT get 0 (bit-exact copies);
     entries where ref is ±inf (masked) get 0 and must match exactly. backend (run.toml's
     `backend`, "cpu" or "cuda") picks the arithmetic assumed; None assumes the looser of both.
+    cache (a HeadCache for this head) shares the intermediate results of the head's bounds.
     """
     if stage not in STAGES:
         raise ToleranceError(f"unknown stage {stage!r}")
@@ -410,7 +545,7 @@ def stage_bound(stage: str, src: Dict[str, np.ndarray], ref: np.ndarray, *, scal
     ref = np.asarray(ref, dtype=np.float64)
     if STAGES[stage].inputs == () or stage == "KT":
         return np.zeros(ref.shape)
-    var, det = _variance_and_det(stage, src, ref, scale, causal, u, kernel)
+    var, det = _variance_and_det(stage, src, ref, scale, causal, u, kernel, cache)
     return _finish(ref, var, det)
 
 
@@ -418,39 +553,66 @@ def stage_bound(stage: str, src: Dict[str, np.ndarray], ref: np.ndarray, *, scal
 # Chained: the error accumulated along the stage path from the original inputs
 # ---------------------------------------------------------------------------------------------
 
+# The stages whose chained bound propagates upstream errors; every other stage's chained bound is
+# its isolated bound on the chain's sources (so equal sources give equal bounds).
+PROPAGATED_STAGES = ("QK_scaled", "attention_weights", "output")
+
+
 def chained_bound(stage: str, chain: Dict[str, np.ndarray], *, scale: float, causal: bool,
-                  precision: str = "fp32", backend: Optional[str] = None) -> np.ndarray:
+                  precision: str = "fp32", backend: Optional[str] = None,
+                  cache: Optional[HeadCache] = None) -> np.ndarray:
     """Bound on |got - chain[stage]| where chain holds the float64 reference chain from the
     original inputs (Q, K, V and every stage up to `stage`): each stage's own error plus the
     upstream errors propagated through it (QK's dot-product error through the scale and the
     softmax Jacobian, the softmax's errors through P·V with the normalization's cancellation).
-    stage_bound() alone would cry wolf here: QK's rounding reaches QK_scaled and beyond."""
+    stage_bound() alone would cry wolf here: QK's rounding reaches QK_scaled and beyond.
+    cache (a HeadCache for this head) shares the intermediate results of the head's bounds."""
     if stage not in STAGES:
         raise ToleranceError(f"unknown stage {stage!r}")
     u = unit_roundoff(precision)
     kernel = _kernel(backend)
-    if stage not in ("QK_scaled", "attention_weights", "output"):
+    if stage not in PROPAGATED_STAGES:
         src = {n: chain[n] for n in ("Q", "K", "V") if n in chain}
         src.update({n: chain[n] for n in STAGES[stage].inputs if n in chain})
         return stage_bound(stage, src, chain[stage], scale=scale, causal=causal,
-                           precision=precision, backend=backend)
+                           precision=precision, backend=backend, cache=cache)
     Q, K = _need(chain, stage, "Q", "K")
-    S = _scaled_logits(Q, K, scale, causal)
-    p, d, _, finite = _softmax_parts(S)
-    # Error of the binary's QK_scaled: QK's dot product, scaled, plus ≤ 2u|S| of its own.
-    s_var = np.where(finite, scale * scale * dot_var(Q, K.T, u), 0.0)
+    sources = (Q, K) if stage != "output" else (Q, K) + _need(chain, stage, "V")
+    return _memo(cache, "chained " + stage, sources, (scale, causal, u, kernel),
+                 lambda: _chained(stage, sources, scale, causal, u, kernel, cache))
+
+
+def _chained_logits(Q, K, scale: float, causal: bool, u: float, cache: Optional[HeadCache]):
+    """Logits, softmax parts, and the error of the binary's QK_scaled: QK's dot product, scaled
+    (variance), plus ≤ 2u|S| of its own (det)."""
+    S = _logits(Q, K, scale, causal, cache)
+    p, d, _, finite = _softmax(S, cache)
+    s_var = np.where(finite, scale * scale * _qk_var(Q, K, u, ROUND_VAR, cache), 0.0)
     s_det = np.where(finite, 2.0 * u * np.abs(np.where(finite, S, 0.0)), 0.0)
+    return S, p, d, finite, s_var, s_det
+
+
+def _chained(stage: str, sources, scale: float, causal: bool, u: float, kernel: Kernel,
+             cache: Optional[HeadCache]) -> np.ndarray:
+    Q, K = sources[:2]
+    S, p, d, finite, s_var, s_det = _memo(cache, "chained logits", (Q, K), (scale, causal, u),
+                                          lambda: _chained_logits(Q, K, scale, causal, u, cache))
     if stage == "QK_scaled":
         return _finish(S, s_var, s_det)
-    # The bounded part of the logit error enters the softmax as variance (at most its square).
-    eta_var = s_var + s_det ** 2 + _exponent_var(d, finite, u, kernel)
-    l_var = _rowsum_rel_var(p, u)
+
+    def eta() -> np.ndarray:
+        # The bounded part of the logit error enters the softmax as variance (at most its square).
+        return s_var + s_det ** 2 + _exponent_var(d, finite, u, kernel)
+
+    eta_var = _memo(cache, "chained eta", (Q, K), (scale, causal, u, kernel), eta)
+    l_var = _rowsum_rel_var(p, u, cache=cache)
     if stage == "attention_weights":
-        return _finish(S, _weights_var(p, eta_var, l_var, u), np.zeros(S.shape))
-    (V,) = _need(chain, stage, "V")
-    O = p @ V
+        return _finish(S, _weights_var(p, eta_var, l_var, u, cache), np.zeros(S.shape))
+    V = sources[2]
+    O = _pv(p, V, cache)
     final = SOFTMAX_FINAL_ROUNDINGS * ROUND_VAR * u * u * ((p * p) @ (V * V))
-    var = dot_var(p, V, u) + _mixed_output_var(p, eta_var, V, O) + O * O * l_var + final
+    var = (_pv_var(p, V, u, ROUND_VAR, cache) + _mixed_output_var(p, eta_var, V, O, cache)
+           + O * O * l_var + final)
     return _finish(O, var, np.zeros(O.shape))
 
 

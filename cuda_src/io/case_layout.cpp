@@ -7,8 +7,10 @@
 #include <map>
 #include <set>
 #include <system_error>
+#include <utility>
 #include <vector>
 
+#include "../backend.h"
 #include "../common.h"
 #include "manifest.h"
 
@@ -19,7 +21,6 @@ namespace attnstep {
 namespace {
 
 const Stage kInputs[] = {Stage::Q, Stage::K, Stage::V};
-constexpr int kMaxHeadDim = 256;  // verify/stages.py MAX_HEAD_DIM; shared memory bounds on the GPU
 const char* kManifestName = "manifest.toml";
 
 std::string join(const std::string& dir, const std::string& name) { return dir + "/" + name; }
@@ -36,7 +37,6 @@ const KeySpec kManifestKeys[] = {
     {"causal", KeyType::Bool}, {"scale", KeyType::Float}, {"format", KeyType::String},
     {"seed", KeyType::Int},   {"distribution", KeyType::String}, {"generator", KeyType::String},
 };
-const char* kDimKeys[] = {"batch", "heads", "seq_q", "seq_k", "d_k", "d_v"};
 
 std::string known_keys() {
     std::string s;
@@ -81,16 +81,17 @@ void check_manifest_keys(const Manifest& m) {
 
 void apply_manifest(const Manifest& m, InputCase* c) {
     check_manifest_keys(m);
-    int* dims[] = {&c->dims.batch, &c->dims.heads, &c->dims.N, &c->dims.M, &c->dims.dk, &c->dims.dv};
-    for (int i = 0; i < 6; ++i) {
-        const ManifestValue* v = m.find(kDimKeys[i]);
+    std::string all_dim_keys;
+    for (const DimKey& k : kDimKeys) all_dim_keys += (all_dim_keys.empty() ? "" : " ") + std::string(k.key);
+    for (const DimKey& k : kDimKeys) {
+        const ManifestValue* v = m.find(k.key);
         if (!v)
-            fail(kExitBadInput, m.path + ": missing key '" + std::string(kDimKeys[i]) + "'",
-                 "a manifest names all of batch heads seq_q seq_k d_k d_v");
+            fail(kExitBadInput, m.path + ": missing key '" + std::string(k.key) + "'",
+                 "a manifest names all of " + all_dim_keys);
         if (v->i < 1 || v->i > (1 << 24))
-            fail(kExitBadInput, m.where(kDimKeys[i]) + ": " + kDimKeys[i] + " = " +
-                                    std::to_string(v->i) + " is out of range (must be >= 1)");
-        *dims[i] = static_cast<int>(v->i);
+            fail(kExitBadInput, m.where(k.key) + ": " + k.key + " = " + std::to_string(v->i) +
+                                    " is out of range (must be >= 1)");
+        c->dims.*k.field = static_cast<int>(v->i);
     }
     for (const char* k : {"d_k", "d_v"})
         if (m.find(k)->i > kMaxHeadDim)
@@ -101,8 +102,8 @@ void apply_manifest(const Manifest& m, InputCase* c) {
     if (const ManifestValue* v = m.find("scale")) {
         c->has_scale = true;
         c->scale = v->f;
-        if (!std::isfinite(v->f) || v->f == 0)
-            fail(kExitBadInput, m.where("scale") + ": scale must be finite and non-zero");
+        if (!scale_fits_float32(v->f))
+            fail(kExitBadInput, m.where("scale") + ": scale = " + toml_float(v->f) + ": " + kScaleRangeWords);
     }
     if (const ManifestValue* v = m.find("format"))
         if (!parse_format(v->s, &c->format))
@@ -190,6 +191,18 @@ std::string shape_words(Stage s) {
     }
 }
 
+// Without a manifest the dimensions come from head 0's shapes, and a .npy may hold a 0 x n or
+// n x 0 array; every dimension must be >= 1 (no stage is computed for an empty matrix).
+void check_inferred_dims_positive(const InputCase& c, MatrixShape q, MatrixShape k, MatrixShape v) {
+    const std::pair<Stage, MatrixShape> shapes[] = {{Stage::Q, q}, {Stage::K, k}, {Stage::V, v}};
+    for (const auto& [s, got] : shapes)
+        if (got.rows < 1 || got.cols < 1)
+            fail(kExitBadInput, c.file(s, 0) + ": holds an empty " + std::to_string(got.rows) + " x " +
+                                    std::to_string(got.cols) + " array (" + shape_words(s) +
+                                    "); every dimension must be >= 1",
+                 "Q, K and V need at least one row and one column each");
+}
+
 }  // namespace
 
 std::string head_file_name(Stage s, int head, Format fmt) {
@@ -230,6 +243,7 @@ InputCase open_input_case(const std::string& dir_in) {
         c.dims.dk = q.cols;
         c.dims.M = k.rows;
         c.dims.dv = v.cols;
+        check_inferred_dims_positive(c, q, k, v);
         if (k.cols != q.cols)
             fail(kExitBadInput, c.file(Stage::K, 0) + ": rows hold " + std::to_string(k.cols) +
                                     " values but Q_head_0's hold " + std::to_string(q.cols) + " (d_k)",
