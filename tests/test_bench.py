@@ -180,7 +180,12 @@ def test_cli_bad_results_file_exits_2(tmp_path):
 
 
 def test_binary_bench_rejects_bad_options(binary):
-    """On any build: bad --bench options are exit 2 with one line naming the option."""
+    """Bad --bench options are exit 2 with one line naming the option (a CPU-only build refuses
+    --bench itself, also with exit 2)."""
+    stub = subprocess.run([str(binary), "--bench"], capture_output=True, text=True, timeout=60)
+    if "needs a CUDA build" in stub.stderr:
+        assert stub.returncode == 2
+        pytest.skip("a CPU-only build: --bench is refused before its options are read")
     for args, what in ((["--precision", "fp16"], "--precision"), (["--d", "0"], "--d"),
                        (["--bogus"], "--bogus"), (["--reps"], "--reps")):
         proc = subprocess.run([str(binary), "--bench", *args], capture_output=True, text=True, timeout=60)
@@ -204,3 +209,9 @@ def test_gpu_bench_tiny_shape_checks(binary, tmp_path, precision, causal):
     tol = 1e-4 if precision == "fp32" else 5e-3
     assert names["flash_fast"]["check"]["max_rel_err"] < tol
     assert data["ceilings"]["copy_gbps"] > 0 and data["ceilings"]["sgemm_tflops"] > 0
+
+
+def test_cli_checks_output_paths_before_running(tmp_path):
+    res = CliRunner().invoke(vb.bench, ["--shape", "1,1,8,8,16", "--json", str(tmp_path / "no" / "x.json"),
+                                        "--build-dir", str(tmp_path / "never-built")])
+    assert res.exit_code == 2 and "folder does not exist" in res.output

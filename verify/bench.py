@@ -23,6 +23,7 @@ from typing import Dict, Iterable, List, Optional, Sequence
 
 import click
 
+from .case import CaseError, atomic_write_bytes
 from .generate import DEFAULT_DIMS
 from .runner import DEFAULT_BUILD_DIR, RunnerError, ensure_built
 
@@ -46,6 +47,10 @@ MEMORY_STAGES = ("KT", "QK_scaled", "attention_weights")
 
 class BenchError(Exception):
     """A malformed result file or a failed run, worded for the user."""
+
+
+class BenchUnusable(BenchError):
+    """The binary refuses --bench itself (exit 2: no CUDA build or GPU, bad options): no shape can run."""
 
 
 class _UserError(click.ClickException):
@@ -156,8 +161,9 @@ def run_binary_bench(binary: Path, shape: Shape, precision: str, warmup: int, re
             raise BenchError(f"{shape.id} {precision}: the binary did not finish in {timeout:.0f} s")
         if not json_path.exists():
             lines = [ln for ln in (proc.stderr + proc.stdout).splitlines() if ln.strip()]
-            raise BenchError(f"{shape.id} {precision}: main --bench exited {proc.returncode}: "
-                             + (lines[0] if lines else "no output"))
+            error = BenchUnusable if proc.returncode == 2 else BenchError
+            raise error(f"{shape.id} {precision}: main --bench exited {proc.returncode}: "
+                        + (lines[0] if lines else "no output"))
         data = json.loads(json_path.read_text())
     return parse_binary_json(data, f"{shape.id} {precision}")
 
@@ -407,6 +413,8 @@ def collect(binary: Path, shapes: Iterable[Shape], precisions: Sequence[str], wa
             t0 = time.monotonic()
             try:
                 data = run_binary_bench(binary, shape, prec, warmup, r, check, only)
+            except BenchUnusable:
+                raise
             except BenchError as exc:  # one shape failing must not lose the others' numbers
                 runs.append({"shape": shape.id, "precision": prec, "error": str(exc)})
                 log(f"bench: {shape.id} {prec}: FAILED: {exc}")
@@ -468,13 +476,16 @@ def bench(build_dir, shape_specs, precision, warmup, reps, only, check, use_torc
         if from_json:
             results = load_results(from_json)
         else:
+            for path in (json_path, plot_path):  # before minutes of GPU work, not after
+                if path is not None and not path.resolve().parent.is_dir():
+                    raise BenchError(f"{path}: its folder does not exist")
             shapes = [parse_shape(s) for s in shape_specs] or default_shapes()
             binary = ensure_built(build_dir)
             precisions = PRECISIONS if precision == "both" else (precision,)
             results = collect(binary, shapes, precisions, warmup, reps, check, use_torch, only,
                               log=lambda m: click.echo(m, err=True))
             if json_path:
-                json_path.write_text(json.dumps(results, indent=1) + "\n")
+                atomic_write_bytes(json_path, (json.dumps(results, indent=1) + "\n").encode())
         rows = rows_from_results(results)
         click.echo(f"device: {results.get('device', '?')}  date: {results.get('date', '?')}  "
                    f"torch: {results.get('torch') or 'not timed'}")
@@ -488,7 +499,7 @@ def bench(build_dir, shape_specs, precision, warmup, reps, only, check, use_torc
                 click.echo("  " + line)
         if plot_path:
             write_plot(rows, plot_path, f"attnstep bench on {results.get('device', '?')}")
-    except (BenchError, RunnerError) as exc:
+    except (BenchError, RunnerError, CaseError) as exc:
         raise _UserError(str(exc)) from None
     failed = [r for r in rows if "FAIL" in r.note]
     crashed = [r for r in rows if r.status.startswith("failed:")]
