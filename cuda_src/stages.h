@@ -20,9 +20,10 @@ struct Dims {
 
 // The manifest key of each Dims field (input manifest.toml and run.toml; verify/stages.py
 // DIM_KEYS), in the order both manifests list them.
+using DimField = int Dims::*;  // an alias: nvcc's front end warns on the spelled-out member pointer
 struct DimKey {
     const char* key;
-    int Dims::*field;
+    DimField field;
 };
 inline constexpr DimKey kDimKeys[] = {
     {"batch", &Dims::batch}, {"heads", &Dims::heads}, {"seq_q", &Dims::N},
