@@ -186,3 +186,12 @@ def test_binary_option_takes_relative_paths(runner, tmp_path, binary, monkeypatc
     monkeypatch.chdir(tmp_path)
     res = runner.invoke(cli, ["run", "--in", "in", "--out", "out", "--backend", "cpu", "--binary", "bin/main"])
     assert res.exit_code == 0, res.output
+
+
+def test_check_notes_a_run_that_ignored_the_input_manifest(runner, good_run, tmp_path):
+    in_dir, out_dir = good_run
+    manifest = in_dir / "manifest.toml"
+    manifest.write_text(manifest.read_text().replace("causal = false", "causal = true"))
+    res = runner.invoke(cli, ["check", "--in", str(in_dir), "--out", str(out_dir), "--json", str(tmp_path / "r.json")])
+    assert "run.toml says causal = false but the input case says causal = true" in res.output
+    assert json.loads((tmp_path / "r.json").read_text())["input_disagreements"]

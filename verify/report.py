@@ -7,8 +7,11 @@ from pathlib import Path
 from typing import List, Optional
 from xml.sax.saxutils import escape, quoteattr
 
+import numpy as np
+
 from .case import CaseError, atomic_write_bytes
 from .compare import FAIL, INHERITED, PASS, Comparison, HeadResult, Report
+from .stages import default_scale
 
 MAX_DETAILED_FAILURES = 8
 
@@ -101,8 +104,23 @@ def failure_lines(report: Report) -> List[str]:
     return lines
 
 
+def input_disagreements(report: Report) -> List[str]:
+    """Where run.toml's causal/scale differ from what the input case asks for. Legitimate with the
+    binary's --causal/--scale overrides, a bug in a binary that ignores the manifest: said, and
+    the stages are checked against what run.toml says was computed."""
+    v, case = report.run.values, report.case
+    out = []
+    if bool(v["causal"]) != case.causal:
+        out.append(f"run.toml says causal = {str(bool(v['causal'])).lower()} but the input case says "
+                   f"causal = {str(case.causal).lower()}")
+    asked = case.scale if case.scale is not None else default_scale(case.dims.d_k)
+    if np.float32(asked) != np.float32(v["scale"]):
+        out.append(f"run.toml says scale = {float(v['scale']):.9g} but the input case asks for {asked:.9g}")
+    return out
+
+
 def summary_lines(report: Report) -> List[str]:
-    lines = []
+    lines = [f"note: {d}; stages are checked against run.toml" for d in input_disagreements(report)]
     if report.foreign_files:
         lines.append(f"note: {len(report.foreign_files)} stage files in {report.run.path} are not "
                      f"from run {report.run.run_id} and were ignored (e.g. {report.foreign_files[0]})")
@@ -153,7 +171,8 @@ def to_json(report: Report) -> dict:
         "precision": v.get("precision"), "causal": bool(v["causal"]), "scale": float(v["scale"]),
         "dims": {k: getattr(d, k) for k in ("batch", "heads", "seq_q", "seq_k", "d_k", "d_v")},
         "stages": stages, "results": [r.to_json() for r in report.results],
-        "foreign_files": report.foreign_files, "timings_ms": report.run.timings()})
+        "foreign_files": report.foreign_files, "input_disagreements": input_disagreements(report),
+        "timings_ms": report.run.timings()})
 
 
 def write_json(report: Report, path: Path) -> None:
@@ -189,7 +208,6 @@ def write_plots(report: Report, folder: Path, error_map) -> List[Path]:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-        import numpy as np
     except ImportError:
         raise CaseError("--plot needs matplotlib: pip install 'attnstep[plot]' (or pip install matplotlib)")
     folder = Path(folder)
