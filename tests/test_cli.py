@@ -195,3 +195,13 @@ def test_check_notes_a_run_that_ignored_the_input_manifest(runner, good_run, tmp
     res = runner.invoke(cli, ["check", "--in", str(in_dir), "--out", str(out_dir), "--json", str(tmp_path / "r.json")])
     assert "run.toml says causal = false but the input case says causal = true" in res.output
     assert json.loads((tmp_path / "r.json").read_text())["input_disagreements"]
+
+
+def test_check_of_a_stage_the_run_did_not_write_is_an_error(runner, tmp_path, binary):
+    runner.invoke(cli, ["generate", "--out", str(tmp_path / "in"), *SMALL])
+    res = runner.invoke(cli, ["run", "--in", str(tmp_path / "in"), "--out", str(tmp_path / "out"),
+                              "--backend", "cpu", "--binary", str(binary), "--stages", "QK"])
+    assert res.exit_code == 0, res.output
+    line = _one_line_error(runner.invoke(cli, ["check", "--in", str(tmp_path / "in"), "--out",
+                                               str(tmp_path / "out"), "--stage", "output"]))
+    assert "--stage output" in line and "did not write it" in line

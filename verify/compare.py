@@ -23,7 +23,7 @@ from . import invariants, tolerance
 from .case import (CaseError, InputCase, RunInfo, crc32_hex, foreign_stage_files, load_input_case,
                    load_run, parse_matrix, read_bytes, text_header_fields)
 from .reference import compute_stage, reference_chain
-from .stages import DIM_KEYS, STAGES, Dims
+from .stages import DIM_KEYS, INPUT_NAMES, RUN_MANIFEST, STAGES, Dims
 
 # Statuses of one stage × head; only PASS passes.
 PASS, FAIL, INHERITED = "PASS", "FAIL", "INHERITED"
@@ -299,7 +299,7 @@ def check_head(run: RunInfo, case: InputCase, head: int, opts: Options,
                ref_of_head: Callable[[str, int], np.ndarray]) -> List[HeadResult]:
     dims = run.dims
     scale, causal = float(run.values["scale"]), bool(run.values["causal"])
-    inputs = {name: case.load(name, head).astype(np.float64) for name in ("Q", "K", "V")}
+    inputs = {name: case.load(name, head).astype(np.float64) for name in INPUT_NAMES}
     stages = [s for s in STAGES if s in run.stages and (opts.only_stages is None or s in opts.only_stages)]
     chain = {**inputs, **reference_chain(inputs, scale, causal, stages)}
     b, h = dims.decode_head(head)
@@ -368,17 +368,23 @@ def check(in_dir: Path, out_dir: Path, opts: Optional[Options] = None,
     case = load_input_case(in_dir)
     for key in DIM_KEYS:
         if getattr(case.dims, key) != getattr(run.dims, key):
-            raise CaseError(f"{Path(out_dir) / 'run.toml'}: {key} = {getattr(run.dims, key)} but the input "
+            raise CaseError(f"{Path(out_dir) / RUN_MANIFEST}: {key} = {getattr(run.dims, key)} but the input "
                             f"case {in_dir} has {key} = {getattr(case.dims, key)}; HINT: the output was "
                             "computed from another input case: run the binary again")
     if opts.only_stages:
         unknown = [s for s in opts.only_stages if s not in STAGES]
         if unknown:
             raise CaseError(f"unknown stage '{unknown[0]}'; stages are: {', '.join(STAGES)}")
+        absent = [s for s in opts.only_stages if s not in run.stages]
+        if absent:
+            raise CaseError(f"--stage {absent[0]}: run {run.run_id} did not write it (it wrote "
+                            f"{', '.join(run.stages)}); nothing would be checked")
+    if not run.stages:
+        raise CaseError(f"{Path(out_dir) / RUN_MANIFEST}: 'stages' is empty: nothing to check")
 
     @functools.lru_cache(maxsize=8)
     def head_chain(head: int):
-        inputs = {n: case.load(n, head) for n in ("Q", "K", "V")}
+        inputs = {n: case.load(n, head) for n in INPUT_NAMES}
         return reference_chain(inputs, float(run.values["scale"]), bool(run.values["causal"]), run.stages)
 
     def ref_of_head(stage: str, head: int) -> np.ndarray:
@@ -397,7 +403,7 @@ def error_ratio_map(run: RunInfo, case: InputCase, stage: str, head: int,
     """|got - want| / allowed of one stage × head against its isolated reference (for plots)."""
     opts = opts or Options()
     scale, causal = float(run.values["scale"]), bool(run.values["causal"])
-    inputs = {n: case.load(n, head).astype(np.float64) for n in ("Q", "K", "V")}
+    inputs = {n: case.load(n, head).astype(np.float64) for n in INPUT_NAMES}
     got, _, msg = _load_output(run, stage, head, run.dims)
     if got is None:
         raise CaseError(msg)

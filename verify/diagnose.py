@@ -19,7 +19,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Tuple
 import numpy as np
 
 from .reference import causal_mask, compute_stage, log_sum_exp_rows, softmax_rows
-from .stages import STAGES
+from .stages import INPUT_NAMES, STAGES
 
 # A candidate explains got when every element is within MATCH_WIDTHS tolerance widths of it (the
 # candidate is float64, got carries its own rounding), and it is a real alternative when it
@@ -97,7 +97,7 @@ def _nonfinite(stage, got, want, ctx, width) -> List[Diagnosis]:
     first = tuple(int(i) for i in np.argwhere(bad)[0])
     n_nan, n_inf = int(np.isnan(got).sum()), int((np.isinf(got) & bad).sum())
     return [Diagnosis("nonfinite", f"{stage} has {n_nan} NaN and {n_inf} Inf where the reference is "
-                      f"finite; first at {_loc(first)} = {got[first]!r}",
+                      f"finite; first at {_loc(first)} = {float(got[first])}",
                       {"nan": n_nan, "inf": n_inf, "count": int(bad.sum()), "first": list(first)}, 0.95)]
 
 
@@ -168,7 +168,7 @@ def _layout(stage, got, want, ctx, width) -> List[Diagnosis]:
     scale, causal = float(ctx.get("scale", 1.0)), bool(ctx.get("causal", False))
     if not found and src and stage not in ("Q", "K", "V", "KT"):
         for name, x in src.items():
-            if name not in STAGES[stage].inputs and not (STAGES[stage].flash and name in ("Q", "K", "V")):
+            if name not in STAGES[stage].inputs and not (STAGES[stage].flash and name in INPUT_NAMES):
                 continue
             for how, x2 in _operand_variants(np.asarray(x, dtype=np.float64)):
                 try:
@@ -348,7 +348,7 @@ def _mask(stage, got, want, ctx, width) -> List[Diagnosis]:
         return []
     # Flash stages: recompute with the candidate masks.
     src = ctx.get("src") or {}
-    if not all(n in src for n in ("Q", "K", "V")) and stage == "flash_output":
+    if not all(n in src for n in INPUT_NAMES) and stage == "flash_output":
         return []
     if not all(n in src for n in ("Q", "K")):
         return []

@@ -21,6 +21,7 @@ import numpy as np
 
 from . import tolerance
 from .reference import causal_mask, log_sum_exp_rows
+from .stages import INPUT_NAMES
 
 # Violation codes: the ones that describe the same fault as a diagnosis share its code.
 NONFINITE = "nonfinite"
@@ -72,7 +73,7 @@ def _nonfinite(stage: str, got: np.ndarray, allowed_neg_inf: np.ndarray) -> Opti
         return None
     where = _first(bad)
     return Violation(NONFINITE, f"{stage}: {int(nan.sum())} NaN and {int(inf.sum())} Inf where none "
-                     f"is allowed; first at {_at(where)} = {got[where]!r}", int(bad.sum()), where)
+                     f"is allowed; first at {_at(where)} = {float(got[where])}", int(bad.sum()), where)
 
 
 def _softmax_checks(got: np.ndarray, ctx: dict) -> List[Violation]:
@@ -107,8 +108,8 @@ def _softmax_checks(got: np.ndarray, ctx: dict) -> List[Violation]:
 
 def _flash_src(ctx: dict) -> Optional[Dict[str, np.ndarray]]:
     inputs = ctx.get("inputs")
-    if inputs is not None and all(n in inputs for n in ("Q", "K", "V")):
-        return {n: np.asarray(inputs[n], dtype=np.float64) for n in ("Q", "K", "V")}
+    if inputs is not None and all(n in inputs for n in INPUT_NAMES):
+        return {n: np.asarray(inputs[n], dtype=np.float64) for n in INPUT_NAMES}
     parts = {"Q": ctx.get("Q_got"), "K": ctx.get("K_got"), "V": ctx.get("V_got")}
     if all(x is not None for x in parts.values()):
         return {n: np.asarray(x, dtype=np.float64) for n, x in parts.items()}
@@ -188,7 +189,7 @@ def check_invariants(stage: str, got: np.ndarray, ctx: dict) -> List[Violation]:
     out: List[Violation] = []
     neg_inf_ok = _masked(got.shape, causal) if stage == "QK_scaled" else np.zeros(got.shape, bool)
 
-    if stage in ("Q", "K", "V"):
+    if stage in INPUT_NAMES:
         want = ctx.get("input")
         if want is not None:
             want = np.asarray(want, dtype=np.float64)

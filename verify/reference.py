@@ -60,7 +60,10 @@ assert set(_COMPUTE) == set(STAGES), "reference.py must cover every stage of ver
 def compute_stage(name: str, src: Dict[str, np.ndarray], scale: float, causal: bool) -> np.ndarray:
     """float64 reference of stage `name` from its inputs `src` (float64 or float32 arrays)."""
     src64 = {k: np.asarray(v, dtype=np.float64) for k, v in src.items()}
-    return np.ascontiguousarray(_COMPUTE[name](src64, scale, causal))
+    # A faulty binary's upstream may hold NaN/Inf: the reference then holds them too, quietly;
+    # the comparison reports them.
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        return np.ascontiguousarray(_COMPUTE[name](src64, scale, causal))
 
 
 def reference_chain(inputs: Dict[str, np.ndarray], scale: float, causal: bool,

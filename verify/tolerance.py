@@ -23,7 +23,7 @@ from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .stages import STAGES
+from .stages import INPUT_NAMES, STAGES
 
 UNIT_ROUNDOFF = {"fp32": 2.0**-24, "tf32": 2.0**-11, "bf16": 2.0**-8}
 
@@ -572,7 +572,7 @@ def chained_bound(stage: str, chain: Dict[str, np.ndarray], *, scale: float, cau
     u = unit_roundoff(precision)
     kernel = _kernel(backend)
     if stage not in PROPAGATED_STAGES:
-        src = {n: chain[n] for n in ("Q", "K", "V") if n in chain}
+        src = {n: chain[n] for n in INPUT_NAMES if n in chain}
         src.update({n: chain[n] for n in STAGES[stage].inputs if n in chain})
         return stage_bound(stage, src, chain[stage], scale=scale, causal=causal,
                            precision=precision, backend=backend, cache=cache)
