@@ -335,29 +335,34 @@ def check_head(run: RunInfo, case: InputCase, head: int, opts: Options,
             allowed_iso = _allowed(stage, src_iso, want_iso, run, opts, cache=cache)
             res.isolated = compare_arrays(mat, want_iso, allowed_iso)
         ctx = {"dims": dims, "scale": scale, "causal": causal, "precision": run.values["precision"],
-               "backend": run.values["backend"], "inputs": inputs, "input": inputs.get(stage), "K_got": got.get("K", inputs["K"]),
-               "output_got": got.get("output"), "QK_scaled_got": got.get("QK_scaled"),
-               "chain": chain, "tolerance_cache": cache}
+               "backend": run.values["backend"], "inputs": inputs, "input": inputs.get(stage),
+               "K_got": got.get("K", inputs["K"]), "output_got": got.get("output"),
+               "QK_scaled_got": got.get("QK_scaled"), "chain": chain, "tolerance_cache": cache}
         res.violations = invariants.check_invariants(stage, mat, ctx)
         res.notes = _blamed_elsewhere(res.violations, results)
         res.violations = [v for v in res.violations if v not in res.notes]
-        upstream_failed = [u for u in _upstream(stage) if u in results and not results[u].passed]
-        if not res.isolated.passed or res.violations:
-            res.status = FAIL
-        elif not res.chained.passed:
-            res.status = INHERITED if upstream_failed else FAIL
-            res.message = (f"inherits the error of {upstream_failed[0]}" if upstream_failed else
-                           "fails against the reference chain only: error accumulated upstream")
+        _classify(res, results)
         if res.status == FAIL:
-            bound = allowed_iso
             res.diagnosis = diag.diagnose(stage, mat, want_iso, {
                 "dims": dims, "scale": scale, "causal": causal, "head": head, "src": src_iso,
                 "ref_of_head": functools.partial(ref_of_head, stage), "flash_tiles": run.flash_tiles,
-                "bound": bound})
+                "bound": allowed_iso})
             for v in res.violations:
                 if not any(d.code == v.code for d in res.diagnosis):
                     res.diagnosis.append(diag.Diagnosis(v.code, v.message, {"count": v.count}))
     return list(results.values())
+
+
+def _classify(res: HeadResult, results: Dict[str, HeadResult]) -> None:
+    """FAIL when the stage fails on its own (isolated, or a reference-free check); INHERITED when
+    it fails only chained, downstream of a failing stage."""
+    upstream_failed = [u for u in _upstream(res.stage) if u in results and not results[u].passed]
+    if not res.isolated.passed or res.violations:
+        res.status = FAIL
+    elif not res.chained.passed:
+        res.status = INHERITED if upstream_failed else FAIL
+        res.message = (f"inherits the error of {upstream_failed[0]}" if upstream_failed else
+                       "fails against the reference chain only: error accumulated upstream")
 
 
 def check(in_dir: Path, out_dir: Path, opts: Optional[Options] = None,
