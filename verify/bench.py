@@ -26,8 +26,8 @@ import click
 from .case import CaseError, atomic_write_bytes
 from .generate import DEFAULT_DIMS
 from .runner import DEFAULT_BUILD_DIR, RunnerError, ensure_built
+from .stages import PRECISIONS
 
-PRECISIONS = ("fp32", "tf32")
 FLASH_KERNELS = ("flash", "flash_fast")
 SDPA = "sdpa"
 RESULTS_FORMAT = 1

@@ -19,10 +19,10 @@ from .compare import Options, check as run_check, error_ratio_map
 from .generate import DEFAULT_DIMS, DISTRIBUTIONS, generate_case
 from .report import failure_lines, header_lines, summary_lines, table_lines, write_json, write_junit, write_plots
 from .runner import DEFAULT_BUILD_DIR, DEFAULT_RUN_TIMEOUT_S, RunnerError, ensure_built, run_binary
-from .stages import DEFAULT_INPUT_DIR, DEFAULT_OUTPUT_DIR, FORMATS, STAGE_NAMES, Dims
+from .stages import (DATA_DIR, DEFAULT_CASE, DEFAULT_INPUT_DIR, DEFAULT_OUTPUT_DIR, DEFAULT_RESULT, FORMATS,
+                     PRECISIONS, STAGE_NAMES, Dims)
 
 BACKENDS = ("auto", "cuda", "cpu")
-PRECISIONS = ("fp32", "tf32")
 # Work (N·M·heads) above which `check` shows a progress bar.
 PROGRESS_MIN_WORK = 1 << 24
 
@@ -271,7 +271,7 @@ def check(ctx, in_dir, out_dir, json_path, junit_path, plot_dir, atol, rtol, tol
 
 
 @cli.command()
-@click.option("--data-dir", type=click.Path(file_okay=False, path_type=Path), default=Path("data"),
+@click.option("--data-dir", type=click.Path(file_okay=False, path_type=Path), default=Path(DATA_DIR),
               show_default=True, help="Where random_test/ and random_verify/ go.")
 @backend_option
 @build_option
@@ -287,7 +287,7 @@ def demo(ctx, data_dir, backend, build_dir, binary, timeout, json_path, seed):
     The original workflow in one command: 12 heads, N = M = 128, d = 64, uniform inputs, into
     DATA_DIR/random_test and DATA_DIR/random_verify.
     """
-    in_dir, out_dir = data_dir / "random_test", data_dir / "random_verify"
+    in_dir, out_dir = data_dir / DEFAULT_CASE, data_dir / DEFAULT_RESULT
     click.echo(f"[1/4] using {binary}" if binary else f"[1/4] building the binary in {build_dir}")
     binary = binary or ensure_built(build_dir)
     click.echo(f"[2/4] generating {in_dir}")

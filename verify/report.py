@@ -11,7 +11,7 @@ import numpy as np
 
 from .case import CaseError, atomic_write_bytes
 from .compare import FAIL, INHERITED, PASS, Comparison, HeadResult, Report
-from .stages import default_scale
+from .stages import default_scale, stage_file
 
 MAX_DETAILED_FAILURES = 8
 
@@ -239,7 +239,7 @@ def write_plots(report: Report, folder: Path, error_map) -> List[Path]:
         axes[1].set_ylabel("query tile")
         fig.colorbar(im2, ax=axes[1])
         fig.tight_layout()
-        path = folder / f"{r.stage}_head_{r.head}.png"
+        path = folder / stage_file(r.stage, r.head, "png")
         fig.savefig(path, dpi=90)
         plt.close(fig)
         written.append(path)

@@ -18,8 +18,11 @@ MAX_DIM = 2**31 - 1             # the binary holds dimensions in 32-bit ints
 INPUT_MANIFEST = "manifest.toml"
 RUN_MANIFEST = "run.toml"
 FORMATS = ("txt", "npy")
-DEFAULT_INPUT_DIR = "data/random_test"
-DEFAULT_OUTPUT_DIR = "data/random_verify"
+DATA_DIR = "data"
+DEFAULT_CASE = "random_test"     # the original workflow's names
+DEFAULT_RESULT = "random_verify"
+DEFAULT_INPUT_DIR = f"{DATA_DIR}/{DEFAULT_CASE}"
+DEFAULT_OUTPUT_DIR = f"{DATA_DIR}/{DEFAULT_RESULT}"
 
 
 @dataclass(frozen=True)
