@@ -185,6 +185,11 @@ def _scale_nan(d):
     p.write_text(p.read_text() + "scale = nan\n")
 
 
+def _control_char_in_comment(d):
+    p = d / "manifest.toml"
+    p.write_bytes(b"# a note\x00 with a NUL\n" + p.read_bytes())
+
+
 # (id, mutation, file named in the message, its 1-based line or None for file-level errors, words)
 REJECTIONS = [
     ("truncated", _truncated, "Q_head_1.txt", 5, "ends after 4 rows"),
@@ -207,6 +212,7 @@ REJECTIONS = [
     ("scale-inf-as-float32", _scale_overflows_float32, "manifest.toml", 8, "float32 value must be finite"),
     ("scale-zero-as-float32", _scale_underflows_float32, "manifest.toml", 8, "float32 value must be finite"),
     ("scale-nan", _scale_nan, "manifest.toml", 8, "scale = nan"),
+    ("manifest-control-char", _control_char_in_comment, "manifest.toml", 1, "byte 0x00"),
 ]
 
 

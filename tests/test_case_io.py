@@ -177,3 +177,12 @@ def test_interrupted_generate_leaves_the_earlier_case_whole(tmp_path, monkeypatc
     with pytest.raises(CaseError, match="disk full"):
         generate_case(tmp_path, Dims(1, 2, 5, 5, 2, 2), seed=2)
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before  # untouched, no staging left
+
+
+@pytest.mark.parametrize("junk", [b"\x00", b"\xc3\xa9", b"\x1b"], ids=["nul", "utf8", "escape"])
+def test_manifest_is_ascii_text(tmp_path, junk):
+    generate_case(tmp_path, Dims(1, 1, 2, 2, 2, 2))
+    manifest = tmp_path / "manifest.toml"
+    manifest.write_bytes(b"# note " + junk + b"\n" + manifest.read_bytes())
+    with pytest.raises(CaseError, match=r"manifest.toml:1:8: byte 0x.. in the manifest"):
+        load_input_case(tmp_path)

@@ -278,8 +278,14 @@ def check_scale(scale, where: str) -> float:
 
 def read_toml(path: Path) -> dict:
     data = read_bytes(path)
+    # ASCII without control characters (tabs and line ends aside), as the binary's reader.
+    bad = re.search(rb"[^\t\n\r\x20-\x7e]|\r(?!\n|\Z)", data)
+    if bad:
+        line = data.count(b"\n", 0, bad.start()) + 1
+        col = bad.start() - (data.rfind(b"\n", 0, bad.start()) + 1) + 1
+        raise CaseError(f"{path}:{line}:{col}: byte 0x{data[bad.start()]:02X} in the manifest (ASCII text only)")
     try:
-        return tomllib.loads(data.decode("utf-8"))
+        return tomllib.loads(data.decode("ascii"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise CaseError(f"{path}: not a valid manifest ({exc})") from None
 

@@ -106,6 +106,17 @@ Manifest read_manifest(const std::string& path) {
     while (std::getline(in, text)) {
         ++line;
         if (!text.empty() && text.back() == '\r') text.pop_back();
+        // The manifest is ASCII without control characters (tabs aside), comments included: the
+        // verifier's TOML reader refuses them, and the two readers must agree on what is valid.
+        for (size_t i = 0; i < text.size(); ++i) {
+            unsigned char c = static_cast<unsigned char>(text[i]);
+            if ((c < 0x20 && c != '\t') || c >= 0x7F) {
+                char code[8];
+                std::snprintf(code, sizeof code, "0x%02X", c);
+                fail(kExitBadInput, at(path, line, static_cast<int>(i) + 1) + ": byte " + code +
+                                        " in the manifest (ASCII text only)", kSyntaxHint);
+            }
+        }
         size_t p = 0;
         while (p < text.size() && (text[p] == ' ' || text[p] == '\t')) ++p;
         if (p >= text.size() || text[p] == '#') continue;
