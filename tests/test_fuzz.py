@@ -3,6 +3,7 @@ binary and the verifier either accept valid data or fail cleanly: a non-zero exi
 message, never a signal, never a traceback, never exit 0 on corrupt data."""
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -18,7 +19,10 @@ from verify.runner import run_binary  # noqa: E402
 from verify.stages import Dims  # noqa: E402
 
 DIMS = Dims(batch=1, heads=2, seq_q=5, seq_k=7, d_k=16, d_v=16)
-FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+# CI runs 60 examples per test; ATTNSTEP_FUZZ_EXAMPLES=400 makes a longer local sweep.
+FUZZ_EXAMPLES = int(os.environ.get("ATTNSTEP_FUZZ_EXAMPLES", "60"))
+FUZZ = settings(max_examples=FUZZ_EXAMPLES, deadline=None,
+                suppress_health_check=[HealthCheck.function_scoped_fixture])
 TOKENS = [b"nan", b"inf", b"-inf", b"1e999", b"0x1p3", b"abc", b"1,5", b"--1", b"1e", b"", b" ", b"\t",
           b"\n", b"\x00", b"\xff", b"#", b"1.0.0", b"+-2", b"1_0", b"\r\n", b"9" * 400]
 
