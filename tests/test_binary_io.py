@@ -140,49 +140,24 @@ def _beyond_manifest(d):
         shutil.copy(d / f"{name}_head_0.txt", d / f"{name}_head_2.txt")
 
 
-def _manifest_mismatch(d):
-    p = d / "manifest.toml"
-    p.write_text(p.read_text().replace("seq_q = 5", "seq_q = 6"))
+def _manifest_edit(old=None, new="", append=None):
+    """A manifest mutation: replace `old` by `new`, or append the line `append`."""
+    def mutate(d):
+        p = d / "manifest.toml"
+        text = p.read_text()
+        p.write_text(text + append + "\n" if append else text.replace(old, new))
+    return mutate
 
 
-def _unknown_key(d):
-    p = d / "manifest.toml"
-    p.write_text(p.read_text() + "colour = 3\n")
-
-
-def _bad_type(d):
-    p = d / "manifest.toml"
-    p.write_text(p.read_text() + "causal = 1\n")
-
-
-def _zero_dim(d):
-    p = d / "manifest.toml"
-    p.write_text(p.read_text().replace("heads = 2", "heads = 0"))
-
-
-def _negative_dim(d):
-    p = d / "manifest.toml"
-    p.write_text(p.read_text().replace("seq_k = 7", "seq_k = -7"))
-
-
-def _dk_too_big(d):
-    p = d / "manifest.toml"
-    p.write_text(p.read_text().replace("d_k = 16", "d_k = 300"))
-
-
-def _scale_overflows_float32(d):
-    p = d / "manifest.toml"
-    p.write_text(p.read_text() + "scale = 1e39\n")
-
-
-def _scale_underflows_float32(d):
-    p = d / "manifest.toml"
-    p.write_text(p.read_text() + "scale = 1e-50\n")
-
-
-def _scale_nan(d):
-    p = d / "manifest.toml"
-    p.write_text(p.read_text() + "scale = nan\n")
+_manifest_mismatch = _manifest_edit("seq_q = 5", "seq_q = 6")
+_unknown_key = _manifest_edit(append="colour = 3")
+_bad_type = _manifest_edit(append="causal = 1")
+_zero_dim = _manifest_edit("heads = 2", "heads = 0")
+_negative_dim = _manifest_edit("seq_k = 7", "seq_k = -7")
+_dk_too_big = _manifest_edit("d_k = 16", "d_k = 300")
+_scale_overflows_float32 = _manifest_edit(append="scale = 1e39")
+_scale_underflows_float32 = _manifest_edit(append="scale = 1e-50")
+_scale_nan = _manifest_edit(append="scale = nan")
 
 
 def _control_char_in_comment(d):
