@@ -15,9 +15,11 @@ namespace attnstep {
 enum class Precision { fp32, tf32 };
 inline const char* precision_name(Precision p) { return p == Precision::tf32 ? "tf32" : "fp32"; }
 
-// Which FlashAttention kernel the CUDA backend runs: `fast` (tensor cores, cuda/flash_fast.cu)
-// where it has a variant, else `clean` (cuda/flash_fwd.cu); forcing one lets users verify both.
-enum class FlashKernel { automatic, fast, clean };
+// Which FlashAttention kernel the CUDA backend runs: `wgmma` (Hopper, cuda/sm90a/flash_wgmma.cu),
+// `fast` (mma.sync tensor cores, cuda/flash_fast.cu), `clean` (plain FP32, cuda/flash_fwd.cu).
+// `automatic` takes the fastest that has a variant for the problem and the GPU; forcing one lets
+// users verify each.
+enum class FlashKernel { automatic, wgmma, fast, clean };
 
 struct Problem {
     Dims dims;

@@ -54,7 +54,7 @@ void print_usage(FILE* to) {
     std::fprintf(to,
         "usage: main [CASE] [--in DIR] [--out DIR] [--backend auto|cuda|cpu] [--causal]\n"
         "            [--scale S] [--stages LIST] [--format txt|npy] [--precision fp32|tf32]\n"
-        "            [--poison] [--flash-kernel auto|fast|clean] [--allow-nonfinite] [--max-memory-mb MB]\n"
+        "            [--poison] [--flash-kernel auto|wgmma|fast|clean] [--allow-nonfinite] [--max-memory-mb MB]\n"
         "       main --bench ...   (benchmarks; CUDA builds only)\n"
         "\n"
         "Computes attention one stage at a time and writes every stage per head (docs/contract.md).\n"
@@ -69,8 +69,9 @@ void print_usage(FILE* to) {
         "  --format F         output format txt|npy (default: the input's)\n"
         "  --precision P      fp32 | tf32 (GEMM operands rounded to TF32)\n"
         "  --poison           pre-fill outputs with NaN so unwritten elements show\n"
-        "  --flash-kernel K   auto | fast | clean: the CUDA flash kernel (auto: fast where it has a\n"
-        "                     variant for d, else clean)\n"
+        "  --flash-kernel K   auto | wgmma | fast | clean: the CUDA flash kernel. wgmma: Hopper, d 64/128;\n"
+        "                     fast: mma.sync tensor cores, d 16-128; clean: plain FP32. auto: the\n"
+        "                     fastest with a variant for d on this GPU (wgmma only for fp32 d 64)\n"
         "  --allow-nonfinite  accept NaN/Inf in the inputs\n"
         "  --max-memory-mb MB cap the working memory, at most 1 PiB (heads are processed in groups\n"
         "                     that fit)\n"
@@ -137,8 +138,9 @@ Options parse_cli(int argc, char** argv) {
         }
         else if (arg == "--poison") { no_value(); o.poison = true; }
         else if (arg == "--flash-kernel") {
-            static const char* const names[] = {"auto", "fast", "clean"};
-            static const FlashKernel values[] = {FlashKernel::automatic, FlashKernel::fast, FlashKernel::clean};
+            static const char* const names[] = {"auto", "wgmma", "fast", "clean"};
+            static const FlashKernel values[] = {FlashKernel::automatic, FlashKernel::wgmma, FlashKernel::fast,
+                                                 FlashKernel::clean};
             o.flash_kernel = pick(arg, take_value(), names, values);
         }
         else if (arg == "--allow-nonfinite") { no_value(); o.allow_nonfinite = true; }

@@ -15,7 +15,7 @@ from verify import bench as vb
 SHAPE = {"batch": 4, "heads": 16, "seq_q": 4096, "seq_k": 4096, "d": 64, "causal": False, "scale": 0.125}
 
 
-def _binary_json(precision="fp32", flash_fast_tflops=60.0, check_passed=True, err=2e-7):
+def _binary_json(precision="fp32", flash_tflops=60.0, check_passed=True, err=2e-7):
     """What `main --bench --json` writes, trimmed to one shape."""
     def k(name, kind, ms, rate, fraction, **extra):
         key = "gbps" if kind == "memory" else "tflops"
@@ -33,8 +33,11 @@ def _binary_json(precision="fp32", flash_fast_tflops=60.0, check_passed=True, er
             k("QK_scaled", "memory", 1.2, 3000.0, 0.75),
             {"name": "attention_weights", "kind": "memory", "status": "skipped (memory)"},
             k("output", "gemm", 1.1, 40.0, 0.8),
-            k("flash", "attention", 20.0, 14.0, 0.28, tiles="64x64"),
-            k("flash_fast", "attention", 4.6, flash_fast_tflops, 1.2, tiles="64x64, splits 1",
+            k("flash", "attention", 4.6, flash_tflops, 1.2, tiles="128x64",
+              check={"passed": check_passed, "max_rel_err": err, "max_lse_err": 1e-7}),
+            k("flash_fast", "attention", 20.0, 14.0, 0.28, tiles="64x64, splits 1",
+              check={"passed": True, "max_rel_err": err, "max_lse_err": 1e-7}),
+            k("flash_wgmma", "attention", 4.6, flash_tflops, 1.2, tiles="128x64, splits 1",
               check={"passed": check_passed, "max_rel_err": err, "max_lse_err": 1e-7}),
         ],
     }
@@ -42,7 +45,7 @@ def _binary_json(precision="fp32", flash_fast_tflops=60.0, check_passed=True, er
 
 def _results(**kw):
     runs = [{"binary": _binary_json("fp32", **kw), "sdpa": {"status": "ok", "ms": 7.9, "tflops": 35.0, "torch": "2.11"}},
-            {"binary": _binary_json("tf32", flash_fast_tflops=160.0),
+            {"binary": _binary_json("tf32", flash_tflops=160.0),
              "sdpa": {"status": "ok", "ms": 7.9, "tflops": 35.0, "torch": "2.11"}}]
     return {"tool": "attnstep bench", "format": 1, "device": "NVIDIA H200", "date": "2026-11-22T04:00:00Z",
             "torch": "2.11", "runs": runs}
@@ -91,7 +94,7 @@ def test_parse_rejects_missing_fields():
 
 def test_rows_table_and_ratios():
     rows = vb.rows_from_results(_results())
-    ff = [r for r in rows if r.kernel == "flash_fast" and r.precision == "fp32"][0]
+    ff = [r for r in rows if r.kernel == "flash_wgmma" and r.precision == "fp32"][0]
     assert ff.vs_sdpa == pytest.approx(60.0 / 35.0)
     assert "err 2.0e-07" in ff.note
     table = vb.format_table(rows)
@@ -102,12 +105,12 @@ def test_rows_table_and_ratios():
 def test_goals_report_met_and_missed():
     lines = vb.evaluate_goals(vb.rows_from_results(_results()))
     text = "\n".join(lines)
-    assert "met    fp32 flash_fast >= 1.5x SDPA" in text
-    assert "met    tf32 flash_fast >= 150 TFLOP/s" in text
+    assert "met    fp32 flash >= 1.5x SDPA" in text
+    assert "met    tf32 flash >= 150 TFLOP/s" in text
     assert "MISSED QK_scaled >= 80% of copy bandwidth" in text  # 75 %
     assert "met    QK >= 90% of cuBLAS SGEMM" in text
-    slow = vb.evaluate_goals(vb.rows_from_results(_results(flash_fast_tflops=40.0)))
-    assert any(line.startswith("MISSED fp32 flash_fast") for line in slow)
+    slow = vb.evaluate_goals(vb.rows_from_results(_results(flash_tflops=40.0)))
+    assert any(line.startswith("MISSED fp32 flash ") for line in slow)
 
 
 def test_plot_writes_a_png(tmp_path):
@@ -202,12 +205,14 @@ def test_gpu_bench_tiny_shape_checks(binary, tmp_path, precision, causal):
     data = vb.run_binary_bench(binary, shape, precision, warmup=1, reps=3, check=True)
     assert data["passed"] is True
     names = {k["name"]: k for k in data["kernels"]}
-    assert set(names) >= {"KT", "QK", "QK_scaled", "attention_weights", "output", "flash", "flash_fast"}
+    flash = {"flash", "flash_fast", "flash_wgmma"}
+    assert set(names) >= {"KT", "QK", "QK_scaled", "attention_weights", "output"} | flash
     for k in names.values():
         assert k["status"] == "ok" and k["ms"] > 0
-    assert names["flash_fast"]["check"]["passed"] is True
     tol = 1e-4 if precision == "fp32" else 5e-3
-    assert names["flash_fast"]["check"]["max_rel_err"] < tol
+    for name in flash:
+        assert names[name]["check"]["passed"] is True, name
+        assert names[name]["check"]["max_rel_err"] < tol, name
     assert data["ceilings"]["copy_gbps"] > 0 and data["ceilings"]["sgemm_tflops"] > 0
 
 

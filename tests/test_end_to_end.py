@@ -12,10 +12,12 @@ from verify.runner import run_binary
 
 from shapes import shape_params
 
-# (backend, extra binary arguments): the CUDA backend with each flash kernel and each precision.
+# (backend, extra binary arguments): the CUDA backend with each flash kernel and each precision
+# (auto runs the wgmma kernel on Hopper where it has a variant, else mma.sync, else clean).
 BACKENDS = [
     pytest.param(("cpu", ()), id="cpu"),
     pytest.param(("cuda", ()), id="cuda", marks=pytest.mark.gpu),
+    pytest.param(("cuda", ("--flash-kernel", "fast")), id="cuda-mma-sync-flash", marks=pytest.mark.gpu),
     pytest.param(("cuda", ("--flash-kernel", "clean")), id="cuda-clean-flash", marks=pytest.mark.gpu),
     pytest.param(("cuda", ("--precision", "tf32")), id="cuda-tf32", marks=pytest.mark.gpu),
 ]

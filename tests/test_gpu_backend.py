@@ -126,9 +126,45 @@ def test_run_manifest_names_device_tiles_and_timings(binary, tmp_path):
     in_dir = generate_case(tmp_path / "in", dims, seed=1, fmt="npy")
     run = run_case(binary, in_dir, tmp_path / "out", "cuda")
     assert run.values["device"] and run.values["device"] != "host CPU"
-    assert run.values["flash_kernel"].startswith("cuda-fast")
+    # auto: the wgmma kernel on Hopper (the GPU machines), else mma.sync.
+    assert run.values["flash_kernel"].startswith(("cuda-wgmma", "cuda-fast"))
     clean = run_case(binary, in_dir, tmp_path / "clean", "cuda", "--flash-kernel", "clean")
     assert clean.flash_tiles == (64, 64) and clean.values["flash_kernel"] == "cuda-clean"
     times = run.timings()
     for stage in ("KT", "QK", "QK_scaled", "attention_weights", "output", "flash_output"):
         assert stage in times and times[stage] > 0.0, (stage, times)
+
+
+# Each tensor-core flash kernel forced in turn, on shapes that reach its paths: tails in N and M,
+# causal tiles that cross the diagonal, one block per head (the KV loop is then split and merged),
+# and enough heads that it is not. Inner dimensions 64 and 128: the wgmma kernel's widths.
+FLASH_KERNEL_SHAPES = [
+    Dims(batch=1, heads=1, seq_q=1, seq_k=1, d_k=64, d_v=64),
+    Dims(batch=1, heads=2, seq_q=127, seq_k=333, d_k=64, d_v=64),
+    Dims(batch=2, heads=1, seq_q=200, seq_k=97, d_k=128, d_v=128),
+    Dims(batch=1, heads=40, seq_q=300, seq_k=260, d_k=128, d_v=128),
+]
+
+
+@pytest.mark.parametrize("kernel", ["wgmma", "fast"])
+@pytest.mark.parametrize("precision", ["fp32", "tf32"])
+@pytest.mark.parametrize("dims", FLASH_KERNEL_SHAPES, ids=[shape_id(d, False) for d in FLASH_KERNEL_SHAPES])
+def test_each_tensor_core_flash_kernel_matches_float64(binary, tmp_path, kernel, precision, dims):
+    in_dir = generate_case(tmp_path / "in", dims, seed=5, distribution="normal", fmt="npy")
+    for causal in (False, True):
+        out = tmp_path / f"out-{causal}"
+        res = run_binary(binary, in_dir, out, backend="cuda", check=False,
+                         extra=["--poison", "--stages", "flash", "--flash-kernel", kernel,
+                                "--precision", precision] + (["--causal"] if causal else []))
+        if res.returncode == 2 and f"no {kernel} variant" in res.stderr:
+            pytest.skip(f"this GPU has no {kernel} kernel: {res.stderr.strip()}")
+        assert res.returncode == 0, res.stderr
+        run = load_run(out)
+        assert run.values["flash_kernel"].startswith(f"cuda-{kernel}"), run.values["flash_kernel"]
+        tol = FP32_TOL / 10 if precision == "fp32" else TF32_TOL
+        for head in range(dims.total_heads):
+            ref = reference_chain(inputs_of(in_dir, head), float(run.values["scale"]), causal,
+                                  ["flash_output", "flash_lse"])
+            for stage in ("flash_output", "flash_lse"):
+                e = rel_err(read_matrix(run.file(stage, head)), ref[stage])
+                assert within(e, tol), f"{kernel} {precision} causal={causal} {stage} head {head}: {e:.3g}"

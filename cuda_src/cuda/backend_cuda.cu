@@ -41,6 +41,21 @@ size_t group_stage_bytes(Stage s, const Dims& d, int heads) {
     return stage_elems(s, d) * sizeof(float) * static_cast<size_t>(heads);
 }
 
+// The flash arguments of a whole problem, without buffers: for plans and memory estimates (the
+// split decision depends on the work; groups may be smaller).
+FlashArgs flash_args(const Problem& p) {
+    FlashArgs a{};
+    a.heads = p.dims.total_heads();
+    a.N = p.dims.N;
+    a.M = p.dims.M;
+    a.d = p.dims.dk;
+    a.scale = p.scale;
+    a.causal = p.causal;
+    a.precision = p.precision;
+    a.kernel = p.flash_kernel;
+    return a;
+}
+
 std::string mib(size_t bytes) { return std::to_string(static_cast<long long>(bytes / kMiB + 0.5)) + " MiB"; }
 
 // A computed stage whose source is not computed means the caller skipped dependency_closure().
@@ -135,15 +150,7 @@ void CudaBackend::release() noexcept {
 
 FlashPlan CudaBackend::flash_plan(const Problem& p) const {
     if (!flash_supported(p.dims)) return {};  // no flash stage for this width: nothing to report
-    FlashArgs a{};
-    a.heads = p.dims.total_heads();  // the split decision depends on the work; groups may be smaller
-    a.N = p.dims.N;
-    a.M = p.dims.M;
-    a.d = p.dims.dk;
-    a.causal = p.causal;
-    a.precision = p.precision;
-    a.kernel = p.flash_kernel;
-    return flash_forward_plan(a);
+    return flash_forward_plan(flash_args(p));
 }
 
 size_t CudaBackend::working_bytes_per_head(const Problem& p, StageSet computed) const {
@@ -154,6 +161,7 @@ size_t CudaBackend::working_bytes_per_head(const Problem& p, StageSet computed) 
         // a safe over-estimate.
         if (needs_device_buffer(s, computed)) bytes += group_stage_bytes(s, p.dims, 1) + kBufferAlign;
     }
+    if (computed.any_flash() && flash_supported(p.dims)) bytes += flash_workspace_bytes_per_head(flash_args(p));
     return bytes;
 }
 
@@ -263,20 +271,13 @@ void CudaBackend::run_stages(const Problem& p, StageSet computed, int heads, con
         timed(Stage::output, [&] { gemm_output(d, heads, buf(Stage::attention_weights), buf(Stage::V), buf(Stage::output)); });
     }
     if (computed.any_flash()) {
-        FlashArgs a{};
+        FlashArgs a = flash_args(p);
         a.Q = buf(Stage::Q);
         a.K = buf(Stage::K);
         a.V = buf(Stage::V);
         a.O = buf(Stage::flash_output);
         a.lse = buf(Stage::flash_lse);
         a.heads = heads;
-        a.N = d.N;
-        a.M = d.M;
-        a.d = d.dk;
-        a.scale = p.scale;
-        a.causal = p.causal;
-        a.precision = p.precision;
-        a.kernel = p.flash_kernel;
         // One kernel writes both flash stages; its time is booked to flash_output alone so that
         // the per-stage times still add up to the run.
         timed(Stage::flash_output, [&] { flash_forward(a, stream_); });

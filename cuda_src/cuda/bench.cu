@@ -46,6 +46,9 @@
 #include "flash.cuh"
 #include "flash_fast.cuh"
 #include "kernels.cuh"
+#ifdef ATTNSTEP_HAVE_WGMMA
+#include "sm90a/flash_wgmma.cuh"
+#endif
 
 namespace attnstep {
 
@@ -227,6 +230,7 @@ struct Ceilings {
     double copy_ms = 0, copy_gbps = 0;
     double mma_tf32_tflops = 0;  // mma.sync m16n8k8 TF32 issue rate: flash_fast's own ceiling
     double mma_bf16_tflops = 0;  // mma.sync m16n8k16 BF16: the rate a split-BF16 kernel would see
+    double wgmma_tf32_tflops = 0;  // wgmma m64n128k8 TF32 issue rate (Hopper): flash_wgmma's ceiling
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -280,6 +284,19 @@ double measure_mma(const cudaDeviceProp& prop, Timer& timer, int warmup, int rep
     const double k = kBf16 ? 16 : 8;
     const double flops = 2.0 * 16 * 8 * k * kMmaChains * double(kMmaIters) * blocks * kMmaWarpsPerBlock;
     return flops / (ms * 1e-3) / 1e12;
+}
+
+// TFLOP/s of wgmma TF32 (sm_90a kernel; 0 on other GPUs or builds without it).
+double measure_wgmma(Timer& timer, int warmup, int reps, cudaStream_t s) {
+#ifdef ATTNSTEP_HAVE_WGMMA
+    DeviceBuffer sink(1);
+    double flops = 0;
+    const double ms = timer.median_ms(warmup, std::max(3, reps / 4), [&] { flops = launch_wgmma_peak(sink.p, s); });
+    return flops > 0 ? flops / (ms * 1e-3) / 1e12 : 0;
+#else
+    (void)timer, (void)warmup, (void)reps, (void)s;
+    return 0;
+#endif
 }
 
 void set_rate(Result& r, const Ceilings& c) {
@@ -460,8 +477,8 @@ void print_table(const Options& o, const std::string& device, const Ceilings& c,
                 device.c_str(), o.batch, o.heads, o.N, o.M, o.d, o.causal ? "causal" : "non-causal",
                 precision_name(o.precision), o.reps, o.warmup);
     std::printf("ceilings: cuBLAS SGEMM (QK shape) %.1f TFLOP/s, device copy %.0f GB/s, "
-                "mma.sync TF32 %.0f / BF16 %.0f TFLOP/s%s\n",
-                c.sgemm_tflops, c.copy_gbps, c.mma_tf32_tflops, c.mma_bf16_tflops,
+                "mma.sync TF32 %.0f / BF16 %.0f TFLOP/s, wgmma TF32 %.0f TFLOP/s%s\n",
+                c.sgemm_tflops, c.copy_gbps, c.mma_tf32_tflops, c.mma_bf16_tflops, c.wgmma_tf32_tflops,
                 group > 0 ? fmt(", stage path in groups of %.0f heads", group).c_str() : "");
     std::printf("%-18s %10s %16s %9s  %s\n", "kernel", "ms", "rate", "ceiling", "note");
     for (const Result& r : results) {
@@ -498,7 +515,8 @@ void write_json(const Options& o, const std::string& device, int sms, const Ceil
        << ", \"copy_ms\": " << num(c.copy_ms) << ", \"copy_gbps\": " << num(c.copy_gbps)
        << ", \"copy_bytes\": " << num(2.0 * kCopyBytes)
        << ", \"mma_tf32_tflops\": " << num(c.mma_tf32_tflops)
-       << ", \"mma_bf16_tflops\": " << num(c.mma_bf16_tflops) << "},\n"
+       << ", \"mma_bf16_tflops\": " << num(c.mma_bf16_tflops)
+       << ", \"wgmma_tf32_tflops\": " << num(c.wgmma_tf32_tflops) << "},\n"
        << "  \"passed\": " << (passed ? "true" : "false") << ",\n  \"kernels\": [\n";
     for (size_t i = 0; i < results.size(); ++i) {
         const Result& r = results[i];
@@ -671,6 +689,7 @@ int bench(const Options& o) {
         c = measure_ceilings(o, sp, timer, s);
         c.mma_tf32_tflops = measure_mma<false>(prop, timer, o.warmup, o.reps, s);
         c.mma_bf16_tflops = measure_mma<true>(prop, timer, o.warmup, o.reps, s);
+        c.wgmma_tf32_tflops = measure_wgmma(timer, o.warmup, o.reps, s);
         if (o.only != "flash") {
             bench_stage_path(o, sp, Q, K, V, total_heads, timer, s, &results);
             group = sp.group;
@@ -705,6 +724,15 @@ int bench(const Options& o) {
             bench_flash(o, "flash_fast", ftiles,
                         [&] { return flash_forward_fast_variant(a, o.fast_variant, o.splits, s); },
                         Q, K, V, O, lse, total_heads, timer, s, &results);
+#ifdef ATTNSTEP_HAVE_WGMMA
+            int wBr = 0, wBc = 0, wsplits = 0;
+            std::string wtiles;
+            if (flash_wgmma_plan(a, &wBr, &wBc, &wsplits))
+                wtiles = std::to_string(wBr) + "x" + std::to_string(wBc) + ", splits " +
+                         std::to_string(o.splits > 0 ? o.splits : wsplits);
+            bench_flash(o, "flash_wgmma", wtiles, [&] { return flash_forward_wgmma(a, s, o.splits); },
+                        Q, K, V, O, lse, total_heads, timer, s, &results);
+#endif
         }
         CUDA_CHECK(cudaStreamSynchronize(s));
     }

@@ -27,6 +27,14 @@ struct FlashArgs {
 // when `kernel` forces the fast kernel and it has no variant for them.
 FlashPlan flash_forward_plan(const FlashArgs& a);
 
+// The kernel flash_forward runs for given arguments, and its plan (tiles, name for run.toml).
+enum class FlashBackendChoice { wgmma, fast, clean };
+FlashBackendChoice choose_flash_kernel(const FlashArgs& a, FlashPlan* plan);
+
+// Device memory flash_forward allocates per head beyond its arguments (the wgmma kernel's split
+// operands), for the backend's memory budget.
+size_t flash_workspace_bytes_per_head(const FlashArgs& a);
+
 inline void flash_forward_tiles(const FlashArgs& a, int* Br, int* Bc) {
     FlashPlan plan = flash_forward_plan(a);
     *Br = plan.Br;

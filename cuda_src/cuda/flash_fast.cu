@@ -41,16 +41,15 @@
 #include <cstdint>
 
 #include "cuda_check.cuh"
+#include "flash_common.cuh"
 
 namespace attnstep {
 namespace {
 
-constexpr int kWarp = 32;
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.6931471805599453f;
-constexpr int kMaxSplits = 16;
+using namespace flash;  // flash_common.cuh: TF32 split, cp.async, online softmax
 
-__host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
+constexpr int kWarp = 32;
+constexpr int kMaxSplits = 16;
 
 // ---------------------------------------------------------------------------------------------
 // Device helpers: TF32 conversion, the MMA, cp.async. TF32 mma.sync and cp.async need sm_80; the
@@ -59,29 +58,6 @@ __host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
 #define ATTNSTEP_FAST_UNAVAILABLE 1
 #endif
-
-// Rounding to TF32 (10 explicit mantissa bits), nearest with ties away from zero, as
-// cvt.rna.tf32.f32 does for finite x, with two integer instructions instead of one conversion
-// (conversions issue at 16/clk/SM). v2 replaced cvt by this expecting a 2x gain; the time did not
-// move (the MMAs are the limiter, docs/performance.md), but it is no slower, so it stayed.
-__device__ __forceinline__ uint32_t round_tf32(float x) {
-    return (__float_as_uint(x) + 0x1000u) & 0xffffe000u;
-}
-
-// The same rounding on the FP32 pipe (Veltkamp split with 2^13 + 1), so that the two halves of
-// split() run on different pipes. x·8193 must not overflow: |x| < 2^114. Used only for the lo
-// parts, which are at most 2^-11 of the input, so inputs up to 2^125 in magnitude are fine.
-__device__ __forceinline__ uint32_t round_tf32_fp(float x) {
-    const float c = __fmul_rn(x, 8193.f);
-    return __float_as_uint(__fsub_rn(c, __fsub_rn(c, x)));
-}
-
-// x = hi + lo with both parts representable in TF32 (lo only in 3xTF32 mode).
-template <bool kThree>
-__device__ __forceinline__ void split(float x, uint32_t& hi, uint32_t& lo) {
-    hi = round_tf32(x);
-    if (kThree) lo = round_tf32_fp(__fsub_rn(x, __uint_as_float(hi)));
-}
 
 // C(16×8) += A(16×8, row) · B(8×8, col), TF32 inputs, FP32 accumulators.
 __device__ __forceinline__ void mma_tf32(float (&c)[4], const uint32_t (&a)[4],
@@ -104,36 +80,6 @@ __device__ __forceinline__ void mma_split(float (&c)[4], const uint32_t (&ahi)[4
         mma_tf32(c, ahi, blo);
     }
     mma_tf32(c, ahi, bhi);
-}
-
-// 16-byte global → shared copy; reads nothing and writes zeros when !valid (tails).
-__device__ __forceinline__ void cp_async_16(float* dst, const float* src, bool valid) {
-#ifndef ATTNSTEP_FAST_UNAVAILABLE
-    const unsigned saddr = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-    const int bytes = valid ? 16 : 0;
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(saddr), "l"(src),
-                 "r"(bytes));
-#endif
-}
-__device__ __forceinline__ void cp_async_commit() {
-#ifndef ATTNSTEP_FAST_UNAVAILABLE
-    asm volatile("cp.async.commit_group;\n");
-#endif
-}
-template <int kPending>
-__device__ __forceinline__ void cp_async_wait() {
-#ifndef ATTNSTEP_FAST_UNAVAILABLE
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
-#endif
-}
-
-__device__ __forceinline__ float quad_max(float x) {
-    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
-    return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
-}
-__device__ __forceinline__ float quad_sum(float x) {
-    x += __shfl_xor_sync(0xffffffffu, x, 1);
-    return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -253,66 +199,6 @@ __device__ __forceinline__ void qk_tile(float (&s)[T::BC / 8][4], const QFrags<T
             mma_split<kThree>(s[nt], ahi, alo, bhi, blo);
         }
     }
-}
-
-// Keys past M, and (causal) keys after the query, get -inf. Rows: g and g+8 of the warp.
-template <class T, bool kCausal>
-__device__ __forceinline__ void mask_tile(float (&s)[T::BC / 8][4], int key0, int M, int row0,
-                                          int t) {
-#pragma unroll
-    for (int nt = 0; nt < T::BC / 8; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            const int key = key0 + nt * 8 + 2 * t + (e & 1);
-            const int row = row0 + (e >= 2 ? 8 : 0);
-            if (key >= M || (kCausal && key > row)) s[nt][e] = -INFINITY;
-        }
-}
-
-// x = S·scale·log2e: the softmax runs in base 2. Before masking, so that a negative scale cannot
-// turn a masked -inf into +inf.
-template <class T>
-__device__ __forceinline__ void scale_tile(float (&s)[T::BC / 8][4], float scale_log2) {
-#pragma unroll
-    for (int nt = 0; nt < T::BC / 8; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) s[nt][e] *= scale_log2;
-}
-
-// Online softmax for one tile of x (scaled, masked), in base 2: m_new = max(m, rowmax x),
-// P = 2^(x − m_new), l = l·2^(m − m_new) + rowsum P, O = O·2^(m − m_new). Rows g (e = 0, 1) and
-// g+8 (e = 2, 3). l is kept per thread (a quarter of each row) and summed across the quad at the
-// end; m is reduced across the quad here, so every thread rescales by the same factor.
-template <class T>
-__device__ __forceinline__ void online_softmax(float (&s)[T::BC / 8][4], float (&o)[T::D / 8][4],
-                                               float (&m)[2], float (&l)[2]) {
-    float mx[2] = {m[0], m[1]};
-#pragma unroll
-    for (int nt = 0; nt < T::BC / 8; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) mx[e >> 1] = fmaxf(mx[e >> 1], s[nt][e]);
-    float base[2], alpha[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        mx[r] = quad_max(mx[r]);
-        // A row with no visible key yet keeps m = -inf; subtract 0 then, so 2^(-inf - base) = 0
-        // instead of NaN.
-        base[r] = mx[r] == -INFINITY ? 0.f : mx[r];
-        alpha[r] = exp2f(m[r] - base[r]);
-        m[r] = mx[r];
-        l[r] *= alpha[r];
-    }
-#pragma unroll
-    for (int nt = 0; nt < T::BC / 8; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            s[nt][e] = exp2f(s[nt][e] - base[e >> 1]);
-            l[e >> 1] += s[nt][e];
-        }
-#pragma unroll
-    for (int nt = 0; nt < T::D / 8; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) o[nt][e] *= alpha[e >> 1];
 }
 
 // O(16×D) += P(16×BC) · V_j. P's fragment for keys 8kk..8kk+7 is the S accumulator s[kk] under
@@ -460,12 +346,12 @@ __global__ void __launch_bounds__(T::THREADS, T::MIN_BLOCKS)
 
         float s[T::BC / 8][4];
         qk_tile<T, kThree>(s, qf, Kj, g, t);  // S = Q Kᵀ
-        scale_tile<T>(s, p.scale_log2);
+        scale_tile<T::BC>(s, p.scale_log2);
         const int key0 = j * T::BC;
         const bool tail = key0 + T::BC > p.M;
         const bool diagonal = kCausal && key0 + T::BC - 1 > wrow0;
-        if (tail || diagonal) mask_tile<T, kCausal>(s, key0, p.M, row0, t);
-        online_softmax<T>(s, o, m, l);  // m = rowmax, P = exp(S − m), l = rowsum
+        if (tail || diagonal) mask_tile<T::BC, kCausal>(s, key0, p.M, row0, t);
+        online_softmax<T::BC, T::D>(s, o, m, l);  // m = rowmax, P = exp(S − m), l = rowsum
 
         if (more) cp_async_wait<2>(); else cp_async_wait<0>();
         __syncthreads();  // V_j has landed
@@ -473,43 +359,9 @@ __global__ void __launch_bounds__(T::THREADS, T::MIN_BLOCKS)
         __syncthreads();  // every warp is done with this stage before tile j+2 overwrites it
     }
 
-    // O = O / l, lse = (m + log2 l)·ln 2. A split that saw no key writes O = 0, lse = -inf, which
-    // the combine step weighs as 0.
     float* O = p.O + (static_cast<size_t>(split_id) * p.heads + head) * p.N * T::D;
     float* lse = p.lse + (static_cast<size_t>(split_id) * p.heads + head) * p.N;
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int row = r == 0 ? row0 : row1;
-        const float lsum = quad_sum(l[r]);
-        if (row >= p.N) continue;
-        const float inv = lsum > 0.f ? 1.f / lsum : 0.f;
-#pragma unroll
-        for (int nt = 0; nt < T::D / 8; ++nt) {
-            *reinterpret_cast<float2*>(O + static_cast<size_t>(row) * T::D + nt * 8 + 2 * t) =
-                make_float2(o[nt][2 * r] * inv, o[nt][2 * r + 1] * inv);
-        }
-        if (t == 0) lse[row] = lsum > 0.f ? (m[r] + log2f(lsum)) * kLn2 : -INFINITY;
-    }
-}
-
-// Merges the splits: lse = log Σ_i exp(lse_i), O = Σ_i exp(lse_i − lse) O_i. One thread per
-// output element; the thread of column 0 also writes lse.
-__global__ void flash_fast_combine(const float* Opart, const float* lse_part, float* O, float* lse,
-                                   int rows, int d, int splits) {
-    const long long idx = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
-    if (idx >= static_cast<long long>(rows) * d) return;
-    const int row = static_cast<int>(idx / d), col = static_cast<int>(idx % d);
-    float mx = -INFINITY;
-    for (int i = 0; i < splits; ++i) mx = fmaxf(mx, lse_part[static_cast<size_t>(i) * rows + row]);
-    float wsum = 0.f, acc = 0.f;
-    for (int i = 0; i < splits; ++i) {
-        const float li = lse_part[static_cast<size_t>(i) * rows + row];
-        const float w = li == -INFINITY ? 0.f : expf(li - mx);
-        wsum += w;
-        acc += w * Opart[(static_cast<size_t>(i) * rows + row) * d + col];
-    }
-    O[idx] = acc / wsum;
-    if (col == 0) lse[row] = mx + logf(wsum);
+    store_rows<T::D>(o, m, l, O, lse, row0, p.N, t);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -546,7 +398,9 @@ bool device_supported() {
     return major >= 8;
 }
 
-int sm_count() {
+}  // namespace
+
+int flash_sm_count() {
     static int count = 0;
     if (count == 0) {
         int dev = 0;
@@ -556,12 +410,45 @@ int sm_count() {
     return count;
 }
 
+// Merges the splits: lse = log Σ_i exp(lse_i), O = Σ_i exp(lse_i − lse) O_i. One thread per
+// output element; the thread of column 0 also writes lse.
+namespace {
+__global__ void flash_fast_combine(const float* Opart, const float* lse_part, float* O, float* lse,
+                                   int rows, int d, int splits) {
+    const long long idx = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+    if (idx >= static_cast<long long>(rows) * d) return;
+    const int row = static_cast<int>(idx / d), col = static_cast<int>(idx % d);
+    float mx = -INFINITY;
+    for (int i = 0; i < splits; ++i) mx = fmaxf(mx, lse_part[static_cast<size_t>(i) * rows + row]);
+    float wsum = 0.f, acc = 0.f;
+    for (int i = 0; i < splits; ++i) {
+        const float li = lse_part[static_cast<size_t>(i) * rows + row];
+        const float w = li == -INFINITY ? 0.f : expf(li - mx);
+        wsum += w;
+        acc += w * Opart[(static_cast<size_t>(i) * rows + row) * d + col];
+    }
+    O[idx] = acc / wsum;
+    if (col == 0) lse[row] = mx + logf(wsum);
+}
+}  // namespace
+
+void flash_combine_splits(const float* Opart, const float* lse_part, float* O, float* lse, size_t rows,
+                          int d, int splits, cudaStream_t stream) {
+    const int threads = 256;
+    const long long elems = static_cast<long long>(rows) * d;
+    flash_fast_combine<<<static_cast<unsigned>((elems + threads - 1) / threads), threads, 0, stream>>>(
+        Opart, lse_part, O, lse, static_cast<int>(rows), d, splits);
+    LAUNCH_CHECK(flash_fast_combine);
+}
+
+namespace {
+
 // Split the KV loop only when the blocks would leave SMs idle, into at most kMaxSplits parts of
 // at least 2 tiles each (fewer tiles per split means more partial outputs than useful work).
 template <class T, bool kThree, bool kCausal>
 int choose_splits(const FlashArgs& a) {
     const long long blocks = static_cast<long long>(a.heads) * ceil_div(a.N, T::BR);
-    const long long slots = static_cast<long long>(sm_count()) * blocks_per_sm<T, kThree, kCausal>();
+    const long long slots = static_cast<long long>(flash_sm_count()) * blocks_per_sm<T, kThree, kCausal>();
     if (blocks >= slots) return 1;
     const int n_tiles = ceil_div(a.M, T::BC);
     int splits = static_cast<int>((slots + blocks - 1) / blocks);
@@ -591,11 +478,7 @@ void launch(const FlashArgs& a, int splits, cudaStream_t stream) {
     p.lse = ws + static_cast<size_t>(splits) * rows * a.d;
     kernel<<<grid, T::THREADS, T::SMEM_BYTES, stream>>>(p);
     LAUNCH_CHECK(flash_fast_kernel);
-    const int threads = 256;
-    const long long elems = static_cast<long long>(rows) * a.d;
-    flash_fast_combine<<<static_cast<unsigned>((elems + threads - 1) / threads), threads, 0,
-                         stream>>>(p.O, p.lse, a.O, a.lse, static_cast<int>(rows), a.d, splits);
-    LAUNCH_CHECK(flash_fast_combine);
+    flash_combine_splits(p.O, p.lse, a.O, a.lse, rows, a.d, splits, stream);
     CUDA_CHECK(cudaFreeAsync(ws, stream));
 }
 

@@ -23,4 +23,11 @@ bool flash_fast_plan(const FlashArgs& a, int* Br, int* Bc, int* splits);
 // of KV tiles). For tests and benchmarks: forcing a split on a large problem checks the combine step.
 bool flash_forward_fast_splits(const FlashArgs& a, int splits, cudaStream_t stream);
 
+// Shared with the wgmma kernel (sm90a/flash_wgmma.cu). The GPU's multiprocessor count (asked once).
+int flash_sm_count();
+// Split-KV merge: `splits` partial results Opart [splits][rows][d], lse_part [splits][rows] ->
+// lse = log Σ_i exp(lse_i), O = Σ_i exp(lse_i − lse)·O_i. Launch checked.
+void flash_combine_splits(const float* Opart, const float* lse_part, float* O, float* lse, size_t rows,
+                          int d, int splits, cudaStream_t stream);
+
 }  // namespace attnstep

@@ -23,6 +23,9 @@
 #include "cuda_check.cuh"
 #include "flash.cuh"
 #include "flash_fast.cuh"
+#ifdef ATTNSTEP_HAVE_WGMMA
+#include "sm90a/flash_wgmma.cuh"
+#endif
 
 namespace attnstep {
 
@@ -276,25 +279,56 @@ bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 
 }  // namespace
 
-// The fast kernel runs unless the clean one is forced; forcing the fast one where it has no
-// variant is the user's error, not a silent fallback.
-bool use_fast_kernel(const FlashArgs& a, FlashPlan* plan) {
-    if (a.kernel == FlashKernel::clean) return false;
+namespace {
+
+std::string split_suffix(int splits) { return splits > 1 ? "-split" + std::to_string(splits) : ""; }
+std::string precision_suffix(Precision p) { return p == Precision::tf32 ? "-tf32" : "-3xtf32"; }
+
+[[noreturn]] void forced_kernel_missing(const char* name, int d) {
+    fail(kExitBadInput, std::string("--flash-kernel ") + name + ": no " + name + " variant for d=" +
+                            std::to_string(d) + " on this GPU",
+         "use --flash-kernel auto (or another kernel)");
+}
+
+}  // namespace
+
+// The tensor-core kernel to run, if any: wgmma (Hopper) where it is the faster one, then mma.sync,
+// unless one is forced or the clean kernel is. Forcing a kernel that has no variant for the problem is the user's error,
+// not a silent fallback.
+FlashBackendChoice choose_flash_kernel(const FlashArgs& a, FlashPlan* plan) {
     int Br = 0, Bc = 0, splits = 1;
-    if (flash_fast_plan(a, &Br, &Bc, &splits)) {
-        *plan = {Br, Bc, std::string(a.precision == Precision::tf32 ? "cuda-fast-tf32" : "cuda-fast-3xtf32") +
-                             (splits > 1 ? "-split" + std::to_string(splits) : "")};
-        return true;
+    if (a.kernel == FlashKernel::clean) return FlashBackendChoice::clean;
+    if (a.kernel == FlashKernel::automatic || a.kernel == FlashKernel::wgmma) {
+#ifdef ATTNSTEP_HAVE_WGMMA
+        const bool wanted = a.kernel == FlashKernel::wgmma || flash_wgmma_preferred(a);
+        if (wanted && flash_wgmma_plan(a, &Br, &Bc, &splits)) {
+            *plan = {Br, Bc, "cuda-wgmma" + precision_suffix(a.precision) + split_suffix(splits)};
+            return FlashBackendChoice::wgmma;
+        }
+#endif
+        if (a.kernel == FlashKernel::wgmma) forced_kernel_missing("wgmma", a.d);
     }
-    if (a.kernel == FlashKernel::fast)
-        fail(kExitBadInput, "--flash-kernel fast: no fast variant for d=" + std::to_string(a.d) + " on this GPU",
-             "use --flash-kernel auto or clean");
-    return false;
+    if (flash_fast_plan(a, &Br, &Bc, &splits)) {
+        *plan = {Br, Bc, "cuda-fast" + precision_suffix(a.precision) + split_suffix(splits)};
+        return FlashBackendChoice::fast;
+    }
+    if (a.kernel == FlashKernel::fast) forced_kernel_missing("fast", a.d);
+    return FlashBackendChoice::clean;
+}
+
+size_t flash_workspace_bytes_per_head(const FlashArgs& a) {
+    FlashPlan plan;
+#ifdef ATTNSTEP_HAVE_WGMMA
+    if (choose_flash_kernel(a, &plan) == FlashBackendChoice::wgmma) return flash_wgmma_workspace_bytes_per_head(a);
+#else
+    (void)choose_flash_kernel(a, &plan);
+#endif
+    return 0;
 }
 
 FlashPlan flash_forward_plan(const FlashArgs& a) {
     FlashPlan plan;
-    if (use_fast_kernel(a, &plan)) return plan;
+    if (choose_flash_kernel(a, &plan) != FlashBackendChoice::clean) return plan;
     switch (a.d) {
         case 16: return {FlashTile<16>::Br, FlashTile<16>::Bc, "cuda-clean"};
         case 32: return {FlashTile<32>::Br, FlashTile<32>::Bc, "cuda-clean"};
@@ -315,7 +349,18 @@ void flash_forward(const FlashArgs& a, cudaStream_t stream) {
                                 ": flash_forward: Q, K, V and O must be 16-byte aligned (float4 loads)");
     }
     FlashPlan plan;
-    if (use_fast_kernel(a, &plan) && flash_forward_fast(a, stream)) return;
+    switch (choose_flash_kernel(a, &plan)) {
+#ifdef ATTNSTEP_HAVE_WGMMA
+        case FlashBackendChoice::wgmma:
+            if (flash_forward_wgmma(a, stream)) return;
+            break;
+#endif
+        case FlashBackendChoice::fast:
+            if (flash_forward_fast(a, stream)) return;
+            break;
+        default:
+            break;
+    }
     switch (a.d) {
         case 16: return launch_flash_fwd<16>(a, stream);
         case 32: return launch_flash_fwd<32>(a, stream);

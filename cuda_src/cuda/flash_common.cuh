@@ -1,0 +1,162 @@
+// flash_common.cuh — device pieces both tensor-core FlashAttention kernels share (flash_fast.cu on
+// mma.sync, sm90a/flash_wgmma.cu on wgmma): TF32 splitting, cp.async, and the online softmax on
+// accumulator fragments. Both kernels hold a 16-row slice of S per warp in the mma.sync/wgmma
+// accumulator layout: s[j][e] is row g + 8·(e/2), column 8j + 2t + e%2 (lane = 4g + t).
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+namespace attnstep {
+namespace flash {
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+__host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
+
+// cp.async needs sm_80; the build also targets older GPUs, where these compile to nothing and the
+// kernels that use them are never launched (their dispatchers check the compute capability).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+#define ATTNSTEP_NO_CP_ASYNC 1
+#endif
+
+// Rounding to TF32 (10 explicit mantissa bits), nearest with ties away from zero, as
+// cvt.rna.tf32.f32 does for finite x, with two integer instructions instead of one conversion
+// (conversions issue at 16/clk/SM).
+__device__ __forceinline__ uint32_t round_tf32(float x) {
+    return (__float_as_uint(x) + 0x1000u) & 0xffffe000u;
+}
+
+// The same rounding on the FP32 pipe (Veltkamp split with 2^13 + 1), so that the two halves of
+// split() run on different pipes. x·8193 must not overflow: |x| < 2^114. Used only for the lo
+// parts, which are at most 2^-11 of the input, so inputs up to 2^125 in magnitude are fine.
+__device__ __forceinline__ uint32_t round_tf32_fp(float x) {
+    const float c = __fmul_rn(x, 8193.f);
+    return __float_as_uint(__fsub_rn(c, __fsub_rn(c, x)));
+}
+
+// x = hi + lo with both parts representable in TF32 (lo only in 3xTF32 mode).
+template <bool kThree>
+__device__ __forceinline__ void split(float x, uint32_t& hi, uint32_t& lo) {
+    hi = round_tf32(x);
+    if (kThree) lo = round_tf32_fp(__fsub_rn(x, __uint_as_float(hi)));
+}
+
+// 16-byte global → shared copy; reads nothing and writes zeros when !valid (tails).
+__device__ __forceinline__ void cp_async_16(void* dst, const void* src, bool valid = true) {
+#ifndef ATTNSTEP_NO_CP_ASYNC
+    const unsigned saddr = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+    const int bytes = valid ? 16 : 0;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(saddr), "l"(src), "r"(bytes));
+#endif
+}
+__device__ __forceinline__ void cp_async_commit() {
+#ifndef ATTNSTEP_NO_CP_ASYNC
+    asm volatile("cp.async.commit_group;\n");
+#endif
+}
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() {
+#ifndef ATTNSTEP_NO_CP_ASYNC
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
+#endif
+}
+
+__device__ __forceinline__ float quad_max(float x) {
+    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+    return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+__device__ __forceinline__ float quad_sum(float x) {
+    x += __shfl_xor_sync(0xffffffffu, x, 1);
+    return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+// x = S·scale·log2e: the softmax runs in base 2. Before masking, so that a negative scale cannot
+// turn a masked -inf into +inf.
+template <int BC>
+__device__ __forceinline__ void scale_tile(float (&s)[BC / 8][4], float scale_log2) {
+#pragma unroll
+    for (int nt = 0; nt < BC / 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[nt][e] *= scale_log2;
+}
+
+// Keys past M, and (causal) keys after the query, get -inf. row0: the thread's row g (g+8 is the
+// other); key0: the tile's first key.
+template <int BC, bool kCausal>
+__device__ __forceinline__ void mask_tile(float (&s)[BC / 8][4], int key0, int M, int row0, int t) {
+#pragma unroll
+    for (int nt = 0; nt < BC / 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int key = key0 + nt * 8 + 2 * t + (e & 1);
+            const int row = row0 + (e >= 2 ? 8 : 0);
+            if (key >= M || (kCausal && key > row)) s[nt][e] = -INFINITY;
+        }
+}
+
+// Online softmax for one tile of x (scaled, masked), in base 2: m_new = max(m, rowmax x),
+// P = 2^(x − m_new), l = l·2^(m − m_new) + rowsum P, O = O·2^(m − m_new). l is kept per thread (a
+// quarter of each row) and summed across the quad at the end; m is reduced across the quad here,
+// so every thread rescales by the same factor.
+template <int BC, int D>
+__device__ __forceinline__ void online_softmax(float (&s)[BC / 8][4], float (&o)[D / 8][4],
+                                               float (&m)[2], float (&l)[2]) {
+    float mx[2] = {m[0], m[1]};
+#pragma unroll
+    for (int nt = 0; nt < BC / 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) mx[e >> 1] = fmaxf(mx[e >> 1], s[nt][e]);
+    float base[2], alpha[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        mx[r] = quad_max(mx[r]);
+        // A row with no visible key yet keeps m = -inf; subtract 0 then, so 2^(-inf - base) = 0
+        // instead of NaN.
+        base[r] = mx[r] == -INFINITY ? 0.f : mx[r];
+        alpha[r] = exp2f(m[r] - base[r]);
+        m[r] = mx[r];
+        l[r] *= alpha[r];
+    }
+#pragma unroll
+    for (int nt = 0; nt < BC / 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            s[nt][e] = exp2f(s[nt][e] - base[e >> 1]);
+            l[e >> 1] += s[nt][e];
+        }
+#pragma unroll
+    for (int nt = 0; nt < D / 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o[nt][e] *= alpha[e >> 1];
+}
+
+// The k permutation that lets P go from the S accumulators straight into the P·V MMA: within each
+// 8-key block, operand position p holds key kperm(p): 0,2,4,6,1,3,5,7 (A fragment column t is
+// accumulator column 2t, column t+4 is 2t+1).
+__host__ __device__ constexpr int kperm(int p) { return p < 4 ? 2 * p : 2 * (p - 4) + 1; }
+
+// Writes the thread's two rows of O / l and their lse = (m + log2 l)·ln 2. A split that saw no key
+// writes O = 0, lse = -inf, which the combine step weighs as 0. O: the head's [N][D] output.
+template <int D>
+__device__ __forceinline__ void store_rows(const float (&o)[D / 8][4], const float (&m)[2],
+                                           const float (&l)[2], float* O, float* lse, int row0,
+                                           int N, int t) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int row = row0 + 8 * r;
+        const float lsum = quad_sum(l[r]);
+        if (row >= N) continue;
+        const float inv = lsum > 0.f ? 1.f / lsum : 0.f;
+#pragma unroll
+        for (int nt = 0; nt < D / 8; ++nt) {
+            *reinterpret_cast<float2*>(O + static_cast<size_t>(row) * D + nt * 8 + 2 * t) =
+                make_float2(o[nt][2 * r] * inv, o[nt][2 * r + 1] * inv);
+        }
+        if (t == 0) lse[row] = lsum > 0.f ? (m[r] + log2f(lsum)) * kLn2 : -INFINITY;
+    }
+}
+
+}  // namespace flash
+}  // namespace attnstep

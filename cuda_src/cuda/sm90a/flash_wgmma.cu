@@ -1,0 +1,509 @@
+// flash_wgmma.cu — FlashAttention-2 forward on Hopper's warpgroup MMA (wgmma, sm_90a):
+// O = softmax(scale·Q·Kᵀ [causal-masked])·V and lse = log Σ exp(scale·q·k), per head.
+//
+//   Precision::fp32 (default): 3xTF32, as in flash_fast.cu: every operand x = hi + lo (both TF32)
+//     and a·b ≈ lo·hi + hi·lo + hi·hi accumulated in FP32, the small terms first.
+//   Precision::tf32: one product of TF32-rounded operands.
+//
+// Why a second tensor-core kernel: flash_fast.cu's mma.sync TF32 tops out near 135 TFLOP/s of
+// issue rate on an H200 (bench's ceiling), a third of that in 3xTF32; wgmma's TF32 rate is ~3.5×
+// higher. TF32 wgmma needs both operands K-major in shared memory (A may come from registers):
+//   S = Q·Kᵀ: A = Q tile (rows × d, d contiguous), B = K tile (keys × d, d contiguous): as stored.
+//   O = P·V:  A = P from the S accumulators (registers), B must be Vᵀ (d × keys, keys contiguous).
+// So a preparation pass writes, per call, K and Vᵀ already split into TF32 hi/lo parts, padded
+// to whole key tiles with zeros (no bounds checks in the loop), with Vᵀ's keys permuted within
+// each 8-key block (flash::kperm) so that the S accumulators are P's A fragments as they stand.
+// Q is split once per block into shared memory.
+//
+// Structure: a block of NWG warpgroups owns BR = 64·NWG query rows; each warpgroup computes its
+// 64×BC slice of S with wgmma (A = Q hi/lo from shared memory), runs the online softmax on it in
+// registers (flash_common.cuh), and adds P·V (A = P hi/lo from registers) into a per-tile FP32
+// accumulator that is added to O in FP32 (the tensor cores' own long accumulation truncates:
+// flash_fast.cu v1). K/Vᵀ tiles stream through shared memory with cp.async, double buffered: tile
+// j+1 loads while tile j is computed. Causal: tiles above the diagonal are never loaded, and a
+// warpgroup whose rows are all above a tile skips it. Shared-memory tiles use the no-swizzle
+// K-major layout of wgmma.cuh (core matrices of 8 rows × 16 bytes). When heads·⌈N/BR⌉ blocks
+// cannot fill the GPU, the KV loop is split and flash_combine_splits (flash_fast.cu) merges.
+//
+// Build: compiled for sm_90a only (CMakeLists.txt: the attnstep_sm90a object library); check
+// resources with
+//   nvcc -gencode=arch=compute_90a,code=sm_90a -std=c++17 -Xptxas -v -c cuda_src/cuda/sm90a/flash_wgmma.cu
+// Run / time / check: build/main --bench --batch 4 --heads 16 --seq-q 4096 --seq-k 4096 --d 64 --check
+#include "flash_wgmma.cuh"
+
+#include <algorithm>
+#include <cstdint>
+
+#include "../cuda_check.cuh"
+#include "../flash_common.cuh"
+#include "../flash_fast.cuh"
+#include "wgmma.cuh"
+
+namespace attnstep {
+namespace {
+
+using namespace flash;
+
+constexpr int kWarpgroup = 128;  // threads
+constexpr int kMaxSplits = 16;
+
+// The tile configuration: D head width, BC keys per tile, NWG warpgroups (64 query rows each).
+template <int D_, int BC_, int NWG_, bool THREE_>
+struct WgTiles {
+    static constexpr int D = D_, BC = BC_, NWG = NWG_;
+    static constexpr bool THREE = THREE_;
+    static constexpr int BR = 64 * NWG, THREADS = kWarpgroup * NWG;
+    static constexpr int PARTS = THREE ? 2 : 1;  // hi (and lo) copies of every operand
+    // Floats per part: the block's Q, one K tile (BC × D), one Vᵀ tile (D × BC).
+    static constexpr int Q_PART = BR * D, K_PART = BC * D, V_PART = D * BC;
+    static constexpr int STAGE = PARTS * (K_PART + V_PART);
+    static constexpr size_t SMEM_BYTES = (static_cast<size_t>(PARTS) * Q_PART + 2 * STAGE) * sizeof(float);
+    static_assert(D % 32 == 0 && BC % 32 == 0, "tiles: whole core matrices, 32-key transpose blocks");
+};
+
+// Float offset of element (r, c) of an R-row tile in the no-swizzle K-major layout: core matrix
+// (r/8, c/4) is 128 contiguous bytes (8 rows of 4 floats); core matrices adjacent in r are 128 B
+// apart (the descriptor's SBO), adjacent in c R·16 B apart (its LBO).
+template <int R>
+__device__ __forceinline__ int cm_offset(int r, int c) {
+    return (c / 4) * (R * 4) + (r / 8) * 32 + (r % 8) * 4 + (c % 4);
+}
+
+// Descriptor of the 8-column (one k step) slice starting at column c0 of an R-row tile.
+template <int R>
+__device__ __forceinline__ uint64_t tile_desc(const float* tile, int c0) {
+    return wg::make_desc(tile + cm_offset<R>(0, c0), R * 16, 128);
+}
+
+// Chunk i of an R×C tile, 16 bytes each, in the order that keeps both sides fast: 8 consecutive
+// threads take the 8 rows of one core matrix (128 contiguous bytes of shared memory), and a warp
+// covers 4 core matrices along c (64 contiguous bytes of each of 8 global rows).
+template <int C>
+__device__ __forceinline__ void chunk_coords(int i, int& r, int& c) {
+    const int rest = i / 8;
+    r = (rest / (C / 4)) * 8 + i % 8;
+    c = (rest % (C / 4)) * 4;
+}
+
+// Copies a row-major R×C tile (row stride ld floats) into the core-matrix layout with cp.async.
+template <int R, int C, int THREADS>
+__device__ __forceinline__ void load_tile_async(float* tile, const float* src, size_t ld) {
+#pragma unroll
+    for (int i = threadIdx.x; i < R * C / 4; i += THREADS) {
+        int r, c;
+        chunk_coords<C>(i, r, c);
+        cp_async_16(tile + cm_offset<R>(r, c), src + r * ld + c);
+    }
+}
+
+struct WgParams {
+    const float* Q;    // [heads][N][D]
+    const float* Kp;   // [PARTS][heads][Mpad][D]: K split into TF32 parts, zero rows past M
+    const float* Vtp;  // [PARTS][heads][D][Mpad]: Vᵀ split, keys kperm-ed per 8-key block
+    float* O;          // [heads][N][D], or the split partials [splits][heads][N][D]
+    float* lse;        // [heads][N],    or [splits][heads][N]
+    int heads, N, M, Mpad;
+    float scale_log2;  // scale·log2(e): the softmax runs in base 2
+    int splits;
+};
+
+// ---------------------------------------------------------------------------------------------
+// The preparation pass.
+
+// Kp[part][h][r][:] = part(K[h][r][:]) for r < M, zeros for M <= r < Mpad. One float4 per thread.
+template <bool kThree>
+__global__ void split_keys(const float* K, float* Kp, int heads, int M, int Mpad, int D) {
+    const size_t part = static_cast<size_t>(heads) * Mpad * D;
+    const size_t n4 = part / 4;
+    for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n4;
+         i += static_cast<size_t>(gridDim.x) * blockDim.x) {
+        const size_t e = 4 * i;
+        const int c = static_cast<int>(e % D);
+        const size_t hr = e / D;
+        const int r = static_cast<int>(hr % Mpad), h = static_cast<int>(hr / Mpad);
+        const float4 v = r < M ? *reinterpret_cast<const float4*>(K + (static_cast<size_t>(h) * M + r) * D + c)
+                               : make_float4(0.f, 0.f, 0.f, 0.f);
+        uint32_t hi[4], lo[4];
+        split<kThree>(v.x, hi[0], lo[0]);
+        split<kThree>(v.y, hi[1], lo[1]);
+        split<kThree>(v.z, hi[2], lo[2]);
+        split<kThree>(v.w, hi[3], lo[3]);
+        *reinterpret_cast<uint4*>(Kp + e) = make_uint4(hi[0], hi[1], hi[2], hi[3]);
+        if (kThree) *reinterpret_cast<uint4*>(Kp + part + e) = make_uint4(lo[0], lo[1], lo[2], lo[3]);
+    }
+}
+
+// Vtp[part][h][c][pos] = part(V[h][key][c]) with key = 8·(pos/8) + kperm(pos%8), zeros for keys
+// >= M. A 32×32 transpose through shared memory per block of (32, 8) threads.
+template <bool kThree>
+__global__ void transpose_split_values(const float* V, float* Vtp, int heads, int M, int Mpad, int D) {
+    __shared__ float tile[32][33];  // +1: the column reads below hit 32 distinct banks
+    const int h = blockIdx.z, key0 = blockIdx.x * 32, col0 = blockIdx.y * 32;
+    const float* Vh = V + static_cast<size_t>(h) * M * D;
+    for (int y = threadIdx.y; y < 32; y += 8) {
+        const int key = key0 + y;
+        tile[y][threadIdx.x] = key < M ? Vh[static_cast<size_t>(key) * D + col0 + threadIdx.x] : 0.f;
+    }
+    __syncthreads();
+    const size_t part = static_cast<size_t>(heads) * D * Mpad;
+    const int pos = threadIdx.x, src = (pos & ~7) + kperm(pos & 7);
+    for (int y = threadIdx.y; y < 32; y += 8) {
+        const size_t o = (static_cast<size_t>(h) * D + col0 + y) * Mpad + key0 + pos;
+        uint32_t hi, lo;
+        split<kThree>(tile[src][y], hi, lo);
+        Vtp[o] = __uint_as_float(hi);
+        if (kThree) Vtp[part + o] = __uint_as_float(lo);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The kernel. Grid: x = query blocks (reversed, so the longest causal blocks start first),
+// y = heads, z = KV splits. Shared memory: Q [PARTS][BR×D], then 2 stages of {K [PARTS][BC×D],
+// Vᵀ [PARTS][D×BC]}, all in the core-matrix layout.
+
+// Issues S(64×BC) = Q_wg·K_jᵀ for the warpgroup's 64 rows, small terms first, as one wgmma group;
+// s is valid after the next wg::wait.
+template <class T>
+__device__ __forceinline__ void qk_issue(float (&s)[T::BC / 8][4], const float* Qs, const float* Ks, int wg) {
+    wg::fence();
+#pragma unroll
+    for (int ks = 0; ks < T::D / 8; ++ks) {
+        // The warpgroup's rows 64·wg.. of the BR-row Q tile start 8·wg core matrices in.
+        const uint64_t q_hi = tile_desc<T::BR>(Qs + wg * 64 * 4, ks * 8);
+        const uint64_t k_hi = tile_desc<T::BC>(Ks, ks * 8);
+        if constexpr (T::THREE) {
+            const uint64_t q_lo = tile_desc<T::BR>(Qs + T::Q_PART + wg * 64 * 4, ks * 8);
+            const uint64_t k_lo = tile_desc<T::BC>(Ks + T::K_PART, ks * 8);
+            wg::Wgmma<T::BC>::ss(s, q_lo, k_hi, ks > 0);
+            wg::Wgmma<T::BC>::ss(s, q_hi, k_lo, 1);
+            wg::Wgmma<T::BC>::ss(s, q_hi, k_hi, 1);
+        } else {
+            wg::Wgmma<T::BC>::ss(s, q_hi, k_hi, ks > 0);
+        }
+    }
+    wg::commit();
+}
+
+// Issues acc(64×D) = P(64×BC)·V_j as one wgmma group. P's A fragment for keys 8kk.. is s[kk]
+// under kperm: {s0, s2, s1, s3}, split into TF32 parts in hi/lo, which must stay untouched until
+// the group completes. The caller adds acc to O in FP32 after wg::wait (a fresh accumulator per
+// tile: the tensor cores' own long accumulation truncates).
+template <class T>
+__device__ __forceinline__ void pv_issue(float (&acc)[T::D / 8][4], uint32_t (&hi)[T::BC / 8][4],
+                                         uint32_t (&lo)[T::BC / 8][4], const float (&s)[T::BC / 8][4],
+                                         const float* Vts) {
+#pragma unroll
+    for (int kk = 0; kk < T::BC / 8; ++kk) {
+        constexpr int kFrag[4] = {0, 2, 1, 3};
+#pragma unroll
+        for (int e = 0; e < 4; ++e) split<T::THREE>(s[kk][kFrag[e]], hi[kk][e], lo[kk][e]);
+    }
+    wg::fence();
+#pragma unroll
+    for (int kk = 0; kk < T::BC / 8; ++kk) {
+        const uint64_t v_hi = tile_desc<T::D>(Vts, kk * 8);
+        if constexpr (T::THREE) {
+            const uint64_t v_lo = tile_desc<T::D>(Vts + T::V_PART, kk * 8);
+            wg::Wgmma<T::D>::rs(acc, lo[kk], v_hi, kk > 0);
+            wg::Wgmma<T::D>::rs(acc, hi[kk], v_lo, 1);
+            wg::Wgmma<T::D>::rs(acc, hi[kk], v_hi, 1);
+        } else {
+            wg::Wgmma<T::D>::rs(acc, hi[kk], v_hi, kk > 0);
+        }
+    }
+    wg::commit();
+}
+
+template <class T, bool kCausal>
+__global__ void __launch_bounds__(T::THREADS, 1) flash_wgmma_kernel(const WgParams p) {
+#if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    __trap();  // built for sm_90a only; never launched elsewhere (device_is_sm90)
+#else
+    extern __shared__ float4 smem_f4[];
+    float* const Qs = reinterpret_cast<float*>(smem_f4);  // [PARTS][BR×D]
+    float* const stages = Qs + T::PARTS * T::Q_PART;       // [2][STAGE]
+
+    const int qblock = gridDim.x - 1 - blockIdx.x;
+    const int head = blockIdx.y, split_id = blockIdx.z;
+    const int wg = threadIdx.x / kWarpgroup, warp = (threadIdx.x % kWarpgroup) / 32;
+    const int lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
+    const int q0 = qblock * T::BR;
+    const int wg_row0 = q0 + wg * 64;            // the warpgroup's first query row
+    const int warp_row0 = wg_row0 + warp * 16;   // the warp's
+    const int row0 = warp_row0 + g;              // the thread's rows: row0 and row0 + 8
+
+    // The KV tiles this block visits: all, or (causal) those up to its last row; this split's share.
+    int n_tiles = ceil_div(p.M, T::BC);
+    if (kCausal) n_tiles = min(n_tiles, ceil_div(min(q0 + T::BR, p.N), T::BC));
+    const int per_split = ceil_div(n_tiles, p.splits);
+    const int tile_begin = min(n_tiles, split_id * per_split);
+    const int tile_end = min(n_tiles, tile_begin + per_split);
+
+    // Tile t's K and Vᵀ live in stage (t - tile_begin) % 2; tile j+1 loads while tile j is used.
+    const size_t k_part = static_cast<size_t>(p.heads) * p.Mpad * T::D;  // = Vᵀ's part size
+    const float* Kh = p.Kp + static_cast<size_t>(head) * p.Mpad * T::D;
+    const float* Vth = p.Vtp + static_cast<size_t>(head) * T::D * p.Mpad;
+    auto stage_of = [&](int j) { return stages + ((j - tile_begin) & 1) * T::STAGE; };
+    auto load_stage = [&](int j) {
+        float* const stage = stage_of(j);
+#pragma unroll
+        for (int part = 0; part < T::PARTS; ++part) {
+            load_tile_async<T::BC, T::D, T::THREADS>(stage + part * T::K_PART,
+                                                      Kh + part * k_part + static_cast<size_t>(j) * T::BC * T::D, T::D);
+            load_tile_async<T::D, T::BC, T::THREADS>(stage + T::PARTS * T::K_PART + part * T::V_PART,
+                                                      Vth + part * k_part + static_cast<size_t>(j) * T::BC, p.Mpad);
+        }
+        cp_async_commit();
+    };
+    if (tile_begin < tile_end) load_stage(tile_begin);
+
+    // Q, split into hi/lo parts in the core-matrix layout, while the first tile loads. Rows past
+    // N are zeros and never stored.
+    const float* Qh = p.Q + static_cast<size_t>(head) * p.N * T::D;
+    for (int i = threadIdx.x; i < T::BR * T::D / 4; i += T::THREADS) {
+        int r, c;
+        chunk_coords<T::D>(i, r, c);
+        const float4 v = q0 + r < p.N
+            ? *reinterpret_cast<const float4*>(Qh + static_cast<size_t>(q0 + r) * T::D + c)
+            : make_float4(0.f, 0.f, 0.f, 0.f);
+        uint32_t hi[4], lo[4];
+        split<T::THREE>(v.x, hi[0], lo[0]);
+        split<T::THREE>(v.y, hi[1], lo[1]);
+        split<T::THREE>(v.z, hi[2], lo[2]);
+        split<T::THREE>(v.w, hi[3], lo[3]);
+        *reinterpret_cast<uint4*>(Qs + cm_offset<T::BR>(r, c)) = make_uint4(hi[0], hi[1], hi[2], hi[3]);
+        if constexpr (T::THREE)
+            *reinterpret_cast<uint4*>(Qs + T::Q_PART + cm_offset<T::BR>(r, c)) = make_uint4(lo[0], lo[1], lo[2], lo[3]);
+    }
+
+    float o[T::D / 8][4];
+#pragma unroll
+    for (int nt = 0; nt < T::D / 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o[nt][e] = 0.f;
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+
+    for (int j = tile_begin; j < tile_end; ++j) {
+        cp_async_wait<0>();       // this thread's copies of tile j have landed
+        wg::fence_proxy_async();  // ... and, with Q's stores, are visible to wgmma
+        __syncthreads();          // everyone's are; everyone is done with tile j-1's stage
+        if (j + 1 < tile_end) load_stage(j + 1);
+
+        const int key0 = j * T::BC;
+        if (kCausal && key0 > wg_row0 + 63) continue;  // the whole tile is above this warpgroup's rows
+        float* const stage = stage_of(j);
+        float s[T::BC / 8][4];
+        qk_issue<T>(s, Qs, stage, wg);  // S = Q Kᵀ
+        wg::wait<0>();
+        wg::fence_operands(s);
+        scale_tile<T::BC>(s, p.scale_log2);
+        if (key0 + T::BC > p.M || (kCausal && key0 + T::BC - 1 > warp_row0))
+            mask_tile<T::BC, kCausal>(s, key0, p.M, row0, t);
+        online_softmax<T::BC, T::D>(s, o, m, l);  // P = exp(S − m), l, O rescaled
+        float acc[T::D / 8][4];
+        uint32_t hi[T::BC / 8][4], lo[T::BC / 8][4];
+        pv_issue<T>(acc, hi, lo, s, stage + T::PARTS * T::K_PART);  // acc = P V
+        wg::wait<0>();
+        wg::fence_operands(acc);
+#pragma unroll
+        for (int nt = 0; nt < T::D / 8; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) o[nt][e] += acc[nt][e];
+    }
+
+    float* O = p.O + (static_cast<size_t>(split_id) * p.heads + head) * p.N * T::D;
+    float* lse = p.lse + (static_cast<size_t>(split_id) * p.heads + head) * p.N;
+    store_rows<T::D>(o, m, l, O, lse, row0, p.N, t);
+#endif
+}
+
+// ---------------------------------------------------------------------------------------------
+// The wgmma TF32 ceiling for bench.cu: two warpgroups per block each issue batches of
+// m64n128k8 wgmma (A and B from one shared tile, no loads in the loop) into one accumulator.
+
+constexpr int kPeakN = 128, kPeakBatches = 512, kPeakBatch = 16, kPeakWarpgroups = 2;
+
+__global__ void __launch_bounds__(kPeakWarpgroups * kWarpgroup, 1) wgmma_peak_kernel(float* sink) {
+#if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    __trap();
+#else
+    __shared__ alignas(128) float tile[(64 + kPeakN) * 8];  // A (64×8) then B (kPeakN×8)
+    for (int i = threadIdx.x; i < (64 + kPeakN) * 8; i += blockDim.x) tile[i] = 1.f + 1e-3f * (i % 97);
+    wg::fence_proxy_async();
+    __syncthreads();
+    const uint64_t da = tile_desc<64>(tile, 0), db = tile_desc<kPeakN>(tile + 64 * 8, 0);
+    float acc[kPeakN / 8][4] = {};
+    for (int b = 0; b < kPeakBatches; ++b) {
+        wg::fence();
+#pragma unroll
+        for (int k = 0; k < kPeakBatch; ++k) wg::Wgmma<kPeakN>::ss(acc, da, db, 1);
+        wg::commit();
+        wg::wait<0>();
+    }
+    wg::fence_operands(acc);
+    float x = 0.f;
+#pragma unroll
+    for (int j = 0; j < kPeakN / 8; ++j) x += acc[j][0] + acc[j][1] + acc[j][2] + acc[j][3];
+    if (x == 1234.5f) *sink = x;  // keeps the work alive; never true in practice
+#endif
+}
+
+// ---------------------------------------------------------------------------------------------
+// Host side.
+
+struct Plan {
+    int Br = 0, Bc = 0, splits = 1;
+};
+
+// The kernel is sm_90a machine code: it runs on compute capability 9.0 exactly.
+bool device_is_sm90() {
+    static int cc = -1;
+    if (cc < 0) {
+        int dev = 0, major = 0, minor = 0;
+        CUDA_CHECK(cudaGetDevice(&dev));
+        CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+        CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
+        cc = 10 * major + minor;
+    }
+    return cc == 90;
+}
+
+template <class T, bool kCausal>
+int blocks_per_sm() {
+    static int cached = 0;
+    if (cached == 0) {
+        auto kernel = flash_wgmma_kernel<T, kCausal>;
+        CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(T::SMEM_BYTES)));
+        CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&cached, kernel, T::THREADS, T::SMEM_BYTES));
+        if (cached < 1) cached = 1;
+    }
+    return cached;
+}
+
+// Split the KV loop only when the blocks would leave SMs idle (as flash_fast.cu does).
+template <class T, bool kCausal>
+int choose_splits(const FlashArgs& a) {
+    const long long blocks = static_cast<long long>(a.heads) * ceil_div(a.N, T::BR);
+    const long long slots = static_cast<long long>(flash_sm_count()) * blocks_per_sm<T, kCausal>();
+    if (blocks >= slots) return 1;
+    const int n_tiles = ceil_div(a.M, T::BC);
+    int splits = static_cast<int>((slots + blocks - 1) / blocks);
+    splits = std::min(splits, std::max(1, n_tiles / 2));
+    return std::max(1, std::min(splits, kMaxSplits));
+}
+
+template <class T>
+size_t operand_floats(const FlashArgs& a) {  // Kp + Vtp
+    return 2 * static_cast<size_t>(T::PARTS) * a.heads * (ceil_div(a.M, T::BC) * T::BC) * T::D;
+}
+
+template <class T, bool kCausal>
+void launch(const FlashArgs& a, int splits, cudaStream_t stream) {
+    auto kernel = flash_wgmma_kernel<T, kCausal>;
+    blocks_per_sm<T, kCausal>();  // also raises the shared-memory limit
+    const int Mpad = ceil_div(a.M, T::BC) * T::BC;
+    const size_t part = static_cast<size_t>(a.heads) * Mpad * T::D;
+    const size_t rows = static_cast<size_t>(a.heads) * a.N;
+    const size_t partial_floats = splits > 1 ? static_cast<size_t>(splits) * rows * (a.d + 1) : 0;
+    float* ws = nullptr;
+    CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&ws),
+                               (operand_floats<T>(a) + partial_floats) * sizeof(float), stream));
+    float* const Kp = ws;
+    float* const Vtp = ws + T::PARTS * part;
+
+    split_keys<T::THREE><<<std::min<size_t>(part / 4 / 256 + 1, 8192), 256, 0, stream>>>(a.K, Kp, a.heads, a.M, Mpad, T::D);
+    LAUNCH_CHECK(split_keys);
+    transpose_split_values<T::THREE><<<dim3(Mpad / 32, T::D / 32, a.heads), dim3(32, 8), 0, stream>>>(
+        a.V, Vtp, a.heads, a.M, Mpad, T::D);
+    LAUNCH_CHECK(transpose_split_values);
+
+    WgParams p{a.Q, Kp, Vtp, a.O, a.lse, a.heads, a.N, a.M, Mpad, a.scale * kLog2e, splits};
+    if (splits > 1) {
+        p.O = Vtp + T::PARTS * part;
+        p.lse = p.O + static_cast<size_t>(splits) * rows * a.d;
+    }
+    const dim3 grid(ceil_div(a.N, T::BR), a.heads, splits);
+    kernel<<<grid, T::THREADS, T::SMEM_BYTES, stream>>>(p);
+    LAUNCH_CHECK(flash_wgmma_kernel);
+    if (splits > 1) flash_combine_splits(p.O, p.lse, a.O, a.lse, rows, a.d, splits, stream);
+    CUDA_CHECK(cudaFreeAsync(ws, stream));
+}
+
+// One tile configuration: plan (and launch) for causality; forced_splits <= 0 chooses.
+template <class T>
+bool run_config(const FlashArgs& a, int forced_splits, Plan* plan, size_t* ws_per_head, bool do_launch,
+                cudaStream_t stream) {
+    if (ws_per_head) {
+        FlashArgs one = a;
+        one.heads = 1;
+        *ws_per_head = operand_floats<T>(one) * sizeof(float);
+        return true;
+    }
+    int splits = forced_splits > 0 ? forced_splits
+                                   : (a.causal ? choose_splits<T, true>(a) : choose_splits<T, false>(a));
+    splits = std::max(1, std::min(splits, ceil_div(a.M, T::BC)));
+    if (plan) *plan = Plan{T::BR, T::BC, splits};
+    if (!do_launch) return true;
+    if (a.causal) launch<T, true>(a, splits, stream);
+    else launch<T, false>(a, splits, stream);
+    return true;
+}
+
+// The configurations per head width and precision (the fastest of a sweep on an H100, B4 H16
+// N=M=4096, TFLOP/s non-causal | causal; docs/performance.md). Shared memory per block:
+//   3xTF32 d64:  2 warpgroups, Bc 64, 192 KB: 49-51 | 43   (1 warpgroup, Bc 32 or 64: 32-33 | 29-30)
+//   3xTF32 d128: 1 warpgroup,  Bc 32, 192 KB: 31 | 28      (2 warpgroups need 256 KB)
+//   TF32   d64:  2 warpgroups, Bc 64,  96 KB: 100 | 81     (Bc 128: 99 | 84; 1 warpgroup: 66 | 58)
+//   TF32   d128: 2 warpgroups, Bc 64, 192 KB: 105 | 94     (Bc 32: 97 | 78; 1 warpgroup: 66 | 58)
+// Registers: 234 / 242 (3xTF32 d64, causal), 204 / 210 (d128), no spills.
+bool dispatch(const FlashArgs& a, int forced_splits, Plan* plan, size_t* ws_per_head, bool do_launch,
+              cudaStream_t stream) {
+    if (a.heads < 1 || a.heads > 65535 || a.N < 1 || a.M < 1 || !device_is_sm90()) return false;
+    const bool three = a.precision == Precision::fp32;
+    switch (a.d) {
+        case 64:
+            return three ? run_config<WgTiles<64, 64, 2, true>>(a, forced_splits, plan, ws_per_head, do_launch, stream)
+                         : run_config<WgTiles<64, 64, 2, false>>(a, forced_splits, plan, ws_per_head, do_launch, stream);
+        case 128:
+            return three ? run_config<WgTiles<128, 32, 1, true>>(a, forced_splits, plan, ws_per_head, do_launch, stream)
+                         : run_config<WgTiles<128, 64, 2, false>>(a, forced_splits, plan, ws_per_head, do_launch, stream);
+        default:
+            return false;  // no configuration: the mma.sync or clean kernel handles it
+    }
+}
+
+}  // namespace
+
+bool flash_wgmma_plan(const FlashArgs& a, int* Br, int* Bc, int* splits) {
+    Plan plan;
+    if (!dispatch(a, 0, &plan, nullptr, false, nullptr)) return false;
+    if (Br) *Br = plan.Br;
+    if (Bc) *Bc = plan.Bc;
+    if (splits) *splits = plan.splits;
+    return true;
+}
+
+bool flash_forward_wgmma(const FlashArgs& a, cudaStream_t stream, int splits) {
+    return dispatch(a, splits, nullptr, nullptr, true, stream);
+}
+
+double launch_wgmma_peak(float* sink, cudaStream_t stream) {
+    if (!device_is_sm90()) return 0;
+    const int blocks = flash_sm_count();
+    wgmma_peak_kernel<<<blocks, kPeakWarpgroups * kWarpgroup, 0, stream>>>(sink);
+    LAUNCH_CHECK(wgmma_peak_kernel);
+    return 2.0 * 64 * kPeakN * 8 * double(kPeakBatch) * kPeakBatches * kPeakWarpgroups * blocks;
+}
+
+// Where this kernel beats flash_fast.cu's mma.sync kernel on the same shape (H100, B4 H16
+// N=M=4096): 3xTF32 at d = 64 (49-51 vs 44 TFLOP/s; causal 43 vs 39). At d = 128 (31 vs 48) and in
+// TF32 (100-105 vs 104-119) the mma.sync kernel is faster, so `auto` keeps it there.
+bool flash_wgmma_preferred(const FlashArgs& a) { return a.d == 64 && a.precision == Precision::fp32; }
+
+size_t flash_wgmma_workspace_bytes_per_head(const FlashArgs& a) {
+    size_t bytes = 0;
+    return dispatch(a, 0, nullptr, &bytes, false, nullptr) ? bytes : 0;
+}
+
+}  // namespace attnstep
