@@ -48,6 +48,7 @@ class Kernel:
     flash_product_var: float  # variance of one product in the flash GEMMs, in units of (u·ab)²
     common_scale: bool    # the flash logits carry one rounded scale factor common to the head
     lse_roundings: int    # roundings of lse's magnitude: m + log l, log2-domain conversions
+    final_roundings: int  # roundings of each flash_output element after the accumulation
     mma_passes: int = 0   # flash GEMMs on tensor cores: mma.sync per 8-long chunk of the sum
 
 
@@ -64,16 +65,19 @@ KERNELS = {
     # Tensor-core mma.sync accumulates with truncation, not rounding: each of the 3 (3xTF32)
     # mma per 8-long chunk can lose up to one ulp of the running sum, all in the same direction
     # (measured on an H100: flash_lse of uniform data off by ~26u, one-signed). A bias does not
-    # average out, so it enters the bound as det: 3·2u·Σ_chunks |partial sum|.
-    "cuda": Kernel(_GPU_EXP_VAR, _GPU_FLASH_PRODUCT_VAR, True, 4, mma_passes=3),
+    # average out, so it enters the bound as det: 3·2u·Σ_chunks |partial sum|. Four final
+    # roundings of O: the division by l and the split-KV combine (rescale, add, divide).
+    "cuda": Kernel(_GPU_EXP_VAR, _GPU_FLASH_PRODUCT_VAR, True, 4, 4, mma_passes=3),
     # cpu (cuda_src/cpu/backend_cpu.cpp): std::exp correctly rounded in practice (one rounding),
     # plain float32 products (no FMA without -march), the float32 scale exactly as run.toml says.
-    "cpu": Kernel(ROUND_VAR, ROUND_VAR, False, 2),
+    # lse = m + log(l) with m an exact float32 logit: one rounding of lse's magnitude (log's own
+    # is the LOG_ULPS term). O·(1/l): two final roundings (the reciprocal and the product).
+    "cpu": Kernel(ROUND_VAR, ROUND_VAR, False, 1, 2),
 }
 # Unknown backend: the larger of each.
 ANY_KERNEL = Kernel(*(max(getattr(k, f) for k in KERNELS.values())
                       for f in ("exp_var", "flash_product_var", "common_scale", "lse_roundings",
-                                "mma_passes")))
+                                "final_roundings", "mma_passes")))
 MMA_K = 8  # the k extent of one mma.sync m16n8k8
 # Per key element, the flash kernels round the logit once before exp (S·scale, or S·scale·log2e
 # in the fast kernel).
@@ -81,10 +85,9 @@ FLASH_LOGIT_ROUNDINGS = 1
 # The online softmax rescales its running sums (O and l) by exp(m_old - m_new) once per key tile
 # (Bc ≥ 8 keys): at most one more rounding of the partial sum per 8 keys.
 FLASH_RESCALE_FACTOR = 1.0 + 1.0 / 8.0
-# Final per-element roundings after the accumulation: the softmax's 1/l and ·(1/l); flash's
-# division by l and the split-KV combine (rescale, add, divide).
+# Final per-element roundings after the accumulation: the softmax's 1/l and ·(1/l) (flash's are
+# per kernel: Kernel.final_roundings).
 SOFTMAX_FINAL_ROUNDINGS = 2
-FLASH_FINAL_ROUNDINGS = 4
 # Absolute floor: float32 flushes or underflows results below 2⁻¹²⁶ ≈ 1.2e-38 (exp of logits
 # more than ~87 below the row max, FTZ on the GPU); 2⁻¹¹⁰ ≈ 7.7e-34 covers that and stays far
 # below any value an attention stage produces at ordinary magnitudes.
@@ -293,26 +296,33 @@ def _f32_subtraction_error(S: np.ndarray, m: np.ndarray, d: np.ndarray, u: float
 
 
 def _rowsum_step_var(p: np.ndarray, u: float) -> np.ndarray:
-    """max(index order, reverse order) of Σ_k var(rounding of s_k) for each row's Σ_k p_k (N,),
-    block by block of rows (each row's sums are its own, so blocking changes no bit)."""
+    """max(index order, reverse order) of Σ_k var(rounding of s_k)/l² for each row's sum
+    l = Σ_k e_k (N,), block by block of rows (each row's sums are its own, so blocking changes no
+    bit). The binary sums e_k = exp(S_k - m), not p_k: e = p·l with e = 1 at the row max (exp(0)
+    is exact), so l = 1/max(p). The roundings are those of the e-sums' binades: the p-sums lie
+    in [1/l, 1), a binade below the e-sums in [1, l) whenever l < 2, and their ulp is half
+    (found by the false-alarm suite: a row of `large` data whose ~100 keys add to l ≈ 1.009
+    rounded 8.7u off, twice the σ the p-sums gave)."""
     N, M = p.shape
     out = np.empty(N)
     rows = max(1, _ROW_BLOCK_ELEMS // max(1, M))
     for r0 in range(0, N, rows):
-        pb = p[r0:r0 + rows]
-        s = np.cumsum(pb, axis=1)
-        t2 = pb * pb
-        fwd = _step_var(s, pb, u, t2).sum(axis=1)
-        np.subtract(1.0, s, out=s)             # reverse order's partial sums: 1 - s + p
-        s += pb
-        bwd = _step_var(s, pb, u, t2).sum(axis=1)
-        out[r0:r0 + rows] = np.maximum(fwd, bwd)
+        top = p[r0:r0 + rows].max(axis=1, keepdims=True)
+        l = 1.0 / np.where(top > 0, top, 1.0)  # a wholly masked row (p = 0) sums nothing
+        eb = p[r0:r0 + rows] * l
+        s = np.cumsum(eb, axis=1)
+        t2 = eb * eb
+        fwd = _step_var(s, eb, u, t2).sum(axis=1)
+        np.subtract(l, s, out=s)               # reverse order's partial sums: l - s + e
+        s += eb
+        bwd = _step_var(s, eb, u, t2).sum(axis=1)
+        out[r0:r0 + rows] = np.maximum(fwd, bwd) / (l[:, 0] * l[:, 0])
     return out
 
 
 def _rowsum_rel_var(p: np.ndarray, u: float, extra_roundings: float = 1.0,
                     cache: Optional[HeadCache] = None) -> np.ndarray:
-    """Relative variance of l = Σ_j e_j (N×1), from the partial sums of p in index or reverse
+    """Relative variance of l = Σ_j e_j (N×1), from the partial sums of e in index or reverse
     order (positive terms: any other order's partial sums are no larger on average)."""
     steps = _memo(cache, "rowsum", (p,), (u,), lambda: _rowsum_step_var(p, u))
     return (extra_roundings * steps)[:, None]
@@ -437,10 +447,10 @@ def _flash_output_var_det(src, scale: float, causal: bool, u: float, kernel: Ker
     S, p, m, eta_var, l_var, s_det = _flash_parts(src, scale, causal, u, kernel, cache)
     O = _pv(p, V, cache)
     # P̃·V accumulated key by key (plus the tile rescales); the final division (and, on the
-    # GPU, the split-KV combine) adds FLASH_FINAL_ROUNDINGS roundings of O.
+    # GPU, the split-KV combine) adds kernel.final_roundings roundings of O.
     pv_var = FLASH_RESCALE_FACTOR * _pv_var(p, V, u, kernel.flash_product_var, cache)
     var = (pv_var + _mixed_output_var(p, eta_var, V, O, cache) + O * O * l_var
-           + FLASH_FINAL_ROUNDINGS * ROUND_VAR * (u * O) ** 2)
+           + kernel.final_roundings * ROUND_VAR * (u * O) ** 2)
     # One-signed parts: a common scale error and tensor-core truncation of the logits move
     # O by at most Σ_j p_j·|ΔS_j|·|v_j - O|; truncation in P̃·V adds its own.
     w = p * s_det
@@ -629,12 +639,15 @@ def describe_model() -> str:
     rounding never errs by more than the smaller addend. QK_scaled: det = 2u|ref|.
     attention_weights: the relative error η_j of exp(S_j - m) (the subtraction u|S_j - m|, exp's
     error as measured on the GPU) propagated through the normalization: Δp_j = p_j[(1-p_j)η_j -
-    Σ_k≠j p_k η_k - ε_l], ε_l the row sum's rounding; then 1/l and the multiply.
+    Σ_k≠j p_k η_k - ε_l], ε_l the rounding of the row sum of exp(S - m) (in its own binades,
+    1 ≤ l ≤ M); then 1/l and the multiply.
     flash_output: logit errors (the QK dot product, 3xTF32 products on the GPU, the logit's
     rounding, exp) enter as Σ_j p_j η_j (v_j - O); the online P·V and l sums (a rounding per
-    tile rescale); the final division; on the GPU the scale·log2e factor's rounding and the
-    tensor cores' truncating accumulation (≤ 1 ulp per mma, one-signed: det).
-    flash_lse: Σ_j p_j η_j + ε_l + log ({LOG_ULPS:g} ulp) + roundings of m + log l.
+    tile rescale); the final 1/l and product (on the GPU the division and split-KV combine);
+    on the GPU the scale·log2e factor's rounding and the tensor cores' truncating accumulation
+    (≤ 1 ulp per mma, one-signed: det).
+    flash_lse: Σ_j p_j η_j + ε_l + log ({LOG_ULPS:g} ulp) + roundings of m + log l (one on the
+    CPU; the log2-domain conversions too on the GPU).
     Masked entries (-inf) must match exactly; NaN never passes; floor 2^-110 (float32
     underflow, FTZ). Chained checking adds each upstream stage's error propagated through it.
     """
