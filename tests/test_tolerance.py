@@ -9,6 +9,8 @@ the typical error (the RMS error of the index-order computation) must fail.
 """
 from __future__ import annotations
 
+import zlib
+
 import numpy as np
 import pytest
 
@@ -163,6 +165,13 @@ DISTS = ["uniform", "normal", "large"]
 STAGE_PATH = ["QK", "QK_scaled", "attention_weights", "output"]
 
 
+def seed_of(*parts):
+    """A seed from the case's parameters that does not depend on PYTHONHASHSEED (hash() of a
+    tuple with strings does: with PYTHONHASHSEED=3 N40-M24-d64-normal-full drew data on which
+    OpenBLAS's sgemm exceeded the QK bound of the time, 1.10×, and CI was flaky)."""
+    return zlib.crc32(repr(parts).encode())
+
+
 def case_id(shape, dist, causal):
     return f"N{shape[0]}-M{shape[1]}-d{shape[2]}-{dist}-{'causal' if causal else 'full'}"
 
@@ -174,7 +183,7 @@ CASES = [(s, d, c) for s in SHAPES for d in DISTS for c in (False, True)]
 def test_no_false_failures_stage_path(shape, dist, causal):
     """Every stage-path stage, isolated and chained, in six summation orders: nothing fails."""
     N, M, d = shape
-    rng = np.random.default_rng(hash((shape, dist, causal)) % 2**32)
+    rng = np.random.default_rng(seed_of(shape, dist, causal))
     scale = float(f32(1 / np.sqrt(d)))
     worst = 0.0
     for order in MATMULS:
@@ -196,13 +205,96 @@ def test_no_false_failures_stage_path(shape, dist, causal):
     assert worst < 0.9  # headroom: the worst correct error uses < 90% of the bound
 
 
+# --- the dot products in every summation order a float32 GEMM uses ------------------------------
+
+def mm_fma_lanes(A, B, lanes):
+    """`lanes` interleaved FMA accumulators (k ≡ i mod lanes), then added in order: numpy's
+    OpenBLAS sgemm (Haswell kernel) sums some row tiles so, with lanes = 2."""
+    A, B = A.astype(np.float64), B.astype(np.float64)
+    acc = [np.zeros((A.shape[0], B.shape[1]), f32) for _ in range(lanes)]
+    for k in range(A.shape[1]):  # float64 product exact, one rounding per FMA
+        acc[k % lanes] = (acc[k % lanes] + A[:, k, None] * B[None, k, :]).astype(f32)
+    out = acc[0]
+    for a in acc[1:]:
+        out = out + a
+    return out
+
+
+def mm_blocked(A, B, block, fma=True):
+    """Blocks of `block` consecutive k, each accumulated from 0 (FMA), block sums added in order:
+    restarted k-tiles, split-K."""
+    return sum_in_order([mm_seq(A[:, k:k + block], B[k:k + block], fma=fma)
+                         for k in range(0, A.shape[1], block)])
+
+
+def sum_in_order(parts):
+    out = parts[0]
+    for p in parts[1:]:
+        out = out + p
+    return out
+
+
+GEMM_ORDERS = {
+    "seq": mm_seq, "fma": lambda A, B: mm_seq(A, B, fma=True),
+    "reverse_fma": lambda A, B: mm_seq(A, B, reverse=True, fma=True),
+    "blas": lambda A, B: A.astype(f32) @ B.astype(f32), "pairwise": mm_pairwise,
+    "fma_lanes2": lambda A, B: mm_fma_lanes(A, B, 2), "fma_lanes4": lambda A, B: mm_fma_lanes(A, B, 4),
+    "fma_lanes32": lambda A, B: mm_fma_lanes(A, B, 32),
+    "blocks4": lambda A, B: mm_blocked(A, B, 4, fma=False), "fma_blocks16": lambda A, B: mm_blocked(A, B, 16),
+    "split3": lambda A, B: mm_blocked(A, B, -(-A.shape[1] // 3)),
+}
+
+
+def test_qk_bound_holds_for_the_data_pythonhashseed_3_drew():
+    """The case the hash()-seeded suite drew with PYTHONHASHSEED=3 (N40-M24-d64-normal-full, seed
+    4058651962): OpenBLAS's two-accumulator sgemm order reached 1.10× the QK bound of the time
+    (index, reverse and random orders only); 0.51 now."""
+    rng = np.random.default_rng(4058651962)
+    for order in MATMULS:  # the draws the stage-path test made, up to the "blas" order
+        Q, K, V = (sample(rng, "normal", sh) for sh in ((40, 64), (24, 64), (24, 64)))
+        if order == "blas":
+            break
+    Q64, K64 = Q.astype(np.float64), K.astype(np.float64)
+    ref = Q64 @ K64.T
+    bound = T.stage_bound("QK", {"Q": Q64, "K": K64}, ref, scale=1.0, causal=False, backend="cpu")
+    for got in (Q @ K.T, mm_fma_lanes(Q, K.T, 2)):
+        assert np.max(error(got, ref) / bound) < 0.7
+
+
+ORDER_SHAPES = [(8, 8, 16), (17, 33, 16), (32, 48, 32), (40, 24, 64), (24, 40, 128), (9, 11, 7),
+                (10, 100, 24)]
+
+
+@pytest.mark.parametrize("dist", DISTS)
+def test_dot_product_bound_covers_every_gemm_summation_order(dist):
+    """QK and output (the two GEMMs) in 11 summation orders, 4 draws per shape: max err/bound stays
+    below 0.75 (measured 0.66 worst over 216 such cases; before the strided and blocked orders
+    entered dot_var: 1.00 for OpenBLAS, 0.97 for FMA blocks of 16, 0.78 for split-K in 3)."""
+    worst = {}
+    for shape in ORDER_SHAPES:
+        N, M, d = shape
+        for draw in range(4):
+            rng = np.random.default_rng(seed_of(shape, dist, draw, "orders"))
+            Q, K, V = (sample(rng, dist, sh) for sh in ((N, d), (M, d), (M, d)))
+            P = softmax32(scale_mask32(Q @ K.T, 1 / np.sqrt(d), False))
+            for stage, A, B in (("QK", Q, K.T), ("output", P, V)):
+                A64, B64 = A.astype(np.float64), B.astype(np.float64)
+                ref = A64 @ B64
+                bound = T.LAMBDA * np.sqrt(T.dot_var(A64, B64, T.UNIT_ROUNDOFF["fp32"])) + T.ABS_FLOOR
+                for order, mm in GEMM_ORDERS.items():
+                    r = float(np.max(error(mm(A, B), ref) / bound))
+                    worst[stage, order] = max(worst.get((stage, order), 0.0), r)
+    bad = {k: round(v, 2) for k, v in worst.items() if v >= 0.75}
+    assert not bad, f"max err/bound per (stage, order): {bad}"
+
+
 FLASH_CASES = [(s, d, c) for s in [(17, 33, 16), (32, 48, 32), (24, 40, 64)] for d in DISTS for c in (False, True)]
 
 
 @pytest.mark.parametrize("shape,dist,causal", FLASH_CASES, ids=[case_id(*c) for c in FLASH_CASES])
 def test_no_false_failures_flash(shape, dist, causal):
     N, M, d = shape
-    rng = np.random.default_rng(hash((shape, dist, causal, "flash")) % 2**32)
+    rng = np.random.default_rng(seed_of(shape, dist, causal, "flash"))
     scale = float(f32(1 / np.sqrt(d)))
     for Bc, sequential in ((16, True), (8, False), (32, "3xtf32")):
         Q, K, V = (sample(rng, dist, sh).astype(np.float64) for sh in ((N, d), (M, d), (M, d)))
@@ -281,7 +373,9 @@ TIGHT = [(s, d) for s in STAGE_PATH + ["flash_output", "flash_lse"] for d in DIS
 # of issue 3's close-out, 10×): QK 0.95/0.82/0.85 → 1.00/0.92/0.92 (uniform/normal/large),
 # attention_weights 0.94/0.93 → 0.99/0.95, output 0.94/0.83 → 1.00/0.92, flash_output
 # 0.91/0.67 → 1.00/0.99, flash_lse 0.73/0.80 → 0.86/0.85; 20× ≥ 0.97 everywhere but flash_lse
-# uniform (0.90). Held with a little margin below.
+# uniform (0.90). Held with a little margin below. Once dot_var took the largest over strided,
+# blocked and split-K orders too (OpenBLAS's order exceeded the bound): QK 1.00/0.92/0.92 →
+# 1.00/0.89/0.89, output 1.00/0.92 → 1.00/0.90 (large 0.71 unchanged); still above 0.88.
 # What stays below: an element is caught iff 10·typical > 6.5·σ, i.e. σ < 1.54× its RMS, and the
 # model's σ is an envelope (the larger of index, reverse and random summation orders; its
 # Benford-averaged roundings), ~1.1-1.2× the RMS at the median, so its upper tail misses.
@@ -379,3 +473,22 @@ def test_describe_model_documents_every_stage_term():
     text = T.describe_model()
     for word in ("QK_scaled", "attention_weights", "flash_output", "flash_lse", "2^-24", "floor"):
         assert word in text
+
+
+@pytest.mark.parametrize("backend", ["cuda", "cpu", None])
+def test_bounds_are_magnitudes_for_a_negative_scale(backend):
+    """A negative scale is legal (--scale -0.74): every bound must still be >= 0. The flash bounds
+    once carried the scale's sign into the tensor-core truncation term, so on the CUDA backend a
+    negative scale failed every flash_lse element of a correct run (GPU false-alarm sweep)."""
+    rng = np.random.default_rng(129)
+    Q, K, V = (sample(rng, "large", sh) for sh in ((9, 128), (5, 128), (5, 128)))
+    for scale in (-0.7434457540512085, 0.7434457540512085):
+        chain = reference_chain({"Q": Q, "K": K, "V": V}, scale, True,
+                                ["Q", "K", "V", "QK", "QK_scaled", "attention_weights", "output",
+                                 "flash_output", "flash_lse"])
+        src = {n: chain[n] for n in ("Q", "K", "V")}
+        for stage in ("QK_scaled", "attention_weights", "output", "flash_output", "flash_lse"):
+            inputs = dict(src, **{n: chain[n] for n in T.STAGES[stage].inputs})
+            bound = T.stage_bound(stage, inputs, chain[stage], scale=scale, causal=True, backend=backend)
+            assert (bound >= 0).all(), (stage, scale, float(bound.min()))
+            assert (T.chained_bound(stage, chain, scale=scale, causal=True, backend=backend) >= 0).all(), stage

@@ -95,7 +95,9 @@ ABS_FLOOR = 2.0**-110
 # Above this many multiply-adds per head the exact partial-sum energy (chunked cumsum) costs too
 # much; the model then uses its expectation over random summation orders, inflated by
 # ENERGY_FALLBACK_FACTOR to cover orders whose partial sums wander further than average.
-ENERGY_EXACT_MAX_MACS = 1 << 27
+# 1 << 24 since dot_var enumerates ~20 summation orders for K = 4096 (was 1 << 27 with 2: a
+# 512×4096×64 head took 68 s instead of 7.6 s; 64×4096×64 now ~9 s).
+ENERGY_EXACT_MAX_MACS = 1 << 24
 ENERGY_FALLBACK_FACTOR = 8.0
 _CHUNK_ELEMS = 1 << 21
 
@@ -175,18 +177,56 @@ def _step_var(partial: np.ndarray, t: np.ndarray, u: float,
     return np.minimum(rv, prev, out=rv)
 
 
+# Structured summation orders dot_var covers besides index and reverse order (measured with
+# tests/test_tolerance.py's float32 simulations, 192 random QK/output cases × 17 orders, max
+# err/bound): with index/reverse/random orders only, numpy's OpenBLAS sgemm (Haswell kernel: some
+# row tiles accumulate even and odd k in two FMA accumulators, then add them) reached 1.00 on QK
+# and index-order blocks of 16 restarted from 0 (split-K style) 0.97: where the index-order walk
+# of partial sums cancels early (one half of the products undoing the other), a strided or blocked
+# order keeps summing at the magnitude of one half, with up to ~2× the variance. The mean over
+# random orders cannot stand in for them: inflating it 2× (enough for 0.72) halves the tightness
+# (10×-typical catch of QK 0.92 → 0.80, output uniform 1.00 → 0.69). With these orders
+# enumerated: QK blas 1.00 → 0.69, blocked 0.97 → 0.64, max over all orders 0.69 (the index
+# order's own Gaussian tail: 6.5σ ≈ 0.69 of 4.5σ over ~10⁶ elements); catch 1.00/0.91/0.91.
+DOT_LANES = (2, 4, 8, 16, 32)   # L interleaved accumulators (SIMD lanes, unrolled FMA chains)
+DOT_MIN_BLOCK = 8               # index-order blocks of 8, 16, … K/2 (k-tiles restarted, split-K)
+DOT_SPLITS = (2, 3, 4, 5, 6, 7, 8)  # split-K into n equal chunks (blocks of ⌈K/n⌉): 3 splits reached 0.78
+
+
+def _strided_var(t: np.ndarray, L: int, u: float, blocked: bool) -> np.ndarray:
+    """Σ var(rounding) of the sum over axis 1 of t (r, K, C) done as L interleaved accumulators
+    (k ≡ i mod L), or (blocked) as blocks of L consecutive terms each summed from 0; then the L
+    lane totals (the K/L block totals) added in order."""
+    r, K, C = t.shape
+    Kp = -(-K // L) * L
+    if Kp > K:
+        t = np.concatenate([t, np.zeros((r, Kp - K, C))], axis=1)
+    tr = t.reshape(r, Kp // L, L, C)
+    axis = 2 if blocked else 1
+    part = np.cumsum(tr, axis=axis)
+    var = _step_var(part, tr, u).sum(axis=(1, 2))
+    totals = part[:, :, -1] if blocked else part[:, -1]
+    var += _step_var(np.cumsum(totals, axis=1), totals, u).sum(axis=1)
+    return var
+
+
 def dot_var(A: np.ndarray, B: np.ndarray, u: float, product_var: float = ROUND_VAR) -> np.ndarray:
     """Variance of the float32 error of each element of A @ B (R×K times K×C), from its products
-    t_k and partial sums s_k: Σ_k var(rounding of s_k), the largest of three summation orders'
-    (index order, reverse order, and the expectation over random orders, which covers blocked,
-    strided and tiled orders whose partial sums wander where the index order's did not), plus
-    product_var·u²·Σ_k t_k² for the products' own rounding (an upper bound when FMA fuses them)."""
+    t_k and partial sums s_k: Σ_k var(rounding of s_k), the largest over the summation orders
+    float32 GEMMs use: index order, reverse order, DOT_LANES interleaved accumulators, index-order
+    blocks of every power of two from DOT_MIN_BLOCK to K/2 and of ⌈K/n⌉ (split-K, n in DOT_SPLITS;
+    each block summed from 0, then the block sums), and the expectation over random orders (for the orders not enumerated); plus
+    product_var·u²·Σ_k t_k² for the products' own rounding (an upper bound when FMA fuses them:
+    an FMA's one rounding is that of the new partial sum, counted above)."""
     A = np.asarray(A, dtype=np.float64)
     B = np.asarray(B, dtype=np.float64)
     R, K = A.shape
     C = B.shape[1]
     if R * K * C > ENERGY_EXACT_MAX_MACS:
         return _expected_var(A, B, u, product_var)
+    blocks = {DOT_MIN_BLOCK << j for j in range(K.bit_length()) if DOT_MIN_BLOCK << j <= K // 2}
+    blocks |= {-(-K // n) for n in DOT_SPLITS if DOT_MIN_BLOCK <= -(-K // n) < K}
+    structured = [(L, False) for L in DOT_LANES if L < K] + [(L, True) for L in sorted(blocks)]
     out = np.empty((R, C))
     rows = max(1, _CHUNK_ELEMS // max(1, K * C))
     for r0 in range(0, R, rows):
@@ -194,17 +234,20 @@ def dot_var(A: np.ndarray, B: np.ndarray, u: float, product_var: float = ROUND_V
         s = np.cumsum(t, axis=1)                               # index-order partial sums
         total = s[:, -1:, :].copy()  # a copy: s is overwritten below
         t2 = t * t
-        fwd = _step_var(s, t, u, t2).sum(axis=1)
+        var = _step_var(s, t, u, t2).sum(axis=1)
         # Reverse order: t_K, t_K + t_(K-1), …, i.e. total - s + t (s is not needed after this).
         np.subtract(total, s, out=s)
         s += t
-        bwd = _step_var(s, t, u, t2).sum(axis=1)
+        np.maximum(var, _step_var(s, t, u, t2).sum(axis=1), out=var)
+        del s
+        for L, blocked in structured:
+            np.maximum(var, _strided_var(t, L, u, blocked), out=var)
         # Random order: E[s_k²] averaged over k is Σt²/6 + S²/3 (sampling without replacement).
         mean_s2 = t2.sum(axis=1, keepdims=True) / 6.0 + total * total / 3.0
-        rnd = np.minimum(ROUND_VAR * u * u * mean_s2, t2).sum(axis=1)
+        np.maximum(var, np.minimum(ROUND_VAR * u * u * mean_s2, t2).sum(axis=1), out=var)
         # Products: one rounding each (its binade's ulp²/12), scaled for split-precision kernels.
-        prod = _rounding_var(t, u).sum(axis=1) * (product_var / ROUND_VAR)
-        out[r0:r0 + rows] = np.maximum(np.maximum(fwd, bwd), rnd) + prod
+        var += _rounding_var(t, u).sum(axis=1) * (product_var / ROUND_VAR)
+        out[r0:r0 + rows] = var
     return out
 
 
@@ -417,7 +460,9 @@ def _compute_flash_parts(Q, K, scale: float, causal: bool, u: float, kernel: Ker
     l_var = _rowsum_rel_var(p, u, FLASH_RESCALE_FACTOR, cache)
     s_det = np.zeros(S.shape)
     if kernel.mma_passes:
-        s_det = np.where(finite, scale * _mma_truncation_det(Q, K.T, u, kernel.mma_passes), 0.0)
+        # |scale|: a bound is a magnitude (a negative scale made it negative: found by the GPU
+        # false-alarm sweep, case 129, scale -0.74, every flash_lse element failing).
+        s_det = np.where(finite, abs(scale) * _mma_truncation_det(Q, K.T, u, kernel.mma_passes), 0.0)
     return S, p, m, eta_var, l_var, s_det
 
 
@@ -634,9 +679,11 @@ def describe_model() -> str:
     of x errs uniformly within ±u|x| (variance ≈ 0.18·(u·x)² for Benford-spread mantissas);
     u = 2^-24 fp32, 2^-11 tf32, 2^-8 bf16 (the precision only changes u). Q, K, V, KT: 0.
     QK, output (dot products of length K): σ² = Σ_k var(rounding of partial sum s_k) + the
-    products' roundings; s_k in index order, reverse order and on average over random orders,
-    the largest (a worst-case K·u·Σ|a·b| bound is 50-200x looser and lets bugs through); a
-    rounding never errs by more than the smaller addend. QK_scaled: det = 2u|ref|.
+    products' roundings; the largest over index and reverse order, 2-32 interleaved
+    accumulators (SIMD/FMA lanes, OpenBLAS), blocks of 8, 16, ... K/2 and split-K in 2-8
+    chunks, and the mean over random orders (a worst-case K·u·Σ|a·b| bound is 50-200x looser
+    and lets bugs through); a rounding never errs by more than the smaller addend. Above 2^24
+    multiply-adds per head: 8x the random-order mean. QK_scaled: det = 2u|ref|.
     attention_weights: the relative error η_j of exp(S_j - m) (the subtraction u|S_j - m|, exp's
     error as measured on the GPU) propagated through the normalization: Δp_j = p_j[(1-p_j)η_j -
     Σ_k≠j p_k η_k - ε_l], ε_l the rounding of the row sum of exp(S - m) (in its own binades,

@@ -496,10 +496,15 @@ double launch_wgmma_peak(float* sink, cudaStream_t stream) {
     return 2.0 * 64 * kPeakN * 8 * double(kPeakBatch) * kPeakBatches * kPeakWarpgroups * blocks;
 }
 
-// Where this kernel beats flash_fast.cu's mma.sync kernel on the same shape (H100, B4 H16
-// N=M=4096): 3xTF32 at d = 64 (49-51 vs 44 TFLOP/s; causal 43 vs 39). At d = 128 (31 vs 48) and in
-// TF32 (100-105 vs 104-119) the mma.sync kernel is faster, so `auto` keeps it there.
-bool flash_wgmma_preferred(const FlashArgs& a) { return a.d == 64 && a.precision == Precision::fp32; }
+// Where this kernel beats flash_fast.cu's mma.sync kernel (one `attnstep bench` run on an H100,
+// docs/bench_h100.json, B4 H16): 3xTF32 at d = 64 from N = 4096 (49 vs 44 TFLOP/s; causal 42 vs
+// 39; N = 16384: 53 vs 43). At N = 1024 the per-call preparation pass and the 128-row blocks'
+// causal waste cost more than the wgmma rate gains (36 vs 41; causal 21 vs 30); at d = 128 (30 vs
+// 47) and in TF32 (98-100 vs 104-119 at N = 4096) the mma.sync kernel is faster. `auto` follows.
+bool flash_wgmma_preferred(const FlashArgs& a) {
+    constexpr int kMinRows = 2048;  // between the measured 1024 (slower) and 4096 (faster)
+    return a.d == 64 && a.precision == Precision::fp32 && a.N >= kMinRows && a.M >= kMinRows;
+}
 
 size_t flash_wgmma_workspace_bytes_per_head(const FlashArgs& a) {
     size_t bytes = 0;
