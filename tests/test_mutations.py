@@ -11,8 +11,10 @@ A false-alarm suite runs correct cases over many seeds, shapes and distributions
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
+import sys
 import zlib
 from pathlib import Path
 
@@ -272,3 +274,59 @@ def test_no_false_alarm_on_correct_cpu_runs(binary, tmp_path, N, M, d, dist, cau
                     "--backend", "cpu"], check=True, capture_output=True)
     r = _invoke("check", "--in", tmp_path / "in", "--out", tmp_path / "out")
     assert r.exit_code == 0, r.output  # 60 cases x 2 heads x 10 stages: zero false failures
+
+
+def test_parallel_check_reports_exactly_what_one_process_does(cases, tmp_path):
+    """Heads checked by worker processes (--jobs) give the report of a sequential check, failure,
+    diagnosis (head_permuted compares with other heads' references) and inheritance included."""
+    case = Case(cases["rect"], tmp_path)
+    case.plant("QK", HEAD, case.load("QK", 0))  # head 1's QK is head 0's
+    reports = {}
+    for jobs in (1, 3):
+        path = tmp_path / f"report_{jobs}.json"
+        r = _invoke("check", "--in", case.input, "--out", case.out, "--json", path, "--jobs", jobs)
+        assert r.exit_code == 1, r.output
+        reports[jobs] = json.loads(path.read_text())
+    assert reports[3] == reports[1]
+    planted = _results(reports[3], "QK", HEAD)[0]
+    assert "head_permuted" in [d["code"] for d in planted["diagnosis"]]
+    assert _results(reports[3], "QK_scaled", HEAD)[0]["status"] == "INHERITED"
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="workers are forked on Linux only")
+def test_head_jobs_follow_the_request_the_size_and_the_memory(monkeypatch):
+    from verify import compare
+    from verify.stages import Dims
+
+    def run(heads, n, d=64):
+        return compare.RunInfo(Path("."), {}, Dims(1, heads, n, n, d, d), (), "npy")
+
+    monkeypatch.setattr(compare.os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    monkeypatch.setattr(compare, "_available_memory_bytes", lambda: 64 << 30)
+    assert compare.head_jobs(run(1, 4096)) == 1            # one head: nothing to share out
+    assert compare.head_jobs(run(12, 16)) == 1             # small: a pool costs more than it saves
+    assert compare.head_jobs(run(12, 16), requested=4) == 4
+    assert compare.head_jobs(run(3, 16), requested=8) == 3  # never more workers than heads
+    assert compare.head_jobs(run(12, 128)) == 12           # the default case: a core a head
+    # 16 heads of 4096²: ~4.5 GB a worker, half of 64 GB available → 7 workers, not 16.
+    assert compare.head_jobs(run(16, 4096)) == 7
+    monkeypatch.setattr(compare, "_available_memory_bytes", lambda: None)
+    assert compare.head_jobs(run(16, 4096)) == 16          # memory unknown: the cores decide
+
+
+def _die(head):  # module level: the pool sends workers its function by name
+    os._exit(9)
+
+
+def test_a_dead_worker_is_a_one_line_error(cases, tmp_path, monkeypatch):
+    """A worker killed mid-check (the kernel's OOM killer, say) ends in exit 2 and a hint, not a
+    traceback or a partial report."""
+    from verify import compare
+
+    monkeypatch.setattr(compare, "_check_in_worker", _die)
+    case = Case(cases["rect"], tmp_path)
+    report = tmp_path / "report.json"
+    r = _invoke("check", "--in", case.input, "--out", case.out, "--json", report, "--jobs", 2)
+    assert r.exit_code == 2, r.output
+    assert "--jobs 1" in r.output and "Traceback" not in r.output
+    assert not report.exists()

@@ -19,7 +19,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional, Sequence
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import click
 
@@ -384,16 +384,24 @@ def write_plot(rows: Sequence[Row], path: Path, title: str = "") -> None:
     panels = sorted({(r.d, r.causal) for r in attention})
     if not panels:
         raise BenchError("nothing to plot: no kernel with a TFLOP/s figure")
+    # One colour per kernel in every panel, one line style per precision: a dozen lines stay
+    # tellable apart (the default colour cycle repeats after ten). SDPA, the yardstick, in black.
+    kernels = sorted({r.kernel for r in attention if r.kernel != SDPA})
+    cycle = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    colour = {k: cycle[i % len(cycle)] for i, k in enumerate(kernels)}
+    colour[SDPA] = "black"
+    style = {"fp32": "-", "tf32": ":"}
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.8), squeeze=False)
     for ax, (d, causal) in zip(axes[0], panels):
-        series: Dict[str, List[Row]] = {}
+        series: Dict[Tuple[str, str], List[Row]] = {}
         for r in attention:
             if (r.d, r.causal) == (d, causal):
-                series.setdefault(r.kernel if r.kernel == SDPA else f"{r.kernel} {r.precision}", []).append(r)
-        for label, pts in sorted(series.items()):
+                series.setdefault((r.kernel, r.precision), []).append(r)
+        for (kernel, precision), pts in sorted(series.items()):
             pts = sorted(pts, key=lambda r: r.n)
-            ax.plot([p.n for p in pts], [p.rate for p in pts], marker="o", label=label,
-                    linestyle="--" if label.startswith(SDPA) else "-")
+            label = kernel if kernel == SDPA else f"{kernel} {precision}"
+            ax.plot([p.n for p in pts], [p.rate for p in pts], marker="o", markersize=3, label=label,
+                    color=colour[kernel], linestyle="--" if kernel == SDPA else style.get(precision, "-"))
         ax.set_xscale("log", base=2)
         ax.set_xlabel("N = M")
         ax.set_ylabel("TFLOP/s")

@@ -262,10 +262,14 @@ def _check_and_report(in_dir, out_dir, opts, json_path, junit_path, plot_dir, pe
 @click.option("--stage", "only", multiple=True, type=click.Choice(STAGE_NAMES),
               help="Check only this stage; repeatable.")
 @click.option("--per-head", is_flag=True, help="One table row per stage x head.")
+@click.option("--jobs", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Processes checking heads in parallel; 0: as many as the cores and the memory "
+                   "allow (1 for small runs).")
 @click.pass_context
 @_user_errors
-def check(ctx, in_dir, out_dir, json_path, junit_path, plot_dir, atol, rtol, tol, only, per_head):
-    opts = Options(atol=atol, rtol=rtol, per_stage=_parse_tol(tol), only_stages=list(only) or None)
+def check(ctx, in_dir, out_dir, json_path, junit_path, plot_dir, atol, rtol, tol, only, per_head, jobs):
+    opts = Options(atol=atol, rtol=rtol, per_stage=_parse_tol(tol), only_stages=list(only) or None,
+                   jobs=jobs)
     passed = _check_and_report(in_dir, out_dir, opts, json_path, junit_path, plot_dir, per_head)
     ctx.exit(0 if passed else 1)
 

@@ -7,11 +7,17 @@ A stage that fails in isolation is a fault of its own (status FAIL); one that fa
 downstream of a failing stage, has inherited the error (status INHERITED). The first stage, in the
 stage table's order, with a fault of its own is the culprit the report names.
 
-Heads are processed one at a time, so memory stays bounded by one head's matrices.
+Each process checks one head at a time, so memory stays bounded by one head's matrices per process;
+large runs share the heads out to forked worker processes (Options.jobs, head_jobs).
 """
 from __future__ import annotations
 
 import functools
+import multiprocessing
+import os
+import sys
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -38,6 +44,7 @@ class Options:
     rtol: Optional[float] = None
     per_stage: Dict[str, Tuple[float, float]] = field(default_factory=dict)
     only_stages: Optional[Sequence[str]] = None
+    jobs: int = 0  # worker processes over heads; 0: as many as cores and memory allow
 
     def override(self, stage: str) -> Optional[Tuple[float, float]]:
         if stage in self.per_stage:
@@ -365,6 +372,76 @@ def _classify(res: HeadResult, results: Dict[str, HeadResult]) -> None:
                        "fails against the reference chain only: error accumulated upstream")
 
 
+# Memory one worker holds while it checks a head, in float64 N×M matrices (the reference chain,
+# the binary's stages, bounds and the error model's intermediates; measured: 4.1 GB peak for one
+# 4096×4096 head, ~30 matrices) and in (N + M)·d ones, plus the interpreter and numpy.
+_HEAD_NM_MATRICES = 32
+_HEAD_ND_MATRICES = 32
+_WORKER_BASE_BYTES = 200 << 20
+# Below this many multiply-adds over all heads (the default 12×128×128 case has 25 M) one process
+# checks faster than a pool can start.
+_PARALLEL_MIN_MACS = 1 << 23
+
+
+def _available_memory_bytes() -> Optional[int]:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def head_jobs(run: RunInfo, requested: int = 0) -> int:
+    """Worker processes for checking the heads of `run`: `requested` if positive, else as many as
+    there are cores, limited so that the workers' heads fit in half the available memory, and 1
+    for small runs. 1 off Linux: the workers are forked (they inherit the loaded case)."""
+    d = run.dims
+    if d.total_heads <= 1 or sys.platform != "linux":
+        return 1
+    if requested > 0:
+        return min(requested, d.total_heads)
+    if d.total_heads * d.seq_q * d.seq_k * (d.d_k + d.d_v) < _PARALLEL_MIN_MACS:
+        return 1  # starting workers would cost more than the checking
+    cores = len(os.sched_getaffinity(0))
+    per_head = (8 * (_HEAD_NM_MATRICES * d.seq_q * d.seq_k
+                     + _HEAD_ND_MATRICES * (d.seq_q + d.seq_k) * max(d.d_k, d.d_v))
+                + _WORKER_BASE_BYTES)
+    avail = _available_memory_bytes()
+    by_memory = cores if avail is None else max(1, (avail // 2) // per_head)
+    return max(1, min(cores, by_memory, d.total_heads))
+
+
+class _HeadChecker:
+    """Checks one head of a run; holds what every head shares (and, per process, the reference
+    chains of recent heads, which the head_permuted diagnosis compares against)."""
+
+    def __init__(self, run: RunInfo, case: InputCase, opts: Options) -> None:
+        self.run, self.case, self.opts = run, case, opts
+        self._head_chain = functools.lru_cache(maxsize=8)(self._chain)
+
+    def _chain(self, head: int):
+        inputs = {n: self.case.load(n, head) for n in INPUT_NAMES}
+        return reference_chain(inputs, float(self.run.values["scale"]), bool(self.run.values["causal"]),
+                               self.run.stages)
+
+    def ref_of_head(self, stage: str, head: int) -> np.ndarray:
+        return self._head_chain(head)[stage]
+
+    def check(self, head: int) -> List[HeadResult]:
+        return check_head(self.run, self.case, head, self.opts, self.ref_of_head)
+
+
+_CHECKER: Optional[_HeadChecker] = None  # the parent's checker, inherited by forked workers
+
+
+def _check_in_worker(head: int) -> List[HeadResult]:
+    assert _CHECKER is not None, "worker started without a checker"
+    return _CHECKER.check(head)
+
+
 def check(in_dir: Path, out_dir: Path, opts: Optional[Options] = None,
           progress: Optional[Callable[[int], None]] = None) -> Report:
     """Loads both cases, checks their agreement, and compares every stage × head."""
@@ -387,19 +464,29 @@ def check(in_dir: Path, out_dir: Path, opts: Optional[Options] = None,
     if not run.stages:
         raise CaseError(f"{Path(out_dir) / RUN_MANIFEST}: 'stages' is empty: nothing to check")
 
-    @functools.lru_cache(maxsize=8)
-    def head_chain(head: int):
-        inputs = {n: case.load(n, head) for n in INPUT_NAMES}
-        return reference_chain(inputs, float(run.values["scale"]), bool(run.values["causal"]), run.stages)
-
-    def ref_of_head(stage: str, head: int) -> np.ndarray:
-        return head_chain(head)[stage]
-
+    checker = _HeadChecker(run, case, opts)
     results: List[HeadResult] = []
-    for head in range(run.dims.total_heads):
-        results.extend(check_head(run, case, head, opts, ref_of_head))
-        if progress:
-            progress(head)
+    heads = range(run.dims.total_heads)
+    jobs = head_jobs(run, opts.jobs)
+    if jobs <= 1:
+        for head in heads:
+            results.extend(checker.check(head))
+            if progress:
+                progress(head)
+    else:
+        global _CHECKER
+        _CHECKER = checker  # forked workers inherit it: nothing large is pickled to them
+        try:
+            with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork")) as pool:
+                for head, head_results in enumerate(pool.map(_check_in_worker, heads)):
+                    results.extend(head_results)
+                    if progress:
+                        progress(head)
+        except BrokenProcessPool:
+            raise CaseError(f"a checking process of {jobs} died (killed for memory?); HINT: run check "
+                            "with --jobs 1, or fewer") from None
+        finally:
+            _CHECKER = None
     return Report(run, case, results, foreign_stage_files(run))
 
 

@@ -5,9 +5,9 @@
 //     and a·b ≈ lo·hi + hi·lo + hi·hi accumulated in FP32, the small terms first.
 //   Precision::tf32: one product of TF32-rounded operands.
 //
-// Why a second tensor-core kernel: flash_fast.cu's mma.sync TF32 tops out near 135 TFLOP/s of
-// issue rate on an H200 (bench's ceiling), a third of that in 3xTF32; wgmma's TF32 rate is ~3.5×
-// higher. TF32 wgmma needs both operands K-major in shared memory (A may come from registers):
+// Why a second tensor-core kernel: Hopper's full tensor rate is reached only through wgmma
+// (bench's ceilings on an H100: wgmma TF32 481 TFLOP/s, mma.sync TF32 317), and flash_fast.cu's
+// mma.sync kernel had stalled at 104-119 TFLOP/s TF32 (docs/performance.md). TF32 wgmma needs both operands K-major in shared memory (A may come from registers):
 //   S = Q·Kᵀ: A = Q tile (rows × d, d contiguous), B = K tile (keys × d, d contiguous): as stored.
 //   O = P·V:  A = P from the S accumulators (registers), B must be Vᵀ (d × keys, keys contiguous).
 // So a preparation pass writes, per call, K and Vᵀ already split into TF32 hi/lo parts, padded
@@ -456,7 +456,9 @@ bool run_config(const FlashArgs& a, int forced_splits, Plan* plan, size_t* ws_pe
 //   3xTF32 d128: 1 warpgroup,  Bc 32, 192 KB: 31 | 28      (2 warpgroups need 256 KB)
 //   TF32   d64:  2 warpgroups, Bc 64,  96 KB: 100 | 81     (Bc 128: 99 | 84; 1 warpgroup: 66 | 58)
 //   TF32   d128: 2 warpgroups, Bc 64, 192 KB: 105 | 94     (Bc 32: 97 | 78; 1 warpgroup: 66 | 58)
-// Registers: 234 / 242 (3xTF32 d64, causal), 204 / 210 (d128), no spills.
+// Registers (ptxas, non-causal / causal): 3xTF32 d64 198 / 202, d128 222 / 231; TF32 d64
+// 165 / 162, d128 234 / 242; no spills. One block per SM: by shared memory (192 KB), and for
+// TF32 d64 (96 KB) by registers (165 × 256 threads is more than half the SM's 65536).
 bool dispatch(const FlashArgs& a, int forced_splits, Plan* plan, size_t* ws_per_head, bool do_launch,
               cudaStream_t stream) {
     if (a.heads < 1 || a.heads > 65535 || a.N < 1 || a.M < 1 || !device_is_sm90()) return false;
@@ -496,14 +498,22 @@ double launch_wgmma_peak(float* sink, cudaStream_t stream) {
     return 2.0 * 64 * kPeakN * 8 * double(kPeakBatch) * kPeakBatches * kPeakWarpgroups * blocks;
 }
 
-// Where this kernel beats flash_fast.cu's mma.sync kernel (one `attnstep bench` run on an H100,
-// docs/bench_h100.json, B4 H16): 3xTF32 at d = 64 from N = 4096 (49 vs 44 TFLOP/s; causal 42 vs
-// 39; N = 16384: 53 vs 43). At N = 1024 the per-call preparation pass and the 128-row blocks'
-// causal waste cost more than the wgmma rate gains (36 vs 41; causal 21 vs 30); at d = 128 (30 vs
-// 47) and in TF32 (98-100 vs 104-119 at N = 4096) the mma.sync kernel is faster. `auto` follows.
+// Where this kernel beats flash_fast.cu's mma.sync kernel (`attnstep bench` on an H100,
+// docs/bench_h100.json and docs/performance.md, B4 H16, TFLOP/s wgmma vs mma.sync):
+//   3xTF32 d64 from N = 4096: 49 vs 44 (causal 42 vs 39); N = 16384: 54 vs 43 (causal 54 vs 43).
+//   TF32 d64 non-causal from N = 8192: 116 vs 107; N = 16384: 124 vs 108 (N = 4096: 100 vs 104).
+// Elsewhere the mma.sync kernel is faster: at N = 1024 the per-call preparation pass and the
+// 128-row blocks' causal waste cost more than the wgmma rate gains (36 vs 41; causal 21 vs 30);
+// TF32 causal (80 vs 98 at N = 4096, 96 vs 105 at 8192); d = 128 (3xTF32 31 vs 48: one
+// warpgroup fits in shared memory; TF32 105 vs 119). `auto` follows.
 bool flash_wgmma_preferred(const FlashArgs& a) {
-    constexpr int kMinRows = 2048;  // between the measured 1024 (slower) and 4096 (faster)
-    return a.d == 64 && a.precision == Precision::fp32 && a.N >= kMinRows && a.M >= kMinRows;
+    if (a.d != 64) return false;
+    if (a.precision == Precision::fp32) {
+        constexpr int kMinRows = 2048;  // between the measured 1024 (slower) and 4096 (faster)
+        return a.N >= kMinRows && a.M >= kMinRows;
+    }
+    constexpr int kMinRowsTf32 = 8192;  // measured slower at 4096, faster at 8192 and 16384
+    return !a.causal && a.N >= kMinRowsTf32 && a.M >= kMinRowsTf32;
 }
 
 size_t flash_wgmma_workspace_bytes_per_head(const FlashArgs& a) {
