@@ -12,9 +12,11 @@ large runs share the heads out to forked worker processes (Options.jobs, head_jo
 """
 from __future__ import annotations
 
+import ctypes
 import functools
 import multiprocessing
 import os
+import signal
 import sys
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -378,20 +380,49 @@ def _classify(res: HeadResult, results: Dict[str, HeadResult]) -> None:
 _HEAD_NM_MATRICES = 32
 _HEAD_ND_MATRICES = 32
 _WORKER_BASE_BYTES = 200 << 20
+# Other heads' reference stages a process keeps for the head_permuted diagnosis (one matrix each).
+_REF_CACHE = 8
 # Below this many multiply-adds over all heads (the default 12×128×128 case has 25 M) one process
 # checks faster than a pool can start.
 _PARALLEL_MIN_MACS = 1 << 23
 
 
+def _read_int(path: str, field: int = 0) -> Optional[int]:
+    try:
+        with open(path) as f:
+            return int(f.read().split()[field])
+    except (OSError, ValueError, IndexError):
+        return None  # absent, or "max" (no limit)
+
+
 def _available_memory_bytes() -> Optional[int]:
+    """MemAvailable, and no more than a container's memory limit leaves (cgroup v2, else v1)."""
+    avail = None
     try:
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                    avail = int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         pass
-    return None
+    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        limit, usage = _read_int(limit_file), _read_int(usage_file)
+        if limit is not None and usage is not None and limit < (1 << 60):
+            left = max(0, limit - usage)
+            avail = left if avail is None else min(avail, left)
+            break
+    return avail
+
+
+def _usable_cores() -> int:
+    """The cores this process may run on, and no more than a container's CPU quota (cgroup v2)."""
+    cores = len(os.sched_getaffinity(0))
+    quota, period = _read_int("/sys/fs/cgroup/cpu.max", 0), _read_int("/sys/fs/cgroup/cpu.max", 1)
+    if quota is not None and period:
+        cores = min(cores, max(1, -(-quota // period)))
+    return cores
 
 
 def head_jobs(run: RunInfo, requested: int = 0) -> int:
@@ -405,8 +436,8 @@ def head_jobs(run: RunInfo, requested: int = 0) -> int:
         return min(requested, d.total_heads)
     if d.total_heads * d.seq_q * d.seq_k * (d.d_k + d.d_v) < _PARALLEL_MIN_MACS:
         return 1  # starting workers would cost more than the checking
-    cores = len(os.sched_getaffinity(0))
-    per_head = (8 * (_HEAD_NM_MATRICES * d.seq_q * d.seq_k
+    cores = _usable_cores()
+    per_head = (8 * ((_HEAD_NM_MATRICES + _REF_CACHE) * d.seq_q * d.seq_k
                      + _HEAD_ND_MATRICES * (d.seq_q + d.seq_k) * max(d.d_k, d.d_v))
                 + _WORKER_BASE_BYTES)
     avail = _available_memory_bytes()
@@ -416,25 +447,37 @@ def head_jobs(run: RunInfo, requested: int = 0) -> int:
 
 class _HeadChecker:
     """Checks one head of a run; holds what every head shares (and, per process, the reference
-    chains of recent heads, which the head_permuted diagnosis compares against)."""
+    stages of other heads that the head_permuted diagnosis compared against last: one matrix
+    each, REF_CACHE of them, counted in head_jobs' memory budget)."""
 
     def __init__(self, run: RunInfo, case: InputCase, opts: Options) -> None:
         self.run, self.case, self.opts = run, case, opts
-        self._head_chain = functools.lru_cache(maxsize=8)(self._chain)
+        self.ref_of_head = functools.lru_cache(maxsize=_REF_CACHE)(self._reference)
 
-    def _chain(self, head: int):
+    def _reference(self, stage: str, head: int) -> np.ndarray:
         inputs = {n: self.case.load(n, head) for n in INPUT_NAMES}
         return reference_chain(inputs, float(self.run.values["scale"]), bool(self.run.values["causal"]),
-                               self.run.stages)
-
-    def ref_of_head(self, stage: str, head: int) -> np.ndarray:
-        return self._head_chain(head)[stage]
+                               [stage])[stage]  # (its upstream stages are computed and dropped)
 
     def check(self, head: int) -> List[HeadResult]:
         return check_head(self.run, self.case, head, self.opts, self.ref_of_head)
 
 
 _CHECKER: Optional[_HeadChecker] = None  # the parent's checker, inherited by forked workers
+
+
+def _die_with_parent() -> None:
+    """Pool initializer: a worker gets SIGTERM when the check that forked it dies (a plain kill of
+    the parent would otherwise leave it waiting on its queue for ever)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() == 1:  # the parent died before the line above took effect
+        os._exit(1)
+
+
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 def _check_in_worker(head: int) -> List[HeadResult]:
@@ -477,7 +520,8 @@ def check(in_dir: Path, out_dir: Path, opts: Optional[Options] = None,
         global _CHECKER
         _CHECKER = checker  # forked workers inherit it: nothing large is pickled to them
         try:
-            with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork")) as pool:
+            with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork"),
+                                     initializer=_die_with_parent) as pool:
                 for head, head_results in enumerate(pool.map(_check_in_worker, heads)):
                     results.extend(head_results)
                     if progress:
