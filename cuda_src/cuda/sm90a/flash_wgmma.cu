@@ -7,7 +7,8 @@
 //
 // Why a second tensor-core kernel: Hopper's full tensor rate is reached only through wgmma
 // (bench's ceilings on an H100: wgmma TF32 481 TFLOP/s, mma.sync TF32 317), and flash_fast.cu's
-// mma.sync kernel had stalled at 104-119 TFLOP/s TF32 (docs/performance.md). TF32 wgmma needs both operands K-major in shared memory (A may come from registers):
+// mma.sync kernel had stalled at 104-119 TFLOP/s TF32 (docs/performance.md). TF32 wgmma needs
+// both operands K-major in shared memory (A may come from registers):
 //   S = Q·Kᵀ: A = Q tile (rows × d, d contiguous), B = K tile (keys × d, d contiguous): as stored.
 //   O = P·V:  A = P from the S accumulators (registers), B must be Vᵀ (d × keys, keys contiguous).
 // So a preparation pass writes, per call, K and Vᵀ already split into TF32 hi/lo parts, padded
