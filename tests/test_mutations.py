@@ -15,6 +15,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 import zlib
 from pathlib import Path
 
@@ -332,3 +333,49 @@ def test_a_dead_worker_is_a_one_line_error(cases, tmp_path, monkeypatch):
     assert r.exit_code == 2, r.output
     assert "--jobs 1" in r.output and "Traceback" not in r.output
     assert not report.exists()
+
+
+def test_container_limits_cap_the_workers(monkeypatch):
+    """cgroup limits (docker, k8s) count, not only the host's free memory and cores."""
+    from verify import compare
+
+    fake = {("/sys/fs/cgroup/memory.max", 0): 4 << 30, ("/sys/fs/cgroup/memory.current", 0): 1 << 30,
+            ("/sys/fs/cgroup/cpu.max", 0): 150000, ("/sys/fs/cgroup/cpu.max", 1): 100000}
+    monkeypatch.setattr(compare, "_read_int", lambda path, field=0: fake.get((path, field)))
+    assert compare._available_memory_bytes() <= 3 << 30   # 4 GB limit, 1 GB in use
+    assert compare._usable_cores() <= 2                   # a quota of 1.5 CPUs
+    fake.clear()                                          # no limits: the host decides
+    assert compare._usable_cores() == len(os.sched_getaffinity(0))
+
+
+_ORPHAN_SCRIPT = """
+import multiprocessing, os, sys, time
+from concurrent.futures import ProcessPoolExecutor
+from verify.compare import _die_with_parent
+
+def report(path):
+    with open(path, "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(60)
+
+pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("fork"), initializer=_die_with_parent)
+pool.submit(report, sys.argv[1])
+while not os.path.exists(sys.argv[1]) or not open(sys.argv[1]).read():
+    time.sleep(0.05)
+os.kill(os.getpid(), 9)  # the checking process is killed outright
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="workers are forked on Linux only")
+def test_workers_do_not_outlive_a_killed_check(tmp_path):
+    pid_file = tmp_path / "worker.pid"
+    subprocess.run([sys.executable, "-c", _ORPHAN_SCRIPT, str(pid_file)], timeout=60,
+                   cwd=Path(__file__).resolve().parents[1])
+    pid = int(pid_file.read_text())
+    for _ in range(100):  # the worker gets SIGTERM as its parent dies
+        if not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]:
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(pid, 9)
+        pytest.fail(f"worker {pid} outlived its killed parent")
