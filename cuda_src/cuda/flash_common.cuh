@@ -63,6 +63,15 @@ __device__ __forceinline__ void cp_async_wait() {
 #endif
 }
 
+// 2^x on the special-function unit as it stands (ex2.approx.ftz: ~2 ulp, the accuracy exp2f has;
+// exp2f adds a test and two multiplies per call only to keep results below 2^-126 subnormal,
+// which a softmax weight that small cannot affect). 2^-inf = 0.
+__device__ __forceinline__ float exp2_ftz(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
 __device__ __forceinline__ float quad_max(float x) {
     x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
     return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
@@ -115,7 +124,7 @@ __device__ __forceinline__ void online_softmax(float (&s)[BC / 8][4], float (&o)
         // A row with no visible key yet keeps m = -inf; subtract 0 then, so 2^(-inf - base) = 0
         // instead of NaN.
         base[r] = mx[r] == -INFINITY ? 0.f : mx[r];
-        alpha[r] = exp2f(m[r] - base[r]);
+        alpha[r] = exp2_ftz(m[r] - base[r]);
         m[r] = mx[r];
         l[r] *= alpha[r];
     }
@@ -123,13 +132,17 @@ __device__ __forceinline__ void online_softmax(float (&s)[BC / 8][4], float (&o)
     for (int nt = 0; nt < BC / 8; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-            s[nt][e] = exp2f(s[nt][e] - base[e >> 1]);
+            s[nt][e] = exp2_ftz(s[nt][e] - base[e >> 1]);
             l[e >> 1] += s[nt][e];
         }
+    // Once the running maxima settle, most tiles leave them unchanged (alpha = 1 exactly): the
+    // warp skips the multiplies then (D/2 per thread and tile).
+    if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
 #pragma unroll
-    for (int nt = 0; nt < D / 8; ++nt)
+        for (int nt = 0; nt < D / 8; ++nt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) o[nt][e] *= alpha[e >> 1];
+            for (int e = 0; e < 4; ++e) o[nt][e] *= alpha[e >> 1];
+    }
 }
 
 // The k permutation that lets P go from the S accumulators straight into the P·V MMA: within each

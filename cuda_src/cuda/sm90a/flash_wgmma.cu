@@ -13,18 +13,25 @@
 //   O = P·V:  A = P from the S accumulators (registers), B must be Vᵀ (d × keys, keys contiguous).
 // So a preparation pass writes, per call, K and Vᵀ already split into TF32 hi/lo parts, padded
 // to whole key tiles with zeros (no bounds checks in the loop), with Vᵀ's keys permuted within
-// each 8-key block (flash::kperm) so that the S accumulators are P's A fragments as they stand.
-// Q is split once per block into shared memory.
+// each 8-key block (flash::kperm) so that the S accumulators are P's A fragments as they stand,
+// and laid out exactly as shared memory wants a stage: each key tile's K parts, then its Vᵀ
+// parts, contiguous, so that one thread loads them with two bulk copies (bulk_copy.cuh), whose
+// completion the stage's K and Vᵀ mbarriers count. The per-thread cp.async loads this replaced
+// (with per-wgmma descriptor arithmetic, now constant offsets: desc_at) cost ~800 of the ~1500
+// instructions per warp and tile and a quarter of all stall samples (ncu source counters,
+// 3xTF32 d64: 50 -> 92 TFLOP/s). Q is split once per block into shared memory.
 //
 // Structure: a block of NWG warpgroups owns BR = 64·NWG query rows; each warpgroup computes its
 // 64×BC slice of S with wgmma (A = Q hi/lo from shared memory), runs the online softmax on it in
 // registers (flash_common.cuh), and adds P·V (A = P hi/lo from registers) into a per-tile FP32
 // accumulator that is added to O in FP32 (the tensor cores' own long accumulation truncates:
-// flash_fast.cu v1). K/Vᵀ tiles stream through shared memory with cp.async, double buffered: tile
-// j+1 loads while tile j is computed. Causal: tiles above the diagonal are never loaded, and a
-// warpgroup whose rows are all above a tile skips it. Shared-memory tiles use the no-swizzle
-// K-major layout of wgmma.cuh (core matrices of 8 rows × 16 bytes). When heads·⌈N/BR⌉ blocks
-// cannot fill the GPU, the KV loop is split and flash_combine_splits (flash_fast.cu) merges.
+// flash_fast.cu v1). K/Vᵀ tiles stream through shared memory: double buffered (tile j+1 loads
+// while tile j is computed), or, for tiles too wide for two stages, single buffered with K_{j+1}
+// loading during the softmax and P·V of tile j and Vᵀ_{j+1} during S_{j+1}. Causal: tiles above
+// the diagonal are never loaded, and a warpgroup whose rows are all above a tile skips it.
+// Shared-memory tiles use the no-swizzle K-major layout of wgmma.cuh (core matrices of 8 rows ×
+// 16 bytes). When heads·⌈N/BR⌉ blocks cannot fill the GPU, the KV loop is split and
+// flash_combine_splits (flash_fast.cu) merges.
 //
 // Build: compiled for sm_90a only (CMakeLists.txt: the attnstep_sm90a object library); check
 // resources with
@@ -38,6 +45,7 @@
 #include "../cuda_check.cuh"
 #include "../flash_common.cuh"
 #include "../flash_fast.cuh"
+#include "bulk_copy.cuh"
 #include "wgmma.cuh"
 
 namespace attnstep {
@@ -48,18 +56,23 @@ using namespace flash;
 constexpr int kWarpgroup = 128;  // threads
 constexpr int kMaxSplits = 16;
 
-// The tile configuration: D head width, BC keys per tile, NWG warpgroups (64 query rows each).
-template <int D_, int BC_, int NWG_, bool THREE_>
+// The tile configuration: D head width, BC keys per tile, NWG warpgroups (64 query rows each),
+// STAGES K/Vᵀ tiles in shared memory (2: tile j+1 loads while tile j is computed; 1: K_{j+1}
+// loads once S_j is done, V_{j+1} once P_j·V_j is, for tiles too wide to double buffer).
+template <int D_, int BC_, int NWG_, bool THREE_, int STAGES_ = 2>
 struct WgTiles {
-    static constexpr int D = D_, BC = BC_, NWG = NWG_;
+    static constexpr int D = D_, BC = BC_, NWG = NWG_, STAGES = STAGES_;
     static constexpr bool THREE = THREE_;
     static constexpr int BR = 64 * NWG, THREADS = kWarpgroup * NWG;
     static constexpr int PARTS = THREE ? 2 : 1;  // hi (and lo) copies of every operand
     // Floats per part: the block's Q, one K tile (BC × D), one Vᵀ tile (D × BC).
     static constexpr int Q_PART = BR * D, K_PART = BC * D, V_PART = D * BC;
-    static constexpr int STAGE = PARTS * (K_PART + V_PART);
-    static constexpr size_t SMEM_BYTES = (static_cast<size_t>(PARTS) * Q_PART + 2 * STAGE) * sizeof(float);
+    static constexpr int STAGE = PARTS * (K_PART + V_PART);  // K parts, then Vᵀ parts
+    static constexpr int V_OFFSET = PARTS * K_PART;
+    static constexpr uint32_t K_BYTES = V_OFFSET * sizeof(float), V_BYTES = PARTS * V_PART * sizeof(float);
+    static constexpr size_t SMEM_BYTES = (static_cast<size_t>(PARTS) * Q_PART + STAGES * STAGE) * sizeof(float);
     static_assert(D % 32 == 0 && BC % 32 == 0, "tiles: whole core matrices, 32-key transpose blocks");
+    static_assert(STAGES == 1 || STAGES == 2, "single or double buffered");
 };
 
 // Float offset of element (r, c) of an R-row tile in the no-swizzle K-major layout: core matrix
@@ -75,6 +88,16 @@ template <int R>
 __device__ __forceinline__ uint64_t tile_desc(const float* tile, int c0) {
     return wg::make_desc(tile + cm_offset<R>(0, c0), R * 16, 128);
 }
+
+// The descriptor `floats` further on in shared memory: its address field (bits 0-13, 16-byte
+// units) plus the offset. Shared addresses stay below 2^18 bytes, so the field cannot carry into
+// the next one; adding constants to one base descriptor saves the per-wgmma address arithmetic.
+__device__ __forceinline__ uint64_t desc_at(uint64_t desc, int floats) {
+    return desc + static_cast<uint64_t>(floats / 4);
+}
+// Floats from one k step (8 columns) of an R-row tile to the next.
+template <int R>
+constexpr int kStep = 8 * R;
 
 // Chunk i of an R×C tile, 16 bytes each, in the order that keeps both sides fast: 8 consecutive
 // threads take the 8 rows of one core matrix (128 contiguous bytes of shared memory), and a warp
@@ -99,8 +122,7 @@ __device__ __forceinline__ void load_tile_async(float* tile, const float* src, s
 
 struct WgParams {
     const float* Q;    // [heads][N][D]
-    const float* Kp;   // [PARTS][heads][Mpad][D]: K split into TF32 parts, zero rows past M
-    const float* Vtp;  // [PARTS][heads][D][Mpad]: Vᵀ split, keys kperm-ed per 8-key block
+    const float* ops;  // [heads][Mpad/BC][STAGE]: per key tile, K's and Vᵀ's TF32 parts (prepare)
     float* O;          // [heads][N][D], or the split partials [splits][heads][N][D]
     float* lse;        // [heads][N],    or [splits][heads][N]
     int heads, N, M, Mpad;
@@ -111,70 +133,79 @@ struct WgParams {
 // ---------------------------------------------------------------------------------------------
 // The preparation pass.
 
-// Kp[part][h][r][:] = part(K[h][r][:]) for r < M, zeros for M <= r < Mpad. One float4 per thread.
-template <bool kThree>
-__global__ void split_keys(const float* K, float* Kp, int heads, int M, int Mpad, int D) {
-    const size_t part = static_cast<size_t>(heads) * Mpad * D;
-    const size_t n4 = part / 4;
-    for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n4;
-         i += static_cast<size_t>(gridDim.x) * blockDim.x) {
-        const size_t e = 4 * i;
-        const int c = static_cast<int>(e % D);
-        const size_t hr = e / D;
-        const int r = static_cast<int>(hr % Mpad), h = static_cast<int>(hr / Mpad);
-        const float4 v = r < M ? *reinterpret_cast<const float4*>(K + (static_cast<size_t>(h) * M + r) * D + c)
-                               : make_float4(0.f, 0.f, 0.f, 0.f);
-        uint32_t hi[4], lo[4];
-        split<kThree>(v.x, hi[0], lo[0]);
-        split<kThree>(v.y, hi[1], lo[1]);
-        split<kThree>(v.z, hi[2], lo[2]);
-        split<kThree>(v.w, hi[3], lo[3]);
-        *reinterpret_cast<uint4*>(Kp + e) = make_uint4(hi[0], hi[1], hi[2], hi[3]);
-        if (kThree) *reinterpret_cast<uint4*>(Kp + part + e) = make_uint4(lo[0], lo[1], lo[2], lo[3]);
-    }
+// Where a stage's parts start in the prepared operands: key tile j of head h.
+template <class T>
+__device__ __forceinline__ float* stage_in(float* ops, int h, int j, int Mpad) {
+    return ops + (static_cast<size_t>(h) * (Mpad / T::BC) + j) * T::STAGE;
 }
 
-// Vtp[part][h][c][pos] = part(V[h][key][c]) with key = 8·(pos/8) + kperm(pos%8), zeros for keys
-// >= M. A 32×32 transpose through shared memory per block of (32, 8) threads.
-template <bool kThree>
-__global__ void transpose_split_values(const float* V, float* Vtp, int heads, int M, int Mpad, int D) {
-    __shared__ float tile[32][33];  // +1: the column reads below hit 32 distinct banks
+// K part p of key tile j: element (key r, column c) at p·K_PART + cm_offset<BC>(r % BC, c), zeros
+// for keys >= M. A thread per 16 bytes, in chunk_coords order: 64 contiguous bytes of each of 8
+// rows read, 128 contiguous bytes written per 8 threads. Grid: x over one tile's chunks, y = tile,
+// z = head.
+template <class T>
+__global__ void split_keys(const float* K, float* ops, int M, int Mpad) {
+    const int h = blockIdx.z, j = blockIdx.y;
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= T::BC * T::D / 4) return;
+    int r, c;
+    chunk_coords<T::D>(i, r, c);
+    const int key = j * T::BC + r;
+    const float4 v = key < M ? *reinterpret_cast<const float4*>(K + (static_cast<size_t>(h) * M + key) * T::D + c)
+                             : make_float4(0.f, 0.f, 0.f, 0.f);
+    uint32_t hi[4], lo[4];
+    split<T::THREE>(v.x, hi[0], lo[0]);
+    split<T::THREE>(v.y, hi[1], lo[1]);
+    split<T::THREE>(v.z, hi[2], lo[2]);
+    split<T::THREE>(v.w, hi[3], lo[3]);
+    float* const dst = stage_in<T>(ops, h, j, Mpad) + cm_offset<T::BC>(r, c);
+    *reinterpret_cast<uint4*>(dst) = make_uint4(hi[0], hi[1], hi[2], hi[3]);
+    if constexpr (T::THREE) *reinterpret_cast<uint4*>(dst + T::K_PART) = make_uint4(lo[0], lo[1], lo[2], lo[3]);
+}
+
+// Vᵀ part p of key tile j: element (column c, position q) at V_OFFSET + p·V_PART +
+// cm_offset<D>(c, q) holds part(V[key][c]) with key = 8·(q/8) + kperm(q%8) of the tile, zeros
+// for keys >= M. A 32-key × 32-column block per block of (32, 8) threads, through shared memory;
+// each warp writes whole core matrices (8 columns × 4 positions, 128 contiguous bytes).
+template <class T>
+__global__ void transpose_split_values(const float* V, float* ops, int M, int Mpad) {
+    __shared__ float tile[32][33];  // +1: the column reads below spread over the banks
     const int h = blockIdx.z, key0 = blockIdx.x * 32, col0 = blockIdx.y * 32;
-    const float* Vh = V + static_cast<size_t>(h) * M * D;
+    const float* Vh = V + static_cast<size_t>(h) * M * T::D;
     for (int y = threadIdx.y; y < 32; y += 8) {
         const int key = key0 + y;
-        tile[y][threadIdx.x] = key < M ? Vh[static_cast<size_t>(key) * D + col0 + threadIdx.x] : 0.f;
+        tile[y][threadIdx.x] = key < M ? Vh[static_cast<size_t>(key) * T::D + col0 + threadIdx.x] : 0.f;
     }
     __syncthreads();
-    const size_t part = static_cast<size_t>(heads) * D * Mpad;
-    const int pos = threadIdx.x, src = (pos & ~7) + kperm(pos & 7);
-    for (int y = threadIdx.y; y < 32; y += 8) {
-        const size_t o = (static_cast<size_t>(h) * D + col0 + y) * Mpad + key0 + pos;
+    const int lane = threadIdx.x;
+    float* const stage = stage_in<T>(ops, h, key0 / T::BC, Mpad) + T::V_OFFSET;
+    for (int cmi = threadIdx.y; cmi < 32; cmi += 8) {  // 4 column groups × 8 position groups
+        const int col = (cmi % 4) * 8 + lane / 4, pos = (cmi / 4) * 4 + lane % 4;
+        const int src = (pos & ~7) + kperm(pos & 7);
         uint32_t hi, lo;
-        split<kThree>(tile[src][y], hi, lo);
-        Vtp[o] = __uint_as_float(hi);
-        if (kThree) Vtp[part + o] = __uint_as_float(lo);
+        split<T::THREE>(tile[src][col], hi, lo);
+        float* const dst = stage + cm_offset<T::D>(col0 + col, key0 % T::BC + pos);
+        *dst = __uint_as_float(hi);
+        if constexpr (T::THREE) dst[T::V_PART] = __uint_as_float(lo);
     }
 }
 
 // ---------------------------------------------------------------------------------------------
 // The kernel. Grid: x = query blocks (reversed, so the longest causal blocks start first),
-// y = heads, z = KV splits. Shared memory: Q [PARTS][BR×D], then 2 stages of {K [PARTS][BC×D],
-// Vᵀ [PARTS][D×BC]}, all in the core-matrix layout.
+// y = heads, z = KV splits. Shared memory: Q [PARTS][BR×D], then STAGES stages of
+// {K [PARTS][BC×D], Vᵀ [PARTS][D×BC]}, all in the core-matrix layout.
 
 // Issues S(64×BC) = Q_wg·K_jᵀ for the warpgroup's 64 rows, small terms first, as one wgmma group;
-// s is valid after the next wg::wait.
+// s is valid after the next wg::wait. q: the descriptor of the warpgroup's rows of Q (hi part,
+// k step 0); k: that of the stage's K (hi part, k step 0).
 template <class T>
-__device__ __forceinline__ void qk_issue(float (&s)[T::BC / 8][4], const float* Qs, const float* Ks, int wg) {
+__device__ __forceinline__ void qk_issue(float (&s)[T::BC / 8][4], uint64_t q, uint64_t k) {
     wg::fence();
 #pragma unroll
     for (int ks = 0; ks < T::D / 8; ++ks) {
-        // The warpgroup's rows 64·wg.. of the BR-row Q tile start 8·wg core matrices in.
-        const uint64_t q_hi = tile_desc<T::BR>(Qs + wg * 64 * 4, ks * 8);
-        const uint64_t k_hi = tile_desc<T::BC>(Ks, ks * 8);
+        const uint64_t q_hi = desc_at(q, ks * kStep<T::BR>), k_hi = desc_at(k, ks * kStep<T::BC>);
         if constexpr (T::THREE) {
-            const uint64_t q_lo = tile_desc<T::BR>(Qs + T::Q_PART + wg * 64 * 4, ks * 8);
-            const uint64_t k_lo = tile_desc<T::BC>(Ks + T::K_PART, ks * 8);
+            const uint64_t q_lo = desc_at(q_hi, T::Q_PART), k_lo = desc_at(k_hi, T::K_PART);
             wg::Wgmma<T::BC>::ss(s, q_lo, k_hi, ks > 0);
             wg::Wgmma<T::BC>::ss(s, q_hi, k_lo, 1);
             wg::Wgmma<T::BC>::ss(s, q_hi, k_hi, 1);
@@ -188,11 +219,12 @@ __device__ __forceinline__ void qk_issue(float (&s)[T::BC / 8][4], const float* 
 // Issues acc(64×D) = P(64×BC)·V_j as one wgmma group. P's A fragment for keys 8kk.. is s[kk]
 // under kperm: {s0, s2, s1, s3}, split into TF32 parts in hi/lo, which must stay untouched until
 // the group completes. The caller adds acc to O in FP32 after wg::wait (a fresh accumulator per
-// tile: the tensor cores' own long accumulation truncates).
+// tile: the tensor cores' own long accumulation truncates). v: the descriptor of the stage's Vᵀ
+// (hi part, k step 0).
 template <class T>
 __device__ __forceinline__ void pv_issue(float (&acc)[T::D / 8][4], uint32_t (&hi)[T::BC / 8][4],
                                          uint32_t (&lo)[T::BC / 8][4], const float (&s)[T::BC / 8][4],
-                                         const float* Vts) {
+                                         uint64_t v) {
 #pragma unroll
     for (int kk = 0; kk < T::BC / 8; ++kk) {
         constexpr int kFrag[4] = {0, 2, 1, 3};
@@ -202,9 +234,9 @@ __device__ __forceinline__ void pv_issue(float (&acc)[T::D / 8][4], uint32_t (&h
     wg::fence();
 #pragma unroll
     for (int kk = 0; kk < T::BC / 8; ++kk) {
-        const uint64_t v_hi = tile_desc<T::D>(Vts, kk * 8);
+        const uint64_t v_hi = desc_at(v, kk * kStep<T::D>);
         if constexpr (T::THREE) {
-            const uint64_t v_lo = tile_desc<T::D>(Vts + T::V_PART, kk * 8);
+            const uint64_t v_lo = desc_at(v_hi, T::V_PART);
             wg::Wgmma<T::D>::rs(acc, lo[kk], v_hi, kk > 0);
             wg::Wgmma<T::D>::rs(acc, hi[kk], v_lo, 1);
             wg::Wgmma<T::D>::rs(acc, hi[kk], v_hi, 1);
@@ -215,51 +247,10 @@ __device__ __forceinline__ void pv_issue(float (&acc)[T::D / 8][4], uint32_t (&h
     wg::commit();
 }
 
-template <class T, bool kCausal>
-__global__ void __launch_bounds__(T::THREADS, 1) flash_wgmma_kernel(const WgParams p) {
-#if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    __trap();  // built for sm_90a only; never launched elsewhere (device_is_sm90)
-#else
-    extern __shared__ float4 smem_f4[];
-    float* const Qs = reinterpret_cast<float*>(smem_f4);  // [PARTS][BR×D]
-    float* const stages = Qs + T::PARTS * T::Q_PART;       // [2][STAGE]
-
-    const int qblock = gridDim.x - 1 - blockIdx.x;
-    const int head = blockIdx.y, split_id = blockIdx.z;
-    const int wg = threadIdx.x / kWarpgroup, warp = (threadIdx.x % kWarpgroup) / 32;
-    const int lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
-    const int q0 = qblock * T::BR;
-    const int wg_row0 = q0 + wg * 64;            // the warpgroup's first query row
-    const int warp_row0 = wg_row0 + warp * 16;   // the warp's
-    const int row0 = warp_row0 + g;              // the thread's rows: row0 and row0 + 8
-
-    // The KV tiles this block visits: all, or (causal) those up to its last row; this split's share.
-    int n_tiles = ceil_div(p.M, T::BC);
-    if (kCausal) n_tiles = min(n_tiles, ceil_div(min(q0 + T::BR, p.N), T::BC));
-    const int per_split = ceil_div(n_tiles, p.splits);
-    const int tile_begin = min(n_tiles, split_id * per_split);
-    const int tile_end = min(n_tiles, tile_begin + per_split);
-
-    // Tile t's K and Vᵀ live in stage (t - tile_begin) % 2; tile j+1 loads while tile j is used.
-    const size_t k_part = static_cast<size_t>(p.heads) * p.Mpad * T::D;  // = Vᵀ's part size
-    const float* Kh = p.Kp + static_cast<size_t>(head) * p.Mpad * T::D;
-    const float* Vth = p.Vtp + static_cast<size_t>(head) * T::D * p.Mpad;
-    auto stage_of = [&](int j) { return stages + ((j - tile_begin) & 1) * T::STAGE; };
-    auto load_stage = [&](int j) {
-        float* const stage = stage_of(j);
-#pragma unroll
-        for (int part = 0; part < T::PARTS; ++part) {
-            load_tile_async<T::BC, T::D, T::THREADS>(stage + part * T::K_PART,
-                                                      Kh + part * k_part + static_cast<size_t>(j) * T::BC * T::D, T::D);
-            load_tile_async<T::D, T::BC, T::THREADS>(stage + T::PARTS * T::K_PART + part * T::V_PART,
-                                                      Vth + part * k_part + static_cast<size_t>(j) * T::BC, p.Mpad);
-        }
-        cp_async_commit();
-    };
-    if (tile_begin < tile_end) load_stage(tile_begin);
-
-    // Q, split into hi/lo parts in the core-matrix layout, while the first tile loads. Rows past
-    // N are zeros and never stored.
+// The block's BR rows of Q, split into TF32 parts in the core-matrix layout of shared memory.
+// Rows past N are zeros and never stored. The caller fences for wgmma (fence_proxy_async).
+template <class T>
+__device__ __forceinline__ void split_q(float* Qs, const WgParams& p, int head, int q0) {
     const float* Qh = p.Q + static_cast<size_t>(head) * p.N * T::D;
     for (int i = threadIdx.x; i < T::BR * T::D / 4; i += T::THREADS) {
         int r, c;
@@ -276,6 +267,73 @@ __global__ void __launch_bounds__(T::THREADS, 1) flash_wgmma_kernel(const WgPara
         if constexpr (T::THREE)
             *reinterpret_cast<uint4*>(Qs + T::Q_PART + cm_offset<T::BR>(r, c)) = make_uint4(lo[0], lo[1], lo[2], lo[3]);
     }
+}
+
+// The KV tiles [begin, end) a block visits: all, or (causal) those up to its last row; its
+// split's share of them.
+template <class T, bool kCausal>
+__device__ __forceinline__ void block_tiles(const WgParams& p, int q0, int split_id, int& begin, int& end) {
+    int n_tiles = ceil_div(p.M, T::BC);
+    if (kCausal) n_tiles = min(n_tiles, ceil_div(min(q0 + T::BR, p.N), T::BC));
+    const int per_split = ceil_div(n_tiles, p.splits);
+    begin = min(n_tiles, split_id * per_split);
+    end = min(n_tiles, begin + per_split);
+}
+
+template <class T, bool kCausal>
+__global__ void __launch_bounds__(T::THREADS, 1) flash_wgmma_kernel(const WgParams p) {
+#if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    __trap();  // built for sm_90a only; never launched elsewhere (device_is_sm90)
+#else
+    extern __shared__ float4 smem_f4[];
+    float* const Qs = reinterpret_cast<float*>(smem_f4);  // [PARTS][BR×D]
+    float* const stages = Qs + T::PARTS * T::Q_PART;       // [STAGES][STAGE]
+    // Per stage, one barrier for its K and one for its Vᵀ: a phase completes when the tile's copy
+    // has landed.
+    __shared__ uint64_t k_loaded[T::STAGES], v_loaded[T::STAGES];
+
+    const int qblock = gridDim.x - 1 - blockIdx.x;
+    const int head = blockIdx.y, split_id = blockIdx.z;
+    const int wg = threadIdx.x / kWarpgroup, warp = (threadIdx.x % kWarpgroup) / 32;
+    const int lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
+    const int q0 = qblock * T::BR;
+    const int wg_row0 = q0 + wg * 64;            // the warpgroup's first query row
+    const int warp_row0 = wg_row0 + warp * 16;   // the warp's
+    const int row0 = warp_row0 + g;              // the thread's rows: row0 and row0 + 8
+    int tile_begin, tile_end;
+    block_tiles<T, kCausal>(p, q0, split_id, tile_begin, tile_end);
+
+    // Tile j lives in stage (j - tile_begin) % STAGES, whose barriers complete their n-th phase
+    // (parity n % 2) with the n-th tile loaded into it. Thread 0 starts the copies.
+    float* const ops_h = stage_in<T>(const_cast<float*>(p.ops), head, 0, p.Mpad);
+    auto slot = [&](int j) { return (j - tile_begin) % T::STAGES; };
+    auto parity = [&](int j) { return static_cast<uint32_t>(((j - tile_begin) / T::STAGES) & 1); };
+    auto stage_of = [&](int j) { return stages + slot(j) * T::STAGE; };
+    auto load_k = [&](int j) {
+        uint64_t* const bar = &k_loaded[slot(j)];
+        bulk::arrive_expect_tx(bar, T::K_BYTES);
+        bulk::copy(stage_of(j), ops_h + static_cast<size_t>(j) * T::STAGE, T::K_BYTES, bar);
+    };
+    auto load_v = [&](int j) {
+        uint64_t* const bar = &v_loaded[slot(j)];
+        bulk::arrive_expect_tx(bar, T::V_BYTES);
+        bulk::copy(stage_of(j) + T::V_OFFSET, ops_h + static_cast<size_t>(j) * T::STAGE + T::V_OFFSET, T::V_BYTES, bar);
+    };
+    if (threadIdx.x == 0) {
+        for (int st = 0; st < T::STAGES; ++st) {
+            bulk::init(&k_loaded[st], 1);
+            bulk::init(&v_loaded[st], 1);
+        }
+        bulk::fence_init();
+        if (tile_begin < tile_end) {
+            load_k(tile_begin);
+            load_v(tile_begin);
+        }
+    }
+    split_q<T>(Qs, p, head, q0);  // while the first tile loads
+    wg::fence_proxy_async();  // Q's stores are read by wgmma (the async proxy)
+    // The warpgroup's rows of Q start 8·wg core matrices into the BR-row tile.
+    const uint64_t q_desc = tile_desc<T::BR>(Qs + wg * 64 * 4, 0);
 
     float o[T::D / 8][4];
 #pragma unroll
@@ -284,32 +342,58 @@ __global__ void __launch_bounds__(T::THREADS, 1) flash_wgmma_kernel(const WgPara
         for (int e = 0; e < 4; ++e) o[nt][e] = 0.f;
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
 
+    // Every __syncthreads below is reached by all warpgroups, also one that skips the tile; the
+    // last warpgroup never skips, so every phase of the barriers is waited for before its stage
+    // is loaded again.
     for (int j = tile_begin; j < tile_end; ++j) {
-        cp_async_wait<0>();       // this thread's copies of tile j have landed
-        wg::fence_proxy_async();  // ... and, with Q's stores, are visible to wgmma
-        __syncthreads();          // everyone's are; everyone is done with tile j-1's stage
-        if (j + 1 < tile_end) load_stage(j + 1);
+        const bool more = j + 1 < tile_end;
+        if constexpr (T::STAGES == 2) {
+            // Everyone is done with tile j-1's stage, which tile j+1 takes (and, the first time,
+            // Q and the barriers are published).
+            __syncthreads();
+            if (threadIdx.x == 0 && more) {
+                load_k(j + 1);
+                load_v(j + 1);
+            }
+        } else if (j == tile_begin) {
+            __syncthreads();  // Q and the barriers are published
+        }
 
         const int key0 = j * T::BC;
-        if (kCausal && key0 > wg_row0 + 63) continue;  // the whole tile is above this warpgroup's rows
+        // A whole tile above this warpgroup's rows is skipped.
+        const bool visible = !kCausal || key0 <= wg_row0 + 63;
         float* const stage = stage_of(j);
         float s[T::BC / 8][4];
-        qk_issue<T>(s, Qs, stage, wg);  // S = Q Kᵀ
-        wg::wait<0>();
-        wg::fence_operands(s);
-        scale_tile<T::BC>(s, p.scale_log2);
-        if (key0 + T::BC > p.M || (kCausal && key0 + T::BC - 1 > warp_row0))
-            mask_tile<T::BC, kCausal>(s, key0, p.M, row0, t);
-        online_softmax<T::BC, T::D>(s, o, m, l);  // P = exp(S − m), l, O rescaled
-        float acc[T::D / 8][4];
-        uint32_t hi[T::BC / 8][4], lo[T::BC / 8][4];
-        pv_issue<T>(acc, hi, lo, s, stage + T::PARTS * T::K_PART);  // acc = P V
-        wg::wait<0>();
-        wg::fence_operands(acc);
+        if (visible) {
+            bulk::wait(&k_loaded[slot(j)], parity(j));
+            qk_issue<T>(s, q_desc, tile_desc<T::BC>(stage, 0));  // S = Q Kᵀ
+            wg::wait<0>();
+            wg::fence_operands(s);
+        }
+        if constexpr (T::STAGES == 1) {
+            __syncthreads();  // K_j is no longer read: K_{j+1} takes its place
+            if (threadIdx.x == 0 && more) load_k(j + 1);
+        }
+        if (visible) {
+            scale_tile<T::BC>(s, p.scale_log2);
+            if (key0 + T::BC > p.M || (kCausal && key0 + T::BC - 1 > warp_row0))
+                mask_tile<T::BC, kCausal>(s, key0, p.M, row0, t);
+            online_softmax<T::BC, T::D>(s, o, m, l);  // P = exp(S − m), l, O rescaled
+            float acc[T::D / 8][4];
+            uint32_t hi[T::BC / 8][4], lo[T::BC / 8][4];
+            bulk::wait(&v_loaded[slot(j)], parity(j));
+            pv_issue<T>(acc, hi, lo, s, tile_desc<T::D>(stage + T::V_OFFSET, 0));  // acc = P V
+            wg::wait<0>();
+            wg::fence_operands(acc);
 #pragma unroll
-        for (int nt = 0; nt < T::D / 8; ++nt)
+            for (int nt = 0; nt < T::D / 8; ++nt)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) o[nt][e] += acc[nt][e];
+                for (int e = 0; e < 4; ++e) o[nt][e] += acc[nt][e];
+        }
+        if constexpr (T::STAGES == 1) {
+            __syncthreads();  // Vᵀ_j is no longer read
+            if (threadIdx.x == 0 && more) load_v(j + 1);
+        }
     }
 
     float* O = p.O + (static_cast<size_t>(split_id) * p.heads + head) * p.N * T::D;
@@ -395,7 +479,7 @@ int choose_splits(const FlashArgs& a) {
 }
 
 template <class T>
-size_t operand_floats(const FlashArgs& a) {  // Kp + Vtp
+size_t operand_floats(const FlashArgs& a) {  // the prepared K and Vᵀ parts
     return 2 * static_cast<size_t>(T::PARTS) * a.heads * (ceil_div(a.M, T::BC) * T::BC) * T::D;
 }
 
@@ -404,24 +488,24 @@ void launch(const FlashArgs& a, int splits, cudaStream_t stream) {
     auto kernel = flash_wgmma_kernel<T, kCausal>;
     blocks_per_sm<T, kCausal>();  // also raises the shared-memory limit
     const int Mpad = ceil_div(a.M, T::BC) * T::BC;
-    const size_t part = static_cast<size_t>(a.heads) * Mpad * T::D;
     const size_t rows = static_cast<size_t>(a.heads) * a.N;
     const size_t partial_floats = splits > 1 ? static_cast<size_t>(splits) * rows * (a.d + 1) : 0;
     float* ws = nullptr;
     CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&ws),
                                (operand_floats<T>(a) + partial_floats) * sizeof(float), stream));
-    float* const Kp = ws;
-    float* const Vtp = ws + T::PARTS * part;
+    float* const ops = ws;
 
-    split_keys<T::THREE><<<std::min<size_t>(part / 4 / 256 + 1, 8192), 256, 0, stream>>>(a.K, Kp, a.heads, a.M, Mpad, T::D);
+    // The preparation pass: K and Vᵀ split into TF32 parts, one contiguous stage per key tile.
+    constexpr int kPrepThreads = 256;
+    split_keys<T><<<dim3(ceil_div(T::BC * T::D / 4, kPrepThreads), Mpad / T::BC, a.heads), kPrepThreads, 0, stream>>>(
+        a.K, ops, a.M, Mpad);
     LAUNCH_CHECK(split_keys);
-    transpose_split_values<T::THREE><<<dim3(Mpad / 32, T::D / 32, a.heads), dim3(32, 8), 0, stream>>>(
-        a.V, Vtp, a.heads, a.M, Mpad, T::D);
+    transpose_split_values<T><<<dim3(Mpad / 32, T::D / 32, a.heads), dim3(32, 8), 0, stream>>>(a.V, ops, a.M, Mpad);
     LAUNCH_CHECK(transpose_split_values);
 
-    WgParams p{a.Q, Kp, Vtp, a.O, a.lse, a.heads, a.N, a.M, Mpad, a.scale * kLog2e, splits};
+    WgParams p{a.Q, ops, a.O, a.lse, a.heads, a.N, a.M, Mpad, a.scale * kLog2e, splits};
     if (splits > 1) {
-        p.O = Vtp + T::PARTS * part;
+        p.O = ops + operand_floats<T>(a);
         p.lse = p.O + static_cast<size_t>(splits) * rows * a.d;
     }
     const dim3 grid(ceil_div(a.N, T::BR), a.heads, splits);
@@ -451,25 +535,29 @@ bool run_config(const FlashArgs& a, int forced_splits, Plan* plan, size_t* ws_pe
     return true;
 }
 
-// The configurations per head width and precision (the fastest of a sweep on an H100, B4 H16
-// N=M=4096, TFLOP/s non-causal | causal; docs/performance.md). Shared memory per block:
-//   3xTF32 d64:  2 warpgroups, Bc 64, 192 KB: 49-51 | 43   (1 warpgroup, Bc 32 or 64: 32-33 | 29-30)
-//   3xTF32 d128: 1 warpgroup,  Bc 32, 192 KB: 31 | 28      (2 warpgroups need 256 KB)
-//   TF32   d64:  2 warpgroups, Bc 64,  96 KB: 100 | 81     (Bc 128: 99 | 84; 1 warpgroup: 66 | 58)
-//   TF32   d128: 2 warpgroups, Bc 64, 192 KB: 105 | 94     (Bc 32: 97 | 78; 1 warpgroup: 66 | 58)
-// Registers (ptxas, non-causal / causal): 3xTF32 d64 198 / 202, d128 222 / 231; TF32 d64
-// 165 / 162, d128 234 / 242; no spills. One block per SM: by shared memory (192 KB), and for
-// TF32 d64 (96 KB) by registers (165 × 256 threads is more than half the SM's 65536).
+// The configurations per head width and precision: the fastest measured on an H100 (`main
+// --bench`, B4 H16 N=M=4096, TFLOP/s non-causal | causal; docs/performance.md has the sweep):
+//   3xTF32 d64:  2 warpgroups, Bc 64, 2 stages, 192 KB: 92-94 | 69-74
+//   3xTF32 d128: 1 warpgroup, Bc 64, 1 stage, 192 KB: 78 | 64-66 (Bc 32 with 2 stages: 71 | 58-60:
+//     with N = 32 the Q·Kᵀ wgmma reads more shared memory per cycle than the SM delivers;
+//     2 warpgroups need Q's 128 KB beside the tiles)
+//   TF32 d64:    2 warpgroups, Bc 64, 96 KB, 2 blocks per SM (124 registers): 218 | 124-135;
+//                causal: Bc 128, 160 KB, 129-156 (Bc 64's causal build needs 153 registers: one block)
+//   TF32 d128:   2 warpgroups, Bc 64, 192 KB: 217-227 | 154-166
+// One warpgroup per block with 2 stages (every d and precision) measured 5-30% slower than these.
+// Registers (ptxas, non-causal / causal): 3xTF32 d64 172 / 188, d128 238 / 241; TF32 d64 124 /
+// (Bc 128) 217, d128 174 / 217; no spills.
 bool dispatch(const FlashArgs& a, int forced_splits, Plan* plan, size_t* ws_per_head, bool do_launch,
               cudaStream_t stream) {
     if (a.heads < 1 || a.heads > 65535 || a.N < 1 || a.M < 1 || !device_is_sm90()) return false;
     const bool three = a.precision == Precision::fp32;
     switch (a.d) {
         case 64:
-            return three ? run_config<WgTiles<64, 64, 2, true>>(a, forced_splits, plan, ws_per_head, do_launch, stream)
-                         : run_config<WgTiles<64, 64, 2, false>>(a, forced_splits, plan, ws_per_head, do_launch, stream);
+            if (three) return run_config<WgTiles<64, 64, 2, true>>(a, forced_splits, plan, ws_per_head, do_launch, stream);
+            if (a.causal) return run_config<WgTiles<64, 128, 2, false>>(a, forced_splits, plan, ws_per_head, do_launch, stream);
+            return run_config<WgTiles<64, 64, 2, false>>(a, forced_splits, plan, ws_per_head, do_launch, stream);
         case 128:
-            return three ? run_config<WgTiles<128, 32, 1, true>>(a, forced_splits, plan, ws_per_head, do_launch, stream)
+            return three ? run_config<WgTiles<128, 64, 1, true, 1>>(a, forced_splits, plan, ws_per_head, do_launch, stream)
                          : run_config<WgTiles<128, 64, 2, false>>(a, forced_splits, plan, ws_per_head, do_launch, stream);
         default:
             return false;  // no configuration: the mma.sync or clean kernel handles it
@@ -499,22 +587,16 @@ double launch_wgmma_peak(float* sink, cudaStream_t stream) {
     return 2.0 * 64 * kPeakN * 8 * double(kPeakBatch) * kPeakBatches * kPeakWarpgroups * blocks;
 }
 
-// Where this kernel beats flash_fast.cu's mma.sync kernel (`attnstep bench` on an H100,
-// docs/bench_h100.json and docs/performance.md, B4 H16, TFLOP/s wgmma vs mma.sync):
-//   3xTF32 d64 from N = 4096: 49 vs 44 (causal 42 vs 39); N = 16384: 54 vs 43 (causal 54 vs 43).
-//   TF32 d64 non-causal from N = 8192: 116 vs 107; N = 16384: 124 vs 108 (N = 4096: 100 vs 104).
-// Elsewhere the mma.sync kernel is faster: at N = 1024 the per-call preparation pass and the
-// 128-row blocks' causal waste cost more than the wgmma rate gains (36 vs 41; causal 21 vs 30);
-// TF32 causal (80 vs 98 at N = 4096, 96 vs 105 at 8192); d = 128 (3xTF32 31 vs 48: one
-// warpgroup fits in shared memory; TF32 105 vs 119). `auto` follows.
+// Where this kernel beats flash_fast.cu's mma.sync kernel (`main --bench --only flash` on an H100,
+// B4 H16, TFLOP/s wgmma vs mma.sync; docs/performance.md): at N = M = 4096 everywhere, by 1.3-2.1x
+// (3xTF32 d64 92 vs 44, d128 78 vs 48; TF32 d64 218 vs 108, d128 223 vs 122; causal 66-129 vs
+// 40-112). At N = M = 1024 the per-call preparation pass and the blocks' causal waste weigh more:
+// faster non-causal at d64 (3xTF32 50 vs 41, TF32 100 vs 97) and 3xTF32 d128 causal (34 vs 32),
+// slower for the other causal cases (d64 27 vs 30, TF32 d64 55 vs 72, TF32 d128 65 vs 76) and
+// 3xTF32 d128 (42 vs 46). `auto` follows, with 2048 between the measured 1024 and 4096.
 bool flash_wgmma_preferred(const FlashArgs& a) {
-    if (a.d != 64) return false;
-    if (a.precision == Precision::fp32) {
-        constexpr int kMinRows = 2048;  // between the measured 1024 (slower) and 4096 (faster)
-        return a.N >= kMinRows && a.M >= kMinRows;
-    }
-    constexpr int kMinRowsTf32 = 8192;  // measured slower at 4096, faster at 8192 and 16384
-    return !a.causal && a.N >= kMinRowsTf32 && a.M >= kMinRowsTf32;
+    const int min_rows = (!a.causal && a.d == 64) ? 1024 : 2048;
+    return a.N >= min_rows && a.M >= min_rows;
 }
 
 size_t flash_wgmma_workspace_bytes_per_head(const FlashArgs& a) {
