@@ -73,6 +73,11 @@ struct WgTiles {
     static constexpr size_t SMEM_BYTES = (static_cast<size_t>(PARTS) * Q_PART + STAGES * STAGE) * sizeof(float);
     static_assert(D % 32 == 0 && BC % 32 == 0, "tiles: whole core matrices, 32-key transpose blocks");
     static_assert(STAGES == 1 || STAGES == 2, "single or double buffered");
+    // The opt-in shared-memory limit of sm_90 (227 KB) less the kernel's static barriers; an
+    // mbarrier phase counts at most 2^20 - 1 bytes; desc_at moves in whole 16-byte units.
+    static_assert(SMEM_BYTES + 64 <= 227 * 1024, "shared memory");
+    static_assert(K_BYTES < (1u << 20) && V_BYTES < (1u << 20), "mbarrier transaction count");
+    static_assert(Q_PART % 4 == 0 && K_PART % 4 == 0 && V_PART % 4 == 0, "descriptor offsets");
 };
 
 // Float offset of element (r, c) of an R-row tile in the no-swizzle K-major layout: core matrix
@@ -83,17 +88,17 @@ __device__ __forceinline__ int cm_offset(int r, int c) {
     return (c / 4) * (R * 4) + (r / 8) * 32 + (r % 8) * 4 + (c % 4);
 }
 
-// Descriptor of the 8-column (one k step) slice starting at column c0 of an R-row tile.
+// Descriptor of the first 8 columns (one k step) of an R-row tile; desc_at moves it on.
 template <int R>
-__device__ __forceinline__ uint64_t tile_desc(const float* tile, int c0) {
-    return wg::make_desc(tile + cm_offset<R>(0, c0), R * 16, 128);
+__device__ __forceinline__ uint64_t tile_desc(const float* tile) {
+    return wg::make_desc(tile, R * 16, 128);
 }
 
 // The descriptor `floats` further on in shared memory: its address field (bits 0-13, 16-byte
 // units) plus the offset. Shared addresses stay below 2^18 bytes, so the field cannot carry into
 // the next one; adding constants to one base descriptor saves the per-wgmma address arithmetic.
 __device__ __forceinline__ uint64_t desc_at(uint64_t desc, int floats) {
-    return desc + static_cast<uint64_t>(floats / 4);
+    return desc + static_cast<uint64_t>(floats / 4);  // every offset used is a multiple of 4 floats
 }
 // Floats from one k step (8 columns) of an R-row tile to the next.
 template <int R>
@@ -107,17 +112,6 @@ __device__ __forceinline__ void chunk_coords(int i, int& r, int& c) {
     const int rest = i / 8;
     r = (rest / (C / 4)) * 8 + i % 8;
     c = (rest % (C / 4)) * 4;
-}
-
-// Copies a row-major R×C tile (row stride ld floats) into the core-matrix layout with cp.async.
-template <int R, int C, int THREADS>
-__device__ __forceinline__ void load_tile_async(float* tile, const float* src, size_t ld) {
-#pragma unroll
-    for (int i = threadIdx.x; i < R * C / 4; i += THREADS) {
-        int r, c;
-        chunk_coords<C>(i, r, c);
-        cp_async_16(tile + cm_offset<R>(r, c), src + r * ld + c);
-    }
 }
 
 struct WgParams {
@@ -333,7 +327,7 @@ __global__ void __launch_bounds__(T::THREADS, 1) flash_wgmma_kernel(const WgPara
     split_q<T>(Qs, p, head, q0);  // while the first tile loads
     wg::fence_proxy_async();  // Q's stores are read by wgmma (the async proxy)
     // The warpgroup's rows of Q start 8·wg core matrices into the BR-row tile.
-    const uint64_t q_desc = tile_desc<T::BR>(Qs + wg * 64 * 4, 0);
+    const uint64_t q_desc = tile_desc<T::BR>(Qs + wg * 64 * 4);
 
     float o[T::D / 8][4];
 #pragma unroll
@@ -366,7 +360,7 @@ __global__ void __launch_bounds__(T::THREADS, 1) flash_wgmma_kernel(const WgPara
         float s[T::BC / 8][4];
         if (visible) {
             bulk::wait(&k_loaded[slot(j)], parity(j));
-            qk_issue<T>(s, q_desc, tile_desc<T::BC>(stage, 0));  // S = Q Kᵀ
+            qk_issue<T>(s, q_desc, tile_desc<T::BC>(stage));  // S = Q Kᵀ
             wg::wait<0>();
             wg::fence_operands(s);
         }
@@ -382,7 +376,7 @@ __global__ void __launch_bounds__(T::THREADS, 1) flash_wgmma_kernel(const WgPara
             float acc[T::D / 8][4];
             uint32_t hi[T::BC / 8][4], lo[T::BC / 8][4];
             bulk::wait(&v_loaded[slot(j)], parity(j));
-            pv_issue<T>(acc, hi, lo, s, tile_desc<T::D>(stage + T::V_OFFSET, 0));  // acc = P V
+            pv_issue<T>(acc, hi, lo, s, tile_desc<T::D>(stage + T::V_OFFSET));  // acc = P V
             wg::wait<0>();
             wg::fence_operands(acc);
 #pragma unroll
@@ -416,7 +410,7 @@ __global__ void __launch_bounds__(kPeakWarpgroups * kWarpgroup, 1) wgmma_peak_ke
     for (int i = threadIdx.x; i < (64 + kPeakN) * 8; i += blockDim.x) tile[i] = 1.f + 1e-3f * (i % 97);
     wg::fence_proxy_async();
     __syncthreads();
-    const uint64_t da = tile_desc<64>(tile, 0), db = tile_desc<kPeakN>(tile + 64 * 8, 0);
+    const uint64_t da = tile_desc<64>(tile), db = tile_desc<kPeakN>(tile + 64 * 8);
     float acc[kPeakN / 8][4] = {};
     for (int b = 0; b < kPeakBatches; ++b) {
         wg::fence();
