@@ -108,7 +108,8 @@ __device__ __forceinline__ void mask_tile(float (&s)[BC / 8][4], int key0, int M
 // Online softmax for one tile of x (scaled, masked), in base 2: m_new = max(m, rowmax x),
 // P = 2^(x − m_new), l = l·2^(m − m_new) + rowsum P, O = O·2^(m − m_new). l is kept per thread (a
 // quarter of each row) and summed across the quad at the end; m is reduced across the quad here,
-// so every thread rescales by the same factor.
+// so every thread rescales by the same factor. All 32 lanes of the warp call it together (quad
+// shuffles, and a warp vote on the rescale).
 template <int BC, int D>
 __device__ __forceinline__ void online_softmax(float (&s)[BC / 8][4], float (&o)[D / 8][4],
                                                float (&m)[2], float (&l)[2]) {
