@@ -136,7 +136,8 @@ __device__ __forceinline__ float* stage_in(float* ops, int h, int j, int Mpad) {
 // K part p of key tile j: element (key r, column c) at p·K_PART + cm_offset<BC>(r % BC, c), zeros
 // for keys >= M. A thread per 16 bytes, in chunk_coords order: 64 contiguous bytes of each of 8
 // rows read, 128 contiguous bytes written per 8 threads. Grid: x over one tile's chunks, y = tile,
-// z = head.
+// z = head. Known limit: gridDim.y caps the tiles at 65535 (M up to 4,194,240 keys at Bc 64);
+// beyond, this launch fails with a CUDA error (exit 1) where it should fold tiles into x.
 template <class T>
 __global__ void split_keys(const float* K, float* ops, int M, int Mpad) {
     const int h = blockIdx.z, j = blockIdx.y;
