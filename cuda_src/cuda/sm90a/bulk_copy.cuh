@@ -8,17 +8,10 @@
 
 #include <cstdint>
 
+#include "sm90a_asm.cuh"
+
 namespace attnstep {
 namespace bulk {
-
-// Only the sm_90a device pass has these instructions (as in wgmma.cuh).
-#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define ATTNSTEP_BULK_ASM(...) asm volatile(__VA_ARGS__)
-#else
-#define ATTNSTEP_BULK_ASM(...) \
-    do {                       \
-    } while (0)
-#endif
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
     return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -27,22 +20,22 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
 // A barrier that completes a phase when `arrivals` threads have arrived and every byte announced
 // with expect_tx has landed.
 __device__ __forceinline__ void init(uint64_t* bar, uint32_t arrivals) {
-    ATTNSTEP_BULK_ASM("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(arrivals) : "memory");
+    ATTNSTEP_SM90A_ASM("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(arrivals) : "memory");
 }
 // Makes initialized barriers visible to the bulk copy engine (the async proxy); before the
 // __syncthreads that publishes them.
 __device__ __forceinline__ void fence_init() {
-    ATTNSTEP_BULK_ASM("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    ATTNSTEP_SM90A_ASM("fence.mbarrier_init.release.cluster;\n" ::: "memory");
 }
 // The calling thread arrives and announces `bytes` of copies that will complete on this phase.
 __device__ __forceinline__ void arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
-    ATTNSTEP_BULK_ASM("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(bytes)
+    ATTNSTEP_SM90A_ASM("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(bytes)
                       : "memory");
 }
 // Copies `bytes` (a multiple of 16; both addresses 16-byte aligned) from global to shared memory;
 // completion is counted on `bar`.
 __device__ __forceinline__ void copy(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
-    ATTNSTEP_BULK_ASM(
+    ATTNSTEP_SM90A_ASM(
         "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
             smem_addr(dst)),
         "l"(src), "r"(bytes), "r"(smem_addr(bar))
@@ -50,7 +43,7 @@ __device__ __forceinline__ void copy(void* dst, const void* src, uint32_t bytes,
 }
 // Waits until the phase with this parity (0 for the barrier's 1st, 3rd, ... phase) has completed.
 __device__ __forceinline__ void wait(uint64_t* bar, uint32_t parity) {
-    ATTNSTEP_BULK_ASM(
+    ATTNSTEP_SM90A_ASM(
         "{\n.reg .pred done;\nwait_%=:\n"
         "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
         "@!done bra wait_%=;\n}\n" ::"r"(smem_addr(bar)),

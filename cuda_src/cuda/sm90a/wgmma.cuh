@@ -15,18 +15,10 @@
 
 #include <cstdint>
 
+#include "sm90a_asm.cuh"
+
 namespace attnstep {
 namespace wg {
-
-// Only the sm_90a device pass has these instructions; other passes compile the wrappers empty
-// (flash_wgmma.cu never launches its kernel on a GPU other than compute capability 9.0).
-#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define ATTNSTEP_WGMMA_ASM(...) asm volatile(__VA_ARGS__)
-#else
-#define ATTNSTEP_WGMMA_ASM(...) \
-    do {                        \
-    } while (0)
-#endif
 
 // A shared-memory matrix descriptor (PTX ISA "matrix descriptor"): start address, leading byte
 // offset (between core matrices adjacent in K), stride byte offset (between core matrices
@@ -39,17 +31,17 @@ __device__ __forceinline__ uint64_t make_desc(const void* smem, uint32_t lbo_byt
 }
 
 // Orders earlier register and shared-memory accesses before the wgmma that follow.
-__device__ __forceinline__ void fence() { ATTNSTEP_WGMMA_ASM("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void commit() { ATTNSTEP_WGMMA_ASM("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void fence() { ATTNSTEP_SM90A_ASM("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void commit() { ATTNSTEP_SM90A_ASM("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 // Waits until at most kPending committed groups are still running.
 template <int kPending>
 __device__ __forceinline__ void wait() {
-    ATTNSTEP_WGMMA_ASM("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
+    ATTNSTEP_SM90A_ASM("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
 }
 // Shared memory written by ordinary stores (or cp.async) is read by wgmma through the async
 // proxy: each writing thread fences before the barrier that publishes the data.
 __device__ __forceinline__ void fence_proxy_async() {
-    ATTNSTEP_WGMMA_ASM("fence.proxy.async.shared::cta;\n" ::: "memory");
+    ATTNSTEP_SM90A_ASM("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 // Pins accumulator registers: the compiler may not move their uses across this point (so no
 // copy of a register the tensor cores are still writing is read before wait()).
@@ -69,7 +61,7 @@ struct Wgmma<32> {
     // D(64x32) (+)= A(64x8, shared) * B(8x32, shared)
     static __device__ __forceinline__ void ss(float (&d)[4][4], uint64_t desc_a, uint64_t desc_b,
                                               int accumulate) {
-        ATTNSTEP_WGMMA_ASM(
+        ATTNSTEP_SM90A_ASM(
             "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
             "wgmma.mma_async.sync.aligned.m64n32k8.f32.tf32.tf32 "
             "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1;\n}\n"
@@ -83,7 +75,7 @@ struct Wgmma<32> {
     // D(64x32) (+)= A(64x8, registers) * B(8x32, shared)
     static __device__ __forceinline__ void rs(float (&d)[4][4], const uint32_t (&a)[4],
                                               uint64_t desc_b, int accumulate) {
-        ATTNSTEP_WGMMA_ASM(
+        ATTNSTEP_SM90A_ASM(
             "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
             "wgmma.mma_async.sync.aligned.m64n32k8.f32.tf32.tf32 "
             "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, {%16, %17, %18, %19}, %20, p, 1, 1;\n}\n"
@@ -101,7 +93,7 @@ struct Wgmma<64> {
     // D(64x64) (+)= A(64x8, shared) * B(8x64, shared)
     static __device__ __forceinline__ void ss(float (&d)[8][4], uint64_t desc_a, uint64_t desc_b,
                                               int accumulate) {
-        ATTNSTEP_WGMMA_ASM(
+        ATTNSTEP_SM90A_ASM(
             "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
             "wgmma.mma_async.sync.aligned.m64n64k8.f32.tf32.tf32 "
             "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1;\n}\n"
@@ -119,7 +111,7 @@ struct Wgmma<64> {
     // D(64x64) (+)= A(64x8, registers) * B(8x64, shared)
     static __device__ __forceinline__ void rs(float (&d)[8][4], const uint32_t (&a)[4],
                                               uint64_t desc_b, int accumulate) {
-        ATTNSTEP_WGMMA_ASM(
+        ATTNSTEP_SM90A_ASM(
             "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
             "wgmma.mma_async.sync.aligned.m64n64k8.f32.tf32.tf32 "
             "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1;\n}\n"
@@ -141,7 +133,7 @@ struct Wgmma<128> {
     // D(64x128) (+)= A(64x8, shared) * B(8x128, shared)
     static __device__ __forceinline__ void ss(float (&d)[16][4], uint64_t desc_a, uint64_t desc_b,
                                               int accumulate) {
-        ATTNSTEP_WGMMA_ASM(
+        ATTNSTEP_SM90A_ASM(
             "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
             "wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 "
             "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1;\n}\n"
@@ -167,7 +159,7 @@ struct Wgmma<128> {
     // D(64x128) (+)= A(64x8, registers) * B(8x128, shared)
     static __device__ __forceinline__ void rs(float (&d)[16][4], const uint32_t (&a)[4],
                                               uint64_t desc_b, int accumulate) {
-        ATTNSTEP_WGMMA_ASM(
+        ATTNSTEP_SM90A_ASM(
             "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
             "wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 "
             "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1;\n}\n"
