@@ -48,7 +48,7 @@ def test_check_without_a_run_is_a_one_line_error(runner, tmp_path):
     (tmp_path / "out").mkdir()
     line = _one_line_error(runner.invoke(cli, ["check", "--in", str(tmp_path / "in"),
                                                 "--out", str(tmp_path / "out")]))
-    assert "run.toml: missing" in line
+    assert "no stage files" in line and "--name" in line
 
 
 def test_check_rejects_bad_tol(runner, tmp_path):
@@ -188,13 +188,20 @@ def test_binary_option_takes_relative_paths(runner, tmp_path, binary, monkeypatc
     assert res.exit_code == 0, res.output
 
 
-def test_check_notes_a_run_that_ignored_the_input_manifest(runner, good_run, tmp_path):
+def test_check_fails_a_run_that_ignored_the_input_manifest(runner, good_run, tmp_path):
+    """The verdict follows the input case: outputs computed without the mask that the manifest asks
+    for fail, naming the mismatch; the command line can say what to check instead."""
     in_dir, out_dir = good_run
     manifest = in_dir / "manifest.toml"
     manifest.write_text(manifest.read_text().replace("causal = false", "causal = true"))
     res = runner.invoke(cli, ["check", "--in", str(in_dir), "--out", str(out_dir), "--json", str(tmp_path / "r.json")])
-    assert "run.toml says causal = false but the input case says causal = true" in res.output
-    assert json.loads((tmp_path / "r.json").read_text())["input_disagreements"]
+    assert res.exit_code == 1, res.output
+    assert "the run computed causal = false (run.toml) but the input case asks for causal = true" in res.output
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["mismatches"] and report["first_failing_stage"] == "QK_scaled"
+    assert report["first_failure"]["diagnosis"][0]["code"] == "causal_mismatch"
+    res = runner.invoke(cli, ["check", "--in", str(in_dir), "--out", str(out_dir), "--no-causal"])
+    assert res.exit_code == 0, res.output
 
 
 def test_check_of_a_stage_the_run_did_not_write_is_an_error(runner, tmp_path, binary):
@@ -204,4 +211,4 @@ def test_check_of_a_stage_the_run_did_not_write_is_an_error(runner, tmp_path, bi
     assert res.exit_code == 0, res.output
     line = _one_line_error(runner.invoke(cli, ["check", "--in", str(tmp_path / "in"), "--out",
                                                str(tmp_path / "out"), "--stage", "output"]))
-    assert "--stage output" in line and "did not write it" in line
+    assert "--stage output" in line and "holds no output" in line

@@ -19,7 +19,7 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from .stages import (DIM_KEYS, FORMATS, INPUT_MANIFEST, INPUT_NAMES, MAX_DIM, MAX_HEAD_DIM,
-                     PRECISIONS, RUN_MANIFEST, STAGES, Dims, parse_stage_file, stage_file)
+                     STAGES, Dims, parse_stage_file, stage_file)
 
 
 class CaseError(Exception):
@@ -328,11 +328,15 @@ class InputCase:
     fmt: str
     causal: bool = False
     scale: Optional[float] = None  # None: 1/sqrt(d_k)
+    manifest: bool = False         # the case has a manifest (which then says causal and scale)
+    arrays: Optional[Dict[str, np.ndarray]] = None  # Q, K, V as (heads, rows, cols): the Python API
 
     def file(self, name: str, head: int) -> Path:
         return self.path / stage_file(name, head, self.fmt)
 
     def load(self, name: str, head: int) -> np.ndarray:
+        if self.arrays is not None:
+            return self.arrays[name][head]
         shape = STAGES[name].shape(self.dims)
         return read_matrix(self.file(name, head), shape, allow_nonfinite=False)
 
@@ -365,7 +369,7 @@ def load_input_case(folder: Path) -> InputCase:
         if fmt not in FORMATS:
             raise CaseError(f"{manifest}: format = {fmt!r}; expected one of {', '.join(FORMATS)}")
         scale = check_scale(values["scale"], str(manifest)) if "scale" in values else None
-        case = InputCase(folder, dims, fmt, values.get("causal", False), scale)
+        case = InputCase(folder, dims, fmt, values.get("causal", False), scale, manifest=True)
     else:
         case = _infer_case(folder, files)
     _check_layout(case, files)
@@ -417,80 +421,3 @@ def clear_input_files(folder: Path) -> None:
     for (name, i), fmt in _head_files(folder).items():
         (folder / stage_file(name, i, fmt)).unlink()
     (folder / INPUT_MANIFEST).unlink(missing_ok=True)
-
-
-# ----------------------------------------------------------------------------------------------
-# Output cases (what the binary wrote).
-
-RUN_KEYS_REQUIRED = ("run_id", "backend", "precision", "format", "stages", "causal", "scale") + DIM_KEYS
-RUN_KEY_TYPES = {**{k: int for k in DIM_KEYS}, "run_id": str, "backend": str, "device": str,
-                 "precision": str, "format": str, "stages": str, "causal": bool, "scale": float,
-                 "flash_block_q": int, "flash_block_k": int, "flash_kernel": str, "poison": bool}
-
-
-@dataclass
-class RunInfo:
-    path: Path
-    values: dict
-    dims: Dims
-    stages: Tuple[str, ...]
-    fmt: str
-
-    @property
-    def run_id(self) -> str:
-        return str(self.values["run_id"])
-
-    def crc(self, stage: str, head: int) -> Optional[str]:
-        return self.values.get(f"crc32_{stage}_head_{head}")
-
-    def file(self, stage: str, head: int) -> Path:
-        return self.path / stage_file(stage, head, self.fmt)
-
-    @property
-    def flash_tiles(self) -> Optional[Tuple[int, int]]:
-        br, bc = self.values.get("flash_block_q"), self.values.get("flash_block_k")
-        return (int(br), int(bc)) if br and bc else None
-
-    def timings(self) -> Dict[str, float]:
-        return {k[len("time_ms_"):]: float(v) for k, v in self.values.items() if k.startswith("time_ms_")}
-
-
-def load_run(folder: Path) -> RunInfo:
-    folder = Path(folder)
-    if not folder.is_dir():
-        raise CaseError(f"{folder}: output case folder not found; HINT: run 'attnstep run' first")
-    manifest = folder / RUN_MANIFEST
-    if not manifest.exists():
-        raise CaseError(f"{manifest}: missing: the binary's run did not finish, or {folder} is not an "
-                        "output case; HINT: run 'attnstep run' again")
-    values = read_toml(manifest)
-    missing = [k for k in RUN_KEYS_REQUIRED if k not in values]
-    if missing:
-        raise CaseError(f"{manifest}: missing key '{missing[0]}'")
-    check_types(values, RUN_KEY_TYPES, str(manifest))
-    check_scale(values["scale"], str(manifest))
-    if values["precision"] not in PRECISIONS:
-        raise CaseError(f"{manifest}: precision = {values['precision']!r}; expected one of "
-                        f"{', '.join(PRECISIONS)}")
-    dims = validate_dims(values, str(manifest))
-    stages = tuple(s for s in str(values["stages"]).split(",") if s)
-    unknown = [s for s in stages if s not in STAGES]
-    if unknown:
-        raise CaseError(f"{manifest}: unknown stage '{unknown[0]}' in 'stages'")
-    fmt = values["format"]
-    if fmt not in FORMATS:
-        raise CaseError(f"{manifest}: format = {fmt!r}; expected one of {', '.join(FORMATS)}")
-    return RunInfo(folder, values, dims, stages, fmt)
-
-
-def foreign_stage_files(run: RunInfo) -> List[str]:
-    """Stage files in the output folder that this run did not write (earlier runs' leftovers)."""
-    listed = {stage_file(s, i, run.fmt) for s in run.stages for i in range(run.dims.total_heads)}
-    out = []
-    for entry in sorted(os.listdir(run.path)):
-        parsed = parse_stage_file(entry)
-        if parsed and parsed[0] in STAGES and entry not in listed:
-            out.append(entry)
-    return out
-
-

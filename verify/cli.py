@@ -8,19 +8,22 @@ from __future__ import annotations
 import math
 import sys
 from pathlib import Path
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import click
 
 from . import tolerance
 from .bench import bench
-from .case import CaseError, load_run
-from .compare import Options, check as run_check, error_ratio_map
+from .case import CaseError, load_input_case
+from .compare import Options, check_run, error_ratio_map
+from .outputs import MATH_MODES, open_run, parse_name_map, read_names_file
 from .generate import DEFAULT_DIMS, DISTRIBUTIONS, generate_case
 from .report import failure_lines, header_lines, summary_lines, table_lines, write_json, write_junit, write_plots
-from .runner import DEFAULT_BUILD_DIR, DEFAULT_RUN_TIMEOUT_S, RunnerError, ensure_built, run_binary
+from .runner import (DEFAULT_BUILD_DIR, DEFAULT_RUN_TIMEOUT_S, RunnerError, ensure_built, run_binary, run_program,
+                     set_aside_previous)
+from .outputs import stage_files_in
 from .stages import (DATA_DIR, DEFAULT_CASE, DEFAULT_INPUT_DIR, DEFAULT_OUTPUT_DIR, DEFAULT_RESULT, FORMATS,
-                     PRECISIONS, STAGE_NAMES, Dims)
+                     PRECISIONS, RUN_MANIFEST, STAGE_NAMES, Dims)
 
 BACKENDS = ("auto", "cuda", "cpu")
 # Work (N·M·heads) above which `check` shows a progress bar.
@@ -158,13 +161,15 @@ def _run_args(stages, fmt, precision, poison, causal, scale, max_memory_mb, allo
     return args
 
 
-@cli.command()
+@cli.command(context_settings={"ignore_unknown_options": False})
 @in_option
 @out_option
 @backend_option
 @build_option
 @binary_option
 @timeout_option
+@click.option("--cwd", type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="Run the program in this folder (e.g. build/ for `./main random_test`).")
 @click.option("--stages", help="Stages to write: all, stages, flash, or a comma list "
               f"({', '.join(STAGE_NAMES)}).")
 @click.option("--format", "fmt", type=click.Choice(FORMATS), help="Output format [default: the input's].")
@@ -174,21 +179,58 @@ def _run_args(stages, fmt, precision, poison, causal, scale, max_memory_mb, allo
 @click.option("--scale", type=float, help="Override the score scale.")
 @click.option("--max-memory-mb", type=click.IntRange(min=1), help="Cap the binary's working memory.")
 @click.option("--allow-nonfinite", is_flag=True, help="Accept NaN/Inf in the inputs.")
+@click.argument("args", nargs=-1, type=click.UNPROCESSED, metavar="[-- ARGS...]")
 @_user_errors
-def run(in_dir, out_dir, backend, build_dir, binary, timeout, stages, fmt, precision, poison, causal, scale,
-        max_memory_mb, allow_nonfinite):
+def run(in_dir, out_dir, backend, build_dir, binary, timeout, cwd, stages, fmt, precision, poison, causal, scale,
+        max_memory_mb, allow_nonfinite, args):
     """Build the binary if needed and run it on a case.
 
-    Runs build/main on IN and writes every stage file and run.toml into OUT.
+    Runs build/main on IN and writes every stage file and run.toml into OUT. With --binary PATH
+    -- ARGS, runs your program as `PATH ARGS...` (in --cwd) instead, its own way, and then makes
+    sure it wrote stage files into OUT. Files of an earlier run in OUT are first moved into
+    OUT/.attnstep-previous, so `check` never sees them.
     """
+    if args and binary is None:
+        raise click.UsageError("program arguments after -- need --binary PATH (the program to run)")
+    if args:
+        _run_program(binary, args, cwd, out_dir, timeout)
+        return
     binary = binary or ensure_built(build_dir)
-    result = run_binary(binary, in_dir, out_dir, backend=backend, timeout=timeout,
+    _fresh_out(out_dir)
+    result = run_binary(binary, in_dir, out_dir, backend=backend, timeout=timeout, cwd=cwd,
                         extra=_run_args(stages, fmt, precision, poison, causal, scale, max_memory_mb,
                                         allow_nonfinite))
     for line in result.notices:
         click.echo(line, err=True)
     if result.stdout.strip():
         click.echo(result.stdout.rstrip())
+    _require_written(binary, out_dir)
+
+
+def _fresh_out(out_dir: Path) -> None:
+    """Moves an earlier run's files in OUT aside (OUT is created when missing)."""
+    out_dir = Path(out_dir)
+    if out_dir.is_dir():
+        set_aside_previous(out_dir, stage_files_in(out_dir))
+
+
+def _require_written(binary: Path, out_dir: Path) -> List[str]:
+    """The stage files the program just wrote into OUT; none is an error, not a silent success."""
+    written = [n for n in stage_files_in(out_dir) if n != RUN_MANIFEST] if Path(out_dir).is_dir() else []
+    if not written:
+        raise InputError(f"{Path(binary).name} exited 0 but wrote no stage file into {out_dir}; HINT: pass "
+                         "--out DIR where it writes <stage>_head_<i>.txt (or .npy) files", 1)
+    return written
+
+
+def _run_program(binary: Path, args, cwd: Optional[Path], out_dir: Path, timeout: float) -> None:
+    _fresh_out(out_dir)
+    seconds = run_program(binary, args, cwd, timeout)
+    written = _require_written(binary, out_dir)
+    stages = sorted({n.split("_head_")[0].removesuffix(".npy") for n in written},
+                    key=lambda s: STAGE_NAMES.index(s) if s in STAGE_NAMES else len(STAGE_NAMES))
+    click.echo(f"{binary.name}: {seconds:.2f} s; wrote {len(written)} stage "
+               f"file{'s' if len(written) != 1 else ''} ({', '.join(stages)}) to {out_dir}")
 
 
 def _parse_tol(values) -> Dict[str, Tuple[float, float]]:
@@ -210,6 +252,19 @@ def _parse_tol(values) -> Dict[str, Tuple[float, float]]:
     return out
 
 
+def _parse_names(items, names_file) -> Dict[str, str]:
+    out = read_names_file(names_file) if names_file else {}
+    pairs = {}
+    for item in items:
+        stage, eq, pattern = item.partition("=")
+        if not eq:
+            raise click.BadParameter(f"{item!r}: expected STAGE=PATTERN, e.g. output=O_{{i}}.txt",
+                                     param_hint="--name")
+        pairs[stage.strip()] = pattern.strip()
+    out.update(parse_name_map(pairs, "--name"))
+    return out
+
+
 CHECK_HELP = """Check every stage of a run against a float64 reference.
 
 Compares each stage file in OUT (written by the binary from the input case IN) with a float64
@@ -222,14 +277,15 @@ every stage passes, 1 when one fails, 2 on bad input.
 
 
 def _check_and_report(in_dir, out_dir, opts, json_path, junit_path, plot_dir, per_head, quiet=False) -> bool:
-    run_info = load_run(out_dir)
+    case = load_input_case(in_dir)
+    run_info = open_run(out_dir, case, opts.overrides())
     d = run_info.dims
     work = d.seq_q * d.seq_k * d.total_heads
     if work >= PROGRESS_MIN_WORK and d.total_heads > 1:
         with click.progressbar(length=d.total_heads, label="checking heads", file=sys.stderr) as bar:
-            report = run_check(in_dir, out_dir, opts, progress=lambda h: bar.update(1))
+            report = check_run(run_info, case, opts, progress=lambda h: bar.update(1))
     else:
-        report = run_check(in_dir, out_dir, opts)
+        report = check_run(run_info, case, opts)
     if not quiet:
         for line in header_lines(report) + table_lines(report, per_head) + failure_lines(report):
             click.echo(line)
@@ -261,15 +317,32 @@ def _check_and_report(in_dir, out_dir, opts, json_path, junit_path, plot_dir, pe
               help="Tolerance for one stage (replaces the error model there); repeatable.")
 @click.option("--stage", "only", multiple=True, type=click.Choice(STAGE_NAMES),
               help="Check only this stage; repeatable.")
+@click.option("--causal/--no-causal", default=None,
+              help="Check with (without) causal masking [default: the input case's manifest, else run.toml, "
+                   "else not causal].")
+@click.option("--scale", type=float, help="Check with this score scale [default: the input case's, else "
+              "run.toml's, else 1/sqrt(d_k)].")
+@click.option("--precision", type=click.Choice(PRECISIONS),
+              help="Precision the program computed in [default: run.toml's, else fp32].")
+@click.option("--math", type=click.Choice(MATH_MODES), default="ieee", show_default=True,
+              help="ieee: correctly rounded float32 operations and CUDA's standard functions; fast: "
+                   "-use_fast_math / __expf / __logf / __fdividef, at their documented errors.")
+@click.option("--name", "names", multiple=True, metavar="STAGE=PATTERN",
+              help="File name of a stage in OUT: {i} the head (0..B·H-1), {b} batch, {h} head in batch; "
+                   "no placeholder: one .npy holding every head. Repeatable.")
+@click.option("--names", "names_file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="A file of STAGE = \"PATTERN\" lines (as --name).")
 @click.option("--per-head", is_flag=True, help="One table row per stage x head.")
 @click.option("--jobs", type=click.IntRange(min=0), default=0, show_default=True,
               help="Processes checking heads in parallel; 0: as many as the cores and the memory "
                    "allow (1 for small runs).")
 @click.pass_context
 @_user_errors
-def check(ctx, in_dir, out_dir, json_path, junit_path, plot_dir, atol, rtol, tol, only, per_head, jobs):
+def check(ctx, in_dir, out_dir, json_path, junit_path, plot_dir, atol, rtol, tol, only, per_head, jobs,
+          causal, scale, precision, math, names, names_file):
     opts = Options(atol=atol, rtol=rtol, per_stage=_parse_tol(tol), only_stages=list(only) or None,
-                   jobs=jobs)
+                   jobs=jobs, causal=causal, scale=scale, precision=precision, math=math,
+                   names=_parse_names(names, names_file))
     passed = _check_and_report(in_dir, out_dir, opts, json_path, junit_path, plot_dir, per_head)
     ctx.exit(0 if passed else 1)
 
@@ -297,9 +370,11 @@ def demo(ctx, data_dir, backend, build_dir, binary, timeout, json_path, seed):
     click.echo(f"[2/4] generating {in_dir}")
     generate_case(in_dir, DEFAULT_DIMS, seed=seed)
     click.echo(f"[3/4] running {binary.name} --backend {backend}")
+    _fresh_out(out_dir)
     result = run_binary(binary, in_dir, out_dir, backend=backend, timeout=timeout)
     for line in result.notices:
         click.echo(line, err=True)
+    _require_written(binary, out_dir)
     click.echo(f"[4/4] checking {out_dir}")
     passed = _check_and_report(in_dir, out_dir, Options(), json_path, None, None, False)
     ctx.exit(0 if passed else 1)

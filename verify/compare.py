@@ -28,10 +28,11 @@ import numpy as np
 
 from . import diagnose as diag
 from . import invariants, tolerance
-from .case import (CaseError, InputCase, RunInfo, crc32_hex, foreign_stage_files, load_input_case,
-                   load_run, parse_matrix, read_bytes, text_header_fields)
+from .case import CaseError, InputCase, load_input_case, read_bytes
+from .outputs import Overrides, RunInfo, foreign_stage_files, open_run, staleness
 from .reference import compute_stage, reference_chain
-from .stages import DIM_KEYS, INPUT_NAMES, RUN_MANIFEST, STAGES, Dims
+from .resolution import EXACT
+from .stages import INPUT_NAMES, STAGES
 
 # Statuses of one stage × head; only PASS passes.
 PASS, FAIL, INHERITED = "PASS", "FAIL", "INHERITED"
@@ -47,6 +48,15 @@ class Options:
     per_stage: Dict[str, Tuple[float, float]] = field(default_factory=dict)
     only_stages: Optional[Sequence[str]] = None
     jobs: int = 0  # worker processes over heads; 0: as many as cores and memory allow
+    # What the run is checked against, when the command line says (else the input case / run.toml).
+    causal: Optional[bool] = None
+    scale: Optional[float] = None
+    precision: Optional[str] = None
+    math: str = "ieee"
+    names: Dict[str, str] = field(default_factory=dict)  # stage -> file name pattern in OUT
+
+    def overrides(self) -> Overrides:
+        return Overrides(self.causal, self.scale, self.precision, self.math, dict(self.names))
 
     def override(self, stage: str) -> Optional[Tuple[float, float]]:
         if stage in self.per_stage:
@@ -82,12 +92,16 @@ class Comparison:
         return d
 
 
-def elementwise_error(got: np.ndarray, want: np.ndarray) -> np.ndarray:
-    """|got - want| where equal infinities count as 0 and NaN stays NaN (NaN never passes)."""
+def elementwise_error(got: np.ndarray, want: np.ndarray, nan_agrees: bool = False) -> np.ndarray:
+    """|got - want| where equal infinities count as 0 and NaN stays NaN (NaN never passes);
+    nan_agrees: NaN where want is NaN counts as 0 (an isolated reference computed from a binary's
+    own NaN: the stage propagated what it was given)."""
     with np.errstate(invalid="ignore", over="ignore"):
         err = np.subtract(got, want)
         np.abs(err, out=err)
     np.copyto(err, 0.0, where=(got == want))  # equal infinities included
+    if nan_agrees:
+        np.copyto(err, 0.0, where=np.isnan(got) & np.isnan(want))
     return err
 
 
@@ -120,7 +134,8 @@ def _first_indices(bad: np.ndarray, limit: int) -> List[Tuple[int, int]]:
 _COMPARE_BLOCK_ELEMS = 1 << 16
 
 
-def compare_arrays(got: np.ndarray, want: np.ndarray, allowed: np.ndarray) -> Comparison:
+def compare_arrays(got: np.ndarray, want: np.ndarray, allowed: np.ndarray,
+                   nan_agrees: bool = False) -> Comparison:
     """got against want under `allowed` (all of one 2-D shape), row block by row block."""
     if got.size == 0:
         return Comparison(True, 0, 0, 0.0, 0.0, None, 0.0, 0.0, 0.0, 0.0, 0.0)
@@ -131,7 +146,7 @@ def compare_arrays(got: np.ndarray, want: np.ndarray, allowed: np.ndarray) -> Co
     max_rel = max_abs = 0.0
     for r0 in range(0, got.shape[0], rows):
         g, w, a = got[r0:r0 + rows], want[r0:r0 + rows], allowed[r0:r0 + rows]
-        err = elementwise_error(g, w)
+        err = elementwise_error(g, w, nan_agrees)
         bad = ~(err <= a)  # NaN compares False, so it is bad
         n_bad = int(np.count_nonzero(bad))
         if n_bad and len(first_idx) < MAX_LISTED_MISMATCHES:
@@ -167,6 +182,8 @@ class HeadResult:
     notes: List[invariants.Violation] = field(default_factory=list)  # found, but blamed elsewhere
     diagnosis: List[diag.Diagnosis] = field(default_factory=list)
     message: str = ""
+    resolution: str = EXACT.describe()  # how finely the file records its values
+    print_limited: bool = False  # its printed resolution, not float32, bounds what can be checked
 
     @property
     def passed(self) -> bool:
@@ -190,6 +207,8 @@ class HeadResult:
         d["violations"] = [{"code": v.code, "message": v.message, "count": v.count} for v in self.violations]
         d["notes"] = [{"code": v.code, "message": v.message, "count": v.count} for v in self.notes]
         d["diagnosis"] = [{"code": x.code, "message": x.message, "detail": x.detail} for x in self.diagnosis]
+        d["resolution"] = self.resolution
+        d["print_limited"] = self.print_limited
         return d
 
 
@@ -232,29 +251,38 @@ class Report:
 
 # ----------------------------------------------------------------------------------------------
 
-def _load_output(run: RunInfo, stage: str, head: int, dims: Dims):
-    """(matrix or None, HeadResult-status or None, message) for one stage file."""
-    path = run.file(stage, head)
-    if not path.exists():
-        return None, MISSING, f"{path.name} is missing (run.toml lists stage {stage})"
-    data = read_bytes(path)
-    want_crc = run.crc(stage, head)
-    if want_crc is not None and crc32_hex(data) != str(want_crc):
-        hdr = text_header_fields(data)
-        origin = f" (its header says run {hdr['run']})" if hdr.get("run") and hdr["run"] != run.run_id else ""
-        return None, STALE, (f"{path.name} was not written by run {run.run_id}{origin}: its CRC-32 "
-                             "differs from run.toml (a file from an earlier run, or edited since)")
-    if want_crc is None:
-        return None, STALE, f"{path.name} is not listed in run.toml's CRC table: not from run {run.run_id}"
-    shape = STAGES[stage].shape(dims)
+def _load_output(run: RunInfo, stage: str, head: int):
+    """(matrix or None, its Resolution, HeadResult-status or None, message) for one stage × head."""
+    src = run.sources[stage]
+    data = None
+    if src.arrays is None and (src.per_head or not src.file(head, run.dims).exists()):
+        path = src.file(head, run.dims)
+        if not path.exists():
+            why = f"run.toml lists stage {stage}" if "stages" in run.values else \
+                f"the other {stage} files exist"
+            return None, EXACT, MISSING, f"{path.name} is missing ({why})"
+        try:
+            data = read_bytes(path)
+        except CaseError as exc:
+            return None, EXACT, UNREADABLE, str(exc)
+        stale = staleness(run, stage, head, data)
+        if stale:
+            return None, EXACT, STALE, stale
     try:
-        mat = parse_matrix(data, path, None)
+        mat, resolution, _ = src.read(head, run.dims, data)
     except CaseError as exc:
-        return None, UNREADABLE, str(exc)
+        return None, EXACT, UNREADABLE, str(exc)
+    shape = STAGES[stage].shape(run.dims)
     if mat.shape != shape:
-        return None, SHAPE, (f"{path.name} is {mat.shape[0]}x{mat.shape[1]}, expected "
-                             f"{shape[0]}x{shape[1]} ({STAGES[stage].rows}x{STAGES[stage].cols})")
-    return mat.astype(np.float64), None, ""
+        return None, EXACT, SHAPE, (f"{src.name(head, run.dims)} is {mat.shape[0]}x{mat.shape[1]}, expected "
+                                    f"{shape[0]}x{shape[1]} ({STAGES[stage].rows}x{STAGES[stage].cols})")
+    return mat, resolution, None, ""
+
+
+def _model(run: RunInfo) -> dict:
+    """The tolerance model's arguments for this run."""
+    return dict(scale=run.scale, causal=run.causal, precision=run.precision, backend=run.backend,
+                math=run.math)
 
 
 def _allowed(stage: str, src: Dict[str, np.ndarray], want: np.ndarray, run: RunInfo,
@@ -267,11 +295,31 @@ def _allowed(stage: str, src: Dict[str, np.ndarray], want: np.ndarray, run: RunI
     if ov is not None:
         atol, rtol = ov
         return atol + rtol * np.where(np.isfinite(want), np.abs(want), 0.0)
-    model = dict(scale=float(run.values["scale"]), causal=bool(run.values["causal"]),
-                 precision=str(run.values["precision"]), backend=str(run.values["backend"]))
     if chain is not None:
-        return tolerance.chained_bound(stage, chain, **model, cache=cache)
-    return tolerance.stage_bound(stage, src, want, **model, cache=cache)
+        return tolerance.chained_bound(stage, chain, **_model(run), cache=cache)
+    return tolerance.stage_bound(stage, src, want, **_model(run), cache=cache)
+
+
+def _with_quantum(allowed: np.ndarray, *extra) -> np.ndarray:
+    """allowed plus the printed-resolution terms that apply (None or 0: exact)."""
+    out = allowed
+    for x in extra:
+        if x is not None and not (np.isscalar(x) and x == 0):
+            out = out + x
+    return out
+
+
+def _isolated_sources(names, got, quanta, results, chain):
+    """The sources of a stage's isolated reference: the binary's own upstream stages where it wrote
+    them, except echoes that matched their input (the exact input then), and the reference where a
+    stage was not written (an unchecked upstream stage is simply not checked)."""
+    src, q = {}, {}
+    for n in names:
+        own = n in got and not (n in INPUT_NAMES and results[n].passed)
+        src[n] = got[n] if own else chain[n]
+        if own and quanta.get(n) is not None:
+            q[n] = quanta[n]
+    return src, q
 
 
 def _bit_identical(a: Dict[str, np.ndarray], b: Dict[str, np.ndarray]) -> bool:
@@ -304,15 +352,20 @@ def _blamed_elsewhere(violations, results: Dict[str, "HeadResult"]) -> List[inva
             and not results[_CONSISTENCY_PARTNER[v.code]].passed]
 
 
+def _uses_scale_and_mask(stage: str) -> bool:
+    return stage == "QK_scaled" or "QK_scaled" in _upstream(stage) or STAGES[stage].flash
+
+
 def check_head(run: RunInfo, case: InputCase, head: int, opts: Options,
                ref_of_head: Callable[[str, int], np.ndarray]) -> List[HeadResult]:
-    dims = run.dims
-    scale, causal = float(run.values["scale"]), bool(run.values["causal"])
+    dims, scale, causal = run.dims, run.scale, run.causal
     inputs = {name: case.load(name, head).astype(np.float64) for name in INPUT_NAMES}
-    stages = [s for s in STAGES if s in run.stages and (opts.only_stages is None or s in opts.only_stages)]
-    chain = {**inputs, **reference_chain(inputs, scale, causal, stages)}
+    stages = [s for s in run.stages if opts.only_stages is None or s in opts.only_stages]
+    needed = set(stages).union(*(_upstream(s) for s in stages))  # partial runs: upstream too
+    chain = {**inputs, **reference_chain(inputs, scale, causal, needed)}
     b, h = dims.decode_head(head)
     got: Dict[str, np.ndarray] = {}
+    quanta: Dict[str, Optional[np.ndarray]] = {}
     results: Dict[str, HeadResult] = {}
     # Logits, softmax parts, dot-product variances, … shared by this head's bounds (the isolated
     # and chained checks, both flash stages and the invariants), keyed by array identity: none of
@@ -321,32 +374,39 @@ def check_head(run: RunInfo, case: InputCase, head: int, opts: Options,
     for stage in stages:
         res = HeadResult(stage, head, b, h, PASS)
         results[stage] = res
-        mat, bad_status, msg = _load_output(run, stage, head, dims)
+        mat, resolution, bad_status, msg = _load_output(run, stage, head)
         if mat is None:
             res.status, res.message = bad_status, msg
             code = {STALE: "stale", MISSING: "missing", SHAPE: "shape", UNREADABLE: "unreadable"}[bad_status]
             res.diagnosis.append(diag.Diagnosis(code, msg, {}))
             continue
-        got[stage] = mat
+        res.resolution = resolution.describe()
+        quantum = resolution.quantum(mat) if opts.override(stage) is None else None
+        got[stage], quanta[stage] = mat, quantum
         names = STAGES[stage].inputs or (stage,)  # an echo's reference is the input file itself
-        src_chain = {n: chain[n] if n in chain else inputs[n] for n in names}
-        # Isolated: the binary's own upstream where it wrote it (else the reference's).
-        src_iso = {n: got.get(n, src_chain[n]) for n in names}
+        src_chain = {n: chain[n] for n in names}
+        src_iso, q_iso = _isolated_sources(names, got, quanta, results, chain)
         want_chain = chain[stage]
-        allowed_chain = _allowed(stage, src_chain, want_chain, run, opts, chain, cache)
+        model_chain = _allowed(stage, src_chain, want_chain, run, opts, chain, cache)
+        allowed_chain = _with_quantum(model_chain, quantum)
         res.chained = compare_arrays(mat, want_chain, allowed_chain)
-        if stage not in tolerance.PROPAGATED_STAGES and _bit_identical(src_iso, src_chain):
+        res.print_limited = quantum is not None and bool(np.any(quantum > model_chain))
+        if stage not in tolerance.PROPAGATED_STAGES and not q_iso and _bit_identical(src_iso, src_chain):
             # The binary read exactly the reference's sources (its echoes are exact): the isolated
             # reference and bound are the chained ones, so is the comparison.
             want_iso, allowed_iso, res.isolated = want_chain, allowed_chain, res.chained
         else:
             want_iso = compute_stage(stage, src_iso, scale, causal)
-            allowed_iso = _allowed(stage, src_iso, want_iso, run, opts, cache=cache)
-            res.isolated = compare_arrays(mat, want_iso, allowed_iso)
-        ctx = {"dims": dims, "scale": scale, "causal": causal, "precision": run.values["precision"],
-               "backend": run.values["backend"], "inputs": inputs, "input": inputs.get(stage),
+            propagated = tolerance.quantization_bound(stage, src_iso, q_iso, scale) \
+                if opts.override(stage) is None else None
+            allowed_iso = _with_quantum(_allowed(stage, src_iso, want_iso, run, opts, cache=cache),
+                                        quantum, propagated)
+            res.isolated = compare_arrays(mat, want_iso, allowed_iso, nan_agrees=True)
+        ctx = {"dims": dims, "scale": scale, "causal": causal, "precision": run.precision,
+               "backend": run.backend, "math": run.math, "inputs": inputs, "input": inputs.get(stage),
                "K_got": got.get("K", inputs["K"]), "output_got": got.get("output"),
-               "QK_scaled_got": got.get("QK_scaled"), "chain": chain, "tolerance_cache": cache}
+               "QK_scaled_got": got.get("QK_scaled"), "chain": chain, "tolerance_cache": cache,
+               "quantum": quantum, "quanta": quanta}
         res.violations = invariants.check_invariants(stage, mat, ctx)
         res.notes = _blamed_elsewhere(res.violations, results)
         res.violations = [v for v in res.violations if v not in res.notes]
@@ -363,15 +423,34 @@ def check_head(run: RunInfo, case: InputCase, head: int, opts: Options,
 
 
 def _classify(res: HeadResult, results: Dict[str, HeadResult]) -> None:
-    """FAIL when the stage fails on its own (isolated, or a reference-free check); INHERITED when
-    it fails only chained, downstream of a failing stage."""
+    """FAIL when the stage fails on its own: neither its own upstream files nor the original inputs
+    explain it (a correct program may compute a stage by another route than from the upstream
+    files it wrote: QK_scaled as (Q·scale)·Kᵀ, a fused softmax), or a reference-free check fails.
+    INHERITED when it fails only chained, downstream of a failing stage."""
     upstream_failed = [u for u in _upstream(res.stage) if u in results and not results[u].passed]
-    if not res.isolated.passed or res.violations:
+    explained = res.isolated.passed or res.chained.passed
+    if not explained or res.violations:
         res.status = FAIL
     elif not res.chained.passed:
         res.status = INHERITED if upstream_failed else FAIL
         res.message = (f"inherits the error of {upstream_failed[0]}" if upstream_failed else
                        "fails against the reference chain only: error accumulated upstream")
+    elif not res.isolated.passed:
+        res.message = ("matches the reference from the original inputs (computed by another route "
+                       "than from the upstream stages it wrote)")
+
+
+def apply_mismatches(run: RunInfo, results: List[HeadResult]) -> None:
+    """A run.toml that says the run computed another causal mode or scale than the input case asks
+    for fails every stage that depends on them, with the mismatch as its first diagnosis."""
+    for mm in run.mismatches:
+        for r in results:
+            if not _uses_scale_and_mask(r.stage):
+                continue
+            r.diagnosis.insert(0, diag.Diagnosis(f"{mm.key}_mismatch", mm.message(),
+                                                 {"run": mm.run_value, "input": mm.input_value}, 0.99))
+            if r.status == PASS:
+                r.status, r.message = FAIL, mm.message()
 
 
 # Memory one worker holds while it checks a head, in float64 N×M matrices (the reference chain,
@@ -456,7 +535,7 @@ class _HeadChecker:
 
     def _reference(self, stage: str, head: int) -> np.ndarray:
         inputs = {n: self.case.load(n, head) for n in INPUT_NAMES}
-        return reference_chain(inputs, float(self.run.values["scale"]), bool(self.run.values["causal"]),
+        return reference_chain(inputs, self.run.scale, self.run.causal,
                                [stage])[stage]  # (its upstream stages are computed and dropped)
 
     def check(self, head: int) -> List[HeadResult]:
@@ -489,24 +568,22 @@ def check(in_dir: Path, out_dir: Path, opts: Optional[Options] = None,
           progress: Optional[Callable[[int], None]] = None) -> Report:
     """Loads both cases, checks their agreement, and compares every stage × head."""
     opts = opts or Options()
-    run = load_run(out_dir)
     case = load_input_case(in_dir)
-    for key in DIM_KEYS:
-        if getattr(case.dims, key) != getattr(run.dims, key):
-            raise CaseError(f"{Path(out_dir) / RUN_MANIFEST}: {key} = {getattr(run.dims, key)} but the input "
-                            f"case {in_dir} has {key} = {getattr(case.dims, key)}; HINT: the output was "
-                            "computed from another input case: run the binary again")
+    run = open_run(out_dir, case, opts.overrides())
+    return check_run(run, case, opts, progress)
+
+
+def check_run(run: RunInfo, case: InputCase, opts: Options,
+              progress: Optional[Callable[[int], None]] = None) -> Report:
+    """Compares every stage × head of an opened run (files or the Python API's arrays)."""
     if opts.only_stages:
         unknown = [s for s in opts.only_stages if s not in STAGES]
         if unknown:
             raise CaseError(f"unknown stage '{unknown[0]}'; stages are: {', '.join(STAGES)}")
         absent = [s for s in opts.only_stages if s not in run.stages]
         if absent:
-            raise CaseError(f"--stage {absent[0]}: run {run.run_id} did not write it (it wrote "
+            raise CaseError(f"--stage {absent[0]}: {run.path or 'the run'} holds no {absent[0]} (it has "
                             f"{', '.join(run.stages)}); nothing would be checked")
-    if not run.stages:
-        raise CaseError(f"{Path(out_dir) / RUN_MANIFEST}: 'stages' is empty: nothing to check")
-
     checker = _HeadChecker(run, case, opts)
     results: List[HeadResult] = []
     heads = range(run.dims.total_heads)
@@ -531,6 +608,7 @@ def check(in_dir: Path, out_dir: Path, opts: Optional[Options] = None,
                             "with --jobs 1, or fewer") from None
         finally:
             _CHECKER = None
+    apply_mismatches(run, results)
     return Report(run, case, results, foreign_stage_files(run))
 
 
@@ -538,17 +616,16 @@ def error_ratio_map(run: RunInfo, case: InputCase, stage: str, head: int,
                     opts: Optional[Options] = None) -> np.ndarray:
     """|got - want| / allowed of one stage × head against its isolated reference (for plots)."""
     opts = opts or Options()
-    scale, causal = float(run.values["scale"]), bool(run.values["causal"])
     inputs = {n: case.load(n, head).astype(np.float64) for n in INPUT_NAMES}
-    got, _, msg = _load_output(run, stage, head, run.dims)
+    got, resolution, _, msg = _load_output(run, stage, head)
     if got is None:
         raise CaseError(msg)
     src = {}
     for n in STAGES[stage].inputs or (stage,):
-        up = _load_output(run, n, head, run.dims)[0] if n in run.stages else None
-        src[n] = up if up is not None else reference_chain(inputs, scale, causal, [n])[n]
-    want = compute_stage(stage, src, scale, causal)
-    allowed = _allowed(stage, src, want, run, opts)
+        up = _load_output(run, n, head)[0] if n in run.stages and n not in INPUT_NAMES else None
+        src[n] = up if up is not None else reference_chain(inputs, run.scale, run.causal, [n])[n]
+    want = compute_stage(stage, src, run.scale, run.causal)
+    allowed = _with_quantum(_allowed(stage, src, want, run, opts), resolution.quantum(got))
     err = elementwise_error(got, want)
     with np.errstate(divide="ignore", invalid="ignore"):
         ratio = np.where(err == 0, 0.0, err / allowed)

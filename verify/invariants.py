@@ -95,7 +95,10 @@ def _softmax_checks(got: np.ndarray, ctx: dict) -> List[Violation]:
         # final roundings of each weight: the model's variances, evaluated on got itself.
         var = (tolerance._rowsum_rel_var(np.clip(p, 0.0, None), u)[:, 0]
                + tolerance.SOFTMAX_FINAL_ROUNDINGS * tolerance.ROUND_VAR * u * u * (p * p).sum(axis=1))
-        allowed = tolerance.LAMBDA * np.sqrt(var) + tolerance.ABS_FLOOR * got.shape[1]
+        allowed = tolerance.LAMBDA * np.sqrt(var) + 2 * tolerance.FLUSH * got.shape[1]
+        q = ctx.get("quantum")
+        if q is not None:  # the printed resolution of every weight of the row
+            allowed = allowed + np.where(finite, q, 0.0).sum(axis=1)
         dev = np.abs(p.sum(axis=1) - 1.0)
         bad = rows_ok & ~(dev <= allowed)
         if bad.any():
@@ -148,7 +151,17 @@ def _bound_args(ctx: dict) -> dict:
     """The tolerance model's keyword arguments (ctx "tolerance_cache": the head's HeadCache)."""
     return dict(scale=float(ctx["scale"]), causal=bool(ctx["causal"]),
                 precision=ctx.get("precision", "fp32"), backend=ctx.get("backend"),
-                cache=ctx.get("tolerance_cache"))
+                math=ctx.get("math", "ieee"), cache=ctx.get("tolerance_cache"))
+
+
+def _quanta(ctx: dict, *stages: str):
+    """The sum of the printed resolutions of `stages` (ctx "quanta"; 0 where exact)."""
+    total = 0.0
+    for s in stages:
+        q = (ctx.get("quanta") or {}).get(s)
+        if q is not None:
+            total = total + q
+    return total
 
 
 def _flash_output_check(got: np.ndarray, ctx: dict) -> Optional[Violation]:
@@ -160,7 +173,7 @@ def _flash_output_check(got: np.ndarray, ctx: dict) -> Optional[Violation]:
     chain = _reference(ctx, src, ["Q", "K", "V", "output"])
     ref = chain["output"]
     allowed = (tolerance.stage_bound("flash_output", src, ref, **kw)
-               + tolerance.chained_bound("output", chain, **kw))
+               + tolerance.chained_bound("output", chain, **kw) + _quanta(ctx, "flash_output", "output"))
     return _consistency(FLASH_VS_OUTPUT, "flash_output", got, np.asarray(output_got, np.float64),
                         allowed, "the binary's output")
 
@@ -176,7 +189,8 @@ def _flash_lse_check(got: np.ndarray, ctx: dict) -> Optional[Violation]:
     kw = _bound_args(ctx)
     chain = _reference(ctx, src, ["Q", "K", "V", "QK_scaled", "attention_weights", "flash_lse"])
     s_bound = tolerance.chained_bound("QK_scaled", chain, **kw)
-    inherited = (chain["attention_weights"] * s_bound).sum(axis=1, keepdims=True)
+    s_bound = s_bound + _quanta(ctx, "QK_scaled")
+    inherited = (chain["attention_weights"] * s_bound).sum(axis=1, keepdims=True) + _quanta(ctx, "flash_lse")
     allowed = tolerance.stage_bound("flash_lse", src, chain["flash_lse"], **kw) + inherited
     return _consistency(LSE_VS_SCORES, "flash_lse", got, log_sum_exp_rows(scores), allowed,
                         "the log-sum-exp of the binary's QK_scaled rows")
@@ -197,8 +211,12 @@ def check_invariants(stage: str, got: np.ndarray, ctx: dict) -> List[Violation]:
                 out.append(Violation(ECHO_MISMATCH, f"{stage}: the echo is {got.shape[0]}x{got.shape[1]}"
                                      f" but the input file is {want.shape[0]}x{want.shape[1]}", 1, None))
                 return out
-            differ = ~((got == want) | (np.isnan(got) & np.isnan(want)))
-            v = _violation(ECHO_MISMATCH, stage, differ, "differ from the input file (must be bit-exact)")
+            q = ctx.get("quantum")
+            with np.errstate(invalid="ignore"):
+                near = (np.abs(got - want) <= q) if q is not None else np.zeros(got.shape, bool)
+            differ = ~((got == want) | (np.isnan(got) & np.isnan(want)) | near)
+            v = _violation(ECHO_MISMATCH, stage, differ, "differ from the input file (must be bit-exact)"
+                           if q is None else "differ from the input file by more than the printed resolution")
             if v:
                 out.append(v)
             neg_inf_ok = ~np.isfinite(want)  # a non-finite input (--allow-nonfinite) echoes as such
@@ -219,8 +237,13 @@ def check_invariants(stage: str, got: np.ndarray, ctx: dict) -> List[Violation]:
                 out.append(Violation(NOT_TRANSPOSE, f"KT is {got.shape[0]}x{got.shape[1]} but K is "
                                      f"{K.shape[0]}x{K.shape[1]}: not its transpose", 1, None))
             else:
-                v = _violation(NOT_TRANSPOSE, "KT", ~((got == K.T) | (np.isnan(got) & np.isnan(K.T))),
-                               "differ from K transposed (must be bit-exact)")
+                qk = (ctx.get("quanta") or {}).get("K")
+                q = _quanta(ctx, "KT") + (qk.T if qk is not None else 0.0)
+                with np.errstate(invalid="ignore"):
+                    same = (got == K.T) | (np.isnan(got) & np.isnan(K.T)) | (np.abs(got - K.T) <= q)
+                v = _violation(NOT_TRANSPOSE, "KT", ~same, "differ from K transposed (must be bit-exact)"
+                               if np.ndim(q) == 0 else "differ from K transposed by more than the printed "
+                               "resolution")
                 if v:
                     out.append(v)
     elif stage == "QK_scaled" and causal:

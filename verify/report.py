@@ -11,7 +11,8 @@ import numpy as np
 
 from .case import CaseError, atomic_write_bytes
 from .compare import FAIL, INHERITED, PASS, Comparison, HeadResult, Report
-from .stages import default_scale, stage_file
+from .resolution import EXACT
+from .stages import stage_file
 
 MAX_DETAILED_FAILURES = 8
 
@@ -45,18 +46,28 @@ def _location(r: HeadResult, c: Comparison) -> str:
     return f"b{r.batch} h{r.head_in_batch} [{c.worst[0]},{c.worst[1]}]"
 
 
+def arithmetic(run) -> str:
+    """What the bounds assume, in words: the precision and whose arithmetic."""
+    who = {None: "any IEEE float32 program"}.get(run.backend, f"attnstep's {run.backend} backend")
+    return f"{run.precision}, {who}" + (", fast-math intrinsics" if run.math == "fast" else "")
+
+
 def header_lines(report: Report) -> List[str]:
-    d, v = report.run.dims, report.run.values
-    return [f"attnstep check: run {report.run.run_id} ({v['backend']}"
-            f"{', ' + str(v['device']) if v.get('device') else ''}, {v['precision']}), "
+    run, d, v = report.run, report.run.dims, report.run.values
+    what = f"run {run.run_id}" if run.run_id else str(run.path or "arrays")
+    return [f"attnstep check: {what} ({arithmetic(run)}"
+            f"{', ' + str(v['device']) if v.get('device') else ''}), "
             f"{d.total_heads} heads (batch {d.batch} x {d.heads}), N={d.seq_q} M={d.seq_k} "
-            f"d_k={d.d_k} d_v={d.d_v}, {'causal' if v['causal'] else 'not causal'}, "
-            f"scale {float(v['scale']):.6g}" + (f", flash kernel {v['flash_kernel']}" if v.get("flash_kernel") else "")]
+            f"d_k={d.d_k} d_v={d.d_v}, {'causal' if run.causal else 'not causal'}, "
+            f"scale {run.scale:.6g}" + (f", flash kernel {run.flash_kernel}" if run.flash_kernel else "")]
 
 
 def table_lines(report: Report, per_head: bool = False) -> List[str]:
     cols = ("stage", "heads ok", "status", "max abs", "max rel", "mismatched", "tol used",
             "worst at", "got", "want")
+    printed = any(r.resolution != EXACT.describe() for r in report.results)
+    if printed:
+        cols += ("resolution",)
     rows = []
     for stage in report.stages:
         res = report.stage_results(stage)
@@ -73,10 +84,17 @@ def table_lines(report: Report, per_head: bool = False) -> List[str]:
                          _g(c.max_abs) if c else "-", _g(c.max_rel) if c else "-",
                          f"{mism}/{total}", _g(c.tol_used) if c else "-",
                          _location(w, c) if c else "-",
-                         _g(c.got) if c and not c.passed else "", _g(c.want) if c and not c.passed else ""))
+                         _g(c.got) if c and not c.passed else "", _g(c.want) if c and not c.passed else "")
+                        + ((_resolution(rs),) if printed else ()))
     widths = [max(len(str(x)) for x in col) for col in zip(cols, *rows)]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
     return [fmt.format(*cols), fmt.format(*("-" * w for w in widths))] + [fmt.format(*r) for r in rows]
+
+
+def _resolution(results: List[HeadResult]) -> str:
+    """The printed resolutions of a stage's files (one, or each that occurs)."""
+    seen = sorted({r.resolution for r in results})
+    return ", ".join(seen)
 
 
 def failure_lines(report: Report) -> List[str]:
@@ -104,30 +122,28 @@ def failure_lines(report: Report) -> List[str]:
     return lines
 
 
-def input_disagreements(report: Report) -> List[str]:
-    """Where run.toml's causal/scale differ from what the input case asks for. Legitimate with the
-    binary's --causal/--scale overrides, a bug in a binary that ignores the manifest: said, and
-    the stages are checked against what run.toml says was computed."""
-    v, case = report.run.values, report.case
-    out = []
-    if bool(v["causal"]) != case.causal:
-        out.append(f"run.toml says causal = {str(bool(v['causal'])).lower()} but the input case says "
-                   f"causal = {str(case.causal).lower()}")
-    asked = case.scale if case.scale is not None else default_scale(case.dims.d_k)
-    if np.float32(asked) != np.float32(v["scale"]):
-        out.append(f"run.toml says scale = {float(v['scale']):.9g} but the input case asks for {asked:.9g}")
+def notes(report: Report) -> List[str]:
+    """What the reader should know about how the run was checked."""
+    out = list(report.run.notes)
+    if report.foreign_files:
+        out.append(f"{len(report.foreign_files)} stage files in {report.run.path} are not from run "
+                   f"{report.run.run_id} and were ignored (e.g. {report.foreign_files[0]})")
+    limited = [s for s in report.stages if any(r.print_limited for r in report.stage_results(s))]
+    if limited:
+        res = _resolution([r for r in report.results if r.stage in limited])
+        out.append(f"{', '.join(limited)}: recorded at {res}; the file's resolution, not float32 "
+                   "arithmetic, limits what can be checked there; write %.9g text or float32 .npy to "
+                   "check at float32 precision")
     return out
 
 
 def summary_lines(report: Report) -> List[str]:
-    lines = [f"note: {d}; stages are checked against run.toml" for d in input_disagreements(report)]
-    if report.foreign_files:
-        lines.append(f"note: {len(report.foreign_files)} stage files in {report.run.path} are not "
-                     f"from run {report.run.run_id} and were ignored (e.g. {report.foreign_files[0]})")
+    lines = [f"note: {n}" for n in notes(report)]
     first = report.first_failure
     if first is None:
         used = max((r.main.tol_used for r in report.results if r.main), default=0.0)
-        lines.append(f"PASS: all {len(report.stages)} stages x {report.run.dims.total_heads} heads; "
+        n, h = len(report.stages), report.run.dims.total_heads
+        lines.append(f"PASS: all {n} stage{'s' if n != 1 else ''} x {h} head{'s' if h != 1 else ''}; "
                      f"largest fraction of tolerance used {_g(used)} (headroom {_g(max(0.0, 1 - used))})")
         return lines
     inherited = [s for s in report.stages
@@ -153,7 +169,7 @@ def _jsonable(x):
 
 
 def to_json(report: Report) -> dict:
-    v, d = report.run.values, report.run.dims
+    run, v, d = report.run, report.run.values, report.run.dims
     first = report.first_failure
     stages = []
     for stage in report.stages:
@@ -163,16 +179,19 @@ def to_json(report: Report) -> dict:
                        "heads_passed": sum(r.passed for r in rs), "heads": len(rs),
                        "tol_used": w.main.tol_used if w and w.main else None,
                        "max_abs": w.main.max_abs if w and w.main else None,
-                       "worst_head": w.head if w else None})
+                       "worst_head": w.head if w else None, "resolution": _resolution(rs),
+                       "print_limited": any(r.print_limited for r in rs),
+                       "source": run.sources[stage].describe()})
     return _jsonable({
         "passed": report.passed, "first_failing_stage": report.first_failing_stage,
         "first_failure": first.to_json() if first else None,
-        "run_id": report.run.run_id, "backend": v.get("backend"), "device": v.get("device"),
-        "precision": v.get("precision"), "causal": bool(v["causal"]), "scale": float(v["scale"]),
+        "run_id": run.run_id, "backend": run.backend, "device": v.get("device"),
+        "precision": run.precision, "math": run.math, "arithmetic": arithmetic(run),
+        "causal": run.causal, "scale": run.scale,
+        "mismatches": [m.message() for m in run.mismatches], "notes": notes(report),
         "dims": {k: getattr(d, k) for k in ("batch", "heads", "seq_q", "seq_k", "d_k", "d_v")},
         "stages": stages, "results": [r.to_json() for r in report.results],
-        "foreign_files": report.foreign_files, "input_disagreements": input_disagreements(report),
-        "timings_ms": report.run.timings()})
+        "foreign_files": report.foreign_files, "timings_ms": report.run.timings()})
 
 
 def write_json(report: Report, path: Path) -> None:
@@ -184,14 +203,16 @@ def write_junit(report: Report, path: Path) -> None:
     for r in report.results:
         name = quoteattr(f"head_{r.head}")
         cls = quoteattr(f"attnstep.{r.stage}")
+        props = (f"      <properties><property name=\"resolution\" value={quoteattr(r.resolution)}/>"
+                 "</properties>\n")
         if r.passed:
-            cases.append(f"    <testcase classname={cls} name={name}/>")
+            cases.append(f"    <testcase classname={cls} name={name}>\n{props}    </testcase>")
             continue
         c = r.main
         msg = r.message or (f"{c.mismatched}/{c.total} elements outside the tolerance; worst "
                             f"got {_g(c.got)} want {_g(c.want)}" if c else r.status)
         body = "\n".join([msg] + [f"{d.code}: {d.message}" for d in r.diagnosis])
-        cases.append(f"    <testcase classname={cls} name={name}>\n"
+        cases.append(f"    <testcase classname={cls} name={name}>\n{props}"
                      f"      <failure type={quoteattr(r.status)} message={quoteattr(msg)}>"
                      f"{escape(body)}</failure>\n    </testcase>")
     failures = sum(not r.passed for r in report.results)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import List, Optional, Sequence
@@ -71,14 +72,16 @@ class RunResult:
 
 def run_binary(binary: Path, in_dir: Path, out_dir: Path, *, backend: str = "auto",
                extra: Sequence[str] = (), timeout: Optional[float] = DEFAULT_RUN_TIMEOUT_S,
-               check: bool = True) -> RunResult:
+               check: bool = True, cwd: Optional[Path] = None) -> RunResult:
     """Runs `binary --in IN --out OUT --backend B EXTRA...`. With check, a non-zero exit raises
     RunnerError carrying the binary's stderr and the binary's own exit status."""
+    if cwd is not None:  # the folders as the caller means them, wherever the binary runs
+        in_dir, out_dir = Path(in_dir).absolute(), Path(out_dir).absolute()
     cmd = [str(binary), "--in", str(in_dir), "--out", str(out_dir), "--backend", backend, *extra]
     try:
         # errors="replace": the binary quotes bad input bytes back in its messages
         child = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                 errors="replace")
+                                 errors="replace", cwd=cwd)
     except FileNotFoundError:
         raise RunnerError(f"binary not found: {binary}; run 'attnstep run' to build it")
     except OSError as exc:
@@ -105,3 +108,59 @@ def run_binary(binary: Path, in_dir: Path, out_dir: Path, *, backend: str = "aut
         raise RunnerError(first or f"the binary exited with status {proc.returncode}",
                           _tail(proc.stderr), exit_code=code)
     return result
+
+
+# ----------------------------------------------------------------------------------------------
+# Anyone's program: run with its own arguments, and what it wrote told apart from what was there.
+
+PREVIOUS_DIR = ".attnstep-previous"  # inside OUT: the files of the run before, moved aside
+
+
+def set_aside_previous(out_dir: Path, names: Sequence[str]) -> None:
+    """Moves the files `names` of OUT (an earlier run's stage files and run.toml) into
+    OUT/.attnstep-previous, replacing what an earlier move left there, so that whatever OUT holds
+    after the next run was written by that run."""
+    out_dir = Path(out_dir)
+    if not names:
+        return
+    previous = out_dir / PREVIOUS_DIR
+    try:
+        if previous.is_dir() and not previous.is_symlink():
+            shutil.rmtree(previous)
+        previous.mkdir()
+        for name in names:
+            os.replace(out_dir / name, previous / name)
+    except OSError as exc:
+        raise RunnerError(f"{out_dir}: cannot move the previous run's files aside: {exc.strerror or exc}")
+
+
+def run_program(binary: Path, args: Sequence[str], cwd: Optional[Path],
+                timeout: Optional[float] = DEFAULT_RUN_TIMEOUT_S) -> float:
+    """Runs `binary ARGS...` in `cwd` with its output passed through; returns its wall time in
+    seconds. A non-zero exit, a signal or the timeout raises RunnerError."""
+    cmd = [str(binary), *args]
+    t0 = time.monotonic()
+    try:
+        child = subprocess.Popen(cmd, cwd=cwd)
+    except FileNotFoundError:
+        raise RunnerError(f"program not found: {binary}")
+    except OSError as exc:
+        raise RunnerError(f"cannot run {binary}: {exc.strerror or exc}; HINT: is it executable "
+                          "(chmod +x), with a #! line if it is a script?")
+    try:
+        code = child.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        child.terminate()
+        try:
+            child.wait(timeout=TERMINATE_GRACE_S)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+        raise RunnerError(f"{binary.name} did not finish within {timeout:.0f} s (--timeout) and was "
+                          "stopped", exit_code=1)
+    if code < 0:
+        raise RunnerError(f"{binary.name} was killed by signal {-code}", exit_code=1)
+    if code != 0:
+        raise RunnerError(f"{binary.name} exited with status {code}",
+                          exit_code=code if code in (EXIT_BAD_INPUT, EXIT_NO_MEMORY) else 1)
+    return time.monotonic() - t0

@@ -18,7 +18,7 @@ Masked entries (-inf in the reference) get bound 0: they must match exactly.
 from __future__ import annotations
 
 import textwrap
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import numpy as np
@@ -41,6 +41,11 @@ ULP_IN_U = 2.0               # one ulp of a normal float is at most 2u·|x|
 LOG_ULPS = 1.0               # CUDA logf/log2f: ≤ 1 ulp (CUDA C Programming Guide)
 
 
+# The online softmax rescales its running sums (O and l) by exp(m_old - m_new) once per key tile
+# (Bc ≥ 8 keys): at most one more rounding of the partial sum per 8 keys.
+FLASH_RESCALE_FACTOR = 1.0 + 1.0 / 8.0
+
+
 @dataclass(frozen=True)
 class Kernel:
     """What the model assumes of the binary's arithmetic, per backend (run.toml's `backend`)."""
@@ -50,6 +55,11 @@ class Kernel:
     lse_roundings: int    # roundings of lse's magnitude: m + log l, log2-domain conversions
     final_roundings: int  # roundings of each flash_output element after the accumulation
     mma_passes: int = 0   # flash GEMMs on tensor cores: mma.sync per 8-long chunk of the sum
+    rescale_factor: float = FLASH_RESCALE_FACTOR
+    exp_slope_var: float = 0.0  # exp's error growing with its argument (fast math), u² per unit²
+    log_ulps: float = 1.0       # log's error in ulps of log l
+    log_abs: float = 0.0        # and an absolute part (fast math near l = 1)
+    div_var: float = 0.0        # extra variance of the softmax's final division, in u²
 
 
 # Measured on an H200 (see the report of issue 3): expf errs 0.48 ulp RMS (max 1.86), exp2f 0.75
@@ -78,20 +88,35 @@ KERNELS = {
 ANY_KERNEL = Kernel(*(max(getattr(k, f) for k in KERNELS.values())
                       for f in ("exp_var", "flash_product_var", "common_scale", "lse_roundings",
                                 "final_roundings", "mma_passes")))
+# A program other than the project's binary: any correct IEEE float32 route. expf/exp2f within
+# the 2 ulp the CUDA C++ Programming Guide documents (uniform within ±2 ulp: (2·2u)²/3), logf within
+# 1 ulp, online softmax with any tile width (a rescale rounding per key), and the looser of both
+# backends otherwise (tensor-core products and truncation, a folded scale·log2e, split combines).
+DOCUMENTED_EXP_ULPS = 2.0
+FOREIGN_KERNEL = replace(ANY_KERNEL, exp_var=max(ANY_KERNEL.exp_var, (DOCUMENTED_EXP_ULPS * ULP_IN_U) ** 2 / 3),
+                         rescale_factor=2.0)
+# CUDA's fast-math intrinsics (-use_fast_math, __expf, __logf, __fdividef), by the maximum errors
+# the CUDA C++ Programming Guide documents: __expf(x) 2 + floor(1.173·|x|) ulp (here uniform within
+# that maximum, its two parts bounded by twice their squares), __logf 3 ulp or 2^-21.41 absolute
+# for x in [0.5, 2], __fdividef 2 ulp.
+FAST_EXP_ULPS, FAST_EXP_SLOPE, FAST_LOG_ULPS, FAST_LOG_ABS, FAST_DIV_ULPS = 2.0, 1.173, 3.0, 2.0**-21.41, 2.0
+FAST_KERNEL = replace(FOREIGN_KERNEL,
+                      exp_var=2 * (FAST_EXP_ULPS * ULP_IN_U) ** 2 / 3,
+                      exp_slope_var=2 * (FAST_EXP_SLOPE * ULP_IN_U) ** 2 / 3,
+                      log_ulps=FAST_LOG_ULPS, log_abs=FAST_LOG_ABS,
+                      div_var=(FAST_DIV_ULPS * ULP_IN_U) ** 2 / 3)
 MMA_K = 8  # the k extent of one mma.sync m16n8k8
 # Per key element, the flash kernels round the logit once before exp (S·scale, or S·scale·log2e
 # in the fast kernel).
 FLASH_LOGIT_ROUNDINGS = 1
-# The online softmax rescales its running sums (O and l) by exp(m_old - m_new) once per key tile
-# (Bc ≥ 8 keys): at most one more rounding of the partial sum per 8 keys.
-FLASH_RESCALE_FACTOR = 1.0 + 1.0 / 8.0
 # Final per-element roundings after the accumulation: the softmax's 1/l and ·(1/l) (flash's are
 # per kernel: Kernel.final_roundings).
 SOFTMAX_FINAL_ROUNDINGS = 2
-# Absolute floor: float32 flushes or underflows results below 2⁻¹²⁶ ≈ 1.2e-38 (exp of logits
-# more than ~87 below the row max, FTZ on the GPU); 2⁻¹¹⁰ ≈ 7.7e-34 covers that and stays far
-# below any value an attention stage produces at ordinary magnitudes.
-ABS_FLOOR = 2.0**-110
+# float32's smallest normal number: a result below it may be flushed to zero (FTZ on the GPU, exp
+# of logits ~87 below the row max) or lose precision. Each stage's floor counts the results that
+# can flush (underflow_floor): a bug at any magnitude the data has fails, and a correct result is
+# not blamed for underflow (a fixed floor of 2^-110 let a zeroed QK of 1e-18-scaled inputs pass).
+FLUSH = 2.0**-126
 # Above this many multiply-adds per head the exact partial-sum energy (chunked cumsum) costs too
 # much; the model then uses its expectation over random summation orders, inflated by
 # ENERGY_FALLBACK_FACTOR to cover orders whose partial sums wander further than average.
@@ -312,6 +337,8 @@ def _exponent_var(d: np.ndarray, finite: np.ndarray, u: float, kernel: Kernel,
     np.multiply(var, var, out=var)
     var *= ROUND_VAR
     var += kernel.exp_var * u * u
+    if kernel.exp_slope_var:
+        var += kernel.exp_slope_var * (u * d) ** 2
     if S is not None and logit_roundings:
         # var += logit_roundings·ROUND_VAR·(u·S)², S taken as 0 where masked
         s2 = np.where(finite, S, 0.0)
@@ -377,7 +404,7 @@ def _p2_eta(p: np.ndarray, eta_var: np.ndarray, cache: Optional[HeadCache]) -> n
 
 
 def _weights_var(p: np.ndarray, eta_var: np.ndarray, l_var: np.ndarray, u: float,
-                 cache: Optional[HeadCache] = None) -> np.ndarray:
+                 cache: Optional[HeadCache] = None, div_var: float = 0.0) -> np.ndarray:
     """Variance of Δp_j = p_j[(η_j - Σ_k p_k η_k) - ε_l] + final roundings, with independent η."""
     w = _p2_eta(p, eta_var, cache)
     others = np.subtract(w.sum(axis=1, keepdims=True), w)     # Σ_k p_k²η_k - p_j²η_j
@@ -387,7 +414,7 @@ def _weights_var(p: np.ndarray, eta_var: np.ndarray, l_var: np.ndarray, u: float
     var *= eta_var
     var += others                                             # p²·(own + others + l + final)
     var += l_var
-    var += SOFTMAX_FINAL_ROUNDINGS * ROUND_VAR * u * u
+    var += (SOFTMAX_FINAL_ROUNDINGS * ROUND_VAR + div_var) * u * u
     var *= np.multiply(p, p)
     return var
 
@@ -457,7 +484,7 @@ def _compute_flash_parts(Q, K, scale: float, causal: bool, u: float, kernel: Ker
     eta_var = np.multiply(scale * scale, _qk_var(Q, K, u, kernel.flash_product_var, cache))
     np.copyto(eta_var, 0.0, where=~finite)
     eta_var += _exponent_var(d, finite, u, kernel, S, FLASH_LOGIT_ROUNDINGS)
-    l_var = _rowsum_rel_var(p, u, FLASH_RESCALE_FACTOR, cache)
+    l_var = _rowsum_rel_var(p, u, kernel.rescale_factor, cache)
     s_det = np.zeros(S.shape)
     if kernel.mma_passes:
         # |scale|: a bound is a magnitude (a negative scale made it negative: found by the GPU
@@ -493,9 +520,9 @@ def _flash_output_var_det(src, scale: float, causal: bool, u: float, kernel: Ker
     O = _pv(p, V, cache)
     # P̃·V accumulated key by key (plus the tile rescales); the final division (and, on the
     # GPU, the split-KV combine) adds kernel.final_roundings roundings of O.
-    pv_var = FLASH_RESCALE_FACTOR * _pv_var(p, V, u, kernel.flash_product_var, cache)
+    pv_var = kernel.rescale_factor * _pv_var(p, V, u, kernel.flash_product_var, cache)
     var = (pv_var + _mixed_output_var(p, eta_var, V, O, cache) + O * O * l_var
-           + kernel.final_roundings * ROUND_VAR * (u * O) ** 2)
+           + (kernel.final_roundings * ROUND_VAR + kernel.div_var) * (u * O) ** 2)
     # One-signed parts: a common scale error and tensor-core truncation of the logits move
     # O by at most Σ_j p_j·|ΔS_j|·|v_j - O|; truncation in P̃·V adds its own.
     w = p * s_det
@@ -541,7 +568,7 @@ def _variance_and_det(stage: str, src, ref: np.ndarray, scale: float, causal: bo
         # (The binary's own QK_scaled: nothing else shares these, so they are not cached.)
         eta_var = _exponent_var(np.zeros(d.shape), finite, u, kernel)
         eta_var = eta_var + np.where(finite, _f32_subtraction_error(S, m, d, u) ** 2, 0.0)
-        return _weights_var(p, eta_var, _rowsum_rel_var(p, u), u), zero
+        return _weights_var(p, eta_var, _rowsum_rel_var(p, u), u, div_var=kernel.div_var), zero
     if stage == "output":
         P, V = _need(src, stage, "attention_weights", "V")
         return dot_var(P, V, u), zero
@@ -558,50 +585,132 @@ def _variance_and_det(stage: str, src, ref: np.ndarray, scale: float, causal: bo
         # values of lse's magnitude (m + log l; on the GPU the log2-domain conversions).
         log_l = ref - m
         var = (eta_sum + l_var
-               + ROUND_VAR * u * u * ((LOG_ULPS * ULP_IN_U * log_l) ** 2
-                                      + kernel.lse_roundings * (np.abs(m) + np.abs(ref)) ** 2 / 4))
+               + ROUND_VAR * u * u * ((kernel.log_ulps * ULP_IN_U * log_l) ** 2
+                                      + kernel.lse_roundings * (np.abs(m) + np.abs(ref)) ** 2 / 4)
+               + kernel.log_abs ** 2 / 3)
         return var, det
     raise ToleranceError(f"no tolerance model for stage {stage!r}")
 
 
-def _finish(ref: np.ndarray, var: np.ndarray, det: np.ndarray) -> np.ndarray:
+def _finish(ref: np.ndarray, var: np.ndarray, det: np.ndarray, floor) -> np.ndarray:
     bound = np.sqrt(var)                       # LAMBDA·√var + det + floor, 0 where ref is ±inf
     bound *= LAMBDA
     bound += det
-    bound += ABS_FLOOR
+    bound += floor
     np.copyto(bound, 0.0, where=~np.isfinite(ref))
     return bound
 
 
-def _kernel(backend: Optional[str]) -> Kernel:
+def _flush_sum(A: np.ndarray, B: np.ndarray) -> np.ndarray:
+    """Bound on what flushing tiny products and partial sums of A @ B to zero can cost: none when
+    no product of non-zero entries comes near float32's normal range, else min(Σ|a·b|, K·FLUSH)."""
+    def smallest(x):
+        nz = np.abs(x[x != 0])
+        return float(nz.min()) if nz.size else np.inf
+    if smallest(A) * smallest(B) >= FLUSH * 2.0**24:
+        return np.zeros((1, 1))
+    return np.minimum(np.abs(A) @ np.abs(B), A.shape[1] * FLUSH)
+
+
+def underflow_floor(stage: str, src: Dict[str, np.ndarray]):
+    """What float32 underflow may cost each element of `stage` (broadcastable to its shape):
+    FLUSH for every rounding of the result and of each term that can fall below float32's normal
+    range (flushed exp terms weigh at most FLUSH·|v_j| in a P·V sum)."""
+    if stage in ("QK", "flash_lse", "flash_output") and "Q" in src and "K" in src:
+        Q, K = np.asarray(src["Q"], np.float64), np.asarray(src["K"], np.float64)
+        qk = _flush_sum(Q, K.T)
+        if stage == "QK":
+            return qk + FLUSH
+        qk_max = float(np.max(qk)) if qk.size else 0.0
+    else:
+        qk_max = 0.0
+    if stage in ("output", "flash_output") and "V" in src:
+        V = np.abs(np.asarray(src["V"], np.float64))
+        return FLUSH * (V.sum(axis=0, keepdims=True) + 2 * V.shape[0]) + qk_max * V.max(initial=0.0)
+    if stage == "flash_lse":
+        return FLUSH * 2 * np.asarray(src["K"]).shape[0] + qk_max
+    return 2 * FLUSH
+
+
+def kernel_for(backend: Optional[str], math: str = "ieee") -> Kernel:
+    """The arithmetic assumed: the project's backend as run.toml names it, any correct IEEE float32
+    implementation for other programs (backend None), CUDA's fast-math intrinsics on request."""
+    if math not in ("ieee", "fast"):
+        raise ToleranceError(f"unknown math mode {math!r}; the tolerance model knows ieee, fast")
     if backend is None:
-        return ANY_KERNEL
+        return FAST_KERNEL if math == "fast" else FOREIGN_KERNEL
     if backend not in KERNELS:
         raise ToleranceError(f"unknown backend {backend!r}; the tolerance model knows "
                              f"{', '.join(KERNELS)}")
-    return KERNELS[backend]
+    return FAST_KERNEL if math == "fast" else KERNELS[backend]
 
 
 def stage_bound(stage: str, src: Dict[str, np.ndarray], ref: np.ndarray, *, scale: float,
                 causal: bool, precision: str = "fp32", backend: Optional[str] = None,
-                cache: Optional[HeadCache] = None) -> np.ndarray:
+                math: str = "ieee", cache: Optional[HeadCache] = None) -> np.ndarray:
     """Element-wise bound on |got - ref| for one head of `stage` computed from `src` (isolated).
 
     src holds the float64 values of the stage's inputs (verify.stages.STAGES[stage].inputs); the
     flash stages use Q, K (and V for flash_output). Q, K, V and KT get 0 (bit-exact copies);
     entries where ref is ±inf (masked) get 0 and must match exactly. backend (run.toml's
-    `backend`, "cpu" or "cuda") picks the arithmetic assumed; None assumes the looser of both.
+    `backend`, "cpu" or "cuda") picks the arithmetic assumed; None: any correct IEEE float32
+    implementation; math "fast": CUDA's fast-math intrinsics (kernel_for).
     cache (a HeadCache for this head) shares the intermediate results of the head's bounds.
     """
     if stage not in STAGES:
         raise ToleranceError(f"unknown stage {stage!r}")
     u = unit_roundoff(precision)
-    kernel = _kernel(backend)
+    kernel = kernel_for(backend, math)
     ref = np.asarray(ref, dtype=np.float64)
     if STAGES[stage].inputs == () or stage == "KT":
         return np.zeros(ref.shape)
     var, det = _variance_and_det(stage, src, ref, scale, causal, u, kernel, cache)
-    return _finish(ref, var, det)
+    return _finish(ref, var, det, underflow_floor(stage, src))
+
+
+def quantization_bound(stage: str, src: Dict[str, np.ndarray], quanta: Dict[str, np.ndarray],
+                       scale: float):
+    """How far the isolated reference of `stage` can move when its sources are known only to
+    within `quanta` (a file's printed resolution; absent: exact): |∂stage/∂source|·quantum, to
+    first order. 0 when every source is exact."""
+    q = {n: np.asarray(v, np.float64) for n, v in quanta.items() if v is not None and n in src}
+    if not q:
+        return 0.0
+    x = {n: np.asarray(v, np.float64) for n, v in src.items()}
+    zero = 0.0
+    if stage == "KT":
+        return q["K"].T if "K" in q else zero
+    if stage in ("QK", "flash_output", "flash_lse"):
+        dS = zero
+        if "Q" in q:
+            dS = dS + q["Q"] @ np.abs(x["K"]).T
+        if "K" in q:
+            dS = dS + np.abs(x["Q"]) @ q["K"].T
+        if stage == "QK":
+            return dS
+        S = _scaled_logits(x["Q"], x["K"], scale, False)
+        p = _softmax_parts(S)[0]
+        dS = np.abs(scale) * np.broadcast_to(dS, S.shape)
+        if stage == "flash_lse":
+            return (p * dS).sum(axis=1, keepdims=True)
+        O = p @ x["V"]
+        moved = (p * dS) @ np.abs(x["V"]) + np.abs(O) * (p * dS).sum(axis=1, keepdims=True)
+        return moved + (p @ q["V"] if "V" in q else zero)
+    if stage == "QK_scaled":
+        return abs(scale) * np.where(np.isfinite(x["QK"]), q.get("QK", zero), 0.0)
+    if stage == "attention_weights":
+        S = x["QK_scaled"]
+        p = _softmax_parts(S)[0]
+        qs = np.where(np.isfinite(S), q.get("QK_scaled", zero), 0.0)
+        return p * (qs + (p * qs).sum(axis=1, keepdims=True))
+    if stage == "output":
+        out = zero
+        if "attention_weights" in q:
+            out = out + q["attention_weights"] @ np.abs(x["V"])
+        if "V" in q:
+            out = out + np.abs(x["attention_weights"]) @ q["V"]
+        return out
+    return zero
 
 
 # ---------------------------------------------------------------------------------------------
@@ -614,7 +723,7 @@ PROPAGATED_STAGES = ("QK_scaled", "attention_weights", "output")
 
 
 def chained_bound(stage: str, chain: Dict[str, np.ndarray], *, scale: float, causal: bool,
-                  precision: str = "fp32", backend: Optional[str] = None,
+                  precision: str = "fp32", backend: Optional[str] = None, math: str = "ieee",
                   cache: Optional[HeadCache] = None) -> np.ndarray:
     """Bound on |got - chain[stage]| where chain holds the float64 reference chain from the
     original inputs (Q, K, V and every stage up to `stage`): each stage's own error plus the
@@ -625,12 +734,12 @@ def chained_bound(stage: str, chain: Dict[str, np.ndarray], *, scale: float, cau
     if stage not in STAGES:
         raise ToleranceError(f"unknown stage {stage!r}")
     u = unit_roundoff(precision)
-    kernel = _kernel(backend)
+    kernel = kernel_for(backend, math)
     if stage not in PROPAGATED_STAGES:
         src = {n: chain[n] for n in INPUT_NAMES if n in chain}
         src.update({n: chain[n] for n in STAGES[stage].inputs if n in chain})
         return stage_bound(stage, src, chain[stage], scale=scale, causal=causal,
-                           precision=precision, backend=backend, cache=cache)
+                           precision=precision, backend=backend, math=math, cache=cache)
     Q, K = _need(chain, stage, "Q", "K")
     sources = (Q, K) if stage != "output" else (Q, K) + _need(chain, stage, "V")
     return _memo(cache, "chained " + stage, sources, (scale, causal, u, kernel),
@@ -653,7 +762,7 @@ def _chained(stage: str, sources, scale: float, causal: bool, u: float, kernel: 
     S, p, d, finite, s_var, s_det = _memo(cache, "chained logits", (Q, K), (scale, causal, u),
                                           lambda: _chained_logits(Q, K, scale, causal, u, cache))
     if stage == "QK_scaled":
-        return _finish(S, s_var, s_det)
+        return _finish(S, s_var, s_det, abs(scale) * underflow_floor("QK", {"Q": Q, "K": K}) + FLUSH)
 
     def eta() -> np.ndarray:
         # The bounded part of the logit error enters the softmax as variance (at most its square).
@@ -662,13 +771,14 @@ def _chained(stage: str, sources, scale: float, causal: bool, u: float, kernel: 
     eta_var = _memo(cache, "chained eta", (Q, K), (scale, causal, u, kernel), eta)
     l_var = _rowsum_rel_var(p, u, cache=cache)
     if stage == "attention_weights":
-        return _finish(S, _weights_var(p, eta_var, l_var, u, cache), np.zeros(S.shape))
+        return _finish(S, _weights_var(p, eta_var, l_var, u, cache, kernel.div_var), np.zeros(S.shape),
+                       underflow_floor(stage, {}))
     V = sources[2]
     O = _pv(p, V, cache)
     final = SOFTMAX_FINAL_ROUNDINGS * ROUND_VAR * u * u * ((p * p) @ (V * V))
     var = (_pv_var(p, V, u, ROUND_VAR, cache) + _mixed_output_var(p, eta_var, V, O, cache)
-           + O * O * l_var + final)
-    return _finish(O, var, np.zeros(O.shape))
+           + O * O * l_var + final + kernel.div_var * u * u * ((p * p) @ (V * V)))
+    return _finish(O, var, np.zeros(O.shape), underflow_floor(stage, {"V": V}))
 
 
 def describe_model() -> str:
@@ -695,7 +805,8 @@ def describe_model() -> str:
     (≤ 1 ulp per mma, one-signed: det).
     flash_lse: Σ_j p_j η_j + ε_l + log ({LOG_ULPS:g} ulp) + roundings of m + log l (one on the
     CPU; the log2-domain conversions too on the GPU).
-    Masked entries (-inf) must match exactly; NaN never passes; floor 2^-110 (float32
-    underflow, FTZ). Chained checking adds each upstream stage's error propagated through it.
+    Masked entries (-inf) must match exactly; NaN never passes; a floor of 2^-126 (float32
+    underflow, FTZ) per result and per term that can underflow. Chained checking adds each
+    upstream stage's error propagated through it.
     """
     return textwrap.dedent(text).strip("\n")

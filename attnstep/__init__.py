@@ -1,0 +1,8 @@
+"""attnstep: find the stage where attention code goes wrong.
+
+The Python API for kernels that live in Python; the command line is `attnstep` (python -m verify).
+"""
+from verify.api import assert_attention_stages, check_arrays, format_report
+from verify.compare import Report
+
+__all__ = ["check_arrays", "assert_attention_stages", "format_report", "Report"]

@@ -1,0 +1,106 @@
+"""The Python API: check attention stages held in arrays (PyTorch, Triton, CuPy, ctypes code).
+
+    import attnstep
+    report = attnstep.check_arrays(q, k, v, {"output": o, "flash_lse": lse}, causal=True)
+    attnstep.assert_attention_stages(q, k, v, {"output": o})   # in a pytest test
+
+Arrays are NumPy arrays (or anything np.asarray takes: a CPU tensor's `.detach().cpu().numpy()`),
+shaped (N, d) for one head, (H, N, d) or (B, H, N, d); each stage with the same leading axes and
+the stage's own last two (an N×1 stage may drop its last axis). The report is the one `attnstep
+check` prints and writes: the same tolerance model, chained and isolated references, diagnoses.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Dict, Mapping, Optional, Tuple
+
+import numpy as np
+
+from .case import CaseError, InputCase, check_scale, validate_dims
+from .compare import Options, Report, check_run
+from .outputs import MATH_MODES, RunInfo, StageSource
+from .report import failure_lines, header_lines, summary_lines, table_lines
+from .stages import DIM_KEYS, INPUT_NAMES, PRECISIONS, STAGES, Dims, default_scale
+
+ARRAYS = Path("<arrays>")  # what the report names as the run's and the inputs' place
+
+
+def _leading(x: np.ndarray, name: str) -> Tuple[int, int]:
+    """(batch, heads) from an input's leading axes."""
+    if x.ndim == 2:
+        return 1, 1
+    if x.ndim == 3:
+        return 1, x.shape[0]
+    if x.ndim == 4:
+        return x.shape[0], x.shape[1]
+    raise ValueError(f"{name}: {x.ndim}-d array; expected (N, d), (H, N, d) or (B, H, N, d)")
+
+
+def _heads(x: np.ndarray, total: int, rows: int, cols: int, name: str) -> np.ndarray:
+    """x as (heads, rows, cols); an N×1 stage may come without its last axis."""
+    x = np.asarray(x)
+    want = total * rows * cols
+    if x.size != want or (x.ndim >= 2 and x.shape[-2:] != (rows, cols) and not (cols == 1 and x.shape[-1] == rows)):
+        raise ValueError(f"{name}: shape {tuple(x.shape)}, expected {total} head(s) of {rows}x{cols}")
+    if x.dtype not in (np.float16, np.float32, np.float64):
+        raise ValueError(f"{name}: dtype {x.dtype}; expected float16, float32 or float64 (convert bfloat16 "
+                         "with .float())")
+    return x.reshape(total, rows, cols)
+
+
+def _problem(q, k, v, causal: bool, scale: Optional[float]) -> Tuple[Dims, Dict[str, np.ndarray], float]:
+    arrays = {"Q": np.asarray(q), "K": np.asarray(k), "V": np.asarray(v)}
+    B, H = _leading(arrays["Q"], "q")
+    N, d_k = arrays["Q"].shape[-2:]
+    M, d_v = arrays["V"].shape[-2:]
+    try:
+        dims = validate_dims(dict(zip(DIM_KEYS, (B, H, N, M, d_k, d_v))), "q, k, v")
+        if scale is not None:
+            check_scale(scale, "scale")
+    except CaseError as exc:
+        raise ValueError(str(exc)) from None
+    heads = {n: _heads(arrays[n], dims.total_heads, *STAGES[n].shape(dims), n.lower()) for n in INPUT_NAMES}
+    return dims, heads, default_scale(d_k) if scale is None else float(scale)
+
+
+def check_arrays(q, k, v, stages: Mapping[str, object], *, causal: bool = False,
+                 scale: Optional[float] = None, precision: str = "fp32", math: str = "ieee",
+                 atol: Optional[float] = None, rtol: Optional[float] = None, jobs: int = 1) -> Report:
+    """Checks each stage in `stages` ({stage name: array}) computed from q, k, v, as `attnstep
+    check` does; returns the Report (report.passed, report.first_failing_stage, report.results).
+    causal: top-left aligned masking; scale: default 1/sqrt(d_k); precision and math: the
+    arithmetic the program used (fp32/tf32; ieee/fast). Raises ValueError for arrays that do not
+    fit together."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision {precision!r}: expected one of {', '.join(PRECISIONS)}")
+    if math not in MATH_MODES:
+        raise ValueError(f"math {math!r}: expected one of {', '.join(MATH_MODES)}")
+    dims, inputs, scale = _problem(q, k, v, causal, scale)
+    sources = {}
+    for name in STAGES:
+        if name in stages:
+            arr = _heads(stages[name], dims.total_heads, *STAGES[name].shape(dims), name)
+            sources[name] = StageSource(name, None, name, arrays=arr)
+    unknown = sorted(set(stages) - set(STAGES))
+    if unknown:
+        raise ValueError(f"unknown stage {unknown[0]!r}; stages are: {', '.join(STAGES)}")
+    if not sources:
+        raise ValueError("no stage to check: pass at least one of " + ", ".join(STAGES))
+    case = InputCase(ARRAYS, dims, "npy", bool(causal), scale, manifest=True, arrays=inputs)
+    run = RunInfo(None, {}, dims, sources, causal=bool(causal), scale=scale, precision=precision,
+                  math=math)
+    return check_run(run, case, Options(atol=atol, rtol=rtol, jobs=jobs))
+
+
+def format_report(report: Report, per_head: bool = False) -> str:
+    """The report as `attnstep check` prints it."""
+    return "\n".join(header_lines(report) + table_lines(report, per_head) + failure_lines(report)
+                     + summary_lines(report))
+
+
+def assert_attention_stages(q, k, v, stages: Mapping[str, object], **kwargs) -> Report:
+    """check_arrays, raising AssertionError with the stage table when a stage fails (for pytest)."""
+    report = check_arrays(q, k, v, stages, **kwargs)
+    if not report.passed:
+        raise AssertionError("attention stages differ from the float64 reference:\n" + format_report(report))
+    return report

@@ -1,0 +1,418 @@
+"""Output cases: where a run's stage matrices are, and what the run claims to have computed.
+
+Two forms are checked. The project's binary writes the strong one: `run.toml` (run id, backend,
+precision, shapes, a CRC-32 per file) beside `<stage>_head_{i}.txt|npy`. Anyone else's program
+writes what it writes: no run.toml (or part of one), any subset of the stages, text printed with
+any precision, one `<stage>.npy` holding every head, or files named its own way (a name map).
+Shapes then come from the input case, the stages are the files present, staleness checks are off
+(with a note), and the arithmetic assumed is that of any correct IEEE float32 implementation.
+
+Causal masking and the scale follow the input case (what the user asked for) unless the command
+line overrides them; a run.toml that says otherwise is a mismatch the report fails on.
+"""
+from __future__ import annotations
+
+import io
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Mapping, Optional, Tuple
+
+import numpy as np
+
+from .case import (CaseError, InputCase, check_scale, check_types, crc32_hex, parse_matrix, read_bytes,
+                   read_toml, validate_dims)
+from .resolution import EXACT, Resolution, array_resolution, text_resolution
+from .stages import (DIM_KEYS, FORMATS, PRECISIONS, RUN_MANIFEST, STAGES, Dims, default_scale,
+                     parse_stage_file, stage_file)
+
+BACKENDS = ("cpu", "cuda")          # what the project's binary writes as run.toml's `backend`
+MATH_MODES = ("ieee", "fast")       # strict IEEE float32, or CUDA's fast-math intrinsics
+RUN_KEY_TYPES = {**{k: int for k in DIM_KEYS}, "run_id": str, "backend": str, "device": str,
+                 "precision": str, "format": str, "stages": str, "causal": bool, "scale": float,
+                 "flash_block_q": int, "flash_block_k": int, "flash_kernel": str, "poison": bool}
+STACKED_SUFFIX = ".npy"             # `<stage>.npy`: every head in one array
+HEAD_FIELDS = ("i", "b", "h")       # placeholders of a name-map pattern
+STAGE_DTYPES = ("<f4", "<f8", "<f2")  # what a stage .npy may hold (inputs are float32 only)
+
+
+# ----------------------------------------------------------------------------------------------
+# Where one stage's matrices are.
+
+@dataclass
+class StageSource:
+    """One stage's matrices: a file per head (`pattern` with {i}, {b}, {h}), or one file holding
+    every head (`pattern` without placeholders), or arrays in memory (the Python API)."""
+    stage: str
+    folder: Optional[Path]
+    pattern: str
+    arrays: Optional[np.ndarray] = None  # (heads, rows, cols), for the Python API
+    _stack: Optional[np.ndarray] = field(default=None, repr=False)
+
+    @property
+    def per_head(self) -> bool:
+        return any("{" + f + "}" in self.pattern for f in HEAD_FIELDS)
+
+    def name(self, head: int, dims: Dims) -> str:
+        b, h = dims.decode_head(head)
+        return self.pattern.format(i=head, b=b, h=h) if self.per_head else self.pattern
+
+    def file(self, head: int, dims: Dims) -> Path:
+        return Path(self.folder or ".") / self.name(head, dims)
+
+    def describe(self) -> str:
+        return "arrays" if self.arrays is not None else self.pattern
+
+    def read(self, head: int, dims: Dims, data: Optional[bytes] = None
+             ) -> Tuple[np.ndarray, Resolution, Optional[bytes]]:
+        """(the head's matrix as float64, its resolution, the file's bytes when per head); data:
+        the file's bytes when the caller has read them. Raises CaseError for a file that cannot be
+        read as the stage's matrix (a head's matrix of the wrong shape is the caller's to report)."""
+        shape = STAGES[self.stage].shape(dims)
+        if self.arrays is not None:
+            return _as_matrix(self.arrays[head], shape), array_resolution(self.arrays), None
+        path = self.file(head, dims)
+        if self.per_head:
+            data = read_bytes(path) if data is None else data
+            if path.suffix == ".npy":
+                arr = _load_npy(data, path)
+                return _as_matrix(arr, shape), array_resolution(arr), data
+            mat = parse_matrix(data, path, None)
+            return mat.astype(np.float64), text_resolution(data), data
+        stack = self._stacked(dims, path)
+        return stack[head].astype(np.float64), array_resolution(stack), None
+
+    def _stacked(self, dims: Dims, path: Path) -> np.ndarray:
+        if self._stack is None:
+            if path.suffix != ".npy":
+                if dims.total_heads != 1:
+                    raise CaseError(f"{path}: one text file for {dims.total_heads} heads; HINT: name "
+                                    "a file per head with {i} in the pattern, or save every head in a .npy")
+                data = read_bytes(path)
+                self._stack = parse_matrix(data, path, None)[None]
+            else:
+                self._stack = _stack_heads(_load_npy(read_bytes(path), path), self.stage, dims, path)
+        return self._stack
+
+
+def _load_npy(data: bytes, path: Path) -> np.ndarray:
+    try:
+        arr = np.load(io.BytesIO(data), allow_pickle=False)
+    except (ValueError, OSError, EOFError) as exc:
+        raise CaseError(f"{path}: not a valid .npy file ({str(exc).splitlines()[0]})") from None
+    if arr.dtype.str not in STAGE_DTYPES:
+        raise CaseError(f"{path}: dtype {arr.dtype}, expected float32, float64 or float16; HINT: save "
+                        "with arr.astype(np.float32) (bfloat16 has no .npy dtype)")
+    return arr
+
+
+def _as_matrix(arr: np.ndarray, shape: Tuple[int, int]) -> np.ndarray:
+    """One head's matrix as float64; an N×1 stage may come as a vector of N, anything else 2-d
+    as it is (the caller compares the shape)."""
+    arr = np.asarray(arr)
+    if arr.ndim == 1 and shape[1] == 1:
+        arr = arr[:, None]
+    elif arr.ndim != 2:
+        arr = arr.reshape(arr.shape[0] if arr.ndim else 1, -1)
+    return arr.astype(np.float64)
+
+
+def _stack_heads(arr: np.ndarray, stage: str, dims: Dims, path: Path) -> np.ndarray:
+    """(B·H, rows, cols) from what a PyTorch or Triton user saves: (B·H, r, c), (B, H, r, c), or
+    for one head (r, c); an N×1 stage may drop its last axis."""
+    r, c = STAGES[stage].shape(dims)
+    B, H = dims.batch, dims.heads
+    accepted = [(B * H, r, c), (B, H, r, c)]
+    if c == 1:
+        accepted += [(B * H, r), (B, H, r)]
+    if B * H == 1:
+        accepted += [(r, c)] + ([(r,)] if c == 1 else [])
+    if tuple(arr.shape) not in accepted:
+        raise CaseError(f"{path}: shape {tuple(arr.shape)}, expected {' or '.join(map(str, accepted[:2]))} "
+                        f"(heads, {STAGES[stage].rows}, {STAGES[stage].cols})")
+    return arr.reshape(B * H, r, c)
+
+
+# ----------------------------------------------------------------------------------------------
+# Finding the stage files of a folder.
+
+def parse_name_map(items: Mapping[str, str], where: str) -> Dict[str, str]:
+    """{stage: pattern} from `--name STAGE=PATTERN` items or a names file, validated."""
+    out = {}
+    for stage, pattern in items.items():
+        if stage not in STAGES:
+            raise CaseError(f"{where}: unknown stage '{stage}'; stages are: {', '.join(STAGES)}")
+        if not isinstance(pattern, str) or not pattern.strip() or Path(pattern).is_absolute() \
+                or ".." in Path(pattern).parts:
+            raise CaseError(f"{where}: {stage}: expected a file name inside the output folder, such as "
+                            f"'{stage}_{{i}}.txt', got {pattern!r}")
+        try:
+            pattern.format(i=0, b=0, h=0)
+        except (KeyError, IndexError, ValueError):
+            raise CaseError(f"{where}: {stage} = {pattern!r}: the only placeholders are {{i}} (head "
+                            "0..B·H-1), {b} (batch) and {h} (head within the batch)") from None
+        out[stage] = pattern
+    return out
+
+
+def read_names_file(path: Path) -> Dict[str, str]:
+    """A names file: flat `STAGE = "PATTERN"` lines (the manifests' TOML subset)."""
+    return parse_name_map(read_toml(path), str(path))
+
+
+def discover_sources(folder: Path, names: Mapping[str, str]) -> Dict[str, StageSource]:
+    """The stages present in `folder`, table order: a name-map entry, `<stage>_head_{i}.txt|npy`,
+    or `<stage>.npy`. Both of the last two for one stage is ambiguous: an error."""
+    entries = set(os.listdir(folder))
+    per_head: Dict[str, set] = {}
+    for entry in entries:
+        parsed = parse_stage_file(entry)
+        if parsed and parsed[0] in STAGES:
+            per_head.setdefault(parsed[0], set()).add(parsed[2])
+    found: Dict[str, StageSource] = {}
+    for stage in STAGES:
+        if stage in names:
+            found[stage] = StageSource(stage, folder, names[stage])
+            continue
+        fmts = sorted(per_head.get(stage, ()))
+        stacked = stage + STACKED_SUFFIX in entries
+        if len(fmts) > 1:
+            raise CaseError(f"{folder}: {stage} has both .txt and .npy head files; HINT: remove one set")
+        if fmts and stacked:
+            raise CaseError(f"{folder}: both {stage}_head_*.{fmts[0]} and {stage}{STACKED_SUFFIX}; "
+                            "HINT: remove one, or name the one to check with --name")
+        if fmts:
+            found[stage] = StageSource(stage, folder, stage_file(stage, 0, fmts[0]).replace("_head_0.", "_head_{i}."))
+        elif stacked:
+            found[stage] = StageSource(stage, folder, stage + STACKED_SUFFIX)
+    return found
+
+
+# ----------------------------------------------------------------------------------------------
+# The run: its stages, settings and claims.
+
+@dataclass(frozen=True)
+class Overrides:
+    """What the user said on the command line (None: not said)."""
+    causal: Optional[bool] = None
+    scale: Optional[float] = None
+    precision: Optional[str] = None
+    math: str = "ieee"
+    names: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    """run.toml says the run computed `key` = run_value, the input case asks for input_value."""
+    key: str
+    run_value: object
+    input_value: object
+
+    def message(self) -> str:
+        def show(v):
+            return str(v).lower() if isinstance(v, bool) else f"{float(v):.9g}"
+        return (f"the run computed {self.key} = {show(self.run_value)} (run.toml) but the input case "
+                f"asks for {self.key} = {show(self.input_value)}; HINT: run again, or pass "
+                f"{'--causal/--no-causal' if self.key == 'causal' else '--scale'} to check what it computed")
+
+
+@dataclass
+class RunInfo:
+    path: Optional[Path]
+    values: dict                     # run.toml as read; {} without one
+    dims: Dims
+    sources: Dict[str, StageSource]  # stage -> its matrices, table order
+    causal: bool = False
+    scale: float = 1.0
+    precision: str = "fp32"
+    backend: Optional[str] = None    # None: not the project's binary
+    math: str = "ieee"
+    verify_crc: bool = False
+    notes: List[str] = field(default_factory=list)
+    mismatches: List[Mismatch] = field(default_factory=list)
+
+    @property
+    def stages(self) -> Tuple[str, ...]:
+        return tuple(self.sources)
+
+    @property
+    def run_id(self) -> Optional[str]:
+        v = self.values.get("run_id")
+        return None if v is None else str(v)
+
+    def crc(self, stage: str, head: int) -> Optional[str]:
+        return self.values.get(f"crc32_{stage}_head_{head}")
+
+    def file(self, stage: str, head: int) -> Path:
+        return self.sources[stage].file(head, self.dims)
+
+    @property
+    def flash_tiles(self) -> Optional[Tuple[int, int]]:
+        br, bc = self.values.get("flash_block_q"), self.values.get("flash_block_k")
+        return (int(br), int(bc)) if br and bc else None
+
+    @property
+    def flash_kernel(self) -> Optional[str]:
+        v = self.values.get("flash_kernel")
+        return str(v) if v else None
+
+    def timings(self) -> Dict[str, float]:
+        return {k[len("time_ms_"):]: float(v) for k, v in self.values.items() if k.startswith("time_ms_")}
+
+    def read(self, stage: str, head: int):
+        return self.sources[stage].read(head, self.dims)
+
+
+def read_run_manifest(folder: Path) -> dict:
+    """run.toml's values, type-checked ({} when there is none)."""
+    manifest = Path(folder) / RUN_MANIFEST
+    if not manifest.exists():
+        return {}
+    values = read_toml(manifest)
+    check_types(values, RUN_KEY_TYPES, str(manifest))
+    if "scale" in values:
+        check_scale(values["scale"], str(manifest))
+    if "precision" in values and values["precision"] not in PRECISIONS:
+        raise CaseError(f"{manifest}: precision = {values['precision']!r}; expected one of "
+                        f"{', '.join(PRECISIONS)}")
+    if "backend" in values and values["backend"] not in BACKENDS:
+        raise CaseError(f"{manifest}: backend = {values['backend']!r}; expected one of {', '.join(BACKENDS)} "
+                        "(leave it out for a program other than attnstep's binary)")
+    if values.get("backend") == "cpu" and values.get("precision", "fp32") != "fp32":
+        raise CaseError(f"{manifest}: precision = {values['precision']!r} with backend = \"cpu\": the CPU "
+                        "backend computes in fp32 only")
+    if "format" in values and values["format"] not in FORMATS:
+        raise CaseError(f"{manifest}: format = {values['format']!r}; expected one of {', '.join(FORMATS)}")
+    return values
+
+
+def _listed_sources(folder: Path, values: dict, names: Mapping[str, str]) -> Dict[str, StageSource]:
+    """The stages run.toml lists, in its format (names mapped where the user said so)."""
+    manifest = folder / RUN_MANIFEST
+    listed = tuple(s for s in str(values["stages"]).split(",") if s)
+    unknown = [s for s in listed if s not in STAGES]
+    if unknown:
+        raise CaseError(f"{manifest}: unknown stage '{unknown[0]}' in 'stages'")
+    if not listed:
+        raise CaseError(f"{manifest}: 'stages' is empty: nothing to check")
+    fmt = values.get("format", FORMATS[0])
+    return {s: StageSource(s, folder, names.get(s) or stage_file(s, 0, fmt).replace("_head_0.", "_head_{i}."))
+            for s in STAGES if s in listed}
+
+
+def _run_dims(values: dict, case: InputCase, folder: Path) -> Dims:
+    given = [k for k in DIM_KEYS if k in values]
+    if not given:
+        return case.dims
+    manifest = folder / RUN_MANIFEST
+    for key in given:
+        if values[key] != getattr(case.dims, key):
+            raise CaseError(f"{manifest}: {key} = {values[key]} but the input case {case.path} has "
+                            f"{key} = {getattr(case.dims, key)}; HINT: the output was computed from another "
+                            "input case: run it again")
+    return case.dims
+
+
+def _settings(run: RunInfo, case: InputCase, values: dict, over: Overrides) -> None:
+    """causal and scale: the command line, else the input case (its manifest), else run.toml, else
+    the defaults; run.toml disagreeing with an input case that says is a mismatch."""
+    asked_causal = case.causal if case.manifest else None
+    asked_scale = (case.scale if case.scale is not None else default_scale(case.dims.d_k)) if case.manifest \
+        else case.scale
+    run.causal = next(v for v in (over.causal, asked_causal, values.get("causal"), False) if v is not None)
+    run.scale = float(next(v for v in (over.scale, asked_scale, values.get("scale"),
+                                       default_scale(case.dims.d_k)) if v is not None))
+    if over.causal is None and asked_causal is not None and "causal" in values \
+            and bool(values["causal"]) != asked_causal:
+        run.mismatches.append(Mismatch("causal", bool(values["causal"]), asked_causal))
+    if over.scale is None and asked_scale is not None and "scale" in values \
+            and np.float32(values["scale"]) != np.float32(asked_scale):
+        run.mismatches.append(Mismatch("scale", float(values["scale"]), asked_scale))
+    run.precision = over.precision or values.get("precision", PRECISIONS[0])
+    run.backend = values.get("backend")
+    run.math = over.math
+
+
+def open_run(folder: Path, case: InputCase, over: Overrides = Overrides()) -> RunInfo:
+    """The output case in `folder`, read against the input case it was computed from."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise CaseError(f"{folder}: output case folder not found; HINT: run 'attnstep run' first")
+    values = read_run_manifest(folder)
+    dims = _run_dims(values, case, folder)
+    if "stages" in values:
+        sources = _listed_sources(folder, values, over.names)
+    else:
+        sources = discover_sources(folder, over.names)
+        if not sources:
+            raise CaseError(f"{folder}: no stage files (<stage>_head_<i>.txt or .npy, or <stage>.npy, "
+                            f"stages {', '.join(STAGES)}); HINT: is this the folder your program writes? "
+                            "Name other files with --name STAGE=PATTERN")
+    run = RunInfo(folder, values, dims, sources)
+    run.verify_crc = any(k.startswith("crc32_") for k in values) or "run_id" in values
+    _settings(run, case, values, over)
+    if not values:
+        run.notes.append(f"no {RUN_MANIFEST}: shapes from the input case, stages from the files present, "
+                         "files not checked for staleness, any correct IEEE float32 arithmetic accepted")
+    elif not run.verify_crc:
+        run.notes.append(f"{RUN_MANIFEST} has no CRC-32 table: files not checked for staleness")
+    return run
+
+
+def load_run(folder: Path) -> RunInfo:
+    """A run of the project's binary read on its own (its run.toml names shapes and stages)."""
+    folder = Path(folder)
+    manifest = folder / RUN_MANIFEST
+    if not manifest.exists():
+        raise CaseError(f"{manifest}: missing: the binary's run did not finish, or {folder} is not an "
+                        "output case; HINT: run 'attnstep run' again")
+    values = read_run_manifest(folder)
+    dims = validate_dims(values, str(manifest))
+    case = InputCase(folder, dims, values.get("format", FORMATS[0]), bool(values.get("causal", False)),
+                     values.get("scale"), manifest=True)
+    return open_run(folder, case)
+
+
+def stage_files_in(folder: Path) -> List[str]:
+    """Every file name in `folder` that a run could have written (stage files and run.toml)."""
+    out = []
+    for entry in sorted(os.listdir(folder)):
+        parsed = parse_stage_file(entry)
+        if (parsed and parsed[0] in STAGES) or entry == RUN_MANIFEST or \
+                (entry.endswith(STACKED_SUFFIX) and entry[:-len(STACKED_SUFFIX)] in STAGES):
+            out.append(entry)
+    return out
+
+
+def foreign_stage_files(run: RunInfo) -> List[str]:
+    """Stage files in the output folder that the run's manifest does not list (leftovers)."""
+    if run.path is None or "stages" not in run.values:
+        return []
+    listed = {run.sources[s].name(i, run.dims) for s in run.stages for i in range(run.dims.total_heads)}
+    listed |= {src.pattern for src in run.sources.values()}
+    return [e for e in stage_files_in(run.path) if e not in listed and e != RUN_MANIFEST]
+
+
+def staleness(run: RunInfo, stage: str, head: int, data: Optional[bytes]) -> Optional[str]:
+    """Why a file is not from this run (its CRC-32 differs or is not listed), or None."""
+    if not run.verify_crc or data is None:
+        return None
+    name = run.sources[stage].name(head, run.dims)
+    want = run.crc(stage, head)
+    if want is None:
+        return f"{name} is not listed in {RUN_MANIFEST}'s CRC table: not from run {run.run_id}"
+    if crc32_hex(data) != str(want):
+        hdr = _header_run(data)
+        origin = f" (its header says run {hdr})" if hdr and hdr != run.run_id else ""
+        return (f"{name} was not written by run {run.run_id}{origin}: its CRC-32 differs from "
+                f"{RUN_MANIFEST} (a file from an earlier run, or edited since)")
+    return None
+
+
+_HEADER_RUN = re.compile(rb"^# attnstep[^\n]*\brun=(\S+)")
+
+
+def _header_run(data: bytes) -> Optional[str]:
+    m = _HEADER_RUN.match(data[:512])
+    return m.group(1).decode("ascii", "replace") if m else None

@@ -1,0 +1,110 @@
+"""How finely a stage file records its values: the printed precision of text, the dtype of .npy.
+
+A program that prints `%g` (C's default, 6 significant digits) or `%.6f` has lost digits before
+the verifier sees them: each value is known only to half a unit in its last printed place. That
+quantization is folded into every comparison of the file (and propagated into the references
+computed from it), so correct results printed coarsely pass, and the report says how coarse the
+printing was. `%.9g` (9 significant digits) round-trips float32 exactly: nothing is lost.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+# Significant digits from which a printed float32 round-trips exactly.
+FLOAT32_ROUND_TRIP_DIGITS = 9
+DEFAULT_PRINTF_DIGITS = 6  # %g and C++ ostreams
+# Bytes of a text file whose tokens are analysed: a writer prints a whole file one way, and the
+# first rows show it (a 4096² file is ~150 MB; its first 256 KB are ~25,000 values).
+SAMPLE_BYTES = 1 << 18
+_U32 = 2.0**-24
+_TOKEN = re.compile(rb"([+-]?)(\d*)(?:\.(\d*))?(?:[eE]([+-]?\d+))?$")
+
+
+@dataclass(frozen=True)
+class Resolution:
+    """exact: float32 values as they were; digits: `%.Sg`-style, S significant digits; decimals:
+    `%.Df`-style, D digits after the point; half: float16 values (.npy '<f2')."""
+    kind: str
+    count: int = 0
+
+    @property
+    def exact(self) -> bool:
+        return self.kind == "exact"
+
+    def describe(self) -> str:
+        return {"exact": "exact", "digits": f"{self.count} significant digits",
+                "decimals": f"{self.count} decimals", "half": "float16"}[self.kind]
+
+    def quantum(self, values: np.ndarray) -> Optional[np.ndarray]:
+        """Element-wise bound on |value read - value the program held|; None when exact."""
+        if self.exact:
+            return None
+        x = np.abs(np.where(np.isfinite(values), values, 0.0))
+        if self.kind == "half":
+            # half an ulp of float16: 2^(e-11), and 2^-25 in its subnormal range
+            e = np.floor(np.log2(np.maximum(x, 2.0**-14)))
+            return np.where(x > 0, 2.0 ** (e - 11), 0.0)
+        if self.kind == "decimals":
+            half_unit = np.full(x.shape, 0.5 * 10.0 ** -self.count)
+        else:
+            with np.errstate(divide="ignore"):
+                e = np.floor(np.log10(np.where(x > 0, x, 1.0)))
+            half_unit = np.where(x > 0, 0.5 * 10.0 ** (e - self.count + 1), 0.0)
+        # the printed decimal is then rounded to float32 by the reader
+        return half_unit + _U32 * x
+
+
+EXACT = Resolution("exact")
+HALF = Resolution("half")
+
+
+def _token_digits(tok: bytes):
+    """(significant digits, decimals, has exponent) of one number token, None for inf/nan."""
+    m = _TOKEN.match(tok)
+    if not m:
+        return None
+    whole, frac, exp = m.group(2), m.group(3), m.group(4)
+    frac = frac or b""
+    digits = (whole + frac).lstrip(b"0")
+    return len(digits), len(frac) if m.group(3) is not None else -1, exp is not None
+
+
+def text_resolution(data: bytes) -> Resolution:
+    """The printed precision of a text matrix, from a sample of its number tokens.
+
+    `%.Df` prints every value with the same D decimals and no exponent; `%g`/`%.Sg` prints at
+    most S significant digits (trailing zeros dropped), so the largest count seen is S."""
+    sample = data[:SAMPLE_BYTES]
+    if len(data) > SAMPLE_BYTES:
+        sample = sample[:sample.rfind(b"\n") + 1] or sample
+    max_sig, decimals, fixed, integers_only = 0, set(), True, True
+    for line in sample.split(b"\n"):
+        if line.lstrip().startswith(b"#"):
+            continue
+        for tok in line.split():
+            parsed = _token_digits(tok)
+            if parsed is None:
+                continue
+            sig, dec, has_exp = parsed
+            max_sig = max(max_sig, sig)
+            integers_only &= dec < 0 and not has_exp
+            if has_exp or dec < 0:
+                fixed = False
+            else:
+                decimals.add(dec)
+    if max_sig >= FLOAT32_ROUND_TRIP_DIGITS:
+        return EXACT
+    if fixed and len(decimals) == 1:
+        return Resolution("decimals", decimals.pop())
+    if integers_only:
+        # Only integers: %g prints 1.0000001 as "1" too; assume C's default of 6 digits.
+        return Resolution("digits", max(max_sig, DEFAULT_PRINTF_DIGITS))
+    return Resolution("digits", max(max_sig, 1))
+
+
+def array_resolution(arr: np.ndarray) -> Resolution:
+    return HALF if arr.dtype == np.float16 else EXACT
