@@ -192,7 +192,7 @@ FLASH_BLOCKS = (16, 32, 64)
 FLASH_ROUTES = tuple(f"{e}-{b}" for e in ("exp", "exp2") for b in FLASH_BLOCKS)
 
 
-def _flash_route(name: str) -> Tuple[bool, int]:
+def parse_flash_route(name: str) -> Tuple[bool, int]:
     kind, block = name.split("-")
     return kind == "exp2", int(block)
 
@@ -240,7 +240,7 @@ def compute_head(q, k, v, scale: float, causal: bool, route: Route = Route(),
         out["attention_weights"] = softmax(out["QK_scaled"])
         out["output"] = MATMULS[route.output](out["attention_weights"], v)
         if flash_supported(q.shape[1], v.shape[1]):
-            use_exp2, block = _flash_route(route.flash)
+            use_exp2, block = parse_flash_route(route.flash)
             o, lse = flash_forward(q, k, v, 1.0 if bug == "flash_scale" else scale, causal, block,
                                    use_exp2, offset)
             out["flash_output"], out["flash_lse"] = o, (lse * LOG2E if bug == "lse_log2" else lse)

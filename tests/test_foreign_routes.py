@@ -268,7 +268,7 @@ def test_every_route_matches_float64(distribution, n, m, d, causal):
         np.exp(finite - finite.max(axis=1, keepdims=True)).sum(axis=1, keepdims=True))
     logits = (np.abs(q.astype(np.float64)) @ np.abs(k.T)).max() * scale
     for route in foreign.FLASH_ROUTES:
-        use_exp2, block = route.split("-")[0] == "exp2", int(route.split("-")[1])
+        use_exp2, block = foreign.parse_flash_route(route)
         o, lse = foreign.flash_forward(q, k, v, scale, causal, block, use_exp2)
         # the scores carry d·eps·|Q||K|·scale, the running sums m·eps
         _assert_within(o, want_o, 4 * EPS32 * (d * logits + 2 * m) * np.abs(v).max(), f"flash_output {route}")
@@ -298,7 +298,7 @@ def test_routes_differ_in_their_roundings():
     assert len({w.tobytes() for w in weights.values()}) >= len(weights) - 1
 
 
-def _head(bug: Optional[str], b: Bug):
+def _two_heads(bug: Optional[str], b: Bug):
     q, k, v = _inputs("normal", BUG_DIMS.seq_q, BUG_DIMS.seq_k, BUG_DIMS.d_k)
     inputs = [{"Q": q, "K": k, "V": v}, {"Q": q[::-1].copy(), "K": k, "V": v[::-1].copy()}]
     return foreign.compute_heads(inputs, default_scale(BUG_DIMS.d_k), b.causal, Route(), bug)
@@ -308,7 +308,7 @@ def _head(bug: Optional[str], b: Bug):
 def test_each_bug_changes_its_stage_far_beyond_rounding(bug):
     """The planted stage is wrong by at least 5e-4 of its largest value, a hundred times the
     rounding of 6-digit printing (5e-6 relative), and every stage before it is untouched."""
-    right, wrong = _head(None, bug), _head(bug.bug, bug)
+    right, wrong = _two_heads(None, bug), _two_heads(bug.bug, bug)
     for h, (r, w) in enumerate(zip(right, wrong)):
         for stage in list(STAGES)[:list(STAGES).index(bug.stage)]:
             assert np.array_equal(r[stage], w[stage]), (stage, h)
