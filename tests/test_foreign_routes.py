@@ -412,7 +412,8 @@ def test_the_seed_program_writes_only_output_when_asked(seed_tree):
 
 
 def _run_and_check_seed(tree: Path, *flags):
-    r = invoke("run", "--binary", SEED_PROGRAM, "--cwd", tree / "build", "--", "random_test", *flags)
+    r = invoke("run", "--binary", SEED_PROGRAM, "--cwd", tree / "build", "--out", tree / "data" / "random_verify",
+               "--", "random_test", *flags)
     assert r.exit_code == 0, r.output
     return check_folder(tree, tree / "data" / "random_test", tree / "data" / "random_verify", False, None)
 

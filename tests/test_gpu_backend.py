@@ -11,7 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from verify.case import load_run, read_matrix
+from verify.case import read_matrix
+from verify.outputs import load_run
 from verify.compare import check
 from verify.generate import generate_case
 from verify.reference import reference_chain

@@ -300,7 +300,7 @@ def test_head_jobs_follow_the_request_the_size_and_the_memory(monkeypatch):
     from verify.stages import Dims
 
     def run(heads, n, d=64):
-        return compare.RunInfo(Path("."), {}, Dims(1, heads, n, n, d, d), (), "npy")
+        return compare.RunInfo(Path("."), {}, Dims(1, heads, n, n, d, d), {})
 
     monkeypatch.setattr(compare, "_usable_cores", lambda: 16)
     monkeypatch.setattr(compare, "_available_memory_bytes", lambda: 64 << 30)

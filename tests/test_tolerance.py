@@ -280,7 +280,7 @@ def test_dot_product_bound_covers_every_gemm_summation_order(dist):
             for stage, A, B in (("QK", Q, K.T), ("output", P, V)):
                 A64, B64 = A.astype(np.float64), B.astype(np.float64)
                 ref = A64 @ B64
-                bound = T.LAMBDA * np.sqrt(T.dot_var(A64, B64, T.UNIT_ROUNDOFF["fp32"])) + T.ABS_FLOOR
+                bound = T.LAMBDA * np.sqrt(T.dot_var(A64, B64, T.UNIT_ROUNDOFF["fp32"])) + T.FLUSH
                 for order, mm in GEMM_ORDERS.items():
                     r = float(np.max(error(mm(A, B), ref) / bound))
                     worst[stage, order] = max(worst.get((stage, order), 0.0), r)
@@ -400,7 +400,7 @@ def catch_fractions(stage, dist):
     ulp = 2 * T.UNIT_ROUNDOFF["fp32"] * np.abs(ref)  # an error smaller than one ulp of the value
     out = {}
     for factor in (10, 20):
-        live = (factor * typical >= ulp) & (factor * typical > T.ABS_FLOOR)  # ... is not representable
+        live = (factor * typical >= ulp) & (factor * typical > T.FLUSH)  # ... is not representable
         planted = error(got + np.where(got >= ref, 1.0, -1.0) * factor * typical, ref)
         out[factor] = int((planted[live] > bound[live]).sum()), int(live.sum())
     return out, ref.size
@@ -445,7 +445,7 @@ def test_precision_only_changes_u():
     ref = Q @ K.T
     b32 = T.stage_bound("QK", {"Q": Q, "K": K}, ref, scale=1.0, causal=False, precision="fp32")
     b19 = T.stage_bound("QK", {"Q": Q, "K": K}, ref, scale=1.0, causal=False, precision="tf32")
-    ratio = (b19 - T.ABS_FLOOR) / (b32 - T.ABS_FLOOR)
+    ratio = (b19 - T.FLUSH) / (b32 - T.FLUSH)
     assert np.all(ratio > 2**12) and np.all(ratio <= 2**13 + 1e-6)  # the min(u²s², t²) terms cap it
 
 

@@ -408,6 +408,8 @@ def check_head(run: RunInfo, case: InputCase, head: int, opts: Options,
                "QK_scaled_got": got.get("QK_scaled"), "chain": chain, "tolerance_cache": cache,
                "quantum": quantum, "quanta": quanta}
         res.violations = invariants.check_invariants(stage, mat, ctx)
+        if res.isolated.passed and _nonfinite_propagated(mat, want_iso):
+            res.violations = [v for v in res.violations if v.code != invariants.NONFINITE]
         res.notes = _blamed_elsewhere(res.violations, results)
         res.violations = [v for v in res.violations if v not in res.notes]
         _classify(res, results)
@@ -420,6 +422,12 @@ def check_head(run: RunInfo, case: InputCase, head: int, opts: Options,
                 if not any(d.code == v.code for d in res.diagnosis):
                     res.diagnosis.append(diag.Diagnosis(v.code, v.message, {"count": v.count}))
     return list(results.values())
+
+
+def _nonfinite_propagated(got: np.ndarray, want_iso: np.ndarray) -> bool:
+    """Every NaN/Inf of got stands where the isolated reference has one: the stage propagated
+    what its upstream stages gave it (their own checks report the cause)."""
+    return bool(np.all(np.isfinite(got) | ~np.isfinite(want_iso)))
 
 
 def _classify(res: HeadResult, results: Dict[str, HeadResult]) -> None:

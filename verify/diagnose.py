@@ -32,6 +32,9 @@ UNWRITTEN_DENSITY = 0.9      # fraction of the region's entries that must be zer
 TILE_DENSITY = 0.5           # fraction of a wrong tile's entries that must be wrong
 MAX_HEADS_SEARCHED = 64
 MAX_MASK_OFFSET = 8
+# Tile sizes tried when the run does not say its own (run.toml's flash_block_q/k): the sizes GPU
+# kernels tile by; smaller periods are what any row-dependent error shows by chance.
+TILE_PERIODS = (8, 16, 32, 64, 128, 256)
 SCALE_NAME_RTOL = 2e-3
 
 
@@ -261,7 +264,9 @@ def _softmax_axis(stage, got, want, ctx, width) -> List[Diagnosis]:
             cands.append(("got is the row softmax of QK_scaledᵀ written into the N×M buffer",
                           softmax_rows(S.T).reshape(R, C)))
     for how, cand in cands:
-        with np.errstate(invalid="ignore"):
+        # A column with no visible key (causal, N < M) normalizes 0/0: NaN, or 0 where guarded.
+        diff = _explains(got, cand, want, width)
+        if diff is None:
             diff = _explains(got, np.nan_to_num(cand, nan=0.0), want, width)
         if diff is not None:
             return [Diagnosis("softmax_axis", f"attention_weights normalized along the wrong axis: "
@@ -317,7 +322,7 @@ def _mask_pattern(got: np.ndarray, stage: str) -> Optional[np.ndarray]:
     if stage == "QK_scaled":
         return got == -np.inf
     if stage == "attention_weights":
-        return got == 0
+        return (got == 0) | np.isnan(got)  # a row with no visible key normalizes 0/0
     return None
 
 
@@ -412,7 +417,7 @@ def _tile_boundary(stage, got, want, ctx, width) -> List[Diagnosis]:
         preferred = []
         if tiles:
             preferred = [int(tiles[0] if name == "rows" else tiles[1])]
-        periods = preferred + [p for p in (2 ** e for e in range(1, 9)) if p not in preferred and p < n]
+        periods = preferred + [p for p in TILE_PERIODS if p not in preferred and p < n]
         hit = _periodic(lines, n, periods, name) or _whole_tiles(bad, lines, n, periods, name, axis)
         if hit:
             hit.message = f"{stage}: {hit.message}"

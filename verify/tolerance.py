@@ -567,6 +567,8 @@ def _variance_and_det(stage: str, src, ref: np.ndarray, scale: float, causal: bo
         # and its float32 subtraction S - m is known exactly: its error replaces the u|d| model.
         # (The binary's own QK_scaled: nothing else shares these, so they are not cached.)
         eta_var = _exponent_var(np.zeros(d.shape), finite, u, kernel)
+        if kernel.exp_slope_var:  # exp's own error grows with its argument d (fast math)
+            eta_var = eta_var + np.where(finite, kernel.exp_slope_var * (u * d) ** 2, 0.0)
         eta_var = eta_var + np.where(finite, _f32_subtraction_error(S, m, d, u) ** 2, 0.0)
         return _weights_var(p, eta_var, _rowsum_rel_var(p, u), u, div_var=kernel.div_var), zero
     if stage == "output":

@@ -1,0 +1,309 @@
+"""Checking programs other than attnstep's binary: no run.toml, any subset of stages, printed
+resolution, one .npy for every head, name maps, the input case deciding causal/scale, claims in
+run.toml, underflow at tiny magnitudes, fast-math intrinsics, run --binary -- ARGS, and the Python
+API. tests/test_foreign_routes.py sweeps the correct routes and classic bugs; this file pins each
+feature down on its own.
+"""
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+import attnstep
+import foreign
+from verify.cli import cli
+from verify.reference import reference_chain
+from verify.resolution import EXACT, Resolution, text_resolution
+from verify.stages import INPUT_NAMES, STAGES, Dims, default_scale, stage_file
+
+DIMS = Dims(1, 2, 24, 40, 16, 16)
+f32 = np.float32
+
+
+def invoke(*args):
+    return CliRunner().invoke(cli, [str(a) for a in args], catch_exceptions=False)
+
+
+def make_input(folder: Path, dims: Dims = DIMS, causal: bool = False, manifest: bool = True, seed: int = 3):
+    r = invoke("generate", "--out", folder, "--batch", dims.batch, "--heads", dims.heads, "--seq-q", dims.seq_q,
+               "--seq-k", dims.seq_k, "--d-k", dims.d_k, "--d-v", dims.d_v, "--seed", seed,
+               "--causal" if causal else "--no-causal")
+    assert r.exit_code == 0, r.output
+    if not manifest:
+        (folder / "manifest.toml").unlink()
+    return foreign.read_inputs(folder, dims.total_heads)
+
+
+def correct_heads(inputs, causal=False, scale=None):
+    return foreign.compute_heads(inputs, default_scale(DIMS.d_k) if scale is None else scale, causal)
+
+
+def write_heads(folder: Path, heads, stages, fmt="%.9g"):
+    folder.mkdir(parents=True, exist_ok=True)
+    for i, h in enumerate(heads):
+        for s in stages:
+            np.savetxt(folder / stage_file(s, i, "txt"), np.asarray(h[s], f32).astype(np.float64), fmt=fmt)
+
+
+def check(in_dir, out_dir, *extra, json_path=None):
+    args = ["check", "--in", in_dir, "--out", out_dir, *extra]
+    if json_path:
+        args += ["--json", json_path]
+    r = invoke(*args)
+    return r, (json.loads(Path(json_path).read_text()) if json_path and Path(json_path).exists() else None)
+
+
+# ---- printed resolution -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text,kind,count", [
+    (b"0.123457 1\n2.5e-07 -3.14159\n", "digits", 6),   # %g
+    (b"0.123457 1.000000\n0.000000 -3.141593\n", "decimals", 6),  # %.6f
+    (b"# attnstep stage=QK\n0.123456791 1\n", "exact", 0),  # %.9g
+    (b"1 0\n0 1\n", "digits", 6),                        # integers only: C's default assumed
+    (b"1.235e-05 2.000e+00\n", "digits", 4),             # %.3e
+])
+def test_printed_resolution_is_read_from_the_file(text, kind, count):
+    r = text_resolution(text)
+    assert (r.kind, r.count) == (kind, count)
+
+
+def test_the_quantum_is_half_a_unit_in_the_last_place():
+    g = Resolution("digits", 6)
+    q = g.quantum(np.array([0.123457, 12345.6, 0.0]))
+    assert q[0] == pytest.approx(0.5e-6, rel=0.02) and q[1] == pytest.approx(0.05, rel=0.02) and q[2] == 0
+    assert Resolution("decimals", 6).quantum(np.array([1e-9]))[0] == pytest.approx(0.5e-6)
+    assert EXACT.quantum(np.ones(3)) is None
+
+
+@pytest.mark.parametrize("fmt", ["%g", "%.6f", "%.9g"])
+def test_coarse_printing_passes_and_is_shown(tmp_path, fmt):
+    inputs = make_input(tmp_path / "in")
+    write_heads(tmp_path / "out", correct_heads(inputs), foreign.SUBSETS["seed"], fmt)
+    r, rep = check(tmp_path / "in", tmp_path / "out", json_path=tmp_path / "r.json")
+    assert r.exit_code == 0, r.output
+    want = {"%g": "6 significant digits", "%.6f": "6 decimals", "%.9g": "exact"}[fmt]
+    assert {s["resolution"] for s in rep["stages"]} == {want}
+    if fmt != "%.9g":
+        assert "resolution" in r.output.splitlines()[1] and "%.9g" in r.output  # column and note
+
+
+@pytest.mark.parametrize("bug", ["layout", "scale", "axis"])
+def test_bugs_are_caught_at_six_digits(tmp_path, bug):
+    inputs = make_input(tmp_path / "in")
+    heads = foreign.compute_heads(inputs, default_scale(DIMS.d_k), False, bug=bug)
+    write_heads(tmp_path / "out", heads, foreign.SUBSETS["seed"], "%g")
+    r, rep = check(tmp_path / "in", tmp_path / "out", json_path=tmp_path / "r.json")
+    assert r.exit_code == 1, r.output
+    stage, code = {"layout": ("QK", "layout"), "scale": ("QK_scaled", "scaled"),
+                   "axis": ("attention_weights", "softmax_axis")}[bug]
+    assert rep["first_failing_stage"] == stage
+    assert code in [d["code"] for d in rep["first_failure"]["diagnosis"]]
+
+
+# ---- subsets, stacked .npy, name maps ------------------------------------------------------------
+
+def test_only_output_without_run_toml(tmp_path):
+    inputs = make_input(tmp_path / "in")
+    write_heads(tmp_path / "out", correct_heads(inputs), ["output"])
+    r, rep = check(tmp_path / "in", tmp_path / "out", json_path=tmp_path / "r.json")
+    assert r.exit_code == 0, r.output
+    assert [s["stage"] for s in rep["stages"]] == ["output"] and "no run.toml" in r.output
+
+
+def test_a_stage_checks_without_its_upstream_files(tmp_path):
+    inputs = make_input(tmp_path / "in")
+    write_heads(tmp_path / "out", correct_heads(inputs), foreign.SUBSETS["seed"])
+    r, _ = check(tmp_path / "in", tmp_path / "out", "--stage", "QK_scaled")
+    assert r.exit_code == 0, r.output
+    for i in range(DIMS.total_heads):
+        (tmp_path / "out" / stage_file("QK", i, "txt")).unlink()
+    r, _ = check(tmp_path / "in", tmp_path / "out")
+    assert r.exit_code == 0, r.output
+
+
+@pytest.mark.parametrize("layout", ["flat", "4d"])
+def test_flash_stages_in_one_npy_each(tmp_path, layout):
+    dims = Dims(2, 2, 24, 40, 16, 16)
+    inputs = make_input(tmp_path / "in", dims)
+    heads = foreign.compute_heads(inputs, default_scale(16), False)
+    out = tmp_path / "out"
+    out.mkdir()
+    for s in ("flash_output", "flash_lse"):
+        arr = np.stack([h[s] for h in heads]).astype(f32)
+        if s == "flash_lse":
+            arr = arr[..., 0]  # PyTorch's lse is (B, H, N)
+        np.save(out / f"{s}.npy", arr.reshape(2, 2, *arr.shape[1:]) if layout == "4d" else arr)
+    r, rep = check(tmp_path / "in", out, json_path=tmp_path / "r.json")
+    assert r.exit_code == 0, r.output
+    assert [s["stage"] for s in rep["stages"]] == ["flash_output", "flash_lse"]
+    wrong = np.load(out / "flash_output.npy")
+    wrong[..., 0] *= 2
+    np.save(out / "flash_output.npy", wrong)
+    r, rep = check(tmp_path / "in", out, json_path=tmp_path / "r.json")
+    assert r.exit_code == 1 and rep["first_failing_stage"] == "flash_output"
+
+
+def test_a_name_map_and_half_precision(tmp_path):
+    inputs = make_input(tmp_path / "in")
+    heads = correct_heads(inputs)
+    out = tmp_path / "out"
+    out.mkdir()
+    for i, h in enumerate(heads):
+        np.savetxt(out / f"O_{i}.txt", h["output"].astype(np.float64), fmt="%.9g")
+        np.save(out / f"P{i}.npy", h["attention_weights"].astype(np.float16))
+    names = tmp_path / "names.toml"
+    names.write_text('attention_weights = "P{i}.npy"\n')
+    r, rep = check(tmp_path / "in", out, "--name", "output=O_{i}.txt", "--names", names, json_path=tmp_path / "r.json")
+    assert r.exit_code == 0, r.output
+    assert {s["stage"]: s["resolution"] for s in rep["stages"]} == {"attention_weights": "float16",
+                                                                     "output": "exact"}
+    bad = invoke("check", "--in", tmp_path / "in", "--out", out, "--name", "outptu=O_{i}.txt")
+    assert bad.exit_code == 2 and "unknown stage 'outptu'" in bad.output
+
+
+def test_both_naming_forms_for_one_stage_is_an_error(tmp_path):
+    inputs = make_input(tmp_path / "in")
+    write_heads(tmp_path / "out", correct_heads(inputs), ["output"])
+    np.save(tmp_path / "out" / "output.npy", np.zeros((2, 24, 16), f32))
+    r = invoke("check", "--in", tmp_path / "in", "--out", tmp_path / "out")
+    assert r.exit_code == 2 and "both" in r.output and "Traceback" not in r.output
+
+
+# ---- what the run is checked against -------------------------------------------------------------
+
+def test_causal_from_the_command_line_without_a_manifest(tmp_path):
+    inputs = make_input(tmp_path / "in", manifest=False)
+    write_heads(tmp_path / "out", correct_heads(inputs, causal=True), foreign.SUBSETS["seed"], "%g")
+    assert check(tmp_path / "in", tmp_path / "out", "--causal")[0].exit_code == 0
+    r, rep = check(tmp_path / "in", tmp_path / "out", json_path=tmp_path / "r.json")
+    assert r.exit_code == 1 and rep["first_failing_stage"] == "QK_scaled"
+
+
+def test_a_run_toml_that_claims_tf32_on_the_cpu_is_refused(tmp_path, binary):
+    make_input(tmp_path / "in")
+    subprocess.run([str(binary), "--in", str(tmp_path / "in"), "--out", str(tmp_path / "out"), "--backend", "cpu"],
+                   check=True, capture_output=True)
+    toml = tmp_path / "out" / "run.toml"
+    toml.write_text(toml.read_text().replace('precision = "fp32"', 'precision = "tf32"'))
+    r = invoke("check", "--in", tmp_path / "in", "--out", tmp_path / "out")
+    assert r.exit_code == 2 and "CPU backend computes in fp32 only" in r.output
+    toml.write_text(toml.read_text().replace('precision = "tf32"', 'precision = "fp32"')
+                    .replace('backend = "cpu"', 'backend = "bogus"'))
+    r = invoke("check", "--in", tmp_path / "in", "--out", tmp_path / "out")
+    assert r.exit_code == 2 and "backend = 'bogus'" in r.output and "Traceback" not in r.output
+
+
+def test_the_precision_the_bounds_assume_is_printed_and_settable(tmp_path):
+    inputs = make_input(tmp_path / "in")
+    write_heads(tmp_path / "out", correct_heads(inputs), ["QK"])
+    r, rep = check(tmp_path / "in", tmp_path / "out", json_path=tmp_path / "r.json")
+    assert "fp32, any IEEE float32 program" in r.output and rep["precision"] == "fp32"
+    r, rep = check(tmp_path / "in", tmp_path / "out", "--precision", "tf32", json_path=tmp_path / "r.json")
+    assert r.exit_code == 0 and "tf32" in r.output.splitlines()[0] and rep["precision"] == "tf32"
+
+
+# ---- tiny magnitudes: a bug at any representable magnitude fails ----------------------------------
+
+def _tiny_problem(factor=1e-18):
+    rng = np.random.default_rng(5)
+    q = (rng.random((2, 16, 16)) * factor).astype(f32)
+    k = (rng.random((2, 20, 16)) * factor).astype(f32)
+    v = rng.random((2, 20, 16)).astype(f32)
+    return q, k, v, np.stack([foreign.mm_blas(q[h], k[h].T) for h in range(2)])
+
+
+@pytest.mark.parametrize("bug", ["zeros", "negated", "column-major", "shuffled"])
+def test_bugs_in_tiny_scores_fail(bug):
+    q, k, v, qk = _tiny_problem()
+    assert attnstep.check_arrays(q, k, v, {"QK": qk}).passed
+    wrong = {"zeros": np.zeros_like(qk), "negated": -qk,
+             "column-major": np.stack([foreign.mm_blas(q[h], k[h].reshape(16, 20)) for h in range(2)]),
+             "shuffled": np.random.default_rng(0).permutation(qk.ravel()).reshape(qk.shape)}[bug]
+    report = attnstep.check_arrays(q, k, v, {"QK": wrong})
+    assert not report.passed and report.first_failing_stage == "QK"
+
+
+# ---- fast-math intrinsics -----------------------------------------------------------------------
+
+def _fast_exp(x: np.ndarray, rng) -> np.ndarray:
+    """exp with an error near what the CUDA C++ Programming Guide allows __expf: 2 + 1.173|x| ulp."""
+    e = np.exp(x.astype(np.float64))
+    ulps = 0.9 * (2 + 1.173 * np.abs(x)) * rng.choice([-1.0, 1.0], size=x.shape)
+    return (e * (1 + ulps * 2.0**-23)).astype(f32)
+
+
+def test_fast_math_softmax_needs_the_fast_profile():
+    """A softmax through __expf-like exp (errors growing with |x|) is outside the IEEE bound of the
+    stage computed from its own QK_scaled, and inside the fast-math one."""
+    from verify import tolerance
+    from verify.reference import softmax_rows
+    rng = np.random.default_rng(2)
+    s = (rng.normal(0, 6, (64, 96))).astype(f32)
+    e = _fast_exp(s - s.max(axis=1, keepdims=True), rng)
+    p = (e / e.sum(axis=1, keepdims=True)).astype(f32).astype(np.float64)
+    src = {"QK_scaled": s.astype(np.float64)}
+    want = softmax_rows(src["QK_scaled"])
+    err = np.abs(p - want)
+    kw = dict(scale=1.0, causal=False, backend=None)
+    ieee = tolerance.stage_bound("attention_weights", src, want, **kw)
+    fast = tolerance.stage_bound("attention_weights", src, want, math="fast", **kw)
+    assert (err > ieee).any() and (err <= fast).all()
+
+
+# ---- run --binary PROGRAM -- ARGS ---------------------------------------------------------------
+
+def _script(path: Path, body: str) -> Path:
+    path.write_text("#!/bin/sh\n" + body)
+    path.chmod(path.stat().st_mode | stat.S_IXUSR)
+    return path
+
+
+def test_a_program_that_writes_nothing_fails_the_run(tmp_path, binary):
+    make_input(tmp_path / "in")
+    fake = _script(tmp_path / "fake.sh", "exit 0\n")
+    ok = invoke("run", "--in", tmp_path / "in", "--out", tmp_path / "out", "--backend", "cpu", "--binary", binary)
+    assert ok.exit_code == 0, ok.output
+    r = invoke("run", "--in", tmp_path / "in", "--out", tmp_path / "out", "--binary", fake)
+    assert r.exit_code == 1 and "wrote no stage file" in r.output
+    r = invoke("check", "--in", tmp_path / "in", "--out", tmp_path / "out")
+    assert r.exit_code == 2, r.output  # the earlier run's files were moved aside, never re-checked
+    assert (tmp_path / "out" / ".attnstep-previous" / "run.toml").exists()
+    r = invoke("run", "--binary", fake, "--out", tmp_path / "out", "--", "anything")
+    assert r.exit_code == 1 and "wrote no stage file" in r.output
+    r = invoke("demo", "--data-dir", tmp_path / "demo", "--binary", fake)
+    assert r.exit_code == 1 and "wrote no stage file" in r.output
+
+
+def test_program_arguments_need_a_binary(tmp_path):
+    r = invoke("run", "--", "random_test")
+    assert r.exit_code == 2 and "--binary" in r.output
+
+
+# ---- the Python API -----------------------------------------------------------------------------
+
+def test_the_python_api_reports_like_check():
+    rng = np.random.default_rng(4)
+    q, k, v = (rng.random((2, 3, n, 16)).astype(f32) for n in (20, 30, 30))
+    heads = [foreign.compute_head(q.reshape(6, 20, 16)[i], k.reshape(6, 30, 16)[i], v.reshape(6, 30, 16)[i],
+                                  0.25, True) for i in range(6)]
+    stages = {s: np.stack([h[s] for h in heads]).reshape(2, 3, *heads[0][s].shape)
+              for s in ("QK_scaled", "attention_weights", "output", "flash_output", "flash_lse")}
+    report = attnstep.check_arrays(q, k, v, stages, causal=True)
+    assert report.passed and report.stages == list(stages)
+    stages["output"] = stages["output"].copy()
+    stages["output"][1, 2, 3, 4] += 0.01
+    with pytest.raises(AssertionError) as err:
+        attnstep.assert_attention_stages(q, k, v, stages, causal=True)
+    text = str(err.value)
+    assert "output" in text and "FAIL" in text and "b1 h2 [3,4]" in text
+    with pytest.raises(ValueError, match="expected 6 head"):
+        attnstep.check_arrays(q, k, v, {"output": stages["output"][0]}, causal=True)
+    with pytest.raises(ValueError, match="unknown stage"):
+        attnstep.check_arrays(q, k, v, {"outptu": stages["output"]})
