@@ -205,3 +205,15 @@ def test_check_of_a_stage_the_run_did_not_write_is_an_error(runner, tmp_path, bi
     line = _one_line_error(runner.invoke(cli, ["check", "--in", str(tmp_path / "in"), "--out",
                                                str(tmp_path / "out"), "--stage", "output"]))
     assert "--stage output" in line and "did not write it" in line
+
+
+# ---- the binary's error, said once -------------------------------------------------------------
+
+def test_run_says_the_binary_error_once(runner, tmp_path, binary):
+    runner.invoke(cli, ["generate", "--out", str(tmp_path / "in"), *SMALL])
+    (tmp_path / "in" / "V_head_1.txt").write_text("1 2\n")
+    res = runner.invoke(cli, ["run", "--in", str(tmp_path / "in"), "--binary", str(binary),
+                              "--out", str(tmp_path / "out"), "--backend", "cpu"])
+    line = _one_line_error(res)
+    assert res.output.count("V_head_1.txt") == 1, res.output
+    assert "HINT:" in line and res.output.count("HINT:") == 1  # the binary's hint, on the same line
