@@ -207,6 +207,69 @@ def test_check_of_a_stage_the_run_did_not_write_is_an_error(runner, tmp_path, bi
     assert "--stage output" in line and "did not write it" in line
 
 
+# ---- what check writes: never over something that is not a regular file -----------------------
+
+def _fifo(path):
+    import os
+    os.mkfifo(path)
+    return path
+
+
+def _is_fifo(path):
+    import os
+    import stat
+    return stat.S_ISFIFO(os.lstat(path).st_mode)
+
+
+@pytest.mark.parametrize("option", ["--json", "--junit", "--plot"])
+def test_check_refuses_a_fifo_as_report_path_before_checking(runner, good_run, tmp_path, option):
+    in_dir, out_dir = good_run
+    _plant(out_dir, "QK_head_1.txt", lambda m: m * 2.0)  # a failing run: --plot writes too
+    fifo = _fifo(tmp_path / "pipe")
+    res = runner.invoke(cli, ["check", "--in", str(in_dir), "--out", str(out_dir), option, str(fifo)])
+    line = _one_line_error(res)
+    assert option in line and "is a FIFO" in line
+    assert "attnstep check:" not in res.output  # refused before the comparison ran
+    assert _is_fifo(fifo)
+
+
+def test_check_refuses_a_link_to_a_fifo_and_a_folder(runner, good_run, tmp_path):
+    in_dir, out_dir = good_run
+    (tmp_path / "link").symlink_to(_fifo(tmp_path / "pipe"))
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "folder_link").symlink_to(tmp_path / "folder")
+    for path in ("link", "folder", "folder_link"):
+        res = runner.invoke(cli, ["check", "--in", str(in_dir), "--out", str(out_dir), "--json",
+                                  str(tmp_path / path)])
+        assert "--json" in _one_line_error(res)
+    assert (tmp_path / "link").is_symlink() and _is_fifo(tmp_path / "pipe")
+    assert (tmp_path / "folder_link").is_symlink() and not list((tmp_path / "folder").iterdir())
+
+
+def test_check_writes_reports_through_a_symlink(runner, good_run, tmp_path):
+    in_dir, out_dir = good_run
+    (tmp_path / "reports").mkdir()
+    target = tmp_path / "reports" / "r.json"
+    target.write_text("old\n")
+    (tmp_path / "r.json").symlink_to(target)
+    (tmp_path / "r.xml").symlink_to(tmp_path / "reports" / "r.xml")  # not there yet
+    res = runner.invoke(cli, ["check", "--in", str(in_dir), "--out", str(out_dir), "--json",
+                              str(tmp_path / "r.json"), "--junit", str(tmp_path / "r.xml")])
+    assert res.exit_code == 0, res.output
+    assert (tmp_path / "r.json").is_symlink() and (tmp_path / "r.xml").is_symlink()
+    assert json.loads(target.read_text())["passed"] is True
+    assert ET.parse(tmp_path / "reports" / "r.xml").getroot().tag == "testsuites"
+    assert sorted(p.name for p in (tmp_path / "reports").iterdir()) == ["r.json", "r.xml"]  # no temporaries
+
+
+def test_check_refuses_a_report_in_a_missing_folder_before_checking(runner, good_run, tmp_path):
+    in_dir, out_dir = good_run
+    res = runner.invoke(cli, ["check", "--in", str(in_dir), "--out", str(out_dir), "--junit",
+                              str(tmp_path / "nowhere" / "r.xml")])
+    line = _one_line_error(res)
+    assert "--junit" in line and "does not exist" in line and "attnstep check:" not in res.output
+
+
 # ---- the binary's error, said once -------------------------------------------------------------
 
 def test_run_says_the_binary_error_once(runner, tmp_path, binary):

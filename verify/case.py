@@ -9,6 +9,7 @@ import io
 import math
 import os
 import re
+import stat
 import tomllib
 import warnings
 import zlib
@@ -29,13 +30,48 @@ class CaseError(Exception):
 # ----------------------------------------------------------------------------------------------
 # Atomic writes: a file appears complete or not at all.
 
+_FILE_KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISCHR, "a character device"),
+               (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"))
+
+
+def file_kind(mode: int) -> str:
+    """What an st_mode that is not a regular file is, in words."""
+    return next((word for test, word in _FILE_KINDS if test(mode)), "a special file")
+
+
+def output_file_target(path: Path) -> Path:
+    """The regular file that writing `path` creates or replaces: `path` itself, or the file a
+    symbolic link there points to (the link stays). Anything else there (a folder, a device, a
+    FIFO, a socket) is refused rather than replaced or written into, as is a missing folder."""
+    path = Path(path)
+    try:
+        st: Optional[os.stat_result] = os.stat(path)  # through symbolic links
+    except FileNotFoundError:
+        st = None
+    except OSError as exc:
+        raise CaseError(f"{path}: cannot write: {exc.strerror or exc}") from None
+    if st is not None and not stat.S_ISREG(st.st_mode):
+        raise CaseError(f"{path}: is {file_kind(st.st_mode)}, not a regular file; refusing to write over it")
+    target = Path(os.path.realpath(path))
+    try:
+        same = st is None or os.path.samestat(st, os.stat(target))
+    except OSError:
+        same = False
+    if not same:  # e.g. a link into /proc naming an open file: no name to replace it by
+        raise CaseError(f"{path}: links to {target}, which is not the same file; refusing to write over it")
+    if not target.parent.is_dir():
+        raise CaseError(f"{path}: cannot write: folder {target.parent} does not exist")
+    return target
+
+
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     path = Path(path)
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    target = output_file_target(path)
+    tmp = target.with_name(f"{target.name}.tmp-{os.getpid()}")
     try:
         with open(tmp, "wb") as fh:
             fh.write(data)
-        os.replace(tmp, path)
+        os.replace(tmp, target)
     except OSError as exc:
         try:
             tmp.unlink()

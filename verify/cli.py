@@ -14,10 +14,11 @@ import click
 
 from . import tolerance
 from .bench import bench
-from .case import CaseError, load_run
+from .case import CaseError, load_run, output_file_target
 from .compare import Options, check as run_check, error_ratio_map
 from .generate import DEFAULT_DIMS, DISTRIBUTIONS, generate_case
-from .report import failure_lines, header_lines, summary_lines, table_lines, write_json, write_junit, write_plots
+from .report import (check_plot_folder, failure_lines, header_lines, summary_lines, table_lines, write_json,
+                     write_junit, write_plots)
 from .runner import DEFAULT_BUILD_DIR, DEFAULT_RUN_TIMEOUT_S, RunnerError, ensure_built, run_binary
 from .stages import (DATA_DIR, DEFAULT_CASE, DEFAULT_INPUT_DIR, DEFAULT_OUTPUT_DIR, DEFAULT_RESULT, FORMATS,
                      PRECISIONS, STAGE_NAMES, Dims)
@@ -69,6 +70,19 @@ def _user_errors(fn):
     return wrapper
 
 
+def _checked_path(check_fn):
+    """An option callback that refuses, while the command line is read (before any work), a path
+    that check_fn (raising CaseError) rejects."""
+    def callback(ctx, param, value):
+        if value is not None:
+            try:
+                check_fn(value)
+            except CaseError as exc:
+                raise click.BadParameter(str(exc), ctx, param) from None
+        return value
+    return callback
+
+
 # ---- options shared by several commands, defined once -------------------------------------------
 in_option = click.option("--in", "in_dir", type=click.Path(file_okay=False, path_type=Path),
                          default=DEFAULT_INPUT_DIR, show_default=True, help="Input case folder (Q/K/V).")
@@ -87,6 +101,7 @@ binary_option = click.option("--binary", type=click.Path(exists=True, dir_okay=F
 timeout_option = click.option("--timeout", type=click.FloatRange(min=1), default=DEFAULT_RUN_TIMEOUT_S,
                               show_default=True, help="Seconds before the binary is stopped.")
 json_option = click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),
+                           callback=_checked_path(output_file_target),
                            help="Write the full report as JSON to this file.")
 
 
@@ -250,8 +265,10 @@ def _check_and_report(in_dir, out_dir, opts, json_path, junit_path, plot_dir, pe
 @out_option
 @json_option
 @click.option("--junit", "junit_path", type=click.Path(dir_okay=False, path_type=Path),
+              callback=_checked_path(output_file_target),
               help="Write a JUnit XML report (one test case per stage x head).")
 @click.option("--plot", "plot_dir", type=click.Path(file_okay=False, path_type=Path),
+              callback=_checked_path(check_plot_folder),
               help="Write error heat maps (PNG) of failing stages into this folder (needs matplotlib).")
 @click.option("--atol", type=TOLERANCE, help="Absolute tolerance for every stage "
               "(replaces the error model).")
