@@ -200,3 +200,11 @@ def test_writes_go_through_symlinks_and_never_over_special_files(tmp_path):
         write_matrix(tmp_path / "pipe.txt", np.ones((2, 2), np.float32), "txt")
     assert stat.S_ISFIFO(os.lstat(tmp_path / "pipe.txt").st_mode)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.txt", "pipe.txt", "real"]
+
+
+def test_generate_takes_the_seeds_a_manifest_holds(tmp_path):
+    with pytest.raises(CaseError, match=r"seed -1: must be in 0\.\."):
+        generate_case(tmp_path, Dims(1, 1, 2, 2, 2, 2), seed=-1)
+    with pytest.raises(CaseError, match=f"seed {2**63}: must be in 0"):
+        generate_case(tmp_path, Dims(1, 1, 2, 2, 2, 2), seed=2**63)
+    assert not list(tmp_path.iterdir())

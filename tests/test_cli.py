@@ -270,6 +270,59 @@ def test_check_refuses_a_report_in_a_missing_folder_before_checking(runner, good
     assert "--junit" in line and "does not exist" in line and "attnstep check:" not in res.output
 
 
+# ---- generate replaces only what it wrote ------------------------------------------------------
+
+def _own_case(folder):
+    folder.mkdir()
+    for name in ("Q", "K", "V"):
+        (folder / f"{name}_head_0.txt").write_text("1 2\n3 4\n")
+    return {p.name: p.read_bytes() for p in folder.iterdir()}
+
+
+def test_generate_refuses_to_replace_a_users_case(runner, tmp_path):
+    before = _own_case(tmp_path / "mine")
+    line = _one_line_error(runner.invoke(cli, ["generate", "--out", str(tmp_path / "mine"), *SMALL]))
+    assert str(tmp_path / "mine") in line and "--force" in line
+    assert {p.name: p.read_bytes() for p in (tmp_path / "mine").iterdir()} == before
+    (tmp_path / "mine" / "manifest.toml").write_text("heads = 1\n")  # a manifest attnstep did not write
+    _one_line_error(runner.invoke(cli, ["generate", "--out", str(tmp_path / "mine"), *SMALL]))
+    assert (tmp_path / "mine" / "Q_head_0.txt").read_bytes() == before["Q_head_0.txt"]
+
+
+def test_generate_force_replaces_a_users_case(runner, tmp_path):
+    _own_case(tmp_path / "mine")
+    res = runner.invoke(cli, ["generate", "--out", str(tmp_path / "mine"), *SMALL, "--force"])
+    assert res.exit_code == 0, res.output
+    assert read_matrix(tmp_path / "mine" / "Q_head_1.txt").shape == (9, 16)
+
+
+def test_demo_refuses_a_users_case_without_force(runner, tmp_path, binary):
+    before = _own_case(tmp_path / "random_test")
+    line = _one_line_error(runner.invoke(cli, ["demo", "--data-dir", str(tmp_path), "--backend", "cpu",
+                                               "--binary", str(binary)]))
+    assert "--force" in line
+    assert {p.name: p.read_bytes() for p in (tmp_path / "random_test").iterdir()} == before
+
+
+# ---- seeds: what NumPy and the manifest readers take -------------------------------------------
+
+@pytest.mark.parametrize("seed", ["-1", str(2**63), "99999999999999999999999"])
+def test_generate_rejects_seeds_out_of_range(runner, tmp_path, seed):
+    res = runner.invoke(cli, ["generate", "--out", str(tmp_path / "c"), *SMALL, "--seed", seed])
+    assert "--seed" in _one_line_error(res)
+    assert not (tmp_path / "c").exists()
+
+
+def test_generate_largest_seed_is_read_back_by_both_readers(runner, tmp_path, binary):
+    from verify.case import load_input_case
+    res = runner.invoke(cli, ["generate", "--out", str(tmp_path / "in"), *SMALL, "--seed", str(2**63 - 1)])
+    assert res.exit_code == 0, res.output
+    assert load_input_case(tmp_path / "in").dims.heads == 2
+    res = runner.invoke(cli, ["run", "--in", str(tmp_path / "in"), "--out", str(tmp_path / "out"),
+                              "--backend", "cpu", "--binary", str(binary), "--stages", "Q"])
+    assert res.exit_code == 0, res.output
+
+
 # ---- the binary's error, said once -------------------------------------------------------------
 
 def test_run_says_the_binary_error_once(runner, tmp_path, binary):

@@ -448,10 +448,15 @@ def _check_layout(case: InputCase, files) -> None:
                         f"{total} heads (0..{total - 1})")
 
 
+def input_head_files(folder: Path) -> List[str]:
+    """The names of the Q/K/V head files in `folder`."""
+    return [stage_file(name, i, fmt) for (name, i), fmt in _head_files(folder).items()]
+
+
 def clear_input_files(folder: Path) -> None:
     """Removes an earlier case's Q/K/V head files and manifest, so no stale head survives."""
-    for (name, i), fmt in _head_files(folder).items():
-        (folder / stage_file(name, i, fmt)).unlink()
+    for name in input_head_files(folder):
+        (folder / name).unlink()
     (folder / INPUT_MANIFEST).unlink(missing_ok=True)
 
 

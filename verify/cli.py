@@ -16,7 +16,7 @@ from . import tolerance
 from .bench import bench
 from .case import CaseError, load_run, output_file_target
 from .compare import Options, check as run_check, error_ratio_map
-from .generate import DEFAULT_DIMS, DISTRIBUTIONS, generate_case
+from .generate import DEFAULT_DIMS, DISTRIBUTIONS, MAX_SEED, generate_case
 from .report import (check_plot_folder, failure_lines, header_lines, summary_lines, table_lines, write_json,
                      write_junit, write_plots)
 from .runner import DEFAULT_BUILD_DIR, DEFAULT_RUN_TIMEOUT_S, RunnerError, ensure_built, run_binary
@@ -100,6 +100,10 @@ binary_option = click.option("--binary", type=click.Path(exists=True, dir_okay=F
                              "writing the output case of docs/contract.md).")
 timeout_option = click.option("--timeout", type=click.FloatRange(min=1), default=DEFAULT_RUN_TIMEOUT_S,
                               show_default=True, help="Seconds before the binary is stopped.")
+seed_option = click.option("--seed", type=click.IntRange(0, MAX_SEED), default=0, show_default=True,
+                           help="Random seed.")
+force_option = click.option("--force", is_flag=True,
+                            help="Replace an input case there that attnstep did not generate.")
 json_option = click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),
                            callback=_checked_path(output_file_target),
                            help="Write the full report as JSON to this file.")
@@ -134,20 +138,22 @@ def cli():
 @click.option("--causal/--no-causal", default=False, show_default=True,
               help="Causal (top-left aligned) masking.")
 @click.option("--scale", type=float, default=None, help="Score scale [default: 1/sqrt(d_k)].")
-@click.option("--seed", type=int, default=0, show_default=True, help="Random seed.")
+@seed_option
 @click.option("--dist", "distribution", type=click.Choice(tuple(DISTRIBUTIONS)), default="uniform",
               show_default=True, help="uniform [0,1) as the original; normal; large (logits in the hundreds).")
 @click.option("--format", "fmt", type=click.Choice(FORMATS), default="txt", show_default=True,
               help="Matrix file format.")
+@force_option
 @_user_errors
-def generate(out_dir, batch, heads, seq_q, seq_k, d_k, d_v, causal, scale, seed, distribution, fmt):
+def generate(out_dir, batch, heads, seq_q, seq_k, d_k, d_v, causal, scale, seed, distribution, fmt, force):
     """Write a random input case.
 
     Writes Q_head_{i}, K_head_{i}, V_head_{i} for every head i (batch-major) and manifest.toml
-    into OUT.
+    into OUT, replacing the case attnstep generated there before (with --force, any input case).
     """
     dims = Dims(batch, heads, seq_q, seq_k, d_k, d_v)
-    generate_case(out_dir, dims, causal=causal, scale=scale, seed=seed, distribution=distribution, fmt=fmt)
+    generate_case(out_dir, dims, causal=causal, scale=scale, seed=seed, distribution=distribution, fmt=fmt,
+                  force=force)
     click.echo(f"wrote {dims.total_heads} heads (N={seq_q} M={seq_k} d_k={d_k} d_v={d_v}, "
                f"{distribution}, seed {seed}) to {out_dir}")
 
@@ -299,10 +305,11 @@ def check(ctx, in_dir, out_dir, json_path, junit_path, plot_dir, atol, rtol, tol
 @binary_option
 @timeout_option
 @json_option
-@click.option("--seed", type=int, default=0, show_default=True, help="Random seed.")
+@seed_option
+@force_option
 @click.pass_context
 @_user_errors
-def demo(ctx, data_dir, backend, build_dir, binary, timeout, json_path, seed):
+def demo(ctx, data_dir, backend, build_dir, binary, timeout, json_path, seed, force):
     """Build, generate the default case, run, and check.
 
     The original workflow in one command: 12 heads, N = M = 128, d = 64, uniform inputs, into
@@ -312,7 +319,7 @@ def demo(ctx, data_dir, backend, build_dir, binary, timeout, json_path, seed):
     click.echo(f"[1/4] using {binary}" if binary else f"[1/4] building the binary in {build_dir}")
     binary = binary or ensure_built(build_dir)
     click.echo(f"[2/4] generating {in_dir}")
-    generate_case(in_dir, DEFAULT_DIMS, seed=seed)
+    generate_case(in_dir, DEFAULT_DIMS, seed=seed, force=force)
     click.echo(f"[3/4] running {binary.name} --backend {backend}")
     result = run_binary(binary, in_dir, out_dir, backend=backend, timeout=timeout)
     for line in result.notices:
