@@ -323,6 +323,44 @@ def test_generate_largest_seed_is_read_back_by_both_readers(runner, tmp_path, bi
     assert res.exit_code == 0, res.output
 
 
+# ---- non-finite inputs, accepted on purpose ----------------------------------------------------
+
+@pytest.mark.parametrize("value", [np.nan, np.inf])
+def test_check_allow_nonfinite_follows_run_allow_nonfinite(runner, tmp_path, binary, value):
+    in_dir, out_dir = tmp_path / "in", tmp_path / "out"
+    assert runner.invoke(cli, ["generate", "--out", str(in_dir), *SMALL]).exit_code == 0
+    q = read_matrix(in_dir / "Q_head_1.txt")
+    q[3, 2] = value
+    write_matrix(in_dir / "Q_head_1.txt", q, "txt")
+    res = runner.invoke(cli, ["run", "--in", str(in_dir), "--out", str(out_dir), "--backend", "cpu",
+                              "--binary", str(binary), "--allow-nonfinite"])
+    assert res.exit_code == 0, res.output
+    res = runner.invoke(cli, ["check", "--in", str(in_dir), "--out", str(out_dir), "--allow-nonfinite",
+                              "--json", str(tmp_path / "r.json")])
+    assert res.exit_code in (0, 1) and "Traceback" not in res.output, res.output
+    rep = json.loads((tmp_path / "r.json").read_text())
+    # NaN rows where the reference has them pass; the log-sum-exp of a non-finite row is left to
+    # the comparison (the CPU backend writes -inf or NaN there where the reference has NaN or +inf:
+    # a failure the report names)
+    failed = [s["stage"] for s in rep["stages"] if not s["passed"]]
+    assert failed in ([], ["flash_lse"]), res.output
+    if failed:
+        assert "FAIL flash_lse head 1" in res.output and "first mismatches: [3,0]" in res.output
+    out = next(r for r in rep["results"] if r["stage"] == "output" and r["head"] == 1)
+    assert out["worst"]["row"] != 3
+    line = _one_line_error(runner.invoke(cli, ["check", "--in", str(in_dir), "--out", str(out_dir)]))
+    assert "Q_head_1.txt" in line and "--allow-nonfinite" in line
+    assert "--allow-nonfinite" in runner.invoke(cli, ["check", "--help"]).output
+
+
+def test_check_allow_nonfinite_still_fails_nan_where_the_reference_is_finite(runner, good_run):
+    in_dir, out_dir = good_run
+    _plant(out_dir, "output_head_0.txt", lambda m: np.where(np.arange(m.size).reshape(m.shape) == 5,
+                                                            np.nan, m))
+    res = runner.invoke(cli, ["check", "--in", str(in_dir), "--out", str(out_dir), "--allow-nonfinite"])
+    assert res.exit_code == 1 and "first failing stage: output (head 0" in res.output, res.output
+
+
 # ---- the binary's error, said once -------------------------------------------------------------
 
 def test_run_says_the_binary_error_once(runner, tmp_path, binary):

@@ -364,13 +364,14 @@ class InputCase:
     fmt: str
     causal: bool = False
     scale: Optional[float] = None  # None: 1/sqrt(d_k)
+    allow_nonfinite: bool = False  # NaN/inf in Q/K/V load instead of being an error
 
     def file(self, name: str, head: int) -> Path:
         return self.path / stage_file(name, head, self.fmt)
 
     def load(self, name: str, head: int) -> np.ndarray:
         shape = STAGES[name].shape(self.dims)
-        return read_matrix(self.file(name, head), shape, allow_nonfinite=False)
+        return read_matrix(self.file(name, head), shape, allow_nonfinite=self.allow_nonfinite)
 
 
 def _head_files(folder: Path) -> Dict[Tuple[str, int], str]:

@@ -288,11 +288,15 @@ def _check_and_report(in_dir, out_dir, opts, json_path, junit_path, plot_dir, pe
 @click.option("--jobs", type=click.IntRange(min=0), default=0, show_default=True,
               help="Processes checking heads in parallel; 0: as many as the cores and the memory "
                    "allow (1 for small runs).")
+@click.option("--allow-nonfinite", is_flag=True,
+              help="Accept NaN/Inf in the inputs (as run --allow-nonfinite): they propagate through the "
+                   "reference, and a NaN where the reference has NaN passes.")
 @click.pass_context
 @_user_errors
-def check(ctx, in_dir, out_dir, json_path, junit_path, plot_dir, atol, rtol, tol, only, per_head, jobs):
+def check(ctx, in_dir, out_dir, json_path, junit_path, plot_dir, atol, rtol, tol, only, per_head, jobs,
+          allow_nonfinite):
     opts = Options(atol=atol, rtol=rtol, per_stage=_parse_tol(tol), only_stages=list(only) or None,
-                   jobs=jobs)
+                   jobs=jobs, allow_nonfinite=allow_nonfinite)
     passed = _check_and_report(in_dir, out_dir, opts, json_path, junit_path, plot_dir, per_head)
     ctx.exit(0 if passed else 1)
 

@@ -47,6 +47,7 @@ class Options:
     per_stage: Dict[str, Tuple[float, float]] = field(default_factory=dict)
     only_stages: Optional[Sequence[str]] = None
     jobs: int = 0  # worker processes over heads; 0: as many as cores and memory allow
+    allow_nonfinite: bool = False  # NaN/inf inputs load; NaN then matches a NaN reference
 
     def override(self, stage: str) -> Optional[Tuple[float, float]]:
         if stage in self.per_stage:
@@ -82,12 +83,15 @@ class Comparison:
         return d
 
 
-def elementwise_error(got: np.ndarray, want: np.ndarray) -> np.ndarray:
-    """|got - want| where equal infinities count as 0 and NaN stays NaN (NaN never passes)."""
+def elementwise_error(got: np.ndarray, want: np.ndarray, nan_matches_nan: bool = False) -> np.ndarray:
+    """|got - want| where equal infinities count as 0 and NaN stays NaN (NaN never passes), but
+    with nan_matches_nan a NaN where the reference is NaN counts as 0 (non-finite inputs)."""
     with np.errstate(invalid="ignore", over="ignore"):
         err = np.subtract(got, want)
         np.abs(err, out=err)
     np.copyto(err, 0.0, where=(got == want))  # equal infinities included
+    if nan_matches_nan:
+        np.copyto(err, 0.0, where=np.isnan(got) & np.isnan(want))
     return err
 
 
@@ -120,7 +124,8 @@ def _first_indices(bad: np.ndarray, limit: int) -> List[Tuple[int, int]]:
 _COMPARE_BLOCK_ELEMS = 1 << 16
 
 
-def compare_arrays(got: np.ndarray, want: np.ndarray, allowed: np.ndarray) -> Comparison:
+def compare_arrays(got: np.ndarray, want: np.ndarray, allowed: np.ndarray,
+                   nan_matches_nan: bool = False) -> Comparison:
     """got against want under `allowed` (all of one 2-D shape), row block by row block."""
     if got.size == 0:
         return Comparison(True, 0, 0, 0.0, 0.0, None, 0.0, 0.0, 0.0, 0.0, 0.0)
@@ -131,7 +136,7 @@ def compare_arrays(got: np.ndarray, want: np.ndarray, allowed: np.ndarray) -> Co
     max_rel = max_abs = 0.0
     for r0 in range(0, got.shape[0], rows):
         g, w, a = got[r0:r0 + rows], want[r0:r0 + rows], allowed[r0:r0 + rows]
-        err = elementwise_error(g, w)
+        err = elementwise_error(g, w, nan_matches_nan)
         bad = ~(err <= a)  # NaN compares False, so it is bad
         n_bad = int(np.count_nonzero(bad))
         if n_bad and len(first_idx) < MAX_LISTED_MISMATCHES:
@@ -334,7 +339,7 @@ def check_head(run: RunInfo, case: InputCase, head: int, opts: Options,
         src_iso = {n: got.get(n, src_chain[n]) for n in names}
         want_chain = chain[stage]
         allowed_chain = _allowed(stage, src_chain, want_chain, run, opts, chain, cache)
-        res.chained = compare_arrays(mat, want_chain, allowed_chain)
+        res.chained = compare_arrays(mat, want_chain, allowed_chain, opts.allow_nonfinite)
         if stage not in tolerance.PROPAGATED_STAGES and _bit_identical(src_iso, src_chain):
             # The binary read exactly the reference's sources (its echoes are exact): the isolated
             # reference and bound are the chained ones, so is the comparison.
@@ -342,11 +347,12 @@ def check_head(run: RunInfo, case: InputCase, head: int, opts: Options,
         else:
             want_iso = compute_stage(stage, src_iso, scale, causal)
             allowed_iso = _allowed(stage, src_iso, want_iso, run, opts, cache=cache)
-            res.isolated = compare_arrays(mat, want_iso, allowed_iso)
+            res.isolated = compare_arrays(mat, want_iso, allowed_iso, opts.allow_nonfinite)
         ctx = {"dims": dims, "scale": scale, "causal": causal, "precision": run.values["precision"],
                "backend": run.values["backend"], "inputs": inputs, "input": inputs.get(stage),
                "K_got": got.get("K", inputs["K"]), "output_got": got.get("output"),
-               "QK_scaled_got": got.get("QK_scaled"), "chain": chain, "tolerance_cache": cache}
+               "QK_scaled_got": got.get("QK_scaled"), "chain": chain, "tolerance_cache": cache,
+               "allow_nonfinite": opts.allow_nonfinite}
         res.violations = invariants.check_invariants(stage, mat, ctx)
         res.notes = _blamed_elsewhere(res.violations, results)
         res.violations = [v for v in res.violations if v not in res.notes]
@@ -460,7 +466,9 @@ class _HeadChecker:
                                [stage])[stage]  # (its upstream stages are computed and dropped)
 
     def check(self, head: int) -> List[HeadResult]:
-        return check_head(self.run, self.case, head, self.opts, self.ref_of_head)
+        # Non-finite inputs, when allowed, make the error model's arithmetic meet inf and NaN.
+        with np.errstate(all="ignore") if self.opts.allow_nonfinite else np.errstate():
+            return check_head(self.run, self.case, head, self.opts, self.ref_of_head)
 
 
 _CHECKER: Optional[_HeadChecker] = None  # the parent's checker, inherited by forked workers
@@ -491,6 +499,7 @@ def check(in_dir: Path, out_dir: Path, opts: Optional[Options] = None,
     opts = opts or Options()
     run = load_run(out_dir)
     case = load_input_case(in_dir)
+    case.allow_nonfinite = opts.allow_nonfinite
     for key in DIM_KEYS:
         if getattr(case.dims, key) != getattr(run.dims, key):
             raise CaseError(f"{Path(out_dir) / RUN_MANIFEST}: {key} = {getattr(run.dims, key)} but the input "
