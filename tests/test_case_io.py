@@ -186,3 +186,25 @@ def test_manifest_is_ascii_text(tmp_path, junk):
     manifest.write_bytes(b"# note " + junk + b"\n" + manifest.read_bytes())
     with pytest.raises(CaseError, match=r"manifest.toml:1:8: byte 0x.. in the manifest"):
         load_input_case(tmp_path)
+
+
+def test_writes_go_through_symlinks_and_never_over_special_files(tmp_path):
+    import os
+    import stat
+    (tmp_path / "real").mkdir()
+    (tmp_path / "m.txt").symlink_to(tmp_path / "real" / "m.txt")  # dangling: the write creates it
+    write_matrix(tmp_path / "m.txt", np.ones((2, 2), np.float32), "txt")
+    assert (tmp_path / "m.txt").is_symlink() and read_matrix(tmp_path / "real" / "m.txt").shape == (2, 2)
+    os.mkfifo(tmp_path / "pipe.txt")
+    with pytest.raises(CaseError, match=r"pipe.txt: is a FIFO, not a regular file"):
+        write_matrix(tmp_path / "pipe.txt", np.ones((2, 2), np.float32), "txt")
+    assert stat.S_ISFIFO(os.lstat(tmp_path / "pipe.txt").st_mode)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.txt", "pipe.txt", "real"]
+
+
+def test_generate_takes_the_seeds_a_manifest_holds(tmp_path):
+    with pytest.raises(CaseError, match=r"seed -1: must be in 0\.\."):
+        generate_case(tmp_path, Dims(1, 1, 2, 2, 2, 2), seed=-1)
+    with pytest.raises(CaseError, match=f"seed {2**63}: must be in 0"):
+        generate_case(tmp_path, Dims(1, 1, 2, 2, 2, 2), seed=2**63)
+    assert not list(tmp_path.iterdir())

@@ -212,3 +212,169 @@ def test_check_of_a_stage_the_run_did_not_write_is_an_error(runner, tmp_path, bi
     line = _one_line_error(runner.invoke(cli, ["check", "--in", str(tmp_path / "in"), "--out",
                                                str(tmp_path / "out"), "--stage", "output"]))
     assert "--stage output" in line and "holds no output" in line
+
+
+# ---- what check writes: never over something that is not a regular file -----------------------
+
+def _fifo(path):
+    import os
+    os.mkfifo(path)
+    return path
+
+
+def _is_fifo(path):
+    import os
+    import stat
+    return stat.S_ISFIFO(os.lstat(path).st_mode)
+
+
+@pytest.mark.parametrize("option", ["--json", "--junit", "--plot"])
+def test_check_refuses_a_fifo_as_report_path_before_checking(runner, good_run, tmp_path, option):
+    in_dir, out_dir = good_run
+    _plant(out_dir, "QK_head_1.txt", lambda m: m * 2.0)  # a failing run: --plot writes too
+    fifo = _fifo(tmp_path / "pipe")
+    res = runner.invoke(cli, ["check", "--in", str(in_dir), "--out", str(out_dir), option, str(fifo)])
+    line = _one_line_error(res)
+    assert option in line and "is a FIFO" in line
+    assert "attnstep check:" not in res.output  # refused before the comparison ran
+    assert _is_fifo(fifo)
+
+
+def test_check_refuses_a_link_to_a_fifo_and_a_folder(runner, good_run, tmp_path):
+    in_dir, out_dir = good_run
+    (tmp_path / "link").symlink_to(_fifo(tmp_path / "pipe"))
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "folder_link").symlink_to(tmp_path / "folder")
+    for path in ("link", "folder", "folder_link"):
+        res = runner.invoke(cli, ["check", "--in", str(in_dir), "--out", str(out_dir), "--json",
+                                  str(tmp_path / path)])
+        assert "--json" in _one_line_error(res)
+    assert (tmp_path / "link").is_symlink() and _is_fifo(tmp_path / "pipe")
+    assert (tmp_path / "folder_link").is_symlink() and not list((tmp_path / "folder").iterdir())
+
+
+def test_check_writes_reports_through_a_symlink(runner, good_run, tmp_path):
+    in_dir, out_dir = good_run
+    (tmp_path / "reports").mkdir()
+    target = tmp_path / "reports" / "r.json"
+    target.write_text("old\n")
+    (tmp_path / "r.json").symlink_to(target)
+    (tmp_path / "r.xml").symlink_to(tmp_path / "reports" / "r.xml")  # not there yet
+    res = runner.invoke(cli, ["check", "--in", str(in_dir), "--out", str(out_dir), "--json",
+                              str(tmp_path / "r.json"), "--junit", str(tmp_path / "r.xml")])
+    assert res.exit_code == 0, res.output
+    assert (tmp_path / "r.json").is_symlink() and (tmp_path / "r.xml").is_symlink()
+    assert json.loads(target.read_text())["passed"] is True
+    assert ET.parse(tmp_path / "reports" / "r.xml").getroot().tag == "testsuites"
+    assert sorted(p.name for p in (tmp_path / "reports").iterdir()) == ["r.json", "r.xml"]  # no temporaries
+
+
+def test_check_refuses_a_report_in_a_missing_folder_before_checking(runner, good_run, tmp_path):
+    in_dir, out_dir = good_run
+    res = runner.invoke(cli, ["check", "--in", str(in_dir), "--out", str(out_dir), "--junit",
+                              str(tmp_path / "nowhere" / "r.xml")])
+    line = _one_line_error(res)
+    assert "--junit" in line and "does not exist" in line and "attnstep check:" not in res.output
+
+
+# ---- generate replaces only what it wrote ------------------------------------------------------
+
+def _own_case(folder):
+    folder.mkdir()
+    for name in ("Q", "K", "V"):
+        (folder / f"{name}_head_0.txt").write_text("1 2\n3 4\n")
+    return {p.name: p.read_bytes() for p in folder.iterdir()}
+
+
+def test_generate_refuses_to_replace_a_users_case(runner, tmp_path):
+    before = _own_case(tmp_path / "mine")
+    line = _one_line_error(runner.invoke(cli, ["generate", "--out", str(tmp_path / "mine"), *SMALL]))
+    assert str(tmp_path / "mine") in line and "--force" in line
+    assert {p.name: p.read_bytes() for p in (tmp_path / "mine").iterdir()} == before
+    (tmp_path / "mine" / "manifest.toml").write_text("heads = 1\n")  # a manifest attnstep did not write
+    _one_line_error(runner.invoke(cli, ["generate", "--out", str(tmp_path / "mine"), *SMALL]))
+    assert (tmp_path / "mine" / "Q_head_0.txt").read_bytes() == before["Q_head_0.txt"]
+
+
+def test_generate_force_replaces_a_users_case(runner, tmp_path):
+    _own_case(tmp_path / "mine")
+    res = runner.invoke(cli, ["generate", "--out", str(tmp_path / "mine"), *SMALL, "--force"])
+    assert res.exit_code == 0, res.output
+    assert read_matrix(tmp_path / "mine" / "Q_head_1.txt").shape == (9, 16)
+
+
+def test_demo_refuses_a_users_case_without_force(runner, tmp_path, binary):
+    before = _own_case(tmp_path / "random_test")
+    line = _one_line_error(runner.invoke(cli, ["demo", "--data-dir", str(tmp_path), "--backend", "cpu",
+                                               "--binary", str(binary)]))
+    assert "--force" in line
+    assert {p.name: p.read_bytes() for p in (tmp_path / "random_test").iterdir()} == before
+
+
+# ---- seeds: what NumPy and the manifest readers take -------------------------------------------
+
+@pytest.mark.parametrize("seed", ["-1", str(2**63), "99999999999999999999999"])
+def test_generate_rejects_seeds_out_of_range(runner, tmp_path, seed):
+    res = runner.invoke(cli, ["generate", "--out", str(tmp_path / "c"), *SMALL, "--seed", seed])
+    assert "--seed" in _one_line_error(res)
+    assert not (tmp_path / "c").exists()
+
+
+def test_generate_largest_seed_is_read_back_by_both_readers(runner, tmp_path, binary):
+    from verify.case import load_input_case
+    res = runner.invoke(cli, ["generate", "--out", str(tmp_path / "in"), *SMALL, "--seed", str(2**63 - 1)])
+    assert res.exit_code == 0, res.output
+    assert load_input_case(tmp_path / "in").dims.heads == 2
+    res = runner.invoke(cli, ["run", "--in", str(tmp_path / "in"), "--out", str(tmp_path / "out"),
+                              "--backend", "cpu", "--binary", str(binary), "--stages", "Q"])
+    assert res.exit_code == 0, res.output
+
+
+# ---- non-finite inputs, accepted on purpose ----------------------------------------------------
+
+@pytest.mark.parametrize("value", [np.nan, np.inf])
+def test_check_allow_nonfinite_follows_run_allow_nonfinite(runner, tmp_path, binary, value):
+    in_dir, out_dir = tmp_path / "in", tmp_path / "out"
+    assert runner.invoke(cli, ["generate", "--out", str(in_dir), *SMALL]).exit_code == 0
+    q = read_matrix(in_dir / "Q_head_1.txt")
+    q[3, 2] = value
+    write_matrix(in_dir / "Q_head_1.txt", q, "txt")
+    res = runner.invoke(cli, ["run", "--in", str(in_dir), "--out", str(out_dir), "--backend", "cpu",
+                              "--binary", str(binary), "--allow-nonfinite"])
+    assert res.exit_code == 0, res.output
+    res = runner.invoke(cli, ["check", "--in", str(in_dir), "--out", str(out_dir), "--allow-nonfinite",
+                              "--json", str(tmp_path / "r.json")])
+    assert res.exit_code in (0, 1) and "Traceback" not in res.output, res.output
+    rep = json.loads((tmp_path / "r.json").read_text())
+    # NaN rows where the reference has them pass; the log-sum-exp of a non-finite row is left to
+    # the comparison (the CPU backend writes -inf or NaN there where the reference has NaN or +inf:
+    # a failure the report names)
+    failed = [s["stage"] for s in rep["stages"] if not s["passed"]]
+    assert failed in ([], ["flash_lse"]), res.output
+    if failed:
+        assert "FAIL flash_lse head 1" in res.output and "first mismatches: [3,0]" in res.output
+    out = next(r for r in rep["results"] if r["stage"] == "output" and r["head"] == 1)
+    assert out["worst"]["row"] != 3
+    line = _one_line_error(runner.invoke(cli, ["check", "--in", str(in_dir), "--out", str(out_dir)]))
+    assert "Q_head_1.txt" in line and "--allow-nonfinite" in line
+    assert "--allow-nonfinite" in runner.invoke(cli, ["check", "--help"]).output
+
+
+def test_check_allow_nonfinite_still_fails_nan_where_the_reference_is_finite(runner, good_run):
+    in_dir, out_dir = good_run
+    _plant(out_dir, "output_head_0.txt", lambda m: np.where(np.arange(m.size).reshape(m.shape) == 5,
+                                                            np.nan, m))
+    res = runner.invoke(cli, ["check", "--in", str(in_dir), "--out", str(out_dir), "--allow-nonfinite"])
+    assert res.exit_code == 1 and "first failing stage: output (head 0" in res.output, res.output
+
+
+# ---- the binary's error, said once -------------------------------------------------------------
+
+def test_run_says_the_binary_error_once(runner, tmp_path, binary):
+    runner.invoke(cli, ["generate", "--out", str(tmp_path / "in"), *SMALL])
+    (tmp_path / "in" / "V_head_1.txt").write_text("1 2\n")
+    res = runner.invoke(cli, ["run", "--in", str(tmp_path / "in"), "--binary", str(binary),
+                              "--out", str(tmp_path / "out"), "--backend", "cpu"])
+    line = _one_line_error(res)
+    assert res.output.count("V_head_1.txt") == 1, res.output
+    assert "HINT:" in line and res.output.count("HINT:") == 1  # the binary's hint, on the same line

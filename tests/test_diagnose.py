@@ -194,3 +194,13 @@ def test_nothing_fires_on_correct_or_noisy_results(shape, causal, dist):
         noisy = np.where(hit, want + 3 * bound * rng.choice([-1.0, 1.0], got.shape), got)
         found = run(stage, noisy, chains, dims, scale, causal, tiles=(16, 16))
         assert found == [], f"{stage}: {[(d.code, d.message) for d in found]}"
+
+
+def test_nonfinite_counts_only_where_the_reference_is_finite():
+    """NaN inputs (check --allow-nonfinite) make NaN reference rows: a NaN there is no finding."""
+    chains, dims, scale = make_case()
+    chains[1]["Q"][2, 0] = np.nan  # reference row 2 of QK is NaN
+    got = compute_stage("QK", {n: chains[1][n] for n in STAGES["QK"].inputs}, scale, False)
+    got[5, 7] = np.nan
+    found = [d for d in run("QK", got, chains, dims, scale, False) if d.code == "nonfinite"]
+    assert len(found) == 1 and found[0].detail["nan"] == 1 and found[0].detail["first"] == [5, 7]

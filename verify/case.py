@@ -9,6 +9,7 @@ import io
 import math
 import os
 import re
+import stat
 import tomllib
 import warnings
 import zlib
@@ -29,13 +30,48 @@ class CaseError(Exception):
 # ----------------------------------------------------------------------------------------------
 # Atomic writes: a file appears complete or not at all.
 
+_FILE_KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISCHR, "a character device"),
+               (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"))
+
+
+def file_kind(mode: int) -> str:
+    """What an st_mode that is not a regular file is, in words."""
+    return next((word for test, word in _FILE_KINDS if test(mode)), "a special file")
+
+
+def output_file_target(path: Path) -> Path:
+    """The regular file that writing `path` creates or replaces: `path` itself, or the file a
+    symbolic link there points to (the link stays). Anything else there (a folder, a device, a
+    FIFO, a socket) is refused rather than replaced or written into, as is a missing folder."""
+    path = Path(path)
+    try:
+        st: Optional[os.stat_result] = os.stat(path)  # through symbolic links
+    except FileNotFoundError:
+        st = None
+    except OSError as exc:
+        raise CaseError(f"{path}: cannot write: {exc.strerror or exc}") from None
+    if st is not None and not stat.S_ISREG(st.st_mode):
+        raise CaseError(f"{path}: is {file_kind(st.st_mode)}, not a regular file; refusing to write over it")
+    target = Path(os.path.realpath(path))
+    try:
+        same = st is None or os.path.samestat(st, os.stat(target))
+    except OSError:
+        same = False
+    if not same:  # e.g. a link into /proc naming an open file: no name to replace it by
+        raise CaseError(f"{path}: links to {target}, which is not the same file; refusing to write over it")
+    if not target.parent.is_dir():
+        raise CaseError(f"{path}: cannot write: folder {target.parent} does not exist")
+    return target
+
+
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     path = Path(path)
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    target = output_file_target(path)
+    tmp = target.with_name(f"{target.name}.tmp-{os.getpid()}")
     try:
         with open(tmp, "wb") as fh:
             fh.write(data)
-        os.replace(tmp, path)
+        os.replace(tmp, target)
     except OSError as exc:
         try:
             tmp.unlink()
@@ -330,6 +366,7 @@ class InputCase:
     scale: Optional[float] = None  # None: 1/sqrt(d_k)
     manifest: bool = False         # the case has a manifest (which then says causal and scale)
     arrays: Optional[Dict[str, np.ndarray]] = None  # Q, K, V as (heads, rows, cols): the Python API
+    allow_nonfinite: bool = False  # NaN/inf in Q/K/V load instead of being an error
 
     def file(self, name: str, head: int) -> Path:
         return self.path / stage_file(name, head, self.fmt)
@@ -338,7 +375,7 @@ class InputCase:
         if self.arrays is not None:
             return self.arrays[name][head]
         shape = STAGES[name].shape(self.dims)
-        return read_matrix(self.file(name, head), shape, allow_nonfinite=False)
+        return read_matrix(self.file(name, head), shape, allow_nonfinite=self.allow_nonfinite)
 
 
 def _head_files(folder: Path) -> Dict[Tuple[str, int], str]:
@@ -416,8 +453,13 @@ def _check_layout(case: InputCase, files) -> None:
                         f"{total} heads (0..{total - 1})")
 
 
+def input_head_files(folder: Path) -> List[str]:
+    """The names of the Q/K/V head files in `folder`."""
+    return [stage_file(name, i, fmt) for (name, i), fmt in _head_files(folder).items()]
+
+
 def clear_input_files(folder: Path) -> None:
     """Removes an earlier case's Q/K/V head files and manifest, so no stale head survives."""
-    for (name, i), fmt in _head_files(folder).items():
-        (folder / stage_file(name, i, fmt)).unlink()
+    for name in input_head_files(folder):
+        (folder / name).unlink()
     (folder / INPUT_MANIFEST).unlink(missing_ok=True)

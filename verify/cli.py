@@ -14,14 +14,14 @@ import click
 
 from . import tolerance
 from .bench import bench
-from .case import CaseError, load_input_case
+from .case import CaseError, load_input_case, output_file_target
 from .compare import Options, check_run, error_ratio_map
-from .outputs import MATH_MODES, open_run, parse_name_map, read_names_file
-from .generate import DEFAULT_DIMS, DISTRIBUTIONS, generate_case
-from .report import failure_lines, header_lines, summary_lines, table_lines, write_json, write_junit, write_plots
+from .generate import DEFAULT_DIMS, DISTRIBUTIONS, MAX_SEED, generate_case
+from .outputs import MATH_MODES, open_run, parse_name_map, read_names_file, stage_files_in
+from .report import (check_plot_folder, failure_lines, header_lines, summary_lines, table_lines, write_json,
+                     write_junit, write_plots)
 from .runner import (DEFAULT_BUILD_DIR, DEFAULT_RUN_TIMEOUT_S, RunnerError, ensure_built, run_binary, run_program,
                      set_aside_previous)
-from .outputs import stage_files_in
 from .stages import (DATA_DIR, DEFAULT_CASE, DEFAULT_INPUT_DIR, DEFAULT_OUTPUT_DIR, DEFAULT_RESULT, FORMATS,
                      PRECISIONS, RUN_MANIFEST, STAGE_NAMES, Dims)
 
@@ -72,6 +72,19 @@ def _user_errors(fn):
     return wrapper
 
 
+def _checked_path(check_fn):
+    """An option callback that refuses, while the command line is read (before any work), a path
+    that check_fn (raising CaseError) rejects."""
+    def callback(ctx, param, value):
+        if value is not None:
+            try:
+                check_fn(value)
+            except CaseError as exc:
+                raise click.BadParameter(str(exc), ctx, param) from None
+        return value
+    return callback
+
+
 # ---- options shared by several commands, defined once -------------------------------------------
 in_option = click.option("--in", "in_dir", type=click.Path(file_okay=False, path_type=Path),
                          default=DEFAULT_INPUT_DIR, show_default=True, help="Input case folder (Q/K/V).")
@@ -89,7 +102,12 @@ binary_option = click.option("--binary", type=click.Path(exists=True, dir_okay=F
                              "writing the output case of docs/contract.md).")
 timeout_option = click.option("--timeout", type=click.FloatRange(min=1), default=DEFAULT_RUN_TIMEOUT_S,
                               show_default=True, help="Seconds before the binary is stopped.")
+seed_option = click.option("--seed", type=click.IntRange(0, MAX_SEED), default=0, show_default=True,
+                           help="Random seed.")
+force_option = click.option("--force", is_flag=True,
+                            help="Replace an input case there that attnstep did not generate.")
 json_option = click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),
+                           callback=_checked_path(output_file_target),
                            help="Write the full report as JSON to this file.")
 
 
@@ -122,20 +140,22 @@ def cli():
 @click.option("--causal/--no-causal", default=False, show_default=True,
               help="Causal (top-left aligned) masking.")
 @click.option("--scale", type=float, default=None, help="Score scale [default: 1/sqrt(d_k)].")
-@click.option("--seed", type=int, default=0, show_default=True, help="Random seed.")
+@seed_option
 @click.option("--dist", "distribution", type=click.Choice(tuple(DISTRIBUTIONS)), default="uniform",
               show_default=True, help="uniform [0,1) as the original; normal; large (logits in the hundreds).")
 @click.option("--format", "fmt", type=click.Choice(FORMATS), default="txt", show_default=True,
               help="Matrix file format.")
+@force_option
 @_user_errors
-def generate(out_dir, batch, heads, seq_q, seq_k, d_k, d_v, causal, scale, seed, distribution, fmt):
+def generate(out_dir, batch, heads, seq_q, seq_k, d_k, d_v, causal, scale, seed, distribution, fmt, force):
     """Write a random input case.
 
     Writes Q_head_{i}, K_head_{i}, V_head_{i} for every head i (batch-major) and manifest.toml
-    into OUT.
+    into OUT, replacing the case attnstep generated there before (with --force, any input case).
     """
     dims = Dims(batch, heads, seq_q, seq_k, d_k, d_v)
-    generate_case(out_dir, dims, causal=causal, scale=scale, seed=seed, distribution=distribution, fmt=fmt)
+    generate_case(out_dir, dims, causal=causal, scale=scale, seed=seed, distribution=distribution, fmt=fmt,
+                  force=force)
     click.echo(f"wrote {dims.total_heads} heads (N={seq_q} M={seq_k} d_k={d_k} d_v={d_v}, "
                f"{distribution}, seed {seed}) to {out_dir}")
 
@@ -278,6 +298,7 @@ every stage passes, 1 when one fails, 2 on bad input.
 
 def _check_and_report(in_dir, out_dir, opts, json_path, junit_path, plot_dir, per_head, quiet=False) -> bool:
     case = load_input_case(in_dir)
+    case.allow_nonfinite = opts.allow_nonfinite
     run_info = open_run(out_dir, case, opts.overrides())
     d = run_info.dims
     work = d.seq_q * d.seq_k * d.total_heads
@@ -306,8 +327,10 @@ def _check_and_report(in_dir, out_dir, opts, json_path, junit_path, plot_dir, pe
 @out_option
 @json_option
 @click.option("--junit", "junit_path", type=click.Path(dir_okay=False, path_type=Path),
+              callback=_checked_path(output_file_target),
               help="Write a JUnit XML report (one test case per stage x head).")
 @click.option("--plot", "plot_dir", type=click.Path(file_okay=False, path_type=Path),
+              callback=_checked_path(check_plot_folder),
               help="Write error heat maps (PNG) of failing stages into this folder (needs matplotlib).")
 @click.option("--atol", type=TOLERANCE, help="Absolute tolerance for every stage "
               "(replaces the error model).")
@@ -336,13 +359,16 @@ def _check_and_report(in_dir, out_dir, opts, json_path, junit_path, plot_dir, pe
 @click.option("--jobs", type=click.IntRange(min=0), default=0, show_default=True,
               help="Processes checking heads in parallel; 0: as many as the cores and the memory "
                    "allow (1 for small runs).")
+@click.option("--allow-nonfinite", is_flag=True,
+              help="Accept NaN/Inf in the inputs (as run --allow-nonfinite): they propagate through the "
+                   "reference, and a NaN where the reference has NaN passes.")
 @click.pass_context
 @_user_errors
 def check(ctx, in_dir, out_dir, json_path, junit_path, plot_dir, atol, rtol, tol, only, per_head, jobs,
-          causal, scale, precision, math, names, names_file):
+          causal, scale, precision, math, names, names_file, allow_nonfinite):
     opts = Options(atol=atol, rtol=rtol, per_stage=_parse_tol(tol), only_stages=list(only) or None,
                    jobs=jobs, causal=causal, scale=scale, precision=precision, math=math,
-                   names=_parse_names(names, names_file))
+                   names=_parse_names(names, names_file), allow_nonfinite=allow_nonfinite)
     passed = _check_and_report(in_dir, out_dir, opts, json_path, junit_path, plot_dir, per_head)
     ctx.exit(0 if passed else 1)
 
@@ -355,10 +381,11 @@ def check(ctx, in_dir, out_dir, json_path, junit_path, plot_dir, atol, rtol, tol
 @binary_option
 @timeout_option
 @json_option
-@click.option("--seed", type=int, default=0, show_default=True, help="Random seed.")
+@seed_option
+@force_option
 @click.pass_context
 @_user_errors
-def demo(ctx, data_dir, backend, build_dir, binary, timeout, json_path, seed):
+def demo(ctx, data_dir, backend, build_dir, binary, timeout, json_path, seed, force):
     """Build, generate the default case, run, and check.
 
     The original workflow in one command: 12 heads, N = M = 128, d = 64, uniform inputs, into
@@ -368,7 +395,7 @@ def demo(ctx, data_dir, backend, build_dir, binary, timeout, json_path, seed):
     click.echo(f"[1/4] using {binary}" if binary else f"[1/4] building the binary in {build_dir}")
     binary = binary or ensure_built(build_dir)
     click.echo(f"[2/4] generating {in_dir}")
-    generate_case(in_dir, DEFAULT_DIMS, seed=seed)
+    generate_case(in_dir, DEFAULT_DIMS, seed=seed, force=force)
     click.echo(f"[3/4] running {binary.name} --backend {backend}")
     _fresh_out(out_dir)
     result = run_binary(binary, in_dir, out_dir, backend=backend, timeout=timeout)

@@ -55,6 +55,8 @@ class Options:
     math: str = "ieee"
     names: Dict[str, str] = field(default_factory=dict)  # stage -> file name pattern in OUT
 
+    allow_nonfinite: bool = False  # NaN/inf inputs load; NaN then matches a NaN reference
+
     def overrides(self) -> Overrides:
         return Overrides(self.causal, self.scale, self.precision, self.math, dict(self.names))
 
@@ -389,7 +391,7 @@ def check_head(run: RunInfo, case: InputCase, head: int, opts: Options,
         want_chain = chain[stage]
         model_chain = _allowed(stage, src_chain, want_chain, run, opts, chain, cache)
         allowed_chain = _with_quantum(model_chain, quantum)
-        res.chained = compare_arrays(mat, want_chain, allowed_chain)
+        res.chained = compare_arrays(mat, want_chain, allowed_chain, opts.allow_nonfinite)
         res.print_limited = quantum is not None and bool(np.any(quantum > model_chain))
         if stage not in tolerance.PROPAGATED_STAGES and not q_iso and _bit_identical(src_iso, src_chain):
             # The binary read exactly the reference's sources (its echoes are exact): the isolated
@@ -406,7 +408,7 @@ def check_head(run: RunInfo, case: InputCase, head: int, opts: Options,
                "backend": run.backend, "math": run.math, "inputs": inputs, "input": inputs.get(stage),
                "K_got": got.get("K", inputs["K"]), "output_got": got.get("output"),
                "QK_scaled_got": got.get("QK_scaled"), "chain": chain, "tolerance_cache": cache,
-               "quantum": quantum, "quanta": quanta}
+               "quantum": quantum, "quanta": quanta, "allow_nonfinite": opts.allow_nonfinite}
         res.violations = invariants.check_invariants(stage, mat, ctx)
         if res.isolated.passed and _nonfinite_propagated(mat, want_iso):
             res.violations = [v for v in res.violations if v.code != invariants.NONFINITE]
@@ -547,7 +549,9 @@ class _HeadChecker:
                                [stage])[stage]  # (its upstream stages are computed and dropped)
 
     def check(self, head: int) -> List[HeadResult]:
-        return check_head(self.run, self.case, head, self.opts, self.ref_of_head)
+        # Non-finite inputs, when allowed, make the error model's arithmetic meet inf and NaN.
+        with np.errstate(all="ignore") if self.opts.allow_nonfinite else np.errstate():
+            return check_head(self.run, self.case, head, self.opts, self.ref_of_head)
 
 
 _CHECKER: Optional[_HeadChecker] = None  # the parent's checker, inherited by forked workers
@@ -577,6 +581,7 @@ def check(in_dir: Path, out_dir: Path, opts: Optional[Options] = None,
     """Loads both cases, checks their agreement, and compares every stage × head."""
     opts = opts or Options()
     case = load_input_case(in_dir)
+    case.allow_nonfinite = opts.allow_nonfinite
     run = open_run(out_dir, case, opts.overrides())
     return check_run(run, case, opts, progress)
 

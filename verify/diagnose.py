@@ -94,11 +94,11 @@ def _loc(idx) -> str:
 # ---------------------------------------------------------------------------------------------
 
 def _nonfinite(stage, got, want, ctx, width) -> List[Diagnosis]:
-    bad = (np.isnan(got) | np.isinf(got)) & ~((got == want) & np.isinf(want))
+    bad = ~np.isfinite(got) & np.isfinite(want)
     if not bad.any():
         return []
     first = tuple(int(i) for i in np.argwhere(bad)[0])
-    n_nan, n_inf = int(np.isnan(got).sum()), int((np.isinf(got) & bad).sum())
+    n_nan, n_inf = int((np.isnan(got) & bad).sum()), int((np.isinf(got) & bad).sum())
     return [Diagnosis("nonfinite", f"{stage} has {n_nan} NaN and {n_inf} Inf where the reference is "
                       f"finite; first at {_loc(first)} = {float(got[first])}",
                       {"nan": n_nan, "inf": n_inf, "count": int(bad.sum()), "first": list(first)}, 0.95)]

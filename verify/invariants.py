@@ -125,7 +125,9 @@ def _consistency(code: str, stage: str, got: np.ndarray, other: np.ndarray, allo
         return Violation(code, f"{stage} is {got.shape[0]}x{got.shape[1]} but {other_name} is "
                          f"{other.shape[0]}x{other.shape[1]}", 1, None)
     with np.errstate(invalid="ignore"):
-        diff = np.where(got == other, 0.0, np.abs(got - other))
+        # Both NaN: where allowed non-finite inputs made the references NaN too (else the
+        # non-finite check has failed the stage already), the two agree.
+        diff = np.where((got == other) | (np.isnan(got) & np.isnan(other)), 0.0, np.abs(got - other))
     diff = np.where(np.isnan(diff), np.inf, diff)  # NaN disagrees most, and must be locatable
     bad = ~(diff <= allowed)
     if not bad.any():
@@ -196,6 +198,13 @@ def _flash_lse_check(got: np.ndarray, ctx: dict) -> Optional[Violation]:
                         "the log-sum-exp of the binary's QK_scaled rows")
 
 
+def _where_reference_finite(stage: str, got: np.ndarray, ctx: dict) -> np.ndarray:
+    """got, with 0 where non-finite inputs (allowed by ctx["allow_nonfinite"]) made the reference
+    non-finite: the comparisons judge those elements, the non-finite check the others."""
+    ref = ctx.get("chain", {}).get(stage) if ctx.get("allow_nonfinite") else None
+    return got if ref is None else np.where(np.isfinite(ref), got, 0.0)
+
+
 def check_invariants(stage: str, got: np.ndarray, ctx: dict) -> List[Violation]:
     """Reference-free checks on one head's float64 got-matrix of `stage` (see the module doc)."""
     got = np.asarray(got, dtype=np.float64)
@@ -219,14 +228,13 @@ def check_invariants(stage: str, got: np.ndarray, ctx: dict) -> List[Violation]:
                            if q is None else "differ from the input file by more than the printed resolution")
             if v:
                 out.append(v)
-            neg_inf_ok = ~np.isfinite(want)  # a non-finite input (--allow-nonfinite) echoes as such
-            nan_in = np.isnan(want)
-            v = _nonfinite(stage, np.where(nan_in, 0.0, got), neg_inf_ok)
+            # a non-finite input (--allow-nonfinite) echoes as such: the echo check judges it
+            v = _nonfinite(stage, np.where(np.isfinite(want), got, 0.0), neg_inf_ok)
             if v:
                 out.append(v)
             return out
 
-    v = _nonfinite(stage, got, neg_inf_ok)
+    v = _nonfinite(stage, _where_reference_finite(stage, got, ctx), neg_inf_ok)
     if v:
         out.append(v)
     if stage == "KT":

@@ -1,15 +1,18 @@
 """Reports of a check: the terminal table, JSON, JUnit XML and error heat maps."""
 from __future__ import annotations
 
+import io
 import json
 import math
+import os
+import stat
 from pathlib import Path
 from typing import List, Optional
 from xml.sax.saxutils import escape, quoteattr
 
 import numpy as np
 
-from .case import CaseError, atomic_write_bytes
+from .case import CaseError, atomic_write_bytes, file_kind
 from .compare import FAIL, INHERITED, PASS, Comparison, HeadResult, Report
 from .resolution import EXACT
 from .stages import stage_file
@@ -222,6 +225,18 @@ def write_junit(report: Report, path: Path) -> None:
     atomic_write_bytes(Path(path), xml.encode("utf-8"))
 
 
+def check_plot_folder(folder: Path) -> None:
+    """The plot folder is a folder, or nothing yet (it is created): anything else is refused."""
+    try:
+        st = os.stat(folder)
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise CaseError(f"{folder}: cannot use as the plot folder: {exc.strerror or exc}") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise CaseError(f"{folder}: is {file_kind(st.st_mode)}, not a folder for the plots")
+
+
 def write_plots(report: Report, folder: Path, error_map) -> List[Path]:
     """One PNG per failing stage × head: |error| / allowed as a heat map, and the per-(query-tile,
     key-tile) maximum. `error_map(stage, head)` returns that ratio array (compare.error_ratio_map)."""
@@ -232,6 +247,7 @@ def write_plots(report: Report, folder: Path, error_map) -> List[Path]:
     except ImportError:
         raise CaseError("--plot needs matplotlib: pip install 'attnstep[plot]' (or pip install matplotlib)")
     folder = Path(folder)
+    check_plot_folder(folder)
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -261,7 +277,9 @@ def write_plots(report: Report, folder: Path, error_map) -> List[Path]:
         fig.colorbar(im2, ax=axes[1])
         fig.tight_layout()
         path = folder / stage_file(r.stage, r.head, "png")
-        fig.savefig(path, dpi=90)
+        png = io.BytesIO()
+        fig.savefig(png, format="png", dpi=90)
         plt.close(fig)
+        atomic_write_bytes(path, png.getvalue())
         written.append(path)
     return written

@@ -7,7 +7,7 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_BUILD_DIR = REPO / "build"
@@ -101,13 +101,21 @@ def run_binary(binary: Path, in_dir: Path, out_dir: Path, *, backend: str = "aut
     notices = [ln for ln in proc.stderr.splitlines() if ": notice:" in ln]
     result = RunResult(proc.returncode, proc.stdout, proc.stderr, notices)
     if check and proc.returncode != 0:
-        first = next((ln for ln in proc.stderr.splitlines() if ln.strip()), "")
+        first, rest = _binary_error(proc.stderr)
         code = proc.returncode if proc.returncode in (EXIT_BAD_INPUT, EXIT_NO_MEMORY) else 1
         if proc.returncode < 0:
             first = f"the binary was killed by signal {-proc.returncode}" + (f": {first}" if first else "")
-        raise RunnerError(first or f"the binary exited with status {proc.returncode}",
-                          _tail(proc.stderr), exit_code=code)
+        raise RunnerError(first or f"the binary exited with status {proc.returncode}", rest, exit_code=code)
     return result
+
+
+def _binary_error(stderr: str) -> Tuple[str, str]:
+    """The binary's error as one line, its HINT lines joined on as the verifier's own errors word
+    them, and the rest of its stderr (notices, anything else), which the one line does not say."""
+    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
+    said = [next((ln for ln in lines if ": error:" in ln), lines[0])] if lines else []
+    said += [ln for ln in lines if ln.startswith("HINT:")]
+    return "; ".join(said), _tail("\n".join(ln for ln in lines if ln not in said))
 
 
 # ----------------------------------------------------------------------------------------------
