@@ -603,31 +603,38 @@ def _finish(ref: np.ndarray, var: np.ndarray, det: np.ndarray, floor) -> np.ndar
     return bound
 
 
+def _finite_abs(x: np.ndarray) -> np.ndarray:
+    """|x| with non-finite entries (inputs accepted with --allow-nonfinite) as 0: a floor must
+    stay finite, or an Inf would let every value of its row or column pass."""
+    x = np.abs(np.asarray(x, np.float64))
+    return np.where(np.isfinite(x), x, 0.0)
+
+
 def _flush_sum(A: np.ndarray, B: np.ndarray) -> np.ndarray:
     """Bound on what flushing tiny products and partial sums of A @ B to zero can cost: none when
     no product of non-zero entries comes near float32's normal range, else min(Σ|a·b|, K·FLUSH)."""
+    A, B = _finite_abs(A), _finite_abs(B)
+
     def smallest(x):
-        nz = np.abs(x[x != 0])
+        nz = x[x != 0]
         return float(nz.min()) if nz.size else np.inf
     if smallest(A) * smallest(B) >= FLUSH * 2.0**24:
         return np.zeros((1, 1))
-    return np.minimum(np.abs(A) @ np.abs(B), A.shape[1] * FLUSH)
+    return np.minimum(A @ B, A.shape[1] * FLUSH)
 
 
 def underflow_floor(stage: str, src: Dict[str, np.ndarray]):
     """What float32 underflow may cost each element of `stage` (broadcastable to its shape):
     FLUSH for every rounding of the result and of each term that can fall below float32's normal
     range (flushed exp terms weigh at most FLUSH·|v_j| in a P·V sum)."""
+    qk_max = 0.0
     if stage in ("QK", "flash_lse", "flash_output") and "Q" in src and "K" in src:
-        Q, K = np.asarray(src["Q"], np.float64), np.asarray(src["K"], np.float64)
-        qk = _flush_sum(Q, K.T)
+        qk = _flush_sum(src["Q"], np.asarray(src["K"]).T)
         if stage == "QK":
             return qk + FLUSH
         qk_max = float(np.max(qk)) if qk.size else 0.0
-    else:
-        qk_max = 0.0
     if stage in ("output", "flash_output") and "V" in src:
-        V = np.abs(np.asarray(src["V"], np.float64))
+        V = _finite_abs(src["V"])
         return FLUSH * (V.sum(axis=0, keepdims=True) + 2 * V.shape[0]) + qk_max * V.max(initial=0.0)
     if stage == "flash_lse":
         return FLUSH * 2 * np.asarray(src["K"]).shape[0] + qk_max
