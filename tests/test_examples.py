@@ -54,7 +54,7 @@ RACE = "bug_flash_race"
 RACE_RUNS = 5
 # The racy and the correct program run the same arithmetic; a race corrupts whole K/V columns.
 RACE_SHOWS_ABOVE = 1e-3
-RACE_ABSENT_BELOW = 1e-6
+RACE_ABSENT_BELOW = 1e-5  # a few units in the 6th printed digit: rounding only
 
 
 def _nvcc() -> Optional[str]:
