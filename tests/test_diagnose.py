@@ -97,6 +97,11 @@ def _flash_bottom_right(c, scale):
     return softmax_rows(S) @ c["V"]
 
 
+def _lse_base2(c):
+    """flash_lse as a float32 kernel working in base 2 writes it: log2 Σ 2^(s·log2 e)."""
+    return (c["flash_lse"] / np.log(2)).astype(np.float32).astype(np.float64)
+
+
 # (id, stage, shape, causal, builder(chain, scale) -> got, expected code, detail check)
 PLANTS = [
     ("QK-transposed-square", "QK", "square", False, lambda c, s: c["QK"].T, "transposed", None),
@@ -135,6 +140,8 @@ PLANTS = [
      "tile_boundary", lambda d: d["period"] == 4),
     ("flash_output-tail-tile", "flash_output", "rect", False, lambda c, s: _tail_tile(c, "flash_output"),
      "tile_boundary", lambda d: d["period"] == 16 and d["range"] == [16, 23]),
+    ("flash_lse-log2", "flash_lse", "rect", False, lambda c, s: _lse_base2(c), "lse_log2", None),
+    ("flash_lse-log2-causal", "flash_lse", "square", True, lambda c, s: _lse_base2(c), "lse_log2", None),
 ]
 
 
@@ -204,3 +211,23 @@ def test_nonfinite_counts_only_where_the_reference_is_finite():
     got[5, 7] = np.nan
     found = [d for d in run("QK", got, chains, dims, scale, False) if d.code == "nonfinite"]
     assert len(found) == 1 and found[0].detail["nan"] == 1 and found[0].detail["first"] == [5, 7]
+
+
+LSE_NOT_BASE_2 = {
+    "correct": lambda want, bound, rng: want,
+    "noisy": lambda want, bound, rng: want + 3 * bound * rng.choice([-1.0, 1.0], want.shape),
+    "other-factor": lambda want, bound, rng: want * 1.5,
+    "base-2-and-noisy": lambda want, bound, rng: want / np.log(2) + 1e3 * bound * rng.standard_normal(want.shape),
+}
+
+
+@pytest.mark.parametrize("how", list(LSE_NOT_BASE_2))
+def test_lse_log2_needs_the_base_2_factor(how):
+    """lse_log2 fires on want·log2(e) alone: not on a correct, noisy, otherwise scaled lse, nor on a
+    base-2 lse that carries far more than rounding error."""
+    chains, dims, scale = make_case("rect", False)
+    src = {n: chains[1][n] for n in ("Q", "K", "V")}
+    want = compute_stage("flash_lse", src, scale, False)
+    bound = tolerance.stage_bound("flash_lse", src, want, scale=scale, causal=False)
+    got = LSE_NOT_BASE_2[how](want, bound, np.random.default_rng(3))
+    assert "lse_log2" not in codes(run("flash_lse", got, chains, dims, scale, False))

@@ -8,7 +8,7 @@ look at where got and want differ. No hypothesis fires on a correct or merely no
 candidate must explain got within a few tolerance widths AND differ from want by far more.
 
 Codes (stable; the report's `diagnosis`): nonfinite, unwritten, transposed, layout, scaled,
-softmax_axis, head_permuted, mask_missing, mask_offset, tile_boundary. (`stale` comes from the
+softmax_axis, head_permuted, mask_missing, mask_offset, tile_boundary, lse_log2. (`stale` comes from the
 integrity check in verify.compare.)
 """
 from __future__ import annotations
@@ -36,6 +36,7 @@ MAX_MASK_OFFSET = 8
 # kernels tile by; smaller periods are what any row-dependent error shows by chance.
 TILE_PERIODS = (8, 16, 32, 64, 128, 256)
 SCALE_NAME_RTOL = 2e-3
+LOG2_E = 1.0 / np.log(2.0)
 
 
 @dataclass
@@ -466,8 +467,22 @@ def _whole_tiles(bad, lines, n, periods, name, axis) -> Optional[Diagnosis]:
     return None
 
 
+def _lse_log2(stage, got, want, ctx, width) -> List[Diagnosis]:
+    """flash_lse in base 2: got ≈ want·log2(e), the log-sum-exp of a kernel that works with exp2 and
+    log2 internally and does not convert back to the natural log."""
+    if stage != "flash_lse":
+        return []
+    # The base-2 result carries the natural one's rounding times log2(e).
+    diff = _explains(got, want * LOG2_E, want, width * LOG2_E)
+    if diff is None:
+        return []
+    return [Diagnosis("lse_log2", f"flash_lse is in base 2: got ≈ want·log2(e) = want·{LOG2_E:.6g} "
+                      f"(max diff {diff:.2g}); convert with ·ln(2) or use log instead of log2",
+                      {"factor": LOG2_E, "max_diff": diff}, 0.93)]
+
+
 _HYPOTHESES = (_nonfinite, _unwritten, _transposed, _layout, _scaled, _softmax_axis, _head_permuted,
-               _mask, _tile_boundary)
+               _mask, _tile_boundary, _lse_log2)
 
 
 def diagnose(stage: str, got: np.ndarray, want: np.ndarray, ctx: dict) -> List[Diagnosis]:
