@@ -7,6 +7,8 @@
 #include <cmath>
 #include <cstdint>
 
+#include "warp.cuh"
+
 namespace attnstep {
 namespace flash {
 
@@ -70,15 +72,6 @@ __device__ __forceinline__ float exp2_ftz(float x) {
     float y;
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
     return y;
-}
-
-__device__ __forceinline__ float quad_max(float x) {
-    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
-    return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
-}
-__device__ __forceinline__ float quad_sum(float x) {
-    x += __shfl_xor_sync(0xffffffffu, x, 1);
-    return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
 // x = S·scale·log2e: the softmax runs in base 2. Before masking, so that a negative scale cannot

@@ -48,7 +48,6 @@ namespace {
 
 using namespace flash;  // flash_common.cuh: TF32 split, cp.async, online softmax
 
-constexpr int kWarp = 32;
 constexpr int kMaxSplits = 16;
 
 // ---------------------------------------------------------------------------------------------

@@ -23,6 +23,7 @@
 #include "cuda_check.cuh"
 #include "flash.cuh"
 #include "flash_fast.cuh"
+#include "warp.cuh"
 #ifdef ATTNSTEP_HAVE_WGMMA
 #include "sm90a/flash_wgmma.cuh"
 #endif
@@ -31,10 +32,10 @@ namespace attnstep {
 
 namespace {
 
-constexpr unsigned kFullMask = 0xffffffffu;
 constexpr int kFlashThreads = 128;
-constexpr int kColLanes = 16;                              // tx: the threads that share a query row
+constexpr int kColLanes = 16;                              // tx: the threads that share a query row (a half-warp)
 constexpr int kRowGroups = kFlashThreads / kColLanes;      // ty: 8 groups of rows
+static_assert(kColLanes == 16, "a query row's lanes are reduced with half_warp_max/half_warp_sum");
 constexpr int kMaxGridY = 65535;
 
 // Tile sizes and shared memory per block, decided here for each head width d:
@@ -78,21 +79,8 @@ __device__ void load_tile(float* tile, int stride, const float* src, int first, 
     }
 }
 
-// Max and sum over the 16 lanes of a half-warp (the threads that share a query row).
-__device__ __forceinline__ float row_max(float v) {
-    for (int o = kColLanes / 2; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(kFullMask, v, o));
-    return v;
-}
-__device__ __forceinline__ float row_sum(float v) {
-    for (int o = kColLanes / 2; o > 0; o >>= 1) v += __shfl_xor_sync(kFullMask, v, o);
-    return v;
-}
-
 __device__ __forceinline__ float dot4(float4 a, float4 b) {
     return a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w;
-}
-__device__ __forceinline__ float lane_of(float4 v, int i) {
-    return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
 }
 
 // S = Qi Kjᵀ · scale for this thread's rows (ty + 8·ii) and columns (tx + 16·jj).
@@ -213,7 +201,7 @@ flash_fwd_kernel(const float* __restrict__ Q, const float* __restrict__ K,
                 float tile_max = -INFINITY;
 #pragma unroll
                 for (int jj = 0; jj < T::kCols; ++jj) tile_max = fmaxf(tile_max, S[ii][jj]);
-                const float m_new = fmaxf(m[ii], row_max(tile_max));
+                const float m_new = fmaxf(m[ii], half_warp_max(tile_max));
                 // A row with every key so far masked keeps m = -inf; subtracting 0 then gives
                 // P = 0 and alpha = 0 instead of NaN from (-inf) - (-inf).
                 const float m_sub = m_new == -INFINITY ? 0.f : m_new;
@@ -227,7 +215,7 @@ flash_fwd_kernel(const float* __restrict__ Q, const float* __restrict__ K,
                 }
                 // l = exp(m - m_new)·l + rowsum(P); O = exp(m - m_new)·O
                 const float alpha = expf(m[ii] - m_sub);
-                l[ii] = alpha * l[ii] + row_sum(p_sum);
+                l[ii] = alpha * l[ii] + half_warp_sum(p_sum);
 #pragma unroll
                 for (int q = 0; q < T::kDims; ++q) Oacc[ii][q] *= alpha;
                 m[ii] = m_new;

@@ -29,13 +29,11 @@
 #include <limits>
 
 #include "cuda_check.cuh"
+#include "warp.cuh"
 
 namespace attnstep {
 
 namespace {
-
-constexpr unsigned kFullMask = 0xffffffffu;
-constexpr int kWarp = 32;
 
 int device_sm_count() {
     static int count = 0;  // one device per process; asked once
@@ -234,22 +232,9 @@ template <int VEC> struct VecOf;
 template <> struct VecOf<1> { using type = float; };
 template <> struct VecOf<4> { using type = float4; };
 
-__device__ __forceinline__ float lane_of(const float& v, int) { return v; }
-__device__ __forceinline__ float lane_of(const float4& v, int i) {
-    return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
-}
 __device__ __forceinline__ void set_lane(float& v, int, float x) { v = x; }
 __device__ __forceinline__ void set_lane(float4& v, int i, float x) {
     if (i == 0) v.x = x; else if (i == 1) v.y = x; else if (i == 2) v.z = x; else v.w = x;
-}
-
-__device__ __forceinline__ float warp_max(float v) {
-    for (int o = kWarp / 2; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(kFullMask, v, o));
-    return v;
-}
-__device__ __forceinline__ float warp_sum(float v) {
-    for (int o = kWarp / 2; o > 0; o >>= 1) v += __shfl_xor_sync(kFullMask, v, o);
-    return v;
 }
 
 // Block-wide reductions; every thread gets the result. blockDim.x is a multiple of 32.
@@ -265,8 +250,8 @@ __device__ float block_reduce(float v, float* scratch /* [32] */) {
     __syncthreads();  // every warp has read scratch before the next reduction overwrites it
     return v;
 }
-__device__ float row_max(float v, float* scratch) { return block_reduce<true>(v, scratch); }
-__device__ float row_sum(float v, float* scratch) { return block_reduce<false>(v, scratch); }
+__device__ float block_max(float v, float* scratch) { return block_reduce<true>(v, scratch); }
+__device__ float block_sum(float v, float* scratch) { return block_reduce<false>(v, scratch); }
 
 // One block per row (grid-stride over rows). VEC: floats per access (4 needs M % 4 == 0).
 // kCached: thread t keeps vectors t, t + blockDim, ... (K of them) in registers, so the row is read
@@ -302,7 +287,7 @@ __global__ void __launch_bounds__(kSoftmaxMaxThreads) softmax_rows_kernel(const 
                 for (int i = 0; i < VEC; ++i) m = fmaxf(m, lane_of(x, i));
             }
         }
-        m = row_max(m, scratch);
+        m = block_max(m, scratch);
         // A row that is -inf throughout: subtract 0 instead, so exp gives 0 rather than NaN.
         const float m_safe = m == -INFINITY ? 0.f : m;
 
@@ -326,7 +311,7 @@ __global__ void __launch_bounds__(kSoftmaxMaxThreads) softmax_rows_kernel(const 
                 for (int i = 0; i < VEC; ++i) l += expf(lane_of(x, i) - m_safe);
             }
         }
-        l = row_sum(l, scratch);
+        l = block_sum(l, scratch);
         const float inv_l = l > 0.f ? 1.f / l : 0.f;  // all-masked row: weights 0
 
         // P = exp(x - m) / l
