@@ -43,7 +43,7 @@
 #include "../common.h"
 #include "../stages.h"
 #include "cuda_check.cuh"
-#include "flash.cuh"
+#include "flash_dispatch.cuh"
 #include "flash_fast.cuh"
 #include "kernels.cuh"
 #ifdef ATTNSTEP_HAVE_WGMMA
@@ -51,9 +51,6 @@
 #endif
 
 namespace attnstep {
-
-// flash_fast.cu: exploration configurations (variant 0 is the shipped one).
-bool flash_forward_fast_variant(const FlashArgs& a, int variant, int splits, cudaStream_t stream);
 
 namespace {
 
@@ -704,35 +701,32 @@ int bench(const Options& o) {
             dims.M = o.M;
             dims.dk = dims.dv = o.d;
             const bool supported = flash_supported(dims);
-            int Br = 0, Bc = 0;
-            if (supported) flash_forward_tiles(a, &Br, &Bc);
-            bench_flash(o, "flash", supported ? fmt("%.0f", Br) + "x" + std::to_string(Bc) : "",
+            FlashPlan plan;
+            if (supported) plan = flash_forward_plan(a);
+            bench_flash(o, "flash", supported ? std::to_string(plan.Br) + "x" + std::to_string(plan.Bc) : "",
                         [&] {
                             if (!supported) return false;
                             flash_forward(a, s);
                             return true;
                         },
                         Q, K, V, O, lse, total_heads, timer, s, &results);
-            int fBr = 0, fBc = 0, fsplits = 0;
-            std::string ftiles;
-            if (o.fast_variant == 0 && flash_fast_plan(a, &fBr, &fBc, &fsplits)) {
-                if (o.splits > 0) fsplits = o.splits;
-                ftiles = std::to_string(fBr) + "x" + std::to_string(fBc) + ", splits " + std::to_string(fsplits);
-            } else if (o.fast_variant != 0) {
-                ftiles = "variant " + std::to_string(o.fast_variant);
+            // Each tensor-core kernel forced, with --splits and (mma.sync) --fast-variant.
+            for (const FlashKernelOps* k : flash_kernels()) {
+                if (!k->tensor_cores) continue;
+                const int config = k->id == FlashKernel::fast ? o.fast_variant : 0;
+                KernelPlan kp;
+                const bool has = config == 0 ? k->plan(a, o.splits, &kp)
+                                             : flash_fast_config_plan(a, config, o.splits, &kp);
+                std::string tiles;
+                if (config != 0) tiles = "variant " + std::to_string(config);
+                else if (has) tiles = std::to_string(kp.Br) + "x" + std::to_string(kp.Bc) + ", splits " + std::to_string(kp.splits);
+                bench_flash(o, (std::string("flash_") + k->name).c_str(), tiles,
+                            [&] {
+                                if (has) flash_launch(*k, a, kp, s);
+                                return has;
+                            },
+                            Q, K, V, O, lse, total_heads, timer, s, &results);
             }
-            bench_flash(o, "flash_fast", ftiles,
-                        [&] { return flash_forward_fast_variant(a, o.fast_variant, o.splits, s); },
-                        Q, K, V, O, lse, total_heads, timer, s, &results);
-#ifdef ATTNSTEP_HAVE_WGMMA
-            int wBr = 0, wBc = 0, wsplits = 0;
-            std::string wtiles;
-            if (flash_wgmma_plan(a, &wBr, &wBc, &wsplits))
-                wtiles = std::to_string(wBr) + "x" + std::to_string(wBc) + ", splits " +
-                         std::to_string(o.splits > 0 ? o.splits : wsplits);
-            bench_flash(o, "flash_wgmma", wtiles, [&] { return flash_forward_wgmma(a, s, o.splits); },
-                        Q, K, V, O, lse, total_heads, timer, s, &results);
-#endif
         }
         CUDA_CHECK(cudaStreamSynchronize(s));
     }
