@@ -29,21 +29,12 @@
 #include <limits>
 
 #include "cuda_check.cuh"
+#include "device.cuh"
 #include "warp.cuh"
 
 namespace attnstep {
 
 namespace {
-
-int device_sm_count() {
-    static int count = 0;  // one device per process; asked once
-    if (count == 0) {
-        int dev = 0;
-        CUDA_CHECK(cudaGetDevice(&dev));
-        CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, dev));
-    }
-    return count;
-}
 
 int round_up(long long x, int to) { return static_cast<int>((x + to - 1) / to * to); }
 
@@ -385,14 +376,13 @@ void launch_softmax_vec(const float* in, float* out, long long rows, int M, cuda
 template <int kTileRows, int kTileCols, class Kernel>
 void launch_transpose_tiled(Kernel kernel, dim3 block, const float* in, float* out, int heads,
                             int rows, int cols, cudaStream_t stream) {
-    const int max_grid_yz = 65535;
     const long long col_tiles = (cols + kTileCols - 1) / kTileCols;
-    if (col_tiles > max_grid_yz) {
+    if (col_tiles > kMaxGridYZ) {
         fail(kExitInternal, where(__FILE__, __LINE__) + ": transpose: " + std::to_string(cols) +
                                 " columns exceed the grid's y limit");
     }
     const dim3 grid((rows + kTileRows - 1) / kTileRows, static_cast<unsigned>(col_tiles),
-                    std::min(heads, max_grid_yz));
+                    std::min(heads, kMaxGridYZ));
     kernel<<<grid, block, 0, stream>>>(in, out, heads, rows, cols);
 }
 
