@@ -133,16 +133,21 @@ __device__ __forceinline__ float* stage_in(float* ops, int h, int j, int Mpad) {
     return ops + (static_cast<size_t>(h) * (Mpad / T::BC) + j) * T::STAGE;
 }
 
+// The preparation kernels' block size, and split_keys' blocks per key tile.
+constexpr int kPrepThreads = 256;
+template <class T>
+constexpr int kPrepBlocksPerTile = T::BC * T::D / 4 / kPrepThreads;
+
 // K part p of key tile j: element (key r, column c) at p·K_PART + cm_offset<BC>(r % BC, c), zeros
 // for keys >= M. A thread per 16 bytes, in chunk_coords order: 64 contiguous bytes of each of 8
-// rows read, 128 contiguous bytes written per 8 threads. Grid: x over one tile's chunks, y = tile,
-// z = head. Known limit: gridDim.y caps the tiles at 65535 (M up to 4,194,240 keys at Bc 64);
-// beyond, this launch fails with a CUDA error (exit 1) where it should fold tiles into x.
+// rows read, 128 contiguous bytes written per 8 threads. Grid: x = key tiles × kBlocksPerTile (x
+// holds 2^31 - 1 blocks: every M; y would cap the tiles at 65535), y = head.
 template <class T>
 __global__ void split_keys(const float* K, float* ops, int M, int Mpad) {
-    const int h = blockIdx.z, j = blockIdx.y;
-    const int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= T::BC * T::D / 4) return;
+    constexpr int kBlocksPerTile = kPrepBlocksPerTile<T>;
+    static_assert(kBlocksPerTile * kPrepThreads == T::BC * T::D / 4, "whole blocks per key tile");
+    const int h = blockIdx.y, j = blockIdx.x / kBlocksPerTile;
+    const int i = (blockIdx.x % kBlocksPerTile) * kPrepThreads + threadIdx.x;
     int r, c;
     chunk_coords<T::D>(i, r, c);
     const int key = j * T::BC + r;
@@ -487,8 +492,7 @@ void launch_tiles(const FlashArgs& a, const KernelPlan& plan, cudaStream_t strea
     float* const ops = ws.p;
 
     // The preparation pass: K and Vᵀ split into TF32 parts, one contiguous stage per key tile.
-    constexpr int kPrepThreads = 256;
-    split_keys<T><<<dim3(ceil_div(T::BC * T::D / 4, kPrepThreads), Mpad / T::BC, a.heads), kPrepThreads, 0, stream>>>(
+    split_keys<T><<<dim3(Mpad / T::BC * kPrepBlocksPerTile<T>, a.heads), kPrepThreads, 0, stream>>>(
         a.K, ops, a.M, Mpad);
     LAUNCH_CHECK(split_keys);
     transpose_split_values<T><<<dim3(Mpad / 32, T::D / 32, a.heads), dim3(32, 8), 0, stream>>>(a.V, ops, a.M, Mpad);
