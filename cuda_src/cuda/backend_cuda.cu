@@ -1,8 +1,8 @@
 // backend_cuda.cu — the CUDA backend: computes a group of heads stage by stage on the GPU with
-// cuBLAS GEMMs, the kernels of kernels.cu and the flash forward of flash_fwd.cu.
+// cuBLAS GEMMs (gemm.cu), the kernels of kernels.cu and the flash forward (flash_dispatch.cu).
 // Built by CMake when a CUDA toolkit is found (ATTNSTEP_HAVE_CUDA=1); run with
 // `build/main --in data/random_test --out data/random_verify --backend cuda`; checked on a GPU by
-// scripts/gpu_smoke.sh and tests/test_gpu_backend.py.
+// scripts/gpu_check.sh and tests/test_gpu_backend.py.
 //
 // Per group: Q, K, V are copied host -> device once, each stage in `computed` runs on one stream
 // (timed with a pair of CUDA events), and each computed stage is copied back to group.out[s].

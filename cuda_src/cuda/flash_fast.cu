@@ -19,21 +19,19 @@
 // blocks cannot fill the GPU, the KV loop is split across blocks and a combine kernel merges the
 // partial outputs with their lse.
 //
-// Build: part of build/main (CMake globs cuda_src/cuda/*.cu); check resources with
-//   nvcc -arch=sm_90 -std=c++17 -Xptxas -v -c cuda_src/cuda/flash_fast.cu
-// Exploration variants (other Bc / warps per block) are compiled only with
-// -DATTNSTEP_FLASH_FAST_VARIANTS (scripts/bench_gpu.sh); `main --bench --fast-variant I` picks one.
-// Run / time / check: build/main --bench --batch 4 --heads 16 --seq-q 4096 --seq-k 4096 --d 64 --check
+// Arithmetic the verifier assumes (verify/tolerance.py, backend "cuda"): 3xTF32 products (or one
+// TF32 product under Precision::tf32), summed by the tensor cores, which truncate while they
+// accumulate (up to one ulp of the running sum per mma, 3 mma per 8-long chunk in 3xTF32), over one
+// KV tile only: each tile's P·V is added to O in FP32. The logits carry scale·log2(e), rounded once
+// for the whole head; 2^x by ex2.approx.ftz (the GPU exp model, ~2 ulp at most); lse =
+// (m + log2 l)·ln 2; O·(1/l), and with a KV split the combine's rescale, add and divide: four
+// final roundings.
 //
-// Versions (H200, B4 H16 N=M=4096, TFLOP/s fp32 | tf32; all numbers in docs/performance.md):
-//   v1: cvt.rna.tf32 conversions, K/V split per warp, Q raw in registers, O accumulated over all
-//       keys inside the tensor cores. d64: 40 | 90, d128: 39 | 92. Error 3.5e-5: 10x a plain FP32
-//       kernel (the tensor cores truncate while accumulating; a 1536-MMA chain adds that up).
-//   v2: per-tile P·V accumulator added to O in FP32 (error 1.0e-6, below the clean FP32
-//       kernel's 3e-6); integer TF32 rounding instead of cvt; Q in shared memory. Same speed as
-//       v1, so conversions were not the limiter: the mma.sync TF32 rate is (bench measures it).
-//   v3: this file: v2 with the fastest tile configuration per d from v2's variant sweep:
-//       d64 Br 64 / Bc 64 / 4 warps (43 | 103), d128 Br 128 / Bc 64 / 8 warps (47 | 119).
+// Check resources with
+//   nvcc -arch=sm_90 -std=c++17 -Xptxas -v -c cuda_src/cuda/flash_fast.cu
+// Exploration configurations (other Bc / warps per block) are compiled only with
+// -DATTNSTEP_FLASH_FAST_VARIANTS (scripts/bench_gpu.sh); `main --bench --fast-variant I` picks one.
+// Versions and their measurements: docs/performance.md.
 #include "flash_fast.cuh"
 
 #include <cmath>

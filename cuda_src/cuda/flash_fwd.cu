@@ -1,19 +1,18 @@
-// flash_fwd.cu — FlashAttention-2 style forward pass in FP32 (the flash_output and flash_lse
-// stages), and flash_forward(), the dispatcher declared in flash.cuh.
-// Built by CMake with the binary (cmake -S . -B build && cmake --build build -j2); checked on a
-// GPU by scripts/gpu_smoke.sh against the CPU backend and a float64 NumPy reference.
+// flash_fwd.cu — the clean FlashAttention-2 style forward in plain FP32 (the flash_output and
+// flash_lse stages; `--flash-kernel clean`, and `auto` where no tensor-core kernel has a variant),
+// registered with the dispatcher as flash_clean_ops() (flash_dispatch.cuh). Checked on a GPU by
+// scripts/gpu_check.sh against the CPU backend and a float64 NumPy reference.
 //
 // Algorithm (Dao 2023, Algorithm 1, forward): a block owns Br query rows Qi and walks the Tc key
 // tiles Kj, Vj of Bc rows, keeping a running row max m, row sum l and unnormalized output O:
 //   S = Qi Kjᵀ · scale (masked to -inf), m_new = max(m, rowmax(S)), P = exp(S - m_new),
 //   l = exp(m - m_new)·l + rowsum(P), O = exp(m - m_new)·O + P Vj;  finally O /= l, lse = m + log l.
-// N×M is never materialized: S and P live one Br×Bc tile at a time.
+// N×M is never materialized: S and P live one Br×Bc tile at a time. FP32 CUDA cores, shared-memory
+// tiles, 128 threads; Precision::tf32 runs this FP32 kernel too.
 //
-// Versions:
-//   flash_fwd_kernel<d>  the clean kernel: FP32 CUDA cores, shared-memory tiles, 128 threads.
-//                        H200, 16 heads × 2048 × 2048, d = 64: 0.62 ms, 27.7 TFLOP/s (4·H·N·M·d).
-//                        Precision::tf32 runs this FP32 kernel too (no tensor-core path here;
-//                        flash_fast.cu adds one).
+// Arithmetic the verifier assumes (verify/tolerance.py, backend "cuda", which covers all three
+// kernels): FP32 products and sums (no tensor cores, no truncation), the scale applied to each dot
+// product (one rounding), expf (the GPU exp model), lse = m + logf(l), O·(1/l): two final roundings.
 #include <cuda_runtime.h>
 
 #include <algorithm>

@@ -1,26 +1,24 @@
 // kernels.cu — the memory-bound stage kernels of the CUDA backend: transpose (KT), scale + causal
-// mask (QK_scaled), row softmax (attention_weights) and the NaN poison fill.
-// Built by CMake with the binary (cmake -S . -B build && cmake --build build -j2); checked on a
-// GPU by scripts/gpu_smoke.sh, which compares every stage with the CPU backend and float64 NumPy.
+// mask (QK_scaled), row softmax (attention_weights) and the NaN poison fill. Checked on a GPU by
+// scripts/gpu_check.sh, which compares every stage with the CPU backend and float64 NumPy.
 //
-// Figures: scripts/gpu_smoke.sh on an H200, bytes read + written over the stage's event time,
-// against a 1 GiB device-to-device copy (4.2 TB/s).
+// Arithmetic the verifier assumes of them (verify/tolerance.py, backend "cuda"): KT is an exact
+// copy; QK_scaled is one FP32 product per element (x·scale, rounded once); attention_weights uses
+// expf (the GPU exp model: ~0.5 ulp RMS) on x − rowmax, an FP32 row sum, then 1/l and a product by
+// it (two final roundings).
+//
 // Each kernel aims at device-to-device copy bandwidth (bytes read + written): 16-byte float4
 // accesses where alignment allows, with a scalar path for odd widths, and several independent
-// loads in flight per thread.
+// loads in flight per thread (docs/performance.md has the measured fractions):
 //   transpose4_kernel   rows and cols multiples of 4: a 64×32 tile (128×16 when cols <= 16) moved
-//                       with float4 loads and stores, 2 of each in flight per thread. H200, K of
-//                       64 heads × 16384 × 64: 96% of copy bandwidth; × 16: 90%.
+//                       with float4 loads and stores, 2 of each in flight per thread.
 //   transpose_kernel    any shape: 32×32 scalar tile (padded: no bank conflicts), 4 loads per
-//                       thread; the fallback for widths not divisible by 4 (66% on the d = 64 case).
+//                       thread; the fallback for widths not divisible by 4.
 //   scale_mask_kernel   flat float4 over the whole buffer (any M: rows may straddle a vector), 4
 //                       vectors in flight per thread; one index division per vector, only when causal.
-//                       H200, 32 heads × 2048 × 2048 causal: 91% of copy bandwidth.
-//   softmax_rows_kernel one block per row. Version "cached": the row is read once into registers
-//                       (up to 32 floats per thread, 1024 threads: M <= 32768). H200: 99% of copy
-//                       bandwidth at 65536 rows × 2048, 82% at 4096 rows × 30000.
-//                       Version "uncached" (longer rows): three passes over global memory, kept
-//                       because it is correct for any M; slower by the two extra reads.
+//   softmax_rows_kernel one block per row. "Cached": the row is read once into registers (up to 32
+//                       floats per thread, 1024 threads: M <= 32768). "Uncached" (longer rows):
+//                       three passes over global memory, correct for any M.
 #include "kernels.cuh"
 
 #include <algorithm>

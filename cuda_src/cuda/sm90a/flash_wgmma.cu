@@ -5,9 +5,8 @@
 //     and a·b ≈ lo·hi + hi·lo + hi·hi accumulated in FP32, the small terms first.
 //   Precision::tf32: one product of TF32-rounded operands.
 //
-// Why a second tensor-core kernel: Hopper's full tensor rate is reached only through wgmma
-// (bench's ceilings on an H100: wgmma TF32 481 TFLOP/s, mma.sync TF32 317), and flash_fast.cu's
-// mma.sync kernel had stalled at 104-119 TFLOP/s TF32 (docs/performance.md). TF32 wgmma needs
+// Why a second tensor-core kernel: Hopper's full tensor rate is reached only through wgmma, well
+// above mma.sync's (bench measures both ceilings; docs/performance.md). TF32 wgmma needs
 // both operands K-major in shared memory (A may come from registers):
 //   S = Q·Kᵀ: A = Q tile (rows × d, d contiguous), B = K tile (keys × d, d contiguous): as stored.
 //   O = P·V:  A = P from the S accumulators (registers), B must be Vᵀ (d × keys, keys contiguous).
@@ -16,10 +15,9 @@
 // each 8-key block (flash::kperm) so that the S accumulators are P's A fragments as they stand,
 // and laid out exactly as shared memory wants a stage: each key tile's K parts, then its Vᵀ
 // parts, contiguous, so that one thread loads them with two bulk copies (bulk_copy.cuh), whose
-// completion the stage's K and Vᵀ mbarriers count. The per-thread cp.async loads this replaced
-// (with per-wgmma descriptor arithmetic, now constant offsets: desc_at) cost ~800 of the ~1500
-// instructions per warp and tile and a quarter of all stall samples (ncu source counters,
-// 3xTF32 d64: 50 -> 92 TFLOP/s). Q is split once per block into shared memory.
+// completion the stage's K and Vᵀ mbarriers count: per-thread loads would spend most of each
+// tile's instructions on address arithmetic. Descriptors are constant offsets from one base
+// (desc_at). Q is split once per block into shared memory.
 //
 // Structure: a block of NWG warpgroups owns BR = 64·NWG query rows; each warpgroup computes its
 // 64×BC slice of S with wgmma (A = Q hi/lo from shared memory), runs the online softmax on it in
@@ -31,7 +29,12 @@
 // the diagonal are never loaded, and a warpgroup whose rows are all above a tile skips it.
 // Shared-memory tiles use the no-swizzle K-major layout of wgmma.cuh (core matrices of 8 rows ×
 // 16 bytes). When heads·⌈N/BR⌉ blocks cannot fill the GPU, the KV loop is split and
-// flash_combine_splits (flash_fast.cu) merges.
+// combine_kv_splits (flash_dispatch.cu) merges.
+//
+// Arithmetic the verifier assumes (verify/tolerance.py, backend "cuda"): as flash_fast.cu's:
+// 3xTF32 (or TF32) products summed by the tensor cores with truncation, one KV tile per
+// accumulator chain, tiles added in FP32; scale·log2(e) rounded once per head; ex2.approx.ftz;
+// lse = (m + log2 l)·ln 2; four final roundings of O (1/l, and the split combine).
 //
 // Build: compiled for sm_90a only (CMakeLists.txt: the attnstep_sm90a object library); check
 // resources with
@@ -436,8 +439,8 @@ __global__ void __launch_bounds__(kPeakWarpgroups * kWarpgroup, 1) wgmma_peak_ke
 // ---------------------------------------------------------------------------------------------
 // Host side.
 
-// The tile configuration for width D, precision and causality (void: none). The fastest measured
-// on an H100 (docs/performance.md, "flash_wgmma configurations").
+// The tile configuration for width D, precision and causality (void: none): the fastest measured
+// (docs/performance.md, "flash_wgmma configurations (H100)").
 template <int D, bool kThree, bool kCausal>
 struct WgConfig {
     using type = void;
@@ -506,13 +509,10 @@ void launch_tiles(const FlashArgs& a, const KernelPlan& plan, cudaStream_t strea
     ws.release();
 }
 
-// Where this kernel beats flash_fast.cu's mma.sync kernel (`main --bench --only flash` on an H100,
-// B4 H16, TFLOP/s wgmma vs mma.sync; docs/performance.md): at N = M = 4096 everywhere, by 1.3-2.1x
-// (3xTF32 d64 92 vs 44, d128 78 vs 48; TF32 d64 218 vs 108, d128 223 vs 122; causal 66-129 vs
-// 40-112). At N = M = 1024 the per-call preparation pass and the blocks' causal waste weigh more:
-// faster non-causal at d64 (3xTF32 50 vs 41, TF32 100 vs 97) and 3xTF32 d128 causal (34 vs 32),
-// slower for the other causal cases (d64 27 vs 30, TF32 d64 55 vs 72, TF32 d128 65 vs 76) and
-// 3xTF32 d128 (42 vs 46). `auto` follows, with 2048 between the measured 1024 and 4096.
+// Where `auto` takes this kernel over flash_fast.cu's mma.sync one: where it measured faster
+// (docs/performance.md, "Where `auto` takes flash_wgmma"). Its per-call preparation pass and its
+// 64-row blocks' causal waste cost more on short sequences, so it starts from N = M = 2048, and
+// from 1024 for d64 non-causal.
 bool preferred(const FlashArgs& a) {
     const int min_rows = (!a.causal && a.d == 64) ? 1024 : 2048;
     return a.N >= min_rows && a.M >= min_rows;
