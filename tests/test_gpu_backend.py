@@ -6,12 +6,14 @@ Shapes: tests/shapes.py (irregular on purpose) plus rows that take the softmax k
 """
 from __future__ import annotations
 
+import json
+import subprocess
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from verify.case import read_matrix
+from verify.case import read_matrix, write_matrix
 from verify.outputs import load_run
 from verify.compare import check
 from verify.generate import generate_case
@@ -180,3 +182,73 @@ def test_each_tensor_core_flash_kernel_matches_float64(binary, tmp_path, kernel,
             for stage in ("flash_output", "flash_lse"):
                 e = rel_err(read_matrix(run.file(stage, head)), ref[stage])
                 assert within(e, tol), f"{kernel} {precision} causal={causal} {stage} head {head}: {e:.3g}"
+
+
+def run_flash(binary: Path, in_dir: Path, out_dir: Path, kernel: str, *extra: str):
+    """Runs the flash stages with `kernel` forced; skips where this GPU has no such kernel."""
+    res = run_binary(binary, in_dir, out_dir, backend="cuda", check=False,
+                     extra=["--poison", "--stages", "flash", "--flash-kernel", kernel, *extra])
+    if res.returncode == 2 and f"no {kernel} variant" in res.stderr:
+        pytest.skip(f"this GPU has no {kernel} kernel: {res.stderr.strip()}")
+    assert res.returncode == 0, res.stderr
+    return load_run(out_dir)
+
+
+def test_wgmma_takes_more_key_tiles_than_grid_y_holds(binary, tmp_path):
+    # The wgmma kernel's preparation pass puts K's tiles of 64 keys (3xTF32 d64) on one grid
+    # dimension: past 65535 tiles (M = 4,194,240) it must be x, the only one that holds more.
+    dims = Dims(batch=1, heads=1, seq_q=5, seq_k=65535 * 64 + 65, d_k=64, d_v=64)
+    in_dir = generate_case(tmp_path / "in", dims, seed=7, fmt="npy")
+    run = run_flash(binary, in_dir, tmp_path / "out", "wgmma")
+    ref = reference_chain(inputs_of(in_dir, 0), float(run.values["scale"]), False,
+                          ["flash_output", "flash_lse"])
+    for stage in ("flash_output", "flash_lse"):
+        e = rel_err(read_matrix(run.file(stage, 0)), ref[stage])
+        assert within(e, FP32_TOL), f"{stage}: {e:.3g}"
+
+
+# Rows of Q that get a NaN: the first and last rows and one inside; one head of several.
+NAN_ROWS = (0, 37, -1)
+NAN_SHAPES = [
+    Dims(batch=1, heads=1, seq_q=70, seq_k=300, d_k=64, d_v=64),    # few blocks: the KV loop is split
+    Dims(batch=1, heads=3, seq_q=130, seq_k=97, d_k=128, d_v=128),
+]
+
+
+@pytest.mark.parametrize("kernel", ["wgmma", "fast"])
+@pytest.mark.parametrize("precision", ["fp32", "tf32"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dims", NAN_SHAPES, ids=[shape_id(d, False) for d in NAN_SHAPES])
+def test_nan_in_q_gives_nan_rows_in_each_tensor_core_kernel(binary, tmp_path, kernel, precision, causal, dims):
+    in_dir = generate_case(tmp_path / "in", dims, causal=causal, seed=9, distribution="normal", fmt="npy")
+    head = 1 if dims.total_heads > 1 else 0
+    q_file = in_dir / stage_file("Q", head, "npy")
+    q = read_matrix(q_file).astype(np.float32)
+    rows = sorted({r % dims.seq_q for r in NAN_ROWS})
+    q[rows, 5] = np.nan
+    write_matrix(q_file, q, "npy")
+    run = run_flash(binary, in_dir, tmp_path / "out", kernel, "--allow-nonfinite", "--precision", precision)
+    ref = reference_chain(inputs_of(in_dir, head), float(run.values["scale"]), causal,
+                          ["flash_output", "flash_lse"])
+    out = read_matrix(run.file("flash_output", head))
+    lse = read_matrix(run.file("flash_lse", head)).reshape(-1)
+    assert np.isnan(out[rows]).all(), f"{kernel} {precision}: rows {rows} of flash_output not all NaN"
+    assert np.isnan(lse[rows]).all(), f"{kernel} {precision}: flash_lse {lse[rows]}"
+    others = np.setdiff1d(np.arange(dims.seq_q), rows)
+    tol = FP32_TOL if precision == "fp32" else TF32_TOL
+    assert within(rel_err(out[others], ref["flash_output"][others]), tol)
+    assert within(rel_err(lse[others], ref["flash_lse"].reshape(-1)[others]), tol)
+
+
+def test_tensor_core_kernels_take_more_heads_than_one_launch_holds(binary, tmp_path):
+    # The tensor-core kernels put heads on grid.y (at most 65535): more heads go in several
+    # launches. `--bench --check` compares the first and the last head with float64.
+    out = tmp_path / "bench.json"
+    res = subprocess.run([str(binary), "--bench", "--batch", "1", "--heads", "65537", "--seq-q", "16",
+                          "--seq-k", "16", "--d", "64", "--only", "flash", "--check", "--warmup", "0",
+                          "--reps", "1", "--json", str(out)], capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr
+    kernels = {k["name"]: k for k in json.loads(out.read_text())["kernels"]}
+    assert {"flash", "flash_fast"} <= set(kernels), kernels
+    for name, k in kernels.items():
+        assert k["status"] == "ok" and k["check"]["passed"] is True, (name, k)

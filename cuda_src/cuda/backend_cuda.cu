@@ -1,8 +1,8 @@
 // backend_cuda.cu — the CUDA backend: computes a group of heads stage by stage on the GPU with
-// cuBLAS GEMMs, the kernels of kernels.cu and the flash forward of flash_fwd.cu.
+// cuBLAS GEMMs (gemm.cu), the kernels of kernels.cu and the flash forward (flash_dispatch.cu).
 // Built by CMake when a CUDA toolkit is found (ATTNSTEP_HAVE_CUDA=1); run with
 // `build/main --in data/random_test --out data/random_verify --backend cuda`; checked on a GPU by
-// scripts/gpu_smoke.sh and tests/test_gpu_backend.py.
+// scripts/gpu_check.sh and tests/test_gpu_backend.py.
 //
 // Per group: Q, K, V are copied host -> device once, each stage in `computed` runs on one stream
 // (timed with a pair of CUDA events), and each computed stage is copied back to group.out[s].
@@ -21,6 +21,7 @@
 #include "../common.h"
 #include "cuda_check.cuh"
 #include "flash.cuh"
+#include "gemm.cuh"
 #include "kernels.cuh"
 
 namespace attnstep {
@@ -92,8 +93,6 @@ private:
     Buffers carve_buffers(const Dims& d, StageSet computed, int heads);
     void reserve_arena(size_t bytes);
     void run_stages(const Problem& p, StageSet computed, int heads, const Buffers& b);
-    void gemm_qk(const Dims& d, int heads, const float* Q, const float* K, float* QK);
-    void gemm_output(const Dims& d, int heads, const float* P, const float* V, float* O);
     // Runs `work` on the stream, between the stage's two events unless record_events_ is off.
     template <class Work>
     void timed(Stage s, Work&& work);
@@ -223,30 +222,6 @@ void CudaBackend::timed(Stage s, Work&& work) {
     timed_[i] = true;
 }
 
-// Row-major S[N][M] = Q[N][dk] · K[M][dk]ᵀ. cuBLAS is column-major, and a row-major X[r][c] is the
-// column-major Xᵀ (c×r, leading dimension c). So compute the column-major Sᵀ (M×N, ldc = M)
-// = K · Qᵀ, where A = K is stored column-major as dk×M (lda = dk) and taken transposed (M×dk),
-// and B = Q is stored column-major as dk×N (ldb = dk) and taken as is (= Qᵀ, dk×N).
-void CudaBackend::gemm_qk(const Dims& d, int heads, const float* Q, const float* K, float* QK) {
-    const float one = 1.f, zero = 0.f;
-    CUBLAS_CHECK(cublasSgemmStridedBatched(
-        blas_, CUBLAS_OP_T, CUBLAS_OP_N, /*m=*/d.M, /*n=*/d.N, /*k=*/d.dk, &one,
-        K, /*lda=*/d.dk, /*strideA=*/static_cast<long long>(d.M) * d.dk,
-        Q, /*ldb=*/d.dk, /*strideB=*/static_cast<long long>(d.N) * d.dk, &zero,
-        QK, /*ldc=*/d.M, /*strideC=*/static_cast<long long>(d.N) * d.M, heads));
-}
-
-// Row-major O[N][dv] = P[N][M] · V[M][dv]. Column-major: Oᵀ (dv×N, ldc = dv) = Vᵀ · Pᵀ, where
-// Vᵀ is V's storage read column-major (dv×M, lda = dv) and Pᵀ is P's (M×N, ldb = M); no transposes.
-void CudaBackend::gemm_output(const Dims& d, int heads, const float* P, const float* V, float* O) {
-    const float one = 1.f, zero = 0.f;
-    CUBLAS_CHECK(cublasSgemmStridedBatched(
-        blas_, CUBLAS_OP_N, CUBLAS_OP_N, /*m=*/d.dv, /*n=*/d.N, /*k=*/d.M, &one,
-        V, /*lda=*/d.dv, /*strideA=*/static_cast<long long>(d.M) * d.dv,
-        P, /*ldb=*/d.M, /*strideB=*/static_cast<long long>(d.N) * d.M, &zero,
-        O, /*ldc=*/d.dv, /*strideC=*/static_cast<long long>(d.N) * d.dv, heads));
-}
-
 void CudaBackend::run_stages(const Problem& p, StageSet computed, int heads, const Buffers& b) {
     const Dims& d = p.dims;
     auto buf = [&](Stage s) { return b.at[static_cast<int>(s)]; };
@@ -254,7 +229,7 @@ void CudaBackend::run_stages(const Problem& p, StageSet computed, int heads, con
         timed(Stage::KT, [&] { launch_transpose(buf(Stage::K), buf(Stage::KT), heads, d.M, d.dk, stream_); });
     }
     if (computed.has(Stage::QK)) {
-        timed(Stage::QK, [&] { gemm_qk(d, heads, buf(Stage::Q), buf(Stage::K), buf(Stage::QK)); });
+        timed(Stage::QK, [&] { gemm_qk(blas_, d, heads, buf(Stage::Q), buf(Stage::K), buf(Stage::QK)); });
     }
     if (computed.has(Stage::QK_scaled)) {
         timed(Stage::QK_scaled, [&] {
@@ -268,7 +243,7 @@ void CudaBackend::run_stages(const Problem& p, StageSet computed, int heads, con
         });
     }
     if (computed.has(Stage::output)) {
-        timed(Stage::output, [&] { gemm_output(d, heads, buf(Stage::attention_weights), buf(Stage::V), buf(Stage::output)); });
+        timed(Stage::output, [&] { gemm_output(blas_, d, heads, buf(Stage::attention_weights), buf(Stage::V), buf(Stage::output)); });
     }
     if (computed.any_flash()) {
         FlashArgs a = flash_args(p);
@@ -305,14 +280,12 @@ void CudaBackend::compute(const Problem& p, StageSet computed, HeadGroup& group,
     check_sources_computed(computed);
     if (computed.any_flash() && !flash_supported(p.dims)) {
         fail(kExitBadInput,
-             "the flash stages need d_k == d_v in {16, 32, 64, 128}; got d_k=" + std::to_string(p.dims.dk) +
+             "the flash stages need d_k == d_v in " + flash_head_dims_text() + "; got d_k=" + std::to_string(p.dims.dk) +
                  ", d_v=" + std::to_string(p.dims.dv),
              "select the stage path only (--stages stages) for this shape");
     }
     const Dims& d = p.dims;
-    // cuBLAS: true FP32 unless TF32 tensor-core math was asked for.
-    CUBLAS_CHECK(cublasSetMathMode(
-        blas_, p.precision == Precision::tf32 ? CUBLAS_TF32_TENSOR_OP_MATH : CUBLAS_DEFAULT_MATH));
+    set_gemm_precision(blas_, p.precision);
 
     const Buffers b = carve_buffers(d, computed, heads);
     for (bool& t : timed_) t = false;

@@ -1,4 +1,5 @@
-// flash.cuh — the FlashAttention forward launchers the CUDA backend dispatches between.
+// flash.cuh — the FlashAttention forward as the CUDA backend and bench call it (flash_dispatch.cu
+// picks and launches one of the kernels registered in flash_dispatch.cuh).
 // All pointers are device memory; `heads` matrices lie back to back, row-major:
 //   Q [heads][N][d], K [heads][M][d], V [heads][M][d] -> O [heads][N][d], lse [heads][N].
 // lse[r] = log sum_c exp(scale * q_r . k_c) over the keys row r sees (natural log).
@@ -23,23 +24,13 @@ struct FlashArgs {
     FlashKernel kernel = FlashKernel::automatic;
 };
 
-// What the dispatcher will run for these arguments: the kernel and its tiles. Throws (exit 2)
-// when `kernel` forces the fast kernel and it has no variant for them.
+// What flash_forward will run for these arguments: the kernel and its tiles. Throws (exit 2)
+// when `kernel` forces a kernel that has no variant for them.
 FlashPlan flash_forward_plan(const FlashArgs& a);
-
-// The kernel flash_forward runs for given arguments, and its plan (tiles, name for run.toml).
-enum class FlashBackendChoice { wgmma, fast, clean };
-FlashBackendChoice choose_flash_kernel(const FlashArgs& a, FlashPlan* plan);
 
 // Device memory flash_forward allocates per head beyond its arguments (the wgmma kernel's split
 // operands), for the backend's memory budget.
 size_t flash_workspace_bytes_per_head(const FlashArgs& a);
-
-inline void flash_forward_tiles(const FlashArgs& a, int* Br, int* Bc) {
-    FlashPlan plan = flash_forward_plan(a);
-    *Br = plan.Br;
-    *Bc = plan.Bc;
-}
 
 // Launches the forward pass on `stream`; checks the launch. Requires flash_supported().
 void flash_forward(const FlashArgs& a, cudaStream_t stream);

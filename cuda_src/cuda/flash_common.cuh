@@ -7,6 +7,8 @@
 #include <cmath>
 #include <cstdint>
 
+#include "warp.cuh"
+
 namespace attnstep {
 namespace flash {
 
@@ -70,15 +72,6 @@ __device__ __forceinline__ float exp2_ftz(float x) {
     float y;
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
     return y;
-}
-
-__device__ __forceinline__ float quad_max(float x) {
-    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
-    return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
-}
-__device__ __forceinline__ float quad_sum(float x) {
-    x += __shfl_xor_sync(0xffffffffu, x, 1);
-    return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
 // x = S·scale·log2e: the softmax runs in base 2. Before masking, so that a negative scale cannot
@@ -152,7 +145,11 @@ __device__ __forceinline__ void online_softmax(float (&s)[BC / 8][4], float (&o)
 __host__ __device__ constexpr int kperm(int p) { return p < 4 ? 2 * p : 2 * (p - 4) + 1; }
 
 // Writes the thread's two rows of O / l and their lse = (m + log2 l)·ln 2. A split that saw no key
-// writes O = 0, lse = -inf, which the combine step weighs as 0. O: the head's [N][D] output.
+// (l = 0) writes O = 0, lse = -inf, which the combine step weighs as 0. A row whose scores hold a
+// NaN (NaN in Q or K under --allow-nonfinite) has l = NaN, and O and lse come out NaN: the running
+// max (fmaxf) skips NaN and the TF32 rounding of P may turn 2^NaN into ±0 before P·V, so the FP32
+// row sum is where the NaN survives; testing it here keeps the per-tile path free of NaN checks.
+// O: the head's [N][D] output.
 template <int D>
 __device__ __forceinline__ void store_rows(const float (&o)[D / 8][4], const float (&m)[2],
                                            const float (&l)[2], float* O, float* lse, int row0,
@@ -162,13 +159,13 @@ __device__ __forceinline__ void store_rows(const float (&o)[D / 8][4], const flo
         const int row = row0 + 8 * r;
         const float lsum = quad_sum(l[r]);
         if (row >= N) continue;
-        const float inv = lsum > 0.f ? 1.f / lsum : 0.f;
+        const float inv = lsum == 0.f ? 0.f : 1.f / lsum;  // NaN stays NaN
 #pragma unroll
         for (int nt = 0; nt < D / 8; ++nt) {
             *reinterpret_cast<float2*>(O + static_cast<size_t>(row) * D + nt * 8 + 2 * t) =
                 make_float2(o[nt][2 * r] * inv, o[nt][2 * r + 1] * inv);
         }
-        if (t == 0) lse[row] = lsum > 0.f ? (m[r] + log2f(lsum)) * kLn2 : -INFINITY;
+        if (t == 0) lse[row] = lsum == 0.f ? -INFINITY : (m[r] + log2f(lsum)) * kLn2;
     }
 }
 

@@ -19,28 +19,27 @@
 // blocks cannot fill the GPU, the KV loop is split across blocks and a combine kernel merges the
 // partial outputs with their lse.
 //
-// Build: part of build/main (CMake globs cuda_src/cuda/*.cu); check resources with
-//   nvcc -arch=sm_90 -std=c++17 -Xptxas -v -c cuda_src/cuda/flash_fast.cu
-// Exploration variants (other Bc / warps per block) are compiled only with
-// -DATTNSTEP_FLASH_FAST_VARIANTS (scripts/bench_gpu.sh); `main --bench --fast-variant I` picks one.
-// Run / time / check: build/main --bench --batch 4 --heads 16 --seq-q 4096 --seq-k 4096 --d 64 --check
+// Arithmetic the verifier assumes (verify/tolerance.py, backend "cuda"): 3xTF32 products (or one
+// TF32 product under Precision::tf32), summed by the tensor cores, which truncate while they
+// accumulate (up to one ulp of the running sum per mma, 3 mma per 8-long chunk in 3xTF32), over one
+// KV tile only: each tile's P·V is added to O in FP32. The logits carry scale·log2(e), rounded once
+// for the whole head; 2^x by ex2.approx.ftz (the GPU exp model, ~2 ulp at most); lse =
+// (m + log2 l)·ln 2; O·(1/l), and with a KV split the combine's rescale, add and divide: four
+// final roundings.
 //
-// Versions (H200, B4 H16 N=M=4096, TFLOP/s fp32 | tf32; all numbers in docs/performance.md):
-//   v1: cvt.rna.tf32 conversions, K/V split per warp, Q raw in registers, O accumulated over all
-//       keys inside the tensor cores. d64: 40 | 90, d128: 39 | 92. Error 3.5e-5: 10x a plain FP32
-//       kernel (the tensor cores truncate while accumulating; a 1536-MMA chain adds that up).
-//   v2: per-tile P·V accumulator added to O in FP32 (error 1.0e-6, below the clean FP32
-//       kernel's 3e-6); integer TF32 rounding instead of cvt; Q in shared memory. Same speed as
-//       v1, so conversions were not the limiter: the mma.sync TF32 rate is (bench measures it).
-//   v3: this file: v2 with the fastest tile configuration per d from v2's variant sweep:
-//       d64 Br 64 / Bc 64 / 4 warps (43 | 103), d128 Br 128 / Bc 64 / 8 warps (47 | 119).
+// Check resources with
+//   nvcc -arch=sm_90 -std=c++17 -Xptxas -v -c cuda_src/cuda/flash_fast.cu
+// Exploration configurations (other Bc / warps per block) are compiled only with
+// -DATTNSTEP_FLASH_FAST_VARIANTS (scripts/bench_gpu.sh); `main --bench --fast-variant I` picks one.
+// Versions and their measurements: docs/performance.md.
 #include "flash_fast.cuh"
 
-#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "cuda_check.cuh"
+#include "device.cuh"
 #include "flash_common.cuh"
 
 namespace attnstep {
@@ -48,8 +47,6 @@ namespace {
 
 using namespace flash;  // flash_common.cuh: TF32 split, cp.async, online softmax
 
-constexpr int kWarp = 32;
-constexpr int kMaxSplits = 16;
 
 // ---------------------------------------------------------------------------------------------
 // Device helpers: TF32 conversion, the MMA, cp.async. TF32 mma.sync and cp.async need sm_80; the
@@ -365,213 +362,129 @@ __global__ void __launch_bounds__(T::THREADS, T::MIN_BLOCKS)
 }
 
 // ---------------------------------------------------------------------------------------------
-// Launchers and dispatch.
+// Tile configurations and launch.
 
-struct Plan {
-    int Br, Bc, splits;
+// The tile configuration `kConfig` has for width D (void: none). Config 0 is the shipped one, the
+// fastest of scripts/bench_gpu.sh's variant sweep. Per block, from ptxas (-Xptxas -v, sm_90;
+// registers fp32 / tf32) and SMEM_BYTES:
+//   d16:  128 threads, 127 / 90 regs, 22 KB;   d32: 128 threads, 161 / 119 regs, 38 KB;
+//   d64:  128 threads, 164 / 137 regs, 88 KB (2 blocks/SM);
+//   d128: 256 threads, 244 / 196 regs, 202 KB (1 block/SM).
+template <int kConfig, int D>
+struct FastConfig {
+    using type = void;
 };
+template <> struct FastConfig<0, 16> { using type = Tiles<16, 64, 4, 3, QStore::regs>; };
+template <> struct FastConfig<0, 32> { using type = Tiles<32, 64, 4, 3, QStore::regs>; };
+template <> struct FastConfig<0, 64> { using type = Tiles<64, 64, 4, 2, QStore::smem>; };
+template <> struct FastConfig<0, 128> { using type = Tiles<128, 64, 8, 1, QStore::smem>; };
+#ifdef ATTNSTEP_FLASH_FAST_VARIANTS
+// Exploration configurations (`main --bench --fast-variant I`).
+// 1: Bc = 32, more blocks per SM.
+template <> struct FastConfig<1, 64> { using type = Tiles<64, 32, 4, 4, QStore::smem_split>; };
+template <> struct FastConfig<1, 128> { using type = Tiles<128, 32, 4, 2, QStore::smem>; };
+// 2: d = 64: Q split once in shared memory; d = 128: 8 warps, Bc = 32.
+template <> struct FastConfig<2, 64> { using type = Tiles<64, 64, 4, 2, QStore::smem_split>; };
+template <> struct FastConfig<2, 128> { using type = Tiles<128, 32, 8, 1, QStore::smem>; };
+// 3: d = 64: 8 warps (Br = 128); d = 128: 4 warps, Bc = 64.
+template <> struct FastConfig<3, 64> { using type = Tiles<64, 64, 8, 1, QStore::smem_split>; };
+template <> struct FastConfig<3, 128> { using type = Tiles<128, 64, 4, 1, QStore::smem>; };
+#endif
 
-// Blocks of one instantiation that fit on an SM at once, asked of the runtime once.
+// Calls f(TypeTag<T>{}) with configuration kConfig's tiles for width d; false where it has none.
+template <int kConfig, class F>
+bool with_config_tiles(int d, F& f) {
+    return with_head_dim(d, [&](auto D) {
+        using T = typename FastConfig<kConfig, constant_v<decltype(D)>>::type;
+        if constexpr (std::is_void_v<T>) {
+            return false;
+        } else {
+            f(TypeTag<T>{});
+            return true;
+        }
+    });
+}
+template <class F>
+bool with_tiles(int config, int d, F&& f) {
+    switch (config) {
+        case 0: return with_config_tiles<0>(d, f);
+#ifdef ATTNSTEP_FLASH_FAST_VARIANTS
+        case 1: return with_config_tiles<1>(d, f);
+        case 2: return with_config_tiles<2>(d, f);
+        case 3: return with_config_tiles<3>(d, f);
+#endif
+        default: return false;
+    }
+}
+
+// Calls f(three, causal), both std::bool_constant: 3xTF32 or TF32, causal or not, as `a` asks.
+template <class F>
+decltype(auto) with_variant(const FlashArgs& a, F&& f) {
+    return with_flag(a.precision == Precision::fp32, [&](auto three) {
+        return with_flag(a.causal, [&](auto causal) { return f(three, causal); });
+    });
+}
+
+// Blocks of one instantiation that fit on an SM at once (raising its shared-memory limit), asked
+// of the runtime once.
 template <class T, bool kThree, bool kCausal>
 int blocks_per_sm() {
-    static int cached = 0;
-    if (cached == 0) {
-        auto kernel = flash_fast_kernel<T, kThree, kCausal>;
-        // Above 48 KB a kernel must opt in to its dynamic shared memory.
-        CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        static_cast<int>(T::SMEM_BYTES)));
-        CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&cached, kernel, T::THREADS,
-                                                                 T::SMEM_BYTES));
-        if (cached < 1) cached = 1;
-    }
-    return cached;
+    static const int blocks = prepare_kernel(
+        reinterpret_cast<const void*>(flash_fast_kernel<T, kThree, kCausal>), T::THREADS, T::SMEM_BYTES);
+    return blocks;
+}
+
+template <class T, bool kThree, bool kCausal>
+void launch_tiles(const FlashArgs& a, const KernelPlan& plan, cudaStream_t stream) {
+    blocks_per_sm<T, kThree, kCausal>();
+    // Split partial outputs live in a stream-ordered workspace, freed after the combine step.
+    StreamWorkspace ws(split_partial_floats(a, plan.splits), stream);
+    const FlashOutputs out = kernel_outputs(a, plan.splits, ws.p);
+    const FastParams p{a.Q, a.K, a.V, out.O, out.lse, a.heads, a.N, a.M, a.scale * kLog2e, plan.splits};
+    flash_fast_kernel<T, kThree, kCausal><<<query_block_grid(a, plan), T::THREADS, T::SMEM_BYTES, stream>>>(p);
+    LAUNCH_CHECK(flash_fast_kernel);
+    combine_kv_splits(a, plan.splits, out, stream);
+    ws.release();
 }
 
 // TF32 mma.sync and cp.async need compute capability 8.0 or newer.
-bool device_supported() {
-    static int major = -1;
-    if (major < 0) {
-        int dev = 0;
-        CUDA_CHECK(cudaGetDevice(&dev));
-        CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
-    }
-    return major >= 8;
+bool device_supported() { return device_compute_capability() >= 80; }
+
+bool plan_shipped(const FlashArgs& a, int forced_splits, KernelPlan* plan) {
+    return flash_fast_config_plan(a, 0, forced_splits, plan);
+}
+
+void launch_fast(const FlashArgs& a, const KernelPlan& plan, cudaStream_t stream) {
+    with_tiles(plan.config, a.d, [&](auto tag) {
+        using T = tag_type<decltype(tag)>;
+        with_variant(a, [&](auto three, auto causal) {
+            launch_tiles<T, constant_v<decltype(three)>, constant_v<decltype(causal)>>(a, plan, stream);
+        });
+    });
 }
 
 }  // namespace
 
-int flash_sm_count() {
-    static int count = 0;
-    if (count == 0) {
-        int dev = 0;
-        CUDA_CHECK(cudaGetDevice(&dev));
-        CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, dev));
-    }
-    return count;
+bool flash_fast_config_plan(const FlashArgs& a, int config, int forced_splits, KernelPlan* plan) {
+    if (a.heads < 1 || a.N < 1 || a.M < 1 || !device_supported()) return false;
+    return with_tiles(config, a.d, [&](auto tag) {
+        using T = tag_type<decltype(tag)>;
+        const int n_tiles = ceil_div(a.M, T::BC);
+        int splits = forced_splits;
+        if (splits <= 0) {
+            const int per_sm = with_variant(a, [&](auto three, auto causal) {
+                return blocks_per_sm<T, constant_v<decltype(three)>, constant_v<decltype(causal)>>();
+            });
+            splits = choose_kv_splits(static_cast<long long>(a.heads) * ceil_div(a.N, T::BR),
+                                      static_cast<long long>(device_sm_count()) * per_sm, n_tiles);
+        }
+        *plan = KernelPlan{T::BR, T::BC, clamp_kv_splits(splits, n_tiles), 0, config};
+    });
 }
 
-// Merges the splits: lse = log Σ_i exp(lse_i), O = Σ_i exp(lse_i − lse) O_i. One thread per
-// output element; the thread of column 0 also writes lse.
-namespace {
-__global__ void flash_fast_combine(const float* Opart, const float* lse_part, float* O, float* lse,
-                                   int rows, int d, int splits) {
-    const long long idx = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
-    if (idx >= static_cast<long long>(rows) * d) return;
-    const int row = static_cast<int>(idx / d), col = static_cast<int>(idx % d);
-    float mx = -INFINITY;
-    for (int i = 0; i < splits; ++i) mx = fmaxf(mx, lse_part[static_cast<size_t>(i) * rows + row]);
-    float wsum = 0.f, acc = 0.f;
-    for (int i = 0; i < splits; ++i) {
-        const float li = lse_part[static_cast<size_t>(i) * rows + row];
-        const float w = li == -INFINITY ? 0.f : expf(li - mx);
-        wsum += w;
-        acc += w * Opart[(static_cast<size_t>(i) * rows + row) * d + col];
-    }
-    O[idx] = acc / wsum;
-    if (col == 0) lse[row] = mx + logf(wsum);
-}
-}  // namespace
-
-void flash_combine_splits(const float* Opart, const float* lse_part, float* O, float* lse, size_t rows,
-                          int d, int splits, cudaStream_t stream) {
-    const int threads = 256;
-    const long long elems = static_cast<long long>(rows) * d;
-    flash_fast_combine<<<static_cast<unsigned>((elems + threads - 1) / threads), threads, 0, stream>>>(
-        Opart, lse_part, O, lse, static_cast<int>(rows), d, splits);
-    LAUNCH_CHECK(flash_fast_combine);
-}
-
-namespace {
-
-// Split the KV loop only when the blocks would leave SMs idle, into at most kMaxSplits parts of
-// at least 2 tiles each (fewer tiles per split means more partial outputs than useful work).
-template <class T, bool kThree, bool kCausal>
-int choose_splits(const FlashArgs& a) {
-    const long long blocks = static_cast<long long>(a.heads) * ceil_div(a.N, T::BR);
-    const long long slots = static_cast<long long>(flash_sm_count()) * blocks_per_sm<T, kThree, kCausal>();
-    if (blocks >= slots) return 1;
-    const int n_tiles = ceil_div(a.M, T::BC);
-    int splits = static_cast<int>((slots + blocks - 1) / blocks);
-    splits = std::min(splits, std::max(1, n_tiles / 2));
-    return std::max(1, std::min(splits, kMaxSplits));
-}
-
-template <class T, bool kThree, bool kCausal>
-void launch(const FlashArgs& a, int splits, cudaStream_t stream) {
-    auto kernel = flash_fast_kernel<T, kThree, kCausal>;
-    blocks_per_sm<T, kThree, kCausal>();  // also raises the shared-memory limit
-    splits = std::max(1, std::min(splits, ceil_div(a.M, T::BC)));
-    FastParams p{a.Q, a.K, a.V, a.O, a.lse, a.heads, a.N, a.M, a.scale * kLog2e, splits};
-    const dim3 grid(ceil_div(a.N, T::BR), a.heads, splits);
-    if (splits == 1) {
-        kernel<<<grid, T::THREADS, T::SMEM_BYTES, stream>>>(p);
-        LAUNCH_CHECK(flash_fast_kernel);
-        return;
-    }
-    // Partial outputs live in a stream-ordered workspace, freed after the combine step.
-    const size_t rows = static_cast<size_t>(a.heads) * a.N;
-    float* ws = nullptr;
-    CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&ws),
-                               static_cast<size_t>(splits) * rows * (a.d + 1) * sizeof(float),
-                               stream));
-    p.O = ws;
-    p.lse = ws + static_cast<size_t>(splits) * rows * a.d;
-    kernel<<<grid, T::THREADS, T::SMEM_BYTES, stream>>>(p);
-    LAUNCH_CHECK(flash_fast_kernel);
-    flash_combine_splits(p.O, p.lse, a.O, a.lse, rows, a.d, splits, stream);
-    CUDA_CHECK(cudaFreeAsync(ws, stream));
-}
-
-// One tile configuration: dispatch on precision and causality. forced_splits <= 0 chooses.
-template <class T>
-bool run_config(const FlashArgs& a, int forced_splits, Plan* plan, bool do_launch,
-                cudaStream_t stream) {
-    const bool three = a.precision == Precision::fp32;
-    int splits = forced_splits;
-    if (splits <= 0) {
-        splits = three ? (a.causal ? choose_splits<T, true, true>(a) : choose_splits<T, true, false>(a))
-                       : (a.causal ? choose_splits<T, false, true>(a)
-                                   : choose_splits<T, false, false>(a));
-    }
-    splits = std::max(1, std::min(splits, ceil_div(a.M, T::BC)));
-    if (plan) *plan = Plan{T::BR, T::BC, splits};
-    if (!do_launch) return true;
-    if (three) {
-        if (a.causal) launch<T, true, true>(a, splits, stream);
-        else launch<T, true, false>(a, splits, stream);
-    } else {
-        if (a.causal) launch<T, false, true>(a, splits, stream);
-        else launch<T, false, false>(a, splits, stream);
-    }
-    return true;
-}
-
-// The shipped configuration per head dim (Br = 64 rows per block of 4 warps, Bc = 64 keys).
-// variant != 0 selects exploration configurations when they are compiled in.
-bool dispatch(const FlashArgs& a, int variant, int forced_splits, Plan* plan, bool do_launch,
-              cudaStream_t stream) {
-    if (a.heads < 1 || a.heads > 65535 || a.N < 1 || a.M < 1 || !device_supported()) return false;
-    switch (variant) {
-        // The shipped configurations (fastest of scripts/bench_gpu.sh's variant sweep). Per block,
-        // from ptxas (-Xptxas -v, sm_90; registers fp32 / tf32) and SMEM_BYTES:
-        //   d16:  128 threads, 127 / 90 regs, 22 KB;   d32: 128 threads, 161 / 119 regs, 38 KB;
-        //   d64:  128 threads, 164 / 137 regs, 88 KB (2 blocks/SM);
-        //   d128: 256 threads, 244 / 196 regs, 202 KB (1 block/SM).
-        case 0:
-            switch (a.d) {
-                case 16: return run_config<Tiles<16, 64, 4, 3, QStore::regs>>(a, forced_splits, plan, do_launch, stream);
-                case 32: return run_config<Tiles<32, 64, 4, 3, QStore::regs>>(a, forced_splits, plan, do_launch, stream);
-                case 64: return run_config<Tiles<64, 64, 4, 2, QStore::smem>>(a, forced_splits, plan, do_launch, stream);
-                case 128: return run_config<Tiles<128, 64, 8, 1, QStore::smem>>(a, forced_splits, plan, do_launch, stream);
-                default: return false;  // no variant: the clean kernel handles it
-            }
-#ifdef ATTNSTEP_FLASH_FAST_VARIANTS
-        case 1:  // Bc = 32, more blocks per SM
-            switch (a.d) {
-                case 64: return run_config<Tiles<64, 32, 4, 4, QStore::smem_split>>(a, forced_splits, plan, do_launch, stream);
-                case 128: return run_config<Tiles<128, 32, 4, 2, QStore::smem>>(a, forced_splits, plan, do_launch, stream);
-                default: return false;
-            }
-        case 2:  // d = 64: Q split once in shared memory; d = 128: 8 warps, Bc = 32
-            switch (a.d) {
-                case 64: return run_config<Tiles<64, 64, 4, 2, QStore::smem_split>>(a, forced_splits, plan, do_launch, stream);
-                case 128: return run_config<Tiles<128, 32, 8, 1, QStore::smem>>(a, forced_splits, plan, do_launch, stream);
-                default: return false;
-            }
-        case 3:  // d = 64: 8 warps (Br = 128); d = 128: 4 warps, Bc = 64
-            switch (a.d) {
-                case 64: return run_config<Tiles<64, 64, 8, 1, QStore::smem_split>>(a, forced_splits, plan, do_launch, stream);
-                case 128: return run_config<Tiles<128, 64, 4, 1, QStore::smem>>(a, forced_splits, plan, do_launch, stream);
-                default: return false;
-            }
-#endif
-        default:
-            return false;
-    }
-}
-
-}  // namespace
-
-bool flash_forward_fast(const FlashArgs& a, cudaStream_t stream) {
-    return dispatch(a, 0, 0, nullptr, true, stream);
-}
-
-bool flash_fast_plan(const FlashArgs& a, int* Br, int* Bc, int* splits) {
-    Plan plan{};
-    if (!dispatch(a, 0, 0, &plan, false, nullptr)) return false;
-    if (Br) *Br = plan.Br;
-    if (Bc) *Bc = plan.Bc;
-    if (splits) *splits = plan.splits;
-    return true;
-}
-
-bool flash_forward_fast_splits(const FlashArgs& a, int splits, cudaStream_t stream) {
-    return dispatch(a, 0, std::max(1, splits), nullptr, true, stream);
-}
-
-// For bench.cu's exploration of configurations (declared there, not in the public header).
-bool flash_forward_fast_variant(const FlashArgs& a, int variant, int splits, cudaStream_t stream) {
-    return dispatch(a, variant, splits, nullptr, true, stream);
+const FlashKernelOps& flash_fast_ops() {
+    static const FlashKernelOps ops{FlashKernel::fast, "fast", true, nullptr, plan_shipped, launch_fast};
+    return ops;
 }
 
 }  // namespace attnstep

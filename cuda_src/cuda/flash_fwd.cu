@@ -1,41 +1,36 @@
-// flash_fwd.cu — FlashAttention-2 style forward pass in FP32 (the flash_output and flash_lse
-// stages), and flash_forward(), the dispatcher declared in flash.cuh.
-// Built by CMake with the binary (cmake -S . -B build && cmake --build build -j2); checked on a
-// GPU by scripts/gpu_smoke.sh against the CPU backend and a float64 NumPy reference.
+// flash_fwd.cu — the clean FlashAttention-2 style forward in plain FP32 (the flash_output and
+// flash_lse stages; `--flash-kernel clean`, and `auto` where no tensor-core kernel has a variant),
+// registered with the dispatcher as flash_clean_ops() (flash_dispatch.cuh). Checked on a GPU by
+// scripts/gpu_check.sh against the CPU backend and a float64 NumPy reference.
 //
 // Algorithm (Dao 2023, Algorithm 1, forward): a block owns Br query rows Qi and walks the Tc key
 // tiles Kj, Vj of Bc rows, keeping a running row max m, row sum l and unnormalized output O:
 //   S = Qi Kjᵀ · scale (masked to -inf), m_new = max(m, rowmax(S)), P = exp(S - m_new),
 //   l = exp(m - m_new)·l + rowsum(P), O = exp(m - m_new)·O + P Vj;  finally O /= l, lse = m + log l.
-// N×M is never materialized: S and P live one Br×Bc tile at a time.
+// N×M is never materialized: S and P live one Br×Bc tile at a time. FP32 CUDA cores, shared-memory
+// tiles, 128 threads; Precision::tf32 runs this FP32 kernel too.
 //
-// Versions:
-//   flash_fwd_kernel<d>  the clean kernel: FP32 CUDA cores, shared-memory tiles, 128 threads.
-//                        H200, 16 heads × 2048 × 2048, d = 64: 0.62 ms, 27.7 TFLOP/s (4·H·N·M·d).
-//                        Precision::tf32 runs this FP32 kernel too (no tensor-core path here;
-//                        flash_fast.cu adds one).
+// Arithmetic the verifier assumes (verify/tolerance.py, backend "cuda", which covers all three
+// kernels): FP32 products and sums (no tensor cores, no truncation), the scale applied to each dot
+// product (one rounding), expf (the GPU exp model), lse = m + logf(l), O·(1/l): two final roundings.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
-#include <cstdint>
-#include <string>
 
 #include "cuda_check.cuh"
-#include "flash.cuh"
-#include "flash_fast.cuh"
-#ifdef ATTNSTEP_HAVE_WGMMA
-#include "sm90a/flash_wgmma.cuh"
-#endif
+#include "device.cuh"
+#include "flash_dispatch.cuh"
+#include "warp.cuh"
 
 namespace attnstep {
 
 namespace {
 
-constexpr unsigned kFullMask = 0xffffffffu;
 constexpr int kFlashThreads = 128;
-constexpr int kColLanes = 16;                              // tx: the threads that share a query row
+constexpr int kColLanes = 16;                              // tx: the threads that share a query row (a half-warp)
 constexpr int kRowGroups = kFlashThreads / kColLanes;      // ty: 8 groups of rows
-constexpr int kMaxGridY = 65535;
+static_assert(kColLanes == 16, "a query row's lanes are reduced with half_warp_max/half_warp_sum");
 
 // Tile sizes and shared memory per block, decided here for each head width d:
 //   d   Br  Bc  shared memory = 4·(Br·(d+4) + Bc·(d+4) + Bc·d + Br·(Bc+16)) bytes
@@ -78,21 +73,8 @@ __device__ void load_tile(float* tile, int stride, const float* src, int first, 
     }
 }
 
-// Max and sum over the 16 lanes of a half-warp (the threads that share a query row).
-__device__ __forceinline__ float row_max(float v) {
-    for (int o = kColLanes / 2; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(kFullMask, v, o));
-    return v;
-}
-__device__ __forceinline__ float row_sum(float v) {
-    for (int o = kColLanes / 2; o > 0; o >>= 1) v += __shfl_xor_sync(kFullMask, v, o);
-    return v;
-}
-
 __device__ __forceinline__ float dot4(float4 a, float4 b) {
     return a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w;
-}
-__device__ __forceinline__ float lane_of(float4 v, int i) {
-    return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
 }
 
 // S = Qi Kjᵀ · scale for this thread's rows (ty + 8·ii) and columns (tx + 16·jj).
@@ -213,7 +195,7 @@ flash_fwd_kernel(const float* __restrict__ Q, const float* __restrict__ K,
                 float tile_max = -INFINITY;
 #pragma unroll
                 for (int jj = 0; jj < T::kCols; ++jj) tile_max = fmaxf(tile_max, S[ii][jj]);
-                const float m_new = fmaxf(m[ii], row_max(tile_max));
+                const float m_new = fmaxf(m[ii], half_warp_max(tile_max));
                 // A row with every key so far masked keeps m = -inf; subtracting 0 then gives
                 // P = 0 and alpha = 0 instead of NaN from (-inf) - (-inf).
                 const float m_sub = m_new == -INFINITY ? 0.f : m_new;
@@ -227,7 +209,7 @@ flash_fwd_kernel(const float* __restrict__ Q, const float* __restrict__ K,
                 }
                 // l = exp(m - m_new)·l + rowsum(P); O = exp(m - m_new)·O
                 const float alpha = expf(m[ii] - m_sub);
-                l[ii] = alpha * l[ii] + row_sum(p_sum);
+                l[ii] = alpha * l[ii] + half_warp_sum(p_sum);
 #pragma unroll
                 for (int q = 0; q < T::kDims; ++q) Oacc[ii][q] *= alpha;
                 m[ii] = m_new;
@@ -255,119 +237,35 @@ flash_fwd_kernel(const float* __restrict__ Q, const float* __restrict__ K,
 template <int D>
 void launch_flash_fwd(const FlashArgs& a, cudaStream_t stream) {
     using T = FlashTile<D>;
-    // Above 48 KB of dynamic shared memory a kernel must opt in; done once per width.
-    static bool smem_attribute_set = false;
-    if (!smem_attribute_set) {
-        CUDA_CHECK(cudaFuncSetAttribute(flash_fwd_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        static_cast<int>(T::kSmemBytes)));
-        smem_attribute_set = true;
-    }
+    static const int prepared = prepare_kernel(reinterpret_cast<const void*>(flash_fwd_kernel<D>),
+                                               kFlashThreads, T::kSmemBytes);
+    (void)prepared;
     const long long Tr = (static_cast<long long>(a.N) + T::Br - 1) / T::Br;
-    const dim3 grid(static_cast<unsigned>(Tr), static_cast<unsigned>(a.heads < kMaxGridY ? a.heads : kMaxGridY));
+    const dim3 grid(static_cast<unsigned>(Tr), static_cast<unsigned>(std::min(a.heads, kMaxGridYZ)));
     flash_fwd_kernel<D><<<grid, kFlashThreads, T::kSmemBytes, stream>>>(
         a.Q, a.K, a.V, a.O, a.lse, a.heads, a.N, a.M, a.scale, a.causal);
     LAUNCH_CHECK(flash_fwd_kernel);
 }
 
-bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+bool plan_clean(const FlashArgs& a, int, KernelPlan* plan) {
+    return with_head_dim(a.d, [&](auto D) {
+        *plan = KernelPlan{FlashTile<constant_v<decltype(D)>>::Br, FlashTile<constant_v<decltype(D)>>::Bc};
+        return true;
+    });
+}
 
-[[noreturn]] void unsupported_width(int d, const char* file, int line) {
-    fail(kExitInternal, where(file, line) + ": flash_forward: head width d=" + std::to_string(d) +
-                            " has no kernel (supported: 16, 32, 64, 128)",
-         "callers must check flash_supported() first");
+void launch_clean(const FlashArgs& a, const KernelPlan&, cudaStream_t stream) {
+    with_head_dim(a.d, [&](auto D) {
+        launch_flash_fwd<constant_v<decltype(D)>>(a, stream);
+        return true;
+    });
 }
 
 }  // namespace
 
-namespace {
-
-std::string split_suffix(int splits) { return splits > 1 ? "-split" + std::to_string(splits) : ""; }
-std::string precision_suffix(Precision p) { return p == Precision::tf32 ? "-tf32" : "-3xtf32"; }
-
-[[noreturn]] void forced_kernel_missing(const char* name, int d) {
-    fail(kExitBadInput, std::string("--flash-kernel ") + name + ": no " + name + " variant for d=" +
-                            std::to_string(d) + " on this GPU",
-         "use --flash-kernel auto (or another kernel)");
-}
-
-}  // namespace
-
-// The tensor-core kernel to run, if any: wgmma (Hopper) where it is the faster one, then mma.sync,
-// unless one is forced or the clean kernel is. Forcing a kernel that has no variant for the problem is the user's error,
-// not a silent fallback.
-FlashBackendChoice choose_flash_kernel(const FlashArgs& a, FlashPlan* plan) {
-    int Br = 0, Bc = 0, splits = 1;
-    if (a.kernel == FlashKernel::clean) return FlashBackendChoice::clean;
-    if (a.kernel == FlashKernel::automatic || a.kernel == FlashKernel::wgmma) {
-#ifdef ATTNSTEP_HAVE_WGMMA
-        const bool wanted = a.kernel == FlashKernel::wgmma || flash_wgmma_preferred(a);
-        if (wanted && flash_wgmma_plan(a, &Br, &Bc, &splits)) {
-            *plan = {Br, Bc, "cuda-wgmma" + precision_suffix(a.precision) + split_suffix(splits)};
-            return FlashBackendChoice::wgmma;
-        }
-#endif
-        if (a.kernel == FlashKernel::wgmma) forced_kernel_missing("wgmma", a.d);
-    }
-    if (flash_fast_plan(a, &Br, &Bc, &splits)) {
-        *plan = {Br, Bc, "cuda-fast" + precision_suffix(a.precision) + split_suffix(splits)};
-        return FlashBackendChoice::fast;
-    }
-    if (a.kernel == FlashKernel::fast) forced_kernel_missing("fast", a.d);
-    return FlashBackendChoice::clean;
-}
-
-size_t flash_workspace_bytes_per_head(const FlashArgs& a) {
-    FlashPlan plan;
-#ifdef ATTNSTEP_HAVE_WGMMA
-    if (choose_flash_kernel(a, &plan) == FlashBackendChoice::wgmma) return flash_wgmma_workspace_bytes_per_head(a);
-#else
-    (void)choose_flash_kernel(a, &plan);
-#endif
-    return 0;
-}
-
-FlashPlan flash_forward_plan(const FlashArgs& a) {
-    FlashPlan plan;
-    if (choose_flash_kernel(a, &plan) != FlashBackendChoice::clean) return plan;
-    switch (a.d) {
-        case 16: return {FlashTile<16>::Br, FlashTile<16>::Bc, "cuda-clean"};
-        case 32: return {FlashTile<32>::Br, FlashTile<32>::Bc, "cuda-clean"};
-        case 64: return {FlashTile<64>::Br, FlashTile<64>::Bc, "cuda-clean"};
-        case 128: return {FlashTile<128>::Br, FlashTile<128>::Bc, "cuda-clean"};
-        default: unsupported_width(a.d, __FILE__, __LINE__);
-    }
-}
-
-void flash_forward(const FlashArgs& a, cudaStream_t stream) {
-    if (a.heads <= 0 || a.N <= 0 || a.M <= 0) {
-        fail(kExitInternal, where(__FILE__, __LINE__) + ": flash_forward: empty problem (heads=" +
-                                std::to_string(a.heads) + " N=" + std::to_string(a.N) +
-                                " M=" + std::to_string(a.M) + ")");
-    }
-    if (!aligned16(a.Q) || !aligned16(a.K) || !aligned16(a.V) || !aligned16(a.O)) {
-        fail(kExitInternal, where(__FILE__, __LINE__) +
-                                ": flash_forward: Q, K, V and O must be 16-byte aligned (float4 loads)");
-    }
-    FlashPlan plan;
-    switch (choose_flash_kernel(a, &plan)) {
-#ifdef ATTNSTEP_HAVE_WGMMA
-        case FlashBackendChoice::wgmma:
-            if (flash_forward_wgmma(a, stream)) return;
-            break;
-#endif
-        case FlashBackendChoice::fast:
-            if (flash_forward_fast(a, stream)) return;
-            break;
-        default:
-            break;
-    }
-    switch (a.d) {
-        case 16: return launch_flash_fwd<16>(a, stream);
-        case 32: return launch_flash_fwd<32>(a, stream);
-        case 64: return launch_flash_fwd<64>(a, stream);
-        case 128: return launch_flash_fwd<128>(a, stream);
-        default: unsupported_width(a.d, __FILE__, __LINE__);
-    }
+const FlashKernelOps& flash_clean_ops() {
+    static const FlashKernelOps ops{FlashKernel::clean, "clean", false, nullptr, plan_clean, launch_clean};
+    return ops;
 }
 
 }  // namespace attnstep

@@ -1,26 +1,24 @@
 // kernels.cu — the memory-bound stage kernels of the CUDA backend: transpose (KT), scale + causal
-// mask (QK_scaled), row softmax (attention_weights) and the NaN poison fill.
-// Built by CMake with the binary (cmake -S . -B build && cmake --build build -j2); checked on a
-// GPU by scripts/gpu_smoke.sh, which compares every stage with the CPU backend and float64 NumPy.
+// mask (QK_scaled), row softmax (attention_weights) and the NaN poison fill. Checked on a GPU by
+// scripts/gpu_check.sh, which compares every stage with the CPU backend and float64 NumPy.
 //
-// Figures: scripts/gpu_smoke.sh on an H200, bytes read + written over the stage's event time,
-// against a 1 GiB device-to-device copy (4.2 TB/s).
+// Arithmetic the verifier assumes of them (verify/tolerance.py, backend "cuda"): KT is an exact
+// copy; QK_scaled is one FP32 product per element (x·scale, rounded once); attention_weights uses
+// expf (the GPU exp model: ~0.5 ulp RMS) on x − rowmax, an FP32 row sum, then 1/l and a product by
+// it (two final roundings).
+//
 // Each kernel aims at device-to-device copy bandwidth (bytes read + written): 16-byte float4
 // accesses where alignment allows, with a scalar path for odd widths, and several independent
-// loads in flight per thread.
+// loads in flight per thread (docs/performance.md has the measured fractions):
 //   transpose4_kernel   rows and cols multiples of 4: a 64×32 tile (128×16 when cols <= 16) moved
-//                       with float4 loads and stores, 2 of each in flight per thread. H200, K of
-//                       64 heads × 16384 × 64: 96% of copy bandwidth; × 16: 90%.
+//                       with float4 loads and stores, 2 of each in flight per thread.
 //   transpose_kernel    any shape: 32×32 scalar tile (padded: no bank conflicts), 4 loads per
-//                       thread; the fallback for widths not divisible by 4 (66% on the d = 64 case).
+//                       thread; the fallback for widths not divisible by 4.
 //   scale_mask_kernel   flat float4 over the whole buffer (any M: rows may straddle a vector), 4
 //                       vectors in flight per thread; one index division per vector, only when causal.
-//                       H200, 32 heads × 2048 × 2048 causal: 91% of copy bandwidth.
-//   softmax_rows_kernel one block per row. Version "cached": the row is read once into registers
-//                       (up to 32 floats per thread, 1024 threads: M <= 32768). H200: 99% of copy
-//                       bandwidth at 65536 rows × 2048, 82% at 4096 rows × 30000.
-//                       Version "uncached" (longer rows): three passes over global memory, kept
-//                       because it is correct for any M; slower by the two extra reads.
+//   softmax_rows_kernel one block per row. "Cached": the row is read once into registers (up to 32
+//                       floats per thread, 1024 threads: M <= 32768). "Uncached" (longer rows):
+//                       three passes over global memory, correct for any M.
 #include "kernels.cuh"
 
 #include <algorithm>
@@ -29,23 +27,12 @@
 #include <limits>
 
 #include "cuda_check.cuh"
+#include "device.cuh"
+#include "warp.cuh"
 
 namespace attnstep {
 
 namespace {
-
-constexpr unsigned kFullMask = 0xffffffffu;
-constexpr int kWarp = 32;
-
-int device_sm_count() {
-    static int count = 0;  // one device per process; asked once
-    if (count == 0) {
-        int dev = 0;
-        CUDA_CHECK(cudaGetDevice(&dev));
-        CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, dev));
-    }
-    return count;
-}
 
 int round_up(long long x, int to) { return static_cast<int>((x + to - 1) / to * to); }
 
@@ -234,22 +221,9 @@ template <int VEC> struct VecOf;
 template <> struct VecOf<1> { using type = float; };
 template <> struct VecOf<4> { using type = float4; };
 
-__device__ __forceinline__ float lane_of(const float& v, int) { return v; }
-__device__ __forceinline__ float lane_of(const float4& v, int i) {
-    return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
-}
 __device__ __forceinline__ void set_lane(float& v, int, float x) { v = x; }
 __device__ __forceinline__ void set_lane(float4& v, int i, float x) {
     if (i == 0) v.x = x; else if (i == 1) v.y = x; else if (i == 2) v.z = x; else v.w = x;
-}
-
-__device__ __forceinline__ float warp_max(float v) {
-    for (int o = kWarp / 2; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(kFullMask, v, o));
-    return v;
-}
-__device__ __forceinline__ float warp_sum(float v) {
-    for (int o = kWarp / 2; o > 0; o >>= 1) v += __shfl_xor_sync(kFullMask, v, o);
-    return v;
 }
 
 // Block-wide reductions; every thread gets the result. blockDim.x is a multiple of 32.
@@ -265,8 +239,8 @@ __device__ float block_reduce(float v, float* scratch /* [32] */) {
     __syncthreads();  // every warp has read scratch before the next reduction overwrites it
     return v;
 }
-__device__ float row_max(float v, float* scratch) { return block_reduce<true>(v, scratch); }
-__device__ float row_sum(float v, float* scratch) { return block_reduce<false>(v, scratch); }
+__device__ float block_max(float v, float* scratch) { return block_reduce<true>(v, scratch); }
+__device__ float block_sum(float v, float* scratch) { return block_reduce<false>(v, scratch); }
 
 // One block per row (grid-stride over rows). VEC: floats per access (4 needs M % 4 == 0).
 // kCached: thread t keeps vectors t, t + blockDim, ... (K of them) in registers, so the row is read
@@ -302,7 +276,7 @@ __global__ void __launch_bounds__(kSoftmaxMaxThreads) softmax_rows_kernel(const 
                 for (int i = 0; i < VEC; ++i) m = fmaxf(m, lane_of(x, i));
             }
         }
-        m = row_max(m, scratch);
+        m = block_max(m, scratch);
         // A row that is -inf throughout: subtract 0 instead, so exp gives 0 rather than NaN.
         const float m_safe = m == -INFINITY ? 0.f : m;
 
@@ -326,7 +300,7 @@ __global__ void __launch_bounds__(kSoftmaxMaxThreads) softmax_rows_kernel(const 
                 for (int i = 0; i < VEC; ++i) l += expf(lane_of(x, i) - m_safe);
             }
         }
-        l = row_sum(l, scratch);
+        l = block_sum(l, scratch);
         const float inv_l = l > 0.f ? 1.f / l : 0.f;  // all-masked row: weights 0
 
         // P = exp(x - m) / l
@@ -400,14 +374,13 @@ void launch_softmax_vec(const float* in, float* out, long long rows, int M, cuda
 template <int kTileRows, int kTileCols, class Kernel>
 void launch_transpose_tiled(Kernel kernel, dim3 block, const float* in, float* out, int heads,
                             int rows, int cols, cudaStream_t stream) {
-    const int max_grid_yz = 65535;
     const long long col_tiles = (cols + kTileCols - 1) / kTileCols;
-    if (col_tiles > max_grid_yz) {
+    if (col_tiles > kMaxGridYZ) {
         fail(kExitInternal, where(__FILE__, __LINE__) + ": transpose: " + std::to_string(cols) +
                                 " columns exceed the grid's y limit");
     }
     const dim3 grid((rows + kTileRows - 1) / kTileRows, static_cast<unsigned>(col_tiles),
-                    std::min(heads, max_grid_yz));
+                    std::min(heads, kMaxGridYZ));
     kernel<<<grid, block, 0, stream>>>(in, out, heads, rows, cols);
 }
 

@@ -5,9 +5,8 @@
 //     and a·b ≈ lo·hi + hi·lo + hi·hi accumulated in FP32, the small terms first.
 //   Precision::tf32: one product of TF32-rounded operands.
 //
-// Why a second tensor-core kernel: Hopper's full tensor rate is reached only through wgmma
-// (bench's ceilings on an H100: wgmma TF32 481 TFLOP/s, mma.sync TF32 317), and flash_fast.cu's
-// mma.sync kernel had stalled at 104-119 TFLOP/s TF32 (docs/performance.md). TF32 wgmma needs
+// Why a second tensor-core kernel: Hopper's full tensor rate is reached only through wgmma, well
+// above mma.sync's (bench measures both ceilings; docs/performance.md). TF32 wgmma needs
 // both operands K-major in shared memory (A may come from registers):
 //   S = Q·Kᵀ: A = Q tile (rows × d, d contiguous), B = K tile (keys × d, d contiguous): as stored.
 //   O = P·V:  A = P from the S accumulators (registers), B must be Vᵀ (d × keys, keys contiguous).
@@ -16,10 +15,9 @@
 // each 8-key block (flash::kperm) so that the S accumulators are P's A fragments as they stand,
 // and laid out exactly as shared memory wants a stage: each key tile's K parts, then its Vᵀ
 // parts, contiguous, so that one thread loads them with two bulk copies (bulk_copy.cuh), whose
-// completion the stage's K and Vᵀ mbarriers count. The per-thread cp.async loads this replaced
-// (with per-wgmma descriptor arithmetic, now constant offsets: desc_at) cost ~800 of the ~1500
-// instructions per warp and tile and a quarter of all stall samples (ncu source counters,
-// 3xTF32 d64: 50 -> 92 TFLOP/s). Q is split once per block into shared memory.
+// completion the stage's K and Vᵀ mbarriers count: per-thread loads would spend most of each
+// tile's instructions on address arithmetic. Descriptors are constant offsets from one base
+// (desc_at). Q is split once per block into shared memory.
 //
 // Structure: a block of NWG warpgroups owns BR = 64·NWG query rows; each warpgroup computes its
 // 64×BC slice of S with wgmma (A = Q hi/lo from shared memory), runs the online softmax on it in
@@ -31,7 +29,12 @@
 // the diagonal are never loaded, and a warpgroup whose rows are all above a tile skips it.
 // Shared-memory tiles use the no-swizzle K-major layout of wgmma.cuh (core matrices of 8 rows ×
 // 16 bytes). When heads·⌈N/BR⌉ blocks cannot fill the GPU, the KV loop is split and
-// flash_combine_splits (flash_fast.cu) merges.
+// combine_kv_splits (flash_dispatch.cu) merges.
+//
+// Arithmetic the verifier assumes (verify/tolerance.py, backend "cuda"): as flash_fast.cu's:
+// 3xTF32 (or TF32) products summed by the tensor cores with truncation, one KV tile per
+// accumulator chain, tiles added in FP32; scale·log2(e) rounded once per head; ex2.approx.ftz;
+// lse = (m + log2 l)·ln 2; four final roundings of O (1/l, and the split combine).
 //
 // Build: compiled for sm_90a only (CMakeLists.txt: the attnstep_sm90a object library); check
 // resources with
@@ -39,12 +42,13 @@
 // Run / time / check: build/main --bench --batch 4 --heads 16 --seq-q 4096 --seq-k 4096 --d 64 --check
 #include "flash_wgmma.cuh"
 
-#include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "../cuda_check.cuh"
+#include "../device.cuh"
 #include "../flash_common.cuh"
-#include "../flash_fast.cuh"
+#include "../flash_dispatch.cuh"
 #include "bulk_copy.cuh"
 #include "wgmma.cuh"
 
@@ -54,7 +58,6 @@ namespace {
 using namespace flash;
 
 constexpr int kWarpgroup = 128;  // threads
-constexpr int kMaxSplits = 16;
 
 // The tile configuration: D head width, BC keys per tile, NWG warpgroups (64 query rows each),
 // STAGES K/Vᵀ tiles in shared memory (2: tile j+1 loads while tile j is computed; 1: K_{j+1}
@@ -133,16 +136,21 @@ __device__ __forceinline__ float* stage_in(float* ops, int h, int j, int Mpad) {
     return ops + (static_cast<size_t>(h) * (Mpad / T::BC) + j) * T::STAGE;
 }
 
+// The preparation kernels' block size, and split_keys' blocks per key tile.
+constexpr int kPrepThreads = 256;
+template <class T>
+constexpr int kPrepBlocksPerTile = T::BC * T::D / 4 / kPrepThreads;
+
 // K part p of key tile j: element (key r, column c) at p·K_PART + cm_offset<BC>(r % BC, c), zeros
 // for keys >= M. A thread per 16 bytes, in chunk_coords order: 64 contiguous bytes of each of 8
-// rows read, 128 contiguous bytes written per 8 threads. Grid: x over one tile's chunks, y = tile,
-// z = head. Known limit: gridDim.y caps the tiles at 65535 (M up to 4,194,240 keys at Bc 64);
-// beyond, this launch fails with a CUDA error (exit 1) where it should fold tiles into x.
+// rows read, 128 contiguous bytes written per 8 threads. Grid: x = key tiles × kBlocksPerTile (x
+// holds 2^31 - 1 blocks: every M; y would cap the tiles at 65535), y = head.
 template <class T>
 __global__ void split_keys(const float* K, float* ops, int M, int Mpad) {
-    const int h = blockIdx.z, j = blockIdx.y;
-    const int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= T::BC * T::D / 4) return;
+    constexpr int kBlocksPerTile = kPrepBlocksPerTile<T>;
+    static_assert(kBlocksPerTile * kPrepThreads == T::BC * T::D / 4, "whole blocks per key tile");
+    const int h = blockIdx.y, j = blockIdx.x / kBlocksPerTile;
+    const int i = (blockIdx.x % kBlocksPerTile) * kPrepThreads + threadIdx.x;
     int r, c;
     chunk_coords<T::D>(i, r, c);
     const int key = j * T::BC + r;
@@ -431,172 +439,119 @@ __global__ void __launch_bounds__(kPeakWarpgroups * kWarpgroup, 1) wgmma_peak_ke
 // ---------------------------------------------------------------------------------------------
 // Host side.
 
-struct Plan {
-    int Br = 0, Bc = 0, splits = 1;
+// The tile configuration for width D, precision and causality (void: none): the fastest measured
+// (docs/performance.md, "flash_wgmma configurations (H100)").
+template <int D, bool kThree, bool kCausal>
+struct WgConfig {
+    using type = void;
 };
+template <bool kCausal> struct WgConfig<64, true, kCausal> { using type = WgTiles<64, 64, 2, true>; };
+template <> struct WgConfig<64, false, false> { using type = WgTiles<64, 64, 2, false>; };
+// TF32 d64 causal: Bc 64's causal build needs more registers than two blocks per SM allow.
+template <> struct WgConfig<64, false, true> { using type = WgTiles<64, 128, 2, false>; };
+// 3xTF32 d128: two warpgroups would need Q's 128 KB beside the tiles; one warpgroup with
+// single-buffered Bc 64 tiles beats double-buffered Bc 32 (a narrower Q·Kᵀ wgmma reads more shared
+// memory per cycle than the SM delivers).
+template <bool kCausal> struct WgConfig<128, true, kCausal> { using type = WgTiles<128, 64, 1, true, 1>; };
+template <bool kCausal> struct WgConfig<128, false, kCausal> { using type = WgTiles<128, 64, 2, false>; };
 
-// The kernel is sm_90a machine code: it runs on compute capability 9.0 exactly.
-bool device_is_sm90() {
-    static int cc = -1;
-    if (cc < 0) {
-        int dev = 0, major = 0, minor = 0;
-        CUDA_CHECK(cudaGetDevice(&dev));
-        CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
-        CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
-        cc = 10 * major + minor;
-    }
-    return cc == 90;
+// Calls f(TypeTag<T>{}, causal) with a's configuration T and causality (std::bool_constant);
+// false where there is none.
+template <class F>
+bool with_config(const FlashArgs& a, F&& f) {
+    return with_head_dim(a.d, [&](auto D) {
+        return with_flag(a.precision == Precision::fp32, [&](auto three) {
+            return with_flag(a.causal, [&](auto causal) {
+                using T = typename WgConfig<constant_v<decltype(D)>, constant_v<decltype(three)>, constant_v<decltype(causal)>>::type;
+                if constexpr (std::is_void_v<T>) {
+                    return false;
+                } else {
+                    f(TypeTag<T>{}, causal);
+                    return true;
+                }
+            });
+        });
+    });
 }
 
 template <class T, bool kCausal>
 int blocks_per_sm() {
-    static int cached = 0;
-    if (cached == 0) {
-        auto kernel = flash_wgmma_kernel<T, kCausal>;
-        CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        static_cast<int>(T::SMEM_BYTES)));
-        CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&cached, kernel, T::THREADS, T::SMEM_BYTES));
-        if (cached < 1) cached = 1;
-    }
-    return cached;
-}
-
-// Split the KV loop only when the blocks would leave SMs idle (as flash_fast.cu does).
-template <class T, bool kCausal>
-int choose_splits(const FlashArgs& a) {
-    const long long blocks = static_cast<long long>(a.heads) * ceil_div(a.N, T::BR);
-    const long long slots = static_cast<long long>(flash_sm_count()) * blocks_per_sm<T, kCausal>();
-    if (blocks >= slots) return 1;
-    const int n_tiles = ceil_div(a.M, T::BC);
-    int splits = static_cast<int>((slots + blocks - 1) / blocks);
-    splits = std::min(splits, std::max(1, n_tiles / 2));
-    return std::max(1, std::min(splits, kMaxSplits));
+    static const int blocks = prepare_kernel(reinterpret_cast<const void*>(flash_wgmma_kernel<T, kCausal>),
+                                             T::THREADS, T::SMEM_BYTES);
+    return blocks;
 }
 
 template <class T>
-size_t operand_floats(const FlashArgs& a) {  // the prepared K and Vᵀ parts
-    return 2 * static_cast<size_t>(T::PARTS) * a.heads * (ceil_div(a.M, T::BC) * T::BC) * T::D;
+size_t operand_floats(int heads, int M) {  // the prepared K and Vᵀ parts
+    return 2 * static_cast<size_t>(T::PARTS) * heads * (ceil_div(M, T::BC) * T::BC) * T::D;
 }
 
 template <class T, bool kCausal>
-void launch(const FlashArgs& a, int splits, cudaStream_t stream) {
-    auto kernel = flash_wgmma_kernel<T, kCausal>;
-    blocks_per_sm<T, kCausal>();  // also raises the shared-memory limit
+void launch_tiles(const FlashArgs& a, const KernelPlan& plan, cudaStream_t stream) {
+    blocks_per_sm<T, kCausal>();  // raises the shared-memory limit
     const int Mpad = ceil_div(a.M, T::BC) * T::BC;
-    const size_t rows = static_cast<size_t>(a.heads) * a.N;
-    const size_t partial_floats = splits > 1 ? static_cast<size_t>(splits) * rows * (a.d + 1) : 0;
-    float* ws = nullptr;
-    CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&ws),
-                               (operand_floats<T>(a) + partial_floats) * sizeof(float), stream));
-    float* const ops = ws;
+    const size_t operands = operand_floats<T>(a.heads, a.M);
+    StreamWorkspace ws(operands + split_partial_floats(a, plan.splits), stream);
+    float* const ops = ws.p;
 
     // The preparation pass: K and Vᵀ split into TF32 parts, one contiguous stage per key tile.
-    constexpr int kPrepThreads = 256;
-    split_keys<T><<<dim3(ceil_div(T::BC * T::D / 4, kPrepThreads), Mpad / T::BC, a.heads), kPrepThreads, 0, stream>>>(
+    split_keys<T><<<dim3(Mpad / T::BC * kPrepBlocksPerTile<T>, a.heads), kPrepThreads, 0, stream>>>(
         a.K, ops, a.M, Mpad);
     LAUNCH_CHECK(split_keys);
     transpose_split_values<T><<<dim3(Mpad / 32, T::D / 32, a.heads), dim3(32, 8), 0, stream>>>(a.V, ops, a.M, Mpad);
     LAUNCH_CHECK(transpose_split_values);
 
-    WgParams p{a.Q, ops, a.O, a.lse, a.heads, a.N, a.M, Mpad, a.scale * kLog2e, splits};
-    if (splits > 1) {
-        p.O = ops + operand_floats<T>(a);
-        p.lse = p.O + static_cast<size_t>(splits) * rows * a.d;
-    }
-    const dim3 grid(ceil_div(a.N, T::BR), a.heads, splits);
-    kernel<<<grid, T::THREADS, T::SMEM_BYTES, stream>>>(p);
+    const FlashOutputs out = kernel_outputs(a, plan.splits, ops + operands);
+    const WgParams p{a.Q, ops, out.O, out.lse, a.heads, a.N, a.M, Mpad, a.scale * kLog2e, plan.splits};
+    flash_wgmma_kernel<T, kCausal><<<query_block_grid(a, plan), T::THREADS, T::SMEM_BYTES, stream>>>(p);
     LAUNCH_CHECK(flash_wgmma_kernel);
-    if (splits > 1) flash_combine_splits(p.O, p.lse, a.O, a.lse, rows, a.d, splits, stream);
-    CUDA_CHECK(cudaFreeAsync(ws, stream));
+    combine_kv_splits(a, plan.splits, out, stream);
+    ws.release();
 }
 
-// One tile configuration: plan (and launch) for causality; forced_splits <= 0 chooses.
-template <class T>
-bool run_config(const FlashArgs& a, int forced_splits, Plan* plan, size_t* ws_per_head, bool do_launch,
-                cudaStream_t stream) {
-    if (ws_per_head) {
-        FlashArgs one = a;
-        one.heads = 1;
-        *ws_per_head = operand_floats<T>(one) * sizeof(float);
-        return true;
-    }
-    int splits = forced_splits > 0 ? forced_splits
-                                   : (a.causal ? choose_splits<T, true>(a) : choose_splits<T, false>(a));
-    splits = std::max(1, std::min(splits, ceil_div(a.M, T::BC)));
-    if (plan) *plan = Plan{T::BR, T::BC, splits};
-    if (!do_launch) return true;
-    if (a.causal) launch<T, true>(a, splits, stream);
-    else launch<T, false>(a, splits, stream);
-    return true;
-}
-
-// The configurations per head width and precision: the fastest measured on an H100 (`main
-// --bench`, B4 H16 N=M=4096, TFLOP/s non-causal | causal; docs/performance.md has the sweep):
-//   3xTF32 d64:  2 warpgroups, Bc 64, 2 stages, 192 KB: 92-94 | 69-74
-//   3xTF32 d128: 1 warpgroup, Bc 64, 1 stage, 192 KB: 78 | 64-66 (Bc 32 with 2 stages: 71 | 58-60:
-//     with N = 32 the Q·Kᵀ wgmma reads more shared memory per cycle than the SM delivers;
-//     2 warpgroups need Q's 128 KB beside the tiles)
-//   TF32 d64:    2 warpgroups, Bc 64, 96 KB, 2 blocks per SM (124 registers): 218 | 124-135;
-//                causal: Bc 128, 160 KB, 129-156 (Bc 64's causal build needs 153 registers: one block)
-//   TF32 d128:   2 warpgroups, Bc 64, 192 KB: 217-227 | 154-166
-// One warpgroup per block with 2 stages (every d and precision) measured 5-30% slower than these.
-// Registers (ptxas, non-causal / causal): 3xTF32 d64 172 / 188, d128 238 / 241; TF32 d64 124 /
-// (Bc 128) 217, d128 174 / 217; no spills.
-bool dispatch(const FlashArgs& a, int forced_splits, Plan* plan, size_t* ws_per_head, bool do_launch,
-              cudaStream_t stream) {
-    if (a.heads < 1 || a.heads > 65535 || a.N < 1 || a.M < 1 || !device_is_sm90()) return false;
-    const bool three = a.precision == Precision::fp32;
-    switch (a.d) {
-        case 64:
-            if (three) return run_config<WgTiles<64, 64, 2, true>>(a, forced_splits, plan, ws_per_head, do_launch, stream);
-            if (a.causal) return run_config<WgTiles<64, 128, 2, false>>(a, forced_splits, plan, ws_per_head, do_launch, stream);
-            return run_config<WgTiles<64, 64, 2, false>>(a, forced_splits, plan, ws_per_head, do_launch, stream);
-        case 128:
-            return three ? run_config<WgTiles<128, 64, 1, true, 1>>(a, forced_splits, plan, ws_per_head, do_launch, stream)
-                         : run_config<WgTiles<128, 64, 2, false>>(a, forced_splits, plan, ws_per_head, do_launch, stream);
-        default:
-            return false;  // no configuration: the mma.sync or clean kernel handles it
-    }
-}
-
-}  // namespace
-
-bool flash_wgmma_plan(const FlashArgs& a, int* Br, int* Bc, int* splits) {
-    Plan plan;
-    if (!dispatch(a, 0, &plan, nullptr, false, nullptr)) return false;
-    if (Br) *Br = plan.Br;
-    if (Bc) *Bc = plan.Bc;
-    if (splits) *splits = plan.splits;
-    return true;
-}
-
-bool flash_forward_wgmma(const FlashArgs& a, cudaStream_t stream, int splits) {
-    return dispatch(a, splits, nullptr, nullptr, true, stream);
-}
-
-double launch_wgmma_peak(float* sink, cudaStream_t stream) {
-    if (!device_is_sm90()) return 0;
-    const int blocks = flash_sm_count();
-    wgmma_peak_kernel<<<blocks, kPeakWarpgroups * kWarpgroup, 0, stream>>>(sink);
-    LAUNCH_CHECK(wgmma_peak_kernel);
-    return 2.0 * 64 * kPeakN * 8 * double(kPeakBatch) * kPeakBatches * kPeakWarpgroups * blocks;
-}
-
-// Where this kernel beats flash_fast.cu's mma.sync kernel (`main --bench --only flash` on an H100,
-// B4 H16, TFLOP/s wgmma vs mma.sync; docs/performance.md): at N = M = 4096 everywhere, by 1.3-2.1x
-// (3xTF32 d64 92 vs 44, d128 78 vs 48; TF32 d64 218 vs 108, d128 223 vs 122; causal 66-129 vs
-// 40-112). At N = M = 1024 the per-call preparation pass and the blocks' causal waste weigh more:
-// faster non-causal at d64 (3xTF32 50 vs 41, TF32 100 vs 97) and 3xTF32 d128 causal (34 vs 32),
-// slower for the other causal cases (d64 27 vs 30, TF32 d64 55 vs 72, TF32 d128 65 vs 76) and
-// 3xTF32 d128 (42 vs 46). `auto` follows, with 2048 between the measured 1024 and 4096.
-bool flash_wgmma_preferred(const FlashArgs& a) {
+// Where `auto` takes this kernel over flash_fast.cu's mma.sync one: where it measured faster
+// (docs/performance.md, "Where `auto` takes flash_wgmma"). Its per-call preparation pass and its
+// 64-row blocks' causal waste cost more on short sequences, so it starts from N = M = 2048, and
+// from 1024 for d64 non-causal.
+bool preferred(const FlashArgs& a) {
     const int min_rows = (!a.causal && a.d == 64) ? 1024 : 2048;
     return a.N >= min_rows && a.M >= min_rows;
 }
 
-size_t flash_wgmma_workspace_bytes_per_head(const FlashArgs& a) {
-    size_t bytes = 0;
-    return dispatch(a, 0, nullptr, &bytes, false, nullptr) ? bytes : 0;
+// The kernel is sm_90a machine code: it runs on compute capability 9.0 exactly.
+bool plan_wgmma(const FlashArgs& a, int forced_splits, KernelPlan* plan) {
+    if (a.heads < 1 || a.N < 1 || a.M < 1 || device_compute_capability() != 90) return false;
+    return with_config(a, [&](auto tag, auto causal) {
+        using T = tag_type<decltype(tag)>;
+        const int n_tiles = ceil_div(a.M, T::BC);
+        const int splits = forced_splits > 0
+            ? forced_splits
+            : choose_kv_splits(static_cast<long long>(a.heads) * ceil_div(a.N, T::BR),
+                               static_cast<long long>(device_sm_count()) * blocks_per_sm<T, constant_v<decltype(causal)>>(),
+                               n_tiles);
+        *plan = KernelPlan{T::BR, T::BC, clamp_kv_splits(splits, n_tiles), operand_floats<T>(1, a.M) * sizeof(float)};
+    });
+}
+
+void launch_wgmma(const FlashArgs& a, const KernelPlan& plan, cudaStream_t stream) {
+    with_config(a, [&](auto tag, auto causal) {
+        launch_tiles<tag_type<decltype(tag)>, constant_v<decltype(causal)>>(a, plan, stream);
+    });
+}
+
+}  // namespace
+
+const FlashKernelOps& flash_wgmma_ops() {
+    static const FlashKernelOps ops{FlashKernel::wgmma, "wgmma", true, preferred, plan_wgmma, launch_wgmma};
+    return ops;
+}
+
+double launch_wgmma_peak(float* sink, cudaStream_t stream) {
+    if (device_compute_capability() != 90) return 0;
+    const int blocks = device_sm_count();
+    wgmma_peak_kernel<<<blocks, kPeakWarpgroups * kWarpgroup, 0, stream>>>(sink);
+    LAUNCH_CHECK(wgmma_peak_kernel);
+    return 2.0 * 64 * kPeakN * 8 * double(kPeakBatch) * kPeakBatches * kPeakWarpgroups * blocks;
 }
 
 }  // namespace attnstep

@@ -1,0 +1,87 @@
+// bench_options.cu — `main --bench`'s command line.
+#include <cmath>
+#include <cstdlib>
+#include <string>
+
+#include "../common.h"
+#include "bench_parts.cuh"
+
+namespace attnstep {
+namespace bench {
+
+namespace {
+
+[[noreturn]] void bad_option(const std::string& what) {
+    fail(kExitBadInput, "--bench: " + what, "run 'main --help' for the --bench options");
+}
+
+int parse_int(const std::string& flag, const char* text, int lo, int hi) {
+    char* end = nullptr;
+    const long v = std::strtol(text, &end, 10);
+    if (!*text || *end || v < lo || v > hi) {
+        bad_option(flag + " needs an integer in " + std::to_string(lo) + ".." + std::to_string(hi) +
+                   ", got '" + text + "'");
+    }
+    return static_cast<int>(v);
+}
+
+}  // namespace
+
+Options parse_options(int argc, char** argv) {
+    Options o;
+    for (int i = 1; i < argc; ++i) {
+        const std::string a = argv[i];
+        auto value = [&]() -> const char* {
+            if (i + 1 >= argc) bad_option(a + " needs a value");
+            return argv[++i];
+        };
+        if (a == "--bench") continue;
+        else if (a == "--batch") o.batch = parse_int(a, value(), 1, 1 << 20);
+        else if (a == "--heads") o.heads = parse_int(a, value(), 1, 1 << 20);
+        else if (a == "--seq-q") o.N = parse_int(a, value(), 1, 1 << 24);
+        else if (a == "--seq-k") o.M = parse_int(a, value(), 1, 1 << 24);
+        else if (a == "--d") o.d = parse_int(a, value(), 1, 256);
+        else if (a == "--causal") o.causal = true;
+        else if (a == "--scale") {
+            const char* t = value();
+            char* end = nullptr;
+            o.scale = std::strtof(t, &end);
+            if (!*t || *end || !std::isfinite(o.scale) || o.scale == 0.f)
+                bad_option("--scale needs a finite non-zero number, got '" + std::string(t) + "'");
+        } else if (a == "--precision") {
+            const std::string p = value();
+            if (p == "fp32") o.precision = Precision::fp32;
+            else if (p == "tf32") o.precision = Precision::tf32;
+            else bad_option("--precision must be fp32 or tf32, got '" + p + "'");
+        } else if (a == "--warmup") o.warmup = parse_int(a, value(), 0, 1000);
+        else if (a == "--reps") o.reps = parse_int(a, value(), 1, 10000);
+        else if (a == "--json") o.json = value();
+        else if (a == "--check") o.check = true;
+        else if (a == "--check-rows") o.check_rows = parse_int(a, value(), 0, 1 << 24);
+        else if (a == "--only") {
+            o.only = value();
+            if (o.only != "all" && o.only != "stages" && o.only != "flash")
+                bad_option("--only must be all, stages or flash, got '" + o.only + "'");
+        } else if (a == "--fast-variant") o.fast_variant = parse_int(a, value(), 0, 15);
+        else if (a == "--splits") o.splits = parse_int(a, value(), 0, 64);
+        else if (a == "--seed") o.seed = static_cast<unsigned>(parse_int(a, value(), 0, 1 << 30));
+        else bad_option("unknown option '" + a + "'");
+    }
+    if (o.scale == 0.f) o.scale = 1.f / std::sqrt(static_cast<float>(o.d));
+    const long long heads = static_cast<long long>(o.batch) * o.heads;
+    if (heads > (1 << 20)) bad_option("batch × heads = " + std::to_string(heads) + " is too many");
+    return o;
+}
+
+Dims bench_dims(const Options& o) {
+    Dims d;
+    d.batch = o.batch;
+    d.heads = o.heads;
+    d.N = o.N;
+    d.M = o.M;
+    d.dk = d.dv = o.d;
+    return d;
+}
+
+}  // namespace bench
+}  // namespace attnstep

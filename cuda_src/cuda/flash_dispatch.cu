@@ -1,0 +1,181 @@
+// flash_dispatch.cu — flash_forward() and its plan: picks a registered kernel (flash_dispatch.cuh)
+// for the problem and the GPU, and launches it in parts of at most kMaxGridYZ heads; plus the
+// host-side pieces the kernels' launchers share (KV split choice, the split combine, the grid).
+#include "flash_dispatch.cuh"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <string>
+
+#include "cuda_check.cuh"
+#include "device.cuh"
+
+namespace attnstep {
+
+namespace {
+
+constexpr int kMaxSplits = 16;
+constexpr int kCombineThreads = 256;
+
+std::string split_suffix(int splits) { return splits > 1 ? "-split" + std::to_string(splits) : ""; }
+std::string precision_suffix(Precision p) { return p == Precision::tf32 ? "-tf32" : "-3xtf32"; }
+
+[[noreturn]] void forced_kernel_missing(const char* name, int d) {
+    fail(kExitBadInput, std::string("--flash-kernel ") + name + ": no " + name + " variant for d=" +
+                            std::to_string(d) + " on this GPU",
+         "use --flash-kernel auto (or another kernel)");
+}
+
+const char* kernel_word(FlashKernel k) {
+    switch (k) {
+        case FlashKernel::wgmma: return "wgmma";
+        case FlashKernel::fast: return "fast";
+        case FlashKernel::clean: return "clean";
+        case FlashKernel::automatic: break;
+    }
+    return "auto";
+}
+
+struct Choice {
+    const FlashKernelOps* ops;
+    KernelPlan plan;
+};
+
+// `auto`: the first kernel, in the registry's order, that is preferred for the problem and has a
+// variant for it. A forced kernel that has none is the user's error, not a silent fallback.
+Choice choose(const FlashArgs& a) {
+    Choice c{nullptr, {}};
+    for (const FlashKernelOps* ops : flash_kernels()) {
+        if (a.kernel == FlashKernel::automatic) {
+            if ((!ops->preferred || ops->preferred(a)) && ops->plan(a, 0, &c.plan)) return {ops, c.plan};
+        } else if (ops->id == a.kernel) {
+            if (ops->plan(a, 0, &c.plan)) return {ops, c.plan};
+            break;
+        }
+    }
+    if (a.kernel != FlashKernel::automatic) forced_kernel_missing(kernel_word(a.kernel), a.d);
+    fail(kExitInternal, where(__FILE__, __LINE__) + ": flash_forward: head width d=" + std::to_string(a.d) +
+                            " has no kernel (supported: " + flash_head_dims_text() + ")",
+         "callers must check flash_supported() first");
+}
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+// One thread per output element; the thread of column 0 also writes lse. A split that saw no key
+// has lse −inf and weighs 0.
+__global__ void flash_combine_kernel(const float* Opart, const float* lse_part, float* O, float* lse,
+                                     int rows, int d, int splits) {
+    const long long idx = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+    if (idx >= static_cast<long long>(rows) * d) return;
+    const int row = static_cast<int>(idx / d), col = static_cast<int>(idx % d);
+    float mx = -INFINITY;
+    for (int i = 0; i < splits; ++i) mx = fmaxf(mx, lse_part[static_cast<size_t>(i) * rows + row]);
+    float wsum = 0.f, acc = 0.f;
+    for (int i = 0; i < splits; ++i) {
+        const float li = lse_part[static_cast<size_t>(i) * rows + row];
+        const float w = li == -INFINITY ? 0.f : expf(li - mx);
+        wsum += w;
+        acc += w * Opart[(static_cast<size_t>(i) * rows + row) * d + col];
+    }
+    O[idx] = acc / wsum;
+    if (col == 0) lse[row] = mx + logf(wsum);
+}
+
+}  // namespace
+
+FlashKernelList flash_kernels() {
+    static const FlashKernelOps* const kernels[] = {
+#ifdef ATTNSTEP_HAVE_WGMMA
+        &flash_wgmma_ops(),
+#endif
+        &flash_fast_ops(),
+        &flash_clean_ops(),
+    };
+    return {std::begin(kernels), std::end(kernels)};
+}
+
+std::string flash_plan_name(const FlashKernelOps& ops, const FlashArgs& a, const KernelPlan& plan) {
+    std::string name = std::string("cuda-") + ops.name;
+    if (ops.tensor_cores) name += precision_suffix(a.precision) + split_suffix(plan.splits);
+    return name;
+}
+
+FlashPlan flash_forward_plan(const FlashArgs& a) {
+    const Choice c = choose(a);
+    return {c.plan.Br, c.plan.Bc, flash_plan_name(*c.ops, a, c.plan)};
+}
+
+size_t flash_workspace_bytes_per_head(const FlashArgs& a) { return choose(a).plan.workspace_per_head; }
+
+void flash_forward(const FlashArgs& a, cudaStream_t stream) {
+    if (a.heads <= 0 || a.N <= 0 || a.M <= 0) {
+        fail(kExitInternal, where(__FILE__, __LINE__) + ": flash_forward: empty problem (heads=" +
+                                std::to_string(a.heads) + " N=" + std::to_string(a.N) +
+                                " M=" + std::to_string(a.M) + ")");
+    }
+    if (!aligned16(a.Q) || !aligned16(a.K) || !aligned16(a.V) || !aligned16(a.O)) {
+        fail(kExitInternal, where(__FILE__, __LINE__) +
+                                ": flash_forward: Q, K, V and O must be 16-byte aligned (float4 loads)");
+    }
+    const Choice c = choose(a);
+    flash_launch(*c.ops, a, c.plan, stream);
+}
+
+void flash_launch(const FlashKernelOps& ops, const FlashArgs& a, const KernelPlan& plan, cudaStream_t stream) {
+    // The kernels put heads on grid.y (or z): consecutive parts of at most kMaxGridYZ heads.
+    for (int h0 = 0; h0 < a.heads; h0 += kMaxGridYZ) {
+        FlashArgs part = a;
+        part.heads = std::min(kMaxGridYZ, a.heads - h0);
+        const size_t q = static_cast<size_t>(h0) * a.N, k = static_cast<size_t>(h0) * a.M;
+        part.Q = a.Q + q * a.d;
+        part.K = a.K + k * a.d;
+        part.V = a.V + k * a.d;
+        part.O = a.O + q * a.d;
+        part.lse = a.lse + q;
+        ops.launch(part, plan, stream);
+    }
+}
+
+int choose_kv_splits(long long blocks, long long slots, int n_tiles) {
+    if (blocks >= slots) return 1;
+    int splits = static_cast<int>((slots + blocks - 1) / blocks);
+    splits = std::min(splits, std::max(1, n_tiles / 2));
+    return std::max(1, std::min(splits, kMaxSplits));
+}
+
+int clamp_kv_splits(int splits, int n_tiles) { return std::max(1, std::min(splits, n_tiles)); }
+
+size_t split_partial_floats(const FlashArgs& a, int splits) {
+    return splits > 1 ? static_cast<size_t>(splits) * a.heads * a.N * (a.d + 1) : 0;
+}
+
+FlashOutputs kernel_outputs(const FlashArgs& a, int splits, float* partials) {
+    if (splits <= 1) return {a.O, a.lse};
+    return {partials, partials + static_cast<size_t>(splits) * a.heads * a.N * a.d};
+}
+
+void combine_kv_splits(const FlashArgs& a, int splits, const FlashOutputs& partials, cudaStream_t stream) {
+    if (splits <= 1) return;
+    const size_t rows = static_cast<size_t>(a.heads) * a.N;
+    const long long elems = static_cast<long long>(rows) * a.d;
+    flash_combine_kernel<<<static_cast<unsigned>((elems + kCombineThreads - 1) / kCombineThreads),
+                           kCombineThreads, 0, stream>>>(partials.O, partials.lse, a.O, a.lse,
+                                                         static_cast<int>(rows), a.d, splits);
+    LAUNCH_CHECK(flash_combine_kernel);
+}
+
+dim3 query_block_grid(const FlashArgs& a, const KernelPlan& plan) {
+    return dim3((a.N + plan.Br - 1) / plan.Br, a.heads, plan.splits);
+}
+
+StreamWorkspace::StreamWorkspace(size_t floats, cudaStream_t s) : stream(s) {
+    if (floats > 0) CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&p), floats * sizeof(float), stream));
+}
+
+void StreamWorkspace::release() {
+    if (p) CUDA_CHECK(cudaFreeAsync(p, stream));
+    p = nullptr;
+}
+
+}  // namespace attnstep
