@@ -3,7 +3,10 @@
 # demo on the CUDA backend, compute-sanitizer (memcheck, racecheck), the large bounded-memory case,
 # and the benchmarks.
 #
-#   scripts/gpu_check.sh [build] [tests] [demo] [sanitize] [large] [bench]   (default: all)
+#   scripts/gpu_check.sh [build] [tests] [gputests] [alarms] [demo] [example] [sanitize] [large] [bench]
+#                        (default: build tests demo example sanitize large bench)
+#   tests: the whole suite; gputests: only the tests marked gpu, false-alarm sweep aside; alarms:
+#   the CUDA false-alarm sweep alone; example: `attnstep demo --example bug_qk_leading_dim`.
 #   ATTNSTEP_BINARY=build-gpu/main scripts/gpu_check.sh tests sanitize large   (a prebuilt binary)
 #   BENCH_ARGS="--shape 4,16,4096,4096,64" scripts/gpu_check.sh bench          (other shapes)
 #
@@ -16,7 +19,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 ATTNSTEP="python3 -m verify"
 BUILD=build
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(build tests demo sanitize large bench)
+[ ${#steps[@]} -eq 0 ] && steps=(build tests demo example sanitize large bench)
 declare -A result
 
 want() { local s; for s in "${steps[@]}"; do [ "$s" = "$1" ] && return 0; done; return 1; }
@@ -47,10 +50,31 @@ if want tests; then
     grep -E "passed|failed" "$OUT/tests.log" | tail -n 1
 fi
 
+if want gputests; then
+    step gputests python3 -m pytest -q -m gpu -p no:cacheprovider --junitxml="$OUT/gputests.xml" \
+        --deselect tests/test_false_alarms.py tests
+    grep -E "passed|failed" "$OUT/gputests.log" | tail -n 1
+fi
+
+if want alarms; then
+    step alarms env ATTNSTEP_FALSE_ALARM_CASES=${ATTNSTEP_FALSE_ALARM_CASES:-300} python3 -m pytest -q -m gpu \
+        -p no:cacheprovider tests/test_false_alarms.py
+    grep -E "passed|failed" "$OUT/alarms.log" | tail -n 1
+fi
+
 if want demo; then
     step demo $ATTNSTEP demo --backend cuda --binary $BUILD/main --data-dir "$OUT/demo_data" --json "$OUT/demo.json"
     grep -E "^(PASS|FAIL)" "$OUT/demo.log"
     rm -rf "$OUT/demo_data"
+fi
+
+if want example; then
+    # The README's failing example: a gallery program with a cuBLAS leading-dimension bug.
+    # It must fail (exit 1), naming the bug.
+    caught() { $ATTNSTEP demo --example bug_qk_leading_dim --build-dir $BUILD --json "$OUT/example.json"
+               [ $? -eq 1 ] && grep -q '"code": "layout"' "$OUT/example.json"; }
+    step example caught
+    sed -n '1,40p' "$OUT/example.log"
 fi
 
 if want sanitize; then
@@ -92,7 +116,7 @@ fi
 
 echo "== summary ($(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1))"
 rc=0
-for name in build tests demo memcheck racecheck large bench; do
+for name in build tests gputests alarms demo example memcheck racecheck large bench; do
     [ -n "${result[$name]:-}" ] || continue
     printf '%-10s %s\n' "$name" "${result[$name]}"
     case "${result[$name]}" in FAIL*) rc=1 ;; esac

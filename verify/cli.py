@@ -20,8 +20,8 @@ from .generate import DEFAULT_DIMS, DISTRIBUTIONS, MAX_SEED, generate_case
 from .outputs import MATH_MODES, open_run, parse_name_map, read_names_file, stage_files_in
 from .report import (check_plot_folder, failure_lines, header_lines, summary_lines, table_lines, write_json,
                      write_junit, write_plots)
-from .runner import (DEFAULT_BUILD_DIR, DEFAULT_RUN_TIMEOUT_S, RunnerError, ensure_built, run_binary, run_program,
-                     set_aside_previous)
+from .runner import (DEFAULT_BUILD_DIR, DEFAULT_RUN_TIMEOUT_S, RunnerError, ensure_built, example_names,
+                     run_binary, run_program, set_aside_previous)
 from .stages import (DATA_DIR, DEFAULT_CASE, DEFAULT_INPUT_DIR, DEFAULT_OUTPUT_DIR, DEFAULT_RESULT, FORMATS,
                      PRECISIONS, RUN_MANIFEST, STAGE_NAMES, Dims)
 
@@ -383,14 +383,20 @@ def check(ctx, in_dir, out_dir, json_path, junit_path, plot_dir, atol, rtol, tol
 @json_option
 @seed_option
 @force_option
+@click.option("--example", type=click.Choice(example_names()),
+              help="Run a program of the examples gallery (examples/, a GPU needed) instead of the binary, "
+                   "as the original workflow ran it: from BUILD_DIR, reading ../data.")
 @click.pass_context
 @_user_errors
-def demo(ctx, data_dir, backend, build_dir, binary, timeout, json_path, seed, force):
+def demo(ctx, data_dir, backend, build_dir, binary, timeout, json_path, seed, force, example):
     """Build, generate the default case, run, and check.
 
     The original workflow in one command: 12 heads, N = M = 128, d = 64, uniform inputs, into
-    DATA_DIR/random_test and DATA_DIR/random_verify.
+    DATA_DIR/random_test and DATA_DIR/random_verify. With --example NAME, the same with one of the
+    gallery's programs (a classic bug each) in place of attnstep's binary.
     """
+    if example:
+        _demo_example(ctx, example, build_dir, timeout, json_path, seed, force)
     in_dir, out_dir = data_dir / DEFAULT_CASE, data_dir / DEFAULT_RESULT
     click.echo(f"[1/4] using {binary}" if binary else f"[1/4] building the binary in {build_dir}")
     binary = binary or ensure_built(build_dir)
@@ -405,6 +411,20 @@ def demo(ctx, data_dir, backend, build_dir, binary, timeout, json_path, seed, fo
     click.echo(f"[4/4] checking {out_dir}")
     passed = _check_and_report(in_dir, out_dir, Options(), json_path, None, None, False)
     ctx.exit(0 if passed else 1)
+
+
+def _demo_example(ctx, example, build_dir, timeout, json_path, seed, force) -> None:
+    """The demo with a gallery program: it reads ../data/random_test from BUILD_DIR."""
+    data_dir = Path(build_dir).absolute().parent / DATA_DIR
+    in_dir, out_dir = data_dir / DEFAULT_CASE, data_dir / DEFAULT_RESULT
+    click.echo(f"[1/4] building {example} in {build_dir}")
+    program = ensure_built(build_dir, target=example)
+    click.echo(f"[2/4] generating {in_dir}")
+    generate_case(in_dir, DEFAULT_DIMS, seed=seed, force=force)
+    click.echo(f"[3/4] running {example} {DEFAULT_CASE} in {build_dir}")
+    _run_program(program, [DEFAULT_CASE], Path(build_dir), out_dir, timeout)
+    click.echo(f"[4/4] checking {out_dir}")
+    ctx.exit(0 if _check_and_report(in_dir, out_dir, Options(), json_path, None, None, False) else 1)
 
 
 cli.add_command(bench)  # verify/bench.py: GPU timings against ceilings and PyTorch SDPA

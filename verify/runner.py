@@ -12,6 +12,11 @@ from typing import List, Optional, Sequence, Tuple
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_BUILD_DIR = REPO / "build"
 BINARY_NAME = "main"
+EXAMPLES_DIR = REPO / "examples"  # the gallery: one program per .cu file, a CMake target each
+
+
+def example_names() -> List[str]:
+    return sorted(p.stem for p in EXAMPLES_DIR.glob("*.cu"))
 BUILD_TIMEOUT_S = 1800
 DEFAULT_RUN_TIMEOUT_S = 600
 # After --timeout the binary gets SIGTERM, on which it removes this run's files; it is killed
@@ -46,8 +51,10 @@ def _run_tool(cmd: Sequence[str], what: str, timeout: float) -> None:
         raise RunnerError(f"{what} failed (exit {proc.returncode})", _tail(proc.stdout + proc.stderr, 40))
 
 
-def ensure_built(build_dir: Path = DEFAULT_BUILD_DIR, cmake_args: Sequence[str] = ()) -> Path:
-    """Configure (once) and build (incrementally) the binary; returns its path."""
+def ensure_built(build_dir: Path = DEFAULT_BUILD_DIR, cmake_args: Sequence[str] = (),
+                 target: str = BINARY_NAME) -> Path:
+    """Configure (once) and build (incrementally) the binary, or another target (an example of
+    examples/); returns its path."""
     build_dir = Path(build_dir)
     if shutil.which("cmake") is None:
         raise RunnerError("cmake not found on PATH; install CMake >= 3.24 (see README.md)")
@@ -55,8 +62,9 @@ def ensure_built(build_dir: Path = DEFAULT_BUILD_DIR, cmake_args: Sequence[str] 
         _run_tool(["cmake", "-S", str(REPO), "-B", str(build_dir), "-DCMAKE_BUILD_TYPE=Release",
                    *cmake_args], "CMake configure", BUILD_TIMEOUT_S)
     jobs = str(max(1, os.cpu_count() or 1))
-    _run_tool(["cmake", "--build", str(build_dir), "--parallel", jobs], "CMake build", BUILD_TIMEOUT_S)
-    binary = build_dir / BINARY_NAME
+    _run_tool(["cmake", "--build", str(build_dir), "--parallel", jobs, "--target", target], "CMake build",
+              BUILD_TIMEOUT_S)
+    binary = build_dir / target
     if not binary.exists():
         raise RunnerError(f"the build finished but {binary} is missing")
     return binary
