@@ -7,6 +7,7 @@
 #                        (default: build tests demo example sanitize large bench)
 #   tests: the whole suite; gputests: only the tests marked gpu, false-alarm sweep aside; alarms:
 #   the CUDA false-alarm sweep alone; example: `attnstep demo --example bug_qk_leading_dim`.
+#   GPU_TESTS="tests/test_examples.py ..." limits gputests to those files.
 #   ATTNSTEP_BINARY=build-gpu/main scripts/gpu_check.sh tests sanitize large   (a prebuilt binary)
 #   BENCH_ARGS="--shape 4,16,4096,4096,64" scripts/gpu_check.sh bench          (other shapes)
 #
@@ -52,7 +53,7 @@ fi
 
 if want gputests; then
     step gputests python3 -m pytest -q -m gpu -p no:cacheprovider --junitxml="$OUT/gputests.xml" \
-        --deselect tests/test_false_alarms.py tests
+        --deselect tests/test_false_alarms.py ${GPU_TESTS:-tests}
     grep -E "passed|failed" "$OUT/gputests.log" | tail -n 1
 fi
 
