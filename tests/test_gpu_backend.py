@@ -15,7 +15,7 @@ import pytest
 
 from verify.case import read_matrix, write_matrix
 from verify.outputs import load_run
-from verify.compare import check
+from verify.compare import Options, check
 from verify.generate import generate_case
 from verify.reference import reference_chain
 from verify.runner import run_binary
@@ -172,7 +172,7 @@ def test_each_tensor_core_flash_kernel_matches_float64(binary, tmp_path, kernel,
         run = load_run(out)
         assert run.values["flash_kernel"].startswith(f"cuda-{kernel}"), run.values["flash_kernel"]
         if dims.total_heads <= VERIFIED_MAX_HEADS:
-            report = check(in_dir, out)  # the verifier, at the run's precision
+            report = check(in_dir, out, Options(causal=causal))  # at the run's precision and mask
             assert report.passed, [(r.stage, r.head, r.status, r.message)
                                    for r in report.results if not r.passed]
         tol = FP32_TOL / 10 if precision == "fp32" else TF32_TOL

@@ -154,7 +154,7 @@ def run_program(binary: Path, args: Sequence[str], cwd: Optional[Path],
                 timeout: Optional[float] = DEFAULT_RUN_TIMEOUT_S) -> float:
     """Runs `binary ARGS...` in `cwd` with its output passed through; returns its wall time in
     seconds. A non-zero exit, a signal or the timeout raises RunnerError."""
-    cmd = [str(binary), *args]
+    cmd = [str(Path(binary).absolute()), *args]  # as the caller names it, wherever it runs
     t0 = time.monotonic()
     try:
         child = subprocess.Popen(cmd, cwd=cwd)
