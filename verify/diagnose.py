@@ -32,9 +32,9 @@ UNWRITTEN_DENSITY = 0.9      # fraction of the region's entries that must be zer
 TILE_DENSITY = 0.5           # fraction of a wrong tile's entries that must be wrong
 MAX_HEADS_SEARCHED = 64
 MAX_MASK_OFFSET = 8
-# Tile sizes tried when the run does not say its own (run.toml's flash_block_q/k): the sizes GPU
-# kernels tile by; smaller periods are what any row-dependent error shows by chance.
-TILE_PERIODS = (8, 16, 32, 64, 128, 256)
+# Tile sizes tried besides the run's own (run.toml's flash_block_q/k): the widths kernels tile and
+# vectorize by; a period of 2 is what any alternating error pattern shows by chance.
+TILE_PERIODS = (4, 8, 16, 32, 64, 128, 256)
 SCALE_NAME_RTOL = 2e-3
 LOG2_E = 1.0 / np.log(2.0)
 
