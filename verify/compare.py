@@ -237,7 +237,11 @@ def _load_output(run: RunInfo, stage: str, head: int, dims: Dims):
     path = run.file(stage, head)
     if not path.exists():
         return None, MISSING, f"{path.name} is missing (run.toml lists stage {stage})"
-    data = read_bytes(path)
+    shape = STAGES[stage].shape(dims)
+    try:
+        data = read_bytes(path, shape)  # a FIFO, a device or an oversized file: unreadable
+    except CaseError as exc:
+        return None, UNREADABLE, str(exc)
     want_crc = run.crc(stage, head)
     if want_crc is not None and crc32_hex(data) != str(want_crc):
         hdr = text_header_fields(data)
@@ -246,7 +250,6 @@ def _load_output(run: RunInfo, stage: str, head: int, dims: Dims):
                              "differs from run.toml (a file from an earlier run, or edited since)")
     if want_crc is None:
         return None, STALE, f"{path.name} is not listed in run.toml's CRC table: not from run {run.run_id}"
-    shape = STAGES[stage].shape(dims)
     try:
         mat = parse_matrix(data, path, None)
     except CaseError as exc:
