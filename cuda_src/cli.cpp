@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
+#include <iterator>
 #include <system_error>
 
 #include "common.h"
@@ -48,7 +49,17 @@ T pick(const std::string& opt, const std::string& text, const char* const (&name
     usage_error(opt + ": '" + text + "' is not one of " + allowed);
 }
 
+const char* const kFlashKernelNames[] = {"auto", "wgmma", "fast", "clean"};
+const FlashKernel kFlashKernels[] = {FlashKernel::automatic, FlashKernel::wgmma, FlashKernel::fast,
+                                     FlashKernel::clean};
+
 }  // namespace
+
+const char* flash_kernel_option(FlashKernel k) {
+    for (size_t i = 0; i < std::size(kFlashKernels); ++i)
+        if (kFlashKernels[i] == k) return kFlashKernelNames[i];
+    return "?";
+}
 
 void print_usage(FILE* to) {
     std::fprintf(to,
@@ -139,10 +150,7 @@ Options parse_cli(int argc, char** argv) {
         }
         else if (arg == "--poison") { no_value(); o.poison = true; }
         else if (arg == "--flash-kernel") {
-            static const char* const names[] = {"auto", "wgmma", "fast", "clean"};
-            static const FlashKernel values[] = {FlashKernel::automatic, FlashKernel::wgmma, FlashKernel::fast,
-                                                 FlashKernel::clean};
-            o.flash_kernel = pick(arg, take_value(), names, values);
+            o.flash_kernel = pick(arg, take_value(), kFlashKernelNames, kFlashKernels);
         }
         else if (arg == "--allow-nonfinite") { no_value(); o.allow_nonfinite = true; }
         else if (arg == "--max-memory-mb") {

@@ -48,6 +48,9 @@ std::string verify_name_for(const std::string& case_name);
 
 void print_usage(FILE* to);
 
+// The --flash-kernel word for a kernel choice ("auto", "wgmma", ...).
+const char* flash_kernel_option(FlashKernel k);
+
 // True when the user's --stages list names a flash stage itself (not only through `all`).
 bool names_flash_explicitly(const std::string& stages_text);
 

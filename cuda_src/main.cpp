@@ -10,10 +10,8 @@
 #include <chrono>
 #include <csignal>
 #include <cstdint>
-#include <ctime>
 #include <cmath>
 #include <cstdio>
-#include <random>
 #include <string>
 #include <vector>
 #include <unistd.h>
@@ -53,17 +51,6 @@ void check_interrupted() {
 
 void notice(const std::string& line) { std::fprintf(stderr, "main: notice: %s\n", line.c_str()); }
 
-// Unique per run: UTC time, process id and 32 random bits.
-std::string make_run_id() {
-    std::time_t now = std::time(nullptr);
-    char t[32];
-    std::strftime(t, sizeof t, "%Y%m%dT%H%M%SZ", std::gmtime(&now));
-    std::random_device rd;
-    char buf[80];
-    std::snprintf(buf, sizeof buf, "%s-%d-%08x", t, static_cast<int>(::getpid()), static_cast<unsigned>(rd()));
-    return buf;
-}
-
 std::unique_ptr<Backend> choose_backend(BackendChoice choice) {
     switch (choice) {
         case BackendChoice::Cpu: return make_cpu_backend();
@@ -94,6 +81,17 @@ Problem make_problem(const Options& o, const InputCase& c) {
     p.poison = o.poison;
     p.flash_kernel = o.flash_kernel;
     return p;
+}
+
+// The CPU backend has one flash kernel (its tiled one, cpu-tiled): forcing any --flash-kernel
+// there is a kernel without a variant, exit 2 as on the GPU (cuda/flash_fwd.cu says the same for
+// a CUDA kernel the build or the GPU lacks). Only when a flash stage is computed, as there.
+void check_forced_flash_kernel(const Options& o, const Backend& be, StageSet computed) {
+    if (!computed.any_flash() || o.flash_kernel == FlashKernel::automatic || std::string(be.name()) != "cpu")
+        return;
+    const std::string k = flash_kernel_option(o.flash_kernel);
+    fail(kExitBadInput, "--flash-kernel " + k + ": no " + k + " variant on the CPU backend (it has only its tiled kernel)",
+         "use --flash-kernel auto, or --backend cuda on a machine with an NVIDIA GPU");
 }
 
 // The stages to write: the user's list, less the flash stages when the dimensions do not allow
@@ -238,6 +236,7 @@ int run(int argc, char** argv) {
     StageSet written = select_stages(o, p.dims);
     StageSet computed = dependency_closure(written);
     std::unique_ptr<Backend> be = choose_backend(o.backend);
+    check_forced_flash_kernel(o, *be, computed);
     GroupPlan plan = plan_groups(o, p, computed, *be);
 
     RunState rs;
@@ -245,6 +244,8 @@ int run(int argc, char** argv) {
     rs.out_dir = o.out_dir;
     rs.out_format = o.has_format ? o.format : in.format;
     prepare_output_dir(o.out_dir, o.in_dir, rs.run_id);
+    if (int n = remove_stale_temporaries(o.out_dir, rs.run_id))
+        notice("removed " + std::to_string(n) + " temporary file(s) left in " + o.out_dir + " by runs that were killed");
     // From here on files change: a failure removes everything this run wrote.
     std::signal(SIGINT, on_signal);
     std::signal(SIGTERM, on_signal);

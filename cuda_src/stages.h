@@ -15,6 +15,7 @@ struct Dims {
     int N = 0;   // seq_q: query rows
     int M = 0;   // seq_k: key/value rows
     int dk = 0, dv = 0;
+    // An int once the case limits hold (case_limit_violation below checks in 64 bits).
     int total_heads() const { return batch * heads; }
 };
 
@@ -29,6 +30,22 @@ inline constexpr DimKey kDimKeys[] = {
     {"batch", &Dims::batch}, {"heads", &Dims::heads}, {"seq_q", &Dims::N},
     {"seq_k", &Dims::M},     {"d_k", &Dims::dk},      {"d_v", &Dims::dv},
 };
+
+// Case limits (verify/stages.py MAX_DIM, MAX_HEADS, MAX_ELEMENTS; docs/contract.md): every
+// dimension 1..kMaxDim, batch x heads at most kMaxHeads, and the elements of every stage of every
+// head at most kMaxElements, so that every element and byte count fits 64 bits (and a head index
+// an int). Both readers refuse a case beyond them before reading any matrix.
+inline constexpr int kMaxDim = 1 << 24;
+inline constexpr long long kMaxHeads = 1LL << 24;
+inline constexpr long long kMaxElements = 1LL << 48;
+
+// Input matrix files are checked against their shape before they are read (verify/stages.py
+// TEXT_BYTES_PER_VALUE, TEXT_SLACK_BYTES, NPY_MAX_HEADER_BYTES): a text matrix of R x C values is
+// at most kTextBytesPerValue * R * C + kTextSlackBytes bytes (room for comments); an .npy header
+// dict at most kNpyMaxHeaderBytes (np.load's own limit), and its data exactly R * C float32s.
+inline constexpr long long kTextBytesPerValue = 64;
+inline constexpr long long kTextSlackBytes = 1 << 16;
+inline constexpr long long kNpyMaxHeaderBytes = 10000;
 
 // Head-dimension limits (verify/stages.py MAX_HEAD_DIM, FLASH_HEAD_DIMS): d_k and d_v are
 // 1..kMaxHeadDim (shared-memory bounds on the GPU); the flash kernels exist for these widths only
@@ -100,6 +117,27 @@ inline int stage_rows(Stage s, const Dims& d) { return sym_value(stage_info(s).r
 inline int stage_cols(Stage s, const Dims& d) { return sym_value(stage_info(s).cols, d); }
 inline size_t stage_elems(Stage s, const Dims& d) {
     return static_cast<size_t>(stage_rows(s, d)) * static_cast<size_t>(stage_cols(s, d));
+}
+
+// The elements of every stage of one head (the case-size limit counts these).
+inline long long elements_per_head(const Dims& d) {
+    long long n = 0;
+    for (int i = 0; i < kNumStages; ++i)
+        n += static_cast<long long>(stage_rows(static_cast<Stage>(i), d)) * stage_cols(static_cast<Stage>(i), d);
+    return n;
+}
+
+// Why dimensions that are each within 1..kMaxDim (head widths within kMaxHeadDim) still exceed the
+// case limits, or "" when they do not. 64-bit arithmetic: batch x heads may overflow an int.
+inline std::string case_limit_violation(const Dims& d) {
+    const long long heads = static_cast<long long>(d.batch) * d.heads;
+    if (heads > kMaxHeads)
+        return "batch x heads = " + std::to_string(heads) + " heads; at most " + std::to_string(kMaxHeads);
+    const long long per_head = elements_per_head(d);
+    if (per_head > kMaxElements / heads)
+        return std::to_string(heads) + " heads of " + std::to_string(per_head) +
+               " stage elements each; at most " + std::to_string(kMaxElements) + " elements in all";
+    return "";
 }
 
 // The flash stages come from the tiled kernel; the rest form the "stage path".

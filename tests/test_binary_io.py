@@ -160,6 +160,20 @@ _scale_underflows_float32 = _manifest_edit(append="scale = 1e-50")
 _scale_nan = _manifest_edit(append="scale = nan")
 
 
+_leading_zero = _manifest_edit("seq_q = 5", "seq_q = 05")
+_scale_no_int_part = _manifest_edit(append="scale = .5")
+_scale_no_fraction = _manifest_edit(append="scale = 5.")
+_scale_beyond_int64 = _manifest_edit(append="scale = 99999999999999999999")
+_heads_overflow_int32 = _manifest_edit("batch = 1\nheads = 2", "batch = 641\nheads = 6700417")
+_heads_wrap_to_zero = _manifest_edit("batch = 1\nheads = 2", "batch = 65536\nheads = 65536")
+_dim_over_limit = _manifest_edit("seq_k = 7", "seq_k = 16777217")
+_huge_rows_small_files = _manifest_edit("seq_q = 5", "seq_q = 16777216")
+
+
+def _stray_npy_beside_txt(d):
+    np.save(d / "K_head_1.npy", np.zeros((7, 16), np.float32))
+
+
 def _control_char_in_comment(d):
     p = d / "manifest.toml"
     p.write_bytes(b"# a note\x00 with a NUL\n" + p.read_bytes())
@@ -188,6 +202,16 @@ REJECTIONS = [
     ("scale-zero-as-float32", _scale_underflows_float32, "manifest.toml", 8, "float32 value must be finite"),
     ("scale-nan", _scale_nan, "manifest.toml", 8, "scale = nan"),
     ("manifest-control-char", _control_char_in_comment, "manifest.toml", 1, "byte 0x00"),
+    ("leading-zero", _leading_zero, "manifest.toml", 3, "leading zeros are not allowed"),
+    ("scale-no-int-part", _scale_no_int_part, "manifest.toml", 8, "cannot read value '.5'"),
+    ("scale-no-fraction", _scale_no_fraction, "manifest.toml", 8, "a point needs digits on both sides"),
+    ("scale-beyond-int64", _scale_beyond_int64, "manifest.toml", 8,
+     "'scale' = 99999999999999999999: integer is out of the 64-bit range"),
+    ("heads-overflow-int32", _heads_overflow_int32, "manifest.toml", None, "batch x heads = 4294967297 heads"),
+    ("heads-wrap-to-zero", _heads_wrap_to_zero, "manifest.toml", None, "batch x heads = 4294967296 heads"),
+    ("dim-over-limit", _dim_over_limit, "manifest.toml", 4, "seq_k = 16777217 is out of range (dimensions are 1..16777216)"),
+    ("huge-rows-small-files", _huge_rows_small_files, "Q_head_0.txt", None, "bytes cannot hold 16777216 x 16"),
+    ("stray-other-format", _stray_npy_beside_txt, "K_head_1.npy", None, "a .npy file in a .txt case"),
 ]
 
 
@@ -248,6 +272,122 @@ def test_out_equal_to_in_is_refused(binary, tmp_path):
     msg = error_line(run_cpu(binary, in_dir, tmp_path / "." / "in"))
     assert "input folder" in msg
     assert {p.name: p.read_bytes() for p in in_dir.iterdir()} == before
+
+
+def test_output_folder_symlinked_to_the_input_is_refused(binary, tmp_path):
+    in_dir = tmp_path / "in"
+    write_case(in_dir)
+    before = files_in(in_dir)
+    (tmp_path / "link").symlink_to(in_dir)
+    assert "is the input folder" in error_line(run_cpu(binary, in_dir, tmp_path / "link"))
+    assert files_in(in_dir) == before
+
+
+def _unshare_works() -> bool:
+    if not shutil.which("unshare"):
+        return False
+    return subprocess.run(["unshare", "-rm", "true"], capture_output=True).returncode == 0
+
+
+@pytest.mark.skipif(not _unshare_works(),
+                    reason="needs `unshare -rm` (user and mount namespaces) for a bind mount without root")
+def test_output_folder_bind_mounted_on_the_input_is_refused(binary, tmp_path):
+    """A bind mount has another path but is the same folder: compared by device and inode."""
+    in_dir, mount = tmp_path / "in", tmp_path / "mnt"
+    write_case(in_dir)
+    mount.mkdir()
+    before = files_in(in_dir)
+    script = f'mount --bind "{in_dir}" "{mount}" && exec "{binary}" --in "{in_dir}" --out "{mount}" --backend cpu'
+    proc = subprocess.run(["unshare", "-rm", "sh", "-c", script], capture_output=True, text=True, timeout=120)
+    assert "is the input folder" in error_line(proc)
+    assert files_in(in_dir) == before
+
+
+def _dead_pid() -> int:
+    child = subprocess.Popen(["true"])
+    child.wait()
+    return child.pid
+
+
+def test_temporary_files_of_killed_runs_are_removed(binary, tmp_path):
+    """Only `.tmp-<run id>` names whose run's process is gone; anything else stays."""
+    in_dir, out_dir = tmp_path / "in", tmp_path / "out"
+    write_case(in_dir)
+    out_dir.mkdir()
+    dead = f"QK_head_0.txt.tmp-20250101T000000Z-{_dead_pid()}-0badf00d"
+    alive = f"QK_head_1.txt.tmp-20250101T000000Z-{os.getpid()}-0badf00d"  # this test's process runs
+    others = ["notes.tmp-1234", "V_head_0.txt.tmp-20250101T000000Z-x-0badf00d"]
+    for name in [dead, alive, *others]:
+        (out_dir / name).write_text("partial")
+    proc = run_cpu(binary, in_dir, out_dir)
+    assert proc.returncode == 0, proc.stderr
+    assert "removed 1 temporary file(s)" in proc.stderr
+    left = files_in(out_dir)
+    assert dead not in left and alive in left and all(o in left for o in others)
+
+
+def test_killed_run_leaves_temporaries_that_the_next_run_removes(binary, tmp_path):
+    in_dir, out_dir = tmp_path / "in", tmp_path / "out"
+    write_case(in_dir, heads=8, n=384, m=384, dk=32, dv=32, fmt="npy")
+    out_dir.mkdir()
+    import signal
+    import time
+    proc = subprocess.Popen([str(binary), "--in", str(in_dir), "--out", str(out_dir), "--backend", "cpu",
+                             "--format", "txt"], stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not [p for p in out_dir.iterdir() if ".tmp-" in p.name] and time.monotonic() < deadline:
+        time.sleep(0.001)
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate(timeout=60)
+    assert [p for p in files_in(out_dir) if ".tmp-" in p], "the kill came too late to leave a temporary file"
+    again = run_cpu(binary, in_dir, out_dir, "--stages", "Q")
+    assert again.returncode == 0, again.stderr
+    assert not [p for p in files_in(out_dir) if ".tmp-" in p]
+
+
+@pytest.mark.parametrize("target", ["K_head_1.txt", "manifest.toml"])
+@pytest.mark.parametrize("kind,words", [("fifo", "is a FIFO"), ("dev-zero", "is a character device"),
+                                        ("folder", "is a folder")])
+def test_input_that_is_not_a_regular_file_is_refused(binary, tmp_path, target, kind, words):
+    """A FIFO would block the read, /dev/zero never ends: refused before reading, naming the file."""
+    in_dir = tmp_path / "in"
+    write_case(in_dir)
+    path = in_dir / target
+    path.unlink()
+    {"fifo": lambda: os.mkfifo(path), "dev-zero": lambda: path.symlink_to("/dev/zero"),
+     "folder": path.mkdir}[kind]()
+    proc = subprocess.run([str(binary), "--in", str(in_dir), "--out", str(tmp_path / "out"), "--backend", "cpu"],
+                          capture_output=True, text=True, timeout=60)
+    assert error_line(proc) == f"main: error: {path}: {words}, not a regular file"
+    assert files_in(tmp_path / "out") == []
+
+
+def test_oversized_text_input_is_refused_before_reading(binary, tmp_path):
+    in_dir = tmp_path / "in"
+    write_case(in_dir)
+    with open(in_dir / "V_head_1.txt", "ab") as fh:  # sparse: 1 GiB of zero bytes, never read
+        fh.truncate(1 << 30)
+    msg = error_line(run_cpu(binary, in_dir, tmp_path / "out"))
+    assert "V_head_1.txt: 1073741824 bytes is more than a text matrix of 7 x 16" in msg, msg
+
+
+def test_non_ascii_input_path_is_escaped_in_run_toml(binary, tmp_path):
+    from verify.case import load_run
+
+    in_dir, out_dir = tmp_path / "café_ü𝄞", tmp_path / "out"
+    write_case(in_dir)
+    assert run_cpu(binary, in_dir, out_dir).returncode == 0
+    raw = (out_dir / RUN_MANIFEST).read_bytes()
+    assert raw.isascii() and b"caf\\u00E9_\\u00FC\\U0001D11E" in raw
+    assert load_run(out_dir).values["input"] == str(in_dir)
+
+
+@pytest.mark.parametrize("kernel", ["wgmma", "fast", "clean"])
+def test_forcing_a_flash_kernel_on_the_cpu_backend_is_exit_2(binary, tmp_path, kernel):
+    write_case(tmp_path / "in")
+    msg = error_line(run_cpu(binary, tmp_path / "in", tmp_path / "out", "--flash-kernel", kernel))
+    assert f"--flash-kernel {kernel}: no {kernel} variant on the CPU backend" in msg
+    assert files_in(tmp_path / "out") == []
 
 
 def test_uncreatable_output_folder_is_refused(binary, tmp_path):
@@ -563,12 +703,25 @@ def test_npy_round_trip_and_format_switch(binary, tmp_path):
     assert read_run(tmp_path / "again")["crc32_Q_head_0"] == r["crc32_Q_head_0"]
 
 
+def _npy_with_header(a: np.ndarray, header: str) -> bytes:
+    """An .npy v1.0 file with the given header dict text (padded as np.save pads)."""
+    header += " " * ((64 - (10 + len(header) + 1) % 64) % 64) + "\n"
+    return b"\x93NUMPY\x01\x00" + len(header).to_bytes(2, "little") + header.encode() + a.astype("<f4").tobytes()
+
+
 @pytest.mark.parametrize("bad,words", [
     (lambda a, p: np.save(p, a.astype(np.float64)), "'<f8'"),
     (lambda a, p: np.save(p, np.asfortranarray(a)), "fortran_order"),
     (lambda a, p: np.save(p, a.ravel()), "not 2-D"),
     (lambda a, p: (np.save(p, a), p.write_bytes(p.read_bytes()[:-4])), "data bytes"),
-], ids=["float64", "fortran", "1-d", "truncated"])
+    (lambda a, p: p.write_bytes(_npy_with_header(a, "{'descr': '<f4', 'fortran_order': False, "
+                                                    f"'shape': {a.shape}, 'extra': 1, }}")),
+     "unexpected key 'extra'"),
+    (lambda a, p: p.write_bytes(_npy_with_header(a, "{'descr': '<f4', 'shape': %s, }" % (a.shape,))),
+     "no 'fortran_order' entry"),
+    (lambda a, p: p.write_bytes(_npy_with_header(a, "{'descr': '<f4', 'fortran_order': False, "
+                                                    "'shape': (09, 16), }")), "leading zero"),
+], ids=["float64", "fortran", "1-d", "truncated", "extra-key", "missing-key", "leading-zero"])
 def test_bad_npy_is_rejected(binary, tmp_path, bad, words):
     in_dir = tmp_path / "in"
     mats = write_case(in_dir, fmt="npy", n=6, m=9)

@@ -1,6 +1,8 @@
 """The verifier's own strict reading of matrices and cases (no binary needed)."""
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -135,8 +137,9 @@ def test_matrix_bytes_header_is_a_comment():
     ("scale = 0.0", "scale = 0.0: must be finite and non-zero in float32"),
     ("scale = 1e-50", "must be finite and non-zero in float32"),
     ("scale = 1e39", "must be finite and non-zero in float32"),
-    ("seed = 99999999999999999999", "'seed' must be an integer"),
-], ids=["causal-string", "scale-zero", "scale-underflow", "scale-overflow", "seed-huge"])
+    ("seed = 99999999999999999999", "'seed' = 99999999999999999999: integer is out of the 64-bit range"),
+    ("scale = 99999999999999999999", "'scale' = 99999999999999999999: integer is out of the 64-bit range"),
+], ids=["causal-string", "scale-zero", "scale-underflow", "scale-overflow", "seed-huge", "scale-huge-int"])
 def test_manifest_value_types_and_scale(tmp_path, line, message):
     generate_case(tmp_path, Dims(1, 1, 2, 2, 2, 2))
     manifest = tmp_path / "manifest.toml"
@@ -208,3 +211,98 @@ def test_generate_takes_the_seeds_a_manifest_holds(tmp_path):
     with pytest.raises(CaseError, match=f"seed {2**63}: must be in 0"):
         generate_case(tmp_path, Dims(1, 1, 2, 2, 2, 2), seed=2**63)
     assert not list(tmp_path.iterdir())
+
+
+@pytest.fixture
+def no_hang():
+    """Fails a test that blocks (a FIFO read) instead of hanging the run."""
+    import signal
+
+    def expire(signum, frame):
+        raise TimeoutError("blocked for 10 s")
+
+    old = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(10)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, old)
+
+
+@pytest.mark.parametrize("kind,words", [("fifo", "is a FIFO"), ("dev-zero", "is a character device"),
+                                        ("folder", "is a folder")])
+def test_only_regular_files_are_read(tmp_path, no_hang, kind, words):
+    import os
+    path = tmp_path / "m.txt"
+    {"fifo": lambda: os.mkfifo(path), "dev-zero": lambda: path.symlink_to("/dev/zero"),
+     "folder": path.mkdir}[kind]()
+    with pytest.raises(CaseError) as exc:
+        read_matrix(path, (2, 2))
+    assert str(exc.value).startswith(f"{path}: {words}, not a regular file; HINT:")
+
+
+def test_manifest_folder_is_named_as_the_binary_names_it(tmp_path):
+    generate_case(tmp_path, Dims(1, 1, 2, 2, 2, 2))
+    (tmp_path / "manifest.toml").unlink()
+    (tmp_path / "manifest.toml").mkdir()
+    with pytest.raises(CaseError, match=r"manifest.toml: is a folder, not a regular file"):
+        load_input_case(tmp_path)
+
+
+@pytest.mark.parametrize("fmt", ["txt", "npy"])
+def test_file_larger_than_its_shape_allows_is_refused_unread(tmp_path, fmt):
+    path = tmp_path / f"m.{fmt}"
+    write_matrix(path, np.zeros((2, 2), np.float32), fmt)
+    with open(path, "ab") as fh:
+        fh.truncate(1 << 30)  # sparse: reading it would take a GiB of memory
+    with pytest.raises(CaseError, match=r"1073741824 bytes is more than a .* matrix of 2 x 2 values"):
+        read_matrix(path, (2, 2))
+
+
+def test_npy_with_bytes_after_the_data_or_not_npy_at_all(tmp_path):
+    import zipfile
+    path = tmp_path / "m.npy"
+    path.write_bytes(matrix_bytes(np.zeros((2, 2), np.float32), "npy") + b"\0\0\0\0")
+    with pytest.raises(CaseError, match="4 bytes after the array data"):
+        read_matrix(path)
+    with zipfile.ZipFile(path, "w") as z:  # np.load would hand back an NpzFile
+        z.writestr("a.npy", matrix_bytes(np.zeros((2, 2), np.float32), "npy"))
+    with pytest.raises(CaseError, match="not a .npy file"):
+        read_matrix(path)
+
+
+def test_npy_descr_must_be_spelled_little_endian_float32(tmp_path):
+    header = "{'descr': 'f4', 'fortran_order': False, 'shape': (2, 2), }"
+    header += " " * ((64 - (10 + len(header) + 1) % 64) % 64) + "\n"
+    path = tmp_path / "m.npy"
+    path.write_bytes(b"\x93NUMPY\x01\x00" + len(header).to_bytes(2, "little") + header.encode() + bytes(16))
+    with pytest.raises(CaseError, match="dtype descr 'f4', expected '<f4'"):
+        read_matrix(path)
+
+
+@pytest.mark.parametrize("dims,words", [
+    (Dims(641, 6700417, 1, 1, 1, 1), "batch x heads = 4294967297 heads; at most 16777216"),
+    (Dims(1, 1, 2**24 + 1, 1, 1, 1), "'seq_q' = 16777217: dimensions must be in 1..16777216"),
+    (Dims(4, 4, 2**24, 2**24, 1, 1), "16 heads of 844425047572480 stage elements each"),
+], ids=["heads-beyond-int32", "dim-over-limit", "elements"])
+def test_case_limits_are_the_binarys(dims, words):
+    from verify.case import validate_dims
+    with pytest.raises(CaseError, match=re.escape(words)):
+        validate_dims(dims.__dict__, "manifest.toml")
+
+
+@pytest.mark.parametrize("line", ['generator = """x"""', "generator = '''x'''", 'scale = 5.', "seq_q = 02"])
+def test_manifest_refuses_what_the_binary_refuses(tmp_path, line):
+    generate_case(tmp_path, Dims(1, 1, 2, 2, 2, 2))
+    manifest = tmp_path / "manifest.toml"
+    key = line.split(" =")[0]
+    kept = [ln for ln in manifest.read_text().splitlines() if not ln.startswith(key + " =")]
+    manifest.write_text("\n".join(kept + [line]) + "\n")
+    with pytest.raises(CaseError):
+        load_input_case(tmp_path)
+
+
+def test_a_file_of_the_other_format_is_an_error(tmp_path):
+    generate_case(tmp_path, Dims(1, 2, 3, 4, 2, 2), fmt="npy")
+    write_matrix(tmp_path / "K_head_1.txt", np.zeros((4, 2), np.float32), "txt")
+    with pytest.raises(CaseError, match=r"K_head_1.txt: a .txt file in a .npy case"):
+        load_input_case(tmp_path)

@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 hypothesis = pytest.importorskip("hypothesis", reason="the fuzz tests need hypothesis (pip install hypothesis)")
@@ -58,33 +59,140 @@ def pristine(tmp_path_factory):
     return folder
 
 
-def _python_accepts(folder) -> bool:
+def _python_error(folder) -> str:
+    """The verifier's message on the input case, '' when it accepts it."""
     try:
         case = load_input_case(folder)
         for i in range(case.dims.total_heads):
             for name in ("Q", "K", "V"):
                 case.load(name, i)
-        return True
-    except CaseError:
-        return False
+        return ""
+    except CaseError as exc:
+        return str(exc)
+
+
+def _assert_readers_agree(binary, folder) -> str:
+    """The binary exits 0 or 2 (one error line, no run.toml) and accepts exactly what the verifier
+    accepts. Returns the binary's error line ('' when it ran)."""
+    res = run_binary(binary, folder, folder / "out", backend="cpu", check=False, timeout=60)
+    assert res.returncode in (0, 2), f"exit {res.returncode} (signal if < 0): {res.stderr[-400:]}"
+    lines = [ln for ln in res.stderr.splitlines() if ln.startswith("main: error:")]
+    if res.returncode == 2:
+        assert len(lines) == 1, res.stderr
+        assert not (folder / "out" / "run.toml").exists()
+    python = _python_error(folder)
+    assert (res.returncode == 0) == (python == ""), (res.stderr[-300:], python)
+    return lines[0] if lines else ""
+
+
+def _copy(pristine, tmp_path_factory, name="case"):
+    folder = tmp_path_factory.mktemp(name)
+    shutil.copytree(pristine, folder, dirs_exist_ok=True)
+    return folder
 
 
 @FUZZ
 @given(corruption())
 def test_binary_fails_cleanly_on_corrupt_inputs(binary, pristine, tmp_path_factory, c):
     target, op, where, token = c
-    folder = tmp_path_factory.mktemp("case")
-    shutil.copytree(pristine, folder, dirs_exist_ok=True)
+    folder = _copy(pristine, tmp_path_factory)
     path = folder / target
     path.write_bytes(_corrupt(path.read_bytes(), op, where, token))
-    res = run_binary(binary, folder, folder / "out", backend="cpu", check=False, timeout=60)
-    assert res.returncode in (0, 2), f"exit {res.returncode} (signal if < 0): {res.stderr[-400:]}"
-    if res.returncode == 2:
-        lines = [ln for ln in res.stderr.splitlines() if ln.startswith("main: error:")]
-        assert len(lines) == 1, res.stderr
-        assert not (folder / "out" / "run.toml").exists()
-    # The two readers agree on what is valid: the binary never accepts what the verifier rejects.
-    assert (res.returncode == 0) == _python_accepts(folder), (res.returncode, res.stderr[-300:])
+    _assert_readers_agree(binary, folder)
+
+
+# The shapes of TOML values where a hand-written reader drifts from tomllib: leading zeros, points
+# without digits, underscores, prefixed integers, 64-bit overflow, special floats, string escapes.
+_INT_PARTS = ["0", "5", "05", "00", "+5", "-5", "1_0", "1__0", "_1", "1_", "9223372036854775807",
+              "9223372036854775808", "99999999999999999999"]
+_FRACTIONS = ["", "", ".", ".5", ".5_0", "._5", ".05"]
+_EXPONENTS = ["", "", "e3", "E+3", "e-0_1", "e", "e+", "e400", "e-400"]
+_WORDS = ["inf", "+inf", "-nan", "nan", "Inf", "infinity", "0x10", "0X10", "0x_1", "0o17", "0o8", "0b10",
+          "0b2", "0x", "-0x1", "0xffffffffffffffff", ".5", "5.", "1e5.0", "true", "True", "false",
+          "1979-05-27", "[5]", "{}", "", "1 2", "5#c"]
+_STRINGS = ['"x"', "'x'", '"""x"""', "'''x'''", r'"\u00e9"', r'"\ud800"', r'"\U0010FFFF"', r'"\U00110000"',
+            r'"\x41"', r'"a\tb"', r'"\e"', r'"\u00E"', '"open', '"x" y', "'it''s'", '""', '"#"', r'"\u0000"']
+manifest_values = st.one_of(
+    st.builds(lambda i, f, e: i + f + e, st.sampled_from(_INT_PARTS), st.sampled_from(_FRACTIONS),
+              st.sampled_from(_EXPONENTS)),
+    st.sampled_from(_WORDS), st.sampled_from(_STRINGS))
+
+
+@FUZZ
+@given(st.sampled_from(["seq_q", "scale", "seed", "generator", "causal"]), manifest_values,
+       st.sampled_from(["{}", '"{}"', "'{}'"]), st.sampled_from(["", " # note", "\t#"]))
+def test_both_readers_agree_on_manifest_values(binary, pristine, tmp_path_factory, key, value, key_form,
+                                                comment):
+    folder = _copy(pristine, tmp_path_factory)
+    manifest = folder / "manifest.toml"
+    kept = [ln for ln in manifest.read_text().splitlines() if not ln.startswith(key + " =")]
+    manifest.write_text("\n".join(kept + [f"{key_form.format(key)} = {value}{comment}"]) + "\n")
+    _assert_readers_agree(binary, folder)
+
+
+@pytest.fixture(scope="module")
+def pristine_npy(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("pristine_npy")
+    generate_case(folder, DIMS, seed=12, fmt="npy")
+    return folder
+
+
+@st.composite
+def npy_headers(draw):
+    """Header dicts around np.save's `{'descr': '<f4', 'fortran_order': False, 'shape': (7, 16), }`."""
+    values = {"descr": draw(st.sampled_from(["'<f4'", '"<f4"', "'f4'", "'>f4'", "'<f8'"])),
+              "fortran_order": draw(st.sampled_from(["False", "False", "True", "0", "false"])),
+              "shape": draw(st.sampled_from(["(7, 16)", "(7,16)", "(7, 16,)", "( 7 , 16 )", "(07, 16)", "(7, 1_6)",
+                                             "[7, 16]", "(112,)", "(7, 16, 1)", "(112)", "(-7, 16)"]))}
+    keys = draw(st.permutations(list(values)))
+    dropped = draw(st.sampled_from([None, None, *values]))
+    extra = draw(st.sampled_from(["", "", "'extra': 1, ", "'descr': '<f4', "]))
+    quote = draw(st.sampled_from(["'", '"']))
+    sep = draw(st.sampled_from([", ", ",", " , "]))
+    body = sep.join(f"{quote}{k}{quote}: {values[k]}" for k in keys if k != dropped)
+    return "{" + extra + body + draw(st.sampled_from(["", ",", ", "])) + "}"
+
+
+@FUZZ
+@given(npy_headers())
+def test_both_readers_agree_on_npy_headers(binary, pristine_npy, tmp_path_factory, header):
+    folder = _copy(pristine_npy, tmp_path_factory)
+    path = folder / "K_head_1.npy"
+    data = np.load(path).tobytes()
+    header += " " * ((64 - (10 + len(header) + 1) % 64) % 64) + "\n"
+    path.write_bytes(b"\x93NUMPY\x01\x00" + len(header).to_bytes(2, "little") + header.encode() + data)
+    _assert_readers_agree(binary, folder)
+
+
+@pytest.mark.parametrize("stray", ["K_head_1.txt", "Q_head_0.txt", "V_head_2.txt"])
+def test_a_stray_file_of_the_other_format_is_refused_by_both(binary, pristine_npy, tmp_path_factory, stray):
+    folder = _copy(pristine_npy, tmp_path_factory)
+    (folder / stray).write_text("1 2\n")
+    assert _assert_readers_agree(binary, folder)
+
+
+def test_a_folder_named_manifest_gets_the_same_message_from_both(binary, pristine, tmp_path_factory):
+    folder = _copy(pristine, tmp_path_factory)
+    (folder / "manifest.toml").unlink()
+    (folder / "manifest.toml").mkdir()
+    line = _assert_readers_agree(binary, folder)
+    assert line == "main: error: " + _python_error(folder).split("; HINT:")[0]
+    assert line.endswith("manifest.toml: is a folder, not a regular file")
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dev-zero"])
+def test_check_refuses_a_stage_file_that_is_not_a_regular_file(binary, pristine, tmp_path_factory, kind):
+    """A FIFO would block check, /dev/zero would fill memory: both are unreadable stage files."""
+    folder = tmp_path_factory.mktemp("run")
+    run_binary(binary, pristine, folder, backend="cpu")
+    path = folder / "QK_head_1.txt"
+    path.unlink()
+    os.mkfifo(path) if kind == "fifo" else path.symlink_to("/dev/zero")
+    res = subprocess.run([sys.executable, "-m", "verify", "check", "--in", str(pristine), "--out", str(folder)],
+                         capture_output=True, text=True, timeout=120)
+    assert "Traceback" not in res.stderr, res.stderr[-2000:]
+    assert res.returncode == 1, res.stdout[-1500:] + res.stderr[-500:]
+    assert "not a regular file" in res.stdout + res.stderr
 
 
 @FUZZ

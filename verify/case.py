@@ -5,6 +5,7 @@ where they apply); the CLI turns it into exit status 2.
 """
 from __future__ import annotations
 
+import ast
 import io
 import math
 import os
@@ -19,8 +20,9 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from .stages import (DIM_KEYS, FORMATS, INPUT_MANIFEST, INPUT_NAMES, MAX_DIM, MAX_HEAD_DIM,
-                     STAGES, Dims, parse_stage_file, stage_file)
+from .stages import (DIM_KEYS, FORMATS, INPUT_MANIFEST, INPUT_NAMES, MAX_DIM, MAX_ELEMENTS, MAX_HEAD_DIM,
+                     MAX_HEADS, NPY_MAX_HEADER_BYTES, STAGES, TEXT_BYTES_PER_VALUE,
+                     TEXT_SLACK_BYTES, Dims, parse_stage_file, stage_file)
 
 
 class CaseError(Exception):
@@ -231,15 +233,36 @@ def _reject_nonfinite(mat: np.ndarray, name: str, linenos: Optional[List[int]] =
                         "HINT: inputs must be finite (--allow-nonfinite to accept them)")
 
 
+_NPY_MAGIC = b"\x93NUMPY"
+
+
+def _npy_header(data: bytes) -> dict:
+    """The header dict as written (call after np.load has read it, so it is a valid one)."""
+    start, size = (10, int.from_bytes(data[8:10], "little")) if data[6] == 1 else (12, int.from_bytes(data[8:12], "little"))
+    return ast.literal_eval(data[start:start + size].decode("latin1"))
+
+
 def parse_npy_matrix(data: bytes, name: str, shape: Optional[Tuple[int, int]] = None,
                      allow_nonfinite: bool = True) -> np.ndarray:
+    if not data.startswith(_NPY_MAGIC):  # np.load would open a zip archive as an NpzFile
+        raise CaseError(f"{name}: not a .npy file (bad magic)")
+    buf = io.BytesIO(data)
     try:
-        arr = np.load(io.BytesIO(data), allow_pickle=False)
+        arr = np.load(buf, allow_pickle=False)
     except (ValueError, OSError, EOFError) as exc:
         raise CaseError(f"{name}: not a valid .npy file ({str(exc).splitlines()[0]})") from None
+    extra = len(data) - buf.tell()
+    if extra:
+        raise CaseError(f"{name}: {extra} bytes after the array data; HINT: the file is damaged; regenerate it")
     if arr.dtype != np.dtype("<f4"):
         raise CaseError(f"{name}: dtype {arr.dtype}, expected float32 ('<f4'); "
                         "HINT: save with arr.astype(np.float32)")
+    # np.load also takes 'f4' or '=f4', and Fortran order; the contract (and the binary) does not.
+    header = _npy_header(data)
+    if header["descr"] != "<f4":
+        raise CaseError(f"{name}: dtype descr {header['descr']!r}, expected '<f4'")
+    if header["fortran_order"]:
+        raise CaseError(f"{name}: fortran_order arrays are not supported; HINT: save np.ascontiguousarray(arr)")
     if arr.ndim != 2:
         raise CaseError(f"{name}: {arr.ndim}-d array, expected a 2-d matrix")
     if shape and tuple(arr.shape) != tuple(shape):
@@ -249,15 +272,57 @@ def parse_npy_matrix(data: bytes, name: str, shape: Optional[Tuple[int, int]] = 
     return arr
 
 
-def read_bytes(path: Path) -> bytes:
+_FILE_KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+               (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+def _not_regular(path, mode: int) -> CaseError:
+    kind = next((word for is_kind, word in _FILE_KINDS if is_kind(mode)), "a special file")
+    return CaseError(f"{path}: is {kind}, not a regular file; "
+                     "HINT: only regular files are read (a symlink to one is fine)")
+
+
+def matrix_max_bytes(shape: Tuple[int, int], fmt: str, itemsize: int = 4) -> int:
+    """The largest file a rows × cols matrix may take in `fmt` (the bounds in verify/stages.py);
+    itemsize: the widest .npy element accepted (float32 inputs; stage files may be float64)."""
+    values = shape[0] * shape[1]
+    if fmt == "npy":
+        return 12 + NPY_MAX_HEADER_BYTES + itemsize * values
+    return TEXT_BYTES_PER_VALUE * values + TEXT_SLACK_BYTES
+
+
+def read_bytes(path: Path, shape: Optional[Tuple[int, int]] = None, itemsize: int = 4) -> bytes:
+    """The bytes of a regular file (after symlinks: a FIFO would block, /dev/zero never ends).
+    With `shape`, a file larger than a matrix of that shape may take (format from the name) is
+    refused before it is read."""
     try:
-        return Path(path).read_bytes()
+        # O_NONBLOCK: opening a FIFO must not wait for a writer; fstat then refuses it.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
         raise CaseError(f"{path}: missing file") from None
-    except IsADirectoryError:
-        raise CaseError(f"{path}: is a folder, expected a matrix file") from None
     except OSError as exc:
+        try:
+            mode = os.stat(path).st_mode
+        except OSError:
+            mode = stat.S_IFREG
+        if not stat.S_ISREG(mode):
+            raise _not_regular(path, mode) from None
         raise CaseError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):
+        os.close(fd)
+        raise _not_regular(path, info.st_mode)
+    with os.fdopen(fd, "rb") as fh:
+        if shape is not None:
+            fmt = "npy" if str(path).endswith(".npy") else "txt"
+            most = matrix_max_bytes(shape, fmt, itemsize)
+            if info.st_size > most:
+                raise CaseError(f"{path}: {info.st_size} bytes is more than a {fmt} matrix of {shape[0]} x "
+                                f"{shape[1]} values may take ({most} bytes); HINT: the file is not this matrix")
+        try:
+            return fh.read()
+        except OSError as exc:
+            raise CaseError(f"{path}: cannot read: {exc.strerror or exc}") from None
 
 
 def parse_matrix(data: bytes, path: Path, shape=None, allow_nonfinite=True) -> np.ndarray:
@@ -266,7 +331,7 @@ def parse_matrix(data: bytes, path: Path, shape=None, allow_nonfinite=True) -> n
 
 
 def read_matrix(path: Path, shape=None, allow_nonfinite=True) -> np.ndarray:
-    return parse_matrix(read_bytes(path), path, shape, allow_nonfinite)
+    return parse_matrix(read_bytes(path, shape), path, shape, allow_nonfinite)
 
 
 def crc32_hex(data: bytes) -> str:
@@ -291,14 +356,19 @@ INT64 = 2**63
 
 
 def check_types(values: dict, types: dict, where: str) -> None:
-    """Each known key has its type (an int is a number too, a bool is not an int)."""
+    """Each known key has its type (an int is a number too, a bool is not an int). Integers are
+    64-bit, as TOML says and the binary reads them: a larger one is an error, not a float."""
     for key, want in types.items():
         if key not in values:
             continue
         v = values[key]
+        is_int = isinstance(v, int) and not isinstance(v, bool)
+        if is_int and want in (int, float) and not -INT64 <= v < INT64:
+            raise CaseError(f"{where}: '{key}' = {v}: integer is out of the 64-bit range; "
+                            "HINT: write a float (e.g. 1e20) where a number is meant")
         ok = (isinstance(v, bool) if want is bool else
-              isinstance(v, (int, float)) and not isinstance(v, bool) if want is float else
-              isinstance(v, int) and not isinstance(v, bool) and -INT64 <= v < INT64 if want is int else
+              is_int or isinstance(v, float) if want is float else
+              is_int if want is int else
               isinstance(v, want))
         if not ok:
             raise CaseError(f"{where}: '{key}' must be {_TYPE_WORDS[want]} (got {v!r})")
@@ -312,14 +382,29 @@ def check_scale(scale, where: str) -> float:
     return float(scale)
 
 
+# A value that opens a multi-line string: the binary reads one `key = value` per line, so both
+# readers refuse these (tomllib alone would accept them).
+_MULTILINE_STRING = re.compile(rb"^[ \t]*(?:[A-Za-z0-9_-]+|\"[^\"\n]*\"|'[^'\n]*')[ \t]*=[ \t]*(\"\"\"|''')",
+                               re.MULTILINE)
+
+
+def _line_col(data: bytes, offset: int) -> str:
+    line = data.count(b"\n", 0, offset) + 1
+    col = offset - (data.rfind(b"\n", 0, offset) + 1) + 1
+    return f"{line}:{col}"
+
+
 def read_toml(path: Path) -> dict:
     data = read_bytes(path)
-    # ASCII without control characters (tabs and line ends aside), as the binary's reader.
-    bad = re.search(rb"[^\t\n\r\x20-\x7e]|\r(?!\n|\Z)", data)
+    # ASCII without control characters (tabs and line ends aside, a CR only before a line feed),
+    # as the binary's reader.
+    bad = re.search(rb"[^\t\n\r\x20-\x7e]|\r(?!\n)", data)
     if bad:
-        line = data.count(b"\n", 0, bad.start()) + 1
-        col = bad.start() - (data.rfind(b"\n", 0, bad.start()) + 1) + 1
-        raise CaseError(f"{path}:{line}:{col}: byte 0x{data[bad.start()]:02X} in the manifest (ASCII text only)")
+        raise CaseError(f"{path}:{_line_col(data, bad.start())}: byte 0x{data[bad.start()]:02X} in the "
+                        "manifest (ASCII text only)")
+    multi = _MULTILINE_STRING.search(data)
+    if multi:
+        raise CaseError(f"{path}:{_line_col(data, multi.start(1))}: multi-line strings are not supported")
     try:
         return tomllib.loads(data.decode("ascii"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
@@ -351,7 +436,22 @@ def validate_dims(values: dict, where: str) -> Dims:
     for key in ("d_k", "d_v"):
         if values[key] > MAX_HEAD_DIM:
             raise CaseError(f"{where}: '{key}' = {values[key]}: at most {MAX_HEAD_DIM} is supported")
-    return Dims(*(values[k] for k in DIM_KEYS))
+    dims = Dims(*(values[k] for k in DIM_KEYS))
+    _check_case_limits(dims, where)
+    return dims
+
+
+def _check_case_limits(dims: Dims, where: str) -> None:
+    """Dimensions each in range can still make a case too large (verify/stages.py MAX_HEADS,
+    MAX_ELEMENTS; the binary's case_limit_violation says the same)."""
+    heads = dims.total_heads
+    hint = "HINT: split the work into smaller cases (fewer heads or shorter sequences)"
+    if heads > MAX_HEADS:
+        raise CaseError(f"{where}: the case is too large: batch x heads = {heads} heads; at most {MAX_HEADS}; {hint}")
+    per_head = dims.elements_per_head
+    if per_head * heads > MAX_ELEMENTS:
+        raise CaseError(f"{where}: the case is too large: {heads} heads of {per_head} stage elements each; "
+                        f"at most {MAX_ELEMENTS} elements in all; {hint}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -378,13 +478,24 @@ class InputCase:
         return read_matrix(self.file(name, head), shape, allow_nonfinite=self.allow_nonfinite)
 
 
-def _head_files(folder: Path) -> Dict[Tuple[str, int], str]:
-    found = {}
-    for entry in os.listdir(folder):
+def _head_files(folder: Path) -> Dict[Tuple[str, int], List[str]]:
+    """(name, head) -> the formats present, from the names Q/K/V_head_<i>.<txt|npy> (head numbers
+    without leading zeros, as the binary lists them)."""
+    found: Dict[Tuple[str, int], List[str]] = {}
+    for entry in sorted(os.listdir(folder)):
         parsed = parse_stage_file(entry)
-        if parsed and parsed[0] in INPUT_NAMES:
-            found[(parsed[0], parsed[1])] = parsed[2]
+        if parsed and parsed[0] in INPUT_NAMES and entry == stage_file(*parsed):
+            found.setdefault((parsed[0], parsed[1]), []).append(parsed[2])
     return found
+
+
+def _format_of_files(folder: Path, files) -> Optional[str]:
+    """The format Q_head_0 is in (None when it is absent); both at once is ambiguous."""
+    formats = files.get(("Q", 0), [])
+    if len(formats) > 1:
+        raise CaseError(f"{folder}: both Q_head_0.txt and Q_head_0.npy exist; HINT: remove one, or add "
+                        f"format = \"txt\" (or \"npy\") to {INPUT_MANIFEST}")
+    return formats[0] if formats else None
 
 
 def load_input_case(folder: Path) -> InputCase:
@@ -402,7 +513,7 @@ def load_input_case(folder: Path) -> InputCase:
         check_types(values, INPUT_KEYS, str(manifest))
         dims = validate_dims(values, str(manifest))
         # Without a `format` line the files say, as the binary reads it.
-        fmt = values.get("format", files.get(("Q", 0), FORMATS[0]))
+        fmt = values["format"] if "format" in values else _format_of_files(folder, files) or FORMATS[0]
         if fmt not in FORMATS:
             raise CaseError(f"{manifest}: format = {fmt!r}; expected one of {', '.join(FORMATS)}")
         scale = check_scale(values["scale"], str(manifest)) if "scale" in values else None
@@ -420,7 +531,7 @@ def _infer_case(folder: Path, files) -> InputCase:
     if heads == 0:
         raise CaseError(f"{folder}: no Q_head_0.txt or Q_head_0.npy and no {INPUT_MANIFEST}; "
                         "HINT: is this an input case folder?")
-    fmt = files[("Q", 0)]
+    fmt = _format_of_files(folder, files)
     q = read_matrix(folder / stage_file("Q", 0, fmt))
     k = read_matrix(folder / stage_file("K", 0, fmt)) if ("K", 0) in files else None
     v = read_matrix(folder / stage_file("V", 0, fmt)) if ("V", 0) in files else None
@@ -438,24 +549,26 @@ def _infer_case(folder: Path, files) -> InputCase:
 
 
 def _check_layout(case: InputCase, files) -> None:
+    """Every head's Q, K, V in the case's format; no head beyond the case; no file of the other
+    format (which one would be meant?), as the binary checks."""
     total = case.dims.total_heads
     for i in range(total):
         for name in INPUT_NAMES:
-            if (name, i) not in files:
+            if case.fmt not in files.get((name, i), ()):
                 raise CaseError(f"{case.file(name, i)}: missing file ({total} heads expected)")
-            if files[(name, i)] != case.fmt:
-                raise CaseError(f"{case.path / stage_file(name, i, files[(name, i)])}: format "
-                                f"'{files[(name, i)]}' but the case is '{case.fmt}'")
-    extra = sorted((i, n) for (n, i) in files if i >= total)
-    if extra:
-        i, n = extra[0]
-        raise CaseError(f"{case.path / stage_file(n, i, files[(n, i)])}: unexpected file: the case has "
-                        f"{total} heads (0..{total - 1})")
+    for (name, i), formats in sorted(files.items(), key=lambda kv: kv[0][::-1]):
+        other = [f for f in formats if f != case.fmt]
+        if other:
+            raise CaseError(f"{case.path / stage_file(name, i, other[0])}: a .{other[0]} file in a .{case.fmt} "
+                            "case; HINT: a case holds one format; remove the stray file")
+        if i >= total:
+            raise CaseError(f"{case.path / stage_file(name, i, formats[0])}: unexpected file: the case has "
+                            f"{total} heads (0..{total - 1})")
 
 
 def input_head_files(folder: Path) -> List[str]:
     """The names of the Q/K/V head files in `folder`."""
-    return [stage_file(name, i, fmt) for (name, i), fmt in _head_files(folder).items()]
+    return [stage_file(name, i, fmt) for (name, i), formats in _head_files(folder).items() for fmt in formats]
 
 
 def clear_input_files(folder: Path) -> None:

@@ -29,7 +29,7 @@ import numpy as np
 from . import diagnose as diag
 from . import invariants, tolerance
 from .case import CaseError, InputCase, load_input_case, read_bytes
-from .outputs import Overrides, RunInfo, foreign_stage_files, open_run, staleness
+from .outputs import STAGE_ITEMSIZE, Overrides, RunInfo, foreign_stage_files, open_run, staleness
 from .reference import compute_stage, reference_chain
 from .resolution import EXACT
 from .stages import INPUT_NAMES, STAGES
@@ -264,7 +264,7 @@ def _load_output(run: RunInfo, stage: str, head: int):
                 f"the other {stage} files exist"
             return None, EXACT, MISSING, f"{path.name} is missing ({why})"
         try:
-            data = read_bytes(path)
+            data = read_bytes(path, STAGES[stage].shape(run.dims), STAGE_ITEMSIZE)  # a FIFO, a device, too large
         except CaseError as exc:
             return None, EXACT, UNREADABLE, str(exc)
         stale = staleness(run, stage, head, data)

@@ -35,6 +35,7 @@ RUN_KEY_TYPES = {**{k: int for k in DIM_KEYS}, "run_id": str, "backend": str, "d
 STACKED_SUFFIX = ".npy"             # `<stage>.npy`: every head in one array
 HEAD_FIELDS = ("i", "b", "h")       # placeholders of a name-map pattern
 STAGE_DTYPES = ("<f4", "<f8", "<f2")  # what a stage .npy may hold (inputs are float32 only)
+STAGE_ITEMSIZE = 8                   # the widest of them: bounds a stage file's size before reading
 
 
 # ----------------------------------------------------------------------------------------------
@@ -74,7 +75,7 @@ class StageSource:
             return _as_matrix(self.arrays[head], shape), array_resolution(self.arrays), None
         path = self.file(head, dims)
         if self.per_head:
-            data = read_bytes(path) if data is None else data
+            data = read_bytes(path, shape, STAGE_ITEMSIZE) if data is None else data
             if path.suffix == ".npy":
                 arr = _load_npy(data, path)
                 return _as_matrix(arr, shape), array_resolution(arr), data
@@ -89,10 +90,12 @@ class StageSource:
                 if dims.total_heads != 1:
                     raise CaseError(f"{path}: one text file for {dims.total_heads} heads; HINT: name "
                                     "a file per head with {i} in the pattern, or save every head in a .npy")
-                data = read_bytes(path)
+                data = read_bytes(path, STAGES[self.stage].shape(dims))
                 self._stack = parse_matrix(data, path, None)[None]
             else:
-                self._stack = _stack_heads(_load_npy(read_bytes(path), path), self.stage, dims, path)
+                r, c = STAGES[self.stage].shape(dims)
+                data = read_bytes(path, (dims.total_heads * r, c), STAGE_ITEMSIZE)
+                self._stack = _stack_heads(_load_npy(data, path), self.stage, dims, path)
         return self._stack
 
 

@@ -14,7 +14,19 @@ FLASH_HEAD_DIMS = (16, 32, 64, 128)
 MAX_HEAD_DIM = 256
 
 PRECISIONS = ("fp32", "tf32")  # what the binary computes in (--precision)
-MAX_DIM = 2**31 - 1             # the binary holds dimensions in 32-bit ints
+
+# Case limits, the same in cuda_src/stages.h (docs/contract.md): every dimension 1..MAX_DIM,
+# batch × heads at most MAX_HEADS, the elements of every stage of every head at most MAX_ELEMENTS
+# (so every element and byte count fits 64 bits in the binary).
+MAX_DIM = 2**24
+MAX_HEADS = 2**24
+MAX_ELEMENTS = 2**48
+# File sizes checked against a matrix's shape before it is read: a text matrix of R×C values is at
+# most TEXT_BYTES_PER_VALUE·R·C + TEXT_SLACK_BYTES bytes (room for comments); an .npy header dict
+# at most NPY_MAX_HEADER_BYTES (np.load's own limit), and its data exactly R·C float32s.
+TEXT_BYTES_PER_VALUE = 64
+TEXT_SLACK_BYTES = 2**16
+NPY_MAX_HEADER_BYTES = 10000
 INPUT_MANIFEST = "manifest.toml"
 RUN_MANIFEST = "run.toml"
 FORMATS = ("txt", "npy")
@@ -40,6 +52,11 @@ class Dims:
 
     def size(self, sym: str) -> int:
         return {"N": self.seq_q, "M": self.seq_k, "DK": self.d_k, "DV": self.d_v, "1": 1}[sym]
+
+    @property
+    def elements_per_head(self) -> int:
+        """The elements of every stage of one head (the case-size limit counts these)."""
+        return sum(r * c for r, c in (stage.shape(self) for stage in _TABLE))
 
     def decode_head(self, i: int) -> Tuple[int, int]:
         """Flat head index -> (batch, head); heads are batch-major."""

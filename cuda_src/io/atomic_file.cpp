@@ -4,6 +4,11 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <csignal>
+#include <ctime>
+#include <dirent.h>
+#include <random>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "../common.h"
@@ -13,12 +18,73 @@ namespace attnstep {
 
 namespace {
 constexpr size_t kBufferBytes = 1u << 20;
+const char kTmpMark[] = ".tmp-";
 
 std::string errno_text() { return std::strerror(errno); }
+
+bool all_of(const std::string& s, size_t from, size_t n, const char* chars) {
+    if (from + n > s.size()) return false;
+    for (size_t i = from; i < from + n; ++i)
+        if (!std::strchr(chars, s[i]) || !s[i]) return false;
+    return true;
+}
+
+// The process id inside a run id made by make_run_id(); 0 when `id` is not one.
+long run_id_pid(const std::string& id) {
+    const char* digits = "0123456789";
+    // yyyymmddThhmmssZ-
+    if (!all_of(id, 0, 8, digits) || id.compare(8, 1, "T") != 0 || !all_of(id, 9, 6, digits) ||
+        id.compare(15, 2, "Z-") != 0)
+        return 0;
+    size_t dash = id.find('-', 17);
+    if (dash == std::string::npos || dash == 17 || dash - 17 > 9 || !all_of(id, 17, dash - 17, digits) ||
+        id.size() != dash + 9 || !all_of(id, dash + 1, 8, "0123456789abcdef"))
+        return 0;
+    return std::stol(id.substr(17, dash - 17));
+}
+
+// True when no process `pid` exists any more (or it is this process, which wrote no such file).
+bool process_gone(long pid) {
+    if (pid == static_cast<long>(::getpid())) return true;
+    return ::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH;
+}
 }  // namespace
 
+std::string make_run_id() {
+    std::time_t now = std::time(nullptr);
+    char t[32];
+    std::strftime(t, sizeof t, "%Y%m%dT%H%M%SZ", std::gmtime(&now));
+    std::random_device rd;
+    char buf[80];
+    std::snprintf(buf, sizeof buf, "%s-%d-%08x", t, static_cast<int>(::getpid()), static_cast<unsigned>(rd()));
+    return buf;
+}
+
+std::string temporary_path(const std::string& final_path, const std::string& run_id) {
+    return final_path + kTmpMark + run_id;
+}
+
+int remove_stale_temporaries(const std::string& dir, const std::string& own_run_id) {
+    DIR* d = ::opendir(dir.c_str());
+    if (!d) return 0;
+    int removed = 0;
+    while (const struct dirent* e = ::readdir(d)) {
+        const std::string name = e->d_name;
+        const size_t mark = name.rfind(kTmpMark);
+        if (mark == std::string::npos || mark == 0) continue;
+        const std::string id = name.substr(mark + std::strlen(kTmpMark));
+        const long pid = run_id_pid(id);
+        if (pid <= 0 || id == own_run_id || !process_gone(pid)) continue;
+        const std::string path = dir + "/" + name;
+        struct stat st;
+        if (::lstat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode) && std::remove(path.c_str()) == 0) ++removed;
+    }
+    ::closedir(d);
+    return removed;
+}
+
 AtomicFile::AtomicFile(const std::string& final_path, const std::string& run_id)
-    : final_path_(final_path), tmp_path_(final_path + ".tmp-" + run_id) {
+    : final_path_(final_path), tmp_path_(temporary_path(final_path, run_id)) {
     f_ = std::fopen(tmp_path_.c_str(), "wb");
     if (!f_)
         fail(kExitBadInput, tmp_path_ + ": cannot create: " + errno_text(),

@@ -51,6 +51,18 @@ private:
     std::vector<Entry> entries_;
 };
 
+// A new run id, unique per run: "<UTC time>-<process id>-<32 random bits>", e.g.
+// 20250101T120000Z-4242-0badf00d. Every temporary file's name ends in ".tmp-<run id>".
+std::string make_run_id();
+
+// Removes the temporary files ("<name>.tmp-<run id>") in `dir` that runs other than `own_run_id`
+// left behind when they were killed: those whose run id names a process that no longer exists.
+// Returns how many were removed.
+int remove_stale_temporaries(const std::string& dir, const std::string& own_run_id);
+
+// The temporary name AtomicFile writes `final_path` under.
+std::string temporary_path(const std::string& final_path, const std::string& run_id);
+
 // Removes a file if it exists; fails (exit 2) when it exists and cannot be removed.
 void remove_if_exists(const std::string& path);
 

@@ -6,12 +6,15 @@
 #include <filesystem>
 #include <map>
 #include <set>
+#include <sys/stat.h>
 #include <system_error>
 #include <utility>
 #include <vector>
 
 #include "../backend.h"
 #include "../common.h"
+#include "atomic_file.h"
+#include "input_file.h"
 #include "manifest.h"
 
 namespace fs = std::filesystem;
@@ -79,6 +82,14 @@ void check_manifest_keys(const Manifest& m) {
     }
 }
 
+// Dimensions each within their range can still make a case too large (stages.h).
+void check_case_limits(const std::string& where, const Dims& d) {
+    std::string why = case_limit_violation(d);
+    if (!why.empty())
+        fail(kExitBadInput, where + ": the case is too large: " + why,
+             "split the work into smaller cases (fewer heads or shorter sequences)");
+}
+
 void apply_manifest(const Manifest& m, InputCase* c) {
     check_manifest_keys(m);
     std::string all_dim_keys;
@@ -88,9 +99,9 @@ void apply_manifest(const Manifest& m, InputCase* c) {
         if (!v)
             fail(kExitBadInput, m.path + ": missing key '" + std::string(k.key) + "'",
                  "a manifest names all of " + all_dim_keys);
-        if (v->i < 1 || v->i > (1 << 24))
+        if (v->i < 1 || v->i > kMaxDim)
             fail(kExitBadInput, m.where(k.key) + ": " + k.key + " = " + std::to_string(v->i) +
-                                    " is out of range (must be >= 1)");
+                                    " is out of range (dimensions are 1.." + std::to_string(kMaxDim) + ")");
         c->dims.*k.field = static_cast<int>(v->i);
     }
     for (const char* k : {"d_k", "d_v"})
@@ -98,6 +109,7 @@ void apply_manifest(const Manifest& m, InputCase* c) {
             fail(kExitBadInput, m.where(k) + ": " + k + " = " + std::to_string(m.find(k)->i) +
                                     " exceeds " + std::to_string(kMaxHeadDim),
                  "head dimensions are 1.." + std::to_string(kMaxHeadDim));
+    check_case_limits(m.path, c->dims);
     if (const ManifestValue* v = m.find("causal")) c->causal = v->b;
     if (const ManifestValue* v = m.find("scale")) {
         c->has_scale = true;
@@ -174,6 +186,38 @@ void check_head_files(const InputCase& c, const HeadFiles& hf, int total, bool f
     }
 }
 
+std::string shape_words(Stage s) {
+    switch (s) {
+        case Stage::Q: return "seq_q x d_k";
+        case Stage::K: return "seq_k x d_k";
+        default: return "seq_k x d_v";
+    }
+}
+
+// A Q/K/V head file of the other format beside the case's: ambiguous (which one is meant?), so an
+// error, as in the verifier.
+void check_no_other_format(const InputCase& c, const HeadFiles& hf) {
+    const Format other = c.format == Format::txt ? Format::npy : Format::txt;
+    for (int ii = 0; ii < 3; ++ii) {
+        const std::set<int>& idx = hf.indices[static_cast<int>(other)][ii];
+        if (!idx.empty())
+            fail(kExitBadInput, join(c.dir, head_file_name(kInputs[ii], *idx.begin(), other)) + ": a ." +
+                                    format_name(other) + " file in a ." + format_name(c.format) + " case",
+                 "a case holds one format; remove the stray file");
+    }
+}
+
+// Every head's text files are regular files whose sizes can hold their shapes: checked before any
+// buffer is sized from the dimensions, so a manifest with huge dimensions fails on its files first.
+void check_text_file_sizes(const InputCase& c, const std::string& origin) {
+    for (int h = 0; h < c.dims.total_heads(); ++h)
+        for (Stage s : kInputs) {
+            const std::string path = c.file(s, h);
+            check_text_file_size(path, regular_file_size(path), stage_rows(s, c.dims), stage_cols(s, c.dims),
+                                 shape_words(s) + origin);
+        }
+}
+
 void check_shape(const std::string& path, MatrixShape got, int rows, int cols, const std::string& what,
                  bool from_manifest) {
     if (got.rows == rows && got.cols == cols) return;
@@ -181,14 +225,6 @@ void check_shape(const std::string& path, MatrixShape got, int rows, int cols, c
                             " values but " + (from_manifest ? "the manifest says " : "head 0 says ") + what +
                             " = " + std::to_string(rows) + " x " + std::to_string(cols),
          from_manifest ? "regenerate the case, or fix manifest.toml" : "every head must have the same shapes");
-}
-
-std::string shape_words(Stage s) {
-    switch (s) {
-        case Stage::Q: return "seq_q x d_k";
-        case Stage::K: return "seq_k x d_k";
-        default: return "seq_k x d_v";
-    }
 }
 
 // Without a manifest the dimensions come from head 0's shapes, and a .npy may hold a 0 x n or
@@ -201,6 +237,14 @@ void check_inferred_dims_positive(const InputCase& c, MatrixShape q, MatrixShape
                                     std::to_string(got.cols) + " array (" + shape_words(s) +
                                     "); every dimension must be >= 1",
                  "Q, K and V need at least one row and one column each");
+}
+
+// Compared as files (device and inode), not as paths: a symlink or a bind mount reaches the same
+// folder by another path.
+bool same_folder(const std::string& a, const std::string& b) {
+    struct stat sa, sb;
+    return ::stat(a.c_str(), &sa) == 0 && ::stat(b.c_str(), &sb) == 0 && sa.st_dev == sb.st_dev &&
+           sa.st_ino == sb.st_ino;
 }
 
 }  // namespace
@@ -260,13 +304,21 @@ InputCase open_input_case(const std::string& dir_in) {
                                         std::to_string(kMaxHeadDim),
                      "head dimensions are 1.." + std::to_string(kMaxHeadDim));
         }
+        for (const DimKey& k : kDimKeys)
+            if (c.dims.*k.field > kMaxDim)
+                fail(kExitBadInput, c.file(Stage::Q, 0) + ": head 0 gives " + k.key + " = " +
+                                        std::to_string(c.dims.*k.field) + "; dimensions are 1.." + std::to_string(kMaxDim));
+        check_case_limits(c.dir, c.dims);
     }
-    // Before anything is written: head 0 read strictly for text (line-exact errors when the
-    // manifest and the files disagree; values are checked again when the head is read for real),
-    // and every .npy header (one small read per file). Later text heads are checked as read.
+    check_no_other_format(c, hf);
+    // Before anything is written: every text file's size, then head 0 read strictly (line-exact
+    // errors when the manifest and the files disagree; values are checked again when the head is
+    // read for real); every .npy header (one small read per file, and the file's exact size).
+    // Later text heads are checked as read.
     if (c.format == Format::txt) {
-        std::vector<float> scratch;
         const char* origin = c.has_manifest ? " from the manifest" : " from head 0";
+        check_text_file_sizes(c, origin);
+        std::vector<float> scratch;
         for (Stage s : kInputs) {
             scratch.resize(stage_elems(s, c.dims));
             read_matrix(c.file(s, 0), c.format, stage_rows(s, c.dims), stage_cols(s, c.dims), true,
@@ -300,14 +352,12 @@ void prepare_output_dir(const std::string& out_dir, const std::string& in_dir, c
         fail(kExitBadInput, out_dir + ": cannot create the output folder: " +
                                 (ec ? ec.message() : std::string("not a folder")),
              "pass --out a folder you can write to");
-    std::error_code e1, e2;
-    fs::path a = fs::canonical(out_dir, e1), b = fs::canonical(in_dir, e2);
-    if (!e1 && !e2 && a == b)
-        fail(kExitBadInput, out_dir + ": the output folder is the input folder (" + a.string() + ")",
+    if (same_folder(out_dir, in_dir))
+        fail(kExitBadInput, out_dir + ": the output folder is the input folder (" + in_dir + ")",
              "outputs would overwrite the inputs; pass a different --out");
     // A real write is the only reliable test (permission bits say nothing on read-only mounts or
     // for root).
-    std::string probe = join(out_dir, ".attnstep-probe-" + run_id);
+    std::string probe = temporary_path(join(out_dir, ".attnstep-probe"), run_id);
     FILE* f = std::fopen(probe.c_str(), "wb");
     if (!f)
         fail(kExitBadInput, out_dir + ": the output folder is not writable",

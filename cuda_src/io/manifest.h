@@ -30,7 +30,7 @@ struct Manifest {
     std::string where(const std::string& key) const;
 };
 
-// Parses the syntax only (which keys are allowed is the caller's business). Errors: exit 2,
+// Parses the syntax only (regular files only, input_file.h) (which keys are allowed is the caller's business). Errors: exit 2,
 // naming path:line:col.
 Manifest read_manifest(const std::string& path);
 
@@ -49,6 +49,10 @@ public:
 private:
     std::string out_;
 };
+
+// A TOML basic string holding `v` (UTF-8), in ASCII: other characters as \uXXXX / \UXXXXXXXX escapes,
+// bytes that are not UTF-8 as U+FFFD.
+std::string toml_string(const std::string& v);
 
 // A TOML float literal that round-trips a float32/64 and always reads back as a float.
 std::string toml_float(double v);

@@ -1,6 +1,8 @@
 // matrix_io.cpp — the text and .npy matrix formats; see matrix_io.h and docs/contract.md.
 #include "matrix_io.h"
 
+#include <algorithm>
+#include <cctype>
 #include <cerrno>
 #include <charconv>
 #include <cmath>
@@ -12,7 +14,9 @@
 #include <vector>
 
 #include "../common.h"
+#include "../stages.h"
 #include "atomic_file.h"
+#include "input_file.h"
 
 namespace attnstep {
 
@@ -26,20 +30,6 @@ namespace {
 
 const char* kNonfiniteHint = "inputs must be finite; pass --allow-nonfinite to read NaN/Inf on purpose";
 
-std::string read_whole_file(const std::string& path) {
-    FILE* f = std::fopen(path.c_str(), "rb");
-    if (!f) fail(kExitBadInput, path + ": cannot open: " + std::strerror(errno),
-                 "check that the input case holds this file");
-    std::string data;
-    char buf[1 << 16];
-    size_t n;
-    while ((n = std::fread(buf, 1, sizeof buf, f)) > 0) data.append(buf, n);
-    bool bad = std::ferror(f);
-    std::fclose(f);
-    if (bad) fail(kExitBadInput, path + ": read error: " + std::strerror(errno));
-    return data;
-}
-
 // ---------------------------------------------------------------- text
 // Walks a text matrix's data rows: skips '#' comment lines, allows blank lines only at the end,
 // and hands each data row's tokens (with their 1-based columns) to a callback.
@@ -52,6 +42,10 @@ struct Token {
 struct TextExtent {
     int lines = 0, data_rows = 0;
 };
+
+[[noreturn]] void fail_empty_text(const std::string& path) {
+    fail(kExitBadInput, path + ":1:1: empty file (no matrix rows)", "regenerate the case; every input file holds one matrix");
+}
 
 template <typename OnRow>
 TextExtent for_each_text_row(const std::string& path, const std::string& text, OnRow on_row) {
@@ -86,9 +80,7 @@ TextExtent for_each_text_row(const std::string& path, const std::string& text, O
         on_row(line_no, data_rows, tokens);
         ++data_rows;
     }
-    if (data_rows == 0)
-        fail(kExitBadInput, path + ":1:1: empty file (no matrix rows)",
-             "regenerate the case; every input file holds one matrix");
+    if (data_rows == 0) fail_empty_text(path);
     return {line_no, data_rows};
 }
 
@@ -140,7 +132,9 @@ float parse_value(const std::string& path, int line, const Token& t, bool allow_
 
 void read_text(const std::string& path, int rows, int cols, bool allow_nonfinite,
                const std::string& what, float* dst) {
-    std::string text = read_whole_file(path);
+    InputFile in(path);
+    check_text_file_size(path, in.size(), rows, cols, what);
+    std::string text = in.read_all();
     std::string expect = std::to_string(rows) + " x " + std::to_string(cols) + " (" + what + ")";
     TextExtent ext = for_each_text_row(path, text, [&](int line, int row, const std::vector<Token>& tok) {
         if (row >= rows)
@@ -168,7 +162,7 @@ void read_text(const std::string& path, int rows, int cols, bool allow_nonfinite
 }
 
 MatrixShape probe_text(const std::string& path) {
-    std::string text = read_whole_file(path);
+    std::string text = InputFile(path).read_all();
     MatrixShape s;
     for_each_text_row(path, text, [&](int, int row, const std::vector<Token>& tok) {
         if (row == 0) s.cols = static_cast<int>(tok.size());
@@ -210,120 +204,185 @@ struct NpyHeader {
     size_t data_offset = 0;
 };
 
-// Finds `'key':` in the header dict and returns the position just after it.
-size_t npy_find_key(const std::string& path, const std::string& dict, const char* key) {
-    std::string pat = std::string("'") + key + "':";
-    size_t p = dict.find(pat);
-    if (p == std::string::npos)
-        fail(kExitBadInput, path + ": npy header has no '" + key + "' entry",
-             "write the file with np.save");
-    p += pat.size();
-    while (p < dict.size() && dict[p] == ' ') ++p;
-    return p;
-}
+const char* kNpyHint = "write the file with np.save(path, a.astype(np.float32)) (a 2-D array)";
 
-NpyHeader parse_npy_header(const std::string& path, const std::string& head, size_t file_size) {
-    const char* hint = "write the file with np.save(path, a.astype(np.float32)) (a 2-D array)";
+// The header dict as np.load reads it (a Python literal): exactly the keys descr, fortran_order and
+// shape, quoted with ' or " (no escapes), descr a string, fortran_order True or False, shape a
+// tuple of decimal integers. np.load refuses any other key, so this reader does too.
+class NpyDictParser {
+public:
+    NpyDictParser(const std::string& path, const std::string& text) : path_(path), s_(text) {}
+
+    void parse(std::string* descr, bool* fortran_order, std::vector<long long>* shape) {
+        expect('{', "at the start of the header");
+        bool seen[3] = {false, false, false};
+        while (!take('}')) {
+            std::string key = quoted();
+            expect(':', "after '" + key + "'");
+            if (key == "descr") { *descr = quoted(); seen[0] = true; }
+            else if (key == "fortran_order") { *fortran_order = boolean(); seen[1] = true; }
+            else if (key == "shape") { *shape = tuple(); seen[2] = true; }
+            else bad("unexpected key '" + key + "' (np.load reads only descr, fortran_order and shape)");
+            if (take('}')) break;
+            expect(',', "between the header's entries");
+        }
+        skip_space();
+        if (p_ != s_.size()) bad("text after the header's closing '}'");
+        const char* keys[] = {"descr", "fortran_order", "shape"};
+        for (int i = 0; i < 3; ++i)
+            if (!seen[i]) bad(std::string("no '") + keys[i] + "' entry");
+    }
+
+private:
+    [[noreturn]] void bad(const std::string& what) const {
+        fail(kExitBadInput, path_ + ": .npy header: " + what, kNpyHint);
+    }
+    void skip_space() {
+        while (p_ < s_.size() && (s_[p_] == ' ' || s_[p_] == '\t' || s_[p_] == '\n' || s_[p_] == '\r')) ++p_;
+    }
+    bool take(char c) {
+        skip_space();
+        if (p_ < s_.size() && s_[p_] == c) { ++p_; return true; }
+        return false;
+    }
+    void expect(char c, const std::string& where) {
+        if (!take(c)) bad(std::string("expected '") + c + "' " + where);
+    }
+    std::string quoted() {
+        skip_space();
+        char q = p_ < s_.size() ? s_[p_] : '\0';
+        if (q != '\'' && q != '"') bad("expected a quoted string");
+        size_t close = s_.find(q, p_ + 1);
+        if (close == std::string::npos) bad("unterminated string");
+        std::string v = s_.substr(p_ + 1, close - p_ - 1);
+        if (v.find_first_of("\\\n") != std::string::npos) bad("escapes in strings are not supported");
+        p_ = close + 1;
+        return v;
+    }
+    bool boolean() {
+        skip_space();
+        for (bool b : {true, false}) {
+            const char* word = b ? "True" : "False";
+            size_t n = std::strlen(word);
+            if (s_.compare(p_, n, word) == 0 && (p_ + n == s_.size() || !std::isalnum(static_cast<unsigned char>(s_[p_ + n])))) {
+                p_ += n;
+                return b;
+            }
+        }
+        bad("fortran_order is not True or False");
+    }
+    // A Python int literal: decimal digits with single underscores between them, no leading zeros
+    // (but 0, 00, ...).
+    long long integer() {
+        skip_space();
+        size_t b = p_;
+        long long v = 0;
+        while (p_ < s_.size() && (std::isdigit(static_cast<unsigned char>(s_[p_])) ||
+                                  (s_[p_] == '_' && p_ > b && p_ + 1 < s_.size() && s_[p_ - 1] != '_' &&
+                                   std::isdigit(static_cast<unsigned char>(s_[p_ + 1]))))) {
+            if (s_[p_] != '_') {
+                v = v * 10 + (s_[p_] - '0');
+                if (v > (1LL << 40)) bad("shape value too large");
+            }
+            ++p_;
+        }
+        std::string tok = s_.substr(b, p_ - b);
+        if (tok.empty()) bad("shape holds something other than non-negative integers");
+        if (tok[0] == '0' && tok.find_first_not_of("0_") != std::string::npos) bad("shape value '" + tok + "' has a leading zero");
+        return v;
+    }
+    // A tuple: (), (a,), (a, b) or (a, b,); `(a)` is an int in Python, not a tuple.
+    std::vector<long long> tuple() {
+        expect('(', "to open the shape");
+        std::vector<long long> v;
+        bool trailing_comma = false;
+        while (!take(')')) {
+            v.push_back(integer());
+            trailing_comma = take(',');
+            if (!trailing_comma) {
+                expect(')', "to close the shape");
+                break;
+            }
+        }
+        if (v.size() == 1 && !trailing_comma) bad("shape is not a tuple");
+        return v;
+    }
+
+    const std::string& path_;
+    const std::string& s_;
+    size_t p_ = 0;
+};
+
+// Versions 1.0 (2-byte header length), 2.0 and 3.0 (4-byte), as np.load reads them.
+NpyHeader parse_npy_header(const std::string& path, const std::string& head, uint64_t file_size) {
     if (head.size() < 10 || head.compare(0, kNpyMagicLen, kNpyMagic, kNpyMagicLen) != 0)
-        fail(kExitBadInput, path + ": not a .npy file (bad magic)", hint);
-    int major = static_cast<unsigned char>(head[6]);
-    size_t len, start;
-    if (major == 1) {
-        len = static_cast<unsigned char>(head[8]) | (static_cast<unsigned char>(head[9]) << 8);
-        start = 10;
-    } else if (major == 2 && head.size() >= 12) {
-        len = 0;
-        for (int i = 3; i >= 0; --i) len = (len << 8) | static_cast<unsigned char>(head[8 + i]);
-        start = 12;
-    } else {
-        fail(kExitBadInput, path + ": unsupported .npy version " + std::to_string(major), hint);
-    }
-    if (start + len > head.size())
-        fail(kExitBadInput, path + ": truncated .npy header", hint);
-    std::string dict = head.substr(start, len);
+        fail(kExitBadInput, path + ": not a .npy file (bad magic)", kNpyHint);
+    int major = static_cast<unsigned char>(head[6]), minor = static_cast<unsigned char>(head[7]);
+    if (major < 1 || major > 3 || minor != 0)
+        fail(kExitBadInput, path + ": unsupported .npy version " + std::to_string(major) + "." + std::to_string(minor),
+             kNpyHint);
+    size_t len = 0, start = major == 1 ? 10 : 12;
+    if (head.size() < start) fail(kExitBadInput, path + ": truncated .npy header", kNpyHint);
+    for (size_t i = start; i-- > 8;) len = (len << 8) | static_cast<unsigned char>(head[i]);
+    if (static_cast<long long>(len) > kNpyMaxHeaderBytes)
+        fail(kExitBadInput, path + ": .npy header of " + std::to_string(len) + " bytes exceeds " +
+                                std::to_string(kNpyMaxHeaderBytes), kNpyHint);
+    if (start + len > head.size()) fail(kExitBadInput, path + ": truncated .npy header", kNpyHint);
+    const std::string dict = head.substr(start, len);
+    for (char c : dict)
+        if (static_cast<unsigned char>(c) >= 0x80)
+            fail(kExitBadInput, path + ": .npy header: non-ASCII byte", kNpyHint);
 
-    size_t p = npy_find_key(path, dict, "descr");
-    size_t q = dict.find('\'', p + 1);
-    std::string descr = (p < dict.size() && dict[p] == '\'' && q != std::string::npos)
-                            ? dict.substr(p + 1, q - p - 1) : "?";
-    if (descr != "<f4")
-        fail(kExitBadInput, path + ": dtype '" + descr + "' is not little-endian float32 ('<f4')", hint);
-    p = npy_find_key(path, dict, "fortran_order");
-    if (dict.compare(p, 5, "False") != 0)
-        fail(kExitBadInput, path + ": fortran_order arrays are not supported", hint);
-    p = npy_find_key(path, dict, "shape");
-    size_t close = dict.find(')', p);
-    if (p >= dict.size() || dict[p] != '(' || close == std::string::npos)
-        fail(kExitBadInput, path + ": cannot read the shape in the .npy header", hint);
+    std::string descr;
+    bool fortran_order = false;
     std::vector<long long> dims;
-    std::string inner = dict.substr(p + 1, close - p - 1);
-    const char* s = inner.c_str();
-    while (*s) {
-        while (*s == ' ' || *s == ',') ++s;
-        if (!*s) break;
-        char* e = nullptr;
-        long long v = std::strtoll(s, &e, 10);
-        if (e == s || v < 0 || v > (1 << 30))
-            fail(kExitBadInput, path + ": bad shape (" + inner + ") in the .npy header", hint);
-        dims.push_back(v);
-        s = e;
+    NpyDictParser(path, dict).parse(&descr, &fortran_order, &dims);
+    if (descr != "<f4")
+        fail(kExitBadInput, path + ": dtype '" + descr + "' is not little-endian float32 ('<f4')", kNpyHint);
+    if (fortran_order) fail(kExitBadInput, path + ": fortran_order arrays are not supported", kNpyHint);
+    if (dims.size() != 2) {
+        std::string shape;
+        for (long long v : dims) shape += std::to_string(v) + ", ";
+        fail(kExitBadInput, path + ": shape (" + shape.substr(0, shape.size() - (dims.size() > 1 ? 2 : 1)) + ") is not 2-D",
+             kNpyHint);
     }
-    if (dims.size() != 2)
-        fail(kExitBadInput, path + ": shape (" + inner + ") is not 2-D", hint);
+    if (dims[0] > kMaxDim || dims[1] > kMaxDim)
+        fail(kExitBadInput, path + ": shape (" + std::to_string(dims[0]) + ", " + std::to_string(dims[1]) +
+                                ") exceeds " + std::to_string(kMaxDim) + " in a dimension", kNpyHint);
     NpyHeader h;
     h.shape.rows = static_cast<int>(dims[0]);
     h.shape.cols = static_cast<int>(dims[1]);
     h.data_offset = start + len;
-    size_t need = static_cast<size_t>(dims[0]) * static_cast<size_t>(dims[1]) * sizeof(float);
+    const uint64_t need = static_cast<uint64_t>(dims[0]) * static_cast<uint64_t>(dims[1]) * sizeof(float);
     if (file_size != h.data_offset + need)
-        fail(kExitBadInput, path + ": holds " + std::to_string(file_size - h.data_offset) +
-                                " data bytes; shape (" + inner + ") needs " + std::to_string(need),
+        fail(kExitBadInput, path + ": holds " + std::to_string(file_size - h.data_offset) + " data bytes; shape (" +
+                                std::to_string(dims[0]) + ", " + std::to_string(dims[1]) + ") needs " + std::to_string(need),
              "the file is truncated or damaged; regenerate it");
     return h;
 }
 
-long file_size_of(FILE* f) {
-    std::fseek(f, 0, SEEK_END);
-    long n = std::ftell(f);
-    std::fseek(f, 0, SEEK_SET);
-    return n;
-}
-
-NpyHeader open_npy(const std::string& path, FILE** fp) {
-    FILE* f = std::fopen(path.c_str(), "rb");
-    if (!f) fail(kExitBadInput, path + ": cannot open: " + std::strerror(errno),
-                 "check that the input case holds this file");
-    long size = file_size_of(f);
-    if (size == 0) { std::fclose(f); fail(kExitBadInput, path + ": empty file", "regenerate the case"); }
-    std::string head(static_cast<size_t>(std::min<long>(size, 65536 + 12)), '\0');
-    size_t got = std::fread(&head[0], 1, head.size(), f);
-    head.resize(got);
-    try {
-        NpyHeader h = parse_npy_header(path, head, static_cast<size_t>(size));
-        std::fseek(f, static_cast<long>(h.data_offset), SEEK_SET);
-        *fp = f;
-        return h;
-    } catch (...) {
-        std::fclose(f);
-        throw;
-    }
+NpyHeader read_npy_header(InputFile& in) {
+    if (in.size() == 0) fail(kExitBadInput, in.path() + ": empty file", "regenerate the case");
+    std::string head(static_cast<size_t>(std::min<uint64_t>(in.size(), 12 + kNpyMaxHeaderBytes)), '\0');
+    head.resize(std::fread(&head[0], 1, head.size(), in.get()));
+    NpyHeader h = parse_npy_header(in.path(), head, in.size());
+    if (std::fseek(in.get(), static_cast<long>(h.data_offset), SEEK_SET) != 0)
+        fail(kExitBadInput, in.path() + ": cannot seek to the data: " + std::strerror(errno));
+    return h;
 }
 
 void read_npy(const std::string& path, int rows, int cols, bool allow_nonfinite,
               const std::string& what, float* dst) {
-    FILE* f = nullptr;
-    NpyHeader h = open_npy(path, &f);
-    if (h.shape.rows != rows || h.shape.cols != cols) {
-        std::fclose(f);
+    InputFile in(path);
+    NpyHeader h = read_npy_header(in);
+    if (h.shape.rows != rows || h.shape.cols != cols)
         fail(kExitBadInput, path + ": shape (" + std::to_string(h.shape.rows) + ", " +
                                 std::to_string(h.shape.cols) + "); expected " + std::to_string(rows) +
                                 " x " + std::to_string(cols) + " (" + what + ")",
              "the case's files disagree in shape; regenerate the case");
-    }
     size_t n = static_cast<size_t>(rows) * cols;
-    size_t got = std::fread(dst, sizeof(float), n, f);
-    std::fclose(f);
-    if (got != n) fail(kExitBadInput, path + ": short read", "the file is truncated; regenerate it");
+    if (std::fread(dst, sizeof(float), n, in.get()) != n)
+        fail(kExitBadInput, path + ": short read", "the file is truncated; regenerate it");
     if (allow_nonfinite) return;
     for (size_t i = 0; i < n; ++i)
         if (!std::isfinite(dst[i]))
@@ -353,10 +412,26 @@ void write_npy(AtomicFile& out, const float* src, int rows, int cols) {
 
 MatrixShape probe_matrix_shape(const std::string& path, Format fmt) {
     if (fmt == Format::txt) return probe_text(path);
-    FILE* f = nullptr;
-    NpyHeader h = open_npy(path, &f);
-    std::fclose(f);
-    return h.shape;
+    InputFile in(path);
+    return read_npy_header(in).shape;
+}
+
+void check_text_file_size(const std::string& path, uint64_t size, int rows, int cols, const std::string& what) {
+    if (size == 0) fail_empty_text(path);
+    const uint64_t values = static_cast<uint64_t>(rows) * static_cast<uint64_t>(cols);
+    const std::string shape = std::to_string(rows) + " x " + std::to_string(cols) + " (" + what + ")";
+    // At least one character per value, one separator between values, a line end between rows.
+    const uint64_t least = 2 * values - 1;
+    const uint64_t most = static_cast<uint64_t>(kTextBytesPerValue) * values + static_cast<uint64_t>(kTextSlackBytes);
+    if (size < least)
+        fail(kExitBadInput, path + ": " + std::to_string(size) + " bytes cannot hold " + shape +
+                                " text values (at least " + std::to_string(least) + " bytes)",
+             "the file is truncated or the case's dimensions are wrong");
+    if (size > most)
+        fail(kExitBadInput, path + ": " + std::to_string(size) + " bytes is more than a text matrix of " + shape +
+                                " may take (" + std::to_string(most) + " bytes: " + std::to_string(kTextBytesPerValue) +
+                                " per value and " + std::to_string(kTextSlackBytes) + " for comments)",
+             "the file is not this matrix, or write values with fewer digits (%.9g round-trips float32)");
 }
 
 void read_matrix(const std::string& path, Format fmt, int rows, int cols, bool allow_nonfinite,

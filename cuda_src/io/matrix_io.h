@@ -4,6 +4,7 @@
 // element (npy), with a HINT on how to fix the input.
 #pragma once
 
+#include <cstdint>
 #include <string>
 
 namespace attnstep {
@@ -22,6 +23,11 @@ struct MatrixShape {
 // The shape a file holds, without reading (npy) or converting (txt) its values: for text the
 // number of data rows and the number of values on the first row (the strict read checks the rest).
 MatrixShape probe_matrix_shape(const std::string& path, Format fmt);
+
+// Fails (exit 2) when a text file of `size` bytes cannot hold a rows x cols matrix (the bounds in
+// stages.h): checked before anything is allocated for or read from the file. (An .npy's header
+// is read first and its size must then be exact.)
+void check_text_file_size(const std::string& path, uint64_t size, int rows, int cols, const std::string& what);
 
 // Reads exactly rows x cols values into dst (row-major). `what` names the expected shape's origin
 // for error messages, e.g. "seq_q x d_k from the manifest".
