@@ -372,7 +372,7 @@ def test_oversized_text_input_is_refused_before_reading(binary, tmp_path):
 
 
 def test_non_ascii_input_path_is_escaped_in_run_toml(binary, tmp_path):
-    from verify.case import load_run
+    from verify.outputs import load_run
 
     in_dir, out_dir = tmp_path / "café_ü𝄞", tmp_path / "out"
     write_case(in_dir)

@@ -6,7 +6,8 @@ import pytest
 
 from test_tolerance import flash32, sample, simulate
 from verify.invariants import check_invariants
-from verify.stages import Dims
+from verify.specs import HeadContext
+from verify.stages import INPUT_NAMES, Dims
 
 N, M, D = 24, 40, 16
 
@@ -19,15 +20,13 @@ def make(causal=False, dist="normal", seed=0):
     O, lse = flash32(Q, K, V, scale, causal, 16)
     got.update(flash_output=O, flash_lse=lse, Q=Q, K=K, V=V, KT=K.T)
     got = {k: np.asarray(v, np.float64) for k, v in got.items()}
-    ctx = {"dims": Dims(1, 1, N, M, D, D), "scale": scale, "causal": causal, "precision": "fp32",
-           "K_got": got["K"], "output_got": got["output"], "QK_scaled_got": got["QK_scaled"],
-           "inputs": {n: got[n] for n in ("Q", "K", "V")}}
+    ctx = HeadContext(Dims(1, 1, N, M, D, D), scale, causal, inputs={n: got[n] for n in INPUT_NAMES},
+                      got=got)
     return got, ctx
 
 
 def check(stage, got, ctx):
-    c = dict(ctx, input=got[stage] if stage in ("Q", "K", "V") else None)
-    return check_invariants(stage, got[stage], c)
+    return check_invariants(stage, got[stage], ctx)
 
 
 CORRECT = [(c, d) for c in (False, True) for d in ("uniform", "normal", "large")]
@@ -46,8 +45,7 @@ def _plant(stage, fn, causal=False):
     got, ctx = make(causal)
     bad = dict(got)
     bad[stage] = fn(got[stage].copy(), got)
-    ctx = dict(ctx, output_got=bad["output"], QK_scaled_got=bad["QK_scaled"],
-               input=got[stage] if stage in ("Q", "K", "V") else None)
+    ctx.got = bad
     return check_invariants(stage, bad[stage], ctx)
 
 
@@ -88,10 +86,10 @@ def test_violation_names_its_first_location():
     assert found[0].where == (6, 1) and found[0].count == 2
 
 
-def test_flash_checks_need_q_k_v():
+def test_flash_checks_need_the_stage_path_stage():
     got, ctx = make()
     bad = got["flash_output"] + 1.0
-    ctx = {k: v for k, v in ctx.items() if k != "inputs"}
-    assert check_invariants("flash_output", bad, ctx) == []  # skipped without Q, K, V: documented
-    ctx.update(Q_got=got["Q"], V_got=got["V"])
+    ctx.got = {k: v for k, v in got.items() if k != "output"}
+    assert check_invariants("flash_output", bad, ctx) == []  # nothing to agree with: skipped
+    ctx.got = got
     assert [v.code for v in check_invariants("flash_output", bad, ctx)] == ["flash_vs_output"]

@@ -296,14 +296,14 @@ def test_parallel_check_reports_exactly_what_one_process_does(cases, tmp_path):
 
 @pytest.mark.skipif(sys.platform != "linux", reason="workers are forked on Linux only")
 def test_head_jobs_follow_the_request_the_size_and_the_memory(monkeypatch):
-    from verify import compare
+    from verify import compare, pool
     from verify.stages import Dims
 
     def run(heads, n, d=64):
         return compare.RunInfo(Path("."), {}, Dims(1, heads, n, n, d, d), {})
 
-    monkeypatch.setattr(compare, "_usable_cores", lambda: 16)
-    monkeypatch.setattr(compare, "_available_memory_bytes", lambda: 64 << 30)
+    monkeypatch.setattr(pool, "_usable_cores", lambda: 16)
+    monkeypatch.setattr(pool, "_available_memory_bytes", lambda: 64 << 30)
     assert compare.head_jobs(run(1, 4096)) == 1            # one head: nothing to share out
     assert compare.head_jobs(run(12, 16)) == 1             # small: a pool costs more than it saves
     assert compare.head_jobs(run(12, 16), requested=4) == 4
@@ -312,7 +312,7 @@ def test_head_jobs_follow_the_request_the_size_and_the_memory(monkeypatch):
     # 16 heads of 4096²: ~5.3 GB a worker (its head and 8 cached references of other heads), half
     # of 64 GB available → 6 workers, not 16.
     assert compare.head_jobs(run(16, 4096)) == 6
-    monkeypatch.setattr(compare, "_available_memory_bytes", lambda: None)
+    monkeypatch.setattr(pool, "_available_memory_bytes", lambda: None)
     assert compare.head_jobs(run(16, 4096)) == 16          # memory unknown: the cores decide
 
 
@@ -324,9 +324,9 @@ def _die(head):  # module level: the pool sends workers its function by name
 def test_a_dead_worker_is_a_one_line_error(cases, tmp_path, monkeypatch):
     """A worker killed mid-check (the kernel's OOM killer, say) ends in exit 2 and a hint, not a
     traceback or a partial report."""
-    from verify import compare
+    from verify import pool
 
-    monkeypatch.setattr(compare, "_check_in_worker", _die)
+    monkeypatch.setattr(pool, "_check_in_worker", _die)
     case = Case(cases["rect"], tmp_path)
     report = tmp_path / "report.json"
     r = _invoke("check", "--in", case.input, "--out", case.out, "--json", report, "--jobs", 2)
@@ -337,7 +337,7 @@ def test_a_dead_worker_is_a_one_line_error(cases, tmp_path, monkeypatch):
 
 def test_container_limits_cap_the_workers(monkeypatch):
     """cgroup limits (docker, k8s) count, not only the host's free memory and cores."""
-    from verify import compare
+    from verify import pool as compare
 
     fake = {("/sys/fs/cgroup/memory.max", 0): 4 << 30, ("/sys/fs/cgroup/memory.current", 0): 1 << 30,
             ("/sys/fs/cgroup/cpu.max", 0): 150000, ("/sys/fs/cgroup/cpu.max", 1): 100000}
@@ -351,7 +351,7 @@ def test_container_limits_cap_the_workers(monkeypatch):
 _ORPHAN_SCRIPT = """
 import multiprocessing, os, sys, time
 from concurrent.futures import ProcessPoolExecutor
-from verify.compare import _die_with_parent
+from verify.pool import _die_with_parent
 
 def report(path):
     with open(path, "w") as f:

@@ -18,8 +18,9 @@ from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 import numpy as np
 
-from .reference import causal_mask, compute_stage, log_sum_exp_rows, softmax_rows
-from .stages import INPUT_NAMES, STAGES
+from .reference import causal_mask, compute_stage, softmax_rows
+from .specs import SPECS
+from .stages import STAGES
 
 # A candidate explains got when every element is within MATCH_WIDTHS tolerance widths of it (the
 # candidate is float64, got carries its own rounding), and it is a real alternative when it
@@ -170,9 +171,9 @@ def _layout(stage, got, want, ctx, width) -> List[Diagnosis]:
                 found.append((how, diff))
     src: Dict[str, np.ndarray] = ctx.get("src") or {}
     scale, causal = float(ctx.get("scale", 1.0)), bool(ctx.get("causal", False))
-    if not found and src and stage not in ("Q", "K", "V", "KT"):
+    if not found and src and SPECS[stage].isolated is not None:  # not an exact copy
         for name, x in src.items():
-            if name not in STAGES[stage].inputs and not (STAGES[stage].flash and name in INPUT_NAMES):
+            if name not in STAGES[stage].inputs:
                 continue
             for how, x2 in _operand_variants(np.asarray(x, dtype=np.float64)):
                 try:
@@ -189,13 +190,18 @@ def _layout(stage, got, want, ctx, width) -> List[Diagnosis]:
                       {"how": how, "max_diff": diff}, 0.93)]
 
 
+def _feeds_the_scale(stage: str) -> bool:
+    """Whether the stage is what a scaling stage scales (QK: a scale found there came too early)."""
+    return any(SPECS[s].scaled and stage in STAGES[s].inputs for s in STAGES)
+
+
 def _scale_names(f: float, scale: float, d_k: int, stage: str) -> List[str]:
     named = {"√d_k": d_k ** 0.5, "1/√d_k": d_k ** -0.5, "d_k": float(d_k), "1/d_k": 1.0 / d_k}
     if scale != 0.0:
-        if stage == "QK_scaled":
+        if SPECS[stage].scaled:
             named["scale (scale applied twice)"] = scale
             named["1/scale (scale missing)"] = 1.0 / scale
-        elif stage == "QK":
+        elif _feeds_the_scale(stage):
             named["scale (QK already scaled)"] = scale
         else:
             named["scale"] = scale
@@ -216,7 +222,7 @@ def _scaled(stage, got, want, ctx, width) -> List[Diagnosis]:
         return []
     g, w = got[fin], want[fin]
     ww = float(w @ w)
-    if stage in ("QK", "QK_scaled", "output") and ww > 0:
+    if SPECS[stage].linear and ww > 0:
         f = float(g @ w) / ww
         if f != 0 and abs(f - 1) > 1e-3:
             diff = _maxdiff(got[fin], f * want[fin])
@@ -228,7 +234,7 @@ def _scaled(stage, got, want, ctx, width) -> List[Diagnosis]:
                                   f"(max diff {diff:.2g})", {"factor": f, "names": names,
                                                              "max_diff": diff}, 0.9)]
     src = ctx.get("src") or {}
-    if stage in ("QK_scaled", "flash_output", "flash_lse") and src:
+    if SPECS[stage].scaled and src:
         alts = {"scale applied twice": scale * scale, "scale missing": 1.0,
                 "multiplied by √d_k instead of divided": d_k ** 0.5}
         for name, s2 in alts.items():
@@ -252,10 +258,8 @@ def _softmax_columns(S: np.ndarray) -> np.ndarray:
 
 
 def _softmax_axis(stage, got, want, ctx, width) -> List[Diagnosis]:
-    if stage != "attention_weights":
-        return []
     src = ctx.get("src") or {}
-    S = src.get("QK_scaled")
+    S = src.get(STAGES[stage].inputs[0])
     cands = []
     if S is not None:
         S = np.asarray(S, dtype=np.float64)
@@ -270,14 +274,14 @@ def _softmax_axis(stage, got, want, ctx, width) -> List[Diagnosis]:
         if diff is None:
             diff = _explains(got, np.nan_to_num(cand, nan=0.0), want, width)
         if diff is not None:
-            return [Diagnosis("softmax_axis", f"attention_weights normalized along the wrong axis: "
+            return [Diagnosis("softmax_axis", f"{stage} normalized along the wrong axis: "
                               f"{how} (max diff {diff:.2g})", {"how": how, "max_diff": diff}, 0.93)]
     # Without the input: columns summing to 1 while rows do not.
     if got.shape[0] > 1 and np.isfinite(got).all():
         col_dev = np.abs(got.sum(axis=0) - 1).max()
         row_dev = np.abs(got.sum(axis=1) - 1).max()
         if col_dev <= 1e-4 and row_dev > 1e-2:
-            return [Diagnosis("softmax_axis", "attention_weights columns sum to 1 but rows do not "
+            return [Diagnosis("softmax_axis", f"{stage} columns sum to 1 but rows do not "
                               f"(worst row sum off by {row_dev:.3g}): softmax over the wrong axis",
                               {"row_dev": float(row_dev), "col_dev": float(col_dev)}, 0.85)]
     return []
@@ -306,31 +310,22 @@ def _head_permuted(stage, got, want, ctx, width) -> List[Diagnosis]:
     return []
 
 
-def _flash_with_mask(src, scale: float, masked: np.ndarray, stage: str) -> np.ndarray:
-    Q, K = np.asarray(src["Q"], np.float64), np.asarray(src["K"], np.float64)
-    S = np.where(masked, -np.inf, (Q @ K.T) * scale)
-    if stage == "flash_lse":
-        return log_sum_exp_rows(S)
-    return softmax_rows(S) @ np.asarray(src["V"], np.float64)
-
-
 def _offset_mask(shape, k: int) -> np.ndarray:
     """Masked where c > r + k (k = 0: the top-left causal mask)."""
     return np.triu(np.ones(shape, dtype=bool), k=k + 1)
 
 
 def _mask_pattern(got: np.ndarray, stage: str) -> Optional[np.ndarray]:
-    if stage == "QK_scaled":
-        return got == -np.inf
-    if stage == "attention_weights":
-        return (got == 0) | np.isnan(got)  # a row with no visible key normalizes 0/0
-    return None
+    """Where got holds the stage's masked value (a weight row with no visible key normalizes 0/0:
+    NaN counts as masked too); None for stages that hold no masked entries."""
+    value = SPECS[stage].masked_value
+    if value is None:
+        return None
+    return (got == value) | (np.isnan(got) if value == 0 else False)
 
 
 def _mask(stage, got, want, ctx, width) -> List[Diagnosis]:
     causal = bool(ctx.get("causal", False))
-    if stage not in ("QK_scaled", "attention_weights", "flash_output", "flash_lse"):
-        return []
     N = got.shape[0]
     pattern = _mask_pattern(got, stage)
     if pattern is not None:
@@ -352,16 +347,15 @@ def _mask(stage, got, want, ctx, width) -> List[Diagnosis]:
                               f"c > r {'+' if k >= 0 else '-'} {abs(k)} are masked instead of c > r",
                               {"offset": k}, 0.9)]
         return []
-    # Flash stages: recompute with the candidate masks.
+    # Stages computed from the inputs under the mask: recompute with the candidate masks.
     src = ctx.get("src") or {}
-    if not all(n in src for n in INPUT_NAMES) and stage == "flash_output":
-        return []
-    if not all(n in src for n in ("Q", "K")):
+    with_mask = SPECS[stage].with_mask
+    if with_mask is None or not all(n in src for n in STAGES[stage].inputs):
         return []
     scale = float(ctx.get("scale", 1.0))
-    M = np.asarray(src["K"]).shape[0]
+    M = next(np.asarray(src[n]).shape[0] for n in STAGES[stage].inputs if STAGES[n].rows == "M")  # keys
     if causal:
-        cand = _flash_with_mask(src, scale, np.zeros((N, M), bool), stage)
+        cand = with_mask(src, scale, np.zeros((N, M), bool))
         diff = _explains(got, cand, want, width)
         if diff is not None:
             return [Diagnosis("mask_missing", f"{stage}: causal masking is on but got matches the "
@@ -373,7 +367,7 @@ def _mask(stage, got, want, ctx, width) -> List[Diagnosis]:
         masked = _offset_mask((N, M), k)
         if masked.all(axis=1).any():
             continue  # a row with no visible key: not a mask the binary could have used
-        cand = _flash_with_mask(src, scale, masked, stage)
+        cand = with_mask(src, scale, masked)
         diff = _explains(got, cand, want, width)
         if diff is not None:
             return [Diagnosis("mask_offset", f"{stage}: the causal mask is shifted by {k:+d} (keys "
@@ -470,19 +464,19 @@ def _whole_tiles(bad, lines, n, periods, name, axis) -> Optional[Diagnosis]:
 def _lse_log2(stage, got, want, ctx, width) -> List[Diagnosis]:
     """flash_lse in base 2: got ≈ want·log2(e), the log-sum-exp of a kernel that works with exp2 and
     log2 internally and does not convert back to the natural log."""
-    if stage != "flash_lse":
-        return []
     # The base-2 result carries the natural one's rounding times log2(e).
     diff = _explains(got, want * LOG2_E, want, width * LOG2_E)
     if diff is None:
         return []
-    return [Diagnosis("lse_log2", f"flash_lse is in base 2: got ≈ want·log2(e) = want·{LOG2_E:.6g} "
+    return [Diagnosis("lse_log2", f"{stage} is in base 2: got ≈ want·log2(e) = want·{LOG2_E:.6g} "
                       f"(max diff {diff:.2g}); convert with ·ln(2) or use log instead of log2",
                       {"factor": LOG2_E, "max_diff": diff}, 0.93)]
 
 
-_HYPOTHESES = (_nonfinite, _unwritten, _transposed, _layout, _scaled, _softmax_axis, _head_permuted,
-               _mask, _tile_boundary, _lse_log2)
+# Each stage's spec (verify/specs/) names the hypotheses that apply to it.
+_HYPOTHESES = {"nonfinite": _nonfinite, "unwritten": _unwritten, "transposed": _transposed, "layout": _layout,
+               "scaled": _scaled, "softmax_axis": _softmax_axis, "head_permuted": _head_permuted, "mask": _mask,
+               "tile_boundary": _tile_boundary, "lse_log2": _lse_log2}
 
 
 def diagnose(stage: str, got: np.ndarray, want: np.ndarray, ctx: dict) -> List[Diagnosis]:
@@ -493,9 +487,10 @@ def diagnose(stage: str, got: np.ndarray, want: np.ndarray, ctx: dict) -> List[D
         return []
     width = _width(ctx.get("bound"), want)
     found: List[Diagnosis] = []
-    for hyp in _HYPOTHESES:
-        with np.errstate(all="ignore"):
-            found.extend(hyp(stage, got, want, ctx, width))
+    for name, hyp in _HYPOTHESES.items():
+        if name in SPECS[stage].diagnoses:
+            with np.errstate(all="ignore"):
+                found.extend(hyp(stage, got, want, ctx, width))
     codes = {d.code for d in found}
     if "nonfinite" in codes and "unwritten" in codes:
         # NaN in an unwritten region: the region explains it better than the bare count.

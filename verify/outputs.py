@@ -23,7 +23,7 @@ import numpy as np
 
 from .case import (CaseError, InputCase, check_scale, check_types, crc32_hex, parse_matrix, read_bytes,
                    read_toml, validate_dims)
-from .resolution import EXACT, Resolution, array_resolution, text_resolution
+from .resolution import Resolution, array_resolution, text_resolution
 from .stages import (DIM_KEYS, FORMATS, PRECISIONS, RUN_MANIFEST, STAGES, Dims, default_scale,
                      parse_stage_file, stage_file)
 

@@ -13,7 +13,7 @@ from xml.sax.saxutils import escape, quoteattr
 import numpy as np
 
 from .case import CaseError, atomic_write_bytes, file_kind
-from .compare import FAIL, INHERITED, PASS, Comparison, HeadResult, Report
+from .results import FAIL, INHERITED, PASS, Comparison, HeadResult, Report
 from .resolution import EXACT
 from .stages import stage_file
 

@@ -1,0 +1,33 @@
+"""The stage path's errors from the original inputs: QK's dot-product error through the scale, the
+softmax's exponents and row sum, and P·V (the chained bounds of verify/specs/ build on these)."""
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+
+from .dot import qk_var
+from .kernels import Kernel
+from .rounding import ROUND_VAR, HeadCache, memo
+from .softmax import exponent_var, logits, softmax
+
+
+def chained_logits(Q, K, scale: float, causal: bool, u: float, cache: Optional[HeadCache]):
+    """Logits, softmax parts, and the error of the binary's scaled scores: QK's dot product, scaled
+    (variance), plus ≤ 2u|S| of their own (det)."""
+    def compute():
+        S = logits(Q, K, scale, causal, cache)
+        p, d, _, finite = softmax(S, cache)
+        s_var = np.where(finite, scale * scale * qk_var(Q, K, u, ROUND_VAR, cache), 0.0)
+        s_det = np.where(finite, 2.0 * u * np.abs(np.where(finite, S, 0.0)), 0.0)
+        return S, p, d, finite, s_var, s_det
+    return memo(cache, "chained logits", (Q, K), (scale, causal, u), compute)
+
+
+def chained_eta(Q, K, scale: float, causal: bool, u: float, kernel: Kernel,
+                cache: Optional[HeadCache]) -> np.ndarray:
+    """Variance of each exponent's relative error along the chain: the logit's error (its bounded
+    part enters as variance, at most its square) and exp's own."""
+    S, p, d, finite, s_var, s_det = chained_logits(Q, K, scale, causal, u, cache)
+    return memo(cache, "chained eta", (Q, K), (scale, causal, u, kernel),
+                lambda: s_var + s_det ** 2 + exponent_var(d, finite, u, kernel))

@@ -1,0 +1,117 @@
+"""The arithmetic assumed of a program: attnstep's backends as run.toml names them, any correct IEEE
+float32 program, or CUDA's fast-math intrinsics.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Optional
+
+import numpy as np
+
+from .rounding import ROUND_VAR, ULP_IN_U, ToleranceError
+
+
+# The online softmax rescales its running sums (O and l) by exp(m_old - m_new) once per key tile
+# (Bc ≥ 8 keys): at most one more rounding of the partial sum per 8 keys.
+FLASH_RESCALE_FACTOR = 1.0 + 1.0 / 8.0
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """What the model assumes of the binary's arithmetic, per backend (run.toml's `backend`)."""
+    exp_var: float        # variance of exp's relative error, in units of u²
+    flash_product_var: float  # variance of one product in the flash GEMMs, in units of (u·ab)²
+    common_scale: bool    # the flash logits carry one rounded scale factor common to the head
+    lse_roundings: int    # roundings of lse's magnitude: m + log l, log2-domain conversions
+    final_roundings: int  # roundings of each flash_output element after the accumulation
+    mma_passes: int = 0   # flash GEMMs on tensor cores: mma.sync per 8-long chunk of the sum
+    rescale_factor: float = FLASH_RESCALE_FACTOR
+    exp_slope_var: float = 0.0  # exp's error growing with its argument (fast math), u² per unit²
+    log_ulps: float = 1.0       # log's error in ulps of log l
+    log_abs: float = 0.0        # and an absolute part (fast math near l = 1)
+    div_var: float = 0.0        # extra variance of the softmax's final division, in u²
+
+
+# Measured on an H200 (see the report of issue 3): expf errs 0.48 ulp RMS (max 1.86), exp2f 0.75
+# ulp RMS (max 2.06); logf/log2f 0.30 ulp RMS. One ulp is 2^(e-23), so a relative variance of
+# (0.75 ulp)² is 0.75²·4·0.541 ≈ 1.2 u² (Benford mantissas); λ·√1.2 u = 6.6u > 2 ulp, the max.
+_GPU_EXP_VAR = 0.75**2 * 4 * (3.0 / (8.0 * np.log(2.0)))
+
+
+# The fast flash kernel multiplies in 3xTF32: a·b ≈ a_hi·b_hi + a_hi·b_lo + a_lo·b_hi, each part
+# TF32 (u_tf32 = 2⁻¹¹). The low parts are TF32 roundings of a TF32 rounding error and the dropped
+# a_lo·b_lo is a product of two: three terms of variance (2⁻¹¹)⁴·ROUND_VAR² = 16u²·ROUND_VAR².
+_GPU_FLASH_PRODUCT_VAR = 3 * 16.0 * ROUND_VAR**2
+
+
+KERNELS = {
+    # cuda: expf/exp2f as measured, 3xTF32 flash, scale·log2e rounded once for the whole head.
+    # Tensor-core mma.sync accumulates with truncation, not rounding: each of the 3 (3xTF32)
+    # mma per 8-long chunk can lose up to one ulp of the running sum, all in the same direction
+    # (measured on an H100: flash_lse of uniform data off by ~26u, one-signed). A bias does not
+    # average out, so it enters the bound as det: 3·2u·Σ_chunks |partial sum|. Four final
+    # roundings of O: the division by l and the split-KV combine (rescale, add, divide).
+    "cuda": Kernel(_GPU_EXP_VAR, _GPU_FLASH_PRODUCT_VAR, True, 4, 4, mma_passes=3),
+    # cpu (cuda_src/cpu/backend_cpu.cpp): std::exp correctly rounded in practice (one rounding),
+    # plain float32 products (no FMA without -march), the float32 scale exactly as run.toml says.
+    # lse = m + log(l) with m an exact float32 logit: one rounding of lse's magnitude (log's own
+    # is the LOG_ULPS term). O·(1/l): two final roundings (the reciprocal and the product).
+    "cpu": Kernel(ROUND_VAR, ROUND_VAR, False, 1, 2),
+}
+
+
+# Unknown backend: the larger of each.
+ANY_KERNEL = Kernel(*(max(getattr(k, f) for k in KERNELS.values())
+                      for f in ("exp_var", "flash_product_var", "common_scale", "lse_roundings",
+                                "final_roundings", "mma_passes")))
+
+
+# A program other than the project's binary: any correct IEEE float32 route. expf/exp2f within
+# the 2 ulp the CUDA C++ Programming Guide documents (uniform within ±2 ulp: (2·2u)²/3), logf within
+# 1 ulp, online softmax with any tile width (a rescale rounding per key), and the looser of both
+# backends otherwise (tensor-core products and truncation, a folded scale·log2e, split combines).
+DOCUMENTED_EXP_ULPS = 2.0
+
+
+FOREIGN_KERNEL = replace(ANY_KERNEL, exp_var=max(ANY_KERNEL.exp_var, (DOCUMENTED_EXP_ULPS * ULP_IN_U) ** 2 / 3),
+                         rescale_factor=2.0)
+
+
+# CUDA's fast-math intrinsics (-use_fast_math, __expf, __logf, __fdividef), by the maximum errors
+# the CUDA C++ Programming Guide documents: __expf(x) 2 + floor(1.173·|x|) ulp (here uniform within
+# that maximum, its two parts bounded by twice their squares), __logf 3 ulp or 2^-21.41 absolute
+# for x in [0.5, 2], __fdividef 2 ulp.
+FAST_EXP_ULPS, FAST_EXP_SLOPE, FAST_LOG_ULPS, FAST_LOG_ABS, FAST_DIV_ULPS = 2.0, 1.173, 3.0, 2.0**-21.41, 2.0
+
+
+FAST_KERNEL = replace(FOREIGN_KERNEL,
+                      exp_var=2 * (FAST_EXP_ULPS * ULP_IN_U) ** 2 / 3,
+                      exp_slope_var=2 * (FAST_EXP_SLOPE * ULP_IN_U) ** 2 / 3,
+                      log_ulps=FAST_LOG_ULPS, log_abs=FAST_LOG_ABS,
+                      div_var=(FAST_DIV_ULPS * ULP_IN_U) ** 2 / 3)
+
+
+MMA_K = 8  # the k extent of one mma.sync m16n8k8
+
+
+# Per key element, the flash kernels round the logit once before exp (S·scale, or S·scale·log2e
+# in the fast kernel).
+FLASH_LOGIT_ROUNDINGS = 1
+
+
+# Final per-element roundings after the accumulation: the softmax's 1/l and ·(1/l) (flash's are
+# per kernel: Kernel.final_roundings).
+SOFTMAX_FINAL_ROUNDINGS = 2
+
+
+def kernel_for(backend: Optional[str], math: str = "ieee") -> Kernel:
+    """The arithmetic assumed: the project's backend as run.toml names it, any correct IEEE float32
+    implementation for other programs (backend None), CUDA's fast-math intrinsics on request."""
+    if math not in ("ieee", "fast"):
+        raise ToleranceError(f"unknown math mode {math!r}; the tolerance model knows ieee, fast")
+    if backend is None:
+        return FAST_KERNEL if math == "fast" else FOREIGN_KERNEL
+    if backend not in KERNELS:
+        raise ToleranceError(f"unknown backend {backend!r}; the tolerance model knows "
+                             f"{', '.join(KERNELS)}")
+    return FAST_KERNEL if math == "fast" else KERNELS[backend]

@@ -1,0 +1,157 @@
+"""The softmax's error: exponent errors, the row sum's rounding, and their propagation through the
+normalization and P·V.
+"""
+from __future__ import annotations
+
+from typing import Dict, Optional, Tuple
+
+import numpy as np
+
+from .kernels import SOFTMAX_FINAL_ROUNDINGS, Kernel
+from .rounding import ROUND_VAR, UNIT_ROUNDOFF, HeadCache, ToleranceError, memo, step_var
+
+
+# Rows per block of the row-sum variance: a block's temporaries stay in the CPU cache.
+_ROW_BLOCK_ELEMS = 1 << 16
+
+
+def need(src: Dict[str, np.ndarray], stage: str, *names: str) -> Tuple[np.ndarray, ...]:
+    missing = [n for n in names if n not in src]
+    if missing:
+        raise ToleranceError(f"stage {stage}: the tolerance model needs input(s) "
+                             f"{', '.join(missing)}; got {', '.join(sorted(src)) or 'none'}")
+    return tuple(np.asarray(src[n], dtype=np.float64) for n in names)
+
+
+def scaled_logits(Q: np.ndarray, K: np.ndarray, scale: float, causal: bool) -> np.ndarray:
+    S = Q @ K.T
+    S *= scale
+    if causal:
+        np.copyto(S, -np.inf, where=np.triu(np.ones(S.shape, dtype=bool), k=1))
+    return S
+
+
+def logits(Q: np.ndarray, K: np.ndarray, scale: float, causal: bool,
+            cache: Optional[HeadCache]) -> np.ndarray:
+    return memo(cache, "logits", (Q, K), (scale, causal), lambda: scaled_logits(Q, K, scale, causal))
+
+
+def softmax_parts(S: np.ndarray):
+    """p = softmax rows of S (masked -inf -> 0), d = S - rowmax (0 where masked), finite mask."""
+    finite = np.isfinite(S)
+    masked = None if finite.all() else ~finite  # an unmasked head skips every where()
+    m = np.max(S if masked is None else np.where(finite, S, -np.inf), axis=1, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0.0)
+    d = S - m                                  # where(finite, S - m, 0)
+    if masked is not None:
+        np.copyto(d, 0.0, where=masked)
+    e = np.exp(d)                              # where(finite, exp(d), 0)
+    if masked is not None:
+        np.copyto(e, 0.0, where=masked)
+    l = e.sum(axis=1, keepdims=True)
+    p = np.divide(e, np.where(l > 0, l, 1.0), out=e)
+    return p, d, m, finite
+
+
+def softmax(S: np.ndarray, cache: Optional[HeadCache]):
+    return memo(cache, "softmax", (S,), (), lambda: softmax_parts(S))
+
+
+def exponent_var(d: np.ndarray, finite: np.ndarray, u: float, kernel: Kernel,
+                  S: Optional[np.ndarray] = None, logit_roundings: int = 0) -> np.ndarray:
+    """Variance of the relative error η_j of e_j = exp(d_j): the subtraction S_j - m rounds
+    (u|d_j|), exp errs (kernel.exp_var), and each rounding of the logit itself adds u|S_j|."""
+    # var = ROUND_VAR·(u·d)² + exp_var·u·u
+    var = np.multiply(d, u)
+    np.multiply(var, var, out=var)
+    var *= ROUND_VAR
+    var += kernel.exp_var * u * u
+    if kernel.exp_slope_var:
+        var += kernel.exp_slope_var * (u * d) ** 2
+    if S is not None and logit_roundings:
+        # var += logit_roundings·ROUND_VAR·(u·S)², S taken as 0 where masked
+        s2 = np.where(finite, S, 0.0)
+        s2 *= u
+        np.multiply(s2, s2, out=s2)
+        s2 *= logit_roundings * ROUND_VAR
+        var += s2
+    np.copyto(var, 0.0, where=~finite)         # where(finite, var, 0)
+    return var
+
+
+def f32_subtraction_error(S: np.ndarray, m: np.ndarray, d: np.ndarray, u: float) -> np.ndarray:
+    """|fl(S - m) - (S - m)| for float32 S and m (IEEE subtraction, the same on CPU and GPU);
+    bounded by u|d| in precisions whose inputs are not float32."""
+    if u != UNIT_ROUNDOFF["fp32"]:
+        return u * np.abs(d)
+    with np.errstate(invalid="ignore", over="ignore"):
+        err = (S.astype(np.float32) - m.astype(np.float32)).astype(np.float64)
+    inexact = ~np.isfinite(err)           # where(isfinite(d32), |d32 - d|, u|d|)
+    err -= d
+    np.abs(err, out=err)
+    if inexact.any():
+        np.copyto(err, u * np.abs(d), where=inexact)
+    return err
+
+
+def _rowsum_step_var(p: np.ndarray, u: float) -> np.ndarray:
+    """max(index order, reverse order) of Σ_k var(rounding of s_k)/l² for each row's sum
+    l = Σ_k e_k (N,), block by block of rows (each row's sums are its own, so blocking changes no
+    bit). The binary sums e_k = exp(S_k - m), not p_k: e = p·l with e = 1 at the row max (exp(0)
+    is exact), so l = 1/max(p). The roundings are those of the e-sums' binades: the p-sums lie
+    in [1/l, 1), a binade below the e-sums in [1, l) whenever l < 2, and their ulp is half
+    (found by the false-alarm suite: a row of `large` data whose ~100 keys add to l ≈ 1.009
+    rounded 8.7u off, twice the σ the p-sums gave)."""
+    N, M = p.shape
+    out = np.empty(N)
+    rows = max(1, _ROW_BLOCK_ELEMS // max(1, M))
+    for r0 in range(0, N, rows):
+        top = p[r0:r0 + rows].max(axis=1, keepdims=True)
+        l = 1.0 / np.where(top > 0, top, 1.0)  # a wholly masked row (p = 0) sums nothing
+        eb = p[r0:r0 + rows] * l
+        s = np.cumsum(eb, axis=1)
+        t2 = eb * eb
+        fwd = step_var(s, eb, u, t2).sum(axis=1)
+        np.subtract(l, s, out=s)               # reverse order's partial sums: l - s + e
+        s += eb
+        bwd = step_var(s, eb, u, t2).sum(axis=1)
+        out[r0:r0 + rows] = np.maximum(fwd, bwd) / (l[:, 0] * l[:, 0])
+    return out
+
+
+def rowsum_rel_var(p: np.ndarray, u: float, extra_roundings: float = 1.0,
+                    cache: Optional[HeadCache] = None) -> np.ndarray:
+    """Relative variance of l = Σ_j e_j (N×1), from the partial sums of e in index or reverse
+    order (positive terms: any other order's partial sums are no larger on average)."""
+    steps = memo(cache, "rowsum", (p,), (u,), lambda: _rowsum_step_var(p, u))
+    return (extra_roundings * steps)[:, None]
+
+
+def p2_eta(p: np.ndarray, eta_var: np.ndarray, cache: Optional[HeadCache]) -> np.ndarray:
+    """p²·var(η): the exponent errors' weight in the weights, the output and lse."""
+    return memo(cache, "p2 eta", (p, eta_var), (), lambda: np.multiply(np.multiply(p, p), eta_var))
+
+
+def weights_var(p: np.ndarray, eta_var: np.ndarray, l_var: np.ndarray, u: float,
+                 cache: Optional[HeadCache] = None, div_var: float = 0.0) -> np.ndarray:
+    """Variance of Δp_j = p_j[(η_j - Σ_k p_k η_k) - ε_l] + final roundings, with independent η."""
+    w = p2_eta(p, eta_var, cache)
+    others = np.subtract(w.sum(axis=1, keepdims=True), w)     # Σ_k p_k²η_k - p_j²η_j
+    np.maximum(others, 0.0, out=others)
+    var = np.subtract(1.0, p)                                 # own = (1 - p)²·η
+    np.multiply(var, var, out=var)
+    var *= eta_var
+    var += others                                             # p²·(own + others + l + final)
+    var += l_var
+    var += (SOFTMAX_FINAL_ROUNDINGS * ROUND_VAR + div_var) * u * u
+    var *= np.multiply(p, p)
+    return var
+
+
+def mixed_output_var(p: np.ndarray, eta_var: np.ndarray, V: np.ndarray, O: np.ndarray,
+                      cache: Optional[HeadCache] = None) -> np.ndarray:
+    """Variance of Σ_j p_j η_j (v_j - O) (the exponent errors after normalization: a common error
+    of all η cancels), for independent η_j: Σ_j w_j (v_j - O)² with w = p²·var(η), by three GEMMs."""
+    w = p2_eta(p, eta_var, cache)
+    var = w @ (V * V) - 2.0 * O * (w @ V) + O * O * w.sum(axis=1, keepdims=True)
+    return np.maximum(var, 0.0)

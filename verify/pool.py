@@ -1,0 +1,147 @@
+"""Checking heads in parallel: forked worker processes, as many as the cores and the memory allow.
+
+Each process checks one head at a time, so memory stays bounded by one head's matrices per process.
+Workers are forked: they inherit the loaded run and case (nothing large is pickled to them), and
+die with the check that forked them.
+"""
+from __future__ import annotations
+
+import ctypes
+import multiprocessing
+import os
+import signal
+import sys
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from typing import Callable, List, Optional
+
+from .case import CaseError
+from .outputs import RunInfo
+
+
+# Memory one worker holds while it checks a head, in float64 N×M matrices (the reference chain,
+# the binary's stages, bounds and the error model's intermediates; measured: 4.1 GB peak for one
+# 4096×4096 head, ~30 matrices) and in (N + M)·d ones, plus the interpreter and numpy.
+_HEAD_NM_MATRICES = 32
+
+
+_HEAD_ND_MATRICES = 32
+
+
+_WORKER_BASE_BYTES = 200 << 20
+
+
+# Other heads' reference stages a process keeps for the head_permuted diagnosis (one matrix each).
+REF_CACHE = 8
+
+
+# Below this many multiply-adds over all heads (the default 12×128×128 case has 25 M) one process
+# checks faster than a pool can start.
+_PARALLEL_MIN_MACS = 1 << 23
+
+
+def _read_int(path: str, field: int = 0) -> Optional[int]:
+    try:
+        with open(path) as f:
+            return int(f.read().split()[field])
+    except (OSError, ValueError, IndexError):
+        return None  # absent, or "max" (no limit)
+
+
+def _available_memory_bytes() -> Optional[int]:
+    """MemAvailable, and no more than a container's memory limit leaves (cgroup v2, else v1)."""
+    avail = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    avail = int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        limit, usage = _read_int(limit_file), _read_int(usage_file)
+        if limit is not None and usage is not None and limit < (1 << 60):
+            left = max(0, limit - usage)
+            avail = left if avail is None else min(avail, left)
+            break
+    return avail
+
+
+def _usable_cores() -> int:
+    """The cores this process may run on, and no more than a container's CPU quota (cgroup v2)."""
+    cores = len(os.sched_getaffinity(0))
+    quota, period = _read_int("/sys/fs/cgroup/cpu.max", 0), _read_int("/sys/fs/cgroup/cpu.max", 1)
+    if quota is not None and period:
+        cores = min(cores, max(1, -(-quota // period)))
+    return cores
+
+
+def head_jobs(run: RunInfo, requested: int = 0) -> int:
+    """Worker processes for checking the heads of `run`: `requested` if positive, else as many as
+    there are cores, limited so that the workers' heads fit in half the available memory, and 1
+    for small runs. 1 off Linux: the workers are forked (they inherit the loaded case)."""
+    d = run.dims
+    if d.total_heads <= 1 or sys.platform != "linux":
+        return 1
+    if requested > 0:
+        return min(requested, d.total_heads)
+    if d.total_heads * d.seq_q * d.seq_k * (d.d_k + d.d_v) < _PARALLEL_MIN_MACS:
+        return 1  # starting workers would cost more than the checking
+    cores = _usable_cores()
+    per_head = (8 * ((_HEAD_NM_MATRICES + REF_CACHE) * d.seq_q * d.seq_k
+                     + _HEAD_ND_MATRICES * (d.seq_q + d.seq_k) * max(d.d_k, d.d_v))
+                + _WORKER_BASE_BYTES)
+    avail = _available_memory_bytes()
+    by_memory = cores if avail is None else max(1, (avail // 2) // per_head)
+    return max(1, min(cores, by_memory, d.total_heads))
+
+
+def _die_with_parent() -> None:
+    """Pool initializer: a worker gets SIGTERM when the check that forked it dies (a plain kill of
+    the parent would otherwise leave it waiting on its queue for ever)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() == 1:  # the parent died before the line above took effect
+        os._exit(1)
+
+
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+_CHECK: Optional[Callable[[int], list]] = None  # the parent's head checker, inherited by forked workers
+
+
+def _check_in_worker(head: int) -> list:
+    assert _CHECK is not None, "worker started without a checker"
+    return _CHECK(head)
+
+
+def map_heads(check: Callable[[int], list], heads: int, jobs: int,
+              progress: Optional[Callable[[int], None]] = None) -> List:
+    """check(head) for every head, in `jobs` forked processes (in this one for jobs <= 1), results
+    concatenated in head order; progress(head) after each."""
+    results: List = []
+    if jobs <= 1:
+        for head in range(heads):
+            results.extend(check(head))
+            if progress:
+                progress(head)
+        return results
+    global _CHECK
+    _CHECK = check  # forked workers inherit it: nothing large is pickled to them
+    try:
+        with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork"),
+                                 initializer=_die_with_parent) as pool:
+            for head, head_results in enumerate(pool.map(_check_in_worker, range(heads))):
+                results.extend(head_results)
+                if progress:
+                    progress(head)
+    except BrokenProcessPool:
+        raise CaseError(f"a checking process of {jobs} died (killed for memory?); HINT: run check "
+                        "with --jobs 1, or fewer") from None
+    finally:
+        _CHECK = None
+    return results

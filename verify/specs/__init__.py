@@ -1,0 +1,41 @@
+"""One spec per stage (verify/specs/base.py says what a spec holds), registered here.
+
+The stage table (verify/stages.py) names the stages, their shapes and what each is computed from;
+this package says how each is computed, bounded, checked and diagnosed, one module per stage or
+family of stages. Adding a stage is a table entry, a module here, and its kernels.
+"""
+from __future__ import annotations
+
+from typing import Dict, List
+
+from ..stages import INPUT_NAMES, STAGES
+from . import copies, flash, output, scores, weights
+from .base import HeadContext, StageSpec, Violation
+
+SPECS: Dict[str, StageSpec] = {s.name: s for module in (copies, scores, weights, output, flash)
+                               for s in module.SPECS}
+assert set(SPECS) == set(STAGES), "every stage of verify/stages.py needs a spec"
+
+
+def upstream(stage: str) -> List[str]:
+    """Every stage this one is computed from, transitively, in table order."""
+    out: List[str] = []
+    for name in STAGES[stage].inputs:
+        for up in upstream(name) + [name]:
+            if up not in out:
+                out.append(up)
+    return out
+
+
+def chain_inputs(stage: str) -> List[str]:
+    """The original inputs a stage's chained bound starts from."""
+    ups = set(upstream(stage)) | set(STAGES[stage].inputs)
+    return [n for n in INPUT_NAMES if n in ups]
+
+
+def uses_scale_and_mask(stage: str) -> bool:
+    """Whether the stage depends on the scale and the causal mask (itself or upstream)."""
+    return any(SPECS[s].scaled for s in [stage] + upstream(stage))
+
+
+__all__ = ["SPECS", "StageSpec", "HeadContext", "Violation", "upstream", "chain_inputs", "uses_scale_and_mask"]

@@ -1,0 +1,181 @@
+"""What a stage spec is, and what its checks are given: StageSpec, HeadContext, Violation.
+
+A stage's spec (one module per stage or stage family in this package) says how it is computed
+(its float64 reference), how far a correct float32 program may be from that (its isolated and
+chained error bounds, its underflow floor, how a coarsely printed source moves it), what holds of
+every correct result without a reference (its invariants), and which bug patterns can explain it.
+The engine (verify/compare.py) iterates specs; it never branches on a stage's name.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Tuple
+
+import numpy as np
+
+from ..model.kernels import Kernel
+from ..model.rounding import FLUSH, HeadCache
+from ..stages import Dims
+
+Src = Dict[str, np.ndarray]
+
+# Violation codes: the ones that describe the same fault as a diagnosis share its code.
+NONFINITE = "nonfinite"
+NEGATIVE_WEIGHTS = "negative_weights"
+ROW_SUM = "row_sum"
+MASK_MISSING = "mask_missing"           # a masked weight is not 0 / a masked score not -inf
+NOT_TRANSPOSE = "not_transpose"
+ECHO_MISMATCH = "echo_mismatch"
+FLASH_VS_OUTPUT = "flash_vs_output"
+LSE_VS_SCORES = "lse_vs_scores"
+
+
+@dataclass
+class Violation:
+    code: str
+    message: str
+    count: int
+    where: Optional[Tuple[int, ...]]
+
+
+@dataclass
+class HeadContext:
+    """What one head's checks see: the problem, the inputs, the reference chain from them, the
+    binary's own stages so far with their printed resolutions, and the head's bound cache."""
+    dims: Dims
+    scale: float
+    causal: bool
+    precision: str = "fp32"
+    backend: Optional[str] = None
+    math: str = "ieee"
+    inputs: Src = field(default_factory=dict)
+    chain: Src = field(default_factory=dict)
+    got: Src = field(default_factory=dict)
+    quanta: Dict[str, Optional[np.ndarray]] = field(default_factory=dict)
+    cache: Optional[HeadCache] = None
+    allow_nonfinite: bool = False
+
+    def bound_args(self) -> dict:
+        """The tolerance model's keyword arguments for this head."""
+        return dict(scale=self.scale, causal=self.causal, precision=self.precision,
+                    backend=self.backend, math=self.math, cache=self.cache)
+
+    def own(self, name: str) -> np.ndarray:
+        """The binary's `name` where it wrote it, else the input or the reference's."""
+        if name in self.got:
+            return self.got[name]
+        return self.inputs[name] if name in self.inputs else self.chain[name]
+
+    def quantum(self, *names: str):
+        """The summed printed resolution of the binary's `names` (0 where exact or absent)."""
+        total = 0.0
+        for n in names:
+            q = self.quanta.get(n)
+            if q is not None:
+                total = total + q
+        return total
+
+
+Reference = Callable[[Src, float, bool], np.ndarray]
+IsolatedModel = Callable[[Src, np.ndarray, float, bool, float, Kernel, Optional[HeadCache]],
+                         Tuple[np.ndarray, np.ndarray]]
+Invariant = Callable[[str, np.ndarray, HeadContext], List[Violation]]
+
+
+def two_flushes(src: Src):
+    """The default underflow floor: the result and one term may flush to zero."""
+    return 2 * FLUSH
+
+
+def exact_quantization(src: Src, quanta: Dict[str, np.ndarray], scale: float):
+    return 0.0
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """One stage: its reference, its error bounds, its invariants, its diagnoses (see the module doc).
+
+    isolated: (variance, one-signed part) of a correct float32 result's error from the given
+    sources; None for an exact copy (echoes, the transpose), which must match bit for bit.
+    chained: the bound from the original inputs with the upstream stages' errors propagated
+    (sources: the chain); None where the isolated bound on the chain's sources is that bound.
+    masked_value: what causal masking writes (-inf scores, 0 weights); None: masking only
+    removes terms. echo: the stage repeats an input file. scaled: it applies the scale and the
+    mask itself. linear: a wrong factor shows as got ≈ f·want. partner: the stage-path stage a
+    flash stage's consistency check compares with. with_mask: the reference under another mask
+    (for the mask diagnoses of stages that hold no masked entries).
+    diagnoses: the bug patterns (verify/diagnose.py hypothesis names) that can explain it.
+    """
+    name: str
+    reference: Reference
+    isolated: Optional[IsolatedModel] = None
+    chained: Optional[Callable] = None
+    floor: Callable[[Src], object] = two_flushes
+    quantization: Callable[[Src, Dict[str, np.ndarray], float], object] = exact_quantization
+    invariants: Tuple[Invariant, ...] = ()
+    masked_value: Optional[float] = None
+    echo: bool = False
+    scaled: bool = False
+    linear: bool = False
+    partner: Optional[str] = None
+    with_mask: Optional[Callable[[Src, float, np.ndarray], np.ndarray]] = None  # reference under any mask
+    diagnoses: Tuple[str, ...] = ()
+
+
+# ---- helpers the invariants share -----------------------------------------------------------
+
+def first(mask: np.ndarray) -> Optional[Tuple[int, ...]]:
+    idx = np.argwhere(mask)
+    return tuple(int(i) for i in idx[0]) if len(idx) else None
+
+
+def at(where: Optional[Tuple[int, ...]]) -> str:
+    return f"[{', '.join(map(str, where))}]" if where else ""
+
+
+def violation(code: str, stage: str, bad: np.ndarray, what: str) -> Optional[Violation]:
+    """One Violation for the True entries of `bad`, or None when there are none."""
+    count = int(np.count_nonzero(bad))
+    if not count:
+        return None
+    where = first(bad)
+    return Violation(code, f"{stage}: {count} of {bad.size} entries {what}; first at {at(where)}",
+                     count, where)
+
+
+def nonfinite(stage: str, got: np.ndarray, allowed_neg_inf: np.ndarray) -> Optional[Violation]:
+    nan = np.isnan(got)
+    inf = np.isinf(got) & ~(allowed_neg_inf & (got == -np.inf))
+    bad = nan | inf
+    if not bad.any():
+        return None
+    where = first(bad)
+    return Violation(NONFINITE, f"{stage}: {int(nan.sum())} NaN and {int(inf.sum())} Inf where none "
+                     f"is allowed; first at {at(where)} = {float(got[where])}", int(bad.sum()), where)
+
+
+def consistency(code: str, stage: str, got: np.ndarray, other: np.ndarray, allowed: np.ndarray,
+                other_name: str) -> Optional[Violation]:
+    """|got - other| within `allowed` everywhere, else a Violation at the worst entry."""
+    if other.shape != got.shape:
+        return Violation(code, f"{stage} is {got.shape[0]}x{got.shape[1]} but {other_name} is "
+                         f"{other.shape[0]}x{other.shape[1]}", 1, None)
+    with np.errstate(invalid="ignore"):
+        # Both NaN: where allowed non-finite inputs made the references NaN too (else the
+        # non-finite check has failed the stage already), the two agree.
+        diff = np.where((got == other) | (np.isnan(got) & np.isnan(other)), 0.0, np.abs(got - other))
+    diff = np.where(np.isnan(diff), np.inf, diff)  # NaN disagrees most, and must be locatable
+    bad = ~(diff <= allowed)
+    if not bad.any():
+        return None
+    where = first(np.where(bad, diff, -1.0) == np.max(np.where(bad, diff, -1.0)))
+    return Violation(code, f"{stage} disagrees with {other_name} at {int(bad.sum())} of {bad.size} "
+                     f"entries beyond both stages' error bounds; worst at {at(where)}: "
+                     f"{got[where]:.9g} vs {other[where]:.9g}", int(bad.sum()), where)
+
+
+def bitwise_equal(got: np.ndarray, want: np.ndarray, quantum) -> np.ndarray:
+    """Where got equals want bit for bit (NaN with NaN), or within the printed resolution."""
+    with np.errstate(invalid="ignore"):
+        near = np.abs(got - want) <= quantum if np.ndim(quantum) else np.zeros(got.shape, bool)
+    return (got == want) | (np.isnan(got) & np.isnan(want)) | near

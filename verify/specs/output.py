@@ -1,0 +1,62 @@
+"""output = attention_weights·V: a dot product of length M.
+
+Isolated: the float32 sum's roundings over every summation order (verify/model/dot.py) from the
+binary's own weights. Chained from Q, K, V: the softmax's errors through P·V, with the
+normalization's cancellation, and the final roundings.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..model.chain import chained_eta, chained_logits
+from ..model.dot import dot_var, pv, pv_var
+from ..model.kernels import SOFTMAX_FINAL_ROUNDINGS
+from ..model.rounding import FLUSH, ROUND_VAR, finish, finite_abs
+from ..model.softmax import mixed_output_var, rowsum_rel_var
+from ..stages import STAGES
+from .base import StageSpec
+from .copies import PATTERNS
+
+WEIGHTS, VALUES = STAGES["output"].inputs
+
+
+def _reference(src, scale, causal):
+    return src[WEIGHTS] @ src[VALUES]
+
+
+def _isolated(src, ref, scale, causal, u, kernel, cache):
+    return dot_var(np.asarray(src[WEIGHTS], np.float64), np.asarray(src[VALUES], np.float64), u), np.zeros(ref.shape)
+
+
+def values_floor(V) -> np.ndarray:
+    """Flushed weights and products of a P·V sum: FLUSH·(Σ_j |v_j| + 2M) per column."""
+    V = finite_abs(V)
+    return FLUSH * (V.sum(axis=0, keepdims=True) + 2 * V.shape[0])
+
+
+def _chained(sources, scale, causal, u, kernel, cache):
+    Q, K, V = sources
+    _, p, _, _, _, _ = chained_logits(Q, K, scale, causal, u, cache)
+    eta_var = chained_eta(Q, K, scale, causal, u, kernel, cache)
+    l_var = rowsum_rel_var(p, u, cache=cache)
+    O = pv(p, V, cache)
+    p2v2 = (p * p) @ (V * V)
+    var = (pv_var(p, V, u, ROUND_VAR, cache) + mixed_output_var(p, eta_var, V, O, cache) + O * O * l_var
+           + (SOFTMAX_FINAL_ROUNDINGS * ROUND_VAR + kernel.div_var) * u * u * p2v2)
+    return finish(O, var, np.zeros(O.shape), values_floor(V))
+
+
+def _quantization(src, q, scale):
+    out = 0.0
+    if WEIGHTS in q:
+        out = out + q[WEIGHTS] @ np.abs(src[VALUES])
+    if VALUES in q:
+        out = out + np.abs(src[WEIGHTS]) @ q[VALUES]
+    return out
+
+
+SPECS = (
+    StageSpec("output", reference=_reference, isolated=_isolated, chained=_chained,
+              floor=lambda src: values_floor(src[VALUES]), quantization=_quantization, linear=True,
+              diagnoses=PATTERNS + ("scaled",)),
+)

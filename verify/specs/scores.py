@@ -1,0 +1,77 @@
+"""QK = Q·Kᵀ (unscaled) and QK_scaled = QK·scale, -inf where causal masking hides a key.
+
+QK is a dot product of length d_k: its bound is the variance of the float32 sum's roundings over
+every summation order GEMMs use (verify/model/dot.py). QK_scaled is one rounding of the product
+plus the float32 scale's own (≤ 2u|ref|) from the binary's QK; a program may also compute it by a
+GEMM of its own ((Q·scale)·Kᵀ, QK/√d): its chained bound from Q and K admits that route.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..model.attention import causal_mask, scaled_scores
+from ..model.dot import flush_sum, qk_var
+from ..model.rounding import FLUSH, ROUND_VAR, finish
+from ..model.softmax import need
+from .base import MASK_MISSING, StageSpec, violation
+from .copies import PATTERNS
+
+
+def _qk_reference(src, scale, causal):
+    return src["Q"] @ src["K"].T
+
+
+def _qk_isolated(src, ref, scale, causal, u, kernel, cache):
+    Q, K = need(src, "QK", "Q", "K")
+    return qk_var(Q, K, u, ROUND_VAR, cache), np.zeros(ref.shape)
+
+
+def _qk_floor(src):
+    return flush_sum(src["Q"], np.asarray(src["K"]).T) + FLUSH
+
+
+def _qk_quantization(src, q, scale):
+    dS = 0.0
+    if "Q" in q:
+        dS = dS + q["Q"] @ np.abs(src["K"]).T
+    if "K" in q:
+        dS = dS + np.abs(src["Q"]) @ q["K"].T
+    return dS
+
+
+def _scaled_reference(src, scale, causal):
+    return scaled_scores(src["QK"], scale, causal)
+
+
+def _scaled_isolated(src, ref, scale, causal, u, kernel, cache):
+    # One rounding of the product plus the float32 scale's own rounding (when the given scale is
+    # the float64 1/√d_k rather than the value the binary used): ≤ 2u|ref|.
+    return np.zeros(ref.shape), np.where(np.isfinite(ref), 2.0 * u * np.abs(ref), 0.0)
+
+
+def _scaled_chained(sources, scale, causal, u, kernel, cache):
+    from ..model.chain import chained_logits
+    Q, K = sources[:2]
+    S, _, _, _, s_var, s_det = chained_logits(Q, K, scale, causal, u, cache)
+    return finish(S, s_var, s_det, abs(scale) * _qk_floor({"Q": Q, "K": K}) + FLUSH)
+
+
+def _scaled_quantization(src, q, scale):
+    return abs(scale) * np.where(np.isfinite(src["QK"]), q.get("QK", 0.0), 0.0)
+
+
+def _mask_check(stage, got, ctx):
+    if not ctx.causal:
+        return []
+    v = violation(MASK_MISSING, stage, causal_mask(*got.shape) & (got != -np.inf) & ~np.isnan(got),
+                  "above the diagonal are not -inf although causal masking is on")
+    return [v] if v else []
+
+
+SPECS = (
+    StageSpec("QK", reference=_qk_reference, isolated=_qk_isolated, floor=_qk_floor,
+              quantization=_qk_quantization, linear=True, diagnoses=PATTERNS + ("scaled",)),
+    StageSpec("QK_scaled", reference=_scaled_reference, isolated=_scaled_isolated, chained=_scaled_chained,
+              quantization=_scaled_quantization, invariants=(_mask_check,), masked_value=-np.inf,
+              scaled=True, linear=True, diagnoses=PATTERNS + ("scaled", "mask")),
+)

@@ -1,0 +1,99 @@
+"""attention_weights: the row softmax of QK_scaled, exactly 0 where masked.
+
+Its isolated bound starts from the binary's own float32 QK_scaled: the float32 subtraction S - m
+is known exactly, exp errs as the arithmetic assumed (kernel.exp_var; fast math: growing with its
+argument), the row sum rounds in its own binades, then 1/l and the multiply. Reference-free: no
+weight is negative, masked weights are exactly 0, every row sums to 1 within the row sum's
+rounding and the final roundings.
+"""
+from __future__ import annotations
+
+from typing import List
+
+import numpy as np
+
+from ..model.attention import causal_mask, softmax_rows
+from ..model.chain import chained_eta, chained_logits
+from ..model.kernels import SOFTMAX_FINAL_ROUNDINGS
+from ..model.rounding import FLUSH, LAMBDA, ROUND_VAR, finish, unit_roundoff
+from ..model.softmax import (exponent_var, f32_subtraction_error, need, rowsum_rel_var, softmax_parts,
+                             weights_var)
+from .base import MASK_MISSING, NEGATIVE_WEIGHTS, ROW_SUM, HeadContext, StageSpec, Violation, violation
+from .copies import PATTERNS
+
+
+def _source(src):
+    (S,) = src.values()
+    return S
+
+
+def _reference(src, scale, causal):
+    return softmax_rows(_source(src))
+
+
+def _isolated(src, ref, scale, causal, u, kernel, cache):
+    (S,) = need(src, "attention_weights", *src)
+    p, d, m, finite = softmax_parts(S)
+    # The softmax reads the very float32 QK_scaled the isolated reference starts from, so the
+    # input's rounding is not this stage's error (the chained bound propagates upstream errors),
+    # and its float32 subtraction S - m is known exactly: its error replaces the u|d| model.
+    # (The binary's own QK_scaled: nothing else shares these, so they are not cached.)
+    eta_var = exponent_var(np.zeros(d.shape), finite, u, kernel)
+    if kernel.exp_slope_var:  # exp's own error grows with its argument d (fast math)
+        eta_var = eta_var + np.where(finite, kernel.exp_slope_var * (u * d) ** 2, 0.0)
+    eta_var = eta_var + np.where(finite, f32_subtraction_error(S, m, d, u) ** 2, 0.0)
+    return weights_var(p, eta_var, rowsum_rel_var(p, u), u, div_var=kernel.div_var), np.zeros(ref.shape)
+
+
+def _chained(sources, scale, causal, u, kernel, cache):
+    Q, K = sources[:2]
+    S, p, _, _, _, _ = chained_logits(Q, K, scale, causal, u, cache)
+    eta_var = chained_eta(Q, K, scale, causal, u, kernel, cache)
+    l_var = rowsum_rel_var(p, u, cache=cache)
+    return finish(S, weights_var(p, eta_var, l_var, u, cache, kernel.div_var), np.zeros(S.shape), 2 * FLUSH)
+
+
+def _quantization(src, q, scale):
+    S = _source(src)
+    p = softmax_parts(S)[0]
+    qs = np.where(np.isfinite(S), sum(q.values(), 0.0), 0.0)
+    return p * (qs + (p * qs).sum(axis=1, keepdims=True))
+
+
+def _softmax_checks(stage: str, got: np.ndarray, ctx: HeadContext) -> List[Violation]:
+    masked = causal_mask(*got.shape) if ctx.causal else np.zeros(got.shape, bool)
+    finite = np.isfinite(got)
+    out = [violation(NEGATIVE_WEIGHTS, stage, finite & (got < 0), "are negative"),
+           violation(MASK_MISSING, stage, masked & finite & (got != 0),
+                     "above the diagonal are not 0 although causal masking is on")]
+    rows_ok = finite.all(axis=1)
+    if rows_ok.any():
+        out.append(_row_sums(stage, got, finite, rows_ok, ctx))
+    return [v for v in out if v]
+
+
+def _row_sums(stage, got, finite, rows_ok, ctx):
+    p = np.where(finite, got, 0.0)
+    u = unit_roundoff(ctx.precision)
+    # The exp errors cancel in Σ_j p_j; what remains is the row sum's rounding (ε_l) and the
+    # final roundings of each weight: the model's variances, evaluated on got itself.
+    var = (rowsum_rel_var(np.clip(p, 0.0, None), u)[:, 0]
+           + SOFTMAX_FINAL_ROUNDINGS * ROUND_VAR * u * u * (p * p).sum(axis=1))
+    allowed = LAMBDA * np.sqrt(var) + 2 * FLUSH * got.shape[1]
+    q = ctx.quanta.get(stage)
+    if q is not None:  # the printed resolution of every weight of the row
+        allowed = allowed + np.where(finite, q, 0.0).sum(axis=1)
+    dev = np.abs(p.sum(axis=1) - 1.0)
+    bad = rows_ok & ~(dev <= allowed)
+    if not bad.any():
+        return None
+    r = int(np.argmax(np.where(bad, dev, -1.0)))
+    return Violation(ROW_SUM, f"{stage}: {int(bad.sum())} of {got.shape[0]} rows do not sum to 1; worst "
+                     f"row {r} sums to {p[r].sum():.9g} (allowed ±{allowed[r]:.2g})", int(bad.sum()), (r,))
+
+
+SPECS = (
+    StageSpec("attention_weights", reference=_reference, isolated=_isolated, chained=_chained,
+              quantization=_quantization, invariants=(_softmax_checks,), masked_value=0.0,
+              diagnoses=PATTERNS + ("softmax_axis", "mask")),
+)
