@@ -49,10 +49,11 @@ def _heads(x: np.ndarray, total: int, rows: int, cols: int, name: str) -> np.nda
 
 
 def _problem(q, k, v, causal: bool, scale: Optional[float]) -> Tuple[Dims, Dict[str, np.ndarray], float]:
-    arrays = {"Q": np.asarray(q), "K": np.asarray(k), "V": np.asarray(v)}
-    B, H = _leading(arrays["Q"], "q")
-    N, d_k = arrays["Q"].shape[-2:]
-    M, d_v = arrays["V"].shape[-2:]
+    q, k, v = (np.asarray(x) for x in (q, k, v))
+    arrays = dict(zip(INPUT_NAMES, (q, k, v)))
+    B, H = _leading(q, "q")
+    N, d_k = q.shape[-2:]
+    M, d_v = v.shape[-2:]
     try:
         dims = validate_dims(dict(zip(DIM_KEYS, (B, H, N, M, d_k, d_v))), "q, k, v")
         if scale is not None:

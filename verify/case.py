@@ -62,7 +62,7 @@ def _head_files(folder: Path) -> Dict[Tuple[str, int], List[str]]:
 
 def _format_of_files(folder: Path, files) -> Optional[str]:
     """The format Q_head_0 is in (None when it is absent); both at once is ambiguous."""
-    formats = files.get(("Q", 0), [])
+    formats = files.get((INPUT_NAMES[0], 0), [])
     if len(formats) > 1:
         raise CaseError(f"{folder}: both Q_head_0.txt and Q_head_0.npy exist; HINT: remove one, or add "
                         f"format = \"txt\" (or \"npy\") to {INPUT_MANIFEST}")
@@ -97,23 +97,22 @@ def load_input_case(folder: Path) -> InputCase:
 
 def _infer_case(folder: Path, files) -> InputCase:
     heads = 0
-    while ("Q", heads) in files:
+    Q, K, V = INPUT_NAMES
+    while (Q, heads) in files:
         heads += 1
     if heads == 0:
-        raise CaseError(f"{folder}: no Q_head_0.txt or Q_head_0.npy and no {INPUT_MANIFEST}; "
-                        "HINT: is this an input case folder?")
+        raise CaseError(f"{folder}: no {stage_file(Q, 0, 'txt')} or {stage_file(Q, 0, 'npy')} and no "
+                        f"{INPUT_MANIFEST}; HINT: is this an input case folder?")
     fmt = _format_of_files(folder, files)
-    q = read_matrix(folder / stage_file("Q", 0, fmt))
-    k = read_matrix(folder / stage_file("K", 0, fmt)) if ("K", 0) in files else None
-    v = read_matrix(folder / stage_file("V", 0, fmt)) if ("V", 0) in files else None
-    if k is None or v is None:
-        missing = "K" if k is None else "V"
-        raise CaseError(f"{folder / stage_file(missing, 0, fmt)}: missing file (Q_head_0 exists)")
+    missing = [n for n in (K, V) if (n, 0) not in files]
+    if missing:
+        raise CaseError(f"{folder / stage_file(missing[0], 0, fmt)}: missing file ({stage_file(Q, 0, fmt)} exists)")
+    q, k, v = (read_matrix(folder / stage_file(n, 0, fmt)) for n in INPUT_NAMES)
     if k.shape[1] != q.shape[1]:
-        raise CaseError(f"{folder / stage_file('K', 0, fmt)}: {k.shape[1]} columns but Q_head_0 has "
-                        f"{q.shape[1]}; HINT: Q and K must share d_k")
+        raise CaseError(f"{folder / stage_file(K, 0, fmt)}: {k.shape[1]} columns but {stage_file(Q, 0, fmt)} "
+                        f"has {q.shape[1]}; HINT: Q and K must share d_k")
     if v.shape[0] != k.shape[0]:
-        raise CaseError(f"{folder / stage_file('V', 0, fmt)}: {v.shape[0]} rows but K_head_0 has "
+        raise CaseError(f"{folder / stage_file(V, 0, fmt)}: {v.shape[0]} rows but {stage_file(K, 0, fmt)} has "
                         f"{k.shape[0]}; HINT: K and V must share seq_k")
     values = dict(batch=1, heads=heads, seq_q=q.shape[0], seq_k=k.shape[0], d_k=q.shape[1], d_v=v.shape[1])
     return InputCase(folder, validate_dims(values, str(folder)), fmt)

@@ -50,12 +50,15 @@ def _echo(name: str) -> StageSpec:
                      echo=True, diagnoses=PATTERNS)
 
 
+(TRANSPOSED,) = STAGES["KT"].inputs
+
+
 def _transpose_reference(src, scale, causal):
-    return next(iter(src.values())).T
+    return src[TRANSPOSED].T
 
 
 def _transpose_quantization(src, quanta, scale):
-    return sum((q.T for q in quanta.values()), 0.0)
+    return quanta[TRANSPOSED].T if TRANSPOSED in quanta else 0.0
 
 
 SPECS = tuple(_echo(name) for name in INPUT_NAMES) + (

@@ -18,13 +18,16 @@ from ..model.kernels import SOFTMAX_FINAL_ROUNDINGS
 from ..model.rounding import FLUSH, LAMBDA, ROUND_VAR, finish, unit_roundoff
 from ..model.softmax import (exponent_var, f32_subtraction_error, need, rowsum_rel_var, softmax_parts,
                              weights_var)
+from ..stages import STAGES
 from .base import MASK_MISSING, NEGATIVE_WEIGHTS, ROW_SUM, HeadContext, StageSpec, Violation, violation
 from .copies import PATTERNS
 
 
+(SCORES,) = STAGES["attention_weights"].inputs
+
+
 def _source(src):
-    (S,) = src.values()
-    return S
+    return src[SCORES]
 
 
 def _reference(src, scale, causal):
@@ -32,7 +35,7 @@ def _reference(src, scale, causal):
 
 
 def _isolated(src, ref, scale, causal, u, kernel, cache):
-    (S,) = need(src, "attention_weights", *src)
+    (S,) = need(src, "attention_weights", SCORES)
     p, d, m, finite = softmax_parts(S)
     # The softmax reads the very float32 QK_scaled the isolated reference starts from, so the
     # input's rounding is not this stage's error (the chained bound propagates upstream errors),
@@ -56,7 +59,7 @@ def _chained(sources, scale, causal, u, kernel, cache):
 def _quantization(src, q, scale):
     S = _source(src)
     p = softmax_parts(S)[0]
-    qs = np.where(np.isfinite(S), sum(q.values(), 0.0), 0.0)
+    qs = np.where(np.isfinite(S), q.get(SCORES, 0.0), 0.0)
     return p * (qs + (p * qs).sum(axis=1, keepdims=True))
 
 
