@@ -180,13 +180,12 @@ def format_table(rows: Sequence[Row]) -> str:
     return "\n".join(lines)
 
 
-# The ceilings a run may carry, in the order printed: (JSON key, label, number format, unit); the
-# first two are always printed (nan when missing), the tensor-core rates only when measured.
-_CEILINGS = (("sgemm_tflops", "cuBLAS SGEMM", "%.1f", "TFLOP/s"), ("copy_gbps", "copy", "%.0f", "GB/s"),
-             ("mma_tf32_tflops", "mma.sync TF32", "%.0f", "TFLOP/s"),
-             ("mma_bf16_tflops", "mma.sync BF16", "%.0f", "TFLOP/s"),
-             ("wgmma_tf32_tflops", "wgmma TF32", "%.0f", "TFLOP/s"))
-_ALWAYS_PRINTED = 2
+# The ceilings a run may carry, in the order printed: (JSON key, label, number format, unit, always):
+# cuBLAS SGEMM and copy always (nan when missing), the tensor-core rates only when measured.
+_CEILINGS = (("sgemm_tflops", "cuBLAS SGEMM", "%.1f", "TFLOP/s", True), ("copy_gbps", "copy", "%.0f", "GB/s", True),
+             ("mma_tf32_tflops", "mma.sync TF32", "%.0f", "TFLOP/s", False),
+             ("mma_bf16_tflops", "mma.sync BF16", "%.0f", "TFLOP/s", False),
+             ("wgmma_tf32_tflops", "wgmma TF32", "%.0f", "TFLOP/s", False))
 
 
 def _run_size(run: dict) -> int:
@@ -196,7 +195,7 @@ def _run_size(run: dict) -> int:
 
 def _ceiling_parts(c: dict) -> List[str]:
     return [f"{label} {fmt % c.get(key, float('nan'))} {unit}"
-            for i, (key, label, fmt, unit) in enumerate(_CEILINGS) if i < _ALWAYS_PRINTED or c.get(key)]
+            for key, label, fmt, unit, always in _CEILINGS if always or c.get(key)]
 
 
 def ceiling_lines(results: dict) -> List[str]:
