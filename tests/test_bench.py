@@ -51,7 +51,7 @@ def _results(**kw):
             "torch": "2.11", "runs": runs}
 
 
-def test_shape_list_is_the_issue_list():
+def test_default_shape_list():
     shapes = vb.default_shapes()
     assert len(shapes) == 13
     big = {(s.seq_q, s.d, s.causal) for s in shapes[1:]}
@@ -63,7 +63,7 @@ def test_shape_id_flops_and_parse():
     s = vb.parse_shape("4,16,4096,4096,64,causal")
     assert s.id == "B4-H16-N4096-M4096-d64-causal"
     assert s.flash_flop == 4 * 4 * 16 * 4096 * 4096 * 64 / 2
-    assert vb._parse_id(s.id) == s
+    assert vb.parse_shape_id(s.id) == s
     with pytest.raises(Exception, match="B,H,N,M,D"):
         vb.parse_shape("4,16,0,4096,64")
 
@@ -126,7 +126,7 @@ def test_cli_from_json(tmp_path):
     png = tmp_path / "p.png"
     res = CliRunner().invoke(vb.bench, ["--from-json", str(src), "--plot", str(png)])
     assert res.exit_code == 0, res.output
-    assert "NVIDIA H200" in res.output and "goals (issue 5)" in res.output
+    assert "NVIDIA H200" in res.output and "speed goals:" in res.output
     assert ("ceilings (fp32, B4-H16-N4096-M4096-d64): cuBLAS SGEMM 50.0 TFLOP/s, copy 4000 GB/s, "
             "mma.sync TF32 140 TFLOP/s, mma.sync BF16 560 TFLOP/s") in res.output
     assert png.exists()
@@ -220,3 +220,58 @@ def test_cli_checks_output_paths_before_running(tmp_path):
     res = CliRunner().invoke(vb.bench, ["--shape", "1,1,8,8,16", "--json", str(tmp_path / "no" / "x.json"),
                                         "--build-dir", str(tmp_path / "never-built")])
     assert res.exit_code == 2 and "folder does not exist" in res.output
+
+
+def test_goal_table_names_known_kernels_metrics_and_fields():
+    from verify.bench_goals import COMPARISONS, GOALS, METRICS
+    from verify.bench_report import FLASH_KERNELS
+    from verify.stages import PRECISIONS, STAGE_NAMES
+
+    shape_fields = set(vb.Shape.__dataclass_fields__)
+    for goal in GOALS:
+        assert goal.kernel in FLASH_KERNELS + STAGE_NAMES, goal
+        assert goal.precision in PRECISIONS and goal.metric in METRICS and goal.comparison in COMPARISONS, goal
+        assert set(goal.shape) <= shape_fields, goal
+
+
+def test_goals_are_records_decided_by_one_function():
+    """A goal of any kernel, shape, metric and comparison needs a record, not code."""
+    from verify.bench_goals import Goal
+
+    rows = vb.rows_from_results(_results())
+    at_most = Goal("flash_fast", {"d": 64, "causal": False}, "fp32", "tflops", 10.0, "<=")
+    elsewhere = Goal("flash_fast", {"d": 128}, "fp32", "tflops", 10.0)
+    assert vb.evaluate_goals(rows, [at_most, elsewhere]) == [
+        "MISSED fp32 flash_fast <= 10 TFLOP/s at B4-H16-N4096-M4096-d64: 14.0 TFLOP/s"]
+
+
+def test_cli_timeout_reaches_every_run(tmp_path, monkeypatch):
+    seen = []
+
+    def fake_run(binary, shape, prec, warmup, reps, check, only="all", timeout=0):
+        seen.append(timeout)
+        data = _binary_json(prec)
+        data["shape"] = {**SHAPE, "seq_q": shape.seq_q, "seq_k": shape.seq_k}
+        return data
+
+    monkeypatch.setattr(vb, "run_binary_bench", fake_run)
+    main = tmp_path / "main"
+    main.write_text("")
+    res = CliRunner().invoke(vb.bench, ["--binary", str(main), "--shape", "1,1,8,8,16", "--no-torch",
+                                        "--timeout", "5"])
+    assert res.exit_code == 0, res.output
+    assert seen == [5.0, 5.0]
+    res = CliRunner().invoke(vb.bench, ["--binary", str(main), "--timeout", "0"])
+    assert res.exit_code == 2 and "--timeout" in res.output
+
+
+def test_cli_build_failure_shows_the_build_output(tmp_path, monkeypatch):
+    from verify.runner import RunnerError
+
+    def failing_build(build_dir):
+        raise RunnerError("build failed: cmake --build exited 1", detail="main.cu:3: error: bad thing")
+
+    monkeypatch.setattr(vb, "ensure_built", failing_build)
+    res = CliRunner().invoke(vb.bench, ["--shape", "1,1,8,8,16", "--build-dir", str(tmp_path / "b")])
+    assert res.exit_code == 2
+    assert "build failed: cmake --build exited 1" in res.output and "main.cu:3: error: bad thing" in res.output

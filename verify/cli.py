@@ -14,18 +14,20 @@ import click
 
 from . import tolerance
 from .bench import bench
-from .case import CaseError, load_input_case, output_file_target
+from .case import load_input_case, output_file_target
 from .compare import Options, check_run, error_ratio_map
-from .generate import DEFAULT_DIMS, DISTRIBUTIONS, MAX_SEED, generate_case
+from .generate import DEFAULT_DIMS, DISTRIBUTIONS, generate_case
+from .options import (InputError, backend_option, binary_option, build_option, force_option, in_option,
+                      json_option, out_option, seed_option, timeout_option)
+from .options import checked_path as _checked_path
+from .options import user_errors as _user_errors
 from .outputs import MATH_MODES, open_run, parse_name_map, read_names_file, stage_files_in
 from .report import (check_plot_folder, failure_lines, header_lines, summary_lines, table_lines, write_json,
                      write_junit, write_plots)
-from .runner import (DEFAULT_BUILD_DIR, DEFAULT_RUN_TIMEOUT_S, RunnerError, ensure_built, example_names,
-                     run_binary, run_program, set_aside_previous)
-from .stages import (DATA_DIR, DEFAULT_CASE, DEFAULT_INPUT_DIR, DEFAULT_OUTPUT_DIR, DEFAULT_RESULT, FORMATS,
+from .runner import ensure_built, example_names, run_binary, run_program, set_aside_previous
+from .stages import (DATA_DIR, DEFAULT_CASE, DEFAULT_INPUT_DIR, DEFAULT_RESULT, FORMATS,
                      PRECISIONS, RUN_MANIFEST, STAGE_NAMES, Dims)
 
-BACKENDS = ("auto", "cuda", "cpu")
 # Work (N·M·heads) above which `check` shows a progress bar.
 PROGRESS_MIN_WORK = 1 << 24
 
@@ -45,70 +47,6 @@ class Tolerance(click.ParamType):
 
 
 TOLERANCE = Tolerance()
-
-
-class InputError(click.ClickException):
-    """A user error: one line on stderr, exit status 2 (or the binary's own status)."""
-
-    def __init__(self, message: str, exit_code: int = 2):
-        super().__init__(message)
-        self.exit_code = exit_code
-
-
-def _user_errors(fn):
-    """Turns CaseError / RunnerError into a one-line message and the right exit status."""
-    import functools
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except CaseError as exc:
-            raise InputError(str(exc)) from None
-        except RunnerError as exc:
-            if exc.detail:
-                click.echo(exc.detail, err=True)
-            raise InputError(str(exc), exc.exit_code) from None
-    return wrapper
-
-
-def _checked_path(check_fn):
-    """An option callback that refuses, while the command line is read (before any work), a path
-    that check_fn (raising CaseError) rejects."""
-    def callback(ctx, param, value):
-        if value is not None:
-            try:
-                check_fn(value)
-            except CaseError as exc:
-                raise click.BadParameter(str(exc), ctx, param) from None
-        return value
-    return callback
-
-
-# ---- options shared by several commands, defined once -------------------------------------------
-in_option = click.option("--in", "in_dir", type=click.Path(file_okay=False, path_type=Path),
-                         default=DEFAULT_INPUT_DIR, show_default=True, help="Input case folder (Q/K/V).")
-out_option = click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path),
-                          default=DEFAULT_OUTPUT_DIR, show_default=True,
-                          help="Output case folder (the binary's stage files).")
-build_option = click.option("--build-dir", type=click.Path(file_okay=False, path_type=Path),
-                            default=DEFAULT_BUILD_DIR, show_default=True,
-                            help="CMake build folder; built incrementally when needed.")
-backend_option = click.option("--backend", type=click.Choice(BACKENDS), default="auto", show_default=True,
-                              help="Binary backend; auto uses CUDA when a GPU is present.")
-binary_option = click.option("--binary", type=click.Path(exists=True, dir_okay=False, resolve_path=True,
-                                                       path_type=Path),
-                             help="Run this binary instead of building BUILD_DIR/main (e.g. your own, "
-                             "writing the output case of docs/contract.md).")
-timeout_option = click.option("--timeout", type=click.FloatRange(min=1), default=DEFAULT_RUN_TIMEOUT_S,
-                              show_default=True, help="Seconds before the binary is stopped.")
-seed_option = click.option("--seed", type=click.IntRange(0, MAX_SEED), default=0, show_default=True,
-                           help="Random seed.")
-force_option = click.option("--force", is_flag=True,
-                            help="Replace an input case there that attnstep did not generate.")
-json_option = click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),
-                           callback=_checked_path(output_file_target),
-                           help="Write the full report as JSON to this file.")
 
 
 def dims_options(fn):

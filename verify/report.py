@@ -5,10 +5,11 @@ import io
 import json
 import math
 import os
+import re
 import stat
+import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import List, Optional
-from xml.sax.saxutils import escape, quoteattr
 
 import numpy as np
 
@@ -201,28 +202,39 @@ def write_json(report: Report, path: Path) -> None:
     atomic_write_bytes(Path(path), (json.dumps(to_json(report), indent=2) + "\n").encode())
 
 
+# Characters XML 1.0 cannot carry, not even as character references (a message may quote a file
+# name with control characters or undecodable bytes): written as Python escapes instead.
+_NOT_XML = re.compile("[^\u0009\u000a\u000d\u0020-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
+
+
+def _xml_text(text: str) -> str:
+    return _NOT_XML.sub(lambda m: m.group().encode("unicode_escape", "backslashreplace").decode(), text)
+
+
+def _junit_failure(r: HeadResult) -> ET.Element:
+    c = r.main
+    msg = r.message or (f"{c.mismatched}/{c.total} elements outside the tolerance; worst "
+                        f"got {_g(c.got)} want {_g(c.want)}" if c else r.status)
+    failure = ET.Element("failure", type=_xml_text(r.status), message=_xml_text(msg))
+    failure.text = _xml_text("\n".join([msg] + [f"{d.code}: {d.message}" for d in r.diagnosis]))
+    return failure
+
+
 def write_junit(report: Report, path: Path) -> None:
-    cases = []
+    """One testcase per stage and head; a failing one carries its message and diagnosis."""
+    root = ET.Element("testsuites")
+    suite = ET.SubElement(root, "testsuite", name="attnstep", tests=str(len(report.results)),
+                          failures=str(sum(not r.passed for r in report.results)), errors="0")
     for r in report.results:
-        name = quoteattr(f"head_{r.head}")
-        cls = quoteattr(f"attnstep.{r.stage}")
-        props = (f"      <properties><property name=\"resolution\" value={quoteattr(r.resolution)}/>"
-                 "</properties>\n")
-        if r.passed:
-            cases.append(f"    <testcase classname={cls} name={name}>\n{props}    </testcase>")
-            continue
-        c = r.main
-        msg = r.message or (f"{c.mismatched}/{c.total} elements outside the tolerance; worst "
-                            f"got {_g(c.got)} want {_g(c.want)}" if c else r.status)
-        body = "\n".join([msg] + [f"{d.code}: {d.message}" for d in r.diagnosis])
-        cases.append(f"    <testcase classname={cls} name={name}>\n{props}"
-                     f"      <failure type={quoteattr(r.status)} message={quoteattr(msg)}>"
-                     f"{escape(body)}</failure>\n    </testcase>")
-    failures = sum(not r.passed for r in report.results)
-    xml = ('<?xml version="1.0" encoding="UTF-8"?>\n'
-           f'<testsuites>\n  <testsuite name="attnstep" tests="{len(report.results)}" '
-           f'failures="{failures}" errors="0">\n' + "\n".join(cases) + "\n  </testsuite>\n</testsuites>\n")
-    atomic_write_bytes(Path(path), xml.encode("utf-8"))
+        case = ET.SubElement(suite, "testcase", classname=f"attnstep.{r.stage}", name=f"head_{r.head}")
+        props = ET.SubElement(case, "properties")
+        ET.SubElement(props, "property", name="resolution", value=_xml_text(r.resolution))
+        if not r.passed:
+            case.append(_junit_failure(r))
+    ET.indent(root)
+    buf = io.BytesIO()
+    ET.ElementTree(root).write(buf, encoding="UTF-8", xml_declaration=True)
+    atomic_write_bytes(Path(path), buf.getvalue() + b"\n")
 
 
 def check_plot_folder(folder: Path) -> None:

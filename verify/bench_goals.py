@@ -1,0 +1,80 @@
+"""The speed goals `attnstep bench` reports as met or missed: one table of records, one function
+that decides them."""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Any, List, Mapping, Optional, Sequence
+
+from .bench_report import Row, parse_shape_id
+
+
+@dataclass(frozen=True)
+class Metric:
+    """What a goal measures: the row's field, how the goal words it (formatted with the goal as
+    `g`), and how the figure is printed (formatted with the row as `r`)."""
+    field: str
+    claim: str
+    figure: str
+
+
+METRICS = {
+    "vs_sdpa": Metric("vs_sdpa", "{g.precision} {g.kernel} {g.comparison} {g.threshold:g}x SDPA",
+                      "{r.vs_sdpa:.2f}x ({r.rate:.1f} TFLOP/s)"),
+    "tflops": Metric("rate", "{g.precision} {g.kernel} {g.comparison} {g.threshold:.0f} TFLOP/s",
+                     "{r.rate:.1f} TFLOP/s"),
+    "sgemm_fraction": Metric("fraction", "{g.kernel} {g.comparison} {g.threshold:.0%} of cuBLAS SGEMM",
+                             "{r.fraction:.0%}"),
+    "copy_fraction": Metric("fraction", "{g.kernel} {g.comparison} {g.threshold:.0%} of copy bandwidth",
+                            "{r.fraction:.0%}"),
+}
+COMPARISONS = {">=": operator.ge, "<=": operator.le}
+
+
+@dataclass(frozen=True)
+class Goal:
+    kernel: str                 # a flash kernel or a stage, as the binary's JSON names it
+    shape: Mapping[str, Any]    # the Shape fields a row's shape must have
+    precision: str
+    metric: str                 # a key of METRICS
+    threshold: float
+    comparison: str = ">="      # a key of COMPARISONS
+
+
+_LARGE = {"batch": 4, "heads": 16, "seq_q": 4096, "seq_k": 4096}
+_LARGE_D64 = {**_LARGE, "d": 64, "causal": False}
+
+# "flash" is what users get by default (the binary's dispatcher), so the flash goals are about it.
+GOALS = (
+    Goal("flash", _LARGE, "fp32", "vs_sdpa", 1.5),
+    Goal("flash", {**_LARGE, "d": 64}, "tf32", "tflops", 150.0),
+    Goal("QK", _LARGE_D64, "fp32", "sgemm_fraction", 0.9),
+    Goal("output", _LARGE_D64, "fp32", "sgemm_fraction", 0.9),
+    Goal("KT", _LARGE_D64, "fp32", "copy_fraction", 0.8),
+    Goal("QK_scaled", _LARGE_D64, "fp32", "copy_fraction", 0.8),
+    Goal("attention_weights", _LARGE_D64, "fp32", "copy_fraction", 0.8),
+)
+
+
+def _applies(goal: Goal, row: Row) -> bool:
+    if (row.status, row.kernel, row.precision) != ("ok", goal.kernel, goal.precision):
+        return False
+    shape = parse_shape_id(row.shape)
+    return all(getattr(shape, key) == value for key, value in goal.shape.items())
+
+
+def goal_line(goal: Goal, row: Row) -> Optional[str]:
+    """'met'/'MISSED' with the figure, or None when the row does not decide the goal."""
+    metric = METRICS[goal.metric]
+    value = getattr(row, metric.field)
+    if not _applies(goal, row) or value is None:
+        return None
+    met = COMPARISONS[goal.comparison](value, goal.threshold)
+    return (f"{'met   ' if met else 'MISSED'} {metric.claim.format(g=goal)} at {row.shape}: "
+            f"{metric.figure.format(r=row)}")
+
+
+def evaluate_goals(rows: Sequence[Row], goals: Sequence[Goal] = GOALS) -> List[str]:
+    """One line per goal and row that decides it, goal by goal."""
+    lines = (goal_line(goal, row) for goal in goals for row in rows)
+    return [line for line in lines if line is not None]

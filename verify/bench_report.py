@@ -1,0 +1,271 @@
+"""What `attnstep bench` reads and shows: the binary's --bench JSON, the rows of the table, the
+ceilings, the results file and the plot."""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from .stages import PRECISIONS
+
+# "flash" is the binary's dispatcher (what `main` runs by default: wgmma on Hopper, else mma.sync,
+# else the clean kernel); the others are the tensor-core kernels forced one by one.
+FLASH_KERNELS = ("flash", "flash_wgmma", "flash_fast")
+SDPA = "sdpa"
+
+
+class BenchError(Exception):
+    """A malformed result file or a failed run, worded for the user."""
+
+
+@dataclass(frozen=True)
+class Shape:
+    batch: int
+    heads: int
+    seq_q: int
+    seq_k: int
+    d: int
+    causal: bool
+
+    @property
+    def id(self) -> str:
+        return (f"B{self.batch}-H{self.heads}-N{self.seq_q}-M{self.seq_k}-d{self.d}"
+                + ("-causal" if self.causal else ""))
+
+    @property
+    def flash_flop(self) -> float:
+        """Forward FLOP: 4·B·H·N·M·d, halved when causal."""
+        full = 4.0 * self.batch * self.heads * self.seq_q * self.seq_k * self.d
+        return full / 2 if self.causal else full
+
+
+def parse_shape_id(shape_id: str) -> Shape:
+    """Inverse of Shape.id."""
+    parts = shape_id.split("-")
+    vals = {p[0]: int(p[1:]) for p in parts if p[:1] in "BHNMd" and p[1:].isdigit()}
+    return Shape(vals["B"], vals["H"], vals["N"], vals["M"], vals["d"], parts[-1] == "causal")
+
+
+def _shape_of(binary: dict) -> Shape:
+    s = binary["shape"]
+    return Shape(s["batch"], s["heads"], s["seq_q"], s["seq_k"], s["d"], bool(s["causal"]))
+
+
+# ---- the binary's JSON ---------------------------------------------------------------------------
+_REQUIRED = {"device": str, "shape": dict, "precision": str, "ceilings": dict, "kernels": list}
+_KERNEL_REQUIRED = {"name": str, "kind": str, "status": str}
+
+
+def _rate_key(kernel: dict) -> str:
+    return "gbps" if kernel["kind"] == "memory" else "tflops"
+
+
+def parse_binary_json(data: dict, source: str = "bench JSON") -> dict:
+    """Checks the fields bench relies on; raises BenchError naming the first missing one."""
+    if not isinstance(data, dict):
+        raise BenchError(f"{source}: expected a JSON object, got {type(data).__name__}")
+    for key, typ in _REQUIRED.items():
+        if not isinstance(data.get(key), typ):
+            raise BenchError(f"{source}: missing or malformed '{key}' (expected {typ.__name__})")
+    if data["precision"] not in PRECISIONS:
+        raise BenchError(f"{source}: unknown precision '{data['precision']}'")
+    for i, k in enumerate(data["kernels"]):
+        for key, typ in _KERNEL_REQUIRED.items():
+            if not isinstance(k, dict) or not isinstance(k.get(key), typ):
+                raise BenchError(f"{source}: kernels[{i}] lacks '{key}'")
+        if k["status"] == "ok":
+            for key in ("ms", _rate_key(k)):
+                if not isinstance(k.get(key), (int, float)):
+                    raise BenchError(f"{source}: kernels[{i}] ('{k['name']}') lacks a number '{key}'")
+    return data
+
+
+def load_results(path: Path) -> dict:
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise BenchError(f"{path}: cannot read results JSON: {exc}")
+    if not isinstance(data, dict) or not isinstance(data.get("runs"), list):
+        raise BenchError(f"{path}: not a bench results file (no 'runs' list)")
+    return data
+
+
+# ---- rows ----------------------------------------------------------------------------------------
+@dataclass
+class Row:
+    shape: str
+    n: int
+    d: int
+    causal: bool
+    precision: str
+    kernel: str
+    kind: str
+    status: str
+    ms: Optional[float] = None
+    rate: Optional[float] = None      # TFLOP/s (gemm, attention) or GB/s (memory)
+    fraction: Optional[float] = None  # of the ceiling measured in the same run
+    vs_sdpa: Optional[float] = None   # flash kernels: TFLOP/s over SDPA's on the same shape
+    note: str = ""
+
+
+def _row(shape: Shape, precision: str, kernel: str, kind: str, status: str) -> Row:
+    return Row(shape.id, shape.seq_q, shape.d, shape.causal, precision, kernel, kind, status)
+
+
+def _kernel_note(k: dict) -> str:
+    """The kernel's tiles and, when the binary checked it, its float64 error (FAIL when too big)."""
+    notes = [k["tiles"]] if k.get("tiles") else []
+    chk = k.get("check")
+    if chk:
+        err = chk.get("max_rel_err")
+        notes.append(("err %.1e" % err if err is not None else "err nan")
+                     + ("" if chk.get("passed") else " FAIL"))
+    return "; ".join(notes)
+
+
+def _kernel_row(shape: Shape, precision: str, k: dict, sdpa_rate: Optional[float]) -> Row:
+    row = _row(shape, precision, k["name"], k["kind"], k["status"])
+    if k["status"] == "ok":
+        row.ms, row.rate, row.fraction = k["ms"], k[_rate_key(k)], k.get("fraction")
+        if k["name"] in FLASH_KERNELS and sdpa_rate:
+            row.vs_sdpa = row.rate / sdpa_rate
+        row.note = _kernel_note(k)
+    return row
+
+
+def _sdpa_row(shape: Shape, precision: str, sdpa: dict) -> Row:
+    row = _row(shape, precision, SDPA, "attention", sdpa.get("status", "?"))
+    if sdpa.get("status") == "ok":
+        row.ms, row.rate, row.vs_sdpa = sdpa["ms"], sdpa["tflops"], 1.0
+        row.note = f"torch {sdpa.get('torch', '?')} fp32"
+    return row
+
+
+def _run_rows(i: int, run: dict) -> List[Row]:
+    if "error" in run:  # the binary failed on this shape; the sweep went on
+        shape = parse_shape_id(run.get("shape", "B0-H0-N0-M0-d0"))
+        return [_row(shape, run.get("precision", "?"), "main --bench", "attention", f"failed: {run['error']}")]
+    binary = parse_binary_json(run.get("binary"), f"runs[{i}].binary")
+    shape, prec = _shape_of(binary), binary["precision"]
+    sdpa = run.get("sdpa") or {}
+    sdpa_rate = sdpa.get("tflops") if sdpa.get("status") == "ok" else None
+    rows = [_kernel_row(shape, prec, k, sdpa_rate) for k in binary["kernels"]]
+    return rows + ([_sdpa_row(shape, prec, sdpa)] if sdpa else [])
+
+
+def rows_from_results(results: dict) -> List[Row]:
+    """Flattens a results document (see bench.collect) into one row per shape × precision × kernel."""
+    return [row for i, run in enumerate(results.get("runs", [])) for row in _run_rows(i, run)]
+
+
+# ---- printing ------------------------------------------------------------------------------------
+def _num(x: Optional[float], fmt: str) -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else fmt % x
+
+
+def format_table(rows: Sequence[Row]) -> str:
+    header = f"{'shape':<28} {'prec':<5} {'kernel':<18} {'ms':>10} {'rate':>15} {'ceiling':>8} {'vs sdpa':>8}  note"
+    lines = [header, "-" * len(header)]
+    for r in rows:
+        if r.status != "ok":
+            lines.append(f"{r.shape:<28} {r.precision:<5} {r.kernel:<18} {'-':>10} {'-':>15} {'-':>8} {'-':>8}  {r.status}")
+            continue
+        unit = "GB/s" if r.kind == "memory" else "TFLOP/s"
+        rate = f"{r.rate:.0f} {unit}" if r.kind == "memory" else f"{r.rate:.2f} {unit}"
+        frac = _num(None if r.fraction is None else 100 * r.fraction, "%.0f%%")
+        ratio = _num(r.vs_sdpa, "%.2fx")
+        lines.append(f"{r.shape:<28} {r.precision:<5} {r.kernel:<18} {r.ms:>10.4f} {rate:>15} {frac:>8} {ratio:>8}  {r.note}")
+    return "\n".join(lines)
+
+
+# The ceilings a run may carry, in the order printed: (JSON key, label, number format, unit, always):
+# cuBLAS SGEMM and copy always (nan when missing), the tensor-core rates only when measured.
+_CEILINGS = (("sgemm_tflops", "cuBLAS SGEMM", "%.1f", "TFLOP/s", True), ("copy_gbps", "copy", "%.0f", "GB/s", True),
+             ("mma_tf32_tflops", "mma.sync TF32", "%.0f", "TFLOP/s", False),
+             ("mma_bf16_tflops", "mma.sync BF16", "%.0f", "TFLOP/s", False),
+             ("wgmma_tf32_tflops", "wgmma TF32", "%.0f", "TFLOP/s", False))
+
+
+def _run_size(run: dict) -> int:
+    sh = (run.get("binary") or {}).get("shape") or {}
+    return sh.get("seq_q", 0) * sh.get("seq_k", 0) * sh.get("d", 0)
+
+
+def _ceiling_parts(c: dict) -> List[str]:
+    return [f"{label} {fmt % c.get(key, float('nan'))} {unit}"
+            for key, label, fmt, unit, always in _CEILINGS if always or c.get(key)]
+
+
+def ceiling_lines(results: dict) -> List[str]:
+    """The ceilings measured by the largest run of each precision (the SGEMM ceiling is on that
+    run's QK shape; the copy and mma.sync ceilings do not depend on the shape). Per-run values
+    are in the JSON."""
+    lines, seen = [], set()
+    for run in sorted(results.get("runs", []), key=_run_size, reverse=True):
+        b = run.get("binary") or {}
+        c, prec = b.get("ceilings") or {}, b.get("precision")
+        if prec in seen or not c:
+            continue
+        seen.add(prec)
+        where = _shape_of(b).id if isinstance(b.get("shape"), dict) else "?"
+        lines.append(f"ceilings ({prec}, {where}): " + ", ".join(_ceiling_parts(c)))
+    return lines
+
+
+# ---- plot ----------------------------------------------------------------------------------------
+def _plotted(rows: Sequence[Row]) -> List[Row]:
+    """Rows with a TFLOP/s figure; SDPA always runs in fp32, so one line for it, from the fp32 runs."""
+    return [r for r in rows if r.status == "ok" and r.kind in ("attention", "gemm") and r.rate
+            and not (r.kernel == SDPA and r.precision != "fp32")]
+
+
+def _kernel_colours(rows: Sequence[Row], cycle: Sequence[str]) -> Dict[str, str]:
+    """One colour per kernel in every panel (with one line style per precision a dozen lines stay
+    tellable apart; the default colour cycle repeats after ten); SDPA, the yardstick, in black."""
+    kernels = sorted({r.kernel for r in rows if r.kernel != SDPA})
+    colour = {k: cycle[i % len(cycle)] for i, k in enumerate(kernels)}
+    colour[SDPA] = "black"
+    return colour
+
+
+def _draw_panel(ax, rows: Sequence[Row], d: int, causal: bool, colour: Dict[str, str]) -> None:
+    style = {"fp32": "-", "tf32": ":"}
+    series: Dict[Tuple[str, str], List[Row]] = {}
+    for r in rows:
+        if (r.d, r.causal) == (d, causal):
+            series.setdefault((r.kernel, r.precision), []).append(r)
+    for (kernel, precision), pts in sorted(series.items()):
+        pts = sorted(pts, key=lambda r: r.n)
+        label = kernel if kernel == SDPA else f"{kernel} {precision}"
+        ax.plot([p.n for p in pts], [p.rate for p in pts], marker="o", markersize=3, label=label,
+                color=colour[kernel], linestyle="--" if kernel == SDPA else style.get(precision, "-"))
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("N = M")
+    ax.set_ylabel("TFLOP/s")
+    ax.set_title(f"d={d} {'causal' if causal else 'non-causal'}")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=6)
+
+
+def write_plot(rows: Sequence[Row], path: Path, title: str = "") -> None:
+    """TFLOP/s against N, one line per kernel and precision; one panel per (d, causal)."""
+    import matplotlib  # noqa: PLC0415
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    plotted = _plotted(rows)
+    panels = sorted({(r.d, r.causal) for r in plotted})
+    if not panels:
+        raise BenchError("nothing to plot: no kernel with a TFLOP/s figure")
+    colour = _kernel_colours(plotted, plt.rcParams["axes.prop_cycle"].by_key()["color"])
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.8), squeeze=False)
+    for ax, (d, causal) in zip(axes[0], panels):
+        _draw_panel(ax, plotted, d, causal, colour)
+    if title:
+        fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

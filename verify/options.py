@@ -1,0 +1,92 @@
+"""What every attnstep command shares: the user-error class and the options several commands take.
+
+Defined here once so that cli.py's commands and `bench` use the same flags, types and defaults.
+"""
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import click
+
+from .case import CaseError, output_file_target
+from .generate import MAX_SEED
+from .runner import DEFAULT_BUILD_DIR, DEFAULT_RUN_TIMEOUT_S, RunnerError
+from .stages import DEFAULT_INPUT_DIR, DEFAULT_OUTPUT_DIR
+
+BACKENDS = ("auto", "cuda", "cpu")
+
+
+class InputError(click.ClickException):
+    """A user error: one line on stderr, exit status 2 (or the binary's own status)."""
+
+    def __init__(self, message: str, exit_code: int = 2):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def user_errors(fn):
+    """Turns CaseError / RunnerError into a one-line message and the right exit status."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except CaseError as exc:
+            raise InputError(str(exc)) from None
+        except RunnerError as exc:
+            if exc.detail:
+                click.echo(exc.detail, err=True)
+            raise InputError(str(exc), exc.exit_code) from None
+    return wrapper
+
+
+def checked_path(check_fn):
+    """An option callback that refuses, while the command line is read (before any work), a path
+    that check_fn (raising CaseError) rejects."""
+    def callback(ctx, param, value):
+        if value is not None:
+            try:
+                check_fn(value)
+            except CaseError as exc:
+                raise click.BadParameter(str(exc), ctx, param) from None
+        return value
+    return callback
+
+
+class SharedOption:
+    """A click option defined once: `@opt` as defined here, or `@opt.but(help=..., ...)` for a
+    command that words it for itself or needs another default."""
+
+    def __init__(self, *decls, **attrs):
+        self.decls, self.attrs = decls, attrs
+
+    def __call__(self, fn):
+        return click.option(*self.decls, **self.attrs)(fn)
+
+    def but(self, **attrs):
+        return click.option(*self.decls, **{**self.attrs, **attrs})
+
+
+in_option = SharedOption("--in", "in_dir", type=click.Path(file_okay=False, path_type=Path),
+                         default=DEFAULT_INPUT_DIR, show_default=True, help="Input case folder (Q/K/V).")
+out_option = SharedOption("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path),
+                          default=DEFAULT_OUTPUT_DIR, show_default=True,
+                          help="Output case folder (the binary's stage files).")
+build_option = SharedOption("--build-dir", type=click.Path(file_okay=False, path_type=Path),
+                            default=DEFAULT_BUILD_DIR, show_default=True,
+                            help="CMake build folder; built incrementally when needed.")
+backend_option = SharedOption("--backend", type=click.Choice(BACKENDS), default="auto", show_default=True,
+                              help="Binary backend; auto uses CUDA when a GPU is present.")
+binary_option = SharedOption("--binary", type=click.Path(exists=True, dir_okay=False, resolve_path=True,
+                                                       path_type=Path),
+                             help="Run this binary instead of building BUILD_DIR/main (e.g. your own, "
+                             "writing the output case of docs/contract.md).")
+timeout_option = SharedOption("--timeout", type=click.FloatRange(min=1), default=DEFAULT_RUN_TIMEOUT_S,
+                              show_default=True, help="Seconds before the binary is stopped.")
+seed_option = SharedOption("--seed", type=click.IntRange(0, MAX_SEED), default=0, show_default=True,
+                           help="Random seed.")
+force_option = SharedOption("--force", is_flag=True,
+                            help="Replace an input case there that attnstep did not generate.")
+json_option = SharedOption("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),
+                           callback=checked_path(output_file_target),
+                           help="Write the full report as JSON to this file.")
