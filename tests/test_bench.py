@@ -51,7 +51,7 @@ def _results(**kw):
             "torch": "2.11", "runs": runs}
 
 
-def test_shape_list_is_the_issue_list():
+def test_default_shape_list():
     shapes = vb.default_shapes()
     assert len(shapes) == 13
     big = {(s.seq_q, s.d, s.causal) for s in shapes[1:]}
@@ -126,7 +126,7 @@ def test_cli_from_json(tmp_path):
     png = tmp_path / "p.png"
     res = CliRunner().invoke(vb.bench, ["--from-json", str(src), "--plot", str(png)])
     assert res.exit_code == 0, res.output
-    assert "NVIDIA H200" in res.output and "goals (issue 5)" in res.output
+    assert "NVIDIA H200" in res.output and "performance goals:" in res.output
     assert ("ceilings (fp32, B4-H16-N4096-M4096-d64): cuBLAS SGEMM 50.0 TFLOP/s, copy 4000 GB/s, "
             "mma.sync TF32 140 TFLOP/s, mma.sync BF16 560 TFLOP/s") in res.output
     assert png.exists()
