@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # bench_gpu.sh — the flash-kernel work on the GPU machine in one call: build with the exploration
 # variants of flash_fast.cu compiled in, check every variant against float64 on irregular shapes
-# (all rows, both precisions, causal and not, forced KV splits), time the variants on the issue's
+# (all rows, both precisions, causal and not, forced KV splits), time the variants on the bench's
 # goal shapes, then run the full `bench` sweep (stage path, flash kernels, PyTorch SDPA).
 #
 #   scripts/bench_gpu.sh [build] [correct] [variants] [goal] [full]   (default: all but goal)
-# goal: the full bench on the four goal shapes only (B4 H16 N=M=4096, d 64/128, causal or not).
+# goal: the full bench on the four goal shapes only (B4 H16 N=M=4096, d 64/128, causal or not).
 #
 # VARIANTS="0" limits both loops to the shipped configuration; BENCH_ARGS go to the full sweep.
 # Logs go to $OUT (or ./bench_gpu_out): correct.log, variants.log, full.log, bench.json, bench.png.

@@ -5,16 +5,17 @@ traceback). `run` passes on the binary's own status (3: not enough memory; 1: a 
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
+import time
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 import click
 
-from . import tolerance
 from .bench import bench
-from .case import load_input_case, output_file_target
+from .case import CaseError, load_input_case, output_file_target, read_toml
 from .compare import Options, check_run, error_ratio_map
 from .generate import DEFAULT_DIMS, DISTRIBUTIONS, generate_case
 from .options import (InputError, backend_option, binary_option, build_option, force_option, in_option,
@@ -22,14 +23,17 @@ from .options import (InputError, backend_option, binary_option, build_option, f
 from .options import checked_path as _checked_path
 from .options import user_errors as _user_errors
 from .outputs import MATH_MODES, open_run, parse_name_map, read_names_file, stage_files_in
-from .report import (check_plot_folder, failure_lines, header_lines, summary_lines, table_lines, write_json,
-                     write_junit, write_plots)
-from .runner import ensure_built, example_names, run_binary, run_program, set_aside_previous
+from .report import (check_plot_folder, failure_lines, header_lines, plural, summary_lines, table_lines,
+                     write_json, write_junit, write_plots)
+from .runner import BINARY_NAME, ensure_built, example_names, run_binary, run_program, set_aside_previous
 from .stages import (DATA_DIR, DEFAULT_CASE, DEFAULT_INPUT_DIR, DEFAULT_RESULT, FORMATS,
                      PRECISIONS, RUN_MANIFEST, STAGE_NAMES, Dims)
 
-# Work (N·M·heads) above which `check` shows a progress bar.
+# Work (N·M·heads) above which `check` shows a progress bar, and values written above which
+# `generate` does (on a terminal only).
 PROGRESS_MIN_WORK = 1 << 24
+GENERATE_PROGRESS_MIN_VALUES = 1 << 22
+TOLERANCES_DOC = "docs/tolerances.md"
 
 
 class Tolerance(click.ParamType):
@@ -47,6 +51,30 @@ class Tolerance(click.ParamType):
 
 
 TOLERANCE = Tolerance()
+
+
+quiet_option = click.option("--quiet", "-q", is_flag=True, help="Print only the verdict and errors.")
+
+
+def _on_terminal() -> bool:
+    return sys.stderr.isatty()
+
+
+@contextlib.contextmanager
+def _progress(total: int, label: str, wanted: bool):
+    """A progress bar on stderr, advanced by calling what this yields; nothing unless `wanted` and
+    stderr is a terminal (pipes and CI logs stay clean)."""
+    if not (wanted and total > 1 and _on_terminal()):
+        yield lambda *_: None
+        return
+    with click.progressbar(length=total, label=label, file=sys.stderr) as bar:
+        yield lambda *_: bar.update(1)
+
+
+def _build(build_dir: Path, quiet: bool, target: str = BINARY_NAME) -> Path:
+    """ensure_built, its compile steps shown on stderr as they go unless `quiet`."""
+    show = None if quiet else (lambda line: click.echo(f"  {line}", err=True))
+    return ensure_built(build_dir, target=target, progress=show)
 
 
 def dims_options(fn):
@@ -92,9 +120,11 @@ def generate(out_dir, batch, heads, seq_q, seq_k, d_k, d_v, causal, scale, seed,
     into OUT, replacing the case attnstep generated there before (with --force, any input case).
     """
     dims = Dims(batch, heads, seq_q, seq_k, d_k, d_v)
-    generate_case(out_dir, dims, causal=causal, scale=scale, seed=seed, distribution=distribution, fmt=fmt,
-                  force=force)
-    click.echo(f"wrote {dims.total_heads} heads (N={seq_q} M={seq_k} d_k={d_k} d_v={d_v}, "
+    values = dims.total_heads * (seq_q * d_k + seq_k * (d_k + d_v))
+    with _progress(dims.total_heads, "generating heads", values >= GENERATE_PROGRESS_MIN_VALUES) as advance:
+        generate_case(out_dir, dims, causal=causal, scale=scale, seed=seed, distribution=distribution,
+                      fmt=fmt, force=force, progress=advance)
+    click.echo(f"wrote {plural(dims.total_heads, 'head')} (N={seq_q} M={seq_k} d_k={d_k} d_v={d_v}, "
                f"{distribution}, seed {seed}) to {out_dir}")
 
 
@@ -137,10 +167,11 @@ def _run_args(stages, fmt, precision, poison, causal, scale, max_memory_mb, allo
 @click.option("--scale", type=float, help="Override the score scale.")
 @click.option("--max-memory-mb", type=click.IntRange(min=1), help="Cap the binary's working memory.")
 @click.option("--allow-nonfinite", is_flag=True, help="Accept NaN/Inf in the inputs.")
+@quiet_option
 @click.argument("args", nargs=-1, type=click.UNPROCESSED, metavar="[-- ARGS...]")
 @_user_errors
 def run(in_dir, out_dir, backend, build_dir, binary, timeout, cwd, stages, fmt, precision, poison, causal, scale,
-        max_memory_mb, allow_nonfinite, args):
+        max_memory_mb, allow_nonfinite, quiet, args):
     """Build the binary if needed and run it on a case.
 
     Runs build/main on IN and writes every stage file and run.toml into OUT. With --binary PATH
@@ -151,18 +182,49 @@ def run(in_dir, out_dir, backend, build_dir, binary, timeout, cwd, stages, fmt, 
     if args and binary is None:
         raise click.UsageError("program arguments after -- need --binary PATH (the program to run)")
     if args:
-        _run_program(binary, args, cwd, out_dir, timeout)
+        _run_program(binary, args, cwd, out_dir, timeout, quiet)
         return
-    binary = binary or ensure_built(build_dir)
+    binary = binary or _build(build_dir, quiet)
+    seconds = _run_attnstep_binary(binary, in_dir, out_dir, backend, timeout, cwd,
+                                   _run_args(stages, fmt, precision, poison, causal, scale, max_memory_mb,
+                                             allow_nonfinite))
+    if not quiet:
+        click.echo(run_summary(binary, out_dir, seconds))
+
+
+def _run_attnstep_binary(binary: Path, in_dir: Path, out_dir: Path, backend: str, timeout: float,
+                         cwd: Optional[Path] = None, extra=()) -> float:
+    """Runs attnstep's binary into a fresh OUT, passing on its notices and output; returns its wall
+    time in seconds."""
     _fresh_out(out_dir)
-    result = run_binary(binary, in_dir, out_dir, backend=backend, timeout=timeout, cwd=cwd,
-                        extra=_run_args(stages, fmt, precision, poison, causal, scale, max_memory_mb,
-                                        allow_nonfinite))
+    t0 = time.monotonic()
+    result = run_binary(binary, in_dir, out_dir, backend=backend, timeout=timeout, cwd=cwd, extra=extra)
+    seconds = time.monotonic() - t0
     for line in result.notices:
         click.echo(line, err=True)
     if result.stdout.strip():
         click.echo(result.stdout.rstrip())
     _require_written(binary, out_dir)
+    return seconds
+
+
+def run_summary(binary: Path, out_dir: Path, seconds: float) -> str:
+    """One line on what attnstep's binary did, from the run.toml it wrote: backend and device,
+    flash kernel, heads, stages, time, and where."""
+    try:
+        info = read_toml(Path(out_dir) / RUN_MANIFEST)
+    except (CaseError, OSError):
+        info = {}
+    parts = [f"{info.get('backend', '?')} backend"
+             + (f" ({info['device']})" if info.get("device") else "")]
+    if info.get("flash_kernel"):
+        parts.append(f"flash kernel {info['flash_kernel']}")
+    if isinstance(info.get("batch"), int) and isinstance(info.get("heads"), int):
+        parts.append(plural(info["batch"] * info["heads"], "head"))
+    stages = [s for s in str(info.get("stages", "")).split(",") if s]
+    if stages:
+        parts.append(plural(len(stages), "stage"))
+    return f"{Path(binary).name}: {seconds:.2f} s; {', '.join(parts)}; written to {out_dir}"
 
 
 def _fresh_out(out_dir: Path) -> None:
@@ -181,14 +243,16 @@ def _require_written(binary: Path, out_dir: Path) -> List[str]:
     return written
 
 
-def _run_program(binary: Path, args, cwd: Optional[Path], out_dir: Path, timeout: float) -> None:
+def _run_program(binary: Path, args, cwd: Optional[Path], out_dir: Path, timeout: float,
+                 quiet: bool = False) -> None:
     _fresh_out(out_dir)
     seconds = run_program(binary, args, cwd, timeout)
     written = _require_written(binary, out_dir)
     stages = sorted({n.split("_head_")[0].removesuffix(".npy") for n in written},
                     key=lambda s: STAGE_NAMES.index(s) if s in STAGE_NAMES else len(STAGE_NAMES))
-    click.echo(f"{binary.name}: {seconds:.2f} s; wrote {len(written)} stage "
-               f"file{'s' if len(written) != 1 else ''} ({', '.join(stages)}) to {out_dir}")
+    if not quiet:
+        click.echo(f"{binary.name}: {seconds:.2f} s; wrote {plural(len(written), 'stage file')} "
+                   f"({', '.join(stages)}) to {out_dir}")
 
 
 def _parse_tol(values) -> Dict[str, Tuple[float, float]]:
@@ -223,14 +287,11 @@ def _parse_names(items, names_file) -> Dict[str, str]:
     return out
 
 
-CHECK_HELP = """Check every stage of a run against a float64 reference.
+CHECK_HELP = f"""Check every stage of a run against a float64 reference.
 
-Compares each stage file in OUT (written by the binary from the input case IN) with a float64
-NumPy reference, twice: chained (from the original inputs) and isolated (from the binary's own
-previous stages). Prints a stage table, the first failing stage with a diagnosis, and exits 0 when
-every stage passes, 1 when one fails, 2 on bad input.
-
-\b
+Compares each stage file in OUT with a NumPy float64 reference computed from the input case IN,
+prints a stage table and the first failing stage with a diagnosis. Exit status 0: every stage
+passes; 1: a stage fails; 2: bad input. The tolerances: {TOLERANCES_DOC}.
 """
 
 
@@ -239,12 +300,9 @@ def _check_and_report(in_dir, out_dir, opts, json_path, junit_path, plot_dir, pe
     case.allow_nonfinite = opts.allow_nonfinite
     run_info = open_run(out_dir, case, opts.overrides())
     d = run_info.dims
-    work = d.seq_q * d.seq_k * d.total_heads
-    if work >= PROGRESS_MIN_WORK and d.total_heads > 1:
-        with click.progressbar(length=d.total_heads, label="checking heads", file=sys.stderr) as bar:
-            report = check_run(run_info, case, opts, progress=lambda h: bar.update(1))
-    else:
-        report = check_run(run_info, case, opts)
+    big = d.seq_q * d.seq_k * d.total_heads >= PROGRESS_MIN_WORK
+    with _progress(d.total_heads, "checking heads", big and not quiet) as advance:
+        report = check_run(run_info, case, opts, progress=advance)
     if not quiet:
         for line in header_lines(report) + table_lines(report, per_head) + failure_lines(report):
             click.echo(line)
@@ -254,60 +312,62 @@ def _check_and_report(in_dir, out_dir, opts, json_path, junit_path, plot_dir, pe
         write_json(report, json_path)
     if junit_path:
         write_junit(report, junit_path)
-    if plot_dir and not report.passed:
-        paths = write_plots(report, plot_dir, lambda s, h: error_ratio_map(report.run, report.case, s, h, opts))
-        click.echo(f"wrote {len(paths)} error maps to {plot_dir}")
+    if plot_dir:
+        _plot(report, plot_dir, opts, quiet)
     return report.passed
 
 
-@cli.command(help=CHECK_HELP + tolerance.describe_model())
+def _plot(report, plot_dir: Path, opts: Options, quiet: bool) -> None:
+    """Error maps of the failing stages into PLOT_DIR; on a passing run, one line saying so."""
+    if report.passed:
+        if not quiet:
+            click.echo(f"no stage failed: no error map written to {plot_dir}")
+        return
+    paths = write_plots(report, plot_dir, lambda s, h: error_ratio_map(report.run, report.case, s, h, opts))
+    if not quiet:
+        click.echo(f"wrote {plural(len(paths), 'error map')} to {plot_dir}")
+
+
+@cli.command(help=CHECK_HELP)
 @in_option
 @out_option
 @json_option
 @click.option("--junit", "junit_path", type=click.Path(dir_okay=False, path_type=Path),
-              callback=_checked_path(output_file_target),
-              help="Write a JUnit XML report (one test case per stage x head).")
+              callback=_checked_path(output_file_target), help="Write a JUnit XML report to this file.")
 @click.option("--plot", "plot_dir", type=click.Path(file_okay=False, path_type=Path),
               callback=_checked_path(check_plot_folder),
-              help="Write error heat maps (PNG) of failing stages into this folder (needs matplotlib).")
-@click.option("--atol", type=TOLERANCE, help="Absolute tolerance for every stage "
-              "(replaces the error model).")
-@click.option("--rtol", type=TOLERANCE, help="Relative tolerance for every stage "
-              "(replaces the error model).")
+              help="Write error maps (PNG) of failing stages here (needs matplotlib).")
+@click.option("--atol", type=TOLERANCE, help="Absolute tolerance of every stage, instead of the model.")
+@click.option("--rtol", type=TOLERANCE, help="Relative tolerance of every stage, instead of the model.")
 @click.option("--tol", "tol", multiple=True, metavar="STAGE=ATOL[,RTOL]",
-              help="Tolerance for one stage (replaces the error model there); repeatable.")
-@click.option("--stage", "only", multiple=True, type=click.Choice(STAGE_NAMES),
+              help="Tolerances of one stage; repeatable.")
+@click.option("--stage", "only", multiple=True, type=click.Choice(STAGE_NAMES), metavar="STAGE",
               help="Check only this stage; repeatable.")
 @click.option("--causal/--no-causal", default=None,
-              help="Check with (without) causal masking [default: the input case's manifest, else run.toml, "
-                   "else not causal].")
-@click.option("--scale", type=float, help="Check with this score scale [default: the input case's, else "
-              "run.toml's, else 1/sqrt(d_k)].")
+              help="Causal masking [default: IN's manifest, else run.toml's].")
+@click.option("--scale", type=float, help="Score scale [default: IN's, else run.toml's, else 1/sqrt(d_k)].")
 @click.option("--precision", type=click.Choice(PRECISIONS),
-              help="Precision the program computed in [default: run.toml's, else fp32].")
+              help="What the program computed in [default: run.toml's, else fp32].")
 @click.option("--math", type=click.Choice(MATH_MODES), default="ieee", show_default=True,
-              help="ieee: correctly rounded float32 operations and CUDA's standard functions; fast: "
-                   "-use_fast_math / __expf / __logf / __fdividef, at their documented errors.")
+              help="fast: accept CUDA's fast-math intrinsics (__expf, ...).")
 @click.option("--name", "names", multiple=True, metavar="STAGE=PATTERN",
-              help="File name of a stage in OUT: {i} the head (0..B·H-1), {b} batch, {h} head in batch; "
-                   "no placeholder: one .npy holding every head. Repeatable.")
+              help="A stage's file names, e.g. output=O_{i}.txt ({i} head, {b} batch, {h} head in batch).")
 @click.option("--names", "names_file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              help="A file of STAGE = \"PATTERN\" lines (as --name).")
+              help="A file of STAGE = \"PATTERN\" lines.")
 @click.option("--per-head", is_flag=True, help="One table row per stage x head.")
-@click.option("--jobs", type=click.IntRange(min=0), default=0, show_default=True,
-              help="Processes checking heads in parallel; 0: as many as the cores and the memory "
-                   "allow (1 for small runs).")
-@click.option("--allow-nonfinite", is_flag=True,
-              help="Accept NaN/Inf in the inputs (as run --allow-nonfinite): they propagate through the "
-                   "reference, and a NaN where the reference has NaN passes.")
+@click.option("--jobs", type=click.IntRange(min=0), default=0, show_default=True, metavar="N",
+              help="Processes checking heads; 0: as many as cores and memory allow.")
+@click.option("--allow-nonfinite", is_flag=True, help="Accept NaN/Inf in the inputs (NaN passes where "
+              "the reference has NaN).")
+@quiet_option
 @click.pass_context
 @_user_errors
 def check(ctx, in_dir, out_dir, json_path, junit_path, plot_dir, atol, rtol, tol, only, per_head, jobs,
-          causal, scale, precision, math, names, names_file, allow_nonfinite):
+          causal, scale, precision, math, names, names_file, allow_nonfinite, quiet):
     opts = Options(atol=atol, rtol=rtol, per_stage=_parse_tol(tol), only_stages=list(only) or None,
                    jobs=jobs, causal=causal, scale=scale, precision=precision, math=math,
                    names=_parse_names(names, names_file), allow_nonfinite=allow_nonfinite)
-    passed = _check_and_report(in_dir, out_dir, opts, json_path, junit_path, plot_dir, per_head)
+    passed = _check_and_report(in_dir, out_dir, opts, json_path, junit_path, plot_dir, per_head, quiet)
     ctx.exit(0 if passed else 1)
 
 
@@ -324,9 +384,10 @@ def check(ctx, in_dir, out_dir, json_path, junit_path, plot_dir, atol, rtol, tol
 @click.option("--example", type=click.Choice(example_names()),
               help="Run a program of the examples gallery (examples/, a GPU needed) instead of the binary, "
                    "as the original workflow ran it: from BUILD_DIR, reading ../data.")
+@quiet_option
 @click.pass_context
 @_user_errors
-def demo(ctx, data_dir, backend, build_dir, binary, timeout, json_path, seed, force, example):
+def demo(ctx, data_dir, backend, build_dir, binary, timeout, json_path, seed, force, example, quiet):
     """Build, generate the default case, run, and check.
 
     The original workflow in one command: 12 heads, N = M = 128, d = 64, uniform inputs, into
@@ -334,35 +395,40 @@ def demo(ctx, data_dir, backend, build_dir, binary, timeout, json_path, seed, fo
     gallery's programs (a classic bug each) in place of attnstep's binary.
     """
     if example:
-        _demo_example(ctx, example, build_dir, timeout, json_path, seed, force)
+        _demo_example(ctx, example, build_dir, timeout, json_path, seed, force, quiet)
     in_dir, out_dir = data_dir / DEFAULT_CASE, data_dir / DEFAULT_RESULT
-    click.echo(f"[1/4] using {binary}" if binary else f"[1/4] building the binary in {build_dir}")
-    binary = binary or ensure_built(build_dir)
-    click.echo(f"[2/4] generating {in_dir}")
+    say = _step_printer(quiet)
+    say(f"[1/4] using {binary}" if binary else f"[1/4] building the binary in {build_dir}")
+    binary = binary or _build(build_dir, quiet)
+    say(f"[2/4] generating {in_dir}")
     generate_case(in_dir, DEFAULT_DIMS, seed=seed, force=force)
-    click.echo(f"[3/4] running {binary.name} --backend {backend}")
-    _fresh_out(out_dir)
-    result = run_binary(binary, in_dir, out_dir, backend=backend, timeout=timeout)
-    for line in result.notices:
-        click.echo(line, err=True)
-    _require_written(binary, out_dir)
-    click.echo(f"[4/4] checking {out_dir}")
-    passed = _check_and_report(in_dir, out_dir, Options(), json_path, None, None, False)
+    say(f"[3/4] running {binary.name} --backend {backend}")
+    seconds = _run_attnstep_binary(binary, in_dir, out_dir, backend, timeout)
+    say("      " + run_summary(binary, out_dir, seconds))
+    say(f"[4/4] checking {out_dir}")
+    passed = _check_and_report(in_dir, out_dir, Options(), json_path, None, None, False, quiet)
     ctx.exit(0 if passed else 1)
 
 
-def _demo_example(ctx, example, build_dir, timeout, json_path, seed, force) -> None:
+def _step_printer(quiet: bool):
+    """click.echo for the demo's step lines, or nothing with --quiet."""
+    return (lambda _line: None) if quiet else click.echo
+
+
+def _demo_example(ctx, example, build_dir, timeout, json_path, seed, force, quiet) -> None:
     """The demo with a gallery program: it reads ../data/random_test from BUILD_DIR."""
     data_dir = Path(build_dir).absolute().parent / DATA_DIR
     in_dir, out_dir = data_dir / DEFAULT_CASE, data_dir / DEFAULT_RESULT
-    click.echo(f"[1/4] building {example} in {build_dir}")
-    program = ensure_built(build_dir, target=example)
-    click.echo(f"[2/4] generating {in_dir}")
+    say = _step_printer(quiet)
+    say(f"[1/4] building {example} in {build_dir}")
+    program = _build(build_dir, quiet, target=example)
+    say(f"[2/4] generating {in_dir}")
     generate_case(in_dir, DEFAULT_DIMS, seed=seed, force=force)
-    click.echo(f"[3/4] running {example} {DEFAULT_CASE} in {build_dir}")
-    _run_program(program, [DEFAULT_CASE], Path(build_dir), out_dir, timeout)
-    click.echo(f"[4/4] checking {out_dir}")
-    ctx.exit(0 if _check_and_report(in_dir, out_dir, Options(), json_path, None, None, False) else 1)
+    say(f"[3/4] running {example} {DEFAULT_CASE} in {build_dir}")
+    _run_program(program, [DEFAULT_CASE], Path(build_dir), out_dir, timeout, quiet)
+    say(f"[4/4] checking {out_dir}")
+    passed = _check_and_report(in_dir, out_dir, Options(), json_path, None, None, False, quiet)
+    ctx.exit(0 if passed else 1)
 
 
 cli.add_command(bench)  # verify/bench.py: GPU timings against ceilings and PyTorch SDPA

@@ -37,8 +37,9 @@ DEFAULT_DIMS = Dims(batch=1, heads=12, seq_q=128, seq_k=128, d_k=64, d_v=64)
 
 def generate_case(out_dir: Path, dims: Dims, *, causal: bool = False, scale: Optional[float] = None,
                   seed: int = 0, distribution: str = "uniform", fmt: str = "txt",
-                  force: bool = False) -> Path:
-    """Writes Q/K/V for every head (batch-major) and manifest.toml into `out_dir`.
+                  force: bool = False, progress: Optional[Callable[[int], None]] = None) -> Path:
+    """Writes Q/K/V for every head (batch-major) and manifest.toml into `out_dir`; `progress(i)` is
+    called after head i is written.
 
     Everything is written into a temporary folder inside `out_dir` first and moved into place at
     the end (the manifest last), so an interrupted generation leaves neither a mix of old and new
@@ -71,6 +72,8 @@ def generate_case(out_dir: Path, dims: Dims, *, causal: bool = False, scale: Opt
             for name in INPUT_NAMES:
                 names.append(stage_file(name, i, fmt))
                 write_matrix(staging / names[-1], sample(rng, STAGES[name].shape(dims)), fmt)
+            if progress is not None:
+                progress(i)
         manifest = {k: getattr(dims, k) for k in DIM_KEYS}
         manifest.update(causal=causal, format=fmt, seed=seed, distribution=distribution,
                         generator=GENERATOR)

@@ -16,9 +16,14 @@ import numpy as np
 from .case import CaseError, atomic_write_bytes, file_kind
 from .results import FAIL, INHERITED, PASS, Comparison, HeadResult, Report
 from .resolution import EXACT
-from .stages import stage_file
+from .stages import STAGES, stage_file
 
 MAX_DETAILED_FAILURES = 8
+
+
+def plural(n: int, noun: str) -> str:
+    """`1 head`, `2 heads`: a count with its noun in the right number."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 def _g(x: Optional[float]) -> str:
@@ -61,7 +66,7 @@ def header_lines(report: Report) -> List[str]:
     what = f"run {run.run_id}" if run.run_id else str(run.path or "arrays")
     return [f"attnstep check: {what} ({arithmetic(run)}"
             f"{', ' + str(v['device']) if v.get('device') else ''}), "
-            f"{d.total_heads} heads (batch {d.batch} x {d.heads}), N={d.seq_q} M={d.seq_k} "
+            f"{plural(d.total_heads, 'head')} (batch {d.batch} x {d.heads}), N={d.seq_q} M={d.seq_k} "
             f"d_k={d.d_k} d_v={d.d_v}, {'causal' if run.causal else 'not causal'}, "
             f"scale {run.scale:.6g}" + (f", flash kernel {run.flash_kernel}" if run.flash_kernel else "")]
 
@@ -147,7 +152,7 @@ def summary_lines(report: Report) -> List[str]:
     if first is None:
         used = max((r.main.tol_used for r in report.results if r.main), default=0.0)
         n, h = len(report.stages), report.run.dims.total_heads
-        lines.append(f"PASS: all {n} stage{'s' if n != 1 else ''} x {h} head{'s' if h != 1 else ''}; "
+        lines.append(f"PASS: all {plural(n, 'stage')} x {plural(h, 'head')}; "
                      f"largest fraction of tolerance used {_g(used)} (headroom {_g(max(0.0, 1 - used))})")
         return lines
     inherited = [s for s in report.stages
@@ -249,9 +254,61 @@ def check_plot_folder(folder: Path) -> None:
         raise CaseError(f"{folder}: is {file_kind(st.st_mode)}, not a folder for the plots")
 
 
+# What a tile of a stage's rows or columns is, by the stage table's dimension symbol: the
+# columns of QK, QK_scaled and attention_weights are keys, those of output are value columns.
+_TILE_NAMES = {"N": "query tile", "M": "key tile", "DK": "{axis} tile", "DV": "{axis} tile", "1": None}
+
+
+def tile_axis_name(stage: str, axis: str) -> Optional[str]:
+    """The label of the tile grid's `axis` ("row" or "column") for `stage`; None for a one-wide axis."""
+    sym = getattr(STAGES[stage], "rows" if axis == "row" else "cols")
+    name = _TILE_NAMES[sym]
+    return name.format(axis=axis) if name else None
+
+
+def _tile_grid(shown: np.ndarray, br: int, bc: int) -> np.ndarray:
+    """The maximum of `shown` over each br x bc tile."""
+    tr, tc = -(-shown.shape[0] // br), -(-shown.shape[1] // bc)
+    grid = np.zeros((tr, tc))
+    for i in range(tr):
+        for j in range(tc):
+            grid[i, j] = shown[i * br:(i + 1) * br, j * bc:(j + 1) * bc].max()
+    return grid
+
+
+def error_figure(stage: str, head: int, ratio: np.ndarray, tiles):
+    """The figure of one stage x head: log10(|error| / allowed) per element, and its maximum per
+    tile (`tiles` = (rows, cols) of a tile), with integer ticks and axes named after what they hold."""
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    br, bc = tiles
+    shown = np.log10(np.clip(np.where(np.isfinite(ratio), ratio, 1e6), 1e-3, 1e6))
+    row_name, col_name = tile_axis_name(stage, "row"), tile_axis_name(stage, "column")
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
+    im = axes[0].imshow(shown, aspect="auto", cmap="magma", vmin=-3, vmax=6, interpolation="nearest")
+    axes[0].set_title(f"{stage} head {head}: log10(|err| / allowed)")
+    axes[0].set_xlabel("column")
+    axes[0].set_ylabel("row")
+    fig.colorbar(im, ax=axes[0])
+    im2 = axes[1].imshow(_tile_grid(shown, br, bc), aspect="auto", cmap="magma", vmin=-3, vmax=6,
+                         interpolation="nearest")
+    axes[1].set_title(f"max per {br}x{bc} tile" if col_name else f"max per {br} rows")
+    axes[1].set_ylabel(row_name or "")
+    axes[1].set_xlabel(col_name or "")
+    for ax in axes:
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
+    if col_name is None:
+        axes[1].set_xticks([])
+    fig.colorbar(im2, ax=axes[1])
+    fig.tight_layout()
+    return fig
+
+
 def write_plots(report: Report, folder: Path, error_map) -> List[Path]:
-    """One PNG per failing stage × head: |error| / allowed as a heat map, and the per-(query-tile,
-    key-tile) maximum. `error_map(stage, head)` returns that ratio array (compare.error_ratio_map)."""
+    """One PNG per failing stage × head: |error| / allowed as a heat map, and its per-tile maximum.
+    `error_map(stage, head)` returns that ratio array (compare.error_ratio_map)."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -264,30 +321,12 @@ def write_plots(report: Report, folder: Path, error_map) -> List[Path]:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise CaseError(f"{folder}: cannot create the plot folder: {exc.strerror or exc}") from None
-    br, bc = report.run.flash_tiles or (64, 64)
+    tiles = report.run.flash_tiles or (64, 64)
     written = []
     for r in report.results:
         if r.status != FAIL and r.status != INHERITED:
             continue
-        ratio = error_map(r.stage, r.head)
-        shown = np.log10(np.clip(np.where(np.isfinite(ratio), ratio, 1e6), 1e-3, 1e6))
-        tr, tc = -(-ratio.shape[0] // br), -(-ratio.shape[1] // bc)
-        grid = np.zeros((tr, tc))
-        for i in range(tr):
-            for j in range(tc):
-                grid[i, j] = shown[i * br:(i + 1) * br, j * bc:(j + 1) * bc].max()
-        fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
-        im = axes[0].imshow(shown, aspect="auto", cmap="magma", vmin=-3, vmax=6, interpolation="nearest")
-        axes[0].set_title(f"{r.stage} head {r.head}: log10(|err| / allowed)")
-        axes[0].set_xlabel("col")
-        axes[0].set_ylabel("row")
-        fig.colorbar(im, ax=axes[0])
-        im2 = axes[1].imshow(grid, aspect="auto", cmap="magma", vmin=-3, vmax=6, interpolation="nearest")
-        axes[1].set_title(f"max per {br}x{bc} tile (query tile x key tile)")
-        axes[1].set_xlabel("key tile")
-        axes[1].set_ylabel("query tile")
-        fig.colorbar(im2, ax=axes[1])
-        fig.tight_layout()
+        fig = error_figure(r.stage, r.head, error_map(r.stage, r.head), tiles)
         path = folder / stage_file(r.stage, r.head, "png")
         png = io.BytesIO()
         fig.savefig(png, format="png", dpi=90)

@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_BUILD_DIR = REPO / "build"
@@ -40,30 +42,57 @@ def _tail(text: str, lines: int = 25) -> str:
     return "\n".join(text.strip().splitlines()[-lines:])
 
 
-def _run_tool(cmd: Sequence[str], what: str, timeout: float) -> None:
+# The lines of a CMake build worth showing while it works: Makefiles' "[ 42%] Building CUDA object
+# ..." and Ninja's "[3/20] Building ...", and attnstep's own configure lines (what gets built).
+_PROGRESS_LINE = re.compile(r"^\[\s*\d+(%|/\d+)\]\s+(Building|Linking)|^-- attnstep: ")
+
+Progress = Optional[Callable[[str], None]]
+
+
+def _run_tool(cmd: Sequence[str], what: str, timeout: float, progress: Progress = None) -> None:
+    """Runs a build tool with its output captured (shown in full only when it fails); its progress
+    lines go to `progress` as they come."""
     try:
-        proc = subprocess.run(list(cmd), capture_output=True, text=True, timeout=timeout)
+        child = subprocess.Popen(list(cmd), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                 errors="replace")
     except FileNotFoundError:
         raise RunnerError(f"{what}: '{cmd[0]}' not found; install it (see README.md, Prerequisites)")
-    except subprocess.TimeoutExpired:
+    timed_out = threading.Event()
+
+    def stop() -> None:  # a build that hangs silently still ends
+        timed_out.set()
+        child.kill()
+    stopper = threading.Timer(timeout, stop)
+    stopper.start()
+    lines = []
+    try:
+        for line in child.stdout:
+            lines.append(line)
+            if progress is not None and _PROGRESS_LINE.search(line):
+                progress(line.rstrip())
+        code = child.wait()
+    finally:
+        stopper.cancel()
+    if timed_out.is_set():
         raise RunnerError(f"{what}: timed out after {timeout:.0f} s")
-    if proc.returncode != 0:
-        raise RunnerError(f"{what} failed (exit {proc.returncode})", _tail(proc.stdout + proc.stderr, 40))
+    if code != 0:
+        raise RunnerError(f"{what} failed (exit {code})", _tail("".join(lines), 40))
 
 
 def ensure_built(build_dir: Path = DEFAULT_BUILD_DIR, cmake_args: Sequence[str] = (),
-                 target: str = BINARY_NAME) -> Path:
+                 target: str = BINARY_NAME, progress: Progress = None) -> Path:
     """Configure (once) and build (incrementally) the binary, or another target (an example of
-    examples/); returns its path."""
+    examples/); returns its path. `progress` receives a line per configure result and compiled
+    file as the build goes (nothing when the build is up to date)."""
     build_dir = Path(build_dir)
     if shutil.which("cmake") is None:
         raise RunnerError("cmake not found on PATH; install CMake >= 3.24 (see README.md)")
     if not (build_dir / "CMakeCache.txt").exists() or cmake_args:
         _run_tool(["cmake", "-S", str(REPO), "-B", str(build_dir), "-DCMAKE_BUILD_TYPE=Release",
-                   *cmake_args], "CMake configure", BUILD_TIMEOUT_S)
+                   *cmake_args], "CMake configure", BUILD_TIMEOUT_S, progress)
     jobs = str(max(1, os.cpu_count() or 1))
     _run_tool(["cmake", "--build", str(build_dir), "--parallel", jobs, "--target", target], "CMake build",
-              BUILD_TIMEOUT_S)
+              BUILD_TIMEOUT_S, progress)
     binary = build_dir / target
     if not binary.exists():
         raise RunnerError(f"the build finished but {binary} is missing")

@@ -1,0 +1,246 @@
+"""What a new user sees: the first build (what it compiles, its progress), the commands' own
+lines (run's summary, progress bars, --quiet), help texts and plots."""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from verify import cli as cli_module
+from verify import runner as runner_module
+from verify import tolerance
+from verify.cli import cli
+from verify.report import plural, tile_axis_name
+from verify.stages import STAGE_NAMES
+
+REPO = Path(__file__).resolve().parent.parent
+SMALL = ["--heads", "2", "--seq-q", "9", "--seq-k", "13", "--d-k", "16", "--d-v", "16"]
+
+
+@pytest.fixture
+def runner():
+    return CliRunner()
+
+
+# ---- what the first build compiles -------------------------------------------------------------
+
+def _path_with_nvidia_smi(tmp_path: Path, script: str) -> str:
+    """PATH with a fake nvidia-smi first and no real one after it."""
+    fake = tmp_path / "fakebin"
+    fake.mkdir()
+    smi = fake / "nvidia-smi"
+    smi.write_text("#!/bin/sh\n" + script)
+    smi.chmod(0o755)
+    rest = [d for d in os.environ.get("PATH", "").split(os.pathsep) if not (Path(d) / "nvidia-smi").exists()]
+    return os.pathsep.join([str(fake), *rest])
+
+
+def _configured_architectures(tmp_path: Path, path_env: str, *args: str) -> str:
+    """CMAKE_CUDA_ARCHITECTURES as a fresh configure caches it (CUDA off: no compiler check, fast)."""
+    build = tmp_path / "build"
+    env = dict(os.environ, PATH=path_env)
+    env.pop("CUDAARCHS", None)
+    proc = subprocess.run(["cmake", "-S", str(REPO), "-B", str(build), "-DATTNSTEP_CUDA=OFF", *args],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    cache = (build / "CMakeCache.txt").read_text()
+    return re.search(r"^CMAKE_CUDA_ARCHITECTURES:[A-Z]+=(.*)$", cache, re.M).group(1)
+
+
+needs_cmake = pytest.mark.skipif(shutil.which("cmake") is None, reason="cmake not on PATH")
+
+
+@needs_cmake
+def test_without_a_gpu_cmake_compiles_for_one_architecture(tmp_path):
+    path = _path_with_nvidia_smi(tmp_path, "echo 'NVIDIA-SMI has failed' >&2; exit 9\n")
+    assert _configured_architectures(tmp_path, path) == "75"
+
+
+@needs_cmake
+def test_with_a_gpu_cmake_compiles_for_that_gpu(tmp_path):
+    path = _path_with_nvidia_smi(tmp_path, "echo 'GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-0)'\n")
+    assert _configured_architectures(tmp_path, path) == "native"
+
+
+@needs_cmake
+def test_the_users_architectures_always_win(tmp_path):
+    path = _path_with_nvidia_smi(tmp_path, "echo 'GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-0)'\n")
+    assert _configured_architectures(tmp_path, path, "-DCMAKE_CUDA_ARCHITECTURES=90") == "90"
+
+
+# ---- the build talks while it works ------------------------------------------------------------
+
+def _fake_tool(lines, code=0):
+    body = "".join(f"print({line!r}, flush=True)\n" for line in lines) + f"raise SystemExit({code})\n"
+    return [sys.executable, "-c", body]
+
+
+def test_build_progress_lines_are_streamed_and_the_rest_kept_for_errors():
+    seen = []
+    out = ["-- The CXX compiler identification is GNU", "-- attnstep: CUDA 13.0, architectures 75",
+           "[ 10%] Building CUDA object CMakeFiles/main.dir/cuda_src/cuda/gemm.cu.o",
+           "[3/20] Building CXX object main.cpp.o", "[100%] Linking CXX executable main",
+           "[100%] Built target main"]
+    runner_module._run_tool(_fake_tool(out), "CMake build", 60, seen.append)
+    assert seen == out[1:5]
+    with pytest.raises(runner_module.RunnerError) as err:
+        runner_module._run_tool(_fake_tool(["[ 10%] Building CXX object a.o", "a.cpp:1: error: boom"], 2),
+                                "CMake build", 60, seen.append)
+    assert "exit 2" in str(err.value) and "a.cpp:1: error: boom" in err.value.detail
+
+
+def test_a_silent_hung_build_is_stopped_at_its_timeout():
+    with pytest.raises(runner_module.RunnerError, match="timed out after 1 s"):
+        runner_module._run_tool([sys.executable, "-c", "import time; time.sleep(30)"], "CMake build", 1)
+
+
+def _fake_build(binary):
+    def ensure_built(build_dir, cmake_args=(), target="main", progress=None):
+        if progress:
+            progress("[ 50%] Building CUDA object CMakeFiles/main.dir/cuda_src/cuda/gemm.cu.o")
+        return binary
+    return ensure_built
+
+
+@pytest.mark.parametrize("quiet", [False, True])
+def test_demo_shows_the_build_as_it_goes_unless_quiet(runner, tmp_path, binary, monkeypatch, quiet):
+    monkeypatch.setattr(cli_module, "ensure_built", _fake_build(binary))
+    res = runner.invoke(cli, ["demo", "--data-dir", str(tmp_path), "--backend", "cpu",
+                              "--build-dir", str(tmp_path / "b")] + (["--quiet"] if quiet else []))
+    assert res.exit_code == 0, res.output
+    assert ("Building CUDA object" in res.stderr) is not quiet
+    if quiet:
+        assert [ln.split(":")[0] for ln in res.stdout.splitlines()] == ["PASS"]
+    else:
+        assert re.search(r"main: \d+\.\d\d s; cpu backend .*12 heads, 10 stages; written to", res.stdout)
+
+
+# ---- run's summary, progress bars, --quiet ------------------------------------------------------
+
+def _generate(runner, folder, *extra):
+    res = runner.invoke(cli, ["generate", "--out", str(folder), *SMALL, *extra])
+    assert res.exit_code == 0, res.output
+    return res
+
+
+def test_run_ends_with_one_summary_line(runner, tmp_path, binary):
+    _generate(runner, tmp_path / "in")
+    args = ["run", "--in", str(tmp_path / "in"), "--out", str(tmp_path / "out"), "--backend", "cpu",
+            "--binary", str(binary)]
+    res = runner.invoke(cli, args)
+    assert res.exit_code == 0, res.output
+    last = res.stdout.strip().splitlines()[-1]
+    assert re.fullmatch(rf"main: \d+\.\d\d s; cpu backend \(.+\), flash kernel \S+, 2 heads, "
+                        rf"{len(STAGE_NAMES)} stages; written to {re.escape(str(tmp_path / 'out'))}", last), last
+    quiet = runner.invoke(cli, args + ["--quiet"])
+    assert quiet.exit_code == 0 and quiet.stdout == ""
+
+
+def test_run_summary_counts_the_stages_written(runner, tmp_path, binary):
+    _generate(runner, tmp_path / "in", "--heads", "1")
+    res = runner.invoke(cli, ["run", "--in", str(tmp_path / "in"), "--out", str(tmp_path / "out"),
+                              "--backend", "cpu", "--binary", str(binary), "--stages", "flash"])
+    assert res.exit_code == 0, res.output
+    assert ", 1 head, 2 stages; written to" in res.stdout
+
+
+@pytest.mark.parametrize("terminal", [False, True])
+def test_generate_shows_a_progress_bar_on_a_terminal_only(runner, tmp_path, monkeypatch, terminal):
+    monkeypatch.setattr(cli_module, "_on_terminal", lambda: terminal)
+    monkeypatch.setattr(cli_module, "GENERATE_PROGRESS_MIN_VALUES", 0)
+    res = _generate(runner, tmp_path / "in")
+    assert ("generating heads" in res.stderr) is terminal
+
+
+def test_generate_says_one_head_in_the_singular(runner, tmp_path):
+    res = _generate(runner, tmp_path / "in", "--heads", "1")
+    assert res.stdout.startswith("wrote 1 head (")
+    assert plural(1, "head") == "1 head" and plural(2, "head") == "2 heads" and plural(0, "map") == "0 maps"
+
+
+@pytest.fixture
+def good_run(runner, tmp_path, binary):
+    _generate(runner, tmp_path / "in")
+    res = runner.invoke(cli, ["run", "--in", str(tmp_path / "in"), "--out", str(tmp_path / "out"),
+                              "--backend", "cpu", "--binary", str(binary)])
+    assert res.exit_code == 0, res.output
+    return tmp_path / "in", tmp_path / "out"
+
+
+def test_check_quiet_prints_only_the_verdict(runner, good_run):
+    in_dir, out_dir = good_run
+    res = runner.invoke(cli, ["check", "--in", str(in_dir), "--out", str(out_dir), "--quiet"])
+    assert res.exit_code == 0, res.output
+    assert [ln.split(":")[0] for ln in res.output.splitlines()] == ["PASS"]
+    loud = runner.invoke(cli, ["check", "--in", str(in_dir), "--out", str(out_dir)])
+    assert len(loud.output.splitlines()) > 5
+
+
+def test_plot_of_a_passing_run_says_nothing_failed(runner, good_run, tmp_path):
+    in_dir, out_dir = good_run
+    res = runner.invoke(cli, ["check", "--in", str(in_dir), "--out", str(out_dir), "--plot", str(tmp_path / "p")])
+    assert res.exit_code == 0, res.output
+    assert f"no stage failed: no error map written to {tmp_path / 'p'}" in res.output.splitlines()
+    assert not (tmp_path / "p").exists()
+
+
+# ---- help texts and documents ---------------------------------------------------------------------
+
+def _all_help(runner):
+    texts = [runner.invoke(cli, ["--help"]).output]
+    for name in cli.commands:
+        res = runner.invoke(cli, [name, "--help"])
+        assert res.exit_code == 0, res.output
+        texts.append(res.output)
+    return texts
+
+
+def test_no_help_text_or_user_document_speaks_of_issues(runner):
+    docs = [(REPO / p).read_text() for p in ("README.md", "docs/contract.md", "docs/tolerances.md")]
+    for text in _all_help(runner) + docs:
+        assert not re.search(r"\bissues?\b|\bissue's\b", text, re.I), re.search(r".*issue.*", text, re.I).group(0)
+
+
+def test_the_tolerance_document_states_the_models_constants():
+    text = (REPO / "docs" / "tolerances.md").read_text()
+    assert f"bound = {tolerance.LAMBDA:g}·σ + det + floor" in text
+    assert f"log ({tolerance.LOG_ULPS:g} ulp)" in text
+    for stage in STAGE_NAMES:
+        assert stage in text
+
+
+# ---- plots ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("stage, rows, cols", [
+    ("QK", "query tile", "key tile"), ("attention_weights", "query tile", "key tile"),
+    ("output", "query tile", "column tile"), ("KT", "row tile", "key tile"),
+    ("flash_lse", "query tile", None)])
+def test_tile_axes_are_named_after_what_the_stage_holds(stage, rows, cols):
+    assert tile_axis_name(stage, "row") == rows and tile_axis_name(stage, "column") == cols
+
+
+@pytest.mark.parametrize("stage, shape", [("output", (130, 64)), ("flash_lse", (130, 1)), ("QK", (3, 2))])
+def test_error_figures_have_integer_ticks_and_named_axes(stage, shape):
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from verify.report import error_figure
+    fig = error_figure(stage, 0, np.full(shape, 2.0), (64, 64))
+    try:
+        fig.canvas.draw()
+        grid = fig.axes[1]  # then the two colour bars
+        for ax in (fig.axes[0], grid):
+            for ticks in (ax.get_xticks(), ax.get_yticks()):
+                assert all(float(t).is_integer() for t in ticks), (stage, list(ticks))
+        assert grid.get_xlabel() == (tile_axis_name(stage, "column") or "")
+        assert grid.get_ylabel() == tile_axis_name(stage, "row")
+    finally:
+        plt.close(fig)
