@@ -1,4 +1,4 @@
-"""The shape set every backend is tested on (issue #2): irregular on purpose.
+"""The shape set every backend is tested on: irregular on purpose.
 
 N and M are chosen to be multiples of no tile size, to exercise tail tiles; d_k != d_v exercises
 the stage path (the flash stages need d_k = d_v in {16, 32, 64, 128} and are skipped otherwise).

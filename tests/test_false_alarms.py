@@ -1,4 +1,4 @@
-"""The false-alarm suite (issue #3): hundreds of random CORRECT runs must all pass.
+"""The false-alarm suite: hundreds of random CORRECT runs must all pass.
 
 Each case draws a shape from the whole generator space (batch, heads; seq_q and seq_k from 1 to
 a few hundred, 1 and non-multiples of every tile included; d_k = d_v at each flash width, odd and

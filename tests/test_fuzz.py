@@ -1,4 +1,4 @@
-"""Property-based fuzzing (issue #4): corrupt valid case files at random and require that the
+"""Property-based fuzzing: corrupt valid case files at random and require that the
 binary and the verifier either accept valid data or fail cleanly: a non-zero exit with a one-line
 message, never a signal, never a traceback, never exit 0 on corrupt data."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The mutation suite (issue 3): plant each bug pattern into correct outputs of the binary and
+"""The mutation suite: plant each bug pattern into correct outputs of the binary and
 check that `attnstep check` catches it, blames the planted stage, names the pattern, and reports
 the stage downstream of it as inherited rather than as a new fault.
 

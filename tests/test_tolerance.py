@@ -370,7 +370,7 @@ def _typical_case(stage, dist, rng, N=24, M=48, d=48, runs=TYPICAL_RUNS):
 TIGHT = [(s, d) for s in STAGE_PATH + ["flash_output", "flash_lse"] for d in DISTS]
 # Fraction of elements that must catch a single-element error of 10× and 20× its typical error.
 # Measured (N=M=d=48, flash_lse 192 rows; λ = 6.5; before → after the estimator and model changes
-# of issue 3's close-out, 10×): QK 0.95/0.82/0.85 → 1.00/0.92/0.92 (uniform/normal/large),
+# of the verifier's calibration, 10×): QK 0.95/0.82/0.85 → 1.00/0.92/0.92 (uniform/normal/large),
 # attention_weights 0.94/0.93 → 0.99/0.95, output 0.94/0.83 → 1.00/0.92, flash_output
 # 0.91/0.67 → 1.00/0.99, flash_lse 0.73/0.80 → 0.86/0.85; 20× ≥ 0.97 everywhere but flash_lse
 # uniform (0.90). Held with a little margin below. Once dot_var took the largest over strided,

@@ -32,7 +32,7 @@ class Kernel:
     div_var: float = 0.0        # extra variance of the softmax's final division, in u²
 
 
-# Measured on an H200 (see the report of issue 3): expf errs 0.48 ulp RMS (max 1.86), exp2f 0.75
+# Measured on an H200 (docs/tolerances.md): expf errs 0.48 ulp RMS (max 1.86), exp2f 0.75
 # ulp RMS (max 2.06); logf/log2f 0.30 ulp RMS. One ulp is 2^(e-23), so a relative variance of
 # (0.75 ulp)² is 0.75²·4·0.541 ≈ 1.2 u² (Benford mantissas); λ·√1.2 u = 6.6u > 2 ulp, the max.
 _GPU_EXP_VAR = 0.75**2 * 4 * (3.0 / (8.0 * np.log(2.0)))
