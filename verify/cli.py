@@ -8,26 +8,26 @@ from __future__ import annotations
 import contextlib
 import math
 import sys
-import time
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Tuple
 
 import click
 
 from .bench import bench
-from .case import CaseError, load_input_case, output_file_target, read_toml
+from .case import load_input_case, output_file_target
 from .compare import Options, check_run, error_ratio_map
 from .generate import DEFAULT_DIMS, DISTRIBUTIONS, generate_case
-from .options import (InputError, backend_option, binary_option, build_option, force_option, in_option,
+from .options import (backend_option, binary_option, build_option, force_option, in_option,
                       json_option, out_option, seed_option, timeout_option)
 from .options import checked_path as _checked_path
 from .options import user_errors as _user_errors
-from .outputs import MATH_MODES, open_run, parse_name_map, read_names_file, stage_files_in
+from .outputs import MATH_MODES, open_run, parse_name_map, read_names_file
+from .programs import run_any_program, run_attnstep_binary, run_summary
 from .report import (check_plot_folder, failure_lines, header_lines, plural, summary_lines, table_lines,
                      write_json, write_junit, write_plots)
-from .runner import BINARY_NAME, ensure_built, example_names, run_binary, run_program, set_aside_previous
+from .runner import BINARY_NAME, ensure_built, example_names
 from .stages import (DATA_DIR, DEFAULT_CASE, DEFAULT_INPUT_DIR, DEFAULT_RESULT, FORMATS,
-                     PRECISIONS, RUN_MANIFEST, STAGE_NAMES, Dims)
+                     PRECISIONS, STAGE_NAMES, Dims)
 
 # Work (N·M·heads) above which `check` shows a progress bar, and values written above which
 # `generate` does (on a terminal only).
@@ -182,77 +182,14 @@ def run(in_dir, out_dir, backend, build_dir, binary, timeout, cwd, stages, fmt, 
     if args and binary is None:
         raise click.UsageError("program arguments after -- need --binary PATH (the program to run)")
     if args:
-        _run_program(binary, args, cwd, out_dir, timeout, quiet)
+        run_any_program(binary, args, cwd, out_dir, timeout, quiet)
         return
     binary = binary or _build(build_dir, quiet)
-    seconds = _run_attnstep_binary(binary, in_dir, out_dir, backend, timeout, cwd,
+    seconds = run_attnstep_binary(binary, in_dir, out_dir, backend, timeout, cwd,
                                    _run_args(stages, fmt, precision, poison, causal, scale, max_memory_mb,
                                              allow_nonfinite))
     if not quiet:
         click.echo(run_summary(binary, out_dir, seconds))
-
-
-def _run_attnstep_binary(binary: Path, in_dir: Path, out_dir: Path, backend: str, timeout: float,
-                         cwd: Optional[Path] = None, extra=()) -> float:
-    """Runs attnstep's binary into a fresh OUT, passing on its notices and output; returns its wall
-    time in seconds."""
-    _fresh_out(out_dir)
-    t0 = time.monotonic()
-    result = run_binary(binary, in_dir, out_dir, backend=backend, timeout=timeout, cwd=cwd, extra=extra)
-    seconds = time.monotonic() - t0
-    for line in result.notices:
-        click.echo(line, err=True)
-    if result.stdout.strip():
-        click.echo(result.stdout.rstrip())
-    _require_written(binary, out_dir)
-    return seconds
-
-
-def run_summary(binary: Path, out_dir: Path, seconds: float) -> str:
-    """One line on what attnstep's binary did, from the run.toml it wrote: backend and device,
-    flash kernel, heads, stages, time, and where."""
-    try:
-        info = read_toml(Path(out_dir) / RUN_MANIFEST)
-    except (CaseError, OSError):
-        info = {}
-    parts = [f"{info.get('backend', '?')} backend"
-             + (f" ({info['device']})" if info.get("device") else "")]
-    if info.get("flash_kernel"):
-        parts.append(f"flash kernel {info['flash_kernel']}")
-    if isinstance(info.get("batch"), int) and isinstance(info.get("heads"), int):
-        parts.append(plural(info["batch"] * info["heads"], "head"))
-    stages = [s for s in str(info.get("stages", "")).split(",") if s]
-    if stages:
-        parts.append(plural(len(stages), "stage"))
-    return f"{Path(binary).name}: {seconds:.2f} s; {', '.join(parts)}; written to {out_dir}"
-
-
-def _fresh_out(out_dir: Path) -> None:
-    """Moves an earlier run's files in OUT aside (OUT is created when missing)."""
-    out_dir = Path(out_dir)
-    if out_dir.is_dir():
-        set_aside_previous(out_dir, stage_files_in(out_dir))
-
-
-def _require_written(binary: Path, out_dir: Path) -> List[str]:
-    """The stage files the program just wrote into OUT; none is an error, not a silent success."""
-    written = [n for n in stage_files_in(out_dir) if n != RUN_MANIFEST] if Path(out_dir).is_dir() else []
-    if not written:
-        raise InputError(f"{Path(binary).name} exited 0 but wrote no stage file into {out_dir}; HINT: pass "
-                         "--out DIR where it writes <stage>_head_<i>.txt (or .npy) files", 1)
-    return written
-
-
-def _run_program(binary: Path, args, cwd: Optional[Path], out_dir: Path, timeout: float,
-                 quiet: bool = False) -> None:
-    _fresh_out(out_dir)
-    seconds = run_program(binary, args, cwd, timeout)
-    written = _require_written(binary, out_dir)
-    stages = sorted({n.split("_head_")[0].removesuffix(".npy") for n in written},
-                    key=lambda s: STAGE_NAMES.index(s) if s in STAGE_NAMES else len(STAGE_NAMES))
-    if not quiet:
-        click.echo(f"{binary.name}: {seconds:.2f} s; wrote {plural(len(written), 'stage file')} "
-                   f"({', '.join(stages)}) to {out_dir}")
 
 
 def _parse_tol(values) -> Dict[str, Tuple[float, float]]:
@@ -403,7 +340,7 @@ def demo(ctx, data_dir, backend, build_dir, binary, timeout, json_path, seed, fo
     say(f"[2/4] generating {in_dir}")
     generate_case(in_dir, DEFAULT_DIMS, seed=seed, force=force)
     say(f"[3/4] running {binary.name} --backend {backend}")
-    seconds = _run_attnstep_binary(binary, in_dir, out_dir, backend, timeout)
+    seconds = run_attnstep_binary(binary, in_dir, out_dir, backend, timeout)
     say("      " + run_summary(binary, out_dir, seconds))
     say(f"[4/4] checking {out_dir}")
     passed = _check_and_report(in_dir, out_dir, Options(), json_path, None, None, False, quiet)
@@ -425,7 +362,7 @@ def _demo_example(ctx, example, build_dir, timeout, json_path, seed, force, quie
     say(f"[2/4] generating {in_dir}")
     generate_case(in_dir, DEFAULT_DIMS, seed=seed, force=force)
     say(f"[3/4] running {example} {DEFAULT_CASE} in {build_dir}")
-    _run_program(program, [DEFAULT_CASE], Path(build_dir), out_dir, timeout, quiet)
+    run_any_program(program, [DEFAULT_CASE], Path(build_dir), out_dir, timeout, quiet)
     say(f"[4/4] checking {out_dir}")
     passed = _check_and_report(in_dir, out_dir, Options(), json_path, None, None, False, quiet)
     ctx.exit(0 if passed else 1)

@@ -177,24 +177,19 @@ def _blamed_elsewhere(stage: str, violations, results: Dict[str, "HeadResult"]) 
 
 def check_head(run: RunInfo, case: InputCase, head: int, opts: Options,
                ref_of_head: Callable[[str, int], np.ndarray]) -> List[HeadResult]:
-    dims, scale, causal = run.dims, run.scale, run.causal
     inputs = {name: case.load(name, head).astype(np.float64) for name in INPUT_NAMES}
     stages = [s for s in run.stages if opts.only_stages is None or s in opts.only_stages]
     needed = set(stages).union(*(upstream(s) for s in stages))  # partial runs: upstream too
-    chain = {**inputs, **reference_chain(inputs, scale, causal, needed)}
-    b, h = dims.decode_head(head)
-    got: Dict[str, np.ndarray] = {}
-    quanta: Dict[str, Optional[np.ndarray]] = {}
-    results: Dict[str, HeadResult] = {}
+    chain = {**inputs, **reference_chain(inputs, run.scale, run.causal, needed)}
     # Logits, softmax parts, dot-product variances, … shared by this head's bounds (the isolated
     # and chained checks, both flash stages and the invariants), keyed by array identity: none of
-    # the arrays below is modified while it lives.
-    cache = tolerance.HeadCache()
-    context = HeadContext(dims, scale, causal, run.precision, run.backend, run.math, inputs, chain, got, quanta,
-                          cache, opts.allow_nonfinite)
+    # the arrays in the context is modified while it lives.
+    ctx = HeadContext(run.dims, run.scale, run.causal, run.precision, run.backend, run.math, inputs, chain,
+                      {}, {}, tolerance.HeadCache(), opts.allow_nonfinite)
+    b, h = run.dims.decode_head(head)
+    results: Dict[str, HeadResult] = {}
     for stage in stages:
-        res = HeadResult(stage, head, b, h, PASS)
-        results[stage] = res
+        res = results[stage] = HeadResult(stage, head, b, h, PASS)
         mat, resolution, bad_status, msg = _load_output(run, stage, head)
         if mat is None:
             res.status, res.message = bad_status, msg
@@ -202,42 +197,54 @@ def check_head(run: RunInfo, case: InputCase, head: int, opts: Options,
             res.diagnosis.append(diag.Diagnosis(code, msg, {}))
             continue
         res.resolution = resolution.describe()
-        quantum = resolution.quantum(mat) if opts.override(stage) is None else None
-        got[stage], quanta[stage] = mat, quantum
-        names = STAGES[stage].inputs or (stage,)  # an echo's reference is the input file itself
-        src_chain = {n: chain[n] for n in names}
-        src_iso, q_iso = _isolated_sources(names, got, quanta, results, chain)
-        want_chain = chain[stage]
-        model_chain = _allowed(stage, src_chain, want_chain, run, opts, chain, cache)
-        allowed_chain = _with_quantum(model_chain, quantum)
-        res.chained = compare_arrays(mat, want_chain, allowed_chain, opts.allow_nonfinite)
-        res.print_limited = quantum is not None and bool(np.any(quantum > model_chain))
-        if SPECS[stage].chained is None and not q_iso and _bit_identical(src_iso, src_chain):
-            # The binary read exactly the reference's sources (its echoes are exact): the isolated
-            # reference and bound are the chained ones, so is the comparison.
-            want_iso, allowed_iso, res.isolated = want_chain, allowed_chain, res.chained
-        else:
-            want_iso = compute_stage(stage, src_iso, scale, causal)
-            propagated = tolerance.quantization_bound(stage, src_iso, q_iso, scale) \
-                if opts.override(stage) is None else None
-            allowed_iso = _with_quantum(_allowed(stage, src_iso, want_iso, run, opts, cache=cache),
-                                        quantum, propagated)
-            res.isolated = compare_arrays(mat, want_iso, allowed_iso, nan_agrees=True)
-        res.violations = invariants.check_invariants(stage, mat, context)
-        if res.isolated.passed and _nonfinite_propagated(mat, want_iso):
+        ctx.got[stage] = mat
+        ctx.quanta[stage] = resolution.quantum(mat) if opts.override(stage) is None else None
+        isolated = _compare(res, ctx, results, run, opts)
+        res.violations = invariants.check_invariants(stage, mat, ctx)
+        if res.isolated.passed and _nonfinite_propagated(mat, isolated[1]):
             res.violations = [v for v in res.violations if v.code != invariants.NONFINITE]
         res.notes = _blamed_elsewhere(stage, res.violations, results)
         res.violations = [v for v in res.violations if v not in res.notes]
         _classify(res, results)
         if res.status == FAIL:
-            res.diagnosis = diag.diagnose(stage, mat, want_iso, {
-                "dims": dims, "scale": scale, "causal": causal, "head": head, "src": src_iso,
-                "ref_of_head": functools.partial(ref_of_head, stage), "flash_tiles": run.flash_tiles,
-                "bound": allowed_iso})
-            for v in res.violations:
-                if not any(d.code == v.code for d in res.diagnosis):
-                    res.diagnosis.append(diag.Diagnosis(v.code, v.message, {"count": v.count}))
+            _diagnose(res, mat, isolated, ctx, run, functools.partial(ref_of_head, stage))
     return list(results.values())
+
+
+def _compare(res: HeadResult, ctx: HeadContext, results: Dict[str, HeadResult], run: RunInfo, opts: Options):
+    """The chained and the isolated comparison of one stage × head (into res); returns the isolated
+    (sources, reference, allowance) for the diagnoses."""
+    stage, mat, quantum = res.stage, ctx.got[res.stage], ctx.quanta[res.stage]
+    names = STAGES[stage].inputs or (stage,)  # an echo's reference is the input file itself
+    src_chain = {n: ctx.chain[n] for n in names}
+    src_iso, q_iso = _isolated_sources(names, ctx.got, ctx.quanta, results, ctx.chain)
+    want_chain = ctx.chain[stage]
+    model_chain = _allowed(stage, src_chain, want_chain, run, opts, ctx.chain, ctx.cache)
+    allowed_chain = _with_quantum(model_chain, quantum)
+    res.chained = compare_arrays(mat, want_chain, allowed_chain, opts.allow_nonfinite)
+    res.print_limited = quantum is not None and bool(np.any(quantum > model_chain))
+    if SPECS[stage].chained is None and not q_iso and _bit_identical(src_iso, src_chain):
+        # The binary read exactly the reference's sources (its echoes are exact): the isolated
+        # reference and bound are the chained ones, so is the comparison.
+        res.isolated = res.chained
+        return src_iso, want_chain, allowed_chain
+    want_iso = compute_stage(stage, src_iso, ctx.scale, ctx.causal)
+    propagated = tolerance.quantization_bound(stage, src_iso, q_iso, ctx.scale) \
+        if opts.override(stage) is None else None
+    allowed_iso = _with_quantum(_allowed(stage, src_iso, want_iso, run, opts, cache=ctx.cache), quantum, propagated)
+    res.isolated = compare_arrays(mat, want_iso, allowed_iso, nan_agrees=True)
+    return src_iso, want_iso, allowed_iso
+
+
+def _diagnose(res: HeadResult, mat: np.ndarray, isolated, ctx: HeadContext, run: RunInfo, ref_of_head) -> None:
+    """The patterns that explain a failing stage × head, then its reference-free findings."""
+    src_iso, want_iso, allowed_iso = isolated
+    res.diagnosis = diag.diagnose(res.stage, mat, want_iso, {
+        "dims": ctx.dims, "scale": ctx.scale, "causal": ctx.causal, "head": res.head, "src": src_iso,
+        "ref_of_head": ref_of_head, "flash_tiles": run.flash_tiles, "bound": allowed_iso})
+    for v in res.violations:
+        if not any(d.code == v.code for d in res.diagnosis):
+            res.diagnosis.append(diag.Diagnosis(v.code, v.message, {"count": v.count}))
 
 
 def _nonfinite_propagated(got: np.ndarray, want_iso: np.ndarray) -> bool:

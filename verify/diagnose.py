@@ -13,82 +13,19 @@ integrity check in verify.compare.)
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 import numpy as np
 
-from .reference import causal_mask, compute_stage, softmax_rows
+from .diagnose_base import (LOG2_E, MATCH_WIDTHS, MAX_HEADS_SEARCHED, POISON_VALUES, SCALE_NAME_RTOL,
+                            UNWRITTEN_DENSITY, Diagnosis, explains, loc, maxdiff, width_of)
+from .diagnose_regions import mask as _mask
+from .diagnose_regions import tile_boundary as _tile_boundary
+from .reference import compute_stage, softmax_rows
 from .specs import SPECS
 from .stages import STAGES
 
-# A candidate explains got when every element is within MATCH_WIDTHS tolerance widths of it (the
-# candidate is float64, got carries its own rounding), and it is a real alternative when it
-# differs from want by more than DISTINCT_WIDTHS widths somewhere.
-MATCH_WIDTHS = 8.0
-DISTINCT_WIDTHS = 100.0
-# Values a poisoned or uninitialised buffer shows (besides NaN and 0): float32 max and its kin.
-POISON_VALUES = (3.4028234663852886e38, -3.4028234663852886e38, 1e30, -1e30)
-UNWRITTEN_DENSITY = 0.9      # fraction of the region's entries that must be zero/NaN/poison
-TILE_DENSITY = 0.5           # fraction of a wrong tile's entries that must be wrong
-MAX_HEADS_SEARCHED = 64
-MAX_MASK_OFFSET = 8
-# Tile sizes tried besides the run's own (run.toml's flash_block_q/k): the widths kernels tile and
-# vectorize by; a period of 2 is what any alternating error pattern shows by chance.
-TILE_PERIODS = (4, 8, 16, 32, 64, 128, 256)
-SCALE_NAME_RTOL = 2e-3
-LOG2_E = 1.0 / np.log(2.0)
-
-
-@dataclass
-class Diagnosis:
-    code: str
-    message: str
-    detail: dict = field(default_factory=dict)
-    confidence: float = field(default=0.5, repr=False, compare=False)
-
-
-# ---------------------------------------------------------------------------------------------
-# Matching helpers
-# ---------------------------------------------------------------------------------------------
-
-def _width(bound: Optional[np.ndarray], want: np.ndarray) -> float:
-    """One tolerance width: the largest finite bound (a scalar keeps reshaped candidates simple)."""
-    if bound is not None:
-        b = np.asarray(bound, dtype=np.float64)
-        b = b[np.isfinite(b)]
-        if b.size and b.max() > 0:
-            return float(b.max())
-    w = np.abs(want[np.isfinite(want)])
-    return float(max(w.max() if w.size else 1.0, 1e-30) * 2.0**-20)
-
-
-def _maxdiff(a: np.ndarray, b: np.ndarray) -> float:
-    """max |a - b|, with equal infinities equal and any other non-finite mismatch infinite."""
-    if a.shape != b.shape:
-        return np.inf
-    same = (a == b) | (np.isnan(a) & np.isnan(b))
-    fin = np.isfinite(a) & np.isfinite(b)
-    if (~same & ~fin).any():
-        return np.inf
-    d = np.abs(np.where(same, 0.0, a - b))
-    return float(d.max()) if d.size else 0.0
-
-
-def _explains(got: np.ndarray, cand: np.ndarray, want: np.ndarray, width: float) -> Optional[float]:
-    """max|got - cand| when cand explains got and is a real alternative to want, else None."""
-    if cand.shape != got.shape:
-        return None
-    diff = _maxdiff(got, cand)
-    if not diff <= MATCH_WIDTHS * width:
-        return None
-    if not _maxdiff(cand, want) > DISTINCT_WIDTHS * width:
-        return None
-    return diff
-
-
-def _loc(idx) -> str:
-    return "[" + ", ".join(str(int(i)) for i in idx) + "]"
+__all__ = ["Diagnosis", "diagnose"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -102,7 +39,7 @@ def _nonfinite(stage, got, want, ctx, width) -> List[Diagnosis]:
     first = tuple(int(i) for i in np.argwhere(bad)[0])
     n_nan, n_inf = int((np.isnan(got) & bad).sum()), int((np.isinf(got) & bad).sum())
     return [Diagnosis("nonfinite", f"{stage} has {n_nan} NaN and {n_inf} Inf where the reference is "
-                      f"finite; first at {_loc(first)} = {float(got[first])}",
+                      f"finite; first at {loc(first)} = {float(got[first])}",
                       {"nan": n_nan, "inf": n_inf, "count": int(bad.sum()), "first": list(first)}, 0.95)]
 
 
@@ -139,7 +76,7 @@ def _transposed(stage, got, want, ctx, width) -> List[Diagnosis]:
         cands.append(("got ≈ wantᵀ written into the same buffer (got.reshape(C, R) ≈ wantᵀ)",
                       want.T.reshape(R, C)))
     for how, cand in cands:
-        diff = _explains(got, cand, want, width)
+        diff = explains(got, cand, want, width)
         if diff is not None:
             return [Diagnosis("transposed", f"{stage} looks transposed: {how} (max diff {diff:.2g})",
                               {"max_diff": diff, "square": R == C}, 0.97)]
@@ -166,7 +103,7 @@ def _layout(stage, got, want, ctx, width) -> List[Diagnosis]:
                            want.T.reshape(R, C)),
                           ("the result was read back column-major (got = want.reshape(C, R)ᵀ)",
                            want.reshape(C, R).T)):
-            diff = _explains(got, cand, want, width)
+            diff = explains(got, cand, want, width)
             if diff is not None:
                 found.append((how, diff))
     src: Dict[str, np.ndarray] = ctx.get("src") or {}
@@ -180,7 +117,7 @@ def _layout(stage, got, want, ctx, width) -> List[Diagnosis]:
                     cand = compute_stage(stage, {**src, name: x2}, scale, causal)
                 except ValueError:
                     continue
-                diff = _explains(got, cand, want, width)
+                diff = explains(got, cand, want, width)
                 if diff is not None:
                     found.append((f"operand {name} was {how} (wrong layout / leading dimension)", diff))
     if not found:
@@ -225,7 +162,7 @@ def _scaled(stage, got, want, ctx, width) -> List[Diagnosis]:
     if SPECS[stage].linear and ww > 0:
         f = float(g @ w) / ww
         if f != 0 and abs(f - 1) > 1e-3:
-            diff = _maxdiff(got[fin], f * want[fin])
+            diff = maxdiff(got[fin], f * want[fin])
             if diff <= MATCH_WIDTHS * width * max(1.0, abs(f)):
                 names = _scale_names(f, scale, d_k, stage)
                 named = f" ≈ {' = '.join(names)}" if names else ""
@@ -244,7 +181,7 @@ def _scaled(stage, got, want, ctx, width) -> List[Diagnosis]:
                 cand = compute_stage(stage, src, s2, bool(ctx.get("causal", False)))
             except (KeyError, ValueError):
                 continue
-            diff = _explains(got, cand, want, width)
+            diff = explains(got, cand, want, width)
             if diff is not None:
                 return [Diagnosis("scaled", f"{stage} used scale {s2:.6g} instead of {scale:.6g}: "
                                   f"{name} (max diff {diff:.2g})",
@@ -270,9 +207,9 @@ def _softmax_axis(stage, got, want, ctx, width) -> List[Diagnosis]:
                           softmax_rows(S.T).reshape(R, C)))
     for how, cand in cands:
         # A column with no visible key (causal, N < M) normalizes 0/0: NaN, or 0 where guarded.
-        diff = _explains(got, cand, want, width)
+        diff = explains(got, cand, want, width)
         if diff is None:
-            diff = _explains(got, np.nan_to_num(cand, nan=0.0), want, width)
+            diff = explains(got, np.nan_to_num(cand, nan=0.0), want, width)
         if diff is not None:
             return [Diagnosis("softmax_axis", f"{stage} normalized along the wrong axis: "
                               f"{how} (max diff {diff:.2g})", {"how": how, "max_diff": diff}, 0.93)]
@@ -300,7 +237,7 @@ def _head_permuted(stage, got, want, ctx, width) -> List[Diagnosis]:
         other = np.asarray(ref_of_head(h), dtype=np.float64)
         if other.shape != got.shape:
             continue
-        diff = _explains(got, other, want, loose / MATCH_WIDTHS)
+        diff = explains(got, other, want, loose / MATCH_WIDTHS)
         if diff is not None:
             b, hh = dims.decode_head(h)
             return [Diagnosis("head_permuted", f"{stage} head {head} holds head {h}'s result (batch "
@@ -310,162 +247,11 @@ def _head_permuted(stage, got, want, ctx, width) -> List[Diagnosis]:
     return []
 
 
-def _offset_mask(shape, k: int) -> np.ndarray:
-    """Masked where c > r + k (k = 0: the top-left causal mask)."""
-    return np.triu(np.ones(shape, dtype=bool), k=k + 1)
-
-
-def _mask_pattern(got: np.ndarray, stage: str) -> Optional[np.ndarray]:
-    """Where got holds the stage's masked value (a weight row with no visible key normalizes 0/0:
-    NaN counts as masked too); None for stages that hold no masked entries."""
-    value = SPECS[stage].masked_value
-    if value is None:
-        return None
-    return (got == value) | (np.isnan(got) if value == 0 else False)
-
-
-def _mask(stage, got, want, ctx, width) -> List[Diagnosis]:
-    causal = bool(ctx.get("causal", False))
-    N = got.shape[0]
-    pattern = _mask_pattern(got, stage)
-    if pattern is not None:
-        M = got.shape[1]
-        expected = causal_mask(N, M) if causal else np.zeros(got.shape, bool)
-        if causal:
-            upper = causal_mask(N, M)
-            if upper.any():
-                unmasked = upper & ~pattern & np.isfinite(got)
-                if unmasked.sum() >= 0.5 * upper.sum() and not (pattern & upper).all():
-                    return [Diagnosis("mask_missing", f"{stage}: causal masking is on but "
-                                      f"{int(unmasked.sum())} of {int(upper.sum())} entries above the "
-                                      "diagonal are not masked", {"count": int(unmasked.sum())}, 0.9)]
-        if (pattern == expected).all():
-            return []
-        k = _fit_offset(pattern)
-        if k is not None and k != 0 and (causal or k < M - 1):
-            return [Diagnosis("mask_offset", f"{stage}: the mask is shifted by {k:+d}: entries "
-                              f"c > r {'+' if k >= 0 else '-'} {abs(k)} are masked instead of c > r",
-                              {"offset": k}, 0.9)]
-        return []
-    # Stages computed from the inputs under the mask: recompute with the candidate masks.
-    src = ctx.get("src") or {}
-    with_mask = SPECS[stage].with_mask
-    if with_mask is None or not all(n in src for n in STAGES[stage].inputs):
-        return []
-    scale = float(ctx.get("scale", 1.0))
-    M = next(np.asarray(src[n]).shape[0] for n in STAGES[stage].inputs if STAGES[n].rows == "M")  # keys
-    if causal:
-        cand = with_mask(src, scale, np.zeros((N, M), bool))
-        diff = _explains(got, cand, want, width)
-        if diff is not None:
-            return [Diagnosis("mask_missing", f"{stage}: causal masking is on but got matches the "
-                              f"unmasked attention (max diff {diff:.2g})", {"max_diff": diff}, 0.9)]
-    offsets = [k for k in range(-MAX_MASK_OFFSET, MAX_MASK_OFFSET + 1) if k != 0]
-    if M - N not in offsets and M != N:
-        offsets.append(M - N)  # the bottom-right aligned mask
-    for k in sorted(offsets, key=abs) if causal else []:
-        masked = _offset_mask((N, M), k)
-        if masked.all(axis=1).any():
-            continue  # a row with no visible key: not a mask the binary could have used
-        cand = with_mask(src, scale, masked)
-        diff = _explains(got, cand, want, width)
-        if diff is not None:
-            return [Diagnosis("mask_offset", f"{stage}: the causal mask is shifted by {k:+d} (keys "
-                              f"c <= r {'+' if k >= 0 else '-'} {abs(k)} visible)"
-                              + (": bottom-right aligned" if k == M - N else "") +
-                              f" (max diff {diff:.2g})", {"offset": k, "max_diff": diff}, 0.9)]
-    return []
-
-
-def _fit_offset(pattern: np.ndarray) -> Optional[int]:
-    """The k for which pattern == (c > r + k), if one fits every row."""
-    N, M = pattern.shape
-    n_masked = pattern.sum(axis=1)
-    partial = (n_masked > 0) & (n_masked < M)
-    if not partial.any():
-        return None
-    ks = set((M - n_masked - 1 - np.arange(N))[partial].tolist())  # first masked col = r + k + 1
-    if len(ks) != 1:
-        return None
-    k = int(ks.pop())
-    return k if (pattern == _offset_mask((N, M), k)).all() else None
-
-
-def _lines(bad: np.ndarray, axis: int) -> np.ndarray:
-    return np.flatnonzero(bad.any(axis=axis))
-
-
-def _tile_boundary(stage, got, want, ctx, width) -> List[Diagnosis]:
-    """Errors concentrated on lines at multiples of a period p, or on whole tiles of size p."""
-    bound = ctx.get("bound")
-    bnd = np.asarray(bound, np.float64) if bound is not None else np.full(got.shape, width)
-    err = np.where((got == want) | (np.isnan(got) & np.isnan(want)), 0.0, np.abs(got - want))
-    bad = ~(err <= bnd)
-    if not bad.any() or bad.all():
-        return []
-    tiles = ctx.get("flash_tiles")
-    out: List[Diagnosis] = []
-    for axis, name, n in ((1, "rows", got.shape[0]), (0, "cols", got.shape[1])):
-        lines = _lines(bad, axis)
-        if len(lines) < 1 or len(lines) == n or n < 4:
-            continue
-        preferred = []
-        if tiles:
-            preferred = [int(tiles[0] if name == "rows" else tiles[1])]
-        periods = preferred + [p for p in TILE_PERIODS if p not in preferred and p < n]
-        hit = _periodic(lines, n, periods, name) or _whole_tiles(bad, lines, n, periods, name, axis)
-        if hit:
-            hit.message = f"{stage}: {hit.message}"
-            out.append(hit)
-            break
-    return out
-
-
-def _periodic(lines: np.ndarray, n: int, periods: List[int], name: str) -> Optional[Diagnosis]:
-    if len(lines) < 2:
-        return None
-    if len(lines) < 3:
-        return None
-    for p in sorted(periods, reverse=True):
-        if p < 2 or n < 3 * p:
-            continue
-        for phase, label in ((0, "first"), (p - 1, "last")):
-            if (lines % p == phase).all():
-                expected = len(range(phase, n, p))
-                if len(lines) >= max(3, 0.75 * expected):
-                    return Diagnosis("tile_boundary", f"errors sit on the {label} {name[:-1]} of every "
-                                     f"{p}-{name[:-1]} tile ({name} {', '.join(map(str, lines[:6]))}"
-                                     f"{'…' if len(lines) > 6 else ''}): period {p}",
-                                     {"period": p, "axis": name, "lines": [int(x) for x in lines[:64]]},
-                                     0.8)
-    return None
-
-
-def _whole_tiles(bad, lines, n, periods, name, axis) -> Optional[Diagnosis]:
-    a, b = int(lines[0]), int(lines[-1]) + 1
-    if len(lines) != b - a or b - a < 2:
-        return None  # not one contiguous block of lines
-    for p in periods:
-        if p < 2 or p >= n or a % p:
-            continue
-        if (b - a) % p and b != n:
-            continue
-        block = bad[a:b, :] if name == "rows" else bad[:, a:b]
-        if block.mean() < TILE_DENSITY:
-            continue
-        which = "the tail tile" if b == n and (b - a) <= p and n % p else \
-            (f"tile {a // p}" if b - a == p else f"tiles {a // p}..{(b - 1) // p}")
-        return Diagnosis("tile_boundary", f"errors fill {which} along {name} ({name} {a}..{b - 1}, "
-                         f"tile size {p}); the rest is correct", {"period": p, "axis": name,
-                                                                    "range": [a, b - 1]}, 0.75)
-    return None
-
-
 def _lse_log2(stage, got, want, ctx, width) -> List[Diagnosis]:
     """flash_lse in base 2: got ≈ want·log2(e), the log-sum-exp of a kernel that works with exp2 and
     log2 internally and does not convert back to the natural log."""
     # The base-2 result carries the natural one's rounding times log2(e).
-    diff = _explains(got, want * LOG2_E, want, width * LOG2_E)
+    diff = explains(got, want * LOG2_E, want, width * LOG2_E)
     if diff is None:
         return []
     return [Diagnosis("lse_log2", f"{stage} is in base 2: got ≈ want·log2(e) = want·{LOG2_E:.6g} "
@@ -485,7 +271,7 @@ def diagnose(stage: str, got: np.ndarray, want: np.ndarray, ctx: dict) -> List[D
     want = np.asarray(want, dtype=np.float64)
     if got.shape != want.shape:
         return []
-    width = _width(ctx.get("bound"), want)
+    width = width_of(ctx.get("bound"), want)
     found: List[Diagnosis] = []
     for name, hyp in _HYPOTHESES.items():
         if name in SPECS[stage].diagnoses:

@@ -99,6 +99,23 @@ def ensure_built(build_dir: Path = DEFAULT_BUILD_DIR, cmake_args: Sequence[str] 
     return binary
 
 
+def _finish_or_stop(child: subprocess.Popen, timeout: Optional[float], who: str, after: str = ""):
+    """child's (stdout, stderr) once it exits; after `timeout` seconds it gets SIGTERM (on which
+    attnstep's binary removes its run's files), SIGKILL after TERMINATE_GRACE_S more, and the run
+    is an error."""
+    try:
+        return child.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        child.terminate()
+        try:
+            child.communicate(timeout=TERMINATE_GRACE_S)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.communicate()
+        raise RunnerError(f"{who} did not finish within {timeout:.0f} s (--timeout) and was stopped{after}",
+                          exit_code=1) from None
+
+
 @dataclass
 class RunResult:
     returncode: int
@@ -123,17 +140,7 @@ def run_binary(binary: Path, in_dir: Path, out_dir: Path, *, backend: str = "aut
         raise RunnerError(f"binary not found: {binary}; run 'attnstep run' to build it")
     except OSError as exc:
         raise RunnerError(f"cannot run {binary}: {exc.strerror or exc}")
-    try:
-        stdout, stderr = child.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        child.terminate()
-        try:
-            child.communicate(timeout=TERMINATE_GRACE_S)
-        except subprocess.TimeoutExpired:
-            child.kill()
-            child.communicate()
-        raise RunnerError(f"the binary did not finish within {timeout:.0f} s (--timeout) and was "
-                          "stopped; its partial output was removed", exit_code=1)
+    stdout, stderr = _finish_or_stop(child, timeout, "the binary", "; its partial output was removed")
     proc = subprocess.CompletedProcess(cmd, child.returncode, stdout, stderr)
     notices = [ln for ln in proc.stderr.splitlines() if ": notice:" in ln]
     result = RunResult(proc.returncode, proc.stdout, proc.stderr, notices)
@@ -192,17 +199,8 @@ def run_program(binary: Path, args: Sequence[str], cwd: Optional[Path],
     except OSError as exc:
         raise RunnerError(f"cannot run {binary}: {exc.strerror or exc}; HINT: is it executable "
                           "(chmod +x), with a #! line if it is a script?")
-    try:
-        code = child.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        child.terminate()
-        try:
-            child.wait(timeout=TERMINATE_GRACE_S)
-        except subprocess.TimeoutExpired:
-            child.kill()
-            child.wait()
-        raise RunnerError(f"{binary.name} did not finish within {timeout:.0f} s (--timeout) and was "
-                          "stopped", exit_code=1)
+    _finish_or_stop(child, timeout, binary.name)
+    code = child.returncode
     if code < 0:
         raise RunnerError(f"{binary.name} was killed by signal {-code}", exit_code=1)
     if code != 0:

@@ -23,6 +23,7 @@ from ..stages import INPUT_NAMES, STAGES
 from .base import FLASH_VS_OUTPUT, LSE_VS_SCORES, HeadContext, StageSpec, Violation, consistency
 from .copies import PATTERNS
 from .output import values_floor
+from .scores import qk_quantization
 
 FLASH_OUTPUT, FLASH_LSE = (s for s in STAGES if STAGES[s].flash)
 
@@ -73,11 +74,7 @@ def _lse_isolated(src, ref, scale, causal, u, kernel, cache):
 
 def _logit_moves(src, q, scale):
     """The logits' move when Q or K is known only to within its printed resolution, and p."""
-    dS = 0.0
-    if "Q" in q:
-        dS = dS + q["Q"] @ np.abs(src["K"]).T
-    if "K" in q:
-        dS = dS + np.abs(src["Q"]) @ q["K"].T
+    dS = qk_quantization(src, q, scale)
     S = scaled_logits(np.asarray(src["Q"], np.float64), np.asarray(src["K"], np.float64), scale, False)
     p = softmax_parts(S)[0]
     return p * (abs(scale) * np.broadcast_to(dS, S.shape)), p

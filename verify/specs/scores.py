@@ -30,7 +30,8 @@ def _qk_floor(src):
     return flush_sum(src["Q"], np.asarray(src["K"]).T) + FLUSH
 
 
-def _qk_quantization(src, q, scale):
+def qk_quantization(src, q, scale):
+    """How far Q·Kᵀ moves when Q or K is known only to within its printed resolution."""
     dS = 0.0
     if "Q" in q:
         dS = dS + q["Q"] @ np.abs(src["K"]).T
@@ -70,7 +71,7 @@ def _mask_check(stage, got, ctx):
 
 SPECS = (
     StageSpec("QK", reference=_qk_reference, isolated=_qk_isolated, floor=_qk_floor,
-              quantization=_qk_quantization, linear=True, diagnoses=PATTERNS + ("scaled",)),
+              quantization=qk_quantization, linear=True, diagnoses=PATTERNS + ("scaled",)),
     StageSpec("QK_scaled", reference=_scaled_reference, isolated=_scaled_isolated, chained=_scaled_chained,
               quantization=_scaled_quantization, invariants=(_mask_check,), masked_value=-np.inf,
               scaled=True, linear=True, diagnoses=PATTERNS + ("scaled", "mask")),

@@ -1,0 +1,163 @@
+"""Where a failing result is wrong: a shifted or missing causal mask, and errors that follow tile
+boundaries (a dropped tail tile, a race between tiles). Hypotheses of verify/diagnose.py."""
+from __future__ import annotations
+
+from typing import List, Optional
+
+import numpy as np
+
+from .diagnose_base import MAX_MASK_OFFSET, TILE_DENSITY, TILE_PERIODS, Diagnosis, explains
+from .reference import causal_mask
+from .specs import SPECS
+from .stages import STAGES
+
+
+def _offset_mask(shape, k: int) -> np.ndarray:
+    """Masked where c > r + k (k = 0: the top-left causal mask)."""
+    return np.triu(np.ones(shape, dtype=bool), k=k + 1)
+
+
+def _mask_pattern(got: np.ndarray, stage: str) -> Optional[np.ndarray]:
+    """Where got holds the stage's masked value (a weight row with no visible key normalizes 0/0:
+    NaN counts as masked too); None for stages that hold no masked entries."""
+    value = SPECS[stage].masked_value
+    if value is None:
+        return None
+    return (got == value) | (np.isnan(got) if value == 0 else False)
+
+
+def mask(stage, got, want, ctx, width) -> List[Diagnosis]:
+    causal = bool(ctx.get("causal", False))
+    N = got.shape[0]
+    pattern = _mask_pattern(got, stage)
+    if pattern is not None:
+        M = got.shape[1]
+        expected = causal_mask(N, M) if causal else np.zeros(got.shape, bool)
+        if causal:
+            upper = causal_mask(N, M)
+            if upper.any():
+                unmasked = upper & ~pattern & np.isfinite(got)
+                if unmasked.sum() >= 0.5 * upper.sum() and not (pattern & upper).all():
+                    return [Diagnosis("mask_missing", f"{stage}: causal masking is on but "
+                                      f"{int(unmasked.sum())} of {int(upper.sum())} entries above the "
+                                      "diagonal are not masked", {"count": int(unmasked.sum())}, 0.9)]
+        if (pattern == expected).all():
+            return []
+        k = _fit_offset(pattern)
+        if k is not None and k != 0 and (causal or k < M - 1):
+            return [Diagnosis("mask_offset", f"{stage}: the mask is shifted by {k:+d}: entries "
+                              f"c > r {'+' if k >= 0 else '-'} {abs(k)} are masked instead of c > r",
+                              {"offset": k}, 0.9)]
+        return []
+    # Stages computed from the inputs under the mask: recompute with the candidate masks.
+    src = ctx.get("src") or {}
+    with_mask = SPECS[stage].with_mask
+    if with_mask is None or not all(n in src for n in STAGES[stage].inputs):
+        return []
+    scale = float(ctx.get("scale", 1.0))
+    M = next(np.asarray(src[n]).shape[0] for n in STAGES[stage].inputs if STAGES[n].rows == "M")  # keys
+    if causal:
+        cand = with_mask(src, scale, np.zeros((N, M), bool))
+        diff = explains(got, cand, want, width)
+        if diff is not None:
+            return [Diagnosis("mask_missing", f"{stage}: causal masking is on but got matches the "
+                              f"unmasked attention (max diff {diff:.2g})", {"max_diff": diff}, 0.9)]
+    offsets = [k for k in range(-MAX_MASK_OFFSET, MAX_MASK_OFFSET + 1) if k != 0]
+    if M - N not in offsets and M != N:
+        offsets.append(M - N)  # the bottom-right aligned mask
+    for k in sorted(offsets, key=abs) if causal else []:
+        masked = _offset_mask((N, M), k)
+        if masked.all(axis=1).any():
+            continue  # a row with no visible key: not a mask the binary could have used
+        cand = with_mask(src, scale, masked)
+        diff = explains(got, cand, want, width)
+        if diff is not None:
+            return [Diagnosis("mask_offset", f"{stage}: the causal mask is shifted by {k:+d} (keys "
+                              f"c <= r {'+' if k >= 0 else '-'} {abs(k)} visible)"
+                              + (": bottom-right aligned" if k == M - N else "") +
+                              f" (max diff {diff:.2g})", {"offset": k, "max_diff": diff}, 0.9)]
+    return []
+
+
+def _fit_offset(pattern: np.ndarray) -> Optional[int]:
+    """The k for which pattern == (c > r + k), if one fits every row."""
+    N, M = pattern.shape
+    n_masked = pattern.sum(axis=1)
+    partial = (n_masked > 0) & (n_masked < M)
+    if not partial.any():
+        return None
+    ks = set((M - n_masked - 1 - np.arange(N))[partial].tolist())  # first masked col = r + k + 1
+    if len(ks) != 1:
+        return None
+    k = int(ks.pop())
+    return k if (pattern == _offset_mask((N, M), k)).all() else None
+
+
+def _lines(bad: np.ndarray, axis: int) -> np.ndarray:
+    return np.flatnonzero(bad.any(axis=axis))
+
+
+def tile_boundary(stage, got, want, ctx, width) -> List[Diagnosis]:
+    """Errors concentrated on lines at multiples of a period p, or on whole tiles of size p."""
+    bound = ctx.get("bound")
+    bnd = np.asarray(bound, np.float64) if bound is not None else np.full(got.shape, width)
+    err = np.where((got == want) | (np.isnan(got) & np.isnan(want)), 0.0, np.abs(got - want))
+    bad = ~(err <= bnd)
+    if not bad.any() or bad.all():
+        return []
+    tiles = ctx.get("flash_tiles")
+    out: List[Diagnosis] = []
+    for axis, name, n in ((1, "rows", got.shape[0]), (0, "cols", got.shape[1])):
+        lines = _lines(bad, axis)
+        if len(lines) < 1 or len(lines) == n or n < 4:
+            continue
+        preferred = []
+        if tiles:
+            preferred = [int(tiles[0] if name == "rows" else tiles[1])]
+        periods = preferred + [p for p in TILE_PERIODS if p not in preferred and p < n]
+        hit = _periodic(lines, n, periods, name) or _whole_tiles(bad, lines, n, periods, name, axis)
+        if hit:
+            hit.message = f"{stage}: {hit.message}"
+            out.append(hit)
+            break
+    return out
+
+
+def _periodic(lines: np.ndarray, n: int, periods: List[int], name: str) -> Optional[Diagnosis]:
+    if len(lines) < 2:
+        return None
+    if len(lines) < 3:
+        return None
+    for p in sorted(periods, reverse=True):
+        if p < 2 or n < 3 * p:
+            continue
+        for phase, label in ((0, "first"), (p - 1, "last")):
+            if (lines % p == phase).all():
+                expected = len(range(phase, n, p))
+                if len(lines) >= max(3, 0.75 * expected):
+                    return Diagnosis("tile_boundary", f"errors sit on the {label} {name[:-1]} of every "
+                                     f"{p}-{name[:-1]} tile ({name} {', '.join(map(str, lines[:6]))}"
+                                     f"{'…' if len(lines) > 6 else ''}): period {p}",
+                                     {"period": p, "axis": name, "lines": [int(x) for x in lines[:64]]},
+                                     0.8)
+    return None
+
+
+def _whole_tiles(bad, lines, n, periods, name, axis) -> Optional[Diagnosis]:
+    a, b = int(lines[0]), int(lines[-1]) + 1
+    if len(lines) != b - a or b - a < 2:
+        return None  # not one contiguous block of lines
+    for p in periods:
+        if p < 2 or p >= n or a % p:
+            continue
+        if (b - a) % p and b != n:
+            continue
+        block = bad[a:b, :] if name == "rows" else bad[:, a:b]
+        if block.mean() < TILE_DENSITY:
+            continue
+        which = "the tail tile" if b == n and (b - a) <= p and n % p else \
+            (f"tile {a // p}" if b - a == p else f"tiles {a // p}..{(b - 1) // p}")
+        return Diagnosis("tile_boundary", f"errors fill {which} along {name} ({name} {a}..{b - 1}, "
+                         f"tile size {p}); the rest is correct", {"period": p, "axis": name,
+                                                                    "range": [a, b - 1]}, 0.75)
+    return None

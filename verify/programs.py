@@ -1,0 +1,80 @@
+"""Running a program for `run` and `demo`: attnstep's binary or anyone's, its earlier outputs moved
+aside first, and what it wrote told apart from what was there (a program that writes nothing is
+an error, not a silent success)."""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import List, Optional
+
+import click
+
+from .case import CaseError, read_toml
+from .options import InputError
+from .outputs import stage_files_in
+from .report import plural
+from .runner import run_binary, run_program, set_aside_previous
+from .stages import RUN_MANIFEST, STAGE_NAMES
+
+
+def run_attnstep_binary(binary: Path, in_dir: Path, out_dir: Path, backend: str, timeout: float,
+                         cwd: Optional[Path] = None, extra=()) -> float:
+    """Runs attnstep's binary into a fresh OUT, passing on its notices and output; returns its wall
+    time in seconds."""
+    fresh_out(out_dir)
+    t0 = time.monotonic()
+    result = run_binary(binary, in_dir, out_dir, backend=backend, timeout=timeout, cwd=cwd, extra=extra)
+    seconds = time.monotonic() - t0
+    for line in result.notices:
+        click.echo(line, err=True)
+    if result.stdout.strip():
+        click.echo(result.stdout.rstrip())
+    require_written(binary, out_dir)
+    return seconds
+
+
+def run_summary(binary: Path, out_dir: Path, seconds: float) -> str:
+    """One line on what attnstep's binary did, from the run.toml it wrote: backend and device,
+    flash kernel, heads, stages, time, and where."""
+    try:
+        info = read_toml(Path(out_dir) / RUN_MANIFEST)
+    except (CaseError, OSError):
+        info = {}
+    parts = [f"{info.get('backend', '?')} backend"
+             + (f" ({info['device']})" if info.get("device") else "")]
+    if info.get("flash_kernel"):
+        parts.append(f"flash kernel {info['flash_kernel']}")
+    if isinstance(info.get("batch"), int) and isinstance(info.get("heads"), int):
+        parts.append(plural(info["batch"] * info["heads"], "head"))
+    stages = [s for s in str(info.get("stages", "")).split(",") if s]
+    if stages:
+        parts.append(plural(len(stages), "stage"))
+    return f"{Path(binary).name}: {seconds:.2f} s; {', '.join(parts)}; written to {out_dir}"
+
+
+def fresh_out(out_dir: Path) -> None:
+    """Moves an earlier run's files in OUT aside (OUT is created when missing)."""
+    out_dir = Path(out_dir)
+    if out_dir.is_dir():
+        set_aside_previous(out_dir, stage_files_in(out_dir))
+
+
+def require_written(binary: Path, out_dir: Path) -> List[str]:
+    """The stage files the program just wrote into OUT; none is an error, not a silent success."""
+    written = [n for n in stage_files_in(out_dir) if n != RUN_MANIFEST] if Path(out_dir).is_dir() else []
+    if not written:
+        raise InputError(f"{Path(binary).name} exited 0 but wrote no stage file into {out_dir}; HINT: pass "
+                         "--out DIR where it writes <stage>_head_<i>.txt (or .npy) files", 1)
+    return written
+
+
+def run_any_program(binary: Path, args, cwd: Optional[Path], out_dir: Path, timeout: float,
+                 quiet: bool = False) -> None:
+    fresh_out(out_dir)
+    seconds = run_program(binary, args, cwd, timeout)
+    written = require_written(binary, out_dir)
+    stages = sorted({n.split("_head_")[0].removesuffix(".npy") for n in written},
+                    key=lambda s: STAGE_NAMES.index(s) if s in STAGE_NAMES else len(STAGE_NAMES))
+    if not quiet:
+        click.echo(f"{binary.name}: {seconds:.2f} s; wrote {plural(len(written), 'stage file')} "
+                   f"({', '.join(stages)}) to {out_dir}")
