@@ -307,3 +307,19 @@ def test_the_python_api_reports_like_check():
         attnstep.check_arrays(q, k, v, {"output": stages["output"][0]}, causal=True)
     with pytest.raises(ValueError, match="unknown stage"):
         attnstep.check_arrays(q, k, v, {"outptu": stages["output"]})
+
+
+def test_the_flash_kernel_named_in_run_toml_must_be_one_the_verifier_knows(tmp_path, binary):
+    make_input(tmp_path / "in")
+    subprocess.run([str(binary), "--in", str(tmp_path / "in"), "--out", str(tmp_path / "out"), "--backend", "cpu"],
+                   check=True, capture_output=True)
+    toml = tmp_path / "out" / "run.toml"
+    good = toml.read_text()
+    assert 'flash_kernel = "cpu-tiled"' in good
+    for claim, words in (('"cuda-bogus"', "expected one of"), ('"cuda-wgmma-3xtf32-split4"', "cpu backend has no")):
+        toml.write_text(good.replace('"cpu-tiled"', claim))
+        r = invoke("check", "--in", tmp_path / "in", "--out", tmp_path / "out")
+        assert r.exit_code == 2 and words in r.output and "Traceback" not in r.output, r.output
+    toml.write_text(good.replace('backend = "cpu"', 'backend = "cuda"').replace('"cpu-tiled"', '"cuda-fast-3xtf32-split2"'))
+    r = invoke("check", "--in", tmp_path / "in", "--out", tmp_path / "out")
+    assert r.exit_code == 0, r.output  # a looser, known kernel's model: still no false alarm

@@ -117,7 +117,7 @@ def _load_output(run: RunInfo, stage: str, head: int):
 def _model(run: RunInfo) -> dict:
     """The tolerance model's arguments for this run."""
     return dict(scale=run.scale, causal=run.causal, precision=run.precision, backend=run.backend,
-                math=run.math)
+                math=run.math, flash_kernel=run.flash_kernel)
 
 
 def _allowed(stage: str, src: Dict[str, np.ndarray], want: np.ndarray, run: RunInfo,
@@ -184,8 +184,8 @@ def check_head(run: RunInfo, case: InputCase, head: int, opts: Options,
     # Logits, softmax parts, dot-product variances, … shared by this head's bounds (the isolated
     # and chained checks, both flash stages and the invariants), keyed by array identity: none of
     # the arrays in the context is modified while it lives.
-    ctx = HeadContext(run.dims, run.scale, run.causal, run.precision, run.backend, run.math, inputs, chain,
-                      {}, {}, tolerance.HeadCache(), opts.allow_nonfinite)
+    ctx = HeadContext(run.dims, run.scale, run.causal, run.precision, run.backend, run.math, run.flash_kernel,
+                      inputs, chain, {}, {}, tolerance.HeadCache(), opts.allow_nonfinite)
     b, h = run.dims.decode_head(head)
     results: Dict[str, HeadResult] = {}
     for stage in stages:

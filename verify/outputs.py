@@ -21,6 +21,7 @@ from typing import Dict, List, Mapping, Optional, Tuple
 import numpy as np
 
 from .case import CaseError, InputCase, check_scale, check_types, crc32_hex, read_toml, validate_dims
+from .model.kernels import KERNELS, kernel_base_name
 from .stage_files import (STACKED_SUFFIX, STAGE_ITEMSIZE, StageSource, discover_sources, parse_name_map,
                           read_names_file)
 from .stages import (DIM_KEYS, FORMATS, PRECISIONS, RUN_MANIFEST, STAGES, Dims, default_scale,
@@ -131,6 +132,13 @@ def read_run_manifest(folder: Path) -> dict:
     if values.get("backend") == "cpu" and values.get("precision", "fp32") != "fp32":
         raise CaseError(f"{manifest}: precision = {values['precision']!r} with backend = \"cpu\": the CPU "
                         "backend computes in fp32 only")
+    kernel = values.get("flash_kernel")
+    if kernel and kernel_base_name(kernel) not in KERNELS:
+        raise CaseError(f"{manifest}: flash_kernel = {kernel!r}; expected one of {', '.join(KERNELS)} "
+                        "(with -split<K> when split), or none")
+    if kernel and "backend" in values and not kernel.startswith(values["backend"]):
+        raise CaseError(f"{manifest}: flash_kernel = {kernel!r} with backend = {values['backend']!r}: the "
+                        f"{values['backend']} backend has no such kernel")
     if "format" in values and values["format"] not in FORMATS:
         raise CaseError(f"{manifest}: format = {values['format']!r}; expected one of {', '.join(FORMATS)}")
     return values

@@ -43,19 +43,21 @@ def _spec(stage: str):
 
 def stage_bound(stage: str, src: Dict[str, np.ndarray], ref: np.ndarray, *, scale: float,
                 causal: bool, precision: str = "fp32", backend: Optional[str] = None,
-                math: str = "ieee", cache: Optional[HeadCache] = None) -> np.ndarray:
+                math: str = "ieee", flash_kernel: Optional[str] = None,
+                cache: Optional[HeadCache] = None) -> np.ndarray:
     """Element-wise bound on |got - ref| for one head of `stage` computed from `src` (isolated).
 
     src holds the float64 values of the stage's inputs (verify.stages.STAGES[stage].inputs); the
     flash stages use Q, K (and V for flash_output). Exact copies (echoes, the transpose) get 0;
     entries where ref is ±inf (masked) get 0 and must match exactly. backend (run.toml's
     `backend`, "cpu" or "cuda") picks the arithmetic assumed; None: any correct IEEE float32
-    implementation; math "fast": CUDA's fast-math intrinsics (kernel_for).
+    implementation; flash_kernel (run.toml's) refines it per kernel; math "fast": CUDA's fast-math
+    intrinsics (kernel_for).
     cache (a HeadCache for this head) shares the intermediate results of the head's bounds.
     """
     spec = _spec(stage)
     u = unit_roundoff(precision)
-    kernel = kernel_for(backend, math)
+    kernel = kernel_for(backend, math, flash_kernel)
     ref = np.asarray(ref, dtype=np.float64)
     if spec.isolated is None:
         return np.zeros(ref.shape)
@@ -65,7 +67,7 @@ def stage_bound(stage: str, src: Dict[str, np.ndarray], ref: np.ndarray, *, scal
 
 def chained_bound(stage: str, chain: Dict[str, np.ndarray], *, scale: float, causal: bool,
                   precision: str = "fp32", backend: Optional[str] = None, math: str = "ieee",
-                  cache: Optional[HeadCache] = None) -> np.ndarray:
+                  flash_kernel: Optional[str] = None, cache: Optional[HeadCache] = None) -> np.ndarray:
     """Bound on |got - chain[stage]| where chain holds the float64 reference chain from the
     original inputs (Q, K, V and every stage up to `stage`): each stage's own error plus the
     upstream errors propagated through it (QK's dot-product error through the scale and the
@@ -74,12 +76,13 @@ def chained_bound(stage: str, chain: Dict[str, np.ndarray], *, scale: float, cau
     cache (a HeadCache for this head) shares the intermediate results of the head's bounds."""
     spec = _spec(stage)
     u = unit_roundoff(precision)
-    kernel = kernel_for(backend, math)
+    kernel = kernel_for(backend, math, flash_kernel)
     if spec.chained is None:
         src = {n: chain[n] for n in INPUT_NAMES if n in chain}
         src.update({n: chain[n] for n in STAGES[stage].inputs if n in chain})
         return stage_bound(stage, src, chain[stage], scale=scale, causal=causal,
-                           precision=precision, backend=backend, math=math, cache=cache)
+                           precision=precision, backend=backend, math=math, flash_kernel=flash_kernel,
+                           cache=cache)
     sources = need(chain, stage, *chain_inputs(stage))
     return memo(cache, "chained " + stage, sources, (scale, causal, u, kernel),
                 lambda: spec.chained(sources, scale, causal, u, kernel, cache))

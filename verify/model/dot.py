@@ -14,8 +14,7 @@ from .rounding import FLUSH, ROUND_VAR, ULP_IN_U, HeadCache, finite_abs, memo, r
 # Above this many multiply-adds per head the exact partial-sum energy (chunked cumsum) costs too
 # much; the model then uses its expectation over random summation orders, inflated by
 # ENERGY_FALLBACK_FACTOR to cover orders whose partial sums wander further than average.
-# 1 << 24 since dot_var enumerates ~20 summation orders for K = 4096 (was 1 << 27 with 2: a
-# 512×4096×64 head took 68 s instead of 7.6 s; 64×4096×64 now ~9 s).
+# 1 << 24: dot_var enumerates ~20 summation orders for K = 4096 (docs/tolerances.md, "History").
 ENERGY_EXACT_MAX_MACS = 1 << 24
 
 
@@ -25,17 +24,11 @@ ENERGY_FALLBACK_FACTOR = 8.0
 _CHUNK_ELEMS = 1 << 21
 
 
-# Structured summation orders dot_var covers besides index and reverse order (measured with
-# tests/test_tolerance.py's float32 simulations, 192 random QK/output cases × 17 orders, max
-# err/bound): with index/reverse/random orders only, numpy's OpenBLAS sgemm (Haswell kernel: some
-# row tiles accumulate even and odd k in two FMA accumulators, then add them) reached 1.00 on QK
-# and index-order blocks of 16 restarted from 0 (split-K style) 0.97: where the index-order walk
-# of partial sums cancels early (one half of the products undoing the other), a strided or blocked
-# order keeps summing at the magnitude of one half, with up to ~2× the variance. The mean over
-# random orders cannot stand in for them: inflating it 2× (enough for 0.72) halves the tightness
-# (10×-typical catch of QK 0.92 → 0.80, output uniform 1.00 → 0.69). With these orders
-# enumerated: QK blas 1.00 → 0.69, blocked 0.97 → 0.64, max over all orders 0.69 (the index
-# order's own Gaussian tail: 6.5σ ≈ 0.69 of 4.5σ over ~10⁶ elements); catch 1.00/0.91/0.91.
+# Structured summation orders dot_var covers besides index and reverse order: where the index-order
+# walk of partial sums cancels early, a strided or blocked order (OpenBLAS's two FMA accumulators,
+# split-K blocks) keeps summing at the magnitude of one half, with up to ~2× the variance, and the
+# mean over random orders cannot stand in for them without losing tightness (the measurements are
+# in docs/tolerances.md, "History").
 DOT_LANES = (2, 4, 8, 16, 32)   # L interleaved accumulators (SIMD lanes, unrolled FMA chains)
 
 

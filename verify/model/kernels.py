@@ -3,6 +3,7 @@ float32 program, or CUDA's fast-math intrinsics.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, replace
 from typing import Optional
 
@@ -44,7 +45,7 @@ _GPU_EXP_VAR = 0.75**2 * 4 * (3.0 / (8.0 * np.log(2.0)))
 _GPU_FLASH_PRODUCT_VAR = 3 * 16.0 * ROUND_VAR**2
 
 
-KERNELS = {
+_BACKEND_KERNELS = {
     # cuda: expf/exp2f as measured, 3xTF32 flash, scale·log2e rounded once for the whole head.
     # Tensor-core mma.sync accumulates with truncation, not rounding: each of the 3 (3xTF32)
     # mma per 8-long chunk can lose up to one ulp of the running sum, all in the same direction
@@ -58,10 +59,24 @@ KERNELS = {
     # is the LOG_ULPS term). O·(1/l): two final roundings (the reciprocal and the product).
     "cpu": Kernel(ROUND_VAR, ROUND_VAR, False, 1, 2),
 }
+# The arithmetic per flash kernel, as run.toml's `flash_kernel` names it (a "-split<K>" suffix: the
+# same kernel with its KV loop split K ways; its combine is among the final roundings). Each CUDA
+# kernel's header (cuda_src/cuda/) names what it does. The plain-FP32 clean kernel has no
+# tensor-core truncation, but shares the CUDA model until a GPU sweep calibrates it on its own:
+# a looser bound there costs catch power, never a false alarm.
+KERNELS = {"cpu-tiled": _BACKEND_KERNELS["cpu"],
+           **{f"cuda-{k}": _BACKEND_KERNELS["cuda"]
+              for k in ("clean", "fast-3xtf32", "fast-tf32", "wgmma-3xtf32", "wgmma-tf32")}}
+_SPLIT = re.compile(r"-split\d+$")
+
+
+def kernel_base_name(flash_kernel: str) -> str:
+    """run.toml's flash_kernel without its split suffix: the key of KERNELS."""
+    return _SPLIT.sub("", flash_kernel)
 
 
 # Unknown backend: the larger of each.
-ANY_KERNEL = Kernel(*(max(getattr(k, f) for k in KERNELS.values())
+ANY_KERNEL = Kernel(*(max(getattr(k, f) for k in _BACKEND_KERNELS.values())
                       for f in ("exp_var", "flash_product_var", "common_scale", "lse_roundings",
                                 "final_roundings", "mma_passes")))
 
@@ -104,14 +119,23 @@ FLASH_LOGIT_ROUNDINGS = 1
 SOFTMAX_FINAL_ROUNDINGS = 2
 
 
-def kernel_for(backend: Optional[str], math: str = "ieee") -> Kernel:
-    """The arithmetic assumed: the project's backend as run.toml names it, any correct IEEE float32
-    implementation for other programs (backend None), CUDA's fast-math intrinsics on request."""
+def kernel_for(backend: Optional[str], math: str = "ieee", flash_kernel: Optional[str] = None) -> Kernel:
+    """The arithmetic assumed: attnstep's flash kernel or backend as run.toml names them, any
+    correct IEEE float32 implementation for other programs (backend None), CUDA's fast-math
+    intrinsics on request."""
     if math not in ("ieee", "fast"):
         raise ToleranceError(f"unknown math mode {math!r}; the tolerance model knows ieee, fast")
+    if math == "fast":
+        return FAST_KERNEL
+    if flash_kernel:
+        name = kernel_base_name(flash_kernel)
+        if name not in KERNELS:
+            raise ToleranceError(f"unknown flash kernel {flash_kernel!r}; the tolerance model knows "
+                                 f"{', '.join(KERNELS)}")
+        return KERNELS[name]
     if backend is None:
-        return FAST_KERNEL if math == "fast" else FOREIGN_KERNEL
-    if backend not in KERNELS:
+        return FOREIGN_KERNEL
+    if backend not in _BACKEND_KERNELS:
         raise ToleranceError(f"unknown backend {backend!r}; the tolerance model knows "
-                             f"{', '.join(KERNELS)}")
-    return FAST_KERNEL if math == "fast" else KERNELS[backend]
+                             f"{', '.join(_BACKEND_KERNELS)}")
+    return _BACKEND_KERNELS[backend]

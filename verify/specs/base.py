@@ -48,6 +48,7 @@ class HeadContext:
     precision: str = "fp32"
     backend: Optional[str] = None
     math: str = "ieee"
+    flash_kernel: Optional[str] = None
     inputs: Src = field(default_factory=dict)
     chain: Src = field(default_factory=dict)
     got: Src = field(default_factory=dict)
@@ -58,7 +59,7 @@ class HeadContext:
     def bound_args(self) -> dict:
         """The tolerance model's keyword arguments for this head."""
         return dict(scale=self.scale, causal=self.causal, precision=self.precision,
-                    backend=self.backend, math=self.math, cache=self.cache)
+                    backend=self.backend, math=self.math, flash_kernel=self.flash_kernel, cache=self.cache)
 
     def own(self, name: str) -> np.ndarray:
         """The binary's `name` where it wrote it, else the input or the reference's."""
