@@ -18,10 +18,11 @@ import numpy as np
 FLOAT32_ROUND_TRIP_DIGITS = 9
 DEFAULT_PRINTF_DIGITS = 6  # %g and C++ ostreams
 # Bytes of a text file whose tokens are analysed: a writer prints a whole file one way, and the
-# first rows show it (a 4096² file is ~150 MB; its first 256 KB are ~25,000 values).
-SAMPLE_BYTES = 1 << 18
+# first rows show it (32 KB are ~3,000 values; a 4096² file is ~150 MB).
+SAMPLE_BYTES = 1 << 15
 _U32 = 2.0**-24
-_TOKEN = re.compile(rb"([+-]?)(\d*)(?:\.(\d*))?(?:[eE]([+-]?\d+))?$")
+# A number token: sign, integer digits, '.' and fraction digits, exponent (inf/nan do not match).
+_TOKENS = re.compile(rb"(?<![\w.+-])[+-]?(\d*)(\.(\d*))?([eE][+-]?\d+)?(?![\w.])")
 
 
 @dataclass(frozen=True)
@@ -62,17 +63,6 @@ EXACT = Resolution("exact")
 HALF = Resolution("half")
 
 
-def _token_digits(tok: bytes):
-    """(significant digits, decimals, has exponent) of one number token, None for inf/nan."""
-    m = _TOKEN.match(tok)
-    if not m:
-        return None
-    whole, frac, exp = m.group(2), m.group(3), m.group(4)
-    frac = frac or b""
-    digits = (whole + frac).lstrip(b"0")
-    return len(digits), len(frac) if m.group(3) is not None else -1, exp is not None
-
-
 def text_resolution(data: bytes) -> Resolution:
     """The printed precision of a text matrix, from a sample of its number tokens.
 
@@ -82,20 +72,16 @@ def text_resolution(data: bytes) -> Resolution:
     if len(data) > SAMPLE_BYTES:
         sample = sample[:sample.rfind(b"\n") + 1] or sample
     max_sig, decimals, fixed, integers_only = 0, set(), True, True
-    for line in sample.split(b"\n"):
-        if line.lstrip().startswith(b"#"):
-            continue
-        for tok in line.split():
-            parsed = _token_digits(tok)
-            if parsed is None:
-                continue
-            sig, dec, has_exp = parsed
-            max_sig = max(max_sig, sig)
-            integers_only &= dec < 0 and not has_exp
-            if has_exp or dec < 0:
-                fixed = False
-            else:
-                decimals.add(dec)
+    body = b"\n".join(line for line in sample.split(b"\n") if not line.lstrip().startswith(b"#"))
+    for whole, point, frac, exp in _TOKENS.findall(body):
+        if not whole and not frac:
+            continue  # an empty match, or inf/nan
+        max_sig = max(max_sig, len((whole + frac).lstrip(b"0")))
+        integers_only &= not point and not exp
+        if exp or not point:
+            fixed = False
+        else:
+            decimals.add(len(frac))
     if max_sig >= FLOAT32_ROUND_TRIP_DIGITS:
         return EXACT
     if fixed and len(decimals) == 1:
