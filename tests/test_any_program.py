@@ -323,3 +323,11 @@ def test_the_flash_kernel_named_in_run_toml_must_be_one_the_verifier_knows(tmp_p
     toml.write_text(good.replace('backend = "cpu"', 'backend = "cuda"').replace('"cpu-tiled"', '"cuda-fast-3xtf32-split2"'))
     r = invoke("check", "--in", tmp_path / "in", "--out", tmp_path / "out")
     assert r.exit_code == 0, r.output  # a looser, known kernel's model: still no false alarm
+
+
+@pytest.mark.parametrize("scale", ["nan", "inf", "0"])
+def test_a_scale_that_cannot_be_used_is_refused_before_checking(tmp_path, scale):
+    inputs = make_input(tmp_path / "in")
+    write_heads(tmp_path / "out", correct_heads(inputs), ["QK_scaled"])
+    r = invoke("check", "--in", tmp_path / "in", "--out", tmp_path / "out", "--scale", scale)
+    assert r.exit_code == 2 and "--scale" in r.output and "attnstep check:" not in r.output, r.output

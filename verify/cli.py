@@ -14,7 +14,7 @@ from typing import Dict, Tuple
 import click
 
 from .bench import bench
-from .case import load_input_case, output_file_target
+from .case import check_scale, load_input_case, output_file_target
 from .compare import Options, check_run, error_ratio_map
 from .generate import DEFAULT_DIMS, DISTRIBUTIONS, generate_case
 from .options import (backend_option, binary_option, build_option, force_option, in_option,
@@ -282,7 +282,8 @@ def _plot(report, plot_dir: Path, opts: Options, quiet: bool) -> None:
               help="Check only this stage; repeatable.")
 @click.option("--causal/--no-causal", default=None,
               help="Causal masking [default: IN's manifest, else run.toml's].")
-@click.option("--scale", type=float, help="Score scale [default: IN's, else run.toml's, else 1/sqrt(d_k)].")
+@click.option("--scale", type=float, callback=_checked_path(lambda v: check_scale(v, "--scale")),
+              help="Score scale [default: IN's, else run.toml's, else 1/sqrt(d_k)].")
 @click.option("--precision", type=click.Choice(PRECISIONS),
               help="What the program computed in [default: run.toml's, else fp32].")
 @click.option("--math", type=click.Choice(MATH_MODES), default="ieee", show_default=True,
