@@ -331,3 +331,56 @@ def test_a_scale_that_cannot_be_used_is_refused_before_checking(tmp_path, scale)
     write_heads(tmp_path / "out", correct_heads(inputs), ["QK_scaled"])
     r = invoke("check", "--in", tmp_path / "in", "--out", tmp_path / "out", "--scale", scale)
     assert r.exit_code == 2 and "--scale" in r.output and "attnstep check:" not in r.output, r.output
+
+
+def test_run_refuses_to_write_into_the_input_case(tmp_path, binary):
+    """Its Q/K/V files would be moved aside as an earlier run's echoes: refused, nothing moved."""
+    make_input(tmp_path / "in")
+    before = sorted(p.name for p in (tmp_path / "in").iterdir())
+    r = invoke("run", "--in", tmp_path / "in", "--out", tmp_path / "in", "--binary", binary, "--backend", "cpu")
+    assert r.exit_code == 2 and "input case" in r.output, r.output
+    fake = _script(tmp_path / "fake.sh", "exit 0\n")
+    r = invoke("run", "--binary", fake, "--out", tmp_path / "in", "--", "x")
+    assert r.exit_code == 2 and "input case" in r.output, r.output
+    assert sorted(p.name for p in (tmp_path / "in").iterdir()) == before
+
+
+def test_review_findings_on_reading_foreign_files(tmp_path):
+    """%.8f with values over 1 is not exact; float16 zeros and printed powers of ten get their
+    resolution; (b, h, r, c) arrays of a manifest-less case; a listed stage in one .npy."""
+    assert text_resolution(b"-1.64740086 0.00376000\n").kind == "decimals"
+    from verify.resolution import HALF
+    assert HALF.quantum(np.zeros(1))[0] == 2.0**-25
+    q = Resolution("digits", 3).quantum(np.array([float(np.float32(0.01))]))[0]
+    assert q >= 0.5e-4 * 0.999
+    dims = Dims(2, 2, 16, 24, 16, 16)
+    inputs = make_input(tmp_path / "in", dims, manifest=False)  # read back as B = 1, H = 4
+    heads = foreign.compute_heads(inputs, default_scale(16), False)
+    out = tmp_path / "out"
+    out.mkdir()
+    np.save(out / "output.npy", np.stack([h["output"] for h in heads]).reshape(2, 2, 16, 16))
+    assert check(tmp_path / "in", out)[0].exit_code == 0
+    (out / "run.toml").write_text('stages = "output"\nformat = "npy"\n')
+    r, _ = check(tmp_path / "in", out)
+    assert r.exit_code == 0 and "run None" not in r.output, r.output
+
+
+@pytest.mark.parametrize("pattern,words", [("O_{i[0]}.txt", "only placeholders"), ("O_{i:03d}.txt", "only placeholders"),
+                                           ("O_{h}.txt", "several heads")])
+def test_name_maps_take_plain_head_fields_that_tell_heads_apart(tmp_path, pattern, words):
+    dims = Dims(2, 2, 8, 8, 16, 16)
+    make_input(tmp_path / "in", dims)
+    (tmp_path / "out").mkdir()
+    r = invoke("check", "--in", tmp_path / "in", "--out", tmp_path / "out", "--name", f"output={pattern}")
+    assert r.exit_code == 2 and words in r.output and "Traceback" not in r.output, r.output
+
+
+def test_the_python_api_refuses_nonfinite_inputs_unless_allowed():
+    q = np.ones((4, 16), f32)
+    q[1, 2] = np.nan
+    k = v = np.ones((5, 16), f32)
+    with pytest.raises(ValueError, match="q holds NaN"):
+        attnstep.check_arrays(q, k, v, {"output": np.ones((4, 16), f32)})
+    report = attnstep.check_arrays(q, k, v, {"output": np.where(np.arange(4)[:, None] == 1, np.nan, np.ones((4, 16)))},
+                                   allow_nonfinite=True)
+    assert report.passed

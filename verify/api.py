@@ -48,7 +48,8 @@ def _heads(x: np.ndarray, total: int, rows: int, cols: int, name: str) -> np.nda
     return x.reshape(total, rows, cols)
 
 
-def _problem(q, k, v, causal: bool, scale: Optional[float]) -> Tuple[Dims, Dict[str, np.ndarray], float]:
+def _problem(q, k, v, causal: bool, scale: Optional[float],
+             allow_nonfinite: bool = False) -> Tuple[Dims, Dict[str, np.ndarray], float]:
     q, k, v = (np.asarray(x) for x in (q, k, v))
     arrays = dict(zip(INPUT_NAMES, (q, k, v)))
     B, H = _leading(q, "q")
@@ -61,12 +62,17 @@ def _problem(q, k, v, causal: bool, scale: Optional[float]) -> Tuple[Dims, Dict[
     except CaseError as exc:
         raise ValueError(str(exc)) from None
     heads = {n: _heads(arrays[n], dims.total_heads, *STAGES[n].shape(dims), n.lower()) for n in INPUT_NAMES}
+    bad = [n for n in INPUT_NAMES if not allow_nonfinite and not np.isfinite(heads[n]).all()]
+    if bad:
+        raise ValueError(f"{bad[0].lower()} holds NaN or Inf; pass allow_nonfinite=True to check a kernel on such "
+                         "inputs (NaN then passes where the reference has NaN)")
     return dims, heads, default_scale(d_k) if scale is None else float(scale)
 
 
 def check_arrays(q, k, v, stages: Mapping[str, object], *, causal: bool = False,
                  scale: Optional[float] = None, precision: str = "fp32", math: str = "ieee",
-                 atol: Optional[float] = None, rtol: Optional[float] = None, jobs: int = 1) -> Report:
+                 atol: Optional[float] = None, rtol: Optional[float] = None, jobs: int = 1,
+                 allow_nonfinite: bool = False) -> Report:
     """Checks each stage in `stages` ({stage name: array}) computed from q, k, v, as `attnstep
     check` does; returns the Report (report.passed, report.first_failing_stage, report.results).
     causal: top-left aligned masking; scale: default 1/sqrt(d_k); precision and math: the
@@ -76,7 +82,7 @@ def check_arrays(q, k, v, stages: Mapping[str, object], *, causal: bool = False,
         raise ValueError(f"precision {precision!r}: expected one of {', '.join(PRECISIONS)}")
     if math not in MATH_MODES:
         raise ValueError(f"math {math!r}: expected one of {', '.join(MATH_MODES)}")
-    dims, inputs, scale = _problem(q, k, v, causal, scale)
+    dims, inputs, scale = _problem(q, k, v, causal, scale, allow_nonfinite)
     sources = {}
     for name in STAGES:
         if name in stages:
@@ -87,10 +93,11 @@ def check_arrays(q, k, v, stages: Mapping[str, object], *, causal: bool = False,
         raise ValueError(f"unknown stage {unknown[0]!r}; stages are: {', '.join(STAGES)}")
     if not sources:
         raise ValueError("no stage to check: pass at least one of " + ", ".join(STAGES))
-    case = InputCase(ARRAYS, dims, "npy", bool(causal), scale, manifest=True, arrays=inputs)
+    case = InputCase(ARRAYS, dims, "npy", bool(causal), scale, manifest=True, arrays=inputs,
+                     allow_nonfinite=allow_nonfinite)
     run = RunInfo(None, {}, dims, sources, causal=bool(causal), scale=scale, precision=precision,
                   math=math)
-    return check_run(run, case, Options(atol=atol, rtol=rtol, jobs=jobs))
+    return check_run(run, case, Options(atol=atol, rtol=rtol, jobs=jobs, allow_nonfinite=allow_nonfinite))
 
 
 def format_report(report: Report, per_head: bool = False) -> str:

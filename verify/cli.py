@@ -182,7 +182,7 @@ def run(in_dir, out_dir, backend, build_dir, binary, timeout, cwd, stages, fmt, 
     if args and binary is None:
         raise click.UsageError("program arguments after -- need --binary PATH (the program to run)")
     if args:
-        run_any_program(binary, args, cwd, out_dir, timeout, quiet)
+        run_any_program(binary, args, cwd, out_dir, timeout, in_dir, quiet)
         return
     binary = binary or _build(build_dir, quiet)
     seconds = run_attnstep_binary(binary, in_dir, out_dir, backend, timeout, cwd,
@@ -363,7 +363,7 @@ def _demo_example(ctx, example, build_dir, timeout, json_path, seed, force, quie
     say(f"[2/4] generating {in_dir}")
     generate_case(in_dir, DEFAULT_DIMS, seed=seed, force=force)
     say(f"[3/4] running {example} {DEFAULT_CASE} in {build_dir}")
-    run_any_program(program, [DEFAULT_CASE], Path(build_dir), out_dir, timeout, quiet)
+    run_any_program(program, [DEFAULT_CASE], Path(build_dir), out_dir, timeout, in_dir, quiet)
     say(f"[4/4] checking {out_dir}")
     passed = _check_and_report(in_dir, out_dir, Options(), json_path, None, None, False, quiet)
     ctx.exit(0 if passed else 1)

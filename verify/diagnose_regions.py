@@ -38,9 +38,12 @@ def mask(stage, got, want, ctx, width) -> List[Diagnosis]:
             if upper.any():
                 unmasked = upper & ~pattern & np.isfinite(got)
                 if unmasked.sum() >= 0.5 * upper.sum() and not (pattern & upper).all():
+                    value = SPECS[stage].masked_value
                     return [Diagnosis("mask_missing", f"{stage}: causal masking is on but "
                                       f"{int(unmasked.sum())} of {int(upper.sum())} entries above the "
-                                      "diagonal are not masked", {"count": int(unmasked.sum())}, 0.9)]
+                                      f"diagonal do not hold the masked value {value:g} (not masked, or "
+                                      "masked with a finite stand-in such as -1e9)",
+                                      {"count": int(unmasked.sum())}, 0.9)]
         if (pattern == expected).all():
             return []
         k = _fit_offset(pattern)

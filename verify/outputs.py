@@ -22,8 +22,8 @@ import numpy as np
 
 from .case import CaseError, InputCase, check_scale, check_types, crc32_hex, read_toml, validate_dims
 from .model.kernels import KERNELS, kernel_base_name
-from .stage_files import (STACKED_SUFFIX, STAGE_ITEMSIZE, StageSource, discover_sources, parse_name_map,
-                          read_names_file)
+from .stage_files import (STACKED_SUFFIX, STAGE_ITEMSIZE, StageSource, check_heads_named, discover_sources,
+                          parse_name_map, read_names_file)
 from .stages import (DIM_KEYS, FORMATS, PRECISIONS, RUN_MANIFEST, STAGES, Dims, default_scale,
                      parse_stage_file, stage_file)
 
@@ -154,8 +154,17 @@ def _listed_sources(folder: Path, values: dict, names: Mapping[str, str]) -> Dic
     if not listed:
         raise CaseError(f"{manifest}: 'stages' is empty: nothing to check")
     fmt = values.get("format", FORMATS[0])
-    return {s: StageSource(s, folder, names.get(s) or stage_file(s, 0, fmt).replace("_head_0.", "_head_{i}."))
-            for s in STAGES if s in listed}
+    return {s: StageSource(s, folder, names.get(s) or _listed_pattern(folder, s, fmt)) for s in STAGES if s in listed}
+
+
+def _listed_pattern(folder: Path, stage: str, fmt: str) -> str:
+    """A listed stage's files: per head in run.toml's format, or one `<stage>.npy` where that is
+    what the folder holds."""
+    per_head = stage_file(stage, 0, fmt)
+    stacked = stage + STACKED_SUFFIX
+    if not (folder / per_head).exists() and (folder / stacked).exists():
+        return stacked
+    return per_head.replace("_head_0.", "_head_{i}.")
 
 
 def _run_dims(values: dict, case: InputCase, folder: Path) -> Dims:
@@ -206,6 +215,7 @@ def open_run(folder: Path, case: InputCase, over: Overrides = Overrides()) -> Ru
             raise CaseError(f"{folder}: no stage files (<stage>_head_<i>.txt or .npy, or <stage>.npy, "
                             f"stages {', '.join(STAGES)}); HINT: is this the folder your program writes? "
                             "Name other files with --name STAGE=PATTERN")
+    check_heads_named(sources, dims)
     run = RunInfo(folder, values, dims, sources)
     run.verify_crc = any(k.startswith("crc32_") for k in values) or "run_id" in values
     _settings(run, case, values, over)

@@ -3,6 +3,7 @@ aside first, and what it wrote told apart from what was there (a program that wr
 an error, not a silent success)."""
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import List, Optional
@@ -14,14 +15,14 @@ from .options import InputError
 from .outputs import stage_files_in
 from .report import plural
 from .runner import run_binary, run_program, set_aside_previous
-from .stages import RUN_MANIFEST, STAGE_NAMES
+from .stages import INPUT_MANIFEST, RUN_MANIFEST, STAGE_NAMES
 
 
 def run_attnstep_binary(binary: Path, in_dir: Path, out_dir: Path, backend: str, timeout: float,
                          cwd: Optional[Path] = None, extra=()) -> float:
     """Runs attnstep's binary into a fresh OUT, passing on its notices and output; returns its wall
     time in seconds."""
-    fresh_out(out_dir)
+    fresh_out(out_dir, in_dir)
     t0 = time.monotonic()
     result = run_binary(binary, in_dir, out_dir, backend=backend, timeout=timeout, cwd=cwd, extra=extra)
     seconds = time.monotonic() - t0
@@ -52,11 +53,18 @@ def run_summary(binary: Path, out_dir: Path, seconds: float) -> str:
     return f"{Path(binary).name}: {seconds:.2f} s; {', '.join(parts)}; written to {out_dir}"
 
 
-def fresh_out(out_dir: Path) -> None:
-    """Moves an earlier run's files in OUT aside (OUT is created when missing)."""
+def fresh_out(out_dir: Path, in_dir: Optional[Path] = None) -> None:
+    """Moves an earlier run's files in OUT aside (OUT is created when missing). An OUT that is the
+    input case (the same folder, or one holding an input manifest) is refused: its Q/K/V files
+    would be moved away."""
     out_dir = Path(out_dir)
-    if out_dir.is_dir():
-        set_aside_previous(out_dir, stage_files_in(out_dir))
+    if not out_dir.is_dir():
+        return
+    same = in_dir is not None and Path(in_dir).is_dir() and os.path.samefile(out_dir, in_dir)
+    if same or (out_dir / INPUT_MANIFEST).exists():
+        what = "the input case folder" if same else f"an input case (it holds {INPUT_MANIFEST})"
+        raise InputError(f"--out {out_dir}: is {what}; HINT: write the outputs to another folder")
+    set_aside_previous(out_dir, stage_files_in(out_dir))
 
 
 def require_written(binary: Path, out_dir: Path) -> List[str]:
@@ -69,8 +77,8 @@ def require_written(binary: Path, out_dir: Path) -> List[str]:
 
 
 def run_any_program(binary: Path, args, cwd: Optional[Path], out_dir: Path, timeout: float,
-                 quiet: bool = False) -> None:
-    fresh_out(out_dir)
+                    in_dir: Optional[Path] = None, quiet: bool = False) -> None:
+    fresh_out(out_dir, in_dir)
     seconds = run_program(binary, args, cwd, timeout)
     written = require_written(binary, out_dir)
     stages = sorted({n.split("_head_")[0].removesuffix(".npy") for n in written},

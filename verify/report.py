@@ -106,6 +106,16 @@ def _resolution(results: List[HeadResult]) -> str:
     return ", ".join(seen)
 
 
+def _diff(c: Comparison) -> float:
+    """|got - want| at the comparison's worst element (NaN against a value: inf)."""
+    d = abs(c.got - c.want) if not (c.got == c.want) else 0.0
+    return math.inf if math.isnan(d) else d
+
+
+def _rel(c: Comparison) -> float:
+    return _diff(c) / abs(c.want) if c.want not in (0.0,) and math.isfinite(c.want) else math.inf
+
+
 def failure_lines(report: Report) -> List[str]:
     lines = []
     own = [r for r in report.results if r.status not in (PASS, INHERITED)]
@@ -119,7 +129,7 @@ def failure_lines(report: Report) -> List[str]:
             lines.append(
                 f"FAIL {where}: {c.mismatched}/{c.total} elements outside the tolerance ({kind}); "
                 f"worst at [{c.worst[0]},{c.worst[1]}]: got {_g(c.got)}, want {_g(c.want)}, "
-                f"|diff| {_g(c.max_abs)} > allowed {_g(c.allowed)} (rel {_g(c.max_rel)})")
+                f"|diff| {_g(_diff(c))} > allowed {_g(c.allowed)} (rel {_g(_rel(c))})")
             if c.first:
                 lines.append("    first mismatches: " + "; ".join(
                     f"[{m['row']},{m['col']}] got {_g(m['got'])} want {_g(m['want'])}" for m in c.first))
@@ -135,8 +145,10 @@ def notes(report: Report) -> List[str]:
     """What the reader should know about how the run was checked."""
     out = list(report.run.notes)
     if report.foreign_files:
-        out.append(f"{len(report.foreign_files)} stage files in {report.run.path} are not from run "
-                   f"{report.run.run_id} and were ignored (e.g. {report.foreign_files[0]})")
+        whose = f"run {report.run.run_id}" if report.run.run_id else "the stages run.toml lists"
+        out.append(f"{plural(len(report.foreign_files), 'stage file')} in {report.run.path} "
+                   f"{'is' if len(report.foreign_files) == 1 else 'are'} not from {whose} and "
+                   f"{'was' if len(report.foreign_files) == 1 else 'were'} ignored (e.g. {report.foreign_files[0]})")
     limited = [s for s in report.stages if any(r.print_limited for r in report.stage_results(s))]
     if limited:
         res = _resolution([r for r in report.results if r.stage in limited])

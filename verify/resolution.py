@@ -46,14 +46,17 @@ class Resolution:
             return None
         x = np.abs(np.where(np.isfinite(values), values, 0.0))
         if self.kind == "half":
-            # half an ulp of float16: 2^(e-11), and 2^-25 in its subnormal range
+            # half an ulp of float16: 2^(e-11), and 2^-25 in its subnormal range (0 included: a
+            # value under 2^-25 rounds to 0)
             e = np.floor(np.log2(np.maximum(x, 2.0**-14)))
-            return np.where(x > 0, 2.0 ** (e - 11), 0.0)
+            return 2.0 ** (e - 11)
         if self.kind == "decimals":
             half_unit = np.full(x.shape, 0.5 * 10.0 ** -self.count)
         else:
+            # The decade of the printed number: "0.01" reads as float32 0.0099999998, one decade
+            # below the one it was printed in; nudging up by more than float32's rounding finds it.
             with np.errstate(divide="ignore"):
-                e = np.floor(np.log10(np.where(x > 0, x, 1.0)))
+                e = np.floor(np.log10(np.where(x > 0, x * (1.0 + 2.0**-20), 1.0)))
             half_unit = np.where(x > 0, 0.5 * 10.0 ** (e - self.count + 1), 0.0)
         # the printed decimal is then rounded to float32 by the reader
         return half_unit + _U32 * x
@@ -82,10 +85,10 @@ def text_resolution(data: bytes) -> Resolution:
             fixed = False
         else:
             decimals.add(len(frac))
+    if fixed and len(decimals) == 1:  # %.Df: D decimals whatever the magnitude (%.8f of 1.64740086)
+        return Resolution("decimals", decimals.pop())
     if max_sig >= FLOAT32_ROUND_TRIP_DIGITS:
         return EXACT
-    if fixed and len(decimals) == 1:
-        return Resolution("decimals", decimals.pop())
     if integers_only:
         # Only integers: %g prints 1.0000001 as "1" too; assume C's default of 6 digits.
         return Resolution("digits", max(max_sig, DEFAULT_PRINTF_DIGITS))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import os
+import string
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, Mapping, Optional, Tuple
@@ -36,7 +37,7 @@ class StageSource:
 
     @property
     def per_head(self) -> bool:
-        return any("{" + f + "}" in self.pattern for f in HEAD_FIELDS)
+        return bool(_placeholders(self.pattern))
 
     def name(self, head: int, dims: Dims) -> str:
         b, h = dims.decode_head(head)
@@ -114,7 +115,11 @@ def _stack_heads(arr: np.ndarray, stage: str, dims: Dims, path: Path) -> np.ndar
         accepted += [(B * H, r), (B, H, r)]
     if B * H == 1:
         accepted += [(r, c)] + ([(r,)] if c == 1 else [])
-    if tuple(arr.shape) not in accepted:
+    # (b, h, ...) with b·h heads, batch-major, also where the input case does not say B and H
+    # (no manifest: B = 1)
+    head_shapes = [(r, c)] + ([(r,)] if c == 1 else [])
+    four_d = arr.ndim >= 3 and arr.shape[0] * arr.shape[1] == B * H and tuple(arr.shape[2:]) in head_shapes
+    if tuple(arr.shape) not in accepted and not four_d:
         raise CaseError(f"{path}: shape {tuple(arr.shape)}, expected {' or '.join(map(str, accepted[:2]))} "
                         f"(heads, {STAGES[stage].rows}, {STAGES[stage].cols})")
     return arr.reshape(B * H, r, c)
@@ -133,13 +138,41 @@ def parse_name_map(items: Mapping[str, str], where: str) -> Dict[str, str]:
                 or ".." in Path(pattern).parts:
             raise CaseError(f"{where}: {stage}: expected a file name inside the output folder, such as "
                             f"'{stage}_{{i}}.txt', got {pattern!r}")
-        try:
-            pattern.format(i=0, b=0, h=0)
-        except (KeyError, IndexError, ValueError):
+        if _placeholders(pattern) is None:
             raise CaseError(f"{where}: {stage} = {pattern!r}: the only placeholders are {{i}} (head "
-                            "0..B·H-1), {b} (batch) and {h} (head within the batch)") from None
+                            "0..B·H-1), {b} (batch) and {h} (head within the batch), without formats")
         out[stage] = pattern
     return out
+
+
+def _placeholders(pattern: str) -> Optional[set]:
+    """The head fields a pattern names ({i}, {b}, {h}), or None when it has anything else: another
+    name, an index or attribute, a format or conversion, an unmatched brace."""
+    try:
+        parts = list(string.Formatter().parse(pattern))
+    except ValueError:
+        return None
+    fields = set()
+    for _, name, spec, conversion in parts:
+        if name is None:
+            continue
+        if name not in HEAD_FIELDS or spec or conversion:
+            return None
+        fields.add(name)
+    return fields
+
+
+def check_heads_named(sources: Dict[str, "StageSource"], dims: Dims) -> None:
+    """Each per-head pattern names every head apart: {i}, or {b} and {h} (one of them suffices when
+    the other dimension is 1). Otherwise several heads would read one file."""
+    for src in sources.values():
+        fields = _placeholders(src.pattern) or set()
+        if not fields or "i" in fields or fields == {"b", "h"} or \
+                (fields == {"h"} and dims.batch == 1) or (fields == {"b"} and dims.heads == 1):
+            continue
+        raise CaseError(f"{src.pattern}: names {dims.total_heads} heads (batch {dims.batch} x {dims.heads}) "
+                        f"with {', '.join('{' + f + '}' for f in sorted(fields))} only: several heads would "
+                        "read one file; HINT: use {i}, or {b} and {h}")
 
 
 def read_names_file(path: Path) -> Dict[str, str]:
