@@ -384,3 +384,18 @@ def test_the_python_api_refuses_nonfinite_inputs_unless_allowed():
     report = attnstep.check_arrays(q, k, v, {"output": np.where(np.arange(4)[:, None] == 1, np.nan, np.ones((4, 16)))},
                                    allow_nonfinite=True)
     assert report.passed
+
+
+def test_run_knows_a_programs_own_file_names(tmp_path):
+    """With the name map check uses, run moves the program's earlier files aside and requires new ones."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "O_0.txt").write_text("old\n")
+    writes = _script(tmp_path / "p.sh", f'echo 1 > "{out}/O_0.txt"\n')
+    r = invoke("run", "--binary", writes, "--out", out, "--name", "output=O_{i}.txt", "--", "x")
+    assert r.exit_code == 0, r.output
+    assert (out / ".attnstep-previous" / "O_0.txt").read_text() == "old\n"
+    silent = _script(tmp_path / "q.sh", "exit 0\n")
+    r = invoke("run", "--binary", silent, "--out", out, "--name", "output=O_{i}.txt", "--", "x")
+    assert r.exit_code == 1 and "wrote no stage file" in r.output
+    assert not (out / "O_0.txt").exists()  # the earlier file went aside: check cannot judge it

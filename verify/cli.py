@@ -77,6 +77,15 @@ def _build(build_dir: Path, quiet: bool, target: str = BINARY_NAME) -> Path:
     return ensure_built(build_dir, target=target, progress=show)
 
 
+def name_options(fn):
+    """--name STAGE=PATTERN (repeatable) and --names FILE: how a program names its stage files."""
+    fn = click.option("--names", "names_file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+                      help="A file of STAGE = \"PATTERN\" lines.")(fn)
+    return click.option("--name", "names", multiple=True, metavar="STAGE=PATTERN",
+                        help="A stage's file names, e.g. output=O_{i}.txt ({i} head, {b} batch, {h} head in "
+                             "batch).")(fn)
+
+
 def dims_options(fn):
     defaults = DEFAULT_DIMS
     for name, flag, help_text in reversed((
@@ -168,21 +177,22 @@ def _run_args(stages, fmt, precision, poison, causal, scale, max_memory_mb, allo
 @click.option("--max-memory-mb", type=click.IntRange(min=1), help="Cap the binary's working memory.")
 @click.option("--allow-nonfinite", is_flag=True, help="Accept NaN/Inf in the inputs.")
 @quiet_option
+@name_options
 @click.argument("args", nargs=-1, type=click.UNPROCESSED, metavar="[-- ARGS...]")
 @_user_errors
 def run(in_dir, out_dir, backend, build_dir, binary, timeout, cwd, stages, fmt, precision, poison, causal, scale,
-        max_memory_mb, allow_nonfinite, quiet, args):
+        max_memory_mb, allow_nonfinite, quiet, names, names_file, args):
     """Build the binary if needed and run it on a case.
 
     Runs build/main on IN and writes every stage file and run.toml into OUT. With --binary PATH
     -- ARGS, runs your program as `PATH ARGS...` (in --cwd) instead, its own way, and then makes
-    sure it wrote stage files into OUT. Files of an earlier run in OUT are first moved into
-    OUT/.attnstep-previous, so `check` never sees them.
+    sure it wrote stage files into OUT (named as --name/--names say, as for check). Files of an
+    earlier run in OUT are first moved into OUT/.attnstep-previous, so `check` never sees them.
     """
     if args and binary is None:
         raise click.UsageError("program arguments after -- need --binary PATH (the program to run)")
     if args:
-        run_any_program(binary, args, cwd, out_dir, timeout, in_dir, quiet)
+        run_any_program(binary, args, cwd, out_dir, timeout, in_dir, quiet, _parse_names(names, names_file))
         return
     binary = binary or _build(build_dir, quiet)
     seconds = run_attnstep_binary(binary, in_dir, out_dir, backend, timeout, cwd,
@@ -288,10 +298,7 @@ def _plot(report, plot_dir: Path, opts: Options, quiet: bool) -> None:
               help="What the program computed in [default: run.toml's, else fp32].")
 @click.option("--math", type=click.Choice(MATH_MODES), default="ieee", show_default=True,
               help="fast: accept CUDA's fast-math intrinsics (__expf, ...).")
-@click.option("--name", "names", multiple=True, metavar="STAGE=PATTERN",
-              help="A stage's file names, e.g. output=O_{i}.txt ({i} head, {b} batch, {h} head in batch).")
-@click.option("--names", "names_file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              help="A file of STAGE = \"PATTERN\" lines.")
+@name_options
 @click.option("--per-head", is_flag=True, help="One table row per stage x head.")
 @click.option("--jobs", type=click.IntRange(min=0), default=0, show_default=True, metavar="N",
               help="Processes checking heads; 0: as many as cores and memory allow.")

@@ -12,6 +12,7 @@ line overrides them; a run.toml that says otherwise is a mismatch the report fai
 """
 from __future__ import annotations
 
+import fnmatch
 import os
 import re
 from dataclasses import dataclass, field
@@ -23,7 +24,7 @@ import numpy as np
 from .case import CaseError, InputCase, check_scale, check_types, crc32_hex, read_toml, validate_dims
 from .model.kernels import KERNELS, kernel_base_name
 from .stage_files import (STACKED_SUFFIX, STAGE_ITEMSIZE, StageSource, check_heads_named, discover_sources,
-                          parse_name_map, read_names_file)
+                          parse_name_map, pattern_glob, read_names_file)
 from .stages import (DIM_KEYS, FORMATS, PRECISIONS, RUN_MANIFEST, STAGES, Dims, default_scale,
                      parse_stage_file, stage_file)
 
@@ -241,13 +242,16 @@ def load_run(folder: Path) -> RunInfo:
     return open_run(folder, case)
 
 
-def stage_files_in(folder: Path) -> List[str]:
-    """Every file name in `folder` that a run could have written (stage files and run.toml)."""
+def stage_files_in(folder: Path, names: Mapping[str, str] = {}) -> List[str]:
+    """Every file name in `folder` that a run could have written: stage files, run.toml, and the
+    files a name map's patterns match (any head)."""
+    globs = [pattern_glob(p) for p in names.values() if "/" not in p]
     out = []
     for entry in sorted(os.listdir(folder)):
         parsed = parse_stage_file(entry)
         if (parsed and parsed[0] in STAGES) or entry == RUN_MANIFEST or \
-                (entry.endswith(STACKED_SUFFIX) and entry[:-len(STACKED_SUFFIX)] in STAGES):
+                (entry.endswith(STACKED_SUFFIX) and entry[:-len(STACKED_SUFFIX)] in STAGES) or \
+                any(fnmatch.fnmatchcase(entry, g) for g in globs):
             out.append(entry)
     return out
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from typing import List, Optional
+from typing import List, Mapping, Optional
 
 import click
 
@@ -53,7 +53,7 @@ def run_summary(binary: Path, out_dir: Path, seconds: float) -> str:
     return f"{Path(binary).name}: {seconds:.2f} s; {', '.join(parts)}; written to {out_dir}"
 
 
-def fresh_out(out_dir: Path, in_dir: Optional[Path] = None) -> None:
+def fresh_out(out_dir: Path, in_dir: Optional[Path] = None, names: Mapping[str, str] = {}) -> None:
     """Moves an earlier run's files in OUT aside (OUT is created when missing). An OUT that is the
     input case (the same folder, or one holding an input manifest) is refused: its Q/K/V files
     would be moved away."""
@@ -64,12 +64,12 @@ def fresh_out(out_dir: Path, in_dir: Optional[Path] = None) -> None:
     if same or (out_dir / INPUT_MANIFEST).exists():
         what = "the input case folder" if same else f"an input case (it holds {INPUT_MANIFEST})"
         raise InputError(f"--out {out_dir}: is {what}; HINT: write the outputs to another folder")
-    set_aside_previous(out_dir, stage_files_in(out_dir))
+    set_aside_previous(out_dir, stage_files_in(out_dir, names))
 
 
-def require_written(binary: Path, out_dir: Path) -> List[str]:
+def require_written(binary: Path, out_dir: Path, names: Mapping[str, str] = {}) -> List[str]:
     """The stage files the program just wrote into OUT; none is an error, not a silent success."""
-    written = [n for n in stage_files_in(out_dir) if n != RUN_MANIFEST] if Path(out_dir).is_dir() else []
+    written = [n for n in stage_files_in(out_dir, names) if n != RUN_MANIFEST] if Path(out_dir).is_dir() else []
     if not written:
         raise InputError(f"{Path(binary).name} exited 0 but wrote no stage file into {out_dir}; HINT: pass "
                          "--out DIR where it writes <stage>_head_<i>.txt (or .npy) files", 1)
@@ -77,10 +77,11 @@ def require_written(binary: Path, out_dir: Path) -> List[str]:
 
 
 def run_any_program(binary: Path, args, cwd: Optional[Path], out_dir: Path, timeout: float,
-                    in_dir: Optional[Path] = None, quiet: bool = False) -> None:
-    fresh_out(out_dir, in_dir)
+                    in_dir: Optional[Path] = None, quiet: bool = False, names: Mapping[str, str] = {}) -> None:
+    """Runs `binary ARGS...` its own way; `names`: the name map of the files it writes."""
+    fresh_out(out_dir, in_dir, names)
     seconds = run_program(binary, args, cwd, timeout)
-    written = require_written(binary, out_dir)
+    written = require_written(binary, out_dir, names)
     stages = sorted({n.split("_head_")[0].removesuffix(".npy") for n in written},
                     key=lambda s: STAGE_NAMES.index(s) if s in STAGE_NAMES else len(STAGE_NAMES))
     if not quiet:
