@@ -212,8 +212,8 @@ def test_the_tolerance_document_states_the_models_constants():
     text = (REPO / "docs" / "tolerances.md").read_text()
     assert f"bound = {tolerance.LAMBDA:g}·σ + det + floor" in text
     assert f"log ({tolerance.LOG_ULPS:g} ulp)" in text
-    for stage in STAGE_NAMES:
-        assert stage in text
+    for word in STAGE_NAMES + ("2^-24", "floor", "--math fast", "IEEE float32"):
+        assert word in text, word
 
 
 # ---- plots ----------------------------------------------------------------------------------------

@@ -470,12 +470,6 @@ def test_large_heads_use_the_expected_energy_and_stay_safe(monkeypatch):
             assert (error(MATMULS[order](Q, K.T), ref) <= bound).all()
 
 
-def test_describe_model_documents_every_stage_term():
-    text = T.describe_model()
-    for word in ("QK_scaled", "attention_weights", "flash_output", "flash_lse", "2^-24", "floor"):
-        assert word in text
-
-
 @pytest.mark.parametrize("backend", ["cuda", "cpu", None])
 def test_bounds_are_magnitudes_for_a_negative_scale(backend):
     """A negative scale is legal (--scale -0.74): every bound must still be >= 0. The flash bounds

@@ -3,6 +3,7 @@ aside first, and what it wrote told apart from what was there (a program that wr
 an error, not a silent success)."""
 from __future__ import annotations
 
+import fnmatch
 import os
 import time
 from pathlib import Path
@@ -15,7 +16,8 @@ from .options import InputError
 from .outputs import stage_files_in
 from .report import plural
 from .runner import run_binary, run_program, set_aside_previous
-from .stages import INPUT_MANIFEST, RUN_MANIFEST, STAGE_NAMES
+from .stage_files import STACKED_SUFFIX, pattern_glob
+from .stages import INPUT_MANIFEST, RUN_MANIFEST, STAGE_NAMES, parse_stage_file
 
 
 def run_attnstep_binary(binary: Path, in_dir: Path, out_dir: Path, backend: str, timeout: float,
@@ -82,8 +84,17 @@ def run_any_program(binary: Path, args, cwd: Optional[Path], out_dir: Path, time
     fresh_out(out_dir, in_dir, names)
     seconds = run_program(binary, args, cwd, timeout)
     written = require_written(binary, out_dir, names)
-    stages = sorted({n.split("_head_")[0].removesuffix(".npy") for n in written},
-                    key=lambda s: STAGE_NAMES.index(s) if s in STAGE_NAMES else len(STAGE_NAMES))
+    stages = [s for s in STAGE_NAMES if any(_written_stage(n, names) == s for n in written)]
     if not quiet:
         click.echo(f"{binary.name}: {seconds:.2f} s; wrote {plural(len(written), 'stage file')} "
                    f"({', '.join(stages)}) to {out_dir}")
+
+
+def _written_stage(name: str, names: Mapping[str, str]) -> Optional[str]:
+    """The stage a written file holds: by attnstep's naming, or by the name map."""
+    parsed = parse_stage_file(name)
+    if parsed:
+        return parsed[0]
+    if name.endswith(STACKED_SUFFIX) and name[:-len(STACKED_SUFFIX)] in STAGE_NAMES:
+        return name[:-len(STACKED_SUFFIX)]
+    return next((s for s, p in names.items() if fnmatch.fnmatchcase(name, pattern_glob(p))), None)

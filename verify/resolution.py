@@ -14,13 +14,15 @@ from typing import Optional
 
 import numpy as np
 
+from .model.rounding import UNIT_ROUNDOFF
+
 # Significant digits from which a printed float32 round-trips exactly.
 FLOAT32_ROUND_TRIP_DIGITS = 9
 DEFAULT_PRINTF_DIGITS = 6  # %g and C++ ostreams
 # Bytes of a text file whose tokens are analysed: a writer prints a whole file one way, and the
 # first rows show it (32 KB are ~3,000 values; a 4096² file is ~150 MB).
 SAMPLE_BYTES = 1 << 15
-_U32 = 2.0**-24
+_U32 = UNIT_ROUNDOFF["fp32"]  # the reader rounds each printed decimal to float32
 # A number token: sign, integer digits, '.' and fraction digits, exponent (inf/nan do not match).
 _TOKENS = re.compile(rb"(?<![\w.+-])[+-]?(\d*)(\.(\d*))?([eE][+-]?\d+)?(?![\w.])")
 

@@ -11,13 +11,12 @@ backend's as run.toml names it, any correct IEEE float32 program without one, or
 intrinsics (verify/model/kernels.py).
 
 The building blocks are in verify/model/; each stage's use of them is its spec (verify/specs/):
-this module dispatches. describe_model() is the text of docs/tolerances.md in short;
-tests/test_tolerance.py calibrates the model. Masked entries (-inf in the reference) get bound 0:
+this module dispatches. docs/tolerances.md explains the model; tests/test_tolerance.py
+calibrates it. Masked entries (-inf in the reference) get bound 0:
 they must match exactly.
 """
 from __future__ import annotations
 
-import textwrap
 from typing import Dict, Optional
 
 import numpy as np
@@ -30,9 +29,9 @@ from .model.softmax import need
 from .specs import SPECS, chain_inputs
 from .stages import INPUT_NAMES, STAGES
 
-__all__ = ["stage_bound", "chained_bound", "quantization_bound", "underflow_floor", "describe_model",
+__all__ = ["stage_bound", "chained_bound", "quantization_bound", "underflow_floor",
            "dot_var", "kernel_for", "HeadCache", "ToleranceError", "unit_roundoff", "KERNELS", "Kernel",
-           "FLUSH", "LAMBDA", "ROUND_VAR", "UNIT_ROUNDOFF", "SOFTMAX_FINAL_ROUNDINGS"]
+           "FLUSH", "LAMBDA", "LOG_ULPS", "ROUND_VAR", "UNIT_ROUNDOFF", "SOFTMAX_FINAL_ROUNDINGS"]
 
 
 def _spec(stage: str):
@@ -103,34 +102,3 @@ def quantization_bound(stage: str, src: Dict[str, np.ndarray], quanta: Dict[str,
 def underflow_floor(stage: str, src: Dict[str, np.ndarray]):
     """What float32 underflow may cost each element of `stage` (broadcastable to its shape)."""
     return _spec(stage).floor(src)
-
-
-def describe_model() -> str:
-    """The tolerance model, for `attnstep check --help`."""
-    text = f"""
-    Tolerance model (per element; --atol/--rtol override it): bound = {LAMBDA:g}·σ + det + floor.
-    σ² is the variance of the stage's float32 rounding errors, computed from the data: a rounding
-    of x errs uniformly within ±u|x| (variance ≈ 0.18·(u·x)² for Benford-spread mantissas);
-    u = 2^-24 fp32, 2^-11 tf32, 2^-8 bf16 (the precision only changes u). Q, K, V, KT: 0.
-    QK, output (dot products of length K): σ² = Σ_k var(rounding of partial sum s_k) + the
-    products' roundings; the largest over index and reverse order, 2-32 interleaved
-    accumulators (SIMD/FMA lanes, OpenBLAS), blocks of 8, 16, ... K/2 and split-K in 2-8
-    chunks, and the mean over random orders (a worst-case K·u·Σ|a·b| bound is 50-200x looser
-    and lets bugs through); a rounding never errs by more than the smaller addend. Above 2^24
-    multiply-adds per head: 8x the random-order mean. QK_scaled: det = 2u|ref|.
-    attention_weights: the relative error η_j of exp(S_j - m) (the subtraction u|S_j - m|, exp's
-    error as measured on the GPU) propagated through the normalization: Δp_j = p_j[(1-p_j)η_j -
-    Σ_k≠j p_k η_k - ε_l], ε_l the rounding of the row sum of exp(S - m) (in its own binades,
-    1 ≤ l ≤ M); then 1/l and the multiply.
-    flash_output: logit errors (the QK dot product, 3xTF32 products on the GPU, the logit's
-    rounding, exp) enter as Σ_j p_j η_j (v_j - O); the online P·V and l sums (a rounding per
-    tile rescale); the final 1/l and product (on the GPU the division and split-KV combine);
-    on the GPU the scale·log2e factor's rounding and the tensor cores' truncating accumulation
-    (≤ 1 ulp per mma, one-signed: det).
-    flash_lse: Σ_j p_j η_j + ε_l + log ({LOG_ULPS:g} ulp) + roundings of m + log l (one on the
-    CPU; the log2-domain conversions too on the GPU).
-    Masked entries (-inf) must match exactly; NaN never passes; a floor of 2^-126 (float32
-    underflow, FTZ) per result and per term that can underflow. Chained checking adds each
-    upstream stage's error propagated through it.
-    """
-    return textwrap.dedent(text).strip("\n")
