@@ -326,38 +326,47 @@ def test_temporary_files_of_killed_runs_are_removed(binary, tmp_path):
     assert dead not in left and alive in left and all(o in left for o in others)
 
 
-def _kill_while_writing(binary, in_dir, out_dir):
-    """SIGKILL the binary at a moment a temporary file exists, or return False if the run ended first.
+def _signal_while_writing(binary, in_dir, out_dir, seen, sig):
+    """Send `sig` to the binary at a moment `seen(names in out_dir)` holds; False if the run ended first.
 
-    The binary is stopped (SIGSTOP) before each look at the folder, so a temporary file seen is still
-    there when the kill lands: on a busy 2-core machine a plain poll sees it too late.
+    The binary is stopped (SIGSTOP) before each look at the folder, so what was seen is still there
+    when the signal lands: on a busy 2-core machine a plain poll sees it too late. Returns
+    (signalled, returncode, stderr).
     """
     import signal
     import time
     proc = subprocess.Popen([str(binary), "--in", str(in_dir), "--out", str(out_dir), "--backend", "cpu",
-                             "--format", "txt"], stderr=subprocess.DEVNULL)
+                             "--format", "txt"], stderr=subprocess.PIPE, text=True)
+    signalled = False
     try:
         while proc.poll() is None:
             proc.send_signal(signal.SIGSTOP)
-            if [p for p in out_dir.iterdir() if ".tmp-" in p.name]:
-                proc.send_signal(signal.SIGKILL)
-                proc.wait(timeout=60)
-                return True
+            if seen([p.name for p in out_dir.iterdir()]):
+                proc.send_signal(sig)
+                signalled = True
+                proc.send_signal(signal.SIGCONT)
+                break
             proc.send_signal(signal.SIGCONT)
             time.sleep(0.0005)
-        return False
+        _, err = proc.communicate(timeout=120)
+        return signalled, proc.returncode, err
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=60)
 
 
+def _has_temporary(names):
+    return any(".tmp-" in n for n in names)
+
+
 def test_killed_run_leaves_temporaries_that_the_next_run_removes(binary, tmp_path):
     in_dir, out_dir = tmp_path / "in", tmp_path / "out"
     write_case(in_dir, heads=8, n=384, m=384, dk=32, dv=32, fmt="npy")
     out_dir.mkdir()
-    assert any(_kill_while_writing(binary, in_dir, out_dir) for _ in range(5)), \
-        "five runs ended before a temporary file was seen"
+    import signal
+    assert any(_signal_while_writing(binary, in_dir, out_dir, _has_temporary, signal.SIGKILL)[0]
+               for _ in range(5)), "five runs ended before a temporary file was seen"
     assert [p for p in files_in(out_dir) if ".tmp-" in p]
     again = run_cpu(binary, in_dir, out_dir, "--stages", "Q")
     assert again.returncode == 0, again.stderr
@@ -753,18 +762,12 @@ def test_bad_npy_is_rejected(binary, tmp_path, bad, words):
 def test_sigterm_while_writing_removes_this_runs_files(binary, tmp_path):
     """Signalled once its first output file appears, the run stops between files and cleans up."""
     import signal
-    import time
 
     in_dir, out_dir = tmp_path / "in", tmp_path / "out"
     write_case(in_dir, heads=8, n=384, m=384, dk=32, dv=32, fmt="npy")
     out_dir.mkdir()
-    proc = subprocess.Popen([str(binary), "--in", str(in_dir), "--out", str(out_dir), "--backend", "cpu",
-                             "--format", "txt"], stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 60
-    while not any(out_dir.iterdir()) and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.002)
-    proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 128 + signal.SIGTERM, err
+    signalled, rc, err = _signal_while_writing(binary, in_dir, out_dir, bool, signal.SIGTERM)
+    assert signalled, "the run ended before its first output file was seen"
+    assert rc == 128 + signal.SIGTERM, err
     assert "interrupted by signal 15" in err
     assert files_in(out_dir) == []
