@@ -129,7 +129,7 @@ def _layout(stage, got, want, ctx, width) -> List[Diagnosis]:
 
 def _feeds_the_scale(stage: str) -> bool:
     """Whether the stage is what a scaling stage scales (QK: a scale found there came too early)."""
-    return any(SPECS[s].scaled and stage in STAGES[s].inputs for s in STAGES)
+    return any(SPECS[s].scaled and stage in STAGES[s].inputs for s in SPECS)
 
 
 def _scale_names(f: float, scale: float, d_k: int, stage: str) -> List[str]:

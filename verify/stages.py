@@ -75,6 +75,8 @@ class Stage:
     inputs: Tuple[str, ...]  # stages its isolated reference is computed from
     meaning: str
     flash: bool = False
+    backward: bool = False  # exists only when the input case has the output gradient dO
+
 
     def shape(self, dims: Dims) -> Tuple[int, int]:
         return dims.size(self.rows), dims.size(self.cols)
@@ -91,11 +93,30 @@ _TABLE = (
     Stage("output", "N", "DV", ("attention_weights", "V"), "attention_weights·V"),
     Stage("flash_output", "N", "DV", ("Q", "K", "V"), "FlashAttention forward output", flash=True),
     Stage("flash_lse", "N", "1", ("Q", "K"), "log-sum-exp of each scaled row", flash=True),
+    # The backward pass, from the output gradient dO (an input of the case when it has one).
+    Stage("dO", "N", "DV", (), "output gradient, as the binary read it", backward=True),
+    Stage("D", "N", "1", ("dO", "output"), "rowsum(dO∘output)", backward=True),
+    Stage("dP", "N", "M", ("dO", "V"), "dO·Vᵀ", backward=True),
+    Stage("dS", "N", "M", ("attention_weights", "dP", "D"), "attention_weights∘(dP − D), 0 where masked",
+          backward=True),
+    Stage("dQ", "N", "DK", ("dS", "K"), "scale·dS·K", backward=True),
+    Stage("dK", "M", "DK", ("dS", "Q"), "scale·dSᵀ·Q", backward=True),
+    Stage("dV", "M", "DV", ("attention_weights", "dO"), "attention_weightsᵀ·dO", backward=True),
+    Stage("flash_dQ", "N", "DK", ("Q", "K", "V", "dO", "flash_output", "flash_lse"),
+          "FlashAttention backward dQ (P recomputed from flash_lse)", flash=True, backward=True),
+    Stage("flash_dK", "M", "DK", ("Q", "K", "V", "dO", "flash_output", "flash_lse"),
+          "FlashAttention backward dK", flash=True, backward=True),
+    Stage("flash_dV", "M", "DV", ("Q", "K", "V", "dO", "flash_output", "flash_lse"),
+          "FlashAttention backward dV", flash=True, backward=True),
 )
 
 STAGES: Dict[str, Stage] = {s.name: s for s in _TABLE}
 STAGE_NAMES = tuple(STAGES)
-INPUT_NAMES = ("Q", "K", "V")
+INPUT_NAMES = ("Q", "K", "V")  # every case has these
+GRAD_INPUT = "dO"              # a case for the backward pass also has this
+CASE_INPUTS = INPUT_NAMES + (GRAD_INPUT,)
+FORWARD_STAGES = tuple(n for n in STAGE_NAMES if not STAGES[n].backward)
+BACKWARD_STAGES = tuple(n for n in STAGE_NAMES if STAGES[n].backward)
 
 
 def stage_file(stage: str, head: int, fmt: str) -> str:

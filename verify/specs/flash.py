@@ -25,7 +25,7 @@ from .copies import PATTERNS
 from .output import values_floor
 from .scores import qk_quantization
 
-FLASH_OUTPUT, FLASH_LSE = (s for s in STAGES if STAGES[s].flash)
+FLASH_OUTPUT, FLASH_LSE = (s for s in STAGES if STAGES[s].flash and not STAGES[s].backward)
 
 
 def _scores(src, scale, masked):
