@@ -326,3 +326,113 @@ def read_inputs(folder: Path, heads: int) -> List[Dict[str, np.ndarray]]:
                           np.loadtxt(Path(folder) / stage_file(name, i, "txt"), ndmin=2, dtype=f64)).astype(f32)
         out.append(mats)
     return out
+
+# ---- the backward pass ---------------------------------------------------------------------------
+
+# Bugs of the backward pass, planted like the forward's: everything downstream computed from the
+# bugged value. "bwd_mask" recomputes the flash backward's P without the causal mask; "bwd_lse_log2"
+# feeds the natural-log lse into an exp2 without converting it.
+BACKWARD_BUGS = ("D_wrong_O", "dS_missing_P", "grad_unscaled", "dV_untransposed_P", "bwd_mask", "bwd_lse_log2")
+
+
+@dataclass(frozen=True)
+class BackwardRoute:
+    gemm: str = "blas"        # the gradient GEMMs' summation order (a MATMULS key)
+    ds: str = "sub"           # dS = P∘(dP − D) ("sub") or P·dP − P·D ("dist")
+    scale: str = "after"      # the scale applied to the result ("after") or folded into dS ("before")
+    flash: str = "exp-64"     # the flash backward: exp or exp2, key/query tile width
+
+    def __str__(self) -> str:
+        return f"gemm={self.gemm} ds={self.ds} scale={self.scale} flash={self.flash}"
+
+
+BACKWARD_ROUTE_CHOICES = {"gemm": tuple(MATMULS), "ds": ("sub", "dist"), "scale": ("after", "before"),
+                          "flash": FLASH_ROUTES}
+
+
+def _ds(p, dp, d, route: str) -> np.ndarray:
+    return p * (dp - d) if route == "sub" else p * dp - p * d
+
+
+def _grads(p, ds, q, k, do, scale, route: BackwardRoute, bug: Optional[str]):
+    """dQ, dK, dV in float32 from P, dS and the inputs along the route (bugs planted)."""
+    mm = MATMULS[route.gemm]
+    s = f32(1.0 if bug == "grad_unscaled" else scale)
+    if route.scale == "before":
+        ds_s = ds * s
+        dq, dk = mm(ds_s, k), mm(np.ascontiguousarray(ds_s.T), q)
+    else:
+        dq, dk = mm(ds, k) * s, mm(np.ascontiguousarray(ds.T), q) * s
+    pt = p if bug == "dV_untransposed_P" else np.ascontiguousarray(p.T)
+    return dq, dk, mm(pt, do)
+
+
+def _wrong_o(o, do):
+    """D's O from the wrong tensor: dO itself (a copy-paste of the operand)."""
+    return do
+
+
+def backward_stage_path(head: Dict[str, np.ndarray], do, scale: float, causal: bool,
+                        route: BackwardRoute = BackwardRoute(), bug: Optional[str] = None) -> Dict[str, np.ndarray]:
+    """D, dP, dS, dQ, dK, dV in float32 from the head's own P (attention_weights) and output."""
+    p, o, v, q, k = (head[n] for n in ("attention_weights", "output", "V", "Q", "K"))
+    do = np.ascontiguousarray(do, dtype=f32)
+    o_used = _wrong_o(o, do) if bug == "D_wrong_O" else o
+    d = (do * o_used).sum(axis=1, keepdims=True, dtype=f32)
+    dp = MATMULS[route.gemm](do, np.ascontiguousarray(v.T))
+    ds = dp - d if bug == "dS_missing_P" else _ds(p, dp, d, route.ds)
+    if bug == "dS_missing_P" and causal:
+        ds = np.where(masked_where(*ds.shape), f32(0), ds)
+    dq, dk, dv = _grads(p, ds, q, k, do, scale, route, bug)
+    return {"dO": do.copy(), "D": d, "dP": dp, "dS": ds, "dQ": dq, "dK": dk, "dV": dv}
+
+
+def flash_backward(q, k, v, do, o, lse, scale: float, causal: bool, route: BackwardRoute = BackwardRoute(),
+                   bug: Optional[str] = None) -> Dict[str, np.ndarray]:
+    """A FlashAttention-2 style backward in float32: D from the forward's output, then per key tile
+    P recomputed from the logits and the saved lse, dV and dK accumulated over query tiles, dQ over
+    key tiles (both orders of the two-kernel scheme, summed tile by tile)."""
+    q, k, v, do, o, lse = (np.ascontiguousarray(x, dtype=f32) for x in (q, k, v, do, o, lse))
+    use_exp2, block = parse_flash_route(route.flash)
+    n, m = q.shape[0], k.shape[0]
+    s_used = f32(1.0 if bug == "grad_unscaled" else scale)
+    o_used = _wrong_o(o, do) if bug == "D_wrong_O" else o
+    d = (do * o_used).sum(axis=1, keepdims=True, dtype=f32)
+    dq = np.zeros(q.shape, f32)
+    dk = np.zeros(k.shape, f32)
+    dv = np.zeros(v.shape, f32)
+    for c0 in range(0, m, block):
+        kc, vc = k[c0:c0 + block], v[c0:c0 + block]
+        for r0 in range(0, n, block):
+            qr = q[r0:r0 + block]
+            s = mm_blas(qr, np.ascontiguousarray(kc.T))
+            if use_exp2 or bug == "bwd_lse_log2":
+                lse2 = lse[r0:r0 + block] if bug == "bwd_lse_log2" else lse[r0:r0 + block] * LOG2E
+                p = np.exp2(s * f32(scale * LOG2E) - lse2)
+            else:
+                p = np.exp(s * f32(scale) - lse[r0:r0 + block])
+            if causal and bug != "bwd_mask":
+                rows = np.arange(r0, r0 + qr.shape[0])[:, None]
+                cols = np.arange(c0, c0 + kc.shape[0])[None, :]
+                p = np.where(cols > rows, f32(0), p)
+            dor = do[r0:r0 + block]
+            dp = mm_blas(dor, np.ascontiguousarray(vc.T))
+            ds = dp - d[r0:r0 + block] if bug == "dS_missing_P" else _ds(p, dp, d[r0:r0 + block], route.ds)
+            if bug == "dV_untransposed_P":  # dV = P·dO (N = M): query rows, key rows of dO
+                dv[r0:r0 + block] += mm_blas(p, do[c0:c0 + block])
+            else:
+                dv[c0:c0 + block] += mm_blas(np.ascontiguousarray(p.T), dor)
+            dk[c0:c0 + block] += mm_blas(np.ascontiguousarray(ds.T), qr) * s_used
+            dq[r0:r0 + block] += mm_blas(ds, kc) * s_used
+    return {"flash_dQ": dq, "flash_dK": dk, "flash_dV": dv}
+
+
+def compute_backward(head: Dict[str, np.ndarray], do, scale: float, causal: bool,
+                     route: BackwardRoute = BackwardRoute(), bug: Optional[str] = None) -> None:
+    """Adds the backward stages of one head (computed by compute_head) to it, in float32."""
+    head.update(backward_stage_path(head, do, scale, causal, route, bug))
+    if "flash_output" in head:
+        head.update(flash_backward(head["Q"], head["K"], head["V"], do, head["flash_output"], head["flash_lse"],
+                                   scale, causal, route, bug))
+    for name in list(head):
+        head[name] = np.ascontiguousarray(head[name], dtype=f32)

@@ -31,7 +31,7 @@ from .results import (FAIL, INHERITED, MISSING, PASS, SHAPE, STALE, UNREADABLE, 
 from .reference import compute_stage, reference_chain
 from .resolution import EXACT
 from .specs import SPECS, HeadContext, upstream, uses_scale_and_mask
-from .stages import INPUT_NAMES, STAGES
+from .stages import CASE_INPUTS, GRAD_INPUT, INPUT_NAMES, STAGES
 
 __all__ = ["Options", "check", "check_run", "check_head", "error_ratio_map", "Report", "HeadResult", "Comparison",
            "compare_arrays", "elementwise_error", "head_jobs", "RunInfo", "PASS", "FAIL", "INHERITED", "MISSING",
@@ -64,24 +64,6 @@ class Options:
         if self.atol is not None or self.rtol is not None:
             return (self.atol or 0.0, self.rtol or 0.0)
         return None
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 
 
 # ----------------------------------------------------------------------------------------------
@@ -152,7 +134,7 @@ def _isolated_sources(names, got, quanta, results, chain):
     stage was not written (an unchecked upstream stage is simply not checked)."""
     src, q = {}, {}
     for n in names:
-        own = n in got and not (n in INPUT_NAMES and results[n].passed)
+        own = n in got and not (n in CASE_INPUTS and results[n].passed)
         src[n] = got[n] if own else chain[n]
         if own and quanta.get(n) is not None:
             q[n] = quanta[n]
@@ -169,17 +151,31 @@ def _bit_identical(a: Dict[str, np.ndarray], b: Dict[str, np.ndarray]) -> bool:
 
 
 def _blamed_elsewhere(stage: str, violations, results: Dict[str, "HeadResult"]) -> List[invariants.Violation]:
-    """The stage's disagreements with its stage-path partner when that partner failed already: the
-    partner is at fault, and the flash stage is not blamed (they become notes)."""
+    """Findings that follow from an upstream stage's failure (they become notes): a flash stage's
+    disagreement with its stage-path partner when that partner failed, and dK's column sums when
+    the dS it was computed from failed (its rows then need not sum to 0)."""
     partner = SPECS[stage].partner
-    if partner is None or partner not in results or results[partner].passed:
-        return []
-    return [v for v in violations if v.code in (invariants.FLASH_VS_OUTPUT, invariants.LSE_VS_SCORES)]
+    partner_failed = partner is not None and partner in results and not results[partner].passed
+    upstream_failed = any(u in results and not results[u].passed for u in upstream(stage))
+    out = []
+    for v in violations:
+        if partner_failed and v.code in (invariants.FLASH_VS_OUTPUT, invariants.LSE_VS_SCORES,
+                                         invariants.FLASH_VS_STAGES):
+            out.append(v)
+        elif upstream_failed and v.code == invariants.COLUMN_SUM:
+            out.append(v)
+    return out
+
+
+def case_inputs(run: RunInfo):
+    """The input matrices a run's checks read: Q, K, V, and dO when it holds a backward stage."""
+    backward = any(STAGES[s].backward for s in run.stages)
+    return INPUT_NAMES + ((GRAD_INPUT,) if backward else ())
 
 
 def check_head(run: RunInfo, case: InputCase, head: int, opts: Options,
                ref_of_head: Callable[[str, int], np.ndarray]) -> List[HeadResult]:
-    inputs = {name: case.load(name, head).astype(np.float64) for name in INPUT_NAMES}
+    inputs = {name: case.load(name, head).astype(np.float64) for name in case_inputs(run)}
     stages = [s for s in run.stages if opts.only_stages is None or s in opts.only_stages]
     needed = set(stages).union(*(upstream(s) for s in stages))  # partial runs: upstream too
     chain = {**inputs, **reference_chain(inputs, run.scale, run.causal, needed)}
@@ -243,7 +239,7 @@ def _diagnose(res: HeadResult, mat: np.ndarray, isolated, ctx: HeadContext, run:
     src_iso, want_iso, allowed_iso = isolated
     res.diagnosis = diag.diagnose(res.stage, mat, want_iso, {
         "dims": ctx.dims, "scale": ctx.scale, "causal": ctx.causal, "head": res.head, "src": src_iso,
-        "ref_of_head": ref_of_head, "flash_tiles": run.flash_tiles, "bound": allowed_iso})
+        "ref_of_head": ref_of_head, "flash_tiles": run.flash_tiles, "bound": allowed_iso, "head_ctx": ctx})
     for v in res.violations:
         if not any(d.code == v.code for d in res.diagnosis):
             res.diagnosis.append(diag.Diagnosis(v.code, v.message, {"count": v.count}))
@@ -286,16 +282,6 @@ def apply_mismatches(run: RunInfo, results: List[HeadResult]) -> None:
                 r.status, r.message = FAIL, mm.message()
 
 
-
-
-
-
-
-
-
-
-
-
 class _HeadChecker:
     """Checks one head of a run; holds what every head shares (and, per process, the reference
     stages of other heads that the head_permuted diagnosis compared against last: one matrix
@@ -306,7 +292,7 @@ class _HeadChecker:
         self.ref_of_head = functools.lru_cache(maxsize=REF_CACHE)(self._reference)
 
     def _reference(self, stage: str, head: int) -> np.ndarray:
-        inputs = {n: self.case.load(n, head) for n in INPUT_NAMES}
+        inputs = {n: self.case.load(n, head) for n in case_inputs(self.run)}
         return reference_chain(inputs, self.run.scale, self.run.causal,
                                [stage])[stage]  # (its upstream stages are computed and dropped)
 
@@ -314,14 +300,6 @@ class _HeadChecker:
         # Non-finite inputs, when allowed, make the error model's arithmetic meet inf and NaN.
         with np.errstate(all="ignore") if self.opts.allow_nonfinite else np.errstate():
             return check_head(self.run, self.case, head, self.opts, self.ref_of_head)
-
-
-
-
-
-
-
-
 
 
 def check(in_dir: Path, out_dir: Path, opts: Optional[Options] = None,
@@ -355,13 +333,13 @@ def error_ratio_map(run: RunInfo, case: InputCase, stage: str, head: int,
                     opts: Optional[Options] = None) -> np.ndarray:
     """|got - want| / allowed of one stage × head against its isolated reference (for plots)."""
     opts = opts or Options()
-    inputs = {n: case.load(n, head).astype(np.float64) for n in INPUT_NAMES}
+    inputs = {n: case.load(n, head).astype(np.float64) for n in case_inputs(run)}
     got, resolution, _, msg = _load_output(run, stage, head)
     if got is None:
         raise CaseError(msg)
     src = {}
     for n in STAGES[stage].inputs or (stage,):
-        up = _load_output(run, n, head)[0] if n in run.stages and n not in INPUT_NAMES else None
+        up = _load_output(run, n, head)[0] if n in run.stages and n not in CASE_INPUTS else None
         src[n] = up if up is not None else reference_chain(inputs, run.scale, run.causal, [n])[n]
     want = compute_stage(stage, src, run.scale, run.causal)
     allowed = _with_quantum(_allowed(stage, src, want, run, opts), resolution.quantum(got))

@@ -8,8 +8,9 @@ look at where got and want differ. No hypothesis fires on a correct or merely no
 candidate must explain got within a few tolerance widths AND differ from want by far more.
 
 Codes (stable; the report's `diagnosis`): nonfinite, unwritten, transposed, layout, scaled,
-softmax_axis, head_permuted, mask_missing, mask_offset, tile_boundary, lse_log2. (`stale` comes from the
-integrity check in verify.compare.)
+softmax_axis, head_permuted, mask_missing, mask_offset, tile_boundary, lse_log2, and the backward's
+D_wrong_O, dS_missing_P, grad_unscaled, dV_untransposed_P (verify/diagnose_backward.py). (`stale`
+comes from the integrity check in verify.compare.)
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import numpy as np
 
 from .diagnose_base import (LOG2_E, MATCH_WIDTHS, MAX_HEADS_SEARCHED, POISON_VALUES, SCALE_NAME_RTOL,
                             UNWRITTEN_DENSITY, Diagnosis, explains, loc, maxdiff, width_of)
+from . import diagnose_backward as backward_bugs
 from .diagnose_regions import mask as _mask
 from .diagnose_regions import tile_boundary as _tile_boundary
 from .reference import compute_stage, softmax_rows
@@ -249,7 +251,10 @@ def _head_permuted(stage, got, want, ctx, width) -> List[Diagnosis]:
 
 def _lse_log2(stage, got, want, ctx, width) -> List[Diagnosis]:
     """flash_lse in base 2: got ≈ want·log2(e), the log-sum-exp of a kernel that works with exp2 and
-    log2 internally and does not convert back to the natural log."""
+    log2 internally and does not convert back to the natural log (the flash gradients: P
+    recomputed from an lse in the wrong base)."""
+    if STAGES[stage].backward:
+        return backward_bugs.flash_lse_base(stage, got, want, ctx, width)
     # The base-2 result carries the natural one's rounding times log2(e).
     diff = explains(got, want * LOG2_E, want, width * LOG2_E)
     if diff is None:
@@ -262,7 +267,7 @@ def _lse_log2(stage, got, want, ctx, width) -> List[Diagnosis]:
 # Each stage's spec (verify/specs/) names the hypotheses that apply to it.
 _HYPOTHESES = {"nonfinite": _nonfinite, "unwritten": _unwritten, "transposed": _transposed, "layout": _layout,
                "scaled": _scaled, "softmax_axis": _softmax_axis, "head_permuted": _head_permuted, "mask": _mask,
-               "tile_boundary": _tile_boundary, "lse_log2": _lse_log2}
+               "tile_boundary": _tile_boundary, "lse_log2": _lse_log2, **backward_bugs.HYPOTHESES}
 
 
 def diagnose(stage: str, got: np.ndarray, want: np.ndarray, ctx: dict) -> List[Diagnosis]:
@@ -285,5 +290,7 @@ def diagnose(stage: str, got: np.ndarray, want: np.ndarray, ctx: dict) -> List[D
                 d.confidence = 0.85
     if "transposed" in codes:
         found = [d for d in found if d.code != "tile_boundary"]
+    if codes & set(backward_bugs.HYPOTHESES):  # a named backward bug explains the factor or layout
+        found = [d for d in found if d.code not in ("scaled", "layout")]
     found.sort(key=lambda d: -d.confidence)
     return found

@@ -3,7 +3,8 @@
 No NaN/Inf appears where none is allowed (-inf only where causal masking hides a score); each
 stage's own properties are in its spec (verify/specs/): echoes and the transpose are exact copies,
 masked entries hold their masked value, softmax rows are non-negative and sum to 1 within the row
-sum's rounding, and the flash stages agree with the stage path the binary wrote.
+sum's rounding, dS rows sum to 0 and dK columns too, and the flash stages agree with the stage path
+the binary wrote.
 """
 from __future__ import annotations
 
@@ -13,11 +14,11 @@ import numpy as np
 
 from .model.attention import causal_mask
 from .specs import SPECS, HeadContext
-from .specs.base import (ECHO_MISMATCH, FLASH_VS_OUTPUT, LSE_VS_SCORES, MASK_MISSING, NEGATIVE_WEIGHTS, NONFINITE,
+from .specs.base import (COLUMN_SUM, ECHO_MISMATCH, FLASH_VS_OUTPUT, FLASH_VS_STAGES, LSE_VS_SCORES, MASK_MISSING, NEGATIVE_WEIGHTS, NONFINITE,
                          NOT_TRANSPOSE, ROW_SUM, Violation, nonfinite)
 
 __all__ = ["check_invariants", "Violation", "NONFINITE", "NEGATIVE_WEIGHTS", "ROW_SUM", "MASK_MISSING",
-           "NOT_TRANSPOSE", "ECHO_MISMATCH", "FLASH_VS_OUTPUT", "LSE_VS_SCORES"]
+           "NOT_TRANSPOSE", "ECHO_MISMATCH", "FLASH_VS_OUTPUT", "LSE_VS_SCORES", "FLASH_VS_STAGES", "COLUMN_SUM"]
 
 
 def _where_reference_finite(stage: str, got: np.ndarray, ctx: HeadContext) -> np.ndarray:

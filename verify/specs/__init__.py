@@ -8,13 +8,13 @@ from __future__ import annotations
 
 from typing import Dict, List
 
-from ..stages import INPUT_NAMES, STAGES
-from . import copies, flash, output, scores, weights
+from ..stages import CASE_INPUTS, STAGES
+from . import backward, copies, flash, output, scores, weights
 from .base import HeadContext, StageSpec, Violation
 
-SPECS: Dict[str, StageSpec] = {s.name: s for module in (copies, scores, weights, output, flash)
+SPECS: Dict[str, StageSpec] = {s.name: s for module in (copies, scores, weights, output, flash, backward)
                                for s in module.SPECS}
-assert set(SPECS) <= set(STAGES), "every spec is a stage of verify/stages.py"
+assert set(SPECS) == set(STAGES), "every stage of verify/stages.py needs a spec"
 
 
 def upstream(stage: str) -> List[str]:
@@ -30,7 +30,7 @@ def upstream(stage: str) -> List[str]:
 def chain_inputs(stage: str) -> List[str]:
     """The original inputs a stage's chained bound starts from."""
     ups = set(upstream(stage)) | set(STAGES[stage].inputs)
-    return [n for n in INPUT_NAMES if n in ups]
+    return [n for n in CASE_INPUTS if n in ups]
 
 
 def uses_scale_and_mask(stage: str) -> bool:

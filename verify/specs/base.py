@@ -28,6 +28,8 @@ NOT_TRANSPOSE = "not_transpose"
 ECHO_MISMATCH = "echo_mismatch"
 FLASH_VS_OUTPUT = "flash_vs_output"
 LSE_VS_SCORES = "lse_vs_scores"
+COLUMN_SUM = "column_sum"               # dK's columns do not sum to 0
+FLASH_VS_STAGES = "flash_vs_stages"     # a flash gradient disagrees with the stage path's
 
 
 @dataclass

@@ -11,7 +11,7 @@ from typing import List
 
 import numpy as np
 
-from ..stages import INPUT_NAMES, STAGES
+from ..stages import CASE_INPUTS, STAGES
 from .base import ECHO_MISMATCH, NOT_TRANSPOSE, HeadContext, StageSpec, Violation, bitwise_equal, nonfinite, violation
 
 PATTERNS = ("nonfinite", "unwritten", "transposed", "layout", "head_permuted", "tile_boundary")
@@ -61,7 +61,7 @@ def _transpose_quantization(src, quanta, scale):
     return quanta[TRANSPOSED].T if TRANSPOSED in quanta else 0.0
 
 
-SPECS = tuple(_echo(name) for name in INPUT_NAMES) + (
+SPECS = tuple(_echo(name) for name in CASE_INPUTS) + (
     StageSpec("KT", reference=_transpose_reference, quantization=_transpose_quantization,
               invariants=(_transpose_check,), diagnoses=PATTERNS),
 )

@@ -58,18 +58,23 @@ def _output_isolated(src, ref, scale, causal, u, kernel, cache):
                 lambda: flash_output_var_det(Q, K, V, scale, causal, u, kernel, cache))
 
 
-def _lse_isolated(src, ref, scale, causal, u, kernel, cache):
-    Q, K = need(src, FLASH_LSE, "Q", "K")
+def lse_var_det(Q, K, lse, scale, causal, u, kernel, cache):
+    """(variance, one-signed part) of the flash forward's lse error, lse its value: Δlse =
+    Σ_j p_j η_j + Δl/l, then log (≤ kernel.log_ulps ulp of log l) and the roundings of values of
+    lse's magnitude (m + log l; on the GPU the log2-domain conversions)."""
     m, eta_sum, l_var, det = memo(cache, "flash_lse sums", (Q, K), (scale, causal, u, kernel),
                                   lambda: flash_lse_sums(Q, K, scale, causal, u, kernel, cache))
-    # Δlse = Σ_j p_j η_j + Δl/l, then log (≤ kernel.log_ulps ulp of log l) and the roundings of
-    # values of lse's magnitude (m + log l; on the GPU the log2-domain conversions).
-    log_l = ref - m
+    log_l = lse - m
     var = (eta_sum + l_var
            + ROUND_VAR * u * u * ((kernel.log_ulps * ULP_IN_U * log_l) ** 2
-                                  + kernel.lse_roundings * (np.abs(m) + np.abs(ref)) ** 2 / 4)
+                                  + kernel.lse_roundings * (np.abs(m) + np.abs(lse)) ** 2 / 4)
            + kernel.log_abs ** 2 / 3)
     return var, det
+
+
+def _lse_isolated(src, ref, scale, causal, u, kernel, cache):
+    Q, K = need(src, FLASH_LSE, "Q", "K")
+    return lse_var_det(Q, K, ref, scale, causal, u, kernel, cache)
 
 
 def _logit_moves(src, q, scale):

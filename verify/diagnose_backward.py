@@ -1,0 +1,189 @@
+"""The backward pass's classic bugs, as hypotheses of verify/diagnose.py: D from the wrong O, dS
+without its P factor, a gradient missing the scale, dV from P instead of Pᵀ, and a flash backward
+whose lse is in the wrong base. Each rebuilds the failing stage the way the bug would have computed
+it, from the program's own upstream files where it wrote them (else the reference chain), and fires
+when that explains got while the correct computation does not.
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict, Iterable, List, Optional, Tuple
+
+import numpy as np
+
+from .diagnose_base import LOG2_E, Diagnosis, explains
+from .model.attention import causal_mask, softmax_rows
+from .specs.backward import (DP, DS, DSTAT, FLASH_DK, FLASH_DQ, FLASH_DV, FLASH_GRADS, FLASH_LSE, FLASH_OUT,
+                             GRAD_OUT, KEYS, QUERIES, VALUES, WEIGHTS, d_reference, ds_reference, flash_backward)
+
+Own = Callable[[str], np.ndarray]
+GRAD_OF = {DS: None, "dQ": 0, "dK": 1, "dV": 2, FLASH_DQ: 0, FLASH_DK: 1, FLASH_DV: 2}
+
+
+def _own(ctx) -> Optional[Own]:
+    head = ctx.get("head_ctx")
+    if head is None:
+        return None
+    return lambda name: np.asarray(head.own(name), np.float64)
+
+
+def _masked(own: Own, causal: bool) -> np.ndarray:
+    n, m = own(QUERIES).shape[0], own(KEYS).shape[0]
+    return causal_mask(n, m) if causal else np.zeros((n, m), bool)
+
+
+def _width(ctx, stage: str, width: float) -> float:
+    """Candidates built from the reference chain (where the program wrote no upstream file) carry
+    the chain's error: allow the chained bound's width as well."""
+    head = ctx.get("head_ctx")
+    if head is None:
+        return width
+    from . import tolerance
+    try:
+        chained = tolerance.chained_bound(stage, head.chain, **head.bound_args())
+    except (KeyError, ValueError):
+        return width
+    finite = chained[np.isfinite(chained)]
+    return max(width, float(finite.max()) if finite.size else 0.0)
+
+
+def _downstream(stage: str, own: Own, scale: float, causal: bool, D=None, dS=None) -> Optional[np.ndarray]:
+    """The stage recomputed with D or dS replaced (the stage path from the program's own P, dP, K,
+    Q; the flash gradients from its saved output and lse)."""
+    if stage in FLASH_GRADS:
+        src = {n: own(n) for n in (QUERIES, KEYS, VALUES, GRAD_OUT, FLASH_OUT, FLASH_LSE)}
+        masked = _masked(own, causal)
+        if dS is not None:
+            return None  # the flash variants of dS are built by _flash_missing_p
+        return flash_backward(src, scale, masked, D=D)[GRAD_OF[stage]]
+    if stage == DSTAT:
+        return D
+    if dS is None:
+        dS = ds_reference(own(WEIGHTS), own(DP), D)
+    if stage == DS:
+        return dS
+    if stage == "dQ":
+        return scale * dS @ own(KEYS)
+    if stage == "dK":
+        return scale * dS.T @ own(QUERIES)
+    return None
+
+
+def _wrong_os(own: Own, scale: float, causal: bool) -> Iterable[Tuple[str, np.ndarray]]:
+    """The tensors a program may take for O when it computes D = rowsum(dO∘O)."""
+    dO = own(GRAD_OUT)
+    yield "dO instead of O (D = rowsum(dO∘dO))", dO
+    Q, K, V = own(QUERIES), own(KEYS), own(VALUES)
+    S = (Q @ K.T) * scale
+    masked = _masked(own, causal)
+    S_m = np.where(masked, -np.inf, S)
+    m = np.max(S_m, axis=1, keepdims=True)
+    e = np.where(masked, 0.0, np.exp(S_m - m))
+    yield "O before the division by the row sum (unnormalized)", e @ V
+    if causal:
+        yield "O without the causal mask", softmax_rows(S) @ V
+    if V.shape[0] == Q.shape[0]:
+        yield "V instead of O", V
+
+
+def d_wrong_o(stage, got, want, ctx, width) -> List[Diagnosis]:
+    own = _own(ctx)
+    if own is None:
+        return []
+    scale, causal = float(ctx.get("scale", 1.0)), bool(ctx.get("causal", False))
+    w = _width(ctx, stage, width)
+    dO = own(GRAD_OUT)
+    for how, O in _wrong_os(own, scale, causal):
+        if O.shape != dO.shape:
+            continue
+        cand = _downstream(stage, own, scale, causal, D=d_reference(dO, O))
+        diff = None if cand is None else explains(got, cand, want, w)
+        if diff is not None:
+            return [Diagnosis("D_wrong_O", f"{stage}: D = rowsum(dO∘O) was computed from the wrong tensor: "
+                              f"{how} (max diff {diff:.2g})", {"how": how, "max_diff": diff}, 0.95)]
+    return []
+
+
+def _flash_missing_p(stage, own: Own, scale, causal):
+    """flash_dQ or flash_dK with dS = dP − D, masked entries zeroed or not."""
+    src = {n: own(n) for n in (QUERIES, KEYS, VALUES, GRAD_OUT, FLASH_OUT, FLASH_LSE)}
+    masked = _masked(own, causal)
+    _, _, _, P, dP, D, _ = flash_backward(src, scale, masked)
+    K, Q = own(KEYS), own(QUERIES)
+    for dS in (np.where(masked, 0.0, dP - D), dP - D):
+        yield scale * dS @ K if stage == FLASH_DQ else scale * dS.T @ Q
+
+
+def ds_missing_p(stage, got, want, ctx, width) -> List[Diagnosis]:
+    own = _own(ctx)
+    if own is None:
+        return []
+    scale, causal = float(ctx.get("scale", 1.0)), bool(ctx.get("causal", False))
+    w = _width(ctx, stage, width)
+    if stage in FLASH_GRADS:
+        cands = list(_flash_missing_p(stage, own, scale, causal))
+    else:
+        raw = own(DP) - own(DSTAT)
+        cands = [_downstream(stage, own, scale, causal, dS=np.where(_masked(own, causal), 0.0, raw)),
+                 _downstream(stage, own, scale, causal, dS=raw)]
+    for cand in cands:
+        diff = None if cand is None else explains(got, cand, want, w)
+        if diff is not None:
+            return [Diagnosis("dS_missing_P", f"{stage}: dS lacks its P factor: dS = dP − D instead of "
+                              f"P∘(dP − D) (max diff {diff:.2g})", {"max_diff": diff}, 0.95)]
+    return []
+
+
+def grad_unscaled(stage, got, want, ctx, width) -> List[Diagnosis]:
+    scale = float(ctx.get("scale", 1.0))
+    if scale in (0.0, 1.0) or not np.isfinite(scale):
+        return []
+    for how, cand in (("the scale is missing: got ≈ want/scale", want / scale),
+                      ("the scale is applied twice: got ≈ want·scale", want * scale)):
+        diff = explains(got, cand, want, width * max(1.0, 1.0 / abs(scale)))
+        if diff is not None:
+            return [Diagnosis("grad_unscaled", f"{stage}: {how} (scale {scale:.6g}; dQ = scale·dS·K and "
+                              f"dK = scale·dSᵀ·Q) (max diff {diff:.2g})",
+                              {"how": how, "scale": scale, "max_diff": diff}, 0.95)]
+    return []
+
+
+def dv_untransposed_p(stage, got, want, ctx, width) -> List[Diagnosis]:
+    own = _own(ctx)
+    if own is None:
+        return []
+    scale, causal = float(ctx.get("scale", 1.0)), bool(ctx.get("causal", False))
+    if stage in FLASH_GRADS:
+        src = {n: own(n) for n in (QUERIES, KEYS, VALUES, GRAD_OUT, FLASH_OUT, FLASH_LSE)}
+        P = flash_backward(src, scale, _masked(own, causal))[3]
+    else:
+        P = own(WEIGHTS)
+    dO = own(GRAD_OUT)
+    if P.shape[1] != dO.shape[0]:
+        return []  # P·dO needs N = M
+    diff = explains(got, P @ dO, want, _width(ctx, stage, width))
+    if diff is None:
+        return []
+    return [Diagnosis("dV_untransposed_P", f"{stage}: dV = P·dO instead of Pᵀ·dO (max diff {diff:.2g})",
+                      {"max_diff": diff}, 0.96)]
+
+
+def flash_lse_base(stage, got, want, ctx, width) -> List[Diagnosis]:
+    """The flash backward feeds the natural-log lse into exp2 (or a base-2 one into exp)."""
+    own = _own(ctx)
+    if own is None:
+        return []
+    scale, causal = float(ctx.get("scale", 1.0)), bool(ctx.get("causal", False))
+    src = {n: own(n) for n in (QUERIES, KEYS, VALUES, GRAD_OUT, FLASH_OUT, FLASH_LSE)}
+    lse = src[FLASH_LSE]
+    for how, factor in (("the natural-log lse is used as a base-2 one (exp2 without ·log2(e))", np.log(2.0)),
+                        ("a base-2 lse is used as a natural one", LOG2_E)):
+        cand = flash_backward(src, scale, _masked(own, causal), lse=lse * factor)[GRAD_OF[stage]]
+        diff = explains(got, cand, want, _width(ctx, stage, width))
+        if diff is not None:
+            return [Diagnosis("lse_log2", f"{stage}: P = exp(S − lse) with lse in the wrong base: {how} "
+                              f"(max diff {diff:.2g})", {"how": how, "max_diff": diff}, 0.93)]
+    return []
+
+
+HYPOTHESES: Dict[str, Callable] = {"D_wrong_O": d_wrong_o, "dS_missing_P": ds_missing_p,
+                                   "grad_unscaled": grad_unscaled, "dV_untransposed_P": dv_untransposed_p}

@@ -1,0 +1,108 @@
+"""The backward pass's error: from the output gradient dO through D, dP, dS and the three gradient
+GEMMs, on the stage path (P and O from the forward's files) and in the FlashAttention backward (P
+recomputed from the logits and the saved log-sum-exp).
+
+Every gradient is a sum over terms with their own, independent roundings (the GEMMs' partial sums,
+each dS entry's subtraction and product, each weight's exponent), and terms every entry of a query
+row shares: the softmax's normalization (or the saved lse) and D. The shared terms add coherently
+along a row (dQ sums over keys) and independently across rows (dK and dV sum over queries); where
+two parts of an error are correlated their standard deviations add (never less than the truth).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from .dot import dot_var
+from .kernels import SOFTMAX_FINAL_ROUNDINGS, Kernel
+from .rounding import ROUND_VAR, HeadCache, memo
+
+# dS = P∘(dP − D): a subtraction and a product, or P·dP − P·D (two products and a subtraction):
+# at most three roundings, of magnitude |P·dP| + |P·D| at most.
+DS_ROUNDINGS = 3
+
+
+@dataclass(frozen=True)
+class RowErrors:
+    """The errors of one query row's softmax as the backward sees them (variances, N×M or N×1).
+
+    eta: each weight's own relative error (its logit, its exponent), independent across keys;
+    shared: the relative error common to the row's weights (the normalization, or the saved lse);
+    weight_round: the absolute rounding of each stored weight (stage path only);
+    D: D's error (its own rounding and the output's error reaching it)."""
+    eta: np.ndarray
+    shared: np.ndarray
+    weight_round: np.ndarray
+    D: np.ndarray
+
+
+def rowdot_var(A: np.ndarray, B: np.ndarray, u: float, product_var: float = ROUND_VAR) -> np.ndarray:
+    """dot_var of the row-wise sums Σ_k A[i,k]·B[i,k] (N×1): each row's products summed alone."""
+    return dot_var(np.asarray(A, np.float64) * np.asarray(B, np.float64), np.ones((A.shape[1], 1)), u,
+                   product_var)
+
+
+def ds_round_var(P: np.ndarray, dP: np.ndarray, D: np.ndarray, u: float) -> np.ndarray:
+    """Variance of dS's own roundings (either route: P∘(dP − D) or P·dP − P·D)."""
+    a = np.abs(P * dP) + np.abs(P * D)
+    return DS_ROUNDINGS * ROUND_VAR * u * u * a * a
+
+
+def ds_var_parts(P, dP, D, dS, rows: RowErrors, dP_var, u):
+    """(independent, row-shared) standard deviations of each dS entry's error:
+    δdS = dS·η + P·δdP + ρ·(dP − D) + own roundings   (independent across keys),
+        − dS·ε − P·δD                                 (shared along the row)."""
+    indep = (dS * dS * rows.eta + P * P * dP_var + rows.weight_round * (dP - D) ** 2
+             + ds_round_var(P, dP, D, u))
+    shared = np.abs(dS) * np.sqrt(rows.shared) + np.abs(P) * np.sqrt(rows.D)
+    return np.sqrt(indep), shared
+
+
+def grad_over_keys_var(P, dS, K, rows: RowErrors, indep_sd, scale: float, u: float,
+                       cache: Optional[HeadCache]) -> np.ndarray:
+    """Variance of dQ = scale·dS·K (N×d): the independent parts through K², the row-shared ones
+    coherently (−ε·dQ/scale − δD·(P·K)), then the GEMM's own roundings (the scale may be folded
+    into either operand: one more product rounding)."""
+    ind = (indep_sd * indep_sd) @ (K * K)
+    shared_sd = np.sqrt(rows.shared) * np.abs(dS @ K) + np.sqrt(rows.D) * np.abs(P @ K)
+    total = (np.sqrt(ind) + shared_sd) ** 2
+    gemm = memo(cache, "dS K var", (dS, K), (u,), lambda: dot_var(dS, K, u, 2 * ROUND_VAR))
+    return scale * scale * (total + gemm)
+
+
+def grad_over_queries_var(X, E_sd, Y, u: float, cache: Optional[HeadCache], what: str) -> np.ndarray:
+    """Variance of Xᵀ·Y (M×d) where each entry of X (N×M) errs by E_sd, independently across
+    queries (their shared parts belong to one row each): (E_sd²)ᵀ·Y² plus the GEMM's roundings."""
+    gemm = memo(cache, what, (X, Y), (u,), lambda: dot_var(X.T, Y, u, 2 * ROUND_VAR))
+    return (E_sd * E_sd).T @ (Y * Y) + gemm
+
+
+def d_var(p, eta_var, l_var, weight_round, dO, dP, D, O_round_var, D_round_var) -> np.ndarray:
+    """Variance of D = rowsum(dO∘O)'s error (N×1), O = P·V from the row's softmax: with
+    δP_j = p_j(η_j − η̄ − ε_l) + ρ_j (η̄ = Σ_j p_j η_j, the normalization's cancellation),
+    δD = Σ_j p_j η_j (dP_j − D) − ε_l·D + Σ_j ρ_j dP_j + Σ_k dO_k r_k + D's own rounding
+    (r: O's accumulation and final roundings, ρ: each stored weight's)."""
+    w = p * p * eta_var
+    return ((w * (dP - D) ** 2).sum(axis=1, keepdims=True) + l_var * D * D
+            + (weight_round * dP * dP).sum(axis=1, keepdims=True)
+            + (dO * dO * O_round_var).sum(axis=1, keepdims=True) + D_round_var)
+
+
+def weight_round_var(p, u: float, kernel: Kernel) -> np.ndarray:
+    """The final roundings of each stored softmax weight (1/l, the product)."""
+    return (SOFTMAX_FINAL_ROUNDINGS * ROUND_VAR + kernel.div_var) * u * u * p * p
+
+
+def stage_rows(p, eta_var, l_var, D_var, u: float, kernel: Kernel) -> RowErrors:
+    """The stage path's row errors: the weights' exponents, their normalization (shared: η̄ + ε_l),
+    their final roundings, and D's."""
+    eta_bar = (p * p * eta_var).sum(axis=1, keepdims=True)
+    return RowErrors(eta_var, eta_bar + l_var, weight_round_var(p, u, kernel), D_var)
+
+
+def flash_rows(eta_var, lse_var, D_var) -> RowErrors:
+    """The flash backward's row errors: P = exp(S − lse) errs by its logit and exponent (η) and by
+    the saved lse (shared along the row; no normalization, no stored weight)."""
+    return RowErrors(eta_var, lse_var, np.zeros(eta_var.shape), D_var)
