@@ -293,12 +293,12 @@ def write_text(path: Path, arr: np.ndarray, fmt: str) -> None:
 
 
 def write_outputs(folder: Path, heads: List[Dict[str, np.ndarray]], dims: Dims, writer: str,
-                  subset: str = "all") -> List[str]:
-    """Writes the stages of `subset` that the heads hold into `folder` (no run.toml); returns the
-    stage names written."""
+                  subset: str = "all", only: Optional[Sequence[str]] = None) -> List[str]:
+    """Writes the stages of `subset` (or `only` those) that the heads hold into `folder` (no
+    run.toml); returns the stage names written."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    stages = [s for s in SUBSETS[subset] if s in heads[0]]
+    stages = [s for s in (SUBSETS[subset] if only is None else only) if s in heads[0]]
     for stage in stages:
         if writer in ("npy_flat", "npy_4d"):  # <stage>.npy holding all heads
             stack = np.stack([h[stage] for h in heads]).astype("<f4")
@@ -401,9 +401,9 @@ def flash_backward(q, k, v, do, o, lse, scale: float, causal: bool, route: Backw
     dq = np.zeros(q.shape, f32)
     dk = np.zeros(k.shape, f32)
     dv = np.zeros(v.shape, f32)
-    for c0 in range(0, m, block):
+    for c0, r0 in ((c0, r0) for c0 in range(0, m, block) for r0 in range(0, n, block)):
         kc, vc = k[c0:c0 + block], v[c0:c0 + block]
-        for r0 in range(0, n, block):
+        with np.errstate(over="ignore"):  # masked logits may overflow exp before the mask zeroes them
             qr = q[r0:r0 + block]
             s = mm_blas(qr, np.ascontiguousarray(kc.T))
             if use_exp2 or bug == "bwd_lse_log2":

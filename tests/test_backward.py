@@ -1,0 +1,183 @@
+"""The verifier on the backward pass: correct float32 backward programs (tests/foreign.py: other
+summation orders, dS by either route, the scale before or after the GEMM, exp or exp2 tiles of any
+width) pass, and each classic backward bug fails with its name."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import foreign
+from verify import compare
+from verify.case import write_toml
+from verify.reference import reference_chain
+from verify.stages import BACKWARD_STAGES, GRAD_INPUT, INPUT_MANIFEST, INPUT_NAMES, STAGES, Dims, default_scale, stage_file
+
+SAMPLERS = {
+    "normal": lambda rng, s: rng.standard_normal(s, dtype=np.float32),
+    "uniform": lambda rng, s: rng.random(s, dtype=np.float32),
+    "large": lambda rng, s: rng.standard_normal(s, dtype=np.float32) * np.float32(10),
+}
+
+
+def write_backward_case(tmp: Path, dims: Dims, causal: bool, dist: str = "normal", seed: int = 0,
+                        route: foreign.BackwardRoute = foreign.BackwardRoute(), bug=None, writer: str = "npy",
+                        only=None):
+    """An input case with dO, and a foreign program's outputs (no run.toml) for it."""
+    rng = np.random.default_rng(seed)
+    in_dir = tmp / "in"
+    in_dir.mkdir(parents=True)
+    scale = default_scale(dims.d_k)
+    heads = []
+    for i in range(dims.total_heads):
+        mats = {n: SAMPLERS[dist](rng, STAGES[n].shape(dims)) for n in INPUT_NAMES + (GRAD_INPUT,)}
+        for n, x in mats.items():
+            np.save(in_dir / stage_file(n, i, "npy"), x)
+        head = foreign.compute_head(mats["Q"], mats["K"], mats["V"], scale, causal)
+        foreign.compute_backward(head, mats[GRAD_INPUT], scale, causal, route, bug)
+        heads.append(head)
+    write_toml(in_dir / INPUT_MANIFEST, dict(batch=dims.batch, heads=dims.heads, seq_q=dims.seq_q,
+                                             seq_k=dims.seq_k, d_k=dims.d_k, d_v=dims.d_v, causal=causal,
+                                             format="npy"), "test case")
+    foreign.write_outputs(tmp / "out", heads, dims, writer, only=only)
+    return in_dir, tmp / "out"
+
+
+def failures(report):
+    return {(r.stage, r.head): r for r in report.results if r.status != "PASS"}
+
+
+CORRECT = [  # (n, m, d, causal, dist, writer, route)
+    (48, 48, 32, False, "normal", "npy", foreign.BackwardRoute()),
+    (40, 24, 16, True, "uniform", "g9", foreign.BackwardRoute("reverse", "dist", "before", "exp2-16")),
+    (24, 56, 32, True, "large", "npy_flat", foreign.BackwardRoute("splitk", "sub", "after", "exp-32")),
+    (33, 33, 16, False, "uniform", "g6", foreign.BackwardRoute("pairwise", "dist", "after", "exp2-32")),
+    (17, 40, 64, True, "normal", "mixed", foreign.BackwardRoute("f64", "sub", "before", "exp-16")),
+    (64, 7, 32, False, "large", "f6", foreign.BackwardRoute("blas", "dist", "before", "exp2-64")),
+]
+
+
+@pytest.mark.parametrize("n,m,d,causal,dist,writer,route", CORRECT,
+                         ids=[f"{c[0]}x{c[1]}x{c[2]}-{'causal' if c[3] else 'full'}-{c[4]}-{c[5]}" for c in CORRECT])
+def test_a_correct_backward_passes(tmp_path, n, m, d, causal, dist, writer, route):
+    in_dir, out_dir = write_backward_case(tmp_path, Dims(1, 2, n, m, d, d), causal, dist, route=route,
+                                          writer=writer)
+    report = compare.check(in_dir, out_dir)
+    assert not failures(report), [(r.stage, r.head, r.message, [d.message for d in r.diagnosis])
+                                  for r in failures(report).values()]
+    assert set(BACKWARD_STAGES) <= set(report.run.stages)
+
+
+@pytest.mark.parametrize("only", [BACKWARD_STAGES, ("flash_dQ", "flash_dK", "flash_dV")], ids=["backward", "flash"])
+def test_a_backward_without_its_forward_files_is_checked_from_the_inputs(tmp_path, only):
+    """A program that writes only its gradients: each is checked against the reference chain."""
+    in_dir, out_dir = write_backward_case(tmp_path, Dims(1, 1, 32, 40, 16, 16), True, only=only)
+    report = compare.check(in_dir, out_dir)
+    assert not failures(report)
+    assert "attention_weights" not in report.run.stages
+
+
+# bug -> (causal, the stages that must fail with the diagnosis, the diagnosis)
+BUGS = {
+    "D_wrong_O": (False, ("D", "flash_dQ", "flash_dK"), "D_wrong_O"),
+    "dS_missing_P": (True, ("dS", "flash_dQ", "flash_dK"), "dS_missing_P"),
+    "grad_unscaled": (True, ("dQ", "dK", "flash_dQ", "flash_dK"), "grad_unscaled"),
+    "dV_untransposed_P": (False, ("dV", "flash_dV"), "dV_untransposed_P"),
+    "bwd_mask": (True, ("flash_dQ", "flash_dK", "flash_dV"), "mask_missing"),
+    "bwd_lse_log2": (False, ("flash_dQ", "flash_dK", "flash_dV"), "lse_log2"),
+}
+
+
+@pytest.mark.parametrize("bug", list(BUGS))
+def test_a_backward_bug_fails_with_its_name(tmp_path, bug):
+    causal, stages, code = BUGS[bug]
+    in_dir, out_dir = write_backward_case(tmp_path, Dims(1, 2, 40, 40, 32, 32), causal, bug=bug)
+    failed = failures(compare.check(in_dir, out_dir))
+    for stage in stages:
+        for head in range(2):
+            r = failed.get((stage, head))
+            assert r is not None and r.status == "FAIL", (stage, head)
+            assert r.diagnosis and r.diagnosis[0].code == code, (stage, head, [d.message for d in r.diagnosis])
+
+
+def test_stages_downstream_of_a_wrong_ds_inherit_it(tmp_path):
+    in_dir, out_dir = write_backward_case(tmp_path, Dims(1, 1, 32, 32, 16, 16), False, bug="dS_missing_P")
+    failed = failures(compare.check(in_dir, out_dir))
+    assert failed[("dS", 0)].status == "FAIL"
+    assert failed[("dQ", 0)].status == "INHERITED"
+    assert failed[("dK", 0)].status == "INHERITED"  # its column sums follow dS's rows: a note, not a failure
+    assert any(v.code == "column_sum" for v in failed[("dK", 0)].notes)
+
+
+def _rewrite(out_dir: Path, stage: str, head: int, change) -> None:
+    path = out_dir / stage_file(stage, head, "npy")
+    x = np.load(path)
+    change(x)
+    np.save(path, x)
+
+
+def test_one_wrong_gradient_element_fails(tmp_path):
+    in_dir, out_dir = write_backward_case(tmp_path, Dims(1, 1, 32, 32, 32, 32), False)
+
+    def bump(x):
+        x[5, 7] += np.float32(1e-3) * np.abs(x).max()
+    for stage in ("dQ", "flash_dK", "flash_dV", "dS"):
+        _rewrite(out_dir, stage, 0, bump)
+    failed = failures(compare.check(in_dir, out_dir))
+    assert {s for s, _ in failed} == {"dQ", "flash_dK", "flash_dV", "dS"}
+
+
+def test_ds_invariants_name_an_unmasked_entry_and_a_row_that_does_not_sum_to_zero(tmp_path):
+    in_dir, out_dir = write_backward_case(tmp_path, Dims(1, 1, 24, 24, 16, 16), True)
+
+    def unmask(x):
+        x[2, 20] = np.float32(0.5)
+    _rewrite(out_dir, "dS", 0, unmask)
+    r = failures(compare.check(in_dir, out_dir))[("dS", 0)]
+    assert {"mask_missing", "row_sum"} <= {v.code for v in r.violations}
+
+
+def test_flash_gradients_that_disagree_with_the_stage_path_are_named(tmp_path):
+    in_dir, out_dir = write_backward_case(tmp_path, Dims(1, 1, 32, 32, 16, 16), False)
+
+    def shift(x):
+        x[:] = x + np.float32(1e-2) * np.abs(x).max()
+    _rewrite(out_dir, "flash_dV", 0, shift)
+    r = failures(compare.check(in_dir, out_dir))[("flash_dV", 0)]
+    assert any(v.code == "flash_vs_stages" for v in r.violations)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_flash_references_equal_the_stage_path_references(causal):
+    rng = np.random.default_rng(3)
+    inputs = {n: rng.standard_normal((20 if n in ("Q", "dO") else 28, 16)) for n in ("Q", "K", "V", "dO")}
+    chain = reference_chain(inputs, 0.25, causal, list(STAGES))
+    for flash, stage in (("flash_dQ", "dQ"), ("flash_dK", "dK"), ("flash_dV", "dV")):
+        np.testing.assert_allclose(chain[flash], chain[stage], rtol=1e-12, atol=1e-12)
+    assert np.allclose(chain["dS"].sum(axis=1), 0.0, atol=1e-12)
+    assert np.allclose(chain["dK"].sum(axis=0), 0.0, atol=1e-12)
+    if causal:
+        assert (chain["dS"][np.triu_indices(20, 1, 28)] == 0).all()
+
+
+def test_finite_differences_agree_with_the_reference_gradients():
+    """The references are the gradients of L = Σ dO∘attention(Q, K, V): checked against central
+    differences of the float64 forward."""
+    rng = np.random.default_rng(4)
+    inputs = {n: rng.standard_normal((6 if n in ("Q", "dO") else 9, 4)) for n in ("Q", "K", "V", "dO")}
+    scale, causal = 0.4, True
+    chain = reference_chain(inputs, scale, causal, list(STAGES))
+
+    def loss(x):
+        return float((reference_chain(x, scale, causal, ["output"])["output"] * inputs["dO"]).sum())
+    h = 1e-6
+    for name, grad in (("Q", "dQ"), ("K", "dK"), ("V", "dV")):
+        num = np.zeros(inputs[name].shape)
+        for idx in np.ndindex(num.shape):
+            plus = {**inputs, name: inputs[name].copy()}
+            minus = {**inputs, name: inputs[name].copy()}
+            plus[name][idx] += h
+            minus[name][idx] -= h
+            num[idx] = (loss(plus) - loss(minus)) / (2 * h)
+        np.testing.assert_allclose(chain[grad], num, rtol=1e-6, atol=1e-8)
