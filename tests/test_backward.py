@@ -181,3 +181,29 @@ def test_finite_differences_agree_with_the_reference_gradients():
             minus[name][idx] -= h
             num[idx] = (loss(plus) - loss(minus)) / (2 * h)
         np.testing.assert_allclose(chain[grad], num, rtol=1e-6, atol=1e-8)
+
+
+def _api_heads(bug=None, causal=True):
+    rng = np.random.default_rng(5)
+    dims = Dims(1, 2, 24, 30, 16, 16)
+    mats = {n: np.stack([SAMPLERS["normal"](rng, STAGES[n].shape(dims)) for _ in range(2)])
+            for n in INPUT_NAMES + (GRAD_INPUT,)}
+    heads = []
+    for i in range(2):
+        head = foreign.compute_head(mats["Q"][i], mats["K"][i], mats["V"][i], default_scale(16), causal)
+        foreign.compute_backward(head, mats["dO"][i], default_scale(16), causal, bug=bug)
+        heads.append(head)
+    grads = {s: np.stack([h[s] for h in heads]) for s in ("dQ", "dK", "dV")}
+    return mats, grads
+
+
+def test_the_python_api_checks_gradients_given_do():
+    import attnstep
+    mats, grads = _api_heads()
+    report = attnstep.check_arrays(mats["Q"], mats["K"], mats["V"], grads, do=mats["dO"], causal=True)
+    assert report.passed, attnstep.format_report(report)
+    mats, grads = _api_heads(bug="grad_unscaled")
+    report = attnstep.check_arrays(mats["Q"], mats["K"], mats["V"], grads, do=mats["dO"], causal=True)
+    assert not report.passed and report.first_failing_stage == "dQ"
+    with pytest.raises(ValueError, match="pass do="):
+        attnstep.check_arrays(mats["Q"], mats["K"], mats["V"], grads, causal=True)

@@ -3,6 +3,7 @@
     import attnstep
     report = attnstep.check_arrays(q, k, v, {"output": o, "flash_lse": lse}, causal=True)
     attnstep.assert_attention_stages(q, k, v, {"output": o})   # in a pytest test
+    attnstep.check_arrays(q, k, v, {"dQ": q.grad, "dK": k.grad, "dV": v.grad}, do=o.grad)  # backward
 
 Arrays are NumPy arrays (or anything np.asarray takes: a CPU tensor's `.detach().cpu().numpy()`),
 shaped (N, d) for one head, (H, N, d) or (B, H, N, d); each stage with the same leading axes and
@@ -20,7 +21,7 @@ from .case import CaseError, InputCase, check_scale, validate_dims
 from .compare import Options, Report, check_run
 from .outputs import MATH_MODES, RunInfo, StageSource
 from .report import failure_lines, header_lines, summary_lines, table_lines
-from .stages import DIM_KEYS, INPUT_NAMES, PRECISIONS, STAGES, Dims, default_scale
+from .stages import DIM_KEYS, GRAD_INPUT, INPUT_NAMES, PRECISIONS, STAGES, Dims, default_scale
 
 ARRAYS = Path("<arrays>")  # what the report names as the run's and the inputs' place
 
@@ -48,10 +49,12 @@ def _heads(x: np.ndarray, total: int, rows: int, cols: int, name: str) -> np.nda
     return x.reshape(total, rows, cols)
 
 
-def _problem(q, k, v, causal: bool, scale: Optional[float],
-             allow_nonfinite: bool = False) -> Tuple[Dims, Dict[str, np.ndarray], float]:
+def _problem(q, k, v, causal: bool, scale: Optional[float], allow_nonfinite: bool = False,
+             do=None) -> Tuple[Dims, Dict[str, np.ndarray], float]:
     q, k, v = (np.asarray(x) for x in (q, k, v))
     arrays = dict(zip(INPUT_NAMES, (q, k, v)))
+    if do is not None:
+        arrays[GRAD_INPUT] = np.asarray(do)
     B, H = _leading(q, "q")
     N, d_k = q.shape[-2:]
     M, d_v = v.shape[-2:]
@@ -61,28 +64,32 @@ def _problem(q, k, v, causal: bool, scale: Optional[float],
             check_scale(scale, "scale")
     except CaseError as exc:
         raise ValueError(str(exc)) from None
-    heads = {n: _heads(arrays[n], dims.total_heads, *STAGES[n].shape(dims), n.lower()) for n in INPUT_NAMES}
-    bad = [n for n in INPUT_NAMES if not allow_nonfinite and not np.isfinite(heads[n]).all()]
+    heads = {n: _heads(arrays[n], dims.total_heads, *STAGES[n].shape(dims), n.lower()) for n in arrays}
+    bad = [n for n in heads if not allow_nonfinite and not np.isfinite(heads[n]).all()]
     if bad:
         raise ValueError(f"{bad[0].lower()} holds NaN or Inf; pass allow_nonfinite=True to check a kernel on such "
                          "inputs (NaN then passes where the reference has NaN)")
     return dims, heads, default_scale(d_k) if scale is None else float(scale)
 
 
-def check_arrays(q, k, v, stages: Mapping[str, object], *, causal: bool = False,
+def check_arrays(q, k, v, stages: Mapping[str, object], *, do=None, causal: bool = False,
                  scale: Optional[float] = None, precision: str = "fp32", math: str = "ieee",
                  atol: Optional[float] = None, rtol: Optional[float] = None, jobs: int = 1,
                  allow_nonfinite: bool = False) -> Report:
     """Checks each stage in `stages` ({stage name: array}) computed from q, k, v, as `attnstep
     check` does; returns the Report (report.passed, report.first_failing_stage, report.results).
-    causal: top-left aligned masking; scale: default 1/sqrt(d_k); precision and math: the
+    do: the output gradient dL/d(output), shaped like the output, for the backward stages (dQ, dK,
+    dV, D, dP, dS, flash_dQ, ...); causal: top-left aligned masking; scale: default 1/sqrt(d_k); precision and math: the
     arithmetic the program used (fp32/tf32; ieee/fast). Raises ValueError for arrays that do not
     fit together."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision {precision!r}: expected one of {', '.join(PRECISIONS)}")
     if math not in MATH_MODES:
         raise ValueError(f"math {math!r}: expected one of {', '.join(MATH_MODES)}")
-    dims, inputs, scale = _problem(q, k, v, causal, scale, allow_nonfinite)
+    backward = sorted(n for n in stages if n in STAGES and STAGES[n].backward)
+    if backward and do is None:
+        raise ValueError(f"stage {backward[0]!r} is a gradient: pass do= (the output gradient it was computed from)")
+    dims, inputs, scale = _problem(q, k, v, causal, scale, allow_nonfinite, do)
     sources = {}
     for name in STAGES:
         if name in stages:
