@@ -246,10 +246,9 @@ def _flash_chain(Q, K, V, dO, scale, causal, u, kernel, cache):
         finite = np.isfinite(S)
         lse = log_sum_exp_rows(S)
         lse_var, lse_det = lse_var_det(Q, K, lse, scale, causal, u, kernel, cache)
+        # The same weights, dP, D and dS as the stage path's chain (shared arrays share their bounds).
+        _, dP, D, dS = _stage_chain(Q, K, V, dO, scale, causal, u, kernel, cache)[:4]
         O = p @ V
-        dP = dO @ V.T
-        D = d_reference(dO, O)
-        dS = ds_reference(p, dP, D)
         _, O_det = flash_output_var_det(Q, K, V, scale, causal, u, kernel, cache)
         acc = kernel.rescale_factor * pv_var(p, V, u, kernel.flash_product_var, cache) \
             + (kernel.final_roundings * ROUND_VAR + kernel.div_var) * (u * O) ** 2
