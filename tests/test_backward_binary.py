@@ -203,3 +203,13 @@ def test_cuda_backend_leaves_the_backward_to_the_cpu(binary, tmp_path):
     proc = subprocess.run(base + ["--out", str(tmp_path / "out2"), "--stages", "dQ"], capture_output=True,
                           text=True, timeout=600)
     assert_bad_input(proc, "the CUDA backend computes the forward stages only")
+
+
+def test_backward_over_several_head_groups_matches_one_group(binary, tmp_path):
+    dims = Dims(batch=1, heads=5, seq_q=128, seq_k=128, d_k=64, d_v=64)
+    write_case(tmp_path / "in", dims)
+    run_ok(binary, tmp_path / "in", tmp_path / "one", "--causal")
+    run_ok(binary, tmp_path / "in", tmp_path / "many", "--causal", "--max-memory-mb", "1")
+    for name in BACKWARD_STAGES:
+        for i in range(dims.total_heads):
+            assert np.array_equal(load(tmp_path / "one", name, i), load(tmp_path / "many", name, i)), (name, i)
