@@ -213,3 +213,15 @@ def test_backward_over_several_head_groups_matches_one_group(binary, tmp_path):
     for name in BACKWARD_STAGES:
         for i in range(dims.total_heads):
             assert np.array_equal(load(tmp_path / "one", name, i), load(tmp_path / "many", name, i)), (name, i)
+
+
+def test_backward_in_tf32_with_poison_writes_every_element(binary, tmp_path):
+    dims = Dims(batch=1, heads=1, seq_q=70, seq_k=130, d_k=32, d_v=32)
+    mats = write_case(tmp_path / "in", dims)
+    r = run_ok(binary, tmp_path / "in", tmp_path / "out", "--causal", "--precision", "tf32", "--poison")
+    ref, _ = backward_reference(mats["Q", 0], mats["K", 0], mats["V", 0], mats["dO", 0], r["scale"], True)
+    for name in BACKWARD_STAGES:
+        got = load(tmp_path / "out", name, 0).astype(np.float64)
+        assert np.isfinite(got).all(), f"{name}: an element was not written"
+        err, bound = np.abs(got - ref[name]).max(), 1e-2 * np.abs(ref[name]).max()
+        assert err <= bound, f"{name}: max error {err:.3g} > {bound:.3g}"
