@@ -1,5 +1,5 @@
 // backend.h — the one interface both backends implement (cpu/backend_cpu.cpp, cuda/backend_cuda.cu).
-// main.cpp streams heads through a backend in groups: it reads a group's Q/K/V from the input case
+// main.cpp streams heads through a backend in groups: it reads a group's Q/K/V (and dO) from the input case
 // into host memory, calls compute(), and writes the group's stage files. A backend never touches
 // files, so both backends are checked by the same I/O code.
 #pragma once
@@ -62,6 +62,7 @@ struct HeadGroup {
     const float* q = nullptr;
     const float* k = nullptr;
     const float* v = nullptr;
+    const float* dout = nullptr;  // dO, when a backward stage is computed
     float* out[kNumStages] = {};
 };
 
@@ -75,6 +76,8 @@ public:
     virtual ~Backend() = default;
     virtual const char* name() const = 0;          // "cpu" or "cuda"
     virtual std::string device_name() const = 0;   // e.g. "NVIDIA H200" or "host CPU"
+    // Whether the backend computes the backward stages (is_backward_stage in stages.h).
+    virtual bool computes_backward() const = 0;
     // How the flash stages would be computed for this problem (flash_supported() holds).
     virtual FlashPlan flash_plan(const Problem& p) const = 0;
     // Working memory the backend needs per head for `computed` (device memory for cuda, extra

@@ -71,12 +71,15 @@ void print_usage(FILE* to) {
         "Computes attention one stage at a time and writes every stage per head (docs/contract.md).\n"
         "  CASE               case name under ./data or ../data (default random_test); output goes\n"
         "                     to the sibling <name with _test -> _verify>\n"
-        "  --in DIR           input case folder (Q/K/V_head_<i>.txt|.npy, optional manifest.toml)\n"
+        "  --in DIR           input case folder (Q/K/V_head_<i>.txt|.npy, optional dO_head_<i> and\n"
+        "                     manifest.toml)\n"
         "  --out DIR          output case folder (created; must differ from --in)\n"
         "  --backend B        auto (CUDA when built and a GPU is present, else CPU), cuda, cpu\n"
         "  --causal           top-left causal mask (query i sees keys j <= i); overrides the manifest\n"
         "  --scale S          scale for QK (default: the manifest's, else 1/sqrt(d_k))\n"
-        "  --stages LIST      all | stages | flash | comma-separated stage names (default all)\n"
+        "  --stages LIST      all | stages | flash | comma-separated stage names (default all).\n"
+        "                     all: every stage the case allows; stages: the stage path; flash: the\n"
+        "                     flash stages. The backward stages (dO onwards) only when the case has dO\n"
         "  --format F         output format txt|npy (default: the input's)\n"
         "  --precision P      fp32 | tf32 (GEMM operands rounded to TF32)\n"
         "  --poison           pre-fill outputs with NaN so unwritten elements show\n"
@@ -131,7 +134,7 @@ Options parse_cli(int argc, char** argv) {
             o.stages_text = take_value();
             o.stages_given = true;
             std::string bad;
-            if (!parse_stage_list(o.stages_text, &o.stages, &bad)) {
+            if (!parse_stage_list(o.stages_text, &o.stages, &bad, &o.stages_named)) {
                 std::string names;
                 for (int s = 0; s < kNumStages; ++s) names += std::string(" ") + stage_name(static_cast<Stage>(s));
                 fail(kExitBadInput, "--stages: unknown stage '" + bad + "'",

@@ -26,6 +26,7 @@ struct Options {
     std::string stages_text = "all";
     bool stages_given = false;
     StageSet stages = StageSet::all();
+    StageSet stages_named;           // the stages --stages names one by one (not through a group)
     bool has_format = false;
     Format format = Format::txt;
     Precision precision = Precision::fp32;

@@ -3,7 +3,7 @@
 // (docs/contract.md). Order of work, so that bad input never leaves a half-written case:
 //   1. parse the command line, find and check the input case (every file, the manifest, shapes),
 //      choose the stages, the backend and the head-group size: all before writing anything;
-//   2. remove the previous run.toml, then per group: read Q/K/V, compute, write the stage files
+//   2. remove the previous run.toml, then per group: read Q/K/V (and dO), compute, write the stage files
 //      (each via a temporary file and rename);
 //   3. write run.toml last. On any failure after step 2 began, remove this run's files.
 #include <algorithm>
@@ -94,19 +94,46 @@ void check_forced_flash_kernel(const Options& o, const Backend& be, StageSet com
          "use --flash-kernel auto, or --backend cuda on a machine with an NVIDIA GPU");
 }
 
-// The stages to write: the user's list, less the flash stages when the dimensions do not allow
-// them and the user did not name them.
-StageSet select_stages(const Options& o, const Dims& d) {
-    StageSet sel = o.stages;
+std::string stage_list(StageSet set) {
+    std::string s;
+    for (int i = 0; i < kNumStages; ++i)
+        if (set.has(static_cast<Stage>(i))) s += (s.empty() ? "" : ",") + std::string(stage_name(static_cast<Stage>(i)));
+    return s;
+}
+
+// The backward stages need the case's dO and a backend that computes them. Named one by one they
+// are an error without; through a group (all, stages, flash) they are left out, with a notice when
+// only the backend lacks them.
+StageSet drop_backward(const Options& o, const InputCase& c, const Backend& be, StageSet sel) {
+    const StageSet named = StageSet{o.stages_named.bits & StageSet::backward().bits};
+    if (!c.backward && !named.empty())
+        fail(kExitBadInput, "--stages " + o.stages_text + ": " + stage_list(named) +
+                                (named.bits & (named.bits - 1) ? " are backward stages" : " is a backward stage") +
+                                " and the case " + c.dir + " has no dO (the output gradient)",
+             "`attnstep generate --backward` writes a case with dO");
+    const std::string cpu_only = "the CUDA backend computes the forward stages only; --backend cpu computes the "
+                                 "backward stages";
+    if (!be.computes_backward() && !named.empty())
+        fail(kExitBadInput, "--stages " + o.stages_text + ": " + cpu_only);
+    if (c.backward && !be.computes_backward() && sel.any_backward()) notice(cpu_only);
+    return c.backward && be.computes_backward() ? sel : sel.minus(StageSet::backward());
+}
+
+// The stages to write: the user's list, less the backward stages the case or the backend cannot
+// give (drop_backward), and less the flash stages when the dimensions do not allow them and the
+// user did not name them.
+StageSet select_stages(const Options& o, const InputCase& c, const Backend& be) {
+    StageSet sel = drop_backward(o, c, be, o.stages);
+    const Dims& d = c.dims;
     if (!sel.any_flash() || flash_supported(d)) return sel;
     std::string why = "flash stages need d_k = d_v in " + flash_head_dims_text() + "; this case has d_k = " +
                       std::to_string(d.dk) + ", d_v = " + std::to_string(d.dv);
     if (names_flash_explicitly(o.stages_text))
         fail(kExitBadInput, "--stages " + o.stages_text + ": " + why,
              "drop the flash stages (--stages stages) or generate a case with a supported head size");
-    notice(why + "; skipping flash_output and flash_lse");
-    sel.bits &= ~((1u << static_cast<int>(Stage::flash_output)) | (1u << static_cast<int>(Stage::flash_lse)));
-    return sel;
+    const StageSet flash{sel.bits & StageSet::flash().bits};
+    notice(why + "; skipping " + stage_list(flash));
+    return sel.minus(flash);
 }
 
 // ---------------------------------------------------------------- memory plan
@@ -115,8 +142,20 @@ struct GroupPlan {
     int group_size = 0;
 };
 
-size_t input_bytes_per_head(const Dims& d) {
-    return (stage_elems(Stage::Q, d) + stage_elems(Stage::K, d) + stage_elems(Stage::V, d)) * sizeof(float);
+// The inputs a run reads: Q, K, V, and dO when a backward stage is computed.
+std::vector<Stage> inputs_read(StageSet computed) {
+    std::vector<Stage> v;
+    for (int i = 0; i < kNumStages; ++i) {
+        const Stage s = static_cast<Stage>(i);
+        if (is_input_echo(s) && (!is_backward_stage(s) || computed.any_backward())) v.push_back(s);
+    }
+    return v;
+}
+
+size_t input_bytes_per_head(const Dims& d, StageSet computed) {
+    size_t n = 0;
+    for (Stage s : inputs_read(computed)) n += stage_elems(s, d);
+    return n * sizeof(float);
 }
 
 size_t stage_bytes_per_head(const Dims& d, StageSet computed) {
@@ -137,7 +176,7 @@ std::string mib(size_t bytes) {
 GroupPlan plan_groups(const Options& o, const Problem& p, StageSet computed, const Backend& be) {
     GroupPlan g;
     size_t cap = o.max_memory_mb > 0 ? static_cast<size_t>(o.max_memory_mb) * kMiB : SIZE_MAX;
-    g.host_per_head = input_bytes_per_head(p.dims) + stage_bytes_per_head(p.dims, computed);
+    g.host_per_head = input_bytes_per_head(p.dims, computed) + stage_bytes_per_head(p.dims, computed);
     g.work_per_head = be.working_bytes_per_head(p, computed);
     g.host_budget = std::min(host_budget_bytes(), cap);
     g.work_budget = std::min(be.available_bytes(), cap);
@@ -188,13 +227,6 @@ void write_group(RunState& rs, const HeadGroup& g, StageSet written, const Dims&
     }
 }
 
-std::string stage_list(StageSet set) {
-    std::string s;
-    for (int i = 0; i < kNumStages; ++i)
-        if (set.has(static_cast<Stage>(i))) s += (s.empty() ? "" : ",") + std::string(stage_name(static_cast<Stage>(i)));
-    return s;
-}
-
 void write_run_manifest(RunState& rs, const Options& o, const Problem& p, const Backend& be, StageSet computed,
                         StageSet written) {
     FlashPlan flash;  // tiles 0 and no kernel: no flash stage was computed
@@ -233,9 +265,9 @@ int run(int argc, char** argv) {
     resolve_case_paths(&o);
     InputCase in = open_input_case(o.in_dir);
     Problem p = make_problem(o, in);
-    StageSet written = select_stages(o, p.dims);
-    StageSet computed = dependency_closure(written);
     std::unique_ptr<Backend> be = choose_backend(o.backend);
+    StageSet written = select_stages(o, in, *be);
+    StageSet computed = dependency_closure(written);
     check_forced_flash_kernel(o, *be, computed);
     GroupPlan plan = plan_groups(o, p, computed, *be);
 
@@ -254,20 +286,24 @@ int run(int argc, char** argv) {
         const Dims& d = p.dims;
         const int total = d.total_heads();
         std::vector<float> buf[kNumStages];
-        std::vector<float> q, k, v;
+        std::vector<float> inputs[kNumStages];
         for (int first = 0; first < total; first += plan.group_size) {
             HeadGroup g;
             g.first = first;
             g.count = std::min(plan.group_size, total - first);
-            q.resize(stage_elems(Stage::Q, d) * g.count);
-            k.resize(stage_elems(Stage::K, d) * g.count);
-            v.resize(stage_elems(Stage::V, d) * g.count);
+            for (Stage s : inputs_read(computed)) inputs[static_cast<int>(s)].resize(stage_elems(s, d) * g.count);
+            auto head_input = [&](Stage s, int j) {
+                std::vector<float>& b = inputs[static_cast<int>(s)];
+                return b.empty() ? nullptr : b.data() + stage_elems(s, d) * j;
+            };
             for (int j = 0; j < g.count; ++j)
-                read_head_inputs(in, first + j, o.allow_nonfinite, q.data() + stage_elems(Stage::Q, d) * j,
-                                 k.data() + stage_elems(Stage::K, d) * j, v.data() + stage_elems(Stage::V, d) * j);
-            g.q = q.data();
-            g.k = k.data();
-            g.v = v.data();
+                read_head_inputs(in, first + j, o.allow_nonfinite,
+                                 {head_input(Stage::Q, j), head_input(Stage::K, j), head_input(Stage::V, j),
+                                  head_input(Stage::dO, j)});
+            g.q = head_input(Stage::Q, 0);
+            g.k = head_input(Stage::K, 0);
+            g.v = head_input(Stage::V, 0);
+            g.dout = head_input(Stage::dO, 0);
             for (int i = 0; i < kNumStages; ++i)
                 if (computed.has(static_cast<Stage>(i))) {
                     buf[i].resize(stage_elems(static_cast<Stage>(i), d) * g.count);

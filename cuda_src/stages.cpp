@@ -5,30 +5,39 @@ namespace attnstep {
 
 namespace {
 
-// Adds the stages a single token names; false when the token names nothing.
-bool add_token(const std::string& tok, StageSet* out) {
-    if (tok == "all") { out->bits |= StageSet::all().bits; return true; }
-    bool group_stages = tok == "stages", group_flash = tok == "flash";
-    bool found = false;
+// The stages a group token names; empty when the token is not a group.
+StageSet group(const std::string& tok) {
+    if (tok == "all") return StageSet::all();
+    if (tok == "stages") return StageSet::all().minus(StageSet::flash());
+    if (tok == "flash") return StageSet::flash();
+    return {};
+}
+
+// Adds the stages a single token names (a stage name also to `named`); false when the token names
+// nothing.
+bool add_token(const std::string& tok, StageSet* out, StageSet* named) {
+    const StageSet g = group(tok);
+    out->bits |= g.bits;
     for (int i = 0; i < kNumStages; ++i) {
-        Stage s = static_cast<Stage>(i);
-        bool take = (group_stages && !is_flash_stage(s)) || (group_flash && is_flash_stage(s)) ||
-                    tok == stage_name(s);
-        if (take) { out->add(s); found = true; }
+        const Stage s = static_cast<Stage>(i);
+        if (tok != stage_name(s)) continue;
+        out->add(s);
+        named->add(s);
+        return true;
     }
-    return found;
+    return !g.empty();
 }
 
 }  // namespace
 
-bool parse_stage_list(const std::string& text, StageSet* out, std::string* bad) {
-    StageSet sel;
+bool parse_stage_list(const std::string& text, StageSet* out, std::string* bad, StageSet* named) {
+    StageSet sel, by_name;
     size_t start = 0;
     while (true) {
         size_t comma = text.find(',', start);
         std::string tok = text.substr(start, comma == std::string::npos ? std::string::npos
                                                                        : comma - start);
-        if (!add_token(tok, &sel)) {
+        if (!add_token(tok, &sel, &by_name)) {
             *bad = tok;
             return false;
         }
@@ -36,6 +45,7 @@ bool parse_stage_list(const std::string& text, StageSet* out, std::string* bad) 
         start = comma + 1;
     }
     *out = sel;
+    if (named) *named = by_name;
     return true;
 }
 

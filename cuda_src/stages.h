@@ -74,38 +74,70 @@ inline int sym_value(Sym s, const Dims& d) {
     return 0;
 }
 
-// X(id, rows, cols, from): `from` is the earlier stage whose buffer this stage is computed from,
-// beyond the inputs Q, K, V that are always loaded (NONE when it needs only those). Order matters:
-// a stage's source comes before it.
-#define ATTNSTEP_STAGES(X)                              \
-    X(Q,                 N,  DK,  NONE)                 \
-    X(K,                 M,  DK,  NONE)                 \
-    X(V,                 M,  DV,  NONE)                 \
-    X(KT,                DK, M,   NONE)                 \
-    X(QK,                N,  M,   NONE)                 \
-    X(QK_scaled,         N,  M,   QK)                   \
-    X(attention_weights, N,  M,   QK_scaled)            \
-    X(output,            N,  DV,  attention_weights)    \
-    X(flash_output,      N,  DV,  NONE)                 \
-    X(flash_lse,         N,  ONE, NONE)
+// X(id, rows, cols, pass, kind, (sources...)), in verify/stages.py's order:
+//   pass    fwd, or bwd: a backward stage, which exists only when the case has the output gradient dO;
+//   kind    input (the echo of an input the binary reads), path (the stage path) or flash (the tiled
+//           kernel's stages: those of one pass are computed together, so one pulls in all of them);
+//   sources the earlier stages whose buffers this stage is computed from, beyond the inputs (Q, K,
+//           V and dO), which are always loaded. A stage's sources come before it.
+#define ATTNSTEP_STAGES(X)                                                                      \
+    X(Q,                 N,  DK,  fwd, input, ())                                               \
+    X(K,                 M,  DK,  fwd, input, ())                                               \
+    X(V,                 M,  DV,  fwd, input, ())                                               \
+    X(KT,                DK, M,   fwd, path,  ())                                               \
+    X(QK,                N,  M,   fwd, path,  ())                                               \
+    X(QK_scaled,         N,  M,   fwd, path,  (QK))                                             \
+    X(attention_weights, N,  M,   fwd, path,  (QK_scaled))                                      \
+    X(output,            N,  DV,  fwd, path,  (attention_weights))                              \
+    X(flash_output,      N,  DV,  fwd, flash, ())                                               \
+    X(flash_lse,         N,  ONE, fwd, flash, ())                                               \
+    X(dO,                N,  DV,  bwd, input, ())                                               \
+    X(D,                 N,  ONE, bwd, path,  (output))                                         \
+    X(dP,                N,  M,   bwd, path,  ())                                               \
+    X(dS,                N,  M,   bwd, path,  (attention_weights, dP, D))                       \
+    X(dQ,                N,  DK,  bwd, path,  (dS))                                             \
+    X(dK,                M,  DK,  bwd, path,  (dS))                                             \
+    X(dV,                M,  DV,  bwd, path,  (attention_weights))                              \
+    X(flash_dQ,          N,  DK,  bwd, flash, (flash_output, flash_lse))                        \
+    X(flash_dK,          M,  DK,  bwd, flash, (flash_output, flash_lse))                        \
+    X(flash_dV,          M,  DV,  bwd, flash, (flash_output, flash_lse))
 
 enum class Stage : int {
-#define ATTNSTEP_ENUM(id, r, c, from) id,
+#define ATTNSTEP_ENUM(id, r, c, pass, kind, sources) id,
     ATTNSTEP_STAGES(ATTNSTEP_ENUM)
 #undef ATTNSTEP_ENUM
     NONE
 };
 constexpr int kNumStages = static_cast<int>(Stage::NONE);
+static_assert(kNumStages <= 32, "StageSet is a 32-bit mask");
+
+enum class Pass { fwd, bwd };
+enum class StageKind { input, path, flash };
+
+// The stage names as constants of their own, so that the table's source lists can name them bare.
+namespace stage_ids {
+#define ATTNSTEP_ID(id, r, c, pass, kind, sources) inline constexpr Stage id = Stage::id;
+ATTNSTEP_STAGES(ATTNSTEP_ID)
+#undef ATTNSTEP_ID
+}  // namespace stage_ids
+
+// The bit mask of a list of stages.
+template <typename... S>
+constexpr unsigned stage_mask(S... s) { return (0u | ... | (1u << static_cast<int>(s))); }
 
 struct StageInfo {
     const char* name;
     Sym rows, cols;
-    Stage from;
+    Pass pass;
+    StageKind kind;
+    unsigned sources;  // a mask over the table
 };
 
 inline const StageInfo& stage_info(Stage s) {
+    using namespace stage_ids;
     static const StageInfo table[kNumStages] = {
-#define ATTNSTEP_INFO(id, r, c, from) {#id, Sym::r, Sym::c, Stage::from},
+#define ATTNSTEP_INFO(id, r, c, pass, kind, sources) \
+    {#id, Sym::r, Sym::c, Pass::pass, StageKind::kind, stage_mask sources},
         ATTNSTEP_STAGES(ATTNSTEP_INFO)
 #undef ATTNSTEP_INFO
     };
@@ -119,55 +151,87 @@ inline size_t stage_elems(Stage s, const Dims& d) {
     return static_cast<size_t>(stage_rows(s, d)) * static_cast<size_t>(stage_cols(s, d));
 }
 
-// The elements of every stage of one head (the case-size limit counts these).
-inline long long elements_per_head(const Dims& d) {
+inline bool is_flash_stage(Stage s) { return stage_info(s).kind == StageKind::flash; }
+inline bool is_input_echo(Stage s) { return stage_info(s).kind == StageKind::input; }
+inline bool is_backward_stage(Stage s) { return stage_info(s).pass == Pass::bwd; }
+
+// The elements of every stage of one head (the case-size limit counts these); the backward stages
+// count only for a case that has dO.
+inline long long elements_per_head(const Dims& d, bool backward) {
     long long n = 0;
-    for (int i = 0; i < kNumStages; ++i)
-        n += static_cast<long long>(stage_rows(static_cast<Stage>(i), d)) * stage_cols(static_cast<Stage>(i), d);
+    for (int i = 0; i < kNumStages; ++i) {
+        const Stage s = static_cast<Stage>(i);
+        if (!is_backward_stage(s) || backward) n += static_cast<long long>(stage_rows(s, d)) * stage_cols(s, d);
+    }
     return n;
 }
 
 // Why dimensions that are each within 1..kMaxDim (head widths within kMaxHeadDim) still exceed the
 // case limits, or "" when they do not. 64-bit arithmetic: batch x heads may overflow an int.
-inline std::string case_limit_violation(const Dims& d) {
+inline std::string case_limit_violation(const Dims& d, bool backward) {
     const long long heads = static_cast<long long>(d.batch) * d.heads;
     if (heads > kMaxHeads)
         return "batch x heads = " + std::to_string(heads) + " heads; at most " + std::to_string(kMaxHeads);
-    const long long per_head = elements_per_head(d);
+    const long long per_head = elements_per_head(d, backward);
     if (per_head > kMaxElements / heads)
         return std::to_string(heads) + " heads of " + std::to_string(per_head) +
                " stage elements each; at most " + std::to_string(kMaxElements) + " elements in all";
     return "";
 }
 
-// The flash stages come from the tiled kernel; the rest form the "stage path".
-inline bool is_flash_stage(Stage s) { return s == Stage::flash_output || s == Stage::flash_lse; }
-inline bool is_input_echo(Stage s) { return s == Stage::Q || s == Stage::K || s == Stage::V; }
-
 // A set of stages as a bit mask over the table.
 struct StageSet {
     unsigned bits = 0;
     bool has(Stage s) const { return bits & (1u << static_cast<int>(s)); }
     void add(Stage s) { bits |= 1u << static_cast<int>(s); }
-    bool any_flash() const { return has(Stage::flash_output) || has(Stage::flash_lse); }
-    static StageSet all() { StageSet s; s.bits = (1u << kNumStages) - 1; return s; }
+    bool any(StageSet other) const { return (bits & other.bits) != 0; }
+    bool empty() const { return bits == 0; }
+    StageSet minus(StageSet other) const { return StageSet{bits & ~other.bits}; }
+    // The stages for which pred(s) holds.
+    template <typename Pred>
+    static StageSet where(Pred pred) {
+        StageSet out;
+        for (int i = 0; i < kNumStages; ++i)
+            if (pred(static_cast<Stage>(i))) out.add(static_cast<Stage>(i));
+        return out;
+    }
+    static StageSet all() { return StageSet{(1u << kNumStages) - 1}; }
+    static StageSet flash() { return where(is_flash_stage); }
+    static StageSet backward() { return where(is_backward_stage); }
+    bool any_flash() const { return any(flash()); }
+    bool any_backward() const { return any(backward()); }
 };
 
-// The selected stages plus everything they are computed from. The flash stages are computed
-// together by one kernel, so either one pulls in both.
+// The stages computed together with s: the flash stages of its pass (one kernel writes them all),
+// or s alone.
+inline StageSet computed_together(Stage s) {
+    if (!is_flash_stage(s)) return StageSet{1u << static_cast<int>(s)};
+    return StageSet::where([s](Stage t) { return is_flash_stage(t) && stage_info(t).pass == stage_info(s).pass; });
+}
+
+// True for the first stage of its computed_together() set: the one a backend computes the set at.
+inline bool leads_computation(Stage s) {
+    const unsigned together = computed_together(s).bits;
+    return (together & ((1u << static_cast<int>(s)) - 1)) == 0;
+}
+
+// The selected stages plus everything they are computed from, and everything computed with them.
 inline StageSet dependency_closure(StageSet sel) {
-    if (sel.any_flash()) { sel.add(Stage::flash_output); sel.add(Stage::flash_lse); }
-    for (int i = kNumStages - 1; i >= 0; --i) {
-        Stage s = static_cast<Stage>(i);
-        if (!sel.has(s)) continue;
-        Stage from = stage_info(s).from;
-        if (from != Stage::NONE) sel.add(from);
+    for (StageSet before; before.bits != sel.bits;) {
+        before = sel;
+        for (int i = 0; i < kNumStages; ++i) {
+            const Stage s = static_cast<Stage>(i);
+            if (before.has(s)) sel.bits |= computed_together(s).bits | stage_info(s).sources;
+        }
     }
     return sel;
 }
 
-// Parses "all", "stages" (the stage path), "flash", or a comma-separated list of stage names.
-// Returns false and sets `bad` to the offending token on an unknown name.
-bool parse_stage_list(const std::string& text, StageSet* out, std::string* bad);
+// Parses a comma-separated list of stage names and the groups "all" (every stage), "stages" (the
+// stage path: every stage that is not a flash stage) and "flash" (the flash stages). The groups
+// take the backward stages too; the caller drops them for a case without dO. `named` (optional)
+// gets the stages named one by one, which the caller must not drop silently. Returns false and
+// sets `bad` to the offending token on an unknown name.
+bool parse_stage_list(const std::string& text, StageSet* out, std::string* bad, StageSet* named = nullptr);
 
 }  // namespace attnstep

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from verify.stages import (DIM_KEYS, FLASH_HEAD_DIMS, INPUT_NAMES, MAX_HEAD_DIM, RUN_MANIFEST, STAGE_NAMES,
+from verify.stages import (DIM_KEYS, FLASH_HEAD_DIMS, FORWARD_STAGES, INPUT_NAMES, MAX_HEAD_DIM, RUN_MANIFEST,
                            stage_file)
 
 from conftest import GPU_PRESENT
@@ -511,11 +511,11 @@ def test_run_manifest_keys_and_crc32_match_zlib(binary, tmp_path):
         assert key in r, key
     assert (r["batch"], r["heads"], r["seq_q"], r["seq_k"], r["d_k"], r["d_v"]) == (2, 2, 5, 7, 16, 16)
     assert r["scale"] == pytest.approx(0.25) and r["causal"] is False and r["poison"] is False
-    assert r["stages"].split(",") == list(STAGE_NAMES)
+    assert r["stages"].split(",") == list(FORWARD_STAGES)
     assert (r["flash_block_q"], r["flash_block_k"]) == (64, 64)
-    assert all(f"time_ms_{s}" in r for s in STAGE_NAMES)
+    assert all(f"time_ms_{s}" in r for s in FORWARD_STAGES)
     crcs = {k[len("crc32_"):]: v for k, v in r.items() if k.startswith("crc32_")}
-    expected = {stage_file(s, i, "txt") for s in STAGE_NAMES for i in range(4)}
+    expected = {stage_file(s, i, "txt") for s in FORWARD_STAGES for i in range(4)}
     assert {k + ".txt" for k in crcs} == expected
     assert set(files_in(out_dir)) == expected | {RUN_MANIFEST}
     for key, crc in crcs.items():
@@ -537,7 +537,7 @@ def test_run_ids_are_unique(binary, tmp_path):
     ("QK_scaled", ["QK_scaled"]),
     ("flash", ["flash_output", "flash_lse"]),
     ("flash_lse", ["flash_lse"]),
-    ("stages", [s for s in STAGE_NAMES if not s.startswith("flash")]),
+    ("stages", [s for s in FORWARD_STAGES if not s.startswith("flash")]),
     ("output,KT", ["KT", "output"]),
 ], ids=["one-stage", "flash", "flash-lse", "stage-path", "list"])
 def test_stages_selection_writes_only_the_named(binary, tmp_path, stages, written):
@@ -685,7 +685,7 @@ def test_several_groups_give_identical_outputs(binary, tmp_path, fmt):
     assert run_cpu(binary, in_dir, tmp_path / "one").returncode == 0
     assert run_cpu(binary, in_dir, tmp_path / "many", "--max-memory-mb", "1").returncode == 0
     one, many = _matrices(tmp_path / "one", fmt), _matrices(tmp_path / "many", fmt)
-    assert one.keys() == many.keys() and len(one) == 5 * len(STAGE_NAMES)
+    assert one.keys() == many.keys() and len(one) == 5 * len(FORWARD_STAGES)
     for name in one:
         assert np.array_equal(one[name], many[name], equal_nan=True), name
     if fmt == "npy":  # no header line: the bytes, and so the CRCs, agree too

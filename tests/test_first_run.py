@@ -18,7 +18,7 @@ from verify import runner as runner_module
 from verify import tolerance
 from verify.cli import cli
 from verify.report import plural, tile_axis_name
-from verify.stages import STAGE_NAMES
+from verify.stages import FORWARD_STAGES, STAGE_NAMES
 
 REPO = Path(__file__).resolve().parent.parent
 SMALL = ["--heads", "2", "--seq-q", "9", "--seq-k", "13", "--d-k", "16", "--d-v", "16"]
@@ -138,7 +138,7 @@ def test_run_ends_with_one_summary_line(runner, tmp_path, binary):
     assert res.exit_code == 0, res.output
     last = res.stdout.strip().splitlines()[-1]
     assert re.fullmatch(rf"main: \d+\.\d\d s; cpu backend \(.+\), flash kernel \S+, 2 heads, "
-                        rf"{len(STAGE_NAMES)} stages; written to {re.escape(str(tmp_path / 'out'))}", last), last
+                        rf"{len(FORWARD_STAGES)} stages; written to {re.escape(str(tmp_path / 'out'))}", last), last
     quiet = runner.invoke(cli, args + ["--quiet"])
     assert quiet.exit_code == 0 and quiet.stdout == ""
 

@@ -1,4 +1,5 @@
-"""Input cases on disk: Q/K/V per head (text or .npy), an optional manifest, the layout checked.
+"""Input cases on disk: Q/K/V (and the output gradient dO) per head (text or .npy), an optional
+manifest, the layout checked.
 
 The matrix files and manifests are read by verify/matrix_io.py and verify/manifests.py (their
 names are re-exported here, where most callers look for them).
@@ -17,7 +18,8 @@ from .manifests import (INPUT_KEYS, INT64, check_scale, check_types, read_toml, 
 from .matrix_io import (CaseError, atomic_write_bytes, crc32_hex, file_kind, matrix_bytes,
                         matrix_max_bytes, output_file_target, parse_matrix, parse_npy_matrix, parse_text_matrix,
                         read_bytes, read_matrix, text_header_fields, write_matrix)
-from .stages import FORMATS, INPUT_MANIFEST, INPUT_NAMES, STAGES, Dims, parse_stage_file, stage_file
+from .stages import (CASE_INPUTS, FORMATS, GRAD_INPUT, INPUT_MANIFEST, INPUT_NAMES, STAGES, Dims, parse_stage_file,
+                     stage_file)
 
 __all__ = ["InputCase", "load_input_case", "input_head_files", "clear_input_files", "CaseError", "INPUT_KEYS",
            "INT64", "check_scale", "check_types", "read_toml", "validate_dims", "write_toml", "atomic_write_bytes",
@@ -38,6 +40,12 @@ class InputCase:
     manifest: bool = False         # the case has a manifest (which then says causal and scale)
     arrays: Optional[Dict[str, np.ndarray]] = None  # Q, K, V as (heads, rows, cols): the Python API
     allow_nonfinite: bool = False  # NaN/inf in Q/K/V load instead of being an error
+    backward: bool = False         # the case has dO for every head (the backward stages exist)
+
+    @property
+    def inputs(self) -> Tuple[str, ...]:
+        """The input matrices every head has: Q, K, V, and dO for a backward case."""
+        return CASE_INPUTS if self.backward else INPUT_NAMES
 
     def file(self, name: str, head: int) -> Path:
         return self.path / stage_file(name, head, self.fmt)
@@ -50,12 +58,12 @@ class InputCase:
 
 
 def _head_files(folder: Path) -> Dict[Tuple[str, int], List[str]]:
-    """(name, head) -> the formats present, from the names Q/K/V_head_<i>.<txt|npy> (head numbers
-    without leading zeros, as the binary lists them)."""
+    """(name, head) -> the formats present, from the names <input>_head_<i>.<txt|npy> of Q, K, V,
+    dO (head numbers without leading zeros, as the binary lists them)."""
     found: Dict[Tuple[str, int], List[str]] = {}
     for entry in sorted(os.listdir(folder)):
         parsed = parse_stage_file(entry)
-        if parsed and parsed[0] in INPUT_NAMES and entry == stage_file(*parsed):
+        if parsed and parsed[0] in CASE_INPUTS and entry == stage_file(*parsed):
             found.setdefault((parsed[0], parsed[1]), []).append(parsed[2])
     return found
 
@@ -89,10 +97,25 @@ def load_input_case(folder: Path) -> InputCase:
             raise CaseError(f"{manifest}: format = {fmt!r}; expected one of {', '.join(FORMATS)}")
         scale = check_scale(values["scale"], str(manifest)) if "scale" in values else None
         case = InputCase(folder, dims, fmt, values.get("causal", False), scale, manifest=True)
+        flag = values.get("backward")
     else:
         case = _infer_case(folder, files)
-    _check_layout(case, files)
+        flag = None
+    case.backward = _has_grad(case, files, flag)
+    _check_layout(case, files, flagged=flag is not None)
     return case
+
+
+def _has_grad(case: InputCase, files, flag: Optional[bool]) -> bool:
+    """Whether the case has dO: the manifest's `backward` when it says, else whether any dO file of
+    the case's format exists (then every head needs one), as the binary decides."""
+    grads = sorted(i for (name, i), formats in files.items() if name == GRAD_INPUT and case.fmt in formats)
+    if flag is None:
+        return bool(grads)
+    if not flag and grads:
+        raise CaseError(f"{case.file(GRAD_INPUT, grads[0])}: exists but {case.path / INPUT_MANIFEST} says "
+                        "backward = false; HINT: remove the dO files, or set backward = true")
+    return flag
 
 
 def _infer_case(folder: Path, files) -> InputCase:
@@ -118,14 +141,20 @@ def _infer_case(folder: Path, files) -> InputCase:
     return InputCase(folder, validate_dims(values, str(folder)), fmt)
 
 
-def _check_layout(case: InputCase, files) -> None:
-    """Every head's Q, K, V in the case's format; no head beyond the case; no file of the other
-    format (which one would be meant?), as the binary checks."""
+def _check_layout(case: InputCase, files, flagged: bool) -> None:
+    """Every head's inputs in the case's format; no head beyond the case; no file of the other
+    format (which one would be meant?), as the binary checks. `flagged`: the manifest says
+    `backward` (which then is why dO is required)."""
     total = case.dims.total_heads
     for i in range(total):
-        for name in INPUT_NAMES:
-            if case.fmt not in files.get((name, i), ()):
-                raise CaseError(f"{case.file(name, i)}: missing file ({total} heads expected)")
+        for name in case.inputs:
+            if case.fmt in files.get((name, i), ()):
+                continue
+            if name == GRAD_INPUT:
+                why = "the manifest says backward = true" if flagged else "the case has dO files, so every head needs one"
+                raise CaseError(f"{case.file(name, i)}: missing file ({why}); HINT: regenerate the case with "
+                                "'attnstep generate --backward'")
+            raise CaseError(f"{case.file(name, i)}: missing file ({total} heads expected)")
     for (name, i), formats in sorted(files.items(), key=lambda kv: kv[0][::-1]):
         other = [f for f in formats if f != case.fmt]
         if other:
@@ -137,12 +166,12 @@ def _check_layout(case: InputCase, files) -> None:
 
 
 def input_head_files(folder: Path) -> List[str]:
-    """The names of the Q/K/V head files in `folder`."""
+    """The names of the input head files (Q, K, V, dO) in `folder`."""
     return [stage_file(name, i, fmt) for (name, i), formats in _head_files(folder).items() for fmt in formats]
 
 
 def clear_input_files(folder: Path) -> None:
-    """Removes an earlier case's Q/K/V head files and manifest, so no stale head survives."""
+    """Removes an earlier case's input head files and manifest, so no stale head survives."""
     for name in input_head_files(folder):
         (folder / name).unlink()
     (folder / INPUT_MANIFEST).unlink(missing_ok=True)

@@ -26,8 +26,8 @@ from .programs import run_any_program, run_attnstep_binary, run_summary
 from .report import (check_plot_folder, failure_lines, header_lines, plural, summary_lines, table_lines,
                      write_json, write_junit, write_plots)
 from .runner import BINARY_NAME, ensure_built, example_names
-from .stages import (DATA_DIR, DEFAULT_CASE, DEFAULT_INPUT_DIR, DEFAULT_RESULT, FORMATS,
-                     PRECISIONS, STAGE_NAMES, Dims)
+from .stages import (BACKWARD_STAGES, CASE_INPUTS, DATA_DIR, DEFAULT_CASE, DEFAULT_INPUT_DIR, DEFAULT_RESULT,
+                     FORMATS, INPUT_NAMES, PRECISIONS, STAGE_NAMES, STAGES, Dims)
 
 # Work (N·M·heads) above which `check` shows a progress bar, and values written above which
 # `generate` does (on a terminal only).
@@ -120,19 +120,24 @@ def cli():
               show_default=True, help="uniform [0,1) as the original; normal; large (logits in the hundreds).")
 @click.option("--format", "fmt", type=click.Choice(FORMATS), default="txt", show_default=True,
               help="Matrix file format.")
+@click.option("--backward", is_flag=True,
+              help="Also write the output gradient dO_head_{i} (seq_q x d_v), for the backward stages.")
 @force_option
 @_user_errors
-def generate(out_dir, batch, heads, seq_q, seq_k, d_k, d_v, causal, scale, seed, distribution, fmt, force):
+def generate(out_dir, batch, heads, seq_q, seq_k, d_k, d_v, causal, scale, seed, distribution, fmt, backward,
+             force):
     """Write a random input case.
 
-    Writes Q_head_{i}, K_head_{i}, V_head_{i} for every head i (batch-major) and manifest.toml
-    into OUT, replacing the case attnstep generated there before (with --force, any input case).
+    Writes Q_head_{i}, K_head_{i}, V_head_{i} (with --backward also dO_head_{i}) for every head i
+    (batch-major) and manifest.toml into OUT, replacing the case attnstep generated there before
+    (with --force, any input case).
     """
     dims = Dims(batch, heads, seq_q, seq_k, d_k, d_v)
-    values = dims.total_heads * (seq_q * d_k + seq_k * (d_k + d_v))
+    inputs = CASE_INPUTS if backward else INPUT_NAMES
+    values = dims.total_heads * sum(r * c for r, c in (STAGES[n].shape(dims) for n in inputs))
     with _progress(dims.total_heads, "generating heads", values >= GENERATE_PROGRESS_MIN_VALUES) as advance:
         generate_case(out_dir, dims, causal=causal, scale=scale, seed=seed, distribution=distribution,
-                      fmt=fmt, force=force, progress=advance)
+                      fmt=fmt, backward=backward, force=force, progress=advance)
     click.echo(f"wrote {plural(dims.total_heads, 'head')} (N={seq_q} M={seq_k} d_k={d_k} d_v={d_v}, "
                f"{distribution}, seed {seed}) to {out_dir}")
 
@@ -167,8 +172,10 @@ def _run_args(stages, fmt, precision, poison, causal, scale, max_memory_mb, allo
 @timeout_option
 @click.option("--cwd", type=click.Path(exists=True, file_okay=False, path_type=Path),
               help="Run the program in this folder (e.g. build/ for `./main random_test`).")
-@click.option("--stages", help="Stages to write: all, stages, flash, or a comma list "
-              f"({', '.join(STAGE_NAMES)}).")
+@click.option("--stages", help="Stages to write: all (every stage the case allows), stages (the stage path), "
+              "flash (the flash stages), or a comma list of stages "
+              f"({', '.join(STAGE_NAMES)}). The backward stages ({', '.join(BACKWARD_STAGES)}) need a "
+              "case with dO ('attnstep generate --backward').")
 @click.option("--format", "fmt", type=click.Choice(FORMATS), help="Output format [default: the input's].")
 @click.option("--precision", type=click.Choice(PRECISIONS), help="fp32 (default) or tf32 GEMMs/flash.")
 @click.option("--poison", is_flag=True, help="Pre-fill outputs with NaN so unwritten elements show.")

@@ -1,4 +1,5 @@
-"""Input case generator: random Q, K, V per head plus the manifest the binary reads."""
+"""Input case generator: random Q, K, V (and the output gradient dO) per head plus the manifest the
+binary reads."""
 from __future__ import annotations
 
 import os
@@ -10,7 +11,7 @@ import numpy as np
 
 from .case import (INT64, CaseError, check_scale, clear_input_files, input_head_files, read_toml,
                    validate_dims, write_matrix, write_toml)
-from .stages import DIM_KEYS, FORMATS, INPUT_MANIFEST, INPUT_NAMES, STAGES, Dims, stage_file
+from .stages import DIM_KEYS, FORMATS, GRAD_INPUT, INPUT_MANIFEST, INPUT_NAMES, STAGES, Dims, stage_file
 
 # The `large` distribution scales N(0, 1) by this factor, so that scaled logits q·k/√d_k have a
 # standard deviation of LARGE_STD² = 100 and reach the hundreds: exp() of them overflows float32
@@ -36,10 +37,11 @@ DEFAULT_DIMS = Dims(batch=1, heads=12, seq_q=128, seq_k=128, d_k=64, d_v=64)
 
 
 def generate_case(out_dir: Path, dims: Dims, *, causal: bool = False, scale: Optional[float] = None,
-                  seed: int = 0, distribution: str = "uniform", fmt: str = "txt",
+                  seed: int = 0, distribution: str = "uniform", fmt: str = "txt", backward: bool = False,
                   force: bool = False, progress: Optional[Callable[[int], None]] = None) -> Path:
     """Writes Q/K/V for every head (batch-major) and manifest.toml into `out_dir`; `progress(i)` is
-    called after head i is written.
+    called after head i is written. With `backward`, also dO for every head (same distribution,
+    from a random stream of its own, so Q/K/V of a seed do not depend on it) and `backward = true`.
 
     Everything is written into a temporary folder inside `out_dir` first and moved into place at
     the end (the manifest last), so an interrupted generation leaves neither a mix of old and new
@@ -67,16 +69,22 @@ def generate_case(out_dir: Path, dims: Dims, *, causal: bool = False, scale: Opt
         staging.mkdir()
         names = []
         sample = DISTRIBUTIONS[distribution]
-        rng = np.random.default_rng(seed)
+        seeds = np.random.SeedSequence(seed)
+        streams = [(INPUT_NAMES, np.random.default_rng(seeds))]
+        if backward:
+            streams.append(((GRAD_INPUT,), np.random.default_rng(seeds.spawn(1)[0])))
         for i in range(dims.total_heads):  # one head at a time: bounded memory
-            for name in INPUT_NAMES:
-                names.append(stage_file(name, i, fmt))
-                write_matrix(staging / names[-1], sample(rng, STAGES[name].shape(dims)), fmt)
+            for inputs, rng in streams:
+                for name in inputs:
+                    names.append(stage_file(name, i, fmt))
+                    write_matrix(staging / names[-1], sample(rng, STAGES[name].shape(dims)), fmt)
             if progress is not None:
                 progress(i)
         manifest = {k: getattr(dims, k) for k in DIM_KEYS}
         manifest.update(causal=causal, format=fmt, seed=seed, distribution=distribution,
                         generator=GENERATOR)
+        if backward:
+            manifest["backward"] = True
         if scale is not None:
             manifest["scale"] = float(scale)
         write_toml(staging / INPUT_MANIFEST, manifest, "attnstep input case (see docs/contract.md)")

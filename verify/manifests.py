@@ -17,7 +17,7 @@ from .stages import DIM_KEYS, MAX_DIM, MAX_ELEMENTS, MAX_HEAD_DIM, MAX_HEADS, Di
 # Manifests: flat `key = value` TOML.
 
 INPUT_KEYS = {**{k: int for k in DIM_KEYS}, "causal": bool, "scale": float, "format": str,
-              "seed": int, "distribution": str, "generator": str}
+              "seed": int, "distribution": str, "generator": str, "backward": bool}
 _TYPE_WORDS = {int: "an integer", bool: "true or false", float: "a number", str: "a quoted string"}
 INT64 = 2**63
 

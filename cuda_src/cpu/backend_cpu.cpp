@@ -71,14 +71,58 @@ std::vector<float> transposed(const float* a, int rows, int cols) {
     return t;
 }
 
-// out[0..n) = x[0..k) . B (k x n, row-major), accumulated over k in order.
-inline void row_times_matrix(const float* x, const float* B, int k, int n, float* out) {
+// out[0..n) = x[0..k) . B (k x n, row-major), accumulated over k in order; with tf32, each x[t]
+// is rounded as a tensor core reads it (B is rounded by the caller, once).
+inline void row_times_matrix(const float* x, const float* B, int k, int n, float* out, bool tf32 = false) {
     std::fill_n(out, n, 0.f);
     for (int t = 0; t < k; ++t) {
-        const float xt = x[t];
+        const float xt = tf32 ? round_tf32(x[t]) : x[t];
         const float* Bt = B + static_cast<size_t>(t) * n;
         for (int c = 0; c < n; ++c) out[c] += xt * Bt[c];
     }
+}
+
+// y[i] += a x[i] for i in [0, n).
+inline void axpy(float a, const float* x, float* y, int n) {
+    for (int i = 0; i < n; ++i) y[i] += a * x[i];
+}
+
+// out[i] += x[i] for i in [0, n).
+inline void add_to(float* out, const float* x, int n) {
+    for (int i = 0; i < n; ++i) out[i] += x[i];
+}
+
+// out[i] *= s for i in [0, n).
+inline void scale_by(float* out, float s, size_t n) {
+    for (size_t i = 0; i < n; ++i) out[i] *= s;
+}
+
+// Rows [r0, r1) of A·Bᵀ (A: rows x k, B: n x k, both row-major) into out (row stride n): each row
+// a row_times_matrix over a transposed copy of B, accumulating over k in order like a dot product.
+void rows_times_transposed(const float* A, const float* B, int r0, int r1, int k, int n, float* out, bool tf32) {
+    const std::vector<float> BT = transposed(B, n, k);
+    for (int r = r0; r < r1; ++r)
+        row_times_matrix(A + static_cast<size_t>(r) * k, BT.data(), k, n, out + static_cast<size_t>(r) * n, tf32);
+}
+
+// Rows [c0, c1) of Aᵀ·B (A: rows x cols, B: rows x n, both row-major) into out (row stride n):
+// out[c] = sum_r A[r][c] B[r], accumulated over r in order. Reads A's rows in order, so no
+// transposed copy of A.
+void transposed_times_matrix(const float* A, const float* B, int rows, int cols, int c0, int c1, int n, float* out,
+                             bool tf32) {
+    std::fill(out + static_cast<size_t>(c0) * n, out + static_cast<size_t>(c1) * n, 0.f);
+    for (int r = 0; r < rows; ++r) {
+        const float* Ar = A + static_cast<size_t>(r) * cols;
+        const float* Br = B + static_cast<size_t>(r) * n;
+        for (int c = c0; c < c1; ++c) axpy(tf32 ? round_tf32(Ar[c]) : Ar[c], Br, out + static_cast<size_t>(c) * n, n);
+    }
+}
+
+// sum_i x[i] y[i], in order.
+inline float dot(const float* x, const float* y, int n) {
+    float s = 0.f;
+    for (int i = 0; i < n; ++i) s += x[i] * y[i];
+    return s;
 }
 
 // The per-head matrices of one stage inside a group buffer.
@@ -88,6 +132,33 @@ struct View {
     float* head(int h) const { return base + per_head * h; }
 };
 
+// The group's inputs as the GEMMs read them (rounded copies for TF32).
+struct Operands {
+    const float *q, *k, *v, *dout;
+    // Head h's matrix of input stage s.
+    const float* head(Stage s, const Dims& d, size_t h) const {
+        const float* base = s == Stage::Q ? q : s == Stage::K ? k : s == Stage::V ? v : dout;
+        return base + stage_elems(s, d) * h;
+    }
+};
+
+// Runs fn(h, r) for every row r in [0, rows) of every head h in [0, heads).
+template <typename Fn>
+void parallel_rows(int heads, int rows, Fn fn) {
+    parallel_for(static_cast<size_t>(heads) * rows, [&](size_t hr) {
+        fn(static_cast<int>(hr / rows), static_cast<int>(hr % rows));
+    });
+}
+
+// Runs fn(h, r0, r1) for every block [r0, r1) of kRowBlock rows of every head h.
+template <typename Fn>
+void parallel_row_blocks(int heads, int rows, Fn fn) {
+    parallel_for(static_cast<size_t>(heads) * row_blocks(rows), [&](size_t item) {
+        const int r0 = static_cast<int>(item % row_blocks(rows)) * kRowBlock;
+        fn(static_cast<int>(item / row_blocks(rows)), r0, std::min(rows, r0 + kRowBlock));
+    });
+}
+
 class CpuBackend : public Backend {
 public:
     const char* name() const override { return "cpu"; }
@@ -95,20 +166,28 @@ public:
         return "host CPU (" + std::to_string(std::max(1u, std::thread::hardware_concurrency())) + " threads)";
     }
     FlashPlan flash_plan(const Problem&) const override { return {kFlashBr, kFlashBc, "cpu-tiled"}; }
+    bool computes_backward() const override { return true; }
     size_t working_bytes_per_head(const Problem& p, StageSet computed) const override {
-        // TF32 keeps rounded copies of Q, K, V; the flash tiles' scratch is per thread, not per
-        // head, and small enough to ignore.
+        // TF32 keeps rounded copies of the inputs; the flash backward keeps D (N floats); the
+        // flash tiles' scratch is per thread, not per head, and small enough to ignore.
         const Dims& d = p.dims;
-        bool gemm = computed.has(Stage::QK) || computed.has(Stage::output) || computed.any_flash();
-        if (p.precision != Precision::tf32 || !gemm) return 0;
-        return (static_cast<size_t>(d.N) * d.dk + static_cast<size_t>(d.M) * (d.dk + d.dv)) * sizeof(float);
+        size_t floats = computed.has(Stage::flash_dQ) ? static_cast<size_t>(d.N) : 0;
+        if (p.precision == Precision::tf32 && computed.any(kGemmStages))
+            for (Stage s : {Stage::Q, Stage::K, Stage::V, Stage::dO})
+                if (s != Stage::dO || computed.any_backward()) floats += stage_elems(s, d);
+        return floats * sizeof(float);
     }
     size_t available_bytes() const override { return host_budget_bytes(); }
     void compute(const Problem& p, StageSet computed, HeadGroup& g, StageTimes* times) override;
 
 private:
-    void run_stage(Stage s, const Problem& p, HeadGroup& g, const float* q, const float* k, const float* v);
-    void flash(const Problem& p, HeadGroup& g, const float* q, const float* k, const float* v);
+    // The stages whose arithmetic reads the TF32-rounded operands.
+    static constexpr StageSet kGemmStages{stage_mask(Stage::QK, Stage::output, Stage::flash_output, Stage::dP,
+                                                     Stage::dQ, Stage::dK, Stage::dV, Stage::flash_dQ)};
+    void run_stage(Stage s, const Problem& p, HeadGroup& g, const Operands& in);
+    void run_backward_stage(Stage s, const Problem& p, HeadGroup& g, const Operands& in);
+    void flash(const Problem& p, HeadGroup& g, const Operands& in);
+    void flash_backward(const Problem& p, HeadGroup& g, const Operands& in);
 };
 
 void CpuBackend::compute(const Problem& p, StageSet computed, HeadGroup& g, StageTimes* times) {
@@ -119,34 +198,39 @@ void CpuBackend::compute(const Problem& p, StageSet computed, HeadGroup& g, Stag
             if (computed.has(s) && g.out[i])
                 std::fill_n(g.out[i], stage_elems(s, d) * g.count, std::numeric_limits<float>::quiet_NaN());
         }
+    if (computed.any_backward() && !g.dout)
+        fail(kExitInternal, where(__FILE__, __LINE__) + ": a backward stage without dO");
     // GEMM operands, rounded once per group for TF32.
-    const float *q = g.q, *k = g.k, *v = g.v;
-    std::vector<float> qr, kr, vr;
+    Operands in{g.q, g.k, g.v, g.dout};
+    std::vector<float> rounded_copies[4];
     if (p.precision == Precision::tf32) {
-        auto rounded = [](const float* src, size_t n, std::vector<float>& dst) {
-            dst.resize(n);
-            std::transform(src, src + n, dst.begin(), round_tf32);
-            return dst.data();
-        };
-        q = rounded(g.q, stage_elems(Stage::Q, d) * g.count, qr);
-        k = rounded(g.k, stage_elems(Stage::K, d) * g.count, kr);
-        v = rounded(g.v, stage_elems(Stage::V, d) * g.count, vr);
+        const float** operand[] = {&in.q, &in.k, &in.v, &in.dout};
+        const Stage stage[] = {Stage::Q, Stage::K, Stage::V, Stage::dO};
+        for (int j = 0; j < 4; ++j) {
+            if (!*operand[j]) continue;
+            std::vector<float>& dst = rounded_copies[j];
+            dst.resize(stage_elems(stage[j], d) * g.count);
+            std::transform(*operand[j], *operand[j] + dst.size(), dst.begin(), round_tf32);
+            *operand[j] = dst.data();
+        }
     }
     for (int i = 0; i < kNumStages; ++i) {
         Stage s = static_cast<Stage>(i);
-        if (!computed.has(s) || s == Stage::flash_lse) continue;  // flash_lse comes with flash_output
+        // The flash stages of one pass are computed at the first of them (their time is its).
+        if (!computed.has(s) || !leads_computation(s)) continue;
         if (!g.out[i]) fail(kExitInternal, where(__FILE__, __LINE__) + ": no buffer for stage " + stage_name(s));
         auto t0 = std::chrono::steady_clock::now();
-        if (s == Stage::flash_output) flash(p, g, q, k, v);
-        else run_stage(s, p, g, q, k, v);
+        if (s == Stage::flash_output) flash(p, g, in);
+        else if (s == Stage::flash_dQ) flash_backward(p, g, in);
+        else if (is_backward_stage(s)) run_backward_stage(s, p, g, in);
+        else run_stage(s, p, g, in);
         double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
         if (times) times->ms[i] += ms;
     }
 }
 
 // One stage of the stage path for every head of the group.
-void CpuBackend::run_stage(Stage s, const Problem& p, HeadGroup& g, const float* q, const float* k,
-                           const float* v) {
+void CpuBackend::run_stage(Stage s, const Problem& p, HeadGroup& g, const Operands& in) {
     const Dims& d = p.dims;
     const int N = d.N, M = d.M, dk = d.dk, dv = d.dv;
     const size_t rows_all = static_cast<size_t>(g.count) * N;
@@ -169,13 +253,9 @@ void CpuBackend::run_stage(Stage s, const Problem& p, HeadGroup& g, const float*
             // across columns, while each element still accumulates over t in order, like a dot.
             // Items are (head, block of kRowBlock rows); each makes its own KT copy, 1/kRowBlock of
             // its arithmetic.
-            parallel_for(static_cast<size_t>(g.count) * row_blocks(N), [&](size_t item) {
-                const size_t h = item / row_blocks(N);
-                const int r0 = static_cast<int>(item % row_blocks(N)) * kRowBlock, r1 = std::min(N, r0 + kRowBlock);
-                std::vector<float> KT = transposed(k + stage_elems(Stage::K, d) * h, M, dk);
-                for (int r = r0; r < r1; ++r)
-                    row_times_matrix(q + stage_elems(Stage::Q, d) * h + static_cast<size_t>(r) * dk, KT.data(), dk, M,
-                                     out.head(static_cast<int>(h)) + static_cast<size_t>(r) * M);
+            parallel_row_blocks(g.count, N, [&](int h, int r0, int r1) {
+                rows_times_transposed(in.head(Stage::Q, d, h), in.head(Stage::K, d, h), r0, r1, dk, M, out.head(h),
+                                      false);
             });
             break;
         case Stage::QK_scaled: {
@@ -211,18 +291,73 @@ void CpuBackend::run_stage(Stage s, const Problem& p, HeadGroup& g, const float*
         case Stage::output: {
             // O[r] = sum_c P[r][c] V[c]: a running axpy over V's rows keeps every access contiguous.
             View pw{g.out[static_cast<int>(Stage::attention_weights)], stage_elems(Stage::attention_weights, d)};
-            bool tf32 = p.precision == Precision::tf32;
-            parallel_for(rows_all, [&](size_t hr) {
-                size_t h = hr / N, r = hr % N;
-                const float* P = pw.head(static_cast<int>(h)) + r * M;
-                const float* V = v + stage_elems(Stage::V, d) * h;
-                float* O = out.head(static_cast<int>(h)) + r * dv;
-                std::fill_n(O, dv, 0.f);
-                for (int c = 0; c < M; ++c) {
-                    float w = tf32 ? round_tf32(P[c]) : P[c];
-                    const float* Vc = V + static_cast<size_t>(c) * dv;
-                    for (int j = 0; j < dv; ++j) O[j] += w * Vc[j];
-                }
+            parallel_rows(g.count, N, [&](int h, int r) {
+                row_times_matrix(pw.head(h) + static_cast<size_t>(r) * M, in.head(Stage::V, d, h), M, dv,
+                                 out.head(h) + static_cast<size_t>(r) * dv, p.precision == Precision::tf32);
+            });
+            break;
+        }
+        default:
+            fail(kExitInternal, where(__FILE__, __LINE__) + ": the CPU backend has no code for stage " + stage_name(s));
+    }
+}
+
+// One backward stage of the stage path for every head of the group (docs/contract.md: D, dP, dS,
+// dQ, dK, dV from dO and the forward's stages).
+void CpuBackend::run_backward_stage(Stage s, const Problem& p, HeadGroup& g, const Operands& in) {
+    const Dims& d = p.dims;
+    const int N = d.N, M = d.M, dk = d.dk, dv = d.dv;
+    const bool tf32 = p.precision == Precision::tf32;
+    View out{g.out[static_cast<int>(s)], stage_elems(s, d)};
+    auto stage = [&](Stage t) { return View{g.out[static_cast<int>(t)], stage_elems(t, d)}; };
+    switch (s) {
+        case Stage::dO: std::copy_n(g.dout, stage_elems(s, d) * g.count, out.base); break;
+        case Stage::D: {
+            // D[r] = dO[r] · O[r], from dO as read (not a GEMM operand).
+            const View O = stage(Stage::output);
+            parallel_rows(g.count, N, [&](int h, int r) {
+                out.head(h)[r] = dot(g.dout + stage_elems(Stage::dO, d) * h + static_cast<size_t>(r) * dv,
+                                     O.head(h) + static_cast<size_t>(r) * dv, dv);
+            });
+            break;
+        }
+        case Stage::dP:
+            parallel_row_blocks(g.count, N, [&](int h, int r0, int r1) {
+                rows_times_transposed(in.head(Stage::dO, d, h), in.head(Stage::V, d, h), r0, r1, dv, M, out.head(h),
+                                      false);
+            });
+            break;
+        case Stage::dS: {
+            // dS = P∘(dP − D), written as 0 where masked (P is 0 there, and a product could be -0).
+            const View P = stage(Stage::attention_weights), dP = stage(Stage::dP), D = stage(Stage::D);
+            parallel_rows(g.count, N, [&](int h, int r) {
+                const size_t row = static_cast<size_t>(r) * M;
+                for (int c = 0; c < M; ++c)
+                    out.head(h)[row + c] = masked(p.causal, r, c) ? 0.f : P.head(h)[row + c] * (dP.head(h)[row + c] - D.head(h)[r]);
+            });
+            break;
+        }
+        case Stage::dQ: {
+            const View dS = stage(Stage::dS);
+            parallel_rows(g.count, N, [&](int h, int r) {
+                float* row = out.head(h) + static_cast<size_t>(r) * dk;
+                row_times_matrix(dS.head(h) + static_cast<size_t>(r) * M, in.head(Stage::K, d, h), M, dk, row, tf32);
+                scale_by(row, p.scale, dk);
+            });
+            break;
+        }
+        case Stage::dK: {
+            const View dS = stage(Stage::dS);
+            parallel_row_blocks(g.count, M, [&](int h, int c0, int c1) {
+                transposed_times_matrix(dS.head(h), in.head(Stage::Q, d, h), N, M, c0, c1, dk, out.head(h), tf32);
+                scale_by(out.head(h) + static_cast<size_t>(c0) * dk, p.scale, static_cast<size_t>(c1 - c0) * dk);
+            });
+            break;
+        }
+        case Stage::dV: {
+            const View P = stage(Stage::attention_weights);
+            parallel_row_blocks(g.count, M, [&](int h, int c0, int c1) {
+                transposed_times_matrix(P.head(h), in.head(Stage::dO, d, h), N, M, c0, c1, dv, out.head(h), tf32);
             });
             break;
         }
@@ -235,7 +370,7 @@ void CpuBackend::run_stage(Stage s, const Problem& p, HeadGroup& g, const float*
 // key/value tiles Kj, Vj (Bc rows) keeping a running row max m, row sum l and unnormalised output;
 // never holds an N x M matrix. Causal tiles wholly above the diagonal are skipped; the last tiles
 // may be partial (tail rows/columns are simply not visited).
-void CpuBackend::flash(const Problem& p, HeadGroup& g, const float* q, const float* k, const float* v) {
+void CpuBackend::flash(const Problem& p, HeadGroup& g, const Operands& in) {
     const Dims& dm = p.dims;
     const int N = dm.N, M = dm.M, d = dm.dk;
     const int Br = kFlashBr, Bc = kFlashBc;
@@ -247,9 +382,9 @@ void CpuBackend::flash(const Problem& p, HeadGroup& g, const float* q, const flo
     parallel_for(static_cast<size_t>(g.count) * Tr, [&](size_t item) {
         const int h = static_cast<int>(item / Tr), i = static_cast<int>(item % Tr);
         const int r0 = i * Br, rows = std::min(Br, N - r0);
-        const float* Qi = q + stage_elems(Stage::Q, dm) * h + static_cast<size_t>(r0) * d;
-        const float* K = k + stage_elems(Stage::K, dm) * h;
-        const float* V = v + stage_elems(Stage::V, dm) * h;
+        const float* Qi = in.head(Stage::Q, dm, h) + static_cast<size_t>(r0) * d;
+        const float* K = in.head(Stage::K, dm, h);
+        const float* V = in.head(Stage::V, dm, h);
         std::vector<float> m(rows, kNegInf), l(rows, 0.f), O(static_cast<size_t>(rows) * d, 0.f),
             S(static_cast<size_t>(Bc));
         for (int j = 0; j < Tc; ++j) {
@@ -290,6 +425,110 @@ void CpuBackend::flash(const Problem& p, HeadGroup& g, const float* q, const flo
             for (int t = 0; t < d; ++t) Oout[static_cast<size_t>(rr) * d + t] = O[static_cast<size_t>(rr) * d + t] * inv;
             lse[rr] = m[rr] + std::log(l[rr]);
         }
+    });
+}
+
+// One key tile of one head, as the flash backward reads it: Kj and Vj (cols rows from key c0) and
+// their transposed copies.
+struct KeyTile {
+    int c0 = 0, cols = 0;
+    const float *K = nullptr, *V = nullptr;
+    std::vector<float> KT, VT;  // d x cols
+    KeyTile(const float* K_head, const float* V_head, int c0_, int cols_, int d)
+        : c0(c0_), cols(cols_), K(K_head + static_cast<size_t>(c0_) * d), V(V_head + static_cast<size_t>(c0_) * d),
+          KT(transposed(K, cols_, d)), VT(transposed(V, cols_, d)) {}
+};
+
+// One query row's view of the flash backward: its Q and dO rows, its lse and D.
+struct QueryRow {
+    int r;
+    const float *q, *dout;
+    float lse, D;
+};
+
+// P and dS of one query row against one key tile, recomputed from the forward's lse:
+// P = exp(scale·q·kᵀ − lse) (0 where masked), dP = dO·vᵀ, dS = P∘(dP − D) (0 where masked).
+void recompute_row(const Problem& p, const QueryRow& row, const KeyTile& t, int d, float* P, float* dS) {
+    row_times_matrix(row.q, t.KT.data(), d, t.cols, P);
+    row_times_matrix(row.dout, t.VT.data(), d, t.cols, dS);
+    for (int cc = 0; cc < t.cols; ++cc) {
+        if (masked(p.causal, row.r, t.c0 + cc)) {
+            P[cc] = dS[cc] = 0.f;
+            continue;
+        }
+        P[cc] = std::exp(P[cc] * p.scale - row.lse);
+        dS[cc] = P[cc] * (dS[cc] - row.D);
+    }
+}
+
+// FlashAttention-2 backward (Dao, Algorithm 2) in its deterministic two-pass form, as the GPU runs
+// it: D = rowsum(dO∘O) first; then one pass over key tiles, each accumulating its dK_j and dV_j
+// over the query tiles it is visible to, and one pass over query tiles, each accumulating its dQ_i
+// over the key tiles. P is recomputed tile by tile from Q, K and flash_lse, so no N x M buffer;
+// every sum has one owner, so the result does not depend on the thread schedule.
+void CpuBackend::flash_backward(const Problem& p, HeadGroup& g, const Operands& in) {
+    const Dims& dm = p.dims;
+    const int N = dm.N, M = dm.M, d = dm.dk;
+    const int Br = kFlashBr, Bc = kFlashBc;
+    const int Tr = (N + Br - 1) / Br, Tc = (M + Bc - 1) / Bc;
+    const bool tf32 = p.precision == Precision::tf32;
+    const View O{g.out[static_cast<int>(Stage::flash_output)], stage_elems(Stage::flash_output, dm)};
+    const View lse{g.out[static_cast<int>(Stage::flash_lse)], stage_elems(Stage::flash_lse, dm)};
+    const View dQ{g.out[static_cast<int>(Stage::flash_dQ)], stage_elems(Stage::flash_dQ, dm)};
+    const View dK{g.out[static_cast<int>(Stage::flash_dK)], stage_elems(Stage::flash_dK, dm)};
+    const View dV{g.out[static_cast<int>(Stage::flash_dV)], stage_elems(Stage::flash_dV, dm)};
+    if (!O.base || !lse.base || !dK.base || !dV.base)
+        fail(kExitInternal, where(__FILE__, __LINE__) + ": the flash backward without its buffers");
+    // Preprocess: D_r = dO_r · O_r, from dO as read (not a GEMM operand).
+    std::vector<float> D(static_cast<size_t>(g.count) * N);
+    parallel_rows(g.count, N, [&](int h, int r) {
+        D[static_cast<size_t>(h) * N + r] = dot(g.dout + stage_elems(Stage::dO, dm) * h + static_cast<size_t>(r) * d,
+                                                O.head(h) + static_cast<size_t>(r) * d, d);
+    });
+    auto query_row = [&](int h, int r) {
+        return QueryRow{r, in.head(Stage::Q, dm, h) + static_cast<size_t>(r) * d,
+                        in.head(Stage::dO, dm, h) + static_cast<size_t>(r) * d, lse.head(h)[r],
+                        D[static_cast<size_t>(h) * N + r]};
+    };
+    auto weight = [tf32](float x) { return tf32 ? round_tf32(x) : x; };
+    // Pass 1: dK_j = scale·sum_i dS_ijᵀ Q_i and dV_j = sum_i P_ijᵀ dO_i, over the query tiles that
+    // are not wholly masked (causal: those from the tile holding query row c0 on).
+    parallel_for(static_cast<size_t>(g.count) * Tc, [&](size_t item) {
+        const int h = static_cast<int>(item / Tc), j = static_cast<int>(item % Tc);
+        const KeyTile t(in.head(Stage::K, dm, h), in.head(Stage::V, dm, h), j * Bc, std::min(Bc, M - j * Bc), d);
+        float* dKj = dK.head(h) + static_cast<size_t>(t.c0) * d;
+        float* dVj = dV.head(h) + static_cast<size_t>(t.c0) * d;
+        std::fill_n(dKj, static_cast<size_t>(t.cols) * d, 0.f);
+        std::fill_n(dVj, static_cast<size_t>(t.cols) * d, 0.f);
+        std::vector<float> P(Bc), dS(Bc);
+        for (int r = p.causal ? t.c0 / Br * Br : 0; r < N; ++r) {
+            const QueryRow row = query_row(h, r);
+            recompute_row(p, row, t, d, P.data(), dS.data());
+            for (int cc = 0; cc < t.cols; ++cc) {
+                axpy(weight(P[cc]), row.dout, dVj + static_cast<size_t>(cc) * d, d);
+                axpy(weight(dS[cc]), row.q, dKj + static_cast<size_t>(cc) * d, d);
+            }
+        }
+        scale_by(dKj, p.scale, static_cast<size_t>(t.cols) * d);
+    });
+    // Pass 2: dQ_i = scale·sum_j dS_ij K_j, over the key tiles not wholly masked.
+    parallel_for(static_cast<size_t>(g.count) * Tr, [&](size_t item) {
+        const int h = static_cast<int>(item / Tr), i = static_cast<int>(item % Tr);
+        const int r0 = i * Br, rows = std::min(Br, N - r0);
+        float* dQi = dQ.head(h) + static_cast<size_t>(r0) * d;
+        std::fill_n(dQi, static_cast<size_t>(rows) * d, 0.f);
+        std::vector<float> P(Bc), dS(Bc), part(d);
+        for (int j = 0; j < Tc; ++j) {
+            const int c0 = j * Bc;
+            if (p.causal && c0 > r0 + rows - 1) break;  // this and later tiles are above the diagonal
+            const KeyTile t(in.head(Stage::K, dm, h), in.head(Stage::V, dm, h), c0, std::min(Bc, M - c0), d);
+            for (int rr = 0; rr < rows; ++rr) {
+                recompute_row(p, query_row(h, r0 + rr), t, d, P.data(), dS.data());
+                row_times_matrix(dS.data(), t.K, t.cols, d, part.data(), tf32);
+                add_to(dQi + static_cast<size_t>(rr) * d, part.data(), d);
+            }
+        }
+        scale_by(dQi, p.scale, static_cast<size_t>(rows) * d);
     });
 }
 

@@ -34,9 +34,11 @@ constexpr double kMiB = 1024.0 * 1024.0;
 
 size_t align_up(size_t n) { return (n + kBufferAlign - 1) / kBufferAlign * kBufferAlign; }
 
-// The inputs are always on the device (every stage derives from them); other stages only when
-// computed.
-bool needs_device_buffer(Stage s, StageSet computed) { return is_input_echo(s) || computed.has(s); }
+// The forward inputs are always on the device (every stage derives from them); other stages only
+// when computed. This backend computes no backward stage (computes_backward), so never needs dO.
+bool needs_device_buffer(Stage s, StageSet computed) {
+    return (is_input_echo(s) && !is_backward_stage(s)) || computed.has(s);
+}
 
 size_t group_stage_bytes(Stage s, const Dims& d, int heads) {
     return stage_elems(s, d) * sizeof(float) * static_cast<size_t>(heads);
@@ -59,16 +61,19 @@ FlashArgs flash_args(const Problem& p) {
 
 std::string mib(size_t bytes) { return std::to_string(static_cast<long long>(bytes / kMiB + 0.5)) + " MiB"; }
 
-// A computed stage whose source is not computed means the caller skipped dependency_closure().
-void check_sources_computed(StageSet computed) {
+// A computed stage whose source is not computed means the caller skipped dependency_closure(); a
+// backward stage, that it skipped computes_backward().
+void check_computable(StageSet computed) {
     for (int i = 0; i < kNumStages; ++i) {
         const Stage s = static_cast<Stage>(i);
-        const Stage from = stage_info(s).from;
-        if (computed.has(s) && from != Stage::NONE && !computed.has(from)) {
+        if (!computed.has(s)) continue;
+        if (is_backward_stage(s))
+            fail(kExitInternal, where(__FILE__, __LINE__) + ": backward stage " + stage_name(s) +
+                                    " requested from the CUDA backend, which computes the forward stages only");
+        const StageSet missing = StageSet{stage_info(s).sources}.minus(computed);
+        if (!missing.empty())
             fail(kExitInternal, where(__FILE__, __LINE__) + ": stage " + stage_name(s) +
-                                    " requested without its source stage " + stage_name(from) +
-                                    " (dependency_closure not applied)");
-        }
+                                    " requested without a source stage (dependency_closure not applied)");
     }
 }
 
@@ -81,6 +86,7 @@ public:
 
     const char* name() const override { return "cuda"; }
     std::string device_name() const override { return device_name_; }
+    bool computes_backward() const override { return false; }
     FlashPlan flash_plan(const Problem& p) const override;
     size_t working_bytes_per_head(const Problem& p, StageSet computed) const override;
     size_t available_bytes() const override;
@@ -277,7 +283,7 @@ void CudaBackend::warm_up_stages(const Problem& p, StageSet computed, int heads,
 void CudaBackend::compute(const Problem& p, StageSet computed, HeadGroup& group, StageTimes* times) {
     const int heads = group.count;
     if (heads <= 0) return;
-    check_sources_computed(computed);
+    check_computable(computed);
     if (computed.any_flash() && !flash_supported(p.dims)) {
         fail(kExitBadInput,
              "the flash stages need d_k == d_v in " + flash_head_dims_text() + "; got d_k=" + std::to_string(p.dims.dk) +

@@ -23,7 +23,6 @@ namespace attnstep {
 
 namespace {
 
-const Stage kInputs[] = {Stage::Q, Stage::K, Stage::V};
 const char* kManifestName = "manifest.toml";
 
 std::string join(const std::string& dir, const std::string& name) { return dir + "/" + name; }
@@ -39,6 +38,7 @@ const KeySpec kManifestKeys[] = {
     {"seq_k", KeyType::Int},  {"d_k", KeyType::Int},     {"d_v", KeyType::Int},
     {"causal", KeyType::Bool}, {"scale", KeyType::Float}, {"format", KeyType::String},
     {"seed", KeyType::Int},   {"distribution", KeyType::String}, {"generator", KeyType::String},
+    {"backward", KeyType::Bool},
 };
 
 std::string known_keys() {
@@ -83,8 +83,8 @@ void check_manifest_keys(const Manifest& m) {
 }
 
 // Dimensions each within their range can still make a case too large (stages.h).
-void check_case_limits(const std::string& where, const Dims& d) {
-    std::string why = case_limit_violation(d);
+void check_case_limits(const std::string& where, const Dims& d, bool backward) {
+    std::string why = case_limit_violation(d, backward);
     if (!why.empty())
         fail(kExitBadInput, where + ": the case is too large: " + why,
              "split the work into smaller cases (fewer heads or shorter sequences)");
@@ -109,7 +109,6 @@ void apply_manifest(const Manifest& m, InputCase* c) {
             fail(kExitBadInput, m.where(k) + ": " + k + " = " + std::to_string(m.find(k)->i) +
                                     " exceeds " + std::to_string(kMaxHeadDim),
                  "head dimensions are 1.." + std::to_string(kMaxHeadDim));
-    check_case_limits(m.path, c->dims);
     if (const ManifestValue* v = m.find("causal")) c->causal = v->b;
     if (const ManifestValue* v = m.find("scale")) {
         c->has_scale = true;
@@ -123,10 +122,20 @@ void apply_manifest(const Manifest& m, InputCase* c) {
 }
 
 // ------------------------------------------------------------ the folder's head files
-// indices[fmt][input] = the head numbers present, from names "<Q|K|V>_head_<i>.<txt|npy>".
+// indices[fmt][stage] = the head numbers present, from names "<input>_head_<i>.<txt|npy>" of the
+// input stages (Q, K, V, dO).
 struct HeadFiles {
-    std::set<int> indices[2][3];
+    std::set<int> indices[2][kNumStages];
+    const std::set<int>& of(Format f, Stage s) const { return indices[static_cast<int>(f)][static_cast<int>(s)]; }
 };
+
+// Every input stage of the table, dO included.
+std::vector<Stage> all_inputs() {
+    std::vector<Stage> v;
+    for (int i = 0; i < kNumStages; ++i)
+        if (is_input_echo(static_cast<Stage>(i))) v.push_back(static_cast<Stage>(i));
+    return v;
+}
 
 HeadFiles list_head_files(const std::string& dir) {
     HeadFiles hf;
@@ -134,8 +143,8 @@ HeadFiles list_head_files(const std::string& dir) {
     for (const fs::directory_entry& e : fs::directory_iterator(dir, ec)) {
         std::string name = e.path().filename().string();
         for (int fi = 0; fi < 2; ++fi)
-            for (int ii = 0; ii < 3; ++ii) {
-                std::string prefix = std::string(stage_name(kInputs[ii])) + "_head_";
+            for (Stage input : all_inputs()) {
+                std::string prefix = std::string(stage_name(input)) + "_head_";
                 std::string suffix = std::string(".") + format_name(static_cast<Format>(fi));
                 if (name.size() <= prefix.size() + suffix.size() || name.compare(0, prefix.size(), prefix) ||
                     name.compare(name.size() - suffix.size(), suffix.size(), suffix))
@@ -144,7 +153,7 @@ HeadFiles list_head_files(const std::string& dir) {
                 if (num.empty() || num.size() > 9 || num.find_first_not_of("0123456789") != std::string::npos ||
                     (num.size() > 1 && num[0] == '0'))
                     continue;
-                hf.indices[fi][ii].insert(std::stoi(num));
+                hf.indices[fi][static_cast<int>(input)].insert(std::stoi(num));
             }
     }
     if (ec) fail(kExitBadInput, dir + ": cannot list the folder: " + ec.message());
@@ -152,7 +161,7 @@ HeadFiles list_head_files(const std::string& dir) {
 }
 
 Format detect_format(const std::string& dir, const HeadFiles& hf) {
-    bool txt = hf.indices[0][0].count(0), npy = hf.indices[1][0].count(0);
+    bool txt = hf.of(Format::txt, Stage::Q).count(0), npy = hf.of(Format::npy, Stage::Q).count(0);
     if (txt && npy)
         fail(kExitBadInput, dir + ": both Q_head_0.txt and Q_head_0.npy exist",
              "remove one, or add format = \"txt\" (or \"npy\") to manifest.toml");
@@ -163,45 +172,77 @@ Format detect_format(const std::string& dir, const HeadFiles& hf) {
     return txt ? Format::txt : Format::npy;
 }
 
-// Every Q/K/V file for heads 0..total-1 exists, and none beyond.
-void check_head_files(const InputCase& c, const HeadFiles& hf, int total, bool from_manifest) {
-    const std::set<int>* idx = hf.indices[static_cast<int>(c.format)];
+// Whether the case has dO: the manifest's `backward` when it says, else whether any dO file of the
+// case's format exists (then every head needs one, which check_head_files says).
+bool decide_backward(const InputCase& c, const HeadFiles& hf, const Manifest* m) {
+    const std::set<int>& grads = hf.of(c.format, Stage::dO);
+    const ManifestValue* flag = m ? m->find("backward") : nullptr;
+    if (!flag) return !grads.empty();
+    if (!flag->b && !grads.empty())
+        fail(kExitBadInput, c.file(Stage::dO, *grads.begin()) + ": exists but " + m->where("backward") +
+                                " says backward = false",
+             "remove the dO files, or set backward = true in manifest.toml");
+    return flag->b;
+}
+
+// Why a dO file is required: the manifest's flag, or the case's other dO files.
+std::string why_grad_needed(bool flagged) {
+    return flagged ? "the manifest says backward = true" : "the case has dO files, so every head needs one";
+}
+
+// Every input file for heads 0..total-1 exists, and none beyond.
+void check_head_files(const InputCase& c, const HeadFiles& hf, int total, bool from_manifest, bool grad_flagged) {
     std::string count_word = from_manifest ? "the manifest's batch*heads = " + std::to_string(total)
                                            : std::to_string(total) + " heads (Q_head_0.." +
                                                  std::to_string(total - 1) + " with no gaps)";
-    for (int ii = 0; ii < 3; ++ii) {
-        for (int h = 0; h < total; ++h)
-            if (!idx[ii].count(h))
-                fail(kExitBadInput, c.file(kInputs[ii], h) + ": missing (the case has " + count_word + ")",
-                     from_manifest ? "regenerate the case, or fix batch/heads in manifest.toml"
-                                   : "every head needs Q_head_i, K_head_i and V_head_i");
-        if (!idx[ii].empty() && *idx[ii].rbegin() >= total) {
-            int extra = *idx[ii].rbegin();
+    for (Stage input : c.inputs()) {
+        const std::set<int>& idx = hf.of(c.format, input);
+        const bool grad = is_backward_stage(input);
+        for (int h = 0; h < total; ++h) {
+            if (idx.count(h)) continue;
+            if (grad)
+                fail(kExitBadInput, c.file(input, h) + ": missing (" + why_grad_needed(grad_flagged) + ")",
+                     std::string("regenerate the case with `attnstep generate --backward`, or ") +
+                         (grad_flagged ? "remove backward = true from manifest.toml" : "remove the dO files"));
+            fail(kExitBadInput, c.file(input, h) + ": missing (the case has " + count_word + ")",
+                 from_manifest ? "regenerate the case, or fix batch/heads in manifest.toml"
+                               : "every head needs Q_head_i, K_head_i and V_head_i");
+        }
+        if (!idx.empty() && *idx.rbegin() >= total) {
+            int extra = *idx.rbegin();
             std::string why = from_manifest ? "beyond " + count_word
-                                            : (ii == 0 ? "but Q_head_" + std::to_string(total) + " is missing (a gap)"
-                                                       : "without a matching Q file (the case has " + count_word + ")");
-            fail(kExitBadInput, c.file(kInputs[ii], extra) + ": exists " + why,
+                                            : (input == Stage::Q ? "but Q_head_" + std::to_string(total) + " is missing (a gap)"
+                                                                 : "without a matching Q file (the case has " + count_word + ")");
+            fail(kExitBadInput, c.file(input, extra) + ": exists " + why,
                  "heads are numbered 0..batch*heads-1 with no gaps; remove stray files");
         }
     }
 }
 
-std::string shape_words(Stage s) {
+// The manifest key of a shape symbol.
+const char* sym_key(Sym s) {
     switch (s) {
-        case Stage::Q: return "seq_q x d_k";
-        case Stage::K: return "seq_k x d_k";
-        default: return "seq_k x d_v";
+        case Sym::N: return "seq_q";
+        case Sym::M: return "seq_k";
+        case Sym::DK: return "d_k";
+        case Sym::DV: return "d_v";
+        case Sym::ONE: return "1";
     }
+    return "?";
+}
+
+std::string shape_words(Stage s) {
+    return std::string(sym_key(stage_info(s).rows)) + " x " + sym_key(stage_info(s).cols);
 }
 
 // A Q/K/V head file of the other format beside the case's: ambiguous (which one is meant?), so an
 // error, as in the verifier.
 void check_no_other_format(const InputCase& c, const HeadFiles& hf) {
     const Format other = c.format == Format::txt ? Format::npy : Format::txt;
-    for (int ii = 0; ii < 3; ++ii) {
-        const std::set<int>& idx = hf.indices[static_cast<int>(other)][ii];
+    for (Stage input : all_inputs()) {
+        const std::set<int>& idx = hf.of(other, input);
         if (!idx.empty())
-            fail(kExitBadInput, join(c.dir, head_file_name(kInputs[ii], *idx.begin(), other)) + ": a ." +
+            fail(kExitBadInput, join(c.dir, head_file_name(input, *idx.begin(), other)) + ": a ." +
                                     format_name(other) + " file in a ." + format_name(c.format) + " case",
                  "a case holds one format; remove the stray file");
     }
@@ -211,7 +252,7 @@ void check_no_other_format(const InputCase& c, const HeadFiles& hf) {
 // buffer is sized from the dimensions, so a manifest with huge dimensions fails on its files first.
 void check_text_file_sizes(const InputCase& c, const std::string& origin) {
     for (int h = 0; h < c.dims.total_heads(); ++h)
-        for (Stage s : kInputs) {
+        for (Stage s : c.inputs()) {
             const std::string path = c.file(s, h);
             check_text_file_size(path, regular_file_size(path), stage_rows(s, c.dims), stage_cols(s, c.dims),
                                  shape_words(s) + origin);
@@ -257,6 +298,13 @@ std::string InputCase::file(Stage input, int head) const {
     return join(dir, head_file_name(input, head, format));
 }
 
+std::vector<Stage> InputCase::inputs() const {
+    std::vector<Stage> v;
+    for (Stage s : all_inputs())
+        if (backward || !is_backward_stage(s)) v.push_back(s);
+    return v;
+}
+
 InputCase open_input_case(const std::string& dir_in) {
     InputCase c;
     c.dir = dir_in;
@@ -272,14 +320,17 @@ InputCase open_input_case(const std::string& dir_in) {
         Manifest m = read_manifest(manifest_path);
         apply_manifest(m, &c);
         if (!m.find("format")) c.format = detect_format(c.dir, hf);
-        check_head_files(c, hf, c.dims.total_heads(), true);
+        c.backward = decide_backward(c, hf, &m);
+        check_case_limits(m.path, c.dims, c.backward);
+        check_head_files(c, hf, c.dims.total_heads(), true, m.find("backward") != nullptr);
     } else {
         c.format = detect_format(c.dir, hf);
         int heads = 0;
         while (hf.indices[static_cast<int>(c.format)][0].count(heads)) ++heads;
         c.dims.batch = 1;
         c.dims.heads = heads;
-        check_head_files(c, hf, heads, false);
+        c.backward = decide_backward(c, hf, nullptr);
+        check_head_files(c, hf, heads, false, false);
         MatrixShape q = probe_matrix_shape(c.file(Stage::Q, 0), c.format);
         MatrixShape k = probe_matrix_shape(c.file(Stage::K, 0), c.format);
         MatrixShape v = probe_matrix_shape(c.file(Stage::V, 0), c.format);
@@ -308,7 +359,7 @@ InputCase open_input_case(const std::string& dir_in) {
             if (c.dims.*k.field > kMaxDim)
                 fail(kExitBadInput, c.file(Stage::Q, 0) + ": head 0 gives " + k.key + " = " +
                                         std::to_string(c.dims.*k.field) + "; dimensions are 1.." + std::to_string(kMaxDim));
-        check_case_limits(c.dir, c.dims);
+        check_case_limits(c.dir, c.dims, c.backward);
     }
     check_no_other_format(c, hf);
     // Before anything is written: every text file's size, then head 0 read strictly (line-exact
@@ -319,27 +370,27 @@ InputCase open_input_case(const std::string& dir_in) {
         const char* origin = c.has_manifest ? " from the manifest" : " from head 0";
         check_text_file_sizes(c, origin);
         std::vector<float> scratch;
-        for (Stage s : kInputs) {
+        for (Stage s : c.inputs()) {
             scratch.resize(stage_elems(s, c.dims));
             read_matrix(c.file(s, 0), c.format, stage_rows(s, c.dims), stage_cols(s, c.dims), true,
                         shape_words(s) + origin, scratch.data());
         }
     } else {
         for (int h = 0; h < c.dims.total_heads(); ++h)
-            for (Stage s : kInputs)
+            for (Stage s : c.inputs())
                 check_shape(c.file(s, h), probe_matrix_shape(c.file(s, h), c.format), stage_rows(s, c.dims),
                             stage_cols(s, c.dims), shape_words(s), c.has_manifest || h > 0);
     }
     return c;
 }
 
-void read_head_inputs(const InputCase& c, int head, bool allow_nonfinite, float* q, float* k, float* v) {
+void read_head_inputs(const InputCase& c, int head, bool allow_nonfinite, const HeadInputs& in) {
     const char* origin = c.has_manifest ? " from the manifest" : " from head 0";
-    float* dst[] = {q, k, v};
-    for (int ii = 0; ii < 3; ++ii) {
-        Stage s = kInputs[ii];
+    const std::pair<Stage, float*> dst[] = {{Stage::Q, in.q}, {Stage::K, in.k}, {Stage::V, in.v}, {Stage::dO, in.dout}};
+    for (const auto& [s, buf] : dst) {
+        if (!buf) continue;
         read_matrix(c.file(s, head), c.format, stage_rows(s, c.dims), stage_cols(s, c.dims), allow_nonfinite,
-                    shape_words(s) + origin, dst[ii]);
+                    shape_words(s) + origin, buf);
     }
 }
 

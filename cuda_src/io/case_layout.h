@@ -4,6 +4,7 @@
 #pragma once
 
 #include <string>
+#include <vector>
 
 #include "../stages.h"
 #include "matrix_io.h"
@@ -21,16 +22,22 @@ struct InputCase {
     bool causal = false;   // from the manifest (default false)
     bool has_scale = false;
     double scale = 0;      // from the manifest when has_scale
-    std::string file(Stage input, int head) const;  // input is Q, K or V
+    bool backward = false; // the case has the output gradient dO (its files, or the manifest's `backward`)
+    std::string file(Stage input, int head) const;  // input is an input echo stage (Q, K, V, dO)
+    std::vector<Stage> inputs() const;               // Q, K, V, and dO when the case has it
 };
 
 // Finds and checks an input case; reads the manifest and probes head 0's shapes (and every .npy
 // header), but reads no matrix values. Fails with exit 2 on any layout problem.
 InputCase open_input_case(const std::string& dir);
 
-// Reads one head's Q, K, V into the given buffers (shapes from the case's dims).
-void read_head_inputs(const InputCase& c, int head, bool allow_nonfinite, float* q, float* k,
-                      float* v);
+// One head's input buffers (shapes from the case's dims); dout may be null when dO is not needed.
+struct HeadInputs {
+    float *q = nullptr, *k = nullptr, *v = nullptr, *dout = nullptr;
+};
+
+// Reads one head's Q, K, V (and dO when `in.dout` is set) into the given buffers.
+void read_head_inputs(const InputCase& c, int head, bool allow_nonfinite, const HeadInputs& in);
 
 // Creates the output folder if needed and checks that it is writable and not the input folder
 // (outputs would overwrite inputs). Fails with exit 2.
