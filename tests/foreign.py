@@ -18,7 +18,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from verify.stages import FLASH_HEAD_DIMS, INPUT_NAMES, STAGE_NAMES, STAGES, Dims, stage_file
+from verify.stages import FLASH_HEAD_DIMS, FORWARD_STAGES, INPUT_NAMES, STAGE_NAMES, STAGES, Dims, stage_file
 
 f32 = np.float32
 f64 = np.float64
@@ -274,10 +274,10 @@ WRITERS = TEXT_WRITERS + NPY_WRITERS
 # Which stages a program writes: everything it computed; only output; only the flash stages; the
 # original program's eight stage-path stages.
 SUBSETS = {
-    "all": STAGE_NAMES,
+    "all": FORWARD_STAGES,
     "output": ("output",),
-    "flash": tuple(s for s in STAGE_NAMES if STAGES[s].flash),
-    "seed": tuple(s for s in STAGE_NAMES if not STAGES[s].flash),
+    "flash": tuple(s for s in FORWARD_STAGES if STAGES[s].flash),
+    "seed": tuple(s for s in FORWARD_STAGES if not STAGES[s].flash),
 }
 
 

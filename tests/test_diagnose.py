@@ -12,7 +12,7 @@ from test_tolerance import flash32, sample, simulate
 from verify import tolerance
 from verify.diagnose import diagnose
 from verify.reference import compute_stage, reference_chain, softmax_rows
-from verify.stages import STAGES, Dims
+from verify.stages import FORWARD_STAGES, STAGES, Dims
 
 HEADS = 4
 SHAPES = {"square": (32, 32, 16), "rect": (24, 40, 16)}
@@ -26,7 +26,7 @@ def make_case(shape="rect", causal=False, dist="normal", seed=0):
     chains = {}
     for h in range(HEADS):
         qkv = {n: sample(rng, dist, sh).astype(np.float64) for n, sh in (("Q", (N, d)), ("K", (M, d)), ("V", (M, d)))}
-        chains[h] = reference_chain(qkv, scale, causal, list(STAGES))
+        chains[h] = reference_chain(qkv, scale, causal, list(FORWARD_STAGES))
         chains[h].update(qkv)
     return chains, Dims(1, HEADS, N, M, d, d), scale
 

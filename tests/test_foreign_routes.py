@@ -32,7 +32,7 @@ import foreign
 from foreign import Route
 from verify.cli import cli
 from verify.generate import DISTRIBUTIONS
-from verify.stages import INPUT_MANIFEST, INPUT_NAMES, STAGES, Dims, default_scale, stage_file
+from verify.stages import FORWARD_STAGES, INPUT_MANIFEST, INPUT_NAMES, STAGES, Dims, default_scale, stage_file
 
 COVERED = 100  # the first COVERED draws reach every route, writer, subset and shape
 CASES = int(os.environ.get("ATTNSTEP_FOREIGN_CASES", str(COVERED)))
@@ -326,7 +326,7 @@ def test_writers_print_what_they_claim(tmp_path, writer):
     q, k, v = _inputs("large", 7, 5, 16)
     heads = foreign.compute_heads([{"Q": q, "K": k, "V": v}, {"Q": -q, "K": k, "V": v}], 0.25, True)
     written = foreign.write_outputs(tmp_path, heads, dims, writer)
-    assert written == list(STAGES)
+    assert written == list(FORWARD_STAGES)
     for stage in written:
         if writer in ("npy_flat", "npy_4d"):
             got = np.load(tmp_path / f"{stage}.npy")

@@ -13,7 +13,7 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from .manifests import (INPUT_KEYS, INT64, check_scale, check_types, read_toml, validate_dims,
+from .manifests import (INPUT_KEYS, INT64, check_case_limits, check_scale, check_types, read_toml, validate_dims,
                         write_toml)
 from .matrix_io import (CaseError, atomic_write_bytes, crc32_hex, file_kind, matrix_bytes,
                         matrix_max_bytes, output_file_target, parse_matrix, parse_npy_matrix, parse_text_matrix,
@@ -102,6 +102,8 @@ def load_input_case(folder: Path) -> InputCase:
         case = _infer_case(folder, files)
         flag = None
     case.backward = _has_grad(case, files, flag)
+    if case.backward:  # the backward stages count too, as the binary counts them
+        check_case_limits(case.dims, str(manifest if manifest.exists() else folder), backward=True)
     _check_layout(case, files, flagged=flag is not None)
     return case
 

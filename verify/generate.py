@@ -9,7 +9,7 @@ from typing import Callable, Dict, Optional
 
 import numpy as np
 
-from .case import (INT64, CaseError, check_scale, clear_input_files, input_head_files, read_toml,
+from .case import (INT64, CaseError, check_case_limits, check_scale, clear_input_files, input_head_files, read_toml,
                    validate_dims, write_matrix, write_toml)
 from .stages import DIM_KEYS, FORMATS, GRAD_INPUT, INPUT_MANIFEST, INPUT_NAMES, STAGES, Dims, stage_file
 
@@ -48,7 +48,7 @@ def generate_case(out_dir: Path, dims: Dims, *, causal: bool = False, scale: Opt
     heads nor a partial case that a manifest-less reader would take for a smaller complete one.
     An earlier case in `out_dir` is replaced only if this generator wrote it, or with `force`.
     """
-    validate_dims({k: getattr(dims, k) for k in DIM_KEYS}, "generate")
+    check_case_limits(validate_dims({k: getattr(dims, k) for k in DIM_KEYS}, "generate"), "generate", backward)
     if distribution not in DISTRIBUTIONS:
         raise CaseError(f"unknown distribution {distribution!r}; choose from {', '.join(DISTRIBUTIONS)}")
     if fmt not in FORMATS:

@@ -104,18 +104,18 @@ def validate_dims(values: dict, where: str) -> Dims:
         if values[key] > MAX_HEAD_DIM:
             raise CaseError(f"{where}: '{key}' = {values[key]}: at most {MAX_HEAD_DIM} is supported")
     dims = Dims(*(values[k] for k in DIM_KEYS))
-    _check_case_limits(dims, where)
+    check_case_limits(dims, where)
     return dims
 
 
-def _check_case_limits(dims: Dims, where: str) -> None:
+def check_case_limits(dims: Dims, where: str, backward: bool = False) -> None:
     """Dimensions each in range can still make a case too large (verify/stages.py MAX_HEADS,
     MAX_ELEMENTS; the binary's case_limit_violation says the same)."""
     heads = dims.total_heads
     hint = "HINT: split the work into smaller cases (fewer heads or shorter sequences)"
     if heads > MAX_HEADS:
         raise CaseError(f"{where}: the case is too large: batch x heads = {heads} heads; at most {MAX_HEADS}; {hint}")
-    per_head = dims.elements_per_head
+    per_head = dims.elements_per_head(backward)
     if per_head * heads > MAX_ELEMENTS:
         raise CaseError(f"{where}: the case is too large: {heads} heads of {per_head} stage elements each; "
                         f"at most {MAX_ELEMENTS} elements in all; {hint}")

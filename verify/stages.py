@@ -53,10 +53,10 @@ class Dims:
     def size(self, sym: str) -> int:
         return {"N": self.seq_q, "M": self.seq_k, "DK": self.d_k, "DV": self.d_v, "1": 1}[sym]
 
-    @property
-    def elements_per_head(self) -> int:
-        """The elements of every stage of one head (the case-size limit counts these)."""
-        return sum(r * c for r, c in (stage.shape(self) for stage in _TABLE))
+    def elements_per_head(self, backward: bool = False) -> int:
+        """The elements of every stage of one head (the case-size limit counts these); the backward
+        stages only for a case with dO."""
+        return sum(r * c for r, c in (stage.shape(self) for stage in _TABLE if backward or not stage.backward))
 
     def decode_head(self, i: int) -> Tuple[int, int]:
         """Flat head index -> (batch, head); heads are batch-major."""
