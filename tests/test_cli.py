@@ -143,6 +143,17 @@ def test_demo_runs_the_default_case(runner, tmp_path, binary):
     assert "12 heads" in res.output and "PASS" in res.output
 
 
+def test_demo_with_the_backward_pass_checks_the_gradients(runner, tmp_path, binary):
+    res = runner.invoke(cli, ["demo", "--data-dir", str(tmp_path), "--backend", "cpu",
+                              "--binary", str(binary), "--backward"])
+    assert res.exit_code == 0, res.output
+    assert "with the output gradient dO" in res.output
+    for stage in ("dQ", "dK", "dV", "flash_dQ"):
+        assert f"\n{stage} " in res.output, stage
+    from verify.stages import STAGES
+    assert f"PASS: all {len(STAGES)} stages" in res.output
+
+
 def test_python_dash_m_verify(tmp_path):
     import subprocess
     import sys

@@ -336,10 +336,13 @@ def check(ctx, in_dir, out_dir, json_path, junit_path, plot_dir, atol, rtol, tol
 @click.option("--example", type=click.Choice(example_names()),
               help="Run a program of the examples gallery (examples/, a GPU needed) instead of the binary, "
                    "as the original workflow ran it: from BUILD_DIR, reading ../data.")
+@click.option("--backward", is_flag=True,
+              help="Also the backward pass: an output gradient dO in the case, and the gradients (the CPU "
+                   "backend computes them; the CUDA backend the forward stages only, for now).")
 @quiet_option
 @click.pass_context
 @_user_errors
-def demo(ctx, data_dir, backend, build_dir, binary, timeout, json_path, seed, force, example, quiet):
+def demo(ctx, data_dir, backend, build_dir, binary, timeout, json_path, seed, force, example, backward, quiet):
     """Build, generate the default case, run, and check.
 
     The original workflow in one command: 12 heads, N = M = 128, d = 64, uniform inputs, into
@@ -352,8 +355,8 @@ def demo(ctx, data_dir, backend, build_dir, binary, timeout, json_path, seed, fo
     say = _step_printer(quiet)
     say(f"[1/4] using {binary}" if binary else f"[1/4] building the binary in {build_dir}")
     binary = binary or _build(build_dir, quiet)
-    say(f"[2/4] generating {in_dir}")
-    generate_case(in_dir, DEFAULT_DIMS, seed=seed, force=force)
+    say(f"[2/4] generating {in_dir}" + (" with the output gradient dO" if backward else ""))
+    generate_case(in_dir, DEFAULT_DIMS, seed=seed, force=force, backward=backward)
     say(f"[3/4] running {binary.name} --backend {backend}")
     seconds = run_attnstep_binary(binary, in_dir, out_dir, backend, timeout)
     say("      " + run_summary(binary, out_dir, seconds))
