@@ -89,13 +89,21 @@ def memo(cache: Optional[HeadCache], what: str, sources: Sequence[np.ndarray], p
     return compute() if cache is None else cache.get(what, sources, params, compute)
 
 
+def binade_sq(x: np.ndarray, out: Optional[np.ndarray] = None) -> np.ndarray:
+    """4^e for each x in ±[2^e, 2^(e+1)) (0 for 0): 2^e is x with its sign and mantissa bits
+    cleared. Into out (float64, x's shape) when given."""
+    x = np.ascontiguousarray(x, dtype=np.float64)
+    out = np.empty(x.shape) if out is None else out
+    np.bitwise_and(x.view(np.uint64), _EXPONENT_BITS, out=out.view(np.uint64))
+    return np.multiply(out, out, out=out)
+
+
 def rounding_var(x: np.ndarray, u: float) -> np.ndarray:
     """Variance of rounding x to nearest: uniform within ±ulp(x)/2, ulp(x) = 2u·2^e for x in
-    [2^e, 2^(e+1)): ulp²/12 (at most (u·x)²/3, on average ROUND_VAR·(u·x)²). 2^e is x with its
-    mantissa bits cleared."""
-    p2 = (np.ascontiguousarray(x, dtype=np.float64).view(np.uint64) & _EXPONENT_BITS).view(np.float64)
-    out = np.multiply(p2, u * u / 3.0)   # (u²/3)·p2·p2, in place on one temporary
-    return np.multiply(out, p2, out=out)
+    [2^e, 2^(e+1)): ulp²/12 = (u²/3)·4^e (at most (u·x)²/3, on average ROUND_VAR·(u·x)²)."""
+    out = binade_sq(x)
+    out *= u * u / 3.0
+    return out
 
 
 def step_var(partial: np.ndarray, t: np.ndarray, u: float,
