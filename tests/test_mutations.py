@@ -316,6 +316,35 @@ def test_head_jobs_follow_the_request_the_size_and_the_memory(monkeypatch):
     assert compare.head_jobs(run(16, 4096)) == 16          # memory unknown: the cores decide
 
 
+def _blas_threads(head):  # module level: the pool sends workers its function by name
+    from verify import pool
+    return [_openblas_threads(lib) for lib in pool._loaded_openblas()]
+
+
+def _openblas_threads(lib):
+    from verify.pool import _OPENBLAS_SET_THREADS
+    return next(getattr(lib, n.replace("set", "get")) for n in _OPENBLAS_SET_THREADS if hasattr(lib, n))()
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="workers are forked on Linux only")
+def test_workers_use_one_blas_thread_each():
+    """Each worker is one of as many processes as cores: BLAS threads of its own would compete
+    with the other workers."""
+    from verify import pool
+    libs = pool._loaded_openblas()
+    if not libs:
+        pytest.skip("numpy's BLAS is not OpenBLAS")
+    setters = [next(getattr(lib, n) for n in pool._OPENBLAS_SET_THREADS if hasattr(lib, n)) for lib in libs]
+    before = [_openblas_threads(lib) for lib in libs]
+    for setter in setters:
+        setter(2)  # what a forked worker would inherit on a machine of two or more cores
+    try:
+        assert pool.map_heads(_blas_threads, 2, 2) == [1] * len(libs) * 2
+    finally:
+        for setter, n in zip(setters, before):
+            setter(n)
+
+
 def _die(head):  # module level: the pool sends workers its function by name
     os._exit(9)
 
