@@ -345,6 +345,26 @@ def test_workers_use_one_blas_thread_each():
             setter(n)
 
 
+def _large_block_on_the_heap(head):  # module level: the pool sends workers its function by name
+    block = np.empty(8 << 20)  # 64 MB: above glibc's largest threshold for using the heap
+    with open("/proc/self/maps") as f:
+        heap = next(line.split()[0] for line in f if line.rstrip().endswith("[heap]"))
+    lo, hi = (int(x, 16) for x in heap.split("-"))
+    return [lo <= block.ctypes.data < hi]
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="workers are forked on Linux only")
+def test_workers_reuse_freed_memory():
+    """A worker's large temporaries come from its heap, so a freed one is reused rather than
+    returned to the OS and faulted in afresh, zeroed, for the next."""
+    from verify import pool
+    if not pool.keep_freed_memory(False):
+        pytest.skip("the C library is not glibc")
+    assert pool.map_heads(_large_block_on_the_heap, 2, 2) == [True, True]
+    assert pool.map_heads(_large_block_on_the_heap, 1, 1) == [True]   # checking in this process
+    assert _large_block_on_the_heap(0) == [False]                     # and only while checking
+
+
 def _die(head):  # module level: the pool sends workers its function by name
     os._exit(9)
 
