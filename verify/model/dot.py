@@ -10,7 +10,7 @@ from typing import Dict, NamedTuple, Optional, Tuple
 import numpy as np
 
 from .kernels import MMA_K
-from .rounding import FLUSH, ROUND_VAR, ULP_IN_U, HeadCache, binade_sq, finite_abs, memo
+from .rounding import FLUSH, ROUND_VAR, ULP_IN_U, HeadCache, binade, binade_sq, finite_abs, memo
 
 
 # Above this many multiply-adds per head the exact partial-sum energy (chunked cumsum) costs too
@@ -59,20 +59,26 @@ def _orders(K: int) -> _Orders:
 
 
 # The exact path works in units of u²/3, the variance of a rounding in the binade [1, 2): a
-# rounding of x in [2^e, 2^(e+1)) then has variance 4^e (rounding.binade_sq).
+# rounding of x in [2^e, 2^(e+1)) then has variance 4^e (rounding.binade_sq). Partial sums are
+# formed in float64; their binades, squares and the sums of their variances in float32, each sum
+# first scaled by the power of two that brings its largest product into [1, 2) (exact): a float32
+# then holds every term that matters (those below 2^-126 lie far below the largest product's own
+# rounding), and the arithmetic runs twice as fast. Each term carries float32's relative error,
+# ~1e-7, and a sum of K terms K·6e-8 at most: the variance differs from float64's by 1e-5 (K = 128)
+# at most, its square root (the bound) by half that.
 class _Scratch:
     """Buffers reused by every row block of one call: a fresh array of a few hundred KB is mapped
     from the OS, and touching its pages again on every use cost ~5× the arithmetic."""
 
     def __init__(self, size: int) -> None:
         self._size = size
-        self._flat: Dict[str, np.ndarray] = {}
+        self._flat: Dict[Tuple[str, type], np.ndarray] = {}
 
-    def get(self, name: str, *shape: int) -> np.ndarray:
-        """The buffer `name`, as a contiguous array of `shape` (its contents left over)."""
-        flat = self._flat.get(name)
+    def get(self, name: str, dtype: type, *shape: int) -> np.ndarray:
+        """The buffer `name` of `dtype`, as a contiguous array of `shape` (its contents left over)."""
+        flat = self._flat.get((name, dtype))
         if flat is None:
-            flat = self._flat[name] = np.empty(self._size)
+            flat = self._flat[name, dtype] = np.empty(self._size, dtype)
         return flat[:math.prod(shape)].reshape(shape)
 
 
@@ -104,27 +110,36 @@ def _steps(binade: np.ndarray, prev_sq: np.ndarray, t_sq: np.ndarray, work: np.n
 
 
 class _Sums:
-    """n sums of K products each, t (padded×n: t[k, j] the k-th product of sum j, zeros past K),
-    with what every summation order shares: the index-order partial sums S (S[k] the sum of the
-    first k products), the binades of S, and g·S², g·t² (g = 3/u²: squares in units of u²/3)."""
+    """n sums of K products each, t (padded×n float64: t[k, j] the k-th product of sum j, zeros
+    past K), scaled in place by `scale` (a power of two per sum), with what every summation order
+    shares: the index-order partial sums S (S[k] the sum of the first k products; float64), and in
+    float32 the binades of S, g·S² and g·t² (g = 3/u²: squares in units of u²/3)."""
 
     def __init__(self, t: np.ndarray, K: int, u: float, scratch: _Scratch) -> None:
         padded, n = t.shape
         self.t, self.K, self.n, self.scratch = t, K, n, scratch
         self.g = 3.0 / (u * u)
-        self.t_sq = _scaled_sq(t, self.g, scratch.get("t_sq", padded, n))
-        self.S = scratch.get("S", padded + 1, n)
+        top = binade(np.maximum(t.max(axis=0), -t.min(axis=0)))
+        self.scale = np.divide(1.0, top, out=np.ones(n), where=top > 0)
+        t *= self.scale
+        self.t32 = self.f32("t32", padded)
+        np.copyto(self.t32, t, casting="same_kind")
+        self.t_sq = _scaled_sq(self.t32, self.g, self.f32("t_sq", padded))
+        self.S = scratch.get("S", np.float64, padded + 1, n)
         self.S[0] = 0.0
         _running_sum(t, 1, self.S[1:])
-        self.s_binade = binade_sq(self.S, scratch.get("s_binade", padded + 1, n))
-        self.s_sq = _scaled_sq(self.S, self.g, scratch.get("s_sq", padded + 1, n))
+        s32 = self.f32("x", padded + 1)
+        np.copyto(s32, self.S, casting="same_kind")
+        self.s_binade = binade_sq(s32, self.f32("s_binade", padded + 1))
+        self.s_sq = _scaled_sq(s32, self.g, self.f32("s_sq", padded + 1))
+
+    def f32(self, name: str, rows: int) -> np.ndarray:
+        """float32 scratch of rows×n."""
+        return self.scratch.get(name, np.float32, rows, self.n)
 
     def partials(self, rows: int):
-        """Scratch for one order's partial sums: (values, binades, g·values²)."""
-        return tuple(self.scratch.get(name, rows, self.n) for name in ("x", "x_binade", "x_sq"))
-
-    def work(self, rows: int, name: str = "work") -> np.ndarray:
-        return self.scratch.get(name, rows, self.n)
+        """Scratch for one order's partial sums: (values, binades, g·values²), float32."""
+        return tuple(self.f32(name, rows) for name in ("x", "x_binade", "x_sq"))
 
 
 def _order_energy(sums: _Sums) -> np.ndarray:
@@ -132,9 +147,9 @@ def _order_energy(sums: _Sums) -> np.ndarray:
     of u²/3, for each of the n sums: index and reverse order, the interleaved accumulators and the
     blocks of _orders(K) (each lane or block summed from 0, then the lane or block totals in
     order), and the expectation over random orders (for the orders not enumerated)."""
-    K, S, t_sq = sums.K, sums.S, sums.t_sq
+    K, t_sq = sums.K, sums.t_sq
     lanes, blocks, _ = _orders(K)
-    work = sums.work(K)
+    work = sums.f32("work", K)
     best = _steps(sums.s_binade[1:K + 1], sums.s_sq[:K], t_sq[:K], work, 0)
     np.maximum(best, _reverse_energy(sums), out=best)
     for b in blocks:
@@ -157,7 +172,7 @@ def _reverse_energy(sums: _Sums) -> np.ndarray:
     W, w_binade, w_sq = sums.partials(K + 1)
     np.subtract(S[K], S[:K + 1], out=W)
     binade_sq(W, w_binade)
-    return _steps(w_binade[:K], _scaled_sq(W, sums.g, w_sq)[1:], sums.t_sq[:K], sums.work(K), 0)
+    return _steps(w_binade[:K], _scaled_sq(W, sums.g, w_sq)[1:], sums.t_sq[:K], sums.f32("work", K), 0)
 
 
 def _blocks_energy(sums: _Sums, b: int) -> np.ndarray:
@@ -171,48 +186,53 @@ def _blocks_energy(sums: _Sums, b: int) -> np.ndarray:
     binade_sq(P, p_binade)
     _scaled_sq(P, sums.g, p_sq)
     energy = _steps(p_binade[:, 1:], p_sq[:, :-1], sums.t_sq[:nb * b].reshape(nb, b, n)[:, 1:],
-                    sums.work(nb * b).reshape(nb, b, n)[:, 1:], (0, 1))
+                    sums.f32("work", nb * b).reshape(nb, b, n)[:, 1:], (0, 1))
     ends = np.minimum(np.arange(1, nb + 1) * b, K)
-    totals = np.subtract(S[ends[1:]], S[ends[:-1]], out=sums.work(nb - 1, "totals"))
+    totals = np.subtract(S[ends[1:]], S[ends[:-1]], out=sums.f32("totals", nb - 1))
     _scaled_sq(totals, sums.g, totals)
-    at_end = np.take(sums.s_binade, ends[1:], axis=0, out=sums.work(nb - 1, "end_binade"))
-    before = np.take(sums.s_sq, ends[:-1], axis=0, out=sums.work(nb - 1, "end_sq"))
+    at_end = np.take(sums.s_binade, ends[1:], axis=0, out=sums.f32("end_binade", nb - 1))
+    before = np.take(sums.s_sq, ends[:-1], axis=0, out=sums.f32("end_sq", nb - 1))
     energy += _steps(at_end, before, totals, totals, 0)
     return energy
 
 
 def _lanes_energy(sums: _Sums, L: int) -> np.ndarray:
     """L interleaved accumulators (term k into lane k mod L), then the L lane totals in order."""
-    K, g = sums.K, sums.g
+    K, n, g = sums.K, sums.n, sums.g
     rows = -(-K // L) * L
+    C64 = _running_sum(sums.t[:rows], L, sums.scratch.get("lanes", np.float64, rows, n))
     C, c_binade, c_sq = sums.partials(rows)
-    _running_sum(sums.t[:rows], L, C)
+    np.copyto(C, C64, casting="same_kind")
     binade_sq(C, c_binade)
     _scaled_sq(C, g, c_sq)
-    energy = _steps(c_binade[L:], c_sq[:-L], sums.t_sq[L:rows], sums.work(rows - L), 0)
+    energy = _steps(c_binade[L:], c_sq[:-L], sums.t_sq[L:rows], sums.f32("work", rows - L), 0)
     lane_sq = c_sq[rows - L:]
-    running = _running_sum(C[rows - L:], 1, sums.work(L, "running"))
-    r_binade = binade_sq(running, sums.work(L, "running_binade"))
+    running = sums.f32("running", L)
+    np.copyto(running, _running_sum(C64[rows - L:], 1, sums.scratch.get("running", np.float64, L, n)),
+              casting="same_kind")
+    r_binade = binade_sq(running, sums.f32("running_binade", L))
     r_sq = _scaled_sq(running, g, running)
-    energy += _steps(r_binade[1:], r_sq[:-1], lane_sq[1:], sums.work(L - 1), 0)
+    energy += _steps(r_binade[1:], r_sq[:-1], lane_sq[1:], sums.f32("work", L - 1), 0)
     return energy
 
 
 def _sums_var(t: np.ndarray, K: int, u: float, product_var: float, scratch: _Scratch) -> np.ndarray:
     """The variance of the float32 error of each column sum of t (padded×n, K products each, zeros
-    below): _order_energy plus product_var·(the products' binade-exact rounding variance)/ROUND_VAR."""
+    below; scaled in place): _order_energy plus product_var·(the products' binade-exact rounding
+    variance)/ROUND_VAR."""
     sums = _Sums(t, K, u, scratch)
-    var = _order_energy(sums)
-    products = binade_sq(t[:K], sums.work(K)).sum(axis=0)
-    products *= product_var / ROUND_VAR
-    var += products
+    var = _order_energy(sums).astype(np.float64)
+    products = binade_sq(sums.t32[:K], sums.f32("work", K)).sum(axis=0)
+    var += products * (product_var / ROUND_VAR)
     var *= u * u / 3.0
+    var /= sums.scale
+    var /= sums.scale
     return var
 
 
 def _products(scratch: _Scratch, K: int, n: int) -> np.ndarray:
     """The products buffer for n sums of K terms: zeros past K, for the lane and block orders."""
-    t = scratch.get("t", _orders(K).padded, n)
+    t = scratch.get("t", np.float64, _orders(K).padded, n)
     t[K:] = 0.0
     return t
 
