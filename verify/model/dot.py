@@ -73,13 +73,17 @@ class _Scratch:
     def __init__(self, size: int) -> None:
         self._size = size
         self._flat: Dict[Tuple[str, type], np.ndarray] = {}
+        self._views: Dict[tuple, np.ndarray] = {}  # every block but the last asks for the same
 
     def get(self, name: str, dtype: type, *shape: int) -> np.ndarray:
         """The buffer `name` of `dtype`, as a contiguous array of `shape` (its contents left over)."""
-        flat = self._flat.get((name, dtype))
-        if flat is None:
-            flat = self._flat[name, dtype] = np.empty(self._size, dtype)
-        return flat[:math.prod(shape)].reshape(shape)
+        view = self._views.get((name, dtype, shape))
+        if view is None:
+            flat = self._flat.get((name, dtype))
+            if flat is None:
+                flat = self._flat[name, dtype] = np.empty(self._size, dtype)
+            view = self._views[name, dtype, shape] = flat[:math.prod(shape)].reshape(shape)
+        return view
 
 
 def _scaled_sq(x: np.ndarray, g: float, out: np.ndarray) -> np.ndarray:
