@@ -157,12 +157,11 @@ _DEFAULT_TRIM_THRESHOLD, _DEFAULT_MMAP_MAX = 128 * 1024, 65536
 
 def keep_freed_memory(keep: bool) -> bool:
     """glibc's malloc maps every block over 32 MB (a 4096² float64 matrix is 128 MB) from the OS
-    and unmaps it when freed, and gives the top of its heap back once 128 KB (at most 2 GB) of it
-    are free, so each of the hundreds of temporaries one head's bounds allocate arrives as fresh
-    pages the kernel must zero (measured on 4096² heads: half of the time). keep: every block
-    comes from the heap, which is never trimmed (-1 is the largest size_t), and freed blocks are
-    reused; not keep: glibc's defaults, and the free heap returned to the OS. False where the C
-    library is not glibc."""
+    and unmaps it when freed, and hands the free top of its heap back too, so each of the hundreds
+    of temporaries one head's bounds allocate arrives as fresh pages the kernel must zero
+    (measured on 4096² heads: half of the time). keep: every block comes from the heap, which is
+    never trimmed (-1 is the largest size_t), and freed blocks are reused; not keep: glibc's
+    defaults, and the free heap returned to the OS. False where the C library is not glibc."""
     libc = ctypes.CDLL(None)
     if not (hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim")):
         return False
@@ -205,7 +204,7 @@ def _collect_head_garbage() -> None:
     """After a head: its matrices are freed now, not when the cyclic garbage collector next runs
     (reference cycles among its cached bounds kept them alive into the next head: 0.4 GB more
     at 4096²). The objects that were there before the heads are frozen (_heads_garbage_only):
-    only a head's own are looked at (10 ms a head otherwise, as long as a 128² head's check)."""
+    only a head's own are looked at (10 ms a head otherwise, a seventh of a 128² head's check)."""
     gc.collect()
 
 

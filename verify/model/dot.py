@@ -123,7 +123,7 @@ class _Sums:
         padded, n = t.shape
         self.t, self.K, self.n, self.scratch = t, K, n, scratch
         self.g = 3.0 / (u * u)
-        top = binade(np.maximum(t.max(axis=0), -t.min(axis=0)))
+        top = binade(np.maximum(t.max(axis=0, initial=0.0), -t.min(axis=0, initial=0.0)))
         self.scale = np.divide(1.0, top, out=np.ones(n), where=top > 0)
         t *= self.scale
         self.t32 = self.f32("t32", padded)
