@@ -288,6 +288,52 @@ def test_dot_product_bound_covers_every_gemm_summation_order(dist):
     assert not bad, f"max err/bound per (stage, order): {bad}"
 
 
+ROWDOT_SHAPES = [(40, 64), (24, 128), (30, 7), (16, 100), (9, 33)]
+
+
+def test_rowdot_var_is_dot_var_of_each_row():
+    from verify.model.dot import dot_var, rowdot_var
+    rng = np.random.default_rng(11)
+    u = T.UNIT_ROUNDOFF["fp32"]
+    for R, K in ROWDOT_SHAPES:
+        A, B = sample(rng, "normal", (R, K)).astype(np.float64), sample(rng, "large", (R, K)).astype(np.float64)
+        rows = np.vstack([dot_var(A[i:i + 1], B[i:i + 1].T, u, 0.5) for i in range(R)])
+        # (float32 sums of the variances, added in another order for one row than for many)
+        np.testing.assert_allclose(rowdot_var(A, B, u, 0.5), rows, rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("dist", DISTS)
+def test_rowdot_bound_covers_the_summation_orders(dist):
+    """Row-wise dot products (the backward pass's rowsum(dO∘O)) in float32, in the GEMM summation
+    orders (each row summed as one element of a product): max err/bound as for the GEMMs."""
+    from verify.model.dot import rowdot_var
+    worst = {}
+    for R, K in ROWDOT_SHAPES:
+        for draw in range(3):
+            rng = np.random.default_rng(seed_of(R, K, dist, draw, "rowdot"))
+            A, B = sample(rng, dist, (R, K)), sample(rng, dist, (R, K))
+            A64, B64 = A.astype(np.float64), B.astype(np.float64)
+            ref = (A64 * B64).sum(axis=1, keepdims=True)
+            bound = T.LAMBDA * np.sqrt(rowdot_var(A64, B64, T.UNIT_ROUNDOFF["fp32"])) + T.FLUSH
+            for order, mm in GEMM_ORDERS.items():
+                got = np.diag(mm(A, B.T))[:, None]   # element (i, i): row i's dot in that order
+                worst[order] = max(worst.get(order, 0.0), float(np.max(error(got, ref) / bound)))
+    bad = {k: round(v, 2) for k, v in worst.items() if v >= 0.75}
+    assert not bad, f"max err/bound per order: {bad}"
+
+
+def test_rowdot_var_of_long_rows_uses_the_expected_energy_and_stays_safe(monkeypatch):
+    from verify.model import dot
+    monkeypatch.setattr(dot, "ENERGY_EXACT_MAX_MACS", 1)
+    rng = np.random.default_rng(12)
+    for dist in DISTS:
+        A, B = sample(rng, dist, (24, 256)), sample(rng, dist, (24, 256))
+        ref = (A.astype(np.float64) * B.astype(np.float64)).sum(axis=1, keepdims=True)
+        bound = T.LAMBDA * np.sqrt(dot.rowdot_var(A, B, T.UNIT_ROUNDOFF["fp32"])) + T.FLUSH
+        for order in ("seq", "interleaved"):
+            assert (error(np.diag(MATMULS[order](A, B.T))[:, None], ref) <= bound).all()
+
+
 FLASH_CASES = [(s, d, c) for s in [(17, 33, 16), (32, 48, 32), (24, 40, 64)] for d in DISTS for c in (False, True)]
 
 

@@ -78,7 +78,8 @@ def text_resolution(data: bytes) -> Resolution:
         sample = sample[:sample.rfind(b"\n") + 1] or sample
     max_sig, decimals, fixed, integers_only = 0, set(), True, True
     body = b"\n".join(line for line in sample.split(b"\n") if not line.lstrip().startswith(b"#"))
-    for whole, point, frac, exp in _TOKENS.findall(body):
+    for token in _TOKENS.finditer(body):
+        whole, point, frac, exp = token.groups(b"")
         if not whole and not frac:
             continue  # an empty match, or inf/nan
         max_sig = max(max_sig, len((whole + frac).lstrip(b"0")))
@@ -87,6 +88,8 @@ def text_resolution(data: bytes) -> Resolution:
             fixed = False
         else:
             decimals.add(len(frac))
+        if max_sig >= FLOAT32_ROUND_TRIP_DIGITS and not (fixed and len(decimals) == 1):
+            return EXACT  # round-trip digits, and not %.Df: no later token changes that
     if fixed and len(decimals) == 1:  # %.Df: D decimals whatever the magnitude (%.8f of 1.64740086)
         return Resolution("decimals", decimals.pop())
     if max_sig >= FLOAT32_ROUND_TRIP_DIGITS:

@@ -18,8 +18,13 @@ def chained_logits(Q, K, scale: float, causal: bool, u: float, cache: Optional[H
     def compute():
         S = logits(Q, K, scale, causal, cache)
         p, d, _, finite = softmax(S, cache)
-        s_var = np.where(finite, scale * scale * qk_var(Q, K, u, ROUND_VAR, cache), 0.0)
-        s_det = np.where(finite, 2.0 * u * np.abs(np.where(finite, S, 0.0)), 0.0)
+        masked = ~finite if not finite.all() else None  # an unmasked head skips every where()
+        s_var = np.multiply(scale * scale, qk_var(Q, K, u, ROUND_VAR, cache))
+        s_det = np.abs(S if masked is None else np.where(finite, S, 0.0))
+        s_det *= 2.0 * u
+        if masked is not None:
+            np.copyto(s_var, 0.0, where=masked)
+            np.copyto(s_det, 0.0, where=masked)
         return S, p, d, finite, s_var, s_det
     return memo(cache, "chained logits", (Q, K), (scale, causal, u), compute)
 
@@ -29,5 +34,9 @@ def chained_eta(Q, K, scale: float, causal: bool, u: float, kernel: Kernel,
     """Variance of each exponent's relative error along the chain: the logit's error (its bounded
     part enters as variance, at most its square) and exp's own."""
     S, p, d, finite, s_var, s_det = chained_logits(Q, K, scale, causal, u, cache)
-    return memo(cache, "chained eta", (Q, K), (scale, causal, u, kernel),
-                lambda: s_var + s_det ** 2 + exponent_var(d, finite, u, kernel))
+    def compute():
+        eta = np.multiply(s_det, s_det)
+        eta += s_var
+        eta += exponent_var(d, finite, u, kernel)
+        return eta
+    return memo(cache, "chained eta", (Q, K), (scale, causal, u, kernel), compute)

@@ -3,12 +3,14 @@ orders GEMMs use; tensor-core truncation; underflow of tiny products.
 """
 from __future__ import annotations
 
-from typing import Optional
+import functools
+import math
+from typing import Dict, NamedTuple, Optional, Tuple
 
 import numpy as np
 
 from .kernels import MMA_K
-from .rounding import FLUSH, ROUND_VAR, ULP_IN_U, HeadCache, finite_abs, memo, rounding_var, step_var
+from .rounding import FLUSH, ROUND_VAR, ULP_IN_U, HeadCache, binade, binade_sq, finite_abs, memo
 
 
 # Above this many multiply-adds per head the exact partial-sum energy (chunked cumsum) costs too
@@ -21,7 +23,9 @@ ENERGY_EXACT_MAX_MACS = 1 << 24
 ENERGY_FALLBACK_FACTOR = 8.0
 
 
-_CHUNK_ELEMS = 1 << 21
+# Products per block of the exact path: large enough that each numpy call does real work, small
+# enough that a block's dozen buffers stay in cache (2^14 to 2^18 measured: 2^16-2^17 fastest).
+_CHUNK_ELEMS = 1 << 16
 
 
 # Structured summation orders dot_var covers besides index and reverse order: where the index-order
@@ -38,21 +42,208 @@ DOT_MIN_BLOCK = 8               # index-order blocks of 8, 16, … K/2 (k-tiles 
 DOT_SPLITS = (2, 3, 4, 5, 6, 7, 8)  # split-K into n equal chunks (blocks of ⌈K/n⌉): 3 splits reached 0.78
 
 
-def _strided_var(t: np.ndarray, L: int, u: float, blocked: bool) -> np.ndarray:
-    """Σ var(rounding) of the sum over axis 1 of t (r, K, C) done as L interleaved accumulators
-    (k ≡ i mod L), or (blocked) as blocks of L consecutive terms each summed from 0; then the L
-    lane totals (the K/L block totals) added in order."""
-    r, K, C = t.shape
-    Kp = -(-K // L) * L
-    if Kp > K:
-        t = np.concatenate([t, np.zeros((r, Kp - K, C))], axis=1)
-    tr = t.reshape(r, Kp // L, L, C)
-    axis = 2 if blocked else 1
-    part = np.cumsum(tr, axis=axis)
-    var = step_var(part, tr, u).sum(axis=(1, 2))
-    totals = part[:, :, -1] if blocked else part[:, -1]
-    var += step_var(np.cumsum(totals, axis=1), totals, u).sum(axis=1)
+class _Orders(NamedTuple):
+    lanes: Tuple[int, ...]    # interleaved accumulators
+    blocks: Tuple[int, ...]   # block lengths
+    padded: int               # the longest sum a lane or block order walks (zeros past K)
+
+
+@functools.lru_cache(maxsize=None)
+def _orders(K: int) -> _Orders:
+    """The structured summation orders of a sum of K terms."""
+    blocks = {DOT_MIN_BLOCK << j for j in range(K.bit_length()) if DOT_MIN_BLOCK << j <= K // 2}
+    blocks |= {-(-K // n) for n in DOT_SPLITS if DOT_MIN_BLOCK <= -(-K // n) < K}
+    lanes = tuple(L for L in DOT_LANES if L < K)
+    padded = max([K] + [-(-K // n) * n for n in (*blocks, *lanes)])
+    return _Orders(lanes, tuple(sorted(blocks)), padded)
+
+
+# The exact path works in units of u²/3, the variance of a rounding in the binade [1, 2): a
+# rounding of x in [2^e, 2^(e+1)) then has variance 4^e (rounding.binade_sq). Partial sums are
+# formed in float64; their binades, squares and the sums of their variances in float32, each sum
+# first scaled by the power of two that brings its largest product into [1, 2) (exact): a float32
+# then holds every term that matters (those below 2^-126 lie far below the largest product's own
+# rounding), and the arithmetic runs twice as fast. Each term carries float32's relative error,
+# ~1e-7, and a sum of K terms K·6e-8 at most: the variance differs from float64's by 1e-5 (K = 128)
+# at most, its square root (the bound) by half that.
+class _Scratch:
+    """Buffers reused by every row block of one call: a fresh array of a few hundred KB is mapped
+    from the OS, and touching its pages again on every use cost ~5× the arithmetic."""
+
+    def __init__(self, size: int) -> None:
+        self._size = size
+        self._flat: Dict[Tuple[str, type], np.ndarray] = {}
+        self._views: Dict[tuple, np.ndarray] = {}  # every block but the last asks for the same
+
+    def get(self, name: str, dtype: type, *shape: int) -> np.ndarray:
+        """The buffer `name` of `dtype`, as a contiguous array of `shape` (its contents left over)."""
+        view = self._views.get((name, dtype, shape))
+        if view is None:
+            flat = self._flat.get((name, dtype))
+            if flat is None:
+                flat = self._flat[name, dtype] = np.empty(self._size, dtype)
+            view = self._views[name, dtype, shape] = flat[:math.prod(shape)].reshape(shape)
+        return view
+
+
+def _scaled_sq(x: np.ndarray, g: float, out: np.ndarray) -> np.ndarray:
+    """g·x² into out (may be x)."""
+    np.multiply(x, x, out=out)
+    return np.multiply(out, g, out=out)
+
+
+def _running_sum(t: np.ndarray, stride: int, out: np.ndarray) -> np.ndarray:
+    """out[k] = t[k] + out[k - stride] along axis 0 (t[k] for k < stride): the partial sums of
+    `stride` interleaved accumulators. A slab at a time: numpy's cumsum along axis 0 of a
+    row-major array walks it column by column, ~30× slower."""
+    out[:stride] = t[:stride]
+    for k in range(stride, t.shape[0], stride):
+        np.add(out[k - stride:k], t[k:k + stride], out=out[k:k + stride])
+    return out
+
+
+def _steps(binade: np.ndarray, prev_sq: np.ndarray, t_sq: np.ndarray, work: np.ndarray,
+           axis) -> np.ndarray:
+    """Σ over `axis` of each addition's rounding variance: that of its sum's binade, and never more
+    than the square of either addend (round to nearest picks the closer of the floats next to the
+    sum, and both addends lie at their own distance from it; adding 0 is exact). The squares are
+    in the same units as binade; work is scratch of their shape."""
+    np.minimum(prev_sq, t_sq, out=work)
+    np.minimum(work, binade, out=work)
+    return work.sum(axis=axis)
+
+
+class _Sums:
+    """n sums of K products each, t (padded×n float64: t[k, j] the k-th product of sum j, zeros
+    past K), scaled in place by `scale` (a power of two per sum), with what every summation order
+    shares: the index-order partial sums S (S[k] the sum of the first k products; float64), and in
+    float32 the binades of S, g·S² and g·t² (g = 3/u²: squares in units of u²/3)."""
+
+    def __init__(self, t: np.ndarray, K: int, u: float, scratch: _Scratch) -> None:
+        padded, n = t.shape
+        self.t, self.K, self.n, self.scratch = t, K, n, scratch
+        self.g = 3.0 / (u * u)
+        top = binade(np.maximum(t.max(axis=0, initial=0.0), -t.min(axis=0, initial=0.0)))
+        self.scale = np.divide(1.0, top, out=np.ones(n), where=top > 0)
+        t *= self.scale
+        self.t32 = self.f32("t32", padded)
+        np.copyto(self.t32, t, casting="same_kind")
+        self.t_sq = _scaled_sq(self.t32, self.g, self.f32("t_sq", padded))
+        self.S = scratch.get("S", np.float64, padded + 1, n)
+        self.S[0] = 0.0
+        _running_sum(t, 1, self.S[1:])
+        s32 = self.f32("x", padded + 1)
+        np.copyto(s32, self.S, casting="same_kind")
+        self.s_binade = binade_sq(s32, self.f32("s_binade", padded + 1))
+        self.s_sq = _scaled_sq(s32, self.g, self.f32("s_sq", padded + 1))
+
+    def f32(self, name: str, rows: int) -> np.ndarray:
+        """float32 scratch of rows×n."""
+        return self.scratch.get(name, np.float32, rows, self.n)
+
+    def partials(self, rows: int):
+        """Scratch for one order's partial sums: (values, binades, g·values²), float32."""
+        return tuple(self.f32(name, rows) for name in ("x", "x_binade", "x_sq"))
+
+
+def _order_energy(sums: _Sums) -> np.ndarray:
+    """The largest over the summation orders of Σ_k var(rounding of the partial sum s_k), in units
+    of u²/3, for each of the n sums: index and reverse order, the interleaved accumulators and the
+    blocks of _orders(K) (each lane or block summed from 0, then the lane or block totals in
+    order), and the expectation over random orders (for the orders not enumerated)."""
+    K, t_sq = sums.K, sums.t_sq
+    lanes, blocks, _ = _orders(K)
+    work = sums.f32("work", K)
+    best = _steps(sums.s_binade[1:K + 1], sums.s_sq[:K], t_sq[:K], work, 0)
+    np.maximum(best, _reverse_energy(sums), out=best)
+    for b in blocks:
+        np.maximum(best, _blocks_energy(sums, b), out=best)
+    for L in lanes:
+        np.maximum(best, _lanes_energy(sums, L), out=best)
+    # Random order: E[s_k²] averaged over k is Σt²/6 + S²/3 (sampling without replacement), and a
+    # sum's rounding variance ROUND_VAR·u²·s² (3·ROUND_VAR·s² in units of u²/3).
+    mean_var = t_sq[:K].sum(axis=0)
+    mean_var /= 6.0
+    mean_var += sums.s_sq[K] / 3.0
+    mean_var *= 3.0 * ROUND_VAR / sums.g
+    np.minimum(t_sq[:K], mean_var, out=work)
+    return np.maximum(best, work.sum(axis=0), out=best)
+
+
+def _reverse_energy(sums: _Sums) -> np.ndarray:
+    """Reverse order: adding t_k to W_k = total - S_k gives W_(k-1)."""
+    K, S = sums.K, sums.S
+    W, w_binade, w_sq = sums.partials(K + 1)
+    np.subtract(S[K], S[:K + 1], out=W)
+    binade_sq(W, w_binade)
+    return _steps(w_binade[:K], _scaled_sq(W, sums.g, w_sq)[1:], sums.t_sq[:K], sums.f32("work", K), 0)
+
+
+def _blocks_energy(sums: _Sums, b: int) -> np.ndarray:
+    """Blocks of b consecutive terms, each summed from 0, then the block totals in order: a
+    block's partial sums are S minus S at its start, the running total of the blocks is S at
+    their ends."""
+    K, n, S = sums.K, sums.n, sums.S
+    nb = -(-K // b)
+    P, p_binade, p_sq = (x.reshape(nb, b, n) for x in sums.partials(nb * b))
+    np.subtract(S[1:nb * b + 1].reshape(nb, b, n), S[0:nb * b:b].reshape(nb, 1, n), out=P)
+    binade_sq(P, p_binade)
+    _scaled_sq(P, sums.g, p_sq)
+    energy = _steps(p_binade[:, 1:], p_sq[:, :-1], sums.t_sq[:nb * b].reshape(nb, b, n)[:, 1:],
+                    sums.f32("work", nb * b).reshape(nb, b, n)[:, 1:], (0, 1))
+    ends = np.minimum(np.arange(1, nb + 1) * b, K)
+    totals = np.subtract(S[ends[1:]], S[ends[:-1]], out=sums.f32("totals", nb - 1))
+    _scaled_sq(totals, sums.g, totals)
+    at_end = np.take(sums.s_binade, ends[1:], axis=0, out=sums.f32("end_binade", nb - 1))
+    before = np.take(sums.s_sq, ends[:-1], axis=0, out=sums.f32("end_sq", nb - 1))
+    energy += _steps(at_end, before, totals, totals, 0)
+    return energy
+
+
+def _lanes_energy(sums: _Sums, L: int) -> np.ndarray:
+    """L interleaved accumulators (term k into lane k mod L), then the L lane totals in order."""
+    K, n, g = sums.K, sums.n, sums.g
+    rows = -(-K // L) * L
+    C64 = _running_sum(sums.t[:rows], L, sums.scratch.get("lanes", np.float64, rows, n))
+    C, c_binade, c_sq = sums.partials(rows)
+    np.copyto(C, C64, casting="same_kind")
+    binade_sq(C, c_binade)
+    _scaled_sq(C, g, c_sq)
+    energy = _steps(c_binade[L:], c_sq[:-L], sums.t_sq[L:rows], sums.f32("work", rows - L), 0)
+    lane_sq = c_sq[rows - L:]
+    running = sums.f32("running", L)
+    np.copyto(running, _running_sum(C64[rows - L:], 1, sums.scratch.get("running", np.float64, L, n)),
+              casting="same_kind")
+    r_binade = binade_sq(running, sums.f32("running_binade", L))
+    r_sq = _scaled_sq(running, g, running)
+    energy += _steps(r_binade[1:], r_sq[:-1], lane_sq[1:], sums.f32("work", L - 1), 0)
+    return energy
+
+
+def _sums_var(t: np.ndarray, K: int, u: float, product_var: float, scratch: _Scratch) -> np.ndarray:
+    """The variance of the float32 error of each column sum of t (padded×n, K products each, zeros
+    below; scaled in place): _order_energy plus product_var·(the products' binade-exact rounding
+    variance)/ROUND_VAR."""
+    sums = _Sums(t, K, u, scratch)
+    var = _order_energy(sums).astype(np.float64)
+    products = binade_sq(sums.t32[:K], sums.f32("work", K)).sum(axis=0)
+    var += products * (product_var / ROUND_VAR)
+    var *= u * u / 3.0
+    var /= sums.scale
+    var /= sums.scale
     return var
+
+
+def _products(scratch: _Scratch, K: int, n: int) -> np.ndarray:
+    """The products buffer for n sums of K terms: zeros past K, for the lane and block orders."""
+    t = scratch.get("t", np.float64, _orders(K).padded, n)
+    t[K:] = 0.0
+    return t
+
+
+def _block_sums(K: int, n_per_row: int) -> int:
+    """Rows of a product per block (each of n_per_row sums)."""
+    return max(1, _CHUNK_ELEMS // max(1, _orders(K).padded * n_per_row))
 
 
 def dot_var(A: np.ndarray, B: np.ndarray, u: float, product_var: float = ROUND_VAR) -> np.ndarray:
@@ -60,48 +251,51 @@ def dot_var(A: np.ndarray, B: np.ndarray, u: float, product_var: float = ROUND_V
     t_k and partial sums s_k: Σ_k var(rounding of s_k), the largest over the summation orders
     float32 GEMMs use: index order, reverse order, DOT_LANES interleaved accumulators, index-order
     blocks of every power of two from DOT_MIN_BLOCK to K/2 and of ⌈K/n⌉ (split-K, n in DOT_SPLITS;
-    each block summed from 0, then the block sums), and the expectation over random orders (for the orders not enumerated); plus
-    product_var·u²·Σ_k t_k² for the products' own rounding (an upper bound when FMA fuses them:
-    an FMA's one rounding is that of the new partial sum, counted above)."""
+    each block summed from 0, then the block sums), and the expectation over random orders (for
+    the orders not enumerated); plus product_var·u²·Σ_k t_k² for the products' own rounding (an
+    upper bound when FMA fuses them: an FMA's one rounding is that of the new partial sum,
+    counted above)."""
     A = np.asarray(A, dtype=np.float64)
     B = np.asarray(B, dtype=np.float64)
     R, K = A.shape
     C = B.shape[1]
     if R * K * C > ENERGY_EXACT_MAX_MACS:
-        return _expected_var(A, B, u, product_var)
-    blocks = {DOT_MIN_BLOCK << j for j in range(K.bit_length()) if DOT_MIN_BLOCK << j <= K // 2}
-    blocks |= {-(-K // n) for n in DOT_SPLITS if DOT_MIN_BLOCK <= -(-K // n) < K}
-    structured = [(L, False) for L in DOT_LANES if L < K] + [(L, True) for L in sorted(blocks)]
+        return _expected_var(A @ B, (A * A) @ (B * B), K, u, product_var)
+    rows = _block_sums(K, C)
+    scratch = _Scratch((_orders(K).padded + 1) * min(rows, R) * C)
     out = np.empty((R, C))
-    rows = max(1, _CHUNK_ELEMS // max(1, K * C))
     for r0 in range(0, R, rows):
-        t = A[r0:r0 + rows, :, None] * B[None, :, :]          # (r, K, C) products
-        s = np.cumsum(t, axis=1)                               # index-order partial sums
-        total = s[:, -1:, :].copy()  # a copy: s is overwritten below
-        t2 = t * t
-        var = step_var(s, t, u, t2).sum(axis=1)
-        # Reverse order: t_K, t_K + t_(K-1), …, i.e. total - s + t (s is not needed after this).
-        np.subtract(total, s, out=s)
-        s += t
-        np.maximum(var, step_var(s, t, u, t2).sum(axis=1), out=var)
-        del s
-        for L, blocked in structured:
-            np.maximum(var, _strided_var(t, L, u, blocked), out=var)
-        # Random order: E[s_k²] averaged over k is Σt²/6 + S²/3 (sampling without replacement).
-        mean_s2 = t2.sum(axis=1, keepdims=True) / 6.0 + total * total / 3.0
-        np.maximum(var, np.minimum(ROUND_VAR * u * u * mean_s2, t2).sum(axis=1), out=var)
-        # Products: one rounding each (its binade's ulp²/12), scaled for split-precision kernels.
-        var += rounding_var(t, u).sum(axis=1) * (product_var / ROUND_VAR)
-        out[r0:r0 + rows] = var
+        a = A[r0:r0 + rows]
+        t = _products(scratch, K, a.shape[0] * C)     # t[k, i·C + j] = A[i, k]·B[k, j]
+        np.multiply(a.T[:, :, None], B[:, None, :], out=t[:K].reshape(K, a.shape[0], C))
+        out[r0:r0 + rows] = _sums_var(t, K, u, product_var, scratch).reshape(a.shape[0], C)
     return out
 
 
-def _expected_var(A: np.ndarray, B: np.ndarray, u: float, product_var: float) -> np.ndarray:
-    """For very large heads: E[Σ_k s_k²] over random orders, (K+1)(Σt²/6 + S²/3), inflated by
-    ENERGY_FALLBACK_FACTOR for orders whose partial sums wander further than average."""
-    K = A.shape[1]
-    S = A @ B
-    T2 = (A * A) @ (B * B)
+def rowdot_var(A: np.ndarray, B: np.ndarray, u: float, product_var: float = ROUND_VAR) -> np.ndarray:
+    """Variance (R×1) of the float32 error of the row-wise dot products Σ_k A[i, k]·B[i, k] (A and
+    B both R×K), under dot_var's model: row i's is dot_var(A[i:i+1], B[i:i+1].T)."""
+    A = np.asarray(A, dtype=np.float64)
+    B = np.asarray(B, dtype=np.float64)
+    R, K = A.shape
+    if R * K > ENERGY_EXACT_MAX_MACS:
+        t = A * B
+        return _expected_var(t.sum(axis=1, keepdims=True), np.einsum("ij,ij->i", t, t)[:, None], K,
+                             u, product_var)
+    rows = _block_sums(K, 1)
+    scratch = _Scratch((_orders(K).padded + 1) * min(rows, R))
+    out = np.empty((R, 1))
+    for r0 in range(0, R, rows):
+        t = _products(scratch, K, min(rows, R - r0))  # t[k, i] = A[i, k]·B[i, k]
+        np.multiply(A[r0:r0 + rows].T, B[r0:r0 + rows].T, out=t[:K])
+        out[r0:r0 + rows, 0] = _sums_var(t, K, u, product_var, scratch)
+    return out
+
+
+def _expected_var(S: np.ndarray, T2: np.ndarray, K: int, u: float, product_var: float) -> np.ndarray:
+    """For very large heads, from the sums S and the sums of squared products T2: E[Σ_k s_k²] over
+    random orders, (K+1)(T2/6 + S²/3), inflated by ENERGY_FALLBACK_FACTOR for orders whose partial
+    sums wander further than average. S and T2 are overwritten."""
     # In place, in this grouping: u·u·(ROUND_VAR·energy + product_var·T2),
     # energy = ENERGY_FALLBACK_FACTOR·(K + 1)·(T2/6 + S·S/3).
     var = np.divide(T2, 6.0)

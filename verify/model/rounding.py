@@ -54,7 +54,9 @@ def unit_roundoff(precision: str) -> float:
     return UNIT_ROUNDOFF[precision]
 
 
-_EXPONENT_BITS = np.uint64(0x7FF0000000000000)
+# The exponent bits of float64 and float32, and the unsigned integers of their width.
+_EXPONENT_BITS = {np.dtype(np.float64): (np.uint64, np.uint64(0x7FF0000000000000)),
+                  np.dtype(np.float32): (np.uint32, np.uint32(0x7F800000))}
 
 
 class HeadCache:
@@ -89,13 +91,29 @@ def memo(cache: Optional[HeadCache], what: str, sources: Sequence[np.ndarray], p
     return compute() if cache is None else cache.get(what, sources, params, compute)
 
 
+def binade(x: np.ndarray, out: Optional[np.ndarray] = None) -> np.ndarray:
+    """2^e for each x in ±[2^e, 2^(e+1)) (0 for 0 and subnormals): x with its sign and mantissa
+    bits cleared. float32 stays float32, anything else is float64. Into out (x's dtype and shape)
+    when given."""
+    x = np.ascontiguousarray(x, dtype=np.float32 if np.asarray(x).dtype == np.float32 else np.float64)
+    uint, mask = _EXPONENT_BITS[x.dtype]
+    out = np.empty(x.shape, x.dtype) if out is None else out
+    np.bitwise_and(x.view(uint), mask, out=out.view(uint))
+    return out
+
+
+def binade_sq(x: np.ndarray, out: Optional[np.ndarray] = None) -> np.ndarray:
+    """4^e for each x in ±[2^e, 2^(e+1)): binade(x)², into out when given."""
+    out = binade(x, out)
+    return np.multiply(out, out, out=out)
+
+
 def rounding_var(x: np.ndarray, u: float) -> np.ndarray:
     """Variance of rounding x to nearest: uniform within ±ulp(x)/2, ulp(x) = 2u·2^e for x in
-    [2^e, 2^(e+1)): ulp²/12 (at most (u·x)²/3, on average ROUND_VAR·(u·x)²). 2^e is x with its
-    mantissa bits cleared."""
-    p2 = (np.ascontiguousarray(x, dtype=np.float64).view(np.uint64) & _EXPONENT_BITS).view(np.float64)
-    out = np.multiply(p2, u * u / 3.0)   # (u²/3)·p2·p2, in place on one temporary
-    return np.multiply(out, p2, out=out)
+    [2^e, 2^(e+1)): ulp²/12 = (u²/3)·4^e (at most (u·x)²/3, on average ROUND_VAR·(u·x)²)."""
+    out = binade_sq(np.asarray(x, dtype=np.float64))
+    out *= u * u / 3.0
+    return out
 
 
 def step_var(partial: np.ndarray, t: np.ndarray, u: float,
