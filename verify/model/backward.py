@@ -38,12 +38,6 @@ class RowErrors:
     D: np.ndarray
 
 
-def rowdot_var(A: np.ndarray, B: np.ndarray, u: float, product_var: float = ROUND_VAR) -> np.ndarray:
-    """dot_var of the row-wise sums Σ_k A[i,k]·B[i,k] (N×1): each row's products summed alone."""
-    return dot_var(np.asarray(A, np.float64) * np.asarray(B, np.float64), np.ones((A.shape[1], 1)), u,
-                   product_var)
-
-
 def ds_round_var(P: np.ndarray, dP: np.ndarray, D: np.ndarray, u: float) -> np.ndarray:
     """Variance of dS's own roundings (either route: P∘(dP − D) or P·dP − P·D)."""
     a = np.abs(P * dP) + np.abs(P * D)

@@ -15,9 +15,9 @@ import numpy as np
 
 from ..model.attention import causal_mask, log_sum_exp_rows
 from ..model.backward import (d_var, ds_round_var, ds_var_parts, flash_rows, grad_over_keys_var, grad_over_queries_var,
-                              rowdot_var, stage_rows, weight_round_var)
+                              stage_rows, weight_round_var)
 from ..model.chain import chained_eta
-from ..model.dot import dot_var, flush_sum, mma_truncation_det, pv_var, qk_var
+from ..model.dot import dot_var, flush_sum, mma_truncation_det, pv_var, qk_var, rowdot_var
 from ..model.flash import flash_output_var_det, flash_parts
 from ..model.kernels import FLASH_LOGIT_ROUNDINGS
 from ..model.rounding import FLUSH, LAMBDA, ROUND_VAR, finish, finite_abs, memo
