@@ -275,12 +275,13 @@ int run(int argc, char** argv) {
     rs.run_id = make_run_id();
     rs.out_dir = o.out_dir;
     rs.out_format = o.has_format ? o.format : in.format;
+    // From here on files change (the first is prepare_output_dir's write probe): a signal is only
+    // recorded, and a failure removes everything this run wrote.
+    std::signal(SIGINT, on_signal);
+    std::signal(SIGTERM, on_signal);
     prepare_output_dir(o.out_dir, o.in_dir, rs.run_id);
     if (int n = remove_stale_temporaries(o.out_dir, rs.run_id))
         notice("removed " + std::to_string(n) + " temporary file(s) left in " + o.out_dir + " by runs that were killed");
-    // From here on files change: a failure removes everything this run wrote.
-    std::signal(SIGINT, on_signal);
-    std::signal(SIGTERM, on_signal);
     try {
         remove_if_exists(rs.out_dir + "/" + kRunManifest);
         const Dims& d = p.dims;
