@@ -12,7 +12,8 @@ import foreign
 from verify import compare
 from verify.case import write_toml
 from verify.reference import reference_chain
-from verify.stages import BACKWARD_STAGES, GRAD_INPUT, INPUT_MANIFEST, INPUT_NAMES, STAGES, Dims, default_scale, stage_file
+from verify.stages import (BACKWARD_STAGES, GRAD_INPUT, INPUT_MANIFEST, INPUT_NAMES, STAGE_NAMES, STAGES, Dims,
+                           default_scale, stage_file)
 
 SAMPLERS = {
     "normal": lambda rng, s: rng.standard_normal(s, dtype=np.float32),
@@ -40,7 +41,7 @@ def write_backward_case(tmp: Path, dims: Dims, causal: bool, dist: str = "normal
     write_toml(in_dir / INPUT_MANIFEST, dict(batch=dims.batch, heads=dims.heads, seq_q=dims.seq_q,
                                              seq_k=dims.seq_k, d_k=dims.d_k, d_v=dims.d_v, causal=causal,
                                              format="npy"), "test case")
-    foreign.write_outputs(tmp / "out", heads, dims, writer, only=only)
+    foreign.write_outputs(tmp / "out", heads, dims, writer, only=STAGE_NAMES if only is None else only)
     return in_dir, tmp / "out"
 
 
