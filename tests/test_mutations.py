@@ -234,7 +234,7 @@ def _ds_without_p(c: Case):
 
 
 def _unscaled(stage: str):
-    def build(c: Case):
+    def build(c: Case):  # the stage's own computation with a scale of 1
         return stage, RECOMPUTE[stage](SimpleNamespace(scale=1.0), *_own_inputs(c, stage))
     return build
 
