@@ -3,7 +3,8 @@
 Each case draws a shape from the whole generator space (batch, heads; seq_q and seq_k from 1 to
 a few hundred, 1 and non-multiples of every tile included; d_k = d_v at each flash width, odd and
 unequal head dims up to MAX_HEAD_DIM), causal or not, every distribution of
-verify.generate.DISTRIBUTIONS, both file formats, and sometimes an explicit random scale; then
+verify.generate.DISTRIBUTIONS, both file formats, sometimes an explicit random scale, and about a
+third with the output gradient dO (the backward stages, where the backend computes them); then
 generate -> binary -> check, and every stage of every head must pass (chained and isolated).
 The tolerance model promises ~1e-10 false failures per element, so one failure here is a bug in
 the model or in the binary, never bad luck.
@@ -33,6 +34,7 @@ CHUNK = 25        # cases per test function: one binary fixture, one report line
 SWEEP_SEED = 20260311
 MAX_SEQ = 300     # rows/keys: tail tiles of every tile size, yet milliseconds per case
 MAX_MACS = 2_000_000  # batch·heads·seq_q·seq_k·(d_k + d_v): keeps a case near 0.3 s on the CPU
+BACKWARD_SHARE = 1 / 3  # of the cases have dO
 
 
 @dataclass(frozen=True)
@@ -43,12 +45,13 @@ class Case:
     distribution: str
     fmt: str
     scale: Optional[float]  # None: the default 1/√d_k
+    backward: bool          # the case has dO
 
     def __str__(self) -> str:
         d = self.dims
         return (f"case {self.index}: batch={d.batch} heads={d.heads} seq_q={d.seq_q} seq_k={d.seq_k} "
                 f"d_k={d.d_k} d_v={d.d_v} causal={self.causal} dist={self.distribution} "
-                f"format={self.fmt} scale={self.scale!r} seed={self.index}")
+                f"format={self.fmt} scale={self.scale!r} backward={self.backward} seed={self.index}")
 
 
 def _seq_len(rng: np.random.Generator) -> int:
@@ -86,8 +89,11 @@ def draw_case(index: int) -> Case:
             seq_q = max(1, seq_q // 2 + 1)
         else:
             seq_k = max(1, seq_k // 2 + 1)
-    return Case(index, Dims(batch, heads, seq_q, seq_k, d_k, d_v), bool(rng.integers(2)),
-                str(rng.choice(list(DISTRIBUTIONS))), str(rng.choice(FORMATS)), _scale(rng))
+    causal = bool(rng.integers(2))
+    dist, fmt, scale = str(rng.choice(list(DISTRIBUTIONS))), str(rng.choice(FORMATS)), _scale(rng)
+    # Drawn last: the forward parameters of case i are those of the sweep before it had dO.
+    return Case(index, Dims(batch, heads, seq_q, seq_k, d_k, d_v), causal, dist, fmt, scale,
+                bool(rng.random() < BACKWARD_SHARE))
 
 
 def _failures(report) -> list:
@@ -101,7 +107,8 @@ CHUNKS = [pytest.param(c, id=f"cases{c * CHUNK}-{min(CASES, (c + 1) * CHUNK) - 1
 
 def test_the_sweep_covers_the_generator_space():
     """The draw reaches every distribution, format, flash width, causal mode, explicit scales,
-    length-1 sequences and head dims the flash stages do not support (checked on the first 200)."""
+    length-1 sequences, head dims the flash stages do not support and the backward, causal or not,
+    with the flash backward (checked on the first 200)."""
     cases = [draw_case(i) for i in range(200)]
     assert {c.distribution for c in cases} == set(DISTRIBUTIONS)
     assert {c.fmt for c in cases} == set(FORMATS)
@@ -112,6 +119,9 @@ def test_the_sweep_covers_the_generator_space():
     assert any(c.dims.d_k != c.dims.d_v for c in cases)
     assert any(c.dims.d_k == c.dims.d_v and not c.dims.flash_supported for c in cases)
     assert any(c.dims.batch > 1 for c in cases)
+    backward = [c for c in cases if c.backward]
+    assert backward and len(backward) < len(cases)
+    assert {c.causal for c in backward} == {False, True} and any(c.dims.flash_supported for c in backward)
 
 
 @pytest.mark.parametrize("chunk", CHUNKS)
@@ -121,6 +131,7 @@ def test_random_correct_runs_never_fail(binary, tmp_path, backend, chunk):
         case = draw_case(index)
         work = tmp_path / str(index)
         report = _run_and_check(binary, work, case.dims, case.causal, backend, seed=case.index,
-                                distribution=case.distribution, fmt=case.fmt, scale=case.scale)
+                                distribution=case.distribution, fmt=case.fmt, scale=case.scale,
+                                backward=case.backward)
         assert report.passed, f"false alarm on {backend[0]} {' '.join(backend[1])}: {case}: {_failures(report)}"
         shutil.rmtree(work)  # hundreds of cases: keep the disk use of one

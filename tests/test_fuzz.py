@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,10 +15,10 @@ import pytest
 hypothesis = pytest.importorskip("hypothesis", reason="the fuzz tests need hypothesis (pip install hypothesis)")
 from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
 
-from verify.case import CaseError, load_input_case  # noqa: E402
+from verify.case import CaseError, load_input_case, read_matrix  # noqa: E402
 from verify.generate import generate_case  # noqa: E402
 from verify.runner import run_binary  # noqa: E402
-from verify.stages import Dims  # noqa: E402
+from verify.stages import FORMATS, GRAD_INPUT, STAGES, Dims, stage_file  # noqa: E402
 
 DIMS = Dims(batch=1, heads=2, seq_q=5, seq_k=7, d_k=16, d_v=16)
 # CI runs 60 examples per test; ATTNSTEP_FUZZ_EXAMPLES=400 makes a longer local sweep.
@@ -26,12 +27,13 @@ FUZZ = settings(max_examples=FUZZ_EXAMPLES, deadline=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture])
 TOKENS = [b"nan", b"inf", b"-inf", b"1e999", b"0x1p3", b"abc", b"1,5", b"--1", b"1e", b"", b" ", b"\t",
           b"\n", b"\x00", b"\xff", b"#", b"1.0.0", b"+-2", b"1_0", b"\r\n", b"9" * 400]
+OPS = ("truncate", "delete_line", "insert", "replace", "duplicate_line", "empty")  # what _corrupt does
 
 
 @st.composite
 def corruption(draw):
     target = draw(st.sampled_from(["Q_head_0.txt", "K_head_1.txt", "V_head_1.txt", "manifest.toml"]))
-    op = draw(st.sampled_from(["truncate", "delete_line", "insert", "replace", "duplicate_line", "empty"]))
+    op = draw(st.sampled_from(OPS))
     return target, op, draw(st.floats(0, 1)), draw(st.sampled_from(TOKENS))
 
 
@@ -64,16 +66,17 @@ def _python_error(folder) -> str:
     try:
         case = load_input_case(folder)
         for i in range(case.dims.total_heads):
-            for name in ("Q", "K", "V"):
+            for name in case.inputs:
                 case.load(name, i)
         return ""
     except CaseError as exc:
         return str(exc)
 
 
-def _assert_readers_agree(binary, folder) -> str:
+def _assert_readers_agree(binary, folder, names: str = "") -> str:
     """The binary exits 0 or 2 (one error line, no run.toml) and accepts exactly what the verifier
-    accepts. Returns the binary's error line ('' when it ran)."""
+    accepts; when both refuse, both messages name `names` (a file). Returns the binary's error line
+    ('' when it ran)."""
     res = run_binary(binary, folder, folder / "out", backend="cpu", check=False, timeout=60)
     assert res.returncode in (0, 2), f"exit {res.returncode} (signal if < 0): {res.stderr[-400:]}"
     lines = [ln for ln in res.stderr.splitlines() if ln.startswith("main: error:")]
@@ -82,6 +85,8 @@ def _assert_readers_agree(binary, folder) -> str:
         assert not (folder / "out" / "run.toml").exists()
     python = _python_error(folder)
     assert (res.returncode == 0) == (python == ""), (res.stderr[-300:], python)
+    if python:
+        assert names in lines[0] and names in python, (lines[0], python)
     return lines[0] if lines else ""
 
 
@@ -99,6 +104,64 @@ def test_binary_fails_cleanly_on_corrupt_inputs(binary, pristine, tmp_path_facto
     path = folder / target
     path.write_bytes(_corrupt(path.read_bytes(), op, where, token))
     _assert_readers_agree(binary, folder)
+
+
+def _backward_case(tmp_path_factory, fmt: str):
+    """A case with the output gradient dO."""
+    folder = tmp_path_factory.mktemp(f"pristine_backward_{fmt}")
+    generate_case(folder, DIMS, seed=13, fmt=fmt, backward=True)
+    return folder
+
+
+@pytest.fixture(scope="module", params=FORMATS)
+def pristine_backward(request, tmp_path_factory):
+    return _backward_case(tmp_path_factory, request.param)
+
+
+@pytest.fixture(scope="module")
+def pristine_backward_txt(tmp_path_factory):
+    return _backward_case(tmp_path_factory, "txt")
+
+
+def _grad_file(folder, head: int) -> Path:
+    (path,) = folder.glob(stage_file(GRAD_INPUT, head, "*"))
+    return path
+
+
+@FUZZ
+@given(st.integers(0, DIMS.total_heads - 1), st.sampled_from(OPS), st.floats(0, 1), st.sampled_from(TOKENS))
+def test_both_readers_refuse_a_corrupt_dO_alike(binary, pristine_backward, tmp_path_factory, head, op, where,
+                                                token):
+    """Bad tokens, NaN, a row too many or too few, a truncated .npy: the binary and the verifier
+    accept or refuse dO together, with one line naming the file."""
+    folder = _copy(pristine_backward, tmp_path_factory)
+    path = _grad_file(folder, head)
+    path.write_bytes(_corrupt(path.read_bytes(), op, where, token))
+    _assert_readers_agree(binary, folder, path.name)
+
+
+@pytest.mark.parametrize("change", ["missing", "wrong-shape", "nan", "transposed"])
+def test_both_readers_refuse_a_dO_of_one_head_alike(binary, pristine_backward, tmp_path_factory, change):
+    folder = _copy(pristine_backward, tmp_path_factory)
+    path = _grad_file(folder, DIMS.total_heads - 1)
+    if change == "missing":
+        path.unlink()
+    else:
+        rows, cols = STAGES[GRAD_INPUT].shape(DIMS)
+        x = read_matrix(path, (rows, cols))
+        x = {"wrong-shape": x[:, 1:], "nan": np.where(np.arange(cols) == 3, np.nan, x),
+             "transposed": x.T}[change]
+        np.save(path, x.astype(np.float32)) if path.suffix == ".npy" else np.savetxt(path, x, fmt="%.9g")
+    assert _assert_readers_agree(binary, folder, path.name)
+
+
+@pytest.mark.parametrize("garble", [b"6na", b"1x)", b"16("])
+def test_a_garbled_npy_header_is_a_one_line_error_of_both(binary, tmp_path_factory, garble):
+    """A header dict that numpy's parser cannot even tokenize is a bad file, not a crash."""
+    folder = _backward_case(tmp_path_factory, "npy")
+    path = _grad_file(folder, 0)
+    path.write_bytes(path.read_bytes().replace(b"16)", garble, 1))  # the shape (5, 16), same length
+    assert _assert_readers_agree(binary, folder, path.name)
 
 
 # The shapes of TOML values where a hand-written reader drifts from tomllib: leading zeros, points
@@ -196,11 +259,14 @@ def test_check_refuses_a_stage_file_that_is_not_a_regular_file(binary, pristine,
 
 
 @FUZZ
-@given(st.sampled_from(["QK_head_0.txt", "attention_weights_head_1.txt", "flash_lse_head_0.txt",
-                        "run.toml"]), st.sampled_from(["truncate", "delete_line", "insert", "replace",
-                                                       "duplicate_line", "empty"]),
-       st.floats(0, 1), st.sampled_from(TOKENS))
-def test_verifier_never_passes_corrupt_outputs(binary, pristine, tmp_path_factory, target, op, where, token):
+@given(st.sampled_from(["QK_head_0.txt", "attention_weights_head_1.txt", "flash_lse_head_0.txt", "dO_head_1.txt",
+                        "D_head_0.txt", "dS_head_1.txt", "dK_head_0.txt", "flash_dQ_head_1.txt",
+                        "flash_dV_head_0.txt", "run.toml"]),
+       st.sampled_from(OPS), st.floats(0, 1), st.sampled_from(TOKENS))
+def test_verifier_never_passes_corrupt_outputs(binary, pristine_backward_txt, tmp_path_factory, target, op, where,
+                                               token):
+    """Forward and backward stage files of a case with dO."""
+    pristine = pristine_backward_txt
     folder = tmp_path_factory.mktemp("run")
     run_binary(binary, pristine, folder, backend="cpu")
     path = folder / target

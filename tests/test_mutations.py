@@ -4,8 +4,9 @@ the stage downstream of it as inherited rather than as a new fault.
 
 A planted stage file is rewritten keeping its header line, and run.toml's CRC entry is updated
 (except for `stale`, which is the point of that test). As a buggy binary would, every stage-path
-stage downstream of the planted one is recomputed from it in float32 (the CPU backend's
-arithmetic), so downstream stages are correct given their input and fail only chained.
+stage downstream of the planted one (the backward's included, in the cases with dO) is recomputed
+from it in float32 (the CPU backend's arithmetic), so downstream stages are correct given their
+input and fail only chained; every other stage passes.
 A false-alarm suite runs correct cases over many seeds, shapes and distributions.
 """
 from __future__ import annotations
@@ -20,24 +21,29 @@ import time
 import weakref
 import zlib
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 from click.testing import CliRunner
 
+import foreign
 from test_tolerance import mm_seq, scale_mask32, softmax32
 from verify.case import read_toml
 from verify.cli import cli
 from verify.reference import softmax_rows
-from verify.stages import STAGES, stage_file
+from verify.specs import upstream
+from verify.stages import BACKWARD_STAGES, STAGES, stage_file
 
 f32 = np.float32
-SHAPES = {  # name: (heads, N, M, d, causal)
-    "rect": (3, 48, 80, 16, False),
-    "square-causal": (2, 64, 64, 32, True),
-    "tiles": (2, 130, 70, 16, False),  # the CPU backend's flash tiles are 64: a 2-row tail tile
+SHAPES = {  # name: (heads, N, M, d, causal, backward)
+    "rect": (3, 48, 80, 16, False, False),
+    "square-causal": (2, 64, 64, 32, True, False),
+    "tiles": (2, 130, 70, 16, False, False),  # the CPU backend's flash tiles are 64: a 2-row tail tile
+    # With the output gradient dO: every backward stage.
+    "backward-square-causal": (2, 64, 64, 32, True, True),  # N = M: dV = P·dO has dV's shape
+    "backward-tiles": (2, 130, 70, 16, False, True),
 }
-STAGE_PATH = ("QK", "QK_scaled", "attention_weights", "output")
 
 
 def _invoke(*args) -> "click.testing.Result":
@@ -49,16 +55,40 @@ def cases(binary, tmp_path_factory):
     """One correct output case per shape, computed by the binary's CPU backend."""
     root = tmp_path_factory.mktemp("mutations")
     out = {}
-    for name, (heads, N, M, d, causal) in SHAPES.items():
+    for name, (heads, N, M, d, causal, backward) in SHAPES.items():
         base = root / name
         r = _invoke("generate", "--out", base / "in", "--heads", heads, "--seq-q", N, "--seq-k", M,
                     "--d-k", d, "--d-v", d, "--dist", "normal", "--seed", 11,
-                    "--causal" if causal else "--no-causal")
+                    "--causal" if causal else "--no-causal", *(("--backward",) if backward else ()))
         assert r.exit_code == 0, r.output
         subprocess.run([str(binary), "--in", str(base / "in"), "--out", str(base / "out"),
                         "--backend", "cpu"], check=True, capture_output=True)
         out[name] = base
     return out
+
+
+# How the binary computes each stage-path stage from its inputs (verify/stages.py's `inputs`, in
+# that order), in float32: what a buggy binary computes downstream of a bug.
+def _rowdot32(a, b):
+    return (a * b).sum(axis=1, keepdims=True, dtype=f32)
+
+
+RECOMPUTE = {
+    "QK_scaled": lambda c, qk: scale_mask32(qk, c.scale, c.causal),
+    "attention_weights": lambda c, s: softmax32(s),
+    "output": lambda c, p, v: mm_seq(p, v),
+    "D": lambda c, do, o: _rowdot32(do, o),
+    "dP": lambda c, do, v: mm_seq(do, v.T),
+    "dS": lambda c, p, dp, d: p * (dp - d),
+    "dQ": lambda c, ds, k: mm_seq(ds, k) * f32(c.scale),
+    "dK": lambda c, ds, q: mm_seq(ds.T, q) * f32(c.scale),
+    "dV": lambda c, p, do: mm_seq(p.T, do),
+}
+
+
+def downstream(stage: str):
+    """The stages computed from `stage`, directly or not, in table order."""
+    return [s for s in STAGES if stage in upstream(s)]
 
 
 class Case:
@@ -76,11 +106,15 @@ class Case:
     def path(self, stage: str, head: int) -> Path:
         return self.out / stage_file(stage, head, "txt")
 
+    def has(self, stage: str) -> bool:
+        return self.path(stage, 0).exists()
+
     def load(self, stage: str, head: int) -> np.ndarray:
+        """A stage the binary wrote (Q, K, V and dO: its echo of the input file)."""
         return np.loadtxt(self.path(stage, head), ndmin=2)
 
-    def input_matrix(self, name: str, head: int) -> np.ndarray:
-        return np.loadtxt(self.input / stage_file(name, head, "txt"), ndmin=2)
+    def load32(self, stage: str, head: int) -> np.ndarray:
+        return self.load(stage, head).astype(f32)
 
     def write(self, stage: str, head: int, mat: np.ndarray, update_crc: bool = True) -> None:
         """Rewrite a stage file keeping its header line; optionally re-stamp its CRC in run.toml."""
@@ -97,20 +131,17 @@ class Case:
             toml.write_text("\n".join(lines) + "\n")
 
     def plant(self, stage: str, head: int, mat: np.ndarray) -> None:
-        """Write the planted stage, then recompute the stage-path stages after it in float32."""
+        """Write the planted stage, then recompute in float32 every stage-path stage downstream of
+        it from the files as now written."""
         self.write(stage, head, mat)
-        if stage not in STAGE_PATH:
-            return
-        cur = {stage: np.asarray(mat, f32)}
-        for nxt in STAGE_PATH[STAGE_PATH.index(stage) + 1:]:  # (NaN plants propagate quietly)
-            with np.errstate(invalid="ignore"):
-                if nxt == "QK_scaled":
-                    cur[nxt] = scale_mask32(cur["QK"], self.scale, self.causal)
-                elif nxt == "attention_weights":
-                    cur[nxt] = softmax32(cur["QK_scaled"])
-                else:
-                    cur[nxt] = mm_seq(cur["attention_weights"], self.input_matrix("V", head).astype(f32))
-            self.write(nxt, head, cur[nxt])
+        changed = {stage: np.asarray(mat, f32)}
+        for nxt in downstream(stage):
+            if nxt not in RECOMPUTE or not self.has(nxt):
+                continue
+            args = [changed[n] if n in changed else self.load32(n, head) for n in STAGES[nxt].inputs]
+            with np.errstate(invalid="ignore"):  # (NaN plants propagate quietly)
+                changed[nxt] = RECOMPUTE[nxt](self, *args)
+            self.write(nxt, head, changed[nxt])
 
     def check(self, tmp: Path) -> dict:
         report = tmp / "report.json"
@@ -146,8 +177,7 @@ def _head_permuted(c: Case):
 
 
 def _layout(c: Case):
-    Q = c.input_matrix("Q", HEAD).astype(f32)
-    K = c.input_matrix("K", HEAD).astype(f32)
+    Q, K = c.load32("Q", HEAD), c.load32("K", HEAD)
     return "QK", mm_seq(Q, K.reshape(K.shape[1], K.shape[0]))  # K read as a d×M (column-major) buffer
 
 
@@ -190,7 +220,59 @@ def _mixture(c: Case):
     return "QK", qk
 
 
-# id: (shape, builder, expected code(s), downstream stage that must be INHERITED or None)
+# ---- the backward pass: planted into the backward cases ----------------------------------------
+
+def _own_inputs(c: Case, stage: str):
+    return [c.load32(n, HEAD) for n in STAGES[stage].inputs]
+
+
+def _d_from_do(c: Case):
+    do = c.load32("dO", HEAD)
+    return "D", _rowdot32(do, do)  # rowsum(dO∘dO): dO passed where O belongs
+
+
+def _ds_without_p(c: Case):
+    return "dS", c.load32("dP", HEAD) - c.load32("D", HEAD)  # nor masked: P carried the mask
+
+
+def _unscaled(stage: str):
+    def build(c: Case):  # the stage's own computation with a scale of 1
+        return stage, RECOMPUTE[stage](SimpleNamespace(scale=1.0), *_own_inputs(c, stage))
+    return build
+
+
+def _dv_untransposed(c: Case):
+    return "dV", mm_seq(c.load32("attention_weights", HEAD), c.load32("dO", HEAD))
+
+
+def _flash_bug(stage: str, bug: str):
+    """A flash gradient of the float32 flash backward of tests/foreign.py with a bug of its
+    BACKWARD_BUGS, from the binary's own sources (Q, K, V, dO, flash_output, flash_lse)."""
+    def build(c: Case):
+        return stage, foreign.flash_backward(*_own_inputs(c, stage), c.scale, c.causal, bug=bug)[stage]
+    return build
+
+
+def _column_major(stage: str):
+    def build(c: Case):
+        x = c.load(stage, HEAD)
+        return stage, x.T.reshape(x.shape)  # the row-major buffer holds xᵀ
+    return build
+
+
+def _unwritten_tile(stage: str, tile: int):
+    def build(c: Case):
+        x = c.load(stage, HEAD)
+        rows = int(c.run["flash_block_q"])  # the query tile the binary recorded
+        x[tile * rows:(tile + 1) * rows] = 0.0
+        return stage, x
+    return build
+
+
+EVERY = "every stage downstream"
+
+# id: (shape, builder, expected code(s) (the first one is the first diagnosis), the stage downstream
+# that must be INHERITED (EVERY: all), or None)
 MUTATIONS = {
     "transposed-QK": ("rect", _transposed, "transposed", "QK_scaled"),
     "scaled-QK_scaled-twice": ("rect", _scaled_twice, "scaled", "attention_weights"),
@@ -204,12 +286,21 @@ MUTATIONS = {
     "mask_offset-QK_scaled": ("square-causal", _mask_offset, "mask_offset", "output"),
     "tile_boundary-flash-tail": ("tiles", _tail_tile, "tile_boundary", None),
     "mixture-scaled-and-unwritten-QK": ("rect", _mixture, ("unwritten", "scaled"), "QK_scaled"),
+    "D_wrong_O-dO-for-O": ("backward-square-causal", _d_from_do, "D_wrong_O", EVERY),
+    "dS_missing_P": ("backward-square-causal", _ds_without_p, "dS_missing_P", EVERY),
+    "grad_unscaled-dQ": ("backward-tiles", _unscaled("dQ"), "grad_unscaled", EVERY),
+    "grad_unscaled-dK": ("backward-tiles", _unscaled("dK"), "grad_unscaled", EVERY),
+    "dV_untransposed_P": ("backward-square-causal", _dv_untransposed, "dV_untransposed_P", EVERY),
+    "mask_missing-flash_dQ": ("backward-square-causal", _flash_bug("flash_dQ", "bwd_mask"), "mask_missing", EVERY),
+    "lse_log2-flash_dV": ("backward-tiles", _flash_bug("flash_dV", "bwd_lse_log2"), "lse_log2", EVERY),
+    "transposed-dK-column-major": ("backward-tiles", _column_major("dK"), "transposed", EVERY),
+    "unwritten-flash_dQ-tile": ("backward-tiles", _unwritten_tile("flash_dQ", 1), "unwritten", EVERY),
 }
 
 
 @pytest.mark.parametrize("name", list(MUTATIONS), ids=list(MUTATIONS))
 def test_planted_bug_is_caught_localized_and_named(cases, tmp_path, name):
-    shape, build, code, downstream = MUTATIONS[name]
+    shape, build, code, inherited = MUTATIONS[name]
     case = Case(cases[shape], tmp_path)
     stage, mat = build(case)
     case.plant(stage, HEAD, mat)
@@ -219,21 +310,43 @@ def test_planted_bug_is_caught_localized_and_named(cases, tmp_path, name):
     planted = _results(report, stage, HEAD)[0]
     assert planted["status"] == "FAIL"
     found = [d["code"] for d in planted["diagnosis"]]
-    for want in (code if isinstance(code, tuple) else (code,)):
-        assert want in found, (found, [d["message"] for d in planted["diagnosis"]])
-    for other in range(case.heads):  # the other heads are untouched and pass
-        if other != HEAD:
-            assert _results(report, stage, other)[0]["passed"], other
-    if downstream:
-        down = _results(report, downstream, HEAD)[0]
-        assert down["status"] == "INHERITED" and down["inherited"], down["status"]
-        assert down["isolated"]["passed"] and not down["chained"]["passed"]
-    if stage not in ("flash_output", "flash_lse"):
-        # The flash stages were not touched: their disagreement with the faulty stage path is
-        # blamed on the stage path (a note), never reported as a flash failure.
-        for flash in ("flash_output", "flash_lse"):
-            for entry in _results(report, flash, HEAD):
-                assert entry["passed"], (flash, entry["violations"])
+    wanted = code if isinstance(code, tuple) else (code,)  # a mixture: each of its patterns named
+    assert found[:1] == [wanted[0]] and set(wanted) <= set(found), \
+        (found, [d["message"] for d in planted["diagnosis"]])
+    after = [s for s in downstream(stage) if case.has(s)]
+    must_inherit = after if inherited == EVERY else [inherited] if inherited else []
+    for entry in report["results"]:
+        if entry["head"] != HEAD or entry["stage"] not in [stage] + after:
+            # Untouched: passes. A flash stage's disagreement with a faulty stage-path partner is
+            # blamed on the partner (a note), never reported as a flash failure.
+            assert entry["passed"], (entry["stage"], entry["head"], entry["status"], entry["violations"])
+        elif entry["stage"] in must_inherit:
+            assert entry["status"] == "INHERITED" and entry["inherited"], (entry["stage"], entry["status"])
+            assert entry["isolated"]["passed"] and not entry["chained"]["passed"], entry["stage"]
+
+
+WRONG_ELEMENT = (5, 7)
+
+
+def test_one_wrong_element_in_each_gradient_is_found_where_it_is(cases, tmp_path):
+    """No gradient is computed from another: one element off in each fails each, at that element,
+    and the checks name nothing they did not find."""
+    case = Case(cases["backward-tiles"], tmp_path)
+    gradients = [s for s in BACKWARD_STAGES if not downstream(s)]
+    for stage in gradients:
+        x = case.load(stage, HEAD)
+        x[WRONG_ELEMENT] += 1e-4 * np.abs(x).max()  # a hundred times float32's rounding, and more
+        case.plant(stage, HEAD, x)
+    report = case.check(tmp_path)
+    assert report["exit_code"] == 1 and report["first_failing_stage"] == gradients[0], report["output"]
+    for entry in report["results"]:
+        if entry["head"] != HEAD or entry["stage"] not in gradients:
+            assert entry["passed"], (entry["stage"], entry["head"], entry["violations"])
+            continue
+        assert entry["status"] == "FAIL", entry["stage"]
+        worst = entry["isolated"]["worst"]
+        assert (worst["row"], worst["col"]) == WRONG_ELEMENT and entry["isolated"]["mismatched"] == 1, entry["stage"]
+        assert {d["code"] for d in entry["diagnosis"]} <= {v["code"] for v in entry["violations"]}, entry["stage"]
 
 
 def test_stale_file_from_an_earlier_run(cases, tmp_path):

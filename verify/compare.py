@@ -152,8 +152,9 @@ def _bit_identical(a: Dict[str, np.ndarray], b: Dict[str, np.ndarray]) -> bool:
 
 def _blamed_elsewhere(stage: str, violations, results: Dict[str, "HeadResult"]) -> List[invariants.Violation]:
     """Findings that follow from an upstream stage's failure (they become notes): a flash stage's
-    disagreement with its stage-path partner when that partner failed, and dK's column sums when
-    the dS it was computed from failed (its rows then need not sum to 0)."""
+    disagreement with its stage-path partner when that partner failed, and the invariants that
+    hold only given correct upstream stages (dS's row sums when D failed, dK's column sums when dS
+    did: see StageSpec.given_upstream)."""
     partner = SPECS[stage].partner
     partner_failed = partner is not None and partner in results and not results[partner].passed
     upstream_failed = any(u in results and not results[u].passed for u in upstream(stage))
@@ -162,7 +163,7 @@ def _blamed_elsewhere(stage: str, violations, results: Dict[str, "HeadResult"]) 
         if partner_failed and v.code in (invariants.FLASH_VS_OUTPUT, invariants.LSE_VS_SCORES,
                                          invariants.FLASH_VS_STAGES):
             out.append(v)
-        elif upstream_failed and v.code == invariants.COLUMN_SUM:
+        elif upstream_failed and v.code in SPECS[stage].given_upstream:
             out.append(v)
     return out
 

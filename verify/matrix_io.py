@@ -12,6 +12,7 @@ import io
 import os
 import re
 import stat
+import tokenize
 import warnings
 import zlib
 from pathlib import Path
@@ -248,6 +249,8 @@ def parse_npy_matrix(data: bytes, name: str, shape: Optional[Tuple[int, int]] = 
         arr = np.load(buf, allow_pickle=False)
     except (ValueError, OSError, EOFError) as exc:
         raise CaseError(f"{name}: not a valid .npy file ({str(exc).splitlines()[0]})") from None
+    except (SyntaxError, tokenize.TokenError):  # numpy parses the header dict as Python source
+        raise CaseError(f"{name}: not a valid .npy file (its header is not a dict literal)") from None
     extra = len(data) - buf.tell()
     if extra:
         raise CaseError(f"{name}: {extra} bytes after the array data; HINT: the file is damaged; regenerate it")

@@ -429,7 +429,7 @@ SPECS = (
               quantization=_dp_quantization, linear=True, diagnoses=_GRAD_PATTERNS),
     StageSpec("dS", reference=lambda src, scale, causal: ds_reference(src[WEIGHTS], src[DP], src[DSTAT]),
               isolated=_ds_isolated, chained=_ds_chained, floor=lambda src: 6 * FLUSH,
-              quantization=_ds_quantization, invariants=(_ds_checks,), masked_value=0.0,
+              quantization=_ds_quantization, invariants=(_ds_checks,), given_upstream=(ROW_SUM,), masked_value=0.0,
               diagnoses=PATTERNS + DS_BUGS + ("mask",)),
     StageSpec("dQ", reference=lambda src, scale, causal: scale * src[DS] @ src[KEYS], isolated=_dq_isolated,
               chained=_dq_chained, floor=lambda src: flush_sum(src[DS], src[KEYS]) + FLUSH,
@@ -438,6 +438,7 @@ SPECS = (
     StageSpec("dK", reference=lambda src, scale, causal: scale * src[DS].T @ src[QUERIES], isolated=_dk_isolated,
               chained=_dk_chained, floor=lambda src: flush_sum(np.asarray(src[DS]).T, src[QUERIES]) + FLUSH,
               quantization=_gemm_quantization(DS, QUERIES, True, True), invariants=(_dk_column_sums,),
+              given_upstream=(COLUMN_SUM,),
               scaled=True, linear=True, diagnoses=_GRAD_PATTERNS + DS_BUGS + SCALE_BUGS),
     StageSpec("dV", reference=lambda src, scale, causal: src[WEIGHTS].T @ src[GRAD_OUT], isolated=_dv_isolated,
               chained=_dv_chained, floor=lambda src: flush_sum(np.asarray(src[WEIGHTS]).T, src[GRAD_OUT]) + FLUSH,
@@ -448,6 +449,7 @@ SPECS = (
               floor=_flash_floor,
               quantization=_flash_quantization(i),
               invariants=((_flash_vs_stages, _dk_column_sums) if name == FLASH_DK else (_flash_vs_stages,)),
+              given_upstream=(COLUMN_SUM,) if name == FLASH_DK else (),
               scaled=True, linear=True, partner=PARTNERS[name], with_mask=_flash_with_mask(i),
               diagnoses=_GRAD_PATTERNS + ("mask", "lse_log2")
               + ((DS_BUGS + SCALE_BUGS) if name != FLASH_DV else ("dV_untransposed_P",)))

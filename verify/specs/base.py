@@ -106,7 +106,9 @@ class StageSpec:
     removes terms. echo: the stage repeats an input file. scaled: it applies the scale and the
     mask itself. linear: a wrong factor shows as got ≈ f·want. partner: the stage-path stage a
     flash stage's consistency check compares with. with_mask: the reference under another mask
-    (for the mask diagnoses of stages that hold no masked entries).
+    (for the mask diagnoses of stages that hold no masked entries). given_upstream: the codes of
+    its invariants that hold only when its upstream stages are right (dS's rows sum to 0 because
+    D = Σ P·dP): after an upstream failure their violations are notes, blamed on that stage.
     diagnoses: the bug patterns (verify/diagnose.py hypothesis names) that can explain it.
     """
     name: str
@@ -122,6 +124,7 @@ class StageSpec:
     linear: bool = False
     partner: Optional[str] = None
     with_mask: Optional[Callable[[Src, float, np.ndarray], np.ndarray]] = None  # reference under any mask
+    given_upstream: Tuple[str, ...] = ()
     diagnoses: Tuple[str, ...] = ()
 
 
