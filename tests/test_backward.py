@@ -208,3 +208,20 @@ def test_the_python_api_checks_gradients_given_do():
     assert not report.passed and report.first_failing_stage == "dQ"
     with pytest.raises(ValueError, match="pass do="):
         attnstep.check_arrays(mats["Q"], mats["K"], mats["V"], grads, causal=True)
+
+
+def test_a_coarsely_printed_lse_does_not_hide_a_wrong_causal_gradient(tmp_path):
+    """flash_lse printed with 3 decimals: its resolution moves the recomputed P only where the mask
+    lets a key through (an unmasked P there would allow errors of 1e5 in the first rows)."""
+    in_dir, out_dir = write_backward_case(tmp_path, Dims(1, 1, 64, 64, 16, 16), True)
+    lse = np.load(out_dir / stage_file("flash_lse", 0, "npy"))
+    (out_dir / stage_file("flash_lse", 0, "npy")).unlink()
+    np.savetxt(out_dir / stage_file("flash_lse", 0, "txt"), lse.astype(np.float64), fmt="%.3f")
+
+    def wrong_rows(x):
+        x[1:4] *= np.float32(1.5)
+    _rewrite(out_dir, "flash_dQ", 0, wrong_rows)
+    r = compare.check(in_dir, out_dir)
+    bad = next(x for x in r.results if x.stage == "flash_dQ")
+    assert bad.status == "FAIL"
+    assert bad.isolated.mismatched >= 2 * 16 and bad.isolated.first[0]["row"] == 1, bad.isolated.first[:2]

@@ -228,7 +228,7 @@ def _compare(res: HeadResult, ctx: HeadContext, results: Dict[str, HeadResult], 
         res.isolated = res.chained
         return src_iso, want_chain, allowed_chain
     want_iso = compute_stage(stage, src_iso, ctx.scale, ctx.causal)
-    propagated = tolerance.quantization_bound(stage, src_iso, q_iso, ctx.scale) \
+    propagated = tolerance.quantization_bound(stage, src_iso, q_iso, ctx.scale, ctx.causal) \
         if opts.override(stage) is None else None
     allowed_iso = _with_quantum(_allowed(stage, src_iso, want_iso, run, opts, cache=ctx.cache), quantum, propagated)
     res.isolated = compare_arrays(mat, want_iso, allowed_iso, nan_agrees=True)

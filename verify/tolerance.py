@@ -88,7 +88,7 @@ def chained_bound(stage: str, chain: Dict[str, np.ndarray], *, scale: float, cau
 
 
 def quantization_bound(stage: str, src: Dict[str, np.ndarray], quanta: Dict[str, np.ndarray],
-                       scale: float):
+                       scale: float, causal: bool):
     """How far the isolated reference of `stage` can move when its sources are known only to
     within `quanta` (a file's printed resolution; absent: exact): |∂stage/∂source|·quantum, to
     first order. 0 when every source is exact."""
@@ -96,7 +96,7 @@ def quantization_bound(stage: str, src: Dict[str, np.ndarray], quanta: Dict[str,
     if not q:
         return 0.0
     x = {n: np.asarray(v, np.float64) for n, v in src.items()}
-    return _spec(stage).quantization(x, q, scale)
+    return _spec(stage).quantization(x, q, scale, causal)
 
 
 def underflow_floor(stage: str, src: Dict[str, np.ndarray]):

@@ -291,11 +291,11 @@ def _q(q, name):
     return q.get(name, 0.0)
 
 
-def _d_quantization(src, q, scale):
+def _d_quantization(src, q, scale, causal):
     return (_q(q, GRAD_OUT) * np.abs(src[OUT]) + np.abs(src[GRAD_OUT]) * _q(q, OUT)).sum(axis=1, keepdims=True)
 
 
-def _dp_quantization(src, q, scale):
+def _dp_quantization(src, q, scale, causal):
     out = 0.0
     if GRAD_OUT in q:
         out = out + q[GRAD_OUT] @ np.abs(src[VALUES]).T
@@ -304,13 +304,13 @@ def _dp_quantization(src, q, scale):
     return out
 
 
-def _ds_quantization(src, q, scale):
+def _ds_quantization(src, q, scale, causal):
     P, dP, D = src[WEIGHTS], src[DP], src[DSTAT]
     return _q(q, WEIGHTS) * np.abs(dP - D) + np.abs(P) * (_q(q, DP) + _q(q, DSTAT))
 
 
 def _gemm_quantization(a, b, transpose_a, factor):
-    def quantization(src, q, scale):
+    def quantization(src, q, scale, causal):
         A, B = np.abs(src[a]), np.abs(src[b])
         qa, qb = q.get(a), q.get(b)
         if transpose_a:
@@ -325,11 +325,11 @@ def _gemm_quantization(a, b, transpose_a, factor):
 
 
 def _flash_quantization(index: int):
-    def quantization(src, q, scale):
+    def quantization(src, q, scale, causal):
         if not (FLASH_OUT in q or FLASH_LSE in q):
             return 0.0
         Q, K = np.asarray(src[QUERIES]), np.asarray(src[KEYS])
-        _, _, _, P, dP, D, dS = flash_backward(src, scale, np.zeros((Q.shape[0], K.shape[0]), bool))
+        _, _, _, P, dP, D, dS = flash_backward(src, scale, _mask_of(Q.shape[0], K.shape[0], causal))
         q_lse = _q(q, FLASH_LSE)
         q_D = (np.abs(src[GRAD_OUT]) * _q(q, FLASH_OUT)).sum(axis=1, keepdims=True)
         ds_q = np.abs(dS) * q_lse + P * q_D

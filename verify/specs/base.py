@@ -90,7 +90,7 @@ def two_flushes(src: Src):
     return 2 * FLUSH
 
 
-def exact_quantization(src: Src, quanta: Dict[str, np.ndarray], scale: float):
+def exact_quantization(src: Src, quanta: Dict[str, np.ndarray], scale: float, causal: bool):
     return 0.0
 
 
@@ -116,7 +116,7 @@ class StageSpec:
     isolated: Optional[IsolatedModel] = None
     chained: Optional[Callable] = None
     floor: Callable[[Src], object] = two_flushes
-    quantization: Callable[[Src, Dict[str, np.ndarray], float], object] = exact_quantization
+    quantization: Callable[[Src, Dict[str, np.ndarray], float, bool], object] = exact_quantization
     invariants: Tuple[Invariant, ...] = ()
     masked_value: Optional[float] = None
     echo: bool = False

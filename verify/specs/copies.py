@@ -57,7 +57,7 @@ def _transpose_reference(src, scale, causal):
     return src[TRANSPOSED].T
 
 
-def _transpose_quantization(src, quanta, scale):
+def _transpose_quantization(src, quanta, scale, causal):
     return quanta[TRANSPOSED].T if TRANSPOSED in quanta else 0.0
 
 

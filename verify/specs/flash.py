@@ -77,25 +77,25 @@ def _lse_isolated(src, ref, scale, causal, u, kernel, cache):
     return lse_var_det(Q, K, ref, scale, causal, u, kernel, cache)
 
 
-def _logit_moves(src, q, scale):
+def _logit_moves(src, q, scale, causal):
     """The logits' move when Q or K is known only to within its printed resolution, and p."""
     dS = qk_quantization(src, q, scale)
-    S = scaled_logits(np.asarray(src["Q"], np.float64), np.asarray(src["K"], np.float64), scale, False)
+    S = scaled_logits(np.asarray(src["Q"], np.float64), np.asarray(src["K"], np.float64), scale, causal)
     p = softmax_parts(S)[0]
     return p * (abs(scale) * np.broadcast_to(dS, S.shape)), p
 
 
-def _output_quantization(src, q, scale):
+def _output_quantization(src, q, scale, causal):
     if not q:
         return 0.0
-    w, p = _logit_moves(src, q, scale)
+    w, p = _logit_moves(src, q, scale, causal)
     O = p @ src["V"]
     moved = w @ np.abs(src["V"]) + np.abs(O) * w.sum(axis=1, keepdims=True)
     return moved + (p @ q["V"] if "V" in q else 0.0)
 
 
-def _lse_quantization(src, q, scale):
-    return _logit_moves(src, q, scale)[0].sum(axis=1, keepdims=True) if q else 0.0
+def _lse_quantization(src, q, scale, causal):
+    return _logit_moves(src, q, scale, causal)[0].sum(axis=1, keepdims=True) if q else 0.0
 
 
 def _flash_sources(ctx: HeadContext):

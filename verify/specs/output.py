@@ -46,7 +46,7 @@ def _chained(sources, scale, causal, u, kernel, cache):
     return finish(O, var, np.zeros(O.shape), values_floor(V))
 
 
-def _quantization(src, q, scale):
+def _quantization(src, q, scale, causal):
     out = 0.0
     if WEIGHTS in q:
         out = out + q[WEIGHTS] @ np.abs(src[VALUES])

@@ -30,7 +30,7 @@ def _qk_floor(src):
     return flush_sum(src["Q"], np.asarray(src["K"]).T) + FLUSH
 
 
-def qk_quantization(src, q, scale):
+def qk_quantization(src, q, scale, causal=False):
     """How far Q·Kᵀ moves when Q or K is known only to within its printed resolution."""
     dS = 0.0
     if "Q" in q:
@@ -57,7 +57,7 @@ def _scaled_chained(sources, scale, causal, u, kernel, cache):
     return finish(S, s_var, s_det, abs(scale) * _qk_floor({"Q": Q, "K": K}) + FLUSH)
 
 
-def _scaled_quantization(src, q, scale):
+def _scaled_quantization(src, q, scale, causal):
     return abs(scale) * np.where(np.isfinite(src["QK"]), q.get("QK", 0.0), 0.0)
 
 

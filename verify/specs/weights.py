@@ -56,7 +56,7 @@ def _chained(sources, scale, causal, u, kernel, cache):
     return finish(S, weights_var(p, eta_var, l_var, u, cache, kernel.div_var), np.zeros(S.shape), 2 * FLUSH)
 
 
-def _quantization(src, q, scale):
+def _quantization(src, q, scale, causal):
     S = _source(src)
     p = softmax_parts(S)[0]
     qs = np.where(np.isfinite(S), q.get(SCORES, 0.0), 0.0)
