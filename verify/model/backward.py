@@ -55,21 +55,23 @@ def ds_var_parts(P, dP, D, dS, rows: RowErrors, dP_var, u):
 
 
 def grad_over_keys_var(P, dS, K, rows: RowErrors, indep_sd, scale: float, u: float,
-                       cache: Optional[HeadCache]) -> np.ndarray:
+                       cache: Optional[HeadCache], product_var: float = 2 * ROUND_VAR) -> np.ndarray:
     """Variance of dQ = scale·dS·K (N×d): the independent parts through K², the row-shared ones
     coherently (−ε·dQ/scale − δD·(P·K)), then the GEMM's own roundings (the scale may be folded
     into either operand: one more product rounding)."""
     ind = (indep_sd * indep_sd) @ (K * K)
     shared_sd = np.sqrt(rows.shared) * np.abs(dS @ K) + np.sqrt(rows.D) * np.abs(P @ K)
     total = (np.sqrt(ind) + shared_sd) ** 2
-    gemm = memo(cache, "dS K var", (dS, K), (u,), lambda: dot_var(dS, K, u, 2 * ROUND_VAR))
+    gemm = memo(cache, "dS K var", (dS, K), (u, product_var), lambda: dot_var(dS, K, u, product_var))
     return scale * scale * (total + gemm)
 
 
-def grad_over_queries_var(X, E_sd, Y, u: float, cache: Optional[HeadCache], what: str) -> np.ndarray:
+def grad_over_queries_var(X, E_sd, Y, u: float, cache: Optional[HeadCache], what: str,
+                          product_var: float = 2 * ROUND_VAR) -> np.ndarray:
     """Variance of Xᵀ·Y (M×d) where each entry of X (N×M) errs by E_sd, independently across
-    queries (their shared parts belong to one row each): (E_sd²)ᵀ·Y² plus the GEMM's roundings."""
-    gemm = memo(cache, what, (X, Y), (u,), lambda: dot_var(X.T, Y, u, 2 * ROUND_VAR))
+    queries (their shared parts belong to one row each): (E_sd²)ᵀ·Y² plus the GEMM's roundings
+    (product_var: each product's, in u² units, the scale folded into an operand included)."""
+    gemm = memo(cache, what, (X, Y), (u, product_var), lambda: dot_var(X.T, Y, u, product_var))
     return (E_sd * E_sd).T @ (Y * Y) + gemm
 
 

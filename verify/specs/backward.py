@@ -119,11 +119,29 @@ def _dp_var(dO, V, u, product_var, cache):
     return memo(cache, "dP var", (dO, V), (u, product_var), lambda: dot_var(dO, V.T, u, product_var))
 
 
-def _logit_det(Q, K, scale, finite, u, kernel):
-    """Tensor-core truncation of the recomputed logits (one-signed), 0 where the kernel has none."""
-    if not kernel.mma_passes:
+def _scale_det(S, P, finite, u, kernel):
+    """The head's one rounded scale factor (a relative δ ≤ u): each recomputed weight moves by
+    δ·(S_j − S̄), S̄ = Σ_j P_j S_j carried by the lse (one-signed, relative); 0 without one."""
+    if not kernel.common_scale:
         return np.zeros(finite.shape)
-    return np.where(finite, abs(scale) * mma_truncation_det(Q, K.T, u, kernel.mma_passes), 0.0)
+    Sf = np.where(finite, S, 0.0)
+    return np.where(finite, u * np.abs(Sf - (P * Sf).sum(axis=1, keepdims=True)), 0.0)
+
+
+def _logit_det(Q, K, S, P, scale, finite, u, kernel):
+    """One-signed relative errors of the recomputed weights: tensor-core truncation of the logits
+    and the common scale factor."""
+    det = _scale_det(S, P, finite, u, kernel)
+    if kernel.mma_passes:
+        det = det + np.where(finite, abs(scale) * mma_truncation_det(Q, K.T, u, kernel.mma_passes), 0.0)
+    return det
+
+
+def _recomputed_eta(Q, K, S, lse, finite, scale, u, kernel, cache):
+    """Variance of each recomputed weight's relative error: its logit's dot product and roundings,
+    the subtraction of lse, exp."""
+    eta = np.where(finite, scale * scale * qk_var(Q, K, u, kernel.flash_product_var, cache), 0.0)
+    return eta + exponent_var(np.where(finite, S - lse, 0.0), finite, u, kernel, S, FLASH_LOGIT_ROUNDINGS)
 
 
 def _flash_grad_bounds(parts, rows, dP_var, s_det, scale, u, kernel, cache):
@@ -131,10 +149,11 @@ def _flash_grad_bounds(parts, rows, dP_var, s_det, scale, u, kernel, cache):
     Q, K, dO, P, dP, D, dS = parts
     indep, shared = ds_var_parts(P, dP, D, dS, rows, dP_var, u)
     ds_det = np.abs(dS) * s_det
-    dq_var = grad_over_keys_var(P, dS, K, rows, indep, scale, u, cache)
-    dk_var = scale * scale * grad_over_queries_var(dS, indep + shared, Q, u, cache, "dS Q var")
+    pv = kernel.flash_product_var + ROUND_VAR  # the kernel's products, and the scale folded in
+    dq_var = grad_over_keys_var(P, dS, K, rows, indep, scale, u, cache, pv)
+    dk_var = scale * scale * grad_over_queries_var(dS, indep + shared, Q, u, cache, "dS Q var", pv)
     p_sd = P * (np.sqrt(rows.eta) + np.sqrt(rows.shared))
-    dv_var = grad_over_queries_var(P, p_sd, dO, u, cache, "P dO var")
+    dv_var = grad_over_queries_var(P, p_sd, dO, u, cache, "P dO var", pv)
     dq_det = abs(scale) * (ds_det @ np.abs(K))
     dk_det = abs(scale) * (ds_det.T @ np.abs(Q))
     dv_det = (P * s_det).T @ np.abs(dO)
@@ -156,12 +175,11 @@ def _flash_own(src, scale, causal, u, kernel, cache):
         _, _, _, P, dP, D, dS = flash_backward(src, scale, masked)
         finite = ~masked & np.isfinite(lse)
         S = np.where(finite, (Q @ K.T) * scale, 0.0)
-        eta = np.where(finite, scale * scale * qk_var(Q, K, u, kernel.flash_product_var, cache), 0.0)
-        eta = eta + exponent_var(np.where(finite, S - lse, 0.0), finite, u, kernel, S, FLASH_LOGIT_ROUNDINGS)
+        eta = _recomputed_eta(Q, K, S, lse, finite, scale, u, kernel, cache)
         lse_fold = ROUND_VAR * u * u * np.where(np.isfinite(lse), lse, 0.0) ** 2
         rows = flash_rows(eta, lse_fold, rowdot_var(dO, O, u))
         return _flash_grad_bounds((Q, K, dO, P, dP, D, dS), rows, _dp_var(dO, V, u, kernel.flash_product_var, cache),
-                                  _logit_det(Q, K, scale, finite, u, kernel), scale, u, kernel, cache)
+                                  _logit_det(Q, K, S, P, scale, finite, u, kernel), scale, u, kernel, cache)
     return memo(cache, "flash grads own", (Q, K, V, dO, O, lse), (scale, causal, u, kernel), compute)
 
 
@@ -254,10 +272,10 @@ def _flash_chain(Q, K, V, dO, scale, causal, u, kernel, cache):
             + (kernel.final_roundings * ROUND_VAR + kernel.div_var) * (u * O) ** 2
         Dv = d_var(p, eta_fwd, l_var, np.zeros(p.shape), dO, dP, D, acc, rowdot_var(dO, O, u))
         D_sd = np.sqrt(Dv) + (np.abs(dO) * O_det).sum(axis=1, keepdims=True)
-        eta = np.where(finite, scale * scale * qk_var(Q, K, u, kernel.flash_product_var, cache), 0.0)
-        eta = eta + exponent_var(np.where(finite, S - lse, 0.0), finite, u, kernel, S, FLASH_LOGIT_ROUNDINGS)
+        eta = _recomputed_eta(Q, K, S, lse, finite, scale, u, kernel, cache)
         shared_sd = np.sqrt(lse_var + ROUND_VAR * u * u * lse * lse) + lse_det
         rows = flash_rows(eta, shared_sd * shared_sd, D_sd * D_sd)
+        s_det = s_det + _scale_det(S, p, finite, u, kernel)  # flash_parts' s_det: the truncation
         bounds = _flash_grad_bounds((Q, K, dO, p, dP, D, dS), rows, _dp_var(dO, V, u, kernel.flash_product_var, cache),
                                     s_det, scale, u, kernel, cache)
         return (scale * dS @ K, scale * dS.T @ Q, p.T @ dO), bounds, dS, p
