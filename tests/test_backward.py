@@ -225,3 +225,23 @@ def test_a_coarsely_printed_lse_does_not_hide_a_wrong_causal_gradient(tmp_path):
     bad = next(x for x in r.results if x.stage == "flash_dQ")
     assert bad.status == "FAIL"
     assert bad.isolated.mismatched >= 2 * 16 and bad.isolated.first[0]["row"] == 1, bad.isolated.first[:2]
+
+
+def test_dk_columns_that_do_not_sum_to_zero_fail_though_every_entry_is_within_its_bound(tmp_path):
+    """A small constant added down one column of dK: each entry stays within its chained bound, the
+    column's sum does not (the sum's bound grows as √M, the shift as M). (For flash_dK of a program
+    without run.toml the one-signed tensor-core allowance dominates and adds up as M too.)"""
+    stage = "dK"
+    from verify import tolerance
+    in_dir, out_dir = write_backward_case(tmp_path, Dims(1, 1, 96, 96, 16, 16), False)
+    inputs = {n: np.load(in_dir / stage_file(n, 0, "npy")) for n in INPUT_NAMES + (GRAD_INPUT,)}
+    chain = reference_chain(inputs, default_scale(16), False, list(STAGES))
+    chain.update({n: x.astype(np.float64) for n, x in inputs.items()})
+    shift = 0.9 * tolerance.chained_bound(stage, chain, scale=default_scale(16), causal=False)[:, 0].min()
+
+    def shift_column(x):
+        x[:, 0] += np.float32(shift)
+    _rewrite(out_dir, stage, 0, shift_column)
+    r = next(x for x in compare.check(in_dir, out_dir).results if x.stage == stage)
+    assert r.chained.passed and r.status == "FAIL"
+    assert [v.code for v in r.violations] == ["column_sum"]

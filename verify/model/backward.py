@@ -71,8 +71,13 @@ def grad_over_queries_var(X, E_sd, Y, u: float, cache: Optional[HeadCache], what
     """Variance of Xᵀ·Y (M×d) where each entry of X (N×M) errs by E_sd, independently across
     queries (their shared parts belong to one row each): (E_sd²)ᵀ·Y² plus the GEMM's roundings
     (product_var: each product's, in u² units, the scale folded into an operand included)."""
-    gemm = memo(cache, what, (X, Y), (u, product_var), lambda: dot_var(X.T, Y, u, product_var))
-    return (E_sd * E_sd).T @ (Y * Y) + gemm
+    return (E_sd * E_sd).T @ (Y * Y) + transposed_gemm_var(X, Y, u, cache, what, product_var)
+
+
+def transposed_gemm_var(X, Y, u: float, cache: Optional[HeadCache], what: str,
+                        product_var: float = 2 * ROUND_VAR) -> np.ndarray:
+    """dot_var of Xᵀ·Y, shared through the head's cache under `what`."""
+    return memo(cache, what, (X, Y), (u, product_var), lambda: dot_var(X.T, Y, u, product_var))
 
 
 def d_var(p, eta_var, l_var, weight_round, dO, dP, D, O_round_var, D_round_var) -> np.ndarray:

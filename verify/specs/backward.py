@@ -15,7 +15,7 @@ import numpy as np
 
 from ..model.attention import causal_mask, log_sum_exp_rows
 from ..model.backward import (d_var, ds_round_var, ds_var_parts, flash_rows, grad_over_keys_var, grad_over_queries_var,
-                              stage_rows, weight_round_var)
+                              stage_rows, transposed_gemm_var, weight_round_var)
 from ..model.chain import chained_eta
 from ..model.dot import dot_var, flush_sum, mma_truncation_det, pv_var, qk_var, rowdot_var
 from ..model.flash import flash_output_var_det, flash_parts
@@ -276,16 +276,17 @@ def _flash_chain(Q, K, V, dO, scale, causal, u, kernel, cache):
         shared_sd = np.sqrt(lse_var + ROUND_VAR * u * u * lse * lse) + lse_det
         rows = flash_rows(eta, shared_sd * shared_sd, D_sd * D_sd)
         s_det = s_det + _scale_det(S, p, finite, u, kernel)  # flash_parts' s_det: the truncation
-        bounds = _flash_grad_bounds((Q, K, dO, p, dP, D, dS), rows, _dp_var(dO, V, u, kernel.flash_product_var, cache),
-                                    s_det, scale, u, kernel, cache)
-        return (scale * dS @ K, scale * dS.T @ Q, p.T @ dO), bounds, dS, p
+        dP_var = _dp_var(dO, V, u, kernel.flash_product_var, cache)
+        bounds = _flash_grad_bounds((Q, K, dO, p, dP, D, dS), rows, dP_var, s_det, scale, u, kernel, cache)
+        indep = ds_var_parts(p, dP, D, dS, rows, dP_var, u)[0]
+        return (scale * dS @ K, scale * dS.T @ Q, p.T @ dO), bounds, dS, p, indep, rows
     return memo(cache, "flash backward chain", (Q, K, V, dO), (scale, causal, u, kernel), compute)
 
 
 def _flash_chained(index: int):
     def chained(sources, scale, causal, u, kernel, cache):
         Q, K, V, dO = sources
-        refs, bounds, dS, p = _flash_chain(Q, K, V, dO, scale, causal, u, kernel, cache)
+        refs, bounds, dS, p, _, _ = _flash_chain(Q, K, V, dO, scale, causal, u, kernel, cache)
         ref, (var, det) = refs[index], bounds[index]
         det = det + 2.0 * u * np.abs(ref) * (index < 2)
         floor = [abs(scale) * flush_sum(dS, K), abs(scale) * flush_sum(dS.T, Q), flush_sum(p.T, dO)][index]
@@ -392,13 +393,29 @@ def _ds_row_sums(stage, got, finite, ctx):
 
 
 def _dk_column_sums(stage: str, got: np.ndarray, ctx: HeadContext) -> List[Violation]:
-    """Σ_j dK_j = scale·Σ_i Q_i·Σ_j dS_ij = 0 (every dS row sums to 0), within the sum of the
-    entries' chained bounds (their errors are correlated along a column through D)."""
-    from .. import tolerance
+    """Σ_j dK_j = scale·Σ_i Q_i·Σ_j dS_ij = 0 (every dS row sums to 0). Its error: each dS row sum's
+    (independent across rows: see _ds_row_sums), the GEMM's roundings and the final scaling's,
+    and the one-signed parts summed."""
     if not np.isfinite(got).all() or not all(n in ctx.chain for n in (QUERIES, KEYS, VALUES, GRAD_OUT)):
         return []
-    chain = _partner_chain(ctx, [stage])
-    allowed = tolerance.chained_bound(stage, chain, **ctx.bound_args()).sum(axis=0) + FLUSH * got.shape[0]
+    from ..model.kernels import kernel_for
+    from ..model.rounding import unit_roundoff
+    u = unit_roundoff(ctx.precision)
+    kernel = kernel_for(ctx.backend, ctx.math, ctx.flash_kernel)
+    Q, K, V, dO = (np.asarray(ctx.chain[n], np.float64) for n in (QUERIES, KEYS, VALUES, GRAD_OUT))
+    det = 0.0
+    if STAGES[stage].flash:
+        _, bounds, dS, _, indep, rows = _flash_chain(Q, K, V, dO, ctx.scale, ctx.causal, u, kernel, ctx.cache)
+        det, pv = bounds[1][1].sum(axis=0), kernel.flash_product_var + ROUND_VAR
+    else:
+        _, _, _, dS, rows, indep, *_ = _stage_chain(Q, K, V, dO, ctx.scale, ctx.causal, u, kernel, ctx.cache)
+        pv = 2 * ROUND_VAR
+    row_sd = np.sqrt((indep * indep).sum(axis=1, keepdims=True)) + np.sqrt(rows.D)
+    dK = ctx.scale * dS.T @ Q
+    var = (ctx.scale ** 2 * (row_sd * row_sd * Q * Q).sum(axis=0)
+           + ctx.scale ** 2 * transposed_gemm_var(dS, Q, u, ctx.cache, "dS Q var", pv).sum(axis=0)
+           + 2 * ROUND_VAR * u * u * (dK * dK).sum(axis=0))
+    allowed = LAMBDA * np.sqrt(var) + det + FLUSH * got.shape[0]
     q = ctx.quanta.get(stage)
     if q is not None:
         allowed = allowed + np.broadcast_to(q, got.shape).sum(axis=0)
