@@ -245,3 +245,15 @@ def test_dk_columns_that_do_not_sum_to_zero_fail_though_every_entry_is_within_it
     r = next(x for x in compare.check(in_dir, out_dir).results if x.stage == stage)
     assert r.chained.passed and r.status == "FAIL"
     assert [v.code for v in r.violations] == ["column_sum"]
+
+
+def test_backward_outputs_against_a_case_without_do_are_a_one_line_error(tmp_path):
+    from click.testing import CliRunner
+    from verify.cli import cli
+    in_dir, out_dir = write_backward_case(tmp_path, Dims(1, 1, 16, 16, 16, 16), False)
+    for f in in_dir.glob(f"{GRAD_INPUT}_head_*"):
+        f.unlink()
+    r = CliRunner().invoke(cli, ["check", "--in", str(in_dir), "--out", str(out_dir)])
+    assert r.exit_code == 2, r.output
+    lines = [ln for ln in r.output.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "holds the backward stage dO" in lines[0] and "has no dO" in lines[0], r.output

@@ -101,7 +101,7 @@ def check_arrays(q, k, v, stages: Mapping[str, object], *, do=None, causal: bool
     if not sources:
         raise ValueError("no stage to check: pass at least one of " + ", ".join(STAGES))
     case = InputCase(ARRAYS, dims, "npy", bool(causal), scale, manifest=True, arrays=inputs,
-                     allow_nonfinite=allow_nonfinite)
+                     allow_nonfinite=allow_nonfinite, backward=do is not None)
     run = RunInfo(None, {}, dims, sources, causal=bool(causal), scale=scale, precision=precision,
                   math=math)
     return check_run(run, case, Options(atol=atol, rtol=rtol, jobs=jobs, allow_nonfinite=allow_nonfinite))

@@ -324,6 +324,11 @@ def check_run(run: RunInfo, case: InputCase, opts: Options,
         if absent:
             raise CaseError(f"--stage {absent[0]}: {run.path or 'the run'} holds no {absent[0]} (it has "
                             f"{', '.join(run.stages)}); nothing would be checked")
+    backward = [s for s in run.stages if STAGES[s].backward and (opts.only_stages is None or s in opts.only_stages)]
+    if backward and not case.backward:
+        raise CaseError(f"{run.path or 'the run'} holds the backward stage {backward[0]}, but the input case "
+                        f"{case.path} has no {GRAD_INPUT} (the output gradient it is computed from); HINT: "
+                        "check it against the case it was run on ('attnstep generate --backward' writes one)")
     checker = _HeadChecker(run, case, opts)
     results = map_heads(checker.check, run.dims.total_heads, head_jobs(run, opts.jobs), progress)
     apply_mismatches(run, results)
