@@ -257,3 +257,20 @@ def test_backward_outputs_against_a_case_without_do_are_a_one_line_error(tmp_pat
     assert r.exit_code == 2, r.output
     lines = [ln for ln in r.output.splitlines() if ln.strip()]
     assert len(lines) == 1 and "holds the backward stage dO" in lines[0] and "has no dO" in lines[0], r.output
+
+
+def test_the_python_api_leaves_the_callers_garbage_collector_as_it_was():
+    """check_arrays runs in the caller's process: objects the caller froze stay frozen."""
+    import gc
+
+    import attnstep
+    mats, grads = _api_heads()
+    keep = [object() for _ in range(10)]
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        attnstep.check_arrays(mats["Q"], mats["K"], mats["V"], grads, do=mats["dO"], causal=True)
+        assert gc.get_freeze_count() > frozen // 2  # not unfrozen (a few frozen objects may die)
+    finally:
+        gc.unfreeze()
+    del keep

@@ -310,12 +310,13 @@ def check(in_dir: Path, out_dir: Path, opts: Optional[Options] = None,
     case = load_input_case(in_dir)
     case.allow_nonfinite = opts.allow_nonfinite
     run = open_run(out_dir, case, opts.overrides())
-    return check_run(run, case, opts, progress)
+    return check_run(run, case, opts, progress, tune_process=True)
 
 
 def check_run(run: RunInfo, case: InputCase, opts: Options,
-              progress: Optional[Callable[[int], None]] = None) -> Report:
-    """Compares every stage × head of an opened run (files or the Python API's arrays)."""
+              progress: Optional[Callable[[int], None]] = None, tune_process: bool = False) -> Report:
+    """Compares every stage × head of an opened run (files or the Python API's arrays).
+    tune_process: this process is attnstep's own (see pool.map_heads)."""
     if opts.only_stages:
         unknown = [s for s in opts.only_stages if s not in STAGES]
         if unknown:
@@ -330,7 +331,7 @@ def check_run(run: RunInfo, case: InputCase, opts: Options,
                         f"{case.path} has no {GRAD_INPUT} (the output gradient it is computed from); HINT: "
                         "check it against the case it was run on ('attnstep generate --backward' writes one)")
     checker = _HeadChecker(run, case, opts)
-    results = map_heads(checker.check, run.dims.total_heads, head_jobs(run, opts.jobs), progress)
+    results = map_heads(checker.check, run.dims.total_heads, head_jobs(run, opts.jobs), progress, tune_process)
     apply_mismatches(run, results)
     return Report(run, case, results, foreign_stage_files(run))
 

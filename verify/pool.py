@@ -218,12 +218,17 @@ def _heads_garbage_only():
 
 
 def map_heads(check: Callable[[int], list], heads: int, jobs: int,
-              progress: Optional[Callable[[int], None]] = None) -> List:
+              progress: Optional[Callable[[int], None]] = None, tune_process: bool = False) -> List:
     """check(head) for every head, in `jobs` forked processes (in this one for jobs <= 1), results
-    concatenated in head order; progress(head) after each."""
+    concatenated in head order; progress(head) after each. tune_process: this process is the
+    command's own, so its allocator and garbage collector may be set for checking (never in a
+    caller's process: the Python API's)."""
     results: List = []
     if jobs <= 1:
-        with _freed_memory_kept(), _heads_garbage_only():
+        tuned = (_freed_memory_kept(), _heads_garbage_only()) if tune_process else ()
+        with contextlib.ExitStack() as stack:
+            for ctx in tuned:
+                stack.enter_context(ctx)
             for head in range(heads):
                 results.extend(check(head))
                 _collect_head_garbage()
