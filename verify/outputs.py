@@ -130,9 +130,6 @@ def read_run_manifest(folder: Path) -> dict:
     if "backend" in values and values["backend"] not in BACKENDS:
         raise CaseError(f"{manifest}: backend = {values['backend']!r}; expected one of {', '.join(BACKENDS)} "
                         "(leave it out for a program other than attnstep's binary)")
-    if values.get("backend") == "cpu" and values.get("precision", "fp32") != "fp32":
-        raise CaseError(f"{manifest}: precision = {values['precision']!r} with backend = \"cpu\": the CPU "
-                        "backend computes in fp32 only")
     kernel = values.get("flash_kernel")
     if kernel and kernel_base_name(kernel) not in KERNELS:
         raise CaseError(f"{manifest}: flash_kernel = {kernel!r}; expected one of {', '.join(KERNELS)} "
