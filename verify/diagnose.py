@@ -290,7 +290,8 @@ def diagnose(stage: str, got: np.ndarray, want: np.ndarray, ctx: dict) -> List[D
                 d.confidence = 0.85
     if "transposed" in codes:
         found = [d for d in found if d.code != "tile_boundary"]
-    if codes & set(backward_bugs.HYPOTHESES):  # a named backward bug explains the factor, the layout
-        found = [d for d in found if d.code not in ("scaled", "layout", "tile_boundary")]  # and where
+    named_backward_bug = codes & set(backward_bugs.HYPOTHESES) or (STAGES[stage].backward and "lse_log2" in codes)
+    if named_backward_bug:  # it explains the factor, the layout and where the errors are
+        found = [d for d in found if d.code not in ("scaled", "layout", "tile_boundary")]
     found.sort(key=lambda d: -d.confidence)
     return found

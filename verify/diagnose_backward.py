@@ -12,11 +12,12 @@ import numpy as np
 
 from .diagnose_base import LOG2_E, Diagnosis, explains
 from .model.attention import causal_mask, softmax_rows
-from .specs.backward import (DP, DS, DSTAT, FLASH_DK, FLASH_DQ, FLASH_DV, FLASH_GRADS, FLASH_LSE, FLASH_OUT,
-                             GRAD_OUT, KEYS, QUERIES, VALUES, WEIGHTS, d_reference, ds_reference, flash_backward)
+from .specs.backward import (_FLASH_SOURCES, DP, DS, DSTAT, FLASH_DK, FLASH_DQ, FLASH_GRADS, FLASH_LSE,
+                             GRAD_INDEX, GRAD_OUT, KEYS, PARTNERS, QUERIES, VALUES, WEIGHTS, d_reference, ds_reference,
+                             flash_backward)
 
 Own = Callable[[str], np.ndarray]
-GRAD_OF = {DS: None, "dQ": 0, "dK": 1, "dV": 2, FLASH_DQ: 0, FLASH_DK: 1, FLASH_DV: 2}
+DQ, DK = PARTNERS[FLASH_DQ], PARTNERS[FLASH_DK]
 
 
 def _own(ctx) -> Optional[Own]:
@@ -24,6 +25,11 @@ def _own(ctx) -> Optional[Own]:
     if head is None:
         return None
     return lambda name: np.asarray(head.own(name), np.float64)
+
+
+def _flash_src(own: Own) -> Dict[str, np.ndarray]:
+    """What the flash backward computes from: the inputs and the program's saved output and lse."""
+    return {n: own(n) for n in _FLASH_SOURCES}
 
 
 def _masked(own: Own, causal: bool) -> np.ndarray:
@@ -50,20 +56,18 @@ def _downstream(stage: str, own: Own, scale: float, causal: bool, D=None, dS=Non
     """The stage recomputed with D or dS replaced (the stage path from the program's own P, dP, K,
     Q; the flash gradients from its saved output and lse)."""
     if stage in FLASH_GRADS:
-        src = {n: own(n) for n in (QUERIES, KEYS, VALUES, GRAD_OUT, FLASH_OUT, FLASH_LSE)}
-        masked = _masked(own, causal)
         if dS is not None:
             return None  # the flash variants of dS are built by _flash_missing_p
-        return flash_backward(src, scale, masked, D=D)[GRAD_OF[stage]]
+        return flash_backward(_flash_src(own), scale, _masked(own, causal), D=D)[GRAD_INDEX[stage]]
     if stage == DSTAT:
         return D
     if dS is None:
         dS = ds_reference(own(WEIGHTS), own(DP), D)
     if stage == DS:
         return dS
-    if stage == "dQ":
+    if stage == DQ:
         return scale * dS @ own(KEYS)
-    if stage == "dK":
+    if stage == DK:
         return scale * dS.T @ own(QUERIES)
     return None
 
@@ -105,9 +109,8 @@ def d_wrong_o(stage, got, want, ctx, width) -> List[Diagnosis]:
 
 def _flash_missing_p(stage, own: Own, scale, causal):
     """flash_dQ or flash_dK with dS = dP − D, masked entries zeroed or not."""
-    src = {n: own(n) for n in (QUERIES, KEYS, VALUES, GRAD_OUT, FLASH_OUT, FLASH_LSE)}
     masked = _masked(own, causal)
-    _, _, _, P, dP, D, _ = flash_backward(src, scale, masked)
+    _, _, _, P, dP, D, _ = flash_backward(_flash_src(own), scale, masked)
     K, Q = own(KEYS), own(QUERIES)
     for dS in (np.where(masked, 0.0, dP - D), dP - D):
         yield scale * dS @ K if stage == FLASH_DQ else scale * dS.T @ Q
@@ -153,8 +156,7 @@ def dv_untransposed_p(stage, got, want, ctx, width) -> List[Diagnosis]:
         return []
     scale, causal = float(ctx.get("scale", 1.0)), bool(ctx.get("causal", False))
     if stage in FLASH_GRADS:
-        src = {n: own(n) for n in (QUERIES, KEYS, VALUES, GRAD_OUT, FLASH_OUT, FLASH_LSE)}
-        P = flash_backward(src, scale, _masked(own, causal))[3]
+        P = flash_backward(_flash_src(own), scale, _masked(own, causal))[3]
     else:
         P = own(WEIGHTS)
     dO = own(GRAD_OUT)
@@ -173,11 +175,11 @@ def flash_lse_base(stage, got, want, ctx, width) -> List[Diagnosis]:
     if own is None:
         return []
     scale, causal = float(ctx.get("scale", 1.0)), bool(ctx.get("causal", False))
-    src = {n: own(n) for n in (QUERIES, KEYS, VALUES, GRAD_OUT, FLASH_OUT, FLASH_LSE)}
+    src = _flash_src(own)
     lse = src[FLASH_LSE]
     for how, factor in (("the natural-log lse is used as a base-2 one (exp2 without ·log2(e))", np.log(2.0)),
                         ("a base-2 lse is used as a natural one", LOG2_E)):
-        cand = flash_backward(src, scale, _masked(own, causal), lse=lse * factor)[GRAD_OF[stage]]
+        cand = flash_backward(src, scale, _masked(own, causal), lse=lse * factor)[GRAD_INDEX[stage]]
         diff = explains(got, cand, want, _width(ctx, stage, width))
         if diff is not None:
             return [Diagnosis("lse_log2", f"{stage}: P = exp(S − lse) with lse in the wrong base: {how} "

@@ -16,7 +16,7 @@ import numpy as np
 from ..model.attention import causal_mask, log_sum_exp_rows
 from ..model.backward import (d_var, ds_round_var, ds_var_parts, flash_rows, grad_over_keys_var, grad_over_queries_var,
                               stage_rows, transposed_gemm_var, weight_round_var)
-from ..model.chain import chained_eta
+from ..model.chain import chained_eta, chained_logits
 from ..model.dot import dot_var, flush_sum, mma_truncation_det, pv_var, qk_var, rowdot_var
 from ..model.flash import flash_output_var_det, flash_parts
 from ..model.kernels import FLASH_LOGIT_ROUNDINGS
@@ -36,7 +36,16 @@ FLASH_GRADS = tuple(s for s in STAGES if STAGES[s].flash and STAGES[s].backward)
 FLASH_DQ, FLASH_DK, FLASH_DV = FLASH_GRADS
 _FLASH_SOURCES = STAGES[FLASH_DQ].inputs                 # Q, K, V, dO, flash_output, flash_lse
 FLASH_OUT, FLASH_LSE = _FLASH_SOURCES[-2:]
-PARTNERS = {FLASH_DQ: "dQ", FLASH_DK: "dK", FLASH_DV: "dV"}
+
+
+def _stage_path_gradient(flash: str) -> str:
+    """The stage-path stage computing the same gradient as a flash one (the one of its shape)."""
+    return next(s for s, st in STAGES.items() if st.backward and not st.flash and st.inputs
+                and (st.rows, st.cols) == (STAGES[flash].rows, STAGES[flash].cols))
+
+
+PARTNERS = {f: _stage_path_gradient(f) for f in FLASH_GRADS}   # flash_dQ -> dQ, ...
+GRAD_INDEX = {**{f: i for i, f in enumerate(FLASH_GRADS)}, **{PARTNERS[f]: i for i, f in enumerate(FLASH_GRADS)}}
 
 # The bug hypotheses (verify/diagnose_backward.py) of the stages they can explain.
 D_BUGS = ("D_wrong_O",)
@@ -195,7 +204,6 @@ def _flash_isolated(index: int):
 def _stage_chain(Q, K, V, dO, scale, causal, u, kernel, cache):
     """The stage path's references and row errors from the original inputs (see the model)."""
     def compute():
-        from ..model.chain import chained_logits
         S, p, _, _, _, _ = chained_logits(Q, K, scale, causal, u, cache)
         eta = chained_eta(Q, K, scale, causal, u, kernel, cache)
         l_var = rowsum_rel_var(p, u, cache=cache)
@@ -244,7 +252,6 @@ def _dk_chained(sources, scale, causal, u, kernel, cache):
 
 
 def _dv_chained(sources, scale, causal, u, kernel, cache):
-    from ..model.chain import chained_logits
     Q, K, dO = sources  # dV = Pᵀ·dO needs no V
     p = chained_logits(Q, K, scale, causal, u, cache)[1]
     eta = chained_eta(Q, K, scale, causal, u, kernel, cache)
