@@ -1,4 +1,4 @@
-"""The `attnstep` command line: generate, run, check, demo, bench.
+"""The `attnstep` command line: generate, run, check, demo, bench, sweep.
 
 Exit statuses: 0 every stage passes; 1 a stage fails; 2 bad usage or bad input (one line, no
 traceback). `run` passes on the binary's own status (3: not enough memory; 1: a CUDA failure).
@@ -26,6 +26,7 @@ from .report import (check_plot_folder, failure_lines, header_lines, plural, sum
 from .runner import BINARY_NAME, ensure_built, example_names
 from .stages import (BACKWARD_STAGES, CASE_INPUTS, DATA_DIR, DEFAULT_CASE, DEFAULT_INPUT_DIR, DEFAULT_RESULT,
                      FORMATS, INPUT_NAMES, PRECISIONS, STAGE_NAMES, STAGES, Dims)
+from .sweep import sweep
 
 # Work (N·M·heads) above which `check` shows a progress bar, and values written above which
 # `generate` does (on a terminal only).
@@ -370,6 +371,7 @@ def _demo_example(ctx, example, build_dir, timeout, json_path, seed, force, quie
 
 
 cli.add_command(bench)  # verify/bench.py: GPU timings against ceilings and PyTorch SDPA
+cli.add_command(sweep)  # verify/sweep.py: the d × N grid of the stage path, flash and SDPA
 
 
 def main() -> None:  # console-script entry point
