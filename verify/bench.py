@@ -31,9 +31,9 @@ from .options import InputError, binary_option, build_option, json_option, timeo
 from .runner import ensure_built
 from .stages import PRECISIONS
 
-__all__ = ["BenchError", "BenchOutOfMemory", "BenchUnusable", "Row", "Shape", "bench", "binary_args", "collect", "default_shapes",
-           "evaluate_goals", "format_table", "parse_binary_json", "parse_shape", "parse_shape_id", "reps_for",
-           "rows_from_results", "run_binary_bench", "write_plot"]
+__all__ = ["BenchError", "BenchOutOfMemory", "BenchUnusable", "Row", "Shape", "bench", "binary_args", "collect",
+           "default_shapes", "evaluate_goals", "format_table", "parse_binary_json", "parse_shape", "parse_shape_id",
+           "reps_for", "rows_from_results", "run_binary_bench", "time_sdpa", "write_plot"]
 
 RESULTS_FORMAT = 1
 # Work (FLOP) above which a shape gets fewer timed repetitions, to bound the run's length.
@@ -179,7 +179,7 @@ def time_sdpa(shape: Shape, precision: str, warmup: int, reps: int, seed: int = 
         ms = _median_ms(torch, lambda: F.scaled_dot_product_attention(q, k, v, is_causal=shape.causal),
                         warmup, reps)
         return {"status": "ok", "ms": ms, "tflops": shape.flash_flop / (ms * 1e-3) / 1e12,
-                "peak_mib": torch.cuda.max_memory_allocated() / MIB, "torch": torch.__version__}
+                "peak_mib": round(torch.cuda.max_memory_allocated() / MIB, 1), "torch": torch.__version__}
     except torch.cuda.OutOfMemoryError:
         return {"status": OOM, "torch": torch.__version__}
     except RuntimeError as exc:  # out of memory, or no backend for the shape

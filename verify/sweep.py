@@ -10,6 +10,7 @@ is its own, CUDA context included, sampled with nvidia-smi); PyTorch SDPA runs i
 from __future__ import annotations
 
 import csv
+import importlib.util
 import io
 import json
 import time
@@ -227,11 +228,8 @@ def _check_outputs(csv_path: Optional[Path], json_path: Optional[Path], plot_pat
     for path in (csv_path, json_path, plot_path):
         if path is not None:
             output_file_target(path)
-    if plot_path is not None:
-        try:
-            import matplotlib  # noqa: F401, PLC0415 (optional dependency)
-        except ImportError:
-            raise InputError(f"--plot {plot_path}: needs matplotlib (pip install matplotlib)") from None
+    if plot_path is not None and importlib.util.find_spec("matplotlib") is None:
+        raise InputError(f"--plot {plot_path}: needs matplotlib (pip install matplotlib)")
 
 
 def _write_outputs(sweep: Sweep, csv_path, json_path, plot_path) -> None:
@@ -260,6 +258,7 @@ def _exit_status(rows: Sequence[SweepRow]) -> int:
     return 1 if failed else 0
 
 
+GRID_SHAPES = len(SWEEP_D) * len(SWEEP_SEQ) * len(MASKINGS["both"])
 SWEEP_HELP = f"""Time attention over a grid of head widths d and sequence lengths N = M.
 
 For each d, N and masking: the binary's stage path (the sum of its stages), its flash forward,
@@ -270,7 +269,7 @@ is what torch allocated (inputs included). A shape that does not fit in device m
 row. There are no backward rows: the CUDA backend has no backward pass.
 
 The default grid (B={SWEEP_BATCH}, H={SWEEP_HEADS}, d in {', '.join(map(str, SWEEP_D))}, N from {SWEEP_SEQ[0]} to
-{SWEEP_SEQ[-1]}, causal and not: {len(SWEEP_D) * len(SWEEP_SEQ) * len(MASKINGS['both'])} shapes, {len(KERNELS)} rows each) takes
+{SWEEP_SEQ[-1]}, causal and not: {GRID_SHAPES} shapes, {len(KERNELS)} rows each) takes
 about {DEFAULT_GRID_MINUTES} minutes on an H100; on a terminal a progress bar shows the rows done and the ETA.
 The files are written once every row is done (none on Ctrl-C). Exit status 1 when a run failed
 or a flash result failed its float64 check.
