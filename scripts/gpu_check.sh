@@ -4,12 +4,14 @@
 # and the benchmarks.
 #
 #   scripts/gpu_check.sh [build] [tests] [gputests] [alarms] [demo] [example] [sanitize] [large] [bench]
-#                        (default: build tests demo example sanitize large bench)
+#                        [sweep]   (default: build tests demo example sanitize large bench)
 #   tests: the whole suite; gputests: only the tests marked gpu, false-alarm sweep aside; alarms:
 #   the CUDA false-alarm sweep alone; example: `attnstep demo --example bug_qk_leading_dim`.
 #   GPU_TESTS="tests/test_examples.py ..." limits gputests to those files.
 #   ATTNSTEP_BINARY=build-gpu/main scripts/gpu_check.sh tests sanitize large   (a prebuilt binary)
 #   BENCH_ARGS="--shape 4,16,4096,4096,64" scripts/gpu_check.sh bench          (other shapes)
+#   sweep: the d × N table (attnstep sweep, about 5 minutes), CSV/JSON/PNG into $OUT; SWEEP_ARGS="--d 64"
+#   narrows it.
 #
 # Logs go to $OUT (or ./gpu_check_out); the last lines printed are a summary table.
 set -uo pipefail
@@ -115,9 +117,15 @@ if want bench; then
     tail -n 40 "$OUT/bench.log"
 fi
 
+if want sweep; then
+    step sweep $ATTNSTEP sweep --binary $BUILD/main --csv "$OUT/sweep.csv" --json "$OUT/sweep.json" \
+        --plot "$OUT/sweep.png" ${SWEEP_ARGS:-}
+    tail -n 80 "$OUT/sweep.log"
+fi
+
 echo "== summary ($(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1))"
 rc=0
-for name in build tests gputests alarms demo example memcheck racecheck large bench; do
+for name in build tests gputests alarms demo example memcheck racecheck large bench sweep; do
     [ -n "${result[$name]:-}" ] || continue
     printf '%-10s %s\n' "$name" "${result[$name]}"
     case "${result[$name]}" in FAIL*) rc=1 ;; esac

@@ -14,6 +14,7 @@ import pytest
 from click.testing import CliRunner
 
 from verify import cli as cli_module
+from verify import options as options_module
 from verify import runner as runner_module
 from verify import tolerance
 from verify.cli import cli
@@ -153,7 +154,7 @@ def test_run_summary_counts_the_stages_written(runner, tmp_path, binary):
 
 @pytest.mark.parametrize("terminal", [False, True])
 def test_generate_shows_a_progress_bar_on_a_terminal_only(runner, tmp_path, monkeypatch, terminal):
-    monkeypatch.setattr(cli_module, "_on_terminal", lambda: terminal)
+    monkeypatch.setattr(options_module, "on_terminal", lambda: terminal)
     monkeypatch.setattr(cli_module, "GENERATE_PROGRESS_MIN_VALUES", 0)
     res = _generate(runner, tmp_path / "in")
     assert ("generating heads" in res.stderr) is terminal

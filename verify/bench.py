@@ -11,28 +11,29 @@ The shape list: the default case (`verify.generate.DEFAULT_DIMS`) and B=4, H=16,
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import statistics
 import subprocess
 import tempfile
 import time
 from pathlib import Path
-from typing import Iterable, List, Optional, Sequence
+from typing import Iterable, List, Optional, Sequence, Tuple
 
 import click
 
 from .bench_goals import evaluate_goals
-from .bench_report import (BenchError, Row, Shape, ceiling_lines, format_table, load_results, parse_binary_json,
-                           parse_shape_id, rows_from_results, write_plot)
+from .bench_report import (MIB, OOM, BenchError, Row, Shape, ceiling_lines, format_table, load_results,
+                           parse_binary_json, parse_shape_id, rows_from_results, write_plot)
 from .case import atomic_write_bytes
 from .generate import DEFAULT_DIMS
 from .options import InputError, binary_option, build_option, json_option, timeout_option, user_errors
 from .runner import ensure_built
 from .stages import PRECISIONS
 
-__all__ = ["BenchError", "BenchUnusable", "Row", "Shape", "bench", "binary_args", "collect", "default_shapes",
-           "evaluate_goals", "format_table", "parse_binary_json", "parse_shape", "parse_shape_id", "reps_for",
-           "rows_from_results", "run_binary_bench", "write_plot"]
+__all__ = ["BenchError", "BenchOutOfMemory", "BenchUnusable", "Row", "Shape", "bench", "binary_args", "collect",
+           "default_shapes", "evaluate_goals", "format_table", "parse_binary_json", "parse_shape", "parse_shape_id",
+           "reps_for", "rows_from_results", "run_binary_bench", "time_sdpa", "write_plot"]
 
 RESULTS_FORMAT = 1
 # Work (FLOP) above which a shape gets fewer timed repetitions, to bound the run's length.
@@ -67,9 +68,10 @@ def parse_shape(text: str) -> Shape:
     return Shape(b, h, n, m, d, causal)
 
 
-def reps_for(shape: Shape, reps: int) -> int:
-    """Fewer repetitions for the largest shapes (at least 3), so a full sweep stays short."""
-    return max(3, reps // 4) if shape.flash_flop > LARGE_WORK_FLOP else reps
+def reps_for(shape: Shape, reps: int, large_flop: float = LARGE_WORK_FLOP) -> int:
+    """Fewer repetitions (a quarter, at least 3) for shapes of more than `large_flop` forward FLOP,
+    so a full sweep stays short."""
+    return max(3, reps // 4) if shape.flash_flop > large_flop else reps
 
 
 def binary_args(shape: Shape, precision: str, warmup: int, reps: int, json_path: Path,
@@ -85,23 +87,48 @@ def binary_args(shape: Shape, precision: str, warmup: int, reps: int, json_path:
     return args
 
 
+class BenchOutOfMemory(BenchError):
+    """The binary ran out of device memory on this shape (exit 3)."""
+
+
+# The binary's exit statuses that say something about the run as a whole: 2 no CUDA build or
+# GPU (or bad options), 3 not enough memory.
+_EXIT_ERRORS = {2: BenchUnusable, 3: BenchOutOfMemory}
+
+
+def _run_watched(cmd: List[str], timeout: float, monitor) -> Tuple[int, str]:
+    """Runs cmd inside `monitor(pid)` (a context manager, or None) and returns its exit status and
+    output (stderr first). The process is killed when anything interrupts the wait."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        with monitor(proc.pid) if monitor else contextlib.nullcontext():
+            out, err = proc.communicate(timeout=timeout)
+    except BaseException:
+        proc.kill()
+        proc.communicate()
+        raise
+    return proc.returncode, err + out
+
+
 def run_binary_bench(binary: Path, shape: Shape, precision: str, warmup: int, reps: int,
-                     check: bool, only: str = "all", timeout: float = BENCH_TIMEOUT_S) -> dict:
+                     check: bool, only: str = "all", timeout: float = BENCH_TIMEOUT_S, monitor=None) -> dict:
     """Runs `binary --bench` for one shape and returns its parsed JSON. A failed --check still
-    returns the JSON (with passed = false); any other failure raises BenchError."""
+    returns the JSON (with passed = false); any other failure raises BenchError (BenchUnusable,
+    BenchOutOfMemory by the binary's exit status). `monitor(pid)`, when given, is entered while
+    the binary runs (e.g. to sample its device memory)."""
     with tempfile.TemporaryDirectory(prefix="attnstep-bench-") as tmp:
         json_path = Path(tmp) / "bench.json"
         cmd = [str(binary), *binary_args(shape, precision, warmup, reps, json_path, check, only)]
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+            returncode, output = _run_watched(cmd, timeout, monitor)
         except FileNotFoundError:
             raise BenchError(f"binary not found: {binary}")
         except subprocess.TimeoutExpired:
             raise BenchError(f"{shape.id} {precision}: the binary did not finish in {timeout:.0f} s")
         if not json_path.exists():
-            lines = [ln for ln in (proc.stderr + proc.stdout).splitlines() if ln.strip()]
-            error = BenchUnusable if proc.returncode == 2 else BenchError
-            raise error(f"{shape.id} {precision}: main --bench exited {proc.returncode}: "
+            lines = [ln for ln in output.splitlines() if ln.strip()]
+            error = _EXIT_ERRORS.get(returncode, BenchError)
+            raise error(f"{shape.id} {precision}: main --bench exited {returncode}: "
                         + (lines[0] if lines else "no output"))
         data = json.loads(json_path.read_text())
     return parse_binary_json(data, f"{shape.id} {precision}")
@@ -135,7 +162,9 @@ def _median_ms(torch, fn, warmup: int, reps: int) -> float:
 
 def time_sdpa(shape: Shape, precision: str, warmup: int, reps: int, seed: int = 0) -> dict:
     """Median ms of torch SDPA on fp32 (B, H, N, d) CUDA tensors; `precision` tf32 allows TF32
-    matmuls (the fused fp32 backends ignore it). Returns {"status", "ms", "tflops", "torch"}."""
+    matmuls (the fused fp32 backends ignore it). Returns {"status", "ms", "tflops", "peak_mib",
+    "torch"}: peak_mib is the most device memory torch held while timing (inputs included);
+    status is OOM when the device runs out of memory."""
     import torch  # noqa: PLC0415
     import torch.nn.functional as F  # noqa: PLC0415
 
@@ -145,10 +174,14 @@ def time_sdpa(shape: Shape, precision: str, warmup: int, reps: int, seed: int = 
         gen = torch.Generator(device="cuda").manual_seed(seed)
         q, k, v = (torch.rand(shape.batch, shape.heads, rows, shape.d, device="cuda", generator=gen) * 2 - 1
                    for rows in (shape.seq_q, shape.seq_k, shape.seq_k))
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
         ms = _median_ms(torch, lambda: F.scaled_dot_product_attention(q, k, v, is_causal=shape.causal),
                         warmup, reps)
         return {"status": "ok", "ms": ms, "tflops": shape.flash_flop / (ms * 1e-3) / 1e12,
-                "torch": torch.__version__}
+                "peak_mib": round(torch.cuda.max_memory_allocated() / MIB, 1), "torch": torch.__version__}
+    except torch.cuda.OutOfMemoryError:
+        return {"status": OOM, "torch": torch.__version__}
     except RuntimeError as exc:  # out of memory, or no backend for the shape
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         return {"status": f"failed: {first[:120]}", "torch": torch.__version__}

@@ -4,16 +4,24 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from .matrix_io import output_file_target
 from .stages import PRECISIONS
 
 # "flash" is the binary's dispatcher (what `main` runs by default: wgmma on Hopper, else mma.sync,
 # else the clean kernel); the others are the tensor-core kernels forced one by one.
-FLASH_KERNELS = ("flash", "flash_wgmma", "flash_fast")
+FLASH_DISPATCHER = "flash"
+FLASH_KERNELS = (FLASH_DISPATCHER, "flash_wgmma", "flash_fast")
 SDPA = "sdpa"
+# The status of a kernel or shape that did not fit in device memory.
+OOM = "OOM"
+# The status main --bench gives every stage when not even one head of the stage path fits.
+STAGE_PATH_SKIPPED = "skipped (memory)"
+MIB = float(1 << 20)
 
 
 class BenchError(Exception):
@@ -114,7 +122,7 @@ def _row(shape: Shape, precision: str, kernel: str, kind: str, status: str) -> R
     return Row(shape.id, shape.seq_q, shape.d, shape.causal, precision, kernel, kind, status)
 
 
-def _kernel_note(k: dict) -> str:
+def kernel_note(k: dict) -> str:
     """The kernel's tiles and, when the binary checked it, its float64 error (FAIL when too big)."""
     notes = [k["tiles"]] if k.get("tiles") else []
     chk = k.get("check")
@@ -131,7 +139,7 @@ def _kernel_row(shape: Shape, precision: str, k: dict, sdpa_rate: Optional[float
         row.ms, row.rate, row.fraction = k["ms"], k[_rate_key(k)], k.get("fraction")
         if k["name"] in FLASH_KERNELS and sdpa_rate:
             row.vs_sdpa = row.rate / sdpa_rate
-        row.note = _kernel_note(k)
+        row.note = kernel_note(k)
     return row
 
 
@@ -249,23 +257,48 @@ def _draw_panel(ax, rows: Sequence[Row], d: int, causal: bool, colour: Dict[str,
     ax.legend(fontsize=6)
 
 
+def _panel_grid(panels: Sequence[Tuple[int, bool]]) -> Tuple[List[int], List[bool]]:
+    """The plot's columns (d) and rows (causal or not)."""
+    return sorted({d for d, _ in panels}), sorted({c for _, c in panels})
+
+
+def _save_atomically(fig, path: Path) -> None:
+    """A PNG appears complete or not at all (an interrupted save leaves no half-written file)."""
+    target = output_file_target(path)
+    tmp = target.with_name(f"{target.name}.tmp-{os.getpid()}")
+    try:
+        fig.savefig(tmp, dpi=120, format="png")
+        os.replace(tmp, target)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
 def write_plot(rows: Sequence[Row], path: Path, title: str = "") -> None:
-    """TFLOP/s against N, one line per kernel and precision; one panel per (d, causal)."""
+    """TFLOP/s against N, one line per kernel and precision; one panel per d (columns) and
+    masking (rows)."""
     import matplotlib  # noqa: PLC0415
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
     plotted = _plotted(rows)
-    panels = sorted({(r.d, r.causal) for r in plotted})
+    panels = {(r.d, r.causal) for r in plotted}
     if not panels:
         raise BenchError("nothing to plot: no kernel with a TFLOP/s figure")
     colour = _kernel_colours(plotted, plt.rcParams["axes.prop_cycle"].by_key()["color"])
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.8), squeeze=False)
-    for ax, (d, causal) in zip(axes[0], panels):
-        _draw_panel(ax, plotted, d, causal, colour)
+    ds, masks = _panel_grid(panels)
+    fig, axes = plt.subplots(len(masks), len(ds), figsize=(4.2 * len(ds), 3.8 * len(masks)), squeeze=False)
+    for i, causal in enumerate(masks):
+        for j, d in enumerate(ds):
+            if (d, causal) in panels:
+                _draw_panel(axes[i][j], plotted, d, causal, colour)
+            else:
+                axes[i][j].set_axis_off()
     if title:
         fig.suptitle(title, fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    try:
+        _save_atomically(fig, path)
+    finally:
+        plt.close(fig)

@@ -1,13 +1,11 @@
-"""The `attnstep` command line: generate, run, check, demo, bench.
+"""The `attnstep` command line: generate, run, check, demo, bench, sweep.
 
 Exit statuses: 0 every stage passes; 1 a stage fails; 2 bad usage or bad input (one line, no
 traceback). `run` passes on the binary's own status (3: not enough memory; 1: a CUDA failure).
 """
 from __future__ import annotations
 
-import contextlib
 import math
-import sys
 from pathlib import Path
 from typing import Dict, Tuple
 
@@ -18,7 +16,7 @@ from .case import check_scale, load_input_case, output_file_target
 from .compare import Options, check_run, error_ratio_map
 from .generate import DEFAULT_DIMS, DISTRIBUTIONS, generate_case
 from .options import (backend_option, binary_option, build_option, force_option, in_option,
-                      json_option, out_option, seed_option, timeout_option)
+                      json_option, out_option, progress_bar, seed_option, timeout_option)
 from .options import checked_path as _checked_path
 from .options import user_errors as _user_errors
 from .outputs import MATH_MODES, open_run, parse_name_map, read_names_file
@@ -28,6 +26,7 @@ from .report import (check_plot_folder, failure_lines, header_lines, plural, sum
 from .runner import BINARY_NAME, ensure_built, example_names
 from .stages import (BACKWARD_STAGES, CASE_INPUTS, DATA_DIR, DEFAULT_CASE, DEFAULT_INPUT_DIR, DEFAULT_RESULT,
                      FORMATS, INPUT_NAMES, PRECISIONS, STAGE_NAMES, STAGES, Dims)
+from .sweep import sweep
 
 # Work (N·M·heads) above which `check` shows a progress bar, and values written above which
 # `generate` does (on a terminal only).
@@ -54,21 +53,6 @@ TOLERANCE = Tolerance()
 
 
 quiet_option = click.option("--quiet", "-q", is_flag=True, help="Print only the verdict and errors.")
-
-
-def _on_terminal() -> bool:
-    return sys.stderr.isatty()
-
-
-@contextlib.contextmanager
-def _progress(total: int, label: str, wanted: bool):
-    """A progress bar on stderr, advanced by calling what this yields; nothing unless `wanted` and
-    stderr is a terminal (pipes and CI logs stay clean)."""
-    if not (wanted and total > 1 and _on_terminal()):
-        yield lambda *_: None
-        return
-    with click.progressbar(length=total, label=label, file=sys.stderr) as bar:
-        yield lambda *_: bar.update(1)
 
 
 def _build(build_dir: Path, quiet: bool, target: str = BINARY_NAME) -> Path:
@@ -135,7 +119,7 @@ def generate(out_dir, batch, heads, seq_q, seq_k, d_k, d_v, causal, scale, seed,
     dims = Dims(batch, heads, seq_q, seq_k, d_k, d_v)
     inputs = CASE_INPUTS if backward else INPUT_NAMES
     values = dims.total_heads * sum(r * c for r, c in (STAGES[n].shape(dims) for n in inputs))
-    with _progress(dims.total_heads, "generating heads", values >= GENERATE_PROGRESS_MIN_VALUES) as advance:
+    with progress_bar(dims.total_heads, "generating heads", values >= GENERATE_PROGRESS_MIN_VALUES) as advance:
         generate_case(out_dir, dims, causal=causal, scale=scale, seed=seed, distribution=distribution,
                       fmt=fmt, backward=backward, force=force, progress=advance)
     click.echo(f"wrote {plural(dims.total_heads, 'head')} (N={seq_q} M={seq_k} d_k={d_k} d_v={d_v}, "
@@ -255,7 +239,7 @@ def _check_and_report(in_dir, out_dir, opts, json_path, junit_path, plot_dir, pe
     run_info = open_run(out_dir, case, opts.overrides())
     d = run_info.dims
     big = d.seq_q * d.seq_k * d.total_heads >= PROGRESS_MIN_WORK
-    with _progress(d.total_heads, "checking heads", big and not quiet) as advance:
+    with progress_bar(d.total_heads, "checking heads", big and not quiet) as advance:
         report = check_run(run_info, case, opts, progress=advance)
     if not quiet:
         for line in header_lines(report) + table_lines(report, per_head) + failure_lines(report):
@@ -387,6 +371,7 @@ def _demo_example(ctx, example, build_dir, timeout, json_path, seed, force, quie
 
 
 cli.add_command(bench)  # verify/bench.py: GPU timings against ceilings and PyTorch SDPA
+cli.add_command(sweep)  # verify/sweep.py: the d × N grid of the stage path, flash and SDPA
 
 
 def main() -> None:  # console-script entry point

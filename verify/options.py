@@ -4,7 +4,9 @@ Defined here once so that cli.py's commands and `bench` use the same flags, type
 """
 from __future__ import annotations
 
+import contextlib
 import functools
+import sys
 from pathlib import Path
 
 import click
@@ -90,3 +92,18 @@ force_option = SharedOption("--force", is_flag=True,
 json_option = SharedOption("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),
                            callback=checked_path(output_file_target),
                            help="Write the full report as JSON to this file.")
+
+
+def on_terminal() -> bool:
+    return sys.stderr.isatty()
+
+
+@contextlib.contextmanager
+def progress_bar(total: int, label: str, wanted: bool = True):
+    """A progress bar on stderr (items done, ETA), advanced by calling what this yields; nothing
+    unless `wanted` and stderr is a terminal (pipes and CI logs stay clean)."""
+    if not (wanted and total > 1 and on_terminal()):
+        yield lambda *_: None
+        return
+    with click.progressbar(length=total, label=label, file=sys.stderr) as bar:
+        yield lambda *_: bar.update(1)

@@ -1,0 +1,237 @@
+"""verify/sweep.py: the d × N grid against a fake `main --bench` (rows, OOM rows, CSV/JSON, peak
+memory through a fake nvidia-smi, errors before any work, Ctrl-C), and (gpu) a tiny real grid."""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from verify import sweep as vs
+from verify.bench_report import FLASH_DISPATCHER, OOM, STAGE_PATH_SKIPPED, Shape
+from verify.device_memory import used_mib
+
+REPO = Path(__file__).resolve().parent.parent
+TEMPLATE = json.loads((REPO / "docs" / "bench_h100.json").read_text())["runs"][0]["binary"]
+STAGE_MS = sum(k["ms"] for k in TEMPLATE["kernels"] if k["kind"] != "attention")
+FLASH_MS = next(k["ms"] for k in TEMPLATE["kernels"] if k["name"] == FLASH_DISPATCHER)
+
+# A stand-in for `main --bench`: the real JSON format (one run of docs/bench_h100.json, its shape
+# fields set from the options), --only stages or flash, exit 3 from CONFIG's oom_from on, exit 2
+# when it has no GPU; it logs each run, and can stand still (for a fake nvidia-smi to see it) or
+# interrupt its parent.
+FAKE_MAIN = r'''#!{python}
+import json, os, signal, sys, time
+CONFIG = json.loads({config!r})
+data = json.loads({template!r})
+args = sys.argv[1:]
+opt = lambda name: args[args.index(name) + 1]
+seq, only = int(opt("--seq-q")), opt("--only")
+with open(CONFIG["log"], "a") as f:
+    f.write(f"{{seq}} {{only}}\n")
+if CONFIG.get("no_gpu"):
+    print("main: error: --bench: no CUDA device found\nHINT: run it on a machine with an NVIDIA GPU", file=sys.stderr)
+    sys.exit(2)
+if CONFIG.get("smi_state"):
+    with open(CONFIG["smi_state"], "w") as f:
+        f.write(f"{{os.getpid() + 1}}, 99999\n{{os.getpid()}}, {{seq}}\n")
+    time.sleep(0.4)
+if seq == CONFIG.get("interrupt_at"):
+    os.kill(os.getppid(), signal.SIGINT)
+    time.sleep(30)
+if seq >= CONFIG.get("oom_from", 1 << 40):
+    print("main: error: --bench: not enough device memory for a buffer of 9000 MiB", file=sys.stderr)
+    sys.exit(3)
+data["shape"].update(batch=int(opt("--batch")), heads=int(opt("--heads")), seq_q=seq,
+                     seq_k=int(opt("--seq-k")), d=int(opt("--d")), causal="--causal" in args)
+data["precision"] = opt("--precision")
+stages = only == "stages"
+data["kernels"] = [k for k in data["kernels"] if (k["kind"] != "attention") == stages]
+if stages and seq in CONFIG.get("stages_skipped_at", []):
+    data["kernels"] = [dict(name=k["name"], kind=k["kind"], status={skipped!r}) for k in data["kernels"]]
+with open(opt("--json"), "w") as f:
+    json.dump(data, f)
+'''
+
+
+def fake_main(tmp_path: Path, **config) -> Path:
+    path = tmp_path / "fake_main"
+    config.setdefault("log", str(tmp_path / "runs.log"))
+    path.write_text(FAKE_MAIN.format(python=sys.executable, config=json.dumps(config),
+                                     template=json.dumps(TEMPLATE), skipped=STAGE_PATH_SKIPPED))
+    path.chmod(0o755)
+    return path
+
+
+def runs(tmp_path: Path) -> list:
+    log = tmp_path / "runs.log"
+    return log.read_text().splitlines() if log.exists() else []
+
+
+@pytest.fixture(autouse=True)
+def no_torch_no_smi(monkeypatch, tmp_path):
+    """SDPA rows only where a test asks for them; no nvidia-smi but a test's fake one."""
+    monkeypatch.setattr(vs, "torch_available", lambda: None)
+    empty = tmp_path / "no-smi"
+    empty.mkdir()
+    monkeypatch.setenv("PATH", str(empty))
+
+
+def invoke(main: Path, *args: str):
+    return CliRunner().invoke(vs.sweep, ["--binary", str(main), *args])
+
+
+def read_csv(path: Path) -> list:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+GRID = ["--d", "16", "--d", "32", "--seq", "128", "--seq", "256", "--seq", "512"]
+
+
+def test_every_row_oom_rows_and_the_files(tmp_path):
+    main = fake_main(tmp_path, oom_from=512)
+    out_csv, out_json = tmp_path / "sweep.csv", tmp_path / "sweep.json"
+    res = invoke(main, *GRID, "--csv", str(out_csv), "--json", str(out_json))
+    assert res.exit_code == 0, res.output
+    rows = read_csv(out_csv)
+    assert list(rows[0]) == list(vs.COLUMNS)
+    assert len(rows) == 2 * 3 * 2 * 2  # d × N × masking × (stage path, flash)
+    assert {(r["d"], r["seq"], r["causal"], r["kernel"]) for r in rows} == {
+        (str(d), str(n), str(c), k) for d in (16, 32) for n in (128, 256, 512) for c in (False, True)
+        for k in (vs.STAGE_PATH, FLASH_DISPATCHER)}
+    for r in rows:
+        assert (r["batch"], r["heads"], r["precision"], r["direction"]) == ("8", "1", "fp32", vs.FORWARD)
+        if r["seq"] == "512":
+            assert r["status"] == OOM and r["ms"] == r["tflops"] == "", r
+            continue
+        assert r["status"] == "ok", r
+        shape = Shape(8, 1, int(r["seq"]), int(r["seq"]), int(r["d"]), r["causal"] == "True")
+        ms = STAGE_MS if r["kernel"] == vs.STAGE_PATH else FLASH_MS
+        assert float(r["ms"]) == pytest.approx(ms)
+        assert float(r["tflops"]) == pytest.approx(shape.flash_flop / (ms * 1e-3) / 1e12)
+        assert r["peak_mib"] == ""  # no nvidia-smi
+    doc = json.loads(out_json.read_text())
+    assert doc["device"] == TEMPLATE["device"] and doc["columns"] == list(vs.COLUMNS)
+    assert [{k: str(v) if v is not None else "" for k, v in row.items()} for row in doc["rows"]] == rows
+    table = res.stdout.splitlines()
+    assert sum(OOM in line for line in table) == 8 and len(table) == 2 + 1 + len(rows)
+    assert "err 7.3e-07" in res.stdout  # the flash row carries the binary's float64 check
+
+
+def test_a_stage_path_skipped_for_memory_is_an_oom_row_beside_a_timed_flash(tmp_path):
+    main = fake_main(tmp_path, stages_skipped_at=[256])
+    out_csv = tmp_path / "s.csv"
+    res = invoke(main, "--d", "64", "--seq", "128", "--seq", "256", "--causal", "no", "--csv", str(out_csv))
+    assert res.exit_code == 0, res.output
+    status = {(r["seq"], r["kernel"]): r["status"] for r in read_csv(out_csv)}
+    assert status == {("128", "stages"): "ok", ("128", "flash"): "ok", ("256", "stages"): OOM,
+                      ("256", "flash"): "ok"}
+
+
+def test_peak_memory_is_the_binary_process_own_from_nvidia_smi(tmp_path, monkeypatch):
+    state = tmp_path / "smi_state"
+    main = fake_main(tmp_path, smi_state=str(state))
+    smi_dir = tmp_path / "smi"
+    smi_dir.mkdir()
+    smi = smi_dir / "nvidia-smi"
+    smi.write_text(f"#!/bin/sh\n/bin/cat '{state}' 2>/dev/null\n")
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", str(smi_dir))
+    out_csv = tmp_path / "s.csv"
+    res = invoke(main, "--d", "16", "--seq", "128", "--seq", "256", "--causal", "no", "--kernel", "flash",
+                 "--csv", str(out_csv))
+    assert res.exit_code == 0, res.output
+    assert [(r["seq"], r["peak_mib"]) for r in read_csv(out_csv)] == [("128", "128"), ("256", "256")]
+
+
+def test_without_nvidia_smi_the_peak_column_says_dash(tmp_path):
+    res = invoke(fake_main(tmp_path), "--d", "16", "--seq", "128", "--causal", "no", "--kernel", "flash")
+    assert res.exit_code == 0, res.output
+    row = res.stdout.splitlines()[-1].split()
+    assert row[:5] == ["16", "128", "no", "flash", "forward"] and row[8] == "-"
+
+
+def test_nvidia_smi_lines_of_other_processes_and_na_figures_are_ignored():
+    assert used_mib("12, 300\n34, 500\n12, 200\n", 12) == 500
+    assert used_mib("34, 500\n", 12) is None
+    assert used_mib("12, [N/A]\n", 12) is None
+
+
+@pytest.mark.parametrize("option", ["--csv", "--json", "--plot"])
+def test_a_bad_output_path_is_one_line_before_any_run(tmp_path, option):
+    main = fake_main(tmp_path)
+    res = invoke(main, "--d", "16", "--seq", "128", option, str(tmp_path / "missing" / "x"))
+    assert res.exit_code == 2
+    assert res.output.strip().splitlines() == [f"Error: {tmp_path / 'missing' / 'x'}: cannot write: folder "
+                                               f"{tmp_path / 'missing'} does not exist"]
+    assert runs(tmp_path) == []
+
+
+def test_an_unusable_binary_is_one_line_and_no_file(tmp_path):
+    main = fake_main(tmp_path, no_gpu=True)
+    out_csv = tmp_path / "s.csv"
+    res = invoke(main, *GRID, "--csv", str(out_csv))
+    assert res.exit_code == 2
+    lines = res.output.strip().splitlines()
+    assert len(lines) == 1 and "main --bench exited 2: main: error: --bench: no CUDA device found" in lines[0]
+    assert len(runs(tmp_path)) == 1 and not out_csv.exists()
+
+
+def test_sdpa_alone_without_torch_is_one_line(tmp_path):
+    res = invoke(fake_main(tmp_path), "--kernel", "sdpa")
+    assert res.exit_code == 2 and len(res.output.strip().splitlines()) == 1
+    assert "--kernel sdpa: needs PyTorch" in res.output and runs(tmp_path) == []
+
+
+def test_ctrl_c_mid_sweep_writes_no_file(tmp_path):
+    main = fake_main(tmp_path, interrupt_at=256)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "sweep.csv").write_text("an earlier sweep\n")
+    cmd = [sys.executable, "-m", "verify", "sweep", "--binary", str(main), "--d", "16", "--seq", "128",
+           "--seq", "256", "--seq", "512", "--kernel", "stages", "--kernel", "flash",
+           "--csv", str(out / "sweep.csv"), "--json", str(out / "sweep.json")]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=REPO)
+    assert proc.returncode == 130, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].endswith("interrupted after 2 of 12 rows; nothing written")
+    assert sorted(p.name for p in out.iterdir()) == ["sweep.csv"]
+    assert (out / "sweep.csv").read_text() == "an earlier sweep\n"
+    assert "512" not in " ".join(runs(tmp_path))
+
+
+def test_plot_has_a_panel_per_d_and_masking(tmp_path):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "sweep.png"
+    res = invoke(fake_main(tmp_path, oom_from=512), *GRID, "--plot", str(png))
+    assert res.exit_code == 0, res.output
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("sweep")) == ["sweep.png"]
+
+
+def test_default_grid_is_the_assignment_one():
+    shapes = vs.grid(vs.SWEEP_D, vs.SWEEP_SEQ, vs.MASKINGS["both"], vs.SWEEP_BATCH, vs.SWEEP_HEADS)
+    assert vs.SWEEP_SEQ == (128, 256, 512, 1024, 2048, 4096, 8192, 16384) and vs.SWEEP_D == (16, 32, 64, 128)
+    assert len(shapes) == 64 and {(s.batch, s.heads) for s in shapes} == {(8, 1)}
+    assert all(s.seq_q == s.seq_k for s in shapes)
+
+
+@pytest.mark.gpu
+def test_gpu_tiny_grid_against_the_real_binary(binary, tmp_path, monkeypatch):
+    """Real timings and nvidia-smi's sampling: every row ok with a time, a rate and a peak."""
+    monkeypatch.undo()  # the real PATH (nvidia-smi) and torch
+    out_csv = tmp_path / "s.csv"
+    res = CliRunner().invoke(vs.sweep, ["--binary", str(binary), "--d", "16", "--d", "64", "--seq", "128",
+                                        "--seq", "1024", "--batch", "2", "--reps", "3", "--csv", str(out_csv)])
+    assert res.exit_code == 0, res.output
+    rows = read_csv(out_csv)
+    assert {r["kernel"] for r in rows} >= {vs.STAGE_PATH, FLASH_DISPATCHER}
+    for r in rows:
+        assert r["status"] == "ok" and float(r["ms"]) > 0 and float(r["tflops"]) > 0, r
+        assert float(r["peak_mib"]) > 0, r
