@@ -22,7 +22,7 @@ STAGE_MS = sum(k["ms"] for k in TEMPLATE["kernels"] if k["kind"] != "attention")
 FLASH_MS = next(k["ms"] for k in TEMPLATE["kernels"] if k["name"] == FLASH_DISPATCHER)
 
 # A stand-in for `main --bench`: the real JSON format (one run of docs/bench_h100.json, its shape
-# fields set from the options), --only stages or flash, exit 3 from CONFIG's oom_from on, exit 2
+# fields set from the options), --only stages or flash, CUDA's out of memory from CONFIG's oom_from on, exit 2
 # when it has no GPU; it logs each run, and can stand still (for a fake nvidia-smi to see it) or
 # interrupt its parent.
 FAKE_MAIN = r'''#!{python}
@@ -45,8 +45,10 @@ if seq == CONFIG.get("interrupt_at"):
     os.kill(os.getppid(), signal.SIGINT)
     time.sleep(30)
 if seq >= CONFIG.get("oom_from", 1 << 40):
-    print("main: error: --bench: not enough device memory for a buffer of 9000 MiB", file=sys.stderr)
-    sys.exit(3)
+    # as the binary says it (cuda_src/cuda/cuda_check.cuh): exit 1, CUDA's error name and string
+    print("main: error: bench.cu:319: cudaMalloc(&p, bytes) failed: cudaErrorMemoryAllocation: out of memory",
+          file=sys.stderr)
+    sys.exit(1)
 data["shape"].update(batch=int(opt("--batch")), heads=int(opt("--heads")), seq_q=seq,
                      seq_k=int(opt("--seq-k")), d=int(opt("--d")), causal="--causal" in args)
 data["precision"] = opt("--precision")

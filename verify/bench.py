@@ -88,12 +88,22 @@ def binary_args(shape: Shape, precision: str, warmup: int, reps: int, json_path:
 
 
 class BenchOutOfMemory(BenchError):
-    """The binary ran out of device memory on this shape (exit 3)."""
+    """The binary ran out of device memory on this shape."""
 
 
 # The binary's exit statuses that say something about the run as a whole: 2 no CUDA build or
 # GPU (or bad options), 3 not enough memory.
 _EXIT_ERRORS = {2: BenchUnusable, 3: BenchOutOfMemory}
+# How a CUDA allocation that failed reads in the binary's one-line error (exit 1: CUDA's own
+# error name and string, cuda_src/cuda/cuda_check.cuh).
+_OUT_OF_MEMORY_WORDS = ("cudaErrorMemoryAllocation", "out of memory")
+
+
+def _bench_error(returncode: int, output: str):
+    """The BenchError class for a failed `main --bench`."""
+    if returncode == 1 and any(w in output for w in _OUT_OF_MEMORY_WORDS):
+        return BenchOutOfMemory
+    return _EXIT_ERRORS.get(returncode, BenchError)
 
 
 def _run_watched(cmd: List[str], timeout: float, monitor) -> Tuple[int, str]:
@@ -127,7 +137,7 @@ def run_binary_bench(binary: Path, shape: Shape, precision: str, warmup: int, re
             raise BenchError(f"{shape.id} {precision}: the binary did not finish in {timeout:.0f} s")
         if not json_path.exists():
             lines = [ln for ln in output.splitlines() if ln.strip()]
-            error = _EXIT_ERRORS.get(returncode, BenchError)
+            error = _bench_error(returncode, output)
             raise error(f"{shape.id} {precision}: main --bench exited {returncode}: "
                         + (lines[0] if lines else "no output"))
         data = json.loads(json_path.read_text())

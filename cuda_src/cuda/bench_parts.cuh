@@ -44,21 +44,12 @@ Dims bench_dims(const Options& o);
 // ---------------------------------------------------------------------------------------------
 // Device buffers, inputs, timing
 
-// A cudaMalloc'd array freed on scope exit (errors while unwinding are ignored on purpose). Not
-// enough device memory is exit 3, so that callers (attnstep sweep) tell it from a CUDA failure.
+// A cudaMalloc'd array freed on scope exit (errors while unwinding are ignored on purpose).
 struct DeviceBuffer {
     float* p = nullptr;
     size_t n = 0;
     explicit DeviceBuffer(size_t count) : n(count) {
-        const size_t bytes = std::max<size_t>(count, 1) * sizeof(float);
-        const cudaError_t err = cudaMalloc(reinterpret_cast<void**>(&p), bytes);
-        if (err == cudaErrorMemoryAllocation) {
-            (void)cudaGetLastError();  // not sticky: clear it so that later calls do not report it
-            fail(kExitNoMemory, "--bench: not enough device memory for a buffer of " +
-                                    std::to_string(bytes >> 20) + " MiB",
-                 "time a smaller shape (fewer heads, or a smaller batch, N or M)");
-        }
-        CUDA_CHECK(err);
+        CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&p), std::max<size_t>(count, 1) * sizeof(float)));
     }
     ~DeviceBuffer() { cudaFree(p); }
     DeviceBuffer(const DeviceBuffer&) = delete;
