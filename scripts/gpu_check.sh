@@ -10,7 +10,7 @@
 #   GPU_TESTS="tests/test_examples.py ..." limits gputests to those files.
 #   ATTNSTEP_BINARY=build-gpu/main scripts/gpu_check.sh tests sanitize large   (a prebuilt binary)
 #   BENCH_ARGS="--shape 4,16,4096,4096,64" scripts/gpu_check.sh bench          (other shapes)
-#   sweep: the d × N table (attnstep sweep, about 5 minutes), CSV/JSON/PNG into $OUT; SWEEP_ARGS="--d 64"
+#   sweep: the d × N table (attnstep sweep), CSV/JSON/PNG into $OUT; SWEEP_ARGS="--d 64"
 #   narrows it.
 #
 # Logs go to $OUT (or ./gpu_check_out); the last lines printed are a summary table.

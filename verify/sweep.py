@@ -37,8 +37,6 @@ SWEEP_BATCH, SWEEP_HEADS = 8, 1
 # Forward work (FLOP) above which a shape is timed with a quarter of the repetitions: the
 # largest shapes of the default grid (N = 16384 from d = 32 on, N = 8192 at d = 128).
 SWEEP_LARGE_FLOP = 2.5e11
-# What the default grid takes on an H100, said in the help (the progress bar shows the ETA).
-DEFAULT_GRID_MINUTES = 5
 MASKINGS = {"both": (False, True), "yes": (True,), "no": (False,)}
 FORWARD, BACKWARD = "forward", "backward"
 STAGE_PATH = "stages"
@@ -269,8 +267,8 @@ is what torch allocated (inputs included). A shape that does not fit in device m
 row. There are no backward rows: the CUDA backend has no backward pass.
 
 The default grid (B={SWEEP_BATCH}, H={SWEEP_HEADS}, d in {', '.join(map(str, SWEEP_D))}, N from {SWEEP_SEQ[0]} to
-{SWEEP_SEQ[-1]}, causal and not: {GRID_SHAPES} shapes, {len(KERNELS)} rows each) takes
-about {DEFAULT_GRID_MINUTES} minutes on an H100; on a terminal a progress bar shows the rows done and the ETA.
+{SWEEP_SEQ[-1]}, causal and not: {GRID_SHAPES} shapes, {len(KERNELS)} rows each) times the largest shapes with fewer
+repetitions to stay short; on a terminal a progress bar shows the rows done and the ETA.
 The files are written once every row is done (none on Ctrl-C). Exit status 1 when a run failed
 or a flash result failed its float64 check.
 """
