@@ -12,7 +12,7 @@ import numpy as np
 
 from .diagnose_base import LOG2_E, Diagnosis, explains
 from .model.attention import causal_mask, softmax_rows
-from .specs.backward import (_FLASH_SOURCES, DP, DS, DSTAT, FLASH_DK, FLASH_DQ, FLASH_GRADS, FLASH_LSE,
+from .specs.backward import (FLASH_SOURCES, DP, DS, DSTAT, FLASH_DK, FLASH_DQ, FLASH_GRADS, FLASH_LSE,
                              GRAD_INDEX, GRAD_OUT, KEYS, PARTNERS, QUERIES, VALUES, WEIGHTS, d_reference, ds_reference,
                              flash_backward)
 
@@ -29,7 +29,7 @@ def _own(ctx) -> Optional[Own]:
 
 def _flash_src(own: Own) -> Dict[str, np.ndarray]:
     """What the flash backward computes from: the inputs and the program's saved output and lse."""
-    return {n: own(n) for n in _FLASH_SOURCES}
+    return {n: own(n) for n in FLASH_SOURCES}
 
 
 def _masked(own: Own, causal: bool) -> np.ndarray:

@@ -34,8 +34,8 @@ DS, KEYS = STAGES["dQ"].inputs                           # dS, K
 _, QUERIES = STAGES["dK"].inputs                         # Q
 FLASH_GRADS = tuple(s for s in STAGES if STAGES[s].flash and STAGES[s].backward)
 FLASH_DQ, FLASH_DK, FLASH_DV = FLASH_GRADS
-_FLASH_SOURCES = STAGES[FLASH_DQ].inputs                 # Q, K, V, dO, flash_output, flash_lse
-FLASH_OUT, FLASH_LSE = _FLASH_SOURCES[-2:]
+FLASH_SOURCES = STAGES[FLASH_DQ].inputs                 # Q, K, V, dO, flash_output, flash_lse
+FLASH_OUT, FLASH_LSE = FLASH_SOURCES[-2:]
 
 
 def _stage_path_gradient(flash: str) -> str:
@@ -70,7 +70,7 @@ def ds_reference(P, dP, D):
 def flash_backward(src, scale: float, masked: np.ndarray, D=None, lse=None):
     """(dQ, dK, dV, P, dP, D, dS) of the FlashAttention backward from its sources, under `masked`
     (D and lse may be replaced: the diagnoses build buggy variants)."""
-    Q, K, V, dO = (np.asarray(src[n], np.float64) for n in _FLASH_SOURCES[:4])
+    Q, K, V, dO = (np.asarray(src[n], np.float64) for n in FLASH_SOURCES[:4])
     lse = np.asarray(src[FLASH_LSE], np.float64) if lse is None else lse
     S = np.where(masked, -np.inf, (Q @ K.T) * scale)
     P = np.exp(S - lse)
@@ -177,7 +177,7 @@ def _flash_own(src, scale, causal, u, kernel, cache):
     """The flash backward's errors from its own saved flash_output and flash_lse: the recomputed
     logits (their dot product, their roundings, exp), the lse's one rounding where a kernel folds
     log2(e) into it (shared along the row), D's and dP's roundings, the gradient GEMMs."""
-    Q, K, V, dO, O, lse = need(src, FLASH_DQ, *_FLASH_SOURCES)
+    Q, K, V, dO, O, lse = need(src, FLASH_DQ, *FLASH_SOURCES)
 
     def compute():
         masked = _mask_of(Q.shape[0], K.shape[0], causal)
@@ -303,7 +303,7 @@ def _flash_chained(index: int):
 
 def _flash_floor(src):
     """Flushed products: none unless the data's products come near float32's normal range."""
-    Q, K, V, dO = (finite_abs(src[n]) for n in _FLASH_SOURCES[:4])
+    Q, K, V, dO = (finite_abs(src[n]) for n in FLASH_SOURCES[:4])
     tiny = float(np.max(flush_sum(dO, V.T), initial=0.0))
     if not tiny:
         return 2 * FLUSH
