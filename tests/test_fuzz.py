@@ -164,6 +164,18 @@ def test_a_garbled_npy_header_is_a_one_line_error_of_both(binary, tmp_path_facto
     assert _assert_readers_agree(binary, folder, path.name)
 
 
+@pytest.mark.parametrize("comment", [b"#", b"# x"])
+def test_a_comment_in_an_npy_header_is_refused_by_both(binary, tmp_path_factory, comment):
+    """numpy reads the header dict as Python source, where '#' starts a comment; the contract's
+    header (and the binary) has none: a damaged file, refused by both."""
+    folder = _backward_case(tmp_path_factory, "npy")
+    path = _grad_file(folder, 0)
+    data = path.read_bytes()
+    end = data.index(b"\n", 10)  # the header's padding spaces end at its newline
+    path.write_bytes(data[:end - len(comment)] + comment + data[end:])
+    assert _assert_readers_agree(binary, folder, path.name)
+
+
 # The shapes of TOML values where a hand-written reader drifts from tomllib: leading zeros, points
 # without digits, underscores, prefixed integers, 64-bit overflow, special floats, string escapes.
 _INT_PARTS = ["0", "5", "05", "00", "+5", "-5", "1_0", "1__0", "_1", "1_", "9223372036854775807",

@@ -234,16 +234,27 @@ def _reject_nonfinite(mat: np.ndarray, name: str, linenos: Optional[List[int]] =
 _NPY_MAGIC = b"\x93NUMPY"
 
 
+def _npy_header_span(data: bytes) -> Tuple[int, int]:
+    """Where the header dict of a .npy file (its magic checked) starts and ends: after the
+    version-dependent length field, for the length it gives (cut at the file's end)."""
+    if len(data) < 12:
+        return len(data), len(data)
+    start, size = (10, int.from_bytes(data[8:10], "little")) if data[6] == 1 else (12, int.from_bytes(data[8:12], "little"))
+    return start, min(len(data), start + size)
+
+
 def _npy_header(data: bytes) -> dict:
     """The header dict as written (call after np.load has read it, so it is a valid one)."""
-    start, size = (10, int.from_bytes(data[8:10], "little")) if data[6] == 1 else (12, int.from_bytes(data[8:12], "little"))
-    return ast.literal_eval(data[start:start + size].decode("latin1"))
+    start, end = _npy_header_span(data)
+    return ast.literal_eval(data[start:end].decode("latin1"))
 
 
 def parse_npy_matrix(data: bytes, name: str, shape: Optional[Tuple[int, int]] = None,
                      allow_nonfinite: bool = True) -> np.ndarray:
     if not data.startswith(_NPY_MAGIC):  # np.load would open a zip archive as an NpzFile
         raise CaseError(f"{name}: not a .npy file (bad magic)")
+    if b"#" in data[slice(*_npy_header_span(data))]:  # Python source to numpy, a comment: not the format's
+        raise CaseError(f"{name}: not a valid .npy file (a '#' in its header)")
     buf = io.BytesIO(data)
     try:
         arr = np.load(buf, allow_pickle=False)
