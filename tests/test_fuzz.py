@@ -21,9 +21,10 @@ from verify.runner import run_binary  # noqa: E402
 from verify.stages import FORMATS, GRAD_INPUT, STAGES, Dims, stage_file  # noqa: E402
 
 DIMS = Dims(batch=1, heads=2, seq_q=5, seq_k=7, d_k=16, d_v=16)
-# CI runs 60 examples per test; ATTNSTEP_FUZZ_EXAMPLES=400 makes a longer local sweep.
+# CI runs the same 60 examples per test every time (a submission's verdict does not depend on
+# luck); ATTNSTEP_FUZZ_EXAMPLES=400 makes a longer local sweep over new random examples.
 FUZZ_EXAMPLES = int(os.environ.get("ATTNSTEP_FUZZ_EXAMPLES", "60"))
-FUZZ = settings(max_examples=FUZZ_EXAMPLES, deadline=None,
+FUZZ = settings(max_examples=FUZZ_EXAMPLES, deadline=None, derandomize="ATTNSTEP_FUZZ_EXAMPLES" not in os.environ,
                 suppress_health_check=[HealthCheck.function_scoped_fixture])
 TOKENS = [b"nan", b"inf", b"-inf", b"1e999", b"0x1p3", b"abc", b"1,5", b"--1", b"1e", b"", b" ", b"\t",
           b"\n", b"\x00", b"\xff", b"#", b"1.0.0", b"+-2", b"1_0", b"\r\n", b"9" * 400]
