@@ -53,11 +53,9 @@ def _width(ctx, stage: str, width: float) -> float:
 
 
 def _downstream(stage: str, own: Own, scale: float, causal: bool, D=None, dS=None) -> Optional[np.ndarray]:
-    """The stage recomputed with D or dS replaced (the stage path from the program's own P, dP, K,
-    Q; the flash gradients from its saved output and lse)."""
+    """The stage recomputed with D (or, on the stage path, dS) replaced: the stage path from the
+    program's own P, dP, K, Q; the flash gradients from its saved output and lse."""
     if stage in FLASH_GRADS:
-        if dS is not None:
-            return None  # the flash variants of dS are built by _flash_missing_p
         return flash_backward(_flash_src(own), scale, _masked(own, causal), D=D)[GRAD_INDEX[stage]]
     if stage == DSTAT:
         return D
@@ -89,102 +87,112 @@ def _wrong_os(own: Own, scale: float, causal: bool) -> Iterable[Tuple[str, np.nd
         yield "V instead of O", V
 
 
-def d_wrong_o(stage, got, want, ctx, width) -> List[Diagnosis]:
+def _problem(ctx) -> Optional[Tuple[Own, float, bool]]:
+    """(own, scale, causal) of the head being diagnosed, or None without its context."""
     own = _own(ctx)
     if own is None:
-        return []
-    scale, causal = float(ctx.get("scale", 1.0)), bool(ctx.get("causal", False))
-    w = _width(ctx, stage, width)
-    dO = own(GRAD_OUT)
-    for how, O in _wrong_os(own, scale, causal):
-        if O.shape != dO.shape:
-            continue
-        cand = _downstream(stage, own, scale, causal, D=d_reference(dO, O))
-        diff = None if cand is None else explains(got, cand, want, w)
+        return None
+    return own, float(ctx.get("scale", 1.0)), bool(ctx.get("causal", False))
+
+
+def _first_match(got, want, width: float, cands: Iterable[Tuple[str, Optional[np.ndarray]]]):
+    """(how, max diff) of the first candidate that explains got (see explains), or None."""
+    for how, cand in cands:
+        diff = None if cand is None else explains(got, cand, want, width)
         if diff is not None:
-            return [Diagnosis("D_wrong_O", f"{stage}: D = rowsum(dO∘O) was computed from the wrong tensor: "
-                              f"{how} (max diff {diff:.2g})", {"how": how, "max_diff": diff}, 0.95)]
-    return []
+            return how, diff
+    return None
 
 
-def _flash_missing_p(stage, own: Own, scale, causal):
-    """flash_dQ or flash_dK with dS = dP − D, masked entries zeroed or not."""
+def d_wrong_o(stage, got, want, ctx, width) -> List[Diagnosis]:
+    problem = _problem(ctx)
+    if problem is None:
+        return []
+    own, scale, causal = problem
+    dO = own(GRAD_OUT)
+    cands = ((how, _downstream(stage, own, scale, causal, D=d_reference(dO, O)))
+             for how, O in _wrong_os(own, scale, causal) if O.shape == dO.shape)
+    hit = _first_match(got, want, _width(ctx, stage, width), cands)
+    if hit is None:
+        return []
+    how, diff = hit
+    return [Diagnosis("D_wrong_O", f"{stage}: D = rowsum(dO∘O) was computed from the wrong tensor: "
+                      f"{how} (max diff {diff:.2g})", {"how": how, "max_diff": diff}, 0.95)]
+
+
+def _missing_p_candidates(stage, own: Own, scale, causal):
+    """The stage with dS = dP − D, masked entries zeroed or not (the flash gradients from the
+    program's saved output and lse, the stage path from its dP and D)."""
     masked = _masked(own, causal)
-    _, _, _, P, dP, D, _ = flash_backward(_flash_src(own), scale, masked)
-    K, Q = own(KEYS), own(QUERIES)
-    for dS in (np.where(masked, 0.0, dP - D), dP - D):
-        yield scale * dS @ K if stage == FLASH_DQ else scale * dS.T @ Q
+    if stage in FLASH_GRADS:
+        _, _, _, _, dP, D, _ = flash_backward(_flash_src(own), scale, masked)
+        K, Q = own(KEYS), own(QUERIES)
+        for dS in (np.where(masked, 0.0, dP - D), dP - D):
+            yield "", scale * dS @ K if stage == FLASH_DQ else scale * dS.T @ Q
+        return
+    raw = own(DP) - own(DSTAT)
+    for dS in (np.where(masked, 0.0, raw), raw):
+        yield "", _downstream(stage, own, scale, causal, dS=dS)
 
 
 def ds_missing_p(stage, got, want, ctx, width) -> List[Diagnosis]:
-    own = _own(ctx)
-    if own is None:
+    problem = _problem(ctx)
+    if problem is None:
         return []
-    scale, causal = float(ctx.get("scale", 1.0)), bool(ctx.get("causal", False))
-    w = _width(ctx, stage, width)
-    if stage in FLASH_GRADS:
-        cands = list(_flash_missing_p(stage, own, scale, causal))
-    else:
-        raw = own(DP) - own(DSTAT)
-        cands = [_downstream(stage, own, scale, causal, dS=np.where(_masked(own, causal), 0.0, raw)),
-                 _downstream(stage, own, scale, causal, dS=raw)]
-    for cand in cands:
-        diff = None if cand is None else explains(got, cand, want, w)
-        if diff is not None:
-            return [Diagnosis("dS_missing_P", f"{stage}: dS lacks its P factor: dS = dP − D instead of "
-                              f"P∘(dP − D) (max diff {diff:.2g})", {"max_diff": diff}, 0.95)]
-    return []
+    hit = _first_match(got, want, _width(ctx, stage, width), _missing_p_candidates(stage, *problem))
+    if hit is None:
+        return []
+    return [Diagnosis("dS_missing_P", f"{stage}: dS lacks its P factor: dS = dP − D instead of P∘(dP − D) "
+                      f"(max diff {hit[1]:.2g})", {"max_diff": hit[1]}, 0.95)]
 
 
 def grad_unscaled(stage, got, want, ctx, width) -> List[Diagnosis]:
     scale = float(ctx.get("scale", 1.0))
     if scale in (0.0, 1.0) or not np.isfinite(scale):
         return []
-    for how, cand in (("the scale is missing: got ≈ want/scale", want / scale),
-                      ("the scale is applied twice: got ≈ want·scale", want * scale)):
-        diff = explains(got, cand, want, width * max(1.0, 1.0 / abs(scale)))
-        if diff is not None:
-            return [Diagnosis("grad_unscaled", f"{stage}: {how} (scale {scale:.6g}; dQ = scale·dS·K and "
-                              f"dK = scale·dSᵀ·Q) (max diff {diff:.2g})",
-                              {"how": how, "scale": scale, "max_diff": diff}, 0.95)]
-    return []
+    hit = _first_match(got, want, width * max(1.0, 1.0 / abs(scale)),
+                       (("the scale is missing: got ≈ want/scale", want / scale),
+                        ("the scale is applied twice: got ≈ want·scale", want * scale)))
+    if hit is None:
+        return []
+    how, diff = hit
+    return [Diagnosis("grad_unscaled", f"{stage}: {how} (scale {scale:.6g}; dQ = scale·dS·K and "
+                      f"dK = scale·dSᵀ·Q) (max diff {diff:.2g})",
+                      {"how": how, "scale": scale, "max_diff": diff}, 0.95)]
 
 
 def dv_untransposed_p(stage, got, want, ctx, width) -> List[Diagnosis]:
-    own = _own(ctx)
-    if own is None:
+    problem = _problem(ctx)
+    if problem is None:
         return []
-    scale, causal = float(ctx.get("scale", 1.0)), bool(ctx.get("causal", False))
-    if stage in FLASH_GRADS:
-        P = flash_backward(_flash_src(own), scale, _masked(own, causal))[3]
-    else:
-        P = own(WEIGHTS)
+    own, scale, causal = problem
+    P = flash_backward(_flash_src(own), scale, _masked(own, causal))[3] if stage in FLASH_GRADS else own(WEIGHTS)
     dO = own(GRAD_OUT)
     if P.shape[1] != dO.shape[0]:
         return []  # P·dO needs N = M
-    diff = explains(got, P @ dO, want, _width(ctx, stage, width))
-    if diff is None:
+    hit = _first_match(got, want, _width(ctx, stage, width), (("", P @ dO),))
+    if hit is None:
         return []
-    return [Diagnosis("dV_untransposed_P", f"{stage}: dV = P·dO instead of Pᵀ·dO (max diff {diff:.2g})",
-                      {"max_diff": diff}, 0.96)]
+    return [Diagnosis("dV_untransposed_P", f"{stage}: dV = P·dO instead of Pᵀ·dO (max diff {hit[1]:.2g})",
+                      {"max_diff": hit[1]}, 0.96)]
 
 
 def flash_lse_base(stage, got, want, ctx, width) -> List[Diagnosis]:
     """The flash backward feeds the natural-log lse into exp2 (or a base-2 one into exp)."""
-    own = _own(ctx)
-    if own is None:
+    problem = _problem(ctx)
+    if problem is None:
         return []
-    scale, causal = float(ctx.get("scale", 1.0)), bool(ctx.get("causal", False))
+    own, scale, causal = problem
     src = _flash_src(own)
-    lse = src[FLASH_LSE]
-    for how, factor in (("the natural-log lse is used as a base-2 one (exp2 without ·log2(e))", np.log(2.0)),
-                        ("a base-2 lse is used as a natural one", LOG2_E)):
-        cand = flash_backward(src, scale, _masked(own, causal), lse=lse * factor)[GRAD_INDEX[stage]]
-        diff = explains(got, cand, want, _width(ctx, stage, width))
-        if diff is not None:
-            return [Diagnosis("lse_log2", f"{stage}: P = exp(S − lse) with lse in the wrong base: {how} "
-                              f"(max diff {diff:.2g})", {"how": how, "max_diff": diff}, 0.93)]
-    return []
+    cands = ((how, flash_backward(src, scale, _masked(own, causal), lse=src[FLASH_LSE] * factor)[GRAD_INDEX[stage]])
+             for how, factor in (("the natural-log lse is used as a base-2 one (exp2 without ·log2(e))", np.log(2.0)),
+                                 ("a base-2 lse is used as a natural one", LOG2_E)))
+    hit = _first_match(got, want, _width(ctx, stage, width), cands)
+    if hit is None:
+        return []
+    how, diff = hit
+    return [Diagnosis("lse_log2", f"{stage}: P = exp(S − lse) with lse in the wrong base: {how} "
+                      f"(max diff {diff:.2g})", {"how": how, "max_diff": diff}, 0.93)]
 
 
 HYPOTHESES: Dict[str, Callable] = {"D_wrong_O": d_wrong_o, "dS_missing_P": ds_missing_p,
