@@ -367,17 +367,12 @@ def _grads(p, ds, q, k, do, scale, route: BackwardRoute, bug: Optional[str]):
     return dq, dk, mm(pt, do)
 
 
-def _wrong_o(o, do):
-    """D's O from the wrong tensor: dO itself (a copy-paste of the operand)."""
-    return do
-
-
 def backward_stage_path(head: Dict[str, np.ndarray], do, scale: float, causal: bool,
                         route: BackwardRoute = BackwardRoute(), bug: Optional[str] = None) -> Dict[str, np.ndarray]:
     """D, dP, dS, dQ, dK, dV in float32 from the head's own P (attention_weights) and output."""
     p, o, v, q, k = (head[n] for n in ("attention_weights", "output", "V", "Q", "K"))
     do = np.ascontiguousarray(do, dtype=f32)
-    o_used = _wrong_o(o, do) if bug == "D_wrong_O" else o
+    o_used = do if bug == "D_wrong_O" else o  # the bug: D from dO itself
     d = (do * o_used).sum(axis=1, keepdims=True, dtype=f32)
     dp = MATMULS[route.gemm](do, np.ascontiguousarray(v.T))
     ds = dp - d if bug == "dS_missing_P" else _ds(p, dp, d, route.ds)
@@ -396,7 +391,7 @@ def flash_backward(q, k, v, do, o, lse, scale: float, causal: bool, route: Backw
     use_exp2, block = parse_flash_route(route.flash)
     n, m = q.shape[0], k.shape[0]
     s_used = f32(1.0 if bug == "grad_unscaled" else scale)
-    o_used = _wrong_o(o, do) if bug == "D_wrong_O" else o
+    o_used = do if bug == "D_wrong_O" else o  # the bug: D from dO itself
     d = (do * o_used).sum(axis=1, keepdims=True, dtype=f32)
     dq = np.zeros(q.shape, f32)
     dk = np.zeros(k.shape, f32)

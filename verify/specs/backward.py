@@ -19,8 +19,8 @@ from ..model.backward import (d_var, ds_round_var, ds_var_parts, flash_rows, gra
 from ..model.chain import chained_eta, chained_logits
 from ..model.dot import dot_var, flush_sum, mma_truncation_det, pv_var, qk_var, rowdot_var
 from ..model.flash import flash_output_var_det, flash_parts
-from ..model.kernels import FLASH_LOGIT_ROUNDINGS
-from ..model.rounding import FLUSH, LAMBDA, ROUND_VAR, finish, finite_abs, memo
+from ..model.kernels import FLASH_LOGIT_ROUNDINGS, kernel_for
+from ..model.rounding import FLUSH, LAMBDA, ROUND_VAR, finish, finite_abs, memo, unit_roundoff
 from ..model.softmax import exponent_var, need, rowsum_rel_var, weights_var
 from ..stages import STAGES
 from .base import (COLUMN_SUM, FLASH_VS_STAGES, MASK_MISSING, ROW_SUM, HeadContext, StageSpec, Violation,
@@ -366,27 +366,36 @@ def _flash_quantization(index: int):
 
 # ---- invariants ---------------------------------------------------------------------------------
 
+def _chain_model(ctx: HeadContext):
+    """(u, kernel, (Q, K, V, dO) from the chain) for the invariants' bounds; None without dO."""
+    if not all(n in ctx.chain for n in (QUERIES, KEYS, VALUES, GRAD_OUT)):
+        return None
+    inputs = tuple(np.asarray(ctx.chain[n], np.float64) for n in (QUERIES, KEYS, VALUES, GRAD_OUT))
+    return unit_roundoff(ctx.precision), kernel_for(ctx.backend, ctx.math, ctx.flash_kernel), inputs
+
+
+def _row_sum_sd(indep, rows) -> np.ndarray:
+    """Standard deviation of each dS row sum's error (N×1): its entries' independent errors, and
+    D's (the shared part Σ_j −dS_j(η̄ + ε) vanishes with Σ_j dS_j; Σ_j P_j·δD = δD)."""
+    return np.sqrt((indep * indep).sum(axis=1, keepdims=True)) + np.sqrt(rows.D)
+
+
 def _ds_checks(stage: str, got: np.ndarray, ctx: HeadContext) -> List[Violation]:
     masked = _mask_of(*got.shape, ctx.causal)
     out = [violation(MASK_MISSING, stage, masked & (got != 0) & ~np.isnan(got),
                      "above the diagonal are not 0 although causal masking is on")]
     finite = np.isfinite(got).all(axis=1)
-    if finite.any() and all(n in ctx.chain for n in (QUERIES, KEYS, VALUES, GRAD_OUT)):
-        out.append(_ds_row_sums(stage, got, finite, ctx))
+    model = _chain_model(ctx)
+    if finite.any() and model is not None:
+        out.append(_ds_row_sums(stage, got, finite, ctx, model))
     return [v for v in out if v]
 
 
-def _ds_row_sums(stage, got, finite, ctx):
-    """Σ_j dS_j = Σ_j P_j·dP_j − D·Σ_j P_j = 0: what remains is each entry's own error (independent
-    along the row) and D's (the shared part: Σ_j −dS_j(η̄ + ε) vanishes with Σ_j dS_j)."""
-    from ..model.rounding import unit_roundoff
-    from ..model.kernels import kernel_for
-    u = unit_roundoff(ctx.precision)
-    kernel = kernel_for(ctx.backend, ctx.math, ctx.flash_kernel)
-    Q, K, V, dO = (np.asarray(ctx.chain[n], np.float64) for n in (QUERIES, KEYS, VALUES, GRAD_OUT))
-    p, dP, D, dS, rows, indep, shared, *_ = _stage_chain(Q, K, V, dO, ctx.scale, ctx.causal, u, kernel, ctx.cache)
-    sd = np.sqrt((indep * indep).sum(axis=1)) + np.sqrt(rows.D[:, 0])
-    allowed = LAMBDA * sd + 6 * FLUSH * got.shape[1]
+def _ds_row_sums(stage, got, finite, ctx, model):
+    """Σ_j dS_j = Σ_j P_j·dP_j − D·Σ_j P_j = 0, within each row sum's error (_row_sum_sd)."""
+    u, kernel, (Q, K, V, dO) = model
+    _, _, _, _, rows, indep, *_ = _stage_chain(Q, K, V, dO, ctx.scale, ctx.causal, u, kernel, ctx.cache)
+    allowed = LAMBDA * _row_sum_sd(indep, rows)[:, 0] + 6 * FLUSH * got.shape[1]
     q = ctx.quanta.get(stage)
     if q is not None:
         allowed = allowed + np.broadcast_to(q, got.shape).sum(axis=1)
@@ -403,13 +412,10 @@ def _dk_column_sums(stage: str, got: np.ndarray, ctx: HeadContext) -> List[Viola
     """Σ_j dK_j = scale·Σ_i Q_i·Σ_j dS_ij = 0 (every dS row sums to 0). Its error: each dS row sum's
     (independent across rows: see _ds_row_sums), the GEMM's roundings and the final scaling's,
     and the one-signed parts summed."""
-    if not np.isfinite(got).all() or not all(n in ctx.chain for n in (QUERIES, KEYS, VALUES, GRAD_OUT)):
+    model = _chain_model(ctx)
+    if not np.isfinite(got).all() or model is None:
         return []
-    from ..model.kernels import kernel_for
-    from ..model.rounding import unit_roundoff
-    u = unit_roundoff(ctx.precision)
-    kernel = kernel_for(ctx.backend, ctx.math, ctx.flash_kernel)
-    Q, K, V, dO = (np.asarray(ctx.chain[n], np.float64) for n in (QUERIES, KEYS, VALUES, GRAD_OUT))
+    u, kernel, (Q, K, V, dO) = model
     det = 0.0
     if STAGES[stage].flash:
         _, bounds, dS, _, indep, rows = _flash_chain(Q, K, V, dO, ctx.scale, ctx.causal, u, kernel, ctx.cache)
@@ -417,7 +423,7 @@ def _dk_column_sums(stage: str, got: np.ndarray, ctx: HeadContext) -> List[Viola
     else:
         _, _, _, dS, rows, indep, *_ = _stage_chain(Q, K, V, dO, ctx.scale, ctx.causal, u, kernel, ctx.cache)
         pv = 2 * ROUND_VAR
-    row_sd = np.sqrt((indep * indep).sum(axis=1, keepdims=True)) + np.sqrt(rows.D)
+    row_sd = _row_sum_sd(indep, rows)
     dK = ctx.scale * dS.T @ Q
     var = (ctx.scale ** 2 * (row_sd * row_sd * Q * Q).sum(axis=0)
            + ctx.scale ** 2 * transposed_gemm_var(dS, Q, u, ctx.cache, "dS Q var", pv).sum(axis=0)
