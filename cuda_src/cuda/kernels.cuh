@@ -23,6 +23,15 @@ void launch_scale_mask(const float* in, float* out, int heads, int N, int M, flo
 // a row that is -inf throughout gives 0 throughout. Correct for any M.
 void launch_softmax_rows(const float* in, float* out, long long rows, int M, cudaStream_t stream);
 
+// The backward's row-wise and element-wise stages (backward_kernels.cu).
+// out[r] = Σ_c a[r][c]·b[r][c] for each of `rows` rows of width `cols` (the D stage: dO·O per row).
+void launch_row_dot(const float* a, const float* b, float* out, long long rows, int cols, cudaStream_t stream);
+
+// dS = P∘(dP − D) per element, exactly +0 where causal-masked (column c > row r within each N×M
+// head): the dS stage. D holds one value per row ([heads][N]).
+void launch_ds(const float* P, const float* dP, const float* D, float* dS, int heads, int N, int M, bool causal,
+               cudaStream_t stream);
+
 // Fills n floats with NaN (all bytes 0xFF) so that elements a stage fails to write show.
 void poison_fill(float* p, size_t n, cudaStream_t stream);
 

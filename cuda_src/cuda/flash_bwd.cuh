@@ -1,0 +1,44 @@
+// flash_bwd.cuh — the FlashAttention backward as the CUDA backend and bench call it (flash_bwd.cu).
+// All pointers are device memory; `heads` matrices lie back to back, row-major:
+//   Q, dQ [heads][N][d]; K, V, dK, dV [heads][M][d]; O, dO [heads][N][d]; lse [heads][N]
+// (O and lse are the flash forward's outputs). dQ = scale·dS·K, dK = scale·dSᵀ·Q, dV = Pᵀ·dO with
+// P = exp(scale·Q·Kᵀ − lse) recomputed tile by tile and dS = P∘(dO·Vᵀ − rowsum(dO∘O)).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+
+#include "../backend.h"
+
+namespace attnstep {
+
+struct FlashBwdArgs {
+    const float* Q;
+    const float* K;
+    const float* V;
+    const float* O;
+    const float* lse;
+    const float* dO;
+    float* dQ;
+    float* dK;
+    float* dV;
+    int heads, N, M, d;
+    float scale;
+    bool causal;
+    Precision precision;
+};
+
+// The backward's tiles and kernel name ("cuda-bwd-3xtf32", "cuda-bwd-tf32"): Br is the query
+// rows per tile, Bc the keys. Requires flash_supported() and a GPU of compute capability 8.0+.
+FlashPlan flash_backward_plan(const FlashBwdArgs& a);
+
+// Device memory flash_backward allocates per head beyond its arguments: two floats per query row
+// (D and lse·log2 e), O(N), never an N×M buffer.
+size_t flash_backward_workspace_bytes_per_head(const FlashBwdArgs& a);
+
+// Launches the backward on `stream`: the preprocess (D), then one kernel over key blocks (dK, dV)
+// and one over query blocks (dQ); no atomics, so two runs give bit-identical gradients. Checked.
+void flash_backward(const FlashBwdArgs& a, cudaStream_t stream);
+
+}  // namespace attnstep
