@@ -76,8 +76,6 @@ public:
     virtual ~Backend() = default;
     virtual const char* name() const = 0;          // "cpu" or "cuda"
     virtual std::string device_name() const = 0;   // e.g. "NVIDIA H200" or "host CPU"
-    // Whether the backend computes the backward stages (is_backward_stage in stages.h).
-    virtual bool computes_backward() const = 0;
     // How the flash stages would be computed for this problem (flash_supported() holds).
     virtual FlashPlan flash_plan(const Problem& p) const = 0;
     // Working memory the backend needs per head for `computed` (device memory for cuda, extra

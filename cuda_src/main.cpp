@@ -101,29 +101,23 @@ std::string stage_list(StageSet set) {
     return s;
 }
 
-// The backward stages need the case's dO and a backend that computes them. Named one by one they
-// are an error without; through a group (all, stages, flash) they are left out, with a notice when
-// only the backend lacks them.
-StageSet drop_backward(const Options& o, const InputCase& c, const Backend& be, StageSet sel) {
+// The backward stages need the case's dO. Named one by one they are an error without; through a
+// group (all, stages, flash) they are left out.
+StageSet drop_backward(const Options& o, const InputCase& c, StageSet sel) {
     const StageSet named = StageSet{o.stages_named.bits & StageSet::backward().bits};
     if (!c.backward && !named.empty())
         fail(kExitBadInput, "--stages " + o.stages_text + ": " + stage_list(named) +
                                 (named.bits & (named.bits - 1) ? " are backward stages" : " is a backward stage") +
                                 " and the case " + c.dir + " has no dO (the output gradient)",
              "`attnstep generate --backward` writes a case with dO");
-    const std::string cpu_only = "the CUDA backend computes the forward stages only; --backend cpu computes the "
-                                 "backward stages";
-    if (!be.computes_backward() && !named.empty())
-        fail(kExitBadInput, "--stages " + o.stages_text + ": " + cpu_only);
-    if (c.backward && !be.computes_backward() && sel.any_backward()) notice(cpu_only);
-    return c.backward && be.computes_backward() ? sel : sel.minus(StageSet::backward());
+    return c.backward ? sel : sel.minus(StageSet::backward());
 }
 
-// The stages to write: the user's list, less the backward stages the case or the backend cannot
-// give (drop_backward), and less the flash stages when the dimensions do not allow them and the
+// The stages to write: the user's list, less the backward stages when the case has no dO
+// (drop_backward), and less the flash stages when the dimensions do not allow them and the
 // user did not name them.
-StageSet select_stages(const Options& o, const InputCase& c, const Backend& be) {
-    StageSet sel = drop_backward(o, c, be, o.stages);
+StageSet select_stages(const Options& o, const InputCase& c) {
+    StageSet sel = drop_backward(o, c, o.stages);
     const Dims& d = c.dims;
     if (!sel.any_flash() || flash_supported(d)) return sel;
     std::string why = "flash stages need d_k = d_v in " + flash_head_dims_text() + "; this case has d_k = " +
@@ -266,7 +260,7 @@ int run(int argc, char** argv) {
     InputCase in = open_input_case(o.in_dir);
     Problem p = make_problem(o, in);
     std::unique_ptr<Backend> be = choose_backend(o.backend);
-    StageSet written = select_stages(o, in, *be);
+    StageSet written = select_stages(o, in);
     StageSet computed = dependency_closure(written);
     check_forced_flash_kernel(o, *be, computed);
     GroupPlan plan = plan_groups(o, p, computed, *be);

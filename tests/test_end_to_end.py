@@ -9,6 +9,7 @@ import pytest
 from verify.compare import check
 from verify.generate import generate_case
 from verify.runner import run_binary
+from verify.stages import BACKWARD_STAGES, STAGES
 
 from shapes import shape_params
 
@@ -40,6 +41,16 @@ def test_all_stages_pass(binary, tmp_path, dims, causal, backend):
     written = set(report.stages)
     assert {"Q", "K", "V", "KT", "QK", "QK_scaled", "attention_weights", "output"} <= written
     assert ("flash_output" in written) == dims.flash_supported
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dims, causal", shape_params())
+def test_all_stages_pass_with_the_backward(binary, tmp_path, dims, causal, backend):
+    report = _run_and_check(binary, tmp_path, dims, causal, backend, seed=9, backward=True)
+    failing = [(r.stage, r.head, r.status, r.message) for r in report.results if not r.passed]
+    assert report.passed, failing
+    assert set(BACKWARD_STAGES) - set(report.stages) == (set() if dims.flash_supported else
+                                                         {n for n in BACKWARD_STAGES if STAGES[n].flash})
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

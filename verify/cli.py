@@ -321,8 +321,7 @@ def check(ctx, in_dir, out_dir, json_path, junit_path, plot_dir, atol, rtol, tol
               help="Run a program of the examples gallery (examples/, a GPU needed) instead of the binary, "
                    "as the original workflow ran it: from BUILD_DIR, reading ../data.")
 @click.option("--backward", is_flag=True,
-              help="Also the backward pass: an output gradient dO in the case, and the gradients (the CPU "
-                   "backend computes them; the CUDA backend computes the forward stages only).")
+              help="Also the backward pass: an output gradient dO in the case, and the gradients.")
 @quiet_option
 @click.pass_context
 @_user_errors

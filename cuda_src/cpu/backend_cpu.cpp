@@ -166,7 +166,6 @@ public:
         return "host CPU (" + std::to_string(std::max(1u, std::thread::hardware_concurrency())) + " threads)";
     }
     FlashPlan flash_plan(const Problem&) const override { return {kFlashBr, kFlashBc, "cpu-tiled"}; }
-    bool computes_backward() const override { return true; }
     size_t working_bytes_per_head(const Problem& p, StageSet computed) const override {
         // TF32 keeps rounded copies of the inputs; the flash backward keeps D (N floats); the
         // flash tiles' scratch is per thread, not per head, and small enough to ignore.

@@ -1,10 +1,11 @@
 // backend_cuda.cu — the CUDA backend: computes a group of heads stage by stage on the GPU with
-// cuBLAS GEMMs (gemm.cu), the kernels of kernels.cu and the flash forward (flash_dispatch.cu).
+// cuBLAS GEMMs (gemm.cu), the kernels of kernels.cu and backward_kernels.cu, the flash forward
+// (flash_dispatch.cu) and the flash backward (flash_bwd.cu).
 // Built by CMake when a CUDA toolkit is found (ATTNSTEP_HAVE_CUDA=1); run with
 // `build/main --in data/random_test --out data/random_verify --backend cuda`; checked on a GPU by
 // scripts/gpu_check.sh and tests/test_gpu_backend.py.
 //
-// Per group: Q, K, V are copied host -> device once, each stage in `computed` runs on one stream
+// Per group: Q, K, V (and dO for the backward) are copied host -> device once, each stage in `computed` runs on one stream
 // (timed with a pair of CUDA events), and each computed stage is copied back to group.out[s].
 // Device memory is one arena, carved into one buffer per stage and kept between groups (it only
 // grows), so a run of equal groups allocates once. The first group of each size runs its stages
@@ -21,6 +22,7 @@
 #include "../common.h"
 #include "cuda_check.cuh"
 #include "flash.cuh"
+#include "flash_bwd.cuh"
 #include "gemm.cuh"
 #include "kernels.cuh"
 
@@ -34,10 +36,10 @@ constexpr double kMiB = 1024.0 * 1024.0;
 
 size_t align_up(size_t n) { return (n + kBufferAlign - 1) / kBufferAlign * kBufferAlign; }
 
-// The forward inputs are always on the device (every stage derives from them); other stages only
-// when computed. This backend computes no backward stage (computes_backward), so never needs dO.
+// The forward inputs are always on the device (every stage derives from them), dO when a backward
+// stage is computed; other stages only when computed.
 bool needs_device_buffer(Stage s, StageSet computed) {
-    return (is_input_echo(s) && !is_backward_stage(s)) || computed.has(s);
+    return (is_input_echo(s) && (!is_backward_stage(s) || computed.any_backward())) || computed.has(s);
 }
 
 size_t group_stage_bytes(Stage s, const Dims& d, int heads) {
@@ -61,15 +63,25 @@ FlashArgs flash_args(const Problem& p) {
 
 std::string mib(size_t bytes) { return std::to_string(static_cast<long long>(bytes / kMiB + 0.5)) + " MiB"; }
 
-// A computed stage whose source is not computed means the caller skipped dependency_closure(); a
-// backward stage, that it skipped computes_backward().
+// The flash backward's arguments of a whole problem, without buffers: for plans and memory
+// estimates.
+FlashBwdArgs flash_bwd_args(const Problem& p) {
+    FlashBwdArgs a{};
+    a.heads = p.dims.total_heads();
+    a.N = p.dims.N;
+    a.M = p.dims.M;
+    a.d = p.dims.dk;
+    a.scale = p.scale;
+    a.causal = p.causal;
+    a.precision = p.precision;
+    return a;
+}
+
+// A computed stage whose source is not computed means the caller skipped dependency_closure().
 void check_computable(StageSet computed) {
     for (int i = 0; i < kNumStages; ++i) {
         const Stage s = static_cast<Stage>(i);
         if (!computed.has(s)) continue;
-        if (is_backward_stage(s))
-            fail(kExitInternal, where(__FILE__, __LINE__) + ": backward stage " + stage_name(s) +
-                                    " requested from the CUDA backend, which computes the forward stages only");
         const StageSet missing = StageSet{stage_info(s).sources}.minus(computed);
         if (!missing.empty())
             fail(kExitInternal, where(__FILE__, __LINE__) + ": stage " + stage_name(s) +
@@ -86,7 +98,6 @@ public:
 
     const char* name() const override { return "cuda"; }
     std::string device_name() const override { return device_name_; }
-    bool computes_backward() const override { return false; }
     FlashPlan flash_plan(const Problem& p) const override;
     size_t working_bytes_per_head(const Problem& p, StageSet computed) const override;
     size_t available_bytes() const override;
@@ -99,6 +110,7 @@ private:
     Buffers carve_buffers(const Dims& d, StageSet computed, int heads);
     void reserve_arena(size_t bytes);
     void run_stages(const Problem& p, StageSet computed, int heads, const Buffers& b);
+    void run_backward_stages(const Problem& p, StageSet computed, int heads, const Buffers& b);
     // Runs `work` on the stream, between the stage's two events unless record_events_ is off.
     template <class Work>
     void timed(Stage s, Work&& work);
@@ -167,6 +179,8 @@ size_t CudaBackend::working_bytes_per_head(const Problem& p, StageSet computed) 
         if (needs_device_buffer(s, computed)) bytes += group_stage_bytes(s, p.dims, 1) + kBufferAlign;
     }
     if (computed.any_flash() && flash_supported(p.dims)) bytes += flash_workspace_bytes_per_head(flash_args(p));
+    if (computed.has(Stage::flash_dQ) && flash_supported(p.dims))
+        bytes += flash_backward_workspace_bytes_per_head(flash_bwd_args(p));
     return bytes;
 }
 
@@ -263,6 +277,53 @@ void CudaBackend::run_stages(const Problem& p, StageSet computed, int heads, con
         // the per-stage times still add up to the run.
         timed(Stage::flash_output, [&] { flash_forward(a, stream_); });
     }
+    if (computed.any_backward()) run_backward_stages(p, computed, heads, b);
+}
+
+// The backward stages (docs/contract.md): the stage path from dO and the forward's stages, and
+// the flash backward from the flash forward's outputs.
+void CudaBackend::run_backward_stages(const Problem& p, StageSet computed, int heads, const Buffers& b) {
+    const Dims& d = p.dims;
+    auto buf = [&](Stage s) { return b.at[static_cast<int>(s)]; };
+    if (computed.has(Stage::D)) {
+        timed(Stage::D, [&] {
+            launch_row_dot(buf(Stage::dO), buf(Stage::output), buf(Stage::D), static_cast<long long>(heads) * d.N, d.dv,
+                           stream_);
+        });
+    }
+    if (computed.has(Stage::dP)) {
+        timed(Stage::dP, [&] { gemm_dp(blas_, d, heads, buf(Stage::dO), buf(Stage::V), buf(Stage::dP)); });
+    }
+    if (computed.has(Stage::dS)) {
+        timed(Stage::dS, [&] {
+            launch_ds(buf(Stage::attention_weights), buf(Stage::dP), buf(Stage::D), buf(Stage::dS), heads, d.N, d.M,
+                      p.causal, stream_);
+        });
+    }
+    if (computed.has(Stage::dQ)) {
+        timed(Stage::dQ, [&] { gemm_dq(blas_, d, heads, p.scale, buf(Stage::dS), buf(Stage::K), buf(Stage::dQ)); });
+    }
+    if (computed.has(Stage::dK)) {
+        timed(Stage::dK, [&] { gemm_dk(blas_, d, heads, p.scale, buf(Stage::dS), buf(Stage::Q), buf(Stage::dK)); });
+    }
+    if (computed.has(Stage::dV)) {
+        timed(Stage::dV, [&] { gemm_dv(blas_, d, heads, buf(Stage::attention_weights), buf(Stage::dO), buf(Stage::dV)); });
+    }
+    if (computed.has(Stage::flash_dQ)) {
+        FlashBwdArgs a = flash_bwd_args(p);
+        a.heads = heads;
+        a.Q = buf(Stage::Q);
+        a.K = buf(Stage::K);
+        a.V = buf(Stage::V);
+        a.O = buf(Stage::flash_output);
+        a.lse = buf(Stage::flash_lse);
+        a.dO = buf(Stage::dO);
+        a.dQ = buf(Stage::flash_dQ);
+        a.dK = buf(Stage::flash_dK);
+        a.dV = buf(Stage::flash_dV);
+        // The three gradients come from one backward pass, booked to flash_dQ.
+        timed(Stage::flash_dQ, [&] { flash_backward(a, stream_); });
+    }
 }
 
 // The first launch of a kernel loads it into the context: about 35 ms for each GEMM kernel cuBLAS
@@ -296,11 +357,13 @@ void CudaBackend::compute(const Problem& p, StageSet computed, HeadGroup& group,
     const Buffers b = carve_buffers(d, computed, heads);
     for (bool& t : timed_) t = false;
 
-    // Inputs. The echo stages Q, K, V are the device copies read back, so their time is the upload.
-    const float* host_inputs[] = {group.q, group.k, group.v};
-    const Stage inputs[] = {Stage::Q, Stage::K, Stage::V};
-    for (int k = 0; k < 3; ++k) {
+    // Inputs. The echo stages Q, K, V, dO are the device copies read back, so their time is the
+    // upload.
+    const float* host_inputs[] = {group.q, group.k, group.v, group.dout};
+    const Stage inputs[] = {Stage::Q, Stage::K, Stage::V, Stage::dO};
+    for (int k = 0; k < 4; ++k) {
         const Stage s = inputs[k];
+        if (!needs_device_buffer(s, computed)) continue;
         if (!host_inputs[k]) fail(kExitInternal, where(__FILE__, __LINE__) + ": no host data for input " + stage_name(s));
         timed(s, [&] {
             CUDA_CHECK(cudaMemcpyAsync(b.at[static_cast<int>(s)], host_inputs[k], group_stage_bytes(s, d, heads),

@@ -1,7 +1,8 @@
-// flash_common.cuh — device pieces both tensor-core FlashAttention kernels share (flash_fast.cu on
-// mma.sync, sm90a/flash_wgmma.cu on wgmma): TF32 splitting, cp.async, and the online softmax on
-// accumulator fragments. Both kernels hold a 16-row slice of S per warp in the mma.sync/wgmma
-// accumulator layout: s[j][e] is row g + 8·(e/2), column 8j + 2t + e%2 (lane = 4g + t).
+// flash_common.cuh — device pieces the tensor-core FlashAttention kernels share (flash_fast.cu and
+// flash_bwd.cu on mma.sync, sm90a/flash_wgmma.cu on wgmma): TF32 splitting, the mma.sync MMA,
+// cp.async, and the online softmax on accumulator fragments. The kernels hold a 16-row slice of S
+// per warp in the mma.sync/wgmma accumulator layout: s[j][e] is row g + 8·(e/2), column
+// 8j + 2t + e%2 (lane = 4g + t).
 #pragma once
 
 #include <cmath>
@@ -17,8 +18,9 @@ constexpr float kLn2 = 0.6931471805599453f;
 
 __host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
 
-// cp.async needs sm_80; the build also targets older GPUs, where these compile to nothing and the
-// kernels that use them are never launched (their dispatchers check the compute capability).
+// cp.async and TF32 mma.sync need sm_80; the build may also target older GPUs, where these compile
+// to nothing and the kernels that use them are never launched (their dispatchers check the
+// compute capability).
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
 #define ATTNSTEP_NO_CP_ASYNC 1
 #endif
@@ -43,6 +45,28 @@ template <bool kThree>
 __device__ __forceinline__ void split(float x, uint32_t& hi, uint32_t& lo) {
     hi = round_tf32(x);
     if (kThree) lo = round_tf32_fp(__fsub_rn(x, __uint_as_float(hi)));
+}
+
+// C(16×8) += A(16×8, row) · B(8×8, col), TF32 inputs, FP32 accumulators (mma.sync, sm_80+).
+__device__ __forceinline__ void mma_tf32(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+#ifndef ATTNSTEP_NO_CP_ASYNC
+    asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#endif
+}
+
+// c += a·b in the chosen precision (3xTF32 or TF32); the small cross terms go first so they are
+// not lost.
+template <bool kThree>
+__device__ __forceinline__ void mma_split(float (&c)[4], const uint32_t (&ahi)[4], const uint32_t (&alo)[4],
+                                          const uint32_t (&bhi)[2], const uint32_t (&blo)[2]) {
+    if (kThree) {
+        mma_tf32(c, alo, bhi);
+        mma_tf32(c, ahi, blo);
+    }
+    mma_tf32(c, ahi, bhi);
 }
 
 // 16-byte global → shared copy; reads nothing and writes zeros when !valid (tails).

@@ -45,39 +45,8 @@
 namespace attnstep {
 namespace {
 
-using namespace flash;  // flash_common.cuh: TF32 split, cp.async, online softmax
+using namespace flash;  // flash_common.cuh: TF32 split, the MMA, cp.async, online softmax
 
-
-// ---------------------------------------------------------------------------------------------
-// Device helpers: TF32 conversion, the MMA, cp.async. TF32 mma.sync and cp.async need sm_80; the
-// build also targets older GPUs, where these compile to nothing and flash_forward_fast declines
-// at run time (device_supported), so they are never launched there.
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
-#define ATTNSTEP_FAST_UNAVAILABLE 1
-#endif
-
-// C(16×8) += A(16×8, row) · B(8×8, col), TF32 inputs, FP32 accumulators.
-__device__ __forceinline__ void mma_tf32(float (&c)[4], const uint32_t (&a)[4],
-                                         const uint32_t (&b)[2]) {
-#ifndef ATTNSTEP_FAST_UNAVAILABLE
-    asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
-        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-#endif
-}
-
-// c += a·b in the chosen precision; the small cross terms go first so they are not lost.
-template <bool kThree>
-__device__ __forceinline__ void mma_split(float (&c)[4], const uint32_t (&ahi)[4],
-                                          const uint32_t (&alo)[4], const uint32_t (&bhi)[2],
-                                          const uint32_t (&blo)[2]) {
-    if (kThree) {
-        mma_tf32(c, alo, bhi);
-        mma_tf32(c, ahi, blo);
-    }
-    mma_tf32(c, ahi, bhi);
-}
 
 // ---------------------------------------------------------------------------------------------
 // The tile configuration. Rows of K are padded by 8 floats (the 8-byte fragment loads of 4 rows
@@ -240,7 +209,7 @@ __device__ __forceinline__ void pv_tile(float (&o)[T::D / 8][4], const float (&s
 template <class T, bool kThree, bool kCausal>
 __global__ void __launch_bounds__(T::THREADS, T::MIN_BLOCKS)
     flash_fast_kernel(const FastParams p) {
-#ifdef ATTNSTEP_FAST_UNAVAILABLE
+#ifdef ATTNSTEP_NO_CP_ASYNC
     __trap();  // never launched below sm_80 (device_supported)
 #endif
     extern __shared__ float4 smem_f4[];
