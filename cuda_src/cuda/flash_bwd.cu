@@ -61,7 +61,7 @@ struct BwdTiles {
 // (2 blocks per SM), d16 and d32 smaller.
 template <int D>
 struct BwdConfig;
-template <> struct BwdConfig<16> { using type = BwdTiles<16, 4, 64, 3>; };
+template <> struct BwdConfig<16> { using type = BwdTiles<16, 4, 64, 2>; };
 template <> struct BwdConfig<32> { using type = BwdTiles<32, 4, 64, 2>; };
 template <> struct BwdConfig<64> { using type = BwdTiles<64, 4, 64, 2>; };
 template <> struct BwdConfig<128> { using type = BwdTiles<128, 4, 16, 2>; };
@@ -95,12 +95,17 @@ __device__ __forceinline__ void load_rows(float* tile, const float* src, int row
 
 // acc(16×BN) = A(16×D)·B(BN×D)ᵀ: A the warp's 16 rows, B a tile, both in shared memory (row
 // stride T::LD). The reduction index is k-permuted in both operands alike (flash_common.cuh).
+// Under 3xTF32 the two small cross terms go to an accumulator of their own, added at the end: the
+// tensor cores truncate each addition to the running sum, and that error is biased (toward zero),
+// so the main sum takes one truncation per 8-long chunk instead of three. dP's bias does not cancel
+// in dP − D (D comes from O), and dQ = scale·dS·K amplifies it.
 template <class T, int BN, bool kThree>
 __device__ __forceinline__ void gemm_abt(float (&acc)[BN / 8][4], const float* A, const float* B, int g, int t) {
+    float small[kThree ? BN / 8 : 1][4];
 #pragma unroll
     for (int nt = 0; nt < BN / 8; ++nt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) acc[nt][e] = 0.f;
+        for (int e = 0; e < 4; ++e) acc[nt][e] = small[kThree ? nt : 0][e] = 0.f;
 #pragma unroll
     for (int ks = 0; ks < T::D / 8; ++ks) {
         const float2 x = *reinterpret_cast<const float2*>(A + g * T::LD + ks * 8 + 2 * t);
@@ -116,8 +121,18 @@ __device__ __forceinline__ void gemm_abt(float (&acc)[BN / 8][4], const float* A
             uint32_t bhi[2], blo[2];
             split<kThree>(b.x, bhi[0], blo[0]);
             split<kThree>(b.y, bhi[1], blo[1]);
-            mma_split<kThree>(acc[nt], ahi, alo, bhi, blo);
+            if constexpr (kThree) {
+                mma_tf32(small[nt], alo, bhi);
+                mma_tf32(small[nt], ahi, blo);
+            }
+            mma_tf32(acc[nt], ahi, bhi);
         }
+    }
+    if constexpr (kThree) {
+#pragma unroll
+        for (int nt = 0; nt < BN / 8; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[nt][e] += small[nt][e];
     }
 }
 
