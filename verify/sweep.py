@@ -53,7 +53,7 @@ class SweepKernel:
 
 
 # The rows of each shape, in order. Backward kernels join this list (direction BACKWARD) once
-# `main --bench` times a backward pass; the CUDA backend has none, so there are no backward rows.
+# The sweep times the forward; scripts/time_backward.py times the backward against SDPA's.
 KERNELS = (
     SweepKernel(STAGE_PATH, FORWARD, "stages"),
     SweepKernel(FLASH_DISPATCHER, FORWARD, "flash"),
@@ -264,7 +264,7 @@ and PyTorch SDPA when torch sees a GPU; one row each with the median time, TFLOP
 4·B·H·N·M·d, halved when causal, for every kernel) and the peak device memory. The binary's
 memory is sampled with nvidia-smi and includes its CUDA context ('-' without nvidia-smi); SDPA's
 is what torch allocated (inputs included). A shape that does not fit in device memory is an OOM
-row. There are no backward rows: the CUDA backend has no backward pass.
+row. The backward is timed by scripts/time_backward.py.
 
 The default grid (B={SWEEP_BATCH}, H={SWEEP_HEADS}, d in {', '.join(map(str, SWEEP_D))}, N from {SWEEP_SEQ[0]} to
 {SWEEP_SEQ[-1]}, causal and not: {GRID_SHAPES} shapes, {len(KERNELS)} rows each) times the largest shapes with fewer
