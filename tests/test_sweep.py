@@ -42,8 +42,15 @@ if CONFIG.get("smi_state"):
         f.write(f"{{os.getpid() + 1}}, 99999\n{{os.getpid()}}, {{seq}}\n")
     time.sleep(0.4)
 if seq == CONFIG.get("interrupt_at"):
-    os.kill(os.getppid(), signal.SIGINT)
-    time.sleep(30)
+    # Ctrl-C as the sweep sees it; again every half second in case a loaded machine delays the
+    # first past the point where it counts (the sweep kills this process once it has one), and never
+    # once the sweep is gone (the parent is then another process).
+    parent = os.getppid()
+    for _ in range(60):
+        if os.getppid() != parent:
+            break
+        os.kill(parent, signal.SIGINT)
+        time.sleep(0.5)
 if seq >= CONFIG.get("oom_from", 1 << 40):
     # as the binary says it (cuda_src/cuda/cuda_check.cuh): exit 1, CUDA's error name and string
     print("main: error: bench.cu:319: cudaMalloc(&p, bytes) failed: cudaErrorMemoryAllocation: out of memory",
