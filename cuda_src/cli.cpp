@@ -66,6 +66,7 @@ void print_usage(FILE* to) {
         "usage: main [CASE] [--in DIR] [--out DIR] [--backend auto|cuda|cpu] [--causal]\n"
         "            [--scale S] [--stages LIST] [--format txt|npy] [--precision fp32|tf32]\n"
         "            [--poison] [--flash-kernel auto|wgmma|fast|clean] [--allow-nonfinite] [--max-memory-mb MB]\n"
+        "            [--progress]\n"
         "       main --bench ...   (benchmarks; CUDA builds only)\n"
         "\n"
         "Computes attention one stage at a time and writes every stage per head (docs/contract.md).\n"
@@ -90,6 +91,8 @@ void print_usage(FILE* to) {
         "  --allow-nonfinite  accept NaN/Inf in the inputs\n"
         "  --max-memory-mb MB cap the working memory, at most 1 PiB (heads are processed in groups\n"
         "                     that fit)\n"
+        "  --progress         report progress on stderr as 'main: progress: DONE/TOTAL' lines (units:\n"
+        "                     a head read, a head computed, a stage file written), at most one a percent\n"
         "exit status: 0 ok, 1 internal/CUDA failure, 2 bad usage or input, 3 not enough memory\n");
 }
 
@@ -156,6 +159,7 @@ Options parse_cli(int argc, char** argv) {
             o.flash_kernel = pick(arg, take_value(), kFlashKernelNames, kFlashKernels);
         }
         else if (arg == "--allow-nonfinite") { no_value(); o.allow_nonfinite = true; }
+        else if (arg == "--progress") { no_value(); o.progress = true; }
         else if (arg == "--max-memory-mb") {
             std::string text = take_value();
             o.max_memory_mb = parse_positive_int(arg, text);

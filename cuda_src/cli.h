@@ -33,6 +33,7 @@ struct Options {
     bool poison = false;
     FlashKernel flash_kernel = FlashKernel::automatic;
     bool allow_nonfinite = false;
+    bool progress = false;           // "main: progress: DONE/TOTAL" lines on stderr
     long long max_memory_mb = 0;     // 0: no cap beyond MemAvailable/2; else 1..kMaxMemoryMb
     bool help = false;
 };

@@ -194,11 +194,31 @@ GroupPlan plan_groups(const Options& o, const Problem& p, StageSet computed, con
 }
 
 // ---------------------------------------------------------------- the run
+// --progress: units of work done so far, for a caller's progress bar (attnstep run draws one on a
+// terminal). Reading and writing text dominate large runs on the CPU, so they count as much as
+// computing: one unit per head read, per head computed and per stage file written.
+struct Progress {
+    bool on = false;
+    long long done = 0, total = 0;
+    int last_percent = -1;
+
+    void step(long long units = 1) {
+        if (!on) return;
+        done += units;
+        int percent = static_cast<int>(100 * done / total);
+        if (percent == last_percent) return;  // at most a line a percent: a pipe, not a flood
+        last_percent = percent;
+        std::fprintf(stderr, "main: progress: %lld/%lld\n", done, total);
+        std::fflush(stderr);
+    }
+};
+
 struct RunState {
     std::string run_id, out_dir;
     Format out_format = Format::txt;
     OutputLog log;
     StageTimes times;
+    Progress progress;
 };
 
 void write_group(RunState& rs, const HeadGroup& g, StageSet written, const Dims& d) {
@@ -217,6 +237,7 @@ void write_group(RunState& rs, const HeadGroup& g, StageSet written, const Dims&
             write_matrix(f, rs.out_format, g.out[i] + stage_elems(s, d) * j, rows, cols, header);
             uint32_t crc = f.commit();
             rs.log.add(f.path(), name.substr(0, name.rfind('.')), crc);
+            rs.progress.step();
         }
     }
 }
@@ -280,6 +301,8 @@ int run(int argc, char** argv) {
         remove_if_exists(rs.out_dir + "/" + kRunManifest);
         const Dims& d = p.dims;
         const int total = d.total_heads();
+        rs.progress.on = o.progress;
+        rs.progress.total = static_cast<long long>(total) * (2 + written.count());
         std::vector<float> buf[kNumStages];
         std::vector<float> inputs[kNumStages];
         for (int first = 0; first < total; first += plan.group_size) {
@@ -291,10 +314,12 @@ int run(int argc, char** argv) {
                 std::vector<float>& b = inputs[static_cast<int>(s)];
                 return b.empty() ? nullptr : b.data() + stage_elems(s, d) * j;
             };
-            for (int j = 0; j < g.count; ++j)
+            for (int j = 0; j < g.count; ++j) {
                 read_head_inputs(in, first + j, o.allow_nonfinite,
                                  {head_input(Stage::Q, j), head_input(Stage::K, j), head_input(Stage::V, j),
                                   head_input(Stage::dO, j)});
+                rs.progress.step();
+            }
             g.q = head_input(Stage::Q, 0);
             g.k = head_input(Stage::K, 0);
             g.v = head_input(Stage::V, 0);
@@ -306,6 +331,7 @@ int run(int argc, char** argv) {
                 }
             check_interrupted();
             be->compute(p, computed, g, &rs.times);
+            rs.progress.step(g.count);
             write_group(rs, g, written, d);
         }
         check_interrupted();

@@ -186,6 +186,11 @@ struct StageSet {
     void add(Stage s) { bits |= 1u << static_cast<int>(s); }
     bool any(StageSet other) const { return (bits & other.bits) != 0; }
     bool empty() const { return bits == 0; }
+    int count() const {
+        int n = 0;
+        for (unsigned b = bits; b; b &= b - 1) ++n;
+        return n;
+    }
     StageSet minus(StageSet other) const { return StageSet{bits & ~other.bits}; }
     // The stages for which pred(s) holds.
     template <typename Pred>

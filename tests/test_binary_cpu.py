@@ -164,3 +164,21 @@ def test_large_logits_do_not_overflow(binary, tmp_path):
     assert np.abs(o - ref["output"]).max() < 1e-2 * np.abs(ref["output"]).max()
     lse = np.load(tmp_path / "out" / "flash_lse_head_0.npy")
     assert np.abs(lse - ref["flash_lse"]).max() < 1e-5 * np.abs(ref["flash_lse"]).max() + 1e-3
+
+
+def test_progress_reports_every_unit_of_work_once_up_to_the_total(binary, tmp_path):
+    """--progress: units (a head read, a head computed, a stage file written) that only grow and
+    end at their total; without it no progress line, so ordinary stderr stays as it was."""
+    dims = Dims(batch=1, heads=3, seq_q=17, seq_k=9, d_k=16, d_v=16)
+    write_npy_case(tmp_path / "in", dims)
+    base = [str(binary), "--in", str(tmp_path / "in"), "--backend", "cpu", "--stages", "QK,output"]
+    proc = subprocess.run([*base, "--out", str(tmp_path / "a"), "--progress"], capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    reports = [line.split()[-1].split("/") for line in proc.stderr.splitlines() if line.startswith("main: progress:")]
+    done = [int(d) for d, _ in reports]
+    # written: Q, K, V echoes are not asked for; QK and output are, so 3 heads x (read + compute + 2 files)
+    assert {int(t) for _, t in reports} == {3 * (2 + 2)}
+    assert done == sorted(set(done)) and done[-1] == 12
+    quiet = subprocess.run([*base, "--out", str(tmp_path / "b")], capture_output=True, text=True, timeout=600)
+    assert quiet.returncode == 0 and "progress" not in quiet.stderr

@@ -390,3 +390,26 @@ def test_run_says_the_binary_error_once(runner, tmp_path, binary):
     line = _one_line_error(res)
     assert res.output.count("V_head_1.txt") == 1, res.output
     assert "HINT:" in line and res.output.count("HINT:") == 1  # the binary's hint, on the same line
+
+
+def test_run_on_a_terminal_shows_the_binarys_progress(runner, tmp_path, binary, monkeypatch):
+    """On a terminal, `run` asks the binary it built for progress reports and draws a bar from
+    them; the report lines themselves never reach the user."""
+    import verify.cli
+    import verify.options
+    monkeypatch.setattr(verify.cli, "_build", lambda build_dir, quiet: binary)
+    monkeypatch.setattr(verify.options, "on_terminal", lambda: True)
+    monkeypatch.setattr(verify.options, "RUN_PROGRESS_AFTER_S", 0.0)
+    seen = []
+    real_bar = verify.options.click.progressbar
+    monkeypatch.setattr(verify.options.click, "progressbar",
+                        lambda **kw: seen.append(kw["length"]) or real_bar(**kw))
+    assert runner.invoke(cli, ["generate", "--out", str(tmp_path / "in"), *SMALL]).exit_code == 0
+    res = runner.invoke(cli, ["run", "--in", str(tmp_path / "in"), "--out", str(tmp_path / "out"),
+                              "--backend", "cpu"])
+    assert res.exit_code == 0, res.output
+    assert seen == [2 * (2 + 10)]  # 2 heads x (read + compute + 10 stage files)
+    assert "main: progress" not in res.output and "10 stages; written to" in res.output
+    quiet = runner.invoke(cli, ["run", "--in", str(tmp_path / "in"), "--out", str(tmp_path / "out"),
+                                "--backend", "cpu", "--quiet"])
+    assert quiet.exit_code == 0 and seen == [24]

@@ -16,7 +16,7 @@ from .case import check_scale, load_input_case, output_file_target
 from .compare import Options, check_run, error_ratio_map
 from .generate import DEFAULT_DIMS, DISTRIBUTIONS, generate_case
 from .options import (backend_option, binary_option, build_option, force_option, in_option,
-                      json_option, out_option, progress_bar, seed_option, timeout_option)
+                      json_option, out_option, progress_bar, reported_progress_bar, seed_option, timeout_option)
 from .options import checked_path as _checked_path
 from .options import user_errors as _user_errors
 from .outputs import MATH_MODES, open_run, parse_name_map, read_names_file
@@ -185,10 +185,14 @@ def run(in_dir, out_dir, backend, build_dir, binary, timeout, cwd, stages, fmt, 
     if args:
         run_any_program(binary, args, cwd, out_dir, timeout, in_dir, quiet, _parse_names(names, names_file))
         return
+    # Progress reports are asked only of the binary built here: a --binary taking attnstep's
+    # arguments need not know --progress.
+    ours = binary is None
     binary = binary or _build(build_dir, quiet)
-    seconds = run_attnstep_binary(binary, in_dir, out_dir, backend, timeout, cwd,
-                                   _run_args(stages, fmt, precision, poison, causal, scale, max_memory_mb,
-                                             allow_nonfinite))
+    with reported_progress_bar("running", ours and not quiet) as progress:
+        seconds = run_attnstep_binary(binary, in_dir, out_dir, backend, timeout, cwd,
+                                       _run_args(stages, fmt, precision, poison, causal, scale, max_memory_mb,
+                                                 allow_nonfinite), progress)
     if not quiet:
         click.echo(run_summary(binary, out_dir, seconds))
 

@@ -21,12 +21,13 @@ from .stages import INPUT_MANIFEST, RUN_MANIFEST, STAGE_NAMES, parse_stage_file
 
 
 def run_attnstep_binary(binary: Path, in_dir: Path, out_dir: Path, backend: str, timeout: float,
-                         cwd: Optional[Path] = None, extra=()) -> float:
+                         cwd: Optional[Path] = None, extra=(), progress=None) -> float:
     """Runs attnstep's binary into a fresh OUT, passing on its notices and output; returns its wall
-    time in seconds."""
+    time in seconds. `progress(done, total)`, when given, follows the binary's work."""
     fresh_out(out_dir, in_dir)
     t0 = time.monotonic()
-    result = run_binary(binary, in_dir, out_dir, backend=backend, timeout=timeout, cwd=cwd, extra=extra)
+    result = run_binary(binary, in_dir, out_dir, backend=backend, timeout=timeout, cwd=cwd, extra=extra,
+                        progress=progress)
     seconds = time.monotonic() - t0
     for line in result.notices:
         click.echo(line, err=True)

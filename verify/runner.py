@@ -99,21 +99,52 @@ def ensure_built(build_dir: Path = DEFAULT_BUILD_DIR, cmake_args: Sequence[str] 
     return binary
 
 
-def _finish_or_stop(child: subprocess.Popen, timeout: Optional[float], who: str, after: str = ""):
-    """child's (stdout, stderr) once it exits; after `timeout` seconds it gets SIGTERM (on which
-    attnstep's binary removes its run's files), SIGKILL after TERMINATE_GRACE_S more, and the run
-    is an error."""
+# The binary's `--progress` lines: units of work done and in all.
+_BINARY_PROGRESS = re.compile(r"^main: progress: (\d+)/(\d+)$")
+RunProgress = Optional[Callable[[int, int], None]]
+
+
+def _read_lines(stream, sink: List[str], progress: RunProgress = None) -> threading.Thread:
+    """A thread that keeps the lines of `stream` in `sink`, except progress lines, which go to
+    `progress(done, total)` as they come."""
+    def pump() -> None:
+        for line in stream:
+            match = _BINARY_PROGRESS.match(line.rstrip("\n")) if progress else None
+            if match:
+                progress(int(match[1]), int(match[2]))
+            else:
+                sink.append(line)
+    thread = threading.Thread(target=pump, daemon=True)
+    thread.start()
+    return thread
+
+
+def _finish_or_stop(child: subprocess.Popen, timeout: Optional[float], who: str, after: str = "",
+                    progress: RunProgress = None) -> Tuple[str, str]:
+    """child's (stdout, stderr) once it exits (empty where not piped), its stderr read as it comes
+    so that progress lines reach `progress` while it works; after `timeout` seconds it gets SIGTERM
+    (on which attnstep's binary removes its run's files), SIGKILL after TERMINATE_GRACE_S more, and
+    the run is an error."""
+    out: List[str] = []
+    err: List[str] = []
+    readers = [_read_lines(stream, sink, report)
+               for stream, sink, report in ((child.stdout, out, None), (child.stderr, err, progress))
+               if stream is not None]
     try:
-        return child.communicate(timeout=timeout)
+        child.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         child.terminate()
         try:
-            child.communicate(timeout=TERMINATE_GRACE_S)
+            child.wait(timeout=TERMINATE_GRACE_S)
         except subprocess.TimeoutExpired:
             child.kill()
-            child.communicate()
+            child.wait()
         raise RunnerError(f"{who} did not finish within {timeout:.0f} s (--timeout) and was stopped{after}",
                           exit_code=1) from None
+    finally:
+        for reader in readers:
+            reader.join()
+    return "".join(out), "".join(err)
 
 
 @dataclass
@@ -126,12 +157,15 @@ class RunResult:
 
 def run_binary(binary: Path, in_dir: Path, out_dir: Path, *, backend: str = "auto",
                extra: Sequence[str] = (), timeout: Optional[float] = DEFAULT_RUN_TIMEOUT_S,
-               check: bool = True, cwd: Optional[Path] = None) -> RunResult:
+               check: bool = True, cwd: Optional[Path] = None, progress: RunProgress = None) -> RunResult:
     """Runs `binary --in IN --out OUT --backend B EXTRA...`. With check, a non-zero exit raises
-    RunnerError carrying the binary's stderr and the binary's own exit status."""
+    RunnerError carrying the binary's stderr and the binary's own exit status. With `progress`, the
+    binary reports its progress, passed on as progress(done, total)."""
     if cwd is not None:  # the folders as the caller means them, wherever the binary runs
         in_dir, out_dir = Path(in_dir).absolute(), Path(out_dir).absolute()
     cmd = [str(binary), "--in", str(in_dir), "--out", str(out_dir), "--backend", backend, *extra]
+    if progress is not None:
+        cmd.append("--progress")
     try:
         # errors="replace": the binary quotes bad input bytes back in its messages
         child = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -140,7 +174,7 @@ def run_binary(binary: Path, in_dir: Path, out_dir: Path, *, backend: str = "aut
         raise RunnerError(f"binary not found: {binary}; run 'attnstep run' to build it")
     except OSError as exc:
         raise RunnerError(f"cannot run {binary}: {exc.strerror or exc}")
-    stdout, stderr = _finish_or_stop(child, timeout, "the binary", "; its partial output was removed")
+    stdout, stderr = _finish_or_stop(child, timeout, "the binary", "; its partial output was removed", progress)
     proc = subprocess.CompletedProcess(cmd, child.returncode, stdout, stderr)
     notices = [ln for ln in proc.stderr.splitlines() if ": notice:" in ln]
     result = RunResult(proc.returncode, proc.stdout, proc.stderr, notices)
