@@ -107,6 +107,23 @@ def test_bugs_are_caught_at_six_digits(tmp_path, bug):
     assert code in [d["code"] for d in rep["first_failure"]["diagnosis"]]
 
 
+@pytest.mark.parametrize("bug,stage,code", [("axis", "attention_weights", "softmax_axis"),
+                                            ("mask-1", "QK_scaled", "mask_offset")])
+def test_causal_bugs_with_fewer_queries_than_keys_are_named_first(tmp_path, bug, stage, code):
+    """Causal, N < M: a softmax over columns leaves the columns no query sees 0/0 (NaN), and a
+    mask shifted by -1 leaves row 0 with no visible key. The bug is named first, not the NaN it
+    makes nor a region never written, and what follows only inherits it."""
+    inputs = make_input(tmp_path / "in", causal=True)
+    heads = foreign.compute_heads(inputs, default_scale(DIMS.d_k), True, bug=bug)
+    write_heads(tmp_path / "out", heads, foreign.SUBSETS["seed"], "%g")
+    r, rep = check(tmp_path / "in", tmp_path / "out", json_path=tmp_path / "r.json")
+    assert r.exit_code == 1 and rep["first_failing_stage"] == stage, r.output
+    found = [d["code"] for d in rep["first_failure"]["diagnosis"]]
+    assert found[0] == code and "unwritten" not in found, found
+    later = [s for s in rep["stages"] if foreign.SUBSETS["seed"].index(s["stage"]) > foreign.SUBSETS["seed"].index(stage)]
+    assert later and {s["status"] for s in later} == {"INHERITED"}, later
+
+
 # ---- subsets, stacked .npy, name maps ------------------------------------------------------------
 
 def test_only_output_without_run_toml(tmp_path):

@@ -21,12 +21,13 @@ from .options import checked_path as _checked_path
 from .options import user_errors as _user_errors
 from .outputs import MATH_MODES, open_run, parse_name_map, read_names_file
 from .programs import run_any_program, run_attnstep_binary, run_summary
-from .report import (check_plot_folder, failure_lines, header_lines, plural, summary_lines, table_lines,
+from .report import (check_plot_folder, failure_lines, header_lines, summary_lines, table_lines,
                      write_json, write_junit, write_plots)
 from .runner import BINARY_NAME, ensure_built, example_names
 from .stages import (BACKWARD_STAGES, CASE_INPUTS, DATA_DIR, DEFAULT_CASE, DEFAULT_INPUT_DIR, DEFAULT_RESULT,
                      FORMATS, INPUT_NAMES, PRECISIONS, STAGE_NAMES, STAGES, Dims)
 from .sweep import sweep
+from .words import plural
 
 # Work (N·M·heads) above which `check` shows a progress bar, and values written above which
 # `generate` does (on a terminal only).

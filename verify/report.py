@@ -17,13 +17,9 @@ from .case import CaseError, atomic_write_bytes, file_kind
 from .results import FAIL, INHERITED, PASS, Comparison, HeadResult, Report
 from .resolution import EXACT
 from .stages import STAGES, stage_file
+from .words import plural
 
 MAX_DETAILED_FAILURES = 8
-
-
-def plural(n: int, noun: str) -> str:
-    """`1 head`, `2 heads`: a count with its noun in the right number."""
-    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 def _g(x: Optional[float]) -> str:
