@@ -221,12 +221,29 @@ def test_a_tf32_run_of_the_cpu_backend_is_checked_under_tf32_and_says_so(tmp_pat
 
 
 def test_the_precision_the_bounds_assume_is_printed_and_settable(tmp_path):
+    """The verdict line itself (all --quiet shows), the JSON and the JUnit report name the precision
+    the bounds assume; --precision sets it; a claim no run can make is refused."""
     inputs = make_input(tmp_path / "in")
     write_heads(tmp_path / "out", correct_heads(inputs), ["QK"])
-    r, rep = check(tmp_path / "in", tmp_path / "out", json_path=tmp_path / "r.json")
-    assert "fp32, any IEEE float32 program" in r.output and rep["precision"] == "fp32"
+    r, rep = check(tmp_path / "in", tmp_path / "out", "--quiet", "--junit", tmp_path / "r.xml",
+                   json_path=tmp_path / "r.json")
+    assert r.output.splitlines()[-1].startswith("PASS (bounds for fp32): ") and rep["precision"] == "fp32"
+    assert '<property name="precision" value="fp32" />' in (tmp_path / "r.xml").read_text()
     r, rep = check(tmp_path / "in", tmp_path / "out", "--precision", "tf32", json_path=tmp_path / "r.json")
     assert r.exit_code == 0 and "tf32" in r.output.splitlines()[0] and rep["precision"] == "tf32"
+    assert r.output.splitlines()[-1].startswith("PASS (bounds for tf32): ")
+    (tmp_path / "out" / "run.toml").write_text('precision = "tf32"\n')
+    r, rep = check(tmp_path / "in", tmp_path / "out", "--quiet", json_path=tmp_path / "r.json")
+    assert r.output.splitlines()[-1].startswith("PASS (bounds for tf32): ") and rep["precision"] == "tf32"
+    r, _ = check(tmp_path / "in", tmp_path / "out", "--quiet", "--precision", "fp32")
+    assert r.output.splitlines()[-1].startswith("PASS (bounds for fp32): ")
+    write_heads(tmp_path / "out", [{"QK": h["QK"] * 1.001} for h in correct_heads(inputs)], ["QK"])
+    r, _ = check(tmp_path / "in", tmp_path / "out", "--quiet", "--precision", "fp32")
+    assert r.exit_code == 1 and r.output.splitlines()[-1].startswith("FAIL (bounds for fp32): first failing stage: QK")
+    for claim in ('precision = "fp16"', 'backend = "gpu"'):
+        (tmp_path / "out" / "run.toml").write_text(claim + "\n")
+        r, _ = check(tmp_path / "in", tmp_path / "out")
+        assert r.exit_code == 2 and claim.split()[0] in r.output and len(r.output.strip().splitlines()) == 1, r.output
 
 
 # ---- tiny magnitudes: a bug at any representable magnitude fails ----------------------------------

@@ -95,7 +95,7 @@ def test_check_passes_with_json_and_junit(runner, good_run, tmp_path):
     res = runner.invoke(cli, ["check", "--in", str(in_dir), "--out", str(out_dir),
                               "--json", str(tmp_path / "r.json"), "--junit", str(tmp_path / "r.xml")])
     assert res.exit_code == 0, res.output
-    assert "PASS: all" in res.output
+    assert "PASS (bounds for fp32): all" in res.output
     rep = json.loads((tmp_path / "r.json").read_text())
     assert rep["passed"] is True and rep["first_failing_stage"] is None
     entry = rep["results"][0]
@@ -151,7 +151,7 @@ def test_demo_with_the_backward_pass_checks_the_gradients(runner, tmp_path, bina
     for stage in ("dQ", "dK", "dV", "flash_dQ"):
         assert f"\n{stage} " in res.output, stage
     from verify.stages import STAGES
-    assert f"PASS: all {len(STAGES)} stages" in res.output
+    assert f"PASS (bounds for fp32): all {len(STAGES)} stages" in res.output
 
 
 def test_python_dash_m_verify(tmp_path):

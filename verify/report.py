@@ -57,6 +57,11 @@ def arithmetic(run) -> str:
     return f"{run.precision}, {who}" + (", fast-math intrinsics" if run.math == "fast" else "")
 
 
+def bounds_words(run) -> str:
+    """The verdict's qualifier: the precision the bounds assume (a looser claim shows in every verdict)."""
+    return f"bounds for {run.precision}" + (", fast-math intrinsics" if run.math == "fast" else "")
+
+
 def header_lines(report: Report) -> List[str]:
     run, d, v = report.run, report.run.dims, report.run.values
     what = f"run {run.run_id}" if run.run_id else str(run.path or "arrays")
@@ -160,14 +165,14 @@ def summary_lines(report: Report) -> List[str]:
     if first is None:
         used = max((r.main.tol_used for r in report.results if r.main), default=0.0)
         n, h = len(report.stages), report.run.dims.total_heads
-        lines.append(f"PASS: all {plural(n, 'stage')} x {plural(h, 'head')}; "
+        lines.append(f"PASS ({bounds_words(report.run)}): all {plural(n, 'stage')} x {plural(h, 'head')}; "
                      f"largest fraction of tolerance used {_g(used)} (headroom {_g(max(0.0, 1 - used))})")
         return lines
     inherited = [s for s in report.stages
                  if stage_status(report.stage_results(s)) == INHERITED]
-    lines.append(f"FAIL: first failing stage: {first.stage} (head {first.head}: batch {first.batch}, "
-                 f"head {first.head_in_batch})" + (f"; {first.diagnosis[0].code}: "
-                                                   f"{first.diagnosis[0].message}" if first.diagnosis else ""))
+    lines.append(f"FAIL ({bounds_words(report.run)}): first failing stage: {first.stage} (head {first.head}: "
+                 f"batch {first.batch}, head {first.head_in_batch})"
+                 + (f"; {first.diagnosis[0].code}: {first.diagnosis[0].message}" if first.diagnosis else ""))
     if inherited:
         lines.append(f"      inherited downstream (pass in isolation): {', '.join(inherited)}")
     return lines
@@ -238,6 +243,10 @@ def write_junit(report: Report, path: Path) -> None:
     root = ET.Element("testsuites")
     suite = ET.SubElement(root, "testsuite", name="attnstep", tests=str(len(report.results)),
                           failures=str(sum(not r.passed for r in report.results)), errors="0")
+    suite_props = ET.SubElement(suite, "properties")  # what the bounds assume: a CI job sees a loosened check
+    for name, value in (("precision", report.run.precision), ("math", report.run.math),
+                        ("arithmetic", arithmetic(report.run))):
+        ET.SubElement(suite_props, "property", name=name, value=_xml_text(str(value)))
     for r in report.results:
         case = ET.SubElement(suite, "testcase", classname=f"attnstep.{r.stage}", name=f"head_{r.head}")
         props = ET.SubElement(case, "properties")
