@@ -13,7 +13,7 @@ from typing import List, Optional
 
 import numpy as np
 
-from .case import CaseError, atomic_write_bytes, file_kind
+from .case import CaseError, atomic_write_bytes, file_kind, probe_writable
 from .results import FAIL, INHERITED, PASS, Comparison, HeadResult, Report
 from .resolution import EXACT
 from .stages import STAGES, stage_file
@@ -260,15 +260,22 @@ def write_junit(report: Report, path: Path) -> None:
 
 
 def check_plot_folder(folder: Path) -> None:
-    """The plot folder is a folder, or nothing yet (it is created): anything else is refused."""
+    """The plot folder is a folder, or nothing yet (it is created): anything else is refused, and
+    so is a place no file can be written (the maps come after the whole check)."""
+    folder = Path(folder)
     try:
         st = os.stat(folder)
     except FileNotFoundError:
+        parent = next((p for p in folder.absolute().parents if p.exists()), None)
+        if parent is None or not parent.is_dir():
+            raise CaseError(f"{folder}: cannot create the plot folder under {parent}") from None
+        probe_writable(parent, folder)
         return
     except OSError as exc:
         raise CaseError(f"{folder}: cannot use as the plot folder: {exc.strerror or exc}") from None
     if not stat.S_ISDIR(st.st_mode):
         raise CaseError(f"{folder}: is {file_kind(st.st_mode)}, not a folder for the plots")
+    probe_writable(folder, folder)
 
 
 # What a tile of a stage's rows or columns is, by the stage table's dimension symbol: the
