@@ -30,6 +30,7 @@ from .matrix_io import atomic_write_bytes, output_file_target
 from .options import InputError, binary_option, build_option, progress_bar, timeout_option, user_errors
 from .runner import ensure_built
 from .stages import PRECISIONS
+from .words import plural
 
 RESULTS_FORMAT = 1
 SWEEP_D = (16, 32, 64, 128)
@@ -277,7 +278,7 @@ def _exit_status(rows: Sequence[SweepRow]) -> int:
     """1 when a run failed or a checked result failed its float64 check; OOM rows are results."""
     failed = [r for r in rows if r.status.startswith("failed") or "FAIL" in r.note]
     if failed:
-        click.echo(f"sweep: {len(failed)} row(s) failed; see the table", err=True)
+        click.echo(f"sweep: {plural(len(failed), 'row')} failed; see the table", err=True)
     return 1 if failed else 0
 
 
