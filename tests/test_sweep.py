@@ -285,6 +285,16 @@ def test_sdpa_rows_forward_and_backward_from_torch(tmp_path, monkeypatch):
     assert runs(tmp_path) == []
 
 
+def test_pass_picks_the_rows_of_one_pass(tmp_path):
+    out_csv = tmp_path / "s.csv"
+    res = invoke(fake_main(tmp_path), "--d", "16", "--seq", "128", "--causal", "no", "--pass", "backward",
+                 "--csv", str(out_csv))
+    assert res.exit_code == 0, res.output
+    assert [(r["kernel"], r["direction"]) for r in read_csv(out_csv)] == [("stages", BACKWARD), ("flash", BACKWARD)]
+    res = invoke(fake_main(tmp_path), "--kernel", "flash", "--pass", "backward")
+    assert res.exit_code == 2 and len(res.output.strip().splitlines()) == 1 and "--pass backward" in res.output
+
+
 def test_sdpa_backward_alone_without_torch_is_one_line(tmp_path):
     res = invoke(fake_main(tmp_path), "--kernel", "sdpa-backward")
     assert res.exit_code == 2 and len(res.output.strip().splitlines()) == 1

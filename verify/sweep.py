@@ -21,8 +21,8 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import click
 
-from .bench import BENCH_TIMEOUT_S, BenchOutOfMemory, BenchUnusable, reps_for, run_binary_bench
-from .bench_report import (BACKWARD, FLASH_BACKWARD, FLASH_DISPATCHER, FORWARD, OOM, SDPA, STAGE_PATH_BACKWARD,
+from .bench import BENCH_TIMEOUT_S, BOTH, BenchOutOfMemory, BenchUnusable, reps_for, run_binary_bench
+from .bench_report import (BACKWARD, FLASH_BACKWARD, FLASH_DISPATCHER, FORWARD, OOM, PASSES, SDPA, STAGE_PATH_BACKWARD,
                            STAGE_PATH_SKIPPED, BenchError, Row, Shape, kernel_note, write_plot)
 from .bench_sdpa import time_sdpa, time_sdpa_backward, torch_available
 from .device_memory import PeakDeviceMemory
@@ -264,9 +264,11 @@ def _write_outputs(sweep: Sweep, csv_path, json_path, plot_path) -> None:
         write_plot(plot_rows(sweep.rows), plot_path, f"attnstep sweep on {sweep.device or '?'}")
 
 
-def _kernels(names: Sequence[str], torch_version: Optional[str]) -> List[SweepKernel]:
-    """The kernels asked for (all by default); SDPA only when torch sees a GPU."""
-    wanted = [k for k in KERNELS if not names or k.key in names]
+def _kernels(names: Sequence[str], passes: str, torch_version: Optional[str]) -> List[SweepKernel]:
+    """The kernels asked for (all of the passes asked for by default); SDPA only when torch sees a GPU."""
+    wanted = [k for k in KERNELS if (not names or k.key in names) and passes in (BOTH, k.direction)]
+    if not wanted:
+        raise InputError(f"--pass {passes}: none of the kernels asked for ({', '.join(names)}) has that pass")
     usable = [k for k in wanted if k.only or torch_version]
     if not usable:
         keys = "/".join(k.key for k in wanted)
@@ -315,6 +317,8 @@ or a checked result (flash output, gradients) failed its float64 check.
 @click.option("--heads", type=click.IntRange(min=1), default=SWEEP_HEADS, show_default=True, help="Heads H.")
 @click.option("--kernel", "kernel_names", multiple=True, type=click.Choice(KERNEL_NAMES),
               help="Time only this kernel (repeatable; '-backward': its backward pass) [default: all].")
+@click.option("--pass", "passes", type=click.Choice(PASSES + (BOTH,)), default=BOTH, show_default=True,
+              help="The forward rows, the backward rows, or both.")
 @click.option("--precision", type=click.Choice(PRECISIONS), default=PRECISIONS[0], show_default=True,
               help="The binary's GEMMs and flash kernel (SDPA always runs in fp32).")
 @click.option("--warmup", type=click.IntRange(min=0), default=3, show_default=True, help="Untimed runs first.")
@@ -330,12 +334,12 @@ or a checked result (flash output, gradients) failed its float64 check.
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path),
               help="Write a PNG plot of TFLOP/s against N, a panel per d and masking (needs matplotlib).")
 @user_errors
-def sweep(build_dir, binary, ds, seqs, masking, batch, heads, kernel_names, precision, warmup, reps, check,
+def sweep(build_dir, binary, ds, seqs, masking, batch, heads, kernel_names, passes, precision, warmup, reps, check,
           timeout, csv_path, json_path, plot_path):
     try:
         _check_outputs(csv_path, json_path, plot_path)
         torch_version = torch_available()
-        kernels = _kernels(kernel_names, torch_version)
+        kernels = _kernels(kernel_names, passes, torch_version)
         needs_binary = any(k.only for k in kernels)
         sweep_ = Sweep(binary or (ensure_built(build_dir) if needs_binary else None),
                        Settings(precision, warmup, reps, check, timeout), torch_version)
