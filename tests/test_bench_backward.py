@@ -13,12 +13,12 @@ from click.testing import CliRunner
 from verify import bench as vb
 from verify.bench_report import (FLASH_BACKWARD, SDPA, SDPA_BACKWARD, STAGE_PATH_BACKWARD,
                                  STAGE_PATH_SKIPPED)
-from verify.stages import STAGE_NAMES
+from verify.stages import BACKWARD_STAGES, GRAD_INPUT, STAGES
 
 SHAPE = {"batch": 4, "heads": 16, "seq_q": 4096, "seq_k": 4096, "d": 64, "causal": False, "scale": 0.125}
-# The backward stage path's stages, from the stage table (D onwards, the flash ones aside).
-PATH_STAGES = ("D", "dP", "dS", "dQ", "dK", "dV")
-assert set(PATH_STAGES) <= set(STAGE_NAMES)
+# The backward stage path's stages, from the stage table: the backward's, but its input and the flash ones.
+PATH_STAGES = tuple(n for n in BACKWARD_STAGES if n != GRAD_INPUT and not STAGES[n].flash)
+D, DP, DS = PATH_STAGES[:3]  # the table's order: a row sum, a GEMM, an element-wise product
 
 
 def _bwd_check(err=1.5e-6, passed=True):
@@ -34,7 +34,7 @@ def _binary_json(precision="fp32", flash_bwd_tflops=70.0, ceilings=True, path_sk
             row["fraction"] = 0.5
         return row
 
-    path = [k(n, "memory" if n in ("D", "dS") else "gemm", 1.0, 40.0) for n in PATH_STAGES]
+    path = [k(n, "memory" if n in (D, DS) else "gemm", 1.0, 40.0) for n in PATH_STAGES]
     path.append(k(STAGE_PATH_BACKWARD, "attention", 9.0, 30.0, check=_bwd_check()))
     if path_skipped:
         path = [{"name": r["name"], "kind": r["kind"], "pass": "backward", "status": STAGE_PATH_SKIPPED} for r in path]
@@ -69,7 +69,7 @@ def test_backward_rows_ratios_to_sdpa_backward_and_the_table():
     assert _row(rows, STAGE_PATH_BACKWARD).vs_sdpa == pytest.approx(30.0 / 34.0)
     assert _row(rows, "flash").vs_sdpa == pytest.approx(90.0 / 35.0)  # the forward's yardstick stays SDPA's forward
     assert _row(rows, SDPA_BACKWARD).vs_sdpa == 1.0 and _row(rows, SDPA_BACKWARD).rate == 34.0
-    assert _row(rows, "dP").vs_sdpa is None and _row(rows, "dS").kind == "memory"
+    assert _row(rows, DP).vs_sdpa is None and _row(rows, DS).kind == "memory"
     assert "err 1.5e-06" in _row(rows, FLASH_BACKWARD).note and "cuda-bwd-3xtf32" in _row(rows, FLASH_BACKWARD).note
     table = vb.format_table(rows)
     assert "2.06x" in table and "sdpa_backward" in table and "40 GB/s" in table

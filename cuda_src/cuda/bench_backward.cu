@@ -89,7 +89,8 @@ std::function<void(int, int)> path_launch(Stage st, const Options& o, cublasHand
         case Stage::dQ: return [=](int h0, int n) { gemm_dq(blas, dims, n, scale, dS, K + h0 * ks, dQ); };
         case Stage::dK: return [=](int h0, int n) { gemm_dk(blas, dims, n, scale, dS, Q + h0 * qs, dK); };
         case Stage::dV: return [=](int h0, int n) { gemm_dv(blas, dims, n, P, dO + h0 * qs, dV); };
-        default: fail(kExitInternal, where(__FILE__, __LINE__) + ": " + stage_name(st) + " is not a backward path stage");
+        default:
+            fail(kExitInternal, where(__FILE__, __LINE__) + ": " + stage_name(st) + " is not a backward path stage");
     }
 }
 
