@@ -1,6 +1,10 @@
 // backend_cpu.cpp — the CPU backend: the same stages as the CUDA backend in plain C++, float32
 // arithmetic throughout (accumulating in float as the GPU does, so the verifier's tolerance model
 // applies unchanged), and the same tiled online-softmax algorithm for the flash stages.
+// Arithmetic the verifier assumes (verify/model/kernels.py: KERNELS["cpu-tiled"], the cpu model):
+// float32 products and sums in index order (no FMA on x86-64 without -march flags), std::exp (one
+// rounding in practice), the scale applied to each finished dot product, lse = m + log(l), O·(1/l);
+// under tf32 the GEMM operands rounded to TF32, nearest even.
 //   build: cmake -S . -B build-cpu -DATTNSTEP_CUDA=OFF && cmake --build build-cpu -j2
 //   run:   build-cpu/main --in tests/data/tiny_test --out /tmp/tiny_verify --backend cpu
 // Work is spread over the host's cores with std::thread (rows, or (head, query tile) pairs);

@@ -16,10 +16,12 @@
 //   buffered. Tails (N, M not multiples of the tiles) are zero-filled and masked: a query row past
 //   N gets lse = +inf (P = 0), a key past M is masked explicitly.
 //
-// Precision::fp32: 3xTF32 (every operand split hi + lo; FP32-accurate products, as the forward);
-// Precision::tf32: one TF32 product. Each tile's products are summed in a fresh accumulator and
-// added to the running gradient in FP32, so the tensor cores' truncating accumulation spans one
-// tile only (the error model of verify/model/kernels.py, backend "cuda").
+// Arithmetic the verifier assumes (verify/model/kernels.py: the CUDA model of the forward's
+// cuda-* flash_kernel): Precision::fp32 3xTF32 (every operand split hi + lo; FP32-accurate
+// products, as the forward), Precision::tf32 one TF32 product. Each tile's products are summed in a
+// fresh accumulator and added to the running gradient in FP32, so the tensor cores' truncating
+// accumulation spans one tile only. P = 2^(s·scale·log2 e − lse·log2 e) by ex2.approx.ftz (the GPU
+// exp model), scale·log2 e and lse·log2 e each rounded once; dK and dQ scaled once at the end.
 #include "flash_bwd.cuh"
 
 #include <algorithm>

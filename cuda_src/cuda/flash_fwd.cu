@@ -10,9 +10,10 @@
 // N×M is never materialized: S and P live one Br×Bc tile at a time. FP32 CUDA cores, shared-memory
 // tiles, 128 threads; Precision::tf32 runs this FP32 kernel too.
 //
-// Arithmetic the verifier assumes (verify/tolerance.py, backend "cuda", which covers all three
-// kernels): FP32 products and sums (no tensor cores, no truncation), the scale applied to each dot
-// product (one rounding), expf (the GPU exp model), lse = m + logf(l), O·(1/l): two final roundings.
+// Arithmetic the verifier assumes (verify/model/kernels.py: KERNELS["cuda-clean"], the CUDA model
+// all cuda-* kernels share, looser than this kernel needs): FP32 FMA dot products in a fixed order
+// (no tensor cores, no truncation), the scale applied to each finished dot product (one rounding),
+// expf (the GPU exp model), lse = m + logf(l), O·(1/l): two final roundings.
 #include <cuda_runtime.h>
 
 #include <algorithm>

@@ -2,10 +2,10 @@
 // mask (QK_scaled), row softmax (attention_weights) and the NaN poison fill. Checked on a GPU by
 // scripts/gpu_check.sh, which compares every stage with the CPU backend and float64 NumPy.
 //
-// Arithmetic the verifier assumes of them (verify/tolerance.py, backend "cuda"): KT is an exact
-// copy; QK_scaled is one FP32 product per element (x·scale, rounded once); attention_weights uses
-// expf (the GPU exp model: ~0.5 ulp RMS) on x − rowmax, an FP32 row sum, then 1/l and a product by
-// it (two final roundings).
+// Arithmetic the verifier assumes of them (verify/model/kernels.py, the CUDA model of every
+// cuda-* flash_kernel): KT is an exact copy; QK_scaled is one FP32 product per element (x·scale,
+// rounded once); attention_weights uses expf (the GPU exp model: ~0.5 ulp RMS) on x − rowmax, an
+// FP32 row sum in any order (warp butterflies), then 1/l and a product by it (two final roundings).
 //
 // Each kernel aims at device-to-device copy bandwidth (bytes read + written): 16-byte float4
 // accesses where alignment allows, with a scalar path for odd widths, and several independent

@@ -31,7 +31,8 @@
 // 16 bytes). When heads·⌈N/BR⌉ blocks cannot fill the GPU, the KV loop is split and
 // combine_kv_splits (flash_dispatch.cu) merges.
 //
-// Arithmetic the verifier assumes (verify/tolerance.py, backend "cuda"): as flash_fast.cu's:
+// Arithmetic the verifier assumes (verify/model/kernels.py: KERNELS["cuda-wgmma-3xtf32"] and
+// ["cuda-wgmma-tf32"], the CUDA model): as flash_fast.cu's:
 // 3xTF32 (or TF32) products summed by the tensor cores with truncation, one KV tile per
 // accumulator chain, tiles added in FP32; scale·log2(e) rounded once per head; ex2.approx.ftz;
 // lse = (m + log2 l)·ln 2; four final roundings of O (1/l, and the split combine).
