@@ -195,6 +195,10 @@ __device__ __forceinline__ void softmax_grad(float (&s)[BN / 8][4], float (&dp)[
 }
 
 // ---------------------------------------------------------------------------------------------
+// Kernels 2 and 3 are one function each on purpose: their per-tile steps are the helpers above,
+// and what remains is the double-buffered tile pipeline, whose loads, waits and barriers read
+// best in one place (and whose machine code is the benchmarked one).
+//
 // Kernel 2: dK and dV. Grid: x = key blocks, y = heads. Shared memory: T::SMEM_BYTES.
 template <class T, bool kThree, bool kCausal>
 __global__ void __launch_bounds__(T::THREADS, T::MIN_BLOCKS) flash_bwd_dkdv_kernel(const BwdParams p) {

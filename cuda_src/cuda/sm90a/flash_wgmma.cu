@@ -194,7 +194,10 @@ __global__ void transpose_split_values(const float* V, float* ops, int M, int Mp
 // ---------------------------------------------------------------------------------------------
 // The kernel. Grid: x = query blocks (reversed, so the longest causal blocks start first),
 // y = heads, z = KV splits. Shared memory: Q [PARTS][BR×D], then STAGES stages of
-// {K [PARTS][BC×D], Vᵀ [PARTS][D×BC]}, all in the core-matrix layout.
+// {K [PARTS][BC×D], Vᵀ [PARTS][D×BC]}, all in the core-matrix layout. The kernel is one function
+// on purpose: its per-tile steps are the helpers above, and what remains is the bulk-copy and
+// mbarrier pipeline, whose phases and barriers must be read together (and whose machine code is
+// the benchmarked one).
 
 // Issues S(64×BC) = Q_wg·K_jᵀ for the warpgroup's 64 rows, small terms first, as one wgmma group;
 // s is valid after the next wg::wait. q: the descriptor of the warpgroup's rows of Q (hi part,
