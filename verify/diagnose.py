@@ -251,10 +251,8 @@ def _head_permuted(stage, got, want, ctx, width) -> List[Diagnosis]:
 
 def _lse_log2(stage, got, want, ctx, width) -> List[Diagnosis]:
     """flash_lse in base 2: got ≈ want·log2(e), the log-sum-exp of a kernel that works with exp2 and
-    log2 internally and does not convert back to the natural log (the flash gradients: P
-    recomputed from an lse in the wrong base)."""
-    if STAGES[stage].backward:
-        return backward_bugs.flash_lse_base(stage, got, want, ctx, width)
+    log2 internally and does not convert back to the natural log (the flash gradients' P
+    recomputed from an lse in the wrong base: verify/diagnose_backward.py's grad_lse_log2)."""
     # The base-2 result carries the natural one's rounding times log2(e).
     diff = explains(got, want * LOG2_E, want, width * LOG2_E)
     if diff is None:
@@ -268,6 +266,8 @@ def _lse_log2(stage, got, want, ctx, width) -> List[Diagnosis]:
 _HYPOTHESES = {"nonfinite": _nonfinite, "unwritten": _unwritten, "transposed": _transposed, "layout": _layout,
                "scaled": _scaled, "softmax_axis": _softmax_axis, "head_permuted": _head_permuted, "mask": _mask,
                "tile_boundary": _tile_boundary, "lse_log2": _lse_log2, **backward_bugs.HYPOTHESES}
+# The backward's named bugs explain a factor, a layout and where the errors are.
+_EXPLAINED_BY_BACKWARD_BUGS = ("scaled", "layout", "tile_boundary")
 
 
 def diagnose(stage: str, got: np.ndarray, want: np.ndarray, ctx: dict) -> List[Diagnosis]:
@@ -278,10 +278,13 @@ def diagnose(stage: str, got: np.ndarray, want: np.ndarray, ctx: dict) -> List[D
         return []
     width = width_of(ctx.get("bound"), want)
     found: List[Diagnosis] = []
+    fired = set()
     for name, hyp in _HYPOTHESES.items():
         if name in SPECS[stage].diagnoses:
             with np.errstate(all="ignore"):
-                found.extend(hyp(stage, got, want, ctx, width))
+                new = hyp(stage, got, want, ctx, width)
+            found.extend(new)
+            fired.update([name] if new else [])
     codes = {d.code for d in found}
     if "nonfinite" in codes and "unwritten" in codes:
         # NaN in an unwritten region: the region explains it better than the bare count.
@@ -290,8 +293,7 @@ def diagnose(stage: str, got: np.ndarray, want: np.ndarray, ctx: dict) -> List[D
                 d.confidence = 0.85
     if "transposed" in codes:
         found = [d for d in found if d.code != "tile_boundary"]
-    named_backward_bug = codes & set(backward_bugs.HYPOTHESES) or (STAGES[stage].backward and "lse_log2" in codes)
-    if named_backward_bug:  # it explains the factor, the layout and where the errors are
-        found = [d for d in found if d.code not in ("scaled", "layout", "tile_boundary")]
+    if fired & set(backward_bugs.HYPOTHESES):
+        found = [d for d in found if d.code not in _EXPLAINED_BY_BACKWARD_BUGS]
     found.sort(key=lambda d: -d.confidence)
     return found
