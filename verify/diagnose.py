@@ -19,7 +19,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Tuple
 import numpy as np
 
 from .diagnose_base import (LOG2_E, MATCH_WIDTHS, MAX_HEADS_SEARCHED, POISON_VALUES, SCALE_NAME_RTOL,
-                            UNWRITTEN_DENSITY, Diagnosis, explains, loc, maxdiff, width_of)
+                            UNWRITTEN_DENSITY, Diagnosis, Suspect, explains, loc, maxdiff, width_of)
 from . import diagnose_backward as backward_bugs
 from .diagnose_regions import mask as _mask
 from .diagnose_regions import tile_boundary as _tile_boundary
@@ -27,7 +27,7 @@ from .reference import compute_stage, softmax_rows
 from .specs import SPECS
 from .stages import STAGES
 
-__all__ = ["Diagnosis", "diagnose"]
+__all__ = ["Diagnosis", "Suspect", "diagnose"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -108,8 +108,8 @@ def _layout(stage, got, want, ctx, width) -> List[Diagnosis]:
             diff = explains(got, cand, want, width)
             if diff is not None:
                 found.append((how, diff))
-    src: Dict[str, np.ndarray] = ctx.get("src") or {}
-    scale, causal = float(ctx.get("scale", 1.0)), bool(ctx.get("causal", False))
+    src: Dict[str, np.ndarray] = ctx.src
+    scale, causal = ctx.scale, ctx.causal
     if not found and src and SPECS[stage].isolated is not None:  # not an exact copy
         for name, x in src.items():
             if name not in STAGES[stage].inputs:
@@ -150,9 +150,9 @@ def _scale_names(f: float, scale: float, d_k: int, stage: str) -> List[str]:
 
 def _scaled(stage, got, want, ctx, width) -> List[Diagnosis]:
     """got ≈ f·want (linear stages), or the stage recomputed with a wrong scale (nonlinear ones)."""
-    dims = ctx.get("dims")
+    dims = ctx.dims
     d_k = dims.d_k if dims is not None else 1
-    scale = float(ctx.get("scale", 1.0))
+    scale = ctx.scale
     # Entries left blank (0 or NaN where want is not) belong to an unwritten region, not to the
     # scaling: fit the factor on the rest.
     blank = (np.isnan(got) | (got == 0)) & (want != 0) & np.isfinite(want)
@@ -172,7 +172,7 @@ def _scaled(stage, got, want, ctx, width) -> List[Diagnosis]:
                 return [Diagnosis("scaled", f"{stage} is scaled: got ≈ {f:.6g}·want{named}{rest} "
                                   f"(max diff {diff:.2g})", {"factor": f, "names": names,
                                                              "max_diff": diff}, 0.9)]
-    src = ctx.get("src") or {}
+    src = ctx.src
     if SPECS[stage].scaled and src:
         alts = {"scale applied twice": scale * scale, "scale missing": 1.0,
                 "multiplied by √d_k instead of divided": d_k ** 0.5}
@@ -180,7 +180,7 @@ def _scaled(stage, got, want, ctx, width) -> List[Diagnosis]:
             if abs(s2 - scale) <= 1e-6 * abs(scale):
                 continue
             try:
-                cand = compute_stage(stage, src, s2, bool(ctx.get("causal", False)))
+                cand = compute_stage(stage, src, s2, ctx.causal)
             except (KeyError, ValueError):
                 continue
             diff = explains(got, cand, want, width)
@@ -197,7 +197,7 @@ def _softmax_columns(S: np.ndarray) -> np.ndarray:
 
 
 def _softmax_axis(stage, got, want, ctx, width) -> List[Diagnosis]:
-    src = ctx.get("src") or {}
+    src = ctx.src
     S = src.get(STAGES[stage].inputs[0])
     cands = []
     if S is not None:
@@ -227,8 +227,8 @@ def _softmax_axis(stage, got, want, ctx, width) -> List[Diagnosis]:
 
 
 def _head_permuted(stage, got, want, ctx, width) -> List[Diagnosis]:
-    ref_of_head: Optional[Callable[[int], np.ndarray]] = ctx.get("ref_of_head")
-    dims, head = ctx.get("dims"), ctx.get("head")
+    ref_of_head: Optional[Callable[[int], np.ndarray]] = ctx.ref_of_head
+    dims, head = ctx.dims, ctx.head
     if ref_of_head is None or dims is None or head is None or dims.total_heads < 2:
         return []
     # Another head's reference comes from the reference chain: allow the chained error as well.
@@ -270,13 +270,13 @@ _HYPOTHESES = {"nonfinite": _nonfinite, "unwritten": _unwritten, "transposed": _
 _EXPLAINED_BY_BACKWARD_BUGS = ("scaled", "layout", "tile_boundary")
 
 
-def diagnose(stage: str, got: np.ndarray, want: np.ndarray, ctx: dict) -> List[Diagnosis]:
+def diagnose(stage: str, got: np.ndarray, want: np.ndarray, ctx: Suspect) -> List[Diagnosis]:
     """Every pattern that explains a failing stage × head, most confident first."""
     got = np.asarray(got, dtype=np.float64)
     want = np.asarray(want, dtype=np.float64)
     if got.shape != want.shape:
         return []
-    width = width_of(ctx.get("bound"), want)
+    width = width_of(ctx.bound, want)
     found: List[Diagnosis] = []
     fired = set()
     for name, hyp in _HYPOTHESES.items():

@@ -20,7 +20,7 @@ Own = Callable[[str], np.ndarray]
 
 
 def _own(ctx) -> Optional[Own]:
-    head = ctx.get("head_ctx")
+    head = ctx.head_ctx
     if head is None:
         return None
     return lambda name: np.asarray(head.own(name), np.float64)
@@ -46,7 +46,7 @@ def _rebuilt(stage: str, g: Gradients) -> Optional[np.ndarray]:
 def _width(ctx, stage: str, width: float) -> float:
     """Candidates built from the reference chain (where the program wrote no upstream file) carry
     the chain's error: allow the chained bound's width as well."""
-    head = ctx.get("head_ctx")
+    head = ctx.head_ctx
     if head is None:
         return width
     from . import tolerance
@@ -80,7 +80,7 @@ def _problem(ctx) -> Optional[Tuple[Own, float, bool]]:
     own = _own(ctx)
     if own is None:
         return None
-    return own, float(ctx.get("scale", 1.0)), bool(ctx.get("causal", False))
+    return own, ctx.scale, ctx.causal
 
 
 def _first_match(got, want, width: float, cands: Iterable[Tuple[str, Optional[np.ndarray]]]):
@@ -130,7 +130,7 @@ def ds_missing_p(stage, got, want, ctx, width) -> List[Diagnosis]:
 
 
 def grad_unscaled(stage, got, want, ctx, width) -> List[Diagnosis]:
-    scale = float(ctx.get("scale", 1.0))
+    scale = ctx.scale
     if scale in (0.0, 1.0) or not np.isfinite(scale):
         return []
     hit = _first_match(got, want, width * max(1.0, 1.0 / abs(scale)),
