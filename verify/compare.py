@@ -75,7 +75,7 @@ def _load_output(run: RunInfo, stage: str, head: int):
     if src.arrays is None and (src.per_head or not src.file(head, run.dims).exists()):
         path = src.file(head, run.dims)
         if not path.exists():
-            why = f"run.toml lists stage {stage}" if "stages" in run.values else \
+            why = f"run.toml lists stage {stage}" if run.lists_stages else \
                 f"the other {stage} files exist"
             return None, EXACT, MISSING, f"{path.name} is missing ({why})"
         try:
