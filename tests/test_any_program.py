@@ -107,6 +107,23 @@ def test_bugs_are_caught_at_six_digits(tmp_path, bug):
     assert code in [d["code"] for d in rep["first_failure"]["diagnosis"]]
 
 
+@pytest.mark.parametrize("bug,stage,code", [("axis", "attention_weights", "softmax_axis"),
+                                            ("mask-1", "QK_scaled", "mask_offset")])
+def test_causal_bugs_with_fewer_queries_than_keys_are_named_first(tmp_path, bug, stage, code):
+    """Causal, N < M: a softmax over columns leaves the columns no query sees 0/0 (NaN), and a
+    mask shifted by -1 leaves row 0 with no visible key. The bug is named first, not the NaN it
+    makes nor a region never written, and what follows only inherits it."""
+    inputs = make_input(tmp_path / "in", causal=True)
+    heads = foreign.compute_heads(inputs, default_scale(DIMS.d_k), True, bug=bug)
+    write_heads(tmp_path / "out", heads, foreign.SUBSETS["seed"], "%g")
+    r, rep = check(tmp_path / "in", tmp_path / "out", json_path=tmp_path / "r.json")
+    assert r.exit_code == 1 and rep["first_failing_stage"] == stage, r.output
+    found = [d["code"] for d in rep["first_failure"]["diagnosis"]]
+    assert found[0] == code and "unwritten" not in found, found
+    later = [s for s in rep["stages"] if foreign.SUBSETS["seed"].index(s["stage"]) > foreign.SUBSETS["seed"].index(stage)]
+    assert later and {s["status"] for s in later} == {"INHERITED"}, later
+
+
 # ---- subsets, stacked .npy, name maps ------------------------------------------------------------
 
 def test_only_output_without_run_toml(tmp_path):
@@ -204,12 +221,29 @@ def test_a_tf32_run_of_the_cpu_backend_is_checked_under_tf32_and_says_so(tmp_pat
 
 
 def test_the_precision_the_bounds_assume_is_printed_and_settable(tmp_path):
+    """The verdict line itself (all --quiet shows), the JSON and the JUnit report name the precision
+    the bounds assume; --precision sets it; a claim no run can make is refused."""
     inputs = make_input(tmp_path / "in")
     write_heads(tmp_path / "out", correct_heads(inputs), ["QK"])
-    r, rep = check(tmp_path / "in", tmp_path / "out", json_path=tmp_path / "r.json")
-    assert "fp32, any IEEE float32 program" in r.output and rep["precision"] == "fp32"
+    r, rep = check(tmp_path / "in", tmp_path / "out", "--quiet", "--junit", tmp_path / "r.xml",
+                   json_path=tmp_path / "r.json")
+    assert r.output.splitlines()[-1].startswith("PASS (bounds for fp32): ") and rep["precision"] == "fp32"
+    assert '<property name="precision" value="fp32" />' in (tmp_path / "r.xml").read_text()
     r, rep = check(tmp_path / "in", tmp_path / "out", "--precision", "tf32", json_path=tmp_path / "r.json")
     assert r.exit_code == 0 and "tf32" in r.output.splitlines()[0] and rep["precision"] == "tf32"
+    assert r.output.splitlines()[-1].startswith("PASS (bounds for tf32): ")
+    (tmp_path / "out" / "run.toml").write_text('precision = "tf32"\n')
+    r, rep = check(tmp_path / "in", tmp_path / "out", "--quiet", json_path=tmp_path / "r.json")
+    assert r.output.splitlines()[-1].startswith("PASS (bounds for tf32): ") and rep["precision"] == "tf32"
+    r, _ = check(tmp_path / "in", tmp_path / "out", "--quiet", "--precision", "fp32")
+    assert r.output.splitlines()[-1].startswith("PASS (bounds for fp32): ")
+    write_heads(tmp_path / "out", [{"QK": h["QK"] * 1.001} for h in correct_heads(inputs)], ["QK"])
+    r, _ = check(tmp_path / "in", tmp_path / "out", "--quiet", "--precision", "fp32")
+    assert r.exit_code == 1 and r.output.splitlines()[-1].startswith("FAIL (bounds for fp32): first failing stage: QK")
+    for claim in ('precision = "fp16"', 'backend = "gpu"'):
+        (tmp_path / "out" / "run.toml").write_text(claim + "\n")
+        r, _ = check(tmp_path / "in", tmp_path / "out")
+        assert r.exit_code == 2 and claim.split()[0] in r.output and len(r.output.strip().splitlines()) == 1, r.output
 
 
 # ---- tiny magnitudes: a bug at any representable magnitude fails ----------------------------------

@@ -13,8 +13,11 @@ import tomllib
 import numpy as np
 import pytest
 
+from verify.compare import Options, check
+from verify.outputs import load_run
 from verify.stages import INPUT_NAMES, RUN_MANIFEST, STAGES, Dims, stage_file
 
+from nonfinite import NAN_DIMS, nan_case, nan_row_failures
 from shapes import shape_params
 
 
@@ -182,3 +185,18 @@ def test_progress_reports_every_unit_of_work_once_up_to_the_total(binary, tmp_pa
     assert done == sorted(set(done)) and done[-1] == 12
     quiet = subprocess.run([*base, "--out", str(tmp_path / "b")], capture_output=True, text=True, timeout=600)
     assert quiet.returncode == 0 and "progress" not in quiet.stderr
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_nan_input_reaches_its_rows_whole(binary, tmp_path, causal):
+    """--allow-nonfinite: a NaN in Q or K makes every row that sees it NaN in attention_weights,
+    output, flash_output and flash_lse (the row maximum keeps the NaN: a row of NaN scores is not
+    a row with no visible key), no other row; the verifier passes the run under --allow-nonfinite."""
+    in_dir, nan_rows = nan_case(tmp_path / "in", causal)
+    run_cpu(binary, in_dir, tmp_path / "out", "--allow-nonfinite", *(["--causal"] if causal else []))
+    run = load_run(tmp_path / "out")
+    failures = nan_row_failures(lambda s, h: np.load(run.file(s, h)), run.stages, nan_rows, NAN_DIMS.seq_q)
+    assert not failures, failures
+    report = check(in_dir, tmp_path / "out", Options(causal=causal, allow_nonfinite=True))
+    assert report.passed, [(r.stage, r.head, r.status, r.message) for r in report.results if not r.passed]
+

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import xml.etree.ElementTree as ET
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -95,7 +96,7 @@ def test_check_passes_with_json_and_junit(runner, good_run, tmp_path):
     res = runner.invoke(cli, ["check", "--in", str(in_dir), "--out", str(out_dir),
                               "--json", str(tmp_path / "r.json"), "--junit", str(tmp_path / "r.xml")])
     assert res.exit_code == 0, res.output
-    assert "PASS: all" in res.output
+    assert "PASS (bounds for fp32): all" in res.output
     rep = json.loads((tmp_path / "r.json").read_text())
     assert rep["passed"] is True and rep["first_failing_stage"] is None
     entry = rep["results"][0]
@@ -151,7 +152,7 @@ def test_demo_with_the_backward_pass_checks_the_gradients(runner, tmp_path, bina
     for stage in ("dQ", "dK", "dV", "flash_dQ"):
         assert f"\n{stage} " in res.output, stage
     from verify.stages import STAGES
-    assert f"PASS: all {len(STAGES)} stages" in res.output
+    assert f"PASS (bounds for fp32): all {len(STAGES)} stages" in res.output
 
 
 def test_python_dash_m_verify(tmp_path):
@@ -263,6 +264,51 @@ def test_check_refuses_a_link_to_a_fifo_and_a_folder(runner, good_run, tmp_path)
         assert "--json" in _one_line_error(res)
     assert (tmp_path / "link").is_symlink() and _is_fifo(tmp_path / "pipe")
     assert (tmp_path / "folder_link").is_symlink() and not list((tmp_path / "folder").iterdir())
+
+
+def _special_path(tmp_path, kind):
+    """A report path that must be refused, and what it is."""
+    import os
+    if kind == "device":
+        return Path("/dev/null")
+    if kind == "fifo":
+        return _fifo(tmp_path / "pipe")
+    if kind == "folder":
+        (tmp_path / "folder").mkdir()
+        return tmp_path / "folder"
+    if kind == "file":
+        (tmp_path / "file").write_text("keep\n")
+        return tmp_path / "file"
+    if kind == "link-to-device":
+        os.symlink("/dev/full", tmp_path / "link")
+        return tmp_path / "link"
+    return Path("/proc/attnstep-report")  # unwritable: no file can be created there, not even by root
+
+
+REFUSED = [(opt, kind) for opt in ("--json", "--junit", "--plot")
+           for kind in ("device", "fifo", "folder", "file", "link-to-device", "unwritable")
+           if (kind == "file") == (opt == "--plot") or kind not in ("folder", "file")]
+
+
+@pytest.mark.skipif(not Path("/proc/self").exists(), reason="needs /proc (Linux)")
+@pytest.mark.parametrize("option,kind", REFUSED, ids=[f"{o[2:]}-{k}" for o, k in REFUSED])
+def test_check_refuses_a_report_path_in_one_line_before_checking(runner, good_run, tmp_path, option, kind):
+    """Each: one line naming the option and the path, exit 2, before any comparison ran, and what
+    was there is still there as it was."""
+    import os
+    in_dir, out_dir = good_run
+    _plant(out_dir, "QK_head_1.txt", lambda m: m * 2.0)  # a failing run: --plot writes too
+    path = _special_path(tmp_path, kind)
+    before = os.lstat(path) if os.path.lexists(path) else None
+    res = runner.invoke(cli, ["check", "--in", str(in_dir), "--out", str(out_dir), option, str(path)])
+    assert res.exit_code == 2 and "Traceback" not in res.output
+    lines = res.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"Error: {option} {path}: "), res.output
+    if before is None:
+        assert not os.path.lexists(path)
+    else:
+        after = os.lstat(path)
+        assert (after.st_mode, after.st_ino, after.st_size) == (before.st_mode, before.st_ino, before.st_size)
 
 
 def test_check_writes_reports_through_a_symlink(runner, good_run, tmp_path):

@@ -124,7 +124,7 @@ PLANTS = [
     ("output-unwritten-rows", "output", "rect", False, lambda c, s: _unwritten_rows(c, "output"), "unwritten",
      lambda d: d["rows"] == [8, 15]),
     ("QK-unwritten-nan-block", "QK", "rect", False, lambda c, s: _nan_rect(c, "QK"), "unwritten",
-     lambda d: d["rows"] == [4, 8] and d["cols"] == [3, 11]),
+     lambda d: d["rows"] == [4, 8] and d["cols"] == [3, 11] and d["values"] == ["NaN"]),
     ("QK-nonfinite", "QK", "rect", False, lambda c, s: _one_nan(c, "QK"), "nonfinite", lambda d: d["first"] == [5, 7]),
     ("QK_scaled-mask-missing", "QK_scaled", "rect", True, lambda c, s: c["QK"] * s, "mask_missing", None),
     ("attention_weights-mask-missing", "attention_weights", "rect", True,
@@ -201,6 +201,43 @@ def test_nothing_fires_on_correct_or_noisy_results(shape, causal, dist):
         noisy = np.where(hit, want + 3 * bound * rng.choice([-1.0, 1.0], got.shape), got)
         found = run(stage, noisy, chains, dims, scale, causal, tiles=(16, 16))
         assert found == [], f"{stage}: {[(d.code, d.message) for d in found]}"
+        # Without the run's tile sizes (no run.toml) no tile size may be guessed either.
+        found = run(stage, noisy, chains, dims, scale, causal, tiles=None)
+        assert found == [], f"{stage} (no tiles known): {[(d.code, d.message) for d in found]}"
+
+
+@pytest.mark.parametrize("rows", [slice(1, None, 2), slice(2, 4), slice(0, 2)], ids=["every-other-row", "rows-2-3", "rows-0-1"])
+def test_no_tile_size_is_invented_without_the_runs_tiles(rows):
+    """Errors on alternating rows or on a pair of rows fit a 'tile' of 2, which no kernel tiles by:
+    without the run's own tile sizes nothing may be named a tile boundary."""
+    chains, dims, scale = make_case("square", False)
+    got = chains[1]["output"].copy()
+    got[rows, :] += 0.05 * np.abs(got).max()
+    assert "tile_boundary" not in codes(run("output", got, chains, dims, scale, False, tiles=None))
+
+
+def _weights_mask_shift(c, scale, k, guarded):
+    """The softmax of a causal mask shifted by k; a row with no visible key is NaN (0/0), or 0 in a
+    program that guards the division."""
+    with np.errstate(all="ignore"):
+        w = softmax_rows(_mask_shift(c, scale, k))
+    return np.nan_to_num(w, nan=0.0) if guarded else w
+
+
+@pytest.mark.parametrize("shape", ["rect", "square"])
+@pytest.mark.parametrize("k", [1, -1, -2])
+@pytest.mark.parametrize("guarded", [False, True], ids=["nan-row", "zero-row"])
+def test_a_shifted_mask_in_the_weights_is_named_first_with_its_direction(shape, k, guarded):
+    """The diagonal masked too (-1) leaves row 0 with no visible key: its NaN (or zeros) and the
+    block of renormalized rows are the shift's doing, not a finding of their own."""
+    chains, dims, scale = make_case(shape, True)
+    found = run("attention_weights", _weights_mask_shift(chains[1], scale, k, guarded), chains, dims, scale, True)
+    assert found and found[0].code == "mask_offset" and found[0].detail["offset"] == k, \
+        [(d.code, d.message) for d in found]
+    assert "tile_boundary" not in codes(found) and "unwritten" not in codes(found)
+    words = {1: "each query sees 1 key past the diagonal", -1: "the diagonal masked too: each query sees 1 key fewer",
+             -2: "each query sees 2 keys fewer"}[k]
+    assert words in found[0].message
 
 
 def test_nonfinite_counts_only_where_the_reference_is_finite():

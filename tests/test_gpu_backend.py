@@ -21,6 +21,7 @@ from verify.reference import reference_chain
 from verify.runner import run_binary
 from verify.stages import INPUT_NAMES, Dims, stage_file
 
+from nonfinite import ROW_STAGES, nan_case, nan_row_failures
 from shapes import SHAPES, shape_id
 
 pytestmark = pytest.mark.gpu
@@ -238,6 +239,42 @@ def test_nan_in_q_gives_nan_rows_in_each_tensor_core_kernel(binary, tmp_path, ke
     tol = FP32_TOL if precision == "fp32" else TF32_TOL
     assert within(rel_err(out[others], ref["flash_output"][others]), tol)
     assert within(rel_err(lse[others], ref["flash_lse"].reshape(-1)[others]), tol)
+
+
+# NaN in a key of head 0 and in three query rows of head 1 (tests/nonfinite.py), at a width every
+# flash kernel has; two heads of 70 rows leave the tensor-core kernels' KV loop split and merged.
+NAN_EVERY_KERNEL_DIMS = Dims(batch=1, heads=2, seq_q=70, seq_k=150, d_k=64, d_v=64)
+
+
+@pytest.mark.parametrize("kernel", ["clean", "fast", "wgmma"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_nan_input_reaches_its_rows_in_every_stage_and_kernel(binary, tmp_path, kernel, causal):
+    # Every row that sees a NaN score is NaN throughout in attention_weights (the stage path's
+    # softmax: also when the row's other scores are finite), output, flash_output and flash_lse;
+    # no other row is; the verifier passes the run under --allow-nonfinite; and the finite rows
+    # match the CPU backend's.
+    dims = NAN_EVERY_KERNEL_DIMS
+    in_dir, nan_rows = nan_case(tmp_path / "in", causal, dims)
+    out = tmp_path / "cuda"
+    res = run_binary(binary, in_dir, out, backend="cuda", check=False,
+                     extra=["--poison", "--allow-nonfinite", "--flash-kernel", kernel])
+    if res.returncode == 2 and f"no {kernel} variant" in res.stderr:
+        pytest.skip(f"this GPU has no {kernel} kernel: {res.stderr.strip()}")
+    assert res.returncode == 0, res.stderr
+    run = load_run(out)
+    assert run.values["flash_kernel"].startswith(f"cuda-{kernel}"), run.values["flash_kernel"]
+    failures = nan_row_failures(lambda s, h: read_matrix(run.file(s, h)), run.stages, nan_rows, dims.seq_q)
+    assert not failures, failures
+    report = check(in_dir, out, Options(causal=causal, allow_nonfinite=True))
+    assert report.passed, [(r.stage, r.head, r.status, r.message) for r in report.results if not r.passed]
+    cpu = run_case(binary, in_dir, tmp_path / "cpu", "cpu", "--allow-nonfinite")
+    for head, rows in nan_rows.items():
+        others = np.setdiff1d(np.arange(dims.seq_q), rows)
+        for stage in ROW_STAGES:
+            got = read_matrix(run.file(stage, head)).reshape(dims.seq_q, -1)[others]
+            want = read_matrix(cpu.file(stage, head)).reshape(dims.seq_q, -1)[others]
+            e = rel_err(got, want)
+            assert within(e, FP32_TOL), f"{kernel} {stage} head {head}: {e:.3g} vs the CPU backend"
 
 
 def test_tensor_core_kernels_take_more_heads_than_one_launch_holds(binary, tmp_path):

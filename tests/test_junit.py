@@ -15,7 +15,8 @@ def _result(stage, head, status, message="", diagnosis=()):
 
 def _suite(tmp_path, results):
     path = tmp_path / "r.xml"
-    write_junit(SimpleNamespace(results=results), path)
+    run = SimpleNamespace(precision="tf32", math="ieee", backend="cpu")
+    write_junit(SimpleNamespace(results=results, run=run), path)
     root = ET.parse(path).getroot()
     assert root.tag == "testsuites"
     return root.find("testsuite")
@@ -27,6 +28,8 @@ def test_junit_structure(tmp_path):
                               _result("QK_scaled", 1, "FAIL", 'off by "2x"', [why])])
     assert (suite.get("name"), suite.get("tests"), suite.get("failures"), suite.get("errors")) == \
         ("attnstep", "2", "1", "0")
+    props = {p.get("name"): p.get("value") for p in suite.findall("properties/property")}
+    assert props == {"precision": "tf32", "math": "ieee", "arithmetic": "tf32, attnstep's cpu backend"}
     ok, bad = suite.findall("testcase")
     assert (ok.get("classname"), ok.get("name")) == ("attnstep.QK", "head_0")
     assert ok.find("failure") is None

@@ -12,21 +12,23 @@ from typing import Dict, Tuple
 import click
 
 from .bench import bench
-from .case import check_scale, load_input_case, output_file_target
+from .case import check_scale, load_input_case
 from .compare import Options, check_run, error_ratio_map
 from .generate import DEFAULT_DIMS, DISTRIBUTIONS, generate_case
 from .options import (backend_option, binary_option, build_option, force_option, in_option,
                       json_option, out_option, progress_bar, reported_progress_bar, seed_option, timeout_option)
 from .options import checked_path as _checked_path
+from .options import report_file
 from .options import user_errors as _user_errors
 from .outputs import MATH_MODES, open_run, parse_name_map, read_names_file
 from .programs import run_any_program, run_attnstep_binary, run_summary
-from .report import (check_plot_folder, failure_lines, header_lines, plural, summary_lines, table_lines,
+from .report import (check_plot_folder, failure_lines, header_lines, summary_lines, table_lines,
                      write_json, write_junit, write_plots)
 from .runner import BINARY_NAME, ensure_built, example_names
 from .stages import (BACKWARD_STAGES, CASE_INPUTS, DATA_DIR, DEFAULT_CASE, DEFAULT_INPUT_DIR, DEFAULT_RESULT,
                      FORMATS, INPUT_NAMES, PRECISIONS, STAGE_NAMES, STAGES, Dims)
 from .sweep import sweep
+from .words import plural
 
 # Work (N·M·heads) above which `check` shows a progress bar, and values written above which
 # `generate` does (on a terminal only).
@@ -274,9 +276,9 @@ def _plot(report, plot_dir: Path, opts: Options, quiet: bool) -> None:
 @in_option
 @out_option
 @json_option
-@click.option("--junit", "junit_path", type=click.Path(dir_okay=False, path_type=Path),
-              callback=_checked_path(output_file_target), help="Write a JUnit XML report to this file.")
-@click.option("--plot", "plot_dir", type=click.Path(file_okay=False, path_type=Path),
+@click.option("--junit", "junit_path", type=click.Path(path_type=Path),
+              callback=_checked_path(report_file), help="Write a JUnit XML report to this file.")
+@click.option("--plot", "plot_dir", type=click.Path(path_type=Path),
               callback=_checked_path(check_plot_folder),
               help="Write error maps (PNG) of failing stages here (needs matplotlib).")
 @click.option("--atol", type=TOLERANCE, help="Absolute tolerance of every stage, instead of the model.")

@@ -26,6 +26,7 @@ from .diagnose_regions import tile_boundary as _tile_boundary
 from .reference import compute_stage, softmax_rows
 from .specs import SPECS
 from .stages import STAGES
+from .words import plural
 
 __all__ = ["Diagnosis", "Suspect", "diagnose"]
 
@@ -59,12 +60,13 @@ def _unwritten(stage, got, want, ctx, width) -> List[Diagnosis]:
     box = blank[r0:r1 + 1, c0:c1 + 1]
     if box.mean() < UNWRITTEN_DENSITY or suspect.sum() < 2:
         return []
-    kinds = [k for k, m in (("NaN", np.isnan(box)), ("zeros", box & (got[r0:r1 + 1, c0:c1 + 1] == 0)),
-                            ("poison", np.isin(got[r0:r1 + 1, c0:c1 + 1], POISON_VALUES))) if m.any()]
+    region = got[r0:r1 + 1, c0:c1 + 1]
+    kinds = [k for k, m in (("NaN", np.isnan(region)), ("zeros", region == 0),
+                            ("poison", np.isin(region, POISON_VALUES))) if m.any()]
     whole = "whole matrix" if (r1 - r0 + 1, c1 - c0 + 1) == got.shape else \
         f"rows {r0}..{r1}, cols {c0}..{c1}"
     return [Diagnosis("unwritten", f"{stage}: {whole} hold {'/'.join(kinds)} where the reference "
-                      f"has values: never written ({int(suspect.sum())} entries)",
+                      f"holds other values: never written ({plural(int(suspect.sum()), 'entry', 'entries')})",
                       {"rows": [r0, r1], "cols": [c0, c1], "values": kinds,
                        "count": int(suspect.sum())}, 0.9)]
 
@@ -262,6 +264,9 @@ def _lse_log2(stage, got, want, ctx, width) -> List[Diagnosis]:
                       {"factor": LOG2_E, "max_diff": diff}, 0.93)]
 
 
+# Bugs that leave whole rows or columns empty or renormalized, explaining every element.
+_EMPTIES_LINES = {"softmax_axis", "mask_offset", "mask_missing"}
+
 # Each stage's spec (verify/specs/) names the hypotheses that apply to it.
 _HYPOTHESES = {"nonfinite": _nonfinite, "unwritten": _unwritten, "transposed": _transposed, "layout": _layout,
                "scaled": _scaled, "softmax_axis": _softmax_axis, "head_permuted": _head_permuted, "mask": _mask,
@@ -286,8 +291,13 @@ def diagnose(stage: str, got: np.ndarray, want: np.ndarray, ctx: Suspect) -> Lis
             found.extend(new)
             fired.update([name] if new else [])
     codes = {d.code for d in found}
-    if "nonfinite" in codes and "unwritten" in codes:
-        # NaN in an unwritten region: the region explains it better than the bare count.
+    if codes & _EMPTIES_LINES:
+        # A wrong axis or mask leaves rows or columns with no visible key (0/0: NaN, or 0 where
+        # guarded): those lines are its consequence, not a region never written nor a tile's.
+        found = [d for d in found if d.code not in ("unwritten", "tile_boundary")]
+        codes = {d.code for d in found}
+    if "nonfinite" in codes and codes & (_EMPTIES_LINES | {"unwritten"}):
+        # NaN in an unwritten region or an empty line: the cause explains it better than the count.
         for d in found:
             if d.code == "nonfinite":
                 d.confidence = 0.85

@@ -10,6 +10,7 @@ from .diagnose_base import MAX_MASK_OFFSET, TILE_DENSITY, TILE_PERIODS, Diagnosi
 from .reference import causal_mask
 from .specs import SPECS
 from .stages import STAGES
+from .words import plural
 
 
 def _offset_mask(shape, k: int) -> np.ndarray:
@@ -49,8 +50,8 @@ def mask(stage, got, want, ctx, width) -> List[Diagnosis]:
         k = _fit_offset(pattern)
         if k is not None and k != 0 and (causal or k < M - 1):
             return [Diagnosis("mask_offset", f"{stage}: the mask is shifted by {k:+d}: entries "
-                              f"c > r {'+' if k >= 0 else '-'} {abs(k)} are masked instead of c > r",
-                              {"offset": k}, 0.9)]
+                              f"c > r {'+' if k >= 0 else '-'} {abs(k)} are masked instead of c > r "
+                              f"({_shift_words(k)})", {"offset": k}, 0.9)]
         return []
     # Stages computed from the inputs under the mask: recompute with the candidate masks.
     src = ctx.src
@@ -76,10 +77,18 @@ def mask(stage, got, want, ctx, width) -> List[Diagnosis]:
         diff = explains(got, cand, want, width)
         if diff is not None:
             return [Diagnosis("mask_offset", f"{stage}: the causal mask is shifted by {k:+d} (keys "
-                              f"c <= r {'+' if k >= 0 else '-'} {abs(k)} visible)"
+                              f"c <= r {'+' if k >= 0 else '-'} {abs(k)} visible: {_shift_words(k)})"
                               + (": bottom-right aligned" if k == M - N else "") +
                               f" (max diff {diff:.2g})", {"offset": k, "max_diff": diff}, 0.9)]
     return []
+
+
+def _shift_words(k: int) -> str:
+    """Which way a mask shifted by k errs, in a query's terms."""
+    if k > 0:
+        return f"each query sees {plural(k, 'key')} past the diagonal"
+    return ("the diagonal masked too" if k == -1 else f"the diagonal and {plural(-k - 1, 'key')} before it "
+            "masked too") + f": each query sees {plural(-k, 'key')} fewer"
 
 
 def _fit_offset(pattern: np.ndarray) -> Optional[int]:

@@ -12,6 +12,7 @@ import io
 import os
 import re
 import stat
+import tempfile
 import tokenize
 import warnings
 import zlib
@@ -30,12 +31,12 @@ class CaseError(Exception):
 # ----------------------------------------------------------------------------------------------
 # Atomic writes: a file appears complete or not at all.
 
-_FILE_KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISCHR, "a character device"),
+_FILE_KINDS = ((stat.S_ISREG, "a file"), (stat.S_ISDIR, "a folder"), (stat.S_ISCHR, "a character device"),
                (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"))
 
 
 def file_kind(mode: int) -> str:
-    """What an st_mode that is not a regular file is, in words."""
+    """What an st_mode is, in words (for a message refusing it where it does not belong)."""
     return next((word for test, word in _FILE_KINDS if test(mode)), "a special file")
 
 
@@ -62,6 +63,17 @@ def output_file_target(path: Path) -> Path:
     if not target.parent.is_dir():
         raise CaseError(f"{path}: cannot write: folder {target.parent} does not exist")
     return target
+
+
+def probe_writable(folder: Path, what: Path) -> None:
+    """Refuses `what` when no file can be created in `folder` (permissions, a read-only or virtual
+    file system): creating and removing one is the only test that holds for every user, root too."""
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".attnstep-probe-", dir=folder)
+    except OSError as exc:
+        raise CaseError(f"{what}: cannot write into {folder}: {exc.strerror or exc}") from None
+    os.close(fd)
+    os.unlink(probe)
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import click
 
-from .case import CaseError, output_file_target
+from .case import CaseError, output_file_target, probe_writable
 from .generate import MAX_SEED
 from .runner import DEFAULT_BUILD_DIR, DEFAULT_RUN_TIMEOUT_S, RunnerError
 from .stages import DEFAULT_INPUT_DIR, DEFAULT_OUTPUT_DIR
@@ -45,15 +45,24 @@ def user_errors(fn):
 
 def checked_path(check_fn):
     """An option callback that refuses, while the command line is read (before any work), a path
-    that check_fn (raising CaseError) rejects."""
+    that check_fn (raising CaseError) rejects: one line naming the option, exit status 2."""
     def callback(ctx, param, value):
         if value is not None:
             try:
                 check_fn(value)
             except CaseError as exc:
-                raise click.BadParameter(str(exc), ctx, param) from None
+                opt = param.opts[0]
+                raise InputError(str(exc) if str(exc).startswith(opt) else f"{opt} {exc}") from None
         return value
     return callback
+
+
+def report_file(path: Path) -> Path:
+    """A report's file: a regular file (or a link to one) or nothing yet, in a folder the
+    report can be written into, found out before the check runs rather than after."""
+    target = output_file_target(path)
+    probe_writable(target.parent, path)
+    return target
 
 
 class SharedOption:
@@ -90,8 +99,8 @@ seed_option = SharedOption("--seed", type=click.IntRange(0, MAX_SEED), default=0
                            help="Random seed.")
 force_option = SharedOption("--force", is_flag=True,
                             help="Replace an input case there that attnstep did not generate.")
-json_option = SharedOption("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),
-                           callback=checked_path(output_file_target),
+json_option = SharedOption("--json", "json_path", type=click.Path(path_type=Path),
+                           callback=checked_path(report_file),
                            help="Write the full report as JSON to this file.")
 
 

@@ -14,7 +14,7 @@ import click
 from .case import CaseError, read_toml
 from .options import InputError
 from .outputs import stage_files_in
-from .report import plural
+from .words import plural
 from .runner import run_binary, run_program, set_aside_previous
 from .stage_files import STACKED_SUFFIX, pattern_glob
 from .stages import INPUT_MANIFEST, RUN_MANIFEST, STAGE_NAMES, parse_stage_file

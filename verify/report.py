@@ -13,17 +13,13 @@ from typing import List, Optional
 
 import numpy as np
 
-from .case import CaseError, atomic_write_bytes, file_kind
+from .case import CaseError, atomic_write_bytes, file_kind, probe_writable
 from .results import FAIL, INHERITED, PASS, Comparison, HeadResult, Report
 from .resolution import EXACT
 from .stages import STAGES, stage_file
+from .words import plural
 
 MAX_DETAILED_FAILURES = 8
-
-
-def plural(n: int, noun: str) -> str:
-    """`1 head`, `2 heads`: a count with its noun in the right number."""
-    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 def _g(x: Optional[float]) -> str:
@@ -59,6 +55,11 @@ def arithmetic(run) -> str:
     """What the bounds assume, in words: the precision and whose arithmetic."""
     who = {None: "any IEEE float32 program"}.get(run.backend, f"attnstep's {run.backend} backend")
     return f"{run.precision}, {who}" + (", fast-math intrinsics" if run.math == "fast" else "")
+
+
+def bounds_words(run) -> str:
+    """The verdict's qualifier: the precision the bounds assume (a looser claim shows in every verdict)."""
+    return f"bounds for {run.precision}" + (", fast-math intrinsics" if run.math == "fast" else "")
 
 
 def header_lines(report: Report) -> List[str]:
@@ -164,14 +165,14 @@ def summary_lines(report: Report) -> List[str]:
     if first is None:
         used = max((r.main.tol_used for r in report.results if r.main), default=0.0)
         n, h = len(report.stages), report.run.dims.total_heads
-        lines.append(f"PASS: all {plural(n, 'stage')} x {plural(h, 'head')}; "
+        lines.append(f"PASS ({bounds_words(report.run)}): all {plural(n, 'stage')} x {plural(h, 'head')}; "
                      f"largest fraction of tolerance used {_g(used)} (headroom {_g(max(0.0, 1 - used))})")
         return lines
     inherited = [s for s in report.stages
                  if stage_status(report.stage_results(s)) == INHERITED]
-    lines.append(f"FAIL: first failing stage: {first.stage} (head {first.head}: batch {first.batch}, "
-                 f"head {first.head_in_batch})" + (f"; {first.diagnosis[0].code}: "
-                                                   f"{first.diagnosis[0].message}" if first.diagnosis else ""))
+    lines.append(f"FAIL ({bounds_words(report.run)}): first failing stage: {first.stage} (head {first.head}: "
+                 f"batch {first.batch}, head {first.head_in_batch})"
+                 + (f"; {first.diagnosis[0].code}: {first.diagnosis[0].message}" if first.diagnosis else ""))
     if inherited:
         lines.append(f"      inherited downstream (pass in isolation): {', '.join(inherited)}")
     return lines
@@ -242,6 +243,10 @@ def write_junit(report: Report, path: Path) -> None:
     root = ET.Element("testsuites")
     suite = ET.SubElement(root, "testsuite", name="attnstep", tests=str(len(report.results)),
                           failures=str(sum(not r.passed for r in report.results)), errors="0")
+    suite_props = ET.SubElement(suite, "properties")  # what the bounds assume: a CI job sees a loosened check
+    for name, value in (("precision", report.run.precision), ("math", report.run.math),
+                        ("arithmetic", arithmetic(report.run))):
+        ET.SubElement(suite_props, "property", name=name, value=_xml_text(str(value)))
     for r in report.results:
         case = ET.SubElement(suite, "testcase", classname=f"attnstep.{r.stage}", name=f"head_{r.head}")
         props = ET.SubElement(case, "properties")
@@ -255,15 +260,22 @@ def write_junit(report: Report, path: Path) -> None:
 
 
 def check_plot_folder(folder: Path) -> None:
-    """The plot folder is a folder, or nothing yet (it is created): anything else is refused."""
+    """The plot folder is a folder, or nothing yet (it is created): anything else is refused, and
+    so is a place no file can be written (the maps come after the whole check)."""
+    folder = Path(folder)
     try:
         st = os.stat(folder)
     except FileNotFoundError:
+        parent = next((p for p in folder.absolute().parents if p.exists()), None)
+        if parent is None or not parent.is_dir():
+            raise CaseError(f"{folder}: cannot create the plot folder under {parent}") from None
+        probe_writable(parent, folder)
         return
     except OSError as exc:
         raise CaseError(f"{folder}: cannot use as the plot folder: {exc.strerror or exc}") from None
     if not stat.S_ISDIR(st.st_mode):
         raise CaseError(f"{folder}: is {file_kind(st.st_mode)}, not a folder for the plots")
+    probe_writable(folder, folder)
 
 
 # What a tile of a stage's rows or columns is, by the stage table's dimension symbol: the

@@ -63,6 +63,12 @@ void parallel_for(size_t n, Fn fn) {
 
 inline bool masked(bool causal, int r, int c) { return causal && c > r; }  // top-left aligned
 
+// std::max(m, x), except that a NaN in either stays NaN: a row maximum over scores that hold a NaN
+// (NaN in Q or K under --allow-nonfinite) is NaN, so the whole row's softmax, output and lse are
+// NaN, as the reference's are. std::max(-inf, NaN) would drop it, and a row of NaN scores would
+// look like a row with no visible key.
+inline float max_keep_nan(float m, float x) { return m < x || x != x ? x : m; }
+
 // A rows x cols matrix transposed (cols x rows).
 std::vector<float> transposed(const float* a, int rows, int cols) {
     std::vector<float> t(static_cast<size_t>(rows) * cols);
@@ -276,7 +282,7 @@ void CpuBackend::run_stage(Stage s, const Problem& p, HeadGroup& g, const Operan
                 const float* S = sc.head(static_cast<int>(h)) + r * M;
                 float* P = out.head(static_cast<int>(h)) + r * M;
                 float m = kNegInf;
-                for (int c = 0; c < M; ++c) m = std::max(m, S[c]);
+                for (int c = 0; c < M; ++c) m = max_keep_nan(m, S[c]);
                 float l = 0.f;
                 for (int c = 0; c < M; ++c) {
                     P[c] = S[c] == kNegInf ? 0.f : std::exp(S[c] - m);
@@ -397,7 +403,7 @@ void CpuBackend::flash(const Problem& p, HeadGroup& g, const Operands& in) {
                 row_times_matrix(Qi + static_cast<size_t>(rr) * d, KjT.data(), d, cols, S.data());
                 for (int cc = 0; cc < cols; ++cc) {
                     S[cc] = masked(p.causal, r, c0 + cc) ? kNegInf : S[cc] * p.scale;
-                    m_new = std::max(m_new, S[cc]);
+                    m_new = max_keep_nan(m_new, S[cc]);
                 }
                 if (m_new == kNegInf) continue;  // nothing visible yet in this row
                 // P = exp(S - m_new); l = exp(m - m_new) l + rowsum(P); O = exp(m - m_new) O + P Vj

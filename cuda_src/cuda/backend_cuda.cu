@@ -326,8 +326,8 @@ void CudaBackend::run_backward_stages(const Problem& p, StageSet computed, int h
     }
 }
 
-// The first launch of a kernel loads it into the context: about 35 ms for each GEMM kernel cuBLAS
-// picks (seen on an H200 in QK's time), well under 1 ms for ours. One untimed pass per group size,
+// The first launch of a kernel loads it into the context, which for cuBLAS's GEMM kernels costs
+// far more than the GEMM (docs/performance.md, "Kernel loading"). One untimed pass per group size,
 // precision and stage set keeps that out of the stage times; later groups of the same size skip it.
 void CudaBackend::warm_up_stages(const Problem& p, StageSet computed, int heads, const Buffers& b) {
     if (!warmed_.insert({heads, static_cast<int>(p.precision), computed.bits}).second) return;

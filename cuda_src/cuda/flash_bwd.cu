@@ -57,8 +57,9 @@ struct BwdTiles {
     static constexpr int DC = D < 64 ? D : 64;
 };
 
-// Per width, from ptxas (-Xptxas -v, sm_90) and SMEM_BYTES: d64 111 KB and d128 105 KB per block
-// (2 blocks per SM), d16 and d32 smaller.
+// Per width: two blocks per SM at every width; d128 streams tiles of 16 rows, which keeps two
+// blocks' shared memory within an SM's. Registers and shared memory: docs/performance.md
+// ("flash_fast and flash_bwd resources").
 template <int D>
 struct BwdConfig;
 template <> struct BwdConfig<16> { using type = BwdTiles<16, 4, 64, 2>; };

@@ -170,8 +170,9 @@ __device__ __forceinline__ void qk_tile(float (&s)[T::BC / 8][4], const QFrags<T
 // O(16×D) += P(16×BC) · V_j. P's fragment for keys 8kk..8kk+7 is the S accumulator s[kk] under
 // the k permutation: a = {P[g][2t], P[g+8][2t], P[g][2t+1], P[g+8][2t+1]} = {s0, s2, s1, s3};
 // b0 = V[8kk+2t][8nt+g], b1 = V[8kk+2t+1][8nt+g]. The tile's products are summed in a fresh
-// accumulator and added to O in FP32: the tensor cores' own accumulation truncates, and a chain
-// over all M keys (v1) gave 10x the error of a plain FP32 kernel.
+// accumulator and added to O in FP32: the tensor cores truncate while they accumulate, so a chain
+// over all M keys would add up one truncation per MMA of the row (docs/performance.md, flash_fast
+// versions).
 template <class T, bool kThree>
 __device__ __forceinline__ void pv_tile(float (&o)[T::D / 8][4], const float (&s)[T::BC / 8][4],
                                         const float* Vs, int g, int t) {
@@ -334,11 +335,9 @@ __global__ void __launch_bounds__(T::THREADS, T::MIN_BLOCKS)
 // Tile configurations and launch.
 
 // The tile configuration `kConfig` has for width D (void: none). Config 0 is the shipped one, the
-// fastest of scripts/bench_gpu.sh's variant sweep. Per block, from ptxas (-Xptxas -v, sm_90;
-// registers fp32 / tf32) and SMEM_BYTES:
-//   d16:  128 threads, 127 / 90 regs, 22 KB;   d32: 128 threads, 161 / 119 regs, 38 KB;
-//   d64:  128 threads, 164 / 137 regs, 88 KB (2 blocks/SM);
-//   d128: 256 threads, 244 / 196 regs, 202 KB (1 block/SM).
+// fastest of scripts/bench_gpu.sh's variant sweep; MIN_BLOCKS caps the registers so that d64 runs
+// two blocks per SM and d128 (8 warps, 202 KB of shared memory) one. Registers and shared memory
+// per configuration: docs/performance.md ("flash_fast and flash_bwd resources").
 template <int kConfig, int D>
 struct FastConfig {
     using type = void;

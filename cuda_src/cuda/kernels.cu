@@ -301,7 +301,10 @@ __global__ void __launch_bounds__(kSoftmaxMaxThreads) softmax_rows_kernel(const 
             }
         }
         l = block_sum(l, scratch);
-        const float inv_l = l > 0.f ? 1.f / l : 0.f;  // all-masked row: weights 0
+        // An all-masked row (l = 0) gets weights 0. A row whose scores hold a NaN (NaN in Q or K
+        // under --allow-nonfinite) has l = NaN, and 1/l makes every weight of the row NaN, as the
+        // reference's softmax does: fmaxf skipped the NaN in m, so l is where it survives.
+        const float inv_l = l == 0.f ? 0.f : 1.f / l;
 
         // P = exp(x - m) / l
         if (kCached) {

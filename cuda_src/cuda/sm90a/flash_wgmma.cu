@@ -22,8 +22,8 @@
 // Structure: a block of NWG warpgroups owns BR = 64·NWG query rows; each warpgroup computes its
 // 64×BC slice of S with wgmma (A = Q hi/lo from shared memory), runs the online softmax on it in
 // registers (flash_common.cuh), and adds P·V (A = P hi/lo from registers) into a per-tile FP32
-// accumulator that is added to O in FP32 (the tensor cores' own long accumulation truncates:
-// flash_fast.cu v1). K/Vᵀ tiles stream through shared memory: double buffered (tile j+1 loads
+// accumulator that is added to O in FP32 (the tensor cores truncate while they accumulate: one
+// chain per tile keeps that to one tile's MMAs). K/Vᵀ tiles stream through shared memory: double buffered (tile j+1 loads
 // while tile j is computed), or, for tiles too wide for two stages, single buffered with K_{j+1}
 // loading during the softmax and P·V of tile j and Vᵀ_{j+1} during S_{j+1}. Causal: tiles above
 // the diagonal are never loaded, and a warpgroup whose rows are all above a tile skips it.
