@@ -165,6 +165,24 @@ void parallel_row_blocks(int heads, int rows, Fn fn) {
     });
 }
 
+// out[h] = A[h]·B[h]ᵀ (N×M, inner dimension k) for every head of the group, A and B input stages
+// (QK = Q·Kᵀ, dP = dO·Vᵀ). Items are (head, block of kRowBlock rows); each makes its own
+// transposed copy of B, 1/kRowBlock of its arithmetic.
+void gemm_abt_heads(const Operands& in, Stage A, Stage B, const Dims& d, int heads, int k, const View& out) {
+    parallel_row_blocks(heads, d.N, [&](int h, int r0, int r1) {
+        rows_times_transposed(in.head(A, d, h), in.head(B, d, h), r0, r1, k, d.M, out.head(h), false);
+    });
+}
+
+// D[h·N + r] = dO_r · O_r (width dv) for every query row of every head of the group, from dO as
+// read (not a GEMM operand): the D stage, and the flash backward's preprocess.
+void row_dots_do_o(const HeadGroup& g, const Dims& d, const View& O, float* D) {
+    parallel_rows(g.count, d.N, [&](int h, int r) {
+        D[static_cast<size_t>(h) * d.N + r] = dot(g.dout + stage_elems(Stage::dO, d) * h + static_cast<size_t>(r) * d.dv,
+                                                  O.head(h) + static_cast<size_t>(r) * d.dv, d.dv);
+    });
+}
+
 class CpuBackend : public Backend {
 public:
     const char* name() const override { return "cpu"; }
@@ -256,12 +274,7 @@ void CpuBackend::run_stage(Stage s, const Problem& p, HeadGroup& g, const Operan
         case Stage::QK:
             // QK[r][:] = sum_t Q[r][t] KT[t][:]: an axpy over a transposed copy of K vectorises
             // across columns, while each element still accumulates over t in order, like a dot.
-            // Items are (head, block of kRowBlock rows); each makes its own KT copy, 1/kRowBlock of
-            // its arithmetic.
-            parallel_row_blocks(g.count, N, [&](int h, int r0, int r1) {
-                rows_times_transposed(in.head(Stage::Q, d, h), in.head(Stage::K, d, h), r0, r1, dk, M, out.head(h),
-                                      false);
-            });
+            gemm_abt_heads(in, Stage::Q, Stage::K, d, g.count, dk, out);
             break;
         case Stage::QK_scaled: {
             View qk{g.out[static_cast<int>(Stage::QK)], stage_elems(Stage::QK, d)};
@@ -317,21 +330,8 @@ void CpuBackend::run_backward_stage(Stage s, const Problem& p, HeadGroup& g, con
     auto stage = [&](Stage t) { return View{g.out[static_cast<int>(t)], stage_elems(t, d)}; };
     switch (s) {
         case Stage::dO: std::copy_n(g.dout, stage_elems(s, d) * g.count, out.base); break;
-        case Stage::D: {
-            // D[r] = dO[r] · O[r], from dO as read (not a GEMM operand).
-            const View O = stage(Stage::output);
-            parallel_rows(g.count, N, [&](int h, int r) {
-                out.head(h)[r] = dot(g.dout + stage_elems(Stage::dO, d) * h + static_cast<size_t>(r) * dv,
-                                     O.head(h) + static_cast<size_t>(r) * dv, dv);
-            });
-            break;
-        }
-        case Stage::dP:
-            parallel_row_blocks(g.count, N, [&](int h, int r0, int r1) {
-                rows_times_transposed(in.head(Stage::dO, d, h), in.head(Stage::V, d, h), r0, r1, dv, M, out.head(h),
-                                      false);
-            });
-            break;
+        case Stage::D: row_dots_do_o(g, d, stage(Stage::output), out.base); break;
+        case Stage::dP: gemm_abt_heads(in, Stage::dO, Stage::V, d, g.count, dv, out); break;
         case Stage::dS: {
             // dS = P∘(dP − D), written as 0 where masked (P is 0 there, and a product could be -0).
             const View P = stage(Stage::attention_weights), dP = stage(Stage::dP), D = stage(Stage::D);
@@ -484,12 +484,9 @@ void CpuBackend::flash_backward(const Problem& p, HeadGroup& g, const Operands& 
     const View dV{g.out[static_cast<int>(Stage::flash_dV)], stage_elems(Stage::flash_dV, dm)};
     if (!O.base || !lse.base || !dK.base || !dV.base)
         fail(kExitInternal, where(__FILE__, __LINE__) + ": the flash backward without its buffers");
-    // Preprocess: D_r = dO_r · O_r, from dO as read (not a GEMM operand).
+    // Preprocess: D_r = dO_r · O_r.
     std::vector<float> D(static_cast<size_t>(g.count) * N);
-    parallel_rows(g.count, N, [&](int h, int r) {
-        D[static_cast<size_t>(h) * N + r] = dot(g.dout + stage_elems(Stage::dO, dm) * h + static_cast<size_t>(r) * d,
-                                                O.head(h) + static_cast<size_t>(r) * d, d);
-    });
+    row_dots_do_o(g, dm, O, D.data());
     auto query_row = [&](int h, int r) {
         return QueryRow{r, in.head(Stage::Q, dm, h) + static_cast<size_t>(r) * d,
                         in.head(Stage::dO, dm, h) + static_cast<size_t>(r) * d, lse.head(h)[r],
