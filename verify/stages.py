@@ -77,7 +77,6 @@ class Stage:
     flash: bool = False
     backward: bool = False  # exists only when the input case has the output gradient dO
 
-
     def shape(self, dims: Dims) -> Tuple[int, int]:
         return dims.size(self.rows), dims.size(self.cols)
 

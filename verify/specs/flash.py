@@ -25,6 +25,7 @@ from .copies import PATTERNS
 from .output import values_floor
 from .scores import qk_quantization
 
+
 def _scores(src, scale, masked):
     Q, K = np.asarray(src[QUERIES], np.float64), np.asarray(src[KEYS], np.float64)
     return np.where(masked, -np.inf, (Q @ K.T) * scale)
@@ -146,7 +147,8 @@ def _lse_vs_partner(stage: str, got: np.ndarray, ctx: HeadContext) -> List[Viola
 SPECS = (
     StageSpec(FLASH_OUTPUT, reference=lambda src, scale, causal: _with_mask_output(src, scale, _mask(src, causal)),
               isolated=_output_isolated,
-              floor=lambda src: values_floor(src[VALUES]) + _qk_flush_max(src) * np.max(finite_abs(src[VALUES]), initial=0.0),
+              floor=lambda src: (values_floor(src[VALUES])
+                                 + _qk_flush_max(src) * np.max(finite_abs(src[VALUES]), initial=0.0)),
               quantization=_output_quantization, invariants=(_output_vs_partner,), scaled=True,
               partner=OUTPUT, with_mask=_with_mask_output, diagnoses=PATTERNS + ("scaled", "mask")),
     StageSpec(FLASH_LSE, reference=lambda src, scale, causal: _with_mask_lse(src, scale, _mask(src, causal)),

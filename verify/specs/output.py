@@ -17,6 +17,7 @@ from ..stages import OUTPUT, VALUES, WEIGHTS
 from .base import StageSpec
 from .copies import PATTERNS
 
+
 def _reference(src, scale, causal):
     return src[WEIGHTS] @ src[VALUES]
 

@@ -23,7 +23,6 @@ from .base import MASK_MISSING, NEGATIVE_WEIGHTS, ROW_SUM, HeadContext, StageSpe
 from .copies import PATTERNS
 
 
-
 def _source(src):
     return src[SCALED_SCORES]
 

@@ -16,7 +16,8 @@ def _q(q, name):
 
 
 def d_quantization(src, q, scale, causal):
-    return (_q(q, GRAD_OUTPUT) * np.abs(src[OUTPUT]) + np.abs(src[GRAD_OUTPUT]) * _q(q, OUTPUT)).sum(axis=1, keepdims=True)
+    moved = _q(q, GRAD_OUTPUT) * np.abs(src[OUTPUT]) + np.abs(src[GRAD_OUTPUT]) * _q(q, OUTPUT)
+    return moved.sum(axis=1, keepdims=True)
 
 
 def dp_quantization(src, q, scale, causal):
