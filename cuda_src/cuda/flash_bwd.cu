@@ -16,10 +16,12 @@
 //   buffered. Tails (N, M not multiples of the tiles) are zero-filled and masked: a query row past
 //   N gets lse = +inf (P = 0), a key past M is masked explicitly.
 //
-// Precision::fp32: 3xTF32 (every operand split hi + lo; FP32-accurate products, as the forward);
-// Precision::tf32: one TF32 product. Each tile's products are summed in a fresh accumulator and
-// added to the running gradient in FP32, so the tensor cores' truncating accumulation spans one
-// tile only (the error model of verify/model/kernels.py, backend "cuda").
+// Arithmetic the verifier assumes (verify/model/kernels.py: the CUDA model of the forward's
+// cuda-* flash_kernel): Precision::fp32 3xTF32 (every operand split hi + lo; FP32-accurate
+// products, as the forward), Precision::tf32 one TF32 product. Each tile's products are summed in a
+// fresh accumulator and added to the running gradient in FP32, so the tensor cores' truncating
+// accumulation spans one tile only. P = 2^(s·scale·log2 e − lse·log2 e) by ex2.approx.ftz (the GPU
+// exp model), scale·log2 e and lse·log2 e each rounded once; dK and dQ scaled once at the end.
 #include "flash_bwd.cuh"
 
 #include <algorithm>
@@ -193,6 +195,10 @@ __device__ __forceinline__ void softmax_grad(float (&s)[BN / 8][4], float (&dp)[
 }
 
 // ---------------------------------------------------------------------------------------------
+// Kernels 2 and 3 are one function each on purpose: their per-tile steps are the helpers above,
+// and what remains is the double-buffered tile pipeline, whose loads, waits and barriers read
+// best in one place (and whose machine code is the benchmarked one).
+//
 // Kernel 2: dK and dV. Grid: x = key blocks, y = heads. Shared memory: T::SMEM_BYTES.
 template <class T, bool kThree, bool kCausal>
 __global__ void __launch_bounds__(T::THREADS, T::MIN_BLOCKS) flash_bwd_dkdv_kernel(const BwdParams p) {

@@ -19,7 +19,8 @@
 // blocks cannot fill the GPU, the KV loop is split across blocks and a combine kernel merges the
 // partial outputs with their lse.
 //
-// Arithmetic the verifier assumes (verify/tolerance.py, backend "cuda"): 3xTF32 products (or one
+// Arithmetic the verifier assumes (verify/model/kernels.py: KERNELS["cuda-fast-3xtf32"] and
+// ["cuda-fast-tf32"], the CUDA model, which run.toml's flash_kernel selects): 3xTF32 products (or one
 // TF32 product under Precision::tf32), summed by the tensor cores, which truncate while they
 // accumulate (up to one ulp of the running sum per mma, 3 mma per 8-long chunk in 3xTF32), over one
 // KV tile only: each tile's P·V is added to O in FP32. The logits carry scale·log2(e), rounded once

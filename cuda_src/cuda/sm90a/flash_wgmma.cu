@@ -31,7 +31,8 @@
 // 16 bytes). When heads·⌈N/BR⌉ blocks cannot fill the GPU, the KV loop is split and
 // combine_kv_splits (flash_dispatch.cu) merges.
 //
-// Arithmetic the verifier assumes (verify/tolerance.py, backend "cuda"): as flash_fast.cu's:
+// Arithmetic the verifier assumes (verify/model/kernels.py: KERNELS["cuda-wgmma-3xtf32"] and
+// ["cuda-wgmma-tf32"], the CUDA model): as flash_fast.cu's:
 // 3xTF32 (or TF32) products summed by the tensor cores with truncation, one KV tile per
 // accumulator chain, tiles added in FP32; scale·log2(e) rounded once per head; ex2.approx.ftz;
 // lse = (m + log2 l)·ln 2; four final roundings of O (1/l, and the split combine).
@@ -193,7 +194,10 @@ __global__ void transpose_split_values(const float* V, float* ops, int M, int Mp
 // ---------------------------------------------------------------------------------------------
 // The kernel. Grid: x = query blocks (reversed, so the longest causal blocks start first),
 // y = heads, z = KV splits. Shared memory: Q [PARTS][BR×D], then STAGES stages of
-// {K [PARTS][BC×D], Vᵀ [PARTS][D×BC]}, all in the core-matrix layout.
+// {K [PARTS][BC×D], Vᵀ [PARTS][D×BC]}, all in the core-matrix layout. The kernel is one function
+// on purpose: its per-tile steps are the helpers above, and what remains is the bulk-copy and
+// mbarrier pipeline, whose phases and barriers must be read together (and whose machine code is
+// the benchmarked one).
 
 // Issues S(64×BC) = Q_wg·K_jᵀ for the warpgroup's 64 rows, small terms first, as one wgmma group;
 // s is valid after the next wg::wait. q: the descriptor of the warpgroup's rows of Q (hi part,
