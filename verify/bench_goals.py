@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any, List, Mapping, Optional, Sequence
 
 from .bench_report import FLASH_BACKWARD, Row, parse_shape_id
+from .stages import KEYS_T, OUTPUT, SCALED_SCORES, SCORES, WEIGHTS
 
 
 @dataclass(frozen=True)
@@ -53,11 +54,11 @@ GOALS = (
     Goal("flash", {**_LARGE, "d": 64}, "tf32", "tflops", 150.0),
     *(Goal(FLASH_BACKWARD, {**_LARGE, "d": d}, "fp32", "vs_sdpa_backward", 2.0) for d in (64, 128)),
     *(Goal(FLASH_BACKWARD, {**_LARGE, "d": d}, "tf32", "tflops", 150.0) for d in (64, 128)),
-    Goal("QK", _LARGE_D64, "fp32", "sgemm_fraction", 0.9),
-    Goal("output", _LARGE_D64, "fp32", "sgemm_fraction", 0.9),
-    Goal("KT", _LARGE_D64, "fp32", "copy_fraction", 0.8),
-    Goal("QK_scaled", _LARGE_D64, "fp32", "copy_fraction", 0.8),
-    Goal("attention_weights", _LARGE_D64, "fp32", "copy_fraction", 0.8),
+    Goal(SCORES, _LARGE_D64, "fp32", "sgemm_fraction", 0.9),
+    Goal(OUTPUT, _LARGE_D64, "fp32", "sgemm_fraction", 0.9),
+    Goal(KEYS_T, _LARGE_D64, "fp32", "copy_fraction", 0.8),
+    Goal(SCALED_SCORES, _LARGE_D64, "fp32", "copy_fraction", 0.8),
+    Goal(WEIGHTS, _LARGE_D64, "fp32", "copy_fraction", 0.8),
 )
 
 
