@@ -13,7 +13,12 @@ DIM_KEYS = ("batch", "heads", "seq_q", "seq_k", "d_k", "d_v")
 FLASH_HEAD_DIMS = (16, 32, 64, 128)
 MAX_HEAD_DIM = 256
 
-PRECISIONS = ("fp32", "tf32")  # what the binary computes in (--precision)
+# What the binary computes in (--precision; cuda_src/backend.h's kPrecisionNames): fp32 and tf32
+# keep every value float32; bf16 and fp16 are the half pipelines (inputs and stage values in the
+# format, float32 accumulation and softmax), emulated by the CPU backend only.
+PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
+HALF_PRECISIONS = ("bf16", "fp16")
+CUDA_PRECISIONS = ("fp32", "tf32")  # what the CUDA kernels (and so bench and sweep) run
 
 # Case limits, the same in cuda_src/stages.h (docs/contract.md): every dimension 1..MAX_DIM,
 # batch × heads at most MAX_HEADS, the elements of every stage of every head at most MAX_ELEMENTS
@@ -123,6 +128,10 @@ _TABLE = (
     Stage(FLASH_GRAD_VALUES, "M", "DV", _FLASH_BACKWARD_SOURCES, "FlashAttention backward dV", flash=True,
           backward=True),
 )
+
+# The row statistics stay float32 in the half pipelines, as FlashAttention keeps its lse and D; every
+# other stage holds values of the run's format (cuda_src/stages.h's kept_float32).
+FLOAT32_STAGES = (FLASH_LSE, ROW_DOT)
 
 STAGES: Dict[str, Stage] = {s.name: s for s in _TABLE}
 STAGE_NAMES = tuple(STAGES)
