@@ -1,8 +1,8 @@
 """The half pipelines' storage roundings, carried along each stage's route from the inputs.
 
 Under bf16/fp16 a program rounds some intermediates to the format and computes on from the rounded
-values: the stage path stores every stage but the row statistics (verify/stages.py's
-FLOAT32_STAGES) and each stage reads its upstream stages' stored values; the flash kernels keep the
+values: the stage path stores every stage but the row statistics (Stage.float32 in
+verify/stages.py) and each stage reads its upstream stages' stored values; the flash kernels keep the
 scores in float32 and round only the GEMM operands P (before P·V and Pᵀ·dO) and dS (before dS·K and
 dSᵀ·Q), and the backward reads the stored flash_output. Each rounding errs by at most half a unit in
 the format's last place (verify/model/half.py); its first-order effect on the stage is what the
@@ -21,31 +21,19 @@ from .model.half import is_half, storage_bound
 from .model.rounding import HeadCache, memo
 from .reference import reference_chain
 from .specs import SPECS, upstream
-from .stages import (CASE_INPUTS, FLASH_GRAD_KEYS, FLASH_GRAD_QUERIES, FLASH_GRAD_VALUES, FLASH_OUTPUT, FLOAT32_STAGES,
-                     GRAD_KEYS, GRAD_QUERIES, GRAD_SCORES, GRAD_VALUES, OUTPUT, STAGES, WEIGHTS)
-
-# A flash stage's route: the stage-path stage it computes, and the intermediates the flash kernels
-# round on the way (P and dS as GEMM operands; the backward's D reads the stored flash_output).
-# flash_lse has none: the scores stay float32 and the lse is kept float32.
-_BACKWARD_ROUNDED = (WEIGHTS, OUTPUT, GRAD_SCORES)
-_FLASH_ROUTES: Dict[str, Tuple[str, Tuple[str, ...]]] = {
-    FLASH_OUTPUT: (OUTPUT, (WEIGHTS,)),
-    FLASH_GRAD_QUERIES: (GRAD_QUERIES, _BACKWARD_ROUNDED),
-    FLASH_GRAD_KEYS: (GRAD_KEYS, _BACKWARD_ROUNDED),
-    FLASH_GRAD_VALUES: (GRAD_VALUES, _BACKWARD_ROUNDED),
-}
-
+from .stages import CASE_INPUTS, STAGES
 
 def stored_in_format(stage: str) -> bool:
     """Whether the stage's file holds values of the half format (exact copies hold them already)."""
-    return stage not in FLOAT32_STAGES and SPECS[stage].isolated is not None
+    return not STAGES[stage].float32 and SPECS[stage].isolated is not None
 
 
 def _route(stage: str) -> Optional[Tuple[str, Tuple[str, ...]]]:
-    if stage in _FLASH_ROUTES:
-        return _FLASH_ROUTES[stage]
+    """The stage-path stage whose value `stage` is, and the intermediates rounded on the way: a
+    flash stage's kernel rounds only its GEMM operands (Stage.rounds; none: no route), the stage
+    path stores every stage."""
     if STAGES[stage].flash:
-        return None
+        return (SPECS[stage].partner, STAGES[stage].rounds) if STAGES[stage].rounds else None
     return stage, tuple(n for n in STAGES if not STAGES[n].flash and stored_in_format(n))
 
 

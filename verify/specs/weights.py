@@ -61,10 +61,15 @@ def _chained(sources, scale, causal, u, kernel, cache):
 
 
 def _quantization(src, q, scale, causal):
+    """How far the weights move when each score may move by up to qs: p_j' / p_j =
+    e^(δ_j) / Σ_k p_k e^(δ_k) with |δ| ≤ qs lies within [e^(-qs_j) / Σ p e^(qs), e^(qs_j) / Σ p e^(-qs)]
+    (to first order p·(qs + Σ p·qs); exact, as half-precision scores can move by whole units)."""
     S = _source(src)
     p = softmax_parts(S)[0]
-    qs = np.where(np.isfinite(S), q.get(SCALED_SCORES, 0.0), 0.0)
-    return p * (qs + (p * qs).sum(axis=1, keepdims=True))
+    qs = np.minimum(np.where(np.isfinite(S), q.get(SCALED_SCORES, 0.0), 0.0), 700.0)
+    up = np.exp(qs) / (p * np.exp(-qs)).sum(axis=1, keepdims=True) - 1.0
+    down = 1.0 - np.exp(-qs) / (p * np.exp(qs)).sum(axis=1, keepdims=True)
+    return p * np.maximum(up, down)
 
 
 def _softmax_checks(stage: str, got: np.ndarray, ctx: HeadContext) -> List[Violation]:
