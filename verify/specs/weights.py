@@ -67,9 +67,10 @@ def _quantization(src, q, scale, causal):
     S = _source(src)
     p = softmax_parts(S)[0]
     qs = np.minimum(np.where(np.isfinite(S), q.get(SCALED_SCORES, 0.0), 0.0), 700.0)
-    up = np.exp(qs) / (p * np.exp(-qs)).sum(axis=1, keepdims=True) - 1.0
-    down = 1.0 - np.exp(-qs) / (p * np.exp(qs)).sum(axis=1, keepdims=True)
-    return p * np.maximum(up, down)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):  # rows with no visible key: 0
+        up = np.exp(qs) / (p * np.exp(-qs)).sum(axis=1, keepdims=True) - 1.0
+        down = 1.0 - np.exp(-qs) / (p * np.exp(qs)).sum(axis=1, keepdims=True)
+        return np.where(p == 0, 0.0, p * np.maximum(up, down))
 
 
 def _softmax_checks(stage: str, got: np.ndarray, ctx: HeadContext) -> List[Violation]:
