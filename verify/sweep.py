@@ -29,6 +29,7 @@ from .matrix_io import atomic_write_bytes, output_file_target
 from .options import InputError, binary_option, build_option, progress_bar, timeout_option, user_errors
 from .runner import ensure_built
 from .stages import PRECISIONS
+from .words import plural
 
 RESULTS_FORMAT = 1
 SWEEP_D = (16, 32, 64, 128)
@@ -114,7 +115,7 @@ def _stage_path_timing(kernels: List[dict]) -> Tuple[str, Optional[float], str]:
     bad = next((k for k in kernels if k["status"] != "ok"), None)
     if bad is not None:
         return f"{bad['name']}: {bad['status']}", None, ""
-    return "ok", sum(k["ms"] for k in kernels), f"{len(kernels)} stages"
+    return "ok", sum(k["ms"] for k in kernels), plural(len(kernels), 'stage')
 
 
 def _named_timing(kernels: List[dict], name: str) -> Tuple[str, Optional[float], str]:

@@ -169,7 +169,7 @@ class CpuBackend : public Backend {
 public:
     const char* name() const override { return "cpu"; }
     std::string device_name() const override {
-        return "host CPU (" + std::to_string(std::max(1u, std::thread::hardware_concurrency())) + " threads)";
+        return "host CPU (" + plural(std::max(1u, std::thread::hardware_concurrency()), "thread") + ")";
     }
     FlashPlan flash_plan(const Problem&) const override { return {kFlashBr, kFlashBc, "cpu-tiled"}; }
     size_t working_bytes_per_head(const Problem& p, StageSet computed) const override {

@@ -140,7 +140,7 @@ void print_table(const Options& o, const std::string& device, const Ceilings& c,
     std::printf("ceilings: cuBLAS SGEMM (QK shape) %.1f TFLOP/s, device copy %.0f GB/s, "
                 "mma.sync TF32 %.0f / BF16 %.0f TFLOP/s, wgmma TF32 %.0f TFLOP/s%s\n",
                 c.sgemm_tflops, c.copy_gbps, c.mma_tf32_tflops, c.mma_bf16_tflops, c.wgmma_tf32_tflops,
-                group > 0 ? fmt(", stage path in groups of %.0f heads", group).c_str() : "");
+                group > 0 ? (", stage path in groups of " + plural(group, "head")).c_str() : "");
     std::printf("%-18s %10s %16s %9s  %s\n", "kernel", "ms", "rate", "ceiling", "note");
     for (const Result& r : results) {
         if (r.status != "ok") {
