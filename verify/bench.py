@@ -30,6 +30,7 @@ from .generate import DEFAULT_DIMS
 from .options import InputError, binary_option, build_option, json_option, timeout_option, user_errors
 from .runner import ensure_built
 from .stages import PRECISIONS
+from .words import plural
 
 __all__ = ["BenchError", "BenchOutOfMemory", "BenchUnusable", "Row", "Shape", "bench", "binary_args", "collect",
            "default_shapes", "evaluate_goals", "format_table", "parse_binary_json", "parse_shape", "parse_shape_id",
@@ -247,9 +248,9 @@ def _exit_status(rows: Sequence[Row]) -> int:
     failed = [r for r in rows if "FAIL" in r.note]
     crashed = [r for r in rows if r.status.startswith("failed:")]
     if failed:
-        click.echo(f"bench: {len(failed)} flash result(s) failed the float64 check", err=True)
+        click.echo(f"bench: {plural(len(failed), 'flash result')} failed the float64 check", err=True)
     if crashed:
-        click.echo(f"bench: main --bench failed on {len(crashed)} shape(s); see the table", err=True)
+        click.echo(f"bench: main --bench failed on {plural(len(crashed), 'shape')}; see the table", err=True)
     return 1 if failed or crashed else 0
 
 

@@ -253,7 +253,7 @@ def _exit_status(rows: Sequence[SweepRow]) -> int:
     """1 when a run failed or a flash result failed its float64 check; OOM rows are results."""
     failed = [r for r in rows if r.status.startswith("failed") or "FAIL" in r.note]
     if failed:
-        click.echo(f"sweep: {len(failed)} row(s) failed; see the table", err=True)
+        click.echo(f"sweep: {plural(len(failed), 'row')} failed; see the table", err=True)
     return 1 if failed else 0
 
 
