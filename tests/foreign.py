@@ -341,13 +341,18 @@ class BackwardRoute:
     ds: str = "sub"           # dS = P∘(dP − D) ("sub") or P·dP − P·D ("dist")
     scale: str = "after"      # the scale applied to the result ("after") or folded into dS ("before")
     flash: str = "exp-64"     # the flash backward: exp or exp2, key/query tile width
+    ftz: bool = False         # the flash backward flushes subnormal weights and dS to zero, as GPUs do
 
     def __str__(self) -> str:
-        return f"gemm={self.gemm} ds={self.ds} scale={self.scale} flash={self.flash}"
+        return f"gemm={self.gemm} ds={self.ds} scale={self.scale} flash={self.flash}{' ftz' if self.ftz else ''}"
 
 
 BACKWARD_ROUTE_CHOICES = {"gemm": tuple(MATMULS), "ds": ("sub", "dist"), "scale": ("after", "before"),
                           "flash": FLASH_ROUTES}
+
+
+def _flush_subnormals(x: np.ndarray) -> np.ndarray:
+    return np.where(np.abs(x) < np.finfo(f32).tiny, f32(0), x)
 
 
 def _ds(p, dp, d, route: str) -> np.ndarray:
@@ -406,6 +411,8 @@ def flash_backward(q, k, v, do, o, lse, scale: float, causal: bool, route: Backw
                 p = np.exp2(s * f32(scale * LOG2E) - lse2)
             else:
                 p = np.exp(s * f32(scale) - lse[r0:r0 + block])
+            if route.ftz:
+                p = _flush_subnormals(p)
             if causal and bug != "bwd_mask":
                 rows = np.arange(r0, r0 + qr.shape[0])[:, None]
                 cols = np.arange(c0, c0 + kc.shape[0])[None, :]
@@ -413,6 +420,8 @@ def flash_backward(q, k, v, do, o, lse, scale: float, causal: bool, route: Backw
             dor = do[r0:r0 + block]
             dp = mm_blas(dor, np.ascontiguousarray(vc.T))
             ds = dp - d[r0:r0 + block] if bug == "dS_missing_P" else _ds(p, dp, d[r0:r0 + block], route.ds)
+            if route.ftz:
+                ds = _flush_subnormals(ds)
             if bug == "dV_untransposed_P":  # dV = P·dO (N = M): query rows, key rows of dO
                 dv[r0:r0 + block] += mm_blas(p, do[c0:c0 + block])
             else:

@@ -59,7 +59,9 @@ def mask(stage, got, want, ctx, width) -> List[Diagnosis]:
     if with_mask is None or not all(n in src for n in STAGES[stage].inputs):
         return []
     scale = float(ctx.get("scale", 1.0))
-    M = next(np.asarray(src[n]).shape[0] for n in STAGES[stage].inputs if STAGES[n].rows == "M")  # keys
+    # Query rows and keys from the inputs: a key-major stage (dK, dV) has M rows, not N.
+    N = next(np.asarray(src[n]).shape[0] for n in STAGES[stage].inputs if STAGES[n].rows == "N")
+    M = next(np.asarray(src[n]).shape[0] for n in STAGES[stage].inputs if STAGES[n].rows == "M")
     if causal:
         cand = with_mask(src, scale, np.zeros((N, M), bool))
         diff = explains(got, cand, want, width)

@@ -153,6 +153,20 @@ def _recomputed_eta(Q, K, S, lse, finite, scale, u, kernel, cache):
     return eta + exponent_var(np.where(finite, S - lse, 0.0), finite, u, kernel, S, FLASH_LOGIT_ROUNDINGS)
 
 
+def _flushed_entries(P, dS):
+    """(|dS|, P) where a weight or a dS entry lies below float32's normal range, else 0; (None,
+    None) when none does. GPUs flush such values to zero (an ftz exp2, FTZ arithmetic), so each may
+    be lost whole; the gradients summed from them are then tiny, but no smaller than those terms."""
+    edge = 2 * FLUSH  # margin for the weight's own rounding error near the edge
+    tiny_p = (P < edge) & (P > 0)
+    lost = (tiny_p | (np.abs(dS) < edge)) & (dS != 0)
+    if not (lost.any() or tiny_p.any()):
+        return None, None
+    # Twice the lost terms: a gradient made of one lost term equals its bound exactly, and the
+    # reference's own rounding must not decide such a case.
+    return np.where(lost, 2 * np.abs(dS), 0.0), np.where(tiny_p, 2 * P, 0.0)
+
+
 def _flash_grad_bounds(parts, rows, dP_var, s_det, scale, u, kernel, cache):
     """((variance, one-signed part) of flash_dQ, of flash_dK, of flash_dV) from the row errors."""
     Q, K, dO, P, dP, D, dS = parts
@@ -166,6 +180,11 @@ def _flash_grad_bounds(parts, rows, dP_var, s_det, scale, u, kernel, cache):
     dq_det = abs(scale) * (ds_det @ np.abs(K))
     dk_det = abs(scale) * (ds_det.T @ np.abs(Q))
     dv_det = (P * s_det).T @ np.abs(dO)
+    lost_ds, lost_p = _flushed_entries(P, dS)
+    if lost_ds is not None:
+        dq_det = dq_det + abs(scale) * (lost_ds @ np.abs(K))
+        dk_det = dk_det + abs(scale) * (lost_ds.T @ np.abs(Q))
+        dv_det = dv_det + lost_p.T @ np.abs(dO)
     if kernel.mma_passes:
         dq_det = dq_det + abs(scale) * mma_truncation_det(dS, K, u, kernel.mma_passes)
         dk_det = dk_det + abs(scale) * mma_truncation_det(dS.T, Q, u, kernel.mma_passes)
