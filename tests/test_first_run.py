@@ -118,7 +118,7 @@ def test_demo_shows_the_build_as_it_goes_unless_quiet(runner, tmp_path, binary, 
     assert res.exit_code == 0, res.output
     assert ("Building CUDA object" in res.stderr) is not quiet
     if quiet:
-        assert [ln.split(":")[0] for ln in res.stdout.splitlines()] == ["PASS"]
+        assert [ln.split(":")[0] for ln in res.stdout.splitlines()] == ["PASS (bounds for fp32)"]
     else:
         assert re.search(r"main: \d+\.\d\d s; cpu backend .*12 heads, 10 stages; written to", res.stdout)
 
@@ -179,7 +179,7 @@ def test_check_quiet_prints_only_the_verdict(runner, good_run):
     in_dir, out_dir = good_run
     res = runner.invoke(cli, ["check", "--in", str(in_dir), "--out", str(out_dir), "--quiet"])
     assert res.exit_code == 0, res.output
-    assert [ln.split(":")[0] for ln in res.output.splitlines()] == ["PASS"]
+    assert [ln.split(":")[0] for ln in res.output.splitlines()] == ["PASS (bounds for fp32)"]
     loud = runner.invoke(cli, ["check", "--in", str(in_dir), "--out", str(out_dir)])
     assert len(loud.output.splitlines()) > 5
 
