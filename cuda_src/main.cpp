@@ -271,6 +271,27 @@ void write_run_manifest(RunState& rs, const Options& o, const Problem& p, const 
     f.commit();
 }
 
+// Reads the group's heads of the inputs the computed stages need into `inputs` (a buffer per input
+// stage, resized to the group) and points g's inputs there; a progress step per head.
+void read_group_inputs(const InputCase& in, bool allow_nonfinite, StageSet computed, const Dims& d, HeadGroup& g,
+                       std::vector<float> (&inputs)[kNumStages], Progress& progress) {
+    for (Stage s : inputs_read(computed)) inputs[static_cast<int>(s)].resize(stage_elems(s, d) * g.count);
+    auto head_input = [&](Stage s, int j) {
+        std::vector<float>& b = inputs[static_cast<int>(s)];
+        return b.empty() ? nullptr : b.data() + stage_elems(s, d) * j;
+    };
+    for (int j = 0; j < g.count; ++j) {
+        read_head_inputs(in, g.first + j, allow_nonfinite,
+                         {head_input(Stage::Q, j), head_input(Stage::K, j), head_input(Stage::V, j),
+                          head_input(Stage::dO, j)});
+        progress.step();
+    }
+    g.q = head_input(Stage::Q, 0);
+    g.k = head_input(Stage::K, 0);
+    g.v = head_input(Stage::V, 0);
+    g.dout = head_input(Stage::dO, 0);
+}
+
 int run(int argc, char** argv) {
     Options o = parse_cli(argc, argv);
     if (o.help) {
@@ -309,21 +330,7 @@ int run(int argc, char** argv) {
             HeadGroup g;
             g.first = first;
             g.count = std::min(plan.group_size, total - first);
-            for (Stage s : inputs_read(computed)) inputs[static_cast<int>(s)].resize(stage_elems(s, d) * g.count);
-            auto head_input = [&](Stage s, int j) {
-                std::vector<float>& b = inputs[static_cast<int>(s)];
-                return b.empty() ? nullptr : b.data() + stage_elems(s, d) * j;
-            };
-            for (int j = 0; j < g.count; ++j) {
-                read_head_inputs(in, first + j, o.allow_nonfinite,
-                                 {head_input(Stage::Q, j), head_input(Stage::K, j), head_input(Stage::V, j),
-                                  head_input(Stage::dO, j)});
-                rs.progress.step();
-            }
-            g.q = head_input(Stage::Q, 0);
-            g.k = head_input(Stage::K, 0);
-            g.v = head_input(Stage::V, 0);
-            g.dout = head_input(Stage::dO, 0);
+            read_group_inputs(in, o.allow_nonfinite, computed, d, g, inputs, rs.progress);
             for (int i = 0; i < kNumStages; ++i)
                 if (computed.has(static_cast<Stage>(i))) {
                     buf[i].resize(stage_elems(static_cast<Stage>(i), d) * g.count);

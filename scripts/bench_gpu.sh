@@ -42,7 +42,7 @@ fi
 run() {  # run LABEL ARGS...
     local label=$1; shift
     local log
-    log=$(timeout 120 $MAIN --bench --only flash --warmup 0 --reps 1 --check --check-rows 0 "$@" 2>&1)
+    log=$(timeout 120 $MAIN --bench --only flash --pass forward --warmup 0 --reps 1 --check --check-rows 0 "$@" 2>&1)
     local rc=$?
     echo "$log" | grep -E "^flash" | sed "s|^|$label  |"
     if [ $rc -ne 0 ]; then echo "$label  FAILED rc=$rc: $(echo "$log" | grep -E 'error' | head -n 2)"; status=1; fi
@@ -88,7 +88,7 @@ if want variants; then
             for causal in "" "--causal"; do
                 for prec in fp32 tf32; do
                     for variant in $VARIANTS; do
-                        out=$(timeout 120 $MAIN --bench --only flash --batch 4 --heads 16 --seq-q 4096 \
+                        out=$(timeout 120 $MAIN --bench --only flash --pass forward --batch 4 --heads 16 --seq-q 4096 \
                               --seq-k 4096 --d $d $causal --precision $prec --warmup 2 --reps 10 --check \
                               --fast-variant $variant 2>&1)
                         rc=$?

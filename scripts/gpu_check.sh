@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
 # gpu_check.sh — everything that needs the GPU, in one call: build with CUDA, the GPU tests, the
-# demo on the CUDA backend, compute-sanitizer (memcheck, racecheck), the large bounded-memory case,
+# demo on the CUDA backend, compute-sanitizer (memcheck, racecheck), the large bounded-memory cases,
 # and the benchmarks.
 #
-#   scripts/gpu_check.sh [build] [tests] [gputests] [alarms] [demo] [example] [sanitize] [large] [bench]
-#                        [sweep]   (default: build tests demo example sanitize large bench)
+#   scripts/gpu_check.sh [build] [tests] [gputests] [alarms] [demo] [example] [sanitize] [large] [bigbwd]
+#                        [bench] [sweep]   (default: build tests demo example sanitize large bigbwd bench)
 #   tests: the whole suite; gputests: only the tests marked gpu, false-alarm sweep aside; alarms:
 #   the CUDA false-alarm sweep alone; example: `attnstep demo --example bug_qk_leading_dim`.
 #   GPU_TESTS="tests/test_examples.py ..." limits gputests to those files.
 #   ATTNSTEP_BINARY=build-gpu/main scripts/gpu_check.sh tests sanitize large   (a prebuilt binary)
+#   bigbwd: the flash backward on 16 heads at N = M = 16384, d = 64 (a run of the binary and its
+#   --bench), each with its peak device memory under BIGBWD_MAX_MIB (default 4096) MiB.
 #   BENCH_ARGS="--shape 4,16,4096,4096,64" scripts/gpu_check.sh bench          (other shapes)
+#   BENCH_ARGS="--pass backward" scripts/gpu_check.sh bench                    (the backward rows alone)
 #   sweep: the d × N table (attnstep sweep), CSV/JSON/PNG into $OUT; SWEEP_ARGS="--d 64"
 #   narrows it.
 #
@@ -22,7 +25,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 ATTNSTEP="python3 -m verify"
 BUILD=build
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(build tests demo example sanitize large bench)
+[ ${#steps[@]} -eq 0 ] && steps=(build tests demo example sanitize large bigbwd bench)
 declare -A result
 
 want() { local s; for s in "${steps[@]}"; do [ "$s" = "$1" ] && return 0; done; return 1; }
@@ -63,20 +66,23 @@ if want alarms; then
     # Every chunk of cases in its own pytest process, 12 side by side: each case is a short run of
     # the binary and a check on the CPU, so the sweep is bound by the host's cores, not the GPU.
     alarms() {
-        local ids="$OUT/alarms.ids" failed
+        local ids="$OUT/alarms.ids"
         export ATTNSTEP_FALSE_ALARM_CASES=${ATTNSTEP_FALSE_ALARM_CASES:-300} ATTNSTEP_BINARY=$BUILD/main
         python3 -m pytest --collect-only -q -m gpu -p no:cacheprovider tests/test_false_alarms.py 2>/dev/null \
             | grep '::' > "$ids"
         [ -s "$ids" ] || { echo "no GPU false-alarm tests collected"; return 1; }
         echo "$(wc -l < "$ids") chunks of cases, $ATTNSTEP_FALSE_ALARM_CASES cases per backend"
-        failed=$(xargs -P 12 -I{} sh -c 'out=$(python3 -m pytest -q -m gpu -p no:cacheprovider "$1" 2>&1) \
-                     || { echo "FAILED $1"; echo "$out" | tail -n 8; }' _ {} < "$ids" 2>&1)
+        # Each chunk's verdict is appended as it ends, so a sweep stopped by a time limit still
+        # shows what it found.
+        xargs -P 12 -I{} sh -c 'out=$(python3 -m pytest -q -m gpu -p no:cacheprovider "$1" 2>&1) \
+                   && echo "passed $1" || printf "FAILED %s\n%s\n" "$1" "$(echo "$out" | grep -E "^E +AssertionError" | head -n 3)"' \
+            _ {} < "$ids"
         unset ATTNSTEP_FALSE_ALARM_CASES ATTNSTEP_BINARY
-        [ -z "$failed" ] && { echo "every chunk passed"; return 0; }
-        echo "$failed"; return 1
+        rm -f "$ids"
+        ! grep -q "^FAILED" "$OUT/alarms.log"
     }
     step alarms alarms
-    cat "$OUT/alarms.log"
+    grep -c "^passed" "$OUT/alarms.log"; grep -A3 "^FAILED" "$OUT/alarms.log"
 fi
 
 if want demo; then
@@ -127,6 +133,26 @@ if want large; then
     grep -h "^measure:" "$OUT/large.log"
 fi
 
+if want bigbwd; then
+    # No N×M buffer in the flash backward: one for 16 heads at N = M = 16384 would be 16 GiB, one
+    # head's alone 1 GiB; the bound leaves room for the inputs, outputs, workspaces and the CUDA
+    # context (nvidia-smi's figure includes it). First the run a user makes (the flash stages,
+    # forward and backward, read and written as files), then --bench's flash backward rows.
+    bigbwd() {
+        local case=/tmp/bigbwd_in out=/tmp/bigbwd_out rc=0
+        local peak="python3 scripts/peak_device_memory.py --max-mib ${BIGBWD_MAX_MIB:-4096}"
+        $ATTNSTEP generate --out $case --heads 16 --seq-q 16384 --seq-k 16384 --d-k 64 --d-v 64 --format npy \
+            --backward >/dev/null || return 1
+        $peak $BUILD/main --in $case --out $out --backend cuda --format npy --stages flash_dQ,flash_dK,flash_dV || rc=1
+        $peak $BUILD/main --bench --pass backward --only flash --no-ceilings --batch 1 --heads 16 \
+            --seq-q 16384 --seq-k 16384 --d 64 --warmup 1 --reps 3 --check || rc=1
+        rm -rf $case $out
+        return $rc
+    }
+    step bigbwd bigbwd
+    grep -hE "^peak device memory:|^flash_backward" "$OUT/bigbwd.log"
+fi
+
 if want bench; then
     step bench $ATTNSTEP bench --binary $BUILD/main --json "$OUT/bench.json" --plot "$OUT/bench.png" ${BENCH_ARGS:-}
     tail -n 40 "$OUT/bench.log"
@@ -140,7 +166,7 @@ fi
 
 echo "== summary ($(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1))"
 rc=0
-for name in build tests gputests alarms demo example memcheck racecheck large bench sweep; do
+for name in build tests gputests alarms demo example memcheck racecheck large bigbwd bench sweep; do
     [ -n "${result[$name]:-}" ] || continue
     printf '%-10s %s\n' "$name" "${result[$name]}"
     case "${result[$name]}" in FAIL*) rc=1 ;; esac

@@ -1,5 +1,5 @@
-"""verify/bench.py: parsing, table, goals and plot from canned results; the binary's --bench
-options on the CPU build; and (gpu) a tiny real run whose flash check must pass."""
+"""verify/bench.py: parsing, table, goals and plot from canned results, forward and backward; the
+binary's --bench options on the CPU build; and (gpu) tiny real runs whose float64 checks must pass."""
 from __future__ import annotations
 
 import copy
@@ -72,8 +72,13 @@ def test_binary_args_carry_every_setting(tmp_path):
     args = vb.binary_args(vb.Shape(1, 2, 3, 4, 16, True), "tf32", 1, 5, tmp_path / "x.json", True, "flash")
     joined = " ".join(args)
     for part in ("--bench", "--batch 1", "--heads 2", "--seq-q 3", "--seq-k 4", "--d 16",
-                 "--precision tf32", "--warmup 1", "--reps 5", "--only flash", "--causal", "--check"):
+                 "--precision tf32", "--warmup 1", "--reps 5", "--only flash", "--causal", "--check",
+                 "--pass both"):
         assert part in joined
+    assert "--no-ceilings" not in joined
+    args = vb.binary_args(vb.Shape(1, 2, 3, 4, 16, True), "fp32", 1, 5, tmp_path / "x.json", False, "all",
+                          "backward", ceilings=False)
+    assert "--pass backward" in " ".join(args) and "--no-ceilings" in args
 
 
 def test_reps_shrink_only_for_large_work():
@@ -157,7 +162,7 @@ def test_collect_goes_on_after_a_failing_shape(tmp_path, monkeypatch):
     """A shape whose binary run fails is recorded and the sweep continues."""
     calls = []
 
-    def fake_run(binary, shape, prec, warmup, reps, check, only="all", timeout=0):
+    def fake_run(binary, shape, prec, warmup, reps, check, only="all", timeout=0, **kw):
         calls.append(shape.id)
         if shape.seq_q == 7:
             raise vb.BenchError("boom")
@@ -190,7 +195,8 @@ def test_binary_bench_rejects_bad_options(binary):
         assert stub.returncode == 2
         pytest.skip("a CPU-only build: --bench is refused before its options are read")
     for args, what in ((["--precision", "fp16"], "--precision"), (["--d", "0"], "--d"),
-                       (["--bogus"], "--bogus"), (["--reps"], "--reps")):
+                       (["--bogus"], "--bogus"), (["--reps"], "--reps"), (["--pass", "sideways"], "--pass"),
+                       (["--pass"], "--pass")):
         proc = subprocess.run([str(binary), "--bench", *args], capture_output=True, text=True, timeout=60)
         assert proc.returncode == 2, (args, proc.stderr)
         assert what in proc.stderr.splitlines()[0]
@@ -224,12 +230,12 @@ def test_cli_checks_output_paths_before_running(tmp_path):
 
 def test_goal_table_names_known_kernels_metrics_and_fields():
     from verify.bench_goals import COMPARISONS, GOALS, METRICS
-    from verify.bench_report import FLASH_KERNELS
+    from verify.bench_report import FLASH_BACKWARD, FLASH_KERNELS
     from verify.stages import PRECISIONS, STAGE_NAMES
 
     shape_fields = set(vb.Shape.__dataclass_fields__)
     for goal in GOALS:
-        assert goal.kernel in FLASH_KERNELS + STAGE_NAMES, goal
+        assert goal.kernel in FLASH_KERNELS + (FLASH_BACKWARD,) + STAGE_NAMES, goal
         assert goal.precision in PRECISIONS and goal.metric in METRICS and goal.comparison in COMPARISONS, goal
         assert set(goal.shape) <= shape_fields, goal
 
@@ -248,7 +254,7 @@ def test_goals_are_records_decided_by_one_function():
 def test_cli_timeout_reaches_every_run(tmp_path, monkeypatch):
     seen = []
 
-    def fake_run(binary, shape, prec, warmup, reps, check, only="all", timeout=0):
+    def fake_run(binary, shape, prec, warmup, reps, check, only="all", timeout=0, **kw):
         seen.append(timeout)
         data = _binary_json(prec)
         data["shape"] = {**SHAPE, "seq_q": shape.seq_q, "seq_k": shape.seq_k}

@@ -10,7 +10,7 @@ import pytest
 
 from test_tolerance import flash32, sample, simulate
 from verify import tolerance
-from verify.diagnose import diagnose
+from verify.diagnose import Suspect, diagnose
 from verify.reference import compute_stage, reference_chain, softmax_rows
 from verify.stages import FORWARD_STAGES, STAGES, Dims
 
@@ -36,8 +36,8 @@ def run(stage, got, chains, dims, scale, causal, head=1, tiles=None):
     src = {n: chains[head][n] for n in (("Q", "K", "V") if STAGES[stage].flash else STAGES[stage].inputs)}
     want = compute_stage(stage, src, scale, causal)
     bound = tolerance.stage_bound(stage, src, want, scale=scale, causal=causal)
-    ctx = {"dims": dims, "scale": scale, "causal": causal, "head": head, "src": src,
-           "ref_of_head": lambda h: chains[h][stage], "flash_tiles": tiles, "bound": bound}
+    ctx = Suspect(dims=dims, scale=scale, causal=causal, head=head, src=src,
+                  ref_of_head=lambda h: chains[h][stage], flash_tiles=tiles, bound=bound)
     return diagnose(stage, got, want, ctx)
 
 

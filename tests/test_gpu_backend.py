@@ -195,17 +195,30 @@ def run_flash(binary: Path, in_dir: Path, out_dir: Path, kernel: str, *extra: st
     return load_run(out_dir)
 
 
-def test_wgmma_takes_more_key_tiles_than_grid_y_holds(binary, tmp_path):
-    # The wgmma kernel's preparation pass puts K's tiles of 64 keys (3xTF32 d64) on one grid
-    # dimension: past 65535 tiles (M = 4,194,240) it must be x, the only one that holds more.
+@pytest.fixture(scope="module")
+def past_grid_y_case(tmp_path_factory):
+    """One head of 5 queries against M = 65535·64 + 65 keys (d 64), and its float64 reference."""
     dims = Dims(batch=1, heads=1, seq_q=5, seq_k=65535 * 64 + 65, d_k=64, d_v=64)
-    in_dir = generate_case(tmp_path / "in", dims, seed=7, fmt="npy")
-    run = run_flash(binary, in_dir, tmp_path / "out", "wgmma")
-    ref = reference_chain(inputs_of(in_dir, 0), float(run.values["scale"]), False,
-                          ["flash_output", "flash_lse"])
+    in_dir = generate_case(tmp_path_factory.mktemp("past-grid-y") / "in", dims, seed=7, fmt="npy")
+    ref = reference_chain(inputs_of(in_dir, 0), 1.0 / np.sqrt(dims.d_k), False, ["flash_output", "flash_lse"])
+    return in_dir, ref
+
+
+# The wgmma kernel's preparation pass puts K's tiles of 64 keys (d64) on one grid dimension: past
+# 65535 tiles (M = 4,194,240) it must be x, the only one that holds more. The other kernels walk
+# the keys inside a block (the mma.sync one splits this single block's KV loop 16 ways and merges):
+# each must take such an M too.
+@pytest.mark.parametrize("kernel, precision", [("wgmma", "fp32"), ("wgmma", "tf32"), ("fast", "fp32"),
+                                               ("clean", "fp32")])
+def test_flash_takes_more_key_tiles_than_grid_y_holds(binary, tmp_path, past_grid_y_case, kernel, precision):
+    in_dir, ref = past_grid_y_case
+    run = run_flash(binary, in_dir, tmp_path / "out", kernel, "--precision", precision)
+    assert run.values["flash_kernel"].startswith(f"cuda-{kernel}"), run.values["flash_kernel"]
+    assert float(run.values["scale"]) == np.float32(1.0 / np.sqrt(64))
+    tol = FP32_TOL if precision == "fp32" else TF32_TOL
     for stage in ("flash_output", "flash_lse"):
         e = rel_err(read_matrix(run.file(stage, 0)), ref[stage])
-        assert within(e, FP32_TOL), f"{stage}: {e:.3g}"
+        assert within(e, tol), f"{kernel} {precision} {stage}: {e:.3g}"
 
 
 # Rows of Q that get a NaN: the first and last rows and one inside; one head of several.

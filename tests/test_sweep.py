@@ -1,5 +1,6 @@
-"""verify/sweep.py: the d × N grid against a fake `main --bench` (rows, OOM rows, CSV/JSON, peak
-memory through a fake nvidia-smi, errors before any work, Ctrl-C), and (gpu) a tiny real grid."""
+"""verify/sweep.py: the d × N grid against a fake `main --bench` (rows forward and backward, OOM rows,
+CSV/JSON, peak memory through a fake nvidia-smi, errors before any work, Ctrl-C), and (gpu) a tiny
+real grid."""
 from __future__ import annotations
 
 import csv
@@ -14,13 +15,26 @@ import pytest
 from click.testing import CliRunner
 
 from verify import sweep as vs
-from verify.bench_report import FLASH_DISPATCHER, OOM, STAGE_PATH_SKIPPED, Shape
+from verify.bench_report import (BACKWARD, FLASH_BACKWARD, FLASH_DISPATCHER, FORWARD, OOM, STAGE_PATH_BACKWARD,
+                                 STAGE_PATH_SKIPPED, Shape)
 from verify.device_memory import used_mib
+from verify.stages import BACKWARD_STAGES, GRAD_INPUT, STAGES
 
 REPO = Path(__file__).resolve().parent.parent
 TEMPLATE = json.loads((REPO / "docs" / "bench_h100.json").read_text())["runs"][0]["binary"]
 STAGE_MS = sum(k["ms"] for k in TEMPLATE["kernels"] if k["kind"] != "attention")
 FLASH_MS = next(k["ms"] for k in TEMPLATE["kernels"] if k["name"] == FLASH_DISPATCHER)
+# The backward rows `main --bench --pass backward` adds: the stage path's six stages and its whole,
+# the flash backward (times made up; the whole path is not the sum of its stages).
+STAGE_BWD_MS, FLASH_BWD_MS = 9.5, 4.25
+BACKWARD_KERNELS = [
+    *({"name": n, "kind": "gemm", "pass": BACKWARD, "status": "ok", "ms": 1.0, "tflops": 1.0}
+      for n in BACKWARD_STAGES if n != GRAD_INPUT and not STAGES[n].flash),
+    {"name": STAGE_PATH_BACKWARD, "kind": "attention", "pass": BACKWARD, "status": "ok", "ms": STAGE_BWD_MS,
+     "tflops": 1.0, "check": {"passed": True, "max_rel_err": 1e-6}},
+    {"name": FLASH_BACKWARD, "kind": "attention", "pass": BACKWARD, "status": "ok", "ms": FLASH_BWD_MS, "tflops": 1.0,
+     "check": {"passed": True, "max_rel_err": 2e-6}},
+]
 
 # A stand-in for `main --bench`: the real JSON format (one run of docs/bench_h100.json, its shape
 # fields set from the options), --only stages or flash, CUDA's out of memory from CONFIG's oom_from on, exit 2
@@ -30,11 +44,12 @@ FAKE_MAIN = r'''#!{python}
 import json, os, signal, sys, time
 CONFIG = json.loads({config!r})
 data = json.loads({template!r})
+backward = json.loads({backward!r})
 args = sys.argv[1:]
 opt = lambda name: args[args.index(name) + 1]
-seq, only = int(opt("--seq-q")), opt("--only")
+seq, only, passes = int(opt("--seq-q")), opt("--only"), opt("--pass")
 with open(CONFIG["log"], "a") as f:
-    f.write(f"{{seq}} {{only}}\n")
+    f.write(f"{{seq}} {{only}} {{passes}}{{' --no-ceilings' if '--no-ceilings' in args else ''}}\n")
 if CONFIG.get("no_gpu"):
     print("main: error: --bench: no CUDA device found\nHINT: run it on a machine with an NVIDIA GPU", file=sys.stderr)
     sys.exit(2)
@@ -61,9 +76,13 @@ data["shape"].update(batch=int(opt("--batch")), heads=int(opt("--heads")), seq_q
                      seq_k=int(opt("--seq-k")), d=int(opt("--d")), causal="--causal" in args)
 data["precision"] = opt("--precision")
 stages = only == "stages"
-data["kernels"] = [k for k in data["kernels"] if (k["kind"] != "attention") == stages]
+if passes == "backward":
+    data["kernels"] = [k for k in backward if (k["name"] != "flash_backward") == stages]
+else:
+    data["kernels"] = [k for k in data["kernels"] if (k["kind"] != "attention") == stages]
 if stages and seq in CONFIG.get("stages_skipped_at", []):
-    data["kernels"] = [dict(name=k["name"], kind=k["kind"], status={skipped!r}) for k in data["kernels"]]
+    data["kernels"] = [dict(name=k["name"], kind=k["kind"], status={skipped!r},
+                            **({{"pass": k["pass"]}} if "pass" in k else {{}})) for k in data["kernels"]]
 with open(opt("--json"), "w") as f:
     json.dump(data, f)
 '''
@@ -73,7 +92,8 @@ def fake_main(tmp_path: Path, **config) -> Path:
     path = tmp_path / "fake_main"
     config.setdefault("log", str(tmp_path / "runs.log"))
     path.write_text(FAKE_MAIN.format(python=sys.executable, config=json.dumps(config),
-                                     template=json.dumps(TEMPLATE), skipped=STAGE_PATH_SKIPPED))
+                                     template=json.dumps(TEMPLATE), backward=json.dumps(BACKWARD_KERNELS),
+                                     skipped=STAGE_PATH_SKIPPED))
     path.chmod(0o755)
     return path
 
@@ -111,26 +131,33 @@ def test_every_row_oom_rows_and_the_files(tmp_path):
     assert res.exit_code == 0, res.output
     rows = read_csv(out_csv)
     assert list(rows[0]) == list(vs.COLUMNS)
-    assert len(rows) == 2 * 3 * 2 * 2  # d × N × masking × (stage path, flash)
-    assert {(r["d"], r["seq"], r["causal"], r["kernel"]) for r in rows} == {
-        (str(d), str(n), str(c), k) for d in (16, 32) for n in (128, 256, 512) for c in (False, True)
-        for k in (vs.STAGE_PATH, FLASH_DISPATCHER)}
+    assert len(rows) == 2 * 3 * 2 * 4  # d × N × masking × (stage path, flash) × (forward, backward)
+    assert {(r["d"], r["seq"], r["causal"], r["kernel"], r["direction"]) for r in rows} == {
+        (str(d), str(n), str(c), k, p) for d in (16, 32) for n in (128, 256, 512) for c in (False, True)
+        for k in (vs.STAGE_PATH, FLASH_DISPATCHER) for p in (FORWARD, BACKWARD)}
+    ms_of = {(vs.STAGE_PATH, FORWARD): STAGE_MS, (FLASH_DISPATCHER, FORWARD): FLASH_MS,
+             (vs.STAGE_PATH, BACKWARD): STAGE_BWD_MS, (FLASH_DISPATCHER, BACKWARD): FLASH_BWD_MS}
     for r in rows:
-        assert (r["batch"], r["heads"], r["precision"], r["direction"]) == ("8", "1", "fp32", vs.FORWARD)
+        assert (r["batch"], r["heads"], r["precision"]) == ("8", "1", "fp32")
         if r["seq"] == "512":
             assert r["status"] == OOM and r["ms"] == r["tflops"] == "", r
             continue
         assert r["status"] == "ok", r
         shape = Shape(8, 1, int(r["seq"]), int(r["seq"]), int(r["d"]), r["causal"] == "True")
-        ms = STAGE_MS if r["kernel"] == vs.STAGE_PATH else FLASH_MS
+        ms = ms_of[r["kernel"], r["direction"]]
+        flop = shape.flash_flop if r["direction"] == FORWARD else 2.5 * shape.flash_flop
         assert float(r["ms"]) == pytest.approx(ms)
-        assert float(r["tflops"]) == pytest.approx(shape.flash_flop / (ms * 1e-3) / 1e12)
+        assert float(r["tflops"]) == pytest.approx(flop / (ms * 1e-3) / 1e12)
         assert r["peak_mib"] == ""  # no nvidia-smi
+    # Each row its own process, of its own pass, without the ceilings' microbenchmarks.
+    assert all(line.endswith("--no-ceilings") for line in runs(tmp_path))
+    assert sorted({tuple(line.split()[1:3]) for line in runs(tmp_path)}) == [
+        ("flash", BACKWARD), ("flash", FORWARD), ("stages", BACKWARD), ("stages", FORWARD)]
     doc = json.loads(out_json.read_text())
     assert doc["device"] == TEMPLATE["device"] and doc["columns"] == list(vs.COLUMNS)
     assert [{k: str(v) if v is not None else "" for k, v in row.items()} for row in doc["rows"]] == rows
     table = res.stdout.splitlines()
-    assert sum(OOM in line for line in table) == 8 and len(table) == 2 + 1 + len(rows)
+    assert sum(OOM in line for line in table) == 16 and len(table) == 2 + 1 + len(rows)
     assert "err 7.3e-07" in res.stdout  # the flash row carries the binary's float64 check
 
 
@@ -139,9 +166,9 @@ def test_a_stage_path_skipped_for_memory_is_an_oom_row_beside_a_timed_flash(tmp_
     out_csv = tmp_path / "s.csv"
     res = invoke(main, "--d", "64", "--seq", "128", "--seq", "256", "--causal", "no", "--csv", str(out_csv))
     assert res.exit_code == 0, res.output
-    status = {(r["seq"], r["kernel"]): r["status"] for r in read_csv(out_csv)}
-    assert status == {("128", "stages"): "ok", ("128", "flash"): "ok", ("256", "stages"): OOM,
-                      ("256", "flash"): "ok"}
+    status = {(r["seq"], r["kernel"], r["direction"]): r["status"] for r in read_csv(out_csv)}
+    assert status == {(n, k, p): OOM if (n, k) == ("256", "stages") else "ok"
+                      for n in ("128", "256") for k in ("stages", "flash") for p in (FORWARD, BACKWARD)}
 
 
 def test_peak_memory_is_the_binary_process_own_from_nvidia_smi(tmp_path, monkeypatch):
@@ -226,6 +253,59 @@ def test_plot_has_a_panel_per_d_and_masking(tmp_path):
     assert res.exit_code == 0, res.output
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("sweep")) == ["sweep.png"]
+
+
+def test_kernel_flash_backward_alone(tmp_path):
+    out_csv = tmp_path / "s.csv"
+    res = invoke(fake_main(tmp_path), "--d", "64", "--seq", "128", "--causal", "yes", "--kernel", "flash-backward",
+                 "--csv", str(out_csv))
+    assert res.exit_code == 0, res.output
+    [row] = read_csv(out_csv)
+    assert (row["kernel"], row["direction"], row["status"]) == (FLASH_DISPATCHER, BACKWARD, "ok")
+    assert float(row["ms"]) == FLASH_BWD_MS and "err 2.0e-06" in row["note"]
+    assert runs(tmp_path) == ["128 flash backward --no-ceilings"]
+
+
+def test_sdpa_rows_forward_and_backward_from_torch(tmp_path, monkeypatch):
+    """SDPA's rows come from its own timer per pass; TFLOP/s by the pass's FLOPs; OOM stays a row."""
+    monkeypatch.setattr(vs, "torch_available", lambda: "2.11")
+    monkeypatch.setitem(vs.SDPA_TIMERS, FORWARD, lambda *a: {"status": "ok", "ms": 2.0, "peak_mib": 8.0,
+                                                             "torch": "2.11"})
+    monkeypatch.setitem(vs.SDPA_TIMERS, BACKWARD,
+                        lambda shape, *a: {"status": OOM} if shape.seq_q > 128 else
+                        {"status": "ok", "ms": 4.0, "peak_mib": 16.0, "torch": "2.11"})
+    out_csv = tmp_path / "s.csv"
+    res = invoke(fake_main(tmp_path), "--d", "64", "--seq", "128", "--seq", "256", "--causal", "no",
+                 "--kernel", "sdpa", "--kernel", "sdpa-backward", "--csv", str(out_csv))
+    assert res.exit_code == 0, res.output
+    rows = {(r["seq"], r["direction"]): r for r in read_csv(out_csv)}
+    shape = Shape(8, 1, 128, 128, 64, False)
+    assert float(rows["128", FORWARD]["tflops"]) == pytest.approx(shape.flash_flop / 2e-3 / 1e12)
+    assert float(rows["128", BACKWARD]["tflops"]) == pytest.approx(2.5 * shape.flash_flop / 4e-3 / 1e12)
+    assert rows["128", BACKWARD]["peak_mib"] == "16.0" and rows["256", BACKWARD]["status"] == OOM
+    assert runs(tmp_path) == []
+
+
+def test_pass_picks_the_rows_of_one_pass(tmp_path):
+    out_csv = tmp_path / "s.csv"
+    res = invoke(fake_main(tmp_path), "--d", "16", "--seq", "128", "--causal", "no", "--pass", "backward",
+                 "--csv", str(out_csv))
+    assert res.exit_code == 0, res.output
+    assert [(r["kernel"], r["direction"]) for r in read_csv(out_csv)] == [("stages", BACKWARD), ("flash", BACKWARD)]
+    res = invoke(fake_main(tmp_path), "--kernel", "flash", "--pass", "backward")
+    assert res.exit_code == 2 and len(res.output.strip().splitlines()) == 1 and "--pass backward" in res.output
+
+
+def test_sdpa_backward_alone_without_torch_is_one_line(tmp_path):
+    res = invoke(fake_main(tmp_path), "--kernel", "sdpa-backward")
+    assert res.exit_code == 2 and len(res.output.strip().splitlines()) == 1
+    assert "--kernel sdpa-backward: needs PyTorch" in res.output
+
+
+def test_plot_names_the_backward_as_bench_does():
+    rows = [vs.SweepRow(k.name, k.direction, 64, 128, False, 8, 1, "fp32", "ok", 1.0, 1.0) for k in vs.KERNELS]
+    assert [r.kernel for r in vs.plot_rows(rows)] == ["stages", "flash", "sdpa", STAGE_PATH_BACKWARD, FLASH_BACKWARD,
+                                                     "sdpa_backward"]
 
 
 def test_default_grid_is_the_assignment_one():

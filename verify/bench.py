@@ -1,9 +1,10 @@
-"""`attnstep bench`: times the binary's stages and flash kernels, and PyTorch's SDPA, on a shape list.
+"""`attnstep bench`: times the binary's stages and flash kernels, forward and backward, and PyTorch's
+SDPA, on a shape list.
 
 For each shape and precision it runs `build/main --bench ... --json FILE` (device events, median of
 REPS after warm-up, inputs generated on the device, ceilings measured in the same run; see
-cuda_src/cuda/bench.cu) and, when torch imports, times `torch.nn.functional.scaled_dot_product_attention`
-in fp32 on the same shape in this process. It prints one table, the speed goals (bench_goals.py)
+cuda_src/cuda/bench.cu) and, when torch imports, times SDPA's forward and backward in fp32 on the
+same shape in this process (bench_sdpa.py). It prints one table, the speed goals (bench_goals.py)
 as met/missed, and writes the results as JSON and a PNG plot (TFLOP/s against N, one line per kernel).
 
 The shape list: the default case (`verify.generate.DEFAULT_DIMS`) and B=4, H=16, N=M in
@@ -13,18 +14,19 @@ from __future__ import annotations
 
 import contextlib
 import json
-import statistics
 import subprocess
 import tempfile
 import time
 from pathlib import Path
-from typing import Iterable, List, Optional, Sequence, Tuple
+from typing import Iterable, List, Sequence, Tuple
 
 import click
 
 from .bench_goals import evaluate_goals
-from .bench_report import (MIB, OOM, BenchError, Row, Shape, ceiling_lines, format_table, load_results,
-                           parse_binary_json, parse_shape_id, rows_from_results, write_plot)
+from .bench_report import (BACKWARD, FORWARD, PASSES, SDPA, SDPA_BACKWARD, BenchError, Row, Shape, ceiling_lines,
+                           format_table, load_results, parse_binary_json, parse_shape_id, rows_from_results,
+                           write_plot)
+from .bench_sdpa import time_sdpa, time_sdpa_backward, torch_available
 from .case import atomic_write_bytes
 from .generate import DEFAULT_DIMS
 from .options import InputError, binary_option, build_option, json_option, timeout_option, user_errors
@@ -34,7 +36,8 @@ from .words import plural
 
 __all__ = ["BenchError", "BenchOutOfMemory", "BenchUnusable", "Row", "Shape", "bench", "binary_args", "collect",
            "default_shapes", "evaluate_goals", "format_table", "parse_binary_json", "parse_shape", "parse_shape_id",
-           "reps_for", "rows_from_results", "run_binary_bench", "time_sdpa", "write_plot"]
+           "reps_for", "rows_from_results", "run_binary_bench", "time_sdpa", "time_sdpa_backward", "torch_available",
+           "write_plot"]
 
 RESULTS_FORMAT = 1
 # Work (FLOP) above which a shape gets fewer timed repetitions, to bound the run's length.
@@ -44,6 +47,8 @@ BENCH_TIMEOUT_S = 900
 SWEEP_BATCH, SWEEP_HEADS = 4, 16
 SWEEP_SEQ = (1024, 4096, 16384)
 SWEEP_D = (64, 128)
+# `--pass`: one of PASSES, or both.
+BOTH = "both"
 
 
 class BenchUnusable(BenchError):
@@ -76,16 +81,23 @@ def reps_for(shape: Shape, reps: int, large_flop: float = LARGE_WORK_FLOP) -> in
 
 
 def binary_args(shape: Shape, precision: str, warmup: int, reps: int, json_path: Path,
-                check: bool, only: str) -> List[str]:
+                check: bool, only: str, passes: str = BOTH, ceilings: bool = True) -> List[str]:
     args = ["--bench", "--batch", str(shape.batch), "--heads", str(shape.heads),
             "--seq-q", str(shape.seq_q), "--seq-k", str(shape.seq_k), "--d", str(shape.d),
             "--precision", precision, "--warmup", str(warmup), "--reps", str(reps),
-            "--json", str(json_path), "--only", only]
+            "--json", str(json_path), "--only", only, "--pass", passes]
     if shape.causal:
         args.append("--causal")
     if check:
         args.append("--check")
+    if not ceilings:
+        args.append("--no-ceilings")
     return args
+
+
+def passes_of(passes: str) -> Tuple[str, ...]:
+    """The passes a `--pass` value times."""
+    return PASSES if passes == BOTH else (passes,)
 
 
 class BenchOutOfMemory(BenchError):
@@ -122,14 +134,15 @@ def _run_watched(cmd: List[str], timeout: float, monitor) -> Tuple[int, str]:
 
 
 def run_binary_bench(binary: Path, shape: Shape, precision: str, warmup: int, reps: int,
-                     check: bool, only: str = "all", timeout: float = BENCH_TIMEOUT_S, monitor=None) -> dict:
+                     check: bool, only: str = "all", timeout: float = BENCH_TIMEOUT_S, monitor=None,
+                     passes: str = BOTH, ceilings: bool = True) -> dict:
     """Runs `binary --bench` for one shape and returns its parsed JSON. A failed --check still
     returns the JSON (with passed = false); any other failure raises BenchError (BenchUnusable,
     BenchOutOfMemory by the binary's exit status). `monitor(pid)`, when given, is entered while
     the binary runs (e.g. to sample its device memory)."""
     with tempfile.TemporaryDirectory(prefix="attnstep-bench-") as tmp:
         json_path = Path(tmp) / "bench.json"
-        cmd = [str(binary), *binary_args(shape, precision, warmup, reps, json_path, check, only)]
+        cmd = [str(binary), *binary_args(shape, precision, warmup, reps, json_path, check, only, passes, ceilings)]
         try:
             returncode, output = _run_watched(cmd, timeout, monitor)
         except FileNotFoundError:
@@ -145,65 +158,14 @@ def run_binary_bench(binary: Path, shape: Shape, precision: str, warmup: int, re
     return parse_binary_json(data, f"{shape.id} {precision}")
 
 
-# ---- PyTorch SDPA --------------------------------------------------------------------------------
-def torch_available() -> Optional[str]:
-    """torch's version when it imports and sees a GPU, else None."""
-    try:
-        import torch  # noqa: PLC0415 (optional dependency)
-    except Exception:
-        return None
-    return torch.__version__ if torch.cuda.is_available() else None
-
-
-def _median_ms(torch, fn, warmup: int, reps: int) -> float:
-    """Median device time of fn() in ms, by CUDA events, after `warmup` untimed calls."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop))
-    return statistics.median(times)
-
-
-def time_sdpa(shape: Shape, precision: str, warmup: int, reps: int, seed: int = 0) -> dict:
-    """Median ms of torch SDPA on fp32 (B, H, N, d) CUDA tensors; `precision` tf32 allows TF32
-    matmuls (the fused fp32 backends ignore it). Returns {"status", "ms", "tflops", "peak_mib",
-    "torch"}: peak_mib is the most device memory torch held while timing (inputs included);
-    status is OOM when the device runs out of memory."""
-    import torch  # noqa: PLC0415
-    import torch.nn.functional as F  # noqa: PLC0415
-
-    old = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = precision == "tf32"
-    try:
-        gen = torch.Generator(device="cuda").manual_seed(seed)
-        q, k, v = (torch.rand(shape.batch, shape.heads, rows, shape.d, device="cuda", generator=gen) * 2 - 1
-                   for rows in (shape.seq_q, shape.seq_k, shape.seq_k))
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        ms = _median_ms(torch, lambda: F.scaled_dot_product_attention(q, k, v, is_causal=shape.causal),
-                        warmup, reps)
-        return {"status": "ok", "ms": ms, "tflops": shape.flash_flop / (ms * 1e-3) / 1e12,
-                "peak_mib": round(torch.cuda.max_memory_allocated() / MIB, 1), "torch": torch.__version__}
-    except torch.cuda.OutOfMemoryError:
-        return {"status": OOM, "torch": torch.__version__}
-    except RuntimeError as exc:  # out of memory, or no backend for the shape
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        return {"status": f"failed: {first[:120]}", "torch": torch.__version__}
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = old
-        torch.cuda.empty_cache()
-
-
 # ---- the sweep -----------------------------------------------------------------------------------
+# SDPA's timing of each pass, under the run's key of the same name.
+_SDPA_TIMERS = {FORWARD: (SDPA, time_sdpa), BACKWARD: (SDPA_BACKWARD, time_sdpa_backward)}
+
+
 def collect(binary: Path, shapes: Iterable[Shape], precisions: Sequence[str], warmup: int, reps: int,
-            check: bool, use_torch: bool, only: str, log=print, timeout: float = BENCH_TIMEOUT_S) -> dict:
+            check: bool, use_torch: bool, only: str, log=print, timeout: float = BENCH_TIMEOUT_S,
+            passes: str = BOTH, ceilings: bool = True) -> dict:
     """Runs every shape × precision; returns the results document (JSON-ready)."""
     torch_version = torch_available() if use_torch else None
     runs = []
@@ -212,7 +174,8 @@ def collect(binary: Path, shapes: Iterable[Shape], precisions: Sequence[str], wa
             r = reps_for(shape, reps)
             t0 = time.monotonic()
             try:
-                data = run_binary_bench(binary, shape, prec, warmup, r, check, only, timeout)
+                data = run_binary_bench(binary, shape, prec, warmup, r, check, only, timeout,
+                                        passes=passes, ceilings=ceilings)
             except BenchUnusable:
                 raise
             except BenchError as exc:  # one shape failing must not lose the others' numbers
@@ -221,7 +184,9 @@ def collect(binary: Path, shapes: Iterable[Shape], precisions: Sequence[str], wa
                 continue
             run = {"binary": data}
             if torch_version and only != "stages":
-                run["sdpa"] = time_sdpa(shape, prec, warmup, r)
+                for p in passes_of(passes):
+                    name, timer = _SDPA_TIMERS[p]
+                    run[name] = timer(shape, prec, warmup, r)
             runs.append(run)
             log(f"bench: {shape.id} {prec}: {time.monotonic() - t0:.1f} s")
     device = next((r["binary"]["device"] for r in runs if "binary" in r), "?")
@@ -244,11 +209,11 @@ def _print_results(results: dict, rows: Sequence[Row]) -> None:
 
 
 def _exit_status(rows: Sequence[Row]) -> int:
-    """1 when a flash kernel failed its float64 check or the binary failed on a shape, else 0."""
+    """1 when a checked result failed its float64 check or the binary failed on a shape, else 0."""
     failed = [r for r in rows if "FAIL" in r.note]
     crashed = [r for r in rows if r.status.startswith("failed:")]
     if failed:
-        click.echo(f"bench: {plural(len(failed), 'flash result')} failed the float64 check", err=True)
+        click.echo(f"bench: {plural(len(failed), 'result')} failed the float64 check", err=True)
     if crashed:
         click.echo(f"bench: main --bench failed on {plural(len(crashed), 'shape')}; see the table", err=True)
     return 1 if failed or crashed else 0
@@ -266,8 +231,12 @@ def _exit_status(rows: Sequence[Row]) -> int:
               help="Timed runs (median); a quarter of them, at least 3, for the largest shapes.")
 @click.option("--only", type=click.Choice(("all", "stages", "flash")), default="all", show_default=True,
               help="Time the stage path, the flash kernels, or both.")
+@click.option("--pass", "passes", type=click.Choice(PASSES + (BOTH,)), default=BOTH, show_default=True,
+              help="Time the forward, the backward (from a generated dO), or both.")
 @click.option("--check/--no-check", default=True, show_default=True,
-              help="Compare sampled flash rows with float64 inside the binary.")
+              help="Compare sampled rows of the flash outputs and of the gradients with float64 inside the binary.")
+@click.option("--ceilings/--no-ceilings", default=True, show_default=True,
+              help="Measure the ceilings (cuBLAS SGEMM, device copy, tensor-core rates) in each run.")
 @click.option("--torch/--no-torch", "use_torch", default=True, show_default=True,
               help="Also time PyTorch SDPA (fp32) when torch imports and sees a GPU.")
 @timeout_option.but(default=BENCH_TIMEOUT_S, help="Seconds before the binary is stopped on one shape.")
@@ -277,15 +246,17 @@ def _exit_status(rows: Sequence[Row]) -> int:
 @click.option("--from-json", "from_json", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Do not run anything: print the table, goals and plot of an earlier --json file.")
 @user_errors
-def bench(build_dir, binary, shape_specs, precision, warmup, reps, only, check, use_torch, timeout, json_path,
-          plot_path, from_json):
-    """Time every stage and flash kernel of the binary, and PyTorch SDPA, over a shape list.
+def bench(build_dir, binary, shape_specs, precision, warmup, reps, only, passes, check, ceilings, use_torch, timeout,
+          json_path, plot_path, from_json):
+    """Time every stage and flash kernel of the binary, forward and backward, and PyTorch SDPA,
+    over a shape list.
 
     Runs `main --bench` (built in BUILD_DIR) for each shape of the default list or each --shape,
     in each precision; prints a table of ms, TFLOP/s or GB/s, the fraction of the ceilings the
     binary measured in the same run (cuBLAS SGEMM, device copy) and the flash kernels' speed over
-    SDPA's; then the speed goals as met/missed. Exit status 1 when a flash kernel fails its
-    float64 check.
+    SDPA's (the backward's over SDPA's backward); then the speed goals as met/missed. Backward
+    TFLOP/s count 2.5x the forward's FLOPs. Exit status 1 when a checked result fails its float64
+    check.
     """
     try:
         if from_json:
@@ -297,7 +268,8 @@ def bench(build_dir, binary, shape_specs, precision, warmup, reps, only, check, 
             shapes = [parse_shape(s) for s in shape_specs] or default_shapes()
             precisions = PRECISIONS if precision == "both" else (precision,)
             results = collect(binary or ensure_built(build_dir), shapes, precisions, warmup, reps, check,
-                              use_torch, only, log=lambda m: click.echo(m, err=True), timeout=timeout)
+                              use_torch, only, log=lambda m: click.echo(m, err=True), timeout=timeout,
+                              passes=passes, ceilings=ceilings)
             if json_path:
                 atomic_write_bytes(json_path, (json.dumps(results, indent=1) + "\n").encode())
         rows = rows_from_results(results)

@@ -6,7 +6,8 @@ import operator
 from dataclasses import dataclass
 from typing import Any, List, Mapping, Optional, Sequence
 
-from .bench_report import Row, parse_shape_id
+from .bench_report import FLASH_BACKWARD, Row, parse_shape_id
+from .stages import KEYS_T, OUTPUT, SCALED_SCORES, SCORES, WEIGHTS
 
 
 @dataclass(frozen=True)
@@ -21,6 +22,8 @@ class Metric:
 METRICS = {
     "vs_sdpa": Metric("vs_sdpa", "{g.precision} {g.kernel} {g.comparison} {g.threshold:g}x SDPA",
                       "{r.vs_sdpa:.2f}x ({r.rate:.1f} TFLOP/s)"),
+    "vs_sdpa_backward": Metric("vs_sdpa", "{g.precision} {g.kernel} {g.comparison} {g.threshold:g}x SDPA's backward",
+                               "{r.vs_sdpa:.2f}x ({r.rate:.1f} TFLOP/s)"),
     "tflops": Metric("rate", "{g.precision} {g.kernel} {g.comparison} {g.threshold:.0f} TFLOP/s",
                      "{r.rate:.1f} TFLOP/s"),
     "sgemm_fraction": Metric("fraction", "{g.kernel} {g.comparison} {g.threshold:.0%} of cuBLAS SGEMM",
@@ -45,14 +48,17 @@ _LARGE = {"batch": 4, "heads": 16, "seq_q": 4096, "seq_k": 4096}
 _LARGE_D64 = {**_LARGE, "d": 64, "causal": False}
 
 # "flash" is what users get by default (the binary's dispatcher), so the flash goals are about it.
+# The flash backward's: at d 64 and 128, causal and not.
 GOALS = (
     Goal("flash", _LARGE, "fp32", "vs_sdpa", 1.5),
     Goal("flash", {**_LARGE, "d": 64}, "tf32", "tflops", 150.0),
-    Goal("QK", _LARGE_D64, "fp32", "sgemm_fraction", 0.9),
-    Goal("output", _LARGE_D64, "fp32", "sgemm_fraction", 0.9),
-    Goal("KT", _LARGE_D64, "fp32", "copy_fraction", 0.8),
-    Goal("QK_scaled", _LARGE_D64, "fp32", "copy_fraction", 0.8),
-    Goal("attention_weights", _LARGE_D64, "fp32", "copy_fraction", 0.8),
+    *(Goal(FLASH_BACKWARD, {**_LARGE, "d": d}, "fp32", "vs_sdpa_backward", 2.0) for d in (64, 128)),
+    *(Goal(FLASH_BACKWARD, {**_LARGE, "d": d}, "tf32", "tflops", 150.0) for d in (64, 128)),
+    Goal(SCORES, _LARGE_D64, "fp32", "sgemm_fraction", 0.9),
+    Goal(OUTPUT, _LARGE_D64, "fp32", "sgemm_fraction", 0.9),
+    Goal(KEYS_T, _LARGE_D64, "fp32", "copy_fraction", 0.8),
+    Goal(SCALED_SCORES, _LARGE_D64, "fp32", "copy_fraction", 0.8),
+    Goal(WEIGHTS, _LARGE_D64, "fp32", "copy_fraction", 0.8),
 )
 
 

@@ -17,6 +17,16 @@ from .stages import PRECISIONS
 FLASH_DISPATCHER = "flash"
 FLASH_KERNELS = (FLASH_DISPATCHER, "flash_wgmma", "flash_fast")
 SDPA = "sdpa"
+# The backward's rows that are not stages (cuda_src/cuda/bench_parts.cuh names them alike): the
+# whole stage-path backward timed as one unit, the flash backward, and PyTorch's backward.
+STAGE_PATH_BACKWARD = "stages_backward"
+FLASH_BACKWARD = "flash_backward"
+SDPA_BACKWARD = "sdpa_backward"
+# The passes `main --bench --pass` times; a row without "pass" (an older run) is a forward row.
+FORWARD, BACKWARD = "forward", "backward"
+PASSES = (FORWARD, BACKWARD)
+# The FlashAttention convention: a backward pass counts 2.5 times the forward's FLOPs.
+BACKWARD_FLOP_FACTOR = 2.5
 # The status of a kernel or shape that did not fit in device memory.
 OOM = "OOM"
 # The status main --bench gives every stage when not even one head of the stage path fits.
@@ -47,6 +57,11 @@ class Shape:
         """Forward FLOP: 4·B·H·N·M·d, halved when causal."""
         full = 4.0 * self.batch * self.heads * self.seq_q * self.seq_k * self.d
         return full / 2 if self.causal else full
+
+    @property
+    def backward_flop(self) -> float:
+        """Backward FLOP: 2.5x the forward's."""
+        return BACKWARD_FLOP_FACTOR * self.flash_flop
 
 
 def parse_shape_id(shape_id: str) -> Shape:
@@ -133,18 +148,24 @@ def kernel_note(k: dict) -> str:
     return "; ".join(notes)
 
 
-def _kernel_row(shape: Shape, precision: str, k: dict, sdpa_rate: Optional[float]) -> Row:
+# The rows compared with SDPA: each with SDPA's run of its own pass.
+_VS_SDPA = {**{name: SDPA for name in FLASH_KERNELS}, FLASH_BACKWARD: SDPA_BACKWARD,
+            STAGE_PATH_BACKWARD: SDPA_BACKWARD}
+
+
+def _kernel_row(shape: Shape, precision: str, k: dict, sdpa_rates: Dict[str, float]) -> Row:
     row = _row(shape, precision, k["name"], k["kind"], k["status"])
     if k["status"] == "ok":
         row.ms, row.rate, row.fraction = k["ms"], k[_rate_key(k)], k.get("fraction")
-        if k["name"] in FLASH_KERNELS and sdpa_rate:
-            row.vs_sdpa = row.rate / sdpa_rate
+        yardstick = sdpa_rates.get(_VS_SDPA.get(k["name"], ""))
+        if yardstick:
+            row.vs_sdpa = row.rate / yardstick
         row.note = kernel_note(k)
     return row
 
 
-def _sdpa_row(shape: Shape, precision: str, sdpa: dict) -> Row:
-    row = _row(shape, precision, SDPA, "attention", sdpa.get("status", "?"))
+def _sdpa_row(shape: Shape, precision: str, name: str, sdpa: dict) -> Row:
+    row = _row(shape, precision, name, "attention", sdpa.get("status", "?"))
     if sdpa.get("status") == "ok":
         row.ms, row.rate, row.vs_sdpa = sdpa["ms"], sdpa["tflops"], 1.0
         row.note = f"torch {sdpa.get('torch', '?')} fp32"
@@ -157,10 +178,11 @@ def _run_rows(i: int, run: dict) -> List[Row]:
         return [_row(shape, run.get("precision", "?"), "main --bench", "attention", f"failed: {run['error']}")]
     binary = parse_binary_json(run.get("binary"), f"runs[{i}].binary")
     shape, prec = _shape_of(binary), binary["precision"]
-    sdpa = run.get("sdpa") or {}
-    sdpa_rate = sdpa.get("tflops") if sdpa.get("status") == "ok" else None
-    rows = [_kernel_row(shape, prec, k, sdpa_rate) for k in binary["kernels"]]
-    return rows + ([_sdpa_row(shape, prec, sdpa)] if sdpa else [])
+    # The run's SDPA timings by row name: "sdpa" the forward, "sdpa_backward" the backward.
+    sdpa = {name: run[name] for name in (SDPA, SDPA_BACKWARD) if run.get(name)}
+    rates = {name: s["tflops"] for name, s in sdpa.items() if s.get("status") == "ok"}
+    rows = [_kernel_row(shape, prec, k, rates) for k in binary["kernels"]]
+    return rows + [_sdpa_row(shape, prec, name, s) for name, s in sdpa.items()]
 
 
 def rows_from_results(results: dict) -> List[Row]:
@@ -223,18 +245,22 @@ def ceiling_lines(results: dict) -> List[str]:
 
 
 # ---- plot ----------------------------------------------------------------------------------------
+# PyTorch's rows, the yardsticks: black, its backward grey, both dashed.
+_SDPA_COLOURS = {SDPA: "black", SDPA_BACKWARD: "grey"}
+
+
 def _plotted(rows: Sequence[Row]) -> List[Row]:
     """Rows with a TFLOP/s figure; SDPA always runs in fp32, so one line for it, from the fp32 runs."""
     return [r for r in rows if r.status == "ok" and r.kind in ("attention", "gemm") and r.rate
-            and not (r.kernel == SDPA and r.precision != "fp32")]
+            and not (r.kernel in _SDPA_COLOURS and r.precision != "fp32")]
 
 
 def _kernel_colours(rows: Sequence[Row], cycle: Sequence[str]) -> Dict[str, str]:
     """One colour per kernel in every panel (with one line style per precision a dozen lines stay
     tellable apart; the default colour cycle repeats after ten); SDPA, the yardstick, in black."""
-    kernels = sorted({r.kernel for r in rows if r.kernel != SDPA})
+    kernels = sorted({r.kernel for r in rows if r.kernel not in _SDPA_COLOURS})
     colour = {k: cycle[i % len(cycle)] for i, k in enumerate(kernels)}
-    colour[SDPA] = "black"
+    colour.update(_SDPA_COLOURS)
     return colour
 
 
@@ -246,9 +272,10 @@ def _draw_panel(ax, rows: Sequence[Row], d: int, causal: bool, colour: Dict[str,
             series.setdefault((r.kernel, r.precision), []).append(r)
     for (kernel, precision), pts in sorted(series.items()):
         pts = sorted(pts, key=lambda r: r.n)
-        label = kernel if kernel == SDPA else f"{kernel} {precision}"
+        sdpa = kernel in _SDPA_COLOURS
+        label = kernel if sdpa else f"{kernel} {precision}"
         ax.plot([p.n for p in pts], [p.rate for p in pts], marker="o", markersize=3, label=label,
-                color=colour[kernel], linestyle="--" if kernel == SDPA else style.get(precision, "-"))
+                color=colour[kernel], linestyle="--" if sdpa else style.get(precision, "-"))
     ax.set_xscale("log", base=2)
     ax.set_xlabel("N = M")
     ax.set_ylabel("TFLOP/s")

@@ -31,7 +31,7 @@ from .results import (FAIL, INHERITED, MISSING, PASS, SHAPE, STALE, UNREADABLE, 
 from .reference import compute_stage, reference_chain
 from .resolution import EXACT
 from .specs import SPECS, HeadContext, upstream, uses_scale_and_mask
-from .stages import CASE_INPUTS, GRAD_INPUT, INPUT_NAMES, STAGES
+from .stages import GRAD_INPUT, INPUT_NAMES, STAGES
 
 __all__ = ["Options", "check", "check_run", "check_head", "error_ratio_map", "Report", "HeadResult", "Comparison",
            "compare_arrays", "elementwise_error", "head_jobs", "RunInfo", "PASS", "FAIL", "INHERITED", "MISSING",
@@ -75,7 +75,7 @@ def _load_output(run: RunInfo, stage: str, head: int):
     if src.arrays is None and (src.per_head or not src.file(head, run.dims).exists()):
         path = src.file(head, run.dims)
         if not path.exists():
-            why = f"run.toml lists stage {stage}" if "stages" in run.values else \
+            why = f"run.toml lists stage {stage}" if run.lists_stages else \
                 f"the other {stage} files exist"
             return None, EXACT, MISSING, f"{path.name} is missing ({why})"
         try:
@@ -134,7 +134,7 @@ def _isolated_sources(names, got, quanta, results, chain):
     stage was not written (an unchecked upstream stage is simply not checked)."""
     src, q = {}, {}
     for n in names:
-        own = n in got and not (n in CASE_INPUTS and results[n].passed)
+        own = n in got and not (SPECS[n].echo and results[n].passed)
         src[n] = got[n] if own else chain[n]
         if own and quanta.get(n) is not None:
             q[n] = quanta[n]
@@ -154,14 +154,13 @@ def _blamed_elsewhere(stage: str, violations, results: Dict[str, "HeadResult"]) 
     """Findings that follow from an upstream stage's failure (they become notes): a flash stage's
     disagreement with its stage-path partner when that partner failed, and the invariants that
     hold only given correct upstream stages (dS's row sums when D failed, dK's column sums when dS
-    did: see StageSpec.given_upstream)."""
+    did: see StageSpec.given_partner and given_upstream)."""
     partner = SPECS[stage].partner
     partner_failed = partner is not None and partner in results and not results[partner].passed
     upstream_failed = any(u in results and not results[u].passed for u in upstream(stage))
     out = []
     for v in violations:
-        if partner_failed and v.code in (invariants.FLASH_VS_OUTPUT, invariants.LSE_VS_SCORES,
-                                         invariants.FLASH_VS_STAGES):
+        if partner_failed and v.code in SPECS[stage].given_partner:
             out.append(v)
         elif upstream_failed and v.code in SPECS[stage].given_upstream:
             out.append(v)
@@ -238,9 +237,8 @@ def _compare(res: HeadResult, ctx: HeadContext, results: Dict[str, HeadResult], 
 def _diagnose(res: HeadResult, mat: np.ndarray, isolated, ctx: HeadContext, run: RunInfo, ref_of_head) -> None:
     """The patterns that explain a failing stage × head, then its reference-free findings."""
     src_iso, want_iso, allowed_iso = isolated
-    res.diagnosis = diag.diagnose(res.stage, mat, want_iso, {
-        "dims": ctx.dims, "scale": ctx.scale, "causal": ctx.causal, "head": res.head, "src": src_iso,
-        "ref_of_head": ref_of_head, "flash_tiles": run.flash_tiles, "bound": allowed_iso, "head_ctx": ctx})
+    res.diagnosis = diag.diagnose(res.stage, mat, want_iso, diag.Suspect(
+        ctx.dims, ctx.scale, ctx.causal, res.head, src_iso, ref_of_head, run.flash_tiles, allowed_iso, ctx))
     for v in res.violations:
         if not any(d.code == v.code for d in res.diagnosis):
             res.diagnosis.append(diag.Diagnosis(v.code, v.message, {"count": v.count}))
@@ -346,7 +344,7 @@ def error_ratio_map(run: RunInfo, case: InputCase, stage: str, head: int,
         raise CaseError(msg)
     src = {}
     for n in STAGES[stage].inputs or (stage,):
-        up = _load_output(run, n, head)[0] if n in run.stages and n not in CASE_INPUTS else None
+        up = _load_output(run, n, head)[0] if n in run.stages and not SPECS[n].echo else None
         src[n] = up if up is not None else reference_chain(inputs, run.scale, run.causal, [n])[n]
     want = compute_stage(stage, src, run.scale, run.causal)
     allowed = _with_quantum(_allowed(stage, src, want, run, opts), resolution.quantum(got))

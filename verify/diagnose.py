@@ -19,7 +19,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Tuple
 import numpy as np
 
 from .diagnose_base import (LOG2_E, MATCH_WIDTHS, MAX_HEADS_SEARCHED, POISON_VALUES, SCALE_NAME_RTOL,
-                            UNWRITTEN_DENSITY, Diagnosis, explains, loc, maxdiff, width_of)
+                            UNWRITTEN_DENSITY, Diagnosis, Suspect, explains, loc, maxdiff, width_of)
 from . import diagnose_backward as backward_bugs
 from .diagnose_regions import mask as _mask
 from .diagnose_regions import tile_boundary as _tile_boundary
@@ -28,7 +28,7 @@ from .specs import SPECS
 from .stages import STAGES
 from .words import plural
 
-__all__ = ["Diagnosis", "diagnose"]
+__all__ = ["Diagnosis", "Suspect", "diagnose"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -110,8 +110,8 @@ def _layout(stage, got, want, ctx, width) -> List[Diagnosis]:
             diff = explains(got, cand, want, width)
             if diff is not None:
                 found.append((how, diff))
-    src: Dict[str, np.ndarray] = ctx.get("src") or {}
-    scale, causal = float(ctx.get("scale", 1.0)), bool(ctx.get("causal", False))
+    src: Dict[str, np.ndarray] = ctx.src
+    scale, causal = ctx.scale, ctx.causal
     if not found and src and SPECS[stage].isolated is not None:  # not an exact copy
         for name, x in src.items():
             if name not in STAGES[stage].inputs:
@@ -152,9 +152,9 @@ def _scale_names(f: float, scale: float, d_k: int, stage: str) -> List[str]:
 
 def _scaled(stage, got, want, ctx, width) -> List[Diagnosis]:
     """got ≈ f·want (linear stages), or the stage recomputed with a wrong scale (nonlinear ones)."""
-    dims = ctx.get("dims")
+    dims = ctx.dims
     d_k = dims.d_k if dims is not None else 1
-    scale = float(ctx.get("scale", 1.0))
+    scale = ctx.scale
     # Entries left blank (0 or NaN where want is not) belong to an unwritten region, not to the
     # scaling: fit the factor on the rest.
     blank = (np.isnan(got) | (got == 0)) & (want != 0) & np.isfinite(want)
@@ -174,7 +174,7 @@ def _scaled(stage, got, want, ctx, width) -> List[Diagnosis]:
                 return [Diagnosis("scaled", f"{stage} is scaled: got ≈ {f:.6g}·want{named}{rest} "
                                   f"(max diff {diff:.2g})", {"factor": f, "names": names,
                                                              "max_diff": diff}, 0.9)]
-    src = ctx.get("src") or {}
+    src = ctx.src
     if SPECS[stage].scaled and src:
         alts = {"scale applied twice": scale * scale, "scale missing": 1.0,
                 "multiplied by √d_k instead of divided": d_k ** 0.5}
@@ -182,7 +182,7 @@ def _scaled(stage, got, want, ctx, width) -> List[Diagnosis]:
             if abs(s2 - scale) <= 1e-6 * abs(scale):
                 continue
             try:
-                cand = compute_stage(stage, src, s2, bool(ctx.get("causal", False)))
+                cand = compute_stage(stage, src, s2, ctx.causal)
             except (KeyError, ValueError):
                 continue
             diff = explains(got, cand, want, width)
@@ -199,7 +199,7 @@ def _softmax_columns(S: np.ndarray) -> np.ndarray:
 
 
 def _softmax_axis(stage, got, want, ctx, width) -> List[Diagnosis]:
-    src = ctx.get("src") or {}
+    src = ctx.src
     S = src.get(STAGES[stage].inputs[0])
     cands = []
     if S is not None:
@@ -229,8 +229,8 @@ def _softmax_axis(stage, got, want, ctx, width) -> List[Diagnosis]:
 
 
 def _head_permuted(stage, got, want, ctx, width) -> List[Diagnosis]:
-    ref_of_head: Optional[Callable[[int], np.ndarray]] = ctx.get("ref_of_head")
-    dims, head = ctx.get("dims"), ctx.get("head")
+    ref_of_head: Optional[Callable[[int], np.ndarray]] = ctx.ref_of_head
+    dims, head = ctx.dims, ctx.head
     if ref_of_head is None or dims is None or head is None or dims.total_heads < 2:
         return []
     # Another head's reference comes from the reference chain: allow the chained error as well.
@@ -253,10 +253,8 @@ def _head_permuted(stage, got, want, ctx, width) -> List[Diagnosis]:
 
 def _lse_log2(stage, got, want, ctx, width) -> List[Diagnosis]:
     """flash_lse in base 2: got ≈ want·log2(e), the log-sum-exp of a kernel that works with exp2 and
-    log2 internally and does not convert back to the natural log (the flash gradients: P
-    recomputed from an lse in the wrong base)."""
-    if STAGES[stage].backward:
-        return backward_bugs.flash_lse_base(stage, got, want, ctx, width)
+    log2 internally and does not convert back to the natural log (the flash gradients' P
+    recomputed from an lse in the wrong base: verify/diagnose_backward.py's grad_lse_log2)."""
     # The base-2 result carries the natural one's rounding times log2(e).
     diff = explains(got, want * LOG2_E, want, width * LOG2_E)
     if diff is None:
@@ -273,20 +271,25 @@ _EMPTIES_LINES = {"softmax_axis", "mask_offset", "mask_missing"}
 _HYPOTHESES = {"nonfinite": _nonfinite, "unwritten": _unwritten, "transposed": _transposed, "layout": _layout,
                "scaled": _scaled, "softmax_axis": _softmax_axis, "head_permuted": _head_permuted, "mask": _mask,
                "tile_boundary": _tile_boundary, "lse_log2": _lse_log2, **backward_bugs.HYPOTHESES}
+# The backward's named bugs explain a factor, a layout and where the errors are.
+_EXPLAINED_BY_BACKWARD_BUGS = ("scaled", "layout", "tile_boundary")
 
 
-def diagnose(stage: str, got: np.ndarray, want: np.ndarray, ctx: dict) -> List[Diagnosis]:
+def diagnose(stage: str, got: np.ndarray, want: np.ndarray, ctx: Suspect) -> List[Diagnosis]:
     """Every pattern that explains a failing stage × head, most confident first."""
     got = np.asarray(got, dtype=np.float64)
     want = np.asarray(want, dtype=np.float64)
     if got.shape != want.shape:
         return []
-    width = width_of(ctx.get("bound"), want)
+    width = width_of(ctx.bound, want)
     found: List[Diagnosis] = []
+    fired = set()
     for name, hyp in _HYPOTHESES.items():
         if name in SPECS[stage].diagnoses:
             with np.errstate(all="ignore"):
-                found.extend(hyp(stage, got, want, ctx, width))
+                new = hyp(stage, got, want, ctx, width)
+            found.extend(new)
+            fired.update([name] if new else [])
     codes = {d.code for d in found}
     if codes & _EMPTIES_LINES:
         # A wrong axis or mask leaves rows or columns with no visible key (0/0: NaN, or 0 where
@@ -300,8 +303,7 @@ def diagnose(stage: str, got: np.ndarray, want: np.ndarray, ctx: dict) -> List[D
                 d.confidence = 0.85
     if "transposed" in codes:
         found = [d for d in found if d.code != "tile_boundary"]
-    named_backward_bug = codes & set(backward_bugs.HYPOTHESES) or (STAGES[stage].backward and "lse_log2" in codes)
-    if named_backward_bug:  # it explains the factor, the layout and where the errors are
-        found = [d for d in found if d.code not in ("scaled", "layout", "tile_boundary")]
+    if fired & set(backward_bugs.HYPOTHESES):
+        found = [d for d in found if d.code not in _EXPLAINED_BY_BACKWARD_BUGS]
     found.sort(key=lambda d: -d.confidence)
     return found

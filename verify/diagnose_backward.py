@@ -12,24 +12,18 @@ import numpy as np
 
 from .diagnose_base import LOG2_E, Diagnosis, explains
 from .model.attention import causal_mask, softmax_rows
-from .specs.backward import (FLASH_SOURCES, DP, DS, DSTAT, FLASH_DK, FLASH_DQ, FLASH_GRADS, FLASH_LSE,
-                             GRAD_INDEX, GRAD_OUT, KEYS, PARTNERS, QUERIES, VALUES, WEIGHTS, d_reference, ds_reference,
-                             flash_backward)
+from .specs import SPECS
+from .specs.backward import Gradients, d_reference
+from .stages import FLASH_LSE, GRAD_OUTPUT, KEYS, QUERIES, STAGES, VALUES
 
 Own = Callable[[str], np.ndarray]
-DQ, DK = PARTNERS[FLASH_DQ], PARTNERS[FLASH_DK]
 
 
 def _own(ctx) -> Optional[Own]:
-    head = ctx.get("head_ctx")
+    head = ctx.head_ctx
     if head is None:
         return None
     return lambda name: np.asarray(head.own(name), np.float64)
-
-
-def _flash_src(own: Own) -> Dict[str, np.ndarray]:
-    """What the flash backward computes from: the inputs and the program's saved output and lse."""
-    return {n: own(n) for n in FLASH_SOURCES}
 
 
 def _masked(own: Own, causal: bool) -> np.ndarray:
@@ -37,10 +31,22 @@ def _masked(own: Own, causal: bool) -> np.ndarray:
     return causal_mask(n, m) if causal else np.zeros((n, m), bool)
 
 
+def _gradients(stage: str, own: Own, scale: float, causal: bool) -> Gradients:
+    """What the stage is computed from: the program's own P, dP, D on the stage path; recomputed
+    from its saved output and lse in the flash backward."""
+    return Gradients(own, scale, _masked(own, causal), recompute=STAGES[stage].flash)
+
+
+def _rebuilt(stage: str, g: Gradients) -> Optional[np.ndarray]:
+    """The stage from g (its spec's rebuild), None where it has none."""
+    rebuild = SPECS[stage].rebuild
+    return None if rebuild is None else rebuild(g)
+
+
 def _width(ctx, stage: str, width: float) -> float:
     """Candidates built from the reference chain (where the program wrote no upstream file) carry
     the chain's error: allow the chained bound's width as well."""
-    head = ctx.get("head_ctx")
+    head = ctx.head_ctx
     if head is None:
         return width
     from . import tolerance
@@ -52,27 +58,9 @@ def _width(ctx, stage: str, width: float) -> float:
     return max(width, float(finite.max()) if finite.size else 0.0)
 
 
-def _downstream(stage: str, own: Own, scale: float, causal: bool, D=None, dS=None) -> Optional[np.ndarray]:
-    """The stage recomputed with D (or, on the stage path, dS) replaced: the stage path from the
-    program's own P, dP, K, Q; the flash gradients from its saved output and lse."""
-    if stage in FLASH_GRADS:
-        return flash_backward(_flash_src(own), scale, _masked(own, causal), D=D)[GRAD_INDEX[stage]]
-    if stage == DSTAT:
-        return D
-    if dS is None:
-        dS = ds_reference(own(WEIGHTS), own(DP), D)
-    if stage == DS:
-        return dS
-    if stage == DQ:
-        return scale * dS @ own(KEYS)
-    if stage == DK:
-        return scale * dS.T @ own(QUERIES)
-    return None
-
-
 def _wrong_os(own: Own, scale: float, causal: bool) -> Iterable[Tuple[str, np.ndarray]]:
     """The tensors a program may take for O when it computes D = rowsum(dO∘O)."""
-    dO = own(GRAD_OUT)
+    dO = own(GRAD_OUTPUT)
     yield "dO instead of O (D = rowsum(dO∘dO))", dO
     Q, K, V = own(QUERIES), own(KEYS), own(VALUES)
     S = (Q @ K.T) * scale
@@ -92,7 +80,7 @@ def _problem(ctx) -> Optional[Tuple[Own, float, bool]]:
     own = _own(ctx)
     if own is None:
         return None
-    return own, float(ctx.get("scale", 1.0)), bool(ctx.get("causal", False))
+    return own, ctx.scale, ctx.causal
 
 
 def _first_match(got, want, width: float, cands: Iterable[Tuple[str, Optional[np.ndarray]]]):
@@ -109,8 +97,9 @@ def d_wrong_o(stage, got, want, ctx, width) -> List[Diagnosis]:
     if problem is None:
         return []
     own, scale, causal = problem
-    dO = own(GRAD_OUT)
-    cands = ((how, _downstream(stage, own, scale, causal, D=d_reference(dO, O)))
+    dO = own(GRAD_OUTPUT)
+    g = _gradients(stage, own, scale, causal)
+    cands = ((how, _rebuilt(stage, g.replaced(D=d_reference(dO, O))))
              for how, O in _wrong_os(own, scale, causal) if O.shape == dO.shape)
     hit = _first_match(got, want, _width(ctx, stage, width), cands)
     if hit is None:
@@ -121,18 +110,12 @@ def d_wrong_o(stage, got, want, ctx, width) -> List[Diagnosis]:
 
 
 def _missing_p_candidates(stage, own: Own, scale, causal):
-    """The stage with dS = dP − D, masked entries zeroed or not (the flash gradients from the
-    program's saved output and lse, the stage path from its dP and D)."""
-    masked = _masked(own, causal)
-    if stage in FLASH_GRADS:
-        _, _, _, _, dP, D, _ = flash_backward(_flash_src(own), scale, masked)
-        K, Q = own(KEYS), own(QUERIES)
-        for dS in (np.where(masked, 0.0, dP - D), dP - D):
-            yield "", scale * dS @ K if stage == FLASH_DQ else scale * dS.T @ Q
-        return
-    raw = own(DP) - own(DSTAT)
-    for dS in (np.where(masked, 0.0, raw), raw):
-        yield "", _downstream(stage, own, scale, causal, dS=dS)
+    """The stage with dS = dP − D, masked entries zeroed or not (from the program's dP and D on
+    the stage path; the flash backward's recomputed from its saved output and lse)."""
+    g = _gradients(stage, own, scale, causal)
+    raw = g.dP - g.D
+    for dS in (np.where(g.masked, 0.0, raw), raw):
+        yield "", _rebuilt(stage, g.replaced(dS=dS))
 
 
 def ds_missing_p(stage, got, want, ctx, width) -> List[Diagnosis]:
@@ -147,7 +130,7 @@ def ds_missing_p(stage, got, want, ctx, width) -> List[Diagnosis]:
 
 
 def grad_unscaled(stage, got, want, ctx, width) -> List[Diagnosis]:
-    scale = float(ctx.get("scale", 1.0))
+    scale = ctx.scale
     if scale in (0.0, 1.0) or not np.isfinite(scale):
         return []
     hit = _first_match(got, want, width * max(1.0, 1.0 / abs(scale)),
@@ -166,8 +149,8 @@ def dv_untransposed_p(stage, got, want, ctx, width) -> List[Diagnosis]:
     if problem is None:
         return []
     own, scale, causal = problem
-    P = flash_backward(_flash_src(own), scale, _masked(own, causal))[3] if stage in FLASH_GRADS else own(WEIGHTS)
-    dO = own(GRAD_OUT)
+    P = _gradients(stage, own, scale, causal).P
+    dO = own(GRAD_OUTPUT)
     if P.shape[1] != dO.shape[0]:
         return []  # P·dO needs N = M
     hit = _first_match(got, want, _width(ctx, stage, width), (("", P @ dO),))
@@ -183,8 +166,8 @@ def flash_lse_base(stage, got, want, ctx, width) -> List[Diagnosis]:
     if problem is None:
         return []
     own, scale, causal = problem
-    src = _flash_src(own)
-    cands = ((how, flash_backward(src, scale, _masked(own, causal), lse=src[FLASH_LSE] * factor)[GRAD_INDEX[stage]])
+    g = _gradients(stage, own, scale, causal)
+    cands = ((how, _rebuilt(stage, g.replaced(lse=own(FLASH_LSE) * factor)))
              for how, factor in (("the natural-log lse is used as a base-2 one (exp2 without ·log2(e))", np.log(2.0)),
                                  ("a base-2 lse is used as a natural one", LOG2_E)))
     hit = _first_match(got, want, _width(ctx, stage, width), cands)
@@ -195,5 +178,7 @@ def flash_lse_base(stage, got, want, ctx, width) -> List[Diagnosis]:
                       f"(max diff {diff:.2g})", {"how": how, "max_diff": diff}, 0.93)]
 
 
-HYPOTHESES: Dict[str, Callable] = {"D_wrong_O": d_wrong_o, "dS_missing_P": ds_missing_p,
-                                   "grad_unscaled": grad_unscaled, "dV_untransposed_P": dv_untransposed_p}
+# Keys: the hypothesis names the specs list (verify/specs/); each finding's code is its own.
+HYPOTHESES: Dict[str, Callable] = {"grad_lse_log2": flash_lse_base, "D_wrong_O": d_wrong_o,
+                                   "dS_missing_P": ds_missing_p, "grad_unscaled": grad_unscaled,
+                                   "dV_untransposed_P": dv_untransposed_p}

@@ -3,9 +3,12 @@ a failing result (within a few tolerance widths of got, far from the reference).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Dict, Optional, Tuple
 
 import numpy as np
+
+from .specs.base import HeadContext
+from .stages import Dims
 
 
 # A candidate explains got when every element is within MATCH_WIDTHS tolerance widths of it (the
@@ -32,6 +35,23 @@ class Diagnosis:
     message: str
     detail: dict = field(default_factory=dict)
     confidence: float = field(default=0.5, repr=False, compare=False)
+
+
+@dataclass
+class Suspect:
+    """What the hypotheses see of a failing stage × head besides got and want: the problem, the
+    isolated reference's sources and allowance, the other heads' references (head_permuted), the
+    run's flash tiles (tile_boundary), and the head's whole context (the backward's bugs rebuild
+    a stage from the program's own upstream files)."""
+    dims: Optional[Dims] = None
+    scale: float = 1.0
+    causal: bool = False
+    head: Optional[int] = None
+    src: Dict[str, np.ndarray] = field(default_factory=dict)
+    ref_of_head: Optional[Callable[[int], np.ndarray]] = None
+    flash_tiles: Optional[Tuple[int, int]] = None
+    bound: Optional[np.ndarray] = None
+    head_ctx: Optional[HeadContext] = None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -28,7 +28,7 @@ def _mask_pattern(got: np.ndarray, stage: str) -> Optional[np.ndarray]:
 
 
 def mask(stage, got, want, ctx, width) -> List[Diagnosis]:
-    causal = bool(ctx.get("causal", False))
+    causal = ctx.causal
     N = got.shape[0]
     pattern = _mask_pattern(got, stage)
     if pattern is not None:
@@ -54,11 +54,11 @@ def mask(stage, got, want, ctx, width) -> List[Diagnosis]:
                               f"({_shift_words(k)})", {"offset": k}, 0.9)]
         return []
     # Stages computed from the inputs under the mask: recompute with the candidate masks.
-    src = ctx.get("src") or {}
+    src = ctx.src
     with_mask = SPECS[stage].with_mask
     if with_mask is None or not all(n in src for n in STAGES[stage].inputs):
         return []
-    scale = float(ctx.get("scale", 1.0))
+    scale = ctx.scale
     # Query rows and keys from the inputs: a key-major stage (dK, dV) has M rows, not N.
     N = next(np.asarray(src[n]).shape[0] for n in STAGES[stage].inputs if STAGES[n].rows == "N")
     M = next(np.asarray(src[n]).shape[0] for n in STAGES[stage].inputs if STAGES[n].rows == "M")
@@ -113,13 +113,13 @@ def _lines(bad: np.ndarray, axis: int) -> np.ndarray:
 
 def tile_boundary(stage, got, want, ctx, width) -> List[Diagnosis]:
     """Errors concentrated on lines at multiples of a period p, or on whole tiles of size p."""
-    bound = ctx.get("bound")
+    bound = ctx.bound
     bnd = np.asarray(bound, np.float64) if bound is not None else np.full(got.shape, width)
     err = np.where((got == want) | (np.isnan(got) & np.isnan(want)), 0.0, np.abs(got - want))
     bad = ~(err <= bnd)
     if not bad.any() or bad.all():
         return []
-    tiles = ctx.get("flash_tiles")
+    tiles = ctx.flash_tiles
     out: List[Diagnosis] = []
     for axis, name, n in ((1, "rows", got.shape[0]), (0, "cols", got.shape[1])):
         lines = _lines(bad, axis)

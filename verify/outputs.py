@@ -92,6 +92,16 @@ class RunInfo:
         v = self.values.get("run_id")
         return None if v is None else str(v)
 
+    @property
+    def device(self) -> Optional[str]:
+        v = self.values.get("device")
+        return None if v is None else str(v)
+
+    @property
+    def lists_stages(self) -> bool:
+        """Whether run.toml lists the stages the run wrote (then every listed file must exist)."""
+        return "stages" in self.values
+
     def crc(self, stage: str, head: int) -> Optional[str]:
         return self.values.get(f"crc32_{stage}_head_{head}")
 
@@ -255,7 +265,7 @@ def stage_files_in(folder: Path, names: Mapping[str, str] = {}) -> List[str]:
 
 def foreign_stage_files(run: RunInfo) -> List[str]:
     """Stage files in the output folder that the run's manifest does not list (leftovers)."""
-    if run.path is None or "stages" not in run.values:
+    if run.path is None or not run.lists_stages:
         return []
     listed = {run.sources[s].name(i, run.dims) for s in run.stages for i in range(run.dims.total_heads)}
     listed |= {src.pattern for src in run.sources.values()}

@@ -22,8 +22,8 @@ from .outputs import RunInfo
 
 
 # Memory one worker holds while it checks a head, in float64 N×M matrices (the reference chain,
-# the binary's stages, bounds and the error model's intermediates; measured: 4.1 GB peak for one
-# 4096×4096 head, ~30 matrices) and in (N + M)·d ones, plus the interpreter and numpy.
+# the binary's stages, bounds and the error model's intermediates: docs/performance.md has the
+# measured peak) and in (N + M)·d ones, plus the interpreter and numpy.
 _HEAD_NM_MATRICES = 32
 
 
@@ -139,8 +139,7 @@ def _loaded_openblas() -> List[ctypes.CDLL]:
 def one_blas_thread() -> bool:
     """Limits numpy's OpenBLAS to one thread in this process; False where it is not OpenBLAS. A
     worker is one of as many processes as cores: OpenBLAS's own threads (one a core, spinning
-    between calls) would compete with the other workers for the cores (measured: 40% of a check
-    of the default case spent so)."""
+    between calls) would compete with the other workers for the cores."""
     done = False
     for lib in _loaded_openblas():
         setter = next((getattr(lib, n) for n in _OPENBLAS_SET_THREADS if hasattr(lib, n)), None)
@@ -158,9 +157,8 @@ _DEFAULT_TRIM_THRESHOLD, _DEFAULT_MMAP_MAX = 128 * 1024, 65536
 def keep_freed_memory(keep: bool) -> bool:
     """glibc's malloc maps every block over 32 MB (a 4096² float64 matrix is 128 MB) from the OS
     and unmaps it when freed, and hands the free top of its heap back too, so each of the hundreds
-    of temporaries one head's bounds allocate arrives as fresh pages the kernel must zero
-    (measured on 4096² heads: half of the time). keep: every block comes from the heap, which is
-    never trimmed (-1 is the largest size_t), and freed blocks are reused; not keep: glibc's
+    of temporaries one head's bounds allocate arrives as fresh pages the kernel must zero. keep:
+    every block comes from the heap, which is never trimmed (-1 is the largest size_t), and freed blocks are reused; not keep: glibc's
     defaults, and the free heap returned to the OS. False where the C library is not glibc."""
     libc = ctypes.CDLL(None)
     if not (hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim")):
@@ -202,9 +200,9 @@ def _check_in_worker(head: int) -> list:
 
 def _collect_head_garbage() -> None:
     """After a head: its matrices are freed now, not when the cyclic garbage collector next runs
-    (reference cycles among its cached bounds kept them alive into the next head: 0.4 GB more
-    at 4096²). The objects that were there before the heads are frozen (_heads_garbage_only):
-    only a head's own are looked at (10 ms a head otherwise, a seventh of a 128² head's check)."""
+    (reference cycles among its cached bounds would keep them alive into the next head). The
+    objects that were there before the heads are frozen (_heads_garbage_only): only a head's own
+    are looked at, so a small head's check does not pay for walking the whole interpreter."""
     gc.collect()
 
 

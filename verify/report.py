@@ -63,10 +63,10 @@ def bounds_words(run) -> str:
 
 
 def header_lines(report: Report) -> List[str]:
-    run, d, v = report.run, report.run.dims, report.run.values
+    run, d = report.run, report.run.dims
     what = f"run {run.run_id}" if run.run_id else str(run.path or "arrays")
     return [f"attnstep check: {what} ({arithmetic(run)}"
-            f"{', ' + str(v['device']) if v.get('device') else ''}), "
+            f"{', ' + run.device if run.device else ''}), "
             f"{plural(d.total_heads, 'head')} (batch {d.batch} x {d.heads}), N={d.seq_q} M={d.seq_k} "
             f"d_k={d.d_k} d_v={d.d_v}, {'causal' if run.causal else 'not causal'}, "
             f"scale {run.scale:.6g}" + (f", flash kernel {run.flash_kernel}" if run.flash_kernel else "")]
@@ -191,7 +191,7 @@ def _jsonable(x):
 
 
 def to_json(report: Report) -> dict:
-    run, v, d = report.run, report.run.values, report.run.dims
+    run, d = report.run, report.run.dims
     first = report.first_failure
     stages = []
     for stage in report.stages:
@@ -207,7 +207,7 @@ def to_json(report: Report) -> dict:
     return _jsonable({
         "passed": report.passed, "first_failing_stage": report.first_failing_stage,
         "first_failure": first.to_json() if first else None,
-        "run_id": run.run_id, "backend": run.backend, "device": v.get("device"),
+        "run_id": run.run_id, "backend": run.backend, "device": run.device,
         "precision": run.precision, "math": run.math, "arithmetic": arithmetic(run),
         "causal": run.causal, "scale": run.scale,
         "mismatches": [m.message() for m in run.mismatches], "notes": notes(report),

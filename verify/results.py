@@ -85,8 +85,8 @@ def _first_indices(bad: np.ndarray, limit: int) -> List[Tuple[int, int]]:
     return out
 
 
-# Elements per row block of a comparison: a block's temporaries stay in the CPU cache, which makes
-# comparing a 4096² head several times faster than whole-matrix temporaries.
+# Elements per row block of a comparison: a block's temporaries stay in the CPU cache, where
+# whole-matrix temporaries of a large head would not.
 _COMPARE_BLOCK_ELEMS = 1 << 16
 
 

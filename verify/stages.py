@@ -77,43 +77,57 @@ class Stage:
     flash: bool = False
     backward: bool = False  # exists only when the input case has the output gradient dO
 
-
     def shape(self, dims: Dims) -> Tuple[int, int]:
         return dims.size(self.rows), dims.size(self.cols)
 
 
+# Each stage's name, once: the table below and every spec, diagnosis and goal refer to these.
+QUERIES, KEYS, VALUES = "Q", "K", "V"
+KEYS_T = "KT"
+SCORES = "QK"
+SCALED_SCORES = "QK_scaled"
+WEIGHTS = "attention_weights"
+OUTPUT = "output"
+FLASH_OUTPUT, FLASH_LSE = "flash_output", "flash_lse"
+GRAD_OUTPUT = "dO"
+ROW_DOT = "D"
+GRAD_WEIGHTS, GRAD_SCORES = "dP", "dS"
+GRAD_QUERIES, GRAD_KEYS, GRAD_VALUES = "dQ", "dK", "dV"
+FLASH_GRAD_QUERIES, FLASH_GRAD_KEYS, FLASH_GRAD_VALUES = "flash_dQ", "flash_dK", "flash_dV"
+_FLASH_BACKWARD_SOURCES = (QUERIES, KEYS, VALUES, GRAD_OUTPUT, FLASH_OUTPUT, FLASH_LSE)
+
 _TABLE = (
-    Stage("Q", "N", "DK", (), "query, as the binary read it"),
-    Stage("K", "M", "DK", (), "key, as the binary read it"),
-    Stage("V", "M", "DV", (), "value, as the binary read it"),
-    Stage("KT", "DK", "M", ("K",), "K transposed"),
-    Stage("QK", "N", "M", ("Q", "K"), "Q·Kᵀ, unscaled"),
-    Stage("QK_scaled", "N", "M", ("QK",), "QK·scale, -inf where masked"),
-    Stage("attention_weights", "N", "M", ("QK_scaled",), "row softmax of QK_scaled"),
-    Stage("output", "N", "DV", ("attention_weights", "V"), "attention_weights·V"),
-    Stage("flash_output", "N", "DV", ("Q", "K", "V"), "FlashAttention forward output", flash=True),
-    Stage("flash_lse", "N", "1", ("Q", "K"), "log-sum-exp of each scaled row", flash=True),
+    Stage(QUERIES, "N", "DK", (), "query, as the binary read it"),
+    Stage(KEYS, "M", "DK", (), "key, as the binary read it"),
+    Stage(VALUES, "M", "DV", (), "value, as the binary read it"),
+    Stage(KEYS_T, "DK", "M", (KEYS,), "K transposed"),
+    Stage(SCORES, "N", "M", (QUERIES, KEYS), "Q·Kᵀ, unscaled"),
+    Stage(SCALED_SCORES, "N", "M", (SCORES,), "QK·scale, -inf where masked"),
+    Stage(WEIGHTS, "N", "M", (SCALED_SCORES,), "row softmax of QK_scaled"),
+    Stage(OUTPUT, "N", "DV", (WEIGHTS, VALUES), "attention_weights·V"),
+    Stage(FLASH_OUTPUT, "N", "DV", (QUERIES, KEYS, VALUES), "FlashAttention forward output", flash=True),
+    Stage(FLASH_LSE, "N", "1", (QUERIES, KEYS), "log-sum-exp of each scaled row", flash=True),
     # The backward pass, from the output gradient dO (an input of the case when it has one).
-    Stage("dO", "N", "DV", (), "output gradient, as the binary read it", backward=True),
-    Stage("D", "N", "1", ("dO", "output"), "rowsum(dO∘output)", backward=True),
-    Stage("dP", "N", "M", ("dO", "V"), "dO·Vᵀ", backward=True),
-    Stage("dS", "N", "M", ("attention_weights", "dP", "D"), "attention_weights∘(dP − D), 0 where masked",
+    Stage(GRAD_OUTPUT, "N", "DV", (), "output gradient, as the binary read it", backward=True),
+    Stage(ROW_DOT, "N", "1", (GRAD_OUTPUT, OUTPUT), "rowsum(dO∘output)", backward=True),
+    Stage(GRAD_WEIGHTS, "N", "M", (GRAD_OUTPUT, VALUES), "dO·Vᵀ", backward=True),
+    Stage(GRAD_SCORES, "N", "M", (WEIGHTS, GRAD_WEIGHTS, ROW_DOT), "attention_weights∘(dP − D), 0 where masked",
           backward=True),
-    Stage("dQ", "N", "DK", ("dS", "K"), "scale·dS·K", backward=True),
-    Stage("dK", "M", "DK", ("dS", "Q"), "scale·dSᵀ·Q", backward=True),
-    Stage("dV", "M", "DV", ("attention_weights", "dO"), "attention_weightsᵀ·dO", backward=True),
-    Stage("flash_dQ", "N", "DK", ("Q", "K", "V", "dO", "flash_output", "flash_lse"),
+    Stage(GRAD_QUERIES, "N", "DK", (GRAD_SCORES, KEYS), "scale·dS·K", backward=True),
+    Stage(GRAD_KEYS, "M", "DK", (GRAD_SCORES, QUERIES), "scale·dSᵀ·Q", backward=True),
+    Stage(GRAD_VALUES, "M", "DV", (WEIGHTS, GRAD_OUTPUT), "attention_weightsᵀ·dO", backward=True),
+    Stage(FLASH_GRAD_QUERIES, "N", "DK", _FLASH_BACKWARD_SOURCES,
           "FlashAttention backward dQ (P recomputed from flash_lse)", flash=True, backward=True),
-    Stage("flash_dK", "M", "DK", ("Q", "K", "V", "dO", "flash_output", "flash_lse"),
-          "FlashAttention backward dK", flash=True, backward=True),
-    Stage("flash_dV", "M", "DV", ("Q", "K", "V", "dO", "flash_output", "flash_lse"),
-          "FlashAttention backward dV", flash=True, backward=True),
+    Stage(FLASH_GRAD_KEYS, "M", "DK", _FLASH_BACKWARD_SOURCES, "FlashAttention backward dK", flash=True,
+          backward=True),
+    Stage(FLASH_GRAD_VALUES, "M", "DV", _FLASH_BACKWARD_SOURCES, "FlashAttention backward dV", flash=True,
+          backward=True),
 )
 
 STAGES: Dict[str, Stage] = {s.name: s for s in _TABLE}
 STAGE_NAMES = tuple(STAGES)
-INPUT_NAMES = ("Q", "K", "V")  # every case has these
-GRAD_INPUT = "dO"              # a case for the backward pass also has this
+INPUT_NAMES = (QUERIES, KEYS, VALUES)  # every case has these
+GRAD_INPUT = GRAD_OUTPUT               # a case for the backward pass also has this
 CASE_INPUTS = INPUT_NAMES + (GRAD_INPUT,)
 FORWARD_STAGES = tuple(n for n in STAGE_NAMES if not STAGES[n].backward)
 BACKWARD_STAGES = tuple(n for n in STAGE_NAMES if STAGES[n].backward)

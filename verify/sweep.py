@@ -1,11 +1,12 @@
 """`attnstep sweep`: the benchmarking table over a grid of head widths and sequence lengths.
 
 For every d, N = M and masking of the grid, and every kernel of KERNELS, one row: the median
-time, TFLOP/s by the forward's work (4·B·H·N·M·d, halved when causal, the same figure for every
-kernel so that rows compare), the peak device memory and a status (ok, OOM, unsupported, failed).
-The binary's kernels run as `main --bench --only ...`, one process per row (so each row's memory
-is its own, CUDA context included, sampled with nvidia-smi); PyTorch SDPA runs in this process
-(torch's own peak counter). Results are written only once the whole grid is done.
+time, TFLOP/s by the pass's work (forward 4·B·H·N·M·d, halved when causal, the backward 2.5 times
+that; the same figure for every kernel of a pass so that rows compare), the peak device memory and
+a status (ok, OOM, unsupported, failed). The binary's kernels run as `main --bench --only ...
+--pass ... --no-ceilings`, one process per row (so each row's memory is its own, CUDA context
+included, sampled with nvidia-smi); PyTorch SDPA runs in this process (torch's own peak counter).
+Results are written only once the whole grid is done.
 """
 from __future__ import annotations
 
@@ -20,10 +21,10 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import click
 
-from .bench import (BENCH_TIMEOUT_S, BenchOutOfMemory, BenchUnusable, reps_for, run_binary_bench,
-                    time_sdpa, torch_available)
-from .bench_report import (FLASH_DISPATCHER, OOM, SDPA, STAGE_PATH_SKIPPED, BenchError, Row, Shape,
-                           kernel_note, write_plot)
+from .bench import BENCH_TIMEOUT_S, BOTH, BenchOutOfMemory, BenchUnusable, reps_for, run_binary_bench
+from .bench_report import (BACKWARD, FLASH_BACKWARD, FLASH_DISPATCHER, FORWARD, OOM, PASSES, SDPA, STAGE_PATH_BACKWARD,
+                           STAGE_PATH_SKIPPED, BenchError, Row, Shape, kernel_note, write_plot)
+from .bench_sdpa import time_sdpa, time_sdpa_backward, torch_available
 from .device_memory import PeakDeviceMemory
 from .matrix_io import atomic_write_bytes, output_file_target
 from .options import InputError, binary_option, build_option, progress_bar, timeout_option, user_errors
@@ -39,7 +40,6 @@ SWEEP_BATCH, SWEEP_HEADS = 8, 1
 # largest shapes of the default grid (N = 16384 from d = 32 on, N = 8192 at d = 128).
 SWEEP_LARGE_FLOP = 2.5e11
 MASKINGS = {"both": (False, True), "yes": (True,), "no": (False,)}
-FORWARD, BACKWARD = "forward", "backward"
 STAGE_PATH = "stages"
 # SDPA runs in fp32 whatever the binary's precision: its fused backends take no TF32 setting.
 SDPA_PRECISION = "fp32"
@@ -49,18 +49,36 @@ MISSING = "-"
 @dataclass(frozen=True)
 class SweepKernel:
     name: str
-    direction: str        # FORWARD or BACKWARD
+    direction: str        # FORWARD or BACKWARD: `main --bench --pass` that times it
     only: Optional[str]   # `main --bench --only` that times it; None: PyTorch SDPA in this process
+    row: Optional[str] = None  # the binary's row that holds its time; None: the sum of every row
+
+    @property
+    def key(self) -> str:
+        """Its name for --kernel: the forward's bare, the backward's with '-backward'."""
+        return self.name if self.direction == FORWARD else f"{self.name}-{self.direction}"
+
+    @property
+    def label(self) -> str:
+        """Its name in the plot, as bench names the same kernel."""
+        return self.name if self.direction == FORWARD else f"{self.name}_{self.direction}"
+
+    def flop(self, shape: Shape) -> float:
+        return shape.flash_flop if self.direction == FORWARD else shape.backward_flop
 
 
-# The rows of each shape, in order. Backward kernels join this list (direction BACKWARD) once
-# The sweep times the forward; scripts/time_backward.py times the backward against SDPA's.
+# The rows of each shape, in order: the forward stage path is the sum of its stages' times; the
+# backward stage path is timed as one unit by the binary.
 KERNELS = (
     SweepKernel(STAGE_PATH, FORWARD, "stages"),
-    SweepKernel(FLASH_DISPATCHER, FORWARD, "flash"),
+    SweepKernel(FLASH_DISPATCHER, FORWARD, "flash", FLASH_DISPATCHER),
     SweepKernel(SDPA, FORWARD, None),
+    SweepKernel(STAGE_PATH, BACKWARD, "stages", STAGE_PATH_BACKWARD),
+    SweepKernel(FLASH_DISPATCHER, BACKWARD, "flash", FLASH_BACKWARD),
+    SweepKernel(SDPA, BACKWARD, None),
 )
-KERNEL_NAMES = tuple(k.name for k in KERNELS)
+KERNEL_NAMES = tuple(k.key for k in KERNELS)
+SDPA_TIMERS = {FORWARD: time_sdpa, BACKWARD: time_sdpa_backward}
 
 
 @dataclass
@@ -102,8 +120,8 @@ def _row(kernel: SweepKernel, shape: Shape, precision: str, status: str) -> Swee
                     precision, status)
 
 
-def _timed(row: SweepRow, shape: Shape, ms: float) -> SweepRow:
-    row.ms, row.tflops = ms, shape.flash_flop / (ms * 1e-3) / 1e12
+def _timed(row: SweepRow, kernel: SweepKernel, shape: Shape, ms: float) -> SweepRow:
+    row.ms, row.tflops = ms, kernel.flop(shape) / (ms * 1e-3) / 1e12
     return row
 
 
@@ -122,14 +140,18 @@ def _named_timing(kernels: List[dict], name: str) -> Tuple[str, Optional[float],
     k = next((k for k in kernels if k["name"] == name), None)
     if k is None:
         return f"failed: main --bench reported no '{name}'", None, ""
+    if k["status"] == STAGE_PATH_SKIPPED:
+        return OOM, None, ""
     return k["status"], k.get("ms") if k["status"] == "ok" else None, kernel_note(k)
 
 
 def binary_timing(kernel: SweepKernel, data: dict) -> Tuple[str, Optional[float], str]:
-    """(status, ms, note) of `kernel` from the binary's --bench JSON."""
-    if kernel.only == STAGE_PATH:
-        return _stage_path_timing(data["kernels"])
-    return _named_timing(data["kernels"], kernel.name)
+    """(status, ms, note) of `kernel` from the binary's --bench JSON (its rows of kernel's pass; a
+    row without "pass" is the forward's)."""
+    rows = [k for k in data["kernels"] if k.get("pass", FORWARD) == kernel.direction]
+    if kernel.row is None:
+        return _stage_path_timing(rows)
+    return _named_timing(rows, kernel.row)
 
 
 class Sweep:
@@ -156,7 +178,8 @@ class Sweep:
         row = _row(kernel, shape, s.precision, "ok")
         try:
             data = run_binary_bench(self.binary, shape, s.precision, s.warmup, self._reps(shape), s.check,
-                                    kernel.only, s.timeout, monitor=memory.watch)
+                                    kernel.only, s.timeout, monitor=memory.watch, passes=kernel.direction,
+                                    ceilings=False)
         except BenchUnusable:
             raise
         except BenchOutOfMemory:
@@ -167,15 +190,15 @@ class Sweep:
             self.device = self.device or data["device"]
             row.status, ms, row.note = binary_timing(kernel, data)
             if ms is not None:
-                _timed(row, shape, ms)
+                _timed(row, kernel, shape, ms)
         row.peak_mib = memory.peak_mib
         return row
 
     def _time_sdpa(self, shape: Shape, kernel: SweepKernel) -> SweepRow:
-        result = time_sdpa(shape, SDPA_PRECISION, self.settings.warmup, self._reps(shape))
+        result = SDPA_TIMERS[kernel.direction](shape, SDPA_PRECISION, self.settings.warmup, self._reps(shape))
         row = _row(kernel, shape, SDPA_PRECISION, result["status"])
         if result["status"] == "ok":
-            _timed(row, shape, result["ms"])
+            _timed(row, kernel, shape, result["ms"])
             row.peak_mib = result.get("peak_mib")
             row.note = f"torch {result.get('torch', '?')}"
         return row
@@ -216,10 +239,11 @@ def csv_text(rows: Sequence[SweepRow]) -> str:
 
 
 def plot_rows(rows: Sequence[SweepRow]) -> List[Row]:
-    """The rows as bench's plot draws them: TFLOP/s against N, one panel per d and masking."""
+    """The rows as bench's plot draws them: TFLOP/s against N, one panel per d and masking, each
+    kernel named as bench names it."""
+    label = {(k.name, k.direction): k.label for k in KERNELS}
     return [Row(Shape(r.batch, r.heads, r.seq, r.seq, r.d, r.causal).id, r.seq, r.d, r.causal, r.precision,
-                r.kernel if r.direction == FORWARD else f"{r.kernel} {r.direction}", "attention", r.status,
-                r.ms, r.tflops) for r in rows]
+                label.get((r.kernel, r.direction), r.kernel), "attention", r.status, r.ms, r.tflops) for r in rows]
 
 
 def _check_outputs(csv_path: Optional[Path], json_path: Optional[Path], plot_path: Optional[Path]) -> None:
@@ -240,17 +264,20 @@ def _write_outputs(sweep: Sweep, csv_path, json_path, plot_path) -> None:
         write_plot(plot_rows(sweep.rows), plot_path, f"attnstep sweep on {sweep.device or '?'}")
 
 
-def _kernels(names: Sequence[str], torch_version: Optional[str]) -> List[SweepKernel]:
-    """The kernels asked for (all by default); SDPA only when torch sees a GPU."""
-    wanted = [k for k in KERNELS if not names or k.name in names]
+def _kernels(names: Sequence[str], passes: str, torch_version: Optional[str]) -> List[SweepKernel]:
+    """The kernels asked for (all of the passes asked for by default); SDPA only when torch sees a GPU."""
+    wanted = [k for k in KERNELS if (not names or k.key in names) and passes in (BOTH, k.direction)]
+    if not wanted:
+        raise InputError(f"--pass {passes}: none of the kernels asked for ({', '.join(names)}) has that pass")
     usable = [k for k in wanted if k.only or torch_version]
     if not usable:
-        raise InputError(f"--kernel {SDPA}: needs PyTorch with a CUDA GPU, and torch did not import or sees none")
+        keys = "/".join(k.key for k in wanted)
+        raise InputError(f"--kernel {keys}: needs PyTorch with a CUDA GPU, and torch did not import or sees none")
     return usable
 
 
 def _exit_status(rows: Sequence[SweepRow]) -> int:
-    """1 when a run failed or a flash result failed its float64 check; OOM rows are results."""
+    """1 when a run failed or a checked result failed its float64 check; OOM rows are results."""
     failed = [r for r in rows if r.status.startswith("failed") or "FAIL" in r.note]
     if failed:
         click.echo(f"sweep: {plural(len(failed), 'row')} failed; see the table", err=True)
@@ -260,18 +287,19 @@ def _exit_status(rows: Sequence[SweepRow]) -> int:
 GRID_SHAPES = len(SWEEP_D) * len(SWEEP_SEQ) * len(MASKINGS["both"])
 SWEEP_HELP = f"""Time attention over a grid of head widths d and sequence lengths N = M.
 
-For each d, N and masking: the binary's stage path (the sum of its stages), its flash forward,
-and PyTorch SDPA when torch sees a GPU; one row each with the median time, TFLOP/s (by
-4·B·H·N·M·d, halved when causal, for every kernel) and the peak device memory. The binary's
-memory is sampled with nvidia-smi and includes its CUDA context ('-' without nvidia-smi); SDPA's
-is what torch allocated (inputs included). A shape that does not fit in device memory is an OOM
-row. The backward is timed by scripts/time_backward.py.
+For each d, N and masking, forward and backward: the binary's stage path (the forward as the
+sum of its stages), its flash kernel, and PyTorch SDPA when torch sees a GPU; one row each with
+the median time, TFLOP/s (by 4·B·H·N·M·d, halved when causal, for every kernel; 2.5 times that
+for the backward) and the peak device memory. The binary's memory is sampled with nvidia-smi and
+includes its CUDA context ('-' without nvidia-smi); SDPA's is what torch allocated (inputs
+included; the backward's with the forward's saved tensors). A shape that does not fit in device
+memory is an OOM row.
 
 The default grid (B={SWEEP_BATCH}, H={SWEEP_HEADS}, d in {', '.join(map(str, SWEEP_D))}, N from {SWEEP_SEQ[0]} to
 {SWEEP_SEQ[-1]}, causal and not: {GRID_SHAPES} shapes, {len(KERNELS)} rows each) times the largest shapes with fewer
 repetitions to stay short; on a terminal a progress bar shows the rows done and the ETA.
 The files are written once every row is done (none on Ctrl-C). Exit status 1 when a run failed
-or a flash result failed its float64 check.
+or a checked result (flash output, gradients) failed its float64 check.
 """
 
 
@@ -288,14 +316,16 @@ or a flash result failed its float64 check.
 @click.option("--batch", type=click.IntRange(min=1), default=SWEEP_BATCH, show_default=True, help="Batch size B.")
 @click.option("--heads", type=click.IntRange(min=1), default=SWEEP_HEADS, show_default=True, help="Heads H.")
 @click.option("--kernel", "kernel_names", multiple=True, type=click.Choice(KERNEL_NAMES),
-              help="Time only this kernel (repeatable) [default: all].")
+              help="Time only this kernel (repeatable; '-backward': its backward pass) [default: all].")
+@click.option("--pass", "passes", type=click.Choice(PASSES + (BOTH,)), default=BOTH, show_default=True,
+              help="The forward rows, the backward rows, or both.")
 @click.option("--precision", type=click.Choice(PRECISIONS), default=PRECISIONS[0], show_default=True,
               help="The binary's GEMMs and flash kernel (SDPA always runs in fp32).")
 @click.option("--warmup", type=click.IntRange(min=0), default=3, show_default=True, help="Untimed runs first.")
 @click.option("--reps", type=click.IntRange(min=1), default=20, show_default=True,
               help=f"Timed runs (median); a quarter of them, at least 3, above {SWEEP_LARGE_FLOP:.2g} FLOP.")
 @click.option("--check/--no-check", default=True, show_default=True,
-              help="Compare sampled flash rows with float64 inside the binary.")
+              help="Compare sampled rows of the flash outputs and of the gradients with float64 inside the binary.")
 @timeout_option.but(default=BENCH_TIMEOUT_S, help="Seconds before the binary is stopped on one row.")
 @click.option("--csv", "csv_path", type=click.Path(dir_okay=False, path_type=Path),
               help="Write the rows as CSV to this file.")
@@ -304,12 +334,12 @@ or a flash result failed its float64 check.
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path),
               help="Write a PNG plot of TFLOP/s against N, a panel per d and masking (needs matplotlib).")
 @user_errors
-def sweep(build_dir, binary, ds, seqs, masking, batch, heads, kernel_names, precision, warmup, reps, check,
+def sweep(build_dir, binary, ds, seqs, masking, batch, heads, kernel_names, passes, precision, warmup, reps, check,
           timeout, csv_path, json_path, plot_path):
     try:
         _check_outputs(csv_path, json_path, plot_path)
         torch_version = torch_available()
-        kernels = _kernels(kernel_names, torch_version)
+        kernels = _kernels(kernel_names, passes, torch_version)
         needs_binary = any(k.only for k in kernels)
         sweep_ = Sweep(binary or (ensure_built(build_dir) if needs_binary else None),
                        Settings(precision, warmup, reps, check, timeout), torch_version)

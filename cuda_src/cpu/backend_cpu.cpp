@@ -1,6 +1,10 @@
 // backend_cpu.cpp — the CPU backend: the same stages as the CUDA backend in plain C++, float32
 // arithmetic throughout (accumulating in float as the GPU does, so the verifier's tolerance model
 // applies unchanged), and the same tiled online-softmax algorithm for the flash stages.
+// Arithmetic the verifier assumes (verify/model/kernels.py: KERNELS["cpu-tiled"], the cpu model):
+// float32 products and sums in index order (no FMA on x86-64 without -march flags), std::exp (one
+// rounding in practice), the scale applied to each finished dot product, lse = m + log(l), O·(1/l);
+// under tf32 the GEMM operands rounded to TF32, nearest even.
 //   build: cmake -S . -B build-cpu -DATTNSTEP_CUDA=OFF && cmake --build build-cpu -j2
 //   run:   build-cpu/main --in tests/data/tiny_test --out /tmp/tiny_verify --backend cpu
 // Work is spread over the host's cores with std::thread (rows, or (head, query tile) pairs);
@@ -131,6 +135,25 @@ inline float dot(const float* x, const float* y, int n) {
     return s;
 }
 
+// Row r of QK_scaled from row r of QK: src[c]·scale, -inf where causal-masked.
+void scale_mask_row(const float* src, float* row, int r, int M, float scale, bool causal) {
+    for (int c = 0; c < M; ++c) row[c] = masked(causal, r, c) ? kNegInf : src[c] * scale;
+}
+
+// One row of the softmax: P = exp(S - rowmax(S)) / rowsum; masked entries are exp(-inf) = 0
+// exactly; a NaN score makes the maximum, and so the whole row, NaN.
+void softmax_row(const float* S, float* P, int M) {
+    float m = kNegInf;
+    for (int c = 0; c < M; ++c) m = max_keep_nan(m, S[c]);
+    float l = 0.f;
+    for (int c = 0; c < M; ++c) {
+        P[c] = S[c] == kNegInf ? 0.f : std::exp(S[c] - m);
+        l += P[c];
+    }
+    const float inv = 1.f / l;
+    for (int c = 0; c < M; ++c) P[c] *= inv;
+}
+
 // The per-head matrices of one stage inside a group buffer.
 struct View {
     float* base;
@@ -162,6 +185,24 @@ void parallel_row_blocks(int heads, int rows, Fn fn) {
     parallel_for(static_cast<size_t>(heads) * row_blocks(rows), [&](size_t item) {
         const int r0 = static_cast<int>(item % row_blocks(rows)) * kRowBlock;
         fn(static_cast<int>(item / row_blocks(rows)), r0, std::min(rows, r0 + kRowBlock));
+    });
+}
+
+// out[h] = A[h]·B[h]ᵀ (N×M, inner dimension k) for every head of the group, A and B input stages
+// (QK = Q·Kᵀ, dP = dO·Vᵀ). Items are (head, block of kRowBlock rows); each makes its own
+// transposed copy of B, 1/kRowBlock of its arithmetic.
+void gemm_abt_heads(const Operands& in, Stage A, Stage B, const Dims& d, int heads, int k, const View& out) {
+    parallel_row_blocks(heads, d.N, [&](int h, int r0, int r1) {
+        rows_times_transposed(in.head(A, d, h), in.head(B, d, h), r0, r1, k, d.M, out.head(h), false);
+    });
+}
+
+// D[h·N + r] = dO_r · O_r (width dv) for every query row of every head of the group, from dO as
+// read (not a GEMM operand): the D stage, and the flash backward's preprocess.
+void row_dots_do_o(const HeadGroup& g, const Dims& d, const View& O, float* D) {
+    parallel_rows(g.count, d.N, [&](int h, int r) {
+        D[static_cast<size_t>(h) * d.N + r] = dot(g.dout + stage_elems(Stage::dO, d) * h + static_cast<size_t>(r) * d.dv,
+                                                  O.head(h) + static_cast<size_t>(r) * d.dv, d.dv);
     });
 }
 
@@ -238,7 +279,6 @@ void CpuBackend::compute(const Problem& p, StageSet computed, HeadGroup& g, Stag
 void CpuBackend::run_stage(Stage s, const Problem& p, HeadGroup& g, const Operands& in) {
     const Dims& d = p.dims;
     const int N = d.N, M = d.M, dk = d.dk, dv = d.dv;
-    const size_t rows_all = static_cast<size_t>(g.count) * N;
     View out{g.out[static_cast<int>(s)], stage_elems(s, d)};
     switch (s) {
         case Stage::Q: std::copy_n(g.q, stage_elems(s, d) * g.count, out.base); break;
@@ -256,40 +296,21 @@ void CpuBackend::run_stage(Stage s, const Problem& p, HeadGroup& g, const Operan
         case Stage::QK:
             // QK[r][:] = sum_t Q[r][t] KT[t][:]: an axpy over a transposed copy of K vectorises
             // across columns, while each element still accumulates over t in order, like a dot.
-            // Items are (head, block of kRowBlock rows); each makes its own KT copy, 1/kRowBlock of
-            // its arithmetic.
-            parallel_row_blocks(g.count, N, [&](int h, int r0, int r1) {
-                rows_times_transposed(in.head(Stage::Q, d, h), in.head(Stage::K, d, h), r0, r1, dk, M, out.head(h),
-                                      false);
-            });
+            gemm_abt_heads(in, Stage::Q, Stage::K, d, g.count, dk, out);
             break;
         case Stage::QK_scaled: {
-            View qk{g.out[static_cast<int>(Stage::QK)], stage_elems(Stage::QK, d)};
-            parallel_for(rows_all, [&](size_t hr) {
-                size_t h = hr / N, r = hr % N;
-                const float* src = qk.head(static_cast<int>(h)) + r * M;
-                float* row = out.head(static_cast<int>(h)) + r * M;
-                for (int c = 0; c < M; ++c)
-                    row[c] = masked(p.causal, static_cast<int>(r), c) ? kNegInf : src[c] * p.scale;
+            const View qk{g.out[static_cast<int>(Stage::QK)], stage_elems(Stage::QK, d)};
+            parallel_rows(g.count, N, [&](int h, int r) {
+                const size_t row = static_cast<size_t>(r) * M;
+                scale_mask_row(qk.head(h) + row, out.head(h) + row, r, M, p.scale, p.causal);
             });
             break;
         }
         case Stage::attention_weights: {
-            // Row softmax: P = exp(S - rowmax(S)) / rowsum; masked entries are exp(-inf) = 0 exactly.
-            View sc{g.out[static_cast<int>(Stage::QK_scaled)], stage_elems(Stage::QK_scaled, d)};
-            parallel_for(rows_all, [&](size_t hr) {
-                size_t h = hr / N, r = hr % N;
-                const float* S = sc.head(static_cast<int>(h)) + r * M;
-                float* P = out.head(static_cast<int>(h)) + r * M;
-                float m = kNegInf;
-                for (int c = 0; c < M; ++c) m = max_keep_nan(m, S[c]);
-                float l = 0.f;
-                for (int c = 0; c < M; ++c) {
-                    P[c] = S[c] == kNegInf ? 0.f : std::exp(S[c] - m);
-                    l += P[c];
-                }
-                float inv = 1.f / l;
-                for (int c = 0; c < M; ++c) P[c] *= inv;
+            const View sc{g.out[static_cast<int>(Stage::QK_scaled)], stage_elems(Stage::QK_scaled, d)};
+            parallel_rows(g.count, N, [&](int h, int r) {
+                const size_t row = static_cast<size_t>(r) * M;
+                softmax_row(sc.head(h) + row, out.head(h) + row, M);
             });
             break;
         }
@@ -317,21 +338,8 @@ void CpuBackend::run_backward_stage(Stage s, const Problem& p, HeadGroup& g, con
     auto stage = [&](Stage t) { return View{g.out[static_cast<int>(t)], stage_elems(t, d)}; };
     switch (s) {
         case Stage::dO: std::copy_n(g.dout, stage_elems(s, d) * g.count, out.base); break;
-        case Stage::D: {
-            // D[r] = dO[r] · O[r], from dO as read (not a GEMM operand).
-            const View O = stage(Stage::output);
-            parallel_rows(g.count, N, [&](int h, int r) {
-                out.head(h)[r] = dot(g.dout + stage_elems(Stage::dO, d) * h + static_cast<size_t>(r) * dv,
-                                     O.head(h) + static_cast<size_t>(r) * dv, dv);
-            });
-            break;
-        }
-        case Stage::dP:
-            parallel_row_blocks(g.count, N, [&](int h, int r0, int r1) {
-                rows_times_transposed(in.head(Stage::dO, d, h), in.head(Stage::V, d, h), r0, r1, dv, M, out.head(h),
-                                      false);
-            });
-            break;
+        case Stage::D: row_dots_do_o(g, d, stage(Stage::output), out.base); break;
+        case Stage::dP: gemm_abt_heads(in, Stage::dO, Stage::V, d, g.count, dv, out); break;
         case Stage::dS: {
             // dS = P∘(dP − D), written as 0 where masked (P is 0 there, and a product could be -0).
             const View P = stage(Stage::attention_weights), dP = stage(Stage::dP), D = stage(Stage::D);
@@ -371,16 +379,54 @@ void CpuBackend::run_backward_stage(Stage s, const Problem& p, HeadGroup& g, con
     }
 }
 
+// The running state of FlashAttention's online softmax for the rows of one query tile: per row
+// the maximum m, the sum l and the unnormalised output O (d wide).
+struct OnlineRows {
+    int d;
+    bool tf32;  // P rounded to TF32 as a tensor core reads it
+    std::vector<float> m, l, O;
+    OnlineRows(int rows, int d_, bool tf32_)
+        : d(d_), tf32(tf32_), m(rows, kNegInf), l(rows, 0.f), O(static_cast<size_t>(rows) * d_, 0.f) {}
+
+    // Row rr takes the scaled, masked scores S[0, cols) of the keys whose values are the rows of
+    // Vj: m_new = max(m, rowmax(S)), P = exp(S - m_new), l = exp(m - m_new)·l + rowsum(P),
+    // O = exp(m - m_new)·O + P·Vj.
+    void add(int rr, const float* S, int cols, const float* Vj) {
+        float m_new = m[rr];
+        for (int cc = 0; cc < cols; ++cc) m_new = max_keep_nan(m_new, S[cc]);
+        if (m_new == kNegInf) return;  // nothing visible yet in this row
+        const float alpha = m[rr] == kNegInf ? 0.f : std::exp(m[rr] - m_new);
+        float* Or = O.data() + static_cast<size_t>(rr) * d;
+        for (int t = 0; t < d; ++t) Or[t] *= alpha;
+        float rowsum = 0.f;
+        for (int cc = 0; cc < cols; ++cc) {
+            const float pc = S[cc] == kNegInf ? 0.f : std::exp(S[cc] - m_new);
+            rowsum += pc;
+            axpy(tf32 ? round_tf32(pc) : pc, Vj + static_cast<size_t>(cc) * d, Or, d);
+        }
+        l[rr] = alpha * l[rr] + rowsum;
+        m[rr] = m_new;
+    }
+
+    // O_i = diag(l)^-1 O_i and lse_i = m_i + log(l_i) into the tile's rows of the head's outputs.
+    void finish(float* Oout, float* lse) const {
+        for (size_t rr = 0; rr < m.size(); ++rr) {
+            const float inv = 1.f / l[rr];
+            for (int t = 0; t < d; ++t) Oout[rr * d + t] = O[rr * d + t] * inv;
+            lse[rr] = m[rr] + std::log(l[rr]);
+        }
+    }
+};
+
 // FlashAttention forward (Dao et al., Algorithm 1): for each query tile Qi (Br rows), stream the
-// key/value tiles Kj, Vj (Bc rows) keeping a running row max m, row sum l and unnormalised output;
-// never holds an N x M matrix. Causal tiles wholly above the diagonal are skipped; the last tiles
-// may be partial (tail rows/columns are simply not visited).
+// key/value tiles Kj, Vj (Bc rows) through the online softmax (OnlineRows); never holds an N x M
+// matrix. Causal tiles wholly above the diagonal are skipped; the last tiles may be partial (tail
+// rows/columns are simply not visited).
 void CpuBackend::flash(const Problem& p, HeadGroup& g, const Operands& in) {
     const Dims& dm = p.dims;
     const int N = dm.N, M = dm.M, d = dm.dk;
     const int Br = kFlashBr, Bc = kFlashBc;
     const int Tr = (N + Br - 1) / Br, Tc = (M + Bc - 1) / Bc;
-    const bool tf32 = p.precision == Precision::tf32;
     float* O_all = g.out[static_cast<int>(Stage::flash_output)];
     float* lse_all = g.out[static_cast<int>(Stage::flash_lse)];
     if (!lse_all) fail(kExitInternal, where(__FILE__, __LINE__) + ": no buffer for flash_lse");
@@ -390,46 +436,22 @@ void CpuBackend::flash(const Problem& p, HeadGroup& g, const Operands& in) {
         const float* Qi = in.head(Stage::Q, dm, h) + static_cast<size_t>(r0) * d;
         const float* K = in.head(Stage::K, dm, h);
         const float* V = in.head(Stage::V, dm, h);
-        std::vector<float> m(rows, kNegInf), l(rows, 0.f), O(static_cast<size_t>(rows) * d, 0.f),
-            S(static_cast<size_t>(Bc));
+        OnlineRows state(rows, d, p.precision == Precision::tf32);
+        std::vector<float> S(static_cast<size_t>(Bc));
         for (int j = 0; j < Tc; ++j) {
             const int c0 = j * Bc, cols = std::min(Bc, M - c0);
             if (p.causal && c0 > r0 + rows - 1) break;  // this and later tiles are above the diagonal
             const std::vector<float> KjT = transposed(K + static_cast<size_t>(c0) * d, cols, d);  // d x cols
             for (int rr = 0; rr < rows; ++rr) {
-                const int r = r0 + rr;
-                // S = scale * Qi Kjᵀ (masked -> -inf), m_new = max(m, rowmax(S))
-                float m_new = m[rr];
+                // S = scale * Qi Kjᵀ, -inf where masked
                 row_times_matrix(Qi + static_cast<size_t>(rr) * d, KjT.data(), d, cols, S.data());
-                for (int cc = 0; cc < cols; ++cc) {
-                    S[cc] = masked(p.causal, r, c0 + cc) ? kNegInf : S[cc] * p.scale;
-                    m_new = max_keep_nan(m_new, S[cc]);
-                }
-                if (m_new == kNegInf) continue;  // nothing visible yet in this row
-                // P = exp(S - m_new); l = exp(m - m_new) l + rowsum(P); O = exp(m - m_new) O + P Vj
-                const float alpha = m[rr] == kNegInf ? 0.f : std::exp(m[rr] - m_new);
-                float* Or = O.data() + static_cast<size_t>(rr) * d;
-                for (int t = 0; t < d; ++t) Or[t] *= alpha;
-                float rowsum = 0.f;
-                for (int cc = 0; cc < cols; ++cc) {
-                    const float pc = S[cc] == kNegInf ? 0.f : std::exp(S[cc] - m_new);
-                    rowsum += pc;
-                    const float w = tf32 ? round_tf32(pc) : pc;
-                    const float* Vc = V + static_cast<size_t>(c0 + cc) * d;
-                    for (int t = 0; t < d; ++t) Or[t] += w * Vc[t];
-                }
-                l[rr] = alpha * l[rr] + rowsum;
-                m[rr] = m_new;
+                for (int cc = 0; cc < cols; ++cc)
+                    S[cc] = masked(p.causal, r0 + rr, c0 + cc) ? kNegInf : S[cc] * p.scale;
+                state.add(rr, S.data(), cols, V + static_cast<size_t>(c0) * d);
             }
         }
-        // O_i = diag(l)^-1 O_i, lse_i = m_i + log(l_i)
-        float* Oout = O_all + stage_elems(Stage::flash_output, dm) * h + static_cast<size_t>(r0) * d;
-        float* lse = lse_all + stage_elems(Stage::flash_lse, dm) * h + r0;
-        for (int rr = 0; rr < rows; ++rr) {
-            const float inv = 1.f / l[rr];
-            for (int t = 0; t < d; ++t) Oout[static_cast<size_t>(rr) * d + t] = O[static_cast<size_t>(rr) * d + t] * inv;
-            lse[rr] = m[rr] + std::log(l[rr]);
-        }
+        state.finish(O_all + stage_elems(Stage::flash_output, dm) * h + static_cast<size_t>(r0) * d,
+                     lse_all + stage_elems(Stage::flash_lse, dm) * h + r0);
     });
 }
 
@@ -484,12 +506,9 @@ void CpuBackend::flash_backward(const Problem& p, HeadGroup& g, const Operands& 
     const View dV{g.out[static_cast<int>(Stage::flash_dV)], stage_elems(Stage::flash_dV, dm)};
     if (!O.base || !lse.base || !dK.base || !dV.base)
         fail(kExitInternal, where(__FILE__, __LINE__) + ": the flash backward without its buffers");
-    // Preprocess: D_r = dO_r · O_r, from dO as read (not a GEMM operand).
+    // Preprocess: D_r = dO_r · O_r.
     std::vector<float> D(static_cast<size_t>(g.count) * N);
-    parallel_rows(g.count, N, [&](int h, int r) {
-        D[static_cast<size_t>(h) * N + r] = dot(g.dout + stage_elems(Stage::dO, dm) * h + static_cast<size_t>(r) * d,
-                                                O.head(h) + static_cast<size_t>(r) * d, d);
-    });
+    row_dots_do_o(g, dm, O, D.data());
     auto query_row = [&](int h, int r) {
         return QueryRow{r, in.head(Stage::Q, dm, h) + static_cast<size_t>(r) * d,
                         in.head(Stage::dO, dm, h) + static_cast<size_t>(r) * d, lse.head(h)[r],

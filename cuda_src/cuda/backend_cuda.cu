@@ -46,10 +46,12 @@ size_t group_stage_bytes(Stage s, const Dims& d, int heads) {
     return stage_elems(s, d) * sizeof(float) * static_cast<size_t>(heads);
 }
 
-// The flash arguments of a whole problem, without buffers: for plans and memory estimates (the
-// split decision depends on the work; groups may be smaller).
-FlashArgs flash_args(const Problem& p) {
-    FlashArgs a{};
+// The fields the flash forward's and backward's arguments share, of a whole problem and without
+// buffers: for plans and memory estimates (the split decision depends on the work; groups may be
+// smaller).
+template <class Args>
+Args problem_args(const Problem& p) {
+    Args a{};
     a.heads = p.dims.total_heads();
     a.N = p.dims.N;
     a.M = p.dims.M;
@@ -57,25 +59,18 @@ FlashArgs flash_args(const Problem& p) {
     a.scale = p.scale;
     a.causal = p.causal;
     a.precision = p.precision;
+    return a;
+}
+
+FlashArgs flash_args(const Problem& p) {
+    FlashArgs a = problem_args<FlashArgs>(p);
     a.kernel = p.flash_kernel;
     return a;
 }
 
-std::string mib(size_t bytes) { return std::to_string(static_cast<long long>(bytes / kMiB + 0.5)) + " MiB"; }
+FlashBwdArgs flash_bwd_args(const Problem& p) { return problem_args<FlashBwdArgs>(p); }
 
-// The flash backward's arguments of a whole problem, without buffers: for plans and memory
-// estimates.
-FlashBwdArgs flash_bwd_args(const Problem& p) {
-    FlashBwdArgs a{};
-    a.heads = p.dims.total_heads();
-    a.N = p.dims.N;
-    a.M = p.dims.M;
-    a.d = p.dims.dk;
-    a.scale = p.scale;
-    a.causal = p.causal;
-    a.precision = p.precision;
-    return a;
-}
+std::string mib(size_t bytes) { return std::to_string(static_cast<long long>(bytes / kMiB + 0.5)) + " MiB"; }
 
 // A computed stage whose source is not computed means the caller skipped dependency_closure().
 void check_computable(StageSet computed) {

@@ -1,8 +1,9 @@
 // backward_kernels.cu — the memory-bound stages of the backward stage path: D (a dot product per
 // row) and dS (element-wise). The backward's GEMMs are cuBLAS calls (gemm.cu).
 //
-// Arithmetic the verifier assumes of them (backend "cuda"): D is an FP32 dot product in any order;
-// dS is P·(dP − D), one subtraction and one product per element, each rounded once.
+// Arithmetic the verifier assumes of them (verify/model/kernels.py, the CUDA model): D is an FP32
+// FMA dot product in any order (strided per lane, then a warp butterfly); dS is P·(dP − D), one
+// subtraction and one product per element, each rounded once.
 #include "kernels.cuh"
 
 #include <algorithm>

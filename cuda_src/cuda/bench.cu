@@ -1,10 +1,12 @@
 // bench.cu — `main --bench`: times every stage of the binary on one shape with device events and
 // reports it against ceilings measured in the same run (bench_ceilings.cu); options in
-// bench_options.cu, the float64 check of the flash kernels in bench_check.cu.
+// bench_options.cu, the float64 check of the flash forward in bench_check.cu, the backward's rows
+// in bench_backward.cu.
 //
 //   build/main --bench [--batch B --heads H --seq-q N --seq-k M --d D --causal --scale S
 //                       --precision fp32|tf32 --warmup W --reps R --json FILE --check
-//                       --check-rows K --only all|stages|flash --fast-variant I --splits S]
+//                       --check-rows K --only all|stages|flash --pass forward|backward|both
+//                       --no-ceilings --fast-variant I --splits S]
 //
 // Inputs are generated on the device (a hash of the element index, uniform in [-1, 1)), so no
 // text I/O is timed. Each kernel runs W times, then R timed runs, each between two cudaEvents;
@@ -15,8 +17,10 @@
 // through in groups that fit in device memory (a stage's time is summed over groups), or the
 // stage path is reported as "skipped (memory)". The flash forward is timed as `auto` runs it and
 // with each tensor-core kernel forced (--splits forces their KV split, --fast-variant picks an
-// exploration configuration of the mma.sync kernel). --check exits 1 when a flash kernel exceeds
-// the tolerance against float64.
+// exploration configuration of the mma.sync kernel). --pass picks the forward rows, the backward
+// rows (bench_backward.cu: the backward stage path and the flash backward, from a generated dO),
+// or both (the default). --no-ceilings skips the ceilings (no fraction is reported then). --check
+// exits 1 when a flash kernel or a backward pass exceeds the tolerance against float64.
 //
 // Output: a table on stdout; with --json, the same numbers as JSON (written atomically), read by
 // verify/bench.py.
@@ -54,6 +58,8 @@ namespace bench {
 namespace {
 
 constexpr size_t kMemoryMargin = size_t(1) << 30;  // left free for cuBLAS and the runtime
+// dO's fill seed: far from 3·seed + 1..3 (Q, K, V) of any --seed, so dO never repeats an input.
+constexpr uint64_t kGradSeedBase = uint64_t(1) << 40;
 
 // ---------------------------------------------------------------------------------------------
 // Inputs
@@ -77,6 +83,14 @@ void fill(DeviceBuffer& b, uint64_t seed, cudaStream_t s) {
     LAUNCH_CHECK(fill_uniform);
 }
 
+int heads_that_fit(double per_head_bytes, int total_heads) {
+    size_t free_bytes = 0, total_bytes = 0;
+    CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
+    const size_t margin = std::max(kMemoryMargin, total_bytes / 32);
+    const double usable = free_bytes > margin ? double(free_bytes - margin) : 0.0;
+    return static_cast<int>(std::min<double>(total_heads, std::floor(usable / per_head_bytes)));
+}
+
 namespace {
 
 const char* kind_name(Kind k) {
@@ -88,6 +102,7 @@ const char* kind_name(Kind k) {
     return "?";
 }
 
+// The fraction of the ceiling stays 0 (and out of the JSON) under --no-ceilings.
 void set_rate(Result& r, const Ceilings& c) {
     if (r.kind == Kind::memory) {
         r.rate = r.bytes / (r.ms * 1e-3) / 1e9;
@@ -98,16 +113,10 @@ void set_rate(Result& r, const Ceilings& c) {
     }
 }
 
-// Heads per group so that KT, two N×M buffers and the output fit in the free device memory,
-// leaving a margin for cuBLAS and the runtime (1 GiB or 3% of the card, the larger).
+// Heads per group so that KT, two N×M buffers and the output fit.
 int stage_group(const Options& o, int total_heads) {
-    size_t free_bytes = 0, total_bytes = 0;
-    CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
-    const size_t margin = std::max(kMemoryMargin, total_bytes / 32);
-    const double per_head = 4.0 * (2.0 * o.N * o.M + static_cast<double>(o.d) * o.M +
-                                   static_cast<double>(o.N) * o.d);
-    const double usable = free_bytes > margin ? double(free_bytes - margin) : 0.0;
-    return static_cast<int>(std::min<double>(total_heads, std::floor(usable / per_head)));
+    return heads_that_fit(4.0 * (2.0 * o.N * o.M + static_cast<double>(o.d) * o.M + static_cast<double>(o.N) * o.d),
+                          total_heads);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -132,15 +141,19 @@ std::string json_escape(const std::string& s) {
     return out;
 }
 
-void print_table(const Options& o, const std::string& device, const Ceilings& c, int group,
+void print_table(const Options& o, const std::string& device, const Ceilings& c, int group, int backward_group,
                  const std::vector<Result>& results) {
     std::printf("bench: %s  B=%d H=%d N=%d M=%d d=%d %s precision=%s  (median of %d, %d warm-up)\n",
                 device.c_str(), o.batch, o.heads, o.N, o.M, o.d, o.causal ? "causal" : "non-causal",
                 precision_name(o.precision), o.reps, o.warmup);
-    std::printf("ceilings: cuBLAS SGEMM (QK shape) %.1f TFLOP/s, device copy %.0f GB/s, "
-                "mma.sync TF32 %.0f / BF16 %.0f TFLOP/s, wgmma TF32 %.0f TFLOP/s%s\n",
-                c.sgemm_tflops, c.copy_gbps, c.mma_tf32_tflops, c.mma_bf16_tflops, c.wgmma_tf32_tflops,
-                group > 0 ? (", stage path in groups of " + plural(group, "head")).c_str() : "");
+    if (c.measured) {
+        std::printf("ceilings: cuBLAS SGEMM (QK shape) %.1f TFLOP/s, device copy %.0f GB/s, "
+                    "mma.sync TF32 %.0f / BF16 %.0f TFLOP/s, wgmma TF32 %.0f TFLOP/s\n",
+                    c.sgemm_tflops, c.copy_gbps, c.mma_tf32_tflops, c.mma_bf16_tflops, c.wgmma_tf32_tflops);
+    }
+    if (group > 0) std::printf("stage path in groups of %s\n", plural(group, "head").c_str());
+    if (backward_group > 0)
+        std::printf("backward stage path in groups of %s\n", plural(backward_group, "head").c_str());
     std::printf("%-18s %10s %16s %9s  %s\n", "kernel", "ms", "rate", "ceiling", "note");
     for (const Result& r : results) {
         if (r.status != "ok") {
@@ -150,16 +163,72 @@ void print_table(const Options& o, const std::string& device, const Ceilings& c,
         const std::string rate = r.kind == Kind::memory ? fmt("%.0f GB/s", r.rate) : fmt("%.2f TFLOP/s", r.rate);
         std::string note = r.tiles;
         if (r.checked) {
-            note += (note.empty() ? "" : "; ") + std::string("max rel err ") + fmt("%.2e", r.max_rel_err) +
+            note += (note.empty() ? "" : "; ") + std::string(r.backward ? "dQ/dK/dV err " : "max rel err ") +
+                    (r.backward ? fmt("%.2e", r.grad_err[0]) + " / " + fmt("%.2e", r.grad_err[1]) + " / " +
+                                      fmt("%.2e", r.grad_err[2])
+                                : fmt("%.2e", r.max_rel_err)) +
                     (r.check_passed ? " ok" : " FAIL");
         }
-        std::printf("%-18s %10.4f %16s %8.0f%%  %s\n", r.name.c_str(), r.ms, rate.c_str(),
-                    100.0 * r.fraction, note.c_str());
+        const std::string ceiling = c.measured ? fmt("%.0f%%", 100.0 * r.fraction) : "-";
+        std::printf("%-18s %10.4f %16s %9s  %s\n", r.name.c_str(), r.ms, rate.c_str(), ceiling.c_str(), note.c_str());
+    }
+}
+
+// The ceilings as a JSON object: {} under --no-ceilings.
+std::string json_ceilings(const Ceilings& c) {
+    if (!c.measured) return "{}";
+    std::ostringstream js;
+    js << "{\"sgemm_ms\": " << num(c.sgemm_ms) << ", \"sgemm_tflops\": " << num(c.sgemm_tflops)
+       << ", \"copy_ms\": " << num(c.copy_ms) << ", \"copy_gbps\": " << num(c.copy_gbps)
+       << ", \"copy_bytes\": " << num(2.0 * kCopyBytes) << ", \"mma_tf32_tflops\": " << num(c.mma_tf32_tflops)
+       << ", \"mma_bf16_tflops\": " << num(c.mma_bf16_tflops)
+       << ", \"wgmma_tf32_tflops\": " << num(c.wgmma_tf32_tflops) << "}";
+    return js.str();
+}
+
+// One kernel row as a JSON object; "pass" says forward or backward, "fraction" is there when the
+// ceilings were measured, "check" when the row was compared with float64.
+std::string json_kernel(const Result& r, bool ceilings) {
+    std::ostringstream js;
+    js << "{\"name\": \"" << json_escape(r.name) << "\", \"kind\": \"" << kind_name(r.kind)
+       << "\", \"pass\": \"" << (r.backward ? "backward" : "forward") << "\", \"status\": \""
+       << json_escape(r.status) << "\"";
+    if (r.status != "ok") return js.str() + "}";
+    js << ", \"ms\": " << num(r.ms) << ", \"flops\": " << num(r.flops) << ", \"bytes\": " << num(r.bytes) << ", \""
+       << (r.kind == Kind::memory ? "gbps" : "tflops") << "\": " << num(r.rate);
+    if (ceilings) js << ", \"fraction\": " << num(r.fraction);
+    if (!r.tiles.empty()) js << ", \"tiles\": \"" << json_escape(r.tiles) << "\"";
+    if (r.checked) {
+        js << ", \"check\": {\"passed\": " << (r.check_passed ? "true" : "false")
+           << ", \"max_rel_err\": " << num(r.max_rel_err);
+        if (r.backward) {
+            js << ", \"max_dq_err\": " << num(r.grad_err[0]) << ", \"max_dk_err\": " << num(r.grad_err[1])
+               << ", \"max_dv_err\": " << num(r.grad_err[2]);
+        } else {
+            js << ", \"max_lse_err\": " << num(r.max_lse_err);
+        }
+        js << "}";
+    }
+    return js.str() + "}";
+}
+
+// Written to a temporary name and renamed, so that a reader never sees half a file.
+void write_atomically(const std::string& path, const std::string& text) {
+    const std::string tmp = path + ".tmp";
+    {
+        std::ofstream f(tmp, std::ios::binary);
+        if (!f) fail(kExitBadInput, "--json: cannot write '" + tmp + "'", "check that the folder exists");
+        f << text;
+        if (!f.flush()) fail(kExitBadInput, "--json: writing '" + tmp + "' failed");
+    }
+    if (std::rename(tmp.c_str(), path.c_str()) != 0) {
+        std::remove(tmp.c_str());
+        fail(kExitBadInput, "--json: cannot rename '" + tmp + "' to '" + path + "'");
     }
 }
 
 void write_json(const Options& o, const std::string& device, int sms, const Ceilings& c, int group,
-                const std::vector<Result>& results, bool passed) {
+                int backward_group, const std::vector<Result>& results, bool passed) {
     std::ostringstream js;
     const std::time_t now = std::time(nullptr);
     char date[32];
@@ -171,43 +240,14 @@ void write_json(const Options& o, const std::string& device, int sms, const Ceil
        << ", \"seq_k\": " << o.M << ", \"d\": " << o.d << ", \"causal\": " << (o.causal ? "true" : "false")
        << ", \"scale\": " << num(o.scale) << "},\n"
        << "  \"precision\": \"" << precision_name(o.precision) << "\",\n  \"warmup\": " << o.warmup
-       << ",\n  \"reps\": " << o.reps << ",\n  \"stage_group_heads\": " << group << ",\n"
-       << "  \"ceilings\": {\"sgemm_ms\": " << num(c.sgemm_ms) << ", \"sgemm_tflops\": " << num(c.sgemm_tflops)
-       << ", \"copy_ms\": " << num(c.copy_ms) << ", \"copy_gbps\": " << num(c.copy_gbps)
-       << ", \"copy_bytes\": " << num(2.0 * kCopyBytes)
-       << ", \"mma_tf32_tflops\": " << num(c.mma_tf32_tflops)
-       << ", \"mma_bf16_tflops\": " << num(c.mma_bf16_tflops)
-       << ", \"wgmma_tf32_tflops\": " << num(c.wgmma_tf32_tflops) << "},\n"
+       << ",\n  \"reps\": " << o.reps << ",\n  \"stage_group_heads\": " << group
+       << ",\n  \"backward_group_heads\": " << backward_group << ",\n"
+       << "  \"ceilings\": " << json_ceilings(c) << ",\n"
        << "  \"passed\": " << (passed ? "true" : "false") << ",\n  \"kernels\": [\n";
-    for (size_t i = 0; i < results.size(); ++i) {
-        const Result& r = results[i];
-        js << "    {\"name\": \"" << json_escape(r.name) << "\", \"kind\": \"" << kind_name(r.kind)
-           << "\", \"status\": \"" << json_escape(r.status) << "\"";
-        if (r.status == "ok") {
-            js << ", \"ms\": " << num(r.ms) << ", \"flops\": " << num(r.flops) << ", \"bytes\": " << num(r.bytes)
-               << ", \"" << (r.kind == Kind::memory ? "gbps" : "tflops") << "\": " << num(r.rate)
-               << ", \"fraction\": " << num(r.fraction);
-            if (!r.tiles.empty()) js << ", \"tiles\": \"" << json_escape(r.tiles) << "\"";
-            if (r.checked) {
-                js << ", \"check\": {\"passed\": " << (r.check_passed ? "true" : "false")
-                   << ", \"max_rel_err\": " << num(r.max_rel_err) << ", \"max_lse_err\": " << num(r.max_lse_err)
-                   << "}";
-            }
-        }
-        js << "}" << (i + 1 < results.size() ? "," : "") << "\n";
-    }
+    for (size_t i = 0; i < results.size(); ++i)
+        js << "    " << json_kernel(results[i], c.measured) << (i + 1 < results.size() ? "," : "") << "\n";
     js << "  ]\n}\n";
-    const std::string tmp = o.json + ".tmp";
-    {
-        std::ofstream f(tmp, std::ios::binary);
-        if (!f) fail(kExitBadInput, "--json: cannot write '" + tmp + "'", "check that the folder exists");
-        f << js.str();
-        if (!f.flush()) fail(kExitBadInput, "--json: writing '" + tmp + "' failed");
-    }
-    if (std::rename(tmp.c_str(), o.json.c_str()) != 0) {
-        std::remove(tmp.c_str());
-        fail(kExitBadInput, "--json: cannot rename '" + tmp + "' to '" + o.json + "'");
-    }
+    write_atomically(o.json, js.str());
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -292,6 +332,69 @@ void bench_flash(const Options& o, const char* name, const std::string& tiles, L
     out->push_back(r);
 }
 
+// The flash forward: `auto` as `main` runs it, then each tensor-core kernel forced, with --splits
+// and (mma.sync) --fast-variant.
+void bench_flash_kernels(const Options& o, const DeviceBuffer& Q, const DeviceBuffer& K, const DeviceBuffer& V,
+                         int total_heads, Timer& timer, cudaStream_t s, std::vector<Result>* out) {
+    DeviceBuffer O(size_t(total_heads) * o.N * o.d), lse(size_t(total_heads) * o.N);
+    FlashArgs a{Q.p, K.p, V.p, O.p, lse.p, total_heads, o.N, o.M, o.d, o.scale, o.causal, o.precision};
+    const bool supported = flash_supported(bench_dims(o));
+    FlashPlan plan;
+    if (supported) plan = flash_forward_plan(a);
+    bench_flash(o, "flash", supported ? std::to_string(plan.Br) + "x" + std::to_string(plan.Bc) : "",
+                [&] {
+                    if (!supported) return false;
+                    flash_forward(a, s);
+                    return true;
+                },
+                Q, K, V, O, lse, total_heads, timer, s, out);
+    for (const FlashKernelOps* k : flash_kernels()) {
+        if (!k->tensor_cores) continue;
+        const int config = k->id == FlashKernel::fast ? o.fast_variant : 0;
+        KernelPlan kp;
+        const bool has = config == 0 ? k->plan(a, o.splits, &kp) : flash_fast_config_plan(a, config, o.splits, &kp);
+        std::string tiles;
+        if (config != 0) tiles = "variant " + std::to_string(config);
+        else if (has) tiles = std::to_string(kp.Br) + "x" + std::to_string(kp.Bc) + ", splits " + std::to_string(kp.splits);
+        bench_flash(o, (std::string("flash_") + k->name).c_str(), tiles,
+                    [&] {
+                        if (has) flash_launch(*k, a, kp, s);
+                        return has;
+                    },
+                    Q, K, V, O, lse, total_heads, timer, s, out);
+    }
+}
+
+// Every row --pass and --only ask for, on inputs generated once; `group` and `backward_group` get
+// the stage paths' group sizes.
+Ceilings bench_all(const Options& o, const cudaDeviceProp& prop, cublasHandle_t blas, Timer& timer, cudaStream_t s,
+                   int* group, int* backward_group, std::vector<Result>* results) {
+    const int total_heads = o.batch * o.heads;
+    Ceilings c;
+    DeviceBuffer Q(size_t(total_heads) * o.N * o.d), K(size_t(total_heads) * o.M * o.d),
+        V(size_t(total_heads) * o.M * o.d);
+    fill(Q, 3ull * o.seed + 1, s);
+    fill(K, 3ull * o.seed + 2, s);
+    fill(V, 3ull * o.seed + 3, s);
+    if (o.ceilings) {
+        // An estimate for the SGEMM ceiling's shape; the stage path sizes its groups again once
+        // the ceilings' buffers are freed.
+        c = measure_ceilings(o, prop, stage_group(o, total_heads), blas, timer, s);
+        c.measured = true;
+    }
+    if (times_forward(o)) {
+        if (o.only != "flash") bench_stage_path(o, blas, group, Q, K, V, total_heads, timer, s, results);
+        if (o.only != "stages") bench_flash_kernels(o, Q, K, V, total_heads, timer, s, results);
+    }
+    if (times_backward(o)) {
+        DeviceBuffer dO(size_t(total_heads) * o.N * o.d);
+        fill(dO, kGradSeedBase + o.seed, s);
+        bench_backward(o, blas, BackwardInputs{Q, K, V, dO}, total_heads, timer, s, backward_group, results);
+    }
+    CUDA_CHECK(cudaStreamSynchronize(s));
+    return c;
+}
+
 int run(const Options& o) {
     if (!cuda_device_available()) {
         fail(kExitBadInput, "--bench: no CUDA device found", "run the benchmark on a machine with an NVIDIA GPU");
@@ -302,7 +405,6 @@ int run(const Options& o) {
     CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
     const std::string device = prop.name;
 
-    const int total_heads = o.batch * o.heads;
     cudaStream_t s = nullptr;
     CUDA_CHECK(cudaStreamCreate(&s));
     cublasHandle_t blas = nullptr;
@@ -312,63 +414,19 @@ int run(const Options& o) {
     Timer timer(s);
 
     std::vector<Result> results;
-    Ceilings c;
-    int group = 0;
+    int group = 0, backward_group = 0;
+    const Ceilings c = bench_all(o, prop, blas, timer, s, &group, &backward_group, &results);
     bool passed = true;
-    {
-        DeviceBuffer Q(size_t(total_heads) * o.N * o.d), K(size_t(total_heads) * o.M * o.d),
-            V(size_t(total_heads) * o.M * o.d), O(size_t(total_heads) * o.N * o.d),
-            lse(size_t(total_heads) * o.N);
-        fill(Q, 3ull * o.seed + 1, s);
-        fill(K, 3ull * o.seed + 2, s);
-        fill(V, 3ull * o.seed + 3, s);
-        // An estimate for the SGEMM ceiling's shape; the stage path sizes its groups again once
-        // the ceilings' buffers are freed.
-        c = measure_ceilings(o, prop, stage_group(o, total_heads), blas, timer, s);
-        if (o.only != "flash") bench_stage_path(o, blas, &group, Q, K, V, total_heads, timer, s, &results);
-
-        if (o.only != "stages") {
-            FlashArgs a{Q.p, K.p, V.p, O.p, lse.p, total_heads, o.N, o.M, o.d, o.scale, o.causal, o.precision};
-            const bool supported = flash_supported(bench_dims(o));
-            FlashPlan plan;
-            if (supported) plan = flash_forward_plan(a);
-            bench_flash(o, "flash", supported ? std::to_string(plan.Br) + "x" + std::to_string(plan.Bc) : "",
-                        [&] {
-                            if (!supported) return false;
-                            flash_forward(a, s);
-                            return true;
-                        },
-                        Q, K, V, O, lse, total_heads, timer, s, &results);
-            // Each tensor-core kernel forced, with --splits and (mma.sync) --fast-variant.
-            for (const FlashKernelOps* k : flash_kernels()) {
-                if (!k->tensor_cores) continue;
-                const int config = k->id == FlashKernel::fast ? o.fast_variant : 0;
-                KernelPlan kp;
-                const bool has = config == 0 ? k->plan(a, o.splits, &kp)
-                                             : flash_fast_config_plan(a, config, o.splits, &kp);
-                std::string tiles;
-                if (config != 0) tiles = "variant " + std::to_string(config);
-                else if (has) tiles = std::to_string(kp.Br) + "x" + std::to_string(kp.Bc) + ", splits " + std::to_string(kp.splits);
-                bench_flash(o, (std::string("flash_") + k->name).c_str(), tiles,
-                            [&] {
-                                if (has) flash_launch(*k, a, kp, s);
-                                return has;
-                            },
-                            Q, K, V, O, lse, total_heads, timer, s, &results);
-            }
-        }
-        CUDA_CHECK(cudaStreamSynchronize(s));
-    }
     for (Result& r : results) {
         if (r.status == "ok") set_rate(r, c);
         if (r.checked && !r.check_passed) passed = false;
     }
-    print_table(o, device, c, group, results);
-    if (!o.json.empty()) write_json(o, device, prop.multiProcessorCount, c, group, results, passed);
+    print_table(o, device, c, group, backward_group, results);
+    if (!o.json.empty()) write_json(o, device, prop.multiProcessorCount, c, group, backward_group, results, passed);
     cublasDestroy(blas);
     cudaStreamDestroy(s);
     if (!passed) {
-        std::fprintf(stderr, "main: error: --bench --check: a flash kernel exceeds the %s tolerance %.0e "
+        std::fprintf(stderr, "main: error: --bench --check: a result exceeds the %s tolerance %.0e "
                              "against float64 (see the table)\n",
                      precision_name(o.precision), check_tolerance(o));
         return kExitInternal;

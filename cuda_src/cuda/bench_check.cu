@@ -52,24 +52,34 @@ void reference_row(const Options& o, const HostInputs& h, int r, std::vector<dou
     *lse = mx + std::log(l);
 }
 
-// Rows to check in each checked head: the first and last rows, tile edges, the middle, and a few
-// spread ones; all rows when check_rows == 0.
-std::vector<int> rows_to_check(const Options& o) {
+}  // namespace
+
+// The first and last rows, the tile edges of every kernel's tiles (16 to 128 rows), the middle and a
+// few spread ones: a kernel that mishandles a tile boundary or a tail shows at one of them.
+std::vector<int> sample_rows(const Options& o, int n) {
     std::vector<int> rows;
-    if (o.check_rows == 0 || o.check_rows >= o.N) {
-        for (int r = 0; r < o.N; ++r) rows.push_back(r);
+    if (o.check_rows == 0 || o.check_rows >= n) {
+        for (int r = 0; r < n; ++r) rows.push_back(r);
         return rows;
     }
-    const int fixed[] = {0, 1, 15, 16, 63, 64, 127, 128, o.N / 2, o.N - 2, o.N - 1};
-    for (int r : fixed) if (r >= 0 && r < o.N) rows.push_back(r);
+    const int fixed[] = {0, 1, 15, 16, 63, 64, 127, 128, n / 2, n - 2, n - 1};
+    for (int r : fixed) if (r >= 0 && r < n) rows.push_back(r);
     for (int i = 0; static_cast<int>(rows.size()) < o.check_rows + 11 && i < o.check_rows; ++i)
-        rows.push_back(static_cast<int>((static_cast<long long>(i) * 7919 + 13) % o.N));
+        rows.push_back(static_cast<int>((static_cast<long long>(i) * 7919 + 13) % n));
     std::sort(rows.begin(), rows.end());
     rows.erase(std::unique(rows.begin(), rows.end()), rows.end());
     return rows;
 }
 
-}  // namespace
+std::vector<int> heads_to_check(const Options& o, int total_heads) {
+    std::vector<int> heads;
+    if (o.check_rows == 0) for (int h = 0; h < total_heads; ++h) heads.push_back(h);
+    else {
+        heads.push_back(0);
+        if (total_heads > 1) heads.push_back(total_heads - 1);
+    }
+    return heads;
+}
 
 double check_tolerance(const Options& o) {
     return o.precision == Precision::tf32 ? kTf32CheckTol : kFp32CheckTol;
@@ -78,13 +88,8 @@ double check_tolerance(const Options& o) {
 void check_flash(const Options& o, const DeviceBuffer& Q, const DeviceBuffer& K,
                  const DeviceBuffer& V, const DeviceBuffer& O, const DeviceBuffer& lse,
                  int total_heads, Result* r) {
-    std::vector<int> heads;
-    if (o.check_rows == 0) for (int h = 0; h < total_heads; ++h) heads.push_back(h);
-    else {
-        heads.push_back(0);
-        if (total_heads > 1) heads.push_back(total_heads - 1);
-    }
-    const std::vector<int> rows = rows_to_check(o);
+    const std::vector<int> heads = heads_to_check(o, total_heads);
+    const std::vector<int> rows = sample_rows(o, o.N);
     HostInputs h;
     std::vector<float> orow(o.d);
     std::vector<double> ref;

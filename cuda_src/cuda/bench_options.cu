@@ -62,7 +62,14 @@ Options parse_options(int argc, char** argv) {
             o.only = value();
             if (o.only != "all" && o.only != "stages" && o.only != "flash")
                 bad_option("--only must be all, stages or flash, got '" + o.only + "'");
-        } else if (a == "--fast-variant") o.fast_variant = parse_int(a, value(), 0, 15);
+        } else if (a == "--pass") {
+            const std::string p = value();
+            if (p == "forward") o.passes = Passes::forward;
+            else if (p == "backward") o.passes = Passes::backward;
+            else if (p == "both") o.passes = Passes::both;
+            else bad_option("--pass must be forward, backward or both, got '" + p + "'");
+        } else if (a == "--no-ceilings") o.ceilings = false;
+        else if (a == "--fast-variant") o.fast_variant = parse_int(a, value(), 0, 15);
         else if (a == "--splits") o.splits = parse_int(a, value(), 0, 64);
         else if (a == "--seed") o.seed = static_cast<unsigned>(parse_int(a, value(), 0, 1 << 30));
         else bad_option("unknown option '" + a + "'");

@@ -16,10 +16,12 @@
 //   buffered. Tails (N, M not multiples of the tiles) are zero-filled and masked: a query row past
 //   N gets lse = +inf (P = 0), a key past M is masked explicitly.
 //
-// Precision::fp32: 3xTF32 (every operand split hi + lo; FP32-accurate products, as the forward);
-// Precision::tf32: one TF32 product. Each tile's products are summed in a fresh accumulator and
-// added to the running gradient in FP32, so the tensor cores' truncating accumulation spans one
-// tile only (the error model of verify/model/kernels.py, backend "cuda").
+// Arithmetic the verifier assumes (verify/model/kernels.py: the CUDA model of the forward's
+// cuda-* flash_kernel): Precision::fp32 3xTF32 (every operand split hi + lo; FP32-accurate
+// products, as the forward), Precision::tf32 one TF32 product. Each tile's products are summed in a
+// fresh accumulator and added to the running gradient in FP32, so the tensor cores' truncating
+// accumulation spans one tile only. P = 2^(s·scale·log2 e − lse·log2 e) by ex2.approx.ftz (the GPU
+// exp model), scale·log2 e and lse·log2 e each rounded once; dK and dQ scaled once at the end.
 #include "flash_bwd.cuh"
 
 #include <algorithm>
@@ -109,19 +111,14 @@ __device__ __forceinline__ void gemm_abt(float (&acc)[BN / 8][4], const float* A
         for (int e = 0; e < 4; ++e) acc[nt][e] = small[kThree ? nt : 0][e] = 0.f;
 #pragma unroll
     for (int ks = 0; ks < T::D / 8; ++ks) {
-        const float2 x = *reinterpret_cast<const float2*>(A + g * T::LD + ks * 8 + 2 * t);
-        const float2 y = *reinterpret_cast<const float2*>(A + (g + 8) * T::LD + ks * 8 + 2 * t);
         uint32_t ahi[4], alo[4];
-        split<kThree>(x.x, ahi[0], alo[0]);
-        split<kThree>(y.x, ahi[1], alo[1]);
-        split<kThree>(x.y, ahi[2], alo[2]);
-        split<kThree>(y.y, ahi[3], alo[3]);
+        split_a<kThree>(*reinterpret_cast<const float2*>(A + g * T::LD + ks * 8 + 2 * t),
+                        *reinterpret_cast<const float2*>(A + (g + 8) * T::LD + ks * 8 + 2 * t), ahi, alo);
 #pragma unroll
         for (int nt = 0; nt < BN / 8; ++nt) {
             const float2 b = *reinterpret_cast<const float2*>(B + (nt * 8 + g) * T::LD + ks * 8 + 2 * t);
             uint32_t bhi[2], blo[2];
-            split<kThree>(b.x, bhi[0], blo[0]);
-            split<kThree>(b.y, bhi[1], blo[1]);
+            split_b<kThree>(b.x, b.y, bhi, blo);
             if constexpr (kThree) {
                 mma_tf32(small[nt], alo, bhi);
                 mma_tf32(small[nt], ahi, blo);
@@ -129,41 +126,28 @@ __device__ __forceinline__ void gemm_abt(float (&acc)[BN / 8][4], const float* A
             mma_tf32(acc[nt], ahi, bhi);
         }
     }
-    if constexpr (kThree) {
-#pragma unroll
-        for (int nt = 0; nt < BN / 8; ++nt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc[nt][e] += small[nt][e];
-    }
+    if constexpr (kThree) add_to(acc, small);
 }
 
 // out(16×D) += W(16×BK)·B(BK×D), W in the accumulator layout (Pᵀ, dSᵀ or dS), B a tile in shared
-// memory. W's fragment for rows 8kk..8kk+7 of B is w[kk] under the k permutation:
-// a = {w0, w2, w1, w3}; b0 = B[8kk+2t][col], b1 = B[8kk+2t+1][col]. Summed per tile in a fresh
-// accumulator of DC columns, then added in FP32.
+// memory. W's fragment for rows 8kk..8kk+7 of B is w[kk] (split_acc_a); b0 = B[8kk+2t][col],
+// b1 = B[8kk+2t+1][col]. Summed per tile in a fresh accumulator of DC columns, then added in FP32.
 template <class T, int BK, bool kThree>
 __device__ __forceinline__ void add_product(float (&out)[T::D / 8][4], const float (&w)[BK / 8][4], const float* B,
                                             int g, int t) {
 #pragma unroll
     for (int c0 = 0; c0 < T::D; c0 += T::DC) {
         float acc[T::DC / 8][4];
-#pragma unroll
-        for (int nt = 0; nt < T::DC / 8; ++nt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc[nt][e] = 0.f;
+        zero(acc);
 #pragma unroll
         for (int kk = 0; kk < BK / 8; ++kk) {
             uint32_t ahi[4], alo[4];
-            split<kThree>(w[kk][0], ahi[0], alo[0]);
-            split<kThree>(w[kk][2], ahi[1], alo[1]);
-            split<kThree>(w[kk][1], ahi[2], alo[2]);
-            split<kThree>(w[kk][3], ahi[3], alo[3]);
+            split_acc_a<kThree>(w[kk], ahi, alo);
             const float* b0 = B + (kk * 8 + 2 * t) * T::LD + c0 + g;
 #pragma unroll
             for (int nt = 0; nt < T::DC / 8; ++nt) {
                 uint32_t bhi[2], blo[2];
-                split<kThree>(b0[nt * 8], bhi[0], blo[0]);
-                split<kThree>(b0[nt * 8 + T::LD], bhi[1], blo[1]);
+                split_b<kThree>(b0[nt * 8], b0[nt * 8 + T::LD], bhi, blo);
                 mma_split<kThree>(acc[nt], ahi, alo, bhi, blo);
             }
         }
@@ -190,14 +174,6 @@ __device__ __forceinline__ void store_grad(const float (&x)[T::D / 8][4], float*
     }
 }
 
-template <class T>
-__device__ __forceinline__ void zero_grad(float (&x)[T::D / 8][4]) {
-#pragma unroll
-    for (int nt = 0; nt < T::D / 8; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) x[nt][e] = 0.f;
-}
-
 // P and dS of a tile from its scores s and dP, in place: s becomes P = 2^(s·scale·log2 e − lse₂)
 // and dp becomes dS = P∘(dP − D), both exactly 0 where `masked(e, nt)` holds. lse₂ and D come from
 // `row_lse2(nt, e)` / `row_d(nt, e)`.
@@ -219,6 +195,10 @@ __device__ __forceinline__ void softmax_grad(float (&s)[BN / 8][4], float (&dp)[
 }
 
 // ---------------------------------------------------------------------------------------------
+// Kernels 2 and 3 are one function each on purpose: their per-tile steps are the helpers above,
+// and what remains is the double-buffered tile pipeline, whose loads, waits and barriers read
+// best in one place (and whose machine code is the benchmarked one).
+//
 // Kernel 2: dK and dV. Grid: x = key blocks, y = heads. Shared memory: T::SMEM_BYTES.
 template <class T, bool kThree, bool kCausal>
 __global__ void __launch_bounds__(T::THREADS, T::MIN_BLOCKS) flash_bwd_dkdv_kernel(const BwdParams p) {
@@ -262,8 +242,8 @@ __global__ void __launch_bounds__(T::THREADS, T::MIN_BLOCKS) flash_bwd_dkdv_kern
     };
 
     float dk[T::D / 8][4], dv[T::D / 8][4];
-    zero_grad<T>(dk);
-    zero_grad<T>(dv);
+    zero(dk);
+    zero(dv);
     if (first < n_tiles) load_tile(first, 0);
     for (int i = first; i < n_tiles; ++i) {
         const int buf = (i - first) & 1;
@@ -335,8 +315,7 @@ __global__ void __launch_bounds__(T::THREADS, T::MIN_BLOCKS) flash_bwd_dq_kernel
         Dr[half] = row < p.N ? p.D[qoff + row] : 0.f;
     }
 
-    int n_tiles = ceil_div(p.M, T::BT);
-    if (kCausal) n_tiles = min(n_tiles, ceil_div(min(q0 + T::BB, p.N), T::BT));
+    const int n_tiles = visible_key_tiles<kCausal>(p.M, p.N, q0, T::BB, T::BT);
     auto load_tile = [&](int j, int buf) {
         load_rows<T, T::BT>(Ks + buf * T::STAGE, Kh, j * T::BT, p.M);
         load_rows<T, T::BT>(Vs + buf * T::STAGE, Vh, j * T::BT, p.M);
@@ -344,7 +323,7 @@ __global__ void __launch_bounds__(T::THREADS, T::MIN_BLOCKS) flash_bwd_dq_kernel
     };
 
     float dq[T::D / 8][4];
-    zero_grad<T>(dq);
+    zero(dq);
     if (n_tiles > 0) load_tile(0, 0);
     for (int j = 0; j < n_tiles; ++j) {
         const int buf = j & 1;

@@ -47,6 +47,75 @@ __device__ __forceinline__ void split(float x, uint32_t& hi, uint32_t& lo) {
     if (kThree) lo = round_tf32_fp(__fsub_rn(x, __uint_as_float(hi)));
 }
 
+// The four floats of v split alike (a 16-byte load of an operand).
+template <bool kThree>
+__device__ __forceinline__ void split4(const float4& v, uint32_t (&hi)[4], uint32_t (&lo)[4]) {
+    split<kThree>(v.x, hi[0], lo[0]);
+    split<kThree>(v.y, hi[1], lo[1]);
+    split<kThree>(v.z, hi[2], lo[2]);
+    split<kThree>(v.w, hi[3], lo[3]);
+}
+
+// An mma.sync m16n8k8 B fragment {b0, b1} (k 2t and 2t+1 of column g, k-permuted), split.
+template <bool kThree>
+__device__ __forceinline__ void split_b(float b0, float b1, uint32_t (&hi)[2], uint32_t (&lo)[2]) {
+    split<kThree>(b0, hi[0], lo[0]);
+    split<kThree>(b1, hi[1], lo[1]);
+}
+
+// An mma.sync m16n8k8 A fragment from the k pair (2t, 2t+1) of row g (x) and of row g + 8 (y):
+// {x.x, y.x, x.y, y.y} under the k permutation (kperm below), split.
+template <bool kThree>
+__device__ __forceinline__ void split_a(float2 x, float2 y, uint32_t (&hi)[4], uint32_t (&lo)[4]) {
+    split<kThree>(x.x, hi[0], lo[0]);
+    split<kThree>(y.x, hi[1], lo[1]);
+    split<kThree>(x.y, hi[2], lo[2]);
+    split<kThree>(y.y, hi[3], lo[3]);
+}
+
+// An accumulator fragment c (c0, c1: row g, columns 2t, 2t+1; c2, c3: row g + 8) as the A operand
+// of the next MMA, its 8 columns becoming that MMA's k: the k pair (2t, 2t+1) of both rows, so
+// {c0, c2, c1, c3}, split. This is how P (and dS) go from one MMA to the next with no shuffle.
+template <bool kThree>
+__device__ __forceinline__ void split_acc_a(const float (&c)[4], uint32_t (&hi)[4], uint32_t (&lo)[4]) {
+    split<kThree>(c[0], hi[0], lo[0]);
+    split<kThree>(c[2], hi[1], lo[1]);
+    split<kThree>(c[1], hi[2], lo[2]);
+    split<kThree>(c[3], hi[3], lo[3]);
+}
+
+// Fragment accumulators: all zero; out += acc.
+template <int R>
+__device__ __forceinline__ void zero(float (&x)[R][4]) {
+#pragma unroll
+    for (int i = 0; i < R; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) x[i][e] = 0.f;
+}
+template <int R>
+__device__ __forceinline__ void add_to(float (&out)[R][4], const float (&acc)[R][4]) {
+#pragma unroll
+    for (int i = 0; i < R; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) out[i][e] += acc[i][e];
+}
+
+// The key tiles of BC keys a block of BR query rows from q0 visits: all ⌈M/BC⌉, or (causal) those
+// up to its last row.
+template <bool kCausal>
+__device__ __forceinline__ int visible_key_tiles(int M, int N, int q0, int BR, int BC) {
+    const int n_tiles = ceil_div(M, BC);
+    return kCausal ? min(n_tiles, ceil_div(min(q0 + BR, N), BC)) : n_tiles;
+}
+
+// Split split_id's share [begin, end) of n_tiles key tiles cut into `splits` parts (empty for a
+// split past the tiles).
+__device__ __forceinline__ void split_share(int n_tiles, int splits, int split_id, int& begin, int& end) {
+    const int per_split = ceil_div(n_tiles, splits);
+    begin = min(n_tiles, split_id * per_split);
+    end = min(n_tiles, begin + per_split);
+}
+
 // C(16×8) += A(16×8, row) · B(8×8, col), TF32 inputs, FP32 accumulators (mma.sync, sm_80+).
 __device__ __forceinline__ void mma_tf32(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
 #ifndef ATTNSTEP_NO_CP_ASYNC

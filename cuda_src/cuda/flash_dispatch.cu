@@ -1,6 +1,10 @@
 // flash_dispatch.cu — flash_forward() and its plan: picks a registered kernel (flash_dispatch.cuh)
 // for the problem and the GPU, and launches it in parts of at most kMaxGridYZ heads; plus the
 // host-side pieces the kernels' launchers share (KV split choice, the split combine, the grid).
+//
+// Arithmetic of the split combine (run.toml's "-split<K>" suffix; verify/model/kernels.py counts
+// it among the tensor-core kernels' four final roundings of O): per row, expf(lse_i − max) weights,
+// their FP32 sum, the weighted sum of the partial outputs, one division; lse = max + logf(sum).
 #include "flash_dispatch.cuh"
 
 #include <algorithm>

@@ -19,7 +19,8 @@
 // blocks cannot fill the GPU, the KV loop is split across blocks and a combine kernel merges the
 // partial outputs with their lse.
 //
-// Arithmetic the verifier assumes (verify/tolerance.py, backend "cuda"): 3xTF32 products (or one
+// Arithmetic the verifier assumes (verify/model/kernels.py: KERNELS["cuda-fast-3xtf32"] and
+// ["cuda-fast-tf32"], the CUDA model, which run.toml's flash_kernel selects): 3xTF32 products (or one
 // TF32 product under Precision::tf32), summed by the tensor cores, which truncate while they
 // accumulate (up to one ulp of the running sum per mma, 3 mma per 8-long chunk in 3xTF32), over one
 // KV tile only: each tile's P·V is added to O in FP32. The logits carry scale·log2(e), rounded once
@@ -130,12 +131,8 @@ __device__ __forceinline__ void q_fragment(const QFrags<T>& q, int ks, int g, in
         alo[3] = __float_as_uint(y.w);
     } else if constexpr (T::Q_SMEM) {
         const float* r0 = q.rows + g * T::LDQ + ks * 8 + 2 * t;
-        const float2 x = *reinterpret_cast<const float2*>(r0);
-        const float2 y = *reinterpret_cast<const float2*>(r0 + 8 * T::LDQ);
-        split<kThree>(x.x, ahi[0], alo[0]);
-        split<kThree>(y.x, ahi[1], alo[1]);
-        split<kThree>(x.y, ahi[2], alo[2]);
-        split<kThree>(y.y, ahi[3], alo[3]);
+        split_a<kThree>(*reinterpret_cast<const float2*>(r0), *reinterpret_cast<const float2*>(r0 + 8 * T::LDQ),
+                        ahi, alo);
     } else {
 #pragma unroll
         for (int e = 0; e < 4; ++e) split<kThree>(q.reg[ks][e], ahi[e], alo[e]);
@@ -146,10 +143,7 @@ __device__ __forceinline__ void q_fragment(const QFrags<T>& q, int ks, int g, in
 template <class T, bool kThree>
 __device__ __forceinline__ void qk_tile(float (&s)[T::BC / 8][4], const QFrags<T>& q,
                                         const float* Ks, int g, int t) {
-#pragma unroll
-    for (int nt = 0; nt < T::BC / 8; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) s[nt][e] = 0.f;
+    zero(s);
 #pragma unroll
     for (int ks = 0; ks < T::D / 8; ++ks) {
         uint32_t ahi[4], alo[4];
@@ -160,52 +154,43 @@ __device__ __forceinline__ void qk_tile(float (&s)[T::BC / 8][4], const QFrags<T
             const float2 kv =
                 *reinterpret_cast<const float2*>(Ks + (nt * 8 + g) * T::LDK + ks * 8 + 2 * t);
             uint32_t bhi[2], blo[2];
-            split<kThree>(kv.x, bhi[0], blo[0]);
-            split<kThree>(kv.y, bhi[1], blo[1]);
+            split_b<kThree>(kv.x, kv.y, bhi, blo);
             mma_split<kThree>(s[nt], ahi, alo, bhi, blo);
         }
     }
 }
 
-// O(16×D) += P(16×BC) · V_j. P's fragment for keys 8kk..8kk+7 is the S accumulator s[kk] under
-// the k permutation: a = {P[g][2t], P[g+8][2t], P[g][2t+1], P[g+8][2t+1]} = {s0, s2, s1, s3};
-// b0 = V[8kk+2t][8nt+g], b1 = V[8kk+2t+1][8nt+g]. The tile's products are summed in a fresh
-// accumulator and added to O in FP32: the tensor cores truncate while they accumulate, so a chain
-// over all M keys would add up one truncation per MMA of the row (docs/performance.md, flash_fast
-// versions).
+// O(16×D) += P(16×BC) · V_j. P's fragment for keys 8kk..8kk+7 is the S accumulator s[kk]
+// (split_acc_a); b0 = V[8kk+2t][8nt+g], b1 = V[8kk+2t+1][8nt+g]. The tile's products are summed
+// in a fresh accumulator and added to O in FP32: the tensor cores truncate while they accumulate,
+// so a chain over all M keys would add up one truncation per MMA of the row (docs/performance.md,
+// flash_fast versions).
 template <class T, bool kThree>
 __device__ __forceinline__ void pv_tile(float (&o)[T::D / 8][4], const float (&s)[T::BC / 8][4],
                                         const float* Vs, int g, int t) {
     float acc[T::D / 8][4];
-#pragma unroll
-    for (int nt = 0; nt < T::D / 8; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[nt][e] = 0.f;
+    zero(acc);
 #pragma unroll
     for (int kk = 0; kk < T::BC / 8; ++kk) {
         uint32_t ahi[4], alo[4];
-        split<kThree>(s[kk][0], ahi[0], alo[0]);
-        split<kThree>(s[kk][2], ahi[1], alo[1]);
-        split<kThree>(s[kk][1], ahi[2], alo[2]);
-        split<kThree>(s[kk][3], ahi[3], alo[3]);
+        split_acc_a<kThree>(s[kk], ahi, alo);
         const float* v0 = Vs + (kk * 8 + 2 * t) * T::LDV + g;
 #pragma unroll
         for (int nt = 0; nt < T::D / 8; ++nt) {
             uint32_t bhi[2], blo[2];
-            split<kThree>(v0[nt * 8], bhi[0], blo[0]);
-            split<kThree>(v0[nt * 8 + T::LDV], bhi[1], blo[1]);
+            split_b<kThree>(v0[nt * 8], v0[nt * 8 + T::LDV], bhi, blo);
             mma_split<kThree>(acc[nt], ahi, alo, bhi, blo);
         }
     }
-#pragma unroll
-    for (int nt = 0; nt < T::D / 8; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) o[nt][e] += acc[nt][e];
+    add_to(o, acc);
 }
 
 // ---------------------------------------------------------------------------------------------
 // The kernel. Grid: x = query blocks (reversed, so the longest causal blocks start first),
 // y = heads, z = KV splits. Block: NW warps. Shared memory: T::SMEM_BYTES (2 stages of K and V).
+// One function on purpose: moving its Q load into a helper changes the machine code ptxas
+// schedules for the shipped configurations (compared section by section), and the body is the
+// tuned, benchmarked one; the per-tile steps are the helpers above.
 
 template <class T, bool kThree, bool kCausal>
 __global__ void __launch_bounds__(T::THREADS, T::MIN_BLOCKS)
@@ -229,13 +214,9 @@ __global__ void __launch_bounds__(T::THREADS, T::MIN_BLOCKS)
     const float* Kh = p.K + static_cast<size_t>(head) * p.M * T::D;
     const float* Vh = p.V + static_cast<size_t>(head) * p.M * T::D;
 
-    // The KV tiles this block visits: all of them, or (causal) those up to the block's last row;
-    // then this split's share.
-    int n_tiles = ceil_div(p.M, T::BC);
-    if (kCausal) n_tiles = min(n_tiles, ceil_div(min(q0 + T::BR, p.N), T::BC));
-    const int per_split = ceil_div(n_tiles, p.splits);
-    const int tile_begin = min(n_tiles, split_id * per_split);
-    const int tile_end = min(n_tiles, tile_begin + per_split);
+    // The KV tiles this block visits (causal: up to its last row), this split's share of them.
+    int tile_begin, tile_end;
+    split_share(visible_key_tiles<kCausal>(p.M, p.N, q0, T::BR, T::BC), p.splits, split_id, tile_begin, tile_end);
 
     // Q (k-permuted, see q_fragment); rows past N read as zeros and are never stored.
     QFrags<T> qf;
@@ -252,10 +233,7 @@ __global__ void __launch_bounds__(T::THREADS, T::MIN_BLOCKS)
                 continue;
             }
             uint32_t hi[4], lo[4];
-            split<true>(v.x, hi[0], lo[0]);
-            split<true>(v.y, hi[1], lo[1]);
-            split<true>(v.z, hi[2], lo[2]);
-            split<true>(v.w, hi[3], lo[3]);
+            split4<true>(v, hi, lo);
             float* dst = Qs + r * T::LDQ + col * 2;  // k pairs (col, col+1), (col+2, col+3)
             *reinterpret_cast<float4*>(dst) = make_float4(
                 __uint_as_float(hi[0]), __uint_as_float(lo[0]), __uint_as_float(hi[1]), __uint_as_float(lo[1]));
@@ -282,10 +260,7 @@ __global__ void __launch_bounds__(T::THREADS, T::MIN_BLOCKS)
     }
 
     float o[T::D / 8][4];
-#pragma unroll
-    for (int nt = 0; nt < T::D / 8; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) o[nt][e] = 0.f;
+    zero(o);
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
 
     if (tile_begin < tile_end) {

@@ -10,9 +10,10 @@
 // N×M is never materialized: S and P live one Br×Bc tile at a time. FP32 CUDA cores, shared-memory
 // tiles, 128 threads; Precision::tf32 runs this FP32 kernel too.
 //
-// Arithmetic the verifier assumes (verify/tolerance.py, backend "cuda", which covers all three
-// kernels): FP32 products and sums (no tensor cores, no truncation), the scale applied to each dot
-// product (one rounding), expf (the GPU exp model), lse = m + logf(l), O·(1/l): two final roundings.
+// Arithmetic the verifier assumes (verify/model/kernels.py: KERNELS["cuda-clean"], the CUDA model
+// all cuda-* kernels share, looser than this kernel needs): FP32 FMA dot products in a fixed order
+// (no tensor cores, no truncation), the scale applied to each finished dot product (one rounding),
+// expf (the GPU exp model), lse = m + logf(l), O·(1/l): two final roundings.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -130,6 +131,74 @@ __device__ void accumulate_pv(const float* Ps, const float* Vj, int tx, int ty,
     }
 }
 
+// -inf for this thread's scores past the last key (c >= M) and above the diagonal (c > r).
+template <int D>
+__device__ __forceinline__ void mask_scores(float (&S)[FlashTile<D>::kRows][FlashTile<D>::kCols], int row0, int key0,
+                                            int M, bool causal, int tx, int ty) {
+    using T = FlashTile<D>;
+#pragma unroll
+    for (int ii = 0; ii < T::kRows; ++ii) {
+        const int r = row0 + ty + kRowGroups * ii;
+#pragma unroll
+        for (int jj = 0; jj < T::kCols; ++jj) {
+            const int c = key0 + tx + kColLanes * jj;
+            if (c >= M || (causal && c > r)) S[ii][jj] = -INFINITY;
+        }
+    }
+}
+
+// The online softmax of one tile for this thread's rows: m_new = max(m, rowmax(S)),
+// P = exp(S - m_new) into Ps (the P·Vj product reads other lanes' columns), l = exp(m - m_new)·l +
+// rowsum(P), O = exp(m - m_new)·O. The 16 lanes of a row (a half-warp) reduce together.
+template <int D>
+__device__ __forceinline__ void online_softmax(const float (&S)[FlashTile<D>::kRows][FlashTile<D>::kCols],
+                                               float (&m)[FlashTile<D>::kRows], float (&l)[FlashTile<D>::kRows],
+                                               float (&Oacc)[FlashTile<D>::kRows][FlashTile<D>::kDims], float* Ps,
+                                               int tx, int ty) {
+    using T = FlashTile<D>;
+#pragma unroll
+    for (int ii = 0; ii < T::kRows; ++ii) {
+        float tile_max = -INFINITY;
+#pragma unroll
+        for (int jj = 0; jj < T::kCols; ++jj) tile_max = fmaxf(tile_max, S[ii][jj]);
+        const float m_new = fmaxf(m[ii], half_warp_max(tile_max));
+        // A row with every key so far masked keeps m = -inf; subtracting 0 then gives P = 0 and
+        // alpha = 0 instead of NaN from (-inf) - (-inf).
+        const float m_sub = m_new == -INFINITY ? 0.f : m_new;
+        float p_sum = 0.f;
+#pragma unroll
+        for (int jj = 0; jj < T::kCols; ++jj) {
+            const float p = expf(S[ii][jj] - m_sub);
+            p_sum += p;
+            Ps[(ty + kRowGroups * ii) * T::kPStride + tx + kColLanes * jj] = p;
+        }
+        const float alpha = expf(m[ii] - m_sub);
+        l[ii] = alpha * l[ii] + half_warp_sum(p_sum);
+#pragma unroll
+        for (int q = 0; q < T::kDims; ++q) Oacc[ii][q] *= alpha;
+        m[ii] = m_new;
+    }
+}
+
+// O /= l, lse = m + log(l) for this thread's rows of the head's O [N][D] and lse [N]; tail rows
+// (r >= N) are never written.
+template <int D>
+__device__ __forceinline__ void store_rows(const float (&Oacc)[FlashTile<D>::kRows][FlashTile<D>::kDims],
+                                           const float (&m)[FlashTile<D>::kRows], const float (&l)[FlashTile<D>::kRows],
+                                           float* O, float* lse, int row0, int N, int tx, int ty) {
+    using T = FlashTile<D>;
+#pragma unroll
+    for (int ii = 0; ii < T::kRows; ++ii) {
+        const int r = row0 + ty + kRowGroups * ii;
+        if (r >= N) continue;
+        const float inv_l = 1.f / l[ii];
+        float* Or = O + static_cast<size_t>(r) * D;
+#pragma unroll
+        for (int q = 0; q < T::kDims; ++q) Or[tx + kColLanes * q] = Oacc[ii][q] * inv_l;
+        if (tx == 0) lse[r] = m[ii] + logf(l[ii]);
+    }
+}
+
 // Grid: x = Tr query tiles, y = heads (grid-stride, so any number of heads fits).
 template <int D>
 __global__ void __launch_bounds__(kFlashThreads)
@@ -179,58 +248,15 @@ flash_fwd_kernel(const float* __restrict__ Q, const float* __restrict__ K,
             // S = Qi Kjᵀ · scale; -inf past the last key (c >= M) and above the diagonal (c > r).
             float S[T::kRows][T::kCols];
             tile_scores<D>(Qi, Kj, scale, tx, ty, S);
-#pragma unroll
-            for (int ii = 0; ii < T::kRows; ++ii) {
-                const int r = row0 + ty + kRowGroups * ii;
-#pragma unroll
-                for (int jj = 0; jj < T::kCols; ++jj) {
-                    const int c = j * Bc + tx + kColLanes * jj;
-                    if (c >= M || (causal && c > r)) S[ii][jj] = -INFINITY;
-                }
-            }
-
-#pragma unroll
-            for (int ii = 0; ii < T::kRows; ++ii) {
-                // m_new = max(m, rowmax(S))
-                float tile_max = -INFINITY;
-#pragma unroll
-                for (int jj = 0; jj < T::kCols; ++jj) tile_max = fmaxf(tile_max, S[ii][jj]);
-                const float m_new = fmaxf(m[ii], half_warp_max(tile_max));
-                // A row with every key so far masked keeps m = -inf; subtracting 0 then gives
-                // P = 0 and alpha = 0 instead of NaN from (-inf) - (-inf).
-                const float m_sub = m_new == -INFINITY ? 0.f : m_new;
-                // P = exp(S - m_new), written to Ps for the P Vj product across lanes.
-                float p_sum = 0.f;
-#pragma unroll
-                for (int jj = 0; jj < T::kCols; ++jj) {
-                    const float p = expf(S[ii][jj] - m_sub);
-                    p_sum += p;
-                    Ps[(ty + kRowGroups * ii) * T::kPStride + tx + kColLanes * jj] = p;
-                }
-                // l = exp(m - m_new)·l + rowsum(P); O = exp(m - m_new)·O
-                const float alpha = expf(m[ii] - m_sub);
-                l[ii] = alpha * l[ii] + half_warp_sum(p_sum);
-#pragma unroll
-                for (int q = 0; q < T::kDims; ++q) Oacc[ii][q] *= alpha;
-                m[ii] = m_new;
-            }
+            mask_scores<D>(S, row0, j * Bc, M, causal, tx, ty);
+            online_softmax<D>(S, m, l, Oacc, Ps, tx, ty);
             __syncthreads();  // Ps is complete before threads read other lanes' columns of it
 
             // O += P Vj
             accumulate_pv<D>(Ps, Vj, tx, ty, Oacc);
         }
 
-        // O /= l, lse = m + log(l); tail rows (r >= N) are never written.
-#pragma unroll
-        for (int ii = 0; ii < T::kRows; ++ii) {
-            const int r = row0 + ty + kRowGroups * ii;
-            if (r >= N) continue;
-            const float inv_l = 1.f / l[ii];
-            float* Or = O + (static_cast<size_t>(h) * N + r) * D;
-#pragma unroll
-            for (int q = 0; q < T::kDims; ++q) Or[tx + kColLanes * q] = Oacc[ii][q] * inv_l;
-            if (tx == 0) lse[static_cast<size_t>(h) * N + r] = m[ii] + logf(l[ii]);
-        }
+        store_rows<D>(Oacc, m, l, O + static_cast<size_t>(h) * N * D, lse + static_cast<size_t>(h) * N, row0, N, tx, ty);
     }
 }
 

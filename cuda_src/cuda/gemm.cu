@@ -1,4 +1,9 @@
 // gemm.cu — gemm.cuh's GEMMs as strided-batched cublasSgemm calls.
+//
+// Arithmetic the verifier assumes (verify/model/kernels.py, the CUDA model): FP32 dot products in
+// any summation order and blocking cuBLAS picks (CUBLAS_DEFAULT_MATH: no tensor-core rounding of
+// operands), or under --precision tf32 TF32-rounded operands (the verifier's --precision tf32
+// bounds); alpha (the scale of dQ, dK) applied to the finished sum, one rounding.
 #include "gemm.cuh"
 
 #include "cuda_check.cuh"

@@ -2,10 +2,10 @@
 // mask (QK_scaled), row softmax (attention_weights) and the NaN poison fill. Checked on a GPU by
 // scripts/gpu_check.sh, which compares every stage with the CPU backend and float64 NumPy.
 //
-// Arithmetic the verifier assumes of them (verify/tolerance.py, backend "cuda"): KT is an exact
-// copy; QK_scaled is one FP32 product per element (x·scale, rounded once); attention_weights uses
-// expf (the GPU exp model: ~0.5 ulp RMS) on x − rowmax, an FP32 row sum, then 1/l and a product by
-// it (two final roundings).
+// Arithmetic the verifier assumes of them (verify/model/kernels.py, the CUDA model of every
+// cuda-* flash_kernel): KT is an exact copy; QK_scaled is one FP32 product per element (x·scale,
+// rounded once); attention_weights uses expf (the GPU exp model: ~0.5 ulp RMS) on x − rowmax, an
+// FP32 row sum in any order (warp butterflies), then 1/l and a product by it (two final roundings).
 //
 // Each kernel aims at device-to-device copy bandwidth (bytes read + written): 16-byte float4
 // accesses where alignment allows, with a scalar path for odd widths, and several independent
@@ -242,6 +242,85 @@ __device__ float block_reduce(float v, float* scratch /* [32] */) {
 __device__ float block_max(float v, float* scratch) { return block_reduce<true>(v, scratch); }
 __device__ float block_sum(float v, float* scratch) { return block_reduce<false>(v, scratch); }
 
+// The three passes of softmax_rows_kernel over one row, each thread taking vectors t,
+// t + blockDim, ... of its nvec. kCached: the thread's K vectors of the row live in `cache`
+// (loaded by the first pass, overwritten with exp by the second), so the row is read from global
+// memory once; otherwise each pass reads it again.
+
+// The thread's part of m = rowmax(x).
+template <int VEC, int K, bool kCached, class Vec>
+__device__ __forceinline__ float row_max_part(const Vec* src, Vec (&cache)[kCached ? K : 1], int nvec) {
+    float m = -INFINITY;
+    if (kCached) {
+#pragma unroll
+        for (int k = 0; k < K; ++k) {  // K independent loads in flight
+            const int j = threadIdx.x + k * blockDim.x;
+            if (j < nvec) cache[k] = src[j];
+        }
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+            if (threadIdx.x + k * blockDim.x < nvec)
+#pragma unroll
+                for (int i = 0; i < VEC; ++i) m = fmaxf(m, lane_of(cache[k], i));
+        }
+    } else {
+        for (int j = threadIdx.x; j < nvec; j += blockDim.x) {
+            const Vec x = src[j];
+            for (int i = 0; i < VEC; ++i) m = fmaxf(m, lane_of(x, i));
+        }
+    }
+    return m;
+}
+
+// The thread's part of l = rowsum(exp(x - m)); cached, exp(x - m) replaces x in the cache.
+template <int VEC, int K, bool kCached, class Vec>
+__device__ __forceinline__ float exp_sum_part(const Vec* src, Vec (&cache)[kCached ? K : 1], int nvec, float m) {
+    float l = 0.f;
+    if (kCached) {
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+            if (threadIdx.x + k * blockDim.x < nvec) {
+#pragma unroll
+                for (int i = 0; i < VEC; ++i) {
+                    const float p = expf(lane_of(cache[k], i) - m);
+                    set_lane(cache[k], i, p);
+                    l += p;
+                }
+            }
+        }
+    } else {
+        for (int j = threadIdx.x; j < nvec; j += blockDim.x) {
+            const Vec x = src[j];
+            for (int i = 0; i < VEC; ++i) l += expf(lane_of(x, i) - m);
+        }
+    }
+    return l;
+}
+
+// dst = exp(x - m) · inv_l, the thread's vectors.
+template <int VEC, int K, bool kCached, class Vec>
+__device__ __forceinline__ void write_weights(const Vec* src, Vec* dst, Vec (&cache)[kCached ? K : 1], int nvec,
+                                              float m, float inv_l) {
+    if (kCached) {
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+            const int j = threadIdx.x + k * blockDim.x;
+            if (j < nvec) {
+                Vec p = cache[k];
+#pragma unroll
+                for (int i = 0; i < VEC; ++i) set_lane(p, i, lane_of(p, i) * inv_l);
+                dst[j] = p;
+            }
+        }
+    } else {
+        for (int j = threadIdx.x; j < nvec; j += blockDim.x) {
+            Vec p = src[j];
+            for (int i = 0; i < VEC; ++i) set_lane(p, i, expf(lane_of(p, i) - m) * inv_l);
+            dst[j] = p;
+        }
+    }
+}
+
 // One block per row (grid-stride over rows). VEC: floats per access (4 needs M % 4 == 0).
 // kCached: thread t keeps vectors t, t + blockDim, ... (K of them) in registers, so the row is read
 // from global memory once; otherwise the row is read three times (max, sum, write).
@@ -255,76 +334,15 @@ __global__ void __launch_bounds__(kSoftmaxMaxThreads) softmax_rows_kernel(const 
     for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
         const Vec* src = reinterpret_cast<const Vec*>(in + row * M);
         Vec* dst = reinterpret_cast<Vec*>(out + row * M);
-
-        // m = rowmax(x)
-        float m = -INFINITY;
-        if (kCached) {
-#pragma unroll
-            for (int k = 0; k < K; ++k) {  // K independent loads in flight
-                const int j = threadIdx.x + k * blockDim.x;
-                if (j < nvec) cache[k] = src[j];
-            }
-#pragma unroll
-            for (int k = 0; k < K; ++k) {
-                if (threadIdx.x + k * blockDim.x < nvec)
-#pragma unroll
-                    for (int i = 0; i < VEC; ++i) m = fmaxf(m, lane_of(cache[k], i));
-            }
-        } else {
-            for (int j = threadIdx.x; j < nvec; j += blockDim.x) {
-                const Vec x = src[j];
-                for (int i = 0; i < VEC; ++i) m = fmaxf(m, lane_of(x, i));
-            }
-        }
-        m = block_max(m, scratch);
+        const float m = block_max(row_max_part<VEC, K, kCached>(src, cache, nvec), scratch);
         // A row that is -inf throughout: subtract 0 instead, so exp gives 0 rather than NaN.
         const float m_safe = m == -INFINITY ? 0.f : m;
-
-        // l = rowsum(exp(x - m))
-        float l = 0.f;
-        if (kCached) {
-#pragma unroll
-            for (int k = 0; k < K; ++k) {
-                if (threadIdx.x + k * blockDim.x < nvec) {
-#pragma unroll
-                    for (int i = 0; i < VEC; ++i) {
-                        const float p = expf(lane_of(cache[k], i) - m_safe);
-                        set_lane(cache[k], i, p);
-                        l += p;
-                    }
-                }
-            }
-        } else {
-            for (int j = threadIdx.x; j < nvec; j += blockDim.x) {
-                const Vec x = src[j];
-                for (int i = 0; i < VEC; ++i) l += expf(lane_of(x, i) - m_safe);
-            }
-        }
-        l = block_sum(l, scratch);
+        const float l = block_sum(exp_sum_part<VEC, K, kCached>(src, cache, nvec, m_safe), scratch);
         // An all-masked row (l = 0) gets weights 0. A row whose scores hold a NaN (NaN in Q or K
         // under --allow-nonfinite) has l = NaN, and 1/l makes every weight of the row NaN, as the
         // reference's softmax does: fmaxf skipped the NaN in m, so l is where it survives.
         const float inv_l = l == 0.f ? 0.f : 1.f / l;
-
-        // P = exp(x - m) / l
-        if (kCached) {
-#pragma unroll
-            for (int k = 0; k < K; ++k) {
-                const int j = threadIdx.x + k * blockDim.x;
-                if (j < nvec) {
-                    Vec p = cache[k];
-#pragma unroll
-                    for (int i = 0; i < VEC; ++i) set_lane(p, i, lane_of(p, i) * inv_l);
-                    dst[j] = p;
-                }
-            }
-        } else {
-            for (int j = threadIdx.x; j < nvec; j += blockDim.x) {
-                Vec p = src[j];
-                for (int i = 0; i < VEC; ++i) set_lane(p, i, expf(lane_of(p, i) - m_safe) * inv_l);
-                dst[j] = p;
-            }
-        }
+        write_weights<VEC, K, kCached>(src, dst, cache, nvec, m_safe, inv_l);
     }
 }
 

@@ -305,6 +305,73 @@ std::vector<Stage> InputCase::inputs() const {
     return v;
 }
 
+namespace {
+
+// A case without a manifest: its format, heads and dimensions from the files (head 0's shapes),
+// checked as a manifest's would be.
+void infer_case_from_files(InputCase& c, const HeadFiles& hf) {
+    c.format = detect_format(c.dir, hf);
+    int heads = 0;
+    while (hf.indices[static_cast<int>(c.format)][0].count(heads)) ++heads;
+    c.dims.batch = 1;
+    c.dims.heads = heads;
+    c.backward = decide_backward(c, hf, nullptr);
+    check_head_files(c, hf, heads, false, false);
+    MatrixShape q = probe_matrix_shape(c.file(Stage::Q, 0), c.format);
+    MatrixShape k = probe_matrix_shape(c.file(Stage::K, 0), c.format);
+    MatrixShape v = probe_matrix_shape(c.file(Stage::V, 0), c.format);
+    c.dims.N = q.rows;
+    c.dims.dk = q.cols;
+    c.dims.M = k.rows;
+    c.dims.dv = v.cols;
+    check_inferred_dims_positive(c, q, k, v);
+    if (k.cols != q.cols)
+        fail(kExitBadInput, c.file(Stage::K, 0) + ": rows hold " + std::to_string(k.cols) +
+                                " values but Q_head_0's hold " + std::to_string(q.cols) + " (d_k)",
+             "Q and K need the same width d_k");
+    if (v.rows != k.rows)
+        fail(kExitBadInput, c.file(Stage::V, 0) + ": has " + std::to_string(v.rows) +
+                                " rows but K_head_0 has " + std::to_string(k.rows) + " (seq_k)",
+             "K and V need the same number of rows seq_k");
+    for (Stage s : {Stage::Q, Stage::V}) {
+        int w = s == Stage::Q ? c.dims.dk : c.dims.dv;
+        if (w > kMaxHeadDim)
+            fail(kExitBadInput, c.file(s, 0) + ": rows hold " + std::to_string(w) + " values; " +
+                                    (s == Stage::Q ? "d_k" : "d_v") + " must be <= " +
+                                    std::to_string(kMaxHeadDim),
+                 "head dimensions are 1.." + std::to_string(kMaxHeadDim));
+    }
+    for (const DimKey& k : kDimKeys)
+        if (c.dims.*k.field > kMaxDim)
+            fail(kExitBadInput, c.file(Stage::Q, 0) + ": head 0 gives " + k.key + " = " +
+                                    std::to_string(c.dims.*k.field) + "; dimensions are 1.." + std::to_string(kMaxDim));
+    check_case_limits(c.dir, c.dims, c.backward);
+}
+
+// Before anything is written: every text file's size, then head 0 read strictly (line-exact
+// errors when the manifest and the files disagree; values are checked again when the head is
+// read for real); every .npy header (one small read per file, and the file's exact size).
+// Later text heads are checked as read.
+void check_input_files(const InputCase& c) {
+    if (c.format == Format::txt) {
+        const char* origin = c.has_manifest ? " from the manifest" : " from head 0";
+        check_text_file_sizes(c, origin);
+        std::vector<float> scratch;
+        for (Stage s : c.inputs()) {
+            scratch.resize(stage_elems(s, c.dims));
+            read_matrix(c.file(s, 0), c.format, stage_rows(s, c.dims), stage_cols(s, c.dims), true,
+                        shape_words(s) + origin, scratch.data());
+        }
+    } else {
+        for (int h = 0; h < c.dims.total_heads(); ++h)
+            for (Stage s : c.inputs())
+                check_shape(c.file(s, h), probe_matrix_shape(c.file(s, h), c.format), stage_rows(s, c.dims),
+                            stage_cols(s, c.dims), shape_words(s), c.has_manifest || h > 0);
+    }
+}
+
+}  // namespace
+
 InputCase open_input_case(const std::string& dir_in) {
     InputCase c;
     c.dir = dir_in;
@@ -324,63 +391,10 @@ InputCase open_input_case(const std::string& dir_in) {
         check_case_limits(m.path, c.dims, c.backward);
         check_head_files(c, hf, c.dims.total_heads(), true, m.find("backward") != nullptr);
     } else {
-        c.format = detect_format(c.dir, hf);
-        int heads = 0;
-        while (hf.indices[static_cast<int>(c.format)][0].count(heads)) ++heads;
-        c.dims.batch = 1;
-        c.dims.heads = heads;
-        c.backward = decide_backward(c, hf, nullptr);
-        check_head_files(c, hf, heads, false, false);
-        MatrixShape q = probe_matrix_shape(c.file(Stage::Q, 0), c.format);
-        MatrixShape k = probe_matrix_shape(c.file(Stage::K, 0), c.format);
-        MatrixShape v = probe_matrix_shape(c.file(Stage::V, 0), c.format);
-        c.dims.N = q.rows;
-        c.dims.dk = q.cols;
-        c.dims.M = k.rows;
-        c.dims.dv = v.cols;
-        check_inferred_dims_positive(c, q, k, v);
-        if (k.cols != q.cols)
-            fail(kExitBadInput, c.file(Stage::K, 0) + ": rows hold " + std::to_string(k.cols) +
-                                    " values but Q_head_0's hold " + std::to_string(q.cols) + " (d_k)",
-                 "Q and K need the same width d_k");
-        if (v.rows != k.rows)
-            fail(kExitBadInput, c.file(Stage::V, 0) + ": has " + std::to_string(v.rows) +
-                                    " rows but K_head_0 has " + std::to_string(k.rows) + " (seq_k)",
-                 "K and V need the same number of rows seq_k");
-        for (Stage s : {Stage::Q, Stage::V}) {
-            int w = s == Stage::Q ? c.dims.dk : c.dims.dv;
-            if (w > kMaxHeadDim)
-                fail(kExitBadInput, c.file(s, 0) + ": rows hold " + std::to_string(w) + " values; " +
-                                        (s == Stage::Q ? "d_k" : "d_v") + " must be <= " +
-                                        std::to_string(kMaxHeadDim),
-                     "head dimensions are 1.." + std::to_string(kMaxHeadDim));
-        }
-        for (const DimKey& k : kDimKeys)
-            if (c.dims.*k.field > kMaxDim)
-                fail(kExitBadInput, c.file(Stage::Q, 0) + ": head 0 gives " + k.key + " = " +
-                                        std::to_string(c.dims.*k.field) + "; dimensions are 1.." + std::to_string(kMaxDim));
-        check_case_limits(c.dir, c.dims, c.backward);
+        infer_case_from_files(c, hf);
     }
     check_no_other_format(c, hf);
-    // Before anything is written: every text file's size, then head 0 read strictly (line-exact
-    // errors when the manifest and the files disagree; values are checked again when the head is
-    // read for real); every .npy header (one small read per file, and the file's exact size).
-    // Later text heads are checked as read.
-    if (c.format == Format::txt) {
-        const char* origin = c.has_manifest ? " from the manifest" : " from head 0";
-        check_text_file_sizes(c, origin);
-        std::vector<float> scratch;
-        for (Stage s : c.inputs()) {
-            scratch.resize(stage_elems(s, c.dims));
-            read_matrix(c.file(s, 0), c.format, stage_rows(s, c.dims), stage_cols(s, c.dims), true,
-                        shape_words(s) + origin, scratch.data());
-        }
-    } else {
-        for (int h = 0; h < c.dims.total_heads(); ++h)
-            for (Stage s : c.inputs())
-                check_shape(c.file(s, h), probe_matrix_shape(c.file(s, h), c.format), stage_rows(s, c.dims),
-                            stage_cols(s, c.dims), shape_words(s), c.has_manifest || h > 0);
-    }
+    check_input_files(c);
     return c;
 }
 

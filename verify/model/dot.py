@@ -24,7 +24,7 @@ ENERGY_FALLBACK_FACTOR = 8.0
 
 
 # Products per block of the exact path: large enough that each numpy call does real work, small
-# enough that a block's dozen buffers stay in cache (2^14 to 2^18 measured: 2^16-2^17 fastest).
+# enough that a block's dozen buffers stay in cache (docs/performance.md: the sizes timed).
 _CHUNK_ELEMS = 1 << 16
 
 
@@ -95,7 +95,7 @@ def _scaled_sq(x: np.ndarray, g: float, out: np.ndarray) -> np.ndarray:
 def _running_sum(t: np.ndarray, stride: int, out: np.ndarray) -> np.ndarray:
     """out[k] = t[k] + out[k - stride] along axis 0 (t[k] for k < stride): the partial sums of
     `stride` interleaved accumulators. A slab at a time: numpy's cumsum along axis 0 of a
-    row-major array walks it column by column, ~30× slower."""
+    row-major array walks it column by column, against the cache."""
     out[:stride] = t[:stride]
     for k in range(stride, t.shape[0], stride):
         np.add(out[k - stride:k], t[k:k + stride], out=out[k:k + stride])

@@ -2,7 +2,8 @@
 
 The stage table (verify/stages.py) names the stages, their shapes and what each is computed from;
 this package says how each is computed, bounded, checked and diagnosed, one module per stage or
-family of stages. Adding a stage is a table entry, a module here, and its kernels.
+family of stages (the backward pass, larger, a package with a module per job). Adding a stage is
+a table entry (its name a constant there), a spec here, and its kernels.
 """
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ from typing import List
 
 import numpy as np
 
-from ..stages import CASE_INPUTS, STAGES
+from ..stages import CASE_INPUTS, KEYS_T, STAGES
 from .base import ECHO_MISMATCH, NOT_TRANSPOSE, HeadContext, StageSpec, Violation, bitwise_equal, nonfinite, violation
 
 PATTERNS = ("nonfinite", "unwritten", "transposed", "layout", "head_permuted", "tile_boundary")
@@ -50,7 +50,7 @@ def _echo(name: str) -> StageSpec:
                      echo=True, diagnoses=PATTERNS)
 
 
-(TRANSPOSED,) = STAGES["KT"].inputs
+(TRANSPOSED,) = STAGES[KEYS_T].inputs  # K
 
 
 def _transpose_reference(src, scale, causal):
@@ -62,6 +62,6 @@ def _transpose_quantization(src, quanta, scale, causal):
 
 
 SPECS = tuple(_echo(name) for name in CASE_INPUTS) + (
-    StageSpec("KT", reference=_transpose_reference, quantization=_transpose_quantization,
+    StageSpec(KEYS_T, reference=_transpose_reference, quantization=_transpose_quantization,
               invariants=(_transpose_check,), diagnoses=PATTERNS),
 )

@@ -19,22 +19,20 @@ from ..model.dot import flush_sum
 from ..model.flash import flash_lse_sums, flash_output_var_det
 from ..model.rounding import FLUSH, ROUND_VAR, ULP_IN_U, finite_abs, memo
 from ..model.softmax import need, scaled_logits, softmax_parts
-from ..stages import INPUT_NAMES, STAGES
+from ..stages import FLASH_LSE, FLASH_OUTPUT, INPUT_NAMES, KEYS, OUTPUT, QUERIES, SCALED_SCORES, STAGES, VALUES
 from .base import FLASH_VS_OUTPUT, LSE_VS_SCORES, HeadContext, StageSpec, Violation, consistency
 from .copies import PATTERNS
 from .output import values_floor
 from .scores import qk_quantization
 
-FLASH_OUTPUT, FLASH_LSE = (s for s in STAGES if STAGES[s].flash and not STAGES[s].backward)
-
 
 def _scores(src, scale, masked):
-    Q, K = np.asarray(src["Q"], np.float64), np.asarray(src["K"], np.float64)
+    Q, K = np.asarray(src[QUERIES], np.float64), np.asarray(src[KEYS], np.float64)
     return np.where(masked, -np.inf, (Q @ K.T) * scale)
 
 
 def _with_mask_output(src, scale, masked):
-    return softmax_rows(_scores(src, scale, masked)) @ np.asarray(src["V"], np.float64)
+    return softmax_rows(_scores(src, scale, masked)) @ np.asarray(src[VALUES], np.float64)
 
 
 def _with_mask_lse(src, scale, masked):
@@ -43,17 +41,17 @@ def _with_mask_lse(src, scale, masked):
 
 def _mask(src, causal):
     from ..model.attention import causal_mask
-    n, m = np.asarray(src["Q"]).shape[0], np.asarray(src["K"]).shape[0]
+    n, m = np.asarray(src[QUERIES]).shape[0], np.asarray(src[KEYS]).shape[0]
     return causal_mask(n, m) if causal else np.zeros((n, m), bool)
 
 
 def _qk_flush_max(src) -> float:
-    qk = flush_sum(src["Q"], np.asarray(src["K"]).T)
+    qk = flush_sum(src[QUERIES], np.asarray(src[KEYS]).T)
     return float(np.max(qk)) if qk.size else 0.0
 
 
 def _output_isolated(src, ref, scale, causal, u, kernel, cache):
-    Q, K, V = need(src, FLASH_OUTPUT, "Q", "K", "V")
+    Q, K, V = need(src, FLASH_OUTPUT, QUERIES, KEYS, VALUES)
     return memo(cache, "flash_output var", (Q, K, V), (scale, causal, u, kernel),
                 lambda: flash_output_var_det(Q, K, V, scale, causal, u, kernel, cache))
 
@@ -73,14 +71,14 @@ def lse_var_det(Q, K, lse, scale, causal, u, kernel, cache):
 
 
 def _lse_isolated(src, ref, scale, causal, u, kernel, cache):
-    Q, K = need(src, FLASH_LSE, "Q", "K")
+    Q, K = need(src, FLASH_LSE, QUERIES, KEYS)
     return lse_var_det(Q, K, ref, scale, causal, u, kernel, cache)
 
 
 def _logit_moves(src, q, scale, causal):
     """The logits' move when Q or K is known only to within its printed resolution, and p."""
     dS = qk_quantization(src, q, scale)
-    S = scaled_logits(np.asarray(src["Q"], np.float64), np.asarray(src["K"], np.float64), scale, causal)
+    S = scaled_logits(np.asarray(src[QUERIES], np.float64), np.asarray(src[KEYS], np.float64), scale, causal)
     p = softmax_parts(S)[0]
     return p * (abs(scale) * np.broadcast_to(dS, S.shape)), p
 
@@ -89,9 +87,9 @@ def _output_quantization(src, q, scale, causal):
     if not q:
         return 0.0
     w, p = _logit_moves(src, q, scale, causal)
-    O = p @ src["V"]
-    moved = w @ np.abs(src["V"]) + np.abs(O) * w.sum(axis=1, keepdims=True)
-    return moved + (p @ q["V"] if "V" in q else 0.0)
+    O = p @ src[VALUES]
+    moved = w @ np.abs(src[VALUES]) + np.abs(O) * w.sum(axis=1, keepdims=True)
+    return moved + (p @ q[VALUES] if VALUES in q else 0.0)
 
 
 def _lse_quantization(src, q, scale, causal):
@@ -149,13 +147,16 @@ def _lse_vs_partner(stage: str, got: np.ndarray, ctx: HeadContext) -> List[Viola
 SPECS = (
     StageSpec(FLASH_OUTPUT, reference=lambda src, scale, causal: _with_mask_output(src, scale, _mask(src, causal)),
               isolated=_output_isolated,
-              floor=lambda src: values_floor(src["V"]) + _qk_flush_max(src) * np.max(finite_abs(src["V"]), initial=0.0),
+              floor=lambda src: (values_floor(src[VALUES])
+                                 + _qk_flush_max(src) * np.max(finite_abs(src[VALUES]), initial=0.0)),
               quantization=_output_quantization, invariants=(_output_vs_partner,), scaled=True,
-              partner="output", with_mask=_with_mask_output, diagnoses=PATTERNS + ("scaled", "mask")),
+              partner=OUTPUT, given_partner=(FLASH_VS_OUTPUT,), with_mask=_with_mask_output,
+              diagnoses=PATTERNS + ("scaled", "mask")),
     StageSpec(FLASH_LSE, reference=lambda src, scale, causal: _with_mask_lse(src, scale, _mask(src, causal)),
               isolated=_lse_isolated,
-              floor=lambda src: FLUSH * 2 * np.asarray(src["K"]).shape[0] + _qk_flush_max(src),
-              quantization=_lse_quantization, invariants=(_lse_vs_partner,), scaled=True, partner="QK_scaled",
+              floor=lambda src: FLUSH * 2 * np.asarray(src[KEYS]).shape[0] + _qk_flush_max(src),
+              quantization=_lse_quantization, invariants=(_lse_vs_partner,), scaled=True, partner=SCALED_SCORES,
+              given_partner=(LSE_VS_SCORES,),
               with_mask=_with_mask_lse, diagnoses=PATTERNS + ("scaled", "mask", "lse_log2")),
 )
 SPECS_BY_NAME = {s.name: s for s in SPECS}

@@ -13,11 +13,9 @@ from ..model.dot import dot_var, pv, pv_var
 from ..model.kernels import SOFTMAX_FINAL_ROUNDINGS
 from ..model.rounding import FLUSH, ROUND_VAR, finish, finite_abs
 from ..model.softmax import mixed_output_var, rowsum_rel_var
-from ..stages import STAGES
+from ..stages import OUTPUT, VALUES, WEIGHTS
 from .base import StageSpec
 from .copies import PATTERNS
-
-WEIGHTS, VALUES = STAGES["output"].inputs
 
 
 def _reference(src, scale, causal):
@@ -56,7 +54,7 @@ def _quantization(src, q, scale, causal):
 
 
 SPECS = (
-    StageSpec("output", reference=_reference, isolated=_isolated, chained=_chained,
+    StageSpec(OUTPUT, reference=_reference, isolated=_isolated, chained=_chained,
               floor=lambda src: values_floor(src[VALUES]), quantization=_quantization, linear=True,
               diagnoses=PATTERNS + ("scaled",)),
 )

@@ -13,35 +13,36 @@ from ..model.attention import causal_mask, scaled_scores
 from ..model.dot import flush_sum, qk_var
 from ..model.rounding import FLUSH, ROUND_VAR, finish
 from ..model.softmax import need
+from ..stages import KEYS, QUERIES, SCALED_SCORES, SCORES
 from .base import MASK_MISSING, StageSpec, violation
 from .copies import PATTERNS
 
 
 def _qk_reference(src, scale, causal):
-    return src["Q"] @ src["K"].T
+    return src[QUERIES] @ src[KEYS].T
 
 
 def _qk_isolated(src, ref, scale, causal, u, kernel, cache):
-    Q, K = need(src, "QK", "Q", "K")
+    Q, K = need(src, SCORES, QUERIES, KEYS)
     return qk_var(Q, K, u, ROUND_VAR, cache), np.zeros(ref.shape)
 
 
 def _qk_floor(src):
-    return flush_sum(src["Q"], np.asarray(src["K"]).T) + FLUSH
+    return flush_sum(src[QUERIES], np.asarray(src[KEYS]).T) + FLUSH
 
 
 def qk_quantization(src, q, scale, causal=False):
     """How far Q·Kᵀ moves when Q or K is known only to within its printed resolution."""
     dS = 0.0
-    if "Q" in q:
-        dS = dS + q["Q"] @ np.abs(src["K"]).T
-    if "K" in q:
-        dS = dS + np.abs(src["Q"]) @ q["K"].T
+    if QUERIES in q:
+        dS = dS + q[QUERIES] @ np.abs(src[KEYS]).T
+    if KEYS in q:
+        dS = dS + np.abs(src[QUERIES]) @ q[KEYS].T
     return dS
 
 
 def _scaled_reference(src, scale, causal):
-    return scaled_scores(src["QK"], scale, causal)
+    return scaled_scores(src[SCORES], scale, causal)
 
 
 def _scaled_isolated(src, ref, scale, causal, u, kernel, cache):
@@ -54,11 +55,11 @@ def _scaled_chained(sources, scale, causal, u, kernel, cache):
     from ..model.chain import chained_logits
     Q, K = sources[:2]
     S, _, _, _, s_var, s_det = chained_logits(Q, K, scale, causal, u, cache)
-    return finish(S, s_var, s_det, abs(scale) * _qk_floor({"Q": Q, "K": K}) + FLUSH)
+    return finish(S, s_var, s_det, abs(scale) * _qk_floor({QUERIES: Q, KEYS: K}) + FLUSH)
 
 
 def _scaled_quantization(src, q, scale, causal):
-    return abs(scale) * np.where(np.isfinite(src["QK"]), q.get("QK", 0.0), 0.0)
+    return abs(scale) * np.where(np.isfinite(src[SCORES]), q.get(SCORES, 0.0), 0.0)
 
 
 def _mask_check(stage, got, ctx):
@@ -70,9 +71,9 @@ def _mask_check(stage, got, ctx):
 
 
 SPECS = (
-    StageSpec("QK", reference=_qk_reference, isolated=_qk_isolated, floor=_qk_floor,
+    StageSpec(SCORES, reference=_qk_reference, isolated=_qk_isolated, floor=_qk_floor,
               quantization=qk_quantization, linear=True, diagnoses=PATTERNS + ("scaled",)),
-    StageSpec("QK_scaled", reference=_scaled_reference, isolated=_scaled_isolated, chained=_scaled_chained,
+    StageSpec(SCALED_SCORES, reference=_scaled_reference, isolated=_scaled_isolated, chained=_scaled_chained,
               quantization=_scaled_quantization, invariants=(_mask_check,), masked_value=-np.inf,
               scaled=True, linear=True, diagnoses=PATTERNS + ("scaled", "mask")),
 )

@@ -18,16 +18,13 @@ from ..model.kernels import SOFTMAX_FINAL_ROUNDINGS
 from ..model.rounding import FLUSH, LAMBDA, ROUND_VAR, finish, unit_roundoff
 from ..model.softmax import (exponent_var, f32_subtraction_error, need, rowsum_rel_var, softmax_parts,
                              weights_var)
-from ..stages import STAGES
+from ..stages import SCALED_SCORES, WEIGHTS
 from .base import MASK_MISSING, NEGATIVE_WEIGHTS, ROW_SUM, HeadContext, StageSpec, Violation, violation
 from .copies import PATTERNS
 
 
-(SCORES,) = STAGES["attention_weights"].inputs
-
-
 def _source(src):
-    return src[SCORES]
+    return src[SCALED_SCORES]
 
 
 def _reference(src, scale, causal):
@@ -35,7 +32,7 @@ def _reference(src, scale, causal):
 
 
 def _isolated(src, ref, scale, causal, u, kernel, cache):
-    (S,) = need(src, "attention_weights", SCORES)
+    (S,) = need(src, WEIGHTS, SCALED_SCORES)
     p, d, m, finite = softmax_parts(S)
     # The softmax reads the very float32 QK_scaled the isolated reference starts from, so the
     # input's rounding is not this stage's error (the chained bound propagates upstream errors),
@@ -59,7 +56,7 @@ def _chained(sources, scale, causal, u, kernel, cache):
 def _quantization(src, q, scale, causal):
     S = _source(src)
     p = softmax_parts(S)[0]
-    qs = np.where(np.isfinite(S), q.get(SCORES, 0.0), 0.0)
+    qs = np.where(np.isfinite(S), q.get(SCALED_SCORES, 0.0), 0.0)
     return p * (qs + (p * qs).sum(axis=1, keepdims=True))
 
 
@@ -96,7 +93,7 @@ def _row_sums(stage, got, finite, rows_ok, ctx):
 
 
 SPECS = (
-    StageSpec("attention_weights", reference=_reference, isolated=_isolated, chained=_chained,
+    StageSpec(WEIGHTS, reference=_reference, isolated=_isolated, chained=_chained,
               quantization=_quantization, invariants=(_softmax_checks,), masked_value=0.0,
               diagnoses=PATTERNS + ("softmax_axis", "mask")),
 )

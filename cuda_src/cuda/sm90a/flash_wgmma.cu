@@ -31,7 +31,8 @@
 // 16 bytes). When heads·⌈N/BR⌉ blocks cannot fill the GPU, the KV loop is split and
 // combine_kv_splits (flash_dispatch.cu) merges.
 //
-// Arithmetic the verifier assumes (verify/tolerance.py, backend "cuda"): as flash_fast.cu's:
+// Arithmetic the verifier assumes (verify/model/kernels.py: KERNELS["cuda-wgmma-3xtf32"] and
+// ["cuda-wgmma-tf32"], the CUDA model): as flash_fast.cu's:
 // 3xTF32 (or TF32) products summed by the tensor cores with truncation, one KV tile per
 // accumulator chain, tiles added in FP32; scale·log2(e) rounded once per head; ex2.approx.ftz;
 // lse = (m + log2 l)·ln 2; four final roundings of O (1/l, and the split combine).
@@ -157,10 +158,7 @@ __global__ void split_keys(const float* K, float* ops, int M, int Mpad) {
     const float4 v = key < M ? *reinterpret_cast<const float4*>(K + (static_cast<size_t>(h) * M + key) * T::D + c)
                              : make_float4(0.f, 0.f, 0.f, 0.f);
     uint32_t hi[4], lo[4];
-    split<T::THREE>(v.x, hi[0], lo[0]);
-    split<T::THREE>(v.y, hi[1], lo[1]);
-    split<T::THREE>(v.z, hi[2], lo[2]);
-    split<T::THREE>(v.w, hi[3], lo[3]);
+    split4<T::THREE>(v, hi, lo);
     float* const dst = stage_in<T>(ops, h, j, Mpad) + cm_offset<T::BC>(r, c);
     *reinterpret_cast<uint4*>(dst) = make_uint4(hi[0], hi[1], hi[2], hi[3]);
     if constexpr (T::THREE) *reinterpret_cast<uint4*>(dst + T::K_PART) = make_uint4(lo[0], lo[1], lo[2], lo[3]);
@@ -196,7 +194,10 @@ __global__ void transpose_split_values(const float* V, float* ops, int M, int Mp
 // ---------------------------------------------------------------------------------------------
 // The kernel. Grid: x = query blocks (reversed, so the longest causal blocks start first),
 // y = heads, z = KV splits. Shared memory: Q [PARTS][BR×D], then STAGES stages of
-// {K [PARTS][BC×D], Vᵀ [PARTS][D×BC]}, all in the core-matrix layout.
+// {K [PARTS][BC×D], Vᵀ [PARTS][D×BC]}, all in the core-matrix layout. The kernel is one function
+// on purpose: its per-tile steps are the helpers above, and what remains is the bulk-copy and
+// mbarrier pipeline, whose phases and barriers must be read together (and whose machine code is
+// the benchmarked one).
 
 // Issues S(64×BC) = Q_wg·K_jᵀ for the warpgroup's 64 rows, small terms first, as one wgmma group;
 // s is valid after the next wg::wait. q: the descriptor of the warpgroup's rows of Q (hi part,
@@ -220,7 +221,7 @@ __device__ __forceinline__ void qk_issue(float (&s)[T::BC / 8][4], uint64_t q, u
 }
 
 // Issues acc(64×D) = P(64×BC)·V_j as one wgmma group. P's A fragment for keys 8kk.. is s[kk]
-// under kperm: {s0, s2, s1, s3}, split into TF32 parts in hi/lo, which must stay untouched until
+// under kperm (split_acc_a), split into TF32 parts in hi/lo, which must stay untouched until
 // the group completes. The caller adds acc to O in FP32 after wg::wait (a fresh accumulator per
 // tile: the tensor cores' own long accumulation truncates). v: the descriptor of the stage's Vᵀ
 // (hi part, k step 0).
@@ -230,7 +231,7 @@ __device__ __forceinline__ void pv_issue(float (&acc)[T::D / 8][4], uint32_t (&h
                                          uint64_t v) {
 #pragma unroll
     for (int kk = 0; kk < T::BC / 8; ++kk) {
-        constexpr int kFrag[4] = {0, 2, 1, 3};
+        constexpr int kFrag[4] = {0, 2, 1, 3};  // split_acc_a's order, written out: same code
 #pragma unroll
         for (int e = 0; e < 4; ++e) split<T::THREE>(s[kk][kFrag[e]], hi[kk][e], lo[kk][e]);
     }
@@ -262,25 +263,11 @@ __device__ __forceinline__ void split_q(float* Qs, const WgParams& p, int head, 
             ? *reinterpret_cast<const float4*>(Qh + static_cast<size_t>(q0 + r) * T::D + c)
             : make_float4(0.f, 0.f, 0.f, 0.f);
         uint32_t hi[4], lo[4];
-        split<T::THREE>(v.x, hi[0], lo[0]);
-        split<T::THREE>(v.y, hi[1], lo[1]);
-        split<T::THREE>(v.z, hi[2], lo[2]);
-        split<T::THREE>(v.w, hi[3], lo[3]);
+        split4<T::THREE>(v, hi, lo);
         *reinterpret_cast<uint4*>(Qs + cm_offset<T::BR>(r, c)) = make_uint4(hi[0], hi[1], hi[2], hi[3]);
         if constexpr (T::THREE)
             *reinterpret_cast<uint4*>(Qs + T::Q_PART + cm_offset<T::BR>(r, c)) = make_uint4(lo[0], lo[1], lo[2], lo[3]);
     }
-}
-
-// The KV tiles [begin, end) a block visits: all, or (causal) those up to its last row; its
-// split's share of them.
-template <class T, bool kCausal>
-__device__ __forceinline__ void block_tiles(const WgParams& p, int q0, int split_id, int& begin, int& end) {
-    int n_tiles = ceil_div(p.M, T::BC);
-    if (kCausal) n_tiles = min(n_tiles, ceil_div(min(q0 + T::BR, p.N), T::BC));
-    const int per_split = ceil_div(n_tiles, p.splits);
-    begin = min(n_tiles, split_id * per_split);
-    end = min(n_tiles, begin + per_split);
 }
 
 template <class T, bool kCausal>
@@ -303,8 +290,9 @@ __global__ void __launch_bounds__(T::THREADS, 1) flash_wgmma_kernel(const WgPara
     const int wg_row0 = q0 + wg * 64;            // the warpgroup's first query row
     const int warp_row0 = wg_row0 + warp * 16;   // the warp's
     const int row0 = warp_row0 + g;              // the thread's rows: row0 and row0 + 8
+    // The KV tiles this block visits (causal: up to its last row), this split's share of them.
     int tile_begin, tile_end;
-    block_tiles<T, kCausal>(p, q0, split_id, tile_begin, tile_end);
+    split_share(visible_key_tiles<kCausal>(p.M, p.N, q0, T::BR, T::BC), p.splits, split_id, tile_begin, tile_end);
 
     // Tile j lives in stage (j - tile_begin) % STAGES, whose barriers complete their n-th phase
     // (parity n % 2) with the n-th tile loaded into it. Thread 0 starts the copies.
@@ -339,10 +327,7 @@ __global__ void __launch_bounds__(T::THREADS, 1) flash_wgmma_kernel(const WgPara
     const uint64_t q_desc = tile_desc<T::BR>(Qs + wg * 64 * 4);
 
     float o[T::D / 8][4];
-#pragma unroll
-    for (int nt = 0; nt < T::D / 8; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) o[nt][e] = 0.f;
+    zero(o);
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
 
     // Every __syncthreads below is reached by all warpgroups, also one that skips the tile; the
@@ -388,10 +373,7 @@ __global__ void __launch_bounds__(T::THREADS, 1) flash_wgmma_kernel(const WgPara
             pv_issue<T>(acc, hi, lo, s, tile_desc<T::D>(stage + T::V_OFFSET));  // acc = P V
             wg::wait<0>();
             wg::fence_operands(acc);
-#pragma unroll
-            for (int nt = 0; nt < T::D / 8; ++nt)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) o[nt][e] += acc[nt][e];
+            add_to(o, acc);
         }
         if constexpr (T::STAGES == 1) {
             __syncthreads();  // Vᵀ_j is no longer read

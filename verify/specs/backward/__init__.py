@@ -1,0 +1,78 @@
+"""The backward pass's specs: D, dP, dS, dQ, dK, dV on the stage path, and the FlashAttention
+backward's flash_dQ, flash_dK, flash_dV (P recomputed from the logits and the saved flash_lse).
+
+One job per module: reference.py computes them (float64), bounds.py bounds a correct float32
+program's error (isolated from the program's own upstream files, chained from Q, K, V and dO),
+quantization.py adds what coarsely printed sources move, checks.py holds the reference-free
+checks (masked dS exactly 0, dS rows and dK columns summing to 0, the flash gradients agreeing
+with the stage path's). This module puts each stage's parts together.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ...model.dot import flush_sum
+from ...model.rounding import FLUSH
+from ...stages import (FLASH_GRAD_KEYS, FLASH_GRAD_QUERIES, FLASH_GRAD_VALUES, GRAD_KEYS, GRAD_OUTPUT, GRAD_QUERIES,
+                       GRAD_SCORES, GRAD_VALUES, GRAD_WEIGHTS, KEYS, OUTPUT, QUERIES, ROW_DOT, VALUES, WEIGHTS)
+from ..base import COLUMN_SUM, FLASH_VS_STAGES, ROW_SUM, StageSpec
+from ..copies import PATTERNS
+from .bounds import (d_chained, d_isolated, dk_chained, dk_isolated, dp_isolated, dq_chained, dq_isolated, ds_chained,
+                     ds_isolated, dv_chained, dv_isolated, flash_chained, flash_floor, flash_isolated, floor_d)
+from .checks import agrees_with, dk_column_sums, ds_checks, flash_dk_column_sums
+from .quantization import d_quantization, dp_quantization, ds_quantization, flash_quantization, gemm_quantization
+from .reference import (FLASH_SOURCES, Gradients, d_reference, ds_reference, flash_backward, flash_reference,
+                        flash_with_mask, grad_keys, grad_queries, grad_values)
+
+__all__ = ["SPECS", "FLASH_SOURCES", "Gradients", "d_reference", "ds_reference", "flash_backward"]
+
+# The bug hypotheses (verify/diagnose_backward.py) of the stages they can explain.
+D_BUGS = ("D_wrong_O",)
+DS_BUGS = D_BUGS + ("dS_missing_P",)
+SCALE_BUGS = ("grad_unscaled",)
+_GRAD_PATTERNS = PATTERNS + ("scaled",)
+_FLASH_PATTERNS = _GRAD_PATTERNS + ("mask", "grad_lse_log2")
+
+
+def _flash_spec(name: str, index: int, partner: str, rebuild, invariants=(), given_upstream=(), bugs=()):
+    """A flash gradient: index in (dQ, dK, dV) of the flash backward, partner its stage-path twin."""
+    return StageSpec(name, reference=flash_reference(index), isolated=flash_isolated(index),
+                     chained=flash_chained(index), floor=flash_floor, quantization=flash_quantization(index),
+                     invariants=(agrees_with(partner),) + invariants, given_upstream=given_upstream,
+                     partner=partner, given_partner=(FLASH_VS_STAGES,), scaled=True, linear=True,
+                     with_mask=flash_with_mask(index), rebuild=rebuild, diagnoses=_FLASH_PATTERNS + bugs)
+
+
+SPECS = (
+    StageSpec(ROW_DOT, reference=lambda src, scale, causal: d_reference(src[GRAD_OUTPUT], src[OUTPUT]),
+              isolated=d_isolated, chained=d_chained, floor=lambda src: floor_d(src[GRAD_OUTPUT], src[OUTPUT]),
+              quantization=d_quantization, linear=True, rebuild=lambda g: g.D, diagnoses=_GRAD_PATTERNS + D_BUGS),
+    StageSpec(GRAD_WEIGHTS, reference=lambda src, scale, causal: src[GRAD_OUTPUT] @ src[VALUES].T,
+              isolated=dp_isolated, floor=lambda src: flush_sum(src[GRAD_OUTPUT], np.asarray(src[VALUES]).T) + FLUSH,
+              quantization=dp_quantization, linear=True, diagnoses=_GRAD_PATTERNS),
+    StageSpec(GRAD_SCORES,
+              reference=lambda src, scale, causal: ds_reference(src[WEIGHTS], src[GRAD_WEIGHTS], src[ROW_DOT]),
+              isolated=ds_isolated, chained=ds_chained, floor=lambda src: 6 * FLUSH,
+              quantization=ds_quantization, invariants=(ds_checks,), given_upstream=(ROW_SUM,), masked_value=0.0,
+              rebuild=lambda g: g.dS, diagnoses=PATTERNS + DS_BUGS + ("mask",)),
+    StageSpec(GRAD_QUERIES, reference=lambda src, scale, causal: scale * src[GRAD_SCORES] @ src[KEYS],
+              isolated=dq_isolated, chained=dq_chained,
+              floor=lambda src: flush_sum(src[GRAD_SCORES], src[KEYS]) + FLUSH,
+              quantization=gemm_quantization(GRAD_SCORES, KEYS, False, True), scaled=True, linear=True,
+              rebuild=grad_queries, diagnoses=_GRAD_PATTERNS + DS_BUGS + SCALE_BUGS),
+    StageSpec(GRAD_KEYS, reference=lambda src, scale, causal: scale * src[GRAD_SCORES].T @ src[QUERIES],
+              isolated=dk_isolated, chained=dk_chained,
+              floor=lambda src: flush_sum(np.asarray(src[GRAD_SCORES]).T, src[QUERIES]) + FLUSH,
+              quantization=gemm_quantization(GRAD_SCORES, QUERIES, True, True), invariants=(dk_column_sums,),
+              given_upstream=(COLUMN_SUM,), scaled=True, linear=True, rebuild=grad_keys,
+              diagnoses=_GRAD_PATTERNS + DS_BUGS + SCALE_BUGS),
+    StageSpec(GRAD_VALUES, reference=lambda src, scale, causal: src[WEIGHTS].T @ src[GRAD_OUTPUT],
+              isolated=dv_isolated, chained=dv_chained,
+              floor=lambda src: flush_sum(np.asarray(src[WEIGHTS]).T, src[GRAD_OUTPUT]) + FLUSH,
+              quantization=gemm_quantization(WEIGHTS, GRAD_OUTPUT, True, False), linear=True,
+              rebuild=grad_values, diagnoses=_GRAD_PATTERNS + ("dV_untransposed_P",)),
+    _flash_spec(FLASH_GRAD_QUERIES, 0, GRAD_QUERIES, grad_queries, bugs=DS_BUGS + SCALE_BUGS),
+    _flash_spec(FLASH_GRAD_KEYS, 1, GRAD_KEYS, grad_keys, invariants=(flash_dk_column_sums,),
+                given_upstream=(COLUMN_SUM,), bugs=DS_BUGS + SCALE_BUGS),
+    _flash_spec(FLASH_GRAD_VALUES, 2, GRAD_VALUES, grad_values, bugs=("dV_untransposed_P",)),
+)

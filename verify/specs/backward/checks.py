@@ -1,0 +1,137 @@
+"""The backward pass's reference-free checks: dS is exactly 0 where masked and each of its rows
+sums to 0 (Σ_j P_j·dP_j = D); dK's columns sum to 0 (softmax is shift-invariant along a row);
+each flash gradient agrees with the stage path's where the program wrote both.
+"""
+from __future__ import annotations
+
+from typing import List
+
+import numpy as np
+
+from ...model.backward import transposed_gemm_var
+from ...model.kernels import kernel_for
+from ...model.rounding import FLUSH, LAMBDA, ROUND_VAR, unit_roundoff
+from ...stages import GRAD_OUTPUT, KEYS, QUERIES, VALUES
+from ..base import COLUMN_SUM, FLASH_VS_STAGES, MASK_MISSING, ROW_SUM, HeadContext, Violation, consistency, violation
+from .bounds import flash_chain, stage_chain
+from .reference import mask_of
+
+
+def _chain_model(ctx: HeadContext):
+    """(u, kernel, (Q, K, V, dO) from the chain) for the invariants' bounds; None without dO."""
+    if not all(n in ctx.chain for n in (QUERIES, KEYS, VALUES, GRAD_OUTPUT)):
+        return None
+    inputs = tuple(np.asarray(ctx.chain[n], np.float64) for n in (QUERIES, KEYS, VALUES, GRAD_OUTPUT))
+    return unit_roundoff(ctx.precision), kernel_for(ctx.backend, ctx.math, ctx.flash_kernel), inputs
+
+
+def _row_sum_sd(indep, rows) -> np.ndarray:
+    """Standard deviation of each dS row sum's error (N×1): its entries' independent errors, and
+    D's (the shared part Σ_j −dS_j(η̄ + ε) vanishes with Σ_j dS_j; Σ_j P_j·δD = δD)."""
+    return np.sqrt((indep * indep).sum(axis=1, keepdims=True)) + np.sqrt(rows.D)
+
+
+def ds_checks(stage: str, got: np.ndarray, ctx: HeadContext) -> List[Violation]:
+    masked = mask_of(*got.shape, ctx.causal)
+    out = [violation(MASK_MISSING, stage, masked & (got != 0) & ~np.isnan(got),
+                     "above the diagonal are not 0 although causal masking is on")]
+    finite = np.isfinite(got).all(axis=1)
+    model = _chain_model(ctx)
+    if finite.any() and model is not None:
+        out.append(_ds_row_sums(stage, got, finite, ctx, model))
+    return [v for v in out if v]
+
+
+def _ds_row_sums(stage, got, finite, ctx, model):
+    """Σ_j dS_j = Σ_j P_j·dP_j − D·Σ_j P_j = 0, within each row sum's error (_row_sum_sd)."""
+    u, kernel, (Q, K, V, dO) = model
+    _, _, _, _, rows, indep, *_ = stage_chain(Q, K, V, dO, ctx.scale, ctx.causal, u, kernel, ctx.cache)
+    allowed = LAMBDA * _row_sum_sd(indep, rows)[:, 0] + 6 * FLUSH * got.shape[1]
+    q = ctx.quanta.get(stage)
+    if q is not None:
+        allowed = allowed + np.broadcast_to(q, got.shape).sum(axis=1)
+    dev = np.abs(np.where(np.isfinite(got), got, 0.0).sum(axis=1))
+    bad = finite & ~(dev <= allowed)
+    if not bad.any():
+        return None
+    r = int(np.argmax(np.where(bad, dev / np.maximum(allowed, 1e-300), -1.0)))
+    return Violation(ROW_SUM, f"{stage}: {int(bad.sum())} of {got.shape[0]} rows do not sum to 0; worst row "
+                     f"{r} sums to {got[r].sum():.9g} (allowed ±{allowed[r]:.2g})", int(bad.sum()), (r,))
+
+
+def _stage_path_errors(model, ctx: HeadContext):
+    """(dS, row errors, dS's independent errors, dK's one-signed part, the GEMM's product
+    variance) of the stage path's chain."""
+    u, kernel, (Q, K, V, dO) = model
+    _, _, _, dS, rows, indep, *_ = stage_chain(Q, K, V, dO, ctx.scale, ctx.causal, u, kernel, ctx.cache)
+    return dS, rows, indep, 0.0, 2 * ROUND_VAR
+
+
+def _flash_errors(model, ctx: HeadContext):
+    """The same of the flash backward's chain."""
+    u, kernel, (Q, K, V, dO) = model
+    _, bounds, dS, _, indep, rows = flash_chain(Q, K, V, dO, ctx.scale, ctx.causal, u, kernel, ctx.cache)
+    return dS, rows, indep, bounds[1][1].sum(axis=0), kernel.flash_product_var + ROUND_VAR
+
+
+def _column_sums(errors):
+    """The check that dK's columns sum to 0, with the errors of the path that computes it."""
+    def check(stage: str, got: np.ndarray, ctx: HeadContext) -> List[Violation]:
+        model = _chain_model(ctx)
+        if not np.isfinite(got).all() or model is None:
+            return []
+        allowed = _column_sum_allowed(stage, got, ctx, model, *errors(model, ctx))
+        dev = np.abs(got.sum(axis=0))
+        bad = ~(dev <= allowed)
+        if not bad.any():
+            return []
+        c = int(np.argmax(np.where(bad, dev / np.maximum(allowed, 1e-300), -1.0)))
+        return [Violation(COLUMN_SUM, f"{stage}: {int(bad.sum())} of {got.shape[1]} columns do not sum to 0 over "
+                          f"the keys; worst column {c} sums to {got[:, c].sum():.9g} (allowed ±{allowed[c]:.2g})",
+                          int(bad.sum()), (c,))]
+    return check
+
+
+def _column_sum_allowed(stage: str, got, ctx: HeadContext, model, dS, rows, indep, det, pv) -> np.ndarray:
+    """Σ_j dK_j = scale·Σ_i Q_i·Σ_j dS_ij = 0 (every dS row sums to 0). Its error: each dS row sum's
+    (independent across rows: see _ds_row_sums), the GEMM's roundings and the final scaling's,
+    and the one-signed parts summed."""
+    u, _, (Q, _, _, _) = model
+    row_sd = _row_sum_sd(indep, rows)
+    dK = ctx.scale * dS.T @ Q
+    var = (ctx.scale ** 2 * (row_sd * row_sd * Q * Q).sum(axis=0)
+           + ctx.scale ** 2 * transposed_gemm_var(dS, Q, u, ctx.cache, "dS Q var", pv).sum(axis=0)
+           + 2 * ROUND_VAR * u * u * (dK * dK).sum(axis=0))
+    allowed = LAMBDA * np.sqrt(var) + det + FLUSH * got.shape[0]
+    q = ctx.quanta.get(stage)
+    if q is not None:
+        allowed = allowed + np.broadcast_to(q, got.shape).sum(axis=0)
+    return allowed
+
+
+dk_column_sums = _column_sums(_stage_path_errors)
+flash_dk_column_sums = _column_sums(_flash_errors)
+
+
+def _partner_chain(ctx: HeadContext, names):
+    if all(n in ctx.chain for n in names):
+        return ctx.chain
+    from ...reference import reference_chain
+    return {**ctx.chain, **reference_chain(ctx.inputs, ctx.scale, ctx.causal, names)}
+
+
+def agrees_with(partner: str):
+    """The check that a flash gradient agrees with the stage path's `partner`: |flash_dX − dX|
+    within both stages' chained bounds, where the program wrote dX."""
+    def check(stage: str, got: np.ndarray, ctx: HeadContext) -> List[Violation]:
+        from ... import tolerance
+        if partner not in ctx.got:
+            return []
+        chain = _partner_chain(ctx, [stage, partner])
+        kw = ctx.bound_args()
+        allowed = (tolerance.chained_bound(stage, chain, **kw) + tolerance.chained_bound(partner, chain, **kw)
+                   + ctx.quantum(stage, partner))
+        v = consistency(FLASH_VS_STAGES, stage, got, np.asarray(ctx.got[partner], np.float64), allowed,
+                        f"the program's {partner}")
+        return [v] if v else []
+    return check
