@@ -255,8 +255,9 @@ def test_nan_in_q_gives_nan_rows_in_each_tensor_core_kernel(binary, tmp_path, ke
 
 
 # NaN in a key of head 0 and in three query rows of head 1 (tests/nonfinite.py), at a width every
-# flash kernel has; two heads of 70 rows leave the tensor-core kernels' KV loop split and merged.
-NAN_EVERY_KERNEL_DIMS = Dims(batch=1, heads=2, seq_q=70, seq_k=150, d_k=64, d_v=64)
+# flash kernel has; two heads of 70 rows against 5 key tiles leave the tensor-core kernels' KV loop
+# split in two and merged, so a NaN part meets a finite one in the combine.
+NAN_EVERY_KERNEL_DIMS = Dims(batch=1, heads=2, seq_q=70, seq_k=300, d_k=64, d_v=64)
 
 
 @pytest.mark.parametrize("kernel", ["clean", "fast", "wgmma"])
