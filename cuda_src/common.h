@@ -22,6 +22,12 @@ struct Error : std::runtime_error {
     throw Error(code, what, hint);
 }
 
+// "1 head", "2 heads": every count a user reads, with its noun in the right number
+// (`nouns` for a plural that is not noun + "s").
+inline std::string plural(long long n, const std::string& noun, const std::string& nouns = "") {
+    return std::to_string(n) + " " + (n == 1 ? noun : (nouns.empty() ? noun + "s" : nouns));
+}
+
 // "file:line" of the caller, for check macros.
 inline std::string where(const char* file, int line) {
     return std::string(file) + ":" + std::to_string(line);

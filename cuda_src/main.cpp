@@ -333,7 +333,7 @@ int run(int argc, char** argv) {
     std::signal(SIGTERM, on_signal);
     prepare_output_dir(o.out_dir, o.in_dir, rs.run_id);
     if (int n = remove_stale_temporaries(o.out_dir, rs.run_id))
-        notice("removed " + std::to_string(n) + " temporary file(s) left in " + o.out_dir + " by runs that were killed");
+        notice("removed " + plural(n, "temporary file") + " left in " + o.out_dir + " by runs that were killed");
     try {
         remove_if_exists(rs.out_dir + "/" + kRunManifest);
         const Dims& d = p.dims;

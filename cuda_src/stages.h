@@ -7,6 +7,8 @@
 #include <string>
 #include <vector>
 
+#include "common.h"
+
 namespace attnstep {
 
 // Problem sizes. Heads are numbered i = b*heads + h (batch-major).
@@ -174,11 +176,11 @@ inline long long elements_per_head(const Dims& d, bool backward) {
 inline std::string case_limit_violation(const Dims& d, bool backward) {
     const long long heads = static_cast<long long>(d.batch) * d.heads;
     if (heads > kMaxHeads)
-        return "batch x heads = " + std::to_string(heads) + " heads; at most " + std::to_string(kMaxHeads);
+        return "batch x heads = " + plural(heads, "head") + "; at most " + std::to_string(kMaxHeads);
     const long long per_head = elements_per_head(d, backward);
     if (per_head > kMaxElements / heads)
-        return std::to_string(heads) + " heads of " + std::to_string(per_head) +
-               " stage elements each; at most " + std::to_string(kMaxElements) + " elements in all";
+        return plural(heads, "head") + " of " + plural(per_head, "stage element") +
+               " each; at most " + std::to_string(kMaxElements) + " elements in all";
     return "";
 }
 

@@ -321,7 +321,7 @@ def test_temporary_files_of_killed_runs_are_removed(binary, tmp_path):
         (out_dir / name).write_text("partial")
     proc = run_cpu(binary, in_dir, out_dir)
     assert proc.returncode == 0, proc.stderr
-    assert "removed 1 temporary file(s)" in proc.stderr
+    assert "removed 1 temporary file left in" in proc.stderr
     left = files_in(out_dir)
     assert dead not in left and alive in left and all(o in left for o in others)
 
@@ -776,3 +776,16 @@ def test_sigterm_while_writing_removes_this_runs_files(binary, tmp_path):
     assert rc == 128 + signal.SIGTERM, err
     assert "interrupted by signal 15" in err
     assert files_in(out_dir) == []
+
+
+def test_the_binary_counts_one_in_the_singular(binary, tmp_path):
+    """'file ends after 1 row', '1 head (Q_head_0..0 ...)': a count of one takes the singular."""
+    in_dir = tmp_path / "in"
+    write_case(in_dir, heads=1, n=3)
+    q = in_dir / stage_file("Q", 0, "txt")
+    q.write_text(q.read_text().splitlines()[0] + "\n")
+    assert "file ends after 1 row; expected 3 x 16" in error_line(run_cpu(binary, in_dir, tmp_path / "out"))
+    write_case(in_dir, heads=1, n=3, manifest=False)
+    (in_dir / "manifest.toml").unlink()
+    np.savetxt(in_dir / stage_file("K", 1, "txt"), np.ones((7, 16)), fmt="%.6f")
+    assert "(the case has 1 head (Q_head_0..0 with no gaps))" in error_line(run_cpu(binary, in_dir, tmp_path / "out"))

@@ -34,10 +34,13 @@ def test_npy_round_trip(tmp_path):
     (b"1 2\n4 5 6\n", None, "m.txt:2: extra values"),
     (b"1 2\n3 x\n", None, "m.txt:2:3: not a number: 'x'"),  # character columns, as the binary
     (b"1 2\n3 4\n", (3, 2), "m.txt:2: 2 rows, expected 3"),
+    (b"1 2\n", (3, 2), "m.txt:1: 1 row, expected 3"),
+    (b"1 2 3\n4\n", None, "m.txt:2: missing values: 1 value on this row, expected 3"),
     (b"# only a comment\n", None, "m.txt: empty file"),
     (b"1 2\n\n3 4\n", None, "m.txt:2: blank line inside the matrix"),
     (b"1 2\xff\n", None, "not a text matrix"),
-], ids=["ragged", "extra", "non-numeric", "truncated", "empty", "blank-line", "binary"])
+], ids=["ragged", "extra", "non-numeric", "truncated", "truncated-to-one-row", "one-value", "empty",
+        "blank-line", "binary"])
 def test_strict_text_errors_name_line_and_column(text, shape, message):
     with pytest.raises(CaseError, match=None) as exc:
         parse_text_matrix(text, "m.txt", shape)
@@ -306,3 +309,17 @@ def test_a_file_of_the_other_format_is_an_error(tmp_path):
     write_matrix(tmp_path / "K_head_1.txt", np.zeros((4, 2), np.float32), "txt")
     with pytest.raises(CaseError, match=r"K_head_1.txt: a .txt file in a .npy case"):
         load_input_case(tmp_path)
+
+
+def test_counts_in_messages_agree_with_their_nouns(tmp_path):
+    """'1 head', '1 significant digit': a count of one takes the singular."""
+    from verify.resolution import Resolution
+    from verify.words import plural
+    assert [plural(n, "head") for n in (0, 1, 2)] == ["0 heads", "1 head", "2 heads"]
+    assert plural(1, "entry", "entries") == "1 entry" and plural(3, "entry", "entries") == "3 entries"
+    assert Resolution("digits", 1).describe() == "1 significant digit"
+    assert Resolution("decimals", 1).describe() == "1 decimal" and Resolution("decimals", 2).describe() == "2 decimals"
+    generate_case(tmp_path / "c", Dims(1, 1, 4, 5, 8, 8), fmt="txt", seed=0)
+    (tmp_path / "c" / stage_file("K", 0, "txt")).unlink()
+    with pytest.raises(CaseError, match=r"\(1 head expected\)"):
+        load_input_case(tmp_path / "c")

@@ -217,6 +217,35 @@ def test_check_fails_a_run_that_ignored_the_input_manifest(runner, good_run, tmp
     assert res.exit_code == 0, res.output
 
 
+def test_check_fails_a_run_of_another_scale_than_the_input_case_asks_for(runner, good_run, tmp_path):
+    """The scale as the mask: the input case decides, a run of another scale fails with
+    scale_mismatch, and --scale says what to check instead."""
+    in_dir, out_dir = good_run
+    manifest = in_dir / "manifest.toml"
+    manifest.write_text(manifest.read_text() + "scale = 0.5\n")  # the run used 1/sqrt(16) = 0.25
+    res = runner.invoke(cli, ["check", "--in", str(in_dir), "--out", str(out_dir), "--json", str(tmp_path / "r.json")])
+    assert res.exit_code == 1, res.output
+    assert "the run computed scale = 0.25 (run.toml) but the input case asks for scale = 0.5" in res.output
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["first_failing_stage"] == "QK_scaled"
+    assert report["first_failure"]["diagnosis"][0]["code"] == "scale_mismatch"
+    res = runner.invoke(cli, ["check", "--in", str(in_dir), "--out", str(out_dir), "--scale", "0.25"])
+    assert res.exit_code == 0, res.output
+
+
+@pytest.mark.parametrize("stages", ["output", "QK_scaled,flash_lse", "attention_weights"])
+def test_a_partial_run_checks_without_its_upstream_stages(runner, tmp_path, binary, stages):
+    """run --stages S writes S alone: check verifies it from the inputs, with no upstream file."""
+    in_dir, out_dir = tmp_path / "in", tmp_path / "out"
+    assert runner.invoke(cli, ["generate", "--out", str(in_dir), *SMALL, "--causal"]).exit_code == 0
+    res = runner.invoke(cli, ["run", "--in", str(in_dir), "--out", str(out_dir), "--backend", "cpu",
+                              "--binary", str(binary), "--stages", stages])
+    assert res.exit_code == 0, res.output
+    res = runner.invoke(cli, ["check", "--in", str(in_dir), "--out", str(out_dir), "--json", str(tmp_path / "r.json")])
+    assert res.exit_code == 0, res.output
+    assert [s["stage"] for s in json.loads((tmp_path / "r.json").read_text())["stages"]] == stages.split(",")
+
+
 def test_check_of_a_stage_the_run_did_not_write_is_an_error(runner, tmp_path, binary):
     runner.invoke(cli, ["generate", "--out", str(tmp_path / "in"), *SMALL])
     res = runner.invoke(cli, ["run", "--in", str(tmp_path / "in"), "--out", str(tmp_path / "out"),

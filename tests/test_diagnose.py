@@ -216,6 +216,22 @@ def test_no_tile_size_is_invented_without_the_runs_tiles(rows):
     assert "tile_boundary" not in codes(run("output", got, chains, dims, scale, False, tiles=None))
 
 
+@pytest.mark.parametrize("shape,rows,period,words", [
+    ("rect", (16, 24), 16, "the tail tile"),        # 24 rows: a dropped partial tail of a 16-row tile
+    ("square", (8, 16), 8, "tile 1 "),               # exactly one 8-row tile
+    ("square", (16, 32), 16, "tile 1 "),             # exactly one 16-row tile
+], ids=["tail-of-16", "one-8-tile", "one-16-tile"])
+def test_a_wrong_block_names_the_tile_a_kernel_would_have(shape, rows, period, words):
+    """Without the run's tile sizes, a block that 4 divides is not '2 tiles of 4': the size named
+    is the one that makes it a partial tail tile, else one whole tile."""
+    chains, dims, scale = make_case(shape, False)
+    got = chains[1]["flash_output"].copy()
+    got[rows[0]:rows[1], :] *= 1.1
+    found = [d for d in run("flash_output", got, chains, dims, scale, False, tiles=None) if d.code == "tile_boundary"]
+    assert found and found[0].detail["period"] == period and words in found[0].message, \
+        [(d.code, d.message) for d in found]
+
+
 def _weights_mask_shift(c, scale, k, guarded):
     """The softmax of a causal mask shifted by k; a row with no visible key is NaN (0/0), or 0 in a
     program that guards the division."""

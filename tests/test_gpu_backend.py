@@ -215,10 +215,16 @@ def test_flash_takes_more_key_tiles_than_grid_y_holds(binary, tmp_path, past_gri
     run = run_flash(binary, in_dir, tmp_path / "out", kernel, "--precision", precision)
     assert run.values["flash_kernel"].startswith(f"cuda-{kernel}"), run.values["flash_kernel"]
     assert float(run.values["scale"]) == np.float32(1.0 / np.sqrt(64))
-    tol = FP32_TOL if precision == "fp32" else TF32_TOL
-    for stage in ("flash_output", "flash_lse"):
-        e = rel_err(read_matrix(run.file(stage, 0)), ref[stage])
-        assert within(e, tol), f"{kernel} {precision} {stage}: {e:.3g}"
+    # The verdict: the error model's bound for this kernel's summation over M keys. A fixed
+    # tolerance does not fit every kernel here: the clean kernel adds 4 million terms one by one
+    # (about 1e-3 relative error), the tensor-core kernels in tiles and splits (about 1e-6).
+    report = check(in_dir, tmp_path / "out")
+    assert report.passed, [(r.stage, r.message) for r in report.results if not r.passed]
+    if kernel != "clean":
+        tol = FP32_TOL if precision == "fp32" else TF32_TOL
+        for stage in ("flash_output", "flash_lse"):
+            e = rel_err(read_matrix(run.file(stage, 0)), ref[stage])
+            assert within(e, tol), f"{kernel} {precision} {stage}: {e:.3g}"
 
 
 # Rows of Q that get a NaN: the first and last rows and one inside; one head of several.
@@ -255,8 +261,9 @@ def test_nan_in_q_gives_nan_rows_in_each_tensor_core_kernel(binary, tmp_path, ke
 
 
 # NaN in a key of head 0 and in three query rows of head 1 (tests/nonfinite.py), at a width every
-# flash kernel has; two heads of 70 rows leave the tensor-core kernels' KV loop split and merged.
-NAN_EVERY_KERNEL_DIMS = Dims(batch=1, heads=2, seq_q=70, seq_k=150, d_k=64, d_v=64)
+# flash kernel has; two heads of 70 rows against 5 key tiles leave the tensor-core kernels' KV loop
+# split in two and merged, so a NaN part meets a finite one in the combine.
+NAN_EVERY_KERNEL_DIMS = Dims(batch=1, heads=2, seq_q=70, seq_k=300, d_k=64, d_v=64)
 
 
 @pytest.mark.parametrize("kernel", ["clean", "fast", "wgmma"])

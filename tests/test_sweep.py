@@ -328,3 +328,12 @@ def test_gpu_tiny_grid_against_the_real_binary(binary, tmp_path, monkeypatch):
     for r in rows:
         assert r["status"] == "ok" and float(r["ms"]) > 0 and float(r["tflops"]) > 0, r
         assert float(r["peak_mib"]) > 0, r
+
+
+def test_the_failed_rows_line_counts_one_in_the_singular(capsys):
+    from types import SimpleNamespace
+
+    from verify.sweep import _exit_status
+    row = SimpleNamespace(status="failed: exit 1", note="")
+    assert _exit_status([row]) == 1 and "sweep: 1 row failed; see the table" in capsys.readouterr().err
+    assert _exit_status([row, row]) == 1 and "sweep: 2 rows failed; see the table" in capsys.readouterr().err

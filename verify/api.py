@@ -22,6 +22,7 @@ from .compare import Options, Report, check_run
 from .outputs import MATH_MODES, RunInfo, StageSource
 from .report import failure_lines, header_lines, summary_lines, table_lines
 from .stages import DIM_KEYS, GRAD_INPUT, INPUT_NAMES, PRECISIONS, STAGES, Dims, default_scale
+from .words import plural
 
 ARRAYS = Path("<arrays>")  # what the report names as the run's and the inputs' place
 
@@ -42,7 +43,7 @@ def _heads(x: np.ndarray, total: int, rows: int, cols: int, name: str) -> np.nda
     x = np.asarray(x)
     want = total * rows * cols
     if x.size != want or (x.ndim >= 2 and x.shape[-2:] != (rows, cols) and not (cols == 1 and x.shape[-1] == rows)):
-        raise ValueError(f"{name}: shape {tuple(x.shape)}, expected {total} head(s) of {rows}x{cols}")
+        raise ValueError(f"{name}: shape {tuple(x.shape)}, expected {plural(total, 'head')} of {rows}x{cols}")
     if x.dtype not in (np.float16, np.float32, np.float64):
         raise ValueError(f"{name}: dtype {x.dtype}; expected float16, float32 or float64 (convert bfloat16 "
                          "with .float())")

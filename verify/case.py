@@ -20,6 +20,7 @@ from .matrix_io import (CaseError, atomic_write_bytes, crc32_hex, file_kind, mat
                         probe_writable, read_bytes, read_matrix, text_header_fields, write_matrix)
 from .stages import (CASE_INPUTS, FORMATS, GRAD_INPUT, INPUT_MANIFEST, INPUT_NAMES, STAGES, Dims, parse_stage_file,
                      stage_file)
+from .words import plural
 
 __all__ = ["InputCase", "load_input_case", "input_head_files", "clear_input_files", "CaseError", "INPUT_KEYS",
            "INT64", "check_scale", "check_types", "read_toml", "validate_dims", "write_toml", "atomic_write_bytes",
@@ -134,10 +135,10 @@ def _infer_case(folder: Path, files) -> InputCase:
         raise CaseError(f"{folder / stage_file(missing[0], 0, fmt)}: missing file ({stage_file(Q, 0, fmt)} exists)")
     q, k, v = (read_matrix(folder / stage_file(n, 0, fmt)) for n in INPUT_NAMES)
     if k.shape[1] != q.shape[1]:
-        raise CaseError(f"{folder / stage_file(K, 0, fmt)}: {k.shape[1]} columns but {stage_file(Q, 0, fmt)} "
+        raise CaseError(f"{folder / stage_file(K, 0, fmt)}: {plural(k.shape[1], 'column')} but {stage_file(Q, 0, fmt)} "
                         f"has {q.shape[1]}; HINT: Q and K must share d_k")
     if v.shape[0] != k.shape[0]:
-        raise CaseError(f"{folder / stage_file(V, 0, fmt)}: {v.shape[0]} rows but {stage_file(K, 0, fmt)} has "
+        raise CaseError(f"{folder / stage_file(V, 0, fmt)}: {plural(v.shape[0], 'row')} but {stage_file(K, 0, fmt)} has "
                         f"{k.shape[0]}; HINT: K and V must share seq_k")
     values = dict(batch=1, heads=heads, seq_q=q.shape[0], seq_k=k.shape[0], d_k=q.shape[1], d_v=v.shape[1])
     return InputCase(folder, validate_dims(values, str(folder)), fmt)
@@ -156,7 +157,7 @@ def _check_layout(case: InputCase, files, flagged: bool) -> None:
                 why = "the manifest says backward = true" if flagged else "the case has dO files, so every head needs one"
                 raise CaseError(f"{case.file(name, i)}: missing file ({why}); HINT: regenerate the case with "
                                 "'attnstep generate --backward'")
-            raise CaseError(f"{case.file(name, i)}: missing file ({total} heads expected)")
+            raise CaseError(f"{case.file(name, i)}: missing file ({plural(total, 'head')} expected)")
     for (name, i), formats in sorted(files.items(), key=lambda kv: kv[0][::-1]):
         other = [f for f in formats if f != case.fmt]
         if other:
@@ -164,7 +165,7 @@ def _check_layout(case: InputCase, files, flagged: bool) -> None:
                             "case; HINT: a case holds one format; remove the stray file")
         if i >= total:
             raise CaseError(f"{case.path / stage_file(name, i, formats[0])}: unexpected file: the case has "
-                            f"{total} heads (0..{total - 1})")
+                            f"{plural(total, 'head')} (0..{total - 1})")
 
 
 def input_head_files(folder: Path) -> List[str]:

@@ -155,14 +155,13 @@ def _blamed_elsewhere(stage: str, violations, results: Dict[str, "HeadResult"]) 
     """Findings that follow from an upstream stage's failure (they become notes): a flash stage's
     disagreement with its stage-path partner when that partner failed, and the invariants that
     hold only given correct upstream stages (dS's row sums when D failed, dK's column sums when dS
-    did: see StageSpec.given_upstream)."""
+    did: see StageSpec.given_partner and given_upstream)."""
     partner = SPECS[stage].partner
     partner_failed = partner is not None and partner in results and not results[partner].passed
     upstream_failed = any(u in results and not results[u].passed for u in upstream(stage))
     out = []
     for v in violations:
-        if partner_failed and v.code in (invariants.FLASH_VS_OUTPUT, invariants.LSE_VS_SCORES,
-                                         invariants.FLASH_VS_STAGES):
+        if partner_failed and v.code in SPECS[stage].given_partner:
             out.append(v)
         elif upstream_failed and v.code in SPECS[stage].given_upstream:
             out.append(v)

@@ -129,7 +129,7 @@ def tile_boundary(stage, got, want, ctx, width) -> List[Diagnosis]:
         if tiles:
             preferred = [int(tiles[0] if name == "rows" else tiles[1])]
         periods = preferred + [p for p in TILE_PERIODS if p not in preferred and p < n]
-        hit = _periodic(lines, n, periods, name) or _whole_tiles(bad, lines, n, periods, name, axis)
+        hit = _periodic(lines, n, periods, name) or _whole_tiles(bad, lines, n, periods, name, axis, preferred)
         if hit:
             hit.message = f"{stage}: {hit.message}"
             out.append(hit)
@@ -157,21 +157,23 @@ def _periodic(lines: np.ndarray, n: int, periods: List[int], name: str) -> Optio
     return None
 
 
-def _whole_tiles(bad, lines, n, periods, name, axis) -> Optional[Diagnosis]:
+def _whole_tiles(bad, lines, n, periods, name, axis, preferred) -> Optional[Diagnosis]:
     a, b = int(lines[0]), int(lines[-1]) + 1
     if len(lines) != b - a or b - a < 2:
         return None  # not one contiguous block of lines
-    for p in periods:
-        if p < 2 or p >= n or a % p:
-            continue
-        if (b - a) % p and b != n:
-            continue
-        block = bad[a:b, :] if name == "rows" else bad[:, a:b]
-        if block.mean() < TILE_DENSITY:
-            continue
-        which = "the tail tile" if b == n and (b - a) <= p and n % p else \
-            (f"tile {a // p}" if b - a == p else f"tiles {a // p}..{(b - 1) // p}")
-        return Diagnosis("tile_boundary", f"errors fill {which} along {name} ({name} {a}..{b - 1}, "
-                         f"tile size {p}); the rest is correct", {"period": p, "axis": name,
-                                                                    "range": [a, b - 1]}, 0.75)
-    return None
+    block = bad[a:b, :] if name == "rows" else bad[:, a:b]
+    if block.mean() < TILE_DENSITY:
+        return None
+    fits = [p for p in periods if 2 <= p < n and a % p == 0 and ((b - a) % p == 0 or b == n)]
+    if not fits:
+        return None
+    # Many sizes divide a block; name the one a kernel most plausibly has: the run's own, else the
+    # smallest whose partial last tile is exactly the block (a dropped tail), else one tile exactly
+    # the block, else the largest (the fewest tiles claimed).
+    tail = [p for p in fits if b == n and n % p == b - a]
+    one = [p for p in fits if b - a == p]
+    p = next((q for q in preferred if q in fits), None) or min(tail, default=None) or \
+        min(one, default=None) or max(fits)
+    which = "the tail tile" if p in tail else (f"tile {a // p}" if b - a == p else f"tiles {a // p}..{(b - 1) // p}")
+    return Diagnosis("tile_boundary", f"errors fill {which} along {name} ({name} {a}..{b - 1}, "
+                     f"tile size {p}); the rest is correct", {"period": p, "axis": name, "range": [a, b - 1]}, 0.75)

@@ -12,6 +12,7 @@ import numpy as np
 
 from .matrix_io import CaseError, atomic_write_bytes, read_bytes
 from .stages import DIM_KEYS, MAX_DIM, MAX_ELEMENTS, MAX_HEAD_DIM, MAX_HEADS, Dims
+from .words import plural
 
 # ----------------------------------------------------------------------------------------------
 # Manifests: flat `key = value` TOML.
@@ -114,8 +115,8 @@ def check_case_limits(dims: Dims, where: str, backward: bool = False) -> None:
     heads = dims.total_heads
     hint = "HINT: split the work into smaller cases (fewer heads or shorter sequences)"
     if heads > MAX_HEADS:
-        raise CaseError(f"{where}: the case is too large: batch x heads = {heads} heads; at most {MAX_HEADS}; {hint}")
+        raise CaseError(f"{where}: the case is too large: batch x heads = {plural(heads, 'head')}; at most {MAX_HEADS}; {hint}")
     per_head = dims.elements_per_head(backward)
     if per_head * heads > MAX_ELEMENTS:
-        raise CaseError(f"{where}: the case is too large: {heads} heads of {per_head} stage elements each; "
+        raise CaseError(f"{where}: the case is too large: {plural(heads, 'head')} of {plural(per_head, 'stage element')} each; "
                         f"at most {MAX_ELEMENTS} elements in all; {hint}")

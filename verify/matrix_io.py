@@ -22,6 +22,7 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from .stages import NPY_MAX_HEADER_BYTES, TEXT_BYTES_PER_VALUE, TEXT_SLACK_BYTES
+from .words import plural
 
 
 class CaseError(Exception):
@@ -205,10 +206,10 @@ def _precise_parse(text: str, name: str, shape) -> Tuple[np.ndarray, List[int]]:
             raise CaseError(f"{name}:{lineno}:{col}: not a number: {tokens[j][:40]!r}")
         if len(tokens) != want_cols:
             what = "missing values" if len(tokens) < want_cols else "extra values"
-            raise CaseError(f"{name}:{lineno}: {what}: {len(tokens)} values on this row, expected "
+            raise CaseError(f"{name}:{lineno}: {what}: {plural(len(tokens), 'value')} on this row, expected "
                             f"{want_cols}; HINT: a ragged or truncated row")
     if shape and len(rows) != shape[0]:
-        raise CaseError(f"{name}:{rows[-1][0]}: {len(rows)} rows, expected {shape[0]}; "
+        raise CaseError(f"{name}:{rows[-1][0]}: {plural(len(rows), 'row')}, expected {shape[0]}; "
                         "HINT: the file is truncated or has extra rows")
     flat = np.array([tok for _, tokens in rows for tok in tokens], dtype=np.float64)
     return flat.reshape(len(rows), want_cols), [ln for ln, _ in rows]
@@ -276,7 +277,7 @@ def parse_npy_matrix(data: bytes, name: str, shape: Optional[Tuple[int, int]] = 
         raise CaseError(f"{name}: not a valid .npy file (its header is not a dict literal)") from None
     extra = len(data) - buf.tell()
     if extra:
-        raise CaseError(f"{name}: {extra} bytes after the array data; HINT: the file is damaged; regenerate it")
+        raise CaseError(f"{name}: {plural(extra, 'byte')} after the array data; HINT: the file is damaged; regenerate it")
     if arr.dtype != np.dtype("<f4"):
         raise CaseError(f"{name}: dtype {arr.dtype}, expected float32 ('<f4'); "
                         "HINT: save with arr.astype(np.float32)")
@@ -335,7 +336,7 @@ def read_bytes(path: Path, shape: Optional[Tuple[int, int]] = None, itemsize: in
             fmt = "npy" if str(path).endswith(".npy") else "txt"
             most = matrix_max_bytes(shape, fmt, itemsize)
             if info.st_size > most:
-                raise CaseError(f"{path}: {info.st_size} bytes is more than a {fmt} matrix of {shape[0]} x "
+                raise CaseError(f"{path}: {plural(info.st_size, 'byte')} is more than a {fmt} matrix of {shape[0]} x "
                                 f"{shape[1]} values may take ({most} bytes); HINT: the file is not this matrix")
         try:
             return fh.read()

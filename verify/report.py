@@ -317,7 +317,7 @@ def error_figure(stage: str, head: int, ratio: np.ndarray, tiles):
     fig.colorbar(im, ax=axes[0])
     im2 = axes[1].imshow(_tile_grid(shown, br, bc), aspect="auto", cmap="magma", vmin=-3, vmax=6,
                          interpolation="nearest")
-    axes[1].set_title(f"max per {br}x{bc} tile" if col_name else f"max per {br} rows")
+    axes[1].set_title(f"max per {br}x{bc} tile" if col_name else f"max per {plural(br, 'row')}")
     axes[1].set_ylabel(row_name or "")
     axes[1].set_xlabel(col_name or "")
     for ax in axes:

@@ -15,6 +15,7 @@ from typing import Optional
 import numpy as np
 
 from .model.rounding import UNIT_ROUNDOFF
+from .words import plural
 
 # Significant digits from which a printed float32 round-trips exactly.
 FLOAT32_ROUND_TRIP_DIGITS = 9
@@ -39,8 +40,8 @@ class Resolution:
         return self.kind == "exact"
 
     def describe(self) -> str:
-        return {"exact": "exact", "digits": f"{self.count} significant digits",
-                "decimals": f"{self.count} decimals", "half": "float16"}[self.kind]
+        return {"exact": "exact", "digits": plural(self.count, 'significant digit'),
+                "decimals": plural(self.count, 'decimal'), "half": "float16"}[self.kind]
 
     def quantum(self, values: np.ndarray) -> Optional[np.ndarray]:
         """Element-wise bound on |value read - value the program held|; None when exact."""

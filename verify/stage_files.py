@@ -15,6 +15,7 @@ import numpy as np
 from .case import CaseError, parse_matrix, read_bytes, read_toml
 from .resolution import Resolution, array_resolution, text_resolution
 from .stages import STAGES, Dims, parse_stage_file, stage_file
+from .words import plural
 
 STACKED_SUFFIX = ".npy"             # `<stage>.npy`: every head in one array
 HEAD_FIELDS = ("i", "b", "h")       # placeholders of a name-map pattern
@@ -72,7 +73,7 @@ class StageSource:
         if self._stack is None:
             if path.suffix != ".npy":
                 if dims.total_heads != 1:
-                    raise CaseError(f"{path}: one text file for {dims.total_heads} heads; HINT: name "
+                    raise CaseError(f"{path}: one text file for {plural(dims.total_heads, 'head')}; HINT: name "
                                     "a file per head with {i} in the pattern, or save every head in a .npy")
                 data = read_bytes(path, STAGES[self.stage].shape(dims))
                 self._stack = parse_matrix(data, path, None)[None]
@@ -180,7 +181,7 @@ def check_heads_named(sources: Dict[str, "StageSource"], dims: Dims) -> None:
         if not fields or "i" in fields or fields == {"b", "h"} or \
                 (fields == {"h"} and dims.batch == 1) or (fields == {"b"} and dims.heads == 1):
             continue
-        raise CaseError(f"{src.pattern}: names {dims.total_heads} heads (batch {dims.batch} x {dims.heads}) "
+        raise CaseError(f"{src.pattern}: names {plural(dims.total_heads, 'head')} (batch {dims.batch} x {dims.heads}) "
                         f"with {', '.join('{' + f + '}' for f in sorted(fields))} only: several heads would "
                         "read one file; HINT: use {i}, or {b} and {h}")
 

@@ -133,7 +133,7 @@ def _stage_path_timing(kernels: List[dict]) -> Tuple[str, Optional[float], str]:
     bad = next((k for k in kernels if k["status"] != "ok"), None)
     if bad is not None:
         return f"{bad['name']}: {bad['status']}", None, ""
-    return "ok", sum(k["ms"] for k in kernels), f"{len(kernels)} stages"
+    return "ok", sum(k["ms"] for k in kernels), plural(len(kernels), 'stage')
 
 
 def _named_timing(kernels: List[dict], name: str) -> Tuple[str, Optional[float], str]:

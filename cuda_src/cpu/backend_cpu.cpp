@@ -213,11 +213,26 @@ void row_dots_do_o(const HeadGroup& g, const Dims& d, const View& O, float* D) {
     });
 }
 
+// The half pipelines store each stage in the format as soon as it is computed, so the stages after
+// it compute from the stored values (the row statistics, kept_float32, stay float32).
+void store_in_format(const Problem& p, StageSet stages, HeadGroup& g) {
+    constexpr size_t kBlock = 1 << 16;
+    for (int j = 0; j < kNumStages; ++j) {
+        const Stage t = static_cast<Stage>(j);
+        if (!stages.has(t) || kept_float32(t) || !g.out[j]) continue;
+        const size_t n = stage_elems(t, p.dims) * g.count;
+        parallel_for((n + kBlock - 1) / kBlock, [&](size_t blk) {
+            float* x = g.out[j] + blk * kBlock;
+            std::transform(x, x + std::min(kBlock, n - blk * kBlock), x, [&](float v) { return round_to(p.precision, v); });
+        });
+    }
+}
+
 class CpuBackend : public Backend {
 public:
     const char* name() const override { return "cpu"; }
     std::string device_name() const override {
-        return "host CPU (" + std::to_string(std::max(1u, std::thread::hardware_concurrency())) + " threads)";
+        return "host CPU (" + plural(std::max(1u, std::thread::hardware_concurrency()), "thread") + ")";
     }
     FlashPlan flash_plan(const Problem&) const override { return {kFlashBr, kFlashBc, "cpu-tiled"}; }
     size_t working_bytes_per_head(const Problem& p, StageSet computed) const override {
@@ -277,17 +292,7 @@ void CpuBackend::compute(const Problem& p, StageSet computed, HeadGroup& g, Stag
         else if (s == Stage::flash_dQ) flash_backward(p, g, in);
         else if (is_backward_stage(s)) run_backward_stage(s, p, g, in);
         else run_stage(s, p, g, in);
-        if (is_half(p.precision))
-            for (int j = 0; j < kNumStages; ++j) {
-                const Stage t = static_cast<Stage>(j);
-                if (!computed_together(s).has(t) || !computed.has(t) || kept_float32(t) || !g.out[j]) continue;
-                const size_t n = stage_elems(t, d) * g.count;
-                parallel_for((n + 65535) / 65536, [&](size_t blk) {
-                    float* x = g.out[j] + blk * 65536;
-                    std::transform(x, x + std::min<size_t>(65536, n - blk * 65536), x,
-                                   [&](float v) { return round_to(p.precision, v); });
-                });
-            }
+        if (is_half(p.precision)) store_in_format(p, StageSet{computed_together(s).bits & computed.bits}, g);
         double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
         if (times) times->ms[i] += ms;
     }
@@ -507,6 +512,71 @@ void recompute_row(const Problem& p, const QueryRow& row, const KeyTile& t, int 
     }
 }
 
+// What the flash backward's passes read for one group: the inputs as the GEMMs read them, the
+// forward's lse and the rows' D = dO·O.
+struct FlashBwdInputs {
+    const Problem& p;
+    const Operands& in;
+    View lse;
+    const std::vector<float>& D;  // [heads][N]
+
+    QueryRow row(int h, int r) const {
+        const Dims& dm = p.dims;
+        return QueryRow{r, in.head(Stage::Q, dm, h) + static_cast<size_t>(r) * dm.dk,
+                        in.head(Stage::dO, dm, h) + static_cast<size_t>(r) * dm.dk, lse.head(h)[r],
+                        D[static_cast<size_t>(h) * dm.N + r]};
+    }
+    // P or dS as a GEMM operand: rounded to TF32 or the half format as the tensor cores read it.
+    float weight(float x) const { return gemm_operand(p.precision, x); }
+};
+
+// Pass 1 for key tile j of head h: dK_j = scale·sum_i dS_ijᵀ Q_i and dV_j = sum_i P_ijᵀ dO_i, over
+// the query rows that are not wholly masked (causal: from the query tile holding row c0 on).
+void key_tile_grads(const FlashBwdInputs& b, int h, int j, const View& dK, const View& dV) {
+    const Problem& p = b.p;
+    const int N = p.dims.N, M = p.dims.M, d = p.dims.dk, Br = kFlashBr, Bc = kFlashBc;
+    const KeyTile t(b.in.head(Stage::K, p.dims, h), b.in.head(Stage::V, p.dims, h), j * Bc, std::min(Bc, M - j * Bc), d);
+    float* dKj = dK.head(h) + static_cast<size_t>(t.c0) * d;
+    float* dVj = dV.head(h) + static_cast<size_t>(t.c0) * d;
+    std::fill_n(dKj, static_cast<size_t>(t.cols) * d, 0.f);
+    std::fill_n(dVj, static_cast<size_t>(t.cols) * d, 0.f);
+    std::vector<float> P(Bc), dS(Bc);
+    for (int r = p.causal ? t.c0 / Br * Br : 0; r < N; ++r) {
+        const QueryRow row = b.row(h, r);
+        recompute_row(p, row, t, d, P.data(), dS.data());
+        for (int cc = 0; cc < t.cols; ++cc) {
+            axpy(b.weight(P[cc]), row.dout, dVj + static_cast<size_t>(cc) * d, d);
+            axpy(b.weight(dS[cc]), row.q, dKj + static_cast<size_t>(cc) * d, d);
+        }
+    }
+    scale_by(dKj, p.scale, static_cast<size_t>(t.cols) * d);
+}
+
+// Pass 2 for query tile i of head h: dQ_i = scale·sum_j dS_ij K_j, over the key tiles not wholly
+// masked.
+void query_tile_grads(const FlashBwdInputs& b, int h, int i, const View& dQ) {
+    const Problem& p = b.p;
+    const int N = p.dims.N, M = p.dims.M, d = p.dims.dk, Br = kFlashBr, Bc = kFlashBc;
+    const int Tc = (M + Bc - 1) / Bc;
+    const int r0 = i * Br, rows = std::min(Br, N - r0);
+    float* dQi = dQ.head(h) + static_cast<size_t>(r0) * d;
+    std::fill_n(dQi, static_cast<size_t>(rows) * d, 0.f);
+    std::vector<float> P(Bc), dS(Bc), part(d);
+    for (int j = 0; j < Tc; ++j) {
+        const int c0 = j * Bc;
+        if (p.causal && c0 > r0 + rows - 1) break;  // this and later tiles are above the diagonal
+        const KeyTile t(b.in.head(Stage::K, p.dims, h), b.in.head(Stage::V, p.dims, h), c0, std::min(Bc, M - c0), d);
+        for (int rr = 0; rr < rows; ++rr) {
+            recompute_row(p, b.row(h, r0 + rr), t, d, P.data(), dS.data());
+            if (is_half(p.precision))  // dS rounded to the format before dS·K
+                std::transform(dS.begin(), dS.begin() + t.cols, dS.begin(), [&](float x) { return b.weight(x); });
+            row_times_matrix(dS.data(), t.K, t.cols, d, part.data(), p.precision == Precision::tf32);
+            add_to(dQi + static_cast<size_t>(rr) * d, part.data(), d);
+        }
+    }
+    scale_by(dQi, p.scale, static_cast<size_t>(rows) * d);
+}
+
 // FlashAttention-2 backward (Dao, Algorithm 2) in its deterministic two-pass form, as the GPU runs
 // it: D = rowsum(dO∘O) first; then one pass over key tiles, each accumulating its dK_j and dV_j
 // over the query tiles it is visible to, and one pass over query tiles, each accumulating its dQ_i
@@ -514,66 +584,20 @@ void recompute_row(const Problem& p, const QueryRow& row, const KeyTile& t, int 
 // every sum has one owner, so the result does not depend on the thread schedule.
 void CpuBackend::flash_backward(const Problem& p, HeadGroup& g, const Operands& in) {
     const Dims& dm = p.dims;
-    const int N = dm.N, M = dm.M, d = dm.dk;
-    const int Br = kFlashBr, Bc = kFlashBc;
-    const int Tr = (N + Br - 1) / Br, Tc = (M + Bc - 1) / Bc;
-    const bool tf32 = p.precision == Precision::tf32;
-    const View O{g.out[static_cast<int>(Stage::flash_output)], stage_elems(Stage::flash_output, dm)};
-    const View lse{g.out[static_cast<int>(Stage::flash_lse)], stage_elems(Stage::flash_lse, dm)};
-    const View dQ{g.out[static_cast<int>(Stage::flash_dQ)], stage_elems(Stage::flash_dQ, dm)};
-    const View dK{g.out[static_cast<int>(Stage::flash_dK)], stage_elems(Stage::flash_dK, dm)};
-    const View dV{g.out[static_cast<int>(Stage::flash_dV)], stage_elems(Stage::flash_dV, dm)};
+    const int Tr = (dm.N + kFlashBr - 1) / kFlashBr, Tc = (dm.M + kFlashBc - 1) / kFlashBc;
+    auto view = [&](Stage s) { return View{g.out[static_cast<int>(s)], stage_elems(s, dm)}; };
+    const View O = view(Stage::flash_output), lse = view(Stage::flash_lse), dQ = view(Stage::flash_dQ),
+               dK = view(Stage::flash_dK), dV = view(Stage::flash_dV);
     if (!O.base || !lse.base || !dK.base || !dV.base)
         fail(kExitInternal, where(__FILE__, __LINE__) + ": the flash backward without its buffers");
-    // Preprocess: D_r = dO_r · O_r.
-    std::vector<float> D(static_cast<size_t>(g.count) * N);
-    row_dots_do_o(g, dm, O, D.data());
-    auto query_row = [&](int h, int r) {
-        return QueryRow{r, in.head(Stage::Q, dm, h) + static_cast<size_t>(r) * d,
-                        in.head(Stage::dO, dm, h) + static_cast<size_t>(r) * d, lse.head(h)[r],
-                        D[static_cast<size_t>(h) * N + r]};
-    };
-    const Precision prec = p.precision;
-    auto weight = [prec](float x) { return gemm_operand(prec, x); };
-    // Pass 1: dK_j = scale·sum_i dS_ijᵀ Q_i and dV_j = sum_i P_ijᵀ dO_i, over the query tiles that
-    // are not wholly masked (causal: those from the tile holding query row c0 on).
+    std::vector<float> D(static_cast<size_t>(g.count) * dm.N);
+    row_dots_do_o(g, dm, O, D.data());  // preprocess: D_r = dO_r · O_r
+    const FlashBwdInputs b{p, in, lse, D};
     parallel_for(static_cast<size_t>(g.count) * Tc, [&](size_t item) {
-        const int h = static_cast<int>(item / Tc), j = static_cast<int>(item % Tc);
-        const KeyTile t(in.head(Stage::K, dm, h), in.head(Stage::V, dm, h), j * Bc, std::min(Bc, M - j * Bc), d);
-        float* dKj = dK.head(h) + static_cast<size_t>(t.c0) * d;
-        float* dVj = dV.head(h) + static_cast<size_t>(t.c0) * d;
-        std::fill_n(dKj, static_cast<size_t>(t.cols) * d, 0.f);
-        std::fill_n(dVj, static_cast<size_t>(t.cols) * d, 0.f);
-        std::vector<float> P(Bc), dS(Bc);
-        for (int r = p.causal ? t.c0 / Br * Br : 0; r < N; ++r) {
-            const QueryRow row = query_row(h, r);
-            recompute_row(p, row, t, d, P.data(), dS.data());
-            for (int cc = 0; cc < t.cols; ++cc) {
-                axpy(weight(P[cc]), row.dout, dVj + static_cast<size_t>(cc) * d, d);
-                axpy(weight(dS[cc]), row.q, dKj + static_cast<size_t>(cc) * d, d);
-            }
-        }
-        scale_by(dKj, p.scale, static_cast<size_t>(t.cols) * d);
+        key_tile_grads(b, static_cast<int>(item / Tc), static_cast<int>(item % Tc), dK, dV);
     });
-    // Pass 2: dQ_i = scale·sum_j dS_ij K_j, over the key tiles not wholly masked.
     parallel_for(static_cast<size_t>(g.count) * Tr, [&](size_t item) {
-        const int h = static_cast<int>(item / Tr), i = static_cast<int>(item % Tr);
-        const int r0 = i * Br, rows = std::min(Br, N - r0);
-        float* dQi = dQ.head(h) + static_cast<size_t>(r0) * d;
-        std::fill_n(dQi, static_cast<size_t>(rows) * d, 0.f);
-        std::vector<float> P(Bc), dS(Bc), part(d);
-        for (int j = 0; j < Tc; ++j) {
-            const int c0 = j * Bc;
-            if (p.causal && c0 > r0 + rows - 1) break;  // this and later tiles are above the diagonal
-            const KeyTile t(in.head(Stage::K, dm, h), in.head(Stage::V, dm, h), c0, std::min(Bc, M - c0), d);
-            for (int rr = 0; rr < rows; ++rr) {
-                recompute_row(p, query_row(h, r0 + rr), t, d, P.data(), dS.data());
-                if (is_half(prec)) std::transform(dS.begin(), dS.begin() + t.cols, dS.begin(), weight);
-                row_times_matrix(dS.data(), t.K, t.cols, d, part.data(), tf32);
-                add_to(dQi + static_cast<size_t>(rr) * d, part.data(), d);
-            }
-        }
-        scale_by(dQi, p.scale, static_cast<size_t>(rows) * d);
+        query_tile_grads(b, static_cast<int>(item / Tr), static_cast<int>(item % Tr), dQ);
     });
 }
 

@@ -151,8 +151,9 @@ void print_table(const Options& o, const std::string& device, const Ceilings& c,
                     "mma.sync TF32 %.0f / BF16 %.0f TFLOP/s, wgmma TF32 %.0f TFLOP/s\n",
                     c.sgemm_tflops, c.copy_gbps, c.mma_tf32_tflops, c.mma_bf16_tflops, c.wgmma_tf32_tflops);
     }
-    if (group > 0) std::printf("stage path in groups of %d heads\n", group);
-    if (backward_group > 0) std::printf("backward stage path in groups of %d heads\n", backward_group);
+    if (group > 0) std::printf("stage path in groups of %s\n", plural(group, "head").c_str());
+    if (backward_group > 0)
+        std::printf("backward stage path in groups of %s\n", plural(backward_group, "head").c_str());
     std::printf("%-18s %10s %16s %9s  %s\n", "kernel", "ms", "rate", "ceiling", "note");
     for (const Result& r : results) {
         if (r.status != "ok") {

@@ -193,7 +193,7 @@ std::string why_grad_needed(bool flagged) {
 // Every input file for heads 0..total-1 exists, and none beyond.
 void check_head_files(const InputCase& c, const HeadFiles& hf, int total, bool from_manifest, bool grad_flagged) {
     std::string count_word = from_manifest ? "the manifest's batch*heads = " + std::to_string(total)
-                                           : std::to_string(total) + " heads (Q_head_0.." +
+                                           : plural(total, "head") + " (Q_head_0.." +
                                                  std::to_string(total - 1) + " with no gaps)";
     for (Stage input : c.inputs()) {
         const std::set<int>& idx = hf.of(c.format, input);

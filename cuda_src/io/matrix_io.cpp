@@ -144,20 +144,21 @@ void read_text(const std::string& path, int rows, int cols, bool allow_nonfinite
         if (static_cast<int>(tok.size()) < cols) {
             const Token& last = tok.back();
             fail(kExitBadInput, at(path, line, last.col + static_cast<int>(last.len)) + ": row " +
-                                    std::to_string(row + 1) + " has " + std::to_string(tok.size()) +
-                                    " values; expected " + expect,
+                                    std::to_string(row + 1) + " has " +
+                                    plural(static_cast<long long>(tok.size()), "value") + "; expected " + expect,
                  "every row needs the same number of values");
         }
         if (static_cast<int>(tok.size()) > cols)
             fail(kExitBadInput, at(path, line, tok[cols].col) + ": row " + std::to_string(row + 1) +
-                                    " has " + std::to_string(tok.size()) + " values; expected " + expect,
+                                    " has " + plural(static_cast<long long>(tok.size()), "value") + "; expected " +
+                                    expect,
                  "every row needs the same number of values");
         float* out = dst + static_cast<size_t>(row) * cols;
         for (int c = 0; c < cols; ++c) out[c] = parse_value(path, line, tok[c], allow_nonfinite);
     });
     if (ext.data_rows < rows)
         fail(kExitBadInput, at(path, ext.lines + 1, 1) + ": file ends after " +
-                                std::to_string(ext.data_rows) + " rows; expected " + expect,
+                                plural(ext.data_rows, "row") + "; expected " + expect,
              "the file is truncated or the case's dimensions are wrong");
 }
 
@@ -355,7 +356,7 @@ NpyHeader parse_npy_header(const std::string& path, const std::string& head, uin
     h.data_offset = start + len;
     const uint64_t need = static_cast<uint64_t>(dims[0]) * static_cast<uint64_t>(dims[1]) * sizeof(float);
     if (file_size != h.data_offset + need)
-        fail(kExitBadInput, path + ": holds " + std::to_string(file_size - h.data_offset) + " data bytes; shape (" +
+        fail(kExitBadInput, path + ": holds " + plural(static_cast<long long>(file_size - h.data_offset), "data byte") + "; shape (" +
                                 std::to_string(dims[0]) + ", " + std::to_string(dims[1]) + ") needs " + std::to_string(need),
              "the file is truncated or damaged; regenerate it");
     return h;
@@ -424,11 +425,11 @@ void check_text_file_size(const std::string& path, uint64_t size, int rows, int 
     const uint64_t least = 2 * values - 1;
     const uint64_t most = static_cast<uint64_t>(kTextBytesPerValue) * values + static_cast<uint64_t>(kTextSlackBytes);
     if (size < least)
-        fail(kExitBadInput, path + ": " + std::to_string(size) + " bytes cannot hold " + shape +
-                                " text values (at least " + std::to_string(least) + " bytes)",
+        fail(kExitBadInput, path + ": " + plural(static_cast<long long>(size), "byte") + " cannot hold " + shape +
+                                " text values (at least " + plural(static_cast<long long>(least), "byte") + ")",
              "the file is truncated or the case's dimensions are wrong");
     if (size > most)
-        fail(kExitBadInput, path + ": " + std::to_string(size) + " bytes is more than a text matrix of " + shape +
+        fail(kExitBadInput, path + ": " + plural(static_cast<long long>(size), "byte") + " is more than a text matrix of " + shape +
                                 " may take (" + std::to_string(most) + " bytes: " + std::to_string(kTextBytesPerValue) +
                                 " per value and " + std::to_string(kTextSlackBytes) + " for comments)",
              "the file is not this matrix, or write values with fewer digits (%.9g round-trips float32)");

@@ -18,7 +18,7 @@ _ROW_BLOCK_ELEMS = 1 << 16
 def need(src: Dict[str, np.ndarray], stage: str, *names: str) -> Tuple[np.ndarray, ...]:
     missing = [n for n in names if n not in src]
     if missing:
-        raise ToleranceError(f"stage {stage}: the tolerance model needs input(s) "
+        raise ToleranceError(f"stage {stage}: the tolerance model needs input{'s' if len(missing) > 1 else ''} "
                              f"{', '.join(missing)}; got {', '.join(sorted(src)) or 'none'}")
     return tuple(np.asarray(src[n], dtype=np.float64) for n in names)
 

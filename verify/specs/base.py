@@ -109,6 +109,8 @@ class StageSpec:
     (for the mask diagnoses of stages that hold no masked entries). given_upstream: the codes of
     its invariants that hold only when its upstream stages are right (dS's rows sum to 0 because
     D = Σ P·dP): after an upstream failure their violations are notes, blamed on that stage.
+    given_partner: the codes of its invariants that compare it with its partner: after the
+    partner's failure their violations are notes too.
     rebuild: a backward stage from what it is computed from (specs/backward/reference.py's
     Gradients: P, dP, D, dS), which the backward diagnoses call with a part replaced by a bug's.
     diagnoses: the bug patterns (verify/diagnose.py hypothesis names) that can explain it.
@@ -127,6 +129,7 @@ class StageSpec:
     partner: Optional[str] = None
     with_mask: Optional[Callable[[Src, float, np.ndarray], np.ndarray]] = None  # reference under any mask
     given_upstream: Tuple[str, ...] = ()
+    given_partner: Tuple[str, ...] = ()
     rebuild: Optional[Callable] = None
     diagnoses: Tuple[str, ...] = ()
 

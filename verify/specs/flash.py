@@ -150,11 +150,13 @@ SPECS = (
               floor=lambda src: (values_floor(src[VALUES])
                                  + _qk_flush_max(src) * np.max(finite_abs(src[VALUES]), initial=0.0)),
               quantization=_output_quantization, invariants=(_output_vs_partner,), scaled=True,
-              partner=OUTPUT, with_mask=_with_mask_output, diagnoses=PATTERNS + ("scaled", "mask")),
+              partner=OUTPUT, given_partner=(FLASH_VS_OUTPUT,), with_mask=_with_mask_output,
+              diagnoses=PATTERNS + ("scaled", "mask")),
     StageSpec(FLASH_LSE, reference=lambda src, scale, causal: _with_mask_lse(src, scale, _mask(src, causal)),
               isolated=_lse_isolated,
               floor=lambda src: FLUSH * 2 * np.asarray(src[KEYS]).shape[0] + _qk_flush_max(src),
               quantization=_lse_quantization, invariants=(_lse_vs_partner,), scaled=True, partner=SCALED_SCORES,
+              given_partner=(LSE_VS_SCORES,),
               with_mask=_with_mask_lse, diagnoses=PATTERNS + ("scaled", "mask", "lse_log2")),
 )
 SPECS_BY_NAME = {s.name: s for s in SPECS}

@@ -15,7 +15,7 @@ from ...model.dot import flush_sum
 from ...model.rounding import FLUSH
 from ...stages import (FLASH_GRAD_KEYS, FLASH_GRAD_QUERIES, FLASH_GRAD_VALUES, GRAD_KEYS, GRAD_OUTPUT, GRAD_QUERIES,
                        GRAD_SCORES, GRAD_VALUES, GRAD_WEIGHTS, KEYS, OUTPUT, QUERIES, ROW_DOT, VALUES, WEIGHTS)
-from ..base import COLUMN_SUM, ROW_SUM, StageSpec
+from ..base import COLUMN_SUM, FLASH_VS_STAGES, ROW_SUM, StageSpec
 from ..copies import PATTERNS
 from .bounds import (d_chained, d_isolated, dk_chained, dk_isolated, dp_isolated, dq_chained, dq_isolated, ds_chained,
                      ds_isolated, dv_chained, dv_isolated, flash_chained, flash_floor, flash_isolated, floor_d)
@@ -38,9 +38,9 @@ def _flash_spec(name: str, index: int, partner: str, rebuild, invariants=(), giv
     """A flash gradient: index in (dQ, dK, dV) of the flash backward, partner its stage-path twin."""
     return StageSpec(name, reference=flash_reference(index), isolated=flash_isolated(index),
                      chained=flash_chained(index), floor=flash_floor, quantization=flash_quantization(index),
-                     invariants=(agrees_with(partner),) + invariants, given_upstream=given_upstream, scaled=True,
-                     linear=True, partner=partner, with_mask=flash_with_mask(index), rebuild=rebuild,
-                     diagnoses=_FLASH_PATTERNS + bugs)
+                     invariants=(agrees_with(partner),) + invariants, given_upstream=given_upstream,
+                     partner=partner, given_partner=(FLASH_VS_STAGES,), scaled=True, linear=True,
+                     with_mask=flash_with_mask(index), rebuild=rebuild, diagnoses=_FLASH_PATTERNS + bugs)
 
 
 SPECS = (
