@@ -84,7 +84,7 @@ void print_usage(FILE* to) {
         "  --format F         output format txt|npy (default: the input's)\n"
         "  --precision P      fp32 | tf32 (GEMM operands rounded to TF32) | bf16 | fp16 (inputs and\n"
         "                     stage values rounded to the format, float32 accumulation and softmax;\n"
-        "                     CPU backend only)\n"
+        "                     the CUDA backend runs the stage path only)\n"
         "  --poison           pre-fill outputs with NaN so unwritten elements show\n"
         "  --flash-kernel K   auto | wgmma | fast | clean: the CUDA flash kernel. wgmma: Hopper, d 64/128;\n"
         "                     fast: mma.sync tensor cores, d 16-128; clean: plain FP32. auto: the\n"

@@ -51,18 +51,7 @@ void check_interrupted() {
 
 void notice(const std::string& line) { std::fprintf(stderr, "main: notice: %s\n", line.c_str()); }
 
-std::unique_ptr<Backend> choose_backend(BackendChoice choice, Precision precision) {
-    // The half pipelines are emulated on the CPU only: the CUDA backend has no bf16/fp16 kernels.
-    if (is_half(precision)) {
-        if (choice == BackendChoice::Cuda)
-            fail(kExitBadInput, std::string("--precision ") + precision_name(precision) + ": the CUDA backend has no " +
-                                    precision_name(precision) + " kernels",
-                 "use --backend cpu (or auto), or --precision fp32|tf32");
-        if (choice == BackendChoice::Auto && cuda_backend_built() && cuda_device_available()) {
-            notice(std::string("--precision ") + precision_name(precision) + " runs on the CPU backend");
-            return make_cpu_backend();
-        }
-    }
+std::unique_ptr<Backend> choose_backend(BackendChoice choice) {
     switch (choice) {
         case BackendChoice::Cpu: return make_cpu_backend();
         case BackendChoice::Cuda:
@@ -122,6 +111,20 @@ StageSet drop_backward(const Options& o, const InputCase& c, StageSet sel) {
                                 " and the case " + c.dir + " has no dO (the output gradient)",
              "`attnstep generate --backward` writes a case with dO");
     return c.backward ? sel : sel.minus(StageSet::backward());
+}
+
+// The CUDA flash kernels have no bf16/fp16 variant: under a half precision on the CUDA backend the
+// flash stages are an error when named, and left out (with a notice) when a group selected them.
+StageSet drop_half_flash(const Options& o, const Backend& be, StageSet sel) {
+    if (!is_half(o.precision) || std::string(be.name()) != "cuda" || !sel.any_flash()) return sel;
+    const std::string why = std::string("--precision ") + precision_name(o.precision) +
+                            ": the CUDA flash kernels have no half-precision variant";
+    const StageSet named = StageSet{o.stages_named.bits & sel.bits & StageSet::flash().bits};
+    if (!named.empty())
+        fail(kExitBadInput, why + " (--stages " + o.stages_text + ")",
+             "select the stage path (--stages stages), or use --backend cpu, which emulates them");
+    notice(why + "; skipping " + stage_list(StageSet{sel.bits & StageSet::flash().bits}));
+    return StageSet{sel.bits & ~StageSet::flash().bits};
 }
 
 // The stages to write: the user's list, less the backward stages when the case has no dO
@@ -317,8 +320,8 @@ int run(int argc, char** argv) {
     resolve_case_paths(&o);
     InputCase in = open_input_case(o.in_dir);
     Problem p = make_problem(o, in);
-    std::unique_ptr<Backend> be = choose_backend(o.backend, o.precision);
-    StageSet written = select_stages(o, in);
+    std::unique_ptr<Backend> be = choose_backend(o.backend);
+    StageSet written = drop_half_flash(o, *be, select_stages(o, in));
     StageSet computed = dependency_closure(written);
     check_forced_flash_kernel(o, *be, computed);
     GroupPlan plan = plan_groups(o, p, computed, *be);

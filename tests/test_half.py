@@ -68,11 +68,33 @@ def test_inputs_and_stage_values_are_rounded_to_the_format(binary, tmp_path, pre
     assert f'precision = "{precision}"' in (out / RUN_MANIFEST).read_text()
 
 
-def test_the_cuda_backend_refuses_half_precision(binary, tmp_path):
-    generate_case(tmp_path / "in", Dims(1, 1, 4, 4, 16, 16))
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", HALF_PRECISIONS)
+@pytest.mark.parametrize("dims,causal", [(Dims(1, 3, 128, 128, 64, 64), False), (Dims(2, 2, 77, 200, 40, 24), True),
+                                         (Dims(1, 2, 300, 129, 128, 128), True)])
+def test_the_cuda_stage_path_at_half_precision_passes(binary, tmp_path, precision, dims, causal):
+    """The CUDA stage path at bf16/fp16 (cublasGemmEx on half operands, float32 accumulation, each
+    stage rounded to the format), forward and backward, passes under the half model; the flash
+    stages, which have no half kernels on the GPU, are left out with a notice."""
+    generate_case(tmp_path / "in", dims, seed=4, causal=causal, backward=True, distribution="normal")
     proc = subprocess.run([str(binary), "--in", str(tmp_path / "in"), "--out", str(tmp_path / "out"),
-                           "--backend", "cuda", "--precision", "bf16"], capture_output=True, text=True, timeout=60)
+                           "--backend", "cuda", "--precision", precision], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "no half-precision variant" in proc.stderr or not dims.flash_supported, proc.stderr
+    toml = (tmp_path / "out" / RUN_MANIFEST).read_text()
+    assert 'backend = "cuda"' in toml and f'precision = "{precision}"' in toml
+    code, verdict = _check(tmp_path / "in", tmp_path / "out")
+    assert code == 0 and verdict.startswith(f"PASS (bounds for {precision})"), verdict
+
+
+@pytest.mark.gpu
+def test_the_cuda_flash_stages_refuse_half_precision(binary, tmp_path):
+    generate_case(tmp_path / "in", Dims(1, 1, 64, 64, 64, 64))
+    proc = subprocess.run([str(binary), "--in", str(tmp_path / "in"), "--out", str(tmp_path / "out"),
+                           "--backend", "cuda", "--precision", "bf16", "--stages", "flash"],
+                          capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and proc.stderr.startswith("main: error: --precision bf16"), proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 2 and "HINT" in proc.stderr, proc.stderr
 
 
 CHUNKS = [pytest.param(p, c, id=f"{p}-{c}") for p in HALF_PRECISIONS for c in range((HALF_CASES + 5) // 6)]

@@ -13,6 +13,7 @@
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <memory>
 #include <set>
 #include <string>
@@ -24,6 +25,7 @@
 #include "flash.cuh"
 #include "flash_bwd.cuh"
 #include "gemm.cuh"
+#include "half.cuh"
 #include "kernels.cuh"
 
 namespace attnstep {
@@ -70,6 +72,19 @@ FlashArgs flash_args(const Problem& p) {
 
 FlashBwdArgs flash_bwd_args(const Problem& p) { return problem_args<FlashBwdArgs>(p); }
 
+// The half pipelines' GEMM operands as bf16/fp16 (HalfGemm): room for the two operands of the
+// largest product per head, 2 bytes an element (an N×M weight matrix and an N or M row block).
+constexpr StageSet kGemmStages{stage_mask(Stage::QK, Stage::output, Stage::dP, Stage::dQ, Stage::dK, Stage::dV)};
+size_t half_operand_bytes(const Dims& d, int heads) {
+    const size_t w = static_cast<size_t>(std::max(d.dk, d.dv));
+    const size_t big = std::max({static_cast<size_t>(d.N) * d.M, static_cast<size_t>(d.N) * w,
+                                 static_cast<size_t>(d.M) * w});
+    return big * 2 * static_cast<size_t>(heads);
+}
+bool needs_half_operands(const Problem& p, StageSet computed) {
+    return is_half(p.precision) && (computed.bits & kGemmStages.bits);
+}
+
 std::string mib(size_t bytes) { return std::to_string(static_cast<long long>(bytes / kMiB + 0.5)) + " MiB"; }
 
 // A computed stage whose source is not computed means the caller skipped dependency_closure().
@@ -101,8 +116,9 @@ public:
 private:
     struct Buffers {
         float* at[kNumStages] = {};
+        HalfGemm half;  // the half pipelines' GEMM operands (none for fp32, tf32)
     };
-    Buffers carve_buffers(const Dims& d, StageSet computed, int heads);
+    Buffers carve_buffers(const Problem& p, StageSet computed, int heads);
     void reserve_arena(size_t bytes);
     void run_stages(const Problem& p, StageSet computed, int heads, const Buffers& b);
     void run_backward_stages(const Problem& p, StageSet computed, int heads, const Buffers& b);
@@ -176,6 +192,7 @@ size_t CudaBackend::working_bytes_per_head(const Problem& p, StageSet computed) 
     if (computed.any_flash() && flash_supported(p.dims)) bytes += flash_workspace_bytes_per_head(flash_args(p));
     if (computed.has(Stage::flash_dQ) && flash_supported(p.dims))
         bytes += flash_backward_workspace_bytes_per_head(flash_bwd_args(p));
+    if (needs_half_operands(p, computed)) bytes += 2 * (half_operand_bytes(p.dims, 1) + kBufferAlign);
     return bytes;
 }
 
@@ -206,7 +223,8 @@ void CudaBackend::reserve_arena(size_t bytes) {
     arena_bytes_ = bytes;
 }
 
-CudaBackend::Buffers CudaBackend::carve_buffers(const Dims& d, StageSet computed, int heads) {
+CudaBackend::Buffers CudaBackend::carve_buffers(const Problem& p, StageSet computed, int heads) {
+    const Dims& d = p.dims;
     size_t offsets[kNumStages] = {};
     size_t total = 0;
     for (int i = 0; i < kNumStages; ++i) {
@@ -215,12 +233,16 @@ CudaBackend::Buffers CudaBackend::carve_buffers(const Dims& d, StageSet computed
         offsets[i] = total;
         total += align_up(group_stage_bytes(s, d, heads));
     }
+    const size_t half_at = total, half_bytes = align_up(half_operand_bytes(d, heads));
+    if (needs_half_operands(p, computed)) total += 2 * half_bytes;
     reserve_arena(total);
     Buffers b;
     for (int i = 0; i < kNumStages; ++i) {
         if (needs_device_buffer(static_cast<Stage>(i), computed))
             b.at[i] = reinterpret_cast<float*>(static_cast<char*>(arena_) + offsets[i]);
     }
+    if (needs_half_operands(p, computed))
+        b.half = HalfGemm{p.precision, static_cast<char*>(arena_) + half_at, static_cast<char*>(arena_) + half_at + half_bytes};
     return b;
 }
 
@@ -240,27 +262,42 @@ void CudaBackend::timed(Stage s, Work&& work) {
 void CudaBackend::run_stages(const Problem& p, StageSet computed, int heads, const Buffers& b) {
     const Dims& d = p.dims;
     auto buf = [&](Stage s) { return b.at[static_cast<int>(s)]; };
+    // The half pipelines store each stage in the format as it is computed (in its timed span), so
+    // the stages after it read the stored values, as on the CPU backend.
+    auto stored = [&](Stage s) { launch_round_to_format(buf(s), stage_elems(s, d) * heads, p.precision, stream_); };
     if (computed.has(Stage::KT)) {
         timed(Stage::KT, [&] { launch_transpose(buf(Stage::K), buf(Stage::KT), heads, d.M, d.dk, stream_); });
     }
     if (computed.has(Stage::QK)) {
-        timed(Stage::QK, [&] { gemm_qk(blas_, d, heads, buf(Stage::Q), buf(Stage::K), buf(Stage::QK)); });
+        timed(Stage::QK, [&] {
+            gemm_qk(blas_, d, heads, buf(Stage::Q), buf(Stage::K), buf(Stage::QK), b.half);
+            stored(Stage::QK);
+        });
     }
     if (computed.has(Stage::QK_scaled)) {
         timed(Stage::QK_scaled, [&] {
             launch_scale_mask(buf(Stage::QK), buf(Stage::QK_scaled), heads, d.N, d.M, p.scale, p.causal, stream_);
+            stored(Stage::QK_scaled);
         });
     }
     if (computed.has(Stage::attention_weights)) {
         timed(Stage::attention_weights, [&] {
             launch_softmax_rows(buf(Stage::QK_scaled), buf(Stage::attention_weights),
                                 static_cast<long long>(heads) * d.N, d.M, stream_);
+            stored(Stage::attention_weights);
         });
     }
     if (computed.has(Stage::output)) {
-        timed(Stage::output, [&] { gemm_output(blas_, d, heads, buf(Stage::attention_weights), buf(Stage::V), buf(Stage::output)); });
+        timed(Stage::output, [&] {
+            gemm_output(blas_, d, heads, buf(Stage::attention_weights), buf(Stage::V), buf(Stage::output), b.half);
+            stored(Stage::output);
+        });
     }
     if (computed.any_flash()) {
+        if (is_half(p.precision))  // main refuses this before any file is written; kept as a guard
+            fail(kExitBadInput, std::string("--precision ") + precision_name(p.precision) +
+                                    ": the CUDA flash kernels have no half-precision variant",
+                 "select the stage path (--stages stages), or use --backend cpu");
         FlashArgs a = flash_args(p);
         a.Q = buf(Stage::Q);
         a.K = buf(Stage::K);
@@ -280,6 +317,7 @@ void CudaBackend::run_stages(const Problem& p, StageSet computed, int heads, con
 void CudaBackend::run_backward_stages(const Problem& p, StageSet computed, int heads, const Buffers& b) {
     const Dims& d = p.dims;
     auto buf = [&](Stage s) { return b.at[static_cast<int>(s)]; };
+    auto stored = [&](Stage s) { launch_round_to_format(buf(s), stage_elems(s, d) * heads, p.precision, stream_); };
     if (computed.has(Stage::D)) {
         timed(Stage::D, [&] {
             launch_row_dot(buf(Stage::dO), buf(Stage::output), buf(Stage::D), static_cast<long long>(heads) * d.N, d.dv,
@@ -287,22 +325,35 @@ void CudaBackend::run_backward_stages(const Problem& p, StageSet computed, int h
         });
     }
     if (computed.has(Stage::dP)) {
-        timed(Stage::dP, [&] { gemm_dp(blas_, d, heads, buf(Stage::dO), buf(Stage::V), buf(Stage::dP)); });
+        timed(Stage::dP, [&] {
+            gemm_dp(blas_, d, heads, buf(Stage::dO), buf(Stage::V), buf(Stage::dP), b.half);
+            stored(Stage::dP);
+        });
     }
     if (computed.has(Stage::dS)) {
         timed(Stage::dS, [&] {
             launch_ds(buf(Stage::attention_weights), buf(Stage::dP), buf(Stage::D), buf(Stage::dS), heads, d.N, d.M,
                       p.causal, stream_);
+            stored(Stage::dS);
         });
     }
     if (computed.has(Stage::dQ)) {
-        timed(Stage::dQ, [&] { gemm_dq(blas_, d, heads, p.scale, buf(Stage::dS), buf(Stage::K), buf(Stage::dQ)); });
+        timed(Stage::dQ, [&] {
+            gemm_dq(blas_, d, heads, p.scale, buf(Stage::dS), buf(Stage::K), buf(Stage::dQ), b.half);
+            stored(Stage::dQ);
+        });
     }
     if (computed.has(Stage::dK)) {
-        timed(Stage::dK, [&] { gemm_dk(blas_, d, heads, p.scale, buf(Stage::dS), buf(Stage::Q), buf(Stage::dK)); });
+        timed(Stage::dK, [&] {
+            gemm_dk(blas_, d, heads, p.scale, buf(Stage::dS), buf(Stage::Q), buf(Stage::dK), b.half);
+            stored(Stage::dK);
+        });
     }
     if (computed.has(Stage::dV)) {
-        timed(Stage::dV, [&] { gemm_dv(blas_, d, heads, buf(Stage::attention_weights), buf(Stage::dO), buf(Stage::dV)); });
+        timed(Stage::dV, [&] {
+            gemm_dv(blas_, d, heads, buf(Stage::attention_weights), buf(Stage::dO), buf(Stage::dV), b.half);
+            stored(Stage::dV);
+        });
     }
     if (computed.has(Stage::flash_dQ)) {
         FlashBwdArgs a = flash_bwd_args(p);
@@ -349,7 +400,7 @@ void CudaBackend::compute(const Problem& p, StageSet computed, HeadGroup& group,
     const Dims& d = p.dims;
     set_gemm_precision(blas_, p.precision);
 
-    const Buffers b = carve_buffers(d, computed, heads);
+    const Buffers b = carve_buffers(p, computed, heads);
     for (bool& t : timed_) t = false;
 
     // Inputs. The echo stages Q, K, V, dO are the device copies read back, so their time is the
