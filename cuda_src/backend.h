@@ -5,6 +5,10 @@
 #pragma once
 
 #include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <algorithm>
 #include <memory>
 #include <string>
 
@@ -12,8 +16,47 @@
 
 namespace attnstep {
 
-enum class Precision { fp32, tf32 };
-inline const char* precision_name(Precision p) { return p == Precision::tf32 ? "tf32" : "fp32"; }
+// What the GEMMs compute in (--precision; verify/stages.py's PRECISIONS is the Python twin).
+// fp32 and tf32 keep every value float32 (tf32 rounds the GEMM operands as tensor cores read them);
+// bf16 and fp16 are the half pipelines: inputs and every stage value but the row statistics
+// (flash_lse, D) are rounded to the format, GEMMs multiply those half values and accumulate in
+// float32, the softmax runs in float32 (docs/contract.md).
+enum class Precision { fp32, tf32, bf16, fp16 };
+inline constexpr const char* kPrecisionNames[] = {"fp32", "tf32", "bf16", "fp16"};
+inline constexpr Precision kPrecisions[] = {Precision::fp32, Precision::tf32, Precision::bf16, Precision::fp16};
+inline const char* precision_name(Precision p) { return kPrecisionNames[static_cast<int>(p)]; }
+inline bool is_half(Precision p) { return p == Precision::bf16 || p == Precision::fp16; }
+
+// x rounded to bf16 (8 significant bits, float32's exponent range), nearest even, as a
+// float32->bf16 conversion does; Inf and NaN pass through (a NaN stays a NaN).
+inline float round_bf16(float x) {
+    uint32_t u;
+    std::memcpy(&u, &x, sizeof u);
+    if ((u & 0x7F800000u) == 0x7F800000u) return x;
+    u += 0x7FFFu + ((u >> 16) & 1u);
+    u &= 0xFFFF0000u;
+    std::memcpy(&x, &u, sizeof u);
+    return x;
+}
+
+// x rounded to IEEE binary16 (11 significant bits, normal from 2^-14, subnormal steps of 2^-24,
+// largest finite 65504), nearest even, as a float32->half conversion does: beyond the range the
+// result is +-inf, below it a subnormal or zero. Exact in float32, so the result is the half value.
+inline float round_fp16(float x) {
+    if (!std::isfinite(x)) return x;
+    const float a = std::fabs(x);
+    if (a >= 65520.f) return std::copysign(std::numeric_limits<float>::infinity(), x);  // past 65504 + half a step
+    int e;
+    std::frexp(a, &e);                                   // a = f·2^e, 0.5 <= f < 1
+    const int step_exp = std::max(e - 11, -24);          // the half value's ulp: 2^(e-11), at least 2^-24
+    const float step = std::ldexp(1.f, step_exp);
+    return std::copysign(std::nearbyint(a / step) * step, x);  // exact scaling; nearbyint rounds to even
+}
+
+// x rounded to the precision's storage format: the half formats round, fp32 and tf32 keep float32.
+inline float round_to(Precision p, float x) {
+    return p == Precision::bf16 ? round_bf16(x) : p == Precision::fp16 ? round_fp16(x) : x;
+}
 
 // Which FlashAttention kernel the CUDA backend runs: `wgmma` (Hopper, cuda/sm90a/flash_wgmma.cu),
 // `fast` (mma.sync tensor cores, cuda/flash_fast.cu), `clean` (plain FP32, cuda/flash_fwd.cu).

@@ -64,7 +64,7 @@ const char* flash_kernel_option(FlashKernel k) {
 void print_usage(FILE* to) {
     std::fprintf(to,
         "usage: main [CASE] [--in DIR] [--out DIR] [--backend auto|cuda|cpu] [--causal]\n"
-        "            [--scale S] [--stages LIST] [--format txt|npy] [--precision fp32|tf32]\n"
+        "            [--scale S] [--stages LIST] [--format txt|npy] [--precision fp32|tf32|bf16|fp16]\n"
         "            [--poison] [--flash-kernel auto|wgmma|fast|clean] [--allow-nonfinite] [--max-memory-mb MB]\n"
         "            [--progress]\n"
         "       main --bench ...   (benchmarks; CUDA builds only)\n"
@@ -82,7 +82,9 @@ void print_usage(FILE* to) {
         "                     all: every stage the case allows; stages: the stage path; flash: the\n"
         "                     flash stages. The backward stages (dO onwards) only when the case has dO\n"
         "  --format F         output format txt|npy (default: the input's)\n"
-        "  --precision P      fp32 | tf32 (GEMM operands rounded to TF32)\n"
+        "  --precision P      fp32 | tf32 (GEMM operands rounded to TF32) | bf16 | fp16 (inputs and\n"
+        "                     stage values rounded to the format, float32 accumulation and softmax;\n"
+        "                     CPU backend only)\n"
         "  --poison           pre-fill outputs with NaN so unwritten elements show\n"
         "  --flash-kernel K   auto | wgmma | fast | clean: the CUDA flash kernel. wgmma: Hopper, d 64/128;\n"
         "                     fast: mma.sync tensor cores, d 16-128; clean: plain FP32. auto: the\n"
@@ -150,9 +152,7 @@ Options parse_cli(int argc, char** argv) {
             o.has_format = true;
         }
         else if (arg == "--precision") {
-            static const char* const names[] = {"fp32", "tf32"};
-            static const Precision values[] = {Precision::fp32, Precision::tf32};
-            o.precision = pick(arg, take_value(), names, values);
+            o.precision = pick(arg, take_value(), kPrecisionNames, kPrecisions);
         }
         else if (arg == "--poison") { no_value(); o.poison = true; }
         else if (arg == "--flash-kernel") {

@@ -51,7 +51,18 @@ void check_interrupted() {
 
 void notice(const std::string& line) { std::fprintf(stderr, "main: notice: %s\n", line.c_str()); }
 
-std::unique_ptr<Backend> choose_backend(BackendChoice choice) {
+std::unique_ptr<Backend> choose_backend(BackendChoice choice, Precision precision) {
+    // The half pipelines are emulated on the CPU only: the CUDA backend has no bf16/fp16 kernels.
+    if (is_half(precision)) {
+        if (choice == BackendChoice::Cuda)
+            fail(kExitBadInput, std::string("--precision ") + precision_name(precision) + ": the CUDA backend has no " +
+                                    precision_name(precision) + " kernels",
+                 "use --backend cpu (or auto), or --precision fp32|tf32");
+        if (choice == BackendChoice::Auto && cuda_backend_built() && cuda_device_available()) {
+            notice(std::string("--precision ") + precision_name(precision) + " runs on the CPU backend");
+            return make_cpu_backend();
+        }
+    }
     switch (choice) {
         case BackendChoice::Cpu: return make_cpu_backend();
         case BackendChoice::Cuda:
@@ -273,8 +284,8 @@ void write_run_manifest(RunState& rs, const Options& o, const Problem& p, const 
 
 // Reads the group's heads of the inputs the computed stages need into `inputs` (a buffer per input
 // stage, resized to the group) and points g's inputs there; a progress step per head.
-void read_group_inputs(const InputCase& in, bool allow_nonfinite, StageSet computed, const Dims& d, HeadGroup& g,
-                       std::vector<float> (&inputs)[kNumStages], Progress& progress) {
+void read_group_inputs(const InputCase& in, bool allow_nonfinite, Precision precision, StageSet computed,
+                       const Dims& d, HeadGroup& g, std::vector<float> (&inputs)[kNumStages], Progress& progress) {
     for (Stage s : inputs_read(computed)) inputs[static_cast<int>(s)].resize(stage_elems(s, d) * g.count);
     auto head_input = [&](Stage s, int j) {
         std::vector<float>& b = inputs[static_cast<int>(s)];
@@ -286,6 +297,11 @@ void read_group_inputs(const InputCase& in, bool allow_nonfinite, StageSet compu
                           head_input(Stage::dO, j)});
         progress.step();
     }
+    // The half pipelines start from the inputs rounded to their format, as a conversion of
+    // float32 tensors to bf16/fp16 does; the echoes (Q, K, V, dO) then hold the rounded values.
+    if (is_half(precision))
+        for (Stage s : inputs_read(computed))
+            for (float& x : inputs[static_cast<int>(s)]) x = round_to(precision, x);
     g.q = head_input(Stage::Q, 0);
     g.k = head_input(Stage::K, 0);
     g.v = head_input(Stage::V, 0);
@@ -301,7 +317,7 @@ int run(int argc, char** argv) {
     resolve_case_paths(&o);
     InputCase in = open_input_case(o.in_dir);
     Problem p = make_problem(o, in);
-    std::unique_ptr<Backend> be = choose_backend(o.backend);
+    std::unique_ptr<Backend> be = choose_backend(o.backend, o.precision);
     StageSet written = select_stages(o, in);
     StageSet computed = dependency_closure(written);
     check_forced_flash_kernel(o, *be, computed);
@@ -330,7 +346,7 @@ int run(int argc, char** argv) {
             HeadGroup g;
             g.first = first;
             g.count = std::min(plan.group_size, total - first);
-            read_group_inputs(in, o.allow_nonfinite, computed, d, g, inputs, rs.progress);
+            read_group_inputs(in, o.allow_nonfinite, p.precision, computed, d, g, inputs, rs.progress);
             for (int i = 0; i < kNumStages; ++i)
                 if (computed.has(static_cast<Stage>(i))) {
                     buf[i].resize(stage_elems(static_cast<Stage>(i), d) * g.count);

@@ -156,6 +156,9 @@ inline size_t stage_elems(Stage s, const Dims& d) {
 inline bool is_flash_stage(Stage s) { return stage_info(s).kind == StageKind::flash; }
 inline bool is_input_echo(Stage s) { return stage_info(s).kind == StageKind::input; }
 inline bool is_backward_stage(Stage s) { return stage_info(s).pass == Pass::bwd; }
+// The row statistics stay float32 in the half pipelines, as FlashAttention keeps its lse and D:
+// every other stage holds values of the run's format (verify/stages.py's FLOAT32_STAGES).
+inline bool kept_float32(Stage s) { return s == Stage::flash_lse || s == Stage::D; }
 
 // The elements of every stage of one head (the case-size limit counts these); the backward stages
 // count only for a case that has dO.

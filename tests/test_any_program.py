@@ -240,7 +240,7 @@ def test_the_precision_the_bounds_assume_is_printed_and_settable(tmp_path):
     write_heads(tmp_path / "out", [{"QK": h["QK"] * 1.001} for h in correct_heads(inputs)], ["QK"])
     r, _ = check(tmp_path / "in", tmp_path / "out", "--quiet", "--precision", "fp32")
     assert r.exit_code == 1 and r.output.splitlines()[-1].startswith("FAIL (bounds for fp32): first failing stage: QK")
-    for claim in ('precision = "fp16"', 'backend = "gpu"'):
+    for claim in ('precision = "fp8"', 'backend = "gpu"'):
         (tmp_path / "out" / "run.toml").write_text(claim + "\n")
         r, _ = check(tmp_path / "in", tmp_path / "out")
         assert r.exit_code == 2 and claim.split()[0] in r.output and len(r.output.strip().splitlines()) == 1, r.output

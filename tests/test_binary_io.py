@@ -445,7 +445,7 @@ def test_unwritable_output_folder_is_refused(binary, tmp_path):
     (["--backend", "tpu"], "'tpu' is not one of auto|cuda|cpu"),
     (["--scale", "abc"], "--scale"),
     (["--format", "csv"], "--format"),
-    (["--precision", "fp16"], "--precision"),
+    (["--precision", "fp8"], "--precision"),
     (["--max-memory-mb", "0"], "--max-memory-mb"),
     (["--stages", "QK,softmax"], "unknown stage 'softmax'"),
     (["--stages"], "--stages needs a value"),

@@ -31,7 +31,7 @@ from .case import atomic_write_bytes
 from .generate import DEFAULT_DIMS
 from .options import InputError, binary_option, build_option, json_option, timeout_option, user_errors
 from .runner import ensure_built
-from .stages import PRECISIONS
+from .stages import CUDA_PRECISIONS
 from .words import plural
 
 __all__ = ["BenchError", "BenchOutOfMemory", "BenchUnusable", "Row", "Shape", "bench", "binary_args", "collect",
@@ -224,7 +224,7 @@ def _exit_status(rows: Sequence[Row]) -> int:
 @binary_option.but(help="Time this prebuilt binary instead of building BUILD_DIR/main.")
 @click.option("--shape", "shape_specs", multiple=True, metavar="B,H,N,M,D[,causal]",
               help="Benchmark this shape instead of the default list (repeatable).")
-@click.option("--precision", type=click.Choice(PRECISIONS + ("both",)), default="both", show_default=True,
+@click.option("--precision", type=click.Choice(CUDA_PRECISIONS + ("both",)), default="both", show_default=True,
               help="Flash kernels and cuBLAS stages in fp32 (3xTF32 flash), tf32, or both.")
 @click.option("--warmup", type=click.IntRange(min=0), default=3, show_default=True, help="Untimed runs first.")
 @click.option("--reps", type=click.IntRange(min=1), default=20, show_default=True,
@@ -266,7 +266,7 @@ def bench(build_dir, binary, shape_specs, precision, warmup, reps, only, passes,
                 if path is not None and not path.resolve().parent.is_dir():
                     raise BenchError(f"{path}: its folder does not exist")
             shapes = [parse_shape(s) for s in shape_specs] or default_shapes()
-            precisions = PRECISIONS if precision == "both" else (precision,)
+            precisions = CUDA_PRECISIONS if precision == "both" else (precision,)
             results = collect(binary or ensure_built(build_dir), shapes, precisions, warmup, reps, check,
                               use_torch, only, log=lambda m: click.echo(m, err=True), timeout=timeout,
                               passes=passes, ceilings=ceilings)

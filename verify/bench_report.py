@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from .matrix_io import output_file_target
-from .stages import PRECISIONS
+from .stages import CUDA_PRECISIONS
 
 # "flash" is the binary's dispatcher (what `main` runs by default: wgmma on Hopper, else mma.sync,
 # else the clean kernel); the others are the tensor-core kernels forced one by one.
@@ -92,7 +92,7 @@ def parse_binary_json(data: dict, source: str = "bench JSON") -> dict:
     for key, typ in _REQUIRED.items():
         if not isinstance(data.get(key), typ):
             raise BenchError(f"{source}: missing or malformed '{key}' (expected {typ.__name__})")
-    if data["precision"] not in PRECISIONS:
+    if data["precision"] not in CUDA_PRECISIONS:
         raise BenchError(f"{source}: unknown precision '{data['precision']}'")
     for i, k in enumerate(data["kernels"]):
         for key, typ in _KERNEL_REQUIRED.items():

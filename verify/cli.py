@@ -163,7 +163,8 @@ def _run_args(stages, fmt, precision, poison, causal, scale, max_memory_mb, allo
               f"({', '.join(STAGE_NAMES)}). The backward stages ({', '.join(BACKWARD_STAGES)}) need a "
               "case with dO ('attnstep generate --backward').")
 @click.option("--format", "fmt", type=click.Choice(FORMATS), help="Output format [default: the input's].")
-@click.option("--precision", type=click.Choice(PRECISIONS), help="fp32 (default) or tf32 GEMMs/flash.")
+@click.option("--precision", type=click.Choice(PRECISIONS), help="fp32 (default), tf32 (GEMM operands rounded to TF32), or bf16/fp16 (inputs and "
+              "stage values in the format, float32 accumulation and softmax; CPU backend).")
 @click.option("--poison", is_flag=True, help="Pre-fill outputs with NaN so unwritten elements show.")
 @click.option("--causal", is_flag=True, help="Force causal masking (overrides the manifest).")
 @click.option("--scale", type=float, help="Override the score scale.")

@@ -25,6 +25,7 @@ from . import diagnose as diag
 from . import invariants, tolerance
 from .case import CaseError, InputCase, load_input_case, read_bytes
 from .outputs import STAGE_ITEMSIZE, Overrides, RunInfo, foreign_stage_files, open_run, staleness
+from .model.half import is_half, round_to_format
 from .pool import REF_CACHE, head_jobs, map_heads
 from .results import (FAIL, INHERITED, MISSING, PASS, SHAPE, STALE, UNREADABLE, Comparison, HeadResult, Report,
                       compare_arrays, elementwise_error)
@@ -176,6 +177,9 @@ def case_inputs(run: RunInfo):
 def check_head(run: RunInfo, case: InputCase, head: int, opts: Options,
                ref_of_head: Callable[[str, int], np.ndarray]) -> List[HeadResult]:
     inputs = {name: case.load(name, head).astype(np.float64) for name in case_inputs(run)}
+    if is_half(run.precision):
+        # The half pipelines compute from the inputs rounded to their format, and so do the references.
+        inputs = {name: round_to_format(x, run.precision) for name, x in inputs.items()}
     stages = [s for s in run.stages if opts.only_stages is None or s in opts.only_stages]
     needed = set(stages).union(*(upstream(s) for s in stages))  # partial runs: upstream too
     chain = {**inputs, **reference_chain(inputs, run.scale, run.causal, needed)}

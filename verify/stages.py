@@ -13,7 +13,12 @@ DIM_KEYS = ("batch", "heads", "seq_q", "seq_k", "d_k", "d_v")
 FLASH_HEAD_DIMS = (16, 32, 64, 128)
 MAX_HEAD_DIM = 256
 
-PRECISIONS = ("fp32", "tf32")  # what the binary computes in (--precision)
+# What the binary computes in (--precision; cuda_src/backend.h's kPrecisionNames): fp32 and tf32
+# keep every value float32; bf16 and fp16 are the half pipelines (inputs and stage values in the
+# format, float32 accumulation and softmax), emulated by the CPU backend only.
+PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
+HALF_PRECISIONS = ("bf16", "fp16")
+CUDA_PRECISIONS = ("fp32", "tf32")  # what the CUDA kernels (and so bench and sweep) run
 
 # Case limits, the same in cuda_src/stages.h (docs/contract.md): every dimension 1..MAX_DIM,
 # batch × heads at most MAX_HEADS, the elements of every stage of every head at most MAX_ELEMENTS
@@ -76,6 +81,12 @@ class Stage:
     meaning: str
     flash: bool = False
     backward: bool = False  # exists only when the input case has the output gradient dO
+    # The half pipelines (bf16, fp16): a row statistic kept float32, as FlashAttention keeps its lse
+    # and D (every other stage holds values of the format; cuda_src/stages.h's kept_float32); for a
+    # flash stage, the intermediates its kernel rounds to the format before a GEMM (P, dS) and reads
+    # stored (the backward's flash_output).
+    float32: bool = False
+    rounds: Tuple[str, ...] = ()
 
     def shape(self, dims: Dims) -> Tuple[int, int]:
         return dims.size(self.rows), dims.size(self.cols)
@@ -95,6 +106,7 @@ GRAD_WEIGHTS, GRAD_SCORES = "dP", "dS"
 GRAD_QUERIES, GRAD_KEYS, GRAD_VALUES = "dQ", "dK", "dV"
 FLASH_GRAD_QUERIES, FLASH_GRAD_KEYS, FLASH_GRAD_VALUES = "flash_dQ", "flash_dK", "flash_dV"
 _FLASH_BACKWARD_SOURCES = (QUERIES, KEYS, VALUES, GRAD_OUTPUT, FLASH_OUTPUT, FLASH_LSE)
+_FLASH_BACKWARD_ROUNDS = (WEIGHTS, OUTPUT, GRAD_SCORES)
 
 _TABLE = (
     Stage(QUERIES, "N", "DK", (), "query, as the binary read it"),
@@ -105,11 +117,13 @@ _TABLE = (
     Stage(SCALED_SCORES, "N", "M", (SCORES,), "QK·scale, -inf where masked"),
     Stage(WEIGHTS, "N", "M", (SCALED_SCORES,), "row softmax of QK_scaled"),
     Stage(OUTPUT, "N", "DV", (WEIGHTS, VALUES), "attention_weights·V"),
-    Stage(FLASH_OUTPUT, "N", "DV", (QUERIES, KEYS, VALUES), "FlashAttention forward output", flash=True),
-    Stage(FLASH_LSE, "N", "1", (QUERIES, KEYS), "log-sum-exp of each scaled row", flash=True),
+    Stage(FLASH_OUTPUT, "N", "DV", (QUERIES, KEYS, VALUES), "FlashAttention forward output", flash=True,
+          rounds=(WEIGHTS,)),
+    Stage(FLASH_LSE, "N", "1", (QUERIES, KEYS), "log-sum-exp of each scaled row", flash=True,
+          float32=True),
     # The backward pass, from the output gradient dO (an input of the case when it has one).
     Stage(GRAD_OUTPUT, "N", "DV", (), "output gradient, as the binary read it", backward=True),
-    Stage(ROW_DOT, "N", "1", (GRAD_OUTPUT, OUTPUT), "rowsum(dO∘output)", backward=True),
+    Stage(ROW_DOT, "N", "1", (GRAD_OUTPUT, OUTPUT), "rowsum(dO∘output)", backward=True, float32=True),
     Stage(GRAD_WEIGHTS, "N", "M", (GRAD_OUTPUT, VALUES), "dO·Vᵀ", backward=True),
     Stage(GRAD_SCORES, "N", "M", (WEIGHTS, GRAD_WEIGHTS, ROW_DOT), "attention_weights∘(dP − D), 0 where masked",
           backward=True),
@@ -117,11 +131,12 @@ _TABLE = (
     Stage(GRAD_KEYS, "M", "DK", (GRAD_SCORES, QUERIES), "scale·dSᵀ·Q", backward=True),
     Stage(GRAD_VALUES, "M", "DV", (WEIGHTS, GRAD_OUTPUT), "attention_weightsᵀ·dO", backward=True),
     Stage(FLASH_GRAD_QUERIES, "N", "DK", _FLASH_BACKWARD_SOURCES,
-          "FlashAttention backward dQ (P recomputed from flash_lse)", flash=True, backward=True),
+          "FlashAttention backward dQ (P recomputed from flash_lse)", flash=True, backward=True,
+          rounds=_FLASH_BACKWARD_ROUNDS),
     Stage(FLASH_GRAD_KEYS, "M", "DK", _FLASH_BACKWARD_SOURCES, "FlashAttention backward dK", flash=True,
-          backward=True),
+          backward=True, rounds=_FLASH_BACKWARD_ROUNDS),
     Stage(FLASH_GRAD_VALUES, "M", "DV", _FLASH_BACKWARD_SOURCES, "FlashAttention backward dV", flash=True,
-          backward=True),
+          backward=True, rounds=_FLASH_BACKWARD_ROUNDS),
 )
 
 STAGES: Dict[str, Stage] = {s.name: s for s in _TABLE}

@@ -21,7 +21,9 @@ from typing import Dict, Optional
 
 import numpy as np
 
+from .half_route import half_terms
 from .model.dot import dot_var
+from .model.half import is_half
 from .model.kernels import KERNELS, SOFTMAX_FINAL_ROUNDINGS, Kernel, kernel_for
 from .model.rounding import (FLUSH, LAMBDA, LOG_ULPS, ROUND_VAR, UNIT_ROUNDOFF, HeadCache, ToleranceError, finish,
                              memo, unit_roundoff)
@@ -32,6 +34,11 @@ from .stages import INPUT_NAMES, STAGES
 __all__ = ["stage_bound", "chained_bound", "quantization_bound", "underflow_floor",
            "dot_var", "kernel_for", "HeadCache", "ToleranceError", "unit_roundoff", "KERNELS", "Kernel",
            "FLUSH", "LAMBDA", "LOG_ULPS", "ROUND_VAR", "UNIT_ROUNDOFF", "SOFTMAX_FINAL_ROUNDINGS"]
+
+
+# The half pipelines accumulate in float32: their arithmetic is the fp32 model's (the storage
+# roundings are half_terms').
+_FLOAT32_OF = {"bf16": "fp32", "fp16": "fp32"}
 
 
 def _spec(stage: str):
@@ -61,7 +68,10 @@ def stage_bound(stage: str, src: Dict[str, np.ndarray], ref: np.ndarray, *, scal
     if spec.isolated is None:
         return np.zeros(ref.shape)
     var, det = spec.isolated(src, ref, scale, causal, u, kernel, cache)
-    return finish(ref, var, det, spec.floor(src))
+    bound = finish(ref, var, det, spec.floor(src))
+    if is_half(precision):
+        bound += half_terms(stage, ref, src, scale, causal, precision, False, cache)
+    return bound
 
 
 def chained_bound(stage: str, chain: Dict[str, np.ndarray], *, scale: float, causal: bool,
@@ -73,6 +83,17 @@ def chained_bound(stage: str, chain: Dict[str, np.ndarray], *, scale: float, cau
     softmax Jacobian, the softmax's errors through P·V with the normalization's cancellation).
     stage_bound() alone would cry wolf here: QK's rounding reaches QK_scaled and beyond.
     cache (a HeadCache for this head) shares the intermediate results of the head's bounds."""
+    bound = _chained_float32(stage, chain, scale=scale, causal=causal, precision=precision, backend=backend,
+                             math=math, flash_kernel=flash_kernel, cache=cache)
+    if is_half(precision) and _spec(stage).isolated is not None:
+        bound = bound + half_terms(stage, chain[stage], chain, scale, causal, precision, True, cache)
+    return bound
+
+
+def _chained_float32(stage: str, chain: Dict[str, np.ndarray], *, scale: float, causal: bool, precision: str,
+                     backend: Optional[str], math: str, flash_kernel: Optional[str],
+                     cache: Optional[HeadCache]) -> np.ndarray:
+    """chained_bound's float32 arithmetic (every precision's accumulation)."""
     spec = _spec(stage)
     u = unit_roundoff(precision)
     kernel = kernel_for(backend, math, flash_kernel)
@@ -80,8 +101,8 @@ def chained_bound(stage: str, chain: Dict[str, np.ndarray], *, scale: float, cau
         src = {n: chain[n] for n in INPUT_NAMES if n in chain}
         src.update({n: chain[n] for n in STAGES[stage].inputs if n in chain})
         return stage_bound(stage, src, chain[stage], scale=scale, causal=causal,
-                           precision=precision, backend=backend, math=math, flash_kernel=flash_kernel,
-                           cache=cache)
+                           precision=_FLOAT32_OF.get(precision, precision), backend=backend, math=math,
+                           flash_kernel=flash_kernel, cache=cache)
     sources = need(chain, stage, *chain_inputs(stage))
     return memo(cache, "chained " + stage, sources, (scale, causal, u, kernel),
                 lambda: spec.chained(sources, scale, causal, u, kernel, cache))

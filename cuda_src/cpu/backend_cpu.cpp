@@ -4,7 +4,11 @@
 // Arithmetic the verifier assumes (verify/model/kernels.py: KERNELS["cpu-tiled"], the cpu model):
 // float32 products and sums in index order (no FMA on x86-64 without -march flags), std::exp (one
 // rounding in practice), the scale applied to each finished dot product, lse = m + log(l), O·(1/l);
-// under tf32 the GEMM operands rounded to TF32, nearest even.
+// under tf32 the GEMM operands rounded to TF32, nearest even; under bf16/fp16 the inputs and each
+// stage's values rounded to the format (nearest even) as soon as the stage is computed, so the next
+// stage reads half values (GEMM products of two half values are exact in float32, the sums float32),
+// and the flash kernels' P (and the backward's dS) rounded before their GEMMs, as FlashAttention
+// does; flash_lse and D stay float32.
 //   build: cmake -S . -B build-cpu -DATTNSTEP_CUDA=OFF && cmake --build build-cpu -j2
 //   run:   build-cpu/main --in tests/data/tiny_test --out /tmp/tiny_verify --backend cpu
 // Work is spread over the host's cores with std::thread (rows, or (head, query tile) pairs);
@@ -44,6 +48,9 @@ inline float round_tf32(float x) {
     std::memcpy(&x, &u, sizeof u);
     return x;
 }
+
+// A GEMM's weight operand as the kernel's tensor cores would read it: TF32 or the half format.
+inline float gemm_operand(Precision p, float x) { return p == Precision::tf32 ? round_tf32(x) : round_to(p, x); }
 
 // Runs fn(i) for i in [0, n) on all cores; items are taken one at a time from a shared counter,
 // so uneven items (causal rows) balance themselves.
@@ -206,6 +213,21 @@ void row_dots_do_o(const HeadGroup& g, const Dims& d, const View& O, float* D) {
     });
 }
 
+// The half pipelines store each stage in the format as soon as it is computed, so the stages after
+// it compute from the stored values (the row statistics, kept_float32, stay float32).
+void store_in_format(const Problem& p, StageSet stages, HeadGroup& g) {
+    constexpr size_t kBlock = 1 << 16;
+    for (int j = 0; j < kNumStages; ++j) {
+        const Stage t = static_cast<Stage>(j);
+        if (!stages.has(t) || kept_float32(t) || !g.out[j]) continue;
+        const size_t n = stage_elems(t, p.dims) * g.count;
+        parallel_for((n + kBlock - 1) / kBlock, [&](size_t blk) {
+            float* x = g.out[j] + blk * kBlock;
+            std::transform(x, x + std::min(kBlock, n - blk * kBlock), x, [&](float v) { return round_to(p.precision, v); });
+        });
+    }
+}
+
 class CpuBackend : public Backend {
 public:
     const char* name() const override { return "cpu"; }
@@ -270,6 +292,7 @@ void CpuBackend::compute(const Problem& p, StageSet computed, HeadGroup& g, Stag
         else if (s == Stage::flash_dQ) flash_backward(p, g, in);
         else if (is_backward_stage(s)) run_backward_stage(s, p, g, in);
         else run_stage(s, p, g, in);
+        if (is_half(p.precision)) store_in_format(p, StageSet{computed_together(s).bits & computed.bits}, g);
         double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
         if (times) times->ms[i] += ms;
     }
@@ -383,10 +406,10 @@ void CpuBackend::run_backward_stage(Stage s, const Problem& p, HeadGroup& g, con
 // the maximum m, the sum l and the unnormalised output O (d wide).
 struct OnlineRows {
     int d;
-    bool tf32;  // P rounded to TF32 as a tensor core reads it
+    Precision precision;  // P rounded to TF32 or the half format as the P·V GEMM reads it
     std::vector<float> m, l, O;
-    OnlineRows(int rows, int d_, bool tf32_)
-        : d(d_), tf32(tf32_), m(rows, kNegInf), l(rows, 0.f), O(static_cast<size_t>(rows) * d_, 0.f) {}
+    OnlineRows(int rows, int d_, Precision precision_)
+        : d(d_), precision(precision_), m(rows, kNegInf), l(rows, 0.f), O(static_cast<size_t>(rows) * d_, 0.f) {}
 
     // Row rr takes the scaled, masked scores S[0, cols) of the keys whose values are the rows of
     // Vj: m_new = max(m, rowmax(S)), P = exp(S - m_new), l = exp(m - m_new)·l + rowsum(P),
@@ -402,7 +425,8 @@ struct OnlineRows {
         for (int cc = 0; cc < cols; ++cc) {
             const float pc = S[cc] == kNegInf ? 0.f : std::exp(S[cc] - m_new);
             rowsum += pc;
-            axpy(tf32 ? round_tf32(pc) : pc, Vj + static_cast<size_t>(cc) * d, Or, d);
+            // l sums the float32 weights; only the GEMM operand is rounded (FlashAttention's order)
+            axpy(gemm_operand(precision, pc), Vj + static_cast<size_t>(cc) * d, Or, d);
         }
         l[rr] = alpha * l[rr] + rowsum;
         m[rr] = m_new;
@@ -436,7 +460,7 @@ void CpuBackend::flash(const Problem& p, HeadGroup& g, const Operands& in) {
         const float* Qi = in.head(Stage::Q, dm, h) + static_cast<size_t>(r0) * d;
         const float* K = in.head(Stage::K, dm, h);
         const float* V = in.head(Stage::V, dm, h);
-        OnlineRows state(rows, d, p.precision == Precision::tf32);
+        OnlineRows state(rows, d, p.precision);
         std::vector<float> S(static_cast<size_t>(Bc));
         for (int j = 0; j < Tc; ++j) {
             const int c0 = j * Bc, cols = std::min(Bc, M - c0);
@@ -502,8 +526,8 @@ struct FlashBwdInputs {
                         in.head(Stage::dO, dm, h) + static_cast<size_t>(r) * dm.dk, lse.head(h)[r],
                         D[static_cast<size_t>(h) * dm.N + r]};
     }
-    // P or dS as a GEMM operand: rounded to TF32 under --precision tf32.
-    float weight(float x) const { return p.precision == Precision::tf32 ? round_tf32(x) : x; }
+    // P or dS as a GEMM operand: rounded to TF32 or the half format as the tensor cores read it.
+    float weight(float x) const { return gemm_operand(p.precision, x); }
 };
 
 // Pass 1 for key tile j of head h: dK_j = scale·sum_i dS_ijᵀ Q_i and dV_j = sum_i P_ijᵀ dO_i, over
@@ -544,6 +568,8 @@ void query_tile_grads(const FlashBwdInputs& b, int h, int i, const View& dQ) {
         const KeyTile t(b.in.head(Stage::K, p.dims, h), b.in.head(Stage::V, p.dims, h), c0, std::min(Bc, M - c0), d);
         for (int rr = 0; rr < rows; ++rr) {
             recompute_row(p, b.row(h, r0 + rr), t, d, P.data(), dS.data());
+            if (is_half(p.precision))  // dS rounded to the format before dS·K
+                std::transform(dS.begin(), dS.begin() + t.cols, dS.begin(), [&](float x) { return b.weight(x); });
             row_times_matrix(dS.data(), t.K, t.cols, d, part.data(), p.precision == Precision::tf32);
             add_to(dQi + static_cast<size_t>(rr) * d, part.data(), d);
         }

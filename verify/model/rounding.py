@@ -13,7 +13,10 @@ from typing import Callable, Dict, Optional, Sequence
 import numpy as np
 
 
-UNIT_ROUNDOFF = {"fp32": 2.0**-24, "tf32": 2.0**-11, "bf16": 2.0**-8}
+# The unit roundoff of the arithmetic: the half pipelines (bf16, fp16) multiply half values and
+# accumulate in float32, so their arithmetic is float32's; the conversions to the half format are
+# verify/model/half.py's (the storage roundings), carried by verify/half_route.py.
+UNIT_ROUNDOFF = {"fp32": 2.0**-24, "tf32": 2.0**-11, "bf16": 2.0**-24, "fp16": 2.0**-24}
 
 
 # Standard deviations allowed. The modeled errors are sums of independent bounded roundings, close

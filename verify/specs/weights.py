@@ -23,6 +23,13 @@ from .base import MASK_MISSING, NEGATIVE_WEIGHTS, ROW_SUM, HeadContext, StageSpe
 from .copies import PATTERNS
 
 
+def invariant_quantum(stage, got, ctx):
+    """The printed resolution and, in the half pipelines, their roundings (verify/half_route.py;
+    imported here, as it builds on the specs)."""
+    from ..half_route import invariant_quantum as quantum
+    return quantum(stage, got, ctx)
+
+
 def _source(src):
     return src[SCALED_SCORES]
 
@@ -54,10 +61,16 @@ def _chained(sources, scale, causal, u, kernel, cache):
 
 
 def _quantization(src, q, scale, causal):
+    """How far the weights move when each score may move by up to qs: p_j' / p_j =
+    e^(δ_j) / Σ_k p_k e^(δ_k) with |δ| ≤ qs lies within [e^(-qs_j) / Σ p e^(qs), e^(qs_j) / Σ p e^(-qs)]
+    (to first order p·(qs + Σ p·qs); exact, as half-precision scores can move by whole units)."""
     S = _source(src)
     p = softmax_parts(S)[0]
-    qs = np.where(np.isfinite(S), q.get(SCALED_SCORES, 0.0), 0.0)
-    return p * (qs + (p * qs).sum(axis=1, keepdims=True))
+    qs = np.minimum(np.where(np.isfinite(S), q.get(SCALED_SCORES, 0.0), 0.0), 700.0)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):  # rows with no visible key: 0
+        up = np.exp(qs) / (p * np.exp(-qs)).sum(axis=1, keepdims=True) - 1.0
+        down = 1.0 - np.exp(-qs) / (p * np.exp(qs)).sum(axis=1, keepdims=True)
+        return np.where(p == 0, 0.0, p * np.maximum(up, down))
 
 
 def _softmax_checks(stage: str, got: np.ndarray, ctx: HeadContext) -> List[Violation]:
@@ -80,7 +93,7 @@ def _row_sums(stage, got, finite, rows_ok, ctx):
     var = (rowsum_rel_var(np.clip(p, 0.0, None), u)[:, 0]
            + SOFTMAX_FINAL_ROUNDINGS * ROUND_VAR * u * u * (p * p).sum(axis=1))
     allowed = LAMBDA * np.sqrt(var) + 2 * FLUSH * got.shape[1]
-    q = ctx.quanta.get(stage)
+    q = invariant_quantum(stage, got, ctx)
     if q is not None:  # the printed resolution of every weight of the row
         allowed = allowed + np.where(finite, q, 0.0).sum(axis=1)
     dev = np.abs(p.sum(axis=1) - 1.0)

@@ -17,6 +17,13 @@ from .bounds import flash_chain, stage_chain
 from .reference import mask_of
 
 
+def invariant_quantum(stage, got, ctx):
+    """The printed resolution and, in the half pipelines, their roundings (verify/half_route.py;
+    imported here, as it builds on the specs)."""
+    from ...half_route import invariant_quantum as quantum
+    return quantum(stage, got, ctx)
+
+
 def _chain_model(ctx: HeadContext):
     """(u, kernel, (Q, K, V, dO) from the chain) for the invariants' bounds; None without dO."""
     if not all(n in ctx.chain for n in (QUERIES, KEYS, VALUES, GRAD_OUTPUT)):
@@ -47,7 +54,7 @@ def _ds_row_sums(stage, got, finite, ctx, model):
     u, kernel, (Q, K, V, dO) = model
     _, _, _, _, rows, indep, *_ = stage_chain(Q, K, V, dO, ctx.scale, ctx.causal, u, kernel, ctx.cache)
     allowed = LAMBDA * _row_sum_sd(indep, rows)[:, 0] + 6 * FLUSH * got.shape[1]
-    q = ctx.quanta.get(stage)
+    q = invariant_quantum(stage, got, ctx)
     if q is not None:
         allowed = allowed + np.broadcast_to(q, got.shape).sum(axis=1)
     dev = np.abs(np.where(np.isfinite(got), got, 0.0).sum(axis=1))
@@ -103,7 +110,7 @@ def _column_sum_allowed(stage: str, got, ctx: HeadContext, model, dS, rows, inde
            + ctx.scale ** 2 * transposed_gemm_var(dS, Q, u, ctx.cache, "dS Q var", pv).sum(axis=0)
            + 2 * ROUND_VAR * u * u * (dK * dK).sum(axis=0))
     allowed = LAMBDA * np.sqrt(var) + det + FLUSH * got.shape[0]
-    q = ctx.quanta.get(stage)
+    q = invariant_quantum(stage, got, ctx)
     if q is not None:
         allowed = allowed + np.broadcast_to(q, got.shape).sum(axis=0)
     return allowed

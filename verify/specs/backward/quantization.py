@@ -27,7 +27,9 @@ def dp_quantization(src, q, scale, causal):
 
 def ds_quantization(src, q, scale, causal):
     P, dP, D = src[WEIGHTS], src[GRAD_WEIGHTS], src[ROW_DOT]
-    return _q(q, WEIGHTS) * np.abs(dP - D) + np.abs(P) * (_q(q, GRAD_WEIGHTS) + _q(q, ROW_DOT))
+    # with the product of the two moves: P's can be as large as P itself (half-precision scores)
+    moved = _q(q, GRAD_WEIGHTS) + _q(q, ROW_DOT)
+    return _q(q, WEIGHTS) * (np.abs(dP - D) + moved) + np.abs(P) * moved
 
 
 def gemm_quantization(a, b, transpose_a, factor):

@@ -1,0 +1,192 @@
+"""The half pipelines (--precision bf16 / fp16): the binary's roundings, the verifier's model.
+
+The CPU backend emulates what a bf16/fp16 attention does (inputs rounded to the format, GEMMs on
+half values with float32 accumulation, the softmax in float32, every stage but the row statistics
+stored in the format, the flash kernels' P and dS rounded before their GEMMs). Random correct runs
+of it must pass under the half model, an independent NumPy emulation with other summation orders
+(a foreign program's output, no run.toml) must pass with `check --precision`, and the classic bugs
+must still fail at half precision.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from verify.cli import cli
+from verify.generate import generate_case
+from verify.model.half import round_to_format
+from verify.runner import run_binary
+from verify.stages import (FLASH_LSE, FLASH_OUTPUT, HALF_PRECISIONS, INPUT_NAMES, OUTPUT, QUERIES, RUN_MANIFEST,
+                           SCALED_SCORES, SCORES, STAGES, WEIGHTS, Dims, stage_file)
+
+from foreign import mm_blas, mm_pairwise, mm_reverse, write_text
+from test_end_to_end import _run_and_check
+from test_false_alarms import _failures, draw_case
+
+f32 = np.float32
+HALF_CASES = int(os.environ.get("ATTNSTEP_HALF_FALSE_ALARM_CASES", "12"))  # per format
+
+
+def _check(in_dir, out_dir, *args):
+    r = CliRunner().invoke(cli, ["check", "--in", str(in_dir), "--out", str(out_dir), "--quiet", *map(str, args)],
+                           catch_exceptions=False)
+    verdicts = [line for line in r.output.splitlines() if line.startswith(("PASS", "FAIL"))]
+    return r.exit_code, verdicts[-1] if verdicts else r.output
+
+
+@pytest.mark.parametrize("precision", HALF_PRECISIONS)
+def test_inputs_and_stage_values_are_rounded_to_the_format(binary, tmp_path, precision):
+    """The echoes hold the inputs rounded as NumPy (fp16) and the verifier (bf16) round them, nearest
+    even, subnormals, overflow and ties included; every stage but flash_lse and D holds values of
+    the format; run.toml names the precision."""
+    dims = Dims(1, 1, 9, 70, 64, 64)
+    generate_case(tmp_path / "in", dims, seed=3, backward=True, fmt="npy")
+    q = np.load(tmp_path / "in" / stage_file(QUERIES, 0, "npy"))
+    q[0, :8] = [65519.0, 65520.0, 1e-7, 3e-8, 2.0**-24 * 1.5, 1.0 + 2.0**-8, 1.0 + 3 * 2.0**-8, -3.3e38]
+    q[1, :4] = [1.0 + 2.0**-11, 1.0 + 3 * 2.0**-11, 6.1e-5, -1e5]
+    np.save(tmp_path / "in" / stage_file(QUERIES, 0, "npy"), q.astype(f32))
+    run_binary(binary, tmp_path / "in", tmp_path / "out", backend="cpu",
+               extra=("--precision", precision, "--allow-nonfinite"))
+    out = tmp_path / "out"
+    echo = np.load(out / stage_file(QUERIES, 0, "npy"))
+    with np.errstate(over="ignore"):  # 65520 and beyond are inf in fp16
+        want = q.astype(np.float16).astype(f32) if precision == "fp16" else round_to_format(q, precision).astype(f32)
+    np.testing.assert_array_equal(echo, want)
+    for name in STAGES:
+        path = out / stage_file(name, 0, "npy")
+        if not path.exists():
+            continue
+        x = np.load(path)
+        held = np.array_equal(round_to_format(x, precision), x.astype(np.float64), equal_nan=True)
+        assert held != STAGES[name].float32, name
+    assert f'precision = "{precision}"' in (out / RUN_MANIFEST).read_text()
+
+
+def test_the_cuda_backend_refuses_half_precision(binary, tmp_path):
+    generate_case(tmp_path / "in", Dims(1, 1, 4, 4, 16, 16))
+    proc = subprocess.run([str(binary), "--in", str(tmp_path / "in"), "--out", str(tmp_path / "out"),
+                           "--backend", "cuda", "--precision", "bf16"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stderr.startswith("main: error: --precision bf16"), proc.stderr
+
+
+CHUNKS = [pytest.param(p, c, id=f"{p}-{c}") for p in HALF_PRECISIONS for c in range((HALF_CASES + 5) // 6)]
+
+
+@pytest.mark.parametrize("precision,chunk", CHUNKS)
+def test_random_correct_half_runs_never_fail(binary, tmp_path, precision, chunk):
+    """Random cases of the false-alarm sweep's generator space (every distribution, shape kind,
+    causal mode, scale and the backward) at half precision on the CPU backend: every stage passes
+    under the half model, and the verdict names it."""
+    for index in range(chunk * 6, min(HALF_CASES, (chunk + 1) * 6)):
+        case = draw_case(1000 + index)
+        work = tmp_path / str(index)
+        report = _run_and_check(binary, work, case.dims, case.causal, ("cpu", ("--precision", precision)),
+                                seed=case.index, distribution=case.distribution, fmt=case.fmt, scale=case.scale,
+                                backward=case.backward)
+        assert report.passed, f"false alarm at {precision}: {case}: {_failures(report)}"
+        shutil.rmtree(work)
+
+
+# ---- an independent half-precision program: NumPy, other summation orders, no run.toml --------
+
+def _half(x, precision):
+    return round_to_format(np.asarray(x, f32), precision).astype(f32)
+
+
+def _emulate(q, k, v, scale, causal, precision, mm, bug=None):
+    """A bf16/fp16 attention as PyTorch's eager mode runs it (each op's result in the format,
+    float32 inside), its GEMMs summed in `mm`'s order, and a FlashAttention-style forward over
+    key tiles of 32 with P rounded before P·V."""
+    h = lambda x: _half(x, precision)  # noqa: E731
+    q, k, v = h(q), h(k), h(v)
+    qk = h(mm(q, k.T))
+    s = h(qk * f32(scale if bug != "unscaled" else 1.0))
+    if causal:
+        s = np.where(np.triu(np.ones(s.shape, bool), 1), -np.inf, s).astype(f32)
+    e = np.exp(s - s.max(axis=1, keepdims=True), dtype=f32)
+    p = h(e / e.sum(axis=1, keepdims=True, dtype=f32))
+    out = {SCORES: qk, SCALED_SCORES: s, WEIGHTS: p, OUTPUT: h(mm(p, v))}
+    m = np.full((q.shape[0], 1), -np.inf, f32)
+    l, acc = np.zeros_like(m), np.zeros((q.shape[0], v.shape[1]), f32)
+    full = (mm(q, k.T) * f32(scale)).astype(f32)  # the flash scores stay float32
+    if causal:
+        full = np.where(np.triu(np.ones(full.shape, bool), 1), -np.inf, full).astype(f32)
+    for c0 in range(0, k.shape[0], 32):
+        t = full[:, c0:c0 + 32]
+        m_new = np.maximum(m, t.max(axis=1, keepdims=True))
+        alpha = np.where(m == -np.inf, f32(0), np.exp(m - m_new, dtype=f32)).astype(f32)
+        pt = np.exp(t - m_new, dtype=f32)
+        l = (alpha * l + pt.sum(axis=1, keepdims=True, dtype=f32)).astype(f32)
+        acc = (alpha * acc + mm(h(pt), v[c0:c0 + 32])).astype(f32)
+        m = m_new
+    out[FLASH_OUTPUT] = h(acc / l)
+    out[FLASH_LSE] = (m + np.log(l)).astype(f32)
+    return out
+
+
+def _foreign_case(tmp_path, precision, mm, causal, bug=None, fmt="npy"):
+    dims = Dims(1, 2, 50, 77, 64, 64)
+    generate_case(tmp_path / "in", dims, seed=5, causal=causal, distribution="normal")
+    out = tmp_path / "out"
+    out.mkdir()
+    for i in range(dims.total_heads):
+        q, k, v = (np.loadtxt(tmp_path / "in" / stage_file(n, i, "txt"), ndmin=2).astype(f32) for n in INPUT_NAMES)
+        for name, x in _emulate(q, k, v, dims.d_k ** -0.5, causal, precision, mm, bug).items():
+            if fmt == "txt":
+                write_text(out / stage_file(name, i, "txt"), x, "%.9g")
+            elif precision == "fp16" and not STAGES[name].float32:
+                np.save(out / stage_file(name, i, "npy"), x.astype(np.float16))  # '<f2', as such programs save
+            else:
+                np.save(out / stage_file(name, i, "npy"), x)
+    return tmp_path / "in", out
+
+
+@pytest.mark.parametrize("precision", HALF_PRECISIONS)
+@pytest.mark.parametrize("mm,causal,fmt", [(mm_reverse, False, "npy"), (mm_pairwise, True, "txt"),
+                                          (mm_blas, True, "npy")], ids=["reverse", "pairwise-causal-txt",
+                                                                        "blas-causal"])
+def test_an_independent_half_program_passes(tmp_path, precision, mm, causal, fmt):
+    in_dir, out_dir = _foreign_case(tmp_path, precision, mm, causal, fmt=fmt)
+    code, verdict = _check(in_dir, out_dir, "--precision", precision, *(["--causal"] if causal else []))
+    assert code == 0 and verdict.startswith(f"PASS (bounds for {precision})"), verdict
+
+
+@pytest.mark.parametrize("precision", HALF_PRECISIONS)
+def test_a_missing_scale_fails_at_half_precision(tmp_path, precision):
+    in_dir, out_dir = _foreign_case(tmp_path, precision, mm_blas, False, bug="unscaled")
+    code, verdict = _check(in_dir, out_dir, "--precision", precision)
+    assert code == 1 and verdict.startswith(f"FAIL (bounds for {precision}): first failing stage: {SCALED_SCORES}"), \
+        verdict
+
+
+@pytest.mark.parametrize("precision", HALF_PRECISIONS)
+def test_one_wrong_element_fails_when_it_exceeds_the_half_bound(tmp_path, precision):
+    """One output element off by 2% (five half ulps of bf16, forty of fp16) fails, at that element;
+    the same program run at fp32 bounds fails everywhere (its values are half-rounded)."""
+    in_dir, out_dir = _foreign_case(tmp_path, precision, mm_blas, False)
+    path = out_dir / stage_file(OUTPUT, 1, "npy")
+    x = np.load(path)
+    x[3, 5] = x[3, 5] * 1.02 + np.sign(x[3, 5]) * 0.02 * np.abs(x).max()
+    np.save(path, x)
+    json_path = tmp_path / "r.json"
+    code, verdict = _check(in_dir, out_dir, "--precision", precision, "--json", json_path)
+    assert code == 1 and f"first failing stage: {OUTPUT}" in verdict, verdict
+    failed = [r for r in json.loads(json_path.read_text())["results"] if not r["passed"]]
+    assert [(r["stage"], r["head"]) for r in failed] == [(OUTPUT, 1)], failed
+    code, verdict = _check(in_dir, out_dir, "--precision", "fp32")
+    assert code == 1, verdict
+
+
+def test_half_runs_of_the_binary_name_their_bounds(binary, tmp_path):
+    generate_case(tmp_path / "in", Dims(1, 2, 33, 40, 32, 32), seed=2, backward=True)
+    run_binary(binary, tmp_path / "in", tmp_path / "out", backend="cpu", extra=("--precision", "fp16"))
+    code, verdict = _check(tmp_path / "in", tmp_path / "out")
+    assert code == 0 and verdict.startswith("PASS (bounds for fp16)"), verdict
+    code, verdict = _check(tmp_path / "in", tmp_path / "out", "--precision", "fp32")
+    assert code == 1 and verdict.startswith("FAIL (bounds for fp32)"), verdict

@@ -1,0 +1,52 @@
+"""The half-precision formats: rounding to them, and the error of storing a value in them.
+
+Under `--precision bf16|fp16` the inputs are rounded to the format (the verifier rounds them the
+same way, so its references start from the values the program computed with), the GEMMs multiply
+half values and accumulate in float32 (the float32 model, verify/model/dot.py), the softmax runs in
+float32, and each stored value is converted to the format once: an error of at most half a unit in
+its last place, ≤ STORAGE_UNIT·|x| for a normal value and half the subnormal step below (fp16).
+"""
+from __future__ import annotations
+
+from typing import Dict, Tuple
+
+import numpy as np
+
+# Per format: significant bits p (the unit roundoff is 2^-p) and the exponent of the smallest
+# normal value; below it the step is fixed (subnormals).
+HALF_FORMATS: Dict[str, Tuple[int, int]] = {"bf16": (8, -126), "fp16": (11, -14)}
+
+
+def is_half(precision: str) -> bool:
+    return precision in HALF_FORMATS
+
+
+def storage_unit(precision: str) -> float:
+    """The unit roundoff of storing a value in the format (2^-8 bf16, 2^-11 fp16)."""
+    return 2.0 ** -HALF_FORMATS[precision][0]
+
+
+def round_to_format(x: np.ndarray, precision: str) -> np.ndarray:
+    """x (float32 values) rounded to the format, nearest even, as a float32->bf16/fp16 conversion
+    does (fp16: ±inf past 65504, subnormals below 2^-14); returned as float64 holding the values."""
+    x32 = np.ascontiguousarray(x, dtype=np.float32)
+    if precision == "fp16":
+        with np.errstate(over="ignore"):
+            return x32.astype(np.float16).astype(np.float64)
+    bits = x32.view(np.uint32).astype(np.uint64)
+    finite = (bits & 0x7F800000) != 0x7F800000
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).astype(np.uint32)
+    out = np.where(finite, rounded, bits.astype(np.uint32)).view(np.float32)
+    return out.astype(np.float64)
+
+
+def storage_bound(ref: np.ndarray, precision: str) -> np.ndarray:
+    """Bound on the error of converting a float32 value near ref to the format: half an ulp, at
+    most u_h·|x| (the value computed lies within a few float32 ulps of ref: 2^-20 covers them)
+    plus half the subnormal step; 0 where ref is not finite (masked entries match exactly)."""
+    p, emin = HALF_FORMATS[precision]
+    a = np.abs(np.asarray(ref, dtype=np.float64))
+    out = a * (2.0 ** -p * (1.0 + 2.0 ** -20))
+    out += 2.0 ** (emin - p)
+    np.copyto(out, 0.0, where=~np.isfinite(a))
+    return out
