@@ -109,9 +109,8 @@ def test_plot_draws_the_backward(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.mark.parametrize("passes, timed", [("both", {SDPA, SDPA_BACKWARD}), ("forward", {SDPA}),
-                                           ("backward", {SDPA_BACKWARD})])
-def test_collect_times_sdpa_for_each_pass_asked(monkeypatch, passes, timed):
+def _record_binary_runs(monkeypatch) -> list:
+    """Replaces the binary's bench run by one that records (passes, ceilings) of each call."""
     seen = []
 
     def fake_run(binary, shape, prec, warmup, reps, check, only="all", timeout=0, monitor=None, passes="both",
@@ -120,6 +119,13 @@ def test_collect_times_sdpa_for_each_pass_asked(monkeypatch, passes, timed):
         return _binary_json(prec)
 
     monkeypatch.setattr(vb, "run_binary_bench", fake_run)
+    return seen
+
+
+@pytest.mark.parametrize("passes, timed", [("both", {SDPA, SDPA_BACKWARD}), ("forward", {SDPA}),
+                                           ("backward", {SDPA_BACKWARD})])
+def test_collect_times_sdpa_for_each_pass_asked(monkeypatch, passes, timed):
+    seen = _record_binary_runs(monkeypatch)
     monkeypatch.setattr(vb, "torch_available", lambda: "2.11")
     monkeypatch.setitem(vb._SDPA_TIMERS, "forward", (SDPA, lambda *a: {"status": "ok", "ms": 1.0, "tflops": 1.0}))
     monkeypatch.setitem(vb._SDPA_TIMERS, "backward",
@@ -131,14 +137,7 @@ def test_collect_times_sdpa_for_each_pass_asked(monkeypatch, passes, timed):
 
 
 def test_cli_pass_and_no_ceilings_reach_the_binary(tmp_path, monkeypatch):
-    seen = []
-
-    def fake_run(binary, shape, prec, warmup, reps, check, only="all", timeout=0, monitor=None, passes="both",
-                 ceilings=True):
-        seen.append((passes, ceilings))
-        return _binary_json(prec)
-
-    monkeypatch.setattr(vb, "run_binary_bench", fake_run)
+    seen = _record_binary_runs(monkeypatch)
     main = tmp_path / "main"
     main.write_text("")
     res = CliRunner().invoke(vb.bench, ["--binary", str(main), "--shape", "1,1,8,8,16", "--no-torch",

@@ -94,6 +94,16 @@ def exact_quantization(src: Src, quanta: Dict[str, np.ndarray], scale: float, ca
     return 0.0
 
 
+def product_quantization(src: Src, quanta: Dict[str, np.ndarray], a: str, b: str):
+    """How far A·Bᵀ moves when A or B is known only to within its printed resolution."""
+    out = 0.0
+    if a in quanta:
+        out = out + quanta[a] @ np.abs(src[b]).T
+    if b in quanta:
+        out = out + np.abs(src[a]) @ quanta[b].T
+    return out
+
+
 @dataclass(frozen=True)
 class StageSpec:
     """One stage: its reference, its error bounds, its invariants, its diagnoses (see the module doc).

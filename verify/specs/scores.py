@@ -14,7 +14,7 @@ from ..model.dot import flush_sum, qk_var
 from ..model.rounding import FLUSH, ROUND_VAR, finish
 from ..model.softmax import need
 from ..stages import KEYS, QUERIES, SCALED_SCORES, SCORES
-from .base import MASK_MISSING, StageSpec, violation
+from .base import MASK_MISSING, StageSpec, product_quantization, violation
 from .copies import PATTERNS
 
 
@@ -33,12 +33,7 @@ def _qk_floor(src):
 
 def qk_quantization(src, q, scale, causal=False):
     """How far Q·Kᵀ moves when Q or K is known only to within its printed resolution."""
-    dS = 0.0
-    if QUERIES in q:
-        dS = dS + q[QUERIES] @ np.abs(src[KEYS]).T
-    if KEYS in q:
-        dS = dS + np.abs(src[QUERIES]) @ q[KEYS].T
-    return dS
+    return product_quantization(src, q, QUERIES, KEYS)
 
 
 def _scaled_reference(src, scale, causal):

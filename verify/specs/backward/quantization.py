@@ -8,6 +8,7 @@ import numpy as np
 
 from ...stages import (FLASH_LSE, FLASH_OUTPUT, GRAD_OUTPUT, GRAD_WEIGHTS, KEYS, OUTPUT, QUERIES, ROW_DOT, VALUES,
                        WEIGHTS)
+from ..base import product_quantization
 from .reference import flash_backward, mask_of
 
 
@@ -21,12 +22,7 @@ def d_quantization(src, q, scale, causal):
 
 
 def dp_quantization(src, q, scale, causal):
-    out = 0.0
-    if GRAD_OUTPUT in q:
-        out = out + q[GRAD_OUTPUT] @ np.abs(src[VALUES]).T
-    if VALUES in q:
-        out = out + np.abs(src[GRAD_OUTPUT]) @ q[VALUES].T
-    return out
+    return product_quantization(src, q, GRAD_OUTPUT, VALUES)
 
 
 def ds_quantization(src, q, scale, causal):
