@@ -51,10 +51,8 @@ def _invoke(*args) -> "click.testing.Result":
     return CliRunner().invoke(cli, [str(a) for a in args], catch_exceptions=False)
 
 
-@pytest.fixture(scope="module")
-def cases(binary, tmp_path_factory):
+def _correct_cases(binary, root, *extra):
     """One correct output case per shape, computed by the binary's CPU backend."""
-    root = tmp_path_factory.mktemp("mutations")
     out = {}
     for name, (heads, N, M, d, causal, backward) in SHAPES.items():
         base = root / name
@@ -63,9 +61,20 @@ def cases(binary, tmp_path_factory):
                     "--causal" if causal else "--no-causal", *(("--backward",) if backward else ()))
         assert r.exit_code == 0, r.output
         subprocess.run([str(binary), "--in", str(base / "in"), "--out", str(base / "out"),
-                        "--backend", "cpu"], check=True, capture_output=True)
+                        "--backend", "cpu", *extra], check=True, capture_output=True)
         out[name] = base
     return out
+
+
+@pytest.fixture(scope="module")
+def cases(binary, tmp_path_factory):
+    return _correct_cases(binary, tmp_path_factory.mktemp("mutations"))
+
+
+@pytest.fixture(scope="module")
+def bf16_cases(binary, tmp_path_factory):
+    """The same cases computed in bf16 (its bounds the loosest of the half formats')."""
+    return _correct_cases(binary, tmp_path_factory.mktemp("mutations-bf16"), "--precision", "bf16")
 
 
 # How the binary computes each stage-path stage from its inputs (verify/stages.py's `inputs`, in
@@ -209,10 +218,15 @@ def _mask_offset(c: Case):
     return "QK_scaled", np.where(np.triu(np.ones(s.shape, bool), 2), -np.inf, s)  # c > r + 1
 
 
-def _tail_tile(c: Case):
-    o = c.load("flash_output", HEAD)
-    o[128:, :] *= 1.01  # the last 64-row query tile (rows 128..129)
-    return "flash_output", o
+def _tail_tile_by(factor: float):
+    def build(c: Case):
+        o = c.load("flash_output", HEAD)
+        o[128:, :] *= factor  # the last 64-row query tile (rows 128..129)
+        return "flash_output", o
+    return build
+
+
+_tail_tile = _tail_tile_by(1.01)
 
 
 def _mixture(c: Case):
@@ -301,7 +315,23 @@ MUTATIONS = {
 
 @pytest.mark.parametrize("name", list(MUTATIONS), ids=list(MUTATIONS))
 def test_planted_bug_is_caught_localized_and_named(cases, tmp_path, name):
-    shape, build, code, inherited = MUTATIONS[name]
+    _assert_caught(cases, tmp_path, MUTATIONS[name])
+
+
+# A 1% error in two rows of flash_output is 2.5 half-ulps of bf16 (2^-8), within what a correct
+# bf16 run may err there: at bf16 the tail tile is planted 10% off.
+BF16_MUTATIONS = {**MUTATIONS, "tile_boundary-flash-tail": ("tiles", _tail_tile_by(1.10), "tile_boundary", None)}
+
+
+@pytest.mark.parametrize("name", list(BF16_MUTATIONS), ids=list(BF16_MUTATIONS))
+def test_planted_bug_is_caught_at_half_precision(bf16_cases, tmp_path, name):
+    """The same bugs in a bf16 run (its stages rounded to bf16, its bounds bf16's) are caught,
+    blamed and named alike."""
+    _assert_caught(bf16_cases, tmp_path, BF16_MUTATIONS[name])
+
+
+def _assert_caught(cases, tmp_path, mutation):
+    shape, build, code, inherited = mutation
     case = Case(cases[shape], tmp_path)
     stage, mat = build(case)
     case.plant(stage, HEAD, mat)

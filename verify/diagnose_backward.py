@@ -47,8 +47,8 @@ def _width(ctx, stage: str, width: float) -> float:
     """Candidates built from the reference chain (where the program wrote no upstream file) carry
     the chain's error: allow the chained bound's width as well."""
     head = ctx.head_ctx
-    if head is None:
-        return width
+    if head is None or all(n in head.got for n in STAGES[stage].inputs):
+        return width  # every candidate is built from the program's own files
     from . import tolerance
     try:
         chained = tolerance.chained_bound(stage, head.chain, **head.bound_args())
