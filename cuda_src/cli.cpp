@@ -67,7 +67,7 @@ void print_usage(FILE* to) {
         "            [--scale S] [--stages LIST] [--format txt|npy] [--precision fp32|tf32|bf16|fp16]\n"
         "            [--poison] [--flash-kernel auto|wgmma|fast|clean] [--allow-nonfinite] [--max-memory-mb MB]\n"
         "            [--progress]\n"
-        "       main --bench ...   (benchmarks; CUDA builds only)\n"
+        "       main --bench ...   (benchmarks; CUDA builds only: main --bench --help)\n"
         "\n"
         "Computes attention one stage at a time and writes every stage per head (docs/contract.md).\n"
         "  CASE               case name under ./data or ../data (default random_test); output goes\n"

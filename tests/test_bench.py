@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import subprocess
 from pathlib import Path
 
@@ -281,3 +282,17 @@ def test_cli_build_failure_shows_the_build_output(tmp_path, monkeypatch):
     res = CliRunner().invoke(vb.bench, ["--shape", "1,1,8,8,16", "--build-dir", str(tmp_path / "b")])
     assert res.exit_code == 2
     assert "build failed: cmake --build exited 1" in res.output and "main.cu:3: error: bad thing" in res.output
+
+
+def test_the_binarys_bench_help_lists_every_option_it_parses(binary):
+    """`main --bench --help` names each option bench_options.cu accepts (read from its source), and
+    an unknown option points to it."""
+    source = (Path(__file__).resolve().parents[1] / "cuda_src" / "cuda" / "bench_options.cu").read_text()
+    parsed = set(re.findall(r'a == "(--[a-z-]+)"', source)) - {"--bench", "--help"}
+    res = subprocess.run([str(binary), "--bench", "--help"], capture_output=True, text=True, timeout=60)
+    if res.returncode == 2 and "CUDA build" in res.stderr:
+        pytest.skip("a CPU-only build has no --bench")
+    assert res.returncode == 0, res.stderr
+    assert parsed and all(opt in res.stdout for opt in parsed), sorted(o for o in parsed if o not in res.stdout)
+    bad = subprocess.run([str(binary), "--bench", "--bogus"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "main --bench --help" in bad.stderr

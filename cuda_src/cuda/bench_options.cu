@@ -1,5 +1,6 @@
 // bench_options.cu — `main --bench`'s command line.
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <string>
 
@@ -12,7 +13,34 @@ namespace bench {
 namespace {
 
 [[noreturn]] void bad_option(const std::string& what) {
-    fail(kExitBadInput, "--bench: " + what, "run 'main --help' for the --bench options");
+    fail(kExitBadInput, "--bench: " + what, "run 'main --bench --help' for its options");
+}
+
+void print_usage() {
+    std::printf(
+        "usage: main --bench [--batch B] [--heads H] [--seq-q N] [--seq-k M] [--d D] [--causal]\n"
+        "                    [--scale S] [--precision fp32|tf32] [--warmup W] [--reps R] [--json FILE]\n"
+        "                    [--check] [--check-rows K] [--only all|stages|flash]\n"
+        "                    [--pass forward|backward|both] [--no-ceilings] [--seed S]\n"
+        "                    [--fast-variant I] [--splits S]\n"
+        "\n"
+        "Times every stage kernel and the flash kernels on one shape (inputs generated on the GPU),\n"
+        "the median of R timed runs after W warm-up runs, each between two CUDA events.\n"
+        "  --batch, --heads    B x H heads (default 1 x 12)\n"
+        "  --seq-q, --seq-k    N query rows, M keys (default 128, 128)\n"
+        "  --d                 head width d_k = d_v (default 64)\n"
+        "  --causal, --scale   the top-left causal mask; the scale (default 1/sqrt(d))\n"
+        "  --precision         fp32 (default) or tf32\n"
+        "  --warmup, --reps    untimed and timed runs per kernel (default 3, 20)\n"
+        "  --json FILE         write the rows as JSON (docs/performance.md)\n"
+        "  --check             compare the flash results and the gradients with float64 on the host\n"
+        "  --check-rows K      rows sampled per checked head (default 16; 0: every row of every head)\n"
+        "  --only              all (default), stages (the stage path) or flash (the flash kernels)\n"
+        "  --pass              forward, backward or both (default)\n"
+        "  --no-ceilings       skip the ceiling measurements (cuBLAS SGEMM, copy, tensor-core peaks)\n"
+        "  --seed S            the inputs' seed (default 1234)\n"
+        "  --fast-variant I, --splits S   the mma.sync flash kernel's variant and KV splits, for\n"
+        "                      tuning (docs/performance.md)\n");
 }
 
 int parse_int(const std::string& flag, const char* text, int lo, int hi) {
@@ -36,6 +64,10 @@ Options parse_options(int argc, char** argv) {
             return argv[++i];
         };
         if (a == "--bench") continue;
+        else if (a == "--help" || a == "-h") {
+            print_usage();
+            std::exit(kExitOk);
+        }
         else if (a == "--batch") o.batch = parse_int(a, value(), 1, 1 << 20);
         else if (a == "--heads") o.heads = parse_int(a, value(), 1, 1 << 20);
         else if (a == "--seq-q") o.N = parse_int(a, value(), 1, 1 << 24);
