@@ -114,13 +114,13 @@ StageSet drop_backward(const Options& o, const InputCase& c, StageSet sel) {
 }
 
 // The CUDA flash kernels have no bf16/fp16 variant: under a half precision on the CUDA backend the
-// flash stages are an error when named, and left out (with a notice) when a group selected them.
+// flash stages are an error when asked for (by name or by a group such as `flash`, as for an
+// unsupported head size), and left out with a notice under the default `all`.
 StageSet drop_half_flash(const Options& o, const Backend& be, StageSet sel) {
     if (!is_half(o.precision) || std::string(be.name()) != "cuda" || !sel.any_flash()) return sel;
     const std::string why = std::string("--precision ") + precision_name(o.precision) +
                             ": the CUDA flash kernels have no half-precision variant";
-    const StageSet named = StageSet{o.stages_named.bits & sel.bits & StageSet::flash().bits};
-    if (!named.empty())
+    if (names_flash_explicitly(o.stages_text))
         fail(kExitBadInput, why + " (--stages " + o.stages_text + ")",
              "select the stage path (--stages stages), or use --backend cpu, which emulates them");
     notice(why + "; skipping " + stage_list(StageSet{sel.bits & StageSet::flash().bits}));
