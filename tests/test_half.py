@@ -212,3 +212,29 @@ def test_half_runs_of_the_binary_name_their_bounds(binary, tmp_path):
     assert code == 0 and verdict.startswith("PASS (bounds for fp16)"), verdict
     code, verdict = _check(tmp_path / "in", tmp_path / "out", "--precision", "fp32")
     assert code == 1 and verdict.startswith("FAIL (bounds for fp32)"), verdict
+
+
+def test_fp16_npy_inputs_are_read_exactly(binary, tmp_path):
+    """An fp16 case saved as '<f2' .npy: every binary16 value (all 65,536 bit patterns, subnormals,
+    ±inf and NaN included) is read as the float32 that equals it, by the binary and the verifier
+    alike, and a correct fp16 run of such a case passes."""
+    dims = Dims(1, 1, 256, 256, 256, 256)
+    generate_case(tmp_path / "in", dims, seed=1, fmt="npy")
+    every = np.arange(2**16, dtype=np.uint16).view(np.float16).reshape(256, 256)
+    np.save(tmp_path / "in" / stage_file(QUERIES, 0, "npy"), every)
+    run_binary(binary, tmp_path / "in", tmp_path / "echo", backend="cpu",
+               extra=("--stages", QUERIES, "--allow-nonfinite"))
+    echo = np.load(tmp_path / "echo" / stage_file(QUERIES, 0, "npy"))
+    np.testing.assert_array_equal(echo, every.astype(f32))
+    code, verdict = _check(tmp_path / "in", tmp_path / "echo", "--allow-nonfinite")
+    assert code == 0, verdict
+
+    small = Dims(1, 2, 40, 50, 32, 32)
+    generate_case(tmp_path / "in2", small, seed=6, fmt="npy", backward=True)
+    for name in INPUT_NAMES:
+        for i in range(small.total_heads):
+            path = tmp_path / "in2" / stage_file(name, i, "npy")
+            np.save(path, np.load(path).astype(np.float16))
+    run_binary(binary, tmp_path / "in2", tmp_path / "out2", backend="cpu", extra=("--precision", "fp16"))
+    code, verdict = _check(tmp_path / "in2", tmp_path / "out2")
+    assert code == 0 and verdict.startswith("PASS (bounds for fp16)"), verdict

@@ -278,13 +278,14 @@ def parse_npy_matrix(data: bytes, name: str, shape: Optional[Tuple[int, int]] = 
     extra = len(data) - buf.tell()
     if extra:
         raise CaseError(f"{name}: {plural(extra, 'byte')} after the array data; HINT: the file is damaged; regenerate it")
-    if arr.dtype != np.dtype("<f4"):
-        raise CaseError(f"{name}: dtype {arr.dtype}, expected float32 ('<f4'); "
+    if arr.dtype not in (np.dtype("<f4"), np.dtype("<f2")):
+        raise CaseError(f"{name}: dtype {arr.dtype}, expected float32 ('<f4') or float16 ('<f2'); "
                         "HINT: save with arr.astype(np.float32)")
     # np.load also takes 'f4' or '=f4', and Fortran order; the contract (and the binary) does not.
     header = _npy_header(data)
-    if header["descr"] != "<f4":
-        raise CaseError(f"{name}: dtype descr {header['descr']!r}, expected '<f4'")
+    if header["descr"] not in ("<f4", "<f2"):
+        raise CaseError(f"{name}: dtype descr {header['descr']!r}, expected '<f4' or '<f2'")
+    arr = arr.astype(np.float32)  # an fp16 input: each value exactly
     if header["fortran_order"]:
         raise CaseError(f"{name}: fortran_order arrays are not supported; HINT: save np.ascontiguousarray(arr)")
     if arr.ndim != 2:

@@ -203,7 +203,24 @@ constexpr size_t kNpyMagicLen = 6;
 struct NpyHeader {
     MatrixShape shape;
     size_t data_offset = 0;
+    bool half = false;  // '<f2' (IEEE binary16): an fp16 input, every value exact in float32
 };
+
+// An IEEE binary16 value (its bits) as the float32 that equals it: normals and subnormals exactly,
+// +-inf and NaN kept.
+float half_bits_to_float(uint16_t h) {
+    const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+    const int exp = (h >> 10) & 0x1F;
+    const uint32_t mant = h & 0x3FFu;
+    float v;
+    if (exp == 0x1F) {
+        const uint32_t bits = sign | 0x7F800000u | (mant << 13);
+        std::memcpy(&v, &bits, sizeof v);
+        return v;
+    }
+    v = exp == 0 ? std::ldexp(static_cast<float>(mant), -24) : std::ldexp(static_cast<float>(mant | 0x400u), exp - 25);
+    return sign ? -v : v;
+}
 
 const char* kNpyHint = "write the file with np.save(path, a.astype(np.float32)) (a 2-D array)";
 
@@ -338,8 +355,9 @@ NpyHeader parse_npy_header(const std::string& path, const std::string& head, uin
     bool fortran_order = false;
     std::vector<long long> dims;
     NpyDictParser(path, dict).parse(&descr, &fortran_order, &dims);
-    if (descr != "<f4")
-        fail(kExitBadInput, path + ": dtype '" + descr + "' is not little-endian float32 ('<f4')", kNpyHint);
+    if (descr != "<f4" && descr != "<f2")
+        fail(kExitBadInput, path + ": dtype '" + descr + "' is not little-endian float32 ('<f4') or float16 ('<f2')",
+             kNpyHint);
     if (fortran_order) fail(kExitBadInput, path + ": fortran_order arrays are not supported", kNpyHint);
     if (dims.size() != 2) {
         std::string shape;
@@ -354,7 +372,8 @@ NpyHeader parse_npy_header(const std::string& path, const std::string& head, uin
     h.shape.rows = static_cast<int>(dims[0]);
     h.shape.cols = static_cast<int>(dims[1]);
     h.data_offset = start + len;
-    const uint64_t need = static_cast<uint64_t>(dims[0]) * static_cast<uint64_t>(dims[1]) * sizeof(float);
+    h.half = descr == "<f2";
+    const uint64_t need = static_cast<uint64_t>(dims[0]) * static_cast<uint64_t>(dims[1]) * (h.half ? 2 : sizeof(float));
     if (file_size != h.data_offset + need)
         fail(kExitBadInput, path + ": holds " + plural(static_cast<long long>(file_size - h.data_offset), "data byte") + "; shape (" +
                                 std::to_string(dims[0]) + ", " + std::to_string(dims[1]) + ") needs " + std::to_string(need),
@@ -382,8 +401,20 @@ void read_npy(const std::string& path, int rows, int cols, bool allow_nonfinite,
                                 " x " + std::to_string(cols) + " (" + what + ")",
              "the case's files disagree in shape; regenerate the case");
     size_t n = static_cast<size_t>(rows) * cols;
-    if (std::fread(dst, sizeof(float), n, in.get()) != n)
+    if (h.half) {
+        // Read as 16-bit values into the upper half of dst, then widen front to back: value i
+        // lands at i after it was read from byte 2n + 2i, which no earlier value overwrote.
+        // (Byte access: a char may alias the floats, so no load moves past an earlier store.)
+        unsigned char* raw = reinterpret_cast<unsigned char*>(dst) + 2 * n;
+        if (std::fread(raw, 2, n, in.get()) != n)
+            fail(kExitBadInput, path + ": short read", "the file is truncated; regenerate it");
+        for (size_t i = 0; i < n; ++i) {
+            const uint16_t bits = static_cast<uint16_t>(raw[2 * i] | (raw[2 * i + 1] << 8));  // little-endian
+            dst[i] = half_bits_to_float(bits);
+        }
+    } else if (std::fread(dst, sizeof(float), n, in.get()) != n) {
         fail(kExitBadInput, path + ": short read", "the file is truncated; regenerate it");
+    }
     if (allow_nonfinite) return;
     for (size_t i = 0; i < n; ++i)
         if (!std::isfinite(dst[i]))
