@@ -121,6 +121,9 @@ public:
     virtual std::string device_name() const = 0;   // e.g. "NVIDIA H200" or "host CPU"
     // How the flash stages would be computed for this problem (flash_supported() holds).
     virtual FlashPlan flash_plan(const Problem& p) const = 0;
+    // The flash stages it computes for this problem at a half precision (every one where it emulates
+    // them; only those of the kernels it has otherwise). flash_supported() holds.
+    virtual StageSet half_flash_stages(const Problem& p) const = 0;
     // Working memory the backend needs per head for `computed` (device memory for cuda, extra
     // host memory beyond the HeadGroup buffers for cpu), and what it may use in all.
     virtual size_t working_bytes_per_head(const Problem& p, StageSet computed) const = 0;

@@ -113,18 +113,21 @@ StageSet drop_backward(const Options& o, const InputCase& c, StageSet sel) {
     return c.backward ? sel : sel.minus(StageSet::backward());
 }
 
-// The CUDA flash kernels have no bf16/fp16 variant: under a half precision on the CUDA backend the
-// flash stages are an error when asked for (by name or by a group such as `flash`, as for an
-// unsupported head size), and left out with a notice under the default `all`.
-StageSet drop_half_flash(const Options& o, const Backend& be, StageSet sel) {
-    if (!is_half(o.precision) || std::string(be.name()) != "cuda" || !sel.any_flash()) return sel;
-    const std::string why = std::string("--precision ") + precision_name(o.precision) +
-                            ": the CUDA flash kernels have no half-precision variant";
+// At a half precision a backend may lack some flash kernels (the CUDA backend has the forward on
+// compute capability 9.0 only, and no backward; the CPU backend emulates them all): those stages
+// are an error when asked for (by name or by a group such as `flash`, as for an unsupported head
+// size), and left out with a notice under the default `all`.
+StageSet drop_half_flash(const Options& o, const Backend& be, const Problem& p, StageSet sel) {
+    if (!is_half(o.precision) || !sel.any_flash()) return sel;
+    const StageSet missing{sel.bits & StageSet::flash().bits & ~be.half_flash_stages(p).bits};
+    if (missing.empty()) return sel;
+    const std::string why = std::string("--precision ") + precision_name(o.precision) + ": the " + be.name() +
+                            " backend has no half-precision kernel for " + stage_list(missing) + " on " + be.device_name();
     if (names_flash_explicitly(o.stages_text))
         fail(kExitBadInput, why + " (--stages " + o.stages_text + ")",
-             "select the stage path (--stages stages), or use --backend cpu, which emulates them");
-    notice(why + "; skipping " + stage_list(StageSet{sel.bits & StageSet::flash().bits}));
-    return StageSet{sel.bits & ~StageSet::flash().bits};
+             "select the stage path (--stages stages), or use --backend cpu, which emulates the flash kernels");
+    notice(why + "; skipping them");
+    return sel.minus(missing);
 }
 
 // The stages to write: the user's list, less the backward stages when the case has no dO
@@ -321,7 +324,7 @@ int run(int argc, char** argv) {
     InputCase in = open_input_case(o.in_dir);
     Problem p = make_problem(o, in);
     std::unique_ptr<Backend> be = choose_backend(o.backend);
-    StageSet written = drop_half_flash(o, *be, select_stages(o, in));
+    StageSet written = drop_half_flash(o, *be, p, select_stages(o, in));
     StageSet computed = dependency_closure(written);
     check_forced_flash_kernel(o, *be, computed);
     GroupPlan plan = plan_groups(o, p, computed, *be);

@@ -20,10 +20,13 @@ from click.testing import CliRunner
 
 from verify.cli import cli
 from verify.generate import generate_case
-from verify.model.half import round_to_format
+from verify.case import read_matrix
+from verify.model.half import round_to_format, storage_unit
+from verify.outputs import load_run
+from verify.reference import reference_chain
 from verify.runner import run_binary
-from verify.stages import (FLASH_LSE, FLASH_OUTPUT, HALF_PRECISIONS, INPUT_NAMES, OUTPUT, QUERIES, RUN_MANIFEST,
-                           SCALED_SCORES, SCORES, STAGES, WEIGHTS, Dims, stage_file)
+from verify.stages import (FLASH_LSE, FLASH_OUTPUT, HALF_PRECISIONS, INPUT_NAMES, OUTPUT, QUERIES,
+                           RUN_MANIFEST, SCALED_SCORES, SCORES, STAGES, WEIGHTS, Dims, stage_file)
 
 from foreign import mm_blas, mm_pairwise, mm_reverse, write_text
 from test_end_to_end import _run_and_check
@@ -72,29 +75,82 @@ def test_inputs_and_stage_values_are_rounded_to_the_format(binary, tmp_path, pre
 @pytest.mark.parametrize("precision", HALF_PRECISIONS)
 @pytest.mark.parametrize("dims,causal", [(Dims(1, 3, 128, 128, 64, 64), False), (Dims(2, 2, 77, 200, 40, 24), True),
                                          (Dims(1, 2, 300, 129, 128, 128), True)])
-def test_the_cuda_stage_path_at_half_precision_passes(binary, tmp_path, precision, dims, causal):
-    """The CUDA stage path at bf16/fp16 (cublasGemmEx on half operands, float32 accumulation, each
-    stage rounded to the format), forward and backward, passes under the half model; the flash
-    stages, which have no half kernels on the GPU, are left out with a notice."""
+def test_the_cuda_backend_at_half_precision_passes(binary, tmp_path, precision, dims, causal):
+    """The CUDA backend at bf16/fp16, forward and backward: the stage path (cublasGemmEx on half
+    operands, float32 accumulation, each stage rounded to the format) and, on a Hopper GPU, the
+    wgmma flash forward pass under the half model; the flash backward, which has no half kernel on
+    the GPU, is left out with a notice (and so is the flash forward elsewhere)."""
     generate_case(tmp_path / "in", dims, seed=4, causal=causal, backward=True, distribution="normal")
     proc = subprocess.run([str(binary), "--in", str(tmp_path / "in"), "--out", str(tmp_path / "out"),
                            "--backend", "cuda", "--precision", precision], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
-    assert "no half-precision variant" in proc.stderr or not dims.flash_supported, proc.stderr
+    if dims.flash_supported:
+        assert f"--precision {precision}: the cuda backend has no half-precision kernel for" in proc.stderr, proc.stderr
+        assert "flash_dQ" in proc.stderr and "skipping them" in proc.stderr, proc.stderr
     toml = (tmp_path / "out" / RUN_MANIFEST).read_text()
     assert 'backend = "cuda"' in toml and f'precision = "{precision}"' in toml
+    if FLASH_OUTPUT in load_run(tmp_path / "out").stages:  # a Hopper GPU: the half flash forward ran
+        assert f'flash_kernel = "cuda-wgmma-{precision}' in toml, toml
     code, verdict = _check(tmp_path / "in", tmp_path / "out")
     assert code == 0 and verdict.startswith(f"PASS (bounds for {precision})"), verdict
 
 
+def _run_half_flash(binary, in_dir, out_dir, precision, causal, *extra):
+    """The flash forward at `precision` with the wgmma kernel forced; skips where this GPU has no
+    half flash kernel (it needs compute capability 9.0)."""
+    res = run_binary(binary, in_dir, out_dir, backend="cuda", check=False,
+                     extra=["--poison", "--stages", "flash", "--flash-kernel", "wgmma", "--precision", precision,
+                            *(["--causal"] if causal else []), *extra])
+    if res.returncode == 2 and "no wgmma variant" in res.stderr:
+        pytest.skip(f"this GPU has no half-precision flash kernel: {res.stderr.strip()}")
+    assert res.returncode == 0, res.stderr
+    return load_run(out_dir)
+
+
+# Tails in N and M, one key, causal tiles across the diagonal, few blocks (the KV loop split and
+# merged, the merge rounding to the format) and enough blocks that it is not (the kernel rounds).
+HALF_FLASH_SHAPES = [Dims(1, 1, 1, 1, 64, 64), Dims(1, 2, 127, 333, 64, 64), Dims(2, 1, 200, 97, 128, 128),
+                     Dims(1, 40, 600, 300, 64, 64), Dims(1, 40, 600, 300, 128, 128)]
+VERIFIED_MAX_HEADS = 2  # the verifier's exact bounds cost seconds a head at the larger shapes
+
+
 @pytest.mark.gpu
-def test_the_cuda_flash_stages_refuse_half_precision(binary, tmp_path):
-    generate_case(tmp_path / "in", Dims(1, 1, 64, 64, 64, 64))
+@pytest.mark.parametrize("precision", HALF_PRECISIONS)
+@pytest.mark.parametrize("dims", HALF_FLASH_SHAPES, ids=[str(d) for d in HALF_FLASH_SHAPES])
+def test_the_wgmma_flash_forward_at_half_precision_passes(binary, tmp_path, precision, dims):
+    """The Hopper flash forward at bf16/fp16: its output holds values of the format, lse stays
+    float32, the verifier passes it under the half model, and every head is within a few units of
+    the format of the float64 reference (the split and unsplit paths both)."""
+    in_dir = generate_case(tmp_path / "in", dims, seed=5, distribution="normal", fmt="npy")
+    for causal in (False, True):
+        run = _run_half_flash(binary, in_dir, tmp_path / f"out-{causal}", precision, causal)
+        assert run.values["flash_kernel"].startswith(f"cuda-wgmma-{precision}"), run.values["flash_kernel"]
+        if dims.total_heads <= VERIFIED_MAX_HEADS:
+            code, verdict = _check(in_dir, tmp_path / f"out-{causal}")
+            assert code == 0 and verdict.startswith(f"PASS (bounds for {precision})"), verdict
+        unit = storage_unit(precision)
+        for head in range(dims.total_heads):
+            inputs = {n: round_to_format(read_matrix(in_dir / stage_file(n, head, "npy")), precision)
+                      for n in INPUT_NAMES}
+            ref = reference_chain(inputs, float(run.values["scale"]), causal, [FLASH_OUTPUT, FLASH_LSE])
+            got = read_matrix(run.file(FLASH_OUTPUT, head))
+            assert np.array_equal(round_to_format(got, precision), got), f"head {head}: O not in {precision}"
+            err = np.abs(got - ref[FLASH_OUTPUT]).max() / np.abs(ref[FLASH_OUTPUT]).max()
+            assert err < 8 * unit, f"{precision} causal={causal} head {head}: O off by {err:.3g}"
+            lse_err = np.abs(read_matrix(run.file(FLASH_LSE, head)) - ref[FLASH_LSE]).max()
+            assert lse_err < 1e-3, f"{precision} causal={causal} head {head}: lse off by {lse_err:.3g}"
+
+
+@pytest.mark.gpu
+def test_the_cuda_flash_backward_refuses_half_precision(binary, tmp_path):
+    generate_case(tmp_path / "in", Dims(1, 1, 64, 64, 64, 64), backward=True)
     proc = subprocess.run([str(binary), "--in", str(tmp_path / "in"), "--out", str(tmp_path / "out"),
                            "--backend", "cuda", "--precision", "bf16", "--stages", "flash"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and proc.stderr.startswith("main: error: --precision bf16"), proc.stderr
+    assert "flash_dQ" in proc.stderr.splitlines()[0], proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 2 and "HINT" in proc.stderr, proc.stderr
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
 
 
 CHUNKS = [pytest.param(p, c, id=f"{p}-{c}") for p in HALF_PRECISIONS for c in range((HALF_CASES + 5) // 6)]

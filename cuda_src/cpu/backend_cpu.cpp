@@ -235,6 +235,7 @@ public:
         return "host CPU (" + plural(std::max(1u, std::thread::hardware_concurrency()), "thread") + ")";
     }
     FlashPlan flash_plan(const Problem&) const override { return {kFlashBr, kFlashBc, "cpu-tiled"}; }
+    StageSet half_flash_stages(const Problem&) const override { return StageSet::flash(); }  // emulated
     size_t working_bytes_per_head(const Problem& p, StageSet computed) const override {
         // TF32 keeps rounded copies of the inputs; the flash backward keeps D (N floats); the
         // flash tiles' scratch is per thread, not per head, and small enough to ignore.

@@ -109,6 +109,7 @@ public:
     const char* name() const override { return "cuda"; }
     std::string device_name() const override { return device_name_; }
     FlashPlan flash_plan(const Problem& p) const override;
+    StageSet half_flash_stages(const Problem& p) const override;
     size_t working_bytes_per_head(const Problem& p, StageSet computed) const override;
     size_t available_bytes() const override;
     void compute(const Problem& p, StageSet computed, HeadGroup& group, StageTimes* times) override;
@@ -179,6 +180,13 @@ void CudaBackend::release() noexcept {
 FlashPlan CudaBackend::flash_plan(const Problem& p) const {
     if (!flash_supported(p.dims)) return {};  // no flash stage for this width: nothing to report
     return flash_forward_plan(flash_args(p));
+}
+
+// The forward's kernels where the dispatcher has a half variant for the problem (wgmma, on compute
+// capability 9.0); the flash backward has none.
+StageSet CudaBackend::half_flash_stages(const Problem& p) const {
+    if (!flash_supported(p.dims) || !flash_forward_available(flash_args(p))) return {};
+    return StageSet::flash().minus(StageSet::backward());
 }
 
 size_t CudaBackend::working_bytes_per_head(const Problem& p, StageSet computed) const {
@@ -294,10 +302,6 @@ void CudaBackend::run_stages(const Problem& p, StageSet computed, int heads, con
         });
     }
     if (computed.any_flash()) {
-        if (is_half(p.precision))  // main refuses this before any file is written; kept as a guard
-            fail(kExitBadInput, std::string("--precision ") + precision_name(p.precision) +
-                                    ": the CUDA flash kernels have no half-precision variant",
-                 "select the stage path (--stages stages), or use --backend cpu");
         FlashArgs a = flash_args(p);
         a.Q = buf(Stage::Q);
         a.K = buf(Stage::K);
@@ -356,6 +360,8 @@ void CudaBackend::run_backward_stages(const Problem& p, StageSet computed, int h
         });
     }
     if (computed.has(Stage::flash_dQ)) {
+        if (is_half(p.precision))  // main leaves these out (half_flash_stages); kept as a guard
+            fail(kExitInternal, where(__FILE__, __LINE__) + ": the CUDA flash backward has no half-precision variant");
         FlashBwdArgs a = flash_bwd_args(p);
         a.heads = heads;
         a.Q = buf(Stage::Q);

@@ -28,6 +28,10 @@ struct FlashArgs {
 // when `kernel` forces a kernel that has no variant for them.
 FlashPlan flash_forward_plan(const FlashArgs& a);
 
+// Whether a kernel has a variant for these arguments on this GPU (the half precisions: only the
+// wgmma kernel, compute capability 9.0); flash_forward_plan then succeeds.
+bool flash_forward_available(const FlashArgs& a);
+
 // Device memory flash_forward allocates per head beyond its arguments (the wgmma kernel's split
 // operands), for the backend's memory budget.
 size_t flash_workspace_bytes_per_head(const FlashArgs& a);

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "half_format.cuh"
 #include "warp.cuh"
 
 namespace attnstep {
@@ -242,8 +243,9 @@ __host__ __device__ constexpr int kperm(int p) { return p < 4 ? 2 * p : 2 * (p -
 // NaN (NaN in Q or K under --allow-nonfinite) has l = NaN, and O and lse come out NaN: the running
 // max (fmaxf) skips NaN and the TF32 rounding of P may turn 2^NaN into ±0 before P·V, so the FP32
 // row sum is where the NaN survives; testing it here keeps the per-tile path free of NaN checks.
-// O: the head's [N][D] output.
-template <int D>
+// O: the head's [N][D] output, each value stored as Fmt rounds it (half_format.cuh: float32 as is,
+// or the half format the output of a half precision holds).
+template <int D, class Fmt = Fp32>
 __device__ __forceinline__ void store_rows(const float (&o)[D / 8][4], const float (&m)[2],
                                            const float (&l)[2], float* O, float* lse, int row0,
                                            int N, int t) {
@@ -256,7 +258,7 @@ __device__ __forceinline__ void store_rows(const float (&o)[D / 8][4], const flo
 #pragma unroll
         for (int nt = 0; nt < D / 8; ++nt) {
             *reinterpret_cast<float2*>(O + static_cast<size_t>(row) * D + nt * 8 + 2 * t) =
-                make_float2(o[nt][2 * r] * inv, o[nt][2 * r + 1] * inv);
+                make_float2(Fmt::round(o[nt][2 * r] * inv), Fmt::round(o[nt][2 * r + 1] * inv));
         }
         if (t == 0) lse[row] = lsum == 0.f ? -INFINITY : (m[r] + log2f(lsum)) * kLn2;
     }

@@ -14,6 +14,7 @@
 
 #include "cuda_check.cuh"
 #include "device.cuh"
+#include "half_format.cuh"
 
 namespace attnstep {
 
@@ -23,12 +24,22 @@ constexpr int kMaxSplits = 16;
 constexpr int kCombineThreads = 256;
 
 std::string split_suffix(int splits) { return splits > 1 ? "-split" + std::to_string(splits) : ""; }
-std::string precision_suffix(Precision p) { return p == Precision::tf32 ? "-tf32" : "-3xtf32"; }
+// fp32 runs 3xTF32 on the tensor cores; every other precision is its own name.
+std::string precision_suffix(Precision p) { return p == Precision::fp32 ? "-3xtf32" : std::string("-") + precision_name(p); }
 
-[[noreturn]] void forced_kernel_missing(const char* name, int d) {
+[[noreturn]] void forced_kernel_missing(const char* name, const FlashArgs& a) {
     fail(kExitBadInput, std::string("--flash-kernel ") + name + ": no " + name + " variant for d=" +
-                            std::to_string(d) + " on this GPU",
+                            std::to_string(a.d) + (is_half(a.precision) ? std::string(" at ") + precision_name(a.precision) : "") +
+                            " on this GPU",
          "use --flash-kernel auto (or another kernel)");
+}
+
+// Only the wgmma kernel has half-precision variants: compute capability 9.0, d 64 and 128.
+[[noreturn]] void half_kernel_missing(const FlashArgs& a) {
+    fail(kExitBadInput, std::string("--precision ") + precision_name(a.precision) + ": no CUDA flash kernel for d=" +
+                            std::to_string(a.d) + " at half precision on this GPU (it needs compute capability 9.0 "
+                            "and d 64 or 128)",
+         "select the stage path (--stages stages), or use --backend cpu, which emulates the flash kernels");
 }
 
 const char* kernel_word(FlashKernel k) {
@@ -47,18 +58,29 @@ struct Choice {
 };
 
 // `auto`: the first kernel, in the registry's order, that is preferred for the problem and has a
-// variant for it. A forced kernel that has none is the user's error, not a silent fallback.
-Choice choose(const FlashArgs& a) {
+// variant for it; a forced kernel, if it has one. ops is null when none applies.
+Choice try_choose(const FlashArgs& a) {
     Choice c{nullptr, {}};
     for (const FlashKernelOps* ops : flash_kernels()) {
         if (a.kernel == FlashKernel::automatic) {
-            if ((!ops->preferred || ops->preferred(a)) && ops->plan(a, 0, &c.plan)) return {ops, c.plan};
+            // At a half precision only a kernel with a half variant plans: preference aside.
+            if ((is_half(a.precision) || !ops->preferred || ops->preferred(a)) && ops->plan(a, 0, &c.plan))
+                return {ops, c.plan};
         } else if (ops->id == a.kernel) {
             if (ops->plan(a, 0, &c.plan)) return {ops, c.plan};
             break;
         }
     }
-    if (a.kernel != FlashKernel::automatic) forced_kernel_missing(kernel_word(a.kernel), a.d);
+    return {nullptr, {}};
+}
+
+// try_choose's kernel; a forced kernel that has no variant is the user's error, not a silent
+// fallback, and so is a half precision no kernel has.
+Choice choose(const FlashArgs& a) {
+    const Choice c = try_choose(a);
+    if (c.ops) return c;
+    if (a.kernel != FlashKernel::automatic) forced_kernel_missing(kernel_word(a.kernel), a);
+    if (is_half(a.precision)) half_kernel_missing(a);
     fail(kExitInternal, where(__FILE__, __LINE__) + ": flash_forward: head width d=" + std::to_string(a.d) +
                             " has no kernel (supported: " + flash_head_dims_text() + ")",
          "callers must check flash_supported() first");
@@ -67,7 +89,8 @@ Choice choose(const FlashArgs& a) {
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 // One thread per output element; the thread of column 0 also writes lse. A split that saw no key
-// has lse −inf and weighs 0.
+// has lse −inf and weighs 0. O is stored as Fmt rounds it (the format of a half precision).
+template <class Fmt>
 __global__ void flash_combine_kernel(const float* Opart, const float* lse_part, float* O, float* lse,
                                      int rows, int d, int splits) {
     const long long idx = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -82,7 +105,7 @@ __global__ void flash_combine_kernel(const float* Opart, const float* lse_part, 
         wsum += w;
         acc += w * Opart[(static_cast<size_t>(i) * rows + row) * d + col];
     }
-    O[idx] = acc / wsum;
+    O[idx] = Fmt::round(acc / wsum);
     if (col == 0) lse[row] = mx + logf(wsum);
 }
 
@@ -104,6 +127,8 @@ std::string flash_plan_name(const FlashKernelOps& ops, const FlashArgs& a, const
     if (ops.tensor_cores) name += precision_suffix(a.precision) + split_suffix(plan.splits);
     return name;
 }
+
+bool flash_forward_available(const FlashArgs& a) { return try_choose(a).ops != nullptr; }
 
 FlashPlan flash_forward_plan(const FlashArgs& a) {
     const Choice c = choose(a);
@@ -163,10 +188,14 @@ void combine_kv_splits(const FlashArgs& a, int splits, const FlashOutputs& parti
     if (splits <= 1) return;
     const size_t rows = static_cast<size_t>(a.heads) * a.N;
     const long long elems = static_cast<long long>(rows) * a.d;
-    flash_combine_kernel<<<static_cast<unsigned>((elems + kCombineThreads - 1) / kCombineThreads),
-                           kCombineThreads, 0, stream>>>(partials.O, partials.lse, a.O, a.lse,
-                                                         static_cast<int>(rows), a.d, splits);
-    LAUNCH_CHECK(flash_combine_kernel);
+    auto combine = [&](auto fmt) {
+        flash_combine_kernel<decltype(fmt)><<<static_cast<unsigned>((elems + kCombineThreads - 1) / kCombineThreads),
+                                              kCombineThreads, 0, stream>>>(partials.O, partials.lse, a.O, a.lse,
+                                                                            static_cast<int>(rows), a.d, splits);
+        LAUNCH_CHECK(flash_combine_kernel);
+    };
+    if (is_half(a.precision)) with_half_format(a.precision, combine);
+    else combine(Fp32{});
 }
 
 dim3 query_block_grid(const FlashArgs& a, const KernelPlan& plan) {

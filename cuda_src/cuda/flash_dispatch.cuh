@@ -1,6 +1,7 @@
 // flash_dispatch.cuh — the flash kernels as the dispatcher (flash_dispatch.cu) sees them, and the
 // host-side pieces their launchers share. Each kernel file registers one FlashKernelOps:
-//   flash_wgmma_ops()  sm90a/flash_wgmma.cu  wgmma (Hopper), d 64 and 128
+//   flash_wgmma_ops()  sm90a/flash_wgmma.cu  wgmma (Hopper), d 64 and 128; its bf16/fp16
+//                      variants in sm90a/flash_wgmma_half.cu (the only half-precision kernel)
 //   flash_fast_ops()   flash_fast.cu         mma.sync tensor cores, every width of kFlashHeadDims
 //   flash_clean_ops()  flash_fwd.cu          plain FP32, every width of kFlashHeadDims
 // Planning and launching are separate calls: plan() decides tiles, KV splits and workspace

@@ -409,7 +409,8 @@ void launch_fast(const FlashArgs& a, const KernelPlan& plan, cudaStream_t stream
 }  // namespace
 
 bool flash_fast_config_plan(const FlashArgs& a, int config, int forced_splits, KernelPlan* plan) {
-    if (a.heads < 1 || a.N < 1 || a.M < 1 || !device_supported()) return false;
+    // TF32 operands only: the half precisions have the wgmma kernel.
+    if (a.heads < 1 || a.N < 1 || a.M < 1 || is_half(a.precision) || !device_supported()) return false;
     return with_tiles(config, a.d, [&](auto tag) {
         using T = tag_type<decltype(tag)>;
         const int n_tiles = ceil_div(a.M, T::BC);

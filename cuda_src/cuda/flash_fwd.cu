@@ -274,6 +274,7 @@ void launch_flash_fwd(const FlashArgs& a, cudaStream_t stream) {
 }
 
 bool plan_clean(const FlashArgs& a, int, KernelPlan* plan) {
+    if (is_half(a.precision)) return false;  // float32 arithmetic: no half-precision variant
     return with_head_dim(a.d, [&](auto D) {
         *plan = KernelPlan{FlashTile<constant_v<decltype(D)>>::Br, FlashTile<constant_v<decltype(D)>>::Bc};
         return true;

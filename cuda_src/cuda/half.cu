@@ -1,6 +1,6 @@
 // half.cu — half.cuh's conversions. Each conversion rounds to nearest even with the CUDA intrinsics
-// (__float2bfloat16_rn, __float2half_rn), as the CPU backend's round_bf16/round_fp16 do, so both
-// backends store the same half value for the same float32 one.
+// (__float2bfloat16_rn, __float2half_rn; half_format.cuh), as the CPU backend's round_bf16 and
+// round_fp16 do, so both backends store the same half value for the same float32 one.
 #include "half.cuh"
 
 #include <cuda_bf16.h>
@@ -9,6 +9,7 @@
 #include <algorithm>
 
 #include "cuda_check.cuh"
+#include "half_format.cuh"
 
 namespace attnstep {
 
@@ -29,13 +30,11 @@ __global__ void to_half_kernel(const float* __restrict__ x, void* __restrict__ o
     }
 }
 
-template <bool kBf16>
+template <class Fmt>
 __global__ void round_kernel(float* __restrict__ x, size_t n) {
     for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;
-         i += static_cast<size_t>(gridDim.x) * blockDim.x) {
-        if constexpr (kBf16) x[i] = __bfloat162float(__float2bfloat16_rn(x[i]));
-        else x[i] = __half2float(__float2half_rn(x[i]));
-    }
+         i += static_cast<size_t>(gridDim.x) * blockDim.x)
+        x[i] = Fmt::round(x[i]);
 }
 
 }  // namespace
@@ -51,8 +50,7 @@ void launch_to_half(const float* x, void* out, size_t n, Precision p, cudaStream
 
 void launch_round_to_format(float* x, size_t n, Precision p, cudaStream_t stream) {
     if (n == 0 || !is_half(p)) return;
-    if (p == Precision::bf16) round_kernel<true><<<blocks_for(n), kThreads, 0, stream>>>(x, n);
-    else round_kernel<false><<<blocks_for(n), kThreads, 0, stream>>>(x, n);
+    with_half_format(p, [&](auto fmt) { round_kernel<decltype(fmt)><<<blocks_for(n), kThreads, 0, stream>>>(x, n); });
     CUDA_CHECK(cudaGetLastError());
 }
 

@@ -63,10 +63,14 @@ _BACKEND_KERNELS = {
 # same kernel with its KV loop split K ways; its combine is among the final roundings). Each CUDA
 # kernel's header (cuda_src/cuda/) names what it does. The plain-FP32 clean kernel has no
 # tensor-core truncation, but shares the CUDA model until a GPU sweep calibrates it on its own:
-# a looser bound there costs catch power, never a false alarm.
+# a looser bound there costs catch power, never a false alarm. So do the half-precision wgmma
+# kernels (bf16/fp16 operands: their products are exact in FP32, one truncating tensor-core pass
+# per 16-long chunk, fewer than the model's three per 8); their roundings to the format are the
+# half model's (verify/half_route.py).
 KERNELS = {"cpu-tiled": _BACKEND_KERNELS["cpu"],
            **{f"cuda-{k}": _BACKEND_KERNELS["cuda"]
-              for k in ("clean", "fast-3xtf32", "fast-tf32", "wgmma-3xtf32", "wgmma-tf32")}}
+              for k in ("clean", "fast-3xtf32", "fast-tf32", "wgmma-3xtf32", "wgmma-tf32", "wgmma-bf16",
+                        "wgmma-fp16")}}
 _SPLIT = re.compile(r"-split\d+$")
 
 

@@ -27,8 +27,8 @@
 // while tile j is computed), or, for tiles too wide for two stages, single buffered with K_{j+1}
 // loading during the softmax and P·V of tile j and Vᵀ_{j+1} during S_{j+1}. Causal: tiles above
 // the diagonal are never loaded, and a warpgroup whose rows are all above a tile skips it.
-// Shared-memory tiles use the no-swizzle K-major layout of wgmma.cuh (core matrices of 8 rows ×
-// 16 bytes). When heads·⌈N/BR⌉ blocks cannot fill the GPU, the KV loop is split and
+// Shared-memory tiles use the no-swizzle K-major layout of smem_layout.cuh (core matrices of 8
+// rows × 16 bytes). When heads·⌈N/BR⌉ blocks cannot fill the GPU, the KV loop is split and
 // combine_kv_splits (flash_dispatch.cu) merges.
 //
 // Arithmetic the verifier assumes (verify/model/kernels.py: KERNELS["cuda-wgmma-3xtf32"] and
@@ -51,6 +51,8 @@
 #include "../flash_common.cuh"
 #include "../flash_dispatch.cuh"
 #include "bulk_copy.cuh"
+#include "flash_wgmma_half.cuh"
+#include "smem_layout.cuh"
 #include "wgmma.cuh"
 
 namespace attnstep {
@@ -84,39 +86,15 @@ struct WgTiles {
     static_assert(Q_PART % 4 == 0 && K_PART % 4 == 0 && V_PART % 4 == 0, "descriptor offsets");
 };
 
-// Float offset of element (r, c) of an R-row tile in the no-swizzle K-major layout: core matrix
-// (r/8, c/4) is 128 contiguous bytes (8 rows of 4 floats); core matrices adjacent in r are 128 B
-// apart (the descriptor's SBO), adjacent in c R·16 B apart (its LBO).
+// The float32 instances of smem_layout.cuh's layout.
 template <int R>
-__device__ __forceinline__ int cm_offset(int r, int c) {
-    return (c / 4) * (R * 4) + (r / 8) * 32 + (r % 8) * 4 + (c % 4);
-}
-
-// Descriptor of the first 8 columns (one k step) of an R-row tile; desc_at moves it on.
+__device__ __forceinline__ int cm_offset(int r, int c) { return wg::cm_offset<R, float>(r, c); }
+using wg::tile_desc;
+__device__ __forceinline__ uint64_t desc_at(uint64_t desc, int floats) { return wg::desc_at<float>(desc, floats); }
 template <int R>
-__device__ __forceinline__ uint64_t tile_desc(const float* tile) {
-    return wg::make_desc(tile, R * 16, 128);
-}
-
-// The descriptor `floats` further on in shared memory: its address field (bits 0-13, 16-byte
-// units) plus the offset. Shared addresses stay below 2^18 bytes, so the field cannot carry into
-// the next one; adding constants to one base descriptor saves the per-wgmma address arithmetic.
-__device__ __forceinline__ uint64_t desc_at(uint64_t desc, int floats) {
-    return desc + static_cast<uint64_t>(floats / 4);  // every offset used is a multiple of 4 floats
-}
-// Floats from one k step (8 columns) of an R-row tile to the next.
-template <int R>
-constexpr int kStep = 8 * R;
-
-// Chunk i of an R×C tile, 16 bytes each, in the order that keeps both sides fast: 8 consecutive
-// threads take the 8 rows of one core matrix (128 contiguous bytes of shared memory), and a warp
-// covers 4 core matrices along c (64 contiguous bytes of each of 8 global rows).
+constexpr int kStep = wg::kStep<R, float>;
 template <int C>
-__device__ __forceinline__ void chunk_coords(int i, int& r, int& c) {
-    const int rest = i / 8;
-    r = (rest / (C / 4)) * 8 + i % 8;
-    c = (rest % (C / 4)) * 4;
-}
+__device__ __forceinline__ void chunk_coords(int i, int& r, int& c) { wg::chunk_coords<C, float>(i, r, c); }
 
 struct WgParams {
     const float* Q;    // [heads][N][D]
@@ -501,8 +479,10 @@ bool preferred(const FlashArgs& a) {
 }
 
 // The kernel is sm_90a machine code: it runs on compute capability 9.0 exactly.
+// Half precisions go to flash_wgmma_half.cu.
 bool plan_wgmma(const FlashArgs& a, int forced_splits, KernelPlan* plan) {
     if (a.heads < 1 || a.N < 1 || a.M < 1 || device_compute_capability() != 90) return false;
+    if (is_half(a.precision)) return plan_wgmma_half(a, forced_splits, plan);
     return with_config(a, [&](auto tag, auto causal) {
         using T = tag_type<decltype(tag)>;
         const int n_tiles = ceil_div(a.M, T::BC);
@@ -516,6 +496,7 @@ bool plan_wgmma(const FlashArgs& a, int forced_splits, KernelPlan* plan) {
 }
 
 void launch_wgmma(const FlashArgs& a, const KernelPlan& plan, cudaStream_t stream) {
+    if (is_half(a.precision)) return launch_wgmma_half(a, plan, stream);
     with_config(a, [&](auto tag, auto causal) {
         launch_tiles<tag_type<decltype(tag)>, constant_v<decltype(causal)>>(a, plan, stream);
     });
