@@ -101,7 +101,8 @@ if want example; then
 fi
 
 if want sanitize; then
-    # Small irregular shapes, causal and not; every stage, forward and backward, and the flash kernels.
+    # Small irregular shapes, causal and not; every stage, forward and backward, and the flash kernels,
+    # in each precision of SANITIZE_PRECISIONS (default fp32 and bf16: the half pipeline's kernels).
     sanitize() {
         local tool=$1 rc=0
         for spec in "1 2 127 333 64 64" "2 1 65 129 128 128" "1 1 1 5 16 16" "1 2 33 47 24 40"; do
@@ -110,7 +111,10 @@ if want sanitize; then
                 local case=/tmp/san_${1}_${2}_${3}_${4}_${5}_${6}${causal}
                 $ATTNSTEP generate --out "$case" --batch $1 --heads $2 --seq-q $3 --seq-k $4 --d-k $5 --d-v $6 $causal \
                     --backward >/dev/null || return 1
-                compute-sanitizer --tool "$tool" --error-exitcode 99 $BUILD/main --in "$case" --out "$case.out" --backend cuda || rc=1
+                for precision in ${SANITIZE_PRECISIONS:-fp32 bf16}; do
+                    compute-sanitizer --tool "$tool" --error-exitcode 99 $BUILD/main --in "$case" --out "$case.$precision" \
+                        --backend cuda --precision $precision || rc=1
+                done
             done
         done
         return $rc

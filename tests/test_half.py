@@ -126,7 +126,7 @@ def test_the_wgmma_flash_forward_at_half_precision_passes(binary, tmp_path, prec
         run = _run_half_flash(binary, in_dir, tmp_path / f"out-{causal}", precision, causal)
         assert run.values["flash_kernel"].startswith(f"cuda-wgmma-{precision}"), run.values["flash_kernel"]
         if dims.total_heads <= VERIFIED_MAX_HEADS:
-            code, verdict = _check(in_dir, tmp_path / f"out-{causal}")
+            code, verdict = _check(in_dir, tmp_path / f"out-{causal}", "--causal" if causal else "--no-causal")
             assert code == 0 and verdict.startswith(f"PASS (bounds for {precision})"), verdict
         unit = storage_unit(precision)
         for head in range(dims.total_heads):

@@ -193,19 +193,18 @@ __device__ __forceinline__ void mask_tile(float (&s)[BC / 8][4], int key0, int M
 }
 
 // Online softmax for one tile of x (scaled, masked), in base 2: m_new = max(m, rowmax x),
-// P = 2^(x − m_new), l = l·2^(m − m_new) + rowsum P, O = O·2^(m − m_new). l is kept per thread (a
-// quarter of each row) and summed across the quad at the end; m is reduced across the quad here,
-// so every thread rescales by the same factor. All 32 lanes of the warp call it together (quad
-// shuffles, and a warp vote on the rescale).
-template <int BC, int D>
-__device__ __forceinline__ void online_softmax(float (&s)[BC / 8][4], float (&o)[D / 8][4],
-                                               float (&m)[2], float (&l)[2]) {
+// P = 2^(x − m_new) in place of x, l = l·2^(m − m_new) + rowsum P; alpha = 2^(m − m_new), the
+// factor the running O must take (rescale_rows). l is kept per thread (a quarter of each row) and
+// summed across the quad at the end; m is reduced across the quad here, so every thread rescales
+// by the same factor. All 32 lanes of the warp call it together (quad shuffles).
+template <int BC>
+__device__ __forceinline__ void softmax_tile(float (&s)[BC / 8][4], float (&m)[2], float (&l)[2], float (&alpha)[2]) {
     float mx[2] = {m[0], m[1]};
 #pragma unroll
     for (int nt = 0; nt < BC / 8; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) mx[e >> 1] = fmaxf(mx[e >> 1], s[nt][e]);
-    float base[2], alpha[2];
+    float base[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         mx[r] = quad_max(mx[r]);
@@ -223,14 +222,29 @@ __device__ __forceinline__ void online_softmax(float (&s)[BC / 8][4], float (&o)
             s[nt][e] = exp2_ftz(s[nt][e] - base[e >> 1]);
             l[e >> 1] += s[nt][e];
         }
-    // Once the running maxima settle, most tiles leave them unchanged (alpha = 1 exactly): the
-    // warp skips the multiplies then (D/2 per thread and tile).
+}
+
+// O·alpha per row (softmax_tile's factor). Once the running maxima settle, most tiles leave them
+// unchanged (alpha = 1 exactly): the warp skips the multiplies then (D/2 per thread and tile).
+// All 32 lanes of the warp call it together (a warp vote).
+template <int D>
+__device__ __forceinline__ void rescale_rows(float (&o)[D / 8][4], const float (&alpha)[2]) {
     if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
 #pragma unroll
         for (int nt = 0; nt < D / 8; ++nt)
 #pragma unroll
             for (int e = 0; e < 4; ++e) o[nt][e] *= alpha[e >> 1];
     }
+}
+
+// softmax_tile, then O rescaled: one tile of the online softmax for a kernel whose O is not being
+// written by the tensor cores meanwhile.
+template <int BC, int D>
+__device__ __forceinline__ void online_softmax(float (&s)[BC / 8][4], float (&o)[D / 8][4],
+                                               float (&m)[2], float (&l)[2]) {
+    float alpha[2];
+    softmax_tile<BC>(s, m, l, alpha);
+    rescale_rows<D>(o, alpha);
 }
 
 // The k permutation that lets P go from the S accumulators straight into the P·V MMA: within each

@@ -1,9 +1,10 @@
 // bulk_copy.cuh — Hopper's bulk copy engine (cp.async.bulk, sm_90) and the shared-memory
-// transaction barriers (mbarrier) that tell consumers when its copies have landed, as
-// flash_wgmma.cu uses them: one thread starts the copy of a whole K/Vᵀ stage (contiguous bytes in
-// global memory, laid out as shared memory wants them), every thread waits on the stage's barrier.
-// No tensor map: plain 1-D copies, so the global layout does the work (flash_wgmma.cu's
-// preparation pass writes each stage as one contiguous block).
+// transaction barriers (mbarrier) that tell consumers when its copies have landed (and, in
+// flash_wgmma_half.cu, the producer when the consumers have released a stage), as the wgmma flash
+// kernels use them: one thread starts the copy of a whole K/Vᵀ stage (contiguous bytes in global
+// memory, laid out as shared memory wants them), every consumer thread waits on the stage's
+// barrier. No tensor map: plain 1-D copies, so the global layout does the work (the kernels'
+// preparation passes write each stage as one contiguous block).
 #pragma once
 
 #include <cstdint>
@@ -31,6 +32,10 @@ __device__ __forceinline__ void fence_init() {
 __device__ __forceinline__ void arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
     ATTNSTEP_SM90A_ASM("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(bytes)
                       : "memory");
+}
+// The calling thread arrives (a consumer releasing a stage it has finished reading).
+__device__ __forceinline__ void arrive(uint64_t* bar) {
+    ATTNSTEP_SM90A_ASM("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(bar)) : "memory");
 }
 // Copies `bytes` (a multiple of 16; both addresses 16-byte aligned) from global to shared memory;
 // completion is counted on `bar`.

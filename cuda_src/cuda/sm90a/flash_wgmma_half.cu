@@ -47,14 +47,21 @@ using Half = uint16_t;  // one bf16/fp16 value in shared and global memory
 
 constexpr int kWarpgroup = 128;  // threads
 
-// The tile configuration: D head width, BC keys per tile, NWG warpgroups (64 query rows each),
-// Fmt the operand format; two K/Vᵀ stages in shared memory (tile j+1 loads while tile j is
+// The tile configuration: D head width, BC keys per tile, NWG consumer warpgroups (64 query rows
+// each), Fmt the operand format; two K/Vᵀ stages in shared memory (tile j+1 loads while tile j is
 // computed).
 template <int D_, int BC_, int NWG_, class Fmt_>
 struct HalfTiles {
     using Fmt = Fmt_;
     static constexpr int D = D_, BC = BC_, NWG = NWG_, STAGES = 2;
-    static constexpr int BR = 64 * NWG, THREADS = kWarpgroup * NWG;
+    // The consumer warpgroups, then a producer warpgroup whose one thread streams the K/Vᵀ stages
+    // in (a whole warpgroup, so that it can hand its registers to the consumers: setmaxnreg).
+    static constexpr int BR = 64 * NWG, CONSUMERS = kWarpgroup * NWG, THREADS = CONSUMERS + kWarpgroup;
+    // Registers per thread after the hand-over: the producer keeps the minimum, the consumers
+    // share the rest of the 64K register file.
+    static constexpr int PRODUCER_REGS = 24;
+    static constexpr int CONSUMER_REGS = (65536 / kWarpgroup - PRODUCER_REGS) / NWG / 8 * 8;
+    static_assert(CONSUMER_REGS <= 256 && CONSUMER_REGS >= 168, "register hand-over");
     // Elements: the block's Q, one K tile (BC × D), one Vᵀ tile (D × BC); a stage is K then Vᵀ.
     static constexpr int Q_ELEMS = BR * D, K_ELEMS = BC * D, V_ELEMS = D * BC;
     static constexpr int STAGE = K_ELEMS + V_ELEMS, V_OFFSET = K_ELEMS;
@@ -161,12 +168,10 @@ __device__ __forceinline__ void qk_issue(float (&s)[T::BC / 8][4], uint64_t q, u
     wg::commit();
 }
 
-// Issues O(64×D) += P(64×BC)·V_j as one wgmma group. P's A fragment for keys 16kk.. is the pair of
-// accumulator fragments s[2kk], s[2kk+1], rounded to the format into pa, which must stay untouched
-// until the group completes. v: the descriptor of the stage's Vᵀ.
+// P(64×BC), the S accumulator fragments after the softmax, as P·V's register A fragments: for keys
+// 16kk.., the pair s[2kk], s[2kk+1] rounded to the format, two neighbouring keys to a register.
 template <class T>
-__device__ __forceinline__ void pv_issue(float (&o)[T::D / 8][4], uint32_t (&pa)[T::BC / 16][4],
-                                         const float (&s)[T::BC / 8][4], uint64_t v) {
+__device__ __forceinline__ void pack_p(uint32_t (&pa)[T::BC / 16][4], const float (&s)[T::BC / 8][4]) {
     using Fmt = typename T::Fmt;
 #pragma unroll
     for (int kk = 0; kk < T::BC / 16; ++kk) {
@@ -175,10 +180,16 @@ __device__ __forceinline__ void pv_issue(float (&o)[T::D / 8][4], uint32_t (&pa)
         pa[kk][2] = Fmt::pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);  // row g,     keys 2t+8, 2t+9
         pa[kk][3] = Fmt::pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);  // row g + 8
     }
+}
+
+// Issues O(64×D) += P(64×BC)·V_j as one wgmma group; pa (pack_p) must stay untouched until the
+// group completes. v: the descriptor of the stage's Vᵀ.
+template <class T>
+__device__ __forceinline__ void pv_issue(float (&o)[T::D / 8][4], const uint32_t (&pa)[T::BC / 16][4], uint64_t v) {
     wg::fence();
 #pragma unroll
     for (int kk = 0; kk < T::BC / 16; ++kk)
-        wg::WgmmaHalf<T::D, Fmt>::rs(o, pa[kk], wg::desc_at<Half>(v, kk * wg::kStep<T::D, Half>), 1);
+        wg::WgmmaHalf<T::D, typename T::Fmt>::rs(o, pa[kk], wg::desc_at<Half>(v, kk * wg::kStep<T::D, Half>), 1);
     wg::commit();
 }
 
@@ -187,7 +198,7 @@ __device__ __forceinline__ void pv_issue(float (&o)[T::D / 8][4], uint32_t (&pa)
 template <class T>
 __device__ __forceinline__ void load_q(Half* Qs, const HalfParams& p, int head, int q0) {
     const float* Qh = p.Q + static_cast<size_t>(head) * p.N * T::D;
-    for (int i = threadIdx.x; i < T::BR * T::D / 8; i += T::THREADS) {
+    for (int i = threadIdx.x; i < T::BR * T::D / 8; i += T::CONSUMERS) {
         int r, c;
         wg::chunk_coords<T::D, Half>(i, r, c);
         float4 a, b;
@@ -197,9 +208,17 @@ __device__ __forceinline__ void load_q(Half* Qs, const HalfParams& p, int head, 
 }
 
 // Grid: x = query blocks (reversed, so the longest causal blocks start first), y = heads, z = KV
-// splits. Shared memory: Q [BR×D], then two stages of {K [BC×D], Vᵀ [D×BC]}. The pipeline is
-// flash_wgmma.cu's double-buffered one: at the top of tile j everyone is done with tile j-1's
-// stage, which thread 0 then refills with tile j+1.
+// splits. Shared memory: Q [BR×D], then two stages of {K [BC×D], Vᵀ [D×BC]}.
+//
+// The pipeline, as FlashAttention-3 runs it: a producer warpgroup streams the key tiles into the two
+// stages (bulk copies counted on the stage's k_full/v_full barriers) and refills a stage's K and
+// its Vᵀ each once every consumer warp has released it (k_empty, v_empty), so the warpgroups never
+// wait for each other and drift apart, one's softmax overlapping the other's MMAs. K_j is released
+// as soon as S_j has landed, a tile before V_j: K_{j+2} then loads while tile j is computed. Within a warpgroup, tile j's
+// P·V and tile j+1's S = Q·Kᵀ are issued together and the softmax of tile j+1 runs while P·V is
+// still on the tensor cores; O takes its rescale once P·V has landed. A warpgroup whose rows are
+// all above a causal tile waits for the tile to land and releases it unread (a release ahead of
+// the load would count toward the stage's previous phase).
 template <class T, bool kCausal>
 __global__ void __launch_bounds__(T::THREADS, 1) flash_wgmma_half_kernel(const HalfParams p) {
 #if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -208,71 +227,122 @@ __global__ void __launch_bounds__(T::THREADS, 1) flash_wgmma_half_kernel(const H
     extern __shared__ float4 smem_f4[];
     Half* const Qs = reinterpret_cast<Half*>(smem_f4);  // [BR×D]
     Half* const stages = Qs + T::Q_ELEMS;                // [STAGES][STAGE]
-    __shared__ uint64_t k_loaded[T::STAGES], v_loaded[T::STAGES];
+    __shared__ uint64_t k_full[T::STAGES], v_full[T::STAGES], k_empty[T::STAGES], v_empty[T::STAGES];
+    constexpr int kConsumerWarps = T::CONSUMERS / 32;
 
     const int qblock = gridDim.x - 1 - blockIdx.x;
     const int head = blockIdx.y, split_id = blockIdx.z;
+    const int q0 = qblock * T::BR;
+    int tile_begin, tile_end;
+    split_share(visible_key_tiles<kCausal>(p.M, p.N, q0, T::BR, T::BC), p.splits, split_id, tile_begin, tile_end);
+    // Tile j lives in stage (j - tile_begin) % 2; the n-th tile of a stage completes the n-th
+    // phase (parity n % 2) of its full barriers, and its releases the n-th phases of the empty ones.
+    auto slot = [&](int j) { return (j - tile_begin) % T::STAGES; };
+    auto use = [&](int j) { return (j - tile_begin) / T::STAGES; };
+    auto stage_of = [&](int j) { return stages + slot(j) * T::STAGE; };
+
+    if (threadIdx.x == 0) {
+        for (int st = 0; st < T::STAGES; ++st) {
+            bulk::init(&k_full[st], 1);
+            bulk::init(&v_full[st], 1);
+            bulk::init(&k_empty[st], kConsumerWarps);
+            bulk::init(&v_empty[st], kConsumerWarps);
+        }
+        bulk::fence_init();
+    }
+    if (threadIdx.x < T::CONSUMERS) load_q<T>(Qs, p, head, q0);
+    wg::fence_proxy_async();  // Q's stores are read by wgmma (the async proxy)
+    __syncthreads();          // Q and the barriers are published; the only block-wide barrier
+
+    if (threadIdx.x >= T::CONSUMERS) {  // the producer warpgroup: one thread issues every copy
+        wg::release_registers<T::PRODUCER_REGS>();
+        if (threadIdx.x == T::CONSUMERS) {
+            const Half* const ops_h = p.ops + static_cast<size_t>(head) * (p.Mpad / T::BC) * T::STAGE;
+            for (int j = tile_begin; j < tile_end; ++j) {
+                const uint32_t previous = static_cast<uint32_t>((use(j) - 1) & 1);  // the stage's last use
+                const Half* src = ops_h + static_cast<size_t>(j) * T::STAGE;
+                if (use(j) > 0) bulk::wait(&k_empty[slot(j)], previous);
+                bulk::arrive_expect_tx(&k_full[slot(j)], T::K_BYTES);
+                bulk::copy(stage_of(j), src, T::K_BYTES, &k_full[slot(j)]);
+                if (use(j) > 0) bulk::wait(&v_empty[slot(j)], previous);
+                bulk::arrive_expect_tx(&v_full[slot(j)], T::V_BYTES);
+                bulk::copy(stage_of(j) + T::V_OFFSET, src + T::V_OFFSET, T::V_BYTES, &v_full[slot(j)]);
+            }
+        }
+        return;
+    }
+    wg::claim_registers<T::CONSUMER_REGS>();
+
     const int wg = threadIdx.x / kWarpgroup, warp = (threadIdx.x % kWarpgroup) / 32;
     const int lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
-    const int q0 = qblock * T::BR;
     const int wg_row0 = q0 + wg * 64;
     const int warp_row0 = wg_row0 + warp * 16;
     const int row0 = warp_row0 + g;  // the thread's rows: row0 and row0 + 8
-    int tile_begin, tile_end;
-    split_share(visible_key_tiles<kCausal>(p.M, p.N, q0, T::BR, T::BC), p.splits, split_id, tile_begin, tile_end);
-
-    // Tile j lives in stage (j - tile_begin) % 2, whose barriers complete their n-th phase
-    // (parity n % 2) with the n-th tile loaded into it. Thread 0 starts the copies.
-    const Half* const ops_h = p.ops + static_cast<size_t>(head) * (p.Mpad / T::BC) * T::STAGE;
-    auto slot = [&](int j) { return (j - tile_begin) % T::STAGES; };
-    auto parity = [&](int j) { return static_cast<uint32_t>(((j - tile_begin) / T::STAGES) & 1); };
-    auto stage_of = [&](int j) { return stages + slot(j) * T::STAGE; };
-    auto load_tile = [&](int j) {
-        const Half* src = ops_h + static_cast<size_t>(j) * T::STAGE;
-        bulk::arrive_expect_tx(&k_loaded[slot(j)], T::K_BYTES);
-        bulk::copy(stage_of(j), src, T::K_BYTES, &k_loaded[slot(j)]);
-        bulk::arrive_expect_tx(&v_loaded[slot(j)], T::V_BYTES);
-        bulk::copy(stage_of(j) + T::V_OFFSET, src + T::V_OFFSET, T::V_BYTES, &v_loaded[slot(j)]);
-    };
-    if (threadIdx.x == 0) {
-        for (int st = 0; st < T::STAGES; ++st) {
-            bulk::init(&k_loaded[st], 1);
-            bulk::init(&v_loaded[st], 1);
-        }
-        bulk::fence_init();
-        if (tile_begin < tile_end) load_tile(tile_begin);
-    }
-    load_q<T>(Qs, p, head, q0);  // while the first tile loads
-    wg::fence_proxy_async();     // Q's stores are read by wgmma (the async proxy)
     const uint64_t q_desc = wg::tile_desc<T::BR>(Qs + wg * 64 * wg::kCoreCols<Half>);
+    auto parity = [&](int j) { return static_cast<uint32_t>(use(j) & 1); };
+    auto visible = [&](int j) { return !kCausal || j * T::BC <= wg_row0 + 63; };
+    auto release_k = [&](int j) {
+        if (lane == 0) bulk::arrive(&k_empty[slot(j)]);
+    };
+    auto release_v = [&](int j) {
+        if (lane == 0) bulk::arrive(&v_empty[slot(j)]);
+    };
+    // S of tile j (issued by qk_issue, landed) scaled to base 2 and masked.
+    auto scale_and_mask = [&](float (&s)[T::BC / 8][4], int j) {
+        scale_tile<T::BC>(s, p.scale_log2);
+        const int key0 = j * T::BC;
+        if (key0 + T::BC > p.M || (kCausal && key0 + T::BC - 1 > warp_row0))
+            mask_tile<T::BC, kCausal>(s, key0, p.M, row0, t);
+    };
 
     float o[T::D / 8][4];
     zero(o);
-    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
-
-    // Every __syncthreads is reached by all warpgroups, also one that skips the tile; the last
-    // warpgroup never skips, so every phase of the barriers is waited for before its stage is
-    // loaded again.
-    for (int j = tile_begin; j < tile_end; ++j) {
-        __syncthreads();
-        if (threadIdx.x == 0 && j + 1 < tile_end) load_tile(j + 1);
-        const int key0 = j * T::BC;
-        if (kCausal && key0 > wg_row0 + 63) continue;  // the whole tile is above this warpgroup's rows
-        Half* const stage = stage_of(j);
-        float s[T::BC / 8][4];
-        bulk::wait(&k_loaded[slot(j)], parity(j));
-        qk_issue<T>(s, q_desc, wg::tile_desc<T::BC>(stage));  // S = Q Kᵀ
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, alpha[2];
+    float s[T::BC / 8][4];
+    uint32_t pa[T::BC / 16][4];
+    if (tile_begin < tile_end && visible(tile_begin)) {  // the first tile's P
+        bulk::wait(&k_full[slot(tile_begin)], parity(tile_begin));
+        qk_issue<T>(s, q_desc, wg::tile_desc<T::BC>(stage_of(tile_begin)));
         wg::wait<0>();
         wg::fence_operands(s);
-        scale_tile<T::BC>(s, p.scale_log2);
-        if (key0 + T::BC > p.M || (kCausal && key0 + T::BC - 1 > warp_row0))
-            mask_tile<T::BC, kCausal>(s, key0, p.M, row0, t);
-        online_softmax<T::BC, T::D>(s, o, m, l);  // P = exp(S − m), l, O rescaled
-        uint32_t pa[T::BC / 16][4];
-        bulk::wait(&v_loaded[slot(j)], parity(j));
-        pv_issue<T>(o, pa, s, wg::tile_desc<T::D>(stage + T::V_OFFSET));  // O += P V
-        wg::wait<0>();
-        wg::fence_operands(o);
+        release_k(tile_begin);
+        scale_and_mask(s, tile_begin);
+        softmax_tile<T::BC>(s, m, l, alpha);  // O is still zero: no rescale
+        pack_p<T>(pa, s);
+    }
+    for (int j = tile_begin; j < tile_end; ++j) {
+        if (!visible(j)) {  // this and every later tile lie above the warpgroup's rows
+            bulk::wait(&k_full[slot(j)], parity(j));
+            bulk::wait(&v_full[slot(j)], parity(j));
+            release_k(j);
+            release_v(j);
+            continue;
+        }
+        const uint64_t v = wg::tile_desc<T::D>(stage_of(j) + T::V_OFFSET);
+        // Two straight paths, not one with the issue and the wait each under `if`: ptxas then
+        // cannot pair them and serializes every wgmma of the loop.
+        if (j + 1 < tile_end && visible(j + 1)) {
+            bulk::wait(&k_full[slot(j + 1)], parity(j + 1));
+            qk_issue<T>(s, q_desc, wg::tile_desc<T::BC>(stage_of(j + 1)));  // S_{j+1} = Q K_{j+1}ᵀ
+            bulk::wait(&v_full[slot(j)], parity(j));
+            pv_issue<T>(o, pa, v);  // O += P_j V_j
+            wg::wait<1>();          // S_{j+1} has landed; P_j V_j may still run
+            wg::fence_operands(s);
+            release_k(j + 1);
+            scale_and_mask(s, j + 1);
+            softmax_tile<T::BC>(s, m, l, alpha);
+            wg::wait<0>();
+            wg::fence_operands(o);
+            release_v(j);
+            rescale_rows<T::D>(o, alpha);
+            pack_p<T>(pa, s);
+        } else {
+            bulk::wait(&v_full[slot(j)], parity(j));
+            pv_issue<T>(o, pa, v);
+            wg::wait<0>();
+            wg::fence_operands(o);
+            release_v(j);
+        }
     }
 
     float* O = p.O + (static_cast<size_t>(split_id) * p.heads + head) * p.N * T::D;

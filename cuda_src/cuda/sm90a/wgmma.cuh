@@ -62,6 +62,19 @@ __device__ __forceinline__ void fence_operands(float (&d)[J][4]) {
         for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(d[j][e])::"memory");
 }
 
+// A warpgroup's register budget moved between warpgroups (setmaxnreg): a block of W warpgroups
+// starts with the even share that __launch_bounds__ sets; a warpgroup that needs few registers
+// (a producer that only issues copies) hands them back, one that holds the accumulators claims
+// them. kRegs is per thread, a multiple of 8 in 24..256; all threads of the warpgroup execute it.
+template <int kRegs>
+__device__ __forceinline__ void release_registers() {
+    ATTNSTEP_SM90A_ASM("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+}
+template <int kRegs>
+__device__ __forceinline__ void claim_registers() {
+    ATTNSTEP_SM90A_ASM("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+}
+
 // The accumulator operands d[0..J)[0..4) of an m64nN wgmma (J = N/8).
 #define ATTNSTEP_WG_ACC(d, j) "+f"(d[j][0]), "+f"(d[j][1]), "+f"(d[j][2]), "+f"(d[j][3])
 #define ATTNSTEP_WG_ACC4(d, j) ATTNSTEP_WG_ACC(d, j), ATTNSTEP_WG_ACC(d, j + 1), ATTNSTEP_WG_ACC(d, j + 2), ATTNSTEP_WG_ACC(d, j + 3)
