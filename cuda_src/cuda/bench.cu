@@ -288,7 +288,10 @@ BenchRun bench_all(const Options& o, const cudaDeviceProp& prop, cublasHandle_t 
     fill(Q, input_seed(o.seed, BenchInput::Q), s);
     fill(K, input_seed(o.seed, BenchInput::K), s);
     fill(V, input_seed(o.seed, BenchInput::V), s);
-    if (o.check) run.inputs_checksum = inputs_checksum(o, Q, K, V, total_heads);
+    if (o.check) {
+        CUDA_CHECK(cudaStreamSynchronize(s));  // the fills are done before the host reads them
+        run.inputs_checksum = inputs_checksum(o, Q, K, V, total_heads);
+    }
     if (o.ceilings) {
         // An estimate for the SGEMM ceiling's shape; the stage path sizes its groups again once
         // the ceilings' buffers are freed.
