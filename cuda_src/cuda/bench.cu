@@ -269,7 +269,8 @@ void bench_flash_kernels(const Options& o, const DeviceBuffer& Q, const DeviceBu
         KernelPlan kp;
         const bool has = config == 0 ? k->plan(a, o.splits, &kp) : flash_fast_config_plan(a, config, o.splits, &kp);
         std::string tiles, why;
-        if (!has) why = std::string("no ") + k->name + " variant for d=" + std::to_string(o.d) + " on this GPU";
+        const std::string at = is_half(o.precision) ? std::string(" at ") + precision_name(o.precision) : "";
+        if (!has) why = std::string("no ") + k->name + " variant for d=" + std::to_string(o.d) + at + " on this GPU";
         else if (!names_precision(o, flash_plan_name(*k, a, kp)))
             why = std::string("no ") + precision_name(o.precision) + " " + k->name + " variant";
         if (config != 0) tiles = "variant " + std::to_string(config);
