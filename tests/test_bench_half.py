@@ -218,7 +218,8 @@ def _half_run(sdpa_err=4e-3, **kw):
     binary = _half_binary(**kw)
     backends = _backends()
     return {"binary": binary, SDPA: vb.fastest_sdpa(backends), SDPA_BACKENDS: backends,
-            VS_SDPA: vb.ratios_to_backends(binary, backends), ACCURACY: {SDPA: sdpa_err}}
+            VS_SDPA: vb.ratios_to_backends(binary, backends),
+            ACCURACY: {SDPA: sdpa_err, SDPA_BACKENDS: {CUDNN: 3.5e-3, FLASH: sdpa_err, EFFICIENT: REFUSED}}}
 
 
 def _half_results(**kw):
@@ -230,10 +231,12 @@ def test_half_rows_name_the_fastest_backend_and_each_ratio():
     rows = {r.kernel: r for r in vb.rows_from_results(_half_results())}
     flash = rows["flash"]
     assert flash.vs_sdpa == pytest.approx(300 / 280) and flash.max_rel_err == 3e-3 and flash.sdpa_err == 4e-3
-    assert "vs cudnn 1.20x, flash 1.07x" in flash.note and "cuda-wgmma-bf16" in flash.note
-    assert rows[SDPA].rate == 280.0 and "flash (fastest)" in rows[SDPA].note and "bf16" in rows[SDPA].note
+    assert "vs sdpa_cudnn 1.20x, sdpa_flash 1.07x" in flash.note and "cuda-wgmma-bf16" in flash.note
+    assert "SDPA's err 4.0e-03" in flash.note
+    assert rows[SDPA].rate == 280.0 and "sdpa_flash (fastest)" in rows[SDPA].note and "bf16" in rows[SDPA].note
     cudnn = rows[sdpa_backend_row(CUDNN)]
     assert cudnn.rate == 250.0 and cudnn.vs_sdpa == pytest.approx(250 / 280)
+    assert "err 3.5e-03 on the binary's inputs" in cudnn.note
     assert rows[sdpa_backend_row(EFFICIENT)].status == REFUSED
     table = vb.format_table(list(rows.values()))
     assert "unsupported: no bf16 fast variant" in table and REFUSED in table

@@ -196,7 +196,7 @@ def _sdpa_row(shape: Shape, precision: str, name: str, sdpa: dict) -> Row:
         row.ms, row.rate = sdpa["ms"], sdpa["tflops"]
         row.note = f"torch {sdpa.get('torch', '?')} {sdpa.get('dtype', 'fp32')}"
         if sdpa.get("backend"):
-            row.note += f", {sdpa['backend']} ({FASTEST})"
+            row.note += f", {sdpa_backend_row(sdpa['backend'])} ({FASTEST})"
     return row
 
 
@@ -223,7 +223,13 @@ def ratios_to_backends(binary: dict, backends: Dict[str, dict]) -> Dict[str, Dic
 
 
 def _ratio_note(ratios: Dict[str, float]) -> str:
-    return "vs " + ", ".join(f"{name} {r:.2f}x" for name, r in ratios.items() if name != FASTEST)
+    return "vs " + ", ".join(f"{sdpa_backend_row(name)} {r:.2f}x" for name, r in ratios.items() if name != FASTEST)
+
+
+def _add_error_note(row: Row, err) -> None:
+    """SDPA's error on the binary's inputs, in its row's note (a status string says nothing more)."""
+    if isinstance(err, (int, float)) and row.status == "ok":
+        row.note += f"; err {err:.1e} on the binary's inputs"
 
 
 def _half_rows(shape: Shape, prec: str, run: dict, binary: dict, rows: List[Row]) -> List[Row]:
@@ -236,12 +242,14 @@ def _half_rows(shape: Shape, prec: str, run: dict, binary: dict, rows: List[Row]
     for row in rows:
         if row.kernel in ratios:
             row.note = "; ".join(n for n in (row.note, _ratio_note(ratios[row.kernel])) if n)
-        if row.kernel in FLASH_KERNELS and isinstance(sdpa_err, (int, float)):
+        if row.kernel in FLASH_KERNELS and row.status == "ok" and isinstance(sdpa_err, (int, float)):
             row.sdpa_err = sdpa_err
+            row.note += f"; SDPA's err {sdpa_err:.1e}"
     extra = [_sdpa_row(shape, prec, sdpa_backend_row(name), b) for name, b in backends.items()]
     fastest = (run.get(SDPA) or {}).get("tflops")
-    for row in extra:
+    for row, name in zip(extra, backends):
         row.vs_sdpa = row.rate / fastest if row.rate and fastest else None
+        _add_error_note(row, (accuracy.get(SDPA_BACKENDS) or {}).get(name))
     if accuracy.get("error"):
         extra.append(_row(shape, prec, ACCURACY, "attention", f"failed: {accuracy['error']}"))
     return extra
