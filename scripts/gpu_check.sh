@@ -4,7 +4,8 @@
 # and the benchmarks.
 #
 #   scripts/gpu_check.sh [build] [tests] [gputests] [alarms] [demo] [example] [sanitize] [large] [bigbwd]
-#                        [bench] [sweep]   (default: build tests demo example sanitize large bigbwd bench)
+#                        [bench] [halfbench] [sweep]
+#                        (default: build tests demo example sanitize large bigbwd bench halfbench)
 #   tests: the whole suite; gputests: only the tests marked gpu, false-alarm sweep aside; alarms:
 #   the CUDA false-alarm sweep alone; example: `attnstep demo --example bug_qk_leading_dim`.
 #   GPU_TESTS="tests/test_examples.py ..." limits gputests to those files.
@@ -13,6 +14,11 @@
 #   --bench), each with its peak device memory under BIGBWD_MAX_MIB (default 4096) MiB.
 #   BENCH_ARGS="--shape 4,16,4096,4096,64" scripts/gpu_check.sh bench          (other shapes)
 #   BENCH_ARGS="--pass backward" scripts/gpu_check.sh bench                    (the backward rows alone)
+#   BENCH_ARGS="--precision bf16 --pass forward" scripts/gpu_check.sh bench    (any bench options)
+#   halfbench: the bf16 and fp16 forward at the goal shapes (B 4, H 16, N = M = 4096, d 64 and 128,
+#   causal and not) against PyTorch SDPA at the same dtype, each backend, with the float64 checks
+#   and the accuracy comparison on the same inputs; into $OUT/bench_half.json and .png.
+#   HALF_BENCH_ARGS="--precision bf16" scripts/gpu_check.sh halfbench            (added to those)
 #   sweep: the d × N table (attnstep sweep), CSV/JSON/PNG into $OUT; SWEEP_ARGS="--d 64"
 #   narrows it.
 #
@@ -25,7 +31,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 ATTNSTEP="python3 -m verify"
 BUILD=build
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(build tests demo example sanitize large bigbwd bench)
+[ ${#steps[@]} -eq 0 ] && steps=(build tests demo example sanitize large bigbwd bench halfbench)
 declare -A result
 
 want() { local s; for s in "${steps[@]}"; do [ "$s" = "$1" ] && return 0; done; return 1; }
@@ -162,6 +168,14 @@ if want bench; then
     tail -n 40 "$OUT/bench.log"
 fi
 
+if want halfbench; then
+    goal_shapes=()
+    for d in 64 128; do for mask in "" ",causal"; do goal_shapes+=(--shape "4,16,4096,4096,$d$mask"); done; done
+    step halfbench $ATTNSTEP bench --binary $BUILD/main --precision half --pass forward "${goal_shapes[@]}" \
+        --json "$OUT/bench_half.json" --plot "$OUT/bench_half.png" ${HALF_BENCH_ARGS:-}
+    tail -n 40 "$OUT/halfbench.log"
+fi
+
 if want sweep; then
     step sweep $ATTNSTEP sweep --binary $BUILD/main --csv "$OUT/sweep.csv" --json "$OUT/sweep.json" \
         --plot "$OUT/sweep.png" ${SWEEP_ARGS:-}
@@ -170,7 +184,7 @@ fi
 
 echo "== summary ($(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1))"
 rc=0
-for name in build tests gputests alarms demo example memcheck racecheck large bigbwd bench sweep; do
+for name in build tests gputests alarms demo example memcheck racecheck large bigbwd bench halfbench sweep; do
     [ -n "${result[$name]:-}" ] || continue
     printf '%-10s %s\n' "$name" "${result[$name]}"
     case "${result[$name]}" in FAIL*) rc=1 ;; esac

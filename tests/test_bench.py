@@ -132,7 +132,7 @@ def test_cli_from_json(tmp_path):
     png = tmp_path / "p.png"
     res = CliRunner().invoke(vb.bench, ["--from-json", str(src), "--plot", str(png)])
     assert res.exit_code == 0, res.output
-    assert "NVIDIA H200" in res.output and "speed goals:" in res.output
+    assert "NVIDIA H200" in res.output and "goals:" in res.output
     assert ("ceilings (fp32, B4-H16-N4096-M4096-d64): cuBLAS SGEMM 50.0 TFLOP/s, copy 4000 GB/s, "
             "mma.sync TF32 140 TFLOP/s, mma.sync BF16 560 TFLOP/s") in res.output
     assert png.exists()
@@ -195,7 +195,7 @@ def test_binary_bench_rejects_bad_options(binary):
     if "needs a CUDA build" in stub.stderr:
         assert stub.returncode == 2
         pytest.skip("a CPU-only build: --bench is refused before its options are read")
-    for args, what in ((["--precision", "fp16"], "--precision"), (["--d", "0"], "--d"),
+    for args, what in ((["--precision", "fp64"], "--precision"), (["--d", "0"], "--d"),
                        (["--bogus"], "--bogus"), (["--reps"], "--reps"), (["--pass", "sideways"], "--pass"),
                        (["--pass"], "--pass")):
         proc = subprocess.run([str(binary), "--bench", *args], capture_output=True, text=True, timeout=60)

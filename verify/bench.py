@@ -4,7 +4,9 @@ SDPA, on a shape list.
 For each shape and precision it runs `build/main --bench ... --json FILE` (device events, median of
 REPS after warm-up, inputs generated on the device, ceilings measured in the same run; see
 cuda_src/cuda/bench.cu) and, when torch imports, times SDPA's forward and backward in fp32 on the
-same shape in this process (bench_sdpa.py). It prints one table, the speed goals (bench_goals.py)
+same shape in this process (bench_sdpa.py); at bf16/fp16 SDPA's forward at that dtype, once per
+backend, the fastest being the yardstick, and under --check the errors of the binary's flash and of
+SDPA on the binary's own inputs (bench_accuracy.py). It prints one table, the goals (bench_goals.py)
 as met/missed, and writes the results as JSON and a PNG plot (TFLOP/s against N, one line per kernel).
 
 The shape list: the default case (`verify.generate.DEFAULT_DIMS`) and B=4, H=16, N=M in
@@ -22,16 +24,19 @@ from typing import Iterable, List, Sequence, Tuple
 
 import click
 
+from .bench_accuracy import half_accuracy
 from .bench_goals import evaluate_goals
-from .bench_report import (BACKWARD, FORWARD, PASSES, SDPA, SDPA_BACKWARD, BenchError, Row, Shape, ceiling_lines,
-                           format_table, load_results, parse_binary_json, parse_shape_id, rows_from_results,
-                           write_plot)
-from .bench_sdpa import time_sdpa, time_sdpa_backward, torch_available
+from .bench_plot import write_plot
+from .bench_report import (ACCURACY, BACKWARD, FORWARD, PASSES, SDPA, SDPA_BACKENDS, SDPA_BACKWARD, VS_SDPA,
+                           BenchError, Row, Shape, ceiling_lines, fastest_sdpa, format_table, load_results,
+                           parse_binary_json, parse_shape_id, ratios_to_backends, rows_from_results)
+from .bench_sdpa import (SDPA_BACKENDS as BACKEND_NAMES, sdpa_output, time_sdpa, time_sdpa_backends,
+                         time_sdpa_backward, torch_available)
 from .case import atomic_write_bytes
 from .generate import DEFAULT_DIMS
 from .options import InputError, binary_option, build_option, json_option, timeout_option, user_errors
 from .runner import ensure_built
-from .stages import CUDA_PRECISIONS
+from .stages import CUDA_PRECISIONS, HALF_PRECISIONS, PRECISIONS
 from .words import plural
 
 __all__ = ["BenchError", "BenchOutOfMemory", "BenchUnusable", "Row", "Shape", "bench", "binary_args", "collect",
@@ -49,6 +54,8 @@ SWEEP_SEQ = (1024, 4096, 16384)
 SWEEP_D = (64, 128)
 # `--pass`: one of PASSES, or both.
 BOTH = "both"
+# `--precision`: one precision, or one of these groups.
+PRECISION_GROUPS = {BOTH: CUDA_PRECISIONS, "half": HALF_PRECISIONS, "all": PRECISIONS}
 
 
 class BenchUnusable(BenchError):
@@ -163,6 +170,42 @@ def run_binary_bench(binary: Path, shape: Shape, precision: str, warmup: int, re
 _SDPA_TIMERS = {FORWARD: (SDPA, time_sdpa), BACKWARD: (SDPA_BACKWARD, time_sdpa_backward)}
 
 
+def _sdpa_runs(shape: Shape, prec: str, passes: str, warmup: int, reps: int) -> dict:
+    """SDPA's timings for one run, by the run's keys: each pass asked for at fp32/tf32; at bf16/fp16
+    the forward alone (the binary times no half backward), every backend forced in turn, the
+    fastest being the run's SDPA."""
+    if prec not in HALF_PRECISIONS:
+        return {name: timer(shape, prec, warmup, reps) for name, timer in (_SDPA_TIMERS[p] for p in passes_of(passes))}
+    if FORWARD not in passes_of(passes):
+        return {}
+    backends = time_sdpa_backends(shape, prec, warmup, reps)
+    return {SDPA: fastest_sdpa(backends), SDPA_BACKENDS: backends}
+
+
+def _sdpa_accuracy(binary: dict) -> dict:
+    """The accuracy comparison on the binary's inputs; a failure of it is kept as its 'error'."""
+    prec = binary["precision"]
+    shape = binary["shape"]
+
+    def sdpa(q, k, v, rows, backend):
+        return sdpa_output(q, k, v, rows, float(shape["scale"]), bool(shape["causal"]), prec, backend)
+
+    try:
+        return half_accuracy(binary, sdpa, tuple(BACKEND_NAMES))
+    except BenchError as exc:
+        return {"error": str(exc)}
+
+
+def _half_extras(run: dict, check: bool) -> None:
+    """At bf16/fp16: each flash kernel's ratio to each SDPA backend and, under --check, the errors
+    of the binary's flash and of SDPA on the same inputs."""
+    binary = run["binary"]
+    if run.get(SDPA_BACKENDS):
+        run[VS_SDPA] = ratios_to_backends(binary, run[SDPA_BACKENDS])
+    if check and binary.get("check_sample") and run.get(SDPA_BACKENDS):
+        run[ACCURACY] = _sdpa_accuracy(binary)
+
+
 def collect(binary: Path, shapes: Iterable[Shape], precisions: Sequence[str], warmup: int, reps: int,
             check: bool, use_torch: bool, only: str, log=print, timeout: float = BENCH_TIMEOUT_S,
             passes: str = BOTH, ceilings: bool = True) -> dict:
@@ -184,9 +227,9 @@ def collect(binary: Path, shapes: Iterable[Shape], precisions: Sequence[str], wa
                 continue
             run = {"binary": data}
             if torch_version and only != "stages":
-                for p in passes_of(passes):
-                    name, timer = _SDPA_TIMERS[p]
-                    run[name] = timer(shape, prec, warmup, r)
+                run.update(_sdpa_runs(shape, prec, passes, warmup, r))
+                if prec in HALF_PRECISIONS:
+                    _half_extras(run, check)
             runs.append(run)
             log(f"bench: {shape.id} {prec}: {time.monotonic() - t0:.1f} s")
     device = next((r["binary"]["device"] for r in runs if "binary" in r), "?")
@@ -203,7 +246,7 @@ def _print_results(results: dict, rows: Sequence[Row]) -> None:
         click.echo(line)
     goals = evaluate_goals(rows)
     if goals:
-        click.echo("speed goals:")
+        click.echo("goals:")
         for line in goals:
             click.echo("  " + line)
 
@@ -224,8 +267,10 @@ def _exit_status(rows: Sequence[Row]) -> int:
 @binary_option.but(help="Time this prebuilt binary instead of building BUILD_DIR/main.")
 @click.option("--shape", "shape_specs", multiple=True, metavar="B,H,N,M,D[,causal]",
               help="Benchmark this shape instead of the default list (repeatable).")
-@click.option("--precision", type=click.Choice(CUDA_PRECISIONS + ("both",)), default="both", show_default=True,
-              help="Flash kernels and cuBLAS stages in fp32 (3xTF32 flash), tf32, or both.")
+@click.option("--precision", type=click.Choice(PRECISIONS + tuple(PRECISION_GROUPS)), default=BOTH, show_default=True,
+              help="Flash kernels and cuBLAS stages in fp32 (3xTF32 flash), tf32, bf16 or fp16 (the forward "
+                   "alone, against SDPA at that dtype, each backend); both: fp32 and tf32; half: bf16 and fp16; "
+                   "all: the four.")
 @click.option("--warmup", type=click.IntRange(min=0), default=3, show_default=True, help="Untimed runs first.")
 @click.option("--reps", type=click.IntRange(min=1), default=20, show_default=True,
               help="Timed runs (median); a quarter of them, at least 3, for the largest shapes.")
@@ -234,11 +279,12 @@ def _exit_status(rows: Sequence[Row]) -> int:
 @click.option("--pass", "passes", type=click.Choice(PASSES + (BOTH,)), default=BOTH, show_default=True,
               help="Time the forward, the backward (from a generated dO), or both.")
 @click.option("--check/--no-check", default=True, show_default=True,
-              help="Compare sampled rows of the flash outputs and of the gradients with float64 inside the binary.")
+              help="Compare sampled rows of the flash outputs and of the gradients with float64 inside the binary; "
+                   "at bf16/fp16 also SDPA's output on the same inputs (needs torch).")
 @click.option("--ceilings/--no-ceilings", default=True, show_default=True,
               help="Measure the ceilings (cuBLAS SGEMM, device copy, tensor-core rates) in each run.")
 @click.option("--torch/--no-torch", "use_torch", default=True, show_default=True,
-              help="Also time PyTorch SDPA (fp32) when torch imports and sees a GPU.")
+              help="Also time PyTorch SDPA (fp32; bf16/fp16 at those precisions) when torch imports and sees a GPU.")
 @timeout_option.but(default=BENCH_TIMEOUT_S, help="Seconds before the binary is stopped on one shape.")
 @json_option.but(callback=None, help="Write all results as JSON to this file.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path),
@@ -254,9 +300,10 @@ def bench(build_dir, binary, shape_specs, precision, warmup, reps, only, passes,
     Runs `main --bench` (built in BUILD_DIR) for each shape of the default list or each --shape,
     in each precision; prints a table of ms, TFLOP/s or GB/s, the fraction of the ceilings the
     binary measured in the same run (cuBLAS SGEMM, device copy) and the flash kernels' speed over
-    SDPA's (the backward's over SDPA's backward); then the speed goals as met/missed. Backward
-    TFLOP/s count 2.5x the forward's FLOPs. Exit status 1 when a checked result fails its float64
-    check.
+    SDPA's (the backward's over SDPA's backward; at bf16/fp16 over SDPA's fastest backend at that
+    dtype, and over each); then the goals as met/missed, at bf16/fp16 with --check the flash
+    error against float64 beside SDPA's on the same inputs. Backward TFLOP/s count 2.5x the
+    forward's FLOPs. Exit status 1 when a checked result fails its float64 check.
     """
     try:
         if from_json:
@@ -266,7 +313,7 @@ def bench(build_dir, binary, shape_specs, precision, warmup, reps, only, passes,
                 if path is not None and not path.resolve().parent.is_dir():
                     raise BenchError(f"{path}: its folder does not exist")
             shapes = [parse_shape(s) for s in shape_specs] or default_shapes()
-            precisions = CUDA_PRECISIONS if precision == "both" else (precision,)
+            precisions = PRECISION_GROUPS.get(precision, (precision,))
             results = collect(binary or ensure_built(build_dir), shapes, precisions, warmup, reps, check,
                               use_torch, only, log=lambda m: click.echo(m, err=True), timeout=timeout,
                               passes=passes, ceilings=ceilings)

@@ -1,13 +1,13 @@
-"""The speed goals `attnstep bench` reports as met or missed: one table of records, one function
-that decides them."""
+"""The goals `attnstep bench` reports as met or missed (speed, and accuracy at bf16/fp16): one table
+of records, one function that decides them."""
 from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
 from typing import Any, List, Mapping, Optional, Sequence
 
-from .bench_report import FLASH_BACKWARD, Row, parse_shape_id
-from .stages import KEYS_T, OUTPUT, SCALED_SCORES, SCORES, WEIGHTS
+from .bench_report import FLASH_BACKWARD, FLASH_DISPATCHER, Row, parse_shape_id
+from .stages import HALF_PRECISIONS, KEYS_T, OUTPUT, SCALED_SCORES, SCORES, WEIGHTS
 
 
 @dataclass(frozen=True)
@@ -24,6 +24,14 @@ METRICS = {
                       "{r.vs_sdpa:.2f}x ({r.rate:.1f} TFLOP/s)"),
     "vs_sdpa_backward": Metric("vs_sdpa", "{g.precision} {g.kernel} {g.comparison} {g.threshold:g}x SDPA's backward",
                                "{r.vs_sdpa:.2f}x ({r.rate:.1f} TFLOP/s)"),
+    # At bf16/fp16 the run's SDPA is the fastest of its backends, each timed in the same process.
+    "vs_sdpa_fastest": Metric("vs_sdpa",
+                              "{g.precision} {g.kernel} {g.comparison} {g.threshold:g}x SDPA's fastest backend",
+                              "{r.vs_sdpa:.2f}x ({r.rate:.1f} TFLOP/s)"),
+    # The max relative error against float64 over SDPA's, same inputs and measure (bench_accuracy.py).
+    "err_vs_sdpa": Metric("err_vs_sdpa",
+                          "{g.precision} {g.kernel} error {g.comparison} {g.threshold:g}x SDPA's on the same inputs",
+                          "{r.max_rel_err:.2e} against SDPA's {r.sdpa_err:.2e}"),
     "tflops": Metric("rate", "{g.precision} {g.kernel} {g.comparison} {g.threshold:.0f} TFLOP/s",
                      "{r.rate:.1f} TFLOP/s"),
     "sgemm_fraction": Metric("fraction", "{g.kernel} {g.comparison} {g.threshold:.0%} of cuBLAS SGEMM",
@@ -48,10 +56,15 @@ _LARGE = {"batch": 4, "heads": 16, "seq_q": 4096, "seq_k": 4096}
 _LARGE_D64 = {**_LARGE, "d": 64, "causal": False}
 
 # "flash" is what users get by default (the binary's dispatcher), so the flash goals are about it.
-# The flash backward's: at d 64 and 128, causal and not.
+# The flash backward's: at d 64 and 128, causal and not; so the half formats' forward, in speed
+# and in accuracy (against float64, no worse than PyTorch's SDPA at the same format).
 GOALS = (
-    Goal("flash", _LARGE, "fp32", "vs_sdpa", 1.5),
-    Goal("flash", {**_LARGE, "d": 64}, "tf32", "tflops", 150.0),
+    Goal(FLASH_DISPATCHER, _LARGE, "fp32", "vs_sdpa", 1.5),
+    Goal(FLASH_DISPATCHER, {**_LARGE, "d": 64}, "tf32", "tflops", 150.0),
+    *(Goal(FLASH_DISPATCHER, {**_LARGE, "d": d}, p, "vs_sdpa_fastest", 1.0)
+      for p in HALF_PRECISIONS for d in (64, 128)),
+    *(Goal(FLASH_DISPATCHER, {**_LARGE, "d": d}, p, "err_vs_sdpa", 1.0, "<=")
+      for p in HALF_PRECISIONS for d in (64, 128)),
     *(Goal(FLASH_BACKWARD, {**_LARGE, "d": d}, "fp32", "vs_sdpa_backward", 2.0) for d in (64, 128)),
     *(Goal(FLASH_BACKWARD, {**_LARGE, "d": d}, "tf32", "tflops", 150.0) for d in (64, 128)),
     Goal(SCORES, _LARGE_D64, "fp32", "sgemm_fraction", 0.9),

@@ -1,22 +1,29 @@
 """What `attnstep bench` reads and shows: the binary's --bench JSON, the rows of the table, the
-ceilings, the results file and the plot."""
+ceilings and the results file (the plot is bench_plot.py's)."""
 from __future__ import annotations
 
 import json
 import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence
 
-from .matrix_io import output_file_target
-from .stages import CUDA_PRECISIONS
+from .stages import HALF_PRECISIONS, PRECISIONS
 
 # "flash" is the binary's dispatcher (what `main` runs by default: wgmma on Hopper, else mma.sync,
 # else the clean kernel); the others are the tensor-core kernels forced one by one.
 FLASH_DISPATCHER = "flash"
 FLASH_KERNELS = (FLASH_DISPATCHER, "flash_wgmma", "flash_fast")
 SDPA = "sdpa"
+# At bf16/fp16 SDPA runs once per backend (bench_sdpa.SDPA_BACKENDS), under the run's key
+# SDPA_BACKENDS; its "sdpa" is the fastest of them, and VS_SDPA holds each flash kernel's ratio to
+# each. ACCURACY holds the comparison of errors on the binary's own inputs (bench_accuracy.py).
+SDPA_BACKENDS = "sdpa_backends"
+VS_SDPA = "vs_sdpa"
+FASTEST = "fastest"
+ACCURACY = "accuracy"
+# The status of an SDPA backend that refuses the problem: "unsupported: <torch's reason>".
+UNSUPPORTED = "unsupported"
 # The backward's rows that are not stages (cuda_src/cuda/bench_parts.cuh names them alike): the
 # whole stage-path backward timed as one unit, the flash backward, and PyTorch's backward.
 STAGE_PATH_BACKWARD = "stages_backward"
@@ -92,7 +99,7 @@ def parse_binary_json(data: dict, source: str = "bench JSON") -> dict:
     for key, typ in _REQUIRED.items():
         if not isinstance(data.get(key), typ):
             raise BenchError(f"{source}: missing or malformed '{key}' (expected {typ.__name__})")
-    if data["precision"] not in CUDA_PRECISIONS:
+    if data["precision"] not in PRECISIONS:
         raise BenchError(f"{source}: unknown precision '{data['precision']}'")
     for i, k in enumerate(data["kernels"]):
         for key, typ in _KERNEL_REQUIRED.items():
@@ -131,6 +138,17 @@ class Row:
     fraction: Optional[float] = None  # of the ceiling measured in the same run
     vs_sdpa: Optional[float] = None   # flash kernels: TFLOP/s over SDPA's on the same shape
     note: str = ""
+    max_rel_err: Optional[float] = None  # checked rows: the binary's error against float64
+    sdpa_err: Optional[float] = None     # bf16/fp16 flash rows: SDPA's, same inputs and measure
+
+    @property
+    def err_vs_sdpa(self) -> Optional[float]:
+        """The row's error over SDPA's on the same inputs (None when either is unknown)."""
+        if self.max_rel_err is None or self.sdpa_err is None:
+            return None
+        if self.sdpa_err == 0:
+            return 0.0 if self.max_rel_err == 0 else math.inf
+        return self.max_rel_err / self.sdpa_err
 
 
 def _row(shape: Shape, precision: str, kernel: str, kind: str, status: str) -> Row:
@@ -155,21 +173,86 @@ _VS_SDPA = {**{name: SDPA for name in FLASH_KERNELS}, FLASH_BACKWARD: SDPA_BACKW
 
 def _kernel_row(shape: Shape, precision: str, k: dict, sdpa_rates: Dict[str, float]) -> Row:
     row = _row(shape, precision, k["name"], k["kind"], k["status"])
-    if k["status"] == "ok":
-        row.ms, row.rate, row.fraction = k["ms"], k[_rate_key(k)], k.get("fraction")
-        yardstick = sdpa_rates.get(_VS_SDPA.get(k["name"], ""))
-        if yardstick:
-            row.vs_sdpa = row.rate / yardstick
-        row.note = kernel_note(k)
+    if k["status"] != "ok":
+        row.note = k.get("reason", "")
+        return row
+    row.ms, row.rate, row.fraction = k["ms"], k[_rate_key(k)], k.get("fraction")
+    yardstick = sdpa_rates.get(_VS_SDPA.get(k["name"], ""))
+    if yardstick:
+        row.vs_sdpa = row.rate / yardstick
+    row.note = kernel_note(k)
+    row.max_rel_err = (k.get("check") or {}).get("max_rel_err")
     return row
+
+
+def sdpa_backend_row(backend: str) -> str:
+    """The table's name of one SDPA backend's row: sdpa_cudnn, sdpa_flash, sdpa_efficient."""
+    return f"{SDPA}_{backend}"
 
 
 def _sdpa_row(shape: Shape, precision: str, name: str, sdpa: dict) -> Row:
     row = _row(shape, precision, name, "attention", sdpa.get("status", "?"))
     if sdpa.get("status") == "ok":
-        row.ms, row.rate, row.vs_sdpa = sdpa["ms"], sdpa["tflops"], 1.0
-        row.note = f"torch {sdpa.get('torch', '?')} fp32"
+        row.ms, row.rate = sdpa["ms"], sdpa["tflops"]
+        row.note = f"torch {sdpa.get('torch', '?')} {sdpa.get('dtype', 'fp32')}"
+        if sdpa.get("backend"):
+            row.note += f", {sdpa_backend_row(sdpa['backend'])} ({FASTEST})"
     return row
+
+
+def fastest_sdpa(backends: Dict[str, dict]) -> dict:
+    """The run's SDPA yardstick at bf16/fp16: the fastest backend's timing, named in "backend";
+    an "unsupported" status when none ran."""
+    ran = {name: b for name, b in backends.items() if b.get("status") == "ok"}
+    if not ran:
+        return {"status": f"{UNSUPPORTED}: no SDPA backend took the problem"}
+    name = max(ran, key=lambda n: ran[n]["tflops"])
+    return {**ran[name], "backend": name}
+
+
+def ratios_to_backends(binary: dict, backends: Dict[str, dict]) -> Dict[str, Dict[str, float]]:
+    """Each forward flash kernel's TFLOP/s over each SDPA backend's that ran, and over the
+    fastest's: {kernel: {backend: ratio, "fastest": ratio}}."""
+    rates = {name: b["tflops"] for name, b in backends.items() if b.get("status") == "ok" and b.get("tflops")}
+    if not rates:
+        return {}
+    rates[FASTEST] = max(rates.values())
+    return {k["name"]: {name: k["tflops"] / rate for name, rate in rates.items()}
+            for k in binary["kernels"]
+            if k["name"] in FLASH_KERNELS and k["status"] == "ok" and k.get("pass", FORWARD) == FORWARD}
+
+
+def _ratio_note(ratios: Dict[str, float]) -> str:
+    return "vs " + ", ".join(f"{sdpa_backend_row(name)} {r:.2f}x" for name, r in ratios.items() if name != FASTEST)
+
+
+def _add_error_note(row: Row, err) -> None:
+    """SDPA's error on the binary's inputs, in its row's note (a status string says nothing more)."""
+    if isinstance(err, (int, float)) and row.status == "ok":
+        row.note += f"; err {err:.1e} on the binary's inputs"
+
+
+def _half_rows(shape: Shape, prec: str, run: dict, binary: dict, rows: List[Row]) -> List[Row]:
+    """At bf16/fp16: each SDPA backend's row, the flash rows' ratio to each backend in their note,
+    SDPA's error on the same inputs in theirs (or the accuracy comparison's failure as a row)."""
+    backends = run.get(SDPA_BACKENDS) or {}
+    ratios = ratios_to_backends(binary, backends)
+    accuracy = run.get(ACCURACY) or {}
+    sdpa_err = accuracy.get(SDPA)
+    for row in rows:
+        if row.kernel in ratios:
+            row.note = "; ".join(n for n in (row.note, _ratio_note(ratios[row.kernel])) if n)
+        if row.kernel in FLASH_KERNELS and row.status == "ok" and isinstance(sdpa_err, (int, float)):
+            row.sdpa_err = sdpa_err
+            row.note += f"; SDPA's err {sdpa_err:.1e}"
+    extra = [_sdpa_row(shape, prec, sdpa_backend_row(name), b) for name, b in backends.items()]
+    fastest = (run.get(SDPA) or {}).get("tflops")
+    for row, name in zip(extra, backends):
+        row.vs_sdpa = row.rate / fastest if row.rate and fastest else None
+        _add_error_note(row, (accuracy.get(SDPA_BACKENDS) or {}).get(name))
+    if accuracy.get("error"):
+        extra.append(_row(shape, prec, ACCURACY, "attention", f"failed: {accuracy['error']}"))
+    return extra
 
 
 def _run_rows(i: int, run: dict) -> List[Row]:
@@ -182,7 +265,10 @@ def _run_rows(i: int, run: dict) -> List[Row]:
     sdpa = {name: run[name] for name in (SDPA, SDPA_BACKWARD) if run.get(name)}
     rates = {name: s["tflops"] for name, s in sdpa.items() if s.get("status") == "ok"}
     rows = [_kernel_row(shape, prec, k, rates) for k in binary["kernels"]]
-    return rows + [_sdpa_row(shape, prec, name, s) for name, s in sdpa.items()]
+    sdpa_rows = [_sdpa_row(shape, prec, name, s) for name, s in sdpa.items()]
+    for row in sdpa_rows:
+        row.vs_sdpa = 1.0 if row.status == "ok" else None
+    return rows + sdpa_rows + _half_rows(shape, prec, run, binary, rows)
 
 
 def rows_from_results(results: dict) -> List[Row]:
@@ -200,7 +286,8 @@ def format_table(rows: Sequence[Row]) -> str:
     lines = [header, "-" * len(header)]
     for r in rows:
         if r.status != "ok":
-            lines.append(f"{r.shape:<28} {r.precision:<5} {r.kernel:<18} {'-':>10} {'-':>15} {'-':>8} {'-':>8}  {r.status}")
+            status = f"{r.status}: {r.note}" if r.note else r.status
+            lines.append(f"{r.shape:<28} {r.precision:<5} {r.kernel:<18} {'-':>10} {'-':>15} {'-':>8} {'-':>8}  {status}")
             continue
         unit = "GB/s" if r.kind == "memory" else "TFLOP/s"
         rate = f"{r.rate:.0f} {unit}" if r.kind == "memory" else f"{r.rate:.2f} {unit}"
@@ -223,8 +310,12 @@ def _run_size(run: dict) -> int:
     return sh.get("seq_q", 0) * sh.get("seq_k", 0) * sh.get("d", 0)
 
 
-def _ceiling_parts(c: dict) -> List[str]:
-    return [f"{label} {fmt % c.get(key, float('nan'))} {unit}"
+def _ceiling_parts(c: dict, precision: str) -> List[str]:
+    """The ceilings' figures; at bf16/fp16 cuBLAS's is its GEMM of half operands, not SGEMM."""
+    def named(label: str) -> str:
+        return f"cuBLAS GEMM {precision}" if label == _CEILINGS[0][1] and precision in HALF_PRECISIONS else label
+
+    return [f"{named(label)} {fmt % c.get(key, float('nan'))} {unit}"
             for key, label, fmt, unit, always in _CEILINGS if always or c.get(key)]
 
 
@@ -240,92 +331,5 @@ def ceiling_lines(results: dict) -> List[str]:
             continue
         seen.add(prec)
         where = _shape_of(b).id if isinstance(b.get("shape"), dict) else "?"
-        lines.append(f"ceilings ({prec}, {where}): " + ", ".join(_ceiling_parts(c)))
+        lines.append(f"ceilings ({prec}, {where}): " + ", ".join(_ceiling_parts(c, prec)))
     return lines
-
-
-# ---- plot ----------------------------------------------------------------------------------------
-# PyTorch's rows, the yardsticks: black, its backward grey, both dashed.
-_SDPA_COLOURS = {SDPA: "black", SDPA_BACKWARD: "grey"}
-
-
-def _plotted(rows: Sequence[Row]) -> List[Row]:
-    """Rows with a TFLOP/s figure; SDPA always runs in fp32, so one line for it, from the fp32 runs."""
-    return [r for r in rows if r.status == "ok" and r.kind in ("attention", "gemm") and r.rate
-            and not (r.kernel in _SDPA_COLOURS and r.precision != "fp32")]
-
-
-def _kernel_colours(rows: Sequence[Row], cycle: Sequence[str]) -> Dict[str, str]:
-    """One colour per kernel in every panel (with one line style per precision a dozen lines stay
-    tellable apart; the default colour cycle repeats after ten); SDPA, the yardstick, in black."""
-    kernels = sorted({r.kernel for r in rows if r.kernel not in _SDPA_COLOURS})
-    colour = {k: cycle[i % len(cycle)] for i, k in enumerate(kernels)}
-    colour.update(_SDPA_COLOURS)
-    return colour
-
-
-def _draw_panel(ax, rows: Sequence[Row], d: int, causal: bool, colour: Dict[str, str]) -> None:
-    style = {"fp32": "-", "tf32": ":"}
-    series: Dict[Tuple[str, str], List[Row]] = {}
-    for r in rows:
-        if (r.d, r.causal) == (d, causal):
-            series.setdefault((r.kernel, r.precision), []).append(r)
-    for (kernel, precision), pts in sorted(series.items()):
-        pts = sorted(pts, key=lambda r: r.n)
-        sdpa = kernel in _SDPA_COLOURS
-        label = kernel if sdpa else f"{kernel} {precision}"
-        ax.plot([p.n for p in pts], [p.rate for p in pts], marker="o", markersize=3, label=label,
-                color=colour[kernel], linestyle="--" if sdpa else style.get(precision, "-"))
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("N = M")
-    ax.set_ylabel("TFLOP/s")
-    ax.set_title(f"d={d} {'causal' if causal else 'non-causal'}")
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=6)
-
-
-def _panel_grid(panels: Sequence[Tuple[int, bool]]) -> Tuple[List[int], List[bool]]:
-    """The plot's columns (d) and rows (causal or not)."""
-    return sorted({d for d, _ in panels}), sorted({c for _, c in panels})
-
-
-def _save_atomically(fig, path: Path) -> None:
-    """A PNG appears complete or not at all (an interrupted save leaves no half-written file)."""
-    target = output_file_target(path)
-    tmp = target.with_name(f"{target.name}.tmp-{os.getpid()}")
-    try:
-        fig.savefig(tmp, dpi=120, format="png")
-        os.replace(tmp, target)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-
-
-def write_plot(rows: Sequence[Row], path: Path, title: str = "") -> None:
-    """TFLOP/s against N, one line per kernel and precision; one panel per d (columns) and
-    masking (rows)."""
-    import matplotlib  # noqa: PLC0415
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
-
-    plotted = _plotted(rows)
-    panels = {(r.d, r.causal) for r in plotted}
-    if not panels:
-        raise BenchError("nothing to plot: no kernel with a TFLOP/s figure")
-    colour = _kernel_colours(plotted, plt.rcParams["axes.prop_cycle"].by_key()["color"])
-    ds, masks = _panel_grid(panels)
-    fig, axes = plt.subplots(len(masks), len(ds), figsize=(4.2 * len(ds), 3.8 * len(masks)), squeeze=False)
-    for i, causal in enumerate(masks):
-        for j, d in enumerate(ds):
-            if (d, causal) in panels:
-                _draw_panel(axes[i][j], plotted, d, causal, colour)
-            else:
-                axes[i][j].set_axis_off()
-    if title:
-        fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    try:
-        _save_atomically(fig, path)
-    finally:
-        plt.close(fig)

@@ -15,10 +15,10 @@ MAX_HEAD_DIM = 256
 
 # What the binary computes in (--precision; cuda_src/backend.h's kPrecisionNames): fp32 and tf32
 # keep every value float32; bf16 and fp16 are the half pipelines (inputs and stage values in the
-# format, float32 accumulation and softmax), emulated by the CPU backend only.
+# format, float32 accumulation and softmax).
 PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
 HALF_PRECISIONS = ("bf16", "fp16")
-CUDA_PRECISIONS = ("fp32", "tf32")  # what the CUDA kernels (and so bench and sweep) run
+CUDA_PRECISIONS = ("fp32", "tf32")  # the float32 ones: what sweep times, and bench's `both`
 
 # Case limits, the same in cuda_src/stages.h (docs/contract.md): every dimension 1..MAX_DIM,
 # batch × heads at most MAX_HEADS, the elements of every stage of every head at most MAX_ELEMENTS

@@ -23,7 +23,8 @@ import click
 
 from .bench import BENCH_TIMEOUT_S, BOTH, BenchOutOfMemory, BenchUnusable, reps_for, run_binary_bench
 from .bench_report import (BACKWARD, FLASH_BACKWARD, FLASH_DISPATCHER, FORWARD, OOM, PASSES, SDPA, STAGE_PATH_BACKWARD,
-                           STAGE_PATH_SKIPPED, BenchError, Row, Shape, kernel_note, write_plot)
+                           STAGE_PATH_SKIPPED, BenchError, Row, Shape, kernel_note)
+from .bench_plot import write_plot
 from .bench_sdpa import time_sdpa, time_sdpa_backward, torch_available
 from .device_memory import PeakDeviceMemory
 from .matrix_io import atomic_write_bytes, output_file_target

@@ -15,6 +15,8 @@
 //
 // --check compares dQ, dK, dV of the whole stage path and of the flash backward with float64
 // (bench_check_backward.cu); the gradients are NaN-poisoned before the checked launch.
+//
+// At bf16/fp16 nothing of the backward is timed: its two whole-pass rows are "unsupported".
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
@@ -238,12 +240,25 @@ void bench_flash_backward(const Options& o, const BackwardInputs& in, int total_
     out->push_back(r);
 }
 
+// At bf16/fp16: the whole stage path's and the flash backward's rows, marked (not timed).
+void half_backward_rows(const Options& o, std::vector<Result>* out) {
+    for (const char* name : {kStagePathBackwardRow, kFlashBackwardRow}) {
+        if (o.only == (name == kFlashBackwardRow ? "stages" : "flash")) continue;
+        Result r{name, Kind::attention};
+        r.backward = true;
+        r.status = "unsupported";
+        r.reason = std::string("the backward is timed at fp32 and tf32 only, not ") + precision_name(o.precision);
+        out->push_back(r);
+    }
+}
+
 }  // namespace
 
 void bench_backward(const Options& o, cublasHandle_t blas, const BackwardInputs& in, int total_heads,
                     Timer& timer, cudaStream_t s, int* group, std::vector<Result>* out) {
-    BackwardReference ref(o, in);
     *group = 0;
+    if (is_half(o.precision)) return half_backward_rows(o, out);
+    BackwardReference ref(o, in);
     if (o.only != "flash") bench_path_backward(o, blas, in, total_heads, timer, s, &ref, group, out);
     if (o.only != "stages") bench_flash_backward(o, in, total_heads, timer, s, &ref, out);
 }

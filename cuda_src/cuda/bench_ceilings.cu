@@ -1,6 +1,7 @@
 // bench_ceilings.cu — the ceilings `main --bench` measures in the same run as the kernels: cuBLAS
-// SGEMM on the QK shape (the stage path's own call), a device-to-device copy, and the tensor-core
-// issue rates of mma.sync TF32 / BF16 and (Hopper) wgmma TF32.
+// SGEMM on the QK shape (the stage path's own call; at bf16/fp16 its GemmEx call of half operands,
+// their conversions included), a device-to-device copy, and the tensor-core issue rates of
+// mma.sync TF32 / BF16 and (Hopper) wgmma TF32.
 #include <algorithm>
 #include <cstdint>
 
@@ -89,9 +90,11 @@ Ceilings measure_ceilings(const Options& o, const cudaDeviceProp& prop, int gemm
         const int heads = std::max(1, std::min(gemm_heads, 8));
         DeviceBuffer q(size_t(heads) * o.N * o.d), k(size_t(heads) * o.M * o.d),
             out(size_t(heads) * o.N * o.M);
+        HalfOperands half(o, heads);
         fill(q, 11, s);
         fill(k, 12, s);
-        c.sgemm_ms = timer.median_ms(o.warmup, o.reps, [&] { gemm_qk(blas, bench_dims(o), heads, q.p, k.p, out.p); });
+        c.sgemm_ms = timer.median_ms(o.warmup, o.reps,
+                                     [&] { gemm_qk(blas, bench_dims(o), heads, q.p, k.p, out.p, half.gemm); });
         c.sgemm_tflops = 2.0 * o.N * o.M * o.d * heads / (c.sgemm_ms * 1e-3) / 1e12;
     }
     {

@@ -1,5 +1,7 @@
 // bench_check.cu — `main --bench --check`: each flash kernel's output and lse on sampled rows
-// against a float64 host computation, so that a fast but wrong kernel is caught.
+// against a float64 host computation, so that a fast but wrong kernel is caught. At bf16/fp16 the
+// reference starts from the inputs rounded to the format (what the kernels multiply), so the error
+// measured is the kernel's own, not the inputs' conversion.
 #include <algorithm>
 #include <cmath>
 #include <vector>
@@ -14,11 +16,22 @@ namespace {
 constexpr double kFp32CheckTol = 1e-4;  // a plain FP32 kernel lands near 1e-6 on these inputs
 constexpr double kTf32CheckTol = 5e-3;  // TF32 operands: ~3e-4 expected
 
+// bf16/fp16, as multiples of the format's unit roundoff u (2^-8 bf16, 2^-11 fp16: half an ulp
+// relative to the value), against max|ref| of the head: O is stored in the format (at most u·|O|),
+// P = exp(S − m) is rounded to the format before P·V (u relative to each term; the terms' signs
+// vary with V's, so their sum stays near u·max|O| rather than the worst case u·max|V|), and 2u more
+// for float32 accumulation in any order and the online softmax's rescaling. A NumPy model of those
+// roundings on these inputs (B = 1, N = M = 127 and 4096, d 64 and 128, causal or not) lands at
+// 0.5–1.1 u, so 4 u is headroom, while a wrong mask, tile or scale is off by far more.
+constexpr double kHalfCheckUnits = 4;
+constexpr int kHalfSignificantBits[] = {0, 0, 8, 11};  // by Precision: bf16 8, fp16 11
+
 
 struct HostInputs {
     std::vector<float> q, k, v;  // one head
 };
 
+// One head's inputs as generated (float32).
 void copy_head(const Options& o, const DeviceBuffer& Q, const DeviceBuffer& K, const DeviceBuffer& V,
                int head, HostInputs* h) {
     h->q.resize(size_t(o.N) * o.d);
@@ -27,6 +40,13 @@ void copy_head(const Options& o, const DeviceBuffer& Q, const DeviceBuffer& K, c
     CUDA_CHECK(cudaMemcpy(h->q.data(), Q.p + size_t(head) * o.N * o.d, h->q.size() * 4, cudaMemcpyDeviceToHost));
     CUDA_CHECK(cudaMemcpy(h->k.data(), K.p + size_t(head) * o.M * o.d, h->k.size() * 4, cudaMemcpyDeviceToHost));
     CUDA_CHECK(cudaMemcpy(h->v.data(), V.p + size_t(head) * o.M * o.d, h->v.size() * 4, cudaMemcpyDeviceToHost));
+}
+
+// The inputs as the kernels of o's precision read them: rounded to bf16/fp16 (nearest even, as
+// the CUDA conversions), unchanged at fp32 and tf32 (TF32 rounding is the kernel's error).
+void round_inputs(const Options& o, HostInputs* h) {
+    for (std::vector<float>* x : {&h->q, &h->k, &h->v})
+        for (float& e : *x) e = round_to(o.precision, e);
 }
 
 // Reference row r: o = softmax(scale·q_r·Kᵀ)·V over the visible keys, lse = log Σ exp(...).
@@ -82,7 +102,21 @@ std::vector<int> heads_to_check(const Options& o, int total_heads) {
 }
 
 double check_tolerance(const Options& o) {
+    if (is_half(o.precision))
+        return kHalfCheckUnits * std::ldexp(1.0, -kHalfSignificantBits[static_cast<int>(o.precision)]);
     return o.precision == Precision::tf32 ? kTf32CheckTol : kFp32CheckTol;
+}
+
+double inputs_checksum(const Options& o, const DeviceBuffer& Q, const DeviceBuffer& K, const DeviceBuffer& V,
+                       int total_heads) {
+    HostInputs h;
+    double sum = 0;
+    for (int head : heads_to_check(o, total_heads)) {
+        copy_head(o, Q, K, V, head, &h);
+        for (const std::vector<float>* x : {&h.q, &h.k, &h.v})
+            for (size_t j = 0; j < x->size(); ++j) sum += double((*x)[j]) * double(j % 251 + 1);
+    }
+    return sum;
 }
 
 void check_flash(const Options& o, const DeviceBuffer& Q, const DeviceBuffer& K,
@@ -95,27 +129,36 @@ void check_flash(const Options& o, const DeviceBuffer& Q, const DeviceBuffer& K,
     std::vector<double> ref;
     double worst = 0, worst_lse = 0;
     bool finite = true;
+    // Normwise relative errors (elementwise ratios blow up where the output crosses 0): per row at
+    // fp32/tf32; per head at bf16/fp16, max|err| / max|ref| over its checked rows, the measure
+    // verify/bench_accuracy.py applies to PyTorch's output on the same rows.
+    const bool per_head = is_half(o.precision);
     for (int head : heads) {
         copy_head(o, Q, K, V, head, &h);
+        round_inputs(o, &h);
         std::vector<float> ohead(size_t(o.N) * o.d), lhead(o.N);
         CUDA_CHECK(cudaMemcpy(ohead.data(), O.p + size_t(head) * o.N * o.d, ohead.size() * 4, cudaMemcpyDeviceToHost));
         CUDA_CHECK(cudaMemcpy(lhead.data(), lse.p + size_t(head) * o.N, lhead.size() * 4, cudaMemcpyDeviceToHost));
+        double err = 0, mag = 0;  // max|err| and max|ref| of the row, or of the head so far
+        auto close_norm = [&] {
+            worst = std::max(worst, err / std::max(mag, 1e-30));
+            err = mag = 0;
+        };
         for (int row : rows) {
             double ref_lse = 0;
             reference_row(o, h, row, &ref, &ref_lse);
-            double err = 0, mag = 0;
             for (int c = 0; c < o.d; ++c) {
                 const double x = ohead[size_t(row) * o.d + c];
                 if (!std::isfinite(x)) finite = false;
                 err = std::max(err, std::fabs(x - ref[c]));
                 mag = std::max(mag, std::fabs(ref[c]));
             }
-            // Row-normwise relative error: elementwise ratios blow up where the output crosses 0.
-            worst = std::max(worst, err / std::max(mag, 1e-30));
+            if (!per_head) close_norm();
             const double l = lhead[row];
             if (!std::isfinite(l)) finite = false;
             worst_lse = std::max(worst_lse, std::fabs(l - ref_lse) / std::max(1.0, std::fabs(ref_lse)));
         }
+        if (per_head) close_norm();
     }
     const double tol = check_tolerance(o);
     r->checked = true;

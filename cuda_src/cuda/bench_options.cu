@@ -16,11 +16,19 @@ namespace {
     fail(kExitBadInput, "--bench: " + what, "run 'main --bench --help' for its options");
 }
 
+// "fp32|tf32|bf16|fp16": the precisions of backend.h's table.
+std::string precision_choices(const char* sep) {
+    std::string out;
+    for (const char* name : kPrecisionNames) out += (out.empty() ? "" : sep) + std::string(name);
+    return out;
+}
+
 void print_usage() {
+    const std::string precisions = precision_choices("|");
     std::printf(
         "usage: main --bench [--batch B] [--heads H] [--seq-q N] [--seq-k M] [--d D] [--causal]\n"
-        "                    [--scale S] [--precision fp32|tf32] [--warmup W] [--reps R] [--json FILE]\n"
-        "                    [--check] [--check-rows K] [--only all|stages|flash]\n"
+        "                    [--scale S] [--precision %s] [--warmup W] [--reps R]\n"
+        "                    [--json FILE] [--check] [--check-rows K] [--only all|stages|flash]\n"
         "                    [--pass forward|backward|both] [--no-ceilings] [--seed S]\n"
         "                    [--fast-variant I] [--splits S]\n"
         "\n"
@@ -30,17 +38,22 @@ void print_usage() {
         "  --seq-q, --seq-k    N query rows, M keys (default 128, 128)\n"
         "  --d                 head width d_k = d_v (default 64)\n"
         "  --causal, --scale   the top-left causal mask; the scale (default 1/sqrt(d))\n"
-        "  --precision         fp32 (default) or tf32\n"
+        "  --precision         fp32 (default), tf32 (TF32 tensor-core GEMMs), or bf16 / fp16: the flash\n"
+        "                      forward and the stage path in the format (cuBLAS GEMMs of bf16/fp16\n"
+        "                      operands with float32 accumulation, each stage stored in the format);\n"
+        "                      the backward is timed at fp32 and tf32 only\n"
         "  --warmup, --reps    untimed and timed runs per kernel (default 3, 20)\n"
         "  --json FILE         write the rows as JSON (docs/performance.md)\n"
         "  --check             compare the flash results and the gradients with float64 on the host\n"
+        "                      (at bf16/fp16: from the inputs rounded to the format)\n"
         "  --check-rows K      rows sampled per checked head (default 16; 0: every row of every head)\n"
         "  --only              all (default), stages (the stage path) or flash (the flash kernels)\n"
         "  --pass              forward, backward or both (default)\n"
         "  --no-ceilings       skip the ceiling measurements (cuBLAS SGEMM, copy, tensor-core peaks)\n"
         "  --seed S            the inputs' seed (default 1234)\n"
         "  --fast-variant I, --splits S   the mma.sync flash kernel's variant and KV splits, for\n"
-        "                      tuning (docs/performance.md)\n");
+        "                      tuning (docs/performance.md)\n",
+        precisions.c_str());
 }
 
 int parse_int(const std::string& flag, const char* text, int lo, int hi) {
@@ -82,9 +95,10 @@ Options parse_options(int argc, char** argv) {
                 bad_option("--scale needs a finite non-zero number, got '" + std::string(t) + "'");
         } else if (a == "--precision") {
             const std::string p = value();
-            if (p == "fp32") o.precision = Precision::fp32;
-            else if (p == "tf32") o.precision = Precision::tf32;
-            else bad_option("--precision must be fp32 or tf32, got '" + p + "'");
+            bool known = false;
+            for (Precision q : kPrecisions)
+                if (p == precision_name(q)) o.precision = q, known = true;
+            if (!known) bad_option("--precision must be one of " + precision_choices(", ") + ", got '" + p + "'");
         } else if (a == "--warmup") o.warmup = parse_int(a, value(), 0, 1000);
         else if (a == "--reps") o.reps = parse_int(a, value(), 1, 10000);
         else if (a == "--json") o.json = value();

@@ -1,7 +1,7 @@
 // bench_parts.cuh — what the pieces of `main --bench` share: its options (bench_options.cu), the
 // ceilings it measures (bench_ceilings.cu), the float64 checks of the flash forward
 // (bench_check.cu) and of the backward (bench_check_backward.cu), the backward's rows
-// (bench_backward.cu); bench.cu runs them and reports.
+// (bench_backward.cu), the table and JSON (bench_output.cu); bench.cu runs them.
 #pragma once
 
 #include <cublas_v2.h>
@@ -17,6 +17,7 @@
 #include "../backend.h"
 #include "../stages.h"
 #include "cuda_check.cuh"
+#include "gemm.cuh"
 
 namespace attnstep {
 namespace bench {
@@ -78,8 +79,20 @@ struct DeviceBuffer {
     DeviceBuffer& operator=(const DeviceBuffer&) = delete;
 };
 
-// Fills b uniformly in [-1, 1) from `seed` (reproducible, no state).
+// Fills b uniformly in [-1, 1) from `seed` (bench_inputs.h: reproducible, no state).
 void fill(DeviceBuffer& b, uint64_t seed, cudaStream_t s);
+
+// The half pipelines' GEMM operands (gemm.cuh's HalfGemm) for `heads` heads of the forward stage
+// path, 2 bytes an element: the first operand Q or P (N×d or N×M), the second K or V (M×d).
+// Nothing is allocated at fp32 and tf32, whose GEMMs are SGEMMs.
+struct HalfOperands {
+    std::unique_ptr<DeviceBuffer> a, b;
+    HalfGemm gemm;
+    HalfOperands(const Options& o, int heads);
+};
+
+// Device bytes per head of HalfOperands (0 at fp32 and tf32).
+double half_operand_bytes_per_head(const Options& o);
 
 struct Timer {
     cudaStream_t stream;
@@ -118,6 +131,7 @@ struct Result {
     std::string name;
     Kind kind;
     std::string status = "ok";  // "ok", "skipped (memory)", "unsupported", "not built"
+    std::string reason;         // why an "unsupported" row has no kernel (shown and in the JSON)
     double ms = 0, flops = 0, bytes = 0;
     double rate = 0;      // TFLOP/s or GB/s
     double fraction = 0;  // of the matching ceiling
@@ -137,6 +151,20 @@ struct Ceilings {
     bool measured = false;         // false under --no-ceilings: every figure above is 0
 };
 
+// What one `main --bench` measured: the ceilings, the stage paths' group sizes (0: skipped), the
+// rows, the fingerprint of the checked heads' inputs (--check), and whether every check passed.
+struct BenchRun {
+    Ceilings ceilings;
+    int group = 0, backward_group = 0;
+    std::vector<Result> results;
+    double inputs_checksum = 0;
+    bool passed = true;
+};
+
+// The table on stdout and the JSON file (bench_output.cu).
+void print_table(const Options& o, const std::string& device, const BenchRun& run);
+void write_json(const Options& o, const std::string& device, int sms, const BenchRun& run);
+
 // The ceilings: cuBLAS SGEMM on the QK shape for `gemm_heads` heads (blas set to the run's
 // precision), a device-to-device copy, and the mma.sync / wgmma issue rates.
 Ceilings measure_ceilings(const Options& o, const cudaDeviceProp& prop, int gemm_heads, cublasHandle_t blas,
@@ -150,8 +178,9 @@ int heads_that_fit(double per_head_bytes, int total_heads);
 // The largest error --check allows at o's precision.
 double check_tolerance(const Options& o);
 
-// Compares sampled rows (all with --check-rows 0) of O and lse with float64 and records the
-// result in r.
+// Compares sampled rows (all with --check-rows 0) of O and lse with float64 (at bf16/fp16 from the
+// inputs rounded to the format, as the kernels read them) and records the result in r: at fp32
+// and tf32 the worst row's max|err| / max|ref|, at bf16/fp16 the worst head's over its checked rows.
 void check_flash(const Options& o, const DeviceBuffer& Q, const DeviceBuffer& K, const DeviceBuffer& V,
                  const DeviceBuffer& O, const DeviceBuffer& lse, int total_heads, Result* r);
 
@@ -161,6 +190,12 @@ std::vector<int> sample_rows(const Options& o, int n);
 
 // The heads --check compares: the first and the last, or all under --check-rows 0.
 std::vector<int> heads_to_check(const Options& o, int total_heads);
+
+// A fingerprint of the inputs of the checked heads, so that a program that recomputes them
+// (bench_inputs.h) can tell it has the same values: over the heads of heads_to_check, then Q, K,
+// V of each, Σ_j x_j·(j mod 251 + 1) in float64, j the element's index in the head's matrix.
+double inputs_checksum(const Options& o, const DeviceBuffer& Q, const DeviceBuffer& K, const DeviceBuffer& V,
+                       int total_heads);
 
 // ---------------------------------------------------------------------------------------------
 // The backward
