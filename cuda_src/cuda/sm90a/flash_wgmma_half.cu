@@ -61,7 +61,7 @@ struct HalfTiles {
     // share the rest of the 64K register file.
     static constexpr int PRODUCER_REGS = 24;
     static constexpr int CONSUMER_REGS = (65536 / kWarpgroup - PRODUCER_REGS) / NWG / 8 * 8;
-    static_assert(CONSUMER_REGS <= 256 && CONSUMER_REGS >= 168, "register hand-over");
+    static_assert(CONSUMER_REGS <= 256 && CONSUMER_REGS >= 160, "register hand-over");
     // Elements: the block's Q, one K tile (BC × D), one Vᵀ tile (D × BC); a stage is K then Vᵀ.
     static constexpr int Q_ELEMS = BR * D, K_ELEMS = BC * D, V_ELEMS = D * BC;
     static constexpr int STAGE = K_ELEMS + V_ELEMS, V_OFFSET = K_ELEMS;
@@ -355,13 +355,15 @@ __global__ void __launch_bounds__(T::THREADS, 1) flash_wgmma_half_kernel(const H
 // ---------------------------------------------------------------------------------------------
 // Host side.
 
-// The tile configuration for width D (void: none). Bc 128: a 64×128 S slice per warpgroup keeps
-// the softmax's per-tile overhead (max, rescale, barrier) over twice as many keys as Bc 64.
+// The tile configuration for width D (void: none): the fastest measured on an H100 among Bc 64
+// and 128 with two or three consumer warpgroups (docs/performance.md, "The half-precision flash
+// forward"). d64: three warpgroups (Br 192) share each K/Vᵀ tile; d128: two, as the 160 registers
+// a thread of three would get cannot hold d128's accumulators beside S and P with Bc 128.
 template <int D, class Fmt>
 struct HalfConfig {
     using type = void;
 };
-template <class Fmt> struct HalfConfig<64, Fmt> { using type = HalfTiles<64, 128, 2, Fmt>; };
+template <class Fmt> struct HalfConfig<64, Fmt> { using type = HalfTiles<64, 128, 3, Fmt>; };
 template <class Fmt> struct HalfConfig<128, Fmt> { using type = HalfTiles<128, 128, 2, Fmt>; };
 
 // Calls f(TypeTag<T>{}, causal) with a's configuration T and causality (std::bool_constant);
