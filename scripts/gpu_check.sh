@@ -3,11 +3,13 @@
 # demo on the CUDA backend, compute-sanitizer (memcheck, racecheck), the large bounded-memory cases,
 # and the benchmarks.
 #
-#   scripts/gpu_check.sh [build] [tests] [gputests] [alarms] [demo] [example] [sanitize] [large] [bigbwd]
-#                        [bench] [halfbench] [sweep]
+#   scripts/gpu_check.sh [build] [tests] [gputests] [alarms] [sdpa] [demo] [example] [sanitize] [large]
+#                        [bigbwd] [bench] [halfbench] [sweep]
 #                        (default: build tests demo example sanitize large bigbwd bench halfbench)
 #   tests: the whole suite; gputests: only the tests marked gpu, false-alarm sweep aside; alarms:
-#   the CUDA false-alarm sweep alone; example: `attnstep demo --example bug_qk_leading_dim`.
+#   the CUDA false-alarm sweep alone (fp32 with each flash kernel, tf32, bf16, fp16); sdpa:
+#   PyTorch's own SDPA backends at bf16 and fp16 checked as another program's output (no build
+#   needed); example: `attnstep demo --example bug_qk_leading_dim`.
 #   GPU_TESTS="tests/test_examples.py ..." limits gputests to those files.
 #   ATTNSTEP_BINARY=build-gpu/main scripts/gpu_check.sh tests sanitize large   (a prebuilt binary)
 #   bigbwd: the flash backward on 16 heads at N = M = 16384, d = 64 (a run of the binary and its
@@ -77,7 +79,7 @@ if want alarms; then
         python3 -m pytest --collect-only -q -m gpu -p no:cacheprovider tests/test_false_alarms.py 2>/dev/null \
             | grep '::' > "$ids"
         [ -s "$ids" ] || { echo "no GPU false-alarm tests collected"; return 1; }
-        echo "$(wc -l < "$ids") chunks of cases, $ATTNSTEP_FALSE_ALARM_CASES cases per backend"
+        echo "$(wc -l < "$ids") chunks of cases, $ATTNSTEP_FALSE_ALARM_CASES cases per CUDA configuration"
         # Each chunk's verdict is appended as it ends, so a sweep stopped by a time limit still
         # shows what it found.
         xargs -P 12 -I{} sh -c 'out=$(python3 -m pytest -q -m gpu -p no:cacheprovider "$1" 2>&1) \
@@ -89,6 +91,15 @@ if want alarms; then
     }
     step alarms alarms
     grep -c "^passed" "$OUT/alarms.log"; grep -A3 "^FAILED" "$OUT/alarms.log"
+fi
+
+if want sdpa; then
+    # Each SDPA backend (flash, memory-efficient, cuDNN, math) x bf16/fp16 x shapes, forward and
+    # backward, written as another program's stage files: every stage must pass `check
+    # --precision`, the planted bugs must fail; a backend torch cannot run here is a skip with
+    # torch's reason (listed in the log).
+    step sdpa python3 -m pytest -q -m gpu -rs -p no:cacheprovider --junitxml="$OUT/sdpa.xml" tests/test_sdpa_cases.py
+    grep -E "passed|failed|skipped|error" "$OUT/sdpa.log" | tail -n 1
 fi
 
 if want demo; then
@@ -184,7 +195,7 @@ fi
 
 echo "== summary ($(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1))"
 rc=0
-for name in build tests gputests alarms demo example memcheck racecheck large bigbwd bench halfbench sweep; do
+for name in build tests gputests alarms sdpa demo example memcheck racecheck large bigbwd bench halfbench sweep; do
     [ -n "${result[$name]:-}" ] || continue
     printf '%-10s %s\n' "$name" "${result[$name]}"
     case "${result[$name]}" in FAIL*) rc=1 ;; esac

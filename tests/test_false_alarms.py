@@ -9,8 +9,13 @@ generate -> binary -> check, and every stage of every head must pass (chained an
 The tolerance model promises ~1e-10 false failures per element, so one failure here is a bug in
 the model or in the binary, never bad luck.
 
+The CUDA backend is swept at every precision: fp32 with each flash kernel, tf32, and the half
+pipelines bf16 and fp16 (their stage path; the flash stages too where the binary has a half flash
+kernel, else it leaves them out with a notice and the sweep checks what it wrote). The CPU
+backend's half pipelines have their own, smaller sweep in tests/test_half.py.
+
 ATTNSTEP_FALSE_ALARM_CASES sets the number of cases per backend (default 200: about a minute on
-the CPU backend with 2 cores); scripts/gpu_check.sh runs 300 per CUDA backend. Case i is the same
+the CPU backend with 2 cores); scripts/gpu_check.sh runs 300 per CUDA configuration. Case i is the same
 for every count and backend (its generator is seeded by i), so a failing case is reproduced by
 its parameters, which the assertion prints.
 """
@@ -25,7 +30,7 @@ import numpy as np
 import pytest
 
 from verify.generate import DISTRIBUTIONS
-from verify.stages import FLASH_HEAD_DIMS, FORMATS, MAX_HEAD_DIM, Dims
+from verify.stages import FLASH_HEAD_DIMS, FORMATS, HALF_PRECISIONS, MAX_HEAD_DIM, Dims
 
 from test_end_to_end import BACKENDS, _run_and_check
 
@@ -35,6 +40,10 @@ SWEEP_SEED = 20260311
 MAX_SEQ = 300     # rows/keys: tail tiles of every tile size, yet milliseconds per case
 MAX_MACS = 2_000_000  # batch·heads·seq_q·seq_k·(d_k + d_v): keeps a case near 0.3 s on the CPU
 BACKWARD_SHARE = 1 / 3  # of the cases have dO
+# The end-to-end backends and the CUDA half pipelines (which write no half flash stage where the
+# binary has no half flash kernel, so they are not end-to-end backends, whose tests require them).
+SWEPT = BACKENDS + [pytest.param(("cuda", ("--precision", p)), id=f"cuda-{p}", marks=pytest.mark.gpu)
+                    for p in HALF_PRECISIONS]
 
 
 @dataclass(frozen=True)
@@ -125,7 +134,7 @@ def test_the_sweep_covers_the_generator_space():
 
 
 @pytest.mark.parametrize("chunk", CHUNKS)
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", SWEPT)
 def test_random_correct_runs_never_fail(binary, tmp_path, backend, chunk):
     for index in range(chunk * CHUNK, min(CASES, (chunk + 1) * CHUNK)):
         case = draw_case(index)

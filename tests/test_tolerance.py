@@ -533,3 +533,17 @@ def test_bounds_are_magnitudes_for_a_negative_scale(backend):
             bound = T.stage_bound(stage, inputs, chain[stage], scale=scale, causal=True, backend=backend)
             assert (bound >= 0).all(), (stage, scale, float(bound.min()))
             assert (T.chained_bound(stage, chain, scale=scale, causal=True, backend=backend) >= 0).all(), stage
+
+
+def test_a_relative_error_over_a_subnormal_reference_is_inf_without_a_warning():
+    """An fp16 softmax weight of 6e-8 (its smallest subnormal) where the float64 reference holds a
+    float64 subnormal (scores in the hundreds): the relative error overflows to +inf, which is what
+    max_rel reports, with no overflow warning (the GPU half sweep printed one per such case)."""
+    import warnings
+
+    from verify.results import compare_arrays
+    got, want, allowed = np.array([[6e-8, 1.0]]), np.array([[5e-324, 1.0]]), np.array([[1e-7, 1e-7]])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        c = compare_arrays(got, want, allowed)
+    assert c.passed and c.max_rel == np.inf
