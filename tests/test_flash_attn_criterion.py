@@ -103,6 +103,63 @@ def test_the_baseline_rounds_every_op_as_eager_half_attention(precision, causal)
     assert not all(rounded_once)
 
 
+def _torch_reference(torch, q, k, v, do, causal):
+    """flash-attn's tests' `attention_ref(q, k, v, causal=causal, upcast=False, reorder_ops=True)`
+    for one head without padding or dropout (the mask top-left aligned, as attnstep's), autograd
+    for the gradients: (output, dQ, dK, dV) as float32 NumPy arrays."""
+    d = q.shape[-1]
+    scores = torch.einsum("bthd,bshd->bhts", q, k / math.sqrt(d))
+    if causal:
+        scores.masked_fill_(torch.triu(torch.ones(q.shape[1], k.shape[1], dtype=torch.bool, device=q.device), 1),
+                            float("-inf"))
+    attention = torch.softmax(scores, dim=-1).to(v.dtype)
+    out = torch.einsum("bhts,bshd->bthd", attention, v * 1.0)
+    out.backward(do)
+    return [x.detach().float().cpu().numpy()[0, :, 0, :] for x in (out, q.grad, k.grad, v.grad)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", HALF_PRECISIONS)
+@pytest.mark.parametrize("d,causal", [(64, False), (40, True)])
+def test_the_baseline_is_flash_attns_pytorch_reference(precision, d, causal):
+    """The NumPy baseline against flash-attn's own reference code run by PyTorch on the GPU: the
+    same roundings, so the values agree but where a float32 sum in another order rounds to another
+    half value (a few elements, a few half units at most)."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("PyTorch sees no CUDA device")
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    rng = np.random.default_rng(d)
+    n, m = 113, 203
+    q, k, v, do = (round_to_format(rng.standard_normal(s).astype(np.float32), precision).astype(np.float32)
+                   for s in ((n, d), (m, d), (m, d), (n, d)))
+    tensors = [torch.tensor(x[None, :, None, :], dtype=dtype, device="cuda", requires_grad=i < 3)
+               for i, x in enumerate((q, k, v, do))]
+    theirs = _torch_reference(torch, *tensors, causal)
+    scale = float(np.float32(1.0) / np.float32(math.sqrt(d)))  # PyTorch divides by multiplying so
+    ours = eager_half_attention(q, k, v, do, scale, causal, precision)
+    unit = 2.0 ** -(8 if precision == "bf16" else 11)
+    for name, mat in zip((OUTPUT, GRAD_QUERIES, GRAD_KEYS, GRAD_VALUES), theirs):
+        same = np.mean(ours[name] == mat)
+        worst = np.max(np.abs(ours[name] - mat)) / (unit * np.max(np.abs(mat)))
+        assert same >= 0.95 and worst <= 8, f"{name}: {same:.1%} equal, up to {worst:.2g} half units apart"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", HALF_PRECISIONS)
+def test_a_cuda_half_run_meets_flash_attns_criterion(binary, tmp_path, precision):
+    """The CUDA backend's half stages (cuBLAS GEMMs on half operands; a half flash kernel where the
+    build and GPU have one) are within flash-attn's criterion, which the report gives for each."""
+    in_dir, out_dir = tmp_path / "in", tmp_path / "out"
+    generate_case(in_dir, Dims(1, 4, 256, 512, 64, 64), seed=8, causal=True, backward=True, distribution="normal")
+    run_binary(binary, in_dir, out_dir, backend="cuda", extra=("--precision", precision))
+    code, output, rep, props = _check(in_dir, out_dir, tmp_path)
+    assert code == 0, output
+    stages = [s["stage"] for s in rep["flash_attn_criterion"]["stages"]]
+    assert OUTPUT in stages and GRAD_QUERIES in stages and rep["flash_attn_criterion"]["meets"], output
+    assert props["flash_attn_criterion"] == "meets"
+
+
 # ---- the reports ----------------------------------------------------------------------------
 
 def _half_run(binary, tmp_path, precision="bf16", dims=Dims(1, 2, 40, 50, 32, 32), v_scale=None):

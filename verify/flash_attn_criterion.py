@@ -55,11 +55,11 @@ class StageCriterion:
 
     @property
     def meets(self) -> bool:
-        return self.error <= self.allowed  # NaN (an inf error) never meets it
+        return self.error <= self.allowed  # an inf error (a NaN in the values) never meets it
 
     @property
     def ratio(self) -> float:
-        """error / baseline error (0 when both are 0, inf when only the baseline's is)."""
+        """error / baseline error (0 when both are 0, inf when only the baseline's is 0)."""
         if self.baseline_error == 0:
             return 0.0 if self.error == 0 else math.inf
         return self.error / self.baseline_error
