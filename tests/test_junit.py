@@ -10,7 +10,7 @@ from verify.report import write_junit
 
 def _result(stage, head, status, message="", diagnosis=()):
     return SimpleNamespace(stage=stage, head=head, status=status, passed=status == "PASS", main=None,
-                           message=message, resolution="exact float32", diagnosis=list(diagnosis))
+                           message=message, resolution="exact float32", diagnosis=list(diagnosis), flash_attn=None)
 
 
 def _suite(tmp_path, results):

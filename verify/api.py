@@ -13,10 +13,11 @@ check` prints and writes: the same tolerance model, chained and isolated referen
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Dict, Mapping, Optional, Tuple
+from typing import Dict, List, Mapping, Optional, Tuple
 
 import numpy as np
 
+from . import flash_attn_criterion as fa_criterion
 from .case import CaseError, InputCase, check_scale, validate_dims
 from .compare import Options, Report, check_run
 from .outputs import MATH_MODES, RunInfo, StageSource
@@ -111,7 +112,16 @@ def check_arrays(q, k, v, stages: Mapping[str, object], *, do=None, causal: bool
 def format_report(report: Report, per_head: bool = False) -> str:
     """The report as `attnstep check` prints it."""
     return "\n".join(header_lines(report) + table_lines(report, per_head) + failure_lines(report)
-                     + summary_lines(report))
+                     + summary_lines(report) + fa_criterion.text_lines(report))
+
+
+def flash_attn_criterion(report: Report) -> List[fa_criterion.StageCriterion]:
+    """flash-attn's test criterion for a half-precision report (precision="bf16"/"fp16"), per stage
+    its tests compare (output, flash_output, dQ, dK, dV, flash_dQ, ...): .error and .baseline_error
+    (the largest |error| of your values and of an eager half-precision attention against the
+    reference rounded to the format), .ratio, .allowed, .meets. Empty for fp32/tf32. Informational:
+    report.passed is attnstep's verdict."""
+    return fa_criterion.stage_criteria(report)
 
 
 def assert_attention_stages(q, k, v, stages: Mapping[str, object], **kwargs) -> Report:

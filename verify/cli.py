@@ -11,6 +11,7 @@ from typing import Dict, Tuple
 
 import click
 
+from . import flash_attn_criterion
 from .bench import bench
 from .case import check_scale, load_input_case
 from .compare import Options, check_run, error_ratio_map
@@ -251,7 +252,7 @@ def _check_and_report(in_dir, out_dir, opts, json_path, junit_path, plot_dir, pe
     if not quiet:
         for line in header_lines(report) + table_lines(report, per_head) + failure_lines(report):
             click.echo(line)
-    for line in summary_lines(report):
+    for line in summary_lines(report) + flash_attn_criterion.text_lines(report, quiet):
         click.echo(line)
     if json_path:
         write_json(report, json_path)

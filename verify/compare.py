@@ -22,7 +22,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from . import diagnose as diag
-from . import invariants, tolerance
+from . import flash_attn_criterion, invariants, tolerance
 from .case import CaseError, InputCase, load_input_case, read_bytes
 from .outputs import STAGE_ITEMSIZE, Overrides, RunInfo, foreign_stage_files, open_run, staleness
 from .model.half import is_half, round_to_format
@@ -202,6 +202,7 @@ def check_head(run: RunInfo, case: InputCase, head: int, opts: Options,
         ctx.got[stage] = mat
         ctx.quanta[stage] = resolution.quantum(mat) if opts.override(stage) is None else None
         isolated = _compare(res, ctx, results, run, opts)
+        res.flash_attn = flash_attn_criterion.head_errors(stage, mat, ctx)  # informational
         res.violations = invariants.check_invariants(stage, mat, ctx)
         if res.isolated.passed and _nonfinite_propagated(mat, isolated[1]):
             res.violations = [v for v in res.violations if v.code != invariants.NONFINITE]

@@ -13,23 +13,15 @@ from typing import List, Optional
 
 import numpy as np
 
+from . import flash_attn_criterion
 from .case import CaseError, atomic_write_bytes, file_kind, probe_writable
 from .results import FAIL, INHERITED, PASS, Comparison, HeadResult, Report
 from .resolution import EXACT
 from .stages import STAGES, stage_file
+from .words import number as _g
 from .words import plural
 
 MAX_DETAILED_FAILURES = 8
-
-
-def _g(x: Optional[float]) -> str:
-    if x is None:
-        return "-"
-    if x == 0:
-        return "0"
-    if math.isinf(x) or math.isnan(x):
-        return str(x)
-    return f"{x:.3g}" if 1e-3 <= abs(x) < 1e5 else f"{x:.2e}"
 
 
 def stage_status(results: List[HeadResult]) -> str:
@@ -212,6 +204,7 @@ def to_json(report: Report) -> dict:
         "causal": run.causal, "scale": run.scale,
         "mismatches": [m.message() for m in run.mismatches], "notes": notes(report),
         "dims": {k: getattr(d, k) for k in ("batch", "heads", "seq_q", "seq_k", "d_k", "d_v")},
+        "flash_attn_criterion": flash_attn_criterion.json_block(report),
         "stages": stages, "results": [r.to_json() for r in report.results],
         "foreign_files": report.foreign_files, "timings_ms": report.run.timings()})
 
@@ -245,7 +238,7 @@ def write_junit(report: Report, path: Path) -> None:
                           failures=str(sum(not r.passed for r in report.results)), errors="0")
     suite_props = ET.SubElement(suite, "properties")  # what the bounds assume: a CI job sees a loosened check
     for name, value in (("precision", report.run.precision), ("math", report.run.math),
-                        ("arithmetic", arithmetic(report.run))):
+                        ("arithmetic", arithmetic(report.run)), *flash_attn_criterion.junit_properties(report)):
         ET.SubElement(suite_props, "property", name=name, value=_xml_text(str(value)))
     for r in report.results:
         case = ET.SubElement(suite, "testcase", classname=f"attnstep.{r.stage}", name=f"head_{r.head}")

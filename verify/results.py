@@ -140,6 +140,9 @@ class HeadResult:
     message: str = ""
     resolution: str = EXACT.describe()  # how finely the file records its values
     print_limited: bool = False  # its printed resolution, not float32, bounds what can be checked
+    # Half precision, a stage flash-attn's tests compare: (its, the eager half baseline's) largest
+    # |error| against the reference in the format (verify/flash_attn_criterion.py; informational).
+    flash_attn: Optional[Tuple[float, float]] = None
 
     @property
     def passed(self) -> bool:
@@ -165,6 +168,8 @@ class HeadResult:
         d["diagnosis"] = [{"code": x.code, "message": x.message, "detail": x.detail} for x in self.diagnosis]
         d["resolution"] = self.resolution
         d["print_limited"] = self.print_limited
+        if self.flash_attn is not None:
+            d["flash_attn_criterion"] = {"error": self.flash_attn[0], "baseline_error": self.flash_attn[1]}
         return d
 
 

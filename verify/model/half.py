@@ -26,18 +26,28 @@ def storage_unit(precision: str) -> float:
     return 2.0 ** -HALF_FORMATS[precision][0]
 
 
-def round_to_format(x: np.ndarray, precision: str) -> np.ndarray:
+def round_to_format32(x: np.ndarray, precision: str) -> np.ndarray:
     """x (float32 values) rounded to the format, nearest even, as a float32->bf16/fp16 conversion
-    does (fp16: ±inf past 65504, subnormals below 2^-14); returned as float64 holding the values."""
+    does (fp16: ±inf past 65504, subnormals below 2^-14); returned as float32 holding the values.
+    bf16 in float32's own bits: add half a unit of bf16's last place (less one where that place's
+    bit is 0: ties to even), clear the 16 low bits; ±inf and NaN stay as they are."""
     x32 = np.ascontiguousarray(x, dtype=np.float32)
     if precision == "fp16":
         with np.errstate(over="ignore"):
-            return x32.astype(np.float16).astype(np.float64)
-    bits = x32.view(np.uint32).astype(np.uint64)
-    finite = (bits & 0x7F800000) != 0x7F800000
-    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).astype(np.uint32)
-    out = np.where(finite, rounded, bits.astype(np.uint32)).view(np.float32)
-    return out.astype(np.float64)
+            return x32.astype(np.float16).astype(np.float32)
+    bits = x32.view(np.uint32)
+    out = np.right_shift(bits, 16)
+    out &= 1
+    out += 0x7FFF
+    out += bits       # at most 0xFF807FFF for a finite value: no wrap-around
+    out &= 0xFFFF0000
+    np.copyto(out, bits, where=(bits & 0x7F800000) == 0x7F800000)
+    return out.view(np.float32)
+
+
+def round_to_format(x: np.ndarray, precision: str) -> np.ndarray:
+    """round_to_format32 returned as float64 holding the values."""
+    return round_to_format32(x, precision).astype(np.float64)
 
 
 def storage_bound(ref: np.ndarray, precision: str) -> np.ndarray:

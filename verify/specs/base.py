@@ -124,6 +124,9 @@ class StageSpec:
     rebuild: a backward stage from what it is computed from (specs/backward/reference.py's
     Gradients: P, dP, D, dS), which the backward diagnoses call with a part replaced by a bug's.
     diagnoses: the bug patterns (verify/diagnose.py hypothesis names) that can explain it.
+    baseline: the tensor of FlashAttention's test baseline (verify/baseline.py: the stage-path
+    stage whose value this stage holds) when flash-attn's own tests compare this stage (the
+    output and dQ, dK, dV, by either path); None for the stages they do not compare.
     """
     name: str
     reference: Reference
@@ -142,6 +145,7 @@ class StageSpec:
     given_partner: Tuple[str, ...] = ()
     rebuild: Optional[Callable] = None
     diagnoses: Tuple[str, ...] = ()
+    baseline: Optional[str] = None
 
 
 # ---- helpers the invariants share -----------------------------------------------------------

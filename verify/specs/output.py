@@ -56,5 +56,5 @@ def _quantization(src, q, scale, causal):
 SPECS = (
     StageSpec(OUTPUT, reference=_reference, isolated=_isolated, chained=_chained,
               floor=lambda src: values_floor(src[VALUES]), quantization=_quantization, linear=True,
-              diagnoses=PATTERNS + ("scaled",)),
+              diagnoses=PATTERNS + ("scaled",), baseline=OUTPUT),
 )

@@ -40,7 +40,8 @@ def _flash_spec(name: str, index: int, partner: str, rebuild, invariants=(), giv
                      chained=flash_chained(index), floor=flash_floor, quantization=flash_quantization(index),
                      invariants=(agrees_with(partner),) + invariants, given_upstream=given_upstream,
                      partner=partner, given_partner=(FLASH_VS_STAGES,), scaled=True, linear=True,
-                     with_mask=flash_with_mask(index), rebuild=rebuild, diagnoses=_FLASH_PATTERNS + bugs)
+                     with_mask=flash_with_mask(index), rebuild=rebuild, diagnoses=_FLASH_PATTERNS + bugs,
+                     baseline=partner)
 
 
 SPECS = (
@@ -59,18 +60,18 @@ SPECS = (
               isolated=dq_isolated, chained=dq_chained,
               floor=lambda src: flush_sum(src[GRAD_SCORES], src[KEYS]) + FLUSH,
               quantization=gemm_quantization(GRAD_SCORES, KEYS, False, True), scaled=True, linear=True,
-              rebuild=grad_queries, diagnoses=_GRAD_PATTERNS + DS_BUGS + SCALE_BUGS),
+              rebuild=grad_queries, diagnoses=_GRAD_PATTERNS + DS_BUGS + SCALE_BUGS, baseline=GRAD_QUERIES),
     StageSpec(GRAD_KEYS, reference=lambda src, scale, causal: scale * src[GRAD_SCORES].T @ src[QUERIES],
               isolated=dk_isolated, chained=dk_chained,
               floor=lambda src: flush_sum(np.asarray(src[GRAD_SCORES]).T, src[QUERIES]) + FLUSH,
               quantization=gemm_quantization(GRAD_SCORES, QUERIES, True, True), invariants=(dk_column_sums,),
               given_upstream=(COLUMN_SUM,), scaled=True, linear=True, rebuild=grad_keys,
-              diagnoses=_GRAD_PATTERNS + DS_BUGS + SCALE_BUGS),
+              diagnoses=_GRAD_PATTERNS + DS_BUGS + SCALE_BUGS, baseline=GRAD_KEYS),
     StageSpec(GRAD_VALUES, reference=lambda src, scale, causal: src[WEIGHTS].T @ src[GRAD_OUTPUT],
               isolated=dv_isolated, chained=dv_chained,
               floor=lambda src: flush_sum(np.asarray(src[WEIGHTS]).T, src[GRAD_OUTPUT]) + FLUSH,
               quantization=gemm_quantization(WEIGHTS, GRAD_OUTPUT, True, False), linear=True,
-              rebuild=grad_values, diagnoses=_GRAD_PATTERNS + ("dV_untransposed_P",)),
+              rebuild=grad_values, diagnoses=_GRAD_PATTERNS + ("dV_untransposed_P",), baseline=GRAD_VALUES),
     _flash_spec(FLASH_GRAD_QUERIES, 0, GRAD_QUERIES, grad_queries, bugs=DS_BUGS + SCALE_BUGS),
     _flash_spec(FLASH_GRAD_KEYS, 1, GRAD_KEYS, grad_keys, invariants=(flash_dk_column_sums,),
                 given_upstream=(COLUMN_SUM,), bugs=DS_BUGS + SCALE_BUGS),
