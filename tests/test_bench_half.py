@@ -263,6 +263,14 @@ def test_half_goals_speed_and_accuracy(precision):
     assert [line[:6] for line in worse] == ["MISSED", "MISSED"] and all("-d128" in line for line in worse)
 
 
+@pytest.mark.parametrize("ours, met", [(3.517563710226984e-3 * (1 + 4e-16), True),  # the same error, two references
+                                       (3.517563710226984e-3 * (1 + 1e-6), False)])  # larger in the 7th digit
+def test_an_error_equal_to_sdpas_meets_the_goal_and_a_larger_one_does_not(ours, met):
+    lines = vb.evaluate_goals(vb.rows_from_results(_half_results(err=ours, sdpa_err=3.517563710226984e-3)))
+    accuracy = [line for line in lines if "error <=" in line]
+    assert len(accuracy) == 1 and accuracy[0].startswith("met" if met else "MISSED")
+
+
 def test_a_failed_accuracy_comparison_fails_the_bench(tmp_path):
     results = _half_results()
     results["runs"][0][ACCURACY] = {"error": "the inputs recomputed for the accuracy comparison differ"}

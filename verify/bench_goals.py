@@ -53,6 +53,9 @@ class Goal:
 
 
 _LARGE = {"batch": 4, "heads": 16, "seq_q": 4096, "seq_k": 4096}
+# "No worse than SDPA's error": the binary's float64 reference and NumPy's differ in their last
+# bits, so two equal errors can differ by about 1e-15 relative; 1e-9 keeps a tie a tie and no more.
+_NO_WORSE = 1.0 + 1e-9
 _LARGE_D64 = {**_LARGE, "d": 64, "causal": False}
 
 # "flash" is what users get by default (the binary's dispatcher), so the flash goals are about it.
@@ -63,7 +66,7 @@ GOALS = (
     Goal(FLASH_DISPATCHER, {**_LARGE, "d": 64}, "tf32", "tflops", 150.0),
     *(Goal(FLASH_DISPATCHER, {**_LARGE, "d": d}, p, "vs_sdpa_fastest", 1.0)
       for p in HALF_PRECISIONS for d in (64, 128)),
-    *(Goal(FLASH_DISPATCHER, {**_LARGE, "d": d}, p, "err_vs_sdpa", 1.0, "<=")
+    *(Goal(FLASH_DISPATCHER, {**_LARGE, "d": d}, p, "err_vs_sdpa", _NO_WORSE, "<=")
       for p in HALF_PRECISIONS for d in (64, 128)),
     *(Goal(FLASH_BACKWARD, {**_LARGE, "d": d}, "fp32", "vs_sdpa_backward", 2.0) for d in (64, 128)),
     *(Goal(FLASH_BACKWARD, {**_LARGE, "d": d}, "tf32", "tflops", 150.0) for d in (64, 128)),

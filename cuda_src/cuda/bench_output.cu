@@ -33,6 +33,9 @@ std::string fmt(const char* f, double x) {
 
 // JSON numbers: non-finite values become null (JSON has no inf/nan).
 std::string num(double x) { return std::isfinite(x) ? fmt("%.6g", x) : "null"; }
+// An error against float64, to the last bit: `attnstep bench` compares it with PyTorch's error on
+// the same inputs, and six digits would turn an equal error into a larger one.
+std::string exact(double x) { return std::isfinite(x) ? fmt("%.17g", x) : "null"; }
 
 std::string json_escape(const std::string& s) {
     std::string out;
@@ -113,12 +116,12 @@ std::string json_kernel(const Result& r, bool ceilings) {
     if (!r.tiles.empty()) js << ", \"tiles\": \"" << json_escape(r.tiles) << "\"";
     if (r.checked) {
         js << ", \"check\": {\"passed\": " << (r.check_passed ? "true" : "false")
-           << ", \"max_rel_err\": " << num(r.max_rel_err);
+           << ", \"max_rel_err\": " << exact(r.max_rel_err);
         if (r.backward) {
-            js << ", \"max_dq_err\": " << num(r.grad_err[0]) << ", \"max_dk_err\": " << num(r.grad_err[1])
-               << ", \"max_dv_err\": " << num(r.grad_err[2]);
+            js << ", \"max_dq_err\": " << exact(r.grad_err[0]) << ", \"max_dk_err\": " << exact(r.grad_err[1])
+               << ", \"max_dv_err\": " << exact(r.grad_err[2]);
         } else {
-            js << ", \"max_lse_err\": " << num(r.max_lse_err);
+            js << ", \"max_lse_err\": " << exact(r.max_lse_err);
         }
         js << "}";
     }

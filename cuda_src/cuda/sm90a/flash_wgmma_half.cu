@@ -48,12 +48,13 @@ using Half = uint16_t;  // one bf16/fp16 value in shared and global memory
 constexpr int kWarpgroup = 128;  // threads
 
 // The tile configuration: D head width, BC keys per tile, NWG consumer warpgroups (64 query rows
-// each), Fmt the operand format; two K/Vᵀ stages in shared memory (tile j+1 loads while tile j is
-// computed).
-template <int D_, int BC_, int NWG_, class Fmt_>
+// each), PINGPONG whether they take turns to issue their GEMMs (Turns), Fmt the operand format;
+// two K/Vᵀ stages in shared memory (tile j+1 loads while tile j is computed).
+template <int D_, int BC_, int NWG_, bool PINGPONG_, class Fmt_>
 struct HalfTiles {
     using Fmt = Fmt_;
     static constexpr int D = D_, BC = BC_, NWG = NWG_, STAGES = 2;
+    static constexpr bool PINGPONG = PINGPONG_;
     // The consumer warpgroups, then a producer warpgroup whose one thread streams the K/Vᵀ stages
     // in (a whole warpgroup, so that it can hand its registers to the consumers: setmaxnreg).
     static constexpr int BR = 64 * NWG, CONSUMERS = kWarpgroup * NWG, THREADS = CONSUMERS + kWarpgroup;
@@ -156,6 +157,30 @@ __global__ void transpose_values(const float* V, Half* ops, int M, int Mpad) {
 // ---------------------------------------------------------------------------------------------
 // The kernel's steps.
 
+// Ping-pong between the consumer warpgroups (FlashAttention-3's scheduling): they take turns to
+// issue their tile's GEMMs, in a ring, so that one warpgroup's GEMMs run on the tensor cores while
+// the others run their softmax, instead of all issuing at once and then all waiting on the
+// exponentials together. Warpgroup w's turn is named barrier 1 + w (0 is __syncthreads'), which
+// completes when w syncs on it and its predecessor has arrived: 256 threads. Every warpgroup
+// takes the same number of turns (one per tile, and one for the first tile's S), so the ring
+// closes; the last warpgroup's last turn passes nothing, which would be an arrival nobody waits for.
+template <int NWG>
+struct Turns {
+    int wg;
+    __device__ __forceinline__ void start() const {  // the first warpgroup holds the first turn
+        if (wg == 0) arrive(0);
+    }
+    __device__ __forceinline__ void take() const {
+        asm volatile("bar.sync %0, %1;\n" ::"r"(1 + wg), "n"(2 * kWarpgroup) : "memory");
+    }
+    __device__ __forceinline__ void pass(bool last) const {
+        if (!(last && wg == NWG - 1)) arrive((wg + 1) % NWG);
+    }
+    __device__ __forceinline__ void arrive(int to) const {
+        asm volatile("bar.arrive %0, %1;\n" ::"r"(1 + to), "n"(2 * kWarpgroup) : "memory");
+    }
+};
+
 // Issues S(64×BC) = Q_wg·K_jᵀ for the warpgroup's 64 rows as one wgmma group; s is valid after
 // the next wg::wait. q, k: the descriptors of the warpgroup's rows of Q and of the stage's K.
 template <class T>
@@ -212,13 +237,14 @@ __device__ __forceinline__ void load_q(Half* Qs, const HalfParams& p, int head, 
 //
 // The pipeline, as FlashAttention-3 runs it: a producer warpgroup streams the key tiles into the two
 // stages (bulk copies counted on the stage's k_full/v_full barriers) and refills a stage's K and
-// its Vᵀ each once every consumer warp has released it (k_empty, v_empty), so the warpgroups never
-// wait for each other and drift apart, one's softmax overlapping the other's MMAs. K_j is released
-// as soon as S_j has landed, a tile before V_j: K_{j+2} then loads while tile j is computed. Within a warpgroup, tile j's
-// P·V and tile j+1's S = Q·Kᵀ are issued together and the softmax of tile j+1 runs while P·V is
-// still on the tensor cores; O takes its rescale once P·V has landed. A warpgroup whose rows are
-// all above a causal tile waits for the tile to land and releases it unread (a release ahead of
-// the load would count toward the stage's previous phase).
+// its Vᵀ each once every consumer warp has released it (k_empty, v_empty). K_j is released as
+// soon as S_j has landed, a tile before V_j: K_{j+2} then loads while tile j is computed. Within a
+// warpgroup, tile j's P·V and tile j+1's S = Q·Kᵀ are issued together and the softmax of tile j+1
+// runs while P·V is still on the tensor cores; O takes its rescale once P·V has landed. Across
+// warpgroups, either they drift apart freely, one's softmax overlapping another's MMAs by chance,
+// or (T::PINGPONG) they issue in turns, which forces that overlap (Turns). A warpgroup whose rows
+// are all above a causal tile waits for the tile to land and releases it unread (a release ahead
+// of the load would count toward the stage's previous phase); it still takes its turns.
 template <class T, bool kCausal>
 __global__ void __launch_bounds__(T::THREADS, 1) flash_wgmma_half_kernel(const HalfParams p) {
 #if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -279,6 +305,13 @@ __global__ void __launch_bounds__(T::THREADS, 1) flash_wgmma_half_kernel(const H
     const int warp_row0 = wg_row0 + warp * 16;
     const int row0 = warp_row0 + g;  // the thread's rows: row0 and row0 + 8
     const uint64_t q_desc = wg::tile_desc<T::BR>(Qs + wg * 64 * wg::kCoreCols<Half>);
+    const Turns<T::NWG> turns{wg};
+    auto take = [&] {
+        if constexpr (T::PINGPONG) turns.take();
+    };
+    auto pass = [&](bool last) {
+        if constexpr (T::PINGPONG) turns.pass(last);
+    };
     auto parity = [&](int j) { return static_cast<uint32_t>(use(j) & 1); };
     auto visible = [&](int j) { return !kCausal || j * T::BC <= wg_row0 + 63; };
     auto release_k = [&](int j) {
@@ -300,18 +333,29 @@ __global__ void __launch_bounds__(T::THREADS, 1) flash_wgmma_half_kernel(const H
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, alpha[2];
     float s[T::BC / 8][4];
     uint32_t pa[T::BC / 16][4];
-    if (tile_begin < tile_end && visible(tile_begin)) {  // the first tile's P
-        bulk::wait(&k_full[slot(tile_begin)], parity(tile_begin));
-        qk_issue<T>(s, q_desc, wg::tile_desc<T::BC>(stage_of(tile_begin)));
-        wg::wait<0>();
-        wg::fence_operands(s);
-        release_k(tile_begin);
-        scale_and_mask(s, tile_begin);
-        softmax_tile<T::BC>(s, m, l, alpha);  // O is still zero: no rescale
-        pack_p<T>(pa, s);
+    if (tile_begin < tile_end) {
+        if constexpr (T::PINGPONG) turns.start();
+        if (visible(tile_begin)) {  // the first tile's P
+            take();
+            bulk::wait(&k_full[slot(tile_begin)], parity(tile_begin));
+            qk_issue<T>(s, q_desc, wg::tile_desc<T::BC>(stage_of(tile_begin)));
+            pass(false);
+            wg::wait<0>();
+            wg::fence_operands(s);
+            release_k(tile_begin);
+            scale_and_mask(s, tile_begin);
+            softmax_tile<T::BC>(s, m, l, alpha);  // O is still zero: no rescale
+            pack_p<T>(pa, s);
+        } else {
+            take();
+            pass(false);
+        }
     }
     for (int j = tile_begin; j < tile_end; ++j) {
+        const bool last = j + 1 == tile_end;
         if (!visible(j)) {  // this and every later tile lie above the warpgroup's rows
+            take();
+            pass(last);
             bulk::wait(&k_full[slot(j)], parity(j));
             bulk::wait(&v_full[slot(j)], parity(j));
             release_k(j);
@@ -321,11 +365,13 @@ __global__ void __launch_bounds__(T::THREADS, 1) flash_wgmma_half_kernel(const H
         const uint64_t v = wg::tile_desc<T::D>(stage_of(j) + T::V_OFFSET);
         // Two straight paths, not one with the issue and the wait each under `if`: ptxas then
         // cannot pair them and serializes every wgmma of the loop.
-        if (j + 1 < tile_end && visible(j + 1)) {
+        if (!last && visible(j + 1)) {
+            take();
             bulk::wait(&k_full[slot(j + 1)], parity(j + 1));
             qk_issue<T>(s, q_desc, wg::tile_desc<T::BC>(stage_of(j + 1)));  // S_{j+1} = Q K_{j+1}ᵀ
             bulk::wait(&v_full[slot(j)], parity(j));
             pv_issue<T>(o, pa, v);  // O += P_j V_j
+            pass(false);
             wg::wait<1>();          // S_{j+1} has landed; P_j V_j may still run
             wg::fence_operands(s);
             release_k(j + 1);
@@ -337,8 +383,10 @@ __global__ void __launch_bounds__(T::THREADS, 1) flash_wgmma_half_kernel(const H
             rescale_rows<T::D>(o, alpha);
             pack_p<T>(pa, s);
         } else {
+            take();
             bulk::wait(&v_full[slot(j)], parity(j));
             pv_issue<T>(o, pa, v);
+            pass(last);
             wg::wait<0>();
             wg::fence_operands(o);
             release_v(j);
@@ -356,15 +404,16 @@ __global__ void __launch_bounds__(T::THREADS, 1) flash_wgmma_half_kernel(const H
 // Host side.
 
 // The tile configuration for width D (void: none): the fastest measured on an H100 among Bc 64
-// and 128 with two or three consumer warpgroups (docs/performance.md, "The half-precision flash
-// forward"). d64: three warpgroups (Br 192) share each K/Vᵀ tile; d128: two, as the 160 registers
-// a thread of three would get cannot hold d128's accumulators beside S and P with Bc 128.
+// and 128 with two or three consumer warpgroups, with and without ping-pong (docs/performance.md,
+// "The half-precision flash forward"). d64: three warpgroups (Br 192) share each K/Vᵀ tile and
+// take turns; d128: two, as the 160 registers a thread of three would get cannot hold d128's
+// accumulators beside S and P with Bc 128, and no turns, which measured slower there.
 template <int D, class Fmt>
 struct HalfConfig {
     using type = void;
 };
-template <class Fmt> struct HalfConfig<64, Fmt> { using type = HalfTiles<64, 128, 3, Fmt>; };
-template <class Fmt> struct HalfConfig<128, Fmt> { using type = HalfTiles<128, 128, 2, Fmt>; };
+template <class Fmt> struct HalfConfig<64, Fmt> { using type = HalfTiles<64, 128, 3, true, Fmt>; };
+template <class Fmt> struct HalfConfig<128, Fmt> { using type = HalfTiles<128, 128, 2, false, Fmt>; };
 
 // Calls f(TypeTag<T>{}, causal) with a's configuration T and causality (std::bool_constant);
 // false where there is none.
