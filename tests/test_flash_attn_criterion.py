@@ -75,8 +75,9 @@ def _by_hand(q, k, v, do, scale, causal, h):
     dv = [[h(_dot(col(p, j), col(do, c))) for c in range(len(do[0]))] for j in range(m)]
     ds = []
     for pi, dpi in zip(p, dp):
-        rowsum = _dot(pi, dpi)
-        ds.append([h(_f32(x * _f32(y - rowsum))) for x, y in zip(pi, dpi)])
+        g = [h(_f32(x * y)) for x, y in zip(pi, dpi)]  # P∘dP, stored: softmax's backward at half
+        rowsum = _dot(g, [1.0] * m)
+        ds.append([h(_f32(gx - _f32(x * rowsum))) for gx, x in zip(g, pi)])
     dq = [[h(_dot(ds[i], col(ks, c))) for c in range(len(k[0]))] for i in range(n)]
     dk = [[h(_f32(h(_dot(col(ds, j), col(q, c))) * scale)) for c in range(len(k[0]))] for j in range(m)]
     return {OUTPUT: out, GRAD_QUERIES: dq, GRAD_KEYS: dk, GRAD_VALUES: dv}
