@@ -17,6 +17,7 @@
 #include <utility>
 
 #include "../stages.h"
+#include "device.cuh"
 #include "flash.cuh"
 
 namespace attnstep {
@@ -131,5 +132,29 @@ struct StreamWorkspace {
     StreamWorkspace(size_t floats, cudaStream_t s);
     void release();
 };
+
+// Blocks of the kernel kKernel (launched with T::THREADS threads and T::SMEM_BYTES of dynamic
+// shared memory) that fit on an SM at once, its shared-memory limit raised first; asked of the
+// runtime once per kernel.
+template <class T, auto kKernel>
+int kernel_blocks_per_sm() {
+    static const int blocks = prepare_kernel(reinterpret_cast<const void*>(kKernel), T::THREADS, T::SMEM_BYTES);
+    return blocks;
+}
+
+// One launch of a tensor-core kernel with its workspace: `operands` floats that prepare(ws) fills
+// (the kernel's preparation pass; none for 0), then the KV-split partials. launch(ws, outputs)
+// starts the kernel on `stream`, writing `outputs` (a's O and lse, or the partials); the split
+// combine follows, and the workspace is freed after it in stream order.
+template <class Prepare, class Launch>
+void launch_with_workspace(const FlashArgs& a, const KernelPlan& plan, size_t operands, cudaStream_t stream,
+                           Prepare&& prepare, Launch&& launch) {
+    StreamWorkspace ws(operands + split_partial_floats(a, plan.splits), stream);
+    prepare(ws.p);
+    const FlashOutputs out = kernel_outputs(a, plan.splits, ws.p + operands);
+    launch(ws.p, out);
+    combine_kv_splits(a, plan.splits, out, stream);
+    ws.release();
+}
 
 }  // namespace attnstep

@@ -372,22 +372,18 @@ decltype(auto) with_variant(const FlashArgs& a, F&& f) {
 // of the runtime once.
 template <class T, bool kThree, bool kCausal>
 int blocks_per_sm() {
-    static const int blocks = prepare_kernel(
-        reinterpret_cast<const void*>(flash_fast_kernel<T, kThree, kCausal>), T::THREADS, T::SMEM_BYTES);
-    return blocks;
+    return kernel_blocks_per_sm<T, flash_fast_kernel<T, kThree, kCausal>>();
 }
 
 template <class T, bool kThree, bool kCausal>
 void launch_tiles(const FlashArgs& a, const KernelPlan& plan, cudaStream_t stream) {
     blocks_per_sm<T, kThree, kCausal>();
-    // Split partial outputs live in a stream-ordered workspace, freed after the combine step.
-    StreamWorkspace ws(split_partial_floats(a, plan.splits), stream);
-    const FlashOutputs out = kernel_outputs(a, plan.splits, ws.p);
-    const FastParams p{a.Q, a.K, a.V, out.O, out.lse, a.heads, a.N, a.M, a.scale * kLog2e, plan.splits};
-    flash_fast_kernel<T, kThree, kCausal><<<query_block_grid(a, plan), T::THREADS, T::SMEM_BYTES, stream>>>(p);
-    LAUNCH_CHECK(flash_fast_kernel);
-    combine_kv_splits(a, plan.splits, out, stream);
-    ws.release();
+    // No preparation pass: the workspace holds the split partial outputs alone.
+    launch_with_workspace(a, plan, 0, stream, [](float*) {}, [&](float*, const FlashOutputs& out) {
+        const FastParams p{a.Q, a.K, a.V, out.O, out.lse, a.heads, a.N, a.M, a.scale * kLog2e, plan.splits};
+        flash_fast_kernel<T, kThree, kCausal><<<query_block_grid(a, plan), T::THREADS, T::SMEM_BYTES, stream>>>(p);
+        LAUNCH_CHECK(flash_fast_kernel);
+    });
 }
 
 // TF32 mma.sync and cp.async need compute capability 8.0 or newer.

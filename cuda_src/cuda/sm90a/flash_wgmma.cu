@@ -52,6 +52,7 @@
 #include "../flash_dispatch.cuh"
 #include "bulk_copy.cuh"
 #include "flash_wgmma_half.cuh"
+#include "prepared_stages.cuh"
 #include "smem_layout.cuh"
 #include "wgmma.cuh"
 
@@ -109,29 +110,14 @@ struct WgParams {
 // ---------------------------------------------------------------------------------------------
 // The preparation pass.
 
-// Where a stage's parts start in the prepared operands: key tile j of head h.
-template <class T>
-__device__ __forceinline__ float* stage_in(float* ops, int h, int j, int Mpad) {
-    return ops + (static_cast<size_t>(h) * (Mpad / T::BC) + j) * T::STAGE;
-}
-
-// The preparation kernels' block size, and split_keys' blocks per key tile.
-constexpr int kPrepThreads = 256;
-template <class T>
-constexpr int kPrepBlocksPerTile = T::BC * T::D / 4 / kPrepThreads;
+using wg::kPrepThreads;
+using wg::stage_in;
 
 // K part p of key tile j: element (key r, column c) at p·K_PART + cm_offset<BC>(r % BC, c), zeros
-// for keys >= M. A thread per 16 bytes, in chunk_coords order: 64 contiguous bytes of each of 8
-// rows read, 128 contiguous bytes written per 8 threads. Grid: x = key tiles × kBlocksPerTile (x
-// holds 2^31 - 1 blocks: every M; y would cap the tiles at 65535), y = head.
+// for keys >= M. A thread per 16 bytes (prepared_stages.cuh: key_chunk, and its grid).
 template <class T>
 __global__ void split_keys(const float* K, float* ops, int M, int Mpad) {
-    constexpr int kBlocksPerTile = kPrepBlocksPerTile<T>;
-    static_assert(kBlocksPerTile * kPrepThreads == T::BC * T::D / 4, "whole blocks per key tile");
-    const int h = blockIdx.y, j = blockIdx.x / kBlocksPerTile;
-    const int i = (blockIdx.x % kBlocksPerTile) * kPrepThreads + threadIdx.x;
-    int r, c;
-    chunk_coords<T::D>(i, r, c);
+    const auto [h, j, r, c] = wg::key_chunk<T, float>();
     const int key = j * T::BC + r;
     const float4 v = key < M ? *reinterpret_cast<const float4*>(K + (static_cast<size_t>(h) * M + key) * T::D + c)
                              : make_float4(0.f, 0.f, 0.f, 0.f);
@@ -436,9 +422,7 @@ bool with_config(const FlashArgs& a, F&& f) {
 
 template <class T, bool kCausal>
 int blocks_per_sm() {
-    static const int blocks = prepare_kernel(reinterpret_cast<const void*>(flash_wgmma_kernel<T, kCausal>),
-                                             T::THREADS, T::SMEM_BYTES);
-    return blocks;
+    return kernel_blocks_per_sm<T, flash_wgmma_kernel<T, kCausal>>();
 }
 
 template <class T>
@@ -450,23 +434,21 @@ template <class T, bool kCausal>
 void launch_tiles(const FlashArgs& a, const KernelPlan& plan, cudaStream_t stream) {
     blocks_per_sm<T, kCausal>();  // raises the shared-memory limit
     const int Mpad = ceil_div(a.M, T::BC) * T::BC;
-    const size_t operands = operand_floats<T>(a.heads, a.M);
-    StreamWorkspace ws(operands + split_partial_floats(a, plan.splits), stream);
-    float* const ops = ws.p;
-
-    // The preparation pass: K and Vᵀ split into TF32 parts, one contiguous stage per key tile.
-    split_keys<T><<<dim3(Mpad / T::BC * kPrepBlocksPerTile<T>, a.heads), kPrepThreads, 0, stream>>>(
-        a.K, ops, a.M, Mpad);
-    LAUNCH_CHECK(split_keys);
-    transpose_split_values<T><<<dim3(Mpad / 32, T::D / 32, a.heads), dim3(32, 8), 0, stream>>>(a.V, ops, a.M, Mpad);
-    LAUNCH_CHECK(transpose_split_values);
-
-    const FlashOutputs out = kernel_outputs(a, plan.splits, ops + operands);
-    const WgParams p{a.Q, ops, out.O, out.lse, a.heads, a.N, a.M, Mpad, a.scale * kLog2e, plan.splits};
-    flash_wgmma_kernel<T, kCausal><<<query_block_grid(a, plan), T::THREADS, T::SMEM_BYTES, stream>>>(p);
-    LAUNCH_CHECK(flash_wgmma_kernel);
-    combine_kv_splits(a, plan.splits, out, stream);
-    ws.release();
+    launch_with_workspace(
+        a, plan, operand_floats<T>(a.heads, a.M), stream,
+        [&](float* ops) {  // K and Vᵀ split into TF32 parts, one contiguous stage per key tile
+            split_keys<T><<<dim3(Mpad / T::BC * wg::kPrepBlocksPerTile<T, float>, a.heads), kPrepThreads, 0, stream>>>(
+                a.K, ops, a.M, Mpad);
+            LAUNCH_CHECK(split_keys);
+            transpose_split_values<T><<<dim3(Mpad / 32, T::D / 32, a.heads), dim3(32, 8), 0, stream>>>(
+                a.V, ops, a.M, Mpad);
+            LAUNCH_CHECK(transpose_split_values);
+        },
+        [&](float* ops, const FlashOutputs& out) {
+            const WgParams p{a.Q, ops, out.O, out.lse, a.heads, a.N, a.M, Mpad, a.scale * kLog2e, plan.splits};
+            flash_wgmma_kernel<T, kCausal><<<query_block_grid(a, plan), T::THREADS, T::SMEM_BYTES, stream>>>(p);
+            LAUNCH_CHECK(flash_wgmma_kernel);
+        });
 }
 
 // Where `auto` takes this kernel over flash_fast.cu's mma.sync one: where it measured faster

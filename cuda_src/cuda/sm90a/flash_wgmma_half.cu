@@ -36,6 +36,7 @@
 #include "../flash_common.cuh"
 #include "../half_format.cuh"
 #include "bulk_copy.cuh"
+#include "prepared_stages.cuh"
 #include "smem_layout.cuh"
 #include "wgmma.cuh"
 
@@ -106,26 +107,14 @@ __device__ __forceinline__ void load8(const float* base, int row, int rows, int 
 // ---------------------------------------------------------------------------------------------
 // The preparation pass.
 
-template <class T>
-__device__ __forceinline__ Half* stage_in(Half* ops, int h, int j, int Mpad) {
-    return ops + (static_cast<size_t>(h) * (Mpad / T::BC) + j) * T::STAGE;
-}
-
-constexpr int kPrepThreads = 256;
-template <class T>
-constexpr int kPrepBlocksPerTile = T::BC * T::D / 8 / kPrepThreads;
+using wg::kPrepThreads;
+using wg::stage_in;
 
 // Key tile j's K: element (key r, column c) at cm_offset<BC>(r % BC, c), zeros for keys >= M. A
-// thread per 16 bytes (8 values) in chunk_coords order. Grid: x = key tiles × kBlocksPerTile,
-// y = head.
+// thread per 16 bytes, 8 values (prepared_stages.cuh: key_chunk, and its grid).
 template <class T>
 __global__ void convert_keys(const float* K, Half* ops, int M, int Mpad) {
-    constexpr int kBlocksPerTile = kPrepBlocksPerTile<T>;
-    static_assert(kBlocksPerTile * kPrepThreads == T::BC * T::D / 8, "whole blocks per key tile");
-    const int h = blockIdx.y, j = blockIdx.x / kBlocksPerTile;
-    const int i = (blockIdx.x % kBlocksPerTile) * kPrepThreads + threadIdx.x;
-    int r, c;
-    wg::chunk_coords<T::D, Half>(i, r, c);
+    const auto [h, j, r, c] = wg::key_chunk<T, Half>();
     float4 a, b;
     load8(K + static_cast<size_t>(h) * M * T::D, j * T::BC + r, M, T::D, c, a, b);
     *reinterpret_cast<uint4*>(stage_in<T>(ops, h, j, Mpad) + wg::cm_offset<T::BC, Half>(r, c)) =
@@ -436,9 +425,7 @@ bool with_config(const FlashArgs& a, F&& f) {
 
 template <class T, bool kCausal>
 int blocks_per_sm() {
-    static const int blocks = prepare_kernel(reinterpret_cast<const void*>(flash_wgmma_half_kernel<T, kCausal>),
-                                             T::THREADS, T::SMEM_BYTES);
-    return blocks;
+    return kernel_blocks_per_sm<T, flash_wgmma_half_kernel<T, kCausal>>();
 }
 
 // The prepared K and Vᵀ of `heads` heads, in floats (two values to a float; a whole number of
@@ -452,21 +439,21 @@ template <class T, bool kCausal>
 void launch_tiles(const FlashArgs& a, const KernelPlan& plan, cudaStream_t stream) {
     blocks_per_sm<T, kCausal>();  // raises the shared-memory limit
     const int Mpad = ceil_div(a.M, T::BC) * T::BC;
-    const size_t operands = operand_floats<T>(a.heads, a.M);
-    StreamWorkspace ws(operands + split_partial_floats(a, plan.splits), stream);
-    Half* const ops = reinterpret_cast<Half*>(ws.p);
-
-    convert_keys<T><<<dim3(Mpad / T::BC * kPrepBlocksPerTile<T>, a.heads), kPrepThreads, 0, stream>>>(a.K, ops, a.M, Mpad);
-    LAUNCH_CHECK(convert_keys);
-    transpose_values<T><<<dim3(Mpad / 64, T::D / 32, a.heads), dim3(32, 8), 0, stream>>>(a.V, ops, a.M, Mpad);
-    LAUNCH_CHECK(transpose_values);
-
-    const FlashOutputs out = kernel_outputs(a, plan.splits, ws.p + operands);
-    const HalfParams p{a.Q, ops, out.O, out.lse, a.heads, a.N, a.M, Mpad, a.scale * kLog2e, plan.splits};
-    flash_wgmma_half_kernel<T, kCausal><<<query_block_grid(a, plan), T::THREADS, T::SMEM_BYTES, stream>>>(p);
-    LAUNCH_CHECK(flash_wgmma_half_kernel);
-    combine_kv_splits(a, plan.splits, out, stream);
-    ws.release();
+    auto ops = [](float* ws) { return reinterpret_cast<Half*>(ws); };
+    launch_with_workspace(
+        a, plan, operand_floats<T>(a.heads, a.M), stream,
+        [&](float* ws) {
+            convert_keys<T><<<dim3(Mpad / T::BC * wg::kPrepBlocksPerTile<T, Half>, a.heads), kPrepThreads, 0, stream>>>(
+                a.K, ops(ws), a.M, Mpad);
+            LAUNCH_CHECK(convert_keys);
+            transpose_values<T><<<dim3(Mpad / 64, T::D / 32, a.heads), dim3(32, 8), 0, stream>>>(a.V, ops(ws), a.M, Mpad);
+            LAUNCH_CHECK(transpose_values);
+        },
+        [&](float* ws, const FlashOutputs& out) {
+            const HalfParams p{a.Q, ops(ws), out.O, out.lse, a.heads, a.N, a.M, Mpad, a.scale * kLog2e, plan.splits};
+            flash_wgmma_half_kernel<T, kCausal><<<query_block_grid(a, plan), T::THREADS, T::SMEM_BYTES, stream>>>(p);
+            LAUNCH_CHECK(flash_wgmma_half_kernel);
+        });
 }
 
 }  // namespace
