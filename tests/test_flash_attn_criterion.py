@@ -10,7 +10,9 @@ from __future__ import annotations
 import json
 import math
 import struct
+import warnings
 import xml.etree.ElementTree as ET
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -19,10 +21,12 @@ from click.testing import CliRunner
 import attnstep
 from verify.baseline import eager_half_attention
 from verify.case import crc32_hex
+from verify.flash_attn_criterion import StageCriterion, _quiet_baseline
 from verify.cli import cli
 from verify.generate import generate_case
 from verify.model.half import round_to_format
 from verify.reference import reference_chain
+from verify.results import FLASH_ATTN_KEY
 from verify.runner import run_binary
 from verify.specs import SPECS
 from verify.stages import (CASE_INPUTS, FLASH_OUTPUT, GRAD_KEYS, GRAD_QUERIES, GRAD_VALUES, HALF_PRECISIONS, OUTPUT,
@@ -104,6 +108,22 @@ def test_the_baseline_rounds_every_op_as_eager_half_attention(precision, causal)
     assert not all(rounded_once)
 
 
+def test_an_overflowing_fp16_baseline_meets_nothing_and_warns_nothing():
+    """Scores past fp16's 65504 make the eager baseline's softmax NaN (flash-attn's test then
+    compares with NaN and fails): the criterion is missed, its ratio infinite, and NumPy's overflow
+    warnings stay out of the user's output."""
+    big = np.full((4, 8), 200.0, np.float32)
+    ctx = SimpleNamespace(scale=1.0, causal=False, precision="fp16")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        baseline = _quiet_baseline(big, big, big, big, ctx)
+    assert np.isnan(baseline[OUTPUT]).all()
+    missed = StageCriterion(OUTPUT, error=0.0, baseline_error=math.inf, factor=2.0, slack=1e-5)
+    assert not missed.meets and missed.ratio == math.inf
+    met = StageCriterion(OUTPUT, error=2e-3, baseline_error=1e-3, factor=2.0, slack=1e-5)
+    assert met.meets and met.ratio == 2.0 and met.rule() == "2 x baseline + 1e-5"
+
+
 def _torch_reference(torch, q, k, v, do, causal):
     """flash-attn's tests' `attention_ref(q, k, v, causal=causal, upcast=False, reorder_ops=True)`
     for one head without padding or dropout (the mask top-left aligned, as attnstep's), autograd
@@ -156,9 +176,9 @@ def test_a_cuda_half_run_meets_flash_attns_criterion(binary, tmp_path, precision
     run_binary(binary, in_dir, out_dir, backend="cuda", extra=("--precision", precision))
     code, output, rep, props = _check(in_dir, out_dir, tmp_path)
     assert code == 0, output
-    stages = [s["stage"] for s in rep["flash_attn_criterion"]["stages"]]
-    assert OUTPUT in stages and GRAD_QUERIES in stages and rep["flash_attn_criterion"]["meets"], output
-    assert props["flash_attn_criterion"] == "meets"
+    stages = [s["stage"] for s in rep[FLASH_ATTN_KEY]["stages"]]
+    assert OUTPUT in stages and GRAD_QUERIES in stages and rep[FLASH_ATTN_KEY]["meets"], output
+    assert props[FLASH_ATTN_KEY] == "meets"
 
 
 # ---- the reports ----------------------------------------------------------------------------
@@ -207,20 +227,20 @@ def test_a_correct_half_run_meets_flash_attns_criterion(binary, tmp_path, precis
     in_dir, out_dir = _half_run(binary, tmp_path, precision)
     code, output, rep, props = _check(in_dir, out_dir, tmp_path)
     assert code == 0, output
-    block = rep["flash_attn_criterion"]
+    block = rep[FLASH_ATTN_KEY]
     assert block["informational"] and block["meets"] and precision in block["reference"]
     assert [s["stage"] for s in block["stages"]] == COMPARED
     rows = _criterion_rows(output)
     for s in block["stages"]:
         assert s["meets"] and 0 < s["baseline_error"] and s["error"] <= s["allowed"], s
         assert s["factor"] == (3.0 if STAGES[s["stage"]].backward else 2.0)
-        per_head = [r["flash_attn_criterion"] for r in rep["results"] if r["stage"] == s["stage"]]
+        per_head = [r[FLASH_ATTN_KEY] for r in rep["results"] if r["stage"] == s["stage"]]
         assert s["error"] == max(x["error"] for x in per_head)
         assert s["baseline_error"] == max(x["baseline_error"] for x in per_head)
         assert rows[s["stage"]][3] == "meets"
         assert float(rows[s["stage"]][0]) == pytest.approx(s["error"], rel=5e-3)
-        assert float(props[f"flash_attn_criterion.{s['stage']}.baseline_error"]) == s["baseline_error"]
-    assert props["flash_attn_criterion"] == "meets"
+        assert float(props[f"{FLASH_ATTN_KEY}.{s['stage']}.baseline_error"]) == s["baseline_error"]
+    assert props[FLASH_ATTN_KEY] == "meets"
     quiet = CliRunner().invoke(cli, ["check", "--in", str(in_dir), "--out", str(out_dir), "--quiet"]).output
     assert quiet.splitlines()[-1] == f"flash-attn's test criterion (informational): met by all {len(COMPARED)} stages"
 
@@ -229,19 +249,19 @@ def test_a_planted_error_beyond_twice_the_baseline_misses_it(binary, tmp_path):
     """One flash_output element moved by 5x the baseline's largest error: flash-attn's criterion
     misses there, in every report, and attnstep's verdict fails that stage."""
     in_dir, out_dir = _half_run(binary, tmp_path)
-    b = next(s for s in _check(in_dir, out_dir, tmp_path)[2]["flash_attn_criterion"]["stages"]
+    b = next(s for s in _check(in_dir, out_dir, tmp_path)[2][FLASH_ATTN_KEY]["stages"]
              if s["stage"] == FLASH_OUTPUT)["baseline_error"]
     x = np.load(out_dir / stage_file(FLASH_OUTPUT, 1, "npy"))
     at = np.unravel_index(np.argmax(np.abs(x)), x.shape)
     _plant(out_dir, FLASH_OUTPUT, 1, at, 5 * b * np.sign(x[at]))
     code, output, rep, props = _check(in_dir, out_dir, tmp_path)
     assert code == 1 and rep["first_failing_stage"] == FLASH_OUTPUT, output
-    stages = {s["stage"]: s for s in rep["flash_attn_criterion"]["stages"]}
+    stages = {s["stage"]: s for s in rep[FLASH_ATTN_KEY]["stages"]}
     assert not stages[FLASH_OUTPUT]["meets"] and stages[FLASH_OUTPUT]["ratio"] > 2
-    assert stages[FLASH_OUTPUT]["error"] > 2 * b + 1e-5 and not rep["flash_attn_criterion"]["meets"]
+    assert stages[FLASH_OUTPUT]["error"] > 2 * b + 1e-5 and not rep[FLASH_ATTN_KEY]["meets"]
     assert all(s["meets"] for n, s in stages.items() if n != FLASH_OUTPUT)
     assert _criterion_rows(output)[FLASH_OUTPUT][3] == "misses"
-    assert props["flash_attn_criterion"] == "misses" and props[f"flash_attn_criterion.{FLASH_OUTPUT}.meets"] == "false"
+    assert props[FLASH_ATTN_KEY] == "misses" and props[f"{FLASH_ATTN_KEY}.{FLASH_OUTPUT}.meets"] == "false"
     quiet = CliRunner().invoke(cli, ["check", "--in", str(in_dir), "--out", str(out_dir), "--quiet"]).output
     assert quiet.splitlines()[-1].startswith(f"flash-attn's test criterion (informational): missed by {FLASH_OUTPUT} ")
 
@@ -252,27 +272,27 @@ def test_a_small_error_failing_the_verdict_shows_both_values(binary, tmp_path):
     (head 0's) error. attnstep fails it; the criterion meets it; both reports say so, with the same
     numbers, and the planted error is the one the criterion measured on head 1."""
     in_dir, out_dir = _half_run(binary, tmp_path, v_scale=64)
-    clean = {s["stage"]: s for s in _check(in_dir, out_dir, tmp_path)[2]["flash_attn_criterion"]["stages"]}
+    clean = {s["stage"]: s for s in _check(in_dir, out_dir, tmp_path)[2][FLASH_ATTN_KEY]["stages"]}
     b = clean[OUTPUT]["baseline_error"]
     x = np.load(out_dir / stage_file(OUTPUT, 1, "npy"))
     at = np.unravel_index(np.argmax(np.abs(x)), x.shape)
     _plant(out_dir, OUTPUT, 1, at, b / 2 * np.sign(x[at]))
     code, output, rep, props = _check(in_dir, out_dir, tmp_path)
     assert code == 1 and rep["first_failing_stage"] == OUTPUT, output
-    crit = next(s for s in rep["flash_attn_criterion"]["stages"] if s["stage"] == OUTPUT)
+    crit = next(s for s in rep[FLASH_ATTN_KEY]["stages"] if s["stage"] == OUTPUT)
     head1 = next(r for r in rep["results"] if r["stage"] == OUTPUT and r["head"] == 1)
-    assert head1["status"] == "FAIL" and head1["flash_attn_criterion"]["error"] >= 0.45 * b
+    assert head1["status"] == "FAIL" and head1[FLASH_ATTN_KEY]["error"] >= 0.45 * b
     assert crit["meets"] and crit["baseline_error"] == b
-    assert crit["error"] == max(clean[OUTPUT]["error"], head1["flash_attn_criterion"]["error"])
+    assert crit["error"] == max(clean[OUTPUT]["error"], head1[FLASH_ATTN_KEY]["error"])
     assert _criterion_rows(output)[OUTPUT][3] == "meets"
-    assert props[f"flash_attn_criterion.{OUTPUT}.meets"] == "true"
+    assert props[f"{FLASH_ATTN_KEY}.{OUTPUT}.meets"] == "true"
 
 
 def test_fp32_runs_have_no_flash_attn_criterion(binary, tmp_path):
     in_dir, out_dir = _half_run(binary, tmp_path, precision="fp32")
     code, output, rep, props = _check(in_dir, out_dir, tmp_path)
     assert code == 0 and "flash-attn" not in output, output
-    assert rep["flash_attn_criterion"] is None and not any("flash_attn_criterion" in r for r in rep["results"])
+    assert rep[FLASH_ATTN_KEY] is None and not any(FLASH_ATTN_KEY in r for r in rep["results"])
     assert not any(name.startswith("flash_attn") for name in props)
 
 

@@ -15,7 +15,7 @@ import numpy as np
 
 from . import flash_attn_criterion
 from .case import CaseError, atomic_write_bytes, file_kind, probe_writable
-from .results import FAIL, INHERITED, PASS, Comparison, HeadResult, Report
+from .results import FAIL, FLASH_ATTN_KEY, INHERITED, PASS, Comparison, HeadResult, Report
 from .resolution import EXACT
 from .stages import STAGES, stage_file
 from .words import number as _g
@@ -204,7 +204,7 @@ def to_json(report: Report) -> dict:
         "causal": run.causal, "scale": run.scale,
         "mismatches": [m.message() for m in run.mismatches], "notes": notes(report),
         "dims": {k: getattr(d, k) for k in ("batch", "heads", "seq_q", "seq_k", "d_k", "d_v")},
-        "flash_attn_criterion": flash_attn_criterion.json_block(report),
+        FLASH_ATTN_KEY: flash_attn_criterion.json_block(report),
         "stages": stages, "results": [r.to_json() for r in report.results],
         "foreign_files": report.foreign_files, "timings_ms": report.run.timings()})
 

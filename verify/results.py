@@ -14,6 +14,10 @@ from .resolution import EXACT
 from .specs.base import Violation
 from .stages import STAGES
 
+# The key of flash-attn's test criterion in --json (per head here, per stage in the report) and
+# --junit (verify/flash_attn_criterion.py).
+FLASH_ATTN_KEY = "flash_attn_criterion"
+
 # Statuses of one stage × head; only PASS passes.
 PASS, FAIL, INHERITED = "PASS", "FAIL", "INHERITED"
 MISSING, STALE, SHAPE, UNREADABLE = "MISSING", "STALE", "SHAPE", "UNREADABLE"
@@ -169,7 +173,7 @@ class HeadResult:
         d["resolution"] = self.resolution
         d["print_limited"] = self.print_limited
         if self.flash_attn is not None:
-            d["flash_attn_criterion"] = {"error": self.flash_attn[0], "baseline_error": self.flash_attn[1]}
+            d[FLASH_ATTN_KEY] = {"error": self.flash_attn[0], "baseline_error": self.flash_attn[1]}
         return d
 
 

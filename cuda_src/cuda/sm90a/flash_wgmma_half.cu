@@ -396,7 +396,7 @@ __global__ void __launch_bounds__(T::THREADS, 1) flash_wgmma_half_kernel(const H
 // and 128 with two or three consumer warpgroups, with and without ping-pong (docs/performance.md,
 // "The half-precision flash forward"). d64: three warpgroups (Br 192) share each K/Vᵀ tile and
 // take turns; d128: two, as the 160 registers a thread of three would get cannot hold d128's
-// accumulators beside S and P with Bc 128, and no turns, which measured slower there.
+// accumulators beside S and P with Bc 128, and no turns, which measured no faster there.
 template <int D, class Fmt>
 struct HalfConfig {
     using type = void;
