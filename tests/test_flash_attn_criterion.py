@@ -29,6 +29,8 @@ from verify.reference import reference_chain
 from verify.results import FLASH_ATTN_KEY
 from verify.runner import run_binary
 from verify.specs import SPECS
+from foreign import mm_reverse, write_text
+from test_half import _foreign_case
 from verify.stages import (CASE_INPUTS, FLASH_OUTPUT, GRAD_KEYS, GRAD_QUERIES, GRAD_VALUES, HALF_PRECISIONS, OUTPUT,
                            RUN_MANIFEST, STAGES, VALUES, Dims, stage_file)
 
@@ -294,6 +296,27 @@ def test_fp32_runs_have_no_flash_attn_criterion(binary, tmp_path):
     assert code == 0 and "flash-attn" not in output, output
     assert rep[FLASH_ATTN_KEY] is None and not any(FLASH_ATTN_KEY in r for r in rep["results"])
     assert not any(name.startswith("flash_attn") for name in props)
+
+
+@pytest.mark.parametrize("precision", HALF_PRECISIONS)
+def test_a_program_we_did_not_write_gets_the_criterion(tmp_path, precision):
+    """Another bf16/fp16 program (NumPy, sums in reverse order, FlashAttention-style key tiles of
+    32), no run.toml, its outputs alone, printed with %g: `check --precision` passes it and reports
+    flash-attn's criterion for both output stages, met."""
+    in_dir, out_dir = _foreign_case(tmp_path, precision, mm_reverse, False, fmt="txt")
+    for path in out_dir.iterdir():
+        if path.name not in {stage_file(n, h, "txt") for n in (OUTPUT, FLASH_OUTPUT) for h in range(2)}:
+            path.unlink()
+        else:
+            write_text(path, np.loadtxt(path, ndmin=2), "%g")
+    json_path = tmp_path / "r.json"
+    r = CliRunner().invoke(cli, ["check", "--in", str(in_dir), "--out", str(out_dir), "--precision", precision,
+                                 "--json", str(json_path)], catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    block = json.loads(json_path.read_text())[FLASH_ATTN_KEY]
+    assert [s["stage"] for s in block["stages"]] == [OUTPUT, FLASH_OUTPUT] and block["meets"], block
+    assert all(0 < s["baseline_error"] and math.isfinite(s["ratio"]) for s in block["stages"]), block
+    assert "flash-attn's test criterion" in r.output
 
 
 def test_the_python_api_reports_the_criterion():

@@ -32,17 +32,11 @@ from typing import Dict, Optional
 
 import numpy as np
 
-from .model.attention import causal_mask
+from .model.attention import causal_mask, softmax_rows
 from .model.half import round_to_format32
 from .stages import GRAD_KEYS, GRAD_QUERIES, GRAD_VALUES, OUTPUT
 
 f32 = np.float32
-
-
-def _softmax32(s: np.ndarray) -> np.ndarray:
-    """Row softmax of half scores computed in float32, as PyTorch's softmax of a half tensor."""
-    e = np.exp(s - s.max(axis=1, keepdims=True), dtype=f32)
-    return e / e.sum(axis=1, keepdims=True, dtype=f32)
 
 
 def eager_half_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, do: Optional[np.ndarray], scale: float,
@@ -56,7 +50,7 @@ def eager_half_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, do: Option
     s = h(q @ ks.T)
     if causal:
         s[causal_mask(*s.shape)] = -np.inf
-    p = h(_softmax32(s))
+    p = h(softmax_rows(s))  # float32 scores: float32 inside, as PyTorch's softmax of a half tensor
     out = {OUTPUT: h(p @ v)}
     if do is not None:
         do = np.asarray(do, f32)
