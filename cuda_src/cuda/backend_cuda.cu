@@ -14,6 +14,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <memory>
 #include <set>
 #include <string>
@@ -84,6 +85,11 @@ size_t half_operand_bytes(const Dims& d, int heads) {
 bool needs_half_operands(const Problem& p, StageSet computed) {
     return is_half(p.precision) && (computed.bits & kGemmStages.bits);
 }
+// The half-precision flash forward reads Q, K, V as 16-bit values of the format (FlashArgs::Qh,
+// Kh, Vh): made as the inputs are uploaded, so the flash stage's time is its kernels alone.
+bool needs_format_inputs(const Problem& p, StageSet computed) {
+    return is_half(p.precision) && computed.any_flash() && flash_supported(p.dims);
+}
 
 std::string mib(size_t bytes) { return std::to_string(static_cast<long long>(bytes / kMiB + 0.5)) + " MiB"; }
 
@@ -118,6 +124,7 @@ private:
     struct Buffers {
         float* at[kNumStages] = {};
         HalfGemm half;  // the half pipelines' GEMM operands (none for fp32, tf32)
+        uint16_t* format[3] = {};  // Q, K, V in the format for the half flash forward (needs_format_inputs)
     };
     Buffers carve_buffers(const Problem& p, StageSet computed, int heads);
     void reserve_arena(size_t bytes);
@@ -201,6 +208,7 @@ size_t CudaBackend::working_bytes_per_head(const Problem& p, StageSet computed) 
     if (computed.has(Stage::flash_dQ) && flash_supported(p.dims))
         bytes += flash_backward_workspace_bytes_per_head(flash_bwd_args(p));
     if (needs_half_operands(p, computed)) bytes += 2 * (half_operand_bytes(p.dims, 1) + kBufferAlign);
+    if (needs_format_inputs(p, computed)) bytes += flash_format_input_bytes_per_head(flash_args(p)) + 3 * kBufferAlign;
     return bytes;
 }
 
@@ -243,6 +251,14 @@ CudaBackend::Buffers CudaBackend::carve_buffers(const Problem& p, StageSet compu
     }
     const size_t half_at = total, half_bytes = align_up(half_operand_bytes(d, heads));
     if (needs_half_operands(p, computed)) total += 2 * half_bytes;
+    const Stage format_inputs[3] = {Stage::Q, Stage::K, Stage::V};
+    size_t format_at[3] = {};
+    if (needs_format_inputs(p, computed)) {
+        for (int k = 0; k < 3; ++k) {
+            format_at[k] = total;
+            total += align_up(stage_elems(format_inputs[k], d) * sizeof(uint16_t) * static_cast<size_t>(heads));
+        }
+    }
     reserve_arena(total);
     Buffers b;
     for (int i = 0; i < kNumStages; ++i) {
@@ -251,6 +267,9 @@ CudaBackend::Buffers CudaBackend::carve_buffers(const Problem& p, StageSet compu
     }
     if (needs_half_operands(p, computed))
         b.half = HalfGemm{p.precision, static_cast<char*>(arena_) + half_at, static_cast<char*>(arena_) + half_at + half_bytes};
+    if (needs_format_inputs(p, computed)) {
+        for (int k = 0; k < 3; ++k) b.format[k] = reinterpret_cast<uint16_t*>(static_cast<char*>(arena_) + format_at[k]);
+    }
     return b;
 }
 
@@ -306,6 +325,9 @@ void CudaBackend::run_stages(const Problem& p, StageSet computed, int heads, con
         a.Q = buf(Stage::Q);
         a.K = buf(Stage::K);
         a.V = buf(Stage::V);
+        a.Qh = b.format[0];
+        a.Kh = b.format[1];
+        a.Vh = b.format[2];
         a.O = buf(Stage::flash_output);
         a.lse = buf(Stage::flash_lse);
         a.heads = heads;
@@ -410,7 +432,7 @@ void CudaBackend::compute(const Problem& p, StageSet computed, HeadGroup& group,
     for (bool& t : timed_) t = false;
 
     // Inputs. The echo stages Q, K, V, dO are the device copies read back, so their time is the
-    // upload.
+    // upload (with, for the half flash forward, the copy in the format).
     const float* host_inputs[] = {group.q, group.k, group.v, group.dout};
     const Stage inputs[] = {Stage::Q, Stage::K, Stage::V, Stage::dO};
     for (int k = 0; k < 4; ++k) {
@@ -420,6 +442,8 @@ void CudaBackend::compute(const Problem& p, StageSet computed, HeadGroup& group,
         timed(s, [&] {
             CUDA_CHECK(cudaMemcpyAsync(b.at[static_cast<int>(s)], host_inputs[k], group_stage_bytes(s, d, heads),
                                        cudaMemcpyHostToDevice, stream_));
+            if (k < 3 && b.format[k])
+                launch_to_half(b.at[static_cast<int>(s)], b.format[k], stage_elems(s, d) * heads, p.precision, stream_);
         });
     }
 

@@ -17,6 +17,7 @@
 #include "../backend.h"
 #include "../stages.h"
 #include "cuda_check.cuh"
+#include "flash.cuh"
 #include "gemm.cuh"
 
 namespace attnstep {
@@ -77,6 +78,14 @@ struct DeviceBuffer {
     ~DeviceBuffer() { cudaFree(p); }
     DeviceBuffer(const DeviceBuffer&) = delete;
     DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+};
+
+// Q, K, V as 16-bit values of a half precision's format (none at fp32 and tf32): the inputs the
+// half-precision flash forward reads (FlashArgs::Qh, Kh, Vh). Two values to a float of storage.
+struct FormatInputs {
+    std::unique_ptr<DeviceBuffer> q, k, v;
+    FormatInputs(Precision p, const DeviceBuffer& Q, const DeviceBuffer& K, const DeviceBuffer& V, cudaStream_t s);
+    void attach(FlashArgs* a) const;
 };
 
 // Fills b uniformly in [-1, 1) from `seed` (bench_inputs.h: reproducible, no state).

@@ -7,6 +7,9 @@
 
 #include <cuda_runtime.h>
 
+#include <cstddef>
+#include <cstdint>
+
 #include "../backend.h"
 
 namespace attnstep {
@@ -22,7 +25,18 @@ struct FlashArgs {
     bool causal;
     Precision precision;
     FlashKernel kernel = FlashKernel::automatic;
+    // At bf16/fp16 the same inputs as 16-bit values of the format (bf16/fp16 bits, laid out like Q,
+    // K and V, 16-byte aligned): what the half-precision kernel reads, by tensor memory access.
+    // Required there (the caller makes them with launch_to_half when the inputs arrive); unused
+    // at fp32 and tf32.
+    const uint16_t* Qh = nullptr;
+    const uint16_t* Kh = nullptr;
+    const uint16_t* Vh = nullptr;
 };
+
+// Device bytes per head of Qh, Kh and Vh at a half precision (0 at fp32 and tf32), each rounded up
+// to 16 bytes.
+size_t flash_format_input_bytes_per_head(const FlashArgs& a);
 
 // What flash_forward will run for these arguments: the kernel and its tiles. Throws (exit 2)
 // when `kernel` forces a kernel that has no variant for them.

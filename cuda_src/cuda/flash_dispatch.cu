@@ -137,6 +137,12 @@ FlashPlan flash_forward_plan(const FlashArgs& a) {
 
 size_t flash_workspace_bytes_per_head(const FlashArgs& a) { return choose(a).plan.workspace_per_head; }
 
+size_t flash_format_input_bytes_per_head(const FlashArgs& a) {
+    if (!is_half(a.precision)) return 0;
+    auto bytes16 = [](size_t values) { return (values * 2 + 15) / 16 * 16; };
+    return bytes16(static_cast<size_t>(a.N) * a.d) + 2 * bytes16(static_cast<size_t>(a.M) * a.d);
+}
+
 void flash_forward(const FlashArgs& a, cudaStream_t stream) {
     if (a.heads <= 0 || a.N <= 0 || a.M <= 0) {
         fail(kExitInternal, where(__FILE__, __LINE__) + ": flash_forward: empty problem (heads=" +
@@ -160,6 +166,11 @@ void flash_launch(const FlashKernelOps& ops, const FlashArgs& a, const KernelPla
         part.Q = a.Q + q * a.d;
         part.K = a.K + k * a.d;
         part.V = a.V + k * a.d;
+        if (a.Qh) {
+            part.Qh = a.Qh + q * a.d;
+            part.Kh = a.Kh + k * a.d;
+            part.Vh = a.Vh + k * a.d;
+        }
         part.O = a.O + q * a.d;
         part.lse = a.lse + q;
         ops.launch(part, plan, stream);

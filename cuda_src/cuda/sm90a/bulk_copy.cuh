@@ -1,10 +1,11 @@
 // bulk_copy.cuh — Hopper's bulk copy engine (cp.async.bulk, sm_90) and the shared-memory
-// transaction barriers (mbarrier) that tell consumers when its copies have landed (and, in
+// transaction barriers (mbarrier) that tell consumers when copies have landed (and, in
 // flash_wgmma_half.cu, the producer when the consumers have released a stage), as the wgmma flash
-// kernels use them: one thread starts the copy of a whole K/Vᵀ stage (contiguous bytes in global
-// memory, laid out as shared memory wants them), every consumer thread waits on the stage's
-// barrier. No tensor map: plain 1-D copies, so the global layout does the work (the kernels'
-// preparation passes write each stage as one contiguous block).
+// kernels use them. flash_wgmma.cu's one thread starts the copy of a whole K/Vᵀ stage (contiguous
+// bytes in global memory, laid out by its preparation pass as shared memory wants them: plain 1-D
+// copies, no tensor map); flash_wgmma_half.cu counts its tensor copies (tensor_map.cuh) on the same
+// barriers. Every consumer thread waits on the stage's barrier.
+
 #pragma once
 
 #include <cstdint>

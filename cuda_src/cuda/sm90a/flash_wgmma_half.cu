@@ -2,19 +2,18 @@
 // bf16 or fp16 operands and FP32 accumulation (--precision bf16|fp16): O = softmax(scale·Q·Kᵀ
 // [causal-masked])·V and lse = log Σ exp(scale·q·k), per head.
 //
-// The structure is flash_wgmma.cu's (read its header first): a preparation pass lays K and Vᵀ out
-// per key tile exactly as shared memory wants a stage, one thread streams the stages in with bulk
-// copies counted on mbarriers, double buffered, and each warpgroup of the block computes 64 query
-// rows: S = Q·Kᵀ (A = Q from shared memory), the online softmax in FP32 registers
-// (flash_common.cuh), O += P·V (A = P from registers). What differs with 16-bit operands:
-//   - Q, K, V arrive as float32 buffers holding values of the format (the backend rounded the
-//     inputs); the preparation pass and the block's Q load convert them, exactly.
+// FlashAttention-3's structure: the inputs are read as the format's 16-bit values, row-major as the
+// caller holds them (FlashArgs::Qh, Kh, Vh), by tensor memory access (tensor_map.cuh) straight into
+// shared memory in the 128-byte swizzle, so no pass prepares them. A producer warpgroup streams the
+// block's Q and then the K/V tiles into two stages, counted on mbarriers; each consumer warpgroup
+// computes 64 query rows: S = Q·Kᵀ (both operands K-major in shared memory), the online softmax in
+// FP32 registers (flash_common.cuh), O += P·V (A = P from registers, B = V as it lies, MN-major:
+// wgmma's transposed B operand, which 16-bit types have).
 //   - A 16-bit wgmma's register A fragment is the S accumulator fragment as it stands, two
-//     neighbouring columns to a register (wgmma.cuh), so Vᵀ needs no key permutation.
+//     neighbouring columns to a register (wgmma.cuh), so P needs no permutation.
 //   - P is rounded to the format as it is packed (FlashAttention's order: l sums the FP32 weights,
 //     only the GEMM operand is rounded), and the P·V products accumulate straight into O: a
-//     product of two half values is exact in FP32, so the per-tile chain of the 3xTF32 kernel
-//     buys nothing here and would cost D/2 registers.
+//     product of two half values is exact in FP32.
 //   - O is stored rounded to the format (the KV-split combine rounds instead when it merges).
 //
 // Arithmetic the verifier assumes (verify/model/kernels.py: KERNELS["cuda-wgmma-bf16"] and
@@ -36,8 +35,7 @@
 #include "../flash_common.cuh"
 #include "../half_format.cuh"
 #include "bulk_copy.cuh"
-#include "prepared_stages.cuh"
-#include "smem_layout.cuh"
+#include "tensor_map.cuh"
 #include "wgmma.cuh"
 
 namespace attnstep {
@@ -47,100 +45,70 @@ using namespace flash;
 using Half = uint16_t;  // one bf16/fp16 value in shared and global memory
 
 constexpr int kWarpgroup = 128;  // threads
+constexpr int kSwizzleAtom = 1024;  // bytes: 8 rows of 128 (tensor_map.cuh, wgmma.cuh: sw128_desc)
 
 // The tile configuration: D head width, BC keys per tile, NWG consumer warpgroups (64 query rows
 // each), PINGPONG whether they take turns to issue their GEMMs (Turns), Fmt the operand format;
-// two K/Vᵀ stages in shared memory (tile j+1 loads while tile j is computed).
+// two K/V stages in shared memory (tile j+1 loads while tile j is computed).
 template <int D_, int BC_, int NWG_, bool PINGPONG_, class Fmt_>
 struct HalfTiles {
     using Fmt = Fmt_;
     static constexpr int D = D_, BC = BC_, NWG = NWG_, STAGES = 2;
     static constexpr bool PINGPONG = PINGPONG_;
-    // The consumer warpgroups, then a producer warpgroup whose one thread streams the K/Vᵀ stages
-    // in (a whole warpgroup, so that it can hand its registers to the consumers: setmaxnreg).
+    // The consumer warpgroups, then a producer warpgroup whose one thread issues every copy (a
+    // whole warpgroup, so that it can hand its registers to the consumers: setmaxnreg).
     static constexpr int BR = 64 * NWG, CONSUMERS = kWarpgroup * NWG, THREADS = CONSUMERS + kWarpgroup;
     // Registers per thread after the hand-over: the producer keeps the minimum, the consumers
     // share the rest of the 64K register file.
     static constexpr int PRODUCER_REGS = 24;
     static constexpr int CONSUMER_REGS = (65536 / kWarpgroup - PRODUCER_REGS) / NWG / 8 * 8;
     static_assert(CONSUMER_REGS <= 256 && CONSUMER_REGS >= 160, "register hand-over");
-    // Elements: the block's Q, one K tile (BC × D), one Vᵀ tile (D × BC); a stage is K then Vᵀ.
-    static constexpr int Q_ELEMS = BR * D, K_ELEMS = BC * D, V_ELEMS = D * BC;
+    // Shared memory: the block's Q [BR×D], then two stages of K [BC×D] and V [BC×D]. Each tile is
+    // D/64 column blocks of 64 values (one tensor copy each), rows of 128 bytes in the swizzle.
+    static constexpr int COL_BLOCKS = D / tma::kRowValues;
+    static constexpr int Q_ELEMS = BR * D, K_ELEMS = BC * D, V_ELEMS = BC * D;
     static constexpr int STAGE = K_ELEMS + V_ELEMS, V_OFFSET = K_ELEMS;
-    static constexpr uint32_t K_BYTES = K_ELEMS * sizeof(Half), V_BYTES = V_ELEMS * sizeof(Half);
-    static constexpr size_t SMEM_BYTES = (static_cast<size_t>(Q_ELEMS) + STAGES * STAGE) * sizeof(Half);
-    // The preparation pass moves Vᵀ in blocks of 64 keys × 32 columns; wgmma's k step is 16.
-    static_assert(D % 32 == 0 && BC % 64 == 0, "tiles: whole k steps, 64-key transpose blocks");
+    static constexpr uint32_t Q_BYTES = Q_ELEMS * sizeof(Half), K_BYTES = K_ELEMS * sizeof(Half),
+                              V_BYTES = V_ELEMS * sizeof(Half);
+    // + one atom: the dynamic shared memory is aligned up to the swizzle atom in the kernel.
+    static constexpr size_t SMEM_BYTES = (static_cast<size_t>(Q_ELEMS) + STAGES * STAGE) * sizeof(Half) + kSwizzleAtom;
+    static_assert(D % tma::kRowValues == 0 && BC % 16 == 0, "tiles: whole column blocks and k steps");
+    static_assert((64 * tma::kRowValues * sizeof(Half)) % kSwizzleAtom == 0 && (BC * 128) % kSwizzleAtom == 0,
+                  "every tile and warpgroup slice starts on a swizzle atom");
     // The opt-in shared-memory limit of sm_90 (227 KB) less the kernel's static barriers; an
     // mbarrier phase counts at most 2^20 - 1 bytes.
-    static_assert(SMEM_BYTES + 64 <= 227 * 1024, "shared memory");
-    static_assert(K_BYTES < (1u << 20) && V_BYTES < (1u << 20), "mbarrier transaction count");
+    static_assert(SMEM_BYTES + 80 <= 227 * 1024, "shared memory");
+    static_assert(Q_BYTES < (1u << 20) && K_BYTES < (1u << 20) && V_BYTES < (1u << 20), "mbarrier transaction count");
 };
 
 struct HalfParams {
-    const float* Q;   // [heads][N][D], values of the format
-    const Half* ops;  // [heads][Mpad/BC][STAGE]: per key tile, K then Vᵀ in the format (prepare)
-    float* O;         // [heads][N][D], or the split partials [splits][heads][N][D]
-    float* lse;       // [heads][N],    or [splits][heads][N]
-    int heads, N, M, Mpad;
+    float* O;    // [heads][N][D], or the split partials [splits][heads][N][D]
+    float* lse;  // [heads][N],    or [splits][heads][N]
+    int heads, N, M;
     float scale_log2;  // scale·log2(e): the softmax runs in base 2
     int splits;
 };
 
-// Eight float32 values as eight values of the format, 16 bytes (the low half of each word first).
-template <class Fmt>
-__device__ __forceinline__ uint4 pack8(const float4& a, const float4& b) {
-    return make_uint4(Fmt::pack(a.x, a.y), Fmt::pack(a.z, a.w), Fmt::pack(b.x, b.y), Fmt::pack(b.z, b.w));
+// The three inputs as tensor maps (tensor_map.cuh), __grid_constant__ kernel parameters: Q in
+// boxes of the block's BR rows, K and V of a tile's BC keys.
+struct HalfMaps {
+    CUtensorMap q, k, v;
+};
+
+// Byte offset of k step ks (16 columns) in a K-major tile of R rows: four steps to a 128-byte row,
+// then the next column block.
+template <int R>
+__device__ __forceinline__ uint32_t k_step_bytes(int ks) {
+    return (ks / 4) * R * 128 + (ks % 4) * 32;
 }
+// The descriptor `bytes` further on (its address field counts 16-byte units).
+__device__ __forceinline__ uint64_t desc_plus(uint64_t desc, uint32_t bytes) { return desc + (bytes >> 4); }
 
-// Eight consecutive floats of row `row` (< rows; zeros past it) from column c.
-__device__ __forceinline__ void load8(const float* base, int row, int rows, int width, int c, float4& a, float4& b) {
-    if (row < rows) {
-        const float4* src = reinterpret_cast<const float4*>(base + static_cast<size_t>(row) * width + c);
-        a = src[0];
-        b = src[1];
-    } else {
-        a = b = make_float4(0.f, 0.f, 0.f, 0.f);
-    }
-}
-
-// ---------------------------------------------------------------------------------------------
-// The preparation pass.
-
-using wg::kPrepThreads;
-using wg::stage_in;
-
-// Key tile j's K: element (key r, column c) at cm_offset<BC>(r % BC, c), zeros for keys >= M. A
-// thread per 16 bytes, 8 values (prepared_stages.cuh: key_chunk, and its grid).
-template <class T>
-__global__ void convert_keys(const float* K, Half* ops, int M, int Mpad) {
-    const auto [h, j, r, c] = wg::key_chunk<T, Half>();
-    float4 a, b;
-    load8(K + static_cast<size_t>(h) * M * T::D, j * T::BC + r, M, T::D, c, a, b);
-    *reinterpret_cast<uint4*>(stage_in<T>(ops, h, j, Mpad) + wg::cm_offset<T::BC, Half>(r, c)) =
-        pack8<typename T::Fmt>(a, b);
-}
-
-// Key tile j's Vᵀ: element (column c, key q) at V_OFFSET + cm_offset<D>(c, q), zeros for keys
-// >= M. A block of (32, 8) threads moves 64 keys × 32 columns through shared memory; thread (x, y)
-// writes column x's keys 8y..8y+7 as one 16-byte core-matrix row, so each warp writes 512
-// contiguous bytes. Grid: (Mpad / 64, D / 32, heads).
-template <class T>
-__global__ void transpose_values(const float* V, Half* ops, int M, int Mpad) {
-    __shared__ float tile[64][33];  // +1: the column reads below spread over the banks
-    const int h = blockIdx.z, key0 = blockIdx.x * 64, col0 = blockIdx.y * 32;
-    const float* Vh = V + static_cast<size_t>(h) * M * T::D;
-    for (int y = threadIdx.y; y < 64; y += 8) {
-        const int key = key0 + y;
-        tile[y][threadIdx.x] = key < M ? Vh[static_cast<size_t>(key) * T::D + col0 + threadIdx.x] : 0.f;
-    }
-    __syncthreads();
-    const int x = threadIdx.x, k8 = 8 * threadIdx.y;
-    const float4 a = make_float4(tile[k8][x], tile[k8 + 1][x], tile[k8 + 2][x], tile[k8 + 3][x]);
-    const float4 b = make_float4(tile[k8 + 4][x], tile[k8 + 5][x], tile[k8 + 6][x], tile[k8 + 7][x]);
-    Half* const stage = stage_in<T>(ops, h, key0 / T::BC, Mpad) + T::V_OFFSET;
-    *reinterpret_cast<uint4*>(stage + wg::cm_offset<T::D, Half>(col0 + x, key0 % T::BC + k8)) =
-        pack8<typename T::Fmt>(a, b);
+// Copies the R rows from `row` of head `head`, every column block, into the tile at dst.
+template <class T, int R>
+__device__ __forceinline__ void load_rows(Half* dst, const CUtensorMap* map, int row, int head, uint64_t* bar) {
+#pragma unroll
+    for (int b = 0; b < T::COL_BLOCKS; ++b) tma::load(dst + b * R * tma::kRowValues, map, b * tma::kRowValues, row, head, bar);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -177,8 +145,8 @@ __device__ __forceinline__ void qk_issue(float (&s)[T::BC / 8][4], uint64_t q, u
     wg::fence();
 #pragma unroll
     for (int ks = 0; ks < T::D / 16; ++ks)
-        wg::WgmmaHalf<T::BC, typename T::Fmt>::ss(s, wg::desc_at<Half>(q, ks * wg::kStep<T::BR, Half>),
-                                                  wg::desc_at<Half>(k, ks * wg::kStep<T::BC, Half>), ks > 0);
+        wg::WgmmaHalf<T::BC, typename T::Fmt>::ss(s, desc_plus(q, k_step_bytes<T::BR>(ks)),
+                                                  desc_plus(k, k_step_bytes<T::BC>(ks)), ks > 0);
     wg::commit();
 }
 
@@ -197,36 +165,24 @@ __device__ __forceinline__ void pack_p(uint32_t (&pa)[T::BC / 16][4], const floa
 }
 
 // Issues O(64×D) += P(64×BC)·V_j as one wgmma group; pa (pack_p) must stay untouched until the
-// group completes. v: the descriptor of the stage's Vᵀ.
+// group completes. v: the descriptor of the stage's V (MN-major); a k step is 16 keys, 16 rows of
+// 128 bytes.
 template <class T>
 __device__ __forceinline__ void pv_issue(float (&o)[T::D / 8][4], const uint32_t (&pa)[T::BC / 16][4], uint64_t v) {
     wg::fence();
 #pragma unroll
     for (int kk = 0; kk < T::BC / 16; ++kk)
-        wg::WgmmaHalf<T::D, typename T::Fmt>::rs(o, pa[kk], wg::desc_at<Half>(v, kk * wg::kStep<T::D, Half>), 1);
+        wg::WgmmaHalfTransB<T::D, typename T::Fmt>::rs(o, pa[kk], desc_plus(v, kk * 16 * 128), 1);
     wg::commit();
 }
 
-// The block's BR rows of Q in the format, in the core-matrix layout of shared memory. Rows past N
-// are zeros and never stored. The caller fences for wgmma (fence_proxy_async).
-template <class T>
-__device__ __forceinline__ void load_q(Half* Qs, const HalfParams& p, int head, int q0) {
-    const float* Qh = p.Q + static_cast<size_t>(head) * p.N * T::D;
-    for (int i = threadIdx.x; i < T::BR * T::D / 8; i += T::CONSUMERS) {
-        int r, c;
-        wg::chunk_coords<T::D, Half>(i, r, c);
-        float4 a, b;
-        load8(Qh, q0 + r, p.N, T::D, c, a, b);
-        *reinterpret_cast<uint4*>(Qs + wg::cm_offset<T::BR, Half>(r, c)) = pack8<typename T::Fmt>(a, b);
-    }
-}
-
 // Grid: x = query blocks (reversed, so the longest causal blocks start first), y = heads, z = KV
-// splits. Shared memory: Q [BR×D], then two stages of {K [BC×D], Vᵀ [D×BC]}.
+// splits. Shared memory: Q [BR×D], then two stages of {K [BC×D], V [BC×D]}.
 //
-// The pipeline, as FlashAttention-3 runs it: a producer warpgroup streams the key tiles into the two
-// stages (bulk copies counted on the stage's k_full/v_full barriers) and refills a stage's K and
-// its Vᵀ each once every consumer warp has released it (k_empty, v_empty). K_j is released as
+// The pipeline, as FlashAttention-3 runs it: a producer warpgroup copies the block's Q (q_full) and
+// streams the key tiles into the two stages (tensor copies counted on the stage's k_full/v_full
+// barriers), refilling a stage's K and its V each once every consumer warp has released it
+// (k_empty, v_empty). K_j is released as
 // soon as S_j has landed, a tile before V_j: K_{j+2} then loads while tile j is computed. Within a
 // warpgroup, tile j's P·V and tile j+1's S = Q·Kᵀ are issued together and the softmax of tile j+1
 // runs while P·V is still on the tensor cores; O takes its rescale once P·V has landed. Across
@@ -235,14 +191,18 @@ __device__ __forceinline__ void load_q(Half* Qs, const HalfParams& p, int head, 
 // are all above a causal tile waits for the tile to land and releases it unread (a release ahead
 // of the load would count toward the stage's previous phase); it still takes its turns.
 template <class T, bool kCausal>
-__global__ void __launch_bounds__(T::THREADS, 1) flash_wgmma_half_kernel(const HalfParams p) {
+__global__ void __launch_bounds__(T::THREADS, 1)
+    flash_wgmma_half_kernel(const HalfParams p, const __grid_constant__ HalfMaps maps) {
 #if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
     __trap();  // built for sm_90a only; never launched elsewhere (device_compute_capability)
 #else
     extern __shared__ float4 smem_f4[];
-    Half* const Qs = reinterpret_cast<Half*>(smem_f4);  // [BR×D]
-    Half* const stages = Qs + T::Q_ELEMS;                // [STAGES][STAGE]
-    __shared__ uint64_t k_full[T::STAGES], v_full[T::STAGES], k_empty[T::STAGES], v_empty[T::STAGES];
+    // The swizzle's pattern follows address bits, so every tile starts on an atom (SMEM_BYTES
+    // leaves room to align up).
+    const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(smem_f4));
+    Half* const Qs = reinterpret_cast<Half*>(reinterpret_cast<char*>(smem_f4) + ((kSwizzleAtom - base % kSwizzleAtom) % kSwizzleAtom));  // [BR×D]
+    Half* const stages = Qs + T::Q_ELEMS;  // [STAGES][STAGE]
+    __shared__ uint64_t q_full, k_full[T::STAGES], v_full[T::STAGES], k_empty[T::STAGES], v_empty[T::STAGES];
     constexpr int kConsumerWarps = T::CONSUMERS / 32;
 
     const int qblock = gridDim.x - 1 - blockIdx.x;
@@ -257,6 +217,7 @@ __global__ void __launch_bounds__(T::THREADS, 1) flash_wgmma_half_kernel(const H
     auto stage_of = [&](int j) { return stages + slot(j) * T::STAGE; };
 
     if (threadIdx.x == 0) {
+        bulk::init(&q_full, 1);
         for (int st = 0; st < T::STAGES; ++st) {
             bulk::init(&k_full[st], 1);
             bulk::init(&v_full[st], 1);
@@ -265,23 +226,23 @@ __global__ void __launch_bounds__(T::THREADS, 1) flash_wgmma_half_kernel(const H
         }
         bulk::fence_init();
     }
-    if (threadIdx.x < T::CONSUMERS) load_q<T>(Qs, p, head, q0);
-    wg::fence_proxy_async();  // Q's stores are read by wgmma (the async proxy)
-    __syncthreads();          // Q and the barriers are published; the only block-wide barrier
+    __syncthreads();  // the barriers are initialized; the only block-wide barrier
 
     if (threadIdx.x >= T::CONSUMERS) {  // the producer warpgroup: one thread issues every copy
         wg::release_registers<T::PRODUCER_REGS>();
         if (threadIdx.x == T::CONSUMERS) {
-            const Half* const ops_h = p.ops + static_cast<size_t>(head) * (p.Mpad / T::BC) * T::STAGE;
+            if (tile_begin < tile_end) {  // an empty split reads nothing (and nobody would wait)
+                bulk::arrive_expect_tx(&q_full, T::Q_BYTES);
+                load_rows<T, T::BR>(Qs, &maps.q, q0, head, &q_full);
+            }
             for (int j = tile_begin; j < tile_end; ++j) {
                 const uint32_t previous = static_cast<uint32_t>((use(j) - 1) & 1);  // the stage's last use
-                const Half* src = ops_h + static_cast<size_t>(j) * T::STAGE;
                 if (use(j) > 0) bulk::wait(&k_empty[slot(j)], previous);
                 bulk::arrive_expect_tx(&k_full[slot(j)], T::K_BYTES);
-                bulk::copy(stage_of(j), src, T::K_BYTES, &k_full[slot(j)]);
+                load_rows<T, T::BC>(stage_of(j), &maps.k, j * T::BC, head, &k_full[slot(j)]);
                 if (use(j) > 0) bulk::wait(&v_empty[slot(j)], previous);
                 bulk::arrive_expect_tx(&v_full[slot(j)], T::V_BYTES);
-                bulk::copy(stage_of(j) + T::V_OFFSET, src + T::V_OFFSET, T::V_BYTES, &v_full[slot(j)]);
+                load_rows<T, T::BC>(stage_of(j) + T::V_OFFSET, &maps.v, j * T::BC, head, &v_full[slot(j)]);
             }
         }
         return;
@@ -293,7 +254,7 @@ __global__ void __launch_bounds__(T::THREADS, 1) flash_wgmma_half_kernel(const H
     const int wg_row0 = q0 + wg * 64;
     const int warp_row0 = wg_row0 + warp * 16;
     const int row0 = warp_row0 + g;  // the thread's rows: row0 and row0 + 8
-    const uint64_t q_desc = wg::tile_desc<T::BR>(Qs + wg * 64 * wg::kCoreCols<Half>);
+    const uint64_t q_desc = wg::sw128_desc(Qs + wg * 64 * tma::kRowValues, 16);
     const Turns<T::NWG> turns{wg};
     auto take = [&] {
         if constexpr (T::PINGPONG) turns.take();
@@ -323,11 +284,12 @@ __global__ void __launch_bounds__(T::THREADS, 1) flash_wgmma_half_kernel(const H
     float s[T::BC / 8][4];
     uint32_t pa[T::BC / 16][4];
     if (tile_begin < tile_end) {
+        bulk::wait(&q_full, 0);  // every warp waits, so no copy is still landing when the block ends
         if constexpr (T::PINGPONG) turns.start();
         if (visible(tile_begin)) {  // the first tile's P
             take();
             bulk::wait(&k_full[slot(tile_begin)], parity(tile_begin));
-            qk_issue<T>(s, q_desc, wg::tile_desc<T::BC>(stage_of(tile_begin)));
+            qk_issue<T>(s, q_desc, wg::sw128_desc(stage_of(tile_begin), 16));
             pass(false);
             wg::wait<0>();
             wg::fence_operands(s);
@@ -351,13 +313,13 @@ __global__ void __launch_bounds__(T::THREADS, 1) flash_wgmma_half_kernel(const H
             release_v(j);
             continue;
         }
-        const uint64_t v = wg::tile_desc<T::D>(stage_of(j) + T::V_OFFSET);
+        const uint64_t v = wg::sw128_desc(stage_of(j) + T::V_OFFSET, T::BC * 128);
         // Two straight paths, not one with the issue and the wait each under `if`: ptxas then
         // cannot pair them and serializes every wgmma of the loop.
         if (!last && visible(j + 1)) {
             take();
             bulk::wait(&k_full[slot(j + 1)], parity(j + 1));
-            qk_issue<T>(s, q_desc, wg::tile_desc<T::BC>(stage_of(j + 1)));  // S_{j+1} = Q K_{j+1}ᵀ
+            qk_issue<T>(s, q_desc, wg::sw128_desc(stage_of(j + 1), 16));  // S_{j+1} = Q K_{j+1}ᵀ
             bulk::wait(&v_full[slot(j)], parity(j));
             pv_issue<T>(o, pa, v);  // O += P_j V_j
             pass(false);
@@ -394,7 +356,7 @@ __global__ void __launch_bounds__(T::THREADS, 1) flash_wgmma_half_kernel(const H
 
 // The tile configuration for width D (void: none): the fastest measured on an H100 among Bc 64
 // and 128 with two or three consumer warpgroups, with and without ping-pong (docs/performance.md,
-// "The half-precision flash forward"). d64: three warpgroups (Br 192) share each K/Vᵀ tile and
+// "The half-precision flash forward"). d64: three warpgroups (Br 192) share each K/V tile and
 // take turns; d128: two, as the 160 registers a thread of three would get cannot hold d128's
 // accumulators beside S and P with Bc 128, and no turns, which measured no faster there.
 template <int D, class Fmt>
@@ -428,30 +390,19 @@ int blocks_per_sm() {
     return kernel_blocks_per_sm<T, flash_wgmma_half_kernel<T, kCausal>>();
 }
 
-// The prepared K and Vᵀ of `heads` heads, in floats (two values to a float; a whole number of
-// 16-byte units, so the split partials after them stay aligned).
-template <class T>
-size_t operand_floats(int heads, int M) {
-    return static_cast<size_t>(heads) * (ceil_div(M, T::BC) * T::BC) * T::D;
-}
-
 template <class T, bool kCausal>
 void launch_tiles(const FlashArgs& a, const KernelPlan& plan, cudaStream_t stream) {
     blocks_per_sm<T, kCausal>();  // raises the shared-memory limit
-    const int Mpad = ceil_div(a.M, T::BC) * T::BC;
-    auto ops = [](float* ws) { return reinterpret_cast<Half*>(ws); };
+    if (!a.Qh || !a.Kh || !a.Vh)
+        fail(kExitInternal, where(__FILE__, __LINE__) + ": the half-precision flash forward reads its inputs in the "
+                                                        "format (FlashArgs::Qh, Kh, Vh), and none were given");
+    const HalfMaps maps{tma::rows_map(a.Qh, T::D, a.N, a.heads, T::BR), tma::rows_map(a.Kh, T::D, a.M, a.heads, T::BC),
+                        tma::rows_map(a.Vh, T::D, a.M, a.heads, T::BC)};
     launch_with_workspace(
-        a, plan, operand_floats<T>(a.heads, a.M), stream,
-        [&](float* ws) {
-            convert_keys<T><<<dim3(Mpad / T::BC * wg::kPrepBlocksPerTile<T, Half>, a.heads), kPrepThreads, 0, stream>>>(
-                a.K, ops(ws), a.M, Mpad);
-            LAUNCH_CHECK(convert_keys);
-            transpose_values<T><<<dim3(Mpad / 64, T::D / 32, a.heads), dim3(32, 8), 0, stream>>>(a.V, ops(ws), a.M, Mpad);
-            LAUNCH_CHECK(transpose_values);
-        },
-        [&](float* ws, const FlashOutputs& out) {
-            const HalfParams p{a.Q, ops(ws), out.O, out.lse, a.heads, a.N, a.M, Mpad, a.scale * kLog2e, plan.splits};
-            flash_wgmma_half_kernel<T, kCausal><<<query_block_grid(a, plan), T::THREADS, T::SMEM_BYTES, stream>>>(p);
+        a, plan, 0, stream, [](float*) {},
+        [&](float*, const FlashOutputs& out) {
+            const HalfParams p{out.O, out.lse, a.heads, a.N, a.M, a.scale * kLog2e, plan.splits};
+            flash_wgmma_half_kernel<T, kCausal><<<query_block_grid(a, plan), T::THREADS, T::SMEM_BYTES, stream>>>(p, maps);
             LAUNCH_CHECK(flash_wgmma_half_kernel);
         });
 }
@@ -468,7 +419,7 @@ bool plan_wgmma_half(const FlashArgs& a, int forced_splits, KernelPlan* plan) {
             : choose_kv_splits(static_cast<long long>(a.heads) * ceil_div(a.N, T::BR),
                                static_cast<long long>(device_sm_count()) * blocks_per_sm<T, constant_v<decltype(causal)>>(),
                                n_tiles);
-        *plan = KernelPlan{T::BR, T::BC, clamp_kv_splits(splits, n_tiles), operand_floats<T>(1, a.M) * sizeof(float)};
+        *plan = KernelPlan{T::BR, T::BC, clamp_kv_splits(splits, n_tiles)};
     });
 }
 

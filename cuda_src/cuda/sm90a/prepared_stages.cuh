@@ -1,7 +1,8 @@
-// prepared_stages.cuh — what the wgmma flash kernels' preparation passes share (flash_wgmma.cu in
-// TF32 parts, flash_wgmma_half.cu in bf16/fp16): K and Vᵀ laid out in global memory one contiguous
-// stage per key tile, exactly as shared memory wants it (so one bulk copy fills a stage), and the
-// way a key kernel gives each thread one 16-byte chunk of a tile. E is the stage's element type.
+// prepared_stages.cuh — what flash_wgmma.cu's preparation pass (TF32 parts) needs of its stage
+// layout: K and Vᵀ laid out in global memory one contiguous stage per key tile, exactly as shared
+// memory wants it (so one bulk copy fills a stage), and the way a key kernel gives each thread one
+// 16-byte chunk of a tile. E is the stage's element type. (The half-precision kernel needs no
+// preparation: tensor copies lay its tiles out.)
 #pragma once
 
 #include <cstddef>

@@ -1,5 +1,5 @@
-// smem_layout.cuh — the shared-memory layout the wgmma flash kernels give their operands
-// (flash_wgmma.cu in float32 parts, flash_wgmma_half.cu in bf16/fp16): K-major without swizzle,
+// smem_layout.cuh — the shared-memory layout flash_wgmma.cu gives its float32 operand parts
+// (the half-precision kernel's tensor copies use the 128-byte swizzle instead): K-major without swizzle,
 // in "core matrices" of 8 rows × 16 bytes (128 contiguous bytes), as wgmma.cuh's descriptors read
 // them. E is the element type (4 floats or 8 halves to a 16-byte core-matrix row); one wgmma k step
 // (8 TF32 or 16 half columns) spans two core matrices along K.

@@ -12,7 +12,8 @@
 //   A (rs), half (m16n8k16's): a[i] holds two values, the lower k in the low 16 bits:
 //     a = {A(16w+g, 2t..2t+1), A(16w+g+8, 2t..2t+1), A(16w+g, 2t+8..2t+9), A(16w+g+8, 2t+8..2t+9)}
 // Shared-memory operands are K-major without swizzle: 8-row × 16-byte "core matrices" of 128
-// contiguous bytes (make_desc below); one k step spans two core matrices along K in both types.
+// contiguous bytes (make_desc below); one k step spans two core matrices along K in both types. The
+// half kernel's operands lie in the 128-byte swizzle instead (sw128_desc), V MN-major.
 //
 // The wrappers are generated per N by ATTNSTEP_WGMMA_SHAPE (inline assembly needs its operand
 // list written out; the preprocessor writes it once per N for every operand type).
@@ -37,6 +38,15 @@ __device__ __forceinline__ uint64_t make_desc(const void* smem, uint32_t lbo_byt
     return static_cast<uint64_t>((addr >> 4) & 0x3FFFu) |
            (static_cast<uint64_t>((lbo_bytes >> 4) & 0x3FFFu) << 16) |
            (static_cast<uint64_t>((sbo_bytes >> 4) & 0x3FFFu) << 32);
+}
+
+// A descriptor of a tile in the 128-byte swizzle (layout type 1; tensor_map.cuh's copies land in
+// it): rows of 64 16-bit values (128 bytes), 8-row atoms of 1024 bytes, the tile 1024-byte aligned.
+// K-major (Q, K): SBO 1024 between 8-row groups, LBO unused; a k step within a row moves the start
+// address 32 bytes. MN-major (V as it lies in memory, the B operand transposed): LBO between
+// 64-column blocks, SBO 1024 between 8-key groups.
+__device__ __forceinline__ uint64_t sw128_desc(const void* smem, uint32_t lbo_bytes) {
+    return make_desc(smem, lbo_bytes, 1024) | (1ull << 62);
 }
 
 // Orders earlier register and shared-memory accesses before the wgmma that follow.
@@ -140,6 +150,14 @@ template <> struct WgmmaHalf<64, Bf16> { ATTNSTEP_WGMMA_SHAPE(64, "k16.f32.bf16.
 template <> struct WgmmaHalf<128, Bf16> { ATTNSTEP_WGMMA_SHAPE(128, "k16.f32.bf16.bf16", ", 0, 0", ", 0") };
 template <> struct WgmmaHalf<64, Fp16> { ATTNSTEP_WGMMA_SHAPE(64, "k16.f32.f16.f16", ", 0, 0", ", 0") };
 template <> struct WgmmaHalf<128, Fp16> { ATTNSTEP_WGMMA_SHAPE(128, "k16.f32.f16.f16", ", 0, 0", ", 0") };
+
+// The same with B MN-major (transpose flag 1): B(K×N) stored N-contiguous, V as it lies in memory.
+template <int N, class Fmt>
+struct WgmmaHalfTransB;
+template <> struct WgmmaHalfTransB<64, Bf16> { ATTNSTEP_WGMMA_SHAPE(64, "k16.f32.bf16.bf16", ", 0, 1", ", 1") };
+template <> struct WgmmaHalfTransB<128, Bf16> { ATTNSTEP_WGMMA_SHAPE(128, "k16.f32.bf16.bf16", ", 0, 1", ", 1") };
+template <> struct WgmmaHalfTransB<64, Fp16> { ATTNSTEP_WGMMA_SHAPE(64, "k16.f32.f16.f16", ", 0, 1", ", 1") };
+template <> struct WgmmaHalfTransB<128, Fp16> { ATTNSTEP_WGMMA_SHAPE(128, "k16.f32.f16.f16", ", 0, 1", ", 1") };
 
 }  // namespace wg
 }  // namespace attnstep

@@ -1,0 +1,71 @@
+// tensor_map.cuh — Hopper's tensor memory access (TMA, cp.async.bulk.tensor, sm_90) as the
+// half-precision wgmma kernel uses it: a tile of rows of 16-bit values, 64 to a row (128 bytes),
+// copied from a row-major [heads][rows][d] tensor into shared memory in the 128-byte swizzle that
+// wgmma's descriptors read (wgmma.cuh: sw128_desc), its completion counted on an mbarrier
+// (bulk_copy.cuh). Rows past the tensor's end land as zeros. The host describes the tensor once
+// per launch (a CUtensorMap, passed to the kernel as a __grid_constant__ parameter).
+#pragma once
+
+#include <cuda.h>  // CUtensorMap and its enums (types only: the encoder comes from the runtime)
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+
+#include "../../common.h"
+#include "sm90a_asm.cuh"
+
+namespace attnstep {
+namespace tma {
+
+// Values per copied row: 128 bytes of 16-bit values, the widest row the 128-byte swizzle takes.
+constexpr int kRowValues = 64;
+
+// The tensor [heads][rows][d] of 16-bit values at `base` (16-byte aligned, d a multiple of 64),
+// copied box_rows rows × 64 columns at a time (the 128-byte swizzle; zeros past the last row).
+inline CUtensorMap rows_map(const void* base, int d, int rows, int heads, int box_rows) {
+    using Encode = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+    // The driver's encoder, through the runtime: no link against the driver library.
+    static const Encode encode = [] {
+        void* fn = nullptr;
+        cudaDriverEntryPointQueryResult found{};
+        if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found) !=
+                cudaSuccess ||
+            found != cudaDriverEntryPointSuccess || fn == nullptr) {
+            fail(kExitInternal, "the CUDA driver does not provide cuTensorMapEncodeTiled (tensor memory access)",
+                 "update the NVIDIA driver, or run with --precision fp32");
+        }
+        return reinterpret_cast<Encode>(fn);
+    }();
+    const cuuint64_t dims[3] = {static_cast<cuuint64_t>(d), static_cast<cuuint64_t>(rows),
+                                static_cast<cuuint64_t>(heads)};
+    const cuuint64_t strides[2] = {static_cast<cuuint64_t>(d) * 2, static_cast<cuuint64_t>(d) * 2 * rows};  // bytes
+    const cuuint32_t box[3] = {kRowValues, static_cast<cuuint32_t>(box_rows), 1};
+    const cuuint32_t unit[3] = {1, 1, 1};
+    CUtensorMap map;
+    const CUresult r = encode(&map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 3, const_cast<void*>(base), dims, strides, box,
+                              unit, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                              CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    if (r != CUDA_SUCCESS) {
+        fail(kExitInternal, where(__FILE__, __LINE__) + ": cuTensorMapEncodeTiled failed (" + std::to_string(r) +
+                                ") for a [" + std::to_string(heads) + "][" + std::to_string(rows) + "][" +
+                                std::to_string(d) + "] tensor");
+    }
+    return map;
+}
+
+// Copies rows [row, row + box_rows) × columns [col, col + 64) of head `head` to `dst` (1024-byte
+// aligned), counted on `bar` (its expect_tx announces the box's bytes).
+__device__ __forceinline__ void load(void* dst, const CUtensorMap* map, int col, int row, int head, uint64_t* bar) {
+    ATTNSTEP_SM90A_ASM(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], "
+        "[%5];\n" ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(dst))),
+        "l"(reinterpret_cast<uint64_t>(map)), "r"(col), "r"(row), "r"(head),
+        "r"(static_cast<uint32_t>(__cvta_generic_to_shared(bar)))
+        : "memory");
+}
+
+}  // namespace tma
+}  // namespace attnstep
