@@ -138,6 +138,25 @@ struct Turns {
     }
 };
 
+// The block's query block and head. Grid: x = query blocks, y = heads. Without a mask every block
+// has the same work: x runs fastest, so the blocks running at once share a few heads' K and V in
+// L2. With the causal mask a block's work grows with its query block, and the blocks go longest
+// first (the last to start are the shortest, so the GPU's tail is short) within groups of
+// kLptHeads heads, the heads whose K and V the blocks running at once share.
+constexpr int kLptHeads = 8;
+struct BlockWork {
+    int qblock, head;
+};
+template <bool kCausal>
+__device__ __forceinline__ BlockWork block_work(int heads) {
+    const int nq = gridDim.x;
+    if (!kCausal) return {nq - 1 - static_cast<int>(blockIdx.x), static_cast<int>(blockIdx.y)};
+    const int lin = blockIdx.y * nq + blockIdx.x;
+    const int group = lin / (kLptHeads * nq), r = lin % (kLptHeads * nq);
+    const int group_heads = min(kLptHeads, heads - group * kLptHeads);
+    return {nq - 1 - r / group_heads, group * kLptHeads + r % group_heads};
+}
+
 // Issues S(64×BC) = Q_wg·K_jᵀ for the warpgroup's 64 rows as one wgmma group; s is valid after
 // the next wg::wait. q, k: the descriptors of the warpgroup's rows of Q and of the stage's K.
 template <class T>
@@ -176,18 +195,17 @@ __device__ __forceinline__ void pv_issue(float (&o)[T::D / 8][4], const uint32_t
     wg::commit();
 }
 
-// Grid: x = query blocks (reversed, so the longest causal blocks start first), y = heads, z = KV
-// splits. Shared memory: Q [BR×D], then two stages of {K [BC×D], V [BC×D]}.
+// Grid: x = query blocks, y = heads (block_work orders them), z = KV splits. Shared memory: Q [BR×D], then two stages of {K [BC×D], V [BC×D]}.
 //
 // The pipeline, as FlashAttention-3 runs it: a producer warpgroup copies the block's Q (q_full) and
 // streams the key tiles into the two stages (tensor copies counted on the stage's k_full/v_full
 // barriers), refilling a stage's K and its V each once every consumer warp has released it
-// (k_empty, v_empty). K_j is released as
-// soon as S_j has landed, a tile before V_j: K_{j+2} then loads while tile j is computed. Within a
-// warpgroup, tile j's P·V and tile j+1's S = Q·Kᵀ are issued together and the softmax of tile j+1
-// runs while P·V is still on the tensor cores; O takes its rescale once P·V has landed. Across
-// warpgroups, either they drift apart freely, one's softmax overlapping another's MMAs by chance,
-// or (T::PINGPONG) they issue in turns, which forces that overlap (Turns). A warpgroup whose rows
+// (k_empty, v_empty). K_j is released as soon as S_j has landed, a tile before V_j: K_{j+2} then
+// loads while tile j is computed. Within a warpgroup, tile j+1's S = Q·Kᵀ is issued, O takes tile
+// j's rescale while it runs, then P_j·V_j is issued, and the softmax of tile j+1 runs while P·V is
+// still on the tensor cores. Across warpgroups, either they drift apart freely, one's softmax
+// overlapping another's MMAs by chance, or (T::PINGPONG) they issue in turns, which forces that
+// overlap (Turns). A warpgroup whose rows
 // are all above a causal tile waits for the tile to land and releases it unread (a release ahead
 // of the load would count toward the stage's previous phase); it still takes its turns.
 template <class T, bool kCausal>
@@ -205,8 +223,8 @@ __global__ void __launch_bounds__(T::THREADS, 1)
     __shared__ uint64_t q_full, k_full[T::STAGES], v_full[T::STAGES], k_empty[T::STAGES], v_empty[T::STAGES];
     constexpr int kConsumerWarps = T::CONSUMERS / 32;
 
-    const int qblock = gridDim.x - 1 - blockIdx.x;
-    const int head = blockIdx.y, split_id = blockIdx.z;
+    const auto [qblock, head] = block_work<kCausal>(p.heads);
+    const int split_id = blockIdx.z;
     const int q0 = qblock * T::BR;
     int tile_begin, tile_end;
     split_share(visible_key_tiles<kCausal>(p.M, p.N, q0, T::BR, T::BC), p.splits, split_id, tile_begin, tile_end);
@@ -280,7 +298,8 @@ __global__ void __launch_bounds__(T::THREADS, 1)
 
     float o[T::D / 8][4];
     zero(o);
-    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, alpha[2];
+    // alpha: the rescale O owes from the last softmax, taken before the next P·V is issued.
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, alpha[2] = {1.f, 1.f};
     float s[T::BC / 8][4];
     uint32_t pa[T::BC / 16][4];
     if (tile_begin < tile_end) {
@@ -295,7 +314,7 @@ __global__ void __launch_bounds__(T::THREADS, 1)
             wg::fence_operands(s);
             release_k(tile_begin);
             scale_and_mask(s, tile_begin);
-            softmax_tile<T::BC>(s, m, l, alpha);  // O is still zero: no rescale
+            softmax_tile<T::BC>(s, m, l, alpha);
             pack_p<T>(pa, s);
         } else {
             take();
@@ -320,6 +339,7 @@ __global__ void __launch_bounds__(T::THREADS, 1)
             take();
             bulk::wait(&k_full[slot(j + 1)], parity(j + 1));
             qk_issue<T>(s, q_desc, wg::sw128_desc(stage_of(j + 1), 16));  // S_{j+1} = Q K_{j+1}ᵀ
+            rescale_rows<T::D>(o, alpha);  // while S_{j+1} is on the tensor cores
             bulk::wait(&v_full[slot(j)], parity(j));
             pv_issue<T>(o, pa, v);  // O += P_j V_j
             pass(false);
@@ -331,10 +351,10 @@ __global__ void __launch_bounds__(T::THREADS, 1)
             wg::wait<0>();
             wg::fence_operands(o);
             release_v(j);
-            rescale_rows<T::D>(o, alpha);
             pack_p<T>(pa, s);
         } else {
             take();
+            rescale_rows<T::D>(o, alpha);
             bulk::wait(&v_full[slot(j)], parity(j));
             pv_issue<T>(o, pa, v);
             pass(last);
@@ -356,15 +376,15 @@ __global__ void __launch_bounds__(T::THREADS, 1)
 
 // The tile configuration for width D (void: none): the fastest measured on an H100 among Bc 64
 // and 128 with two or three consumer warpgroups, with and without ping-pong (docs/performance.md,
-// "The half-precision flash forward"). d64: three warpgroups (Br 192) share each K/V tile and
-// take turns; d128: two, as the 160 registers a thread of three would get cannot hold d128's
-// accumulators beside S and P with Bc 128, and no turns, which measured no faster there.
+// "The half-precision flash forward"). d64: three warpgroups (Br 192) share each K/V tile; d128:
+// two, as the 160 registers a thread of three would get cannot hold d128's accumulators beside S
+// and P with Bc 128. Both take turns.
 template <int D, class Fmt>
 struct HalfConfig {
     using type = void;
 };
 template <class Fmt> struct HalfConfig<64, Fmt> { using type = HalfTiles<64, 128, 3, true, Fmt>; };
-template <class Fmt> struct HalfConfig<128, Fmt> { using type = HalfTiles<128, 128, 2, false, Fmt>; };
+template <class Fmt> struct HalfConfig<128, Fmt> { using type = HalfTiles<128, 128, 2, true, Fmt>; };
 
 // Calls f(TypeTag<T>{}, causal) with a's configuration T and causality (std::bool_constant);
 // false where there is none.
