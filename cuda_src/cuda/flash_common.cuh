@@ -224,6 +224,38 @@ __device__ __forceinline__ void softmax_tile(float (&s)[BC / 8][4], float (&m)[2
         }
 }
 
+// softmax_tile for scores not yet scaled (masked with -inf) and a positive factor c = scale·log2e:
+// the row max is taken of the raw scores (c > 0 keeps their order) and scaled once, so m is
+// softmax_tile's, and each weight is 2^(c·s − m) with the product and the subtraction in one FFMA,
+// one rounding where softmax_tile has two, and one instruction instead of a multiply and a
+// subtraction.
+template <int BC>
+__device__ __forceinline__ void softmax_tile_fma(float (&s)[BC / 8][4], float c, float (&m)[2], float (&l)[2],
+                                                 float (&alpha)[2]) {
+    float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int nt = 0; nt < BC / 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) mx[e >> 1] = fmaxf(mx[e >> 1], s[nt][e]);
+    float base[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const float scaled = fmaxf(m[r], quad_max(mx[r]) * c);
+        // A row with no visible key yet keeps m = -inf; subtract 0 then (softmax_tile).
+        base[r] = scaled == -INFINITY ? 0.f : scaled;
+        alpha[r] = exp2_ftz(m[r] - base[r]);
+        m[r] = scaled;
+        l[r] *= alpha[r];
+    }
+#pragma unroll
+    for (int nt = 0; nt < BC / 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            s[nt][e] = exp2_ftz(__fmaf_rn(s[nt][e], c, -base[e >> 1]));
+            l[e >> 1] += s[nt][e];
+        }
+}
+
 // O·alpha per row (softmax_tile's factor). Once the running maxima settle, most tiles leave them
 // unchanged (alpha = 1 exactly): the warp skips the multiplies then (D/2 per thread and tile).
 // All 32 lanes of the warp call it together (a warp vote).

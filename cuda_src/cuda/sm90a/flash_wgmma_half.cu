@@ -208,7 +208,7 @@ __device__ __forceinline__ void pv_issue(float (&o)[T::D / 8][4], const uint32_t
 // overlap (Turns). A warpgroup whose rows
 // are all above a causal tile waits for the tile to land and releases it unread (a release ahead
 // of the load would count toward the stage's previous phase); it still takes its turns.
-template <class T, bool kCausal>
+template <class T, bool kCausal, bool kPositiveScale>
 __global__ void __launch_bounds__(T::THREADS, 1)
     flash_wgmma_half_kernel(const HalfParams p, const __grid_constant__ HalfMaps maps) {
 #if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -288,13 +288,6 @@ __global__ void __launch_bounds__(T::THREADS, 1)
     auto release_v = [&](int j) {
         if (lane == 0) bulk::arrive(&v_empty[slot(j)]);
     };
-    // S of tile j (issued by qk_issue, landed) scaled to base 2 and masked.
-    auto scale_and_mask = [&](float (&s)[T::BC / 8][4], int j) {
-        scale_tile<T::BC>(s, p.scale_log2);
-        const int key0 = j * T::BC;
-        if (key0 + T::BC > p.M || (kCausal && key0 + T::BC - 1 > warp_row0))
-            mask_tile<T::BC, kCausal>(s, key0, p.M, row0, t);
-    };
 
     float o[T::D / 8][4];
     zero(o);
@@ -302,6 +295,17 @@ __global__ void __launch_bounds__(T::THREADS, 1)
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, alpha[2] = {1.f, 1.f};
     float s[T::BC / 8][4];
     uint32_t pa[T::BC / 16][4];
+    // The online softmax of tile j's S (issued by qk_issue, landed): masked, and scaled to base 2
+    // within the exponent's FFMA (a positive scale) or before the mask (any other; a negative
+    // scale would turn a masked -inf into +inf).
+    auto softmax = [&](float (&s)[T::BC / 8][4], int j) {
+        if constexpr (!kPositiveScale) scale_tile<T::BC>(s, p.scale_log2);
+        const int key0 = j * T::BC;
+        if (key0 + T::BC > p.M || (kCausal && key0 + T::BC - 1 > warp_row0))
+            mask_tile<T::BC, kCausal>(s, key0, p.M, row0, t);
+        if constexpr (kPositiveScale) softmax_tile_fma<T::BC>(s, p.scale_log2, m, l, alpha);
+        else softmax_tile<T::BC>(s, m, l, alpha);
+    };
     if (tile_begin < tile_end) {
         bulk::wait(&q_full, 0);  // every warp waits, so no copy is still landing when the block ends
         if constexpr (T::PINGPONG) turns.start();
@@ -313,8 +317,7 @@ __global__ void __launch_bounds__(T::THREADS, 1)
             wg::wait<0>();
             wg::fence_operands(s);
             release_k(tile_begin);
-            scale_and_mask(s, tile_begin);
-            softmax_tile<T::BC>(s, m, l, alpha);
+            softmax(s, tile_begin);
             pack_p<T>(pa, s);
         } else {
             take();
@@ -346,8 +349,7 @@ __global__ void __launch_bounds__(T::THREADS, 1)
             wg::wait<1>();          // S_{j+1} has landed; P_j V_j may still run
             wg::fence_operands(s);
             release_k(j + 1);
-            scale_and_mask(s, j + 1);
-            softmax_tile<T::BC>(s, m, l, alpha);
+            softmax(s, j + 1);
             wg::wait<0>();
             wg::fence_operands(o);
             release_v(j);
@@ -407,7 +409,9 @@ bool with_config(const FlashArgs& a, F&& f) {
 
 template <class T, bool kCausal>
 int blocks_per_sm() {
-    return kernel_blocks_per_sm<T, flash_wgmma_half_kernel<T, kCausal>>();
+    // Both scale variants (the same resources); asking raises each one's shared-memory limit.
+    kernel_blocks_per_sm<T, flash_wgmma_half_kernel<T, kCausal, false>>();
+    return kernel_blocks_per_sm<T, flash_wgmma_half_kernel<T, kCausal, true>>();
 }
 
 template <class T, bool kCausal>
@@ -422,7 +426,9 @@ void launch_tiles(const FlashArgs& a, const KernelPlan& plan, cudaStream_t strea
         a, plan, 0, stream, [](float*) {},
         [&](float*, const FlashOutputs& out) {
             const HalfParams p{out.O, out.lse, a.heads, a.N, a.M, a.scale * kLog2e, plan.splits};
-            flash_wgmma_half_kernel<T, kCausal><<<query_block_grid(a, plan), T::THREADS, T::SMEM_BYTES, stream>>>(p, maps);
+            const dim3 grid = query_block_grid(a, plan);
+            if (p.scale_log2 > 0.f) flash_wgmma_half_kernel<T, kCausal, true><<<grid, T::THREADS, T::SMEM_BYTES, stream>>>(p, maps);
+            else flash_wgmma_half_kernel<T, kCausal, false><<<grid, T::THREADS, T::SMEM_BYTES, stream>>>(p, maps);
             LAUNCH_CHECK(flash_wgmma_half_kernel);
         });
 }
