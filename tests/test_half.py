@@ -108,9 +108,10 @@ def _run_half_flash(binary, in_dir, out_dir, precision, causal, *extra):
 
 
 # Tails in N and M, one key, causal tiles across the diagonal, few blocks (the KV loop split and
-# merged, the merge rounding to the format) and enough blocks that it is not (the kernel rounds).
+# merged, the merge rounding to the format) and enough blocks that it is not (the kernel rounds);
+# 21 heads: the causal kernel orders its blocks in groups of 8 heads, and the last group is short.
 HALF_FLASH_SHAPES = [Dims(1, 1, 1, 1, 64, 64), Dims(1, 2, 127, 333, 64, 64), Dims(2, 1, 200, 97, 128, 128),
-                     Dims(1, 40, 600, 300, 64, 64), Dims(1, 40, 600, 300, 128, 128)]
+                     Dims(1, 40, 600, 300, 64, 64), Dims(1, 40, 600, 300, 128, 128), Dims(3, 7, 450, 520, 64, 64)]
 VERIFIED_MAX_HEADS = 2  # the verifier's exact bounds cost seconds a head at the larger shapes
 
 
@@ -139,6 +140,30 @@ def test_the_wgmma_flash_forward_at_half_precision_passes(binary, tmp_path, prec
             assert err < 8 * unit, f"{precision} causal={causal} head {head}: O off by {err:.3g}"
             lse_err = np.abs(read_matrix(run.file(FLASH_LSE, head)) - ref[FLASH_LSE]).max()
             assert lse_err < 1e-3, f"{precision} causal={causal} head {head}: lse off by {lse_err:.3g}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", HALF_PRECISIONS)
+@pytest.mark.parametrize("scale", [-0.2, 0.0, 0.05])
+def test_the_wgmma_flash_forward_at_half_precision_takes_any_scale(binary, tmp_path, precision, scale):
+    """A positive scale goes into the exponent's FFMA (the row max taken of the unscaled scores);
+    zero and negative ones are applied before the mask, which a negative one would otherwise turn
+    from -inf to +inf. Each must match the float64 reference, causal or not."""
+    dims = Dims(1, 2, 300, 260, 128, 128)
+    in_dir = generate_case(tmp_path / "in", dims, seed=11, distribution="normal", fmt="npy")
+    unit = storage_unit(precision)
+    for causal in (False, True):
+        run = _run_half_flash(binary, in_dir, tmp_path / f"out-{causal}", precision, causal, "--scale", str(scale))
+        assert np.float32(float(run.values["scale"])) == np.float32(scale)
+        for head in range(dims.total_heads):
+            inputs = {n: round_to_format(read_matrix(in_dir / stage_file(n, head, "npy")), precision)
+                      for n in INPUT_NAMES}
+            ref = reference_chain(inputs, float(run.values["scale"]), causal, [FLASH_OUTPUT, FLASH_LSE])
+            got = read_matrix(run.file(FLASH_OUTPUT, head))
+            err = np.abs(got - ref[FLASH_OUTPUT]).max() / np.abs(ref[FLASH_OUTPUT]).max()
+            assert err < 8 * unit, f"scale {scale} causal={causal} head {head}: O off by {err:.3g}"
+            lse_err = np.abs(read_matrix(run.file(FLASH_LSE, head)) - ref[FLASH_LSE]).max()
+            assert lse_err < 1e-3, f"scale {scale} causal={causal} head {head}: lse off by {lse_err:.3g}"
 
 
 @pytest.mark.gpu
