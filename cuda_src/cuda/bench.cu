@@ -271,8 +271,9 @@ std::string dispatcher_plan(const Options& o, const FlashArgs& a, FlashPlan* pla
     return "";
 }
 
-// The flash forward: `auto` as `main` runs it (every kernel of its pass, conversions and split
-// combines included), then each tensor-core kernel forced, with --splits and (mma.sync)
+// The flash forward: `auto` as `main` runs it (every kernel of its pass, preparation passes and
+// split combines included; at bf16/fp16 the inputs in the format are made before, as main makes
+// them when it uploads them), then each tensor-core kernel forced, with --splits and (mma.sync)
 // --fast-variant.
 void bench_flash_kernels(const Options& o, const DeviceBuffer& Q, const DeviceBuffer& K, const DeviceBuffer& V,
                          int total_heads, Timer& timer, cudaStream_t s, std::vector<Result>* out) {

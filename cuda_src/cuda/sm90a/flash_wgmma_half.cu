@@ -19,8 +19,10 @@
 // Arithmetic the verifier assumes (verify/model/kernels.py: KERNELS["cuda-wgmma-bf16"] and
 // ["cuda-wgmma-fp16"], the CUDA model with the half pipeline's roundings, verify/half_route.py):
 // half products exact, summed in FP32 by the tensor cores with truncation; scale·log2(e) rounded
-// once per head; ex2.approx.ftz; P rounded to the format before P·V; lse = (m + log2 l)·ln 2 in
-// FP32; O divided by l (and combined across splits) in FP32, then rounded to the format once.
+// once per head; the exponent c·s − m in one FFMA for a positive scale (m the running row max of
+// c·s, rounded once), else c·s rounded and m subtracted; ex2.approx.ftz; P rounded to the format
+// before P·V; lse = (m + log2 l)·ln 2 in FP32; O divided by l (and combined across splits) in
+// FP32, then rounded to the format once.
 //
 // Build: compiled for sm_90a only (CMakeLists.txt: the attnstep_sm90a object library); check
 // resources with
