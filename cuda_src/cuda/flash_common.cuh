@@ -197,41 +197,14 @@ __device__ __forceinline__ void mask_tile(float (&s)[BC / 8][4], int key0, int M
 // factor the running O must take (rescale_rows). l is kept per thread (a quarter of each row) and
 // summed across the quad at the end; m is reduced across the quad here, so every thread rescales
 // by the same factor. All 32 lanes of the warp call it together (quad shuffles).
-template <int BC>
-__device__ __forceinline__ void softmax_tile(float (&s)[BC / 8][4], float (&m)[2], float (&l)[2], float (&alpha)[2]) {
-    float mx[2] = {m[0], m[1]};
-#pragma unroll
-    for (int nt = 0; nt < BC / 8; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) mx[e >> 1] = fmaxf(mx[e >> 1], s[nt][e]);
-    float base[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        mx[r] = quad_max(mx[r]);
-        // A row with no visible key yet keeps m = -inf; subtract 0 then, so 2^(-inf - base) = 0
-        // instead of NaN.
-        base[r] = mx[r] == -INFINITY ? 0.f : mx[r];
-        alpha[r] = exp2_ftz(m[r] - base[r]);
-        m[r] = mx[r];
-        l[r] *= alpha[r];
-    }
-#pragma unroll
-    for (int nt = 0; nt < BC / 8; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            s[nt][e] = exp2_ftz(s[nt][e] - base[e >> 1]);
-            l[e >> 1] += s[nt][e];
-        }
-}
-
-// softmax_tile for scores not yet scaled (masked with -inf) and a positive factor c = scale·log2e:
-// the row max is taken of the raw scores (c > 0 keeps their order) and scaled once, so m is
-// softmax_tile's, and each weight is 2^(c·s − m) with the product and the subtraction in one FFMA,
-// one rounding where softmax_tile has two, and one instruction instead of a multiply and a
-// subtraction.
-template <int BC>
-__device__ __forceinline__ void softmax_tile_fma(float (&s)[BC / 8][4], float c, float (&m)[2], float (&l)[2],
-                                                 float (&alpha)[2]) {
+//
+// kScaleInExp: the tile holds the scores not yet scaled (masked with -inf) and c = scale·log2e is
+// positive. The row max is taken of the raw scores (c > 0 keeps their order) and scaled once, so m
+// is the same, and each weight is 2^(c·s − m) with the product and the subtraction in one FFMA:
+// one rounding instead of two, one instruction instead of a multiply and a subtraction.
+template <int BC, bool kScaleInExp = false>
+__device__ __forceinline__ void softmax_tile(float (&s)[BC / 8][4], float (&m)[2], float (&l)[2], float (&alpha)[2],
+                                             float c = 1.f) {
     float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
     for (int nt = 0; nt < BC / 8; ++nt)
@@ -240,18 +213,21 @@ __device__ __forceinline__ void softmax_tile_fma(float (&s)[BC / 8][4], float c,
     float base[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-        const float scaled = fmaxf(m[r], quad_max(mx[r]) * c);
-        // A row with no visible key yet keeps m = -inf; subtract 0 then (softmax_tile).
-        base[r] = scaled == -INFINITY ? 0.f : scaled;
+        const float tile_max = quad_max(mx[r]);
+        const float m_new = fmaxf(m[r], kScaleInExp ? tile_max * c : tile_max);
+        // A row with no visible key yet keeps m = -inf; subtract 0 then, so 2^(-inf - base) = 0
+        // instead of NaN.
+        base[r] = m_new == -INFINITY ? 0.f : m_new;
         alpha[r] = exp2_ftz(m[r] - base[r]);
-        m[r] = scaled;
+        m[r] = m_new;
         l[r] *= alpha[r];
     }
 #pragma unroll
     for (int nt = 0; nt < BC / 8; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-            s[nt][e] = exp2_ftz(__fmaf_rn(s[nt][e], c, -base[e >> 1]));
+            const float x = s[nt][e];
+            s[nt][e] = exp2_ftz(kScaleInExp ? __fmaf_rn(x, c, -base[e >> 1]) : x - base[e >> 1]);
             l[e >> 1] += s[nt][e];
         }
 }

@@ -305,8 +305,7 @@ __global__ void __launch_bounds__(T::THREADS, 1)
         const int key0 = j * T::BC;
         if (key0 + T::BC > p.M || (kCausal && key0 + T::BC - 1 > warp_row0))
             mask_tile<T::BC, kCausal>(s, key0, p.M, row0, t);
-        if constexpr (kPositiveScale) softmax_tile_fma<T::BC>(s, p.scale_log2, m, l, alpha);
-        else softmax_tile<T::BC>(s, m, l, alpha);
+        softmax_tile<T::BC, kPositiveScale>(s, m, l, alpha, p.scale_log2);
     };
     if (tile_begin < tile_end) {
         bulk::wait(&q_full, 0);  // every warp waits, so no copy is still landing when the block ends
