@@ -377,18 +377,17 @@ __global__ void __launch_bounds__(T::THREADS, 1)
 // ---------------------------------------------------------------------------------------------
 // Host side.
 
-// The tile configuration for width D and causality (void: none): the fastest measured on an H100
-// among Bc 64 and 128 with two or three consumer warpgroups, with and without ping-pong
-// (docs/performance.md, "The half-precision flash forward"). d64: three warpgroups (Br 192) share
-// each K/V tile and take turns; d128: two, as the 160 registers a thread of three would get cannot
-// hold d128's accumulators beside S and P with Bc 128, taking turns under the causal mask only
-// (without it, the warpgroups drifting apart freely measured 1-2% faster).
-template <int D, class Fmt, bool kCausal>
+// The tile configuration for width D (void: none): the fastest measured on an H100 among Bc 64
+// and 128 with two or three consumer warpgroups, with and without ping-pong (docs/performance.md,
+// "The half-precision flash forward"). d64: three warpgroups (Br 192) share each K/V tile; d128:
+// two, as the 160 registers a thread of three would get cannot hold d128's accumulators beside S
+// and P with Bc 128. Both take turns.
+template <int D, class Fmt>
 struct HalfConfig {
     using type = void;
 };
-template <class Fmt, bool kCausal> struct HalfConfig<64, Fmt, kCausal> { using type = HalfTiles<64, 128, 3, true, Fmt>; };
-template <class Fmt, bool kCausal> struct HalfConfig<128, Fmt, kCausal> { using type = HalfTiles<128, 128, 2, kCausal, Fmt>; };
+template <class Fmt> struct HalfConfig<64, Fmt> { using type = HalfTiles<64, 128, 3, true, Fmt>; };
+template <class Fmt> struct HalfConfig<128, Fmt> { using type = HalfTiles<128, 128, 2, true, Fmt>; };
 
 // Calls f(TypeTag<T>{}, causal) with a's configuration T and causality (std::bool_constant);
 // false where there is none.
@@ -397,7 +396,7 @@ bool with_config(const FlashArgs& a, F&& f) {
     return with_head_dim(a.d, [&](auto D) {
         return with_half_format(a.precision, [&](auto fmt) {
             return with_flag(a.causal, [&](auto causal) {
-                using T = typename HalfConfig<constant_v<decltype(D)>, decltype(fmt), constant_v<decltype(causal)>>::type;
+                using T = typename HalfConfig<constant_v<decltype(D)>, decltype(fmt)>::type;
                 if constexpr (std::is_void_v<T>) {
                     return false;
                 } else {
