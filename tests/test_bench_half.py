@@ -378,6 +378,26 @@ def _compute_capability() -> str:
 @pytest.mark.gpu
 @pytest.mark.parametrize("precision", HALF_PRECISIONS)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_gpu_half_flash_takes_more_heads_than_one_launch_holds(binary, tmp_path, precision, causal):
+    """More heads than a grid dimension holds (65535) go in several launches, each with its own
+    tensor maps of the inputs in the format from its first head on (the causal order's head groups
+    then end short); --check compares the first and the last head with float64."""
+    if not _compute_capability().startswith("9."):
+        pytest.skip("the half-precision flash forward needs compute capability 9.0")
+    out = tmp_path / "bench.json"
+    cmd = [str(binary), "--bench", "--precision", precision, "--batch", "1", "--heads", "65537", "--seq-q", "16",
+           "--seq-k", "16", "--d", "64", "--only", "flash", "--pass", "forward", "--no-ceilings", "--check",
+           "--warmup", "0", "--reps", "1", "--json", str(out)] + (["--causal"] if causal else [])
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    flash = {k["name"]: k for k in json.loads(out.read_text())["kernels"]}["flash"]
+    assert flash["status"] == "ok" and flash["check"]["passed"] is True, flash
+    assert flash["check"]["max_rel_err"] < 4 * storage_unit(precision), flash
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", HALF_PRECISIONS)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("d", [16, 64, 128])
 def test_gpu_bench_half_forward(binary, tmp_path, precision, causal, d):
     """`main --bench --precision bf16|fp16 --check --check-rows 0` on a small irregular shape: the

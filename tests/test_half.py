@@ -145,11 +145,12 @@ def test_the_wgmma_flash_forward_at_half_precision_passes(binary, tmp_path, prec
 @pytest.mark.gpu
 @pytest.mark.parametrize("precision", HALF_PRECISIONS)
 @pytest.mark.parametrize("scale", [-0.2, 0.05])
-def test_the_wgmma_flash_forward_at_half_precision_takes_either_sign_of_scale(binary, tmp_path, precision, scale):
+@pytest.mark.parametrize("d", [64, 128])
+def test_the_wgmma_flash_forward_at_half_precision_takes_either_sign_of_scale(binary, tmp_path, precision, scale, d):
     """A positive scale goes into the exponent's FFMA (the row max taken of the unscaled scores); a
     negative one is applied before the mask, which it would otherwise turn from -inf to +inf. Each
-    must match the float64 reference, causal or not."""
-    dims = Dims(1, 2, 300, 260, 128, 128)
+    must match the float64 reference, causal or not, in both widths' configurations."""
+    dims = Dims(1, 2, 300, 260, d, d)
     in_dir = generate_case(tmp_path / "in", dims, seed=11, distribution="normal", fmt="npy")
     unit = storage_unit(precision)
     for causal in (False, True):

@@ -201,7 +201,10 @@ __device__ __forceinline__ void mask_tile(float (&s)[BC / 8][4], int key0, int M
 // kScaleInExp: the tile holds the scores not yet scaled (masked with -inf) and c = scale·log2e is
 // positive. The row max is taken of the raw scores (c > 0 keeps their order) and scaled once, so m
 // is the same, and each weight is 2^(c·s − m) with the product and the subtraction in one FFMA:
-// one rounding instead of two, one instruction instead of a multiply and a subtraction.
+// one rounding instead of two, one instruction instead of a multiply and a subtraction. A row
+// whose scaled max overflows float32 (|S|·c past 3.4e38, bf16 inputs of that size) gets weights 0
+// here, so O = 0 and lse = -inf, where the two-step path gives NaN: wrong either way, and either
+// fails a check against float64.
 template <int BC, bool kScaleInExp = false>
 __device__ __forceinline__ void softmax_tile(float (&s)[BC / 8][4], float (&m)[2], float (&l)[2], float (&alpha)[2],
                                              float c = 1.f) {

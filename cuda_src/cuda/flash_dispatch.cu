@@ -158,6 +158,11 @@ void flash_forward(const FlashArgs& a, cudaStream_t stream) {
 }
 
 void flash_launch(const FlashKernelOps& ops, const FlashArgs& a, const KernelPlan& plan, cudaStream_t stream) {
+    // The half-precision kernel reads the format's copies by tensor memory access (16-byte aligned).
+    if (is_half(a.precision) && (!a.Qh || !a.Kh || !a.Vh || !aligned16(a.Qh) || !aligned16(a.Kh) || !aligned16(a.Vh))) {
+        fail(kExitInternal, where(__FILE__, __LINE__) + ": flash_forward at " + precision_name(a.precision) +
+                                " needs Q, K and V in the format (FlashArgs::Qh, Kh, Vh), 16-byte aligned");
+    }
     // The kernels put heads on grid.y (or z): consecutive parts of at most kMaxGridYZ heads.
     for (int h0 = 0; h0 < a.heads; h0 += kMaxGridYZ) {
         FlashArgs part = a;

@@ -5,7 +5,6 @@
 // bytes in global memory, laid out by its preparation pass as shared memory wants them: plain 1-D
 // copies, no tensor map); flash_wgmma_half.cu counts its tensor copies (tensor_map.cuh) on the same
 // barriers. Every consumer thread waits on the stage's barrier.
-
 #pragma once
 
 #include <cstdint>

@@ -16,13 +16,14 @@
 //     product of two half values is exact in FP32.
 //   - O is stored rounded to the format (the KV-split combine rounds instead when it merges).
 //
-// Arithmetic the verifier assumes (verify/model/kernels.py: KERNELS["cuda-wgmma-bf16"] and
-// ["cuda-wgmma-fp16"], the CUDA model with the half pipeline's roundings, verify/half_route.py):
-// half products exact, summed in FP32 by the tensor cores with truncation; scale·log2(e) rounded
-// once per head; the exponent c·s − m in one FFMA for a positive scale (m the running row max of
-// c·s, rounded once), else c·s rounded and m subtracted; ex2.approx.ftz; P rounded to the format
-// before P·V; lse = (m + log2 l)·ln 2 in FP32; O divided by l (and combined across splits) in
-// FP32, then rounded to the format once.
+// The arithmetic, which the verifier's CUDA model bounds (verify/model/kernels.py:
+// KERNELS["cuda-wgmma-bf16"] and ["cuda-wgmma-fp16"], with the half pipeline's roundings,
+// verify/half_route.py): half products exact, summed in FP32 by the tensor cores with truncation;
+// scale·log2(e) rounded once per head; the exponent c·s − m in one FFMA for a positive scale (m the
+// running row max of c·s, rounded once: a rounding fewer than the model allows for), else c·s
+// rounded and m subtracted; ex2.approx.ftz; P rounded to the format before P·V; lse =
+// (m + log2 l)·ln 2 in FP32; O divided by l (and combined across splits) in FP32, then rounded to
+// the format once.
 //
 // Build: compiled for sm_90a only (CMakeLists.txt: the attnstep_sm90a object library); check
 // resources with
@@ -110,7 +111,8 @@ __device__ __forceinline__ uint64_t desc_plus(uint64_t desc, uint32_t bytes) { r
 template <class T, int R>
 __device__ __forceinline__ void load_rows(Half* dst, const CUtensorMap* map, int row, int head, uint64_t* bar) {
 #pragma unroll
-    for (int b = 0; b < T::COL_BLOCKS; ++b) tma::load(dst + b * R * tma::kRowValues, map, b * tma::kRowValues, row, head, bar);
+    for (int b = 0; b < T::COL_BLOCKS; ++b)
+        tma::load(dst + b * R * tma::kRowValues, map, b * tma::kRowValues, row, head, bar);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -152,6 +154,7 @@ struct BlockWork {
 template <bool kCausal>
 __device__ __forceinline__ BlockWork block_work(int heads) {
     const int nq = gridDim.x;
+    // (Reversed as the causal order is; without the mask the order of a head's blocks is free.)
     if (!kCausal) return {nq - 1 - static_cast<int>(blockIdx.x), static_cast<int>(blockIdx.y)};
     const int lin = blockIdx.y * nq + blockIdx.x;
     const int group = lin / (kLptHeads * nq), r = lin % (kLptHeads * nq);
@@ -197,7 +200,8 @@ __device__ __forceinline__ void pv_issue(float (&o)[T::D / 8][4], const uint32_t
     wg::commit();
 }
 
-// Grid: x = query blocks, y = heads (block_work orders them), z = KV splits. Shared memory: Q [BR×D], then two stages of {K [BC×D], V [BC×D]}.
+// Grid: x = query blocks, y = heads (block_work orders them), z = KV splits. Shared memory: Q [BR×D],
+// then two stages of {K [BC×D], V [BC×D]}.
 //
 // The pipeline, as FlashAttention-3 runs it: a producer warpgroup copies the block's Q (q_full) and
 // streams the key tiles into the two stages (tensor copies counted on the stage's k_full/v_full
@@ -207,9 +211,9 @@ __device__ __forceinline__ void pv_issue(float (&o)[T::D / 8][4], const uint32_t
 // j's rescale while it runs, then P_j·V_j is issued, and the softmax of tile j+1 runs while P·V is
 // still on the tensor cores. Across warpgroups, either they drift apart freely, one's softmax
 // overlapping another's MMAs by chance, or (T::PINGPONG) they issue in turns, which forces that
-// overlap (Turns). A warpgroup whose rows
-// are all above a causal tile waits for the tile to land and releases it unread (a release ahead
-// of the load would count toward the stage's previous phase); it still takes its turns.
+// overlap (Turns). A warpgroup whose rows are all above a causal tile waits for the tile to land
+// and releases it unread (a release ahead of the load would count toward the stage's previous
+// phase); it still takes its turns.
 template <class T, bool kCausal, bool kPositiveScale>
 __global__ void __launch_bounds__(T::THREADS, 1)
     flash_wgmma_half_kernel(const HalfParams p, const __grid_constant__ HalfMaps maps) {
@@ -220,7 +224,8 @@ __global__ void __launch_bounds__(T::THREADS, 1)
     // The swizzle's pattern follows address bits, so every tile starts on an atom (SMEM_BYTES
     // leaves room to align up).
     const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(smem_f4));
-    Half* const Qs = reinterpret_cast<Half*>(reinterpret_cast<char*>(smem_f4) + ((kSwizzleAtom - base % kSwizzleAtom) % kSwizzleAtom));  // [BR×D]
+    Half* const Qs = reinterpret_cast<Half*>(reinterpret_cast<char*>(smem_f4) +
+                                             (kSwizzleAtom - base % kSwizzleAtom) % kSwizzleAtom);  // [BR×D]
     Half* const stages = Qs + T::Q_ELEMS;  // [STAGES][STAGE]
     __shared__ uint64_t q_full, k_full[T::STAGES], v_full[T::STAGES], k_empty[T::STAGES], v_empty[T::STAGES];
     constexpr int kConsumerWarps = T::CONSUMERS / 32;
@@ -381,7 +386,8 @@ __global__ void __launch_bounds__(T::THREADS, 1)
 // and 128 with two or three consumer warpgroups, with and without ping-pong (docs/performance.md,
 // "The half-precision flash forward"). d64: three warpgroups (Br 192) share each K/V tile; d128:
 // two, as the 160 registers a thread of three would get cannot hold d128's accumulators beside S
-// and P with Bc 128. Both take turns.
+// and P with Bc 128. Both take turns: d128 measured 1.6% faster without them when unmasked but 11%
+// slower causal, and a build choosing per mask failed to load its kernels (docs/performance.md).
 template <int D, class Fmt>
 struct HalfConfig {
     using type = void;
@@ -417,10 +423,7 @@ int blocks_per_sm() {
 
 template <class T, bool kCausal>
 void launch_tiles(const FlashArgs& a, const KernelPlan& plan, cudaStream_t stream) {
-    blocks_per_sm<T, kCausal>();  // raises the shared-memory limit
-    if (!a.Qh || !a.Kh || !a.Vh)
-        fail(kExitInternal, where(__FILE__, __LINE__) + ": the half-precision flash forward reads its inputs in the "
-                                                        "format (FlashArgs::Qh, Kh, Vh), and none were given");
+    blocks_per_sm<T, kCausal>();  // raises the shared-memory limit (flash_launch checked Qh, Kh, Vh)
     const HalfMaps maps{tma::rows_map(a.Qh, T::D, a.N, a.heads, T::BR), tma::rows_map(a.Kh, T::D, a.M, a.heads, T::BC),
                         tma::rows_map(a.Vh, T::D, a.M, a.heads, T::BC)};
     launch_with_workspace(
@@ -428,8 +431,10 @@ void launch_tiles(const FlashArgs& a, const KernelPlan& plan, cudaStream_t strea
         [&](float*, const FlashOutputs& out) {
             const HalfParams p{out.O, out.lse, a.heads, a.N, a.M, a.scale * kLog2e, plan.splits};
             const dim3 grid = query_block_grid(a, plan);
-            if (p.scale_log2 > 0.f) flash_wgmma_half_kernel<T, kCausal, true><<<grid, T::THREADS, T::SMEM_BYTES, stream>>>(p, maps);
-            else flash_wgmma_half_kernel<T, kCausal, false><<<grid, T::THREADS, T::SMEM_BYTES, stream>>>(p, maps);
+            if (p.scale_log2 > 0.f)
+                flash_wgmma_half_kernel<T, kCausal, true><<<grid, T::THREADS, T::SMEM_BYTES, stream>>>(p, maps);
+            else
+                flash_wgmma_half_kernel<T, kCausal, false><<<grid, T::THREADS, T::SMEM_BYTES, stream>>>(p, maps);
             LAUNCH_CHECK(flash_wgmma_half_kernel);
         });
 }

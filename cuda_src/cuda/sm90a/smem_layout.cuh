@@ -1,8 +1,8 @@
-// smem_layout.cuh — the shared-memory layout flash_wgmma.cu gives its float32 operand parts
-// (the half-precision kernel's tensor copies use the 128-byte swizzle instead): K-major without swizzle,
-// in "core matrices" of 8 rows × 16 bytes (128 contiguous bytes), as wgmma.cuh's descriptors read
-// them. E is the element type (4 floats or 8 halves to a 16-byte core-matrix row); one wgmma k step
-// (8 TF32 or 16 half columns) spans two core matrices along K.
+// smem_layout.cuh — the shared-memory layout flash_wgmma.cu gives its TF32 operand parts: K-major
+// without swizzle, in "core matrices" of 8 rows × 16 bytes (128 contiguous bytes), as wgmma.cuh's
+// make_desc reads them. E is the element type, 4 floats to a 16-byte core-matrix row, so one TF32
+// k step (8 columns) spans two core matrices along K. (The half-precision kernel's tiles lie in the
+// 128-byte swizzle its tensor copies write: tensor_map.cuh.)
 #pragma once
 
 #include <cstdint>

@@ -31,9 +31,13 @@ inline CUtensorMap rows_map(const void* base, int d, int rows, int heads, int bo
     static const Encode encode = [] {
         void* fn = nullptr;
         cudaDriverEntryPointQueryResult found{};
-        if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found) !=
-                cudaSuccess ||
-            found != cudaDriverEntryPointSuccess || fn == nullptr) {
+#if CUDART_VERSION >= 12050  // the versioned query; the unversioned one is deprecated from 12.5
+        const cudaError_t err =
+            cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found);
+#else
+        const cudaError_t err = cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &fn, cudaEnableDefault, &found);
+#endif
+        if (err != cudaSuccess || found != cudaDriverEntryPointSuccess || fn == nullptr) {
             fail(kExitInternal, "the CUDA driver does not provide cuTensorMapEncodeTiled (tensor memory access)",
                  "update the NVIDIA driver, or run with --precision fp32");
         }

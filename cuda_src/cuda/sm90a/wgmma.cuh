@@ -4,7 +4,8 @@
 // descriptor; A from shared memory (ss) or from registers (rs). Two operand types:
 //   Wgmma<N>:            TF32, K = 8 (flash_wgmma.cu). TF32 wgmma reads only the top 19 bits of
 //                        each operand.
-//   WgmmaHalf<N, Fmt>:   bf16 or fp16 (half_format.cuh), K = 16 (flash_wgmma_half.cu).
+//   WgmmaHalf<N, Fmt>:   bf16 or fp16 (half_format.cuh), K = 16 (flash_wgmma_half.cu), B K-major;
+//   WgmmaHalfTransB<N, Fmt>: the same with B MN-major (wgmma's transposed B, 16-bit types only).
 //
 // Register layouts (per warp w of the warpgroup, lane = 4g + t), the same as mma.sync's:
 //   D: d[j][e] = D(16w + g + 8·(e/2), 8j + 2t + e%2)
@@ -115,7 +116,7 @@ __device__ __forceinline__ void claim_registers() {
 
 // The ss and rs wrappers of the m64n<N> shape for one operand type: TYPES is the instruction's
 // "k<K>.f32.<a>.<b>" and SS_TAIL/RS_TAIL its operands after the scales (the half types' transpose
-// flags: 0, K-major).
+// flags: 0 for K-major, 1 for MN-major).
 #define ATTNSTEP_WGMMA_SHAPE(N, TYPES, SS_TAIL, RS_TAIL)                                                   \
     /* D(64xN) (+)= A(64xK, shared) * B(KxN, shared) */                                                    \
     static __device__ __forceinline__ void ss(float (&d)[N / 8][4], uint64_t desc_a, uint64_t desc_b,     \
