@@ -96,6 +96,18 @@ inline constexpr auto constant_v = std::decay_t<C>::value;
 template <class Tag>
 using tag_type = typename std::decay_t<Tag>::type;
 
+// Calls f(TypeTag<T>{}, args...) and returns true for a tile configuration T; false where there is
+// none (T void), so that a dispatcher's with_config can say whether a problem has a variant.
+template <class T, class F, class... Args>
+bool call_with_config(F&& f, Args... args) {
+    if constexpr (std::is_void_v<T>) {
+        return false;
+    } else {
+        f(TypeTag<T>{}, args...);
+        return true;
+    }
+}
+
 // Calls f(std::true_type) or f(std::false_type): a run-time flag to a template argument.
 template <class F>
 decltype(auto) with_flag(bool flag, F&& f) {
@@ -108,6 +120,18 @@ decltype(auto) with_flag(bool flag, F&& f) {
 int choose_kv_splits(long long blocks, long long slots, int n_tiles);
 // A forced or chosen count kept to 1..n_tiles.
 int clamp_kv_splits(int splits, int n_tiles);
+// The KV split count of a kernel with br × bc tiles: forced_splits when positive, else
+// choose_kv_splits for its heads·⌈N/br⌉ blocks on the GPU's SMs × blocks_per_sm() (asked only
+// then); kept to 1..⌈M/bc⌉.
+template <class BlocksPerSm>
+int plan_kv_splits(const FlashArgs& a, int forced_splits, int br, int bc, BlocksPerSm&& blocks_per_sm) {
+    const int n_tiles = (a.M + bc - 1) / bc;
+    const int splits = forced_splits > 0
+        ? forced_splits
+        : choose_kv_splits(static_cast<long long>(a.heads) * ((a.N + br - 1) / br),
+                           static_cast<long long>(device_sm_count()) * blocks_per_sm(), n_tiles);
+    return clamp_kv_splits(splits, n_tiles);
+}
 
 // The split-KV partial results: `splits` × [heads][N][d] outputs, then `splits` × [heads][N] lse.
 size_t split_partial_floats(const FlashArgs& a, int splits);  // 0 when splits == 1

@@ -338,13 +338,7 @@ template <> struct FastConfig<3, 128> { using type = Tiles<128, 64, 4, 1, QStore
 template <int kConfig, class F>
 bool with_config_tiles(int d, F& f) {
     return with_head_dim(d, [&](auto D) {
-        using T = typename FastConfig<kConfig, constant_v<decltype(D)>>::type;
-        if constexpr (std::is_void_v<T>) {
-            return false;
-        } else {
-            f(TypeTag<T>{});
-            return true;
-        }
+        return call_with_config<typename FastConfig<kConfig, constant_v<decltype(D)>>::type>(f);
     });
 }
 template <class F>
@@ -409,16 +403,12 @@ bool flash_fast_config_plan(const FlashArgs& a, int config, int forced_splits, K
     if (a.heads < 1 || a.N < 1 || a.M < 1 || is_half(a.precision) || !device_supported()) return false;
     return with_tiles(config, a.d, [&](auto tag) {
         using T = tag_type<decltype(tag)>;
-        const int n_tiles = ceil_div(a.M, T::BC);
-        int splits = forced_splits;
-        if (splits <= 0) {
-            const int per_sm = with_variant(a, [&](auto three, auto causal) {
+        const int splits = plan_kv_splits(a, forced_splits, T::BR, T::BC, [&] {
+            return with_variant(a, [&](auto three, auto causal) {
                 return blocks_per_sm<T, constant_v<decltype(three)>, constant_v<decltype(causal)>>();
             });
-            splits = choose_kv_splits(static_cast<long long>(a.heads) * ceil_div(a.N, T::BR),
-                                      static_cast<long long>(device_sm_count()) * per_sm, n_tiles);
-        }
-        *plan = KernelPlan{T::BR, T::BC, clamp_kv_splits(splits, n_tiles), 0, config};
+        });
+        *plan = KernelPlan{T::BR, T::BC, splits, 0, config};
     });
 }
 

@@ -402,13 +402,7 @@ bool with_config(const FlashArgs& a, F&& f) {
     return with_head_dim(a.d, [&](auto D) {
         return with_half_format(a.precision, [&](auto fmt) {
             return with_flag(a.causal, [&](auto causal) {
-                using T = typename HalfConfig<constant_v<decltype(D)>, decltype(fmt)>::type;
-                if constexpr (std::is_void_v<T>) {
-                    return false;
-                } else {
-                    f(TypeTag<T>{}, causal);
-                    return true;
-                }
+                return call_with_config<typename HalfConfig<constant_v<decltype(D)>, decltype(fmt)>::type>(f, causal);
             });
         });
     });
@@ -445,13 +439,9 @@ bool plan_wgmma_half(const FlashArgs& a, int forced_splits, KernelPlan* plan) {
     if (!is_half(a.precision)) return false;
     return with_config(a, [&](auto tag, auto causal) {
         using T = tag_type<decltype(tag)>;
-        const int n_tiles = ceil_div(a.M, T::BC);
-        const int splits = forced_splits > 0
-            ? forced_splits
-            : choose_kv_splits(static_cast<long long>(a.heads) * ceil_div(a.N, T::BR),
-                               static_cast<long long>(device_sm_count()) * blocks_per_sm<T, constant_v<decltype(causal)>>(),
-                               n_tiles);
-        *plan = KernelPlan{T::BR, T::BC, clamp_kv_splits(splits, n_tiles)};
+        const int splits = plan_kv_splits(a, forced_splits, T::BR, T::BC,
+                                          [] { return blocks_per_sm<T, constant_v<decltype(causal)>>(); });
+        *plan = KernelPlan{T::BR, T::BC, splits};
     });
 }
 
