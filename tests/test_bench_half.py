@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +18,7 @@ from verify.bench_accuracy import (half_accuracy, head_inputs, input_seed, input
                                    reference_rows, uniform_inputs)
 from verify.bench_report import ACCURACY, SDPA, SDPA_BACKENDS, VS_SDPA, sdpa_backend_row
 from verify.bench_sdpa import SDPA_BACKENDS as BACKEND_NAMES
+from verify import bench_sdpa
 from verify.bench_sdpa import rejection_reason
 from verify.model.half import round_to_format, storage_unit
 from verify.stages import HALF_PRECISIONS, PRECISIONS
@@ -190,6 +192,9 @@ def test_rejection_reason_is_torch_reasons():
     assert reason.startswith("Flash attention requires") and reason.endswith("512.") and "Triggered" not in reason
     assert rejection_reason([], "No available kernel. Aborting execution.\nmore") == \
         "No available kernel. Aborting execution."
+    # Forcing one backend, torch also says another one is switched off: not this refusal's reason.
+    assert rejection_reason(["cuDNN attention has been runtime disabled."] + warnings[:2], "x") == warnings[1].split(
+        " (Triggered")[0]
 
 
 # ---- rows, goals, JSON ---------------------------------------------------------------------------
@@ -244,6 +249,20 @@ def test_half_rows_name_the_fastest_backend_and_each_ratio():
     assert vb._exit_status(list(rows.values())) == 0  # refusals are not failures
 
 
+def test_failures_are_told_by_what_failed_and_counted_by_shape(capsys):
+    """An SDPA backend and the accuracy comparison failing on one shape, the binary on another: exit
+    1, each source named once with the shapes it failed on (not rows, not all blamed on the binary)."""
+    def row(shape, kernel):
+        return vb.Row(shape, 4096, 64, False, "bf16", kernel, "attention", "failed: boom")
+    rows = [row("B1-H1-N4096-M4096-d64", sdpa_backend_row(CUDNN)), row("B1-H1-N4096-M4096-d64", ACCURACY),
+            row("B1-H1-N4096-M4096-d64", sdpa_backend_row(EFFICIENT)), row("B1-H1-N8192-M8192-d64", "main --bench")]
+    assert vb._exit_status(rows) == 1
+    err = capsys.readouterr().err
+    assert "bench: SDPA failed on 1 shape; see the table" in err
+    assert "bench: the accuracy comparison failed on 1 shape; see the table" in err
+    assert "bench: main --bench failed on 1 shape; see the table" in err
+
+
 def test_ratios_to_each_backend_in_the_json():
     run = _half_run()
     assert run[VS_SDPA] == {"flash": pytest.approx({CUDNN: 1.2, FLASH: 300 / 280, "fastest": 300 / 280})}
@@ -292,6 +311,35 @@ def test_from_json_and_plot_at_half(tmp_path):
     assert res.exit_code == 0, res.output
     assert "ceilings (bf16, B4-H16-N4096-M4096-d64): cuBLAS GEMM bf16 500.0 TFLOP/s" in res.output
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("key, value, named", [
+    (SDPA_BACKENDS, ["cudnn"], "runs[0].sdpa_backends: expected an object"),
+    (SDPA_BACKENDS, {"cudnn": {"status": "ok", "ms": 1.0}}, "runs[0].sdpa_backends.cudnn: lacks a number 'tflops'"),
+    (SDPA_BACKENDS, {"cudnn": {"status": "ok", "ms": 1.0, "tflops": "fast"}}, "lacks a number 'tflops'"),
+    (ACCURACY, "0.003", "runs[0].accuracy: expected an object"),
+    (SDPA, "ok", "runs[0].sdpa: expected an object")])
+def test_from_json_names_a_malformed_sdpa_section(tmp_path, key, value, named):
+    """A hand-edited or truncated results file: one line naming the run and the key, exit 1, no
+    traceback."""
+    results = _half_results()
+    results["runs"][0][key] = value
+    src = tmp_path / "r.json"
+    src.write_text(json.dumps(results))
+    res = CliRunner().invoke(vb.bench, ["--from-json", str(src)])
+    assert res.exit_code != 0 and isinstance(res.exception, SystemExit), res.exception
+    assert named in res.output and "Traceback" not in res.output, res.output
+
+
+def test_the_plot_draws_sdpa_fastest_not_each_backend():
+    """At bf16/fp16 the plot's yardstick is SDPA's fastest backend (the `sdpa` row); the backends one
+    by one stay in the table only, and the binary's flash rows are drawn."""
+    from verify.bench_plot import _plotted
+    rows = vb.rows_from_results(_half_results())
+    drawn = {r.kernel for r in _plotted(rows)}
+    assert SDPA in drawn and "flash" in drawn
+    assert not drawn & {sdpa_backend_row(b) for b in (CUDNN, FLASH, EFFICIENT)}
+    assert {sdpa_backend_row(CUDNN)} <= {r.kernel for r in rows}  # in the table
 
 
 def test_parse_takes_every_precision():
@@ -361,6 +409,52 @@ def test_cli_precision_groups(tmp_path, monkeypatch, choice, precisions):
     assert seen["fp32 sdpa"] == [p for p in precisions if p not in HALF_PRECISIONS]
     runs = json.loads(out.read_text())["runs"]
     assert [ACCURACY in r for r in runs] == [p in HALF_PRECISIONS for p in precisions]
+
+
+def test_an_sdpa_output_with_a_nan_is_written_as_json_and_read_back(tmp_path, monkeypatch):
+    """SDPA's error is inf when its output holds a NaN: --json writes it as the string "inf" (JSON
+    has no Infinity), and --from-json reads it back as SDPA's error, so ours still compares."""
+    _fake_machine(monkeypatch)
+    sdpa = _numpy_sdpa("bf16")
+
+    def nan_sdpa(q, k, v, rows, scale, causal, prec, backend):
+        out = sdpa(q, k, v, rows, backend)
+        return out if isinstance(out, str) else out * np.nan  # a refused backend stays refused
+
+    monkeypatch.setattr(vb, "sdpa_output", nan_sdpa)
+    main, out = tmp_path / "main", tmp_path / "r.json"
+    main.write_text("")
+    res = CliRunner().invoke(vb.bench, ["--binary", str(main), "--shape", "1,3,37,53,16,causal", "--pass", "forward",
+                                        "--precision", "bf16", "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    text = out.read_text()
+    assert "Infinity" not in text and json.loads(text)["runs"][0][ACCURACY][SDPA] == "inf"
+    again = CliRunner().invoke(vb.bench, ["--from-json", str(out)])
+    assert again.exit_code == 0 and "SDPA's err inf" in again.output, again.output
+
+
+class _FakeTorch:
+    class cuda:
+        class OutOfMemoryError(RuntimeError):
+            pass
+
+
+def test_only_torchs_no_kernel_error_is_a_refusal():
+    """A forced backend that torch has no kernel for is 'unsupported' with torch's reason; any other
+    error (a kernel that crashed, out of memory) stays an error, which bench reports as failed."""
+    def refuse():
+        warnings.warn("Flash attention kernel not used because:")
+        warnings.warn("Flash attention does not support is_causal with seq_q != seq_k (Triggered internally at x.cpp)")
+        raise RuntimeError("No available kernel. Aborting execution.")
+
+    with pytest.raises(bench_sdpa._Refused, match="^Flash attention does not support is_causal"):
+        bench_sdpa._probe(_FakeTorch, refuse)
+    for error in (RuntimeError("CUDA error: an illegal memory access was encountered"),
+                  _FakeTorch.cuda.OutOfMemoryError("CUDA out of memory")):
+        def crash(error=error):
+            raise error
+        with pytest.raises(type(error)):
+            bench_sdpa._probe(_FakeTorch, crash)
 
 
 def test_cli_refuses_an_unknown_precision():

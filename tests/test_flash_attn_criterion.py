@@ -122,8 +122,12 @@ def test_an_overflowing_fp16_baseline_meets_nothing_and_warns_nothing():
     assert np.isnan(baseline[OUTPUT]).all()
     missed = StageCriterion(OUTPUT, error=0.0, baseline_error=math.inf, factor=2.0, slack=1e-5)
     assert not missed.meets and missed.ratio == math.inf
+    # Said as the baseline's failure, not as an infinite allowance the program somehow missed.
+    assert missed.outcome("fp16").startswith("misses: the eager fp16 baseline overflowed")
+    assert missed.to_json()["baseline_overflowed"] is True
     met = StageCriterion(OUTPUT, error=2e-3, baseline_error=1e-3, factor=2.0, slack=1e-5)
     assert met.meets and met.ratio == 2.0 and met.rule() == "2 x baseline + 1e-5"
+    assert met.outcome("fp16") == "meets (2 x baseline + 1e-5 allowed)" and not met.to_json()["baseline_overflowed"]
 
 
 def _torch_reference(torch, q, k, v, do, causal):
@@ -317,6 +321,35 @@ def test_a_program_we_did_not_write_gets_the_criterion(tmp_path, precision):
     assert [s["stage"] for s in block["stages"]] == [OUTPUT, FLASH_OUTPUT] and block["meets"], block
     assert all(0 < s["baseline_error"] and math.isfinite(s["ratio"]) for s in block["stages"]), block
     assert "flash-attn's test criterion" in r.output
+
+
+def test_a_correct_program_on_inputs_that_overflow_the_fp16_baseline_is_told_why_it_misses(tmp_path):
+    """Scores past fp16's range make the eager baseline NaN, whatever the program: `check` passes an
+    exactly rounded output and says the criterion is missed because the baseline overflowed, in
+    the table, the one-line summary and the JSON (with no bare Infinity)."""
+    dims = Dims(1, 1, 16, 24, 64, 64)
+    in_dir = tmp_path / "in"
+    generate_case(in_dir, dims, seed=4, distribution="normal")
+    inputs = {}
+    for n in CASE_INPUTS[:3]:
+        x = np.loadtxt(in_dir / stage_file(n, 0, "txt"), ndmin=2) * (150.0 if n != CASE_INPUTS[2] else 1.0)
+        inputs[n] = round_to_format(x.astype(np.float32), "fp16")
+        write_text(in_dir / stage_file(n, 0, "txt"), inputs[n], "%.9g")
+    ref = reference_chain(inputs, dims.d_k ** -0.5, False, [FLASH_OUTPUT])[FLASH_OUTPUT]
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    write_text(out_dir / stage_file(FLASH_OUTPUT, 0, "txt"), round_to_format(ref, "fp16"), "%g")
+    json_path = tmp_path / "r.json"
+    args = ["check", "--in", str(in_dir), "--out", str(out_dir), "--precision", "fp16"]
+    r = CliRunner().invoke(cli, args + ["--json", str(json_path)], catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    assert "misses: the eager fp16 baseline overflowed (NaN)" in r.output, r.output
+    text = json_path.read_text()
+    assert "Infinity" not in text and "NaN" not in text
+    stage = json.loads(text)[FLASH_ATTN_KEY]["stages"][0]
+    assert stage["baseline_overflowed"] is True and stage["meets"] is False
+    quiet = CliRunner().invoke(cli, args + ["--quiet"], catch_exceptions=False)
+    assert "the eager fp16 baseline overflowed on these inputs" in quiet.output, quiet.output
 
 
 def test_the_python_api_reports_the_criterion():

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Iterable, List, Sequence, Tuple
 
 import click
+import numpy as np
 
 from .bench_accuracy import half_accuracy
 from .bench_goals import evaluate_goals
@@ -35,8 +36,9 @@ from .bench_sdpa import (SDPA_BACKENDS as BACKEND_NAMES, sdpa_output, time_sdpa,
 from .case import atomic_write_bytes
 from .generate import DEFAULT_DIMS
 from .options import InputError, binary_option, build_option, json_option, timeout_option, user_errors
+from .report import jsonable
 from .runner import ensure_built
-from .stages import CUDA_PRECISIONS, HALF_PRECISIONS, PRECISIONS
+from .stages import FLOAT32_PRECISIONS, HALF_PRECISIONS, PRECISIONS
 from .words import plural
 
 __all__ = ["BenchError", "BenchOutOfMemory", "BenchUnusable", "Row", "Shape", "bench", "binary_args", "collect",
@@ -55,7 +57,7 @@ SWEEP_D = (64, 128)
 # `--pass`: one of PASSES, or both.
 BOTH = "both"
 # `--precision`: one precision, or one of these groups.
-PRECISION_GROUPS = {BOTH: CUDA_PRECISIONS, "half": HALF_PRECISIONS, "all": PRECISIONS}
+PRECISION_GROUPS = {BOTH: FLOAT32_PRECISIONS, "half": HALF_PRECISIONS, "all": PRECISIONS}
 
 
 class BenchUnusable(BenchError):
@@ -187,8 +189,10 @@ def _sdpa_accuracy(binary: dict) -> dict:
     prec = binary["precision"]
     shape = binary["shape"]
 
+    scale = float(np.float32(shape["scale"]))  # the binary's float32 scale, as the reference takes it
+
     def sdpa(q, k, v, rows, backend):
-        return sdpa_output(q, k, v, rows, float(shape["scale"]), bool(shape["causal"]), prec, backend)
+        return sdpa_output(q, k, v, rows, scale, bool(shape["causal"]), prec, backend)
 
     try:
         return half_accuracy(binary, sdpa, tuple(BACKEND_NAMES))
@@ -251,14 +255,25 @@ def _print_results(results: dict, rows: Sequence[Row]) -> None:
             click.echo("  " + line)
 
 
+def _failure_source(row: Row) -> str:
+    """What a failed row's failure is of: the binary, SDPA, or the accuracy comparison."""
+    if row.kernel == ACCURACY:
+        return "the accuracy comparison"
+    return "SDPA" if row.kernel.startswith(SDPA) else "main --bench"
+
+
 def _exit_status(rows: Sequence[Row]) -> int:
-    """1 when a checked result failed its float64 check or the binary failed on a shape, else 0."""
+    """1 when a checked result failed its float64 check or something failed to run on a shape
+    (the binary, SDPA, the accuracy comparison), else 0."""
     failed = [r for r in rows if "FAIL" in r.note]
-    crashed = [r for r in rows if r.status.startswith("failed:")]
+    crashed: dict = {}
+    for r in rows:
+        if r.status.startswith("failed:"):
+            crashed.setdefault(_failure_source(r), set()).add(r.shape)
     if failed:
         click.echo(f"bench: {plural(len(failed), 'result')} failed the float64 check", err=True)
-    if crashed:
-        click.echo(f"bench: main --bench failed on {plural(len(crashed), 'shape')}; see the table", err=True)
+    for source, shapes in crashed.items():
+        click.echo(f"bench: {source} failed on {plural(len(shapes), 'shape')}; see the table", err=True)
     return 1 if failed or crashed else 0
 
 
@@ -318,7 +333,7 @@ def bench(build_dir, binary, shape_specs, precision, warmup, reps, only, passes,
                               use_torch, only, log=lambda m: click.echo(m, err=True), timeout=timeout,
                               passes=passes, ceilings=ceilings)
             if json_path:
-                atomic_write_bytes(json_path, (json.dumps(results, indent=1) + "\n").encode())
+                atomic_write_bytes(json_path, (json.dumps(jsonable(results), indent=1) + "\n").encode())
         rows = rows_from_results(results)
         _print_results(results, rows)
         if plot_path:

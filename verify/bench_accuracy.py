@@ -19,6 +19,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from .bench_report import FLASH_KERNELS, FORWARD, SDPA, SDPA_BACKENDS, BenchError, Shape
+from .model.attention import softmax_rows
 from .model.half import round_to_format
 
 __all__ = ["half_accuracy", "head_inputs", "inputs_checksum", "normwise_error", "reference_rows",
@@ -87,8 +88,7 @@ def reference_rows(q: np.ndarray, k: np.ndarray, v: np.ndarray, rows: Sequence[i
         s = (q64[r] @ k64.T) * scale
         if causal:
             s[np.arange(k64.shape[0])[None, :] > r[:, None]] = -np.inf
-        p = np.exp(s - s.max(axis=1, keepdims=True))
-        out[at:at + r.size] = (p @ v64) / p.sum(axis=1, keepdims=True)
+        out[at:at + r.size] = softmax_rows(s) @ v64
     return out
 
 

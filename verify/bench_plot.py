@@ -6,7 +6,8 @@ import os
 from pathlib import Path
 from typing import Dict, List, Sequence, Tuple
 
-from .bench_report import SDPA, SDPA_BACKWARD, BenchError, Row
+from .bench_report import SDPA, SDPA_BACKWARD, BenchError, Row, sdpa_backend_row
+from .bench_sdpa import SDPA_BACKENDS as SDPA_BACKEND_NAMES
 from .matrix_io import output_file_target
 
 # PyTorch's rows, the yardsticks: black, its backward grey, both dashed.
@@ -16,7 +17,7 @@ _SDPA_COLOURS = {SDPA: "black", SDPA_BACKWARD: "grey"}
 def _plotted(rows: Sequence[Row]) -> List[Row]:
     """Rows with a TFLOP/s figure. SDPA: its fp32 run (tf32 times the same fused kernels again) and
     its fastest backend at bf16/fp16; the backends one by one stay in the table."""
-    backend_rows = {r.kernel for r in rows if r.kernel.startswith(SDPA + "_") and r.kernel not in _SDPA_COLOURS}
+    backend_rows = {sdpa_backend_row(name) for name in SDPA_BACKEND_NAMES}
     return [r for r in rows if r.status == "ok" and r.kind in ("attention", "gemm") and r.rate
             and r.kernel not in backend_rows and not (r.kernel in _SDPA_COLOURS and r.precision == "tf32")]
 

@@ -112,6 +112,31 @@ def parse_binary_json(data: dict, source: str = "bench JSON") -> dict:
     return data
 
 
+def _check_timing(timing, source: str) -> None:
+    """An SDPA timing: an object whose status is a string and, when "ok", with number ms and tflops."""
+    if not isinstance(timing, dict) or not isinstance(timing.get("status", ""), str):
+        raise BenchError(f"{source}: expected an object with a 'status' string")
+    if timing.get("status") == "ok":
+        for key in ("ms", "tflops"):
+            if isinstance(timing.get(key), bool) or not isinstance(timing.get(key), (int, float)):
+                raise BenchError(f"{source}: lacks a number '{key}'")
+
+
+def _check_sdpa_sections(run: dict, source: str) -> None:
+    """The SDPA parts of a run as bench wrote them; raises BenchError naming the first malformed one."""
+    for name in (SDPA, SDPA_BACKWARD):
+        if run.get(name) is not None:
+            _check_timing(run[name], f"{source}.{name}")
+    backends = run.get(SDPA_BACKENDS)
+    if backends is not None:
+        if not isinstance(backends, dict):
+            raise BenchError(f"{source}.{SDPA_BACKENDS}: expected an object of backends")
+        for name, timing in backends.items():
+            _check_timing(timing, f"{source}.{SDPA_BACKENDS}.{name}")
+    if run.get(ACCURACY) is not None and not isinstance(run[ACCURACY], dict):
+        raise BenchError(f"{source}.{ACCURACY}: expected an object")
+
+
 def load_results(path: Path) -> dict:
     try:
         data = json.loads(Path(path).read_text())
@@ -226,9 +251,22 @@ def _ratio_note(ratios: Dict[str, float]) -> str:
     return "vs " + ", ".join(f"{sdpa_backend_row(name)} {r:.2f}x" for name, r in ratios.items() if name != FASTEST)
 
 
+def _error_value(err) -> Optional[float]:
+    """An error of the accuracy comparison as read back: a number, or the JSON's "inf"/"nan" (an
+    output with a NaN or an infinity); None for anything else (a status string)."""
+    if isinstance(err, bool):
+        return None
+    if isinstance(err, (int, float)):
+        return float(err)
+    if isinstance(err, str) and err.lower() in ("inf", "nan"):
+        return float(err)
+    return None
+
+
 def _add_error_note(row: Row, err) -> None:
     """SDPA's error on the binary's inputs, in its row's note (a status string says nothing more)."""
-    if isinstance(err, (int, float)) and row.status == "ok":
+    err = _error_value(err)
+    if err is not None and row.status == "ok":
         row.note += f"; err {err:.1e} on the binary's inputs"
 
 
@@ -238,11 +276,11 @@ def _half_rows(shape: Shape, prec: str, run: dict, binary: dict, rows: List[Row]
     backends = run.get(SDPA_BACKENDS) or {}
     ratios = ratios_to_backends(binary, backends)
     accuracy = run.get(ACCURACY) or {}
-    sdpa_err = accuracy.get(SDPA)
+    sdpa_err = _error_value(accuracy.get(SDPA))
     for row in rows:
         if row.kernel in ratios:
             row.note = "; ".join(n for n in (row.note, _ratio_note(ratios[row.kernel])) if n)
-        if row.kernel in FLASH_KERNELS and row.status == "ok" and isinstance(sdpa_err, (int, float)):
+        if row.kernel in FLASH_KERNELS and row.status == "ok" and sdpa_err is not None:
             row.sdpa_err = sdpa_err
             row.note += f"; SDPA's err {sdpa_err:.1e}"
     extra = [_sdpa_row(shape, prec, sdpa_backend_row(name), b) for name, b in backends.items()]
@@ -260,6 +298,7 @@ def _run_rows(i: int, run: dict) -> List[Row]:
         shape = parse_shape_id(run.get("shape", "B0-H0-N0-M0-d0"))
         return [_row(shape, run.get("precision", "?"), "main --bench", "attention", f"failed: {run['error']}")]
     binary = parse_binary_json(run.get("binary"), f"runs[{i}].binary")
+    _check_sdpa_sections(run, f"runs[{i}]")
     shape, prec = _shape_of(binary), binary["precision"]
     # The run's SDPA timings by row name: "sdpa" the forward, "sdpa_backward" the backward.
     sdpa = {name: run[name] for name in (SDPA, SDPA_BACKWARD) if run.get(name)}

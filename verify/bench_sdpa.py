@@ -17,7 +17,7 @@ from .bench_report import MIB, OOM, UNSUPPORTED, Shape
 from .stages import HALF_PRECISIONS
 
 __all__ = ["SDPA_BACKENDS", "rejection_reason", "sdpa_output", "time_sdpa", "time_sdpa_backends",
-           "time_sdpa_backward", "torch_available"]
+           "time_sdpa_backward", "torch_available", "torch_dtype"]
 
 # The backends timed one by one at bf16/fp16: the results' name -> torch.nn.attention.SDPBackend's.
 SDPA_BACKENDS = {"cudnn": "CUDNN_ATTENTION", "flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION"}
@@ -25,6 +25,9 @@ SDPA_BACKENDS = {"cudnn": "CUDNN_ATTENTION", "flash": "FLASH_ATTENTION", "effici
 _NO_KERNEL = "No available kernel"
 # torch's warnings name the file that raised them; the reason ends before.
 _TRIGGERED = "(Triggered internally"
+# torch's warnings that say only that a kernel was not used, or that another backend than the one
+# forced is switched off: no reason of their own.
+_NO_REASON = ("because:", "has been runtime disabled.")
 
 
 class _Refused(Exception):
@@ -61,7 +64,8 @@ def tensor_dtype(precision: str) -> str:
     return precision if precision in HALF_PRECISIONS else "fp32"
 
 
-def _torch_dtype(torch, precision: str):
+def torch_dtype(torch, precision: str):
+    """torch's dtype of a precision's tensors: bfloat16, float16, else float32."""
     return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
 
 
@@ -69,7 +73,7 @@ def _inputs(torch, shape: Shape, seed: int, grad: bool, precision: str = "fp32")
     """Q, K, V (and dO) uniform in [-1, 1) as (B, H, rows, d) CUDA tensors of the precision's dtype."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
     rows = (shape.seq_q, shape.seq_k, shape.seq_k) + ((shape.seq_q,) if grad else ())
-    dtype = _torch_dtype(torch, precision)
+    dtype = torch_dtype(torch, precision)
     return [(torch.rand(shape.batch, shape.heads, n, shape.d, device="cuda", generator=gen) * 2 - 1).to(dtype)
             for n in rows]
 
@@ -81,12 +85,12 @@ def _first_line(text: str, fallback: str) -> str:
 
 def rejection_reason(messages: Sequence[str], error: str) -> str:
     """torch's reasons for refusing a forced backend, from the warnings it gave while refusing:
-    without the "... not used because:" headers and the "(Triggered internally at ...)" trailers;
-    the error's first line when they say nothing."""
+    without the "... not used because:" headers, the notes that some other backend is disabled and
+    the "(Triggered internally at ...)" trailers; the error's first line when they say nothing."""
     reasons = []
     for message in messages:
         text = " ".join(message.split(_TRIGGERED)[0].split())
-        if text and not text.endswith("because:") and text not in reasons:
+        if text and not text.endswith(_NO_REASON) and text not in reasons:
             reasons.append(text)
     return "; ".join(reasons) or _first_line(error, "refused")
 
@@ -97,7 +101,10 @@ def _forced(torch, backend: Optional[str]):
     if backend is None:
         yield
         return
-    from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: PLC0415
+    try:
+        from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: PLC0415
+    except ImportError:
+        raise _Refused(f"torch {torch.__version__} cannot force an SDPA backend (no torch.nn.attention)") from None
 
     member = getattr(SDPBackend, SDPA_BACKENDS[backend], None)
     if member is None:
@@ -107,15 +114,16 @@ def _forced(torch, backend: Optional[str]):
 
 
 def _probe(torch, fn):
-    """fn() once, its warnings kept: a RuntimeError other than out of memory is the forced
-    backend's refusal (_Refused with torch's reason)."""
+    """fn() once, its warnings kept: torch's "No available kernel" is the forced backend's
+    refusal (_Refused with torch's reason); any other error, a kernel that crashed or ran out of
+    memory, is raised as it is (a failure, not a refusal)."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
             return fn()
-        except torch.cuda.OutOfMemoryError:
-            raise
         except RuntimeError as exc:
+            if _NO_KERNEL not in str(exc):
+                raise
             raise _Refused(rejection_reason([str(w.message) for w in caught], str(exc))) from None
 
 
@@ -142,7 +150,7 @@ def _timed(shape: Shape, precision: str, flop: float, setup, backend: Optional[s
         return {"status": f"{UNSUPPORTED}: {str(exc)[:300]}", **about}
     except torch.cuda.OutOfMemoryError:
         return {"status": OOM, **about}
-    except RuntimeError as exc:  # out of memory, or no backend for the shape
+    except RuntimeError as exc:  # a kernel that crashed
         return {"status": f"failed: {_first_line(str(exc), type(exc).__name__)[:120]}", **about}
     finally:
         torch.backends.cuda.matmul.allow_tf32 = old
@@ -179,15 +187,15 @@ def sdpa_output(q: np.ndarray, k: np.ndarray, v: np.ndarray, rows: Sequence[int]
     import torch  # noqa: PLC0415
     import torch.nn.functional as F  # noqa: PLC0415
 
-    dtype = _torch_dtype(torch, precision)
-    q_t, k_t, v_t = (torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)).cuda().to(dtype)[None]
-                     for x in (q, k, v))
+    dtype = torch_dtype(torch, precision)
     try:
+        q_t, k_t, v_t = (torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)).cuda().to(dtype)[None]
+                         for x in (q, k, v))
         with _forced(torch, backend):
             out = _probe(torch, lambda: F.scaled_dot_product_attention(q_t, k_t, v_t, scale=scale, is_causal=causal))
     except _Refused as exc:
         return f"{UNSUPPORTED}: {str(exc)[:300]}"
-    except RuntimeError as exc:  # out of memory
+    except RuntimeError as exc:  # out of memory (torch's OutOfMemoryError is one), or a crash
         return f"failed: {_first_line(str(exc), type(exc).__name__)[:120]}"
     index = torch.as_tensor(list(rows), device=out.device, dtype=torch.long)
     return out[0].index_select(1, index).double().cpu().numpy()

@@ -70,13 +70,23 @@ class StageCriterion:
             return 0.0 if self.error == 0 else math.inf
         return self.error / self.baseline_error
 
+    @property
+    def baseline_overflowed(self) -> bool:
+        return not math.isfinite(self.baseline_error)
+
     def rule(self) -> str:
         return f"{self.factor:g} x baseline" + (f" + {self.slack:.0e}".replace("e-0", "e-") if self.slack else "")
+
+    def outcome(self, fmt: str) -> str:
+        """The table's verdict: meets or misses, with the rule, or why no program can meet it."""
+        if self.baseline_overflowed:
+            return f"misses: the eager {fmt} baseline overflowed (NaN), so flash-attn's test fails on these inputs"
+        return f"{'meets' if self.meets else 'misses'} ({self.rule()} allowed)"
 
     def to_json(self) -> dict:
         return {"stage": self.stage, "error": self.error, "baseline_error": self.baseline_error,
                 "ratio": self.ratio, "factor": self.factor, "slack": self.slack, "allowed": self.allowed,
-                "meets": self.meets}
+                "baseline_overflowed": self.baseline_overflowed, "meets": self.meets}
 
 
 def _max_error(got: np.ndarray, want: np.ndarray) -> float:
@@ -126,12 +136,10 @@ def text_lines(report: Report, quiet: bool = False) -> List[str]:
     if quiet:
         if not missed:
             return [f"{TITLE} (informational): met by all {plural(len(crits), 'stage')}"]
-        worst = max(missed, key=lambda c: c.ratio)
         return [f"{TITLE} (informational): missed by {', '.join(c.stage for c in missed)} "
-                f"(error {_g(worst.ratio)} x the baseline's, {worst.rule()} allowed)"]
+                f"({_quiet_reason(missed, report.run.precision)})"]
     fmt = report.run.precision
-    rows = [(c.stage, _g(c.error), _g(c.baseline_error), _g(c.ratio),
-             f"{'meets' if c.meets else 'misses'} ({c.rule()} allowed)") for c in crits]
+    rows = [(c.stage, _g(c.error), _g(c.baseline_error), _g(c.ratio), c.outcome(fmt)) for c in crits]
     cols = ("stage", "yours", "baseline", "ratio", "flash-attn's test")
     widths = [max(len(x) for x in col) for col in zip(cols, *rows)]
     line = "  " + "  ".join(f"{{:<{w}}}" for w in widths)
@@ -139,6 +147,14 @@ def text_lines(report: Report, quiet: bool = False) -> List[str]:
             f"  largest |error| against the reference rounded to {fmt}: yours, and an eager {fmt} "
             "attention's (flash-attn's baseline)",
             line.format(*cols).rstrip()] + [line.format(*r).rstrip() for r in rows]
+
+
+def _quiet_reason(missed: List[StageCriterion], fmt: str) -> str:
+    """Why the criterion was missed, in a few words: the baseline's overflow, or the worst ratio."""
+    if any(c.baseline_overflowed for c in missed):
+        return f"the eager {fmt} baseline overflowed on these inputs"
+    worst = max(missed, key=lambda c: c.ratio)
+    return f"error {_g(worst.ratio)} x the baseline's, {worst.rule()} allowed"
 
 
 def json_block(report: Report) -> Optional[dict]:

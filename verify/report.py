@@ -170,15 +170,16 @@ def summary_lines(report: Report) -> List[str]:
     return lines
 
 
-def _jsonable(x):
+def jsonable(x):
+    """x with its non-finite floats as strings ("inf", "nan"): JSON has no Infinity or NaN."""
     if isinstance(x, float) and not math.isfinite(x):
         return str(x)
     if isinstance(x, dict):
-        return {k: _jsonable(v) for k, v in x.items()}
+        return {k: jsonable(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
-        return [_jsonable(v) for v in x]
+        return [jsonable(v) for v in x]
     if hasattr(x, "item"):
-        return _jsonable(x.item())
+        return jsonable(x.item())
     return x
 
 
@@ -196,7 +197,7 @@ def to_json(report: Report) -> dict:
                        "worst_head": w.head if w else None, "resolution": _resolution(rs),
                        "print_limited": any(r.print_limited for r in rs),
                        "source": run.sources[stage].describe()})
-    return _jsonable({
+    return jsonable({
         "passed": report.passed, "first_failing_stage": report.first_failing_stage,
         "first_failure": first.to_json() if first else None,
         "run_id": run.run_id, "backend": run.backend, "device": run.device,

@@ -37,7 +37,6 @@ and works without it.
 from __future__ import annotations
 
 import contextlib
-import re
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,6 +45,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import click
 import numpy as np
 
+from .bench_sdpa import rejection_reason, torch_dtype
 from .case import InputCase, load_input_case
 from .model.half import round_to_format
 from .options import InputError, user_errors
@@ -140,7 +140,7 @@ def write_stage_files(out_dir: Path, stages: Dict[str, np.ndarray], precision: s
 def write_sdpa_case(in_dir: Path, out_dir: Path, backend: str, precision: str, mask: str = MASKS[0],
                     scale: Optional[float] = None, runner: Optional[Runner] = None) -> SdpaResults:
     """Runs SDPA (`runner`, default run_sdpa) on the case IN and writes its results into OUT as
-    stage files. scale: the case's unless given (a planted bug: the wrong scale)."""
+    stage files. scale: the case's unless given (a wrong one shows that the check fails it)."""
     if backend not in BACKENDS or precision not in HALF_PRECISIONS or mask not in MASKS:
         raise ValueError(f"backend {backend!r}, precision {precision!r}, mask {mask!r}: expected one of "
                          f"{', '.join(BACKENDS)}; {', '.join(HALF_PRECISIONS)}; {', '.join(MASKS)}")
@@ -166,23 +166,17 @@ def _torch():
     return torch
 
 
-# torch's warnings that say only that a backend was not the one forced, and where in torch a
-# warning was raised: left out of the reason a backend is unavailable.
-_NOT_FORCED = re.compile(r"(not used because:|has been runtime disabled\.)$")
-_WHERE = re.compile(r"\s*\(Triggered internally at [^)]*\)")
-
-
 def _refused(call: Callable[[], object], backend: str):
     """call() under the forced backend; torch's refusal (its warnings say why the kernel was not
-    used, then "No available kernel") or a kernel's failure becomes BackendUnavailable."""
+    used, then "No available kernel") or a kernel's failure becomes BackendUnavailable, with the
+    reason bench reports for a refused backend (bench_sdpa.rejection_reason)."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
             return call()
         except RuntimeError as exc:
-            said = [_WHERE.sub("", str(w.message)).strip() for w in caught] + [_WHERE.sub("", str(exc)).strip()]
-            why = [line.splitlines()[0] for line in said if line and not _NOT_FORCED.search(line.splitlines()[0])]
-            raise BackendUnavailable(f"{backend}: " + "; ".join(why or [type(exc).__name__])) from None
+            why = rejection_reason([str(w.message) for w in caught], str(exc) or type(exc).__name__)
+            raise BackendUnavailable(f"{backend}: {why}") from None
 
 
 def _to_numpy(x) -> np.ndarray:
@@ -210,10 +204,14 @@ def run_sdpa(inputs: Dict[str, np.ndarray], backend: str, precision: str, scale:
     """SDPA of the inputs ((B, H, rows, cols) float32 arrays holding values of the format) on the
     GPU, at the format, under `backend` alone; the gradients too when dO is given."""
     torch = _torch()
-    from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: PLC0415
+    try:
+        from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: PLC0415
+    except ImportError:
+        raise BackendUnavailable(f"torch {torch.__version__} cannot force an SDPA backend "
+                                 "(no torch.nn.attention)") from None
     from torch.nn.functional import scaled_dot_product_attention  # noqa: PLC0415
 
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    dtype = torch_dtype(torch, precision)
     q, k, v = (torch.from_numpy(inputs[n]).cuda().to(dtype).requires_grad_() for n in INPUT_NAMES)
     explicit = causal and mask == "explicit"
     # Top-left, as the contract and torch's is_causal: query i sees keys 0..i.
@@ -276,7 +274,8 @@ def _lse_or_note(torch, backend, explicit, q, k, v, scale, causal) -> Tuple[Opti
               help="The format SDPA computes in.")
 @click.option("--mask", type=click.Choice(MASKS), default=MASKS[0], show_default=True,
               help="For a causal case: torch's is_causal, or the same top-left mask as an attn_mask.")
-@click.option("--scale", type=float, default=None, help="Scale SDPA uses instead of the case's (a planted bug).")
+@click.option("--scale", type=float, default=None,
+              help="Scale SDPA uses instead of the case's (to see that a wrong scale fails the check).")
 @user_errors
 def main(in_dir: Path, out_dir: Path, backend: str, precision: str, mask: str, scale: Optional[float]) -> None:
     """Run PyTorch SDPA on the case IN at bf16/fp16 and write its results into OUT.

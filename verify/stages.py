@@ -18,7 +18,7 @@ MAX_HEAD_DIM = 256
 # format, float32 accumulation and softmax).
 PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
 HALF_PRECISIONS = ("bf16", "fp16")
-CUDA_PRECISIONS = ("fp32", "tf32")  # the float32 ones: what sweep times, and bench's `both`
+FLOAT32_PRECISIONS = ("fp32", "tf32")  # the float32 ones: what sweep times, and bench's `both`
 
 # Case limits, the same in cuda_src/stages.h (docs/contract.md): every dimension 1..MAX_DIM,
 # batch × heads at most MAX_HEADS, the elements of every stage of every head at most MAX_ELEMENTS

@@ -30,7 +30,7 @@ from .device_memory import PeakDeviceMemory
 from .matrix_io import atomic_write_bytes, output_file_target
 from .options import InputError, binary_option, build_option, progress_bar, timeout_option, user_errors
 from .runner import ensure_built
-from .stages import CUDA_PRECISIONS
+from .stages import FLOAT32_PRECISIONS
 from .words import plural
 
 RESULTS_FORMAT = 1
@@ -320,7 +320,7 @@ or a checked result (flash output, gradients) failed its float64 check.
               help="Time only this kernel (repeatable; '-backward': its backward pass) [default: all].")
 @click.option("--pass", "passes", type=click.Choice(PASSES + (BOTH,)), default=BOTH, show_default=True,
               help="The forward rows, the backward rows, or both.")
-@click.option("--precision", type=click.Choice(CUDA_PRECISIONS), default=CUDA_PRECISIONS[0], show_default=True,
+@click.option("--precision", type=click.Choice(FLOAT32_PRECISIONS), default=FLOAT32_PRECISIONS[0], show_default=True,
               help="The binary's GEMMs and flash kernel (SDPA always runs in fp32).")
 @click.option("--warmup", type=click.IntRange(min=0), default=3, show_default=True, help="Untimed runs first.")
 @click.option("--reps", type=click.IntRange(min=1), default=20, show_default=True,

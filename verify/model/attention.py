@@ -1,4 +1,6 @@
-"""Attention's float64 building blocks: the causal mask, scaled scores, row softmax, log-sum-exp."""
+"""Attention's building blocks: the causal mask, scaled scores, row softmax, log-sum-exp; float64 for
+the references, and in the input's own type otherwise (the flash-attn baseline's softmax runs on
+float32 scores in float32)."""
 from __future__ import annotations
 
 import numpy as np
