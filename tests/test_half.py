@@ -71,6 +71,21 @@ def test_inputs_and_stage_values_are_rounded_to_the_format(binary, tmp_path, pre
     assert f'precision = "{precision}"' in (out / RUN_MANIFEST).read_text()
 
 
+@pytest.mark.parametrize("precision", HALF_PRECISIONS)
+def test_a_run_toml_naming_the_half_flash_kernel_is_checked_under_its_model(binary, tmp_path, precision):
+    """run.toml names the Hopper half kernel (split or not) as a GPU run writes it: the verifier
+    knows that kernel's model, so the same correct values pass under it, without a GPU."""
+    generate_case(tmp_path / "in", Dims(1, 2, 40, 70, 64, 64), seed=6, distribution="normal")
+    run_binary(binary, tmp_path / "in", tmp_path / "out", backend="cpu", extra=("--precision", precision))
+    toml = tmp_path / "out" / RUN_MANIFEST
+    cpu = toml.read_text()
+    assert 'flash_kernel = "cpu-tiled"' in cpu
+    for kernel in (f"cuda-wgmma-{precision}", f"cuda-wgmma-{precision}-split3"):
+        toml.write_text(cpu.replace('backend = "cpu"', 'backend = "cuda"').replace('"cpu-tiled"', f'"{kernel}"'))
+        code, verdict = _check(tmp_path / "in", tmp_path / "out")
+        assert code == 0 and verdict.startswith(f"PASS (bounds for {precision})"), (kernel, verdict)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("precision", HALF_PRECISIONS)
 @pytest.mark.parametrize("dims,causal", [(Dims(1, 3, 128, 128, 64, 64), False), (Dims(2, 2, 77, 200, 40, 24), True),
