@@ -3,9 +3,10 @@
 // (docs/contract.md). Order of work, so that bad input never leaves a half-written case:
 //   1. parse the command line, find and check the input case (every file, the manifest, shapes),
 //      choose the stages, the backend and the head-group size: all before writing anything;
-//   2. remove the previous run.toml, then per group: read Q/K/V (and dO), compute, write the stage files
-//      (each via a temporary file and rename);
-//   3. write run.toml last. On any failure after step 2 began, remove this run's files.
+//   2. mark the output folder as holding an unfinished run, then per group: read Q/K/V (and dO),
+//      compute, and write the stage files into a staging folder inside it (io/run_folder.h);
+//   3. write run.toml last, then put the staged files in place of the previous run's at once. On any
+//      failure the previous run's files stay untouched and the marker says why this run did not finish.
 #include <algorithm>
 #include <chrono>
 #include <csignal>
@@ -26,6 +27,7 @@
 #include "io/host_memory.h"
 #include "io/manifest.h"
 #include "io/matrix_io.h"
+#include "io/run_folder.h"
 #include "stages.h"
 
 namespace attnstep {
@@ -34,20 +36,6 @@ namespace {
 
 const char* kRunManifest = "run.toml";
 const size_t kMiB = size_t(1) << 20;
-
-// Ctrl-C / SIGTERM while files are being written: the handler only records the signal (and
-// restores the default, so a second one kills at once); the run checks between files and fails
-// like any other error, which removes this run's files. Exit status 128 + signal, as shells use.
-volatile std::sig_atomic_t g_signal = 0;
-extern "C" void on_signal(int sig) {
-    g_signal = sig;
-    std::signal(sig, SIG_DFL);
-}
-
-void check_interrupted() {
-    if (g_signal)
-        fail(128 + g_signal, "interrupted by signal " + std::to_string(g_signal) + "; removed this run's files");
-}
 
 void notice(const std::string& line) { std::fprintf(stderr, "main: notice: %s\n", line.c_str()); }
 
@@ -231,7 +219,7 @@ struct Progress {
 };
 
 struct RunState {
-    std::string run_id, out_dir;
+    std::string run_id, out_dir;  // out_dir: where the files go until the commit (the staging folder)
     Format out_format = Format::txt;
     OutputLog log;
     StageTimes times;
@@ -253,7 +241,7 @@ void write_group(RunState& rs, const HeadGroup& g, StageSet written, const Dims&
             AtomicFile f(rs.out_dir + "/" + name, rs.run_id);
             write_matrix(f, rs.out_format, g.out[i] + stage_elems(s, d) * j, rows, cols, header);
             uint32_t crc = f.commit();
-            rs.log.add(f.path(), name.substr(0, name.rfind('.')), crc);
+            rs.log.add(name, name.substr(0, name.rfind('.')), crc);
             rs.progress.step();
         }
     }
@@ -314,6 +302,44 @@ void read_group_inputs(const InputCase& in, bool allow_nonfinite, Precision prec
     g.dout = head_input(Stage::dO, 0);
 }
 
+// The files a run wrote (stage files, then run.toml), in order: what commit() puts in place.
+std::vector<std::string> staged_names(const RunState& rs) {
+    std::vector<std::string> names;
+    for (const OutputLog::Entry& e : rs.log.entries()) names.push_back(e.path);
+    names.push_back(kRunManifest);
+    return names;
+}
+
+// Plans the head groups, then per group reads the inputs, computes and writes the stage files
+// into rs.out_dir; run.toml last.
+void compute_and_write(const Options& o, const Problem& p, const InputCase& in, Backend& be, StageSet written,
+                       StageSet computed, RunState& rs) {
+    GroupPlan plan = plan_groups(o, p, computed, be);
+    const Dims& d = p.dims;
+    const int total = d.total_heads();
+    rs.progress.on = o.progress;
+    rs.progress.total = static_cast<long long>(total) * (2 + written.count());
+    std::vector<float> buf[kNumStages];
+    std::vector<float> inputs[kNumStages];
+    for (int first = 0; first < total; first += plan.group_size) {
+        HeadGroup g;
+        g.first = first;
+        g.count = std::min(plan.group_size, total - first);
+        read_group_inputs(in, o.allow_nonfinite, p.precision, computed, d, g, inputs, rs.progress);
+        for (int i = 0; i < kNumStages; ++i)
+            if (computed.has(static_cast<Stage>(i))) {
+                buf[i].resize(stage_elems(static_cast<Stage>(i), d) * g.count);
+                g.out[i] = buf[i].data();
+            }
+        check_interrupted();
+        be.compute(p, computed, g, &rs.times);
+        rs.progress.step(g.count);
+        write_group(rs, g, written, d);
+    }
+    check_interrupted();
+    write_run_manifest(rs, o, p, be, computed, written);
+}
+
 int run(int argc, char** argv) {
     Options o = parse_cli(argc, argv);
     if (o.help) {
@@ -327,48 +353,35 @@ int run(int argc, char** argv) {
     StageSet written = drop_half_flash(o, *be, p, select_stages(o, in));
     StageSet computed = dependency_closure(written);
     check_forced_flash_kernel(o, *be, computed);
-    GroupPlan plan = plan_groups(o, p, computed, *be);
 
     RunState rs;
     rs.run_id = make_run_id();
-    rs.out_dir = o.out_dir;
     rs.out_format = o.has_format ? o.format : in.format;
     // From here on files change (the first is prepare_output_dir's write probe): a signal is only
-    // recorded, and a failure removes everything this run wrote.
-    std::signal(SIGINT, on_signal);
-    std::signal(SIGTERM, on_signal);
+    // recorded, and a failure leaves the previous run's files as they were, marked as unfinished.
+    catch_signals();
     prepare_output_dir(o.out_dir, o.in_dir, rs.run_id);
     if (int n = remove_stale_temporaries(o.out_dir, rs.run_id))
         notice("removed " + plural(n, "temporary file") + " left in " + o.out_dir + " by runs that were killed");
+    RunFolder folder(o.out_dir, rs.run_id);
     try {
-        remove_if_exists(rs.out_dir + "/" + kRunManifest);
-        const Dims& d = p.dims;
-        const int total = d.total_heads();
-        rs.progress.on = o.progress;
-        rs.progress.total = static_cast<long long>(total) * (2 + written.count());
-        std::vector<float> buf[kNumStages];
-        std::vector<float> inputs[kNumStages];
-        for (int first = 0; first < total; first += plan.group_size) {
-            HeadGroup g;
-            g.first = first;
-            g.count = std::min(plan.group_size, total - first);
-            read_group_inputs(in, o.allow_nonfinite, p.precision, computed, d, g, inputs, rs.progress);
-            for (int i = 0; i < kNumStages; ++i)
-                if (computed.has(static_cast<Stage>(i))) {
-                    buf[i].resize(stage_elems(static_cast<Stage>(i), d) * g.count);
-                    g.out[i] = buf[i].data();
-                }
-            check_interrupted();
-            be->compute(p, computed, g, &rs.times);
-            rs.progress.step(g.count);
-            write_group(rs, g, written, d);
-        }
+        folder.begin();
+        rs.out_dir = folder.staging();
+        compute_and_write(o, p, in, *be, written, computed, rs);
         check_interrupted();
-        write_run_manifest(rs, o, p, *be, computed, written);
-    } catch (...) {
-        rs.log.remove_all();
+        folder.commit(staged_names(rs));
+    } catch (const Error& e) {
+        folder.abandon(e.what());
+        throw;
+    } catch (const std::bad_alloc&) {
+        folder.abandon("out of host memory while allocating buffers");
+        throw;
+    } catch (const std::exception& e) {
+        folder.abandon(std::string("internal error: ") + e.what());
         throw;
     }
+    if (int sig = pending_signal())
+        notice(signal_words(sig) + " arrived while the finished run was put in place; the run is complete");
     return kExitOk;
 }
 

@@ -11,6 +11,7 @@ from click.testing import CliRunner
 
 from verify.case import crc32_hex, read_matrix, write_matrix
 from verify.cli import cli
+from verify.stages import UNFINISHED_MARKER
 
 SMALL = ["--heads", "2", "--seq-q", "9", "--seq-k", "13", "--d-k", "16", "--d-v", "16"]
 
@@ -188,8 +189,10 @@ def test_run_timeout_stops_the_binary_and_leaves_no_case(runner, tmp_path, binar
     res = runner.invoke(cli, ["run", "--in", str(tmp_path / "in"), "--out", str(tmp_path / "out"),
                               "--backend", "cpu", "--binary", str(binary), "--timeout", "1"])
     assert res.exit_code == 1 and "--timeout" in res.output, res.output
-    left = list((tmp_path / "out").glob("*")) if (tmp_path / "out").exists() else []
-    assert not left, left  # SIGTERM: the binary removed its own files, temporaries included
+    left = sorted(p.name for p in (tmp_path / "out").iterdir())
+    assert left == [UNFINISHED_MARKER], left  # SIGTERM: the binary stopped, its staged files removed
+    res = runner.invoke(cli, ["check", "--in", str(tmp_path / "in"), "--out", str(tmp_path / "out")])
+    assert res.exit_code == 2 and "did not finish" in res.output and "--timeout" in res.output, res.output
 
 
 def test_binary_option_takes_relative_paths(runner, tmp_path, binary, monkeypatch):

@@ -182,7 +182,8 @@ def run(in_dir, out_dir, backend, build_dir, binary, timeout, cwd, stages, fmt, 
     Runs build/main on IN and writes every stage file and run.toml into OUT. With --binary PATH
     -- ARGS, runs your program as `PATH ARGS...` (in --cwd) instead, its own way, and then makes
     sure it wrote stage files into OUT (named as --name/--names say, as for check). Files of an
-    earlier run in OUT are first moved into OUT/.attnstep-previous, so `check` never sees them.
+    earlier run in OUT are moved into OUT/.attnstep-previous, so `check` never sees them, and a run
+    that fails or is stopped leaves OUT marked unfinished, which `check` refuses.
     """
     if args and binary is None:
         raise click.UsageError("program arguments after -- need --binary PATH (the program to run)")
@@ -196,7 +197,7 @@ def run(in_dir, out_dir, backend, build_dir, binary, timeout, cwd, stages, fmt, 
     with reported_progress_bar("running", ours and not quiet) as progress:
         seconds = run_attnstep_binary(binary, in_dir, out_dir, backend, timeout, cwd,
                                        _run_args(stages, fmt, precision, poison, causal, scale, max_memory_mb,
-                                                 allow_nonfinite), progress)
+                                                 allow_nonfinite), progress, ours)
     if not quiet:
         click.echo(run_summary(binary, out_dir, seconds))
 
@@ -345,11 +346,12 @@ def demo(ctx, data_dir, backend, build_dir, binary, timeout, json_path, seed, fo
     in_dir, out_dir = data_dir / DEFAULT_CASE, data_dir / DEFAULT_RESULT
     say = _step_printer(quiet)
     say(f"[1/4] using {binary}" if binary else f"[1/4] building the binary in {build_dir}")
+    ours = binary is None
     binary = binary or _build(build_dir, quiet)
     say(f"[2/4] generating {in_dir}" + (" with the output gradient dO" if backward else ""))
     generate_case(in_dir, DEFAULT_DIMS, seed=seed, force=force, backward=backward)
     say(f"[3/4] running {binary.name} --backend {backend}")
-    seconds = run_attnstep_binary(binary, in_dir, out_dir, backend, timeout)
+    seconds = run_attnstep_binary(binary, in_dir, out_dir, backend, timeout, ours=ours)
     say("      " + run_summary(binary, out_dir, seconds))
     say(f"[4/4] checking {out_dir}")
     passed = _check_and_report(in_dir, out_dir, Options(), json_path, None, None, False, quiet)

@@ -25,6 +25,7 @@ from .case import CaseError, InputCase, check_scale, check_types, crc32_hex, rea
 from .model.kernels import KERNELS, kernel_base_name
 from .stage_files import (STACKED_SUFFIX, STAGE_ITEMSIZE, StageSource, check_heads_named, discover_sources,
                           parse_name_map, pattern_glob, read_names_file)
+from .unfinished import refuse_unfinished
 from .stages import (DIM_KEYS, FORMATS, PRECISIONS, RUN_MANIFEST, STAGES, Dims, default_scale,
                      parse_stage_file, stage_file)
 
@@ -213,6 +214,7 @@ def open_run(folder: Path, case: InputCase, over: Overrides = Overrides()) -> Ru
     folder = Path(folder)
     if not folder.is_dir():
         raise CaseError(f"{folder}: output case folder not found; HINT: run 'attnstep run' first")
+    refuse_unfinished(folder)
     values = read_run_manifest(folder)
     dims = _run_dims(values, case, folder)
     if "stages" in values:

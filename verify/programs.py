@@ -3,6 +3,7 @@ aside first, and what it wrote told apart from what was there (a program that wr
 an error, not a silent success)."""
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import os
 import time
@@ -17,23 +18,26 @@ from .outputs import stage_files_in
 from .words import plural
 from .runner import run_binary, run_program, set_aside_previous
 from .stage_files import STACKED_SUFFIX, pattern_glob
+from .unfinished import FAILED, clear_unfinished, mark_unfinished
 from .stages import INPUT_MANIFEST, RUN_MANIFEST, STAGE_NAMES, parse_stage_file
 
 
 def run_attnstep_binary(binary: Path, in_dir: Path, out_dir: Path, backend: str, timeout: float,
-                         cwd: Optional[Path] = None, extra=(), progress=None) -> float:
-    """Runs attnstep's binary into a fresh OUT, passing on its notices and output; returns its wall
-    time in seconds. `progress(done, total)`, when given, follows the binary's work."""
-    fresh_out(out_dir, in_dir)
+                         cwd: Optional[Path] = None, extra=(), progress=None, ours: bool = True) -> float:
+    """Runs attnstep's binary (or, `ours` False, a program taking its arguments) into OUT, passing
+    on its notices and output; returns its wall time in seconds. `progress(done, total)`, when
+    given, follows the binary's work. attnstep's binary puts a finished run in place of the
+    previous one itself; another program is watched (watched_run)."""
     t0 = time.monotonic()
-    result = run_binary(binary, in_dir, out_dir, backend=backend, timeout=timeout, cwd=cwd, extra=extra,
-                        progress=progress)
-    seconds = time.monotonic() - t0
-    for line in result.notices:
-        click.echo(line, err=True)
-    if result.stdout.strip():
-        click.echo(result.stdout.rstrip())
-    require_written(binary, out_dir)
+    with watched_run(out_dir, in_dir, {}, binary if not ours else None):
+        result = run_binary(binary, in_dir, out_dir, backend=backend, timeout=timeout, cwd=cwd, extra=extra,
+                            progress=progress)
+        seconds = time.monotonic() - t0
+        for line in result.notices:
+            click.echo(line, err=True)
+        if result.stdout.strip():
+            click.echo(result.stdout.rstrip())
+        require_written(binary, out_dir)
     return seconds
 
 
@@ -56,10 +60,9 @@ def run_summary(binary: Path, out_dir: Path, seconds: float) -> str:
     return f"{Path(binary).name}: {seconds:.2f} s; {', '.join(parts)}; written to {out_dir}"
 
 
-def fresh_out(out_dir: Path, in_dir: Optional[Path] = None, names: Mapping[str, str] = {}) -> None:
-    """Moves an earlier run's files in OUT aside (OUT is created when missing). An OUT that is the
-    input case (the same folder, or one holding an input manifest) is refused: its Q/K/V files
-    would be moved away."""
+def refuse_input_case(out_dir: Path, in_dir: Optional[Path] = None) -> None:
+    """An OUT that is the input case (the same folder, or one holding an input manifest) is
+    refused: its Q/K/V files would be replaced or moved away."""
     out_dir = Path(out_dir)
     if not out_dir.is_dir():
         return
@@ -67,7 +70,38 @@ def fresh_out(out_dir: Path, in_dir: Optional[Path] = None, names: Mapping[str, 
     if same or (out_dir / INPUT_MANIFEST).exists():
         what = "the input case folder" if same else f"an input case (it holds {INPUT_MANIFEST})"
         raise InputError(f"--out {out_dir}: is {what}; HINT: write the outputs to another folder")
-    set_aside_previous(out_dir, stage_files_in(out_dir, names))
+
+
+def fresh_out(out_dir: Path, in_dir: Optional[Path] = None, names: Mapping[str, str] = {}) -> None:
+    """Moves an earlier run's files in OUT aside (refuse_input_case first)."""
+    refuse_input_case(out_dir, in_dir)
+    if Path(out_dir).is_dir():
+        set_aside_previous(out_dir, stage_files_in(out_dir, names))
+
+
+@contextlib.contextmanager
+def watched_run(out_dir: Path, in_dir: Optional[Path], names: Mapping[str, str], program: Optional[Path]):
+    """Around a run into OUT. attnstep's binary (`program` None) keeps the run protocol itself;
+    another program's earlier files are moved aside first and OUT carries the unfinished-run marker
+    until the program has exited 0 and its files are found, so that `check` refuses what a failed,
+    killed or still running program left."""
+    refuse_input_case(out_dir, in_dir)
+    if program is None:
+        yield
+        return
+    fresh_out(out_dir, in_dir, names)
+    run_id = f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{os.getpid()}-{Path(program).name}"
+    try:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise InputError(f"--out {out_dir}: cannot create the folder: {exc.strerror or exc}") from None
+    mark_unfinished(out_dir, run_id)
+    try:
+        yield
+    except BaseException as exc:
+        mark_unfinished(out_dir, run_id, FAILED, str(exc) or type(exc).__name__)
+        raise
+    clear_unfinished(out_dir)
 
 
 def require_written(binary: Path, out_dir: Path, names: Mapping[str, str] = {}) -> List[str]:
@@ -82,9 +116,9 @@ def require_written(binary: Path, out_dir: Path, names: Mapping[str, str] = {}) 
 def run_any_program(binary: Path, args, cwd: Optional[Path], out_dir: Path, timeout: float,
                     in_dir: Optional[Path] = None, quiet: bool = False, names: Mapping[str, str] = {}) -> None:
     """Runs `binary ARGS...` its own way; `names`: the name map of the files it writes."""
-    fresh_out(out_dir, in_dir, names)
-    seconds = run_program(binary, args, cwd, timeout)
-    written = require_written(binary, out_dir, names)
+    with watched_run(out_dir, in_dir, names, binary):
+        seconds = run_program(binary, args, cwd, timeout)
+        written = require_written(binary, out_dir, names)
     stages = [s for s in STAGE_NAMES if any(_written_stage(n, names) == s for n in written)]
     if not quiet:
         click.echo(f"{binary.name}: {seconds:.2f} s; wrote {plural(len(written), 'stage file')} "

@@ -1,15 +1,19 @@
 """Building the binary with CMake and running it as a subprocess (no bindings)."""
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
+import signal
 import subprocess
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, List, Optional, Sequence, Tuple
+
+from .stages import PREVIOUS_DIR
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_BUILD_DIR = REPO / "build"
@@ -119,17 +123,64 @@ def _read_lines(stream, sink: List[str], progress: RunProgress = None) -> thread
     return thread
 
 
+# The signals that stop `attnstep run` stop the program it runs: passed on to it (it runs in a
+# process group of its own, so a Ctrl-C at the terminal reaches it once, through here), and the run
+# ends only once the program has.
+FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+
+
+@contextlib.contextmanager
+def _forwarding_signals(child: subprocess.Popen):
+    """Passes FORWARDED_SIGNALS that reach this process on to `child`; yields the list of those
+    received. Only the main thread can take signals: elsewhere nothing is forwarded."""
+    received: List[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield received
+        return
+
+    def forward(sig, _frame) -> None:
+        received.append(sig)
+        with contextlib.suppress(ProcessLookupError):
+            child.send_signal(sig)
+    before = {sig: signal.signal(sig, forward) for sig in FORWARDED_SIGNALS}
+    try:
+        yield received
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+
+
 def _finish_or_stop(child: subprocess.Popen, timeout: Optional[float], who: str, after: str = "",
                     progress: RunProgress = None) -> Tuple[str, str]:
     """child's (stdout, stderr) once it exits (empty where not piped), its stderr read as it comes
     so that progress lines reach `progress` while it works; after `timeout` seconds it gets SIGTERM
-    (on which attnstep's binary removes its run's files), SIGKILL after TERMINATE_GRACE_S more, and
-    the run is an error."""
+    (on which attnstep's binary stops and marks its run unfinished), SIGKILL after
+    TERMINATE_GRACE_S more, and the run is an error. A signal that stops this process is passed on
+    to the child, which is waited for, and the run is an error."""
     out: List[str] = []
     err: List[str] = []
     readers = [_read_lines(stream, sink, report)
                for stream, sink, report in ((child.stdout, out, None), (child.stderr, err, progress))
                if stream is not None]
+    try:
+        with _forwarding_signals(child) as received:
+            _wait_or_stop(child, timeout, who, after)
+    finally:
+        for reader in readers:
+            reader.join()
+    if received:
+        sig = signal.Signals(received[0])
+        raise RunnerError(f"stopped by {sig.name}: {who} was stopped too (exit status {_status(child)})",
+                          "".join(err), exit_code=128 + sig.value)
+    return "".join(out), "".join(err)
+
+
+def _status(child: subprocess.Popen) -> str:
+    code = child.returncode
+    return f"signal {-code}" if code < 0 else str(code)
+
+
+def _wait_or_stop(child: subprocess.Popen, timeout: Optional[float], who: str, after: str) -> None:
     try:
         child.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -141,10 +192,6 @@ def _finish_or_stop(child: subprocess.Popen, timeout: Optional[float], who: str,
             child.wait()
         raise RunnerError(f"{who} did not finish within {timeout:.0f} s (--timeout) and was stopped{after}",
                           exit_code=1) from None
-    finally:
-        for reader in readers:
-            reader.join()
-    return "".join(out), "".join(err)
 
 
 @dataclass
@@ -169,12 +216,13 @@ def run_binary(binary: Path, in_dir: Path, out_dir: Path, *, backend: str = "aut
     try:
         # errors="replace": the binary quotes bad input bytes back in its messages
         child = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                 errors="replace", cwd=cwd)
+                                 errors="replace", cwd=cwd, process_group=0)
     except FileNotFoundError:
         raise RunnerError(f"binary not found: {binary}; run 'attnstep run' to build it")
     except OSError as exc:
         raise RunnerError(f"cannot run {binary}: {exc.strerror or exc}")
-    stdout, stderr = _finish_or_stop(child, timeout, "the binary", "; its partial output was removed", progress)
+    stdout, stderr = _finish_or_stop(child, timeout, "the binary", "; the output folder is marked unfinished",
+                                     progress)
     proc = subprocess.CompletedProcess(cmd, child.returncode, stdout, stderr)
     notices = [ln for ln in proc.stderr.splitlines() if ": notice:" in ln]
     result = RunResult(proc.returncode, proc.stdout, proc.stderr, notices)
@@ -199,7 +247,6 @@ def _binary_error(stderr: str) -> Tuple[str, str]:
 # ----------------------------------------------------------------------------------------------
 # Anyone's program: run with its own arguments, and what it wrote told apart from what was there.
 
-PREVIOUS_DIR = ".attnstep-previous"  # inside OUT: the files of the run before, moved aside
 
 
 def set_aside_previous(out_dir: Path, names: Sequence[str]) -> None:
@@ -227,7 +274,7 @@ def run_program(binary: Path, args: Sequence[str], cwd: Optional[Path],
     cmd = [str(Path(binary).absolute()), *args]  # as the caller names it, wherever it runs
     t0 = time.monotonic()
     try:
-        child = subprocess.Popen(cmd, cwd=cwd)
+        child = subprocess.Popen(cmd, cwd=cwd, process_group=0)
     except FileNotFoundError:
         raise RunnerError(f"program not found: {binary}")
     except OSError as exc:

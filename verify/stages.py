@@ -34,6 +34,12 @@ TEXT_SLACK_BYTES = 2**16
 NPY_MAX_HEADER_BYTES = 10000
 INPUT_MANIFEST = "manifest.toml"
 RUN_MANIFEST = "run.toml"
+# Inside an output folder (cuda_src/io/run_folder.h holds the same names): the marker of a run that
+# has not finished, the staging folder a run writes into before it is put in place, and the
+# previous run's files, moved aside.
+UNFINISHED_MARKER = ".attnstep-unfinished"
+STAGING_PREFIX = ".attnstep-staging-"
+PREVIOUS_DIR = ".attnstep-previous"
 FORMATS = ("txt", "npy")
 DATA_DIR = "data"
 DEFAULT_CASE = "random_test"     # the original workflow's names

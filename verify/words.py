@@ -21,3 +21,9 @@ def number(x: Optional[float]) -> str:
     if math.isinf(x) or math.isnan(x):
         return str(x)
     return f"{x:.3g}" if 1e-3 <= abs(x) < 1e5 else f"{x:.2e}"
+
+
+def printable(text: object, limit: int = 120) -> str:
+    """A string read from a file, safe to print: control characters escaped, cut to `limit`."""
+    s = "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in str(text))
+    return s if len(s) <= limit else s[:limit - 1] + "…"

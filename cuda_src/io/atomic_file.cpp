@@ -29,7 +29,8 @@ bool all_of(const std::string& s, size_t from, size_t n, const char* chars) {
     return true;
 }
 
-// The process id inside a run id made by make_run_id(); 0 when `id` is not one.
+}  // namespace
+
 long run_id_pid(const std::string& id) {
     const char* digits = "0123456789";
     // yyyymmddThhmmssZ-
@@ -43,12 +44,10 @@ long run_id_pid(const std::string& id) {
     return std::stol(id.substr(17, dash - 17));
 }
 
-// True when no process `pid` exists any more (or it is this process, which wrote no such file).
 bool process_gone(long pid) {
     if (pid == static_cast<long>(::getpid())) return true;
     return ::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH;
 }
-}  // namespace
 
 std::string make_run_id() {
     std::time_t now = std::time(nullptr);
@@ -134,17 +133,6 @@ uint32_t AtomicFile::commit() {
         fail(kExitInternal, final_path_ + ": cannot rename " + tmp_path_ + " into place: " + why);
     }
     return crc_;
-}
-
-void OutputLog::remove_all() const {
-    for (const Entry& e : entries_) std::remove(e.path.c_str());
-}
-
-void remove_if_exists(const std::string& path) {
-    if (::access(path.c_str(), F_OK) != 0) return;
-    if (std::remove(path.c_str()) != 0)
-        fail(kExitBadInput, path + ": cannot remove the previous run's file: " + errno_text(),
-             "check the output folder's permissions");
 }
 
 }  // namespace attnstep

@@ -1,7 +1,7 @@
 // atomic_file.h — output files that appear only when complete, and a record of what a run wrote.
 // Every output is written to "<name>.tmp-<run_id>" and renamed into place by commit(), so a reader
-// never sees a half-written file; OutputLog remembers the files a run committed so that a run that
-// fails later can remove exactly those (and nothing it did not write).
+// never sees a half-written file; OutputLog remembers the files a run committed, with their CRC-32
+// for run.toml (a whole run appears at once through io/run_folder.h).
 #pragma once
 
 #include <cstdint>
@@ -37,15 +37,13 @@ private:
 class OutputLog {
 public:
     struct Entry {
-        std::string path, key;  // key: e.g. "QK_head_3", used for run.toml's crc32_<key>
+        std::string path, key;  // path: the file's name; key: e.g. "QK_head_3", for run.toml's crc32_<key>
         uint32_t crc;
     };
     void add(const std::string& path, const std::string& key, uint32_t crc) {
         entries_.push_back({path, key, crc});
     }
     const std::vector<Entry>& entries() const { return entries_; }
-    // Removes every committed file (a failed run leaves none of its own files behind).
-    void remove_all() const;
 
 private:
     std::vector<Entry> entries_;
@@ -55,6 +53,12 @@ private:
 // 20250101T120000Z-4242-0badf00d. Every temporary file's name ends in ".tmp-<run id>".
 std::string make_run_id();
 
+// The process id inside a run id made by make_run_id(); 0 when `id` is not one.
+long run_id_pid(const std::string& id);
+
+// True when no process `pid` exists any more (or it is this process, whose leftovers these are not).
+bool process_gone(long pid);
+
 // Removes the temporary files ("<name>.tmp-<run id>") in `dir` that runs other than `own_run_id`
 // left behind when they were killed: those whose run id names a process that no longer exists.
 // Returns how many were removed.
@@ -62,8 +66,5 @@ int remove_stale_temporaries(const std::string& dir, const std::string& own_run_
 
 // The temporary name AtomicFile writes `final_path` under.
 std::string temporary_path(const std::string& final_path, const std::string& run_id);
-
-// Removes a file if it exists; fails (exit 2) when it exists and cannot be removed.
-void remove_if_exists(const std::string& path);
 
 }  // namespace attnstep

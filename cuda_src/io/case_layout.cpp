@@ -16,6 +16,7 @@
 #include "atomic_file.h"
 #include "input_file.h"
 #include "manifest.h"
+#include "run_folder.h"
 
 namespace fs = std::filesystem;
 
@@ -288,6 +289,27 @@ bool same_folder(const std::string& a, const std::string& b) {
            sa.st_ino == sb.st_ino;
 }
 
+// What an input case folder holds and an output folder does not: the input manifest, or input
+// files (Q, K, V, dO per head) with no run.toml and no other stage beside them (an output folder
+// echoes the inputs beside the stages it computed). Empty when `dir` looks like no input case.
+std::string input_case_sign(const std::string& dir) {
+    if (fs::exists(join(dir, kManifestName))) return kManifestName;
+    std::string input;
+    bool other_stage = false;
+    std::error_code ec;
+    for (const fs::directory_entry& e : fs::directory_iterator(dir, ec)) {
+        const std::string name = e.path().filename().string();
+        if (name == "run.toml") return "";
+        if (!is_run_file_name(name)) continue;
+        const std::string stage = name.substr(0, name.find("_head_"));
+        bool is_input = false;
+        for (Stage s : all_inputs()) is_input = is_input || stage == stage_name(s);
+        if (is_input) input = name;
+        else other_stage = true;
+    }
+    return other_stage ? "" : input;
+}
+
 }  // namespace
 
 std::string head_file_name(Stage s, int head, Format fmt) {
@@ -420,6 +442,10 @@ void prepare_output_dir(const std::string& out_dir, const std::string& in_dir, c
     if (same_folder(out_dir, in_dir))
         fail(kExitBadInput, out_dir + ": the output folder is the input folder (" + in_dir + ")",
              "outputs would overwrite the inputs; pass a different --out");
+    const std::string sign = input_case_sign(out_dir);
+    if (!sign.empty())
+        fail(kExitBadInput, out_dir + ": holds an input case (" + sign + "), not a run's output",
+             "its inputs would be replaced; pass an --out folder of its own");
     // A real write is the only reliable test (permission bits say nothing on read-only mounts or
     // for root).
     std::string probe = temporary_path(join(out_dir, ".attnstep-probe"), run_id);

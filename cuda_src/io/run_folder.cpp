@@ -1,0 +1,231 @@
+// run_folder.cpp — the output folder's run protocol and the signals that can interrupt it; see
+// run_folder.h.
+#include "run_folder.h"
+
+#include <algorithm>
+#include <cerrno>
+#include <csignal>
+#include <cstdio>
+#include <cstring>
+#include <ctime>
+#include <dirent.h>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <sys/stat.h>
+#include <system_error>
+#include <unistd.h>
+
+#include "../common.h"
+#include "../stages.h"
+#include "atomic_file.h"
+#include "manifest.h"
+#include "matrix_io.h"
+
+namespace fs = std::filesystem;
+
+namespace attnstep {
+
+namespace {
+
+const char* kRunManifestName = "run.toml";
+
+std::string join(const std::string& dir, const std::string& name) { return dir + "/" + name; }
+
+bool all_digits(const std::string& s) {
+    if (s.empty()) return false;
+    for (char c : s)
+        if (c < '0' || c > '9') return false;
+    return true;
+}
+
+// The entries of a folder (no "." or ".."); empty when it cannot be read.
+std::vector<std::string> entries(const std::string& dir) {
+    std::vector<std::string> out;
+    DIR* d = ::opendir(dir.c_str());
+    if (!d) return out;
+    while (const struct dirent* e = ::readdir(d)) {
+        std::string name = e->d_name;
+        if (name != "." && name != "..") out.push_back(name);
+    }
+    ::closedir(d);
+    return out;
+}
+
+// The process's start time in clock ticks after boot (/proc/<pid>/stat, field 22), 0 where unknown:
+// with the process id it names one process, even after the id is reused.
+long long process_start_ticks(long pid) {
+    std::ifstream f("/proc/" + std::to_string(pid) + "/stat");
+    std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+    size_t close = text.rfind(')');  // the command name may hold spaces and parentheses
+    if (close == std::string::npos) return 0;
+    std::istringstream rest(text.substr(close + 1));
+    std::string field;
+    for (int i = 3; i <= 22 && rest >> field; ++i)
+        if (i == 22) return std::atoll(field.c_str());
+    return 0;
+}
+
+std::string utc_now() {
+    std::time_t now = std::time(nullptr);
+    char t[32];
+    std::strftime(t, sizeof t, "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
+    return t;
+}
+
+void rename_or_fail(const std::string& from, const std::string& to) {
+    if (std::rename(from.c_str(), to.c_str()) != 0)
+        fail(kExitInternal, "cannot move " + from + " to " + to + ": " + std::strerror(errno),
+             "check the output folder's permissions and free space, then run again");
+}
+
+// The signals held back while a finished run is put in place (those catch_signals handles).
+sigset_t held_signals();
+
+}  // namespace
+
+bool is_run_file_name(const std::string& name) {
+    if (name == kRunManifestName) return true;
+    const size_t head = name.find("_head_"), dot = name.rfind('.');
+    if (head == std::string::npos || dot == std::string::npos || dot < head) return false;
+    const std::string stage = name.substr(0, head), index = name.substr(head + 6, dot - head - 6);
+    const std::string ext = name.substr(dot + 1);
+    bool known = false;
+    for (int i = 0; i < kNumStages && !known; ++i) known = stage == stage_name(static_cast<Stage>(i));
+    return known && all_digits(index) && (ext == format_name(Format::txt) || ext == format_name(Format::npy));
+}
+
+RunFolder::RunFolder(const std::string& out_dir, const std::string& run_id)
+    : out_(out_dir), run_id_(run_id), staging_(join(out_dir, kStagingPrefix + run_id)),
+      marker_(join(out_dir, kUnfinishedMarker)) {}
+
+void RunFolder::begin() {
+    int removed = 0;
+    for (const std::string& name : entries(out_)) {
+        if (name.rfind(kStagingPrefix, 0) != 0) continue;
+        const long pid = run_id_pid(name.substr(std::strlen(kStagingPrefix)));
+        if (pid <= 0 || !process_gone(pid)) continue;
+        std::error_code ec;
+        if (fs::remove_all(join(out_, name), ec) != static_cast<std::uintmax_t>(-1) && !ec) ++removed;
+    }
+    if (removed)
+        std::fprintf(stderr, "main: notice: removed %s left in %s by runs that were killed\n",
+                     plural(removed, "staging folder").c_str(), out_.c_str());
+    write_marker("running", "");
+    begun_ = true;
+    if (::mkdir(staging_.c_str(), 0777) != 0)
+        fail(kExitBadInput, staging_ + ": cannot create the staging folder: " + std::strerror(errno),
+             "pass --out a folder you can write to");
+}
+
+void RunFolder::write_marker(const std::string& state, const std::string& reason) const {
+    ManifestWriter w;
+    w.comment("attnstep: a run into this folder has not finished (docs/contract.md); the next run removes this");
+    w.add("run_id", run_id_);
+    w.add("pid", static_cast<long long>(::getpid()));
+    w.add("pid_start", process_start_ticks(::getpid()));
+    w.add("started", utc_now());
+    w.add("state", state);
+    w.add("reason", reason);
+    AtomicFile f(marker_, run_id_);
+    f.write(w.text());
+    f.commit();
+}
+
+// The previous run's files (run.toml first, so that no moment shows it beside new files) go into
+// OUT/.attnstep-previous, which holds one run: what an earlier move left there is removed.
+void RunFolder::move_previous_aside() const {
+    const std::string previous = join(out_, kPreviousFolder);
+    std::error_code ec;
+    fs::remove_all(previous, ec);  // a link there is removed, never followed
+    std::vector<std::string> names;
+    for (const std::string& name : entries(out_)) {
+        struct stat st;
+        if (is_run_file_name(name) && ::lstat(join(out_, name).c_str(), &st) == 0 && !S_ISDIR(st.st_mode))
+            names.push_back(name);
+    }
+    if (names.empty()) return;
+    if (::mkdir(previous.c_str(), 0777) != 0)
+        fail(kExitInternal, previous + ": cannot create: " + std::strerror(errno),
+             "check the output folder's permissions");
+    std::stable_partition(names.begin(), names.end(), [](const std::string& n) { return n == kRunManifestName; });
+    for (const std::string& name : names) rename_or_fail(join(out_, name), join(previous, name));
+}
+
+void RunFolder::commit(const std::vector<std::string>& names) {
+    sigset_t held = held_signals(), before;
+    ::sigprocmask(SIG_BLOCK, &held, &before);
+    try {
+        move_previous_aside();
+        for (const std::string& name : names)
+            if (name != kRunManifestName) rename_or_fail(join(staging_, name), join(out_, name));
+        rename_or_fail(join(staging_, kRunManifestName), join(out_, kRunManifestName));
+        committed_ = true;
+        std::remove(marker_.c_str());
+        std::error_code ec;
+        fs::remove_all(staging_, ec);
+    } catch (...) {
+        ::sigprocmask(SIG_SETMASK, &before, nullptr);
+        throw;
+    }
+    ::sigprocmask(SIG_SETMASK, &before, nullptr);
+}
+
+void RunFolder::abandon(const std::string& reason) noexcept {
+    if (!begun_ || committed_) return;
+    try {
+        std::error_code ec;
+        fs::remove_all(staging_, ec);
+        write_marker("failed", reason);
+    } catch (...) {
+        // The marker written by begin() still says that this run did not finish.
+    }
+}
+
+// ---------------------------------------------------------------- signals
+namespace {
+// What ends a run by default and can be caught: each is recorded and the run stops between two
+// files, like any failure (the handler restores the default, so a second one ends it at once).
+const int kCaught[] = {SIGHUP, SIGINT, SIGQUIT, SIGTERM, SIGUSR1, SIGUSR2, SIGALRM, SIGXCPU, SIGVTALRM, SIGPROF};
+// Ignored, so that the write fails with an error the run reports (EPIPE, EFBIG) instead of the
+// process ending without a word.
+const int kIgnored[] = {SIGPIPE, SIGXFSZ};
+
+volatile std::sig_atomic_t g_signal = 0;
+extern "C" void on_signal(int sig) {
+    g_signal = sig;
+    std::signal(sig, SIG_DFL);
+}
+
+sigset_t held_signals() {
+    sigset_t set;
+    sigemptyset(&set);
+    for (int sig : kCaught) sigaddset(&set, sig);
+    return set;
+}
+}  // namespace
+
+void catch_signals() {
+    for (int sig : kCaught) std::signal(sig, on_signal);
+    for (int sig : kIgnored) std::signal(sig, SIG_IGN);
+}
+
+int pending_signal() { return g_signal; }
+
+std::string signal_words(int sig) {
+    static const struct { int sig; const char* name; } kNames[] = {
+        {SIGHUP, "SIGHUP"},   {SIGINT, "SIGINT"},   {SIGQUIT, "SIGQUIT"},     {SIGTERM, "SIGTERM"},
+        {SIGUSR1, "SIGUSR1"}, {SIGUSR2, "SIGUSR2"}, {SIGALRM, "SIGALRM"},     {SIGXCPU, "SIGXCPU"},
+        {SIGVTALRM, "SIGVTALRM"}, {SIGPROF, "SIGPROF"}};
+    for (const auto& n : kNames)
+        if (n.sig == sig) return "signal " + std::to_string(sig) + " (" + n.name + ")";
+    return "signal " + std::to_string(sig);
+}
+
+void check_interrupted() {
+    if (g_signal)
+        fail(128 + g_signal, "interrupted by " + signal_words(g_signal),
+             "the output folder keeps the files of the run before, marked as unfinished");
+}
+
+}  // namespace attnstep

@@ -1,0 +1,280 @@
+"""A failed or interrupted run never verifies, and the previous run survives it (docs/contract.md,
+"A run is complete or it is not there"): the binary writes into a staging folder and puts the
+finished run in place at once; until then the output folder carries a marker that `check` refuses.
+Signals sent at several points of real runs, a file-size limit, a full filesystem, exit 3, a run
+still writing, `attnstep run` stopped, and other people's programs that fail."""
+from __future__ import annotations
+
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import tomllib
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from verify.generate import generate_case
+from verify.stages import Dims
+from verify.unfinished import Unfinished, mark_unfinished, process_start_ticks, read_marker, refuse_unfinished
+from verify.case import CaseError
+
+from run_helpers import (PREVIOUS_DIR, REPO, UNFINISHED_MARKER, binary_command, check, leftovers, signal_when,
+                         snapshot, staged_a_file, staging_folders)
+
+BIG = Dims(1, 8, 384, 384, 32, 32)     # long enough to be caught while writing, on any machine
+SMALL = Dims(1, 3, 24, 40, 16, 16)
+
+
+def _case(tmp_path: Path, dims: Dims = BIG, name: str = "in", fmt: str = "npy") -> Path:
+    return generate_case(tmp_path / name, dims, fmt=fmt, seed=1)
+
+
+def _run(binary, in_dir, out_dir, *extra, **kw):
+    return subprocess.run(binary_command(binary, in_dir, out_dir, *extra), capture_output=True, text=True,
+                          timeout=300, **kw)
+
+
+def _finished(binary, in_dir, out_dir, *extra):
+    """A complete run in OUT; returns its files."""
+    proc = _run(binary, in_dir, out_dir, *extra)
+    assert proc.returncode == 0, proc.stderr
+    assert not (out_dir / UNFINISHED_MARKER).exists()
+    return snapshot(out_dir)
+
+
+def _error_lines(stderr: str):
+    return [ln for ln in stderr.splitlines() if ln.startswith("main: error:")]
+
+
+def _assert_refused(in_dir, out_dir, *words):
+    res = check(in_dir, out_dir)
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert "did not finish" in res.stderr and "Traceback" not in res.stderr, res.stderr
+    for w in words:
+        assert w in res.stderr, res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1, res.stderr
+
+
+# ------------------------------------------------------------------ the binary
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1],
+                         ids=lambda s: signal.Signals(s).name)
+def test_a_signal_while_writing_keeps_the_previous_run(binary, tmp_path, sig):
+    in_dir, out_dir = _case(tmp_path), tmp_path / "out"
+    before = _finished(binary, in_dir, out_dir, "--stages", "QK,output")
+    signalled, rc, err = signal_when(binary_command(binary, in_dir, out_dir), lambda: staged_a_file(out_dir), sig)
+    assert signalled, "five runs ended before a file was staged"
+    name = signal.Signals(sig).name
+    assert rc == 128 + sig, err
+    assert _error_lines(err) == [f"main: error: interrupted by signal {int(sig)} ({name})"], err
+    assert snapshot(out_dir) == before  # untouched, byte for byte
+    assert leftovers(out_dir) == []
+    marker = read_marker(out_dir)
+    assert marker.state == "failed" and name in marker.reason
+    _assert_refused(in_dir, out_dir, name)
+
+
+def test_sigkill_while_writing_keeps_the_previous_run_and_the_next_run_cleans_up(binary, tmp_path):
+    in_dir, out_dir = _case(tmp_path), tmp_path / "out"
+    before = _finished(binary, in_dir, out_dir, "--stages", "QK")
+    signalled, rc, _ = signal_when(binary_command(binary, in_dir, out_dir), lambda: staged_a_file(out_dir),
+                                   signal.SIGKILL)
+    assert signalled and rc == -signal.SIGKILL
+    assert snapshot(out_dir) == before and staging_folders(out_dir)
+    marker = read_marker(out_dir)
+    assert marker.state == "running" and not marker.writer_alive()
+    _assert_refused(in_dir, out_dir, f"process {marker.pid} ended before it finished")
+    again = _run(binary, in_dir, out_dir, "--stages", "QK")
+    assert again.returncode == 0 and "removed 1 staging folder" in again.stderr, again.stderr
+    assert leftovers(out_dir) == [] and not (out_dir / UNFINISHED_MARKER).exists()
+    assert check(in_dir, out_dir).returncode == 0
+
+
+def test_a_failed_run_keeps_the_previous_run_and_says_why(binary, tmp_path):
+    """Heads 0 and 1 are computed and written (staged) before head 2's broken file is read."""
+    in_dir, out_dir = _case(tmp_path, Dims(1, 3, 192, 192, 64, 64), fmt="txt"), tmp_path / "out"
+    before = _finished(binary, in_dir, out_dir)
+    (out_dir / "notes.txt").write_text("the user's own file")
+    v2 = in_dir / "V_head_2.txt"
+    good = v2.read_text()
+    v2.write_text("".join(good.splitlines(keepends=True)[:-1]))
+    proc = _run(binary, in_dir, out_dir, "--max-memory-mb", "1")
+    assert proc.returncode == 2 and "V_head_2.txt:192:1" in _error_lines(proc.stderr)[0]
+    assert {k: v for k, v in snapshot(out_dir).items() if k != "notes.txt"} == before
+    assert (out_dir / "notes.txt").read_text() == "the user's own file" and leftovers(out_dir) == []
+    _assert_refused(in_dir, out_dir, "V_head_2.txt:192:1")
+    v2.write_text(good)
+    _finished(binary, in_dir, out_dir)
+    assert check(in_dir, out_dir).returncode == 0
+    assert (out_dir / "notes.txt").exists() and (out_dir / PREVIOUS_DIR / "run.toml").exists()
+
+
+def test_exit_3_marks_the_folder(binary, tmp_path):
+    in_dir, out_dir = _case(tmp_path, Dims(1, 1, 512, 512, 16, 16)), tmp_path / "out"
+    before = _finished(binary, in_dir, out_dir, "--stages", "flash")
+    proc = _run(binary, in_dir, out_dir, "--max-memory-mb", "1")
+    assert proc.returncode == 3, proc.stderr
+    assert snapshot(out_dir) == before
+    _assert_refused(in_dir, out_dir, "not enough host memory")
+
+
+def test_a_file_size_limit_ends_the_run_with_a_message(binary, tmp_path):
+    """SIGXFSZ would end the binary without a word: the write fails instead, and says so."""
+    in_dir, out_dir = _case(tmp_path), tmp_path / "out"
+    before = _finished(binary, in_dir, out_dir, "--stages", "K")
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, 200_000))
+    proc = _run(binary, in_dir, out_dir, preexec_fn=limit)
+    assert proc.returncode == 1 and "File too large" in _error_lines(proc.stderr)[0], proc.stderr
+    assert snapshot(out_dir) == before and leftovers(out_dir) == []
+    _assert_refused(in_dir, out_dir, "File too large")
+
+
+def _unshare_works() -> bool:
+    return bool(shutil.which("unshare")) and subprocess.run(["unshare", "-rm", "true"],
+                                                           capture_output=True).returncode == 0
+
+
+@pytest.mark.skipif(not _unshare_works(), reason="needs `unshare -rm` to mount a small tmpfs without root")
+def test_a_full_filesystem_keeps_the_previous_run(binary, tmp_path):
+    """On a 1 MiB tmpfs: a small run fits, a larger one runs out of space while writing."""
+    small, large = _case(tmp_path, SMALL, "small", "txt"), _case(tmp_path, Dims(1, 4, 256, 256, 32, 32), "large")
+    mnt, after = tmp_path / "mnt", tmp_path / "after"
+    mnt.mkdir()
+    script = textwrap.dedent(f"""\
+        mount -t tmpfs -o size=1m tmpfs "{mnt}" || exit 90
+        "{binary}" --in "{large}" --out "{mnt}/out" --backend cpu --stages K || exit 91
+        cp -a "{mnt}/out" "{tmp_path}/before"
+        "{binary}" --in "{large}" --out "{mnt}/out" --backend cpu 2>"{tmp_path}/err"
+        echo $? > "{tmp_path}/rc"
+        cp -a "{mnt}/out" "{after}"
+        """)
+    proc = subprocess.run(["unshare", "-rm", "sh", "-c", script], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    err = (tmp_path / "err").read_text()
+    assert (tmp_path / "rc").read_text().strip() == "1" and "No space left" in _error_lines(err)[0], err
+    assert snapshot(after) == snapshot(tmp_path / "before") and leftovers(after) == []
+    _assert_refused(large, after)
+
+
+def test_check_refuses_a_folder_while_the_run_writes(binary, tmp_path):
+    in_dir, out_dir = _case(tmp_path), tmp_path / "out"
+    _finished(binary, in_dir, out_dir, "--stages", "QK")
+    proc = subprocess.Popen(binary_command(binary, in_dir, out_dir), stderr=subprocess.PIPE, text=True)
+    try:
+        while proc.poll() is None:
+            proc.send_signal(signal.SIGSTOP)
+            if staged_a_file(out_dir):
+                break
+            proc.send_signal(signal.SIGCONT)
+            time.sleep(0.0005)
+        assert proc.poll() is None, "the run ended before a file was staged"
+        res = check(in_dir, out_dir)
+        assert res.returncode == 2 and f"still writing into this folder (process {proc.pid}" in res.stderr, res.stderr
+    finally:
+        proc.send_signal(signal.SIGCONT)
+        proc.communicate(timeout=300)
+    assert proc.returncode == 0
+    assert check(in_dir, out_dir).returncode == 0
+
+
+def test_an_output_folder_holding_another_case_is_refused(binary, tmp_path):
+    in_dir, other = _case(tmp_path, SMALL), _case(tmp_path, SMALL, "other", "txt")
+    before = snapshot(other)
+    assert "holds an input case (manifest.toml)" in _error_lines(_run(binary, in_dir, other).stderr)[0]
+    (other / "manifest.toml").unlink()
+    del before["manifest.toml"]
+    assert "holds an input case (" in _error_lines(_run(binary, in_dir, other).stderr)[0]
+    assert snapshot(other) == before
+    # An output folder echoes Q, K, V beside the stages it computed: that one is taken.
+    out_dir = tmp_path / "out"
+    _finished(binary, in_dir, out_dir)
+    (out_dir / "run.toml").unlink()
+    assert _run(binary, in_dir, out_dir).returncode == 0
+
+
+# ------------------------------------------------------------------ the marker
+def test_a_live_writer_is_told_from_a_reused_process_id(tmp_path):
+    me = os.getpid()
+    assert Unfinished(pid=me, pid_start=process_start_ticks(me), state="running").writer_alive()
+    assert not Unfinished(pid=me, pid_start=process_start_ticks(me) + 1, state="running").writer_alive()
+    assert not Unfinished(pid=me, pid_start=process_start_ticks(me), state="failed").writer_alive()
+    mark_unfinished(tmp_path, "a-run")
+    with pytest.raises(CaseError, match="a-run is still writing into this folder"):
+        refuse_unfinished(tmp_path)
+
+
+def test_an_unreadable_marker_still_refuses(tmp_path):
+    (tmp_path / UNFINISHED_MARKER).write_bytes(b"\x00\xff not toml")
+    with pytest.raises(CaseError, match="did not finish"):
+        refuse_unfinished(tmp_path)
+
+
+# ------------------------------------------------------------------ attnstep run
+def _attnstep(*args: str, **kw) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "verify", *args], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, **kw)
+
+
+def test_sigterm_to_attnstep_run_stops_the_binary_too(binary, tmp_path):
+    in_dir, out_dir = _case(tmp_path), tmp_path / "out"
+    before = _finished(binary, in_dir, out_dir, "--stages", "QK")
+    run = _attnstep("run", "--in", str(in_dir), "--out", str(out_dir), "--backend", "cpu")  # builds build/main
+    try:
+        deadline = time.monotonic() + 120
+        while not staged_a_file(out_dir) and run.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.001)
+        writer = read_marker(out_dir)
+        run.send_signal(signal.SIGTERM)
+        _, err = run.communicate(timeout=120)
+    finally:
+        if run.poll() is None:
+            run.kill()
+    if writer is None or writer.pid == run.pid:
+        pytest.skip("the run finished before it could be stopped")
+    assert run.returncode == 128 + signal.SIGTERM and "stopped by SIGTERM" in err, err
+    with pytest.raises(ProcessLookupError):  # no orphan: the binary ended before attnstep did
+        os.kill(writer.pid, 0)
+    time.sleep(0.5)
+    assert snapshot(out_dir) == before and leftovers(out_dir) == []
+    _assert_refused(in_dir, out_dir, "SIGTERM")
+
+
+def _program(tmp_path: Path, body: str) -> Path:
+    prog = tmp_path / "prog.py"
+    prog.write_text(f"#!{sys.executable}\nimport sys, os, numpy as np\nout = sys.argv[1]\n{body}\n")
+    prog.chmod(0o755)
+    return prog
+
+
+@pytest.mark.parametrize("body,words", [
+    ("np.savetxt(os.path.join(out, 'output_head_0.txt'), np.zeros((24, 16)))\nsys.exit(1)", "exited with status 1"),
+    ("np.savetxt(os.path.join(out, 'output_head_0.txt'), np.zeros((24, 16)))\nos.kill(os.getpid(), 9)",
+     "killed by signal 9"),
+    ("pass", "wrote no stage file"),
+], ids=["exit-1", "killed", "wrote-nothing"])
+def test_another_program_that_fails_leaves_the_folder_refused(tmp_path, body, words):
+    in_dir, out_dir = _case(tmp_path, SMALL, fmt="txt"), tmp_path / "out"
+    prog = _program(tmp_path, body)
+    run = _attnstep("run", "--in", str(in_dir), "--out", str(out_dir), "--binary", str(prog), "--", str(out_dir))
+    _, err = run.communicate(timeout=120)
+    assert run.returncode != 0 and words in err, err
+    _assert_refused(in_dir, out_dir, words)
+
+
+def test_another_program_that_succeeds_clears_the_marker(tmp_path):
+    in_dir, out_dir = _case(tmp_path, SMALL, fmt="txt"), tmp_path / "out"
+    prog = _program(tmp_path, "q = [np.loadtxt(os.path.join(sys.argv[2], f'Q_head_{i}.txt')) for i in range(3)]\n"
+                              "[np.savetxt(os.path.join(out, f'Q_head_{i}.txt'), q[i], fmt='%.9g') for i in range(3)]")
+    run = _attnstep("run", "--in", str(in_dir), "--out", str(out_dir), "--binary", str(prog), "--", str(out_dir),
+                    str(in_dir))
+    _, err = run.communicate(timeout=120)
+    assert run.returncode == 0, err
+    assert not (out_dir / UNFINISHED_MARKER).exists()
+    assert check(in_dir, out_dir).returncode == 0
