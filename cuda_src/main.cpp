@@ -341,6 +341,7 @@ void compute_and_write(const Options& o, const Problem& p, const InputCase& in, 
 }
 
 int run(int argc, char** argv) {
+    catch_signals();  // from the start, so that no signal ends the binary without a word
     Options o = parse_cli(argc, argv);
     if (o.help) {
         print_usage(stdout);
@@ -357,9 +358,9 @@ int run(int argc, char** argv) {
     RunState rs;
     rs.run_id = make_run_id();
     rs.out_format = o.has_format ? o.format : in.format;
-    // From here on files change (the first is prepare_output_dir's write probe): a signal is only
-    // recorded, and a failure leaves the previous run's files as they were, marked as unfinished.
-    catch_signals();
+    // From here on files change (the first is prepare_output_dir's write probe); a failure leaves
+    // the previous run's files as they were, marked as unfinished.
+    check_interrupted(false);
     prepare_output_dir(o.out_dir, o.in_dir, rs.run_id);
     if (int n = remove_stale_temporaries(o.out_dir, rs.run_id))
         notice("removed " + plural(n, "temporary file") + " left in " + o.out_dir + " by runs that were killed");

@@ -292,3 +292,60 @@ def test_verifier_never_passes_corrupt_outputs(binary, pristine_backward_txt, tm
     assert res.returncode in (0, 1, 2)
     if after != before and target != "run.toml":
         assert res.returncode != 0, res.stdout[-1500:]
+
+
+# ------------------------------------------------------------------ interrupted runs
+INTERRUPTS = ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGKILL")
+RUN_DIMS = Dims(batch=1, heads=6, seq_q=256, seq_k=256, d_k=32, d_v=32)
+
+
+@pytest.fixture(scope="module")
+def previous_run(tmp_path_factory, binary):
+    """An input case, a complete earlier run of it, and how long a full run takes."""
+    import time
+    folder = tmp_path_factory.mktemp("interrupted")
+    generate_case(folder / "in", RUN_DIMS, seed=5, fmt="npy")
+    first = run_binary(binary, folder / "in", folder / "out", backend="cpu", extra=["--stages", "QK,flash_lse"],
+                       check=False)
+    assert first.returncode == 0, first.stderr
+    t0 = time.monotonic()
+    full = run_binary(binary, folder / "in", folder / "full", backend="cpu", check=False)
+    assert full.returncode == 0, full.stderr
+    return folder, time.monotonic() - t0
+
+
+@FUZZ
+@given(when=st.floats(0, 1.2), sig=st.sampled_from(INTERRUPTS))
+def test_interrupted_runs_never_verify_and_keep_the_previous_run(binary, previous_run, tmp_path_factory, when, sig):
+    """A signal at any moment of a run: either the run finished (and its files are complete), or
+    the previous run's files are there byte for byte and the folder is refused as unfinished."""
+    import signal
+    import time
+
+    from verify.outputs import open_run
+    from verify.unfinished import read_marker
+    from run_helpers import leftovers, snapshot
+
+    folder, seconds = previous_run
+    out = tmp_path_factory.mktemp("run") / "out"
+    shutil.copytree(folder / "out", out)
+    before = snapshot(out)
+    proc = subprocess.Popen([str(binary), "--in", str(folder / "in"), "--out", str(out), "--backend", "cpu"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    time.sleep(when * seconds)
+    proc.send_signal(getattr(signal, sig))
+    _, err = proc.communicate(timeout=300)
+    case = load_input_case(folder / "in")
+    if proc.returncode == 0:  # finished before the signal came
+        assert read_marker(out) is None and open_run(out, case).stages
+        return
+    assert snapshot(out) == before, f"{sig} at {when:.2f} of the run changed the previous run's files"
+    if read_marker(out) is None:  # stopped before the run began (or before main): nothing was touched
+        assert proc.returncode < 0 or "the run had not begun" in err, err
+        assert leftovers(out) == []
+        return
+    with pytest.raises(CaseError, match="did not finish"):
+        open_run(out, case)
+    if sig != "SIGKILL":
+        assert proc.returncode == 128 + getattr(signal, sig) and "main: error: interrupted by" in err, err
+        assert leftovers(out) == []

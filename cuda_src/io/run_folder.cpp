@@ -222,10 +222,11 @@ std::string signal_words(int sig) {
     return "signal " + std::to_string(sig);
 }
 
-void check_interrupted() {
+void check_interrupted(bool begun) {
     if (g_signal)
         fail(128 + g_signal, "interrupted by " + signal_words(g_signal),
-             "the output folder keeps the files of the run before, marked as unfinished");
+             begun ? "the output folder keeps the files of the run before, marked as unfinished"
+                   : "the run had not begun: the output folder was not touched");
 }
 
 }  // namespace attnstep

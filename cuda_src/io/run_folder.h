@@ -52,6 +52,6 @@ private:
 void catch_signals();
 int pending_signal();                 // 0: none arrived
 std::string signal_words(int sig);    // "signal 15 (SIGTERM)"
-void check_interrupted();             // fails when a signal arrived
+void check_interrupted(bool begun = true);  // fails when a signal arrived (begun: the marker is written)
 
 }  // namespace attnstep
