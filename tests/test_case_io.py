@@ -269,7 +269,7 @@ def test_npy_with_bytes_after_the_data_or_not_npy_at_all(tmp_path):
         read_matrix(path)
     with zipfile.ZipFile(path, "w") as z:  # np.load would hand back an NpzFile
         z.writestr("a.npy", matrix_bytes(np.zeros((2, 2), np.float32), "npy"))
-    with pytest.raises(CaseError, match="not a .npy file"):
+    with pytest.raises(CaseError, match="an .npz archive, not an .npy file"):
         read_matrix(path)
 
 

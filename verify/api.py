@@ -12,8 +12,10 @@ check` prints and writes: the same tolerance model, chained and isolated referen
 """
 from __future__ import annotations
 
+import math as _math
+import numbers
 from pathlib import Path
-from typing import Dict, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import numpy as np
 
@@ -41,14 +43,121 @@ def _leading(x: np.ndarray, name: str) -> Tuple[int, int]:
 
 def _heads(x: np.ndarray, total: int, rows: int, cols: int, name: str) -> np.ndarray:
     """x as (heads, rows, cols); an N×1 stage may come without its last axis."""
-    x = np.asarray(x)
+    x = _native_float(np.asarray(x), name)
     want = total * rows * cols
     if x.size != want or (x.ndim >= 2 and x.shape[-2:] != (rows, cols) and not (cols == 1 and x.shape[-1] == rows)):
         raise ValueError(f"{name}: shape {tuple(x.shape)}, expected {plural(total, 'head')} of {rows}x{cols}")
-    if x.dtype not in (np.float16, np.float32, np.float64):
-        raise ValueError(f"{name}: dtype {x.dtype}; expected float16, float32 or float64 (convert bfloat16 "
-                         "with .float())")
     return x.reshape(total, rows, cols)
+
+
+_FLOAT_DTYPES = (np.float16, np.float32, np.float64)
+# What a refused dtype is, in words (np.dtype.kind).
+_DTYPE_KINDS = {"b": "boolean", "i": "integer", "u": "unsigned integer", "c": "complex", "O": "Python objects",
+                "U": "strings", "S": "bytes", "V": "structured", "M": "dates", "m": "time spans"}
+
+
+def _native_float(x: np.ndarray, name: str) -> np.ndarray:
+    """x as float16/32/64 in this machine's byte order: a big-endian array ('>f4', from a file or
+    another machine) holds the same values, converted; any other dtype is refused by name."""
+    if x.dtype.kind == "f" and not x.dtype.isnative:
+        x = x.astype(x.dtype.newbyteorder("="))
+    if x.dtype not in _FLOAT_DTYPES:
+        kind = _DTYPE_KINDS.get(x.dtype.kind)
+        raise ValueError(f"{name}: dtype {x.dtype}{f' ({kind})' if kind else ''}; expected float16, float32 or "
+                         "float64 (convert bfloat16 with .float())")
+    return x
+
+
+# ----------------------------------------------------------------------------------------------
+# The keyword arguments, validated as the command line validates its options: every error a
+# TypeError (the wrong kind of value) or a ValueError (a value out of range), one line naming it.
+
+def _is_bool(x) -> bool:
+    return isinstance(x, (bool, np.bool_))
+
+
+def _is_real(x) -> bool:
+    """A real number (NumPy's scalars included), not a bool: True is not the scale 1."""
+    return isinstance(x, numbers.Real) and not _is_bool(x)
+
+
+def _expect_bool(name: str, x) -> bool:
+    if not _is_bool(x):
+        raise TypeError(f"{name}: expected True or False, got {type(x).__name__} {x!r}")
+    return bool(x)
+
+
+def _expect_real(name: str, x) -> float:
+    if not _is_real(x):
+        raise TypeError(f"{name}: expected a number, got {type(x).__name__} {x!r}")
+    return float(x)
+
+
+def _expect_tolerance(name: str, x) -> Optional[float]:
+    """None (the error model), or a finite number >= 0 (NaN or inf would make every comparison
+    fail or pass), as check's --atol and --rtol."""
+    if x is None:
+        return None
+    value = _expect_real(name, x)
+    if not 0 <= value < _math.inf:
+        raise ValueError(f"{name} = {x!r}: a tolerance must be finite and >= 0")
+    return value
+
+
+def _expect_scale(name: str, x) -> Optional[float]:
+    """None (1/sqrt(d_k)), or what the binary can use: finite and non-zero in float32."""
+    if x is None:
+        return None
+    value = _expect_real(name, x)
+    try:
+        return check_scale(value, name)
+    except CaseError as exc:
+        raise ValueError(str(exc)) from None
+
+
+def _expect_jobs(name: str, x) -> int:
+    """Processes checking heads: 0 (as many as cores and memory allow) or more, as check's --jobs."""
+    if not isinstance(x, numbers.Integral) or _is_bool(x):
+        raise TypeError(f"{name}: expected a whole number >= 0, got {type(x).__name__} {x!r}")
+    if x < 0:
+        raise ValueError(f"{name} = {x!r}: expected 0 (as many as cores and memory allow) or more")
+    return int(x)
+
+
+def _expect_choice(choices: Tuple[str, ...]) -> Callable[[str, Any], str]:
+    def expect(name: str, x) -> str:
+        if not isinstance(x, str):
+            raise TypeError(f"{name}: expected one of {', '.join(choices)}, got {type(x).__name__} {x!r}")
+        if x not in choices:
+            raise ValueError(f"{name} {x!r}: expected one of {', '.join(choices)}")
+        return x
+    return expect
+
+
+def _expect_mapping(name: str, x) -> Mapping:
+    if not isinstance(x, Mapping):
+        raise TypeError(f"{name}: expected a mapping of stage name to array, such as {{'output': o}}, got "
+                        f"{type(x).__name__}")
+    return x
+
+
+# check_arrays' arguments other than the arrays, and the rule each obeys.
+_ARGUMENT_RULES: Dict[str, Callable[[str, Any], Any]] = {
+    "stages": _expect_mapping,
+    "causal": _expect_bool,
+    "scale": _expect_scale,
+    "precision": _expect_choice(PRECISIONS),
+    "math": _expect_choice(MATH_MODES),
+    "atol": _expect_tolerance,
+    "rtol": _expect_tolerance,
+    "jobs": _expect_jobs,
+    "allow_nonfinite": _expect_bool,
+}
+
+
+def _validated(**arguments) -> Dict[str, Any]:
+    """The arguments, each checked by its rule (and converted: a NumPy bool to bool, a number to float)."""
+    return {name: _ARGUMENT_RULES[name](name, value) for name, value in arguments.items()}
 
 
 def _problem(q, k, v, causal: bool, scale: Optional[float], allow_nonfinite: bool = False,
@@ -62,8 +171,6 @@ def _problem(q, k, v, causal: bool, scale: Optional[float], allow_nonfinite: boo
     M, d_v = v.shape[-2:]
     try:
         dims = validate_dims(dict(zip(DIM_KEYS, (B, H, N, M, d_k, d_v))), "q, k, v")
-        if scale is not None:
-            check_scale(scale, "scale")
     except CaseError as exc:
         raise ValueError(str(exc)) from None
     heads = {n: _heads(arrays[n], dims.total_heads, *STAGES[n].shape(dims), n.lower()) for n in arrays}
@@ -71,7 +178,7 @@ def _problem(q, k, v, causal: bool, scale: Optional[float], allow_nonfinite: boo
     if bad:
         raise ValueError(f"{bad[0].lower()} holds NaN or Inf; pass allow_nonfinite=True to check a kernel on such "
                          "inputs (NaN then passes where the reference has NaN)")
-    return dims, heads, default_scale(d_k) if scale is None else float(scale)
+    return dims, heads, default_scale(d_k) if scale is None else scale
 
 
 def check_arrays(q, k, v, stages: Mapping[str, object], *, do=None, causal: bool = False,
@@ -82,12 +189,13 @@ def check_arrays(q, k, v, stages: Mapping[str, object], *, do=None, causal: bool
     check` does; returns the Report (report.passed, report.first_failing_stage, report.results).
     do: the output gradient dL/d(output), shaped like the output, for the backward stages (dQ, dK,
     dV, D, dP, dS, flash_dQ, ...); causal: top-left aligned masking; scale: default 1/sqrt(d_k); precision and math: the
-    arithmetic the program used (fp32/tf32; ieee/fast). Raises ValueError for arrays that do not
-    fit together."""
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision {precision!r}: expected one of {', '.join(PRECISIONS)}")
-    if math not in MATH_MODES:
-        raise ValueError(f"math {math!r}: expected one of {', '.join(MATH_MODES)}")
+    arithmetic the program used (fp32/tf32/bf16/fp16; ieee/fast). Raises ValueError for arrays that
+    do not fit together or a value out of range, TypeError for an argument of the wrong kind
+    (causal="no", scale="0.25"), each one line naming the argument."""
+    args = _validated(stages=stages, causal=causal, scale=scale, precision=precision, math=math, atol=atol,
+                      rtol=rtol, jobs=jobs, allow_nonfinite=allow_nonfinite)
+    causal, scale, atol, rtol, jobs = args["causal"], args["scale"], args["atol"], args["rtol"], args["jobs"]
+    allow_nonfinite = args["allow_nonfinite"]
     backward = sorted(n for n in stages if n in STAGES and STAGES[n].backward)
     if backward and do is None:
         raise ValueError(f"stage {backward[0]!r} is a gradient: pass do= (the output gradient it was computed from)")
@@ -97,14 +205,14 @@ def check_arrays(q, k, v, stages: Mapping[str, object], *, do=None, causal: bool
         if name in stages:
             arr = _heads(stages[name], dims.total_heads, *STAGES[name].shape(dims), name)
             sources[name] = StageSource(name, None, name, arrays=arr)
-    unknown = sorted(set(stages) - set(STAGES))
+    unknown = [n for n in stages if n not in STAGES]
     if unknown:
         raise ValueError(f"unknown stage {unknown[0]!r}; stages are: {', '.join(STAGES)}")
     if not sources:
         raise ValueError("no stage to check: pass at least one of " + ", ".join(STAGES))
-    case = InputCase(ARRAYS, dims, "npy", bool(causal), scale, manifest=True, arrays=inputs,
+    case = InputCase(ARRAYS, dims, "npy", causal, scale, manifest=True, arrays=inputs,
                      allow_nonfinite=allow_nonfinite, backward=do is not None)
-    run = RunInfo(None, {}, dims, sources, causal=bool(causal), scale=scale, precision=precision,
+    run = RunInfo(None, {}, dims, sources, causal=causal, scale=scale, precision=precision,
                   math=math)
     return check_run(run, case, Options(atol=atol, rtol=rtol, jobs=jobs, allow_nonfinite=allow_nonfinite))
 

@@ -1,7 +1,8 @@
 """The `attnstep` command line: generate, run, check, demo, bench, sweep.
 
 Exit statuses: 0 every stage passes; 1 a stage fails; 2 bad usage or bad input (one line, no
-traceback). `run` passes on the binary's own status (3: not enough memory; 1: a CUDA failure).
+traceback); 3 not enough memory (one line). `run` passes on the binary's own status (3: not enough
+memory; 1: a CUDA failure).
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from .options import checked_path as _checked_path
 from .options import report_file
 from .options import user_errors as _user_errors
 from .outputs import MATH_MODES, open_run, parse_name_map, read_names_file
+from .pool import MAX_MEMORY_MB
 from .programs import run_any_program, run_attnstep_binary, run_summary
 from .report import (check_plot_folder, failure_lines, header_lines, summary_lines, table_lines,
                      write_json, write_junit, write_plots)
@@ -304,14 +306,17 @@ def _plot(report, plot_dir: Path, opts: Options, quiet: bool) -> None:
               help="Processes checking heads; 0: as many as cores and memory allow.")
 @click.option("--allow-nonfinite", is_flag=True, help="Accept NaN/Inf in the inputs (NaN passes where "
               "the reference has NaN).")
+@click.option("--max-memory-mb", type=click.IntRange(1, MAX_MEMORY_MB), metavar="MB",
+              help="Memory the check may use [default: all free].")
 @quiet_option
 @click.pass_context
 @_user_errors
 def check(ctx, in_dir, out_dir, json_path, junit_path, plot_dir, atol, rtol, tol, only, per_head, jobs,
-          causal, scale, precision, math, names, names_file, allow_nonfinite, quiet):
+          causal, scale, precision, math, names, names_file, allow_nonfinite, max_memory_mb, quiet):
     opts = Options(atol=atol, rtol=rtol, per_stage=_parse_tol(tol), only_stages=list(only) or None,
                    jobs=jobs, causal=causal, scale=scale, precision=precision, math=math,
-                   names=_parse_names(names, names_file), allow_nonfinite=allow_nonfinite)
+                   names=_parse_names(names, names_file), allow_nonfinite=allow_nonfinite,
+                   max_memory_mb=max_memory_mb)
     passed = _check_and_report(in_dir, out_dir, opts, json_path, junit_path, plot_dir, per_head, quiet)
     ctx.exit(0 if passed else 1)
 

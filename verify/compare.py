@@ -55,6 +55,7 @@ class Options:
     names: Dict[str, str] = field(default_factory=dict)  # stage -> file name pattern in OUT
 
     allow_nonfinite: bool = False  # NaN/inf inputs load; NaN then matches a NaN reference
+    max_memory_mb: Optional[int] = None  # the most memory the check plans for (else what is available)
 
     def overrides(self) -> Overrides:
         return Overrides(self.causal, self.scale, self.precision, self.math, dict(self.names))
@@ -334,7 +335,8 @@ def check_run(run: RunInfo, case: InputCase, opts: Options,
                         f"{case.path} has no {GRAD_INPUT} (the output gradient it is computed from); HINT: "
                         "check it against the case it was run on ('attnstep generate --backward' writes one)")
     checker = _HeadChecker(run, case, opts)
-    results = map_heads(checker.check, run.dims.total_heads, head_jobs(run, opts.jobs), progress, tune_process)
+    results = map_heads(checker.check, run.dims.total_heads, head_jobs(run, opts.jobs, opts.max_memory_mb), progress,
+                         tune_process)
     apply_mismatches(run, results)
     return Report(run, case, results, foreign_stage_files(run))
 

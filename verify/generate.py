@@ -2,8 +2,11 @@
 binary reads."""
 from __future__ import annotations
 
+import io
 import os
+import re
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, Optional
 
@@ -11,7 +14,8 @@ import numpy as np
 
 from .case import (INT64, CaseError, check_case_limits, check_scale, clear_input_files, input_head_files, read_toml,
                    validate_dims, write_matrix, write_toml)
-from .stages import DIM_KEYS, FORMATS, GRAD_INPUT, INPUT_MANIFEST, INPUT_NAMES, STAGES, Dims, stage_file
+from .stages import (CASE_INPUTS, DIM_KEYS, FORMATS, GRAD_INPUT, INPUT_MANIFEST, INPUT_NAMES, STAGES, Dims,
+                     stage_file)
 
 # The `large` distribution scales N(0, 1) by this factor, so that scaled logits q·k/√d_k have a
 # standard deviation of LARGE_STD² = 100 and reach the hundreds: exp() of them overflows float32
@@ -34,6 +38,21 @@ GENERATOR = "attnstep generate"
 
 # The original workflow's case: 12 heads, N = M = 128, d = 64.
 DEFAULT_DIMS = Dims(batch=1, heads=12, seq_q=128, seq_k=128, d_k=64, d_v=64)
+
+# The most files one generated case may have. Both formats hold one file per input and head, so
+# beyond this a case is refused (fewer heads) rather than left to fill a folder no tool lists
+# comfortably: far more than any attention problem needs, far fewer than the 2^24 heads the
+# readers accept (50 million files, one file-system block each at least).
+MAX_CASE_FILES = 1_000_000
+
+# The longest value write_matrix prints: %.9g of a float32 is at most a sign, 9 digits, a point
+# and a two-digit exponent ("-1.17549435e-38"), and one separator (a space, or the line's end)
+# follows each value.
+TEXT_VALUE_BYTES = len("-1.17549435e-38") + 1
+
+# The staging folder's name: `.attnstep-generate-<pid>` of the process writing it.
+STAGING_PREFIX = ".attnstep-generate-"
+_STAGING_NAME = re.compile(re.escape(STAGING_PREFIX) + r"([0-9]+)")
 
 
 def generate_case(out_dir: Path, dims: Dims, *, causal: bool = False, scale: Optional[float] = None,
@@ -60,11 +79,13 @@ def generate_case(out_dir: Path, dims: Dims, *, causal: bool = False, scale: Opt
     out_dir = Path(out_dir)
     if not force:
         _refuse_foreign_case(out_dir)
+    remove_stale_staging(out_dir)
+    check_room(out_dir, case_size(dims, fmt, backward, _block_bytes(out_dir)))
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise CaseError(f"{out_dir}: cannot create the case folder: {exc.strerror or exc}") from None
-    staging = out_dir / f".attnstep-generate-{os.getpid()}"
+    staging = out_dir / f"{STAGING_PREFIX}{os.getpid()}"
     try:
         staging.mkdir()
         names = []
@@ -115,3 +136,104 @@ def _refuse_foreign_case(out_dir: Path) -> None:
         held = files[0] if files else INPUT_MANIFEST
         raise CaseError(f"{out_dir}: already holds an input case ({held}) that 'attnstep generate' did not "
                         "write; HINT: pass --force to replace it, or choose another folder")
+
+
+# ----------------------------------------------------------------------------------------------
+# Sizes before work: a case that cannot fit is refused before its first file is written.
+
+@dataclass(frozen=True)
+class CaseSize:
+    files: int   # the case's files: every input of every head, and the manifest
+    bytes: int   # on disk, each file rounded up to whole blocks of the file system
+
+
+# Room for the manifest's few lines (keys and values of a dozen entries).
+_MANIFEST_BYTES = 4096
+
+
+def matrix_file_bytes(shape, fmt: str) -> int:
+    """The most bytes write_matrix writes for a matrix of `shape` (rows, cols) in `fmt`."""
+    rows, cols = shape
+    if fmt == "npy":
+        header = io.BytesIO()
+        np.lib.format.write_array_header_1_0(header, {"descr": "<f4", "fortran_order": False,
+                                                      "shape": (rows, cols)})
+        return len(header.getvalue()) + 4 * rows * cols
+    return TEXT_VALUE_BYTES * rows * cols
+
+
+def case_size(dims: Dims, fmt: str, backward: bool, block: int = 1) -> CaseSize:
+    """What generating the case takes: its files (with the staging folder) and their bytes on
+    disk, each file rounded up to `block` bytes (the file system's allocation unit)."""
+    inputs = CASE_INPUTS if backward else INPUT_NAMES
+    per_head = sum(-(-matrix_file_bytes(STAGES[n].shape(dims), fmt) // block) * block for n in inputs)
+    files = dims.total_heads * len(inputs) + 1
+    # The manifest and the staging folder (a block each, at least).
+    return CaseSize(files, dims.total_heads * per_head + 2 * max(block, _MANIFEST_BYTES))
+
+
+def _existing_parent(path: Path) -> Path:
+    """The folder whose file system `path` will be created on: itself or its nearest existing parent."""
+    path = Path(os.path.abspath(path))
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def _block_bytes(out_dir: Path) -> int:
+    try:
+        return max(1, os.statvfs(_existing_parent(out_dir)).f_frsize)
+    except OSError:
+        return 1
+
+
+def check_room(out_dir: Path, need: CaseSize) -> None:
+    """Refuses, in one line, a case of more than MAX_CASE_FILES files, or one that needs more
+    bytes or inodes than the file system of `out_dir` has free (for this user: f_bavail,
+    f_favail; a file system that reports no inode counts, f_files 0, is not checked for them)."""
+    if need.files > MAX_CASE_FILES:
+        raise CaseError(f"{out_dir}: the case would be {need.files:,} files, more than the {MAX_CASE_FILES:,} "
+                        "'attnstep generate' writes; HINT: fewer heads (--heads, --batch): each head is one "
+                        "file per input in either --format")
+    try:
+        fs = os.statvfs(_existing_parent(out_dir))
+    except OSError:
+        return  # no answer: the writes themselves will say
+    free = fs.f_bavail * fs.f_frsize
+    if need.bytes > free:
+        raise CaseError(f"{out_dir}: the case needs up to {_mib(need.bytes)} of disk space, and its file system has "
+                        f"{_mib(free)} free; HINT: fewer heads or smaller matrices, --format npy (smaller "
+                        "files), or another --out")
+    if fs.f_files and need.files + 1 > fs.f_favail:  # + 1: the staging folder
+        raise CaseError(f"{out_dir}: the case needs {need.files + 1:,} files, and its file system has room for "
+                        f"{fs.f_favail:,} more; HINT: fewer heads (--heads, --batch), or another --out")
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):,.1f} MiB"
+
+
+def _pid_alive(pid: int) -> bool:
+    """Whether a process `pid` exists (one of another user's included: signalling it is refused)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    except (OverflowError, OSError):
+        return False  # not a pid this system could have
+    return True
+
+
+def remove_stale_staging(out_dir: Path) -> None:
+    """Removes the staging folders that killed generations left in `out_dir` (a folder
+    `.attnstep-generate-<pid>` whose process no longer exists); a live process's is its own."""
+    try:
+        entries = list(os.scandir(out_dir))
+    except OSError:
+        return  # no folder yet, or not one to list: nothing left behind in it
+    for entry in entries:
+        match = _STAGING_NAME.fullmatch(entry.name)
+        if match and entry.is_dir(follow_symlinks=False) and not _pid_alive(int(match.group(1))):
+            shutil.rmtree(entry.path, ignore_errors=True)

@@ -262,10 +262,43 @@ def _npy_header(data: bytes) -> dict:
     return ast.literal_eval(data[start:end].decode("latin1"))
 
 
+_ZIP_MAGIC = b"PK\x03\x04"  # what np.savez writes: np.load would hand back an NpzFile
+
+
+def check_npy_size(data: bytes, name: str) -> None:
+    """Refuses, before np.load allocates the array its header declares, a file that is not one
+    .npy array or whose data is not the size its header declares (shape (10^9, 10^9) in a small
+    file would ask for exabytes). A header this cannot read is left for np.load to name."""
+    if data.startswith(_ZIP_MAGIC):
+        raise CaseError(f"{name}: an .npz archive, not an .npy file; HINT: save one array with np.save")
+    if not data.startswith(_NPY_MAGIC):
+        raise CaseError(f"{name}: not a .npy file (bad magic)")
+    start, end = _npy_header_span(data)
+    if end - start > NPY_MAX_HEADER_BYTES:
+        return  # np.load refuses a header this long without reading it
+    try:
+        header = ast.literal_eval(data[start:end].decode("latin1"))
+        shape, itemsize = tuple(header["shape"]), np.dtype(header["descr"]).itemsize
+    except Exception:  # any malformed header: np.load's own message names it
+        return
+    if not all(isinstance(n, int) and n >= 0 for n in shape):
+        return
+    declared = itemsize
+    for n in shape:
+        declared *= n
+    held = len(data) - end
+    if declared > held:
+        raise CaseError(f"{name}: its header declares shape {shape} of {header['descr']!r}, {plural(declared, 'byte')} "
+                        f"of data, but the file holds {plural(held, 'byte')} after the header; HINT: the file is "
+                        "truncated or damaged; regenerate it")
+    if declared < held:
+        raise CaseError(f"{name}: {plural(held - declared, 'byte')} after the array data; HINT: the file is damaged; "
+                        "regenerate it")
+
+
 def parse_npy_matrix(data: bytes, name: str, shape: Optional[Tuple[int, int]] = None,
                      allow_nonfinite: bool = True) -> np.ndarray:
-    if not data.startswith(_NPY_MAGIC):  # np.load would open a zip archive as an NpzFile
-        raise CaseError(f"{name}: not a .npy file (bad magic)")
+    check_npy_size(data, name)
     if b"#" in data[slice(*_npy_header_span(data))]:  # Python source to numpy, a comment: not the format's
         raise CaseError(f"{name}: not a valid .npy file (a '#' in its header)")
     buf = io.BytesIO(data)
@@ -275,9 +308,6 @@ def parse_npy_matrix(data: bytes, name: str, shape: Optional[Tuple[int, int]] = 
         raise CaseError(f"{name}: not a valid .npy file ({str(exc).splitlines()[0]})") from None
     except (SyntaxError, tokenize.TokenError):  # numpy parses the header dict as Python source
         raise CaseError(f"{name}: not a valid .npy file (its header is not a dict literal)") from None
-    extra = len(data) - buf.tell()
-    if extra:
-        raise CaseError(f"{name}: {plural(extra, 'byte')} after the array data; HINT: the file is damaged; regenerate it")
     if arr.dtype not in (np.dtype("<f4"), np.dtype("<f2")):
         raise CaseError(f"{name}: dtype {arr.dtype}, expected float32 ('<f4') or float16 ('<f2'); "
                         "HINT: save with arr.astype(np.float32)")

@@ -14,6 +14,7 @@ import click
 
 from .case import CaseError, output_file_target, probe_writable
 from .generate import MAX_SEED
+from .pool import NO_MEMORY_EXIT
 from .runner import DEFAULT_BUILD_DIR, DEFAULT_RUN_TIMEOUT_S, RunnerError
 from .stages import DEFAULT_INPUT_DIR, DEFAULT_OUTPUT_DIR
 
@@ -28,18 +29,28 @@ class InputError(click.ClickException):
         self.exit_code = exit_code
 
 
+# What a command was doing, for the line that says it ran out of memory doing it.
+_ACTIVITIES = {"check": "checking the stages", "generate": "generating the case", "demo": "running the demo"}
+
+
 def user_errors(fn):
-    """Turns CaseError / RunnerError into a one-line message and the right exit status."""
+    """Turns CaseError / RunnerError into a one-line message and the right exit status, and a
+    MemoryError (an allocation refused: a low ulimit -v, a container's limit) into one line and
+    the binary's exit status for not enough memory, never a traceback."""
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
         except CaseError as exc:
-            raise InputError(str(exc)) from None
+            raise InputError(str(exc), getattr(exc, "exit_code", 2)) from None
         except RunnerError as exc:
             if exc.detail:
                 click.echo(exc.detail, err=True)
             raise InputError(str(exc), exc.exit_code) from None
+        except MemoryError:
+            doing = _ACTIVITIES.get(fn.__name__, f"running {fn.__name__}")
+            raise InputError(f"out of memory while {doing}; HINT: fewer heads or smaller matrices (check: "
+                             "--max-memory-mb MB plans for the memory there is)", NO_MEMORY_EXIT) from None
     return wrapper
 
 

@@ -15,16 +15,22 @@ import signal
 import sys
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Tuple
 
 from .case import CaseError
 from .outputs import RunInfo
+from .stages import STAGES
 
 
 # Memory one worker holds while it checks a head, in float64 N×M matrices (the reference chain,
 # the binary's stages, bounds and the error model's intermediates: docs/performance.md has the
 # measured peak) and in (N + M)·d ones, plus the interpreter and numpy.
 _HEAD_NM_MATRICES = 32
+
+
+# And for a run with backward stages (dP, dS and their bounds), this many more N×M ones: a
+# backward check of one head measured 43 in all at N = M = 2048, a forward one 27.
+_BACKWARD_NM_MATRICES = 12
 
 
 _HEAD_ND_MATRICES = 32
@@ -80,24 +86,83 @@ def _usable_cores() -> int:
     return cores
 
 
-def head_jobs(run: RunInfo, requested: int = 0) -> int:
+# The largest --max-memory-mb, as the binary's (kMaxMemoryMb in cuda_src/cli.h: 1 PiB).
+MAX_MEMORY_MB = 1 << 30
+
+# The exit status of a command that does not have the memory it needs, as the binary's.
+NO_MEMORY_EXIT = 3
+
+
+class NotEnoughMemory(CaseError):
+    """The check would need more memory than it may use: one line, exit status NO_MEMORY_EXIT."""
+    exit_code = NO_MEMORY_EXIT
+
+
+def head_bytes(run: RunInfo) -> int:
+    """The most memory one process holds while it checks a head of `run`: the head's N×M and
+    (N + M)·d float64 matrices, the other heads' reference stages of REF_CACHE, the interpreter,
+    and every one-file stage the process reads whole (held, and its file's bytes while it loads)."""
+    d = run.dims
+    matrices = 8 * (_nm_matrices(run) * d.seq_q * d.seq_k
+                    + _HEAD_ND_MATRICES * (d.seq_q + d.seq_k) * max(d.d_k, d.d_v))
+    return matrices + _WORKER_BASE_BYTES + 2 * _stacked_file_bytes(run)
+
+
+def _nm_matrices(run: RunInfo) -> int:
+    """The float64 N×M matrices one process holds at most while it checks a head of `run`."""
+    backward = any(STAGES[s].backward for s in run.stages)
+    return _HEAD_NM_MATRICES + REF_CACHE + (_BACKWARD_NM_MATRICES if backward else 0)
+
+
+def _stacked_file_bytes(run: RunInfo) -> int:
+    """The bytes of the run's one-file stages (every head in one .npy): each process loads them whole."""
+    total = 0
+    for src in run.sources.values():
+        if src.arrays is None and not src.per_head:
+            try:
+                total += os.stat(src.file(0, run.dims)).st_size
+            except OSError:
+                pass  # missing: reported as such when its heads are checked
+    return total
+
+
+def memory_budget(max_memory_mb: Optional[int] = None) -> Tuple[Optional[int], str]:
+    """(the bytes a check may use, what sets them): what is available (MemAvailable, a container's
+    limit), and no more than `max_memory_mb` MiB when given; None when neither is known."""
+    avail = _available_memory_bytes()
+    cap = None if max_memory_mb is None else max_memory_mb << 20
+    if cap is not None and (avail is None or cap <= avail):
+        return cap, f"--max-memory-mb {max_memory_mb}"
+    return avail, "the memory available"
+
+
+def _mib(n: int) -> str:
+    return f"{-(-n // (1 << 20)):,} MiB"
+
+
+def head_jobs(run: RunInfo, requested: int = 0, max_memory_mb: Optional[int] = None) -> int:
     """Worker processes for checking the heads of `run`: `requested` if positive, else as many as
     there are cores, limited so that the workers' heads fit in half the available memory, and 1
-    for small runs. 1 off Linux: the workers are forked (they inherit the loaded case)."""
+    for small runs. 1 off Linux: the workers are forked (they inherit the loaded case). Either way
+    no more than memory_budget(max_memory_mb) holds, and NotEnoughMemory when one head does not fit."""
     d = run.dims
+    per_head = head_bytes(run)
+    budget, source = memory_budget(max_memory_mb)
+    if budget is not None and per_head > budget:
+        raise NotEnoughMemory(f"checking one head of {d.seq_q} x {d.seq_k} scores needs about {_mib(per_head)}, more "
+                              f"than the {_mib(budget)} of {source}; HINT: check a case with fewer query or key rows "
+                              f"(a head's check holds some {_nm_matrices(run)} float64 N x M matrices), or free memory")
+    fits = d.total_heads if budget is None else max(1, budget // per_head)
     if d.total_heads <= 1 or sys.platform != "linux":
         return 1
     if requested > 0:
-        return min(requested, d.total_heads)
+        return min(requested, d.total_heads, fits)
     if d.total_heads * d.seq_q * d.seq_k * (d.d_k + d.d_v) < _PARALLEL_MIN_MACS:
         return 1  # starting workers would cost more than the checking
-    cores = _usable_cores()
-    per_head = (8 * ((_HEAD_NM_MATRICES + REF_CACHE) * d.seq_q * d.seq_k
-                     + _HEAD_ND_MATRICES * (d.seq_q + d.seq_k) * max(d.d_k, d.d_v))
-                + _WORKER_BASE_BYTES)
-    avail = _available_memory_bytes()
-    by_memory = cores if avail is None else max(1, (avail // 2) // per_head)
-    return max(1, min(cores, by_memory, d.total_heads))
+    # Of what is available, half: the machine's other work keeps the rest.
+    auto = _available_memory_bytes()
+    by_memory = fits if auto is None else min(fits, max(1, (auto // 2) // per_head))
+    return max(1, min(_usable_cores(), by_memory, d.total_heads))
 
 
 def _die_with_parent() -> None:

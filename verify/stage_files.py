@@ -13,6 +13,7 @@ from typing import Dict, Mapping, Optional, Tuple
 import numpy as np
 
 from .case import CaseError, parse_matrix, read_bytes, read_toml
+from .matrix_io import check_npy_size
 from .resolution import Resolution, array_resolution, text_resolution
 from .stages import STAGES, Dims, parse_stage_file, stage_file
 from .words import plural
@@ -85,6 +86,7 @@ class StageSource:
 
 
 def _load_npy(data: bytes, path: Path) -> np.ndarray:
+    check_npy_size(data, str(path))
     try:
         arr = np.load(io.BytesIO(data), allow_pickle=False)
     except (ValueError, OSError, EOFError) as exc:
