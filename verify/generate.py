@@ -14,6 +14,7 @@ import numpy as np
 
 from .case import (INT64, CaseError, check_case_limits, check_scale, clear_input_files, input_head_files, read_toml,
                    validate_dims, write_matrix, write_toml)
+from .unfinished import process_exists
 from .stages import (CASE_INPUTS, DIM_KEYS, FORMATS, GRAD_INPUT, INPUT_MANIFEST, INPUT_NAMES, STAGES, Dims,
                      stage_file)
 
@@ -213,19 +214,6 @@ def _mib(n: int) -> str:
     return f"{n / (1 << 20):,.1f} MiB"
 
 
-def _pid_alive(pid: int) -> bool:
-    """Whether a process `pid` exists (one of another user's included: signalling it is refused)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    except (OverflowError, OSError):
-        return False  # not a pid this system could have
-    return True
-
-
 def remove_stale_staging(out_dir: Path) -> None:
     """Removes the staging folders that killed generations left in `out_dir` (a folder
     `.attnstep-generate-<pid>` whose process no longer exists); a live process's is its own."""
@@ -235,5 +223,5 @@ def remove_stale_staging(out_dir: Path) -> None:
         return  # no folder yet, or not one to list: nothing left behind in it
     for entry in entries:
         match = _STAGING_NAME.fullmatch(entry.name)
-        if match and entry.is_dir(follow_symlinks=False) and not _pid_alive(int(match.group(1))):
+        if match and entry.is_dir(follow_symlinks=False) and not process_exists(int(match.group(1))):
             shutil.rmtree(entry.path, ignore_errors=True)

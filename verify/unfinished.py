@@ -35,16 +35,25 @@ class Unfinished:
     def writer_alive(self) -> bool:
         """Whether the process that wrote the marker still runs (the same process: a reused
         process id has another start time)."""
-        if self.pid <= 0 or self.state != RUNNING:
+        if self.state != RUNNING or not process_exists(self.pid):
             return False
-        try:
-            os.kill(self.pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            pass  # another user's process: it exists
         start = process_start_ticks(self.pid)
         return not (self.pid_start and start and start != self.pid_start)
+
+
+def process_exists(pid: int) -> bool:
+    """Whether a process `pid` exists (one of another user's included: signalling it is refused)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    except (OverflowError, OSError):
+        return False  # not a process id this system could have
+    return True
 
 
 def process_start_ticks(pid: int) -> int:
