@@ -4,7 +4,6 @@ an error, not a silent success)."""
 from __future__ import annotations
 
 import fnmatch
-import os
 import time
 from pathlib import Path
 from typing import List, Mapping, Optional
@@ -12,12 +11,13 @@ from typing import List, Mapping, Optional
 import click
 
 from .case import CaseError, read_toml
+from .guards import foreign_input_case
 from .options import InputError
 from .outputs import stage_files_in
 from .words import plural
 from .runner import run_binary, run_program, set_aside_previous
 from .stage_files import STACKED_SUFFIX, pattern_glob
-from .stages import INPUT_MANIFEST, RUN_MANIFEST, STAGE_NAMES, parse_stage_file
+from .stages import RUN_MANIFEST, STAGE_NAMES, parse_stage_file
 
 
 def run_attnstep_binary(binary: Path, in_dir: Path, out_dir: Path, backend: str, timeout: float,
@@ -57,16 +57,15 @@ def run_summary(binary: Path, out_dir: Path, seconds: float) -> str:
 
 
 def fresh_out(out_dir: Path, in_dir: Optional[Path] = None, names: Mapping[str, str] = {}) -> None:
-    """Moves an earlier run's files in OUT aside (OUT is created when missing). An OUT that is the
-    input case (the same folder, or one holding an input manifest) is refused: its Q/K/V files
-    would be moved away."""
+    """Moves an earlier run's files in OUT aside (OUT is created when missing). An OUT that holds
+    an input case (IN itself, another case's manifest, or input files and no run's) is refused
+    before anything moves: its Q/K/V files would be moved away."""
     out_dir = Path(out_dir)
     if not out_dir.is_dir():
         return
-    same = in_dir is not None and Path(in_dir).is_dir() and os.path.samefile(out_dir, in_dir)
-    if same or (out_dir / INPUT_MANIFEST).exists():
-        what = "the input case folder" if same else f"an input case (it holds {INPUT_MANIFEST})"
-        raise InputError(f"--out {out_dir}: is {what}; HINT: write the outputs to another folder")
+    why = foreign_input_case(out_dir, in_dir, names)
+    if why:
+        raise InputError(f"--out {out_dir}: {why}; HINT: write the outputs to another folder")
     set_aside_previous(out_dir, stage_files_in(out_dir, names))
 
 
