@@ -20,7 +20,7 @@ from .matrix_io import (CaseError, atomic_write_bytes, crc32_hex, file_kind, mat
                         probe_writable, read_bytes, read_matrix, text_header_fields, write_matrix)
 from .stages import (CASE_INPUTS, FORMATS, GRAD_INPUT, INPUT_MANIFEST, INPUT_NAMES, STAGES, Dims, parse_stage_file,
                      stage_file)
-from .words import plural
+from .words import plural, printable
 
 __all__ = ["InputCase", "load_input_case", "input_head_files", "clear_input_files", "CaseError", "INPUT_KEYS",
            "INT64", "check_scale", "check_types", "read_toml", "validate_dims", "write_toml", "atomic_write_bytes",
@@ -89,13 +89,13 @@ def load_input_case(folder: Path) -> InputCase:
         values = read_toml(manifest)
         unknown = sorted(set(values) - set(INPUT_KEYS))
         if unknown:
-            raise CaseError(f"{manifest}: unknown key '{unknown[0]}'")
+            raise CaseError(f"{manifest}: unknown key '{printable(unknown[0])}'")
         check_types(values, INPUT_KEYS, str(manifest))
         dims = validate_dims(values, str(manifest))
         # Without a `format` line the files say, as the binary reads it.
         fmt = values["format"] if "format" in values else _format_of_files(folder, files) or FORMATS[0]
         if fmt not in FORMATS:
-            raise CaseError(f"{manifest}: format = {fmt!r}; expected one of {', '.join(FORMATS)}")
+            raise CaseError(f"{manifest}: format = {printable(repr(fmt))}; expected one of {', '.join(FORMATS)}")
         scale = check_scale(values["scale"], str(manifest)) if "scale" in values else None
         case = InputCase(folder, dims, fmt, values.get("causal", False), scale, manifest=True)
         flag = values.get("backward")

@@ -17,6 +17,7 @@ from .bench import bench
 from .case import check_scale, load_input_case
 from .compare import Options, check_run, error_ratio_map
 from .generate import DEFAULT_DIMS, DISTRIBUTIONS, generate_case
+from .guards import check_folders_apart, check_reports_apart
 from .options import (backend_option, binary_option, build_option, force_option, in_option,
                       json_option, out_option, progress_bar, reported_progress_bar, seed_option, timeout_option)
 from .options import checked_path as _checked_path
@@ -317,6 +318,8 @@ def check(ctx, in_dir, out_dir, json_path, junit_path, plot_dir, atol, rtol, tol
                    jobs=jobs, causal=causal, scale=scale, precision=precision, math=math,
                    names=_parse_names(names, names_file), allow_nonfinite=allow_nonfinite,
                    max_memory_mb=max_memory_mb)
+    check_folders_apart(in_dir, out_dir)
+    check_reports_apart({"--json": json_path, "--junit": junit_path}, in_dir, out_dir, opts.names, names_file)
     passed = _check_and_report(in_dir, out_dir, opts, json_path, junit_path, plot_dir, per_head, quiet)
     ctx.exit(0 if passed else 1)
 

@@ -12,7 +12,7 @@ import numpy as np
 
 from .matrix_io import CaseError, atomic_write_bytes, read_bytes
 from .stages import DIM_KEYS, MAX_DIM, MAX_ELEMENTS, MAX_HEAD_DIM, MAX_HEADS, Dims
-from .words import plural
+from .words import plural, printable
 
 # ----------------------------------------------------------------------------------------------
 # Manifests: flat `key = value` TOML.
@@ -39,7 +39,7 @@ def check_types(values: dict, types: dict, where: str) -> None:
               is_int if want is int else
               isinstance(v, want))
         if not ok:
-            raise CaseError(f"{where}: '{key}' must be {_TYPE_WORDS[want]} (got {v!r})")
+            raise CaseError(f"{where}: '{key}' must be {_TYPE_WORDS[want]} (got {printable(repr(v))})")
 
 
 def check_scale(scale, where: str) -> float:
@@ -98,7 +98,7 @@ def validate_dims(values: dict, where: str) -> Dims:
     for key in DIM_KEYS:
         v = values.get(key)
         if not isinstance(v, int) or isinstance(v, bool):
-            raise CaseError(f"{where}: '{key}' must be an integer (got {v!r})")
+            raise CaseError(f"{where}: '{key}' must be an integer (got {printable(repr(v))})")
         if not 1 <= v <= MAX_DIM:
             raise CaseError(f"{where}: '{key}' = {v}: dimensions must be in 1..{MAX_DIM}")
     for key in ("d_k", "d_v"):

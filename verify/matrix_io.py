@@ -21,25 +21,16 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
+from .file_kinds import CaseError, file_kind, new_temp_file, not_regular, own_name, refuse_unreadable_kind
 from .stages import NPY_MAX_HEADER_BYTES, TEXT_BYTES_PER_VALUE, TEXT_SLACK_BYTES
-from .words import plural
+from .words import plural, printable
 
-
-class CaseError(Exception):
-    """Bad input: the message is one line that names what is wrong and where."""
+# How much of a token that is not a number an error quotes.
+QUOTED_TOKEN_LIMIT = 40
 
 
 # ----------------------------------------------------------------------------------------------
 # Atomic writes: a file appears complete or not at all.
-
-_FILE_KINDS = ((stat.S_ISREG, "a file"), (stat.S_ISDIR, "a folder"), (stat.S_ISCHR, "a character device"),
-               (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"))
-
-
-def file_kind(mode: int) -> str:
-    """What an st_mode is, in words (for a message refusing it where it does not belong)."""
-    return next((word for test, word in _FILE_KINDS if test(mode)), "a special file")
-
 
 def output_file_target(path: Path) -> Path:
     """The regular file that writing `path` creates or replaces: `path` itself, or the file a
@@ -77,19 +68,24 @@ def probe_writable(folder: Path, what: Path) -> None:
     os.unlink(probe)
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
+def atomic_write_bytes(path: Path, data: bytes, through_links: bool = True) -> None:
+    """Writes `data` to a new temporary file and renames it over `path`. through_links: a link at
+    `path` is kept and the file it points to replaced (a report the user links elsewhere);
+    otherwise the link itself is replaced (files we name inside a folder, such as plots)."""
     path = Path(path)
-    target = output_file_target(path)
-    tmp = target.with_name(f"{target.name}.tmp-{os.getpid()}")
+    target = output_file_target(path) if through_links else own_name(path)
+    tmp = None
     try:
-        with open(tmp, "wb") as fh:
+        fd, tmp = new_temp_file(target)
+        with os.fdopen(fd, "wb") as fh:
             fh.write(data)
         os.replace(tmp, target)
     except OSError as exc:
-        try:
-            tmp.unlink()
-        except OSError:
-            pass
+        if tmp is not None:
+            try:
+                tmp.unlink()
+            except OSError:
+                pass
         raise CaseError(f"{path}: cannot write: {exc.strerror or exc}") from None
 
 
@@ -203,7 +199,7 @@ def _precise_parse(text: str, name: str, shape) -> Tuple[np.ndarray, List[int]]:
         j = _first_bad_token(tokens)
         if j is not None:
             col = _char_column(lines[lineno - 1], tokens, j)
-            raise CaseError(f"{name}:{lineno}:{col}: not a number: {tokens[j][:40]!r}")
+            raise CaseError(f"{name}:{lineno}:{col}: not a number: '{printable(tokens[j], QUOTED_TOKEN_LIMIT)}'")
         if len(tokens) != want_cols:
             what = "missing values" if len(tokens) < want_cols else "extra values"
             raise CaseError(f"{name}:{lineno}: {what}: {plural(len(tokens), 'value')} on this row, expected "
@@ -327,11 +323,6 @@ def parse_npy_matrix(data: bytes, name: str, shape: Optional[Tuple[int, int]] = 
     return arr
 
 
-def _not_regular(path, mode: int) -> CaseError:
-    return CaseError(f"{path}: is {file_kind(mode)}, not a regular file; "
-                     "HINT: only regular files are read (a symlink to one is fine)")
-
-
 def matrix_max_bytes(shape: Tuple[int, int], fmt: str, itemsize: int = 4) -> int:
     """The largest file a rows × cols matrix may take in `fmt` (the bounds in verify/stages.py);
     itemsize: the widest .npy element accepted (float32 inputs; stage files may be float64)."""
@@ -342,26 +333,22 @@ def matrix_max_bytes(shape: Tuple[int, int], fmt: str, itemsize: int = 4) -> int
 
 
 def read_bytes(path: Path, shape: Optional[Tuple[int, int]] = None, itemsize: int = 4) -> bytes:
-    """The bytes of a regular file (after symlinks: a FIFO would block, /dev/zero never ends).
-    With `shape`, a file larger than a matrix of that shape may take (format from the name) is
-    refused before it is read."""
+    """The bytes of a regular file (after symlinks: a FIFO would block, /dev/zero never ends,
+    /proc/self/environ is no matrix). With `shape`, a file larger than a matrix of that shape may
+    take (format from the name) is refused before it is read."""
+    refuse_unreadable_kind(path)
     try:
-        # O_NONBLOCK: opening a FIFO must not wait for a writer; fstat then refuses it.
+        # O_NONBLOCK: should the file have been swapped for a FIFO since, opening it must not wait
+        # for a writer; fstat then refuses it.
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
         raise CaseError(f"{path}: missing file") from None
     except OSError as exc:
-        try:
-            mode = os.stat(path).st_mode
-        except OSError:
-            mode = stat.S_IFREG
-        if not stat.S_ISREG(mode):
-            raise _not_regular(path, mode) from None
         raise CaseError(f"{path}: cannot read: {exc.strerror or exc}") from None
     info = os.fstat(fd)
     if not stat.S_ISREG(info.st_mode):
         os.close(fd)
-        raise _not_regular(path, info.st_mode)
+        raise not_regular(path, info.st_mode)
     with os.fdopen(fd, "rb") as fh:
         if shape is not None:
             fmt = "npy" if str(path).endswith(".npy") else "txt"

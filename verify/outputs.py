@@ -12,7 +12,6 @@ line overrides them; a run.toml that says otherwise is a mismatch the report fai
 """
 from __future__ import annotations
 
-import fnmatch
 import os
 import re
 from dataclasses import dataclass, field
@@ -24,10 +23,11 @@ import numpy as np
 from .case import CaseError, InputCase, check_scale, check_types, crc32_hex, read_toml, validate_dims
 from .model.kernels import KERNELS, kernel_base_name
 from .stage_files import (STACKED_SUFFIX, STAGE_ITEMSIZE, StageSource, check_heads_named, discover_sources,
-                          parse_name_map, pattern_glob, read_names_file)
+                          parse_name_map, pattern_regex, read_names_file)
 from .unfinished import refuse_unfinished
 from .stages import (DIM_KEYS, FORMATS, PRECISIONS, RUN_MANIFEST, STAGES, Dims, default_scale,
                      parse_stage_file, stage_file)
+from .words import printable
 
 __all__ = ["RunInfo", "Overrides", "Mismatch", "open_run", "load_run", "read_run_manifest", "stage_files_in",
            "foreign_stage_files", "staleness", "StageSource", "STAGE_ITEMSIZE", "parse_name_map",
@@ -88,15 +88,16 @@ class RunInfo:
     def stages(self) -> Tuple[str, ...]:
         return tuple(self.sources)
 
+    # run_id and device are only ever shown: printable() where they enter messages and reports.
     @property
     def run_id(self) -> Optional[str]:
         v = self.values.get("run_id")
-        return None if v is None else str(v)
+        return None if v is None else printable(v)
 
     @property
     def device(self) -> Optional[str]:
         v = self.values.get("device")
-        return None if v is None else str(v)
+        return None if v is None else printable(v)
 
     @property
     def lists_stages(self) -> bool:
@@ -136,20 +137,20 @@ def read_run_manifest(folder: Path) -> dict:
     if "scale" in values:
         check_scale(values["scale"], str(manifest))
     if "precision" in values and values["precision"] not in PRECISIONS:
-        raise CaseError(f"{manifest}: precision = {values['precision']!r}; expected one of "
+        raise CaseError(f"{manifest}: precision = {printable(repr(values['precision']))}; expected one of "
                         f"{', '.join(PRECISIONS)}")
     if "backend" in values and values["backend"] not in BACKENDS:
-        raise CaseError(f"{manifest}: backend = {values['backend']!r}; expected one of {', '.join(BACKENDS)} "
+        raise CaseError(f"{manifest}: backend = {printable(repr(values['backend']))}; expected one of {', '.join(BACKENDS)} "
                         "(leave it out for a program other than attnstep's binary)")
     kernel = values.get("flash_kernel")
     if kernel and kernel_base_name(kernel) not in KERNELS:
-        raise CaseError(f"{manifest}: flash_kernel = {kernel!r}; expected one of {', '.join(KERNELS)} "
+        raise CaseError(f"{manifest}: flash_kernel = {printable(repr(kernel))}; expected one of {', '.join(KERNELS)} "
                         "(with -split<K> when split), or none")
     if kernel and "backend" in values and not kernel.startswith(values["backend"]):
-        raise CaseError(f"{manifest}: flash_kernel = {kernel!r} with backend = {values['backend']!r}: the "
+        raise CaseError(f"{manifest}: flash_kernel = {printable(repr(kernel))} with backend = {printable(repr(values['backend']))}: the "
                         f"{values['backend']} backend has no such kernel")
     if "format" in values and values["format"] not in FORMATS:
-        raise CaseError(f"{manifest}: format = {values['format']!r}; expected one of {', '.join(FORMATS)}")
+        raise CaseError(f"{manifest}: format = {printable(repr(values['format']))}; expected one of {', '.join(FORMATS)}")
     return values
 
 
@@ -159,7 +160,7 @@ def _listed_sources(folder: Path, values: dict, names: Mapping[str, str]) -> Dic
     listed = tuple(s for s in str(values["stages"]).split(",") if s)
     unknown = [s for s in listed if s not in STAGES]
     if unknown:
-        raise CaseError(f"{manifest}: unknown stage '{unknown[0]}' in 'stages'")
+        raise CaseError(f"{manifest}: unknown stage '{printable(unknown[0])}' in 'stages'")
     if not listed:
         raise CaseError(f"{manifest}: 'stages' is empty: nothing to check")
     fmt = values.get("format", FORMATS[0])
@@ -254,13 +255,13 @@ def load_run(folder: Path) -> RunInfo:
 def stage_files_in(folder: Path, names: Mapping[str, str] = {}) -> List[str]:
     """Every file name in `folder` that a run could have written: stage files, run.toml, and the
     files a name map's patterns match (any head)."""
-    globs = [pattern_glob(p) for p in names.values() if "/" not in p]
+    mapped = [pattern_regex(p) for p in names.values() if "/" not in p]
     out = []
     for entry in sorted(os.listdir(folder)):
         parsed = parse_stage_file(entry)
         if (parsed and parsed[0] in STAGES) or entry == RUN_MANIFEST or \
                 (entry.endswith(STACKED_SUFFIX) and entry[:-len(STACKED_SUFFIX)] in STAGES) or \
-                any(fnmatch.fnmatchcase(entry, g) for g in globs):
+                any(m.fullmatch(entry) for m in mapped):
             out.append(entry)
     return out
 
@@ -295,4 +296,4 @@ _HEADER_RUN = re.compile(rb"^# attnstep[^\n]*\brun=(\S+)")
 
 def _header_run(data: bytes) -> Optional[str]:
     m = _HEADER_RUN.match(data[:512])
-    return m.group(1).decode("ascii", "replace") if m else None
+    return printable(m.group(1).decode("ascii", "replace")) if m else None

@@ -13,13 +13,14 @@ from typing import List, Mapping, Optional
 import click
 
 from .case import CaseError, read_toml
+from .guards import foreign_input_case
 from .options import InputError
 from .outputs import stage_files_in
 from .words import plural
 from .runner import run_binary, run_program, set_aside_previous
 from .stage_files import STACKED_SUFFIX, pattern_glob
 from .unfinished import FAILED, clear_unfinished, mark_unfinished
-from .stages import INPUT_MANIFEST, RUN_MANIFEST, STAGE_NAMES, parse_stage_file
+from .stages import RUN_MANIFEST, STAGE_NAMES, parse_stage_file
 
 
 def run_attnstep_binary(binary: Path, in_dir: Path, out_dir: Path, backend: str, timeout: float,
@@ -60,21 +61,20 @@ def run_summary(binary: Path, out_dir: Path, seconds: float) -> str:
     return f"{Path(binary).name}: {seconds:.2f} s; {', '.join(parts)}; written to {out_dir}"
 
 
-def refuse_input_case(out_dir: Path, in_dir: Optional[Path] = None) -> None:
-    """An OUT that is the input case (the same folder, or one holding an input manifest) is
-    refused: its Q/K/V files would be replaced or moved away."""
+def refuse_input_case(out_dir: Path, in_dir: Optional[Path] = None, names: Mapping[str, str] = {}) -> None:
+    """An OUT that holds an input case (IN itself, another case's manifest, or input files and no
+    run's) is refused before anything moves: its Q/K/V files would be replaced or moved away."""
     out_dir = Path(out_dir)
     if not out_dir.is_dir():
         return
-    same = in_dir is not None and Path(in_dir).is_dir() and os.path.samefile(out_dir, in_dir)
-    if same or (out_dir / INPUT_MANIFEST).exists():
-        what = "the input case folder" if same else f"an input case (it holds {INPUT_MANIFEST})"
-        raise InputError(f"--out {out_dir}: is {what}; HINT: write the outputs to another folder")
+    why = foreign_input_case(out_dir, in_dir, names)
+    if why:
+        raise InputError(f"--out {out_dir}: {why}; HINT: write the outputs to another folder")
 
 
 def fresh_out(out_dir: Path, in_dir: Optional[Path] = None, names: Mapping[str, str] = {}) -> None:
     """Moves an earlier run's files in OUT aside (refuse_input_case first)."""
-    refuse_input_case(out_dir, in_dir)
+    refuse_input_case(out_dir, in_dir, names)
     if Path(out_dir).is_dir():
         set_aside_previous(out_dir, stage_files_in(out_dir, names))
 
@@ -85,7 +85,7 @@ def watched_run(out_dir: Path, in_dir: Optional[Path], names: Mapping[str, str],
     another program's earlier files are moved aside first and OUT carries the unfinished-run marker
     until the program has exited 0 and its files are found, so that `check` refuses what a failed,
     killed or still running program left."""
-    refuse_input_case(out_dir, in_dir)
+    refuse_input_case(out_dir, in_dir, names)
     if program is None:
         yield
         return

@@ -19,7 +19,7 @@ from .results import FAIL, FLASH_ATTN_KEY, INHERITED, PASS, Comparison, HeadResu
 from .resolution import EXACT
 from .stages import STAGES, stage_file
 from .words import number as _g
-from .words import plural
+from .words import plural, printable
 
 MAX_DETAILED_FAILURES = 8
 
@@ -61,7 +61,7 @@ def header_lines(report: Report) -> List[str]:
             f"{', ' + run.device if run.device else ''}), "
             f"{plural(d.total_heads, 'head')} (batch {d.batch} x {d.heads}), N={d.seq_q} M={d.seq_k} "
             f"d_k={d.d_k} d_v={d.d_v}, {'causal' if run.causal else 'not causal'}, "
-            f"scale {run.scale:.6g}" + (f", flash kernel {run.flash_kernel}" if run.flash_kernel else "")]
+            f"scale {run.scale:.6g}" + (f", flash kernel {printable(run.flash_kernel)}" if run.flash_kernel else "")]
 
 
 def table_lines(report: Report, per_head: bool = False) -> List[str]:
@@ -349,6 +349,6 @@ def write_plots(report: Report, folder: Path, error_map) -> List[Path]:
         png = io.BytesIO()
         fig.savefig(png, format="png", dpi=90)
         plt.close(fig)
-        atomic_write_bytes(path, png.getvalue())
+        atomic_write_bytes(path, png.getvalue(), through_links=False)  # a link planted there is replaced, not followed
         written.append(path)
     return written

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import string
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,7 +17,7 @@ from .case import CaseError, parse_matrix, read_bytes, read_toml
 from .matrix_io import check_npy_size
 from .resolution import Resolution, array_resolution, text_resolution
 from .stages import STAGES, Dims, parse_stage_file, stage_file
-from .words import plural
+from .words import plural, printable, showable
 
 STACKED_SUFFIX = ".npy"             # `<stage>.npy`: every head in one array
 HEAD_FIELDS = ("i", "b", "h")       # placeholders of a name-map pattern
@@ -49,7 +50,7 @@ class StageSource:
         return Path(self.folder or ".") / self.name(head, dims)
 
     def describe(self) -> str:
-        return "arrays" if self.arrays is not None else self.pattern
+        return "arrays" if self.arrays is not None else printable(self.pattern)
 
     def read(self, head: int, dims: Dims, data: Optional[bytes] = None
              ) -> Tuple[np.ndarray, Resolution, Optional[bytes]]:
@@ -136,13 +137,17 @@ def parse_name_map(items: Mapping[str, str], where: str) -> Dict[str, str]:
     out = {}
     for stage, pattern in items.items():
         if stage not in STAGES:
-            raise CaseError(f"{where}: unknown stage '{stage}'; stages are: {', '.join(STAGES)}")
+            raise CaseError(f"{where}: unknown stage '{printable(stage)}'; stages are: {', '.join(STAGES)}")
+        shown = printable(repr(pattern))
         if not isinstance(pattern, str) or not pattern.strip() or Path(pattern).is_absolute() \
                 or ".." in Path(pattern).parts:
             raise CaseError(f"{where}: {stage}: expected a file name inside the output folder, such as "
-                            f"'{stage}_{{i}}.txt', got {pattern!r}")
+                            f"'{stage}_{{i}}.txt', got {shown}")
+        if not showable(pattern):  # it would put them into every message naming a file
+            raise CaseError(f"{where}: {stage} = {shown}: control characters in a file name; HINT: "
+                            "name the files with printable characters")
         if _placeholders(pattern) is None:
-            raise CaseError(f"{where}: {stage} = {pattern!r}: the only placeholders are {{i}} (head "
+            raise CaseError(f"{where}: {stage} = {shown}: the only placeholders are {{i}} (head "
                             "0..B·H-1), {b} (batch) and {h} (head within the batch), without formats")
         out[stage] = pattern
     return out
@@ -165,8 +170,25 @@ def _placeholders(pattern: str) -> Optional[set]:
     return fields
 
 
+# A head field as a program writes it through the pattern (str.format of a non-negative int):
+# ASCII digits, no sign, no leading zero. Anything looser would take a user's own file (say
+# `O_2024-notes.txt` for `O_{i}.txt`) for a stage file, which `run` then moves aside.
+_HEAD_NUMBER = "(?:0|[1-9][0-9]*)"
+
+
+def pattern_regex(pattern: str) -> "re.Pattern[str]":
+    """A name-map pattern as a regex matching (fullmatch) exactly the names it gives some head."""
+    out = []
+    for literal, name, _, _ in string.Formatter().parse(pattern):
+        out.append(re.escape(literal))
+        if name is not None:
+            out.append(_HEAD_NUMBER)
+    return re.compile("".join(out))
+
+
 def pattern_glob(pattern: str) -> str:
-    """A name-map pattern as a glob matching every head's file ({i}, {b}, {h} -> digits)."""
+    """A name-map pattern as a glob, for telling which stage a name already selected by
+    pattern_regex belongs to; too loose ({i} -> digits and anything after) to select files."""
     out = []
     for literal, name, _, _ in string.Formatter().parse(pattern):
         out.append("".join("[" + ch + "]" if ch in "*?[" else ch for ch in literal))
@@ -183,7 +205,7 @@ def check_heads_named(sources: Dict[str, "StageSource"], dims: Dims) -> None:
         if not fields or "i" in fields or fields == {"b", "h"} or \
                 (fields == {"h"} and dims.batch == 1) or (fields == {"b"} and dims.heads == 1):
             continue
-        raise CaseError(f"{src.pattern}: names {plural(dims.total_heads, 'head')} (batch {dims.batch} x {dims.heads}) "
+        raise CaseError(f"{printable(src.pattern)}: names {plural(dims.total_heads, 'head')} (batch {dims.batch} x {dims.heads}) "
                         f"with {', '.join('{' + f + '}' for f in sorted(fields))} only: several heads would "
                         "read one file; HINT: use {i}, or {b} and {h}")
 

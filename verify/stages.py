@@ -165,7 +165,7 @@ def parse_stage_file(name: str):
     if not dot or ext not in FORMATS or "_head_" not in stem:
         return None
     stage, _, idx = stem.rpartition("_head_")
-    if not idx.isdigit():
+    if not (idx.isascii() and idx.isdigit()):  # str.isdigit takes other scripts' digits, and '²'
         return None
     return stage, int(idx), ext
 

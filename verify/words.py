@@ -23,7 +23,42 @@ def number(x: Optional[float]) -> str:
     return f"{x:.3g}" if 1e-3 <= abs(x) < 1e5 else f"{x:.2e}"
 
 
-def printable(text: object, limit: int = 120) -> str:
-    """A string read from a file, safe to print: control characters escaped, cut to `limit`."""
-    s = "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in str(text))
-    return s if len(s) <= limit else s[:limit - 1] + "…"
+# What a terminal, a log viewer or an XML reader could act on rather than show: C0 controls, DEL,
+# C1 controls (0x9b is a one-byte CSI), lone surrogates (undecodable bytes of a file name), and
+# the Unicode line separators and bidirectional overrides that reorder or break what is shown.
+_UNSHOWABLE = frozenset(
+    [*range(0x00, 0x20), *range(0x7F, 0xA0), 0x2028, 0x2029, 0x200E, 0x200F, *range(0x202A, 0x202F),
+     *range(0x2066, 0x206A), *range(0xD800, 0xE000)])
+PRINTABLE_LIMIT = 120
+ELLIPSIS = "..."
+
+
+def _shown(ch: str) -> str:
+    code = ord(ch)
+    if code not in _UNSHOWABLE:
+        return ch
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+
+def showable(text: str) -> bool:
+    """Whether `text` has nothing printable() would escape."""
+    return not any(ord(ch) in _UNSHOWABLE for ch in text)
+
+
+def printable(text: object, limit: int = PRINTABLE_LIMIT) -> str:
+    """A string that came from a user's file (run.toml values, name-map patterns, header fields,
+    tokens quoted in errors) as messages and reports show it: every control character escaped
+    (`\\x1b`, `\\x9b`, `\\u202e`), so an escape sequence in a file cannot drive the terminal (OSC 52
+    writes the clipboard) or break a line of the report, and cut to `limit` characters with an
+    ellipsis, so a huge value cannot flood one."""
+    out, length = [], 0
+    for ch in str(text):
+        piece = _shown(ch)
+        if length + len(piece) > limit:
+            cut = limit - len(ELLIPSIS)
+            while out and length > cut:  # whole pieces only: an escape is never cut in half
+                length -= len(out.pop())
+            return "".join(out) + ELLIPSIS
+        out.append(piece)
+        length += len(piece)
+    return "".join(out)
