@@ -278,3 +278,12 @@ def test_another_program_that_succeeds_clears_the_marker(tmp_path):
     assert run.returncode == 0, err
     assert not (out_dir / UNFINISHED_MARKER).exists()
     assert check(in_dir, out_dir).returncode == 0
+
+
+def test_a_timing_that_is_not_a_number_is_named(binary, tmp_path):
+    in_dir, out_dir = _case(tmp_path, SMALL), tmp_path / "out"
+    _finished(binary, in_dir, out_dir, "--stages", "QK")
+    toml = out_dir / "run.toml"
+    toml.write_text(toml.read_text().replace("time_ms_QK = ", 'time_ms_QK = "abc" #'))
+    res = check(in_dir, out_dir, "--json", str(tmp_path / "r.json"))
+    assert res.returncode == 2 and "'time_ms_QK' must be a number" in res.stderr, res.stderr

@@ -68,15 +68,7 @@ def generate_case(out_dir: Path, dims: Dims, *, causal: bool = False, scale: Opt
     heads nor a partial case that a manifest-less reader would take for a smaller complete one.
     An earlier case in `out_dir` is replaced only if this generator wrote it, or with `force`.
     """
-    check_case_limits(validate_dims({k: getattr(dims, k) for k in DIM_KEYS}, "generate"), "generate", backward)
-    if distribution not in DISTRIBUTIONS:
-        raise CaseError(f"unknown distribution {distribution!r}; choose from {', '.join(DISTRIBUTIONS)}")
-    if fmt not in FORMATS:
-        raise CaseError(f"unknown format {fmt!r}; choose from {', '.join(FORMATS)}")
-    if scale is not None:
-        check_scale(scale, "--scale")
-    if not 0 <= seed <= MAX_SEED:
-        raise CaseError(f"seed {seed}: must be in 0..{MAX_SEED}")
+    _check_arguments(dims, scale, seed, distribution, fmt, backward)
     out_dir = Path(out_dir)
     if not force:
         _refuse_foreign_case(out_dir)
@@ -118,6 +110,19 @@ def generate_case(out_dir: Path, dims: Dims, *, causal: bool = False, scale: Opt
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return out_dir
+
+
+def _check_arguments(dims: Dims, scale: Optional[float], seed: int, distribution: str, fmt: str,
+                     backward: bool) -> None:
+    check_case_limits(validate_dims({k: getattr(dims, k) for k in DIM_KEYS}, "generate"), "generate", backward)
+    if distribution not in DISTRIBUTIONS:
+        raise CaseError(f"unknown distribution {distribution!r}; choose from {', '.join(DISTRIBUTIONS)}")
+    if fmt not in FORMATS:
+        raise CaseError(f"unknown format {fmt!r}; choose from {', '.join(FORMATS)}")
+    if scale is not None:
+        check_scale(scale, "--scale")
+    if not 0 <= seed <= MAX_SEED:
+        raise CaseError(f"seed {seed}: must be in 0..{MAX_SEED}")
 
 
 def _refuse_foreign_case(out_dir: Path) -> None:

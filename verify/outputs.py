@@ -35,6 +35,7 @@ __all__ = ["RunInfo", "Overrides", "Mismatch", "open_run", "load_run", "read_run
 
 BACKENDS = ("cpu", "cuda")          # what the project's binary writes as run.toml's `backend`
 MATH_MODES = ("ieee", "fast")       # strict IEEE float32, or CUDA's fast-math intrinsics
+TIMING_PREFIX = "time_ms_"           # run.toml's per-stage timings: time_ms_<stage> = milliseconds
 RUN_KEY_TYPES = {**{k: int for k in DIM_KEYS}, "run_id": str, "backend": str, "device": str,
                  "precision": str, "format": str, "stages": str, "causal": bool, "scale": float,
                  "flash_block_q": int, "flash_block_k": int, "flash_kernel": str, "poison": bool}
@@ -121,7 +122,7 @@ class RunInfo:
         return str(v) if v else None
 
     def timings(self) -> Dict[str, float]:
-        return {k[len("time_ms_"):]: float(v) for k, v in self.values.items() if k.startswith("time_ms_")}
+        return {k[len(TIMING_PREFIX):]: float(v) for k, v in self.values.items() if k.startswith(TIMING_PREFIX)}
 
     def read(self, stage: str, head: int):
         return self.sources[stage].read(head, self.dims)
@@ -134,6 +135,7 @@ def read_run_manifest(folder: Path) -> dict:
         return {}
     values = read_toml(manifest)
     check_types(values, RUN_KEY_TYPES, str(manifest))
+    check_types(values, {k: float for k in values if k.startswith(TIMING_PREFIX)}, str(manifest))
     if "scale" in values:
         check_scale(values["scale"], str(manifest))
     if "precision" in values and values["precision"] not in PRECISIONS:

@@ -4,7 +4,6 @@ an error, not a silent success)."""
 from __future__ import annotations
 
 import contextlib
-import fnmatch
 import os
 import time
 from pathlib import Path
@@ -16,9 +15,9 @@ from .case import CaseError, read_toml
 from .guards import foreign_input_case
 from .options import InputError
 from .outputs import stage_files_in
-from .words import plural
+from .words import plural, printable
 from .runner import run_binary, run_program, set_aside_previous
-from .stage_files import STACKED_SUFFIX, pattern_glob
+from .stage_files import STACKED_SUFFIX, pattern_regex
 from .unfinished import FAILED, clear_unfinished, mark_unfinished
 from .stages import RUN_MANIFEST, STAGE_NAMES, parse_stage_file
 
@@ -49,10 +48,10 @@ def run_summary(binary: Path, out_dir: Path, seconds: float) -> str:
         info = read_toml(Path(out_dir) / RUN_MANIFEST)
     except (CaseError, OSError):
         info = {}
-    parts = [f"{info.get('backend', '?')} backend"
-             + (f" ({info['device']})" if info.get("device") else "")]
+    parts = [f"{printable(info.get('backend', '?'))} backend"
+             + (f" ({printable(info['device'])})" if info.get("device") else "")]
     if info.get("flash_kernel"):
-        parts.append(f"flash kernel {info['flash_kernel']}")
+        parts.append(f"flash kernel {printable(info['flash_kernel'])}")
     if isinstance(info.get("batch"), int) and isinstance(info.get("heads"), int):
         parts.append(plural(info["batch"] * info["heads"], "head"))
     stages = [s for s in str(info.get("stages", "")).split(",") if s]
@@ -132,4 +131,4 @@ def _written_stage(name: str, names: Mapping[str, str]) -> Optional[str]:
         return parsed[0]
     if name.endswith(STACKED_SUFFIX) and name[:-len(STACKED_SUFFIX)] in STAGE_NAMES:
         return name[:-len(STACKED_SUFFIX)]
-    return next((s for s, p in names.items() if fnmatch.fnmatchcase(name, pattern_glob(p))), None)
+    return next((s for s, p in names.items() if pattern_regex(p).fullmatch(name)), None)

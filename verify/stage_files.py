@@ -186,17 +186,6 @@ def pattern_regex(pattern: str) -> "re.Pattern[str]":
     return re.compile("".join(out))
 
 
-def pattern_glob(pattern: str) -> str:
-    """A name-map pattern as a glob, for telling which stage a name already selected by
-    pattern_regex belongs to; too loose ({i} -> digits and anything after) to select files."""
-    out = []
-    for literal, name, _, _ in string.Formatter().parse(pattern):
-        out.append("".join("[" + ch + "]" if ch in "*?[" else ch for ch in literal))
-        if name is not None:
-            out.append("[0-9]*")
-    return "".join(out)
-
-
 def check_heads_named(sources: Dict[str, "StageSource"], dims: Dims) -> None:
     """Each per-head pattern names every head apart: {i}, or {b} and {h} (one of them suffices when
     the other dimension is 1). Otherwise several heads would read one file."""

@@ -133,18 +133,18 @@ void RunFolder::write_marker(const std::string& state, const std::string& reason
 }
 
 // The previous run's files (run.toml first, so that no moment shows it beside new files) go into
-// OUT/.attnstep-previous, which holds one run: what an earlier move left there is removed.
+// OUT/.attnstep-previous, which holds one run: what an earlier move left there is replaced.
 void RunFolder::move_previous_aside() const {
     const std::string previous = join(out_, kPreviousFolder);
-    std::error_code ec;
-    fs::remove_all(previous, ec);  // a link there is removed, never followed
     std::vector<std::string> names;
     for (const std::string& name : entries(out_)) {
         struct stat st;
         if (is_run_file_name(name) && ::lstat(join(out_, name).c_str(), &st) == 0 && !S_ISDIR(st.st_mode))
             names.push_back(name);
     }
-    if (names.empty()) return;
+    if (names.empty()) return;  // what an earlier move left there stays: it is still the run before
+    std::error_code ec;
+    fs::remove_all(previous, ec);  // a link there is removed, never followed
     if (::mkdir(previous.c_str(), 0777) != 0)
         fail(kExitInternal, previous + ": cannot create: " + std::strerror(errno),
              "check the output folder's permissions");
