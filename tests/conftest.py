@@ -52,3 +52,25 @@ def binary() -> Path:
             pytest.exit(f"ATTNSTEP_BINARY={given}: no such file", returncode=2)
         return path
     return ensure_built(REPO / "build")
+
+
+@pytest.fixture
+def runner():
+    """Click's runner, for invoking the CLI in this process."""
+    from click.testing import CliRunner
+    return CliRunner()
+
+
+@pytest.fixture
+def no_hang():
+    """Fails a test that blocks (a FIFO read) instead of hanging the run."""
+    import signal
+
+    def expire(signum, frame):
+        raise TimeoutError("blocked for 10 s")
+
+    old = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(10)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, old)

@@ -216,21 +216,6 @@ def test_generate_takes_the_seeds_a_manifest_holds(tmp_path):
     assert not list(tmp_path.iterdir())
 
 
-@pytest.fixture
-def no_hang():
-    """Fails a test that blocks (a FIFO read) instead of hanging the run."""
-    import signal
-
-    def expire(signum, frame):
-        raise TimeoutError("blocked for 10 s")
-
-    old = signal.signal(signal.SIGALRM, expire)
-    signal.alarm(10)
-    yield
-    signal.alarm(0)
-    signal.signal(signal.SIGALRM, old)
-
-
 @pytest.mark.parametrize("kind,words", [("fifo", "is a FIFO"), ("dev-zero", "is a character device"),
                                         ("folder", "is a folder")])
 def test_only_regular_files_are_read(tmp_path, no_hang, kind, words):

@@ -7,18 +7,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from click.testing import CliRunner
 
 from verify.case import crc32_hex, read_matrix, write_matrix
 from verify.cli import cli
 from verify.stages import UNFINISHED_MARKER
 
 SMALL = ["--heads", "2", "--seq-q", "9", "--seq-k", "13", "--d-k", "16", "--d-v", "16"]
-
-
-@pytest.fixture
-def runner():
-    return CliRunner()
 
 
 def _one_line_error(result, code=2):

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from click.testing import CliRunner
 
 from verify import cli as cli_module
 from verify import options as options_module
@@ -23,11 +22,6 @@ from verify.stages import FORWARD_STAGES, STAGE_NAMES
 
 REPO = Path(__file__).resolve().parent.parent
 SMALL = ["--heads", "2", "--seq-q", "9", "--seq-k", "13", "--d-k", "16", "--d-v", "16"]
-
-
-@pytest.fixture
-def runner():
-    return CliRunner()
 
 
 # ---- what the first build compiles -------------------------------------------------------------

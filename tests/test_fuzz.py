@@ -324,7 +324,7 @@ def test_interrupted_runs_never_verify_and_keep_the_previous_run(binary, previou
 
     from verify.outputs import open_run
     from verify.unfinished import read_marker
-    from run_helpers import leftovers, snapshot
+    from run_helpers import PREVIOUS_DIR, leftovers, snapshot
 
     folder, seconds = previous_run
     out = tmp_path_factory.mktemp("run") / "out"
@@ -336,16 +336,21 @@ def test_interrupted_runs_never_verify_and_keep_the_previous_run(binary, previou
     proc.send_signal(getattr(signal, sig))
     _, err = proc.communicate(timeout=300)
     case = load_input_case(folder / "in")
-    if proc.returncode == 0:  # finished before the signal came
-        assert read_marker(out) is None and open_run(out, case).stages
-        return
-    assert snapshot(out) == before, f"{sig} at {when:.2f} of the run changed the previous run's files"
-    if read_marker(out) is None:  # stopped before the run began (or before main): nothing was touched
+    killed = sig == "SIGKILL"
+    if read_marker(out) is not None:  # the run did not finish: refused, the previous run kept
+        with pytest.raises(CaseError, match="did not finish"):
+            open_run(out, case)
+        if killed:  # perhaps while the finished run was put in place: each earlier file kept whole
+            kept = snapshot(out), snapshot(out / PREVIOUS_DIR) if (out / PREVIOUS_DIR).is_dir() else {}
+            assert all(any(k.get(n) == data for k in kept) for n, data in before.items())
+        else:
+            assert snapshot(out) == before, f"{sig} at {when:.2f} of the run changed the previous run's files"
+            assert proc.returncode == 128 + getattr(signal, sig) and "main: error: interrupted by" in err, err
+            assert leftovers(out) == []
+    elif (out / "run.toml").read_bytes() == before["run.toml"]:  # stopped before the run began
+        assert snapshot(out) == before
         assert proc.returncode < 0 or "the run had not begun" in err, err
-        assert leftovers(out) == []
-        return
-    with pytest.raises(CaseError, match="did not finish"):
-        open_run(out, case)
-    if sig != "SIGKILL":
-        assert proc.returncode == 128 + getattr(signal, sig) and "main: error: interrupted by" in err, err
-        assert leftovers(out) == []
+        assert killed or leftovers(out) == []
+    else:  # finished: the signal came after the run was in place
+        assert open_run(out, case).stages and (killed or proc.returncode == 0), err
+        assert killed or leftovers(out) == []

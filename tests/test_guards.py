@@ -205,20 +205,6 @@ def test_plot_replaces_a_link_planted_at_its_name_and_leaves_the_target(tmp_path
 
 # ---- 6. only regular data files are read ---------------------------------------------------------
 
-@pytest.fixture
-def no_hang():
-    import signal
-
-    def expire(signum, frame):
-        raise TimeoutError("blocked for 10 s")
-
-    old = signal.signal(signal.SIGALRM, expire)
-    signal.alarm(10)
-    yield
-    signal.alarm(0)
-    signal.signal(signal.SIGALRM, old)
-
-
 def test_a_fifo_is_refused_before_anything_opens_it(tmp_path, no_hang, monkeypatch):
     fifo = tmp_path / "QK_head_0.txt"
     os.mkfifo(fifo)

@@ -79,6 +79,22 @@ def test_a_signal_while_writing_keeps_the_previous_run(binary, tmp_path, sig):
     _assert_refused(in_dir, out_dir, name)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL], ids=lambda s: signal.Signals(s).name)
+def test_a_signal_while_the_cuda_backend_writes_keeps_the_previous_run(binary, tmp_path, sig):
+    in_dir, out_dir = _case(tmp_path, Dims(1, 16, 1024, 1024, 64, 64)), tmp_path / "out"
+    cuda = ("--backend", "cuda")
+    before = _finished(binary, in_dir, out_dir, *cuda, "--stages", "flash")
+    cmd = binary_command(binary, in_dir, out_dir)[:-2] + list(cuda)
+    signalled, rc, err = signal_when(cmd, lambda: staged_a_file(out_dir), sig)
+    assert signalled, "five runs ended before a file was staged"
+    assert rc == (-sig if sig == signal.SIGKILL else 128 + sig), err
+    assert snapshot(out_dir) == before
+    _assert_refused(in_dir, out_dir)
+    _finished(binary, in_dir, out_dir, *cuda)
+    assert leftovers(out_dir) == [] and check(in_dir, out_dir, "--stage", "flash_output").returncode == 0
+
+
 def test_sigkill_while_writing_keeps_the_previous_run_and_the_next_run_cleans_up(binary, tmp_path):
     in_dir, out_dir = _case(tmp_path), tmp_path / "out"
     before = _finished(binary, in_dir, out_dir, "--stages", "QK")

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from click.testing import CliRunner
 
 import attnstep
 from verify.case import CaseError, load_input_case, matrix_bytes, read_matrix
@@ -27,11 +26,6 @@ from verify.stages import Dims
 
 REPO = Path(__file__).resolve().parent.parent
 f32 = np.float32
-
-
-@pytest.fixture
-def runner():
-    return CliRunner()
 
 
 def _one_line_error(result, code=2):
