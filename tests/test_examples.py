@@ -167,3 +167,24 @@ def test_flash_race_is_caught_when_it_shows(examples, tmp_path):
         elif diff < RACE_ABSENT_BELOW:
             assert status == 0, report["first_failure"]
     assert shown, f"the race never showed in {RACE_RUNS} causal runs (flash output equal to the correct one)"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("program,tool,passes", [("correct_seed", "memcheck,racecheck", True),
+                                                 (RACE, "racecheck", False)], ids=["correct", "race"])
+def test_the_sanitizer_finds_what_values_may_hide(examples, tmp_path, program, tool, passes):
+    """`run --sanitize` on a gallery program: the correct one is clean; the racy one is named by
+    racecheck, kernel and source line, whether or not the race showed in this run's values."""
+    flow = Workflow(tmp_path, HEADS, causal=True)
+    run = _verify("run", "--in", flow.case, "--out", flow.result, "--binary", examples[program], "--cwd",
+                  tmp_path / "build", "--sanitize", tool, "--", DEFAULT_CASE)
+    assert run.returncode == 0, run.stdout + run.stderr
+    status, report = flow.check()
+    checks = {c["kind"]: c for c in report["program_checks"]}
+    assert set(checks) == set(tool.split(","))
+    if passes:
+        assert status == 0 and all(c["passed"] for c in checks.values()), checks
+        return
+    race = checks["racecheck"]
+    assert status == 1 and not race["passed"] and race["count"] > 0, race
+    assert "flash" in race["kernel"] and race["source"].startswith(f"{RACE}.cu:"), race

@@ -16,7 +16,7 @@ def _result(stage, head, status, message="", diagnosis=()):
 def _suite(tmp_path, results):
     path = tmp_path / "r.xml"
     run = SimpleNamespace(precision="tf32", math="ieee", backend="cpu")
-    write_junit(SimpleNamespace(results=results, run=run), path)
+    write_junit(SimpleNamespace(results=results, run=run, program_checks=[]), path)
     root = ET.parse(path).getroot()
     assert root.tag == "testsuites"
     return root.find("testsuite")

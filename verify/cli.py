@@ -19,13 +19,17 @@ from .compare import Options, check_run, error_ratio_map
 from .generate import DEFAULT_DIMS, DISTRIBUTIONS, generate_case
 from .guards import check_folders_apart, check_reports_apart
 from .options import (backend_option, binary_option, build_option, force_option, in_option,
-                      json_option, out_option, progress_bar, reported_progress_bar, seed_option, timeout_option)
+                      json_option, out_option, progress_bar, seed_option, timeout_option)
 from .options import checked_path as _checked_path
 from .options import report_file
 from .options import user_errors as _user_errors
 from .outputs import MATH_MODES, open_run, parse_name_map, read_names_file
 from .pool import MAX_MEMORY_MB
-from .programs import run_any_program, run_attnstep_binary, run_summary
+from .programs import (binary_args, binary_runner, program_runner, run_any_program, run_attnstep_binary, run_summary,
+                       run_with_program_checks)
+from .program_checks import text_lines as program_check_lines
+from .sanitizer import TOOLS as SANITIZER_TOOLS
+from .sanitizer import parse_tools
 from .report import (check_plot_folder, failure_lines, header_lines, summary_lines, table_lines,
                      write_json, write_junit, write_plots)
 from .runner import BINARY_NAME, ensure_built, example_names
@@ -132,27 +136,6 @@ def generate(out_dir, batch, heads, seq_q, seq_k, d_k, d_v, causal, scale, seed,
                f"{distribution}, seed {seed}) to {out_dir}")
 
 
-def _run_args(stages, fmt, precision, poison, causal, scale, max_memory_mb, allow_nonfinite):
-    args = []
-    if stages:
-        args += ["--stages", stages]
-    if fmt:
-        args += ["--format", fmt]
-    if precision:
-        args += ["--precision", precision]
-    if poison:
-        args.append("--poison")
-    if causal:
-        args.append("--causal")
-    if scale is not None:
-        args += ["--scale", repr(scale)]
-    if max_memory_mb:
-        args += ["--max-memory-mb", str(max_memory_mb)]
-    if allow_nonfinite:
-        args.append("--allow-nonfinite")
-    return args
-
-
 @cli.command(context_settings={"ignore_unknown_options": False})
 @in_option
 @out_option
@@ -174,35 +157,40 @@ def _run_args(stages, fmt, precision, poison, causal, scale, max_memory_mb, allo
 @click.option("--scale", type=float, help="Override the score scale.")
 @click.option("--max-memory-mb", type=click.IntRange(min=1), help="Cap the binary's working memory.")
 @click.option("--allow-nonfinite", is_flag=True, help="Accept NaN/Inf in the inputs.")
+@click.option("--sanitize", metavar="TOOLS", help="Also run the program under compute-sanitizer's TOOLS "
+              f"({', '.join(SANITIZER_TOOLS)}; comma list, a run each), for check to report.")
+@click.option("--repeat", type=click.IntRange(min=1), default=1, show_default=True, metavar="K",
+              help="Run K times; check reports the stages whose values differ between runs.")
 @quiet_option
 @name_options
 @click.argument("args", nargs=-1, type=click.UNPROCESSED, metavar="[-- ARGS...]")
 @_user_errors
 def run(in_dir, out_dir, backend, build_dir, binary, timeout, cwd, stages, fmt, precision, poison, causal, scale,
-        max_memory_mb, allow_nonfinite, quiet, names, names_file, args):
+        max_memory_mb, allow_nonfinite, sanitize, repeat, quiet, names, names_file, args):
     """Build the binary if needed and run it on a case.
 
     Runs build/main on IN and writes every stage file and run.toml into OUT. With --binary PATH
     -- ARGS, runs your program as `PATH ARGS...` (in --cwd) instead, its own way, and then makes
     sure it wrote stage files into OUT (named as --name/--names say, as for check). Files of an
     earlier run in OUT are moved into OUT/.attnstep-previous, so `check` never sees them, and a run
-    that fails or is stopped leaves OUT marked unfinished, which `check` refuses.
+    that fails or is stopped leaves OUT marked unfinished, which `check` refuses. With --sanitize
+    and --repeat, the program also runs under compute-sanitizer and again, and `check` reports
+    what they found beside the stages.
     """
     if args and binary is None:
         raise click.UsageError("program arguments after -- need --binary PATH (the program to run)")
+    names = _parse_names(names, names_file)
+    tools = parse_tools(sanitize) if sanitize else []
     if args:
-        run_any_program(binary, args, cwd, out_dir, timeout, in_dir, quiet, _parse_names(names, names_file))
-        return
-    # Progress reports are asked only of the binary built here: a --binary taking attnstep's
-    # arguments need not know --progress.
-    ours = binary is None
-    binary = binary or _build(build_dir, quiet)
-    with reported_progress_bar("running", ours and not quiet) as progress:
-        seconds = run_attnstep_binary(binary, in_dir, out_dir, backend, timeout, cwd,
-                                       _run_args(stages, fmt, precision, poison, causal, scale, max_memory_mb,
-                                                 allow_nonfinite), progress, ours)
-    if not quiet:
-        click.echo(run_summary(binary, out_dir, seconds))
+        once = program_runner(binary, args, cwd, timeout, in_dir, quiet, names)
+    else:
+        ours = binary is None
+        binary = binary or _build(build_dir, quiet)
+        once = binary_runner(binary, in_dir, backend, timeout, cwd, ours, quiet,
+                             binary_args(stages, fmt, precision, poison, causal, scale, max_memory_mb, allow_nonfinite))
+    checks = run_with_program_checks(once, out_dir, in_dir, names, tools, repeat, chooses_out=not args)
+    for line in program_check_lines(checks):
+        click.echo(line)
 
 
 def _parse_tol(values) -> Dict[str, Tuple[float, float]]:

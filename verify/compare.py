@@ -24,9 +24,10 @@ import numpy as np
 from . import diagnose as diag
 from . import flash_attn_criterion, invariants, tolerance
 from .case import CaseError, InputCase, load_input_case, read_bytes
-from .outputs import STAGE_ITEMSIZE, Overrides, RunInfo, foreign_stage_files, open_run, staleness
+from .outputs import STAGE_ITEMSIZE, Overrides, RunInfo, foreign_stage_files, open_run, stage_files_in, staleness
 from .model.half import is_half, round_to_format
 from .pool import REF_CACHE, head_jobs, map_heads
+from .program_checks import ProgramCheck, files_digest, read_findings
 from .results import (FAIL, INHERITED, MISSING, PASS, SHAPE, STALE, UNREADABLE, Comparison, HeadResult, Report,
                       compare_arrays, elementwise_error)
 from .reference import compute_stage, reference_chain
@@ -338,7 +339,18 @@ def check_run(run: RunInfo, case: InputCase, opts: Options,
     results = map_heads(checker.check, run.dims.total_heads, head_jobs(run, opts.jobs, opts.max_memory_mb), progress,
                          tune_process)
     apply_mismatches(run, results)
-    return Report(run, case, results, foreign_stage_files(run))
+    return Report(run, case, results, foreign_stage_files(run), _program_checks(run, opts))
+
+
+def _program_checks(run: RunInfo, opts: Options) -> List[ProgramCheck]:
+    """The findings `attnstep run --sanitize/--repeat` left about the program that wrote these
+    files (none for arrays, or when they describe other files: then a note says so)."""
+    if run.path is None:
+        return []
+    checks, note = read_findings(run.path, files_digest(run.path, stage_files_in(run.path, opts.names)))
+    if note:
+        run.notes.append(note)
+    return checks
 
 
 def error_ratio_map(run: RunInfo, case: InputCase, stage: str, head: int,

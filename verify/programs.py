@@ -7,31 +7,35 @@ import contextlib
 import os
 import time
 from pathlib import Path
-from typing import List, Mapping, Optional
+from typing import List, Mapping, Optional, Sequence
 
 import click
 
 from .case import CaseError, read_toml
 from .guards import foreign_input_case
-from .options import InputError
+from .options import InputError, reported_progress_bar
 from .outputs import stage_files_in
 from .words import plural, printable
 from .runner import run_binary, run_program, set_aside_previous
 from .stage_files import STACKED_SUFFIX, pattern_regex
+from .program_checks import ProgramCheck, clear_findings, files_digest, write_findings
+from .program_runs import RunOnce, repeated_runs, sanitized_runs
 from .unfinished import FAILED, clear_unfinished, mark_unfinished
 from .stages import RUN_MANIFEST, STAGE_NAMES, parse_stage_file
 
 
 def run_attnstep_binary(binary: Path, in_dir: Path, out_dir: Path, backend: str, timeout: float,
-                         cwd: Optional[Path] = None, extra=(), progress=None, ours: bool = True) -> float:
+                         cwd: Optional[Path] = None, extra=(), progress=None, ours: bool = True,
+                         under: Sequence[str] = ()) -> float:
     """Runs attnstep's binary (or, `ours` False, a program taking its arguments) into OUT, passing
     on its notices and output; returns its wall time in seconds. `progress(done, total)`, when
     given, follows the binary's work. attnstep's binary puts a finished run in place of the
-    previous one itself; another program is watched (watched_run)."""
+    previous one itself; another program is watched (watched_run). `under`: a tool to run it
+    under (compute-sanitizer)."""
     t0 = time.monotonic()
     with watched_run(out_dir, in_dir, {}, binary if not ours else None):
         result = run_binary(binary, in_dir, out_dir, backend=backend, timeout=timeout, cwd=cwd, extra=extra,
-                            progress=progress)
+                            progress=progress, under=under)
         seconds = time.monotonic() - t0
         for line in result.notices:
             click.echo(line, err=True)
@@ -113,10 +117,11 @@ def require_written(binary: Path, out_dir: Path, names: Mapping[str, str] = {}) 
 
 
 def run_any_program(binary: Path, args, cwd: Optional[Path], out_dir: Path, timeout: float,
-                    in_dir: Optional[Path] = None, quiet: bool = False, names: Mapping[str, str] = {}) -> None:
+                    in_dir: Optional[Path] = None, quiet: bool = False, names: Mapping[str, str] = {},
+                    under: Sequence[str] = ()) -> None:
     """Runs `binary ARGS...` its own way; `names`: the name map of the files it writes."""
     with watched_run(out_dir, in_dir, names, binary):
-        seconds = run_program(binary, args, cwd, timeout)
+        seconds = run_program(binary, args, cwd, timeout, under)
         written = require_written(binary, out_dir, names)
     stages = [s for s in STAGE_NAMES if any(_written_stage(n, names) == s for n in written)]
     if not quiet:
@@ -132,3 +137,64 @@ def _written_stage(name: str, names: Mapping[str, str]) -> Optional[str]:
     if name.endswith(STACKED_SUFFIX) and name[:-len(STACKED_SUFFIX)] in STAGE_NAMES:
         return name[:-len(STACKED_SUFFIX)]
     return next((s for s, p in names.items() if pattern_regex(p).fullmatch(name)), None)
+
+
+# ----------------------------------------------------------------------------------------------
+# Checks of the program beside its values: under compute-sanitizer, and run again to compare.
+
+def program_runner(binary: Path, args, cwd: Optional[Path], timeout: float, in_dir: Path, quiet: bool,
+                   names: Mapping[str, str]) -> RunOnce:
+    """Runs `binary ARGS...` its own way (it writes where its arguments say)."""
+    def once(under: Sequence[str], out_dir: Path) -> None:
+        run_any_program(binary, args, cwd, out_dir, timeout, in_dir, quiet, names, under)
+    return once
+
+
+def binary_args(stages, fmt, precision, poison, causal, scale, max_memory_mb, allow_nonfinite) -> List[str]:
+    """The binary's options for what `attnstep run` was given (None / False: not given)."""
+    args = []
+    if stages:
+        args += ["--stages", stages]
+    if fmt:
+        args += ["--format", fmt]
+    if precision:
+        args += ["--precision", precision]
+    if poison:
+        args.append("--poison")
+    if causal:
+        args.append("--causal")
+    if scale is not None:
+        args += ["--scale", repr(scale)]
+    if max_memory_mb:
+        args += ["--max-memory-mb", str(max_memory_mb)]
+    if allow_nonfinite:
+        args.append("--allow-nonfinite")
+    return args
+
+
+def binary_runner(binary: Path, in_dir: Path, backend: str, timeout: float, cwd: Optional[Path], ours: bool,
+                  quiet: bool, extra: Sequence[str]) -> RunOnce:
+    """Runs attnstep's binary (`ours`) or one taking its arguments into the folder given. Progress
+    reports are asked only of the binary built here (a --binary taking attnstep's arguments need
+    not know --progress), and never under a tool."""
+    def once(under: Sequence[str], out_dir: Path) -> None:
+        with reported_progress_bar("running", ours and not quiet and not under) as progress:
+            seconds = run_attnstep_binary(binary, in_dir, out_dir, backend, timeout, cwd, extra, progress, ours,
+                                           under)
+        if not quiet:
+            click.echo(run_summary(binary, out_dir, seconds))
+    return once
+
+
+def run_with_program_checks(run_once: RunOnce, out_dir: Path, in_dir: Path, names: Mapping[str, str],
+                            sanitize: Sequence[str], repeat: int, chooses_out: bool) -> List[ProgramCheck]:
+    """The sanitizer runs, the run `check` will read, and its repeats; the findings are written
+    into OUT for `check` (an earlier run's findings are removed first, so none outlives its run)."""
+    clear_findings(out_dir)
+    checks = sanitized_runs(run_once, sanitize, out_dir, chooses_out) if sanitize else []
+    run_once((), out_dir)
+    if repeat > 1:
+        checks.append(repeated_runs(run_once, repeat, out_dir, in_dir, names))
+    if checks:
+        write_findings(out_dir, checks, files_digest(out_dir, stage_files_in(out_dir, names)))
+    return checks

@@ -13,7 +13,7 @@ from typing import List, Optional
 
 import numpy as np
 
-from . import flash_attn_criterion
+from . import flash_attn_criterion, program_checks
 from .case import CaseError, atomic_write_bytes, file_kind, probe_writable
 from .results import FAIL, FLASH_ATTN_KEY, INHERITED, PASS, Comparison, HeadResult, Report
 from .resolution import EXACT
@@ -152,8 +152,13 @@ def notes(report: Report) -> List[str]:
 
 
 def summary_lines(report: Report) -> List[str]:
-    lines = [f"note: {n}" for n in notes(report)]
+    lines = [f"note: {n}" for n in notes(report)] + program_checks.text_lines(report.program_checks)
     first = report.first_failure
+    failed_checks = [c for c in report.program_checks if not c.passed]
+    if first is None and failed_checks:
+        lines.append(f"FAIL: every stage passes its bounds ({bounds_words(report.run)}), but "
+                     + "; ".join(c.line() for c in failed_checks))
+        return lines
     if first is None:
         used = max((r.main.tol_used for r in report.results if r.main), default=0.0)
         n, h = len(report.stages), report.run.dims.total_heads
@@ -207,7 +212,8 @@ def to_json(report: Report) -> dict:
         "dims": {k: getattr(d, k) for k in ("batch", "heads", "seq_q", "seq_k", "d_k", "d_v")},
         FLASH_ATTN_KEY: flash_attn_criterion.json_block(report),
         "stages": stages, "results": [r.to_json() for r in report.results],
-        "foreign_files": report.foreign_files, "timings_ms": report.run.timings()})
+        "foreign_files": report.foreign_files, "timings_ms": report.run.timings(),
+        "program_checks": program_checks.json_block(report.program_checks)})
 
 
 def write_json(report: Report, path: Path) -> None:
@@ -235,12 +241,18 @@ def _junit_failure(r: HeadResult) -> ET.Element:
 def write_junit(report: Report, path: Path) -> None:
     """One testcase per stage and head; a failing one carries its message and diagnosis."""
     root = ET.Element("testsuites")
-    suite = ET.SubElement(root, "testsuite", name="attnstep", tests=str(len(report.results)),
-                          failures=str(sum(not r.passed for r in report.results)), errors="0")
+    checks = report.program_checks
+    suite = ET.SubElement(root, "testsuite", name="attnstep", tests=str(len(report.results) + len(checks)),
+                          failures=str(sum(not r.passed for r in report.results) + sum(not c.passed for c in checks)),
+                          errors="0")
     suite_props = ET.SubElement(suite, "properties")  # what the bounds assume: a CI job sees a loosened check
     for name, value in (("precision", report.run.precision), ("math", report.run.math),
                         ("arithmetic", arithmetic(report.run)), *flash_attn_criterion.junit_properties(report)):
         ET.SubElement(suite_props, "property", name=name, value=_xml_text(str(value)))
+    for name, failure in program_checks.junit_cases(report.program_checks):
+        case = ET.SubElement(suite, "testcase", classname="attnstep.program", name=name)
+        if failure:
+            ET.SubElement(case, "failure", type=name, message=_xml_text(failure)).text = _xml_text(failure)
     for r in report.results:
         case = ET.SubElement(suite, "testcase", classname=f"attnstep.{r.stage}", name=f"head_{r.head}")
         props = ET.SubElement(case, "properties")

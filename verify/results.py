@@ -183,6 +183,8 @@ class Report:
     case: InputCase
     results: List[HeadResult]
     foreign_files: List[str]
+    # What `attnstep run --sanitize/--repeat` found about the program (verify/program_checks.py).
+    program_checks: List["ProgramCheck"] = field(default_factory=list)
 
     @property
     def stages(self) -> List[str]:
@@ -194,6 +196,10 @@ class Report:
 
     @property
     def passed(self) -> bool:
+        return all(r.passed for r in self.results) and all(c.passed for c in self.program_checks)
+
+    @property
+    def stages_passed(self) -> bool:
         return all(r.passed for r in self.results)
 
     @property

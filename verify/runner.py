@@ -204,13 +204,15 @@ class RunResult:
 
 def run_binary(binary: Path, in_dir: Path, out_dir: Path, *, backend: str = "auto",
                extra: Sequence[str] = (), timeout: Optional[float] = DEFAULT_RUN_TIMEOUT_S,
-               check: bool = True, cwd: Optional[Path] = None, progress: RunProgress = None) -> RunResult:
-    """Runs `binary --in IN --out OUT --backend B EXTRA...`. With check, a non-zero exit raises
+               check: bool = True, cwd: Optional[Path] = None, progress: RunProgress = None,
+               under: Sequence[str] = ()) -> RunResult:
+    """Runs `binary --in IN --out OUT --backend B EXTRA...` (under `under`, a tool such as
+    compute-sanitizer that runs the command it is given). With check, a non-zero exit raises
     RunnerError carrying the binary's stderr and the binary's own exit status. With `progress`, the
     binary reports its progress, passed on as progress(done, total)."""
     if cwd is not None:  # the folders as the caller means them, wherever the binary runs
         in_dir, out_dir = Path(in_dir).absolute(), Path(out_dir).absolute()
-    cmd = [str(binary), "--in", str(in_dir), "--out", str(out_dir), "--backend", backend, *extra]
+    cmd = [*under, str(binary), "--in", str(in_dir), "--out", str(out_dir), "--backend", backend, *extra]
     if progress is not None:
         cmd.append("--progress")
     try:
@@ -268,10 +270,10 @@ def set_aside_previous(out_dir: Path, names: Sequence[str]) -> None:
 
 
 def run_program(binary: Path, args: Sequence[str], cwd: Optional[Path],
-                timeout: Optional[float] = DEFAULT_RUN_TIMEOUT_S) -> float:
-    """Runs `binary ARGS...` in `cwd` with its output passed through; returns its wall time in
-    seconds. A non-zero exit, a signal or the timeout raises RunnerError."""
-    cmd = [str(Path(binary).absolute()), *args]  # as the caller names it, wherever it runs
+                timeout: Optional[float] = DEFAULT_RUN_TIMEOUT_S, under: Sequence[str] = ()) -> float:
+    """Runs `binary ARGS...` in `cwd` (under `under`, as run_binary) with its output passed through;
+    returns its wall time in seconds. A non-zero exit, a signal or the timeout raises RunnerError."""
+    cmd = [*under, str(Path(binary).absolute()), *args]  # as the caller names it, wherever it runs
     t0 = time.monotonic()
     try:
         child = subprocess.Popen(cmd, cwd=cwd, process_group=0)

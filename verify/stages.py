@@ -40,6 +40,8 @@ RUN_MANIFEST = "run.toml"
 UNFINISHED_MARKER = ".attnstep-unfinished"
 STAGING_PREFIX = ".attnstep-staging-"
 PREVIOUS_DIR = ".attnstep-previous"
+# What `attnstep run --sanitize/--repeat` found about the program that wrote the folder.
+PROGRAM_CHECKS = "program_checks.toml"
 FORMATS = ("txt", "npy")
 DATA_DIR = "data"
 DEFAULT_CASE = "random_test"     # the original workflow's names
