@@ -61,6 +61,16 @@ def test_without_line_information_the_kernel_is_still_named():
     assert (c.kernel, c.source) == ("attention_forward_kernel2", "")
 
 
+@pytest.mark.parametrize("signature,name", [
+    ("void seed::load_kv_tile<(int)64>(float *, float *, const float *, const float *, int, int)",
+     "seed::load_kv_tile<(int)64>"),
+    ("attention_forward_kernel2(float *, const float *, int, int, int)", "attention_forward_kernel2"),
+    ("void flash<std::pair<int, int>>(float *)", "flash<std::pair<int, int>>"),
+    ("kernel", "kernel")])
+def test_a_function_is_named_without_its_parameters_and_return_type(signature, name):
+    assert sanitizer._function_name(signature) == name
+
+
 def test_a_race_counts_warnings_too():
     c = sanitizer.read_log("racecheck", RACECHECK_RACE, 0)
     assert not c.passed and c.count == 32 and c.summary == "32 hazards (0 errors, 32 warnings)"

@@ -82,10 +82,27 @@ def _where(lines: List[str], i: int) -> tuple:
     for ln in lines[i:i + 4]:
         m = _AT.search(ln.strip())
         if m:
-            func = m["func"].split("(")[0].strip()
-            func = func.split(" ")[-1] if " " in func else func  # "void k<64>" -> "k<64>"
-            return func, (f"{Path(m['file']).name}:{m['line']}" if m["file"] else "")
+            return _function_name(m["func"]), (f"{Path(m['file']).name}:{m['line']}" if m["file"] else "")
     return "", ""
+
+
+def _function_name(signature: str) -> str:
+    """`void seed::load<(int)64>(float *, int)` -> `seed::load<(int)64>`: the parameter list (the
+    last top-level parentheses) and the return type dropped, template arguments kept whole."""
+    text = signature.strip()
+    if text.endswith(")"):
+        depth = 0
+        for i in range(len(text) - 1, -1, -1):
+            depth += {")": 1, "(": -1}.get(text[i], 0)
+            if depth == 0:
+                text = text[:i]
+                break
+    depth, start = 0, 0
+    for i, ch in enumerate(text):
+        depth += {"<": 1, ">": -1, "(": 1, ")": -1}.get(ch, 0)
+        if ch == " " and depth == 0:
+            start = i + 1
+    return text[start:].strip()
 
 
 def read_log(tool: str, log_text: str, exit_code: int) -> ProgramCheck:
