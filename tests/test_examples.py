@@ -50,7 +50,7 @@ EXPECTED = (
     Expected("bug_flash_tail", "flash_output", "unwritten"),
     Expected("bug_lse_log2", "flash_lse", "lse_log2"),
     Expected("bug_head_order", "KT", "head_permuted", heads=12),  # string order differs from 11 heads on
-    Expected("bug_kv_overrun", None),  # right values from out-of-bounds reads: only a sanitizer sees it
+    Expected("bug_kv_padding", None),  # right values from uninitialised reads: only a sanitizer sees it
 )
 RACE = "bug_flash_race"
 RACE_RUNS = 5
@@ -175,12 +175,12 @@ def test_flash_race_is_caught_when_it_shows(examples, tmp_path):
 @pytest.mark.parametrize("program,tool,culprit", [
     ("correct_seed", "memcheck,racecheck", None),
     (RACE, "racecheck", "load_kv_tile"),                  # its writes race with the reads of the tile
-    ("bug_kv_overrun", "memcheck", "load_kv_tile_unguarded"),
-], ids=["correct", "race", "overrun"])
+    ("bug_kv_padding", "initcheck", "load_padded_tile"),
+], ids=["correct", "race", "padding"])
 def test_the_sanitizer_finds_what_values_may_hide(examples, tmp_path, program, tool, culprit):
     """`run --sanitize` on gallery programs: the correct one is clean; the racy one and the one
-    reading past K and V are named by the tool, function and source line, whether or not their
-    values show it (the overrun's never do)."""
+    reading uninitialised padding are named by the tool, function and source line, whether or not
+    their values show it (the padding's never do)."""
     flow = Workflow(tmp_path, HEADS, causal=True)
     run = _verify("run", "--in", flow.case, "--out", flow.result, "--binary", examples[program], "--cwd",
                   tmp_path / "build", "--sanitize", tool, "--", DEFAULT_CASE)
