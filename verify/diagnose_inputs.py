@@ -37,14 +37,18 @@ def run_mask(n: int, m: int, causal: bool) -> np.ndarray:
 
 def rebuilder(stage: str, ctx: Suspect, width: float) -> Optional[Tuple[Rebuild, float]]:
     """(the stage from any Q, K, V and mask at the run's scale, one tolerance width for matching
-    it), or None where the stage cannot be recomputed from the inputs. A stage whose isolated
+    it), or None where the stage cannot be recomputed from the inputs or the program wrote a stage
+    it is computed from. A stage whose isolated
     reference starts from upstream stages (output from the weights) carries the whole chain's
     error when recomputed from the inputs: its width is then the chained bound's."""
     from_inputs = SPECS[stage].from_inputs
     if from_inputs is None or case_inputs(ctx) is None:
         return None
     hc = ctx.head_ctx
-    if hc is not None and not set(STAGES[stage].inputs) <= set(INPUT_NAMES) and stage in hc.chain:
+    upstream = set(STAGES[stage].inputs) - set(INPUT_NAMES)
+    if hc is not None and any(n in hc.got for n in upstream):
+        return None  # its own upstream files explain it, or name the bug where it began
+    if hc is not None and upstream and stage in hc.chain:
         from . import tolerance
         chained = tolerance.chained_bound(stage, hc.chain, **hc.bound_args())
         width = max(width, width_of(chained, hc.chain[stage]))
