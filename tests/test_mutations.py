@@ -41,6 +41,7 @@ SHAPES = {  # name: (heads, N, M, d, causal, backward)
     "rect": (3, 48, 80, 16, False, False),
     "square-causal": (2, 64, 64, 32, True, False),
     "tiles": (2, 130, 70, 16, False, False),  # the CPU backend's flash tiles are 64: a 2-row tail tile
+    "tall-causal": (2, 80, 48, 16, True, False),  # N > M: the last N - M rows see every key
     # With the output gradient dO: every backward stage.
     "backward-square-causal": (2, 64, 64, 32, True, True),  # N = M: dV = P·dO has dV's shape
     "backward-tiles": (2, 130, 70, 16, False, True),
@@ -218,6 +219,13 @@ def _mask_offset(c: Case):
     return "QK_scaled", np.where(np.triu(np.ones(s.shape, bool), 2), -np.inf, s)  # c > r + 1
 
 
+def _flash_mask_offset(c: Case):
+    """flash_output under a causal mask shifted by -2 (its own stage: the flash path writes no scores)."""
+    q, k, v = (c.load32(n, HEAD) for n in ("Q", "K", "V"))
+    with np.errstate(invalid="ignore"):  # rows 0 and 1 see no key: -inf - -inf, as a kernel gets
+        return "flash_output", foreign.flash_forward(q, k, v, c.scale, True, 64, False, mask_offset=-2)[0]
+
+
 def _tail_tile_by(factor: float):
     def build(c: Case):
         o = c.load("flash_output", HEAD)
@@ -299,6 +307,8 @@ MUTATIONS = {
     "nonfinite-QK": ("rect", _nonfinite, "nonfinite", None),
     "mask_missing-QK_scaled": ("square-causal", _mask_missing, "mask_missing", "output"),
     "mask_offset-QK_scaled": ("square-causal", _mask_offset, "mask_offset", "output"),
+    "mask_offset-QK_scaled-N>M": ("tall-causal", _mask_offset, "mask_offset", "output"),
+    "mask_offset-flash_output-N>M": ("tall-causal", _flash_mask_offset, "mask_offset", None),
     "tile_boundary-flash-tail": ("tiles", _tail_tile, "tile_boundary", None),
     "mixture-scaled-and-unwritten-QK": ("rect", _mixture, ("unwritten", "scaled"), "QK_scaled"),
     "D_wrong_O-dO-for-O": ("backward-square-causal", _d_from_do, "D_wrong_O", EVERY),

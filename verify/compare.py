@@ -212,7 +212,7 @@ def check_head(run: RunInfo, case: InputCase, head: int, opts: Options,
         res.violations = [v for v in res.violations if v not in res.notes]
         _classify(res, results)
         if res.status == FAIL:
-            _diagnose(res, mat, isolated, ctx, run, functools.partial(ref_of_head, stage))
+            _diagnose(res, mat, isolated, ctx, run, ref_of_head)
     return list(results.values())
 
 
@@ -245,7 +245,8 @@ def _diagnose(res: HeadResult, mat: np.ndarray, isolated, ctx: HeadContext, run:
     """The patterns that explain a failing stage × head, then its reference-free findings."""
     src_iso, want_iso, allowed_iso = isolated
     res.diagnosis = diag.diagnose(res.stage, mat, want_iso, diag.Suspect(
-        ctx.dims, ctx.scale, ctx.causal, res.head, src_iso, ref_of_head, run.flash_tiles, allowed_iso, ctx))
+        ctx.dims, ctx.scale, ctx.causal, res.head, src_iso, functools.partial(ref_of_head, res.stage),
+        run.flash_tiles, allowed_iso, ctx, lambda h: {n: ref_of_head(n, h) for n in INPUT_NAMES}))
     for v in res.violations:
         if not any(d.code == v.code for d in res.diagnosis):
             res.diagnosis.append(diag.Diagnosis(v.code, v.message, {"count": v.count}))

@@ -7,10 +7,14 @@ it while want does not; pattern hypotheses (unwritten regions, tile boundaries, 
 look at where got and want differ. No hypothesis fires on a correct or merely noisy result: a
 candidate must explain got within a few tolerance widths AND differ from want by far more.
 
-Codes (stable; the report's `diagnosis`): nonfinite, unwritten, transposed, layout, scaled,
-softmax_axis, head_permuted, mask_missing, mask_offset, tile_boundary, lse_log2, and the backward's
-D_wrong_O, dS_missing_P, grad_unscaled, dV_untransposed_P (verify/diagnose_backward.py). (`stale`
-comes from the integrity check in verify.compare.)
+Codes (stable; the report's `diagnosis`; docs/contract.md says each in a user's words): nonfinite,
+unwritten, overflow, transposed, layout, scaled, softmax_axis, head_permuted, mask_missing,
+mask_offset (any offset; bottom-right alignment named), keys_past_end, keys_dropped, tile_boundary,
+lse_log2, and the backward's D_wrong_O, dS_missing_P, grad_unscaled, dV_untransposed_P
+(verify/diagnose_backward.py). overflow, keys_past_end and keys_dropped are in
+verify/diagnose_inputs.py: they, the mask and the scale recompute a stage from the case's Q, K, V
+where the program wrote no upstream stage (its spec's from_inputs). (`stale` comes from the
+integrity check in verify.compare.)
 """
 from __future__ import annotations
 
@@ -23,9 +27,12 @@ from .diagnose_base import (LOG2_E, MATCH_WIDTHS, MAX_HEADS_SEARCHED, POISON_VAL
 from . import diagnose_backward as backward_bugs
 from .diagnose_regions import mask as _mask
 from .diagnose_regions import tile_boundary as _tile_boundary
+from .diagnose_inputs import keys as _keys
+from .diagnose_inputs import overflow as _overflow
+from .diagnose_inputs import case_inputs, rebuilder, run_mask
 from .reference import compute_stage, softmax_rows
 from .specs import SPECS
-from .stages import STAGES
+from .stages import KEYS, QUERIES, STAGES
 from .words import plural
 
 __all__ = ["Diagnosis", "Suspect", "diagnose"]
@@ -136,10 +143,25 @@ def _feeds_the_scale(stage: str) -> bool:
     return any(SPECS[s].scaled and stage in STAGES[s].inputs for s in SPECS)
 
 
+def _wrong_scales(scale: float, d_k: int) -> Dict[str, float]:
+    """The scales a program uses by mistake, each with what it is: dividing by d_k instead of √d_k
+    first (with the default scale 1/√d_k it is also the scale applied twice: both are named)."""
+    return {"1/d_k used as the scale (divided by d_k, not √d_k)": 1.0 / d_k,
+            "scale applied twice": scale * scale, "scale missing": 1.0,
+            "multiplied by √d_k instead of divided": d_k ** 0.5}
+
+
+def _named(value: float, named: Dict[str, float]) -> List[str]:
+    return [n for n, v in named.items() if abs(value - v) <= SCALE_NAME_RTOL * abs(v)]
+
+
 def _scale_names(f: float, scale: float, d_k: int, stage: str) -> List[str]:
+    """What a factor f between got and want is: a known factor, or a known wrong scale used."""
     named = {"√d_k": d_k ** 0.5, "1/√d_k": d_k ** -0.5, "d_k": float(d_k), "1/d_k": 1.0 / d_k}
     if scale != 0.0:
         if SPECS[stage].scaled:
+            used = [n for n in _named(f * scale, _wrong_scales(scale, d_k)) if n.startswith("1/d_k")]
+            named = {**{n: f for n in used}, **named}  # the scale it used, named first
             named["scale (scale applied twice)"] = scale
             named["1/scale (scale missing)"] = 1.0 / scale
         elif _feeds_the_scale(stage):
@@ -147,14 +169,12 @@ def _scale_names(f: float, scale: float, d_k: int, stage: str) -> List[str]:
         else:
             named["scale"] = scale
             named["1/scale"] = 1.0 / scale
-    return [n for n, v in named.items() if abs(f - v) <= SCALE_NAME_RTOL * abs(v)]
+    return _named(f, named)
 
 
-def _scaled(stage, got, want, ctx, width) -> List[Diagnosis]:
-    """got ≈ f·want (linear stages), or the stage recomputed with a wrong scale (nonlinear ones)."""
-    dims = ctx.dims
-    d_k = dims.d_k if dims is not None else 1
-    scale = ctx.scale
+def _linear_factor(stage, got, want, ctx, width) -> List[Diagnosis]:
+    """got ≈ f·want, f fitted on the entries that are not blank."""
+    d_k = ctx.dims.d_k if ctx.dims is not None else 1
     # Entries left blank (0 or NaN where want is not) belong to an unwritten region, not to the
     # scaling: fit the factor on the rest.
     blank = (np.isnan(got) | (got == 0)) & (want != 0) & np.isfinite(want)
@@ -163,35 +183,61 @@ def _scaled(stage, got, want, ctx, width) -> List[Diagnosis]:
         return []
     g, w = got[fin], want[fin]
     ww = float(w @ w)
-    if SPECS[stage].linear and ww > 0:
-        f = float(g @ w) / ww
-        if f != 0 and abs(f - 1) > 1e-3:
-            diff = maxdiff(got[fin], f * want[fin])
-            if diff <= MATCH_WIDTHS * width * max(1.0, abs(f)):
-                names = _scale_names(f, scale, d_k, stage)
-                named = f" ≈ {' = '.join(names)}" if names else ""
-                rest = f", apart from {int(blank.sum())} blank entries" if blank.any() else ""
-                return [Diagnosis("scaled", f"{stage} is scaled: got ≈ {f:.6g}·want{named}{rest} "
-                                  f"(max diff {diff:.2g})", {"factor": f, "names": names,
-                                                             "max_diff": diff}, 0.9)]
-    src = ctx.src
-    if SPECS[stage].scaled and src:
-        alts = {"scale applied twice": scale * scale, "scale missing": 1.0,
-                "multiplied by √d_k instead of divided": d_k ** 0.5}
-        for name, s2 in alts.items():
-            if abs(s2 - scale) <= 1e-6 * abs(scale):
-                continue
-            try:
-                cand = compute_stage(stage, src, s2, ctx.causal)
-            except (KeyError, ValueError):
-                continue
-            diff = explains(got, cand, want, width)
-            if diff is not None:
-                return [Diagnosis("scaled", f"{stage} used scale {s2:.6g} instead of {scale:.6g}: "
-                                  f"{name} (max diff {diff:.2g})",
-                                  {"factor": s2 / scale, "used_scale": s2, "names": [name],
-                                   "max_diff": diff}, 0.9)]
+    if ww <= 0:
+        return []
+    f = float(g @ w) / ww
+    if f == 0 or abs(f - 1) <= 1e-3:
+        return []
+    diff = maxdiff(got[fin], f * want[fin])
+    if diff > MATCH_WIDTHS * width * max(1.0, abs(f)):
+        return []
+    names = _scale_names(f, ctx.scale, d_k, stage)
+    named = f" ≈ {' = '.join(names)}" if names else ""
+    rest = f", apart from {int(blank.sum())} blank entries" if blank.any() else ""
+    return [Diagnosis("scaled", f"{stage} is scaled: got ≈ {f:.6g}·want{named}{rest} (max diff {diff:.2g})",
+                      {"factor": f, "names": names, "max_diff": diff}, 0.9)]
+
+
+def _rescaler(stage, ctx, width):
+    """(the stage recomputed under another scale, the width to match it with): from the stage's
+    sources when it applies the scale itself, else from the case's inputs; None if neither."""
+    if SPECS[stage].scaled and ctx.src:
+        return (lambda s2: compute_stage(stage, ctx.src, s2, ctx.causal)), width
+    built = rebuilder(stage, ctx, width)
+    if built is None:
+        return None
+    qkv, from_inputs = case_inputs(ctx), SPECS[stage].from_inputs
+    masked = run_mask(qkv[QUERIES].shape[0], qkv[KEYS].shape[0], ctx.causal)
+    return (lambda s2: from_inputs(qkv, s2, masked)), built[1]
+
+
+def _wrong_scale(stage, got, want, ctx, width) -> List[Diagnosis]:
+    """The stage recomputed with each wrong scale a program uses; every name of the one that fits."""
+    d_k, scale = (ctx.dims.d_k if ctx.dims is not None else 1), ctx.scale
+    rescaled = _rescaler(stage, ctx, width)
+    if rescaled is None:
+        return []
+    recompute, width = rescaled
+    for s2 in dict.fromkeys(_wrong_scales(scale, d_k).values()):
+        if abs(s2 - scale) <= 1e-6 * abs(scale):
+            continue
+        try:
+            cand = recompute(s2)
+        except (KeyError, ValueError):
+            continue
+        diff = explains(got, cand, want, width)
+        if diff is not None:
+            names = _named(s2, _wrong_scales(scale, d_k))
+            return [Diagnosis("scaled", f"{stage} used scale {s2:.6g} instead of {scale:.6g}: "
+                              f"{' = '.join(names)} (max diff {diff:.2g})",
+                              {"factor": s2 / scale, "used_scale": s2, "names": names, "max_diff": diff}, 0.9)]
     return []
+
+
+def _scaled(stage, got, want, ctx, width) -> List[Diagnosis]:
+    """got ≈ f·want (linear stages), or the stage recomputed with a wrong scale (nonlinear ones)."""
+    found = _linear_factor(stage, got, want, ctx, width) if SPECS[stage].linear else []
+    return found or _wrong_scale(stage, got, want, ctx, width)
 
 
 def _softmax_columns(S: np.ndarray) -> np.ndarray:
@@ -270,7 +316,8 @@ _EMPTIES_LINES = {"softmax_axis", "mask_offset", "mask_missing"}
 # Each stage's spec (verify/specs/) names the hypotheses that apply to it.
 _HYPOTHESES = {"nonfinite": _nonfinite, "unwritten": _unwritten, "transposed": _transposed, "layout": _layout,
                "scaled": _scaled, "softmax_axis": _softmax_axis, "head_permuted": _head_permuted, "mask": _mask,
-               "tile_boundary": _tile_boundary, "lse_log2": _lse_log2, **backward_bugs.HYPOTHESES}
+               "tile_boundary": _tile_boundary, "lse_log2": _lse_log2, "keys": _keys, "overflow": _overflow,
+               **backward_bugs.HYPOTHESES}
 # The backward's named bugs explain a factor, a layout and where the errors are.
 _EXPLAINED_BY_BACKWARD_BUGS = ("scaled", "layout", "tile_boundary")
 
@@ -296,7 +343,11 @@ def diagnose(stage: str, got: np.ndarray, want: np.ndarray, ctx: Suspect) -> Lis
         # guarded): those lines are its consequence, not a region never written nor a tile's.
         found = [d for d in found if d.code not in ("unwritten", "tile_boundary")]
         codes = {d.code for d in found}
-    if "nonfinite" in codes and codes & (_EMPTIES_LINES | {"unwritten"}):
+    if "overflow" in codes:
+        # NaN written by an overflowing exp follows the large logits: not a region never written.
+        found = [d for d in found if d.code not in ("unwritten", "tile_boundary")]
+        codes = {d.code for d in found}
+    if "nonfinite" in codes and codes & (_EMPTIES_LINES | {"unwritten", "overflow"}):
         # NaN in an unwritten region or an empty line: the cause explains it better than the count.
         for d in found:
             if d.code == "nonfinite":

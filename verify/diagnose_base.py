@@ -26,6 +26,17 @@ MAX_MASK_OFFSET = 8
 # vectorize by; a period of 2 is what any alternating error pattern shows by chance.
 TILE_PERIODS = (4, 8, 16, 32, 64, 128, 256)
 SCALE_NAME_RTOL = 2e-3
+# The key tile widths kernels use: a kernel that drops the keys past its last full tile, or reads
+# past the end to fill it, does so for one of these.
+KEY_TILES = (16, 32, 64, 128)
+# exp overflows float32 past log(FLT_MAX); a row's sum of exps past the same. The slack covers
+# exp2-based and fast-math exponentials, whose overflow points differ by far less.
+LOG_FLOAT32_MAX = float(np.log(np.finfo(np.float32).max))
+OVERFLOW_SLACK = 0.5
+# Fitting a mask's offset row by row recomputes one sampled row under every visible-key count:
+# MASK_FIT_ROWS rows, each a MAX_MASK_FIT_KEYS² problem at most.
+MASK_FIT_ROWS = 4
+MAX_MASK_FIT_KEYS = 1024
 LOG2_E = 1.0 / np.log(2.0)
 
 
@@ -42,7 +53,8 @@ class Suspect:
     """What the hypotheses see of a failing stage × head besides got and want: the problem, the
     isolated reference's sources and allowance, the other heads' references (head_permuted), the
     run's flash tiles (tile_boundary), and the head's whole context (the backward's bugs rebuild
-    a stage from the program's own upstream files)."""
+    a stage from the program's own upstream files), and another head's inputs (keys read past the
+    end of a head are the next head's)."""
     dims: Optional[Dims] = None
     scale: float = 1.0
     causal: bool = False
@@ -52,6 +64,7 @@ class Suspect:
     flash_tiles: Optional[Tuple[int, int]] = None
     bound: Optional[np.ndarray] = None
     head_ctx: Optional[HeadContext] = None
+    inputs_of_head: Optional[Callable[[int], Dict[str, np.ndarray]]] = None
 
 
 # ---------------------------------------------------------------------------------------------

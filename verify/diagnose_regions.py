@@ -6,10 +6,12 @@ from typing import List, Optional
 
 import numpy as np
 
-from .diagnose_base import MAX_MASK_OFFSET, TILE_DENSITY, TILE_PERIODS, Diagnosis, explains
+from .diagnose_base import (MASK_FIT_ROWS, MATCH_WIDTHS, MAX_MASK_FIT_KEYS, MAX_MASK_OFFSET, TILE_DENSITY,
+                            TILE_PERIODS, Diagnosis, explains)
+from .diagnose_inputs import case_inputs, rebuilder
 from .reference import causal_mask
 from .specs import SPECS
-from .stages import STAGES
+from .stages import KEYS, QUERIES, STAGES
 from .words import plural
 
 
@@ -28,61 +30,105 @@ def _mask_pattern(got: np.ndarray, stage: str) -> Optional[np.ndarray]:
 
 
 def mask(stage, got, want, ctx, width) -> List[Diagnosis]:
-    causal = ctx.causal
-    N = got.shape[0]
     pattern = _mask_pattern(got, stage)
     if pattern is not None:
-        M = got.shape[1]
-        expected = causal_mask(N, M) if causal else np.zeros(got.shape, bool)
-        if causal:
-            upper = causal_mask(N, M)
-            if upper.any():
-                unmasked = upper & ~pattern & np.isfinite(got)
-                if unmasked.sum() >= 0.5 * upper.sum() and not (pattern & upper).all():
-                    value = SPECS[stage].masked_value
-                    return [Diagnosis("mask_missing", f"{stage}: causal masking is on but "
-                                      f"{int(unmasked.sum())} of {int(upper.sum())} entries above the "
-                                      f"diagonal do not hold the masked value {value:g} (not masked, or "
-                                      "masked with a finite stand-in such as -1e9)",
-                                      {"count": int(unmasked.sum())}, 0.9)]
-        if (pattern == expected).all():
-            return []
-        k = _fit_offset(pattern)
-        if k is not None and k != 0 and (causal or k < M - 1):
-            return [Diagnosis("mask_offset", f"{stage}: the mask is shifted by {k:+d}: entries "
-                              f"c > r {'+' if k >= 0 else '-'} {abs(k)} are masked instead of c > r "
-                              f"({_shift_words(k)})", {"offset": k}, 0.9)]
+        return _mask_in_pattern(stage, got, pattern, ctx.causal)
+    recompute = _mask_recompute(stage, ctx, width)
+    if recompute is None:
         return []
-    # Stages computed from the inputs under the mask: recompute with the candidate masks.
-    src = ctx.src
-    with_mask = SPECS[stage].with_mask
-    if with_mask is None or not all(n in src for n in STAGES[stage].inputs):
-        return []
-    scale = ctx.scale
-    # Query rows and keys from the inputs: a key-major stage (dK, dV) has M rows, not N.
-    N = next(np.asarray(src[n]).shape[0] for n in STAGES[stage].inputs if STAGES[n].rows == "N")
-    M = next(np.asarray(src[n]).shape[0] for n in STAGES[stage].inputs if STAGES[n].rows == "M")
-    if causal:
-        cand = with_mask(src, scale, np.zeros((N, M), bool))
-        diff = explains(got, cand, want, width)
+    rebuild, fit_rows, (N, M), width = recompute
+    if ctx.causal:
+        diff = explains(got, rebuild(np.zeros((N, M), bool)), want, width)
         if diff is not None:
             return [Diagnosis("mask_missing", f"{stage}: causal masking is on but got matches the "
                               f"unmasked attention (max diff {diff:.2g})", {"max_diff": diff}, 0.9)]
-    offsets = [k for k in range(-MAX_MASK_OFFSET, MAX_MASK_OFFSET + 1) if k != 0]
-    if M - N not in offsets and M != N:
-        offsets.append(M - N)  # the bottom-right aligned mask
-    for k in sorted(offsets, key=abs) if causal else []:
+    fixed = sorted({k for k in range(-MAX_MASK_OFFSET, MAX_MASK_OFFSET + 1)} | {M - N}, key=abs)
+    fitted = _fitted_offsets(fit_rows, got, (N, M), width) if fit_rows is not None else []
+    for k in dict.fromkeys(fitted + fixed) if ctx.causal else []:
         masked = _offset_mask((N, M), k)
-        if masked.all(axis=1).any():
-            continue  # a row with no visible key: not a mask the binary could have used
-        cand = with_mask(src, scale, masked)
+        if k == 0 or k >= M - 1:
+            continue  # the run's own mask, or none at all
+        # A row with no visible key: 0/0 (NaN), or 0 in a kernel that guards it (flash-attn does).
+        cand = rebuild(masked)
         diff = explains(got, cand, want, width)
+        if diff is None and masked.all(axis=1).any():
+            diff = explains(got, np.nan_to_num(cand, nan=0.0), want, width)
         if diff is not None:
             return [Diagnosis("mask_offset", f"{stage}: the causal mask is shifted by {k:+d} (keys "
                               f"c <= r {'+' if k >= 0 else '-'} {abs(k)} visible: {_shift_words(k)})"
-                              + (": bottom-right aligned" if k == M - N else "") +
-                              f" (max diff {diff:.2g})", {"offset": k, "max_diff": diff}, 0.9)]
+                              f"{_alignment_words(k, N, M)} (max diff {diff:.2g})",
+                              {"offset": k, "max_diff": diff, "bottom_right": k == M - N}, 0.9)]
     return []
+
+
+def _alignment_words(k: int, N: int, M: int) -> str:
+    """The convention a shifted mask follows, when it is a known one."""
+    return ": bottom-right aligned (flash-attn's convention), the case's mask is top-left aligned" \
+        if k == M - N else ""
+
+
+def _mask_in_pattern(stage: str, got: np.ndarray, pattern: np.ndarray, causal: bool) -> List[Diagnosis]:
+    """A stage that holds the masked value: the mask read off where it holds it."""
+    N, M = got.shape
+    expected = causal_mask(N, M) if causal else np.zeros(got.shape, bool)
+    if (pattern == expected).all():
+        return []
+    k = _fit_offset(pattern)
+    if k is not None and k != 0 and (causal or k < M - 1):
+        return [Diagnosis("mask_offset", f"{stage}: the mask is shifted by {k:+d}: entries "
+                          f"c > r {'+' if k >= 0 else '-'} {abs(k)} are masked instead of c > r "
+                          f"({_shift_words(k)}){_alignment_words(k, N, M)}",
+                          {"offset": k, "bottom_right": k == M - N}, 0.9)]
+    upper = causal_mask(N, M)
+    if causal and upper.any():
+        unmasked = upper & ~pattern & np.isfinite(got)
+        if unmasked.sum() >= 0.5 * upper.sum() and not (pattern & upper).all():
+            value = SPECS[stage].masked_value
+            return [Diagnosis("mask_missing", f"{stage}: causal masking is on but "
+                              f"{int(unmasked.sum())} of {int(upper.sum())} entries above the "
+                              f"diagonal do not hold the masked value {value:g} (not masked, or "
+                              "masked with a finite stand-in such as -1e9)",
+                              {"count": int(unmasked.sum())}, 0.9)]
+    return []
+
+
+def _mask_recompute(stage: str, ctx, width):
+    """(the stage under any mask, its sampled rows under per-row masks or None, (N, M), the width
+    to match with), from the stage's own sources or, where the program wrote no upstream stage,
+    from the case's inputs; None where neither recomputes it."""
+    built = rebuilder(stage, ctx, width)
+    if built is not None:
+        rebuild, width = built
+        qkv = case_inputs(ctx)
+        N, M = qkv[QUERIES].shape[0], qkv[KEYS].shape[0]
+
+        def fit_rows(rows, masked):
+            return rebuild({**qkv, QUERIES: qkv[QUERIES][rows]}, masked)
+        return (lambda masked: rebuild(qkv, masked)), fit_rows, (N, M), width
+    src, with_mask = ctx.src, SPECS[stage].with_mask
+    if with_mask is None or not all(n in src for n in STAGES[stage].inputs):
+        return None
+    # Query rows and keys from the inputs: a key-major stage (dK, dV) has M rows, not N.
+    N = next(np.asarray(src[n]).shape[0] for n in STAGES[stage].inputs if STAGES[n].rows == "N")
+    M = next(np.asarray(src[n]).shape[0] for n in STAGES[stage].inputs if STAGES[n].rows == "M")
+    return (lambda masked: with_mask(src, ctx.scale, masked)), None, (N, M), width
+
+
+def _fitted_offsets(fit_rows, got: np.ndarray, shape, width: float) -> List[int]:
+    """The offsets k that sampled rows of got fit: row r recomputed seeing its first v keys, for
+    every v, matches got's row r at v = r + k + 1. Any offset, for MASK_FIT_ROWS recomputed rows."""
+    N, M = shape
+    if M > MAX_MASK_FIT_KEYS or got.shape[0] != N:
+        return []
+    visible = np.arange(M)[None, :] >= np.arange(1, M + 1)[:, None]  # row v - 1: v keys visible
+    found = []
+    for r in np.unique(np.linspace(0, N - 1, MASK_FIT_ROWS).astype(int)):
+        with np.errstate(all="ignore"):
+            diff = np.abs(fit_rows(np.full(M, r), visible) - got[r][None, :]).max(axis=1)
+        v = int(np.argmin(np.where(np.isnan(diff), np.inf, diff))) + 1
+        if diff[v - 1] <= MATCH_WIDTHS * width and v < M:  # seeing every key fits any offset past it
+            found.append(int(v - 1 - r))
+    return list(dict.fromkeys(found))
 
 
 def _shift_words(k: int) -> str:

@@ -121,6 +121,10 @@ class StageSpec:
     D = Σ P·dP): after an upstream failure their violations are notes, blamed on that stage.
     given_partner: the codes of its invariants that compare it with its partner: after the
     partner's failure their violations are notes too.
+    from_inputs: the stage recomputed from the case's Q, K, V under any scale, mask and keys
+    (query rows independent), for the diagnoses of a program that wrote no upstream stage: what
+    it would hold with the mask of another alignment, keys read past a tile's end or left out, a
+    wrong scale.
     rebuild: a backward stage from what it is computed from (specs/backward/reference.py's
     Gradients: P, dP, D, dS), which the backward diagnoses call with a part replaced by a bug's.
     diagnoses: the bug patterns (verify/diagnose.py hypothesis names) that can explain it.
@@ -141,6 +145,7 @@ class StageSpec:
     linear: bool = False
     partner: Optional[str] = None
     with_mask: Optional[Callable[[Src, float, np.ndarray], np.ndarray]] = None  # reference under any mask
+    from_inputs: Optional[Callable[[Src, float, np.ndarray], np.ndarray]] = None
     given_upstream: Tuple[str, ...] = ()
     given_partner: Tuple[str, ...] = ()
     rebuild: Optional[Callable] = None

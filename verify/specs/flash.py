@@ -14,7 +14,7 @@ from typing import List
 
 import numpy as np
 
-from ..model.attention import log_sum_exp_rows, softmax_rows
+from ..model.attention import log_sum_exp_rows
 from ..model.dot import flush_sum
 from ..model.flash import flash_lse_sums, flash_output_var_det
 from ..model.rounding import FLUSH, ROUND_VAR, ULP_IN_U, finite_abs, memo
@@ -22,7 +22,7 @@ from ..model.softmax import need, scaled_logits, softmax_parts
 from ..stages import FLASH_LSE, FLASH_OUTPUT, INPUT_NAMES, KEYS, OUTPUT, QUERIES, SCALED_SCORES, STAGES, VALUES
 from .base import FLASH_VS_OUTPUT, LSE_VS_SCORES, HeadContext, StageSpec, Violation, consistency
 from .copies import PATTERNS
-from .output import values_floor
+from .output import attention_from_inputs, values_floor
 from .scores import qk_quantization
 
 
@@ -32,7 +32,7 @@ def _scores(src, scale, masked):
 
 
 def _with_mask_output(src, scale, masked):
-    return softmax_rows(_scores(src, scale, masked)) @ np.asarray(src[VALUES], np.float64)
+    return attention_from_inputs(src, scale, masked)
 
 
 def _with_mask_lse(src, scale, masked):
@@ -151,12 +151,14 @@ SPECS = (
                                  + _qk_flush_max(src) * np.max(finite_abs(src[VALUES]), initial=0.0)),
               quantization=_output_quantization, invariants=(_output_vs_partner,), scaled=True,
               partner=OUTPUT, given_partner=(FLASH_VS_OUTPUT,), with_mask=_with_mask_output,
-              diagnoses=PATTERNS + ("scaled", "mask"), baseline=OUTPUT),
+              from_inputs=_with_mask_output, diagnoses=PATTERNS + ("scaled", "mask", "keys", "overflow"),
+              baseline=OUTPUT),
     StageSpec(FLASH_LSE, reference=lambda src, scale, causal: _with_mask_lse(src, scale, _mask(src, causal)),
               isolated=_lse_isolated,
               floor=lambda src: FLUSH * 2 * np.asarray(src[KEYS]).shape[0] + _qk_flush_max(src),
               quantization=_lse_quantization, invariants=(_lse_vs_partner,), scaled=True, partner=SCALED_SCORES,
               given_partner=(LSE_VS_SCORES,),
-              with_mask=_with_mask_lse, diagnoses=PATTERNS + ("scaled", "mask", "lse_log2")),
+              with_mask=_with_mask_lse, from_inputs=_with_mask_lse,
+              diagnoses=PATTERNS + ("scaled", "mask", "lse_log2", "keys", "overflow")),
 )
 SPECS_BY_NAME = {s.name: s for s in SPECS}

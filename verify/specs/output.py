@@ -13,13 +13,22 @@ from ..model.dot import dot_var, pv, pv_var
 from ..model.kernels import SOFTMAX_FINAL_ROUNDINGS
 from ..model.rounding import FLUSH, ROUND_VAR, finish, finite_abs
 from ..model.softmax import mixed_output_var, rowsum_rel_var
-from ..stages import OUTPUT, VALUES, WEIGHTS
+from ..model.attention import softmax_rows
+from ..stages import KEYS, OUTPUT, QUERIES, VALUES, WEIGHTS
 from .base import StageSpec
 from .copies import PATTERNS
 
 
 def _reference(src, scale, causal):
     return src[WEIGHTS] @ src[VALUES]
+
+
+def attention_from_inputs(src, scale, masked):
+    """softmax(scale·Q·Kᵀ, -inf where masked)·V in float64: the output from the case's inputs."""
+    Q, K = np.asarray(src[QUERIES], np.float64), np.asarray(src[KEYS], np.float64)
+    scores = np.where(masked, -np.inf, (Q @ K.T) * scale)
+    with np.errstate(invalid="ignore"):  # a row with no visible key: 0/0
+        return softmax_rows(scores) @ np.asarray(src[VALUES], np.float64)
 
 
 def _isolated(src, ref, scale, causal, u, kernel, cache):
@@ -56,5 +65,6 @@ def _quantization(src, q, scale, causal):
 SPECS = (
     StageSpec(OUTPUT, reference=_reference, isolated=_isolated, chained=_chained,
               floor=lambda src: values_floor(src[VALUES]), quantization=_quantization, linear=True,
-              diagnoses=PATTERNS + ("scaled",), baseline=OUTPUT),
+              from_inputs=attention_from_inputs, diagnoses=PATTERNS + ("scaled", "mask", "keys", "overflow"),
+              baseline=OUTPUT),
 )

@@ -108,5 +108,5 @@ def _row_sums(stage, got, finite, rows_ok, ctx):
 SPECS = (
     StageSpec(WEIGHTS, reference=_reference, isolated=_isolated, chained=_chained,
               quantization=_quantization, invariants=(_softmax_checks,), masked_value=0.0,
-              diagnoses=PATTERNS + ("softmax_axis", "mask")),
+              diagnoses=PATTERNS + ("softmax_axis", "mask", "overflow")),
 )

@@ -1,0 +1,113 @@
+"""Small programs of the kinds users write, each with one real bug, in float32 NumPy.
+
+Each function computes the stages of every head the way such a program would (a naive softmax, a
+tiled kernel without bounds checks, a mask of another alignment, …) from the input case's Q, K, V,
+and returns one {stage: matrix} per head, ready for tests/foreign.py's writers. The bug is the
+program's own doing; everything after it is computed from the bugged value, as the program would.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence
+
+import numpy as np
+
+import foreign
+from foreign import f32, mm_blas
+
+Head = Dict[str, np.ndarray]
+
+
+def _stage_path(q, k, v, scale: float, masked: Optional[np.ndarray], softmax) -> Head:
+    """QK, QK_scaled, attention_weights, output in float32, `masked` set to -inf before the softmax."""
+    qk = mm_blas(q, np.ascontiguousarray(k.T))
+    s = (qk * f32(scale)).astype(f32)
+    if masked is not None:
+        s = np.where(masked, f32(-np.inf), s).astype(f32)
+    with np.errstate(over="ignore", invalid="ignore"):
+        p = softmax(s).astype(f32)
+        o = mm_blas(p, v)
+    return {"Q": q, "K": k, "V": v, "QK": qk, "QK_scaled": s, "attention_weights": p, "output": o}
+
+
+def naive_softmax(s: np.ndarray) -> np.ndarray:
+    """exp(s) / Σ exp(s) without the row max subtracted: exp overflows float32 past s ≈ 88.7."""
+    e = np.exp(s)
+    return e / e.sum(axis=1, keepdims=True, dtype=f32)
+
+
+def stable_softmax(s: np.ndarray) -> np.ndarray:
+    e = np.exp(s - s.max(axis=1, keepdims=True))
+    return e / e.sum(axis=1, keepdims=True, dtype=f32)
+
+
+def softmax_program(inputs: Sequence[Head], scale: float, subtract_max: bool) -> List[Head]:
+    """The textbook stage path; without the max subtracted when asked (the overflow bug)."""
+    softmax = stable_softmax if subtract_max else naive_softmax
+    return [_stage_path(x["Q"], x["K"], x["V"], scale, None, softmax) for x in inputs]
+
+
+def shifted_mask(n: int, m: int, offset: int) -> np.ndarray:
+    """Masked where key c > query r + offset (offset M - N: the bottom-right aligned mask)."""
+    return np.arange(m)[None, :] > np.arange(n)[:, None] + offset
+
+
+def masked_program(inputs: Sequence[Head], scale: float, offset: int) -> List[Head]:
+    """A causal program whose mask is aligned at `offset` (0: the top-left mask the case asks for)."""
+    out = []
+    for x in inputs:
+        masked = shifted_mask(x["Q"].shape[0], x["K"].shape[0], offset)
+        out.append(_stage_path(x["Q"], x["K"], x["V"], scale, masked, stable_softmax))
+    return out
+
+
+def scaled_program(inputs: Sequence[Head], scale: float) -> List[Head]:
+    """The stage path with the given scale (1/d_k where 1/√d_k belongs: the 1/d bug)."""
+    return [_stage_path(x["Q"], x["K"], x["V"], scale, None, stable_softmax) for x in inputs]
+
+
+def _flash_rows(q, k, v, scale: float, tile: int) -> np.ndarray:
+    """Attention of the rows of q over k, v by key tiles of `tile` (online softmax, float32)."""
+    o, _ = foreign.flash_forward(q, k, v, scale, False, tile, False)
+    return o
+
+
+def _padded(x: np.ndarray, rows: int, after: Optional[np.ndarray]) -> np.ndarray:
+    """x followed by `rows` rows of what lies after it in memory (zeros past the last buffer)."""
+    tail = after[:rows] if after is not None else np.zeros((rows, x.shape[1]), f32)
+    return np.concatenate([x, tail]).astype(f32)
+
+
+def flash_minimal_program(inputs: Sequence[Head], scale: float, tile: int) -> List[Head]:
+    """flash-attention-minimal's forward at N not a multiple of its tile: Q, K, V, O of all heads lie
+    in one buffer, head after head; the last tile reads the next head's first rows (zeros past the
+    buffer's end) as keys and queries, unmasked, and writes its rows past the end into the next
+    head's first output rows, after that head's own block wrote them."""
+    heads = len(inputs)
+    n = inputs[0]["Q"].shape[0]
+    extra = -n % tile
+    full = []
+    for h, x in enumerate(inputs):
+        nxt = inputs[h + 1] if h + 1 < heads else None
+        q, k, v = (_padded(x[name], extra, nxt[name] if nxt else None) for name in ("Q", "K", "V"))
+        full.append(_flash_rows(q, k, v, scale, tile))
+    out = []
+    for h, x in enumerate(inputs):
+        o = full[h][:n].copy()
+        if h > 0:
+            o[:extra] = full[h - 1][n:]  # the previous head's overrun landed last
+        out.append({"Q": x["Q"], "K": x["K"], "V": x["V"], "flash_output": o})
+    return out
+
+
+def dropped_tail_program(inputs: Sequence[Head], scale: float, tile: int) -> List[Head]:
+    """A tiled kernel that runs N // tile query tiles and M // tile key tiles: the keys past the last
+    full tile are left out of every row, and the rows past it never written (zeros)."""
+    out = []
+    for x in inputs:
+        n, m = x["Q"].shape[0], x["K"].shape[0]
+        kept = m - m % tile
+        o = np.zeros((n, x["V"].shape[1]), f32)
+        rows = n - n % tile
+        o[:rows] = _flash_rows(x["Q"][:rows], x["K"][:kept], x["V"][:kept], scale, tile)
+        out.append({"Q": x["Q"], "K": x["K"], "V": x["V"], "flash_output": o})
+    return out

@@ -1,0 +1,191 @@
+"""Real programs' bugs, named first: each planted by a small program of its own kind
+(tests/buggy_programs.py) that writes its stage files as such a program would (%.9g text, no
+run.toml, only the stages it computes), then checked as a user checks it. The same program without
+its bug passes with no diagnosis.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+import pytest
+
+import buggy_programs as bp
+import foreign
+from test_foreign_routes import check_folder, generate_input
+from verify.stages import Dims, default_scale
+
+STAGE_PATH = ("QK", "QK_scaled", "attention_weights", "output")
+SQUARE = Dims(1, 2, 128, 128, 64, 64)
+PAST_TILE = Dims(1, 3, 100, 100, 64, 64)   # 100 = 3 tiles of 32 and 4 keys
+TILE = 32
+
+
+def _check(tmp: Path, dims: Dims, program: Callable, stages: Sequence[str], dist: str = "normal",
+           causal: bool = False, scale: Optional[float] = None):
+    in_dir = generate_input(tmp / "in", dims, dist, 7, causal)
+    heads = program(foreign.read_inputs(in_dir, dims.total_heads))
+    foreign.write_outputs(tmp / "out", heads, dims, "g9", only=stages)
+    return check_folder(tmp, in_dir, tmp / "out", causal, scale)
+
+
+def _failed(report: dict, stage: str):
+    """Every head's result of `stage`, each failing."""
+    entries = [e for e in report["results"] if e["stage"] == stage]
+    assert entries and all(e["status"] == "FAIL" for e in entries), [(e["head"], e["status"]) for e in entries]
+    return entries
+
+
+def _first(entry: dict) -> dict:
+    assert entry["diagnosis"], entry
+    return entry["diagnosis"][0]
+
+
+def _assert_named_first(report: dict, stage: str, code: str):
+    assert report["first_failing_stage"] == stage, report["first_failing_stage"]
+    for entry in _failed(report, stage):
+        d = _first(entry)
+        assert d["code"] == code, (entry["head"], [(x["code"], x["message"]) for x in entry["diagnosis"]])
+    return [_first(e) for e in _failed(report, stage)]
+
+
+def _assert_passes(result, report):
+    assert result.exit_code == 0, result.output
+    assert all(not e["diagnosis"] for e in report["results"]), [e["diagnosis"] for e in report["results"]]
+
+
+# ---- a softmax without the max subtracted ---------------------------------------------------------
+
+@pytest.mark.parametrize("stages", [STAGE_PATH, ("output",)], ids=["stage-path", "output-only"])
+def test_an_overflowing_softmax_is_named_overflow_not_unwritten(tmp_path, stages):
+    """Logits in the hundreds (--dist large): exp overflows, inf/inf writes NaN where the logits are
+    large. That is overflow, never a region left unwritten."""
+    scale = default_scale(SQUARE.d_k)
+    result, report = _check(tmp_path, SQUARE, lambda x: bp.softmax_program(x, scale, False), stages, "large")
+    stage = stages[-2] if len(stages) > 1 else stages[0]  # the weights, or the output alone
+    for d in _assert_named_first(report, stage, "overflow"):
+        assert d["detail"]["max_logit"] > 88.7 and "row max" in d["message"]
+    for entry in _failed(report, stage):
+        assert "unwritten" not in [x["code"] for x in entry["diagnosis"]]
+
+
+@pytest.mark.parametrize("stages", [STAGE_PATH, ("output",)], ids=["stage-path", "output-only"])
+def test_the_same_softmax_with_the_max_subtracted_passes(tmp_path, stages):
+    scale = default_scale(SQUARE.d_k)
+    _assert_passes(*_check(tmp_path, SQUARE, lambda x: bp.softmax_program(x, scale, True), stages, "large"))
+
+
+# ---- key tiles read past the end, or left out --------------------------------------------------------
+
+def test_a_tile_reading_past_the_end_of_a_head_is_named_in_every_head(tmp_path):
+    """flash-attention-minimal at N = 100 with tiles of 32: the last tile's 28 extra keys are the next
+    head's first keys (zeros past the last head), and its rows past the end land on the next head's
+    first output rows."""
+    scale = default_scale(PAST_TILE.d_k)
+    result, report = _check(tmp_path, PAST_TILE, lambda x: bp.flash_minimal_program(x, scale, TILE),
+                            ("flash_output",))
+    found = _assert_named_first(report, "flash_output", "keys_past_end")
+    assert all(d["detail"]["extra_keys"] == 28 and TILE in d["detail"]["tiles"] for d in found)
+    assert [d["detail"]["source"].split()[0] for d in found] == ["the", "the", "28"]  # next head, next, zeros
+    assert "previous head's overrun" in found[1]["message"] and "overrun" not in found[0]["message"]
+
+
+def test_keys_past_the_last_full_tile_left_out_are_named_with_the_tile(tmp_path):
+    """A kernel of floor(M / 32) key tiles (and as many query tiles): keys 96..99 are missing from every
+    row and rows 96..99 are never written; both are named, the keys first."""
+    scale = default_scale(PAST_TILE.d_k)
+    result, report = _check(tmp_path, PAST_TILE, lambda x: bp.dropped_tail_program(x, scale, TILE),
+                            ("flash_output",))
+    for d in _assert_named_first(report, "flash_output", "keys_dropped"):
+        assert d["detail"]["dropped"] == [96, 99] and TILE in d["detail"]["tiles"]
+        assert "tile of 16 or 32 keys" in d["message"]
+    for entry in _failed(report, "flash_output"):
+        assert "unwritten" in [x["code"] for x in entry["diagnosis"]]
+
+
+@pytest.mark.parametrize("program", ["flash_minimal_program", "dropped_tail_program"])
+def test_the_same_tiled_kernels_pass_when_the_tiles_fit(tmp_path, program):
+    dims = Dims(1, 3, 96, 96, 64, 64)
+    scale = default_scale(dims.d_k)
+    _assert_passes(*_check(tmp_path, dims, lambda x: getattr(bp, program)(x, scale, TILE), ("flash_output",)))
+
+
+# ---- the mask at any offset, wherever it is seen --------------------------------------------------
+
+WIDE = Dims(1, 2, 32, 128, 64, 64)   # M - N = 96
+TALL = Dims(1, 2, 80, 48, 16, 16)
+
+
+def _masked(dims: Dims, offset: int):
+    return lambda x: bp.masked_program(x, default_scale(dims.d_k), offset)
+
+
+def _flash_masked(dims: Dims, offset: int):
+    def program(inputs):
+        scale = default_scale(dims.d_k)
+        with np.errstate(invalid="ignore"):  # a row with no visible key in its first tile: -inf - -inf
+            return [{"flash_output": foreign.flash_forward(x["Q"], x["K"], x["V"], scale, True, 32, False,
+                                                           offset)[0]} for x in inputs]
+    return program
+
+
+MASKS = [  # (id, dims, program, stages written, the stage named, offset)
+    ("bottom-right-stage-path", WIDE, _masked(WIDE, 96), STAGE_PATH, "QK_scaled", 96),
+    ("bottom-right-output-only", WIDE, _masked(WIDE, 96), ("output",), "output", 96),
+    ("bottom-right-flash-only", WIDE, _flash_masked(WIDE, 96), ("flash_output",), "flash_output", 96),
+    ("offset-37-output-only", WIDE, _masked(WIDE, 37), ("output",), "output", 37),
+    ("shift+1-N>M-output-only", TALL, _masked(TALL, 1), ("output",), "output", 1),
+    ("shift-2-N>M-flash-only", TALL, _flash_masked(TALL, -2), ("flash_output",), "flash_output", -2),
+]
+
+
+@pytest.mark.parametrize("dims,program,stages,stage,offset", [m[1:] for m in MASKS], ids=[m[0] for m in MASKS])
+def test_a_mask_of_any_offset_is_named_with_its_alignment(tmp_path, dims, program, stages, stage, offset):
+    result, report = _check(tmp_path, dims, program, stages, causal=True)
+    for d in _assert_named_first(report, stage, "mask_offset"):
+        assert d["detail"]["offset"] == offset
+        bottom_right = offset == dims.seq_k - dims.seq_q
+        assert d["detail"]["bottom_right"] == bottom_right
+        assert ("bottom-right aligned (flash-attn's convention)" in d["message"]) == bottom_right
+
+
+@pytest.mark.parametrize("dims", [WIDE, TALL], ids=["N<M", "N>M"])
+def test_the_top_left_mask_passes_wherever_it_is_seen(tmp_path, dims):
+    _assert_passes(*_check(tmp_path / "path", dims, _masked(dims, 0), STAGE_PATH, causal=True))
+    _assert_passes(*_check(tmp_path / "flash", dims, _flash_masked(dims, 0), ("flash_output",), causal=True))
+
+
+# ---- the scale 1/d_k ---------------------------------------------------------------------------------
+
+def _used_scale(scale: float):
+    return lambda x: bp.scaled_program(x, scale)
+
+
+def test_a_scale_of_one_over_d_is_named_first_and_as_the_scale_twice_where_they_coincide(tmp_path):
+    """With the default scale 1/√d_k, 1/d_k is also the scale applied twice: both are right, the
+    scale used named first."""
+    result, report = _check(tmp_path, SQUARE, _used_scale(1 / SQUARE.d_k), STAGE_PATH)
+    for d in _assert_named_first(report, "QK_scaled", "scaled"):
+        assert d["detail"]["names"][0].startswith("1/d_k used as the scale")
+        assert "scale (scale applied twice)" in d["detail"]["names"]
+
+
+def test_one_over_d_under_an_explicit_scale_is_not_the_scale_twice(tmp_path):
+    result, report = _check(tmp_path, SQUARE, _used_scale(1 / SQUARE.d_k), STAGE_PATH, scale=0.37)
+    for d in _assert_named_first(report, "QK_scaled", "scaled"):
+        assert d["detail"]["names"][0].startswith("1/d_k used as the scale")
+        assert not any("twice" in n for n in d["detail"]["names"])
+
+
+def test_one_over_d_seen_only_at_the_output_is_named(tmp_path):
+    result, report = _check(tmp_path, SQUARE, _used_scale(1 / SQUARE.d_k), ("output",))
+    for d in _assert_named_first(report, "output", "scaled"):
+        assert d["detail"]["names"][0].startswith("1/d_k used as the scale")
+        assert abs(d["detail"]["used_scale"] - 1 / SQUARE.d_k) < 1e-9
+
+
+def test_one_over_d_is_right_at_d_k_1(tmp_path):
+    """At d_k = 1, 1/d_k = 1/√d_k: the program is correct."""
+    dims = Dims(1, 2, 16, 24, 1, 1)
+    _assert_passes(*_check(tmp_path, dims, _used_scale(1.0), STAGE_PATH))
