@@ -4,28 +4,17 @@ Nothing here touches CUDA at import time, so collection works on a CPU-only mach
 """
 from __future__ import annotations
 
-import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
 
+from verify.gpu import no_gpu_reason
+
 REPO = Path(__file__).resolve().parent.parent
 
-
-def _gpu_present() -> bool:
-    smi = shutil.which("nvidia-smi")
-    if not smi:
-        return False
-    try:
-        out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=20)
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-    return out.returncode == 0 and "GPU" in out.stdout
-
-
-GPU_PRESENT = _gpu_present()
-NO_GPU_REASON = "no NVIDIA GPU found (nvidia-smi -L lists none); CUDA backend tests need one"
+_WHY_NO_GPU = no_gpu_reason()  # the command line asks the same (demo --example)
+GPU_PRESENT = _WHY_NO_GPU is None
+NO_GPU_REASON = f"no NVIDIA GPU found ({_WHY_NO_GPU}); CUDA backend tests need one"
 
 
 def pytest_collection_modifyitems(config, items):

@@ -2,7 +2,8 @@
 
     import attnstep
     report = attnstep.check_arrays(q, k, v, {"output": o, "flash_lse": lse}, causal=True)
-    attnstep.assert_attention_stages(q, k, v, {"output": o})   # in a pytest test
+    assert attnstep.check_arrays(q, k, v, {"output": o})        # a report is true when every stage passes
+    attnstep.assert_attention_stages(q, k, v, {"output": o})   # in a pytest test: the report in the message
     attnstep.check_arrays(q, k, v, {"dQ": q.grad, "dK": k.grad, "dV": v.grad}, do=o.grad)  # backward
 
 Arrays are NumPy arrays (or anything np.asarray takes: a CPU tensor's `.detach().cpu().numpy()`),
@@ -186,10 +187,16 @@ def check_arrays(q, k, v, stages: Mapping[str, object], *, do=None, causal: bool
                  atol: Optional[float] = None, rtol: Optional[float] = None, jobs: int = 1,
                  allow_nonfinite: bool = False) -> Report:
     """Checks each stage in `stages` ({stage name: array}) computed from q, k, v, as `attnstep
-    check` does; returns the Report (report.passed, report.first_failing_stage, report.results).
+    check` does; returns the Report (report.passed, report.first_failing_stage, report.results),
+    whose truth value is report.passed: `assert check_arrays(...)` fails when a stage fails
+    (assert_attention_stages also puts the report in the message).
     do: the output gradient dL/d(output), shaped like the output, for the backward stages (dQ, dK,
     dV, D, dP, dS, flash_dQ, ...); causal: top-left aligned masking; scale: default 1/sqrt(d_k); precision and math: the
-    arithmetic the program used (fp32/tf32/bf16/fp16; ieee/fast). Raises ValueError for arrays that
+    arithmetic the program used (fp32/tf32/bf16/fp16; ieee/fast). At fp32 or tf32 a stage of
+    half-precision values (a float16 array; a float32 array of bfloat16 values, such as a bf16
+    tensor's .float()) gets a note, and a hint in the failure line, to pass precision='bf16' or
+    'fp16'; a float16 array counts as float32 results stored in float16 (half a float16 unit
+    allowed per value). Raises ValueError for arrays that
     do not fit together or a value out of range, TypeError for an argument of the wrong kind
     (causal="no", scale="0.25"), each one line naming the argument."""
     args = _validated(stages=stages, causal=causal, scale=scale, precision=precision, math=math, atol=atol,

@@ -12,7 +12,7 @@ from typing import Dict, Tuple
 
 import click
 
-from . import flash_attn_criterion
+from . import flash_attn_criterion, gpu
 from .bench import bench
 from .case import check_scale, load_input_case
 from .compare import Options, check_run, error_ratio_map
@@ -361,6 +361,7 @@ def _step_printer(quiet: bool):
 
 def _demo_example(ctx, example, build_dir, timeout, json_path, seed, force, quiet) -> None:
     """The demo with a gallery program: it reads ../data/random_test from BUILD_DIR."""
+    gpu.require_gpu_for_example(example)  # before minutes of building a program that could not run
     data_dir = Path(build_dir).absolute().parent / DATA_DIR
     in_dir, out_dir = data_dir / DEFAULT_CASE, data_dir / DEFAULT_RESULT
     say = _step_printer(quiet)

@@ -24,6 +24,7 @@ import numpy as np
 from . import diagnose as diag
 from . import flash_attn_criterion, invariants, tolerance
 from .case import CaseError, InputCase, load_input_case, read_bytes
+from .guards import check_folders_apart
 from .outputs import STAGE_ITEMSIZE, Overrides, RunInfo, foreign_stage_files, open_run, stage_files_in, staleness
 from .model.half import is_half, round_to_format
 from .pool import REF_CACHE, head_jobs, map_heads
@@ -31,7 +32,7 @@ from .program_checks import ProgramCheck, files_digest, read_findings
 from .results import (FAIL, INHERITED, MISSING, PASS, SHAPE, STALE, UNREADABLE, Comparison, HeadResult, Report,
                       compare_arrays, elementwise_error)
 from .reference import compute_stage, reference_chain
-from .resolution import EXACT
+from .resolution import EXACT, half_values
 from .specs import SPECS, HeadContext, upstream, uses_scale_and_mask
 from .stages import GRAD_INPUT, INPUT_NAMES, STAGES
 
@@ -227,6 +228,7 @@ def _compare(res: HeadResult, ctx: HeadContext, results: Dict[str, HeadResult], 
     model_chain = _allowed(stage, src_chain, want_chain, run, opts, ctx.chain, ctx.cache)
     allowed_chain = _with_quantum(model_chain, quantum)
     res.chained = compare_arrays(mat, want_chain, allowed_chain, opts.allow_nonfinite)
+    res.half_values = half_values(mat, want_chain, run.precision)
     res.print_limited = quantum is not None and bool(np.any(quantum > model_chain))
     if SPECS[stage].chained is None and not q_iso and _bit_identical(src_iso, src_chain):
         # The binary read exactly the reference's sources (its echoes are exact): the isolated
@@ -313,6 +315,7 @@ def check(in_dir: Path, out_dir: Path, opts: Optional[Options] = None,
           progress: Optional[Callable[[int], None]] = None) -> Report:
     """Loads both cases, checks their agreement, and compares every stage × head."""
     opts = opts or Options()
+    check_folders_apart(in_dir, out_dir)  # as `attnstep check`: inputs compared with themselves would pass
     case = load_input_case(in_dir)
     case.allow_nonfinite = opts.allow_nonfinite
     run = open_run(out_dir, case, opts.overrides())

@@ -14,6 +14,7 @@ from typing import List, Optional
 import numpy as np
 
 from . import flash_attn_criterion, program_checks
+from . import report_states as states
 from .case import CaseError, atomic_write_bytes, file_kind, probe_writable
 from .results import FAIL, FLASH_ATTN_KEY, INHERITED, PASS, Comparison, HeadResult, Report
 from .resolution import EXACT
@@ -111,9 +112,9 @@ def _rel(c: Comparison) -> float:
 
 def failure_lines(report: Report) -> List[str]:
     lines = []
-    own = [r for r in report.results if r.status not in (PASS, INHERITED)]
-    for r in own[:MAX_DETAILED_FAILURES]:
-        where = f"{r.stage} head {r.head} (batch {r.batch}, head {r.head_in_batch})"
+    groups = states.failure_groups(report)  # a failure several heads share is one block
+    for r, heads in groups[:MAX_DETAILED_FAILURES]:
+        where = states.where(r, heads, report)
         c = r.main
         if r.status != FAIL or c is None:
             lines.append(f"{r.status} {where}: {r.message}")
@@ -128,9 +129,9 @@ def failure_lines(report: Report) -> List[str]:
                     f"[{m['row']},{m['col']}] got {_g(m['got'])} want {_g(m['want'])}" for m in c.first))
         for d in r.diagnosis:
             lines.append(f"    diagnosis {d.code}: {d.message}")
-    if len(own) > MAX_DETAILED_FAILURES:
-        lines.append(f"... and {len(own) - MAX_DETAILED_FAILURES} more failing stage x head pairs "
-                     "(--json has them all)")
+    if len(groups) > MAX_DETAILED_FAILURES:
+        more = sum(len(heads) for _, heads in groups[MAX_DETAILED_FAILURES:])
+        lines.append(f"... and {more} more failing stage x head pairs (--json has them all)")
     return lines
 
 
@@ -142,7 +143,9 @@ def notes(report: Report) -> List[str]:
         out.append(f"{plural(len(report.foreign_files), 'stage file')} in {report.run.path} "
                    f"{'is' if len(report.foreign_files) == 1 else 'are'} not from {whose} and "
                    f"{'was' if len(report.foreign_files) == 1 else 'were'} ignored (e.g. {report.foreign_files[0]})")
-    limited = [s for s in report.stages if any(r.print_limited for r in report.stage_results(s))]
+    out += states.half_notes(report)  # (says what the float16 storage's resolution allows)
+    limited = [s for s in report.stages if any(r.print_limited for r in report.stage_results(s))
+               and s not in states.half_stages(report)]
     if limited:
         res = _resolution([r for r in report.results if r.stage in limited])
         out.append(f"{', '.join(limited)}: recorded at {res}; the file's resolution, not float32 "
@@ -153,7 +156,12 @@ def notes(report: Report) -> List[str]:
 
 def summary_lines(report: Report) -> List[str]:
     lines = [f"note: {n}" for n in notes(report)] + program_checks.text_lines(report.program_checks)
-    first = report.first_failure
+    first, verdict = states.culprit(report), f"FAIL ({bounds_words(report.run)}):"
+    if states.overwritten(report):  # one line for the files, not a stage blamed for them
+        lines.append(f"{verdict} {states.overwritten_line(report)}")
+        if first is None:
+            return lines
+        verdict = "      and among the files that match it:"
     failed_checks = [c for c in report.program_checks if not c.passed]
     if first is None and failed_checks:
         lines.append(f"FAIL: every stage passes its bounds ({bounds_words(report.run)}), but "
@@ -167,9 +175,11 @@ def summary_lines(report: Report) -> List[str]:
         return lines
     inherited = [s for s in report.stages
                  if stage_status(report.stage_results(s)) == INHERITED]
-    lines.append(f"FAIL ({bounds_words(report.run)}): first failing stage: {first.stage} (head {first.head}: "
-                 f"batch {first.batch}, head {first.head_in_batch})"
-                 + (f"; {first.diagnosis[0].code}: {first.diagnosis[0].message}" if first.diagnosis else ""))
+    half = states.half_hint(report)
+    lines.append(f"{verdict} first failing stage: {first.stage} "
+                 f"({states.culprit_heads(report, first)})"
+                 + (f"; {first.diagnosis[0].code}: {first.diagnosis[0].message}" if first.diagnosis else "")
+                 + (f"; {half}" if half else ""))
     if inherited:
         lines.append(f"      inherited downstream (pass in isolation): {', '.join(inherited)}")
     return lines

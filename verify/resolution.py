@@ -14,6 +14,7 @@ from typing import Optional
 
 import numpy as np
 
+from .model.half import is_half, round_to_format
 from .model.rounding import UNIT_ROUNDOFF
 from .words import plural
 
@@ -103,3 +104,46 @@ def text_resolution(data: bytes) -> Resolution:
 
 def array_resolution(arr: np.ndarray) -> Resolution:
     return HALF if arr.dtype == np.float16 else EXACT
+
+
+# ----------------------------------------------------------------------------------------------
+# Half-precision values checked at fp32: a half-precision program's output (a float16 array, or a
+# bfloat16 tensor's .float()) checked without its precision passes or fails for reasons the
+# report must name. The sign is that every value is one of the format's while the exact results
+# are not: a float32 program's results land on a bfloat16 value once in 2^16, on a float16 one
+# once in 2^13, so a few such elements already rule out chance.
+HALF_EVIDENCE = 8     # elements whose exact result is not in the format, at least
+_SAMPLE_VALUES = 4096  # values tried first: a float32 stage fails the test within its first few
+_NARROWEST_FIRST = ("bf16", "fp16")
+
+
+def half_values(values: np.ndarray, exact: np.ndarray, precision: str) -> Optional[str]:
+    """"bf16" or "fp16" when, checked at a float32 precision, every finite value of `values` is
+    one of that format's though at least HALF_EVIDENCE of the `exact` results are not; else None.
+    bf16 is tried first: its values are mostly float16 values too, not the other way round."""
+    if is_half(precision):
+        return None
+    sample = values.ravel()[:_SAMPLE_VALUES]  # (a view: a float32 stage costs no copy of itself)
+    for fmt in _NARROWEST_FIRST:
+        if _all_in_format(sample, fmt) and _all_in_format(values, fmt) \
+                and _not_in_format(exact, fmt) >= HALF_EVIDENCE:
+            return fmt
+    return None
+
+
+def _in_format(x: np.ndarray, fmt: str) -> np.ndarray:
+    """Whether each value (float64 holding it) is exactly a value of the format."""
+    with np.errstate(over="ignore"):  # past float32's range: inf, not equal, not in the format
+        return round_to_format(x.astype(np.float32), fmt) == x
+
+
+def _all_in_format(x: np.ndarray, fmt: str) -> bool:
+    """Every finite value is one of the format's, and there is one at least (NaN and inf say nothing)."""
+    finite = np.isfinite(x)
+    return bool(finite.any()) and bool(np.all(_in_format(x, fmt) | ~finite))
+
+
+def _not_in_format(exact: np.ndarray, fmt: str) -> int:
+    """The exact results (as a float32 program would round them) that are not values of the format."""
+    e32 = exact[np.isfinite(exact)].astype(np.float32).astype(np.float64)
+    return int(np.count_nonzero(~_in_format(e32, fmt)))

@@ -143,6 +143,9 @@ class HeadResult:
     diagnosis: List[Diagnosis] = field(default_factory=list)
     message: str = ""
     resolution: str = EXACT.describe()  # how finely the file records its values
+    # "bf16"/"fp16": checked at fp32 or tf32, yet every value is one of that format's while the
+    # exact results are not (a half-precision program's output, or one stored in the format).
+    half_values: Optional[str] = None
     print_limited: bool = False  # its printed resolution, not float32, bounds what can be checked
     # Half precision, a stage flash-attn's tests compare: (its, the eager half baseline's) largest
     # |error| against the reference in the format (verify/flash_attn_criterion.py; informational).
@@ -172,6 +175,7 @@ class HeadResult:
         d["diagnosis"] = [{"code": x.code, "message": x.message, "detail": x.detail} for x in self.diagnosis]
         d["resolution"] = self.resolution
         d["print_limited"] = self.print_limited
+        d["half_values"] = self.half_values
         if self.flash_attn is not None:
             d[FLASH_ATTN_KEY] = {"error": self.flash_attn[0], "baseline_error": self.flash_attn[1]}
         return d
@@ -201,6 +205,11 @@ class Report:
     @property
     def stages_passed(self) -> bool:
         return all(r.passed for r in self.results)
+
+    def __bool__(self) -> bool:
+        """The verdict, so that `assert attnstep.check_arrays(...)` fails on a failing report (an
+        object without __bool__ or __len__ is always true: the assert would pass whatever it found)."""
+        return self.passed
 
     @property
     def first_failure(self) -> Optional[HeadResult]:
