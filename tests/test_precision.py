@@ -149,6 +149,20 @@ def test_truncation_checked_as_rounding_is_named_truncation_not_a_scale():
     assert first.diagnosis[0].detail["bias_ulps"] > 0.25
 
 
+def test_truncation_of_bf16_inputs_fails_qk_by_twice_its_bound_and_is_not_a_scale():
+    """Inputs that are bf16 values already (truncating them changes nothing): the truncated QK
+    misses the bf16 bound by about 2x, the shape of a factor 0.998, and is named truncation."""
+    q, k, v = (bf16_nearest(x) for x in inputs(0))
+    matmul, store = PROGRAMS["bf16-truncation"]
+    heads = [program(q[h], k[h], v[h], matmul, store) for h in range(HEADS)]
+    stages = {s: np.stack([h[s] for h in heads]) for s in PATH}
+    report = attnstep.check_arrays(q, k, v, stages, precision="bf16")
+    qk = [r for r in report.results if r.stage == SCORES]
+    assert all(1 < r.main.tol_used < 4 and [d.code for d in r.diagnosis] == ["half_truncation"] for r in qk), \
+        [(r.main.tol_used, [d.message for d in r.diagnosis]) for r in qk]
+    assert attnstep.check_arrays(q, k, v, stages, precision="bf16", half_rounding="toward-zero").passed
+
+
 def test_a_rounding_bf16_program_checked_as_truncating_is_told_to_round():
     """toward-zero bounds assume the inputs were truncated too: a program that rounds them fails
     there, and is told that rounding to nearest explains it."""

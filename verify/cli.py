@@ -287,8 +287,8 @@ def _plot(report, plot_dir: Path, opts: Options, quiet: bool) -> None:
 @click.option("--plot", "plot_dir", type=click.Path(path_type=Path),
               callback=_checked_path(check_plot_folder),
               help="Write error maps (PNG) of failing stages here (needs matplotlib).")
-@click.option("--atol", type=TOLERANCE, help="Absolute tolerance of every stage, instead of the model.")
-@click.option("--rtol", type=TOLERANCE, help="Relative tolerance of every stage, instead of the model.")
+@click.option("--atol", type=TOLERANCE, help="Absolute tolerance, instead of the model.")
+@click.option("--rtol", type=TOLERANCE, help="Relative tolerance, instead of the model.")
 @click.option("--tol", "tol", multiple=True, metavar="STAGE=ATOL[,RTOL]",
               help="Tolerances of one stage; repeatable.")
 @click.option("--stage", "only", multiple=True, type=click.Choice(STAGE_NAMES), metavar="STAGE",
@@ -299,8 +299,8 @@ def _plot(report, plot_dir: Path, opts: Options, quiet: bool) -> None:
               help="Score scale [default: IN's, else run.toml's, else 1/sqrt(d_k)].")
 @click.option("--precision", type=click.Choice(PRECISIONS),
               help="What the program computed in [default: run.toml's, else fp32].")
-@click.option("--half-rounding", type=click.Choice(HALF_ROUNDINGS),
-              help="How a bf16/fp16 program converts to its format (toward-zero: truncates) [default: nearest].")
+@click.option("--half-rounding", type=click.Choice(HALF_ROUNDINGS), metavar="MODE",
+              help="bf16/fp16 rounding: nearest, toward-zero.")
 @click.option("--math", type=click.Choice(MATH_MODES), default="ieee", show_default=True,
               help="fast: accept CUDA's fast-math intrinsics (__expf, ...).")
 @name_options
