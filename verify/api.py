@@ -23,7 +23,8 @@ import numpy as np
 from . import flash_attn_criterion as fa_criterion
 from .case import CaseError, InputCase, check_scale, validate_dims
 from .compare import Options, Report, check_run
-from .outputs import MATH_MODES, RunInfo, StageSource
+from .model.half import HALF_ROUNDINGS, rounding_refusal
+from .outputs import MATH_MODES, RunInfo, StageSource, half_rounding_for
 from .report import failure_lines, header_lines, summary_lines, table_lines
 from .stages import DIM_KEYS, GRAD_INPUT, INPUT_NAMES, PRECISIONS, STAGES, Dims, default_scale
 from .words import plural
@@ -149,6 +150,7 @@ _ARGUMENT_RULES: Dict[str, Callable[[str, Any], Any]] = {
     "scale": _expect_scale,
     "precision": _expect_choice(PRECISIONS),
     "math": _expect_choice(MATH_MODES),
+    "half_rounding": lambda name, x: None if x is None else _expect_choice(HALF_ROUNDINGS)(name, x),
     "atol": _expect_tolerance,
     "rtol": _expect_tolerance,
     "jobs": _expect_jobs,
@@ -185,22 +187,26 @@ def _problem(q, k, v, causal: bool, scale: Optional[float], allow_nonfinite: boo
 def check_arrays(q, k, v, stages: Mapping[str, object], *, do=None, causal: bool = False,
                  scale: Optional[float] = None, precision: str = "fp32", math: str = "ieee",
                  atol: Optional[float] = None, rtol: Optional[float] = None, jobs: int = 1,
-                 allow_nonfinite: bool = False) -> Report:
+                 allow_nonfinite: bool = False, half_rounding: Optional[str] = None) -> Report:
     """Checks each stage in `stages` ({stage name: array}) computed from q, k, v, as `attnstep
     check` does; returns the Report (report.passed, report.first_failing_stage, report.results),
     whose truth value is report.passed: `assert check_arrays(...)` fails when a stage fails
     (assert_attention_stages also puts the report in the message).
     do: the output gradient dL/d(output), shaped like the output, for the backward stages (dQ, dK,
     dV, D, dP, dS, flash_dQ, ...); causal: top-left aligned masking; scale: default 1/sqrt(d_k); precision and math: the
-    arithmetic the program used (fp32/tf32/bf16/fp16; ieee/fast). At fp32 or tf32 a stage of
-    half-precision values (a float16 array; a float32 array of bfloat16 values, such as a bf16
-    tensor's .float()) gets a note, and a hint in the failure line, to pass precision='bf16' or
-    'fp16'; a float16 array counts as float32 results stored in float16 (half a float16 unit
-    allowed per value). Raises ValueError for arrays that
+    arithmetic the program used (fp32/tf32/bf16/fp16; ieee/fast); half_rounding: how a bf16/fp16
+    program converts to its format ("nearest", the default, or "toward-zero"; half precisions
+    only). At fp32 or tf32 a stage of half-precision values (a float16 array; a float32 array of
+    bfloat16 values, such as a bf16 tensor's .float()) gets a note, and a hint in the failure line,
+    to pass precision='bf16' or 'fp16'; a float16 array counts as float32 results stored in float16
+    (half a float16 unit allowed per value). Raises ValueError for arrays that
     do not fit together or a value out of range, TypeError for an argument of the wrong kind
     (causal="no", scale="0.25"), each one line naming the argument."""
     args = _validated(stages=stages, causal=causal, scale=scale, precision=precision, math=math, atol=atol,
-                      rtol=rtol, jobs=jobs, allow_nonfinite=allow_nonfinite)
+                      rtol=rtol, jobs=jobs, allow_nonfinite=allow_nonfinite, half_rounding=half_rounding)
+    refusal = rounding_refusal(args["precision"], args["half_rounding"], "half_rounding")
+    if refusal:
+        raise ValueError(refusal)
     causal, scale, atol, rtol, jobs = args["causal"], args["scale"], args["atol"], args["rtol"], args["jobs"]
     allow_nonfinite = args["allow_nonfinite"]
     backward = sorted(n for n in stages if n in STAGES and STAGES[n].backward)
@@ -220,7 +226,7 @@ def check_arrays(q, k, v, stages: Mapping[str, object], *, do=None, causal: bool
     case = InputCase(ARRAYS, dims, "npy", causal, scale, manifest=True, arrays=inputs,
                      allow_nonfinite=allow_nonfinite, backward=do is not None)
     run = RunInfo(None, {}, dims, sources, causal=causal, scale=scale, precision=precision,
-                  math=math)
+                  math=math, half_rounding=half_rounding_for(args["precision"], args["half_rounding"]))
     return check_run(run, case, Options(atol=atol, rtol=rtol, jobs=jobs, allow_nonfinite=allow_nonfinite))
 
 

@@ -23,7 +23,7 @@ from .options import (backend_option, binary_option, build_option, force_option,
 from .options import checked_path as _checked_path
 from .options import report_file
 from .options import user_errors as _user_errors
-from .outputs import MATH_MODES, open_run, parse_name_map, read_names_file
+from .outputs import HALF_ROUNDINGS, MATH_MODES, open_run, parse_name_map, read_names_file
 from .pool import MAX_MEMORY_MB
 from .programs import (binary_args, binary_runner, program_runner, run_any_program, run_attnstep_binary, run_summary,
                        run_with_program_checks)
@@ -275,8 +275,8 @@ def _plot(report, plot_dir: Path, opts: Options, quiet: bool) -> None:
 @click.option("--plot", "plot_dir", type=click.Path(path_type=Path),
               callback=_checked_path(check_plot_folder),
               help="Write error maps (PNG) of failing stages here (needs matplotlib).")
-@click.option("--atol", type=TOLERANCE, help="Absolute tolerance of every stage, instead of the model.")
-@click.option("--rtol", type=TOLERANCE, help="Relative tolerance of every stage, instead of the model.")
+@click.option("--atol", type=TOLERANCE, help="Absolute tolerance, instead of the model.")
+@click.option("--rtol", type=TOLERANCE, help="Relative tolerance, instead of the model.")
 @click.option("--tol", "tol", multiple=True, metavar="STAGE=ATOL[,RTOL]",
               help="Tolerances of one stage; repeatable.")
 @click.option("--stage", "only", multiple=True, type=click.Choice(STAGE_NAMES), metavar="STAGE",
@@ -287,6 +287,8 @@ def _plot(report, plot_dir: Path, opts: Options, quiet: bool) -> None:
               help="Score scale [default: IN's, else run.toml's, else 1/sqrt(d_k)].")
 @click.option("--precision", type=click.Choice(PRECISIONS),
               help="What the program computed in [default: run.toml's, else fp32].")
+@click.option("--half-rounding", type=click.Choice(HALF_ROUNDINGS), metavar="MODE",
+              help="bf16/fp16 rounding: nearest, toward-zero.")
 @click.option("--math", type=click.Choice(MATH_MODES), default="ieee", show_default=True,
               help="fast: accept CUDA's fast-math intrinsics (__expf, ...).")
 @name_options
@@ -301,11 +303,10 @@ def _plot(report, plot_dir: Path, opts: Options, quiet: bool) -> None:
 @click.pass_context
 @_user_errors
 def check(ctx, in_dir, out_dir, json_path, junit_path, plot_dir, atol, rtol, tol, only, per_head, jobs,
-          causal, scale, precision, math, names, names_file, allow_nonfinite, max_memory_mb, quiet):
+          causal, scale, precision, half_rounding, math, names, names_file, allow_nonfinite, max_memory_mb, quiet):
     opts = Options(atol=atol, rtol=rtol, per_stage=_parse_tol(tol), only_stages=list(only) or None,
-                   jobs=jobs, causal=causal, scale=scale, precision=precision, math=math,
-                   names=_parse_names(names, names_file), allow_nonfinite=allow_nonfinite,
-                   max_memory_mb=max_memory_mb)
+                   jobs=jobs, causal=causal, scale=scale, precision=precision, math=math, half_rounding=half_rounding,
+                   names=_parse_names(names, names_file), allow_nonfinite=allow_nonfinite, max_memory_mb=max_memory_mb)
     check_folders_apart(in_dir, out_dir)
     check_reports_apart({"--json": json_path, "--junit": junit_path}, in_dir, out_dir, opts.names, names_file)
     passed = _check_and_report(in_dir, out_dir, opts, json_path, junit_path, plot_dir, per_head, quiet)

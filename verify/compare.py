@@ -55,12 +55,13 @@ class Options:
     precision: Optional[str] = None
     math: str = "ieee"
     names: Dict[str, str] = field(default_factory=dict)  # stage -> file name pattern in OUT
+    half_rounding: Optional[str] = None  # how a bf16/fp16 program converts (None: to nearest)
 
     allow_nonfinite: bool = False  # NaN/inf inputs load; NaN then matches a NaN reference
     max_memory_mb: Optional[int] = None  # the most memory the check plans for (else what is available)
 
     def overrides(self) -> Overrides:
-        return Overrides(self.causal, self.scale, self.precision, self.math, dict(self.names))
+        return Overrides(self.causal, self.scale, self.precision, self.math, dict(self.names), self.half_rounding)
 
     def override(self, stage: str) -> Optional[Tuple[float, float]]:
         if stage in self.per_stage:
@@ -105,7 +106,7 @@ def _load_output(run: RunInfo, stage: str, head: int):
 def _model(run: RunInfo) -> dict:
     """The tolerance model's arguments for this run."""
     return dict(scale=run.scale, causal=run.causal, precision=run.precision, backend=run.backend,
-                math=run.math, flash_kernel=run.flash_kernel)
+                math=run.math, flash_kernel=run.flash_kernel, half_rounding=run.half_rounding)
 
 
 def _allowed(stage: str, src: Dict[str, np.ndarray], want: np.ndarray, run: RunInfo,
@@ -179,10 +180,10 @@ def case_inputs(run: RunInfo):
 
 def check_head(run: RunInfo, case: InputCase, head: int, opts: Options,
                ref_of_head: Callable[[str, int], np.ndarray]) -> List[HeadResult]:
-    inputs = {name: case.load(name, head).astype(np.float64) for name in case_inputs(run)}
+    inputs = raw = {name: case.load(name, head).astype(np.float64) for name in case_inputs(run)}
     if is_half(run.precision):
         # The half pipelines compute from the inputs rounded to their format, and so do the references.
-        inputs = {name: round_to_format(x, run.precision) for name, x in inputs.items()}
+        inputs = {name: round_to_format(x, run.precision, run.half_rounding) for name, x in inputs.items()}
     stages = [s for s in run.stages if opts.only_stages is None or s in opts.only_stages]
     needed = set(stages).union(*(upstream(s) for s in stages))  # partial runs: upstream too
     chain = {**inputs, **reference_chain(inputs, run.scale, run.causal, needed)}
@@ -190,7 +191,7 @@ def check_head(run: RunInfo, case: InputCase, head: int, opts: Options,
     # and chained checks, both flash stages and the invariants), keyed by array identity: none of
     # the arrays in the context is modified while it lives.
     ctx = HeadContext(run.dims, run.scale, run.causal, run.precision, run.backend, run.math, run.flash_kernel,
-                      inputs, chain, {}, {}, tolerance.HeadCache(), opts.allow_nonfinite)
+                      inputs, chain, {}, {}, tolerance.HeadCache(), opts.allow_nonfinite, run.half_rounding, raw)
     b, h = run.dims.decode_head(head)
     results: Dict[str, HeadResult] = {}
     for stage in stages:

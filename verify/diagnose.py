@@ -10,8 +10,9 @@ candidate must explain got within a few tolerance widths AND differ from want by
 Codes (stable; the report's `diagnosis`; docs/contract.md says each in a user's words): nonfinite,
 unwritten, overflow, transposed, layout, scaled, softmax_axis, head_permuted, mask_missing,
 mask_offset (any offset; bottom-right alignment named), keys_past_end, keys_dropped, tile_boundary,
-lse_log2, and the backward's D_wrong_O, dS_missing_P, grad_unscaled, dV_untransposed_P
-(verify/diagnose_backward.py). overflow, keys_past_end and keys_dropped are in
+lse_log2, the backward's D_wrong_O, dS_missing_P, grad_unscaled, dV_untransposed_P
+(verify/diagnose_backward.py), and the precision ones: tf32, half_storage, half_truncation,
+half_accumulation (verify/diagnose_precision.py). overflow, keys_past_end and keys_dropped are in
 verify/diagnose_inputs.py: they, the mask and the scale recompute a stage from the case's Q, K, V
 where the program wrote no upstream stage (its spec's from_inputs). (`stale` comes from the
 integrity check in verify.compare.)
@@ -25,6 +26,7 @@ import numpy as np
 from .diagnose_base import (LOG2_E, MATCH_WIDTHS, MAX_HEADS_SEARCHED, POISON_VALUES, SCALE_NAME_RTOL,
                             UNWRITTEN_DENSITY, Diagnosis, Suspect, explains, loc, maxdiff, width_of)
 from . import diagnose_backward as backward_bugs
+from . import diagnose_precision as precision_bugs
 from .diagnose_regions import mask as _mask
 from .diagnose_regions import tile_boundary as _tile_boundary
 from .diagnose_inputs import keys as _keys
@@ -337,6 +339,7 @@ def diagnose(stage: str, got: np.ndarray, want: np.ndarray, ctx: Suspect) -> Lis
                 new = hyp(stage, got, want, ctx, width)
             found.extend(new)
             fired.update([name] if new else [])
+    found = precision_bugs.settle(found + precision_bugs.diagnose(stage, got, want, ctx, found))
     codes = {d.code for d in found}
     if codes & _EMPTIES_LINES:
         # A wrong axis or mask leaves rows or columns with no visible key (0/0: NaN, or 0 where

@@ -17,7 +17,7 @@ from typing import Dict, Optional, Tuple
 
 import numpy as np
 
-from .model.half import is_half, storage_bound
+from .model.half import NEAREST, is_half, storage_bound
 from .model.rounding import HeadCache, memo
 from .reference import reference_chain
 from .specs import SPECS, upstream
@@ -38,7 +38,7 @@ def _route(stage: str) -> Optional[Tuple[str, Tuple[str, ...]]]:
 
 
 def route_error(stage: str, inputs: Dict[str, np.ndarray], scale: float, causal: bool, precision: str,
-                cache: Optional[HeadCache] = None):
+                cache: Optional[HeadCache] = None, rounding: str = NEAREST):
     """Bound on how far the half roundings on `stage`'s route (its own stored value included, for
     a stage-path stage) move it, from the original inputs (Q, K, V, dO as the program read them)."""
     route = _route(stage)
@@ -56,23 +56,24 @@ def route_error(stage: str, inputs: Dict[str, np.ndarray], scale: float, causal:
             with np.errstate(invalid="ignore"):
                 moved = SPECS[name].quantization({n: refs[n] for n in STAGES[name].inputs}, q, scale, causal) \
                     if q else 0.0
-            own = storage_bound(refs[name], precision) if name in rounded else 0.0
+            own = storage_bound(refs[name], precision, rounding) if name in rounded else 0.0
             total = own + moved
             err[name] = np.asarray(total, np.float64) if np.ndim(total) else total
         return np.broadcast_to(err[target], refs[target].shape).copy() if np.ndim(err[target]) else \
             np.zeros(refs[target].shape)
-    return memo(cache, "half route " + stage, sources, (scale, causal, precision), compute)
+    return memo(cache, "half route " + stage, sources, (scale, causal, precision, rounding), compute)
 
 
 def half_terms(stage: str, ref: np.ndarray, inputs: Dict[str, np.ndarray], scale: float, causal: bool,
-               precision: str, chained: bool, cache: Optional[HeadCache] = None):
+               precision: str, chained: bool, cache: Optional[HeadCache] = None, rounding: str = NEAREST):
     """What the half pipeline adds to `stage`'s float32 bound: chained, every rounding on its route;
-    isolated, its own conversion, and for a flash stage the roundings inside the kernel."""
-    own = storage_bound(ref, precision) if stored_in_format(stage) else 0.0
+    isolated, its own conversion, and for a flash stage the roundings inside the kernel. rounding:
+    how the program converts to the format (NEAREST or TOWARD_ZERO, verify/model/half.py)."""
+    own = storage_bound(ref, precision, rounding) if stored_in_format(stage) else 0.0
     if STAGES[stage].flash:
-        return own + route_error(stage, inputs, scale, causal, precision, cache)
+        return own + route_error(stage, inputs, scale, causal, precision, cache, rounding)
     if chained:
-        return route_error(stage, inputs, scale, causal, precision, cache)
+        return route_error(stage, inputs, scale, causal, precision, cache, rounding)
     return own
 
 
@@ -86,5 +87,5 @@ def invariant_quantum(stage: str, got: np.ndarray, ctx):
         return q
     inputs = {n: ctx.chain[n] for n in CASE_INPUTS if n in ctx.chain}
     extra = half_terms(stage, np.where(np.isfinite(got), got, 0.0), inputs, ctx.scale, ctx.causal, ctx.precision,
-                       True, ctx.cache)
+                       True, ctx.cache, ctx.half_rounding)
     return extra if q is None else q + extra

@@ -21,6 +21,7 @@ from typing import Dict, List, Mapping, Optional, Tuple
 import numpy as np
 
 from .case import CaseError, InputCase, check_scale, check_types, crc32_hex, read_toml, validate_dims
+from .model.half import HALF_ROUNDINGS, NEAREST, rounding_refusal  # noqa: F401 (cli's choices)
 from .model.kernels import KERNELS, kernel_base_name
 from .stage_files import (STACKED_SUFFIX, STAGE_ITEMSIZE, StageSource, check_heads_named, discover_sources,
                           parse_name_map, pattern_regex, read_names_file)
@@ -53,6 +54,7 @@ class Overrides:
     precision: Optional[str] = None
     math: str = "ieee"
     names: Mapping[str, str] = field(default_factory=dict)
+    half_rounding: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -81,6 +83,7 @@ class RunInfo:
     precision: str = "fp32"
     backend: Optional[str] = None    # None: not the project's binary
     math: str = "ieee"
+    half_rounding: str = NEAREST     # how a bf16/fp16 program converts to its format
     verify_crc: bool = False
     notes: List[str] = field(default_factory=list)
     mismatches: List[Mismatch] = field(default_factory=list)
@@ -210,6 +213,16 @@ def _settings(run: RunInfo, case: InputCase, values: dict, over: Overrides) -> N
     run.precision = over.precision or values.get("precision", PRECISIONS[0])
     run.backend = values.get("backend")
     run.math = over.math
+    run.half_rounding = half_rounding_for(run.precision, over.half_rounding)
+
+
+def half_rounding_for(precision: str, asked: Optional[str]) -> str:
+    """The conversion rounding the bounds assume: the one asked for (a half precision only), else
+    to nearest."""
+    refusal = rounding_refusal(precision, asked, "--half-rounding")
+    if refusal:
+        raise CaseError(refusal)
+    return asked or NEAREST
 
 
 def open_run(folder: Path, case: InputCase, over: Overrides = Overrides()) -> RunInfo:

@@ -20,7 +20,7 @@ from .results import FAIL, FLASH_ATTN_KEY, INHERITED, PASS, Comparison, HeadResu
 from .resolution import EXACT
 from .stages import STAGES, stage_file
 from .words import number as _g
-from .words import plural, printable
+from .words import number_pair, plural, printable
 
 MAX_DETAILED_FAILURES = 8
 
@@ -47,12 +47,18 @@ def _location(r: HeadResult, c: Comparison) -> str:
 def arithmetic(run) -> str:
     """What the bounds assume, in words: the precision and whose arithmetic."""
     who = {None: "any IEEE float32 program"}.get(run.backend, f"attnstep's {run.backend} backend")
-    return f"{run.precision}, {who}" + (", fast-math intrinsics" if run.math == "fast" else "")
+    return f"{_precision_words(run)}, {who}" + (", fast-math intrinsics" if run.math == "fast" else "")
 
 
 def bounds_words(run) -> str:
     """The verdict's qualifier: the precision the bounds assume (a looser claim shows in every verdict)."""
-    return f"bounds for {run.precision}" + (", fast-math intrinsics" if run.math == "fast" else "")
+    return f"bounds for {_precision_words(run)}" + (", fast-math intrinsics" if run.math == "fast" else "")
+
+
+def _precision_words(run) -> str:
+    """The precision, and a conversion that truncates (a looser claim than rounding to nearest)."""
+    rounding = getattr(run, "half_rounding", "nearest")
+    return run.precision + ("" if rounding == "nearest" else f", {rounding} conversions")
 
 
 def header_lines(report: Report) -> List[str]:
@@ -120,13 +126,15 @@ def failure_lines(report: Report) -> List[str]:
             lines.append(f"{r.status} {where}: {r.message}")
         else:
             kind = "isolated" if c is r.isolated else "chained"
+            got, want = number_pair(c.got, c.want)
             lines.append(
                 f"FAIL {where}: {c.mismatched}/{c.total} elements outside the tolerance ({kind}); "
-                f"worst at [{c.worst[0]},{c.worst[1]}]: got {_g(c.got)}, want {_g(c.want)}, "
+                f"worst at [{c.worst[0]},{c.worst[1]}]: got {got}, want {want}, "
                 f"|diff| {_g(_diff(c))} > allowed {_g(c.allowed)} (rel {_g(_rel(c))})")
             if c.first:
                 lines.append("    first mismatches: " + "; ".join(
-                    f"[{m['row']},{m['col']}] got {_g(m['got'])} want {_g(m['want'])}" for m in c.first))
+                    "[{},{}] got {} want {}".format(m["row"], m["col"], *number_pair(m["got"], m["want"]))
+                    for m in c.first))
         for d in r.diagnosis:
             lines.append(f"    diagnosis {d.code}: {d.message}")
     if len(groups) > MAX_DETAILED_FAILURES:

@@ -23,7 +23,7 @@ import numpy as np
 
 from .half_route import half_terms
 from .model.dot import dot_var
-from .model.half import is_half
+from .model.half import NEAREST, is_half
 from .model.kernels import KERNELS, SOFTMAX_FINAL_ROUNDINGS, Kernel, kernel_for
 from .model.rounding import (FLUSH, LAMBDA, LOG_ULPS, ROUND_VAR, UNIT_ROUNDOFF, HeadCache, ToleranceError, finish,
                              memo, unit_roundoff)
@@ -50,7 +50,7 @@ def _spec(stage: str):
 def stage_bound(stage: str, src: Dict[str, np.ndarray], ref: np.ndarray, *, scale: float,
                 causal: bool, precision: str = "fp32", backend: Optional[str] = None,
                 math: str = "ieee", flash_kernel: Optional[str] = None,
-                cache: Optional[HeadCache] = None) -> np.ndarray:
+                cache: Optional[HeadCache] = None, half_rounding: str = NEAREST) -> np.ndarray:
     """Element-wise bound on |got - ref| for one head of `stage` computed from `src` (isolated).
 
     src holds the float64 values of the stage's inputs (verify.stages.STAGES[stage].inputs); the
@@ -60,6 +60,7 @@ def stage_bound(stage: str, src: Dict[str, np.ndarray], ref: np.ndarray, *, scal
     implementation; flash_kernel (run.toml's) refines it per kernel; math "fast": CUDA's fast-math
     intrinsics (kernel_for).
     cache (a HeadCache for this head) shares the intermediate results of the head's bounds.
+    half_rounding: how a bf16/fp16 program converts to its format (verify/model/half.py).
     """
     spec = _spec(stage)
     u = unit_roundoff(precision)
@@ -70,13 +71,14 @@ def stage_bound(stage: str, src: Dict[str, np.ndarray], ref: np.ndarray, *, scal
     var, det = spec.isolated(src, ref, scale, causal, u, kernel, cache)
     bound = finish(ref, var, det, spec.floor(src))
     if is_half(precision):
-        bound += half_terms(stage, ref, src, scale, causal, precision, False, cache)
+        bound += half_terms(stage, ref, src, scale, causal, precision, False, cache, half_rounding)
     return bound
 
 
 def chained_bound(stage: str, chain: Dict[str, np.ndarray], *, scale: float, causal: bool,
                   precision: str = "fp32", backend: Optional[str] = None, math: str = "ieee",
-                  flash_kernel: Optional[str] = None, cache: Optional[HeadCache] = None) -> np.ndarray:
+                  flash_kernel: Optional[str] = None, cache: Optional[HeadCache] = None,
+                  half_rounding: str = NEAREST) -> np.ndarray:
     """Bound on |got - chain[stage]| where chain holds the float64 reference chain from the
     original inputs (Q, K, V and every stage up to `stage`): each stage's own error plus the
     upstream errors propagated through it (QK's dot-product error through the scale and the
@@ -86,7 +88,7 @@ def chained_bound(stage: str, chain: Dict[str, np.ndarray], *, scale: float, cau
     bound = _chained_float32(stage, chain, scale=scale, causal=causal, precision=precision, backend=backend,
                              math=math, flash_kernel=flash_kernel, cache=cache)
     if is_half(precision) and _spec(stage).isolated is not None:
-        bound = bound + half_terms(stage, chain[stage], chain, scale, causal, precision, True, cache)
+        bound = bound + half_terms(stage, chain[stage], chain, scale, causal, precision, True, cache, half_rounding)
     return bound
 
 

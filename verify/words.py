@@ -23,6 +23,31 @@ def number(x: Optional[float]) -> str:
     return f"{x:.3g}" if 1e-3 <= abs(x) < 1e5 else f"{x:.2e}"
 
 
+# float32 round-trips through 9 significant digits: more never tells two of its values apart.
+MAX_PAIR_DIGITS = 9
+
+
+def number_pair(got: Optional[float], want: Optional[float]) -> tuple:
+    """got and want as number() prints them, with as many more significant digits (up to
+    MAX_PAIR_DIGITS) as it takes to print two different values differently: `got 9.92 want 9.92`
+    would hide the very difference a failure line reports."""
+    a, b = number(got), number(want)
+    if a != b or got is None or want is None or got == want or not all(map(math.isfinite, (got, want))):
+        return a, b
+    for digits in range(4, MAX_PAIR_DIGITS + 1):
+        a, b = _digits(got, digits), _digits(want, digits)
+        if a != b:
+            break
+    return a, b
+
+
+def _digits(x: float, digits: int) -> str:
+    """x with `digits` significant digits, in number()'s style (an exponent outside [1e-3, 1e5))."""
+    if x == 0:
+        return "0"
+    return f"{x:.{digits}g}" if 1e-3 <= abs(x) < 1e5 else f"{x:.{digits - 1}e}"
+
+
 # What a terminal, a log viewer or an XML reader could act on rather than show: C0 controls, DEL,
 # C1 controls (0x9b is a one-byte CSI), lone surrogates (undecodable bytes of a file name), and
 # the Unicode line separators and bidirectional overrides that reorder or break what is shown.

@@ -8,7 +8,7 @@ its last place, ≤ STORAGE_UNIT·|x| for a normal value and half the subnormal 
 """
 from __future__ import annotations
 
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 import numpy as np
 
@@ -16,9 +16,26 @@ import numpy as np
 # normal value; below it the step is fixed (subnormals).
 HALF_FORMATS: Dict[str, Tuple[int, int]] = {"bf16": (8, -126), "fp16": (11, -14)}
 
+# How a program converts float32 to the format: to nearest, ties to even (a conversion instruction,
+# __float2bfloat16), or toward zero (the `bits >> 16` shortcut of hand-written bf16 code), which
+# errs by up to one unit in the last place, always shrinking |x|.
+NEAREST, TOWARD_ZERO = "nearest", "toward-zero"
+HALF_ROUNDINGS = (NEAREST, TOWARD_ZERO)
+# The largest conversion error in units of the format's unit roundoff (half an ulp, or one).
+_ROUNDING_UNITS = {NEAREST: 1.0, TOWARD_ZERO: 2.0}
+
 
 def is_half(precision: str) -> bool:
     return precision in HALF_FORMATS
+
+
+def rounding_refusal(precision: str, rounding: Optional[str], option: str) -> Optional[str]:
+    """Why a conversion rounding asked for (`option` names it to the user) cannot apply at
+    `precision`, or None: only the half formats convert values."""
+    if rounding is None or is_half(precision):
+        return None
+    return (f"{option} {rounding} applies to half-precision checks only (--precision bf16 or fp16); "
+            f"the bounds assume {precision}, which stores no value in a half format")
 
 
 def storage_unit(precision: str) -> float:
@@ -26,12 +43,15 @@ def storage_unit(precision: str) -> float:
     return 2.0 ** -HALF_FORMATS[precision][0]
 
 
-def round_to_format32(x: np.ndarray, precision: str) -> np.ndarray:
+def round_to_format32(x: np.ndarray, precision: str, rounding: str = NEAREST) -> np.ndarray:
     """x (float32 values) rounded to the format, nearest even, as a float32->bf16/fp16 conversion
     does (fp16: ±inf past 65504, subnormals below 2^-14); returned as float32 holding the values.
     bf16 in float32's own bits: add half a unit of bf16's last place (less one where that place's
-    bit is 0: ties to even), clear the 16 low bits; ±inf and NaN stay as they are."""
+    bit is 0: ties to even), clear the 16 low bits; ±inf and NaN stay as they are.
+    rounding TOWARD_ZERO: the nearest value of the format no farther from zero than x."""
     x32 = np.ascontiguousarray(x, dtype=np.float32)
+    if rounding == TOWARD_ZERO:
+        return _toward_zero32(x32, precision)
     if precision == "fp16":
         with np.errstate(over="ignore"):
             return x32.astype(np.float16).astype(np.float32)
@@ -45,18 +65,35 @@ def round_to_format32(x: np.ndarray, precision: str) -> np.ndarray:
     return out.view(np.float32)
 
 
-def round_to_format(x: np.ndarray, precision: str) -> np.ndarray:
+def _toward_zero32(x32: np.ndarray, precision: str) -> np.ndarray:
+    """x32 truncated to the format: bf16 keeps float32's 16 high bits; fp16 steps a nearest result
+    that grew in magnitude back by one value (65504 past the largest finite value, not inf)."""
+    if precision == "fp16":
+        with np.errstate(over="ignore"):
+            y = x32.astype(np.float16)
+        grew = np.abs(y.astype(np.float32)) > np.abs(x32)
+        y[grew] = np.nextafter(y[grew], np.float16(0))
+        return y.astype(np.float32)
+    bits = x32.view(np.uint32)
+    out = bits & np.uint32(0xFFFF0000)
+    np.copyto(out, bits, where=(bits & 0x7F800000) == 0x7F800000)
+    return out.view(np.float32)
+
+
+def round_to_format(x: np.ndarray, precision: str, rounding: str = NEAREST) -> np.ndarray:
     """round_to_format32 returned as float64 holding the values."""
-    return round_to_format32(x, precision).astype(np.float64)
+    return round_to_format32(x, precision, rounding).astype(np.float64)
 
 
-def storage_bound(ref: np.ndarray, precision: str) -> np.ndarray:
+def storage_bound(ref: np.ndarray, precision: str, rounding: str = NEAREST) -> np.ndarray:
     """Bound on the error of converting a float32 value near ref to the format: half an ulp, at
     most u_h·|x| (the value computed lies within a few float32 ulps of ref: 2^-20 covers them)
-    plus half the subnormal step; 0 where ref is not finite (masked entries match exactly)."""
+    plus half the subnormal step; twice that toward zero (a whole ulp); 0 where ref is not finite
+    (masked entries match exactly)."""
     p, emin = HALF_FORMATS[precision]
+    units = _ROUNDING_UNITS[rounding]
     a = np.abs(np.asarray(ref, dtype=np.float64))
-    out = a * (2.0 ** -p * (1.0 + 2.0 ** -20))
-    out += 2.0 ** (emin - p)
+    out = a * (units * 2.0 ** -p * (1.0 + 2.0 ** -20))
+    out += units * 2.0 ** (emin - p)
     np.copyto(out, 0.0, where=~np.isfinite(a))
     return out

@@ -57,11 +57,14 @@ class HeadContext:
     quanta: Dict[str, Optional[np.ndarray]] = field(default_factory=dict)
     cache: Optional[HeadCache] = None
     allow_nonfinite: bool = False
+    half_rounding: str = "nearest"
+    raw_inputs: Src = field(default_factory=dict)  # the inputs as read, before any half rounding
 
     def bound_args(self) -> dict:
         """The tolerance model's keyword arguments for this head."""
         return dict(scale=self.scale, causal=self.causal, precision=self.precision,
-                    backend=self.backend, math=self.math, flash_kernel=self.flash_kernel, cache=self.cache)
+                    backend=self.backend, math=self.math, flash_kernel=self.flash_kernel, cache=self.cache,
+                    half_rounding=self.half_rounding)
 
     def own(self, name: str) -> np.ndarray:
         """The binary's `name` where it wrote it, else the input or the reference's."""

@@ -1,0 +1,229 @@
+"""The precision mistakes real programs make, each planted by a NumPy program of its own kind.
+
+A program that runs its GEMMs on TF32 tensor cores (llm.c's cuBLAS attention, PyTorch's allow_tf32),
+one that stores its stages in bf16 or fp16, one that accumulates its sums in fp16, and a bf16 one that
+converts by truncation (`bits >> 16`): each fails under the bounds that do not fit it, naming what it
+did first, and passes under the ones that do (check --precision, --half-rounding). Each emulation is
+written here, independent of the verifier's own rounding code.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+import attnstep
+from verify.cli import cli
+from verify.generate import generate_case
+from verify.stages import INPUT_NAMES, OUTPUT, SCALED_SCORES, SCORES, WEIGHTS, Dims, stage_file
+from verify.words import number_pair
+
+from foreign import write_text
+
+f32 = np.float32
+HEADS, N, M, D = 2, 48, 64, 64
+SCALE = D ** -0.5
+PATH = (SCORES, SCALED_SCORES, WEIGHTS, OUTPUT)
+
+
+def inputs(seed=0):
+    rng = np.random.default_rng(seed)
+    return tuple(rng.standard_normal((HEADS, rows, D)).astype(f32) for rows in (N, M, M))
+
+
+# ---- roundings, written from their definitions -------------------------------------------------
+
+def tf32(x):
+    """float32 → TF32 (10 stored mantissa bits), nearest even, as a tensor core's operand."""
+    bits = np.ascontiguousarray(x, f32).view(np.uint32).astype(np.uint64)
+    lsb = (bits >> 13) & 1
+    return ((bits + 0xFFF + lsb) >> 13 << 13).astype(np.uint32).view(f32)
+
+
+def bf16_nearest(x):
+    bits = np.ascontiguousarray(x, f32).view(np.uint32).astype(np.uint64)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16 << 16).astype(np.uint32).view(f32)
+
+
+def bf16_truncated(x):
+    """The `bits >> 16` conversion: the 16 low bits dropped, toward zero."""
+    return (np.ascontiguousarray(x, f32).view(np.uint32) >> 16 << 16).astype(np.uint32).view(f32)
+
+
+def fp16(x):
+    return np.asarray(x, f32).astype(np.float16).astype(f32)
+
+
+def fp16_accumulating_matmul(a, b):
+    """A kernel with a __half accumulator: products and partial sums in fp16, k in index order."""
+    a, b = np.asarray(a, np.float16), np.asarray(b, np.float16)
+    acc = np.zeros((a.shape[0], b.shape[1]), np.float16)
+    for k in range(a.shape[1]):
+        acc = acc + a[:, k, None] * b[None, k, :]
+    return acc.astype(f32)
+
+
+# ---- the programs: the stage path, one head, with their arithmetic -----------------------------
+
+def softmax32(s):
+    e = np.exp(s - s.max(axis=1, keepdims=True))
+    return (e / e.sum(axis=1, keepdims=True, dtype=f32)).astype(f32)
+
+
+def program(q, k, v, matmul, store):
+    """QK, QK_scaled, attention_weights, output: each GEMM by `matmul`, each stage stored by `store`."""
+    q, k, v = store(q), store(k), store(v)
+    qk = store(matmul(q, k.T))
+    s = store(qk * f32(SCALE))
+    p = store(softmax32(s))
+    return {SCORES: qk, SCALED_SCORES: s, WEIGHTS: p, OUTPUT: store(matmul(p, v))}
+
+
+PROGRAMS = {
+    "tf32-gemm": (lambda a, b: (tf32(a) @ tf32(b)).astype(f32), lambda x: np.asarray(x, f32)),
+    "bf16-storage": (lambda a, b: (a @ b).astype(f32), bf16_nearest),
+    "fp16-storage": (lambda a, b: (a @ b).astype(f32), fp16),
+    "fp16-accumulation": (fp16_accumulating_matmul, fp16),
+    "bf16-truncation": (lambda a, b: (a @ b).astype(f32), bf16_truncated),
+}
+
+
+def stages_of(name, seed=0):
+    matmul, store = PROGRAMS[name]
+    q, k, v = inputs(seed)
+    heads = [program(q[h], k[h], v[h], matmul, store) for h in range(HEADS)]
+    return (q, k, v), {s: np.stack([h[s] for h in heads]) for s in PATH}
+
+
+def check(name, **kw):
+    (q, k, v), stages = stages_of(name)
+    return attnstep.check_arrays(q, k, v, stages, **kw)
+
+
+def first_diagnosis(report):
+    first = report.first_failure
+    return first.stage, [d.code for d in first.diagnosis], first
+
+
+def tol_used(report):
+    return max(r.main.tol_used for r in report.results if r.main is not None)
+
+
+# (program, diagnosis named at fp32, the check it passes under)
+PLANTED = [
+    ("tf32-gemm", "tf32", dict(precision="tf32")),
+    ("bf16-storage", "half_storage", dict(precision="bf16")),
+    ("fp16-storage", "half_storage", dict(precision="fp16")),
+    ("bf16-truncation", "half_truncation", dict(precision="bf16", half_rounding="toward-zero")),
+]
+
+
+@pytest.mark.parametrize("name,code,passes_under", PLANTED, ids=[p[0] for p in PLANTED])
+def test_a_precision_mistake_is_named_and_its_precision_passes(name, code, passes_under):
+    report = check(name)
+    stage, codes, first = first_diagnosis(report)
+    assert not report.passed and stage == SCORES and codes[:1] == [code], (stage, codes)
+    assert "scaled" not in codes
+    words = passes_under["precision"] if code != "half_truncation" else "--half-rounding toward-zero"
+    assert words in first.diagnosis[0].message, first.diagnosis[0].message
+    passed = check(name, **passes_under)
+    assert passed.passed, attnstep.format_report(passed)
+
+
+def test_fp16_accumulation_is_named_for_what_no_precision_covers():
+    report = check("fp16-accumulation")
+    stage, codes, first = first_diagnosis(report)
+    assert stage == SCORES and codes[:1] == ["half_accumulation"], (stage, codes)
+    assert "CUBLAS_COMPUTE_32F" in first.diagnosis[0].message
+    assert not check("fp16-accumulation", precision="fp16").passed  # its errors exceed one fp16 rounding
+    out = check("fp16-accumulation", precision="fp16").first_failure
+    assert [d.code for d in out.diagnosis][:1] == ["half_accumulation"], [d.message for d in out.diagnosis]
+
+
+def test_truncation_checked_as_rounding_is_named_truncation_not_a_scale():
+    """A truncating bf16 program checked at --precision bf16 (to nearest): every value shrinks by
+    half a bf16 unit on average, which looks like a factor 0.998; it is named truncation."""
+    report = check("bf16-truncation", precision="bf16")
+    stage, codes, first = first_diagnosis(report)
+    assert stage == SCORES and codes == ["half_truncation"], [d.message for d in first.diagnosis]
+    assert first.diagnosis[0].detail["bias_ulps"] > 0.25
+
+
+def test_truncation_of_bf16_inputs_fails_qk_by_twice_its_bound_and_is_not_a_scale():
+    """Inputs that are bf16 values already (truncating them changes nothing): the truncated QK
+    misses the bf16 bound by about 2x, the shape of a factor 0.998, and is named truncation."""
+    q, k, v = (bf16_nearest(x) for x in inputs(0))
+    matmul, store = PROGRAMS["bf16-truncation"]
+    heads = [program(q[h], k[h], v[h], matmul, store) for h in range(HEADS)]
+    stages = {s: np.stack([h[s] for h in heads]) for s in PATH}
+    report = attnstep.check_arrays(q, k, v, stages, precision="bf16")
+    qk = [r for r in report.results if r.stage == SCORES]
+    assert all(1 < r.main.tol_used < 4 and [d.code for d in r.diagnosis] == ["half_truncation"] for r in qk), \
+        [(r.main.tol_used, [d.message for d in r.diagnosis]) for r in qk]
+    assert attnstep.check_arrays(q, k, v, stages, precision="bf16", half_rounding="toward-zero").passed
+
+
+def test_a_rounding_bf16_program_checked_as_truncating_is_told_to_round():
+    """toward-zero bounds assume the inputs were truncated too: a program that rounds them fails
+    there, and is told that rounding to nearest explains it."""
+    assert check("bf16-storage", precision="bf16").passed
+    report = check("bf16-storage", precision="bf16", half_rounding="toward-zero")
+    stage, codes, first = first_diagnosis(report)
+    assert codes[:1] == ["half_storage"] and "without --half-rounding" in first.diagnosis[0].message, codes
+
+
+@pytest.mark.parametrize("bug", ["unscaled-qk", "v-transposed"])
+def test_a_real_bug_in_a_tf32_program_is_not_excused(bug):
+    """A TF32 program with a real bug still fails under --precision tf32, and at fp32 the bug, not
+    the precision, is named."""
+    (q, k, v), stages = stages_of("tf32-gemm")
+    if bug == "unscaled-qk":
+        bugged, code = SCALED_SCORES, "scaled"
+        stages[SCALED_SCORES] = stages[SCORES].copy()
+    else:
+        bugged, code = OUTPUT, "layout"
+        stages[OUTPUT] = np.stack([(tf32(stages[WEIGHTS][h]) @ tf32(v[h].T.reshape(M, D))).astype(f32)
+                                   for h in range(HEADS)])
+    for precision in ("fp32", "tf32"):
+        report = attnstep.check_arrays(q, k, v, stages, precision=precision)
+        bad = [r for r in report.results if r.stage == bugged]
+        named = [[d.code for d in r.diagnosis] for r in bad]
+        assert all(not r.passed and "tf32" not in c for r, c in zip(bad, named)), named
+        if precision == "tf32":  # the bounds that fit the program's arithmetic name the bug
+            assert all(c[:1] == [code] for c in named), named
+
+
+def test_half_rounding_is_refused_where_nothing_is_converted(tmp_path):
+    (q, k, v), stages = stages_of("tf32-gemm")
+    with pytest.raises(ValueError, match="half-precision checks only"):
+        attnstep.check_arrays(q, k, v, stages, half_rounding="toward-zero")
+    generate_case(tmp_path / "in", Dims(1, 1, 8, 8, 8, 8), seed=1)
+    (tmp_path / "out").mkdir()
+    write_text(tmp_path / "out" / stage_file(SCORES, 0, "txt"), np.zeros((8, 8), f32), "%.9g")
+    r = CliRunner().invoke(cli, ["check", "--in", str(tmp_path / "in"), "--out", str(tmp_path / "out"),
+                                 "--precision", "tf32", "--half-rounding", "toward-zero"])
+    assert r.exit_code == 2 and "Traceback" not in r.output, r.output
+    assert len(r.output.strip().splitlines()) == 1 and "half-precision checks only" in r.output, r.output
+
+
+def test_failure_lines_print_got_and_want_apart(tmp_path):
+    """A bf16 program's %g files at fp32: its QK line must show two different numbers."""
+    dims = Dims(1, 1, N, M, D, D)
+    generate_case(tmp_path / "in", dims, seed=2)
+    (tmp_path / "out").mkdir()
+    q, k, v = (np.loadtxt(tmp_path / "in" / stage_file(n, 0, "txt"), ndmin=2).astype(f32) for n in INPUT_NAMES)
+    for name, x in program(q, k, v, *PROGRAMS["bf16-storage"]).items():
+        write_text(tmp_path / "out" / stage_file(name, 0, "txt"), x, "%.9g")
+    r = CliRunner().invoke(cli, ["check", "--in", str(tmp_path / "in"), "--out", str(tmp_path / "out")])
+    line = next(x for x in r.output.splitlines() if x.startswith("FAIL QK head 0"))
+    got, want = line.split("got ")[1].split(", want ")
+    assert got != want.split(",")[0], line
+    assert "diagnosis half_storage" in r.output
+
+
+@pytest.mark.parametrize("got,want,shown", [(9.92001, 9.92003, ("9.92001", "9.92003")),
+                                            (1.0, 1.0 + 2.0**-23, ("1", "1.0000001")),
+                                            (2.5e-7, 2.5000001e-7, ("2.5000000e-07", "2.5000001e-07")),
+                                            (3.0, 4.0, ("3", "4"))])
+def test_number_pair_widens_until_the_two_differ(got, want, shown):
+    assert number_pair(got, want) == shown
