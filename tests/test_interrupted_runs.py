@@ -303,3 +303,60 @@ def test_a_timing_that_is_not_a_number_is_named(binary, tmp_path):
     toml.write_text(toml.read_text().replace("time_ms_QK = ", 'time_ms_QK = "abc" #'))
     res = check(in_dir, out_dir, "--json", str(tmp_path / "r.json"))
     assert res.returncode == 2 and "'time_ms_QK' must be a number" in res.stderr, res.stderr
+
+
+def _alive(pid: int) -> bool:
+    """A process that exists and is not a zombie (reaped or not, a zombie runs nothing)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def test_a_timeout_stops_the_programs_whole_process_group(tmp_path):
+    """A program started by a wrapper script: --timeout stops what the script started too."""
+    from verify.runner import RunnerError, run_program
+    prog = tmp_path / "wrapper.sh"
+    prog.write_text(f"#!/bin/sh\nsleep 60 &\necho $! > {tmp_path}/pid\nwait\n")
+    prog.chmod(0o755)
+    with pytest.raises(RunnerError, match="did not finish within 1 s"):
+        run_program(prog, [], tmp_path, timeout=1)
+    pid = int((tmp_path / "pid").read_text())
+    deadline = time.monotonic() + 10
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(pid)
+
+
+def test_a_second_run_into_a_folder_being_written_is_refused(binary, tmp_path):
+    in_dir, out_dir = _case(tmp_path), tmp_path / "out"
+    _finished(binary, in_dir, out_dir, "--stages", "QK")
+    first = subprocess.Popen(binary_command(binary, in_dir, out_dir), stderr=subprocess.PIPE, text=True)
+    try:
+        while first.poll() is None:
+            first.send_signal(signal.SIGSTOP)
+            if staged_a_file(out_dir):
+                break
+            first.send_signal(signal.SIGCONT)
+            time.sleep(0.0005)
+        assert first.poll() is None, "the run ended before a file was staged"
+        second = _run(binary, in_dir, out_dir, "--stages", "QK")
+        assert second.returncode == 2, second.stderr
+        assert _error_lines(second.stderr) == [f"main: error: {out_dir}: another run (process {first.pid}) is "
+                                               "writing into this folder"]
+    finally:
+        first.send_signal(signal.SIGCONT)
+        first.communicate(timeout=300)
+    assert first.returncode == 0 and check(in_dir, out_dir).returncode == 0
+
+
+def test_a_folder_a_killed_commit_left_with_inputs_only_is_still_a_run_folder(binary, tmp_path):
+    """Killed while it put the run in place, a run may leave only the echoed Q, K, V beside its
+    marker: that is its output folder, not an input case, and the next run takes it."""
+    in_dir, out_dir = _case(tmp_path, SMALL), tmp_path / "out"
+    _finished(binary, in_dir, out_dir, "--stages", "Q,K,V")
+    (out_dir / "run.toml").unlink()
+    mark_unfinished(out_dir, "killed-run", "failed", "killed")
+    again = _run(binary, in_dir, out_dir)
+    assert again.returncode == 0, again.stderr
+    assert check(in_dir, out_dir).returncode == 0

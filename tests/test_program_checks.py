@@ -82,6 +82,28 @@ def test_a_clean_log_passes(tool):
     assert sanitizer.read_log(tool, CLEAN[tool], 0).passed
 
 
+def test_a_clean_log_of_a_run_that_failed_does_not_pass():
+    c = sanitizer.read_log("memcheck", CLEAN["memcheck"], 1)
+    assert not c.passed and c.summary == "0 errors, but the program exited with status 1 under it"
+
+
+def test_a_run_stopped_under_the_tool_stops_everything(tmp_path, monkeypatch):
+    """Ctrl-C or --timeout during a sanitized run: no verdict from it, and no further run."""
+    from verify.program_runs import sanitized_runs
+    from verify.runner import RunnerError
+    monkeypatch.setattr(sanitizer, "find_sanitizer", lambda: Path("compute-sanitizer"))
+    import verify.program_runs as program_runs
+    monkeypatch.setattr(program_runs, "find_sanitizer", lambda: Path("compute-sanitizer"))
+    calls = []
+
+    def stopped(under, out):
+        calls.append(under)
+        raise RunnerError("stopped by SIGINT", exit_code=130, stopped=True)
+    with pytest.raises(RunnerError, match="stopped by SIGINT"):
+        sanitized_runs(stopped, ["memcheck", "racecheck"], tmp_path / "out", chooses_out=True)
+    assert len(calls) == 1
+
+
 def test_a_log_without_a_summary_fails_saying_so():
     c = sanitizer.read_log("memcheck", "========= COMPUTE-SANITIZER\n========= Error: No attachable process\n", 1)
     assert not c.passed and "printed no summary" in c.summary
@@ -169,13 +191,19 @@ def test_findings_of_an_earlier_run_are_not_folded(runner, binary, tmp_path, sta
     in_dir, out_dir = _case(tmp_path), tmp_path / "out"
     monkeypatch.setenv("ATTNSTEP_STANDIN_FINDS", "memcheck")
     _run(runner, binary, in_dir, out_dir, "--sanitize", "memcheck")
-    # The binary run by hand afterwards: its files are not the ones the findings describe.
-    import subprocess
-    subprocess.run([str(binary), "--in", str(in_dir), "--out", str(out_dir), "--backend", "cpu"], check=True,
-                   capture_output=True)
+    # A file rewritten since (even with the same bytes): the findings are not about it.
+    qk = out_dir / "QK_head_1.txt"
+    qk.write_bytes(qk.read_bytes())
     res = runner.invoke(cli, ["check", "--in", str(in_dir), "--out", str(out_dir)])
     assert res.exit_code == 0 and f"{PROGRAM_CHECKS} describes other files" in res.output, res.output
-    # And a later `attnstep run` without --sanitize removes them.
+    # The binary run by hand afterwards removes them as it puts its run in place.
+    import subprocess
+    _run(runner, binary, in_dir, out_dir, "--sanitize", "memcheck")
+    subprocess.run([str(binary), "--in", str(in_dir), "--out", str(out_dir), "--backend", "cpu"], check=True,
+                   capture_output=True)
+    assert not (out_dir / PROGRAM_CHECKS).exists()
+    # And so does a later `attnstep run` without --sanitize.
+    _run(runner, binary, in_dir, out_dir, "--sanitize", "memcheck")
     assert _run(runner, binary, in_dir, out_dir).exit_code == 0
     assert not (out_dir / PROGRAM_CHECKS).exists()
 

@@ -11,7 +11,7 @@ from typing import List, Mapping, Optional
 from .case import CaseError, input_head_files
 from .outputs import stage_files_in
 from .stage_files import pattern_regex
-from .stages import INPUT_MANIFEST, RUN_MANIFEST
+from .stages import INPUT_MANIFEST, PREVIOUS_DIR, RUN_MANIFEST, UNFINISHED_MARKER
 from .words import plural
 
 SAME, INSIDE, CONTAINS = "same", "inside", "contains"
@@ -128,7 +128,8 @@ def foreign_input_case(out_dir: Path, in_dir: Optional[Path], names: Mapping[str
     if os.path.lexists(Path(out_dir) / INPUT_MANIFEST):
         return f"holds an input case (its {INPUT_MANIFEST})"
     inputs = sorted(input_head_files(out_dir))
-    if not inputs or os.path.lexists(Path(out_dir) / RUN_MANIFEST):
+    run_traces = (RUN_MANIFEST, UNFINISHED_MARKER, PREVIOUS_DIR)  # a run's folder, whatever a killed run left
+    if not inputs or any(os.path.lexists(Path(out_dir) / n) for n in run_traces):
         return None
     if any(n not in inputs for n in stage_files_in(out_dir, names)):
         return None

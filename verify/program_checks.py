@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import zlib
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
@@ -47,14 +46,16 @@ class ProgramCheck:
 # The files the findings are about.
 
 def files_digest(folder: Path, names: List[str]) -> str:
-    """A digest of the named files' bytes (run.toml aside): which run the findings describe."""
+    """Which files the findings describe: each stage file's name, size and modification time (run.toml
+    aside). Read from the file system alone, never from the files (a FIFO or a device among them
+    must not block or flood this), and changed by any rewrite, even of the same bytes."""
     h = hashlib.sha256()
     for name in sorted(n for n in names if n != RUN_MANIFEST):
         try:
-            data = (Path(folder) / name).read_bytes()
+            st = os.stat(Path(folder) / name)
+            h.update(f"{name}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
         except OSError:
-            data = b""
-        h.update(f"{name}\0{zlib.crc32(data):08x}\n".encode())
+            h.update(f"{name}\0-\n".encode())
     return h.hexdigest()[:16]
 
 
@@ -108,10 +109,13 @@ def write_findings(folder: Path, checks: List[ProgramCheck], digest: str) -> Non
 
 
 def clear_findings(folder: Path) -> None:
+    path = Path(folder) / PROGRAM_CHECKS
     try:
-        os.unlink(Path(folder) / PROGRAM_CHECKS)
+        os.unlink(path)
     except (FileNotFoundError, NotADirectoryError):
         pass
+    except OSError as exc:
+        raise CaseError(f"{path}: cannot remove the findings of the run before: {exc.strerror or exc}") from None
 
 
 def read_findings(folder: Optional[Path], digest: str) -> Tuple[List[ProgramCheck], Optional[str]]:

@@ -7,7 +7,7 @@ import tempfile
 from pathlib import Path
 from typing import Callable, List, Mapping, Sequence
 
-from .case import load_input_case
+from .case import CaseError, load_input_case
 from .outputs import Overrides, open_run
 from .program_checks import ProgramCheck, repeat_check, value_digests
 from .runner import RunnerError
@@ -25,19 +25,28 @@ def sanitized_runs(run_once: RunOnce, tools: Sequence[str], out_dir: Path, choos
     that follows replaces those files. A run that fails under the tool is reported, not raised:
     the tool's log says why (an out-of-bounds access often ends the program)."""
     sanitizer = find_sanitizer()
-    Path(out_dir).mkdir(parents=True, exist_ok=True)
     checks = []
     for tool in tools:
-        with tempfile.TemporaryDirectory(prefix=SCRATCH_PREFIX, dir=out_dir) as scratch:
-            log = Path(scratch) / "sanitizer.log"
-            code = 0
-            try:
-                run_once(sanitized_command(sanitizer, tool, log, ()), Path(scratch) / "out" if chooses_out else out_dir)
-            except RunnerError as exc:
-                code = exc.exit_code
-            text = log.read_text(errors="replace") if log.exists() else ""
-            checks.append(read_log(tool, text, code))
+        try:
+            Path(out_dir).mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(prefix=SCRATCH_PREFIX, dir=out_dir) as scratch:
+                checks.append(_sanitized_run(run_once, sanitizer, tool, Path(scratch), out_dir, chooses_out))
+        except OSError as exc:
+            raise CaseError(f"{out_dir}: cannot hold the {tool} run's scratch folder: {exc.strerror or exc}") from None
     return checks
+
+
+def _sanitized_run(run_once: RunOnce, sanitizer: Path, tool: str, scratch: Path, out_dir: Path,
+                   chooses_out: bool) -> ProgramCheck:
+    log = scratch / "sanitizer.log"
+    code = 0
+    try:
+        run_once(sanitized_command(sanitizer, tool, log, ()), scratch / "out" if chooses_out else out_dir)
+    except RunnerError as exc:
+        if exc.stopped:  # by the user or --timeout: the run says nothing, and nothing more runs
+            raise
+        code = exc.exit_code
+    return read_log(tool, log.read_text(errors="replace") if log.exists() else "", code)
 
 
 def repeated_runs(run_once: RunOnce, repeat: int, out_dir: Path, in_dir: Path,

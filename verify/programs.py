@@ -92,14 +92,14 @@ def watched_run(out_dir: Path, in_dir: Optional[Path], names: Mapping[str, str],
     if program is None:
         yield
         return
-    fresh_out(out_dir, in_dir, names)
     run_id = f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{os.getpid()}-{Path(program).name}"
     try:
         Path(out_dir).mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise InputError(f"--out {out_dir}: cannot create the folder: {exc.strerror or exc}") from None
-    mark_unfinished(out_dir, run_id)
+    mark_unfinished(out_dir, run_id)  # before anything moves: a move cut short is marked too
     try:
+        fresh_out(out_dir, in_dir, names)
         yield
     except BaseException as exc:
         mark_unfinished(out_dir, run_id, FAILED, str(exc) or type(exc).__name__)

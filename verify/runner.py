@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, List, Optional, Sequence, Tuple
 
-from .stages import PREVIOUS_DIR
+from .stages import PREVIOUS_DIR, RUN_MANIFEST
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_BUILD_DIR = REPO / "build"
@@ -25,8 +25,8 @@ def example_names() -> List[str]:
     return sorted(p.stem for p in EXAMPLES_DIR.glob("*.cu"))
 BUILD_TIMEOUT_S = 1800
 DEFAULT_RUN_TIMEOUT_S = 600
-# After --timeout the binary gets SIGTERM, on which it removes this run's files; it is killed
-# only if it has not finished within this grace period.
+# After --timeout the program's process group gets SIGTERM (on which attnstep's binary stops and
+# marks its run unfinished), and SIGKILL if it has not ended within this grace period.
 TERMINATE_GRACE_S = 30
 # The binary's exit statuses (docs/contract.md).
 EXIT_BAD_INPUT = 2
@@ -36,10 +36,11 @@ EXIT_NO_MEMORY = 3
 class RunnerError(Exception):
     """A build or run failure, already worded for the user (one line plus the tool's own output)."""
 
-    def __init__(self, message: str, detail: str = "", exit_code: int = 2):
+    def __init__(self, message: str, detail: str = "", exit_code: int = 2, stopped: bool = False):
         super().__init__(message)
         self.detail = detail
         self.exit_code = exit_code
+        self.stopped = stopped  # by a signal to attnstep or by --timeout: nothing more may run
 
 
 def _tail(text: str, lines: int = 25) -> str:
@@ -140,8 +141,7 @@ def _forwarding_signals(child: subprocess.Popen):
 
     def forward(sig, _frame) -> None:
         received.append(sig)
-        with contextlib.suppress(ProcessLookupError):
-            child.send_signal(sig)
+        _signal_group(child, sig)
     before = {sig: signal.signal(sig, forward) for sig in FORWARDED_SIGNALS}
     try:
         yield received
@@ -168,11 +168,18 @@ def _finish_or_stop(child: subprocess.Popen, timeout: Optional[float], who: str,
     finally:
         for reader in readers:
             reader.join()
-    if received:
+    if received and child.returncode != 0:  # 0: it finished all the same (the signal came too late)
         sig = signal.Signals(received[0])
         raise RunnerError(f"stopped by {sig.name}: {who} was stopped too (exit status {_status(child)})",
-                          "".join(err), exit_code=128 + sig.value)
+                          "".join(err), exit_code=128 + sig.value, stopped=True)
     return "".join(out), "".join(err)
+
+
+def _signal_group(child: subprocess.Popen, sig: int) -> None:
+    """`sig` to the child's process group (it leads one of its own): a program started by a
+    wrapper script, or under compute-sanitizer, is stopped with it."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(child.pid, sig)
 
 
 def _status(child: subprocess.Popen) -> str:
@@ -184,14 +191,14 @@ def _wait_or_stop(child: subprocess.Popen, timeout: Optional[float], who: str, a
     try:
         child.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
-        child.terminate()
+        _signal_group(child, signal.SIGTERM)
         try:
             child.wait(timeout=TERMINATE_GRACE_S)
         except subprocess.TimeoutExpired:
-            child.kill()
+            _signal_group(child, signal.SIGKILL)
             child.wait()
         raise RunnerError(f"{who} did not finish within {timeout:.0f} s (--timeout) and was stopped{after}",
-                          exit_code=1) from None
+                          exit_code=1, stopped=True) from None
 
 
 @dataclass
@@ -263,7 +270,8 @@ def set_aside_previous(out_dir: Path, names: Sequence[str]) -> None:
         if previous.is_dir() and not previous.is_symlink():
             shutil.rmtree(previous)
         previous.mkdir()
-        for name in names:
+        # run.toml first: no moment shows it beside some of its files gone
+        for name in sorted(names, key=lambda n: n != RUN_MANIFEST):
             os.replace(out_dir / name, previous / name)
     except OSError as exc:
         raise RunnerError(f"{out_dir}: cannot move the previous run's files aside: {exc.strerror or exc}")

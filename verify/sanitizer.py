@@ -121,6 +121,9 @@ def read_log(tool: str, log_text: str, exit_code: int) -> ProgramCheck:
     first = _first_error(lines) if count else None
     what = (plural(count, "hazard") + f" ({plural(errors, 'error')}, {plural(warnings, 'warning')})"
             if warnings is not None else plural(errors, "error"))
+    if first is None and exit_code != 0:  # the tool looked at a run that failed: it vouches for nothing
+        return ProgramCheck(tool, False, f"{what}, but the program exited with status {exit_code} under it",
+                            count=count)
     if first is None:
         return ProgramCheck(tool, count == 0, what, count=count)
     kernel, source = _where(lines, first)

@@ -106,7 +106,10 @@ def mark_unfinished(folder: Path, run_id: str, state: str = RUNNING, reason: str
 
 
 def clear_unfinished(folder: Path) -> None:
+    path = Path(folder) / UNFINISHED_MARKER
     try:
-        os.unlink(Path(folder) / UNFINISHED_MARKER)
-    except FileNotFoundError:
+        os.unlink(path)
+    except (FileNotFoundError, NotADirectoryError):
         pass
+    except OSError as exc:
+        raise CaseError(f"{path}: cannot remove the marker of the finished run: {exc.strerror or exc}") from None

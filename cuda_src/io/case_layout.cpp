@@ -294,6 +294,7 @@ bool same_folder(const std::string& a, const std::string& b) {
 // echoes the inputs beside the stages it computed). Empty when `dir` looks like no input case.
 std::string input_case_sign(const std::string& dir) {
     if (fs::exists(join(dir, kManifestName))) return kManifestName;
+    if (holds_run_traces(dir)) return "";  // a run's folder, whatever a killed run left in it
     std::string input;
     bool other_stage = false;
     std::error_code ec;

@@ -32,8 +32,9 @@ const char* kRunManifestName = "run.toml";
 
 std::string join(const std::string& dir, const std::string& name) { return dir + "/" + name; }
 
-bool all_digits(const std::string& s) {
-    if (s.empty()) return false;
+// A head number as the binary writes it: digits, no leading zero.
+bool head_number(const std::string& s) {
+    if (s.empty() || (s.size() > 1 && s[0] == '0')) return false;
     for (char c : s)
         if (c < '0' || c > '9') return false;
     return true;
@@ -66,6 +67,28 @@ long long process_start_ticks(long pid) {
     return 0;
 }
 
+// The parent process of `pid` (/proc/<pid>/stat, field 4); 0 where unknown.
+long parent_of(long pid) {
+    std::ifstream f("/proc/" + std::to_string(pid) + "/stat");
+    std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+    size_t close = text.rfind(')');
+    if (close == std::string::npos) return 0;
+    std::istringstream rest(text.substr(close + 1));
+    std::string state;
+    long ppid = 0;
+    rest >> state >> ppid;
+    return ppid;
+}
+
+// Whether `pid` started this process (its parent, or further up): `attnstep run` marks the folder
+// for the program it runs, which may be this binary, directly or under a tool.
+bool is_ancestor(long pid) {
+    long p = static_cast<long>(::getppid());
+    for (int depth = 0; p > 1 && depth < 16; ++depth, p = parent_of(p))
+        if (p == pid) return true;
+    return false;
+}
+
 std::string utc_now() {
     std::time_t now = std::time(nullptr);
     char t[32];
@@ -81,6 +104,7 @@ void rename_or_fail(const std::string& from, const std::string& to) {
 
 // The signals held back while a finished run is put in place (those catch_signals handles).
 sigset_t held_signals();
+extern volatile std::sig_atomic_t g_committing;
 
 }  // namespace
 
@@ -92,14 +116,41 @@ bool is_run_file_name(const std::string& name) {
     const std::string ext = name.substr(dot + 1);
     bool known = false;
     for (int i = 0; i < kNumStages && !known; ++i) known = stage == stage_name(static_cast<Stage>(i));
-    return known && all_digits(index) && (ext == format_name(Format::txt) || ext == format_name(Format::npy));
+    return known && head_number(index) && (ext == format_name(Format::txt) || ext == format_name(Format::npy));
 }
 
 RunFolder::RunFolder(const std::string& out_dir, const std::string& run_id)
     : out_(out_dir), run_id_(run_id), staging_(join(out_dir, kStagingPrefix + run_id)),
       marker_(join(out_dir, kUnfinishedMarker)) {}
 
+bool holds_run_traces(const std::string& out_dir) {
+    struct stat st;
+    return ::lstat(join(out_dir, kUnfinishedMarker).c_str(), &st) == 0 ||
+           ::lstat(join(out_dir, kPreviousFolder).c_str(), &st) == 0;
+}
+
+// Two runs into one folder would put each other's files in place: the second is refused while
+// the first one's process runs (the same process: its start time in the marker tells a reused id).
+void RunFolder::refuse_live_writer() const {
+    struct stat st;
+    if (::stat(marker_.c_str(), &st) != 0 || !S_ISREG(st.st_mode)) return;
+    Manifest m;
+    try {
+        m = read_manifest(marker_);
+    } catch (const Error&) {
+        return;  // unreadable: the writer is not known to run, and this run replaces the marker
+    }
+    const ManifestValue *pid = m.find("pid"), *start = m.find("pid_start"), *state = m.find("state");
+    if (!pid || pid->kind != ManifestValue::Int || !state || state->s != "running" || process_gone(pid->i) ||
+        is_ancestor(pid->i))
+        return;
+    if (start && start->kind == ManifestValue::Int && start->i && process_start_ticks(pid->i) != start->i) return;
+    fail(kExitBadInput, out_ + ": another run (process " + std::to_string(pid->i) + ") is writing into this folder",
+         "wait for it to finish, or pass another --out");
+}
+
 void RunFolder::begin() {
+    refuse_live_writer();
     int removed = 0;
     for (const std::string& name : entries(out_)) {
         if (name.rfind(kStagingPrefix, 0) != 0) continue;
@@ -155,19 +206,23 @@ void RunFolder::move_previous_aside() const {
 void RunFolder::commit(const std::vector<std::string>& names) {
     sigset_t held = held_signals(), before;
     ::sigprocmask(SIG_BLOCK, &held, &before);
+    g_committing = 1;
     try {
         move_previous_aside();
         for (const std::string& name : names)
             if (name != kRunManifestName) rename_or_fail(join(staging_, name), join(out_, name));
         rename_or_fail(join(staging_, kRunManifestName), join(out_, kRunManifestName));
         committed_ = true;
+        std::remove(join(out_, kProgramChecks).c_str());  // they were about the run just replaced
         std::remove(marker_.c_str());
         std::error_code ec;
         fs::remove_all(staging_, ec);
     } catch (...) {
+        g_committing = 0;
         ::sigprocmask(SIG_SETMASK, &before, nullptr);
         throw;
     }
+    g_committing = 0;
     ::sigprocmask(SIG_SETMASK, &before, nullptr);
 }
 
@@ -192,9 +247,13 @@ const int kCaught[] = {SIGHUP, SIGINT, SIGQUIT, SIGTERM, SIGUSR1, SIGUSR2, SIGAL
 const int kIgnored[] = {SIGPIPE, SIGXFSZ};
 
 volatile std::sig_atomic_t g_signal = 0;
+// Set while a finished run is put in place. Blocking the signals there covers this thread only,
+// and the CUDA runtime's own threads may take one: the handler then keeps itself installed, so
+// that a second signal too waits for the renames to end.
+volatile std::sig_atomic_t g_committing = 0;
 extern "C" void on_signal(int sig) {
     g_signal = sig;
-    std::signal(sig, SIG_DFL);
+    if (!g_committing) std::signal(sig, SIG_DFL);
 }
 
 sigset_t held_signals() {

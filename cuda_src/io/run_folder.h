@@ -18,12 +18,19 @@
 
 namespace attnstep {
 
-// The names this protocol uses inside OUT; verify/stages.py holds the same three.
+// The names this protocol uses inside OUT; verify/stages.py holds the same ones. A run's commit
+// removes the findings `attnstep run --sanitize/--repeat` wrote about the run before it.
 inline constexpr const char* kUnfinishedMarker = ".attnstep-unfinished";
 inline constexpr const char* kStagingPrefix = ".attnstep-staging-";
 inline constexpr const char* kPreviousFolder = ".attnstep-previous";
+inline constexpr const char* kProgramChecks = "program_checks.toml";
 
-// Whether `name` is a file a run of this binary writes: run.toml or <stage>_head_<digits>.<txt|npy>.
+// Whether OUT shows this protocol's traces (a marker, a previous run moved aside): then it is an
+// output folder, whatever files a killed run left in it.
+bool holds_run_traces(const std::string& out_dir);
+
+// Whether `name` is a file a run of this binary writes: run.toml or <stage>_head_<i>.<txt|npy>, i a
+// head number as the binary writes it (digits, no leading zero).
 bool is_run_file_name(const std::string& name);
 
 class RunFolder {
@@ -41,6 +48,7 @@ public:
 
 private:
     void write_marker(const std::string& state, const std::string& reason) const;
+    void refuse_live_writer() const;
     void move_previous_aside() const;
     std::string out_, run_id_, staging_, marker_;
     bool begun_ = false, committed_ = false;
