@@ -7,6 +7,7 @@ no run.toml).
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
@@ -75,11 +76,16 @@ def examples() -> Dict[str, Path]:
     if _nvcc() is None:
         pytest.skip("no CUDA compiler (nvcc on PATH or CUDACXX): the examples need the CUDA toolkit")
     arch = "native" if GPU_PRESENT else "90"
-    for cmd in (["cmake", "-S", REPO, "-B", BUILD_DIR, "-DCMAKE_BUILD_TYPE=Release", "-DATTNSTEP_CUDA=ON",
-                 f"-DCMAKE_CUDA_ARCHITECTURES={arch}"],
-                ["cmake", "--build", BUILD_DIR, "--target", "examples", "--parallel", str(os.cpu_count() or 1)]):
-        proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
-        assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    BUILD_DIR.mkdir(exist_ok=True)
+    # One build at a time: test processes side by side (pytest -n) each ask for the examples, and
+    # two CMake configures of one folder break each other.
+    with open(BUILD_DIR / "tests.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        for cmd in (["cmake", "-S", REPO, "-B", BUILD_DIR, "-DCMAKE_BUILD_TYPE=Release", "-DATTNSTEP_CUDA=ON",
+                     f"-DCMAKE_CUDA_ARCHITECTURES={arch}"],
+                    ["cmake", "--build", BUILD_DIR, "--target", "examples", "--parallel", str(os.cpu_count() or 1)]):
+            proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+            assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return {p.stem: BUILD_DIR / p.stem for p in EXAMPLES_DIR.glob("*.cu")}
 
 
