@@ -52,6 +52,7 @@ EXPECTED = (
     Expected("bug_lse_log2", "flash_lse", "lse_log2"),
     Expected("bug_head_order", "KT", "head_permuted", heads=12),  # string order differs from 11 heads on
     Expected("bug_kv_padding", None),  # right values from uninitialised reads: only a sanitizer sees it
+    Expected("bug_tf32_math", "QK", "tf32"),
 )
 RACE = "bug_flash_race"
 RACE_RUNS = 5
@@ -175,6 +176,15 @@ def test_flash_race_is_caught_when_it_shows(examples, tmp_path):
         elif diff < RACE_ABSENT_BELOW:
             assert status == 0, report["first_failure"]
     assert shown, f"the race never showed in {RACE_RUNS} causal runs (flash output equal to the correct one)"
+
+
+@pytest.mark.gpu
+def test_a_tf32_program_passes_as_what_it_is(examples, tmp_path):
+    """Named tf32 under float32 bounds, the same files pass under --precision tf32."""
+    flow = Workflow(tmp_path, HEADS, causal=False)
+    flow.run(examples["bug_tf32_math"])
+    proc = _verify("check", "--in", flow.case, "--out", flow.result, "--precision", "tf32")
+    assert proc.returncode == 0, proc.stdout[-3000:]
 
 
 @pytest.mark.gpu
