@@ -8,6 +8,9 @@ signature of that arithmetic in the values themselves (values of the half format
 shrink toward zero, a closer match with TF32-rounded operands or fp16 partial sums), and the
 verifier's own error model re-run at that precision (`check --precision`, `--half-rounding`): the
 stage must pass there. A bug fails both ways, so a wrong result is never excused as imprecision.
+`half_accumulation` is the exception: no precision option bounds fp16 sums, so its evidence is the
+replay alone (fp16 partial sums leave at most a quarter of the float32 error), and it names only a
+stage that failed already: the verdict stays FAIL, the name says why.
 """
 from __future__ import annotations
 
