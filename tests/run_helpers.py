@@ -2,6 +2,7 @@
 and a run stopped at the moment its staging folder holds a file."""
 from __future__ import annotations
 
+import contextlib
 import signal
 import subprocess
 import sys
@@ -71,6 +72,25 @@ def signal_when(cmd: Sequence[str], seen: Callable[[], bool], sig: int, pid_of: 
     return False, proc.returncode, err
 
 
+@contextlib.contextmanager
+def paused_while_staging(cmd: Sequence[str], out_dir: Path):
+    """Runs `cmd` and yields it stopped (SIGSTOP) once its staging folder holds a file, so that
+    something can be tried against a run that is writing; it goes on (and is waited for) after."""
+    proc = subprocess.Popen(list(cmd), stderr=subprocess.PIPE, text=True)
+    try:
+        while proc.poll() is None:
+            proc.send_signal(signal.SIGSTOP)
+            if staged_a_file(out_dir):
+                break
+            proc.send_signal(signal.SIGCONT)
+            time.sleep(0.0005)
+        assert proc.poll() is None, "the run ended before a file was staged"
+        yield proc
+    finally:
+        _send(proc.pid, signal.SIGCONT)
+        proc.communicate(timeout=300)
+
+
 def _send(pid: int, sig: int) -> None:
     import os
     try:
@@ -86,4 +106,5 @@ def check(in_dir: Path, out_dir: Path, *extra: str) -> subprocess.CompletedProce
 
 
 __all__ = ["snapshot", "staging_folders", "leftovers", "staged_a_file", "binary_command", "signal_when", "check",
+           "paused_while_staging",
            "PREVIOUS_DIR", "UNFINISHED_MARKER"]

@@ -24,8 +24,8 @@ from verify.stages import Dims
 from verify.unfinished import Unfinished, mark_unfinished, process_start_ticks, read_marker, refuse_unfinished
 from verify.case import CaseError
 
-from run_helpers import (PREVIOUS_DIR, REPO, UNFINISHED_MARKER, binary_command, check, leftovers, signal_when,
-                         snapshot, staged_a_file, staging_folders)
+from run_helpers import (PREVIOUS_DIR, REPO, UNFINISHED_MARKER, binary_command, check, leftovers,
+                         paused_while_staging, signal_when, snapshot, staged_a_file, staging_folders)
 
 BIG = Dims(1, 8, 384, 384, 32, 32)     # long enough to be caught while writing, on any machine
 SMALL = Dims(1, 3, 24, 40, 16, 16)
@@ -182,21 +182,10 @@ def test_a_full_filesystem_keeps_the_previous_run(binary, tmp_path):
 def test_check_refuses_a_folder_while_the_run_writes(binary, tmp_path):
     in_dir, out_dir = _case(tmp_path), tmp_path / "out"
     _finished(binary, in_dir, out_dir, "--stages", "QK")
-    proc = subprocess.Popen(binary_command(binary, in_dir, out_dir), stderr=subprocess.PIPE, text=True)
-    try:
-        while proc.poll() is None:
-            proc.send_signal(signal.SIGSTOP)
-            if staged_a_file(out_dir):
-                break
-            proc.send_signal(signal.SIGCONT)
-            time.sleep(0.0005)
-        assert proc.poll() is None, "the run ended before a file was staged"
+    with paused_while_staging(binary_command(binary, in_dir, out_dir), out_dir) as run:
         res = check(in_dir, out_dir)
-        assert res.returncode == 2 and f"still writing into this folder (process {proc.pid}" in res.stderr, res.stderr
-    finally:
-        proc.send_signal(signal.SIGCONT)
-        proc.communicate(timeout=300)
-    assert proc.returncode == 0
+        assert res.returncode == 2 and f"still writing into this folder (process {run.pid}" in res.stderr, res.stderr
+    assert run.returncode == 0
     assert check(in_dir, out_dir).returncode == 0
 
 
@@ -331,22 +320,11 @@ def test_a_timeout_stops_the_programs_whole_process_group(tmp_path):
 def test_a_second_run_into_a_folder_being_written_is_refused(binary, tmp_path):
     in_dir, out_dir = _case(tmp_path), tmp_path / "out"
     _finished(binary, in_dir, out_dir, "--stages", "QK")
-    first = subprocess.Popen(binary_command(binary, in_dir, out_dir), stderr=subprocess.PIPE, text=True)
-    try:
-        while first.poll() is None:
-            first.send_signal(signal.SIGSTOP)
-            if staged_a_file(out_dir):
-                break
-            first.send_signal(signal.SIGCONT)
-            time.sleep(0.0005)
-        assert first.poll() is None, "the run ended before a file was staged"
+    with paused_while_staging(binary_command(binary, in_dir, out_dir), out_dir) as first:
         second = _run(binary, in_dir, out_dir, "--stages", "QK")
         assert second.returncode == 2, second.stderr
         assert _error_lines(second.stderr) == [f"main: error: {out_dir}: another run (process {first.pid}) is "
                                                "writing into this folder"]
-    finally:
-        first.send_signal(signal.SIGCONT)
-        first.communicate(timeout=300)
     assert first.returncode == 0 and check(in_dir, out_dir).returncode == 0
 
 

@@ -68,6 +68,17 @@ def probe_writable(folder: Path, what: Path) -> None:
     os.unlink(probe)
 
 
+def remove_own_file(path: Path, what: str) -> None:
+    """Removes a file attnstep wrote (a marker, findings) if it is there; CaseError naming `what`
+    when it is there and cannot be removed."""
+    try:
+        os.unlink(path)
+    except (FileNotFoundError, NotADirectoryError):
+        pass
+    except OSError as exc:
+        raise CaseError(f"{path}: cannot remove {what}: {exc.strerror or exc}") from None
+
+
 def atomic_write_bytes(path: Path, data: bytes, through_links: bool = True) -> None:
     """Writes `data` to a new temporary file and renames it over `path`. through_links: a link at
     `path` is kept and the file it points to replaced (a report the user links elsewhere);

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 from .manifests import check_types, read_toml, write_toml
-from .matrix_io import CaseError
+from .matrix_io import CaseError, remove_own_file
 from .stages import PROGRAM_CHECKS, RUN_MANIFEST
 from .words import plural, printable
 
@@ -109,13 +109,7 @@ def write_findings(folder: Path, checks: List[ProgramCheck], digest: str) -> Non
 
 
 def clear_findings(folder: Path) -> None:
-    path = Path(folder) / PROGRAM_CHECKS
-    try:
-        os.unlink(path)
-    except (FileNotFoundError, NotADirectoryError):
-        pass
-    except OSError as exc:
-        raise CaseError(f"{path}: cannot remove the findings of the run before: {exc.strerror or exc}") from None
+    remove_own_file(Path(folder) / PROGRAM_CHECKS, "the findings of the run before")
 
 
 def read_findings(folder: Optional[Path], digest: str) -> Tuple[List[ProgramCheck], Optional[str]]:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Optional
 
 from .manifests import check_types, read_toml, write_toml
-from .matrix_io import CaseError
+from .matrix_io import CaseError, remove_own_file
 from .stages import UNFINISHED_MARKER
 from .words import printable
 
@@ -106,10 +106,4 @@ def mark_unfinished(folder: Path, run_id: str, state: str = RUNNING, reason: str
 
 
 def clear_unfinished(folder: Path) -> None:
-    path = Path(folder) / UNFINISHED_MARKER
-    try:
-        os.unlink(path)
-    except (FileNotFoundError, NotADirectoryError):
-        pass
-    except OSError as exc:
-        raise CaseError(f"{path}: cannot remove the marker of the finished run: {exc.strerror or exc}") from None
+    remove_own_file(Path(folder) / UNFINISHED_MARKER, "the marker of the finished run")
