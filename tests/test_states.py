@@ -97,6 +97,17 @@ def test_float32_results_are_not_taken_for_half_values():
     assert {r.half_values for r in report.results} == {None}
 
 
+def test_weights_of_zeros_and_ones_are_not_taken_for_half_values():
+    """A softmax that underflows to 0 and saturates at 1 (large logits, the max not subtracted)
+    holds values every format has: that is no sign of a half-precision program."""
+    q, k, v = (x * f32(40) for x in _inputs())
+    s = (q @ np.swapaxes(k, -1, -2)) * f32(SCALE)
+    weights = (s == s.max(axis=-1, keepdims=True)).astype(f32)  # one-hot rows: 0 and 1 only
+    report = attnstep.check_arrays(q, k, v, {"attention_weights": weights}, scale=SCALE)
+    assert not report.passed and "holds bfloat16" not in _text(report) and "holds float16" not in _text(report)
+    assert {r.half_values for r in report.results} == {None}
+
+
 def _case(tmp_path) -> Path:
     r = invoke("generate", "--out", tmp_path / "in", *SMALL)
     assert r.exit_code == 0, r.output

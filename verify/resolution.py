@@ -126,7 +126,7 @@ def half_values(values: np.ndarray, exact: np.ndarray, precision: str) -> Option
     sample = values.ravel()[:_SAMPLE_VALUES]  # (a view: a float32 stage costs no copy of itself)
     for fmt in _NARROWEST_FIRST:
         if _all_in_format(sample, fmt) and _all_in_format(values, fmt) \
-                and _not_in_format(exact, fmt) >= HALF_EVIDENCE:
+                and _evidence(values, exact, fmt) >= HALF_EVIDENCE:
             return fmt
     return None
 
@@ -143,7 +143,12 @@ def _all_in_format(x: np.ndarray, fmt: str) -> bool:
     return bool(finite.any()) and bool(np.all(_in_format(x, fmt) | ~finite))
 
 
-def _not_in_format(exact: np.ndarray, fmt: str) -> int:
-    """The exact results (as a float32 program would round them) that are not values of the format."""
-    e32 = exact[np.isfinite(exact)].astype(np.float32).astype(np.float64)
+def _evidence(values: np.ndarray, exact: np.ndarray, fmt: str) -> int:
+    """The elements that show the format: a value with mantissa bits of its own (not 0, not a
+    power of two, which every format holds: a softmax that underflows to 0 or saturates at 1 says
+    nothing) whose exact result, as a float32 program would round it, is not a value of the format."""
+    finite = np.isfinite(values) & np.isfinite(exact)
+    mantissa = np.abs(np.frexp(np.where(finite, values, 0.0))[0])
+    telling = finite & (mantissa != 0.5) & (mantissa != 0.0)
+    e32 = exact[telling].astype(np.float32).astype(np.float64)
     return int(np.count_nonzero(~_in_format(e32, fmt)))
