@@ -2,11 +2,12 @@
 // head group by head group on a backend, and writes one file per stage and head plus run.toml
 // (docs/contract.md). Order of work, so that bad input never leaves a half-written case:
 //   1. parse the command line, find and check the input case (every file, the manifest, shapes),
-//      choose the stages, the backend and the head-group size: all before writing anything;
-//   2. mark the output folder as holding an unfinished run, then per group: read Q/K/V (and dO),
-//      compute, and write the stage files into a staging folder inside it (io/run_folder.h);
-//   3. write run.toml last, then put the staged files in place of the previous run's at once. On any
-//      failure the previous run's files stay untouched and the marker says why this run did not finish.
+//      choose the stages and the backend, check the output folder: all before writing anything;
+//   2. mark the output folder as holding an unfinished run; plan the head groups (so that not
+//      enough memory is a run that did not finish); per group: read Q/K/V (and dO), compute, and
+//      write the stage files into a staging folder inside it (io/run_folder.h);
+//   3. write run.toml last, then put the staged files in place of the previous run's at once. On
+//      any failure the previous run's files stay untouched and the marker says why.
 #include <algorithm>
 #include <chrono>
 #include <csignal>
@@ -34,7 +35,6 @@ namespace attnstep {
 
 namespace {
 
-const char* kRunManifest = "run.toml";
 const size_t kMiB = size_t(1) << 20;
 
 void notice(const std::string& line) { std::fprintf(stderr, "main: notice: %s\n", line.c_str()); }
@@ -305,7 +305,7 @@ void read_group_inputs(const InputCase& in, bool allow_nonfinite, Precision prec
 // The files a run wrote (stage files, then run.toml), in order: what commit() puts in place.
 std::vector<std::string> staged_names(const RunState& rs) {
     std::vector<std::string> names;
-    for (const OutputLog::Entry& e : rs.log.entries()) names.push_back(e.path);
+    for (const OutputLog::Entry& e : rs.log.entries()) names.push_back(e.name);
     names.push_back(kRunManifest);
     return names;
 }

@@ -37,11 +37,11 @@ private:
 class OutputLog {
 public:
     struct Entry {
-        std::string path, key;  // path: the file's name; key: e.g. "QK_head_3", for run.toml's crc32_<key>
+        std::string name, key;  // name: the file's name in the run's folder; key: e.g. "QK_head_3", for run.toml's crc32_<key>
         uint32_t crc;
     };
-    void add(const std::string& path, const std::string& key, uint32_t crc) {
-        entries_.push_back({path, key, crc});
+    void add(const std::string& name, const std::string& key, uint32_t crc) {
+        entries_.push_back({name, key, crc});
     }
     const std::vector<Entry>& entries() const { return entries_; }
 

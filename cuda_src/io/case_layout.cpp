@@ -300,7 +300,7 @@ std::string input_case_sign(const std::string& dir) {
     std::error_code ec;
     for (const fs::directory_entry& e : fs::directory_iterator(dir, ec)) {
         const std::string name = e.path().filename().string();
-        if (name == "run.toml") return "";
+        if (name == kRunManifest) return "";
         if (!is_run_file_name(name)) continue;
         const std::string stage = name.substr(0, name.find("_head_"));
         bool is_input = false;

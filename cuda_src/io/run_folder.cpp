@@ -28,8 +28,6 @@ namespace attnstep {
 
 namespace {
 
-const char* kRunManifestName = "run.toml";
-
 std::string join(const std::string& dir, const std::string& name) { return dir + "/" + name; }
 
 // A head number as the binary writes it: digits, no leading zero.
@@ -53,32 +51,27 @@ std::vector<std::string> entries(const std::string& dir) {
     return out;
 }
 
-// The process's start time in clock ticks after boot (/proc/<pid>/stat, field 22), 0 where unknown:
-// with the process id it names one process, even after the id is reused.
-long long process_start_ticks(long pid) {
-    std::ifstream f("/proc/" + std::to_string(pid) + "/stat");
-    std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
-    size_t close = text.rfind(')');  // the command name may hold spaces and parentheses
-    if (close == std::string::npos) return 0;
-    std::istringstream rest(text.substr(close + 1));
-    std::string field;
-    for (int i = 3; i <= 22 && rest >> field; ++i)
-        if (i == 22) return std::atoll(field.c_str());
-    return 0;
-}
-
-// The parent process of `pid` (/proc/<pid>/stat, field 4); 0 where unknown.
-long parent_of(long pid) {
+// Field `n` (1-based, as proc(5) numbers them) of /proc/<pid>/stat; 0 where unknown. Fields from
+// the third on follow the command name, which may hold spaces and parentheses: counted after the
+// last ')'.
+long long proc_stat_field(long pid, int n) {
     std::ifstream f("/proc/" + std::to_string(pid) + "/stat");
     std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
     size_t close = text.rfind(')');
     if (close == std::string::npos) return 0;
     std::istringstream rest(text.substr(close + 1));
-    std::string state;
-    long ppid = 0;
-    rest >> state >> ppid;
-    return ppid;
+    std::string field;
+    for (int i = 3; i <= n && rest >> field; ++i)
+        if (i == n) return std::atoll(field.c_str());
+    return 0;
 }
+
+// The process's start time in clock ticks after boot (field 22): with the process id it names one
+// process, even after the id is reused.
+long long process_start_ticks(long pid) { return proc_stat_field(pid, 22); }
+
+// The parent process of `pid` (field 4).
+long parent_of(long pid) { return static_cast<long>(proc_stat_field(pid, 4)); }
 
 // Whether `pid` started this process (its parent, or further up): `attnstep run` marks the folder
 // for the program it runs, which may be this binary, directly or under a tool.
@@ -109,7 +102,7 @@ extern volatile std::sig_atomic_t g_committing;
 }  // namespace
 
 bool is_run_file_name(const std::string& name) {
-    if (name == kRunManifestName) return true;
+    if (name == kRunManifest) return true;
     const size_t head = name.find("_head_"), dot = name.rfind('.');
     if (head == std::string::npos || dot == std::string::npos || dot < head) return false;
     const std::string stage = name.substr(0, head), index = name.substr(head + 6, dot - head - 6);
@@ -199,7 +192,7 @@ void RunFolder::move_previous_aside() const {
     if (::mkdir(previous.c_str(), 0777) != 0)
         fail(kExitInternal, previous + ": cannot create: " + std::strerror(errno),
              "check the output folder's permissions");
-    std::stable_partition(names.begin(), names.end(), [](const std::string& n) { return n == kRunManifestName; });
+    std::stable_partition(names.begin(), names.end(), [](const std::string& n) { return n == kRunManifest; });
     for (const std::string& name : names) rename_or_fail(join(out_, name), join(previous, name));
 }
 
@@ -210,8 +203,8 @@ void RunFolder::commit(const std::vector<std::string>& names) {
     try {
         move_previous_aside();
         for (const std::string& name : names)
-            if (name != kRunManifestName) rename_or_fail(join(staging_, name), join(out_, name));
-        rename_or_fail(join(staging_, kRunManifestName), join(out_, kRunManifestName));
+            if (name != kRunManifest) rename_or_fail(join(staging_, name), join(out_, name));
+        rename_or_fail(join(staging_, kRunManifest), join(out_, kRunManifest));
         committed_ = true;
         std::remove(join(out_, kProgramChecks).c_str());  // they were about the run just replaced
         std::remove(marker_.c_str());
@@ -241,7 +234,12 @@ void RunFolder::abandon(const std::string& reason) noexcept {
 namespace {
 // What ends a run by default and can be caught: each is recorded and the run stops between two
 // files, like any failure (the handler restores the default, so a second one ends it at once).
-const int kCaught[] = {SIGHUP, SIGINT, SIGQUIT, SIGTERM, SIGUSR1, SIGUSR2, SIGALRM, SIGXCPU, SIGVTALRM, SIGPROF};
+const struct {
+    int sig;
+    const char* name;
+} kCaught[] = {{SIGHUP, "SIGHUP"},   {SIGINT, "SIGINT"},   {SIGQUIT, "SIGQUIT"},     {SIGTERM, "SIGTERM"},
+               {SIGUSR1, "SIGUSR1"}, {SIGUSR2, "SIGUSR2"}, {SIGALRM, "SIGALRM"},     {SIGXCPU, "SIGXCPU"},
+               {SIGVTALRM, "SIGVTALRM"}, {SIGPROF, "SIGPROF"}};
 // Ignored, so that the write fails with an error the run reports (EPIPE, EFBIG) instead of the
 // process ending without a word.
 const int kIgnored[] = {SIGPIPE, SIGXFSZ};
@@ -259,25 +257,21 @@ extern "C" void on_signal(int sig) {
 sigset_t held_signals() {
     sigset_t set;
     sigemptyset(&set);
-    for (int sig : kCaught) sigaddset(&set, sig);
+    for (const auto& c : kCaught) sigaddset(&set, c.sig);
     return set;
 }
 }  // namespace
 
 void catch_signals() {
-    for (int sig : kCaught) std::signal(sig, on_signal);
+    for (const auto& c : kCaught) std::signal(c.sig, on_signal);
     for (int sig : kIgnored) std::signal(sig, SIG_IGN);
 }
 
 int pending_signal() { return g_signal; }
 
 std::string signal_words(int sig) {
-    static const struct { int sig; const char* name; } kNames[] = {
-        {SIGHUP, "SIGHUP"},   {SIGINT, "SIGINT"},   {SIGQUIT, "SIGQUIT"},     {SIGTERM, "SIGTERM"},
-        {SIGUSR1, "SIGUSR1"}, {SIGUSR2, "SIGUSR2"}, {SIGALRM, "SIGALRM"},     {SIGXCPU, "SIGXCPU"},
-        {SIGVTALRM, "SIGVTALRM"}, {SIGPROF, "SIGPROF"}};
-    for (const auto& n : kNames)
-        if (n.sig == sig) return "signal " + std::to_string(sig) + " (" + n.name + ")";
+    for (const auto& c : kCaught)
+        if (c.sig == sig) return "signal " + std::to_string(sig) + " (" + c.name + ")";
     return "signal " + std::to_string(sig);
 }
 

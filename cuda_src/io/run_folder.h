@@ -20,6 +20,7 @@ namespace attnstep {
 
 // The names this protocol uses inside OUT; verify/stages.py holds the same ones. A run's commit
 // removes the findings `attnstep run --sanitize/--repeat` wrote about the run before it.
+inline constexpr const char* kRunManifest = "run.toml";  // written last, so a run is complete when it is there
 inline constexpr const char* kUnfinishedMarker = ".attnstep-unfinished";
 inline constexpr const char* kStagingPrefix = ".attnstep-staging-";
 inline constexpr const char* kPreviousFolder = ".attnstep-previous";
