@@ -18,7 +18,8 @@ import pytest
 import attnstep
 from verify.case import CaseError, load_input_case, matrix_bytes, read_matrix
 from verify.cli import cli
-from verify.generate import DISTRIBUTIONS, MAX_CASE_FILES, STAGING_PREFIX, case_size, generate_case
+from verify.generate import DISTRIBUTIONS, MAX_CASE_FILES, case_size, generate_case
+from verify.stages import GENERATE_STAGING_PREFIX
 from verify.outputs import open_run
 from verify.pool import NO_MEMORY_EXIT, head_bytes, head_jobs
 from verify.stage_files import StageSource
@@ -99,14 +100,14 @@ def test_generate_removes_the_staging_folders_of_dead_generations_only(runner, t
     live = subprocess.Popen(["sleep", "60"])
     try:
         for pid in (dead.pid, live.pid, os.getppid()):
-            (out / f"{STAGING_PREFIX}{pid}").mkdir(exist_ok=True)
-            (out / f"{STAGING_PREFIX}{pid}" / "Q_head_0.txt").write_text("1\n")
+            (out / f"{GENERATE_STAGING_PREFIX}{pid}").mkdir(exist_ok=True)
+            (out / f"{GENERATE_STAGING_PREFIX}{pid}" / "Q_head_0.txt").write_text("1\n")
         res = runner.invoke(cli, ["generate", "--out", str(out), "--heads", "1", "--seq-q", "2", "--seq-k", "2",
                                   "--d-k", "2", "--d-v", "2"])
         assert res.exit_code == 0, res.output
-        assert not (out / f"{STAGING_PREFIX}{dead.pid}").exists()
-        assert (out / f"{STAGING_PREFIX}{live.pid}" / "Q_head_0.txt").exists()
-        assert (out / f"{STAGING_PREFIX}{os.getppid()}").exists()
+        assert not (out / f"{GENERATE_STAGING_PREFIX}{dead.pid}").exists()
+        assert (out / f"{GENERATE_STAGING_PREFIX}{live.pid}" / "Q_head_0.txt").exists()
+        assert (out / f"{GENERATE_STAGING_PREFIX}{os.getppid()}").exists()
     finally:
         live.kill()
         live.wait()
@@ -151,7 +152,7 @@ def test_check_max_memory_mb_refuses_or_takes_fewer_jobs(runner, tmp_path):
     in_dir, out_dir = _output_only_run(tmp_path, 4, 300, 200)
     line = _one_line_error(runner.invoke(cli, ["check", "--in", str(in_dir), "--out", str(out_dir),
                                                "--max-memory-mb", "10"]), NO_MEMORY_EXIT)
-    assert "more than the 10 MiB of --max-memory-mb 10" in line
+    assert "more than the 10.0 MiB of --max-memory-mb 10" in line
     run = open_run(out_dir, load_input_case(in_dir))
     two_heads_mb = -(-2 * head_bytes(run) // (1 << 20))
     if sys.platform == "linux":  # (elsewhere one process checks every head)

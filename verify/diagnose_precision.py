@@ -21,7 +21,7 @@ import numpy as np
 from . import tolerance
 from .diagnose_base import Diagnosis, Suspect
 from .half_route import stored_in_format
-from .model.half import HALF_FORMATS, NEAREST, TOWARD_ZERO, is_half, round_to_format
+from .model.half import HALF_FORMATS, NEAREST, TOWARD_ZERO, is_half, round_mantissa32, round_to_format
 from .model.rounding import HeadCache
 from .reference import compute_stage, reference_chain
 from .specs import SPECS, upstream
@@ -164,14 +164,7 @@ def truncation_bias(got: np.ndarray, want: np.ndarray, precision: str) -> float:
 
 def tf32_operands(x: np.ndarray, toward_zero: bool) -> np.ndarray:
     """float32 values with their 13 low mantissa bits rounded off (nearest even) or dropped."""
-    bits = np.ascontiguousarray(x, np.float32).view(np.uint32).copy()
-    keep = np.uint32(0xFFFFFFFF << TF32_DROPPED_BITS & 0xFFFFFFFF)
-    if not toward_zero:
-        half = np.uint32(1 << (TF32_DROPPED_BITS - 1))
-        odd = (bits >> np.uint32(TF32_DROPPED_BITS)) & np.uint32(1)
-        finite = (bits & np.uint32(0x7F800000)) != np.uint32(0x7F800000)
-        bits = np.where(finite, bits + half - np.uint32(1) + odd, bits)
-    return (bits & keep).view(np.float32).astype(np.float64)
+    return round_mantissa32(x, TF32_DROPPED_BITS, toward_zero).astype(np.float64)
 
 
 def _gap(got: np.ndarray, cand: np.ndarray) -> float:

@@ -15,8 +15,9 @@ import numpy as np
 from .case import (INT64, CaseError, check_case_limits, check_scale, clear_input_files, input_head_files, read_toml,
                    validate_dims, write_matrix, write_toml)
 from .unfinished import process_exists
-from .stages import (CASE_INPUTS, DIM_KEYS, FORMATS, GRAD_INPUT, INPUT_MANIFEST, INPUT_NAMES, STAGES, Dims,
-                     stage_file)
+from .words import mib
+from .stages import (CASE_INPUTS, DIM_KEYS, FORMATS, GENERATE_STAGING_PREFIX, GRAD_INPUT, INPUT_MANIFEST,
+                     INPUT_NAMES, STAGES, Dims, stage_file)
 
 # The `large` distribution scales N(0, 1) by this factor, so that scaled logits q·k/√d_k have a
 # standard deviation of LARGE_STD² = 100 and reach the hundreds: exp() of them overflows float32
@@ -51,9 +52,7 @@ MAX_CASE_FILES = 1_000_000
 # follows each value.
 TEXT_VALUE_BYTES = len("-1.17549435e-38") + 1
 
-# The staging folder's name: `.attnstep-generate-<pid>` of the process writing it.
-STAGING_PREFIX = ".attnstep-generate-"
-_STAGING_NAME = re.compile(re.escape(STAGING_PREFIX) + r"([0-9]+)")
+_STAGING_NAME = re.compile(re.escape(GENERATE_STAGING_PREFIX) + r"([0-9]+)")
 
 
 def generate_case(out_dir: Path, dims: Dims, *, causal: bool = False, scale: Optional[float] = None,
@@ -73,12 +72,12 @@ def generate_case(out_dir: Path, dims: Dims, *, causal: bool = False, scale: Opt
     if not force:
         _refuse_foreign_case(out_dir)
     remove_stale_staging(out_dir)
-    check_room(out_dir, case_size(dims, fmt, backward, _block_bytes(out_dir)))
+    check_room(out_dir, dims, fmt, backward)
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise CaseError(f"{out_dir}: cannot create the case folder: {exc.strerror or exc}") from None
-    staging = out_dir / f"{STAGING_PREFIX}{os.getpid()}"
+    staging = out_dir / f"{GENERATE_STAGING_PREFIX}{os.getpid()}"
     try:
         staging.mkdir()
         names = []
@@ -186,37 +185,29 @@ def _existing_parent(path: Path) -> Path:
     return path
 
 
-def _block_bytes(out_dir: Path) -> int:
-    try:
-        return max(1, os.statvfs(_existing_parent(out_dir)).f_frsize)
-    except OSError:
-        return 1
-
-
-def check_room(out_dir: Path, need: CaseSize) -> None:
+def check_room(out_dir: Path, dims: Dims, fmt: str, backward: bool) -> None:
     """Refuses, in one line, a case of more than MAX_CASE_FILES files, or one that needs more
     bytes or inodes than the file system of `out_dir` has free (for this user: f_bavail,
     f_favail; a file system that reports no inode counts, f_files 0, is not checked for them)."""
+    try:
+        fs = os.statvfs(_existing_parent(out_dir))
+    except OSError:
+        fs = None  # no answer: the writes themselves will say
+    need = case_size(dims, fmt, backward, max(1, fs.f_frsize) if fs else 1)
     if need.files > MAX_CASE_FILES:
         raise CaseError(f"{out_dir}: the case would be {need.files:,} files, more than the {MAX_CASE_FILES:,} "
                         "'attnstep generate' writes; HINT: fewer heads (--heads, --batch): each head is one "
                         "file per input in either --format")
-    try:
-        fs = os.statvfs(_existing_parent(out_dir))
-    except OSError:
-        return  # no answer: the writes themselves will say
+    if fs is None:
+        return
     free = fs.f_bavail * fs.f_frsize
     if need.bytes > free:
-        raise CaseError(f"{out_dir}: the case needs up to {_mib(need.bytes)} of disk space, and its file system has "
-                        f"{_mib(free)} free; HINT: fewer heads or smaller matrices, --format npy (smaller "
+        raise CaseError(f"{out_dir}: the case needs up to {mib(need.bytes)} of disk space, and its file system has "
+                        f"{mib(free)} free; HINT: fewer heads or smaller matrices, --format npy (smaller "
                         "files), or another --out")
     if fs.f_files and need.files + 1 > fs.f_favail:  # + 1: the staging folder
         raise CaseError(f"{out_dir}: the case needs {need.files + 1:,} files, and its file system has room for "
                         f"{fs.f_favail:,} more; HINT: fewer heads (--heads, --batch), or another --out")
-
-
-def _mib(n: int) -> str:
-    return f"{n / (1 << 20):,.1f} MiB"
 
 
 def remove_stale_staging(out_dir: Path) -> None:

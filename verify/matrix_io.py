@@ -284,7 +284,7 @@ def check_npy_size(data: bytes, name: str) -> None:
     if end - start > NPY_MAX_HEADER_BYTES:
         return  # np.load refuses a header this long without reading it
     try:
-        header = ast.literal_eval(data[start:end].decode("latin1"))
+        header = _npy_header(data)
         shape, itemsize = tuple(header["shape"]), np.dtype(header["descr"]).itemsize
     except Exception:  # any malformed header: np.load's own message names it
         return

@@ -20,6 +20,7 @@ from typing import Callable, List, Optional, Tuple
 from .case import CaseError
 from .outputs import RunInfo
 from .stages import STAGES
+from .words import mib
 
 
 # Memory one worker holds while it checks a head, in float64 N×M matrices (the reference chain,
@@ -126,18 +127,13 @@ def _stacked_file_bytes(run: RunInfo) -> int:
     return total
 
 
-def memory_budget(max_memory_mb: Optional[int] = None) -> Tuple[Optional[int], str]:
-    """(the bytes a check may use, what sets them): what is available (MemAvailable, a container's
-    limit), and no more than `max_memory_mb` MiB when given; None when neither is known."""
-    avail = _available_memory_bytes()
+def memory_budget(max_memory_mb: Optional[int], avail: Optional[int]) -> Tuple[Optional[int], str]:
+    """(the bytes a check may use, what sets them): `avail` (MemAvailable, a container's limit),
+    and no more than `max_memory_mb` MiB when given; None when neither is known."""
     cap = None if max_memory_mb is None else max_memory_mb << 20
     if cap is not None and (avail is None or cap <= avail):
         return cap, f"--max-memory-mb {max_memory_mb}"
     return avail, "the memory available"
-
-
-def _mib(n: int) -> str:
-    return f"{-(-n // (1 << 20)):,} MiB"
 
 
 def head_jobs(run: RunInfo, requested: int = 0, max_memory_mb: Optional[int] = None) -> int:
@@ -147,10 +143,11 @@ def head_jobs(run: RunInfo, requested: int = 0, max_memory_mb: Optional[int] = N
     no more than memory_budget(max_memory_mb) holds, and NotEnoughMemory when one head does not fit."""
     d = run.dims
     per_head = head_bytes(run)
-    budget, source = memory_budget(max_memory_mb)
+    avail = _available_memory_bytes()
+    budget, source = memory_budget(max_memory_mb, avail)
     if budget is not None and per_head > budget:
-        raise NotEnoughMemory(f"checking one head of {d.seq_q} x {d.seq_k} scores needs about {_mib(per_head)}, more "
-                              f"than the {_mib(budget)} of {source}; HINT: check a case with fewer query or key rows "
+        raise NotEnoughMemory(f"checking one head of {d.seq_q} x {d.seq_k} scores needs about {mib(per_head)}, more "
+                              f"than the {mib(budget)} of {source}; HINT: check a case with fewer query or key rows "
                               f"(a head's check holds some {_nm_matrices(run)} float64 N x M matrices), or free memory")
     fits = d.total_heads if budget is None else max(1, budget // per_head)
     if d.total_heads <= 1 or sys.platform != "linux":
@@ -160,8 +157,7 @@ def head_jobs(run: RunInfo, requested: int = 0, max_memory_mb: Optional[int] = N
     if d.total_heads * d.seq_q * d.seq_k * (d.d_k + d.d_v) < _PARALLEL_MIN_MACS:
         return 1  # starting workers would cost more than the checking
     # Of what is available, half: the machine's other work keeps the rest.
-    auto = _available_memory_bytes()
-    by_memory = fits if auto is None else min(fits, max(1, (auto // 2) // per_head))
+    by_memory = fits if avail is None else min(fits, max(1, (avail // 2) // per_head))
     return max(1, min(_usable_cores(), by_memory, d.total_heads))
 
 

@@ -99,7 +99,7 @@ def watched_run(out_dir: Path, in_dir: Optional[Path], names: Mapping[str, str],
         raise InputError(f"--out {out_dir}: cannot create the folder: {exc.strerror or exc}") from None
     mark_unfinished(out_dir, run_id)  # before anything moves: a move cut short is marked too
     try:
-        fresh_out(out_dir, in_dir, names)
+        set_aside_previous(out_dir, stage_files_in(out_dir, names))
         yield
     except BaseException as exc:
         mark_unfinished(out_dir, run_id, FAILED, str(exc) or type(exc).__name__)

@@ -39,6 +39,9 @@ RUN_MANIFEST = "run.toml"
 # previous run's files, moved aside.
 UNFINISHED_MARKER = ".attnstep-unfinished"
 STAGING_PREFIX = ".attnstep-staging-"
+# Inside an input case: where `attnstep generate` writes a case before it is put in place
+# (`.attnstep-generate-<pid>`).
+GENERATE_STAGING_PREFIX = ".attnstep-generate-"
 PREVIOUS_DIR = ".attnstep-previous"
 # What `attnstep run --sanitize/--repeat` found about the program that wrote the folder.
 PROGRAM_CHECKS = "program_checks.toml"

@@ -11,6 +11,11 @@ def plural(n: int, noun: str, nouns: str = "") -> str:
     return f"{n} {noun if n == 1 else (nouns or noun + 's')}"
 
 
+def mib(n_bytes: int) -> str:
+    """A size in messages: `1,536.0 MiB`, as the binary prints its memory plan."""
+    return f"{n_bytes / (1 << 20):,.1f} MiB"
+
+
 def number(x: Optional[float]) -> str:
     """A measured value as the reports print it: 3 significant digits, an exponent outside
     [1e-3, 1e5), `-` for none."""

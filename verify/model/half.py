@@ -43,26 +43,41 @@ def storage_unit(precision: str) -> float:
     return 2.0 ** -HALF_FORMATS[precision][0]
 
 
+def round_mantissa32(x: np.ndarray, dropped: int, toward_zero: bool = False) -> np.ndarray:
+    """float32 values with their `dropped` low mantissa bits rounded off in float32's own bits:
+    nearest even (add half a unit of the last kept place, less one where that place's bit is 0:
+    ties to even), or toward zero (the bits cleared); ±inf and NaN stay as they are. 16 bits make
+    bf16, 13 TF32's operands."""
+    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    keep = np.uint32((0xFFFFFFFF << dropped) & 0xFFFFFFFF)
+    if toward_zero:
+        out = bits & keep
+    else:
+        out = np.right_shift(bits, dropped)
+        out &= 1
+        out += (1 << (dropped - 1)) - 1
+        out += bits       # at most 0xFF800000 + half a unit for a finite value: no wrap-around
+        out &= keep
+    np.copyto(out, bits, where=(bits & 0x7F800000) == 0x7F800000)
+    return out.view(np.float32)
+
+
+# The float32 mantissa bits a bf16 value drops.
+BF16_DROPPED_BITS = 16
+
+
 def round_to_format32(x: np.ndarray, precision: str, rounding: str = NEAREST) -> np.ndarray:
     """x (float32 values) rounded to the format, nearest even, as a float32->bf16/fp16 conversion
     does (fp16: ±inf past 65504, subnormals below 2^-14); returned as float32 holding the values.
-    bf16 in float32's own bits: add half a unit of bf16's last place (less one where that place's
-    bit is 0: ties to even), clear the 16 low bits; ±inf and NaN stay as they are.
-    rounding TOWARD_ZERO: the nearest value of the format no farther from zero than x."""
+    bf16 in float32's own bits (round_mantissa32). rounding TOWARD_ZERO: the nearest value of the
+    format no farther from zero than x."""
     x32 = np.ascontiguousarray(x, dtype=np.float32)
     if rounding == TOWARD_ZERO:
         return _toward_zero32(x32, precision)
     if precision == "fp16":
         with np.errstate(over="ignore"):
             return x32.astype(np.float16).astype(np.float32)
-    bits = x32.view(np.uint32)
-    out = np.right_shift(bits, 16)
-    out &= 1
-    out += 0x7FFF
-    out += bits       # at most 0xFF807FFF for a finite value: no wrap-around
-    out &= 0xFFFF0000
-    np.copyto(out, bits, where=(bits & 0x7F800000) == 0x7F800000)
-    return out.view(np.float32)
+    return round_mantissa32(x32, BF16_DROPPED_BITS)
 
 
 def _toward_zero32(x32: np.ndarray, precision: str) -> np.ndarray:
@@ -74,10 +89,7 @@ def _toward_zero32(x32: np.ndarray, precision: str) -> np.ndarray:
         grew = np.abs(y.astype(np.float32)) > np.abs(x32)
         y[grew] = np.nextafter(y[grew], np.float16(0))
         return y.astype(np.float32)
-    bits = x32.view(np.uint32)
-    out = bits & np.uint32(0xFFFF0000)
-    np.copyto(out, bits, where=(bits & 0x7F800000) == 0x7F800000)
-    return out.view(np.float32)
+    return round_mantissa32(x32, BF16_DROPPED_BITS, toward_zero=True)
 
 
 def round_to_format(x: np.ndarray, precision: str, rounding: str = NEAREST) -> np.ndarray:
