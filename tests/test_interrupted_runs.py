@@ -338,3 +338,27 @@ def test_a_folder_a_killed_commit_left_with_inputs_only_is_still_a_run_folder(bi
     again = _run(binary, in_dir, out_dir)
     assert again.returncode == 0, again.stderr
     assert check(in_dir, out_dir).returncode == 0
+
+
+def test_a_run_moves_aside_only_the_names_it_writes(binary, tmp_path):
+    """Head numbers as the binary writes them: a user's `QK_head_01.txt` is not the run's to move."""
+    in_dir, out_dir = _case(tmp_path, SMALL), tmp_path / "out"
+    _finished(binary, in_dir, out_dir, "--stages", "QK")
+    mine = out_dir / "QK_head_01.txt"
+    mine.write_text("the user's own notes")
+    _finished(binary, in_dir, out_dir, "--stages", "QK")
+    assert mine.read_text() == "the user's own notes"
+    assert not (out_dir / PREVIOUS_DIR / mine.name).exists() and (out_dir / PREVIOUS_DIR / "QK_head_1.npy").exists()
+
+
+def test_another_programs_earlier_files_moved_aside_under_the_marker(tmp_path):
+    """Moving the earlier run's files aside can fail half-way: the folder is marked before it starts."""
+    in_dir, out_dir = _case(tmp_path, SMALL, fmt="txt"), tmp_path / "out"
+    out_dir.mkdir()
+    (out_dir / "output_head_0.txt").write_text("0\n")
+    (out_dir / PREVIOUS_DIR).write_text("a file where the folder of the run before goes")
+    prog = _program(tmp_path, "pass")
+    run = _attnstep("run", "--in", str(in_dir), "--out", str(out_dir), "--binary", str(prog), "--", str(out_dir))
+    _, err = run.communicate(timeout=120)
+    assert run.returncode != 0 and "cannot move the previous run's files aside" in err, err
+    _assert_refused(in_dir, out_dir, "cannot move the previous run's files aside")
