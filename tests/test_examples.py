@@ -78,15 +78,20 @@ def examples() -> Dict[str, Path]:
         pytest.skip("no CUDA compiler (nvcc on PATH or CUDACXX): the examples need the CUDA toolkit")
     arch = "native" if GPU_PRESENT else "90"
     BUILD_DIR.mkdir(exist_ok=True)
-    # One build at a time: test processes side by side (pytest -n) each ask for the examples, and
-    # two CMake configures of one folder break each other.
+    # Test processes side by side (pytest -n) each ask for the examples: one builds them, under a
+    # lock, and the others of the same run take that build (two CMake configures of one folder
+    # break each other, and a relink while another process runs a program fails its exec).
+    test_run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    stamp = BUILD_DIR / "tests.stamp"
     with open(BUILD_DIR / "tests.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        for cmd in (["cmake", "-S", REPO, "-B", BUILD_DIR, "-DCMAKE_BUILD_TYPE=Release", "-DATTNSTEP_CUDA=ON",
-                     f"-DCMAKE_CUDA_ARCHITECTURES={arch}"],
-                    ["cmake", "--build", BUILD_DIR, "--target", "examples", "--parallel", str(os.cpu_count() or 1)]):
-            proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
-            assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+        if not (test_run and stamp.exists() and stamp.read_text() == test_run):
+            for cmd in (["cmake", "-S", REPO, "-B", BUILD_DIR, "-DCMAKE_BUILD_TYPE=Release", "-DATTNSTEP_CUDA=ON",
+                         f"-DCMAKE_CUDA_ARCHITECTURES={arch}"],
+                        ["cmake", "--build", BUILD_DIR, "--target", "examples", "--parallel", str(os.cpu_count() or 1)]):
+                proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+                assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+            stamp.write_text(test_run or "")
     return {p.stem: BUILD_DIR / p.stem for p in EXAMPLES_DIR.glob("*.cu")}
 
 
