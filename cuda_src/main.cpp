@@ -45,7 +45,7 @@ std::unique_ptr<Backend> choose_backend(BackendChoice choice) {
         case BackendChoice::Cuda:
             if (!cuda_backend_built())
                 fail(kExitBadInput, "--backend cuda: this binary was built without CUDA",
-                     "install the CUDA toolkit and rebuild, or use --backend cpu");
+                     std::string(kHowToBuildCuda) + "; or use --backend cpu");
             if (!cuda_device_available())
                 fail(kExitBadInput, "--backend cuda: no CUDA device found",
                      "run on a machine with an NVIDIA GPU, or use --backend cpu");
