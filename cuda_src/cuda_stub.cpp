@@ -2,7 +2,7 @@
 // CMake compiles it only for that build: no CUDA toolkit, -DATTNSTEP_CUDA=OFF, or the default
 // (AUTO) where nvidia-smi listed no GPU at configure time. Its hints say how to get CUDA.
 #include "backend.h"
-#include "bench.h"
+#include "bench/bench.h"
 #include "common.h"
 
 namespace attnstep {

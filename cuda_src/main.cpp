@@ -19,7 +19,7 @@
 #include <unistd.h>
 
 #include "backend.h"
-#include "bench.h"
+#include "bench/bench.h"
 #include "cli.h"
 #include "common.h"
 #include "io/atomic_file.h"

@@ -30,12 +30,12 @@
 #include "../common.h"
 #include "../stages.h"
 #include "bench_parts.cuh"
-#include "cuda_check.cuh"
-#include "device.cuh"
-#include "flash.cuh"
-#include "flash_bwd.cuh"
-#include "gemm.cuh"
-#include "kernels.cuh"
+#include "../cuda/cuda_check.cuh"
+#include "../cuda/device.cuh"
+#include "../cuda/flash.cuh"
+#include "../cuda/flash_bwd.cuh"
+#include "../cuda/gemm.cuh"
+#include "../cuda/kernels.cuh"
 
 namespace attnstep {
 namespace bench {
