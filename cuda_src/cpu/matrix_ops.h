@@ -6,8 +6,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
-#include <cstdint>
-#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -17,18 +15,6 @@ namespace attnstep {
 namespace cpu {
 
 const float kNegInf = -std::numeric_limits<float>::infinity();
-
-// Rounds to TF32 (10 explicit mantissa bits), round to nearest even, as tensor cores read
-// operands; Inf and NaN pass through.
-inline float round_tf32(float x) {
-    uint32_t u;
-    std::memcpy(&u, &x, sizeof u);
-    if ((u & 0x7F800000u) == 0x7F800000u) return x;
-    u += 0x0FFFu + ((u >> 13) & 1u);
-    u &= 0xFFFFE000u;
-    std::memcpy(&x, &u, sizeof u);
-    return x;
-}
 
 // A GEMM's weight operand as the kernel's tensor cores would read it: TF32 or the half format.
 inline float gemm_operand(Precision p, float x) { return p == Precision::tf32 ? round_tf32(x) : round_to(p, x); }
