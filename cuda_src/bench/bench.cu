@@ -278,7 +278,7 @@ std::string dispatcher_plan(const Options& o, const FlashArgs& a, FlashPlan* pla
 void bench_flash_kernels(const Options& o, const DeviceBuffer& Q, const DeviceBuffer& K, const DeviceBuffer& V,
                          int total_heads, Timer& timer, cudaStream_t s, std::vector<Result>* out) {
     DeviceBuffer O(size_t(total_heads) * o.N * o.d), lse(size_t(total_heads) * o.N);
-    FlashArgs a{Q.p, K.p, V.p, O.p, lse.p, total_heads, o.N, o.M, o.d, o.scale, o.causal, o.precision};
+    FlashArgs a{{Q.p, K.p, V.p, total_heads, o.N, o.M, o.d, o.scale, o.causal, o.precision}, O.p, lse.p};
     // At a half precision the inputs in the format as well, made before the timing (as SDPA is
     // given them): the half flash kernel reads those (FlashArgs::Qh).
     const FormatInputs format(o.precision, Q, K, V, s);

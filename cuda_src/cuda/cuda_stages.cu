@@ -13,29 +13,21 @@ namespace attnstep {
 
 namespace {
 
-// The fields the flash forward's and backward's arguments share, of a whole problem.
-template <class Args>
-Args problem_args(const Problem& p) {
-    Args a{};
-    a.heads = p.dims.total_heads();
-    a.N = p.dims.N;
-    a.M = p.dims.M;
-    a.d = p.dims.dk;
-    a.scale = p.scale;
-    a.causal = p.causal;
-    a.precision = p.precision;
-    return a;
+// The arguments both flash passes share, of a whole problem, without buffers.
+FlashProblem flash_problem(const Problem& p) {
+    return FlashProblem{nullptr, nullptr, nullptr, p.dims.total_heads(), p.dims.N, p.dims.M, p.dims.dk,
+                        p.scale, p.causal, p.precision};
 }
 
 }  // namespace
 
 FlashArgs flash_args(const Problem& p) {
-    FlashArgs a = problem_args<FlashArgs>(p);
+    FlashArgs a{flash_problem(p)};
     a.kernel = p.flash_kernel;
     return a;
 }
 
-FlashBwdArgs flash_bwd_args(const Problem& p) { return problem_args<FlashBwdArgs>(p); }
+FlashBwdArgs flash_bwd_args(const Problem& p) { return FlashBwdArgs{flash_problem(p)}; }
 
 void DeviceStageWork::store_in_format(Stage s) const {
     launch_round_to_format(buf(s), stage_elems(s, p.dims) * heads, p.precision, stream);
