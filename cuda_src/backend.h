@@ -145,13 +145,13 @@ public:
 std::unique_ptr<Backend> make_cpu_backend();
 // Built only with the CUDA backend; without it these report "not built with CUDA".
 bool cuda_backend_built();
+bool cuda_device_available();
+std::unique_ptr<Backend> make_cuda_backend();
 // How to get a binary with the CUDA backend, for the hints of a CPU-only build (CMakeLists.txt
 // builds CUDA by default only when nvidia-smi lists a GPU at configure time).
 inline constexpr const char kHowToBuildCuda[] =
     "rebuild with CUDA: configure on a machine with a GPU (cmake -S . -B build), or compile the CUDA "
     "backend without one (cmake -S . -B build -DATTNSTEP_CUDA=ON; the CUDA toolkit needed), then "
     "cmake --build build";
-bool cuda_device_available();
-std::unique_ptr<Backend> make_cuda_backend();
 
 }  // namespace attnstep
