@@ -14,11 +14,11 @@ work=$(mktemp -d "${TMPDIR:-/tmp}/attnstep-first-run.XXXXXX")
 trap 'rm -rf "$work"' EXIT
 
 gpu=$(nvidia-smi -L 2>/dev/null | grep GPU || true)
-nvcc_version=$( (nvcc --version 2>/dev/null || true) | sed -n 's/.*release \([0-9.]*\).*/\1/p')
+nvcc_version=$( (nvcc --version 2>/dev/null || true) | sed -n 's/.*release \([0-9.]*\).*/nvcc \1/p')
 echo "machine: $(nproc) cores ($(sed -n 's/^model name[[:space:]]*: //p' /proc/cpuinfo | head -n 1)), load" \
      "$(cut -d ' ' -f 1-3 /proc/loadavg) (1, 5, 15 min)"
 echo "GPU: ${gpu:-none (nvidia-smi lists none)}"
-echo "CUDA toolkit: ${nvcc_version:+nvcc $nvcc_version}${nvcc_version:-none found}"
+echo "CUDA toolkit: ${nvcc_version:-none found}"
 echo "commit: $(git -C "$repo" rev-parse --short HEAD) (uncommitted changes are not in the clone)"
 
 git clone --quiet --no-hardlinks "$repo" "$work/attnstep"
