@@ -27,17 +27,26 @@ inline constexpr Precision kPrecisions[] = {Precision::fp32, Precision::tf32, Pr
 inline const char* precision_name(Precision p) { return kPrecisionNames[static_cast<int>(p)]; }
 inline bool is_half(Precision p) { return p == Precision::bf16 || p == Precision::fp16; }
 
-// x rounded to bf16 (8 significant bits, float32's exponent range), nearest even, as a
-// float32->bf16 conversion does; Inf and NaN pass through (a NaN stays a NaN).
-inline float round_bf16(float x) {
+// x rounded to `mantissa_bits` explicit mantissa bits (float32 has 23), float32's exponent range
+// kept, nearest even, as a float32->bf16 conversion does and as tensor cores read TF32 operands: a
+// finite value may round up to infinity; Inf and NaN pass through (a NaN stays a NaN). The result
+// is the narrower format's value, in float32. The device keeps its own conversions: the CUDA
+// intrinsics for bf16 (half_format.cuh), and the flash kernels' TF32 split (flash_common.cuh),
+// which rounds ties away from zero as cvt.rna.tf32.f32 does.
+inline constexpr int kBf16MantissaBits = 7;
+inline constexpr int kTf32MantissaBits = 10;
+inline float round_mantissa(float x, int mantissa_bits) {
+    const int dropped = 23 - mantissa_bits;
     uint32_t u;
     std::memcpy(&u, &x, sizeof u);
     if ((u & 0x7F800000u) == 0x7F800000u) return x;
-    u += 0x7FFFu + ((u >> 16) & 1u);
-    u &= 0xFFFF0000u;
+    u += ((1u << (dropped - 1)) - 1u) + ((u >> dropped) & 1u);  // half an ulp, less 1 unless odd
+    u &= ~((1u << dropped) - 1u);
     std::memcpy(&x, &u, sizeof u);
     return x;
 }
+inline float round_bf16(float x) { return round_mantissa(x, kBf16MantissaBits); }
+inline float round_tf32(float x) { return round_mantissa(x, kTf32MantissaBits); }
 
 // x rounded to IEEE binary16 (11 significant bits, normal from 2^-14, subnormal steps of 2^-24,
 // largest finite 65504), nearest even, as a float32->half conversion does: beyond the range the
@@ -134,9 +143,15 @@ public:
 };
 
 std::unique_ptr<Backend> make_cpu_backend();
-// Built only with the CUDA toolkit; without it these report "not built with CUDA".
+// Built only with the CUDA backend; without it these report "not built with CUDA".
 bool cuda_backend_built();
 bool cuda_device_available();
 std::unique_ptr<Backend> make_cuda_backend();
+// How to get a binary with the CUDA backend, for the hints of a CPU-only build (CMakeLists.txt
+// builds CUDA by default only when nvidia-smi lists a GPU at configure time).
+inline constexpr const char kHowToBuildCuda[] =
+    "rebuild with CUDA: configure on a machine with a GPU (cmake -S . -B build), or compile the CUDA "
+    "backend without one (cmake -S . -B build -DATTNSTEP_CUDA=ON; the CUDA toolkit needed), then "
+    "cmake --build build";
 
 }  // namespace attnstep

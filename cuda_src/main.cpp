@@ -19,23 +19,22 @@
 #include <unistd.h>
 
 #include "backend.h"
-#include "bench.h"
+#include "bench/bench.h"
 #include "cli.h"
 #include "common.h"
+#include "group_plan.h"
 #include "io/atomic_file.h"
 #include "io/crc32.h"
 #include "io/case_layout.h"
-#include "io/host_memory.h"
 #include "io/manifest.h"
 #include "io/matrix_io.h"
+#include "io/output_folder.h"
 #include "io/run_folder.h"
 #include "stages.h"
 
 namespace attnstep {
 
 namespace {
-
-const size_t kMiB = size_t(1) << 20;
 
 void notice(const std::string& line) { std::fprintf(stderr, "main: notice: %s\n", line.c_str()); }
 
@@ -45,7 +44,7 @@ std::unique_ptr<Backend> choose_backend(BackendChoice choice) {
         case BackendChoice::Cuda:
             if (!cuda_backend_built())
                 fail(kExitBadInput, "--backend cuda: this binary was built without CUDA",
-                     "install the CUDA toolkit and rebuild, or use --backend cpu");
+                     std::string(kHowToBuildCuda) + "; or use --backend cpu");
             if (!cuda_device_available())
                 fail(kExitBadInput, "--backend cuda: no CUDA device found",
                      "run on a machine with an NVIDIA GPU, or use --backend cpu");
@@ -133,69 +132,6 @@ StageSet select_stages(const Options& o, const InputCase& c) {
     const StageSet flash{sel.bits & StageSet::flash().bits};
     notice(why + "; skipping " + stage_list(flash));
     return sel.minus(flash);
-}
-
-// ---------------------------------------------------------------- memory plan
-struct GroupPlan {
-    size_t host_per_head = 0, work_per_head = 0, host_budget = 0, work_budget = 0;
-    int group_size = 0;
-};
-
-// The inputs a run reads: Q, K, V, and dO when a backward stage is computed.
-std::vector<Stage> inputs_read(StageSet computed) {
-    std::vector<Stage> v;
-    for (int i = 0; i < kNumStages; ++i) {
-        const Stage s = static_cast<Stage>(i);
-        if (is_input_echo(s) && (!is_backward_stage(s) || computed.any_backward())) v.push_back(s);
-    }
-    return v;
-}
-
-size_t input_bytes_per_head(const Dims& d, StageSet computed) {
-    size_t n = 0;
-    for (Stage s : inputs_read(computed)) n += stage_elems(s, d);
-    return n * sizeof(float);
-}
-
-size_t stage_bytes_per_head(const Dims& d, StageSet computed) {
-    size_t b = 0;
-    for (int i = 0; i < kNumStages; ++i)
-        if (computed.has(static_cast<Stage>(i))) b += stage_elems(static_cast<Stage>(i), d) * sizeof(float);
-    return b;
-}
-
-std::string mib(size_t bytes) {
-    char buf[32];
-    std::snprintf(buf, sizeof buf, "%.1f MiB", static_cast<double>(bytes) / kMiB);
-    return buf;
-}
-
-// The largest group of heads that fits both the host budget (min of MemAvailable/2 and
-// --max-memory-mb) and the backend's working memory; exit 3 when not even one head fits.
-GroupPlan plan_groups(const Options& o, const Problem& p, StageSet computed, const Backend& be) {
-    GroupPlan g;
-    size_t cap = o.max_memory_mb > 0 ? static_cast<size_t>(o.max_memory_mb) * kMiB : SIZE_MAX;
-    g.host_per_head = input_bytes_per_head(p.dims, computed) + stage_bytes_per_head(p.dims, computed);
-    g.work_per_head = be.working_bytes_per_head(p, computed);
-    g.host_budget = std::min(host_budget_bytes(), cap);
-    g.work_budget = std::min(be.available_bytes(), cap);
-    bool big_stage_path = computed.has(Stage::QK) || computed.has(Stage::QK_scaled) ||
-                          computed.has(Stage::attention_weights);
-    std::string hint = big_stage_path
-                           ? "the N x M stages dominate: --stages flash needs no N x M buffers; or use a "
-                             "smaller case or a larger --max-memory-mb"
-                           : "use a smaller case or a larger --max-memory-mb";
-    if (g.host_per_head > g.host_budget)
-        fail(kExitNoMemory, "not enough host memory: one head needs " + mib(g.host_per_head) +
-                                " (inputs + stage buffers) but the budget is " + mib(g.host_budget) +
-                                " (min of MemAvailable/2 and --max-memory-mb)", hint);
-    if (g.work_per_head > g.work_budget)
-        fail(kExitNoMemory, std::string("not enough ") + be.name() + " working memory: one head needs " +
-                                mib(g.work_per_head) + " but " + mib(g.work_budget) + " is available", hint);
-    size_t by_host = g.host_budget / g.host_per_head;
-    size_t by_work = g.work_per_head ? g.work_budget / g.work_per_head : SIZE_MAX;
-    g.group_size = static_cast<int>(std::min<size_t>({by_host, by_work, static_cast<size_t>(p.dims.total_heads())}));
-    return g;
 }
 
 // ---------------------------------------------------------------- the run

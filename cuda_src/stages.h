@@ -1,6 +1,9 @@
 // stages.h — the one table of stages in C++: name, shape, and what each stage is computed from.
-// Adding a stage means one line here (and one in verify/stages.py); every loop over stages in the
-// binary (file names, allocation, dependency closure, timings) is driven by this table.
+// Adding a stage is one row here (and its twin in verify/stages.py) plus, in each backend, the
+// function that computes it: both backends dispatch through an array built from this table
+// (ATTNSTEP_COMPUTE_FN below), so a row without its function does not compile. Every other loop
+// over stages in the binary (file names, allocation, dependency closure, timings) is driven by the
+// table alone.
 #pragma once
 
 #include <cstddef>
@@ -103,6 +106,13 @@ inline int sym_value(Sym s, const Dims& d) {
     X(flash_dQ,          N,  DK,  bwd, flash, (flash_output, flash_lse))                        \
     X(flash_dK,          M,  DK,  bwd, flash, (flash_output, flash_lse))                        \
     X(flash_dV,          M,  DV,  bwd, flash, (flash_output, flash_lse))
+
+// Each backend computes stage X with a function compute_X of its own and calls it through an array
+// indexed by Stage that this macro fills in the table's order:
+//   constexpr StageFunction kComputeStage[kNumStages] = {ATTNSTEP_STAGES(ATTNSTEP_COMPUTE_FN)};
+// so a row without its compute_X is a compile error. A stage that another stage's function writes
+// (computed_together() below: flash_lse with flash_output) names a null compute_X, never called.
+#define ATTNSTEP_COMPUTE_FN(id, r, c, pass, kind, sources) compute_##id,
 
 enum class Stage : int {
 #define ATTNSTEP_ENUM(id, r, c, pass, kind, sources) id,

@@ -54,7 +54,7 @@ if [ -n "${ATTNSTEP_BINARY:-}" ] && "$ATTNSTEP_BINARY" --help >/dev/null 2>&1; t
     echo "using the prebuilt $ATTNSTEP_BINARY"
 elif want build; then
     unset ATTNSTEP_BINARY
-    step build bash -c "cmake -S . -B $BUILD -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 \
+    step build bash -c "cmake -S . -B $BUILD -DCMAKE_BUILD_TYPE=Release -DATTNSTEP_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
         && cmake --build $BUILD --parallel 16"
 fi
 

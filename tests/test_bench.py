@@ -287,7 +287,7 @@ def test_cli_build_failure_shows_the_build_output(tmp_path, monkeypatch):
 def test_the_binarys_bench_help_lists_every_option_it_parses(binary):
     """`main --bench --help` names each option bench_options.cu accepts (read from its source), and
     an unknown option points to it."""
-    source = (Path(__file__).resolve().parents[1] / "cuda_src" / "cuda" / "bench_options.cu").read_text()
+    source = (Path(__file__).resolve().parents[1] / "cuda_src" / "bench" / "bench_options.cu").read_text()
     parsed = set(re.findall(r'a == "(--[a-z-]+)"', source)) - {"--bench", "--help"}
     res = subprocess.run([str(binary), "--bench", "--help"], capture_output=True, text=True, timeout=60)
     if res.returncode == 2 and "CUDA build" in res.stderr:

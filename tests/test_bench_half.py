@@ -64,7 +64,7 @@ def test_binary_bench_help_lists_the_precisions(binary):
 _TWIN_PROGRAM = r"""
 #include <cstdio>
 #include <cstring>
-#include "cuda/bench_inputs.h"
+#include "bench/bench_inputs.h"
 using namespace attnstep::bench;
 int main() {
     const unsigned long long idx[] = {0ull, 1ull, 4095ull, 262143ull, 4294967301ull, 123456789012ull};

@@ -37,15 +37,21 @@ def _path_with_nvidia_smi(tmp_path: Path, script: str) -> str:
     return os.pathsep.join([str(fake), *rest])
 
 
-def _configured_architectures(tmp_path: Path, path_env: str, *args: str) -> str:
-    """CMAKE_CUDA_ARCHITECTURES as a fresh configure caches it (CUDA off: no compiler check, fast)."""
+def _configure(tmp_path: Path, path_env: str, *args: str) -> tuple[str, str]:
+    """A fresh configure's output and its CMakeCache.txt, with PATH = path_env."""
     build = tmp_path / "build"
     env = dict(os.environ, PATH=path_env)
     env.pop("CUDAARCHS", None)
-    proc = subprocess.run(["cmake", "-S", str(REPO), "-B", str(build), "-DATTNSTEP_CUDA=OFF", *args],
+    env.pop("CUDACXX", None)
+    proc = subprocess.run(["cmake", "-S", str(REPO), "-B", str(build), *args],
                           capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    cache = (build / "CMakeCache.txt").read_text()
+    return proc.stdout + proc.stderr, (build / "CMakeCache.txt").read_text()
+
+
+def _configured_architectures(tmp_path: Path, path_env: str, *args: str) -> str:
+    """CMAKE_CUDA_ARCHITECTURES as a fresh configure caches it (CUDA off: no compiler check, fast)."""
+    _, cache = _configure(tmp_path, path_env, "-DATTNSTEP_CUDA=OFF", *args)
     return re.search(r"^CMAKE_CUDA_ARCHITECTURES:[A-Z]+=(.*)$", cache, re.M).group(1)
 
 
@@ -68,6 +74,41 @@ def test_with_a_gpu_cmake_compiles_for_that_gpu(tmp_path):
 def test_the_users_architectures_always_win(tmp_path):
     path = _path_with_nvidia_smi(tmp_path, "echo 'GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-0)'\n")
     assert _configured_architectures(tmp_path, path, "-DCMAKE_CUDA_ARCHITECTURES=90") == "90"
+
+
+@needs_cmake
+def test_without_a_gpu_the_default_build_compiles_no_cuda_and_says_how(tmp_path):
+    """A first build on a machine without a GPU is the CPU-only binary, whether or not the CUDA
+    toolkit is installed (no CUDA compiler is even looked for); one line says how to get CUDA."""
+    path = _path_with_nvidia_smi(tmp_path, "echo 'NVIDIA-SMI has failed' >&2; exit 9\n")
+    out, cache = _configure(tmp_path, path)
+    assert "building the CPU-only binary" in out and "-DATTNSTEP_CUDA=ON" in out, out
+    assert not re.search(r"^CMAKE_CUDA_COMPILER:", cache, re.M)
+
+
+@needs_cmake
+def test_with_a_gpu_the_default_build_looks_for_cuda(tmp_path):
+    """With a GPU listed, the default build goes for CUDA: here with no CUDA compiler on PATH, so it
+    says that the toolkit is missing (where CMake still finds one, it reports the CUDA build)."""
+    path = _path_with_nvidia_smi(tmp_path, "echo 'GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-0)'\n")
+    path = os.pathsep.join(d for d in path.split(os.pathsep) if not (Path(d) / "nvcc").exists())
+    out, _ = _configure(tmp_path, path)
+    assert "no CUDA toolkit found" in out or re.search(r"attnstep: CUDA [\d.]+, architectures native", out), out
+    assert "-DATTNSTEP_CUDA=ON" not in out
+
+
+def test_a_cpu_only_binary_says_how_to_get_cuda(binary, tmp_path):
+    """--backend cuda and --bench on a CPU-only build (the default without a GPU): exit 2, and the
+    hint names both ways to a CUDA build."""
+    probe = subprocess.run([str(binary), "--in", str(REPO / "tests" / "data" / "tiny_test"), "--out",
+                            str(tmp_path / "out"), "--backend", "cuda"], capture_output=True, text=True, timeout=60)
+    if "built without CUDA" not in probe.stderr:
+        pytest.skip("a binary built with CUDA")
+    bench = subprocess.run([str(binary), "--bench"], capture_output=True, text=True, timeout=60)
+    for proc in (probe, bench):
+        assert proc.returncode == 2, proc.stderr
+        hint = proc.stderr.splitlines()[-1]
+        assert hint.startswith("HINT:") and "a GPU" in hint and "-DATTNSTEP_CUDA=ON" in hint, proc.stderr
 
 
 # ---- the build talks while it works ------------------------------------------------------------

@@ -1,6 +1,7 @@
-// backend_cuda.cu — the CUDA backend: computes a group of heads stage by stage on the GPU with
-// cuBLAS GEMMs (gemm.cu), the kernels of kernels.cu and backward_kernels.cu, the flash forward
-// (flash_dispatch.cu) and the flash backward (flash_bwd.cu).
+// backend_cuda.cu — the CUDA backend: computes a group of heads stage by stage on the GPU, each
+// stage by its function in cuda_stages.cu (cuBLAS GEMMs of gemm.cu, the kernels of kernels.cu and
+// backward_kernels.cu, the flash forward of flash_dispatch.cu, the flash backward of flash_bwd.cu);
+// this file is the backend around them: device memory, uploads, timing and the dispatch.
 // Built by CMake when a CUDA toolkit is found (ATTNSTEP_HAVE_CUDA=1); run with
 // `build/main --in data/random_test --out data/random_verify --backend cuda`; checked on a GPU by
 // scripts/gpu_check.sh and tests/test_gpu_backend.py.
@@ -23,6 +24,7 @@
 #include "../backend.h"
 #include "../common.h"
 #include "cuda_check.cuh"
+#include "cuda_stages.cuh"
 #include "flash.cuh"
 #include "flash_bwd.cuh"
 #include "gemm.cuh"
@@ -49,29 +51,8 @@ size_t group_stage_bytes(Stage s, const Dims& d, int heads) {
     return stage_elems(s, d) * sizeof(float) * static_cast<size_t>(heads);
 }
 
-// The fields the flash forward's and backward's arguments share, of a whole problem and without
-// buffers: for plans and memory estimates (the split decision depends on the work; groups may be
-// smaller).
-template <class Args>
-Args problem_args(const Problem& p) {
-    Args a{};
-    a.heads = p.dims.total_heads();
-    a.N = p.dims.N;
-    a.M = p.dims.M;
-    a.d = p.dims.dk;
-    a.scale = p.scale;
-    a.causal = p.causal;
-    a.precision = p.precision;
-    return a;
-}
-
-FlashArgs flash_args(const Problem& p) {
-    FlashArgs a = problem_args<FlashArgs>(p);
-    a.kernel = p.flash_kernel;
-    return a;
-}
-
-FlashBwdArgs flash_bwd_args(const Problem& p) { return problem_args<FlashBwdArgs>(p); }
+// The function that computes each stage, indexed by Stage: one per row of the table (stages.h).
+constexpr DeviceStageFunction kComputeStage[kNumStages] = {ATTNSTEP_STAGES(ATTNSTEP_COMPUTE_FN)};
 
 // The half pipelines' GEMM operands as bf16/fp16 (HalfGemm): room for the two operands of the
 // largest product per head, 2 bytes an element (an N×M weight matrix and an N or M row block).
@@ -121,19 +102,13 @@ public:
     void compute(const Problem& p, StageSet computed, HeadGroup& group, StageTimes* times) override;
 
 private:
-    struct Buffers {
-        float* at[kNumStages] = {};
-        HalfGemm half;  // the half pipelines' GEMM operands (none for fp32, tf32)
-        uint16_t* format[3] = {};  // Q, K, V in the format for the half flash forward (needs_format_inputs)
-    };
-    Buffers carve_buffers(const Problem& p, StageSet computed, int heads);
+    DeviceBuffers carve_buffers(const Problem& p, StageSet computed, int heads);
     void reserve_arena(size_t bytes);
-    void run_stages(const Problem& p, StageSet computed, int heads, const Buffers& b);
-    void run_backward_stages(const Problem& p, StageSet computed, int heads, const Buffers& b);
+    void run_stages(const Problem& p, StageSet computed, int heads, const DeviceBuffers& b);
     // Runs `work` on the stream, between the stage's two events unless record_events_ is off.
     template <class Work>
     void timed(Stage s, Work&& work);
-    void warm_up_stages(const Problem& p, StageSet computed, int heads, const Buffers& b);
+    void warm_up_stages(const Problem& p, StageSet computed, int heads, const DeviceBuffers& b);
     void release() noexcept;
 
     std::string device_name_;
@@ -239,7 +214,7 @@ void CudaBackend::reserve_arena(size_t bytes) {
     arena_bytes_ = bytes;
 }
 
-CudaBackend::Buffers CudaBackend::carve_buffers(const Problem& p, StageSet computed, int heads) {
+DeviceBuffers CudaBackend::carve_buffers(const Problem& p, StageSet computed, int heads) {
     const Dims& d = p.dims;
     size_t offsets[kNumStages] = {};
     size_t total = 0;
@@ -260,7 +235,7 @@ CudaBackend::Buffers CudaBackend::carve_buffers(const Problem& p, StageSet compu
         }
     }
     reserve_arena(total);
-    Buffers b;
+    DeviceBuffers b;
     for (int i = 0; i < kNumStages; ++i) {
         if (needs_device_buffer(static_cast<Stage>(i), computed))
             b.at[i] = reinterpret_cast<float*>(static_cast<char*>(arena_) + offsets[i]);
@@ -286,124 +261,23 @@ void CudaBackend::timed(Stage s, Work&& work) {
     timed_[i] = true;
 }
 
-void CudaBackend::run_stages(const Problem& p, StageSet computed, int heads, const Buffers& b) {
-    const Dims& d = p.dims;
-    auto buf = [&](Stage s) { return b.at[static_cast<int>(s)]; };
-    // The half pipelines store each stage in the format as it is computed (in its timed span), so
-    // the stages after it read the stored values, as on the CPU backend.
-    auto stored = [&](Stage s) { launch_round_to_format(buf(s), stage_elems(s, d) * heads, p.precision, stream_); };
-    if (computed.has(Stage::KT)) {
-        timed(Stage::KT, [&] { launch_transpose(buf(Stage::K), buf(Stage::KT), heads, d.M, d.dk, stream_); });
-    }
-    if (computed.has(Stage::QK)) {
-        timed(Stage::QK, [&] {
-            gemm_qk(blas_, d, heads, buf(Stage::Q), buf(Stage::K), buf(Stage::QK), b.half);
-            stored(Stage::QK);
-        });
-    }
-    if (computed.has(Stage::QK_scaled)) {
-        timed(Stage::QK_scaled, [&] {
-            launch_scale_mask(buf(Stage::QK), buf(Stage::QK_scaled), heads, d.N, d.M, p.scale, p.causal, stream_);
-            stored(Stage::QK_scaled);
-        });
-    }
-    if (computed.has(Stage::attention_weights)) {
-        timed(Stage::attention_weights, [&] {
-            launch_softmax_rows(buf(Stage::QK_scaled), buf(Stage::attention_weights),
-                                static_cast<long long>(heads) * d.N, d.M, stream_);
-            stored(Stage::attention_weights);
-        });
-    }
-    if (computed.has(Stage::output)) {
-        timed(Stage::output, [&] {
-            gemm_output(blas_, d, heads, buf(Stage::attention_weights), buf(Stage::V), buf(Stage::output), b.half);
-            stored(Stage::output);
-        });
-    }
-    if (computed.any_flash()) {
-        FlashArgs a = flash_args(p);
-        a.Q = buf(Stage::Q);
-        a.K = buf(Stage::K);
-        a.V = buf(Stage::V);
-        a.Qh = b.format[0];
-        a.Kh = b.format[1];
-        a.Vh = b.format[2];
-        a.O = buf(Stage::flash_output);
-        a.lse = buf(Stage::flash_lse);
-        a.heads = heads;
-        // One kernel writes both flash stages; its time is booked to flash_output alone so that
-        // the per-stage times still add up to the run.
-        timed(Stage::flash_output, [&] { flash_forward(a, stream_); });
-    }
-    if (computed.any_backward()) run_backward_stages(p, computed, heads, b);
-}
-
-// The backward stages (docs/contract.md): the stage path from dO and the forward's stages, and
-// the flash backward from the flash forward's outputs.
-void CudaBackend::run_backward_stages(const Problem& p, StageSet computed, int heads, const Buffers& b) {
-    const Dims& d = p.dims;
-    auto buf = [&](Stage s) { return b.at[static_cast<int>(s)]; };
-    auto stored = [&](Stage s) { launch_round_to_format(buf(s), stage_elems(s, d) * heads, p.precision, stream_); };
-    if (computed.has(Stage::D)) {
-        timed(Stage::D, [&] {
-            launch_row_dot(buf(Stage::dO), buf(Stage::output), buf(Stage::D), static_cast<long long>(heads) * d.N, d.dv,
-                           stream_);
-        });
-    }
-    if (computed.has(Stage::dP)) {
-        timed(Stage::dP, [&] {
-            gemm_dp(blas_, d, heads, buf(Stage::dO), buf(Stage::V), buf(Stage::dP), b.half);
-            stored(Stage::dP);
-        });
-    }
-    if (computed.has(Stage::dS)) {
-        timed(Stage::dS, [&] {
-            launch_ds(buf(Stage::attention_weights), buf(Stage::dP), buf(Stage::D), buf(Stage::dS), heads, d.N, d.M,
-                      p.causal, stream_);
-            stored(Stage::dS);
-        });
-    }
-    if (computed.has(Stage::dQ)) {
-        timed(Stage::dQ, [&] {
-            gemm_dq(blas_, d, heads, p.scale, buf(Stage::dS), buf(Stage::K), buf(Stage::dQ), b.half);
-            stored(Stage::dQ);
-        });
-    }
-    if (computed.has(Stage::dK)) {
-        timed(Stage::dK, [&] {
-            gemm_dk(blas_, d, heads, p.scale, buf(Stage::dS), buf(Stage::Q), buf(Stage::dK), b.half);
-            stored(Stage::dK);
-        });
-    }
-    if (computed.has(Stage::dV)) {
-        timed(Stage::dV, [&] {
-            gemm_dv(blas_, d, heads, buf(Stage::attention_weights), buf(Stage::dO), buf(Stage::dV), b.half);
-            stored(Stage::dV);
-        });
-    }
-    if (computed.has(Stage::flash_dQ)) {
-        if (is_half(p.precision))  // main leaves these out (half_flash_stages); kept as a guard
-            fail(kExitInternal, where(__FILE__, __LINE__) + ": the CUDA flash backward has no half-precision variant");
-        FlashBwdArgs a = flash_bwd_args(p);
-        a.heads = heads;
-        a.Q = buf(Stage::Q);
-        a.K = buf(Stage::K);
-        a.V = buf(Stage::V);
-        a.O = buf(Stage::flash_output);
-        a.lse = buf(Stage::flash_lse);
-        a.dO = buf(Stage::dO);
-        a.dQ = buf(Stage::flash_dQ);
-        a.dK = buf(Stage::flash_dK);
-        a.dV = buf(Stage::flash_dV);
-        // The three gradients come from one backward pass, booked to flash_dQ.
-        timed(Stage::flash_dQ, [&] { flash_backward(a, stream_); });
+// Every computed stage but the inputs' echoes (uploaded by compute()), in the table's order, each
+// timed; stages computed together (the flash stages of a pass) at the first of them.
+void CudaBackend::run_stages(const Problem& p, StageSet computed, int heads, const DeviceBuffers& b) {
+    const DeviceStageWork work{p, heads, b, blas_, stream_};
+    for (int i = 0; i < kNumStages; ++i) {
+        const Stage s = static_cast<Stage>(i);
+        if (!computed.has(s) || is_input_echo(s) || !leads_computation(s)) continue;
+        if (!kComputeStage[i])
+            fail(kExitInternal, where(__FILE__, __LINE__) + ": the CUDA backend has no code for stage " + stage_name(s));
+        timed(s, [&] { kComputeStage[i](work); });
     }
 }
 
 // The first launch of a kernel loads it into the context, which for cuBLAS's GEMM kernels costs
 // far more than the GEMM (docs/performance.md, "Kernel loading"). One untimed pass per group size,
 // precision and stage set keeps that out of the stage times; later groups of the same size skip it.
-void CudaBackend::warm_up_stages(const Problem& p, StageSet computed, int heads, const Buffers& b) {
+void CudaBackend::warm_up_stages(const Problem& p, StageSet computed, int heads, const DeviceBuffers& b) {
     if (!warmed_.insert({heads, static_cast<int>(p.precision), computed.bits}).second) return;
     record_events_ = false;
     try {
@@ -428,7 +302,7 @@ void CudaBackend::compute(const Problem& p, StageSet computed, HeadGroup& group,
     const Dims& d = p.dims;
     set_gemm_precision(blas_, p.precision);
 
-    const Buffers b = carve_buffers(p, computed, heads);
+    const DeviceBuffers b = carve_buffers(p, computed, heads);
     for (bool& t : timed_) t = false;
 
     // Inputs. The echo stages Q, K, V, dO are the device copies read back, so their time is the

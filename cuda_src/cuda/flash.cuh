@@ -11,19 +11,13 @@
 #include <cstdint>
 
 #include "../backend.h"
+#include "flash_problem.cuh"
 
 namespace attnstep {
 
-struct FlashArgs {
-    const float* Q;
-    const float* K;
-    const float* V;
-    float* O;
-    float* lse;
-    int heads, N, M, d;
-    float scale;
-    bool causal;
-    Precision precision;
+struct FlashArgs : FlashProblem {
+    float* O = nullptr;
+    float* lse = nullptr;
     FlashKernel kernel = FlashKernel::automatic;
     // At bf16/fp16 the same inputs as 16-bit values of the format (bf16/fp16 bits, laid out like Q,
     // K and V, 16-byte aligned): what the half-precision kernel reads, by tensor memory access.

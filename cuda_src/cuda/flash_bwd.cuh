@@ -10,23 +10,17 @@
 #include <cstddef>
 
 #include "../backend.h"
+#include "flash_problem.cuh"
 
 namespace attnstep {
 
-struct FlashBwdArgs {
-    const float* Q;
-    const float* K;
-    const float* V;
-    const float* O;
-    const float* lse;
-    const float* dO;
-    float* dQ;
-    float* dK;
-    float* dV;
-    int heads, N, M, d;
-    float scale;
-    bool causal;
-    Precision precision;
+struct FlashBwdArgs : FlashProblem {
+    const float* O = nullptr;  // the flash forward's outputs
+    const float* lse = nullptr;
+    const float* dO = nullptr;
+    float* dQ = nullptr;
+    float* dK = nullptr;
+    float* dV = nullptr;
 };
 
 // The backward's tiles and kernel name ("cuda-bwd-3xtf32", "cuda-bwd-tf32"): Br is the query

@@ -1,4 +1,4 @@
-// kernels.cuh — launchers for the element-wise and row-wise stage kernels (kernels.cu).
+// kernels.cuh — launchers for the element-wise and row-wise stage kernels (kernels.cu, softmax.cu).
 // All pointers are device memory; `heads` matrices lie back to back, row-major. Every launcher
 // enqueues on `stream`, checks its launch, and accepts any size >= 1 (odd widths included).
 #pragma once

@@ -1,22 +1,17 @@
 // case_layout.cpp — finding and checking input/output case folders; see case_layout.h.
 #include "case_layout.h"
 
-#include <cmath>
-#include <cstdio>
 #include <filesystem>
-#include <map>
 #include <set>
-#include <sys/stat.h>
 #include <system_error>
 #include <utility>
 #include <vector>
 
 #include "../backend.h"
 #include "../common.h"
-#include "atomic_file.h"
 #include "input_file.h"
+#include "input_manifest.h"
 #include "manifest.h"
-#include "run_folder.h"
 
 namespace fs = std::filesystem;
 
@@ -24,64 +19,7 @@ namespace attnstep {
 
 namespace {
 
-const char* kManifestName = "manifest.toml";
-
 std::string join(const std::string& dir, const std::string& name) { return dir + "/" + name; }
-
-// ------------------------------------------------------------ manifest keys
-enum class KeyType { Int, Float, Bool, String };
-struct KeySpec {
-    const char* key;
-    KeyType type;
-};
-const KeySpec kManifestKeys[] = {
-    {"batch", KeyType::Int},  {"heads", KeyType::Int},   {"seq_q", KeyType::Int},
-    {"seq_k", KeyType::Int},  {"d_k", KeyType::Int},     {"d_v", KeyType::Int},
-    {"causal", KeyType::Bool}, {"scale", KeyType::Float}, {"format", KeyType::String},
-    {"seed", KeyType::Int},   {"distribution", KeyType::String}, {"generator", KeyType::String},
-    {"backward", KeyType::Bool},
-};
-
-std::string known_keys() {
-    std::string s;
-    for (const KeySpec& k : kManifestKeys) s += (s.empty() ? "" : " ") + std::string(k.key);
-    return s;
-}
-
-bool type_matches(const ManifestValue& v, KeyType t) {
-    switch (t) {
-        case KeyType::Int: return v.kind == ManifestValue::Int;
-        case KeyType::Float: return v.kind == ManifestValue::Float || v.kind == ManifestValue::Int;
-        case KeyType::Bool: return v.kind == ManifestValue::Bool;
-        case KeyType::String: return v.kind == ManifestValue::String;
-    }
-    return false;
-}
-
-const char* type_word(KeyType t) {
-    switch (t) {
-        case KeyType::Int: return "an integer";
-        case KeyType::Float: return "a number";
-        case KeyType::Bool: return "true or false";
-        case KeyType::String: return "a double-quoted string";
-    }
-    return "?";
-}
-
-void check_manifest_keys(const Manifest& m) {
-    for (const auto& kv : m.values) {
-        const KeySpec* spec = nullptr;
-        for (const KeySpec& k : kManifestKeys)
-            if (kv.first == k.key) spec = &k;
-        if (!spec)
-            fail(kExitBadInput, m.path + ":" + std::to_string(m.key_lines.at(kv.first)) +
-                                    ":1: unknown key '" + kv.first + "'",
-                 "known keys: " + known_keys());
-        if (!type_matches(kv.second, spec->type))
-            fail(kExitBadInput, m.where(kv.first) + ": '" + kv.first + "' must be " +
-                                    type_word(spec->type));
-    }
-}
 
 // Dimensions each within their range can still make a case too large (stages.h).
 void check_case_limits(const std::string& where, const Dims& d, bool backward) {
@@ -89,37 +27,6 @@ void check_case_limits(const std::string& where, const Dims& d, bool backward) {
     if (!why.empty())
         fail(kExitBadInput, where + ": the case is too large: " + why,
              "split the work into smaller cases (fewer heads or shorter sequences)");
-}
-
-void apply_manifest(const Manifest& m, InputCase* c) {
-    check_manifest_keys(m);
-    std::string all_dim_keys;
-    for (const DimKey& k : kDimKeys) all_dim_keys += (all_dim_keys.empty() ? "" : " ") + std::string(k.key);
-    for (const DimKey& k : kDimKeys) {
-        const ManifestValue* v = m.find(k.key);
-        if (!v)
-            fail(kExitBadInput, m.path + ": missing key '" + std::string(k.key) + "'",
-                 "a manifest names all of " + all_dim_keys);
-        if (v->i < 1 || v->i > kMaxDim)
-            fail(kExitBadInput, m.where(k.key) + ": " + k.key + " = " + std::to_string(v->i) +
-                                    " is out of range (dimensions are 1.." + std::to_string(kMaxDim) + ")");
-        c->dims.*k.field = static_cast<int>(v->i);
-    }
-    for (const char* k : {"d_k", "d_v"})
-        if (m.find(k)->i > kMaxHeadDim)
-            fail(kExitBadInput, m.where(k) + ": " + k + " = " + std::to_string(m.find(k)->i) +
-                                    " exceeds " + std::to_string(kMaxHeadDim),
-                 "head dimensions are 1.." + std::to_string(kMaxHeadDim));
-    if (const ManifestValue* v = m.find("causal")) c->causal = v->b;
-    if (const ManifestValue* v = m.find("scale")) {
-        c->has_scale = true;
-        c->scale = v->f;
-        if (!scale_fits_float32(v->f))
-            fail(kExitBadInput, m.where("scale") + ": scale = " + toml_float(v->f) + ": " + kScaleRangeWords);
-    }
-    if (const ManifestValue* v = m.find("format"))
-        if (!parse_format(v->s, &c->format))
-            fail(kExitBadInput, m.where("format") + ": format \"" + v->s + "\" is not \"txt\" or \"npy\"");
 }
 
 // ------------------------------------------------------------ the folder's head files
@@ -281,36 +188,6 @@ void check_inferred_dims_positive(const InputCase& c, MatrixShape q, MatrixShape
                  "Q, K and V need at least one row and one column each");
 }
 
-// Compared as files (device and inode), not as paths: a symlink or a bind mount reaches the same
-// folder by another path.
-bool same_folder(const std::string& a, const std::string& b) {
-    struct stat sa, sb;
-    return ::stat(a.c_str(), &sa) == 0 && ::stat(b.c_str(), &sb) == 0 && sa.st_dev == sb.st_dev &&
-           sa.st_ino == sb.st_ino;
-}
-
-// What an input case folder holds and an output folder does not: the input manifest, or input
-// files (Q, K, V, dO per head) with no run.toml and no other stage beside them (an output folder
-// echoes the inputs beside the stages it computed). Empty when `dir` looks like no input case.
-std::string input_case_sign(const std::string& dir) {
-    if (fs::exists(join(dir, kManifestName))) return kManifestName;
-    if (holds_run_traces(dir)) return "";  // a run's folder, whatever a killed run left in it
-    std::string input;
-    bool other_stage = false;
-    std::error_code ec;
-    for (const fs::directory_entry& e : fs::directory_iterator(dir, ec)) {
-        const std::string name = e.path().filename().string();
-        if (name == kRunManifest) return "";
-        if (!is_run_file_name(name)) continue;
-        const std::string stage = name.substr(0, name.find("_head_"));
-        bool is_input = false;
-        for (Stage s : all_inputs()) is_input = is_input || stage == stage_name(s);
-        if (is_input) input = name;
-        else other_stage = true;
-    }
-    return other_stage ? "" : input;
-}
-
 }  // namespace
 
 std::string head_file_name(Stage s, int head, Format fmt) {
@@ -403,12 +280,12 @@ InputCase open_input_case(const std::string& dir_in) {
     if (!fs::is_directory(c.dir, ec))
         fail(kExitBadInput, c.dir + ": input folder not found",
              "generate a case with `attnstep generate`, or pass --in DIR");
-    std::string manifest_path = join(c.dir, kManifestName);
+    std::string manifest_path = join(c.dir, kInputManifestName);
     c.has_manifest = fs::exists(manifest_path, ec);
     HeadFiles hf = list_head_files(c.dir);
     if (c.has_manifest) {
         Manifest m = read_manifest(manifest_path);
-        apply_manifest(m, &c);
+        apply_input_manifest(m, &c);
         if (!m.find("format")) c.format = detect_format(c.dir, hf);
         c.backward = decide_backward(c, hf, &m);
         check_case_limits(m.path, c.dims, c.backward);
@@ -429,33 +306,6 @@ void read_head_inputs(const InputCase& c, int head, bool allow_nonfinite, const 
         read_matrix(c.file(s, head), c.format, stage_rows(s, c.dims), stage_cols(s, c.dims), allow_nonfinite,
                     shape_words(s) + origin, buf);
     }
-}
-
-void prepare_output_dir(const std::string& out_dir, const std::string& in_dir, const std::string& run_id) {
-    std::error_code ec;
-    if (fs::exists(out_dir, ec) && !fs::is_directory(out_dir, ec))
-        fail(kExitBadInput, out_dir + ": exists and is not a folder", "pass --out a folder path");
-    fs::create_directories(out_dir, ec);
-    if (ec || !fs::is_directory(out_dir))
-        fail(kExitBadInput, out_dir + ": cannot create the output folder: " +
-                                (ec ? ec.message() : std::string("not a folder")),
-             "pass --out a folder you can write to");
-    if (same_folder(out_dir, in_dir))
-        fail(kExitBadInput, out_dir + ": the output folder is the input folder (" + in_dir + ")",
-             "outputs would overwrite the inputs; pass a different --out");
-    const std::string sign = input_case_sign(out_dir);
-    if (!sign.empty())
-        fail(kExitBadInput, out_dir + ": holds an input case (" + sign + "), not a run's output",
-             "its inputs would be replaced; pass an --out folder of its own");
-    // A real write is the only reliable test (permission bits say nothing on read-only mounts or
-    // for root).
-    std::string probe = temporary_path(join(out_dir, ".attnstep-probe"), run_id);
-    FILE* f = std::fopen(probe.c_str(), "wb");
-    if (!f)
-        fail(kExitBadInput, out_dir + ": the output folder is not writable",
-             "pass --out a folder you can write to");
-    std::fclose(f);
-    std::remove(probe.c_str());
 }
 
 }  // namespace attnstep

@@ -1,6 +1,6 @@
-// case_layout.h — the input and output case folders of docs/contract.md: file names, the input
-// manifest, and the checks that run before anything is written (every input file present, no
-// head gaps, the manifest agrees with the files, the output folder usable).
+// case_layout.h — the input case folder of docs/contract.md: file names, and the checks that run
+// before anything is written (every input file present, no head gaps, the manifest, in
+// input_manifest.cpp, agrees with the files). The output folder's checks: output_folder.h.
 #pragma once
 
 #include <string>
@@ -38,10 +38,5 @@ struct HeadInputs {
 
 // Reads one head's Q, K, V (and dO when `in.dout` is set) into the given buffers.
 void read_head_inputs(const InputCase& c, int head, bool allow_nonfinite, const HeadInputs& in);
-
-// Creates the output folder if needed and checks that it is writable and not the input folder
-// (outputs would overwrite inputs). Fails with exit 2.
-void prepare_output_dir(const std::string& out_dir, const std::string& in_dir,
-                        const std::string& run_id);
 
 }  // namespace attnstep

@@ -30,12 +30,12 @@
 #include "../common.h"
 #include "../stages.h"
 #include "bench_parts.cuh"
-#include "cuda_check.cuh"
-#include "device.cuh"
-#include "flash.cuh"
-#include "flash_bwd.cuh"
-#include "gemm.cuh"
-#include "kernels.cuh"
+#include "../cuda/cuda_check.cuh"
+#include "../cuda/device.cuh"
+#include "../cuda/flash.cuh"
+#include "../cuda/flash_bwd.cuh"
+#include "../cuda/gemm.cuh"
+#include "../cuda/kernels.cuh"
 
 namespace attnstep {
 namespace bench {
@@ -217,11 +217,9 @@ void bench_flash_backward(const Options& o, const BackwardInputs& in, int total_
     }
     const size_t qn = size_t(total_heads) * o.N * o.d, kn = size_t(total_heads) * o.M * o.d;
     DeviceBuffer O(qn), lse(size_t(total_heads) * o.N), dQ(qn), dK(kn), dV(kn);
-    const FlashArgs fa{in.Q.p, in.K.p, in.V.p, O.p, lse.p, total_heads, o.N, o.M, o.d, o.scale, o.causal,
-                       o.precision};
-    flash_forward(fa, s);
-    const FlashBwdArgs a{in.Q.p, in.K.p, in.V.p, O.p, lse.p, in.dO.p, dQ.p, dK.p, dV.p,
-                         total_heads, o.N, o.M, o.d, o.scale, o.causal, o.precision};
+    const FlashProblem problem{in.Q.p, in.K.p, in.V.p, total_heads, o.N, o.M, o.d, o.scale, o.causal, o.precision};
+    flash_forward(FlashArgs{problem, O.p, lse.p}, s);
+    const FlashBwdArgs a{problem, O.p, lse.p, in.dO.p, dQ.p, dK.p, dV.p};
     const FlashPlan plan = flash_backward_plan(a);
     r.tiles = std::to_string(plan.Br) + "x" + std::to_string(plan.Bc) + ", " + plan.kernel;
     // Poisoned gradients: an element the pass never writes stays NaN and fails the check.

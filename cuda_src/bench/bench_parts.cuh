@@ -16,9 +16,9 @@
 
 #include "../backend.h"
 #include "../stages.h"
-#include "cuda_check.cuh"
-#include "flash.cuh"
-#include "gemm.cuh"
+#include "../cuda/cuda_check.cuh"
+#include "../cuda/flash.cuh"
+#include "../cuda/gemm.cuh"
 
 namespace attnstep {
 namespace bench {

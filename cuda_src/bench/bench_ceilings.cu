@@ -6,9 +6,9 @@
 #include <cstdint>
 
 #include "bench_parts.cuh"
-#include "gemm.cuh"
+#include "../cuda/gemm.cuh"
 #ifdef ATTNSTEP_HAVE_WGMMA
-#include "sm90a/flash_wgmma.cuh"
+#include "../cuda/sm90a/flash_wgmma.cuh"
 #endif
 
 namespace attnstep {

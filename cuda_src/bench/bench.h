@@ -1,6 +1,6 @@
 // bench.h — `main --bench ...`: the benchmark entry point.
 // main() hands it the untouched argc/argv (argv[0] is the program, "--bench" is among the rest),
-// so the benchmark owns its own options. The CUDA build implements it (cuda/bench.cu); the
+// so the benchmark owns its own options. The CUDA build implements it (bench/bench.cu); the
 // CPU-only build links the stub in cuda_stub.cpp, which fails with exit 2.
 // Returns the process exit status (common.h's ExitCode); may throw attnstep::Error, which main()
 // reports like any other error.

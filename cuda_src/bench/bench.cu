@@ -27,7 +27,7 @@
 // stage's rounding to the format inside the stage's time; bytes counted as at fp32), and the flash
 // kernels that compute in the format (their plan names it: "cuda-wgmma-bf16"); a flash row with no
 // such kernel for the GPU and d is "unsupported" with the reason, and so are the backward rows.
-#include "../bench.h"
+#include "bench.h"
 
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
@@ -46,12 +46,12 @@
 #include "../stages.h"
 #include "bench_inputs.h"
 #include "bench_parts.cuh"
-#include "cuda_check.cuh"
-#include "flash_dispatch.cuh"
-#include "flash_fast.cuh"
-#include "gemm.cuh"
-#include "half.cuh"
-#include "kernels.cuh"
+#include "../cuda/cuda_check.cuh"
+#include "../cuda/flash_dispatch.cuh"
+#include "../cuda/flash_fast.cuh"
+#include "../cuda/gemm.cuh"
+#include "../cuda/half.cuh"
+#include "../cuda/kernels.cuh"
 
 namespace attnstep {
 namespace bench {
@@ -278,7 +278,7 @@ std::string dispatcher_plan(const Options& o, const FlashArgs& a, FlashPlan* pla
 void bench_flash_kernels(const Options& o, const DeviceBuffer& Q, const DeviceBuffer& K, const DeviceBuffer& V,
                          int total_heads, Timer& timer, cudaStream_t s, std::vector<Result>* out) {
     DeviceBuffer O(size_t(total_heads) * o.N * o.d), lse(size_t(total_heads) * o.N);
-    FlashArgs a{Q.p, K.p, V.p, O.p, lse.p, total_heads, o.N, o.M, o.d, o.scale, o.causal, o.precision};
+    FlashArgs a{{Q.p, K.p, V.p, total_heads, o.N, o.M, o.d, o.scale, o.causal, o.precision}, O.p, lse.p};
     // At a half precision the inputs in the format as well, made before the timing (as SDPA is
     // given them): the half flash kernel reads those (FlashArgs::Qh).
     const FormatInputs format(o.precision, Q, K, V, s);

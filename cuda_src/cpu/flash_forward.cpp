@@ -1,0 +1,100 @@
+// flash_forward.cpp — the CPU backend's FlashAttention forward (flash_output and flash_lse): the
+// same tiled online-softmax algorithm as the GPU's flash kernels, in float32, over kFlashBr x
+// kFlashBc tiles. backend_cpu.cpp's header states the arithmetic.
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "../common.h"
+#include "cpu_stages.h"
+#include "matrix_ops.h"
+#include "parallel.h"
+
+namespace attnstep {
+namespace cpu {
+
+namespace {
+
+// The running state of FlashAttention's online softmax for the rows of one query tile: per row
+// the maximum m, the sum l and the unnormalised output O (d wide).
+struct OnlineRows {
+    int d;
+    Precision precision;  // P rounded to TF32 or the half format as the P·V GEMM reads it
+    std::vector<float> m, l, O;
+    OnlineRows(int rows, int d_, Precision precision_)
+        : d(d_), precision(precision_), m(rows, kNegInf), l(rows, 0.f), O(static_cast<size_t>(rows) * d_, 0.f) {}
+
+    // Row rr takes the scaled, masked scores S[0, cols) of the keys whose values are the rows of
+    // Vj: m_new = max(m, rowmax(S)), P = exp(S - m_new), l = exp(m - m_new)·l + rowsum(P),
+    // O = exp(m - m_new)·O + P·Vj.
+    void add(int rr, const float* S, int cols, const float* Vj) {
+        float m_new = m[rr];
+        for (int cc = 0; cc < cols; ++cc) m_new = max_keep_nan(m_new, S[cc]);
+        if (m_new == kNegInf) return;  // nothing visible yet in this row
+        const float alpha = m[rr] == kNegInf ? 0.f : std::exp(m[rr] - m_new);
+        float* Or = O.data() + static_cast<size_t>(rr) * d;
+        for (int t = 0; t < d; ++t) Or[t] *= alpha;
+        float rowsum = 0.f;
+        for (int cc = 0; cc < cols; ++cc) {
+            const float pc = S[cc] == kNegInf ? 0.f : std::exp(S[cc] - m_new);
+            rowsum += pc;
+            // l sums the float32 weights; only the GEMM operand is rounded (FlashAttention's order)
+            axpy(gemm_operand(precision, pc), Vj + static_cast<size_t>(cc) * d, Or, d);
+        }
+        l[rr] = alpha * l[rr] + rowsum;
+        m[rr] = m_new;
+    }
+
+    // O_i = diag(l)^-1 O_i and lse_i = m_i + log(l_i) into the tile's rows of the head's outputs.
+    void finish(float* Oout, float* lse) const {
+        for (size_t rr = 0; rr < m.size(); ++rr) {
+            const float inv = 1.f / l[rr];
+            for (int t = 0; t < d; ++t) Oout[rr * d + t] = O[rr * d + t] * inv;
+            lse[rr] = m[rr] + std::log(l[rr]);
+        }
+    }
+};
+
+}  // namespace
+
+// FlashAttention forward (Dao et al., Algorithm 1): for each query tile Qi (Br rows), stream the
+// key/value tiles Kj, Vj (Bc rows) through the online softmax (OnlineRows); never holds an N x M
+// matrix. Causal tiles wholly above the diagonal are skipped; the last tiles may be partial (tail
+// rows/columns are simply not visited).
+void compute_flash_output(const StageWork& w) {
+    const Problem& p = w.p;
+    const Operands& in = w.in;
+    const Dims& dm = p.dims;
+    const int N = dm.N, M = dm.M, d = dm.dk;
+    const int Br = kFlashBr, Bc = kFlashBc;
+    const int Tr = (N + Br - 1) / Br, Tc = (M + Bc - 1) / Bc;
+    float* O_all = w.out(Stage::flash_output).base;
+    float* lse_all = w.out(Stage::flash_lse).base;
+    if (!lse_all) fail(kExitInternal, where(__FILE__, __LINE__) + ": no buffer for flash_lse");
+    parallel_for(static_cast<size_t>(w.g.count) * Tr, [&](size_t item) {
+        const int h = static_cast<int>(item / Tr), i = static_cast<int>(item % Tr);
+        const int r0 = i * Br, rows = std::min(Br, N - r0);
+        const float* Qi = in.head(Stage::Q, dm, h) + static_cast<size_t>(r0) * d;
+        const float* K = in.head(Stage::K, dm, h);
+        const float* V = in.head(Stage::V, dm, h);
+        OnlineRows state(rows, d, p.precision);
+        std::vector<float> S(static_cast<size_t>(Bc));
+        for (int j = 0; j < Tc; ++j) {
+            const int c0 = j * Bc, cols = std::min(Bc, M - c0);
+            if (p.causal && c0 > r0 + rows - 1) break;  // this and later tiles are above the diagonal
+            const std::vector<float> KjT = transposed(K + static_cast<size_t>(c0) * d, cols, d);  // d x cols
+            for (int rr = 0; rr < rows; ++rr) {
+                // S = scale * Qi Kjᵀ, -inf where masked
+                row_times_matrix(Qi + static_cast<size_t>(rr) * d, KjT.data(), d, cols, S.data());
+                for (int cc = 0; cc < cols; ++cc)
+                    S[cc] = masked(p.causal, r0 + rr, c0 + cc) ? kNegInf : S[cc] * p.scale;
+                state.add(rr, S.data(), cols, V + static_cast<size_t>(c0) * d);
+            }
+        }
+        state.finish(O_all + stage_elems(Stage::flash_output, dm) * h + static_cast<size_t>(r0) * d,
+                     lse_all + stage_elems(Stage::flash_lse, dm) * h + r0);
+    });
+}
+
+}  // namespace cpu
+}  // namespace attnstep

@@ -1,0 +1,135 @@
+// cuda_stages.cu — the CUDA backend's stage functions (cuda_stages.cuh): each enqueues one stage
+// for every head of a group on the backend's stream, from the stages before it. The half
+// pipelines store each stage's values in the format as part of the stage (store_in_format); D
+// stays float32, and the flash kernels write their own outputs.
+#include <string>
+
+#include "../common.h"
+#include "cuda_stages.cuh"
+#include "half.cuh"
+#include "kernels.cuh"
+
+namespace attnstep {
+
+namespace {
+
+// The arguments both flash passes share, of a whole problem, without buffers.
+FlashProblem flash_problem(const Problem& p) {
+    return FlashProblem{nullptr, nullptr, nullptr, p.dims.total_heads(), p.dims.N, p.dims.M, p.dims.dk,
+                        p.scale, p.causal, p.precision};
+}
+
+}  // namespace
+
+FlashArgs flash_args(const Problem& p) {
+    FlashArgs a{flash_problem(p)};
+    a.kernel = p.flash_kernel;
+    return a;
+}
+
+FlashBwdArgs flash_bwd_args(const Problem& p) { return FlashBwdArgs{flash_problem(p)}; }
+
+void DeviceStageWork::store_in_format(Stage s) const {
+    launch_round_to_format(buf(s), stage_elems(s, p.dims) * heads, p.precision, stream);
+}
+
+// ---------------------------------------------------------------- forward
+
+void compute_KT(const DeviceStageWork& w) {
+    launch_transpose(w.buf(Stage::K), w.buf(Stage::KT), w.heads, w.p.dims.M, w.p.dims.dk, w.stream);
+}
+
+void compute_QK(const DeviceStageWork& w) {
+    gemm_qk(w.blas, w.p.dims, w.heads, w.buf(Stage::Q), w.buf(Stage::K), w.buf(Stage::QK), w.b.half);
+    w.store_in_format(Stage::QK);
+}
+
+void compute_QK_scaled(const DeviceStageWork& w) {
+    launch_scale_mask(w.buf(Stage::QK), w.buf(Stage::QK_scaled), w.heads, w.p.dims.N, w.p.dims.M, w.p.scale,
+                      w.p.causal, w.stream);
+    w.store_in_format(Stage::QK_scaled);
+}
+
+void compute_attention_weights(const DeviceStageWork& w) {
+    launch_softmax_rows(w.buf(Stage::QK_scaled), w.buf(Stage::attention_weights),
+                        static_cast<long long>(w.heads) * w.p.dims.N, w.p.dims.M, w.stream);
+    w.store_in_format(Stage::attention_weights);
+}
+
+void compute_output(const DeviceStageWork& w) {
+    gemm_output(w.blas, w.p.dims, w.heads, w.buf(Stage::attention_weights), w.buf(Stage::V), w.buf(Stage::output),
+                w.b.half);
+    w.store_in_format(Stage::output);
+}
+
+// One kernel writes both flash stages; its time is booked to flash_output alone so that the
+// per-stage times still add up to the run.
+void compute_flash_output(const DeviceStageWork& w) {
+    FlashArgs a = flash_args(w.p);
+    a.Q = w.buf(Stage::Q);
+    a.K = w.buf(Stage::K);
+    a.V = w.buf(Stage::V);
+    a.Qh = w.b.format[0];
+    a.Kh = w.b.format[1];
+    a.Vh = w.b.format[2];
+    a.O = w.buf(Stage::flash_output);
+    a.lse = w.buf(Stage::flash_lse);
+    a.heads = w.heads;
+    flash_forward(a, w.stream);
+}
+
+// ---------------------------------------------------------------- backward
+// The stage path from dO and the forward's stages (docs/contract.md), and the flash backward
+// from the flash forward's outputs.
+
+void compute_D(const DeviceStageWork& w) {
+    launch_row_dot(w.buf(Stage::dO), w.buf(Stage::output), w.buf(Stage::D),
+                   static_cast<long long>(w.heads) * w.p.dims.N, w.p.dims.dv, w.stream);
+}
+
+void compute_dP(const DeviceStageWork& w) {
+    gemm_dp(w.blas, w.p.dims, w.heads, w.buf(Stage::dO), w.buf(Stage::V), w.buf(Stage::dP), w.b.half);
+    w.store_in_format(Stage::dP);
+}
+
+void compute_dS(const DeviceStageWork& w) {
+    launch_ds(w.buf(Stage::attention_weights), w.buf(Stage::dP), w.buf(Stage::D), w.buf(Stage::dS), w.heads,
+              w.p.dims.N, w.p.dims.M, w.p.causal, w.stream);
+    w.store_in_format(Stage::dS);
+}
+
+void compute_dQ(const DeviceStageWork& w) {
+    gemm_dq(w.blas, w.p.dims, w.heads, w.p.scale, w.buf(Stage::dS), w.buf(Stage::K), w.buf(Stage::dQ), w.b.half);
+    w.store_in_format(Stage::dQ);
+}
+
+void compute_dK(const DeviceStageWork& w) {
+    gemm_dk(w.blas, w.p.dims, w.heads, w.p.scale, w.buf(Stage::dS), w.buf(Stage::Q), w.buf(Stage::dK), w.b.half);
+    w.store_in_format(Stage::dK);
+}
+
+void compute_dV(const DeviceStageWork& w) {
+    gemm_dv(w.blas, w.p.dims, w.heads, w.buf(Stage::attention_weights), w.buf(Stage::dO), w.buf(Stage::dV),
+            w.b.half);
+    w.store_in_format(Stage::dV);
+}
+
+// The three gradients come from one backward pass, booked to flash_dQ.
+void compute_flash_dQ(const DeviceStageWork& w) {
+    if (is_half(w.p.precision))  // main leaves these out (half_flash_stages); kept as a guard
+        fail(kExitInternal, where(__FILE__, __LINE__) + ": the CUDA flash backward has no half-precision variant");
+    FlashBwdArgs a = flash_bwd_args(w.p);
+    a.heads = w.heads;
+    a.Q = w.buf(Stage::Q);
+    a.K = w.buf(Stage::K);
+    a.V = w.buf(Stage::V);
+    a.O = w.buf(Stage::flash_output);
+    a.lse = w.buf(Stage::flash_lse);
+    a.dO = w.buf(Stage::dO);
+    a.dQ = w.buf(Stage::flash_dQ);
+    a.dK = w.buf(Stage::flash_dK);
+    a.dV = w.buf(Stage::flash_dV);
+    flash_backward(a, w.stream);
+}
+
+}  // namespace attnstep
