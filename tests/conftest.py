@@ -8,13 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from verify.gpu import no_gpu_reason
-
-REPO = Path(__file__).resolve().parent.parent
-
-_WHY_NO_GPU = no_gpu_reason()  # the command line asks the same (demo --example)
-GPU_PRESENT = _WHY_NO_GPU is None
-NO_GPU_REASON = f"no NVIDIA GPU found ({_WHY_NO_GPU}); CUDA backend tests need one"
+from helpers.environment import GPU_PRESENT, NO_GPU_REASON, REPO
 
 
 def pytest_collection_modifyitems(config, items):

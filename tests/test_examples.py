@@ -21,7 +21,7 @@ from typing import Dict, Optional, Tuple
 import numpy as np
 import pytest
 
-from conftest import GPU_PRESENT, REPO
+from helpers.environment import GPU_PRESENT, REPO
 from verify.stages import DATA_DIR, DEFAULT_CASE, DEFAULT_RESULT, stage_file
 
 EXAMPLES_DIR = REPO / "examples"

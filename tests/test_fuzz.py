@@ -324,7 +324,7 @@ def test_interrupted_runs_never_verify_and_keep_the_previous_run(binary, previou
 
     from verify.outputs import open_run
     from verify.unfinished import read_marker
-    from run_helpers import PREVIOUS_DIR, leftovers, snapshot
+    from helpers.interrupting import PREVIOUS_DIR, leftovers, snapshot
 
     folder, seconds = previous_run
     out = tmp_path_factory.mktemp("run") / "out"

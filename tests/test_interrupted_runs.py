@@ -24,7 +24,7 @@ from verify.stages import Dims
 from verify.unfinished import Unfinished, mark_unfinished, process_start_ticks, read_marker, refuse_unfinished
 from verify.case import CaseError
 
-from run_helpers import (PREVIOUS_DIR, REPO, UNFINISHED_MARKER, binary_command, check, leftovers,
+from helpers.interrupting import (PREVIOUS_DIR, REPO, UNFINISHED_MARKER, binary_command, check, leftovers,
                          paused_while_staging, signal_when, snapshot, staged_a_file, staging_folders)
 
 BIG = Dims(1, 8, 384, 384, 32, 32)     # long enough to be caught while writing, on any machine
