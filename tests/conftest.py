@@ -1,4 +1,5 @@
-"""Shared fixtures: the built binary, GPU detection, and markers.
+"""Shared fixtures: the built binary, GPU detection, and markers (`gpu` skipped without a GPU,
+`slow` left out unless asked for).
 
 Nothing here touches CUDA at import time, so collection works on a CPU-only machine.
 """
@@ -11,7 +12,22 @@ import pytest
 from helpers.environment import GPU_PRESENT, NO_GPU_REASON, REPO
 
 
+def _runs_slow_tests(config) -> bool:
+    """The long sweeps (marker `slow`) run when a marker expression is given (`-m slow`,
+    `-m "slow or not slow"`, `-m gpu`) or a test is named by its id (path::name)."""
+    return bool(config.option.markexpr) or any("::" in str(arg) for arg in config.args)
+
+
+_LEFT_OUT = pytest.StashKey[int]()
+
+
 def pytest_collection_modifyitems(config, items):
+    if not _runs_slow_tests(config):
+        slow = [item for item in items if "slow" in item.keywords]
+        if slow:
+            config.hook.pytest_deselected(items=slow)
+            items[:] = [item for item in items if "slow" not in item.keywords]
+            config.stash[_LEFT_OUT] = len(slow)
     if GPU_PRESENT:
         return
     skip = pytest.mark.skip(reason=NO_GPU_REASON)
@@ -57,3 +73,10 @@ def no_hang():
     yield
     signal.alarm(0)
     signal.signal(signal.SIGALRM, old)
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    left_out = config.stash.get(_LEFT_OUT, 0)
+    if left_out:
+        terminalreporter.write_line(f"{left_out} tests marked slow (the long sweeps) were left out; "
+                                    "run them with: python3 -m pytest -q -m slow")

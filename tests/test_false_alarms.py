@@ -15,7 +15,8 @@ kernel, else it leaves them out with a notice and the sweep checks what it wrote
 backend's half pipelines have their own, smaller sweep in tests/test_half.py.
 
 ATTNSTEP_FALSE_ALARM_CASES sets the number of cases per backend (default 200: about a minute on
-the CPU backend with 2 cores); scripts/gpu_check.sh runs 300 per CUDA configuration. Case i is the same
+the CPU backend with 2 cores); scripts/gpu_check.sh runs 300 per CUDA configuration. The first 25
+run by default, the others are marked slow (`-m slow`). Case i is the same
 for every count and backend (its generator is seeded by i), so a failing case is reproduced by
 its parameters, which the assertion prints.
 """
@@ -38,7 +39,9 @@ CHUNK = 25        # cases per test function: one binary fixture, one report line
 # binary has no half flash kernel, so they are not end-to-end backends, whose tests require them).
 SWEPT = BACKENDS + [pytest.param(("cuda", ("--precision", p)), id=f"cuda-{p}", marks=pytest.mark.gpu)
                     for p in HALF_PRECISIONS]
-CHUNKS = [pytest.param(c, id=f"cases{c * CHUNK}-{min(CASES, (c + 1) * CHUNK) - 1}")
+# The first chunk runs by default; the rest of the sweep is marked slow (python3 -m pytest -m slow).
+CHUNKS = [pytest.param(c, id=f"cases{c * CHUNK}-{min(CASES, (c + 1) * CHUNK) - 1}",
+                       marks=pytest.mark.slow if c else ())
           for c in range((CASES + CHUNK - 1) // CHUNK)]
 
 

@@ -195,7 +195,9 @@ def test_the_cuda_flash_backward_refuses_half_precision(binary, tmp_path):
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
 
 
-CHUNKS = [pytest.param(p, c, id=f"{p}-{c}") for p in HALF_PRECISIONS for c in range((HALF_CASES + 5) // 6)]
+# The first chunk of each format runs by default, the others are marked slow (-m slow).
+CHUNKS = [pytest.param(p, c, id=f"{p}-{c}", marks=pytest.mark.slow if c else ())
+          for p in HALF_PRECISIONS for c in range((HALF_CASES + 5) // 6)]
 
 
 @pytest.mark.parametrize("precision,chunk", CHUNKS)
