@@ -8,7 +8,8 @@ case, the output folder and, on its command line, causal and scale.
 
 Case i draws its routes, distribution, causal shape (N < M or N > M), writer, stage subset and
 scale from a generator seeded by i, so a failing case is reproduced by its id.
-ATTNSTEP_FOREIGN_CASES sets the number of cases (default COVERED: under a minute on one core).
+ATTNSTEP_FOREIGN_CASES sets the number of cases (default COVERED: under a minute on one core); the
+first DEFAULT_RUN run by default, the others are marked slow (`-m slow`).
 
 The float64 sanity tests below pin each route, writer and bug down independently of the
 verifier, so a failure of the sweep is the verifier's, not the implementation's.
@@ -33,6 +34,7 @@ from verify.generate import DISTRIBUTIONS
 from verify.stages import FORWARD_STAGES, INPUT_NAMES, STAGES, Dims, default_scale, stage_file
 
 COVERED = 100  # the first COVERED draws reach every route, writer, subset and shape
+DEFAULT_RUN = 25  # cases run by default; the others are marked slow (-m slow)
 CASES = int(os.environ.get("ATTNSTEP_FOREIGN_CASES", str(COVERED)))
 SWEEP_SEED = 20260412
 MAX_SEQ = 80
@@ -123,7 +125,8 @@ def test_the_sweep_covers_every_route_writer_and_shape():
     assert any(c.writer == "npy_4d" and c.dims.batch > 1 for c in cases)
 
 
-@pytest.mark.parametrize("index", range(CASES), ids=lambda i: f"case{i}")
+@pytest.mark.parametrize("index", [pytest.param(i, id=f"case{i}", marks=pytest.mark.slow if i >= DEFAULT_RUN else ())
+                                   for i in range(CASES)])
 def test_a_correct_foreign_route_passes(tmp_path, index):
     case = draw_case(index)
     in_dir, out_dir, written = write_case(tmp_path, case.dims, case.distribution, index, case.causal,
