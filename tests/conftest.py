@@ -1,4 +1,5 @@
-"""Shared fixtures: the built binary, GPU detection, and markers.
+"""Shared fixtures: the built binary, GPU detection, and markers (`gpu` skipped without a GPU,
+`slow` left out unless asked for).
 
 Nothing here touches CUDA at import time, so collection works on a CPU-only machine.
 """
@@ -8,16 +9,25 @@ from pathlib import Path
 
 import pytest
 
-from verify.gpu import no_gpu_reason
+from helpers.environment import GPU_PRESENT, NO_GPU_REASON, REPO
 
-REPO = Path(__file__).resolve().parent.parent
 
-_WHY_NO_GPU = no_gpu_reason()  # the command line asks the same (demo --example)
-GPU_PRESENT = _WHY_NO_GPU is None
-NO_GPU_REASON = f"no NVIDIA GPU found ({_WHY_NO_GPU}); CUDA backend tests need one"
+def _runs_slow_tests(config) -> bool:
+    """The long sweeps (marker `slow`) run when a marker expression is given (`-m slow`,
+    `-m "slow or not slow"`, `-m gpu`) or a test is named by its id (path::name)."""
+    return bool(config.option.markexpr) or any("::" in str(arg) for arg in config.args)
+
+
+_LEFT_OUT = pytest.StashKey[int]()
 
 
 def pytest_collection_modifyitems(config, items):
+    if not _runs_slow_tests(config):
+        slow = [item for item in items if "slow" in item.keywords]
+        if slow:
+            config.hook.pytest_deselected(items=slow)
+            items[:] = [item for item in items if "slow" not in item.keywords]
+            config.stash[_LEFT_OUT] = len(slow)
     if GPU_PRESENT:
         return
     skip = pytest.mark.skip(reason=NO_GPU_REASON)
@@ -63,3 +73,10 @@ def no_hang():
     yield
     signal.alarm(0)
     signal.signal(signal.SIGALRM, old)
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    left_out = config.stash.get(_LEFT_OUT, 0)
+    if left_out:
+        terminalreporter.write_line(f"{left_out} tests marked slow (the long sweeps) were left out; "
+                                    "run them with: python3 -m pytest -q -m slow")

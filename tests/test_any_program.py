@@ -17,7 +17,7 @@ import pytest
 from click.testing import CliRunner
 
 import attnstep
-import foreign
+from helpers import foreign_routes as foreign
 from verify.cli import cli
 from verify.reference import reference_chain
 from verify.resolution import EXACT, Resolution, text_resolution

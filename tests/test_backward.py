@@ -1,4 +1,4 @@
-"""The verifier on the backward pass: correct float32 backward programs (tests/foreign.py: other
+"""The verifier on the backward pass: correct float32 backward programs (tests/helpers/foreign_routes.py: other
 summation orders, dS by either route, the scale before or after the GEMM, exp or exp2 tiles of any
 width) pass, and each classic backward bug fails with its name."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import foreign
+from helpers import foreign_routes as foreign
 from verify import compare
 from verify.case import write_toml
 from verify.reference import reference_chain

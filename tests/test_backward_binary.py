@@ -16,7 +16,7 @@ import pytest
 from verify.stages import (BACKWARD_STAGES, CASE_INPUTS, FORWARD_STAGES, GRAD_INPUT, INPUT_MANIFEST,
                            RUN_MANIFEST, STAGES, Dims, stage_file)
 
-from shapes import shape_id
+from helpers.shapes import shape_id
 
 GRADS = ("dQ", "dK", "dV")
 FLASH_GRADS = tuple(f"flash_{g}" for g in GRADS)

@@ -2,7 +2,7 @@
 
 Loose checks only (the real verifier, verify/compare.py, owns the tolerance model): every stage
 within a relative bound, masked entries exactly -inf / 0, flash equal to the stage path, TF32
-rounding visible, and --poison leaving no NaN behind. Shapes from tests/shapes.py (irregular on
+rounding visible, and --poison leaving no NaN behind. Shapes from tests/helpers/shapes.py (irregular on
 purpose: tail tiles, N > M causal, d_k != d_v).
 """
 from __future__ import annotations
@@ -17,8 +17,8 @@ from verify.compare import Options, check
 from verify.outputs import load_run
 from verify.stages import INPUT_NAMES, RUN_MANIFEST, STAGES, Dims, stage_file
 
-from nonfinite import NAN_DIMS, nan_case, nan_row_failures
-from shapes import shape_params
+from helpers.nan_case import NAN_DIMS, nan_case, nan_row_failures
+from helpers.shapes import shape_params
 
 
 def write_npy_case(path, dims: Dims, seed=0, scale_inputs=1.0):

@@ -21,7 +21,7 @@ import pytest
 from verify.stages import (DIM_KEYS, FLASH_HEAD_DIMS, FORWARD_STAGES, INPUT_NAMES, MAX_HEAD_DIM, RUN_MANIFEST,
                            UNFINISHED_MARKER, stage_file)
 
-from conftest import GPU_PRESENT
+from helpers.environment import GPU_PRESENT
 
 
 # ------------------------------------------------------------------ helpers

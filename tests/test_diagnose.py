@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from test_tolerance import flash32, sample, simulate
+from helpers.simulated_float32 import flash32, sample, simulate
 from verify import tolerance
 from verify.diagnose import Suspect, diagnose
 from verify.reference import compute_stage, reference_chain, softmax_rows

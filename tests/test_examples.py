@@ -21,7 +21,7 @@ from typing import Dict, Optional, Tuple
 import numpy as np
 import pytest
 
-from conftest import GPU_PRESENT, REPO
+from helpers.environment import GPU_PRESENT, REPO
 from verify.stages import DATA_DIR, DEFAULT_CASE, DEFAULT_RESULT, stage_file
 
 EXAMPLES_DIR = REPO / "examples"
@@ -95,11 +95,15 @@ def examples() -> Dict[str, Path]:
     return {p.stem: BUILD_DIR / p.stem for p in EXAMPLES_DIR.glob("*.cu")}
 
 
+# Compiling the gallery with nvcc takes about 40 s on 2 cores, for one architecture: these two
+# compile-only tests are marked slow (a machine with a GPU builds it for the tests below anyway).
+@pytest.mark.slow
 def test_examples_build(examples):
     for name, path in examples.items():
         assert path.is_file() and os.access(path, os.X_OK), f"{name} was not built"
 
 
+@pytest.mark.slow
 def test_example_names_a_missing_case(examples, tmp_path):
     """Bad input is one line and exit 2, before any CUDA call (so this runs without a GPU)."""
     (tmp_path / "build").mkdir()

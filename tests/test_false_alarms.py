@@ -15,7 +15,8 @@ kernel, else it leaves them out with a notice and the sweep checks what it wrote
 backend's half pipelines have their own, smaller sweep in tests/test_half.py.
 
 ATTNSTEP_FALSE_ALARM_CASES sets the number of cases per backend (default 200: about a minute on
-the CPU backend with 2 cores); scripts/gpu_check.sh runs 300 per CUDA configuration. Case i is the same
+the CPU backend with 2 cores); scripts/gpu_check.sh runs 300 per CUDA configuration. The first 25
+run by default, the others are marked slow (`-m slow`). Case i is the same
 for every count and backend (its generator is seeded by i), so a failing case is reproduced by
 its parameters, which the assertion prints.
 """
@@ -23,94 +24,24 @@ from __future__ import annotations
 
 import os
 import shutil
-from dataclasses import dataclass
-from typing import Optional
 
-import numpy as np
 import pytest
 
 from verify.generate import DISTRIBUTIONS
-from verify.stages import FLASH_HEAD_DIMS, FORMATS, HALF_PRECISIONS, MAX_HEAD_DIM, Dims
+from verify.stages import FLASH_HEAD_DIMS, FORMATS, HALF_PRECISIONS
 
-from test_end_to_end import BACKENDS, _run_and_check
+from helpers.end_to_end import BACKENDS, run_and_check
+from helpers.random_cases import draw_case, failures
 
 CASES = int(os.environ.get("ATTNSTEP_FALSE_ALARM_CASES", "200"))
 CHUNK = 25        # cases per test function: one binary fixture, one report line per chunk
-SWEEP_SEED = 20260311
-MAX_SEQ = 300     # rows/keys: tail tiles of every tile size, yet milliseconds per case
-MAX_MACS = 2_000_000  # batch·heads·seq_q·seq_k·(d_k + d_v): keeps a case near 0.3 s on the CPU
-BACKWARD_SHARE = 1 / 3  # of the cases have dO
 # The end-to-end backends and the CUDA half pipelines (which write no half flash stage where the
 # binary has no half flash kernel, so they are not end-to-end backends, whose tests require them).
 SWEPT = BACKENDS + [pytest.param(("cuda", ("--precision", p)), id=f"cuda-{p}", marks=pytest.mark.gpu)
                     for p in HALF_PRECISIONS]
-
-
-@dataclass(frozen=True)
-class Case:
-    index: int
-    dims: Dims
-    causal: bool
-    distribution: str
-    fmt: str
-    scale: Optional[float]  # None: the default 1/√d_k
-    backward: bool          # the case has dO
-
-    def __str__(self) -> str:
-        d = self.dims
-        return (f"case {self.index}: batch={d.batch} heads={d.heads} seq_q={d.seq_q} seq_k={d.seq_k} "
-                f"d_k={d.d_k} d_v={d.d_v} causal={self.causal} dist={self.distribution} "
-                f"format={self.fmt} scale={self.scale!r} backward={self.backward} seed={self.index}")
-
-
-def _seq_len(rng: np.random.Generator) -> int:
-    """1 (a single row/key), a small length, or one up to MAX_SEQ; never rounded to a tile."""
-    kind = rng.integers(4)
-    if kind == 0:
-        return 1
-    return int(rng.integers(2, 20 if kind == 1 else MAX_SEQ + 1))
-
-
-def _head_dims(rng: np.random.Generator):
-    """d_k = d_v at a flash width (the flash stages run), equal but odd, or unequal."""
-    kind = rng.integers(4)
-    if kind <= 1:
-        d = int(rng.choice(FLASH_HEAD_DIMS))
-        return d, d
-    d_k = int(rng.integers(1, MAX_HEAD_DIM + 1))
-    return d_k, (d_k if kind == 2 else int(rng.integers(1, MAX_HEAD_DIM + 1)))
-
-
-def _scale(rng: np.random.Generator) -> Optional[float]:
-    """Mostly the default; sometimes an explicit scale over four decades, now and then negative."""
-    if rng.random() < 0.7:
-        return None
-    return float(np.float32(10.0 ** rng.uniform(-2.5, 0.5) * (-1 if rng.random() < 0.1 else 1)))
-
-
-def draw_case(index: int) -> Case:
-    rng = np.random.default_rng([SWEEP_SEED, index])
-    d_k, d_v = _head_dims(rng)
-    batch, heads = int(rng.integers(1, 3)), int(rng.integers(1, 4))
-    seq_q, seq_k = _seq_len(rng), _seq_len(rng)
-    while batch * heads * seq_q * seq_k * (d_k + d_v) > MAX_MACS:  # halve the longer side (+1: odd)
-        if seq_q >= seq_k:
-            seq_q = max(1, seq_q // 2 + 1)
-        else:
-            seq_k = max(1, seq_k // 2 + 1)
-    causal = bool(rng.integers(2))
-    dist, fmt, scale = str(rng.choice(list(DISTRIBUTIONS))), str(rng.choice(FORMATS)), _scale(rng)
-    # Drawn last: the forward parameters of case i are those of the sweep before it had dO.
-    return Case(index, Dims(batch, heads, seq_q, seq_k, d_k, d_v), causal, dist, fmt, scale,
-                bool(rng.random() < BACKWARD_SHARE))
-
-
-def _failures(report) -> list:
-    return [(r.stage, r.head, r.status, r.main.tol_used if r.main else None)
-            for r in report.results if not r.passed]
-
-
-CHUNKS = [pytest.param(c, id=f"cases{c * CHUNK}-{min(CASES, (c + 1) * CHUNK) - 1}")
+# The first chunk runs by default; the rest of the sweep is marked slow (python3 -m pytest -m slow).
+CHUNKS = [pytest.param(c, id=f"cases{c * CHUNK}-{min(CASES, (c + 1) * CHUNK) - 1}",
+                       marks=pytest.mark.slow if c else ())
           for c in range((CASES + CHUNK - 1) // CHUNK)]
 
 
@@ -139,8 +70,8 @@ def test_random_correct_runs_never_fail(binary, tmp_path, backend, chunk):
     for index in range(chunk * CHUNK, min(CASES, (chunk + 1) * CHUNK)):
         case = draw_case(index)
         work = tmp_path / str(index)
-        report = _run_and_check(binary, work, case.dims, case.causal, backend, seed=case.index,
-                                distribution=case.distribution, fmt=case.fmt, scale=case.scale,
-                                backward=case.backward)
-        assert report.passed, f"false alarm on {backend[0]} {' '.join(backend[1])}: {case}: {_failures(report)}"
+        report = run_and_check(binary, work, case.dims, case.causal, backend, seed=case.index,
+                               distribution=case.distribution, fmt=case.fmt, scale=case.scale,
+                               backward=case.backward)
+        assert report.passed, f"false alarm on {backend[0]} {' '.join(backend[1])}: {case}: {failures(report)}"
         shutil.rmtree(work)  # hundreds of cases: keep the disk use of one

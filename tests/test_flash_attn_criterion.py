@@ -29,8 +29,8 @@ from verify.reference import reference_chain
 from verify.results import FLASH_ATTN_KEY
 from verify.runner import run_binary
 from verify.specs import SPECS
-from foreign import mm_reverse, write_text
-from test_half import _foreign_case
+from helpers.foreign_routes import mm_reverse, write_text
+from helpers.half_programs import half_program_case
 from verify.stages import (CASE_INPUTS, FLASH_OUTPUT, GRAD_KEYS, GRAD_QUERIES, GRAD_VALUES, HALF_PRECISIONS, OUTPUT,
                            RUN_MANIFEST, STAGES, VALUES, Dims, stage_file)
 
@@ -307,7 +307,7 @@ def test_a_program_we_did_not_write_gets_the_criterion(tmp_path, precision):
     """Another bf16/fp16 program (NumPy, sums in reverse order, FlashAttention-style key tiles of
     32), no run.toml, its outputs alone, printed with %g: `check --precision` passes it and reports
     flash-attn's criterion for both output stages, met."""
-    in_dir, out_dir = _foreign_case(tmp_path, precision, mm_reverse, False, fmt="txt")
+    in_dir, out_dir = half_program_case(tmp_path, precision, mm_reverse, False, fmt="txt")
     for path in out_dir.iterdir():
         if path.name not in {stage_file(n, h, "txt") for n in (OUTPUT, FLASH_OUTPUT) for h in range(2)}:
             path.unlink()

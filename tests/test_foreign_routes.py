@@ -1,6 +1,6 @@
 """Any correct float32 implementation passes `check`; classic bugs fail it, whoever wrote the files.
 
-The programs here are not the project's binary: tests/foreign.py computes every stage by other
+The programs here are not the project's binary: tests/helpers/foreign_routes.py computes every stage by other
 valid routes (summation orders, exp2, reciprocals, online and tiled softmax, a FlashAttention-2
 style forward) and writes the files the way users' programs do (%.9g, %g, %.6f, mixed, .npy per
 head or for all heads, subsets of the stages), with no run.toml. `check` is given only the input
@@ -8,14 +8,14 @@ case, the output folder and, on its command line, causal and scale.
 
 Case i draws its routes, distribution, causal shape (N < M or N > M), writer, stage subset and
 scale from a generator seeded by i, so a failing case is reproduced by its id.
-ATTNSTEP_FOREIGN_CASES sets the number of cases (default COVERED: under a minute on one core).
+ATTNSTEP_FOREIGN_CASES sets the number of cases (default COVERED: under a minute on one core); the
+first DEFAULT_RUN run by default, the others are marked slow (`-m slow`).
 
 The float64 sanity tests below pin each route, writer and bug down independently of the
 verifier, so a failure of the sweep is the verifier's, not the implementation's.
 """
 from __future__ import annotations
 
-import json
 import os
 import stat
 import subprocess
@@ -26,15 +26,15 @@ from typing import Optional
 
 import numpy as np
 import pytest
-from click.testing import CliRunner
 
-import foreign
-from foreign import Route
-from verify.cli import cli
+from helpers import foreign_routes as foreign
+from helpers.cli import check_folder, generate_input, invoke
+from helpers.foreign_routes import Route
 from verify.generate import DISTRIBUTIONS
-from verify.stages import FORWARD_STAGES, INPUT_MANIFEST, INPUT_NAMES, STAGES, Dims, default_scale, stage_file
+from verify.stages import FORWARD_STAGES, INPUT_NAMES, STAGES, Dims, default_scale, stage_file
 
 COVERED = 100  # the first COVERED draws reach every route, writer, subset and shape
+DEFAULT_RUN = 25  # cases run by default; the others are marked slow (-m slow)
 CASES = int(os.environ.get("ATTNSTEP_FOREIGN_CASES", str(COVERED)))
 SWEEP_SEED = 20260412
 MAX_SEQ = 80
@@ -43,11 +43,7 @@ LAYOUTS = ((1, 2), (1, 3), (2, 1))   # (batch, heads)
 CAUSAL_SHAPES = ("none", "N<M", "N>M")
 EXPLICIT_SCALES = (0.37, 0.09, 1.3)
 EPS32 = float(np.finfo(np.float32).eps)
-SEED_PROGRAM = Path(__file__).resolve().parent / "seed_program.py"
-
-
-def invoke(*args) -> "click.testing.Result":
-    return CliRunner().invoke(cli, [str(a) for a in args], catch_exceptions=False)
+SEED_PROGRAM = Path(__file__).resolve().parent / "helpers" / "seed_program.py"
 
 
 # ---- the case draw -----------------------------------------------------------------------------
@@ -105,27 +101,6 @@ def draw_case(index: int) -> Case:
                 _pick(rng, foreign.WRITERS), subset, batch > 1 or rng.random() < 0.6)
 
 
-def generate_input(folder: Path, dims: Dims, distribution: str, seed: int, causal: bool,
-                   manifest: bool = True) -> Path:
-    r = invoke("generate", "--out", folder, "--batch", dims.batch, "--heads", dims.heads,
-               "--seq-q", dims.seq_q, "--seq-k", dims.seq_k, "--d-k", dims.d_k, "--d-v", dims.d_v,
-               "--dist", distribution, "--seed", seed, "--causal" if causal else "--no-causal")
-    assert r.exit_code == 0, r.output
-    if not manifest:
-        (folder / INPUT_MANIFEST).unlink()
-    return folder
-
-
-def check_folder(tmp: Path, in_dir: Path, out_dir: Path, causal: bool, scale: Optional[float]):
-    """`check` with causal and scale on its command line; (click result, JSON report or None)."""
-    report = tmp / "r.json"
-    args = ["check", "--in", in_dir, "--out", out_dir, "--json", report]
-    args += ["--causal"] if causal else []
-    args += ["--scale", repr(scale)] if scale is not None else []
-    result = invoke(*args)
-    return result, (json.loads(report.read_text()) if report.exists() else None)
-
-
 def write_case(tmp: Path, dims: Dims, distribution: str, seed: int, causal: bool, scale: float,
                route: Route, writer: str, subset: str, bug: Optional[str] = None, manifest: bool = True):
     in_dir = generate_input(tmp / "in", dims, distribution, seed, causal, manifest)
@@ -150,7 +125,8 @@ def test_the_sweep_covers_every_route_writer_and_shape():
     assert any(c.writer == "npy_4d" and c.dims.batch > 1 for c in cases)
 
 
-@pytest.mark.parametrize("index", range(CASES), ids=lambda i: f"case{i}")
+@pytest.mark.parametrize("index", [pytest.param(i, id=f"case{i}", marks=pytest.mark.slow if i >= DEFAULT_RUN else ())
+                                   for i in range(CASES)])
 def test_a_correct_foreign_route_passes(tmp_path, index):
     case = draw_case(index)
     in_dir, out_dir, written = write_case(tmp_path, case.dims, case.distribution, index, case.causal,

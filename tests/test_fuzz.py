@@ -22,7 +22,8 @@ from verify.stages import FORMATS, GRAD_INPUT, STAGES, Dims, stage_file  # noqa:
 
 DIMS = Dims(batch=1, heads=2, seq_q=5, seq_k=7, d_k=16, d_v=16)
 # CI runs the same 60 examples per test every time (a submission's verdict does not depend on
-# luck); ATTNSTEP_FUZZ_EXAMPLES=400 makes a longer local sweep over new random examples.
+# luck); ATTNSTEP_FUZZ_EXAMPLES=400 makes a longer local sweep over new random examples. The
+# property sweeps are marked slow (`-m slow`); the fixed corruptions below run by default.
 FUZZ_EXAMPLES = int(os.environ.get("ATTNSTEP_FUZZ_EXAMPLES", "60"))
 FUZZ = settings(max_examples=FUZZ_EXAMPLES, deadline=None, derandomize="ATTNSTEP_FUZZ_EXAMPLES" not in os.environ,
                 suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -97,6 +98,7 @@ def _copy(pristine, tmp_path_factory, name="case"):
     return folder
 
 
+@pytest.mark.slow
 @FUZZ
 @given(corruption())
 def test_binary_fails_cleanly_on_corrupt_inputs(binary, pristine, tmp_path_factory, c):
@@ -129,6 +131,7 @@ def _grad_file(folder, head: int) -> Path:
     return path
 
 
+@pytest.mark.slow
 @FUZZ
 @given(st.integers(0, DIMS.total_heads - 1), st.sampled_from(OPS), st.floats(0, 1), st.sampled_from(TOKENS))
 def test_both_readers_refuse_a_corrupt_dO_alike(binary, pristine_backward, tmp_path_factory, head, op, where,
@@ -194,6 +197,7 @@ manifest_values = st.one_of(
     st.sampled_from(_WORDS), st.sampled_from(_STRINGS))
 
 
+@pytest.mark.slow
 @FUZZ
 @given(st.sampled_from(["seq_q", "scale", "seed", "generator", "causal"]), manifest_values,
        st.sampled_from(["{}", '"{}"', "'{}'"]), st.sampled_from(["", " # note", "\t#"]))
@@ -229,6 +233,7 @@ def npy_headers(draw):
     return "{" + extra + body + draw(st.sampled_from(["", ",", ", "])) + "}"
 
 
+@pytest.mark.slow
 @FUZZ
 @given(npy_headers())
 def test_both_readers_agree_on_npy_headers(binary, pristine_npy, tmp_path_factory, header):
@@ -271,6 +276,7 @@ def test_check_refuses_a_stage_file_that_is_not_a_regular_file(binary, pristine,
     assert "not a regular file" in res.stdout + res.stderr
 
 
+@pytest.mark.slow
 @FUZZ
 @given(st.sampled_from(["QK_head_0.txt", "attention_weights_head_1.txt", "flash_lse_head_0.txt", "dO_head_1.txt",
                         "D_head_0.txt", "dS_head_1.txt", "dK_head_0.txt", "flash_dQ_head_1.txt",
@@ -314,6 +320,7 @@ def previous_run(tmp_path_factory, binary):
     return folder, time.monotonic() - t0
 
 
+@pytest.mark.slow
 @FUZZ
 @given(when=st.floats(0, 1.2), sig=st.sampled_from(INTERRUPTS))
 def test_interrupted_runs_never_verify_and_keep_the_previous_run(binary, previous_run, tmp_path_factory, when, sig):
@@ -324,7 +331,7 @@ def test_interrupted_runs_never_verify_and_keep_the_previous_run(binary, previou
 
     from verify.outputs import open_run
     from verify.unfinished import read_marker
-    from run_helpers import PREVIOUS_DIR, leftovers, snapshot
+    from helpers.interrupting import PREVIOUS_DIR, leftovers, snapshot
 
     folder, seconds = previous_run
     out = tmp_path_factory.mktemp("run") / "out"

@@ -1,7 +1,7 @@
 """The CUDA backend, stage by stage, against the CPU backend and the float64 reference (gpu marker).
 
 Every CUDA run uses --poison, so an element a kernel fails to write stays NaN and fails the test.
-Shapes: tests/shapes.py (irregular on purpose) plus rows that take the softmax kernel's other paths
+Shapes: tests/helpers/shapes.py (irregular on purpose) plus rows that take the softmax kernel's other paths
 (odd M > 1024, M > 32768: the uncached version) and several flash key tiles.
 """
 from __future__ import annotations
@@ -21,8 +21,8 @@ from verify.reference import reference_chain
 from verify.runner import run_binary
 from verify.stages import INPUT_NAMES, Dims, stage_file
 
-from nonfinite import ROW_STAGES, nan_case, nan_row_failures
-from shapes import SHAPES, shape_id
+from helpers.nan_case import ROW_STAGES, nan_case, nan_row_failures
+from helpers.shapes import SHAPES, shape_id
 
 pytestmark = pytest.mark.gpu
 
@@ -260,7 +260,7 @@ def test_nan_in_q_gives_nan_rows_in_each_tensor_core_kernel(binary, tmp_path, ke
     assert within(rel_err(lse[others], ref["flash_lse"].reshape(-1)[others]), tol)
 
 
-# NaN in a key of head 0 and in three query rows of head 1 (tests/nonfinite.py), at a width every
+# NaN in a key of head 0 and in three query rows of head 1 (tests/helpers/nan_case.py), at a width every
 # flash kernel has; two heads of 70 rows against 5 key tiles leave the tensor-core kernels' KV loop
 # split in two and merged, so a NaN part meets a finite one in the combine.
 NAN_EVERY_KERNEL_DIMS = Dims(batch=1, heads=2, seq_q=70, seq_k=300, d_k=64, d_v=64)

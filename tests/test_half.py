@@ -26,11 +26,12 @@ from verify.outputs import load_run
 from verify.reference import reference_chain
 from verify.runner import run_binary
 from verify.stages import (FLASH_LSE, FLASH_OUTPUT, HALF_PRECISIONS, INPUT_NAMES, OUTPUT, QUERIES,
-                           RUN_MANIFEST, SCALED_SCORES, SCORES, STAGES, WEIGHTS, Dims, stage_file)
+                           RUN_MANIFEST, SCALED_SCORES, STAGES, Dims, stage_file)
 
-from foreign import mm_blas, mm_pairwise, mm_reverse, write_text
-from test_end_to_end import _run_and_check
-from test_false_alarms import _failures, draw_case
+from helpers.end_to_end import run_and_check
+from helpers.foreign_routes import mm_blas, mm_pairwise, mm_reverse
+from helpers.half_programs import half_program_case
+from helpers.random_cases import draw_case, failures
 
 f32 = np.float32
 HALF_CASES = int(os.environ.get("ATTNSTEP_HALF_FALSE_ALARM_CASES", "12"))  # per format
@@ -194,7 +195,9 @@ def test_the_cuda_flash_backward_refuses_half_precision(binary, tmp_path):
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
 
 
-CHUNKS = [pytest.param(p, c, id=f"{p}-{c}") for p in HALF_PRECISIONS for c in range((HALF_CASES + 5) // 6)]
+# The first chunk of each format runs by default, the others are marked slow (-m slow).
+CHUNKS = [pytest.param(p, c, id=f"{p}-{c}", marks=pytest.mark.slow if c else ())
+          for p in HALF_PRECISIONS for c in range((HALF_CASES + 5) // 6)]
 
 
 @pytest.mark.parametrize("precision,chunk", CHUNKS)
@@ -205,80 +208,28 @@ def test_random_correct_half_runs_never_fail(binary, tmp_path, precision, chunk)
     for index in range(chunk * 6, min(HALF_CASES, (chunk + 1) * 6)):
         case = draw_case(1000 + index)
         work = tmp_path / str(index)
-        report = _run_and_check(binary, work, case.dims, case.causal, ("cpu", ("--precision", precision)),
-                                seed=case.index, distribution=case.distribution, fmt=case.fmt, scale=case.scale,
-                                backward=case.backward)
-        assert report.passed, f"false alarm at {precision}: {case}: {_failures(report)}"
+        report = run_and_check(binary, work, case.dims, case.causal, ("cpu", ("--precision", precision)),
+                               seed=case.index, distribution=case.distribution, fmt=case.fmt, scale=case.scale,
+                               backward=case.backward)
+        assert report.passed, f"false alarm at {precision}: {case}: {failures(report)}"
         shutil.rmtree(work)
 
 
-# ---- an independent half-precision program: NumPy, other summation orders, no run.toml --------
-
-def _half(x, precision):
-    return round_to_format(np.asarray(x, f32), precision).astype(f32)
-
-
-def _emulate(q, k, v, scale, causal, precision, mm, bug=None):
-    """A bf16/fp16 attention as PyTorch's eager mode runs it (each op's result in the format,
-    float32 inside), its GEMMs summed in `mm`'s order, and a FlashAttention-style forward over
-    key tiles of 32 with P rounded before P·V."""
-    h = lambda x: _half(x, precision)  # noqa: E731
-    q, k, v = h(q), h(k), h(v)
-    qk = h(mm(q, k.T))
-    s = h(qk * f32(scale if bug != "unscaled" else 1.0))
-    if causal:
-        s = np.where(np.triu(np.ones(s.shape, bool), 1), -np.inf, s).astype(f32)
-    e = np.exp(s - s.max(axis=1, keepdims=True), dtype=f32)
-    p = h(e / e.sum(axis=1, keepdims=True, dtype=f32))
-    out = {SCORES: qk, SCALED_SCORES: s, WEIGHTS: p, OUTPUT: h(mm(p, v))}
-    m = np.full((q.shape[0], 1), -np.inf, f32)
-    l, acc = np.zeros_like(m), np.zeros((q.shape[0], v.shape[1]), f32)
-    full = (mm(q, k.T) * f32(scale)).astype(f32)  # the flash scores stay float32
-    if causal:
-        full = np.where(np.triu(np.ones(full.shape, bool), 1), -np.inf, full).astype(f32)
-    for c0 in range(0, k.shape[0], 32):
-        t = full[:, c0:c0 + 32]
-        m_new = np.maximum(m, t.max(axis=1, keepdims=True))
-        alpha = np.where(m == -np.inf, f32(0), np.exp(m - m_new, dtype=f32)).astype(f32)
-        pt = np.exp(t - m_new, dtype=f32)
-        l = (alpha * l + pt.sum(axis=1, keepdims=True, dtype=f32)).astype(f32)
-        acc = (alpha * acc + mm(h(pt), v[c0:c0 + 32])).astype(f32)
-        m = m_new
-    out[FLASH_OUTPUT] = h(acc / l)
-    out[FLASH_LSE] = (m + np.log(l)).astype(f32)
-    return out
-
-
-def _foreign_case(tmp_path, precision, mm, causal, bug=None, fmt="npy"):
-    dims = Dims(1, 2, 50, 77, 64, 64)
-    generate_case(tmp_path / "in", dims, seed=5, causal=causal, distribution="normal")
-    out = tmp_path / "out"
-    out.mkdir()
-    for i in range(dims.total_heads):
-        q, k, v = (np.loadtxt(tmp_path / "in" / stage_file(n, i, "txt"), ndmin=2).astype(f32) for n in INPUT_NAMES)
-        for name, x in _emulate(q, k, v, dims.d_k ** -0.5, causal, precision, mm, bug).items():
-            if fmt == "txt":
-                write_text(out / stage_file(name, i, "txt"), x, "%.9g")
-            elif precision == "fp16" and not STAGES[name].float32:
-                np.save(out / stage_file(name, i, "npy"), x.astype(np.float16))  # '<f2', as such programs save
-            else:
-                np.save(out / stage_file(name, i, "npy"), x)
-    return tmp_path / "in", out
-
+# ---- an independent half-precision program (tests/helpers/half_programs.py) -------------------
 
 @pytest.mark.parametrize("precision", HALF_PRECISIONS)
 @pytest.mark.parametrize("mm,causal,fmt", [(mm_reverse, False, "npy"), (mm_pairwise, True, "txt"),
                                           (mm_blas, True, "npy")], ids=["reverse", "pairwise-causal-txt",
                                                                         "blas-causal"])
 def test_an_independent_half_program_passes(tmp_path, precision, mm, causal, fmt):
-    in_dir, out_dir = _foreign_case(tmp_path, precision, mm, causal, fmt=fmt)
+    in_dir, out_dir = half_program_case(tmp_path, precision, mm, causal, fmt=fmt)
     code, verdict = _check(in_dir, out_dir, "--precision", precision, *(["--causal"] if causal else []))
     assert code == 0 and verdict.startswith(f"PASS (bounds for {precision})"), verdict
 
 
 @pytest.mark.parametrize("precision", HALF_PRECISIONS)
 def test_a_missing_scale_fails_at_half_precision(tmp_path, precision):
-    in_dir, out_dir = _foreign_case(tmp_path, precision, mm_blas, False, bug="unscaled")
+    in_dir, out_dir = half_program_case(tmp_path, precision, mm_blas, False, bug="unscaled")
     code, verdict = _check(in_dir, out_dir, "--precision", precision)
     assert code == 1 and verdict.startswith(f"FAIL (bounds for {precision}): first failing stage: {SCALED_SCORES}"), \
         verdict
@@ -288,7 +239,7 @@ def test_a_missing_scale_fails_at_half_precision(tmp_path, precision):
 def test_one_wrong_element_fails_when_it_exceeds_the_half_bound(tmp_path, precision):
     """One output element off by 2% (five half ulps of bf16, forty of fp16) fails, at that element;
     the same program run at fp32 bounds fails everywhere (its values are half-rounded)."""
-    in_dir, out_dir = _foreign_case(tmp_path, precision, mm_blas, False)
+    in_dir, out_dir = half_program_case(tmp_path, precision, mm_blas, False)
     path = out_dir / stage_file(OUTPUT, 1, "npy")
     x = np.load(path)
     x[3, 5] = x[3, 5] * 1.02 + np.sign(x[3, 5]) * 0.02 * np.abs(x).max()

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from test_tolerance import flash32, sample, simulate
+from helpers.simulated_float32 import flash32, sample, simulate
 from verify.invariants import check_invariants
 from verify.specs import HeadContext
 from verify.stages import INPUT_NAMES, Dims

@@ -28,8 +28,8 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-import foreign
-from test_tolerance import mm_seq, scale_mask32, softmax32
+from helpers import foreign_routes as foreign
+from helpers.simulated_float32 import mm_seq, scale_mask32, softmax32
 from verify.case import read_toml
 from verify.cli import cli
 from verify.reference import softmax_rows
@@ -269,7 +269,7 @@ def _dv_untransposed(c: Case):
 
 
 def _flash_bug(stage: str, bug: str):
-    """A flash gradient of the float32 flash backward of tests/foreign.py with a bug of its
+    """A flash gradient of the float32 flash backward of tests/helpers/foreign_routes.py with a bug of its
     BACKWARD_BUGS, from the binary's own sources (Q, K, V, dO, flash_output, flash_lse)."""
     def build(c: Case):
         return stage, foreign.flash_backward(*_own_inputs(c, stage), c.scale, c.causal, bug=bug)[stage]

@@ -18,7 +18,7 @@ from verify.generate import generate_case
 from verify.stages import INPUT_NAMES, OUTPUT, SCALED_SCORES, SCORES, WEIGHTS, Dims, stage_file
 from verify.words import number_pair
 
-from foreign import write_text
+from helpers.foreign_routes import write_text
 
 f32 = np.float32
 HEADS, N, M, D = 2, 48, 64, 64

@@ -1,5 +1,5 @@
 """Real programs' bugs, named first: each planted by a small program of its own kind
-(tests/buggy_programs.py) that writes its stage files as such a program would (%.9g text, no
+(tests/helpers/buggy_programs.py) that writes its stage files as such a program would (%.9g text, no
 run.toml, only the stages it computes), then checked as a user checks it. The same program without
 its bug passes with no diagnosis.
 """
@@ -11,9 +11,9 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 import pytest
 
-import buggy_programs as bp
-import foreign
-from test_foreign_routes import check_folder, generate_input
+from helpers import buggy_programs as bp
+from helpers import foreign_routes as foreign
+from helpers.cli import check_folder, generate_input
 from verify.stages import Dims, default_scale
 
 STAGE_PATH = ("QK", "QK_scaled", "attention_weights", "output")

@@ -21,8 +21,6 @@ from verify.generate import generate_case
 from verify.program_checks import ProgramCheck, repeat_check
 from verify.stages import PROGRAM_CHECKS, Dims
 
-from conftest import GPU_PRESENT
-
 SMALL = Dims(1, 3, 24, 40, 16, 16)
 
 MEMCHECK_OOB = textwrap.dedent("""\

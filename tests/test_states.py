@@ -13,7 +13,7 @@ import pytest
 from click.testing import CliRunner
 
 import attnstep
-import foreign
+from helpers import foreign_routes as foreign
 from verify import cli as cli_module
 from verify import compare
 from verify.case import CaseError, crc32_hex

@@ -12,7 +12,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 from verify.stages import PREVIOUS_DIR, STAGING_PREFIX, UNFINISHED_MARKER
 
-REPO = Path(__file__).resolve().parent.parent
+from helpers.environment import REPO
 
 
 def snapshot(folder: Path) -> Dict[str, bytes]:

@@ -15,10 +15,10 @@ import math
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))          # tests/foreign.py
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))   # the verify package it names
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # tests/, for tests/helpers/foreign_routes.py
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # the verify package it names
 
-import foreign  # noqa: E402
+from helpers import foreign_routes as foreign  # noqa: E402
 from verify.stages import Dims  # noqa: E402
 
 SEED_BUGS = ("layout", "scale", "axis")

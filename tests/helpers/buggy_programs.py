@@ -2,7 +2,7 @@
 
 Each function computes the stages of every head the way such a program would (a naive softmax, a
 tiled kernel without bounds checks, a mask of another alignment, …) from the input case's Q, K, V,
-and returns one {stage: matrix} per head, ready for tests/foreign.py's writers. The bug is the
+and returns one {stage: matrix} per head, ready for tests/helpers/foreign_routes.py's writers. The bug is the
 program's own doing; everything after it is computed from the bugged value, as the program would.
 """
 from __future__ import annotations
@@ -11,8 +11,8 @@ from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
-import foreign
-from foreign import f32, mm_blas
+from helpers import foreign_routes as foreign
+from helpers.foreign_routes import f32, mm_blas
 
 Head = Dict[str, np.ndarray]
 
