@@ -29,7 +29,7 @@ nvcc --version | tail -n 1
 if want build; then
     t0=$SECONDS
     defs=""; [ "$VARIANTS" != "0" ] && defs="-DATTNSTEP_FLASH_FAST_VARIANTS"
-    if ! { cmake -S . -B $BUILD -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 \
+    if ! { cmake -S . -B $BUILD -DCMAKE_BUILD_TYPE=Release -DATTNSTEP_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
              -DCMAKE_CUDA_FLAGS="$defs -Xptxas -v" >"$OUT/build.log" 2>&1 \
            && cmake --build $BUILD --parallel 16 >>"$OUT/build.log" 2>&1; }; then
         tail -n 40 "$OUT/build.log"; echo "build FAILED"; exit 1

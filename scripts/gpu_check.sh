@@ -60,7 +60,7 @@ fi
 
 if want tests; then
     # The whole suite: GPU tests run here (CUDA backend), CPU tests too.
-    step tests env ATTNSTEP_FALSE_ALARM_CASES=${ATTNSTEP_FALSE_ALARM_CASES:-300} python3 -m pytest -q -x -p no:cacheprovider --junitxml="$OUT/pytest.xml" tests
+    step tests env ATTNSTEP_FALSE_ALARM_CASES=${ATTNSTEP_FALSE_ALARM_CASES:-300} python3 -m pytest -q -x -m "slow or not slow" -p no:cacheprovider --junitxml="$OUT/pytest.xml" tests
     grep -E "passed|failed" "$OUT/tests.log" | tail -n 1
 fi
 
