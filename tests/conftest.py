@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from verify.gpu import no_gpu_reason
+from verify.runs.gpu import no_gpu_reason
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -32,7 +32,7 @@ def binary() -> Path:
     build/main, configured and built once per test session (incremental)."""
     import os
 
-    from verify.runner import ensure_built
+    from verify.runs.runner import ensure_built
 
     given = os.environ.get("ATTNSTEP_BINARY")
     if given:

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from verify.compare import check
-from verify.generate import generate_case
-from verify.runner import run_binary
+from verify.check.compare import check
+from verify.files.generate import generate_case
+from verify.runs.runner import run_binary
 from verify.stages import BACKWARD_STAGES, STAGES
 
 from shapes import shape_params

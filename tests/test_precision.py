@@ -14,9 +14,9 @@ from click.testing import CliRunner
 
 import attnstep
 from verify.cli import cli
-from verify.generate import generate_case
+from verify.files.generate import generate_case
 from verify.stages import INPUT_NAMES, OUTPUT, SCALED_SCORES, SCORES, WEIGHTS, Dims, stage_file
-from verify.words import number_pair
+from verify.text import number_pair
 
 from foreign import write_text
 

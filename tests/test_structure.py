@@ -90,7 +90,7 @@ def _names_a_stage(node: ast.AST, constants: set) -> bool:
 
 # The specs hold what differs between stages; the input case's reader knows its optional dO file;
 # __main__ runs the command line when imported.
-BRANCHING_ALLOWED = (STAGE_TABLE, VERIFY / "specs", VERIFY / "case.py", VERIFY / "__main__.py")
+BRANCHING_ALLOWED = (STAGE_TABLE, VERIFY / "specs", VERIFY / "files" / "case.py", VERIFY / "__main__.py")
 
 
 def test_no_branch_on_a_stage_name():

@@ -18,9 +18,9 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from .bench_report import FLASH_KERNELS, FORWARD, SDPA, SDPA_BACKENDS, BenchError, Shape
-from .model.attention import softmax_rows
-from .model.half import round_to_format
+from ..model.attention import softmax_rows
+from ..model.half import round_to_format
+from .report import FLASH_KERNELS, FORWARD, SDPA, SDPA_BACKENDS, BenchError, Shape
 
 __all__ = ["half_accuracy", "head_inputs", "inputs_checksum", "normwise_error", "reference_rows",
            "uniform_inputs"]
@@ -113,7 +113,7 @@ def _same_inputs(binary: dict, heads: Sequence[Tuple[np.ndarray, ...]]) -> None:
     if not math.isclose(got, want, rel_tol=1e-9, abs_tol=1e-9):
         raise BenchError(f"the inputs recomputed for the accuracy comparison differ from the binary's "
                          f"(checksum {got!r}, the binary's {want!r}); bench_inputs.h and its twin in "
-                         f"verify/bench_accuracy.py must agree")
+                         f"verify/bench/accuracy.py must agree")
 
 
 def _binary_errors(binary: dict) -> Dict[str, Optional[float]]:

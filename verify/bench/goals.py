@@ -6,8 +6,8 @@ import operator
 from dataclasses import dataclass
 from typing import Any, List, Mapping, Optional, Sequence
 
-from .bench_report import FLASH_BACKWARD, FLASH_DISPATCHER, Row, parse_shape_id
-from .stages import HALF_PRECISIONS, KEYS_T, OUTPUT, SCALED_SCORES, SCORES, WEIGHTS
+from ..stages import HALF_PRECISIONS, KEYS_T, OUTPUT, SCALED_SCORES, SCORES, WEIGHTS
+from .report import FLASH_BACKWARD, FLASH_DISPATCHER, Row, parse_shape_id
 
 
 @dataclass(frozen=True)

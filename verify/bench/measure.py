@@ -9,7 +9,7 @@ backend, the fastest being the yardstick, and under --check the errors of the bi
 SDPA on the binary's own inputs (bench_accuracy.py). It prints one table, the goals (bench_goals.py)
 as met/missed, and writes the results as JSON and a PNG plot (TFLOP/s against N, one line per kernel).
 
-The shape list: the default case (`verify.generate.DEFAULT_DIMS`) and B=4, H=16, N=M in
+The shape list: the default case (`verify.files.generate.DEFAULT_DIMS`) and B=4, H=16, N=M in
 {1024, 4096, 16384}, d in {64, 128}, causal and not.
 """
 from __future__ import annotations
@@ -25,21 +25,21 @@ from typing import Iterable, List, Sequence, Tuple
 import click
 import numpy as np
 
-from .bench_accuracy import half_accuracy
-from .bench_goals import evaluate_goals
-from .bench_plot import write_plot
-from .bench_report import (ACCURACY, BACKWARD, FORWARD, PASSES, SDPA, SDPA_BACKENDS, SDPA_BACKWARD, VS_SDPA,
-                           BenchError, Row, Shape, ceiling_lines, fastest_sdpa, format_table, load_results,
-                           parse_binary_json, parse_shape_id, ratios_to_backends, rows_from_results)
-from .bench_sdpa import (SDPA_BACKENDS as BACKEND_NAMES, sdpa_output, time_sdpa, time_sdpa_backends,
-                         time_sdpa_backward, torch_available)
-from .case import atomic_write_bytes
-from .generate import DEFAULT_DIMS
-from .options import InputError, binary_option, build_option, json_option, timeout_option, user_errors
-from .report import jsonable
-from .runner import ensure_built
-from .stages import FLOAT32_PRECISIONS, HALF_PRECISIONS, PRECISIONS
-from .words import plural
+from ..cli.options import InputError, binary_option, build_option, json_option, timeout_option, user_errors
+from ..files.case import atomic_write_bytes
+from ..files.generate import DEFAULT_DIMS
+from ..report.json_file import jsonable
+from ..runs.runner import ensure_built
+from ..stages import FLOAT32_PRECISIONS, HALF_PRECISIONS, PRECISIONS
+from ..text import plural
+from .accuracy import half_accuracy
+from .goals import evaluate_goals
+from .plot import write_plot
+from .report import (ACCURACY, BACKWARD, FORWARD, PASSES, SDPA, SDPA_BACKENDS, SDPA_BACKWARD, VS_SDPA,
+                     BenchError, Row, Shape, ceiling_lines, fastest_sdpa, format_table, load_results,
+                     parse_binary_json, parse_shape_id, ratios_to_backends, rows_from_results)
+from .sdpa import (SDPA_BACKENDS as BACKEND_NAMES, sdpa_output, time_sdpa, time_sdpa_backends,
+                   time_sdpa_backward, torch_available)
 
 __all__ = ["BenchError", "BenchOutOfMemory", "BenchUnusable", "Row", "Shape", "bench", "binary_args", "collect",
            "default_shapes", "evaluate_goals", "format_table", "parse_binary_json", "parse_shape", "parse_shape_id",

@@ -6,9 +6,9 @@ import os
 from pathlib import Path
 from typing import Dict, List, Sequence, Tuple
 
-from .bench_report import SDPA, SDPA_BACKWARD, BenchError, Row, sdpa_backend_row
-from .bench_sdpa import SDPA_BACKENDS as SDPA_BACKEND_NAMES
-from .matrix_io import output_file_target
+from ..files.matrix_io import output_file_target
+from .report import SDPA, SDPA_BACKWARD, BenchError, Row, sdpa_backend_row
+from .sdpa import SDPA_BACKENDS as SDPA_BACKEND_NAMES
 
 # PyTorch's rows, the yardsticks: black, its backward grey, both dashed.
 _SDPA_COLOURS = {SDPA: "black", SDPA_BACKWARD: "grey"}

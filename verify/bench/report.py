@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-from .stages import HALF_PRECISIONS, PRECISIONS
+from ..stages import HALF_PRECISIONS, PRECISIONS
 
 # "flash" is the binary's dispatcher (what `main` runs by default: wgmma on Hopper, else mma.sync,
 # else the clean kernel); the others are the tensor-core kernels forced one by one.

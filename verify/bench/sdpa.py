@@ -13,8 +13,8 @@ from typing import Dict, Optional, Sequence, Union
 
 import numpy as np
 
-from .bench_report import MIB, OOM, UNSUPPORTED, Shape
-from .stages import HALF_PRECISIONS
+from ..stages import HALF_PRECISIONS
+from .report import MIB, OOM, UNSUPPORTED, Shape
 
 __all__ = ["SDPA_BACKENDS", "rejection_reason", "sdpa_output", "time_sdpa", "time_sdpa_backends",
            "time_sdpa_backward", "torch_available", "torch_dtype"]

@@ -2,7 +2,7 @@
 program's output folder: PyTorch's SDPA backends (flash, memory-efficient, cuDNN, math) are
 independent, correct bf16/fp16 attention kernels, so `attnstep check --precision` must pass each.
 
-    python -m verify.sdpa_outputs --in data/random_test --out data/sdpa_flash --backend flash --precision bf16
+    python -m verify.bench.sdpa_outputs --in data/random_test --out data/sdpa_flash --backend flash --precision bf16
     attnstep check --in data/random_test --out data/sdpa_flash --precision bf16
 
 Inputs: the case's Q, K, V (and dO) rounded to the format as the verifier rounds them
@@ -45,15 +45,15 @@ from typing import Callable, Dict, List, Optional, Tuple
 import click
 import numpy as np
 
-from .bench_sdpa import rejection_reason, torch_dtype
-from .case import InputCase, load_input_case
-from .model.half import round_to_format
-from .options import InputError, user_errors
-from .programs import fresh_out
-from .stage_files import STACKED_SUFFIX
-from .stages import (DEFAULT_INPUT_DIR, FLASH_GRAD_KEYS, FLASH_GRAD_QUERIES, FLASH_GRAD_VALUES, FLASH_LSE,
-                     FLASH_OUTPUT, GRAD_INPUT, GRAD_KEYS, GRAD_QUERIES, GRAD_VALUES, HALF_PRECISIONS, INPUT_NAMES,
-                     OUTPUT, STAGES, default_scale)
+from ..cli.options import InputError, user_errors
+from ..files.case import InputCase, load_input_case
+from ..files.stage_files import STACKED_SUFFIX
+from ..model.half import round_to_format
+from ..runs.watched import fresh_out
+from ..stages import (DEFAULT_INPUT_DIR, FLASH_GRAD_KEYS, FLASH_GRAD_QUERIES, FLASH_GRAD_VALUES, FLASH_LSE,
+                      FLASH_OUTPUT, GRAD_INPUT, GRAD_KEYS, GRAD_QUERIES, GRAD_VALUES, HALF_PRECISIONS, INPUT_NAMES,
+                      OUTPUT, STAGES, default_scale)
+from .sdpa import rejection_reason, torch_dtype
 
 
 @dataclass(frozen=True)
@@ -261,7 +261,7 @@ def _lse_or_note(torch, backend, explicit, q, k, v, scale, causal) -> Tuple[Opti
 
 
 # ----------------------------------------------------------------------------------------------
-# python -m verify.sdpa_outputs
+# python -m verify.bench.sdpa_outputs
 
 @click.command()
 @click.option("--in", "in_dir", type=click.Path(file_okay=False, path_type=Path), default=DEFAULT_INPUT_DIR,

@@ -21,17 +21,17 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import click
 
-from .bench import BENCH_TIMEOUT_S, BOTH, BenchOutOfMemory, BenchUnusable, reps_for, run_binary_bench
-from .bench_report import (BACKWARD, FLASH_BACKWARD, FLASH_DISPATCHER, FORWARD, OOM, PASSES, SDPA, STAGE_PATH_BACKWARD,
-                           STAGE_PATH_SKIPPED, BenchError, Row, Shape, kernel_note)
-from .bench_plot import write_plot
-from .bench_sdpa import time_sdpa, time_sdpa_backward, torch_available
+from ..cli.options import InputError, binary_option, build_option, progress_bar, timeout_option, user_errors
+from ..files.matrix_io import atomic_write_bytes, output_file_target
+from ..runs.runner import ensure_built
+from ..stages import FLOAT32_PRECISIONS
+from ..text import plural
 from .device_memory import PeakDeviceMemory
-from .matrix_io import atomic_write_bytes, output_file_target
-from .options import InputError, binary_option, build_option, progress_bar, timeout_option, user_errors
-from .runner import ensure_built
-from .stages import FLOAT32_PRECISIONS
-from .words import plural
+from .measure import BENCH_TIMEOUT_S, BOTH, BenchOutOfMemory, BenchUnusable, reps_for, run_binary_bench
+from .plot import write_plot
+from .report import (BACKWARD, FLASH_BACKWARD, FLASH_DISPATCHER, FORWARD, OOM, PASSES, SDPA, STAGE_PATH_BACKWARD,
+                     STAGE_PATH_SKIPPED, BenchError, Row, Shape, kernel_note)
+from .sdpa import time_sdpa, time_sdpa_backward, torch_available
 
 RESULTS_FORMAT = 1
 SWEEP_D = (16, 32, 64, 128)

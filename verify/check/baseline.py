@@ -32,9 +32,9 @@ from typing import Dict, Optional
 
 import numpy as np
 
-from .model.attention import causal_mask, softmax_rows
-from .model.half import round_to_format32
-from .stages import GRAD_KEYS, GRAD_QUERIES, GRAD_VALUES, OUTPUT
+from ..model.attention import causal_mask, softmax_rows
+from ..model.half import round_to_format32
+from ..stages import GRAD_KEYS, GRAD_QUERIES, GRAD_VALUES, OUTPUT
 
 f32 = np.float32
 

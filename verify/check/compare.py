@@ -10,7 +10,7 @@ stage table's order, with a fault of its own is the culprit the report names.
 A stage passes in isolation when its own upstream files or the original inputs explain it (a
 correct program may compute a stage by another route than from the upstream files it wrote).
 Heads are checked one at a time per process; large runs share them out to forked worker
-processes (verify/pool.py). The results and the report are in verify/results.py.
+processes (verify/check/pool.py). The results and the report are in verify/check/results.py.
 """
 from __future__ import annotations
 
@@ -21,20 +21,20 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from . import diagnose as diag
+from ..diagnose import hypotheses as diag
+from ..files.case import CaseError, InputCase, load_input_case, read_bytes
+from ..files.guards import check_folders_apart
+from ..files.outputs import STAGE_ITEMSIZE, Overrides, RunInfo, foreign_stage_files, open_run, stage_files_in, staleness
+from ..files.resolution import EXACT, half_values
+from ..model.half import is_half, round_to_format
+from ..runs.program_checks import ProgramCheck, files_digest, read_findings
+from ..specs import SPECS, HeadContext, upstream, uses_scale_and_mask
+from ..stages import GRAD_INPUT, INPUT_NAMES, STAGES
 from . import flash_attn_criterion, invariants, tolerance
-from .case import CaseError, InputCase, load_input_case, read_bytes
-from .guards import check_folders_apart
-from .outputs import STAGE_ITEMSIZE, Overrides, RunInfo, foreign_stage_files, open_run, stage_files_in, staleness
-from .model.half import is_half, round_to_format
 from .pool import REF_CACHE, head_jobs, map_heads
-from .program_checks import ProgramCheck, files_digest, read_findings
+from .reference import compute_stage, reference_chain
 from .results import (FAIL, INHERITED, MISSING, PASS, SHAPE, STALE, UNREADABLE, Comparison, HeadResult, Report,
                       compare_arrays, elementwise_error)
-from .reference import compute_stage, reference_chain
-from .resolution import EXACT, half_values
-from .specs import SPECS, HeadContext, upstream, uses_scale_and_mask
-from .stages import GRAD_INPUT, INPUT_NAMES, STAGES
 
 __all__ = ["Options", "check", "check_run", "check_head", "error_ratio_map", "Report", "HeadResult", "Comparison",
            "compare_arrays", "elementwise_error", "head_jobs", "RunInfo", "PASS", "FAIL", "INHERITED", "MISSING",

@@ -5,14 +5,14 @@ FlashAttention's own test suite (tests/test_flash_attn.py) accepts an output ten
     max|X - X_ref| <= factor · max|X_baseline - X_ref| + slack
 
 with X_ref its reference computed in float32 and stored in the half format, and X_baseline the
-same attention run eagerly in that format (verify/baseline.py). Its tests compare the output and
+same attention run eagerly in that format (verify/check/baseline.py). Its tests compare the output and
 dQ, dK, dV; the factors and slack, per tensor, are the ones its tests use: the output within 2×
 the baseline's error (its causal and split-KV tests add 1e-5), dQ, dK and dV within 3×
 (test_flash_attn_output, the dense test with the backward). Here X_ref is attnstep's float64
 reference from the same half inputs, rounded to the format, and the maxima run over every head,
 as flash-attn's do over the whole tensor.
 
-It is informational: attnstep's bounds (verify/tolerance.py) alone decide PASS/FAIL. The two
+It is informational: attnstep's bounds (verify/check/tolerance.py) alone decide PASS/FAIL. The two
 answer different questions: the bounds, whether each element is within what correct arithmetic
 of this precision can give; flash-attn's criterion, whether the worst element is no worse than a
 few times an eager half-precision program's worst.
@@ -25,14 +25,14 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
+from ..model.half import is_half, round_to_format
+from ..model.rounding import memo
+from ..specs import SPECS, HeadContext
+from ..stages import GRAD_INPUT, KEYS, QUERIES, STAGES, VALUES
+from ..text import number as _g
+from ..text import plural
 from .baseline import eager_half_attention
-from .model.half import is_half, round_to_format
-from .model.rounding import memo
 from .results import FLASH_ATTN_KEY, Report, elementwise_error
-from .specs import SPECS, HeadContext
-from .stages import GRAD_INPUT, KEYS, QUERIES, STAGES, VALUES
-from .words import number as _g
-from .words import plural
 
 # (factor, slack) by Stage.backward: the output's, and the gradients' (tests/test_flash_attn.py).
 CRITERIA = {False: (2.0, 1e-5), True: (3.0, 0.0)}

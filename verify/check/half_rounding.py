@@ -17,11 +17,11 @@ from typing import Dict, Optional, Tuple
 
 import numpy as np
 
-from .model.half import NEAREST, is_half, storage_bound
-from .model.rounding import HeadCache, memo
+from ..model.half import NEAREST, is_half, storage_bound
+from ..model.rounding import HeadCache, memo
+from ..specs import SPECS, upstream
+from ..stages import CASE_INPUTS, STAGES
 from .reference import reference_chain
-from .specs import SPECS, upstream
-from .stages import CASE_INPUTS, STAGES
 
 def stored_in_format(stage: str) -> bool:
     """Whether the stage's file holds values of the half format (exact copies hold them already)."""

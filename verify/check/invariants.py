@@ -12,10 +12,10 @@ from typing import List
 
 import numpy as np
 
-from .model.attention import causal_mask
-from .specs import SPECS, HeadContext
-from .specs.base import (COLUMN_SUM, ECHO_MISMATCH, FLASH_VS_OUTPUT, FLASH_VS_STAGES, LSE_VS_SCORES, MASK_MISSING, NEGATIVE_WEIGHTS, NONFINITE,
-                         NOT_TRANSPOSE, ROW_SUM, Violation, nonfinite)
+from ..model.attention import causal_mask
+from ..specs import SPECS, HeadContext
+from ..specs.base import (COLUMN_SUM, ECHO_MISMATCH, FLASH_VS_OUTPUT, FLASH_VS_STAGES, LSE_VS_SCORES, MASK_MISSING, NEGATIVE_WEIGHTS, NONFINITE,
+                          NOT_TRANSPOSE, ROW_SUM, Violation, nonfinite)
 
 __all__ = ["check_invariants", "Violation", "NONFINITE", "NEGATIVE_WEIGHTS", "ROW_SUM", "MASK_MISSING",
            "NOT_TRANSPOSE", "ECHO_MISMATCH", "FLASH_VS_OUTPUT", "LSE_VS_SCORES", "FLASH_VS_STAGES", "COLUMN_SUM"]

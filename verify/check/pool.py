@@ -17,10 +17,10 @@ from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import Callable, List, Optional, Tuple
 
-from .case import CaseError
-from .outputs import RunInfo
-from .stages import STAGES
-from .words import mib
+from ..files.case import CaseError
+from ..files.outputs import RunInfo
+from ..stages import STAGES
+from ..text import mib
 
 
 # Memory one worker holds while it checks a head, in float64 N×M matrices (the reference chain,

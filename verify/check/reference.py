@@ -11,9 +11,9 @@ from typing import Dict, Iterable
 
 import numpy as np
 
-from .model.attention import causal_mask, log_sum_exp_rows, scaled_scores, softmax_rows
-from .specs import SPECS
-from .stages import STAGES
+from ..model.attention import causal_mask, log_sum_exp_rows, scaled_scores, softmax_rows
+from ..specs import SPECS
+from ..stages import STAGES
 
 __all__ = ["compute_stage", "reference_chain", "causal_mask", "scaled_scores", "softmax_rows",
            "log_sum_exp_rows"]

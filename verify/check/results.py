@@ -7,15 +7,15 @@ from typing import List, Optional, Tuple
 
 import numpy as np
 
-from .case import InputCase
-from .diagnose import Diagnosis
-from .outputs import RunInfo
-from .resolution import EXACT
-from .specs.base import Violation
-from .stages import STAGES
+from ..diagnose.hypotheses import Diagnosis
+from ..files.case import InputCase
+from ..files.outputs import RunInfo
+from ..files.resolution import EXACT
+from ..specs.base import Violation
+from ..stages import STAGES
 
 # The key of flash-attn's test criterion in --json (per head here, per stage in the report) and
-# --junit (verify/flash_attn_criterion.py).
+# --junit (verify/check/flash_attn_criterion.py).
 FLASH_ATTN_KEY = "flash_attn_criterion"
 
 # Statuses of one stage × head; only PASS passes.
@@ -148,7 +148,7 @@ class HeadResult:
     half_values: Optional[str] = None
     print_limited: bool = False  # its printed resolution, not float32, bounds what can be checked
     # Half precision, a stage flash-attn's tests compare: (its, the eager half baseline's) largest
-    # |error| against the reference in the format (verify/flash_attn_criterion.py; informational).
+    # |error| against the reference in the format (verify/check/flash_attn_criterion.py; informational).
     flash_attn: Optional[Tuple[float, float]] = None
 
     @property
@@ -187,7 +187,7 @@ class Report:
     case: InputCase
     results: List[HeadResult]
     foreign_files: List[str]
-    # What `attnstep run --sanitize/--repeat` found about the program (verify/program_checks.py).
+    # What `attnstep run --sanitize/--repeat` found about the program (verify/runs/program_checks.py).
     program_checks: List["ProgramCheck"] = field(default_factory=list)
 
     @property

@@ -21,15 +21,15 @@ from typing import Dict, Optional
 
 import numpy as np
 
-from .half_route import half_terms
-from .model.dot import dot_var
-from .model.half import NEAREST, is_half
-from .model.kernels import KERNELS, SOFTMAX_FINAL_ROUNDINGS, Kernel, kernel_for
-from .model.rounding import (FLUSH, LAMBDA, LOG_ULPS, ROUND_VAR, UNIT_ROUNDOFF, HeadCache, ToleranceError, finish,
-                             memo, unit_roundoff)
-from .model.softmax import need
-from .specs import SPECS, chain_inputs
-from .stages import INPUT_NAMES, STAGES
+from ..model.dot import dot_var
+from ..model.half import NEAREST, is_half
+from ..model.kernels import KERNELS, SOFTMAX_FINAL_ROUNDINGS, Kernel, kernel_for
+from ..model.rounding import (FLUSH, LAMBDA, LOG_ULPS, ROUND_VAR, UNIT_ROUNDOFF, HeadCache, ToleranceError, finish,
+                              memo, unit_roundoff)
+from ..model.softmax import need
+from ..specs import SPECS, chain_inputs
+from ..stages import INPUT_NAMES, STAGES
+from .half_rounding import half_terms
 
 __all__ = ["stage_bound", "chained_bound", "quantization_bound", "underflow_floor",
            "dot_var", "kernel_for", "HeadCache", "ToleranceError", "unit_roundoff", "KERNELS", "Kernel",

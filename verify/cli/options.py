@@ -1,6 +1,7 @@
 """What every attnstep command shares: the user-error class and the options several commands take.
 
-Defined here once so that cli.py's commands and `bench` use the same flags, types and defaults.
+Defined here once so that every command (verify/cli/, and `bench` and `sweep`) uses the same flags,
+types and defaults.
 """
 from __future__ import annotations
 
@@ -9,14 +10,16 @@ import functools
 import sys
 import time
 from pathlib import Path
+from typing import Dict
 
 import click
 
-from .case import CaseError, output_file_target, probe_writable
-from .generate import MAX_SEED
-from .pool import NO_MEMORY_EXIT
-from .runner import DEFAULT_BUILD_DIR, DEFAULT_RUN_TIMEOUT_S, RunnerError
-from .stages import DEFAULT_INPUT_DIR, DEFAULT_OUTPUT_DIR
+from ..check.pool import NO_MEMORY_EXIT
+from ..files.case import CaseError, output_file_target, probe_writable
+from ..files.generate import DEFAULT_DIMS, MAX_SEED
+from ..files.outputs import parse_name_map, read_names_file
+from ..runs.runner import DEFAULT_BUILD_DIR, DEFAULT_RUN_TIMEOUT_S, RunnerError
+from ..stages import DEFAULT_INPUT_DIR, DEFAULT_OUTPUT_DIR
 
 BACKENDS = ("auto", "cuda", "cpu")
 
@@ -154,3 +157,40 @@ def reported_progress_bar(label: str, wanted: bool = True):
                 bars.append(stack.enter_context(click.progressbar(length=total, label=label, file=sys.stderr)))
             bars[0].update(done - bars[0].pos)
         yield update
+
+
+quiet_option = click.option("--quiet", "-q", is_flag=True, help="Print only the verdict and errors.")
+
+
+def name_options(fn):
+    """--name STAGE=PATTERN (repeatable) and --names FILE: how a program names its stage files."""
+    fn = click.option("--names", "names_file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+                      help="A file of STAGE = \"PATTERN\" lines.")(fn)
+    return click.option("--name", "names", multiple=True, metavar="STAGE=PATTERN",
+                        help="A stage's file names, e.g. output=O_{i}.txt ({i} head, {b} batch, {h} head in "
+                             "batch).")(fn)
+
+
+def dims_options(fn):
+    defaults = DEFAULT_DIMS
+    for name, flag, help_text in reversed((
+            ("batch", "--batch", "Batch size B."), ("heads", "--heads", "Heads per batch element H."),
+            ("seq_q", "--seq-q", "Query rows N."), ("seq_k", "--seq-k", "Key/value rows M."),
+            ("d_k", "--d-k", "Query/key width d_k (1..256; flash needs 16, 32, 64 or 128)."),
+            ("d_v", "--d-v", "Value width d_v (1..256; flash needs d_v = d_k)."))):
+        fn = click.option(flag, name, type=click.IntRange(min=1), default=getattr(defaults, name),
+                          show_default=True, help=help_text)(fn)
+    return fn
+
+
+def parse_names(items, names_file) -> Dict[str, str]:
+    out = read_names_file(names_file) if names_file else {}
+    pairs = {}
+    for item in items:
+        stage, eq, pattern = item.partition("=")
+        if not eq:
+            raise click.BadParameter(f"{item!r}: expected STAGE=PATTERN, e.g. output=O_{{i}}.txt",
+                                     param_hint="--name")
+        pairs[stage.strip()] = pattern.strip()
+    out.update(parse_name_map(pairs, "--name"))
+    return out

@@ -1,4 +1,4 @@
-"""The backward pass's classic bugs, as hypotheses of verify/diagnose.py: D from the wrong O, dS
+"""The backward pass's classic bugs, as hypotheses of verify/diagnose/hypotheses.py: D from the wrong O, dS
 without its P factor, a gradient missing the scale, dV from P instead of Pᵀ, and a flash backward
 whose lse is in the wrong base. Each rebuilds the failing stage the way the bug would have computed
 it, from the program's own upstream files where it wrote them (else the reference chain), and fires
@@ -10,11 +10,11 @@ from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 import numpy as np
 
-from .diagnose_base import LOG2_E, Diagnosis, explains
-from .model.attention import causal_mask, softmax_rows
-from .specs import SPECS
-from .specs.backward import Gradients, d_reference
-from .stages import FLASH_LSE, GRAD_OUTPUT, KEYS, QUERIES, STAGES, VALUES
+from ..model.attention import causal_mask, softmax_rows
+from ..specs import SPECS
+from ..specs.backward import Gradients, d_reference
+from ..stages import FLASH_LSE, GRAD_OUTPUT, KEYS, QUERIES, STAGES, VALUES
+from .base import LOG2_E, Diagnosis, explains
 
 Own = Callable[[str], np.ndarray]
 
@@ -49,7 +49,7 @@ def _width(ctx, stage: str, width: float) -> float:
     head = ctx.head_ctx
     if head is None or all(n in head.got for n in STAGES[stage].inputs):
         return width  # every candidate is built from the program's own files
-    from . import tolerance
+    from ..check import tolerance
     try:
         chained = tolerance.chained_bound(stage, head.chain, **head.bound_args())
     except (KeyError, ValueError):

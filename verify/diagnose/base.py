@@ -7,8 +7,8 @@ from typing import Callable, Dict, Optional, Tuple
 
 import numpy as np
 
-from .specs.base import HeadContext
-from .stages import Dims
+from ..specs.base import HeadContext
+from ..stages import Dims
 
 
 # A candidate explains got when every element is within MATCH_WIDTHS tolerance widths of it (the

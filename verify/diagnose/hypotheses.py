@@ -11,11 +11,11 @@ Codes (stable; the report's `diagnosis`; docs/contract.md says each in a user's 
 unwritten, overflow, transposed, layout, scaled, softmax_axis, head_permuted, mask_missing,
 mask_offset (any offset; bottom-right alignment named), keys_past_end, keys_dropped, tile_boundary,
 lse_log2, the backward's D_wrong_O, dS_missing_P, grad_unscaled, dV_untransposed_P
-(verify/diagnose_backward.py), and the precision ones: tf32, half_storage, half_truncation,
-half_accumulation (verify/diagnose_precision.py). overflow, keys_past_end and keys_dropped are in
-verify/diagnose_inputs.py: they, the mask and the scale recompute a stage from the case's Q, K, V
+(verify/diagnose/backward.py), and the precision ones: tf32, half_storage, half_truncation,
+half_accumulation (verify/diagnose/precision.py). overflow, keys_past_end and keys_dropped are in
+verify/diagnose/inputs.py: they, the mask and the scale recompute a stage from the case's Q, K, V
 where the program wrote no upstream stage (its spec's from_inputs). (`stale` comes from the
-integrity check in verify.compare.)
+integrity check in verify.check.compare.)
 """
 from __future__ import annotations
 
@@ -23,19 +23,19 @@ from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 import numpy as np
 
-from .diagnose_base import (LOG2_E, MATCH_WIDTHS, MAX_HEADS_SEARCHED, POISON_VALUES, SCALE_NAME_RTOL,
-                            UNWRITTEN_DENSITY, Diagnosis, Suspect, explains, loc, maxdiff, width_of)
-from . import diagnose_backward as backward_bugs
-from . import diagnose_precision as precision_bugs
-from .diagnose_regions import mask as _mask
-from .diagnose_regions import tile_boundary as _tile_boundary
-from .diagnose_inputs import keys as _keys
-from .diagnose_inputs import overflow as _overflow
-from .diagnose_inputs import case_inputs, rebuilder, run_mask
-from .reference import compute_stage, softmax_rows
-from .specs import SPECS
-from .stages import KEYS, QUERIES, STAGES
-from .words import plural
+from ..check.reference import compute_stage, softmax_rows
+from ..specs import SPECS
+from ..stages import KEYS, QUERIES, STAGES
+from ..text import plural
+from . import backward as backward_bugs
+from . import precision as precision_bugs
+from .base import (LOG2_E, MATCH_WIDTHS, MAX_HEADS_SEARCHED, POISON_VALUES, SCALE_NAME_RTOL,
+                   UNWRITTEN_DENSITY, Diagnosis, Suspect, explains, loc, maxdiff, width_of)
+from .inputs import case_inputs, rebuilder, run_mask
+from .inputs import keys as _keys
+from .inputs import overflow as _overflow
+from .regions import mask as _mask
+from .regions import tile_boundary as _tile_boundary
 
 __all__ = ["Diagnosis", "Suspect", "diagnose"]
 
@@ -302,7 +302,7 @@ def _head_permuted(stage, got, want, ctx, width) -> List[Diagnosis]:
 def _lse_log2(stage, got, want, ctx, width) -> List[Diagnosis]:
     """flash_lse in base 2: got ≈ want·log2(e), the log-sum-exp of a kernel that works with exp2 and
     log2 internally and does not convert back to the natural log (the flash gradients' P
-    recomputed from an lse in the wrong base: verify/diagnose_backward.py's grad_lse_log2)."""
+    recomputed from an lse in the wrong base: verify/diagnose/backward.py's grad_lse_log2)."""
     # The base-2 result carries the natural one's rounding times log2(e).
     diff = explains(got, want * LOG2_E, want, width * LOG2_E)
     if diff is None:

@@ -1,5 +1,5 @@
 """Bugs seen where a program wrote no upstream stage: the stage recomputed from the case's Q, K, V
-(its spec's from_inputs) as the bug would have it. Hypotheses of verify/diagnose.py.
+(its spec's from_inputs) as the bug would have it. Hypotheses of verify/diagnose/hypotheses.py.
 
 overflow: a softmax without the row max subtracted; exp overflows float32 where a row's logits
 pass log(FLT_MAX) ≈ 88.7, and inf/inf is NaN. keys_past_end: a key tile read past the end of the
@@ -12,12 +12,12 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from .diagnose_base import (DISTINCT_WIDTHS, KEY_TILES, LOG_FLOAT32_MAX, MATCH_WIDTHS, OVERFLOW_SLACK, Diagnosis,
-                            Suspect, maxdiff, width_of)
-from .model.attention import causal_mask, log_sum_exp_rows
-from .specs import SPECS
-from .stages import INPUT_NAMES, KEYS, QUERIES, SCALED_SCORES, STAGES, VALUES
-from .words import plural
+from ..model.attention import causal_mask, log_sum_exp_rows
+from ..specs import SPECS
+from ..stages import INPUT_NAMES, KEYS, QUERIES, SCALED_SCORES, STAGES, VALUES
+from ..text import plural
+from .base import (DISTINCT_WIDTHS, KEY_TILES, LOG_FLOAT32_MAX, MATCH_WIDTHS, OVERFLOW_SLACK, Diagnosis,
+                   Suspect, maxdiff, width_of)
 
 Rebuild = Callable[[Dict[str, np.ndarray], np.ndarray], np.ndarray]  # (Q, K, V), masked -> the stage
 
@@ -49,7 +49,7 @@ def rebuilder(stage: str, ctx: Suspect, width: float) -> Optional[Tuple[Rebuild,
     if hc is not None and any(n in hc.got for n in upstream):
         return None  # its own upstream files explain it, or name the bug where it began
     if hc is not None and upstream and stage in hc.chain:
-        from . import tolerance
+        from ..check import tolerance
         chained = tolerance.chained_bound(stage, hc.chain, **hc.bound_args())
         width = max(width, width_of(chained, hc.chain[stage]))
     return (lambda qkv, masked: from_inputs(qkv, ctx.scale, masked)), width

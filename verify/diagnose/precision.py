@@ -18,15 +18,15 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from . import tolerance
-from .diagnose_base import Diagnosis, Suspect
-from .half_route import stored_in_format
-from .model.half import HALF_FORMATS, NEAREST, TOWARD_ZERO, is_half, round_mantissa32, round_to_format
-from .model.rounding import HeadCache
-from .reference import compute_stage, reference_chain
-from .specs import SPECS, upstream
-from .stages import (CASE_INPUTS, GRAD_OUTPUT, GRAD_VALUES, GRAD_WEIGHTS, KEYS, OUTPUT, QUERIES, SCORES, STAGES,
-                     VALUES, WEIGHTS)
+from ..check import tolerance
+from ..check.half_rounding import stored_in_format
+from ..check.reference import compute_stage, reference_chain
+from ..model.half import HALF_FORMATS, NEAREST, TOWARD_ZERO, is_half, round_mantissa32, round_to_format
+from ..model.rounding import HeadCache
+from ..specs import SPECS, upstream
+from ..stages import (CASE_INPUTS, GRAD_OUTPUT, GRAD_VALUES, GRAD_WEIGHTS, KEYS, OUTPUT, QUERIES, SCORES, STAGES,
+                      VALUES, WEIGHTS)
+from .base import Diagnosis, Suspect
 
 CODES = ("tf32", "half_storage", "half_truncation", "half_accumulation")
 CONFIDENCE = 0.8
@@ -68,7 +68,7 @@ def recheck(stage: str, got: np.ndarray, ctx: Suspect, precision: str, rounding:
     """The stage's error as a fraction of the bounds `check --precision P --half-rounding R` would
     give it (< 1: it would pass), the better of the isolated and chained comparison, and the
     isolated reference there; (inf, None) without the head's context."""
-    from .results import compare_arrays  # results' Report holds Diagnoses: imported when used
+    from ..check.results import compare_arrays  # results' Report holds Diagnoses: imported when used
     head = ctx.head_ctx
     if head is None or not head.raw_inputs:
         return np.inf, None

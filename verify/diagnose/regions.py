@@ -1,18 +1,18 @@
 """Where a failing result is wrong: a shifted or missing causal mask, and errors that follow tile
-boundaries (a dropped tail tile, a race between tiles). Hypotheses of verify/diagnose.py."""
+boundaries (a dropped tail tile, a race between tiles). Hypotheses of verify/diagnose/hypotheses.py."""
 from __future__ import annotations
 
 from typing import List, Optional
 
 import numpy as np
 
-from .diagnose_base import (MASK_FIT_ROWS, MATCH_WIDTHS, MAX_MASK_FIT_KEYS, MAX_MASK_OFFSET, TILE_DENSITY,
-                            TILE_PERIODS, Diagnosis, explains)
-from .diagnose_inputs import case_inputs, rebuilder
-from .reference import causal_mask
-from .specs import SPECS
-from .stages import KEYS, QUERIES, STAGES
-from .words import plural
+from ..check.reference import causal_mask
+from ..specs import SPECS
+from ..stages import KEYS, QUERIES, STAGES
+from ..text import plural
+from .base import (MASK_FIT_ROWS, MATCH_WIDTHS, MAX_MASK_FIT_KEYS, MAX_MASK_OFFSET, TILE_DENSITY,
+                   TILE_PERIODS, Diagnosis, explains)
+from .inputs import case_inputs, rebuilder
 
 
 def _offset_mask(shape, k: int) -> np.ndarray:

@@ -8,11 +8,11 @@ import os
 from pathlib import Path
 from typing import List, Mapping, Optional
 
+from ..stages import INPUT_MANIFEST, PREVIOUS_DIR, RUN_MANIFEST, UNFINISHED_MARKER
+from ..text import plural
 from .case import CaseError, input_head_files
 from .outputs import stage_files_in
 from .stage_files import pattern_regex
-from .stages import INPUT_MANIFEST, PREVIOUS_DIR, RUN_MANIFEST, UNFINISHED_MARKER
-from .words import plural
 
 SAME, INSIDE, CONTAINS = "same", "inside", "contains"
 

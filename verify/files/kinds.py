@@ -2,8 +2,8 @@
 (never a FIFO, a device, a folder, or a kernel file such as /proc/self/environ), and files are
 written under names nobody else planted (never through a link or over a special file).
 
-The user-error class lives here, at the bottom of the file modules; verify/matrix_io.py and
-verify/case.py re-export it.
+The user-error class lives here, at the bottom of the file modules; verify/files/matrix_io.py and
+verify/files/case.py re-export it.
 """
 from __future__ import annotations
 

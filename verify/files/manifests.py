@@ -10,9 +10,9 @@ from pathlib import Path
 
 import numpy as np
 
+from ..stages import DIM_KEYS, MAX_DIM, MAX_ELEMENTS, MAX_HEAD_DIM, MAX_HEADS, Dims
+from ..text import plural, printable
 from .matrix_io import CaseError, atomic_write_bytes, read_bytes
-from .stages import DIM_KEYS, MAX_DIM, MAX_ELEMENTS, MAX_HEAD_DIM, MAX_HEADS, Dims
-from .words import plural, printable
 
 # ----------------------------------------------------------------------------------------------
 # Manifests: flat `key = value` TOML.

@@ -21,9 +21,9 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from .file_kinds import CaseError, file_kind, new_temp_file, not_regular, own_name, refuse_unreadable_kind
-from .stages import NPY_MAX_HEADER_BYTES, TEXT_BYTES_PER_VALUE, TEXT_SLACK_BYTES
-from .words import plural, printable
+from ..stages import NPY_MAX_HEADER_BYTES, TEXT_BYTES_PER_VALUE, TEXT_SLACK_BYTES
+from ..text import plural, printable
+from .kinds import CaseError, file_kind, new_temp_file, not_regular, own_name, refuse_unreadable_kind
 
 # How much of a token that is not a number an error quotes.
 QUOTED_TOKEN_LIMIT = 40

@@ -20,15 +20,15 @@ from typing import Dict, List, Mapping, Optional, Tuple
 
 import numpy as np
 
+from ..model.half import HALF_ROUNDINGS, NEAREST, rounding_refusal  # noqa: F401 (cli's choices)
+from ..model.kernels import KERNELS, kernel_base_name
+from ..stages import (DIM_KEYS, FORMATS, PRECISIONS, RUN_MANIFEST, STAGES, Dims, default_scale,
+                      parse_stage_file, stage_file)
+from ..text import printable
 from .case import CaseError, InputCase, check_scale, check_types, crc32_hex, read_toml, validate_dims
-from .model.half import HALF_ROUNDINGS, NEAREST, rounding_refusal  # noqa: F401 (cli's choices)
-from .model.kernels import KERNELS, kernel_base_name
 from .stage_files import (STACKED_SUFFIX, STAGE_ITEMSIZE, StageSource, check_heads_named, discover_sources,
                           parse_name_map, pattern_regex, read_names_file)
 from .unfinished import refuse_unfinished
-from .stages import (DIM_KEYS, FORMATS, PRECISIONS, RUN_MANIFEST, STAGES, Dims, default_scale,
-                     parse_stage_file, stage_file)
-from .words import printable
 
 __all__ = ["RunInfo", "Overrides", "Mismatch", "open_run", "load_run", "read_run_manifest", "stage_files_in",
            "foreign_stage_files", "staleness", "StageSource", "STAGE_ITEMSIZE", "parse_name_map",

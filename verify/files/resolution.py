@@ -14,9 +14,9 @@ from typing import Optional
 
 import numpy as np
 
-from .model.half import is_half, round_to_format
-from .model.rounding import UNIT_ROUNDOFF
-from .words import plural
+from ..model.half import is_half, round_to_format
+from ..model.rounding import UNIT_ROUNDOFF
+from ..text import plural
 
 # Significant digits from which a printed float32 round-trips exactly.
 FLOAT32_ROUND_TRIP_DIGITS = 9

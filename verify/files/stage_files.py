@@ -13,11 +13,11 @@ from typing import Dict, Mapping, Optional, Tuple
 
 import numpy as np
 
+from ..stages import STAGES, Dims, parse_stage_file, stage_file
+from ..text import plural, printable, showable
 from .case import CaseError, parse_matrix, read_bytes, read_toml
 from .matrix_io import check_npy_size
 from .resolution import Resolution, array_resolution, text_resolution
-from .stages import STAGES, Dims, parse_stage_file, stage_file
-from .words import plural, printable, showable
 
 STACKED_SUFFIX = ".npy"             # `<stage>.npy`: every head in one array
 HEAD_FIELDS = ("i", "b", "h")       # placeholders of a name-map pattern

@@ -12,10 +12,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from ..stages import UNFINISHED_MARKER
+from ..text import printable
 from .manifests import check_types, read_toml, write_toml
 from .matrix_io import CaseError, remove_own_file
-from .stages import UNFINISHED_MARKER
-from .words import printable
 
 MARKER_KEYS = {"run_id": str, "pid": int, "pid_start": int, "started": str, "state": str, "reason": str}
 RUNNING, FAILED = "running", "failed"

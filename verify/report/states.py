@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from .results import FAIL, INHERITED, MISSING, PASS, STALE, HeadResult, Report
-from .resolution import HALF
-from .stages import RUN_MANIFEST, STAGES
-from .words import plural
+from ..check.results import FAIL, INHERITED, MISSING, PASS, STALE, HeadResult, Report
+from ..files.resolution import HALF
+from ..stages import RUN_MANIFEST, STAGES
+from ..text import plural
 
 # Stale files from this many on: files written over an earlier run, told in one line. A single
 # stale file keeps its own message (a file from an earlier run, or edited since).

@@ -8,7 +8,7 @@ import shutil
 import subprocess
 from typing import Optional
 
-from .case import CaseError
+from ..files.case import CaseError
 
 SMI_TIMEOUT_S = 20
 

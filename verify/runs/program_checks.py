@@ -1,5 +1,5 @@
 """What a run's values cannot show, checked on the program itself and reported beside the stage
-verdicts: compute-sanitizer's tools (verify/sanitizer.py) and repeatability (the same case run K
+verdicts: compute-sanitizer's tools (verify/runs/sanitizer.py) and repeatability (the same case run K
 times must give the same values, bit for bit; races and floating-point atomics break it).
 
 `attnstep run --sanitize/--repeat` writes the findings into OUT/program_checks.toml with a digest
@@ -14,10 +14,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
-from .manifests import check_types, read_toml, write_toml
-from .matrix_io import CaseError, remove_own_file
-from .stages import PROGRAM_CHECKS, RUN_MANIFEST
-from .words import plural, printable
+from ..files.manifests import check_types, read_toml, write_toml
+from ..files.matrix_io import CaseError, remove_own_file
+from ..stages import PROGRAM_CHECKS, RUN_MANIFEST
+from ..text import plural, printable
 
 REPEAT = "repeat"
 _KEYS = ("passed", "summary", "count", "first", "kernel", "source")

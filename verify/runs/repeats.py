@@ -1,5 +1,5 @@
 """Running a program more than once for `attnstep run --sanitize/--repeat`: once under each
-compute-sanitizer tool, and K times to compare its values bit for bit (verify/program_checks.py
+compute-sanitizer tool, and K times to compare its values bit for bit (verify/runs/program_checks.py
 holds the findings; the last plain run's files are the ones `check` reads)."""
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import tempfile
 from pathlib import Path
 from typing import Callable, List, Mapping, Sequence
 
-from .case import CaseError, load_input_case
-from .outputs import Overrides, open_run
+from ..files.case import CaseError, load_input_case
+from ..files.outputs import Overrides, open_run
 from .program_checks import ProgramCheck, repeat_check, value_digests
 from .runner import RunnerError
 from .sanitizer import find_sanitizer, read_log, sanitized_command

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, List, Optional, Sequence, Tuple
 
-from .stages import PREVIOUS_DIR, RUN_MANIFEST
+from ..stages import PREVIOUS_DIR, RUN_MANIFEST
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]  # verify/runs/runner.py
 DEFAULT_BUILD_DIR = REPO / "build"
 BINARY_NAME = "main"
 EXAMPLES_DIR = REPO / "examples"  # the gallery: one program per .cu file, a CMake target each

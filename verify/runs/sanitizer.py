@@ -14,9 +14,9 @@ import shutil
 from pathlib import Path
 from typing import List, Optional, Sequence
 
-from .matrix_io import CaseError
+from ..files.matrix_io import CaseError
+from ..text import plural, printable
 from .program_checks import ProgramCheck
-from .words import plural, printable
 
 SANITIZER = "compute-sanitizer"
 TOOLS = ("memcheck", "racecheck", "initcheck", "synccheck")

@@ -11,17 +11,17 @@ from typing import List, Mapping, Optional, Sequence
 
 import click
 
-from .case import CaseError, read_toml
-from .guards import foreign_input_case
-from .options import InputError, reported_progress_bar
-from .outputs import stage_files_in
-from .words import plural, printable
-from .runner import run_binary, run_program, set_aside_previous
-from .stage_files import STACKED_SUFFIX, pattern_regex
+from ..cli.options import InputError, reported_progress_bar
+from ..files.case import CaseError, read_toml
+from ..files.guards import foreign_input_case
+from ..files.outputs import stage_files_in
+from ..files.stage_files import STACKED_SUFFIX, pattern_regex
+from ..files.unfinished import FAILED, clear_unfinished, mark_unfinished
+from ..stages import RUN_MANIFEST, STAGE_NAMES, parse_stage_file
+from ..text import plural, printable
 from .program_checks import ProgramCheck, clear_findings, files_digest, write_findings
-from .program_runs import RunOnce, repeated_runs, sanitized_runs
-from .unfinished import FAILED, clear_unfinished, mark_unfinished
-from .stages import RUN_MANIFEST, STAGE_NAMES, parse_stage_file
+from .repeats import RunOnce, repeated_runs, sanitized_runs
+from .runner import run_binary, run_program, set_aside_previous
 
 
 def run_attnstep_binary(binary: Path, in_dir: Path, out_dir: Path, backend: str, timeout: float,

@@ -4,7 +4,7 @@ A stage's spec (one module per stage or stage family in this package) says how i
 (its float64 reference), how far a correct float32 program may be from that (its isolated and
 chained error bounds, its underflow floor, how a coarsely printed source moves it), what holds of
 every correct result without a reference (its invariants), and which bug patterns can explain it.
-The engine (verify/compare.py) iterates specs; it never branches on a stage's name.
+The engine (verify/check/compare.py) iterates specs; it never branches on a stage's name.
 """
 from __future__ import annotations
 
@@ -130,8 +130,8 @@ class StageSpec:
     wrong scale.
     rebuild: a backward stage from what it is computed from (specs/backward/reference.py's
     Gradients: P, dP, D, dS), which the backward diagnoses call with a part replaced by a bug's.
-    diagnoses: the bug patterns (verify/diagnose.py hypothesis names) that can explain it.
-    baseline: the tensor of FlashAttention's test baseline (verify/baseline.py: the stage-path
+    diagnoses: the bug patterns (verify/diagnose/hypotheses.py hypothesis names) that can explain it.
+    baseline: the tensor of FlashAttention's test baseline (verify/check/baseline.py: the stage-path
     stage whose value this stage holds) when flash-attn's own tests compare this stage (the
     output and dQ, dK, dV, by either path); None for the stages they do not compare.
     """

@@ -104,13 +104,13 @@ def _partner_reference(ctx: HeadContext, names):
     """The reference chain of `names` from the head's inputs (the caller's when it has them)."""
     if all(n in ctx.chain for n in names):
         return {n: ctx.chain[n] for n in names}
-    from ..reference import reference_chain
+    from ..check.reference import reference_chain
     return reference_chain(_flash_sources(ctx), ctx.scale, ctx.causal, names)
 
 
 def _output_vs_partner(stage: str, got: np.ndarray, ctx: HeadContext) -> List[Violation]:
     """|flash_output - output| ≤ bound(flash_output) + chained bound(output), both from Q, K, V."""
-    from .. import tolerance
+    from ..check import tolerance
     partner = SPECS_BY_NAME[stage].partner
     if partner not in ctx.got:
         return []
@@ -126,7 +126,7 @@ def _output_vs_partner(stage: str, got: np.ndarray, ctx: HeadContext) -> List[Vi
 
 def _lse_vs_partner(stage: str, got: np.ndarray, ctx: HeadContext) -> List[Violation]:
     """|flash_lse - logsumexp(QK_scaled)| ≤ bound(flash_lse) + Σ_j p_j·bound(QK_scaled)_j."""
-    from .. import tolerance
+    from ..check import tolerance
     partner = SPECS_BY_NAME[stage].partner
     if partner not in ctx.got:
         return []

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..model.attention import softmax_rows
 from ..model.chain import chained_eta, chained_logits
 from ..model.dot import dot_var, pv, pv_var
 from ..model.kernels import SOFTMAX_FINAL_ROUNDINGS
 from ..model.rounding import FLUSH, ROUND_VAR, finish, finite_abs
 from ..model.softmax import mixed_output_var, rowsum_rel_var
-from ..model.attention import softmax_rows
 from ..stages import KEYS, OUTPUT, QUERIES, VALUES, WEIGHTS
 from .base import StageSpec
 from .copies import PATTERNS

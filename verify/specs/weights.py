@@ -24,9 +24,9 @@ from .copies import PATTERNS
 
 
 def invariant_quantum(stage, got, ctx):
-    """The printed resolution and, in the half pipelines, their roundings (verify/half_route.py;
+    """The printed resolution and, in the half pipelines, their roundings (verify/check/half_rounding.py;
     imported here, as it builds on the specs)."""
-    from ..half_route import invariant_quantum as quantum
+    from ..check.half_rounding import invariant_quantum as quantum
     return quantum(stage, got, ctx)
 
 

@@ -26,7 +26,7 @@ from .reference import (FLASH_SOURCES, Gradients, d_reference, ds_reference, fla
 
 __all__ = ["SPECS", "FLASH_SOURCES", "Gradients", "d_reference", "ds_reference", "flash_backward"]
 
-# The bug hypotheses (verify/diagnose_backward.py) of the stages they can explain.
+# The bug hypotheses (verify/diagnose/backward.py) of the stages they can explain.
 D_BUGS = ("D_wrong_O",)
 DS_BUGS = D_BUGS + ("dS_missing_P",)
 SCALE_BUGS = ("grad_unscaled",)

@@ -18,9 +18,9 @@ from .reference import mask_of
 
 
 def invariant_quantum(stage, got, ctx):
-    """The printed resolution and, in the half pipelines, their roundings (verify/half_route.py;
+    """The printed resolution and, in the half pipelines, their roundings (verify/check/half_rounding.py;
     imported here, as it builds on the specs)."""
-    from ...half_route import invariant_quantum as quantum
+    from ...check.half_rounding import invariant_quantum as quantum
     return quantum(stage, got, ctx)
 
 
@@ -123,7 +123,7 @@ flash_dk_column_sums = _column_sums(_flash_errors)
 def _partner_chain(ctx: HeadContext, names):
     if all(n in ctx.chain for n in names):
         return ctx.chain
-    from ...reference import reference_chain
+    from ...check.reference import reference_chain
     return {**ctx.chain, **reference_chain(ctx.inputs, ctx.scale, ctx.causal, names)}
 
 
@@ -131,7 +131,7 @@ def agrees_with(partner: str):
     """The check that a flash gradient agrees with the stage path's `partner`: |flash_dX − dX|
     within both stages' chained bounds, where the program wrote dX."""
     def check(stage: str, got: np.ndarray, ctx: HeadContext) -> List[Violation]:
-        from ... import tolerance
+        from ...check import tolerance
         if partner not in ctx.got:
             return []
         chain = _partner_chain(ctx, [stage, partner])

@@ -1,6 +1,6 @@
 """The backward pass's float64 references: D, dS, and the FlashAttention backward (P recomputed
 from the logits and the saved flash_lse); and Gradients, the same computation with one part (D,
-dS or the lse) replaced, which the backward diagnoses (verify/diagnose_backward.py) rebuild a
+dS or the lse) replaced, which the backward diagnoses (verify/diagnose/backward.py) rebuild a
 failing stage from.
 """
 from __future__ import annotations
