@@ -19,7 +19,7 @@ from click.testing import CliRunner
 import attnstep
 import foreign
 from verify.check.reference import reference_chain
-from verify.cli import cli
+from verify.cli.group import cli
 from verify.files.resolution import EXACT, Resolution, text_resolution
 from verify.stages import INPUT_NAMES, STAGES, Dims, default_scale, stage_file
 

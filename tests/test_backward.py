@@ -253,7 +253,7 @@ def test_dk_columns_that_do_not_sum_to_zero_fail_though_every_entry_is_within_it
 
 def test_backward_outputs_against_a_case_without_do_are_a_one_line_error(tmp_path):
     from click.testing import CliRunner
-    from verify.cli import cli
+    from verify.cli.group import cli
     in_dir, out_dir = write_backward_case(tmp_path, Dims(1, 1, 16, 16, 16, 16), False)
     for f in in_dir.glob(f"{GRAD_INPUT}_head_*"):
         f.unlink()

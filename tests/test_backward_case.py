@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from verify.cli import cli
+from verify.cli.group import cli
 from verify.files.case import CaseError, load_input_case, read_matrix
 from verify.stages import GRAD_INPUT, INPUT_MANIFEST, INPUT_NAMES, STAGES, Dims, stage_file
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from verify.cli import cli
+from verify.cli.group import cli
 from verify.files.case import crc32_hex, read_matrix, write_matrix
 from verify.stages import UNFINISHED_MARKER
 
@@ -467,14 +467,14 @@ def test_run_says_the_binary_error_once(runner, tmp_path, binary):
 def test_run_on_a_terminal_shows_the_binarys_progress(runner, tmp_path, binary, monkeypatch):
     """On a terminal, `run` asks the binary it built for progress reports and draws a bar from
     them; the report lines themselves never reach the user."""
-    import verify.cli.options
     import verify.cli.run
+    import verify.terminal
     monkeypatch.setattr(verify.cli.run, "_build", lambda build_dir, quiet: binary)
-    monkeypatch.setattr(verify.cli.options, "on_terminal", lambda: True)
-    monkeypatch.setattr(verify.cli.options, "RUN_PROGRESS_AFTER_S", 0.0)
+    monkeypatch.setattr(verify.terminal, "on_terminal", lambda: True)
+    monkeypatch.setattr(verify.terminal, "RUN_PROGRESS_AFTER_S", 0.0)
     seen = []
-    real_bar = verify.cli.options.click.progressbar
-    monkeypatch.setattr(verify.cli.options.click, "progressbar",
+    real_bar = verify.terminal.click.progressbar
+    monkeypatch.setattr(verify.terminal.click, "progressbar",
                         lambda **kw: seen.append(kw["length"]) or real_bar(**kw))
     assert runner.invoke(cli, ["generate", "--out", str(tmp_path / "in"), *SMALL]).exit_code == 0
     res = runner.invoke(cli, ["run", "--in", str(tmp_path / "in"), "--out", str(tmp_path / "out"),

@@ -12,11 +12,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from verify import terminal as terminal_module
 from verify.check import tolerance
-from verify.cli import cli
 from verify.cli import generate as cli_generate
-from verify.cli import options as options_module
 from verify.cli import run as cli_run
+from verify.cli.group import cli
 from verify.report.heatmaps import tile_axis_name
 from verify.report.text import plural
 from verify.runs import runner as runner_module
@@ -150,7 +150,7 @@ def test_run_summary_counts_the_stages_written(runner, tmp_path, binary):
 
 @pytest.mark.parametrize("terminal", [False, True])
 def test_generate_shows_a_progress_bar_on_a_terminal_only(runner, tmp_path, monkeypatch, terminal):
-    monkeypatch.setattr(options_module, "on_terminal", lambda: terminal)
+    monkeypatch.setattr(terminal_module, "on_terminal", lambda: terminal)
     monkeypatch.setattr(cli_generate, "GENERATE_PROGRESS_MIN_VALUES", 0)
     res = _generate(runner, tmp_path / "in")
     assert ("generating heads" in res.stderr) is terminal

@@ -23,7 +23,7 @@ from verify.check.baseline import eager_half_attention
 from verify.check.flash_attn_criterion import StageCriterion, _quiet_baseline
 from verify.check.reference import reference_chain
 from verify.check.results import FLASH_ATTN_KEY
-from verify.cli import cli
+from verify.cli.group import cli
 from verify.files.case import crc32_hex
 from verify.files.generate import generate_case
 from verify.model.half import round_to_format

@@ -30,7 +30,7 @@ from click.testing import CliRunner
 
 import foreign
 from foreign import Route
-from verify.cli import cli
+from verify.cli.group import cli
 from verify.files.generate import DISTRIBUTIONS
 from verify.stages import FORWARD_STAGES, INPUT_MANIFEST, INPUT_NAMES, STAGES, Dims, default_scale, stage_file
 

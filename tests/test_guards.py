@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from verify.cli import cli
+from verify.cli.group import cli
 from verify.files.case import CaseError, read_bytes, read_matrix, write_matrix
 from verify.files.outputs import stage_files_in
 from verify.stages import parse_stage_file

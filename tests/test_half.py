@@ -19,7 +19,7 @@ import pytest
 from click.testing import CliRunner
 
 from verify.check.reference import reference_chain
-from verify.cli import cli
+from verify.cli.group import cli
 from verify.files.case import read_matrix
 from verify.files.generate import generate_case
 from verify.files.outputs import load_run

@@ -31,7 +31,7 @@ from click.testing import CliRunner
 import foreign
 from test_tolerance import mm_seq, scale_mask32, softmax32
 from verify.check.reference import softmax_rows
-from verify.cli import cli
+from verify.cli.group import cli
 from verify.files.case import read_toml
 from verify.specs import upstream
 from verify.stages import BACKWARD_STAGES, STAGES, stage_file

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from verify.cli import cli
+from verify.cli.group import cli
 from verify.files.generate import generate_case
 from verify.runs import sanitizer
 from verify.runs.program_checks import ProgramCheck, repeat_check

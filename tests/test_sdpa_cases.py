@@ -20,7 +20,7 @@ import pytest
 from click.testing import CliRunner
 
 from verify.bench.sdpa_outputs import (BACKENDS, BackendUnavailable, SdpaResults, stage_arrays, write_sdpa_case)
-from verify.cli import cli
+from verify.cli.group import cli
 from verify.files.generate import generate_case
 from verify.model.half import round_to_format
 from verify.stages import GRAD_INPUT, HALF_PRECISIONS, INPUT_NAMES, STAGES, Dims

@@ -17,7 +17,7 @@ import pytest
 
 import attnstep
 from verify.check.pool import NO_MEMORY_EXIT, head_bytes, head_jobs
-from verify.cli import cli
+from verify.cli.group import cli
 from verify.files.case import CaseError, load_input_case, matrix_bytes, read_matrix
 from verify.files.generate import DISTRIBUTIONS, MAX_CASE_FILES, case_size, generate_case
 from verify.files.outputs import open_run
@@ -133,7 +133,7 @@ def _limited(limit_bytes: int):
 
 def _attnstep(args, limit_bytes, prelude=""):
     env = {**os.environ, "PYTHONPATH": str(REPO), "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
-    code = prelude + "from verify.cli import main; main()"
+    code = prelude + "from verify.cli.group import main; main()"
     return subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True,
                           env=env, timeout=120, preexec_fn=_limited(limit_bytes))
 

@@ -15,8 +15,8 @@ from click.testing import CliRunner
 import attnstep
 import foreign
 from verify.check import compare
-from verify.cli import cli
 from verify.cli import run as cli_run
+from verify.cli.group import cli
 from verify.files.case import CaseError, crc32_hex
 from verify.model.half import round_to_format
 from verify.report.junit import write_junit

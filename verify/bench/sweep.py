@@ -21,10 +21,11 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import click
 
-from ..cli.options import InputError, binary_option, build_option, progress_bar, timeout_option, user_errors
+from ..cli.options import InputError, binary_option, build_option, timeout_option, user_errors
 from ..files.matrix_io import atomic_write_bytes, output_file_target
 from ..runs.runner import ensure_built
 from ..stages import FLOAT32_PRECISIONS
+from ..terminal import progress_bar
 from ..text import plural
 from .device_memory import PeakDeviceMemory
 from .measure import BENCH_TIMEOUT_S, BOTH, BenchOutOfMemory, BenchUnusable, reps_for, run_binary_bench

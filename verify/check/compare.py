@@ -191,7 +191,8 @@ def check_head(run: RunInfo, case: InputCase, head: int, opts: Options,
     # and chained checks, both flash stages and the invariants), keyed by array identity: none of
     # the arrays in the context is modified while it lives.
     ctx = HeadContext(run.dims, run.scale, run.causal, run.precision, run.backend, run.math, run.flash_kernel,
-                      inputs, chain, {}, {}, tolerance.HeadCache(), opts.allow_nonfinite, run.half_rounding, raw)
+                      inputs, chain, {}, {}, tolerance.HeadCache(), opts.allow_nonfinite, run.half_rounding, raw,
+                      invariants.ENGINE_BOUNDS)
     b, h = run.dims.decode_head(head)
     results: Dict[str, HeadResult] = {}
     for stage in stages:

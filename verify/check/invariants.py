@@ -8,17 +8,31 @@ the binary wrote.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import List
 
 import numpy as np
 
 from ..model.attention import causal_mask
 from ..specs import SPECS, HeadContext
-from ..specs.base import (COLUMN_SUM, ECHO_MISMATCH, FLASH_VS_OUTPUT, FLASH_VS_STAGES, LSE_VS_SCORES, MASK_MISSING, NEGATIVE_WEIGHTS, NONFINITE,
-                          NOT_TRANSPOSE, ROW_SUM, Violation, nonfinite)
+from ..specs.base import (COLUMN_SUM, ECHO_MISMATCH, FLASH_VS_OUTPUT, FLASH_VS_STAGES, LSE_VS_SCORES, MASK_MISSING,
+                          NEGATIVE_WEIGHTS, NONFINITE, NOT_TRANSPOSE, ROW_SUM, Violation, nonfinite)
+from . import half_rounding, reference, tolerance
 
-__all__ = ["check_invariants", "Violation", "NONFINITE", "NEGATIVE_WEIGHTS", "ROW_SUM", "MASK_MISSING",
-           "NOT_TRANSPOSE", "ECHO_MISMATCH", "FLASH_VS_OUTPUT", "LSE_VS_SCORES", "FLASH_VS_STAGES", "COLUMN_SUM"]
+__all__ = ["check_invariants", "ENGINE_BOUNDS", "Violation", "NONFINITE", "NEGATIVE_WEIGHTS", "ROW_SUM",
+           "MASK_MISSING", "NOT_TRANSPOSE", "ECHO_MISMATCH", "FLASH_VS_OUTPUT", "LSE_VS_SCORES", "FLASH_VS_STAGES", "COLUMN_SUM"]
+
+
+class EngineBounds:
+    """The engine's bounds and references as the specs' reference-free checks see them
+    (verify/specs/base.py's Bounds, handed to them as HeadContext.bounds)."""
+    stage_bound = staticmethod(tolerance.stage_bound)
+    chained_bound = staticmethod(tolerance.chained_bound)
+    reference_chain = staticmethod(reference.reference_chain)
+    invariant_quantum = staticmethod(half_rounding.invariant_quantum)
+
+
+ENGINE_BOUNDS = EngineBounds()
 
 
 def _where_reference_finite(stage: str, got: np.ndarray, ctx: HeadContext) -> np.ndarray:
@@ -31,6 +45,8 @@ def _where_reference_finite(stage: str, got: np.ndarray, ctx: HeadContext) -> np
 def check_invariants(stage: str, got: np.ndarray, ctx: HeadContext) -> List[Violation]:
     """Reference-free checks on one head's float64 got-matrix of `stage` (see the module doc)."""
     got = np.asarray(got, dtype=np.float64)
+    if ctx.bounds is None:
+        ctx = replace(ctx, bounds=ENGINE_BOUNDS)
     spec = SPECS[stage]
     out: List[Violation] = []
     if not spec.echo:  # an echo's own check judges non-finite values against its input

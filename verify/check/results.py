@@ -7,7 +7,7 @@ from typing import List, Optional, Tuple
 
 import numpy as np
 
-from ..diagnose.hypotheses import Diagnosis
+from ..diagnose.base import Diagnosis
 from ..files.case import InputCase
 from ..files.outputs import RunInfo
 from ..files.resolution import EXACT

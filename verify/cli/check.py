@@ -19,8 +19,9 @@ from ..report.json_file import write_json
 from ..report.junit import write_junit
 from ..report.text import failure_lines, header_lines, summary_lines, table_lines
 from ..stages import PRECISIONS, STAGE_NAMES
+from ..terminal import progress_bar
 from ..text import plural
-from .options import (checked_path, in_option, json_option, name_options, out_option, parse_names, progress_bar,
+from .options import (checked_path, in_option, json_option, name_options, out_option, parse_names,
                       quiet_option, report_file, user_errors)
 
 # Work (N·M·heads) above which `check` shows a progress bar (on a terminal only).

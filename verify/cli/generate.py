@@ -7,8 +7,9 @@ import click
 
 from ..files.generate import DISTRIBUTIONS, generate_case
 from ..stages import CASE_INPUTS, DEFAULT_INPUT_DIR, FORMATS, INPUT_NAMES, STAGES, Dims
+from ..terminal import progress_bar
 from ..text import plural
-from .options import dims_options, force_option, progress_bar, seed_option, user_errors
+from .options import dims_options, force_option, seed_option, user_errors
 
 # Values written above which `generate` shows a progress bar (on a terminal only).
 GENERATE_PROGRESS_MIN_VALUES = 1 << 22

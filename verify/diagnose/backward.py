@@ -10,6 +10,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 import numpy as np
 
+from ..check import tolerance
 from ..model.attention import causal_mask, softmax_rows
 from ..specs import SPECS
 from ..specs.backward import Gradients, d_reference
@@ -49,7 +50,6 @@ def _width(ctx, stage: str, width: float) -> float:
     head = ctx.head_ctx
     if head is None or all(n in head.got for n in STAGES[stage].inputs):
         return width  # every candidate is built from the program's own files
-    from ..check import tolerance
     try:
         chained = tolerance.chained_bound(stage, head.chain, **head.bound_args())
     except (KeyError, ValueError):

@@ -12,6 +12,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
+from ..check import tolerance
 from ..model.attention import causal_mask, log_sum_exp_rows
 from ..specs import SPECS
 from ..stages import INPUT_NAMES, KEYS, QUERIES, SCALED_SCORES, STAGES, VALUES
@@ -49,7 +50,6 @@ def rebuilder(stage: str, ctx: Suspect, width: float) -> Optional[Tuple[Rebuild,
     if hc is not None and any(n in hc.got for n in upstream):
         return None  # its own upstream files explain it, or name the bug where it began
     if hc is not None and upstream and stage in hc.chain:
-        from ..check import tolerance
         chained = tolerance.chained_bound(stage, hc.chain, **hc.bound_args())
         width = max(width, width_of(chained, hc.chain[stage]))
     return (lambda qkv, masked: from_inputs(qkv, ctx.scale, masked)), width

@@ -21,6 +21,7 @@ import numpy as np
 from ..check import tolerance
 from ..check.half_rounding import stored_in_format
 from ..check.reference import compute_stage, reference_chain
+from ..check.results import compare_arrays
 from ..model.half import HALF_FORMATS, NEAREST, TOWARD_ZERO, is_half, round_mantissa32, round_to_format
 from ..model.rounding import HeadCache
 from ..specs import SPECS, upstream
@@ -68,7 +69,6 @@ def recheck(stage: str, got: np.ndarray, ctx: Suspect, precision: str, rounding:
     """The stage's error as a fraction of the bounds `check --precision P --half-rounding R` would
     give it (< 1: it would pass), the better of the isolated and chained comparison, and the
     isolated reference there; (inf, None) without the head's context."""
-    from ..check.results import compare_arrays  # results' Report holds Diagnoses: imported when used
     head = ctx.head_ctx
     if head is None or not head.raw_inputs:
         return np.inf, None

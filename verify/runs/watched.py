@@ -11,17 +11,17 @@ from typing import List, Mapping, Optional, Sequence
 
 import click
 
-from ..cli.options import InputError, reported_progress_bar
 from ..files.case import CaseError, read_toml
 from ..files.guards import foreign_input_case
 from ..files.outputs import stage_files_in
 from ..files.stage_files import STACKED_SUFFIX, pattern_regex
 from ..files.unfinished import FAILED, clear_unfinished, mark_unfinished
 from ..stages import RUN_MANIFEST, STAGE_NAMES, parse_stage_file
+from ..terminal import reported_progress_bar
 from ..text import plural, printable
 from .program_checks import ProgramCheck, clear_findings, files_digest, write_findings
 from .repeats import RunOnce, repeated_runs, sanitized_runs
-from .runner import run_binary, run_program, set_aside_previous
+from .runner import RunnerError, run_binary, run_program, set_aside_previous
 
 
 def run_attnstep_binary(binary: Path, in_dir: Path, out_dir: Path, backend: str, timeout: float,
@@ -72,7 +72,7 @@ def refuse_input_case(out_dir: Path, in_dir: Optional[Path] = None, names: Mappi
         return
     why = foreign_input_case(out_dir, in_dir, names)
     if why:
-        raise InputError(f"--out {out_dir}: {why}; HINT: write the outputs to another folder")
+        raise CaseError(f"--out {out_dir}: {why}; HINT: write the outputs to another folder")
 
 
 def fresh_out(out_dir: Path, in_dir: Optional[Path] = None, names: Mapping[str, str] = {}) -> None:
@@ -96,7 +96,7 @@ def watched_run(out_dir: Path, in_dir: Optional[Path], names: Mapping[str, str],
     try:
         Path(out_dir).mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise InputError(f"--out {out_dir}: cannot create the folder: {exc.strerror or exc}") from None
+        raise CaseError(f"--out {out_dir}: cannot create the folder: {exc.strerror or exc}") from None
     mark_unfinished(out_dir, run_id)  # before anything moves: a move cut short is marked too
     try:
         set_aside_previous(out_dir, stage_files_in(out_dir, names))
@@ -111,8 +111,8 @@ def require_written(binary: Path, out_dir: Path, names: Mapping[str, str] = {}) 
     """The stage files the program just wrote into OUT; none is an error, not a silent success."""
     written = [n for n in stage_files_in(out_dir, names) if n != RUN_MANIFEST] if Path(out_dir).is_dir() else []
     if not written:
-        raise InputError(f"{Path(binary).name} exited 0 but wrote no stage file into {out_dir}; HINT: pass "
-                         "--out DIR where it writes <stage>_head_<i>.txt (or .npy) files", 1)
+        raise RunnerError(f"{Path(binary).name} exited 0 but wrote no stage file into {out_dir}; HINT: pass "
+                          "--out DIR where it writes <stage>_head_<i>.txt (or .npy) files", exit_code=1)
     return written
 
 

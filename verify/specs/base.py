@@ -9,7 +9,7 @@ The engine (verify/check/compare.py) iterates specs; it never branches on a stag
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Protocol, Tuple
 
 import numpy as np
 
@@ -40,10 +40,30 @@ class Violation:
     where: Optional[Tuple[int, ...]]
 
 
+class Bounds(Protocol):
+    """The check engine's bounds and references, as a reference-free check compares with them (a
+    flash stage with the stage path's, a row sum with its roundings). The engine (verify/check/)
+    builds on the specs and hands them this through HeadContext.bounds: the specs never import it."""
+
+    def stage_bound(self, stage: str, src: Src, ref: np.ndarray, **arithmetic) -> np.ndarray:
+        """The isolated bound of `stage` computed from `src` (verify/check/tolerance.py)."""
+
+    def chained_bound(self, stage: str, chain: Src, **arithmetic) -> np.ndarray:
+        """The bound of `stage` from the reference chain of the original inputs."""
+
+    def reference_chain(self, inputs: Src, scale: float, causal: bool, needed: Iterable[str]) -> Src:
+        """The float64 references of `needed` (and what they depend on) from the inputs."""
+
+    def invariant_quantum(self, stage: str, got: np.ndarray, ctx: "HeadContext") -> Optional[np.ndarray]:
+        """What a sum of `stage`'s values may miss by beyond its float32 model: the printed
+        resolution and the half pipelines' roundings (verify/check/half_rounding.py)."""
+
+
 @dataclass
 class HeadContext:
     """What one head's checks see: the problem, the inputs, the reference chain from them, the
-    binary's own stages so far with their printed resolutions, and the head's bound cache."""
+    binary's own stages so far with their printed resolutions, the head's bound cache, and the
+    engine's bounds and references (bounds) for the checks that compare with them."""
     dims: Dims
     scale: float
     causal: bool
@@ -59,6 +79,7 @@ class HeadContext:
     allow_nonfinite: bool = False
     half_rounding: str = "nearest"
     raw_inputs: Src = field(default_factory=dict)  # the inputs as read, before any half rounding
+    bounds: Optional[Bounds] = None
 
     def bound_args(self) -> dict:
         """The tolerance model's keyword arguments for this head."""

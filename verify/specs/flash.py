@@ -14,7 +14,7 @@ from typing import List
 
 import numpy as np
 
-from ..model.attention import log_sum_exp_rows
+from ..model.attention import causal_mask, log_sum_exp_rows
 from ..model.dot import flush_sum
 from ..model.flash import flash_lse_sums, flash_output_var_det
 from ..model.rounding import FLUSH, ROUND_VAR, ULP_IN_U, finite_abs, memo
@@ -40,7 +40,6 @@ def _with_mask_lse(src, scale, masked):
 
 
 def _mask(src, causal):
-    from ..model.attention import causal_mask
     n, m = np.asarray(src[QUERIES]).shape[0], np.asarray(src[KEYS]).shape[0]
     return causal_mask(n, m) if causal else np.zeros((n, m), bool)
 
@@ -104,21 +103,19 @@ def _partner_reference(ctx: HeadContext, names):
     """The reference chain of `names` from the head's inputs (the caller's when it has them)."""
     if all(n in ctx.chain for n in names):
         return {n: ctx.chain[n] for n in names}
-    from ..check.reference import reference_chain
-    return reference_chain(_flash_sources(ctx), ctx.scale, ctx.causal, names)
+    return ctx.bounds.reference_chain(_flash_sources(ctx), ctx.scale, ctx.causal, names)
 
 
 def _output_vs_partner(stage: str, got: np.ndarray, ctx: HeadContext) -> List[Violation]:
     """|flash_output - output| ≤ bound(flash_output) + chained bound(output), both from Q, K, V."""
-    from ..check import tolerance
     partner = SPECS_BY_NAME[stage].partner
     if partner not in ctx.got:
         return []
     src = _flash_sources(ctx)
     chain = _partner_reference(ctx, list(INPUT_NAMES) + [partner])
     kw = ctx.bound_args()
-    allowed = (tolerance.stage_bound(stage, src, chain[partner], **kw)
-               + tolerance.chained_bound(partner, chain, **kw) + ctx.quantum(stage, partner))
+    allowed = (ctx.bounds.stage_bound(stage, src, chain[partner], **kw)
+               + ctx.bounds.chained_bound(partner, chain, **kw) + ctx.quantum(stage, partner))
     v = consistency(FLASH_VS_OUTPUT, stage, got, np.asarray(ctx.got[partner], np.float64), allowed,
                     f"the binary's {partner}")
     return [v] if v else []
@@ -126,7 +123,6 @@ def _output_vs_partner(stage: str, got: np.ndarray, ctx: HeadContext) -> List[Vi
 
 def _lse_vs_partner(stage: str, got: np.ndarray, ctx: HeadContext) -> List[Violation]:
     """|flash_lse - logsumexp(QK_scaled)| ≤ bound(flash_lse) + Σ_j p_j·bound(QK_scaled)_j."""
-    from ..check import tolerance
     partner = SPECS_BY_NAME[stage].partner
     if partner not in ctx.got:
         return []
@@ -136,9 +132,9 @@ def _lse_vs_partner(stage: str, got: np.ndarray, ctx: HeadContext) -> List[Viola
     weights = next(s for s in STAGES if partner in STAGES[s].inputs)
     chain = _partner_reference(ctx, list(INPUT_NAMES) + [partner, weights, stage])
     kw = ctx.bound_args()
-    s_bound = tolerance.chained_bound(partner, chain, **kw) + ctx.quantum(partner)
+    s_bound = ctx.bounds.chained_bound(partner, chain, **kw) + ctx.quantum(partner)
     inherited = (chain[weights] * s_bound).sum(axis=1, keepdims=True) + ctx.quantum(stage)
-    allowed = tolerance.stage_bound(stage, _flash_sources(ctx), chain[stage], **kw) + inherited
+    allowed = ctx.bounds.stage_bound(stage, _flash_sources(ctx), chain[stage], **kw) + inherited
     v = consistency(LSE_VS_SCORES, stage, got, log_sum_exp_rows(scores), allowed,
                     f"the log-sum-exp of the binary's {partner} rows")
     return [v] if v else []

@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..model.attention import causal_mask, scaled_scores
+from ..model.chain import chained_logits
 from ..model.dot import flush_sum, qk_var
 from ..model.rounding import FLUSH, ROUND_VAR, finish
 from ..model.softmax import need
@@ -47,7 +48,6 @@ def _scaled_isolated(src, ref, scale, causal, u, kernel, cache):
 
 
 def _scaled_chained(sources, scale, causal, u, kernel, cache):
-    from ..model.chain import chained_logits
     Q, K = sources[:2]
     S, _, _, _, s_var, s_det = chained_logits(Q, K, scale, causal, u, cache)
     return finish(S, s_var, s_det, abs(scale) * _qk_floor({QUERIES: Q, KEYS: K}) + FLUSH)

@@ -23,13 +23,6 @@ from .base import MASK_MISSING, NEGATIVE_WEIGHTS, ROW_SUM, HeadContext, StageSpe
 from .copies import PATTERNS
 
 
-def invariant_quantum(stage, got, ctx):
-    """The printed resolution and, in the half pipelines, their roundings (verify/check/half_rounding.py;
-    imported here, as it builds on the specs)."""
-    from ..check.half_rounding import invariant_quantum as quantum
-    return quantum(stage, got, ctx)
-
-
 def _source(src):
     return src[SCALED_SCORES]
 
@@ -93,7 +86,7 @@ def _row_sums(stage, got, finite, rows_ok, ctx):
     var = (rowsum_rel_var(np.clip(p, 0.0, None), u)[:, 0]
            + SOFTMAX_FINAL_ROUNDINGS * ROUND_VAR * u * u * (p * p).sum(axis=1))
     allowed = LAMBDA * np.sqrt(var) + 2 * FLUSH * got.shape[1]
-    q = invariant_quantum(stage, got, ctx)
+    q = ctx.bounds.invariant_quantum(stage, got, ctx)
     if q is not None:  # the printed resolution of every weight of the row
         allowed = allowed + np.where(finite, q, 0.0).sum(axis=1)
     dev = np.abs(p.sum(axis=1) - 1.0)
