@@ -20,6 +20,7 @@ import numpy as np
 from ..model.half import NEAREST, is_half, storage_bound
 from ..model.rounding import HeadCache, memo
 from ..specs import SPECS, upstream
+from ..specs.base import Problem
 from ..stages import CASE_INPUTS, STAGES
 from .reference import reference_chain
 
@@ -54,7 +55,7 @@ def route_error(stage: str, inputs: Dict[str, np.ndarray], scale: float, causal:
         for name in names:
             q = {n: err[n] for n in STAGES[name].inputs if isinstance(err.get(n), np.ndarray)}
             with np.errstate(invalid="ignore"):
-                moved = SPECS[name].quantization({n: refs[n] for n in STAGES[name].inputs}, q, scale, causal) \
+                moved = SPECS[name].quantization({n: refs[n] for n in STAGES[name].inputs}, q, Problem(scale, causal)) \
                     if q else 0.0
             own = storage_bound(refs[name], precision, rounding) if name in rounded else 0.0
             total = own + moved

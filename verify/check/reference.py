@@ -13,6 +13,7 @@ import numpy as np
 
 from ..model.attention import causal_mask, log_sum_exp_rows, scaled_scores, softmax_rows
 from ..specs import SPECS
+from ..specs.base import Problem
 from ..stages import STAGES
 
 __all__ = ["compute_stage", "reference_chain", "causal_mask", "scaled_scores", "softmax_rows",
@@ -25,7 +26,7 @@ def compute_stage(name: str, src: Dict[str, np.ndarray], scale: float, causal: b
     # A faulty binary's upstream may hold NaN/Inf: the reference then holds them too, quietly;
     # the comparison reports them.
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
-        return np.ascontiguousarray(SPECS[name].reference(src64, scale, causal))
+        return np.ascontiguousarray(SPECS[name].reference(src64, Problem(scale, causal)))
 
 
 def reference_chain(inputs: Dict[str, np.ndarray], scale: float, causal: bool,

@@ -28,6 +28,7 @@ from ..model.rounding import (FLUSH, LAMBDA, LOG_ULPS, ROUND_VAR, UNIT_ROUNDOFF,
                               memo, unit_roundoff)
 from ..model.softmax import need
 from ..specs import SPECS, chain_inputs
+from ..specs.base import Problem
 from ..stages import INPUT_NAMES, STAGES
 from .half_rounding import half_terms
 
@@ -68,7 +69,7 @@ def stage_bound(stage: str, src: Dict[str, np.ndarray], ref: np.ndarray, *, scal
     ref = np.asarray(ref, dtype=np.float64)
     if spec.isolated is None:
         return np.zeros(ref.shape)
-    var, det = spec.isolated(src, ref, scale, causal, u, kernel, cache)
+    var, det = spec.isolated(src, ref, Problem(scale, causal, u, kernel, cache))
     bound = finish(ref, var, det, spec.floor(src))
     if is_half(precision):
         bound += half_terms(stage, ref, src, scale, causal, precision, False, cache, half_rounding)
@@ -106,8 +107,8 @@ def _chained_float32(stage: str, chain: Dict[str, np.ndarray], *, scale: float, 
                            precision=_FLOAT32_OF.get(precision, precision), backend=backend, math=math,
                            flash_kernel=flash_kernel, cache=cache)
     sources = need(chain, stage, *chain_inputs(stage))
-    return memo(cache, "chained " + stage, sources, (scale, causal, u, kernel),
-                lambda: spec.chained(sources, scale, causal, u, kernel, cache))
+    problem = Problem(scale, causal, u, kernel, cache)
+    return memo(cache, "chained " + stage, sources, problem.key, lambda: spec.chained(sources, problem))
 
 
 def quantization_bound(stage: str, src: Dict[str, np.ndarray], quanta: Dict[str, np.ndarray],
@@ -119,7 +120,7 @@ def quantization_bound(stage: str, src: Dict[str, np.ndarray], quanta: Dict[str,
     if not q:
         return 0.0
     x = {n: np.asarray(v, np.float64) for n, v in src.items()}
-    return _spec(stage).quantization(x, q, scale, causal)
+    return _spec(stage).quantization(x, q, Problem(scale, causal))
 
 
 def underflow_floor(stage: str, src: Dict[str, np.ndarray]):

@@ -9,7 +9,7 @@ The engine (verify/check/compare.py) iterates specs; it never branches on a stag
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Iterable, List, Optional, Protocol, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Protocol, Tuple
 
 import numpy as np
 
@@ -103,10 +103,41 @@ class HeadContext:
         return total
 
 
-Reference = Callable[[Src, float, bool], np.ndarray]
-IsolatedModel = Callable[[Src, np.ndarray, float, bool, float, Kernel, Optional[HeadCache]],
-                         Tuple[np.ndarray, np.ndarray]]
-Invariant = Callable[[str, np.ndarray, HeadContext], List[Violation]]
+@dataclass(frozen=True)
+class Problem:
+    """What a stage's reference and error model depend on beyond its sources: the problem (the
+    score scale, causal masking) and, for the bounds, the arithmetic assumed (u: the unit roundoff
+    of the precision's operands, kernel: verify/model/kernels.py's Kernel) with the head's bound
+    cache. A variant of the problem (grouped K/V heads, a window, a softcap) is a field here, not
+    another argument of every callback."""
+    scale: float
+    causal: bool
+    u: Optional[float] = None
+    kernel: Optional[Kernel] = None
+    cache: Optional[HeadCache] = None
+
+    @property
+    def key(self) -> tuple:
+        """What a cached bound depends on besides its arrays (model/rounding.py's memo)."""
+        return self.scale, self.causal, self.u, self.kernel
+
+    @property
+    def model_args(self) -> tuple:
+        """(scale, causal, u, kernel, cache): the arguments the error model's functions take."""
+        return self.scale, self.causal, self.u, self.kernel, self.cache
+
+
+Quanta = Dict[str, np.ndarray]   # a source's printed resolution per element, by name
+
+# The callbacks of a StageSpec (see its doc):
+Reference = Callable[[Src, Problem], np.ndarray]                             # (sources, problem)
+IsolatedModel = Callable[[Src, np.ndarray, Problem], Tuple[np.ndarray, np.ndarray]]  # (sources, reference, problem)
+ChainedModel = Callable[[Tuple[np.ndarray, ...], Problem], np.ndarray]      # (the chain's inputs, problem)
+Floor = Callable[[Src], object]                                             # (sources)
+QuantizationModel = Callable[[Src, Quanta, Problem], object]                # (sources, their quanta, problem)
+Invariant = Callable[[str, np.ndarray, HeadContext], List[Violation]]       # (stage, got, head)
+MaskedReference = Callable[[Src, float, np.ndarray], np.ndarray]            # (sources, scale, masked)
+Rebuild = Callable[[Any], np.ndarray]                                       # (backward/reference.py's Gradients)
 
 
 def two_flushes(src: Src):
@@ -114,11 +145,11 @@ def two_flushes(src: Src):
     return 2 * FLUSH
 
 
-def exact_quantization(src: Src, quanta: Dict[str, np.ndarray], scale: float, causal: bool):
+def exact_quantization(src: Src, quanta: Quanta, problem: Problem):
     return 0.0
 
 
-def product_quantization(src: Src, quanta: Dict[str, np.ndarray], a: str, b: str):
+def product_quantization(src: Src, quanta: Quanta, a: str, b: str):
     """How far A·Bᵀ moves when A or B is known only to within its printed resolution."""
     out = 0.0
     if a in quanta:
@@ -132,6 +163,8 @@ def product_quantization(src: Src, quanta: Dict[str, np.ndarray], a: str, b: str
 class StageSpec:
     """One stage: its reference, its error bounds, its invariants, its diagnoses (see the module doc).
 
+    Each callback is given the sources it reads and the Problem (scale, masking, arithmetic); the
+    invariants the head's HeadContext.
     isolated: (variance, one-signed part) of a correct float32 result's error from the given
     sources; None for an exact copy (echoes, the transpose), which must match bit for bit.
     chained: the bound from the original inputs with the upstream stages' errors propagated
@@ -159,20 +192,20 @@ class StageSpec:
     name: str
     reference: Reference
     isolated: Optional[IsolatedModel] = None
-    chained: Optional[Callable] = None
-    floor: Callable[[Src], object] = two_flushes
-    quantization: Callable[[Src, Dict[str, np.ndarray], float, bool], object] = exact_quantization
+    chained: Optional[ChainedModel] = None
+    floor: Floor = two_flushes
+    quantization: QuantizationModel = exact_quantization
     invariants: Tuple[Invariant, ...] = ()
     masked_value: Optional[float] = None
     echo: bool = False
     scaled: bool = False
     linear: bool = False
     partner: Optional[str] = None
-    with_mask: Optional[Callable[[Src, float, np.ndarray], np.ndarray]] = None  # reference under any mask
-    from_inputs: Optional[Callable[[Src, float, np.ndarray], np.ndarray]] = None
+    with_mask: Optional[MaskedReference] = None  # reference under any mask
+    from_inputs: Optional[MaskedReference] = None
     given_upstream: Tuple[str, ...] = ()
     given_partner: Tuple[str, ...] = ()
-    rebuild: Optional[Callable] = None
+    rebuild: Optional[Rebuild] = None
     diagnoses: Tuple[str, ...] = ()
     baseline: Optional[str] = None
 

@@ -20,7 +20,7 @@ from ..model.flash import flash_lse_sums, flash_output_var_det
 from ..model.rounding import FLUSH, ROUND_VAR, ULP_IN_U, finite_abs, memo
 from ..model.softmax import need, scaled_logits, softmax_parts
 from ..stages import FLASH_LSE, FLASH_OUTPUT, INPUT_NAMES, KEYS, OUTPUT, QUERIES, SCALED_SCORES, STAGES, VALUES
-from .base import FLASH_VS_OUTPUT, LSE_VS_SCORES, HeadContext, StageSpec, Violation, consistency
+from .base import FLASH_VS_OUTPUT, LSE_VS_SCORES, HeadContext, Problem, StageSpec, Violation, consistency
 from .copies import PATTERNS
 from .output import attention_from_inputs, values_floor
 from .scores import qk_quantization
@@ -49,10 +49,10 @@ def _qk_flush_max(src) -> float:
     return float(np.max(qk)) if qk.size else 0.0
 
 
-def _output_isolated(src, ref, scale, causal, u, kernel, cache):
+def _output_isolated(src, ref, problem: Problem):
     Q, K, V = need(src, FLASH_OUTPUT, QUERIES, KEYS, VALUES)
-    return memo(cache, "flash_output var", (Q, K, V), (scale, causal, u, kernel),
-                lambda: flash_output_var_det(Q, K, V, scale, causal, u, kernel, cache))
+    return memo(problem.cache, "flash_output var", (Q, K, V), problem.key,
+                lambda: flash_output_var_det(Q, K, V, *problem.model_args))
 
 
 def lse_var_det(Q, K, lse, scale, causal, u, kernel, cache):
@@ -69,30 +69,31 @@ def lse_var_det(Q, K, lse, scale, causal, u, kernel, cache):
     return var, det
 
 
-def _lse_isolated(src, ref, scale, causal, u, kernel, cache):
+def _lse_isolated(src, ref, problem: Problem):
     Q, K = need(src, FLASH_LSE, QUERIES, KEYS)
-    return lse_var_det(Q, K, ref, scale, causal, u, kernel, cache)
+    return lse_var_det(Q, K, ref, *problem.model_args)
 
 
-def _logit_moves(src, q, scale, causal):
+def _logit_moves(src, q, problem: Problem):
     """The logits' move when Q or K is known only to within its printed resolution, and p."""
-    dS = qk_quantization(src, q, scale)
+    scale, causal = problem.scale, problem.causal
+    dS = qk_quantization(src, q, problem)
     S = scaled_logits(np.asarray(src[QUERIES], np.float64), np.asarray(src[KEYS], np.float64), scale, causal)
     p = softmax_parts(S)[0]
     return p * (abs(scale) * np.broadcast_to(dS, S.shape)), p
 
 
-def _output_quantization(src, q, scale, causal):
+def _output_quantization(src, q, problem: Problem):
     if not q:
         return 0.0
-    w, p = _logit_moves(src, q, scale, causal)
+    w, p = _logit_moves(src, q, problem)
     O = p @ src[VALUES]
     moved = w @ np.abs(src[VALUES]) + np.abs(O) * w.sum(axis=1, keepdims=True)
     return moved + (p @ q[VALUES] if VALUES in q else 0.0)
 
 
-def _lse_quantization(src, q, scale, causal):
-    return _logit_moves(src, q, scale, causal)[0].sum(axis=1, keepdims=True) if q else 0.0
+def _lse_quantization(src, q, problem: Problem):
+    return _logit_moves(src, q, problem)[0].sum(axis=1, keepdims=True) if q else 0.0
 
 
 def _flash_sources(ctx: HeadContext):
@@ -141,7 +142,8 @@ def _lse_vs_partner(stage: str, got: np.ndarray, ctx: HeadContext) -> List[Viola
 
 
 SPECS = (
-    StageSpec(FLASH_OUTPUT, reference=lambda src, scale, causal: _with_mask_output(src, scale, _mask(src, causal)),
+    StageSpec(FLASH_OUTPUT,
+              reference=lambda src, problem: _with_mask_output(src, problem.scale, _mask(src, problem.causal)),
               isolated=_output_isolated,
               floor=lambda src: (values_floor(src[VALUES])
                                  + _qk_flush_max(src) * np.max(finite_abs(src[VALUES]), initial=0.0)),
@@ -149,7 +151,7 @@ SPECS = (
               partner=OUTPUT, given_partner=(FLASH_VS_OUTPUT,), with_mask=_with_mask_output,
               from_inputs=_with_mask_output, diagnoses=PATTERNS + ("scaled", "mask", "keys", "overflow"),
               baseline=OUTPUT),
-    StageSpec(FLASH_LSE, reference=lambda src, scale, causal: _with_mask_lse(src, scale, _mask(src, causal)),
+    StageSpec(FLASH_LSE, reference=lambda src, problem: _with_mask_lse(src, problem.scale, _mask(src, problem.causal)),
               isolated=_lse_isolated,
               floor=lambda src: FLUSH * 2 * np.asarray(src[KEYS]).shape[0] + _qk_flush_max(src),
               quantization=_lse_quantization, invariants=(_lse_vs_partner,), scaled=True, partner=SCALED_SCORES,
