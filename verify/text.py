@@ -1,5 +1,6 @@
-"""Counted nouns and numbers in messages: every count a user reads goes through plural(), the
-measured values of a check's report through number()."""
+"""The words of messages: counted nouns (every count a user reads goes through plural()), sizes
+(mib), the measured values of a check's report (number, number_pair), and text from files or
+names shown safely (printable, showable)."""
 from __future__ import annotations
 
 import math

@@ -28,7 +28,7 @@ METRICS = {
     "vs_sdpa_fastest": Metric("vs_sdpa",
                               "{g.precision} {g.kernel} {g.comparison} {g.threshold:g}x SDPA's fastest backend",
                               "{r.vs_sdpa:.2f}x ({r.rate:.1f} TFLOP/s)"),
-    # The max relative error against float64 over SDPA's, same inputs and measure (bench_accuracy.py).
+    # The max relative error against float64 over SDPA's, same inputs and measure (accuracy.py).
     "err_vs_sdpa": Metric("err_vs_sdpa",
                           "{g.precision} {g.kernel} error {g.comparison} {g.threshold:g}x SDPA's on the same inputs",
                           "{r.max_rel_err:.2e} against SDPA's {r.sdpa_err:.2e}"),

@@ -4,9 +4,9 @@ SDPA, on a shape list.
 For each shape and precision it runs `build/main --bench ... --json FILE` (device events, median of
 REPS after warm-up, inputs generated on the device, ceilings measured in the same run; see
 cuda_src/cuda/bench.cu) and, when torch imports, times SDPA's forward and backward in fp32 on the
-same shape in this process (bench_sdpa.py); at bf16/fp16 SDPA's forward at that dtype, once per
+same shape in this process (sdpa.py); at bf16/fp16 SDPA's forward at that dtype, once per
 backend, the fastest being the yardstick, and under --check the errors of the binary's flash and of
-SDPA on the binary's own inputs (bench_accuracy.py). It prints one table, the goals (bench_goals.py)
+SDPA on the binary's own inputs (accuracy.py). It prints one table, the goals (goals.py)
 as met/missed, and writes the results as JSON and a PNG plot (TFLOP/s against N, one line per kernel).
 
 The shape list: the default case (`verify.files.generate.DEFAULT_DIMS`) and B=4, H=16, N=M in

@@ -1,5 +1,5 @@
 """What `attnstep bench` reads and shows: the binary's --bench JSON, the rows of the table, the
-ceilings and the results file (the plot is bench_plot.py's)."""
+ceilings and the results file (the plot is plot.py's)."""
 from __future__ import annotations
 
 import json
@@ -17,7 +17,7 @@ FLASH_KERNELS = (FLASH_DISPATCHER, "flash_wgmma", "flash_fast")
 SDPA = "sdpa"
 # At bf16/fp16 SDPA runs once per backend (bench_sdpa.SDPA_BACKENDS), under the run's key
 # SDPA_BACKENDS; its "sdpa" is the fastest of them, and VS_SDPA holds each flash kernel's ratio to
-# each. ACCURACY holds the comparison of errors on the binary's own inputs (bench_accuracy.py).
+# each. ACCURACY holds the comparison of errors on the binary's own inputs (accuracy.py).
 SDPA_BACKENDS = "sdpa_backends"
 VS_SDPA = "vs_sdpa"
 FASTEST = "fastest"

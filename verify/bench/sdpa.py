@@ -3,7 +3,7 @@ forward (`torch.nn.functional.scaled_dot_product_attention`) and its backward (`
 of that output with a fixed output gradient dO), CUDA tensors of the binary's shape (fp32, or
 bf16/fp16 at those precisions), median of CUDA-event timings after warm-up; at bf16/fp16 also each
 backend forced in turn (SDPA_BACKENDS), and SDPA's output on given inputs for the accuracy
-comparison (bench_accuracy.py). torch is imported only here, and only when asked."""
+comparison (accuracy.py). torch is imported only here, and only when asked."""
 from __future__ import annotations
 
 import contextlib
