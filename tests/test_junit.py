@@ -1,4 +1,4 @@
-"""verify/report/text/ write_junit: the JUnit structure CI tools read, and well-formed XML whatever a
+"""verify/report/junit.py write_junit: the JUnit structure CI tools read, and well-formed XML whatever a
 message quotes."""
 from __future__ import annotations
 
