@@ -4,7 +4,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from verify.cli import cli  # noqa: E402
+from verify.cli.group import cli  # noqa: E402
 
 if __name__ == "__main__":
     cli(["generate", *sys.argv[1:]], prog_name="generate.py")

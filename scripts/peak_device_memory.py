@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from verify.device_memory import PeakDeviceMemory  # noqa: E402
+from verify.bench.device_memory import PeakDeviceMemory  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--max-mib", type=float, required=True, help="the bound on the peak, in MiB")

@@ -42,7 +42,7 @@ def binary() -> Path:
     build/main, configured and built once per test session (incremental)."""
     import os
 
-    from verify.runner import ensure_built
+    from verify.runs.runner import ensure_built
 
     given = os.environ.get("ATTNSTEP_BINARY")
     if given:

@@ -18,9 +18,9 @@ from click.testing import CliRunner
 
 import attnstep
 from helpers import foreign_routes as foreign
-from verify.cli import cli
-from verify.reference import reference_chain
-from verify.resolution import EXACT, Resolution, text_resolution
+from verify.check.reference import reference_chain
+from verify.cli.group import cli
+from verify.files.resolution import EXACT, Resolution, text_resolution
 from verify.stages import INPUT_NAMES, STAGES, Dims, default_scale, stage_file
 
 DIMS = Dims(1, 2, 24, 40, 16, 16)
@@ -279,8 +279,8 @@ def _fast_exp(x: np.ndarray, rng) -> np.ndarray:
 def test_fast_math_softmax_needs_the_fast_profile():
     """A softmax through __expf-like exp (errors growing with |x|) is outside the IEEE bound of the
     stage computed from its own QK_scaled, and inside the fast-math one."""
-    from verify import tolerance
-    from verify.reference import softmax_rows
+    from verify.check import tolerance
+    from verify.check.reference import softmax_rows
     rng = np.random.default_rng(2)
     s = (rng.normal(0, 6, (64, 96))).astype(f32)
     e = _fast_exp(s - s.max(axis=1, keepdims=True), rng)
@@ -386,7 +386,7 @@ def test_review_findings_on_reading_foreign_files(tmp_path):
     """%.8f with values over 1 is not exact; float16 zeros and printed powers of ten get their
     resolution; (b, h, r, c) arrays of a manifest-less case; a listed stage in one .npy."""
     assert text_resolution(b"-1.64740086 0.00376000\n").kind == "decimals"
-    from verify.resolution import HALF
+    from verify.files.resolution import HALF
     assert HALF.quantum(np.zeros(1))[0] == 2.0**-25
     q = Resolution("digits", 3).quantum(np.array([float(np.float32(0.01))]))[0]
     assert q >= 0.5e-4 * 0.999

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from helpers import foreign_routes as foreign
-from verify import compare
-from verify.case import write_toml
-from verify.reference import reference_chain
+from verify.check import compare
+from verify.check.reference import reference_chain
+from verify.files.case import write_toml
 from verify.stages import (BACKWARD_STAGES, GRAD_INPUT, INPUT_MANIFEST, INPUT_NAMES, STAGE_NAMES, STAGES, Dims,
                            default_scale, stage_file)
 
@@ -236,7 +236,7 @@ def test_dk_columns_that_do_not_sum_to_zero_fail_though_every_entry_is_within_it
     column's sum does not (the sum's bound grows as √M, the shift as M). (For flash_dK of a program
     without run.toml the one-signed tensor-core allowance dominates and adds up as M too.)"""
     stage = "dK"
-    from verify import tolerance
+    from verify.check import tolerance
     in_dir, out_dir = write_backward_case(tmp_path, Dims(1, 1, 96, 96, 16, 16), False)
     inputs = {n: np.load(in_dir / stage_file(n, 0, "npy")) for n in INPUT_NAMES + (GRAD_INPUT,)}
     chain = reference_chain(inputs, default_scale(16), False, list(STAGES))
@@ -253,7 +253,7 @@ def test_dk_columns_that_do_not_sum_to_zero_fail_though_every_entry_is_within_it
 
 def test_backward_outputs_against_a_case_without_do_are_a_one_line_error(tmp_path):
     from click.testing import CliRunner
-    from verify.cli import cli
+    from verify.cli.group import cli
     in_dir, out_dir = write_backward_case(tmp_path, Dims(1, 1, 16, 16, 16, 16), False)
     for f in in_dir.glob(f"{GRAD_INPUT}_head_*"):
         f.unlink()

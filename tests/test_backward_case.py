@@ -1,5 +1,5 @@
 """Input cases with the output gradient dO: `attnstep generate --backward`, and reading them
-(verify/case.py) with the same rules as the binary."""
+(verify/files/case.py) with the same rules as the binary."""
 from __future__ import annotations
 
 import tomllib
@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from verify.case import CaseError, load_input_case, read_matrix
-from verify.cli import cli
+from verify.cli.group import cli
+from verify.files.case import CaseError, load_input_case, read_matrix
 from verify.stages import GRAD_INPUT, INPUT_MANIFEST, INPUT_NAMES, STAGES, Dims, stage_file
 
 DIMS = Dims(batch=2, heads=2, seq_q=7, seq_k=13, d_k=16, d_v=24)

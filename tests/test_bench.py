@@ -1,4 +1,4 @@
-"""verify/bench.py: parsing, table, goals and plot from canned results, forward and backward; the
+"""verify/bench/measure.py: parsing, table, goals and plot from canned results, forward and backward; the
 binary's --bench options on the CPU build; and (gpu) tiny real runs whose float64 checks must pass."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from verify import bench as vb
+from verify.bench import measure as vb
 
 SHAPE = {"batch": 4, "heads": 16, "seq_q": 4096, "seq_k": 4096, "d": 64, "causal": False, "scale": 0.125}
 
@@ -230,8 +230,8 @@ def test_cli_checks_output_paths_before_running(tmp_path):
 
 
 def test_goal_table_names_known_kernels_metrics_and_fields():
-    from verify.bench_goals import COMPARISONS, GOALS, METRICS
-    from verify.bench_report import FLASH_BACKWARD, FLASH_KERNELS
+    from verify.bench.goals import COMPARISONS, GOALS, METRICS
+    from verify.bench.report import FLASH_BACKWARD, FLASH_KERNELS
     from verify.stages import PRECISIONS, STAGE_NAMES
 
     shape_fields = set(vb.Shape.__dataclass_fields__)
@@ -243,7 +243,7 @@ def test_goal_table_names_known_kernels_metrics_and_fields():
 
 def test_goals_are_records_decided_by_one_function():
     """A goal of any kernel, shape, metric and comparison needs a record, not code."""
-    from verify.bench_goals import Goal
+    from verify.bench.goals import Goal
 
     rows = vb.rows_from_results(_results())
     at_most = Goal("flash_fast", {"d": 64, "causal": False}, "fp32", "tflops", 10.0, "<=")
@@ -273,7 +273,7 @@ def test_cli_timeout_reaches_every_run(tmp_path, monkeypatch):
 
 
 def test_cli_build_failure_shows_the_build_output(tmp_path, monkeypatch):
-    from verify.runner import RunnerError
+    from verify.runs.runner import RunnerError
 
     def failing_build(build_dir):
         raise RunnerError("build failed: cmake --build exited 1", detail="main.cu:3: error: bad thing")

@@ -10,8 +10,8 @@ import subprocess
 import pytest
 from click.testing import CliRunner
 
-from verify import bench as vb
-from verify.bench_report import (FLASH_BACKWARD, SDPA, SDPA_BACKWARD, STAGE_PATH_BACKWARD,
+from verify.bench import measure as vb
+from verify.bench.report import (FLASH_BACKWARD, SDPA, SDPA_BACKWARD, STAGE_PATH_BACKWARD,
                                  STAGE_PATH_SKIPPED)
 from verify.stages import BACKWARD_STAGES, GRAD_INPUT, STAGES
 

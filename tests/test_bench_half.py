@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from verify import bench as vb
-from verify.bench_accuracy import (half_accuracy, head_inputs, input_seed, inputs_checksum, normwise_error,
+from verify.bench import measure as vb
+from verify.bench import sdpa as bench_sdpa
+from verify.bench.accuracy import (half_accuracy, head_inputs, input_seed, inputs_checksum, normwise_error,
                                    reference_rows, uniform_inputs)
-from verify.bench_report import ACCURACY, SDPA, SDPA_BACKENDS, VS_SDPA, sdpa_backend_row
-from verify.bench_sdpa import SDPA_BACKENDS as BACKEND_NAMES
-from verify import bench_sdpa
-from verify.bench_sdpa import rejection_reason
+from verify.bench.report import ACCURACY, SDPA, SDPA_BACKENDS, VS_SDPA, sdpa_backend_row
+from verify.bench.sdpa import SDPA_BACKENDS as BACKEND_NAMES
+from verify.bench.sdpa import rejection_reason
 from verify.model.half import round_to_format, storage_unit
 from verify.stages import HALF_PRECISIONS, PRECISIONS
 
@@ -334,7 +334,7 @@ def test_from_json_names_a_malformed_sdpa_section(tmp_path, key, value, named):
 def test_the_plot_draws_sdpa_fastest_not_each_backend():
     """At bf16/fp16 the plot's yardstick is SDPA's fastest backend (the `sdpa` row); the backends one
     by one stay in the table only, and the binary's flash rows are drawn."""
-    from verify.bench_plot import _plotted
+    from verify.bench.plot import _plotted
     rows = vb.rows_from_results(_half_results())
     drawn = {r.kernel for r in _plotted(rows)}
     assert SDPA in drawn and "flash" in drawn

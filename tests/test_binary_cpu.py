@@ -1,6 +1,6 @@
 """The CPU backend's numbers against a float64 NumPy reference, through the binary.
 
-Loose checks only (the real verifier, verify/compare.py, owns the tolerance model): every stage
+Loose checks only (the real verifier, verify/check/compare.py, owns the tolerance model): every stage
 within a relative bound, masked entries exactly -inf / 0, flash equal to the stage path, TF32
 rounding visible, and --poison leaving no NaN behind. Shapes from tests/helpers/shapes.py (irregular on
 purpose: tail tiles, N > M causal, d_k != d_v).
@@ -13,8 +13,8 @@ import tomllib
 import numpy as np
 import pytest
 
-from verify.compare import Options, check
-from verify.outputs import load_run
+from verify.check.compare import Options, check
+from verify.files.outputs import load_run
 from verify.stages import INPUT_NAMES, RUN_MANIFEST, STAGES, Dims, stage_file
 
 from helpers.nan_case import NAN_DIMS, nan_case, nan_row_failures

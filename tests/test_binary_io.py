@@ -3,7 +3,7 @@
 Strict input reading (each rejection: exit 2, one `main: error:` line naming file and line, nothing
 written), --stages selection, atomic outputs, CRC-32s, the original `./main random_test` form,
 head groups under --max-memory-mb, exit 3, and .npy round trips. Cases are written here with
-NumPy directly, independent of verify/generate.py.
+NumPy directly, independent of verify/files/generate.py.
 """
 from __future__ import annotations
 
@@ -359,7 +359,7 @@ def test_oversized_text_input_is_refused_before_reading(binary, tmp_path):
 
 
 def test_non_ascii_input_path_is_escaped_in_run_toml(binary, tmp_path):
-    from verify.outputs import load_run
+    from verify.files.outputs import load_run
 
     in_dir, out_dir = tmp_path / "café_ü𝄞", tmp_path / "out"
     write_case(in_dir)

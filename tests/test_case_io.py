@@ -6,9 +6,9 @@ import re
 import numpy as np
 import pytest
 
-from verify.case import (CaseError, load_input_case, matrix_bytes, parse_text_matrix, read_matrix,
-                         write_matrix)
-from verify.generate import generate_case
+from verify.files.case import (CaseError, load_input_case, matrix_bytes, parse_text_matrix, read_matrix,
+                               write_matrix)
+from verify.files.generate import generate_case
 from verify.stages import Dims, parse_stage_file, stage_file
 
 
@@ -168,7 +168,7 @@ def test_text_reader_takes_only_the_contract_syntax():
 
 
 def test_interrupted_generate_leaves_the_earlier_case_whole(tmp_path, monkeypatch):
-    import verify.generate as gen
+    import verify.files.generate as gen
     generate_case(tmp_path, Dims(1, 3, 4, 4, 2, 2), seed=1)
     before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
     calls = []
@@ -273,7 +273,7 @@ def test_npy_descr_must_be_spelled_little_endian_float32(tmp_path):
     (Dims(4, 4, 2**24, 2**24, 1, 1), "16 heads of 844425047572480 stage elements each"),
 ], ids=["heads-beyond-int32", "dim-over-limit", "elements"])
 def test_case_limits_are_the_binarys(dims, words):
-    from verify.case import validate_dims
+    from verify.files.case import validate_dims
     with pytest.raises(CaseError, match=re.escape(words)):
         validate_dims(dims.__dict__, "manifest.toml")
 
@@ -298,8 +298,8 @@ def test_a_file_of_the_other_format_is_an_error(tmp_path):
 
 def test_counts_in_messages_agree_with_their_nouns(tmp_path):
     """'1 head', '1 significant digit': a count of one takes the singular."""
-    from verify.resolution import Resolution
-    from verify.words import plural
+    from verify.files.resolution import Resolution
+    from verify.text import plural
     assert [plural(n, "head") for n in (0, 1, 2)] == ["0 heads", "1 head", "2 heads"]
     assert plural(1, "entry", "entries") == "1 entry" and plural(3, "entry", "entries") == "3 entries"
     assert Resolution("digits", 1).describe() == "1 significant digit"

@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from verify.case import crc32_hex, read_matrix, write_matrix
-from verify.cli import cli
+from verify.cli.group import cli
+from verify.files.case import crc32_hex, read_matrix, write_matrix
 from verify.stages import UNFINISHED_MARKER
 
 SMALL = ["--heads", "2", "--seq-q", "9", "--seq-k", "13", "--d-k", "16", "--d-v", "16"]
@@ -405,7 +405,7 @@ def test_generate_rejects_seeds_out_of_range(runner, tmp_path, seed):
 
 
 def test_generate_largest_seed_is_read_back_by_both_readers(runner, tmp_path, binary):
-    from verify.case import load_input_case
+    from verify.files.case import load_input_case
     res = runner.invoke(cli, ["generate", "--out", str(tmp_path / "in"), *SMALL, "--seed", str(2**63 - 1)])
     assert res.exit_code == 0, res.output
     assert load_input_case(tmp_path / "in").dims.heads == 2
@@ -467,14 +467,14 @@ def test_run_says_the_binary_error_once(runner, tmp_path, binary):
 def test_run_on_a_terminal_shows_the_binarys_progress(runner, tmp_path, binary, monkeypatch):
     """On a terminal, `run` asks the binary it built for progress reports and draws a bar from
     them; the report lines themselves never reach the user."""
-    import verify.cli
-    import verify.options
-    monkeypatch.setattr(verify.cli, "_build", lambda build_dir, quiet: binary)
-    monkeypatch.setattr(verify.options, "on_terminal", lambda: True)
-    monkeypatch.setattr(verify.options, "RUN_PROGRESS_AFTER_S", 0.0)
+    import verify.cli.run
+    import verify.terminal
+    monkeypatch.setattr(verify.cli.run, "_build", lambda build_dir, quiet: binary)
+    monkeypatch.setattr(verify.terminal, "on_terminal", lambda: True)
+    monkeypatch.setattr(verify.terminal, "RUN_PROGRESS_AFTER_S", 0.0)
     seen = []
-    real_bar = verify.options.click.progressbar
-    monkeypatch.setattr(verify.options.click, "progressbar",
+    real_bar = verify.terminal.click.progressbar
+    monkeypatch.setattr(verify.terminal.click, "progressbar",
                         lambda **kw: seen.append(kw["length"]) or real_bar(**kw))
     assert runner.invoke(cli, ["generate", "--out", str(tmp_path / "in"), *SMALL]).exit_code == 0
     res = runner.invoke(cli, ["run", "--in", str(tmp_path / "in"), "--out", str(tmp_path / "out"),

@@ -1,7 +1,7 @@
 """Each diagnosis code found on its planted pattern, and nothing found on correct or noisy results.
 
 Patterns are planted into the float64 reference of random Q/K/V (what a buggy binary would have
-written), with the isolated reference and the tolerance model's bound as verify.compare passes them.
+written), with the isolated reference and the tolerance model's bound as verify.check.compare passes them.
 """
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from helpers.simulated_float32 import flash32, sample, simulate
-from verify import tolerance
-from verify.diagnose import Suspect, diagnose
-from verify.reference import compute_stage, reference_chain, softmax_rows
+from verify.check import tolerance
+from verify.check.reference import compute_stage, reference_chain, softmax_rows
+from verify.diagnose.hypotheses import Suspect, diagnose
 from verify.stages import FORWARD_STAGES, STAGES, Dims
 
 HEADS = 4
@@ -32,7 +32,7 @@ def make_case(shape="rect", causal=False, dist="normal", seed=0):
 
 
 def run(stage, got, chains, dims, scale, causal, head=1, tiles=None):
-    """diagnose() as verify.compare calls it: isolated src = the reference chain's upstream."""
+    """diagnose() as verify.check.compare calls it: isolated src = the reference chain's upstream."""
     src = {n: chains[head][n] for n in (("Q", "K", "V") if STAGES[stage].flash else STAGES[stage].inputs)}
     want = compute_stage(stage, src, scale, causal)
     bound = tolerance.stage_bound(stage, src, want, scale=scale, causal=causal)

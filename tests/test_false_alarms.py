@@ -3,7 +3,7 @@
 Each case draws a shape from the whole generator space (batch, heads; seq_q and seq_k from 1 to
 a few hundred, 1 and non-multiples of every tile included; d_k = d_v at each flash width, odd and
 unequal head dims up to MAX_HEAD_DIM), causal or not, every distribution of
-verify.generate.DISTRIBUTIONS, both file formats, sometimes an explicit random scale, and about a
+verify.files.generate.DISTRIBUTIONS, both file formats, sometimes an explicit random scale, and about a
 third with the output gradient dO (the backward stages, where the backend computes them); then
 generate -> binary -> check, and every stage of every head must pass (chained and isolated).
 The tolerance model promises ~1e-10 false failures per element, so one failure here is a bug in
@@ -27,7 +27,7 @@ import shutil
 
 import pytest
 
-from verify.generate import DISTRIBUTIONS
+from verify.files.generate import DISTRIBUTIONS
 from verify.stages import FLASH_HEAD_DIMS, FORMATS, HALF_PRECISIONS
 
 from helpers.end_to_end import BACKENDS, run_and_check

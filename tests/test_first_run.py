@@ -12,12 +12,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from verify import cli as cli_module
-from verify import options as options_module
-from verify import runner as runner_module
-from verify import tolerance
-from verify.cli import cli
-from verify.report import plural, tile_axis_name
+from verify import terminal as terminal_module
+from verify.check import tolerance
+from verify.cli import generate as cli_generate
+from verify.cli import run as cli_run
+from verify.cli.group import cli
+from verify.report.heatmaps import tile_axis_name
+from verify.report.text import plural
+from verify.runs import runner as runner_module
 from verify.stages import FORWARD_STAGES, STAGE_NAMES
 
 REPO = Path(__file__).resolve().parent.parent
@@ -147,7 +149,7 @@ def _fake_build(binary):
 
 @pytest.mark.parametrize("quiet", [False, True])
 def test_demo_shows_the_build_as_it_goes_unless_quiet(runner, tmp_path, binary, monkeypatch, quiet):
-    monkeypatch.setattr(cli_module, "ensure_built", _fake_build(binary))
+    monkeypatch.setattr(cli_run, "ensure_built", _fake_build(binary))
     res = runner.invoke(cli, ["demo", "--data-dir", str(tmp_path), "--backend", "cpu",
                               "--build-dir", str(tmp_path / "b")] + (["--quiet"] if quiet else []))
     assert res.exit_code == 0, res.output
@@ -189,8 +191,8 @@ def test_run_summary_counts_the_stages_written(runner, tmp_path, binary):
 
 @pytest.mark.parametrize("terminal", [False, True])
 def test_generate_shows_a_progress_bar_on_a_terminal_only(runner, tmp_path, monkeypatch, terminal):
-    monkeypatch.setattr(options_module, "on_terminal", lambda: terminal)
-    monkeypatch.setattr(cli_module, "GENERATE_PROGRESS_MIN_VALUES", 0)
+    monkeypatch.setattr(terminal_module, "on_terminal", lambda: terminal)
+    monkeypatch.setattr(cli_generate, "GENERATE_PROGRESS_MIN_VALUES", 0)
     res = _generate(runner, tmp_path / "in")
     assert ("generating heads" in res.stderr) is terminal
 
@@ -268,7 +270,7 @@ def test_error_figures_have_integer_ticks_and_named_axes(stage, shape):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from verify.report import error_figure
+    from verify.report.heatmaps import error_figure
     fig = error_figure(stage, 0, np.full(shape, 2.0), (64, 64))
     try:
         fig.canvas.draw()

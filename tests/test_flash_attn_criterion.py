@@ -1,6 +1,6 @@
 """flash-attn's test criterion, reported next to the verdict of half-precision checks.
 
-The baseline (verify/baseline.py: attention run eagerly in bf16/fp16, as flash-attn's tests run
+The baseline (verify/check/baseline.py: attention run eagerly in bf16/fp16, as flash-attn's tests run
 `attention_ref(..., upcast=False, reorder_ops=True)`) against a computation by hand, rounding step
 by step; the criterion in the text, JSON and JUnit reports of correct and planted half runs; none
 for fp32; the Python API.
@@ -19,15 +19,15 @@ import pytest
 from click.testing import CliRunner
 
 import attnstep
-from verify.baseline import eager_half_attention
-from verify.case import crc32_hex
-from verify.flash_attn_criterion import StageCriterion, _quiet_baseline
-from verify.cli import cli
-from verify.generate import generate_case
+from verify.check.baseline import eager_half_attention
+from verify.check.flash_attn_criterion import StageCriterion, _quiet_baseline
+from verify.check.reference import reference_chain
+from verify.check.results import FLASH_ATTN_KEY
+from verify.cli.group import cli
+from verify.files.case import crc32_hex
+from verify.files.generate import generate_case
 from verify.model.half import round_to_format
-from verify.reference import reference_chain
-from verify.results import FLASH_ATTN_KEY
-from verify.runner import run_binary
+from verify.runs.runner import run_binary
 from verify.specs import SPECS
 from helpers.foreign_routes import mm_reverse, write_text
 from helpers.half_programs import half_program_case

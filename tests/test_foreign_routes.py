@@ -30,7 +30,7 @@ import pytest
 from helpers import foreign_routes as foreign
 from helpers.cli import check_folder, generate_input, invoke
 from helpers.foreign_routes import Route
-from verify.generate import DISTRIBUTIONS
+from verify.files.generate import DISTRIBUTIONS
 from verify.stages import FORWARD_STAGES, INPUT_NAMES, STAGES, Dims, default_scale, stage_file
 
 COVERED = 100  # the first COVERED draws reach every route, writer, subset and shape

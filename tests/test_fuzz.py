@@ -15,9 +15,9 @@ import pytest
 hypothesis = pytest.importorskip("hypothesis", reason="the fuzz tests need hypothesis (pip install hypothesis)")
 from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
 
-from verify.case import CaseError, load_input_case, read_matrix  # noqa: E402
-from verify.generate import generate_case  # noqa: E402
-from verify.runner import run_binary  # noqa: E402
+from verify.files.case import CaseError, load_input_case, read_matrix  # noqa: E402
+from verify.files.generate import generate_case  # noqa: E402
+from verify.runs.runner import run_binary  # noqa: E402
 from verify.stages import FORMATS, GRAD_INPUT, STAGES, Dims, stage_file  # noqa: E402
 
 DIMS = Dims(batch=1, heads=2, seq_q=5, seq_k=7, d_k=16, d_v=16)
@@ -329,8 +329,8 @@ def test_interrupted_runs_never_verify_and_keep_the_previous_run(binary, previou
     import signal
     import time
 
-    from verify.outputs import open_run
-    from verify.unfinished import read_marker
+    from verify.files.outputs import open_run
+    from verify.files.unfinished import read_marker
     from helpers.interrupting import PREVIOUS_DIR, leftovers, snapshot
 
     folder, seconds = previous_run

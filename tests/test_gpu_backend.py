@@ -13,12 +13,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from verify.case import read_matrix, write_matrix
-from verify.outputs import load_run
-from verify.compare import Options, check
-from verify.generate import generate_case
-from verify.reference import reference_chain
-from verify.runner import run_binary
+from verify.check.compare import Options, check
+from verify.check.reference import reference_chain
+from verify.files.case import read_matrix, write_matrix
+from verify.files.generate import generate_case
+from verify.files.outputs import load_run
+from verify.runs.runner import run_binary
 from verify.stages import INPUT_NAMES, Dims, stage_file
 
 from helpers.nan_case import ROW_STAGES, nan_case, nan_row_failures

@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from verify.case import CaseError, read_bytes, read_matrix, write_matrix
-from verify.cli import cli
-from verify.outputs import stage_files_in
+from verify.cli.group import cli
+from verify.files.case import CaseError, read_bytes, read_matrix, write_matrix
+from verify.files.outputs import stage_files_in
 from verify.stages import parse_stage_file
-from verify.words import printable
+from verify.text import printable
 
 SMALL = ["--heads", "2", "--seq-q", "9", "--seq-k", "13", "--d-k", "16", "--d-v", "16"]
 # What no line shown or reported may hold: C0 controls but the line end, DEL, C1 controls.

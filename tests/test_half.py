@@ -18,13 +18,13 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from verify.cli import cli
-from verify.generate import generate_case
-from verify.case import read_matrix
+from verify.check.reference import reference_chain
+from verify.cli.group import cli
+from verify.files.case import read_matrix
+from verify.files.generate import generate_case
+from verify.files.outputs import load_run
 from verify.model.half import round_to_format, storage_unit
-from verify.outputs import load_run
-from verify.reference import reference_chain
-from verify.runner import run_binary
+from verify.runs.runner import run_binary
 from verify.stages import (FLASH_LSE, FLASH_OUTPUT, HALF_PRECISIONS, INPUT_NAMES, OUTPUT, QUERIES,
                            RUN_MANIFEST, SCALED_SCORES, STAGES, Dims, stage_file)
 

@@ -19,10 +19,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from verify.generate import generate_case
+from verify.files.case import CaseError
+from verify.files.generate import generate_case
+from verify.files.unfinished import Unfinished, mark_unfinished, process_start_ticks, read_marker, refuse_unfinished
 from verify.stages import Dims
-from verify.unfinished import Unfinished, mark_unfinished, process_start_ticks, read_marker, refuse_unfinished
-from verify.case import CaseError
 
 from helpers.interrupting import (PREVIOUS_DIR, REPO, UNFINISHED_MARKER, binary_command, check, leftovers,
                          paused_while_staging, signal_when, snapshot, staged_a_file, staging_folders)
@@ -307,7 +307,7 @@ def _alive(pid: int) -> bool:
 
 def test_a_timeout_stops_the_programs_whole_process_group(tmp_path):
     """A program started by a wrapper script: --timeout stops what the script started too."""
-    from verify.runner import RunnerError, run_program
+    from verify.runs.runner import RunnerError, run_program
     prog = tmp_path / "wrapper.sh"
     prog.write_text(f"#!/bin/sh\nsleep 60 &\necho $! > {tmp_path}/pid\nwait\n")
     prog.chmod(0o755)

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from helpers.simulated_float32 import flash32, sample, simulate
-from verify.invariants import check_invariants
+from verify.check.invariants import check_invariants
 from verify.specs import HeadContext
 from verify.stages import INPUT_NAMES, Dims
 

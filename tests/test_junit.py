@@ -1,11 +1,11 @@
-"""verify/report.py write_junit: the JUnit structure CI tools read, and well-formed XML whatever a
+"""verify/report/junit.py write_junit: the JUnit structure CI tools read, and well-formed XML whatever a
 message quotes."""
 from __future__ import annotations
 
 import xml.etree.ElementTree as ET
 from types import SimpleNamespace
 
-from verify.report import write_junit
+from verify.report.junit import write_junit
 
 
 def _result(stage, head, status, message="", diagnosis=()):

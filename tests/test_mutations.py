@@ -30,9 +30,9 @@ from click.testing import CliRunner
 
 from helpers import foreign_routes as foreign
 from helpers.simulated_float32 import mm_seq, scale_mask32, softmax32
-from verify.case import read_toml
-from verify.cli import cli
-from verify.reference import softmax_rows
+from verify.check.reference import softmax_rows
+from verify.cli.group import cli
+from verify.files.case import read_toml
 from verify.specs import upstream
 from verify.stages import BACKWARD_STAGES, STAGES, stage_file
 
@@ -452,7 +452,7 @@ def test_parallel_check_reports_exactly_what_one_process_does(cases, tmp_path):
 
 @pytest.mark.skipif(sys.platform != "linux", reason="workers are forked on Linux only")
 def test_head_jobs_follow_the_request_the_size_and_the_memory(monkeypatch):
-    from verify import compare, pool
+    from verify.check import compare, pool
     from verify.stages import Dims
 
     def run(heads, n, d=64):
@@ -473,12 +473,12 @@ def test_head_jobs_follow_the_request_the_size_and_the_memory(monkeypatch):
 
 
 def _blas_threads(head):  # module level: the pool sends workers its function by name
-    from verify import pool
+    from verify.check import pool
     return [_openblas_threads(lib) for lib in pool._loaded_openblas()]
 
 
 def _openblas_threads(lib):
-    from verify.pool import _OPENBLAS_SET_THREADS
+    from verify.check.pool import _OPENBLAS_SET_THREADS
     return next(getattr(lib, n.replace("set", "get")) for n in _OPENBLAS_SET_THREADS if hasattr(lib, n))()
 
 
@@ -486,7 +486,7 @@ def _openblas_threads(lib):
 def test_workers_use_one_blas_thread_each():
     """Each worker is one of as many processes as cores: BLAS threads of its own would compete
     with the other workers."""
-    from verify import pool
+    from verify.check import pool
     libs = pool._loaded_openblas()
     if not libs:
         pytest.skip("numpy's BLAS is not OpenBLAS")
@@ -522,7 +522,7 @@ def _large_block_on_the_heap(head):  # module level: the pool sends workers its 
 def test_workers_reuse_freed_memory():
     """A worker's large temporaries come from its heap, so a freed one is reused rather than
     returned to the OS and faulted in afresh, zeroed, for the next."""
-    from verify import pool
+    from verify.check import pool
     if not pool.keep_freed_memory(False):
         pytest.skip("the C library is not glibc")
     if not hasattr(ctypes.CDLL(None), "mallinfo2"):
@@ -550,7 +550,7 @@ def _leaves_a_cycle(head):
 def test_a_heads_garbage_is_freed_before_the_next_head(monkeypatch):
     """A head's matrices held in reference cycles are freed before the next head starts, not
     whenever the collector next runs (they raised the peak memory of a 4096² check by 0.4 GB)."""
-    from verify import pool
+    from verify.check import pool
     gc.disable()  # what would otherwise collect them is the collector's own timing
     try:
         _CYCLES.clear()
@@ -570,7 +570,7 @@ def _die(head):  # module level: the pool sends workers its function by name
 def test_a_dead_worker_is_a_one_line_error(cases, tmp_path, monkeypatch):
     """A worker killed mid-check (the kernel's OOM killer, say) ends in exit 2 and a hint, not a
     traceback or a partial report."""
-    from verify import pool
+    from verify.check import pool
 
     monkeypatch.setattr(pool, "_check_in_worker", _die)
     case = Case(cases["rect"], tmp_path)
@@ -583,7 +583,7 @@ def test_a_dead_worker_is_a_one_line_error(cases, tmp_path, monkeypatch):
 
 def test_container_limits_cap_the_workers(monkeypatch):
     """cgroup limits (docker, k8s) count, not only the host's free memory and cores."""
-    from verify import pool as compare
+    from verify.check import pool as compare
 
     fake = {("/sys/fs/cgroup/memory.max", 0): 4 << 30, ("/sys/fs/cgroup/memory.current", 0): 1 << 30,
             ("/sys/fs/cgroup/cpu.max", 0): 150000, ("/sys/fs/cgroup/cpu.max", 1): 100000}
@@ -597,7 +597,7 @@ def test_container_limits_cap_the_workers(monkeypatch):
 _ORPHAN_SCRIPT = """
 import multiprocessing, os, sys, time
 from concurrent.futures import ProcessPoolExecutor
-from verify.pool import _die_with_parent
+from verify.check.pool import _die_with_parent
 
 def report(path):
     with open(path, "w") as f:

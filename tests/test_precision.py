@@ -13,10 +13,10 @@ import pytest
 from click.testing import CliRunner
 
 import attnstep
-from verify.cli import cli
-from verify.generate import generate_case
+from verify.cli.group import cli
+from verify.files.generate import generate_case
 from verify.stages import INPUT_NAMES, OUTPUT, SCALED_SCORES, SCORES, WEIGHTS, Dims, stage_file
-from verify.words import number_pair
+from verify.text import number_pair
 
 from helpers.foreign_routes import write_text
 

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from verify import sanitizer
-from verify.cli import cli
-from verify.generate import generate_case
-from verify.program_checks import ProgramCheck, repeat_check
+from verify.cli.group import cli
+from verify.files.generate import generate_case
+from verify.runs import sanitizer
+from verify.runs.program_checks import ProgramCheck, repeat_check
 from verify.stages import PROGRAM_CHECKS, Dims
 
 SMALL = Dims(1, 3, 24, 40, 16, 16)
@@ -87,10 +87,10 @@ def test_a_clean_log_of_a_run_that_failed_does_not_pass():
 
 def test_a_run_stopped_under_the_tool_stops_everything(tmp_path, monkeypatch):
     """Ctrl-C or --timeout during a sanitized run: no verdict from it, and no further run."""
-    from verify.program_runs import sanitized_runs
-    from verify.runner import RunnerError
+    from verify.runs.repeats import sanitized_runs
+    from verify.runs.runner import RunnerError
     monkeypatch.setattr(sanitizer, "find_sanitizer", lambda: Path("compute-sanitizer"))
-    import verify.program_runs as program_runs
+    import verify.runs.repeats as program_runs
     monkeypatch.setattr(program_runs, "find_sanitizer", lambda: Path("compute-sanitizer"))
     calls = []
 

@@ -1,7 +1,7 @@
 """PyTorch's own bf16/fp16 attention as output cases: every SDPA backend must pass, planted bugs fail.
 
 PyTorch's SDPA backends (flash, memory-efficient, cuDNN, math) are independent, correct
-half-precision implementations; verify/sdpa_outputs.py runs one of them on a generated case
+half-precision implementations; verify/bench/sdpa_outputs.py runs one of them on a generated case
 (inputs rounded to the format as the verifier rounds them, the case's scale and causal flag, the
 gradients from its dO) and writes the results as another program's `<stage>.npy` files. On a GPU
 each backend × format × shape must pass `attnstep check --precision` at every stage (forward and
@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from verify.cli import cli
-from verify.generate import generate_case
-from verify.sdpa_outputs import (BACKENDS, BackendUnavailable, SdpaResults, stage_arrays, write_sdpa_case)
+from verify.bench.sdpa_outputs import (BACKENDS, BackendUnavailable, SdpaResults, stage_arrays, write_sdpa_case)
+from verify.cli.group import cli
+from verify.files.generate import generate_case
 from verify.model.half import round_to_format
 from verify.stages import GRAD_INPUT, HALF_PRECISIONS, INPUT_NAMES, STAGES, Dims
 
@@ -144,7 +144,7 @@ def test_the_sdpa_inputs_are_the_verifiers_rounding(tmp_path):
 
 def test_the_sdpa_command_says_why_a_backend_cannot_run(tmp_path, monkeypatch):
     """Without torch (or a GPU) the command is one line and exit 1, not a traceback."""
-    import verify.sdpa_outputs as mod
+    import verify.bench.sdpa_outputs as mod
 
     def unavailable(*args):
         raise BackendUnavailable("PyTorch is not installed")
@@ -161,7 +161,7 @@ def test_a_refused_backend_is_skipped_with_torchs_own_reason():
     reason kept is the one that says why, without where in torch it was raised."""
     import warnings
 
-    from verify.sdpa_outputs import _refused
+    from verify.bench.sdpa_outputs import _refused
 
     def refuse():
         where = " (Triggered internally at /pytorch/aten/src/ATen/native/transformers/cuda/sdp_utils.cpp:457.)"

@@ -16,14 +16,14 @@ import numpy as np
 import pytest
 
 import attnstep
-from verify.case import CaseError, load_input_case, matrix_bytes, read_matrix
-from verify.cli import cli
-from verify.generate import DISTRIBUTIONS, MAX_CASE_FILES, case_size, generate_case
-from verify.stages import GENERATE_STAGING_PREFIX
-from verify.outputs import open_run
-from verify.pool import NO_MEMORY_EXIT, head_bytes, head_jobs
-from verify.stage_files import StageSource
+from verify.check.pool import NO_MEMORY_EXIT, head_bytes, head_jobs
+from verify.cli.group import cli
+from verify.files.case import CaseError, load_input_case, matrix_bytes, read_matrix
+from verify.files.generate import DISTRIBUTIONS, MAX_CASE_FILES, case_size, generate_case
+from verify.files.outputs import open_run
+from verify.files.stage_files import StageSource
 from verify.stages import Dims
+from verify.stages import GENERATE_STAGING_PREFIX
 
 REPO = Path(__file__).resolve().parent.parent
 f32 = np.float32
@@ -133,7 +133,7 @@ def _limited(limit_bytes: int):
 
 def _attnstep(args, limit_bytes, prelude=""):
     env = {**os.environ, "PYTHONPATH": str(REPO), "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
-    code = prelude + "from verify.cli import main; main()"
+    code = prelude + "from verify.cli.group import main; main()"
     return subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True,
                           env=env, timeout=120, preexec_fn=_limited(limit_bytes))
 
@@ -166,7 +166,7 @@ def test_check_out_of_memory_anyway_is_one_line_exit_3(tmp_path):
     """An allocation refused after the estimate let the check start (here: a low ulimit -v that
     the estimate does not know, with the available memory said to be plenty)."""
     in_dir, out_dir = _output_only_run(tmp_path, 1, 4096, 4096)
-    plenty = "import verify.pool; verify.pool._available_memory_bytes = lambda: 1 << 42\n"
+    plenty = "import verify.check.pool; verify.check.pool._available_memory_bytes = lambda: 1 << 42\n"
     res = _attnstep(["check", "--in", in_dir, "--out", out_dir, "--jobs", "1"], 600 << 20, plenty)
     assert res.returncode == NO_MEMORY_EXIT, res.stderr
     assert "Traceback" not in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr

@@ -14,14 +14,15 @@ from click.testing import CliRunner
 
 import attnstep
 from helpers import foreign_routes as foreign
-from verify import cli as cli_module
-from verify import compare
-from verify.case import CaseError, crc32_hex
-from verify.cli import cli
-from verify import gpu
-from verify.gpu import no_gpu_reason
+from verify.check import compare
+from verify.cli import run as cli_run
+from verify.cli.group import cli
+from verify.files.case import CaseError, crc32_hex
 from verify.model.half import round_to_format
-from verify.report import failure_lines, summary_lines, write_junit
+from verify.report.junit import write_junit
+from verify.report.text import failure_lines, summary_lines
+from verify.runs import gpu
+from verify.runs.gpu import no_gpu_reason
 from verify.stages import stage_file
 
 f32 = np.float32
@@ -210,7 +211,7 @@ def test_heads_that_fail_alike_are_named_and_json_and_junit_keep_every_head(tmp_
 
 def test_demo_example_without_a_gpu_says_so_before_building(monkeypatch, tmp_path):
     monkeypatch.setattr(gpu, "no_gpu_reason", lambda: "nvidia-smi -L lists no GPU")
-    monkeypatch.setattr(cli_module, "_build", lambda *a, **kw: pytest.fail("built without a GPU"))
+    monkeypatch.setattr(cli_run, "_build", lambda *a, **kw: pytest.fail("built without a GPU"))
     r = invoke("demo", "--example", "bug_qk_leading_dim", "--build-dir", tmp_path / "build")
     assert r.exit_code == 2 and "Traceback" not in r.output
     assert r.output.strip().splitlines() == [

@@ -1,12 +1,14 @@
 """The Python side's shape: a stage is named in one table (verify/stages.py), files hold one job
-(at most MAX_FILE_LINES lines), and functions stay readable (at most MAX_FUNCTION_LINES lines).
+(at most MAX_FILE_LINES lines), functions stay readable (at most MAX_FUNCTION_LINES lines), the
+modules import each other without a cycle and only at the top (optional dependencies aside), and
+the packages depend on each other in one direction (LAYERS).
 """
 from __future__ import annotations
 
 import ast
 import importlib
 from pathlib import Path
-from typing import Iterator, List, Tuple
+from typing import Dict, Iterator, List, Optional, Set, Tuple
 
 from verify import stages
 
@@ -15,6 +17,37 @@ STAGE_TABLE = VERIFY / "stages.py"
 MAX_STAGE_LITERALS = 15
 MAX_FILE_LINES = 400
 MAX_FUNCTION_LINES = 60
+
+# Imports inside a function: only of optional dependencies, imported where they are needed so
+# that everything else works without them.
+OPTIONAL_IMPORTS = {
+    "torch": "PyTorch, for bench's SDPA timings and the SDPA outputs (pip install torch)",
+    "matplotlib": "plots: check --plot's heat maps and bench/sweep --plot (pip install matplotlib)",
+}
+
+# What each part of verify/ may import besides itself (a package, or a module at the top). The
+# check engine and the diagnoses meet both ways in different modules: the diagnoses build their
+# candidates with the check's references and bounds, and the engine (check/compare.py) runs the
+# diagnoses on a failing stage; the module graph has no cycle (test_no_import_cycle).
+LAYERS: Dict[str, Set[str]] = {
+    "stages": set(), "text": set(), "terminal": set(),
+    "model": set(),
+    "specs": {"stages", "text", "model"},
+    "files": {"stages", "text", "model"},
+    "runs": {"stages", "text", "terminal", "files"},
+    "check": {"stages", "text", "model", "specs", "files", "runs", "diagnose"},
+    "diagnose": {"stages", "text", "model", "specs", "check"},
+    "report": {"stages", "text", "files", "runs", "check"},
+    "bench": {"stages", "text", "terminal", "model", "files", "runs", "report", "cli"},
+    "cli": {"stages", "text", "terminal", "model", "specs", "files", "runs", "check", "diagnose", "report", "bench"},
+    "api": {"stages", "text", "model", "specs", "files", "check", "report"},
+    "__main__": {"cli"},
+    "__init__": set(),
+}
+# The one module of the command line that parts below it may import: the options and user errors
+# every command shares (bench, sweep and the SDPA outputs script define their commands beside
+# what they run).
+SHARED_CLI = "verify.cli.options"
 
 
 def _sources() -> Iterator[Tuple[Path, str]]:
@@ -61,6 +94,140 @@ def test_files_and_functions_are_short():
     assert not long_functions, f"functions over {MAX_FUNCTION_LINES} lines:\n" + "\n".join(long_functions)
 
 
+# ---- the import graph -------------------------------------------------------------------------
+
+def _modules() -> Dict[str, Tuple[Path, bool]]:
+    """Every module of verify/ by dotted name (a package by its __init__), and whether a package."""
+    out = {}
+    for path in sorted(VERIFY.rglob("*.py")):
+        parts = path.relative_to(VERIFY.parent).with_suffix("").parts
+        package = parts[-1] == "__init__"
+        out[".".join(parts[:-1] if package else parts)] = (path, package)
+    return out
+
+
+class _Imports(ast.NodeVisitor):
+    """(imported name, line, inside a function) for each import of one module; relative imports
+    resolved, `from P import m` naming the module P.m where m is one."""
+
+    def __init__(self, name: str, package: bool, modules: Dict[str, Tuple[Path, bool]]):
+        self.here = name if package else name.rpartition(".")[0]
+        self.modules, self.depth, self.found = modules, 0, []
+
+    def visit_FunctionDef(self, node):
+        self.depth += 1
+        self.generic_visit(node)
+        self.depth -= 1
+
+    visit_AsyncFunctionDef = visit_FunctionDef
+
+    def visit_Import(self, node):
+        for alias in node.names:
+            self.found.append((alias.name, node.lineno, self.depth > 0))
+
+    def visit_ImportFrom(self, node):
+        if node.level:
+            base = self.here.split(".")[:len(self.here.split(".")) - node.level + 1]
+            target = ".".join(base + ([node.module] if node.module else []))
+        else:
+            target = node.module or ""
+        for alias in node.names:
+            sub = f"{target}.{alias.name}"
+            self.found.append((sub if sub in self.modules else target, node.lineno, self.depth > 0))
+
+
+def import_graph() -> Tuple[Dict[str, Set[str]], Dict[str, List[Tuple[str, int, bool]]]]:
+    """The modules each verify/ module imports (importing a.b.c runs the __init__ of a.b too, unless
+    the importer is inside a.b already), and every import with its line."""
+    modules = _modules()
+    graph, imports = {}, {}
+    for name, (path, package) in modules.items():
+        visitor = _Imports(name, package, modules)
+        visitor.visit(ast.parse(path.read_text(encoding="utf-8")))
+        imports[name] = visitor.found
+        edges = set()
+        for target, _, _ in visitor.found:
+            if target not in modules:
+                continue
+            edges.add(target)
+            parts = target.split(".")
+            for i in range(1, len(parts)):
+                parent = ".".join(parts[:i])
+                if parent in modules and not (name == parent or name.startswith(parent + ".")):
+                    edges.add(parent)
+        edges.discard(name)
+        graph[name] = edges
+    return graph, imports
+
+
+def find_cycle(graph: Dict[str, Set[str]]) -> Optional[List[str]]:
+    """One import cycle (its modules, the first repeated at the end), or None."""
+    state: Dict[str, int] = {}
+    path: List[str] = []
+
+    def visit(node: str) -> Optional[List[str]]:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state:
+                found = visit(nxt)
+                if found:
+                    return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for start in sorted(graph):
+        if start not in state:
+            found = visit(start)
+            if found:
+                return found
+    return None
+
+
+def test_no_import_cycle():
+    cycle = find_cycle(import_graph()[0])
+    assert cycle is None, "an import cycle in verify/:\n  " + "\n  -> ".join(cycle)
+
+
+def test_imports_are_at_the_top():
+    """No import inside a function (one that dodges a cycle hides it) but of an optional dependency."""
+    modules = _modules()
+    found = []
+    for name, imports in import_graph()[1].items():
+        for target, line, inside in imports:
+            if inside and target.split(".")[0] not in OPTIONAL_IMPORTS:
+                found.append(f"{_where(modules[name][0], line)}: {target}")
+    assert not found, ("imports inside a function (move them to the top; only the optional dependencies "
+                       f"{', '.join(OPTIONAL_IMPORTS)} may be imported where used):\n" + "\n".join(found))
+
+
+def _part(name: str) -> str:
+    parts = name.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def test_packages_depend_one_way():
+    modules = _modules()
+    found = []
+    for name, imports in import_graph()[1].items():
+        for target, line, _ in imports:
+            if target not in modules or _part(target) == _part(name):
+                continue
+            allowed = _part(target) in LAYERS[_part(name)]
+            if _part(target) == "cli" and _part(name) not in ("cli", "__main__"):
+                allowed = allowed and target == SHARED_CLI
+            if not allowed:
+                found.append(f"{_where(modules[name][0], line)}: {name} imports {target}")
+    unknown = sorted({_part(n) for n in modules} - set(LAYERS))
+    assert not unknown, f"parts of verify/ missing from LAYERS: {', '.join(unknown)}"
+    assert not found, "imports against the layering (LAYERS in this file):\n" + "\n".join(found)
+
+
+# ---- no branch on a stage's name ---------------------------------------------------------------
+
 def _stage_constants(module_path: Path) -> set:
     """The module's global names that hold a stage's name or a subset of the stages (its own
     aliases included: `DS = GRAD_SCORES`); every stage at once is a validity check, not a branch."""
@@ -90,7 +257,7 @@ def _names_a_stage(node: ast.AST, constants: set) -> bool:
 
 # The specs hold what differs between stages; the input case's reader knows its optional dO file;
 # __main__ runs the command line when imported.
-BRANCHING_ALLOWED = (STAGE_TABLE, VERIFY / "specs", VERIFY / "case.py", VERIFY / "__main__.py")
+BRANCHING_ALLOWED = (STAGE_TABLE, VERIFY / "specs", VERIFY / "files" / "case.py", VERIFY / "__main__.py")
 
 
 def test_no_branch_on_a_stage_name():

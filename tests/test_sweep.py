@@ -1,4 +1,4 @@
-"""verify/sweep.py: the d × N grid against a fake `main --bench` (rows forward and backward, OOM rows,
+"""verify/bench/sweep.py: the d × N grid against a fake `main --bench` (rows forward and backward, OOM rows,
 CSV/JSON, peak memory through a fake nvidia-smi, errors before any work, Ctrl-C), and (gpu) a tiny
 real grid."""
 from __future__ import annotations
@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from verify import sweep as vs
-from verify.bench_report import (BACKWARD, FLASH_BACKWARD, FLASH_DISPATCHER, FORWARD, OOM, STAGE_PATH_BACKWARD,
+from verify.bench import sweep as vs
+from verify.bench.device_memory import used_mib
+from verify.bench.report import (BACKWARD, FLASH_BACKWARD, FLASH_DISPATCHER, FORWARD, OOM, STAGE_PATH_BACKWARD,
                                  STAGE_PATH_SKIPPED, Shape)
-from verify.device_memory import used_mib
 from verify.stages import BACKWARD_STAGES, GRAD_INPUT, STAGES
 
 REPO = Path(__file__).resolve().parent.parent
@@ -333,7 +333,7 @@ def test_gpu_tiny_grid_against_the_real_binary(binary, tmp_path, monkeypatch):
 def test_the_failed_rows_line_counts_one_in_the_singular(capsys):
     from types import SimpleNamespace
 
-    from verify.sweep import _exit_status
+    from verify.bench.sweep import _exit_status
     row = SimpleNamespace(status="failed: exit 1", note="")
     assert _exit_status([row]) == 1 and "sweep: 1 row failed; see the table" in capsys.readouterr().err
     assert _exit_status([row, row]) == 1 and "sweep: 2 rows failed; see the table" in capsys.readouterr().err

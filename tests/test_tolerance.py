@@ -14,8 +14,8 @@ import zlib
 import numpy as np
 import pytest
 
-from verify import tolerance as T
-from verify.reference import compute_stage, reference_chain
+from verify.check import tolerance as T
+from verify.check.reference import compute_stage, reference_chain
 
 from helpers.simulated_float32 import (MATMULS, flash32, mm_pairwise, mm_seq, sample, scale_mask32, simulate,
                                        softmax32)
@@ -419,7 +419,7 @@ def test_a_relative_error_over_a_subnormal_reference_is_inf_without_a_warning():
     max_rel reports, with no overflow warning (the GPU half sweep printed one per such case)."""
     import warnings
 
-    from verify.results import compare_arrays
+    from verify.check.results import compare_arrays
     got, want, allowed = np.array([[6e-8, 1.0]]), np.array([[5e-324, 1.0]]), np.array([[1e-7, 1e-7]])
     with warnings.catch_warnings():
         warnings.simplefilter("error")

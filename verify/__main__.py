@@ -1,4 +1,4 @@
 """`python -m verify` is the `attnstep` command."""
-from .cli import main
+from .cli.group import main
 
 main()

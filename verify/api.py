@@ -20,14 +20,14 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import numpy as np
 
-from . import flash_attn_criterion as fa_criterion
-from .case import CaseError, InputCase, check_scale, validate_dims
-from .compare import Options, Report, check_run
+from .check import flash_attn_criterion as fa_criterion
+from .check.compare import Options, Report, check_run
+from .files.case import CaseError, InputCase, check_scale, validate_dims
+from .files.outputs import MATH_MODES, RunInfo, StageSource, half_rounding_for
 from .model.half import HALF_ROUNDINGS, rounding_refusal
-from .outputs import MATH_MODES, RunInfo, StageSource, half_rounding_for
-from .report import failure_lines, header_lines, summary_lines, table_lines
+from .report.text import failure_lines, header_lines, summary_lines, table_lines
 from .stages import DIM_KEYS, GRAD_INPUT, INPUT_NAMES, PRECISIONS, STAGES, Dims, default_scale
-from .words import plural
+from .text import plural
 
 ARRAYS = Path("<arrays>")  # what the report names as the run's and the inputs' place
 

@@ -131,7 +131,7 @@ void check_flash(const Options& o, const DeviceBuffer& Q, const DeviceBuffer& K,
     bool finite = true;
     // Normwise relative errors (elementwise ratios blow up where the output crosses 0): per row at
     // fp32/tf32; per head at bf16/fp16, max|err| / max|ref| over its checked rows, the measure
-    // verify/bench_accuracy.py applies to PyTorch's output on the same rows.
+    // verify/bench/accuracy.py applies to PyTorch's output on the same rows.
     const bool per_head = is_half(o.precision);
     for (int head : heads) {
         copy_head(o, Q, K, V, head, &h);

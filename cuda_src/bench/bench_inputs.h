@@ -1,7 +1,7 @@
 // bench_inputs.h — the values `main --bench` generates its inputs from, element by element: uniform
 // in [-1, 1), a 64-bit mix (splitmix64's finaliser) of the element's index and a seed, so any element
 // of any tensor can be recomputed anywhere without the others. Plain C++ (no CUDA header), so that
-// verify/bench_accuracy.py's NumPy twin, which gives PyTorch the same inputs, is checked against
+// verify/bench/accuracy.py's NumPy twin, which gives PyTorch the same inputs, is checked against
 // this very file (tests/test_bench_half.py compiles it).
 #pragma once
 

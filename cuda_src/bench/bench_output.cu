@@ -1,5 +1,5 @@
 // bench_output.cu — what `main --bench` reports: the table on stdout and, with --json, the same
-// numbers as JSON (written atomically; verify/bench_report.py reads it).
+// numbers as JSON (written atomically; verify/bench/report.py reads it).
 #include <cmath>
 #include <cstdio>
 #include <ctime>

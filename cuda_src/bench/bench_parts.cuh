@@ -25,7 +25,7 @@ namespace bench {
 
 constexpr size_t kCopyBytes = size_t(1) << 30;  // the bandwidth ceiling's copy (1 GiB)
 
-// The rows that are not stages of the stage table (verify/bench_report.py names them alike): the
+// The rows that are not stages of the stage table (verify/bench/report.py names them alike): the
 // whole stage-path backward, timed as one unit, and the flash backward (every kernel of its pass).
 constexpr const char* kStagePathBackwardRow = "stages_backward";
 constexpr const char* kFlashBackwardRow = "flash_backward";

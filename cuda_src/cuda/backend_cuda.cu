@@ -275,7 +275,7 @@ void CudaBackend::run_stages(const Problem& p, StageSet computed, int heads, con
 }
 
 // The first launch of a kernel loads it into the context, which for cuBLAS's GEMM kernels costs
-// far more than the GEMM (docs/performance.md, "Kernel loading"). One untimed pass per group size,
+// far more than the GEMM (docs/journal.md, "Kernel loading"). One untimed pass per group size,
 // precision and stage set keeps that out of the stage times; later groups of the same size skip it.
 void CudaBackend::warm_up_stages(const Problem& p, StageSet computed, int heads, const DeviceBuffers& b) {
     if (!warmed_.insert({heads, static_cast<int>(p.precision), computed.bits}).second) return;

@@ -60,7 +60,7 @@ struct BwdTiles {
 };
 
 // Per width: two blocks per SM at every width; d128 streams tiles of 16 rows, which keeps two
-// blocks' shared memory within an SM's. Registers and shared memory: docs/performance.md
+// blocks' shared memory within an SM's. Registers and shared memory: docs/journal.md
 // ("flash_fast and flash_bwd resources").
 template <int D>
 struct BwdConfig;

@@ -32,7 +32,7 @@
 //   nvcc -arch=sm_90 -std=c++17 -Xptxas -v -c cuda_src/cuda/flash_fast.cu
 // Exploration configurations (other Bc / warps per block) are compiled only with
 // -DATTNSTEP_FLASH_FAST_VARIANTS (scripts/bench_gpu.sh); `main --bench --fast-variant I` picks one.
-// Versions and their measurements: docs/performance.md.
+// Versions and their measurements: docs/journal.md.
 #include "flash_fast.cuh"
 
 #include <cmath>
@@ -163,7 +163,7 @@ __device__ __forceinline__ void qk_tile(float (&s)[T::BC / 8][4], const QFrags<T
 // O(16×D) += P(16×BC) · V_j. P's fragment for keys 8kk..8kk+7 is the S accumulator s[kk]
 // (split_acc_a); b0 = V[8kk+2t][8nt+g], b1 = V[8kk+2t+1][8nt+g]. The tile's products are summed
 // in a fresh accumulator and added to O in FP32: the tensor cores truncate while they accumulate,
-// so a chain over all M keys would add up one truncation per MMA of the row (docs/performance.md,
+// so a chain over all M keys would add up one truncation per MMA of the row (docs/journal.md,
 // flash_fast versions).
 template <class T, bool kThree>
 __device__ __forceinline__ void pv_tile(float (&o)[T::D / 8][4], const float (&s)[T::BC / 8][4],
@@ -312,7 +312,7 @@ __global__ void __launch_bounds__(T::THREADS, T::MIN_BLOCKS)
 // The tile configuration `kConfig` has for width D (void: none). Config 0 is the shipped one, the
 // fastest of scripts/bench_gpu.sh's variant sweep; MIN_BLOCKS caps the registers so that d64 runs
 // two blocks per SM and d128 (8 warps, 202 KB of shared memory) one. Registers and shared memory
-// per configuration: docs/performance.md ("flash_fast and flash_bwd resources").
+// per configuration: docs/journal.md ("flash_fast and flash_bwd resources").
 template <int kConfig, int D>
 struct FastConfig {
     using type = void;

@@ -9,7 +9,7 @@
 //
 // Each kernel aims at device-to-device copy bandwidth (bytes read + written): 16-byte float4
 // accesses where alignment allows, with a scalar path for odd widths, and several independent
-// loads in flight per thread (docs/performance.md has the measured fractions):
+// loads in flight per thread (docs/journal.md has the measured fractions):
 //   transpose4_kernel   rows and cols multiples of 4: a 64×32 tile (128×16 when cols <= 16) moved
 //                       with float4 loads and stores, 2 of each in flight per thread.
 //   transpose_kernel    any shape: 32×32 scalar tile (padded: no bank conflicts), 4 loads per

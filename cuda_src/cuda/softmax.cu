@@ -6,7 +6,7 @@
 // flash_kernel): expf (the GPU exp model: ~0.5 ulp RMS) on x − rowmax, an FP32 row sum in any
 // order (warp butterflies), then 1/l and a product by it (two final roundings).
 //
-// It aims at device-to-device copy bandwidth (bytes read + written; docs/performance.md has the
+// It aims at device-to-device copy bandwidth (bytes read + written; docs/journal.md has the
 // measured fractions), with float4 accesses when M % 4 == 0:
 //   softmax_rows_kernel one block per row. "Cached": the row is read once into registers (up to 32
 //                       floats per thread, 1024 threads: M <= 32768). "Uncached" (longer rows):

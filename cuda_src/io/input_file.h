@@ -1,7 +1,7 @@
 // input_file.h — opening a file the binary reads (input matrices, the input manifest): regular
 // files only, after following symlinks. A FIFO would block the read forever and a device such as
 // /dev/zero never ends, so both are refused before a byte is read, with one line naming the file
-// and what it is (verify/case.py read_bytes says the same).
+// and what it is (verify/files/case.py read_bytes says the same).
 #pragma once
 
 #include <cstdint>

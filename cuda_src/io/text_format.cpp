@@ -80,7 +80,7 @@ std::string at(const std::string& path, int line, int col) {
     return path + ":" + std::to_string(line) + ":" + std::to_string(col);
 }
 
-// The number syntax both readers accept (verify/case.py has the same rule): decimal digits, sign,
+// The number syntax both readers accept (verify/files/case.py has the same rule): decimal digits, sign,
 // point and exponent, or inf/infinity/nan. strtof alone would also take hex floats and "nan(...)",
 // which NumPy's reader rejects, and the two sides must agree on what is valid.
 bool plain_number_syntax(const char* s, size_t n) {

@@ -7,7 +7,7 @@ from typing import Optional
 
 from click.testing import CliRunner
 
-from verify.cli import cli
+from verify.cli.group import cli
 from verify.stages import INPUT_MANIFEST, Dims
 
 

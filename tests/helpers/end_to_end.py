@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from verify.compare import check
-from verify.generate import generate_case
-from verify.runner import run_binary
+from verify.check.compare import check
+from verify.files.generate import generate_case
+from verify.runs.runner import run_binary
 
 # (backend, extra binary arguments): the CUDA backend with each flash kernel and each precision
 # (auto runs the wgmma kernel on Hopper where it has a variant, else mma.sync, else clean).

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from verify.gpu import no_gpu_reason
+from verify.runs.gpu import no_gpu_reason
 
 REPO = Path(__file__).resolve().parents[2]
 

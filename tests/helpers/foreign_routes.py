@@ -3,7 +3,7 @@
 The verifier must accept any correct float32 implementation, not only the project's binary. Each
 stage here has several valid routes (a different summation order, exp2 instead of exp, a
 reciprocal instead of a division, an online softmax over key tiles, a FlashAttention-2 style
-tiled forward ...), written with NumPy in float32 and independent of verify/reference.py. A
+tiled forward ...), written with NumPy in float32 and independent of verify/check/reference.py. A
 `Route` picks one route per stage; `compute_heads` runs it over every head, optionally with one
 classic bug planted the way a buggy program would have it (everything downstream computed from
 the bugged value). The writers put the result into an output folder in the file contract's

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from verify.generate import generate_case
+from verify.files.generate import generate_case
 from verify.model.half import round_to_format
 from verify.stages import (FLASH_LSE, FLASH_OUTPUT, INPUT_NAMES, OUTPUT, SCALED_SCORES, SCORES, STAGES, WEIGHTS, Dims,
                            stage_file)

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
-from verify.case import read_matrix, write_matrix
-from verify.generate import generate_case
+from verify.files.case import read_matrix, write_matrix
+from verify.files.generate import generate_case
 from verify.stages import Dims, stage_file
 
 # Two heads: head 0 gets a NaN in one key, head 1 in three query rows (first, inside, last).

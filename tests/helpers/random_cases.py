@@ -9,7 +9,7 @@ from typing import Optional
 
 import numpy as np
 
-from verify.generate import DISTRIBUTIONS
+from verify.files.generate import DISTRIBUTIONS
 from verify.stages import FLASH_HEAD_DIMS, FORMATS, MAX_HEAD_DIM, Dims
 
 SWEEP_SEED = 20260311

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 f32 = np.float32
-LARGE_STD = 10.0  # verify/generate.py's `large`: N(0,1)·10, logits reach the hundreds
+LARGE_STD = 10.0  # verify/files/generate.py's `large`: N(0,1)·10, logits reach the hundreds
 
 
 def sample(rng, dist, shape):

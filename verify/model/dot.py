@@ -16,7 +16,7 @@ from .rounding import FLUSH, ROUND_VAR, ULP_IN_U, HeadCache, binade, binade_sq, 
 # Above this many multiply-adds per head the exact partial-sum energy (chunked cumsum) costs too
 # much; the model then uses its expectation over random summation orders, inflated by
 # ENERGY_FALLBACK_FACTOR to cover orders whose partial sums wander further than average.
-# 1 << 24: dot_var enumerates ~20 summation orders for K = 4096 (docs/tolerances.md, "History").
+# 1 << 24: dot_var enumerates ~20 summation orders for K = 4096 (docs/tolerances.md, "Measurements behind the model").
 ENERGY_EXACT_MAX_MACS = 1 << 24
 
 
@@ -24,7 +24,7 @@ ENERGY_FALLBACK_FACTOR = 8.0
 
 
 # Products per block of the exact path: large enough that each numpy call does real work, small
-# enough that a block's dozen buffers stay in cache (docs/performance.md: the sizes timed).
+# enough that a block's dozen buffers stay in cache (docs/journal.md: the sizes timed).
 _CHUNK_ELEMS = 1 << 16
 
 
@@ -32,7 +32,7 @@ _CHUNK_ELEMS = 1 << 16
 # walk of partial sums cancels early, a strided or blocked order (OpenBLAS's two FMA accumulators,
 # split-K blocks) keeps summing at the magnitude of one half, with up to ~2× the variance, and the
 # mean over random orders cannot stand in for them without losing tightness (the measurements are
-# in docs/tolerances.md, "History").
+# in docs/tolerances.md, "Measurements behind the model").
 DOT_LANES = (2, 4, 8, 16, 32)   # L interleaved accumulators (SIMD lanes, unrolled FMA chains)
 
 

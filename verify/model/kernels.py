@@ -66,7 +66,7 @@ _BACKEND_KERNELS = {
 # a looser bound there costs catch power, never a false alarm. So do the half-precision wgmma
 # kernels (bf16/fp16 operands: their products are exact in FP32, one truncating tensor-core pass
 # per 16-long chunk, fewer than the model's three per 8); their roundings to the format are the
-# half model's (verify/half_route.py).
+# half model's (verify/check/half_rounding.py).
 KERNELS = {"cpu-tiled": _BACKEND_KERNELS["cpu"],
            **{f"cuda-{k}": _BACKEND_KERNELS["cuda"]
               for k in ("clean", "fast-3xtf32", "fast-tf32", "wgmma-3xtf32", "wgmma-tf32", "wgmma-bf16",

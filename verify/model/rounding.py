@@ -4,7 +4,7 @@ Each float32 operation rounds to nearest: its result carries an error uniform in
 u·|x| and with a standard deviation at most u·|x|/√3 (u = 2⁻²⁴ for fp32; UNIT_ROUNDOFF gives u per
 computing precision, the only thing precision changes). A stage's error is a sum of many such
 independent roundings, so the model computes, per element, the VARIANCE of that sum from the
-actual data, and allows LAMBDA standard deviations (verify/tolerance.py puts the pieces together).
+actual data, and allows LAMBDA standard deviations (verify/check/tolerance.py puts the pieces together).
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import numpy as np
 
 # The unit roundoff of the arithmetic: the half pipelines (bf16, fp16) multiply half values and
 # accumulate in float32, so their arithmetic is float32's; the conversions to the half format are
-# verify/model/half.py's (the storage roundings), carried by verify/half_route.py.
+# verify/model/half.py's (the storage roundings), carried by verify/check/half_rounding.py.
 UNIT_ROUNDOFF = {"fp32": 2.0**-24, "tf32": 2.0**-11, "bf16": 2.0**-24, "fp16": 2.0**-24}
 
 

@@ -4,12 +4,12 @@ A stage's spec (one module per stage or stage family in this package) says how i
 (its float64 reference), how far a correct float32 program may be from that (its isolated and
 chained error bounds, its underflow floor, how a coarsely printed source moves it), what holds of
 every correct result without a reference (its invariants), and which bug patterns can explain it.
-The engine (verify/compare.py) iterates specs; it never branches on a stage's name.
+The engine (verify/check/compare.py) iterates specs; it never branches on a stage's name.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Protocol, Tuple
 
 import numpy as np
 
@@ -40,10 +40,30 @@ class Violation:
     where: Optional[Tuple[int, ...]]
 
 
+class Bounds(Protocol):
+    """The check engine's bounds and references, as a reference-free check compares with them (a
+    flash stage with the stage path's, a row sum with its roundings). The engine (verify/check/)
+    builds on the specs and hands them this through HeadContext.bounds: the specs never import it."""
+
+    def stage_bound(self, stage: str, src: Src, ref: np.ndarray, **arithmetic) -> np.ndarray:
+        """The isolated bound of `stage` computed from `src` (verify/check/tolerance.py)."""
+
+    def chained_bound(self, stage: str, chain: Src, **arithmetic) -> np.ndarray:
+        """The bound of `stage` from the reference chain of the original inputs."""
+
+    def reference_chain(self, inputs: Src, scale: float, causal: bool, needed: Iterable[str]) -> Src:
+        """The float64 references of `needed` (and what they depend on) from the inputs."""
+
+    def invariant_quantum(self, stage: str, got: np.ndarray, ctx: "HeadContext") -> Optional[np.ndarray]:
+        """What a sum of `stage`'s values may miss by beyond its float32 model: the printed
+        resolution and the half pipelines' roundings (verify/check/half_rounding.py)."""
+
+
 @dataclass
 class HeadContext:
     """What one head's checks see: the problem, the inputs, the reference chain from them, the
-    binary's own stages so far with their printed resolutions, and the head's bound cache."""
+    binary's own stages so far with their printed resolutions, the head's bound cache, and the
+    engine's bounds and references (bounds) for the checks that compare with them."""
     dims: Dims
     scale: float
     causal: bool
@@ -59,6 +79,7 @@ class HeadContext:
     allow_nonfinite: bool = False
     half_rounding: str = "nearest"
     raw_inputs: Src = field(default_factory=dict)  # the inputs as read, before any half rounding
+    bounds: Optional[Bounds] = None
 
     def bound_args(self) -> dict:
         """The tolerance model's keyword arguments for this head."""
@@ -82,10 +103,41 @@ class HeadContext:
         return total
 
 
-Reference = Callable[[Src, float, bool], np.ndarray]
-IsolatedModel = Callable[[Src, np.ndarray, float, bool, float, Kernel, Optional[HeadCache]],
-                         Tuple[np.ndarray, np.ndarray]]
-Invariant = Callable[[str, np.ndarray, HeadContext], List[Violation]]
+@dataclass(frozen=True)
+class Problem:
+    """What a stage's reference and error model depend on beyond its sources: the problem (the
+    score scale, causal masking) and, for the bounds, the arithmetic assumed (u: the unit roundoff
+    of the precision's operands, kernel: verify/model/kernels.py's Kernel) with the head's bound
+    cache. A variant of the problem (grouped K/V heads, a window, a softcap) is a field here, not
+    another argument of every callback."""
+    scale: float
+    causal: bool
+    u: Optional[float] = None
+    kernel: Optional[Kernel] = None
+    cache: Optional[HeadCache] = None
+
+    @property
+    def key(self) -> tuple:
+        """What a cached bound depends on besides its arrays (model/rounding.py's memo)."""
+        return self.scale, self.causal, self.u, self.kernel
+
+    @property
+    def model_args(self) -> tuple:
+        """(scale, causal, u, kernel, cache): the arguments the error model's functions take."""
+        return self.scale, self.causal, self.u, self.kernel, self.cache
+
+
+Quanta = Dict[str, np.ndarray]   # a source's printed resolution per element, by name
+
+# The callbacks of a StageSpec (see its doc):
+Reference = Callable[[Src, Problem], np.ndarray]                             # (sources, problem)
+IsolatedModel = Callable[[Src, np.ndarray, Problem], Tuple[np.ndarray, np.ndarray]]  # (sources, reference, problem)
+ChainedModel = Callable[[Tuple[np.ndarray, ...], Problem], np.ndarray]      # (the chain's inputs, problem)
+Floor = Callable[[Src], object]                                             # (sources)
+QuantizationModel = Callable[[Src, Quanta, Problem], object]                # (sources, their quanta, problem)
+Invariant = Callable[[str, np.ndarray, HeadContext], List[Violation]]       # (stage, got, head)
+MaskedReference = Callable[[Src, float, np.ndarray], np.ndarray]            # (sources, scale, masked)
+Rebuild = Callable[[Any], np.ndarray]                                       # (backward/reference.py's Gradients)
 
 
 def two_flushes(src: Src):
@@ -93,11 +145,11 @@ def two_flushes(src: Src):
     return 2 * FLUSH
 
 
-def exact_quantization(src: Src, quanta: Dict[str, np.ndarray], scale: float, causal: bool):
+def exact_quantization(src: Src, quanta: Quanta, problem: Problem):
     return 0.0
 
 
-def product_quantization(src: Src, quanta: Dict[str, np.ndarray], a: str, b: str):
+def product_quantization(src: Src, quanta: Quanta, a: str, b: str):
     """How far A·Bᵀ moves when A or B is known only to within its printed resolution."""
     out = 0.0
     if a in quanta:
@@ -111,6 +163,8 @@ def product_quantization(src: Src, quanta: Dict[str, np.ndarray], a: str, b: str
 class StageSpec:
     """One stage: its reference, its error bounds, its invariants, its diagnoses (see the module doc).
 
+    Each callback is given the sources it reads and the Problem (scale, masking, arithmetic); the
+    invariants the head's HeadContext.
     isolated: (variance, one-signed part) of a correct float32 result's error from the given
     sources; None for an exact copy (echoes, the transpose), which must match bit for bit.
     chained: the bound from the original inputs with the upstream stages' errors propagated
@@ -130,28 +184,28 @@ class StageSpec:
     wrong scale.
     rebuild: a backward stage from what it is computed from (specs/backward/reference.py's
     Gradients: P, dP, D, dS), which the backward diagnoses call with a part replaced by a bug's.
-    diagnoses: the bug patterns (verify/diagnose.py hypothesis names) that can explain it.
-    baseline: the tensor of FlashAttention's test baseline (verify/baseline.py: the stage-path
+    diagnoses: the bug patterns (verify/diagnose/hypotheses.py hypothesis names) that can explain it.
+    baseline: the tensor of FlashAttention's test baseline (verify/check/baseline.py: the stage-path
     stage whose value this stage holds) when flash-attn's own tests compare this stage (the
     output and dQ, dK, dV, by either path); None for the stages they do not compare.
     """
     name: str
     reference: Reference
     isolated: Optional[IsolatedModel] = None
-    chained: Optional[Callable] = None
-    floor: Callable[[Src], object] = two_flushes
-    quantization: Callable[[Src, Dict[str, np.ndarray], float, bool], object] = exact_quantization
+    chained: Optional[ChainedModel] = None
+    floor: Floor = two_flushes
+    quantization: QuantizationModel = exact_quantization
     invariants: Tuple[Invariant, ...] = ()
     masked_value: Optional[float] = None
     echo: bool = False
     scaled: bool = False
     linear: bool = False
     partner: Optional[str] = None
-    with_mask: Optional[Callable[[Src, float, np.ndarray], np.ndarray]] = None  # reference under any mask
-    from_inputs: Optional[Callable[[Src, float, np.ndarray], np.ndarray]] = None
+    with_mask: Optional[MaskedReference] = None  # reference under any mask
+    from_inputs: Optional[MaskedReference] = None
     given_upstream: Tuple[str, ...] = ()
     given_partner: Tuple[str, ...] = ()
-    rebuild: Optional[Callable] = None
+    rebuild: Optional[Rebuild] = None
     diagnoses: Tuple[str, ...] = ()
     baseline: Optional[str] = None
 

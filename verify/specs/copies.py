@@ -12,7 +12,8 @@ from typing import List
 import numpy as np
 
 from ..stages import CASE_INPUTS, KEYS_T, STAGES
-from .base import ECHO_MISMATCH, NOT_TRANSPOSE, HeadContext, StageSpec, Violation, bitwise_equal, nonfinite, violation
+from .base import (ECHO_MISMATCH, NOT_TRANSPOSE, HeadContext, Problem, StageSpec, Violation, bitwise_equal,
+                   nonfinite, violation)
 
 PATTERNS = ("nonfinite", "unwritten", "transposed", "layout", "head_permuted", "tile_boundary")
 
@@ -46,18 +47,18 @@ def _transpose_check(stage: str, got: np.ndarray, ctx: HeadContext) -> List[Viol
 
 
 def _echo(name: str) -> StageSpec:
-    return StageSpec(name, reference=lambda src, scale, causal: src[name], invariants=(_echo_check,),
+    return StageSpec(name, reference=lambda src, problem: src[name], invariants=(_echo_check,),
                      echo=True, diagnoses=PATTERNS)
 
 
 (TRANSPOSED,) = STAGES[KEYS_T].inputs  # K
 
 
-def _transpose_reference(src, scale, causal):
+def _transpose_reference(src, problem: Problem):
     return src[TRANSPOSED].T
 
 
-def _transpose_quantization(src, quanta, scale, causal):
+def _transpose_quantization(src, quanta, problem: Problem):
     return quanta[TRANSPOSED].T if TRANSPOSED in quanta else 0.0
 
 

@@ -14,13 +14,13 @@ from typing import List
 
 import numpy as np
 
-from ..model.attention import log_sum_exp_rows
+from ..model.attention import causal_mask, log_sum_exp_rows
 from ..model.dot import flush_sum
 from ..model.flash import flash_lse_sums, flash_output_var_det
 from ..model.rounding import FLUSH, ROUND_VAR, ULP_IN_U, finite_abs, memo
 from ..model.softmax import need, scaled_logits, softmax_parts
 from ..stages import FLASH_LSE, FLASH_OUTPUT, INPUT_NAMES, KEYS, OUTPUT, QUERIES, SCALED_SCORES, STAGES, VALUES
-from .base import FLASH_VS_OUTPUT, LSE_VS_SCORES, HeadContext, StageSpec, Violation, consistency
+from .base import FLASH_VS_OUTPUT, LSE_VS_SCORES, HeadContext, Problem, StageSpec, Violation, consistency
 from .copies import PATTERNS
 from .output import attention_from_inputs, values_floor
 from .scores import qk_quantization
@@ -40,7 +40,6 @@ def _with_mask_lse(src, scale, masked):
 
 
 def _mask(src, causal):
-    from ..model.attention import causal_mask
     n, m = np.asarray(src[QUERIES]).shape[0], np.asarray(src[KEYS]).shape[0]
     return causal_mask(n, m) if causal else np.zeros((n, m), bool)
 
@@ -50,10 +49,10 @@ def _qk_flush_max(src) -> float:
     return float(np.max(qk)) if qk.size else 0.0
 
 
-def _output_isolated(src, ref, scale, causal, u, kernel, cache):
+def _output_isolated(src, ref, problem: Problem):
     Q, K, V = need(src, FLASH_OUTPUT, QUERIES, KEYS, VALUES)
-    return memo(cache, "flash_output var", (Q, K, V), (scale, causal, u, kernel),
-                lambda: flash_output_var_det(Q, K, V, scale, causal, u, kernel, cache))
+    return memo(problem.cache, "flash_output var", (Q, K, V), problem.key,
+                lambda: flash_output_var_det(Q, K, V, *problem.model_args))
 
 
 def lse_var_det(Q, K, lse, scale, causal, u, kernel, cache):
@@ -70,30 +69,31 @@ def lse_var_det(Q, K, lse, scale, causal, u, kernel, cache):
     return var, det
 
 
-def _lse_isolated(src, ref, scale, causal, u, kernel, cache):
+def _lse_isolated(src, ref, problem: Problem):
     Q, K = need(src, FLASH_LSE, QUERIES, KEYS)
-    return lse_var_det(Q, K, ref, scale, causal, u, kernel, cache)
+    return lse_var_det(Q, K, ref, *problem.model_args)
 
 
-def _logit_moves(src, q, scale, causal):
+def _logit_moves(src, q, problem: Problem):
     """The logits' move when Q or K is known only to within its printed resolution, and p."""
-    dS = qk_quantization(src, q, scale)
+    scale, causal = problem.scale, problem.causal
+    dS = qk_quantization(src, q, problem)
     S = scaled_logits(np.asarray(src[QUERIES], np.float64), np.asarray(src[KEYS], np.float64), scale, causal)
     p = softmax_parts(S)[0]
     return p * (abs(scale) * np.broadcast_to(dS, S.shape)), p
 
 
-def _output_quantization(src, q, scale, causal):
+def _output_quantization(src, q, problem: Problem):
     if not q:
         return 0.0
-    w, p = _logit_moves(src, q, scale, causal)
+    w, p = _logit_moves(src, q, problem)
     O = p @ src[VALUES]
     moved = w @ np.abs(src[VALUES]) + np.abs(O) * w.sum(axis=1, keepdims=True)
     return moved + (p @ q[VALUES] if VALUES in q else 0.0)
 
 
-def _lse_quantization(src, q, scale, causal):
-    return _logit_moves(src, q, scale, causal)[0].sum(axis=1, keepdims=True) if q else 0.0
+def _lse_quantization(src, q, problem: Problem):
+    return _logit_moves(src, q, problem)[0].sum(axis=1, keepdims=True) if q else 0.0
 
 
 def _flash_sources(ctx: HeadContext):
@@ -104,21 +104,19 @@ def _partner_reference(ctx: HeadContext, names):
     """The reference chain of `names` from the head's inputs (the caller's when it has them)."""
     if all(n in ctx.chain for n in names):
         return {n: ctx.chain[n] for n in names}
-    from ..reference import reference_chain
-    return reference_chain(_flash_sources(ctx), ctx.scale, ctx.causal, names)
+    return ctx.bounds.reference_chain(_flash_sources(ctx), ctx.scale, ctx.causal, names)
 
 
 def _output_vs_partner(stage: str, got: np.ndarray, ctx: HeadContext) -> List[Violation]:
     """|flash_output - output| ≤ bound(flash_output) + chained bound(output), both from Q, K, V."""
-    from .. import tolerance
     partner = SPECS_BY_NAME[stage].partner
     if partner not in ctx.got:
         return []
     src = _flash_sources(ctx)
     chain = _partner_reference(ctx, list(INPUT_NAMES) + [partner])
     kw = ctx.bound_args()
-    allowed = (tolerance.stage_bound(stage, src, chain[partner], **kw)
-               + tolerance.chained_bound(partner, chain, **kw) + ctx.quantum(stage, partner))
+    allowed = (ctx.bounds.stage_bound(stage, src, chain[partner], **kw)
+               + ctx.bounds.chained_bound(partner, chain, **kw) + ctx.quantum(stage, partner))
     v = consistency(FLASH_VS_OUTPUT, stage, got, np.asarray(ctx.got[partner], np.float64), allowed,
                     f"the binary's {partner}")
     return [v] if v else []
@@ -126,7 +124,6 @@ def _output_vs_partner(stage: str, got: np.ndarray, ctx: HeadContext) -> List[Vi
 
 def _lse_vs_partner(stage: str, got: np.ndarray, ctx: HeadContext) -> List[Violation]:
     """|flash_lse - logsumexp(QK_scaled)| ≤ bound(flash_lse) + Σ_j p_j·bound(QK_scaled)_j."""
-    from .. import tolerance
     partner = SPECS_BY_NAME[stage].partner
     if partner not in ctx.got:
         return []
@@ -136,16 +133,17 @@ def _lse_vs_partner(stage: str, got: np.ndarray, ctx: HeadContext) -> List[Viola
     weights = next(s for s in STAGES if partner in STAGES[s].inputs)
     chain = _partner_reference(ctx, list(INPUT_NAMES) + [partner, weights, stage])
     kw = ctx.bound_args()
-    s_bound = tolerance.chained_bound(partner, chain, **kw) + ctx.quantum(partner)
+    s_bound = ctx.bounds.chained_bound(partner, chain, **kw) + ctx.quantum(partner)
     inherited = (chain[weights] * s_bound).sum(axis=1, keepdims=True) + ctx.quantum(stage)
-    allowed = tolerance.stage_bound(stage, _flash_sources(ctx), chain[stage], **kw) + inherited
+    allowed = ctx.bounds.stage_bound(stage, _flash_sources(ctx), chain[stage], **kw) + inherited
     v = consistency(LSE_VS_SCORES, stage, got, log_sum_exp_rows(scores), allowed,
                     f"the log-sum-exp of the binary's {partner} rows")
     return [v] if v else []
 
 
 SPECS = (
-    StageSpec(FLASH_OUTPUT, reference=lambda src, scale, causal: _with_mask_output(src, scale, _mask(src, causal)),
+    StageSpec(FLASH_OUTPUT,
+              reference=lambda src, problem: _with_mask_output(src, problem.scale, _mask(src, problem.causal)),
               isolated=_output_isolated,
               floor=lambda src: (values_floor(src[VALUES])
                                  + _qk_flush_max(src) * np.max(finite_abs(src[VALUES]), initial=0.0)),
@@ -153,7 +151,7 @@ SPECS = (
               partner=OUTPUT, given_partner=(FLASH_VS_OUTPUT,), with_mask=_with_mask_output,
               from_inputs=_with_mask_output, diagnoses=PATTERNS + ("scaled", "mask", "keys", "overflow"),
               baseline=OUTPUT),
-    StageSpec(FLASH_LSE, reference=lambda src, scale, causal: _with_mask_lse(src, scale, _mask(src, causal)),
+    StageSpec(FLASH_LSE, reference=lambda src, problem: _with_mask_lse(src, problem.scale, _mask(src, problem.causal)),
               isolated=_lse_isolated,
               floor=lambda src: FLUSH * 2 * np.asarray(src[KEYS]).shape[0] + _qk_flush_max(src),
               quantization=_lse_quantization, invariants=(_lse_vs_partner,), scaled=True, partner=SCALED_SCORES,

@@ -8,18 +8,18 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..model.attention import softmax_rows
 from ..model.chain import chained_eta, chained_logits
 from ..model.dot import dot_var, pv, pv_var
 from ..model.kernels import SOFTMAX_FINAL_ROUNDINGS
 from ..model.rounding import FLUSH, ROUND_VAR, finish, finite_abs
 from ..model.softmax import mixed_output_var, rowsum_rel_var
-from ..model.attention import softmax_rows
 from ..stages import KEYS, OUTPUT, QUERIES, VALUES, WEIGHTS
-from .base import StageSpec
+from .base import Problem, StageSpec
 from .copies import PATTERNS
 
 
-def _reference(src, scale, causal):
+def _reference(src, problem: Problem):
     return src[WEIGHTS] @ src[VALUES]
 
 
@@ -31,8 +31,9 @@ def attention_from_inputs(src, scale, masked):
         return softmax_rows(scores) @ np.asarray(src[VALUES], np.float64)
 
 
-def _isolated(src, ref, scale, causal, u, kernel, cache):
-    return dot_var(np.asarray(src[WEIGHTS], np.float64), np.asarray(src[VALUES], np.float64), u), np.zeros(ref.shape)
+def _isolated(src, ref, problem: Problem):
+    P, V = np.asarray(src[WEIGHTS], np.float64), np.asarray(src[VALUES], np.float64)
+    return dot_var(P, V, problem.u), np.zeros(ref.shape)
 
 
 def values_floor(V) -> np.ndarray:
@@ -41,10 +42,11 @@ def values_floor(V) -> np.ndarray:
     return FLUSH * (V.sum(axis=0, keepdims=True) + 2 * V.shape[0])
 
 
-def _chained(sources, scale, causal, u, kernel, cache):
+def _chained(sources, problem: Problem):
+    scale, causal, u, kernel, cache = problem.scale, problem.causal, problem.u, problem.kernel, problem.cache
     Q, K, V = sources
     _, p, _, _, _, _ = chained_logits(Q, K, scale, causal, u, cache)
-    eta_var = chained_eta(Q, K, scale, causal, u, kernel, cache)
+    eta_var = chained_eta(Q, K, *problem.model_args)
     l_var = rowsum_rel_var(p, u, cache=cache)
     O = pv(p, V, cache)
     p2v2 = (p * p) @ (V * V)
@@ -53,7 +55,7 @@ def _chained(sources, scale, causal, u, kernel, cache):
     return finish(O, var, np.zeros(O.shape), values_floor(V))
 
 
-def _quantization(src, q, scale, causal):
+def _quantization(src, q, problem: Problem):
     out = 0.0
     if WEIGHTS in q:
         out = out + q[WEIGHTS] @ np.abs(src[VALUES])

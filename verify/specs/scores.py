@@ -10,51 +10,52 @@ from __future__ import annotations
 import numpy as np
 
 from ..model.attention import causal_mask, scaled_scores
+from ..model.chain import chained_logits
 from ..model.dot import flush_sum, qk_var
 from ..model.rounding import FLUSH, ROUND_VAR, finish
 from ..model.softmax import need
 from ..stages import KEYS, QUERIES, SCALED_SCORES, SCORES
-from .base import MASK_MISSING, StageSpec, product_quantization, violation
+from .base import MASK_MISSING, Problem, StageSpec, product_quantization, violation
 from .copies import PATTERNS
 
 
-def _qk_reference(src, scale, causal):
+def _qk_reference(src, problem: Problem):
     return src[QUERIES] @ src[KEYS].T
 
 
-def _qk_isolated(src, ref, scale, causal, u, kernel, cache):
+def _qk_isolated(src, ref, problem: Problem):
     Q, K = need(src, SCORES, QUERIES, KEYS)
-    return qk_var(Q, K, u, ROUND_VAR, cache), np.zeros(ref.shape)
+    return qk_var(Q, K, problem.u, ROUND_VAR, problem.cache), np.zeros(ref.shape)
 
 
 def _qk_floor(src):
     return flush_sum(src[QUERIES], np.asarray(src[KEYS]).T) + FLUSH
 
 
-def qk_quantization(src, q, scale, causal=False):
+def qk_quantization(src, q, problem: Problem):
     """How far Q·Kᵀ moves when Q or K is known only to within its printed resolution."""
     return product_quantization(src, q, QUERIES, KEYS)
 
 
-def _scaled_reference(src, scale, causal):
-    return scaled_scores(src[SCORES], scale, causal)
+def _scaled_reference(src, problem: Problem):
+    return scaled_scores(src[SCORES], problem.scale, problem.causal)
 
 
-def _scaled_isolated(src, ref, scale, causal, u, kernel, cache):
+def _scaled_isolated(src, ref, problem: Problem):
     # One rounding of the product plus the float32 scale's own rounding (when the given scale is
     # the float64 1/√d_k rather than the value the binary used): ≤ 2u|ref|.
-    return np.zeros(ref.shape), np.where(np.isfinite(ref), 2.0 * u * np.abs(ref), 0.0)
+    return np.zeros(ref.shape), np.where(np.isfinite(ref), 2.0 * problem.u * np.abs(ref), 0.0)
 
 
-def _scaled_chained(sources, scale, causal, u, kernel, cache):
-    from ..model.chain import chained_logits
+def _scaled_chained(sources, problem: Problem):
+    scale, causal, u, cache = problem.scale, problem.causal, problem.u, problem.cache
     Q, K = sources[:2]
     S, _, _, _, s_var, s_det = chained_logits(Q, K, scale, causal, u, cache)
     return finish(S, s_var, s_det, abs(scale) * _qk_floor({QUERIES: Q, KEYS: K}) + FLUSH)
 
 
-def _scaled_quantization(src, q, scale, causal):
-    return abs(scale) * np.where(np.isfinite(src[SCORES]), q.get(SCORES, 0.0), 0.0)
+def _scaled_quantization(src, q, problem: Problem):
+    return abs(problem.scale) * np.where(np.isfinite(src[SCORES]), q.get(SCORES, 0.0), 0.0)
 
 
 def _mask_check(stage, got, ctx):

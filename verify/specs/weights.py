@@ -19,26 +19,20 @@ from ..model.rounding import FLUSH, LAMBDA, ROUND_VAR, finish, unit_roundoff
 from ..model.softmax import (exponent_var, f32_subtraction_error, need, rowsum_rel_var, softmax_parts,
                              weights_var)
 from ..stages import SCALED_SCORES, WEIGHTS
-from .base import MASK_MISSING, NEGATIVE_WEIGHTS, ROW_SUM, HeadContext, StageSpec, Violation, violation
+from .base import MASK_MISSING, NEGATIVE_WEIGHTS, ROW_SUM, HeadContext, Problem, StageSpec, Violation, violation
 from .copies import PATTERNS
-
-
-def invariant_quantum(stage, got, ctx):
-    """The printed resolution and, in the half pipelines, their roundings (verify/half_route.py;
-    imported here, as it builds on the specs)."""
-    from ..half_route import invariant_quantum as quantum
-    return quantum(stage, got, ctx)
 
 
 def _source(src):
     return src[SCALED_SCORES]
 
 
-def _reference(src, scale, causal):
+def _reference(src, problem: Problem):
     return softmax_rows(_source(src))
 
 
-def _isolated(src, ref, scale, causal, u, kernel, cache):
+def _isolated(src, ref, problem: Problem):
+    u, kernel = problem.u, problem.kernel
     (S,) = need(src, WEIGHTS, SCALED_SCORES)
     p, d, m, finite = softmax_parts(S)
     # The softmax reads the very float32 QK_scaled the isolated reference starts from, so the
@@ -52,15 +46,16 @@ def _isolated(src, ref, scale, causal, u, kernel, cache):
     return weights_var(p, eta_var, rowsum_rel_var(p, u), u, div_var=kernel.div_var), np.zeros(ref.shape)
 
 
-def _chained(sources, scale, causal, u, kernel, cache):
+def _chained(sources, problem: Problem):
+    scale, causal, u, kernel, cache = problem.scale, problem.causal, problem.u, problem.kernel, problem.cache
     Q, K = sources[:2]
     S, p, _, _, _, _ = chained_logits(Q, K, scale, causal, u, cache)
-    eta_var = chained_eta(Q, K, scale, causal, u, kernel, cache)
+    eta_var = chained_eta(Q, K, *problem.model_args)
     l_var = rowsum_rel_var(p, u, cache=cache)
     return finish(S, weights_var(p, eta_var, l_var, u, cache, kernel.div_var), np.zeros(S.shape), 2 * FLUSH)
 
 
-def _quantization(src, q, scale, causal):
+def _quantization(src, q, problem: Problem):
     """How far the weights move when each score may move by up to qs: p_j' / p_j =
     e^(δ_j) / Σ_k p_k e^(δ_k) with |δ| ≤ qs lies within [e^(-qs_j) / Σ p e^(qs), e^(qs_j) / Σ p e^(-qs)]
     (to first order p·(qs + Σ p·qs); exact, as half-precision scores can move by whole units)."""
@@ -93,7 +88,7 @@ def _row_sums(stage, got, finite, rows_ok, ctx):
     var = (rowsum_rel_var(np.clip(p, 0.0, None), u)[:, 0]
            + SOFTMAX_FINAL_ROUNDINGS * ROUND_VAR * u * u * (p * p).sum(axis=1))
     allowed = LAMBDA * np.sqrt(var) + 2 * FLUSH * got.shape[1]
-    q = invariant_quantum(stage, got, ctx)
+    q = ctx.bounds.invariant_quantum(stage, got, ctx)
     if q is not None:  # the printed resolution of every weight of the row
         allowed = allowed + np.where(finite, q, 0.0).sum(axis=1)
     dev = np.abs(p.sum(axis=1) - 1.0)

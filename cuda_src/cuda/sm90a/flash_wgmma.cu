@@ -6,7 +6,7 @@
 //   Precision::tf32: one product of TF32-rounded operands.
 //
 // Why a second tensor-core kernel: Hopper's full tensor rate is reached only through wgmma, well
-// above mma.sync's (bench measures both ceilings; docs/performance.md). TF32 wgmma needs
+// above mma.sync's (bench measures both ceilings; docs/journal.md). TF32 wgmma needs
 // both operands K-major in shared memory (A may come from registers):
 //   S = Q·Kᵀ: A = Q tile (rows × d, d contiguous), B = K tile (keys × d, d contiguous): as stored.
 //   O = P·V:  A = P from the S accumulators (registers), B must be Vᵀ (d × keys, keys contiguous).
@@ -386,7 +386,7 @@ __global__ void __launch_bounds__(kPeakWarpgroups * kWarpgroup, 1) wgmma_peak_ke
 // Host side.
 
 // The tile configuration for width D, precision and causality (void: none): the fastest measured
-// (docs/performance.md, "flash_wgmma configurations (H100)").
+// (docs/journal.md, "flash_wgmma configurations (H100)").
 template <int D, bool kThree, bool kCausal>
 struct WgConfig {
     using type = void;
@@ -448,7 +448,7 @@ void launch_tiles(const FlashArgs& a, const KernelPlan& plan, cudaStream_t strea
 }
 
 // Where `auto` takes this kernel over flash_fast.cu's mma.sync one: where it measured faster
-// (docs/performance.md, "Where `auto` takes flash_wgmma"). Its per-call preparation pass and its
+// (docs/journal.md, "Where `auto` takes flash_wgmma"). Its per-call preparation pass and its
 // 64-row blocks' causal waste cost more on short sequences, so it starts from N = M = 2048, and
 // from 1024 for d64 non-causal.
 bool preferred(const FlashArgs& a) {

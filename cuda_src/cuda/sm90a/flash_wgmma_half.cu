@@ -18,7 +18,7 @@
 //
 // The arithmetic, which the verifier's CUDA model bounds (verify/model/kernels.py:
 // KERNELS["cuda-wgmma-bf16"] and ["cuda-wgmma-fp16"], with the half pipeline's roundings,
-// verify/half_route.py): half products exact, summed in FP32 by the tensor cores with truncation;
+// verify/check/half_rounding.py): half products exact, summed in FP32 by the tensor cores with truncation;
 // scale·log2(e) rounded once per head; the exponent c·s − m in one FFMA for a positive scale (m the
 // running row max of c·s, rounded once: a rounding fewer than the model allows for), else c·s
 // rounded and m subtracted; ex2.approx.ftz; P rounded to the format before P·V; lse =
@@ -383,11 +383,11 @@ __global__ void __launch_bounds__(T::THREADS, 1)
 // Host side.
 
 // The tile configuration for width D (void: none): the fastest measured on an H100 among Bc 64
-// and 128 with two or three consumer warpgroups, with and without ping-pong (docs/performance.md,
+// and 128 with two or three consumer warpgroups, with and without ping-pong (docs/journal.md,
 // "The half-precision flash forward"). d64: three warpgroups (Br 192) share each K/V tile; d128:
 // two, as the 160 registers a thread of three would get cannot hold d128's accumulators beside S
 // and P with Bc 128. Both take turns: d128 measured 1.6% faster without them when unmasked but 11%
-// slower causal, and a build choosing per mask failed to load its kernels (docs/performance.md).
+// slower causal, and a build choosing per mask failed to load its kernels (docs/journal.md).
 template <int D, class Fmt>
 struct HalfConfig {
     using type = void;

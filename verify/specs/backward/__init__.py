@@ -26,7 +26,7 @@ from .reference import (FLASH_SOURCES, Gradients, d_reference, ds_reference, fla
 
 __all__ = ["SPECS", "FLASH_SOURCES", "Gradients", "d_reference", "ds_reference", "flash_backward"]
 
-# The bug hypotheses (verify/diagnose_backward.py) of the stages they can explain.
+# The bug hypotheses (verify/diagnose/backward.py) of the stages they can explain.
 D_BUGS = ("D_wrong_O",)
 DS_BUGS = D_BUGS + ("dS_missing_P",)
 SCALE_BUGS = ("grad_unscaled",)
@@ -45,29 +45,29 @@ def _flash_spec(name: str, index: int, partner: str, rebuild, invariants=(), giv
 
 
 SPECS = (
-    StageSpec(ROW_DOT, reference=lambda src, scale, causal: d_reference(src[GRAD_OUTPUT], src[OUTPUT]),
+    StageSpec(ROW_DOT, reference=lambda src, problem: d_reference(src[GRAD_OUTPUT], src[OUTPUT]),
               isolated=d_isolated, chained=d_chained, floor=lambda src: floor_d(src[GRAD_OUTPUT], src[OUTPUT]),
               quantization=d_quantization, linear=True, rebuild=lambda g: g.D, diagnoses=_GRAD_PATTERNS + D_BUGS),
-    StageSpec(GRAD_WEIGHTS, reference=lambda src, scale, causal: src[GRAD_OUTPUT] @ src[VALUES].T,
+    StageSpec(GRAD_WEIGHTS, reference=lambda src, problem: src[GRAD_OUTPUT] @ src[VALUES].T,
               isolated=dp_isolated, floor=lambda src: flush_sum(src[GRAD_OUTPUT], np.asarray(src[VALUES]).T) + FLUSH,
               quantization=dp_quantization, linear=True, diagnoses=_GRAD_PATTERNS),
     StageSpec(GRAD_SCORES,
-              reference=lambda src, scale, causal: ds_reference(src[WEIGHTS], src[GRAD_WEIGHTS], src[ROW_DOT]),
+              reference=lambda src, problem: ds_reference(src[WEIGHTS], src[GRAD_WEIGHTS], src[ROW_DOT]),
               isolated=ds_isolated, chained=ds_chained, floor=lambda src: 6 * FLUSH,
               quantization=ds_quantization, invariants=(ds_checks,), given_upstream=(ROW_SUM,), masked_value=0.0,
               rebuild=lambda g: g.dS, diagnoses=PATTERNS + DS_BUGS + ("mask",)),
-    StageSpec(GRAD_QUERIES, reference=lambda src, scale, causal: scale * src[GRAD_SCORES] @ src[KEYS],
+    StageSpec(GRAD_QUERIES, reference=lambda src, problem: problem.scale * src[GRAD_SCORES] @ src[KEYS],
               isolated=dq_isolated, chained=dq_chained,
               floor=lambda src: flush_sum(src[GRAD_SCORES], src[KEYS]) + FLUSH,
               quantization=gemm_quantization(GRAD_SCORES, KEYS, False, True), scaled=True, linear=True,
               rebuild=grad_queries, diagnoses=_GRAD_PATTERNS + DS_BUGS + SCALE_BUGS, baseline=GRAD_QUERIES),
-    StageSpec(GRAD_KEYS, reference=lambda src, scale, causal: scale * src[GRAD_SCORES].T @ src[QUERIES],
+    StageSpec(GRAD_KEYS, reference=lambda src, problem: problem.scale * src[GRAD_SCORES].T @ src[QUERIES],
               isolated=dk_isolated, chained=dk_chained,
               floor=lambda src: flush_sum(np.asarray(src[GRAD_SCORES]).T, src[QUERIES]) + FLUSH,
               quantization=gemm_quantization(GRAD_SCORES, QUERIES, True, True), invariants=(dk_column_sums,),
               given_upstream=(COLUMN_SUM,), scaled=True, linear=True, rebuild=grad_keys,
               diagnoses=_GRAD_PATTERNS + DS_BUGS + SCALE_BUGS, baseline=GRAD_KEYS),
-    StageSpec(GRAD_VALUES, reference=lambda src, scale, causal: src[WEIGHTS].T @ src[GRAD_OUTPUT],
+    StageSpec(GRAD_VALUES, reference=lambda src, problem: src[WEIGHTS].T @ src[GRAD_OUTPUT],
               isolated=dv_isolated, chained=dv_chained,
               floor=lambda src: flush_sum(np.asarray(src[WEIGHTS]).T, src[GRAD_OUTPUT]) + FLUSH,
               quantization=gemm_quantization(WEIGHTS, GRAD_OUTPUT, True, False), linear=True,

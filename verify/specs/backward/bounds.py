@@ -18,40 +18,44 @@ from ...model.rounding import FLUSH, ROUND_VAR, finish, finite_abs, memo
 from ...model.softmax import exponent_var, need, rowsum_rel_var, weights_var
 from ...stages import (FLASH_GRAD_QUERIES, GRAD_OUTPUT, GRAD_QUERIES, GRAD_KEYS, GRAD_SCORES, GRAD_VALUES,
                        GRAD_WEIGHTS, KEYS, OUTPUT, QUERIES, ROW_DOT, VALUES, WEIGHTS)
+from ..base import Problem
 from ..flash import lse_var_det
 from .reference import FLASH_SOURCES, d_reference, ds_reference, flash_backward, mask_of
 
 
 # ---- isolated bounds (from the program's own upstream files) -----------------------------------
 
-def d_isolated(src, ref, scale, causal, u, kernel, cache):
+def d_isolated(src, ref, problem: Problem):
     dO, O = need(src, ROW_DOT, GRAD_OUTPUT, OUTPUT)
-    return rowdot_var(dO, O, u), np.zeros(ref.shape)
+    return rowdot_var(dO, O, problem.u), np.zeros(ref.shape)
 
 
-def dp_isolated(src, ref, scale, causal, u, kernel, cache):
+def dp_isolated(src, ref, problem: Problem):
+    u, cache = problem.u, problem.cache
     dO, V = need(src, GRAD_WEIGHTS, GRAD_OUTPUT, VALUES)
     return memo(cache, "dP var", (dO, V), (u,), lambda: dot_var(dO, V.T, u)), np.zeros(ref.shape)
 
 
-def ds_isolated(src, ref, scale, causal, u, kernel, cache):
+def ds_isolated(src, ref, problem: Problem):
     P, dP, D = need(src, GRAD_SCORES, WEIGHTS, GRAD_WEIGHTS, ROW_DOT)
-    return ds_round_var(P, dP, D, u), np.zeros(ref.shape)
+    return ds_round_var(P, dP, D, problem.u), np.zeros(ref.shape)
 
 
-def dq_isolated(src, ref, scale, causal, u, kernel, cache):
+def dq_isolated(src, ref, problem: Problem):
+    scale, u = problem.scale, problem.u
     dS, K = need(src, GRAD_QUERIES, GRAD_SCORES, KEYS)
     return scale * scale * dot_var(dS, K, u, 2 * ROUND_VAR), 2.0 * u * np.abs(ref)
 
 
-def dk_isolated(src, ref, scale, causal, u, kernel, cache):
+def dk_isolated(src, ref, problem: Problem):
+    scale, u = problem.scale, problem.u
     dS, Q = need(src, GRAD_KEYS, GRAD_SCORES, QUERIES)
     return scale * scale * dot_var(dS.T, Q, u, 2 * ROUND_VAR), 2.0 * u * np.abs(ref)
 
 
-def dv_isolated(src, ref, scale, causal, u, kernel, cache):
+def dv_isolated(src, ref, problem: Problem):
     P, dO = need(src, GRAD_VALUES, WEIGHTS, GRAD_OUTPUT)
-    return dot_var(P.T, dO, u), np.zeros(ref.shape)
+    return dot_var(P.T, dO, problem.u), np.zeros(ref.shape)
 
 
 def _dp_var(dO, V, u, product_var, cache):
@@ -142,9 +146,9 @@ def _flash_own(src, scale, causal, u, kernel, cache):
 
 
 def flash_isolated(index: int):
-    def isolated(src, ref, scale, causal, u, kernel, cache):
-        var, det = _flash_own(src, scale, causal, u, kernel, cache)[index]
-        return var, det + 2.0 * u * np.abs(ref) * (index < 2)  # dQ, dK: the scale's own rounding
+    def isolated(src, ref, problem: Problem):
+        var, det = _flash_own(src, *problem.model_args)[index]
+        return var, det + 2.0 * problem.u * np.abs(ref) * (index < 2)  # dQ, dK: the scale's own rounding
     return isolated
 
 
@@ -172,35 +176,38 @@ def floor_d(dO, O):
     return flush_sum(np.abs(dO) * np.abs(O), np.ones((dO.shape[1], 1))) + FLUSH
 
 
-def d_chained(sources, scale, causal, u, kernel, cache):
+def d_chained(sources, problem: Problem):
     Q, K, V, dO = sources
-    p, dP, D, dS, rows, *_ = stage_chain(Q, K, V, dO, scale, causal, u, kernel, cache)
+    p, dP, D, dS, rows, *_ = stage_chain(Q, K, V, dO, *problem.model_args)
     return finish(D, rows.D, np.zeros(D.shape), floor_d(dO, p @ V))
 
 
-def ds_chained(sources, scale, causal, u, kernel, cache):
+def ds_chained(sources, problem: Problem):
     Q, K, V, dO = sources
-    p, dP, D, dS, rows, indep, shared, *_ = stage_chain(Q, K, V, dO, scale, causal, u, kernel, cache)
+    p, dP, D, dS, rows, indep, shared, *_ = stage_chain(Q, K, V, dO, *problem.model_args)
     return finish(dS, (indep + shared) ** 2, np.zeros(dS.shape), 6 * FLUSH)
 
 
-def dq_chained(sources, scale, causal, u, kernel, cache):
+def dq_chained(sources, problem: Problem):
+    scale, u, cache = problem.scale, problem.u, problem.cache
     Q, K, V, dO = sources
-    p, dP, D, dS, rows, indep, shared, *_ = stage_chain(Q, K, V, dO, scale, causal, u, kernel, cache)
+    p, dP, D, dS, rows, indep, shared, *_ = stage_chain(Q, K, V, dO, *problem.model_args)
     dQ = scale * dS @ K
     var = grad_over_keys_var(p, dS, K, rows, indep, scale, u, cache)
     return finish(dQ, var, 2.0 * u * np.abs(dQ), abs(scale) * flush_sum(dS, K) + FLUSH)
 
 
-def dk_chained(sources, scale, causal, u, kernel, cache):
+def dk_chained(sources, problem: Problem):
+    scale, u, cache = problem.scale, problem.u, problem.cache
     Q, K, V, dO = sources
-    p, dP, D, dS, rows, indep, shared, *_ = stage_chain(Q, K, V, dO, scale, causal, u, kernel, cache)
+    p, dP, D, dS, rows, indep, shared, *_ = stage_chain(Q, K, V, dO, *problem.model_args)
     dK = scale * dS.T @ Q
     var = scale * scale * grad_over_queries_var(dS, indep + shared, Q, u, cache, "dS Q var")
     return finish(dK, var, 2.0 * u * np.abs(dK), abs(scale) * flush_sum(dS.T, Q) + FLUSH)
 
 
-def dv_chained(sources, scale, causal, u, kernel, cache):
+def dv_chained(sources, problem: Problem):
+    scale, causal, u, kernel, cache = problem.scale, problem.causal, problem.u, problem.kernel, problem.cache
     Q, K, dO = sources  # dV = Pᵀ·dO needs no V
     p = chained_logits(Q, K, scale, causal, u, cache)[1]
     eta = chained_eta(Q, K, scale, causal, u, kernel, cache)
@@ -239,9 +246,10 @@ def flash_chain(Q, K, V, dO, scale, causal, u, kernel, cache):
 
 
 def flash_chained(index: int):
-    def chained(sources, scale, causal, u, kernel, cache):
+    def chained(sources, problem: Problem):
+        scale, u = problem.scale, problem.u
         Q, K, V, dO = sources
-        refs, bounds, dS, p, _, _ = flash_chain(Q, K, V, dO, scale, causal, u, kernel, cache)
+        refs, bounds, dS, p, _, _ = flash_chain(Q, K, V, dO, *problem.model_args)
         ref, (var, det) = refs[index], bounds[index]
         det = det + 2.0 * u * np.abs(ref) * (index < 2)
         floor = [abs(scale) * flush_sum(dS, K), abs(scale) * flush_sum(dS.T, Q), flush_sum(p.T, dO)][index]

@@ -17,13 +17,6 @@ from .bounds import flash_chain, stage_chain
 from .reference import mask_of
 
 
-def invariant_quantum(stage, got, ctx):
-    """The printed resolution and, in the half pipelines, their roundings (verify/half_route.py;
-    imported here, as it builds on the specs)."""
-    from ...half_route import invariant_quantum as quantum
-    return quantum(stage, got, ctx)
-
-
 def _chain_model(ctx: HeadContext):
     """(u, kernel, (Q, K, V, dO) from the chain) for the invariants' bounds; None without dO."""
     if not all(n in ctx.chain for n in (QUERIES, KEYS, VALUES, GRAD_OUTPUT)):
@@ -54,7 +47,7 @@ def _ds_row_sums(stage, got, finite, ctx, model):
     u, kernel, (Q, K, V, dO) = model
     _, _, _, _, rows, indep, *_ = stage_chain(Q, K, V, dO, ctx.scale, ctx.causal, u, kernel, ctx.cache)
     allowed = LAMBDA * _row_sum_sd(indep, rows)[:, 0] + 6 * FLUSH * got.shape[1]
-    q = invariant_quantum(stage, got, ctx)
+    q = ctx.bounds.invariant_quantum(stage, got, ctx)
     if q is not None:
         allowed = allowed + np.broadcast_to(q, got.shape).sum(axis=1)
     dev = np.abs(np.where(np.isfinite(got), got, 0.0).sum(axis=1))
@@ -110,7 +103,7 @@ def _column_sum_allowed(stage: str, got, ctx: HeadContext, model, dS, rows, inde
            + ctx.scale ** 2 * transposed_gemm_var(dS, Q, u, ctx.cache, "dS Q var", pv).sum(axis=0)
            + 2 * ROUND_VAR * u * u * (dK * dK).sum(axis=0))
     allowed = LAMBDA * np.sqrt(var) + det + FLUSH * got.shape[0]
-    q = invariant_quantum(stage, got, ctx)
+    q = ctx.bounds.invariant_quantum(stage, got, ctx)
     if q is not None:
         allowed = allowed + np.broadcast_to(q, got.shape).sum(axis=0)
     return allowed
@@ -123,20 +116,18 @@ flash_dk_column_sums = _column_sums(_flash_errors)
 def _partner_chain(ctx: HeadContext, names):
     if all(n in ctx.chain for n in names):
         return ctx.chain
-    from ...reference import reference_chain
-    return {**ctx.chain, **reference_chain(ctx.inputs, ctx.scale, ctx.causal, names)}
+    return {**ctx.chain, **ctx.bounds.reference_chain(ctx.inputs, ctx.scale, ctx.causal, names)}
 
 
 def agrees_with(partner: str):
     """The check that a flash gradient agrees with the stage path's `partner`: |flash_dX − dX|
     within both stages' chained bounds, where the program wrote dX."""
     def check(stage: str, got: np.ndarray, ctx: HeadContext) -> List[Violation]:
-        from ... import tolerance
         if partner not in ctx.got:
             return []
         chain = _partner_chain(ctx, [stage, partner])
         kw = ctx.bound_args()
-        allowed = (tolerance.chained_bound(stage, chain, **kw) + tolerance.chained_bound(partner, chain, **kw)
+        allowed = (ctx.bounds.chained_bound(stage, chain, **kw) + ctx.bounds.chained_bound(partner, chain, **kw)
                    + ctx.quantum(stage, partner))
         v = consistency(FLASH_VS_STAGES, stage, got, np.asarray(ctx.got[partner], np.float64), allowed,
                         f"the program's {partner}")

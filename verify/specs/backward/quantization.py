@@ -8,7 +8,7 @@ import numpy as np
 
 from ...stages import (FLASH_LSE, FLASH_OUTPUT, GRAD_OUTPUT, GRAD_WEIGHTS, KEYS, OUTPUT, QUERIES, ROW_DOT, VALUES,
                        WEIGHTS)
-from ..base import product_quantization
+from ..base import Problem, product_quantization
 from .reference import flash_backward, mask_of
 
 
@@ -16,16 +16,16 @@ def _q(q, name):
     return q.get(name, 0.0)
 
 
-def d_quantization(src, q, scale, causal):
+def d_quantization(src, q, problem: Problem):
     moved = _q(q, GRAD_OUTPUT) * np.abs(src[OUTPUT]) + np.abs(src[GRAD_OUTPUT]) * _q(q, OUTPUT)
     return moved.sum(axis=1, keepdims=True)
 
 
-def dp_quantization(src, q, scale, causal):
+def dp_quantization(src, q, problem: Problem):
     return product_quantization(src, q, GRAD_OUTPUT, VALUES)
 
 
-def ds_quantization(src, q, scale, causal):
+def ds_quantization(src, q, problem: Problem):
     P, dP, D = src[WEIGHTS], src[GRAD_WEIGHTS], src[ROW_DOT]
     # with the product of the two moves: P's can be as large as P itself (half-precision scores)
     moved = _q(q, GRAD_WEIGHTS) + _q(q, ROW_DOT)
@@ -33,7 +33,7 @@ def ds_quantization(src, q, scale, causal):
 
 
 def gemm_quantization(a, b, transpose_a, factor):
-    def quantization(src, q, scale, causal):
+    def quantization(src, q, problem: Problem):
         A, B = np.abs(src[a]), np.abs(src[b])
         qa, qb = q.get(a), q.get(b)
         if transpose_a:
@@ -43,12 +43,13 @@ def gemm_quantization(a, b, transpose_a, factor):
             out = out + qa @ B
         if qb is not None:
             out = out + A @ qb
-        return abs(scale) * out if factor else out
+        return abs(problem.scale) * out if factor else out
     return quantization
 
 
 def flash_quantization(index: int):
-    def quantization(src, q, scale, causal):
+    def quantization(src, q, problem: Problem):
+        scale, causal = problem.scale, problem.causal
         if not (FLASH_OUTPUT in q or FLASH_LSE in q):
             return 0.0
         Q, K = np.asarray(src[QUERIES]), np.asarray(src[KEYS])

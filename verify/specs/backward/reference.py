@@ -1,6 +1,6 @@
 """The backward pass's float64 references: D, dS, and the FlashAttention backward (P recomputed
 from the logits and the saved flash_lse); and Gradients, the same computation with one part (D,
-dS or the lse) replaced, which the backward diagnoses (verify/diagnose_backward.py) rebuild a
+dS or the lse) replaced, which the backward diagnoses (verify/diagnose/backward.py) rebuild a
 failing stage from.
 """
 from __future__ import annotations
@@ -13,6 +13,7 @@ import numpy as np
 from ...model.attention import causal_mask
 from ...stages import (FLASH_GRAD_QUERIES, FLASH_LSE, FLASH_OUTPUT, GRAD_OUTPUT, GRAD_WEIGHTS, KEYS, QUERIES, ROW_DOT,
                        STAGES, WEIGHTS)
+from ..base import Problem
 
 FLASH_SOURCES = STAGES[FLASH_GRAD_QUERIES].inputs       # Q, K, V, dO, flash_output, flash_lse
 
@@ -45,9 +46,9 @@ def flash_backward(src, scale: float, masked: np.ndarray, D=None, lse=None):
 
 def flash_reference(index: int):
     """The reference of the flash gradient at `index` of (dQ, dK, dV)."""
-    def reference(src, scale, causal):
+    def reference(src, problem: Problem):
         Q, K = np.asarray(src[QUERIES]), np.asarray(src[KEYS])
-        return flash_backward(src, scale, mask_of(Q.shape[0], K.shape[0], causal))[index]
+        return flash_backward(src, problem.scale, mask_of(Q.shape[0], K.shape[0], problem.causal))[index]
     return reference
 
 

@@ -1,0 +1,311 @@
+"""Checking heads in parallel: forked worker processes, as many as the cores and the memory allow.
+
+Each process checks one head at a time, so memory stays bounded by one head's matrices per process.
+Workers are forked: they inherit the loaded run and case (nothing large is pickled to them), and
+die with the check that forked them.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import gc
+import multiprocessing
+import os
+import signal
+import sys
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from typing import Callable, List, Optional, Tuple
+
+from ..files.case import CaseError
+from ..files.outputs import RunInfo
+from ..stages import STAGES
+from ..text import mib
+
+
+# Memory one worker holds while it checks a head, in float64 N×M matrices (the reference chain,
+# the binary's stages, bounds and the error model's intermediates: docs/journal.md has the
+# measured peak) and in (N + M)·d ones, plus the interpreter and numpy.
+_HEAD_NM_MATRICES = 32
+
+
+# And for a run with backward stages (dP, dS and their bounds), this many more N×M ones: a
+# backward check of one head measured 43 in all at N = M = 2048, a forward one 27.
+_BACKWARD_NM_MATRICES = 12
+
+
+_HEAD_ND_MATRICES = 32
+
+
+_WORKER_BASE_BYTES = 200 << 20
+
+
+# Other heads' reference stages a process keeps for the head_permuted diagnosis (one matrix each).
+REF_CACHE = 8
+
+
+# Below this many multiply-adds over all heads (the default 12×128×128 case has 25 M) one process
+# checks faster than a pool can start.
+_PARALLEL_MIN_MACS = 1 << 23
+
+
+def _read_int(path: str, field: int = 0) -> Optional[int]:
+    try:
+        with open(path) as f:
+            return int(f.read().split()[field])
+    except (OSError, ValueError, IndexError):
+        return None  # absent, or "max" (no limit)
+
+
+def _available_memory_bytes() -> Optional[int]:
+    """MemAvailable, and no more than a container's memory limit leaves (cgroup v2, else v1)."""
+    avail = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    avail = int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        limit, usage = _read_int(limit_file), _read_int(usage_file)
+        if limit is not None and usage is not None and limit < (1 << 60):
+            left = max(0, limit - usage)
+            avail = left if avail is None else min(avail, left)
+            break
+    return avail
+
+
+def _usable_cores() -> int:
+    """The cores this process may run on, and no more than a container's CPU quota (cgroup v2)."""
+    cores = len(os.sched_getaffinity(0))
+    quota, period = _read_int("/sys/fs/cgroup/cpu.max", 0), _read_int("/sys/fs/cgroup/cpu.max", 1)
+    if quota is not None and period:
+        cores = min(cores, max(1, -(-quota // period)))
+    return cores
+
+
+# The largest --max-memory-mb, as the binary's (kMaxMemoryMb in cuda_src/cli.h: 1 PiB).
+MAX_MEMORY_MB = 1 << 30
+
+# The exit status of a command that does not have the memory it needs, as the binary's.
+NO_MEMORY_EXIT = 3
+
+
+class NotEnoughMemory(CaseError):
+    """The check would need more memory than it may use: one line, exit status NO_MEMORY_EXIT."""
+    exit_code = NO_MEMORY_EXIT
+
+
+def head_bytes(run: RunInfo) -> int:
+    """The most memory one process holds while it checks a head of `run`: the head's N×M and
+    (N + M)·d float64 matrices, the other heads' reference stages of REF_CACHE, the interpreter,
+    and every one-file stage the process reads whole (held, and its file's bytes while it loads)."""
+    d = run.dims
+    matrices = 8 * (_nm_matrices(run) * d.seq_q * d.seq_k
+                    + _HEAD_ND_MATRICES * (d.seq_q + d.seq_k) * max(d.d_k, d.d_v))
+    return matrices + _WORKER_BASE_BYTES + 2 * _stacked_file_bytes(run)
+
+
+def _nm_matrices(run: RunInfo) -> int:
+    """The float64 N×M matrices one process holds at most while it checks a head of `run`."""
+    backward = any(STAGES[s].backward for s in run.stages)
+    return _HEAD_NM_MATRICES + REF_CACHE + (_BACKWARD_NM_MATRICES if backward else 0)
+
+
+def _stacked_file_bytes(run: RunInfo) -> int:
+    """The bytes of the run's one-file stages (every head in one .npy): each process loads them whole."""
+    total = 0
+    for src in run.sources.values():
+        if src.arrays is None and not src.per_head:
+            try:
+                total += os.stat(src.file(0, run.dims)).st_size
+            except OSError:
+                pass  # missing: reported as such when its heads are checked
+    return total
+
+
+def memory_budget(max_memory_mb: Optional[int], avail: Optional[int]) -> Tuple[Optional[int], str]:
+    """(the bytes a check may use, what sets them): `avail` (MemAvailable, a container's limit),
+    and no more than `max_memory_mb` MiB when given; None when neither is known."""
+    cap = None if max_memory_mb is None else max_memory_mb << 20
+    if cap is not None and (avail is None or cap <= avail):
+        return cap, f"--max-memory-mb {max_memory_mb}"
+    return avail, "the memory available"
+
+
+def head_jobs(run: RunInfo, requested: int = 0, max_memory_mb: Optional[int] = None) -> int:
+    """Worker processes for checking the heads of `run`: `requested` if positive, else as many as
+    there are cores, limited so that the workers' heads fit in half the available memory, and 1
+    for small runs. 1 off Linux: the workers are forked (they inherit the loaded case). Either way
+    no more than memory_budget(max_memory_mb) holds, and NotEnoughMemory when one head does not fit."""
+    d = run.dims
+    per_head = head_bytes(run)
+    avail = _available_memory_bytes()
+    budget, source = memory_budget(max_memory_mb, avail)
+    if budget is not None and per_head > budget:
+        raise NotEnoughMemory(f"checking one head of {d.seq_q} x {d.seq_k} scores needs about {mib(per_head)}, more "
+                              f"than the {mib(budget)} of {source}; HINT: check a case with fewer query or key rows "
+                              f"(a head's check holds some {_nm_matrices(run)} float64 N x M matrices), or free memory")
+    fits = d.total_heads if budget is None else max(1, budget // per_head)
+    if d.total_heads <= 1 or sys.platform != "linux":
+        return 1
+    if requested > 0:
+        return min(requested, d.total_heads, fits)
+    if d.total_heads * d.seq_q * d.seq_k * (d.d_k + d.d_v) < _PARALLEL_MIN_MACS:
+        return 1  # starting workers would cost more than the checking
+    # Of what is available, half: the machine's other work keeps the rest.
+    by_memory = fits if avail is None else min(fits, max(1, (avail // 2) // per_head))
+    return max(1, min(_usable_cores(), by_memory, d.total_heads))
+
+
+def _die_with_parent() -> None:
+    """Pool initializer: a worker gets SIGTERM when the check that forked it dies (a plain kill of
+    the parent would otherwise leave it waiting on its queue for ever)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() == 1:  # the parent died before the line above took effect
+        os._exit(1)
+
+
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+# OpenBLAS's thread-count setter under the names its builds export (numpy's own wheels, older
+# numpy wheels, a system OpenBLAS).
+_OPENBLAS_SET_THREADS = ("scipy_openblas_set_num_threads64_", "openblas_set_num_threads64_",
+                         "openblas_set_num_threads")
+
+
+def _loaded_openblas() -> List[ctypes.CDLL]:
+    """The OpenBLAS libraries mapped into this process (numpy's BLAS, where it is OpenBLAS)."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if "openblas" in line.lower() and "/" in line}
+    except OSError:
+        return []
+    libs = []
+    for path in sorted(paths):
+        try:
+            libs.append(ctypes.CDLL(path))
+        except OSError:
+            pass
+    return libs
+
+
+def one_blas_thread() -> bool:
+    """Limits numpy's OpenBLAS to one thread in this process; False where it is not OpenBLAS. A
+    worker is one of as many processes as cores: OpenBLAS's own threads (one a core, spinning
+    between calls) would compete with the other workers for the cores."""
+    done = False
+    for lib in _loaded_openblas():
+        setter = next((getattr(lib, n) for n in _OPENBLAS_SET_THREADS if hasattr(lib, n)), None)
+        if setter is not None:
+            setter(1)
+            done = True
+    return done
+
+
+# glibc's mallopt parameters (<malloc.h>) and its defaults for them.
+_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
+_DEFAULT_TRIM_THRESHOLD, _DEFAULT_MMAP_MAX = 128 * 1024, 65536
+
+
+def keep_freed_memory(keep: bool) -> bool:
+    """glibc's malloc maps every block over 32 MB (a 4096² float64 matrix is 128 MB) from the OS
+    and unmaps it when freed, and hands the free top of its heap back too, so each of the hundreds
+    of temporaries one head's bounds allocate arrives as fresh pages the kernel must zero. keep:
+    every block comes from the heap, which is never trimmed (-1 is the largest size_t), and freed blocks are reused; not keep: glibc's
+    defaults, and the free heap returned to the OS. False where the C library is not glibc."""
+    libc = ctypes.CDLL(None)
+    if not (hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim")):
+        return False
+    if keep:
+        return bool(libc.mallopt(_M_MMAP_MAX, 0) and libc.mallopt(_M_TRIM_THRESHOLD, -1))
+    libc.mallopt(_M_MMAP_MAX, _DEFAULT_MMAP_MAX)
+    libc.mallopt(_M_TRIM_THRESHOLD, _DEFAULT_TRIM_THRESHOLD)
+    libc.malloc_trim(0)
+    return True
+
+
+@contextlib.contextmanager
+def _freed_memory_kept():
+    kept = keep_freed_memory(True)
+    try:
+        yield
+    finally:
+        if kept:
+            keep_freed_memory(False)
+
+
+def _init_worker() -> None:
+    _die_with_parent()
+    one_blas_thread()
+    keep_freed_memory(True)
+
+
+_CHECK: Optional[Callable[[int], list]] = None  # the parent's head checker, inherited by forked workers
+
+
+def _check_in_worker(head: int) -> list:
+    assert _CHECK is not None, "worker started without a checker"
+    try:
+        return _CHECK(head)
+    finally:
+        _collect_head_garbage()
+
+
+def _collect_head_garbage() -> None:
+    """After a head: its matrices are freed now, not when the cyclic garbage collector next runs
+    (reference cycles among its cached bounds would keep them alive into the next head). The
+    objects that were there before the heads are frozen (_heads_garbage_only): only a head's own
+    are looked at, so a small head's check does not pay for walking the whole interpreter."""
+    gc.collect()
+
+
+@contextlib.contextmanager
+def _heads_garbage_only():
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
+def map_heads(check: Callable[[int], list], heads: int, jobs: int,
+              progress: Optional[Callable[[int], None]] = None, tune_process: bool = False) -> List:
+    """check(head) for every head, in `jobs` forked processes (in this one for jobs <= 1), results
+    concatenated in head order; progress(head) after each. tune_process: this process is the
+    command's own, so its allocator and garbage collector may be set for checking (never in a
+    caller's process: the Python API's)."""
+    results: List = []
+    if jobs <= 1:
+        tuned = (_freed_memory_kept(), _heads_garbage_only()) if tune_process else ()
+        with contextlib.ExitStack() as stack:
+            for ctx in tuned:
+                stack.enter_context(ctx)
+            for head in range(heads):
+                results.extend(check(head))
+                _collect_head_garbage()
+                if progress:
+                    progress(head)
+        return results
+    global _CHECK
+    _CHECK = check  # forked workers inherit it: nothing large is pickled to them
+    try:
+        with _heads_garbage_only(), ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork"),
+                                                        initializer=_init_worker) as pool:
+            for head, head_results in enumerate(pool.map(_check_in_worker, range(heads))):
+                results.extend(head_results)
+                if progress:
+                    progress(head)
+    except BrokenProcessPool:
+        raise CaseError(f"a checking process of {jobs} died (killed for memory?); HINT: run check "
+                        "with --jobs 1, or fewer") from None
+    finally:
+        _CHECK = None
+    return results

@@ -1,0 +1,128 @@
+"""The tolerance model: an element-wise bound on |got - ref| for every stage, from rounding analysis.
+
+Each float32 operation rounds to nearest; a stage's error is a sum of many such roundings, so the
+model computes, per element, the VARIANCE of that sum from the actual data (the partial sums the
+computation passes through) and allows LAMBDA standard deviations: a probabilistic bound in the
+sense of Higham & Mary (2019), but with the exact partial sums instead of the worst-case
+Σ|a_i b_i|, so it stays within ~10× the typical error of a correct computation (a worst-case bound
+is 50-200× looser and lets real bugs through). Errors that are bounded but one-signed (the scale's
+own rounding, tensor-core truncation) enter as their bound (det). The arithmetic assumed is the
+backend's as run.toml names it, any correct IEEE float32 program without one, or CUDA's fast-math
+intrinsics (verify/model/kernels.py).
+
+The building blocks are in verify/model/; each stage's use of them is its spec (verify/specs/):
+this module dispatches. docs/tolerances.md explains the model; tests/test_tolerance.py
+calibrates it. Masked entries (-inf in the reference) get bound 0:
+they must match exactly.
+"""
+from __future__ import annotations
+
+from typing import Dict, Optional
+
+import numpy as np
+
+from ..model.dot import dot_var
+from ..model.half import NEAREST, is_half
+from ..model.kernels import KERNELS, SOFTMAX_FINAL_ROUNDINGS, Kernel, kernel_for
+from ..model.rounding import (FLUSH, LAMBDA, LOG_ULPS, ROUND_VAR, UNIT_ROUNDOFF, HeadCache, ToleranceError, finish,
+                              memo, unit_roundoff)
+from ..model.softmax import need
+from ..specs import SPECS, chain_inputs
+from ..specs.base import Problem
+from ..stages import INPUT_NAMES, STAGES
+from .half_rounding import half_terms
+
+__all__ = ["stage_bound", "chained_bound", "quantization_bound", "underflow_floor",
+           "dot_var", "kernel_for", "HeadCache", "ToleranceError", "unit_roundoff", "KERNELS", "Kernel",
+           "FLUSH", "LAMBDA", "LOG_ULPS", "ROUND_VAR", "UNIT_ROUNDOFF", "SOFTMAX_FINAL_ROUNDINGS"]
+
+
+# The half pipelines accumulate in float32: their arithmetic is the fp32 model's (the storage
+# roundings are half_terms').
+_FLOAT32_OF = {"bf16": "fp32", "fp16": "fp32"}
+
+
+def _spec(stage: str):
+    if stage not in SPECS:
+        raise ToleranceError(f"unknown stage {stage!r}")
+    return SPECS[stage]
+
+
+def stage_bound(stage: str, src: Dict[str, np.ndarray], ref: np.ndarray, *, scale: float,
+                causal: bool, precision: str = "fp32", backend: Optional[str] = None,
+                math: str = "ieee", flash_kernel: Optional[str] = None,
+                cache: Optional[HeadCache] = None, half_rounding: str = NEAREST) -> np.ndarray:
+    """Element-wise bound on |got - ref| for one head of `stage` computed from `src` (isolated).
+
+    src holds the float64 values of the stage's inputs (verify.stages.STAGES[stage].inputs); the
+    flash stages use Q, K (and V for flash_output). Exact copies (echoes, the transpose) get 0;
+    entries where ref is ±inf (masked) get 0 and must match exactly. backend (run.toml's
+    `backend`, "cpu" or "cuda") picks the arithmetic assumed; None: any correct IEEE float32
+    implementation; flash_kernel (run.toml's) refines it per kernel; math "fast": CUDA's fast-math
+    intrinsics (kernel_for).
+    cache (a HeadCache for this head) shares the intermediate results of the head's bounds.
+    half_rounding: how a bf16/fp16 program converts to its format (verify/model/half.py).
+    """
+    spec = _spec(stage)
+    u = unit_roundoff(precision)
+    kernel = kernel_for(backend, math, flash_kernel)
+    ref = np.asarray(ref, dtype=np.float64)
+    if spec.isolated is None:
+        return np.zeros(ref.shape)
+    var, det = spec.isolated(src, ref, Problem(scale, causal, u, kernel, cache))
+    bound = finish(ref, var, det, spec.floor(src))
+    if is_half(precision):
+        bound += half_terms(stage, ref, src, scale, causal, precision, False, cache, half_rounding)
+    return bound
+
+
+def chained_bound(stage: str, chain: Dict[str, np.ndarray], *, scale: float, causal: bool,
+                  precision: str = "fp32", backend: Optional[str] = None, math: str = "ieee",
+                  flash_kernel: Optional[str] = None, cache: Optional[HeadCache] = None,
+                  half_rounding: str = NEAREST) -> np.ndarray:
+    """Bound on |got - chain[stage]| where chain holds the float64 reference chain from the
+    original inputs (Q, K, V and every stage up to `stage`): each stage's own error plus the
+    upstream errors propagated through it (QK's dot-product error through the scale and the
+    softmax Jacobian, the softmax's errors through P·V with the normalization's cancellation).
+    stage_bound() alone would cry wolf here: QK's rounding reaches QK_scaled and beyond.
+    cache (a HeadCache for this head) shares the intermediate results of the head's bounds."""
+    bound = _chained_float32(stage, chain, scale=scale, causal=causal, precision=precision, backend=backend,
+                             math=math, flash_kernel=flash_kernel, cache=cache)
+    if is_half(precision) and _spec(stage).isolated is not None:
+        bound = bound + half_terms(stage, chain[stage], chain, scale, causal, precision, True, cache, half_rounding)
+    return bound
+
+
+def _chained_float32(stage: str, chain: Dict[str, np.ndarray], *, scale: float, causal: bool, precision: str,
+                     backend: Optional[str], math: str, flash_kernel: Optional[str],
+                     cache: Optional[HeadCache]) -> np.ndarray:
+    """chained_bound's float32 arithmetic (every precision's accumulation)."""
+    spec = _spec(stage)
+    u = unit_roundoff(precision)
+    kernel = kernel_for(backend, math, flash_kernel)
+    if spec.chained is None:
+        src = {n: chain[n] for n in INPUT_NAMES if n in chain}
+        src.update({n: chain[n] for n in STAGES[stage].inputs if n in chain})
+        return stage_bound(stage, src, chain[stage], scale=scale, causal=causal,
+                           precision=_FLOAT32_OF.get(precision, precision), backend=backend, math=math,
+                           flash_kernel=flash_kernel, cache=cache)
+    sources = need(chain, stage, *chain_inputs(stage))
+    problem = Problem(scale, causal, u, kernel, cache)
+    return memo(cache, "chained " + stage, sources, problem.key, lambda: spec.chained(sources, problem))
+
+
+def quantization_bound(stage: str, src: Dict[str, np.ndarray], quanta: Dict[str, np.ndarray],
+                       scale: float, causal: bool):
+    """How far the isolated reference of `stage` can move when its sources are known only to
+    within `quanta` (a file's printed resolution; absent: exact): |∂stage/∂source|·quantum, to
+    first order. 0 when every source is exact."""
+    q = {n: np.asarray(v, np.float64) for n, v in quanta.items() if v is not None and n in src}
+    if not q:
+        return 0.0
+    x = {n: np.asarray(v, np.float64) for n, v in src.items()}
+    return _spec(stage).quantization(x, q, Problem(scale, causal))
+
+
+def underflow_floor(stage: str, src: Dict[str, np.ndarray]):
+    """What float32 underflow may cost each element of `stage` (broadcastable to its shape)."""
+    return _spec(stage).floor(src)

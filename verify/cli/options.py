@@ -1,0 +1,153 @@
+"""What every attnstep command shares: the user-error class and the options several commands take.
+
+Defined here once so that every command (verify/cli/, and `bench` and `sweep`) uses the same flags,
+types and defaults.
+"""
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Dict
+
+import click
+
+from ..check.pool import NO_MEMORY_EXIT
+from ..files.case import CaseError, output_file_target, probe_writable
+from ..files.generate import DEFAULT_DIMS, MAX_SEED
+from ..files.outputs import parse_name_map, read_names_file
+from ..runs.runner import DEFAULT_BUILD_DIR, DEFAULT_RUN_TIMEOUT_S, RunnerError
+from ..stages import DEFAULT_INPUT_DIR, DEFAULT_OUTPUT_DIR
+
+BACKENDS = ("auto", "cuda", "cpu")
+
+
+class InputError(click.ClickException):
+    """A user error: one line on stderr, exit status 2 (or the binary's own status)."""
+
+    def __init__(self, message: str, exit_code: int = 2):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+# What a command was doing, for the line that says it ran out of memory doing it.
+_ACTIVITIES = {"check": "checking the stages", "generate": "generating the case", "demo": "running the demo"}
+
+
+def user_errors(fn):
+    """Turns CaseError / RunnerError into a one-line message and the right exit status, and a
+    MemoryError (an allocation refused: a low ulimit -v, a container's limit) into one line and
+    the binary's exit status for not enough memory, never a traceback."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except CaseError as exc:
+            raise InputError(str(exc), getattr(exc, "exit_code", 2)) from None
+        except RunnerError as exc:
+            if exc.detail:
+                click.echo(exc.detail, err=True)
+            raise InputError(str(exc), exc.exit_code) from None
+        except MemoryError:
+            doing = _ACTIVITIES.get(fn.__name__, f"running {fn.__name__}")
+            raise InputError(f"out of memory while {doing}; HINT: fewer heads or smaller matrices (check: "
+                             "--max-memory-mb MB plans for the memory there is)", NO_MEMORY_EXIT) from None
+    return wrapper
+
+
+def checked_path(check_fn):
+    """An option callback that refuses, while the command line is read (before any work), a path
+    that check_fn (raising CaseError) rejects: one line naming the option, exit status 2."""
+    def callback(ctx, param, value):
+        if value is not None:
+            try:
+                check_fn(value)
+            except CaseError as exc:
+                opt = param.opts[0]
+                raise InputError(str(exc) if str(exc).startswith(opt) else f"{opt} {exc}") from None
+        return value
+    return callback
+
+
+def report_file(path: Path) -> Path:
+    """A report's file: a regular file (or a link to one) or nothing yet, in a folder the
+    report can be written into, found out before the check runs rather than after."""
+    target = output_file_target(path)
+    probe_writable(target.parent, path)
+    return target
+
+
+class SharedOption:
+    """A click option defined once: `@opt` as defined here, or `@opt.but(help=..., ...)` for a
+    command that words it for itself or needs another default."""
+
+    def __init__(self, *decls, **attrs):
+        self.decls, self.attrs = decls, attrs
+
+    def __call__(self, fn):
+        return click.option(*self.decls, **self.attrs)(fn)
+
+    def but(self, **attrs):
+        return click.option(*self.decls, **{**self.attrs, **attrs})
+
+
+in_option = SharedOption("--in", "in_dir", type=click.Path(file_okay=False, path_type=Path),
+                         default=DEFAULT_INPUT_DIR, show_default=True, help="Input case folder (Q/K/V).")
+out_option = SharedOption("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path),
+                          default=DEFAULT_OUTPUT_DIR, show_default=True,
+                          help="Output case folder (the binary's stage files).")
+build_option = SharedOption("--build-dir", type=click.Path(file_okay=False, path_type=Path),
+                            default=DEFAULT_BUILD_DIR, show_default=True,
+                            help="CMake build folder; built incrementally when needed.")
+backend_option = SharedOption("--backend", type=click.Choice(BACKENDS), default="auto", show_default=True,
+                              help="Binary backend; auto uses CUDA when a GPU is present.")
+binary_option = SharedOption("--binary", type=click.Path(exists=True, dir_okay=False, resolve_path=True,
+                                                       path_type=Path),
+                             help="Run this binary instead of building BUILD_DIR/main (e.g. your own, "
+                             "writing the output case of docs/contract.md).")
+timeout_option = SharedOption("--timeout", type=click.FloatRange(min=1), default=DEFAULT_RUN_TIMEOUT_S,
+                              show_default=True, help="Seconds before the binary is stopped.")
+seed_option = SharedOption("--seed", type=click.IntRange(0, MAX_SEED), default=0, show_default=True,
+                           help="Random seed.")
+force_option = SharedOption("--force", is_flag=True,
+                            help="Replace an input case there that attnstep did not generate.")
+json_option = SharedOption("--json", "json_path", type=click.Path(path_type=Path),
+                           callback=checked_path(report_file),
+                           help="Write the full report as JSON to this file.")
+
+
+
+quiet_option = click.option("--quiet", "-q", is_flag=True, help="Print only the verdict and errors.")
+
+
+def name_options(fn):
+    """--name STAGE=PATTERN (repeatable) and --names FILE: how a program names its stage files."""
+    fn = click.option("--names", "names_file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+                      help="A file of STAGE = \"PATTERN\" lines.")(fn)
+    return click.option("--name", "names", multiple=True, metavar="STAGE=PATTERN",
+                        help="A stage's file names, e.g. output=O_{i}.txt ({i} head, {b} batch, {h} head in "
+                             "batch).")(fn)
+
+
+def dims_options(fn):
+    defaults = DEFAULT_DIMS
+    for name, flag, help_text in reversed((
+            ("batch", "--batch", "Batch size B."), ("heads", "--heads", "Heads per batch element H."),
+            ("seq_q", "--seq-q", "Query rows N."), ("seq_k", "--seq-k", "Key/value rows M."),
+            ("d_k", "--d-k", "Query/key width d_k (1..256; flash needs 16, 32, 64 or 128)."),
+            ("d_v", "--d-v", "Value width d_v (1..256; flash needs d_v = d_k)."))):
+        fn = click.option(flag, name, type=click.IntRange(min=1), default=getattr(defaults, name),
+                          show_default=True, help=help_text)(fn)
+    return fn
+
+
+def parse_names(items, names_file) -> Dict[str, str]:
+    out = read_names_file(names_file) if names_file else {}
+    pairs = {}
+    for item in items:
+        stage, eq, pattern = item.partition("=")
+        if not eq:
+            raise click.BadParameter(f"{item!r}: expected STAGE=PATTERN, e.g. output=O_{{i}}.txt",
+                                     param_hint="--name")
+        pairs[stage.strip()] = pattern.strip()
+    out.update(parse_name_map(pairs, "--name"))
+    return out

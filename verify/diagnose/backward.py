@@ -1,0 +1,184 @@
+"""The backward pass's classic bugs, as hypotheses of verify/diagnose/hypotheses.py: D from the wrong O, dS
+without its P factor, a gradient missing the scale, dV from P instead of Pᵀ, and a flash backward
+whose lse is in the wrong base. Each rebuilds the failing stage the way the bug would have computed
+it, from the program's own upstream files where it wrote them (else the reference chain), and fires
+when that explains got while the correct computation does not.
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict, Iterable, List, Optional, Tuple
+
+import numpy as np
+
+from ..check import tolerance
+from ..model.attention import causal_mask, softmax_rows
+from ..specs import SPECS
+from ..specs.backward import Gradients, d_reference
+from ..stages import FLASH_LSE, GRAD_OUTPUT, KEYS, QUERIES, STAGES, VALUES
+from .base import LOG2_E, Diagnosis, explains
+
+Own = Callable[[str], np.ndarray]
+
+
+def _own(ctx) -> Optional[Own]:
+    head = ctx.head_ctx
+    if head is None:
+        return None
+    return lambda name: np.asarray(head.own(name), np.float64)
+
+
+def _masked(own: Own, causal: bool) -> np.ndarray:
+    n, m = own(QUERIES).shape[0], own(KEYS).shape[0]
+    return causal_mask(n, m) if causal else np.zeros((n, m), bool)
+
+
+def _gradients(stage: str, own: Own, scale: float, causal: bool) -> Gradients:
+    """What the stage is computed from: the program's own P, dP, D on the stage path; recomputed
+    from its saved output and lse in the flash backward."""
+    return Gradients(own, scale, _masked(own, causal), recompute=STAGES[stage].flash)
+
+
+def _rebuilt(stage: str, g: Gradients) -> Optional[np.ndarray]:
+    """The stage from g (its spec's rebuild), None where it has none."""
+    rebuild = SPECS[stage].rebuild
+    return None if rebuild is None else rebuild(g)
+
+
+def _width(ctx, stage: str, width: float) -> float:
+    """Candidates built from the reference chain (where the program wrote no upstream file) carry
+    the chain's error: allow the chained bound's width as well."""
+    head = ctx.head_ctx
+    if head is None or all(n in head.got for n in STAGES[stage].inputs):
+        return width  # every candidate is built from the program's own files
+    try:
+        chained = tolerance.chained_bound(stage, head.chain, **head.bound_args())
+    except (KeyError, ValueError):
+        return width
+    finite = chained[np.isfinite(chained)]
+    return max(width, float(finite.max()) if finite.size else 0.0)
+
+
+def _wrong_os(own: Own, scale: float, causal: bool) -> Iterable[Tuple[str, np.ndarray]]:
+    """The tensors a program may take for O when it computes D = rowsum(dO∘O)."""
+    dO = own(GRAD_OUTPUT)
+    yield "dO instead of O (D = rowsum(dO∘dO))", dO
+    Q, K, V = own(QUERIES), own(KEYS), own(VALUES)
+    S = (Q @ K.T) * scale
+    masked = _masked(own, causal)
+    S_m = np.where(masked, -np.inf, S)
+    m = np.max(S_m, axis=1, keepdims=True)
+    e = np.where(masked, 0.0, np.exp(S_m - m))
+    yield "O before the division by the row sum (unnormalized)", e @ V
+    if causal:
+        yield "O without the causal mask", softmax_rows(S) @ V
+    if V.shape[0] == Q.shape[0]:
+        yield "V instead of O", V
+
+
+def _problem(ctx) -> Optional[Tuple[Own, float, bool]]:
+    """(own, scale, causal) of the head being diagnosed, or None without its context."""
+    own = _own(ctx)
+    if own is None:
+        return None
+    return own, ctx.scale, ctx.causal
+
+
+def _first_match(got, want, width: float, cands: Iterable[Tuple[str, Optional[np.ndarray]]]):
+    """(how, max diff) of the first candidate that explains got (see explains), or None."""
+    for how, cand in cands:
+        diff = None if cand is None else explains(got, cand, want, width)
+        if diff is not None:
+            return how, diff
+    return None
+
+
+def d_wrong_o(stage, got, want, ctx, width) -> List[Diagnosis]:
+    problem = _problem(ctx)
+    if problem is None:
+        return []
+    own, scale, causal = problem
+    dO = own(GRAD_OUTPUT)
+    g = _gradients(stage, own, scale, causal)
+    cands = ((how, _rebuilt(stage, g.replaced(D=d_reference(dO, O))))
+             for how, O in _wrong_os(own, scale, causal) if O.shape == dO.shape)
+    hit = _first_match(got, want, _width(ctx, stage, width), cands)
+    if hit is None:
+        return []
+    how, diff = hit
+    return [Diagnosis("D_wrong_O", f"{stage}: D = rowsum(dO∘O) was computed from the wrong tensor: "
+                      f"{how} (max diff {diff:.2g})", {"how": how, "max_diff": diff}, 0.95)]
+
+
+def _missing_p_candidates(stage, own: Own, scale, causal):
+    """The stage with dS = dP − D, masked entries zeroed or not (from the program's dP and D on
+    the stage path; the flash backward's recomputed from its saved output and lse)."""
+    g = _gradients(stage, own, scale, causal)
+    raw = g.dP - g.D
+    for dS in (np.where(g.masked, 0.0, raw), raw):
+        yield "", _rebuilt(stage, g.replaced(dS=dS))
+
+
+def ds_missing_p(stage, got, want, ctx, width) -> List[Diagnosis]:
+    problem = _problem(ctx)
+    if problem is None:
+        return []
+    hit = _first_match(got, want, _width(ctx, stage, width), _missing_p_candidates(stage, *problem))
+    if hit is None:
+        return []
+    return [Diagnosis("dS_missing_P", f"{stage}: dS lacks its P factor: dS = dP − D instead of P∘(dP − D) "
+                      f"(max diff {hit[1]:.2g})", {"max_diff": hit[1]}, 0.95)]
+
+
+def grad_unscaled(stage, got, want, ctx, width) -> List[Diagnosis]:
+    scale = ctx.scale
+    if scale in (0.0, 1.0) or not np.isfinite(scale):
+        return []
+    hit = _first_match(got, want, width * max(1.0, 1.0 / abs(scale)),
+                       (("the scale is missing: got ≈ want/scale", want / scale),
+                        ("the scale is applied twice: got ≈ want·scale", want * scale)))
+    if hit is None:
+        return []
+    how, diff = hit
+    return [Diagnosis("grad_unscaled", f"{stage}: {how} (scale {scale:.6g}; dQ = scale·dS·K and "
+                      f"dK = scale·dSᵀ·Q) (max diff {diff:.2g})",
+                      {"how": how, "scale": scale, "max_diff": diff}, 0.95)]
+
+
+def dv_untransposed_p(stage, got, want, ctx, width) -> List[Diagnosis]:
+    problem = _problem(ctx)
+    if problem is None:
+        return []
+    own, scale, causal = problem
+    P = _gradients(stage, own, scale, causal).P
+    dO = own(GRAD_OUTPUT)
+    if P.shape[1] != dO.shape[0]:
+        return []  # P·dO needs N = M
+    hit = _first_match(got, want, _width(ctx, stage, width), (("", P @ dO),))
+    if hit is None:
+        return []
+    return [Diagnosis("dV_untransposed_P", f"{stage}: dV = P·dO instead of Pᵀ·dO (max diff {hit[1]:.2g})",
+                      {"max_diff": hit[1]}, 0.96)]
+
+
+def flash_lse_base(stage, got, want, ctx, width) -> List[Diagnosis]:
+    """The flash backward feeds the natural-log lse into exp2 (or a base-2 one into exp)."""
+    problem = _problem(ctx)
+    if problem is None:
+        return []
+    own, scale, causal = problem
+    g = _gradients(stage, own, scale, causal)
+    cands = ((how, _rebuilt(stage, g.replaced(lse=own(FLASH_LSE) * factor)))
+             for how, factor in (("the natural-log lse is used as a base-2 one (exp2 without ·log2(e))", np.log(2.0)),
+                                 ("a base-2 lse is used as a natural one", LOG2_E)))
+    hit = _first_match(got, want, _width(ctx, stage, width), cands)
+    if hit is None:
+        return []
+    how, diff = hit
+    return [Diagnosis("lse_log2", f"{stage}: P = exp(S − lse) with lse in the wrong base: {how} "
+                      f"(max diff {diff:.2g})", {"how": how, "max_diff": diff}, 0.93)]
+
+
+# Keys: the hypothesis names the specs list (verify/specs/); each finding's code is its own.
+HYPOTHESES: Dict[str, Callable] = {"grad_lse_log2": flash_lse_base, "D_wrong_O": d_wrong_o,
+                                   "dS_missing_P": ds_missing_p, "grad_unscaled": grad_unscaled,
+                                   "dV_untransposed_P": dv_untransposed_p}

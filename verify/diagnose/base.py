@@ -1,0 +1,110 @@
+"""The vocabulary of bug diagnosis: a Diagnosis, and how a candidate explanation is matched against
+a failing result (within a few tolerance widths of got, far from the reference)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Optional, Tuple
+
+import numpy as np
+
+from ..specs.base import HeadContext
+from ..stages import Dims
+
+
+# A candidate explains got when every element is within MATCH_WIDTHS tolerance widths of it (the
+# candidate is float64, got carries its own rounding), and it is a real alternative when it
+# differs from want by more than DISTINCT_WIDTHS widths somewhere.
+MATCH_WIDTHS = 8.0
+DISTINCT_WIDTHS = 100.0
+# Values a poisoned or uninitialised buffer shows (besides NaN and 0): float32 max and its kin.
+POISON_VALUES = (3.4028234663852886e38, -3.4028234663852886e38, 1e30, -1e30)
+UNWRITTEN_DENSITY = 0.9      # fraction of the region's entries that must be zero/NaN/poison
+TILE_DENSITY = 0.5           # fraction of a wrong tile's entries that must be wrong
+MAX_HEADS_SEARCHED = 64
+MAX_MASK_OFFSET = 8
+# Tile sizes tried besides the run's own (run.toml's flash_block_q/k): the widths kernels tile and
+# vectorize by; a period of 2 is what any alternating error pattern shows by chance.
+TILE_PERIODS = (4, 8, 16, 32, 64, 128, 256)
+SCALE_NAME_RTOL = 2e-3
+# The key tile widths kernels use: a kernel that drops the keys past its last full tile, or reads
+# past the end to fill it, does so for one of these.
+KEY_TILES = (16, 32, 64, 128)
+# exp overflows float32 past log(FLT_MAX); a row's sum of exps past the same. The slack covers
+# exp2-based and fast-math exponentials, whose overflow points differ by far less.
+LOG_FLOAT32_MAX = float(np.log(np.finfo(np.float32).max))
+OVERFLOW_SLACK = 0.5
+# Fitting a mask's offset row by row recomputes one sampled row under every visible-key count:
+# MASK_FIT_ROWS rows, each a MAX_MASK_FIT_KEYS² problem at most.
+MASK_FIT_ROWS = 4
+MAX_MASK_FIT_KEYS = 1024
+LOG2_E = 1.0 / np.log(2.0)
+
+
+@dataclass
+class Diagnosis:
+    code: str
+    message: str
+    detail: dict = field(default_factory=dict)
+    confidence: float = field(default=0.5, repr=False, compare=False)
+
+
+@dataclass
+class Suspect:
+    """What the hypotheses see of a failing stage × head besides got and want: the problem, the
+    isolated reference's sources and allowance, the other heads' references (head_permuted), the
+    run's flash tiles (tile_boundary), and the head's whole context (the backward's bugs rebuild
+    a stage from the program's own upstream files), and another head's inputs (keys read past the
+    end of a head are the next head's)."""
+    dims: Optional[Dims] = None
+    scale: float = 1.0
+    causal: bool = False
+    head: Optional[int] = None
+    src: Dict[str, np.ndarray] = field(default_factory=dict)
+    ref_of_head: Optional[Callable[[int], np.ndarray]] = None
+    flash_tiles: Optional[Tuple[int, int]] = None
+    bound: Optional[np.ndarray] = None
+    head_ctx: Optional[HeadContext] = None
+    inputs_of_head: Optional[Callable[[int], Dict[str, np.ndarray]]] = None
+
+
+# ---------------------------------------------------------------------------------------------
+# Matching helpers
+# ---------------------------------------------------------------------------------------------
+
+def width_of(bound: Optional[np.ndarray], want: np.ndarray) -> float:
+    """One tolerance width: the largest finite bound (a scalar keeps reshaped candidates simple)."""
+    if bound is not None:
+        b = np.asarray(bound, dtype=np.float64)
+        b = b[np.isfinite(b)]
+        if b.size and b.max() > 0:
+            return float(b.max())
+    w = np.abs(want[np.isfinite(want)])
+    return float(max(w.max() if w.size else 1.0, 1e-30) * 2.0**-20)
+
+
+def maxdiff(a: np.ndarray, b: np.ndarray) -> float:
+    """max |a - b|, with equal infinities equal and any other non-finite mismatch infinite."""
+    if a.shape != b.shape:
+        return np.inf
+    same = (a == b) | (np.isnan(a) & np.isnan(b))
+    fin = np.isfinite(a) & np.isfinite(b)
+    if (~same & ~fin).any():
+        return np.inf
+    d = np.abs(np.where(same, 0.0, a - b))
+    return float(d.max()) if d.size else 0.0
+
+
+def explains(got: np.ndarray, cand: np.ndarray, want: np.ndarray, width: float) -> Optional[float]:
+    """max|got - cand| when cand explains got and is a real alternative to want, else None."""
+    if cand.shape != got.shape:
+        return None
+    diff = maxdiff(got, cand)
+    if not diff <= MATCH_WIDTHS * width:
+        return None
+    if not maxdiff(cand, want) > DISTINCT_WIDTHS * width:
+        return None
+    return diff
+
+
+def loc(idx) -> str:
+    return "[" + ", ".join(str(int(i)) for i in idx) + "]"

@@ -1,0 +1,363 @@
+"""Bug diagnosis: hypotheses tested on a failing stage × head, each naming a pattern that explains it.
+
+diagnose() is called with the float64 got and its isolated reference want. Each hypothesis builds
+what a specific bug would have produced (want transposed, a reinterpreted cuBLAS operand, the
+softmax of the wrong axis, another head's reference, a shifted mask, …) and fires when got matches
+it while want does not; pattern hypotheses (unwritten regions, tile boundaries, non-finite values)
+look at where got and want differ. No hypothesis fires on a correct or merely noisy result: a
+candidate must explain got within a few tolerance widths AND differ from want by far more.
+
+Codes (stable; the report's `diagnosis`; docs/contract.md says each in a user's words): nonfinite,
+unwritten, overflow, transposed, layout, scaled, softmax_axis, head_permuted, mask_missing,
+mask_offset (any offset; bottom-right alignment named), keys_past_end, keys_dropped, tile_boundary,
+lse_log2, the backward's D_wrong_O, dS_missing_P, grad_unscaled, dV_untransposed_P
+(verify/diagnose/backward.py), and the precision ones: tf32, half_storage, half_truncation,
+half_accumulation (verify/diagnose/precision.py). overflow, keys_past_end and keys_dropped are in
+verify/diagnose/inputs.py: they, the mask and the scale recompute a stage from the case's Q, K, V
+where the program wrote no upstream stage (its spec's from_inputs). (`stale` comes from the
+integrity check in verify.check.compare.)
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict, Iterable, List, Optional, Tuple
+
+import numpy as np
+
+from ..check.reference import compute_stage, softmax_rows
+from ..specs import SPECS
+from ..stages import KEYS, QUERIES, STAGES
+from ..text import plural
+from . import backward as backward_bugs
+from . import precision as precision_bugs
+from .base import (LOG2_E, MATCH_WIDTHS, MAX_HEADS_SEARCHED, POISON_VALUES, SCALE_NAME_RTOL,
+                   UNWRITTEN_DENSITY, Diagnosis, Suspect, explains, loc, maxdiff, width_of)
+from .inputs import case_inputs, rebuilder, run_mask
+from .inputs import keys as _keys
+from .inputs import overflow as _overflow
+from .regions import mask as _mask
+from .regions import tile_boundary as _tile_boundary
+
+__all__ = ["Diagnosis", "Suspect", "diagnose"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Hypotheses
+# ---------------------------------------------------------------------------------------------
+
+def _nonfinite(stage, got, want, ctx, width) -> List[Diagnosis]:
+    bad = ~np.isfinite(got) & np.isfinite(want)
+    if not bad.any():
+        return []
+    first = tuple(int(i) for i in np.argwhere(bad)[0])
+    n_nan, n_inf = int((np.isnan(got) & bad).sum()), int((np.isinf(got) & bad).sum())
+    return [Diagnosis("nonfinite", f"{stage} has {n_nan} NaN and {n_inf} Inf where the reference is "
+                      f"finite; first at {loc(first)} = {float(got[first])}",
+                      {"nan": n_nan, "inf": n_inf, "count": int(bad.sum()), "first": list(first)}, 0.95)]
+
+
+def _unwritten(stage, got, want, ctx, width) -> List[Diagnosis]:
+    """A rectangle of zeros / NaN / poison where want has other values."""
+    err = np.where((got == want) | (np.isnan(got) & np.isnan(want)), 0.0, np.abs(got - want))
+    wrong = ~(err <= MATCH_WIDTHS * width)
+    blank = np.isnan(got) | (got == 0) | np.isin(got, POISON_VALUES)
+    suspect = wrong & blank
+    if not suspect.any():
+        return []
+    rows = np.flatnonzero(suspect.any(axis=1))
+    cols = np.flatnonzero(suspect.any(axis=0))
+    r0, r1, c0, c1 = int(rows[0]), int(rows[-1]), int(cols[0]), int(cols[-1])
+    box = blank[r0:r1 + 1, c0:c1 + 1]
+    if box.mean() < UNWRITTEN_DENSITY or suspect.sum() < 2:
+        return []
+    region = got[r0:r1 + 1, c0:c1 + 1]
+    kinds = [k for k, m in (("NaN", np.isnan(region)), ("zeros", region == 0),
+                            ("poison", np.isin(region, POISON_VALUES))) if m.any()]
+    whole = "whole matrix" if (r1 - r0 + 1, c1 - c0 + 1) == got.shape else \
+        f"rows {r0}..{r1}, cols {c0}..{c1}"
+    return [Diagnosis("unwritten", f"{stage}: {whole} hold {'/'.join(kinds)} where the reference "
+                      f"holds other values: never written ({plural(int(suspect.sum()), 'entry', 'entries')})",
+                      {"rows": [r0, r1], "cols": [c0, c1], "values": kinds,
+                       "count": int(suspect.sum())}, 0.9)]
+
+
+def _transposed(stage, got, want, ctx, width) -> List[Diagnosis]:
+    R, C = want.shape
+    cands = []
+    if R == C:
+        cands.append(("got[i,j] ≈ want[j,i]", want.T))
+    elif R > 1 and C > 1:
+        cands.append(("got ≈ wantᵀ written into the same buffer (got.reshape(C, R) ≈ wantᵀ)",
+                      want.T.reshape(R, C)))
+    for how, cand in cands:
+        diff = explains(got, cand, want, width)
+        if diff is not None:
+            return [Diagnosis("transposed", f"{stage} looks transposed: {how} (max diff {diff:.2g})",
+                              {"max_diff": diff, "square": R == C}, 0.97)]
+    return []
+
+
+def _operand_variants(x: np.ndarray) -> Iterable[Tuple[str, np.ndarray]]:
+    """How a row-major R×C buffer gets misread by a GEMM with the wrong layout or leading dimension:
+    as column-major (x.reshape(C, R).T), or as holding xᵀ (x.T.reshape(R, C))."""
+    R, C = x.shape
+    if R == 1 or C == 1:
+        return
+    yield "read as column-major", x.reshape(C, R).T
+    if R != C:
+        yield "read as if it held its transpose", x.T.reshape(R, C)
+
+
+def _layout(stage, got, want, ctx, width) -> List[Diagnosis]:
+    """Row-/column-major or leading-dimension reinterpretations of the result or of an operand."""
+    R, C = want.shape
+    found: List[Tuple[str, float]] = []
+    if R > 1 and C > 1:
+        for how, cand in (("the result was written column-major (got = wantᵀ in row-major order)",
+                           want.T.reshape(R, C)),
+                          ("the result was read back column-major (got = want.reshape(C, R)ᵀ)",
+                           want.reshape(C, R).T)):
+            diff = explains(got, cand, want, width)
+            if diff is not None:
+                found.append((how, diff))
+    src: Dict[str, np.ndarray] = ctx.src
+    scale, causal = ctx.scale, ctx.causal
+    if not found and src and SPECS[stage].isolated is not None:  # not an exact copy
+        for name, x in src.items():
+            if name not in STAGES[stage].inputs:
+                continue
+            for how, x2 in _operand_variants(np.asarray(x, dtype=np.float64)):
+                try:
+                    cand = compute_stage(stage, {**src, name: x2}, scale, causal)
+                except ValueError:
+                    continue
+                diff = explains(got, cand, want, width)
+                if diff is not None:
+                    found.append((f"operand {name} was {how} (wrong layout / leading dimension)", diff))
+    if not found:
+        return []
+    how, diff = min(found, key=lambda f: f[1])
+    return [Diagnosis("layout", f"{stage}: row/column-major mix-up: {how} (max diff {diff:.2g})",
+                      {"how": how, "max_diff": diff}, 0.93)]
+
+
+def _feeds_the_scale(stage: str) -> bool:
+    """Whether the stage is what a scaling stage scales (QK: a scale found there came too early)."""
+    return any(SPECS[s].scaled and stage in STAGES[s].inputs for s in SPECS)
+
+
+def _wrong_scales(scale: float, d_k: int) -> Dict[str, float]:
+    """The scales a program uses by mistake, each with what it is: dividing by d_k instead of √d_k
+    first (with the default scale 1/√d_k it is also the scale applied twice: both are named)."""
+    return {"1/d_k used as the scale (divided by d_k, not √d_k)": 1.0 / d_k,
+            "scale applied twice": scale * scale, "scale missing": 1.0,
+            "multiplied by √d_k instead of divided": d_k ** 0.5}
+
+
+def _named(value: float, named: Dict[str, float]) -> List[str]:
+    return [n for n, v in named.items() if abs(value - v) <= SCALE_NAME_RTOL * abs(v)]
+
+
+def _scale_names(f: float, scale: float, d_k: int, stage: str) -> List[str]:
+    """What a factor f between got and want is: a known factor, or a known wrong scale used."""
+    named = {"√d_k": d_k ** 0.5, "1/√d_k": d_k ** -0.5, "d_k": float(d_k), "1/d_k": 1.0 / d_k}
+    if scale != 0.0:
+        if SPECS[stage].scaled:
+            used = [n for n in _named(f * scale, _wrong_scales(scale, d_k)) if n.startswith("1/d_k")]
+            named = {**{n: f for n in used}, **named}  # the scale it used, named first
+            named["scale (scale applied twice)"] = scale
+            named["1/scale (scale missing)"] = 1.0 / scale
+        elif _feeds_the_scale(stage):
+            named["scale (QK already scaled)"] = scale
+        else:
+            named["scale"] = scale
+            named["1/scale"] = 1.0 / scale
+    return _named(f, named)
+
+
+def _linear_factor(stage, got, want, ctx, width) -> List[Diagnosis]:
+    """got ≈ f·want, f fitted on the entries that are not blank."""
+    d_k = ctx.dims.d_k if ctx.dims is not None else 1
+    # Entries left blank (0 or NaN where want is not) belong to an unwritten region, not to the
+    # scaling: fit the factor on the rest.
+    blank = (np.isnan(got) | (got == 0)) & (want != 0) & np.isfinite(want)
+    fin = np.isfinite(got) & np.isfinite(want) & ~blank
+    if not fin.any() or (np.isfinite(want) != np.isfinite(got))[~blank].any():
+        return []
+    g, w = got[fin], want[fin]
+    ww = float(w @ w)
+    if ww <= 0:
+        return []
+    f = float(g @ w) / ww
+    if f == 0 or abs(f - 1) <= 1e-3:
+        return []
+    diff = maxdiff(got[fin], f * want[fin])
+    if diff > MATCH_WIDTHS * width * max(1.0, abs(f)):
+        return []
+    names = _scale_names(f, ctx.scale, d_k, stage)
+    named = f" ≈ {' = '.join(names)}" if names else ""
+    rest = f", apart from {int(blank.sum())} blank entries" if blank.any() else ""
+    return [Diagnosis("scaled", f"{stage} is scaled: got ≈ {f:.6g}·want{named}{rest} (max diff {diff:.2g})",
+                      {"factor": f, "names": names, "max_diff": diff}, 0.9)]
+
+
+def _rescaler(stage, ctx, width):
+    """(the stage recomputed under another scale, the width to match it with): from the stage's
+    sources when it applies the scale itself, else from the case's inputs; None if neither."""
+    if SPECS[stage].scaled and ctx.src:
+        return (lambda s2: compute_stage(stage, ctx.src, s2, ctx.causal)), width
+    built = rebuilder(stage, ctx, width)
+    if built is None:
+        return None
+    qkv, from_inputs = case_inputs(ctx), SPECS[stage].from_inputs
+    masked = run_mask(qkv[QUERIES].shape[0], qkv[KEYS].shape[0], ctx.causal)
+    return (lambda s2: from_inputs(qkv, s2, masked)), built[1]
+
+
+def _wrong_scale(stage, got, want, ctx, width) -> List[Diagnosis]:
+    """The stage recomputed with each wrong scale a program uses; every name of the one that fits."""
+    d_k, scale = (ctx.dims.d_k if ctx.dims is not None else 1), ctx.scale
+    rescaled = _rescaler(stage, ctx, width)
+    if rescaled is None:
+        return []
+    recompute, width = rescaled
+    for s2 in dict.fromkeys(_wrong_scales(scale, d_k).values()):
+        if abs(s2 - scale) <= 1e-6 * abs(scale):
+            continue
+        try:
+            cand = recompute(s2)
+        except (KeyError, ValueError):
+            continue
+        diff = explains(got, cand, want, width)
+        if diff is not None:
+            names = _named(s2, _wrong_scales(scale, d_k))
+            return [Diagnosis("scaled", f"{stage} used scale {s2:.6g} instead of {scale:.6g}: "
+                              f"{' = '.join(names)} (max diff {diff:.2g})",
+                              {"factor": s2 / scale, "used_scale": s2, "names": names, "max_diff": diff}, 0.9)]
+    return []
+
+
+def _scaled(stage, got, want, ctx, width) -> List[Diagnosis]:
+    """got ≈ f·want (linear stages), or the stage recomputed with a wrong scale (nonlinear ones)."""
+    found = _linear_factor(stage, got, want, ctx, width) if SPECS[stage].linear else []
+    return found or _wrong_scale(stage, got, want, ctx, width)
+
+
+def _softmax_columns(S: np.ndarray) -> np.ndarray:
+    return softmax_rows(S.T).T
+
+
+def _softmax_axis(stage, got, want, ctx, width) -> List[Diagnosis]:
+    src = ctx.src
+    S = src.get(STAGES[stage].inputs[0])
+    cands = []
+    if S is not None:
+        S = np.asarray(S, dtype=np.float64)
+        cands.append(("got is the softmax over columns: each column sums to 1", _softmax_columns(S)))
+        R, C = S.shape
+        if R != C:
+            cands.append(("got is the row softmax of QK_scaledᵀ written into the N×M buffer",
+                          softmax_rows(S.T).reshape(R, C)))
+    for how, cand in cands:
+        # A column with no visible key (causal, N < M) normalizes 0/0: NaN, or 0 where guarded.
+        diff = explains(got, cand, want, width)
+        if diff is None:
+            diff = explains(got, np.nan_to_num(cand, nan=0.0), want, width)
+        if diff is not None:
+            return [Diagnosis("softmax_axis", f"{stage} normalized along the wrong axis: "
+                              f"{how} (max diff {diff:.2g})", {"how": how, "max_diff": diff}, 0.93)]
+    # Without the input: columns summing to 1 while rows do not.
+    if got.shape[0] > 1 and np.isfinite(got).all():
+        col_dev = np.abs(got.sum(axis=0) - 1).max()
+        row_dev = np.abs(got.sum(axis=1) - 1).max()
+        if col_dev <= 1e-4 and row_dev > 1e-2:
+            return [Diagnosis("softmax_axis", f"{stage} columns sum to 1 but rows do not "
+                              f"(worst row sum off by {row_dev:.3g}): softmax over the wrong axis",
+                              {"row_dev": float(row_dev), "col_dev": float(col_dev)}, 0.85)]
+    return []
+
+
+def _head_permuted(stage, got, want, ctx, width) -> List[Diagnosis]:
+    ref_of_head: Optional[Callable[[int], np.ndarray]] = ctx.ref_of_head
+    dims, head = ctx.dims, ctx.head
+    if ref_of_head is None or dims is None or head is None or dims.total_heads < 2:
+        return []
+    # Another head's reference comes from the reference chain: allow the chained error as well.
+    loose = 4.0 * width + 1e-5 * float(np.max(np.abs(want[np.isfinite(want)]), initial=0.0))
+    for h in range(min(dims.total_heads, MAX_HEADS_SEARCHED)):
+        if h == head:
+            continue
+        other = np.asarray(ref_of_head(h), dtype=np.float64)
+        if other.shape != got.shape:
+            continue
+        diff = explains(got, other, want, loose / MATCH_WIDTHS)
+        if diff is not None:
+            b, hh = dims.decode_head(h)
+            return [Diagnosis("head_permuted", f"{stage} head {head} holds head {h}'s result (batch "
+                              f"{b}, head {hh}): max diff {diff:.2g} from its reference",
+                              {"matches_head": h, "batch": b, "head_in_batch": hh, "max_diff": diff},
+                              0.95)]
+    return []
+
+
+def _lse_log2(stage, got, want, ctx, width) -> List[Diagnosis]:
+    """flash_lse in base 2: got ≈ want·log2(e), the log-sum-exp of a kernel that works with exp2 and
+    log2 internally and does not convert back to the natural log (the flash gradients' P
+    recomputed from an lse in the wrong base: verify/diagnose/backward.py's grad_lse_log2)."""
+    # The base-2 result carries the natural one's rounding times log2(e).
+    diff = explains(got, want * LOG2_E, want, width * LOG2_E)
+    if diff is None:
+        return []
+    return [Diagnosis("lse_log2", f"{stage} is in base 2: got ≈ want·log2(e) = want·{LOG2_E:.6g} "
+                      f"(max diff {diff:.2g}); convert with ·ln(2) or use log instead of log2",
+                      {"factor": LOG2_E, "max_diff": diff}, 0.93)]
+
+
+# Bugs that leave whole rows or columns empty or renormalized, explaining every element.
+_EMPTIES_LINES = {"softmax_axis", "mask_offset", "mask_missing"}
+
+# Each stage's spec (verify/specs/) names the hypotheses that apply to it.
+_HYPOTHESES = {"nonfinite": _nonfinite, "unwritten": _unwritten, "transposed": _transposed, "layout": _layout,
+               "scaled": _scaled, "softmax_axis": _softmax_axis, "head_permuted": _head_permuted, "mask": _mask,
+               "tile_boundary": _tile_boundary, "lse_log2": _lse_log2, "keys": _keys, "overflow": _overflow,
+               **backward_bugs.HYPOTHESES}
+# The backward's named bugs explain a factor, a layout and where the errors are.
+_EXPLAINED_BY_BACKWARD_BUGS = ("scaled", "layout", "tile_boundary")
+
+
+def diagnose(stage: str, got: np.ndarray, want: np.ndarray, ctx: Suspect) -> List[Diagnosis]:
+    """Every pattern that explains a failing stage × head, most confident first."""
+    got = np.asarray(got, dtype=np.float64)
+    want = np.asarray(want, dtype=np.float64)
+    if got.shape != want.shape:
+        return []
+    width = width_of(ctx.bound, want)
+    found: List[Diagnosis] = []
+    fired = set()
+    for name, hyp in _HYPOTHESES.items():
+        if name in SPECS[stage].diagnoses:
+            with np.errstate(all="ignore"):
+                new = hyp(stage, got, want, ctx, width)
+            found.extend(new)
+            fired.update([name] if new else [])
+    found = precision_bugs.settle(found + precision_bugs.diagnose(stage, got, want, ctx, found))
+    codes = {d.code for d in found}
+    if codes & _EMPTIES_LINES:
+        # A wrong axis or mask leaves rows or columns with no visible key (0/0: NaN, or 0 where
+        # guarded): those lines are its consequence, not a region never written nor a tile's.
+        found = [d for d in found if d.code not in ("unwritten", "tile_boundary")]
+        codes = {d.code for d in found}
+    if "overflow" in codes:
+        # NaN written by an overflowing exp follows the large logits: not a region never written.
+        found = [d for d in found if d.code not in ("unwritten", "tile_boundary")]
+        codes = {d.code for d in found}
+    if "nonfinite" in codes and codes & (_EMPTIES_LINES | {"unwritten", "overflow"}):
+        # NaN in an unwritten region or an empty line: the cause explains it better than the count.
+        for d in found:
+            if d.code == "nonfinite":
+                d.confidence = 0.85
+    if "transposed" in codes:
+        found = [d for d in found if d.code != "tile_boundary"]
+    if fired & set(backward_bugs.HYPOTHESES):
+        found = [d for d in found if d.code not in _EXPLAINED_BY_BACKWARD_BUGS]
+    found.sort(key=lambda d: -d.confidence)
+    return found

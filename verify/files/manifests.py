@@ -1,0 +1,122 @@
+"""Manifests: the flat `key = value` TOML subset both readers take (input cases' manifest.toml,
+run.toml), their types, and the limits on a case's dimensions (cuda_src/io/manifest.cpp is the
+binary's twin)."""
+from __future__ import annotations
+
+import math
+import re
+import tomllib
+from pathlib import Path
+
+import numpy as np
+
+from ..stages import DIM_KEYS, MAX_DIM, MAX_ELEMENTS, MAX_HEAD_DIM, MAX_HEADS, Dims
+from ..text import plural, printable
+from .matrix_io import CaseError, atomic_write_bytes, read_bytes
+
+# ----------------------------------------------------------------------------------------------
+# Manifests: flat `key = value` TOML.
+
+INPUT_KEYS = {**{k: int for k in DIM_KEYS}, "causal": bool, "scale": float, "format": str,
+              "seed": int, "distribution": str, "generator": str, "backward": bool}
+_TYPE_WORDS = {int: "an integer", bool: "true or false", float: "a number", str: "a quoted string"}
+INT64 = 2**63
+
+
+def check_types(values: dict, types: dict, where: str) -> None:
+    """Each known key has its type (an int is a number too, a bool is not an int). Integers are
+    64-bit, as TOML says and the binary reads them: a larger one is an error, not a float."""
+    for key, want in types.items():
+        if key not in values:
+            continue
+        v = values[key]
+        is_int = isinstance(v, int) and not isinstance(v, bool)
+        if is_int and want in (int, float) and not -INT64 <= v < INT64:
+            raise CaseError(f"{where}: '{key}' = {v}: integer is out of the 64-bit range; "
+                            "HINT: write a float (e.g. 1e20) where a number is meant")
+        ok = (isinstance(v, bool) if want is bool else
+              is_int or isinstance(v, float) if want is float else
+              is_int if want is int else
+              isinstance(v, want))
+        if not ok:
+            raise CaseError(f"{where}: '{key}' must be {_TYPE_WORDS[want]} (got {printable(repr(v))})")
+
+
+def check_scale(scale, where: str) -> float:
+    """The scale the binary can use: finite and non-zero in float32."""
+    s32 = np.float32(scale) if np.isfinite(scale) and abs(scale) < 3.5e38 else np.float32(np.inf)
+    if not np.isfinite(s32) or s32 == 0:
+        raise CaseError(f"{where}: scale = {scale!r}: must be finite and non-zero in float32")
+    return float(scale)
+
+
+# A value that opens a multi-line string: the binary reads one `key = value` per line, so both
+# readers refuse these (tomllib alone would accept them).
+_MULTILINE_STRING = re.compile(rb"^[ \t]*(?:[A-Za-z0-9_-]+|\"[^\"\n]*\"|'[^'\n]*')[ \t]*=[ \t]*(\"\"\"|''')",
+                               re.MULTILINE)
+
+
+def _line_col(data: bytes, offset: int) -> str:
+    line = data.count(b"\n", 0, offset) + 1
+    col = offset - (data.rfind(b"\n", 0, offset) + 1) + 1
+    return f"{line}:{col}"
+
+
+def read_toml(path: Path) -> dict:
+    data = read_bytes(path)
+    # ASCII without control characters (tabs and line ends aside, a CR only before a line feed),
+    # as the binary's reader.
+    bad = re.search(rb"[^\t\n\r\x20-\x7e]|\r(?!\n)", data)
+    if bad:
+        raise CaseError(f"{path}:{_line_col(data, bad.start())}: byte 0x{data[bad.start()]:02X} in the "
+                        "manifest (ASCII text only)")
+    multi = _MULTILINE_STRING.search(data)
+    if multi:
+        raise CaseError(f"{path}:{_line_col(data, multi.start(1))}: multi-line strings are not supported")
+    try:
+        return tomllib.loads(data.decode("ascii"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise CaseError(f"{path}: not a valid manifest ({exc})") from None
+
+
+def _toml_value(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, float):
+        return repr(v) if math.isfinite(v) else ("inf" if v > 0 else "-inf") if not math.isnan(v) else "nan"
+    if isinstance(v, int):
+        return str(v)
+    return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def write_toml(path: Path, values: dict, comment: str) -> None:
+    body = f"# {comment}\n" + "".join(f"{k} = {_toml_value(v)}\n" for k, v in values.items())
+    atomic_write_bytes(path, body.encode("utf-8"))
+
+
+def validate_dims(values: dict, where: str) -> Dims:
+    for key in DIM_KEYS:
+        v = values.get(key)
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise CaseError(f"{where}: '{key}' must be an integer (got {printable(repr(v))})")
+        if not 1 <= v <= MAX_DIM:
+            raise CaseError(f"{where}: '{key}' = {v}: dimensions must be in 1..{MAX_DIM}")
+    for key in ("d_k", "d_v"):
+        if values[key] > MAX_HEAD_DIM:
+            raise CaseError(f"{where}: '{key}' = {values[key]}: at most {MAX_HEAD_DIM} is supported")
+    dims = Dims(*(values[k] for k in DIM_KEYS))
+    check_case_limits(dims, where)
+    return dims
+
+
+def check_case_limits(dims: Dims, where: str, backward: bool = False) -> None:
+    """Dimensions each in range can still make a case too large (verify/stages.py MAX_HEADS,
+    MAX_ELEMENTS; the binary's case_limit_violation says the same)."""
+    heads = dims.total_heads
+    hint = "HINT: split the work into smaller cases (fewer heads or shorter sequences)"
+    if heads > MAX_HEADS:
+        raise CaseError(f"{where}: the case is too large: batch x heads = {plural(heads, 'head')}; at most {MAX_HEADS}; {hint}")
+    per_head = dims.elements_per_head(backward)
+    if per_head * heads > MAX_ELEMENTS:
+        raise CaseError(f"{where}: the case is too large: {plural(heads, 'head')} of {plural(per_head, 'stage element')} each; "
+                        f"at most {MAX_ELEMENTS} elements in all; {hint}")

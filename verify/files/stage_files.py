@@ -1,0 +1,232 @@
+"""Where one stage's matrices are: a file per head (attnstep's `<stage>_head_{i}.txt|npy`, or a
+name map's pattern), one `.npy` holding every head, or arrays in memory (the Python API); and
+finding the stage files a folder holds."""
+from __future__ import annotations
+
+import io
+import os
+import re
+import string
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, Mapping, Optional, Tuple
+
+import numpy as np
+
+from ..stages import STAGES, Dims, parse_stage_file, stage_file
+from ..text import plural, printable, showable
+from .case import CaseError, parse_matrix, read_bytes, read_toml
+from .matrix_io import check_npy_size
+from .resolution import Resolution, array_resolution, text_resolution
+
+STACKED_SUFFIX = ".npy"             # `<stage>.npy`: every head in one array
+HEAD_FIELDS = ("i", "b", "h")       # placeholders of a name-map pattern
+STAGE_DTYPES = ("<f4", "<f8", "<f2")  # what a stage .npy may hold (inputs are float32 only)
+STAGE_ITEMSIZE = 8                   # the widest of them: bounds a stage file's size before reading
+
+
+# ----------------------------------------------------------------------------------------------
+# Where one stage's matrices are.
+
+@dataclass
+class StageSource:
+    """One stage's matrices: a file per head (`pattern` with {i}, {b}, {h}), or one file holding
+    every head (`pattern` without placeholders), or arrays in memory (the Python API)."""
+    stage: str
+    folder: Optional[Path]
+    pattern: str
+    arrays: Optional[np.ndarray] = None  # (heads, rows, cols), for the Python API
+    _stack: Optional[np.ndarray] = field(default=None, repr=False)
+
+    @property
+    def per_head(self) -> bool:
+        return bool(_placeholders(self.pattern))
+
+    def name(self, head: int, dims: Dims) -> str:
+        b, h = dims.decode_head(head)
+        return self.pattern.format(i=head, b=b, h=h) if self.per_head else self.pattern
+
+    def file(self, head: int, dims: Dims) -> Path:
+        return Path(self.folder or ".") / self.name(head, dims)
+
+    def describe(self) -> str:
+        return "arrays" if self.arrays is not None else printable(self.pattern)
+
+    def read(self, head: int, dims: Dims, data: Optional[bytes] = None
+             ) -> Tuple[np.ndarray, Resolution, Optional[bytes]]:
+        """(the head's matrix as float64, its resolution, the file's bytes when per head); data:
+        the file's bytes when the caller has read them. Raises CaseError for a file that cannot be
+        read as the stage's matrix (a head's matrix of the wrong shape is the caller's to report)."""
+        shape = STAGES[self.stage].shape(dims)
+        if self.arrays is not None:
+            return _as_matrix(self.arrays[head], shape), array_resolution(self.arrays), None
+        path = self.file(head, dims)
+        if self.per_head:
+            data = read_bytes(path, shape, STAGE_ITEMSIZE) if data is None else data
+            if path.suffix == ".npy":
+                arr = _load_npy(data, path)
+                return _as_matrix(arr, shape), array_resolution(arr), data
+            mat = parse_matrix(data, path, None)
+            return mat.astype(np.float64), text_resolution(data), data
+        stack = self._stacked(dims, path)
+        return stack[head].astype(np.float64), array_resolution(stack), None
+
+    def _stacked(self, dims: Dims, path: Path) -> np.ndarray:
+        if self._stack is None:
+            if path.suffix != ".npy":
+                if dims.total_heads != 1:
+                    raise CaseError(f"{path}: one text file for {plural(dims.total_heads, 'head')}; HINT: name "
+                                    "a file per head with {i} in the pattern, or save every head in a .npy")
+                data = read_bytes(path, STAGES[self.stage].shape(dims))
+                self._stack = parse_matrix(data, path, None)[None]
+            else:
+                r, c = STAGES[self.stage].shape(dims)
+                data = read_bytes(path, (dims.total_heads * r, c), STAGE_ITEMSIZE)
+                self._stack = _stack_heads(_load_npy(data, path), self.stage, dims, path)
+        return self._stack
+
+
+def _load_npy(data: bytes, path: Path) -> np.ndarray:
+    check_npy_size(data, str(path))
+    try:
+        arr = np.load(io.BytesIO(data), allow_pickle=False)
+    except (ValueError, OSError, EOFError) as exc:
+        raise CaseError(f"{path}: not a valid .npy file ({str(exc).splitlines()[0]})") from None
+    if arr.dtype.str not in STAGE_DTYPES:
+        raise CaseError(f"{path}: dtype {arr.dtype}, expected float32, float64 or float16; HINT: save "
+                        "with arr.astype(np.float32) (bfloat16 has no .npy dtype)")
+    return arr
+
+
+def _as_matrix(arr: np.ndarray, shape: Tuple[int, int]) -> np.ndarray:
+    """One head's matrix as float64; an N×1 stage may come as a vector of N, anything else 2-d
+    as it is (the caller compares the shape)."""
+    arr = np.asarray(arr)
+    if arr.ndim == 1 and shape[1] == 1:
+        arr = arr[:, None]
+    elif arr.ndim != 2:
+        arr = arr.reshape(arr.shape[0] if arr.ndim else 1, -1)
+    return arr.astype(np.float64)
+
+
+def _stack_heads(arr: np.ndarray, stage: str, dims: Dims, path: Path) -> np.ndarray:
+    """(B·H, rows, cols) from what a PyTorch or Triton user saves: (B·H, r, c), (B, H, r, c), or
+    for one head (r, c); an N×1 stage may drop its last axis."""
+    r, c = STAGES[stage].shape(dims)
+    B, H = dims.batch, dims.heads
+    accepted = [(B * H, r, c), (B, H, r, c)]
+    if c == 1:
+        accepted += [(B * H, r), (B, H, r)]
+    if B * H == 1:
+        accepted += [(r, c)] + ([(r,)] if c == 1 else [])
+    # (b, h, ...) with b·h heads, batch-major, also where the input case does not say B and H
+    # (no manifest: B = 1)
+    head_shapes = [(r, c)] + ([(r,)] if c == 1 else [])
+    four_d = arr.ndim >= 3 and arr.shape[0] * arr.shape[1] == B * H and tuple(arr.shape[2:]) in head_shapes
+    if tuple(arr.shape) not in accepted and not four_d:
+        raise CaseError(f"{path}: shape {tuple(arr.shape)}, expected {' or '.join(map(str, accepted[:2]))} "
+                        f"(heads, {STAGES[stage].rows}, {STAGES[stage].cols})")
+    return arr.reshape(B * H, r, c)
+
+
+# ----------------------------------------------------------------------------------------------
+# Finding the stage files of a folder.
+
+def parse_name_map(items: Mapping[str, str], where: str) -> Dict[str, str]:
+    """{stage: pattern} from `--name STAGE=PATTERN` items or a names file, validated."""
+    out = {}
+    for stage, pattern in items.items():
+        if stage not in STAGES:
+            raise CaseError(f"{where}: unknown stage '{printable(stage)}'; stages are: {', '.join(STAGES)}")
+        shown = printable(repr(pattern))
+        if not isinstance(pattern, str) or not pattern.strip() or Path(pattern).is_absolute() \
+                or ".." in Path(pattern).parts:
+            raise CaseError(f"{where}: {stage}: expected a file name inside the output folder, such as "
+                            f"'{stage}_{{i}}.txt', got {shown}")
+        if not showable(pattern):  # it would put them into every message naming a file
+            raise CaseError(f"{where}: {stage} = {shown}: control characters in a file name; HINT: "
+                            "name the files with printable characters")
+        if _placeholders(pattern) is None:
+            raise CaseError(f"{where}: {stage} = {shown}: the only placeholders are {{i}} (head "
+                            "0..B·H-1), {b} (batch) and {h} (head within the batch), without formats")
+        out[stage] = pattern
+    return out
+
+
+def _placeholders(pattern: str) -> Optional[set]:
+    """The head fields a pattern names ({i}, {b}, {h}), or None when it has anything else: another
+    name, an index or attribute, a format or conversion, an unmatched brace."""
+    try:
+        parts = list(string.Formatter().parse(pattern))
+    except ValueError:
+        return None
+    fields = set()
+    for _, name, spec, conversion in parts:
+        if name is None:
+            continue
+        if name not in HEAD_FIELDS or spec or conversion:
+            return None
+        fields.add(name)
+    return fields
+
+
+# A head field as a program writes it through the pattern (str.format of a non-negative int):
+# ASCII digits, no sign, no leading zero. Anything looser would take a user's own file (say
+# `O_2024-notes.txt` for `O_{i}.txt`) for a stage file, which `run` then moves aside.
+_HEAD_NUMBER = "(?:0|[1-9][0-9]*)"
+
+
+def pattern_regex(pattern: str) -> "re.Pattern[str]":
+    """A name-map pattern as a regex matching (fullmatch) exactly the names it gives some head."""
+    out = []
+    for literal, name, _, _ in string.Formatter().parse(pattern):
+        out.append(re.escape(literal))
+        if name is not None:
+            out.append(_HEAD_NUMBER)
+    return re.compile("".join(out))
+
+
+def check_heads_named(sources: Dict[str, "StageSource"], dims: Dims) -> None:
+    """Each per-head pattern names every head apart: {i}, or {b} and {h} (one of them suffices when
+    the other dimension is 1). Otherwise several heads would read one file."""
+    for src in sources.values():
+        fields = _placeholders(src.pattern) or set()
+        if not fields or "i" in fields or fields == {"b", "h"} or \
+                (fields == {"h"} and dims.batch == 1) or (fields == {"b"} and dims.heads == 1):
+            continue
+        raise CaseError(f"{printable(src.pattern)}: names {plural(dims.total_heads, 'head')} (batch {dims.batch} x {dims.heads}) "
+                        f"with {', '.join('{' + f + '}' for f in sorted(fields))} only: several heads would "
+                        "read one file; HINT: use {i}, or {b} and {h}")
+
+
+def read_names_file(path: Path) -> Dict[str, str]:
+    """A names file: flat `STAGE = "PATTERN"` lines (the manifests' TOML subset)."""
+    return parse_name_map(read_toml(path), str(path))
+
+
+def discover_sources(folder: Path, names: Mapping[str, str]) -> Dict[str, StageSource]:
+    """The stages present in `folder`, table order: a name-map entry, `<stage>_head_{i}.txt|npy`,
+    or `<stage>.npy`. Both of the last two for one stage is ambiguous: an error."""
+    entries = set(os.listdir(folder))
+    per_head: Dict[str, set] = {}
+    for entry in entries:
+        parsed = parse_stage_file(entry)
+        if parsed and parsed[0] in STAGES:
+            per_head.setdefault(parsed[0], set()).add(parsed[2])
+    found: Dict[str, StageSource] = {}
+    for stage in STAGES:
+        if stage in names:
+            found[stage] = StageSource(stage, folder, names[stage])
+            continue
+        fmts = sorted(per_head.get(stage, ()))
+        stacked = stage + STACKED_SUFFIX in entries
+        if len(fmts) > 1:
+            raise CaseError(f"{folder}: {stage} has both .txt and .npy head files; HINT: remove one set")
+        if fmts and stacked:
+            raise CaseError(f"{folder}: both {stage}_head_*.{fmts[0]} and {stage}{STACKED_SUFFIX}; "
+                            "HINT: remove one, or name the one to check with --name")
+        if fmts:
+            found[stage] = StageSource(stage, folder, stage_file(stage, 0, fmts[0]).replace("_head_0.", "_head_{i}."))
+        elif stacked:
+            found[stage] = StageSource(stage, folder, stage + STACKED_SUFFIX)
+    return found

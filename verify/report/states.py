@@ -1,0 +1,147 @@
+"""The text report's account of states that span many results, each told once instead of per
+stage × head: files written over an earlier run (their CRC-32 no longer matches run.toml), a
+failure that several heads share, and stages holding half-precision values checked at a float32
+precision. The JSON and JUnit reports keep one entry per stage × head."""
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from ..check.results import FAIL, INHERITED, MISSING, PASS, STALE, HeadResult, Report
+from ..files.resolution import HALF
+from ..stages import RUN_MANIFEST, STAGES
+from ..text import plural
+
+# Stale files from this many on: files written over an earlier run, told in one line. A single
+# stale file keeps its own message (a file from an earlier run, or edited since).
+OVERWRITTEN_FROM = 2
+
+# What the report calls each half-precision format (NumPy's and PyTorch's names for it).
+FORMAT_WORDS = {"bf16": "bfloat16", "fp16": "float16"}
+
+
+# ---- files written over an earlier run ----------------------------------------------------------
+
+def stale_results(report: Report) -> List[HeadResult]:
+    return [r for r in report.results if r.status == STALE]
+
+
+def overwritten(report: Report) -> bool:
+    """Whether several files no longer match run.toml's CRC-32 (told in one line, not per file)."""
+    return len(stale_results(report)) >= OVERWRITTEN_FROM
+
+
+def overwritten_line(report: Report) -> str:
+    """The likely cause of many stale files, and the fix."""
+    folder = report.run.path
+    files = sum(r.status != MISSING for r in report.results)
+    return (f"{len(stale_results(report))} of {files} files differ from {RUN_MANIFEST}'s CRC-32: "
+            f"files written over an earlier run of attnstep's binary? HINT: remove {folder / RUN_MANIFEST} "
+            "(the files are then checked as your program's), or write into a fresh --out")
+
+
+def culprit(report: Report) -> Optional[HeadResult]:
+    """The first failing stage × head the verdict names: a stale file is not blamed as a stage's
+    fault when many are (the overwritten line says why they fail)."""
+    if not overwritten(report):
+        return report.first_failure
+    own = [r for r in report.results if r.status not in (PASS, INHERITED, STALE)]
+    order = {s: i for i, s in enumerate(STAGES)}
+    return min(own, key=lambda r: (order[r.stage], r.head)) if own else None
+
+
+# ---- one failure shared by several heads --------------------------------------------------------
+
+def _pattern(r: HeadResult) -> Tuple:
+    """What makes two heads' failures of one stage the same: status, which comparison failed, and
+    the diagnosis codes (the numbers and places differ from head to head)."""
+    kind = "isolated" if r.main is not None and r.main is r.isolated else "chained"
+    return r.stage, r.status, kind, tuple(d.code for d in r.diagnosis)
+
+
+def failure_groups(report: Report) -> List[Tuple[HeadResult, List[int]]]:
+    """The stage × head results that fail on their own, as (the first head's result, every head
+    failing alike): a FAIL that several heads share is one group. Stale files are left out when
+    many are (the overwritten line covers them); other statuses name a file each, one per group."""
+    groups: Dict[Tuple, List[HeadResult]] = {}
+    for r in report.results:
+        if r.status in (PASS, INHERITED) or (r.status == STALE and overwritten(report)):
+            continue
+        key = _pattern(r) if r.status == FAIL else (r.stage, r.head)
+        groups.setdefault(key, []).append(r)
+    return [(rs[0], [r.head for r in rs]) for rs in groups.values()]
+
+
+def heads_words(heads: Sequence[int], total: int) -> str:
+    """"all 12 heads", or the heads as ranges: "heads 0-3, 7"."""
+    if len(heads) == total:
+        return "both heads" if total == 2 else f"all {plural(total, 'head')}"
+    ranges, start = [], heads[0]
+    for prev, h in zip(heads, list(heads[1:]) + [None]):
+        if h != prev + 1:
+            ranges.append(f"{start}" if start == prev else f"{start}-{prev}")
+            start = h
+    return "heads " + ", ".join(ranges)
+
+
+def where(r: HeadResult, heads: Sequence[int], report: Report) -> str:
+    """A failure block's subject: one head, or the heads that fail alike (the first one shown)."""
+    one = f"head {r.head} (batch {r.batch}, head {r.head_in_batch})"
+    if len(heads) == 1:
+        return f"{r.stage} {one}"
+    total = len(report.stage_results(r.stage))
+    return f"{r.stage}, {heads_words(heads, total)} alike; {one} shown"
+
+
+def culprit_heads(report: Report, first: HeadResult) -> str:
+    """The verdict's words for the culprit's head, or for every head that fails alike with it."""
+    for r, heads in failure_groups(report):
+        if r is first and len(heads) > 1:
+            return heads_words(heads, len(report.stage_results(r.stage)))
+    return f"head {first.head}: batch {first.batch}, head {first.head_in_batch}"
+
+
+# ---- half-precision values checked at a float32 precision ---------------------------------------
+
+def _half_stages(report: Report) -> Dict[str, List[str]]:
+    """{format: the stages whose every head holds its values}, in stage order."""
+    out: Dict[str, List[str]] = {}
+    for stage in report.stages:
+        formats = {r.half_values for r in report.stage_results(stage)}
+        if len(formats) == 1 and None not in formats:
+            out.setdefault(formats.pop(), []).append(stage)
+    return out
+
+
+def half_stages(report: Report) -> List[str]:
+    return [s for stages in _half_stages(report).values() for s in stages]
+
+
+def _fix(report: Report, fmt: str) -> str:
+    """How to check it at the format: the Python API's argument, or the command line's option."""
+    return f"pass precision='{fmt}'" if report.run.path is None else f"check with --precision {fmt}"
+
+
+def half_notes(report: Report) -> List[str]:
+    """Why a stage of half-precision values passes or fails at a float32 precision. A float16 file
+    or array is read as float32 results stored in float16: half a float16 unit is allowed per value
+    as the storage's resolution (as coarse printing is), the arithmetic before it is held to the
+    float32 bounds. A float32 array of bfloat16 values has no such resolution: its rounding to
+    bfloat16 is an error at float32."""
+    out = []
+    for fmt, stages in _half_stages(report).items():
+        stored = all(r.resolution == HALF.describe() for s in stages for r in report.stage_results(s))
+        why = ("checked as float32 arithmetic stored in float16 (half a float16 unit allowed per value, as "
+               "the storage's resolution; store float32 to check at float32 precision), not as a "
+               "half-precision program's arithmetic" if stored else
+               f"each value is exactly a {FORMAT_WORDS[fmt]} though the exact results are not; checked at "
+               f"{report.run.precision}, where that rounding is an error")
+        out.append(f"{', '.join(stages)} {'holds' if len(stages) == 1 else 'hold'} {FORMAT_WORDS[fmt]} "
+                   f"values: {why}; a half-precision program? {_fix(report, fmt)}")
+    return out
+
+
+def half_hint(report: Report) -> Optional[str]:
+    """The failure line's words on half-precision values, or None."""
+    for fmt, stages in _half_stages(report).items():
+        return f"{stages[0]} holds {FORMAT_WORDS[fmt]} values: a half-precision program? {_fix(report, fmt)}"
+    return None

@@ -1,0 +1,182 @@
+"""A check's report on the terminal: the header, the stage table, the failures and the summary."""
+from __future__ import annotations
+
+import math
+from typing import List, Optional
+
+from ..check.results import FAIL, INHERITED, PASS, Comparison, HeadResult, Report
+from ..files.resolution import EXACT
+from ..runs import program_checks
+from ..text import number as _g
+from ..text import number_pair, plural, printable
+from . import states
+
+MAX_DETAILED_FAILURES = 8
+
+
+def stage_status(results: List[HeadResult]) -> str:
+    statuses = {r.status for r in results}
+    if statuses == {PASS}:
+        return PASS
+    own = statuses - {PASS, INHERITED}
+    return sorted(own)[0] if own else INHERITED
+
+
+def worst_result(results: List[HeadResult]) -> Optional[HeadResult]:
+    scored = [r for r in results if r.main is not None]
+    return max(scored, key=lambda r: r.main.tol_used) if scored else (results[0] if results else None)
+
+
+def _location(r: HeadResult, c: Comparison) -> str:
+    if c.worst is None or c.max_abs == 0:
+        return "-"
+    return f"b{r.batch} h{r.head_in_batch} [{c.worst[0]},{c.worst[1]}]"
+
+
+def arithmetic(run) -> str:
+    """What the bounds assume, in words: the precision and whose arithmetic."""
+    who = {None: "any IEEE float32 program"}.get(run.backend, f"attnstep's {run.backend} backend")
+    return f"{_precision_words(run)}, {who}" + (", fast-math intrinsics" if run.math == "fast" else "")
+
+
+def bounds_words(run) -> str:
+    """The verdict's qualifier: the precision the bounds assume (a looser claim shows in every verdict)."""
+    return f"bounds for {_precision_words(run)}" + (", fast-math intrinsics" if run.math == "fast" else "")
+
+
+def _precision_words(run) -> str:
+    """The precision, and a conversion that truncates (a looser claim than rounding to nearest)."""
+    rounding = getattr(run, "half_rounding", "nearest")
+    return run.precision + ("" if rounding == "nearest" else f", {rounding} conversions")
+
+
+def header_lines(report: Report) -> List[str]:
+    run, d = report.run, report.run.dims
+    what = f"run {run.run_id}" if run.run_id else str(run.path or "arrays")
+    return [f"attnstep check: {what} ({arithmetic(run)}"
+            f"{', ' + run.device if run.device else ''}), "
+            f"{plural(d.total_heads, 'head')} (batch {d.batch} x {d.heads}), N={d.seq_q} M={d.seq_k} "
+            f"d_k={d.d_k} d_v={d.d_v}, {'causal' if run.causal else 'not causal'}, "
+            f"scale {run.scale:.6g}" + (f", flash kernel {printable(run.flash_kernel)}" if run.flash_kernel else "")]
+
+
+def table_lines(report: Report, per_head: bool = False) -> List[str]:
+    cols = ("stage", "heads ok", "status", "max abs", "max rel", "mismatched", "tol used",
+            "worst at", "got", "want")
+    printed = any(r.resolution != EXACT.describe() for r in report.results)
+    if printed:
+        cols += ("resolution",)
+    rows = []
+    for stage in report.stages:
+        res = report.stage_results(stage)
+        groups = [(f"{stage}", res)]
+        if per_head:
+            groups = [(f"{stage}[{r.head}]", [r]) for r in res]
+        for label, rs in groups:
+            w = worst_result(rs)
+            c = w.main if w else None
+            ok = sum(r.passed for r in rs)
+            mism = sum((r.main.mismatched if r.main else 0) for r in rs)
+            total = sum((r.main.total if r.main else 0) for r in rs)
+            rows.append((label, f"{ok}/{len(rs)}", stage_status(rs),
+                         _g(c.max_abs) if c else "-", _g(c.max_rel) if c else "-",
+                         f"{mism}/{total}", _g(c.tol_used) if c else "-",
+                         _location(w, c) if c else "-",
+                         _g(c.got) if c and not c.passed else "", _g(c.want) if c and not c.passed else "")
+                        + ((resolution_words(rs),) if printed else ()))
+    widths = [max(len(str(x)) for x in col) for col in zip(cols, *rows)]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    return [fmt.format(*cols), fmt.format(*("-" * w for w in widths))] + [fmt.format(*r) for r in rows]
+
+
+def resolution_words(results: List[HeadResult]) -> str:
+    """The printed resolutions of a stage's files (one, or each that occurs)."""
+    seen = sorted({r.resolution for r in results})
+    return ", ".join(seen)
+
+
+def _diff(c: Comparison) -> float:
+    """|got - want| at the comparison's worst element (NaN against a value: inf)."""
+    d = abs(c.got - c.want) if not (c.got == c.want) else 0.0
+    return math.inf if math.isnan(d) else d
+
+
+def _rel(c: Comparison) -> float:
+    return _diff(c) / abs(c.want) if c.want not in (0.0,) and math.isfinite(c.want) else math.inf
+
+
+def failure_lines(report: Report) -> List[str]:
+    lines = []
+    groups = states.failure_groups(report)  # a failure several heads share is one block
+    for r, heads in groups[:MAX_DETAILED_FAILURES]:
+        where = states.where(r, heads, report)
+        c = r.main
+        if r.status != FAIL or c is None:
+            lines.append(f"{r.status} {where}: {r.message}")
+        else:
+            kind = "isolated" if c is r.isolated else "chained"
+            got, want = number_pair(c.got, c.want)
+            lines.append(
+                f"FAIL {where}: {c.mismatched}/{c.total} elements outside the tolerance ({kind}); "
+                f"worst at [{c.worst[0]},{c.worst[1]}]: got {got}, want {want}, "
+                f"|diff| {_g(_diff(c))} > allowed {_g(c.allowed)} (rel {_g(_rel(c))})")
+            if c.first:
+                lines.append("    first mismatches: " + "; ".join(
+                    "[{},{}] got {} want {}".format(m["row"], m["col"], *number_pair(m["got"], m["want"]))
+                    for m in c.first))
+        for d in r.diagnosis:
+            lines.append(f"    diagnosis {d.code}: {d.message}")
+    if len(groups) > MAX_DETAILED_FAILURES:
+        more = sum(len(heads) for _, heads in groups[MAX_DETAILED_FAILURES:])
+        lines.append(f"... and {more} more failing stage x head pairs (--json has them all)")
+    return lines
+
+
+def notes(report: Report) -> List[str]:
+    """What the reader should know about how the run was checked."""
+    out = list(report.run.notes)
+    if report.foreign_files:
+        whose = f"run {report.run.run_id}" if report.run.run_id else "the stages run.toml lists"
+        out.append(f"{plural(len(report.foreign_files), 'stage file')} in {report.run.path} "
+                   f"{'is' if len(report.foreign_files) == 1 else 'are'} not from {whose} and "
+                   f"{'was' if len(report.foreign_files) == 1 else 'were'} ignored (e.g. {report.foreign_files[0]})")
+    out += states.half_notes(report)  # (says what the float16 storage's resolution allows)
+    limited = [s for s in report.stages if any(r.print_limited for r in report.stage_results(s))
+               and s not in states.half_stages(report)]
+    if limited:
+        res = resolution_words([r for r in report.results if r.stage in limited])
+        out.append(f"{', '.join(limited)}: recorded at {res}; the file's resolution, not float32 "
+                   "arithmetic, limits what can be checked there; write %.9g text or float32 .npy to "
+                   "check at float32 precision")
+    return out
+
+
+def summary_lines(report: Report) -> List[str]:
+    lines = [f"note: {n}" for n in notes(report)] + program_checks.text_lines(report.program_checks)
+    first, verdict = states.culprit(report), f"FAIL ({bounds_words(report.run)}):"
+    if states.overwritten(report):  # one line for the files, not a stage blamed for them
+        lines.append(f"{verdict} {states.overwritten_line(report)}")
+        if first is None:
+            return lines
+        verdict = "      and among the files that match it:"
+    failed_checks = [c for c in report.program_checks if not c.passed]
+    if first is None and failed_checks:
+        lines.append(f"FAIL: every stage passes its bounds ({bounds_words(report.run)}), but "
+                     + "; ".join(c.line() for c in failed_checks))
+        return lines
+    if first is None:
+        used = max((r.main.tol_used for r in report.results if r.main), default=0.0)
+        n, h = len(report.stages), report.run.dims.total_heads
+        lines.append(f"PASS ({bounds_words(report.run)}): all {plural(n, 'stage')} x {plural(h, 'head')}; "
+                     f"largest fraction of tolerance used {_g(used)} (headroom {_g(max(0.0, 1 - used))})")
+        return lines
+    inherited = [s for s in report.stages
+                 if stage_status(report.stage_results(s)) == INHERITED]
+    half = states.half_hint(report)
+    lines.append(f"{verdict} first failing stage: {first.stage} "
+                 f"({states.culprit_heads(report, first)})"
+                 + (f"; {first.diagnosis[0].code}: {first.diagnosis[0].message}" if first.diagnosis else "")
+                 + (f"; {half}" if half else ""))
+    if inherited:
+        lines.append(f"      inherited downstream (pass in isolation): {', '.join(inherited)}")
+    return lines
