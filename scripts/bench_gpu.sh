@@ -103,14 +103,14 @@ if want variants; then
 fi
 
 if want goal; then
-    python3 -m verify.bench.measure --build-dir $BUILD --json "$OUT/bench.json" --plot "$OUT/bench.png" \
+    python3 -m verify.cli.bench --build-dir $BUILD --json "$OUT/bench.json" --plot "$OUT/bench.png" \
         --shape 4,16,4096,4096,64 --shape 4,16,4096,4096,64,causal \
         --shape 4,16,4096,4096,128 --shape 4,16,4096,4096,128,causal >"$OUT/goal.log" 2>&1 || status=1
     grep -vE "^bench: B" "$OUT/goal.log" | cut -c1-160 | head -n 80
 fi
 
 if want full; then
-    python3 -m verify.bench.measure --build-dir $BUILD --json "$OUT/bench.json" --plot "$OUT/bench.png" \
+    python3 -m verify.cli.bench --build-dir $BUILD --json "$OUT/bench.json" --plot "$OUT/bench.png" \
         ${BENCH_ARGS:-} >"$OUT/full.log" 2>&1 || status=1
     grep -E "^B4-H16-N4096|^device|^ceilings|goals|met|MISSED|Error|error" "$OUT/full.log" | cut -c1-150 | head -n 90
 fi

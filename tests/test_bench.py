@@ -1,5 +1,6 @@
-"""verify/bench/measure.py: parsing, table, goals and plot from canned results, forward and backward; the
-binary's --bench options on the CPU build; and (gpu) tiny real runs whose float64 checks must pass."""
+"""`attnstep bench` (verify/bench/measure.py, its command verify/cli/bench.py): parsing, table, goals
+and plot from canned results, forward and backward; the binary's --bench options on the CPU build;
+and (gpu) tiny real runs whose float64 checks must pass."""
 from __future__ import annotations
 
 import copy
@@ -12,6 +13,7 @@ import pytest
 from click.testing import CliRunner
 
 from verify.bench import measure as vb
+from verify.cli import bench as cb
 
 SHAPE = {"batch": 4, "heads": 16, "seq_q": 4096, "seq_k": 4096, "d": 64, "causal": False, "scale": 0.125}
 
@@ -61,12 +63,12 @@ def test_default_shape_list():
 
 
 def test_shape_id_flops_and_parse():
-    s = vb.parse_shape("4,16,4096,4096,64,causal")
+    s = cb.parse_shape("4,16,4096,4096,64,causal")
     assert s.id == "B4-H16-N4096-M4096-d64-causal"
     assert s.flash_flop == 4 * 4 * 16 * 4096 * 4096 * 64 / 2
     assert vb.parse_shape_id(s.id) == s
     with pytest.raises(Exception, match="B,H,N,M,D"):
-        vb.parse_shape("4,16,0,4096,64")
+        cb.parse_shape("4,16,0,4096,64")
 
 
 def test_binary_args_carry_every_setting(tmp_path):
@@ -130,7 +132,7 @@ def test_cli_from_json(tmp_path):
     src = tmp_path / "results.json"
     src.write_text(json.dumps(_results()))
     png = tmp_path / "p.png"
-    res = CliRunner().invoke(vb.bench, ["--from-json", str(src), "--plot", str(png)])
+    res = CliRunner().invoke(cb.bench, ["--from-json", str(src), "--plot", str(png)])
     assert res.exit_code == 0, res.output
     assert "NVIDIA H200" in res.output and "goals:" in res.output
     assert ("ceilings (fp32, B4-H16-N4096-M4096-d64): cuBLAS SGEMM 50.0 TFLOP/s, copy 4000 GB/s, "
@@ -141,7 +143,7 @@ def test_cli_from_json(tmp_path):
 def test_cli_failed_check_exits_1(tmp_path):
     src = tmp_path / "results.json"
     src.write_text(json.dumps(_results(check_passed=False, err=0.3)))
-    res = CliRunner().invoke(vb.bench, ["--from-json", str(src)])
+    res = CliRunner().invoke(cb.bench, ["--from-json", str(src)])
     assert res.exit_code == 1
     assert "FAIL" in res.output
 
@@ -154,7 +156,7 @@ def test_failed_shape_keeps_the_others(tmp_path):
     assert rows[-1].status.startswith("failed: main --bench exited 1") and rows[-1].n == 16384
     src = tmp_path / "results.json"
     src.write_text(json.dumps(results))
-    res = CliRunner().invoke(vb.bench, ["--from-json", str(src)])
+    res = CliRunner().invoke(cb.bench, ["--from-json", str(src)])
     assert res.exit_code == 1
     assert "60.00 TFLOP/s" in res.output and "failed on 1 shape" in res.output
 
@@ -181,10 +183,10 @@ def test_collect_goes_on_after_a_failing_shape(tmp_path, monkeypatch):
 def test_cli_bad_results_file_exits_2(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"runs": [{"binary": {"device": "x"}}]}))
-    res = CliRunner().invoke(vb.bench, ["--from-json", str(bad)])
+    res = CliRunner().invoke(cb.bench, ["--from-json", str(bad)])
     assert res.exit_code == 2
     assert "shape" in res.output
-    res = CliRunner().invoke(vb.bench, ["--shape", "1,2,3"])
+    res = CliRunner().invoke(cb.bench, ["--shape", "1,2,3"])
     assert res.exit_code == 2
 
 
@@ -224,7 +226,7 @@ def test_gpu_bench_tiny_shape_checks(binary, tmp_path, precision, causal):
 
 
 def test_cli_checks_output_paths_before_running(tmp_path):
-    res = CliRunner().invoke(vb.bench, ["--shape", "1,1,8,8,16", "--json", str(tmp_path / "no" / "x.json"),
+    res = CliRunner().invoke(cb.bench, ["--shape", "1,1,8,8,16", "--json", str(tmp_path / "no" / "x.json"),
                                         "--build-dir", str(tmp_path / "never-built")])
     assert res.exit_code == 2 and "folder does not exist" in res.output
 
@@ -264,11 +266,11 @@ def test_cli_timeout_reaches_every_run(tmp_path, monkeypatch):
     monkeypatch.setattr(vb, "run_binary_bench", fake_run)
     main = tmp_path / "main"
     main.write_text("")
-    res = CliRunner().invoke(vb.bench, ["--binary", str(main), "--shape", "1,1,8,8,16", "--no-torch",
+    res = CliRunner().invoke(cb.bench, ["--binary", str(main), "--shape", "1,1,8,8,16", "--no-torch",
                                         "--timeout", "5"])
     assert res.exit_code == 0, res.output
     assert seen == [5.0, 5.0]
-    res = CliRunner().invoke(vb.bench, ["--binary", str(main), "--timeout", "0"])
+    res = CliRunner().invoke(cb.bench, ["--binary", str(main), "--timeout", "0"])
     assert res.exit_code == 2 and "--timeout" in res.output
 
 
@@ -278,8 +280,8 @@ def test_cli_build_failure_shows_the_build_output(tmp_path, monkeypatch):
     def failing_build(build_dir):
         raise RunnerError("build failed: cmake --build exited 1", detail="main.cu:3: error: bad thing")
 
-    monkeypatch.setattr(vb, "ensure_built", failing_build)
-    res = CliRunner().invoke(vb.bench, ["--shape", "1,1,8,8,16", "--build-dir", str(tmp_path / "b")])
+    monkeypatch.setattr(cb, "ensure_built", failing_build)
+    res = CliRunner().invoke(cb.bench, ["--shape", "1,1,8,8,16", "--build-dir", str(tmp_path / "b")])
     assert res.exit_code == 2
     assert "build failed: cmake --build exited 1" in res.output and "main.cu:3: error: bad thing" in res.output
 

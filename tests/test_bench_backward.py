@@ -11,8 +11,9 @@ import pytest
 from click.testing import CliRunner
 
 from verify.bench import measure as vb
-from verify.bench.report import (FLASH_BACKWARD, SDPA, SDPA_BACKWARD, STAGE_PATH_BACKWARD,
-                                 STAGE_PATH_SKIPPED)
+from verify.cli import bench as cb
+from verify.bench.report import (FLASH_BACKWARD, SDPA, SDPA_BACKWARD, STAGE_PATH_BACKWARD, STAGE_PATH_SKIPPED,
+                                 ceiling_lines)
 from verify.stages import BACKWARD_STAGES, GRAD_INPUT, STAGES
 
 SHAPE = {"batch": 4, "heads": 16, "seq_q": 4096, "seq_k": 4096, "d": 64, "causal": False, "scale": 0.125}
@@ -87,17 +88,17 @@ def test_a_skipped_backward_path_and_a_failed_gradient_check():
     rows = vb.rows_from_results(_results(path_skipped=True, passed=False))
     assert all(_row(rows, n).status == STAGE_PATH_SKIPPED for n in PATH_STAGES + (STAGE_PATH_BACKWARD,))
     assert "FAIL" in _row(rows, FLASH_BACKWARD).note
-    assert vb._exit_status(rows) == 1
+    assert cb._exit_status(rows) == 1
 
 
 def test_without_ceilings_no_fraction_and_no_ceiling_line(tmp_path):
     results = _results(ceilings=False)
     rows = vb.rows_from_results(results)
     assert all(r.fraction is None for r in rows)
-    assert vb.ceiling_lines(results) == []
+    assert ceiling_lines(results) == []
     src = tmp_path / "r.json"
     src.write_text(json.dumps(results))
-    res = CliRunner().invoke(vb.bench, ["--from-json", str(src)])
+    res = CliRunner().invoke(cb.bench, ["--from-json", str(src)])
     assert res.exit_code == 0, res.output
     assert "ceilings (" not in res.output and "flash_backward" in res.output
 
@@ -140,11 +141,11 @@ def test_cli_pass_and_no_ceilings_reach_the_binary(tmp_path, monkeypatch):
     seen = _record_binary_runs(monkeypatch)
     main = tmp_path / "main"
     main.write_text("")
-    res = CliRunner().invoke(vb.bench, ["--binary", str(main), "--shape", "1,1,8,8,16", "--no-torch",
+    res = CliRunner().invoke(cb.bench, ["--binary", str(main), "--shape", "1,1,8,8,16", "--no-torch",
                                         "--pass", "backward", "--no-ceilings", "--precision", "fp32"])
     assert res.exit_code == 0, res.output
     assert seen == [("backward", False)]
-    res = CliRunner().invoke(vb.bench, ["--binary", str(main), "--pass", "sideways"])
+    res = CliRunner().invoke(cb.bench, ["--binary", str(main), "--pass", "sideways"])
     assert res.exit_code == 2 and "--pass" in res.output
 
 

@@ -20,6 +20,7 @@ from verify.bench.accuracy import (half_accuracy, head_inputs, input_seed, input
 from verify.bench.report import ACCURACY, SDPA, SDPA_BACKENDS, VS_SDPA, sdpa_backend_row
 from verify.bench.sdpa import SDPA_BACKENDS as BACKEND_NAMES
 from verify.bench.sdpa import rejection_reason
+from verify.cli import bench as cb
 from verify.model.half import round_to_format, storage_unit
 from verify.stages import HALF_PRECISIONS, PRECISIONS
 
@@ -246,7 +247,7 @@ def test_half_rows_name_the_fastest_backend_and_each_ratio():
     table = vb.format_table(list(rows.values()))
     assert "unsupported: no bf16 fast variant" in table and REFUSED in table
     assert "unsupported: the backward is timed at fp32 and tf32 only, not bf16" in table
-    assert vb._exit_status(list(rows.values())) == 0  # refusals are not failures
+    assert cb._exit_status(list(rows.values())) == 0  # refusals are not failures
 
 
 def test_failures_are_told_by_what_failed_and_counted_by_shape(capsys):
@@ -256,7 +257,7 @@ def test_failures_are_told_by_what_failed_and_counted_by_shape(capsys):
         return vb.Row(shape, 4096, 64, False, "bf16", kernel, "attention", "failed: boom")
     rows = [row("B1-H1-N4096-M4096-d64", sdpa_backend_row(CUDNN)), row("B1-H1-N4096-M4096-d64", ACCURACY),
             row("B1-H1-N4096-M4096-d64", sdpa_backend_row(EFFICIENT)), row("B1-H1-N8192-M8192-d64", "main --bench")]
-    assert vb._exit_status(rows) == 1
+    assert cb._exit_status(rows) == 1
     err = capsys.readouterr().err
     assert "bench: SDPA failed on 1 shape; see the table" in err
     assert "bench: the accuracy comparison failed on 1 shape; see the table" in err
@@ -299,7 +300,7 @@ def test_a_failed_accuracy_comparison_fails_the_bench(tmp_path):
     results["runs"][0][ACCURACY] = {"error": "the inputs recomputed for the accuracy comparison differ"}
     src = tmp_path / "r.json"
     src.write_text(json.dumps(results))
-    res = CliRunner().invoke(vb.bench, ["--from-json", str(src)])
+    res = CliRunner().invoke(cb.bench, ["--from-json", str(src)])
     assert res.exit_code == 1 and "failed: the inputs recomputed" in res.output
 
 
@@ -307,7 +308,7 @@ def test_from_json_and_plot_at_half(tmp_path):
     pytest.importorskip("matplotlib")
     src, png = tmp_path / "r.json", tmp_path / "p.png"
     src.write_text(json.dumps(_half_results()))
-    res = CliRunner().invoke(vb.bench, ["--from-json", str(src), "--plot", str(png)])
+    res = CliRunner().invoke(cb.bench, ["--from-json", str(src), "--plot", str(png)])
     assert res.exit_code == 0, res.output
     assert "ceilings (bf16, B4-H16-N4096-M4096-d64): cuBLAS GEMM bf16 500.0 TFLOP/s" in res.output
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -326,7 +327,7 @@ def test_from_json_names_a_malformed_sdpa_section(tmp_path, key, value, named):
     results["runs"][0][key] = value
     src = tmp_path / "r.json"
     src.write_text(json.dumps(results))
-    res = CliRunner().invoke(vb.bench, ["--from-json", str(src)])
+    res = CliRunner().invoke(cb.bench, ["--from-json", str(src)])
     assert res.exit_code != 0 and isinstance(res.exception, SystemExit), res.exception
     assert named in res.output and "Traceback" not in res.output, res.output
 
@@ -401,7 +402,7 @@ def test_cli_precision_groups(tmp_path, monkeypatch, choice, precisions):
     main = tmp_path / "main"
     main.write_text("")
     out = tmp_path / "r.json"
-    res = CliRunner().invoke(vb.bench, ["--binary", str(main), "--shape", "1,3,37,53,16,causal", "--pass", "forward",
+    res = CliRunner().invoke(cb.bench, ["--binary", str(main), "--shape", "1,3,37,53,16,causal", "--pass", "forward",
                                         "--precision", choice, "--json", str(out)])
     assert res.exit_code == 0, res.output
     assert [p for p, _, _ in seen["binary"]] == precisions
@@ -424,12 +425,12 @@ def test_an_sdpa_output_with_a_nan_is_written_as_json_and_read_back(tmp_path, mo
     monkeypatch.setattr(vb, "sdpa_output", nan_sdpa)
     main, out = tmp_path / "main", tmp_path / "r.json"
     main.write_text("")
-    res = CliRunner().invoke(vb.bench, ["--binary", str(main), "--shape", "1,3,37,53,16,causal", "--pass", "forward",
+    res = CliRunner().invoke(cb.bench, ["--binary", str(main), "--shape", "1,3,37,53,16,causal", "--pass", "forward",
                                         "--precision", "bf16", "--json", str(out)])
     assert res.exit_code == 0, res.output
     text = out.read_text()
     assert "Infinity" not in text and json.loads(text)["runs"][0][ACCURACY][SDPA] == "inf"
-    again = CliRunner().invoke(vb.bench, ["--from-json", str(out)])
+    again = CliRunner().invoke(cb.bench, ["--from-json", str(out)])
     assert again.exit_code == 0 and "SDPA's err inf" in again.output, again.output
 
 
@@ -458,7 +459,7 @@ def test_only_torchs_no_kernel_error_is_a_refusal():
 
 
 def test_cli_refuses_an_unknown_precision():
-    res = CliRunner().invoke(vb.bench, ["--precision", "fp64"])
+    res = CliRunner().invoke(cb.bench, ["--precision", "fp64"])
     assert res.exit_code == 2 and "--precision" in res.output
 
 
@@ -537,7 +538,7 @@ def test_gpu_half_bench_against_sdpa(binary, tmp_path, precision):
     if not torch.cuda.is_available():
         pytest.skip("torch sees no GPU")
     out = tmp_path / "r.json"
-    res = CliRunner().invoke(vb.bench, ["--binary", str(binary), "--shape", "1,2,320,320,64,causal",
+    res = CliRunner().invoke(cb.bench, ["--binary", str(binary), "--shape", "1,2,320,320,64,causal",
                                         "--precision", precision, "--pass", "forward", "--reps", "3", "--warmup", "1",
                                         "--json", str(out)])
     assert res.exit_code == 0, res.output

@@ -1,12 +1,13 @@
 """PyTorch's own bf16/fp16 attention as output cases: every SDPA backend must pass, planted bugs fail.
 
 PyTorch's SDPA backends (flash, memory-efficient, cuDNN, math) are independent, correct
-half-precision implementations; verify/bench/sdpa_outputs.py runs one of them on a generated case
-(inputs rounded to the format as the verifier rounds them, the case's scale and causal flag, the
-gradients from its dO) and writes the results as another program's `<stage>.npy` files. On a GPU
-each backend × format × shape must pass `attnstep check --precision` at every stage (forward and
-backward), and a perturbed gradient or the wrong scale must fail. A backend torch cannot run here
-(a cuDNN too old, a shape the flash kernel refuses) is skipped with torch's reason.
+half-precision implementations; verify/bench/sdpa_outputs.py (its command: verify/cli/sdpa_outputs.py)
+runs one of them on a generated case (inputs rounded to the format as the verifier rounds them, the
+case's scale and causal flag, the gradients from its dO) and writes the results as another
+program's `<stage>.npy` files. On a GPU each backend × format × shape must pass `attnstep check
+--precision` at every stage (forward and backward), and a perturbed gradient or the wrong scale
+must fail. A backend torch cannot run here (a cuDNN too old, a shape the flash kernel refuses) is
+skipped with torch's reason.
 
 Without torch or a GPU the same path runs with a NumPy stand-in for SDPA (float64 attention,
 results rounded to the format): the inputs, the stage names, the files and the check.
@@ -20,6 +21,7 @@ import pytest
 from click.testing import CliRunner
 
 from verify.bench.sdpa_outputs import (BACKENDS, BackendUnavailable, SdpaResults, stage_arrays, write_sdpa_case)
+from verify.cli import sdpa_outputs as sdpa_command
 from verify.cli.group import cli
 from verify.files.generate import generate_case
 from verify.model.half import round_to_format
@@ -151,7 +153,8 @@ def test_the_sdpa_command_says_why_a_backend_cannot_run(tmp_path, monkeypatch):
 
     monkeypatch.setattr(mod, "run_sdpa", unavailable)
     in_dir = _case(tmp_path, Dims(1, 1, 8, 8, 16, 16), False)
-    r = CliRunner().invoke(mod.main, ["--in", str(in_dir), "--out", str(tmp_path / "out"), "--backend", "flash"])
+    r = CliRunner().invoke(sdpa_command.main,
+                           ["--in", str(in_dir), "--out", str(tmp_path / "out"), "--backend", "flash"])
     assert r.exit_code == 1 and r.output.strip() == "Error: SDPA backend unavailable: PyTorch is not installed", \
         r.output
 

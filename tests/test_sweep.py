@@ -1,6 +1,6 @@
-"""verify/bench/sweep.py: the d × N grid against a fake `main --bench` (rows forward and backward, OOM rows,
-CSV/JSON, peak memory through a fake nvidia-smi, errors before any work, Ctrl-C), and (gpu) a tiny
-real grid."""
+"""`attnstep sweep` (verify/bench/sweep.py, its command verify/cli/sweep.py): the d × N grid against a
+fake `main --bench` (rows forward and backward, OOM rows, CSV/JSON, peak memory through a fake
+nvidia-smi, errors before any work, Ctrl-C), and (gpu) a tiny real grid."""
 from __future__ import annotations
 
 import csv
@@ -18,6 +18,7 @@ from verify.bench import sweep as vs
 from verify.bench.device_memory import used_mib
 from verify.bench.report import (BACKWARD, FLASH_BACKWARD, FLASH_DISPATCHER, FORWARD, OOM, STAGE_PATH_BACKWARD,
                                  STAGE_PATH_SKIPPED, Shape)
+from verify.cli import sweep as cs
 from verify.stages import BACKWARD_STAGES, GRAD_INPUT, STAGES
 
 REPO = Path(__file__).resolve().parent.parent
@@ -106,14 +107,14 @@ def runs(tmp_path: Path) -> list:
 @pytest.fixture(autouse=True)
 def no_torch_no_smi(monkeypatch, tmp_path):
     """SDPA rows only where a test asks for them; no nvidia-smi but a test's fake one."""
-    monkeypatch.setattr(vs, "torch_available", lambda: None)
+    monkeypatch.setattr(cs, "torch_available", lambda: None)
     empty = tmp_path / "no-smi"
     empty.mkdir()
     monkeypatch.setenv("PATH", str(empty))
 
 
 def invoke(main: Path, *args: str):
-    return CliRunner().invoke(vs.sweep, ["--binary", str(main), *args])
+    return CliRunner().invoke(cs.sweep, ["--binary", str(main), *args])
 
 
 def read_csv(path: Path) -> list:
@@ -268,7 +269,7 @@ def test_kernel_flash_backward_alone(tmp_path):
 
 def test_sdpa_rows_forward_and_backward_from_torch(tmp_path, monkeypatch):
     """SDPA's rows come from its own timer per pass; TFLOP/s by the pass's FLOPs; OOM stays a row."""
-    monkeypatch.setattr(vs, "torch_available", lambda: "2.11")
+    monkeypatch.setattr(cs, "torch_available", lambda: "2.11")
     monkeypatch.setitem(vs.SDPA_TIMERS, FORWARD, lambda *a: {"status": "ok", "ms": 2.0, "peak_mib": 8.0,
                                                              "torch": "2.11"})
     monkeypatch.setitem(vs.SDPA_TIMERS, BACKWARD,
@@ -320,7 +321,7 @@ def test_gpu_tiny_grid_against_the_real_binary(binary, tmp_path, monkeypatch):
     """Real timings and nvidia-smi's sampling: every row ok with a time, a rate and a peak."""
     monkeypatch.undo()  # the real PATH (nvidia-smi) and torch
     out_csv = tmp_path / "s.csv"
-    res = CliRunner().invoke(vs.sweep, ["--binary", str(binary), "--d", "16", "--d", "64", "--seq", "128",
+    res = CliRunner().invoke(cs.sweep, ["--binary", str(binary), "--d", "16", "--d", "64", "--seq", "128",
                                         "--seq", "1024", "--batch", "2", "--reps", "3", "--csv", str(out_csv)])
     assert res.exit_code == 0, res.output
     rows = read_csv(out_csv)
@@ -333,7 +334,7 @@ def test_gpu_tiny_grid_against_the_real_binary(binary, tmp_path, monkeypatch):
 def test_the_failed_rows_line_counts_one_in_the_singular(capsys):
     from types import SimpleNamespace
 
-    from verify.bench.sweep import _exit_status
+    from verify.cli.sweep import _exit_status
     row = SimpleNamespace(status="failed: exit 1", note="")
     assert _exit_status([row]) == 1 and "sweep: 1 row failed; see the table" in capsys.readouterr().err
     assert _exit_status([row, row]) == 1 and "sweep: 2 rows failed; see the table" in capsys.readouterr().err

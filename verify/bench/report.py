@@ -15,7 +15,7 @@ from ..stages import HALF_PRECISIONS, PRECISIONS
 FLASH_DISPATCHER = "flash"
 FLASH_KERNELS = (FLASH_DISPATCHER, "flash_wgmma", "flash_fast")
 SDPA = "sdpa"
-# At bf16/fp16 SDPA runs once per backend (bench_sdpa.SDPA_BACKENDS), under the run's key
+# At bf16/fp16 SDPA runs once per backend (sdpa.SDPA_BACKENDS), under the run's key
 # SDPA_BACKENDS; its "sdpa" is the fastest of them, and VS_SDPA holds each flash kernel's ratio to
 # each. ACCURACY holds the comparison of errors on the binary's own inputs (accuracy.py).
 SDPA_BACKENDS = "sdpa_backends"

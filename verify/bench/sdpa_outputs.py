@@ -2,7 +2,7 @@
 program's output folder: PyTorch's SDPA backends (flash, memory-efficient, cuDNN, math) are
 independent, correct bf16/fp16 attention kernels, so `attnstep check --precision` must pass each.
 
-    python -m verify.bench.sdpa_outputs --in data/random_test --out data/sdpa_flash --backend flash --precision bf16
+    python -m verify.cli.sdpa_outputs --in data/random_test --out data/sdpa_flash --backend flash --precision bf16
     attnstep check --in data/random_test --out data/sdpa_flash --precision bf16
 
 Inputs: the case's Q, K, V (and dO) rounded to the format as the verifier rounds them
@@ -32,7 +32,7 @@ The log-sum-exp: SDPA does not return it, so it comes from the backend's own ope
 inputs); none for the math backend, or with an explicit mask, or where the operator refuses.
 
 torch is imported only when SDPA runs: the package, and everything here but run_sdpa, imports
-and works without it.
+and works without it. The command that runs it on a case: verify/cli/sdpa_outputs.py.
 """
 from __future__ import annotations
 
@@ -42,15 +42,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
-import click
 import numpy as np
 
-from ..cli.options import InputError, user_errors
 from ..files.case import InputCase, load_input_case
 from ..files.stage_files import STACKED_SUFFIX
 from ..model.half import round_to_format
 from ..runs.watched import fresh_out
-from ..stages import (DEFAULT_INPUT_DIR, FLASH_GRAD_KEYS, FLASH_GRAD_QUERIES, FLASH_GRAD_VALUES, FLASH_LSE,
+from ..stages import (FLASH_GRAD_KEYS, FLASH_GRAD_QUERIES, FLASH_GRAD_VALUES, FLASH_LSE,
                       FLASH_OUTPUT, GRAD_INPUT, GRAD_KEYS, GRAD_QUERIES, GRAD_VALUES, HALF_PRECISIONS, INPUT_NAMES,
                       OUTPUT, STAGES, default_scale)
 from .sdpa import rejection_reason, torch_dtype
@@ -169,7 +167,7 @@ def _torch():
 def _refused(call: Callable[[], object], backend: str):
     """call() under the forced backend; torch's refusal (its warnings say why the kernel was not
     used, then "No available kernel") or a kernel's failure becomes BackendUnavailable, with the
-    reason bench reports for a refused backend (bench_sdpa.rejection_reason)."""
+    reason bench reports for a refused backend (sdpa.rejection_reason)."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
@@ -258,39 +256,3 @@ def _lse_or_note(torch, backend, explicit, q, k, v, scale, causal) -> Tuple[Opti
         return _lse(torch, backend, q.detach(), k.detach(), v.detach(), scale, causal), ""
     except (RuntimeError, TypeError) as exc:  # refused here, or another signature in this torch
         return None, f"no flash_lse: {str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}"
-
-
-# ----------------------------------------------------------------------------------------------
-# python -m verify.bench.sdpa_outputs
-
-@click.command()
-@click.option("--in", "in_dir", type=click.Path(file_okay=False, path_type=Path), default=DEFAULT_INPUT_DIR,
-              show_default=True, help="Input case (attnstep generate; dO for the gradients).")
-@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), required=True,
-              help="Folder for the stage files (one <stage>.npy each).")
-@click.option("--backend", type=click.Choice(tuple(BACKENDS)), required=True,
-              help="The SDPA backend to force (math-half: the math backend with fp16/bf16 reductions).")
-@click.option("--precision", type=click.Choice(HALF_PRECISIONS), default=HALF_PRECISIONS[0], show_default=True,
-              help="The format SDPA computes in.")
-@click.option("--mask", type=click.Choice(MASKS), default=MASKS[0], show_default=True,
-              help="For a causal case: torch's is_causal, or the same top-left mask as an attn_mask.")
-@click.option("--scale", type=float, default=None,
-              help="Scale SDPA uses instead of the case's (to see that a wrong scale fails the check).")
-@user_errors
-def main(in_dir: Path, out_dir: Path, backend: str, precision: str, mask: str, scale: Optional[float]) -> None:
-    """Run PyTorch SDPA on the case IN at bf16/fp16 and write its results into OUT.
-
-    Check them with `attnstep check --in IN --out OUT --precision PRECISION`. Exit status 1
-    when torch cannot run BACKEND here (the reason torch gives is printed).
-    """
-    try:
-        results = write_sdpa_case(in_dir, out_dir, backend, precision, mask, scale)
-    except BackendUnavailable as exc:
-        raise InputError(f"SDPA backend unavailable: {exc}", 1) from None
-    for note in results.notes:
-        click.echo(f"note: {note}", err=True)
-    click.echo(f"SDPA {backend} {precision}: wrote {', '.join(stage_arrays(results, backend))} to {out_dir}")
-
-
-if __name__ == "__main__":
-    main()

@@ -1,11 +1,9 @@
-"""The `attnstep` group: every command of verify/cli/ and bench/sweep, and the console entry point."""
+"""The `attnstep` group: every command of verify/cli/, and the console entry point."""
 from __future__ import annotations
 
 import click
 
-from ..bench.measure import bench
-from ..bench.sweep import sweep
-from . import check, generate, run
+from . import bench, check, generate, run, sweep
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -22,8 +20,8 @@ cli.add_command(generate.generate)
 cli.add_command(run.run)
 cli.add_command(check.check)
 cli.add_command(run.demo)
-cli.add_command(bench)  # verify/bench/measure.py: GPU timings against ceilings and PyTorch SDPA
-cli.add_command(sweep)  # verify/bench/sweep.py: the d × N grid of the stage path, flash and SDPA
+cli.add_command(bench.bench)  # GPU timings against ceilings and PyTorch SDPA
+cli.add_command(sweep.sweep)  # the d × N grid of the stage path, flash and SDPA
 
 
 def main() -> None:  # console-script entry point

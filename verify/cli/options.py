@@ -1,7 +1,6 @@
 """What every attnstep command shares: the user-error class and the options several commands take.
 
-Defined here once so that every command (verify/cli/, and `bench` and `sweep`) uses the same flags,
-types and defaults.
+Defined here once so that every command of verify/cli/ uses the same flags, types and defaults.
 """
 from __future__ import annotations
 
@@ -113,9 +112,6 @@ force_option = SharedOption("--force", is_flag=True,
 json_option = SharedOption("--json", "json_path", type=click.Path(path_type=Path),
                            callback=checked_path(report_file),
                            help="Write the full report as JSON to this file.")
-
-
-
 quiet_option = click.option("--quiet", "-q", is_flag=True, help="Print only the verdict and errors.")
 
 
