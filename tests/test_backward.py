@@ -11,6 +11,7 @@ import pytest
 from helpers import foreign_routes as foreign
 from verify.check import compare
 from verify.check.reference import reference_chain
+from verify.diagnose.hypotheses import diagnose
 from verify.files.case import write_toml
 from verify.stages import (BACKWARD_STAGES, GRAD_INPUT, INPUT_MANIFEST, INPUT_NAMES, STAGE_NAMES, STAGES, Dims,
                            default_scale, stage_file)
@@ -68,7 +69,7 @@ CORRECT = [  # (n, m, d, causal, dist, writer, route)
 def test_a_correct_backward_passes(tmp_path, n, m, d, causal, dist, writer, route):
     in_dir, out_dir = write_backward_case(tmp_path, Dims(1, 2, n, m, d, d), causal, dist, route=route,
                                           writer=writer)
-    report = compare.check(in_dir, out_dir)
+    report = compare.check(in_dir, out_dir, diagnoser=diagnose)
     assert not failures(report), [(r.stage, r.head, r.message, [d.message for d in r.diagnosis])
                                   for r in failures(report).values()]
     assert set(BACKWARD_STAGES) <= set(report.run.stages)
@@ -78,7 +79,7 @@ def test_a_correct_backward_passes(tmp_path, n, m, d, causal, dist, writer, rout
 def test_a_backward_without_its_forward_files_is_checked_from_the_inputs(tmp_path, only):
     """A program that writes only its gradients: each is checked against the reference chain."""
     in_dir, out_dir = write_backward_case(tmp_path, Dims(1, 1, 32, 40, 16, 16), True, only=only)
-    report = compare.check(in_dir, out_dir)
+    report = compare.check(in_dir, out_dir, diagnoser=diagnose)
     assert not failures(report)
     assert "attention_weights" not in report.run.stages
 
@@ -98,7 +99,7 @@ BUGS = {
 def test_a_backward_bug_fails_with_its_name(tmp_path, bug):
     causal, stages, code = BUGS[bug]
     in_dir, out_dir = write_backward_case(tmp_path, Dims(1, 2, 40, 40, 32, 32), causal, bug=bug)
-    failed = failures(compare.check(in_dir, out_dir))
+    failed = failures(compare.check(in_dir, out_dir, diagnoser=diagnose))
     for stage in stages:
         for head in range(2):
             r = failed.get((stage, head))
@@ -108,7 +109,7 @@ def test_a_backward_bug_fails_with_its_name(tmp_path, bug):
 
 def test_stages_downstream_of_a_wrong_ds_inherit_it(tmp_path):
     in_dir, out_dir = write_backward_case(tmp_path, Dims(1, 1, 32, 32, 16, 16), False, bug="dS_missing_P")
-    failed = failures(compare.check(in_dir, out_dir))
+    failed = failures(compare.check(in_dir, out_dir, diagnoser=diagnose))
     assert failed[("dS", 0)].status == "FAIL"
     assert failed[("dQ", 0)].status == "INHERITED"
     assert failed[("dK", 0)].status == "INHERITED"  # its column sums follow dS's rows: a note, not a failure
@@ -129,7 +130,7 @@ def test_one_wrong_gradient_element_fails(tmp_path):
         x[5, 7] += np.float32(1e-3) * np.abs(x).max()
     for stage in ("dQ", "flash_dK", "flash_dV", "dS"):
         _rewrite(out_dir, stage, 0, bump)
-    failed = failures(compare.check(in_dir, out_dir))
+    failed = failures(compare.check(in_dir, out_dir, diagnoser=diagnose))
     assert {s for s, _ in failed} == {"dQ", "flash_dK", "flash_dV", "dS"}
 
 
@@ -139,7 +140,7 @@ def test_ds_invariants_name_an_unmasked_entry_and_a_row_that_does_not_sum_to_zer
     def unmask(x):
         x[2, 20] = np.float32(0.5)
     _rewrite(out_dir, "dS", 0, unmask)
-    r = failures(compare.check(in_dir, out_dir))[("dS", 0)]
+    r = failures(compare.check(in_dir, out_dir, diagnoser=diagnose))[("dS", 0)]
     assert {"mask_missing", "row_sum"} <= {v.code for v in r.violations}
 
 
@@ -149,7 +150,7 @@ def test_flash_gradients_that_disagree_with_the_stage_path_are_named(tmp_path):
     def shift(x):
         x[:] = x + np.float32(1e-2) * np.abs(x).max()
     _rewrite(out_dir, "flash_dV", 0, shift)
-    r = failures(compare.check(in_dir, out_dir))[("flash_dV", 0)]
+    r = failures(compare.check(in_dir, out_dir, diagnoser=diagnose))[("flash_dV", 0)]
     assert any(v.code == "flash_vs_stages" for v in r.violations)
 
 
@@ -225,7 +226,7 @@ def test_a_coarsely_printed_lse_does_not_hide_a_wrong_causal_gradient(tmp_path):
     def wrong_rows(x):
         x[1:4] *= np.float32(1.5)
     _rewrite(out_dir, "flash_dQ", 0, wrong_rows)
-    r = compare.check(in_dir, out_dir)
+    r = compare.check(in_dir, out_dir, diagnoser=diagnose)
     bad = next(x for x in r.results if x.stage == "flash_dQ")
     assert bad.status == "FAIL"
     assert bad.isolated.mismatched >= 2 * 16 and bad.isolated.first[0]["row"] == 1, bad.isolated.first[:2]
@@ -246,7 +247,7 @@ def test_dk_columns_that_do_not_sum_to_zero_fail_though_every_entry_is_within_it
     def shift_column(x):
         x[:, 0] += np.float32(shift)
     _rewrite(out_dir, stage, 0, shift_column)
-    r = next(x for x in compare.check(in_dir, out_dir).results if x.stage == stage)
+    r = next(x for x in compare.check(in_dir, out_dir, diagnoser=diagnose).results if x.stage == stage)
     assert r.chained.passed and r.status == "FAIL"
     assert [v.code for v in r.violations] == ["column_sum"]
 

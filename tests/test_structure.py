@@ -8,7 +8,7 @@ from __future__ import annotations
 import ast
 import importlib
 from pathlib import Path
-from typing import Dict, Iterator, List, Optional, Set, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 from verify import stages
 
@@ -25,29 +25,27 @@ OPTIONAL_IMPORTS = {
     "matplotlib": "plots: check --plot's heat maps and bench/sweep --plot (pip install matplotlib)",
 }
 
-# What each part of verify/ may import besides itself (a package, or a module at the top). The
-# check engine and the diagnoses meet both ways in different modules: the diagnoses build their
-# candidates with the check's references and bounds, and the engine (check/compare.py) runs the
-# diagnoses on a failing stage; the module graph has no cycle (test_no_import_cycle).
-LAYERS: Dict[str, Set[str]] = {
-    "stages": set(), "text": set(), "terminal": set(),
-    "model": set(),
-    "specs": {"stages", "text", "model"},
-    "files": {"stages", "text", "model"},
-    "runs": {"stages", "text", "terminal", "files"},
-    "check": {"stages", "text", "model", "specs", "files", "runs", "diagnose"},
-    "diagnose": {"stages", "text", "model", "specs", "check"},
-    "report": {"stages", "text", "files", "runs", "check"},
-    "bench": {"stages", "text", "terminal", "model", "files", "runs", "report", "cli"},
-    "cli": {"stages", "text", "terminal", "model", "specs", "files", "runs", "check", "diagnose", "report", "bench"},
-    "api": {"stages", "text", "model", "specs", "files", "check", "report"},
-    "__main__": {"cli"},
-    "__init__": set(),
-}
-# The one module of the command line that parts below it may import: the options and user errors
-# every command shares (bench, sweep and the SDPA outputs script define their commands beside
-# what they run).
-SHARED_CLI = "verify.cli.options"
+# The parts of verify/ (a package, or a module at the top), lowest first, each with the parts it
+# may import besides itself: only parts listed before it (layer_table_problems), so the packages
+# depend on each other one way. The check engine sits below the diagnoses: they build their
+# candidates with its references and bounds, and it runs them on a failing stage through the
+# Diagnoser the command line and the Python API hand it (verify/check/diagnosis.py); the commands
+# of bench and sweep are cli's (verify/cli/bench.py, sweep.py), over the bench library.
+LAYERS: Tuple[Tuple[str, Set[str]], ...] = (
+    ("__init__", set()),
+    ("stages", set()), ("text", set()), ("terminal", set()),
+    ("model", set()),
+    ("specs", {"stages", "text", "model"}),
+    ("files", {"stages", "text", "model"}),
+    ("runs", {"stages", "text", "terminal", "files"}),
+    ("check", {"stages", "text", "model", "specs", "files", "runs"}),
+    ("diagnose", {"stages", "text", "model", "specs", "check"}),
+    ("report", {"stages", "text", "files", "runs", "check"}),
+    ("bench", {"stages", "text", "terminal", "model", "files", "runs", "report"}),
+    ("cli", {"stages", "text", "terminal", "model", "specs", "files", "runs", "check", "diagnose", "report", "bench"}),
+    ("api", {"stages", "text", "model", "specs", "files", "check", "diagnose", "report"}),
+    ("__main__", {"cli"}),
+)
 
 
 def _sources() -> Iterator[Tuple[Path, str]]:
@@ -209,21 +207,76 @@ def _part(name: str) -> str:
     return parts[1] if len(parts) > 1 else "__init__"
 
 
+def layer_table_problems(layers: Sequence[Tuple[str, Set[str]]]) -> List[str]:
+    """What keeps a layer table from stating one order: a part listed twice, or allowed to import
+    itself, a part listed after it (a mutual pair, a cycle) or one not listed at all."""
+    problems, seen = [], []
+    for part, allowed in layers:
+        if part in seen:
+            problems.append(f"{part} is listed twice")
+        for other in sorted(allowed):
+            if other not in seen:
+                where = "itself" if other == part else ("listed after it" if any(p == other for p, _ in layers)
+                                                         else "not listed")
+                problems.append(f"{part} may import {other}: {where}")
+        seen.append(part)
+    return problems
+
+
+def layering_violations(imports: Dict[str, List[Tuple[str, int, bool]]],
+                        layers: Sequence[Tuple[str, Set[str]]]) -> List[Tuple[str, int, str]]:
+    """(module, line, imported module) of each import of one part of verify/ by another that the
+    layer table does not allow; a module of a part missing from the table counts as (module, 0, "")."""
+    allowed = dict(layers)
+    found = []
+    for name, targets in sorted(imports.items()):
+        if _part(name) not in allowed:
+            found.append((name, 0, ""))
+            continue
+        for target, line, _ in targets:
+            if target.split(".")[0] != "verify" or _part(target) == _part(name):
+                continue
+            if _part(target) not in allowed[_part(name)]:
+                found.append((name, line, target))
+    return found
+
+
+def test_the_layer_table_states_one_order():
+    problems = layer_table_problems(LAYERS)
+    assert not problems, "LAYERS does not state one order:\n" + "\n".join(problems)
+
+
 def test_packages_depend_one_way():
     modules = _modules()
     found = []
-    for name, imports in import_graph()[1].items():
-        for target, line, _ in imports:
-            if target not in modules or _part(target) == _part(name):
-                continue
-            allowed = _part(target) in LAYERS[_part(name)]
-            if _part(target) == "cli" and _part(name) not in ("cli", "__main__"):
-                allowed = allowed and target == SHARED_CLI
-            if not allowed:
-                found.append(f"{_where(modules[name][0], line)}: {name} imports {target}")
-    unknown = sorted({_part(n) for n in modules} - set(LAYERS))
-    assert not unknown, f"parts of verify/ missing from LAYERS: {', '.join(unknown)}"
+    for name, line, target in layering_violations(import_graph()[1], LAYERS):
+        found.append(f"{_where(modules[name][0], line)}: {name} imports {target}" if target
+                     else f"{_where(modules[name][0], 1)}: {_part(name)} is missing from LAYERS")
     assert not found, "imports against the layering (LAYERS in this file):\n" + "\n".join(found)
+
+
+def test_the_layering_checks_catch_a_back_edge_a_mutual_pair_and_an_unlisted_part():
+    """The checks given planted graphs and tables, so that their power does not rest on today's code."""
+    planted = {
+        "verify.model.dot": [("numpy", 1, False), ("verify.model.half", 2, False), ("verify.cli.options", 3, False)],
+        "verify.check.compare": [("verify.check.pool", 5, False), ("verify.diagnose.hypotheses", 6, False)],
+        "verify.diagnose.hypotheses": [("verify.check.reference", 7, False)],
+        "verify.bench.measure": [("verify.cli.options", 8, True)],
+        "verify.cli.group": [("verify.bench.measure", 9, False), ("verify.check.compare", 10, False)],
+        "verify.plugins.extra": [("verify.stages", 11, False)],
+    }
+    assert layering_violations(planted, LAYERS) == [
+        ("verify.bench.measure", 8, "verify.cli.options"),
+        ("verify.check.compare", 6, "verify.diagnose.hypotheses"),
+        ("verify.model.dot", 3, "verify.cli.options"),
+        ("verify.plugins.extra", 0, ""),
+    ]
+    mutual = tuple((part, allowed | {"diagnose"} if part == "check" else allowed) for part, allowed in LAYERS)
+    assert layer_table_problems(mutual) == ["check may import diagnose: listed after it"]
+    assert layering_violations(planted, mutual)[:2] == [("verify.bench.measure", 8, "verify.cli.options"),
+                                                        ("verify.model.dot", 3, "verify.cli.options")]
+    assert layer_table_problems(LAYERS + (("model", set()), ("plugins", {"plugins", "nowhere"}))) == [
+        "model is listed twice", "plugins may import nowhere: not listed", "plugins may import plugins: itself"]
 
 
 # ---- no branch on a stage's name ---------------------------------------------------------------

@@ -22,6 +22,7 @@ import numpy as np
 
 from .check import flash_attn_criterion as fa_criterion
 from .check.compare import Options, Report, check_run
+from .diagnose.hypotheses import diagnose
 from .files.case import CaseError, InputCase, check_scale, validate_dims
 from .files.outputs import MATH_MODES, RunInfo, StageSource, half_rounding_for
 from .model.half import HALF_ROUNDINGS, rounding_refusal
@@ -227,7 +228,8 @@ def check_arrays(q, k, v, stages: Mapping[str, object], *, do=None, causal: bool
                      allow_nonfinite=allow_nonfinite, backward=do is not None)
     run = RunInfo(None, {}, dims, sources, causal=causal, scale=scale, precision=precision,
                   math=math, half_rounding=half_rounding_for(args["precision"], args["half_rounding"]))
-    return check_run(run, case, Options(atol=atol, rtol=rtol, jobs=jobs, allow_nonfinite=allow_nonfinite))
+    return check_run(run, case, Options(atol=atol, rtol=rtol, jobs=jobs, allow_nonfinite=allow_nonfinite),
+                     diagnoser=diagnose)
 
 
 def format_report(report: Report, per_head: bool = False) -> str:

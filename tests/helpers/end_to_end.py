@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from verify.check.compare import check
+from verify.diagnose.hypotheses import diagnose
 from verify.files.generate import generate_case
 from verify.runs.runner import run_binary
 
@@ -20,9 +21,10 @@ BACKENDS = [
 
 
 def run_and_check(binary, tmp_path, dims, causal, backend, **gen):
-    """generate -> the binary on `backend` -> check: the report of a case in tmp_path/{in,out}."""
+    """generate -> the binary on `backend` -> check (diagnoses included, as `attnstep check`): the report
+    of a case in tmp_path/{in,out}."""
     name, extra = backend
     in_dir, out_dir = tmp_path / "in", tmp_path / "out"
     generate_case(in_dir, dims, causal=causal, **gen)
     run_binary(binary, in_dir, out_dir, backend=name, extra=extra)
-    return check(in_dir, out_dir)
+    return check(in_dir, out_dir, diagnoser=diagnose)

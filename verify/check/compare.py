@@ -10,7 +10,9 @@ stage table's order, with a fault of its own is the culprit the report names.
 A stage passes in isolation when its own upstream files or the original inputs explain it (a
 correct program may compute a stage by another route than from the upstream files it wrote).
 Heads are checked one at a time per process; large runs share them out to forked worker
-processes (verify/check/pool.py). The results and the report are in verify/check/results.py.
+processes (verify/check/pool.py). The results and the report are in verify/check/results.py. A
+failing stage × head is explained by the Diagnoser the caller hands in (the diagnoses of
+verify/diagnose/, which sit above this package: verify/check/diagnosis.py).
 """
 from __future__ import annotations
 
@@ -21,7 +23,6 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..diagnose import hypotheses as diag
 from ..files.case import CaseError, InputCase, load_input_case, read_bytes
 from ..files.guards import check_folders_apart
 from ..files.outputs import STAGE_ITEMSIZE, Overrides, RunInfo, foreign_stage_files, open_run, stage_files_in, staleness
@@ -31,6 +32,7 @@ from ..runs.program_checks import ProgramCheck, files_digest, read_findings
 from ..specs import SPECS, HeadContext, upstream, uses_scale_and_mask
 from ..stages import GRAD_INPUT, INPUT_NAMES, STAGES
 from . import flash_attn_criterion, invariants, tolerance
+from .diagnosis import Diagnoser, Diagnosis, Suspect
 from .pool import REF_CACHE, head_jobs, map_heads
 from .reference import compute_stage, reference_chain
 from .results import (FAIL, INHERITED, MISSING, PASS, SHAPE, STALE, UNREADABLE, Comparison, HeadResult, Report,
@@ -178,8 +180,8 @@ def case_inputs(run: RunInfo):
     return INPUT_NAMES + ((GRAD_INPUT,) if backward else ())
 
 
-def check_head(run: RunInfo, case: InputCase, head: int, opts: Options,
-               ref_of_head: Callable[[str, int], np.ndarray]) -> List[HeadResult]:
+def check_head(run: RunInfo, case: InputCase, head: int, opts: Options, ref_of_head: Callable[[str, int], np.ndarray],
+               diagnoser: Optional[Diagnoser] = None) -> List[HeadResult]:
     inputs = raw = {name: case.load(name, head).astype(np.float64) for name in case_inputs(run)}
     if is_half(run.precision):
         # The half pipelines compute from the inputs rounded to their format, and so do the references.
@@ -201,7 +203,7 @@ def check_head(run: RunInfo, case: InputCase, head: int, opts: Options,
         if mat is None:
             res.status, res.message = bad_status, msg
             code = {STALE: "stale", MISSING: "missing", SHAPE: "shape", UNREADABLE: "unreadable"}[bad_status]
-            res.diagnosis.append(diag.Diagnosis(code, msg, {}))
+            res.diagnosis.append(Diagnosis(code, msg, {}))
             continue
         res.resolution = resolution.describe()
         ctx.got[stage] = mat
@@ -215,7 +217,7 @@ def check_head(run: RunInfo, case: InputCase, head: int, opts: Options,
         res.violations = [v for v in res.violations if v not in res.notes]
         _classify(res, results)
         if res.status == FAIL:
-            _diagnose(res, mat, isolated, ctx, run, ref_of_head)
+            _diagnose(res, mat, isolated, ctx, run, ref_of_head, diagnoser)
     return list(results.values())
 
 
@@ -245,15 +247,18 @@ def _compare(res: HeadResult, ctx: HeadContext, results: Dict[str, HeadResult], 
     return src_iso, want_iso, allowed_iso
 
 
-def _diagnose(res: HeadResult, mat: np.ndarray, isolated, ctx: HeadContext, run: RunInfo, ref_of_head) -> None:
-    """The patterns that explain a failing stage × head, then its reference-free findings."""
+def _diagnose(res: HeadResult, mat: np.ndarray, isolated, ctx: HeadContext, run: RunInfo, ref_of_head,
+              diagnoser: Optional[Diagnoser]) -> None:
+    """The patterns that explain a failing stage × head (the diagnoser's; none without one), then
+    its reference-free findings."""
     src_iso, want_iso, allowed_iso = isolated
-    res.diagnosis = diag.diagnose(res.stage, mat, want_iso, diag.Suspect(
-        ctx.dims, ctx.scale, ctx.causal, res.head, src_iso, functools.partial(ref_of_head, res.stage),
-        run.flash_tiles, allowed_iso, ctx, lambda h: {n: ref_of_head(n, h) for n in INPUT_NAMES}))
+    if diagnoser is not None:
+        res.diagnosis = diagnoser(res.stage, mat, want_iso, Suspect(
+            ctx.dims, ctx.scale, ctx.causal, res.head, src_iso, functools.partial(ref_of_head, res.stage),
+            run.flash_tiles, allowed_iso, ctx, lambda h: {n: ref_of_head(n, h) for n in INPUT_NAMES}))
     for v in res.violations:
         if not any(d.code == v.code for d in res.diagnosis):
-            res.diagnosis.append(diag.Diagnosis(v.code, v.message, {"count": v.count}))
+            res.diagnosis.append(Diagnosis(v.code, v.message, {"count": v.count}))
 
 
 def _nonfinite_propagated(got: np.ndarray, want_iso: np.ndarray) -> bool:
@@ -287,7 +292,7 @@ def apply_mismatches(run: RunInfo, results: List[HeadResult]) -> None:
         for r in results:
             if not uses_scale_and_mask(r.stage):
                 continue
-            r.diagnosis.insert(0, diag.Diagnosis(f"{mm.key}_mismatch", mm.message(),
+            r.diagnosis.insert(0, Diagnosis(f"{mm.key}_mismatch", mm.message(),
                                                  {"run": mm.run_value, "input": mm.input_value}, 0.99))
             if r.status == PASS:
                 r.status, r.message = FAIL, mm.message()
@@ -298,8 +303,8 @@ class _HeadChecker:
     stages of other heads that the head_permuted diagnosis compared against last: one matrix
     each, REF_CACHE of them, counted in head_jobs' memory budget)."""
 
-    def __init__(self, run: RunInfo, case: InputCase, opts: Options) -> None:
-        self.run, self.case, self.opts = run, case, opts
+    def __init__(self, run: RunInfo, case: InputCase, opts: Options, diagnoser: Optional[Diagnoser]) -> None:
+        self.run, self.case, self.opts, self.diagnoser = run, case, opts, diagnoser
         self.ref_of_head = functools.lru_cache(maxsize=REF_CACHE)(self._reference)
 
     def _reference(self, stage: str, head: int) -> np.ndarray:
@@ -310,23 +315,25 @@ class _HeadChecker:
     def check(self, head: int) -> List[HeadResult]:
         # Non-finite inputs, when allowed, make the error model's arithmetic meet inf and NaN.
         with np.errstate(all="ignore") if self.opts.allow_nonfinite else np.errstate():
-            return check_head(self.run, self.case, head, self.opts, self.ref_of_head)
+            return check_head(self.run, self.case, head, self.opts, self.ref_of_head, self.diagnoser)
 
 
 def check(in_dir: Path, out_dir: Path, opts: Optional[Options] = None,
-          progress: Optional[Callable[[int], None]] = None) -> Report:
-    """Loads both cases, checks their agreement, and compares every stage × head."""
+          progress: Optional[Callable[[int], None]] = None, diagnoser: Optional[Diagnoser] = None) -> Report:
+    """Loads both cases, checks their agreement, and compares every stage × head; a failing one is
+    explained by `diagnoser` (verify.diagnose.hypotheses.diagnose, as `attnstep check` does)."""
     opts = opts or Options()
     check_folders_apart(in_dir, out_dir)  # as `attnstep check`: inputs compared with themselves would pass
     case = load_input_case(in_dir)
     case.allow_nonfinite = opts.allow_nonfinite
     run = open_run(out_dir, case, opts.overrides())
-    return check_run(run, case, opts, progress, tune_process=True)
+    return check_run(run, case, opts, progress, tune_process=True, diagnoser=diagnoser)
 
 
-def check_run(run: RunInfo, case: InputCase, opts: Options,
-              progress: Optional[Callable[[int], None]] = None, tune_process: bool = False) -> Report:
-    """Compares every stage × head of an opened run (files or the Python API's arrays).
+def check_run(run: RunInfo, case: InputCase, opts: Options, progress: Optional[Callable[[int], None]] = None,
+              tune_process: bool = False, diagnoser: Optional[Diagnoser] = None) -> Report:
+    """Compares every stage × head of an opened run (files or the Python API's arrays); a failing
+    one is explained by `diagnoser` (none: the engine's own findings only).
     tune_process: this process is attnstep's own (see pool.map_heads)."""
     if opts.only_stages:
         unknown = [s for s in opts.only_stages if s not in STAGES]
@@ -341,7 +348,7 @@ def check_run(run: RunInfo, case: InputCase, opts: Options,
         raise CaseError(f"{run.path or 'the run'} holds the backward stage {backward[0]}, but the input case "
                         f"{case.path} has no {GRAD_INPUT} (the output gradient it is computed from); HINT: "
                         "check it against the case it was run on ('attnstep generate --backward' writes one)")
-    checker = _HeadChecker(run, case, opts)
+    checker = _HeadChecker(run, case, opts, diagnoser)
     results = map_heads(checker.check, run.dims.total_heads, head_jobs(run, opts.jobs, opts.max_memory_mb), progress,
                          tune_process)
     apply_mismatches(run, results)

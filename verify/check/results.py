@@ -7,12 +7,12 @@ from typing import List, Optional, Tuple
 
 import numpy as np
 
-from ..diagnose.base import Diagnosis
 from ..files.case import InputCase
 from ..files.outputs import RunInfo
 from ..files.resolution import EXACT
 from ..specs.base import Violation
 from ..stages import STAGES
+from .diagnosis import Diagnosis
 
 # The key of flash-attn's test criterion in --json (per head here, per stage in the report) and
 # --junit (verify/check/flash_attn_criterion.py).

@@ -11,6 +11,7 @@ import click
 from ..check import flash_attn_criterion
 from ..check.compare import Options, check_run, error_ratio_map
 from ..check.pool import MAX_MEMORY_MB
+from ..diagnose.hypotheses import diagnose
 from ..files.case import check_scale, load_input_case
 from ..files.guards import check_folders_apart, check_reports_apart
 from ..files.outputs import HALF_ROUNDINGS, MATH_MODES, open_run
@@ -80,7 +81,7 @@ def check_and_report(in_dir, out_dir, opts, json_path, junit_path, plot_dir, per
     d = run_info.dims
     big = d.seq_q * d.seq_k * d.total_heads >= PROGRESS_MIN_WORK
     with progress_bar(d.total_heads, "checking heads", big and not quiet) as advance:
-        report = check_run(run_info, case, opts, progress=advance)
+        report = check_run(run_info, case, opts, progress=advance, diagnoser=diagnose)
     if not quiet:
         for line in header_lines(report) + table_lines(report, per_head) + failure_lines(report):
             click.echo(line)

@@ -11,11 +11,12 @@ from typing import Callable, Dict, Iterable, List, Optional, Tuple
 import numpy as np
 
 from ..check import tolerance
+from ..check.diagnosis import Diagnosis
 from ..model.attention import causal_mask, softmax_rows
 from ..specs import SPECS
 from ..specs.backward import Gradients, d_reference
 from ..stages import FLASH_LSE, GRAD_OUTPUT, KEYS, QUERIES, STAGES, VALUES
-from .base import LOG2_E, Diagnosis, explains
+from .base import LOG2_E, explains
 
 Own = Callable[[str], np.ndarray]
 

@@ -1,14 +1,11 @@
-"""The vocabulary of bug diagnosis: a Diagnosis, and how a candidate explanation is matched against
-a failing result (within a few tolerance widths of got, far from the reference)."""
+"""The vocabulary of bug diagnosis: how a candidate explanation is matched against a failing result
+(within a few tolerance widths of got, far from the reference). A Diagnosis and the Suspect it is
+found on are the check engine's (verify/check/diagnosis.py)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Callable, Dict, Optional, Tuple
+from typing import Optional
 
 import numpy as np
-
-from ..specs.base import HeadContext
-from ..stages import Dims
 
 
 # A candidate explains got when every element is within MATCH_WIDTHS tolerance widths of it (the
@@ -38,33 +35,6 @@ OVERFLOW_SLACK = 0.5
 MASK_FIT_ROWS = 4
 MAX_MASK_FIT_KEYS = 1024
 LOG2_E = 1.0 / np.log(2.0)
-
-
-@dataclass
-class Diagnosis:
-    code: str
-    message: str
-    detail: dict = field(default_factory=dict)
-    confidence: float = field(default=0.5, repr=False, compare=False)
-
-
-@dataclass
-class Suspect:
-    """What the hypotheses see of a failing stage × head besides got and want: the problem, the
-    isolated reference's sources and allowance, the other heads' references (head_permuted), the
-    run's flash tiles (tile_boundary), and the head's whole context (the backward's bugs rebuild
-    a stage from the program's own upstream files), and another head's inputs (keys read past the
-    end of a head are the next head's)."""
-    dims: Optional[Dims] = None
-    scale: float = 1.0
-    causal: bool = False
-    head: Optional[int] = None
-    src: Dict[str, np.ndarray] = field(default_factory=dict)
-    ref_of_head: Optional[Callable[[int], np.ndarray]] = None
-    flash_tiles: Optional[Tuple[int, int]] = None
-    bound: Optional[np.ndarray] = None
-    head_ctx: Optional[HeadContext] = None
-    inputs_of_head: Optional[Callable[[int], Dict[str, np.ndarray]]] = None
 
 
 # ---------------------------------------------------------------------------------------------

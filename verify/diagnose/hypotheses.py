@@ -23,14 +23,15 @@ from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 import numpy as np
 
+from ..check.diagnosis import Diagnosis, Suspect
 from ..check.reference import compute_stage, softmax_rows
 from ..specs import SPECS
 from ..stages import KEYS, QUERIES, STAGES
 from ..text import plural
 from . import backward as backward_bugs
 from . import precision as precision_bugs
-from .base import (LOG2_E, MATCH_WIDTHS, MAX_HEADS_SEARCHED, POISON_VALUES, SCALE_NAME_RTOL,
-                   UNWRITTEN_DENSITY, Diagnosis, Suspect, explains, loc, maxdiff, width_of)
+from .base import (LOG2_E, MATCH_WIDTHS, MAX_HEADS_SEARCHED, POISON_VALUES, SCALE_NAME_RTOL, UNWRITTEN_DENSITY,
+                   explains, loc, maxdiff, width_of)
 from .inputs import case_inputs, rebuilder, run_mask
 from .inputs import keys as _keys
 from .inputs import overflow as _overflow

@@ -13,12 +13,12 @@ from typing import Callable, Dict, List, Optional, Tuple
 import numpy as np
 
 from ..check import tolerance
+from ..check.diagnosis import Diagnosis, Suspect
 from ..model.attention import causal_mask, log_sum_exp_rows
 from ..specs import SPECS
 from ..stages import INPUT_NAMES, KEYS, QUERIES, SCALED_SCORES, STAGES, VALUES
 from ..text import plural
-from .base import (DISTINCT_WIDTHS, KEY_TILES, LOG_FLOAT32_MAX, MATCH_WIDTHS, OVERFLOW_SLACK, Diagnosis,
-                   Suspect, maxdiff, width_of)
+from .base import DISTINCT_WIDTHS, KEY_TILES, LOG_FLOAT32_MAX, MATCH_WIDTHS, OVERFLOW_SLACK, maxdiff, width_of
 
 Rebuild = Callable[[Dict[str, np.ndarray], np.ndarray], np.ndarray]  # (Q, K, V), masked -> the stage
 

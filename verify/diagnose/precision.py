@@ -19,15 +19,15 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from ..check import tolerance
+from ..check.diagnosis import Diagnosis, Suspect
 from ..check.half_rounding import stored_in_format
 from ..check.reference import compute_stage, reference_chain
 from ..check.results import compare_arrays
 from ..model.half import HALF_FORMATS, NEAREST, TOWARD_ZERO, is_half, round_mantissa32, round_to_format
 from ..model.rounding import HeadCache
 from ..specs import SPECS, upstream
-from ..stages import (CASE_INPUTS, GRAD_OUTPUT, GRAD_VALUES, GRAD_WEIGHTS, KEYS, OUTPUT, QUERIES, SCORES, STAGES,
-                      VALUES, WEIGHTS)
-from .base import Diagnosis, Suspect
+from ..stages import (GRAD_OUTPUT, GRAD_VALUES, GRAD_WEIGHTS, KEYS, OUTPUT, QUERIES, SCORES, STAGES, VALUES,
+                      WEIGHTS)
 
 CODES = ("tf32", "half_storage", "half_truncation", "half_accumulation")
 CONFIDENCE = 0.8

@@ -6,12 +6,13 @@ from typing import List, Optional
 
 import numpy as np
 
+from ..check.diagnosis import Diagnosis
 from ..check.reference import causal_mask
 from ..specs import SPECS
 from ..stages import KEYS, QUERIES, STAGES
 from ..text import plural
-from .base import (MASK_FIT_ROWS, MATCH_WIDTHS, MAX_MASK_FIT_KEYS, MAX_MASK_OFFSET, TILE_DENSITY,
-                   TILE_PERIODS, Diagnosis, explains)
+from .base import (MASK_FIT_ROWS, MATCH_WIDTHS, MAX_MASK_FIT_KEYS, MAX_MASK_OFFSET, TILE_DENSITY, TILE_PERIODS,
+                   explains)
 from .inputs import case_inputs, rebuilder
 
 

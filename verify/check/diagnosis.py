@@ -1,0 +1,51 @@
+"""The engine's side of the diagnoses: a Diagnosis (what explains a failing stage × head, kept in its
+HeadResult), a Suspect (what the engine offers the diagnoses of one), and a Diagnoser (the function
+from the one to the others).
+
+The diagnoses themselves (verify/diagnose/) build their candidates with this package's references
+and bounds, so they sit above it: the layer above both (the command line, the Python API) hands
+the engine verify.diagnose.hypotheses.diagnose as its Diagnoser. Without one, a failing stage keeps
+the engine's own findings (its invariants' violations, a missing or unreadable file, a run.toml
+that disagrees with the input case).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Tuple
+
+import numpy as np
+
+from ..specs.base import HeadContext
+from ..stages import Dims
+
+
+@dataclass
+class Diagnosis:
+    code: str
+    message: str
+    detail: dict = field(default_factory=dict)
+    confidence: float = field(default=0.5, repr=False, compare=False)
+
+
+@dataclass
+class Suspect:
+    """What the hypotheses see of a failing stage × head besides got and want: the problem, the
+    isolated reference's sources and allowance, the other heads' references (head_permuted), the
+    run's flash tiles (tile_boundary), and the head's whole context (the backward's bugs rebuild
+    a stage from the program's own upstream files), and another head's inputs (keys read past the
+    end of a head are the next head's)."""
+    dims: Optional[Dims] = None
+    scale: float = 1.0
+    causal: bool = False
+    head: Optional[int] = None
+    src: Dict[str, np.ndarray] = field(default_factory=dict)
+    ref_of_head: Optional[Callable[[int], np.ndarray]] = None
+    flash_tiles: Optional[Tuple[int, int]] = None
+    bound: Optional[np.ndarray] = None
+    head_ctx: Optional[HeadContext] = None
+    inputs_of_head: Optional[Callable[[int], Dict[str, np.ndarray]]] = None
+
+
+# (stage, got, the isolated reference, the Suspect) -> every pattern that explains got, most
+# confident first.
+Diagnoser = Callable[[str, np.ndarray, np.ndarray, Suspect], List[Diagnosis]]
