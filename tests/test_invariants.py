@@ -5,8 +5,7 @@ import numpy as np
 import pytest
 
 from helpers.simulated_float32 import flash32, sample, simulate
-from verify.check.invariants import check_invariants
-from verify.specs import HeadContext
+from verify.check.invariants import check_invariants, head_context
 from verify.stages import INPUT_NAMES, Dims
 
 N, M, D = 24, 40, 16
@@ -20,8 +19,7 @@ def make(causal=False, dist="normal", seed=0):
     O, lse = flash32(Q, K, V, scale, causal, 16)
     got.update(flash_output=O, flash_lse=lse, Q=Q, K=K, V=V, KT=K.T)
     got = {k: np.asarray(v, np.float64) for k, v in got.items()}
-    ctx = HeadContext(Dims(1, 1, N, M, D, D), scale, causal, inputs={n: got[n] for n in INPUT_NAMES},
-                      got=got)
+    ctx = head_context(Dims(1, 1, N, M, D, D), scale, causal, inputs={n: got[n] for n in INPUT_NAMES}, got=got)
     return got, ctx
 
 

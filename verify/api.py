@@ -23,7 +23,8 @@ import numpy as np
 from .check import flash_attn_criterion as fa_criterion
 from .check.compare import Options, Report, check_run
 from .diagnose.hypotheses import diagnose
-from .files.case import CaseError, InputCase, check_scale, validate_dims
+from .files.case import InputCase, check_scale, validate_dims
+from .files.kinds import CaseError
 from .files.outputs import MATH_MODES, RunInfo, StageSource, half_rounding_for
 from .model.half import HALF_ROUNDINGS, rounding_refusal
 from .report.text import failure_lines, header_lines, summary_lines, table_lines

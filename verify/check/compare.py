@@ -23,8 +23,9 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..files.case import CaseError, InputCase, load_input_case, read_bytes
+from ..files.case import InputCase, load_input_case, read_bytes
 from ..files.guards import check_folders_apart
+from ..files.kinds import CaseError
 from ..files.outputs import STAGE_ITEMSIZE, Overrides, RunInfo, foreign_stage_files, open_run, stage_files_in, staleness
 from ..files.resolution import EXACT, half_values
 from ..model.half import is_half, round_to_format
@@ -192,9 +193,10 @@ def check_head(run: RunInfo, case: InputCase, head: int, opts: Options, ref_of_h
     # Logits, softmax parts, dot-product variances, … shared by this head's bounds (the isolated
     # and chained checks, both flash stages and the invariants), keyed by array identity: none of
     # the arrays in the context is modified while it lives.
-    ctx = HeadContext(run.dims, run.scale, run.causal, run.precision, run.backend, run.math, run.flash_kernel,
-                      inputs, chain, {}, {}, tolerance.HeadCache(), opts.allow_nonfinite, run.half_rounding, raw,
-                      invariants.ENGINE_BOUNDS)
+    ctx = invariants.head_context(run.dims, run.scale, run.causal, precision=run.precision, backend=run.backend,
+                                  math=run.math, flash_kernel=run.flash_kernel, inputs=inputs, chain=chain, got={},
+                                  quanta={}, cache=tolerance.HeadCache(), allow_nonfinite=opts.allow_nonfinite,
+                                  half_rounding=run.half_rounding, raw_inputs=raw)
     b, h = run.dims.decode_head(head)
     results: Dict[str, HeadResult] = {}
     for stage in stages:

@@ -24,6 +24,7 @@ from ..specs.base import Problem
 from ..stages import CASE_INPUTS, STAGES
 from .reference import reference_chain
 
+
 def stored_in_format(stage: str) -> bool:
     """Whether the stage's file holds values of the half format (exact copies hold them already)."""
     return not STAGES[stage].float32 and SPECS[stage].isolated is not None

@@ -8,7 +8,6 @@ the binary wrote.
 """
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import List
 
 import numpy as np
@@ -17,10 +16,12 @@ from ..model.attention import causal_mask
 from ..specs import SPECS, HeadContext
 from ..specs.base import (COLUMN_SUM, ECHO_MISMATCH, FLASH_VS_OUTPUT, FLASH_VS_STAGES, LSE_VS_SCORES, MASK_MISSING,
                           NEGATIVE_WEIGHTS, NONFINITE, NOT_TRANSPOSE, ROW_SUM, Violation, nonfinite)
+from ..stages import Dims
 from . import half_rounding, reference, tolerance
 
-__all__ = ["check_invariants", "ENGINE_BOUNDS", "Violation", "NONFINITE", "NEGATIVE_WEIGHTS", "ROW_SUM",
-           "MASK_MISSING", "NOT_TRANSPOSE", "ECHO_MISMATCH", "FLASH_VS_OUTPUT", "LSE_VS_SCORES", "FLASH_VS_STAGES", "COLUMN_SUM"]
+__all__ = ["check_invariants", "ENGINE_BOUNDS", "head_context", "Violation", "NONFINITE", "NEGATIVE_WEIGHTS",
+           "ROW_SUM", "MASK_MISSING", "NOT_TRANSPOSE", "ECHO_MISMATCH", "FLASH_VS_OUTPUT", "LSE_VS_SCORES",
+           "FLASH_VS_STAGES", "COLUMN_SUM"]
 
 
 class EngineBounds:
@@ -35,6 +36,12 @@ class EngineBounds:
 ENGINE_BOUNDS = EngineBounds()
 
 
+def head_context(dims: Dims, scale: float, causal: bool, **fields) -> HeadContext:
+    """A head's context (verify/specs/base.py's HeadContext, its other fields by name) with the
+    engine's bounds."""
+    return HeadContext(dims, scale, causal, bounds=ENGINE_BOUNDS, **fields)
+
+
 def _where_reference_finite(stage: str, got: np.ndarray, ctx: HeadContext) -> np.ndarray:
     """got, with 0 where non-finite inputs (accepted with --allow-nonfinite) made the reference
     non-finite: the comparisons judge those elements, the non-finite check the others."""
@@ -45,8 +52,6 @@ def _where_reference_finite(stage: str, got: np.ndarray, ctx: HeadContext) -> np
 def check_invariants(stage: str, got: np.ndarray, ctx: HeadContext) -> List[Violation]:
     """Reference-free checks on one head's float64 got-matrix of `stage` (see the module doc)."""
     got = np.asarray(got, dtype=np.float64)
-    if ctx.bounds is None:
-        ctx = replace(ctx, bounds=ENGINE_BOUNDS)
     spec = SPECS[stage]
     out: List[Violation] = []
     if not spec.echo:  # an echo's own check judges non-finite values against its input

@@ -17,7 +17,7 @@ from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import Callable, List, Optional, Tuple
 
-from ..files.case import CaseError
+from ..files.kinds import CaseError
 from ..files.outputs import RunInfo
 from ..stages import STAGES
 from ..text import mib

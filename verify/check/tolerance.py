@@ -32,9 +32,9 @@ from ..specs.base import Problem
 from ..stages import INPUT_NAMES, STAGES
 from .half_rounding import half_terms
 
-__all__ = ["stage_bound", "chained_bound", "quantization_bound", "underflow_floor",
-           "dot_var", "kernel_for", "HeadCache", "ToleranceError", "unit_roundoff", "KERNELS", "Kernel",
-           "FLUSH", "LAMBDA", "LOG_ULPS", "ROUND_VAR", "UNIT_ROUNDOFF", "SOFTMAX_FINAL_ROUNDINGS"]
+__all__ = ["stage_bound", "chained_bound", "quantization_bound", "dot_var", "kernel_for", "HeadCache",
+           "ToleranceError", "unit_roundoff", "KERNELS", "Kernel", "FLUSH", "LAMBDA", "LOG_ULPS", "ROUND_VAR",
+           "UNIT_ROUNDOFF", "SOFTMAX_FINAL_ROUNDINGS"]
 
 
 # The half pipelines accumulate in float32: their arithmetic is the fp32 model's (the storage
@@ -121,8 +121,3 @@ def quantization_bound(stage: str, src: Dict[str, np.ndarray], quanta: Dict[str,
         return 0.0
     x = {n: np.asarray(v, np.float64) for n, v in src.items()}
     return _spec(stage).quantization(x, q, Problem(scale, causal))
-
-
-def underflow_floor(stage: str, src: Dict[str, np.ndarray]):
-    """What float32 underflow may cost each element of `stage` (broadcastable to its shape)."""
-    return _spec(stage).floor(src)

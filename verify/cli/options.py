@@ -11,8 +11,9 @@ from typing import Dict
 import click
 
 from ..check.pool import NO_MEMORY_EXIT
-from ..files.case import CaseError, output_file_target, probe_writable
+from ..files.case import output_file_target, probe_writable
 from ..files.generate import DEFAULT_DIMS, MAX_SEED
+from ..files.kinds import CaseError
 from ..files.outputs import parse_name_map, read_names_file
 from ..runs.runner import DEFAULT_BUILD_DIR, DEFAULT_RUN_TIMEOUT_S, RunnerError
 from ..stages import DEFAULT_INPUT_DIR, DEFAULT_OUTPUT_DIR

@@ -16,11 +16,12 @@ import numpy as np
 from ..stages import (CASE_INPUTS, FORMATS, GRAD_INPUT, INPUT_MANIFEST, INPUT_NAMES, STAGES, Dims, parse_stage_file,
                       stage_file)
 from ..text import plural, printable
+from .kinds import CaseError
 from .manifests import (INPUT_KEYS, INT64, check_case_limits, check_scale, check_types, read_toml, validate_dims,
                         write_toml)
-from .matrix_io import (CaseError, atomic_write_bytes, crc32_hex, file_kind, matrix_bytes,
-                        matrix_max_bytes, output_file_target, parse_matrix, parse_npy_matrix, parse_text_matrix,
-                        probe_writable, read_bytes, read_matrix, text_header_fields, write_matrix)
+from .matrix_io import (atomic_write_bytes, crc32_hex, file_kind, matrix_bytes, matrix_max_bytes, output_file_target,
+                        parse_matrix, parse_npy_matrix, parse_text_matrix, probe_writable, read_bytes, read_matrix,
+                        text_header_fields, write_matrix)
 
 __all__ = ["InputCase", "load_input_case", "input_head_files", "clear_input_files", "CaseError", "INPUT_KEYS",
            "INT64", "check_scale", "check_types", "read_toml", "validate_dims", "write_toml", "atomic_write_bytes",

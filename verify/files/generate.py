@@ -15,8 +15,9 @@ import numpy as np
 from ..stages import (CASE_INPUTS, DIM_KEYS, FORMATS, GENERATE_STAGING_PREFIX, GRAD_INPUT, INPUT_MANIFEST,
                       INPUT_NAMES, STAGES, Dims, stage_file)
 from ..text import mib
-from .case import (INT64, CaseError, check_case_limits, check_scale, clear_input_files, input_head_files, read_toml,
+from .case import (INT64, check_case_limits, check_scale, clear_input_files, input_head_files, read_toml,
                    validate_dims, write_matrix, write_toml)
+from .kinds import CaseError
 from .unfinished import process_exists
 
 # The `large` distribution scales N(0, 1) by this factor, so that scaled logits q·k/√d_k have a

@@ -10,7 +10,8 @@ from typing import List, Mapping, Optional
 
 from ..stages import INPUT_MANIFEST, PREVIOUS_DIR, RUN_MANIFEST, UNFINISHED_MARKER
 from ..text import plural
-from .case import CaseError, input_head_files
+from .case import input_head_files
+from .kinds import CaseError
 from .outputs import stage_files_in
 from .stage_files import pattern_regex
 

@@ -12,7 +12,8 @@ import numpy as np
 
 from ..stages import DIM_KEYS, MAX_DIM, MAX_ELEMENTS, MAX_HEAD_DIM, MAX_HEADS, Dims
 from ..text import plural, printable
-from .matrix_io import CaseError, atomic_write_bytes, read_bytes
+from .kinds import CaseError
+from .matrix_io import atomic_write_bytes, read_bytes
 
 # ----------------------------------------------------------------------------------------------
 # Manifests: flat `key = value` TOML.

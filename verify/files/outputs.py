@@ -25,7 +25,8 @@ from ..model.kernels import KERNELS, kernel_base_name
 from ..stages import (DIM_KEYS, FORMATS, PRECISIONS, RUN_MANIFEST, STAGES, Dims, default_scale,
                       parse_stage_file, stage_file)
 from ..text import printable
-from .case import CaseError, InputCase, check_scale, check_types, crc32_hex, read_toml, validate_dims
+from .case import InputCase, check_scale, check_types, crc32_hex, read_toml, validate_dims
+from .kinds import CaseError
 from .stage_files import (STACKED_SUFFIX, STAGE_ITEMSIZE, StageSource, check_heads_named, discover_sources,
                           parse_name_map, pattern_regex, read_names_file)
 from .unfinished import refuse_unfinished
@@ -40,7 +41,6 @@ TIMING_PREFIX = "time_ms_"           # run.toml's per-stage timings: time_ms_<st
 RUN_KEY_TYPES = {**{k: int for k in DIM_KEYS}, "run_id": str, "backend": str, "device": str,
                  "precision": str, "format": str, "stages": str, "causal": bool, "scale": float,
                  "flash_block_q": int, "flash_block_k": int, "flash_kernel": str, "poison": bool}
-
 
 
 # ----------------------------------------------------------------------------------------------

@@ -15,7 +15,8 @@ import numpy as np
 
 from ..stages import STAGES, Dims, parse_stage_file, stage_file
 from ..text import plural, printable, showable
-from .case import CaseError, parse_matrix, read_bytes, read_toml
+from .case import parse_matrix, read_bytes, read_toml
+from .kinds import CaseError
 from .matrix_io import check_npy_size
 from .resolution import Resolution, array_resolution, text_resolution
 

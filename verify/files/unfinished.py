@@ -14,8 +14,9 @@ from typing import Optional
 
 from ..stages import UNFINISHED_MARKER
 from ..text import printable
+from .kinds import CaseError
 from .manifests import check_types, read_toml, write_toml
-from .matrix_io import CaseError, remove_own_file
+from .matrix_io import remove_own_file
 
 MARKER_KEYS = {"run_id": str, "pid": int, "pid_start": int, "started": str, "state": str, "reason": str}
 RUNNING, FAILED = "running", "failed"

@@ -41,7 +41,7 @@ LOG_ULPS = 1.0               # CUDA logf/log2f: ≤ 1 ulp (CUDA C Programming Gu
 
 # float32's smallest normal number: a result below it may be flushed to zero (FTZ on the GPU, exp
 # of logits ~87 below the row max) or lose precision. Each stage's floor counts the results that
-# can flush (underflow_floor): a bug at any magnitude the data has fails, and a correct result is
+# can flush (its spec's floor): a bug at any magnitude the data has fails, and a correct result is
 # not blamed for underflow (a fixed floor of 2^-110 let a zeroed QK of 1e-18-scaled inputs pass).
 FLUSH = 2.0**-126
 

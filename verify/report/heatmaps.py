@@ -11,7 +11,8 @@ from typing import List, Optional
 import numpy as np
 
 from ..check.results import FAIL, INHERITED, Report
-from ..files.case import CaseError, atomic_write_bytes, file_kind, probe_writable
+from ..files.case import atomic_write_bytes, file_kind, probe_writable
+from ..files.kinds import CaseError
 from ..stages import STAGES, stage_file
 from ..text import plural
 

@@ -8,7 +8,7 @@ import shutil
 import subprocess
 from typing import Optional
 
-from ..files.case import CaseError
+from ..files.kinds import CaseError
 
 SMI_TIMEOUT_S = 20
 
@@ -30,7 +30,6 @@ def no_gpu_reason() -> Optional[str]:
     if out.returncode != 0 or "GPU" not in out.stdout:
         return "nvidia-smi -L lists no GPU"
     return None
-
 
 
 def require_gpu_for_example(example: str) -> None:

@@ -14,8 +14,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
+from ..files.kinds import CaseError
 from ..files.manifests import check_types, read_toml, write_toml
-from ..files.matrix_io import CaseError, remove_own_file
+from ..files.matrix_io import remove_own_file
 from ..stages import PROGRAM_CHECKS, RUN_MANIFEST
 from ..text import plural, printable
 

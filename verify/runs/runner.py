@@ -254,8 +254,9 @@ def _binary_error(stderr: str) -> Tuple[str, str]:
 
 
 # ----------------------------------------------------------------------------------------------
-# Anyone's program: run with its own arguments, and what it wrote told apart from what was there.
-
+# What running anyone's program is made of (verify/runs/watched.py runs it and tells what it wrote
+# apart from what was there): an earlier run's files moved aside, and the program run with its own
+# arguments.
 
 
 def set_aside_previous(out_dir: Path, names: Sequence[str]) -> None:

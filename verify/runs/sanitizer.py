@@ -14,7 +14,7 @@ import shutil
 from pathlib import Path
 from typing import List, Optional, Sequence
 
-from ..files.matrix_io import CaseError
+from ..files.kinds import CaseError
 from ..text import plural, printable
 from .program_checks import ProgramCheck
 

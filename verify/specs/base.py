@@ -63,7 +63,9 @@ class Bounds(Protocol):
 class HeadContext:
     """What one head's checks see: the problem, the inputs, the reference chain from them, the
     binary's own stages so far with their printed resolutions, the head's bound cache, and the
-    engine's bounds and references (bounds) for the checks that compare with them."""
+    engine's bounds and references (bounds) for the checks that compare with them. bounds has no
+    default, so that no context lacks them: verify.check.invariants.head_context builds one with
+    the engine's."""
     dims: Dims
     scale: float
     causal: bool
@@ -79,7 +81,7 @@ class HeadContext:
     allow_nonfinite: bool = False
     half_rounding: str = "nearest"
     raw_inputs: Src = field(default_factory=dict)  # the inputs as read, before any half rounding
-    bounds: Optional[Bounds] = None
+    bounds: Bounds = field(kw_only=True)
 
     def bound_args(self) -> dict:
         """The tolerance model's keyword arguments for this head."""
