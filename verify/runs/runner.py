@@ -43,6 +43,17 @@ class RunnerError(Exception):
         self.stopped = stopped  # by a signal to attnstep or by --timeout: nothing more may run
 
 
+class NothingWritten(RunnerError):
+    """A program that exited 0 but wrote no stage file into OUT: an error of the program's use (where
+    it writes), not a finding of a tool it ran under, so every run stops at it."""
+
+    def __init__(self, program: str, out_dir: Path):
+        super().__init__(f"{program} exited 0 but wrote no stage file into {out_dir}; HINT: pass --out DIR "
+                         "where it writes <stage>_head_<i>.txt (or .npy) files", exit_code=1)
+        self.program = program
+        self.out_dir = out_dir
+
+
 def _tail(text: str, lines: int = 25) -> str:
     return "\n".join(text.strip().splitlines()[-lines:])
 
