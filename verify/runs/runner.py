@@ -95,15 +95,48 @@ def _run_tool(cmd: Sequence[str], what: str, timeout: float, progress: Progress 
         raise RunnerError(f"{what} failed (exit {code})", _tail("".join(lines), 40))
 
 
+def _cache_entries(cache: Path) -> dict:
+    """NAME -> value of a CMakeCache.txt (`NAME:TYPE=value` lines); {} when it cannot be read."""
+    try:
+        text = cache.read_text(errors="replace")
+    except OSError:
+        return {}
+    return dict(m.groups() for m in re.finditer(r"^([A-Za-z_][\w.+-]*):[A-Z]+=(.*)$", text, re.M))
+
+
+def _configured_before_a_gpu(build_dir: Path) -> bool:
+    """A build folder configured without a GPU, building no CUDA, on a machine that has a GPU now
+    (and not configured with ATTNSTEP_CUDA=OFF): the default build would have the CUDA backend
+    here. CMakeLists.txt caches what the last configure found; once configured with the GPU in
+    sight (CUDA built or, without a toolkit, not), this is false, so it happens once. A cache from
+    before those entries: configured without a GPU when no CUDA compiler was even looked for."""
+    from .gpu import no_gpu_reason  # asks nvidia-smi: only for a folder this could concern
+    cache = _cache_entries(build_dir / "CMakeCache.txt")
+    if not cache or cache.get("ATTNSTEP_CUDA", "AUTO").upper() == "OFF":
+        return False
+    if "ATTNSTEP_CONFIGURED_GPU" in cache:
+        without_gpu = cache["ATTNSTEP_CONFIGURED_GPU"] == "OFF" and cache.get("ATTNSTEP_CUDA_BUILT") == "OFF"
+    else:
+        without_gpu = "CMAKE_CUDA_COMPILER" not in cache
+    return without_gpu and no_gpu_reason() is None
+
+
 def ensure_built(build_dir: Path = DEFAULT_BUILD_DIR, cmake_args: Sequence[str] = (),
                  target: str = BINARY_NAME, progress: Progress = None) -> Path:
     """Configure (once) and build (incrementally) the binary, or another target (an example of
-    examples/); returns its path. `progress` receives a line per configure result and compiled
-    file as the build goes (nothing when the build is up to date)."""
+    examples/); returns its path. A folder configured without a GPU is configured again when one
+    appears, so that the default build gets the CUDA backend (once; not with ATTNSTEP_CUDA=OFF).
+    `progress` receives a line per configure result and compiled file as the build goes (nothing
+    when the build is up to date)."""
     build_dir = Path(build_dir)
     if shutil.which("cmake") is None:
         raise RunnerError("cmake not found on PATH; install CMake >= 3.24 (see README.md)")
-    if not (build_dir / "CMakeCache.txt").exists() or cmake_args:
+    configured = (build_dir / "CMakeCache.txt").exists()
+    again = configured and not cmake_args and _configured_before_a_gpu(build_dir)
+    if again and progress is not None:
+        progress(f"attnstep: {build_dir} was configured without a GPU and builds no CUDA; a GPU is here now: "
+                 "configuring it again for the CUDA backend")
+    if not configured or cmake_args or again:
         _run_tool(["cmake", "-S", str(REPO), "-B", str(build_dir), "-DCMAKE_BUILD_TYPE=Release",
                    *cmake_args], "CMake configure", BUILD_TIMEOUT_S, progress)
     jobs = str(max(1, os.cpu_count() or 1))
