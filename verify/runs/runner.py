@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Callable, List, Optional, Sequence, Tuple
 
 from ..stages import PREVIOUS_DIR, RUN_MANIFEST
+from . import gpu
 
 REPO = Path(__file__).resolve().parents[2]  # verify/runs/runner.py
 DEFAULT_BUILD_DIR = REPO / "build"
@@ -110,7 +111,6 @@ def _configured_before_a_gpu(build_dir: Path) -> bool:
     here. CMakeLists.txt caches what the last configure found; once configured with the GPU in
     sight (CUDA built or, without a toolkit, not), this is false, so it happens once. A cache from
     before those entries: configured without a GPU when no CUDA compiler was even looked for."""
-    from .gpu import no_gpu_reason  # asks nvidia-smi: only for a folder this could concern
     cache = _cache_entries(build_dir / "CMakeCache.txt")
     if not cache or cache.get("ATTNSTEP_CUDA", "AUTO").upper() == "OFF":
         return False
@@ -118,7 +118,7 @@ def _configured_before_a_gpu(build_dir: Path) -> bool:
         without_gpu = cache["ATTNSTEP_CONFIGURED_GPU"] == "OFF" and cache.get("ATTNSTEP_CUDA_BUILT") == "OFF"
     else:
         without_gpu = "CMAKE_CUDA_COMPILER" not in cache
-    return without_gpu and no_gpu_reason() is None
+    return without_gpu and gpu.no_gpu_reason() is None  # nvidia-smi asked only for such a folder
 
 
 def ensure_built(build_dir: Path = DEFAULT_BUILD_DIR, cmake_args: Sequence[str] = (),
