@@ -50,8 +50,15 @@ std::unique_ptr<Backend> choose_backend(BackendChoice choice) {
                      "run on a machine with an NVIDIA GPU, or use --backend cpu");
             return make_cuda_backend();
         case BackendChoice::Auto:
-            if (cuda_backend_built() && cuda_device_available()) return make_cuda_backend();
-            notice("no CUDA device found; using the CPU backend");
+            // One line either way: a CPU-only build says so and how to get CUDA (no device was
+            // looked for); a CUDA build that finds no device says that.
+            if (!cuda_backend_built())
+                notice(std::string("this binary was built without CUDA; using the CPU backend; to use a GPU, ") +
+                       kHowToBuildCuda);
+            else if (cuda_device_available())
+                return make_cuda_backend();
+            else
+                notice("no CUDA device found; using the CPU backend");
             return make_cpu_backend();
     }
     fail(kExitInternal, where(__FILE__, __LINE__) + ": unknown backend choice");

@@ -14,12 +14,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from click.testing import CliRunner
 
 import attnstep
 from helpers import foreign_routes as foreign
+from helpers.cli import generate_input, invoke
 from verify.check.reference import reference_chain
-from verify.cli.group import cli
 from verify.files.resolution import EXACT, Resolution, text_resolution
 from verify.stages import INPUT_NAMES, STAGES, Dims, default_scale, stage_file
 
@@ -27,17 +26,9 @@ DIMS = Dims(1, 2, 24, 40, 16, 16)
 f32 = np.float32
 
 
-def invoke(*args):
-    return CliRunner().invoke(cli, [str(a) for a in args], catch_exceptions=False)
-
-
 def make_input(folder: Path, dims: Dims = DIMS, causal: bool = False, manifest: bool = True, seed: int = 3):
-    r = invoke("generate", "--out", folder, "--batch", dims.batch, "--heads", dims.heads, "--seq-q", dims.seq_q,
-               "--seq-k", dims.seq_k, "--d-k", dims.d_k, "--d-v", dims.d_v, "--seed", seed,
-               "--causal" if causal else "--no-causal")
-    assert r.exit_code == 0, r.output
-    if not manifest:
-        (folder / "manifest.toml").unlink()
+    """`attnstep generate` into FOLDER (uniform values); the heads' Q, K, V as read back."""
+    generate_input(folder, dims, "uniform", seed, causal, manifest)
     return foreign.read_inputs(folder, dims.total_heads)
 
 

@@ -99,6 +99,71 @@ def test_with_a_gpu_the_default_build_looks_for_cuda(tmp_path):
     assert "-DATTNSTEP_CUDA=ON" not in out
 
 
+def _path_without_nvcc(path_env: str) -> str:
+    return os.pathsep.join(d for d in path_env.split(os.pathsep) if not (Path(d) / "nvcc").exists())
+
+
+def _configures_and_fake_builds(monkeypatch):
+    """runner._run_tool with real configures (recorded) and a build that only makes the binary."""
+    configures, real = [], runner_module._run_tool
+
+    def tool(cmd, what, timeout, progress=None):
+        if cmd[1] == "--build":
+            (Path(cmd[2]) / "main").write_text("")
+            return
+        configures.append(cmd)
+        real(cmd, what, timeout, progress)
+    monkeypatch.setattr(runner_module, "_run_tool", tool)
+    return configures
+
+
+@needs_cmake
+def test_a_folder_configured_without_a_gpu_is_configured_again_once_one_appears(tmp_path, monkeypatch):
+    """build/ configured on a machine without a GPU (CPU-only) and run once a GPU is there: it is
+    configured again, with one line, so that the default build looks for CUDA (here no toolkit on
+    PATH, so it stays CPU-only) and for that GPU's architecture; then not again."""
+    (tmp_path / "none").mkdir()
+    (tmp_path / "one").mkdir()
+    no_gpu = _path_without_nvcc(_path_with_nvidia_smi(tmp_path / "none", "exit 9\n"))
+    gpu = _path_without_nvcc(_path_with_nvidia_smi(tmp_path / "one", "echo 'GPU 0: NVIDIA H100 (UUID: GPU-0)'\n"))
+    for name in ("CUDAARCHS", "CUDACXX", "CUDA_VISIBLE_DEVICES"):
+        monkeypatch.delenv(name, raising=False)
+    configures, build, lines = _configures_and_fake_builds(monkeypatch), tmp_path / "build", []
+    monkeypatch.setenv("PATH", no_gpu)
+    runner_module.ensure_built(build, progress=lines.append)
+    runner_module.ensure_built(build, progress=lines.append)
+    assert len(configures) == 1 and not [ln for ln in lines if "again" in ln]
+    cache = runner_module._cache_entries(build / "CMakeCache.txt")
+    assert (cache["ATTNSTEP_CONFIGURED_GPU"], cache["ATTNSTEP_CUDA_BUILT"], cache["CMAKE_CUDA_ARCHITECTURES"]) == (
+        "OFF", "OFF", "75")
+    monkeypatch.setenv("PATH", gpu)
+    runner_module.ensure_built(build, progress=lines.append)
+    again = [ln for ln in lines if "configuring it again" in ln]
+    assert len(configures) == 2 and again == [
+        f"attnstep: {build} was configured without a GPU and builds no CUDA; a GPU is here now: "
+        "configuring it again for the CUDA backend"], lines
+    cache = runner_module._cache_entries(build / "CMakeCache.txt")
+    assert (cache["ATTNSTEP_CONFIGURED_GPU"], cache["CMAKE_CUDA_ARCHITECTURES"]) == ("ON", "native")
+    runner_module.ensure_built(build, progress=lines.append)
+    assert len(configures) == 2  # once: no toolkit here, and no configure on every run for it
+
+
+@pytest.mark.parametrize("cache, again", [
+    ("ATTNSTEP_CUDA:STRING=AUTO\nATTNSTEP_CONFIGURED_GPU:INTERNAL=OFF\nATTNSTEP_CUDA_BUILT:INTERNAL=OFF\n", True),
+    ("ATTNSTEP_CUDA:STRING=OFF\nATTNSTEP_CONFIGURED_GPU:INTERNAL=OFF\nATTNSTEP_CUDA_BUILT:INTERNAL=OFF\n", False),
+    ("ATTNSTEP_CUDA:STRING=ON\nATTNSTEP_CONFIGURED_GPU:INTERNAL=OFF\nATTNSTEP_CUDA_BUILT:INTERNAL=ON\n", False),
+    ("ATTNSTEP_CUDA:STRING=AUTO\nATTNSTEP_CONFIGURED_GPU:INTERNAL=ON\nATTNSTEP_CUDA_BUILT:INTERNAL=OFF\n", False),
+    ("ATTNSTEP_CUDA:STRING=AUTO\n", True),  # a cache from before those entries, CUDA never looked for
+    ("ATTNSTEP_CUDA:STRING=AUTO\nCMAKE_CUDA_COMPILER:FILEPATH=/usr/local/cuda/bin/nvcc\n", False),
+], ids=["cpu-only-auto", "cuda-off", "cuda-built", "gpu-seen-no-toolkit", "older-cache", "older-cache-cuda"])
+def test_which_folders_are_configured_again_for_a_gpu(tmp_path, monkeypatch, cache, again):
+    monkeypatch.setattr("verify.runs.gpu.no_gpu_reason", lambda: None)
+    (tmp_path / "CMakeCache.txt").write_text("# This is the CMakeCache file.\n" + cache)
+    assert runner_module._configured_before_a_gpu(tmp_path) is again
+    monkeypatch.setattr("verify.runs.gpu.no_gpu_reason", lambda: "no nvidia-smi on PATH (no NVIDIA driver)")
+    assert runner_module._configured_before_a_gpu(tmp_path) is False
+
+
 def test_a_cpu_only_binary_says_how_to_get_cuda(binary, tmp_path):
     """--backend cuda and --bench on a CPU-only build (the default without a GPU): exit 2, and the
     hint names both ways to a CUDA build."""
@@ -111,6 +176,24 @@ def test_a_cpu_only_binary_says_how_to_get_cuda(binary, tmp_path):
         assert proc.returncode == 2, proc.stderr
         hint = proc.stderr.splitlines()[-1]
         assert hint.startswith("HINT:") and "a GPU" in hint and "-DATTNSTEP_CUDA=ON" in hint, proc.stderr
+
+
+def test_a_cpu_only_binarys_automatic_backend_names_the_build(binary, tmp_path):
+    """--backend auto on a CPU-only build: one notice that the binary was built without CUDA and
+    how to get it (not that no device was found: none was looked for), and the run goes on."""
+    case = REPO / "tests" / "data" / "tiny_test"
+    probe = subprocess.run([str(binary), "--in", str(case), "--out", str(tmp_path / "probe"), "--backend", "cuda"],
+                           capture_output=True, text=True, timeout=60)
+    if "built without CUDA" not in probe.stderr:
+        pytest.skip("a binary built with CUDA (its --backend auto notice names a missing device)")
+    proc = subprocess.run([str(binary), "--in", str(case), "--out", str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    notices = [ln for ln in proc.stderr.splitlines() if ln.startswith("main: notice:")]
+    assert len(notices) == 1 and notices == proc.stderr.splitlines(), proc.stderr
+    assert notices[0].startswith("main: notice: this binary was built without CUDA; using the CPU backend; "), notices
+    assert "-DATTNSTEP_CUDA=ON" in notices[0] and "no CUDA device" not in notices[0]
+    assert (tmp_path / "out" / "run.toml").exists()
 
 
 # ---- the build talks while it works ------------------------------------------------------------

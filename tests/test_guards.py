@@ -13,9 +13,8 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
-from verify.cli.group import cli
+from helpers.cli import invoke
 from verify.files.case import CaseError, read_bytes, read_matrix, write_matrix
 from verify.files.outputs import stage_files_in
 from verify.stages import parse_stage_file
@@ -24,10 +23,6 @@ from verify.text import printable
 SMALL = ["--heads", "2", "--seq-q", "9", "--seq-k", "13", "--d-k", "16", "--d-v", "16"]
 # What no line shown or reported may hold: C0 controls but the line end, DEL, C1 controls.
 CONTROLS = [chr(c) for c in (*range(0x00, 0x0A), *range(0x0B, 0x20), *range(0x7F, 0xA0))]
-
-
-def invoke(*args):
-    return CliRunner().invoke(cli, [str(a) for a in args])
 
 
 def one_line_error(result, code=2) -> str:

@@ -26,12 +26,11 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from click.testing import CliRunner
 
 from helpers import foreign_routes as foreign
+from helpers.cli import invoke
 from helpers.simulated_float32 import mm_seq, scale_mask32, softmax32
 from verify.check.reference import softmax_rows
-from verify.cli.group import cli
 from verify.files.case import read_toml
 from verify.specs import upstream
 from verify.stages import BACKWARD_STAGES, STAGES, stage_file
@@ -48,16 +47,12 @@ SHAPES = {  # name: (heads, N, M, d, causal, backward)
 }
 
 
-def _invoke(*args) -> "click.testing.Result":
-    return CliRunner().invoke(cli, [str(a) for a in args], catch_exceptions=False)
-
-
 def _correct_cases(binary, root, *extra):
     """One correct output case per shape, computed by the binary's CPU backend."""
     out = {}
     for name, (heads, N, M, d, causal, backward) in SHAPES.items():
         base = root / name
-        r = _invoke("generate", "--out", base / "in", "--heads", heads, "--seq-q", N, "--seq-k", M,
+        r = invoke("generate", "--out", base / "in", "--heads", heads, "--seq-q", N, "--seq-k", M,
                     "--d-k", d, "--d-v", d, "--dist", "normal", "--seed", 11,
                     "--causal" if causal else "--no-causal", *(("--backward",) if backward else ()))
         assert r.exit_code == 0, r.output
@@ -156,7 +151,7 @@ class Case:
 
     def check(self, tmp: Path) -> dict:
         report = tmp / "report.json"
-        r = _invoke("check", "--in", self.input, "--out", self.out, "--json", report)
+        r = invoke("check", "--in", self.input, "--out", self.out, "--json", report)
         data = json.loads(report.read_text())
         data["exit_code"] = r.exit_code
         data["output"] = r.output
@@ -423,13 +418,13 @@ FALSE_ALARM = [(N, M, d, dist, causal, seed)
 @pytest.mark.parametrize("N,M,d,dist,causal,seed", FALSE_ALARM,
                          ids=[f"N{c[0]}-M{c[1]}-d{c[2]}-{c[3]}-{'causal' if c[4] else 'full'}" for c in FALSE_ALARM])
 def test_no_false_alarm_on_correct_cpu_runs(binary, tmp_path, N, M, d, dist, causal, seed):
-    r = _invoke("generate", "--out", tmp_path / "in", "--heads", 2, "--seq-q", N, "--seq-k", M,
+    r = invoke("generate", "--out", tmp_path / "in", "--heads", 2, "--seq-q", N, "--seq-k", M,
                 "--d-k", d, "--d-v", d, "--dist", dist, "--seed", 100 + seed,
                 "--causal" if causal else "--no-causal")
     assert r.exit_code == 0, r.output
     subprocess.run([str(binary), "--in", str(tmp_path / "in"), "--out", str(tmp_path / "out"),
                     "--backend", "cpu"], check=True, capture_output=True)
-    r = _invoke("check", "--in", tmp_path / "in", "--out", tmp_path / "out")
+    r = invoke("check", "--in", tmp_path / "in", "--out", tmp_path / "out")
     assert r.exit_code == 0, r.output  # 60 cases x 2 heads x 10 stages: zero false failures
 
 
@@ -441,7 +436,7 @@ def test_parallel_check_reports_exactly_what_one_process_does(cases, tmp_path):
     reports = {}
     for jobs in (1, 3):
         path = tmp_path / f"report_{jobs}.json"
-        r = _invoke("check", "--in", case.input, "--out", case.out, "--json", path, "--jobs", jobs)
+        r = invoke("check", "--in", case.input, "--out", case.out, "--json", path, "--jobs", jobs)
         assert r.exit_code == 1, r.output
         reports[jobs] = json.loads(path.read_text())
     assert reports[3] == reports[1]
@@ -575,7 +570,7 @@ def test_a_dead_worker_is_a_one_line_error(cases, tmp_path, monkeypatch):
     monkeypatch.setattr(pool, "_check_in_worker", _die)
     case = Case(cases["rect"], tmp_path)
     report = tmp_path / "report.json"
-    r = _invoke("check", "--in", case.input, "--out", case.out, "--json", report, "--jobs", 2)
+    r = invoke("check", "--in", case.input, "--out", case.out, "--json", report, "--jobs", 2)
     assert r.exit_code == 2, r.output
     assert "--jobs 1" in r.output and "Traceback" not in r.output
     assert not report.exists()

@@ -206,6 +206,25 @@ def test_findings_of_an_earlier_run_are_not_folded(runner, binary, tmp_path, sta
     assert not (out_dir / PROGRAM_CHECKS).exists()
 
 
+@pytest.mark.parametrize("takes_args", [False, True], ids=["attnsteps-arguments", "own-arguments"])
+def test_a_program_that_writes_nothing_under_the_tool_stops_the_run(runner, tmp_path, standin, takes_args):
+    """Exit 0 and no stage file under the first tool: the run stops at once, with the line and
+    exit status of a plain run (not a tool's finding, and no further tool runs)."""
+    in_dir, out_dir = _case(tmp_path), tmp_path / "out"
+    silent = tmp_path / "silent.sh"
+    silent.write_text(f"#!/bin/sh\necho ran >> {tmp_path / 'runs.txt'}\n")
+    silent.chmod(0o755)
+    args = ["--", str(in_dir), str(out_dir)] if takes_args else []
+    plain = runner.invoke(cli, ["run", "--in", str(in_dir), "--out", str(out_dir), "--binary", str(silent), *args])
+    assert plain.exit_code == 1 and "wrote no stage file" in plain.output, plain.output
+    (tmp_path / "runs.txt").unlink()
+    res = runner.invoke(cli, ["run", "--in", str(in_dir), "--out", str(out_dir), "--binary", str(silent),
+                              "--sanitize", "memcheck,racecheck", *args])
+    assert (res.exit_code, res.output) == (plain.exit_code, plain.output)
+    assert "0 errors" not in res.output and "exited with status" not in res.output
+    assert (tmp_path / "runs.txt").read_text() == "ran\n"  # under memcheck only: nothing more ran
+
+
 def test_sanitize_without_the_tool_is_one_line(runner, binary, tmp_path, monkeypatch):
     in_dir, out_dir = _case(tmp_path), tmp_path / "out"
     monkeypatch.setenv("PATH", str(Path(sys.executable).parent))

@@ -10,13 +10,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from click.testing import CliRunner
 
 import attnstep
 from helpers import foreign_routes as foreign
+from helpers.cli import invoke
 from verify.check import compare
 from verify.cli import run as cli_run
-from verify.cli.group import cli
 from verify.files.case import CaseError, crc32_hex
 from verify.model.half import round_to_format
 from verify.report.junit import write_junit
@@ -29,10 +28,6 @@ f32 = np.float32
 H, N, M, D = 3, 20, 28, 16
 SCALE = 0.25
 SMALL = ["--heads", "3", "--seq-q", "9", "--seq-k", "13", "--d-k", "16", "--d-v", "16"]
-
-
-def invoke(*args):
-    return CliRunner().invoke(cli, [str(a) for a in args])
 
 
 def _inputs(seed=1):

@@ -10,7 +10,7 @@ from typing import Callable, List, Mapping, Sequence
 from ..files.case import CaseError, load_input_case
 from ..files.outputs import Overrides, open_run
 from .program_checks import ProgramCheck, repeat_check, value_digests
-from .runner import RunnerError
+from .runner import NothingWritten, RunnerError
 from .sanitizer import find_sanitizer, read_log, sanitized_command
 
 # Runs the program once: under a tool (a command prefix, () for none), writing into a folder
@@ -23,7 +23,8 @@ def sanitized_runs(run_once: RunOnce, tools: Sequence[str], out_dir: Path, choos
     """One run under each tool. A program that takes --out (`chooses_out`) writes into a scratch
     folder inside OUT, removed afterwards; another writes where it writes (OUT), and the plain run
     that follows replaces those files. A run that fails under the tool is reported, not raised:
-    the tool's log says why (an out-of-bounds access often ends the program)."""
+    the tool's log says why (an out-of-bounds access often ends the program). One that exits 0 but
+    writes no stage file stops everything with the line a plain run gives (NothingWritten)."""
     sanitizer = find_sanitizer()
     checks = []
     for tool in tools:
@@ -42,6 +43,8 @@ def _sanitized_run(run_once: RunOnce, sanitizer: Path, tool: str, scratch: Path,
     code = 0
     try:
         run_once(sanitized_command(sanitizer, tool, log, ()), scratch / "out" if chooses_out else out_dir)
+    except NothingWritten as exc:  # the program's use, not the tool's finding: stops as a plain run does
+        raise NothingWritten(exc.program, out_dir) from None  # named by the OUT the scratch folder stands for
     except RunnerError as exc:
         if exc.stopped:  # by the user or --timeout: the run says nothing, and nothing more runs
             raise

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Callable, List, Optional, Sequence, Tuple
 
 from ..stages import PREVIOUS_DIR, RUN_MANIFEST
+from . import gpu
 
 REPO = Path(__file__).resolve().parents[2]  # verify/runs/runner.py
 DEFAULT_BUILD_DIR = REPO / "build"
@@ -41,6 +42,17 @@ class RunnerError(Exception):
         self.detail = detail
         self.exit_code = exit_code
         self.stopped = stopped  # by a signal to attnstep or by --timeout: nothing more may run
+
+
+class NothingWritten(RunnerError):
+    """A program that exited 0 but wrote no stage file into OUT: an error of the program's use (where
+    it writes), not a finding of a tool it ran under, so every run stops at it."""
+
+    def __init__(self, program: str, out_dir: Path):
+        super().__init__(f"{program} exited 0 but wrote no stage file into {out_dir}; HINT: pass --out DIR "
+                         "where it writes <stage>_head_<i>.txt (or .npy) files", exit_code=1)
+        self.program = program
+        self.out_dir = out_dir
 
 
 def _tail(text: str, lines: int = 25) -> str:
@@ -84,15 +96,47 @@ def _run_tool(cmd: Sequence[str], what: str, timeout: float, progress: Progress 
         raise RunnerError(f"{what} failed (exit {code})", _tail("".join(lines), 40))
 
 
+def _cache_entries(cache: Path) -> dict:
+    """NAME -> value of a CMakeCache.txt (`NAME:TYPE=value` lines); {} when it cannot be read."""
+    try:
+        text = cache.read_text(errors="replace")
+    except OSError:
+        return {}
+    return dict(m.groups() for m in re.finditer(r"^([A-Za-z_][\w.+-]*):[A-Z]+=(.*)$", text, re.M))
+
+
+def _configured_before_a_gpu(build_dir: Path) -> bool:
+    """A build folder configured without a GPU, building no CUDA, on a machine that has a GPU now
+    (and not configured with ATTNSTEP_CUDA=OFF): the default build would have the CUDA backend
+    here. CMakeLists.txt caches what the last configure found; once configured with the GPU in
+    sight (CUDA built or, without a toolkit, not), this is false, so it happens once. A cache from
+    before those entries: configured without a GPU when no CUDA compiler was even looked for."""
+    cache = _cache_entries(build_dir / "CMakeCache.txt")
+    if not cache or cache.get("ATTNSTEP_CUDA", "AUTO").upper() == "OFF":
+        return False
+    if "ATTNSTEP_CONFIGURED_GPU" in cache:
+        without_gpu = cache["ATTNSTEP_CONFIGURED_GPU"] == "OFF" and cache.get("ATTNSTEP_CUDA_BUILT") == "OFF"
+    else:
+        without_gpu = "CMAKE_CUDA_COMPILER" not in cache
+    return without_gpu and gpu.no_gpu_reason() is None  # nvidia-smi asked only for such a folder
+
+
 def ensure_built(build_dir: Path = DEFAULT_BUILD_DIR, cmake_args: Sequence[str] = (),
                  target: str = BINARY_NAME, progress: Progress = None) -> Path:
     """Configure (once) and build (incrementally) the binary, or another target (an example of
-    examples/); returns its path. `progress` receives a line per configure result and compiled
-    file as the build goes (nothing when the build is up to date)."""
+    examples/); returns its path. A folder configured without a GPU is configured again when one
+    appears, so that the default build gets the CUDA backend (once; not with ATTNSTEP_CUDA=OFF).
+    `progress` receives a line per configure result and compiled file as the build goes (nothing
+    when the build is up to date)."""
     build_dir = Path(build_dir)
     if shutil.which("cmake") is None:
         raise RunnerError("cmake not found on PATH; install CMake >= 3.24 (see README.md)")
-    if not (build_dir / "CMakeCache.txt").exists() or cmake_args:
+    configured = (build_dir / "CMakeCache.txt").exists()
+    again = configured and not cmake_args and _configured_before_a_gpu(build_dir)
+    if again and progress is not None:
+        progress(f"attnstep: {build_dir} was configured without a GPU and builds no CUDA; a GPU is here now: "
+                 "configuring it again for the CUDA backend")
+    if not configured or cmake_args or again:
         _run_tool(["cmake", "-S", str(REPO), "-B", str(build_dir), "-DCMAKE_BUILD_TYPE=Release",
                    *cmake_args], "CMake configure", BUILD_TIMEOUT_S, progress)
     jobs = str(max(1, os.cpu_count() or 1))

@@ -21,7 +21,7 @@ from ..terminal import reported_progress_bar
 from ..text import plural, printable
 from .program_checks import ProgramCheck, clear_findings, files_digest, write_findings
 from .repeats import RunOnce, repeated_runs, sanitized_runs
-from .runner import RunnerError, run_binary, run_program, set_aside_previous
+from .runner import NothingWritten, run_binary, run_program, set_aside_previous
 
 
 def run_attnstep_binary(binary: Path, in_dir: Path, out_dir: Path, backend: str, timeout: float,
@@ -111,8 +111,7 @@ def require_written(binary: Path, out_dir: Path, names: Mapping[str, str] = {}) 
     """The stage files the program just wrote into OUT; none is an error, not a silent success."""
     written = [n for n in stage_files_in(out_dir, names) if n != RUN_MANIFEST] if Path(out_dir).is_dir() else []
     if not written:
-        raise RunnerError(f"{Path(binary).name} exited 0 but wrote no stage file into {out_dir}; HINT: pass "
-                          "--out DIR where it writes <stage>_head_<i>.txt (or .npy) files", exit_code=1)
+        raise NothingWritten(Path(binary).name, out_dir)
     return written
 
 
