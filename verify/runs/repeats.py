@@ -7,7 +7,8 @@ import tempfile
 from pathlib import Path
 from typing import Callable, List, Mapping, Sequence
 
-from ..files.case import CaseError, load_input_case
+from ..files.case import load_input_case
+from ..files.kinds import CaseError
 from ..files.outputs import Overrides, open_run
 from .program_checks import ProgramCheck, repeat_check, value_digests
 from .runner import NothingWritten, RunnerError

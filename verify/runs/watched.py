@@ -11,8 +11,9 @@ from typing import List, Mapping, Optional, Sequence
 
 import click
 
-from ..files.case import CaseError, read_toml
+from ..files.case import read_toml
 from ..files.guards import foreign_input_case
+from ..files.kinds import CaseError
 from ..files.outputs import stage_files_in
 from ..files.stage_files import STACKED_SUFFIX, pattern_regex
 from ..files.unfinished import FAILED, clear_unfinished, mark_unfinished
