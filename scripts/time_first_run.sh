@@ -5,7 +5,9 @@
 # builds build/main, then generates, runs and checks the default case), each timed, and the two
 # together. Nothing is warmed up or turned off: no build folder, no compiler cache set up, the
 # build as the defaults choose it (CPU only without a GPU, CUDA for this GPU with one).
-#   scripts/time_first_run.sh
+#   scripts/time_first_run.sh           the first demo
+#   scripts/time_first_run.sh --tests   also README's test command, `pip install -e '.[test,plot]'`
+#                                       then `python3 -m pytest -q`, in a second fresh clone
 # Prints the machine (cores, load, GPU, CUDA toolkit), the demo's own output, then the seconds.
 # The temporary folder is removed at the end, whatever happens.
 set -euo pipefail
@@ -41,3 +43,17 @@ seconds() { awk -v a="$1" -v b="$2" 'BEGIN { printf "%.1f s", b - a }'; }
 echo "pip install -e .:       $(seconds "$t0" "$t1")"
 echo "first attnstep demo:    $(seconds "$t1" "$t2")"
 echo "together:               $(seconds "$t0" "$t2")"
+
+[ "${1:-}" = "--tests" ] || exit 0
+# A second clone, so that the tests meet no build folder either (their first test builds it).
+deactivate
+git clone --quiet --no-hardlinks "$repo" "$work/attnstep-tests"
+cd "$work/attnstep-tests"
+python3 -m venv --system-site-packages "$work/venv-tests"
+# shellcheck disable=SC1091
+. "$work/venv-tests/bin/activate"
+pip install --quiet -e '.[test,plot]'
+t3=$(now)
+python3 -m pytest -q -p no:cacheprovider | tail -n 1
+t4=$(now)
+echo "python3 -m pytest -q:   $(seconds "$t3" "$t4") (the build included)"
