@@ -37,15 +37,6 @@ std::string mib(size_t bytes) {
 
 }  // namespace
 
-std::vector<Stage> inputs_read(StageSet computed) {
-    std::vector<Stage> v;
-    for (int i = 0; i < kNumStages; ++i) {
-        const Stage s = static_cast<Stage>(i);
-        if (is_input_echo(s) && (!is_backward_stage(s) || computed.any_backward())) v.push_back(s);
-    }
-    return v;
-}
-
 GroupPlan plan_groups(const Options& o, const Problem& p, StageSet computed, const Backend& be) {
     GroupPlan g;
     size_t cap = o.max_memory_mb > 0 ? static_cast<size_t>(o.max_memory_mb) * kMiB : SIZE_MAX;

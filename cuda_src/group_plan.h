@@ -3,7 +3,6 @@
 #pragma once
 
 #include <cstddef>
-#include <vector>
 
 #include "backend.h"
 #include "cli.h"
@@ -15,9 +14,6 @@ struct GroupPlan {
     size_t host_per_head = 0, work_per_head = 0, host_budget = 0, work_budget = 0;
     int group_size = 0;
 };
-
-// The inputs a run reads: Q, K, V, and dO when a backward stage is computed.
-std::vector<Stage> inputs_read(StageSet computed);
 
 // The largest group of heads that fits both the host budget (min of MemAvailable/2 and
 // --max-memory-mb) and the backend's working memory; exit 3 when not even one head fits.

@@ -222,6 +222,20 @@ struct StageSet {
     bool any_backward() const { return any(backward()); }
 };
 
+// The input stages (Q, K, V, dO) in table order; without the backward ones (dO) when `backward`
+// is false.
+inline std::vector<Stage> input_stages(bool backward = true) {
+    std::vector<Stage> v;
+    for (int i = 0; i < kNumStages; ++i) {
+        const Stage s = static_cast<Stage>(i);
+        if (is_input_echo(s) && (backward || !is_backward_stage(s))) v.push_back(s);
+    }
+    return v;
+}
+
+// The inputs a run reads: Q, K, V, and dO when a backward stage is computed.
+inline std::vector<Stage> inputs_read(StageSet computed) { return input_stages(computed.any_backward()); }
+
 // The stages computed together with s: the flash stages of its pass (one kernel writes them all),
 // or s alone.
 inline StageSet computed_together(Stage s) {

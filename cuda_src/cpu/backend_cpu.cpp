@@ -83,8 +83,7 @@ public:
         const Dims& d = p.dims;
         size_t floats = computed.has(Stage::flash_dQ) ? static_cast<size_t>(d.N) : 0;
         if (p.precision == Precision::tf32 && computed.any(kGemmStages))
-            for (Stage s : {Stage::Q, Stage::K, Stage::V, Stage::dO})
-                if (s != Stage::dO || computed.any_backward()) floats += stage_elems(s, d);
+            for (Stage s : inputs_read(computed)) floats += stage_elems(s, d);
         return floats * sizeof(float);
     }
     size_t available_bytes() const override { return host_budget_bytes(); }

@@ -37,21 +37,13 @@ struct HeadFiles {
     const std::set<int>& of(Format f, Stage s) const { return indices[static_cast<int>(f)][static_cast<int>(s)]; }
 };
 
-// Every input stage of the table, dO included.
-std::vector<Stage> all_inputs() {
-    std::vector<Stage> v;
-    for (int i = 0; i < kNumStages; ++i)
-        if (is_input_echo(static_cast<Stage>(i))) v.push_back(static_cast<Stage>(i));
-    return v;
-}
-
 HeadFiles list_head_files(const std::string& dir) {
     HeadFiles hf;
     std::error_code ec;
     for (const fs::directory_entry& e : fs::directory_iterator(dir, ec)) {
         std::string name = e.path().filename().string();
         for (int fi = 0; fi < 2; ++fi)
-            for (Stage input : all_inputs()) {
+            for (Stage input : input_stages()) {
                 std::string prefix = std::string(stage_name(input)) + "_head_";
                 std::string suffix = std::string(".") + format_name(static_cast<Format>(fi));
                 if (name.size() <= prefix.size() + suffix.size() || name.compare(0, prefix.size(), prefix) ||
@@ -147,7 +139,7 @@ std::string shape_words(Stage s) {
 // error, as in the verifier.
 void check_no_other_format(const InputCase& c, const HeadFiles& hf) {
     const Format other = c.format == Format::txt ? Format::npy : Format::txt;
-    for (Stage input : all_inputs()) {
+    for (Stage input : input_stages()) {
         const std::set<int>& idx = hf.of(other, input);
         if (!idx.empty())
             fail(kExitBadInput, join(c.dir, head_file_name(input, *idx.begin(), other)) + ": a ." +
@@ -200,7 +192,7 @@ std::string InputCase::file(Stage input, int head) const {
 
 std::vector<Stage> InputCase::inputs() const {
     std::vector<Stage> v;
-    for (Stage s : all_inputs())
+    for (Stage s : input_stages())
         if (backward || !is_backward_stage(s)) v.push_back(s);
     return v;
 }

@@ -43,8 +43,7 @@ std::string input_case_sign(const std::string& dir) {
         if (!is_run_file_name(name)) continue;
         const std::string stage = name.substr(0, name.find("_head_"));
         bool is_input = false;
-        for (int i = 0; i < kNumStages; ++i)
-            is_input = is_input || (is_input_echo(static_cast<Stage>(i)) && stage == stage_name(static_cast<Stage>(i)));
+        for (Stage s : input_stages()) is_input = is_input || stage == stage_name(s);
         if (is_input) input = name;
         else other_stage = true;
     }
