@@ -13,6 +13,7 @@
 #include <string>
 
 #include "stages.h"
+#include "variant.h"
 
 namespace attnstep {
 
@@ -75,7 +76,8 @@ enum class FlashKernel { automatic, wgmma, fast, clean };
 
 struct Problem {
     Dims dims;
-    bool causal = false;       // top-left aligned: query r sees keys c <= r
+    bool causal = false;       // the same as variant.causal (kept for the kernels that take only it)
+    Variant variant;           // alignment, window, softcap, ALiBi, mask/bias files, dropout (variant.h)
     float scale = 0.f;         // multiplies QK; the caller resolves the 1/sqrt(d_k) default
     Precision precision = Precision::fp32;
     bool poison = false;       // pre-fill outputs with NaN so unwritten elements show
@@ -108,13 +110,22 @@ inline bool flash_supported(const Dims& d) {
 
 // Host memory for one group of consecutive heads [first, first + count). Each buffer holds `count`
 // row-major matrices back to back, in the stage table's shape; out[s] is null for stages that are
-// not computed.
+// not computed. A backend sees one K and V per query head: main.cpp copies a grouped case's K/V
+// head to each query head of its group, and sums dK and dV over the group after compute().
 struct HeadGroup {
     int first = 0, count = 0;
     const float* q = nullptr;
     const float* k = nullptr;
     const float* v = nullptr;
     const float* dout = nullptr;  // dO, when a backward stage is computed
+    // The variant's inputs (variant.h), null when the case has none: `mask` (nonzero keeps) and
+    // `bias` are N×M per head, `head_stride` elements apart (0: one matrix broadcast over the
+    // heads); alibi_slopes holds one slope per head of the group.
+    const float* mask = nullptr;
+    long long mask_head_stride = 0;
+    const float* bias = nullptr;
+    long long bias_head_stride = 0;
+    const float* alibi_slopes = nullptr;
     float* out[kNumStages] = {};
 };
 

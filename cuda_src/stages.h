@@ -20,8 +20,16 @@ struct Dims {
     int N = 0;   // seq_q: query rows
     int M = 0;   // seq_k: key/value rows
     int dk = 0, dv = 0;
+    // K/V heads per batch element (GQA/MQA: a divisor of heads; manifest key kv_heads); 0 means one
+    // per query head. Query head h reads K/V head h / (heads / kv_heads) (verify/stages.py Dims).
+    int kv_heads = 0;
     // An int once the case limits hold (case_limit_violation below checks in 64 bits).
     int total_heads() const { return batch * heads; }
+    int kv() const { return kv_heads > 0 ? kv_heads : heads; }
+    int total_kv_heads() const { return batch * kv(); }
+    int group_size() const { return heads / kv(); }
+    // The flat K/V head the flat query head i = b·H + h reads: b·Hk + h / (H/Hk).
+    int kv_head_of(int head) const { return head / heads * kv() + head % heads / group_size(); }
 };
 
 // The manifest key of each Dims field (input manifest.toml and run.toml; verify/stages.py

@@ -33,17 +33,17 @@ OPTIONAL_IMPORTS = {
 # of bench and sweep are cli's (verify/cli/bench.py, sweep.py), over the bench library.
 LAYERS: Tuple[Tuple[str, Set[str]], ...] = (
     ("__init__", set()),
-    ("stages", set()), ("text", set()), ("terminal", set()),
-    ("model", set()),
-    ("specs", {"stages", "text", "model"}),
-    ("files", {"stages", "text", "model"}),
-    ("runs", {"stages", "text", "terminal", "files"}),
-    ("check", {"stages", "text", "model", "specs", "files", "runs"}),
-    ("diagnose", {"stages", "text", "model", "specs", "check"}),
-    ("report", {"stages", "text", "files", "runs", "check"}),
-    ("bench", {"stages", "text", "terminal", "model", "files", "runs", "report"}),
-    ("cli", {"stages", "text", "terminal", "model", "specs", "files", "runs", "check", "diagnose", "report", "bench"}),
-    ("api", {"stages", "text", "model", "specs", "files", "check", "diagnose", "report"}),
+    ("stages", set()), ("variant", set()), ("text", set()), ("terminal", set()),
+    ("model", {"variant"}),
+    ("specs", {"stages", "variant", "text", "model"}),
+    ("files", {"stages", "variant", "text", "model"}),
+    ("runs", {"stages", "variant", "text", "terminal", "files"}),
+    ("check", {"stages", "variant", "text", "model", "specs", "files", "runs"}),
+    ("diagnose", {"stages", "variant", "text", "model", "specs", "check"}),
+    ("report", {"stages", "variant", "text", "files", "runs", "check"}),
+    ("bench", {"stages", "variant", "text", "terminal", "model", "files", "runs", "report"}),
+    ("cli", {"stages", "variant", "text", "terminal", "model", "specs", "files", "runs", "check", "diagnose", "report", "bench"}),
+    ("api", {"stages", "variant", "text", "model", "specs", "files", "check", "diagnose", "report"}),
     ("__main__", {"cli"}),
 )
 

@@ -10,6 +10,7 @@ from typing import Dict, Tuple
 
 # Dimension symbols -> manifest keys (docs/contract.md, "Dimensions").
 DIM_KEYS = ("batch", "heads", "seq_q", "seq_k", "d_k", "d_v")
+KV_HEADS_KEY = "kv_heads"   # optional: a case with grouped K/V heads (Dims.kv_heads)
 FLASH_HEAD_DIMS = (16, 32, 64, 128)
 MAX_HEAD_DIM = 256
 
@@ -61,10 +62,43 @@ class Dims:
     seq_k: int
     d_k: int
     d_v: int
+    # K/V heads per batch element (GQA/MQA: a divisor of heads; manifest key KV_HEADS_KEY, absent
+    # in a case without grouping); 0 means one per query head. Query head h reads K/V head
+    # h // (heads / kv_heads).
+    kv_heads: int = 0
 
     @property
     def total_heads(self) -> int:
         return self.batch * self.heads
+
+    @property
+    def kv(self) -> int:
+        """K/V heads per batch element."""
+        return self.kv_heads or self.heads
+
+    @property
+    def total_kv_heads(self) -> int:
+        return self.batch * self.kv
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per K/V head (1 without grouping)."""
+        return self.heads // self.kv
+
+    def heads_of(self, stage: str) -> int:
+        """How many files of `stage` a case has: one per query head, or per K/V head."""
+        return self.total_kv_heads if STAGES[stage].kv else self.total_heads
+
+    def kv_head_of(self, head: int) -> int:
+        """The flat K/V head the flat query head i = b·H + h reads: b·Hk + h // (H/Hk)."""
+        b, h = divmod(head, self.heads)
+        return b * self.kv + h // self.group_size
+
+    def query_heads_of(self, kv_head: int) -> range:
+        """The flat query heads that read flat K/V head `kv_head` (its group)."""
+        b, g = divmod(kv_head, self.kv)
+        first = b * self.heads + g * self.group_size
+        return range(first, first + self.group_size)
 
     def size(self, sym: str) -> int:
         return {"N": self.seq_q, "M": self.seq_k, "DK": self.d_k, "DV": self.d_v, "1": 1}[sym]
@@ -98,6 +132,12 @@ class Stage:
     # stored (the backward's flash_output).
     float32: bool = False
     rounds: Tuple[str, ...] = ()
+    # Indexed by K/V head (b·Hk + h_kv, over batch × kv_heads) rather than by query head: the keys
+    # and values and their gradients, which a grouped-query case (GQA/MQA) has fewer of. dK and dV
+    # of a K/V head are summed over the query heads of its group.
+    kv: bool = False
+    # Exists only when the case has dropout (verify/variant.py): the program's keep-mask.
+    dropout: bool = False
 
     def shape(self, dims: Dims) -> Tuple[int, int]:
         return dims.size(self.rows), dims.size(self.cols)
@@ -111,6 +151,7 @@ SCALED_SCORES = "QK_scaled"
 WEIGHTS = "attention_weights"
 OUTPUT = "output"
 FLASH_OUTPUT, FLASH_LSE = "flash_output", "flash_lse"
+DROPOUT_MASK = "dropout_mask"
 GRAD_OUTPUT = "dO"
 ROW_DOT = "D"
 GRAD_WEIGHTS, GRAD_SCORES = "dP", "dS"
@@ -121,13 +162,13 @@ _FLASH_BACKWARD_ROUNDS = (WEIGHTS, OUTPUT, GRAD_SCORES)
 
 _TABLE = (
     Stage(QUERIES, "N", "DK", (), "query, as the binary read it"),
-    Stage(KEYS, "M", "DK", (), "key, as the binary read it"),
-    Stage(VALUES, "M", "DV", (), "value, as the binary read it"),
-    Stage(KEYS_T, "DK", "M", (KEYS,), "K transposed"),
+    Stage(KEYS, "M", "DK", (), "key, as the binary read it", kv=True),
+    Stage(VALUES, "M", "DV", (), "value, as the binary read it", kv=True),
+    Stage(KEYS_T, "DK", "M", (KEYS,), "K transposed", kv=True),
     Stage(SCORES, "N", "M", (QUERIES, KEYS), "Q·Kᵀ, unscaled"),
     Stage(SCALED_SCORES, "N", "M", (SCORES,), "QK·scale, -inf where masked"),
     Stage(WEIGHTS, "N", "M", (SCALED_SCORES,), "row softmax of QK_scaled"),
-    Stage(OUTPUT, "N", "DV", (WEIGHTS, VALUES), "attention_weights·V"),
+    Stage(OUTPUT, "N", "DV", (WEIGHTS, VALUES), "attention_weights·V (dropped and rescaled under dropout)"),
     Stage(FLASH_OUTPUT, "N", "DV", (QUERIES, KEYS, VALUES), "FlashAttention forward output", flash=True,
           rounds=(WEIGHTS,)),
     Stage(FLASH_LSE, "N", "1", (QUERIES, KEYS), "log-sum-exp of each scaled row", flash=True,
@@ -139,15 +180,15 @@ _TABLE = (
     Stage(GRAD_SCORES, "N", "M", (WEIGHTS, GRAD_WEIGHTS, ROW_DOT), "attention_weights∘(dP − D), 0 where masked",
           backward=True),
     Stage(GRAD_QUERIES, "N", "DK", (GRAD_SCORES, KEYS), "scale·dS·K", backward=True),
-    Stage(GRAD_KEYS, "M", "DK", (GRAD_SCORES, QUERIES), "scale·dSᵀ·Q", backward=True),
-    Stage(GRAD_VALUES, "M", "DV", (WEIGHTS, GRAD_OUTPUT), "attention_weightsᵀ·dO", backward=True),
+    Stage(GRAD_KEYS, "M", "DK", (GRAD_SCORES, QUERIES), "scale·dSᵀ·Q", backward=True, kv=True),
+    Stage(GRAD_VALUES, "M", "DV", (WEIGHTS, GRAD_OUTPUT), "attention_weightsᵀ·dO", backward=True, kv=True),
     Stage(FLASH_GRAD_QUERIES, "N", "DK", _FLASH_BACKWARD_SOURCES,
           "FlashAttention backward dQ (P recomputed from flash_lse)", flash=True, backward=True,
           rounds=_FLASH_BACKWARD_ROUNDS),
     Stage(FLASH_GRAD_KEYS, "M", "DK", _FLASH_BACKWARD_SOURCES, "FlashAttention backward dK", flash=True,
-          backward=True, rounds=_FLASH_BACKWARD_ROUNDS),
+          backward=True, rounds=_FLASH_BACKWARD_ROUNDS, kv=True),
     Stage(FLASH_GRAD_VALUES, "M", "DV", _FLASH_BACKWARD_SOURCES, "FlashAttention backward dV", flash=True,
-          backward=True, rounds=_FLASH_BACKWARD_ROUNDS),
+          backward=True, rounds=_FLASH_BACKWARD_ROUNDS, kv=True),
 )
 
 STAGES: Dict[str, Stage] = {s.name: s for s in _TABLE}
@@ -156,6 +197,14 @@ INPUT_NAMES = (QUERIES, KEYS, VALUES)  # every case has these
 GRAD_INPUT = GRAD_OUTPUT               # a case for the backward pass also has this
 CASE_INPUTS = INPUT_NAMES + (GRAD_INPUT,)
 FORWARD_STAGES = tuple(n for n in STAGE_NAMES if not STAGES[n].backward)
+KV_STAGES = tuple(n for n in STAGE_NAMES if STAGES[n].kv)
+
+# The tensors a variant case adds to its inputs (verify/variant.py), besides Q, K, V and dO:
+# name -> (rows, cols) symbols. mask and bias are one N×M matrix per query head
+# (`mask_head_{i}`) or, broadcast over the heads, one file without a head number (`mask.txt`);
+# alibi_slopes is one row of H slopes or B rows (`alibi_slopes.txt`), read only with `alibi`.
+MASK_INPUT, BIAS_INPUT, ALIBI_SLOPES_INPUT = "mask", "bias", "alibi_slopes"
+VARIANT_INPUTS = {MASK_INPUT: ("N", "M"), BIAS_INPUT: ("N", "M"), ALIBI_SLOPES_INPUT: ("B", "H")}
 BACKWARD_STAGES = tuple(n for n in STAGE_NAMES if STAGES[n].backward)
 
 

@@ -16,6 +16,7 @@ import numpy as np
 from ..model.kernels import Kernel
 from ..model.rounding import FLUSH, HeadCache
 from ..stages import Dims
+from ..variant import Variant
 
 Src = Dict[str, np.ndarray]
 
@@ -81,6 +82,8 @@ class HeadContext:
     allow_nonfinite: bool = False
     half_rounding: str = "nearest"
     raw_inputs: Src = field(default_factory=dict)  # the inputs as read, before any half rounding
+    variant: Variant = Variant()   # the case's variant; its causal is `causal` above
+    slope: float = 0.0             # this query head's ALiBi slope (variant.alibi)
     bounds: Bounds = field(kw_only=True)
 
     def bound_args(self) -> dict:
@@ -117,11 +120,13 @@ class Problem:
     u: Optional[float] = None
     kernel: Optional[Kernel] = None
     cache: Optional[HeadCache] = None
+    variant: Variant = Variant()   # its causal is `causal` above (verify/variant.py)
+    slope: float = 0.0             # the query head's ALiBi slope when variant.alibi
 
     @property
     def key(self) -> tuple:
         """What a cached bound depends on besides its arrays (model/rounding.py's memo)."""
-        return self.scale, self.causal, self.u, self.kernel
+        return self.scale, self.causal, self.u, self.kernel, self.variant, self.slope
 
     @property
     def model_args(self) -> tuple:

@@ -1,0 +1,206 @@
+"""The attention variants a case may ask for, on the Python side: grouped K/V heads, the causal
+mask's alignment, a sliding window, a softcap, ALiBi, mask and bias files, dropout.
+
+`cuda_src/variant.h` is its C++ twin; docs/contract.md describes both. Every module that builds a
+mask, modifies scores or maps a query head to its K/V head goes through the functions here, so the
+reference, the error model, the diagnoses and the generator agree on one definition.
+
+Conventions (those of flash-attn and PyTorch, so a program written for them checks untranslated):
+* GQA/MQA: H query heads share Hk K/V heads (H a multiple of Hk); query head h reads K/V head
+  h // (H/Hk) (flash-attn, SDPA's enable_gqa). dK and dV are summed over the group. Hk is a
+  dimension (verify/stages.py Dims.kv_heads, manifest key `kv_heads`), not part of Variant.
+* The diagonal of query row i is key i + offset: offset 0 when aligned top-left (PyTorch's
+  is_causal), M − N when aligned bottom-right (flash-attn ≥ 2.1).
+* Key j is visible to row i when diag(i) − left ≤ j ≤ diag(i) + right, where a bound of −1 is
+  unbounded (flash-attn's window_size); causal makes right 0.
+* Scores: S = scale·Q·Kᵀ; S ← C·tanh(S/C) (softcap C > 0); S ← S − slope_h·|diag(i) − j| (ALiBi,
+  flash-attn's sign: the bias falls with the distance from the diagonal); S ← S + bias (a bias
+  file); S = −inf where not visible or where a boolean mask file holds 0 (PyTorch attn_mask: True
+  keeps). A row that sees no key has weights 0, output 0 and lse −inf.
+* Dropout p: the program writes its keep-mask Z (1 kept, 0 dropped) as the stage dropout_mask;
+  the output is (P∘Z)/(1 − p)·V.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Optional, Tuple
+
+import numpy as np
+
+TOP_LEFT, BOTTOM_RIGHT = "top-left", "bottom-right"
+ALIGNMENTS = (TOP_LEFT, BOTTOM_RIGHT)
+UNBOUNDED = -1
+# How a mask or bias file covers the heads: one matrix per query head, or one for all of them.
+PER_HEAD, BROADCAST = "per-head", "broadcast"
+TENSOR_COVERAGE = (PER_HEAD, BROADCAST)
+
+# Manifest keys of the variants (input manifest.toml and run.toml), with their types and the
+# value a case without the key has. cuda_src/variant.h's kVariantKeys is the C++ twin.
+VARIANT_KEYS = {
+    "align": str,            # top-left | bottom-right
+    "window_left": int,      # -1: unbounded
+    "window_right": int,
+    "softcap": float,        # 0: none
+    "alibi": bool,
+    "bias": str,             # none | per-head | broadcast (input files bias_head_{i} / bias)
+    "mask": str,             # none | per-head | broadcast (input files mask_head_{i} / mask)
+    "dropout": float,        # 0: none
+    "dropout_seed": int,
+}
+NONE = "none"
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One case's variant of attention (everything but the dimensions, scale and dO). The default
+    is textbook multi-head attention; `causal` is the mask's bool, as before variants existed."""
+    causal: bool = False
+    align: str = TOP_LEFT
+    window: Tuple[int, int] = (UNBOUNDED, UNBOUNDED)
+    softcap: float = 0.0
+    alibi: bool = False
+    bias: str = NONE
+    mask: str = NONE
+    dropout: float = 0.0
+    dropout_seed: int = 0
+
+    def __post_init__(self):
+        problem = validate(self)
+        if problem:
+            raise ValueError(problem)
+
+    # -- the mask ------------------------------------------------------------------------------
+    @property
+    def left(self) -> int:
+        return self.window[0]
+
+    @property
+    def right(self) -> int:
+        """The right bound of the window: 0 when causal."""
+        return 0 if self.causal else self.window[1]
+
+    @property
+    def structural(self) -> bool:
+        """Whether the mask built from the causal flag and the window hides any key at some size."""
+        return self.causal or self.window != (UNBOUNDED, UNBOUNDED)
+
+    def offset(self, n: int, m: int) -> int:
+        """Key index of query row 0's diagonal."""
+        return m - n if self.align == BOTTOM_RIGHT else 0
+
+    def visible(self, n: int, m: int, rows: slice = slice(None), cols: slice = slice(None)) -> np.ndarray:
+        """True where query row i may see key j (the causal flag and the window; not a mask file),
+        for rows × cols of the n×m score matrix."""
+        i = np.arange(n)[rows][:, None]
+        j = np.arange(m)[cols][None, :]
+        diag = i + self.offset(n, m)
+        ok = np.ones((i.shape[0], j.shape[1]), dtype=bool)
+        if self.left != UNBOUNDED:
+            ok &= j >= diag - self.left
+        if self.right != UNBOUNDED:
+            ok &= j <= diag + self.right
+        return ok
+
+    def key_range(self, n: int, m: int, row: int) -> Tuple[int, int]:
+        """[first, last + 1) of the keys row `row` may see (empty when first >= last + 1)."""
+        diag = row + self.offset(n, m)
+        first = 0 if self.left == UNBOUNDED else max(0, diag - self.left)
+        end = m if self.right == UNBOUNDED else min(m, diag + self.right + 1)
+        return first, max(first, end)
+
+    # -- the scores -------------------------------------------------------------------------------
+    @property
+    def modifies_scores(self) -> bool:
+        return self.softcap > 0 or self.alibi or self.bias != NONE
+
+    def with_(self, **changes) -> "Variant":
+        return replace(self, **changes)
+
+
+def validate(v: Variant) -> Optional[str]:
+    """Why `v` is not a variant (one line), or None."""
+    if v.align not in ALIGNMENTS:
+        return f"align = {v.align!r}: must be {' or '.join(ALIGNMENTS)}"
+    for side, bound in zip(("left", "right"), v.window):
+        if not isinstance(bound, (int, np.integer)) or bound < UNBOUNDED:
+            return f"window {side} = {bound!r}: must be -1 (unbounded) or a number of keys >= 0"
+    if v.causal and v.window[1] not in (UNBOUNDED, 0):
+        return f"window right = {v.window[1]}: a causal mask sees no key right of the diagonal (use 0 or -1)"
+    if not (math.isfinite(v.softcap) and v.softcap >= 0):
+        return f"softcap = {v.softcap!r}: must be a finite number > 0 (0: none)"
+    for name in ("bias", "mask"):
+        if getattr(v, name) not in (NONE,) + TENSOR_COVERAGE:
+            return f"{name} = {getattr(v, name)!r}: must be none, per-head or broadcast"
+    if not (math.isfinite(v.dropout) and 0 <= v.dropout < 1):
+        return f"dropout = {v.dropout!r}: must be a probability in [0, 1)"
+    return None
+
+
+def softcap(s: np.ndarray, cap: float) -> np.ndarray:
+    """C·tanh(S/C), in S's type (−inf stays −inf)."""
+    return cap * np.tanh(s / cap) if cap > 0 else s
+
+
+def alibi_slopes(heads: int) -> np.ndarray:
+    """The standard ALiBi slopes of `heads` heads (Press et al.; flash-attn's tests and most
+    models): 2^(−8(h+1)/n) for n = the largest power of two ≤ heads, then, for the heads beyond
+    it, every other slope of 2n heads."""
+    def powers(n: int) -> list:
+        start = 2.0 ** (-8.0 / n)
+        return [start ** (h + 1) for h in range(n)]
+    n = 2 ** int(math.floor(math.log2(heads)))
+    slopes = powers(n)
+    if n < heads:
+        slopes += powers(2 * n)[0::2][: heads - n]
+    return np.asarray(slopes, dtype=np.float64)
+
+
+def alibi_bias(slope: float, n: int, m: int, rows: slice = slice(None), cols: slice = slice(None),
+               align: str = BOTTOM_RIGHT) -> np.ndarray:
+    """−slope·|diag(i) − j| over rows × cols: flash-attn's ALiBi (measured from the bottom-right
+    diagonal in flash-attn; from the case's alignment here, which is flash-attn's when the case
+    is aligned bottom-right or N = M)."""
+    i = np.arange(n)[rows][:, None] + (m - n if align == BOTTOM_RIGHT else 0)
+    j = np.arange(m)[cols][None, :]
+    return -float(slope) * np.abs(i - j).astype(np.float64)
+
+
+def modified_scores(scaled: np.ndarray, v: Variant, slope: float = 0.0, bias: Optional[np.ndarray] = None,
+                    rows: slice = slice(None), cols: slice = slice(None), n: Optional[int] = None,
+                    m: Optional[int] = None) -> np.ndarray:
+    """scale·QK (rows × cols of an n×m head; the whole head by default) after the softcap, ALiBi
+    and the bias, unmasked. float64 in, float64 out."""
+    n = scaled.shape[0] if n is None else n
+    m = scaled.shape[1] if m is None else m
+    s = softcap(scaled, v.softcap)
+    if v.alibi:
+        s = s + alibi_bias(slope, n, m, rows, cols, v.align)
+    if bias is not None:
+        s = s + bias
+    return s
+
+
+def hidden(v: Variant, n: int, m: int, mask: Optional[np.ndarray] = None, rows: slice = slice(None),
+           cols: slice = slice(None)) -> np.ndarray:
+    """True where masked: not visible under the causal flag and window, or 0 in the mask file
+    (`mask`: the head's rows × cols of it, nonzero = keep)."""
+    out = ~v.visible(n, m, rows, cols)
+    if mask is not None:
+        out |= mask == 0
+    return out
+
+
+def dropout_keep_tolerance(kept: int, total: int, p: float, false_alarm: float = 1e-6) -> Optional[str]:
+    """Whether `kept` of `total` independent draws is a plausible keep count for a keep rate 1 − p:
+    None if so, else a one-line reason. Hoeffding's inequality bounds the chance that a correct
+    run's rate is ≥ t from 1 − p by 2·exp(−2·total·t²); t is chosen so that this is `false_alarm`,
+    so a correct run fails at most once in 1/false_alarm."""
+    if total == 0:
+        return None
+    t = math.sqrt(math.log(2.0 / false_alarm) / (2.0 * total))
+    rate = kept / total
+    if abs(rate - (1.0 - p)) <= t:
+        return None
+    return (f"kept {kept} of {total} ({rate:.4%}); dropout {p} keeps {1 - p:.4%} ± {t:.4%} "
+            f"(a correct run is outside that less than once in {1 / false_alarm:.0f})")
