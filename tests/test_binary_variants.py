@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from verify.stages import (FORMATS, KEYS, KV_HEADS_KEY, KV_STAGES, RUN_MANIFEST, STAGE_NAMES, STAGES, Dims,
+from verify.stages import (DROPOUT_MASK, FORMATS, KEYS, KV_HEADS_KEY, KV_STAGES, RUN_MANIFEST, STAGE_NAMES, STAGES, Dims,
                            stage_file)
 from verify.variant import VARIANT_KEYS, Variant, alibi_slopes
 
@@ -435,3 +435,14 @@ def test_mask_files_in_npy_cases(binary, tmp_path):
     assert run_cpu(binary, in_dir, tmp_path / "out").returncode == 0
     save(in_dir / tensor_file("mask", 1, "npy"), np.ones((5, 6)), "npy")
     assert "mask_head_1.npy: holds 5 x 6 values; expected 5 x 7" in refused(binary, in_dir, tmp_path / "bad")
+
+
+# ------------------------------------------------------------------ dropout's stage
+@pytest.mark.skipif(DROPOUT_MASK not in STAGE_NAMES, reason="the stage table has no dropout_mask row yet")
+def test_dropout_mask_only_in_a_run_with_dropout(binary, tmp_path):
+    in_dir = small_case(tmp_path)
+    assert run_cpu(binary, in_dir, tmp_path / "out").returncode == 0
+    assert not list((tmp_path / "out").glob(f"{DROPOUT_MASK}_head_*"))
+    assert DROPOUT_MASK not in run_toml(tmp_path / "out")["stages"].split(",")
+    msg = refused(binary, in_dir, tmp_path / "named", "--stages", DROPOUT_MASK)
+    assert f"{DROPOUT_MASK} exists only in a run with dropout" in msg, msg
