@@ -101,16 +101,17 @@ inline int sym_value(Sym s, const Dims& d) {
     X(QK,                N,  M,   fwd, path,  ())                                               \
     X(QK_scaled,         N,  M,   fwd, path,  (QK))                                             \
     X(attention_weights, N,  M,   fwd, path,  (QK_scaled))                                      \
-    X(output,            N,  DV,  fwd, path,  (attention_weights))                              \
+    X(dropout_mask,      N,  M,   fwd, path,  ())                                               \
+    X(output,            N,  DV,  fwd, path,  (attention_weights, dropout_mask))                \
     X(flash_output,      N,  DV,  fwd, flash, ())                                               \
     X(flash_lse,         N,  ONE, fwd, flash, ())                                               \
     X(dO,                N,  DV,  bwd, input, ())                                               \
     X(D,                 N,  ONE, bwd, path,  (output))                                         \
     X(dP,                N,  M,   bwd, path,  ())                                               \
-    X(dS,                N,  M,   bwd, path,  (attention_weights, dP, D))                       \
-    X(dQ,                N,  DK,  bwd, path,  (dS))                                             \
-    X(dK,                M,  DK,  bwd, path,  (dS))                                             \
-    X(dV,                M,  DV,  bwd, path,  (attention_weights))                              \
+    X(dS,                N,  M,   bwd, path,  (attention_weights, dropout_mask, dP, D))         \
+    X(dQ,                N,  DK,  bwd, path,  (dS, QK))                                         \
+    X(dK,                M,  DK,  bwd, path,  (dS, QK))                                         \
+    X(dV,                M,  DV,  bwd, path,  (attention_weights, dropout_mask))                \
     X(flash_dQ,          N,  DK,  bwd, flash, (flash_output, flash_lse))                        \
     X(flash_dK,          M,  DK,  bwd, flash, (flash_output, flash_lse))                        \
     X(flash_dV,          M,  DV,  bwd, flash, (flash_output, flash_lse))
@@ -229,6 +230,12 @@ struct StageSet {
     bool any_flash() const { return any(flash()); }
     bool any_backward() const { return any(backward()); }
 };
+
+// The stages that exist only in a case with dropout > 0 (verify/stages.py's Stage.dropout): the
+// keep-mask. output, dS and dV name it as a source, so a run without dropout takes these out of
+// both the written and the computed stages (after dependency_closure()); the backends compute
+// output, dS and dV without the mask then.
+inline StageSet dropout_stages() { return StageSet{stage_mask(Stage::dropout_mask)}; }
 
 // The input stages (Q, K, V, dO) in table order; without the backward ones (dO) when `backward`
 // is false.
