@@ -30,6 +30,7 @@
 #include "io/matrix_io.h"
 #include "io/output_folder.h"
 #include "io/run_folder.h"
+#include "io/variant_manifest.h"
 #include "stages.h"
 
 namespace attnstep {
@@ -67,7 +68,8 @@ std::unique_ptr<Backend> choose_backend(BackendChoice choice) {
 Problem make_problem(const Options& o, const InputCase& c) {
     Problem p;
     p.dims = c.dims;
-    p.causal = o.causal || c.causal;
+    p.variant = effective_variant(o, c);
+    p.causal = p.variant.causal;
     // A given scale was checked to survive the float32 conversion (scale_fits_float32).
     double scale = o.has_scale ? o.scale : c.has_scale ? c.scale : 1.0 / std::sqrt(static_cast<double>(c.dims.dk));
     p.scale = static_cast<float>(scale);
@@ -205,6 +207,7 @@ void write_run_manifest(RunState& rs, const Options& o, const Problem& p, const 
     for (const DimKey& k : kDimKeys) w.add(k.key, p.dims.*k.field);
     w.add_bool("causal", p.causal);
     w.add_float("scale", static_cast<double>(p.scale));
+    add_variant_keys(w, p.dims.kv(), p.variant);
     w.add("stages", stage_list(written));
     w.add("flash_block_q", flash.Br);
     w.add("flash_block_k", flash.Bc);

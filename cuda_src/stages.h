@@ -43,6 +43,16 @@ inline constexpr DimKey kDimKeys[] = {
     {"batch", &Dims::batch}, {"heads", &Dims::heads}, {"seq_q", &Dims::N},
     {"seq_k", &Dims::M},     {"d_k", &Dims::dk},      {"d_v", &Dims::dv},
 };
+// The optional manifest key of Dims::kv_heads (verify/stages.py KV_HEADS_KEY): absent in a case
+// without grouped K/V heads; run.toml always records it.
+inline constexpr const char kKvHeadsKey[] = "kv_heads";
+
+// The variant's input files (verify/stages.py VARIANT_INPUTS): mask and bias are N×M per query head
+// (`mask_head_<i>`) or one file broadcast over the heads (`mask`); alibi_slopes holds 1 or batch
+// rows of `heads` slopes. In the case's format, read only when the variant asks for them.
+inline constexpr const char kMaskInput[] = "mask";
+inline constexpr const char kBiasInput[] = "bias";
+inline constexpr const char kAlibiSlopesInput[] = "alibi_slopes";
 
 // Case limits (verify/stages.py MAX_DIM, MAX_HEADS, MAX_ELEMENTS; docs/contract.md): every
 // dimension 1..kMaxDim, batch x heads at most kMaxHeads, and the elements of every stage of every
@@ -172,6 +182,16 @@ inline size_t stage_elems(Stage s, const Dims& d) {
     return static_cast<size_t>(stage_rows(s, d)) * static_cast<size_t>(stage_cols(s, d));
 }
 
+// Whether a stage is indexed by K/V head (verify/stages.py Stage.kv: K, V, KT, dK, dV, flash_dK,
+// flash_dV): the stages whose shape has the key rows M but no query rows N, so none depends on
+// a query head alone. A grouped case writes them once per K/V head (B·Hk files).
+inline bool is_kv_stage(Stage s) {
+    const StageInfo& i = stage_info(s);
+    return (i.rows == Sym::M || i.cols == Sym::M) && i.rows != Sym::N && i.cols != Sym::N;
+}
+// How many files of stage s a case has: one per query head, or one per K/V head.
+inline int heads_of(Stage s, const Dims& d) { return is_kv_stage(s) ? d.total_kv_heads() : d.total_heads(); }
+
 inline bool is_flash_stage(Stage s) { return stage_info(s).kind == StageKind::flash; }
 inline bool is_input_echo(Stage s) { return stage_info(s).kind == StageKind::input; }
 inline bool is_backward_stage(Stage s) { return stage_info(s).pass == Pass::bwd; }
@@ -180,27 +200,38 @@ inline bool is_backward_stage(Stage s) { return stage_info(s).pass == Pass::bwd;
 inline bool kept_float32(Stage s) { return s == Stage::flash_lse || s == Stage::D; }
 
 // The elements of every stage of one head (the case-size limit counts these); the backward stages
-// count only for a case that has dO.
-inline long long elements_per_head(const Dims& d, bool backward) {
+// count only for a case that has dO. `which`: every stage, only those indexed by K/V head
+// (is_kv_stage), or only the others.
+enum class KvStages { all, only, none };
+inline long long elements_per_head(const Dims& d, bool backward, KvStages which = KvStages::all) {
     long long n = 0;
     for (int i = 0; i < kNumStages; ++i) {
         const Stage s = static_cast<Stage>(i);
+        if (which != KvStages::all && is_kv_stage(s) != (which == KvStages::only)) continue;
         if (!is_backward_stage(s) || backward) n += static_cast<long long>(stage_rows(s, d)) * stage_cols(s, d);
     }
     return n;
 }
 
 // Why dimensions that are each within 1..kMaxDim (head widths within kMaxHeadDim) still exceed the
-// case limits, or "" when they do not. 64-bit arithmetic: batch x heads may overflow an int.
+// case limits, or "" when they do not. The stages indexed by K/V head count once per K/V head.
+// 64-bit arithmetic: batch x heads may overflow an int, and per_head x heads is checked by division.
 inline std::string case_limit_violation(const Dims& d, bool backward) {
     const long long heads = static_cast<long long>(d.batch) * d.heads;
     if (heads > kMaxHeads)
         return "batch x heads = " + plural(heads, "head") + "; at most " + std::to_string(kMaxHeads);
-    const long long per_head = elements_per_head(d, backward);
-    if (per_head > kMaxElements / heads)
-        return plural(heads, "head") + " of " + plural(per_head, "stage element") +
+    const long long kv_heads = static_cast<long long>(d.batch) * d.kv();
+    const long long per_head = elements_per_head(d, backward, KvStages::none);
+    const long long per_kv_head = elements_per_head(d, backward, KvStages::only);
+    const bool over = per_head > kMaxElements / heads ||
+                      per_kv_head > (kMaxElements - per_head * heads) / kv_heads;
+    if (!over) return "";
+    if (kv_heads == heads)
+        return plural(heads, "head") + " of " + plural(per_head + per_kv_head, "stage element") +
                " each; at most " + std::to_string(kMaxElements) + " elements in all";
-    return "";
+    return plural(heads, "query head") + " of " + plural(per_head, "stage element") + " each and " +
+           plural(kv_heads, "K/V head") + " of " + std::to_string(per_kv_head) + " each; at most " +
+           std::to_string(kMaxElements) + " elements in all";
 }
 
 // A set of stages as a bit mask over the table.

@@ -24,6 +24,20 @@ enum class Coverage { none, per_head, broadcast };
 inline constexpr const char* kCoverageNames[] = {"none", "per-head", "broadcast"};
 inline constexpr int kUnbounded = -1;
 
+// The manifest keys of a variant (input manifest.toml and run.toml) with their types: the twin of
+// verify/variant.py VARIANT_KEYS, in its order. The binary's manifest reader takes the key list
+// and the types from here (io/variant_manifest.cpp); run.toml writes them in this order.
+enum class KeyType { Int, Float, Bool, String };
+struct VariantKey {
+    const char* key;
+    KeyType type;
+};
+inline constexpr VariantKey kVariantKeys[] = {
+    {"align", KeyType::String},      {"window_left", KeyType::Int}, {"window_right", KeyType::Int},
+    {"softcap", KeyType::Float},     {"alibi", KeyType::Bool},      {"bias", KeyType::String},
+    {"mask", KeyType::String},       {"dropout", KeyType::Float},   {"dropout_seed", KeyType::Int},
+};
+
 // The visible keys of each query row: diag(r) − left <= c <= diag(r) + right with diag(r) = r +
 // offset (offset 0 top-left, M − N bottom-right); kUnbounded drops that side. causal sets right = 0.
 struct MaskRule {

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "../stages.h"
+#include "../variant.h"
 #include "matrix_io.h"
 
 namespace attnstep {
@@ -20,6 +21,10 @@ struct InputCase {
     Format format = Format::txt;
     Dims dims;
     bool causal = false;   // from the manifest (default false)
+    Variant variant;       // the manifest's variant keys (defaults without them); variant.causal == causal
+    // Where the manifest set causal and window_right ("" when it did not), for the message when the
+    // command line's options combine them into a mask that cannot be.
+    std::string where_causal, where_window_right;
     bool has_scale = false;
     double scale = 0;      // from the manifest when has_scale
     bool backward = false; // the case has the output gradient dO (its files, or the manifest's `backward`)
