@@ -23,8 +23,9 @@ from verify.stages import (BACKWARD_STAGES, DROPOUT_MASK, FLASH_HEAD_DIMS, FORWA
                            stage_file)
 from verify.variant import BOTTOM_RIGHT, BROADCAST, PER_HEAD, TOP_LEFT, Variant, dropout_keep_tolerance
 
-from helpers.variant_reference import dropout_keep, reference, write_variant_case
+from helpers.variant_reference import dropout_keep, kv_reference, reference, write_variant_case
 
+GRADS = ("dQ", "dK", "dV")
 BOUND = 1e-4   # max |binary − reference| ≤ BOUND · the stage's largest |value|: float32 with room
 # The smallest "largest value" BOUND applies to: a stage that is 0 but for rounding (a window of one
 # key makes dS = P∘(dP − D) = 0 in exact arithmetic, float32 leaves ~1e-7 of dP) is held to
@@ -33,8 +34,8 @@ FLOOR = 1e-2
 N, M = 37, 53
 
 
-def dims(n=N, m=M, d=32, heads=3, batch=1) -> Dims:
-    return Dims(batch=batch, heads=heads, seq_q=n, seq_k=m, d_k=d, d_v=d)
+def dims(n=N, m=M, d=32, heads=3, batch=1, kv_heads=0) -> Dims:
+    return Dims(batch=batch, heads=heads, seq_q=n, seq_k=m, d_k=d, d_v=d, kv_heads=kv_heads)
 
 
 def _masks(n: int, m: int, heads: int, seed: int) -> np.ndarray:
@@ -53,8 +54,8 @@ def _biases(n: int, m: int, heads: int, seed: int) -> np.ndarray:
     return bias
 
 
-# (id, variant, (N, M, batch), write_variant_case options); batch 2 where the flat head matters
-# (dropout's counter, a slopes file's rows).
+# (id, variant, (N, M, batch), write_variant_case options, and "kv_heads" for grouped K/V heads);
+# batch 2 where the flat head matters (dropout's counter, a slopes file's rows).
 NM, MN = (N, M, 1), (M, N, 1)
 SLOPES = [[0.5, 0.03125, 0.25], [0.25, 0.015625, 0.125]]
 CASES = [
@@ -75,6 +76,8 @@ CASES = [
     ("bias-broadcast-inf", Variant(bias=BROADCAST), NM, {"biases": _biases(N, M, 1, 4)[0]}),
     ("dropout0.1", Variant(dropout=0.1, dropout_seed=7), (N, M, 2), {}),
     ("dropout0.5-causal", Variant(dropout=0.5, dropout_seed=123456789, causal=True), (N, M, 2), {}),
+    ("mqa-causal-bottom-right-dropout", Variant(causal=True, align=BOTTOM_RIGHT, dropout=0.2, dropout_seed=5),
+     (N, M, 2), {"kv_heads": 1}),
     ("all-together", Variant(causal=True, align=BOTTOM_RIGHT, window=(9, -1), softcap=5.0, alibi=True,
                              bias=PER_HEAD, mask=BROADCAST, dropout=0.25, dropout_seed=3), NM,
      {"q_spread": 4.0, "masks": _masks(N, M, 1, 5)[0], "biases": _biases(N, M, 3, 6)}),
@@ -137,25 +140,28 @@ def expected_stages(variant: Variant, flash: bool) -> set:
     return {s for s in every if not STAGES[s].dropout} | ({DROPOUT_MASK} if variant.dropout else set())
 
 
-def check_case(binary, tmp_path, name, variant, size, options, d):
+def check_case(binary, tmp_path, name, variant, size, options, d, *extra):
+    """Runs the case, compares every stage file (per query head, or per K/V head) with the
+    reference, the masked entries exactly and the flash path with the stage path."""
     n, m, batch = size
-    dm = dims(n, m, d=d, batch=batch)
+    options = dict(options)
+    dm = dims(n, m, d=d, batch=batch, kv_heads=options.pop("kv_heads", 0))
     case = write_variant_case(tmp_path / "in", dm, variant, **options)
-    run = run_cpu(binary, tmp_path / "in", tmp_path / "out")
+    run = run_cpu(binary, tmp_path / "in", tmp_path / "out", *extra)
     written = set(run["stages"].split(","))
     flash = d in FLASH_HEAD_DIMS
     assert written == expected_stages(variant, flash), name
-    for head in range(dm.total_heads):
-        ref = reference(case, head)
-        what = f"{name} head {head}"
-        for stage in sorted(written):
-            assert_close(f"{what} {stage}", load(tmp_path / "out", stage, head), ref[stage])
-        assert_masked_exactly(what, tmp_path / "out", head, ref)
-        if flash:  # the flash kernels agree with the stage path
-            for s in ("output", "dQ", "dK", "dV"):
-                assert_close(f"{what} flash_{s} vs {s}", load(tmp_path / "out", f"flash_{s}", head),
-                             load(tmp_path / "out", s, head))
-    return case
+    out = tmp_path / "out"
+    refs = {h: reference(case, h) for h in range(dm.total_heads)}
+    for stage in sorted(written):
+        for i in range(dm.heads_of(stage)):
+            ref = kv_reference(refs, dm, stage, i) if STAGES[stage].kv else refs[i][stage]
+            assert_close(f"{name} {stage} head {i}", load(out, stage, i), ref)
+            if flash and stage in GRADS + ("output",):  # the flash kernels agree with the stage path
+                assert_close(f"{name} flash_{stage} vs {stage} head {i}", load(out, f"flash_{stage}", i),
+                             load(out, stage, i))
+    for h in range(dm.total_heads):
+        assert_masked_exactly(f"{name} head {h}", out, h, refs[h])
 
 
 @pytest.mark.parametrize("d", [24, 32], ids=["d24", "d32"])
@@ -183,6 +189,22 @@ def test_dropout_mask_is_the_keep_hash(binary, tmp_path, p, seed):
         assert np.array_equal(z == 1, dropout_keep(seed, head, dm.seq_q, dm.seq_k, p)), f"head {head}"
         kept, total = kept + int(z.sum()), total + z.size
     assert dropout_keep_tolerance(kept, total, p) is None
+
+
+def test_heads_computed_one_at_a_time_give_the_same_bytes(binary, tmp_path):
+    """A memory budget that fits one head makes every head group a single head: the backend finds
+    each head's mask, bias, slope and dropout counter through the group's first head."""
+    variant = Variant(causal=True, align=BOTTOM_RIGHT, softcap=5.0, alibi=True, bias=PER_HEAD, mask=PER_HEAD,
+                      dropout=0.3, dropout_seed=11)
+    dm = dims(n=150, m=130, d=16, batch=2)
+    write_variant_case(tmp_path / "in", dm, variant, q_spread=4.0, masks=_masks(150, 130, 6, 7),
+                       biases=_biases(150, 130, 6, 8), slopes=SLOPES)
+    run_cpu(binary, tmp_path / "in", tmp_path / "together")
+    run_cpu(binary, tmp_path / "in", tmp_path / "alone", "--max-memory-mb", 1)
+    files = sorted(p.name for p in (tmp_path / "together").glob("*.npy"))
+    assert files and files == sorted(p.name for p in (tmp_path / "alone").glob("*.npy"))
+    for f in files:
+        assert (tmp_path / "together" / f).read_bytes() == (tmp_path / "alone" / f).read_bytes(), f
 
 
 def test_dropout_seed_and_head_change_the_mask(binary, tmp_path):

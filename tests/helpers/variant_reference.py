@@ -14,8 +14,8 @@ from typing import Dict, Optional
 
 import numpy as np
 
-from verify.stages import (ALIBI_SLOPES_INPUT, BIAS_INPUT, CASE_INPUTS, INPUT_MANIFEST, MASK_INPUT, STAGES, Dims,
-                           stage_file)
+from verify.stages import (ALIBI_SLOPES_INPUT, BIAS_INPUT, CASE_INPUTS, INPUT_MANIFEST, KV_HEADS_KEY, MASK_INPUT,
+                           STAGES, Dims, stage_file)
 from verify.variant import BROADCAST, NONE, PER_HEAD, Variant, alibi_slopes, hidden, modified_scores
 
 _U64 = np.uint64
@@ -41,12 +41,12 @@ def dropout_keep(seed: int, head: int, n: int, m: int, p: float) -> np.ndarray:
 
 @dataclass
 class VariantCase:
-    """One case's inputs: per flat query head Q, K, V, dO and, where the variant has them, its mask,
-    bias and ALiBi slope."""
+    """One case's inputs: Q and dO per flat query head, K and V per flat K/V head and, where the
+    variant has them, each query head's mask, bias and ALiBi slope."""
     dims: Dims
     variant: Variant
     scale: float
-    mats: Dict = field(default_factory=dict)       # (name, head) -> float32 matrix
+    mats: Dict = field(default_factory=dict)       # (name, file's head) -> float32 matrix
     masks: Dict = field(default_factory=dict)      # head -> N×M 0/1
     biases: Dict = field(default_factory=dict)     # head -> N×M
     slopes: Optional[np.ndarray] = None            # flat head -> slope
@@ -54,6 +54,8 @@ class VariantCase:
 
 def _manifest(dims: Dims, v: Variant) -> str:
     lines = [f"{k} = {getattr(dims, k)}" for k in ("batch", "heads", "seq_q", "seq_k", "d_k", "d_v")]
+    if dims.kv_heads:
+        lines.append(f"{KV_HEADS_KEY} = {dims.kv_heads}")
     lines += [f"causal = {str(v.causal).lower()}", f'align = "{v.align}"', f"window_left = {v.window[0]}",
               f"window_right = {v.window[1]}", f"softcap = {v.softcap!r}", f"alibi = {str(v.alibi).lower()}",
               f'bias = "{v.bias}"', f'mask = "{v.mask}"', f"dropout = {v.dropout!r}",
@@ -73,14 +75,15 @@ def _save_coverage(path: Path, name: str, coverage: str, per_head: Dict[int, np.
 def write_variant_case(path: Path, dims: Dims, v: Variant, *, seed: int = 0, q_spread: float = 1.0,
                        masks: Optional[np.ndarray] = None, biases: Optional[np.ndarray] = None,
                        slopes: Optional[np.ndarray] = None) -> VariantCase:
-    """An .npy case for `v` with a manifest naming every variant key. `masks`/`biases`: one N×M per
+    """An .npy case for `v` with a manifest naming every variant key (and kv_heads when `dims` has
+    grouped K/V heads: K and V then have one file per K/V head). `masks`/`biases`: one N×M per
     query head (per-head) or a single N×M (broadcast); `slopes`: a B×H or 1×H slopes file (else the
     standard slopes). Q is multiplied by `q_spread` (a softcap bites only on large scores)."""
     path.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
     case = VariantCase(dims, v, 1.0 / np.sqrt(dims.d_k))
-    for i in range(dims.total_heads):
-        for name in CASE_INPUTS:
+    for name in CASE_INPUTS:
+        for i in range(dims.heads_of(name)):
             x = rng.standard_normal(STAGES[name].shape(dims)) * (q_spread if name == "Q" else 1.0)
             case.mats[name, i] = x.astype(np.float32)
             np.save(path / stage_file(name, i, "npy"), case.mats[name, i])
@@ -114,9 +117,11 @@ def _softmax(s: np.ndarray):
 
 
 def reference(case: VariantCase, head: int) -> Dict[str, np.ndarray]:
-    """Every stage of flat query head `head` in float64, and `hidden` (the masked entries)."""
+    """Every stage of flat query head `head` in float64 (K, V and the gradients dK, dV: this query
+    head's part of its K/V head's), and `hidden` (the masked entries)."""
     v, n, m = case.variant, case.dims.seq_q, case.dims.seq_k
-    q, k, vv, do = (case.mats[x, head].astype(np.float64) for x in CASE_INPUTS)
+    q, k, vv, do = (case.mats[x, case.dims.kv_head_of(head) if STAGES[x].kv else head].astype(np.float64)
+                    for x in CASE_INPUTS)
     qk = q @ k.T
     bias = case.biases.get(head)
     slope = 0.0 if case.slopes is None else float(case.slopes[head])
@@ -138,3 +143,12 @@ def reference(case: VariantCase, head: int) -> Dict[str, np.ndarray]:
     if v.dropout > 0:
         ref["dropout_mask"] = z
     return ref
+
+
+def kv_reference(refs: Dict[int, Dict[str, np.ndarray]], dims: Dims, stage: str, kv_head: int) -> np.ndarray:
+    """A stage indexed by K/V head from the query heads' references: the gradients summed over the
+    K/V head's group, K, V and KT as any of its query heads read them."""
+    group = dims.query_heads_of(kv_head)
+    if STAGES[stage].backward:
+        return sum(refs[h][stage] for h in group)
+    return refs[group[0]][stage]
