@@ -218,6 +218,20 @@ def test_dropout_seed_and_head_change_the_mask(binary, tmp_path):
     assert not np.array_equal(masks[0], masks[2]), "two seeds drew the same mask"
 
 
+def test_stages_under_dropout_pull_in_the_keep_mask(binary, tmp_path):
+    """output and dV name the keep-mask as a source: asked for alone, they are computed from it
+    (not written) and still drop the entries the hash drops."""
+    case = write_variant_case(tmp_path / "in", dims(), Variant(dropout=0.5, dropout_seed=4))
+    run = run_cpu(binary, tmp_path / "in", tmp_path / "out", "--stages", "output,dV")
+    assert run["stages"] == "output,dV"
+    assert sorted(p.name for p in (tmp_path / "out").glob("*.npy")) == sorted(
+        stage_file(s, h, "npy") for s in ("output", "dV") for h in range(3))
+    for h in range(3):
+        ref = reference(case, h)
+        for s in ("output", "dV"):
+            assert_close(f"{s} head {h}", load(tmp_path / "out", s, h), ref[s])
+
+
 def test_no_dropout_writes_no_mask(binary, tmp_path):
     write_variant_case(tmp_path / "in", dims(), Variant(causal=True, align=BOTTOM_RIGHT))
     run = run_cpu(binary, tmp_path / "in", tmp_path / "out")
