@@ -268,12 +268,6 @@ struct StageSet {
     bool any_backward() const { return any(backward()); }
 };
 
-// The stages that exist only in a case with dropout > 0 (verify/stages.py's Stage.dropout): the
-// keep-mask. output, dS and dV name it as a source, so a run without dropout takes these out of
-// both the written and the computed stages (after dependency_closure()); the backends compute
-// output, dS and dV without the mask then.
-inline StageSet dropout_stages() { return StageSet{stage_mask(Stage::dropout_mask)}; }
-
 // The input stages (Q, K, V, dO) in table order; without the backward ones (dO) when `backward`
 // is false.
 inline std::vector<Stage> input_stages(bool backward = true) {
