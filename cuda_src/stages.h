@@ -111,16 +111,17 @@ inline int sym_value(Sym s, const Dims& d) {
     X(QK,                N,  M,   fwd, path,  ())                                               \
     X(QK_scaled,         N,  M,   fwd, path,  (QK))                                             \
     X(attention_weights, N,  M,   fwd, path,  (QK_scaled))                                      \
-    X(output,            N,  DV,  fwd, path,  (attention_weights))                              \
+    X(dropout_mask,      N,  M,   fwd, path,  ())                                               \
+    X(output,            N,  DV,  fwd, path,  (attention_weights, dropout_mask))                \
     X(flash_output,      N,  DV,  fwd, flash, ())                                               \
     X(flash_lse,         N,  ONE, fwd, flash, ())                                               \
     X(dO,                N,  DV,  bwd, input, ())                                               \
     X(D,                 N,  ONE, bwd, path,  (output))                                         \
     X(dP,                N,  M,   bwd, path,  ())                                               \
-    X(dS,                N,  M,   bwd, path,  (attention_weights, dP, D))                       \
-    X(dQ,                N,  DK,  bwd, path,  (dS))                                             \
-    X(dK,                M,  DK,  bwd, path,  (dS))                                             \
-    X(dV,                M,  DV,  bwd, path,  (attention_weights))                              \
+    X(dS,                N,  M,   bwd, path,  (attention_weights, dropout_mask, dP, D))         \
+    X(dQ,                N,  DK,  bwd, path,  (dS, QK))                                         \
+    X(dK,                M,  DK,  bwd, path,  (dS, QK))                                         \
+    X(dV,                M,  DV,  bwd, path,  (attention_weights, dropout_mask))                \
     X(flash_dQ,          N,  DK,  bwd, flash, (flash_output, flash_lse))                        \
     X(flash_dK,          M,  DK,  bwd, flash, (flash_output, flash_lse))                        \
     X(flash_dV,          M,  DV,  bwd, flash, (flash_output, flash_lse))

@@ -86,6 +86,14 @@ struct Variant {
 
 // C·tanh(S/C) (cap 0: S unchanged); -inf stays -inf.
 ATTNSTEP_HD float apply_softcap(float s, float cap) { return cap > 0.f ? cap * tanhf(s / cap) : s; }
+// The derivative of apply_softcap with respect to s: 1 − t², t = tanh(s/C) (1 without a cap). The
+// backward multiplies dS by it on the way to dQ and dK (flash-attn's convention: dS itself is the
+// gradient of the softmax's input).
+ATTNSTEP_HD float softcap_derivative(float s, float cap) {
+    if (!(cap > 0.f)) return 1.f;
+    const float t = tanhf(s / cap);
+    return 1.f - t * t;
+}
 
 // The standard ALiBi slope of head h of `heads` (verify/variant.py alibi_slopes): 2^(−8(h+1)/n)
 // with n the largest power of two <= heads; heads beyond n take every other slope of 2n heads.
