@@ -118,9 +118,10 @@ def _expect_causal(name: str, x):
     """False, True (top-left, PyTorch's is_causal) or an alignment."""
     if _is_bool(x):
         return bool(x)
-    if isinstance(x, str):
-        return _expect_choice(ALIGNMENTS)(name, x)
-    raise TypeError(f"{name}: expected True, False, {' or '.join(map(repr, ALIGNMENTS))}, got {type(x).__name__} {x!r}")
+    if isinstance(x, str) and x in ALIGNMENTS:
+        return x
+    raise TypeError(f"{name}: expected True or False (or an alignment: {', '.join(map(repr, ALIGNMENTS))}), got "
+                    f"{type(x).__name__} {x!r}")
 
 
 def _expect_window(name: str, x) -> Tuple[int, int]:
