@@ -120,8 +120,8 @@ def _expect_causal(name: str, x):
         return bool(x)
     if isinstance(x, str) and x in ALIGNMENTS:
         return x
-    raise TypeError(f"{name}: expected True or False (or an alignment: {', '.join(map(repr, ALIGNMENTS))}), got "
-                    f"{type(x).__name__} {x!r}")
+    raise TypeError(f"{name}: expected True or False, got {type(x).__name__} {x!r}; or the alignment of the causal "
+                    f"mask: {' or '.join(map(repr, ALIGNMENTS))}")
 
 
 def _expect_window(name: str, x) -> Tuple[int, int]:
