@@ -22,9 +22,9 @@ from ..report.text import failure_lines, header_lines, summary_lines, table_line
 from ..stages import PRECISIONS, STAGE_NAMES
 from ..terminal import progress_bar
 from ..text import plural
-from .options import (align_option, causal_option, checked_path, dropout_option, in_option, json_option, name_options,
-                      no_causal_option, out_option, parse_names, quiet_option, report_file, said_variant, softcap_option,
-                      user_errors, window_option)
+from .options import (align_option, causal_option, checked_path, dropout_option, in_option, json_option,
+                      name_options, no_causal_option, out_option, parse_names, quiet_option, report_file, said_variant,
+                      softcap_option, user_errors, window_option)
 
 # Work (N·M·heads) above which `check` shows a progress bar (on a terminal only).
 PROGRESS_MIN_WORK = 1 << 24

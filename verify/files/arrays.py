@@ -200,8 +200,8 @@ def bias_heads(attn_bias, dims: Dims) -> Tuple[np.ndarray, bool]:
     x = x.astype(np.float64)
     bad = np.isnan(x) | (x == np.inf)
     if bad.any():
-        raise ValueError(f"attn_bias holds {float(x[tuple(np.argwhere(bad)[0])]):g} at {_first(bad)}: a bias holds finite "
-                         "values or -inf (which hides the entry), never +inf or NaN")
+        raise ValueError(f"attn_bias holds {float(x[tuple(np.argwhere(bad)[0])]):g} at {_first(bad)}: a bias holds "
+                         "finite values or -inf (which hides the entry), never +inf or NaN")
     return _broadcast_heads(x, "attn_bias", dims)
 
 

@@ -241,7 +241,8 @@ def case_size(dims: Dims, fmt: str, backward: bool, block: int = 1,
         return -(-matrix_file_bytes(shape, fmt) // block) * block
     counts = {name: dims.heads_of(name) for name in (CASE_INPUTS if backward else INPUT_NAMES)}
     shapes = {name: STAGES[name].shape(dims) for name in counts}
-    for name, pattern, heads in ((MASK_INPUT, inputs.mask, inputs.mask_heads), (BIAS_INPUT, inputs.bias, inputs.bias_heads)):
+    for name, pattern, heads in ((MASK_INPUT, inputs.mask, inputs.mask_heads),
+                                 (BIAS_INPUT, inputs.bias, inputs.bias_heads)):
         if pattern:
             counts[name] = 1 if heads == BROADCAST else dims.total_heads
             shapes[name] = tuple(dims.size(sym) for sym in VARIANT_INPUTS[name])

@@ -25,8 +25,8 @@ import numpy as np
 
 from ..model.half import HALF_ROUNDINGS, NEAREST, rounding_refusal  # noqa: F401 (cli's choices)
 from ..model.kernels import KERNELS, kernel_base_name
-from ..stages import (DIM_KEYS, FORMATS, INPUT_MANIFEST, KV_HEADS_KEY, PRECISIONS, RUN_MANIFEST, STAGES, Dims, default_scale,
-                      parse_stage_file, stage_file)
+from ..stages import (DIM_KEYS, FORMATS, INPUT_MANIFEST, KV_HEADS_KEY, PRECISIONS, RUN_MANIFEST, STAGES, Dims,
+                      default_scale, parse_stage_file, stage_file)
 from ..text import plural, printable
 from ..variant import VARIANT_KEYS, Variant
 from .case import InputCase, check_scale, check_types, crc32_hex, read_toml, validate_dims
@@ -250,8 +250,8 @@ def _resolve_variant(run: RunInfo, case: InputCase, values: dict, over: Override
     """Each variant field: the command line, else the input case, else run.toml, else the
     default; run.toml disagreeing with an input case that says is a mismatch."""
     said, asked, ran = over.variant_fields(), _asked_variant(case), variant_fields(values)
-    sources = (("the command line", said), (str(case.path / INPUT_MANIFEST) if case.manifest else str(case.path), asked),
-               (str(Path(run.path or ".") / RUN_MANIFEST), ran))
+    case_place = case.path / INPUT_MANIFEST if case.manifest else case.path
+    sources = (("the command line", said), (str(case_place), asked), (str(Path(run.path or ".") / RUN_MANIFEST), ran))
     fields, origin = {}, {}
     for name in _VARIANT_FIELDS:
         for where, source in sources:
