@@ -87,6 +87,8 @@ class RunInfo:
     def __post_init__(self):
         if self.variant is None:
             self.variant = Variant(causal=bool(self.causal))
+        elif self.causal and not self.variant.causal:
+            self.variant = self.variant.with_(causal=True)
         self.causal = self.variant.causal
 
     @property
