@@ -256,10 +256,10 @@ def _check_in_worker(head: int) -> list:
     try:
         return _CHECK(head)
     finally:
-        _collect_head_garbage()
+        collect_head_garbage()
 
 
-def _collect_head_garbage() -> None:
+def collect_head_garbage() -> None:
     """After a head: its matrices are freed now, not when the cyclic garbage collector next runs
     (reference cycles among its cached bounds would keep them alive into the next head). The
     objects that were there before the heads are frozen (_heads_garbage_only): only a head's own
@@ -290,7 +290,7 @@ def map_heads(check: Callable[[int], list], heads: int, jobs: int,
                 stack.enter_context(ctx)
             for head in range(heads):
                 results.extend(check(head))
-                _collect_head_garbage()
+                collect_head_garbage()
                 if progress:
                     progress(head)
         return results

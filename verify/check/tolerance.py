@@ -17,6 +17,7 @@ they must match exactly.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Dict, Optional
 
 import numpy as np
@@ -32,7 +33,7 @@ from ..specs.base import Problem
 from ..stages import INPUT_NAMES, STAGES
 from .half_rounding import half_terms
 
-__all__ = ["stage_bound", "chained_bound", "quantization_bound", "dot_var", "kernel_for", "HeadCache",
+__all__ = ["stage_bound", "stage_bound_parts", "BoundParts", "chained_bound", "quantization_bound", "dot_var", "kernel_for", "HeadCache",
            "ToleranceError", "unit_roundoff", "KERNELS", "Kernel", "FLUSH", "LAMBDA", "LOG_ULPS", "ROUND_VAR",
            "UNIT_ROUNDOFF", "SOFTMAX_FINAL_ROUNDINGS"]
 
@@ -46,6 +47,43 @@ def _spec(stage: str):
     if stage not in SPECS:
         raise ToleranceError(f"unknown stage {stage!r}")
     return SPECS[stage]
+
+
+@dataclass(frozen=True)
+class BoundParts:
+    """An isolated bound in its parts: LAMBDA·√var (the independent roundings) + det (one-signed
+    errors) + floor (underflow), 0 where the reference is ±inf, plus extra (the half pipelines'
+    conversions). A sum of results with independent roundings (dK of a K/V head's group, summed
+    over its query heads) is bounded by the sum of their parts: variances add, the rest adds."""
+    var: np.ndarray
+    det: np.ndarray
+    floor: object
+    extra: object = 0.0
+
+    def __add__(self, other: "BoundParts") -> "BoundParts":
+        return BoundParts(self.var + other.var, self.det + other.det, self.floor + other.floor,
+                          self.extra + other.extra)
+
+    def bound(self, ref: np.ndarray) -> np.ndarray:
+        bound = finish(np.asarray(ref, dtype=np.float64), self.var, self.det, self.floor)
+        return bound if np.isscalar(self.extra) and self.extra == 0 else bound + self.extra
+
+
+def stage_bound_parts(stage: str, src: Dict[str, np.ndarray], ref: np.ndarray, *, scale: float,
+                      causal: bool, precision: str = "fp32", backend: Optional[str] = None,
+                      math: str = "ieee", flash_kernel: Optional[str] = None,
+                      cache: Optional[HeadCache] = None, half_rounding: str = NEAREST) -> Optional[BoundParts]:
+    """stage_bound's parts (BoundParts); None for an exact copy (echoes, the transpose)."""
+    spec = _spec(stage)
+    u = unit_roundoff(precision)
+    kernel = kernel_for(backend, math, flash_kernel)
+    ref = np.asarray(ref, dtype=np.float64)
+    if spec.isolated is None:
+        return None
+    var, det = spec.isolated(src, ref, Problem(scale, causal, u, kernel, cache))
+    extra = half_terms(stage, ref, src, scale, causal, precision, False, cache, half_rounding) \
+        if is_half(precision) else 0.0
+    return BoundParts(var, det, spec.floor(src), extra)
 
 
 def stage_bound(stage: str, src: Dict[str, np.ndarray], ref: np.ndarray, *, scale: float,
@@ -63,17 +101,9 @@ def stage_bound(stage: str, src: Dict[str, np.ndarray], ref: np.ndarray, *, scal
     cache (a HeadCache for this head) shares the intermediate results of the head's bounds.
     half_rounding: how a bf16/fp16 program converts to its format (verify/model/half.py).
     """
-    spec = _spec(stage)
-    u = unit_roundoff(precision)
-    kernel = kernel_for(backend, math, flash_kernel)
-    ref = np.asarray(ref, dtype=np.float64)
-    if spec.isolated is None:
-        return np.zeros(ref.shape)
-    var, det = spec.isolated(src, ref, Problem(scale, causal, u, kernel, cache))
-    bound = finish(ref, var, det, spec.floor(src))
-    if is_half(precision):
-        bound += half_terms(stage, ref, src, scale, causal, precision, False, cache, half_rounding)
-    return bound
+    parts = stage_bound_parts(stage, src, ref, scale=scale, causal=causal, precision=precision, backend=backend,
+                              math=math, flash_kernel=flash_kernel, cache=cache, half_rounding=half_rounding)
+    return np.zeros(np.shape(ref)) if parts is None else parts.bound(ref)
 
 
 def chained_bound(stage: str, chain: Dict[str, np.ndarray], *, scale: float, causal: bool,

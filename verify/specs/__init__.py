@@ -10,10 +10,10 @@ from __future__ import annotations
 from typing import Dict, List
 
 from ..stages import CASE_INPUTS, STAGES
-from . import backward, copies, flash, output, scores, weights
+from . import backward, copies, dropout, flash, output, scores, weights
 from .base import HeadContext, StageSpec, Violation
 
-SPECS: Dict[str, StageSpec] = {s.name: s for module in (copies, scores, weights, output, flash, backward)
+SPECS: Dict[str, StageSpec] = {s.name: s for module in (copies, scores, weights, dropout, output, flash, backward)
                                for s in module.SPECS}
 assert set(SPECS) == set(STAGES), "every stage of verify/stages.py needs a spec"
 
@@ -34,9 +34,16 @@ def chain_inputs(stage: str) -> List[str]:
     return [n for n in CASE_INPUTS if n in ups]
 
 
+def reads_dropout_mask(stage: str) -> bool:
+    """Whether the stage's reference depends on the program's dropout keep-mask (itself or
+    upstream): under dropout it cannot be checked without it."""
+    return any(s in dropout.MASK_READERS for s in [stage] + upstream(stage))
+
+
 def uses_scale_and_mask(stage: str) -> bool:
     """Whether the stage depends on the scale and the causal mask (itself or upstream)."""
     return any(SPECS[s].scaled for s in [stage] + upstream(stage))
 
 
-__all__ = ["SPECS", "StageSpec", "HeadContext", "Violation", "upstream", "chain_inputs", "uses_scale_and_mask"]
+__all__ = ["SPECS", "StageSpec", "HeadContext", "Violation", "upstream", "chain_inputs", "uses_scale_and_mask",
+           "reads_dropout_mask"]

@@ -1,0 +1,66 @@
+"""dropout_mask: the program's keep-mask under dropout (1 kept, 0 dropped), and its keep rate.
+
+The verifier never draws a mask of its own: the program's is what every stage that reads it is
+checked against (MASK_READERS: their specs read src[DROPOUT_MASK], which the check engine hands
+them beside their sources), so the stage's reference is itself and its comparisons are exact. What
+can be checked without a reference: every entry is exactly 0 or 1; and, over the whole run (the
+engine sums each head's keep_counts), the share of the visible entries kept is within
+verify.variant.dropout_keep_tolerance of 1 − p.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Tuple
+
+import numpy as np
+
+from ..stages import (DROPOUT_MASK, FLASH_GRAD_KEYS, FLASH_GRAD_QUERIES, FLASH_GRAD_VALUES, FLASH_OUTPUT, GRAD_SCORES,
+                      GRAD_VALUES, MASK_INPUT, OUTPUT)
+from ..variant import dropout_keep_band, dropout_keep_tolerance, hidden
+from .base import HeadContext, StageSpec, Violation, violation
+
+# The stages whose formula reads the keep-mask (docs/contract.md, "Dropout"): the forward outputs,
+# dV and dS, and the flash backward, which recomputes them.
+MASK_READERS = (OUTPUT, FLASH_OUTPUT, GRAD_SCORES, GRAD_VALUES, FLASH_GRAD_QUERIES, FLASH_GRAD_KEYS,
+                FLASH_GRAD_VALUES)
+
+# Violation and run-check codes.
+NOT_BINARY = "dropout_not_binary"      # an entry of the mask is neither 0 nor 1
+KEEP_RATE = "dropout_keep_rate"        # the run keeps too many or too few entries for its p
+
+KEPT, DROPPED = 1.0, 0.0
+
+
+def _binary_check(stage: str, got: np.ndarray, ctx: HeadContext) -> List[Violation]:
+    """Every entry exactly 0 or 1: a mask of other values (a scaled mask 1/(1 − p), a bit pattern,
+    NaN) is not a keep-mask, and the stages that read it would be checked against nonsense."""
+    bad = ~((got == KEPT) | (got == DROPPED))
+    if not bad.any():
+        return []
+    v = violation(NOT_BINARY, stage, bad, "are neither 0 (dropped) nor 1 (kept)")
+    where = v.where
+    v.message += f" = {float(got[where]):.9g}"
+    return [v]
+
+
+def keep_counts(got: np.ndarray, ctx: HeadContext) -> Tuple[int, int]:
+    """(kept, visible) of one head's mask: the entries the head's scores can see (its variant's
+    mask and mask file: the entries a program draws for), and those of them that hold 1."""
+    n, m = got.shape
+    visible = ~hidden(ctx.variant, n, m, ctx.inputs.get(MASK_INPUT))
+    return int(np.count_nonzero(visible & (got == KEPT))), int(np.count_nonzero(visible))
+
+
+def keep_rate(kept: int, total: int, p: float) -> Tuple[bool, str]:
+    """(whether the run's keep count is plausible for dropout p, the one line that says so)."""
+    problem: Optional[str] = dropout_keep_tolerance(kept, total, p)
+    if problem:
+        return False, f"{DROPOUT_MASK}: {problem}"
+    if not total:
+        return True, f"{DROPOUT_MASK}: no visible entry: the keep rate is not tested"
+    return True, (f"{DROPOUT_MASK}: kept {kept} of {total} visible entries ({kept / total:.4%}); dropout {p} "
+                  f"keeps {1 - p:.4%} ± {dropout_keep_band(total):.4%}")
+
+
+SPECS = (
+    StageSpec(DROPOUT_MASK, reference=lambda src, problem: src[DROPOUT_MASK], invariants=(_binary_check,)),
+)
