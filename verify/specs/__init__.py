@@ -7,11 +7,12 @@ a table entry (its name a constant there), a spec here, and its kernels.
 """
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 from ..stages import CASE_INPUTS, STAGES
+from ..variant import Variant
 from . import backward, copies, flash, output, scores, weights
-from .base import HeadContext, StageSpec, Violation
+from .base import VARIANT_SOURCES, HeadContext, StageSpec, Violation
 
 SPECS: Dict[str, StageSpec] = {s.name: s for module in (copies, scores, weights, output, flash, backward)
                                for s in module.SPECS}
@@ -34,9 +35,18 @@ def chain_inputs(stage: str) -> List[str]:
     return [n for n in CASE_INPUTS if n in ups]
 
 
+def sources_of(stage: str, variant: Variant) -> Tuple[str, ...]:
+    """What the stage's reference and bounds read under `variant`: its table inputs, then what the
+    variant adds (StageSpec.variant_sources: the mask and bias files, the dropout keep-mask, QK for
+    the softcap's derivative)."""
+    extra = tuple(n for n in SPECS[stage].variant_sources(variant) if n not in STAGES[stage].inputs)
+    return STAGES[stage].inputs + extra
+
+
 def uses_scale_and_mask(stage: str) -> bool:
     """Whether the stage depends on the scale and the causal mask (itself or upstream)."""
     return any(SPECS[s].scaled for s in [stage] + upstream(stage))
 
 
-__all__ = ["SPECS", "StageSpec", "HeadContext", "Violation", "upstream", "chain_inputs", "uses_scale_and_mask"]
+__all__ = ["SPECS", "StageSpec", "HeadContext", "Violation", "upstream", "chain_inputs", "uses_scale_and_mask",
+           "sources_of", "VARIANT_SOURCES"]
