@@ -13,18 +13,13 @@ from ..files.case import read_bytes
 from ..files.kinds import CaseError
 from ..files.outputs import STAGE_ITEMSIZE, RunInfo, staleness
 from ..files.resolution import EXACT
-from ..specs import SPECS, HeadContext, upstream
+from ..specs import SPECS, HeadContext, sources_of, upstream
 from ..specs.base import Violation
 from ..files.case import InputCase
 from ..stages import BIAS_INPUT, DROPOUT_MASK, GRAD_INPUT, INPUT_NAMES, MASK_INPUT, STAGES
 from . import tolerance
 from .reference import compute_stage, reference_chain
 from .results import FAIL, INHERITED, MISSING, PASS, SHAPE, STALE, UNREADABLE, HeadResult
-
-# What a head's references read beside a stage's sources (verify/specs/: src[MASK_INPUT], …): the
-# case's mask and bias files, and the program's own dropout keep-mask. Every source set carries
-# those the head has.
-VARIANT_SOURCES = (MASK_INPUT, BIAS_INPUT, DROPOUT_MASK)
 
 # A file's state -> its diagnosis code.
 STATUS_CODES = {STALE: "stale", MISSING: "missing", SHAPE: "shape", UNREADABLE: "unreadable"}
@@ -120,14 +115,22 @@ def keep_mask(run: RunInfo, head: int) -> Tuple[Optional[Loaded], Optional[str]]
 
 # ---- references and bounds under the case's variant -------------------------------------------
 
-def with_variant(src: Dict[str, np.ndarray], ctx: HeadContext) -> Dict[str, np.ndarray]:
-    """src and the head's variant sources (VARIANT_SOURCES), which the references and bounds read."""
-    return {**src, **{n: ctx.inputs[n] for n in VARIANT_SOURCES if n in ctx.inputs}}
+def sources(stage: str, ctx: HeadContext) -> Tuple[str, ...]:
+    """The names a stage's reference and bounds read for this head: its table inputs and what the
+    head's variant adds (specs.sources_of: the mask and bias files, the program's keep-mask, QK
+    under a softcap); an echo's is the input file itself."""
+    return sources_of(stage, ctx.effective_variant) or (stage,)
 
 
 def reference(stage: str, src: Dict[str, np.ndarray], ctx: HeadContext) -> np.ndarray:
-    """The float64 reference of `stage` from `src` (with_variant's) under the head's variant."""
-    return compute_stage(stage, src, ctx.scale, ctx.causal, variant=ctx.variant, slope=ctx.slope)
+    """The float64 reference of `stage` from `src` (its sources()) under the head's variant."""
+    return compute_stage(stage, src, ctx.scale, ctx.causal, variant=ctx.effective_variant, slope=ctx.slope)
+
+
+def quantization(stage: str, src: Dict[str, np.ndarray], quanta, ctx: HeadContext):
+    """How far the isolated reference moves with its sources' printed resolutions."""
+    return tolerance.quantization_bound(stage, src, quanta, ctx.scale, ctx.causal, variant=ctx.effective_variant,
+                                        slope=ctx.slope)
 
 
 def chain_of(inputs: Dict[str, np.ndarray], needed: Iterable[str], scale: float, causal: bool, variant,
