@@ -34,7 +34,8 @@ def _softmax(s: np.ndarray) -> np.ndarray:
     return e / e.sum(axis=1, keepdims=True)
 
 
-def _query_head(q, k, v, do, scale: float, keep: Optional[np.ndarray], p: float, rescale: bool) -> Dict[str, np.ndarray]:
+def _query_head(q, k, v, do, scale: float, keep: Optional[np.ndarray], p: float,
+                rescale: bool) -> Dict[str, np.ndarray]:
     """Every stage of one query head, float64: the stage path, the flash twins (the same values),
     and the head's parts of dK and dV. keep: the dropout keep-mask (None: no dropout); rescale
     False: the bug of dropping without 1/(1 − p)."""

@@ -325,7 +325,7 @@ def _keep_rate(run: RunInfo, results: List[HeadResult]) -> List[RunCheck]:
         return []
     kept, total = (sum(c) for c in zip(*counts))
     passed, line = dropout_spec.keep_rate(kept, total, run.variant.dropout)
-    return [RunCheck(dropout_spec.KEEP_RATE, DROPOUT_MASK, passed, line,
+    return [RunCheck(dropout_spec.KEEP_RATE, DROPOUT_MASK, dropout_spec.KEEP_RATE_TITLE, passed, line,
                      {"kept": kept, "visible": total, "dropout": run.variant.dropout})]
 
 

@@ -108,9 +108,9 @@ def keep_mask(run: RunInfo, head: int) -> Tuple[Optional[Loaded], Optional[str]]
         return loaded, None
     if loaded is not None:
         return loaded, f"not checkable without the program's keep-mask: {loaded[3]}"
-    return None, (f"not checkable: the case has dropout {p:g} but the run has no {DROPOUT_MASK}, the program's "
-                  f"keep-mask, which this stage is computed from (the check never draws its own); HINT: write "
-                  f"it as {DROPOUT_MASK}_head_{{i}}, 1 where kept, 0 where dropped")
+    return None, (f"not checkable: the case has dropout {p:g} but the run has no {DROPOUT_MASK} (the program's "
+                  f"keep-mask, which the stages after it are computed from: the check never draws its own); HINT: "
+                  f"write it as {DROPOUT_MASK}_head_{{i}}, 1 where kept, 0 where dropped")
 
 
 # ---- references and bounds under the case's variant -------------------------------------------

@@ -172,7 +172,7 @@ def notes(report: Report) -> List[str]:
 
 def run_check_lines(report: Report) -> List[str]:
     """The run-level checks (dropout's keep rate), one line each, passed or not."""
-    return [f"{'PASS' if c.passed else 'FAIL'} {c.message}" for c in report.run_checks]
+    return [f"{'PASS' if c.passed else 'FAIL'} {c.stage} {c.title}: {c.message}" for c in report.run_checks]
 
 
 def summary_lines(report: Report) -> List[str]:
@@ -181,8 +181,8 @@ def summary_lines(report: Report) -> List[str]:
     first, verdict = states.culprit(report), f"FAIL ({bounds_words(report.run)}):"
     failed_run = [c for c in report.run_checks if not c.passed]
     if failed_run and (first is None or report.first_failing_stage != first.stage):
-        lines.append(f"{verdict} first failing stage: {failed_run[0].stage}, over the whole run: "
-                     f"{failed_run[0].message}")
+        c = failed_run[0]
+        lines.append(f"{verdict} first failing stage: {c.stage} ({c.title}, over the whole run): {c.message}")
         return lines
     if first is not None and first.status == UNCHECKABLE:
         lines.append(f"{verdict} {states.unchecked_stages(report)} {first.message}")

@@ -45,15 +45,18 @@ def keep_counts(got: np.ndarray, ctx: HeadContext) -> Tuple[int, int]:
     return int(np.count_nonzero(visible & (got == KEPT))), int(np.count_nonzero(visible))
 
 
+KEEP_RATE_TITLE = "keep rate"
+
+
 def keep_rate(kept: int, total: int, p: float) -> Tuple[bool, str]:
     """(whether the run's keep count is plausible for dropout p, the one line that says so)."""
     problem: Optional[str] = dropout_keep_tolerance(kept, total, p)
     if problem:
-        return False, f"{DROPOUT_MASK}: {problem}"
+        return False, f"{problem} of the visible entries"
     if not total:
-        return True, f"{DROPOUT_MASK}: no visible entry: the keep rate is not tested"
-    return True, (f"{DROPOUT_MASK}: kept {kept} of {total} visible entries ({kept / total:.4%}); dropout {p} "
-                  f"keeps {1 - p:.4%} ± {dropout_keep_band(total):.4%}")
+        return True, "no visible entry: not tested"
+    return True, (f"kept {kept} of {total} visible entries ({kept / total:.4%}); dropout {p} keeps "
+                  f"{1 - p:.4%} ± {dropout_keep_band(total):.4%}")
 
 
 SPECS = (
