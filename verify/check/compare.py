@@ -37,7 +37,7 @@ from ..model.half import is_half, round_to_format
 from ..runs.program_checks import ProgramCheck, files_digest, read_findings
 from ..specs import SPECS, HeadContext, reads_dropout_mask, upstream, uses_scale_and_mask
 from ..specs import dropout as dropout_spec
-from ..stages import DROPOUT_MASK, GRAD_INPUT, INPUT_NAMES, STAGES
+from ..stages import DROPOUT_MASK, GRAD_INPUT, STAGES
 from . import flash_attn_criterion, invariants, tolerance
 from .diagnosis import Diagnoser, Diagnosis, Suspect
 from .groups import KVGroup, check_summed, head_term, summed
@@ -46,8 +46,8 @@ from .results import (FAIL, INHERITED, MISSING, PASS, SHAPE, STALE, UNCHECKABLE,
                       Report, RunCheck, compare_arrays, elementwise_error)
 from .stage_check import (STATUS_CODES, Loaded, allowed, bit_identical, blamed_elsewhere, chain_of,
                           classify, failed_upstream, file_index, head_inputs, isolated_sources, keep_mask, load_output,
-                          new_result, nonfinite_propagated, quantization, reference, sources, variant_inputs,
-                          with_quantum)
+                          new_result, nonfinite_propagated, quantization, query_keys_values, reference, sources,
+                          variant_inputs, with_quantum)
 
 __all__ = ["Options", "check", "check_run", "check_head", "error_ratio_map", "Report", "HeadResult", "Comparison",
            "compare_arrays", "elementwise_error", "head_jobs", "RunInfo", "PASS", "FAIL", "INHERITED", "MISSING",
@@ -124,7 +124,7 @@ def check_head(run: RunInfo, case: InputCase, head: int, opts: Options, ref_of_h
     group = group or KVGroup(run, run.dims.kv_head_of(head))
     stages = checked_stages(run, opts)
     ctx, mask_read, unchecked = _open_head(run, case, head, opts, stages)
-    inputs_of_head = (lambda h: {n: x for n, x in head_inputs(run, case, h).items() if n in INPUT_NAMES})
+    inputs_of_head = functools.partial(query_keys_values, run, case)
     results: Dict[str, HeadResult] = {}
     lent = set()
     for stage in stages:

@@ -82,6 +82,12 @@ def case_inputs(run: RunInfo):
     return INPUT_NAMES + ((GRAD_INPUT,) if backward else ())
 
 
+def query_keys_values(run: RunInfo, case: InputCase, head: int) -> Dict[str, np.ndarray]:
+    """Query head `head`'s Q and the K, V it reads (another head's, for the diagnoses)."""
+    inputs = head_inputs(run, case, head)
+    return {n: inputs[n] for n in INPUT_NAMES}
+
+
 def head_inputs(run: RunInfo, case: InputCase, head: int) -> Dict[str, np.ndarray]:
     """Query head `head`'s Q (and dO) and the K, V of the K/V head it reads, as float64."""
     return {n: case.load(n, file_index(run, n, head)).astype(np.float64) for n in case_inputs(run)}
@@ -102,7 +108,7 @@ def variant_inputs(case: InputCase, head: int, keep_mask: Optional[Loaded]) -> D
 def keep_mask(run: RunInfo, head: int) -> Tuple[Optional[Loaded], Optional[str]]:
     """The program's dropout keep-mask of the head (read once: the stages after it read it, and it
     is checked itself), and why the stages that read it cannot be checked (None: they can)."""
-    loaded = load_output(run, DROPOUT_MASK, head) if DROPOUT_MASK in run.stages else None
+    loaded = None if run.sources.get(DROPOUT_MASK) is None else load_output(run, DROPOUT_MASK, head)
     p = run.variant.dropout
     if p <= 0 or (loaded is not None and loaded[0] is not None):
         return loaded, None
