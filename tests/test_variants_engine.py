@@ -34,12 +34,12 @@ def _softmax(s: np.ndarray) -> np.ndarray:
     return e / e.sum(axis=1, keepdims=True)
 
 
-def _query_head(q, k, v, do, scale: float, keep: Optional[np.ndarray], p: float,
-                rescale: bool) -> Dict[str, np.ndarray]:
+def _query_head(q, k, v, do, scale: float, keep: Optional[np.ndarray], p: float, rescale: bool,
+                hidden: np.ndarray) -> Dict[str, np.ndarray]:
     """Every stage of one query head, float64: the stage path, the flash twins (the same values),
     and the head's parts of dK and dV. keep: the dropout keep-mask (None: no dropout); rescale
-    False: the bug of dropping without 1/(1 − p)."""
-    s = (q @ k.T) * scale
+    False: the bug of dropping without 1/(1 − p); hidden: the keys each row may not see."""
+    s = np.where(hidden, -np.inf, (q @ k.T) * scale)
     w = _softmax(s)
     kept = w if keep is None else w * keep / ((1.0 - p) if rescale else 1.0)
     out = {"Q": q, "QK": q @ k.T, "QK_scaled": s, "attention_weights": w, "output": kept @ v, "dO": do}
@@ -64,13 +64,14 @@ def run_program(in_dir: Path, out_dir: Path, keeps=None, p: float = 0.0, rescale
     stages) written once per query head."""
     case = load_input_case(in_dir)
     dims, scale = case.dims, case.scale or default_scale(case.dims.d_k)
+    hidden = ~case.variant.visible(dims.seq_q, dims.seq_k)   # the causal mask at the case's alignment
     out_dir.mkdir(parents=True, exist_ok=True)
     heads = []
     for i in range(dims.total_heads):
         j = dims.kv_head_of(i)
         k, v = case.load("K", j).astype(f64), case.load("V", j).astype(f64)
         heads.append(_query_head(case.load("Q", i).astype(f64), k, v, case.load("dO", i).astype(f64), scale,
-                                 None if keeps is None else keeps[i], p, rescale))
+                                 None if keeps is None else keeps[i], p, rescale, hidden))
         heads[-1].update({"K": k, "V": v, "KT": k.T})
     summed = group_sum or (lambda parts: sum(parts))
 
@@ -107,10 +108,14 @@ def results(report: dict, stage: str):
 
 # ---- GQA / MQA --------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("batch, kv_heads", [(1, 2), (2, 2), (1, 1)], ids=["gqa", "gqa-batch2", "mqa"])
-def test_a_correct_grouped_program_passes(tmp_path, batch, kv_heads):
+BOTTOM_RIGHT = Variant(causal=True, align="bottom-right")
+
+
+@pytest.mark.parametrize("batch, kv_heads, variant", [(1, 2, None), (2, 2, None), (1, 1, None), (2, 3, BOTTOM_RIGHT)],
+                         ids=["gqa", "gqa-batch2", "mqa", "gqa-causal-bottom-right"])
+def test_a_correct_grouped_program_passes(tmp_path, batch, kv_heads, variant):
     dims = Dims(batch, 6, N, M, D, D, kv_heads=kv_heads)
-    in_dir = make_case(tmp_path / "in", dims)
+    in_dir = make_case(tmp_path / "in", dims, variant)
     run_program(in_dir, tmp_path / "out")
     code, output, report = check(tmp_path, in_dir, tmp_path / "out")
     assert code == 0 and report["passed"], output
@@ -161,6 +166,16 @@ def test_the_text_report_names_kv_heads(tmp_path):
     assert 'classname="attnstep.dK" name="kv_head_1"' in junit
 
 
+def test_the_heat_maps_of_a_kv_stage_are_its_groups(tmp_path):
+    pytest.importorskip("matplotlib")
+    dims = Dims(1, 6, N, M, D, D, kv_heads=2)
+    in_dir = make_case(tmp_path / "in", dims)
+    run_program(in_dir, tmp_path / "out", group_sum=lambda parts: parts[0])
+    code, output, _ = check(tmp_path, in_dir, tmp_path / "out", "--stage", "dK", "--plot", tmp_path / "plots")
+    assert code == 1, output
+    assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == ["dK_head_0.png", "dK_head_1.png"]
+
+
 def test_a_group_is_one_job_across_workers(tmp_path):
     """--jobs shares out K/V groups: the report is the same as one process's."""
     dims = Dims(2, 6, N, M, D, D, kv_heads=2)
@@ -203,13 +218,17 @@ def dropout_case(tmp_path):
     return dims, make_case(tmp_path / "in", dims, Variant(dropout=P, dropout_seed=3))
 
 
-def test_a_correct_dropout_program_passes(tmp_path, dropout_case):
-    dims, in_dir = dropout_case
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal-bottom-right"])
+def test_a_correct_dropout_program_passes(tmp_path, causal):
+    dims = Dims(1, 6, N, M, D, D, kv_heads=2)
+    variant = BOTTOM_RIGHT if causal else Variant()
+    in_dir = make_case(tmp_path / "in", dims, variant.with_(dropout=P, dropout_seed=3))
     run_program(in_dir, tmp_path / "out", _keeps(dims, 1 - P), P)
     code, output, report = check(tmp_path, in_dir, tmp_path / "out")
     assert code == 0 and report["passed"], output
     (rate,) = report["run_checks"]
-    assert rate["passed"] and rate["visible"] == dims.total_heads * N * M
+    visible = int(variant.visible(N, M).sum())   # the hidden entries' draws are not counted
+    assert rate["passed"] and rate["visible"] == dims.total_heads * visible
     assert "keeps 90.0000% ±" in output, output
 
 
