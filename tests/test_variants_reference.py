@@ -488,3 +488,61 @@ def test_the_plain_case_is_unchanged_by_the_variant_arguments():
         kw = dict(scale=h.scale, causal=True, backend="cpu")
         np.testing.assert_array_equal(tolerance.chained_bound(s, {**inputs, **a}, **kw),
                                       tolerance.chained_bound(s, {**inputs, **a}, variant=Variant(causal=True), **kw))
+
+
+# ---- the diagnoses' hooks -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("changes", [dict(align=TOP_LEFT), dict(window=(10, -1)), dict(softcap=0.0),
+                                     dict(alibi=False), dict(dropout=0.0)])
+def test_a_stage_from_the_inputs_under_another_variant(changes):
+    """from_inputs / with_mask take variant= (a diagnosis asks for the stage under another
+    alignment, window, without the cap) and rows= (some of the head's query rows)."""
+    from verify.specs import SPECS
+    h = make_head("everything")
+    other = h.variant.with_(**changes)
+    src = inputs_of(h)
+    want = reference_chain(src, h.scale, True, COMPUTED, variant=other, slope=h.slope)
+    for stage in (OUTPUT, FLASH_OUTPUT, FLASH_LSE):
+        got = SPECS[stage].from_inputs(src, h.scale, None, variant=other, slope=h.slope)
+        np.testing.assert_allclose(got, want[stage], rtol=1e-12, atol=1e-14, err_msg=stage)
+    flash_src = {**src, FLASH_OUTPUT: want[FLASH_OUTPUT], FLASH_LSE: want[FLASH_LSE]}
+    for stage in (FLASH_GRAD_QUERIES, FLASH_GRAD_KEYS, FLASH_GRAD_VALUES):
+        got = SPECS[stage].with_mask(flash_src, h.scale, None, variant=other, slope=h.slope)
+        np.testing.assert_allclose(got, want[stage], rtol=1e-12, atol=1e-12, err_msg=stage)
+    rows = np.arange(5, 30, 3)
+    some = SPECS[OUTPUT].from_inputs({**src, QUERIES: src[QUERIES][rows]}, h.scale, None, variant=other,
+                                     slope=h.slope, rows=rows, n=h.n)
+    np.testing.assert_allclose(some, want[OUTPUT][rows], rtol=1e-12, atol=1e-14)
+
+
+def test_an_explicit_mask_replaces_the_variants():
+    from verify.specs import SPECS
+    h = make_head("alibi")
+    src = inputs_of(h)
+    masked = np.triu(np.ones((h.n, h.m), bool), 1 + h.m - h.n)  # bottom-right causal, built here
+    got = SPECS[FLASH_LSE].from_inputs(src, h.scale, masked, variant=h.variant, slope=h.slope)
+    want = chain_of(replace(h, variant=h.variant.with_(causal=True)), [FLASH_LSE])[FLASH_LSE]
+    np.testing.assert_allclose(got, want, rtol=1e-12)
+
+
+# ---- grouped K/V heads: dK and dV summed over the group -----------------------------------------
+
+@pytest.mark.parametrize("precision", ("fp32", "bf16"))
+def test_a_group_sum_is_within_its_bound(precision):
+    """dK of a K/V head = Σ over its group's query heads, summed in float32 in order of h."""
+    heads = [make_head("everything", seed) for seed in range(3)]
+    heads = [replace(h, k=heads[0].k, v=heads[0].v) for h in heads]   # one K/V head for the group
+    refs, bounds, parts = [], [], []
+    for h in heads:
+        verifier = Verifier(h, "cpu", precision)
+        refs.append(verifier.chain[GRAD_KEYS])
+        bounds.append(tolerance.chained_bound(GRAD_KEYS, verifier.chain, **verifier.kw))
+        parts.append(stage_path(h)[GRAD_KEYS])
+    ref, bound = tolerance.group_sum_bound(refs, bounds, precision)
+    total = parts[0]
+    for part in parts[1:]:
+        total = (total + part).astype(f32)
+    if precision == "bf16":
+        total = round_to_format32(total, precision)
+    assert _ratio(total, ref, bound) < 1.0
+    assert _ratio(parts[0] + parts[1], ref, bound) > 1.0   # a head of the group left out
