@@ -114,9 +114,10 @@ def flash_rows(eta_var, lse_var, D_var) -> RowErrors:
 @dataclass(frozen=True)
 class CappedGrads:
     """What dQ and dK are made of under a softcap: G = dS∘f (f = 1 − t², the cap's derivative),
-    its independent and row-shared error standard deviations (δG = f·δdS + dS·δf: the two parts of
-    δf's source, scale·QK's error, are correlated with η's, so their standard deviations add), and
-    P∘f, through which D's error reaches G."""
+    its independent and row-shared error standard deviations, and P∘(|f| + δf), through which D's
+    error reaches G. δG = (f + δf)·δdS + dS·δf: the second-order term counts where f vanishes (a
+    saturated cap) and dS is exactly 0 (a row with one visible key) while neither error does;
+    δf's source, scale·QK's error, is correlated with η's, so the standard deviations add."""
     G: np.ndarray
     indep: np.ndarray
     shared: np.ndarray
@@ -124,8 +125,9 @@ class CappedGrads:
 
 
 def capped_grads(P, dS, indep, shared, f: Optional[np.ndarray], f_sd) -> CappedGrads:
-    """CappedGrads from dS's errors (ds_var_parts), f and the standard deviation of its error; dS
-    itself without a cap (f None)."""
+    """CappedGrads from dS's errors (ds_var_parts), f and the standard deviation (or bound) of its
+    error; dS itself without a cap (f None)."""
     if f is None:
         return CappedGrads(dS, indep, shared, P)
-    return CappedGrads(dS * f, f * indep + np.abs(dS) * f_sd, f * shared, P * f)
+    reach = np.abs(f) + f_sd
+    return CappedGrads(dS * f, reach * indep + np.abs(dS) * f_sd, reach * shared, P * reach)

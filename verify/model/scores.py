@@ -30,22 +30,26 @@ Rows = object  # a slice or an integer index array of query rows
 class HeadVariant:
     """The case's Variant with one query head's ALiBi slope, its mask and bias files (N×M; mask:
     nonzero keeps) and the program's dropout keep-mask (N×M, 1 kept). Equal when the variant and
-    slope are equal and the arrays are the same objects, so that it keys a HeadCache entry as the
-    arrays themselves do (verify/model/rounding.py): an entry's key holds it, and with it the
-    arrays, alive."""
+    slope are equal and the arrays given are the same objects, so that it keys a HeadCache entry
+    as the arrays themselves do (verify/model/rounding.py): an entry's key holds it, and with it
+    the arrays, alive."""
 
-    __slots__ = ("variant", "slope", "mask", "bias", "keep", "_hidden")
+    __slots__ = ("variant", "slope", "mask", "bias", "keep", "_given", "_hidden")
 
     def __init__(self, variant: Variant = Variant(), slope: float = 0.0, mask: Optional[np.ndarray] = None,
                  bias: Optional[np.ndarray] = None, keep: Optional[np.ndarray] = None) -> None:
         self.variant, self.slope = variant, float(slope)
-        self.mask = None if mask is None or variant.mask == NONE else np.asarray(mask)
-        self.bias = None if bias is None or variant.bias == NONE else np.asarray(bias, np.float64)
-        self.keep = None if keep is None or variant.dropout == 0 else np.asarray(keep, np.float64)
+        mask = None if variant.mask == NONE else mask
+        bias = None if variant.bias == NONE else bias
+        keep = None if variant.dropout == 0 else keep
+        self._given = (mask, bias, keep)  # identity: the caller's arrays, whatever their type
+        self.mask = None if mask is None else np.asarray(mask)
+        self.bias = None if bias is None else np.asarray(bias, np.float64)
+        self.keep = None if keep is None else np.asarray(keep, np.float64)
         self._hidden = {}
 
     def _key(self) -> tuple:
-        return self.variant, self.slope, id(self.mask), id(self.bias), id(self.keep)
+        return (self.variant, self.slope) + tuple(id(x) for x in self._given)
 
     def __eq__(self, other) -> bool:
         return isinstance(other, HeadVariant) and self._key() == other._key()

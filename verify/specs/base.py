@@ -107,7 +107,7 @@ class HeadContext:
         for name in VARIANT_SOURCES:
             for where in (self.got, self.inputs, self.chain):
                 if name in where:
-                    out[name] = np.asarray(where[name], np.float64)
+                    out[name] = where[name]  # as stored: its identity keys the head's cached bounds
                     break
         return out
 
