@@ -134,6 +134,8 @@ def validate(v: Variant) -> Optional[str]:
             return f"{name} = {getattr(v, name)!r}: must be none, per-head or broadcast"
     if not (math.isfinite(v.dropout) and 0 <= v.dropout < 1):
         return f"dropout = {v.dropout!r}: must be a probability in [0, 1)"
+    if not isinstance(v.dropout_seed, (int, np.integer)) or isinstance(v.dropout_seed, bool) or v.dropout_seed < 0:
+        return f"dropout_seed = {v.dropout_seed!r}: must be an integer >= 0"
     return None
 
 
