@@ -26,12 +26,12 @@ from click.testing import CliRunner
 
 from verify.bench.flex_outputs import (BIAS, KEEP, KV_DOC, Q_DOC, SLOPES, document_ids, flex_arrays, mask_mod_of,
                                        score_mod_of, write_flex_case)
-from verify.bench.foreign_outputs import (BackendUnavailable, CaseTensors, Results, case_inputs, stage_arrays,
-                                          write_stage_files)
+from verify.bench.foreign_outputs import (BackendUnavailable, CaseTensors, Results, case_inputs, case_tensors,
+                                          stage_arrays, write_stage_files)
 from verify.bench.sdpa_outputs import BACKENDS, EXPLICIT, attention_mask, sdpa_call, write_sdpa_case
 from verify.cli import sdpa_outputs as sdpa_command
 from verify.cli.group import cli
-from verify.files.case import InputCase
+from verify.files.case import InputCase, load_input_case
 from verify.files.generate import generate_case
 from verify.model.half import round_to_format
 from verify.stages import FLASH_GRAD_KEYS, GRAD_INPUT, HALF_PRECISIONS, INPUT_NAMES, STAGES, Dims
@@ -430,6 +430,19 @@ def _variant_case(tmp_path, dims, options, seed=7):
     r = CliRunner().invoke(cli, [str(a) for a in args], catch_exceptions=False)
     assert r.exit_code == 0, r.output
     return tmp_path / "in"
+
+
+@pytest.mark.parametrize("dims,options", VARIANT_CASES)
+def test_sdpa_and_flex_are_given_the_same_attention(tmp_path, dims, options):
+    """The two routes from a generated case to a program, SDPA's attn_mask (verify.variant's
+    functions) and Flex's mods (index arithmetic, document ids), compute the same attention,
+    forward and backward, K/V heads and all."""
+    t = case_tensors(load_input_case(_variant_case(tmp_path, dims, options)), "fp32")
+    by_sdpa, by_flex = numpy_sdpa(sdpa_call(t, "math", "fp32"), "math", "fp32"), numpy_flex(t, "fp32")
+    np.testing.assert_allclose(by_sdpa.out, by_flex.out, rtol=1e-5, atol=1e-6)
+    for grad in by_flex.grads:
+        np.testing.assert_allclose(by_sdpa.grads[grad], by_flex.grads[grad], rtol=1e-5, atol=1e-5)
+    assert by_flex.grads["dk"].shape[:2] == (dims.batch, dims.kv) and np.isfinite(by_flex.out).all()
 
 
 @pytest.mark.parametrize("dims,options", VARIANT_CASES)

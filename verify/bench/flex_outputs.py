@@ -19,6 +19,7 @@ and bias files, the ALiBi slopes), with
   kv_doc[kv_idx], the ids read off the file by document_ids) where it is one, else looked up entry by
   entry (prefix-LM, random patterns);
 * enable_gqa for grouped K/V heads: dK and dV come with Hk heads, Flex's backward summing each group;
+* kernel_options FORCE_USE_FLEX_ATTENTION: Flex's training kernel at every size (KERNEL_OPTIONS);
 * the lse requested with return_aux=AuxRequest(lse=True) (return_lse=True in a torch without
   AuxRequest). Flex's kernel keeps it in base 2 and flex_attention returns lse·ln 2, the natural log,
   which is the contract's flash_lse: written as it comes. A row that sees no key: output 0, lse −inf;
@@ -56,6 +57,10 @@ FlexRunner = Callable[[CaseTensors, str], Results]
 # What the mods capture (flex_arrays): the slopes (B, H); the bias, the mask file's keep and its
 # document ids, each per head (B, H, ...) or, covering every head, without those two axes.
 SLOPES, BIAS, KEEP, Q_DOC, KV_DOC = "slopes", "bias", "keep", "q_doc", "kv_doc"
+# Flex's training kernel (the one with a backward) at every size: for short query sequences
+# (N < 128) torch otherwise picks its decoding kernel, which torch 2.11 cannot compile for grouped
+# K/V heads (NoValidChoicesError), seen on an H100.
+KERNEL_OPTIONS = {"FORCE_USE_FLEX_ATTENTION": True}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -206,7 +211,8 @@ def _compiled(torch, flex):
 
 def _attend(flex, compiled, q, k, v, t: CaseTensors, score_mod, block_mask):
     """(output, lse) of one compiled call, the lse asked for as this torch asks for it."""
-    kwargs = dict(score_mod=score_mod, block_mask=block_mask, scale=t.scale, enable_gqa=t.grouped)
+    kwargs = dict(score_mod=score_mod, block_mask=block_mask, scale=t.scale, enable_gqa=t.grouped,
+                  kernel_options=KERNEL_OPTIONS)
     if hasattr(flex, "AuxRequest"):
         out, aux = compiled(q, k, v, return_aux=flex.AuxRequest(lse=True), **kwargs)
         return out, aux.lse
@@ -238,7 +244,8 @@ def run_flex(t: CaseTensors, precision: str) -> Results:
         block_mask = _refused(lambda: _block_mask(flex, t, mask_mod))
         out, lse = _refused(lambda: _attend(flex, compiled, q, k, v, t, score_mod, block_mask))
         results = Results(to_numpy(out), to_numpy(lse))
-        if GRAD_INPUT in t.inputs:
-            do = torch.from_numpy(t.inputs[GRAD_INPUT]).cuda().to(dtype)
+        grad_output = t.inputs.get(GRAD_INPUT)  # the case's dO, when it has one
+        if grad_output is not None:
+            do = torch.from_numpy(grad_output).cuda().to(dtype)
             results.grads = dict(zip(GRADS, map(to_numpy, _refused(lambda: torch.autograd.grad(out, (q, k, v), do)))))
     return results
