@@ -27,7 +27,7 @@ from click.testing import CliRunner
 from verify.bench.flex_outputs import (BIAS, KEEP, KV_DOC, Q_DOC, SLOPES, document_ids, flex_arrays, mask_mod_of,
                                        score_mod_of, write_flex_case)
 from verify.bench.foreign_outputs import (BackendUnavailable, CaseTensors, Results, case_inputs, case_tensors,
-                                          stage_arrays, write_stage_files)
+                                          in_format, stage_arrays, write_stage_files)
 from verify.bench.sdpa_outputs import BACKENDS, EXPLICIT, attention_mask, sdpa_call, write_sdpa_case
 from verify.cli import sdpa_outputs as sdpa_command
 from verify.cli.group import cli
@@ -95,7 +95,7 @@ def _attention(inputs, scale, modify, precision) -> Results:
     p = np.divide(e, total, out=np.zeros_like(e), where=total > 0)  # a row that sees no key: 0
     with np.errstate(divide="ignore"):
         lse = (np.log(total) + np.where(np.isfinite(top), top, 0))[..., 0].astype(np.float32)
-    half = lambda x: round_to_format(x.astype(np.float32), precision).astype(np.float32) if precision in HALF_PRECISIONS else x.astype(np.float32)  # noqa: E731,E501
+    half = lambda x: in_format(x.astype(np.float32), precision)  # noqa: E731
     out = p @ v
     results = Results(half(out), lse)
     if GRAD_INPUT in inputs:
