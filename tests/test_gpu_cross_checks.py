@@ -4,7 +4,7 @@
 bias; irregular sizes) and checked as another program's output (`attnstep check`, no run.toml):
 every one passes; planted bugs (the other alignment, a window off by one, the softcap left out,
 ALiBi's slopes in reverse head order, dK of one query head instead of its group's sum) fail at the
-stage they first touch, with the verifier's name for the bug where it has one (NAMED).
+stage they first touch, with the verifier's name for the bug where it has one (tests/helpers/planted_variants.py NAMED).
 
     python3 -m pytest -q -m gpu -rs tests/test_gpu_cross_checks.py      (on the GPU machine)
 
@@ -26,15 +26,17 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
+from helpers.planted_variants import (ALIBI_REVERSED, DK_ONE_HEAD, OTHER_ALIGNMENT, PLANTS, SDPA_CANNOT,
+                                      SOFTCAP_LEFT_OUT, WINDOW_OFF_BY_ONE, assert_fails_where_it_starts, failures,
+                                      one_head_dk)
 from verify.bench.flex_outputs import FLEX, write_flex_case
-from verify.bench.foreign_outputs import BackendUnavailable, CaseTensors, stage_arrays
+from verify.bench.foreign_outputs import BackendUnavailable, stage_arrays
 from verify.bench.sdpa_outputs import BACKENDS, write_sdpa_case
 from verify.cli.group import cli
 from verify.files.case import load_input_case
 from verify.model.half import round_to_format32
-from verify.stages import (BIAS_INPUT, FLASH_GRAD_KEYS, FLASH_GRAD_VALUES, FLASH_OUTPUT, GRAD_KEYS, GRAD_VALUES,
-                           HALF_PRECISIONS, KEYS, OUTPUT, VALUES, Dims)
-from verify.variant import TOP_LEFT, hidden
+from verify.stages import BIAS_INPUT, FLASH_GRAD_KEYS, FLASH_OUTPUT, GRAD_KEYS, HALF_PRECISIONS, OUTPUT, Dims
+from verify.variant import hidden
 
 pytestmark = pytest.mark.gpu
 
@@ -64,23 +66,9 @@ FLEX_ALL_FORMATS = ("gqa-H8-Hk2", "document", "gqa-bottom-right-window-softcap-a
 FLEX_RUNS = ([(case, "bf16") for case in CASES]
              + [(case, p) for case in FLEX_ALL_FORMATS for p in ("fp32", "fp16")])
 
-# The planted bugs: id -> (the case, what changes in the case's tensors before the run). "dk-one-
-# head" runs without grouping and keeps dK of each group's first query head (_one_head_dk).
-PLANTS = {
-    "other-alignment": ("causal-bottom-right-N90-M203", lambda t: t.with_(variant=t.variant.with_(align=TOP_LEFT))),
-    "window-off-by-one": ("window-64-0", lambda t: t.with_(variant=t.variant.with_(window=(65, 0)))),
-    "softcap-left-out": ("softcap-30", lambda t: t.with_(variant=t.variant.with_(softcap=0.0))),
-    "alibi-reversed": ("alibi-H8", lambda t: t.with_(slopes=t.slopes[:, ::-1].copy())),
-    "dk-one-head": ("gqa-H8-Hk2", lambda t: _ungrouped(t)),
-}
-# The verifier's name for each planted bug (the report's `diagnosis` code). The test asserts a
-# bug's name once the bug is in NAMED (the variants' diagnoses are being added; until a name
-# exists the test asserts the failure and its stage): the one list to update.
-DIAGNOSES = {"other-alignment": "mask_offset", "window-off-by-one": "window_offset",
-             "softcap-left-out": "softcap_missing", "alibi-reversed": "alibi_head_order",
-             "dk-one-head": "kv_group_not_summed"}
-NAMED: frozenset = frozenset()
-assert NAMED <= set(PLANTS) and set(DIAGNOSES) == set(PLANTS)
+# Each planted bug's case (the bugs: tests/helpers/planted_variants.py).
+PLANT_CASES = {OTHER_ALIGNMENT: "causal-bottom-right-N90-M203", WINDOW_OFF_BY_ONE: "window-64-0",
+               SOFTCAP_LEFT_OUT: "softcap-30", ALIBI_REVERSED: "alibi-H8", DK_ONE_HEAD: "gqa-H8-Hk2"}
 # Who runs each planted bug: SDPA's math backend (every SDPA variant), its memory-efficient one
 # (the fused path; skipped where it refuses) and Flex. SDPA has no softcap.
 PROGRAMS = ("math", "efficient", FLEX)
@@ -122,11 +110,6 @@ def _check(in_dir: Path, out_dir: Path, precision: str, tmp_path: Path, *options
                                  "--quiet", "--json", str(report), *extra, *options], catch_exceptions=False)
     assert report.exists(), r.output
     return r.exit_code, json.loads(report.read_text())
-
-
-def _failures(report) -> list:
-    return [(r["stage"], r["head"], r["status"], [d["code"] for d in r["diagnosis"]])
-            for r in report["results"] if not r["passed"]]
 
 
 def _run(program: str, in_dir: Path, out_dir: Path, precision: str, plant=None):
@@ -171,10 +154,10 @@ def test_sdpa_passes_every_variant_it_takes(torch, tmp_path, case, backend, prec
     what = _rows_without_keys(in_dir, out_dir, output) if code else None
     if what:  # torch's choice for rows that see no key; the other rows must still pass
         again, report = _check(in_dir, out_dir, precision, tmp_path, "--stage", output)
-        assert again == 0, (what, _failures(report))
+        assert again == 0, (what, failures(report))
         pytest.xfail(f"SDPA {backend} writes {what} in the rows that see no key (the contract: output 0); "
                      "its other rows pass")
-    assert code == 0 and report["passed"], (results.notes, _failures(report))
+    assert code == 0 and report["passed"], (results.notes, failures(report))
     dims = CASES[case][0]
     dk = np.load(out_dir / f"{FLASH_GRAD_KEYS if BACKENDS[backend].fused else GRAD_KEYS}.npy")
     assert dk.shape[:2] == (dims.batch, dims.kv)
@@ -190,57 +173,24 @@ def test_flex_passes_every_variant(torch, tmp_path, case, precision):
             pytest.skip(str(exc))
         raise
     code, report = _check(in_dir, tmp_path / "out", precision, tmp_path)
-    assert code == 0 and report["passed"], (results.notes, _failures(report))
+    assert code == 0 and report["passed"], (results.notes, failures(report))
     assert set(stage_arrays(results, fused=True)) == {r["stage"] for r in report["results"]}
-
-
-def _ungrouped(t: CaseTensors) -> CaseTensors:
-    """K and V repeated for every query head: a program that shares no K/V head (its dK and dV
-    then come per query head; _one_head_dk makes them the case's shape again)."""
-    group = t.dims.group_size
-    return t.with_(inputs={**t.inputs, **{n: np.repeat(t.inputs[n], group, axis=1) for n in (KEYS, VALUES)}})
-
-
-def _one_head_dk(out_dir: Path, dims: Dims, precision: str) -> str:
-    """dK of each group's first query head instead of the group's sum (the planted bug), dV the
-    group's sum in the format (correct); returns dK's stage."""
-    for dk, dv in ((FLASH_GRAD_KEYS, FLASH_GRAD_VALUES), (GRAD_KEYS, GRAD_VALUES)):
-        if (out_dir / f"{dk}.npy").exists():
-            x, y = np.load(out_dir / f"{dk}.npy"), np.load(out_dir / f"{dv}.npy")
-            np.save(out_dir / f"{dk}.npy", x[:, ::dims.group_size])
-            summed = y.astype(np.float32).reshape(dims.batch, dims.kv, dims.group_size, *y.shape[2:]).sum(axis=2)
-            np.save(out_dir / f"{dv}.npy", round_to_format32(summed, precision).astype(y.dtype))
-            return dk
-    raise AssertionError(f"no dK in {out_dir}")
 
 
 @pytest.mark.parametrize("program", PROGRAMS)
 @pytest.mark.parametrize("bug", PLANTS)
 def test_a_planted_bug_fails_where_it_starts(torch, tmp_path, bug, program):
-    case, plant = PLANTS[bug]
-    if program != FLEX and "softcap" in case:
+    if program != FLEX and bug in SDPA_CANNOT:
         pytest.skip("SDPA has no softcap to leave out")
-    precision = "bf16"
+    case, precision = PLANT_CASES[bug], "bf16"
     in_dir = _generate(tmp_path, case, precision)
     out_dir = tmp_path / "out"
     try:
-        _run(program, in_dir, out_dir, precision, plant)
+        _run(program, in_dir, out_dir, precision, PLANTS[bug])
     except BackendUnavailable as exc:
         if program != "efficient":
             raise
         pytest.skip(f"SDPA efficient does not run this case here: {exc}")
-    expected: Optional[str] = None
-    if bug == "dk-one-head":
-        expected = _one_head_dk(out_dir, CASES[case][0], precision)
+    dk = one_head_dk(out_dir, CASES[case][0], precision) if bug == DK_ONE_HEAD else None
     code, report = _check(in_dir, out_dir, precision, tmp_path)
-    failures = _failures(report)
-    assert code == 1, failures
-    if expected is None:  # a mask or score bug: the forward output goes wrong first
-        expected = FLASH_OUTPUT if program == FLEX or BACKENDS[program].fused else OUTPUT
-        assert report["first_failing_stage"] == expected, failures
-    else:  # only the group's sum is wrong
-        assert {stage for stage, *_ in failures} == {expected}, failures
-    if bug in NAMED:
-        codes = {c for stage, _, _, found in failures if stage == expected for c in found}
-        assert DIAGNOSES[bug] in codes, failures
-
+    assert_fails_where_it_starts(code, report, bug, program == FLEX or BACKENDS[program].fused, dk)

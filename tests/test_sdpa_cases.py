@@ -24,6 +24,8 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
+from helpers.planted_variants import (ALIBI_REVERSED, DK_ONE_HEAD, OTHER_ALIGNMENT, PLANTS, SDPA_CANNOT,
+                                      SOFTCAP_LEFT_OUT, WINDOW_OFF_BY_ONE, assert_fails_where_it_starts, one_head_dk)
 from verify.bench.flex_outputs import (BIAS, KEEP, KV_DOC, Q_DOC, SLOPES, document_ids, flex_arrays, mask_mod_of,
                                        score_mod_of, write_flex_case)
 from verify.bench.foreign_outputs import (BackendUnavailable, CaseTensors, Results, case_inputs, case_tensors,
@@ -421,9 +423,9 @@ VARIANT_CASES = [
 ]
 
 
-def _variant_case(tmp_path, dims, options, seed=7):
+def _variant_case(tmp_path, dims, options, seed=7, dist="normal"):
     args = ["generate", "--out", tmp_path / "in", "--batch", dims.batch, "--heads", dims.heads, "--seq-q",
-            dims.seq_q, "--seq-k", dims.seq_k, "--d-k", dims.d_k, "--d-v", dims.d_v, "--dist", "normal",
+            dims.seq_q, "--seq-k", dims.seq_k, "--d-k", dims.d_k, "--d-v", dims.d_v, "--dist", dist,
             "--seed", seed, "--format", "npy", "--backward", *options]
     if dims.kv_heads:
         args += ["--kv-heads", dims.kv_heads]
@@ -458,13 +460,31 @@ def test_stand_ins_of_sdpa_and_flex_pass_on_every_variant(tmp_path, dims, option
     assert np.load(tmp_path / "flex" / f"{FLASH_GRAD_KEYS}.npy").shape[:2] == (dims.batch, dims.kv)
 
 
-def test_a_planted_alignment_fails_the_stand_in(tmp_path):
-    """Flex given the other alignment than the case's fails at its output."""
-    in_dir = _variant_case(tmp_path, Dims(1, 2, 37, 53, 24, 24), ("--causal", "bottom-right"))
-    write_flex_case(in_dir, tmp_path / "out", "bf16", runner=numpy_flex,
-                    plant=lambda t: t.with_(variant=t.variant.with_(align="top-left")))
-    code, report = _check(in_dir, tmp_path / "out", "bf16", tmp_path)
-    assert code == 1 and report["first_failing_stage"] == "flash_output", _failures(report)
+# Each planted bug's case for the stand-ins (the bugs: tests/helpers/planted_variants.py).
+STAND_IN_PLANTS = {OTHER_ALIGNMENT: (Dims(1, 2, 37, 53, 24, 24), ("--causal", "bottom-right"), "normal"),
+                   WINDOW_OFF_BY_ONE: (Dims(1, 2, 48, 61, 24, 24), ("--window", "16,0"), "normal"),
+                   SOFTCAP_LEFT_OUT: (Dims(1, 2, 37, 53, 24, 24), ("--softcap", "30"), "large"),
+                   ALIBI_REVERSED: (Dims(1, 4, 37, 53, 24, 24), ("--alibi",), "normal"),
+                   DK_ONE_HEAD: (Dims(1, 6, 37, 53, 24, 24, kv_heads=2), (), "normal")}
+
+
+@pytest.mark.parametrize("program", ["math", "flex"])
+@pytest.mark.parametrize("bug", PLANTS)
+def test_a_planted_bug_fails_the_stand_in_where_it_starts(tmp_path, bug, program):
+    """Each planted bug, given to SDPA's (math) or Flex's stand-in, fails where the GPU test
+    expects it to with the real programs."""
+    if program != "flex" and bug in SDPA_CANNOT:
+        pytest.skip("SDPA has no softcap to leave out")
+    dims, options, dist = STAND_IN_PLANTS[bug]
+    in_dir = _variant_case(tmp_path, dims, options, dist=dist)
+    out_dir = tmp_path / "out"
+    if program == "flex":
+        write_flex_case(in_dir, out_dir, "bf16", runner=numpy_flex, plant=PLANTS[bug])
+    else:
+        write_sdpa_case(in_dir, out_dir, program, "bf16", runner=numpy_sdpa, plant=PLANTS[bug])
+    dk = one_head_dk(out_dir, dims, "bf16") if bug == DK_ONE_HEAD else None
+    code, report = _check(in_dir, out_dir, "bf16", tmp_path)
+    assert_fails_where_it_starts(code, report, bug, program == "flex", dk)
 
 
 # ---- PyTorch's SDPA on the GPU -----------------------------------------------------------------
