@@ -75,10 +75,10 @@ class Backend:
 # allows its fp16/bf16 reductions (torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp), so each
 # of its ops (Q and K scaled by √scale, Q·Kᵀ, softmax, P·V, and the backward's) rounds its result
 # to the format, as eager half-precision code does.
-BACKENDS = {"flash": Backend("FLASH_ATTENTION", True), "efficient": Backend("EFFICIENT_ATTENTION", True),
+FLASH = "flash"
+BACKENDS = {FLASH: Backend("FLASH_ATTENTION", True), "efficient": Backend("EFFICIENT_ATTENTION", True),
             "cudnn": Backend("CUDNN_ATTENTION", True), "math": Backend("MATH", False),
             "math-half": Backend("MATH", False, half_math=True)}
-FLASH = "flash"
 # A causal mask alone: the backend's own causal flag (NATIVE), or an attn_mask (EXPLICIT).
 NATIVE, EXPLICIT = "is_causal", "explicit"
 MASKS = (NATIVE, EXPLICIT)
