@@ -62,9 +62,11 @@ class Options:
 
     allow_nonfinite: bool = False  # NaN/inf inputs load; NaN then matches a NaN reference
     max_memory_mb: Optional[int] = None  # the most memory the check plans for (else what is available)
+    variant: Dict[str, object] = field(default_factory=dict)  # Variant fields said (check --align, --window, ...)
 
     def overrides(self) -> Overrides:
-        return Overrides(self.causal, self.scale, self.precision, self.math, dict(self.names), self.half_rounding)
+        return Overrides(self.causal, self.scale, self.precision, self.math, dict(self.names), self.half_rounding,
+                         dict(self.variant))
 
     def override(self, stage: str) -> Optional[Tuple[float, float]]:
         if stage in self.per_stage:

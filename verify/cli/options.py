@@ -16,7 +16,7 @@ from ..files.generate import DEFAULT_DIMS, MAX_SEED
 from ..files.kinds import CaseError
 from ..files.outputs import parse_name_map, read_names_file
 from ..runs.runner import DEFAULT_BUILD_DIR, DEFAULT_RUN_TIMEOUT_S, RunnerError
-from ..stages import DEFAULT_INPUT_DIR, DEFAULT_OUTPUT_DIR
+from ..stages import DEFAULT_INPUT_DIR, DEFAULT_OUTPUT_DIR, DROPOUT_MASK
 from ..variant import ALIGNMENTS, TOP_LEFT, UNBOUNDED
 
 BACKENDS = ("auto", "cuda", "cpu")
@@ -231,7 +231,7 @@ alibi_option = SharedOption("--alibi", is_flag=True, default=None,
                             help="ALiBi: add -slope_h*|diag(i)-j| to the scores (flash-attn's sign).")
 dropout_option = SharedOption("--dropout", type=Probability(), metavar="P",
                               help="Dropout probability of the attention weights (the program writes its "
-                                   "keep-mask as the stage dropout_mask).")
+                                   f"keep-mask as the stage {DROPOUT_MASK}).")
 dropout_seed_option = SharedOption("--dropout-seed", type=click.IntRange(0, MAX_SEED), metavar="S",
                                    help="Seed of the binary's dropout mask [default: 0].")
 
