@@ -144,7 +144,9 @@ WINDOWS = [  # (case, bug, by, stages written, the stage named, code, the window
     ("window", "window_right", -1, ("flash_output",), "flash_output", "window_off", [7, 3]),
     ("causal-window", "window_left", 3, None, "QK_scaled", "window_off", [10, -1]),
     ("causal-window", "window_left", -1, ("output",), "output", "window_off", [6, -1]),
+    ("window", "window_swapped", 0, None, "QK_scaled", "window_off", [4, 7]),
     ("window", "window_ignored", 0, None, "QK_scaled", "window_missing", [-1, -1]),
+    ("window", "window_left_ignored", 0, ("output",), "output", "window_missing", [-1, 4]),
     ("causal-window", "window_ignored", 0, ("flash_output",), "flash_output", "window_missing", [-1, -1]),
 ]
 
@@ -154,6 +156,14 @@ WINDOWS = [  # (case, bug, by, stages written, the stage named, code, the window
 def test_a_window_off_by_a_few_keys_or_ignored_is_named(tmp_path, cases, case, bug, by, only, stage, code, window):
     found = _named(_check(tmp_path, cases[case], Program(bug, by), only)[1], stage, code)
     assert all(d["detail"]["window"] == window for d in found.values())
+
+
+def test_a_causal_diagonal_moved_under_a_window_is_named_with_the_window_kept(tmp_path, cases):
+    """A causal window whose right bound (the causal diagonal) is one key late: the diagonal moved,
+    the window's left bound where it belongs."""
+    found = _named(_check(tmp_path, cases["causal-window"], Program("window_right", 1))[1], "QK_scaled",
+                   "mask_offset", range(6))
+    assert all(d["detail"]["offset"] == 1 and d["detail"]["window_kept"] for d in found.values())
 
 
 @pytest.mark.parametrize("bug,code", [("mask_transposed", "mask_file_transposed"), ("mask_ignored", "mask_file_ignored")])

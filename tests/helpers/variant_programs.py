@@ -37,6 +37,8 @@ BUGS = {
     "window_left": "the window's left bound off by `by` keys",
     "window_right": "the window's right bound off by `by` keys",
     "window_ignored": "the window not applied (the causal mask kept)",
+    "window_left_ignored": "the window's left bound not applied",
+    "window_swapped": "the window's left and right bounds swapped",
     "softcap_missing": "no softcap",
     "softcap_before_scale": "C·tanh(QK/C)·scale",
     "alibi_reversed": "the ALiBi slopes in reverse head order",
@@ -113,6 +115,10 @@ class Program:
             right += self.by
         if self.bug == "window_ignored":
             left, right = -1, (0 if v.causal else -1)
+        if self.bug == "window_left_ignored":
+            left = -1
+        if self.bug == "window_swapped":
+            left, right = right, left
         out = np.zeros((n, m), bool)
         if left >= 0:
             out |= j < diag - left
