@@ -86,7 +86,7 @@ def _missing(masks: Masks) -> Iterator[Candidate]:
         return
     window = v.window != (UNBOUNDED, UNBOUNDED)
     what = f"causal masking and the window {v.window} are on" if window else "causal masking is on"
-    yield Candidate("mask_missing", f"{what} but got matches attention without {'them' if window else 'it'}",
+    yield Candidate("mask_missing", f"{what} but got matches the result without {'them' if window else 'it'}",
                     masks.files, {"window": list(v.window), "causal": True}, 0.9)
 
 
@@ -123,7 +123,7 @@ def _window_bounds(v: Variant) -> Iterator[Tuple[str, str, Tuple[int, int]]]:
         w = (UNBOUNDED, right) if i == 0 else (left, UNBOUNDED)
         yield "window_missing", f"the window's {side} bound ({v.window[i]} keys) is ignored", w
     if bounded:
-        kept = "; the causal mask is applied" if v.causal else ": got matches attention without it"
+        kept = "; the causal mask is applied" if v.causal else ": got matches the result without it"
         yield "window_missing", f"the window {v.window} is ignored{kept}", (UNBOUNDED, UNBOUNDED)
 
 
@@ -154,7 +154,7 @@ def _mask_file(masks: Masks) -> Iterator[Candidate]:
         return
     without = file_hidden(v.with_(mask=NONE), masks.tensors, masks.n, masks.m)
     structural = structural_hidden(v, masks.n, masks.m, masks.offset)
-    yield Candidate("mask_file_ignored", f"the mask file ({v.mask}) is ignored: got matches attention "
+    yield Candidate("mask_file_ignored", f"the mask file ({v.mask}) is ignored: got matches the result "
                     "without it", structural | without, {"coverage": v.mask})
     for how, read in _transposed_reads(mask):
         yield Candidate("mask_file_transposed", f"the mask file ({v.mask}) is read {how}",
@@ -284,7 +284,10 @@ def _mask_in_pattern(stage: str, got: np.ndarray, pattern: np.ndarray, ctx) -> L
     fitted = _fit_offset(pattern & ~masks.files)
     for c in candidates(masks, [] if fitted is None else [fitted - masks.offset]):
         if (pattern == c.hidden).all():
-            return [c.diagnosis(stage, None)]
+            found = c.diagnosis(stage, None)
+            if c.code == "mask_missing":
+                found.message += f" ({_STAND_IN})"
+            return [found]
     return _stand_in(stage, got, pattern, masks)
 
 
@@ -312,8 +315,11 @@ def _stand_in(stage: str, got: np.ndarray, pattern: np.ndarray, masks: Masks) ->
     value = SPECS[stage].masked_value
     what = "causal masking is on" if masks.v.causal else "the case has a sliding window"
     return [Diagnosis("mask_missing", f"{stage}: {what} but {int(unmasked.sum())} of {int(hidden.sum())} "
-                      f"entries it hides do not hold the masked value {value:g} (not masked, or masked with "
-                      "a finite stand-in such as -1e9)", {"count": int(unmasked.sum())}, 0.9)]
+                      f"entries it hides do not hold the masked value {value:g} ({_STAND_IN})",
+                      {"count": int(unmasked.sum())}, 0.9)]
+
+
+_STAND_IN = "not masked, or masked with a finite stand-in such as -1e9"
 
 
 def _mask_recompute(stage: str, ctx, width):

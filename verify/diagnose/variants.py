@@ -26,6 +26,8 @@ from .base import explains
 from .inputs import alternatives, slope_of, variant_of, variant_tensors
 
 
+# The other heads whose slope a head's bias is tried with: the reversed order's, then the nearest.
+MAX_SLOPE_HEADS = 6
 CODES = ("softcap_missing", "softcap_before_scale", "alibi_missing", "alibi_sign", "alibi_slope_order",
          "bias_ignored", "bias_transposed", "dropout_unscaled", "dropout_not_applied", "dropout_mask_inverted")
 
@@ -48,7 +50,7 @@ def _softcap(v: Variant, scale: float) -> Iterator[Bug]:
     cap = v.softcap
     if cap <= 0:
         return
-    yield Bug("softcap_missing", f"the softcap C = {cap:g} is not applied: got matches the uncapped scores",
+    yield Bug("softcap_missing", f"the softcap C = {cap:g} is not applied: got matches the result without it",
               v.with_(softcap=0.0), detail={"softcap": cap})
     # C·tanh(QK/C)·scale = (C·|scale|)·tanh(scale·QK / (C·|scale|)): a cap of C·|scale| after the scale.
     yield Bug("softcap_before_scale", f"the softcap is applied before the scale: C·tanh(QK/C)·scale instead of "
@@ -71,7 +73,7 @@ def _alibi(v: Variant, ctx: Suspect) -> Iterator[Bug]:
     if not v.alibi:
         return
     slope = slope_of(ctx)
-    yield Bug("alibi_missing", f"ALiBi is not applied (slope {slope:.6g}): got matches the scores without it",
+    yield Bug("alibi_missing", f"ALiBi is not applied (slope {slope:.6g}): got matches the result without it",
               v.with_(alibi=False), detail={"slope": slope})
     yield Bug("alibi_sign", f"the ALiBi bias has the wrong sign: +slope·|diag(i) − j| instead of −slope·|diag(i) − j| "
               f"(slope {slope:.6g}): far keys gain instead of lose", slope=-slope, detail={"slope": slope})
@@ -80,9 +82,8 @@ def _alibi(v: Variant, ctx: Suspect) -> Iterator[Bug]:
         return
     _, h = ctx.dims.decode_head(ctx.head)
     H = len(slopes)
-    for other in sorted(range(H), key=lambda o: (o != H - 1 - h, abs(o - h))):
-        if other == h or slopes[other] == slope:
-            continue
+    others = [o for o in range(H) if o != h and slopes[o] != slope]
+    for other in sorted(others, key=lambda o: (o != H - 1 - h, abs(o - h)))[:MAX_SLOPE_HEADS]:
         order = f"head {other}'s slope" + (" (the slopes in reverse head order)" if other == H - 1 - h else "")
         yield Bug("alibi_slope_order", f"the ALiBi slope of head {h} is {slopes[other]:.6g}, {order}, instead of "
                   f"{slope:.6g}", slope=float(slopes[other]),
@@ -94,7 +95,7 @@ def _bias(v: Variant, ctx: Suspect) -> Iterator[Bug]:
     bias = variant_tensors(ctx).get(BIAS_INPUT)
     if v.bias == NONE or bias is None:
         return
-    yield Bug("bias_ignored", f"the bias file ({v.bias}) is not added: got matches the scores without it",
+    yield Bug("bias_ignored", f"the bias file ({v.bias}) is not added: got matches the result without it",
               v.with_(bias=NONE), detail={"coverage": v.bias})
     n, m = bias.shape
     read = bias.T if n == m else bias.reshape(m, n).T if n > 1 and m > 1 else None
