@@ -37,7 +37,7 @@ from ..model.half import is_half, round_to_format
 from ..runs.program_checks import ProgramCheck, files_digest, read_findings
 from ..specs import SPECS, HeadContext, reads_dropout_mask, upstream, uses_scale_and_mask
 from ..specs import dropout as dropout_spec
-from ..stages import DROPOUT_MASK, GRAD_INPUT, INPUT_NAMES, STAGES
+from ..stages import DROPOUT_MASK, GRAD_INPUT, STAGES
 from . import flash_attn_criterion, invariants, tolerance
 from .diagnosis import Diagnoser, Diagnosis, Suspect
 from .groups import KVGroup, check_summed, head_term, summed
@@ -46,7 +46,8 @@ from .results import (FAIL, INHERITED, MISSING, PASS, SHAPE, STALE, UNCHECKABLE,
                       Report, RunCheck, compare_arrays, elementwise_error)
 from .stage_check import (STATUS_CODES, Loaded, allowed, bit_identical, blamed_elsewhere, chain_of,
                           classify, failed_upstream, file_index, head_inputs, isolated_sources, keep_mask, load_output,
-                          new_result, nonfinite_propagated, reference, variant_inputs, with_quantum, with_variant)
+                          new_result, nonfinite_propagated, quantization, query_keys_values, reference, sources,
+                          variant_inputs, with_quantum)
 
 __all__ = ["Options", "check", "check_run", "check_head", "error_ratio_map", "Report", "HeadResult", "Comparison",
            "compare_arrays", "elementwise_error", "head_jobs", "RunInfo", "PASS", "FAIL", "INHERITED", "MISSING",
@@ -101,7 +102,8 @@ def _open_head(run: RunInfo, case: InputCase, head: int, opts: Options, stages: 
     mask_read, unchecked = keep_mask(run, head)
     inputs = {**inputs, **variant_inputs(case, head, mask_read)}
     needed = set(stages).union(*(upstream(s) for s in stages))  # partial runs: upstream too
-    needed = {s for s in needed if not (unchecked and reads_dropout_mask(s)) and (not STAGES[s].dropout or s in inputs)}
+    needed = {s for s in needed if not (unchecked and reads_dropout_mask(s, run.variant))
+              and (not STAGES[s].dropout or s in inputs)}
     slope = case.alibi_slope(head)
     # Logits, softmax parts, dot-product variances, … shared by this head's bounds (the isolated
     # and chained checks, both flash stages and the invariants), keyed by array identity: none of
@@ -122,11 +124,11 @@ def check_head(run: RunInfo, case: InputCase, head: int, opts: Options, ref_of_h
     group = group or KVGroup(run, run.dims.kv_head_of(head))
     stages = checked_stages(run, opts)
     ctx, mask_read, unchecked = _open_head(run, case, head, opts, stages)
-    inputs_of_head = (lambda h: {n: x for n, x in head_inputs(run, case, h).items() if n in INPUT_NAMES})
+    inputs_of_head = functools.partial(query_keys_values, run, case)
     results: Dict[str, HeadResult] = {}
     lent = set()
     for stage in stages:
-        why = unchecked if reads_dropout_mask(stage) else None
+        why = unchecked if reads_dropout_mask(stage, run.variant) else None
         if group.lends(stage):
             group.lend(stage, results, ctx)
             lent.add(stage)
@@ -180,10 +182,10 @@ def _compare(res: HeadResult, ctx: HeadContext, results: Dict[str, HeadResult], 
     (sources, reference, allowance) for the diagnoses."""
     stage, mat, quantum = res.stage, ctx.got[res.stage], ctx.quanta[res.stage]
     override = opts.override(stage)
-    names = STAGES[stage].inputs or (stage,)  # an echo's reference is the input file itself
-    src_chain = with_variant({n: ctx.chain[n] for n in names}, ctx)
+    names = sources(stage, ctx)
+    src_chain = {n: ctx.chain[n] for n in names}
     src_iso, q_iso = isolated_sources(names, ctx.got, ctx.quanta, results, ctx.chain)
-    src_iso = with_variant(src_iso, ctx)
+    mat = invariants.canonical(stage, mat, ctx)  # (a correct program's other convention: flash_lse's +inf)
     want_chain = ctx.chain[stage]
     model_chain = allowed(stage, src_chain, want_chain, ctx, override, chained=True)
     allowed_chain = with_quantum(model_chain, quantum)
@@ -196,8 +198,7 @@ def _compare(res: HeadResult, ctx: HeadContext, results: Dict[str, HeadResult], 
         res.isolated = res.chained
         return src_iso, want_chain, allowed_chain
     want_iso = reference(stage, src_iso, ctx)
-    propagated = tolerance.quantization_bound(stage, src_iso, q_iso, ctx.scale, ctx.causal) \
-        if override is None else None
+    propagated = quantization(stage, src_iso, q_iso, ctx) if override is None else None
     allowed_iso = with_quantum(allowed(stage, src_iso, want_iso, ctx, override), quantum, propagated)
     res.isolated = compare_arrays(mat, want_iso, allowed_iso, nan_agrees=True)
     return src_iso, want_iso, allowed_iso
@@ -254,7 +255,7 @@ class _HeadChecker:
 
     def _query_reference(self, stage: str, head: int) -> np.ndarray:
         mask_read, unchecked = keep_mask(self.run, head)
-        if unchecked and reads_dropout_mask(stage):
+        if unchecked and reads_dropout_mask(stage, self.run.variant):
             return np.empty((0, 0))
         inputs = {**head_inputs(self.run, self.case, head), **variant_inputs(self.case, head, mask_read)}
         return chain_of(inputs, [stage], self.run.scale, self.run.causal, self.run.variant,
@@ -324,7 +325,7 @@ def _keep_rate(run: RunInfo, results: List[HeadResult]) -> List[RunCheck]:
         return []
     kept, total = (sum(c) for c in zip(*counts))
     passed, line = dropout_spec.keep_rate(kept, total, run.variant.dropout)
-    return [RunCheck(dropout_spec.KEEP_RATE, DROPOUT_MASK, passed, line,
+    return [RunCheck(dropout_spec.KEEP_RATE, DROPOUT_MASK, dropout_spec.KEEP_RATE_TITLE, passed, line,
                      {"kept": kept, "visible": total, "dropout": run.variant.dropout})]
 
 
@@ -354,9 +355,9 @@ def error_ratio_map(run: RunInfo, case: InputCase, stage: str, head: int,
     group = KVGroup(run, run.dims.kv_head_of(heads[0]))
     for h in heads:
         ctx, _, unchecked = _open_head(run, case, h, opts, [stage])
-        if unchecked and reads_dropout_mask(stage):
+        if unchecked and reads_dropout_mask(stage, run.variant):
             raise CaseError(f"{stage}: {unchecked}")
-        for n in STAGES[stage].inputs:
+        for n in sources(stage, ctx):
             if n in run.stages and not SPECS[n].echo:
                 up = load_output(run, n, file_index(run, n, h))[0]
                 if up is not None:

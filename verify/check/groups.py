@@ -39,7 +39,8 @@ from .diagnosis import Diagnoser, Diagnosis, Suspect
 from .half_rounding import stored_in_format
 from .results import FAIL, UNCHECKABLE, HeadResult, compare_arrays
 from .stage_check import (STATUS_CODES, blamed_elsewhere, classify, failed_upstream, isolated_sources,
-                          load_output, new_result, nonfinite_propagated, reference, with_quantum, with_variant)
+                          load_output, new_result, nonfinite_propagated, quantization, reference, sources,
+                          with_quantum)
 
 # The group's sum is formed in float32 whatever the precision (the half pipelines accumulate in it).
 SUM_U = UNIT_ROUNDOFF["fp32"]
@@ -80,14 +81,12 @@ def head_term(stage: str, ctx: HeadContext, results: Dict[str, HeadResult],
     """Query head ctx's Term of summed stage `stage`, from its own upstream stages (results)."""
     if unchecked:
         return Term(unchecked=unchecked)
-    names = STAGES[stage].inputs or (stage,)  # an echo's reference is the input file itself
-    src, q = isolated_sources(names, ctx.got, ctx.quanta, results, ctx.chain)
-    src = with_variant(src, ctx)
+    src, q = isolated_sources(sources(stage, ctx), ctx.got, ctx.quanta, results, ctx.chain)
     want = reference(stage, src, ctx)
     term = Term(want, ctx.chain[stage], upstream_failed=failed_upstream(stage, results))
     if override is None:
         term.parts = tolerance.stage_bound_parts(stage, src, want, **ctx.bound_args())
-        term.propagated = tolerance.quantization_bound(stage, src, q, ctx.scale, ctx.causal)
+        term.propagated = quantization(stage, src, q, ctx)
         term.chained = tolerance.chained_bound(stage, ctx.chain, **ctx.bound_args())
     return term
 

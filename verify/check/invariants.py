@@ -1,10 +1,13 @@
 """Checks that need no reference: properties every correct result has, on one head's got-matrix.
 
-No NaN/Inf appears where none is allowed (-inf only where causal masking hides a score); each
-stage's own properties are in its spec (verify/specs/): echoes and the transpose are exact copies,
-masked entries hold their masked value, softmax rows are non-negative and sum to 1 within the row
-sum's rounding, dS rows sum to 0 and dK columns too, and the flash stages agree with the stage path
-the binary wrote.
+No NaN/Inf appears where none is allowed (-inf only where the reference holds it: a score the
+mask hides, the lse of a row that sees no key); each stage's own properties are in its spec
+(verify/specs/): echoes and the transpose are exact copies, masked entries hold their masked value
+under the head's whole mask (the causal flag, alignment and window, the mask file, the bias file's
+-inf), softmax rows are non-negative and sum to 1 within the row sum's rounding (a row that sees
+no key: all 0), dS rows sum to 0 and dK columns too (without a softcap), and the flash stages agree
+with the stage path the binary wrote. A spec's `canonical` puts the program's values in the
+reference's convention first (flash_lse's +inf for an empty row, flash-attn's causal ALiBi shift).
 """
 from __future__ import annotations
 
@@ -12,14 +15,13 @@ from typing import List
 
 import numpy as np
 
-from ..model.attention import causal_mask
 from ..specs import SPECS, HeadContext
 from ..specs.base import (COLUMN_SUM, ECHO_MISMATCH, FLASH_VS_OUTPUT, FLASH_VS_STAGES, LSE_VS_SCORES, MASK_MISSING,
                           NEGATIVE_WEIGHTS, NONFINITE, NOT_TRANSPOSE, ROW_SUM, Violation, nonfinite)
 from ..stages import Dims
 from . import half_rounding, reference, tolerance
 
-__all__ = ["check_invariants", "ENGINE_BOUNDS", "head_context", "Violation", "NONFINITE", "NEGATIVE_WEIGHTS",
+__all__ = ["check_invariants", "canonical", "ENGINE_BOUNDS", "head_context", "Violation", "NONFINITE", "NEGATIVE_WEIGHTS",
            "ROW_SUM", "MASK_MISSING", "NOT_TRANSPOSE", "ECHO_MISMATCH", "FLASH_VS_OUTPUT", "LSE_VS_SCORES",
            "FLASH_VS_STAGES", "COLUMN_SUM"]
 
@@ -49,15 +51,32 @@ def _where_reference_finite(stage: str, got: np.ndarray, ctx: HeadContext) -> np
     return got if ref is None else np.where(np.isfinite(ref), got, 0.0)
 
 
+def canonical(stage: str, got: np.ndarray, ctx: HeadContext) -> np.ndarray:
+    """got in the reference's convention (the spec's `canonical`; got itself without one or
+    without the reference)."""
+    spec = SPECS[stage]
+    if spec.canonical is None or stage not in ctx.chain:
+        return got
+    return spec.canonical(got, np.asarray(ctx.chain[stage], np.float64), ctx)
+
+
+def _neg_inf_allowed(stage: str, got: np.ndarray, ctx: HeadContext) -> np.ndarray:
+    """Where −inf is a correct value: where the reference holds it (else, for a stage whose masked
+    value is −inf, where the head's mask hides the entry)."""
+    if stage in ctx.chain and np.shape(ctx.chain[stage]) == got.shape:
+        return np.asarray(ctx.chain[stage]) == -np.inf
+    if SPECS[stage].masked_value == -np.inf:
+        return ctx.hidden(*got.shape)
+    return np.zeros(got.shape, bool)
+
+
 def check_invariants(stage: str, got: np.ndarray, ctx: HeadContext) -> List[Violation]:
     """Reference-free checks on one head's float64 got-matrix of `stage` (see the module doc)."""
-    got = np.asarray(got, dtype=np.float64)
+    got = canonical(stage, np.asarray(got, dtype=np.float64), ctx)
     spec = SPECS[stage]
     out: List[Violation] = []
     if not spec.echo:  # an echo's own check judges non-finite values against its input
-        hidden = spec.masked_value == -np.inf and ctx.causal
-        neg_inf_ok = causal_mask(*got.shape) if hidden else np.zeros(got.shape, bool)
-        v = nonfinite(stage, _where_reference_finite(stage, got, ctx), neg_inf_ok)
+        v = nonfinite(stage, _where_reference_finite(stage, got, ctx), _neg_inf_allowed(stage, got, ctx))
         if v:
             out.append(v)
     for check in spec.invariants:

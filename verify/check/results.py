@@ -206,13 +206,14 @@ class RunCheck:
     the dropout_mask over every head), reported once; it fails the run like a stage."""
     code: str
     stage: str
+    title: str      # what of the stage it checks, in words ("keep rate")
     passed: bool
     message: str
     detail: dict = field(default_factory=dict)
 
     def to_json(self) -> dict:
-        return {"code": self.code, "stage": self.stage, "passed": self.passed, "message": self.message,
-                **self.detail}
+        return {"code": self.code, "stage": self.stage, "title": self.title, "passed": self.passed,
+                "message": self.message, **self.detail}
 
 
 @dataclass

@@ -13,18 +13,13 @@ from ..files.case import read_bytes
 from ..files.kinds import CaseError
 from ..files.outputs import STAGE_ITEMSIZE, RunInfo, staleness
 from ..files.resolution import EXACT
-from ..specs import SPECS, HeadContext, upstream
+from ..specs import SPECS, HeadContext, sources_of, upstream
 from ..specs.base import Violation
 from ..files.case import InputCase
 from ..stages import BIAS_INPUT, DROPOUT_MASK, GRAD_INPUT, INPUT_NAMES, MASK_INPUT, STAGES
 from . import tolerance
 from .reference import compute_stage, reference_chain
 from .results import FAIL, INHERITED, MISSING, PASS, SHAPE, STALE, UNREADABLE, HeadResult
-
-# What a head's references read beside a stage's sources (verify/specs/: src[MASK_INPUT], …): the
-# case's mask and bias files, and the program's own dropout keep-mask. Every source set carries
-# those the head has.
-VARIANT_SOURCES = (MASK_INPUT, BIAS_INPUT, DROPOUT_MASK)
 
 # A file's state -> its diagnosis code.
 STATUS_CODES = {STALE: "stale", MISSING: "missing", SHAPE: "shape", UNREADABLE: "unreadable"}
@@ -87,6 +82,12 @@ def case_inputs(run: RunInfo):
     return INPUT_NAMES + ((GRAD_INPUT,) if backward else ())
 
 
+def query_keys_values(run: RunInfo, case: InputCase, head: int) -> Dict[str, np.ndarray]:
+    """Query head `head`'s Q and the K, V it reads (another head's, for the diagnoses)."""
+    inputs = head_inputs(run, case, head)
+    return {n: inputs[n] for n in INPUT_NAMES}
+
+
 def head_inputs(run: RunInfo, case: InputCase, head: int) -> Dict[str, np.ndarray]:
     """Query head `head`'s Q (and dO) and the K, V of the K/V head it reads, as float64."""
     return {n: case.load(n, file_index(run, n, head)).astype(np.float64) for n in case_inputs(run)}
@@ -107,27 +108,35 @@ def variant_inputs(case: InputCase, head: int, keep_mask: Optional[Loaded]) -> D
 def keep_mask(run: RunInfo, head: int) -> Tuple[Optional[Loaded], Optional[str]]:
     """The program's dropout keep-mask of the head (read once: the stages after it read it, and it
     is checked itself), and why the stages that read it cannot be checked (None: they can)."""
-    loaded = load_output(run, DROPOUT_MASK, head) if DROPOUT_MASK in run.stages else None
+    loaded = None if run.sources.get(DROPOUT_MASK) is None else load_output(run, DROPOUT_MASK, head)
     p = run.variant.dropout
     if p <= 0 or (loaded is not None and loaded[0] is not None):
         return loaded, None
     if loaded is not None:
         return loaded, f"not checkable without the program's keep-mask: {loaded[3]}"
-    return None, (f"not checkable: the case has dropout {p:g} but the run has no {DROPOUT_MASK}, the program's "
-                  f"keep-mask, which this stage is computed from (the check never draws its own); HINT: write "
-                  f"it as {DROPOUT_MASK}_head_{{i}}, 1 where kept, 0 where dropped")
+    return None, (f"not checkable: the case has dropout {p:g} but the run has no {DROPOUT_MASK} (the program's "
+                  f"keep-mask, which the stages after it are computed from: the check never draws its own); HINT: "
+                  f"write it as {DROPOUT_MASK}_head_{{i}}, 1 where kept, 0 where dropped")
 
 
 # ---- references and bounds under the case's variant -------------------------------------------
 
-def with_variant(src: Dict[str, np.ndarray], ctx: HeadContext) -> Dict[str, np.ndarray]:
-    """src and the head's variant sources (VARIANT_SOURCES), which the references and bounds read."""
-    return {**src, **{n: ctx.inputs[n] for n in VARIANT_SOURCES if n in ctx.inputs}}
+def sources(stage: str, ctx: HeadContext) -> Tuple[str, ...]:
+    """The names a stage's reference and bounds read for this head: its table inputs and what the
+    head's variant adds (specs.sources_of: the mask and bias files, the program's keep-mask, QK
+    under a softcap); an echo's is the input file itself."""
+    return sources_of(stage, ctx.effective_variant) or (stage,)
 
 
 def reference(stage: str, src: Dict[str, np.ndarray], ctx: HeadContext) -> np.ndarray:
-    """The float64 reference of `stage` from `src` (with_variant's) under the head's variant."""
-    return compute_stage(stage, src, ctx.scale, ctx.causal, variant=ctx.variant, slope=ctx.slope)
+    """The float64 reference of `stage` from `src` (its sources()) under the head's variant."""
+    return compute_stage(stage, src, ctx.scale, ctx.causal, variant=ctx.effective_variant, slope=ctx.slope)
+
+
+def quantization(stage: str, src: Dict[str, np.ndarray], quanta, ctx: HeadContext):
+    """How far the isolated reference moves with its sources' printed resolutions."""
+    return tolerance.quantization_bound(stage, src, quanta, ctx.scale, ctx.causal, variant=ctx.effective_variant,
+                                        slope=ctx.slope)
 
 
 def chain_of(inputs: Dict[str, np.ndarray], needed: Iterable[str], scale: float, causal: bool, variant,

@@ -13,29 +13,32 @@ intrinsics (verify/model/kernels.py).
 The building blocks are in verify/model/; each stage's use of them is its spec (verify/specs/):
 this module dispatches. docs/tolerances.md explains the model; tests/test_tolerance.py
 calibrates it. Masked entries (-inf in the reference) get bound 0:
-they must match exactly.
+they must match exactly. Under a variant (`variant`, `slope`: verify/variant.py) the sources and
+the chain also hold the head's mask, bias and dropout keep-mask (verify.specs.VARIANT_SOURCES),
+and the model adds the variant's roundings (verify/model/scores.py).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Optional
+from typing import Dict, Optional, Sequence, Tuple
 
 import numpy as np
 
 from ..model.dot import dot_var
-from ..model.half import NEAREST, is_half
+from ..model.half import NEAREST, is_half, storage_bound
 from ..model.kernels import KERNELS, SOFTMAX_FINAL_ROUNDINGS, Kernel, kernel_for
 from ..model.rounding import (FLUSH, LAMBDA, LOG_ULPS, ROUND_VAR, UNIT_ROUNDOFF, HeadCache, ToleranceError, finish,
                               memo, unit_roundoff)
 from ..model.softmax import need
-from ..specs import SPECS, chain_inputs
-from ..specs.base import Problem
-from ..stages import INPUT_NAMES, STAGES
+from ..specs import SPECS, VARIANT_SOURCES, chain_inputs, sources_of
+from ..specs.base import Problem, resolve_variant
+from ..stages import INPUT_NAMES, STAGES  # noqa: F401 (tolerance.STAGES: the stage table, for callers)
+from ..variant import Variant
 from .half_rounding import half_terms
 
-__all__ = ["stage_bound", "stage_bound_parts", "BoundParts", "chained_bound", "quantization_bound", "dot_var", "kernel_for", "HeadCache",
-           "ToleranceError", "unit_roundoff", "KERNELS", "Kernel", "FLUSH", "LAMBDA", "LOG_ULPS", "ROUND_VAR",
-           "UNIT_ROUNDOFF", "SOFTMAX_FINAL_ROUNDINGS"]
+__all__ = ["stage_bound", "stage_bound_parts", "BoundParts", "chained_bound", "quantization_bound", "group_sum_bound",
+           "dot_var", "kernel_for", "HeadCache", "ToleranceError", "unit_roundoff", "KERNELS", "Kernel", "FLUSH",
+           "LAMBDA", "LOG_ULPS", "ROUND_VAR", "UNIT_ROUNDOFF", "SOFTMAX_FINAL_ROUNDINGS"]
 
 
 # The half pipelines accumulate in float32: their arithmetic is the fp32 model's (the storage
@@ -72,7 +75,8 @@ class BoundParts:
 def stage_bound_parts(stage: str, src: Dict[str, np.ndarray], ref: np.ndarray, *, scale: float,
                       causal: bool, precision: str = "fp32", backend: Optional[str] = None,
                       math: str = "ieee", flash_kernel: Optional[str] = None,
-                      cache: Optional[HeadCache] = None, half_rounding: str = NEAREST) -> Optional[BoundParts]:
+                      cache: Optional[HeadCache] = None, half_rounding: str = NEAREST,
+                      variant: Optional[Variant] = None, slope: float = 0.0) -> Optional[BoundParts]:
     """stage_bound's parts (BoundParts); None for an exact copy (echoes, the transpose)."""
     spec = _spec(stage)
     u = unit_roundoff(precision)
@@ -80,16 +84,17 @@ def stage_bound_parts(stage: str, src: Dict[str, np.ndarray], ref: np.ndarray, *
     ref = np.asarray(ref, dtype=np.float64)
     if spec.isolated is None:
         return None
-    var, det = spec.isolated(src, ref, Problem(scale, causal, u, kernel, cache))
-    extra = half_terms(stage, ref, src, scale, causal, precision, False, cache, half_rounding) \
-        if is_half(precision) else 0.0
+    var, det = spec.isolated(src, ref, Problem.of(scale, causal, src, variant, slope, u, kernel, cache))
+    extra = half_terms(stage, ref, src, scale, causal, precision, False, cache, half_rounding,
+                       variant=variant, slope=slope) if is_half(precision) else 0.0
     return BoundParts(var, det, spec.floor(src), extra)
 
 
 def stage_bound(stage: str, src: Dict[str, np.ndarray], ref: np.ndarray, *, scale: float,
                 causal: bool, precision: str = "fp32", backend: Optional[str] = None,
                 math: str = "ieee", flash_kernel: Optional[str] = None,
-                cache: Optional[HeadCache] = None, half_rounding: str = NEAREST) -> np.ndarray:
+                cache: Optional[HeadCache] = None, half_rounding: str = NEAREST,
+                variant: Optional[Variant] = None, slope: float = 0.0) -> np.ndarray:
     """Element-wise bound on |got - ref| for one head of `stage` computed from `src` (isolated).
 
     src holds the float64 values of the stage's inputs (verify.stages.STAGES[stage].inputs); the
@@ -100,49 +105,53 @@ def stage_bound(stage: str, src: Dict[str, np.ndarray], ref: np.ndarray, *, scal
     intrinsics (kernel_for).
     cache (a HeadCache for this head) shares the intermediate results of the head's bounds.
     half_rounding: how a bf16/fp16 program converts to its format (verify/model/half.py).
+    variant, slope: the case's variant and the head's ALiBi slope (default: the plain case).
     """
     parts = stage_bound_parts(stage, src, ref, scale=scale, causal=causal, precision=precision, backend=backend,
-                              math=math, flash_kernel=flash_kernel, cache=cache, half_rounding=half_rounding)
+                              math=math, flash_kernel=flash_kernel, cache=cache, half_rounding=half_rounding,
+                              variant=variant, slope=slope)
     return np.zeros(np.shape(ref)) if parts is None else parts.bound(ref)
 
 
 def chained_bound(stage: str, chain: Dict[str, np.ndarray], *, scale: float, causal: bool,
                   precision: str = "fp32", backend: Optional[str] = None, math: str = "ieee",
                   flash_kernel: Optional[str] = None, cache: Optional[HeadCache] = None,
-                  half_rounding: str = NEAREST) -> np.ndarray:
+                  half_rounding: str = NEAREST, variant: Optional[Variant] = None, slope: float = 0.0) -> np.ndarray:
     """Bound on |got - chain[stage]| where chain holds the float64 reference chain from the
     original inputs (Q, K, V and every stage up to `stage`): each stage's own error plus the
     upstream errors propagated through it (QK's dot-product error through the scale and the
     softmax Jacobian, the softmax's errors through P·V with the normalization's cancellation).
     stage_bound() alone would cry wolf here: QK's rounding reaches QK_scaled and beyond.
     cache (a HeadCache for this head) shares the intermediate results of the head's bounds."""
-    bound = _chained_float32(stage, chain, scale=scale, causal=causal, precision=precision, backend=backend,
-                             math=math, flash_kernel=flash_kernel, cache=cache)
+    variant = resolve_variant(variant, causal)
+    bound = _chained_float32(stage, chain, scale=scale, variant=variant, slope=slope, precision=precision,
+                             backend=backend, math=math, flash_kernel=flash_kernel, cache=cache)
     if is_half(precision) and _spec(stage).isolated is not None:
-        bound = bound + half_terms(stage, chain[stage], chain, scale, causal, precision, True, cache, half_rounding)
+        bound = bound + half_terms(stage, chain[stage], chain, scale, variant.causal, precision, True, cache,
+                                   half_rounding, variant=variant, slope=slope)
     return bound
 
 
-def _chained_float32(stage: str, chain: Dict[str, np.ndarray], *, scale: float, causal: bool, precision: str,
-                     backend: Optional[str], math: str, flash_kernel: Optional[str],
+def _chained_float32(stage: str, chain: Dict[str, np.ndarray], *, scale: float, variant: Variant, slope: float,
+                     precision: str, backend: Optional[str], math: str, flash_kernel: Optional[str],
                      cache: Optional[HeadCache]) -> np.ndarray:
     """chained_bound's float32 arithmetic (every precision's accumulation)."""
     spec = _spec(stage)
     u = unit_roundoff(precision)
     kernel = kernel_for(backend, math, flash_kernel)
     if spec.chained is None:
-        src = {n: chain[n] for n in INPUT_NAMES if n in chain}
-        src.update({n: chain[n] for n in STAGES[stage].inputs if n in chain})
-        return stage_bound(stage, src, chain[stage], scale=scale, causal=causal,
+        names = INPUT_NAMES + VARIANT_SOURCES + sources_of(stage, variant)
+        src = {n: chain[n] for n in names if n in chain}
+        return stage_bound(stage, src, chain[stage], scale=scale, causal=variant.causal,
                            precision=_FLOAT32_OF.get(precision, precision), backend=backend, math=math,
-                           flash_kernel=flash_kernel, cache=cache)
+                           flash_kernel=flash_kernel, cache=cache, variant=variant, slope=slope)
     sources = need(chain, stage, *chain_inputs(stage))
-    problem = Problem(scale, causal, u, kernel, cache)
+    problem = Problem.of(scale, variant.causal, chain, variant, slope, u, kernel, cache)
     return memo(cache, "chained " + stage, sources, problem.key, lambda: spec.chained(sources, problem))
 
 
 def quantization_bound(stage: str, src: Dict[str, np.ndarray], quanta: Dict[str, np.ndarray],
-                       scale: float, causal: bool):
+                       scale: float, causal: bool, *, variant: Optional[Variant] = None, slope: float = 0.0):
     """How far the isolated reference of `stage` can move when its sources are known only to
     within `quanta` (a file's printed resolution; absent: exact): |∂stage/∂source|·quantum, to
     first order. 0 when every source is exact."""
@@ -150,4 +159,24 @@ def quantization_bound(stage: str, src: Dict[str, np.ndarray], quanta: Dict[str,
     if not q:
         return 0.0
     x = {n: np.asarray(v, np.float64) for n, v in src.items()}
-    return _spec(stage).quantization(x, q, Problem(scale, causal))
+    return _spec(stage).quantization(x, q, Problem.of(scale, causal, x, variant, slope))
+
+
+def group_sum_bound(refs: Sequence[np.ndarray], bounds: Sequence[np.ndarray], precision: str = "fp32",
+                    half_rounding: str = NEAREST) -> Tuple[np.ndarray, np.ndarray]:
+    """(reference, bound) of a K/V head's dK or dV under grouped K/V heads (GQA/MQA): the sum over
+    the query heads of its group, in order of h (verify/stages.py Dims.query_heads_of), of each
+    query head's contribution, whose reference and bound (chained or isolated) are `refs` and
+    `bounds`. The program sums them in float32 in that order: each addition rounds once, by at
+    most u·|the partial sum| (the partial sum lies within the bounds so far of the reference's:
+    one-signed, no averaging over so few terms); under bf16/fp16 the sum is then stored in the
+    format once more."""
+    u = unit_roundoff(_FLOAT32_OF.get(precision, precision))
+    total = np.array(refs[0], dtype=np.float64)
+    bound = np.array(bounds[0], dtype=np.float64)
+    for ref, b in zip(refs[1:], bounds[1:]):
+        total = total + ref
+        bound = bound + b + u * (np.abs(total) + bound + b)
+    if is_half(precision):
+        bound = bound + storage_bound(total, precision, half_rounding)
+    return total, bound

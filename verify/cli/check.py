@@ -19,16 +19,17 @@ from ..report.heatmaps import check_plot_folder, write_plots
 from ..report.json_file import write_json
 from ..report.junit import write_junit
 from ..report.text import failure_lines, header_lines, summary_lines, table_lines
-from ..stages import DROPOUT_MASK, PRECISIONS, STAGE_NAMES
+from ..stages import PRECISIONS, STAGE_NAMES
 from ..terminal import progress_bar
 from ..text import plural
-from .options import (align_option, causal_option, checked_path, dropout_option, in_option, json_option, name_options,
-                      no_causal_option, out_option, parse_names, quiet_option, report_file, said_variant, softcap_option,
-                      user_errors, window_option)
+from .options import (align_option, causal_option, checked_path, dropout_option, in_option, json_option,
+                      name_options, no_causal_option, out_option, parse_names, quiet_option, report_file, said_variant,
+                      softcap_option, user_errors, window_option)
 
 # Work (N·M·heads) above which `check` shows a progress bar (on a terminal only).
 PROGRESS_MIN_WORK = 1 << 24
 TOLERANCES_DOC = "docs/tolerances.md"
+CLI_DOC = "docs/cli.md"
 
 
 class Tolerance(click.ParamType):
@@ -71,7 +72,10 @@ CHECK_HELP = f"""Check every stage of a run against a float64 reference.
 
 Compares each stage file in OUT with a NumPy float64 reference computed from the input case IN,
 prints a stage table and the first failing stage with a diagnosis. Exit status 0: every stage
-passes; 1: a stage fails; 2: bad input. The tolerances: {TOLERANCES_DOC}.
+passes; 1: a stage fails; 2: bad input. The tolerances: {TOLERANCES_DOC}. The variant of
+attention overrides IN's manifest, else run.toml's ({CLI_DOC}): --causal [ALIGN], --no-causal,
+--align ALIGN (top-left or bottom-right), --window LEFT,RIGHT, --softcap C, --alibi/--no-alibi,
+--dropout P.
 """
 
 
@@ -123,16 +127,13 @@ def _plot(report, plot_dir: Path, opts: Options, quiet: bool) -> None:
               help="Tolerances of one stage; repeatable.")
 @click.option("--stage", "only", multiple=True, type=click.Choice(STAGE_NAMES), metavar="STAGE",
               help="Check only this stage; repeatable.")
-@causal_option.but(help="Causal masking, aligned top-left (bare --causal) or bottom-right [default: IN's "
-                        "manifest, else run.toml's].")
-@no_causal_option
-@align_option
-@window_option
-@softcap_option
-@click.option("--alibi/--no-alibi", default=None, help="ALiBi with the case's slopes [default: IN's manifest, "
-              "else run.toml's].")
-@dropout_option.but(help=f"The dropout probability the program used; it wrote its keep-mask as {DROPOUT_MASK} "
-                    "[default: IN's manifest, else run.toml's].")
+@causal_option.but(hidden=True)  # listed in the description: the help fits a screen
+@no_causal_option.but(hidden=True)
+@align_option.but(hidden=True)
+@window_option.but(hidden=True)
+@softcap_option.but(hidden=True)
+@click.option("--alibi/--no-alibi", default=None, hidden=True)
+@dropout_option.but(hidden=True)
 @click.option("--scale", type=float, callback=checked_path(lambda v: check_scale(v, "--scale")),
               help="Score scale [default: IN's, else run.toml's, else 1/sqrt(d_k)].")
 @click.option("--precision", type=click.Choice(PRECISIONS),

@@ -23,8 +23,8 @@ from .manifests import (INPUT_KEYS, INT64, build_variant, check_case_limits, che
 from .matrix_io import (atomic_write_bytes, crc32_hex, file_kind, matrix_bytes, matrix_max_bytes, output_file_target,
                         parse_matrix, parse_npy_matrix, parse_text_matrix, probe_writable, read_bytes, read_matrix,
                         text_header_fields, write_matrix)
-from .variant_inputs import (COVERAGE_FIELD, READERS, TENSOR_INPUTS, coverage, coverage_of_files, read_slopes, slope_of, whole_file,
-                             whole_files)
+from .variant_inputs import (COVERAGE_FIELD, READERS, TENSOR_INPUTS, coverage, coverage_of_files, read_slopes,
+                             slope_of, whole_file, whole_files)
 
 __all__ = ["InputCase", "load_input_case", "input_head_files", "clear_input_files", "CaseError", "INPUT_KEYS",
            "INT64", "check_scale", "check_types", "read_toml", "validate_dims", "write_toml", "atomic_write_bytes",
@@ -204,8 +204,9 @@ def _infer_case(folder: Path, files, whole) -> InputCase:
     # The K/V heads: as many as the highest K or V file says (a gap below it is a missing file).
     kv = 1 + max(i for n, i in files if n in (K, V))
     if kv > heads or heads % kv:
-        raise CaseError(f"{folder}: {plural(heads, 'query head')} ({Q}_head_0..{heads - 1}) and {plural(kv, 'K/V head')} "
-                        f"({K}_head_0..{kv - 1}): the K/V heads must divide the query heads, each serving as many; "
+        raise CaseError(f"{folder}: {plural(heads, 'query head')} ({Q}_head_0..{heads - 1}) and "
+                        f"{plural(kv, 'K/V head')} ({K}_head_0..{kv - 1}): the K/V heads must divide the query heads, "
+                        "each serving as many; "
                         f"HINT: a missing or extra {K} or {V} file? With grouped K/V heads, write {KV_HEADS_KEY} in a "
                         f"{INPUT_MANIFEST}")
     q, k, v = (read_matrix(folder / stage_file(n, 0, fmt)) for n in INPUT_NAMES)
@@ -238,7 +239,8 @@ def _heads_in_words(case: InputCase, name: str) -> str:
     """'6 heads', or for K and V of a grouped case '2 K/V heads per batch element, 4 in all'."""
     d, count = case.dims, _heads_of(case, name)
     if name in STAGES and STAGES[name].kv and d.kv != d.heads:
-        return f"{plural(d.kv, 'K/V head')} per batch element ({KV_HEADS_KEY} = {d.kv} of {d.heads} heads), {count} in all"
+        return (f"{plural(d.kv, 'K/V head')} per batch element ({KV_HEADS_KEY} = {d.kv} of {d.heads} heads), "
+                f"{count} in all")
     return plural(count, "head")
 
 
@@ -294,7 +296,8 @@ def _check_variant_files(case: InputCase, files, whole) -> None:
     if ALIBI_SLOPES_INPUT in whole:
         if case.manifest and not case.variant.alibi:
             raise CaseError(f"{case.path / whole_file(ALIBI_SLOPES_INPUT, case.fmt)}: ALiBi slopes, but "
-                            f"{case.path / INPUT_MANIFEST} says alibi = false; HINT: remove the file, or set alibi = true")
+                            f"{case.path / INPUT_MANIFEST} says alibi = false; HINT: remove the file, or set "
+                            "alibi = true")
         case.alibi_slope(0)  # reads and checks the file
 
 

@@ -21,7 +21,7 @@ from ..variant import BROADCAST, NONE, Variant
 from .case import (INT64, check_case_limits, check_scale, clear_input_files, input_head_files, read_toml,
                    validate_dims, write_matrix, write_toml)
 from .kinds import CaseError
-from .manifests import CAUSAL_KEY, variant_keys
+from .manifests import CAUSAL_KEY, WINDOW_KEYS, variant_keys
 from .patterns import RANDOM_SLOPES, VariantInputs, check_inputs, draw_bias, draw_mask, draw_slopes
 from .unfinished import process_exists
 from .variant_inputs import whole_file
@@ -127,9 +127,11 @@ def _case_variant(variant: Optional[Variant], causal: bool, inputs: VariantInput
 
 def _variant_manifest(v: Variant) -> dict:
     """The manifest's variant keys: causal always (as before variants), the others where they
-    differ from textbook attention."""
-    plain = variant_keys(Variant())
-    return {k: value for k, value in variant_keys(v).items() if k == CAUSAL_KEY or value != plain[k]}
+    differ from textbook attention (a window's both sides)."""
+    plain, keys = variant_keys(Variant()), variant_keys(v)
+    windowed = any(keys[k] != plain[k] for k in WINDOW_KEYS)
+    return {k: value for k, value in keys.items()
+            if k == CAUSAL_KEY or value != plain[k] or (windowed and k in WINDOW_KEYS)}
 
 
 def _write_inputs(staging: Path, dims: Dims, variant: Variant, inputs: VariantInputs, seed: int,
@@ -239,7 +241,8 @@ def case_size(dims: Dims, fmt: str, backward: bool, block: int = 1,
         return -(-matrix_file_bytes(shape, fmt) // block) * block
     counts = {name: dims.heads_of(name) for name in (CASE_INPUTS if backward else INPUT_NAMES)}
     shapes = {name: STAGES[name].shape(dims) for name in counts}
-    for name, pattern, heads in ((MASK_INPUT, inputs.mask, inputs.mask_heads), (BIAS_INPUT, inputs.bias, inputs.bias_heads)):
+    for name, pattern, heads in ((MASK_INPUT, inputs.mask, inputs.mask_heads),
+                                 (BIAS_INPUT, inputs.bias, inputs.bias_heads)):
         if pattern:
             counts[name] = 1 if heads == BROADCAST else dims.total_heads
             shapes[name] = tuple(dims.size(sym) for sym in VARIANT_INPUTS[name])

@@ -173,10 +173,14 @@ def build_variant(fields: dict, where, names=None) -> Variant:
     at = where if callable(where) else (lambda _field: where)
     named = names or (lambda field: ", ".join(k for k, f in _KEY_FIELDS.items() if f == field))
     for field, value in fields.items():  # each on its own: the error names the one at fault
-        try:
-            Variant(**{field: value})
-        except ValueError as exc:
-            raise CaseError(f"{at(field)}: '{named(field)}': {exc}") from None
+        # A window's sides one at a time, each with the key that says it.
+        tries = [(WINDOW_KEYS[0], (value[0], UNBOUNDED)), (WINDOW_KEYS[1], (UNBOUNDED, value[1]))] \
+            if field == "window" and names is None else [(named(field), value)]
+        for key, tried in tries:
+            try:
+                Variant(**{field: tried})
+            except ValueError as exc:
+                raise CaseError(f"{at(field)}: '{key}': {exc}") from None
     try:
         return Variant(**fields)
     except ValueError as exc:  # a rule of two fields: causal and the window's right side

@@ -17,7 +17,6 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass, field
-from dataclasses import fields as dataclass_fields
 from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Tuple
 
@@ -25,13 +24,14 @@ import numpy as np
 
 from ..model.half import HALF_ROUNDINGS, NEAREST, rounding_refusal  # noqa: F401 (cli's choices)
 from ..model.kernels import KERNELS, kernel_base_name
-from ..stages import (DIM_KEYS, FORMATS, INPUT_MANIFEST, KV_HEADS_KEY, PRECISIONS, RUN_MANIFEST, STAGES, Dims, default_scale,
-                      parse_stage_file, stage_file)
+from ..stages import (DIM_KEYS, FORMATS, KV_HEADS_KEY, PRECISIONS, RUN_MANIFEST, STAGES, Dims,
+                      default_scale, parse_stage_file, stage_file)
 from ..text import plural, printable
 from ..variant import VARIANT_KEYS, Variant
 from .case import InputCase, check_scale, check_types, crc32_hex, read_toml, validate_dims
 from .manifests import CAUSAL_KEY, build_variant, variant_fields
 from .kinds import CaseError
+from .run_settings import Mismatch, resolve_variant
 from .stage_files import (STACKED_SUFFIX, STAGE_ITEMSIZE, StageSource, check_heads_named, discover_sources,
                           parse_name_map, pattern_regex, read_names_file, refuse_query_head_kv_files)
 from .unfinished import refuse_unfinished
@@ -67,31 +67,6 @@ class Overrides:
         return {**({"causal": self.causal} if self.causal is not None else {}), **self.variant}
 
 
-# The option of `attnstep check` that says each setting (a mismatch's hint names it).
-CHECK_OPTIONS = {"causal": "--causal/--no-causal", "scale": "--scale", "align": "--align", "window": "--window",
-                 "softcap": "--softcap", "alibi": "--alibi/--no-alibi", "dropout": "--dropout"}
-
-
-@dataclass(frozen=True)
-class Mismatch:
-    """run.toml says the run computed `key` = run_value, the input case asks for input_value."""
-    key: str
-    run_value: object
-    input_value: object
-
-    def message(self) -> str:
-        def show(v):
-            if isinstance(v, bool):
-                return str(v).lower()
-            if isinstance(v, tuple):
-                return ",".join(map(str, v))
-            return v if isinstance(v, str) else f"{float(v):.9g}"
-        option = CHECK_OPTIONS.get(self.key)
-        hint = f"run again, or pass {option} to check what it computed" if option else "run it again on this case"
-        return (f"the run computed {self.key} = {show(self.run_value)} (run.toml) but the input case "
-                f"asks for {self.key} = {show(self.input_value)}; HINT: {hint}")
-
-
 @dataclass
 class RunInfo:
     path: Optional[Path]
@@ -112,6 +87,8 @@ class RunInfo:
     def __post_init__(self):
         if self.variant is None:
             self.variant = Variant(causal=bool(self.causal))
+        elif self.causal and not self.variant.causal:
+            self.variant = self.variant.with_(causal=True)
         self.causal = self.variant.causal
 
     @property
@@ -225,51 +202,13 @@ def _run_dims(values: dict, case: InputCase, folder: Path) -> Dims:
     return case.dims
 
 
-# A variant field on which run.toml and the input case may differ: the check never draws the
-# dropout mask again (it reads the program's), so the seed cannot make a stage wrong.
-_NOT_COMPARED = ("dropout_seed",)
-_VARIANT_FIELDS = tuple(f.name for f in dataclass_fields(Variant))
-
-
-def _same(a, b) -> bool:
-    """Equal as the binary holds them (floats in float32)."""
-    if isinstance(a, float) or isinstance(b, float):
-        return bool(np.float32(a) == np.float32(b))
-    return a == b
-
-
-def _asked_variant(case: InputCase) -> Dict[str, object]:
-    """The Variant fields the input case says: all of them with a manifest (a key left out is the
-    default), else the mask and bias that its files hold."""
-    if case.manifest:
-        return {name: getattr(case.variant, name) for name in _VARIANT_FIELDS}
-    return {name: getattr(case.variant, name) for name in ("mask", "bias")}
-
-
-def _resolve_variant(run: RunInfo, case: InputCase, values: dict, over: Overrides) -> None:
-    """Each variant field: the command line, else the input case, else run.toml, else the
-    default; run.toml disagreeing with an input case that says is a mismatch."""
-    said, asked, ran = over.variant_fields(), _asked_variant(case), variant_fields(values)
-    sources = (("the command line", said), (str(case.path / INPUT_MANIFEST) if case.manifest else str(case.path), asked),
-               (str(Path(run.path or ".") / RUN_MANIFEST), ran))
-    fields, origin = {}, {}
-    for name in _VARIANT_FIELDS:
-        for where, source in sources:
-            if name in source:
-                fields[name], origin[name] = source[name], where
-                break
-        if name not in said and name in asked and name in ran and name not in _NOT_COMPARED \
-                and not _same(ran[name], asked[name]):
-            run.mismatches.append(Mismatch(name, ran[name], asked[name]))
-    run.variant = build_variant(fields, lambda name: origin.get(name, "the defaults"))
-    run.causal = run.variant.causal
-
-
 def _settings(run: RunInfo, case: InputCase, values: dict, over: Overrides) -> None:
-    """The variant (_resolve_variant) and the scale: the command line, else the input case (its
+    """The variant (resolve_variant) and the scale: the command line, else the input case (its
     manifest), else run.toml, else the defaults; run.toml disagreeing with an input case that says
     is a mismatch."""
-    _resolve_variant(run, case, values, over)
+    run.variant, mismatches = resolve_variant(case, values, over.variant_fields(), run.path)
+    run.causal = run.variant.causal
+    run.mismatches.extend(mismatches)
     asked_scale = (case.scale if case.scale is not None else default_scale(case.dims.d_k)) if case.manifest \
         else case.scale
     run.scale = float(next(v for v in (over.scale, asked_scale, values.get("scale"),

@@ -216,9 +216,9 @@ def check_heads_named(sources: Dict[str, "StageSource"], dims: Dims) -> None:
         if not fields or "i" in fields or fields == {"b", "h"} or \
                 (fields == {"h"} and dims.batch == 1) or (fields == {"b"} and per_batch == 1):
             continue
-        raise CaseError(f"{printable(src.pattern)}: names {plural(dims.heads_of(src.stage), 'head')} (batch {dims.batch} x "
-                        f"{per_batch}) with {', '.join('{' + f + '}' for f in sorted(fields))} only: several heads "
-                        "would read one file; HINT: use {i}, or {b} and {h}")
+        raise CaseError(f"{printable(src.pattern)}: names {plural(dims.heads_of(src.stage), 'head')} "
+                        f"(batch {dims.batch} x {per_batch}) with {', '.join('{' + f + '}' for f in sorted(fields))} "
+                        "only: several heads would read one file; HINT: use {i}, or {b} and {h}")
 
 
 def refuse_query_head_kv_files(sources: Dict[str, "StageSource"], dims: Dims) -> None:

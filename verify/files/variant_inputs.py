@@ -53,8 +53,9 @@ def coverage_of_files(folder: Path, name: str, per_head: Set[int], whole: Set[st
     """A case without a manifest covers its heads as its files say: per-head files, one whole
     file, or neither (both at once: which one would be meant?)."""
     if per_head and whole:
-        raise CaseError(f"{folder}: both {stage_file(name, min(per_head), fmt)} and {whole_file(name, sorted(whole)[0])}; "
-                        f"HINT: a case has a {name} per head or one for all heads: remove one")
+        raise CaseError(f"{folder}: both {stage_file(name, min(per_head), fmt)} and "
+                        f"{whole_file(name, sorted(whole)[0])}; HINT: a case has a {name} per head or one for all "
+                        "heads: remove one")
     return PER_HEAD if per_head else BROADCAST if whole else NONE
 
 

@@ -1,22 +1,32 @@
-"""Attention's building blocks: the causal mask, scaled scores, row softmax, log-sum-exp; float64 for
-the references, and in the input's own type otherwise (the flash-attn baseline's softmax runs on
-float32 scores in float32)."""
+"""Attention's building blocks: the mask, the scores, row softmax, log-sum-exp; float64 for the
+references, and in the input's own type otherwise (the flash-attn baseline's softmax runs on
+float32 scores in float32). Every mask comes from verify/variant.py (through HeadVariant)."""
 from __future__ import annotations
 
 import numpy as np
 
+from ..variant import Variant, hidden
+from .scores import as_head
+
+_CAUSAL = Variant(causal=True)
+
 
 def causal_mask(n: int, m: int) -> np.ndarray:
     """True where masked: top-left aligned, query r sees keys c <= r."""
-    return np.triu(np.ones((n, m), dtype=bool), k=1)
+    return hidden(_CAUSAL, n, m)
 
 
 # In place on one temporary each: a head's matrices are 128 MB at 4096², and every fresh one is
 # memory the OS must hand out and zero.
-def scaled_scores(qk: np.ndarray, scale: float, causal: bool) -> np.ndarray:
+def scaled_scores(qk: np.ndarray, scale: float, head) -> np.ndarray:
+    """The scores the softmax reads from QK: scale·QK, modified by the head's variant (softcap,
+    ALiBi, bias), −inf where hidden. head: a HeadVariant, or the causal bool of a plain case."""
+    head = as_head(head)
     s = np.multiply(qk, scale)
-    if causal:
-        np.copyto(s, -np.inf, where=causal_mask(*s.shape))
+    if head.modifies:
+        return head.scores(s)
+    if head.variant.structural or head.mask is not None:
+        np.copyto(s, -np.inf, where=head.hidden(*s.shape))
     return s
 
 
@@ -29,11 +39,15 @@ def _exp_shifted(s: np.ndarray):
 
 
 def softmax_rows(s: np.ndarray) -> np.ndarray:
+    """Row softmax; a row that sees no key (all −inf) is all 0."""
     e, _ = _exp_shifted(s)
-    e /= np.sum(e, axis=1, keepdims=True)
+    total = np.sum(e, axis=1, keepdims=True)
+    e /= np.where(total == 0, 1.0, total)  # NaN stays NaN: a faulty upstream's
     return e
 
 
 def log_sum_exp_rows(s: np.ndarray) -> np.ndarray:
+    """log Σ_j exp(s_j) per row; −inf for a row that sees no key."""
     e, m = _exp_shifted(s)
-    return m + np.log(np.sum(e, axis=1, keepdims=True))
+    with np.errstate(divide="ignore"):
+        return m + np.log(np.sum(e, axis=1, keepdims=True))

@@ -38,18 +38,20 @@ class RowErrors:
     D: np.ndarray
 
 
-def ds_round_var(P: np.ndarray, dP: np.ndarray, D: np.ndarray, u: float) -> np.ndarray:
-    """Variance of dS's own roundings (either route: P∘(dP − D) or P·dP − P·D)."""
+def ds_round_var(P: np.ndarray, dP: np.ndarray, D: np.ndarray, u: float, extra: int = 0) -> np.ndarray:
+    """Variance of dS's own roundings (either route: P∘(dP − D) or P·dP − P·D); extra: more
+    roundings of the same magnitude (dropout's product dP·Z·(1/(1 − p)))."""
     a = np.abs(P * dP) + np.abs(P * D)
-    return DS_ROUNDINGS * ROUND_VAR * u * u * a * a
+    return (DS_ROUNDINGS + extra) * ROUND_VAR * u * u * a * a
 
 
-def ds_var_parts(P, dP, D, dS, rows: RowErrors, dP_var, u):
+def ds_var_parts(P, dP, D, dS, rows: RowErrors, dP_var, u, extra: int = 0):
     """(independent, row-shared) standard deviations of each dS entry's error:
     δdS = dS·η + P·δdP + ρ·(dP − D) + own roundings   (independent across keys),
-        − dS·ε − P·δD                                 (shared along the row)."""
+        − dS·ε − P·δD                                 (shared along the row).
+    Under dropout dP is the kept and rescaled dP·Z/(1 − p) and dP_var its variance (extra: 1)."""
     indep = (dS * dS * rows.eta + P * P * dP_var + rows.weight_round * (dP - D) ** 2
-             + ds_round_var(P, dP, D, u))
+             + ds_round_var(P, dP, D, u, extra))
     shared = np.abs(dS) * np.sqrt(rows.shared) + np.abs(P) * np.sqrt(rows.D)
     return np.sqrt(indep), shared
 
@@ -107,3 +109,25 @@ def flash_rows(eta_var, lse_var, D_var) -> RowErrors:
     """The flash backward's row errors: P = exp(S − lse) errs by its logit and exponent (η) and by
     the saved lse (shared along the row; no normalization, no stored weight)."""
     return RowErrors(eta_var, lse_var, np.zeros(eta_var.shape), D_var)
+
+
+@dataclass(frozen=True)
+class CappedGrads:
+    """What dQ and dK are made of under a softcap: G = dS∘f (f = 1 − t², the cap's derivative),
+    its independent and row-shared error standard deviations, and P∘(|f| + δf), through which D's
+    error reaches G. δG = (f + δf)·δdS + dS·δf: the second-order term counts where f vanishes (a
+    saturated cap) and dS is exactly 0 (a row with one visible key) while neither error does;
+    δf's source, scale·QK's error, is correlated with η's, so the standard deviations add."""
+    G: np.ndarray
+    indep: np.ndarray
+    shared: np.ndarray
+    P: np.ndarray
+
+
+def capped_grads(P, dS, indep, shared, f: Optional[np.ndarray], f_sd) -> CappedGrads:
+    """CappedGrads from dS's errors (ds_var_parts), f and the standard deviation (or bound) of its
+    error; dS itself without a cap (f None)."""
+    if f is None:
+        return CappedGrads(dS, indep, shared, P)
+    reach = np.abs(f) + f_sd
+    return CappedGrads(dS * f, reach * indep + np.abs(dS) * f_sd, reach * shared, P * reach)

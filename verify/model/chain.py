@@ -1,5 +1,6 @@
-"""The stage path's errors from the original inputs: QK's dot-product error through the scale, the
-softmax's exponents and row sum, and P·V (the chained bounds of verify/specs/ build on these)."""
+"""The stage path's errors from the original inputs: QK's dot-product error through the scale and
+the variant's score modifications, the softmax's exponents and row sum, and P·V (the chained
+bounds of verify/specs/ build on these)."""
 from __future__ import annotations
 
 from typing import Optional
@@ -9,34 +10,50 @@ import numpy as np
 from .dot import qk_var
 from .kernels import Kernel
 from .rounding import ROUND_VAR, HeadCache, memo
-from .softmax import exponent_var, logits, softmax
+from .scores import as_head, modification_det
+from .softmax import exponent_var, logits, raw_logits, softmax
 
 
-def chained_logits(Q, K, scale: float, causal: bool, u: float, cache: Optional[HeadCache]):
-    """Logits, softmax parts, and the error of the binary's scaled scores: QK's dot product, scaled
-    (variance), plus ≤ 2u|S| of their own (det)."""
+def chained_logits(Q, K, scale: float, head, u: float, kernel: Kernel, cache: Optional[HeadCache]):
+    """Logits, softmax parts, and the error of the binary's scores: QK's dot product, scaled
+    (variance), plus ≤ 2u|scale·QK| of their own (det), both through the softcap's derivative, and
+    the modifications' own roundings (det; verify/model/scores.py). head: a HeadVariant or the
+    causal bool of a plain case."""
+    head = as_head(head)
+
     def compute():
-        S = logits(Q, K, scale, causal, cache)
+        S = logits(Q, K, scale, head, cache)
         p, d, _, finite = softmax(S, cache)
         masked = ~finite if not finite.all() else None  # an unmasked head skips every where()
         s_var = np.multiply(scale * scale, qk_var(Q, K, u, ROUND_VAR, cache))
-        s_det = np.abs(S if masked is None else np.where(finite, S, 0.0))
-        s_det *= 2.0 * u
+        if head.modifies:
+            S0 = raw_logits(Q, K, scale, cache)
+            s_det = 2.0 * u * np.abs(S0)
+            slope = head.cap_slope(S0)
+            if slope is not None:
+                s_var = s_var * (slope * slope)
+                s_det *= slope
+            s_det += modification_det(S0, head, u, kernel)
+        else:
+            s_det = np.abs(S if masked is None else np.where(finite, S, 0.0))
+            s_det *= 2.0 * u
         if masked is not None:
             np.copyto(s_var, 0.0, where=masked)
             np.copyto(s_det, 0.0, where=masked)
         return S, p, d, finite, s_var, s_det
-    return memo(cache, "chained logits", (Q, K), (scale, causal, u), compute)
+    return memo(cache, "chained logits", (Q, K), (scale, head, u, kernel), compute)
 
 
-def chained_eta(Q, K, scale: float, causal: bool, u: float, kernel: Kernel,
+def chained_eta(Q, K, scale: float, head, u: float, kernel: Kernel,
                 cache: Optional[HeadCache]) -> np.ndarray:
     """Variance of each exponent's relative error along the chain: the logit's error (its bounded
     part enters as variance, at most its square) and exp's own."""
-    S, p, d, finite, s_var, s_det = chained_logits(Q, K, scale, causal, u, cache)
+    head = as_head(head)
+    S, p, d, finite, s_var, s_det = chained_logits(Q, K, scale, head, u, kernel, cache)
+
     def compute():
         eta = np.multiply(s_det, s_det)
         eta += s_var
         eta += exponent_var(d, finite, u, kernel)
         return eta
-    return memo(cache, "chained eta", (Q, K), (scale, causal, u, kernel), compute)
+    return memo(cache, "chained eta", (Q, K), (scale, head, u, kernel), compute)

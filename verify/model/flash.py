@@ -1,40 +1,81 @@
 """The FlashAttention forward's error: the online softmax's logits, weights and rescales, a common
-scale factor, tensor-core truncation.
+scale factor, tensor-core truncation; with the variants' score modifications (verify/model/scores.py)
+and dropout's rescaling.
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import numpy as np
 
 from .dot import mma_truncation_det, pv, pv_var, qk_var
 from .kernels import FLASH_LOGIT_ROUNDINGS, Kernel
 from .rounding import ROUND_VAR, HeadCache, memo
-from .softmax import exponent_var, logits, mixed_output_var, p2_eta, rowsum_rel_var, softmax
+from .scores import HeadVariant, as_head, dropout_factor_error, modification_det
+from .softmax import exponent_var, logits, mixed_output_var, p2_eta, raw_logits, rowsum_rel_var, softmax
 
 
-def flash_parts(Q: np.ndarray, K: np.ndarray, scale: float, causal: bool, u: float, kernel: Kernel,
+def flash_parts(Q: np.ndarray, K: np.ndarray, scale: float, head, u: float, kernel: Kernel,
                 cache: Optional[HeadCache] = None):
-    """What both flash stages share: logits, weights, and the variance of each exponent."""
-    return memo(cache, "flash parts", (Q, K), (scale, causal, u, kernel),
-                lambda: _compute_flash_parts(Q, K, scale, causal, u, kernel, cache))
+    """What both flash stages share: logits, weights, and the variance of each exponent. head: a
+    HeadVariant or the causal bool of a plain case."""
+    head = as_head(head)
+    return memo(cache, "flash parts", (Q, K), (scale, head, u, kernel),
+                lambda: _compute_flash_parts(Q, K, scale, head, u, kernel, cache))
 
 
-def _compute_flash_parts(Q, K, scale: float, causal: bool, u: float, kernel: Kernel,
+def logit_magnitude(S: np.ndarray, finite: np.ndarray, head: HeadVariant) -> np.ndarray:
+    """|S| as the flash logits' roundings see it: raised by slope·diag(i) under causal ALiBi
+    (flash-attn's slope·j; HeadVariant.flash_shift), 0 where hidden."""
+    mag = np.where(finite, np.abs(np.where(finite, S, 0.0)), 0.0)
+    shift = head.flash_shift(*S.shape)
+    if shift is not None:
+        mag = np.where(finite, mag + np.abs(shift), 0.0)
+    return mag
+
+
+def _compute_flash_parts(Q, K, scale: float, head: HeadVariant, u: float, kernel: Kernel,
                          cache: Optional[HeadCache]):
-    S = logits(Q, K, scale, causal, cache)
+    S = logits(Q, K, scale, head, cache)
     p, d, m, finite = softmax(S, cache)
-    # eta_var = where(finite, scale²·var(QK), 0) + the exponent's own
+    # eta_var = where(finite, scale²·var(QK)·(1 − t²)², 0) + the modifications' roundings + the
+    # exponent's own
     eta_var = np.multiply(scale * scale, qk_var(Q, K, u, kernel.flash_product_var, cache))
+    slope = None
+    if head.modifies:
+        S0 = raw_logits(Q, K, scale, cache)
+        slope = head.cap_slope(S0)
+        if slope is not None:
+            eta_var *= slope * slope
+        eta_var += modification_det(S0, head, u, kernel, flash=True) ** 2
     np.copyto(eta_var, 0.0, where=~finite)
-    eta_var += exponent_var(d, finite, u, kernel, S, FLASH_LOGIT_ROUNDINGS)
+    eta_var += exponent_var(d, finite, u, kernel, logit_magnitude(S, finite, head), FLASH_LOGIT_ROUNDINGS)
     l_var = rowsum_rel_var(p, u, kernel.rescale_factor, cache)
     s_det = np.zeros(S.shape)
     if kernel.mma_passes:
         # |scale|: a bound is a magnitude (a negative scale made it negative: found by the GPU
         # false-alarm sweep, case 129, scale -0.74, every flash_lse element failing).
         s_det = np.where(finite, abs(scale) * mma_truncation_det(Q, K.T, u, kernel.mma_passes), 0.0)
+        if slope is not None:
+            s_det *= slope
     return S, p, m, eta_var, l_var, s_det
+
+
+def common_factor_logits(Q, K, scale: float, head: HeadVariant, cache: Optional[HeadCache]) -> List[np.ndarray]:
+    """What one rounded factor common to the head may multiply: the logits (a folded log2(e),
+    raised by flash-attn's causal ALiBi shift), and, where the variant modifies them, scale·QK
+    before the cap, as it reaches the logits ((1 − t²)·S0). 0 where hidden."""
+    S = logits(Q, K, scale, head, cache)
+    finite = np.isfinite(S)
+    out = [np.where(finite, S, 0.0)]
+    shift = head.flash_shift(*S.shape)
+    if shift is not None:
+        out[0] = np.where(finite, out[0] + shift, 0.0)
+    if head.modifies:
+        S0 = raw_logits(Q, K, scale, cache)
+        slope = head.cap_slope(S0)
+        out.append(np.where(finite, S0 if slope is None else S0 * slope, 0.0))
+    return out
 
 
 def common_scale_det(S: np.ndarray, p: np.ndarray, u: float):
@@ -46,33 +87,45 @@ def common_scale_det(S: np.ndarray, p: np.ndarray, u: float):
     return u * p * np.abs(Sf - mean), u * np.abs(mean)
 
 
-def flash_output_var_det(Q: np.ndarray, K: np.ndarray, V: np.ndarray, scale: float, causal: bool, u: float,
+def _common_dets(Q, K, scale, head, p, u, kernel, cache):
+    """(Σ of common_scale_det's weights, Σ of its lse parts) over common_factor_logits; 0 for a
+    kernel without a common factor."""
+    if not kernel.common_scale:
+        return 0.0, 0.0
+    parts = [common_scale_det(S, p, u) for S in common_factor_logits(Q, K, scale, head, cache)]
+    return sum(w for w, _ in parts), sum(m for _, m in parts)
+
+
+def flash_output_var_det(Q: np.ndarray, K: np.ndarray, V: np.ndarray, scale: float, head, u: float,
                          kernel: Kernel, cache: Optional[HeadCache]) -> Tuple[np.ndarray, np.ndarray]:
     """(variance, one-signed part) of the error of the flash forward's output."""
-    S, p, m, eta_var, l_var, s_det = flash_parts(Q, K, scale, causal, u, kernel, cache)
-    O = pv(p, V, cache)
+    head = as_head(head)
+    S, p, m, eta_var, l_var, s_det = flash_parts(Q, K, scale, head, u, kernel, cache)
+    dropout = head.dropout > 0
+    pz = head.dropped(p)  # the weights as P·V sums them: kept and rescaled under dropout
+    O = pv(pz, V, cache)
     # P̃·V accumulated key by key (plus the tile rescales); the final division (and, on the
-    # GPU, the split-KV combine) adds kernel.final_roundings roundings of O.
-    acc_var = kernel.rescale_factor * pv_var(p, V, u, kernel.flash_product_var, cache)
-    var = (acc_var + mixed_output_var(p, eta_var, V, O, cache) + O * O * l_var
-           + (kernel.final_roundings * ROUND_VAR + kernel.div_var) * (u * O) ** 2)
+    # GPU, the split-KV combine) adds kernel.final_roundings roundings of O; dropout one more
+    # rounding (of each kept weight's product, or of O).
+    acc_var = kernel.rescale_factor * pv_var(pz, V, u, kernel.flash_product_var + ROUND_VAR * dropout, cache)
+    var = (acc_var + mixed_output_var(p, eta_var, V, O, cache, head.keep, head.rescale) + O * O * l_var
+           + ((kernel.final_roundings + dropout) * ROUND_VAR + kernel.div_var) * (u * O) ** 2)
     # One-signed parts: a common scale error and tensor-core truncation of the logits move
-    # O by at most Σ_j p_j·|ΔS_j|·|v_j - O|; truncation in P̃·V adds its own.
-    w = p * s_det
-    if kernel.common_scale:
-        w = w + common_scale_det(S, p, u)[0]
-    det = w @ np.abs(V) + np.abs(O) * w.sum(axis=1, keepdims=True)
+    # O by at most Σ_j p_j·|ΔS_j|·|r·Z_j·v_j - O|; truncation in P̃·V adds its own, the rounded
+    # 1/(1 − p) its relative error.
+    w = p * s_det + _common_dets(Q, K, scale, head, p, u, kernel, cache)[0]
+    det = head.dropped(w) @ np.abs(V) + np.abs(O) * w.sum(axis=1, keepdims=True)
+    det = det + dropout_factor_error(head, u) * np.abs(O)
     if kernel.mma_passes:
-        det = det + mma_truncation_det(p, V, u, kernel.mma_passes)
+        det = det + mma_truncation_det(pz, V, u, kernel.mma_passes)
     return var, det
 
 
-def flash_lse_sums(Q: np.ndarray, K: np.ndarray, scale: float, causal: bool, u: float, kernel: Kernel,
+def flash_lse_sums(Q: np.ndarray, K: np.ndarray, scale: float, head, u: float, kernel: Kernel,
                    cache: Optional[HeadCache]):
     """The row sums of the log-sum-exp's bound: Σ_j p_j²·var(η_j) and the one-signed part."""
-    S, p, m, eta_var, l_var, s_det = flash_parts(Q, K, scale, causal, u, kernel, cache)
+    head = as_head(head)
+    S, p, m, eta_var, l_var, s_det = flash_parts(Q, K, scale, head, u, kernel, cache)
     eta_sum = p2_eta(p, eta_var, cache).sum(axis=1, keepdims=True)
-    det = (p * s_det).sum(axis=1, keepdims=True)
-    if kernel.common_scale:
-        det = det + common_scale_det(S, p, u)[1]
+    det = (p * s_det).sum(axis=1, keepdims=True) + _common_dets(Q, K, scale, head, p, u, kernel, cache)[1]
     return m, eta_sum, l_var, det

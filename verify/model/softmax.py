@@ -7,8 +7,10 @@ from typing import Dict, Optional, Tuple
 
 import numpy as np
 
+from .attention import scaled_scores
 from .kernels import SOFTMAX_FINAL_ROUNDINGS, Kernel
 from .rounding import ROUND_VAR, UNIT_ROUNDOFF, HeadCache, ToleranceError, memo, step_var
+from .scores import as_head
 
 
 # Rows per block of the row-sum variance: a block's temporaries stay in the CPU cache.
@@ -23,17 +25,20 @@ def need(src: Dict[str, np.ndarray], stage: str, *names: str) -> Tuple[np.ndarra
     return tuple(np.asarray(src[n], dtype=np.float64) for n in names)
 
 
-def scaled_logits(Q: np.ndarray, K: np.ndarray, scale: float, causal: bool) -> np.ndarray:
-    S = Q @ K.T
-    S *= scale
-    if causal:
-        np.copyto(S, -np.inf, where=np.triu(np.ones(S.shape, dtype=bool), k=1))
-    return S
+def scaled_logits(Q: np.ndarray, K: np.ndarray, scale: float, head) -> np.ndarray:
+    """The scores the softmax reads from Q and K (verify/model/attention.py scaled_scores); head:
+    a HeadVariant, or the causal bool of a plain case."""
+    return scaled_scores(Q @ K.T, scale, head)
 
 
-def logits(Q: np.ndarray, K: np.ndarray, scale: float, causal: bool,
-            cache: Optional[HeadCache]) -> np.ndarray:
-    return memo(cache, "logits", (Q, K), (scale, causal), lambda: scaled_logits(Q, K, scale, causal))
+def logits(Q: np.ndarray, K: np.ndarray, scale: float, head, cache: Optional[HeadCache]) -> np.ndarray:
+    head = as_head(head)
+    return memo(cache, "logits", (Q, K), (scale, head), lambda: scaled_logits(Q, K, scale, head))
+
+
+def raw_logits(Q: np.ndarray, K: np.ndarray, scale: float, cache: Optional[HeadCache]) -> np.ndarray:
+    """scale·Q·Kᵀ, before any variant's modification or mask (the softcap's argument)."""
+    return memo(cache, "raw logits", (Q, K), (scale,), lambda: np.multiply(Q @ K.T, scale))
 
 
 def softmax_parts(S: np.ndarray):
@@ -149,9 +154,16 @@ def weights_var(p: np.ndarray, eta_var: np.ndarray, l_var: np.ndarray, u: float,
 
 
 def mixed_output_var(p: np.ndarray, eta_var: np.ndarray, V: np.ndarray, O: np.ndarray,
-                      cache: Optional[HeadCache] = None) -> np.ndarray:
+                      cache: Optional[HeadCache] = None, keep: Optional[np.ndarray] = None,
+                      rescale: float = 1.0) -> np.ndarray:
     """Variance of Σ_j p_j η_j (v_j - O) (the exponent errors after normalization: a common error
-    of all η cancels), for independent η_j: Σ_j w_j (v_j - O)² with w = p²·var(η), by three GEMMs."""
+    of all η cancels), for independent η_j: Σ_j w_j (v_j - O)² with w = p²·var(η), by three GEMMs.
+    Under dropout the value of key j in row i is r·Z_ij·v_j (keep Z, rescale r = 1/(1 − p))."""
     w = p2_eta(p, eta_var, cache)
-    var = w @ (V * V) - 2.0 * O * (w @ V) + O * O * w.sum(axis=1, keepdims=True)
+    if keep is None:
+        var = w @ (V * V) - 2.0 * O * (w @ V) + O * O * w.sum(axis=1, keepdims=True)
+    else:
+        wz = w * keep
+        var = (rescale * rescale) * (wz @ (V * V)) - 2.0 * rescale * O * (wz @ V) \
+            + O * O * w.sum(axis=1, keepdims=True)
     return np.maximum(var, 0.0)

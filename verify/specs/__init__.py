@@ -7,11 +7,12 @@ a table entry (its name a constant there), a spec here, and its kernels.
 """
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
-from ..stages import CASE_INPUTS, STAGES
+from ..stages import CASE_INPUTS, DROPOUT_MASK, STAGES
+from ..variant import Variant
 from . import backward, copies, dropout, flash, output, scores, weights
-from .base import HeadContext, StageSpec, Violation
+from .base import VARIANT_SOURCES, HeadContext, StageSpec, Violation
 
 SPECS: Dict[str, StageSpec] = {s.name: s for module in (copies, scores, weights, dropout, output, flash, backward)
                                for s in module.SPECS}
@@ -34,10 +35,18 @@ def chain_inputs(stage: str) -> List[str]:
     return [n for n in CASE_INPUTS if n in ups]
 
 
-def reads_dropout_mask(stage: str) -> bool:
-    """Whether the stage's reference depends on the program's dropout keep-mask (itself or
-    upstream): under dropout it cannot be checked without it."""
-    return any(s in dropout.MASK_READERS for s in [stage] + upstream(stage))
+def sources_of(stage: str, variant: Variant) -> Tuple[str, ...]:
+    """What the stage's reference and bounds read under `variant`: its table inputs, then what the
+    variant adds (StageSpec.variant_sources: the mask and bias files, the dropout keep-mask, QK for
+    the softcap's derivative)."""
+    extra = tuple(n for n in SPECS[stage].variant_sources(variant) if n not in STAGES[stage].inputs)
+    return STAGES[stage].inputs + extra
+
+
+def reads_dropout_mask(stage: str, variant: Variant) -> bool:
+    """Whether the stage's reference under `variant` depends on the program's dropout keep-mask
+    (itself or upstream): it cannot be checked without it."""
+    return any(DROPOUT_MASK in sources_of(s, variant) for s in [stage] + upstream(stage))
 
 
 def uses_scale_and_mask(stage: str) -> bool:
@@ -46,4 +55,4 @@ def uses_scale_and_mask(stage: str) -> bool:
 
 
 __all__ = ["SPECS", "StageSpec", "HeadContext", "Violation", "upstream", "chain_inputs", "uses_scale_and_mask",
-           "reads_dropout_mask"]
+           "sources_of", "VARIANT_SOURCES", "reads_dropout_mask"]

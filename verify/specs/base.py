@@ -15,10 +15,11 @@ import numpy as np
 
 from ..model.kernels import Kernel
 from ..model.rounding import FLUSH, HeadCache
+from ..model.scores import HeadVariant
 from ..stages import Dims
 from ..variant import Variant
-
-Src = Dict[str, np.ndarray]
+from .variants import (VARIANT_SOURCES, Src, cap_sources, dropout_sources, flash_sources,  # noqa: F401 (re-exported)
+                       head_variant, no_variant_sources, resolve_variant, score_sources)
 
 # Violation codes: the ones that describe the same fault as a diagnosis share its code.
 NONFINITE = "nonfinite"
@@ -52,8 +53,10 @@ class Bounds(Protocol):
     def chained_bound(self, stage: str, chain: Src, **arithmetic) -> np.ndarray:
         """The bound of `stage` from the reference chain of the original inputs."""
 
-    def reference_chain(self, inputs: Src, scale: float, causal: bool, needed: Iterable[str]) -> Src:
-        """The float64 references of `needed` (and what they depend on) from the inputs."""
+    def reference_chain(self, inputs: Src, scale: float, causal: bool, needed: Iterable[str], *,
+                        variant: Optional[Variant] = None, slope: float = 0.0) -> Src:
+        """The float64 references of `needed` (and what they depend on) from the inputs (with the
+        head's VARIANT_SOURCES where the variant has them)."""
 
     def invariant_quantum(self, stage: str, got: np.ndarray, ctx: "HeadContext") -> Optional[np.ndarray]:
         """What a sum of `stage`'s values may miss by beyond its float32 model: the printed
@@ -90,7 +93,32 @@ class HeadContext:
         """The tolerance model's keyword arguments for this head."""
         return dict(scale=self.scale, causal=self.causal, precision=self.precision,
                     backend=self.backend, math=self.math, flash_kernel=self.flash_kernel, cache=self.cache,
-                    half_rounding=self.half_rounding)
+                    half_rounding=self.half_rounding, variant=self.effective_variant, slope=self.slope)
+
+    @property
+    def effective_variant(self) -> Variant:
+        """The head's variant with the run's causal flag (resolve_variant)."""
+        return resolve_variant(self.variant, self.causal)
+
+    def variant_tensors(self) -> Src:
+        """The head's VARIANT_SOURCES that exist: the mask and bias from the inputs, the keep-mask
+        the program wrote (else the one handed in with the inputs or the chain)."""
+        out = {}
+        for name in VARIANT_SOURCES:
+            for where in (self.got, self.inputs, self.chain):
+                if name in where:
+                    out[name] = where[name]  # as stored: its identity keys the head's cached bounds
+                    break
+        return out
+
+    def head(self) -> HeadVariant:
+        """The HeadVariant of this head (verify/model/scores.py)."""
+        return head_variant(self.effective_variant, self.slope, self.variant_tensors())
+
+    def hidden(self, n: int, m: int) -> np.ndarray:
+        """True where the head's variant hides key j from row i (verify/variant.py's mask, the
+        mask file's zeros, the bias file's −inf)."""
+        return self.head().hidden(n, m)
 
     def own(self, name: str) -> np.ndarray:
         """The binary's `name` where it wrote it, else the input or the reference's."""
@@ -122,16 +150,35 @@ class Problem:
     cache: Optional[HeadCache] = None
     variant: Variant = Variant()   # its causal is `causal` above (verify/variant.py)
     slope: float = 0.0             # the query head's ALiBi slope when variant.alibi
+    # The head's tensors (mask, bias, dropout keep-mask) with the variant and slope; None: the
+    # variant without tensors (head_variant builds one from a stage's sources).
+    tensors: Optional[HeadVariant] = None
+
+    @property
+    def head(self) -> HeadVariant:
+        """One head's variant as the error model takes it (verify/model/scores.py)."""
+        if self.tensors is not None:
+            return self.tensors
+        return HeadVariant(resolve_variant(self.variant, self.causal), self.slope)
 
     @property
     def key(self) -> tuple:
         """What a cached bound depends on besides its arrays (model/rounding.py's memo)."""
-        return self.scale, self.causal, self.u, self.kernel, self.variant, self.slope
+        return self.scale, self.causal, self.u, self.kernel, self.head
 
     @property
     def model_args(self) -> tuple:
-        """(scale, causal, u, kernel, cache): the arguments the error model's functions take."""
-        return self.scale, self.causal, self.u, self.kernel, self.cache
+        """(scale, head, u, kernel, cache): the arguments the error model's functions take (head:
+        the HeadVariant, where a case without variants has its causal flag)."""
+        return self.scale, self.head, self.u, self.kernel, self.cache
+
+    @classmethod
+    def of(cls, scale: float, causal: bool, src: Src, variant: Optional[Variant] = None, slope: float = 0.0,
+           u: Optional[float] = None, kernel: Optional[Kernel] = None, cache: Optional[HeadCache] = None) -> "Problem":
+        """The problem of a stage computed from `src` under `variant` (resolve_variant), with the
+        head's tensors from src."""
+        v = resolve_variant(variant, causal)
+        return cls(scale, v.causal, u, kernel, cache, v, float(slope), head_variant(v, slope, src))
 
 
 Quanta = Dict[str, np.ndarray]   # a source's printed resolution per element, by name
@@ -143,7 +190,12 @@ ChainedModel = Callable[[Tuple[np.ndarray, ...], Problem], np.ndarray]      # (t
 Floor = Callable[[Src], object]                                             # (sources)
 QuantizationModel = Callable[[Src, Quanta, Problem], object]                # (sources, their quanta, problem)
 Invariant = Callable[[str, np.ndarray, HeadContext], List[Violation]]       # (stage, got, head)
-MaskedReference = Callable[[Src, float, np.ndarray], np.ndarray]            # (sources, scale, masked)
+# (sources, scale, masked, *, variant=Variant(), slope=0.0, rows=None): the stage under any mask
+# (masked: True hides; the whole mask, the variant's own not added; None: the variant's own with
+# the mask file in the sources) and the variant's score modifications and dropout.
+MaskedReference = Callable[..., np.ndarray]
+Canonical = Callable[[np.ndarray, np.ndarray, "HeadContext"], np.ndarray]    # (got, reference, head)
+VariantSources = Callable[[Variant], Tuple[str, ...]]                        # (variant)
 Rebuild = Callable[[Any], np.ndarray]                                       # (backward/reference.py's Gradients)
 
 
@@ -188,7 +240,18 @@ class StageSpec:
     from_inputs: the stage recomputed from the case's Q, K, V under any scale, mask and keys
     (query rows independent), for the diagnoses of a program that wrote no upstream stage: what
     it would hold with the mask of another alignment, keys read past a tile's end or left out, a
-    wrong scale.
+    wrong scale. Both with_mask and from_inputs take keyword arguments variant= and slope= (the
+    stage under another alignment, window, without the cap: the default is a plain head) and rows=
+    (the head's query rows the sources' Q rows are, for ALiBi's distances and the mask and bias
+    files' rows; all by default); masked=None takes the variant's own mask.
+    variant_sources: what the stage reads besides its table inputs under a variant (the mask and
+    bias files, the dropout keep-mask, QK for the softcap's derivative): the engine adds them to
+    its sources (verify/specs/__init__.py sources_of).
+    canonical: the program's values in the reference's convention where a correct program may
+    write the same result otherwise (flash_lse: +inf for a row that sees no key, as flash-attn
+    stores it; under causal ALiBi flash-attn's row shift): applied before every comparison.
+    dropped: the sources it multiplies by dropout's keep-mask and 1/(1 − p) before a GEMM (the
+    weights, for output and dV): a half pipeline may round that product to the format once more.
     rebuild: a backward stage from what it is computed from (specs/backward/reference.py's
     Gradients: P, dP, D, dS), which the backward diagnoses call with a part replaced by a bug's.
     diagnoses: the bug patterns (verify/diagnose/hypotheses.py hypothesis names) that can explain it.
@@ -215,6 +278,9 @@ class StageSpec:
     rebuild: Optional[Rebuild] = None
     diagnoses: Tuple[str, ...] = ()
     baseline: Optional[str] = None
+    variant_sources: VariantSources = no_variant_sources
+    canonical: Optional[Canonical] = None
+    dropped: Tuple[str, ...] = ()
 
 
 # ---- helpers the invariants share -----------------------------------------------------------

@@ -1,8 +1,8 @@
 """dropout_mask: the program's keep-mask under dropout (1 kept, 0 dropped), and its keep rate.
 
 The verifier never draws a mask of its own: the program's is what every stage that reads it is
-checked against (MASK_READERS: their specs read src[DROPOUT_MASK], which the check engine hands
-them beside their sources), so the stage's reference is itself and its comparisons are exact. What
+checked against (their specs name it among their variant_sources and read src[DROPOUT_MASK]; the
+check engine hands it to them), so the stage's reference is itself and its comparisons are exact. What
 can be checked without a reference: every entry is exactly 0 or 1; and, over the whole run (the
 engine sums each head's keep_counts), the share of the visible entries kept is within
 verify.variant.dropout_keep_tolerance of 1 − p.
@@ -13,15 +13,9 @@ from typing import List, Optional, Tuple
 
 import numpy as np
 
-from ..stages import (DROPOUT_MASK, FLASH_GRAD_KEYS, FLASH_GRAD_QUERIES, FLASH_GRAD_VALUES, FLASH_OUTPUT, GRAD_SCORES,
-                      GRAD_VALUES, MASK_INPUT, OUTPUT)
-from ..variant import dropout_keep_band, dropout_keep_tolerance, hidden
+from ..stages import DROPOUT_MASK
+from ..variant import dropout_keep_band, dropout_keep_tolerance
 from .base import HeadContext, StageSpec, Violation, violation
-
-# The stages whose formula reads the keep-mask (docs/contract.md, "Dropout"): the forward outputs,
-# dV and dS, and the flash backward, which recomputes them.
-MASK_READERS = (OUTPUT, FLASH_OUTPUT, GRAD_SCORES, GRAD_VALUES, FLASH_GRAD_QUERIES, FLASH_GRAD_KEYS,
-                FLASH_GRAD_VALUES)
 
 # Violation and run-check codes.
 NOT_BINARY = "dropout_not_binary"      # an entry of the mask is neither 0 nor 1
@@ -44,21 +38,25 @@ def _binary_check(stage: str, got: np.ndarray, ctx: HeadContext) -> List[Violati
 
 def keep_counts(got: np.ndarray, ctx: HeadContext) -> Tuple[int, int]:
     """(kept, visible) of one head's mask: the entries the head's scores can see (its variant's
-    mask and mask file: the entries a program draws for), and those of them that hold 1."""
-    n, m = got.shape
-    visible = ~hidden(ctx.variant, n, m, ctx.inputs.get(MASK_INPUT))
+    mask, the mask file's ones, the bias file's finite entries), and those of them that hold 1.
+    (Each entry is drawn independently of the others, so any set fixed before the draw tests the
+    rate.)"""
+    visible = ~ctx.hidden(*got.shape)
     return int(np.count_nonzero(visible & (got == KEPT))), int(np.count_nonzero(visible))
+
+
+KEEP_RATE_TITLE = "keep rate"
 
 
 def keep_rate(kept: int, total: int, p: float) -> Tuple[bool, str]:
     """(whether the run's keep count is plausible for dropout p, the one line that says so)."""
     problem: Optional[str] = dropout_keep_tolerance(kept, total, p)
     if problem:
-        return False, f"{DROPOUT_MASK}: {problem}"
+        return False, f"{problem} of the visible entries"
     if not total:
-        return True, f"{DROPOUT_MASK}: no visible entry: the keep rate is not tested"
-    return True, (f"{DROPOUT_MASK}: kept {kept} of {total} visible entries ({kept / total:.4%}); dropout {p} "
-                  f"keeps {1 - p:.4%} ± {dropout_keep_band(total):.4%}")
+        return True, "no visible entry: not tested"
+    return True, (f"kept {kept} of {total} visible entries ({kept / total:.4%}); dropout {p} keeps "
+                  f"{1 - p:.4%} ± {dropout_keep_band(total):.4%}")
 
 
 SPECS = (

@@ -1,12 +1,17 @@
 """flash_output and flash_lse: the FlashAttention forward from Q, K, V (tiled, online softmax), and
-the natural-log log-sum-exp of each scaled row.
+the natural-log log-sum-exp of each row of the scores the softmax reads.
 
-Their bounds follow the online softmax (verify/model/flash.py): the logits' dot-product error,
-the exponents, the running sums' rescales per key tile, the final division (and a split-KV
-combine), and, per arithmetic, a folded scale·log2e factor and tensor-core truncation. Each is also
-checked against the stage path where the binary wrote it: flash_output against its output,
-flash_lse against the log-sum-exp of its QK_scaled; when they disagree and the stage-path stage has
-failed already, the flash stage is not blamed.
+Their bounds follow the online softmax (verify/model/flash.py): the logits' dot-product error and
+the variant's score modifications, the exponents, the running sums' rescales per key tile, the
+final division (and a split-KV combine), and, per arithmetic, a folded scale·log2e factor and
+tensor-core truncation. Each is also checked against the stage path where the binary wrote it:
+flash_output against its output, flash_lse against the log-sum-exp of its QK_scaled; when they
+disagree and the stage-path stage has failed already, the flash stage is not blamed.
+
+A row that sees no key has flash_output 0 and flash_lse −inf; a program's +inf there is read as
+−inf (flash-attn stores +inf, so that its backward recomputes P = 0). Under causal ALiBi a
+flash_lse row that exceeds the reference by slope·diag(i) (flash-attn's causal kernel adds slope·j,
+which the softmax does not see) is read shifted back: flash_lse's `canonical`.
 """
 from __future__ import annotations
 
@@ -14,34 +19,27 @@ from typing import List
 
 import numpy as np
 
-from ..model.attention import causal_mask, log_sum_exp_rows
+from ..model.attention import log_sum_exp_rows
 from ..model.dot import flush_sum
 from ..model.flash import flash_lse_sums, flash_output_var_det
 from ..model.rounding import FLUSH, ROUND_VAR, ULP_IN_U, finite_abs, memo
+from ..model.scores import as_head
 from ..model.softmax import need, scaled_logits, softmax_parts
 from ..stages import FLASH_LSE, FLASH_OUTPUT, INPUT_NAMES, KEYS, OUTPUT, QUERIES, SCALED_SCORES, STAGES, VALUES
-from .base import FLASH_VS_OUTPUT, LSE_VS_SCORES, HeadContext, Problem, StageSpec, Violation, consistency
+from ..variant import Variant
+from .base import (FLASH_VS_OUTPUT, LSE_VS_SCORES, HeadContext, Problem, StageSpec, Violation, consistency,
+                   flash_sources, score_sources)
 from .copies import PATTERNS
-from .output import attention_from_inputs, values_floor
+from .output import attention_from_inputs, scores_from_inputs, values_floor
 from .scores import qk_quantization
 
 
-def _scores(src, scale, masked):
-    Q, K = np.asarray(src[QUERIES], np.float64), np.asarray(src[KEYS], np.float64)
-    return np.where(masked, -np.inf, (Q @ K.T) * scale)
+def _with_mask_output(src, scale, masked, variant: Variant = Variant(), slope: float = 0.0, rows=None, n=None):
+    return attention_from_inputs(src, scale, masked, variant, slope, rows, n)
 
 
-def _with_mask_output(src, scale, masked):
-    return attention_from_inputs(src, scale, masked)
-
-
-def _with_mask_lse(src, scale, masked):
-    return log_sum_exp_rows(_scores(src, scale, masked))
-
-
-def _mask(src, causal):
-    n, m = np.asarray(src[QUERIES]).shape[0], np.asarray(src[KEYS]).shape[0]
-    return causal_mask(n, m) if causal else np.zeros((n, m), bool)
+def _with_mask_lse(src, scale, masked, variant: Variant = Variant(), slope: float = 0.0, rows=None, n=None):
+    return log_sum_exp_rows(scores_from_inputs(src, scale, masked, variant, slope, rows, n))
 
 
 def _qk_flush_max(src) -> float:
@@ -55,18 +53,26 @@ def _output_isolated(src, ref, problem: Problem):
                 lambda: flash_output_var_det(Q, K, V, *problem.model_args))
 
 
-def lse_var_det(Q, K, lse, scale, causal, u, kernel, cache):
+def lse_var_det(Q, K, lse, scale, head, u, kernel, cache):
     """(variance, one-signed part) of the flash forward's lse error, lse its value: Δlse =
     Σ_j p_j η_j + Δl/l, then log (≤ kernel.log_ulps ulp of log l) and the roundings of values of
-    lse's magnitude (m + log l; on the GPU the log2-domain conversions)."""
-    m, eta_sum, l_var, det = memo(cache, "flash_lse sums", (Q, K), (scale, causal, u, kernel),
-                                  lambda: flash_lse_sums(Q, K, scale, causal, u, kernel, cache))
-    log_l = lse - m
+    lse's magnitude (m + log l; on the GPU the log2-domain conversions; under causal ALiBi raised
+    by flash-attn's shift slope·diag(i)). A row that sees no key: 0 (its lse is exact)."""
+    head = as_head(head)
+    m, eta_sum, l_var, det = memo(cache, "flash_lse sums", (Q, K), (scale, head, u, kernel),
+                                  lambda: flash_lse_sums(Q, K, scale, head, u, kernel, cache))
+    finite = np.isfinite(lse)
+    lse = np.where(finite, lse, 0.0)
+    log_l = np.where(finite, lse - m, 0.0)
+    magnitude = np.abs(m) + np.abs(lse)
+    shift = head.flash_shift(Q.shape[0], K.shape[0])
+    if shift is not None:
+        magnitude = magnitude + 2 * np.abs(shift)
     var = (eta_sum + l_var
            + ROUND_VAR * u * u * ((kernel.log_ulps * ULP_IN_U * log_l) ** 2
-                                  + kernel.lse_roundings * (np.abs(m) + np.abs(lse)) ** 2 / 4)
+                                  + kernel.lse_roundings * magnitude ** 2 / 4)
            + kernel.log_abs ** 2 / 3)
-    return var, det
+    return np.where(finite, var, 0.0), det
 
 
 def _lse_isolated(src, ref, problem: Problem):
@@ -76,35 +82,55 @@ def _lse_isolated(src, ref, problem: Problem):
 
 def _logit_moves(src, q, problem: Problem):
     """The logits' move when Q or K is known only to within its printed resolution, and p."""
-    scale, causal = problem.scale, problem.causal
-    dS = qk_quantization(src, q, problem)
-    S = scaled_logits(np.asarray(src[QUERIES], np.float64), np.asarray(src[KEYS], np.float64), scale, causal)
+    scale, head = problem.scale, problem.head
+    dS = np.broadcast_to(abs(scale) * qk_quantization(src, q, problem), (np.shape(src[QUERIES])[0],
+                                                                        np.shape(src[KEYS])[0]))
+    Q, K = np.asarray(src[QUERIES], np.float64), np.asarray(src[KEYS], np.float64)
+    S = scaled_logits(Q, K, scale, head)
+    slope = head.cap_slope((Q @ K.T) * scale)
     p = softmax_parts(S)[0]
-    return p * (abs(scale) * np.broadcast_to(dS, S.shape)), p
+    return p * (dS if slope is None else dS * slope), p
 
 
 def _output_quantization(src, q, problem: Problem):
     if not q:
         return 0.0
+    head = problem.head
     w, p = _logit_moves(src, q, problem)
-    O = p @ src[VALUES]
-    moved = w @ np.abs(src[VALUES]) + np.abs(O) * w.sum(axis=1, keepdims=True)
-    return moved + (p @ q[VALUES] if VALUES in q else 0.0)
+    O = head.dropped(p) @ src[VALUES]
+    moved = head.dropped(w) @ np.abs(src[VALUES]) + np.abs(O) * w.sum(axis=1, keepdims=True)
+    return moved + (head.dropped(p) @ q[VALUES] if VALUES in q else 0.0)
 
 
 def _lse_quantization(src, q, problem: Problem):
     return _logit_moves(src, q, problem)[0].sum(axis=1, keepdims=True) if q else 0.0
 
 
+def _lse_canonical(got: np.ndarray, ref: np.ndarray, ctx: HeadContext) -> np.ndarray:
+    """flash_lse as the reference writes it: −inf for a row that sees no key where the program
+    wrote +inf; under causal ALiBi, each row that lies nearer the reference shifted back by
+    flash-attn's slope·diag(i) (HeadVariant.flash_shift) than as written, shifted back."""
+    got = np.where((ref == -np.inf) & (got == np.inf), -np.inf, got)
+    shift = ctx.head().flash_shift(got.shape[0], ctx.dims.seq_k)
+    if shift is None:
+        return got
+    with np.errstate(invalid="ignore"):
+        nearer = np.abs(got - shift - ref) < np.abs(got - ref)
+    return np.where(nearer, got - shift, got)
+
+
 def _flash_sources(ctx: HeadContext):
-    return {n: np.asarray(ctx.inputs[n], dtype=np.float64) for n in INPUT_NAMES}
+    src = {n: np.asarray(ctx.inputs[n], dtype=np.float64) for n in INPUT_NAMES}
+    src.update(ctx.variant_tensors())
+    return src
 
 
 def _partner_reference(ctx: HeadContext, names):
     """The reference chain of `names` from the head's inputs (the caller's when it has them)."""
     if all(n in ctx.chain for n in names):
         return {n: ctx.chain[n] for n in names}
-    return ctx.bounds.reference_chain(_flash_sources(ctx), ctx.scale, ctx.causal, names)
+    return ctx.bounds.reference_chain(_flash_sources(ctx), ctx.scale, ctx.causal, names,
+                                      variant=ctx.effective_variant, slope=ctx.slope)
 
 
 def _output_vs_partner(stage: str, got: np.ndarray, ctx: HeadContext) -> List[Violation]:
@@ -116,7 +142,7 @@ def _output_vs_partner(stage: str, got: np.ndarray, ctx: HeadContext) -> List[Vi
     chain = _partner_reference(ctx, list(INPUT_NAMES) + [partner])
     kw = ctx.bound_args()
     allowed = (ctx.bounds.stage_bound(stage, src, chain[partner], **kw)
-               + ctx.bounds.chained_bound(partner, chain, **kw) + ctx.quantum(stage, partner))
+               + ctx.bounds.chained_bound(partner, {**src, **chain}, **kw) + ctx.quantum(stage, partner))
     v = consistency(FLASH_VS_OUTPUT, stage, got, np.asarray(ctx.got[partner], np.float64), allowed,
                     f"the binary's {partner}")
     return [v] if v else []
@@ -128,12 +154,14 @@ def _lse_vs_partner(stage: str, got: np.ndarray, ctx: HeadContext) -> List[Viola
     if partner not in ctx.got:
         return []
     scores = np.asarray(ctx.got[partner], np.float64)
-    if not (np.isfinite(scores) | (scores == -np.inf)).all() or (scores == -np.inf).all(axis=1).any():
+    empty = ctx.hidden(*scores.shape).all(axis=1)
+    if not (np.isfinite(scores) | (scores == -np.inf)).all() or ((scores == -np.inf).all(axis=1) & ~empty).any():
         return []  # the scores' own check reports it
     weights = next(s for s in STAGES if partner in STAGES[s].inputs)
     chain = _partner_reference(ctx, list(INPUT_NAMES) + [partner, weights, stage])
+    got = _lse_canonical(got, chain[stage], ctx)
     kw = ctx.bound_args()
-    s_bound = ctx.bounds.chained_bound(partner, chain, **kw) + ctx.quantum(partner)
+    s_bound = ctx.bounds.chained_bound(partner, {**_flash_sources(ctx), **chain}, **kw) + ctx.quantum(partner)
     inherited = (chain[weights] * s_bound).sum(axis=1, keepdims=True) + ctx.quantum(stage)
     allowed = ctx.bounds.stage_bound(stage, _flash_sources(ctx), chain[stage], **kw) + inherited
     v = consistency(LSE_VS_SCORES, stage, got, log_sum_exp_rows(scores), allowed,
@@ -141,22 +169,27 @@ def _lse_vs_partner(stage: str, got: np.ndarray, ctx: HeadContext) -> List[Viola
     return [v] if v else []
 
 
+def _reference(with_mask):
+    def reference(src, problem: Problem):
+        head = problem.head
+        return with_mask(src, problem.scale, None, head.variant, head.slope)
+    return reference
+
+
 SPECS = (
-    StageSpec(FLASH_OUTPUT,
-              reference=lambda src, problem: _with_mask_output(src, problem.scale, _mask(src, problem.causal)),
-              isolated=_output_isolated,
+    StageSpec(FLASH_OUTPUT, reference=_reference(_with_mask_output), isolated=_output_isolated,
               floor=lambda src: (values_floor(src[VALUES])
                                  + _qk_flush_max(src) * np.max(finite_abs(src[VALUES]), initial=0.0)),
               quantization=_output_quantization, invariants=(_output_vs_partner,), scaled=True,
               partner=OUTPUT, given_partner=(FLASH_VS_OUTPUT,), with_mask=_with_mask_output,
               from_inputs=_with_mask_output, diagnoses=PATTERNS + ("scaled", "mask", "keys", "overflow"),
-              baseline=OUTPUT),
-    StageSpec(FLASH_LSE, reference=lambda src, problem: _with_mask_lse(src, problem.scale, _mask(src, problem.causal)),
-              isolated=_lse_isolated,
+              baseline=OUTPUT, variant_sources=flash_sources),
+    StageSpec(FLASH_LSE, reference=_reference(_with_mask_lse), isolated=_lse_isolated,
               floor=lambda src: FLUSH * 2 * np.asarray(src[KEYS]).shape[0] + _qk_flush_max(src),
               quantization=_lse_quantization, invariants=(_lse_vs_partner,), scaled=True, partner=SCALED_SCORES,
               given_partner=(LSE_VS_SCORES,),
               with_mask=_with_mask_lse, from_inputs=_with_mask_lse,
-              diagnoses=PATTERNS + ("scaled", "mask", "lse_log2", "keys", "overflow")),
+              diagnoses=PATTERNS + ("scaled", "mask", "lse_log2", "keys", "overflow"),
+              variant_sources=score_sources, canonical=_lse_canonical),
 )
 SPECS_BY_NAME = {s.name: s for s in SPECS}

@@ -1,21 +1,25 @@
-"""QK = Q·Kᵀ (unscaled) and QK_scaled = QK·scale, -inf where causal masking hides a key.
+"""QK = Q·Kᵀ (unscaled) and QK_scaled: the scores the softmax reads, scale·QK modified by the
+variant (softcap, ALiBi, bias), -inf where masked.
 
 QK is a dot product of length d_k: its bound is the variance of the float32 sum's roundings over
 every summation order GEMMs use (verify/model/dot.py). QK_scaled is one rounding of the product
-plus the float32 scale's own (≤ 2u|ref|) from the binary's QK; a program may also compute it by a
-GEMM of its own ((Q·scale)·Kᵀ, QK/√d): its chained bound from Q and K admits that route.
+plus the float32 scale's own (≤ 2u|scale·QK|) from the binary's QK, through the softcap's
+derivative, plus the roundings of the softcap, ALiBi and the bias (verify/model/scores.py); a
+program may also compute it by a GEMM of its own ((Q·scale)·Kᵀ, QK/√d): its chained bound from Q
+and K admits that route. Masked entries are exact.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from ..model.attention import causal_mask, scaled_scores
+from ..model.attention import scaled_scores
 from ..model.chain import chained_logits
 from ..model.dot import flush_sum, qk_var
 from ..model.rounding import FLUSH, ROUND_VAR, finish
+from ..model.scores import modification_det
 from ..model.softmax import need
 from ..stages import KEYS, QUERIES, SCALED_SCORES, SCORES
-from .base import MASK_MISSING, Problem, StageSpec, product_quantization, violation
+from .base import MASK_MISSING, Problem, StageSpec, product_quantization, score_sources, violation
 from .copies import PATTERNS
 
 
@@ -38,31 +42,41 @@ def qk_quantization(src, q, problem: Problem):
 
 
 def _scaled_reference(src, problem: Problem):
-    return scaled_scores(src[SCORES], problem.scale, problem.causal)
+    return scaled_scores(src[SCORES], problem.scale, problem.head)
 
 
 def _scaled_isolated(src, ref, problem: Problem):
     # One rounding of the product plus the float32 scale's own rounding (when the given scale is
-    # the float64 1/√d_k rather than the value the binary used): ≤ 2u|ref|.
-    return np.zeros(ref.shape), np.where(np.isfinite(ref), 2.0 * problem.u * np.abs(ref), 0.0)
+    # the float64 1/√d_k rather than the value the binary used): ≤ 2u|scale·QK|, through the cap's
+    # derivative; then the modifications' own roundings.
+    u, head = problem.u, problem.head
+    finite = np.isfinite(ref)
+    if not head.modifies:
+        return np.zeros(ref.shape), np.where(finite, 2.0 * u * np.abs(ref), 0.0)
+    S0 = np.asarray(src[SCORES], np.float64) * problem.scale
+    slope = head.cap_slope(S0)
+    det = 2.0 * u * np.abs(S0) * (1.0 if slope is None else slope)
+    det += modification_det(S0, head, u, problem.kernel)
+    return np.zeros(ref.shape), np.where(finite, det, 0.0)
 
 
 def _scaled_chained(sources, problem: Problem):
-    scale, causal, u, cache = problem.scale, problem.causal, problem.u, problem.cache
     Q, K = sources[:2]
-    S, _, _, _, s_var, s_det = chained_logits(Q, K, scale, causal, u, cache)
-    return finish(S, s_var, s_det, abs(scale) * _qk_floor({QUERIES: Q, KEYS: K}) + FLUSH)
+    S, _, _, _, s_var, s_det = chained_logits(Q, K, *problem.model_args)
+    return finish(S, s_var, s_det, abs(problem.scale) * _qk_floor({QUERIES: Q, KEYS: K}) + FLUSH)
 
 
 def _scaled_quantization(src, q, problem: Problem):
-    return abs(problem.scale) * np.where(np.isfinite(src[SCORES]), q.get(SCORES, 0.0), 0.0)
+    QK = src[SCORES]
+    moved = abs(problem.scale) * np.where(np.isfinite(QK), q.get(SCORES, 0.0), 0.0)
+    slope = problem.head.cap_slope(np.asarray(QK, np.float64) * problem.scale)
+    return moved if slope is None else moved * slope
 
 
 def _mask_check(stage, got, ctx):
-    if not ctx.causal:
-        return []
-    v = violation(MASK_MISSING, stage, causal_mask(*got.shape) & (got != -np.inf) & ~np.isnan(got),
-                  "above the diagonal are not -inf although causal masking is on")
+    hidden = ctx.hidden(*got.shape)
+    v = violation(MASK_MISSING, stage, hidden & (got != -np.inf) & ~np.isnan(got),
+                  "are not -inf where the mask hides them")
     return [v] if v else []
 
 
@@ -71,5 +85,5 @@ SPECS = (
               quantization=qk_quantization, linear=True, diagnoses=PATTERNS + ("scaled",)),
     StageSpec(SCALED_SCORES, reference=_scaled_reference, isolated=_scaled_isolated, chained=_scaled_chained,
               quantization=_scaled_quantization, invariants=(_mask_check,), masked_value=-np.inf,
-              scaled=True, linear=True, diagnoses=PATTERNS + ("scaled", "mask")),
+              scaled=True, linear=True, diagnoses=PATTERNS + ("scaled", "mask"), variant_sources=score_sources),
 )

@@ -1,10 +1,12 @@
-"""attention_weights: the row softmax of QK_scaled, exactly 0 where masked.
+"""attention_weights: the row softmax of QK_scaled, exactly 0 where masked (a row that sees no
+key: all 0).
 
 Its isolated bound starts from the binary's own float32 QK_scaled: the float32 subtraction S - m
 is known exactly, exp errs as the arithmetic assumed (kernel.exp_var; fast math: growing with its
 argument), the row sum rounds in its own binades, then 1/l and the multiply. Reference-free: no
-weight is negative, masked weights are exactly 0, every row sums to 1 within the row sum's
-rounding and the final roundings.
+weight is negative, masked weights are exactly 0 (under the whole mask: the causal flag, the
+window, the mask file, the bias file's -inf), every row that sees a key sums to 1 within the row
+sum's rounding and the final roundings.
 """
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from typing import List
 
 import numpy as np
 
-from ..model.attention import causal_mask, softmax_rows
+from ..model.attention import softmax_rows
 from ..model.chain import chained_eta, chained_logits
 from ..model.kernels import SOFTMAX_FINAL_ROUNDINGS
 from ..model.rounding import FLUSH, LAMBDA, ROUND_VAR, finish, unit_roundoff
@@ -47,9 +49,9 @@ def _isolated(src, ref, problem: Problem):
 
 
 def _chained(sources, problem: Problem):
-    scale, causal, u, kernel, cache = problem.scale, problem.causal, problem.u, problem.kernel, problem.cache
+    u, kernel, cache = problem.u, problem.kernel, problem.cache
     Q, K = sources[:2]
-    S, p, _, _, _, _ = chained_logits(Q, K, scale, causal, u, cache)
+    S, p, _, _, _, _ = chained_logits(Q, K, *problem.model_args)
     eta_var = chained_eta(Q, K, *problem.model_args)
     l_var = rowsum_rel_var(p, u, cache=cache)
     return finish(S, weights_var(p, eta_var, l_var, u, cache, kernel.div_var), np.zeros(S.shape), 2 * FLUSH)
@@ -69,12 +71,12 @@ def _quantization(src, q, problem: Problem):
 
 
 def _softmax_checks(stage: str, got: np.ndarray, ctx: HeadContext) -> List[Violation]:
-    masked = causal_mask(*got.shape) if ctx.causal else np.zeros(got.shape, bool)
+    masked = ctx.hidden(*got.shape)
     finite = np.isfinite(got)
     out = [violation(NEGATIVE_WEIGHTS, stage, finite & (got < 0), "are negative"),
-           violation(MASK_MISSING, stage, masked & finite & (got != 0),
-                     "above the diagonal are not 0 although causal masking is on")]
-    rows_ok = finite.all(axis=1)
+           violation(MASK_MISSING, stage, masked & finite & (got != 0), "are not 0 where the mask hides them")]
+    # A row that sees no key holds only masked zeros (checked above), and sums to 0, not 1.
+    rows_ok = finite.all(axis=1) & ~masked.all(axis=1)
     if rows_ok.any():
         out.append(_row_sums(stage, got, finite, rows_ok, ctx))
     return [v for v in out if v]

@@ -15,14 +15,16 @@ from ...model.dot import flush_sum
 from ...model.rounding import FLUSH
 from ...stages import (FLASH_GRAD_KEYS, FLASH_GRAD_QUERIES, FLASH_GRAD_VALUES, GRAD_KEYS, GRAD_OUTPUT, GRAD_QUERIES,
                        GRAD_SCORES, GRAD_VALUES, GRAD_WEIGHTS, KEYS, OUTPUT, QUERIES, ROW_DOT, VALUES, WEIGHTS)
-from ..base import COLUMN_SUM, FLASH_VS_STAGES, ROW_SUM, StageSpec
+from ..base import COLUMN_SUM, FLASH_VS_STAGES, ROW_SUM, StageSpec, cap_sources, dropout_sources, flash_sources
 from ..copies import PATTERNS
 from .bounds import (d_chained, d_isolated, dk_chained, dk_isolated, dp_isolated, dq_chained, dq_isolated, ds_chained,
-                     ds_isolated, dv_chained, dv_isolated, flash_chained, flash_floor, flash_isolated, floor_d)
+                     ds_isolated, dv_chained, dv_isolated, floor_d)
 from .checks import agrees_with, dk_column_sums, ds_checks, flash_dk_column_sums
-from .quantization import d_quantization, dp_quantization, ds_quantization, flash_quantization, gemm_quantization
-from .reference import (FLASH_SOURCES, Gradients, d_reference, ds_reference, flash_backward, flash_reference,
-                        flash_with_mask, grad_keys, grad_queries, grad_values)
+from .flash_bounds import flash_chained, flash_floor, flash_isolated
+from .quantization import (d_quantization, dp_quantization, ds_quantization, dv_quantization, flash_quantization,
+                           grad_quantization)
+from .reference import (FLASH_SOURCES, Gradients, d_reference, dk_reference, dq_reference, ds_reference, dv_reference,
+                        flash_backward, flash_reference, flash_with_mask, grad_keys, grad_queries, grad_values)
 
 __all__ = ["SPECS", "FLASH_SOURCES", "Gradients", "d_reference", "ds_reference", "flash_backward"]
 
@@ -41,7 +43,7 @@ def _flash_spec(name: str, index: int, partner: str, rebuild, invariants=(), giv
                      invariants=(agrees_with(partner),) + invariants, given_upstream=given_upstream,
                      partner=partner, given_partner=(FLASH_VS_STAGES,), scaled=True, linear=True,
                      with_mask=flash_with_mask(index), rebuild=rebuild, diagnoses=_FLASH_PATTERNS + bugs,
-                     baseline=partner)
+                     baseline=partner, variant_sources=flash_sources)
 
 
 SPECS = (
@@ -52,26 +54,25 @@ SPECS = (
               isolated=dp_isolated, floor=lambda src: flush_sum(src[GRAD_OUTPUT], np.asarray(src[VALUES]).T) + FLUSH,
               quantization=dp_quantization, linear=True, diagnoses=_GRAD_PATTERNS),
     StageSpec(GRAD_SCORES,
-              reference=lambda src, problem: ds_reference(src[WEIGHTS], src[GRAD_WEIGHTS], src[ROW_DOT]),
+              reference=lambda src, problem: ds_reference(src[WEIGHTS], src[GRAD_WEIGHTS], src[ROW_DOT], problem.head),
               isolated=ds_isolated, chained=ds_chained, floor=lambda src: 6 * FLUSH,
               quantization=ds_quantization, invariants=(ds_checks,), given_upstream=(ROW_SUM,), masked_value=0.0,
-              rebuild=lambda g: g.dS, diagnoses=PATTERNS + DS_BUGS + ("mask",)),
-    StageSpec(GRAD_QUERIES, reference=lambda src, problem: problem.scale * src[GRAD_SCORES] @ src[KEYS],
-              isolated=dq_isolated, chained=dq_chained,
+              rebuild=lambda g: g.dS, diagnoses=PATTERNS + DS_BUGS + ("mask",), variant_sources=dropout_sources),
+    StageSpec(GRAD_QUERIES, reference=dq_reference, isolated=dq_isolated, chained=dq_chained,
               floor=lambda src: flush_sum(src[GRAD_SCORES], src[KEYS]) + FLUSH,
-              quantization=gemm_quantization(GRAD_SCORES, KEYS, False, True), scaled=True, linear=True,
-              rebuild=grad_queries, diagnoses=_GRAD_PATTERNS + DS_BUGS + SCALE_BUGS, baseline=GRAD_QUERIES),
-    StageSpec(GRAD_KEYS, reference=lambda src, problem: problem.scale * src[GRAD_SCORES].T @ src[QUERIES],
-              isolated=dk_isolated, chained=dk_chained,
+              quantization=grad_quantization(KEYS, False), scaled=True, linear=True,
+              rebuild=grad_queries, diagnoses=_GRAD_PATTERNS + DS_BUGS + SCALE_BUGS, baseline=GRAD_QUERIES,
+              variant_sources=cap_sources),
+    StageSpec(GRAD_KEYS, reference=dk_reference, isolated=dk_isolated, chained=dk_chained,
               floor=lambda src: flush_sum(np.asarray(src[GRAD_SCORES]).T, src[QUERIES]) + FLUSH,
-              quantization=gemm_quantization(GRAD_SCORES, QUERIES, True, True), invariants=(dk_column_sums,),
+              quantization=grad_quantization(QUERIES, True), invariants=(dk_column_sums,),
               given_upstream=(COLUMN_SUM,), scaled=True, linear=True, rebuild=grad_keys,
-              diagnoses=_GRAD_PATTERNS + DS_BUGS + SCALE_BUGS, baseline=GRAD_KEYS),
-    StageSpec(GRAD_VALUES, reference=lambda src, problem: src[WEIGHTS].T @ src[GRAD_OUTPUT],
-              isolated=dv_isolated, chained=dv_chained,
+              diagnoses=_GRAD_PATTERNS + DS_BUGS + SCALE_BUGS, baseline=GRAD_KEYS, variant_sources=cap_sources),
+    StageSpec(GRAD_VALUES, reference=dv_reference, isolated=dv_isolated, chained=dv_chained,
               floor=lambda src: flush_sum(np.asarray(src[WEIGHTS]).T, src[GRAD_OUTPUT]) + FLUSH,
-              quantization=gemm_quantization(WEIGHTS, GRAD_OUTPUT, True, False), linear=True,
-              rebuild=grad_values, diagnoses=_GRAD_PATTERNS + ("dV_untransposed_P",), baseline=GRAD_VALUES),
+              quantization=dv_quantization, linear=True, rebuild=grad_values,
+              diagnoses=_GRAD_PATTERNS + ("dV_untransposed_P",), baseline=GRAD_VALUES, variant_sources=dropout_sources,
+              dropped=(WEIGHTS,)),
     _flash_spec(FLASH_GRAD_QUERIES, 0, GRAD_QUERIES, grad_queries, bugs=DS_BUGS + SCALE_BUGS),
     _flash_spec(FLASH_GRAD_KEYS, 1, GRAD_KEYS, grad_keys, invariants=(flash_dk_column_sums,),
                 given_upstream=(COLUMN_SUM,), bugs=DS_BUGS + SCALE_BUGS),

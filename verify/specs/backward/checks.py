@@ -1,6 +1,8 @@
-"""The backward pass's reference-free checks: dS is exactly 0 where masked and each of its rows
-sums to 0 (Σ_j P_j·dP_j = D); dK's columns sum to 0 (softmax is shift-invariant along a row);
-each flash gradient agrees with the stage path's where the program wrote both.
+"""The backward pass's reference-free checks: dS is exactly 0 where masked (the whole mask of the
+head's variant) and each of its rows sums to 0 (Σ_j P_j·dP_j = D; under dropout with dP kept and
+rescaled, whose Σ_j P_j·dP_j·Z_j/(1 − p) is D too; a row that sees no key is all 0); dK's columns
+sum to 0 (softmax is shift-invariant along a row: not under a softcap, whose derivative weighs dS's
+entries); each flash gradient agrees with the stage path's where the program wrote both.
 """
 from __future__ import annotations
 
@@ -13,16 +15,17 @@ from ...model.kernels import kernel_for
 from ...model.rounding import FLUSH, LAMBDA, ROUND_VAR, unit_roundoff
 from ...stages import GRAD_OUTPUT, KEYS, QUERIES, VALUES
 from ..base import COLUMN_SUM, FLASH_VS_STAGES, MASK_MISSING, ROW_SUM, HeadContext, Violation, consistency, violation
-from .bounds import flash_chain, stage_chain
-from .reference import mask_of
+from .bounds import stage_chain
+from .flash_bounds import flash_chain
 
 
 def _chain_model(ctx: HeadContext):
-    """(u, kernel, (Q, K, V, dO) from the chain) for the invariants' bounds; None without dO."""
+    """(u, kernel, (Q, K, V, dO) from the chain, the head's variant) for the invariants' bounds;
+    None without dO."""
     if not all(n in ctx.chain for n in (QUERIES, KEYS, VALUES, GRAD_OUTPUT)):
         return None
     inputs = tuple(np.asarray(ctx.chain[n], np.float64) for n in (QUERIES, KEYS, VALUES, GRAD_OUTPUT))
-    return unit_roundoff(ctx.precision), kernel_for(ctx.backend, ctx.math, ctx.flash_kernel), inputs
+    return unit_roundoff(ctx.precision), kernel_for(ctx.backend, ctx.math, ctx.flash_kernel), inputs, ctx.head()
 
 
 def _row_sum_sd(indep, rows) -> np.ndarray:
@@ -32,9 +35,8 @@ def _row_sum_sd(indep, rows) -> np.ndarray:
 
 
 def ds_checks(stage: str, got: np.ndarray, ctx: HeadContext) -> List[Violation]:
-    masked = mask_of(*got.shape, ctx.causal)
-    out = [violation(MASK_MISSING, stage, masked & (got != 0) & ~np.isnan(got),
-                     "above the diagonal are not 0 although causal masking is on")]
+    masked = ctx.hidden(*got.shape)
+    out = [violation(MASK_MISSING, stage, masked & (got != 0) & ~np.isnan(got), "are not 0 where the mask hides them")]
     finite = np.isfinite(got).all(axis=1)
     model = _chain_model(ctx)
     if finite.any() and model is not None:
@@ -44,8 +46,8 @@ def ds_checks(stage: str, got: np.ndarray, ctx: HeadContext) -> List[Violation]:
 
 def _ds_row_sums(stage, got, finite, ctx, model):
     """Σ_j dS_j = Σ_j P_j·dP_j − D·Σ_j P_j = 0, within each row sum's error (_row_sum_sd)."""
-    u, kernel, (Q, K, V, dO) = model
-    _, _, _, _, rows, indep, *_ = stage_chain(Q, K, V, dO, ctx.scale, ctx.causal, u, kernel, ctx.cache)
+    u, kernel, (Q, K, V, dO), head = model
+    _, _, _, _, rows, indep, *_ = stage_chain(Q, K, V, dO, ctx.scale, head, u, kernel, ctx.cache)
     allowed = LAMBDA * _row_sum_sd(indep, rows)[:, 0] + 6 * FLUSH * got.shape[1]
     q = ctx.bounds.invariant_quantum(stage, got, ctx)
     if q is not None:
@@ -62,24 +64,24 @@ def _ds_row_sums(stage, got, finite, ctx, model):
 def _stage_path_errors(model, ctx: HeadContext):
     """(dS, row errors, dS's independent errors, dK's one-signed part, the GEMM's product
     variance) of the stage path's chain."""
-    u, kernel, (Q, K, V, dO) = model
-    _, _, _, dS, rows, indep, *_ = stage_chain(Q, K, V, dO, ctx.scale, ctx.causal, u, kernel, ctx.cache)
+    u, kernel, (Q, K, V, dO), head = model
+    _, _, _, dS, rows, indep, *_ = stage_chain(Q, K, V, dO, ctx.scale, head, u, kernel, ctx.cache)
     return dS, rows, indep, 0.0, 2 * ROUND_VAR
 
 
 def _flash_errors(model, ctx: HeadContext):
     """The same of the flash backward's chain."""
-    u, kernel, (Q, K, V, dO) = model
-    _, bounds, dS, _, indep, rows = flash_chain(Q, K, V, dO, ctx.scale, ctx.causal, u, kernel, ctx.cache)
-    return dS, rows, indep, bounds[1][1].sum(axis=0), kernel.flash_product_var + ROUND_VAR
+    u, kernel, (Q, K, V, dO), head = model
+    fc = flash_chain(Q, K, V, dO, ctx.scale, head, u, kernel, ctx.cache)
+    return fc.dS, fc.rows, fc.indep, fc.bounds[1][1].sum(axis=0), kernel.flash_product_var + ROUND_VAR
 
 
 def _column_sums(errors):
     """The check that dK's columns sum to 0, with the errors of the path that computes it."""
     def check(stage: str, got: np.ndarray, ctx: HeadContext) -> List[Violation]:
         model = _chain_model(ctx)
-        if not np.isfinite(got).all() or model is None:
-            return []
+        if not np.isfinite(got).all() or model is None or model[3].cap > 0:
+            return []  # under a softcap dK's columns need not sum to 0
         allowed = _column_sum_allowed(stage, got, ctx, model, *errors(model, ctx))
         dev = np.abs(got.sum(axis=0))
         bad = ~(dev <= allowed)
@@ -96,7 +98,7 @@ def _column_sum_allowed(stage: str, got, ctx: HeadContext, model, dS, rows, inde
     """Σ_j dK_j = scale·Σ_i Q_i·Σ_j dS_ij = 0 (every dS row sums to 0). Its error: each dS row sum's
     (independent across rows: see _ds_row_sums), the GEMM's roundings and the final scaling's,
     and the one-signed parts summed."""
-    u, _, (Q, _, _, _) = model
+    u, _, (Q, _, _, _), _ = model
     row_sd = _row_sum_sd(indep, rows)
     dK = ctx.scale * dS.T @ Q
     var = (ctx.scale ** 2 * (row_sd * row_sd * Q * Q).sum(axis=0)
@@ -114,9 +116,12 @@ flash_dk_column_sums = _column_sums(_flash_errors)
 
 
 def _partner_chain(ctx: HeadContext, names):
+    tensors = ctx.variant_tensors()
     if all(n in ctx.chain for n in names):
-        return ctx.chain
-    return {**ctx.chain, **ctx.bounds.reference_chain(ctx.inputs, ctx.scale, ctx.causal, names)}
+        return {**tensors, **ctx.chain}
+    inputs = {**ctx.inputs, **tensors}
+    return {**tensors, **ctx.chain, **ctx.bounds.reference_chain(inputs, ctx.scale, ctx.causal, names,
+                                                                 variant=ctx.effective_variant, slope=ctx.slope)}
 
 
 def agrees_with(partner: str):

@@ -2,6 +2,11 @@
 from the logits and the saved flash_lse); and Gradients, the same computation with one part (D,
 dS or the lse) replaced, which the backward diagnoses (verify/diagnose/backward.py) rebuild a
 failing stage from.
+
+Under a variant (verify/model/scores.py HeadVariant): dS = P∘(dP∘Z/(1 − p) − D) under dropout
+(Z the program's keep-mask), dV = (P∘Z/(1 − p))ᵀ·dO; the gradients of Q and K go through the
+softcap's derivative f = 1 − t² (t = tanh(scale·QK/C)): dQ = scale·(dS∘f)·K, dK = scale·(dS∘f)ᵀ·Q.
+A row that sees no key has P, dS and its dQ row 0.
 """
 from __future__ import annotations
 
@@ -10,50 +15,92 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from ...model.attention import causal_mask
+from ...model.scores import PLAIN, HeadVariant, as_head
 from ...stages import (FLASH_GRAD_QUERIES, FLASH_LSE, FLASH_OUTPUT, GRAD_OUTPUT, GRAD_WEIGHTS, KEYS, QUERIES, ROW_DOT,
-                       STAGES, WEIGHTS)
-from ..base import Problem
+                       GRAD_SCORES, SCORES, STAGES, WEIGHTS)
+from ...variant import Variant
+from ..base import Problem, head_variant
 
 FLASH_SOURCES = STAGES[FLASH_GRAD_QUERIES].inputs       # Q, K, V, dO, flash_output, flash_lse
 
 
-def mask_of(n: int, m: int, causal: bool) -> np.ndarray:
-    return causal_mask(n, m) if causal else np.zeros((n, m), bool)
+def mask_of(n: int, m: int, head) -> np.ndarray:
+    """Where the head hides key j from row i (head: a HeadVariant or a plain case's causal bool)."""
+    return as_head(head).hidden(n, m)
 
 
 def d_reference(dO, O):
     return (dO * O).sum(axis=1, keepdims=True)
 
 
-def ds_reference(P, dP, D):
-    return P * (dP - D)
+def ds_reference(P, dP, D, head: HeadVariant = PLAIN):
+    """P∘(dP − D), with dP kept and rescaled under dropout."""
+    return P * (head.dropped(dP) - D)
 
 
-def flash_backward(src, scale: float, masked: np.ndarray, D=None, lse=None):
+def cap_factor(S0: np.ndarray, head: HeadVariant) -> Optional[np.ndarray]:
+    """1 − t² from scale·QK: what dS is multiplied by on its way to dQ and dK (None: no cap)."""
+    return head.cap_slope(S0)
+
+
+def through_cap(dS: np.ndarray, f: Optional[np.ndarray]) -> np.ndarray:
+    return dS if f is None else dS * f
+
+
+def flash_backward(src, scale: float, masked: np.ndarray, D=None, lse=None, head: HeadVariant = PLAIN):
     """(dQ, dK, dV, P, dP, D, dS) of the FlashAttention backward from its sources, under `masked`
-    (D and lse may be replaced: the diagnoses build buggy variants)."""
+    and the head's score modifications and dropout (D and lse may be replaced: the diagnoses build
+    buggy variants). dS is the gradient of the softmax's input."""
     Q, K, V, dO = (np.asarray(src[n], np.float64) for n in FLASH_SOURCES[:4])
     lse = np.asarray(src[FLASH_LSE], np.float64) if lse is None else lse
-    S = np.where(masked, -np.inf, (Q @ K.T) * scale)
-    P = np.exp(S - lse)
+    S0 = (Q @ K.T) * scale
+    S = np.where(masked, -np.inf, head.modified(S0))
+    with np.errstate(invalid="ignore", over="ignore"):  # rows that see no key: −inf − lse
+        P = np.exp(S - lse)
     P[masked] = 0.0
     D = d_reference(dO, np.asarray(src[FLASH_OUTPUT], np.float64)) if D is None else D
     dP = dO @ V.T
-    dS = ds_reference(P, dP, D)
-    return scale * dS @ K, scale * dS.T @ Q, P.T @ dO, P, dP, D, dS
+    dS = ds_reference(P, dP, D, head)
+    G = through_cap(dS, cap_factor(S0, head))
+    return scale * G @ K, scale * G.T @ Q, head.dropped(P).T @ dO, P, dP, D, dS
 
 
 def flash_reference(index: int):
     """The reference of the flash gradient at `index` of (dQ, dK, dV)."""
     def reference(src, problem: Problem):
         Q, K = np.asarray(src[QUERIES]), np.asarray(src[KEYS])
-        return flash_backward(src, problem.scale, mask_of(Q.shape[0], K.shape[0], problem.causal))[index]
+        head = problem.head
+        return flash_backward(src, problem.scale, head.hidden(Q.shape[0], K.shape[0]), head=head)[index]
     return reference
 
 
 def flash_with_mask(index: int):
-    return lambda src, scale, masked: flash_backward(src, scale, masked)[index]
+    """The flash gradient at `index` under any mask (StageSpec.with_mask)."""
+    def with_mask(src, scale, masked, variant: Variant = Variant(), slope: float = 0.0, rows=None, n=None):
+        head = head_variant(variant, slope, src)
+        if masked is None:
+            masked = head.hidden(np.shape(src[QUERIES])[0], np.shape(src[KEYS])[0])
+        return flash_backward(src, scale, masked, head=head)[index]
+    return with_mask
+
+
+# ---- the stage path's gradients from their sources --------------------------------------------
+
+def _stage_cap(src, problem: Problem):
+    head = problem.head
+    return None if head.cap == 0 else cap_factor(np.asarray(src[SCORES], np.float64) * problem.scale, head)
+
+
+def dq_reference(src, problem: Problem):
+    return problem.scale * through_cap(src[GRAD_SCORES], _stage_cap(src, problem)) @ src[KEYS]
+
+
+def dk_reference(src, problem: Problem):
+    return problem.scale * through_cap(src[GRAD_SCORES], _stage_cap(src, problem)).T @ src[QUERIES]
+
+
+def dv_reference(src, problem: Problem):
+    return problem.head.dropped(src[WEIGHTS]).T @ src[GRAD_OUTPUT]
 
 
 Own = Callable[[str], np.ndarray]
@@ -63,23 +110,24 @@ class Gradients:
     """What a backward stage is computed from (P, dP, D, dS, and the program's own files through
     `own`), with D, dS or the lse replaced by a bug's. Stage path: the program's own P, dP and D;
     recompute (the flash backward): P, dP and D recomputed from its saved output and lse. Each
-    part is computed when first asked for (a diagnosis of D never reads dP)."""
+    part is computed when first asked for (a diagnosis of D never reads dP). head: the head's
+    variant (verify/model/scores.py HeadVariant; verify/specs/base.py head_variant builds one)."""
 
     def __init__(self, own: Own, scale: float, masked: np.ndarray, recompute: bool,
                  D: Optional[np.ndarray] = None, dS: Optional[np.ndarray] = None,
-                 lse: Optional[np.ndarray] = None) -> None:
+                 lse: Optional[np.ndarray] = None, head: HeadVariant = PLAIN) -> None:
         self.own, self.scale, self.masked, self.recompute = own, scale, masked, recompute
-        self._D, self._dS, self._lse = D, dS, lse
+        self._D, self._dS, self._lse, self.head = D, dS, lse, head
 
     def replaced(self, **parts) -> "Gradients":
-        kw = dict(D=self._D, dS=self._dS, lse=self._lse)
+        kw = dict(D=self._D, dS=self._dS, lse=self._lse, head=self.head)
         kw.update(parts)
         return Gradients(self.own, self.scale, self.masked, self.recompute, **kw)
 
     @cached_property
     def _flash(self):
         src = {n: self.own(n) for n in FLASH_SOURCES}
-        return flash_backward(src, self.scale, self.masked, D=self._D, lse=self._lse)
+        return flash_backward(src, self.scale, self.masked, D=self._D, lse=self._lse, head=self.head)
 
     @cached_property
     def P(self) -> np.ndarray:
@@ -99,16 +147,24 @@ class Gradients:
     def dS(self) -> np.ndarray:
         if self._dS is not None:
             return self._dS
-        return self._flash[6] if self.recompute else ds_reference(self.P, self.dP, self.D)
+        return self._flash[6] if self.recompute else ds_reference(self.P, self.dP, self.D, self.head)
+
+    @cached_property
+    def G(self) -> np.ndarray:
+        """dS through the softcap's derivative (dS without a cap): what dQ and dK are made of."""
+        if self.head.cap == 0:
+            return self.dS
+        QK = self.own(QUERIES) @ self.own(KEYS).T if self.recompute else self.own(SCORES)
+        return through_cap(self.dS, cap_factor(np.asarray(QK, np.float64) * self.scale, self.head))
 
 
 def grad_queries(g: Gradients) -> np.ndarray:
-    return g.scale * g.dS @ g.own(KEYS)
+    return g.scale * g.G @ g.own(KEYS)
 
 
 def grad_keys(g: Gradients) -> np.ndarray:
-    return g.scale * g.dS.T @ g.own(QUERIES)
+    return g.scale * g.G.T @ g.own(QUERIES)
 
 
 def grad_values(g: Gradients) -> np.ndarray:
-    return g.P.T @ g.own(GRAD_OUTPUT)
+    return g.head.dropped(g.P).T @ g.own(GRAD_OUTPUT)

@@ -1,0 +1,231 @@
+"""The FlashAttention backward's error bounds (flash_dQ, flash_dK, flash_dV): isolated from the
+program's own saved flash_output and flash_lse (P recomputed from the logits), chained from Q, K,
+V and dO (the forward's lse and output errors reaching P and D). The variants enter as on the
+stage path (bounds.py): the recomputed logits carry the score modifications' errors
+(verify/model/scores.py), dS reads dP kept and rescaled under dropout, dQ and dK read dS through
+the softcap's derivative, dV the kept and rescaled weights.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Tuple
+
+import numpy as np
+
+from ...model.attention import log_sum_exp_rows
+from ...model.backward import (CappedGrads, RowErrors, capped_grads, d_var, ds_var_parts, flash_rows,
+                               grad_over_keys_var, grad_over_queries_var)
+from ...model.dot import flush_sum, mma_truncation_det, pv_var, qk_var, rowdot_var
+from ...model.flash import common_factor_logits, flash_output_var_det, flash_parts, logit_magnitude
+from ...model.kernels import FLASH_LOGIT_ROUNDINGS
+from ...model.rounding import FLUSH, ROUND_VAR, finish, finite_abs, memo
+from ...model.scores import HeadVariant, as_head, cap_factor_error, dropout_factor_error, modification_det
+from ...model.softmax import exponent_var, logits, need, raw_logits
+from ...stages import FLASH_GRAD_QUERIES
+from ..base import Problem
+from ..flash import lse_var_det
+from .bounds import chain_cap, dp_var, stage_chain
+from .reference import FLASH_SOURCES, flash_backward, through_cap
+
+
+def _scale_det(Q, K, scale, head, P, finite, u, kernel, cache):
+    """The head's one rounded scale factor (a relative δ ≤ u): each recomputed weight moves by
+    δ·(S_j − S̄), S̄ = Σ_j P_j S_j carried by the lse (one-signed, relative), for each quantity
+    such a factor may multiply (verify/model/flash.py common_factor_logits); 0 without one."""
+    if not kernel.common_scale:
+        return np.zeros(finite.shape)
+    det = np.zeros(finite.shape)
+    for S in common_factor_logits(Q, K, scale, head, cache):
+        det += np.where(finite, u * np.abs(S - (P * S).sum(axis=1, keepdims=True)), 0.0)
+    return det
+
+
+def _logit_det(Q, K, P, scale, head, finite, u, kernel, cache):
+    """One-signed relative errors of the recomputed weights: tensor-core truncation of the logits
+    (through the softcap's derivative) and the common scale factor."""
+    det = _scale_det(Q, K, scale, head, P, finite, u, kernel, cache)
+    if kernel.mma_passes:
+        trunc = abs(scale) * mma_truncation_det(Q, K.T, u, kernel.mma_passes)
+        slope = head.cap_slope(raw_logits(Q, K, scale, cache)) if head.cap > 0 else None
+        det = det + np.where(finite, trunc if slope is None else trunc * slope, 0.0)
+    return det
+
+
+def _recomputed_eta(Q, K, S, lse, finite, scale, head: HeadVariant, u, kernel, cache):
+    """Variance of each recomputed weight's relative error: its logit's dot product (through the
+    cap), the modifications' and the logit's roundings, the subtraction of lse, exp."""
+    eta = scale * scale * qk_var(Q, K, u, kernel.flash_product_var, cache)
+    if head.modifies:
+        S0 = raw_logits(Q, K, scale, cache)
+        slope = head.cap_slope(S0)
+        eta = eta * (1.0 if slope is None else slope * slope) + modification_det(S0, head, u, kernel, flash=True) ** 2
+    eta = np.where(finite, eta, 0.0)
+    d = np.where(finite, S - np.where(np.isfinite(lse), lse, 0.0), 0.0)
+    return eta + exponent_var(d, finite, u, kernel, logit_magnitude(S, finite, head), FLASH_LOGIT_ROUNDINGS)
+
+
+def _lse_magnitude(lse, head: HeadVariant, n: int, m: int) -> np.ndarray:
+    """|lse| as a kernel that rounds it sees it (0 for a row that sees no key; raised by
+    flash-attn's causal ALiBi shift)."""
+    mag = np.where(np.isfinite(lse), np.abs(lse), 0.0)
+    shift = head.flash_shift(n, m)
+    return mag if shift is None else mag + np.abs(shift)
+
+
+def _flushed_entries(P, dS):
+    """(|dS|, P) where a weight or a dS entry lies below float32's normal range, else 0; (None,
+    None) when none does. GPUs flush such values to zero (an ftz exp2, FTZ arithmetic), so each may
+    be lost whole; the gradients summed from them are then tiny, but no smaller than those terms."""
+    edge = 2 * FLUSH  # margin for the weight's own rounding error near the edge
+    tiny_p = (P < edge) & (P > 0)
+    lost = (tiny_p | (np.abs(dS) < edge)) & (dS != 0)
+    if not (lost.any() or tiny_p.any()):
+        return None, None
+    # Twice the lost terms: a gradient made of one lost term equals its bound exactly, and the
+    # reference's own rounding must not decide such a case.
+    return np.where(lost, 2 * np.abs(dS), 0.0), np.where(tiny_p, 2 * P, 0.0)
+
+
+class GradBounds(NamedTuple):
+    bounds: Tuple[tuple, tuple, tuple]   # (variance, one-signed part) of dQ, dK, dV
+    indep: np.ndarray                    # dS's independent errors (sd)
+    grads: CappedGrads                   # dS through the cap, and its errors
+
+
+def _flash_grad_bounds(parts, rows: RowErrors, dP_var, s_det, scale, head: HeadVariant, u, kernel, cache,
+                       cap) -> GradBounds:
+    """The bounds of flash_dQ, flash_dK, flash_dV from the row errors; cap: (f, its error's sd)."""
+    Q, K, dO, P, dP, D, dS = parts
+    dropout, r_err = int(head.dropout > 0), dropout_factor_error(head, u)
+    dPz = head.dropped(dP)
+    indep, shared = ds_var_parts(P, dPz, D, dS, rows, head.dropped(head.dropped(dP_var)) if dropout else dP_var,
+                                 u, dropout)
+    g = capped_grads(P, dS, indep, shared, *cap)
+    f = cap[0]
+    ds_det = through_cap(np.abs(dS) * s_det + r_err * np.abs(P * dPz), f)
+    pv = kernel.flash_product_var + ROUND_VAR  # the kernel's products, and the scale folded in
+    pv_g = pv + ROUND_VAR * (f is not None)    # and the cap's factor
+    dq_var = grad_over_keys_var(g.P, g.G, K, rows, g.indep, scale, u, cache, pv_g)
+    dk_var = scale * scale * grad_over_queries_var(g.G, g.indep + g.shared, Q, u, cache, "dS Q var", pv_g)
+    Pz = head.dropped(P)
+    p_sd = head.dropped(P * (np.sqrt(rows.eta) + np.sqrt(rows.shared)))
+    dv_var = grad_over_queries_var(Pz, p_sd, dO, u, cache, "P dO var", pv + ROUND_VAR * dropout)
+    dq_det = abs(scale) * (ds_det @ np.abs(K))
+    dk_det = abs(scale) * (ds_det.T @ np.abs(Q))
+    dv_det = head.dropped(P * s_det).T @ np.abs(dO) + r_err * np.abs(Pz.T @ dO)
+    lost_ds, lost_p = _flushed_entries(P, dS)
+    if lost_ds is not None:
+        lost_ds = through_cap(lost_ds, f)
+        dq_det = dq_det + abs(scale) * (lost_ds @ np.abs(K))
+        dk_det = dk_det + abs(scale) * (lost_ds.T @ np.abs(Q))
+        dv_det = dv_det + head.dropped(lost_p).T @ np.abs(dO)
+    if kernel.mma_passes:
+        dq_det = dq_det + abs(scale) * mma_truncation_det(g.G, K, u, kernel.mma_passes)
+        dk_det = dk_det + abs(scale) * mma_truncation_det(g.G.T, Q, u, kernel.mma_passes)
+        dv_det = dv_det + mma_truncation_det(Pz.T, dO, u, kernel.mma_passes)
+    return GradBounds(((dq_var, dq_det), (dk_var, dk_det), (dv_var, dv_det)), indep, g)
+
+
+def _own_cap(Q, K, scale, head: HeadVariant, u, kernel, cache):
+    """(f, bound on its error) as the flash backward recomputes it from Q and K."""
+    if head.cap == 0:
+        return None, 0.0
+    S0 = raw_logits(Q, K, scale, cache)
+    return head.cap_slope(S0), cap_factor_error(S0, head, u, kernel)
+
+
+def _flash_own(src, scale, head, u, kernel, cache):
+    """The flash backward's errors from its own saved flash_output and flash_lse: the recomputed
+    logits (their dot product, their roundings, exp), the lse's one rounding where a kernel folds
+    log2(e) into it (shared along the row), D's and dP's roundings, the gradient GEMMs."""
+    Q, K, V, dO, O, lse = need(src, FLASH_GRAD_QUERIES, *FLASH_SOURCES)
+    head = as_head(head)
+
+    def compute():
+        masked = head.hidden(Q.shape[0], K.shape[0])
+        _, _, _, P, dP, D, dS = flash_backward(src, scale, masked, head=head)
+        finite = ~masked & np.isfinite(lse)
+        S = np.where(finite, logits(Q, K, scale, head, cache), 0.0)
+        eta = _recomputed_eta(Q, K, S, lse, finite, scale, head, u, kernel, cache)
+        lse_fold = ROUND_VAR * u * u * _lse_magnitude(lse, head, Q.shape[0], K.shape[0]) ** 2
+        rows = flash_rows(eta, lse_fold, rowdot_var(dO, O, u))
+        return _flash_grad_bounds((Q, K, dO, P, dP, D, dS), rows, dp_var(dO, V, u, kernel.flash_product_var, cache),
+                                  _logit_det(Q, K, P, scale, head, finite, u, kernel, cache), scale, head, u, kernel,
+                                  cache, _own_cap(Q, K, scale, head, u, kernel, cache)).bounds
+    return memo(cache, "flash grads own", (Q, K, V, dO, O, lse), (scale, head, u, kernel), compute)
+
+
+def flash_isolated(index: int):
+    def isolated(src, ref, problem: Problem):
+        var, det = _flash_own(src, *problem.model_args)[index]
+        return var, det + 2.0 * problem.u * np.abs(ref) * (index < 2)  # dQ, dK: the scale's own rounding
+    return isolated
+
+
+class FlashChain(NamedTuple):
+    refs: Tuple[np.ndarray, np.ndarray, np.ndarray]   # dQ, dK, dV
+    bounds: Tuple[tuple, tuple, tuple]
+    dS: np.ndarray
+    p: np.ndarray
+    indep: np.ndarray
+    rows: RowErrors
+    grads: CappedGrads
+
+
+def flash_chain(Q, K, V, dO, scale, head, u, kernel, cache) -> FlashChain:
+    """The flash backward's errors from the original inputs: its forward's lse and output errors
+    (verify/model/flash.py) reach P (shared along the row) and D."""
+    head = as_head(head)
+
+    def compute():
+        S, p, m, eta_fwd, l_var, s_det = flash_parts(Q, K, scale, head, u, kernel, cache)
+        finite = np.isfinite(S)
+        lse = log_sum_exp_rows(S)
+        lse_var, lse_det = lse_var_det(Q, K, lse, scale, head, u, kernel, cache)
+        # The same weights, dP, D and dS as the stage path's chain (shared arrays share their bounds).
+        _, dP, D, dS = stage_chain(Q, K, V, dO, scale, head, u, kernel, cache)[:4]
+        dropout = int(head.dropout > 0)
+        pz = head.dropped(p)
+        O = pz @ V
+        _, O_det = flash_output_var_det(Q, K, V, scale, head, u, kernel, cache)
+        acc = kernel.rescale_factor * pv_var(pz, V, u, kernel.flash_product_var + ROUND_VAR * dropout, cache) \
+            + ((kernel.final_roundings + dropout) * ROUND_VAR + kernel.div_var) * (u * O) ** 2
+        Dv = d_var(p, eta_fwd, l_var, np.zeros(p.shape), dO, head.dropped(dP), D, acc, rowdot_var(dO, O, u))
+        D_sd = np.sqrt(Dv) + (np.abs(dO) * O_det).sum(axis=1, keepdims=True)
+        eta = _recomputed_eta(Q, K, S, lse, finite, scale, head, u, kernel, cache)
+        lse_mag = _lse_magnitude(lse, head, Q.shape[0], K.shape[0])
+        shared_sd = np.sqrt(lse_var + ROUND_VAR * u * u * lse_mag * lse_mag) + lse_det
+        rows = flash_rows(eta, shared_sd * shared_sd, D_sd * D_sd)
+        s_det = s_det + _scale_det(Q, K, scale, head, p, finite, u, kernel, cache)  # flash_parts': truncation
+        dPv = dp_var(dO, V, u, kernel.flash_product_var, cache)
+        cap = chain_cap(Q, K, scale, head, u, kernel, cache, kernel.flash_product_var)
+        gb = _flash_grad_bounds((Q, K, dO, p, dP, D, dS), rows, dPv, s_det, scale, head, u, kernel, cache, cap)
+        G = gb.grads.G
+        return FlashChain((scale * G @ K, scale * G.T @ Q, pz.T @ dO), gb.bounds, dS, p, gb.indep, rows, gb.grads)
+    return memo(cache, "flash backward chain", (Q, K, V, dO), (scale, head, u, kernel), compute)
+
+
+def flash_chained(index: int):
+    def chained(sources, problem: Problem):
+        scale, u = problem.scale, problem.u
+        Q, K, V, dO = sources
+        fc = flash_chain(Q, K, V, dO, *problem.model_args)
+        ref, (var, det) = fc.refs[index], fc.bounds[index]
+        det = det + 2.0 * u * np.abs(ref) * (index < 2)
+        G = fc.grads.G
+        floor = [abs(scale) * flush_sum(G, K), abs(scale) * flush_sum(G.T, Q),
+                 flush_sum(problem.head.dropped(fc.p).T, dO)][index]
+        return finish(ref, var, det, floor + FLUSH)
+    return chained
+
+
+def flash_floor(src):
+    """Flushed products: none unless the data's products come near float32's normal range."""
+    Q, K, V, dO = (finite_abs(src[n]) for n in FLASH_SOURCES[:4])
+    tiny = float(np.max(flush_sum(dO, V.T), initial=0.0))
+    if not tiny:
+        return 2 * FLUSH
+    return 2 * FLUSH + tiny * max(1.0, Q.max(initial=0.0), K.max(initial=0.0), dO.max(initial=0.0)) \
+        * (Q.shape[0] + K.shape[0])
+
+
+__all__ = ["flash_isolated", "flash_chained", "flash_chain", "flash_floor"]
