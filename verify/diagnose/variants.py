@@ -107,7 +107,7 @@ def _bias(v: Variant, ctx: Suspect) -> Iterator[Bug]:
 
 def _dropout(v: Variant, ctx: Suspect, stage: str) -> Iterator[Bug]:
     keep = variant_tensors(ctx).get(DROPOUT_MASK)
-    if v.dropout <= 0 or keep is None or not reads_dropout_mask(stage):
+    if v.dropout <= 0 or keep is None or not reads_dropout_mask(stage, v):
         return
     yield Bug("dropout_not_applied", f"the keep-mask the program wrote is not applied (dropout {v.dropout:g}): got "
               "matches attention without dropout", v.with_(dropout=0.0), detail={"dropout": v.dropout})
@@ -128,8 +128,9 @@ def bugs(stage: str, ctx: Suspect) -> Iterator[Bug]:
 def _unscaled(stage, got, want, ctx, width) -> List[Diagnosis]:
     """Dropout's kept weights not divided by 1 − p: every stage they reach linearly (the output, dV)
     is want·(1 − p)."""
-    p = variant_of(ctx).dropout
-    if p <= 0 or not reads_dropout_mask(stage):
+    v = variant_of(ctx)
+    p = v.dropout
+    if p <= 0 or not reads_dropout_mask(stage, v):
         return []
     diff = explains(got, want * (1.0 - p), want, width)
     if diff is None:
