@@ -30,6 +30,7 @@ CASES: Dict[str, Sequence[str]] = {
     "window": ("--window", "7,4", "--align", "bottom-right"),
     "causal-window": ("--causal", "bottom-right", "--window", "7,-1"),
     "softcap": ("--softcap", "2", "--causal", "top-left"),
+    "softcap-backward": ("--softcap", "2", "--backward"),
     "alibi": ("--alibi", "--causal", "bottom-right"),
     "alibi-slopes-file": ("--alibi", "--alibi-slopes", "random"),
     "mask": ("--mask", "random", "--mask-heads", "per-head", "--causal", "bottom-right"),
@@ -197,6 +198,11 @@ def test_a_wrong_score_is_named_where_it_begins(tmp_path, cases, case, bug, code
         assert all(d["detail"]["used_head"] == (h + 1) % 6 for h, d in found.items())
 
 
+def test_a_gradient_without_the_softcap_s_derivative_is_named(tmp_path, cases):
+    _named(_check(tmp_path, cases["softcap-backward"], Program("softcap_grad_missing"))[1], "dQ",
+           "softcap_derivative_missing", range(6))
+
+
 # ---- dropout ---------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("bug,code", [("dropout_unscaled", "dropout_unscaled"),
@@ -213,7 +219,7 @@ def test_a_dropout_bug_is_named_at_the_output(tmp_path, cases, bug, code):
 # ---- the pieces ------------------------------------------------------------------------------------------
 
 def test_every_planted_bug_is_tested():
-    planted = {bug for _, bug, *_ in WINDOWS} | {bug for _, bug, _ in SCORES} | {
+    planted = {bug for _, bug, *_ in WINDOWS} | {bug for _, bug, _ in SCORES} | {"softcap_grad_missing"} | {
         "kv_modulo", "kv_unshared", "group_first", "group_last", "group_twice", "align_swapped", "mask_transposed",
         "mask_ignored", "dropout_unscaled", "dropout_not_applied", "dropout_inverted"}
     assert planted == set(BUGS)

@@ -41,6 +41,7 @@ BUGS = {
     "window_swapped": "the window's left and right bounds swapped",
     "softcap_missing": "no softcap",
     "softcap_before_scale": "C·tanh(QK/C)·scale",
+    "softcap_grad_missing": "dQ, dK from dS without the softcap's derivative 1 - t²",
     "alibi_reversed": "the ALiBi slopes in reverse head order",
     "alibi_next_head": "the next head's ALiBi slope",
     "alibi_sign": "+slope·|diag - j|",
@@ -190,7 +191,7 @@ class Program:
             dPz = (dP * out[DROPOUT_MASK] * f32(1 / (1 - f32(v.dropout)))).astype(f32)
         dS = (p * (dPz - D)).astype(f32)
         g = dS
-        if v.softcap > 0:
+        if v.softcap > 0 and self.bug != "softcap_grad_missing":
             t = np.tanh(qk * scale / f32(v.softcap))
             g = (dS * (1 - t * t)).astype(f32)
         grads = {ROW_DOT: D, GRAD_WEIGHTS: dP, GRAD_SCORES: dS, GRAD_QUERIES: (scale * (g @ k)).astype(f32),

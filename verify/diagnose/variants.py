@@ -5,7 +5,7 @@ reference does not. Hypotheses of verify/diagnose/hypotheses.py, tried wherever 
 "scaled" or "mask" (the stages a wrong score or weight reaches).
 
 Codes: softcap_missing (S not capped), softcap_before_scale (C·tanh(QK/C)·scale: the cap applied
-to the unscaled QK), alibi_missing, alibi_sign (+slope·|i − j|: the bias grows with the
+to the unscaled QK), softcap_derivative_missing (dQ, dK from dS without the cap's 1 − t²), alibi_missing, alibi_sign (+slope·|i − j|: the bias grows with the
 distance), alibi_slope_order (another head's slope: the slopes reversed, or shifted by a head),
 bias_ignored, bias_transposed (the bias file read transposed), dropout_unscaled (the kept weights
 not divided by 1 − p), dropout_not_applied (the keep-mask written but not applied),
@@ -20,7 +20,7 @@ import numpy as np
 
 from ..check.diagnosis import Diagnosis, Suspect
 from ..specs import reads_dropout_mask
-from ..stages import BIAS_INPUT, DROPOUT_MASK
+from ..stages import BIAS_INPUT, DROPOUT_MASK, STAGES
 from ..variant import NONE, Variant, alibi_slopes
 from .base import explains
 from .inputs import alternatives, slope_of, variant_of, variant_tensors
@@ -28,7 +28,7 @@ from .inputs import alternatives, slope_of, variant_of, variant_tensors
 
 # The other heads whose slope a head's bias is tried with: the reversed order's, then the nearest.
 MAX_SLOPE_HEADS = 6
-CODES = ("softcap_missing", "softcap_before_scale", "alibi_missing", "alibi_sign", "alibi_slope_order",
+CODES = ("softcap_missing", "softcap_before_scale", "softcap_derivative_missing", "alibi_missing", "alibi_sign", "alibi_slope_order",
          "bias_ignored", "bias_transposed", "dropout_unscaled", "dropout_not_applied", "dropout_mask_inverted")
 
 
@@ -46,9 +46,15 @@ class Bug:
 
 # ---- the candidates -------------------------------------------------------------------------------
 
-def _softcap(v: Variant, scale: float) -> Iterator[Bug]:
+def _softcap(v: Variant, scale: float, stage: str) -> Iterator[Bug]:
     cap = v.softcap
     if cap <= 0:
+        return
+    if STAGES[stage].backward and not STAGES[stage].flash:
+        # A stage-path gradient from the program's own dS: without the cap, only its derivative is left out.
+        yield Bug("softcap_derivative_missing", f"dS is not multiplied by the softcap's derivative 1 − t² "
+                  f"(t = tanh(scale·QK/C), C = {cap:g}) on its way to dQ and dK", v.with_(softcap=0.0),
+                  detail={"softcap": cap})
         return
     yield Bug("softcap_missing", f"the softcap C = {cap:g} is not applied: got matches the result without it",
               v.with_(softcap=0.0), detail={"softcap": cap})
@@ -117,7 +123,7 @@ def _dropout(v: Variant, ctx: Suspect, stage: str) -> Iterator[Bug]:
 
 def bugs(stage: str, ctx: Suspect) -> Iterator[Bug]:
     v = variant_of(ctx)
-    yield from _softcap(v, ctx.scale)
+    yield from _softcap(v, ctx.scale, stage)
     yield from _alibi(v, ctx)
     yield from _bias(v, ctx)
     yield from _dropout(v, ctx, stage)
