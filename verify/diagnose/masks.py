@@ -15,6 +15,7 @@ window with the causal mask kept), mask_file_ignored, mask_file_transposed.
 """
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, List, Optional, Tuple
 
@@ -186,15 +187,20 @@ def _offsets(masks: Masks, fitted: List[int]) -> Iterator[Candidate]:
 
 
 def candidates(masks: Masks, fitted: List[int]) -> Iterator[Candidate]:
-    """Every named mask, most specific first; none equal to the run's own or to another before it."""
-    seen = [masks.run]
+    """Every named mask, most specific first; none equal to the run's own or to another before it
+    (told apart by a digest: one N×M mask is held at a time)."""
+    seen = {_digest(masks.run)}
     for group in (_missing(masks), _other_alignment(masks), _mask_file(masks), _window(masks),
                   _offsets(masks, fitted)):
         for c in group:
-            if any((c.hidden == h).all() for h in seen):
-                continue
-            seen.append(c.hidden)
-            yield c
+            digest = _digest(c.hidden)
+            if digest not in seen:
+                seen.add(digest)
+                yield c
+
+
+def _digest(hidden: np.ndarray) -> bytes:
+    return hashlib.blake2b(np.packbits(hidden).tobytes(), digest_size=16).digest()
 
 
 # ---- words -------------------------------------------------------------------------------------
