@@ -308,7 +308,7 @@ def _half_stage_path(h: Head, rnd) -> Dict[str, np.ndarray]:
     d = (h.do * o).sum(axis=1, keepdims=True, dtype=f32)
     dp = rnd(h.do @ h.v.T)
     ds = rnd(p * (dropped32(h, dp) - d))
-    f = cap_factor32(replace(h, q=qk, k=np.eye(M, dtype=f32)), Route()) if h.variant.softcap else None
+    f = cap_factor32(h, Route(), qk)
     g = ds if f is None else ds * f
     return {SCORES: qk, SCALED_SCORES: s, WEIGHTS: p, OUTPUT: o, ROW_DOT: d, GRAD_WEIGHTS: dp, GRAD_SCORES: ds,
             GRAD_QUERIES: rnd((g * f32(h.scale)) @ h.k), GRAD_KEYS: rnd((g * f32(h.scale)).T @ h.q),
@@ -546,3 +546,22 @@ def test_a_group_sum_is_within_its_bound(precision):
         total = round_to_format32(total, precision)
     assert _ratio(total, ref, bound) < 1.0
     assert _ratio(parts[0] + parts[1], ref, bound) > 1.0   # a head of the group left out
+
+
+@pytest.mark.parametrize("case", ("softcap", "alibi-causal", "dropout", "everything"))
+def test_flash_attns_eager_baseline_computes_the_variant(case):
+    """The baseline of flash-attn's test criterion (verify/check/baseline.py) under the variant:
+    within a few bf16 units of the reference, and far from it without the variant."""
+    from verify.check.baseline import eager_half_attention
+    from verify.specs.base import head_variant
+    h = make_head(case, std=3.0 if case == "softcap" else 1.0)
+    rnd = lambda x: round_to_format32(x, "bf16")  # noqa: E731
+    h = replace(h, q=rnd(h.q), k=rnd(h.k), v=rnd(h.v), do=rnd(h.do))
+    chain = chain_of(h)
+    head = head_variant(h.variant, h.slope, h.tensors())
+    got = eager_half_attention(h.q, h.k, h.v, h.do, h.scale, head, "bf16")
+    plain = eager_half_attention(h.q, h.k, h.v, h.do, h.scale, h.variant.causal, "bf16")
+    for stage in (OUTPUT, GRAD_QUERIES, GRAD_KEYS, GRAD_VALUES):
+        top = np.abs(chain[stage]).max()
+        assert np.abs(got[stage] - chain[stage]).max() < 0.05 * top, stage
+    assert np.abs(plain[OUTPUT] - chain[OUTPUT]).max() > 0.05 * np.abs(chain[OUTPUT]).max()

@@ -139,11 +139,13 @@ def dropped32(h: Head, x: np.ndarray) -> np.ndarray:
     return x if h.keep is None else (x * h.keep * rescale32(h)).astype(f32)
 
 
-def cap_factor32(h: Head, route: Route) -> Optional[np.ndarray]:
-    """1 − t² in float32 from the program's float32 scale·QK (None without a cap)."""
+def cap_factor32(h: Head, route: Route, qk: Optional[np.ndarray] = None) -> Optional[np.ndarray]:
+    """1 − t² in float32 from the program's float32 scale·QK (from its stored QK when given; None
+    without a cap)."""
     if h.variant.softcap == 0:
         return None
-    t = _tanh(raw_scores(h, route) / f32(h.variant.softcap), route)
+    s = raw_scores(h, route) if qk is None else qk * f32(h.scale)
+    t = _tanh(s / f32(h.variant.softcap), route)
     return (f32(1) - t * t).astype(f32)
 
 

@@ -99,7 +99,12 @@ def _quiet_baseline(q, k, v, do, ctx: HeadContext) -> Dict[str, np.ndarray]:
     """The baseline without NumPy's overflow warnings: an fp16 baseline may overflow where the
     program did not, which the criterion reports as not met."""
     with np.errstate(all="ignore"):
-        return eager_half_attention(q, k, v, do, ctx.scale, ctx.head(), ctx.precision)
+        return eager_half_attention(q, k, v, do, ctx.scale, _head(ctx), ctx.precision)
+
+
+def _head(ctx):
+    """The head's variant (HeadContext.head), or the causal flag of a context without one."""
+    return ctx.head() if hasattr(ctx, "head") else ctx.causal
 
 
 def head_errors(stage: str, got: np.ndarray, ctx: HeadContext) -> Optional[Tuple[float, float]]:
@@ -111,7 +116,7 @@ def head_errors(stage: str, got: np.ndarray, ctx: HeadContext) -> Optional[Tuple
         return None
     q, k, v, do = ctx.inputs[QUERIES], ctx.inputs[KEYS], ctx.inputs[VALUES], ctx.inputs.get(GRAD_INPUT)
     baseline = memo(ctx.cache, "eager half baseline", tuple(ctx.inputs.values()),
-                    (ctx.scale, ctx.head(), ctx.precision),
+                    (ctx.scale, _head(ctx), ctx.precision),
                     lambda: _quiet_baseline(q, k, v, do, ctx))
     ref = round_to_format(ctx.chain[stage], ctx.precision)
     return _max_error(got, ref), _max_error(baseline[key], ref)

@@ -15,18 +15,13 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from ...model.scores import PLAIN, HeadVariant, as_head
+from ...model.scores import PLAIN, HeadVariant
 from ...stages import (FLASH_GRAD_QUERIES, FLASH_LSE, FLASH_OUTPUT, GRAD_OUTPUT, GRAD_WEIGHTS, KEYS, QUERIES, ROW_DOT,
                        GRAD_SCORES, SCORES, STAGES, WEIGHTS)
 from ...variant import Variant
 from ..base import Problem, head_variant
 
 FLASH_SOURCES = STAGES[FLASH_GRAD_QUERIES].inputs       # Q, K, V, dO, flash_output, flash_lse
-
-
-def mask_of(n: int, m: int, head) -> np.ndarray:
-    """Where the head hides key j from row i (head: a HeadVariant or a plain case's causal bool)."""
-    return as_head(head).hidden(n, m)
 
 
 def d_reference(dO, O):
