@@ -15,6 +15,11 @@
 //   Q_i/dO_i (kernel 2) and K_j/V_j (kernel 3) stream through shared memory with cp.async, double
 //   buffered. Tails (N, M not multiples of the tiles) are zero-filled and masked: a query row past
 //   N gets lse = +inf (P = 0), a key past M is masked explicitly.
+//   The variant instantiation (flash_problem.cuh) visits only the query tiles (kernel 2) and key
+//   tiles (kernel 3) of the rule's range and rebuilds each score as the forward read it (softcap,
+//   ALiBi, the bias file, the mask file and the rule; variant_softmax_grad): dV reads P∘Z/(1 − p)
+//   (Z dropout's keep decision, drawn again), dQ and dK read P∘(dP∘Z/(1 − p) − D)·(1 − t²) (the
+//   softcap's derivative); a row the forward saw no key for (lse -inf) gives P = 0.
 //
 // Arithmetic the verifier assumes (verify/model/kernels.py: the CUDA model of the forward's
 // cuda-* flash_kernel): Precision::fp32 3xTF32 (every operand split hi + lo; FP32-accurate

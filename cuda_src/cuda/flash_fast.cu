@@ -14,7 +14,10 @@
 // domain), rescales its O accumulator and adds P·V, with P taken straight from the S accumulators:
 // the k index of both MMAs is permuted (logical column t ↔ physical 2t, t+4 ↔ 2t+1) so that the
 // accumulator layout of S is the operand layout of P, with no shuffles or shared-memory round trip.
-// Causal: tiles above the diagonal are never loaded; only tiles that cross it are masked. Tails
+// Causal: tiles above the diagonal are never loaded; only tiles that cross it are masked. The
+// variant instantiation (flash_problem.cuh): only the key tiles of the rule's range are loaded
+// (windows skip both sides), tiles its band cuts are masked, and the softcap (tanhf) and ALiBi
+// are applied in base 2 (flash_common.cuh modify_tile); no mask or bias files, no dropout. Tails
 // (N, M not multiples of the tiles) are zero-filled by cp.async and masked. When heads·⌈N/Br⌉
 // blocks cannot fill the GPU, the KV loop is split across blocks and a combine kernel merges the
 // partial outputs with their lse.

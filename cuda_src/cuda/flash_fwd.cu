@@ -9,6 +9,11 @@
 //   l = exp(m - m_new)·l + rowsum(P), O = exp(m - m_new)·O + P Vj;  finally O /= l, lse = m + log l.
 // N×M is never materialized: S and P live one Br×Bc tile at a time. FP32 CUDA cores, shared-memory
 // tiles, 128 threads; Precision::tf32 runs this FP32 kernel too.
+// The variant instantiation (flash_problem.cuh) takes every feature of variant.h: the rule's key
+// tiles alone (both sides), each score as the CPU backend's HeadScores::score computes it
+// (apply_softcap, alibi_bias, the bias file; -inf where hidden), dropout's keep decisions on P as
+// it enters P·Vj (l sums the undropped P) and 1/(1 − p) with 1/l at the end; a row that sees no
+// key gets O = 0 and lse = -inf.
 //
 // Arithmetic the verifier assumes (verify/model/kernels.py: KERNELS["cuda-clean"], the CUDA model
 // all cuda-* kernels share, looser than this kernel needs): FP32 FMA dot products in a fixed order

@@ -28,7 +28,9 @@
 // loading during the softmax and P·V of tile j and Vᵀ_{j+1} during S_{j+1}. Causal: tiles above
 // the diagonal are never loaded, and a warpgroup whose rows are all above a tile skips it.
 // Shared-memory tiles use the no-swizzle K-major layout of smem_layout.cuh (core matrices of 8
-// rows × 16 bytes). When heads·⌈N/BR⌉ blocks cannot fill the GPU, the KV loop is split and
+// rows × 16 bytes). The variant instantiation (flash_problem.cuh): the rule's key tiles alone,
+// a warpgroup skipping those outside its rows' band, the softcap (tanhf) and ALiBi in base 2
+// (flash_common.cuh modify_tile). When heads·⌈N/BR⌉ blocks cannot fill the GPU, the KV loop is split and
 // combine_kv_splits (flash_dispatch.cu) merges.
 //
 // Arithmetic the verifier assumes (verify/model/kernels.py: KERNELS["cuda-wgmma-3xtf32"] and
