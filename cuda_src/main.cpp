@@ -103,6 +103,18 @@ StageSet drop_backward(const Options& o, const InputCase& c, StageSet sel) {
     return c.backward ? sel : sel.minus(StageSet::backward());
 }
 
+// The dropout stage (dropout_mask) exists only in a run with dropout: named one by one it is an
+// error without; through a group (all, stages) it is left out, and never computed.
+StageSet drop_dropout(const Options& o, const Problem& p, StageSet sel) {
+    if (p.variant.dropout > 0.f) return sel;
+    const StageSet named{o.stages_named.bits & StageSet::dropout().bits};
+    if (!named.empty())
+        fail(kExitBadInput, "--stages " + o.stages_text + ": " + stage_list(named) +
+                                " exists only in a run with dropout (this one has dropout = 0)",
+             "pass --dropout P, or set dropout in manifest.toml");
+    return sel.minus(StageSet::dropout());
+}
+
 // At a half precision a backend may lack some flash kernels (the CUDA backend has the forward on
 // compute capability 9.0 only, and no backward; the CPU backend emulates them all): those stages
 // are an error when asked for (by name or by a group such as `flash`, as for an unsupported head
@@ -182,8 +194,8 @@ int run(int argc, char** argv) {
     InputCase in = open_input_case(o.in_dir);
     Problem p = make_problem(o, in);
     std::unique_ptr<Backend> be = choose_backend(o.backend);
-    StageSet written = drop_half_flash(o, *be, p, select_stages(o, in));
-    StageSet computed = dependency_closure(written);
+    StageSet written = drop_dropout(o, p, drop_half_flash(o, *be, p, select_stages(o, in)));
+    StageSet computed = drop_dropout(o, p, dependency_closure(written));
     check_forced_flash_kernel(o, *be, computed);
     VariantInputs variant_inputs(in, p);  // the broadcast mask/bias and the slopes: checked before OUT is touched
 

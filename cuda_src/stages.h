@@ -192,6 +192,11 @@ inline bool is_kv_stage(Stage s) {
 // How many files of stage s a case has: one per query head, or one per K/V head.
 inline int heads_of(Stage s, const Dims& d) { return is_kv_stage(s) ? d.total_kv_heads() : d.total_heads(); }
 
+// The stage that exists only in a case with dropout: the program's keep-mask (verify/stages.py
+// DROPOUT_MASK, Stage.dropout). A run without dropout neither computes nor writes it.
+inline constexpr const char kDropoutMaskStage[] = "dropout_mask";
+inline bool is_dropout_stage(Stage s) { return std::string(stage_name(s)) == kDropoutMaskStage; }
+
 inline bool is_flash_stage(Stage s) { return stage_info(s).kind == StageKind::flash; }
 inline bool is_input_echo(Stage s) { return stage_info(s).kind == StageKind::input; }
 inline bool is_backward_stage(Stage s) { return stage_info(s).pass == Pass::bwd; }
@@ -258,15 +263,10 @@ struct StageSet {
     static StageSet all() { return StageSet{(1u << kNumStages) - 1}; }
     static StageSet flash() { return where(is_flash_stage); }
     static StageSet backward() { return where(is_backward_stage); }
+    static StageSet dropout() { return where(is_dropout_stage); }
     bool any_flash() const { return any(flash()); }
     bool any_backward() const { return any(backward()); }
 };
-
-// The stages that exist only in a case with dropout > 0 (verify/stages.py's Stage.dropout): the
-// keep-mask. output, dS and dV name it as a source, so a run without dropout takes these out of
-// both the written and the computed stages (after dependency_closure()); the backends compute
-// output, dS and dV without the mask then.
-inline StageSet dropout_stages() { return StageSet{stage_mask(Stage::dropout_mask)}; }
 
 // The input stages (Q, K, V, dO) in table order; without the backward ones (dO) when `backward`
 // is false.

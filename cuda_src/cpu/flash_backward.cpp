@@ -49,7 +49,7 @@ void recompute_row(const HeadScores& sc, const QueryRow& row, const KeyTile& t, 
             continue;
         }
         const float qk = P[cc], z = sc.dropped_scale(row.r, c);
-        const float pc = std::exp(sc.score(qk, row.r, c) - row.lse);
+        const float pc = std::exp(sc.modified(qk, row.r, c) - row.lse);
         P[cc] = pc * z;
         dS[cc] = pc * (dS[cc] * z - row.D);
         if (sc.capped()) dS[cc] *= sc.cap_derivative(qk);

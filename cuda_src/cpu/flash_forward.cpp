@@ -80,8 +80,9 @@ struct TileRows {
             // S = scale·Qi Kjᵀ, modified, -inf where masked
             row_times_matrix(Qi + static_cast<size_t>(rr) * d, KjT.data(), d, cols, S.data());
             for (int cc = 0; cc < cols; ++cc) S[cc] = sc.score(S[cc], r, c0 + cc);
-            for (size_t cc = 0; cc < Z.size(); ++cc) Z[cc] = sc.keep(r, c0 + static_cast<int>(cc));
-            state.add(rr, S.data(), cols, Vj, Z.empty() ? nullptr : Z.data());
+            if (sc.drops())
+                for (int cc = 0; cc < cols; ++cc) Z[cc] = sc.keep(r, c0 + cc);
+            state.add(rr, S.data(), cols, Vj, sc.drops() ? Z.data() : nullptr);
         }
     }
 };

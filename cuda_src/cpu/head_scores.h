@@ -36,8 +36,9 @@ public:
 
     // The score the softmax reads from the raw dot product qk = q_r·k_c: s = scale·qk, capped,
     // less ALiBi's distance penalty, plus the bias; −inf where hidden.
-    float score(float qk, int r, int c) const {
-        if (hidden(r, c)) return kNegInf;
+    float score(float qk, int r, int c) const { return hidden(r, c) ? kNegInf : modified(qk, r, c); }
+    // The same for an entry known not to be hidden.
+    float modified(float qk, int r, int c) const {
         float s = apply_softcap(qk * scale_, softcap_);
         if (alibi_) s += alibi_bias(slope_, r, c, rule_);
         if (bias_) s += bias_[static_cast<size_t>(r) * M_ + c];

@@ -165,10 +165,13 @@ void compute_dS(const StageWork& w) {
     parallel_rows(w.g.count, d.N, [&](int h, int r) {
         const HeadScores sc(w.p, w.g, h);
         const size_t row = static_cast<size_t>(r) * d.M;
+        const float *Pr = P.head(h) + row, *dPr = dP.head(h) + row;
         const float Dr = D.head(h)[r];
+        const float* Zr = sc.drops() ? Z.head(h) + row : nullptr;
+        float* dSr = out.head(h) + row;
         for (int c = 0; c < d.M; ++c) {
-            const float dp = sc.drops() ? dP.head(h)[row + c] * Z.head(h)[row + c] * sc.keep_scale() : dP.head(h)[row + c];
-            out.head(h)[row + c] = sc.hidden(r, c) ? 0.f : P.head(h)[row + c] * (dp - Dr);
+            const float dp = Zr ? dPr[c] * Zr[c] * sc.keep_scale() : dPr[c];
+            dSr[c] = sc.hidden(r, c) ? 0.f : Pr[c] * (dp - Dr);
         }
     });
 }

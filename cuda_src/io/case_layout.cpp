@@ -228,11 +228,11 @@ int infer_kv_heads(const InputCase& c, const HeadFiles& hf) {
     const int heads = c.dims.heads, kv = run_length(hf.of(c.format, Stage::K));
     if (kv == 0 || kv >= heads) return heads;  // a missing K_head_0 or a stray K file: check_head_files says
     if (heads % kv != 0)
-        fail(kExitBadInput, c.dir + ": " + plural(kv, "K/V head") + " (K_head_0.." + std::to_string(kv - 1) + ") for " +
-                                plural(heads, "query head") + " (Q_head_0.." + std::to_string(heads - 1) +
-                                "): grouped K/V heads must divide the query heads",
-             "give every query head its K/V files, or a number of K/V heads that divides the query heads "
-             "(manifest.toml's kv_heads says it outright)");
+        fail(kExitBadInput, c.file(Stage::K, kv) + ": missing (the case has " + plural(heads, "head") + ", Q_head_0.." +
+                                std::to_string(heads - 1) + "; its " + std::to_string(kv) + " K files are grouped K/V "
+                                "heads only if that number divides the heads)",
+             "every head needs Q_head_i, K_head_i and V_head_i, or the K/V files of a number of K/V heads "
+             "that divides the heads (manifest.toml's kv_heads says it outright)");
     return kv;
 }
 
