@@ -465,7 +465,7 @@ void launch_tiles(const FlashArgs& a, const KernelPlan& plan, cudaStream_t strea
             const HalfParams p{out.O, out.lse, a.heads, a.N, a.M, a.scale * kLog2e, plan.splits};
             const dim3 grid = query_block_grid(a, plan);
             const VariantArgs va = variant_args(a.scale, a.variant);
-            if (kVariant)
+            if constexpr (kVariant)
                 flash_wgmma_half_kernel<T, false, false, true><<<grid, T::THREADS, T::SMEM_BYTES, stream>>>(p, maps, va);
             else if (p.scale_log2 > 0.f)
                 flash_wgmma_half_kernel<T, kCausal, true, false><<<grid, T::THREADS, T::SMEM_BYTES, stream>>>(p, maps, va);
