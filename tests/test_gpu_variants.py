@@ -1,5 +1,5 @@
 """The CUDA backend's attention variants against the CPU backend, file by file, and under the
-verifier (gpu marker): grouped K/V heads, both causal alignments, sliding windows, softcap, ALiBi,
+verifier (gpu marker; one test, of the kernels' key ranges, compiles their header for the host): grouped K/V heads, both causal alignments, sliding windows, softcap, ALiBi,
 mask and bias files, dropout; the stage path and every flash kernel (clean, fast, wgmma) in the
 instantiation that takes the case's variant.
 
@@ -14,6 +14,8 @@ mask, bias and slopes files come from the case generator (verify/files/patterns.
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional
@@ -29,7 +31,9 @@ from verify.runs.runner import run_binary
 from verify.stages import DROPOUT_MASK, FLASH_LSE, FLASH_OUTPUT, HALF_PRECISIONS, Dims, parse_stage_file
 from verify.variant import BOTTOM_RIGHT, Variant
 
-pytestmark = pytest.mark.gpu
+from helpers.environment import REPO
+
+gpu = pytest.mark.gpu
 
 # Largest difference allowed, relative to the largest finite magnitude of the CPU's stage: FP32
 # lands near 1e-6 (the GEMMs' and exponentials' orders differ), TF32 operands near 1e-3; a half
@@ -176,6 +180,7 @@ def verified(in_dir: Path, out_dir: Path, case: Case) -> None:
 
 # ---- the stage path and the flash kernel `auto` takes ----------------------------------------------
 
+@gpu
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_every_stage_matches_the_cpu_backend(binary, tmp_path, case):
     in_dir = make_case(tmp_path / "in", case)
@@ -189,6 +194,7 @@ def test_every_stage_matches_the_cpu_backend(binary, tmp_path, case):
     verified(in_dir, tmp_path / "cuda", case)
 
 
+@gpu
 def test_several_groups_match_one_group(binary, tmp_path):
     """--max-memory-mb 2 cuts the heads into groups of one (1.1 MiB each on the host): each group's
     mask and bias files, slopes and dropout's flat head index must follow it."""
@@ -202,6 +208,7 @@ def test_several_groups_match_one_group(binary, tmp_path):
 
 # ---- each flash kernel forced ---------------------------------------------------------------------
 
+@gpu
 @pytest.mark.parametrize("precision", ["fp32", "tf32"])
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("case", FLASH_CASES, ids=[c.id for c in FLASH_CASES])
@@ -233,6 +240,7 @@ EDGE_CASES = [Case("empty-rows-split", Dims(1, 1, 700, 600, 64, 64), Variant(cau
                    Variant(window=(100, 0), softcap=8.0, alibi=True, align=BOTTOM_RIGHT))]
 
 
+@gpu
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("case", EDGE_CASES, ids=[c.id for c in EDGE_CASES])
 def test_flash_kernels_at_the_edges_of_the_mask(binary, tmp_path, case, kernel):
@@ -256,6 +264,7 @@ def test_flash_kernels_at_the_edges_of_the_mask(binary, tmp_path, case, kernel):
 
 # ---- the half-precision flash forward -------------------------------------------------------------
 
+@gpu
 @pytest.mark.parametrize("precision", HALF_PRECISIONS)
 @pytest.mark.parametrize("case", HALF_CASES, ids=[c.id for c in HALF_CASES])
 def test_the_half_flash_forward_matches_the_cpu_backend(binary, tmp_path, case, precision):
@@ -278,3 +287,77 @@ def test_the_half_flash_forward_matches_the_cpu_backend(binary, tmp_path, case, 
         finite = np.isfinite(want)
         assert np.abs(got[finite] - want[finite]).max(initial=0) < 1e-3, f"{precision} head {head}: flash_lse"
     verified(in_dir, tmp_path / "cuda", case)
+
+
+# ---- the kernels' key ranges, on the host ----------------------------------------------------------
+
+_RULE_PROGRAM = r"""
+#include <cstdio>
+#include "cuda/device_variant.cuh"
+using namespace attnstep;
+// Every function of DeviceVariant that the kernels skip or mask tiles by, against visible() entry by
+// entry, and visible() against variant.h's MaskRule, over small shapes of both alignments and
+// windows of every kind; prints the failures and a count.
+int main() {
+    unsigned x = 12345;
+    auto draw = [&](int n) { x = x * 1103515245u + 12345u; return static_cast<int>((x >> 8) % n); };
+    long bad = 0;
+    for (int it = 0; it < 400; ++it) {
+        const int N = 1 + draw(24), M = 1 + draw(24);
+        DeviceVariant v;
+        v.offset = draw(2) ? M - N : 0;
+        v.left = draw(3) ? draw(8) : kUnbounded;
+        v.right = draw(3) ? draw(8) : kUnbounded;
+        const MaskRule rule = v.rule();
+        auto fail = [&](const char* what, int a, int b, int c, int d) {
+            if (++bad <= 20)
+                std::printf("%s N=%d M=%d offset=%d left=%d right=%d at %d %d %d %d\n", what, N, M, v.offset, v.left,
+                            v.right, a, b, c, d);
+        };
+        for (int r = -2; r < N + 4; ++r)
+            for (int c = -2; c < M + 4; ++c) {
+                const bool vis = v.visible(r, c);
+                if (vis != rule.visible(r, c)) fail("visible vs MaskRule", r, c, 0, 0);
+                if (r >= 0 && c >= 0 && c < M && vis != (c >= v.first_key(r) && c < v.end_key(r, M)))
+                    fail("key range", r, c, 0, 0);
+            }
+        for (int c0 = 0; c0 < M; ++c0)
+            for (int c1 = c0 + 1; c1 <= M; ++c1)
+                for (int r = 0; r < N; ++r) {
+                    bool sees = false;
+                    for (int c = c0; c < c1; ++c) sees = sees || v.visible(r, c);
+                    if (sees && (r < v.first_row(c0) || r >= v.end_row(c1, N))) fail("row range", r, c0, c1, 0);
+                }
+        for (int r0 = 0; r0 < N + 3; ++r0)
+            for (int r1 = r0 + 1; r1 <= N + 3; r1 += 2)
+                for (int c0 = 0; c0 < M + 3; ++c0)
+                    for (int c1 = c0 + 1; c1 <= M + 3; c1 += 3) {
+                        bool all = true, none = true;
+                        for (int r = r0; r < r1; ++r)
+                            for (int c = c0; c < c1; ++c) {
+                                all = all && v.visible(r, c);
+                                none = none && !v.visible(r, c);
+                            }
+                        if (all != v.all_visible(r0, r1, c0, c1)) fail("all_visible", r0, r1, c0, c1);
+                        if (none != v.none_visible(r0, r1, c0, c1)) fail("none_visible", r0, r1, c0, c1);
+                    }
+    }
+    std::printf("failures %ld\n", bad);
+}
+"""
+
+
+def test_the_kernels_key_ranges_agree_with_the_rule(tmp_path):
+    """device_variant.cuh compiled for the host: the key tiles and query rows every flash kernel
+    visits (first_key/end_key, first_row/end_row) hold every visible entry, and the tests by which
+    they skip a tile (none_visible) or mask it (all_visible) are exact, for both alignments and
+    every kind of window, also for rows past N (the last block's tail)."""
+    cxx = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+    if not cxx:
+        pytest.skip("no C++ compiler")
+    src, exe = tmp_path / "rule.cpp", tmp_path / "rule"
+    src.write_text(_RULE_PROGRAM)
+    subprocess.run([cxx, "-std=c++17", "-O1", "-I", str(REPO / "cuda_src"), str(src), "-o", str(exe)], check=True,
+                   timeout=120)
+    out = subprocess.run([str(exe)], capture_output=True, text=True, check=True, timeout=120).stdout
+    assert out.strip().endswith("failures 0"), out
