@@ -403,7 +403,7 @@ __global__ void __launch_bounds__(T::THREADS, T::MIN_BLOCKS)
 
     float dq[T::D / 8][4];
     zero(dq);
-    if (first < n_tiles) load_tile(first, 0);
+    if (kVariant ? first < n_tiles : n_tiles > 0) load_tile(first, 0);
     for (int j = first; j < n_tiles; ++j) {
         const int buf = (j - first) & 1;
         if (j + 1 < n_tiles) {
@@ -442,7 +442,7 @@ __global__ void __launch_bounds__(T::THREADS, T::MIN_BLOCKS)
         add_product<T, T::BT, kThree>(dq, dp, Kj, g, t);  // dQ_w += dS K_j
         __syncthreads();
     }
-    if (first >= n_tiles) cp_async_wait<0>();
+    if (kVariant ? first >= n_tiles : n_tiles == 0) cp_async_wait<0>();
 
     store_grad<T>(dq, p.dQ + qoff * T::D, wq0 + g, p.N, p.scale, t);
 }
