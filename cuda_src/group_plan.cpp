@@ -68,8 +68,10 @@ GroupPlan plan_groups(const Options& o, const Problem& p, StageSet computed, con
     size_t cap = o.max_memory_mb > 0 ? static_cast<size_t>(o.max_memory_mb) * kMiB : SIZE_MAX;
     g.host_per_head = input_bytes_per_head(p.dims, computed) + stage_bytes_per_head(p.dims, computed) +
                       variant_bytes(p, Coverage::per_head);
-    g.host_fixed = variant_bytes(p, Coverage::broadcast) + kv_stage_bytes(p.dims, computed) +
-                   static_cast<size_t>(p.dims.total_heads()) * sizeof(float);  // the ALiBi slopes
+    // KvStageSum holds one K/V head's stages only for a grouped case; the slopes only with ALiBi.
+    g.host_fixed = variant_bytes(p, Coverage::broadcast) +
+                   (p.dims.group_size() > 1 ? kv_stage_bytes(p.dims, computed) : 0) +
+                   (p.variant.alibi ? static_cast<size_t>(p.dims.total_heads()) * sizeof(float) : 0);
     g.work_per_head = be.working_bytes_per_head(p, computed);
     g.host_budget = std::min(host_budget_bytes(), cap);
     g.work_budget = std::min(be.available_bytes(), cap);

@@ -1,11 +1,14 @@
 // main.cpp — the attnstep binary: reads an input case, computes the selected attention stages
 // head group by head group on a backend, and writes one file per stage and head plus run.toml
 // (docs/contract.md). Order of work, so that bad input never leaves a half-written case:
-//   1. parse the command line, find and check the input case (every file, the manifest, shapes),
-//      choose the stages and the backend, check the output folder: all before writing anything;
+//   1. parse the command line, find and check the input case (every file, the manifest, shapes,
+//      the variant's mask/bias/slopes files), choose the stages and the backend, check the output
+//      folder: all before writing anything;
 //   2. mark the output folder as holding an unfinished run; plan the head groups (so that not
-//      enough memory is a run that did not finish); per group: read Q/K/V (and dO), compute, and
-//      write the stage files into a staging folder inside it (io/run_folder.h);
+//      enough memory is a run that did not finish); per group: read Q/K/V (and dO; a grouped
+//      case's K/V head copied to each of its query heads) and the variant's per-head files,
+//      compute, and write the stage files into a staging folder inside it (io/run_folder.h): the
+//      K/V stages once per K/V head, the gradients summed over its query heads (group_plan.h);
 //   3. write run.toml last, then put the staged files in place of the previous run's at once. On
 //      any failure the previous run's files stay untouched and the marker says why.
 #include <algorithm>
@@ -24,7 +27,6 @@
 #include "common.h"
 #include "group_plan.h"
 #include "io/atomic_file.h"
-#include "io/crc32.h"
 #include "io/case_layout.h"
 #include "io/manifest.h"
 #include "io/matrix_io.h"
