@@ -30,6 +30,7 @@
 #include "gemm.cuh"
 #include "half.cuh"
 #include "kernels.cuh"
+#include "variant_buffers.cuh"
 
 namespace attnstep {
 
@@ -184,7 +185,7 @@ size_t CudaBackend::working_bytes_per_head(const Problem& p, StageSet computed) 
         bytes += flash_backward_workspace_bytes_per_head(flash_bwd_args(p));
     if (needs_half_operands(p, computed)) bytes += 2 * (half_operand_bytes(p.dims, 1) + kBufferAlign);
     if (needs_format_inputs(p, computed)) bytes += flash_format_input_bytes_per_head(flash_args(p)) + 3 * kBufferAlign;
-    return bytes;
+    return bytes + variant_bytes_per_head(p, computed, kBufferAlign);
 }
 
 size_t CudaBackend::available_bytes() const {
@@ -234,6 +235,13 @@ DeviceBuffers CudaBackend::carve_buffers(const Problem& p, StageSet computed, in
             total += align_up(stage_elems(format_inputs[k], d) * sizeof(uint16_t) * static_cast<size_t>(heads));
         }
     }
+    const VariantLayout v = variant_layout(p, computed, heads);
+    const size_t variant_floats[4] = {v.mask, v.bias, v.slopes, v.scratch};
+    size_t variant_at[4] = {};
+    for (int k = 0; k < 4; ++k) {
+        variant_at[k] = total;
+        total += align_up(variant_floats[k] * sizeof(float));
+    }
     reserve_arena(total);
     DeviceBuffers b;
     for (int i = 0; i < kNumStages; ++i) {
@@ -245,6 +253,10 @@ DeviceBuffers CudaBackend::carve_buffers(const Problem& p, StageSet computed, in
     if (needs_format_inputs(p, computed)) {
         for (int k = 0; k < 3; ++k) b.format[k] = reinterpret_cast<uint16_t*>(static_cast<char*>(arena_) + format_at[k]);
     }
+    float* part[4] = {};
+    for (int k = 0; k < 4; ++k)
+        if (variant_floats[k]) part[k] = reinterpret_cast<float*>(static_cast<char*>(arena_) + variant_at[k]);
+    b.variant_at = VariantBuffers{part[0], part[1], part[2], part[3]};
     return b;
 }
 
@@ -302,7 +314,8 @@ void CudaBackend::compute(const Problem& p, StageSet computed, HeadGroup& group,
     const Dims& d = p.dims;
     set_gemm_precision(blas_, p.precision);
 
-    const DeviceBuffers b = carve_buffers(p, computed, heads);
+    DeviceBuffers b = carve_buffers(p, computed, heads);
+    b.variant = upload_variant_inputs(p, group, b.variant_at, stream_);
     for (bool& t : timed_) t = false;
 
     // Inputs. The echo stages Q, K, V, dO are the device copies read back, so their time is the

@@ -8,15 +8,45 @@
 #include "cuda_stages.cuh"
 #include "half.cuh"
 #include "kernels.cuh"
+#include "variant_kernels.cuh"
 
 namespace attnstep {
 
 namespace {
 
-// The arguments both flash passes share, of a whole problem, without buffers.
+// The arguments both flash passes share, of a whole problem, without buffers. `causal` is the
+// plain top-left mask alone (FlashProblem): any other rule is the variant's.
 FlashProblem flash_problem(const Problem& p) {
+    const DeviceVariant v = make_device_variant(p);
     return FlashProblem{nullptr, nullptr, nullptr, p.dims.total_heads(), p.dims.N, p.dims.M, p.dims.dk,
-                        p.scale, p.causal, p.precision};
+                        p.scale, !v.beyond_plain() && v.top_left_causal(), p.precision, v};
+}
+
+// Whether the stage path runs kernels.cuh's plain kernels (no mask, or the top-left causal one,
+// nothing else), and then whether with the causal mask.
+bool plain(const DeviceStageWork& w) { return !w.b.variant.beyond_plain(); }
+bool plain_causal(const DeviceStageWork& w) { return w.b.variant.has_rule(); }
+
+// The N×M matrices of the group's heads.
+size_t group_matrix_elems(const DeviceStageWork& w) {
+    return static_cast<size_t>(w.p.dims.N) * w.p.dims.M * w.heads;
+}
+
+// The weights the output and dV GEMMs read: attention_weights, or under dropout the dropped
+// weights (P∘Z)·(1/(1 − p)) in the scratch matrix.
+const float* gemm_weights(const DeviceStageWork& w) {
+    if (w.b.variant.dropout <= 0.f) return w.buf(Stage::attention_weights);
+    launch_dropped_weights(w.buf(Stage::attention_weights), w.b.variant_at.scratch, w.heads, w.p.dims.N, w.p.dims.M,
+                           w.b.variant, w.stream);
+    return w.b.variant_at.scratch;
+}
+
+// The dS the dQ and dK GEMMs read: dS, or under a softcap dS∘(1 − t²) in the scratch matrix.
+const float* gemm_ds(const DeviceStageWork& w) {
+    if (w.b.variant.softcap <= 0.f) return w.buf(Stage::dS);
+    launch_softcap_grad(w.buf(Stage::dS), w.buf(Stage::QK), w.b.variant_at.scratch, group_matrix_elems(w), w.p.scale,
+                        w.b.variant.softcap, w.stream);
+    return w.b.variant_at.scratch;
 }
 
 }  // namespace
@@ -45,8 +75,12 @@ void compute_QK(const DeviceStageWork& w) {
 }
 
 void compute_QK_scaled(const DeviceStageWork& w) {
-    launch_scale_mask(w.buf(Stage::QK), w.buf(Stage::QK_scaled), w.heads, w.p.dims.N, w.p.dims.M, w.p.scale,
-                      w.p.causal, w.stream);
+    if (plain(w))
+        launch_scale_mask(w.buf(Stage::QK), w.buf(Stage::QK_scaled), w.heads, w.p.dims.N, w.p.dims.M, w.p.scale,
+                          plain_causal(w), w.stream);
+    else
+        launch_variant_scores(w.buf(Stage::QK), w.buf(Stage::QK_scaled), w.heads, w.p.dims.N, w.p.dims.M, w.p.scale,
+                              w.b.variant, w.stream);
     w.store_in_format(Stage::QK_scaled);
 }
 
@@ -56,9 +90,13 @@ void compute_attention_weights(const DeviceStageWork& w) {
     w.store_in_format(Stage::attention_weights);
 }
 
+// The keep-mask is the hash of variant.h, as every stage that applies dropout recomputes it.
+void compute_dropout_mask(const DeviceStageWork& w) {
+    launch_dropout_mask(w.buf(Stage::dropout_mask), w.heads, w.p.dims.N, w.p.dims.M, w.b.variant, w.stream);
+}
+
 void compute_output(const DeviceStageWork& w) {
-    gemm_output(w.blas, w.p.dims, w.heads, w.buf(Stage::attention_weights), w.buf(Stage::V), w.buf(Stage::output),
-                w.b.half);
+    gemm_output(w.blas, w.p.dims, w.heads, gemm_weights(w), w.buf(Stage::V), w.buf(Stage::output), w.b.half);
     w.store_in_format(Stage::output);
 }
 
@@ -75,6 +113,7 @@ void compute_flash_output(const DeviceStageWork& w) {
     a.O = w.buf(Stage::flash_output);
     a.lse = w.buf(Stage::flash_lse);
     a.heads = w.heads;
+    a.variant = w.b.variant;
     flash_forward(a, w.stream);
 }
 
@@ -93,24 +132,27 @@ void compute_dP(const DeviceStageWork& w) {
 }
 
 void compute_dS(const DeviceStageWork& w) {
-    launch_ds(w.buf(Stage::attention_weights), w.buf(Stage::dP), w.buf(Stage::D), w.buf(Stage::dS), w.heads,
-              w.p.dims.N, w.p.dims.M, w.p.causal, w.stream);
+    if (plain(w))
+        launch_ds(w.buf(Stage::attention_weights), w.buf(Stage::dP), w.buf(Stage::D), w.buf(Stage::dS), w.heads,
+                  w.p.dims.N, w.p.dims.M, plain_causal(w), w.stream);
+    else
+        launch_variant_ds(w.buf(Stage::attention_weights), w.buf(Stage::dP), w.buf(Stage::D), w.buf(Stage::dS),
+                          w.heads, w.p.dims.N, w.p.dims.M, w.b.variant, w.stream);
     w.store_in_format(Stage::dS);
 }
 
 void compute_dQ(const DeviceStageWork& w) {
-    gemm_dq(w.blas, w.p.dims, w.heads, w.p.scale, w.buf(Stage::dS), w.buf(Stage::K), w.buf(Stage::dQ), w.b.half);
+    gemm_dq(w.blas, w.p.dims, w.heads, w.p.scale, gemm_ds(w), w.buf(Stage::K), w.buf(Stage::dQ), w.b.half);
     w.store_in_format(Stage::dQ);
 }
 
 void compute_dK(const DeviceStageWork& w) {
-    gemm_dk(w.blas, w.p.dims, w.heads, w.p.scale, w.buf(Stage::dS), w.buf(Stage::Q), w.buf(Stage::dK), w.b.half);
+    gemm_dk(w.blas, w.p.dims, w.heads, w.p.scale, gemm_ds(w), w.buf(Stage::Q), w.buf(Stage::dK), w.b.half);
     w.store_in_format(Stage::dK);
 }
 
 void compute_dV(const DeviceStageWork& w) {
-    gemm_dv(w.blas, w.p.dims, w.heads, w.buf(Stage::attention_weights), w.buf(Stage::dO), w.buf(Stage::dV),
-            w.b.half);
+    gemm_dv(w.blas, w.p.dims, w.heads, gemm_weights(w), w.buf(Stage::dO), w.buf(Stage::dV), w.b.half);
     w.store_in_format(Stage::dV);
 }
 
@@ -129,6 +171,7 @@ void compute_flash_dQ(const DeviceStageWork& w) {
     a.dQ = w.buf(Stage::flash_dQ);
     a.dK = w.buf(Stage::flash_dK);
     a.dV = w.buf(Stage::flash_dV);
+    a.variant = w.b.variant;
     flash_backward(a, w.stream);
 }
 

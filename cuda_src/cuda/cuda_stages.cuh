@@ -10,9 +10,11 @@
 
 #include "../backend.h"
 #include "../stages.h"
+#include "device_variant.cuh"
 #include "flash.cuh"
 #include "flash_bwd.cuh"
 #include "gemm.cuh"
+#include "variant_buffers.cuh"
 
 namespace attnstep {
 
@@ -21,6 +23,8 @@ struct DeviceBuffers {
     float* at[kNumStages] = {};
     HalfGemm half;  // the half pipelines' GEMM operands (none for fp32, tf32)
     uint16_t* format[3] = {};  // Q, K, V in the format for the half flash forward (needs_format_inputs)
+    VariantBuffers variant_at;  // the variant's inputs and the stage path's scratch (variant_buffers.cuh)
+    DeviceVariant variant;      // the group's variant, its pointers into variant_at
 };
 
 // What a stage function works on: the problem, the group's heads and buffers, and the backend's
@@ -50,6 +54,7 @@ void compute_KT(const DeviceStageWork& w);
 void compute_QK(const DeviceStageWork& w);
 void compute_QK_scaled(const DeviceStageWork& w);
 void compute_attention_weights(const DeviceStageWork& w);
+void compute_dropout_mask(const DeviceStageWork& w);
 void compute_output(const DeviceStageWork& w);
 void compute_D(const DeviceStageWork& w);
 void compute_dP(const DeviceStageWork& w);

@@ -2,7 +2,9 @@
 // picks and launches one of the kernels registered in flash_dispatch.cuh).
 // All pointers are device memory; `heads` matrices lie back to back, row-major:
 //   Q [heads][N][d], K [heads][M][d], V [heads][M][d] -> O [heads][N][d], lse [heads][N].
-// lse[r] = log sum_c exp(scale * q_r . k_c) over the keys row r sees (natural log).
+// lse[r] = log sum_c exp(s_rc) over the keys row r sees (natural log), s the scores the softmax
+// reads (scale·q·k through the variant's softcap, ALiBi and bias: FlashProblem::variant); a row
+// that sees no key has O = 0 and lse = -inf.
 #pragma once
 
 #include <cuda_runtime.h>

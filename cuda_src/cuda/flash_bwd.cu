@@ -15,6 +15,11 @@
 //   Q_i/dO_i (kernel 2) and K_j/V_j (kernel 3) stream through shared memory with cp.async, double
 //   buffered. Tails (N, M not multiples of the tiles) are zero-filled and masked: a query row past
 //   N gets lse = +inf (P = 0), a key past M is masked explicitly.
+//   The variant instantiation (flash_problem.cuh) visits only the query tiles (kernel 2) and key
+//   tiles (kernel 3) of the rule's range and rebuilds each score as the forward read it (softcap,
+//   ALiBi, the bias file, the mask file and the rule; variant_softmax_grad): dV reads P∘Z/(1 − p)
+//   (Z dropout's keep decision, drawn again), dQ and dK read P∘(dP∘Z/(1 − p) − D)·(1 − t²) (the
+//   softcap's derivative); a row the forward saw no key for (lse -inf) gives P = 0.
 //
 // Arithmetic the verifier assumes (verify/model/kernels.py: the CUDA model of the forward's
 // cuda-* flash_kernel): Precision::fp32 3xTF32 (every operand split hi + lo; FP32-accurate
@@ -194,14 +199,70 @@ __device__ __forceinline__ void softmax_grad(float (&s)[BN / 8][4], float (&dp)[
         }
 }
 
+// softmax_grad for the variant instantiation (flash_problem.cuh): element (nt, e) is score
+// (row, key) = at(nt, e) of head h, its raw q·k in s and its dP in dp. The score the softmax read is
+// rebuilt in base 2 (ScoreMods, then the bias file), P = 2^(x − lse₂), and, as the CPU backend's
+// recompute: s becomes the weights dV reads, P∘Z·(1/(1 − p)), and dp the gradient dQ and dK read,
+// P∘(dP∘Z·(1/(1 − p)) − D)·(1 − t²) (Z dropout's keep decision; 1 − t² the softcap's derivative).
+// Both are exactly 0 where the score is hidden (the rule, the mask file, -inf in the bias file), past
+// N or M, and in a row that saw no key (lse₂ = +inf there: row_lse2).
+template <int BN, class At, class Lse2, class RowD>
+__device__ __forceinline__ void variant_softmax_grad(float (&s)[BN / 8][4], float (&dp)[BN / 8][4],
+                                                     const VariantArgs& va, float slope_log2, int h, int N, int M,
+                                                     At at, Lse2 row_lse2, RowD row_d) {
+    const DeviceVariant& v = va.v;
+    const ScoreMods& mods = va.mods;
+    const float inv_keep = v.inv_keep();
+#pragma unroll
+    for (int nt = 0; nt < BN / 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            int r, c;
+            at(nt, e, r, c);
+            if (r >= N || c >= M || v.hidden(h, r, c, M)) {
+                s[nt][e] = dp[nt][e] = 0.f;
+                continue;
+            }
+            float x, derivative = 1.f;
+            if (mods.cap_in != 0.f) {
+                const float t = tanhf(s[nt][e] * mods.cap_in);
+                x = t * mods.cap_out;
+                derivative = 1.f - t * t;
+            } else {
+                x = s[nt][e] * mods.scale_log2;
+            }
+            if (slope_log2 != 0.f) {
+                const int dist = r + v.offset - c;
+                x = __fmaf_rn(-slope_log2, static_cast<float>(dist < 0 ? -dist : dist), x);
+            }
+            if (v.bias) x = __fmaf_rn(v.file_bias(h, r, c, M), kLog2e, x);
+            const float p = exp2_ftz(x - row_lse2(nt, e));
+            const float z = v.dropout > 0.f ? (v.keep(h, r, c, M) ? inv_keep : 0.f) : 1.f;
+            s[nt][e] = p * z;
+            dp[nt][e] = p * (dp[nt][e] * z - row_d(nt, e)) * derivative;
+        }
+}
+
+// A row's lse·log2 e in the variant instantiation: +inf for a row past N (!valid) as in the plain
+// ones, and also for a row that saw no key (lse -inf), so that P = 2^(x − inf) = 0 there
+// (flash-attn stores +inf for such a row).
+__device__ __forceinline__ float variant_lse2(bool valid, const float* lse) {
+    if (!valid) return INFINITY;
+    const float x = *lse;
+    return x == -INFINITY ? INFINITY : x * kLog2e;
+}
+
 // ---------------------------------------------------------------------------------------------
 // Kernels 2 and 3 are one function each on purpose: their per-tile steps are the helpers above,
 // and what remains is the double-buffered tile pipeline, whose loads, waits and barriers read
 // best in one place (and whose machine code is the benchmarked one).
 //
-// Kernel 2: dK and dV. Grid: x = key blocks, y = heads. Shared memory: T::SMEM_BYTES.
-template <class T, bool kThree, bool kCausal>
-__global__ void __launch_bounds__(T::THREADS, T::MIN_BLOCKS) flash_bwd_dkdv_kernel(const BwdParams p) {
+// Kernel 2: dK and dV. Grid: x = key blocks, y = heads. Shared memory: T::SMEM_BYTES. kVariant:
+// the query tiles of the rows that may see the block's keys, each score through
+// variant_softmax_grad (its own kernel parameter, read in place).
+template <class T, bool kThree, bool kCausal, bool kVariant>
+__global__ void __launch_bounds__(T::THREADS, T::MIN_BLOCKS)
+    flash_bwd_dkdv_kernel(const BwdParams p, const __grid_constant__ VariantArgs va) {
 #ifdef ATTNSTEP_NO_CP_ASYNC
     __trap();  // never launched below sm_80 (flash_backward_plan)
 #endif
@@ -226,9 +287,10 @@ __global__ void __launch_bounds__(T::THREADS, T::MIN_BLOCKS) flash_bwd_dkdv_kern
     load_rows<T, T::BB>(Vs, p.V + koff * T::D, k0, p.M);
     cp_async_commit();
 
-    // Causal: query rows before k0 see none of these keys.
-    const int n_tiles = ceil_div(p.N, T::BT);
-    const int first = kCausal ? min(n_tiles, k0 / T::BT) : 0;
+    // Causal: query rows before k0 see none of these keys. The variant: the rows of
+    // [first_row(k0), end_row(k0 + BB)), those that may see one of them.
+    const int n_tiles = kVariant ? ceil_div(va.v.end_row(min(k0 + T::BB, p.M), p.N), T::BT) : ceil_div(p.N, T::BT);
+    const int first = kVariant ? min(n_tiles, va.v.first_row(k0) / T::BT) : kCausal ? min(n_tiles, k0 / T::BT) : 0;
     auto load_tile = [&](int i, int buf) {
         const int q0 = i * T::BT;
         load_rows<T, T::BT>(Qs + buf * T::STAGE, Qh, q0, p.N);
@@ -236,7 +298,8 @@ __global__ void __launch_bounds__(T::THREADS, T::MIN_BLOCKS) flash_bwd_dkdv_kern
         cp_async_commit();
         for (int r = threadIdx.x; r < T::BT; r += T::THREADS) {
             const bool valid = q0 + r < p.N;
-            Ls[buf * T::BT + r] = valid ? p.lse[qoff + q0 + r] * kLog2e : INFINITY;
+            if constexpr (kVariant) Ls[buf * T::BT + r] = variant_lse2(valid, p.lse + qoff + q0 + r);
+            else Ls[buf * T::BT + r] = valid ? p.lse[qoff + q0 + r] * kLog2e : INFINITY;
             Ds[buf * T::BT + r] = valid ? p.D[qoff + q0 + r] : 0.f;
         }
     };
@@ -264,12 +327,23 @@ __global__ void __launch_bounds__(T::THREADS, T::MIN_BLOCKS) flash_bwd_dkdv_kern
         gemm_abt<T, T::BT, kThree>(s, Ks + warp * 16 * T::LD, Qi, g, t);    // Sᵀ = K_w Q_iᵀ
         gemm_abt<T, T::BT, kThree>(dp, Vs + warp * 16 * T::LD, dOi, g, t);  // dPᵀ = V_w dO_iᵀ
         // Element (nt, e): key wk0 + g + 8·(e/2), query q0 + 8nt + 2t + e%2.
-        const bool diagonal = kCausal && q0 < wk0 + 15;
-        softmax_grad<T::BT>(
-            s, dp, p.scale_log2,
-            [&](int nt, int e) { return diagonal && wk0 + g + 8 * (e >> 1) > q0 + nt * 8 + 2 * t + (e & 1); },
-            [&](int nt, int e) { return Li[nt * 8 + 2 * t + (e & 1)]; },
-            [&](int nt, int e) { return Di[nt * 8 + 2 * t + (e & 1)]; });
+        if constexpr (kVariant) {
+            variant_softmax_grad<T::BT>(
+                s, dp, va, va.v.slope(head) * kLog2e, head, p.N, p.M,
+                [&](int nt, int e, int& r, int& c) {
+                    r = q0 + nt * 8 + 2 * t + (e & 1);
+                    c = wk0 + g + 8 * (e >> 1);
+                },
+                [&](int nt, int e) { return Li[nt * 8 + 2 * t + (e & 1)]; },
+                [&](int nt, int e) { return Di[nt * 8 + 2 * t + (e & 1)]; });
+        } else {
+            const bool diagonal = kCausal && q0 < wk0 + 15;
+            softmax_grad<T::BT>(
+                s, dp, p.scale_log2,
+                [&](int nt, int e) { return diagonal && wk0 + g + 8 * (e >> 1) > q0 + nt * 8 + 2 * t + (e & 1); },
+                [&](int nt, int e) { return Li[nt * 8 + 2 * t + (e & 1)]; },
+                [&](int nt, int e) { return Di[nt * 8 + 2 * t + (e & 1)]; });
+        }
         add_product<T, T::BT, kThree>(dv, s, dOi, g, t);  // dV_w += Pᵀ dO_i
         add_product<T, T::BT, kThree>(dk, dp, Qi, g, t);  // dK_w += dSᵀ Q_i
         __syncthreads();  // every warp is done with buffer `buf` before tile i+2 overwrites it
@@ -283,8 +357,10 @@ __global__ void __launch_bounds__(T::THREADS, T::MIN_BLOCKS) flash_bwd_dkdv_kern
 // ---------------------------------------------------------------------------------------------
 // Kernel 3: dQ. Grid: x = query blocks (reversed, so the longest causal blocks start first),
 // y = heads. Shared memory: T::SMEM_BYTES (the lse/D vectors unused: each thread keeps its rows').
-template <class T, bool kThree, bool kCausal>
-__global__ void __launch_bounds__(T::THREADS, T::MIN_BLOCKS) flash_bwd_dq_kernel(const BwdParams p) {
+// kVariant: the key tiles of the rule's range, each score through variant_softmax_grad.
+template <class T, bool kThree, bool kCausal, bool kVariant>
+__global__ void __launch_bounds__(T::THREADS, T::MIN_BLOCKS)
+    flash_bwd_dq_kernel(const BwdParams p, const __grid_constant__ VariantArgs va) {
 #ifdef ATTNSTEP_NO_CP_ASYNC
     __trap();
 #endif
@@ -311,11 +387,14 @@ __global__ void __launch_bounds__(T::THREADS, T::MIN_BLOCKS) flash_bwd_dq_kernel
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
         const int row = wq0 + g + 8 * half;
-        lse2[half] = row < p.N ? p.lse[qoff + row] * kLog2e : INFINITY;
+        if constexpr (kVariant) lse2[half] = variant_lse2(row < p.N, p.lse + qoff + row);
+        else lse2[half] = row < p.N ? p.lse[qoff + row] * kLog2e : INFINITY;
         Dr[half] = row < p.N ? p.D[qoff + row] : 0.f;
     }
 
-    const int n_tiles = visible_key_tiles<kCausal>(p.M, p.N, q0, T::BB, T::BT);
+    const int n_tiles = kVariant ? ceil_div(va.v.end_key(min(q0 + T::BB, p.N) - 1, p.M), T::BT)
+                                 : visible_key_tiles<kCausal>(p.M, p.N, q0, T::BB, T::BT);
+    const int first = kVariant ? min(n_tiles, va.v.first_key(q0) / T::BT) : 0;
     auto load_tile = [&](int j, int buf) {
         load_rows<T, T::BT>(Ks + buf * T::STAGE, Kh, j * T::BT, p.M);
         load_rows<T, T::BT>(Vs + buf * T::STAGE, Vh, j * T::BT, p.M);
@@ -324,9 +403,9 @@ __global__ void __launch_bounds__(T::THREADS, T::MIN_BLOCKS) flash_bwd_dq_kernel
 
     float dq[T::D / 8][4];
     zero(dq);
-    if (n_tiles > 0) load_tile(0, 0);
-    for (int j = 0; j < n_tiles; ++j) {
-        const int buf = j & 1;
+    if (kVariant ? first < n_tiles : n_tiles > 0) load_tile(first, 0);
+    for (int j = first; j < n_tiles; ++j) {
+        const int buf = (j - first) & 1;
         if (j + 1 < n_tiles) {
             load_tile(j + 1, buf ^ 1);
             cp_async_wait<1>();
@@ -342,18 +421,28 @@ __global__ void __launch_bounds__(T::THREADS, T::MIN_BLOCKS) flash_bwd_dq_kernel
         gemm_abt<T, T::BT, kThree>(s, Qs + warp * 16 * T::LD, Kj, g, t);    // S = Q_w K_jᵀ
         gemm_abt<T, T::BT, kThree>(dp, dOs + warp * 16 * T::LD, Vj, g, t);  // dP = dO_w V_jᵀ
         // Element (nt, e): query row wq0 + g + 8·(e/2), key key0 + 8nt + 2t + e%2.
-        const bool edge = key0 + T::BT > p.M || (kCausal && key0 + T::BT - 1 > wq0);
-        softmax_grad<T::BT>(
-            s, dp, p.scale_log2,
-            [&](int nt, int e) {
-                const int key = key0 + nt * 8 + 2 * t + (e & 1);
-                return edge && (key >= p.M || (kCausal && key > wq0 + g + 8 * (e >> 1)));
-            },
-            [&](int, int e) { return lse2[e >> 1]; }, [&](int, int e) { return Dr[e >> 1]; });
+        if constexpr (kVariant) {
+            variant_softmax_grad<T::BT>(
+                s, dp, va, va.v.slope(head) * kLog2e, head, p.N, p.M,
+                [&](int nt, int e, int& r, int& c) {
+                    r = wq0 + g + 8 * (e >> 1);
+                    c = key0 + nt * 8 + 2 * t + (e & 1);
+                },
+                [&](int, int e) { return lse2[e >> 1]; }, [&](int, int e) { return Dr[e >> 1]; });
+        } else {
+            const bool edge = key0 + T::BT > p.M || (kCausal && key0 + T::BT - 1 > wq0);
+            softmax_grad<T::BT>(
+                s, dp, p.scale_log2,
+                [&](int nt, int e) {
+                    const int key = key0 + nt * 8 + 2 * t + (e & 1);
+                    return edge && (key >= p.M || (kCausal && key > wq0 + g + 8 * (e >> 1)));
+                },
+                [&](int, int e) { return lse2[e >> 1]; }, [&](int, int e) { return Dr[e >> 1]; });
+        }
         add_product<T, T::BT, kThree>(dq, dp, Kj, g, t);  // dQ_w += dS K_j
         __syncthreads();
     }
-    if (n_tiles == 0) cp_async_wait<0>();
+    if (kVariant ? first >= n_tiles : n_tiles == 0) cp_async_wait<0>();
 
     store_grad<T>(dq, p.dQ + qoff * T::D, wq0 + g, p.N, p.scale, t);
 }
@@ -363,22 +452,24 @@ __global__ void __launch_bounds__(T::THREADS, T::MIN_BLOCKS) flash_bwd_dq_kernel
 
 bool device_supported() { return device_compute_capability() >= 80; }
 
-template <class T, bool kThree, bool kCausal>
+template <class T, bool kThree, bool kCausal, bool kVariant>
 void launch_kernels(const FlashBwdArgs& a, const float* D, cudaStream_t stream) {
-    static const int dkdv_ok = prepare_kernel(reinterpret_cast<const void*>(flash_bwd_dkdv_kernel<T, kThree, kCausal>),
-                                              T::THREADS, T::SMEM_BYTES);
-    static const int dq_ok = prepare_kernel(reinterpret_cast<const void*>(flash_bwd_dq_kernel<T, kThree, kCausal>),
-                                            T::THREADS, T::SMEM_BYTES);
+    static const int dkdv_ok = prepare_kernel(
+        reinterpret_cast<const void*>(flash_bwd_dkdv_kernel<T, kThree, kCausal, kVariant>), T::THREADS, T::SMEM_BYTES);
+    static const int dq_ok = prepare_kernel(
+        reinterpret_cast<const void*>(flash_bwd_dq_kernel<T, kThree, kCausal, kVariant>), T::THREADS, T::SMEM_BYTES);
     (void)dkdv_ok;
     (void)dq_ok;
+    // The kernels index the variant's per-head inputs by the head of the whole call (head0 + y).
+    const VariantArgs va = variant_args(a.scale, a.variant);
     for (int head0 = 0; head0 < a.heads; head0 += kMaxGridYZ) {
         const int heads = std::min(kMaxGridYZ, a.heads - head0);
         const BwdParams p{a.Q, a.K, a.V, a.lse, D, a.dO, a.dQ, a.dK, a.dV, head0, a.N, a.M, a.scale, a.scale * kLog2e};
-        flash_bwd_dkdv_kernel<T, kThree, kCausal>
-            <<<dim3(ceil_div(a.M, T::BB), heads), T::THREADS, T::SMEM_BYTES, stream>>>(p);
+        flash_bwd_dkdv_kernel<T, kThree, kCausal, kVariant>
+            <<<dim3(ceil_div(a.M, T::BB), heads), T::THREADS, T::SMEM_BYTES, stream>>>(p, va);
         LAUNCH_CHECK(flash_bwd_dkdv_kernel);
-        flash_bwd_dq_kernel<T, kThree, kCausal>
-            <<<dim3(ceil_div(a.N, T::BB), heads), T::THREADS, T::SMEM_BYTES, stream>>>(p);
+        flash_bwd_dq_kernel<T, kThree, kCausal, kVariant>
+            <<<dim3(ceil_div(a.N, T::BB), heads), T::THREADS, T::SMEM_BYTES, stream>>>(p, va);
         LAUNCH_CHECK(flash_bwd_dq_kernel);
     }
 }
@@ -424,8 +515,9 @@ void flash_backward(const FlashBwdArgs& a, cudaStream_t stream) {
     with_bwd_tiles(a.d, [&](auto tag) {
         using T = tag_type<decltype(tag)>;
         with_flag(a.precision == Precision::fp32, [&](auto three) {
-            with_flag(a.causal, [&](auto causal) {
-                launch_kernels<T, constant_v<decltype(three)>, constant_v<decltype(causal)>>(a, D.p, stream);
+            with_mask_kind(a, [&](auto causal, auto variant) {
+                launch_kernels<T, constant_v<decltype(three)>, constant_v<decltype(causal)>, constant_v<decltype(variant)>>(
+                    a, D.p, stream);
             });
         });
     });

@@ -2,7 +2,9 @@
 // All pointers are device memory; `heads` matrices lie back to back, row-major:
 //   Q, dQ [heads][N][d]; K, V, dK, dV [heads][M][d]; O, dO [heads][N][d]; lse [heads][N]
 // (O and lse are the flash forward's outputs). dQ = scale·dS·K, dK = scale·dSᵀ·Q, dV = Pᵀ·dO with
-// P = exp(scale·Q·Kᵀ − lse) recomputed tile by tile and dS = P∘(dO·Vᵀ − rowsum(dO∘O)).
+// P = exp(scale·Q·Kᵀ − lse) recomputed tile by tile and dS = P∘(dO·Vᵀ − rowsum(dO∘O)); under the
+// variant (FlashProblem::variant) P from the scores the forward read, dropout's keep-mask on P and
+// dP, and dS through the softcap's derivative for dQ and dK (flash_bwd.cu).
 #pragma once
 
 #include <cuda_runtime.h>

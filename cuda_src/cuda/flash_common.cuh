@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "device_variant.cuh"
 #include "half_format.cuh"
 #include "warp.cuh"
 
@@ -117,6 +118,18 @@ __device__ __forceinline__ void split_share(int n_tiles, int splits, int split_i
     end = min(n_tiles, begin + per_split);
 }
 
+// The variant's key tiles (flash_problem.cuh): those of [first_key(q0), end_key(last row)) for a
+// block of BR query rows from q0, every row's visible keys (the rule's ranges move right with the
+// row, so tiles on both sides of them are skipped), and split_id's share of them.
+__device__ __forceinline__ void variant_tile_share(const DeviceVariant& v, int M, int N, int q0, int BR, int BC,
+                                                   int splits, int split_id, int& begin, int& end) {
+    const int first = v.first_key(q0) / BC;
+    const int last = ceil_div(v.end_key(min(q0 + BR, N) - 1, M), BC);
+    split_share(max(0, last - first), splits, split_id, begin, end);
+    begin += first;
+    end += first;
+}
+
 // C(16×8) += A(16×8, row) · B(8×8, col), TF32 inputs, FP32 accumulators (mma.sync, sm_80+).
 __device__ __forceinline__ void mma_tf32(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
 #ifndef ATTNSTEP_NO_CP_ASYNC
@@ -190,6 +203,93 @@ __device__ __forceinline__ void mask_tile(float (&s)[BC / 8][4], int key0, int M
             const int row = row0 + (e >= 2 ? 8 : 0);
             if (key >= M || (kCausal && key > row)) s[nt][e] = -INFINITY;
         }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The variant instantiation's scores (flash_problem.cuh): the softcap and ALiBi, in base 2, and the
+// rule's mask on the tiles it cuts.
+
+// tanh(x) = sign(x)·(1 − 2/(2^(2|x|·log2 e) + 1)) on the special-function unit (ex2.approx and a fast
+// division): an absolute error of about 1e-7, as tanhf's, in five instructions instead of tanhf's
+// twenty or so; its relative error near 0 is larger, which a capped logit (C·tanh, an absolute
+// error) does not feel beside the half formats' rounding of P. For the half-precision kernel,
+// where the softcap must stay within 10% of the run without it; the float32 ones take tanhf.
+__device__ __forceinline__ float tanh_fast(float x) {
+    const float e = exp2_ftz(fabsf(x) * (2.f * kLog2e));
+    return copysignf(1.f - __fdividef(2.f, e + 1.f), x);
+}
+
+// The modifications of a raw score s = q·k into the softmax's base 2: x = s·scale·log2 e, or under a
+// softcap C (cap_in = scale/C) x = C·log2 e·tanh(s·scale/C); then x −= slope·log2 e·|diag(r) − key|
+// (ALiBi, slope_log2 = 0 without). Made on the host (score_mods) but for the slope, which the kernel
+// reads for its head.
+struct ScoreMods {
+    float scale_log2 = 0.f;
+    float cap_in = 0.f, cap_out = 0.f;
+    float slope_log2 = 0.f;
+    int offset = 0;
+};
+inline ScoreMods score_mods(float scale, const DeviceVariant& v) {
+    ScoreMods m;
+    m.scale_log2 = scale * kLog2e;
+    if (v.softcap > 0.f) {
+        m.cap_in = scale / v.softcap;
+        m.cap_out = v.softcap * kLog2e;
+    }
+    m.offset = v.offset;
+    return m;
+}
+
+// What the variant instantiation of a tensor-core kernel takes beside its parameters: a kernel
+// parameter of its own (__grid_constant__, read in place), so that the plain instantiations' own
+// parameters, and the code that reads them, stay as they are.
+struct VariantArgs {
+    DeviceVariant v;
+    ScoreMods mods;
+};
+inline VariantArgs variant_args(float scale, const DeviceVariant& v) { return {v, score_mods(scale, v)}; }
+
+// The tile's raw scores through ScoreMods. row0: the thread's row g (g+8 is the other); key0: the
+// tile's first key. kFastTanh: tanh_fast, else tanhf.
+template <int BC, bool kFastTanh>
+__device__ __forceinline__ void modify_tile(float (&s)[BC / 8][4], const ScoreMods& mods, int key0, int row0, int t) {
+#pragma unroll
+    for (int nt = 0; nt < BC / 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            float x = s[nt][e];
+            if (mods.cap_in != 0.f) {
+                const float y = x * mods.cap_in;
+                x = (kFastTanh ? tanh_fast(y) : tanhf(y)) * mods.cap_out;
+            } else {
+                x *= mods.scale_log2;
+            }
+            if (mods.slope_log2 != 0.f) {
+                const int dist = row0 + (e >= 2 ? 8 : 0) + mods.offset - (key0 + nt * 8 + 2 * t + (e & 1));
+                x = __fmaf_rn(-mods.slope_log2, static_cast<float>(dist < 0 ? -dist : dist), x);
+            }
+            s[nt][e] = x;
+        }
+}
+
+// Keys past M and keys the rule hides from the row get -inf.
+template <int BC>
+__device__ __forceinline__ void mask_tile_rule(float (&s)[BC / 8][4], const DeviceVariant& v, int key0, int M,
+                                               int row0, int t) {
+#pragma unroll
+    for (int nt = 0; nt < BC / 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int key = key0 + nt * 8 + 2 * t + (e & 1);
+            if (key >= M || !v.visible(row0 + (e >= 2 ? 8 : 0), key)) s[nt][e] = -INFINITY;
+        }
+}
+
+// Whether the tile of keys from key0 needs mask_tile_rule for the rows [r0, r0 + rows): it holds
+// keys past M, or keys the rule hides from one of the rows.
+template <int BC>
+__device__ __forceinline__ bool rule_cuts(const DeviceVariant& v, int key0, int M, int r0, int rows) {
+    return key0 + BC > M || !v.all_visible(r0, r0 + rows, key0, key0 + BC);
 }
 
 // Online softmax for one tile of x (scaled, masked), in base 2: m_new = max(m, rowmax x),

@@ -28,14 +28,23 @@ std::string split_suffix(int splits) { return splits > 1 ? "-split" + std::to_st
 std::string precision_suffix(Precision p) { return p == Precision::fp32 ? "-3xtf32" : std::string("-") + precision_name(p); }
 
 [[noreturn]] void forced_kernel_missing(const char* name, const FlashArgs& a) {
+    if (a.variant.per_element_inputs() && std::string(name) != "clean")
+        fail(kExitBadInput, std::string("--flash-kernel ") + name + ": no " + name + " variant for mask or bias files "
+                                "or dropout (the clean kernel has them)",
+             "use --flash-kernel auto or clean");
     fail(kExitBadInput, std::string("--flash-kernel ") + name + ": no " + name + " variant for d=" +
                             std::to_string(a.d) + (is_half(a.precision) ? std::string(" at ") + precision_name(a.precision) : "") +
                             " on this GPU",
          "use --flash-kernel auto (or another kernel)");
 }
 
-// Only the wgmma kernel has half-precision variants: compute capability 9.0, d 64 and 128.
+// Only the wgmma kernel has half-precision variants: compute capability 9.0, d 64 and 128, and
+// no mask or bias files or dropout.
 [[noreturn]] void half_kernel_missing(const FlashArgs& a) {
+    if (a.variant.per_element_inputs())
+        fail(kExitBadInput, std::string("--precision ") + precision_name(a.precision) + ": no CUDA flash kernel for mask or "
+                                "bias files or dropout at half precision",
+             "select the stage path (--stages stages), or use --backend cpu, which emulates the flash kernels");
     fail(kExitBadInput, std::string("--precision ") + precision_name(a.precision) + ": no CUDA flash kernel for d=" +
                             std::to_string(a.d) + " at half precision on this GPU (it needs compute capability 9.0 "
                             "and d 64 or 128)",
@@ -89,7 +98,8 @@ Choice choose(const FlashArgs& a) {
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 // One thread per output element; the thread of column 0 also writes lse. A split that saw no key
-// has lse −inf and weighs 0. O is stored as Fmt rounds it (the format of a half precision).
+// has lse −inf and weighs 0; a row no split saw a key of (a variant's mask) gets O = 0 and lse
+// −inf, not 0/0. O is stored as Fmt rounds it (the format of a half precision).
 template <class Fmt>
 __global__ void flash_combine_kernel(const float* Opart, const float* lse_part, float* O, float* lse,
                                      int rows, int d, int splits) {
@@ -105,7 +115,7 @@ __global__ void flash_combine_kernel(const float* Opart, const float* lse_part, 
         wsum += w;
         acc += w * Opart[(static_cast<size_t>(i) * rows + row) * d + col];
     }
-    O[idx] = Fmt::round(acc / wsum);
+    O[idx] = Fmt::round(wsum == 0.f ? 0.f : acc / wsum);
     if (col == 0) lse[row] = mx + logf(wsum);
 }
 
@@ -178,6 +188,7 @@ void flash_launch(const FlashKernelOps& ops, const FlashArgs& a, const KernelPla
         }
         part.O = a.O + q * a.d;
         part.lse = a.lse + q;
+        part.variant = a.variant.from_head(h0);
         ops.launch(part, plan, stream);
     }
 }

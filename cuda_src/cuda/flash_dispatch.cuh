@@ -4,6 +4,10 @@
 //                      variants in sm90a/flash_wgmma_half.cu (the only half-precision kernel)
 //   flash_fast_ops()   flash_fast.cu         mma.sync tensor cores, every width of kFlashHeadDims
 //   flash_clean_ops()  flash_fwd.cu          plain FP32, every width of kFlashHeadDims
+// Each kernel has three instantiations (flash_problem.cuh with_mask_kind): no mask, the top-left
+// causal mask, and the variant's (any mask rule: both alignments, windows; softcap, ALiBi), which
+// skips the key tiles outside the rule's range on both sides. The mask and bias files and dropout
+// are the clean kernel's alone: the others' plan() refuses them, so `auto` takes it.
 // Planning and launching are separate calls: plan() decides tiles, KV splits and workspace
 // without touching the GPU's queue; launch() runs exactly that plan.
 #pragma once

@@ -14,7 +14,10 @@
 // domain), rescales its O accumulator and adds P·V, with P taken straight from the S accumulators:
 // the k index of both MMAs is permuted (logical column t ↔ physical 2t, t+4 ↔ 2t+1) so that the
 // accumulator layout of S is the operand layout of P, with no shuffles or shared-memory round trip.
-// Causal: tiles above the diagonal are never loaded; only tiles that cross it are masked. Tails
+// Causal: tiles above the diagonal are never loaded; only tiles that cross it are masked. The
+// variant instantiation (flash_problem.cuh): only the key tiles of the rule's range are loaded
+// (windows skip both sides), tiles its band cuts are masked, and the softcap (tanhf) and ALiBi
+// are applied in base 2 (flash_common.cuh modify_tile); no mask or bias files, no dropout. Tails
 // (N, M not multiples of the tiles) are zero-filled by cp.async and masked. When heads·⌈N/Br⌉
 // blocks cannot fill the GPU, the KV loop is split across blocks and a combine kernel merges the
 // partial outputs with their lse.
@@ -192,9 +195,9 @@ __device__ __forceinline__ void pv_tile(float (&o)[T::D / 8][4], const float (&s
 // schedules for the shipped configurations (compared section by section), and the body is the
 // tuned, benchmarked one; the per-tile steps are the helpers above.
 
-template <class T, bool kThree, bool kCausal>
+template <class T, bool kThree, bool kCausal, bool kVariant>
 __global__ void __launch_bounds__(T::THREADS, T::MIN_BLOCKS)
-    flash_fast_kernel(const FastParams p) {
+    flash_fast_kernel(const FastParams p, const __grid_constant__ VariantArgs va) {
 #ifdef ATTNSTEP_NO_CP_ASYNC
     __trap();  // never launched below sm_80 (device_supported)
 #endif
@@ -214,9 +217,13 @@ __global__ void __launch_bounds__(T::THREADS, T::MIN_BLOCKS)
     const float* Kh = p.K + static_cast<size_t>(head) * p.M * T::D;
     const float* Vh = p.V + static_cast<size_t>(head) * p.M * T::D;
 
-    // The KV tiles this block visits (causal: up to its last row), this split's share of them.
+    // The KV tiles this block visits (causal: up to its last row; the variant: its rule's range),
+    // this split's share of them.
     int tile_begin, tile_end;
-    split_share(visible_key_tiles<kCausal>(p.M, p.N, q0, T::BR, T::BC), p.splits, split_id, tile_begin, tile_end);
+    if constexpr (kVariant)
+        variant_tile_share(va.v, p.M, p.N, q0, T::BR, T::BC, p.splits, split_id, tile_begin, tile_end);
+    else
+        split_share(visible_key_tiles<kCausal>(p.M, p.N, q0, T::BR, T::BC), p.splits, split_id, tile_begin, tile_end);
 
     // Q (k-permuted, see q_fragment); rows past N read as zeros and are never stored.
     QFrags<T> qf;
@@ -288,11 +295,18 @@ __global__ void __launch_bounds__(T::THREADS, T::MIN_BLOCKS)
 
         float s[T::BC / 8][4];
         qk_tile<T, kThree>(s, qf, Kj, g, t);  // S = Q Kᵀ
-        scale_tile<T::BC>(s, p.scale_log2);
         const int key0 = j * T::BC;
-        const bool tail = key0 + T::BC > p.M;
-        const bool diagonal = kCausal && key0 + T::BC - 1 > wrow0;
-        if (tail || diagonal) mask_tile<T::BC, kCausal>(s, key0, p.M, row0, t);
+        if constexpr (kVariant) {
+            ScoreMods mods = va.mods;
+            mods.slope_log2 = va.v.slope(head) * kLog2e;
+            modify_tile<T::BC, false>(s, mods, key0, row0, t);
+            if (rule_cuts<T::BC>(va.v, key0, p.M, wrow0, 16)) mask_tile_rule<T::BC>(s, va.v, key0, p.M, row0, t);
+        } else {
+            scale_tile<T::BC>(s, p.scale_log2);
+            const bool tail = key0 + T::BC > p.M;
+            const bool diagonal = kCausal && key0 + T::BC - 1 > wrow0;
+            if (tail || diagonal) mask_tile<T::BC, kCausal>(s, key0, p.M, row0, t);
+        }
         online_softmax<T::BC, T::D>(s, o, m, l);  // m = rowmax, P = exp(S − m), l = rowsum
 
         if (more) cp_async_wait<2>(); else cp_async_wait<0>();
@@ -354,28 +368,30 @@ bool with_tiles(int config, int d, F&& f) {
     }
 }
 
-// Calls f(three, causal), both std::bool_constant: 3xTF32 or TF32, causal or not, as `a` asks.
+// Calls f(three, causal, variant), each std::bool_constant: 3xTF32 or TF32, and the mask's
+// instantiation (with_mask_kind), as `a` asks.
 template <class F>
 decltype(auto) with_variant(const FlashArgs& a, F&& f) {
     return with_flag(a.precision == Precision::fp32, [&](auto three) {
-        return with_flag(a.causal, [&](auto causal) { return f(three, causal); });
+        return with_mask_kind(a, [&](auto causal, auto variant) { return f(three, causal, variant); });
     });
 }
 
 // Blocks of one instantiation that fit on an SM at once (raising its shared-memory limit), asked
 // of the runtime once.
-template <class T, bool kThree, bool kCausal>
+template <class T, bool kThree, bool kCausal, bool kVariant>
 int blocks_per_sm() {
-    return kernel_blocks_per_sm<T, flash_fast_kernel<T, kThree, kCausal>>();
+    return kernel_blocks_per_sm<T, flash_fast_kernel<T, kThree, kCausal, kVariant>>();
 }
 
-template <class T, bool kThree, bool kCausal>
+template <class T, bool kThree, bool kCausal, bool kVariant>
 void launch_tiles(const FlashArgs& a, const KernelPlan& plan, cudaStream_t stream) {
-    blocks_per_sm<T, kThree, kCausal>();
+    blocks_per_sm<T, kThree, kCausal, kVariant>();
     // No preparation pass: the workspace holds the split partial outputs alone.
     launch_with_workspace(a, plan, 0, stream, [](float*) {}, [&](float*, const FlashOutputs& out) {
         const FastParams p{a.Q, a.K, a.V, out.O, out.lse, a.heads, a.N, a.M, a.scale * kLog2e, plan.splits};
-        flash_fast_kernel<T, kThree, kCausal><<<query_block_grid(a, plan), T::THREADS, T::SMEM_BYTES, stream>>>(p);
+        flash_fast_kernel<T, kThree, kCausal, kVariant>
+            <<<query_block_grid(a, plan), T::THREADS, T::SMEM_BYTES, stream>>>(p, variant_args(a.scale, a.variant));
         LAUNCH_CHECK(flash_fast_kernel);
     });
 }
@@ -390,8 +406,9 @@ bool plan_shipped(const FlashArgs& a, int forced_splits, KernelPlan* plan) {
 void launch_fast(const FlashArgs& a, const KernelPlan& plan, cudaStream_t stream) {
     with_tiles(plan.config, a.d, [&](auto tag) {
         using T = tag_type<decltype(tag)>;
-        with_variant(a, [&](auto three, auto causal) {
-            launch_tiles<T, constant_v<decltype(three)>, constant_v<decltype(causal)>>(a, plan, stream);
+        with_variant(a, [&](auto three, auto causal, auto variant) {
+            launch_tiles<T, constant_v<decltype(three)>, constant_v<decltype(causal)>, constant_v<decltype(variant)>>(
+                a, plan, stream);
         });
     });
 }
@@ -399,13 +416,16 @@ void launch_fast(const FlashArgs& a, const KernelPlan& plan, cudaStream_t stream
 }  // namespace
 
 bool flash_fast_config_plan(const FlashArgs& a, int config, int forced_splits, KernelPlan* plan) {
-    // TF32 operands only: the half precisions have the wgmma kernel.
+    // TF32 operands only: the half precisions have the wgmma kernel. Mask and bias files and dropout
+    // are the clean kernel's.
     if (a.heads < 1 || a.N < 1 || a.M < 1 || is_half(a.precision) || !device_supported()) return false;
+    if (a.variant.per_element_inputs()) return false;
     return with_tiles(config, a.d, [&](auto tag) {
         using T = tag_type<decltype(tag)>;
         const int splits = plan_kv_splits(a, forced_splits, T::BR, T::BC, [&] {
-            return with_variant(a, [&](auto three, auto causal) {
-                return blocks_per_sm<T, constant_v<decltype(three)>, constant_v<decltype(causal)>>();
+            return with_variant(a, [&](auto three, auto causal, auto variant) {
+                return blocks_per_sm<T, constant_v<decltype(three)>, constant_v<decltype(causal)>,
+                                     constant_v<decltype(variant)>>();
             });
         });
         *plan = KernelPlan{T::BR, T::BC, splits, 0, config};

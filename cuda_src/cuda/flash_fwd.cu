@@ -9,6 +9,11 @@
 //   l = exp(m - m_new)·l + rowsum(P), O = exp(m - m_new)·O + P Vj;  finally O /= l, lse = m + log l.
 // N×M is never materialized: S and P live one Br×Bc tile at a time. FP32 CUDA cores, shared-memory
 // tiles, 128 threads; Precision::tf32 runs this FP32 kernel too.
+// The variant instantiation (flash_problem.cuh) takes every feature of variant.h: the rule's key
+// tiles alone (both sides), each score as the CPU backend's HeadScores::score computes it
+// (apply_softcap, alibi_bias, the bias file; -inf where hidden), dropout's keep decisions on P as
+// it enters P·Vj (l sums the undropped P) and 1/(1 − p) with 1/l at the end; a row that sees no
+// key gets O = 0 and lse = -inf.
 //
 // Arithmetic the verifier assumes (verify/model/kernels.py: KERNELS["cuda-clean"], the CUDA model
 // all cuda-* kernels share, looser than this kernel needs): FP32 FMA dot products in a fixed order
@@ -131,6 +136,34 @@ __device__ void accumulate_pv(const float* Ps, const float* Vj, int tx, int ty,
     }
 }
 
+// The variant's scores (flash_problem.cuh: the variant instantiation) for this thread's rows and
+// columns of head h, from S = scale·Qi Kjᵀ: capped, ALiBi, the bias file, and -inf where hidden
+// (DeviceVariant::hidden), past the last key, or in a row past N (never stored; its mask and bias
+// entries do not exist). As the CPU backend's HeadScores::score.
+template <int D>
+__device__ __forceinline__ void variant_scores(float (&S)[FlashTile<D>::kRows][FlashTile<D>::kCols],
+                                               const DeviceVariant& v, int h, int row0, int key0, int N, int M, int tx,
+                                               int ty) {
+    using T = FlashTile<D>;
+    const float slope = v.slope(h);
+#pragma unroll
+    for (int ii = 0; ii < T::kRows; ++ii) {
+        const int r = row0 + ty + kRowGroups * ii;
+#pragma unroll
+        for (int jj = 0; jj < T::kCols; ++jj) {
+            const int c = key0 + tx + kColLanes * jj;
+            if (r >= N || c >= M || v.hidden(h, r, c, M)) {
+                S[ii][jj] = -INFINITY;
+                continue;
+            }
+            float x = apply_softcap(S[ii][jj], v.softcap);
+            if (v.slopes) x += alibi_bias(slope, r, c, v.rule());
+            if (v.bias) x += v.file_bias(h, r, c, M);
+            S[ii][jj] = x;
+        }
+    }
+}
+
 // -inf for this thread's scores past the last key (c >= M) and above the diagonal (c > r).
 template <int D>
 __device__ __forceinline__ void mask_scores(float (&S)[FlashTile<D>::kRows][FlashTile<D>::kCols], int row0, int key0,
@@ -150,11 +183,14 @@ __device__ __forceinline__ void mask_scores(float (&S)[FlashTile<D>::kRows][Flas
 // The online softmax of one tile for this thread's rows: m_new = max(m, rowmax(S)),
 // P = exp(S - m_new) into Ps (the P·Vj product reads other lanes' columns), l = exp(m - m_new)·l +
 // rowsum(P), O = exp(m - m_new)·O. The 16 lanes of a row (a half-warp) reduce together.
-template <int D>
+// kDropout: Ps takes P∘Z (Z the keep decisions of head h's entries from row0, key0), while l sums
+// P: dropout drops weights after the softmax, whose denominator it leaves alone.
+template <int D, bool kDropout = false>
 __device__ __forceinline__ void online_softmax(const float (&S)[FlashTile<D>::kRows][FlashTile<D>::kCols],
                                                float (&m)[FlashTile<D>::kRows], float (&l)[FlashTile<D>::kRows],
                                                float (&Oacc)[FlashTile<D>::kRows][FlashTile<D>::kDims], float* Ps,
-                                               int tx, int ty) {
+                                               int tx, int ty, const DeviceVariant* v = nullptr, int h = 0,
+                                               int row0 = 0, int key0 = 0, int M = 0) {
     using T = FlashTile<D>;
 #pragma unroll
     for (int ii = 0; ii < T::kRows; ++ii) {
@@ -170,7 +206,8 @@ __device__ __forceinline__ void online_softmax(const float (&S)[FlashTile<D>::kR
         for (int jj = 0; jj < T::kCols; ++jj) {
             const float p = expf(S[ii][jj] - m_sub);
             p_sum += p;
-            Ps[(ty + kRowGroups * ii) * T::kPStride + tx + kColLanes * jj] = p;
+            const float z = kDropout && !v->keep(h, row0 + ty + kRowGroups * ii, key0 + tx + kColLanes * jj, M) ? 0.f : 1.f;
+            Ps[(ty + kRowGroups * ii) * T::kPStride + tx + kColLanes * jj] = kDropout ? p * z : p;
         }
         const float alpha = expf(m[ii] - m_sub);
         l[ii] = alpha * l[ii] + half_warp_sum(p_sum);
@@ -181,30 +218,36 @@ __device__ __forceinline__ void online_softmax(const float (&S)[FlashTile<D>::kR
 }
 
 // O /= l, lse = m + log(l) for this thread's rows of the head's O [N][D] and lse [N]; tail rows
-// (r >= N) are never written.
-template <int D>
+// (r >= N) are never written. kVariant: O·(keep_scale/l) (dropout's 1/(1 − p) with 1/l, as
+// FlashAttention does; keep_scale 1 without dropout), and a row that saw no key (l = 0) gets O = 0
+// and lse = -inf, not the NaN of 0/0 (a NaN score leaves l NaN, and the row NaN).
+template <int D, bool kVariant = false>
 __device__ __forceinline__ void store_rows(const float (&Oacc)[FlashTile<D>::kRows][FlashTile<D>::kDims],
                                            const float (&m)[FlashTile<D>::kRows], const float (&l)[FlashTile<D>::kRows],
-                                           float* O, float* lse, int row0, int N, int tx, int ty) {
+                                           float* O, float* lse, int row0, int N, int tx, int ty,
+                                           float keep_scale = 1.f) {
     using T = FlashTile<D>;
 #pragma unroll
     for (int ii = 0; ii < T::kRows; ++ii) {
         const int r = row0 + ty + kRowGroups * ii;
         if (r >= N) continue;
-        const float inv_l = 1.f / l[ii];
+        const bool none = kVariant && l[ii] == 0.f;
+        const float inv_l = kVariant ? (none ? 0.f : keep_scale / l[ii]) : 1.f / l[ii];
         float* Or = O + static_cast<size_t>(r) * D;
 #pragma unroll
         for (int q = 0; q < T::kDims; ++q) Or[tx + kColLanes * q] = Oacc[ii][q] * inv_l;
-        if (tx == 0) lse[r] = m[ii] + logf(l[ii]);
+        if (tx == 0) lse[r] = none ? -INFINITY : m[ii] + logf(l[ii]);
     }
 }
 
-// Grid: x = Tr query tiles, y = heads (grid-stride, so any number of heads fits).
-template <int D>
+// Grid: x = Tr query tiles, y = heads (grid-stride, so any number of heads fits). kVariant: the
+// case's variant `v` (flash_problem.cuh), every feature of it: the rule's key tiles alone are
+// visited, and each score goes through variant_scores; `causal` is false then.
+template <int D, bool kVariant>
 __global__ void __launch_bounds__(kFlashThreads)
 flash_fwd_kernel(const float* __restrict__ Q, const float* __restrict__ K,
                  const float* __restrict__ V, float* __restrict__ O, float* __restrict__ lse,
-                 int heads, int N, int M, float scale, bool causal) {
+                 int heads, int N, int M, float scale, bool causal, const __grid_constant__ DeviceVariant v) {
     using T = FlashTile<D>;
     constexpr int Br = T::Br, Bc = T::Bc;
     extern __shared__ float4 smem4[];  // float4: 16-byte alignment for the vector accesses
@@ -221,6 +264,9 @@ flash_fwd_kernel(const float* __restrict__ Q, const float* __restrict__ K,
     // the last real row of this query tile.
     const int last_row = min(row0 + Br, N) - 1;
     const int Tc_visible = causal ? min(Tc, last_row / Bc + 1) : Tc;
+    // The variant: the key tiles of [first_key(row0), end_key(last_row)), every row's range.
+    const int j_begin = kVariant ? v.first_key(row0) / Bc : 0;
+    const int j_end = kVariant ? (v.end_key(last_row, M) + Bc - 1) / Bc : Tc_visible;
 
     for (int h = blockIdx.y; h < heads; h += gridDim.y) {
         const float* Qh = Q + static_cast<size_t>(h) * N * D;
@@ -239,7 +285,7 @@ flash_fwd_kernel(const float* __restrict__ Q, const float* __restrict__ K,
             for (int q = 0; q < T::kDims; ++q) Oacc[ii][q] = 0.f;
         }
 
-        for (int j = 0; j < Tc_visible; ++j) {
+        for (int j = j_begin; j < j_end; ++j) {
             __syncthreads();  // every read of the previous Kj, Vj and Ps is done before reloading
             load_tile<D, Bc>(Kj, T::kQKStride, Kh, j * Bc, M);
             load_tile<D, Bc>(Vj, D, Vh, j * Bc, M);
@@ -248,28 +294,35 @@ flash_fwd_kernel(const float* __restrict__ Q, const float* __restrict__ K,
             // S = Qi Kjᵀ · scale; -inf past the last key (c >= M) and above the diagonal (c > r).
             float S[T::kRows][T::kCols];
             tile_scores<D>(Qi, Kj, scale, tx, ty, S);
-            mask_scores<D>(S, row0, j * Bc, M, causal, tx, ty);
-            online_softmax<D>(S, m, l, Oacc, Ps, tx, ty);
+            if constexpr (kVariant) {
+                variant_scores<D>(S, v, h, row0, j * Bc, N, M, tx, ty);
+                if (v.dropout > 0.f) online_softmax<D, true>(S, m, l, Oacc, Ps, tx, ty, &v, h, row0, j * Bc, M);
+                else online_softmax<D>(S, m, l, Oacc, Ps, tx, ty);
+            } else {
+                mask_scores<D>(S, row0, j * Bc, M, causal, tx, ty);
+                online_softmax<D>(S, m, l, Oacc, Ps, tx, ty);
+            }
             __syncthreads();  // Ps is complete before threads read other lanes' columns of it
 
             // O += P Vj
             accumulate_pv<D>(Ps, Vj, tx, ty, Oacc);
         }
 
-        store_rows<D>(Oacc, m, l, O + static_cast<size_t>(h) * N * D, lse + static_cast<size_t>(h) * N, row0, N, tx, ty);
+        store_rows<D, kVariant>(Oacc, m, l, O + static_cast<size_t>(h) * N * D, lse + static_cast<size_t>(h) * N, row0, N,
+                                tx, ty, kVariant ? v.inv_keep() : 1.f);
     }
 }
 
-template <int D>
+template <int D, bool kVariant>
 void launch_flash_fwd(const FlashArgs& a, cudaStream_t stream) {
     using T = FlashTile<D>;
-    static const int prepared = prepare_kernel(reinterpret_cast<const void*>(flash_fwd_kernel<D>),
+    static const int prepared = prepare_kernel(reinterpret_cast<const void*>(flash_fwd_kernel<D, kVariant>),
                                                kFlashThreads, T::kSmemBytes);
     (void)prepared;
     const long long Tr = (static_cast<long long>(a.N) + T::Br - 1) / T::Br;
     const dim3 grid(static_cast<unsigned>(Tr), static_cast<unsigned>(std::min(a.heads, kMaxGridYZ)));
-    flash_fwd_kernel<D><<<grid, kFlashThreads, T::kSmemBytes, stream>>>(
-        a.Q, a.K, a.V, a.O, a.lse, a.heads, a.N, a.M, a.scale, a.causal);
+    flash_fwd_kernel<D, kVariant><<<grid, kFlashThreads, T::kSmemBytes, stream>>>(
+        a.Q, a.K, a.V, a.O, a.lse, a.heads, a.N, a.M, a.scale, a.causal, a.variant);
     LAUNCH_CHECK(flash_fwd_kernel);
 }
 
@@ -283,7 +336,9 @@ bool plan_clean(const FlashArgs& a, int, KernelPlan* plan) {
 
 void launch_clean(const FlashArgs& a, const KernelPlan&, cudaStream_t stream) {
     with_head_dim(a.d, [&](auto D) {
-        launch_flash_fwd<constant_v<decltype(D)>>(a, stream);
+        with_flag(a.variant.beyond_plain(), [&](auto variant) {
+            launch_flash_fwd<constant_v<decltype(D)>, constant_v<decltype(variant)>>(a, stream);
+        });
         return true;
     });
 }

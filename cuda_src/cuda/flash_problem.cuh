@@ -3,7 +3,10 @@
 // memory; `heads` matrices lie back to back, row-major: Q [heads][N][d], K and V [heads][M][d].
 #pragma once
 
+#include <type_traits>
+
 #include "../backend.h"
+#include "device_variant.cuh"
 
 namespace attnstep {
 
@@ -13,8 +16,20 @@ struct FlashProblem {
     const float* V;
     int heads, N, M, d;
     float scale;      // multiplies q·k
-    bool causal;      // top-left aligned: query r sees keys c <= r
+    bool causal;      // top-left aligned: query r sees keys c <= r (and the variant is plain)
     Precision precision;
+    // The case's variant. Beyond no mask or the top-left causal one (beyond_plain) the kernels run
+    // their variant instantiation, which takes the whole rule from here (causal is then false); a
+    // plain one leaves it to `causal`. Its pointers are device memory, for the heads of the call.
+    DeviceVariant variant = {};
 };
+
+// Calls f(causal, variant), both std::bool_constant, for the kernels' three instantiations: no
+// mask (false, false), the top-left causal mask (true, false), the variant's (false, true).
+template <class F>
+decltype(auto) with_mask_kind(const FlashProblem& a, F&& f) {
+    if (a.variant.beyond_plain()) return f(std::false_type{}, std::true_type{});
+    return a.causal ? f(std::true_type{}, std::false_type{}) : f(std::false_type{}, std::false_type{});
+}
 
 }  // namespace attnstep

@@ -28,7 +28,9 @@
 // loading during the softmax and P·V of tile j and Vᵀ_{j+1} during S_{j+1}. Causal: tiles above
 // the diagonal are never loaded, and a warpgroup whose rows are all above a tile skips it.
 // Shared-memory tiles use the no-swizzle K-major layout of smem_layout.cuh (core matrices of 8
-// rows × 16 bytes). When heads·⌈N/BR⌉ blocks cannot fill the GPU, the KV loop is split and
+// rows × 16 bytes). The variant instantiation (flash_problem.cuh): the rule's key tiles alone,
+// a warpgroup skipping those outside its rows' band, the softcap (tanhf) and ALiBi in base 2
+// (flash_common.cuh modify_tile). When heads·⌈N/BR⌉ blocks cannot fill the GPU, the KV loop is split and
 // combine_kv_splits (flash_dispatch.cu) merges.
 //
 // Arithmetic the verifier assumes (verify/model/kernels.py: KERNELS["cuda-wgmma-3xtf32"] and
@@ -234,8 +236,9 @@ __device__ __forceinline__ void split_q(float* Qs, const WgParams& p, int head, 
     }
 }
 
-template <class T, bool kCausal>
-__global__ void __launch_bounds__(T::THREADS, 1) flash_wgmma_kernel(const WgParams p) {
+template <class T, bool kCausal, bool kVariant>
+__global__ void __launch_bounds__(T::THREADS, 1)
+    flash_wgmma_kernel(const WgParams p, const __grid_constant__ VariantArgs va) {
 #if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
     __trap();  // built for sm_90a only; never launched elsewhere (device_is_sm90)
 #else
@@ -254,9 +257,13 @@ __global__ void __launch_bounds__(T::THREADS, 1) flash_wgmma_kernel(const WgPara
     const int wg_row0 = q0 + wg * 64;            // the warpgroup's first query row
     const int warp_row0 = wg_row0 + warp * 16;   // the warp's
     const int row0 = warp_row0 + g;              // the thread's rows: row0 and row0 + 8
-    // The KV tiles this block visits (causal: up to its last row), this split's share of them.
+    // The KV tiles this block visits (causal: up to its last row; the variant: its rule's range),
+    // this split's share of them.
     int tile_begin, tile_end;
-    split_share(visible_key_tiles<kCausal>(p.M, p.N, q0, T::BR, T::BC), p.splits, split_id, tile_begin, tile_end);
+    if constexpr (kVariant)
+        variant_tile_share(va.v, p.M, p.N, q0, T::BR, T::BC, p.splits, split_id, tile_begin, tile_end);
+    else
+        split_share(visible_key_tiles<kCausal>(p.M, p.N, q0, T::BR, T::BC), p.splits, split_id, tile_begin, tile_end);
 
     // Tile j lives in stage (j - tile_begin) % STAGES, whose barriers complete their n-th phase
     // (parity n % 2) with the n-th tile loaded into it. Thread 0 starts the copies.
@@ -295,8 +302,12 @@ __global__ void __launch_bounds__(T::THREADS, 1) flash_wgmma_kernel(const WgPara
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
 
     // Every __syncthreads below is reached by all warpgroups, also one that skips the tile; the
-    // last warpgroup never skips, so every phase of the barriers is waited for before its stage
-    // is loaded again.
+    // last warpgroup never skips a causal tile, so every phase of the barriers is waited for before
+    // its stage is loaded again. Under the variant's rule any warpgroup may skip tiles (a window
+    // ends before the block's last tiles for its first rows, starts after its first tiles for its
+    // last ones), so one that skips a tile still waits for it to land.
+    ScoreMods mods = va.mods;
+    if constexpr (kVariant) mods.slope_log2 = va.v.slope(head) * kLog2e;
     for (int j = tile_begin; j < tile_end; ++j) {
         const bool more = j + 1 < tile_end;
         if constexpr (T::STAGES == 2) {
@@ -312,8 +323,9 @@ __global__ void __launch_bounds__(T::THREADS, 1) flash_wgmma_kernel(const WgPara
         }
 
         const int key0 = j * T::BC;
-        // A whole tile above this warpgroup's rows is skipped.
-        const bool visible = !kCausal || key0 <= wg_row0 + 63;
+        // A whole tile above this warpgroup's rows (or outside the rule's band) is skipped.
+        const bool visible = kVariant ? !va.v.none_visible(wg_row0, wg_row0 + 64, key0, key0 + T::BC)
+                                      : !kCausal || key0 <= wg_row0 + 63;
         float* const stage = stage_of(j);
         float s[T::BC / 8][4];
         if (visible) {
@@ -321,15 +333,23 @@ __global__ void __launch_bounds__(T::THREADS, 1) flash_wgmma_kernel(const WgPara
             qk_issue<T>(s, q_desc, tile_desc<T::BC>(stage));  // S = Q Kᵀ
             wg::wait<0>();
             wg::fence_operands(s);
+        } else if constexpr (kVariant) {
+            bulk::wait(&k_loaded[slot(j)], parity(j));
+            bulk::wait(&v_loaded[slot(j)], parity(j));
         }
         if constexpr (T::STAGES == 1) {
             __syncthreads();  // K_j is no longer read: K_{j+1} takes its place
             if (threadIdx.x == 0 && more) load_k(j + 1);
         }
         if (visible) {
-            scale_tile<T::BC>(s, p.scale_log2);
-            if (key0 + T::BC > p.M || (kCausal && key0 + T::BC - 1 > warp_row0))
-                mask_tile<T::BC, kCausal>(s, key0, p.M, row0, t);
+            if constexpr (kVariant) {
+                modify_tile<T::BC, false>(s, mods, key0, row0, t);
+                if (rule_cuts<T::BC>(va.v, key0, p.M, warp_row0, 16)) mask_tile_rule<T::BC>(s, va.v, key0, p.M, row0, t);
+            } else {
+                scale_tile<T::BC>(s, p.scale_log2);
+                if (key0 + T::BC > p.M || (kCausal && key0 + T::BC - 1 > warp_row0))
+                    mask_tile<T::BC, kCausal>(s, key0, p.M, row0, t);
+            }
             online_softmax<T::BC, T::D>(s, o, m, l);  // P = exp(S − m), l, O rescaled
             float acc[T::D / 8][4];
             uint32_t hi[T::BC / 8][4], lo[T::BC / 8][4];
@@ -401,24 +421,25 @@ template <> struct WgConfig<64, false, true> { using type = WgTiles<64, 128, 2, 
 template <bool kCausal> struct WgConfig<128, true, kCausal> { using type = WgTiles<128, 64, 1, true, 1>; };
 template <bool kCausal> struct WgConfig<128, false, kCausal> { using type = WgTiles<128, 64, 2, false>; };
 
-// Calls f(TypeTag<T>{}, causal) with a's configuration T and causality (std::bool_constant);
-// false where there is none.
+// Calls f(TypeTag<T>{}, causal, variant) with a's configuration T and mask instantiation
+// (with_mask_kind: std::bool_constant each); false where there is none. The variant's takes the
+// causal configuration (its masks cost registers as the causal one's do).
 template <class F>
 bool with_config(const FlashArgs& a, F&& f) {
     return with_head_dim(a.d, [&](auto D) {
         return with_flag(a.precision == Precision::fp32, [&](auto three) {
-            return with_flag(a.causal, [&](auto causal) {
+            return with_mask_kind(a, [&](auto causal, auto variant) {
                 using T = typename WgConfig<constant_v<decltype(D)>, constant_v<decltype(three)>,
-                                            constant_v<decltype(causal)>>::type;
-                return call_with_config<T>(f, causal);
+                                            constant_v<decltype(causal)> || constant_v<decltype(variant)>>::type;
+                return call_with_config<T>(f, causal, variant);
             });
         });
     });
 }
 
-template <class T, bool kCausal>
+template <class T, bool kCausal, bool kVariant>
 int blocks_per_sm() {
-    return kernel_blocks_per_sm<T, flash_wgmma_kernel<T, kCausal>>();
+    return kernel_blocks_per_sm<T, flash_wgmma_kernel<T, kCausal, kVariant>>();
 }
 
 template <class T>
@@ -426,9 +447,9 @@ size_t operand_floats(int heads, int M) {  // the prepared K and Vᵀ parts
     return 2 * static_cast<size_t>(T::PARTS) * heads * (ceil_div(M, T::BC) * T::BC) * T::D;
 }
 
-template <class T, bool kCausal>
+template <class T, bool kCausal, bool kVariant>
 void launch_tiles(const FlashArgs& a, const KernelPlan& plan, cudaStream_t stream) {
-    blocks_per_sm<T, kCausal>();  // raises the shared-memory limit
+    blocks_per_sm<T, kCausal, kVariant>();  // raises the shared-memory limit
     const int Mpad = ceil_div(a.M, T::BC) * T::BC;
     launch_with_workspace(
         a, plan, operand_floats<T>(a.heads, a.M), stream,
@@ -442,7 +463,8 @@ void launch_tiles(const FlashArgs& a, const KernelPlan& plan, cudaStream_t strea
         },
         [&](float* ops, const FlashOutputs& out) {
             const WgParams p{a.Q, ops, out.O, out.lse, a.heads, a.N, a.M, Mpad, a.scale * kLog2e, plan.splits};
-            flash_wgmma_kernel<T, kCausal><<<query_block_grid(a, plan), T::THREADS, T::SMEM_BYTES, stream>>>(p);
+            flash_wgmma_kernel<T, kCausal, kVariant>
+                <<<query_block_grid(a, plan), T::THREADS, T::SMEM_BYTES, stream>>>(p, variant_args(a.scale, a.variant));
             LAUNCH_CHECK(flash_wgmma_kernel);
         });
 }
@@ -460,19 +482,22 @@ bool preferred(const FlashArgs& a) {
 // Half precisions go to flash_wgmma_half.cu.
 bool plan_wgmma(const FlashArgs& a, int forced_splits, KernelPlan* plan) {
     if (a.heads < 1 || a.N < 1 || a.M < 1 || device_compute_capability() != 90) return false;
+    if (a.variant.per_element_inputs()) return false;  // mask and bias files, dropout: the clean kernel's
     if (is_half(a.precision)) return plan_wgmma_half(a, forced_splits, plan);
-    return with_config(a, [&](auto tag, auto causal) {
+    return with_config(a, [&](auto tag, auto causal, auto variant) {
         using T = tag_type<decltype(tag)>;
-        const int splits = plan_kv_splits(a, forced_splits, T::BR, T::BC,
-                                          [] { return blocks_per_sm<T, constant_v<decltype(causal)>>(); });
+        const int splits = plan_kv_splits(a, forced_splits, T::BR, T::BC, [] {
+            return blocks_per_sm<T, constant_v<decltype(causal)>, constant_v<decltype(variant)>>();
+        });
         *plan = KernelPlan{T::BR, T::BC, splits, operand_floats<T>(1, a.M) * sizeof(float)};
     });
 }
 
 void launch_wgmma(const FlashArgs& a, const KernelPlan& plan, cudaStream_t stream) {
     if (is_half(a.precision)) return launch_wgmma_half(a, plan, stream);
-    with_config(a, [&](auto tag, auto causal) {
-        launch_tiles<tag_type<decltype(tag)>, constant_v<decltype(causal)>>(a, plan, stream);
+    with_config(a, [&](auto tag, auto causal, auto variant) {
+        launch_tiles<tag_type<decltype(tag)>, constant_v<decltype(causal)>, constant_v<decltype(variant)>>(a, plan,
+                                                                                                           stream);
     });
 }
 

@@ -214,9 +214,15 @@ __device__ __forceinline__ void pv_issue(float (&o)[T::D / 8][4], const uint32_t
 // overlap (Turns). A warpgroup whose rows are all above a causal tile waits for the tile to land
 // and releases it unread (a release ahead of the load would count toward the stage's previous
 // phase); it still takes its turns.
-template <class T, bool kCausal, bool kPositiveScale>
+//
+// kVariant (flash_problem.cuh): the rule's tiles alone (variant_tile_share), the softcap (tanh_fast)
+// and ALiBi applied to S in base 2 before the rule's mask, and always kPositiveScale = false. A
+// window's warpgroups may start seeing tiles after the block's first: the one that skips tile j
+// and sees tile j+1 computes S_{j+1} in tile j's turn, as the loop's visible path would have.
+template <class T, bool kCausal, bool kPositiveScale, bool kVariant>
 __global__ void __launch_bounds__(T::THREADS, 1)
-    flash_wgmma_half_kernel(const HalfParams p, const __grid_constant__ HalfMaps maps) {
+    flash_wgmma_half_kernel(const HalfParams p, const __grid_constant__ HalfMaps maps,
+                            const __grid_constant__ VariantArgs va) {
 #if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
     __trap();  // built for sm_90a only; never launched elsewhere (device_compute_capability)
 #else
@@ -230,11 +236,17 @@ __global__ void __launch_bounds__(T::THREADS, 1)
     __shared__ uint64_t q_full, k_full[T::STAGES], v_full[T::STAGES], k_empty[T::STAGES], v_empty[T::STAGES];
     constexpr int kConsumerWarps = T::CONSUMERS / 32;
 
-    const auto [qblock, head] = block_work<kCausal>(p.heads);
+    // The variant's blocks go longest first where a right bound makes their work uneven.
+    const auto [qblock, head] = !kVariant ? block_work<kCausal>(p.heads)
+                                : va.v.right != kUnbounded ? block_work<true>(p.heads)
+                                                           : block_work<false>(p.heads);
     const int split_id = blockIdx.z;
     const int q0 = qblock * T::BR;
     int tile_begin, tile_end;
-    split_share(visible_key_tiles<kCausal>(p.M, p.N, q0, T::BR, T::BC), p.splits, split_id, tile_begin, tile_end);
+    if constexpr (kVariant)
+        variant_tile_share(va.v, p.M, p.N, q0, T::BR, T::BC, p.splits, split_id, tile_begin, tile_end);
+    else
+        split_share(visible_key_tiles<kCausal>(p.M, p.N, q0, T::BR, T::BC), p.splits, split_id, tile_begin, tile_end);
     // Tile j lives in stage (j - tile_begin) % 2; the n-th tile of a stage completes the n-th
     // phase (parity n % 2) of its full barriers, and its releases the n-th phases of the empty ones.
     auto slot = [&](int j) { return (j - tile_begin) % T::STAGES; };
@@ -288,7 +300,10 @@ __global__ void __launch_bounds__(T::THREADS, 1)
         if constexpr (T::PINGPONG) turns.pass(last);
     };
     auto parity = [&](int j) { return static_cast<uint32_t>(use(j) & 1); };
-    auto visible = [&](int j) { return !kCausal || j * T::BC <= wg_row0 + 63; };
+    auto visible = [&](int j) {
+        if constexpr (kVariant) return !va.v.none_visible(wg_row0, wg_row0 + 64, j * T::BC, j * T::BC + T::BC);
+        return !kCausal || j * T::BC <= wg_row0 + 63;
+    };
     auto release_k = [&](int j) {
         if (lane == 0) bulk::arrive(&k_empty[slot(j)]);
     };
@@ -305,11 +320,18 @@ __global__ void __launch_bounds__(T::THREADS, 1)
     // The online softmax of tile j's S (issued by qk_issue, landed): masked, and scaled to base 2
     // within the exponent's FFMA (a positive scale) or before the mask (any other; a negative
     // scale would turn a masked -inf into +inf).
+    ScoreMods mods = va.mods;
+    if constexpr (kVariant) mods.slope_log2 = va.v.slope(head) * kLog2e;
     auto softmax = [&](float (&s)[T::BC / 8][4], int j) {
-        if constexpr (!kPositiveScale) scale_tile<T::BC>(s, p.scale_log2);
         const int key0 = j * T::BC;
-        if (key0 + T::BC > p.M || (kCausal && key0 + T::BC - 1 > warp_row0))
-            mask_tile<T::BC, kCausal>(s, key0, p.M, row0, t);
+        if constexpr (kVariant) {
+            modify_tile<T::BC, true>(s, mods, key0, row0, t);
+            if (rule_cuts<T::BC>(va.v, key0, p.M, warp_row0, 16)) mask_tile_rule<T::BC>(s, va.v, key0, p.M, row0, t);
+        } else {
+            if constexpr (!kPositiveScale) scale_tile<T::BC>(s, p.scale_log2);
+            if (key0 + T::BC > p.M || (kCausal && key0 + T::BC - 1 > warp_row0))
+                mask_tile<T::BC, kCausal>(s, key0, p.M, row0, t);
+        }
         softmax_tile<T::BC, kPositiveScale>(s, m, l, alpha, p.scale_log2);
     };
     if (tile_begin < tile_end) {
@@ -332,13 +354,27 @@ __global__ void __launch_bounds__(T::THREADS, 1)
     }
     for (int j = tile_begin; j < tile_end; ++j) {
         const bool last = j + 1 == tile_end;
-        if (!visible(j)) {  // this and every later tile lie above the warpgroup's rows
+        if (!visible(j)) {  // causal: this and every later tile lie above the warpgroup's rows
+            // The variant: a window's tiles may start after this one (the first tile's P then
+            // comes here, in this tile's turn).
+            const bool starts = kVariant && !last && visible(j + 1);
             take();
+            if (starts) {
+                bulk::wait(&k_full[slot(j + 1)], parity(j + 1));
+                qk_issue<T>(s, q_desc, wg::sw128_desc(stage_of(j + 1), 16));  // S_{j+1} = Q K_{j+1}ᵀ
+            }
             pass(last);
             bulk::wait(&k_full[slot(j)], parity(j));
             bulk::wait(&v_full[slot(j)], parity(j));
             release_k(j);
             release_v(j);
+            if (starts) {
+                wg::wait<0>();
+                wg::fence_operands(s);
+                release_k(j + 1);
+                softmax(s, j + 1);
+                pack_p<T>(pa, s);
+            }
             continue;
         }
         const uint64_t v = wg::sw128_desc(stage_of(j) + T::V_OFFSET, T::BC * 128);
@@ -395,29 +431,32 @@ struct HalfConfig {
 template <class Fmt> struct HalfConfig<64, Fmt> { using type = HalfTiles<64, 128, 3, true, Fmt>; };
 template <class Fmt> struct HalfConfig<128, Fmt> { using type = HalfTiles<128, 128, 2, true, Fmt>; };
 
-// Calls f(TypeTag<T>{}, causal) with a's configuration T and causality (std::bool_constant);
-// false where there is none.
+// Calls f(TypeTag<T>{}, causal, variant) with a's configuration T and mask instantiation
+// (with_mask_kind: std::bool_constant each); false where there is none.
 template <class F>
 bool with_config(const FlashArgs& a, F&& f) {
     return with_head_dim(a.d, [&](auto D) {
         return with_half_format(a.precision, [&](auto fmt) {
-            return with_flag(a.causal, [&](auto causal) {
-                return call_with_config<typename HalfConfig<constant_v<decltype(D)>, decltype(fmt)>::type>(f, causal);
+            return with_mask_kind(a, [&](auto causal, auto variant) {
+                return call_with_config<typename HalfConfig<constant_v<decltype(D)>, decltype(fmt)>::type>(f, causal,
+                                                                                                            variant);
             });
         });
     });
 }
 
-template <class T, bool kCausal>
+template <class T, bool kCausal, bool kVariant>
 int blocks_per_sm() {
+    // The variant scales in its own modifications: one instantiation.
+    if constexpr (kVariant) return kernel_blocks_per_sm<T, flash_wgmma_half_kernel<T, false, false, true>>();
     // Both scale variants (the same resources); asking raises each one's shared-memory limit.
-    kernel_blocks_per_sm<T, flash_wgmma_half_kernel<T, kCausal, false>>();
-    return kernel_blocks_per_sm<T, flash_wgmma_half_kernel<T, kCausal, true>>();
+    kernel_blocks_per_sm<T, flash_wgmma_half_kernel<T, kCausal, false, false>>();
+    return kernel_blocks_per_sm<T, flash_wgmma_half_kernel<T, kCausal, true, false>>();
 }
 
-template <class T, bool kCausal>
+template <class T, bool kCausal, bool kVariant>
 void launch_tiles(const FlashArgs& a, const KernelPlan& plan, cudaStream_t stream) {
-    blocks_per_sm<T, kCausal>();  // raises the shared-memory limit (flash_launch checked Qh, Kh, Vh)
+    blocks_per_sm<T, kCausal, kVariant>();  // raises the shared-memory limit (flash_launch checked Qh, Kh, Vh)
     const HalfMaps maps{tma::rows_map(a.Qh, T::D, a.N, a.heads, T::BR), tma::rows_map(a.Kh, T::D, a.M, a.heads, T::BC),
                         tma::rows_map(a.Vh, T::D, a.M, a.heads, T::BC)};
     launch_with_workspace(
@@ -425,10 +464,13 @@ void launch_tiles(const FlashArgs& a, const KernelPlan& plan, cudaStream_t strea
         [&](float*, const FlashOutputs& out) {
             const HalfParams p{out.O, out.lse, a.heads, a.N, a.M, a.scale * kLog2e, plan.splits};
             const dim3 grid = query_block_grid(a, plan);
-            if (p.scale_log2 > 0.f)
-                flash_wgmma_half_kernel<T, kCausal, true><<<grid, T::THREADS, T::SMEM_BYTES, stream>>>(p, maps);
+            const VariantArgs va = variant_args(a.scale, a.variant);
+            if constexpr (kVariant)
+                flash_wgmma_half_kernel<T, false, false, true><<<grid, T::THREADS, T::SMEM_BYTES, stream>>>(p, maps, va);
+            else if (p.scale_log2 > 0.f)
+                flash_wgmma_half_kernel<T, kCausal, true, false><<<grid, T::THREADS, T::SMEM_BYTES, stream>>>(p, maps, va);
             else
-                flash_wgmma_half_kernel<T, kCausal, false><<<grid, T::THREADS, T::SMEM_BYTES, stream>>>(p, maps);
+                flash_wgmma_half_kernel<T, kCausal, false, false><<<grid, T::THREADS, T::SMEM_BYTES, stream>>>(p, maps, va);
             LAUNCH_CHECK(flash_wgmma_half_kernel);
         });
 }
@@ -437,17 +479,19 @@ void launch_tiles(const FlashArgs& a, const KernelPlan& plan, cudaStream_t strea
 
 bool plan_wgmma_half(const FlashArgs& a, int forced_splits, KernelPlan* plan) {
     if (!is_half(a.precision)) return false;
-    return with_config(a, [&](auto tag, auto causal) {
+    return with_config(a, [&](auto tag, auto causal, auto variant) {
         using T = tag_type<decltype(tag)>;
-        const int splits = plan_kv_splits(a, forced_splits, T::BR, T::BC,
-                                          [] { return blocks_per_sm<T, constant_v<decltype(causal)>>(); });
+        const int splits = plan_kv_splits(a, forced_splits, T::BR, T::BC, [] {
+            return blocks_per_sm<T, constant_v<decltype(causal)>, constant_v<decltype(variant)>>();
+        });
         *plan = KernelPlan{T::BR, T::BC, splits};
     });
 }
 
 void launch_wgmma_half(const FlashArgs& a, const KernelPlan& plan, cudaStream_t stream) {
-    with_config(a, [&](auto tag, auto causal) {
-        launch_tiles<tag_type<decltype(tag)>, constant_v<decltype(causal)>>(a, plan, stream);
+    with_config(a, [&](auto tag, auto causal, auto variant) {
+        launch_tiles<tag_type<decltype(tag)>, constant_v<decltype(causal)>, constant_v<decltype(variant)>>(a, plan,
+                                                                                                           stream);
     });
 }
 
