@@ -9,6 +9,7 @@
 #include <system_error>
 
 #include "common.h"
+#include "io/variant_manifest.h"
 
 namespace fs = std::filesystem;
 
@@ -39,6 +40,68 @@ long long parse_positive_int(const std::string& opt, const std::string& text) {
     return v;
 }
 
+// A whole decimal integer, else a usage error.
+long long parse_int(const std::string& opt, const std::string& text) {
+    char* end = nullptr;
+    errno = 0;
+    long long v = std::strtoll(text.c_str(), &end, 10);
+    if (text.empty() || *end != '\0' || errno == ERANGE) usage_error(opt + ": '" + text + "' is not an integer");
+    return v;
+}
+
+// Fails when a value breaks its rule (`why` from variant_manifest.h; "" when it holds).
+void check_rule(const std::string& opt, const std::string& text, const std::string& why) {
+    if (!why.empty()) usage_error(opt + ": '" + text + "': " + why);
+}
+
+// --window LEFT,RIGHT: two integers, each -1 (unbounded) or a number of keys.
+void parse_window(const std::string& opt, const std::string& text, VariantOptions* v) {
+    const size_t comma = text.find(',');
+    if (comma == std::string::npos)
+        usage_error(opt + ": '" + text + "' is not LEFT,RIGHT (two integers; -1 is unbounded)");
+    const long long left = parse_int(opt + " LEFT", text.substr(0, comma));
+    const long long right = parse_int(opt + " RIGHT", text.substr(comma + 1));
+    check_rule(opt, text, window_bound_problem(left).empty() ? "" : "left = " + std::to_string(left) + ": " +
+                                                                     window_bound_problem(left));
+    check_rule(opt, text, window_bound_problem(right).empty() ? "" : "right = " + std::to_string(right) + ": " +
+                                                                      window_bound_problem(right));
+    v->window_left = left;
+    v->window_right = right;
+    v->window_text = text;
+}
+
+// The variant's options (cli.h VariantOptions); false when `arg` is none of them. `take_value`
+// returns the option's value, `no_value` refuses one.
+template <typename Take, typename NoValue>
+bool parse_variant_option(const std::string& arg, Take take_value, NoValue no_value, VariantOptions* v) {
+    if (arg == "--align") {
+        const std::string text = take_value();
+        Align a;
+        if (!parse_align(text, &a)) usage_error(arg + ": '" + text + "' is not one of " + align_choices());
+        v->align = a;
+    } else if (arg == "--window") {
+        parse_window(arg, take_value(), v);
+    } else if (arg == "--softcap") {
+        const std::string text = take_value();
+        v->softcap = parse_number(arg, text);
+        check_rule(arg, text, softcap_problem(*v->softcap));
+    } else if (arg == "--alibi") {
+        no_value();
+        v->alibi = true;
+    } else if (arg == "--dropout") {
+        const std::string text = take_value();
+        v->dropout = parse_number(arg, text);
+        check_rule(arg, text, dropout_problem(*v->dropout));
+    } else if (arg == "--dropout-seed") {
+        const std::string text = take_value();
+        v->dropout_seed = parse_int(arg, text);
+        check_rule(arg, text, dropout_seed_problem(*v->dropout_seed));
+    } else {
+        return false;
+    }
+    return true;
+}
+
 template <typename T, size_t K>
 T pick(const std::string& opt, const std::string& text, const char* const (&names)[K], const T (&values)[K]) {
     std::string allowed;
@@ -64,6 +127,8 @@ const char* flash_kernel_option(FlashKernel k) {
 void print_usage(FILE* to) {
     std::fprintf(to,
         "usage: main [CASE] [--in DIR] [--out DIR] [--backend auto|cuda|cpu] [--causal]\n"
+        "            [--align top-left|bottom-right] [--window LEFT,RIGHT] [--softcap C] [--alibi]\n"
+        "            [--dropout P] [--dropout-seed S]\n"
         "            [--scale S] [--stages LIST] [--format txt|npy] [--precision fp32|tf32|bf16|fp16]\n"
         "            [--poison] [--flash-kernel auto|wgmma|fast|clean] [--allow-nonfinite] [--max-memory-mb MB]\n"
         "            [--progress]\n"
@@ -76,7 +141,17 @@ void print_usage(FILE* to) {
         "                     manifest.toml)\n"
         "  --out DIR          output case folder (created; must differ from --in)\n"
         "  --backend B        auto (CUDA when built and a GPU is present, else CPU), cuda, cpu\n"
-        "  --causal           top-left causal mask (query i sees keys j <= i); overrides the manifest\n"
+        "  --causal           causal mask: query i sees keys j <= diag(i) (diag(i) = i, or i + M - N\n"
+        "                     when aligned bottom-right)\n"
+        "  --align A          top-left (default) | bottom-right: where the causal mask and the window\n"
+        "                     sit when N != M (diag(i) = i + M - N: flash-attn's convention)\n"
+        "  --window L,R       sliding window: query i sees keys diag(i)-L..diag(i)+R; -1 is unbounded\n"
+        "  --softcap C        cap the scaled scores: C*tanh(S/C) (C > 0; 0: none)\n"
+        "  --alibi            ALiBi: S - slope_h*|diag(i) - j| (slopes from alibi_slopes.txt|.npy in\n"
+        "                     the case, else the standard geometric slopes)\n"
+        "  --dropout P        dropout probability in [0, 1): writes the keep-mask as dropout_mask\n"
+        "  --dropout-seed S   dropout's seed (an integer >= 0; default 0)\n"
+        "                     These options override the manifest's keys; run.toml records the values\n"
         "  --scale S          scale for QK (default: the manifest's, else 1/sqrt(d_k))\n"
         "  --stages LIST      all | stages | flash | comma-separated stage names (default all).\n"
         "                     all: every stage the case allows; stages: the stage path; flash: the\n"
@@ -129,6 +204,7 @@ Options parse_cli(int argc, char** argv) {
             o.backend = pick(arg, take_value(), names, values);
         }
         else if (arg == "--causal") { no_value(); o.causal = true; }
+        else if (parse_variant_option(arg, take_value, no_value, &o.variant)) {}
         else if (arg == "--scale") {
             std::string text = take_value();
             o.scale = parse_number(arg, text);
@@ -173,6 +249,30 @@ Options parse_cli(int argc, char** argv) {
     if (have_in && !o.case_name.empty())
         usage_error("give either CASE ('" + o.case_name + "') or --in, not both");
     return o;
+}
+
+Variant effective_variant(const Options& o, const InputCase& c) {
+    Variant v = c.variant;
+    const VariantOptions& opt = o.variant;
+    v.causal = o.causal || c.causal;
+    if (opt.align) v.align = *opt.align;
+    if (opt.window_left) {
+        v.window_left = *opt.window_left;
+        v.window_right = *opt.window_right;
+    }
+    if (opt.softcap) v.softcap = static_cast<float>(*opt.softcap);
+    v.alibi = v.alibi || opt.alibi;
+    if (opt.dropout) v.dropout = static_cast<float>(*opt.dropout);
+    if (opt.dropout_seed) v.dropout_seed = static_cast<uint64_t>(*opt.dropout_seed);
+    const std::string why = v.causal ? causal_window_problem(v.window_right) : "";
+    if (!why.empty()) {
+        const std::string window = opt.window_left ? "--window " + opt.window_text : c.where_window_right;
+        const std::string causal = o.causal ? "--causal" : c.where_causal;
+        fail(kExitBadInput, window + ": window_right = " + std::to_string(v.window_right) + ": " + why +
+                                " (causal from " + causal + ")",
+             "give the window's right bound as 0 or -1, or drop causal");
+    }
+    return v;
 }
 
 std::string verify_name_for(const std::string& case_name) {

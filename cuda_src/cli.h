@@ -3,9 +3,11 @@
 #pragma once
 
 #include <cstdio>
+#include <optional>
 #include <string>
 
 #include "backend.h"
+#include "io/case_layout.h"
 #include "io/matrix_io.h"
 #include "stages.h"
 
@@ -16,11 +18,24 @@ constexpr long long kMaxMemoryMb = 1LL << 30;
 
 enum class BackendChoice { Auto, Cuda, Cpu };
 
+// The variant's options (docs/contract.md, "The binary"): each overrides the manifest's key, as
+// --causal does; unset ones leave it. Every value was checked against its key's rule.
+struct VariantOptions {
+    std::optional<Align> align;                     // --align
+    std::optional<long long> window_left, window_right;  // --window LEFT,RIGHT
+    std::string window_text;                        // as given, for messages
+    std::optional<double> softcap;                  // --softcap
+    bool alibi = false;                             // --alibi
+    std::optional<double> dropout;                  // --dropout
+    std::optional<long long> dropout_seed;          // --dropout-seed
+};
+
 struct Options {
     std::string case_name;           // positional CASE (the original `./main random_test` form)
     std::string in_dir, out_dir;     // empty until given or resolved
     BackendChoice backend = BackendChoice::Auto;
     bool causal = false;             // --causal (overrides the manifest's causal = false)
+    VariantOptions variant;
     bool has_scale = false;
     double scale = 0;
     std::string stages_text = "all";
@@ -44,6 +59,11 @@ Options parse_cli(int argc, char** argv);
 // first of ./data, ../data that holds CASE; with no CASE and no --in, CASE = random_test. A given
 // --in without --out writes next to it with the same naming rule.
 void resolve_case_paths(Options* o);
+
+// The run's variant: the case's (its manifest's keys), with every key the command line gives in its
+// place (--causal, --align, --window, ...). Fails (exit 2) when they combine into a causal mask
+// with a window right of the diagonal, naming where each came from.
+Variant effective_variant(const Options& o, const InputCase& c);
 
 // The `_test` -> `_verify` naming rule for output folders.
 std::string verify_name_for(const std::string& case_name);

@@ -1,11 +1,14 @@
 // main.cpp — the attnstep binary: reads an input case, computes the selected attention stages
 // head group by head group on a backend, and writes one file per stage and head plus run.toml
 // (docs/contract.md). Order of work, so that bad input never leaves a half-written case:
-//   1. parse the command line, find and check the input case (every file, the manifest, shapes),
-//      choose the stages and the backend, check the output folder: all before writing anything;
+//   1. parse the command line, find and check the input case (every file, the manifest, shapes,
+//      the variant's mask/bias/slopes files), choose the stages and the backend, check the output
+//      folder: all before writing anything;
 //   2. mark the output folder as holding an unfinished run; plan the head groups (so that not
-//      enough memory is a run that did not finish); per group: read Q/K/V (and dO), compute, and
-//      write the stage files into a staging folder inside it (io/run_folder.h);
+//      enough memory is a run that did not finish); per group: read Q/K/V (and dO; a grouped
+//      case's K/V head copied to each of its query heads) and the variant's per-head files,
+//      compute, and write the stage files into a staging folder inside it (io/run_folder.h): the
+//      K/V stages once per K/V head, the gradients summed over its query heads (group_plan.h);
 //   3. write run.toml last, then put the staged files in place of the previous run's at once. On
 //      any failure the previous run's files stay untouched and the marker says why.
 #include <algorithm>
@@ -24,12 +27,13 @@
 #include "common.h"
 #include "group_plan.h"
 #include "io/atomic_file.h"
-#include "io/crc32.h"
 #include "io/case_layout.h"
 #include "io/manifest.h"
 #include "io/matrix_io.h"
 #include "io/output_folder.h"
 #include "io/run_folder.h"
+#include "io/run_files.h"
+#include "io/variant_inputs.h"
 #include "stages.h"
 
 namespace attnstep {
@@ -67,7 +71,8 @@ std::unique_ptr<Backend> choose_backend(BackendChoice choice) {
 Problem make_problem(const Options& o, const InputCase& c) {
     Problem p;
     p.dims = c.dims;
-    p.causal = o.causal || c.causal;
+    p.variant = effective_variant(o, c);
+    p.causal = p.variant.causal;
     // A given scale was checked to survive the float32 conversion (scale_fits_float32).
     double scale = o.has_scale ? o.scale : c.has_scale ? c.scale : 1.0 / std::sqrt(static_cast<double>(c.dims.dk));
     p.scale = static_cast<float>(scale);
@@ -88,13 +93,6 @@ void check_forced_flash_kernel(const Options& o, const Backend& be, StageSet com
          "use --flash-kernel auto, or --backend cuda on a machine with an NVIDIA GPU");
 }
 
-std::string stage_list(StageSet set) {
-    std::string s;
-    for (int i = 0; i < kNumStages; ++i)
-        if (set.has(static_cast<Stage>(i))) s += (s.empty() ? "" : ",") + std::string(stage_name(static_cast<Stage>(i)));
-    return s;
-}
-
 // The backward stages need the case's dO. Named one by one they are an error without; through a
 // group (all, stages, flash) they are left out.
 StageSet drop_backward(const Options& o, const InputCase& c, StageSet sel) {
@@ -105,6 +103,18 @@ StageSet drop_backward(const Options& o, const InputCase& c, StageSet sel) {
                                 " and the case " + c.dir + " has no dO (the output gradient)",
              "`attnstep generate --backward` writes a case with dO");
     return c.backward ? sel : sel.minus(StageSet::backward());
+}
+
+// The dropout stage (dropout_mask) exists only in a run with dropout: named one by one it is an
+// error without; through a group (all, stages) it is left out, and never computed.
+StageSet drop_dropout(const Options& o, const Problem& p, StageSet sel) {
+    if (p.variant.dropout > 0.f) return sel;
+    const StageSet named{o.stages_named.bits & StageSet::dropout().bits};
+    if (!named.empty())
+        fail(kExitBadInput, "--stages " + o.stages_text + ": " + stage_list(named) +
+                                " exists only in a run with dropout (this one has dropout = 0)",
+             "pass --dropout P, or set dropout in manifest.toml");
+    return sel.minus(StageSet::dropout());
 }
 
 // At a half precision a backend may lack some flash kernels (the CUDA backend has the forward on
@@ -141,134 +151,25 @@ StageSet select_stages(const Options& o, const InputCase& c) {
     return sel.minus(flash);
 }
 
-// ---------------------------------------------------------------- the run
-// --progress: units of work done so far, for a caller's progress bar (attnstep run draws one on a
-// terminal). Reading and writing text dominate large runs on the CPU, so they count as much as
-// computing: one unit per head read, per head computed and per stage file written.
-struct Progress {
-    bool on = false;
-    long long done = 0, total = 0;
-    int last_percent = -1;
-
-    void step(long long units = 1) {
-        if (!on) return;
-        done += units;
-        int percent = static_cast<int>(100 * done / total);
-        if (percent == last_percent) return;  // at most a line a percent: a pipe, not a flood
-        last_percent = percent;
-        std::fprintf(stderr, "main: progress: %lld/%lld\n", done, total);
-        std::fflush(stderr);
-    }
-};
-
-struct RunState {
-    std::string run_id, out_dir;  // out_dir: where the files go until the commit (the staging folder)
-    Format out_format = Format::txt;
-    OutputLog log;
-    StageTimes times;
-    Progress progress;
-};
-
-void write_group(RunState& rs, const HeadGroup& g, StageSet written, const Dims& d) {
-    for (int i = 0; i < kNumStages; ++i) {
-        Stage s = static_cast<Stage>(i);
-        if (!written.has(s)) continue;
-        for (int j = 0; j < g.count; ++j) {
-            int head = g.first + j;
-            std::string name = head_file_name(s, head, rs.out_format);
-            int rows = stage_rows(s, d), cols = stage_cols(s, d);
-            std::string header = "# attnstep stage=" + std::string(stage_name(s)) + " head=" + std::to_string(head) +
-                                 " rows=" + std::to_string(rows) + " cols=" + std::to_string(cols) +
-                                 " run=" + rs.run_id;
-            check_interrupted();
-            AtomicFile f(rs.out_dir + "/" + name, rs.run_id);
-            write_matrix(f, rs.out_format, g.out[i] + stage_elems(s, d) * j, rows, cols, header);
-            uint32_t crc = f.commit();
-            rs.log.add(name, name.substr(0, name.rfind('.')), crc);
-            rs.progress.step();
-        }
-    }
-}
-
-void write_run_manifest(RunState& rs, const Options& o, const Problem& p, const Backend& be, StageSet computed,
-                        StageSet written) {
-    FlashPlan flash;  // tiles 0 and no kernel: no flash stage was computed
-    if (computed.any_flash()) flash = be.flash_plan(p);
-    ManifestWriter w;
-    w.comment("attnstep run manifest (docs/contract.md); written last");
-    w.add("run_id", rs.run_id);
-    w.add("backend", be.name());
-    w.add("device", be.device_name());
-    w.add("precision", precision_name(p.precision));
-    w.add("format", format_name(rs.out_format));
-    w.add("input", o.in_dir);
-    for (const DimKey& k : kDimKeys) w.add(k.key, p.dims.*k.field);
-    w.add_bool("causal", p.causal);
-    w.add_float("scale", static_cast<double>(p.scale));
-    w.add("stages", stage_list(written));
-    w.add("flash_block_q", flash.Br);
-    w.add("flash_block_k", flash.Bc);
-    if (!flash.kernel.empty()) w.add("flash_kernel", flash.kernel);
-    w.add_bool("poison", p.poison);
-    for (int i = 0; i < kNumStages; ++i)
-        if (computed.has(static_cast<Stage>(i)))
-            w.add_float(std::string("time_ms_") + stage_name(static_cast<Stage>(i)), rs.times.ms[i]);
-    for (const OutputLog::Entry& e : rs.log.entries()) w.add("crc32_" + e.key, crc32_hex(e.crc));
-    AtomicFile f(rs.out_dir + "/" + kRunManifest, rs.run_id);
-    f.write(w.text());
-    f.commit();
-}
-
-// Reads the group's heads of the inputs the computed stages need into `inputs` (a buffer per input
-// stage, resized to the group) and points g's inputs there; a progress step per head.
-void read_group_inputs(const InputCase& in, bool allow_nonfinite, Precision precision, StageSet computed,
-                       const Dims& d, HeadGroup& g, std::vector<float> (&inputs)[kNumStages], Progress& progress) {
-    for (Stage s : inputs_read(computed)) inputs[static_cast<int>(s)].resize(stage_elems(s, d) * g.count);
-    auto head_input = [&](Stage s, int j) {
-        std::vector<float>& b = inputs[static_cast<int>(s)];
-        return b.empty() ? nullptr : b.data() + stage_elems(s, d) * j;
-    };
-    for (int j = 0; j < g.count; ++j) {
-        read_head_inputs(in, g.first + j, allow_nonfinite,
-                         {head_input(Stage::Q, j), head_input(Stage::K, j), head_input(Stage::V, j),
-                          head_input(Stage::dO, j)});
-        progress.step();
-    }
-    // The half pipelines start from the inputs rounded to their format, as a conversion of
-    // float32 tensors to bf16/fp16 does; the echoes (Q, K, V, dO) then hold the rounded values.
-    if (is_half(precision))
-        for (Stage s : inputs_read(computed))
-            for (float& x : inputs[static_cast<int>(s)]) x = round_to(precision, x);
-    g.q = head_input(Stage::Q, 0);
-    g.k = head_input(Stage::K, 0);
-    g.v = head_input(Stage::V, 0);
-    g.dout = head_input(Stage::dO, 0);
-}
-
-// The files a run wrote (stage files, then run.toml), in order: what commit() puts in place.
-std::vector<std::string> staged_names(const RunState& rs) {
-    std::vector<std::string> names;
-    for (const OutputLog::Entry& e : rs.log.entries()) names.push_back(e.name);
-    names.push_back(kRunManifest);
-    return names;
-}
-
-// Plans the head groups, then per group reads the inputs, computes and writes the stage files
-// into rs.out_dir; run.toml last.
-void compute_and_write(const Options& o, const Problem& p, const InputCase& in, Backend& be, StageSet written,
-                       StageSet computed, RunState& rs) {
+// Plans the head groups, then per group reads the inputs (the variant's too), computes and writes
+// the stage files into rs.out_dir: the query heads' after each group, a K/V head's when its last
+// query head is computed (KvStageSum); run.toml last.
+void compute_and_write(const Options& o, const Problem& p, const InputCase& in, VariantInputs& variant_inputs,
+                       Backend& be, StageSet written, StageSet computed, RunState& rs) {
     GroupPlan plan = plan_groups(o, p, computed, be);
     const Dims& d = p.dims;
     const int total = d.total_heads();
     rs.progress.on = o.progress;
-    rs.progress.total = static_cast<long long>(total) * (2 + written.count());
+    rs.progress.total = progress_units(d, written);
     std::vector<float> buf[kNumStages];
     std::vector<float> inputs[kNumStages];
+    KvStageSum kv_stages(d, written);
     for (int first = 0; first < total; first += plan.group_size) {
         HeadGroup g;
         g.first = first;
         g.count = std::min(plan.group_size, total - first);
         read_group_inputs(in, o.allow_nonfinite, p.precision, computed, d, g, inputs, rs.progress);
+        variant_inputs.read_group(g);
         for (int i = 0; i < kNumStages; ++i)
             if (computed.has(static_cast<Stage>(i))) {
                 buf[i].resize(stage_elems(static_cast<Stage>(i), d) * g.count);
@@ -278,6 +179,7 @@ void compute_and_write(const Options& o, const Problem& p, const InputCase& in, 
         be.compute(p, computed, g, &rs.times);
         rs.progress.step(g.count);
         write_group(rs, g, written, d);
+        kv_stages.add(g, [&](Stage s, int kv_head, const float* data) { write_stage_file(rs, s, kv_head, data, d); });
     }
     check_interrupted();
     write_run_manifest(rs, o, p, be, computed, written);
@@ -294,9 +196,10 @@ int run(int argc, char** argv) {
     InputCase in = open_input_case(o.in_dir);
     Problem p = make_problem(o, in);
     std::unique_ptr<Backend> be = choose_backend(o.backend);
-    StageSet written = drop_half_flash(o, *be, p, select_stages(o, in));
-    StageSet computed = dependency_closure(written);
+    StageSet written = drop_dropout(o, p, drop_half_flash(o, *be, p, select_stages(o, in)));
+    StageSet computed = drop_dropout(o, p, dependency_closure(written));
     check_forced_flash_kernel(o, *be, computed);
+    VariantInputs variant_inputs(in, p);  // the broadcast mask/bias and the slopes: checked before OUT is touched
 
     RunState rs;
     rs.run_id = make_run_id();
@@ -311,7 +214,7 @@ int run(int argc, char** argv) {
     try {
         folder.begin();
         rs.out_dir = folder.staging();
-        compute_and_write(o, p, in, *be, written, computed, rs);
+        compute_and_write(o, p, in, variant_inputs, *be, written, computed, rs);
         check_interrupted();
         folder.commit(staged_names(rs));
     } catch (const Error& e) {

@@ -43,6 +43,16 @@ inline constexpr DimKey kDimKeys[] = {
     {"batch", &Dims::batch}, {"heads", &Dims::heads}, {"seq_q", &Dims::N},
     {"seq_k", &Dims::M},     {"d_k", &Dims::dk},      {"d_v", &Dims::dv},
 };
+// The optional manifest key of Dims::kv_heads (verify/stages.py KV_HEADS_KEY): absent in a case
+// without grouped K/V heads; run.toml always records it.
+inline constexpr const char kKvHeadsKey[] = "kv_heads";
+
+// The variant's input files (verify/stages.py VARIANT_INPUTS): mask and bias are N×M per query head
+// (`mask_head_<i>`) or one file broadcast over the heads (`mask`); alibi_slopes holds 1 or batch
+// rows of `heads` slopes. In the case's format, read only when the variant asks for them.
+inline constexpr const char kMaskInput[] = "mask";
+inline constexpr const char kBiasInput[] = "bias";
+inline constexpr const char kAlibiSlopesInput[] = "alibi_slopes";
 
 // Case limits (verify/stages.py MAX_DIM, MAX_HEADS, MAX_ELEMENTS; docs/contract.md): every
 // dimension 1..kMaxDim, batch x heads at most kMaxHeads, and the elements of every stage of every
@@ -101,16 +111,17 @@ inline int sym_value(Sym s, const Dims& d) {
     X(QK,                N,  M,   fwd, path,  ())                                               \
     X(QK_scaled,         N,  M,   fwd, path,  (QK))                                             \
     X(attention_weights, N,  M,   fwd, path,  (QK_scaled))                                      \
-    X(output,            N,  DV,  fwd, path,  (attention_weights))                              \
+    X(dropout_mask,      N,  M,   fwd, path,  ())                                               \
+    X(output,            N,  DV,  fwd, path,  (attention_weights, dropout_mask))                \
     X(flash_output,      N,  DV,  fwd, flash, ())                                               \
     X(flash_lse,         N,  ONE, fwd, flash, ())                                               \
     X(dO,                N,  DV,  bwd, input, ())                                               \
     X(D,                 N,  ONE, bwd, path,  (output))                                         \
     X(dP,                N,  M,   bwd, path,  ())                                               \
-    X(dS,                N,  M,   bwd, path,  (attention_weights, dP, D))                       \
-    X(dQ,                N,  DK,  bwd, path,  (dS))                                             \
-    X(dK,                M,  DK,  bwd, path,  (dS))                                             \
-    X(dV,                M,  DV,  bwd, path,  (attention_weights))                              \
+    X(dS,                N,  M,   bwd, path,  (attention_weights, dropout_mask, dP, D))         \
+    X(dQ,                N,  DK,  bwd, path,  (dS, QK))                                         \
+    X(dK,                M,  DK,  bwd, path,  (dS, QK))                                         \
+    X(dV,                M,  DV,  bwd, path,  (attention_weights, dropout_mask))                \
     X(flash_dQ,          N,  DK,  bwd, flash, (flash_output, flash_lse))                        \
     X(flash_dK,          M,  DK,  bwd, flash, (flash_output, flash_lse))                        \
     X(flash_dV,          M,  DV,  bwd, flash, (flash_output, flash_lse))
@@ -171,6 +182,21 @@ inline size_t stage_elems(Stage s, const Dims& d) {
     return static_cast<size_t>(stage_rows(s, d)) * static_cast<size_t>(stage_cols(s, d));
 }
 
+// Whether a stage is indexed by K/V head (verify/stages.py Stage.kv: K, V, KT, dK, dV, flash_dK,
+// flash_dV): the stages whose shape has the key rows M but no query rows N, so none depends on
+// a query head alone. A grouped case writes them once per K/V head (B·Hk files).
+inline bool is_kv_stage(Stage s) {
+    const StageInfo& i = stage_info(s);
+    return (i.rows == Sym::M || i.cols == Sym::M) && i.rows != Sym::N && i.cols != Sym::N;
+}
+// How many files of stage s a case has: one per query head, or one per K/V head.
+inline int heads_of(Stage s, const Dims& d) { return is_kv_stage(s) ? d.total_kv_heads() : d.total_heads(); }
+
+// The stage that exists only in a case with dropout: the program's keep-mask (verify/stages.py
+// DROPOUT_MASK, Stage.dropout). A run without dropout neither computes nor writes it.
+inline constexpr const char kDropoutMaskStage[] = "dropout_mask";
+inline bool is_dropout_stage(Stage s) { return std::string(stage_name(s)) == kDropoutMaskStage; }
+
 inline bool is_flash_stage(Stage s) { return stage_info(s).kind == StageKind::flash; }
 inline bool is_input_echo(Stage s) { return stage_info(s).kind == StageKind::input; }
 inline bool is_backward_stage(Stage s) { return stage_info(s).pass == Pass::bwd; }
@@ -179,27 +205,38 @@ inline bool is_backward_stage(Stage s) { return stage_info(s).pass == Pass::bwd;
 inline bool kept_float32(Stage s) { return s == Stage::flash_lse || s == Stage::D; }
 
 // The elements of every stage of one head (the case-size limit counts these); the backward stages
-// count only for a case that has dO.
-inline long long elements_per_head(const Dims& d, bool backward) {
+// count only for a case that has dO. `which`: every stage, only those indexed by K/V head
+// (is_kv_stage), or only the others.
+enum class KvStages { all, only, none };
+inline long long elements_per_head(const Dims& d, bool backward, KvStages which = KvStages::all) {
     long long n = 0;
     for (int i = 0; i < kNumStages; ++i) {
         const Stage s = static_cast<Stage>(i);
+        if (which != KvStages::all && is_kv_stage(s) != (which == KvStages::only)) continue;
         if (!is_backward_stage(s) || backward) n += static_cast<long long>(stage_rows(s, d)) * stage_cols(s, d);
     }
     return n;
 }
 
 // Why dimensions that are each within 1..kMaxDim (head widths within kMaxHeadDim) still exceed the
-// case limits, or "" when they do not. 64-bit arithmetic: batch x heads may overflow an int.
+// case limits, or "" when they do not. The stages indexed by K/V head count once per K/V head.
+// 64-bit arithmetic: batch x heads may overflow an int, and per_head x heads is checked by division.
 inline std::string case_limit_violation(const Dims& d, bool backward) {
     const long long heads = static_cast<long long>(d.batch) * d.heads;
     if (heads > kMaxHeads)
         return "batch x heads = " + plural(heads, "head") + "; at most " + std::to_string(kMaxHeads);
-    const long long per_head = elements_per_head(d, backward);
-    if (per_head > kMaxElements / heads)
-        return plural(heads, "head") + " of " + plural(per_head, "stage element") +
+    const long long kv_heads = static_cast<long long>(d.batch) * d.kv();
+    const long long per_head = elements_per_head(d, backward, KvStages::none);
+    const long long per_kv_head = elements_per_head(d, backward, KvStages::only);
+    const bool over = per_head > kMaxElements / heads ||
+                      per_kv_head > (kMaxElements - per_head * heads) / kv_heads;
+    if (!over) return "";
+    if (kv_heads == heads)
+        return plural(heads, "head") + " of " + plural(per_head + per_kv_head, "stage element") +
                " each; at most " + std::to_string(kMaxElements) + " elements in all";
-    return "";
+    return plural(heads, "query head") + " of " + plural(per_head, "stage element") + " each and " +
+           plural(kv_heads, "K/V head") + " of " + std::to_string(per_kv_head) + " each; at most " +
+           std::to_string(kMaxElements) + " elements in all";
 }
 
 // A set of stages as a bit mask over the table.
@@ -226,6 +263,7 @@ struct StageSet {
     static StageSet all() { return StageSet{(1u << kNumStages) - 1}; }
     static StageSet flash() { return where(is_flash_stage); }
     static StageSet backward() { return where(is_backward_stage); }
+    static StageSet dropout() { return where(is_dropout_stage); }
     bool any_flash() const { return any(flash()); }
     bool any_backward() const { return any(backward()); }
 };

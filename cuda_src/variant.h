@@ -24,6 +24,20 @@ enum class Coverage { none, per_head, broadcast };
 inline constexpr const char* kCoverageNames[] = {"none", "per-head", "broadcast"};
 inline constexpr int kUnbounded = -1;
 
+// The manifest keys of a variant (input manifest.toml and run.toml) with their types: the twin of
+// verify/variant.py VARIANT_KEYS, in its order. The binary's manifest reader takes the key list
+// and the types from here (io/variant_manifest.cpp); run.toml writes them in this order.
+enum class KeyType { Int, Float, Bool, String };
+struct VariantKey {
+    const char* key;
+    KeyType type;
+};
+inline constexpr VariantKey kVariantKeys[] = {
+    {"align", KeyType::String},      {"window_left", KeyType::Int}, {"window_right", KeyType::Int},
+    {"softcap", KeyType::Float},     {"alibi", KeyType::Bool},      {"bias", KeyType::String},
+    {"mask", KeyType::String},       {"dropout", KeyType::Float},   {"dropout_seed", KeyType::Int},
+};
+
 // The visible keys of each query row: diag(r) − left <= c <= diag(r) + right with diag(r) = r +
 // offset (offset 0 top-left, M − N bottom-right); kUnbounded drops that side. causal sets right = 0.
 struct MaskRule {
@@ -72,6 +86,14 @@ struct Variant {
 
 // C·tanh(S/C) (cap 0: S unchanged); -inf stays -inf.
 ATTNSTEP_HD float apply_softcap(float s, float cap) { return cap > 0.f ? cap * tanhf(s / cap) : s; }
+// The derivative of apply_softcap with respect to s: 1 − t², t = tanh(s/C) (1 without a cap). The
+// backward multiplies dS by it on the way to dQ and dK (flash-attn's convention: dS itself is the
+// gradient of the softmax's input).
+ATTNSTEP_HD float softcap_derivative(float s, float cap) {
+    if (!(cap > 0.f)) return 1.f;
+    const float t = tanhf(s / cap);
+    return 1.f - t * t;
+}
 
 // The standard ALiBi slope of head h of `heads` (verify/variant.py alibi_slopes): 2^(−8(h+1)/n)
 // with n the largest power of two <= heads; heads beyond n take every other slope of 2n heads.

@@ -5,11 +5,16 @@
     assert attnstep.check_arrays(q, k, v, {"output": o})        # a report is true when every stage passes
     attnstep.assert_attention_stages(q, k, v, {"output": o})   # in a pytest test: the report in the message
     attnstep.check_arrays(q, k, v, {"dQ": q.grad, "dK": k.grad, "dV": v.grad}, do=o.grad)  # backward
+    attnstep.check_arrays(q, k, v, {"output": out}, layout="bshd", causal="bottom-right",  # flash-attn
+                          window=(256, 0), softcap=30.0, alibi=slopes)
 
-Arrays are NumPy arrays (or anything np.asarray takes: a CPU tensor's `.detach().cpu().numpy()`),
-shaped (N, d) for one head, (H, N, d) or (B, H, N, d); each stage with the same leading axes and
-the stage's own last two (an N×1 stage may drop its last axis). The report is the one `attnstep
-check` prints and writes: the same tolerance model, chained and isolated references, diagnoses.
+Arrays are NumPy arrays, anything np.asarray takes, or PyTorch tensors (CPU or CUDA, bf16 and
+fp16 included; verify/files/arrays.py converts them), shaped (N, d) for one head, (H, N, d) or
+(B, H, N, d) (layout="bhsd", PyTorch's) or (B, N, H, d) (layout="bshd", flash-attn's); k and v
+with fewer heads than q are grouped K/V heads (GQA/MQA). Each stage has the same leading axes and
+the stage's own last two (an N×1 stage may drop its last axis); scores and row statistics are
+(B, H, ...) in either layout. The report is the one `attnstep check` prints and writes: the same
+tolerance model, chained and isolated references, diagnoses.
 """
 from __future__ import annotations
 
@@ -23,53 +28,17 @@ import numpy as np
 from .check import flash_attn_criterion as fa_criterion
 from .check.compare import Options, Report, check_run
 from .diagnose.hypotheses import diagnose
+from .files.arrays import LAYOUTS, as_array, bias_heads, dims_of, mask_heads, slopes_rows, stage_heads
 from .files.case import InputCase, check_scale, validate_dims
 from .files.kinds import CaseError
 from .files.outputs import MATH_MODES, RunInfo, StageSource, half_rounding_for
 from .model.half import HALF_ROUNDINGS, rounding_refusal
 from .report.text import failure_lines, header_lines, summary_lines, table_lines
-from .stages import DIM_KEYS, GRAD_INPUT, INPUT_NAMES, PRECISIONS, STAGES, Dims, default_scale
-from .text import plural
+from .stages import (ALIBI_SLOPES_INPUT, BIAS_INPUT, DIM_KEYS, DROPOUT_MASK, GRAD_INPUT, INPUT_NAMES, KV_HEADS_KEY,
+                     MASK_INPUT, PRECISIONS, STAGES, Dims, default_scale)
+from .variant import ALIGNMENTS, BROADCAST, NONE, PER_HEAD, TOP_LEFT, UNBOUNDED, Variant
 
 ARRAYS = Path("<arrays>")  # what the report names as the run's and the inputs' place
-
-
-def _leading(x: np.ndarray, name: str) -> Tuple[int, int]:
-    """(batch, heads) from an input's leading axes."""
-    if x.ndim == 2:
-        return 1, 1
-    if x.ndim == 3:
-        return 1, x.shape[0]
-    if x.ndim == 4:
-        return x.shape[0], x.shape[1]
-    raise ValueError(f"{name}: {x.ndim}-d array; expected (N, d), (H, N, d) or (B, H, N, d)")
-
-
-def _heads(x: np.ndarray, total: int, rows: int, cols: int, name: str) -> np.ndarray:
-    """x as (heads, rows, cols); an N×1 stage may come without its last axis."""
-    x = _native_float(np.asarray(x), name)
-    want = total * rows * cols
-    if x.size != want or (x.ndim >= 2 and x.shape[-2:] != (rows, cols) and not (cols == 1 and x.shape[-1] == rows)):
-        raise ValueError(f"{name}: shape {tuple(x.shape)}, expected {plural(total, 'head')} of {rows}x{cols}")
-    return x.reshape(total, rows, cols)
-
-
-_FLOAT_DTYPES = (np.float16, np.float32, np.float64)
-# What a refused dtype is, in words (np.dtype.kind).
-_DTYPE_KINDS = {"b": "boolean", "i": "integer", "u": "unsigned integer", "c": "complex", "O": "Python objects",
-                "U": "strings", "S": "bytes", "V": "structured", "M": "dates", "m": "time spans"}
-
-
-def _native_float(x: np.ndarray, name: str) -> np.ndarray:
-    """x as float16/32/64 in this machine's byte order: a big-endian array ('>f4', from a file or
-    another machine) holds the same values, converted; any other dtype is refused by name."""
-    if x.dtype.kind == "f" and not x.dtype.isnative:
-        x = x.astype(x.dtype.newbyteorder("="))
-    if x.dtype not in _FLOAT_DTYPES:
-        kind = _DTYPE_KINDS.get(x.dtype.kind)
-        raise ValueError(f"{name}: dtype {x.dtype}{f' ({kind})' if kind else ''}; expected float16, float32 or "
-                         "float64 (convert bfloat16 with .float())")
-    return x
 
 
 # ----------------------------------------------------------------------------------------------
@@ -145,10 +114,63 @@ def _expect_mapping(name: str, x) -> Mapping:
     return x
 
 
+def _expect_causal(name: str, x):
+    """False, True (top-left, PyTorch's is_causal) or an alignment."""
+    if _is_bool(x):
+        return bool(x)
+    if isinstance(x, str) and x in ALIGNMENTS:
+        return x
+    raise TypeError(f"{name}: expected True or False, got {type(x).__name__} {x!r}; or the alignment of the causal "
+                    f"mask: {' or '.join(map(repr, ALIGNMENTS))}")
+
+
+def _expect_window(name: str, x) -> Tuple[int, int]:
+    """None (no window) or (left, right), each a number of keys >= 0 or -1 (unbounded), as
+    flash-attn's window_size."""
+    if x is None:
+        return (UNBOUNDED, UNBOUNDED)
+    if not isinstance(x, (tuple, list)) or len(x) != 2 or not all(isinstance(b, numbers.Integral) and not _is_bool(b)
+                                                                  for b in x):
+        raise TypeError(f"{name}: expected (left, right), two whole numbers (-1: unbounded), got {x!r}")
+    if min(x) < UNBOUNDED:
+        raise ValueError(f"{name} = {tuple(x)!r}: each side is a number of keys >= 0, or -1 (unbounded)")
+    return int(x[0]), int(x[1])
+
+
+def _expect_softcap(name: str, x) -> float:
+    """None or 0 (none), or a finite cap > 0."""
+    value = 0.0 if x is None else _expect_real(name, x)
+    if not 0 <= value < _math.inf:
+        raise ValueError(f"{name} = {x!r}: must be a finite number > 0 (0: none)")
+    return value
+
+
+def _expect_probability(name: str, x) -> float:
+    value = _expect_real(name, x)
+    if not 0 <= value < 1:
+        raise ValueError(f"{name} = {x!r}: must be a probability in [0, 1)")
+    return value
+
+
+def _expect_alibi(name: str, x):
+    """False, True (the standard slopes) or the slopes (an array or tensor, checked with the shapes)."""
+    if _is_bool(x):
+        return bool(x)
+    if x is None or isinstance(x, (str, bytes, numbers.Number)):
+        raise TypeError(f"{name}: expected True, False or the slopes ((H,) or (B, H)), got {type(x).__name__} {x!r}")
+    return x
+
+
 # check_arrays' arguments other than the arrays, and the rule each obeys.
 _ARGUMENT_RULES: Dict[str, Callable[[str, Any], Any]] = {
     "stages": _expect_mapping,
-    "causal": _expect_bool,
+    "causal": _expect_causal,
+    "align": lambda name, x: None if x is None else _expect_choice(ALIGNMENTS)(name, x),
+    "window": _expect_window,
+    "softcap": _expect_softcap,
+    "alibi": _expect_alibi,
+    "dropout_p": _expect_probability,
+    "layout": _expect_choice(LAYOUTS),
     "scale": _expect_scale,
     "precision": _expect_choice(PRECISIONS),
     "math": _expect_choice(MATH_MODES),
@@ -165,28 +187,71 @@ def _validated(**arguments) -> Dict[str, Any]:
     return {name: _ARGUMENT_RULES[name](name, value) for name, value in arguments.items()}
 
 
-def _problem(q, k, v, causal: bool, scale: Optional[float], allow_nonfinite: bool = False,
-             do=None) -> Tuple[Dims, Dict[str, np.ndarray], float]:
-    q, k, v = (np.asarray(x) for x in (q, k, v))
-    arrays = dict(zip(INPUT_NAMES, (q, k, v)))
+def _problem(q, k, v, do, layout: str, allow_nonfinite: bool) -> Tuple[Dims, Dict[str, np.ndarray], Optional[str]]:
+    """The case's dimensions from q, k, v in `layout` (k and v may have fewer heads: GQA), the
+    inputs as (heads, rows, cols), and a note when the layout looks like the other one."""
+    arrays = dict(zip(INPUT_NAMES, (as_array(x) for x in (q, k, v))))
     if do is not None:
-        arrays[GRAD_INPUT] = np.asarray(do)
-    B, H = _leading(q, "q")
-    N, d_k = q.shape[-2:]
-    M, d_v = v.shape[-2:]
+        arrays[GRAD_INPUT] = as_array(do)
+    (B, H, Hk, N, M, d_k, d_v), note = dims_of(*(arrays[n] for n in INPUT_NAMES), layout)
     try:
-        dims = validate_dims(dict(zip(DIM_KEYS, (B, H, N, M, d_k, d_v))), "q, k, v")
+        dims = validate_dims({**dict(zip(DIM_KEYS, (B, H, N, M, d_k, d_v))), KV_HEADS_KEY: Hk}, "q, k, v")
     except CaseError as exc:
         raise ValueError(str(exc)) from None
-    heads = {n: _heads(arrays[n], dims.total_heads, *STAGES[n].shape(dims), n.lower()) for n in arrays}
+    heads = {n: stage_heads(arrays[n], n, dims, layout, n.lower()) for n in arrays}
     bad = [n for n in heads if not allow_nonfinite and not np.isfinite(heads[n]).all()]
     if bad:
         raise ValueError(f"{bad[0].lower()} holds NaN or Inf; pass allow_nonfinite=True to check a kernel on such "
                          "inputs (NaN then passes where the reference has NaN)")
-    return dims, heads, default_scale(d_k) if scale is None else scale
+    return dims, heads, note
 
 
-def check_arrays(q, k, v, stages: Mapping[str, object], *, do=None, causal: bool = False,
+def _variant(args: Dict[str, Any], attn_mask, attn_bias, dims: Dims) -> Tuple[Variant, Dict[str, np.ndarray]]:
+    """The Variant the arguments ask for, and the mask, bias and slopes arrays the case holds."""
+    causal, align = args["causal"], args["align"]
+    aligned = causal if isinstance(causal, str) else None
+    if aligned and align and aligned != align:
+        raise ValueError(f"causal={causal!r} with align={align!r}: choose one alignment")
+    tensors: Dict[str, np.ndarray] = {}
+    coverage = {}
+    for name, given, read in ((MASK_INPUT, attn_mask, mask_heads), (BIAS_INPUT, attn_bias, bias_heads)):
+        if given is None:
+            coverage[name] = NONE
+            continue
+        tensors[name], broadcast = read(given, dims)
+        coverage[name] = BROADCAST if broadcast else PER_HEAD
+    alibi = args["alibi"]
+    if alibi is not False and alibi is not True:
+        tensors[ALIBI_SLOPES_INPUT] = slopes_rows(alibi, dims)
+    try:
+        variant = Variant(causal=bool(causal), align=aligned or align or TOP_LEFT, window=args["window"],
+                          softcap=args["softcap"], alibi=alibi is not False, mask=coverage[MASK_INPUT],
+                          bias=coverage[BIAS_INPUT], dropout=args["dropout_p"])
+    except ValueError as exc:  # each argument is valid: causal and the window's right side clash
+        raise ValueError(f"causal with window: {exc}") from None
+    return variant, tensors
+
+
+def _stage_sources(stages: Mapping[str, object], dims: Dims, layout: str, dropout: float) -> Dict[str, StageSource]:
+    unknown = [n for n in stages if n not in STAGES]
+    if unknown:
+        raise ValueError(f"unknown stage {unknown[0]!r}; stages are: {', '.join(STAGES)}")
+    if not stages:
+        raise ValueError("no stage to check: pass at least one of " + ", ".join(STAGES))
+    masks = [n for n in stages if STAGES[n].dropout]
+    if masks and not dropout:
+        raise ValueError(f"stage {masks[0]!r} is a dropout keep-mask: pass dropout_p= (the probability the program "
+                         "used)")
+    if dropout and not masks:
+        raise ValueError(f"dropout_p={dropout}: pass the program's keep-mask too, as stages[{DROPOUT_MASK!r}] (1 kept, "
+                         "0 dropped): the outputs are checked against the entries it kept")
+    return {name: StageSource(name, None, name, arrays=stage_heads(stages[name], name, dims, layout))
+            for name in STAGES if name in stages}
+
+
+def check_arrays(q, k, v, stages: Mapping[str, object], *, do=None, causal=False, align: Optional[str] = None,
+                 window: Optional[Tuple[int, int]] = None, softcap: Optional[float] = None, alibi=False,
+                 attn_mask=None, attn_bias=None, dropout_p: float = 0.0, layout: str = "bhsd",
                  scale: Optional[float] = None, precision: str = "fp32", math: str = "ieee",
                  atol: Optional[float] = None, rtol: Optional[float] = None, jobs: int = 1,
                  allow_nonfinite: bool = False, half_rounding: Optional[str] = None) -> Report:
@@ -194,43 +259,44 @@ def check_arrays(q, k, v, stages: Mapping[str, object], *, do=None, causal: bool
     check` does; returns the Report (report.passed, report.first_failing_stage, report.results),
     whose truth value is report.passed: `assert check_arrays(...)` fails when a stage fails
     (assert_attention_stages also puts the report in the message).
+
     do: the output gradient dL/d(output), shaped like the output, for the backward stages (dQ, dK,
-    dV, D, dP, dS, flash_dQ, ...); causal: top-left aligned masking; scale: default 1/sqrt(d_k); precision and math: the
-    arithmetic the program used (fp32/tf32/bf16/fp16; ieee/fast); half_rounding: how a bf16/fp16
-    program converts to its format ("nearest", the default, or "toward-zero"; half precisions
-    only). At fp32 or tf32 a stage of half-precision values (a float16 array; a float32 array of
-    bfloat16 values, such as a bf16 tensor's .float()) gets a note, and a hint in the failure line,
-    to pass precision='bf16' or 'fp16'; a float16 array counts as float32 results stored in float16
-    (half a float16 unit allowed per value). Raises ValueError for arrays that
-    do not fit together or a value out of range, TypeError for an argument of the wrong kind
-    (causal="no", scale="0.25"), each one line naming the argument."""
-    args = _validated(stages=stages, causal=causal, scale=scale, precision=precision, math=math, atol=atol,
+    dV, D, dP, dS, flash_dQ, ...). The variant (docs/contract.md): causal: False, True (top-left:
+    PyTorch's is_causal) or "top-left"/"bottom-right" (flash-attn's causal=True); align: the
+    diagonal's alignment for a window or ALiBi without causal; window: (left, right), -1
+    unbounded (flash-attn's window_size); softcap: C·tanh(S/C) after the scale; alibi: True (the
+    standard slopes) or the slopes, (H,) or (B, H); attn_mask: True/1 visible, (N, M), (B, H, N, M)
+    or broadcastable to it (PyTorch's boolean attn_mask; a float one is attn_bias); attn_bias:
+    added to the scores (−inf hides); dropout_p: with the program's keep-mask in stages. layout:
+    "bhsd" or "bshd" (flash-attn's (batch, seq, heads, dim)). scale: default 1/sqrt(d_k);
+    precision and math: the arithmetic the program used (fp32/tf32/bf16/fp16; ieee/fast);
+    half_rounding: how a bf16/fp16 program converts to its format ("nearest", the default, or
+    "toward-zero"; half precisions only). At fp32 or tf32 a stage of half-precision values (a
+    float16 array; a bf16 tensor, converted to float32) gets a note, and a hint in the failure
+    line, to pass precision='bf16' or 'fp16'. Raises ValueError for arrays that do not fit
+    together (a layout that does not fit is named) or a value out of range, TypeError for an
+    argument of the wrong kind (causal="no", scale="0.25"), each one line naming the argument."""
+    args = _validated(stages=stages, causal=causal, align=align, window=window, softcap=softcap, alibi=alibi,
+                      dropout_p=dropout_p, layout=layout, scale=scale, precision=precision, math=math, atol=atol,
                       rtol=rtol, jobs=jobs, allow_nonfinite=allow_nonfinite, half_rounding=half_rounding)
     refusal = rounding_refusal(args["precision"], args["half_rounding"], "half_rounding")
     if refusal:
         raise ValueError(refusal)
-    causal, scale, atol, rtol, jobs = args["causal"], args["scale"], args["atol"], args["rtol"], args["jobs"]
-    allow_nonfinite = args["allow_nonfinite"]
     backward = sorted(n for n in stages if n in STAGES and STAGES[n].backward)
     if backward and do is None:
         raise ValueError(f"stage {backward[0]!r} is a gradient: pass do= (the output gradient it was computed from)")
-    dims, inputs, scale = _problem(q, k, v, causal, scale, allow_nonfinite, do)
-    sources = {}
-    for name in STAGES:
-        if name in stages:
-            arr = _heads(stages[name], dims.total_heads, *STAGES[name].shape(dims), name)
-            sources[name] = StageSource(name, None, name, arrays=arr)
-    unknown = [n for n in stages if n not in STAGES]
-    if unknown:
-        raise ValueError(f"unknown stage {unknown[0]!r}; stages are: {', '.join(STAGES)}")
-    if not sources:
-        raise ValueError("no stage to check: pass at least one of " + ", ".join(STAGES))
-    case = InputCase(ARRAYS, dims, "npy", causal, scale, manifest=True, arrays=inputs,
-                     allow_nonfinite=allow_nonfinite, backward=do is not None)
-    run = RunInfo(None, {}, dims, sources, causal=causal, scale=scale, precision=precision,
-                  math=math, half_rounding=half_rounding_for(args["precision"], args["half_rounding"]))
-    return check_run(run, case, Options(atol=atol, rtol=rtol, jobs=jobs, allow_nonfinite=allow_nonfinite),
-                     diagnoser=diagnose)
+    dims, inputs, note = _problem(q, k, v, do, args["layout"], args["allow_nonfinite"])
+    variant, tensors = _variant(args, attn_mask, attn_bias, dims)
+    sources = _stage_sources(stages, dims, args["layout"], variant.dropout)
+    scale = default_scale(dims.d_k) if args["scale"] is None else args["scale"]
+    case = InputCase(ARRAYS, dims, "npy", scale=scale, manifest=True, arrays={**inputs, **tensors},
+                     allow_nonfinite=args["allow_nonfinite"], backward=do is not None, variant=variant)
+    run = RunInfo(None, {}, dims, sources, scale=scale, precision=args["precision"], math=args["math"],
+                  half_rounding=half_rounding_for(args["precision"], args["half_rounding"]), variant=variant)
+    if note:
+        run.notes.append(note)
+    options = Options(atol=args["atol"], rtol=args["rtol"], jobs=args["jobs"], allow_nonfinite=args["allow_nonfinite"])
+    return check_run(run, case, options, diagnoser=diagnose)
 
 
 def format_report(report: Report, per_head: bool = False) -> str:

@@ -168,6 +168,9 @@ _TABLE = (
     Stage(SCORES, "N", "M", (QUERIES, KEYS), "Q·Kᵀ, unscaled"),
     Stage(SCALED_SCORES, "N", "M", (SCORES,), "QK·scale, -inf where masked"),
     Stage(WEIGHTS, "N", "M", (SCALED_SCORES,), "row softmax of QK_scaled"),
+    # Under dropout only: the program's keep-mask, which the stages after it read (the verifier
+    # never draws its own: verify/specs/dropout.py).
+    Stage(DROPOUT_MASK, "N", "M", (), "the dropout keep-mask: 1 kept, 0 dropped", dropout=True),
     Stage(OUTPUT, "N", "DV", (WEIGHTS, VALUES), "attention_weights·V (dropped and rescaled under dropout)"),
     Stage(FLASH_OUTPUT, "N", "DV", (QUERIES, KEYS, VALUES), "FlashAttention forward output", flash=True,
           rounds=(WEIGHTS,)),
@@ -196,7 +199,10 @@ STAGE_NAMES = tuple(STAGES)
 INPUT_NAMES = (QUERIES, KEYS, VALUES)  # every case has these
 GRAD_INPUT = GRAD_OUTPUT               # a case for the backward pass also has this
 CASE_INPUTS = INPUT_NAMES + (GRAD_INPUT,)
-FORWARD_STAGES = tuple(n for n in STAGE_NAMES if not STAGES[n].backward)
+# The forward stages of a case without dropout (what the binary writes for it); the dropout stages
+# exist only in a case with dropout.
+FORWARD_STAGES = tuple(n for n in STAGE_NAMES if not STAGES[n].backward and not STAGES[n].dropout)
+DROPOUT_STAGES = tuple(n for n in STAGE_NAMES if STAGES[n].dropout)
 KV_STAGES = tuple(n for n in STAGE_NAMES if STAGES[n].kv)
 
 # The tensors a variant case adds to its inputs (verify/variant.py), besides Q, K, V and dO:

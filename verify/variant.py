@@ -134,6 +134,8 @@ def validate(v: Variant) -> Optional[str]:
             return f"{name} = {getattr(v, name)!r}: must be none, per-head or broadcast"
     if not (math.isfinite(v.dropout) and 0 <= v.dropout < 1):
         return f"dropout = {v.dropout!r}: must be a probability in [0, 1)"
+    if not isinstance(v.dropout_seed, (int, np.integer)) or isinstance(v.dropout_seed, bool) or v.dropout_seed < 0:
+        return f"dropout_seed = {v.dropout_seed!r}: must be an integer >= 0"
     return None
 
 
@@ -191,14 +193,24 @@ def hidden(v: Variant, n: int, m: int, mask: Optional[np.ndarray] = None, rows: 
     return out
 
 
-def dropout_keep_tolerance(kept: int, total: int, p: float, false_alarm: float = 1e-6) -> Optional[str]:
+# How rarely a correct run's dropout keep rate may fail its test: once in a million runs.
+DROPOUT_FALSE_ALARM = 1e-6
+
+
+def dropout_keep_band(total: int, false_alarm: float = DROPOUT_FALSE_ALARM) -> float:
+    """The half-width t of the keep rates `total` independent draws of a correct run stay within
+    about 1 − p: Hoeffding's inequality bounds the chance of a rate ≥ t from 1 − p by
+    2·exp(−2·total·t²), and t makes that `false_alarm`."""
+    return math.sqrt(math.log(2.0 / false_alarm) / (2.0 * total)) if total else math.inf
+
+
+def dropout_keep_tolerance(kept: int, total: int, p: float, false_alarm: float = DROPOUT_FALSE_ALARM) -> Optional[str]:
     """Whether `kept` of `total` independent draws is a plausible keep count for a keep rate 1 − p:
-    None if so, else a one-line reason. Hoeffding's inequality bounds the chance that a correct
-    run's rate is ≥ t from 1 − p by 2·exp(−2·total·t²); t is chosen so that this is `false_alarm`,
-    so a correct run fails at most once in 1/false_alarm."""
+    None if so, else a one-line reason (dropout_keep_band: a correct run fails at most once in
+    1/false_alarm)."""
     if total == 0:
         return None
-    t = math.sqrt(math.log(2.0 / false_alarm) / (2.0 * total))
+    t = dropout_keep_band(total, false_alarm)
     rate = kept / total
     if abs(rate - (1.0 - p)) <= t:
         return None

@@ -9,6 +9,11 @@
 // stage reads half values (GEMM products of two half values are exact in float32, the sums float32),
 // and the flash kernels' P (and the backward's dS) rounded before their GEMMs, as FlashAttention
 // does; flash_lse and D stay float32.
+// The variants (variant.h) go through head_scores.h: every score the softmax reads is scale·q·k,
+// capped (C·tanhf(s/C)), less ALiBi's slope·|diag − c|, plus the bias, in that order, each one
+// float32 rounding; under dropout the weights the GEMMs read are P∘Z·(1/(1 − p)) (the stage path
+// rounds that product as the GEMM's operand; the flash forward multiplies by 1/(1 − p) with 1/l
+// at the end, as FlashAttention does), and dQ, dK read dS∘(1 − t²) under a softcap.
 //   build: cmake -S . -B build-cpu -DATTNSTEP_CUDA=OFF && cmake --build build-cpu -j2
 //   run:   build-cpu/main --in tests/data/tiny_test --out /tmp/tiny_verify --backend cpu
 // Work is spread over the host's cores with std::thread (parallel.h: rows, or (head, query tile)
@@ -50,6 +55,22 @@ void store_in_format(const Problem& p, StageSet stages, HeadGroup& g) {
             std::transform(x, x + std::min(kBlock, n - blk * kBlock), x, [&](float v) { return round_to(p.precision, v); });
         });
     }
+}
+
+// What main.cpp hands over for the case's variant (backend.h: Problem::variant, HeadGroup's mask, bias
+// and slopes; the keep-mask computed before the stages that read it). One missing is the binary's
+// own bug, so an internal error rather than a quiet textbook result.
+void check_variant_inputs(const Problem& p, StageSet computed, const HeadGroup& g) {
+    const Variant& v = p.variant;
+    constexpr StageSet kReadMask{stage_mask(Stage::output, Stage::dS, Stage::dV)};
+    const char* problem = v.causal != p.causal                    ? "Problem::causal differs from its variant's"
+                          : v.mask != Coverage::none && !g.mask   ? "a mask file's case without its mask"
+                          : v.bias != Coverage::none && !g.bias   ? "a bias file's case without its bias"
+                          : v.alibi && !g.alibi_slopes            ? "an ALiBi case without its slopes"
+                          : v.dropout > 0.f && computed.any(kReadMask) && !computed.has(Stage::dropout_mask)
+                              ? "a dropout case without its keep-mask stage"
+                              : nullptr;
+    if (problem) fail(kExitInternal, where(__FILE__, __LINE__) + ": " + problem);
 }
 
 // The GEMMs' operands for the group: the inputs as read, or under TF32 copies rounded once (into
@@ -105,6 +126,7 @@ void CpuBackend::compute(const Problem& p, StageSet computed, HeadGroup& g, Stag
         }
     if (computed.any_backward() && !g.dout)
         fail(kExitInternal, where(__FILE__, __LINE__) + ": a backward stage without dO");
+    check_variant_inputs(p, computed, g);
     std::vector<float> rounded_copies[4];
     const Operands in = gemm_operands(p, g, rounded_copies);
     const StageWork work{p, g, in};

@@ -52,6 +52,7 @@ void compute_KT(const StageWork& w);
 void compute_QK(const StageWork& w);
 void compute_QK_scaled(const StageWork& w);
 void compute_attention_weights(const StageWork& w);
+void compute_dropout_mask(const StageWork& w);
 void compute_output(const StageWork& w);
 void compute_dO(const StageWork& w);
 void compute_D(const StageWork& w);

@@ -7,6 +7,7 @@
 
 #include "../common.h"
 #include "cpu_stages.h"
+#include "head_scores.h"
 #include "matrix_ops.h"
 #include "parallel.h"
 
@@ -24,10 +25,12 @@ struct OnlineRows {
     OnlineRows(int rows, int d_, Precision precision_)
         : d(d_), precision(precision_), m(rows, kNegInf), l(rows, 0.f), O(static_cast<size_t>(rows) * d_, 0.f) {}
 
-    // Row rr takes the scaled, masked scores S[0, cols) of the keys whose values are the rows of
-    // Vj: m_new = max(m, rowmax(S)), P = exp(S - m_new), l = exp(m - m_new)·l + rowsum(P),
-    // O = exp(m - m_new)·O + P·Vj.
-    void add(int rr, const float* S, int cols, const float* Vj) {
+    // Row rr takes the scores S[0, cols) the softmax reads (-inf where masked) of the keys whose
+    // values are the rows of Vj, and their keep decisions Z (null without dropout):
+    // m_new = max(m, rowmax(S)), P = exp(S - m_new), l = exp(m - m_new)·l + rowsum(P),
+    // O = exp(m - m_new)·O + (P∘Z)·Vj. l sums the undropped P: dropout drops weights after the
+    // softmax, whose denominator it leaves alone; finish() applies the 1/(1 − p).
+    void add(int rr, const float* S, int cols, const float* Vj, const float* Z) {
         float m_new = m[rr];
         for (int cc = 0; cc < cols; ++cc) m_new = max_keep_nan(m_new, S[cc]);
         if (m_new == kNegInf) return;  // nothing visible yet in this row
@@ -39,18 +42,47 @@ struct OnlineRows {
             const float pc = S[cc] == kNegInf ? 0.f : std::exp(S[cc] - m_new);
             rowsum += pc;
             // l sums the float32 weights; only the GEMM operand is rounded (FlashAttention's order)
-            axpy(gemm_operand(precision, pc), Vj + static_cast<size_t>(cc) * d, Or, d);
+            axpy(gemm_operand(precision, Z ? pc * Z[cc] : pc), Vj + static_cast<size_t>(cc) * d, Or, d);
         }
         l[rr] = alpha * l[rr] + rowsum;
         m[rr] = m_new;
     }
 
-    // O_i = diag(l)^-1 O_i and lse_i = m_i + log(l_i) into the tile's rows of the head's outputs.
-    void finish(float* Oout, float* lse) const {
+    // O_i = diag(l)^-1 O_i·keep_scale (dropout's 1/(1 − p); 1 without) and lse_i = m_i + log(l_i)
+    // into the tile's rows of the head's outputs. A row that saw no key has output 0 and lse
+    // log 0 = -inf, not the NaN of 0/0.
+    void finish(float* Oout, float* lse, float keep_scale) const {
         for (size_t rr = 0; rr < m.size(); ++rr) {
-            const float inv = 1.f / l[rr];
+            if (m[rr] == kNegInf) {
+                std::fill_n(Oout + rr * d, d, 0.f);
+                lse[rr] = kNegInf;
+                continue;
+            }
+            const float inv = keep_scale / l[rr];
             for (int t = 0; t < d; ++t) Oout[rr * d + t] = O[rr * d + t] * inv;
             lse[rr] = m[rr] + std::log(l[rr]);
+        }
+    }
+};
+
+// One query tile against one key tile: row rr of the tile takes the scores the softmax reads
+// (head_scores.h) and, under dropout, their keep decisions.
+struct TileRows {
+    const HeadScores& sc;
+    const float* Qi;  // the tile's first query row
+    int r0, rows, d;
+
+    void visit(int c0, int cols, const float* Kj, const float* Vj, OnlineRows& state) const {
+        const std::vector<float> KjT = transposed(Kj, cols, d);  // d x cols
+        std::vector<float> S(cols), Z(sc.drops() ? cols : 0);
+        for (int rr = 0; rr < rows; ++rr) {
+            const int r = r0 + rr;
+            // S = scale·Qi Kjᵀ, modified, -inf where masked
+            row_times_matrix(Qi + static_cast<size_t>(rr) * d, KjT.data(), d, cols, S.data());
+            for (int cc = 0; cc < cols; ++cc) S[cc] = sc.score(S[cc], r, c0 + cc);
+            if (sc.drops())
+                for (int cc = 0; cc < cols; ++cc) Z[cc] = sc.keep(r, c0 + cc);
+            state.add(rr, S.data(), cols, Vj, sc.drops() ? Z.data() : nullptr);
         }
     }
 };
@@ -59,8 +91,9 @@ struct OnlineRows {
 
 // FlashAttention forward (Dao et al., Algorithm 1): for each query tile Qi (Br rows), stream the
 // key/value tiles Kj, Vj (Bc rows) through the online softmax (OnlineRows); never holds an N x M
-// matrix. Causal tiles wholly above the diagonal are skipped; the last tiles may be partial (tail
-// rows/columns are simply not visited).
+// matrix. Key tiles outside every row's visible range (causal tiles above the diagonal, tiles left
+// of a window) are skipped whole; the last tiles may be partial (tail rows/columns are simply not
+// visited).
 void compute_flash_output(const StageWork& w) {
     const Problem& p = w.p;
     const Operands& in = w.in;
@@ -74,25 +107,18 @@ void compute_flash_output(const StageWork& w) {
     parallel_for(static_cast<size_t>(w.g.count) * Tr, [&](size_t item) {
         const int h = static_cast<int>(item / Tr), i = static_cast<int>(item % Tr);
         const int r0 = i * Br, rows = std::min(Br, N - r0);
-        const float* Qi = in.head(Stage::Q, dm, h) + static_cast<size_t>(r0) * d;
+        const HeadScores sc(p, w.g, h);
+        const TileRows tile{sc, in.head(Stage::Q, dm, h) + static_cast<size_t>(r0) * d, r0, rows, d};
         const float* K = in.head(Stage::K, dm, h);
         const float* V = in.head(Stage::V, dm, h);
         OnlineRows state(rows, d, p.precision);
-        std::vector<float> S(static_cast<size_t>(Bc));
         for (int j = 0; j < Tc; ++j) {
             const int c0 = j * Bc, cols = std::min(Bc, M - c0);
-            if (p.causal && c0 > r0 + rows - 1) break;  // this and later tiles are above the diagonal
-            const std::vector<float> KjT = transposed(K + static_cast<size_t>(c0) * d, cols, d);  // d x cols
-            for (int rr = 0; rr < rows; ++rr) {
-                // S = scale * Qi Kjᵀ, -inf where masked
-                row_times_matrix(Qi + static_cast<size_t>(rr) * d, KjT.data(), d, cols, S.data());
-                for (int cc = 0; cc < cols; ++cc)
-                    S[cc] = masked(p.causal, r0 + rr, c0 + cc) ? kNegInf : S[cc] * p.scale;
-                state.add(rr, S.data(), cols, V + static_cast<size_t>(c0) * d);
-            }
+            if (!sc.tile_visible(r0, r0 + rows, c0, c0 + cols)) continue;
+            tile.visit(c0, cols, K + static_cast<size_t>(c0) * d, V + static_cast<size_t>(c0) * d, state);
         }
         state.finish(O_all + stage_elems(Stage::flash_output, dm) * h + static_cast<size_t>(r0) * d,
-                     lse_all + stage_elems(Stage::flash_lse, dm) * h + r0);
+                     lse_all + stage_elems(Stage::flash_lse, dm) * h + r0, sc.keep_scale());
     });
 }
 

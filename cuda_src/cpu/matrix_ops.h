@@ -19,8 +19,6 @@ const float kNegInf = -std::numeric_limits<float>::infinity();
 // A GEMM's weight operand as the kernel's tensor cores would read it: TF32 or the half format.
 inline float gemm_operand(Precision p, float x) { return p == Precision::tf32 ? round_tf32(x) : round_to(p, x); }
 
-inline bool masked(bool causal, int r, int c) { return causal && c > r; }  // top-left aligned
-
 // std::max(m, x), except that a NaN in either stays NaN: a row maximum over scores that hold a NaN
 // (NaN in Q or K under --allow-nonfinite) is NaN, so the whole row's softmax, output and lse are
 // NaN, as the reference's are. std::max(-inf, NaN) would drop it, and a row of NaN scores would
@@ -77,17 +75,28 @@ inline void rows_times_transposed(const float* A, const float* B, int r0, int r1
         row_times_matrix(A + static_cast<size_t>(r) * k, BT.data(), k, n, out + static_cast<size_t>(r) * n, tf32);
 }
 
-// Rows [c0, c1) of Aᵀ·B (A: rows x cols, B: rows x n, both row-major) into out (row stride n):
-// out[c] = sum_r A[r][c] B[r], accumulated over r in order. Reads A's rows in order, so no
-// transposed copy of A.
-inline void transposed_times_matrix(const float* A, const float* B, int rows, int cols, int c0, int c1, int n,
-                                    float* out, bool tf32) {
+// Rows [c0, c1) of Aᵀ·B (A: rows x cols given entry by entry as a(r, c), B: rows x n, row-major)
+// into out (row stride n): out[c] = sum_r a(r, c) B[r], accumulated over r in order. Reads A's rows
+// in order, so no transposed copy of A; an entry function lets a stage multiply A by a factor (the
+// softcap's derivative, dropout's) on the way without an N x M buffer.
+template <typename Entry>
+inline void transposed_entries_times_matrix(Entry a, const float* B, int rows, int c0, int c1, int n, float* out,
+                                            bool tf32) {
     std::fill(out + static_cast<size_t>(c0) * n, out + static_cast<size_t>(c1) * n, 0.f);
     for (int r = 0; r < rows; ++r) {
-        const float* Ar = A + static_cast<size_t>(r) * cols;
         const float* Br = B + static_cast<size_t>(r) * n;
-        for (int c = c0; c < c1; ++c) axpy(tf32 ? round_tf32(Ar[c]) : Ar[c], Br, out + static_cast<size_t>(c) * n, n);
+        for (int c = c0; c < c1; ++c) {
+            const float x = a(r, c);
+            axpy(tf32 ? round_tf32(x) : x, Br, out + static_cast<size_t>(c) * n, n);
+        }
     }
+}
+
+// The same with A a row-major rows x cols matrix.
+inline void transposed_times_matrix(const float* A, const float* B, int rows, int cols, int c0, int c1, int n,
+                                    float* out, bool tf32) {
+    auto entry = [A, cols](int r, int c) { return A[static_cast<size_t>(r) * cols + c]; };
+    transposed_entries_times_matrix(entry, B, rows, c0, c1, n, out, tf32);
 }
 
 }  // namespace cpu

@@ -3,8 +3,10 @@
 // before it (docs/contract.md). backend_cpu.cpp's header states the arithmetic.
 #include <algorithm>
 #include <cmath>
+#include <vector>
 
 #include "cpu_stages.h"
+#include "head_scores.h"
 #include "matrix_ops.h"
 #include "parallel.h"
 
@@ -13,16 +15,16 @@ namespace cpu {
 
 namespace {
 
-// Row r of QK_scaled from row r of QK: src[c]·scale, -inf where causal-masked.
-void scale_mask_row(const float* src, float* row, int r, int M, float scale, bool causal) {
-    for (int c = 0; c < M; ++c) row[c] = masked(causal, r, c) ? kNegInf : src[c] * scale;
-}
-
 // One row of the softmax: P = exp(S - rowmax(S)) / rowsum; masked entries are exp(-inf) = 0
-// exactly; a NaN score makes the maximum, and so the whole row, NaN.
+// exactly; a NaN score makes the maximum, and so the whole row, NaN. A row that sees no key (every
+// score -inf) has weights 0, not the 0/0 of the formula.
 void softmax_row(const float* S, float* P, int M) {
     float m = kNegInf;
     for (int c = 0; c < M; ++c) m = max_keep_nan(m, S[c]);
+    if (m == kNegInf) {
+        std::fill_n(P, M, 0.f);
+        return;
+    }
     float l = 0.f;
     for (int c = 0; c < M; ++c) {
         P[c] = S[c] == kNegInf ? 0.f : std::exp(S[c] - m);
@@ -39,6 +41,18 @@ void gemm_abt_heads(const Operands& in, Stage A, Stage B, const Dims& d, int hea
     parallel_row_blocks(heads, d.N, [&](int h, int r0, int r1) {
         rows_times_transposed(in.head(A, d, h), in.head(B, d, h), r0, r1, k, d.M, out.head(h), false);
     });
+}
+
+// A row of attention weights as the GEMM after them reads it under dropout: P∘Z·(1/(1 − p)) in
+// float32 (Z the row of the keep-mask stage), rounded as the GEMM's operand (TF32 or the half
+// format; fp32 keeps it).
+void dropped_row(const float* P, const float* Z, float keep_scale, Precision precision, int M, float* out) {
+    for (int c = 0; c < M; ++c) out[c] = gemm_operand(precision, P[c] * Z[c] * keep_scale);
+}
+
+// Row r of dS on its way to dQ and dK: dS∘(1 − t²), the softcap's derivative at row r of QK.
+void capped_row(const HeadScores& sc, const float* dS, const float* QK, int M, float* out) {
+    for (int c = 0; c < M; ++c) out[c] = dS[c] * sc.cap_derivative(QK[c]);
 }
 
 // The echo of an input stage: the group's values as read.
@@ -79,12 +93,14 @@ void compute_QK(const StageWork& w) {
     gemm_abt_heads(w.in, Stage::Q, Stage::K, w.p.dims, w.g.count, w.p.dims.dk, w.out(Stage::QK));
 }
 
+// The scores the softmax reads (head_scores.h): scale·QK, capped, ALiBi, the bias; -inf where masked.
 void compute_QK_scaled(const StageWork& w) {
     const Dims& d = w.p.dims;
     const View qk = w.out(Stage::QK), out = w.out(Stage::QK_scaled);
     parallel_rows(w.g.count, d.N, [&](int h, int r) {
+        const HeadScores sc(w.p, w.g, h);
         const size_t row = static_cast<size_t>(r) * d.M;
-        scale_mask_row(qk.head(h) + row, out.head(h) + row, r, d.M, w.p.scale, w.p.causal);
+        for (int c = 0; c < d.M; ++c) out.head(h)[row + c] = sc.score(qk.head(h)[row + c], r, c);
     });
 }
 
@@ -97,13 +113,35 @@ void compute_attention_weights(const StageWork& w) {
     });
 }
 
-// O[r] = sum_c P[r][c] V[c]: a running axpy over V's rows keeps every access contiguous.
+// The keep-mask: 1 where dropout keeps entry (r, c), 0 where it drops it (every entry drawn, masked
+// or not, so the mask does not depend on the other variants).
+void compute_dropout_mask(const StageWork& w) {
+    const Dims& d = w.p.dims;
+    const View out = w.out(Stage::dropout_mask);
+    parallel_rows(w.g.count, d.N, [&](int h, int r) {
+        const HeadScores sc(w.p, w.g, h);
+        float* row = out.head(h) + static_cast<size_t>(r) * d.M;
+        for (int c = 0; c < d.M; ++c) row[c] = sc.keep(r, c);
+    });
+}
+
+// O[r] = sum_c P[r][c] V[c] (P∘Z·(1/(1 − p)) under dropout): a running axpy over V's rows keeps
+// every access contiguous.
 void compute_output(const StageWork& w) {
     const Dims& d = w.p.dims;
-    const View pw = w.out(Stage::attention_weights), out = w.out(Stage::output);
+    const View pw = w.out(Stage::attention_weights), Z = w.out(Stage::dropout_mask), out = w.out(Stage::output);
     parallel_rows(w.g.count, d.N, [&](int h, int r) {
-        row_times_matrix(pw.head(h) + static_cast<size_t>(r) * d.M, w.in.head(Stage::V, d, h), d.M, d.dv,
-                         out.head(h) + static_cast<size_t>(r) * d.dv, w.p.precision == Precision::tf32);
+        const HeadScores sc(w.p, w.g, h);
+        const size_t row = static_cast<size_t>(r) * d.M;
+        const float* P = pw.head(h) + row;
+        std::vector<float> dropped;
+        if (sc.drops()) {
+            dropped.resize(d.M);
+            dropped_row(P, Z.head(h) + row, sc.keep_scale(), w.p.precision, d.M, dropped.data());
+            P = dropped.data();
+        }
+        row_times_matrix(P, w.in.head(Stage::V, d, h), d.M, d.dv, out.head(h) + static_cast<size_t>(r) * d.dv,
+                         w.p.precision == Precision::tf32);
     });
 }
 
@@ -118,45 +156,87 @@ void compute_dP(const StageWork& w) {
     gemm_abt_heads(w.in, Stage::dO, Stage::V, w.p.dims, w.g.count, w.p.dims.dv, w.out(Stage::dP));
 }
 
-// dS = P∘(dP − D), written as 0 where masked (P is 0 there, and a product could be -0).
+// dS = P∘(dP∘Z·(1/(1 − p)) − D) (P∘(dP − D) without dropout), written as 0 where masked (P is 0
+// there, and a product could be -0).
 void compute_dS(const StageWork& w) {
     const Dims& d = w.p.dims;
-    const View P = w.out(Stage::attention_weights), dP = w.out(Stage::dP), D = w.out(Stage::D), out = w.out(Stage::dS);
+    const View P = w.out(Stage::attention_weights), Z = w.out(Stage::dropout_mask), dP = w.out(Stage::dP),
+               D = w.out(Stage::D), out = w.out(Stage::dS);
     parallel_rows(w.g.count, d.N, [&](int h, int r) {
+        const HeadScores sc(w.p, w.g, h);
         const size_t row = static_cast<size_t>(r) * d.M;
-        for (int c = 0; c < d.M; ++c)
-            out.head(h)[row + c] =
-                masked(w.p.causal, r, c) ? 0.f : P.head(h)[row + c] * (dP.head(h)[row + c] - D.head(h)[r]);
+        const float *Pr = P.head(h) + row, *dPr = dP.head(h) + row;
+        const float Dr = D.head(h)[r];
+        const float* Zr = sc.drops() ? Z.head(h) + row : nullptr;
+        float* dSr = out.head(h) + row;
+        for (int c = 0; c < d.M; ++c) {
+            const float dp = Zr ? dPr[c] * Zr[c] * sc.keep_scale() : dPr[c];
+            dSr[c] = sc.hidden(r, c) ? 0.f : Pr[c] * (dp - Dr);
+        }
     });
 }
 
+// dQ = scale·(dS∘(1 − t²))·K: the softcap's derivative (head_scores.h) read from QK; dS as it is
+// without a softcap.
 void compute_dQ(const StageWork& w) {
     const Dims& d = w.p.dims;
-    const View dS = w.out(Stage::dS), out = w.out(Stage::dQ);
+    const View dS = w.out(Stage::dS), QK = w.out(Stage::QK), out = w.out(Stage::dQ);
     parallel_rows(w.g.count, d.N, [&](int h, int r) {
+        const HeadScores sc(w.p, w.g, h);
+        const size_t at = static_cast<size_t>(r) * d.M;
+        const float* dSr = dS.head(h) + at;
+        std::vector<float> capped;
+        if (sc.capped()) {
+            capped.resize(d.M);
+            capped_row(sc, dSr, QK.head(h) + at, d.M, capped.data());
+            dSr = capped.data();
+        }
         float* row = out.head(h) + static_cast<size_t>(r) * d.dk;
-        row_times_matrix(dS.head(h) + static_cast<size_t>(r) * d.M, w.in.head(Stage::K, d, h), d.M, d.dk, row,
-                         w.p.precision == Precision::tf32);
+        row_times_matrix(dSr, w.in.head(Stage::K, d, h), d.M, d.dk, row, w.p.precision == Precision::tf32);
         scale_by(row, w.p.scale, d.dk);
     });
 }
 
+// dK = scale·(dS∘(1 − t²))ᵀ·Q, as dQ.
 void compute_dK(const StageWork& w) {
     const Dims& d = w.p.dims;
-    const View dS = w.out(Stage::dS), out = w.out(Stage::dK);
+    const View dS = w.out(Stage::dS), QK = w.out(Stage::QK), out = w.out(Stage::dK);
+    const bool tf32 = w.p.precision == Precision::tf32;
     parallel_row_blocks(w.g.count, d.M, [&](int h, int c0, int c1) {
-        transposed_times_matrix(dS.head(h), w.in.head(Stage::Q, d, h), d.N, d.M, c0, c1, d.dk, out.head(h),
-                                w.p.precision == Precision::tf32);
+        const HeadScores sc(w.p, w.g, h);
+        const float *dSh = dS.head(h), *Q = w.in.head(Stage::Q, d, h);
+        if (sc.capped()) {
+            const float* QKh = QK.head(h);
+            auto capped = [&](int r, int c) {
+                const size_t at = static_cast<size_t>(r) * d.M + c;
+                return dSh[at] * sc.cap_derivative(QKh[at]);
+            };
+            transposed_entries_times_matrix(capped, Q, d.N, c0, c1, d.dk, out.head(h), tf32);
+        } else {
+            transposed_times_matrix(dSh, Q, d.N, d.M, c0, c1, d.dk, out.head(h), tf32);
+        }
         scale_by(out.head(h) + static_cast<size_t>(c0) * d.dk, w.p.scale, static_cast<size_t>(c1 - c0) * d.dk);
     });
 }
 
+// dV = (P∘Z·(1/(1 − p)))ᵀ·dO, the weights as the output's GEMM read them (Pᵀ·dO without dropout).
 void compute_dV(const StageWork& w) {
     const Dims& d = w.p.dims;
-    const View P = w.out(Stage::attention_weights), out = w.out(Stage::dV);
+    const View P = w.out(Stage::attention_weights), Z = w.out(Stage::dropout_mask), out = w.out(Stage::dV);
+    const bool tf32 = w.p.precision == Precision::tf32;
     parallel_row_blocks(w.g.count, d.M, [&](int h, int c0, int c1) {
-        transposed_times_matrix(P.head(h), w.in.head(Stage::dO, d, h), d.N, d.M, c0, c1, d.dv, out.head(h),
-                                w.p.precision == Precision::tf32);
+        const HeadScores sc(w.p, w.g, h);
+        const float *Ph = P.head(h), *dO = w.in.head(Stage::dO, d, h);
+        if (sc.drops()) {
+            const float* Zh = Z.head(h);
+            auto dropped = [&](int r, int c) {
+                const size_t at = static_cast<size_t>(r) * d.M + c;
+                return gemm_operand(w.p.precision, Ph[at] * Zh[at] * sc.keep_scale());
+            };
+            transposed_entries_times_matrix(dropped, dO, d.N, c0, c1, d.dv, out.head(h), tf32);
+        } else {
+            transposed_times_matrix(Ph, dO, d.N, d.M, c0, c1, d.dv, out.head(h), tf32);
+        }
     });
 }
 

@@ -12,6 +12,7 @@
 #include "input_file.h"
 #include "input_manifest.h"
 #include "manifest.h"
+#include "variant_inputs.h"
 
 namespace fs = std::filesystem;
 
@@ -90,12 +91,23 @@ std::string why_grad_needed(bool flagged) {
     return flagged ? "the manifest says backward = true" : "the case has dO files, so every head needs one";
 }
 
-// Every input file for heads 0..total-1 exists, and none beyond.
-void check_head_files(const InputCase& c, const HeadFiles& hf, int total, bool from_manifest, bool grad_flagged) {
-    std::string count_word = from_manifest ? "the manifest's batch*heads = " + std::to_string(total)
-                                           : plural(total, "head") + " (Q_head_0.." +
-                                                 std::to_string(total - 1) + " with no gaps)";
+// How many files of an input the case has, in words: "the manifest's batch*heads = 6", "6 heads
+// (Q_head_0..5 with no gaps)".
+std::string count_words(const InputCase& c, Stage input, bool from_manifest) {
+    const int total = heads_of(input, c.dims);
+    const bool kv = is_kv_stage(input) && c.dims.kv() != c.dims.heads;
+    if (from_manifest)
+        return std::string("the manifest's batch*") + (kv ? kKvHeadsKey : "heads") + " = " + std::to_string(total);
+    const char* first = kv ? "K" : "Q";
+    return plural(total, kv ? "K/V head" : "head") + " (" + first + "_head_0.." + std::to_string(total - 1) +
+           " with no gaps)";
+}
+
+// Every input file for heads 0..heads_of(input)-1 exists, and none beyond.
+void check_head_files(const InputCase& c, const HeadFiles& hf, bool from_manifest, bool grad_flagged) {
     for (Stage input : c.inputs()) {
+        const int total = heads_of(input, c.dims);
+        const std::string count_word = count_words(c, input, from_manifest);
         const std::set<int>& idx = hf.of(c.format, input);
         const bool grad = is_backward_stage(input);
         for (int h = 0; h < total; ++h) {
@@ -110,9 +122,13 @@ void check_head_files(const InputCase& c, const HeadFiles& hf, int total, bool f
         }
         if (!idx.empty() && *idx.rbegin() >= total) {
             int extra = *idx.rbegin();
+            // What the count was taken from: the K files for grouped K/V heads, else the Q files.
+            const Stage lead = is_kv_stage(input) && c.dims.kv() != c.dims.heads ? Stage::K : Stage::Q;
             std::string why = from_manifest ? "beyond " + count_word
-                                            : (input == Stage::Q ? "but Q_head_" + std::to_string(total) + " is missing (a gap)"
-                                                                 : "without a matching Q file (the case has " + count_word + ")");
+                              : input == lead ? "but " + std::string(stage_name(lead)) + "_head_" + std::to_string(total) +
+                                                    " is missing (a gap)"
+                                              : std::string("without a matching ") + stage_name(lead) +
+                                                    " file (the case has " + count_word + ")";
             fail(kExitBadInput, c.file(input, extra) + ": exists " + why,
                  "heads are numbered 0..batch*heads-1 with no gaps; remove stray files");
         }
@@ -151,8 +167,8 @@ void check_no_other_format(const InputCase& c, const HeadFiles& hf) {
 // Every head's text files are regular files whose sizes can hold their shapes: checked before any
 // buffer is sized from the dimensions, so a manifest with huge dimensions fails on its files first.
 void check_text_file_sizes(const InputCase& c, const std::string& origin) {
-    for (int h = 0; h < c.dims.total_heads(); ++h)
-        for (Stage s : c.inputs()) {
+    for (Stage s : c.inputs())
+        for (int h = 0; h < heads_of(s, c.dims); ++h) {
             const std::string path = c.file(s, h);
             check_text_file_size(path, regular_file_size(path), stage_rows(s, c.dims), stage_cols(s, c.dims),
                                  shape_words(s) + origin);
@@ -199,16 +215,36 @@ std::vector<Stage> InputCase::inputs() const {
 
 namespace {
 
+// How many of 0, 1, 2, ... are in `idx` before the first gap.
+int run_length(const std::set<int>& idx) {
+    int n = 0;
+    while (idx.count(n)) ++n;
+    return n;
+}
+
+// A case without a manifest has as many K/V heads as K files (K_head_0.. with no gaps): fewer than
+// Q files is grouped-query attention, and then they must divide the query heads.
+int infer_kv_heads(const InputCase& c, const HeadFiles& hf) {
+    const int heads = c.dims.heads, kv = run_length(hf.of(c.format, Stage::K));
+    if (kv == 0 || kv >= heads) return heads;  // a missing K_head_0 or a stray K file: check_head_files says
+    if (heads % kv != 0)
+        fail(kExitBadInput, c.file(Stage::K, kv) + ": missing (the case has " + plural(heads, "head") + ", Q_head_0.." +
+                                std::to_string(heads - 1) + "; its " + std::to_string(kv) + " K files are grouped K/V "
+                                "heads only if that number divides the heads)",
+             "every head needs Q_head_i, K_head_i and V_head_i, or the K/V files of a number of K/V heads "
+             "that divides the heads (manifest.toml's kv_heads says it outright)");
+    return kv;
+}
+
 // A case without a manifest: its format, heads and dimensions from the files (head 0's shapes),
 // checked as a manifest's would be.
 void infer_case_from_files(InputCase& c, const HeadFiles& hf) {
     c.format = detect_format(c.dir, hf);
-    int heads = 0;
-    while (hf.indices[static_cast<int>(c.format)][0].count(heads)) ++heads;
     c.dims.batch = 1;
-    c.dims.heads = heads;
+    c.dims.heads = run_length(hf.of(c.format, Stage::Q));
+    c.dims.kv_heads = infer_kv_heads(c, hf);
     c.backward = decide_backward(c, hf, nullptr);
-    check_head_files(c, hf, heads, false, false);
+    check_head_files(c, hf, false, false);
     MatrixShape q = probe_matrix_shape(c.file(Stage::Q, 0), c.format);
     MatrixShape k = probe_matrix_shape(c.file(Stage::K, 0), c.format);
     MatrixShape v = probe_matrix_shape(c.file(Stage::V, 0), c.format);
@@ -255,8 +291,8 @@ void check_input_files(const InputCase& c) {
                         shape_words(s) + origin, scratch.data());
         }
     } else {
-        for (int h = 0; h < c.dims.total_heads(); ++h)
-            for (Stage s : c.inputs())
+        for (Stage s : c.inputs())
+            for (int h = 0; h < heads_of(s, c.dims); ++h)
                 check_shape(c.file(s, h), probe_matrix_shape(c.file(s, h), c.format), stage_rows(s, c.dims),
                             stage_cols(s, c.dims), shape_words(s), c.has_manifest || h > 0);
     }
@@ -281,23 +317,20 @@ InputCase open_input_case(const std::string& dir_in) {
         if (!m.find("format")) c.format = detect_format(c.dir, hf);
         c.backward = decide_backward(c, hf, &m);
         check_case_limits(m.path, c.dims, c.backward);
-        check_head_files(c, hf, c.dims.total_heads(), true, m.find("backward") != nullptr);
+        check_head_files(c, hf, true, m.find("backward") != nullptr);
     } else {
         infer_case_from_files(c, hf);
     }
     check_no_other_format(c, hf);
     check_input_files(c);
+    check_variant_files(&c);
     return c;
 }
 
-void read_head_inputs(const InputCase& c, int head, bool allow_nonfinite, const HeadInputs& in) {
+void read_input(const InputCase& c, Stage input, int head, bool allow_nonfinite, float* dst) {
     const char* origin = c.has_manifest ? " from the manifest" : " from head 0";
-    const std::pair<Stage, float*> dst[] = {{Stage::Q, in.q}, {Stage::K, in.k}, {Stage::V, in.v}, {Stage::dO, in.dout}};
-    for (const auto& [s, buf] : dst) {
-        if (!buf) continue;
-        read_matrix(c.file(s, head), c.format, stage_rows(s, c.dims), stage_cols(s, c.dims), allow_nonfinite,
-                    shape_words(s) + origin, buf);
-    }
+    read_matrix(c.file(input, head), c.format, stage_rows(input, c.dims), stage_cols(input, c.dims), allow_nonfinite,
+                shape_words(input) + origin, dst);
 }
 
 }  // namespace attnstep

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "../stages.h"
+#include "../variant.h"
 #include "matrix_io.h"
 
 namespace attnstep {
@@ -20,10 +21,16 @@ struct InputCase {
     Format format = Format::txt;
     Dims dims;
     bool causal = false;   // from the manifest (default false)
+    Variant variant;       // the manifest's variant keys (defaults without them); variant.causal == causal
+    // Where the manifest set causal and window_right ("" when it did not), for the message when the
+    // command line's options combine them into a mask that cannot be.
+    std::string where_causal, where_window_right;
     bool has_scale = false;
     double scale = 0;      // from the manifest when has_scale
     bool backward = false; // the case has the output gradient dO (its files, or the manifest's `backward`)
-    std::string file(Stage input, int head) const;  // input is an input echo stage (Q, K, V, dO)
+    bool has_slopes_file = false;  // alibi_slopes.<fmt>: the ALiBi slopes, else the standard ones
+    // input is an input echo stage (Q, K, V, dO); head a query head, or a K/V head for K and V
+    std::string file(Stage input, int head) const;
     std::vector<Stage> inputs() const;               // Q, K, V, and dO when the case has it
 };
 
@@ -31,12 +38,8 @@ struct InputCase {
 // header), but reads no matrix values. Fails with exit 2 on any layout problem.
 InputCase open_input_case(const std::string& dir);
 
-// One head's input buffers (shapes from the case's dims); dout may be null when dO is not needed.
-struct HeadInputs {
-    float *q = nullptr, *k = nullptr, *v = nullptr, *dout = nullptr;
-};
-
-// Reads one head's Q, K, V (and dO when `in.dout` is set) into the given buffers.
-void read_head_inputs(const InputCase& c, int head, bool allow_nonfinite, const HeadInputs& in);
+// Reads file `head` of an input (Q, K, V or dO; K and V are numbered by K/V head) into dst, in its
+// stage's shape.
+void read_input(const InputCase& c, Stage input, int head, bool allow_nonfinite, float* dst);
 
 }  // namespace attnstep

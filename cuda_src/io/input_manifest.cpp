@@ -6,12 +6,13 @@
 
 #include "../backend.h"
 #include "../common.h"
+#include "variant_manifest.h"
 
 namespace attnstep {
 
 namespace {
 
-enum class KeyType { Int, Float, Bool, String };
+// The keys of the case itself; the variant's keys (kVariantKeys, variant.h) follow them.
 struct KeySpec {
     const char* key;
     KeyType type;
@@ -19,6 +20,7 @@ struct KeySpec {
 const KeySpec kManifestKeys[] = {
     {"batch", KeyType::Int},  {"heads", KeyType::Int},   {"seq_q", KeyType::Int},
     {"seq_k", KeyType::Int},  {"d_k", KeyType::Int},     {"d_v", KeyType::Int},
+    {kKvHeadsKey, KeyType::Int},
     {"causal", KeyType::Bool}, {"scale", KeyType::Float}, {"format", KeyType::String},
     {"seed", KeyType::Int},   {"distribution", KeyType::String}, {"generator", KeyType::String},
     {"backward", KeyType::Bool},
@@ -27,7 +29,17 @@ const KeySpec kManifestKeys[] = {
 std::string known_keys() {
     std::string s;
     for (const KeySpec& k : kManifestKeys) s += (s.empty() ? "" : " ") + std::string(k.key);
+    for (const VariantKey& k : kVariantKeys) s += " " + std::string(k.key);
     return s;
+}
+
+// The type of a known key; null for an unknown one.
+const KeyType* key_type(const std::string& key) {
+    for (const KeySpec& k : kManifestKeys)
+        if (key == k.key) return &k.type;
+    for (const VariantKey& k : kVariantKeys)
+        if (key == k.key) return &k.type;
+    return nullptr;
 }
 
 bool type_matches(const ManifestValue& v, KeyType t) {
@@ -52,16 +64,13 @@ const char* type_word(KeyType t) {
 
 void check_manifest_keys(const Manifest& m) {
     for (const auto& kv : m.values) {
-        const KeySpec* spec = nullptr;
-        for (const KeySpec& k : kManifestKeys)
-            if (kv.first == k.key) spec = &k;
-        if (!spec)
+        const KeyType* type = key_type(kv.first);
+        if (!type)
             fail(kExitBadInput, m.path + ":" + std::to_string(m.key_lines.at(kv.first)) +
                                     ":1: unknown key '" + kv.first + "'",
                  "known keys: " + known_keys());
-        if (!type_matches(kv.second, spec->type))
-            fail(kExitBadInput, m.where(kv.first) + ": '" + kv.first + "' must be " +
-                                    type_word(spec->type));
+        if (!type_matches(kv.second, *type))
+            fail(kExitBadInput, m.where(kv.first) + ": '" + kv.first + "' must be " + type_word(*type));
     }
 }
 
@@ -96,6 +105,7 @@ void apply_input_manifest(const Manifest& m, InputCase* c) {
     if (const ManifestValue* v = m.find("format"))
         if (!parse_format(v->s, &c->format))
             fail(kExitBadInput, m.where("format") + ": format \"" + v->s + "\" is not \"txt\" or \"npy\"");
+    apply_variant_keys(m, c);
 }
 
 }  // namespace attnstep

@@ -10,8 +10,9 @@ namespace attnstep {
 
 inline constexpr const char* kInputManifestName = "manifest.toml";
 
-// Checks every key of `m` (known, of its type, dimensions in range) and sets c's dimensions, causal,
-// scale and format from it. Fails with exit 2 naming the file, line and key.
+// Checks every key of `m` (known, of its type, dimensions in range, the variant's rules) and sets
+// c's dimensions (kv_heads too), causal, scale, format and variant from it. Fails with exit 2 naming
+// the file, line and key.
 void apply_input_manifest(const Manifest& m, InputCase* c);
 
 }  // namespace attnstep

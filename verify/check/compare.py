@@ -9,8 +9,13 @@ stage table's order, with a fault of its own is the culprit the report names.
 
 A stage passes in isolation when its own upstream files or the original inputs explain it (a
 correct program may compute a stage by another route than from the upstream files it wrote).
-Heads are checked one at a time per process; large runs share them out to forked worker
-processes (verify/check/pool.py). The results and the report are in verify/check/results.py. A
+Heads are checked one at a time per process, a K/V head's group of query heads in one job (a
+grouped case's stages of the K/V heads are checked once per K/V head, dK and dV against the sum
+over its group: verify/check/groups.py); large runs share the groups out to forked worker
+processes (verify/check/pool.py). A case's variant reaches every reference and bound through the
+head's context: its mask and bias files and the program's dropout keep-mask are handed to the
+specs beside each stage's sources (stage_check.VARIANT_SOURCES), and dropout's keep rate is
+tested once over the whole run. The results and the report are in verify/check/results.py. A
 failing stage × head is explained by the Diagnoser the caller hands in (the diagnoses of
 verify/diagnose/, which sit above this package: verify/check/diagnosis.py).
 """
@@ -23,25 +28,30 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..files.case import InputCase, load_input_case, read_bytes
+from ..files.case import InputCase, load_input_case
 from ..files.guards import check_folders_apart
 from ..files.kinds import CaseError
-from ..files.outputs import STAGE_ITEMSIZE, Overrides, RunInfo, foreign_stage_files, open_run, stage_files_in, staleness
-from ..files.resolution import EXACT, half_values
+from ..files.outputs import Overrides, RunInfo, foreign_stage_files, open_run, stage_files_in
+from ..files.resolution import half_values
 from ..model.half import is_half, round_to_format
 from ..runs.program_checks import ProgramCheck, files_digest, read_findings
-from ..specs import SPECS, HeadContext, upstream, uses_scale_and_mask
-from ..stages import GRAD_INPUT, INPUT_NAMES, STAGES
+from ..specs import SPECS, HeadContext, reads_dropout_mask, upstream, uses_scale_and_mask
+from ..specs import dropout as dropout_spec
+from ..stages import DROPOUT_MASK, GRAD_INPUT, STAGES
 from . import flash_attn_criterion, invariants, tolerance
 from .diagnosis import Diagnoser, Diagnosis, Suspect
-from .pool import REF_CACHE, head_jobs, map_heads
-from .reference import compute_stage, reference_chain
-from .results import (FAIL, INHERITED, MISSING, PASS, SHAPE, STALE, UNREADABLE, Comparison, HeadResult, Report,
-                      compare_arrays, elementwise_error)
+from .groups import KVGroup, check_summed, head_term, summed
+from .pool import REF_CACHE, collect_head_garbage, head_jobs, map_heads
+from .results import (FAIL, INHERITED, MISSING, PASS, SHAPE, STALE, UNCHECKABLE, UNREADABLE, Comparison, HeadResult,
+                      Report, RunCheck, compare_arrays, elementwise_error)
+from .stage_check import (STATUS_CODES, Loaded, allowed, bit_identical, blamed_elsewhere, chain_of,
+                          classify, failed_upstream, file_index, head_inputs, isolated_sources, keep_mask, load_output,
+                          new_result, nonfinite_propagated, quantization, query_keys_values, reference, sources,
+                          variant_inputs, with_quantum)
 
 __all__ = ["Options", "check", "check_run", "check_head", "error_ratio_map", "Report", "HeadResult", "Comparison",
            "compare_arrays", "elementwise_error", "head_jobs", "RunInfo", "PASS", "FAIL", "INHERITED", "MISSING",
-           "STALE", "SHAPE", "UNREADABLE"]
+           "STALE", "SHAPE", "UNREADABLE", "UNCHECKABLE"]
 
 
 @dataclass
@@ -62,9 +72,11 @@ class Options:
 
     allow_nonfinite: bool = False  # NaN/inf inputs load; NaN then matches a NaN reference
     max_memory_mb: Optional[int] = None  # the most memory the check plans for (else what is available)
+    variant: Dict[str, object] = field(default_factory=dict)  # Variant fields said (check --align, --window, ...)
 
     def overrides(self) -> Overrides:
-        return Overrides(self.causal, self.scale, self.precision, self.math, dict(self.names), self.half_rounding)
+        return Overrides(self.causal, self.scale, self.precision, self.math, dict(self.names), self.half_rounding,
+                         dict(self.variant))
 
     def override(self, stage: str) -> Optional[Tuple[float, float]]:
         if stage in self.per_stage:
@@ -75,216 +87,135 @@ class Options:
 
 
 # ----------------------------------------------------------------------------------------------
+# One query head.
 
-def _load_output(run: RunInfo, stage: str, head: int):
-    """(matrix or None, its Resolution, HeadResult-status or None, message) for one stage × head."""
-    src = run.sources[stage]
-    data = None
-    if src.arrays is None and (src.per_head or not src.file(head, run.dims).exists()):
-        path = src.file(head, run.dims)
-        if not path.exists():
-            why = f"run.toml lists stage {stage}" if run.lists_stages else \
-                f"the other {stage} files exist"
-            return None, EXACT, MISSING, f"{path.name} is missing ({why})"
-        try:
-            data = read_bytes(path, STAGES[stage].shape(run.dims), STAGE_ITEMSIZE)  # a FIFO, a device, too large
-        except CaseError as exc:
-            return None, EXACT, UNREADABLE, str(exc)
-        stale = staleness(run, stage, head, data)
-        if stale:
-            return None, EXACT, STALE, stale
-    try:
-        mat, resolution, _ = src.read(head, run.dims, data)
-    except CaseError as exc:
-        return None, EXACT, UNREADABLE, str(exc)
-    if run.verify_crc and data is not None:
-        resolution = EXACT  # attnstep's binary wrote it (its CRC matches): %.9g round-trips float32
-    shape = STAGES[stage].shape(run.dims)
-    if mat.shape != shape:
-        return None, EXACT, SHAPE, (f"{src.name(head, run.dims)} is {mat.shape[0]}x{mat.shape[1]}, expected "
-                                    f"{shape[0]}x{shape[1]} ({STAGES[stage].rows}x{STAGES[stage].cols})")
-    return mat, resolution, None, ""
+def checked_stages(run: RunInfo, opts: Options) -> List[str]:
+    return [s for s in run.stages if opts.only_stages is None or s in opts.only_stages]
 
 
-def _model(run: RunInfo) -> dict:
-    """The tolerance model's arguments for this run."""
-    return dict(scale=run.scale, causal=run.causal, precision=run.precision, backend=run.backend,
-                math=run.math, flash_kernel=run.flash_kernel, half_rounding=run.half_rounding)
-
-
-def _allowed(stage: str, src: Dict[str, np.ndarray], want: np.ndarray, run: RunInfo,
-             opts: Options, chain: Optional[Dict[str, np.ndarray]] = None,
-             cache: Optional[tolerance.HeadCache] = None) -> np.ndarray:
-    """The element-wise allowance: the user's atol + rtol·|want| where given, else the error model:
-    isolated (this stage's own rounding, from `src`) or, with `chain`, the error accumulated along
-    the reference chain from the original inputs. cache: the head's tolerance.HeadCache."""
-    ov = opts.override(stage)
-    if ov is not None:
-        atol, rtol = ov
-        return atol + rtol * np.where(np.isfinite(want), np.abs(want), 0.0)
-    if chain is not None:
-        return tolerance.chained_bound(stage, chain, **_model(run), cache=cache)
-    return tolerance.stage_bound(stage, src, want, **_model(run), cache=cache)
-
-
-def _with_quantum(allowed: np.ndarray, *extra) -> np.ndarray:
-    """allowed plus the printed-resolution terms that apply (None or 0: exact)."""
-    out = allowed
-    for x in extra:
-        if x is not None and not (np.isscalar(x) and x == 0):
-            out = out + x
-    return out
-
-
-def _isolated_sources(names, got, quanta, results, chain):
-    """The sources of a stage's isolated reference: the binary's own upstream stages where it wrote
-    them, except echoes that matched their input (the exact input then), and the reference where a
-    stage was not written (an unchecked upstream stage is simply not checked)."""
-    src, q = {}, {}
-    for n in names:
-        own = n in got and not (SPECS[n].echo and results[n].passed)
-        src[n] = got[n] if own else chain[n]
-        if own and quanta.get(n) is not None:
-            q[n] = quanta[n]
-    return src, q
-
-
-def _bit_identical(a: Dict[str, np.ndarray], b: Dict[str, np.ndarray]) -> bool:
-    """Whether two source sets hold the very same bits (so every reference and bound computed
-    from them is the same too): -0.0 vs 0.0 and NaN payloads count as different."""
-    return a.keys() == b.keys() and all(
-        a[n] is b[n] or (a[n].shape == b[n].shape and a[n].dtype == b[n].dtype
-                         and np.ascontiguousarray(a[n]).tobytes() == np.ascontiguousarray(b[n]).tobytes())
-        for n in a)
-
-
-def _blamed_elsewhere(stage: str, violations, results: Dict[str, "HeadResult"]) -> List[invariants.Violation]:
-    """Findings that follow from an upstream stage's failure (they become notes): a flash stage's
-    disagreement with its stage-path partner when that partner failed, and the invariants that
-    hold only given correct upstream stages (dS's row sums when D failed, dK's column sums when dS
-    did: see StageSpec.given_partner and given_upstream)."""
-    partner = SPECS[stage].partner
-    partner_failed = partner is not None and partner in results and not results[partner].passed
-    upstream_failed = any(u in results and not results[u].passed for u in upstream(stage))
-    out = []
-    for v in violations:
-        if partner_failed and v.code in SPECS[stage].given_partner:
-            out.append(v)
-        elif upstream_failed and v.code in SPECS[stage].given_upstream:
-            out.append(v)
-    return out
-
-
-def case_inputs(run: RunInfo):
-    """The input matrices a run's checks read: Q, K, V, and dO when it holds a backward stage."""
-    backward = any(STAGES[s].backward for s in run.stages)
-    return INPUT_NAMES + ((GRAD_INPUT,) if backward else ())
-
-
-def check_head(run: RunInfo, case: InputCase, head: int, opts: Options, ref_of_head: Callable[[str, int], np.ndarray],
-               diagnoser: Optional[Diagnoser] = None) -> List[HeadResult]:
-    inputs = raw = {name: case.load(name, head).astype(np.float64) for name in case_inputs(run)}
+def _open_head(run: RunInfo, case: InputCase, head: int, opts: Options, stages: Sequence[str]):
+    """(the head's context, its keep-mask as read, why the stages that read it cannot be checked)."""
+    inputs = raw = head_inputs(run, case, head)
     if is_half(run.precision):
         # The half pipelines compute from the inputs rounded to their format, and so do the references.
         inputs = {name: round_to_format(x, run.precision, run.half_rounding) for name, x in inputs.items()}
-    stages = [s for s in run.stages if opts.only_stages is None or s in opts.only_stages]
+    mask_read, unchecked = keep_mask(run, head)
+    inputs = {**inputs, **variant_inputs(case, head, mask_read)}
     needed = set(stages).union(*(upstream(s) for s in stages))  # partial runs: upstream too
-    chain = {**inputs, **reference_chain(inputs, run.scale, run.causal, needed)}
+    needed = {s for s in needed if not (unchecked and reads_dropout_mask(s, run.variant))
+              and (not STAGES[s].dropout or s in inputs)}
+    slope = case.alibi_slope(head)
     # Logits, softmax parts, dot-product variances, … shared by this head's bounds (the isolated
     # and chained checks, both flash stages and the invariants), keyed by array identity: none of
     # the arrays in the context is modified while it lives.
     ctx = invariants.head_context(run.dims, run.scale, run.causal, precision=run.precision, backend=run.backend,
-                                  math=run.math, flash_kernel=run.flash_kernel, inputs=inputs, chain=chain, got={},
+                                  math=run.math, flash_kernel=run.flash_kernel, inputs=inputs,
+                                  chain=chain_of(inputs, needed, run.scale, run.causal, run.variant, slope), got={},
                                   quanta={}, cache=tolerance.HeadCache(), allow_nonfinite=opts.allow_nonfinite,
-                                  half_rounding=run.half_rounding, raw_inputs=raw)
-    b, h = run.dims.decode_head(head)
+                                  half_rounding=run.half_rounding, raw_inputs=raw, variant=run.variant, slope=slope)
+    return ctx, mask_read, unchecked
+
+
+def check_head(run: RunInfo, case: InputCase, head: int, opts: Options, ref_of_head: Callable[[str, int], np.ndarray],
+               diagnoser: Optional[Diagnoser] = None, group: Optional[KVGroup] = None) -> List[HeadResult]:
+    """Every stage of query head `head`. In a grouped case (group: its K/V head's), the stages of
+    the K/V heads its group's first query head checked are borrowed, and the summed ones only
+    contribute to the group's sums (groups.check_summed checks them)."""
+    group = group or KVGroup(run, run.dims.kv_head_of(head))
+    stages = checked_stages(run, opts)
+    ctx, mask_read, unchecked = _open_head(run, case, head, opts, stages)
+    inputs_of_head = functools.partial(query_keys_values, run, case)
     results: Dict[str, HeadResult] = {}
+    lent = set()
     for stage in stages:
-        res = results[stage] = HeadResult(stage, head, b, h, PASS)
-        mat, resolution, bad_status, msg = _load_output(run, stage, head)
-        if mat is None:
-            res.status, res.message = bad_status, msg
-            code = {STALE: "stale", MISSING: "missing", SHAPE: "shape", UNREADABLE: "unreadable"}[bad_status]
-            res.diagnosis.append(Diagnosis(code, msg, {}))
-            continue
-        res.resolution = resolution.describe()
-        ctx.got[stage] = mat
-        ctx.quanta[stage] = resolution.quantum(mat) if opts.override(stage) is None else None
-        isolated = _compare(res, ctx, results, run, opts)
-        res.flash_attn = flash_attn_criterion.head_errors(stage, mat, ctx)  # informational
-        res.violations = invariants.check_invariants(stage, mat, ctx)
-        if res.isolated.passed and _nonfinite_propagated(mat, isolated[1]):
-            res.violations = [v for v in res.violations if v.code != invariants.NONFINITE]
-        res.notes = _blamed_elsewhere(stage, res.violations, results)
-        res.violations = [v for v in res.violations if v not in res.notes]
-        _classify(res, results)
-        if res.status == FAIL:
-            _diagnose(res, mat, isolated, ctx, run, ref_of_head, diagnoser)
-    return list(results.values())
+        why = unchecked if reads_dropout_mask(stage, run.variant) else None
+        if group.lends(stage):
+            group.lend(stage, results, ctx)
+            lent.add(stage)
+        elif group.sums_stage(stage):
+            group.add(stage, head_term(stage, ctx, results, opts.override(stage), why))
+        elif why:
+            res = results[stage] = new_result(run, stage, head)
+            res.status, res.message = UNCHECKABLE, why
+        else:
+            res = results[stage] = new_result(run, stage, head)
+            loaded = mask_read if STAGES[stage].dropout else load_output(run, stage, file_index(run, stage, head))
+            mat, quantum = _check_stage(res, loaded, ctx, results, run, opts,
+                                        (ref_of_head, inputs_of_head, diagnoser))
+            group.keep(stage, res, mat, quantum)
+    return [r for s, r in results.items() if s not in lent]
+
+
+def _check_stage(res: HeadResult, loaded: Loaded, ctx: HeadContext, results: Dict[str, HeadResult], run: RunInfo,
+                 opts: Options, diagnosis) -> Tuple[Optional[np.ndarray], object]:
+    """One stage × head from its matrix as read (into res); returns (the matrix, its printed
+    resolution) for the query heads that borrow it."""
+    mat, resolution, bad_status, msg = loaded
+    stage = res.stage
+    if mat is None:
+        res.status, res.message = bad_status, msg
+        res.diagnosis.append(Diagnosis(STATUS_CODES[bad_status], msg, {}))
+        return None, None
+    res.resolution = resolution.describe()
+    ctx.got[stage] = mat
+    ctx.quanta[stage] = resolution.quantum(mat) if opts.override(stage) is None else None
+    isolated = _compare(res, ctx, results, run, opts)
+    res.flash_attn = flash_attn_criterion.head_errors(stage, mat, ctx)  # informational
+    res.violations = invariants.check_invariants(stage, mat, ctx)
+    if res.isolated.passed and nonfinite_propagated(mat, isolated[1]):
+        res.violations = [v for v in res.violations if v.code != invariants.NONFINITE]
+    if STAGES[stage].dropout:
+        res.keep_counts = dropout_spec.keep_counts(mat, ctx)
+    upstream_failed = failed_upstream(stage, results)
+    partner = SPECS[stage].partner
+    res.notes = blamed_elsewhere(stage, res.violations, upstream_failed,
+                                 partner in results and not results[partner].passed)
+    res.violations = [v for v in res.violations if v not in res.notes]
+    classify(res, upstream_failed)
+    if res.status == FAIL:
+        _diagnose(res, mat, isolated, ctx, run, *diagnosis)
+    return mat, ctx.quanta[stage]
 
 
 def _compare(res: HeadResult, ctx: HeadContext, results: Dict[str, HeadResult], run: RunInfo, opts: Options):
     """The chained and the isolated comparison of one stage × head (into res); returns the isolated
     (sources, reference, allowance) for the diagnoses."""
     stage, mat, quantum = res.stage, ctx.got[res.stage], ctx.quanta[res.stage]
-    names = STAGES[stage].inputs or (stage,)  # an echo's reference is the input file itself
+    override = opts.override(stage)
+    names = sources(stage, ctx)
     src_chain = {n: ctx.chain[n] for n in names}
-    src_iso, q_iso = _isolated_sources(names, ctx.got, ctx.quanta, results, ctx.chain)
+    src_iso, q_iso = isolated_sources(names, ctx.got, ctx.quanta, results, ctx.chain)
+    mat = invariants.canonical(stage, mat, ctx)  # (a correct program's other convention: flash_lse's +inf)
     want_chain = ctx.chain[stage]
-    model_chain = _allowed(stage, src_chain, want_chain, run, opts, ctx.chain, ctx.cache)
-    allowed_chain = _with_quantum(model_chain, quantum)
+    model_chain = allowed(stage, src_chain, want_chain, ctx, override, chained=True)
+    allowed_chain = with_quantum(model_chain, quantum)
     res.chained = compare_arrays(mat, want_chain, allowed_chain, opts.allow_nonfinite)
     res.half_values = half_values(mat, want_chain, run.precision)
     res.print_limited = quantum is not None and bool(np.any(quantum > model_chain))
-    if SPECS[stage].chained is None and not q_iso and _bit_identical(src_iso, src_chain):
+    if SPECS[stage].chained is None and not q_iso and bit_identical(src_iso, src_chain):
         # The binary read exactly the reference's sources (its echoes are exact): the isolated
         # reference and bound are the chained ones, so is the comparison.
         res.isolated = res.chained
         return src_iso, want_chain, allowed_chain
-    want_iso = compute_stage(stage, src_iso, ctx.scale, ctx.causal)
-    propagated = tolerance.quantization_bound(stage, src_iso, q_iso, ctx.scale, ctx.causal) \
-        if opts.override(stage) is None else None
-    allowed_iso = _with_quantum(_allowed(stage, src_iso, want_iso, run, opts, cache=ctx.cache), quantum, propagated)
+    want_iso = reference(stage, src_iso, ctx)
+    propagated = quantization(stage, src_iso, q_iso, ctx) if override is None else None
+    allowed_iso = with_quantum(allowed(stage, src_iso, want_iso, ctx, override), quantum, propagated)
     res.isolated = compare_arrays(mat, want_iso, allowed_iso, nan_agrees=True)
     return src_iso, want_iso, allowed_iso
 
 
 def _diagnose(res: HeadResult, mat: np.ndarray, isolated, ctx: HeadContext, run: RunInfo, ref_of_head,
-              diagnoser: Optional[Diagnoser]) -> None:
+              inputs_of_head, diagnoser: Optional[Diagnoser]) -> None:
     """The patterns that explain a failing stage × head (the diagnoser's; none without one), then
     its reference-free findings."""
     src_iso, want_iso, allowed_iso = isolated
     if diagnoser is not None:
         res.diagnosis = diagnoser(res.stage, mat, want_iso, Suspect(
             ctx.dims, ctx.scale, ctx.causal, res.head, src_iso, functools.partial(ref_of_head, res.stage),
-            run.flash_tiles, allowed_iso, ctx, lambda h: {n: ref_of_head(n, h) for n in INPUT_NAMES}))
+            run.flash_tiles, allowed_iso, ctx, inputs_of_head))
     for v in res.violations:
         if not any(d.code == v.code for d in res.diagnosis):
             res.diagnosis.append(Diagnosis(v.code, v.message, {"count": v.count}))
-
-
-def _nonfinite_propagated(got: np.ndarray, want_iso: np.ndarray) -> bool:
-    """Every NaN/Inf of got stands where the isolated reference has one: the stage propagated
-    what its upstream stages gave it (their own checks report the cause)."""
-    return bool(np.all(np.isfinite(got) | ~np.isfinite(want_iso)))
-
-
-def _classify(res: HeadResult, results: Dict[str, HeadResult]) -> None:
-    """FAIL when the stage fails on its own: neither its own upstream files nor the original inputs
-    explain it (a correct program may compute a stage by another route than from the upstream
-    files it wrote: QK_scaled as (Q·scale)·Kᵀ, a fused softmax), or a reference-free check fails.
-    INHERITED when it fails only chained, downstream of a failing stage."""
-    upstream_failed = [u for u in upstream(res.stage) if u in results and not results[u].passed]
-    explained = res.isolated.passed or res.chained.passed
-    if not explained or res.violations:
-        res.status = FAIL
-    elif not res.chained.passed:
-        res.status = INHERITED if upstream_failed else FAIL
-        res.message = (f"inherits the error of {upstream_failed[0]}" if upstream_failed else
-                       "fails against the reference chain only: error accumulated upstream")
-    elif not res.isolated.passed:
-        res.message = ("matches the reference from the original inputs (computed by another route "
-                       "than from the upstream stages it wrote)")
 
 
 def apply_mismatches(run: RunInfo, results: List[HeadResult]) -> None:
@@ -301,23 +232,50 @@ def apply_mismatches(run: RunInfo, results: List[HeadResult]) -> None:
 
 
 class _HeadChecker:
-    """Checks one head of a run; holds what every head shares (and, per process, the reference
-    stages of other heads that the head_permuted diagnosis compared against last: one matrix
-    each, REF_CACHE of them, counted in head_jobs' memory budget)."""
+    """Checks one K/V head's group of a run (one query head where K/V heads are not grouped); holds
+    what every group shares (and, per process, the reference stages of other heads that the
+    head_permuted diagnosis compared against last: one matrix each, REF_CACHE of them, counted in
+    head_jobs' memory budget)."""
 
     def __init__(self, run: RunInfo, case: InputCase, opts: Options, diagnoser: Optional[Diagnoser]) -> None:
         self.run, self.case, self.opts, self.diagnoser = run, case, opts, diagnoser
         self.ref_of_head = functools.lru_cache(maxsize=REF_CACHE)(self._reference)
 
     def _reference(self, stage: str, head: int) -> np.ndarray:
-        inputs = {n: self.case.load(n, head) for n in case_inputs(self.run)}
-        return reference_chain(inputs, self.run.scale, self.run.causal,
-                               [stage])[stage]  # (its upstream stages are computed and dropped)
+        """The reference of `stage` for query head `head`, or for K/V head `head` of a stage of the
+        K/V heads (a summed one's over its group); empty where there is no such head or the
+        reference needs a keep-mask the program did not write."""
+        dims = self.run.dims
+        if not STAGES[stage].kv:
+            return self._query_reference(stage, head)
+        if head >= dims.total_kv_heads:
+            return np.empty((0, 0))
+        heads = dims.query_heads_of(head)
+        return sum(self._query_reference(stage, h) for h in (heads if summed(stage) else heads[:1]))
 
-    def check(self, head: int) -> List[HeadResult]:
+    def _query_reference(self, stage: str, head: int) -> np.ndarray:
+        mask_read, unchecked = keep_mask(self.run, head)
+        if unchecked and reads_dropout_mask(stage, self.run.variant):
+            return np.empty((0, 0))
+        inputs = {**head_inputs(self.run, self.case, head), **variant_inputs(self.case, head, mask_read)}
+        return chain_of(inputs, [stage], self.run.scale, self.run.causal, self.run.variant,
+                        self.case.alibi_slope(head))[stage]  # (its upstream stages are computed and dropped)
+
+    def check(self, kv_head: int) -> List[HeadResult]:
+        """Every stage of K/V head `kv_head`'s query heads, and its own stages, in table order."""
+        group = KVGroup(self.run, kv_head)
+        out: List[HeadResult] = []
         # Non-finite inputs, when allowed, make the error model's arithmetic meet inf and NaN.
         with np.errstate(all="ignore") if self.opts.allow_nonfinite else np.errstate():
-            return check_head(self.run, self.case, head, self.opts, self.ref_of_head, self.diagnoser)
+            for i, head in enumerate(group.heads):
+                if i:
+                    collect_head_garbage()  # the previous query head's matrices, before the next one's
+                out += check_head(self.run, self.case, head, self.opts, self.ref_of_head, self.diagnoser, group)
+            out += check_summed(group, self.opts, self.ref_of_head, self.diagnoser)
+        if group.size == 1:
+            return out
+        order = {s: i for i, s in enumerate(STAGES)}
+        return sorted(out, key=lambda r: order[r.stage])  # (stable: query heads in order)
 
 
 def check(in_dir: Path, out_dir: Path, opts: Optional[Options] = None,
@@ -351,10 +309,24 @@ def check_run(run: RunInfo, case: InputCase, opts: Options, progress: Optional[C
                         f"{case.path} has no {GRAD_INPUT} (the output gradient it is computed from); HINT: "
                         "check it against the case it was run on ('attnstep generate --backward' writes one)")
     checker = _HeadChecker(run, case, opts, diagnoser)
-    results = map_heads(checker.check, run.dims.total_heads, head_jobs(run, opts.jobs, opts.max_memory_mb), progress,
-                         tune_process)
+    dims = run.dims
+    advance = None if progress is None else (lambda kv: [progress(h) for h in dims.query_heads_of(kv)])
+    results = map_heads(checker.check, dims.total_kv_heads, head_jobs(run, opts.jobs, opts.max_memory_mb), advance,
+                        tune_process)
     apply_mismatches(run, results)
-    return Report(run, case, results, foreign_stage_files(run), _program_checks(run, opts))
+    return Report(run, case, results, foreign_stage_files(run), _program_checks(run, opts), _keep_rate(run, results))
+
+
+def _keep_rate(run: RunInfo, results: List[HeadResult]) -> List[RunCheck]:
+    """Under dropout, the keep rate of the program's masks over every head's visible entries
+    (each head's counts are its dropout_mask result's), tested once for the whole run."""
+    counts = [r.keep_counts for r in results if r.keep_counts is not None]
+    if run.variant.dropout <= 0 or not counts:
+        return []
+    kept, total = (sum(c) for c in zip(*counts))
+    passed, line = dropout_spec.keep_rate(kept, total, run.variant.dropout)
+    return [RunCheck(dropout_spec.KEEP_RATE, DROPOUT_MASK, dropout_spec.KEEP_RATE_TITLE, passed, line,
+                     {"kept": kept, "visible": total, "dropout": run.variant.dropout})]
 
 
 def _program_checks(run: RunInfo, opts: Options) -> List[ProgramCheck]:
@@ -370,19 +342,32 @@ def _program_checks(run: RunInfo, opts: Options) -> List[ProgramCheck]:
 
 def error_ratio_map(run: RunInfo, case: InputCase, stage: str, head: int,
                     opts: Optional[Options] = None) -> np.ndarray:
-    """|got - want| / allowed of one stage × head against its isolated reference (for plots)."""
+    """|got - want| / allowed of one stage × head (a K/V head for a stage of the K/V heads: a summed
+    one's against its group's sum) against its isolated reference from the program's own upstream
+    files (for plots)."""
     opts = opts or Options()
-    inputs = {n: case.load(n, head).astype(np.float64) for n in case_inputs(run)}
-    got, resolution, _, msg = _load_output(run, stage, head)
+    got, resolution, _, msg = load_output(run, stage, head)
     if got is None:
         raise CaseError(msg)
-    src = {}
-    for n in STAGES[stage].inputs or (stage,):
-        up = _load_output(run, n, head)[0] if n in run.stages and not SPECS[n].echo else None
-        src[n] = up if up is not None else reference_chain(inputs, run.scale, run.causal, [n])[n]
-    want = compute_stage(stage, src, run.scale, run.causal)
-    allowed = _with_quantum(_allowed(stage, src, want, run, opts), resolution.quantum(got))
+    heads = [head]
+    if STAGES[stage].kv:
+        heads = list(run.dims.query_heads_of(head))[:None if summed(stage) else 1]
+    group = KVGroup(run, run.dims.kv_head_of(heads[0]))
+    for h in heads:
+        ctx, _, unchecked = _open_head(run, case, h, opts, [stage])
+        if unchecked and reads_dropout_mask(stage, run.variant):
+            raise CaseError(f"{stage}: {unchecked}")
+        for n in sources(stage, ctx):
+            if n in run.stages and not SPECS[n].echo:
+                up = load_output(run, n, file_index(run, n, h))[0]
+                if up is not None:
+                    ctx.got[n] = up
+        group.add(stage, head_term(stage, ctx, {}, opts.override(stage), None))
+    acc, override = group.sums[stage], opts.override(stage)
+    want = acc.want_iso
+    bound = acc.bounds(run, stage)[0] if override is None else override[0] + override[1] * np.abs(want)
+    bound = with_quantum(bound, resolution.quantum(got))
     err = elementwise_error(got, want)
     with np.errstate(divide="ignore", invalid="ignore"):
-        ratio = np.where(err == 0, 0.0, err / allowed)
+        ratio = np.where(err == 0, 0.0, err / bound)
     return np.where(np.isnan(ratio), np.inf, ratio)

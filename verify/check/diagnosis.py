@@ -33,7 +33,10 @@ class Suspect:
     isolated reference's sources and allowance, the other heads' references (head_permuted), the
     run's flash tiles (tile_boundary), and the head's whole context (the backward's bugs rebuild
     a stage from the program's own upstream files), and another head's inputs (keys read past the
-    end of a head are the next head's)."""
+    end of a head are the next head's). For a stage of a grouped case's K/V heads summed over its
+    query heads (dK, dV and their flash twins), head is the K/V head, head_ctx None (no one query
+    head's context holds it), and group_terms each query head's part of the isolated reference,
+    in order of head: what a program that summed some of them, or one twice, wrote."""
     dims: Optional[Dims] = None
     scale: float = 1.0
     causal: bool = False
@@ -44,6 +47,7 @@ class Suspect:
     bound: Optional[np.ndarray] = None
     head_ctx: Optional[HeadContext] = None
     inputs_of_head: Optional[Callable[[int], Dict[str, np.ndarray]]] = None
+    group_terms: Optional[List[np.ndarray]] = None
 
 
 # (stage, got, the isolated reference, the Suspect) -> every pattern that explains got, most

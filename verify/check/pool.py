@@ -1,6 +1,8 @@
 """Checking heads in parallel: forked worker processes, as many as the cores and the memory allow.
 
-Each process checks one head at a time, so memory stays bounded by one head's matrices per process.
+A job is a K/V head's group of query heads (one head where K/V heads are not grouped: see
+verify/check/groups.py). Each process checks one query head at a time, so memory stays bounded by
+one head's matrices (and its group's sums) per process.
 Workers are forked: they inherit the loaded run and case (nothing large is pickled to them), and
 die with the check that forked them.
 """
@@ -21,6 +23,7 @@ from ..files.kinds import CaseError
 from ..files.outputs import RunInfo
 from ..stages import STAGES
 from ..text import mib
+from .groups import summed
 
 
 # Memory one worker holds while it checks a head, in float64 N×M matrices (the reference chain,
@@ -99,14 +102,33 @@ class NotEnoughMemory(CaseError):
     exit_code = NO_MEMORY_EXIT
 
 
+# What a K/V head's group holds besides one query head's matrices (verify/check/groups.py), in
+# M×d float64 matrices: per summed stage its running sums and bounds, and each query head's part
+# (for the diagnoses); and the K/V head's K, V and KT, lent to its query heads.
+_GROUP_SUMS_MD_MATRICES = 10
+_GROUP_COPIES_MD_MATRICES = 3
+
+
 def head_bytes(run: RunInfo) -> int:
-    """The most memory one process holds while it checks a head of `run`: the head's N×M and
-    (N + M)·d float64 matrices, the other heads' reference stages of REF_CACHE, the interpreter,
-    and every one-file stage the process reads whole (held, and its file's bytes while it loads)."""
+    """The most memory one process holds while it checks a K/V head's group of `run` (a head, where
+    K/V heads are not grouped): one query head's N×M and (N + M)·d float64 matrices at a time, the
+    other heads' reference stages of REF_CACHE, what the group keeps across its query heads, the
+    interpreter, and every one-file stage the process reads whole (held, and its file's bytes
+    while it loads)."""
     d = run.dims
     matrices = 8 * (_nm_matrices(run) * d.seq_q * d.seq_k
                     + _HEAD_ND_MATRICES * (d.seq_q + d.seq_k) * max(d.d_k, d.d_v))
-    return matrices + _WORKER_BASE_BYTES + 2 * _stacked_file_bytes(run)
+    return matrices + _group_bytes(run) + _WORKER_BASE_BYTES + 2 * _stacked_file_bytes(run)
+
+
+def _group_bytes(run: RunInfo) -> int:
+    """What a K/V head's group keeps while its query heads are checked one by one (0 ungrouped)."""
+    d = run.dims
+    if d.group_size == 1:
+        return 0
+    summed_stages = sum(1 for s in run.stages if summed(s))
+    per_matrix = 8 * d.seq_k * max(d.d_k, d.d_v)
+    return per_matrix * (summed_stages * (_GROUP_SUMS_MD_MATRICES + d.group_size) + _GROUP_COPIES_MD_MATRICES)
 
 
 def _nm_matrices(run: RunInfo) -> int:
@@ -137,28 +159,31 @@ def memory_budget(max_memory_mb: Optional[int], avail: Optional[int]) -> Tuple[O
 
 
 def head_jobs(run: RunInfo, requested: int = 0, max_memory_mb: Optional[int] = None) -> int:
-    """Worker processes for checking the heads of `run`: `requested` if positive, else as many as
-    there are cores, limited so that the workers' heads fit in half the available memory, and 1
-    for small runs. 1 off Linux: the workers are forked (they inherit the loaded case). Either way
-    no more than memory_budget(max_memory_mb) holds, and NotEnoughMemory when one head does not fit."""
+    """Worker processes for checking the K/V heads' groups of `run` (its heads, where K/V heads
+    are not grouped): `requested` if positive, else as many as there are cores, limited so that
+    the workers' groups fit in half the available memory, and 1 for small runs. 1 off Linux: the
+    workers are forked (they inherit the loaded case). Either way no more than
+    memory_budget(max_memory_mb) holds, and NotEnoughMemory when one group does not fit."""
     d = run.dims
-    per_head = head_bytes(run)
+    per_job, jobs = head_bytes(run), d.total_kv_heads
     avail = _available_memory_bytes()
     budget, source = memory_budget(max_memory_mb, avail)
-    if budget is not None and per_head > budget:
-        raise NotEnoughMemory(f"checking one head of {d.seq_q} x {d.seq_k} scores needs about {mib(per_head)}, more "
+    if budget is not None and per_job > budget:
+        what = f"one head of {d.seq_q} x {d.seq_k} scores" if d.group_size == 1 else \
+            f"one K/V head's group ({d.group_size} query heads of {d.seq_q} x {d.seq_k} scores, one at a time)"
+        raise NotEnoughMemory(f"checking {what} needs about {mib(per_job)}, more "
                               f"than the {mib(budget)} of {source}; HINT: check a case with fewer query or key rows "
                               f"(a head's check holds some {_nm_matrices(run)} float64 N x M matrices), or free memory")
-    fits = d.total_heads if budget is None else max(1, budget // per_head)
-    if d.total_heads <= 1 or sys.platform != "linux":
+    fits = jobs if budget is None else max(1, budget // per_job)
+    if jobs <= 1 or sys.platform != "linux":
         return 1
     if requested > 0:
-        return min(requested, d.total_heads, fits)
+        return min(requested, jobs, fits)
     if d.total_heads * d.seq_q * d.seq_k * (d.d_k + d.d_v) < _PARALLEL_MIN_MACS:
         return 1  # starting workers would cost more than the checking
     # Of what is available, half: the machine's other work keeps the rest.
-    by_memory = fits if avail is None else min(fits, max(1, (avail // 2) // per_head))
-    return max(1, min(_usable_cores(), by_memory, d.total_heads))
+    by_memory = fits if avail is None else min(fits, max(1, (avail // 2) // per_job))
+    return max(1, min(_usable_cores(), by_memory, jobs))
 
 
 def _die_with_parent() -> None:
@@ -256,10 +281,10 @@ def _check_in_worker(head: int) -> list:
     try:
         return _CHECK(head)
     finally:
-        _collect_head_garbage()
+        collect_head_garbage()
 
 
-def _collect_head_garbage() -> None:
+def collect_head_garbage() -> None:
     """After a head: its matrices are freed now, not when the cyclic garbage collector next runs
     (reference cycles among its cached bounds would keep them alive into the next head). The
     objects that were there before the heads are frozen (_heads_garbage_only): only a head's own
@@ -278,10 +303,10 @@ def _heads_garbage_only():
 
 def map_heads(check: Callable[[int], list], heads: int, jobs: int,
               progress: Optional[Callable[[int], None]] = None, tune_process: bool = False) -> List:
-    """check(head) for every head, in `jobs` forked processes (in this one for jobs <= 1), results
-    concatenated in head order; progress(head) after each. tune_process: this process is the
-    command's own, so its allocator and garbage collector may be set for checking (never in a
-    caller's process: the Python API's)."""
+    """check(i) for every job i < heads (a K/V head's group: compare's checker), in `jobs` forked
+    processes (in this one for jobs <= 1), results concatenated in order; progress(i) after each.
+    tune_process: this process is the command's own, so its allocator and garbage collector may be
+    set for checking (never in a caller's process: the Python API's)."""
     results: List = []
     if jobs <= 1:
         tuned = (_freed_memory_kept(), _heads_garbage_only()) if tune_process else ()
@@ -290,7 +315,7 @@ def map_heads(check: Callable[[int], list], heads: int, jobs: int,
                 stack.enter_context(ctx)
             for head in range(heads):
                 results.extend(check(head))
-                _collect_head_garbage()
+                collect_head_garbage()
                 if progress:
                     progress(head)
         return results

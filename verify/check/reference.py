@@ -43,7 +43,8 @@ def reference_chain(inputs: Dict[str, np.ndarray], scale: float, causal: bool, n
     dO), with the head's VARIANT_SOURCES from `inputs` where the variant has them."""
     variant = resolve_variant(variant, causal)
     out: Dict[str, np.ndarray] = {k: np.asarray(v, dtype=np.float64) for k, v in inputs.items()}
-    needed = set(needed)
+    # A stage that exists only under dropout (the keep-mask) is no stage of a case without it.
+    needed = {n for n in needed if not STAGES[n].dropout or variant.dropout > 0 or n in out}
 
     def want(name: str) -> np.ndarray:
         if name not in out:

@@ -18,9 +18,11 @@ from .diagnosis import Diagnosis
 # --junit (verify/check/flash_attn_criterion.py).
 FLASH_ATTN_KEY = "flash_attn_criterion"
 
-# Statuses of one stage × head; only PASS passes.
+# Statuses of one stage × head; only PASS passes. UNCHECKABLE: what the stage is checked against
+# is missing from the run (under dropout, the program's keep-mask).
 PASS, FAIL, INHERITED = "PASS", "FAIL", "INHERITED"
 MISSING, STALE, SHAPE, UNREADABLE = "MISSING", "STALE", "SHAPE", "UNREADABLE"
+UNCHECKABLE = "UNCHECKABLE"
 
 
 MAX_LISTED_MISMATCHES = 5
@@ -131,6 +133,10 @@ def compare_arrays(got: np.ndarray, want: np.ndarray, allowed: np.ndarray,
 
 @dataclass
 class HeadResult:
+    """One stage × head. A stage of the K/V heads (Stage.kv: K, V, KT and their gradients) in a
+    case with grouped K/V heads is one per K/V head: head, batch and head_in_batch then number the
+    K/V heads, and query_heads names the query heads it serves (None in a case without kv_heads,
+    where every stage is per query head)."""
     stage: str
     head: int
     batch: int
@@ -150,10 +156,18 @@ class HeadResult:
     # Half precision, a stage flash-attn's tests compare: (its, the eager half baseline's) largest
     # |error| against the reference in the format (verify/check/flash_attn_criterion.py; informational).
     flash_attn: Optional[Tuple[float, float]] = None
+    query_heads: Optional[Tuple[int, ...]] = None
+    # A dropout_mask: (kept, visible) entries, which the run's keep-rate test sums (RunCheck).
+    keep_counts: Optional[Tuple[int, int]] = None
 
     @property
     def passed(self) -> bool:
         return self.status == PASS
+
+    @property
+    def kv(self) -> bool:
+        """Whether head numbers a K/V head (a grouped case's K, V, KT, dK, dV, flash_dK, flash_dV)."""
+        return self.query_heads is not None
 
     @property
     def main(self) -> Optional[Comparison]:
@@ -178,7 +192,28 @@ class HeadResult:
         d["half_values"] = self.half_values
         if self.flash_attn is not None:
             d[FLASH_ATTN_KEY] = {"error": self.flash_attn[0], "baseline_error": self.flash_attn[1]}
+        if self.kv:
+            d["kv_head"] = True
+            d["query_heads"] = list(self.query_heads)
+        if self.keep_counts is not None:
+            d["kept"], d["visible"] = self.keep_counts
         return d
+
+
+@dataclass
+class RunCheck:
+    """A check of the whole run rather than of one stage × head (under dropout, the keep rate of
+    the dropout_mask over every head), reported once; it fails the run like a stage."""
+    code: str
+    stage: str
+    title: str      # what of the stage it checks, in words ("keep rate")
+    passed: bool
+    message: str
+    detail: dict = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return {"code": self.code, "stage": self.stage, "title": self.title, "passed": self.passed,
+                "message": self.message, **self.detail}
 
 
 @dataclass
@@ -189,6 +224,7 @@ class Report:
     foreign_files: List[str]
     # What `attnstep run --sanitize/--repeat` found about the program (verify/runs/program_checks.py).
     program_checks: List["ProgramCheck"] = field(default_factory=list)
+    run_checks: List[RunCheck] = field(default_factory=list)  # the run-level checks (RunCheck)
 
     @property
     def stages(self) -> List[str]:
@@ -200,11 +236,11 @@ class Report:
 
     @property
     def passed(self) -> bool:
-        return all(r.passed for r in self.results) and all(c.passed for c in self.program_checks)
+        return self.stages_passed and all(c.passed for c in self.program_checks)
 
     @property
     def stages_passed(self) -> bool:
-        return all(r.passed for r in self.results)
+        return all(r.passed for r in self.results) and all(c.passed for c in self.run_checks)
 
     def __bool__(self) -> bool:
         """The verdict, so that `assert attnstep.check_arrays(...)` fails on a failing report (an
@@ -222,8 +258,11 @@ class Report:
 
     @property
     def first_failing_stage(self) -> Optional[str]:
+        """The first stage (table order) that fails on its own, or fails a run-level check."""
         f = self.first_failure
-        return f.stage if f else None
+        failing = ([f.stage] if f else []) + [c.stage for c in self.run_checks if not c.passed]
+        order = {s: i for i, s in enumerate(STAGES)}
+        return min(failing, key=order.__getitem__) if failing else None
 
     def stage_results(self, stage: str) -> List[HeadResult]:
         return [r for r in self.results if r.stage == stage]

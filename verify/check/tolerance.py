@@ -19,6 +19,7 @@ and the model adds the variant's roundings (verify/model/scores.py).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Dict, Optional, Sequence, Tuple
 
 import numpy as np
@@ -35,9 +36,9 @@ from ..stages import INPUT_NAMES, STAGES  # noqa: F401 (tolerance.STAGES: the st
 from ..variant import Variant
 from .half_rounding import half_terms
 
-__all__ = ["stage_bound", "chained_bound", "quantization_bound", "group_sum_bound", "dot_var", "kernel_for", "HeadCache",
-           "ToleranceError", "unit_roundoff", "KERNELS", "Kernel", "FLUSH", "LAMBDA", "LOG_ULPS", "ROUND_VAR",
-           "UNIT_ROUNDOFF", "SOFTMAX_FINAL_ROUNDINGS"]
+__all__ = ["stage_bound", "stage_bound_parts", "BoundParts", "chained_bound", "quantization_bound", "group_sum_bound",
+           "dot_var", "kernel_for", "HeadCache", "ToleranceError", "unit_roundoff", "KERNELS", "Kernel", "FLUSH",
+           "LAMBDA", "LOG_ULPS", "ROUND_VAR", "UNIT_ROUNDOFF", "SOFTMAX_FINAL_ROUNDINGS"]
 
 
 # The half pipelines accumulate in float32: their arithmetic is the fp32 model's (the storage
@@ -49,6 +50,44 @@ def _spec(stage: str):
     if stage not in SPECS:
         raise ToleranceError(f"unknown stage {stage!r}")
     return SPECS[stage]
+
+
+@dataclass(frozen=True)
+class BoundParts:
+    """An isolated bound in its parts: LAMBDA·√var (the independent roundings) + det (one-signed
+    errors) + floor (underflow), 0 where the reference is ±inf, plus extra (the half pipelines'
+    conversions). A sum of results with independent roundings (dK of a K/V head's group, summed
+    over its query heads) is bounded by the sum of their parts: variances add, the rest adds."""
+    var: np.ndarray
+    det: np.ndarray
+    floor: object
+    extra: object = 0.0
+
+    def __add__(self, other: "BoundParts") -> "BoundParts":
+        return BoundParts(self.var + other.var, self.det + other.det, self.floor + other.floor,
+                          self.extra + other.extra)
+
+    def bound(self, ref: np.ndarray) -> np.ndarray:
+        bound = finish(np.asarray(ref, dtype=np.float64), self.var, self.det, self.floor)
+        return bound if np.isscalar(self.extra) and self.extra == 0 else bound + self.extra
+
+
+def stage_bound_parts(stage: str, src: Dict[str, np.ndarray], ref: np.ndarray, *, scale: float,
+                      causal: bool, precision: str = "fp32", backend: Optional[str] = None,
+                      math: str = "ieee", flash_kernel: Optional[str] = None,
+                      cache: Optional[HeadCache] = None, half_rounding: str = NEAREST,
+                      variant: Optional[Variant] = None, slope: float = 0.0) -> Optional[BoundParts]:
+    """stage_bound's parts (BoundParts); None for an exact copy (echoes, the transpose)."""
+    spec = _spec(stage)
+    u = unit_roundoff(precision)
+    kernel = kernel_for(backend, math, flash_kernel)
+    ref = np.asarray(ref, dtype=np.float64)
+    if spec.isolated is None:
+        return None
+    var, det = spec.isolated(src, ref, Problem.of(scale, causal, src, variant, slope, u, kernel, cache))
+    extra = half_terms(stage, ref, src, scale, causal, precision, False, cache, half_rounding,
+                       variant=variant, slope=slope) if is_half(precision) else 0.0
+    return BoundParts(var, det, spec.floor(src), extra)
 
 
 def stage_bound(stage: str, src: Dict[str, np.ndarray], ref: np.ndarray, *, scale: float,
@@ -68,18 +107,10 @@ def stage_bound(stage: str, src: Dict[str, np.ndarray], ref: np.ndarray, *, scal
     half_rounding: how a bf16/fp16 program converts to its format (verify/model/half.py).
     variant, slope: the case's variant and the head's ALiBi slope (default: the plain case).
     """
-    spec = _spec(stage)
-    u = unit_roundoff(precision)
-    kernel = kernel_for(backend, math, flash_kernel)
-    ref = np.asarray(ref, dtype=np.float64)
-    if spec.isolated is None:
-        return np.zeros(ref.shape)
-    var, det = spec.isolated(src, ref, Problem.of(scale, causal, src, variant, slope, u, kernel, cache))
-    bound = finish(ref, var, det, spec.floor(src))
-    if is_half(precision):
-        bound += half_terms(stage, ref, src, scale, causal, precision, False, cache, half_rounding,
-                            variant=variant, slope=slope)
-    return bound
+    parts = stage_bound_parts(stage, src, ref, scale=scale, causal=causal, precision=precision, backend=backend,
+                              math=math, flash_kernel=flash_kernel, cache=cache, half_rounding=half_rounding,
+                              variant=variant, slope=slope)
+    return np.zeros(np.shape(ref)) if parts is None else parts.bound(ref)
 
 
 def chained_bound(stage: str, chain: Dict[str, np.ndarray], *, scale: float, causal: bool,

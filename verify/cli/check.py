@@ -22,12 +22,14 @@ from ..report.text import failure_lines, header_lines, summary_lines, table_line
 from ..stages import PRECISIONS, STAGE_NAMES
 from ..terminal import progress_bar
 from ..text import plural
-from .options import (checked_path, in_option, json_option, name_options, out_option, parse_names,
-                      quiet_option, report_file, user_errors)
+from .options import (align_option, causal_option, checked_path, dropout_option, in_option, json_option,
+                      name_options, no_causal_option, out_option, parse_names, quiet_option, report_file, said_variant,
+                      softcap_option, user_errors, window_option)
 
 # Work (N·M·heads) above which `check` shows a progress bar (on a terminal only).
 PROGRESS_MIN_WORK = 1 << 24
 TOLERANCES_DOC = "docs/tolerances.md"
+CLI_DOC = "docs/cli.md"
 
 
 class Tolerance(click.ParamType):
@@ -70,7 +72,10 @@ CHECK_HELP = f"""Check every stage of a run against a float64 reference.
 
 Compares each stage file in OUT with a NumPy float64 reference computed from the input case IN,
 prints a stage table and the first failing stage with a diagnosis. Exit status 0: every stage
-passes; 1: a stage fails; 2: bad input. The tolerances: {TOLERANCES_DOC}.
+passes; 1: a stage fails; 2: bad input. The tolerances: {TOLERANCES_DOC}. The variant of
+attention overrides IN's manifest, else run.toml's ({CLI_DOC}): --causal [ALIGN], --no-causal,
+--align ALIGN (top-left or bottom-right), --window LEFT,RIGHT, --softcap C, --alibi/--no-alibi,
+--dropout P.
 """
 
 
@@ -122,8 +127,13 @@ def _plot(report, plot_dir: Path, opts: Options, quiet: bool) -> None:
               help="Tolerances of one stage; repeatable.")
 @click.option("--stage", "only", multiple=True, type=click.Choice(STAGE_NAMES), metavar="STAGE",
               help="Check only this stage; repeatable.")
-@click.option("--causal/--no-causal", default=None,
-              help="Causal masking [default: IN's manifest, else run.toml's].")
+@causal_option.but(hidden=True)  # listed in the description: the help fits a screen
+@no_causal_option.but(hidden=True)
+@align_option.but(hidden=True)
+@window_option.but(hidden=True)
+@softcap_option.but(hidden=True)
+@click.option("--alibi/--no-alibi", default=None, hidden=True)
+@dropout_option.but(hidden=True)
 @click.option("--scale", type=float, callback=checked_path(lambda v: check_scale(v, "--scale")),
               help="Score scale [default: IN's, else run.toml's, else 1/sqrt(d_k)].")
 @click.option("--precision", type=click.Choice(PRECISIONS),
@@ -144,10 +154,13 @@ def _plot(report, plot_dir: Path, opts: Options, quiet: bool) -> None:
 @click.pass_context
 @user_errors
 def check(ctx, in_dir, out_dir, json_path, junit_path, plot_dir, atol, rtol, tol, only, per_head, jobs,
-          causal, scale, precision, half_rounding, math, names, names_file, allow_nonfinite, max_memory_mb, quiet):
+          causal, no_causal, align, window, softcap, alibi, dropout, scale, precision, half_rounding, math, names,
+          names_file, allow_nonfinite, max_memory_mb, quiet):
+    variant = said_variant(causal, no_causal, align, window, softcap, alibi, dropout)
     opts = Options(atol=atol, rtol=rtol, per_stage=_parse_tol(tol), only_stages=list(only) or None,
-                   jobs=jobs, causal=causal, scale=scale, precision=precision, math=math, half_rounding=half_rounding,
-                   names=parse_names(names, names_file), allow_nonfinite=allow_nonfinite, max_memory_mb=max_memory_mb)
+                   jobs=jobs, causal=variant.pop("causal", None), scale=scale, precision=precision, math=math,
+                   half_rounding=half_rounding, names=parse_names(names, names_file), allow_nonfinite=allow_nonfinite,
+                   max_memory_mb=max_memory_mb, variant=variant)
     check_folders_apart(in_dir, out_dir)
     check_reports_apart({"--json": json_path, "--junit": junit_path}, in_dir, out_dir, opts.names, names_file)
     passed = check_and_report(in_dir, out_dir, opts, json_path, junit_path, plot_dir, per_head, quiet)

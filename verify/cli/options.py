@@ -16,7 +16,8 @@ from ..files.generate import DEFAULT_DIMS, MAX_SEED
 from ..files.kinds import CaseError
 from ..files.outputs import parse_name_map, read_names_file
 from ..runs.runner import DEFAULT_BUILD_DIR, DEFAULT_RUN_TIMEOUT_S, RunnerError
-from ..stages import DEFAULT_INPUT_DIR, DEFAULT_OUTPUT_DIR
+from ..stages import DEFAULT_INPUT_DIR, DEFAULT_OUTPUT_DIR, DROPOUT_MASK
+from ..variant import ALIGNMENTS, TOP_LEFT, UNBOUNDED
 
 BACKENDS = ("auto", "cuda", "cpu")
 
@@ -148,3 +149,111 @@ def parse_names(items, names_file) -> Dict[str, str]:
         pairs[stage.strip()] = pattern.strip()
     out.update(parse_name_map(pairs, "--name"))
     return out
+
+
+# ----------------------------------------------------------------------------------------------
+# The variant's options (docs/contract.md): the same flags in generate, check and run.
+
+BARE = ""  # `--causal` without an alignment
+
+
+class Alignment(click.ParamType):
+    """top-left or bottom-right; after --causal also nothing (BARE)."""
+    name = "alignment"
+
+    def convert(self, value, param, ctx):
+        if value == BARE or value in ALIGNMENTS:
+            return value
+        self.fail(f"{value!r}: expected {' or '.join(ALIGNMENTS)}", param, ctx)
+
+
+class Window(click.ParamType):
+    """LEFT,RIGHT: the keys a row sees left and right of its diagonal, -1 unbounded (flash-attn's
+    window_size)."""
+    name = "window"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, tuple):
+            return value
+        parts = str(value).split(",")
+        try:
+            bounds = tuple(int(p) for p in parts)
+        except ValueError:
+            bounds = ()
+        if len(bounds) != 2 or min(bounds) < UNBOUNDED:
+            self.fail(f"{value!r}: expected LEFT,RIGHT, two whole numbers >= -1 (-1: unbounded), e.g. 128,0",
+                      param, ctx)
+        return bounds
+
+
+class Probability(click.ParamType):
+    """A dropout probability in [0, 1)."""
+    name = "p"
+
+    def convert(self, value, param, ctx):
+        try:
+            p = float(value)
+        except (TypeError, ValueError):
+            p = -1.0
+        if not 0 <= p < 1:
+            self.fail(f"{value!r}: a dropout probability must be in [0, 1)", param, ctx)
+        return p
+
+
+class Softcap(click.ParamType):
+    """A finite cap >= 0 (0: none)."""
+    name = "cap"
+
+    def convert(self, value, param, ctx):
+        try:
+            c = float(value)
+        except (TypeError, ValueError):
+            c = -1.0
+        if not 0 <= c < float("inf"):
+            self.fail(f"{value!r}: a softcap must be a finite number > 0 (0: none)", param, ctx)
+        return c
+
+
+causal_option = SharedOption("--causal", type=Alignment(), is_flag=False, flag_value=BARE, default=None,
+                             metavar="[top-left|bottom-right]",
+                             help="Causal masking, aligned top-left (the default: PyTorch's is_causal) or "
+                                  "bottom-right (flash-attn's, when seq_q != seq_k).")
+no_causal_option = SharedOption("--no-causal", is_flag=True, help="No causal masking.")
+align_option = SharedOption("--align", type=click.Choice(ALIGNMENTS),
+                            help="Where row i's diagonal is, for the causal mask, the window and ALiBi: key i "
+                                 "(top-left) or key i + seq_k - seq_q (bottom-right).")
+window_option = SharedOption("--window", type=Window(), metavar="LEFT,RIGHT",
+                             help="Sliding window: row i sees keys diag(i)-LEFT .. diag(i)+RIGHT; -1 unbounded "
+                                  "(flash-attn's window_size).")
+softcap_option = SharedOption("--softcap", type=Softcap(), metavar="C",
+                              help="Cap the scaled scores: C*tanh(S/C) (Gemma-2; flash-attn's softcap; 0: none).")
+alibi_option = SharedOption("--alibi", is_flag=True, default=None,
+                            help="ALiBi: add -slope_h*|diag(i)-j| to the scores (flash-attn's sign).")
+dropout_option = SharedOption("--dropout", type=Probability(), metavar="P",
+                              help="Dropout probability of the attention weights (the program writes its "
+                                   f"keep-mask as the stage {DROPOUT_MASK}).")
+dropout_seed_option = SharedOption("--dropout-seed", type=click.IntRange(0, MAX_SEED), metavar="S",
+                                   help="Seed of the binary's dropout mask [default: 0].")
+
+
+def said_variant(causal=None, no_causal=False, align=None, window=None, softcap=None, alibi=None, dropout=None,
+                 dropout_seed=None) -> Dict[str, object]:
+    """The Variant fields (verify/variant.py) the command line says, from the options above (None:
+    not given). A bare --causal is aligned top-left unless --align says otherwise."""
+    if causal is not None and no_causal:
+        raise CaseError("--causal and --no-causal: choose one")
+    if causal and align and causal != align:
+        raise CaseError(f"--causal {causal} with --align {align}: choose one alignment")
+    fields: Dict[str, object] = {}
+    if causal is not None:
+        fields.update(causal=True, align=causal or align or TOP_LEFT)
+    elif no_causal:
+        fields["causal"] = False
+    given = dict(align=align, window=window, softcap=softcap, alibi=alibi, dropout=dropout, dropout_seed=dropout_seed)
+    fields.update({k: v for k, v in given.items() if v is not None and k not in fields})
+    return fields
+
+
+# How each Variant field is written on the command line (for messages naming where a value came from).
+VARIANT_OPTIONS = {"causal": "--causal", "align": "--align", "window": "--window", "softcap": "--softcap",
+                   "alibi": "--alibi", "dropout": "--dropout", "dropout_seed": "--dropout-seed"}

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import List
 
 import click
 
@@ -16,8 +17,29 @@ from ..runs.watched import (binary_args, binary_runner, program_runner, run_any_
                             run_summary, run_with_program_checks)
 from ..stages import BACKWARD_STAGES, DATA_DIR, DEFAULT_CASE, DEFAULT_RESULT, FORMATS, PRECISIONS, STAGE_NAMES
 from .check import check_and_report
-from .options import (backend_option, binary_option, build_option, force_option, in_option, json_option,
-                      name_options, out_option, parse_names, quiet_option, seed_option, timeout_option, user_errors)
+from .options import (align_option, alibi_option, backend_option, binary_option, build_option, dropout_option,
+                      dropout_seed_option, force_option, in_option, json_option, name_options, out_option, parse_names,
+                      quiet_option, seed_option, softcap_option, timeout_option, user_errors, window_option)
+
+
+def variant_run_options(fn):
+    """The variant's options that `run` passes on to attnstep's binary as its own flags."""
+    for option in reversed((align_option, window_option, softcap_option, alibi_option, dropout_option,
+                            dropout_seed_option)):
+        fn = option(fn)
+    return fn
+
+
+def variant_flags(align, window, softcap, alibi, dropout, dropout_seed) -> List[str]:
+    """The binary's command-line flags for the variant options given (they override the manifest)."""
+    flags: List[str] = []
+    for flag, value in (("--align", align), ("--window", ",".join(map(str, window)) if window else None),
+                        ("--softcap", None if softcap is None else repr(softcap)),
+                        ("--dropout", None if dropout is None else repr(dropout)),
+                        ("--dropout-seed", None if dropout_seed is None else str(dropout_seed))):
+        if value is not None:
+            flags += [flag, value]
+    return flags + (["--alibi"] if alibi else [])
 
 
 def _build(build_dir: Path, quiet: bool, target: str = BINARY_NAME) -> Path:
@@ -43,7 +65,9 @@ def _build(build_dir: Path, quiet: bool, target: str = BINARY_NAME) -> Path:
 @click.option("--precision", type=click.Choice(PRECISIONS), help="fp32 (default), tf32 (GEMM operands rounded to TF32), or bf16/fp16 (inputs and "
               "stage values in the format, float32 accumulation and softmax; CPU backend).")
 @click.option("--poison", is_flag=True, help="Pre-fill outputs with NaN so unwritten elements show.")
-@click.option("--causal", is_flag=True, help="Force causal masking (overrides the manifest).")
+@click.option("--causal", is_flag=True, help="Force causal masking (overrides the manifest; --align says where "
+              "the diagonal is).")
+@variant_run_options
 @click.option("--scale", type=float, help="Override the score scale.")
 @click.option("--max-memory-mb", type=click.IntRange(min=1), help="Cap the binary's working memory.")
 @click.option("--allow-nonfinite", is_flag=True, help="Accept NaN/Inf in the inputs.")
@@ -55,8 +79,9 @@ def _build(build_dir: Path, quiet: bool, target: str = BINARY_NAME) -> Path:
 @name_options
 @click.argument("args", nargs=-1, type=click.UNPROCESSED, metavar="[-- ARGS...]")
 @user_errors
-def run(in_dir, out_dir, backend, build_dir, binary, timeout, cwd, stages, fmt, precision, poison, causal, scale,
-        max_memory_mb, allow_nonfinite, sanitize, repeat, quiet, names, names_file, args):
+def run(in_dir, out_dir, backend, build_dir, binary, timeout, cwd, stages, fmt, precision, poison, causal, align,
+        window, softcap, alibi, dropout, dropout_seed, scale, max_memory_mb, allow_nonfinite, sanitize, repeat, quiet,
+        names, names_file, args):
     """Build the binary if needed and run it on a case.
 
     Runs build/main on IN and writes every stage file and run.toml into OUT. With --binary PATH
@@ -69,6 +94,10 @@ def run(in_dir, out_dir, backend, build_dir, binary, timeout, cwd, stages, fmt, 
     """
     if args and binary is None:
         raise click.UsageError("program arguments after -- need --binary PATH (the program to run)")
+    flags = variant_flags(align, window, softcap, alibi, dropout, dropout_seed)
+    if args and flags:
+        raise click.UsageError(f"{flags[0]} is an option of attnstep's binary; your program (-- ARGS) takes its own: "
+                               "pass the variant in ARGS, and to check with --align, --window, ...")
     names = parse_names(names, names_file)
     tools = parse_tools(sanitize) if sanitize else []
     if args:
@@ -76,8 +105,9 @@ def run(in_dir, out_dir, backend, build_dir, binary, timeout, cwd, stages, fmt, 
     else:
         ours = binary is None
         binary = binary or _build(build_dir, quiet)
-        once = binary_runner(binary, in_dir, backend, timeout, cwd, ours, quiet,
-                             binary_args(stages, fmt, precision, poison, causal, scale, max_memory_mb, allow_nonfinite))
+        extra = binary_args(stages, fmt, precision, poison, causal, scale, max_memory_mb, allow_nonfinite)
+        extra += variant_flags(align, window, softcap, alibi, dropout, dropout_seed)
+        once = binary_runner(binary, in_dir, backend, timeout, cwd, ours, quiet, extra)
     checks = run_with_program_checks(once, out_dir, in_dir, names, tools, repeat, chooses_out=not args)
     for line in program_check_lines(checks):
         click.echo(line)

@@ -1,9 +1,13 @@
-"""`python -m verify.cli.sdpa_outputs`: PyTorch's SDPA run on an input case at bf16/fp16, its results
-written as another program's output folder for `attnstep check` (what runs, and why:
-verify/bench/sdpa_outputs.py).
+"""`python -m verify.cli.sdpa_outputs`: PyTorch's SDPA (bf16/fp16) or FlexAttention (fp32, bf16,
+fp16) run on an input case, its results written as another program's output folder for
+`attnstep check` (what runs, and why: verify/bench/sdpa_outputs.py, verify/bench/flex_outputs.py).
 
     python -m verify.cli.sdpa_outputs --in data/random_test --out data/sdpa_flash --backend flash --precision bf16
     attnstep check --in data/random_test --out data/sdpa_flash --precision bf16
+
+    python -m verify.cli.sdpa_outputs --in data/case --out data/flex --backend flex --precision bf16
+    attnstep check --in data/case --out data/flex --precision bf16
+    (an fp32 Flex run: check it with --precision fp32 --math fast; its exp2 is the GPU's approximate one)
 """
 from __future__ import annotations
 
@@ -12,7 +16,9 @@ from typing import Optional
 
 import click
 
-from ..bench.sdpa_outputs import BACKENDS, MASKS, BackendUnavailable, stage_arrays, write_sdpa_case
+from ..bench.flex_outputs import FLEX, FLEX_PRECISIONS, write_flex_case
+from ..bench.foreign_outputs import BackendUnavailable, stage_arrays
+from ..bench.sdpa_outputs import BACKENDS, MASKS, NATIVE, write_sdpa_case
 from ..stages import DEFAULT_INPUT_DIR, HALF_PRECISIONS
 from .options import InputError, user_errors
 
@@ -22,28 +28,38 @@ from .options import InputError, user_errors
               show_default=True, help="Input case (attnstep generate; dO for the gradients).")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), required=True,
               help="Folder for the stage files (one <stage>.npy each).")
-@click.option("--backend", type=click.Choice(tuple(BACKENDS)), required=True,
-              help="The SDPA backend to force (math-half: the math backend with fp16/bf16 reductions).")
-@click.option("--precision", type=click.Choice(HALF_PRECISIONS), default=HALF_PRECISIONS[0], show_default=True,
-              help="The format SDPA computes in.")
-@click.option("--mask", type=click.Choice(MASKS), default=MASKS[0], show_default=True,
-              help="For a causal case: torch's is_causal, or the same top-left mask as an attn_mask.")
+@click.option("--backend", type=click.Choice(tuple(BACKENDS) + (FLEX,)), required=True,
+              help="The SDPA backend to force (math-half: the math backend with fp16/bf16 reductions), "
+                   "or flex: FlexAttention, compiled.")
+@click.option("--precision", type=click.Choice(FLEX_PRECISIONS), default=HALF_PRECISIONS[0], show_default=True,
+              help="The format it computes in (fp32: flex only).")
+@click.option("--mask", type=click.Choice(MASKS), default=NATIVE, show_default=True,
+              help="SDPA, a case whose only mask is causal: the backend's own causal flag, or the mask as an "
+                   "attn_mask.")
 @click.option("--scale", type=float, default=None,
-              help="Scale SDPA uses instead of the case's (to see that a wrong scale fails the check).")
+              help="Scale it uses instead of the case's (to see that a wrong scale fails the check).")
 @user_errors
 def main(in_dir: Path, out_dir: Path, backend: str, precision: str, mask: str, scale: Optional[float]) -> None:
-    """Run PyTorch SDPA on the case IN at bf16/fp16 and write its results into OUT.
+    """Run PyTorch SDPA or FlexAttention on the case IN and write its results into OUT.
 
     Check them with `attnstep check --in IN --out OUT --precision PRECISION`. Exit status 1
-    when torch cannot run BACKEND here (the reason torch gives is printed).
+    when BACKEND cannot run here or cannot compute the case's variant (the reason is printed).
     """
+    if backend != FLEX and precision not in HALF_PRECISIONS:
+        raise InputError(f"--precision {precision}: SDPA's backends run here at {' or '.join(HALF_PRECISIONS)}; "
+                         f"{precision} with --backend {FLEX}")
     try:
-        results = write_sdpa_case(in_dir, out_dir, backend, precision, mask, scale)
+        if backend == FLEX:
+            results = write_flex_case(in_dir, out_dir, precision, scale)
+        else:
+            results = write_sdpa_case(in_dir, out_dir, backend, precision, mask, scale)
     except BackendUnavailable as exc:
-        raise InputError(f"SDPA backend unavailable: {exc}", 1) from None
+        raise InputError(f"{'FlexAttention' if backend == FLEX else 'SDPA backend'} unavailable: {exc}", 1) from None
     for note in results.notes:
         click.echo(f"note: {note}", err=True)
-    click.echo(f"SDPA {backend} {precision}: wrote {', '.join(stage_arrays(results, backend))} to {out_dir}")
+    fused = backend == FLEX or BACKENDS[backend].fused
+    click.echo(f"{'FlexAttention' if backend == FLEX else 'SDPA ' + backend} {precision}: wrote "
+               f"{', '.join(stage_arrays(results, fused))} to {out_dir}")
 
 
 if __name__ == "__main__":

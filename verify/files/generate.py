@@ -1,5 +1,6 @@
-"""Input case generator: random Q, K, V (and the output gradient dO) per head plus the manifest the
-binary reads."""
+"""Input case generator: random Q (and the output gradient dO) per query head, K and V per K/V head,
+a variant's mask, bias and slopes files (verify/files/patterns.py), plus the manifest the binary
+reads."""
 from __future__ import annotations
 
 import io
@@ -8,17 +9,22 @@ import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, List, Optional
 
 import numpy as np
 
-from ..stages import (CASE_INPUTS, DIM_KEYS, FORMATS, GENERATE_STAGING_PREFIX, GRAD_INPUT, INPUT_MANIFEST,
-                      INPUT_NAMES, STAGES, Dims, stage_file)
+from ..stages import (ALIBI_SLOPES_INPUT, BIAS_INPUT, CASE_INPUTS, DIM_KEYS, FORMATS, GENERATE_STAGING_PREFIX,
+                      GRAD_INPUT, INPUT_MANIFEST, INPUT_NAMES, KV_HEADS_KEY, MASK_INPUT, STAGES, VARIANT_INPUTS, Dims,
+                      stage_file)
 from ..text import mib
+from ..variant import BROADCAST, NONE, Variant
 from .case import (INT64, check_case_limits, check_scale, clear_input_files, input_head_files, read_toml,
                    validate_dims, write_matrix, write_toml)
 from .kinds import CaseError
+from .manifests import CAUSAL_KEY, WINDOW_KEYS, variant_keys
+from .patterns import RANDOM_SLOPES, VariantInputs, check_inputs, draw_bias, draw_mask, draw_slopes
 from .unfinished import process_exists
+from .variant_inputs import whole_file
 
 # The `large` distribution scales N(0, 1) by this factor, so that scaled logits q·k/√d_k have a
 # standard deviation of LARGE_STD² = 100 and reach the hundreds: exp() of them overflows float32
@@ -58,22 +64,28 @@ _STAGING_NAME = re.compile(re.escape(GENERATE_STAGING_PREFIX) + r"([0-9]+)")
 
 def generate_case(out_dir: Path, dims: Dims, *, causal: bool = False, scale: Optional[float] = None,
                   seed: int = 0, distribution: str = "uniform", fmt: str = "txt", backward: bool = False,
-                  force: bool = False, progress: Optional[Callable[[int], None]] = None) -> Path:
-    """Writes Q/K/V for every head (batch-major) and manifest.toml into `out_dir`; `progress(i)` is
-    called after head i is written. With `backward`, also dO for every head (same distribution,
-    from a random stream of its own, so Q/K/V of a seed do not depend on it) and `backward = true`.
+                  force: bool = False, progress: Optional[Callable[[int], None]] = None,
+                  variant: Optional[Variant] = None, inputs: VariantInputs = VariantInputs()) -> Path:
+    """Writes Q for every query head and K, V for every K/V head (batch-major; dims.kv_heads) and
+    manifest.toml into `out_dir`; `progress(i)` is called after query head i is written. With
+    `backward`, also dO for every head (same distribution, from a random stream of its own, so
+    Q/K/V of a seed do not depend on it) and `backward = true`. `variant` (causal: its causal
+    flag, or `causal`) is recorded in the manifest, and `inputs` says which mask, bias and slopes
+    files to draw (each from a stream of its own: Q, K, V of a seed are the same without them).
 
     Everything is written into a temporary folder inside `out_dir` first and moved into place at
     the end (the manifest last), so an interrupted generation leaves neither a mix of old and new
     heads nor a partial case that a manifest-less reader would take for a smaller complete one.
     An earlier case in `out_dir` is replaced only if this generator wrote it, or with `force`.
     """
+    variant = _case_variant(variant, causal, inputs)
     _check_arguments(dims, scale, seed, distribution, fmt, backward)
+    check_inputs(inputs, variant)
     out_dir = Path(out_dir)
     if not force:
         _refuse_foreign_case(out_dir)
     remove_stale_staging(out_dir)
-    check_room(out_dir, dims, fmt, backward)
+    check_room(out_dir, dims, fmt, backward, inputs)
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -81,22 +93,12 @@ def generate_case(out_dir: Path, dims: Dims, *, causal: bool = False, scale: Opt
     staging = out_dir / f"{GENERATE_STAGING_PREFIX}{os.getpid()}"
     try:
         staging.mkdir()
-        names = []
-        sample = DISTRIBUTIONS[distribution]
-        seeds = np.random.SeedSequence(seed)
-        streams = [(INPUT_NAMES, np.random.default_rng(seeds))]
-        if backward:
-            streams.append(((GRAD_INPUT,), np.random.default_rng(seeds.spawn(1)[0])))
-        for i in range(dims.total_heads):  # one head at a time: bounded memory
-            for inputs, rng in streams:
-                for name in inputs:
-                    names.append(stage_file(name, i, fmt))
-                    write_matrix(staging / names[-1], sample(rng, STAGES[name].shape(dims)), fmt)
-            if progress is not None:
-                progress(i)
+        names = _write_inputs(staging, dims, variant, inputs, seed, distribution, fmt, backward, progress)
         manifest = {k: getattr(dims, k) for k in DIM_KEYS}
-        manifest.update(causal=causal, format=fmt, seed=seed, distribution=distribution,
-                        generator=GENERATOR)
+        if dims.kv_heads:
+            manifest[KV_HEADS_KEY] = dims.kv
+        manifest.update(_variant_manifest(variant))
+        manifest.update(format=fmt, seed=seed, distribution=distribution, generator=GENERATOR)
         if backward:
             manifest["backward"] = True
         if scale is not None:
@@ -112,9 +114,72 @@ def generate_case(out_dir: Path, dims: Dims, *, causal: bool = False, scale: Opt
     return out_dir
 
 
+def _case_variant(variant: Optional[Variant], causal: bool, inputs: VariantInputs) -> Variant:
+    """The variant the manifest records: `variant` (or textbook attention) made causal by `causal`,
+    with the coverage of the mask and bias that `inputs` draws."""
+    v = variant or Variant()
+    try:
+        return v.with_(causal=v.causal or causal, mask=inputs.mask_heads if inputs.mask else NONE,
+                       bias=inputs.bias_heads if inputs.bias else NONE)
+    except ValueError as exc:  # causal with a window that reaches right of the diagonal
+        raise CaseError(f"--causal with --window: {exc}") from None
+
+
+def _variant_manifest(v: Variant) -> dict:
+    """The manifest's variant keys: causal always (as before variants), the others where they
+    differ from textbook attention (a window's both sides)."""
+    plain, keys = variant_keys(Variant()), variant_keys(v)
+    windowed = any(keys[k] != plain[k] for k in WINDOW_KEYS)
+    return {k: value for k, value in keys.items()
+            if k == CAUSAL_KEY or value != plain[k] or (windowed and k in WINDOW_KEYS)}
+
+
+def _write_inputs(staging: Path, dims: Dims, variant: Variant, inputs: VariantInputs, seed: int,
+                  distribution: str, fmt: str, backward: bool, progress) -> List[str]:
+    """Every input file of the case into `staging`, one head at a time (bounded memory); their names."""
+    sample = DISTRIBUTIONS[distribution]
+    seeds = np.random.SeedSequence(seed)
+    main = np.random.default_rng(seeds)
+    # Children of the seed, each a stream of its own (the first is dO's, as before variants).
+    grad_rng, mask_rng, bias_rng, slope_rng = (np.random.default_rng(s) for s in seeds.spawn(4))
+    draws = {MASK_INPUT: (inputs.mask, inputs.mask_heads, draw_mask, mask_rng),
+             BIAS_INPUT: (inputs.bias, inputs.bias_heads, draw_bias, bias_rng)}
+    names: List[str] = []
+
+    def write(name: str, arr: np.ndarray) -> None:
+        names.append(name)
+        write_matrix(staging / name, arr, fmt)
+
+    n, m = (dims.size(sym) for sym in VARIANT_INPUTS[MASK_INPUT])
+    for name, (pattern, heads, draw, rng) in draws.items():
+        if pattern and heads == BROADCAST:
+            write(whole_file(name, fmt), draw(inputs, variant, n, m, rng))
+    if inputs.slopes == RANDOM_SLOPES:
+        write(whole_file(ALIBI_SLOPES_INPUT, fmt), draw_slopes(dims, slope_rng))
+    Q, K, V = INPUT_NAMES
+    for i in range(dims.total_heads):
+        # Q, then K and V where head i is the first of its group: without grouping, the order
+        # (and so the values) of a seed as before.
+        write(stage_file(Q, i, fmt), sample(main, STAGES[Q].shape(dims)))
+        j = dims.kv_head_of(i)
+        if dims.query_heads_of(j)[0] == i:
+            for name in (K, V):
+                write(stage_file(name, j, fmt), sample(main, STAGES[name].shape(dims)))
+        if backward:
+            write(stage_file(GRAD_INPUT, i, fmt), sample(grad_rng, STAGES[GRAD_INPUT].shape(dims)))
+        for name, (pattern, heads, draw, rng) in draws.items():
+            if pattern and heads != BROADCAST:
+                write(stage_file(name, i, fmt), draw(inputs, variant, n, m, rng))
+        if progress is not None:
+            progress(i)
+    return names
+
+
 def _check_arguments(dims: Dims, scale: Optional[float], seed: int, distribution: str, fmt: str,
                      backward: bool) -> None:
-    check_case_limits(validate_dims({k: getattr(dims, k) for k in DIM_KEYS}, "generate"), "generate", backward)
+    values = {k: getattr(dims, k) for k in DIM_KEYS}
+    values[KV_HEADS_KEY] = dims.kv_heads
+    check_case_limits(validate_dims(values, "generate"), "generate", backward)
     if distribution not in DISTRIBUTIONS:
         raise CaseError(f"unknown distribution {distribution!r}; choose from {', '.join(DISTRIBUTIONS)}")
     if fmt not in FORMATS:
@@ -168,14 +233,24 @@ def matrix_file_bytes(shape, fmt: str) -> int:
     return TEXT_VALUE_BYTES * rows * cols
 
 
-def case_size(dims: Dims, fmt: str, backward: bool, block: int = 1) -> CaseSize:
+def case_size(dims: Dims, fmt: str, backward: bool, block: int = 1,
+              inputs: VariantInputs = VariantInputs()) -> CaseSize:
     """What generating the case takes: its files (with the staging folder) and their bytes on
     disk, each file rounded up to `block` bytes (the file system's allocation unit)."""
-    inputs = CASE_INPUTS if backward else INPUT_NAMES
-    per_head = sum(-(-matrix_file_bytes(STAGES[n].shape(dims), fmt) // block) * block for n in inputs)
-    files = dims.total_heads * len(inputs) + 1
+    def on_disk(shape) -> int:
+        return -(-matrix_file_bytes(shape, fmt) // block) * block
+    counts = {name: dims.heads_of(name) for name in (CASE_INPUTS if backward else INPUT_NAMES)}
+    shapes = {name: STAGES[name].shape(dims) for name in counts}
+    for name, pattern, heads in ((MASK_INPUT, inputs.mask, inputs.mask_heads),
+                                 (BIAS_INPUT, inputs.bias, inputs.bias_heads)):
+        if pattern:
+            counts[name] = 1 if heads == BROADCAST else dims.total_heads
+            shapes[name] = tuple(dims.size(sym) for sym in VARIANT_INPUTS[name])
+    if inputs.slopes == RANDOM_SLOPES:
+        counts[ALIBI_SLOPES_INPUT], shapes[ALIBI_SLOPES_INPUT] = 1, (dims.batch, dims.heads)
+    files = sum(counts.values()) + 1
     # The manifest and the staging folder (a block each, at least).
-    return CaseSize(files, dims.total_heads * per_head + 2 * max(block, _MANIFEST_BYTES))
+    return CaseSize(files, sum(counts[n] * on_disk(shapes[n]) for n in counts) + 2 * max(block, _MANIFEST_BYTES))
 
 
 def _existing_parent(path: Path) -> Path:
@@ -186,7 +261,7 @@ def _existing_parent(path: Path) -> Path:
     return path
 
 
-def check_room(out_dir: Path, dims: Dims, fmt: str, backward: bool) -> None:
+def check_room(out_dir: Path, dims: Dims, fmt: str, backward: bool, inputs: VariantInputs = VariantInputs()) -> None:
     """Refuses, in one line, a case of more than MAX_CASE_FILES files, or one that needs more
     bytes or inodes than the file system of `out_dir` has free (for this user: f_bavail,
     f_favail; a file system that reports no inode counts, f_files 0, is not checked for them)."""
@@ -194,7 +269,7 @@ def check_room(out_dir: Path, dims: Dims, fmt: str, backward: bool) -> None:
         fs = os.statvfs(_existing_parent(out_dir))
     except OSError:
         fs = None  # no answer: the writes themselves will say
-    need = case_size(dims, fmt, backward, max(1, fs.f_frsize) if fs else 1)
+    need = case_size(dims, fmt, backward, max(1, fs.f_frsize) if fs else 1, inputs)
     if need.files > MAX_CASE_FILES:
         raise CaseError(f"{out_dir}: the case would be {need.files:,} files, more than the {MAX_CASE_FILES:,} "
                         "'attnstep generate' writes; HINT: fewer heads (--heads, --batch): each head is one "

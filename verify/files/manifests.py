@@ -10,16 +10,18 @@ from pathlib import Path
 
 import numpy as np
 
-from ..stages import DIM_KEYS, MAX_DIM, MAX_ELEMENTS, MAX_HEAD_DIM, MAX_HEADS, Dims
+from ..stages import DIM_KEYS, KV_HEADS_KEY, MAX_DIM, MAX_ELEMENTS, MAX_HEAD_DIM, MAX_HEADS, Dims
 from ..text import plural, printable
+from ..variant import UNBOUNDED, VARIANT_KEYS, Variant
 from .kinds import CaseError
 from .matrix_io import atomic_write_bytes, read_bytes
 
 # ----------------------------------------------------------------------------------------------
 # Manifests: flat `key = value` TOML.
 
-INPUT_KEYS = {**{k: int for k in DIM_KEYS}, "causal": bool, "scale": float, "format": str,
-              "seed": int, "distribution": str, "generator": str, "backward": bool}
+CAUSAL_KEY = "causal"
+INPUT_KEYS = {**{k: int for k in DIM_KEYS}, KV_HEADS_KEY: int, CAUSAL_KEY: bool, **VARIANT_KEYS, "scale": float,
+              "format": str, "seed": int, "distribution": str, "generator": str, "backward": bool}
 _TYPE_WORDS = {int: "an integer", bool: "true or false", float: "a number", str: "a quoted string"}
 INT64 = 2**63
 
@@ -105,9 +107,25 @@ def validate_dims(values: dict, where: str) -> Dims:
     for key in ("d_k", "d_v"):
         if values[key] > MAX_HEAD_DIM:
             raise CaseError(f"{where}: '{key}' = {values[key]}: at most {MAX_HEAD_DIM} is supported")
-    dims = Dims(*(values[k] for k in DIM_KEYS))
+    dims = Dims(*(values[k] for k in DIM_KEYS), kv_heads=_kv_heads(values, where))
     check_case_limits(dims, where)
     return dims
+
+
+def _kv_heads(values: dict, where: str) -> int:
+    """Dims.kv_heads from the manifest key: a divisor of heads; 0 (one K/V head per query head, as
+    Dims has it) when absent, 0 or equal to heads, so that such a case is the same case as one
+    without the key."""
+    kv = values.get(KV_HEADS_KEY)
+    if kv is None or kv == 0:
+        return 0
+    heads = values["heads"]
+    if not isinstance(kv, int) or isinstance(kv, bool):
+        raise CaseError(f"{where}: '{KV_HEADS_KEY}' must be an integer (got {printable(repr(kv))})")
+    if not 1 <= kv <= heads or heads % kv:
+        raise CaseError(f"{where}: '{KV_HEADS_KEY}' = {kv}: must divide heads = {heads} (each K/V head serves "
+                        f"the same number of query heads; 1 is MQA)")
+    return 0 if kv == heads else kv
 
 
 def check_case_limits(dims: Dims, where: str, backward: bool = False) -> None:
@@ -121,3 +139,50 @@ def check_case_limits(dims: Dims, where: str, backward: bool = False) -> None:
     if per_head * heads > MAX_ELEMENTS:
         raise CaseError(f"{where}: the case is too large: {plural(heads, 'head')} of {plural(per_head, 'stage element')} each; "
                         f"at most {MAX_ELEMENTS} elements in all; {hint}")
+
+
+# ----------------------------------------------------------------------------------------------
+# The variant keys (verify/variant.py VARIANT_KEYS, and `causal`) of a manifest, as Variant fields.
+
+WINDOW_KEYS = ("window_left", "window_right")
+# The Variant field each manifest key sets (the two window keys set one field, `window`).
+_KEY_FIELDS = {CAUSAL_KEY: "causal", **{k: "window" if k in WINDOW_KEYS else k for k in VARIANT_KEYS}}
+
+
+def variant_fields(values: dict) -> dict:
+    """The Variant fields that the manifest `values` says (its keys present), by field name; a
+    window key alone leaves the other side unbounded."""
+    fields = {_KEY_FIELDS[k]: values[k] for k in _KEY_FIELDS if k in values and k not in WINDOW_KEYS}
+    if any(k in values for k in WINDOW_KEYS):
+        fields["window"] = tuple(values.get(k, UNBOUNDED) for k in WINDOW_KEYS)
+    return fields
+
+
+def variant_keys(v: Variant) -> dict:
+    """The manifest keys of `v`, every one (run.toml's effective values; the generator writes the
+    ones that differ from the default)."""
+    out = {CAUSAL_KEY: v.causal, **{k: getattr(v, _KEY_FIELDS[k]) for k in VARIANT_KEYS if k not in WINDOW_KEYS}}
+    out.update(zip(WINDOW_KEYS, v.window))
+    return {k: out[k] for k in _KEY_FIELDS}
+
+
+def build_variant(fields: dict, where, names=None) -> Variant:
+    """Variant(**fields), an invalid one a CaseError in one line: `where(field)` (or the string
+    `where`) says where the field came from, `names(field)` how the user wrote it (the manifest
+    keys by default), then verify.variant.validate's words."""
+    at = where if callable(where) else (lambda _field: where)
+    named = names or (lambda field: ", ".join(k for k, f in _KEY_FIELDS.items() if f == field))
+    for field, value in fields.items():  # each on its own: the error names the one at fault
+        # A window's sides one at a time, each with the key that says it.
+        tries = [(WINDOW_KEYS[0], (value[0], UNBOUNDED)), (WINDOW_KEYS[1], (UNBOUNDED, value[1]))] \
+            if field == "window" and names is None else [(named(field), value)]
+        for key, tried in tries:
+            try:
+                Variant(**{field: tried})
+            except ValueError as exc:
+                raise CaseError(f"{at(field)}: '{key}': {exc}") from None
+    try:
+        return Variant(**fields)
+    except ValueError as exc:  # a rule of two fields: causal and the window's right side
+        both = dict.fromkeys(at(f) for f in ("causal", "window"))
+        raise CaseError(f"{' and '.join(both)}: '{named('causal')}' with '{named('window')}': {exc}") from None

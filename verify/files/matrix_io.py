@@ -181,7 +181,7 @@ def parse_text_matrix(data: bytes, name: str, shape: Optional[Tuple[int, int]] =
     overflow = np.argwhere(np.isfinite(mat) & ~np.isfinite(mat32))
     if overflow.size:
         r, c = (int(x) for x in overflow[0])
-        raise CaseError(f"{name}:{_where(r, c, linenos, text)}: value {mat[r, c]:.9g} overflows float32")
+        raise CaseError(f"{name}:{element_where(r, c, linenos, text)}: value {mat[r, c]:.9g} overflows float32")
     if not allow_nonfinite:
         _reject_nonfinite(mat32, name, linenos, text)
     return mat32
@@ -233,7 +233,7 @@ def _char_column(line: str, tokens: List[str], j: int) -> int:
     return pos + 1
 
 
-def _where(r: int, c: int, linenos: Optional[List[int]], text: Optional[str] = None) -> str:
+def element_where(r: int, c: int, linenos: Optional[List[int]], text: Optional[str] = None) -> str:
     """line:col of matrix element (r, c), 1-based."""
     if linenos is None and text is not None:
         linenos = [i for i, ln in enumerate(text.split("\n"), start=1)
@@ -246,7 +246,7 @@ def _reject_nonfinite(mat: np.ndarray, name: str, linenos: Optional[List[int]] =
     bad = np.argwhere(~np.isfinite(mat))
     if bad.size:
         r, c = (int(x) for x in bad[0])
-        where = _where(r, c, linenos, text) if (linenos or text) else f"row {r}, col {c}"
+        where = element_where(r, c, linenos, text) if (linenos or text) else f"row {r}, col {c}"
         raise CaseError(f"{name}:{where}: {mat[r, c]} in an input ({len(bad)} non-finite values); "
                         "HINT: inputs must be finite (--allow-nonfinite to accept them)")
 

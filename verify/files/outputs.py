@@ -7,8 +7,10 @@ any precision, one `<stage>.npy` holding every head, or files named its own way 
 Shapes then come from the input case, the stages are the files present, staleness checks are off
 (with a note), and the arithmetic assumed is that of any correct IEEE float32 implementation.
 
-Causal masking and the scale follow the input case (what the user asked for) unless the command
-line overrides them; a run.toml that says otherwise is a mismatch the report fails on.
+The variant (causal masking, its alignment, the window, softcap, ALiBi, dropout) and the scale
+follow the input case (what the user asked for) unless the command line overrides them; a
+run.toml that says otherwise is a mismatch the report fails on. The stages of K/V heads (K, V,
+dK, dV, ...) have one file per K/V head: B·Hk of them in a grouped-query case.
 """
 from __future__ import annotations
 
@@ -22,13 +24,16 @@ import numpy as np
 
 from ..model.half import HALF_ROUNDINGS, NEAREST, rounding_refusal  # noqa: F401 (cli's choices)
 from ..model.kernels import KERNELS, kernel_base_name
-from ..stages import (DIM_KEYS, FORMATS, PRECISIONS, RUN_MANIFEST, STAGES, Dims, default_scale,
-                      parse_stage_file, stage_file)
-from ..text import printable
+from ..stages import (DIM_KEYS, FORMATS, KV_HEADS_KEY, PRECISIONS, RUN_MANIFEST, STAGES, Dims,
+                      default_scale, parse_stage_file, stage_file)
+from ..text import plural, printable
+from ..variant import VARIANT_KEYS, Variant
 from .case import InputCase, check_scale, check_types, crc32_hex, read_toml, validate_dims
+from .manifests import CAUSAL_KEY, build_variant, variant_fields
 from .kinds import CaseError
+from .run_settings import Mismatch, resolve_variant
 from .stage_files import (STACKED_SUFFIX, STAGE_ITEMSIZE, StageSource, check_heads_named, discover_sources,
-                          parse_name_map, pattern_regex, read_names_file)
+                          parse_name_map, pattern_regex, read_names_file, refuse_query_head_kv_files)
 from .unfinished import refuse_unfinished
 
 __all__ = ["RunInfo", "Overrides", "Mismatch", "open_run", "load_run", "read_run_manifest", "stage_files_in",
@@ -38,8 +43,8 @@ __all__ = ["RunInfo", "Overrides", "Mismatch", "open_run", "load_run", "read_run
 BACKENDS = ("cpu", "cuda")          # what the project's binary writes as run.toml's `backend`
 MATH_MODES = ("ieee", "fast")       # strict IEEE float32, or CUDA's fast-math intrinsics
 TIMING_PREFIX = "time_ms_"           # run.toml's per-stage timings: time_ms_<stage> = milliseconds
-RUN_KEY_TYPES = {**{k: int for k in DIM_KEYS}, "run_id": str, "backend": str, "device": str,
-                 "precision": str, "format": str, "stages": str, "causal": bool, "scale": float,
+RUN_KEY_TYPES = {**{k: int for k in DIM_KEYS}, KV_HEADS_KEY: int, "run_id": str, "backend": str, "device": str,
+                 "precision": str, "format": str, "stages": str, CAUSAL_KEY: bool, **VARIANT_KEYS, "scale": float,
                  "flash_block_q": int, "flash_block_k": int, "flash_kernel": str, "poison": bool}
 
 
@@ -48,28 +53,18 @@ RUN_KEY_TYPES = {**{k: int for k in DIM_KEYS}, "run_id": str, "backend": str, "d
 
 @dataclass(frozen=True)
 class Overrides:
-    """What the user said on the command line (None: not said)."""
+    """What the user said on the command line (None: not said). variant: the Variant fields said
+    (verify/variant.py; `causal` may be said either way)."""
     causal: Optional[bool] = None
     scale: Optional[float] = None
     precision: Optional[str] = None
     math: str = "ieee"
     names: Mapping[str, str] = field(default_factory=dict)
     half_rounding: Optional[str] = None
+    variant: Mapping[str, object] = field(default_factory=dict)
 
-
-@dataclass(frozen=True)
-class Mismatch:
-    """run.toml says the run computed `key` = run_value, the input case asks for input_value."""
-    key: str
-    run_value: object
-    input_value: object
-
-    def message(self) -> str:
-        def show(v):
-            return str(v).lower() if isinstance(v, bool) else f"{float(v):.9g}"
-        return (f"the run computed {self.key} = {show(self.run_value)} (run.toml) but the input case "
-                f"asks for {self.key} = {show(self.input_value)}; HINT: run again, or pass "
-                f"{'--causal/--no-causal' if self.key == 'causal' else '--scale'} to check what it computed")
+    def variant_fields(self) -> Dict[str, object]:
+        return {**({"causal": self.causal} if self.causal is not None else {}), **self.variant}
 
 
 @dataclass
@@ -87,6 +82,14 @@ class RunInfo:
     verify_crc: bool = False
     notes: List[str] = field(default_factory=list)
     mismatches: List[Mismatch] = field(default_factory=list)
+    variant: Optional[Variant] = None  # what the run is checked against; `causal` mirrors its causal
+
+    def __post_init__(self):
+        if self.variant is None:
+            self.variant = Variant(causal=bool(self.causal))
+        elif self.causal and not self.variant.causal:
+            self.variant = self.variant.with_(causal=True)
+        self.causal = self.variant.causal
 
     @property
     def stages(self) -> Tuple[str, ...]:
@@ -156,6 +159,7 @@ def read_run_manifest(folder: Path) -> dict:
                         f"{values['backend']} backend has no such kernel")
     if "format" in values and values["format"] not in FORMATS:
         raise CaseError(f"{manifest}: format = {printable(repr(values['format']))}; expected one of {', '.join(FORMATS)}")
+    build_variant(variant_fields(values), str(manifest))  # each variant key valid, in one line
     return values
 
 
@@ -184,29 +188,31 @@ def _listed_pattern(folder: Path, stage: str, fmt: str) -> str:
 
 def _run_dims(values: dict, case: InputCase, folder: Path) -> Dims:
     given = [k for k in DIM_KEYS if k in values]
-    if not given:
-        return case.dims
     manifest = folder / RUN_MANIFEST
     for key in given:
         if values[key] != getattr(case.dims, key):
             raise CaseError(f"{manifest}: {key} = {values[key]} but the input case {case.path} has "
                             f"{key} = {getattr(case.dims, key)}; HINT: the output was computed from another "
                             "input case: run it again")
+    kv = values.get(KV_HEADS_KEY)
+    if kv is not None and (kv or case.dims.heads) != case.dims.kv:
+        raise CaseError(f"{manifest}: {KV_HEADS_KEY} = {kv} but the input case {case.path} has "
+                        f"{plural(case.dims.kv, 'K/V head')} per batch element; HINT: the output was computed from "
+                        "another input case: run it again")
     return case.dims
 
 
 def _settings(run: RunInfo, case: InputCase, values: dict, over: Overrides) -> None:
-    """causal and scale: the command line, else the input case (its manifest), else run.toml, else
-    the defaults; run.toml disagreeing with an input case that says is a mismatch."""
-    asked_causal = case.causal if case.manifest else None
+    """The variant (resolve_variant) and the scale: the command line, else the input case (its
+    manifest), else run.toml, else the defaults; run.toml disagreeing with an input case that says
+    is a mismatch."""
+    run.variant, mismatches = resolve_variant(case, values, over.variant_fields(), run.path)
+    run.causal = run.variant.causal
+    run.mismatches.extend(mismatches)
     asked_scale = (case.scale if case.scale is not None else default_scale(case.dims.d_k)) if case.manifest \
         else case.scale
-    run.causal = next(v for v in (over.causal, asked_causal, values.get("causal"), False) if v is not None)
     run.scale = float(next(v for v in (over.scale, asked_scale, values.get("scale"),
                                        default_scale(case.dims.d_k)) if v is not None))
-    if over.causal is None and asked_causal is not None and "causal" in values \
-            and bool(values["causal"]) != asked_causal:
-        run.mismatches.append(Mismatch("causal", bool(values["causal"]), asked_causal))
     if over.scale is None and asked_scale is not None and "scale" in values \
             and np.float32(values["scale"]) != np.float32(asked_scale):
         run.mismatches.append(Mismatch("scale", float(values["scale"]), asked_scale))
@@ -242,15 +248,26 @@ def open_run(folder: Path, case: InputCase, over: Overrides = Overrides()) -> Ru
                             f"stages {', '.join(STAGES)}); HINT: is this the folder your program writes? "
                             "Name other files with --name STAGE=PATTERN")
     check_heads_named(sources, dims)
+    refuse_query_head_kv_files(sources, dims)
     run = RunInfo(folder, values, dims, sources)
     run.verify_crc = any(k.startswith("crc32_") for k in values) or "run_id" in values
     _settings(run, case, values, over)
+    _refuse_dropout_stages(run)
     if not values:
         run.notes.append(f"no {RUN_MANIFEST}: shapes from the input case, stages from the files present, "
                          "files not checked for staleness, any correct IEEE float32 arithmetic accepted")
     elif not run.verify_crc:
         run.notes.append(f"{RUN_MANIFEST} has no CRC-32 table: files not checked for staleness")
     return run
+
+
+def _refuse_dropout_stages(run: RunInfo) -> None:
+    """A stage that exists only with dropout (the keep-mask) in a run checked without it."""
+    dropped = [s for s in run.stages if STAGES[s].dropout]
+    if dropped and not run.variant.dropout:
+        raise CaseError(f"{run.path or 'the run'}: holds {dropped[0]} (a dropout keep-mask) but the case has no "
+                        "dropout; HINT: check with --dropout P (the probability the program used), or leave the "
+                        "mask out")
 
 
 def load_run(folder: Path) -> RunInfo:
@@ -262,8 +279,8 @@ def load_run(folder: Path) -> RunInfo:
                         "output case; HINT: run 'attnstep run' again")
     values = read_run_manifest(folder)
     dims = validate_dims(values, str(manifest))
-    case = InputCase(folder, dims, values.get("format", FORMATS[0]), bool(values.get("causal", False)),
-                     values.get("scale"), manifest=True)
+    case = InputCase(folder, dims, values.get("format", FORMATS[0]), scale=values.get("scale"), manifest=True,
+                     variant=build_variant(variant_fields(values), str(manifest)))
     return open_run(folder, case)
 
 
@@ -285,7 +302,7 @@ def foreign_stage_files(run: RunInfo) -> List[str]:
     """Stage files in the output folder that the run's manifest does not list (leftovers)."""
     if run.path is None or not run.lists_stages:
         return []
-    listed = {run.sources[s].name(i, run.dims) for s in run.stages for i in range(run.dims.total_heads)}
+    listed = {run.sources[s].name(i, run.dims) for s in run.stages for i in range(run.dims.heads_of(s))}
     listed |= {src.pattern for src in run.sources.values()}
     return [e for e in stage_files_in(run.path) if e not in listed and e != RUN_MANIFEST]
 

@@ -13,7 +13,7 @@ from typing import Dict, Mapping, Optional, Tuple
 
 import numpy as np
 
-from ..stages import STAGES, Dims, parse_stage_file, stage_file
+from ..stages import KV_HEADS_KEY, STAGES, Dims, parse_stage_file, stage_file
 from ..text import plural, printable, showable
 from .case import parse_matrix, read_bytes, read_toml
 from .kinds import CaseError
@@ -44,7 +44,9 @@ class StageSource:
         return bool(_placeholders(self.pattern))
 
     def name(self, head: int, dims: Dims) -> str:
-        b, h = dims.decode_head(head)
+        """The file of `head`: a query head, or for the stages of K/V heads a K/V head (its {b}
+        and {h} then count K/V heads)."""
+        b, h = divmod(head, heads_per_batch(self.stage, dims))
         return self.pattern.format(i=head, b=b, h=h) if self.per_head else self.pattern
 
     def file(self, head: int, dims: Dims) -> Path:
@@ -74,15 +76,16 @@ class StageSource:
 
     def _stacked(self, dims: Dims, path: Path) -> np.ndarray:
         if self._stack is None:
+            heads = dims.heads_of(self.stage)
             if path.suffix != ".npy":
-                if dims.total_heads != 1:
-                    raise CaseError(f"{path}: one text file for {plural(dims.total_heads, 'head')}; HINT: name "
+                if heads != 1:
+                    raise CaseError(f"{path}: one text file for {plural(heads, 'head')}; HINT: name "
                                     "a file per head with {i} in the pattern, or save every head in a .npy")
                 data = read_bytes(path, STAGES[self.stage].shape(dims))
                 self._stack = parse_matrix(data, path, None)[None]
             else:
                 r, c = STAGES[self.stage].shape(dims)
-                data = read_bytes(path, (dims.total_heads * r, c), STAGE_ITEMSIZE)
+                data = read_bytes(path, (heads * r, c), STAGE_ITEMSIZE)
                 self._stack = _stack_heads(_load_npy(data, path), self.stage, dims, path)
         return self._stack
 
@@ -110,11 +113,25 @@ def _as_matrix(arr: np.ndarray, shape: Tuple[int, int]) -> np.ndarray:
     return arr.astype(np.float64)
 
 
+def heads_per_batch(stage: str, dims: Dims) -> int:
+    """The heads of `stage` per batch element: K/V heads for the stages of K/V heads, else H."""
+    return dims.kv if STAGES[stage].kv else dims.heads
+
+
+def gqa_layout(stage: str, dims: Dims) -> str:
+    """How a grouped case lays out a stage of K/V heads, in words (for the message of a program
+    that wrote it per query head)."""
+    summed = ", the sum over the query heads of its group" if STAGES[stage].backward else ""
+    return (f"the case has {dims.kv} K/V heads per batch element ({KV_HEADS_KEY} = {dims.kv} of {dims.heads} heads), "
+            f"so {stage} has one matrix per K/V head j = b*{dims.kv} + h // {dims.group_size}{summed}")
+
+
 def _stack_heads(arr: np.ndarray, stage: str, dims: Dims, path: Path) -> np.ndarray:
-    """(B·H, rows, cols) from what a PyTorch or Triton user saves: (B·H, r, c), (B, H, r, c), or
-    for one head (r, c); an N×1 stage may drop its last axis."""
+    """(heads, rows, cols) from what a PyTorch or Triton user saves: (heads, r, c), (B, H, r, c),
+    or for one head (r, c); an N×1 stage may drop its last axis. The stages of K/V heads have
+    B·Hk heads."""
     r, c = STAGES[stage].shape(dims)
-    B, H = dims.batch, dims.heads
+    B, H = dims.batch, heads_per_batch(stage, dims)
     accepted = [(B * H, r, c), (B, H, r, c)]
     if c == 1:
         accepted += [(B * H, r), (B, H, r)]
@@ -125,8 +142,11 @@ def _stack_heads(arr: np.ndarray, stage: str, dims: Dims, path: Path) -> np.ndar
     head_shapes = [(r, c)] + ([(r,)] if c == 1 else [])
     four_d = arr.ndim >= 3 and arr.shape[0] * arr.shape[1] == B * H and tuple(arr.shape[2:]) in head_shapes
     if tuple(arr.shape) not in accepted and not four_d:
+        per_query = STAGES[stage].kv and dims.kv != dims.heads and arr.ndim >= 3 and \
+            (arr.shape[0] == B * dims.heads or arr.shape[:2] == (B, dims.heads))
+        why = f": written per query head, but {gqa_layout(stage, dims)}" if per_query else ""
         raise CaseError(f"{path}: shape {tuple(arr.shape)}, expected {' or '.join(map(str, accepted[:2]))} "
-                        f"(heads, {STAGES[stage].rows}, {STAGES[stage].cols})")
+                        f"(heads, {STAGES[stage].rows}, {STAGES[stage].cols}){why}")
     return arr.reshape(B * H, r, c)
 
 
@@ -192,12 +212,30 @@ def check_heads_named(sources: Dict[str, "StageSource"], dims: Dims) -> None:
     the other dimension is 1). Otherwise several heads would read one file."""
     for src in sources.values():
         fields = _placeholders(src.pattern) or set()
+        per_batch = heads_per_batch(src.stage, dims)
         if not fields or "i" in fields or fields == {"b", "h"} or \
-                (fields == {"h"} and dims.batch == 1) or (fields == {"b"} and dims.heads == 1):
+                (fields == {"h"} and dims.batch == 1) or (fields == {"b"} and per_batch == 1):
             continue
-        raise CaseError(f"{printable(src.pattern)}: names {plural(dims.total_heads, 'head')} (batch {dims.batch} x {dims.heads}) "
-                        f"with {', '.join('{' + f + '}' for f in sorted(fields))} only: several heads would "
-                        "read one file; HINT: use {i}, or {b} and {h}")
+        raise CaseError(f"{printable(src.pattern)}: names {plural(dims.heads_of(src.stage), 'head')} "
+                        f"(batch {dims.batch} x {per_batch}) with {', '.join('{' + f + '}' for f in sorted(fields))} "
+                        "only: several heads would read one file; HINT: use {i}, or {b} and {h}")
+
+
+def refuse_query_head_kv_files(sources: Dict[str, "StageSource"], dims: Dims) -> None:
+    """A stage of K/V heads written per query head in a grouped case (a file for K/V head B·Hk,
+    beyond the last): one line naming the layout the case has, rather than stale or extra files."""
+    if dims.kv == dims.heads:
+        return
+    for src in sources.values():
+        fields = _placeholders(src.pattern) or set()
+        if not (STAGES[src.stage].kv and src.folder is not None and fields & {"i", "h"}):
+            continue
+        # The first file past the K/V heads: {i} = B·Hk, or {b} = 0 and {h} = Hk.
+        beyond = Path(src.folder) / src.pattern.format(i=dims.total_kv_heads, b=0, h=dims.kv)
+        if beyond.exists():
+            raise CaseError(f"{beyond}: one {src.stage} file per query head, but {gqa_layout(src.stage, dims)} "
+                            f"({src.name(0, dims)} .. {src.name(dims.total_kv_heads - 1, dims)}); HINT: write "
+                            f"{src.stage} per K/V head")
 
 
 def read_names_file(path: Path) -> Dict[str, str]:

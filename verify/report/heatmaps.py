@@ -58,7 +58,7 @@ def _tile_grid(shown: np.ndarray, br: int, bc: int) -> np.ndarray:
     return grid
 
 
-def error_figure(stage: str, head: int, ratio: np.ndarray, tiles):
+def error_figure(stage: str, head: int, ratio: np.ndarray, tiles, kv: bool = False):
     """The figure of one stage x head: log10(|error| / allowed) per element, and its maximum per
     tile (`tiles` = (rows, cols) of a tile), with integer ticks and axes named after what they hold."""
     import matplotlib.pyplot as plt
@@ -69,7 +69,7 @@ def error_figure(stage: str, head: int, ratio: np.ndarray, tiles):
     row_name, col_name = tile_axis_name(stage, "row"), tile_axis_name(stage, "column")
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
     im = axes[0].imshow(shown, aspect="auto", cmap="magma", vmin=-3, vmax=6, interpolation="nearest")
-    axes[0].set_title(f"{stage} head {head}: log10(|err| / allowed)")
+    axes[0].set_title(f"{stage} {'K/V head' if kv else 'head'} {head}: log10(|err| / allowed)")
     axes[0].set_xlabel("column")
     axes[0].set_ylabel("row")
     fig.colorbar(im, ax=axes[0])
@@ -90,7 +90,8 @@ def error_figure(stage: str, head: int, ratio: np.ndarray, tiles):
 
 def write_plots(report: Report, folder: Path, error_map) -> List[Path]:
     """One PNG per failing stage × head: |error| / allowed as a heat map, and its per-tile maximum.
-    `error_map(stage, head)` returns that ratio array (compare.error_ratio_map)."""
+    `error_map(stage, head)` returns that ratio array (compare.error_ratio_map; head: a K/V head
+    for a grouped case's K/V stages, as the result and its file number it)."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -108,7 +109,7 @@ def write_plots(report: Report, folder: Path, error_map) -> List[Path]:
     for r in report.results:
         if r.status != FAIL and r.status != INHERITED:
             continue
-        fig = error_figure(r.stage, r.head, error_map(r.stage, r.head), tiles)
+        fig = error_figure(r.stage, r.head, error_map(r.stage, r.head), tiles, r.kv)
         path = folder / stage_file(r.stage, r.head, "png")
         png = io.BytesIO()
         fig.savefig(png, format="png", dpi=90)

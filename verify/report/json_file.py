@@ -9,7 +9,7 @@ from ..check import flash_attn_criterion
 from ..check.results import FLASH_ATTN_KEY, Report
 from ..files.case import atomic_write_bytes
 from ..runs import program_checks
-from .text import arithmetic, notes, resolution_words, stage_status, worst_result
+from .text import arithmetic, notes, resolution_words, stage_status, variant_words, worst_result
 
 
 def jsonable(x):
@@ -38,7 +38,7 @@ def to_json(report: Report) -> dict:
                        "max_abs": w.main.max_abs if w and w.main else None,
                        "worst_head": w.head if w else None, "resolution": resolution_words(rs),
                        "print_limited": any(r.print_limited for r in rs),
-                       "source": run.sources[stage].describe()})
+                       "source": run.sources[stage].describe(), "kv_heads": any(r.kv for r in rs)})
     return jsonable({
         "passed": report.passed, "first_failing_stage": report.first_failing_stage,
         "first_failure": first.to_json() if first else None,
@@ -46,11 +46,13 @@ def to_json(report: Report) -> dict:
         "precision": run.precision, "math": run.math, "arithmetic": arithmetic(run),
         "causal": run.causal, "scale": run.scale,
         "mismatches": [m.message() for m in run.mismatches], "notes": notes(report),
-        "dims": {k: getattr(d, k) for k in ("batch", "heads", "seq_q", "seq_k", "d_k", "d_v")},
+        "dims": {k: getattr(d, k) for k in ("batch", "heads", "seq_q", "seq_k", "d_k", "d_v", "kv_heads")},
+        "variant": variant_words(run),
         FLASH_ATTN_KEY: flash_attn_criterion.json_block(report),
         "stages": stages, "results": [r.to_json() for r in report.results],
         "foreign_files": report.foreign_files, "timings_ms": report.run.timings(),
-        "program_checks": program_checks.json_block(report.program_checks)})
+        "program_checks": program_checks.json_block(report.program_checks),
+        "run_checks": [c.to_json() for c in report.run_checks]})
 
 
 def write_json(report: Report, path: Path) -> None:

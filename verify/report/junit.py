@@ -1,5 +1,6 @@
-"""A check's report as JUnit XML (`check --junit`): one testcase per stage and head, and one per
-program check."""
+"""A check's report as JUnit XML (`check --junit`): one testcase per stage and head (per K/V head,
+`kv_head_<j>`, for a grouped case's K/V stages), one per program check and one per run-level
+check (dropout's keep rate)."""
 from __future__ import annotations
 
 import io
@@ -36,9 +37,12 @@ def _junit_failure(r: HeadResult) -> ET.Element:
 def write_junit(report: Report, path: Path) -> None:
     """One testcase per stage and head; a failing one carries its message and diagnosis."""
     root = ET.Element("testsuites")
-    checks = report.program_checks
-    suite = ET.SubElement(root, "testsuite", name="attnstep", tests=str(len(report.results) + len(checks)),
-                          failures=str(sum(not r.passed for r in report.results) + sum(not c.passed for c in checks)),
+    # (A report's run-level checks and K/V heads are newer than some of its duck-typed stand-ins.)
+    checks, run_checks = report.program_checks, getattr(report, "run_checks", [])
+    suite = ET.SubElement(root, "testsuite", name="attnstep",
+                          tests=str(len(report.results) + len(checks) + len(run_checks)),
+                          failures=str(sum(not r.passed for r in report.results) + sum(not c.passed for c in checks)
+                                       + sum(not c.passed for c in run_checks)),
                           errors="0")
     suite_props = ET.SubElement(suite, "properties")  # what the bounds assume: a CI job sees a loosened check
     for name, value in (("precision", report.run.precision), ("math", report.run.math),
@@ -48,8 +52,13 @@ def write_junit(report: Report, path: Path) -> None:
         case = ET.SubElement(suite, "testcase", classname="attnstep.program", name=name)
         if failure:
             ET.SubElement(case, "failure", type=name, message=_xml_text(failure)).text = _xml_text(failure)
+    for c in run_checks:  # over the whole run: the stage's, not one head's
+        case = ET.SubElement(suite, "testcase", classname=f"attnstep.{c.stage}", name=c.code)
+        if not c.passed:
+            ET.SubElement(case, "failure", type=c.code, message=_xml_text(c.message)).text = _xml_text(c.message)
     for r in report.results:
-        case = ET.SubElement(suite, "testcase", classname=f"attnstep.{r.stage}", name=f"head_{r.head}")
+        name = f"{'kv_head' if getattr(r, 'kv', False) else 'head'}_{r.head}"  # a grouped case's K/V stages
+        case = ET.SubElement(suite, "testcase", classname=f"attnstep.{r.stage}", name=name)
         props = ET.SubElement(case, "properties")
         ET.SubElement(props, "property", name="resolution", value=_xml_text(r.resolution))
         if not r.passed:

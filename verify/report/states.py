@@ -1,12 +1,14 @@
 """The text report's account of states that span many results, each told once instead of per
 stage × head: files written over an earlier run (their CRC-32 no longer matches run.toml), a
-failure that several heads share, and stages holding half-precision values checked at a float32
-precision. The JSON and JUnit reports keep one entry per stage × head."""
+failure that several heads share, stages that cannot be checked for want of what they are
+checked against (the program's dropout keep-mask), and stages holding half-precision values
+checked at a float32 precision. The JSON and JUnit reports keep one entry per stage × head. A
+stage of a grouped case's K/V heads (HeadResult.kv) is told by its K/V heads."""
 from __future__ import annotations
 
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from ..check.results import FAIL, INHERITED, MISSING, PASS, STALE, HeadResult, Report
+from ..check.results import FAIL, INHERITED, MISSING, PASS, STALE, UNCHECKABLE, HeadResult, Report
 from ..files.resolution import HALF
 from ..stages import RUN_MANIFEST, STAGES
 from ..text import plural
@@ -61,43 +63,88 @@ def _pattern(r: HeadResult) -> Tuple:
 def failure_groups(report: Report) -> List[Tuple[HeadResult, List[int]]]:
     """The stage × head results that fail on their own, as (the first head's result, every head
     failing alike): a FAIL that several heads share is one group. Stale files are left out when
-    many are (the overwritten line covers them); other statuses name a file each, one per group."""
+    many are (the overwritten line covers them), and the stages that cannot be checked
+    (unchecked_line covers them); other statuses name a file each, one per group."""
     groups: Dict[Tuple, List[HeadResult]] = {}
     for r in report.results:
-        if r.status in (PASS, INHERITED) or (r.status == STALE and overwritten(report)):
+        if r.status in (PASS, INHERITED, UNCHECKABLE) or (r.status == STALE and overwritten(report)):
             continue
         key = _pattern(r) if r.status == FAIL else (r.stage, r.head)
         groups.setdefault(key, []).append(r)
     return [(rs[0], [r.head for r in rs]) for rs in groups.values()]
 
 
-def heads_words(heads: Sequence[int], total: int) -> str:
-    """"all 12 heads", or the heads as ranges: "heads 0-3, 7"."""
-    if len(heads) == total:
-        return "both heads" if total == 2 else f"all {plural(total, 'head')}"
+def head_ranges(heads: Sequence[int]) -> str:
+    """Head numbers as ranges: "0-3, 7"."""
     ranges, start = [], heads[0]
     for prev, h in zip(heads, list(heads[1:]) + [None]):
         if h != prev + 1:
             ranges.append(f"{start}" if start == prev else f"{start}-{prev}")
             start = h
-    return "heads " + ", ".join(ranges)
+    return ", ".join(ranges)
+
+
+def heads_words(heads: Sequence[int], total: int, noun: str = "head") -> str:
+    """"all 12 heads", or the heads as ranges: "heads 0-3, 7" (noun: "K/V head" for a stage of
+    the K/V heads)."""
+    if len(heads) == total:
+        return f"both {noun}s" if total == 2 else f"all {plural(total, noun)}"
+    return f"{noun}s {head_ranges(heads)}"
+
+
+def noun(r: HeadResult) -> str:
+    """What the result's head numbers: a query head, or a K/V head."""
+    return "K/V head" if r.kv else "head"
+
+
+def serves(r: HeadResult) -> str:
+    """The query heads a K/V head's result serves, in words ("" for a query head's)."""
+    if not r.kv:
+        return ""
+    return f"; query head{'s' if len(r.query_heads) > 1 else ''} {head_ranges(list(r.query_heads))}"
+
+
+def one_head(r: HeadResult) -> str:
+    """"head 4 (batch 0, head 4)", or "K/V head 1 (batch 0, K/V head 1; query heads 3-5)"."""
+    return f"{noun(r)} {r.head} (batch {r.batch}, {noun(r)} {r.head_in_batch}{serves(r)})"
 
 
 def where(r: HeadResult, heads: Sequence[int], report: Report) -> str:
     """A failure block's subject: one head, or the heads that fail alike (the first one shown)."""
-    one = f"head {r.head} (batch {r.batch}, head {r.head_in_batch})"
     if len(heads) == 1:
-        return f"{r.stage} {one}"
+        return f"{r.stage} {one_head(r)}"
     total = len(report.stage_results(r.stage))
-    return f"{r.stage}, {heads_words(heads, total)} alike; {one} shown"
+    return f"{r.stage}, {heads_words(heads, total, noun(r))} alike; {one_head(r)} shown"
 
 
 def culprit_heads(report: Report, first: HeadResult) -> str:
     """The verdict's words for the culprit's head, or for every head that fails alike with it."""
     for r, heads in failure_groups(report):
         if r is first and len(heads) > 1:
-            return heads_words(heads, len(report.stage_results(r.stage)))
-    return f"head {first.head}: batch {first.batch}, head {first.head_in_batch}"
+            return heads_words(heads, len(report.stage_results(r.stage)), noun(r))
+    return f"{noun(first)} {first.head}: batch {first.batch}, {noun(first)} {first.head_in_batch}{serves(first)}"
+
+
+# ---- stages that cannot be checked ---------------------------------------------------------------
+
+def unchecked(report: Report) -> List[HeadResult]:
+    return [r for r in report.results if r.status == UNCHECKABLE]
+
+
+def unchecked_stages(report: Report) -> str:
+    """The stages that cannot be checked, and on which heads ("output, dS (all 6 heads)")."""
+    rs = unchecked(report)
+    stages = [s for s in report.stages if any(r.stage == s for r in rs)]
+    query = sorted({r.head for r in rs if not r.kv})
+    on = heads_words(query, report.run.dims.total_heads) if query else \
+        heads_words(sorted({r.head for r in rs}), report.run.dims.total_kv_heads, "K/V head")
+    return f"{', '.join(stages)} ({on})"
+
+
+def unchecked_line(report: Report) -> Optional[str]:
+    """One line for every stage × head that cannot be checked (their reason is one: the first)."""
+    rs = unchecked(report)
+    return f"UNCHECKABLE {unchecked_stages(report)}: {rs[0].message}" if rs else None
 
 
 # ---- half-precision values checked at a float32 precision ---------------------------------------

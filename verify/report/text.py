@@ -4,11 +4,12 @@ from __future__ import annotations
 import math
 from typing import List, Optional
 
-from ..check.results import FAIL, INHERITED, PASS, Comparison, HeadResult, Report
+from ..check.results import FAIL, INHERITED, PASS, UNCHECKABLE, Comparison, HeadResult, Report
 from ..files.resolution import EXACT
 from ..runs import program_checks
 from ..text import number as _g
 from ..text import number_pair, plural, printable
+from ..variant import NONE, TOP_LEFT, Variant
 from . import states
 
 MAX_DETAILED_FAILURES = 8
@@ -30,7 +31,7 @@ def worst_result(results: List[HeadResult]) -> Optional[HeadResult]:
 def _location(r: HeadResult, c: Comparison) -> str:
     if c.worst is None or c.max_abs == 0:
         return "-"
-    return f"b{r.batch} h{r.head_in_batch} [{c.worst[0]},{c.worst[1]}]"
+    return f"b{r.batch} {'kv' if r.kv else 'h'}{r.head_in_batch} [{c.worst[0]},{c.worst[1]}]"
 
 
 def arithmetic(run) -> str:
@@ -53,11 +54,28 @@ def _precision_words(run) -> str:
 def header_lines(report: Report) -> List[str]:
     run, d = report.run, report.run.dims
     what = f"run {run.run_id}" if run.run_id else str(run.path or "arrays")
+    kv = f" sharing {plural(d.total_kv_heads, 'K/V head')} (kv_heads {d.kv})" if d.kv_heads else ""
     return [f"attnstep check: {what} ({arithmetic(run)}"
             f"{', ' + run.device if run.device else ''}), "
-            f"{plural(d.total_heads, 'head')} (batch {d.batch} x {d.heads}), N={d.seq_q} M={d.seq_k} "
-            f"d_k={d.d_k} d_v={d.d_v}, {'causal' if run.causal else 'not causal'}, "
+            f"{plural(d.total_heads, 'head')} (batch {d.batch} x {d.heads}){kv}, N={d.seq_q} M={d.seq_k} "
+            f"d_k={d.d_k} d_v={d.d_v}, {variant_words(run)}, "
             f"scale {run.scale:.6g}" + (f", flash kernel {printable(run.flash_kernel)}" if run.flash_kernel else "")]
+
+
+def variant_words(run) -> str:
+    """The variant the run is checked against, in words: "not causal" for textbook attention."""
+    v = getattr(run, "variant", None) or Variant(causal=run.causal)
+    mask = ("causal" + (f" ({v.align})" if v.align != TOP_LEFT else "")) if v.causal else "not causal"
+    words = [mask]
+    if v.window != Variant().window:
+        words.append(f"window ({v.left}, {v.window[1]})")
+    if v.softcap:
+        words.append(f"softcap {v.softcap:g}")
+    words += ["ALiBi"] * v.alibi + [f"{name} file ({getattr(v, name)})" for name in ("mask", "bias")
+                                    if getattr(v, name) != NONE]
+    if v.dropout:
+        words.append(f"dropout {v.dropout:g}")
+    return ", ".join(words)
 
 
 def table_lines(report: Report, per_head: bool = False) -> List[str]:
@@ -129,7 +147,8 @@ def failure_lines(report: Report) -> List[str]:
     if len(groups) > MAX_DETAILED_FAILURES:
         more = sum(len(heads) for _, heads in groups[MAX_DETAILED_FAILURES:])
         lines.append(f"... and {more} more failing stage x head pairs (--json has them all)")
-    return lines
+    unchecked = states.unchecked_line(report)
+    return lines + ([unchecked] if unchecked else [])
 
 
 def notes(report: Report) -> List[str]:
@@ -151,9 +170,23 @@ def notes(report: Report) -> List[str]:
     return out
 
 
+def run_check_lines(report: Report) -> List[str]:
+    """The run-level checks (dropout's keep rate), one line each, passed or not."""
+    return [f"{'PASS' if c.passed else 'FAIL'} {c.stage} {c.title}: {c.message}" for c in report.run_checks]
+
+
 def summary_lines(report: Report) -> List[str]:
-    lines = [f"note: {n}" for n in notes(report)] + program_checks.text_lines(report.program_checks)
+    lines = [f"note: {n}" for n in notes(report)] + program_checks.text_lines(report.program_checks) \
+        + run_check_lines(report)
     first, verdict = states.culprit(report), f"FAIL ({bounds_words(report.run)}):"
+    failed_run = [c for c in report.run_checks if not c.passed]
+    if failed_run and (first is None or report.first_failing_stage != first.stage):
+        c = failed_run[0]
+        lines.append(f"{verdict} first failing stage: {c.stage} ({c.title}, over the whole run): {c.message}")
+        return lines
+    if first is not None and first.status == UNCHECKABLE:
+        lines.append(f"{verdict} {states.unchecked_stages(report)} {first.message}")
+        return lines
     if states.overwritten(report):  # one line for the files, not a stage blamed for them
         lines.append(f"{verdict} {states.overwritten_line(report)}")
         if first is None:
@@ -166,8 +199,10 @@ def summary_lines(report: Report) -> List[str]:
         return lines
     if first is None:
         used = max((r.main.tol_used for r in report.results if r.main), default=0.0)
-        n, h = len(report.stages), report.run.dims.total_heads
-        lines.append(f"PASS ({bounds_words(report.run)}): all {plural(n, 'stage')} x {plural(h, 'head')}; "
+        n, d = len(report.stages), report.run.dims
+        kv = f" ({plural(d.total_kv_heads, 'K/V head')})" if d.kv_heads else ""
+        lines.append(f"PASS ({bounds_words(report.run)}): all {plural(n, 'stage')} x "
+                     f"{plural(d.total_heads, 'head')}{kv}; "
                      f"largest fraction of tolerance used {_g(used)} (headroom {_g(max(0.0, 1 - used))})")
         return lines
     inherited = [s for s in report.stages

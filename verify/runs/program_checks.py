@@ -65,7 +65,7 @@ def value_digests(run) -> Dict[Tuple[str, int], str]:
     run, or another printing of the same float32, does not count as a difference)."""
     out = {}
     for stage in run.stages:
-        for head in range(run.dims.total_heads):
+        for head in range(run.dims.heads_of(stage)):
             try:
                 values = run.read(stage, head)[0]
                 data = values.tobytes() if values is not None else b"-"

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from typing import Dict, List, Tuple
 
-from ..stages import CASE_INPUTS, STAGES
+from ..stages import CASE_INPUTS, DROPOUT_MASK, STAGES
 from ..variant import Variant
-from . import backward, copies, flash, output, scores, weights
+from . import backward, copies, dropout, flash, output, scores, weights
 from .base import VARIANT_SOURCES, HeadContext, StageSpec, Violation
 
-SPECS: Dict[str, StageSpec] = {s.name: s for module in (copies, scores, weights, output, flash, backward)
+SPECS: Dict[str, StageSpec] = {s.name: s for module in (copies, scores, weights, dropout, output, flash, backward)
                                for s in module.SPECS}
 assert set(SPECS) == set(STAGES), "every stage of verify/stages.py needs a spec"
 
@@ -43,10 +43,16 @@ def sources_of(stage: str, variant: Variant) -> Tuple[str, ...]:
     return STAGES[stage].inputs + extra
 
 
+def reads_dropout_mask(stage: str, variant: Variant) -> bool:
+    """Whether the stage's reference under `variant` depends on the program's dropout keep-mask
+    (itself or upstream): it cannot be checked without it."""
+    return any(DROPOUT_MASK in sources_of(s, variant) for s in [stage] + upstream(stage))
+
+
 def uses_scale_and_mask(stage: str) -> bool:
     """Whether the stage depends on the scale and the causal mask (itself or upstream)."""
     return any(SPECS[s].scaled for s in [stage] + upstream(stage))
 
 
 __all__ = ["SPECS", "StageSpec", "HeadContext", "Violation", "upstream", "chain_inputs", "uses_scale_and_mask",
-           "sources_of", "VARIANT_SOURCES"]
+           "sources_of", "VARIANT_SOURCES", "reads_dropout_mask"]

@@ -1,0 +1,234 @@
+"""The parts of one stage's check that a query head's check (verify/check/compare.py) and a K/V
+group's summed stages (verify/check/groups.py) share: reading the program's matrix, the sources of
+the isolated reference, the references and bounds under the case's variant, and the verdict from
+the two comparisons.
+"""
+from __future__ import annotations
+
+from typing import Dict, Iterable, List, Optional, Tuple
+
+import numpy as np
+
+from ..files.case import read_bytes
+from ..files.kinds import CaseError
+from ..files.outputs import STAGE_ITEMSIZE, RunInfo, staleness
+from ..files.resolution import EXACT
+from ..specs import SPECS, HeadContext, sources_of, upstream
+from ..specs.base import Violation
+from ..files.case import InputCase
+from ..stages import BIAS_INPUT, DROPOUT_MASK, GRAD_INPUT, INPUT_NAMES, MASK_INPUT, STAGES
+from . import tolerance
+from .reference import compute_stage, reference_chain
+from .results import FAIL, INHERITED, MISSING, PASS, SHAPE, STALE, UNREADABLE, HeadResult
+
+# A file's state -> its diagnosis code.
+STATUS_CODES = {STALE: "stale", MISSING: "missing", SHAPE: "shape", UNREADABLE: "unreadable"}
+
+Loaded = Tuple[Optional[np.ndarray], object, Optional[str], str]
+
+
+def load_output(run: RunInfo, stage: str, index: int) -> Loaded:
+    """(matrix or None, its Resolution, HeadResult-status or None, message) for one stage's matrix
+    `index` (a query head's; a K/V head's for a stage of the K/V heads)."""
+    src = run.sources[stage]
+    data = None
+    if src.arrays is None and (src.per_head or not src.file(index, run.dims).exists()):
+        path = src.file(index, run.dims)
+        if not path.exists():
+            why = f"run.toml lists stage {stage}" if run.lists_stages else \
+                f"the other {stage} files exist"
+            return None, EXACT, MISSING, f"{path.name} is missing ({why})"
+        try:
+            data = read_bytes(path, STAGES[stage].shape(run.dims), STAGE_ITEMSIZE)  # a FIFO, a device, too large
+        except CaseError as exc:
+            return None, EXACT, UNREADABLE, str(exc)
+        stale = staleness(run, stage, index, data)
+        if stale:
+            return None, EXACT, STALE, stale
+    try:
+        mat, resolution, _ = src.read(index, run.dims, data)
+    except CaseError as exc:
+        return None, EXACT, UNREADABLE, str(exc)
+    if run.verify_crc and data is not None:
+        resolution = EXACT  # attnstep's binary wrote it (its CRC matches): %.9g round-trips float32
+    shape = STAGES[stage].shape(run.dims)
+    if mat.shape != shape:
+        return None, EXACT, SHAPE, (f"{src.name(index, run.dims)} is {mat.shape[0]}x{mat.shape[1]}, expected "
+                                    f"{shape[0]}x{shape[1]} ({STAGES[stage].rows}x{STAGES[stage].cols})")
+    return mat, resolution, None, ""
+
+
+def new_result(run: RunInfo, stage: str, head: int) -> HeadResult:
+    """A passing result of `stage` for query head `head`: a stage of the K/V heads is named after
+    the K/V head the query head reads (and, in a grouped case, the query heads that share it)."""
+    dims = run.dims
+    if not STAGES[stage].kv:
+        return HeadResult(stage, head, *dims.decode_head(head), PASS)
+    kv = dims.kv_head_of(head)
+    serves = tuple(dims.query_heads_of(kv)) if dims.kv_heads else None
+    return HeadResult(stage, kv, *divmod(kv, dims.kv), PASS, query_heads=serves)
+
+
+def file_index(run: RunInfo, stage: str, head: int) -> int:
+    """The number of query head `head`'s matrix of `stage` among the stage's files."""
+    return run.dims.kv_head_of(head) if STAGES[stage].kv else head
+
+
+# ---- what a query head reads -----------------------------------------------------------------
+
+def case_inputs(run: RunInfo):
+    """The input matrices a run's checks read: Q, K, V, and dO when it holds a backward stage."""
+    backward = any(STAGES[s].backward for s in run.stages)
+    return INPUT_NAMES + ((GRAD_INPUT,) if backward else ())
+
+
+def query_keys_values(run: RunInfo, case: InputCase, head: int) -> Dict[str, np.ndarray]:
+    """Query head `head`'s Q and the K, V it reads (another head's, for the diagnoses)."""
+    inputs = head_inputs(run, case, head)
+    return {n: inputs[n] for n in INPUT_NAMES}
+
+
+def head_inputs(run: RunInfo, case: InputCase, head: int) -> Dict[str, np.ndarray]:
+    """Query head `head`'s Q (and dO) and the K, V of the K/V head it reads, as float64."""
+    return {n: case.load(n, file_index(run, n, head)).astype(np.float64) for n in case_inputs(run)}
+
+
+def variant_inputs(case: InputCase, head: int, keep_mask: Optional[Loaded]) -> Dict[str, np.ndarray]:
+    """The head's mask and bias files (where the case has them) and the program's keep-mask."""
+    out = {}
+    for name in (MASK_INPUT, BIAS_INPUT):
+        x = case.variant_input(name, head)
+        if x is not None:
+            out[name] = np.asarray(x, dtype=np.float64)
+    if keep_mask is not None and keep_mask[0] is not None:
+        out[DROPOUT_MASK] = keep_mask[0]
+    return out
+
+
+def keep_mask(run: RunInfo, head: int) -> Tuple[Optional[Loaded], Optional[str]]:
+    """The program's dropout keep-mask of the head (read once: the stages after it read it, and it
+    is checked itself), and why the stages that read it cannot be checked (None: they can)."""
+    loaded = None if run.sources.get(DROPOUT_MASK) is None else load_output(run, DROPOUT_MASK, head)
+    p = run.variant.dropout
+    if p <= 0 or (loaded is not None and loaded[0] is not None):
+        return loaded, None
+    if loaded is not None:
+        return loaded, f"not checkable without the program's keep-mask: {loaded[3]}"
+    return None, (f"not checkable: the case has dropout {p:g} but the run has no {DROPOUT_MASK} (the program's "
+                  f"keep-mask, which the stages after it are computed from: the check never draws its own); HINT: "
+                  f"write it as {DROPOUT_MASK}_head_{{i}}, 1 where kept, 0 where dropped")
+
+
+# ---- references and bounds under the case's variant -------------------------------------------
+
+def sources(stage: str, ctx: HeadContext) -> Tuple[str, ...]:
+    """The names a stage's reference and bounds read for this head: its table inputs and what the
+    head's variant adds (specs.sources_of: the mask and bias files, the program's keep-mask, QK
+    under a softcap); an echo's is the input file itself."""
+    return sources_of(stage, ctx.effective_variant) or (stage,)
+
+
+def reference(stage: str, src: Dict[str, np.ndarray], ctx: HeadContext) -> np.ndarray:
+    """The float64 reference of `stage` from `src` (its sources()) under the head's variant."""
+    return compute_stage(stage, src, ctx.scale, ctx.causal, variant=ctx.effective_variant, slope=ctx.slope)
+
+
+def quantization(stage: str, src: Dict[str, np.ndarray], quanta, ctx: HeadContext):
+    """How far the isolated reference moves with its sources' printed resolutions."""
+    return tolerance.quantization_bound(stage, src, quanta, ctx.scale, ctx.causal, variant=ctx.effective_variant,
+                                        slope=ctx.slope)
+
+
+def chain_of(inputs: Dict[str, np.ndarray], needed: Iterable[str], scale: float, causal: bool, variant,
+             slope: float) -> Dict[str, np.ndarray]:
+    """The inputs and the reference chain of every stage in `needed` from them."""
+    return {**inputs, **reference_chain(inputs, scale, causal, needed, variant=variant, slope=slope)}
+
+
+def allowed(stage: str, src: Dict[str, np.ndarray], want: np.ndarray, ctx: HeadContext,
+            override: Optional[Tuple[float, float]], chained: bool = False) -> np.ndarray:
+    """The element-wise allowance: the user's atol + rtol·|want| where given (override), else the
+    error model: isolated (this stage's own rounding, from `src`) or chained (the error
+    accumulated along the head's reference chain from the original inputs)."""
+    if override is not None:
+        atol, rtol = override
+        return atol + rtol * np.where(np.isfinite(want), np.abs(want), 0.0)
+    if chained:
+        return tolerance.chained_bound(stage, ctx.chain, **ctx.bound_args())
+    return tolerance.stage_bound(stage, src, want, **ctx.bound_args())
+
+
+def with_quantum(allowed: np.ndarray, *extra) -> np.ndarray:
+    """allowed plus the printed-resolution terms that apply (None or 0: exact)."""
+    out = allowed
+    for x in extra:
+        if x is not None and not (np.isscalar(x) and x == 0):
+            out = out + x
+    return out
+
+
+def isolated_sources(names, got, quanta, results, chain):
+    """The sources of a stage's isolated reference: the binary's own upstream stages where it wrote
+    them, except echoes that matched their input (the exact input then), and the reference where a
+    stage was not written (an unchecked upstream stage is simply not checked)."""
+    src, q = {}, {}
+    for n in names:
+        own = n in got and not (SPECS[n].echo and results[n].passed)
+        src[n] = got[n] if own else chain[n]
+        if own and quanta.get(n) is not None:
+            q[n] = quanta[n]
+    return src, q
+
+
+def bit_identical(a: Dict[str, np.ndarray], b: Dict[str, np.ndarray]) -> bool:
+    """Whether two source sets hold the very same bits (so every reference and bound computed
+    from them is the same too): -0.0 vs 0.0 and NaN payloads count as different."""
+    return a.keys() == b.keys() and all(
+        a[n] is b[n] or (a[n].shape == b[n].shape and a[n].dtype == b[n].dtype
+                         and np.ascontiguousarray(a[n]).tobytes() == np.ascontiguousarray(b[n]).tobytes())
+        for n in a)
+
+
+# ---- the verdict ---------------------------------------------------------------------------------
+
+def failed_upstream(stage: str, results: Dict[str, HeadResult]) -> List[str]:
+    """The stages `stage` is computed from that failed, in table order."""
+    return [u for u in upstream(stage) if u in results and not results[u].passed]
+
+
+def blamed_elsewhere(stage: str, violations: List[Violation], upstream_failed: List[str],
+                     partner_failed: bool) -> List[Violation]:
+    """Findings that follow from an upstream stage's failure (they become notes): a flash stage's
+    disagreement with its stage-path partner when that partner failed, and the invariants that
+    hold only given correct upstream stages (dS's row sums when D failed, dK's column sums when dS
+    did: see StageSpec.given_partner and given_upstream)."""
+    out = []
+    for v in violations:
+        if partner_failed and v.code in SPECS[stage].given_partner:
+            out.append(v)
+        elif upstream_failed and v.code in SPECS[stage].given_upstream:
+            out.append(v)
+    return out
+
+
+def nonfinite_propagated(got: np.ndarray, want_iso: np.ndarray) -> bool:
+    """Every NaN/Inf of got stands where the isolated reference has one: the stage propagated
+    what its upstream stages gave it (their own checks report the cause)."""
+    return bool(np.all(np.isfinite(got) | ~np.isfinite(want_iso)))
+
+
+def classify(res: HeadResult, upstream_failed: List[str]) -> None:
+    """FAIL when the stage fails on its own: neither its own upstream files nor the original inputs
+    explain it (a correct program may compute a stage by another route than from the upstream
+    files it wrote: QK_scaled as (Q·scale)·Kᵀ, a fused softmax), or a reference-free check fails.
+    INHERITED when it fails only chained, downstream of a failing stage."""
+    explained = res.isolated.passed or res.chained.passed
+    if not explained or res.violations:
+        res.status = FAIL
+    elif not res.chained.passed:
+        res.status = INHERITED if upstream_failed else FAIL
+        res.message = (f"inherits the error of {upstream_failed[0]}" if upstream_failed else
+                       "fails against the reference chain only: error accumulated upstream")
+    elif not res.isolated.passed:
+        res.message = ("matches the reference from the original inputs (computed by another route "
+                       "than from the upstream stages it wrote)")
