@@ -141,7 +141,7 @@ def check_head(run: RunInfo, case: InputCase, head: int, opts: Options, ref_of_h
             res = results[stage] = new_result(run, stage, head)
             loaded = mask_read if STAGES[stage].dropout else load_output(run, stage, file_index(run, stage, head))
             mat, quantum = _check_stage(res, loaded, ctx, results, run, opts,
-                                        (ref_of_head, inputs_of_head, diagnoser))
+                                        (ref_of_head, inputs_of_head, case.alibi_slope, diagnoser))
             group.keep(stage, res, mat, quantum)
     return [r for s, r in results.items() if s not in lent]
 
@@ -205,14 +205,14 @@ def _compare(res: HeadResult, ctx: HeadContext, results: Dict[str, HeadResult], 
 
 
 def _diagnose(res: HeadResult, mat: np.ndarray, isolated, ctx: HeadContext, run: RunInfo, ref_of_head,
-              inputs_of_head, diagnoser: Optional[Diagnoser]) -> None:
+              inputs_of_head, slope_of_head, diagnoser: Optional[Diagnoser]) -> None:
     """The patterns that explain a failing stage × head (the diagnoser's; none without one), then
     its reference-free findings."""
     src_iso, want_iso, allowed_iso = isolated
     if diagnoser is not None:
         res.diagnosis = diagnoser(res.stage, mat, want_iso, Suspect(
             ctx.dims, ctx.scale, ctx.causal, res.head, src_iso, functools.partial(ref_of_head, res.stage),
-            run.flash_tiles, allowed_iso, ctx, inputs_of_head))
+            run.flash_tiles, allowed_iso, ctx, inputs_of_head, slope_of_head=slope_of_head))
     for v in res.violations:
         if not any(d.code == v.code for d in res.diagnosis):
             res.diagnosis.append(Diagnosis(v.code, v.message, {"count": v.count}))

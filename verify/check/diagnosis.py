@@ -17,6 +17,7 @@ import numpy as np
 
 from ..specs.base import HeadContext
 from ..stages import Dims
+from ..variant import Variant
 
 
 @dataclass
@@ -36,7 +37,9 @@ class Suspect:
     end of a head are the next head's). For a stage of a grouped case's K/V heads summed over its
     query heads (dK, dV and their flash twins), head is the K/V head, head_ctx None (no one query
     head's context holds it), and group_terms each query head's part of the isolated reference,
-    in order of head: what a program that summed some of them, or one twice, wrote."""
+    in order of head: what a program that summed some of them, or one twice, wrote. slope_of_head:
+    any query head's ALiBi slope (a program that took another head's); variant: the case's, where
+    there is no head context to hold it (a K/V head's sums)."""
     dims: Optional[Dims] = None
     scale: float = 1.0
     causal: bool = False
@@ -48,6 +51,8 @@ class Suspect:
     head_ctx: Optional[HeadContext] = None
     inputs_of_head: Optional[Callable[[int], Dict[str, np.ndarray]]] = None
     group_terms: Optional[List[np.ndarray]] = None
+    slope_of_head: Optional[Callable[[int], float]] = None
+    variant: Optional[Variant] = None
 
 
 # (stage, got, the isolated reference, the Suspect) -> every pattern that explains got, most

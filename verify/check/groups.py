@@ -243,7 +243,7 @@ def _diagnose(group: KVGroup, res: HeadResult, mat, acc: GroupSum, allowed, ref_
         run = group.run
         res.diagnosis = diagnoser(res.stage, mat, acc.want_iso, Suspect(
             run.dims, run.scale, run.causal, group.kv_head, {}, functools.partial(ref_of_head, res.stage),
-            run.flash_tiles, allowed, None, None, group_terms=list(acc.terms)))
+            run.flash_tiles, allowed, None, None, group_terms=list(acc.terms), variant=run.variant))
     for v in res.violations:
         if not any(d.code == v.code for d in res.diagnosis):
             res.diagnosis.append(Diagnosis(v.code, v.message, {"count": v.count}))

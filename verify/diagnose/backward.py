@@ -12,7 +12,8 @@ import numpy as np
 
 from ..check import tolerance
 from ..check.diagnosis import Diagnosis
-from ..model.attention import causal_mask, softmax_rows
+from ..model.attention import softmax_rows
+from ..model.scores import HeadVariant
 from ..specs import SPECS
 from ..specs.backward import Gradients, d_reference
 from ..stages import FLASH_LSE, GRAD_OUTPUT, KEYS, QUERIES, STAGES, VALUES
@@ -28,15 +29,15 @@ def _own(ctx) -> Optional[Own]:
     return lambda name: np.asarray(head.own(name), np.float64)
 
 
-def _masked(own: Own, causal: bool) -> np.ndarray:
-    n, m = own(QUERIES).shape[0], own(KEYS).shape[0]
-    return causal_mask(n, m) if causal else np.zeros((n, m), bool)
+def _masked(own: Own, head: HeadVariant) -> np.ndarray:
+    """Where the head's variant hides a key (the causal mask, the window, the mask and bias files)."""
+    return head.hidden(own(QUERIES).shape[0], own(KEYS).shape[0])
 
 
-def _gradients(stage: str, own: Own, scale: float, causal: bool) -> Gradients:
+def _gradients(stage: str, own: Own, scale: float, head: HeadVariant) -> Gradients:
     """What the stage is computed from: the program's own P, dP, D on the stage path; recomputed
-    from its saved output and lse in the flash backward."""
-    return Gradients(own, scale, _masked(own, causal), recompute=STAGES[stage].flash)
+    from its saved output and lse in the flash backward (under the head's variant)."""
+    return Gradients(own, scale, _masked(own, head), recompute=STAGES[stage].flash, head=head)
 
 
 def _rebuilt(stage: str, g: Gradients) -> Optional[np.ndarray]:
@@ -59,29 +60,29 @@ def _width(ctx, stage: str, width: float) -> float:
     return max(width, float(finite.max()) if finite.size else 0.0)
 
 
-def _wrong_os(own: Own, scale: float, causal: bool) -> Iterable[Tuple[str, np.ndarray]]:
+def _wrong_os(own: Own, scale: float, head: HeadVariant) -> Iterable[Tuple[str, np.ndarray]]:
     """The tensors a program may take for O when it computes D = rowsum(dO∘O)."""
     dO = own(GRAD_OUTPUT)
     yield "dO instead of O (D = rowsum(dO∘dO))", dO
     Q, K, V = own(QUERIES), own(KEYS), own(VALUES)
-    S = (Q @ K.T) * scale
-    masked = _masked(own, causal)
+    S = head.modified((Q @ K.T) * scale)
+    masked = _masked(own, head)
     S_m = np.where(masked, -np.inf, S)
     m = np.max(S_m, axis=1, keepdims=True)
-    e = np.where(masked, 0.0, np.exp(S_m - m))
-    yield "O before the division by the row sum (unnormalized)", e @ V
-    if causal:
-        yield "O without the causal mask", softmax_rows(S) @ V
+    e = np.where(masked, 0.0, np.exp(S_m - np.where(np.isfinite(m), m, 0.0)))
+    yield "O before the division by the row sum (unnormalized)", head.dropped(e) @ V
+    if masked.any():
+        yield "O without the mask", head.dropped(softmax_rows(S)) @ V
     if V.shape[0] == Q.shape[0]:
         yield "V instead of O", V
 
 
-def _problem(ctx) -> Optional[Tuple[Own, float, bool]]:
-    """(own, scale, causal) of the head being diagnosed, or None without its context."""
+def _problem(ctx) -> Optional[Tuple[Own, float, HeadVariant]]:
+    """(own, scale, the head's variant) of the head being diagnosed, or None without its context."""
     own = _own(ctx)
     if own is None:
         return None
-    return own, ctx.scale, ctx.causal
+    return own, ctx.scale, ctx.head_ctx.head()
 
 
 def _first_match(got, want, width: float, cands: Iterable[Tuple[str, Optional[np.ndarray]]]):
@@ -97,11 +98,11 @@ def d_wrong_o(stage, got, want, ctx, width) -> List[Diagnosis]:
     problem = _problem(ctx)
     if problem is None:
         return []
-    own, scale, causal = problem
+    own, scale, head = problem
     dO = own(GRAD_OUTPUT)
-    g = _gradients(stage, own, scale, causal)
+    g = _gradients(stage, own, scale, head)
     cands = ((how, _rebuilt(stage, g.replaced(D=d_reference(dO, O))))
-             for how, O in _wrong_os(own, scale, causal) if O.shape == dO.shape)
+             for how, O in _wrong_os(own, scale, head) if O.shape == dO.shape)
     hit = _first_match(got, want, _width(ctx, stage, width), cands)
     if hit is None:
         return []
@@ -110,10 +111,10 @@ def d_wrong_o(stage, got, want, ctx, width) -> List[Diagnosis]:
                       f"{how} (max diff {diff:.2g})", {"how": how, "max_diff": diff}, 0.95)]
 
 
-def _missing_p_candidates(stage, own: Own, scale, causal):
+def _missing_p_candidates(stage, own: Own, scale, head):
     """The stage with dS = dP − D, masked entries zeroed or not (from the program's dP and D on
     the stage path; the flash backward's recomputed from its saved output and lse)."""
-    g = _gradients(stage, own, scale, causal)
+    g = _gradients(stage, own, scale, head)
     raw = g.dP - g.D
     for dS in (np.where(g.masked, 0.0, raw), raw):
         yield "", _rebuilt(stage, g.replaced(dS=dS))
@@ -149,8 +150,8 @@ def dv_untransposed_p(stage, got, want, ctx, width) -> List[Diagnosis]:
     problem = _problem(ctx)
     if problem is None:
         return []
-    own, scale, causal = problem
-    P = _gradients(stage, own, scale, causal).P
+    own, scale, head = problem
+    P = _gradients(stage, own, scale, head).P
     dO = own(GRAD_OUTPUT)
     if P.shape[1] != dO.shape[0]:
         return []  # P·dO needs N = M
@@ -166,8 +167,8 @@ def flash_lse_base(stage, got, want, ctx, width) -> List[Diagnosis]:
     problem = _problem(ctx)
     if problem is None:
         return []
-    own, scale, causal = problem
-    g = _gradients(stage, own, scale, causal)
+    own, scale, head = problem
+    g = _gradients(stage, own, scale, head)
     cands = ((how, _rebuilt(stage, g.replaced(lse=own(FLASH_LSE) * factor)))
              for how, factor in (("the natural-log lse is used as a base-2 one (exp2 without ·log2(e))", np.log(2.0)),
                                  ("a base-2 lse is used as a natural one", LOG2_E)))

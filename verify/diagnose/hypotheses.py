@@ -8,34 +8,42 @@ look at where got and want differ. No hypothesis fires on a correct or merely no
 candidate must explain got within a few tolerance widths AND differ from want by far more.
 
 Codes (stable; the report's `diagnosis`; docs/contract.md says each in a user's words): nonfinite,
-unwritten, overflow, transposed, layout, scaled, softmax_axis, head_permuted, mask_missing,
-mask_offset (any offset; bottom-right alignment named), keys_past_end, keys_dropped, tile_boundary,
-lse_log2, the backward's D_wrong_O, dS_missing_P, grad_unscaled, dV_untransposed_P
-(verify/diagnose/backward.py), and the precision ones: tf32, half_storage, half_truncation,
-half_accumulation (verify/diagnose/precision.py). overflow, keys_past_end and keys_dropped are in
-verify/diagnose/inputs.py: they, the mask and the scale recompute a stage from the case's Q, K, V
-where the program wrote no upstream stage (its spec's from_inputs). (`stale` comes from the
-integrity check in verify.check.compare.)
+unwritten, overflow, transposed, layout, scaled, softmax_axis, keys_past_end, keys_dropped,
+tile_boundary, lse_log2; the heads' head_permuted, kv_head_map, kv_group_not_summed,
+kv_group_summed_twice (verify/diagnose/heads.py); the masks' mask_missing, mask_offset (any
+offset; the other alignment named), window_off, window_missing, mask_file_ignored,
+mask_file_transposed (verify/diagnose/masks.py); the variants' softcap_missing,
+softcap_before_scale, alibi_missing, alibi_sign, alibi_slope_order, bias_ignored, bias_transposed,
+dropout_unscaled, dropout_not_applied, dropout_mask_inverted (verify/diagnose/variants.py); the
+backward's D_wrong_O, dS_missing_P, grad_unscaled, dV_untransposed_P (verify/diagnose/backward.py);
+and the precision ones: tf32, half_storage, half_truncation, half_accumulation
+(verify/diagnose/precision.py). overflow, keys_past_end and keys_dropped are in
+verify/diagnose/inputs.py: they, the mask, the variants and the scale recompute a stage from the
+case's Q, K, V where the program wrote no upstream stage (its spec's from_inputs). Every
+recomputation runs under the case's variant (verify/variant.py). (`stale` comes from the integrity
+check in verify.check.compare.)
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, Iterable, List, Optional, Tuple
+from typing import Dict, Iterable, List, Tuple
 
 import numpy as np
 
 from ..check.diagnosis import Diagnosis, Suspect
 from ..check.reference import compute_stage, softmax_rows
 from ..specs import SPECS
-from ..stages import KEYS, QUERIES, STAGES
+from ..stages import STAGES
 from ..text import plural
 from . import backward as backward_bugs
+from . import heads as head_bugs
+from . import masks as mask_bugs
 from . import precision as precision_bugs
-from .base import (LOG2_E, MATCH_WIDTHS, MAX_HEADS_SEARCHED, POISON_VALUES, SCALE_NAME_RTOL, UNWRITTEN_DENSITY,
-                   explains, loc, maxdiff, width_of)
-from .inputs import case_inputs, rebuilder, run_mask
+from . import variants as variant_bugs
+from .base import (LOG2_E, MATCH_WIDTHS, POISON_VALUES, SCALE_NAME_RTOL, UNWRITTEN_DENSITY, explains, loc, maxdiff,
+                   width_of)
+from .inputs import case_inputs, rebuilder, slope_of, variant_of, variant_tensors
 from .inputs import keys as _keys
 from .inputs import overflow as _overflow
-from .regions import mask as _mask
 from .regions import tile_boundary as _tile_boundary
 
 __all__ = ["Diagnosis", "Suspect", "diagnose"]
@@ -121,14 +129,14 @@ def _layout(stage, got, want, ctx, width) -> List[Diagnosis]:
             if diff is not None:
                 found.append((how, diff))
     src: Dict[str, np.ndarray] = ctx.src
-    scale, causal = ctx.scale, ctx.causal
+    scale = ctx.scale
     if not found and src and SPECS[stage].isolated is not None:  # not an exact copy
         for name, x in src.items():
             if name not in STAGES[stage].inputs:
                 continue
             for how, x2 in _operand_variants(np.asarray(x, dtype=np.float64)):
                 try:
-                    cand = compute_stage(stage, {**src, name: x2}, scale, causal)
+                    cand = _recomputed(stage, {**src, name: x2}, scale, ctx)
                 except ValueError:
                     continue
                 diff = explains(got, cand, want, width)
@@ -201,17 +209,24 @@ def _linear_factor(stage, got, want, ctx, width) -> List[Diagnosis]:
                       {"factor": f, "names": names, "max_diff": diff}, 0.9)]
 
 
+def _recomputed(stage: str, src: Dict[str, np.ndarray], scale: float, ctx) -> np.ndarray:
+    """The stage from `src` at `scale` under the run's variant."""
+    v = variant_of(ctx)
+    return compute_stage(stage, src, scale, v.causal, variant=v, slope=slope_of(ctx))
+
+
 def _rescaler(stage, ctx, width):
     """(the stage recomputed under another scale, the width to match it with): from the stage's
     sources when it applies the scale itself, else from the case's inputs; None if neither."""
     if SPECS[stage].scaled and ctx.src:
-        return (lambda s2: compute_stage(stage, ctx.src, s2, ctx.causal)), width
+        return (lambda s2: _recomputed(stage, ctx.src, s2, ctx)), width
     built = rebuilder(stage, ctx, width)
     if built is None:
         return None
     qkv, from_inputs = case_inputs(ctx), SPECS[stage].from_inputs
-    masked = run_mask(qkv[QUERIES].shape[0], qkv[KEYS].shape[0], ctx.causal)
-    return (lambda s2: from_inputs(qkv, s2, masked)), built[1]
+    v, slope = variant_of(ctx), slope_of(ctx)
+    qkv = {**variant_tensors(ctx), **qkv}
+    return (lambda s2: from_inputs(qkv, s2, None, variant=v, slope=slope)), built[1]
 
 
 def _wrong_scale(stage, got, want, ctx, width) -> List[Diagnosis]:
@@ -277,29 +292,6 @@ def _softmax_axis(stage, got, want, ctx, width) -> List[Diagnosis]:
     return []
 
 
-def _head_permuted(stage, got, want, ctx, width) -> List[Diagnosis]:
-    ref_of_head: Optional[Callable[[int], np.ndarray]] = ctx.ref_of_head
-    dims, head = ctx.dims, ctx.head
-    if ref_of_head is None or dims is None or head is None or dims.total_heads < 2:
-        return []
-    # Another head's reference comes from the reference chain: allow the chained error as well.
-    loose = 4.0 * width + 1e-5 * float(np.max(np.abs(want[np.isfinite(want)]), initial=0.0))
-    for h in range(min(dims.total_heads, MAX_HEADS_SEARCHED)):
-        if h == head:
-            continue
-        other = np.asarray(ref_of_head(h), dtype=np.float64)
-        if other.shape != got.shape:
-            continue
-        diff = explains(got, other, want, loose / MATCH_WIDTHS)
-        if diff is not None:
-            b, hh = dims.decode_head(h)
-            return [Diagnosis("head_permuted", f"{stage} head {head} holds head {h}'s result (batch "
-                              f"{b}, head {hh}): max diff {diff:.2g} from its reference",
-                              {"matches_head": h, "batch": b, "head_in_batch": hh, "max_diff": diff},
-                              0.95)]
-    return []
-
-
 def _lse_log2(stage, got, want, ctx, width) -> List[Diagnosis]:
     """flash_lse in base 2: got ≈ want·log2(e), the log-sum-exp of a kernel that works with exp2 and
     log2 internally and does not convert back to the natural log (the flash gradients' P
@@ -314,15 +306,27 @@ def _lse_log2(stage, got, want, ctx, width) -> List[Diagnosis]:
 
 
 # Bugs that leave whole rows or columns empty or renormalized, explaining every element.
-_EMPTIES_LINES = {"softmax_axis", "mask_offset", "mask_missing"}
+_EMPTIES_LINES = {"softmax_axis", *mask_bugs.CODES}
 
-# Each stage's spec (verify/specs/) names the hypotheses that apply to it.
+# Each stage's spec (verify/specs/) names the hypotheses that apply to it. "head_permuted" is every
+# head mix-up (verify/diagnose/heads.py: a GQA query head reading another K/V head, a K/V group
+# not summed), "mask" every wrong mask (verify/diagnose/masks.py).
 _HYPOTHESES = {"nonfinite": _nonfinite, "unwritten": _unwritten, "transposed": _transposed, "layout": _layout,
-               "scaled": _scaled, "softmax_axis": _softmax_axis, "head_permuted": _head_permuted, "mask": _mask,
+               "scaled": _scaled, "softmax_axis": _softmax_axis, "head_permuted": head_bugs.heads, "mask": mask_bugs.mask,
                "tile_boundary": _tile_boundary, "lse_log2": _lse_log2, "keys": _keys, "overflow": _overflow,
                **backward_bugs.HYPOTHESES}
-# The backward's named bugs explain a factor, a layout and where the errors are.
+# The variants' bugs (verify/diagnose/variants.py: softcap, ALiBi, bias, dropout) reach the stages
+# a wrong scale or mask reaches: they are tried where the spec names either.
+_VARIANT_BUGS_WHERE = ("scaled", "mask")
+# The backward's named bugs explain a factor, a layout and where the errors are; so does dropout's
+# missing rescale (a factor 1 − p) and the variants' bugs (where the errors are).
 _EXPLAINED_BY_BACKWARD_BUGS = ("scaled", "layout", "tile_boundary")
+_EXPLAINED_BY_VARIANT_BUGS = ("scaled", "tile_boundary", "unwritten")
+# A K/V group summed twice is a factor 2: the cause, not a scale.
+_FACTORS = {"kv_group_summed_twice"}
+# The named causes that explain every element, NaN and Inf included (a moved −inf of the mask or
+# the bias): the nonfinite count comes after them.
+_CAUSES = _EMPTIES_LINES | {"unwritten", "overflow"} | set(variant_bugs.CODES) | set(head_bugs.CODES)
 
 
 def diagnose(stage: str, got: np.ndarray, want: np.ndarray, ctx: Suspect) -> List[Diagnosis]:
@@ -340,25 +344,38 @@ def diagnose(stage: str, got: np.ndarray, want: np.ndarray, ctx: Suspect) -> Lis
                 new = hyp(stage, got, want, ctx, width)
             found.extend(new)
             fired.update([name] if new else [])
+    if any(name in SPECS[stage].diagnoses for name in _VARIANT_BUGS_WHERE):
+        with np.errstate(all="ignore"):
+            variant_found = variant_bugs.variants(stage, got, want, ctx, width)
+        if variant_found:
+            found = [d for d in found if d.code not in _EXPLAINED_BY_VARIANT_BUGS] + variant_found
     found = precision_bugs.settle(found + precision_bugs.diagnose(stage, got, want, ctx, found))
+    return _settled(found, fired)
+
+
+def _without(found: List[Diagnosis], codes) -> List[Diagnosis]:
+    return [d for d in found if d.code not in codes]
+
+
+def _settled(found: List[Diagnosis], fired) -> List[Diagnosis]:
+    """The findings without those another one explains, most confident first."""
     codes = {d.code for d in found}
-    if codes & _EMPTIES_LINES:
+    if codes & (_EMPTIES_LINES | {"overflow"}):
         # A wrong axis or mask leaves rows or columns with no visible key (0/0: NaN, or 0 where
-        # guarded): those lines are its consequence, not a region never written nor a tile's.
-        found = [d for d in found if d.code not in ("unwritten", "tile_boundary")]
-        codes = {d.code for d in found}
-    if "overflow" in codes:
-        # NaN written by an overflowing exp follows the large logits: not a region never written.
-        found = [d for d in found if d.code not in ("unwritten", "tile_boundary")]
-        codes = {d.code for d in found}
-    if "nonfinite" in codes and codes & (_EMPTIES_LINES | {"unwritten", "overflow"}):
+        # guarded), and NaN written by an overflowing exp follows the large logits: those lines
+        # are the cause's consequence, not a region never written nor a tile's.
+        found = _without(found, ("unwritten", "tile_boundary"))
+    if "transposed" in codes:
+        found = _without(found, ("tile_boundary",))
+    if fired & set(backward_bugs.HYPOTHESES):
+        found = _without(found, _EXPLAINED_BY_BACKWARD_BUGS)
+    if codes & _FACTORS:
+        found = _without(found, ("scaled",))
+    codes = {d.code for d in found}
+    if "nonfinite" in codes and codes & _CAUSES:
         # NaN in an unwritten region or an empty line: the cause explains it better than the count.
         for d in found:
             if d.code == "nonfinite":
                 d.confidence = 0.85
-    if "transposed" in codes:
-        found = [d for d in found if d.code != "tile_boundary"]
-    if fired & set(backward_bugs.HYPOTHESES):
-        found = [d for d in found if d.code not in _EXPLAINED_BY_BACKWARD_BUGS]
     found.sort(key=lambda d: -d.confidence)
     return found

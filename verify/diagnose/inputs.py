@@ -5,23 +5,84 @@ overflow: a softmax without the row max subtracted; exp overflows float32 where 
 pass log(FLT_MAX) ≈ 88.7, and inf/inf is NaN. keys_past_end: a key tile read past the end of the
 keys (the next head's first keys, or zero padding) enters every row's softmax unmasked.
 keys_dropped: the keys past the last full tile are left out of every row.
+
+Every recomputation here runs under the case's variant (verify/variant.py: the alignment, window,
+softcap, ALiBi, mask and bias files, the program's dropout keep-mask): `variant_of`, `slope_of`
+and `variant_tensors` read it off the head's context, and `alternatives` recomputes a stage under
+another variant, slope or inputs, as a bug of a variant would have it (verify/diagnose/variants.py,
+heads.py, masks.py).
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 
 from ..check import tolerance
 from ..check.diagnosis import Diagnosis, Suspect
-from ..model.attention import causal_mask, log_sum_exp_rows
-from ..specs import SPECS
-from ..stages import INPUT_NAMES, KEYS, QUERIES, SCALED_SCORES, STAGES, VALUES
+from ..check.reference import compute_stage
+from ..model.attention import log_sum_exp_rows
+from ..specs import SPECS, VARIANT_SOURCES
+from ..specs.base import head_variant
+from ..stages import BIAS_INPUT, DROPOUT_MASK, INPUT_NAMES, KEYS, MASK_INPUT, QUERIES, SCALED_SCORES, STAGES, VALUES
 from ..text import plural
+from ..variant import TOP_LEFT, Variant
 from .base import DISTINCT_WIDTHS, KEY_TILES, LOG_FLOAT32_MAX, MATCH_WIDTHS, OVERFLOW_SLACK, maxdiff, width_of
 
-Rebuild = Callable[[Dict[str, np.ndarray], np.ndarray], np.ndarray]  # (Q, K, V), masked -> the stage
+Tensors = Dict[str, np.ndarray]
+# (Q, K, V with the head's variant tensors), masked (None: the variant's own), variant, slope -> the stage
+Rebuild = Callable[..., np.ndarray]
 
+
+# ---- the head's variant ---------------------------------------------------------------------------
+
+def variant_of(ctx: Suspect) -> Variant:
+    """The variant the run asks of this head: the head context's, else the Suspect's (a K/V head's
+    sums), else a plain case of ctx.causal."""
+    if ctx.head_ctx is not None:
+        return ctx.head_ctx.effective_variant
+    v = ctx.variant or Variant()
+    return v if v.causal == bool(ctx.causal) else v.with_(causal=bool(ctx.causal))
+
+
+def slope_of(ctx: Suspect) -> float:
+    """This query head's ALiBi slope (0 without the head's context)."""
+    return float(ctx.head_ctx.slope) if ctx.head_ctx is not None else 0.0
+
+
+def variant_tensors(ctx: Suspect) -> Tensors:
+    """The head's mask and bias files and the program's dropout keep-mask, where the case has them."""
+    if ctx.head_ctx is not None:
+        return ctx.head_ctx.variant_tensors()
+    return {n: np.asarray(ctx.src[n], np.float64) for n in VARIANT_SOURCES if ctx.src.get(n) is not None}
+
+
+def structural_hidden(v: Variant, n: int, m: int, offset: int) -> np.ndarray:
+    """True where v's causal flag and window hide key j from row i when row i's diagonal is key
+    i + offset (v.offset(n, m): the case's own; another: a shifted mask). Variant.visible of v's
+    top-left twin on a grid whose first rows (or first columns) are cut off, so that its diagonal
+    falls there."""
+    top_left = v.with_(align=TOP_LEFT)
+    if offset >= 0:
+        return ~top_left.visible(n + offset, m, rows=slice(offset, None))
+    return ~top_left.visible(n, m - offset, cols=slice(-offset, None))
+
+
+def file_hidden(v: Variant, tensors: Tensors, n: int, m: int) -> np.ndarray:
+    """True where the head's mask file holds 0 or its bias file −inf (v's structural mask apart)."""
+    return head_variant(v.with_(causal=False, window=(-1, -1)), 0.0, tensors).hidden(n, m)
+
+
+def run_hidden(ctx: Suspect, n: int, m: int, extra: int = 0) -> np.ndarray:
+    """The whole mask the run asks for on n query rows and m keys, and `extra` keys past them (at
+    the same diagonals, hidden by no file: keys a tile read past the end)."""
+    v, tensors = variant_of(ctx), variant_tensors(ctx)
+    out = structural_hidden(v, n, m + extra, v.offset(n, m))
+    out[:, :m] |= file_hidden(v, tensors, n, m)
+    return out
+
+
+# ---- the stage recomputed -------------------------------------------------------------------------
 
 def case_inputs(ctx: Suspect) -> Optional[Dict[str, np.ndarray]]:
     """This head's Q, K, V (float64): the head's context, else the sources when they are the inputs."""
@@ -31,17 +92,14 @@ def case_inputs(ctx: Suspect) -> Optional[Dict[str, np.ndarray]]:
     return {n: np.asarray(have[n], dtype=np.float64) for n in INPUT_NAMES}
 
 
-def run_mask(n: int, m: int, causal: bool) -> np.ndarray:
-    """The mask the run asks for (top-left causal, or none) on an n×m problem."""
-    return causal_mask(n, m) if causal else np.zeros((n, m), bool)
-
-
 def rebuilder(stage: str, ctx: Suspect, width: float) -> Optional[Tuple[Rebuild, float]]:
     """(the stage from any Q, K, V and mask at the run's scale, one tolerance width for matching
     it), or None where the stage cannot be recomputed from the inputs or the program wrote a stage
-    it is computed from. A stage whose isolated
-    reference starts from upstream stages (output from the weights) carries the whole chain's
-    error when recomputed from the inputs: its width is then the chained bound's."""
+    it is computed from. The rebuild takes the inputs (the head's variant tensors are added where
+    they are not given), the whole mask (None: the variant's own) and, optionally, another variant
+    and slope. A stage whose isolated reference starts from upstream stages (output from the
+    weights) carries the whole chain's error when recomputed from the inputs: its width is then
+    the chained bound's."""
     from_inputs = SPECS[stage].from_inputs
     if from_inputs is None or case_inputs(ctx) is None:
         return None
@@ -52,7 +110,50 @@ def rebuilder(stage: str, ctx: Suspect, width: float) -> Optional[Tuple[Rebuild,
     if hc is not None and upstream and stage in hc.chain:
         chained = tolerance.chained_bound(stage, hc.chain, **hc.bound_args())
         width = max(width, width_of(chained, hc.chain[stage]))
-    return (lambda qkv, masked: from_inputs(qkv, ctx.scale, masked)), width
+    run_variant, run_slope, tensors = variant_of(ctx), slope_of(ctx), variant_tensors(ctx)
+
+    def rebuild(qkv, masked, variant: Optional[Variant] = None, slope: Optional[float] = None):
+        v = run_variant if variant is None else variant
+        keys = np.shape(qkv[KEYS])[0]
+        given = {n: _keys_cut(n, t, keys) for n, t in tensors.items()}
+        return from_inputs({**given, **qkv}, ctx.scale, masked, variant=v, slope=run_slope if slope is None else slope)
+    return rebuild, width
+
+
+# What a variant tensor holds for a key it does not cover (a key read past the end): kept, no bias.
+_NEUTRAL = {MASK_INPUT: 1.0, BIAS_INPUT: 0.0, DROPOUT_MASK: 1.0}
+
+
+def _keys_cut(name: str, t: np.ndarray, keys: int) -> np.ndarray:
+    """A variant tensor (N×M) cut or padded to `keys` columns: the keys a rebuild is given."""
+    if t.shape[1] >= keys:
+        return t[:, :keys]
+    return np.concatenate([t, np.full((t.shape[0], keys - t.shape[1]), _NEUTRAL[name])], axis=1)
+
+
+def alternatives(stage: str, ctx: Suspect, width: float, variant: Optional[Variant] = None,
+                 slope: Optional[float] = None, replace: Optional[Tensors] = None) -> Iterator[Tuple[np.ndarray, float]]:
+    """The stage as a program that computed it under another variant, slope or inputs (`replace`:
+    Q, K, V, a variant tensor) would have written it, each with the width to match it with: from
+    the stage's own sources (the isolated reference's, where they hold what changed or the stage
+    applies the variant itself), then from the case's inputs where the program wrote no upstream
+    stage. Computed when asked for: the first that explains got ends the search."""
+    v = variant_of(ctx) if variant is None else variant
+    s = slope_of(ctx) if slope is None else slope
+    replace = replace or {}
+    src = ctx.src
+    if src and (variant is not None or slope is not None or any(src.get(n) is not None for n in replace)):
+        changed = {**src, **{n: x for n, x in replace.items() if src.get(n) is not None}}
+        try:
+            yield compute_stage(stage, changed, ctx.scale, v.causal, variant=v, slope=s), width
+        except (KeyError, ValueError):
+            pass
+    built = rebuilder(stage, ctx, width)
+    qkv = case_inputs(ctx)
+    if built is not None:
+        rebuild, wide = built
+        with np.errstate(all="ignore"):
+            yield rebuild({**qkv, **replace}, None, v, s), wide
 
 
 def explains_rows(got: np.ndarray, cand: np.ndarray, want: np.ndarray, width: float,
@@ -84,8 +185,8 @@ def logits(ctx: Suspect) -> Optional[np.ndarray]:
     qkv = case_inputs(ctx)
     if qkv is None:
         return None
-    s = (qkv[QUERIES] @ qkv[KEYS].T) * ctx.scale
-    return np.where(run_mask(*s.shape, ctx.causal), -np.inf, s)
+    return head_variant(variant_of(ctx), slope_of(ctx), variant_tensors(ctx)).scores(
+        (qkv[QUERIES] @ qkv[KEYS].T) * ctx.scale)
 
 
 def overflow(stage, got, want, ctx, width) -> List[Diagnosis]:
@@ -170,7 +271,7 @@ def _keys_past_end(stage, got, want, ctx, rebuild, width, qkv) -> List[Diagnosis
     m, n = qkv[KEYS].shape[0], got.shape[0]
     for extra, tiles in _by_count(_tiles(ctx), lambda t: -m % t).items():
         for words, k_tail, v_tail in _past_end_sources(ctx, extra):
-            cand = rebuild(_extended(qkv, extra, k_tail, v_tail), run_mask(n, m + extra, ctx.causal))
+            cand = rebuild(_extended(qkv, extra, k_tail, v_tail), run_hidden(ctx, n, m, extra))
             for judged, overrun in _past_end_judged(got, want, ctx, extra):
                 diff = explains_rows(got, cand, want, width, judged)
                 if diff is None:
@@ -190,7 +291,7 @@ def _keys_dropped(stage, got, want, ctx, rebuild, width, qkv) -> List[Diagnosis]
         kept = m - dropped
         cut = {QUERIES: qkv[QUERIES], KEYS: qkv[KEYS][:kept], VALUES: qkv[VALUES][:kept]}
         judged = ~blank_rows(got, want)
-        diff = explains_rows(got, rebuild(cut, run_mask(n, m, ctx.causal)[:, :kept]), want, width, judged)
+        diff = explains_rows(got, rebuild(cut, run_hidden(ctx, n, m)[:, :kept]), want, width, judged)
         if diff is None:
             continue
         blank = int((~judged).sum())

@@ -74,17 +74,21 @@ def recheck(stage: str, got: np.ndarray, ctx: Suspect, precision: str, rounding:
         return np.inf, None
     inputs = {n: round_to_format(x, precision, rounding) if is_half(precision) else x
               for n, x in head.raw_inputs.items()}
+    tensors = head.variant_tensors()  # the mask and bias files, the program's keep-mask
+    inputs = {**tensors, **inputs}
+    variant = dict(variant=head.effective_variant, slope=head.slope)
     needed = [s for s in STAGES if s == stage or s in upstream(stage)]
-    chain = {**inputs, **reference_chain(inputs, head.scale, head.causal, needed)}
+    chain = {**inputs, **reference_chain(inputs, head.scale, head.causal, needed, **variant)}
     kw = dict(scale=head.scale, causal=head.causal, precision=precision, backend=head.backend, math=head.math,
-              flash_kernel=head.flash_kernel, cache=HeadCache(), half_rounding=rounding)
+              flash_kernel=head.flash_kernel, cache=HeadCache(), half_rounding=rounding, **variant)
     quantum = head.quanta.get(stage)
     names = STAGES[stage].inputs or (stage,)
     src = {n: head.got[n] if n in head.got and n != stage and not SPECS[n].echo else chain[n] for n in names}
-    want = compute_stage(stage, src, head.scale, head.causal)
+    src = {**tensors, **src}
+    want = compute_stage(stage, src, head.scale, head.causal, **variant)
     q_src = {n: head.quanta[n] for n in names if n in head.got and n != stage and head.quanta.get(n) is not None}
     allowed = tolerance.stage_bound(stage, src, want, **kw) + _resolution(quantum) \
-        + tolerance.quantization_bound(stage, src, q_src, head.scale, head.causal)
+        + tolerance.quantization_bound(stage, src, q_src, head.scale, head.causal, **variant)
     isolated = compare_arrays(got, want, allowed, nan_agrees=True).tol_used
     if isolated < 1:
         return isolated, want

@@ -1,0 +1,135 @@
+"""Heads mixed up: a stage holding another head's result, a query head that read another K/V head
+than its group's (GQA/MQA: the map h % Hk, or K/V heads not shared), and a K/V head's dK or dV not
+summed over its group's query heads, or summed twice. Hypotheses of verify/diagnose/hypotheses.py
+("head_permuted": the specs list it for every stage).
+
+Codes: head_permuted, kv_head_map, kv_group_not_summed, kv_group_summed_twice.
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
+
+import numpy as np
+
+from ..check.diagnosis import Diagnosis, Suspect
+from ..stages import KEYS, KEYS_T, STAGES, VALUES, Dims
+from .base import MATCH_WIDTHS, MAX_HEADS_SEARCHED, explains
+from .inputs import alternatives
+
+CODES = ("head_permuted", "kv_head_map", "kv_group_not_summed", "kv_group_summed_twice")
+
+
+def head_permuted(stage, got, want, ctx, width) -> List[Diagnosis]:
+    """got is another head's reference (a query head's, or a K/V head's for a stage of the K/V heads)."""
+    ref_of_head: Optional[Callable[[int], np.ndarray]] = ctx.ref_of_head
+    dims, head = ctx.dims, ctx.head
+    kv = STAGES[stage].kv
+    heads = (dims.total_kv_heads if kv else dims.total_heads) if dims is not None else 0
+    if ref_of_head is None or head is None or heads < 2:
+        return []
+    # Another head's reference comes from the reference chain: allow the chained error as well.
+    loose = 4.0 * width + 1e-5 * float(np.max(np.abs(want[np.isfinite(want)]), initial=0.0))
+    for h in range(min(heads, MAX_HEADS_SEARCHED)):
+        if h == head:
+            continue
+        other = np.asarray(ref_of_head(h), dtype=np.float64)
+        if other.shape != got.shape:
+            continue
+        diff = explains(got, other, want, loose / MATCH_WIDTHS)
+        if diff is not None:
+            b, hh = divmod(h, dims.kv) if kv else dims.decode_head(h)
+            what = "K/V head" if kv else "head"
+            return [Diagnosis("head_permuted", f"{stage} {what} {head} holds {what} {h}'s result (batch "
+                              f"{b}, {what} {hh}): max diff {diff:.2g} from its reference",
+                              {"matches_head": h, "batch": b, "head_in_batch": hh, "kv_head": kv,
+                               "max_diff": diff}, 0.95)]
+    return []
+
+
+# ---- the K/V head a query head reads -------------------------------------------------------------
+
+def _kv_inputs(ctx: Suspect, kv_head: int) -> Optional[Dict[str, np.ndarray]]:
+    """K/V head `kv_head`'s K, V (and Kᵀ), from the inputs of the first query head that reads it."""
+    first = ctx.dims.query_heads_of(kv_head)[0]
+    x = ctx.inputs_of_head(first)
+    k, v = np.asarray(x[KEYS], np.float64), np.asarray(x[VALUES], np.float64)
+    return {KEYS: k, VALUES: v, KEYS_T: k.T}
+
+
+def _maps(dims: Dims, head: int, read: int) -> List[Tuple[str, str]]:
+    """(name, words) of every wrong map under which query head `head` reads K/V head `read`."""
+    b, h = dims.decode_head(head)
+    out = []
+    if read == b * dims.kv + h % dims.kv:
+        out.append(("modulo", f"the map h % Hk = {h} % {dims.kv} (interleaved) instead of h // (H/Hk) = "
+                              f"{h} // {dims.group_size}"))
+    if read == head:
+        out.append(("unshared", "K/V head i for query head i: the K/V heads not shared"))
+    elif head >= dims.total_kv_heads and read == dims.total_kv_heads - 1:
+        out.append(("unshared_clamped", f"the last K/V head: query head {head} is past the last of "
+                                        f"{dims.total_kv_heads} K/V heads, as if K/V heads were not shared "
+                                        "(index clamped)"))
+    return out or [("other", "another group's K/V head")]
+
+
+def _read_order(dims: Dims, head: int) -> Iterator[int]:
+    """The K/V heads a query head may have read by mistake, the usual wrong maps' first."""
+    b, h = dims.decode_head(head)
+    usual = [b * dims.kv + h % dims.kv, head, dims.total_kv_heads - 1]
+    rest = range(min(dims.total_kv_heads, MAX_HEADS_SEARCHED))
+    own = dims.kv_head_of(head)
+    for j in dict.fromkeys([j for j in usual if 0 <= j < dims.total_kv_heads] + list(rest)):
+        if j != own:
+            yield j
+
+
+def kv_head_map(stage, got, want, ctx, width) -> List[Diagnosis]:
+    """A query head's stage computed with another K/V head's K and V than its group's."""
+    dims, head = ctx.dims, ctx.head
+    if (dims is None or head is None or STAGES[stage].kv or dims.group_size < 2
+            or ctx.inputs_of_head is None):
+        return []
+    for j in _read_order(dims, head):
+        for cand, w in alternatives(stage, ctx, width, replace=_kv_inputs(ctx, j)):
+            diff = explains(got, cand, want, w)
+            if diff is None:
+                continue
+            own = dims.kv_head_of(head)
+            maps = _maps(dims, head, j)
+            return [Diagnosis("kv_head_map", f"{stage}: query head {head} read K/V head {j} instead of K/V head "
+                              f"{own}, its group's ({' or '.join(w for _, w in maps)}) (max diff {diff:.2g})",
+                              {"read_kv_head": j, "kv_head": own, "maps": [n for n, _ in maps], "max_diff": diff},
+                              0.95)]
+    return []
+
+
+# ---- a K/V head's gradient summed over its group ------------------------------------------------
+
+def kv_group_sum(stage, got, want, ctx, width) -> List[Diagnosis]:
+    """dK or dV of a K/V head: one query head's part only (not accumulated over the group: the
+    first's, or the last's that overwrote the others), or the sum taken twice."""
+    terms = ctx.group_terms
+    if not terms or len(terms) < 2:
+        return []
+    heads = list(ctx.dims.query_heads_of(ctx.head)) if ctx.dims is not None else list(range(len(terms)))
+    for i, term in sorted(enumerate(terms), key=lambda t: (t[0] not in (0, len(terms) - 1), -t[0])):
+        diff = explains(got, np.asarray(term, np.float64), want, width)
+        if diff is not None:
+            which = ("the last of its group: each query head's part overwrote the previous one's"
+                     if i == len(terms) - 1 else "the first of its group" if i == 0 else f"number {i} of its group")
+            return [Diagnosis("kv_group_not_summed", f"{stage} K/V head {ctx.head} holds query head {heads[i]}'s "
+                              f"part only ({which}), not the sum over its {len(terms)} query heads "
+                              f"{heads[0]}..{heads[-1]} (max diff {diff:.2g})",
+                              {"query_head": heads[i], "position": i, "group": heads, "max_diff": diff}, 0.95)]
+    diff = explains(got, 2.0 * want, want, 2.0 * width)
+    if diff is not None:
+        return [Diagnosis("kv_group_summed_twice", f"{stage} K/V head {ctx.head} holds twice the sum over its "
+                          f"{len(terms)} query heads {heads[0]}..{heads[-1]} (accumulated twice, or onto a buffer "
+                          f"that already held it) (max diff {diff:.2g})", {"group": heads, "max_diff": diff}, 0.95)]
+    return []
+
+
+def heads(stage, got, want, ctx, width) -> List[Diagnosis]:
+    """Every head mix-up: another head's result, another K/V head read, a group not summed."""
+    return (head_permuted(stage, got, want, ctx, width) or kv_head_map(stage, got, want, ctx, width)
+            or kv_group_sum(stage, got, want, ctx, width))
