@@ -21,8 +21,8 @@ from ..specs.base import (COLUMN_SUM, ECHO_MISMATCH, FLASH_VS_OUTPUT, FLASH_VS_S
 from ..stages import Dims
 from . import half_rounding, reference, tolerance
 
-__all__ = ["check_invariants", "canonical", "ENGINE_BOUNDS", "head_context", "Violation", "NONFINITE", "NEGATIVE_WEIGHTS",
-           "ROW_SUM", "MASK_MISSING", "NOT_TRANSPOSE", "ECHO_MISMATCH", "FLASH_VS_OUTPUT", "LSE_VS_SCORES",
+__all__ = ["check_invariants", "canonical", "ENGINE_BOUNDS", "head_context", "Violation", "NONFINITE",
+           "NEGATIVE_WEIGHTS", "ROW_SUM", "MASK_MISSING", "NOT_TRANSPOSE", "ECHO_MISMATCH", "FLASH_VS_OUTPUT", "LSE_VS_SCORES",
            "FLASH_VS_STAGES", "COLUMN_SUM"]
 
 

@@ -16,7 +16,7 @@ head (p itself, 1 − p and the reciprocal rounded), and one rounding of each pr
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 import numpy as np
 
@@ -24,7 +24,7 @@ from ..variant import NONE, Variant, alibi_bias, hidden, modified_scores
 from .kernels import Kernel
 from .rounding import ULP_IN_U
 
-Rows = object  # a slice or an integer index array of query rows
+Rows = Union[slice, np.ndarray]  # some query rows of a head: a slice or an integer index array
 
 
 class HeadVariant:
@@ -88,9 +88,6 @@ class HeadVariant:
             out.setflags(write=False)
             self._hidden[key] = out
         return out
-
-    def masks_any(self, n: int, m: int) -> bool:
-        return bool(self.hidden(n, m).any())
 
     # ---- the scores -------------------------------------------------------------------------
     def modified(self, scaled: np.ndarray, n: Optional[int] = None, rows: Optional[Rows] = None) -> np.ndarray:
