@@ -105,10 +105,17 @@ StageSet drop_backward(const Options& o, const InputCase& c, StageSet sel) {
     return c.backward ? sel : sel.minus(StageSet::backward());
 }
 
+// The stages computed through dropout's keep-mask: the stage path's output, dS and dV (which list it
+// as a source) and the flash stages that redraw it. Each can be checked only against the mask.
+constexpr StageSet kKeepMaskReaders{stage_mask(Stage::output, Stage::dS, Stage::dV, Stage::flash_output,
+                                               Stage::flash_dQ, Stage::flash_dK, Stage::flash_dV)};
+
 // The dropout stage (dropout_mask) exists only in a run with dropout: named one by one it is an
-// error without; through a group (all, stages) it is left out, and never computed.
+// error without; through a group (all, stages) it is left out, and never computed. With dropout it
+// is written beside any stage computed through it, so that the run can be checked.
 StageSet drop_dropout(const Options& o, const Problem& p, StageSet sel) {
-    if (p.variant.dropout > 0.f) return sel;
+    if (p.variant.dropout > 0.f)
+        return sel.any(kKeepMaskReaders) ? StageSet{sel.bits | StageSet::dropout().bits} : sel;
     const StageSet named{o.stages_named.bits & StageSet::dropout().bits};
     if (!named.empty())
         fail(kExitBadInput, "--stages " + o.stages_text + ": " + stage_list(named) +

@@ -446,3 +446,16 @@ def test_dropout_mask_only_in_a_run_with_dropout(binary, tmp_path):
     assert DROPOUT_MASK not in run_toml(tmp_path / "out")["stages"].split(",")
     msg = refused(binary, in_dir, tmp_path / "named", "--stages", DROPOUT_MASK)
     assert f"{DROPOUT_MASK} exists only in a run with dropout" in msg, msg
+
+
+@pytest.mark.parametrize("stages", ["flash_output", "output", "flash_dV"])
+def test_a_dropout_run_writes_its_keep_mask_beside_the_stages_computed_through_it(binary, tmp_path, stages):
+    """Without the keep-mask no stage computed through it can be checked, so it comes with them;
+    a stage that does not read it (flash_lse) comes alone."""
+    in_dir = small_case(tmp_path, "dropout = 0.25\ndropout_seed = 5\n")
+    proc = run_cpu(binary, in_dir, tmp_path / "out", "--stages", stages)
+    assert proc.returncode == 0, proc.stderr
+    assert DROPOUT_MASK in run_toml(tmp_path / "out")["stages"].split(",")
+    proc = run_cpu(binary, in_dir, tmp_path / "lse", "--stages", "flash_lse")
+    assert proc.returncode == 0, proc.stderr
+    assert DROPOUT_MASK not in run_toml(tmp_path / "lse")["stages"].split(",")

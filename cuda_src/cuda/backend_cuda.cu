@@ -75,12 +75,14 @@ bool needs_format_inputs(const Problem& p, StageSet computed) {
 
 std::string mib(size_t bytes) { return std::to_string(static_cast<long long>(bytes / kMiB + 0.5)) + " MiB"; }
 
-// A computed stage whose source is not computed means the caller skipped dependency_closure().
-void check_computable(StageSet computed) {
+// A computed stage whose source is not computed means the caller skipped dependency_closure(). The
+// dropout keep-mask is a source only in a case with dropout (main.cpp drops it otherwise).
+void check_computable(const Problem& p, StageSet computed) {
+    const StageSet optional = p.variant.dropout > 0.f ? StageSet{} : StageSet::dropout();
     for (int i = 0; i < kNumStages; ++i) {
         const Stage s = static_cast<Stage>(i);
         if (!computed.has(s)) continue;
-        const StageSet missing = StageSet{stage_info(s).sources}.minus(computed);
+        const StageSet missing = StageSet{stage_info(s).sources}.minus(computed).minus(optional);
         if (!missing.empty())
             fail(kExitInternal, where(__FILE__, __LINE__) + ": stage " + stage_name(s) +
                                     " requested without a source stage (dependency_closure not applied)");
@@ -304,7 +306,7 @@ void CudaBackend::warm_up_stages(const Problem& p, StageSet computed, int heads,
 void CudaBackend::compute(const Problem& p, StageSet computed, HeadGroup& group, StageTimes* times) {
     const int heads = group.count;
     if (heads <= 0) return;
-    check_computable(computed);
+    check_computable(p, computed);
     if (computed.any_flash() && !flash_supported(p.dims)) {
         fail(kExitBadInput,
              "the flash stages need d_k == d_v in " + flash_head_dims_text() + "; got d_k=" + std::to_string(p.dims.dk) +
