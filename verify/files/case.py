@@ -145,8 +145,9 @@ def load_input_case(folder: Path) -> InputCase:
     else:
         case, flag = _infer_case(folder, files, whole), None
     case.backward = _has_grad(case, files, flag)
-    if case.backward:  # the backward stages count too, as the binary counts them
-        check_case_limits(case.dims, str(manifest if manifest.exists() else folder), backward=True)
+    dropout = case.variant.dropout > 0
+    if case.backward or dropout:  # the backward stages and the keep-mask count too, as the binary counts them
+        check_case_limits(case.dims, str(manifest if manifest.exists() else folder), case.backward, dropout)
     _check_layout(case, files, flagged=flag is not None)
     _check_variant_files(case, files, whole)
     return case
