@@ -73,6 +73,10 @@ Problem make_problem(const Options& o, const InputCase& c) {
     p.dims = c.dims;
     p.variant = effective_variant(o, c);
     p.causal = p.variant.causal;
+    // The keep-mask counts in the case's size only with dropout: --dropout on a case without it
+    // checks the limits again (the manifest's dropout was counted when the case was opened).
+    if (p.variant.dropout > 0.f && !(c.variant.dropout > 0.f))
+        check_case_limits(c.dir + " with --dropout", c.dims, c.backward, true);
     // A given scale was checked to survive the float32 conversion (scale_fits_float32).
     double scale = o.has_scale ? o.scale : c.has_scale ? c.scale : 1.0 / std::sqrt(static_cast<double>(c.dims.dk));
     p.scale = static_cast<float>(scale);

@@ -204,30 +204,34 @@ inline bool is_backward_stage(Stage s) { return stage_info(s).pass == Pass::bwd;
 // every other stage holds values of the run's format (verify/stages.py's FLOAT32_STAGES).
 inline bool kept_float32(Stage s) { return s == Stage::flash_lse || s == Stage::D; }
 
-// The elements of every stage of one head (the case-size limit counts these); the backward stages
-// count only for a case that has dO. `which`: every stage, only those indexed by K/V head
+// The elements of every stage of one head (the case-size limit counts these; verify/stages.py
+// Dims.elements_per_head): the backward stages count only for a case that has dO, the dropout
+// stage only for a case with dropout. `which`: every stage, only those indexed by K/V head
 // (is_kv_stage), or only the others.
 enum class KvStages { all, only, none };
-inline long long elements_per_head(const Dims& d, bool backward, KvStages which = KvStages::all) {
+inline long long elements_per_head(const Dims& d, bool backward, bool dropout, KvStages which = KvStages::all) {
     long long n = 0;
     for (int i = 0; i < kNumStages; ++i) {
         const Stage s = static_cast<Stage>(i);
         if (which != KvStages::all && is_kv_stage(s) != (which == KvStages::only)) continue;
-        if (!is_backward_stage(s) || backward) n += static_cast<long long>(stage_rows(s, d)) * stage_cols(s, d);
+        if ((is_backward_stage(s) && !backward) || (is_dropout_stage(s) && !dropout)) continue;
+        n += static_cast<long long>(stage_rows(s, d)) * stage_cols(s, d);
     }
     return n;
 }
 
 // Why dimensions that are each within 1..kMaxDim (head widths within kMaxHeadDim) still exceed the
-// case limits, or "" when they do not. The stages indexed by K/V head count once per K/V head.
-// 64-bit arithmetic: batch x heads may overflow an int, and per_head x heads is checked by division.
-inline std::string case_limit_violation(const Dims& d, bool backward) {
+// case limits, or "" when they do not (verify/files/manifests.py check_case_limits says the same).
+// The stages indexed by K/V head count once per K/V head; backward and dropout as in
+// elements_per_head. 64-bit arithmetic: batch x heads may overflow an int, and per_head x heads is
+// checked by division.
+inline std::string case_limit_violation(const Dims& d, bool backward, bool dropout) {
     const long long heads = static_cast<long long>(d.batch) * d.heads;
     if (heads > kMaxHeads)
         return "batch x heads = " + plural(heads, "head") + "; at most " + std::to_string(kMaxHeads);
     const long long kv_heads = static_cast<long long>(d.batch) * d.kv();
-    const long long per_head = elements_per_head(d, backward, KvStages::none);
-    const long long per_kv_head = elements_per_head(d, backward, KvStages::only);
+    const long long per_head = elements_per_head(d, backward, dropout, KvStages::none);
+    const long long per_kv_head = elements_per_head(d, backward, dropout, KvStages::only);
     const bool over = per_head > kMaxElements / heads ||
                       per_kv_head > (kMaxElements - per_head * heads) / kv_heads;
     if (!over) return "";

@@ -21,6 +21,7 @@ from helpers.cli import generate_input, invoke
 from verify.check.reference import reference_chain
 from verify.files.resolution import EXACT, Resolution, text_resolution
 from verify.stages import INPUT_NAMES, STAGES, Dims, default_scale, stage_file
+from verify.variant import Variant, hidden
 
 DIMS = Dims(1, 2, 24, 40, 16, 16)
 f32 = np.float32
@@ -113,6 +114,25 @@ def test_causal_bugs_with_fewer_queries_than_keys_are_named_first(tmp_path, bug,
     assert found[0] == code and "unwritten" not in found, found
     later = [s for s in rep["stages"] if foreign.SUBSETS["seed"].index(s["stage"]) > foreign.SUBSETS["seed"].index(stage)]
     assert later and {s["status"] for s in later} == {"INHERITED"}, later
+
+
+def test_nan_weights_in_a_row_the_case_empties_are_the_weights_own_failure(tmp_path):
+    """Bottom-right, N > M: the first N - M rows see no key, and the contract asks weights 0 there.
+    An unguarded softmax writes 0/0 = NaN: the weights fail on their own (the NaN passed on is
+    inherited only where a wrong mask upstream emptied a row the case's mask shows keys, above)."""
+    dims = Dims(1, 2, 40, 24, 16, 16)
+    inputs = make_input(tmp_path / "in", dims)
+    hide = hidden(Variant(causal=True, align="bottom-right"), dims.seq_q, dims.seq_k)
+    heads = []
+    for x in inputs:
+        s = np.where(hide, f32(-np.inf), (x["Q"] @ x["K"].T) * f32(default_scale(dims.d_k))).astype(f32)
+        with np.errstate(invalid="ignore"):
+            e = np.exp(s - s.max(axis=1, keepdims=True))
+            heads.append({"QK_scaled": s, "attention_weights": e / e.sum(axis=1, keepdims=True)})
+    write_heads(tmp_path / "out", heads, ("QK_scaled", "attention_weights"))
+    r, rep = check(tmp_path / "in", tmp_path / "out", "--causal", "bottom-right", json_path=tmp_path / "r.json")
+    assert r.exit_code == 1 and rep["first_failing_stage"] == "attention_weights", r.output
+    assert "nonfinite" in [d["code"] for d in rep["first_failure"]["diagnosis"]], r.output
 
 
 # ---- subsets, stacked .npy, name maps ------------------------------------------------------------

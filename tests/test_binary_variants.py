@@ -331,6 +331,35 @@ def test_case_limits_count_kv_stages_per_kv_head(binary, tmp_path):
         assert ("too large" in msg) == too_large, msg
 
 
+def _unwritten_npy(path: Path, rows: int, cols: int) -> None:
+    """A float32 .npy of rows x cols whose values were never written (a sparse file: no disk)."""
+    with open(path, "wb") as f:
+        np.lib.format.write_array_header_1_0(f, {"descr": "<f4", "fortran_order": False, "shape": (rows, cols)})
+        f.truncate(f.tell() + 4 * rows * cols)
+
+
+def test_case_limits_count_the_keep_mask_only_with_dropout(binary, tmp_path):
+    """N = 2^24, M = 2^22, d 1: three N×M stages fit in 2^48 elements, the keep-mask's fourth does
+    not. The case with dropout (its manifest's, or --dropout) is refused as too large, in the words
+    the verifier says for the same case; without dropout the verifier reads it."""
+    from verify.files.case import CaseError, load_input_case
+    dims = Dims(1, 1, 2**24, 2**22, 1, 1)
+    in_dir = tmp_path / "in"
+    in_dir.mkdir()
+    manifest = "".join(f"{k} = {v}\n" for k, v in zip(("batch", "heads", "seq_q", "seq_k", "d_k", "d_v"),
+                                                      (1, 1, dims.seq_q, dims.seq_k, 1, 1))) + 'format = "npy"\n'
+    (in_dir / "manifest.toml").write_text(manifest)
+    for name, rows in (("Q", dims.seq_q), ("K", dims.seq_k), ("V", dims.seq_k)):
+        _unwritten_npy(in_dir / stage_file(name, 0, "npy"), rows, 1)
+    load_input_case(in_dir)  # within the limits without dropout
+    words = "the case is too large: 1 head of 281475056402432 stage elements each"
+    assert words in refused(binary, in_dir, tmp_path / "out", "--dropout", "0.1")
+    (in_dir / "manifest.toml").write_text(manifest + "dropout = 0.1\n")
+    assert words in refused(binary, in_dir, tmp_path / "out")
+    with pytest.raises(CaseError, match=words):
+        load_input_case(in_dir)
+
+
 # ------------------------------------------------------------------ mask, bias and slopes files
 def test_declared_mask_and_bias_files_are_read(binary, tmp_path):
     in_dir = small_case(tmp_path, 'mask = "per-head"\nbias = "broadcast"\n')

@@ -278,6 +278,20 @@ def test_case_limits_are_the_binarys(dims, words):
         validate_dims(dims.__dict__, "manifest.toml")
 
 
+def test_case_limits_count_kv_stages_per_kv_head():
+    """65536 heads of M = 2^24 keys, d 256: the K/V stages pass 2^48 elements once per query head,
+    not once per K/V head with one K/V head; with 32768 K/V heads they do, said per kind of head, in
+    the binary's words (stages.h case_limit_violation)."""
+    from verify.files.case import validate_dims
+    dims = Dims(1, 65536, 1, 2**24, 256, 256)
+    validate_dims({**dims.__dict__, "kv_heads": 1}, "manifest.toml")
+    with pytest.raises(CaseError, match="65536 heads of "):
+        validate_dims(dims.__dict__, "manifest.toml")
+    with pytest.raises(CaseError, match="65536 query heads of 50332417 stage elements each and 32768 K/V heads of "
+                                        "12884901888 each; at most 281474976710656 elements in all"):
+        validate_dims({**dims.__dict__, "kv_heads": 32768}, "manifest.toml")
+
+
 @pytest.mark.parametrize("line", ['generator = """x"""', "generator = '''x'''", 'scale = 5.', "seq_q = 02"])
 def test_manifest_refuses_what_the_binary_refuses(tmp_path, line):
     generate_case(tmp_path, Dims(1, 1, 2, 2, 2, 2))

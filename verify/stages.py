@@ -6,7 +6,7 @@ stages, builds a file name or decodes a shape goes through this module.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 # Dimension symbols -> manifest keys (docs/contract.md, "Dimensions").
 DIM_KEYS = ("batch", "heads", "seq_q", "seq_k", "d_k", "d_v")
@@ -103,10 +103,20 @@ class Dims:
     def size(self, sym: str) -> int:
         return {"N": self.seq_q, "M": self.seq_k, "DK": self.d_k, "DV": self.d_v, "1": 1}[sym]
 
-    def elements_per_head(self, backward: bool = False) -> int:
-        """The elements of every stage of one head (the case-size limit counts these); the backward
-        stages only for a case with dO."""
-        return sum(r * c for r, c in (stage.shape(self) for stage in _TABLE if backward or not stage.backward))
+    def elements_per_head(self, backward: bool = False, dropout: bool = False, kv: Optional[bool] = None) -> int:
+        """The elements of every stage of one head (the case-size limit counts these; stages.h's
+        elements_per_head): the backward stages only for a case with dO, the dropout stages only for
+        a case with dropout. kv: only the stages indexed by K/V head (True), only the others
+        (False), or every stage (None)."""
+        return sum(r * c for r, c in (stage.shape(self) for stage in _TABLE
+                                      if (backward or not stage.backward) and (dropout or not stage.dropout)
+                                      and (kv is None or stage.kv == kv)))
+
+    def case_elements(self, backward: bool = False, dropout: bool = False) -> int:
+        """The elements of every stage of every head: the stages of the query heads once per query
+        head, those indexed by K/V head once per K/V head (what MAX_ELEMENTS bounds)."""
+        return (self.total_heads * self.elements_per_head(backward, dropout, kv=False)
+                + self.total_kv_heads * self.elements_per_head(backward, dropout, kv=True))
 
     def decode_head(self, i: int) -> Tuple[int, int]:
         """Flat head index -> (batch, head); heads are batch-major."""

@@ -22,14 +22,6 @@ namespace {
 
 std::string join(const std::string& dir, const std::string& name) { return dir + "/" + name; }
 
-// Dimensions each within their range can still make a case too large (stages.h).
-void check_case_limits(const std::string& where, const Dims& d, bool backward) {
-    std::string why = case_limit_violation(d, backward);
-    if (!why.empty())
-        fail(kExitBadInput, where + ": the case is too large: " + why,
-             "split the work into smaller cases (fewer heads or shorter sequences)");
-}
-
 // ------------------------------------------------------------ the folder's head files
 // indices[fmt][stage] = the head numbers present, from names "<input>_head_<i>.<txt|npy>" of the
 // input stages (Q, K, V, dO).
@@ -273,7 +265,7 @@ void infer_case_from_files(InputCase& c, const HeadFiles& hf) {
         if (c.dims.*k.field > kMaxDim)
             fail(kExitBadInput, c.file(Stage::Q, 0) + ": head 0 gives " + k.key + " = " +
                                     std::to_string(c.dims.*k.field) + "; dimensions are 1.." + std::to_string(kMaxDim));
-    check_case_limits(c.dir, c.dims, c.backward);
+    check_case_limits(c.dir, c.dims, c.backward, c.variant.dropout > 0.f);
 }
 
 // Before anything is written: every text file's size, then head 0 read strictly (line-exact
@@ -300,6 +292,14 @@ void check_input_files(const InputCase& c) {
 
 }  // namespace
 
+// Dimensions each within their range can still make a case too large (stages.h).
+void check_case_limits(const std::string& where, const Dims& d, bool backward, bool dropout) {
+    std::string why = case_limit_violation(d, backward, dropout);
+    if (!why.empty())
+        fail(kExitBadInput, where + ": the case is too large: " + why,
+             "split the work into smaller cases (fewer heads or shorter sequences)");
+}
+
 InputCase open_input_case(const std::string& dir_in) {
     InputCase c;
     c.dir = dir_in;
@@ -316,7 +316,7 @@ InputCase open_input_case(const std::string& dir_in) {
         apply_input_manifest(m, &c);
         if (!m.find("format")) c.format = detect_format(c.dir, hf);
         c.backward = decide_backward(c, hf, &m);
-        check_case_limits(m.path, c.dims, c.backward);
+        check_case_limits(m.path, c.dims, c.backward, c.variant.dropout > 0.f);
         check_head_files(c, hf, true, m.find("backward") != nullptr);
     } else {
         infer_case_from_files(c, hf);

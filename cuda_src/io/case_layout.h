@@ -38,6 +38,11 @@ struct InputCase {
 // header), but reads no matrix values. Fails with exit 2 on any layout problem.
 InputCase open_input_case(const std::string& dir);
 
+// Fails with exit 2 (one line) when a case of these dimensions is beyond the case limits
+// (stages.h case_limit_violation); `where` names what gave the dimensions. backward: the case has
+// dO; dropout: the run has dropout (its keep-mask counts, as a stage of every query head).
+void check_case_limits(const std::string& where, const Dims& d, bool backward, bool dropout);
+
 // Reads file `head` of an input (Q, K, V or dO; K and V are numbered by K/V head) into dst, in its
 // stage's shape.
 void read_input(const InputCase& c, Stage input, int head, bool allow_nonfinite, float* dst);

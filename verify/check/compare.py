@@ -198,6 +198,8 @@ def _compare(res: HeadResult, ctx: HeadContext, results: Dict[str, HeadResult], 
         res.isolated = res.chained
         return src_iso, want_chain, allowed_chain
     want_iso = reference(stage, src_iso, ctx)
+    if SPECS[stage].passed_on is not None:  # (the program's form of what a faulty upstream gave it)
+        want_iso = SPECS[stage].passed_on(mat, want_iso, src_iso, ctx)
     propagated = quantization(stage, src_iso, q_iso, ctx) if override is None else None
     allowed_iso = with_quantum(allowed(stage, src_iso, want_iso, ctx, override), quantum, propagated)
     res.isolated = compare_arrays(mat, want_iso, allowed_iso, nan_agrees=True)

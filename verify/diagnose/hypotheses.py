@@ -258,8 +258,10 @@ def _scaled(stage, got, want, ctx, width) -> List[Diagnosis]:
     return found or _wrong_scale(stage, got, want, ctx, width)
 
 
-def _softmax_columns(S: np.ndarray) -> np.ndarray:
-    return softmax_rows(S.T).T
+def _unguarded_softmax_rows(S: np.ndarray) -> np.ndarray:
+    """The row softmax as a program that does not guard a row with no visible key computes it:
+    0/0 = NaN there (the reference's softmax_rows writes the contract's 0)."""
+    return np.where(np.isneginf(S).all(axis=1, keepdims=True), np.nan, softmax_rows(S))
 
 
 def _softmax_axis(stage, got, want, ctx, width) -> List[Diagnosis]:
@@ -268,11 +270,12 @@ def _softmax_axis(stage, got, want, ctx, width) -> List[Diagnosis]:
     cands = []
     if S is not None:
         S = np.asarray(S, dtype=np.float64)
-        cands.append(("got is the softmax over columns: each column sums to 1", _softmax_columns(S)))
+        by_columns = _unguarded_softmax_rows(S.T)
+        cands.append(("got is the softmax over columns: each column sums to 1", by_columns.T))
         R, C = S.shape
         if R != C:
             cands.append(("got is the row softmax of QK_scaledᵀ written into the N×M buffer",
-                          softmax_rows(S.T).reshape(R, C)))
+                          by_columns.reshape(R, C)))
     for how, cand in cands:
         # A column with no visible key (causal, N < M) normalizes 0/0: NaN, or 0 where guarded.
         diff = explains(got, cand, want, width)

@@ -145,8 +145,9 @@ def load_input_case(folder: Path) -> InputCase:
     else:
         case, flag = _infer_case(folder, files, whole), None
     case.backward = _has_grad(case, files, flag)
-    if case.backward:  # the backward stages count too, as the binary counts them
-        check_case_limits(case.dims, str(manifest if manifest.exists() else folder), backward=True)
+    dropout = case.variant.dropout > 0
+    if case.backward or dropout:  # the backward stages and the keep-mask count too, as the binary counts them
+        check_case_limits(case.dims, str(manifest if manifest.exists() else folder), case.backward, dropout)
     _check_layout(case, files, flagged=flag is not None)
     _check_variant_files(case, files, whole)
     return case
@@ -244,10 +245,16 @@ def _heads_in_words(case: InputCase, name: str) -> str:
     return plural(count, "head")
 
 
+def _missing(case: InputCase, name: str, head: int, flagged: bool) -> str:
+    """The one-line error for a head's missing input file: 'FILE: missing file (why)', then the
+    HINT where there is one."""
+    hint = "; HINT: regenerate the case with 'attnstep generate --backward'" if name == GRAD_INPUT else ""
+    return f"{case.file(name, head)}: missing file ({_why_required(case, name, flagged)}){hint}"
+
+
 def _why_required(case: InputCase, name: str, flagged: bool) -> str:
     if name == GRAD_INPUT:
-        why = "the manifest says backward = true" if flagged else "the case has dO files, so every head needs one"
-        return f"{why}; HINT: regenerate the case with 'attnstep generate --backward'"
+        return "the manifest says backward = true" if flagged else "the case has dO files, so every head needs one"
     if name in TENSOR_INPUTS:
         return (f'{INPUT_MANIFEST} says {COVERAGE_FIELD[name]} = "{PER_HEAD}": one file per query head' if case.manifest
                 else f"the case has {name} files, so every head needs one")
@@ -262,7 +269,7 @@ def _check_layout(case: InputCase, files, flagged: bool) -> None:
     for i in range(case.dims.total_heads):
         for name in names:
             if i < _heads_of(case, name) and case.fmt not in files.get((name, i), ()):
-                raise CaseError(f"{case.file(name, i)}: missing file ({_why_required(case, name, flagged)})")
+                raise CaseError(_missing(case, name, i, flagged))
     for (name, i), formats in sorted(files.items(), key=lambda kv: kv[0][::-1]):
         other = [f for f in formats if f != case.fmt]
         if other:

@@ -79,7 +79,7 @@ def generate_case(out_dir: Path, dims: Dims, *, causal: bool = False, scale: Opt
     An earlier case in `out_dir` is replaced only if this generator wrote it, or with `force`.
     """
     variant = _case_variant(variant, causal, inputs)
-    _check_arguments(dims, scale, seed, distribution, fmt, backward)
+    _check_arguments(dims, scale, seed, distribution, fmt, backward, variant.dropout > 0)
     check_inputs(inputs, variant)
     out_dir = Path(out_dir)
     if not force:
@@ -176,10 +176,10 @@ def _write_inputs(staging: Path, dims: Dims, variant: Variant, inputs: VariantIn
 
 
 def _check_arguments(dims: Dims, scale: Optional[float], seed: int, distribution: str, fmt: str,
-                     backward: bool) -> None:
+                     backward: bool, dropout: bool) -> None:
     values = {k: getattr(dims, k) for k in DIM_KEYS}
     values[KV_HEADS_KEY] = dims.kv_heads
-    check_case_limits(validate_dims(values, "generate"), "generate", backward)
+    check_case_limits(validate_dims(values, "generate"), "generate", backward, dropout)
     if distribution not in DISTRIBUTIONS:
         raise CaseError(f"unknown distribution {distribution!r}; choose from {', '.join(DISTRIBUTIONS)}")
     if fmt not in FORMATS:

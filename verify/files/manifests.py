@@ -128,17 +128,28 @@ def _kv_heads(values: dict, where: str) -> int:
     return 0 if kv == heads else kv
 
 
-def check_case_limits(dims: Dims, where: str, backward: bool = False) -> None:
+def check_case_limits(dims: Dims, where: str, backward: bool = False, dropout: bool = False) -> None:
     """Dimensions each in range can still make a case too large (verify/stages.py MAX_HEADS,
-    MAX_ELEMENTS; the binary's case_limit_violation says the same)."""
+    MAX_ELEMENTS; the binary's case_limit_violation says the same): the stages of the K/V heads
+    count once per K/V head, the backward stages only with dO (`backward`), the keep-mask only with
+    dropout (`dropout`)."""
     heads = dims.total_heads
     hint = "HINT: split the work into smaller cases (fewer heads or shorter sequences)"
     if heads > MAX_HEADS:
         raise CaseError(f"{where}: the case is too large: batch x heads = {plural(heads, 'head')}; at most {MAX_HEADS}; {hint}")
-    per_head = dims.elements_per_head(backward)
-    if per_head * heads > MAX_ELEMENTS:
-        raise CaseError(f"{where}: the case is too large: {plural(heads, 'head')} of {plural(per_head, 'stage element')} each; "
+    if dims.case_elements(backward, dropout) > MAX_ELEMENTS:
+        raise CaseError(f"{where}: the case is too large: {_elements_in_words(dims, backward, dropout)}; "
                         f"at most {MAX_ELEMENTS} elements in all; {hint}")
+
+
+def _elements_in_words(dims: Dims, backward: bool, dropout: bool) -> str:
+    """'16 heads of N stage elements each', or for grouped K/V heads the query heads' and the K/V
+    heads' counts apart."""
+    per_head, per_kv_head = (dims.elements_per_head(backward, dropout, kv=kv) for kv in (False, True))
+    if dims.total_kv_heads == dims.total_heads:
+        return f"{plural(dims.total_heads, 'head')} of {plural(per_head + per_kv_head, 'stage element')} each"
+    return (f"{plural(dims.total_heads, 'query head')} of {plural(per_head, 'stage element')} each and "
+            f"{plural(dims.total_kv_heads, 'K/V head')} of {per_kv_head} each")
 
 
 # ----------------------------------------------------------------------------------------------

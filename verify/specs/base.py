@@ -195,6 +195,7 @@ Invariant = Callable[[str, np.ndarray, HeadContext], List[Violation]]       # (s
 # the mask file in the sources) and the variant's score modifications and dropout.
 MaskedReference = Callable[..., np.ndarray]
 Canonical = Callable[[np.ndarray, np.ndarray, "HeadContext"], np.ndarray]    # (got, reference, head)
+PassedOn = Callable[[np.ndarray, np.ndarray, Src, "HeadContext"], np.ndarray]  # (got, isolated ref, sources, head)
 VariantSources = Callable[[Variant], Tuple[str, ...]]                        # (variant)
 Rebuild = Callable[[Any], np.ndarray]                                       # (backward/reference.py's Gradients)
 
@@ -250,6 +251,10 @@ class StageSpec:
     canonical: the program's values in the reference's convention where a correct program may
     write the same result otherwise (flash_lse: +inf for a row that sees no key, as flash-attn
     stores it; under causal ALiBi flash-attn's row shift): applied before every comparison.
+    passed_on: the isolated reference in the program's form where a correct stage may pass on what a
+    faulty upstream gave it otherwise than the reference computes it (attention_weights: a row its
+    own scores leave without a key that the head's mask shows keys normalizes 0/0, NaN where the
+    program does not guard such a row); applied to the isolated comparison only.
     dropped: the sources it multiplies by dropout's keep-mask and 1/(1 − p) before a GEMM (the
     weights, for output and dV): a half pipeline may round that product to the format once more.
     rebuild: a backward stage from what it is computed from (specs/backward/reference.py's
@@ -280,6 +285,7 @@ class StageSpec:
     baseline: Optional[str] = None
     variant_sources: VariantSources = no_variant_sources
     canonical: Optional[Canonical] = None
+    passed_on: Optional[PassedOn] = None
     dropped: Tuple[str, ...] = ()
 
 

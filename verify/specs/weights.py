@@ -33,6 +33,20 @@ def _reference(src, problem: Problem):
     return softmax_rows(_source(src))
 
 
+def _passed_on(got, ref, src, ctx: HeadContext):
+    """The isolated reference with NaN in the rows where the program wrote NaN because its own
+    scores left the row without a key that the head's mask shows keys: a wrong mask or score
+    upstream hid them all, and a softmax that never needs to guard a row with no key normalizes
+    0/0 there (the reference's 0 is the contract's form for the rows the mask empties, and what a
+    program that guards writes). The stage only passes on its upstream's fault."""
+    S = _source(src)
+    if got.shape != ref.shape or S.shape != ref.shape:
+        return ref
+    emptied = np.isneginf(S).all(axis=1) & ~ctx.hidden(*S.shape).all(axis=1)
+    unguarded = emptied & np.isnan(got).all(axis=1)
+    return np.where(unguarded[:, None], np.nan, ref) if unguarded.any() else ref
+
+
 def _isolated(src, ref, problem: Problem):
     u, kernel = problem.u, problem.kernel
     (S,) = need(src, WEIGHTS, SCALED_SCORES)
@@ -104,6 +118,6 @@ def _row_sums(stage, got, finite, rows_ok, ctx):
 
 SPECS = (
     StageSpec(WEIGHTS, reference=_reference, isolated=_isolated, chained=_chained,
-              quantization=_quantization, invariants=(_softmax_checks,), masked_value=0.0,
+              quantization=_quantization, invariants=(_softmax_checks,), masked_value=0.0, passed_on=_passed_on,
               diagnoses=PATTERNS + ("softmax_axis", "mask", "overflow")),
 )
