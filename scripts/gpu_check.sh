@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
 # gpu_check.sh — everything that needs the GPU, in one call: build with CUDA, the GPU tests, the
-# demo on the CUDA backend, compute-sanitizer (memcheck, racecheck), the large bounded-memory cases,
-# and the benchmarks.
+# cross-checks against PyTorch's attention, the demo on the CUDA backend, compute-sanitizer
+# (memcheck, racecheck), the large bounded-memory cases, and the benchmarks.
 #
-#   scripts/gpu_check.sh [build] [tests] [gputests] [alarms] [sdpa] [demo] [example] [sanitize] [large]
-#                        [bigbwd] [bench] [halfbench] [sweep]
+#   scripts/gpu_check.sh [build] [tests] [gputests] [alarms] [sdpa] [xcheck] [demo] [example] [sanitize]
+#                        [large] [bigbwd] [bench] [halfbench] [sweep]
 #                        (default: build tests demo example sanitize large bigbwd bench halfbench)
 #   tests: the whole suite; gputests: only the tests marked gpu, false-alarm sweep aside; alarms:
 #   the CUDA false-alarm sweep alone (fp32 with each flash kernel, tf32, bf16, fp16); sdpa:
 #   PyTorch's own SDPA backends at bf16 and fp16 checked as another program's output (no build
-#   needed); example: `attnstep demo --example bug_qk_leading_dim`.
+#   needed); xcheck: the variants of attention (GQA, both causal alignments, windows, softcap, ALiBi,
+#   mask and bias files) cross-checked against PyTorch's SDPA and FlexAttention, with planted bugs
+#   (tests/test_gpu_cross_checks.py), and tests/test_sdpa_cases.py whole (no build needed);
+#   example: `attnstep demo --example bug_qk_leading_dim`.
 #   GPU_TESTS="tests/test_examples.py ..." limits gputests to those files.
 #   ATTNSTEP_BINARY=build-gpu/main scripts/gpu_check.sh tests sanitize large   (a prebuilt binary)
 #   bigbwd: the flash backward on 16 heads at N = M = 16384, d = 64 (a run of the binary and its
@@ -105,6 +108,21 @@ if want sdpa; then
     grep -E "passed|failed|skipped|error" "$OUT/sdpa.log" | tail -n 1
 fi
 
+if want xcheck; then
+    # test_gpu_cross_checks.py in two pytest processes, SDPA's runs apart from FlexAttention's
+    # compiled ones and the planted bugs, then test_sdpa_cases.py (its GPU runs and the variants'
+    # stand-ins); a backend torch cannot run here is a skip with torch's reason (listed in the log).
+    xcheck() {
+        local rc=0 pytest=(python3 -m pytest -q -rs -p no:cacheprovider)
+        "${pytest[@]}" -m gpu --junitxml="$OUT/xcheck_sdpa.xml" -k "sdpa_passes" tests/test_gpu_cross_checks.py || rc=1
+        "${pytest[@]}" -m gpu --junitxml="$OUT/xcheck_flex.xml" -k "not sdpa_passes" tests/test_gpu_cross_checks.py || rc=1
+        "${pytest[@]}" --junitxml="$OUT/xcheck_sdpa_cases.xml" tests/test_sdpa_cases.py || rc=1
+        return $rc
+    }
+    step xcheck xcheck
+    grep -E "passed|failed|skipped|error" "$OUT/xcheck.log" | tail -n 3
+fi
+
 if want demo; then
     step demo $ATTNSTEP demo --backend cuda --binary $BUILD/main --data-dir "$OUT/demo_data" --json "$OUT/demo.json"
     grep -E "^(PASS|FAIL)" "$OUT/demo.log"
@@ -198,7 +216,7 @@ fi
 
 echo "== summary ($(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1))"
 rc=0
-for name in build tests gputests alarms sdpa demo example memcheck racecheck large bigbwd bench halfbench sweep; do
+for name in build tests gputests alarms sdpa xcheck demo example memcheck racecheck large bigbwd bench halfbench sweep; do
     [ -n "${result[$name]:-}" ] || continue
     printf '%-10s %s\n' "$name" "${result[$name]}"
     case "${result[$name]}" in FAIL*) rc=1 ;; esac

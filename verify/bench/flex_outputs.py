@@ -62,6 +62,11 @@ SLOPES, BIAS, KEEP, Q_DOC, KV_DOC = "slopes", "bias", "keep", "q_doc", "kv_doc"
 # (N < 128) torch otherwise picks its decoding kernel, which torch 2.11 cannot compile for grouped
 # K/V heads (NoValidChoicesError), seen on an H100.
 KERNEL_OPTIONS = {"FORCE_USE_FLEX_ATTENTION": True}
+# Where Triton finds no configuration that fits the GPU's shared memory (a score_mod that captures
+# a bias tensor at d = 64 asked for 240 KiB on an H100), the same kernel with smaller tiles and one
+# pipeline stage, as torch's message suggests.
+SMALL_TILE_OPTIONS = {**KERNEL_OPTIONS, "BLOCK_M": 64, "BLOCK_N": 32, "num_stages": 1}
+OUT_OF_RESOURCE = "out of resource"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -210,10 +215,10 @@ def _compiled(torch, flex):
         torch.set_float32_matmul_precision(before)
 
 
-def _attend(flex, compiled, q, k, v, t: CaseTensors, score_mod, block_mask):
+def _attend(flex, compiled, q, k, v, t: CaseTensors, score_mod, block_mask, options=KERNEL_OPTIONS):
     """(output, lse) of one compiled call, the lse asked for as this torch asks for it."""
     kwargs = dict(score_mod=score_mod, block_mask=block_mask, scale=t.scale, enable_gqa=t.grouped,
-                  kernel_options=KERNEL_OPTIONS)
+                  kernel_options=options)
     if hasattr(flex, "AuxRequest"):
         out, aux = compiled(q, k, v, return_aux=flex.AuxRequest(lse=True), **kwargs)
         return out, aux.lse
@@ -231,7 +236,17 @@ def _block_mask(flex, t: CaseTensors, mask_mod):
 
 
 def run_flex(t: CaseTensors, precision: str) -> Results:
-    """Flex of the case's tensors on the GPU at the format; the gradients too when dO is given."""
+    """Flex of the case's tensors on the GPU at the format; the gradients too when dO is given.
+    Once more with smaller tiles where Triton has no configuration that fits (SMALL_TILE_OPTIONS)."""
+    try:
+        return _run_flex(t, precision, KERNEL_OPTIONS)
+    except BackendUnavailable as exc:
+        if OUT_OF_RESOURCE not in str(exc):
+            raise
+    return _run_flex(t, precision, SMALL_TILE_OPTIONS)
+
+
+def _run_flex(t: CaseTensors, precision: str, options: dict) -> Results:
     torch = cuda_torch()
     try:
         from torch.nn.attention import flex_attention as flex  # noqa: PLC0415
@@ -243,7 +258,7 @@ def run_flex(t: CaseTensors, precision: str) -> Results:
     score_mod, mask_mod = score_mod_of(t, arrays, torch), mask_mod_of(t, arrays)
     with _compiled(torch, flex) as compiled:
         block_mask = _refused(lambda: _block_mask(flex, t, mask_mod))
-        out, lse = _refused(lambda: _attend(flex, compiled, q, k, v, t, score_mod, block_mask))
+        out, lse = _refused(lambda: _attend(flex, compiled, q, k, v, t, score_mod, block_mask, options))
         results = Results(to_numpy(out), to_numpy(lse))
         grad_output = t.inputs.get(GRAD_INPUT)  # the case's dO, when it has one
         if grad_output is not None:
