@@ -219,13 +219,13 @@ def test_dropout_seed_and_head_change_the_mask(binary, tmp_path):
 
 
 def test_stages_under_dropout_pull_in_the_keep_mask(binary, tmp_path):
-    """output and dV name the keep-mask as a source: asked for alone, they are computed from it
-    (not written) and still drop the entries the hash drops."""
+    """output and dV name the keep-mask as a source: asked for alone, they are computed from it,
+    drop the entries the hash drops, and come with it (without it they could not be checked)."""
     case = write_variant_case(tmp_path / "in", dims(), Variant(dropout=0.5, dropout_seed=4))
     run = run_cpu(binary, tmp_path / "in", tmp_path / "out", "--stages", "output,dV")
-    assert run["stages"] == "output,dV"
+    assert set(run["stages"].split(",")) == {"output", "dV", DROPOUT_MASK}
     assert sorted(p.name for p in (tmp_path / "out").glob("*.npy")) == sorted(
-        stage_file(s, h, "npy") for s in ("output", "dV") for h in range(3))
+        stage_file(s, h, "npy") for s in ("output", "dV", DROPOUT_MASK) for h in range(3))
     for h in range(3):
         ref = reference(case, h)
         for s in ("output", "dV"):
