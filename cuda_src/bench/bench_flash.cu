@@ -90,7 +90,8 @@ void bench_forced_kernels(const BenchContext& c, const FlashArgs& a, const KvExp
         else if (!names_precision(o, flash_plan_name(*k, a, kp)))
             why = std::string("no ") + precision_name(o.precision) + " " + k->name + " variant";
         if (config != 0) tiles = "variant " + std::to_string(config);
-        else if (has) tiles = std::to_string(kp.Br) + "x" + std::to_string(kp.Bc) + ", splits " + std::to_string(kp.splits);
+        else if (has)
+            tiles = std::to_string(kp.Br) + "x" + std::to_string(kp.Bc) + ", splits " + std::to_string(kp.splits);
         auto launch = [&] {
             expansion.launch(c.s);
             flash_launch(*k, a, kp, c.s);

@@ -99,7 +99,8 @@ void check_rule(const std::string& flag, const std::string& text, const std::str
 // --window LEFT,RIGHT: two integers, each -1 (unbounded) or a number of keys.
 void parse_window(const std::string& flag, const std::string& text, Variant* v) {
     const size_t comma = text.find(',');
-    if (comma == std::string::npos) bad_option(flag + " needs LEFT,RIGHT (two integers; -1 is unbounded), got '" + text + "'");
+    if (comma == std::string::npos)
+        bad_option(flag + " needs LEFT,RIGHT (two integers; -1 is unbounded), got '" + text + "'");
     const int bound = 1 << 30;
     const int left = parse_int(flag + " LEFT", text.substr(0, comma).c_str(), -bound, bound);
     const int right = parse_int(flag + " RIGHT", text.substr(comma + 1).c_str(), -bound, bound);
@@ -213,7 +214,8 @@ double visible_entries(const Options& o) {
     const MaskRule rule = mask_rule(o);
     if (!rule.masks_anything()) return static_cast<double>(o.N) * o.M;
     double visible = 0;
-    for (long long r = 0; r < o.N; ++r) visible += static_cast<double>(std::max(0LL, rule.end_key(r, o.M) - rule.first_key(r)));
+    for (long long r = 0; r < o.N; ++r)
+        visible += static_cast<double>(std::max(0LL, rule.end_key(r, o.M) - rule.first_key(r)));
     return visible;
 }
 

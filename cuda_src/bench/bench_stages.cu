@@ -101,7 +101,9 @@ void bench_stage_path(const BenchContext& c, int* group, std::vector<Result>* ou
     const float *Q = c.in.Q.p, *K = c.in.Kq().p, *V = c.in.Vq().p;
     // At bf16/fp16 each stage is stored in the format as it is computed, inside its timed span, as
     // the CUDA backend's stage path does (nothing at fp32 and tf32).
-    auto stored = [&](float* p, int n, size_t per_head) { launch_round_to_format(p, size_t(n) * per_head, o.precision, c.s); };
+    auto stored = [&](float* p, int n, size_t per_head) {
+        launch_round_to_format(p, size_t(n) * per_head, o.precision, c.s);
+    };
     auto timed = [&](auto&& stage) { return c.timer.median_ms(o.warmup, o.reps, [&] { over_groups(stage); }); };
     kt.ms = timed([&](int h0, int n) { launch_transpose(K + h0 * ks, b->KT.p, n, o.M, o.d, c.s); });
     qk.ms = timed([&](int h0, int n) {

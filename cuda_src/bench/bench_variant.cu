@@ -13,6 +13,7 @@
 // the sums alone; the stage path's forward stages read copies made once, before any timing.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -26,23 +27,29 @@ namespace bench {
 
 namespace {
 
-// Destination unit idx of `heads` heads of `units` each: the same unit of source head
-// idx / units / group (query head i reads K/V head i / group, batch-major: b·H + h reads b·Hk + h/G).
+// Destination head i (blockIdx.y and on) = source head i / group, `units` units each (query head i
+// reads K/V head i / group: b·H + h reads b·Hk + h/G). One grid row per head: no division per unit.
 template <class Unit>
-__global__ void expand_heads(const Unit* src, Unit* dst, size_t units, int group, size_t total) {
-    for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < total; i += size_t(gridDim.x) * blockDim.x) {
-        const size_t head = i / units;
-        dst[i] = src[(head / group) * units + i % units];
+__global__ void expand_heads(const Unit* src, Unit* dst, size_t units, int group, int heads) {
+    for (int head = blockIdx.y; head < heads; head += gridDim.y) {
+        const Unit* from = src + size_t(head / group) * units;
+        Unit* to = dst + size_t(head) * units;
+        for (size_t u = blockIdx.x * size_t(blockDim.x) + threadIdx.x; u < units; u += size_t(gridDim.x) * blockDim.x)
+            to[u] = from[u];
     }
 }
+
+constexpr int kCopyThreads = 256, kCopyBlocksPerHead = 256, kMaxGridY = 65535;
 
 // The widest unit (16, 8, 4 or 2 bytes) that divides a head's bytes: heads then start aligned to
 // it in a cudaMalloc'd buffer.
 template <class Unit>
 void launch_expand(const KvCopy& c, size_t head_bytes, int group, int heads, cudaStream_t s) {
     const size_t units = head_bytes / sizeof(Unit);
-    expand_heads<Unit><<<1024, 256, 0, s>>>(static_cast<const Unit*>(c.src), static_cast<Unit*>(c.dst), units,
-                                            group, units * heads);
+    const size_t blocks = std::min<size_t>((units + kCopyThreads - 1) / kCopyThreads, kCopyBlocksPerHead);
+    const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(std::min(heads, kMaxGridY)));
+    expand_heads<Unit><<<grid, kCopyThreads, 0, s>>>(static_cast<const Unit*>(c.src), static_cast<Unit*>(c.dst), units,
+                                                    group, heads);
     LAUNCH_CHECK(expand_heads);
 }
 

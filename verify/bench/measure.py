@@ -42,7 +42,8 @@ from .sdpa import (SDPA_BACKENDS as BACKEND_NAMES, sdpa_output, time_sdpa, time_
                    time_sdpa_backward, torch_available)
 
 __all__ = ["BenchError", "BenchOutOfMemory", "BenchUnusable", "Row", "Shape", "binary_args", "collect",
-           "collect_runs", "default_shapes", "variant_args", "evaluate_goals", "format_table", "parse_binary_json", "parse_shape_id", "reps_for",
+           "collect_runs", "default_shapes", "variant_args", "evaluate_goals", "format_table", "parse_binary_json",
+           "parse_shape_id", "reps_for",
            "rows_from_results", "run_binary_bench", "time_sdpa", "time_sdpa_backward", "torch_available",
            "write_plot"]
 
@@ -237,16 +238,18 @@ def _measure(binary: Path, run: Run, warmup: int, reps: int, check: bool, torch_
 
 
 def collect_runs(binary: Path, runs: Sequence[Run], warmup: int, reps: int, check: bool, use_torch: bool,
-                 only: str, log=print, timeout: float = BENCH_TIMEOUT_S, ceilings: bool = True) -> dict:
+                 only: str, log=print, timeout: float = BENCH_TIMEOUT_S, ceilings: bool = True,
+                 all_reps: bool = False) -> dict:
     """Runs each (shape, precision, passes) in turn; returns the results document (JSON-ready). A
-    run that fails is recorded and the others go on."""
+    run that fails is recorded and the others go on. `all_reps`: every run times `reps` (runs
+    compared with each other), else the largest get fewer (reps_for)."""
     torch_version = torch_available() if use_torch else None
     results = []
     for shape, prec, passes in runs:
         t0 = time.monotonic()
         try:
-            results.append(_measure(binary, (shape, prec, passes), warmup, reps_for(shape, reps), check,
-                                    torch_version, only, timeout, ceilings))
+            results.append(_measure(binary, (shape, prec, passes), warmup, reps if all_reps else reps_for(shape, reps),
+                                    check, torch_version, only, timeout, ceilings))
         except BenchUnusable:
             raise
         except BenchError as exc:  # one shape failing must not lose the others' numbers

@@ -75,8 +75,10 @@ def preset_runs(goals: Sequence[RatioGoal] = VARIANT_GOALS) -> List[Tuple[Shape,
 
 
 def _find(rows: Sequence[Row], shape: Shape, goal: RatioGoal) -> Optional[Row]:
-    return next((r for r in rows if (r.shape, r.kernel, r.precision) == (shape.id, goal.kernel, goal.precision)),
-                None)
+    """The goal kernel's row of a shape's run; else a failed run's row of the shape, if any."""
+    runs = [r for r in rows if (r.shape, r.precision) == (shape.id, goal.precision)]
+    return next((r for r in runs if r.kernel == goal.kernel), None) or next(
+        (r for r in runs if r.status.startswith("failed")), None)
 
 
 def _figure(row: Row, measure: str) -> str:
@@ -84,10 +86,10 @@ def _figure(row: Row, measure: str) -> str:
 
 
 def goal_record(goal: RatioGoal, rows: Sequence[Row]) -> Optional[dict]:
-    """The goal's verdict from the rows, or None when the rows hold neither of its runs: ratio
+    """The goal's verdict from the rows, or None when the variant's run is not among them: ratio
     (None when a row did not run), met, and the line the table prints."""
     variant, base = _find(rows, goal.shape, goal), _find(rows, goal.base, goal)
-    if variant is None and base is None:
+    if variant is None:
         return None
     head = f"{goal.precision} {goal.kernel} {goal.name}: {goal.claim} ({goal.comparison} {goal.threshold:.3g}x)"
     record = {"goal": goal.name, "kernel": goal.kernel, "precision": goal.precision, "shape": goal.shape.id,

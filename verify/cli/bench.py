@@ -170,8 +170,8 @@ def bench(ctx, build_dir, binary, shape_specs, precision, warmup, reps, only, pa
     A variant (--kv-heads, --align, --window, --softcap, --alibi) applies to every shape; SDPA is
     timed on plain shapes only, and a variant's rows note their time over the same shape's without
     it when that ran too. --variants goals runs the variants' goals in one invocation and reports
-    each ratio beside its goal (and in the JSON's "goals"). Exit status 1 when a checked result
-    fails its float64 check.
+    each ratio beside its goal (and in the JSON's "goals"), every run timed --reps times. Exit
+    status 1 when a checked result fails its float64 check.
     """
     try:
         if from_json:
@@ -187,8 +187,10 @@ def bench(ctx, build_dir, binary, shape_specs, precision, warmup, reps, only, pa
                 shapes = with_variant([parse_shape(s) for s in shape_specs] or default_shapes(), kv_heads, align,
                                       window, softcap, alibi)
                 runs = [(sh, p, passes) for sh in shapes for p in PRECISION_GROUPS.get(precision, (precision,))]
+            # A preset's runs are compared with each other: each is timed as often.
             results = collect_runs(binary or ensure_built(build_dir), runs, warmup, reps, check, use_torch, only,
-                                   log=lambda m: click.echo(m, err=True), timeout=timeout, ceilings=ceilings)
+                                   log=lambda m: click.echo(m, err=True), timeout=timeout, ceilings=ceilings,
+                                   all_reps=bool(variants))
         rows = rows_from_results(results)
         if json_path and not from_json:
             results["goals"] = goal_records(rows)
