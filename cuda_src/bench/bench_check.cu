@@ -1,7 +1,12 @@
 // bench_check.cu — `main --bench --check`: each flash kernel's output and lse on sampled rows
 // against a float64 host computation, so that a fast but wrong kernel is caught. At bf16/fp16 the
 // reference starts from the inputs rounded to the format (what the kernels multiply), so the error
-// measured is the kernel's own, not the inputs' conversion.
+// measured is the kernel's own, not the inputs' conversion. The scores go through the variant
+// (ReferenceScores: the softcap, ALiBi, the mask rule), and a query head reads its K/V head's
+// inputs as generated, not the copies the kernels read: a wrong copy shows.
+//
+// The check stays cheap at any size: two heads (the first and the last), 16 sampled rows each
+// plus the tile edges, each row over its visible keys (--check-rows 0: every row of every head).
 #include <algorithm>
 #include <cmath>
 #include <vector>
@@ -28,18 +33,18 @@ constexpr int kHalfSignificantBits[] = {0, 0, 8, 11};  // by Precision: bf16 8, 
 
 
 struct HostInputs {
-    std::vector<float> q, k, v;  // one head
+    std::vector<float> q, k, v;  // one query head, and its K/V head
 };
 
-// One head's inputs as generated (float32).
-void copy_head(const Options& o, const DeviceBuffer& Q, const DeviceBuffer& K, const DeviceBuffer& V,
-               int head, HostInputs* h) {
+// Query head `head`'s Q and its K/V head's K and V, as generated (float32).
+void copy_head(const Options& o, const BenchInputs& in, int head, HostInputs* h) {
+    const int kv = bench_dims(o).kv_head_of(head);
     h->q.resize(size_t(o.N) * o.d);
     h->k.resize(size_t(o.M) * o.d);
     h->v.resize(size_t(o.M) * o.d);
-    CUDA_CHECK(cudaMemcpy(h->q.data(), Q.p + size_t(head) * o.N * o.d, h->q.size() * 4, cudaMemcpyDeviceToHost));
-    CUDA_CHECK(cudaMemcpy(h->k.data(), K.p + size_t(head) * o.M * o.d, h->k.size() * 4, cudaMemcpyDeviceToHost));
-    CUDA_CHECK(cudaMemcpy(h->v.data(), V.p + size_t(head) * o.M * o.d, h->v.size() * 4, cudaMemcpyDeviceToHost));
+    CUDA_CHECK(cudaMemcpy(h->q.data(), in.Q.p + size_t(head) * o.N * o.d, h->q.size() * 4, cudaMemcpyDeviceToHost));
+    CUDA_CHECK(cudaMemcpy(h->k.data(), in.K.p + size_t(kv) * o.M * o.d, h->k.size() * 4, cudaMemcpyDeviceToHost));
+    CUDA_CHECK(cudaMemcpy(h->v.data(), in.V.p + size_t(kv) * o.M * o.d, h->v.size() * 4, cudaMemcpyDeviceToHost));
 }
 
 // The inputs as the kernels of o's precision read them: rounded to bf16/fp16 (nearest even, as
@@ -49,27 +54,37 @@ void round_inputs(const Options& o, HostInputs* h) {
         for (float& e : *x) e = round_to(o.precision, e);
 }
 
-// Reference row r: o = softmax(scale·q_r·Kᵀ)·V over the visible keys, lse = log Σ exp(...).
-void reference_row(const Options& o, const HostInputs& h, int r, std::vector<double>* out,
-                   double* lse) {
-    const int visible = o.causal ? std::min(o.M, r + 1) : o.M;
-    std::vector<double> s(visible);
+// Reference row r: o = softmax(s_r)·V over the keys row r sees, lse = log Σ exp(s_r); a row that
+// sees no key has o = 0 and lse = -inf.
+void reference_row(const Options& o, const HostInputs& h, const ReferenceScores& score, int r,
+                   std::vector<double>* out, double* lse) {
+    const long long first = score.rule.first_key(r), end = score.rule.end_key(r, o.M);
+    out->assign(o.d, 0.0);
+    *lse = -INFINITY;
+    if (first >= end) return;
+    std::vector<double> s(end - first);
     double mx = -INFINITY;
-    for (int j = 0; j < visible; ++j) {
+    for (long long j = first; j < end; ++j) {
         double acc = 0;
         for (int c = 0; c < o.d; ++c) acc += double(h.q[size_t(r) * o.d + c]) * h.k[size_t(j) * o.d + c];
-        s[j] = acc * o.scale;
-        mx = std::max(mx, s[j]);
+        s[j - first] = score(acc, r, j);
+        mx = std::max(mx, s[j - first]);
     }
     double l = 0;
-    out->assign(o.d, 0.0);
-    for (int j = 0; j < visible; ++j) {
-        const double p = std::exp(s[j] - mx);
+    for (long long j = first; j < end; ++j) {
+        const double p = std::exp(s[j - first] - mx);
         l += p;
         for (int c = 0; c < o.d; ++c) (*out)[c] += p * h.v[size_t(j) * o.d + c];
     }
     for (double& x : *out) x /= l;
     *lse = mx + std::log(l);
+}
+
+// The lse error of a row, relative to max(1, |ref|); a row that sees no key must hold -inf (or
+// +inf, which flash-attn stores there): its error is then 0, else infinite.
+double lse_error(double got, double want) {
+    if (std::isinf(want)) return std::isinf(got) ? 0.0 : INFINITY;
+    return std::isfinite(got) ? std::fabs(got - want) / std::max(1.0, std::fabs(want)) : INFINITY;
 }
 
 }  // namespace
@@ -91,12 +106,12 @@ std::vector<int> sample_rows(const Options& o, int n) {
     return rows;
 }
 
-std::vector<int> heads_to_check(const Options& o, int total_heads) {
+std::vector<int> heads_to_check(const Options& o, int n) {
     std::vector<int> heads;
-    if (o.check_rows == 0) for (int h = 0; h < total_heads; ++h) heads.push_back(h);
+    if (o.check_rows == 0) for (int h = 0; h < n; ++h) heads.push_back(h);
     else {
         heads.push_back(0);
-        if (total_heads > 1) heads.push_back(total_heads - 1);
+        if (n > 1) heads.push_back(n - 1);
     }
     return heads;
 }
@@ -107,25 +122,37 @@ double check_tolerance(const Options& o) {
     return o.precision == Precision::tf32 ? kTf32CheckTol : kFp32CheckTol;
 }
 
-double inputs_checksum(const Options& o, const DeviceBuffer& Q, const DeviceBuffer& K, const DeviceBuffer& V,
-                       int total_heads) {
+double inputs_checksum(const Options& o, const BenchInputs& in, int total_heads) {
     HostInputs h;
     double sum = 0;
     for (int head : heads_to_check(o, total_heads)) {
-        copy_head(o, Q, K, V, head, &h);
+        copy_head(o, in, head, &h);
         for (const std::vector<float>* x : {&h.q, &h.k, &h.v})
             for (size_t j = 0; j < x->size(); ++j) sum += double((*x)[j]) * double(j % 251 + 1);
     }
     return sum;
 }
 
-void check_flash(const Options& o, const DeviceBuffer& Q, const DeviceBuffer& K,
-                 const DeviceBuffer& V, const DeviceBuffer& O, const DeviceBuffer& lse,
+ReferenceScores::ReferenceScores(const Options& o, int head)
+    : rule(mask_rule(o)), scale(o.scale), cap(o.variant.softcap), slope(bench_slope(o, head)) {}
+
+double ReferenceScores::operator()(double qk, long long r, long long c) const {
+    double s = scale * qk;
+    if (cap > 0) s = cap * std::tanh(s / cap);
+    const long long dist = r + rule.offset - c;
+    return s - slope * static_cast<double>(dist < 0 ? -dist : dist);
+}
+
+double ReferenceScores::cap_derivative(double qk) const {
+    if (!(cap > 0)) return 1.0;
+    const double t = std::tanh(scale * qk / cap);
+    return 1.0 - t * t;
+}
+
+void check_flash(const Options& o, const BenchInputs& in, const DeviceBuffer& O, const DeviceBuffer& lse,
                  int total_heads, Result* r) {
-    const std::vector<int> heads = heads_to_check(o, total_heads);
     const std::vector<int> rows = sample_rows(o, o.N);
     HostInputs h;
-    std::vector<float> orow(o.d);
     std::vector<double> ref;
     double worst = 0, worst_lse = 0;
     bool finite = true;
@@ -133,9 +160,10 @@ void check_flash(const Options& o, const DeviceBuffer& Q, const DeviceBuffer& K,
     // fp32/tf32; per head at bf16/fp16, max|err| / max|ref| over its checked rows, the measure
     // verify/bench/accuracy.py applies to PyTorch's output on the same rows.
     const bool per_head = is_half(o.precision);
-    for (int head : heads) {
-        copy_head(o, Q, K, V, head, &h);
+    for (int head : heads_to_check(o, total_heads)) {
+        copy_head(o, in, head, &h);
         round_inputs(o, &h);
+        const ReferenceScores score(o, head);
         std::vector<float> ohead(size_t(o.N) * o.d), lhead(o.N);
         CUDA_CHECK(cudaMemcpy(ohead.data(), O.p + size_t(head) * o.N * o.d, ohead.size() * 4, cudaMemcpyDeviceToHost));
         CUDA_CHECK(cudaMemcpy(lhead.data(), lse.p + size_t(head) * o.N, lhead.size() * 4, cudaMemcpyDeviceToHost));
@@ -146,7 +174,7 @@ void check_flash(const Options& o, const DeviceBuffer& Q, const DeviceBuffer& K,
         };
         for (int row : rows) {
             double ref_lse = 0;
-            reference_row(o, h, row, &ref, &ref_lse);
+            reference_row(o, h, score, row, &ref, &ref_lse);
             for (int c = 0; c < o.d; ++c) {
                 const double x = ohead[size_t(row) * o.d + c];
                 if (!std::isfinite(x)) finite = false;
@@ -154,16 +182,14 @@ void check_flash(const Options& o, const DeviceBuffer& Q, const DeviceBuffer& K,
                 mag = std::max(mag, std::fabs(ref[c]));
             }
             if (!per_head) close_norm();
-            const double l = lhead[row];
-            if (!std::isfinite(l)) finite = false;
-            worst_lse = std::max(worst_lse, std::fabs(l - ref_lse) / std::max(1.0, std::fabs(ref_lse)));
+            worst_lse = std::max(worst_lse, lse_error(lhead[row], ref_lse));
         }
         if (per_head) close_norm();
     }
     const double tol = check_tolerance(o);
     r->checked = true;
     r->max_rel_err = finite ? worst : INFINITY;
-    r->max_lse_err = finite ? worst_lse : INFINITY;
+    r->max_lse_err = worst_lse;
     r->check_passed = finite && worst <= tol && worst_lse <= tol;
 }
 

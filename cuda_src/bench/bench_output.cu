@@ -10,6 +10,7 @@
 
 #include "../common.h"
 #include "bench_parts.cuh"
+#include "../io/variant_manifest.h"
 
 namespace attnstep {
 namespace bench {
@@ -53,8 +54,8 @@ void print_table(const Options& o, const std::string& device, const BenchRun& ru
     const Ceilings& c = run.ceilings;
     const int group = run.group, backward_group = run.backward_group;
     const std::vector<Result>& results = run.results;
-    std::printf("bench: %s  B=%d H=%d N=%d M=%d d=%d %s precision=%s  (median of %d, %d warm-up)\n",
-                device.c_str(), o.batch, o.heads, o.N, o.M, o.d, o.causal ? "causal" : "non-causal",
+    std::printf("bench: %s  B=%d H=%d N=%d M=%d d=%d variant: %s  precision=%s  (median of %d, %d warm-up)\n",
+                device.c_str(), o.batch, o.heads, o.N, o.M, o.d, variant_text(o).c_str(),
                 precision_name(o.precision), o.reps, o.warmup);
     if (c.measured) {
         const std::string gemm = is_half(o.precision) ? std::string("GEMM ") + precision_name(o.precision) : "SGEMM";
@@ -128,6 +129,19 @@ std::string json_kernel(const Result& r, bool ceilings) {
     return js.str() + "}";
 }
 
+// The variant as JSON: the manifest's keys (verify/variant.py VARIANT_KEYS) the bench takes, with
+// their values in effect (kv_heads: the K/V heads per batch element, H without GQA), and the
+// visible score entries of one head, which the FLOP counts count.
+std::string json_variant(const Options& o) {
+    const Variant& v = o.variant;
+    std::ostringstream js;
+    js << "{\"" << kKvHeadsKey << "\": " << bench_dims(o).kv() << ", \"align\": \"" << align_name(v.align)
+       << "\", \"window_left\": " << v.window_left << ", \"window_right\": " << v.window_right
+       << ", \"softcap\": " << fmt("%.9g", v.softcap) << ", \"alibi\": " << (v.alibi ? "true" : "false")
+       << ", \"visible_entries\": " << fmt("%.17g", visible_entries(o)) << "}";
+    return js.str();
+}
+
 // Which heads and rows --check compared, and the fingerprint of those heads' inputs: what a
 // program needs to compare its own output on the same inputs with the same measure.
 std::string json_check_sample(const Options& o, const BenchRun& run) {
@@ -168,8 +182,9 @@ void write_json(const Options& o, const std::string& device, int sms, const Benc
        << "  \"device\": \"" << json_escape(device) << "\",\n  \"sm_count\": " << sms << ",\n"
        << "  \"date\": \"" << date << "\",\n"
        << "  \"shape\": {\"batch\": " << o.batch << ", \"heads\": " << o.heads << ", \"seq_q\": " << o.N
-       << ", \"seq_k\": " << o.M << ", \"d\": " << o.d << ", \"causal\": " << (o.causal ? "true" : "false")
+       << ", \"seq_k\": " << o.M << ", \"d\": " << o.d << ", \"causal\": " << (o.variant.causal ? "true" : "false")
        << ", \"scale\": " << fmt("%.9g", o.scale) << "},\n"
+       << "  \"variant\": " << json_variant(o) << ",\n"
        << "  \"precision\": \"" << precision_name(o.precision) << "\",\n  \"warmup\": " << o.warmup
        << ",\n  \"reps\": " << o.reps << ",\n  \"seed\": " << o.seed << ",\n  \"stage_group_heads\": " << run.group
        << ",\n  \"backward_group_heads\": " << run.backward_group << ",\n"

@@ -1,7 +1,9 @@
-// bench_parts.cuh — what the pieces of `main --bench` share: its options (bench_options.cu), the
-// ceilings it measures (bench_ceilings.cu), the float64 checks of the flash forward
-// (bench_check.cu) and of the backward (bench_check_backward.cu), the backward's rows
-// (bench_backward.cu), the table and JSON (bench_output.cu); bench.cu runs them.
+// bench_parts.cuh — what the pieces of `main --bench` share: its options (bench_options.h), the
+// inputs and the variant on the device (bench_variant.cu), the ceilings it measures
+// (bench_ceilings.cu), the forward's stage path (bench_stages.cu) and flash rows (bench_flash.cu),
+// the float64 checks of the flash forward (bench_check.cu) and of the backward
+// (bench_check_backward.cu), the backward's rows (bench_backward.cu), the table and JSON
+// (bench_output.cu); bench.cu runs them.
 #pragma once
 
 #include <cublas_v2.h>
@@ -17,8 +19,10 @@
 #include "../backend.h"
 #include "../stages.h"
 #include "../cuda/cuda_check.cuh"
+#include "../cuda/device_variant.cuh"
 #include "../cuda/flash.cuh"
 #include "../cuda/gemm.cuh"
+#include "bench_options.h"
 
 namespace attnstep {
 namespace bench {
@@ -31,39 +35,6 @@ constexpr const char* kStagePathBackwardRow = "stages_backward";
 constexpr const char* kFlashBackwardRow = "flash_backward";
 // The FlashAttention convention: a backward pass counts 2.5 times the forward's FLOPs.
 constexpr double kBackwardFlopFactor = 2.5;
-
-// Which passes `--pass` times.
-enum class Passes { forward, backward, both };
-
-struct Options {
-    int batch = 1, heads = 12, N = 128, M = 128, d = 64;
-    bool causal = false;
-    float scale = 0.f;  // 0: 1/sqrt(d)
-    Precision precision = Precision::fp32;
-    int warmup = 3, reps = 20;
-    std::string json;
-    bool check = false;
-    int check_rows = 16;  // sampled rows per checked head; 0 = all rows of all heads
-    std::string only = "all";
-    Passes passes = Passes::both;
-    bool ceilings = true;  // --no-ceilings: skip the ceiling microbenchmarks (no fractions then)
-    int fast_variant = 0, splits = 0;
-    unsigned seed = 1234;
-};
-
-inline bool times_forward(const Options& o) { return o.passes != Passes::backward; }
-inline bool times_backward(const Options& o) { return o.passes != Passes::forward; }
-
-// The forward FLOPs of the attention: 4·B·H·N·M·d, halved when causal.
-inline double attention_flops(const Options& o, int total_heads) {
-    return 4.0 * total_heads * o.N * double(o.M) * o.d * (o.causal ? 0.5 : 1.0);
-}
-
-// The options of `main --bench` from argv (exit 2 on a bad one); --scale defaults to 1/sqrt(d).
-Options parse_options(int argc, char** argv);
-
-// One head's shape.
-Dims bench_dims(const Options& o);
 
 // ---------------------------------------------------------------------------------------------
 // Device buffers, inputs, timing
@@ -78,14 +49,6 @@ struct DeviceBuffer {
     ~DeviceBuffer() { cudaFree(p); }
     DeviceBuffer(const DeviceBuffer&) = delete;
     DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-};
-
-// Q, K, V as 16-bit values of a half precision's format (none at fp32 and tf32): the inputs the
-// half-precision flash forward reads (FlashArgs::Qh, Kh, Vh). Two values to a float of storage.
-struct FormatInputs {
-    std::unique_ptr<DeviceBuffer> q, k, v;
-    FormatInputs(Precision p, const DeviceBuffer& Q, const DeviceBuffer& K, const DeviceBuffer& V, cudaStream_t s);
-    void attach(FlashArgs* a) const;
 };
 
 // Fills b uniformly in [-1, 1) from `seed` (bench_inputs.h: reproducible, no state).
@@ -130,6 +93,87 @@ struct Timer {
         std::sort(ms.begin(), ms.end());
         return reps % 2 ? ms[reps / 2] : 0.5 * (ms[reps / 2 - 1] + ms[reps / 2]);
     }
+};
+
+// ---------------------------------------------------------------------------------------------
+// The inputs and the variant of a run (bench_variant.cu)
+
+// The rows of a grouped run (--kv-heads) that are not stages (verify/bench/report.py names them
+// alike): the copy of each K/V head to its query heads' buffers, and the sums of dK and dV over
+// each K/V group, each timed alone; every flash row of a grouped run includes them.
+constexpr const char* kKvExpandRow = "kv_expand";
+constexpr const char* kKvGroupSumRow = "kv_group_sum";
+
+// The inputs on the device (bench_inputs.h fills them once): Q per query head (B·H), K and V per
+// K/V head (B·Hk) and, in a grouped run, K and V per query head: every kernel reads one K and V
+// per query head, as the CUDA backend is handed them (main.cpp copies a K/V head to each query
+// head of its group before the upload). The stage path reads those copies, made once, untimed.
+struct BenchInputs {
+    DeviceBuffer Q, K, V;
+    std::unique_ptr<DeviceBuffer> K_heads, V_heads;  // grouped runs only
+    BenchInputs(const Options& o, cudaStream_t s);
+    const DeviceBuffer& Kq() const { return K_heads ? *K_heads : K; }
+    const DeviceBuffer& Vq() const { return V_heads ? *V_heads : V; }
+};
+
+// The copy of K/V heads to their query heads' buffers that a grouped run makes before its kernels:
+// destination head i = source head kv_head_of(i), in elements of `elem_bytes` (4 for float32, 2
+// for the half formats). Empty (nothing launched) when the run is not grouped.
+struct KvCopy {
+    const void* src;
+    void* dst;
+    size_t elem_bytes;
+};
+struct KvExpansion {
+    Dims dims;
+    std::vector<KvCopy> copies;
+    void launch(cudaStream_t s) const;
+    double bytes() const;  // read + written
+};
+// The float32 copy: K to K_heads, V to V_heads.
+KvExpansion float_expansion(const Options& o, const BenchInputs& in);
+
+// dst (B·Hk heads of per_head floats) = the sums over each K/V group of src's query heads [h0,
+// h0 + n) (src holds those n heads), in order of h, in float32; added to dst's value when the
+// group began before h0, so that a group split over calls is summed in the same order.
+void launch_kv_group_sum(const float* src, float* dst, int h0, int n, const Dims& dims, size_t per_head,
+                         cudaStream_t s);
+
+// o's variant on the device: make_device_variant's rule and score modifications, with the
+// standard ALiBi slopes of every query head (alibi_slope of h of H, for each batch element).
+struct BenchVariant {
+    std::unique_ptr<DeviceBuffer> slopes;
+    DeviceVariant v;
+    BenchVariant(const Options& o, cudaStream_t s);
+};
+
+// The ALiBi slope of flat query head `head` (0 without ALiBi), as the device holds it (float32).
+double bench_slope(const Options& o, int head);
+
+// The flash kernels' arguments for the run's heads: Q, and K and V per query head; `causal` for
+// the top-left causal mask alone, the variant for anything beyond (cuda_stages.cu's convention).
+FlashProblem bench_flash_problem(const Options& o, const BenchInputs& in, const DeviceVariant& v);
+
+// Q, K, V as 16-bit values of a half precision's format (none at fp32 and tf32): the inputs the
+// half-precision flash forward reads (FlashArgs::Qh, Kh, Vh), two values to a float of storage;
+// K and V per K/V head, and in a grouped run the buffers per query head that expansion() fills.
+struct FormatInputs {
+    std::unique_ptr<DeviceBuffer> q, k, v, k_heads, v_heads;
+    FormatInputs(const Options& o, const BenchInputs& in, cudaStream_t s);
+    void attach(FlashArgs* a) const;
+    // The copy the half flash forward's timed launch begins with in a grouped run.
+    KvExpansion expansion(const Options& o) const;
+};
+
+// What every part of one run shares.
+struct BenchContext {
+    const Options& o;
+    const BenchInputs& in;
+    const DeviceVariant& variant;
+    cublasHandle_t blas;
+    Timer& timer;
+    cudaStream_t s;
+    int total_heads;
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -188,62 +232,85 @@ int heads_that_fit(double per_head_bytes, int total_heads);
 double check_tolerance(const Options& o);
 
 // Compares sampled rows (all with --check-rows 0) of O and lse with float64 (at bf16/fp16 from the
-// inputs rounded to the format, as the kernels read them) and records the result in r: at fp32
-// and tf32 the worst row's max|err| / max|ref|, at bf16/fp16 the worst head's over its checked rows.
-void check_flash(const Options& o, const DeviceBuffer& Q, const DeviceBuffer& K, const DeviceBuffer& V,
-                 const DeviceBuffer& O, const DeviceBuffer& lse, int total_heads, Result* r);
+// inputs rounded to the format, as the kernels read them; the scores through o's variant) and
+// records the result in r: at fp32 and tf32 the worst row's max|err| / max|ref|, at bf16/fp16 the
+// worst head's over its checked rows. A row that sees no key must hold O = 0 and lse = ±inf.
+void check_flash(const Options& o, const BenchInputs& in, const DeviceBuffer& O, const DeviceBuffer& lse,
+                 int total_heads, Result* r);
 
 // The rows --check samples out of n (first, last, tile edges, middle, spread ones), or all of them
 // under --check-rows 0.
 std::vector<int> sample_rows(const Options& o, int n);
 
-// The heads --check compares: the first and the last, or all under --check-rows 0.
-std::vector<int> heads_to_check(const Options& o, int total_heads);
+// The heads --check compares out of `heads` (query heads, or K/V heads for dK and dV): the first
+// and the last, or all under --check-rows 0.
+std::vector<int> heads_to_check(const Options& o, int heads);
 
 // A fingerprint of the inputs of the checked heads, so that a program that recomputes them
-// (bench_inputs.h) can tell it has the same values: over the heads of heads_to_check, then Q, K,
-// V of each, Σ_j x_j·(j mod 251 + 1) in float64, j the element's index in the head's matrix.
-double inputs_checksum(const Options& o, const DeviceBuffer& Q, const DeviceBuffer& K, const DeviceBuffer& V,
-                       int total_heads);
+// (bench_inputs.h) can tell it has the same values: over the query heads of heads_to_check, then
+// Q, K, V of each (K and V of its K/V head), Σ_j x_j·(j mod 251 + 1) in float64, j the element's
+// index in the head's matrix.
+double inputs_checksum(const Options& o, const BenchInputs& in, int total_heads);
+
+// The score the softmax reads in float64, for the references: scale·q·k, the softcap, ALiBi
+// (bench_check.cu); the mask rule says which keys it covers.
+struct ReferenceScores {
+    MaskRule rule;
+    double scale = 0, cap = 0, slope = 0;
+    ReferenceScores(const Options& o, int head);
+    double operator()(double qk, long long r, long long c) const;
+    // The softcap's derivative at q·k (1 without a cap): what dS is multiplied by for dQ and dK.
+    double cap_derivative(double qk) const;
+};
 
 // ---------------------------------------------------------------------------------------------
 // The backward
 
-// The forward inputs and the output gradient, every head, on the device.
-struct BackwardInputs {
-    const DeviceBuffer& Q;
-    const DeviceBuffer& K;
-    const DeviceBuffer& V;
-    const DeviceBuffer& dO;
-};
-
-// One head's gradients as a kernel computed them, on the host.
-struct HostGrads {
-    std::vector<float> dQ, dK, dV;
-};
-
-// The float64 gradients of sampled rows of each checked head (bench_check_backward.cu): computed
-// on first use of a head and kept, so that every backward row is compared with the same numbers.
+// The float64 gradients of sampled rows of each checked head (bench_check_backward.cu): a query
+// head's computed on first use and kept, so that every backward row is compared with the same
+// numbers; a K/V head's dK and dV are the sums of its query heads'.
 class BackwardReference {
 public:
-    BackwardReference(const Options& o, const BackwardInputs& in);
+    BackwardReference(const Options& o, const BenchInputs& in, const DeviceBuffer& dO);
     ~BackwardReference();
     BackwardReference(const BackwardReference&) = delete;
     BackwardReference& operator=(const BackwardReference&) = delete;
-    // Folds one head's gradients into r's check: its worst dQ, dK, dV errors (normwise over the
-    // head's sampled rows) and whether they are finite and within check_tolerance(o).
-    void compare(int head, const HostGrads& g, Result* r);
+    // Folds query head `head`'s dQ (N×d, on the host) into r's check: its error (normwise over
+    // the head's sampled rows) and whether it is finite and within check_tolerance(o).
+    void compare_dq(int head, const std::vector<float>& dQ, Result* r);
+    // The same for K/V head `kv_head`'s dK and dV (M×d each, summed over its query heads).
+    void compare_kv(int kv_head, const std::vector<float>& dK, const std::vector<float>& dV, Result* r);
 
 private:
     struct Impl;
     std::unique_ptr<Impl> impl_;
 };
 
+// ---------------------------------------------------------------------------------------------
+// The rows
+
+// The forward's stage path (bench_stages.cu): KT, QK, QK_scaled, attention_weights, output, heads
+// in groups that fit; `group` gets the group size (0: skipped for memory).
+void bench_stage_path(const BenchContext& c, int* group, std::vector<Result>* out);
+
+// Heads per group of the forward's stage path so that KT, two N×M buffers, the output and
+// (bf16/fp16) the GEMMs' half operands fit (bench_stages.cu).
+int stage_group(const Options& o, int total_heads);
+
+// QK_scaled of heads [h0, h0 + n) from their QK: the plain kernel (no mask, or the top-left causal
+// one), else the variant's, as the CUDA backend chooses.
+void launch_scaled_scores(const BenchContext& c, const float* QK, float* out, int h0, int n);
+
+// The flash forward (bench_flash.cu): `auto` as main runs it, then each tensor-core kernel forced.
+void bench_flash_kernels(const BenchContext& c, std::vector<Result>* out);
+
+// A grouped run's kv_expand row: the float32 copy of the K/V heads to their query heads.
+void bench_kv_expand(const BenchContext& c, std::vector<Result>* out);
+
 // The backward rows: each backward stage of the stage path and the whole of it (heads in groups
 // as the forward's stage path; `group` gets the group size, 0 when skipped), then the flash
 // backward of o.precision. --check compares dQ, dK, dV with float64.
-void bench_backward(const Options& o, cublasHandle_t blas, const BackwardInputs& in, int total_heads,
-                    Timer& timer, cudaStream_t s, int* group, std::vector<Result>* out);
+void bench_backward(const BenchContext& c, const DeviceBuffer& dO, int* group, std::vector<Result>* out);
 
 }  // namespace bench
 }  // namespace attnstep

@@ -1,5 +1,6 @@
 """The goals `attnstep bench` reports as met or missed (speed, and accuracy at bf16/fp16): one table
-of records, one function that decides them."""
+of records, one function that decides them; the variants' goals, ratios of two rows, are
+variant_goals.py's and follow them."""
 from __future__ import annotations
 
 import operator
@@ -8,6 +9,7 @@ from typing import Any, List, Mapping, Optional, Sequence
 
 from ..stages import HALF_PRECISIONS, KEYS_T, OUTPUT, SCALED_SCORES, SCORES, WEIGHTS
 from .report import FLASH_BACKWARD, FLASH_DISPATCHER, Row, parse_shape_id
+from .variant_goals import VARIANT_GOALS, RatioGoal, variant_goal_records
 
 
 @dataclass(frozen=True)
@@ -83,7 +85,8 @@ def _applies(goal: Goal, row: Row) -> bool:
     if (row.status, row.kernel, row.precision) != ("ok", goal.kernel, goal.precision):
         return False
     shape = parse_shape_id(row.shape)
-    return all(getattr(shape, key) == value for key, value in goal.shape.items())
+    # A shape with a variant decides only the variants' goals (variant_goals.py).
+    return shape.plain and all(getattr(shape, key) == value for key, value in goal.shape.items())
 
 
 def goal_line(goal: Goal, row: Row) -> Optional[str]:
@@ -97,7 +100,16 @@ def goal_line(goal: Goal, row: Row) -> Optional[str]:
             f"{metric.figure.format(r=row)}")
 
 
-def evaluate_goals(rows: Sequence[Row], goals: Sequence[Goal] = GOALS) -> List[str]:
-    """One line per goal and row that decides it, goal by goal."""
+def evaluate_goals(rows: Sequence[Row], goals: Sequence[Goal] = GOALS,
+                   ratio_goals: Sequence[RatioGoal] = VARIANT_GOALS) -> List[str]:
+    """One line per goal and row that decides it, goal by goal; then the variants' goals."""
+    return [record["line"] for record in goal_records(rows, goals, ratio_goals)]
+
+
+def goal_records(rows: Sequence[Row], goals: Sequence[Goal] = GOALS,
+                 ratio_goals: Sequence[RatioGoal] = VARIANT_GOALS) -> List[dict]:
+    """The goals' verdicts for the results JSON: each with its line and whether it is met (a
+    variant's goal also with its ratio, rows and threshold)."""
     lines = (goal_line(goal, row) for goal in goals for row in rows)
-    return [line for line in lines if line is not None]
+    plain = [{"line": line, "met": line.startswith("met")} for line in lines if line is not None]
+    return plain + variant_goal_records(rows, ratio_goals)

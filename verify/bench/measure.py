@@ -11,7 +11,10 @@ prints it as one table with the goals (goals.py) as met/missed, and writes it as
 plot (TFLOP/s against N, one line per kernel).
 
 The shape list: the default case (`verify.files.generate.DEFAULT_DIMS`) and B=4, H=16, N=M in
-{1024, 4096, 16384}, d in {64, 128}, causal and not.
+{1024, 4096, 16384}, d in {64, 128}, causal and not. A shape may carry a variant (shape.py: grouped
+K/V heads, alignment, window, softcap, ALiBi), passed to the binary; SDPA is timed on plain shapes
+only (the variants' goals compare the binary with itself: variant_goals.py, whose preset is a list
+of runs, each a shape, a precision and the passes: collect_runs).
 """
 from __future__ import annotations
 
@@ -27,17 +30,20 @@ import numpy as np
 
 from ..files.generate import DEFAULT_DIMS
 from ..stages import HALF_PRECISIONS
+from ..variant import TOP_LEFT
 from .accuracy import half_accuracy
 from .goals import evaluate_goals
 from .plot import write_plot
 from .report import (ACCURACY, BACKWARD, FORWARD, PASSES, SDPA, SDPA_BACKENDS, SDPA_BACKWARD, VS_SDPA,
                      BenchError, Row, Shape, fastest_sdpa, format_table, parse_binary_json, parse_shape_id,
                      ratios_to_backends, rows_from_results)
+from .shape import NO_WINDOW
 from .sdpa import (SDPA_BACKENDS as BACKEND_NAMES, sdpa_output, time_sdpa, time_sdpa_backends,
                    time_sdpa_backward, torch_available)
 
 __all__ = ["BenchError", "BenchOutOfMemory", "BenchUnusable", "Row", "Shape", "binary_args", "collect",
-           "default_shapes", "evaluate_goals", "format_table", "parse_binary_json", "parse_shape_id", "reps_for",
+           "collect_runs", "default_shapes", "variant_args", "evaluate_goals", "format_table", "parse_binary_json",
+           "parse_shape_id", "reps_for",
            "rows_from_results", "run_binary_bench", "time_sdpa", "time_sdpa_backward", "torch_available",
            "write_plot"]
 
@@ -69,14 +75,28 @@ def reps_for(shape: Shape, reps: int, large_flop: float = LARGE_WORK_FLOP) -> in
     return max(3, reps // 4) if shape.flash_flop > large_flop else reps
 
 
+def variant_args(shape: Shape) -> List[str]:
+    """The binary's options for the shape's variant (none for a plain shape)."""
+    args = ["--kv-heads", str(shape.kv_heads)] if shape.grouped else []
+    if shape.causal:
+        args.append("--causal")
+    if shape.align != TOP_LEFT:
+        args += ["--align", shape.align]
+    if shape.window != NO_WINDOW:
+        args += ["--window", "{},{}".format(*shape.window)]
+    if shape.softcap:
+        args += ["--softcap", repr(float(shape.softcap))]
+    if shape.alibi:
+        args.append("--alibi")
+    return args
+
+
 def binary_args(shape: Shape, precision: str, warmup: int, reps: int, json_path: Path,
                 check: bool, only: str, passes: str = BOTH, ceilings: bool = True) -> List[str]:
     args = ["--bench", "--batch", str(shape.batch), "--heads", str(shape.heads),
             "--seq-q", str(shape.seq_q), "--seq-k", str(shape.seq_k), "--d", str(shape.d),
             "--precision", precision, "--warmup", str(warmup), "--reps", str(reps),
-            "--json", str(json_path), "--only", only, "--pass", passes]
-    if shape.causal:
-        args.append("--causal")
+            "--json", str(json_path), "--only", only, "--pass", passes, *variant_args(shape)]
     if check:
         args.append("--check")
     if not ceilings:
@@ -190,33 +210,54 @@ def _half_extras(run: dict, check: bool) -> None:
         run[ACCURACY] = _sdpa_accuracy(binary)
 
 
+# One run of the binary: a shape, a precision and the passes (`--pass`).
+Run = Tuple[Shape, str, str]
+
+
 def collect(binary: Path, shapes: Iterable[Shape], precisions: Sequence[str], warmup: int, reps: int,
             check: bool, use_torch: bool, only: str, log=print, timeout: float = BENCH_TIMEOUT_S,
             passes: str = BOTH, ceilings: bool = True) -> dict:
     """Runs every shape × precision; returns the results document (JSON-ready)."""
+    runs = [(shape, prec, passes) for shape in shapes for prec in precisions]
+    return collect_runs(binary, runs, warmup, reps, check, use_torch, only, log, timeout, ceilings)
+
+
+def _measure(binary: Path, run: Run, warmup: int, reps: int, check: bool, torch_version, only: str,
+             timeout: float, ceilings: bool) -> dict:
+    """One run of the binary, and SDPA's on the same problem (plain shapes only: SDPA is no
+    yardstick of a variant here)."""
+    shape, prec, passes = run
+    data = run_binary_bench(binary, shape, prec, warmup, reps, check, only, timeout, passes=passes,
+                            ceilings=ceilings)
+    result = {"binary": data}
+    if torch_version and only != "stages" and shape.plain:
+        result.update(_sdpa_runs(shape, prec, passes, warmup, reps))
+        if prec in HALF_PRECISIONS:
+            _half_extras(result, check)
+    return result
+
+
+def collect_runs(binary: Path, runs: Sequence[Run], warmup: int, reps: int, check: bool, use_torch: bool,
+                 only: str, log=print, timeout: float = BENCH_TIMEOUT_S, ceilings: bool = True,
+                 all_reps: bool = False) -> dict:
+    """Runs each (shape, precision, passes) in turn; returns the results document (JSON-ready). A
+    run that fails is recorded and the others go on. `all_reps`: every run times `reps` (runs
+    compared with each other), else the largest get fewer (reps_for)."""
     torch_version = torch_available() if use_torch else None
-    runs = []
-    for shape in shapes:
-        for prec in precisions:
-            r = reps_for(shape, reps)
-            t0 = time.monotonic()
-            try:
-                data = run_binary_bench(binary, shape, prec, warmup, r, check, only, timeout,
-                                        passes=passes, ceilings=ceilings)
-            except BenchUnusable:
-                raise
-            except BenchError as exc:  # one shape failing must not lose the others' numbers
-                runs.append({"shape": shape.id, "precision": prec, "error": str(exc)})
-                log(f"bench: {shape.id} {prec}: FAILED: {exc}")
-                continue
-            run = {"binary": data}
-            if torch_version and only != "stages":
-                run.update(_sdpa_runs(shape, prec, passes, warmup, r))
-                if prec in HALF_PRECISIONS:
-                    _half_extras(run, check)
-            runs.append(run)
-            log(f"bench: {shape.id} {prec}: {time.monotonic() - t0:.1f} s")
-    device = next((r["binary"]["device"] for r in runs if "binary" in r), "?")
+    results = []
+    for shape, prec, passes in runs:
+        t0 = time.monotonic()
+        try:
+            results.append(_measure(binary, (shape, prec, passes), warmup, reps if all_reps else reps_for(shape, reps),
+                                    check, torch_version, only, timeout, ceilings))
+        except BenchUnusable:
+            raise
+        except BenchError as exc:  # one shape failing must not lose the others' numbers
+            results.append({"shape": shape.id, "precision": prec, "error": str(exc)})
+            log(f"bench: {shape.id} {prec}: FAILED: {exc}")
+            continue
+        log(f"bench: {shape.id} {prec}: {time.monotonic() - t0:.1f} s")
+    device = next((r["binary"]["device"] for r in results if "binary" in r), "?")
     return {"tool": "attnstep bench", "format": RESULTS_FORMAT, "device": device,
             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "torch": torch_version,
-            "runs": runs}
+            "runs": results}

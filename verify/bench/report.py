@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 from ..stages import HALF_PRECISIONS, PRECISIONS
+from .shape import BACKWARD_FLOP_FACTOR, Shape, parse_shape_id, shape_of_binary  # noqa: F401 (re-exported)
 
 # "flash" is the binary's dispatcher (what `main` runs by default: wgmma on Hopper, else mma.sync,
 # else the clean kernel); the others are the tensor-core kernels forced one by one.
@@ -32,8 +33,9 @@ SDPA_BACKWARD = "sdpa_backward"
 # The passes `main --bench --pass` times; a row without "pass" (an older run) is a forward row.
 FORWARD, BACKWARD = "forward", "backward"
 PASSES = (FORWARD, BACKWARD)
-# The FlashAttention convention: a backward pass counts 2.5 times the forward's FLOPs.
-BACKWARD_FLOP_FACTOR = 2.5
+# A grouped run's rows that are not stages (bench_parts.cuh names them alike): the copy of the K/V
+# heads to their query heads, and the sums of dK and dV over each group.
+KV_EXPAND, KV_GROUP_SUM = "kv_expand", "kv_group_sum"
 # The status of a kernel or shape that did not fit in device memory.
 OOM = "OOM"
 # The status main --bench gives every stage when not even one head of the stage path fits.
@@ -45,46 +47,17 @@ class BenchError(Exception):
     """A malformed result file or a failed run, worded for the user."""
 
 
-@dataclass(frozen=True)
-class Shape:
-    batch: int
-    heads: int
-    seq_q: int
-    seq_k: int
-    d: int
-    causal: bool
-
-    @property
-    def id(self) -> str:
-        return (f"B{self.batch}-H{self.heads}-N{self.seq_q}-M{self.seq_k}-d{self.d}"
-                + ("-causal" if self.causal else ""))
-
-    @property
-    def flash_flop(self) -> float:
-        """Forward FLOP: 4·B·H·N·M·d, halved when causal."""
-        full = 4.0 * self.batch * self.heads * self.seq_q * self.seq_k * self.d
-        return full / 2 if self.causal else full
-
-    @property
-    def backward_flop(self) -> float:
-        """Backward FLOP: 2.5x the forward's."""
-        return BACKWARD_FLOP_FACTOR * self.flash_flop
-
-
-def parse_shape_id(shape_id: str) -> Shape:
-    """Inverse of Shape.id."""
-    parts = shape_id.split("-")
-    vals = {p[0]: int(p[1:]) for p in parts if p[:1] in "BHNMd" and p[1:].isdigit()}
-    return Shape(vals["B"], vals["H"], vals["N"], vals["M"], vals["d"], parts[-1] == "causal")
-
-
-def _shape_of(binary: dict) -> Shape:
-    s = binary["shape"]
-    return Shape(s["batch"], s["heads"], s["seq_q"], s["seq_k"], s["d"], bool(s["causal"]))
+def _shape_of(binary: dict, source: str = "bench JSON") -> Shape:
+    try:
+        return shape_of_binary(binary)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise BenchError(f"{source}: malformed 'shape' or 'variant': {exc}") from None
 
 
 # ---- the binary's JSON ---------------------------------------------------------------------------
 _REQUIRED = {"device": str, "shape": dict, "precision": str, "ceilings": dict, "kernels": list}
+# Written by binaries that take variants; a document without it is a plain run.
+_OPTIONAL = {"variant": dict}
 _KERNEL_REQUIRED = {"name": str, "kind": str, "status": str}
 
 
@@ -99,6 +72,10 @@ def parse_binary_json(data: dict, source: str = "bench JSON") -> dict:
     for key, typ in _REQUIRED.items():
         if not isinstance(data.get(key), typ):
             raise BenchError(f"{source}: missing or malformed '{key}' (expected {typ.__name__})")
+    for key, typ in _OPTIONAL.items():
+        if key in data and not isinstance(data[key], typ):
+            raise BenchError(f"{source}: malformed '{key}' (expected {typ.__name__})")
+    _shape_of(data, source)
     if data["precision"] not in PRECISIONS:
         raise BenchError(f"{source}: unknown precision '{data['precision']}'")
     for i, k in enumerate(data["kernels"]):
@@ -295,11 +272,14 @@ def _half_rows(shape: Shape, prec: str, run: dict, binary: dict, rows: List[Row]
 
 def _run_rows(i: int, run: dict) -> List[Row]:
     if "error" in run:  # the binary failed on this shape; the sweep went on
-        shape = parse_shape_id(run.get("shape", "B0-H0-N0-M0-d0"))
+        try:
+            shape = parse_shape_id(str(run.get("shape", "B0-H0-N0-M0-d0")))
+        except ValueError as exc:
+            raise BenchError(f"runs[{i}]: {exc}") from None
         return [_row(shape, run.get("precision", "?"), "main --bench", "attention", f"failed: {run['error']}")]
     binary = parse_binary_json(run.get("binary"), f"runs[{i}].binary")
     _check_sdpa_sections(run, f"runs[{i}]")
-    shape, prec = _shape_of(binary), binary["precision"]
+    shape, prec = _shape_of(binary, f"runs[{i}].binary"), binary["precision"]
     # The run's SDPA timings by row name: "sdpa" the forward, "sdpa_backward" the backward.
     sdpa = {name: run[name] for name in (SDPA, SDPA_BACKWARD) if run.get(name)}
     rates = {name: s["tflops"] for name, s in sdpa.items() if s.get("status") == "ok"}
@@ -310,9 +290,26 @@ def _run_rows(i: int, run: dict) -> List[Row]:
     return rows + sdpa_rows + _half_rows(shape, prec, run, binary, rows)
 
 
+def _annotate_variant_rows(rows: Sequence[Row]) -> None:
+    """Each ok row of a shape with a variant whose shape without it (shape.base) ran too, with the
+    same kernel and precision: its time over that one's, in its note."""
+    ok = {(r.shape, r.kernel, r.precision): r for r in rows if r.status == "ok" and r.ms}
+    for row in rows:
+        try:
+            shape = parse_shape_id(row.shape)
+        except ValueError:
+            continue
+        base = None if shape.plain else ok.get((shape.base.id, row.kernel, row.precision))
+        if base is not None and row.status == "ok" and row.ms:
+            row.note = "; ".join(n for n in (row.note, f"{row.ms / base.ms:.3f}x the time without the variant") if n)
+
+
 def rows_from_results(results: dict) -> List[Row]:
-    """Flattens a results document (see bench.collect) into one row per shape × precision × kernel."""
-    return [row for i, run in enumerate(results.get("runs", [])) for row in _run_rows(i, run)]
+    """Flattens a results document (see bench.collect) into one row per shape × precision × kernel;
+    a variant's rows note their time over the same shape's without it, when it ran."""
+    rows = [row for i, run in enumerate(results.get("runs", [])) for row in _run_rows(i, run)]
+    _annotate_variant_rows(rows)
+    return rows
 
 
 # ---- printing ------------------------------------------------------------------------------------

@@ -1,18 +1,23 @@
 """`attnstep bench`: times the binary's stages and flash kernels, forward and backward, and PyTorch's
 SDPA, on a shape list (what runs: verify/bench/measure.py), and prints the table and the goals.
+The variant options apply to every shape; `--variants goals` runs the variants' goals instead
+(verify/bench/variant_goals.py).
 
     python -m verify.cli.bench --build-dir build --json bench.json --plot bench.png
+    python -m verify.cli.bench --variants goals --json goals.json
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
-from typing import Sequence
+from typing import List, Sequence
 
 import click
+from click.core import ParameterSource
 
-from ..bench.goals import evaluate_goals
-from ..bench.measure import BENCH_TIMEOUT_S, BOTH, collect, default_shapes
+from ..bench.goals import evaluate_goals, goal_records
+from ..bench.measure import BENCH_TIMEOUT_S, BOTH, collect_runs, default_shapes
 from ..bench.plot import write_plot
 from ..bench.report import (ACCURACY, PASSES, SDPA, BenchError, Row, Shape, ceiling_lines, format_table, load_results,
                             rows_from_results)
@@ -21,7 +26,9 @@ from ..report.json_file import jsonable
 from ..runs.runner import ensure_built
 from ..stages import FLOAT32_PRECISIONS, HALF_PRECISIONS, PRECISIONS
 from ..text import plural
-from .options import InputError, binary_option, build_option, json_option, timeout_option, user_errors
+from ..bench.variant_goals import GOALS_PRESET, preset_runs
+from .options import (InputError, align_option, alibi_option, binary_option, build_option, json_option, softcap_option,
+                      timeout_option, user_errors, window_option)
 
 # `--precision`: one precision, or one of these groups.
 PRECISION_GROUPS = {BOTH: FLOAT32_PRECISIONS, "half": HALF_PRECISIONS, "all": PRECISIONS}
@@ -37,6 +44,34 @@ def parse_shape(text: str) -> Shape:
         raise click.BadParameter(f"'{text}': expected B,H,N,M,D[,causal] with positive integers")
     b, h, n, m, d = (int(p) for p in parts)
     return Shape(b, h, n, m, d, causal)
+
+
+# The options a preset replaces: it runs its own shapes, precisions, passes and variants.
+_PRESET_REPLACES = ("shape_specs", "precision", "passes", "only", "kv_heads", "align", "window", "softcap", "alibi")
+
+
+def with_variant(shapes: Sequence[Shape], kv_heads=None, align=None, window=None, softcap=None,
+                 alibi=None) -> List[Shape]:
+    """The shapes with the variant the options give (None: not given); raises InputError naming
+    the shape a value does not fit (a --kv-heads that does not divide its heads)."""
+    given = dict(kv_heads=kv_heads, align=align, window=window, softcap=softcap, alibi=alibi)
+    changes = {k: v for k, v in given.items() if v is not None}
+    out = []
+    for shape in shapes:
+        try:
+            out.append(dataclasses.replace(shape, **changes))
+        except ValueError as exc:
+            raise InputError(f"shape {shape.id}: {exc}") from None
+    return out
+
+
+def _refuse_with_preset(ctx: click.Context, preset: str) -> None:
+    """One line naming the options given with a preset, which it would ignore."""
+    given = [p.opts[0] for p in ctx.command.params
+             if p.name in _PRESET_REPLACES and ctx.get_parameter_source(p.name) == ParameterSource.COMMANDLINE]
+    if given:
+        raise InputError(f"--variants {preset} runs its own shapes, precisions, passes and variants; "
+                         f"drop {', '.join(given)}")
 
 
 def _print_results(results: dict, rows: Sequence[Row]) -> None:
@@ -103,9 +138,24 @@ def _exit_status(rows: Sequence[Row]) -> int:
               help="Write a PNG plot of TFLOP/s against N per kernel.")
 @click.option("--from-json", "from_json", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Do not run anything: print the table, goals and plot of an earlier --json file.")
+@click.option("--kv-heads", type=click.IntRange(min=1), metavar="HK",
+              help="K/V heads per batch element for every shape (GQA; 1: MQA; a divisor of H). The flash rows "
+                   "include the copy of the K/V heads to their query heads (and the backward the sums of dK, dV).")
+@align_option.but(help="Where row i's diagonal is for the causal mask and the window: top-left (default) or "
+                       "bottom-right.")
+@window_option.but(help="Sliding window for every shape: row i sees keys diag(i)-LEFT .. diag(i)+RIGHT; -1 unbounded.")
+@softcap_option.but(help="Cap the scaled scores of every shape: C*tanh(S/C).")
+@alibi_option.but(help="ALiBi (the standard slopes) for every shape.")
+@click.option("--variants", type=click.Choice((GOALS_PRESET,)),
+              help="goals: run exactly what the variants' goals compare, each against the same kernel without "
+                   "the variant (the flash rows only): GQA H=32 Hk=8 N=M=8192 d128 bf16 against MHA; window "
+                   "(1024, 0) against full causal at N=M=16384 bf16; softcap 50 against none at B4 H16 N=M=4096 "
+                   "d128, bf16 and fp32 (and the fp32 backward). Replaces --shape, --precision, --pass, --only and "
+                   "the variant options.")
 @user_errors
-def bench(build_dir, binary, shape_specs, precision, warmup, reps, only, passes, check, ceilings, use_torch, timeout,
-          json_path, plot_path, from_json):
+@click.pass_context
+def bench(ctx, build_dir, binary, shape_specs, precision, warmup, reps, only, passes, check, ceilings, use_torch,
+          timeout, json_path, plot_path, from_json, kv_heads, align, window, softcap, alibi, variants):
     """Time every stage and flash kernel of the binary, forward and backward, and PyTorch SDPA,
     over a shape list.
 
@@ -115,7 +165,13 @@ def bench(build_dir, binary, shape_specs, precision, warmup, reps, only, passes,
     SDPA's (the backward's over SDPA's backward; at bf16/fp16 over SDPA's fastest backend at that
     dtype, and over each); then the goals as met/missed, at bf16/fp16 with --check the flash
     error against float64 beside SDPA's on the same inputs. Backward TFLOP/s count 2.5x the
-    forward's FLOPs. Exit status 1 when a checked result fails its float64 check.
+    forward's FLOPs; every FLOP count counts the score entries the mask leaves visible.
+
+    A variant (--kv-heads, --align, --window, --softcap, --alibi) applies to every shape; SDPA is
+    timed on plain shapes only, and a variant's rows note their time over the same shape's without
+    it when that ran too. --variants goals runs the variants' goals in one invocation and reports
+    each ratio beside its goal (and in the JSON's "goals"), every run timed --reps times. Exit
+    status 1 when a checked result fails its float64 check.
     """
     try:
         if from_json:
@@ -124,14 +180,21 @@ def bench(build_dir, binary, shape_specs, precision, warmup, reps, only, passes,
             for path in (json_path, plot_path):  # before minutes of GPU work, not after
                 if path is not None and not path.resolve().parent.is_dir():
                     raise BenchError(f"{path}: its folder does not exist")
-            shapes = [parse_shape(s) for s in shape_specs] or default_shapes()
-            precisions = PRECISION_GROUPS.get(precision, (precision,))
-            results = collect(binary or ensure_built(build_dir), shapes, precisions, warmup, reps, check,
-                              use_torch, only, log=lambda m: click.echo(m, err=True), timeout=timeout,
-                              passes=passes, ceilings=ceilings)
-            if json_path:
-                atomic_write_bytes(json_path, (json.dumps(jsonable(results), indent=1) + "\n").encode())
+            if variants:
+                _refuse_with_preset(ctx, variants)
+                runs, only = preset_runs(), "flash"
+            else:
+                shapes = with_variant([parse_shape(s) for s in shape_specs] or default_shapes(), kv_heads, align,
+                                      window, softcap, alibi)
+                runs = [(sh, p, passes) for sh in shapes for p in PRECISION_GROUPS.get(precision, (precision,))]
+            # A preset's runs are compared with each other: each is timed as often.
+            results = collect_runs(binary or ensure_built(build_dir), runs, warmup, reps, check, use_torch, only,
+                                   log=lambda m: click.echo(m, err=True), timeout=timeout, ceilings=ceilings,
+                                   all_reps=bool(variants))
         rows = rows_from_results(results)
+        if json_path and not from_json:
+            results["goals"] = goal_records(rows)
+            atomic_write_bytes(json_path, (json.dumps(jsonable(results), indent=1) + "\n").encode())
         _print_results(results, rows)
         if plot_path:
             write_plot(rows, plot_path, f"attnstep bench on {results.get('device', '?')}")
