@@ -61,10 +61,13 @@ void parse_window(const std::string& opt, const std::string& text, VariantOption
         usage_error(opt + ": '" + text + "' is not LEFT,RIGHT (two integers; -1 is unbounded)");
     const long long left = parse_int(opt + " LEFT", text.substr(0, comma));
     const long long right = parse_int(opt + " RIGHT", text.substr(comma + 1));
-    check_rule(opt, text, window_bound_problem(left).empty() ? "" : "left = " + std::to_string(left) + ": " +
-                                                                     window_bound_problem(left));
-    check_rule(opt, text, window_bound_problem(right).empty() ? "" : "right = " + std::to_string(right) + ": " +
-                                                                      window_bound_problem(right));
+    // Each side named by its manifest key, as the manifest's errors and verify/variant.py say it.
+    const struct { const char* key; long long bound; } sides[] = {{"window_left", left}, {"window_right", right}};
+    for (const auto& side : sides) {
+        const std::string why = window_bound_problem(side.bound);
+        if (!why.empty())
+            check_rule(opt, text, std::string(side.key) + " = " + std::to_string(side.bound) + ": " + why);
+    }
     v->window_left = left;
     v->window_right = right;
     v->window_text = text;

@@ -275,7 +275,7 @@ def test_npy_descr_must_be_spelled_little_endian_float32(tmp_path):
 def test_case_limits_are_the_binarys(dims, words):
     from verify.files.case import validate_dims
     with pytest.raises(CaseError, match=re.escape(words)):
-        validate_dims(dims.__dict__, "manifest.toml")
+        validate_dims({**dims.__dict__, "kv_heads": dims.kv}, "manifest.toml")
 
 
 def test_case_limits_count_kv_stages_per_kv_head():
@@ -286,7 +286,7 @@ def test_case_limits_count_kv_stages_per_kv_head():
     dims = Dims(1, 65536, 1, 2**24, 256, 256)
     validate_dims({**dims.__dict__, "kv_heads": 1}, "manifest.toml")
     with pytest.raises(CaseError, match="65536 heads of "):
-        validate_dims(dims.__dict__, "manifest.toml")
+        validate_dims({**dims.__dict__, "kv_heads": dims.heads}, "manifest.toml")
     with pytest.raises(CaseError, match="65536 query heads of 50332417 stage elements each and 32768 K/V heads of "
                                         "12884901888 each; at most 281474976710656 elements in all"):
         validate_dims({**dims.__dict__, "kv_heads": 32768}, "manifest.toml")

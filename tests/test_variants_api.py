@@ -241,7 +241,7 @@ def test_a_dropout_mask_goes_with_dropout_p(handed):
     (dict(window=5), TypeError, "window: expected (left, right), two whole numbers (-1: unbounded), got 5"),
     (dict(window=(1.5, 0)), TypeError, "window: expected (left, right)"),
     (dict(window=(3, -2)), ValueError, "window = (3, -2): each side is a number of keys >= 0, or -1 (unbounded)"),
-    (dict(causal=True, window=(3, 2)), ValueError, "causal with window: window right = 2: a causal mask sees no key"),
+    (dict(causal=True, window=(3, 2)), ValueError, "causal with window: window_right = 2: a causal mask sees no key"),
     (dict(softcap=-1.0), ValueError, "softcap = -1.0: must be a finite number > 0 (0: none)"),
     (dict(softcap=float("inf")), ValueError, "softcap = inf"),
     (dict(softcap="30"), TypeError, "softcap: expected a number"),

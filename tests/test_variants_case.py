@@ -175,7 +175,7 @@ def test_a_case_generated_again_without_a_mask_loses_its_mask_files(tmp_path):
 @pytest.mark.parametrize("args, words", [
     (("--kv-heads", "2"), "--kv-heads 2 does not divide --heads 3"),
     (("--kv-heads", "4"), "--kv-heads 4 does not divide --heads 3"),
-    (("--causal", "--window", "3,2"), "window right = 2: a causal mask sees no key right of the diagonal"),
+    (("--causal", "--window", "3,2"), "window_right = 2: a causal mask sees no key right of the diagonal"),
     (("--causal", "top-left", "--align", "bottom-right"), "--causal top-left with --align bottom-right"),
     (("--causal", "--no-causal"), "--causal and --no-causal: choose one"),
     (("--mask", "prefix-lm", "--causal"), "a prefix-LM mask is causal after its prefix by itself"),
@@ -192,10 +192,10 @@ def test_bad_combinations_are_refused_in_one_line_before_writing(tmp_path, args,
 
 
 @pytest.mark.parametrize("args, words", [
-    (("--window", "3"), "expected LEFT,RIGHT"), (("--window", "-2,0"), "expected LEFT,RIGHT"),
-    (("--window", "a,b"), "expected LEFT,RIGHT"), (("--softcap", "-1"), "a softcap must be a finite number"),
-    (("--softcap", "nan"), "a softcap must be a finite number"), (("--dropout", "1"), "must be in [0, 1)"),
-    (("--dropout", "-0.1"), "must be in [0, 1)"), (("--mask", "zigzag"), "--mask"),
+    (("--window", "3"), "expected LEFT,RIGHT"), (("--window", "-2,0"), "'-2,0': window_left = -2: must be -1 (unbounded)"),
+    (("--window", "a,b"), "expected LEFT,RIGHT"), (("--softcap", "-1"), "must be a finite number > 0"),
+    (("--softcap", "nan"), "must be a finite number > 0"), (("--dropout", "1"), "must be a probability in [0, 1)"),
+    (("--dropout", "-0.1"), "must be a probability in [0, 1)"), (("--mask", "zigzag"), "--mask"),
     (("--causal", "middle"), "expected top-left or bottom-right"), (("--kv-heads", "0"), "--kv-heads"),
 ], ids=lambda x: " ".join(x) if isinstance(x, tuple) else None)
 def test_bad_values_are_usage_errors_before_writing(tmp_path, args, words):
@@ -226,9 +226,10 @@ def test_grouped_heads_without_a_manifest_come_from_the_k_files(tmp_path):
      "K_head_1.txt: missing file (2 K/V heads per batch element (kv_heads = 2 of 6 heads), 2 in all expected)"),
     (lambda c: (c / stage_file(VALUES, 2, "txt")).write_text("1\n"),
      "V_head_2.txt: unexpected file: the case has 2 K/V heads per batch element"),
-    (lambda c: set_manifest(c, kv_heads=4), "'kv_heads' = 4: must divide heads = 6"),
-    (lambda c: set_manifest(c, kv_heads=-1), "'kv_heads' = -1: must divide heads = 6"),
-], ids=["missing-k", "extra-v", "kv-not-dividing", "kv-negative"])
+    (lambda c: set_manifest(c, kv_heads=4), "kv_heads = 4: must be 1..heads and divide heads = 6"),
+    (lambda c: set_manifest(c, kv_heads=-1), "kv_heads = -1: must be 1..heads and divide heads = 6"),
+    (lambda c: set_manifest(c, kv_heads=0), "kv_heads = 0: must be 1..heads and divide heads = 6"),
+], ids=["missing-k", "extra-v", "kv-not-dividing", "kv-negative", "kv-zero"])
 def test_grouped_layouts_are_checked_head_by_head(tmp_path, edit, words):
     case = generate(tmp_path / "c", *GQA)
     edit(case)
@@ -238,17 +239,20 @@ def test_grouped_layouts_are_checked_head_by_head(tmp_path, edit, words):
 
 
 @pytest.mark.parametrize("line, words", [
-    ('align = "middle"', "'align': align = 'middle': must be top-left or bottom-right"),
-    ("window_left = -2", "'window_left': window left = -2: must be -1 (unbounded)"),
-    ("window_right = -5", "'window_right': window right = -5"),
-    ("softcap = -1.0", "'softcap': softcap = -1.0: must be a finite number > 0"),
-    ("softcap = nan", "'softcap': softcap = nan"),
-    ('mask = "some"', "'mask': mask = 'some': must be none, per-head or broadcast"),
+    ('align = "middle"', ": align = 'middle': must be top-left or bottom-right"),
+    ("window_left = -2", ": window_left = -2: must be -1 (unbounded)"),
+    ("window_right = -5", ": window_right = -5"),
+    ("softcap = -1.0", ": softcap = -1.0: must be a finite number > 0"),
+    ("softcap = nan", ": softcap = nan"),
+    ("softcap = 1e39", ": softcap = 1e+39: must be a finite number > 0"),
+    ('mask = "some"', ": mask = 'some': must be none, per-head or broadcast"),
     ("bias = 3", "'bias' must be a quoted string"),
-    ("dropout = 1.0", "'dropout': dropout = 1.0: must be a probability in [0, 1)"),
-    ("dropout_seed = -1", "'dropout_seed': dropout_seed = -1: must be an integer >= 0"),
+    ("dropout = 1.0", ": dropout = 1.0: must be a probability in [0, 1)"),
+    ("dropout = 0.99999999999", ": dropout = 0.99999999999: must be a probability in [0, 1)"),
+    ("dropout_seed = -1", ": dropout_seed = -1: must be an integer >= 0"),
     ("alibi = 1", "'alibi' must be true or false"),
-    ("window_right = 2\ncausal = true", "'causal' with 'window_left, window_right': window right = 2: a causal"),
+    ("window_right = 2\ncausal = true", ": window_right = 2: a causal mask sees no key right of the diagonal (use 0 or -1) "
+                                        "(causal from "),
 ], ids=lambda x: x.split(" =")[0] if isinstance(x, str) and "=" in x else None)
 def test_a_bad_variant_key_is_one_line_naming_the_file_and_key(tmp_path, line, words):
     case = generate(tmp_path / "c", *SMALL)
@@ -325,7 +329,7 @@ def test_one_row_of_slopes_serves_every_batch_element(tmp_path):
     (("--bias", "random"), lambda c: (c / "bias.txt").unlink(), 'bias.txt: missing file ('),
     (("--bias", "random"), lambda c: (c / "bias.txt").rename(c / "bias.npy"), "bias.npy: a .npy file in a .txt case"),
     (("--alibi", "--alibi-slopes", "random"), lambda c: set_manifest(c, alibi="false"),
-     "alibi_slopes.txt: ALiBi slopes, but "),
+     "alibi_slopes.txt: exists but the run has no ALiBi (its slopes would be unused); HINT: turn ALiBi on"),
 ], ids=["per-head-without-files", "per-head-missing-one", "files-but-none", "broadcast-but-none",
         "broadcast-missing", "other-format", "slopes-without-alibi"])
 def test_mask_bias_and_slopes_files_agree_with_the_manifest(tmp_path, args, edit, words):
@@ -398,15 +402,15 @@ def test_without_a_manifest_run_toml_says_the_variant_and_the_command_line_overr
     assert (run.variant.window, run.variant.softcap, run.causal, run.mismatches) == ((3, 0), 20.0, True, [])
     run = open_run(out, loaded, Overrides(causal=False, variant={"window": (5, 5), "alibi": True}))
     assert (run.variant.window, run.variant.alibi, run.causal) == ((5, 5), True, False)
-    with pytest.raises(CaseError, match=r"run.toml and the command line: 'causal' with 'window_left, "
-                                        r"window_right': window right = 5"):
+    with pytest.raises(CaseError, match=r"the command line: window_right = 5: a causal mask sees no key right of the "
+                                        r"diagonal \(use 0 or -1\) \(causal from \S*run.toml\)"):
         open_run(out, loaded, Overrides(variant={"window": (5, 5)}))
 
 
 @pytest.mark.parametrize("args, words", [
     (("--causal", "--no-causal"), "--causal and --no-causal: choose one"),
     (("--causal", "bottom-right", "--align", "top-left"), "--causal bottom-right with --align top-left"),
-    (("--causal", "--window", "0,3"), "'causal' with 'window_left, window_right': window right = 3"),
+    (("--causal", "--window", "0,3"), "the command line: window_right = 3: a causal mask sees no key right"),
 ], ids=["both", "two-alignments", "causal-window"])
 def test_checks_variant_options_are_refused_in_one_line(tmp_path, args, words):
     case, out = _plain_run(tmp_path)
@@ -424,7 +428,7 @@ def test_check_options_set_the_variant_checked(tmp_path):
 
 def test_run_toml_variant_values_are_validated(tmp_path):
     case, out = _plain_run(tmp_path, run_toml="softcap = -3.0\n")
-    one_line_error(invoke("check", "--in", case, "--out", out), f"{out / RUN_MANIFEST}: 'softcap': softcap = -3.0")
+    one_line_error(invoke("check", "--in", case, "--out", out), f"{out / RUN_MANIFEST}: softcap = -3.0: must be")
 
 
 def _gqa_output(tmp_path: Path, heads_written: int, **kv) -> tuple:

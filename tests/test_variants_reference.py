@@ -529,23 +529,30 @@ def test_an_explicit_mask_replaces_the_variants():
 
 @pytest.mark.parametrize("precision", ("fp32", "bf16"))
 def test_a_group_sum_is_within_its_bound(precision):
-    """dK of a K/V head = Σ over its group's query heads, summed in float32 in order of h."""
+    """dK of a K/V head = Σ over its group's query heads, summed in float32 in order of h: within
+    both bounds the check gives the sum (verify/check/groups.py GroupSum, from each query head's
+    Term), and a head of the group left out is not."""
+    from verify.check.groups import GroupSum, Term
+    from verify.files.outputs import RunInfo
     heads = [make_head("everything", seed) for seed in range(3)]
     heads = [replace(h, k=heads[0].k, v=heads[0].v) for h in heads]   # one K/V head for the group
-    refs, bounds, parts = [], [], []
+    group, parts = GroupSum(), []
     for h in heads:
         verifier = Verifier(h, "cpu", precision)
-        refs.append(verifier.chain[GRAD_KEYS])
-        bounds.append(tolerance.chained_bound(GRAD_KEYS, verifier.chain, **verifier.kw))
+        want = verifier.chain[GRAD_KEYS]   # isolated from the chain's own sources: the same matrix
+        group.add(Term(want, want, tolerance.stage_bound_parts(GRAD_KEYS, verifier.chain, want, **verifier.kw),
+                       chained=tolerance.chained_bound(GRAD_KEYS, verifier.chain, **verifier.kw)))
         parts.append(stage_path(h)[GRAD_KEYS])
-    ref, bound = tolerance.group_sum_bound(refs, bounds, precision)
+    run = RunInfo(None, {}, Dims(1, len(heads), heads[0].n, heads[0].m, D, D, kv_heads=1), {}, precision=precision)
+    bounds = group.bounds(run, GRAD_KEYS)
     total = parts[0]
     for part in parts[1:]:
         total = (total + part).astype(f32)
     if precision == "bf16":
         total = round_to_format32(total, precision)
-    assert _ratio(total, ref, bound) < 1.0
-    assert _ratio(parts[0] + parts[1], ref, bound) > 1.0   # a head of the group left out
+    for bound in bounds:   # isolated, chained
+        assert _ratio(total, group.want_chain, bound) < 1.0
+        assert _ratio(parts[0] + parts[1], group.want_chain, bound) > 1.0   # a head of the group left out
 
 
 @pytest.mark.parametrize("case", ("softcap", "alibi-causal", "dropout", "everything"))

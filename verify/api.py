@@ -36,7 +36,8 @@ from .model.half import HALF_ROUNDINGS, rounding_refusal
 from .report.text import failure_lines, header_lines, summary_lines, table_lines
 from .stages import (ALIBI_SLOPES_INPUT, BIAS_INPUT, DIM_KEYS, DROPOUT_MASK, GRAD_INPUT, INPUT_NAMES, KV_HEADS_KEY,
                      MASK_INPUT, PRECISIONS, STAGES, Dims, default_scale)
-from .variant import ALIGNMENTS, BROADCAST, NONE, PER_HEAD, TOP_LEFT, UNBOUNDED, Variant
+from .variant import (ALIGNMENTS, BROADCAST, NONE, PER_HEAD, TOP_LEFT, UNBOUNDED, Variant, dropout_problem,
+                      softcap_problem)
 
 ARRAYS = Path("<arrays>")  # what the report names as the run's and the inputs' place
 
@@ -140,15 +141,17 @@ def _expect_window(name: str, x) -> Tuple[int, int]:
 def _expect_softcap(name: str, x) -> float:
     """None or 0 (none), or a finite cap > 0."""
     value = 0.0 if x is None else _expect_real(name, x)
-    if not 0 <= value < _math.inf:
-        raise ValueError(f"{name} = {x!r}: must be a finite number > 0 (0: none)")
+    why = softcap_problem(value)
+    if why:
+        raise ValueError(f"{name} = {x!r}: {why}")
     return value
 
 
 def _expect_probability(name: str, x) -> float:
     value = _expect_real(name, x)
-    if not 0 <= value < 1:
-        raise ValueError(f"{name} = {x!r}: must be a probability in [0, 1)")
+    why = dropout_problem(value)
+    if why:
+        raise ValueError(f"{name} = {x!r}: {why}")
     return value
 
 

@@ -49,6 +49,7 @@ VARIANT_KEYS = {
     "dropout_seed": int,
 }
 NONE = "none"
+WINDOW_KEYS = ("window_left", "window_right")  # the manifest keys of Variant.window's two sides
 
 
 @dataclass(frozen=True)
@@ -118,24 +119,80 @@ class Variant:
         return replace(self, **changes)
 
 
+# The rules of the variant's values, each the words after "key = value: " (None: the value keeps
+# it). cuda_src/io/variant_manifest.h's window_bound_problem, softcap_problem, dropout_problem,
+# dropout_seed_problem and causal_window_problem are their C++ twins, in the same words; the
+# binary holds the softcap and dropout as float32, so a value is judged as that float32 too.
+
+def window_bound_problem(bound) -> Optional[str]:
+    ok = isinstance(bound, (int, np.integer)) and bound >= UNBOUNDED
+    return None if ok else "must be -1 (unbounded) or a number of keys >= 0"
+
+
+def _float32(x: float) -> float:
+    """x as the binary holds it: rounded to float32 (inf beyond its range)."""
+    with np.errstate(over="ignore"):
+        return float(np.float32(x))
+
+
+def softcap_problem(cap: float) -> Optional[str]:
+    ok = math.isfinite(cap) and cap >= 0 and math.isfinite(_float32(cap))
+    return None if ok else "must be a finite number > 0 (0: none)"
+
+
+def dropout_problem(p: float) -> Optional[str]:
+    # 0.99999999999 is < 1 but rounds to 1 in float32, where every entry would be dropped.
+    ok = math.isfinite(p) and p >= 0 and _float32(p) < 1
+    return None if ok else "must be a probability in [0, 1)"
+
+
+def dropout_seed_problem(seed) -> Optional[str]:
+    ok = isinstance(seed, (int, np.integer)) and not isinstance(seed, bool) and seed >= 0
+    return None if ok else "must be an integer >= 0"
+
+
+def causal_window_problem(right) -> Optional[str]:
+    """Why a causal mask cannot have this right bound (it sees no key right of the diagonal)."""
+    return None if right in (UNBOUNDED, 0) else "a causal mask sees no key right of the diagonal (use 0 or -1)"
+
+
+def value_text(x) -> str:
+    """A value as the messages show it, the binary's way (its value_text and toml_float): a string
+    quoted, a float in the fewest digits from 9 that read back to it, '.0' added to a whole one."""
+    if isinstance(x, np.generic):
+        x = x.item()
+    if isinstance(x, bool):
+        return "true" if x else "false"
+    if isinstance(x, float):
+        if not math.isfinite(x):
+            return "nan" if math.isnan(x) else "inf" if x > 0 else "-inf"
+        text = next((t for t in (f"{x:.{p}g}" for p in range(9, 17)) if float(t) == x), f"{x:.17g}")
+        return text if any(c in text for c in ".eE") else text + ".0"
+    return repr(x)
+
+
 def validate(v: Variant) -> Optional[str]:
-    """Why `v` is not a variant (one line), or None."""
+    """Why `v` is not a variant, or None: one line, "key = value: rule", the key as a manifest
+    writes it, in the binary's words."""
     if v.align not in ALIGNMENTS:
-        return f"align = {v.align!r}: must be {' or '.join(ALIGNMENTS)}"
-    for side, bound in zip(("left", "right"), v.window):
-        if not isinstance(bound, (int, np.integer)) or bound < UNBOUNDED:
-            return f"window {side} = {bound!r}: must be -1 (unbounded) or a number of keys >= 0"
-    if v.causal and v.window[1] not in (UNBOUNDED, 0):
-        return f"window right = {v.window[1]}: a causal mask sees no key right of the diagonal (use 0 or -1)"
-    if not (math.isfinite(v.softcap) and v.softcap >= 0):
-        return f"softcap = {v.softcap!r}: must be a finite number > 0 (0: none)"
+        return f"align = {value_text(v.align)}: must be {' or '.join(ALIGNMENTS)}"
+    for key, bound in zip(WINDOW_KEYS, v.window):
+        why = window_bound_problem(bound)
+        if why:
+            return f"{key} = {value_text(bound)}: {why}"
+    why = causal_window_problem(v.window[1]) if v.causal else None
+    if why:
+        return f"{WINDOW_KEYS[1]} = {value_text(v.window[1])}: {why}"
+    why = softcap_problem(v.softcap)
+    if why:
+        return f"softcap = {value_text(v.softcap)}: {why}"
     for name in ("bias", "mask"):
         if getattr(v, name) not in (NONE,) + TENSOR_COVERAGE:
-            return f"{name} = {getattr(v, name)!r}: must be none, per-head or broadcast"
-    if not (math.isfinite(v.dropout) and 0 <= v.dropout < 1):
-        return f"dropout = {v.dropout!r}: must be a probability in [0, 1)"
-    if not isinstance(v.dropout_seed, (int, np.integer)) or isinstance(v.dropout_seed, bool) or v.dropout_seed < 0:
-        return f"dropout_seed = {v.dropout_seed!r}: must be an integer >= 0"
+            return f"{name} = {value_text(getattr(v, name))}: must be none, per-head or broadcast"
+    for key, rule in (("dropout", dropout_problem), ("dropout_seed", dropout_seed_problem)):
+        why = rule(getattr(v, key))
+        if why:
+            return f"{key} = {value_text(getattr(v, key))}: {why}"
     return None
 
 

@@ -19,6 +19,12 @@ namespace {
 
 const Format kFormats[] = {Format::txt, Format::npy};
 
+// A slopes file in a run without ALiBi (which would ignore it): the words after the file's path,
+// and the hint. verify/files/variant_inputs.py UNUSED_SLOPES is the verifier's twin.
+const std::string kUnusedSlopes[] = {
+    "exists but the run has no ALiBi (its slopes would be unused)",
+    std::string("turn ALiBi on to use them (alibi = true in ") + kInputManifestName + ", or --alibi), or remove the file"};
+
 // "<name>_head_<i>.<fmt>" (head >= 0) or "<name>.<fmt>" (head < 0: the broadcast file).
 std::string file_name(const char* name, int head, Format fmt) {
     return std::string(name) + (head >= 0 ? "_head_" + std::to_string(head) : "") + "." + format_name(fmt);
@@ -213,9 +219,8 @@ VariantInputs::VariantInputs(const InputCase& c, const Problem& p) : c_(c), v_(p
         read_checked(file_path(c, kBiasInput, -1, c.format), c.format, d.N, d.M, nm_words(c), ValueRule::bias, bias_.data());
     }
     const std::string slopes_path = file_path(c, kAlibiSlopesInput, -1, c.format);
-    if (c.has_slopes_file && !v_.alibi)
-        fail(kExitBadInput, slopes_path + ": exists but the run has no ALiBi (no alibi = true in the manifest, no --alibi)",
-             "pass --alibi (or set alibi = true in manifest.toml) to use the slopes, or remove the file");
+    if (c.has_slopes_file && !v_.alibi)  // (ALiBi as the manifest and --alibi say: p.variant)
+        fail(kExitBadInput, slopes_path + ": " + kUnusedSlopes[0], kUnusedSlopes[1]);
     if (!v_.alibi) return;
     slopes_.resize(static_cast<size_t>(d.total_heads()));
     for (int h = 0; h < d.total_heads(); ++h) slopes_[h] = static_cast<float>(alibi_slope(h % d.heads, d.heads));

@@ -92,16 +92,22 @@ ManifestValue variant_value(const std::string& key, const Variant& v) {
 void apply_kv_heads(const Manifest& m, InputCase* c) {
     const ManifestValue* v = m.find(kKvHeadsKey);
     if (!v) return;
-    const int heads = c->dims.heads;
-    if (v->i < 1 || v->i > heads || heads % v->i != 0)
-        fail(kExitBadInput, m.where(kKvHeadsKey) + ": " + kKvHeadsKey + " = " + std::to_string(v->i) +
-                                ": must divide heads = " + std::to_string(heads) +
-                                " (each K/V head serves heads / kv_heads query heads)",
+    const std::string why = kv_heads_problem(v->i, c->dims.heads);
+    if (!why.empty())
+        fail(kExitBadInput, m.where(kKvHeadsKey) + ": " + kKvHeadsKey + " = " + std::to_string(v->i) + ": " + why,
              "use a divisor of heads: 1 (one K/V head for all), ..., heads (one each)");
     c->dims.kv_heads = static_cast<int>(v->i);
 }
 
 }  // namespace
+
+std::string kv_heads_problem(long long kv, int heads) {
+    // 0 too is refused: a manifest that writes kv_heads says how many there are.
+    return kv >= 1 && kv <= heads && heads % kv == 0
+               ? ""
+               : "must be 1..heads and divide heads = " + std::to_string(heads) +
+                     " (each K/V head serves heads / kv_heads query heads)";
+}
 
 std::string window_bound_problem(long long bound) {
     return bound < kUnbounded ? "must be -1 (unbounded) or a number of keys >= 0" : "";

@@ -13,6 +13,9 @@ namespace attnstep {
 struct InputCase;
 
 // Why a value breaks its key's rule (the words after "key = value: "), or "" when it does not.
+// verify/variant.py's functions of the same names (kv_heads_problem: verify/files/manifests.py)
+// are the twins, in the same words.
+std::string kv_heads_problem(long long kv, int heads);  // 1..heads, a divisor of heads
 std::string window_bound_problem(long long bound);
 std::string softcap_problem(double cap);
 std::string dropout_problem(double p);

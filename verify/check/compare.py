@@ -286,7 +286,7 @@ def check(in_dir: Path, out_dir: Path, opts: Optional[Options] = None,
     explained by `diagnoser` (verify.diagnose.hypotheses.diagnose, as `attnstep check` does)."""
     opts = opts or Options()
     check_folders_apart(in_dir, out_dir)  # as `attnstep check`: inputs compared with themselves would pass
-    case = load_input_case(in_dir)
+    case = load_input_case(in_dir, alibi=opts.variant.get("alibi"))
     case.allow_nonfinite = opts.allow_nonfinite
     run = open_run(out_dir, case, opts.overrides())
     return check_run(run, case, opts, progress, tune_process=True, diagnoser=diagnoser)

@@ -20,12 +20,12 @@ and the model adds the variant's roundings (verify/model/scores.py).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Dict, Optional
 
 import numpy as np
 
 from ..model.dot import dot_var
-from ..model.half import NEAREST, is_half, storage_bound
+from ..model.half import NEAREST, is_half
 from ..model.kernels import KERNELS, SOFTMAX_FINAL_ROUNDINGS, Kernel, kernel_for
 from ..model.rounding import (FLUSH, LAMBDA, LOG_ULPS, ROUND_VAR, UNIT_ROUNDOFF, HeadCache, ToleranceError, finish,
                               memo, unit_roundoff)
@@ -36,8 +36,8 @@ from ..stages import INPUT_NAMES, STAGES  # noqa: F401 (tolerance.STAGES: the st
 from ..variant import Variant
 from .half_rounding import half_terms
 
-__all__ = ["stage_bound", "stage_bound_parts", "BoundParts", "chained_bound", "quantization_bound", "group_sum_bound",
-           "dot_var", "kernel_for", "HeadCache", "ToleranceError", "unit_roundoff", "KERNELS", "Kernel", "FLUSH",
+__all__ = ["stage_bound", "stage_bound_parts", "BoundParts", "chained_bound", "quantization_bound", "dot_var",
+           "kernel_for", "HeadCache", "ToleranceError", "unit_roundoff", "KERNELS", "Kernel", "FLUSH",
            "LAMBDA", "LOG_ULPS", "ROUND_VAR", "UNIT_ROUNDOFF", "SOFTMAX_FINAL_ROUNDINGS"]
 
 
@@ -160,23 +160,3 @@ def quantization_bound(stage: str, src: Dict[str, np.ndarray], quanta: Dict[str,
         return 0.0
     x = {n: np.asarray(v, np.float64) for n, v in src.items()}
     return _spec(stage).quantization(x, q, Problem.of(scale, causal, x, variant, slope))
-
-
-def group_sum_bound(refs: Sequence[np.ndarray], bounds: Sequence[np.ndarray], precision: str = "fp32",
-                    half_rounding: str = NEAREST) -> Tuple[np.ndarray, np.ndarray]:
-    """(reference, bound) of a K/V head's dK or dV under grouped K/V heads (GQA/MQA): the sum over
-    the query heads of its group, in order of h (verify/stages.py Dims.query_heads_of), of each
-    query head's contribution, whose reference and bound (chained or isolated) are `refs` and
-    `bounds`. The program sums them in float32 in that order: each addition rounds once, by at
-    most u·|the partial sum| (the partial sum lies within the bounds so far of the reference's:
-    one-signed, no averaging over so few terms); under bf16/fp16 the sum is then stored in the
-    format once more."""
-    u = unit_roundoff(_FLOAT32_OF.get(precision, precision))
-    total = np.array(refs[0], dtype=np.float64)
-    bound = np.array(bounds[0], dtype=np.float64)
-    for ref, b in zip(refs[1:], bounds[1:]):
-        total = total + ref
-        bound = bound + b + u * (np.abs(total) + bound + b)
-    if is_half(precision):
-        bound = bound + storage_bound(total, precision, half_rounding)
-    return total, bound

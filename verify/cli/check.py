@@ -80,7 +80,7 @@ attention overrides IN's manifest, else run.toml's ({CLI_DOC}): --causal [ALIGN]
 
 
 def check_and_report(in_dir, out_dir, opts, json_path, junit_path, plot_dir, per_head, quiet=False) -> bool:
-    case = load_input_case(in_dir)
+    case = load_input_case(in_dir, alibi=opts.variant.get("alibi"))
     case.allow_nonfinite = opts.allow_nonfinite
     run_info = open_run(out_dir, case, opts.overrides())
     d = run_info.dims

@@ -17,7 +17,7 @@ from ..files.kinds import CaseError
 from ..files.outputs import parse_name_map, read_names_file
 from ..runs.runner import DEFAULT_BUILD_DIR, DEFAULT_RUN_TIMEOUT_S, RunnerError
 from ..stages import DEFAULT_INPUT_DIR, DEFAULT_OUTPUT_DIR, DROPOUT_MASK
-from ..variant import ALIGNMENTS, TOP_LEFT, UNBOUNDED
+from ..variant import ALIGNMENTS, TOP_LEFT, WINDOW_KEYS, dropout_problem, softcap_problem, window_bound_problem
 
 BACKENDS = ("auto", "cuda", "cpu")
 
@@ -180,14 +180,18 @@ class Window(click.ParamType):
             bounds = tuple(int(p) for p in parts)
         except ValueError:
             bounds = ()
-        if len(bounds) != 2 or min(bounds) < UNBOUNDED:
+        if len(bounds) != 2:
             self.fail(f"{value!r}: expected LEFT,RIGHT, two whole numbers >= -1 (-1: unbounded), e.g. 128,0",
                       param, ctx)
+        for key, bound in zip(WINDOW_KEYS, bounds):  # each side named by its manifest key, as the binary names it
+            why = window_bound_problem(bound)
+            if why:
+                self.fail(f"{value!r}: {key} = {bound}: {why}", param, ctx)
         return bounds
 
 
 class Probability(click.ParamType):
-    """A dropout probability in [0, 1)."""
+    """A dropout probability in [0, 1) (verify/variant.py dropout_problem: as a float32 too)."""
     name = "p"
 
     def convert(self, value, param, ctx):
@@ -195,13 +199,14 @@ class Probability(click.ParamType):
             p = float(value)
         except (TypeError, ValueError):
             p = -1.0
-        if not 0 <= p < 1:
-            self.fail(f"{value!r}: a dropout probability must be in [0, 1)", param, ctx)
+        why = dropout_problem(p)
+        if why:
+            self.fail(f"{value!r}: {why}", param, ctx)
         return p
 
 
 class Softcap(click.ParamType):
-    """A finite cap >= 0 (0: none)."""
+    """A finite cap >= 0 (0: none; verify/variant.py softcap_problem: finite as a float32 too)."""
     name = "cap"
 
     def convert(self, value, param, ctx):
@@ -209,8 +214,9 @@ class Softcap(click.ParamType):
             c = float(value)
         except (TypeError, ValueError):
             c = -1.0
-        if not 0 <= c < float("inf"):
-            self.fail(f"{value!r}: a softcap must be a finite number > 0 (0: none)", param, ctx)
+        why = softcap_problem(c)
+        if why:
+            self.fail(f"{value!r}: {why}", param, ctx)
         return c
 
 

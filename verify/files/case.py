@@ -23,14 +23,14 @@ from .manifests import (INPUT_KEYS, INT64, build_variant, check_case_limits, che
 from .matrix_io import (atomic_write_bytes, crc32_hex, file_kind, matrix_bytes, matrix_max_bytes, output_file_target,
                         parse_matrix, parse_npy_matrix, parse_text_matrix, probe_writable, read_bytes, read_matrix,
                         text_header_fields, write_matrix)
-from .variant_inputs import (COVERAGE_FIELD, READERS, TENSOR_INPUTS, coverage, coverage_of_files, read_slopes,
-                             slope_of, whole_file, whole_files)
+from .variant_inputs import (COVERAGE_FIELD, READERS, TENSOR_INPUTS, UNUSED_SLOPES, coverage, coverage_of_files,
+                             read_slopes, slope_of, whole_file, whole_files)
 
-__all__ = ["InputCase", "load_input_case", "input_head_files", "clear_input_files", "CaseError", "INPUT_KEYS",
-           "INT64", "check_scale", "check_types", "read_toml", "validate_dims", "write_toml", "atomic_write_bytes",
-           "crc32_hex", "file_kind", "matrix_bytes", "matrix_max_bytes", "output_file_target", "parse_matrix",
-           "parse_npy_matrix", "parse_text_matrix", "probe_writable", "read_bytes", "read_matrix",
-           "text_header_fields", "write_matrix"]
+__all__ = ["InputCase", "load_input_case", "refuse_unused_slopes", "input_head_files", "clear_input_files",
+           "CaseError", "INPUT_KEYS", "INT64", "check_scale", "check_types", "read_toml", "validate_dims",
+           "write_toml", "atomic_write_bytes", "crc32_hex", "file_kind", "matrix_bytes", "matrix_max_bytes",
+           "output_file_target", "parse_matrix", "parse_npy_matrix", "parse_text_matrix", "probe_writable",
+           "read_bytes", "read_matrix", "text_header_fields", "write_matrix"]
 
 # ----------------------------------------------------------------------------------------------
 # Input cases.
@@ -133,8 +133,11 @@ def _format_of_files(folder: Path, files) -> Optional[str]:
     return formats[0] if formats else None
 
 
-def load_input_case(folder: Path) -> InputCase:
-    """Reads the manifest (or infers shapes from the files) and checks the layout is complete."""
+def load_input_case(folder: Path, alibi: Optional[bool] = None) -> InputCase:
+    """Reads the manifest (or infers shapes from the files) and checks the layout is complete.
+    `alibi`: whether the command line turns ALiBi on or off (None: it does not say), which decides
+    with the manifest whether a slopes file is used (refuse_unused_slopes); a case with neither
+    leaves that to open_run, where run.toml may say."""
     folder = Path(folder)
     if not folder.is_dir():
         raise CaseError(f"{folder}: input case folder not found; HINT: run 'attnstep generate' first")
@@ -150,7 +153,18 @@ def load_input_case(folder: Path) -> InputCase:
         check_case_limits(case.dims, str(manifest if manifest.exists() else folder), case.backward, dropout)
     _check_layout(case, files, flagged=flag is not None)
     _check_variant_files(case, files, whole)
+    if alibi is not None or case.manifest:
+        refuse_unused_slopes(case, case.variant.alibi if alibi is None else alibi)
     return case
+
+
+def refuse_unused_slopes(case: InputCase, alibi: bool) -> None:
+    """A slopes file in a case run or checked without ALiBi (`alibi`: the variant's, the command
+    line's over the manifest's) would be ignored: an error naming it and how to turn ALiBi on, in
+    the binary's words (variant_inputs.UNUSED_SLOPES)."""
+    path = case.path / whole_file(ALIBI_SLOPES_INPUT, case.fmt)
+    if not alibi and case.arrays is None and path.exists():
+        raise CaseError(f"{path}: {UNUSED_SLOPES[0]}; HINT: {UNUSED_SLOPES[1]}")
 
 
 def _manifest_case(folder: Path, manifest: Path, files) -> Tuple[InputCase, Optional[bool]]:
@@ -301,11 +315,7 @@ def _check_variant_files(case: InputCase, files, whole) -> None:
             raise CaseError(f"{path}: missing file ({says(name)}: one {name} for every head)")
     _refuse_other_format(case, ALIBI_SLOPES_INPUT, whole)
     if ALIBI_SLOPES_INPUT in whole:
-        if case.manifest and not case.variant.alibi:
-            raise CaseError(f"{case.path / whole_file(ALIBI_SLOPES_INPUT, case.fmt)}: ALiBi slopes, but "
-                            f"{case.path / INPUT_MANIFEST} says alibi = false; HINT: remove the file, or set "
-                            "alibi = true")
-        case.alibi_slope(0)  # reads and checks the file
+        case.alibi_slope(0)  # reads and checks the file, used or not (refuse_unused_slopes), as the binary does
 
 
 def _refuse_other_format(case: InputCase, name: str, whole) -> None:

@@ -178,7 +178,7 @@ def _write_inputs(staging: Path, dims: Dims, variant: Variant, inputs: VariantIn
 def _check_arguments(dims: Dims, scale: Optional[float], seed: int, distribution: str, fmt: str,
                      backward: bool, dropout: bool) -> None:
     values = {k: getattr(dims, k) for k in DIM_KEYS}
-    values[KV_HEADS_KEY] = dims.kv_heads
+    values[KV_HEADS_KEY] = dims.kv
     check_case_limits(validate_dims(values, "generate"), "generate", backward, dropout)
     if distribution not in DISTRIBUTIONS:
         raise CaseError(f"unknown distribution {distribution!r}; choose from {', '.join(DISTRIBUTIONS)}")

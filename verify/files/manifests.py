@@ -7,12 +7,13 @@ import math
 import re
 import tomllib
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 
 from ..stages import DIM_KEYS, KV_HEADS_KEY, MAX_DIM, MAX_ELEMENTS, MAX_HEAD_DIM, MAX_HEADS, Dims
 from ..text import plural, printable
-from ..variant import UNBOUNDED, VARIANT_KEYS, Variant
+from ..variant import UNBOUNDED, VARIANT_KEYS, WINDOW_KEYS, Variant
 from .kinds import CaseError
 from .matrix_io import atomic_write_bytes, read_bytes
 
@@ -112,20 +113,30 @@ def validate_dims(values: dict, where: str) -> Dims:
     return dims
 
 
+# The words of kv_heads' rule and its hint; cuda_src/io/variant_manifest.cpp kv_heads_problem and
+# apply_kv_heads are the twins.
+KV_HEADS_HINT = "use a divisor of heads: 1 (one K/V head for all), ..., heads (one each)"
+
+
+def kv_heads_problem(kv: int, heads: int) -> Optional[str]:
+    """Why `kv` K/V heads cannot serve `heads` query heads (1..heads, a divisor), or None."""
+    if 1 <= kv <= heads and heads % kv == 0:
+        return None
+    return f"must be 1..heads and divide heads = {heads} (each K/V head serves heads / kv_heads query heads)"
+
+
 def _kv_heads(values: dict, where: str) -> int:
-    """Dims.kv_heads from the manifest key: a divisor of heads; 0 (one K/V head per query head, as
-    Dims has it) when absent, 0 or equal to heads, so that such a case is the same case as one
-    without the key."""
+    """Dims.kv_heads from the manifest key: 1..heads and a divisor of heads (0 is refused, as the
+    binary refuses it); absent or equal to heads is one K/V head per query head, Dims' 0."""
     kv = values.get(KV_HEADS_KEY)
-    if kv is None or kv == 0:
+    if kv is None:
         return 0
-    heads = values["heads"]
     if not isinstance(kv, int) or isinstance(kv, bool):
         raise CaseError(f"{where}: '{KV_HEADS_KEY}' must be an integer (got {printable(repr(kv))})")
-    if not 1 <= kv <= heads or heads % kv:
-        raise CaseError(f"{where}: '{KV_HEADS_KEY}' = {kv}: must divide heads = {heads} (each K/V head serves "
-                        f"the same number of query heads; 1 is MQA)")
-    return 0 if kv == heads else kv
+    why = kv_heads_problem(kv, values["heads"])
+    if why:
+        raise CaseError(f"{where}: {KV_HEADS_KEY} = {kv}: {why}; HINT: {KV_HEADS_HINT}")
+    return 0 if kv == values["heads"] else kv
 
 
 def check_case_limits(dims: Dims, where: str, backward: bool = False, dropout: bool = False) -> None:
@@ -155,7 +166,6 @@ def _elements_in_words(dims: Dims, backward: bool, dropout: bool) -> str:
 # ----------------------------------------------------------------------------------------------
 # The variant keys (verify/variant.py VARIANT_KEYS, and `causal`) of a manifest, as Variant fields.
 
-WINDOW_KEYS = ("window_left", "window_right")
 # The Variant field each manifest key sets (the two window keys set one field, `window`).
 _KEY_FIELDS = {CAUSAL_KEY: "causal", **{k: "window" if k in WINDOW_KEYS else k for k in VARIANT_KEYS}}
 
@@ -177,23 +187,17 @@ def variant_keys(v: Variant) -> dict:
     return {k: out[k] for k in _KEY_FIELDS}
 
 
-def build_variant(fields: dict, where, names=None) -> Variant:
+def build_variant(fields: dict, where) -> Variant:
     """Variant(**fields), an invalid one a CaseError in one line: `where(field)` (or the string
-    `where`) says where the field came from, `names(field)` how the user wrote it (the manifest
-    keys by default), then verify.variant.validate's words."""
+    `where`) says where the field came from, then verify.variant.validate's words ("key = value:
+    rule", as the binary says them)."""
     at = where if callable(where) else (lambda _field: where)
-    named = names or (lambda field: ", ".join(k for k, f in _KEY_FIELDS.items() if f == field))
-    for field, value in fields.items():  # each on its own: the error names the one at fault
-        # A window's sides one at a time, each with the key that says it.
-        tries = [(WINDOW_KEYS[0], (value[0], UNBOUNDED)), (WINDOW_KEYS[1], (UNBOUNDED, value[1]))] \
-            if field == "window" and names is None else [(named(field), value)]
-        for key, tried in tries:
-            try:
-                Variant(**{field: tried})
-            except ValueError as exc:
-                raise CaseError(f"{at(field)}: '{key}': {exc}") from None
+    for field, value in fields.items():  # each on its own: the error says where the one at fault came from
+        try:
+            Variant(**{field: value})
+        except ValueError as exc:
+            raise CaseError(f"{at(field)}: {exc}") from None
     try:
         return Variant(**fields)
     except ValueError as exc:  # a rule of two fields: causal and the window's right side
-        both = dict.fromkeys(at(f) for f in ("causal", "window"))
-        raise CaseError(f"{' and '.join(both)}: '{named('causal')}' with '{named('window')}': {exc}") from None
+        raise CaseError(f"{at('window')}: {exc} (causal from {at('causal')})") from None

@@ -28,7 +28,7 @@ from ..stages import (DIM_KEYS, FORMATS, KV_HEADS_KEY, PRECISIONS, RUN_MANIFEST,
                       default_scale, parse_stage_file, stage_file)
 from ..text import plural, printable
 from ..variant import VARIANT_KEYS, Variant
-from .case import InputCase, check_scale, check_types, crc32_hex, read_toml, validate_dims
+from .case import InputCase, check_scale, check_types, crc32_hex, read_toml, refuse_unused_slopes, validate_dims
 from .manifests import CAUSAL_KEY, build_variant, variant_fields
 from .kinds import CaseError
 from .run_settings import Mismatch, resolve_variant
@@ -195,7 +195,7 @@ def _run_dims(values: dict, case: InputCase, folder: Path) -> Dims:
                             f"{key} = {getattr(case.dims, key)}; HINT: the output was computed from another "
                             "input case: run it again")
     kv = values.get(KV_HEADS_KEY)
-    if kv is not None and (kv or case.dims.heads) != case.dims.kv:
+    if kv is not None and kv != case.dims.kv:  # (0 is no count of K/V heads: the binary writes dims.kv)
         raise CaseError(f"{manifest}: {KV_HEADS_KEY} = {kv} but the input case {case.path} has "
                         f"{plural(case.dims.kv, 'K/V head')} per batch element; HINT: the output was computed from "
                         "another input case: run it again")
@@ -252,6 +252,7 @@ def open_run(folder: Path, case: InputCase, over: Overrides = Overrides()) -> Ru
     run = RunInfo(folder, values, dims, sources)
     run.verify_crc = any(k.startswith("crc32_") for k in values) or "run_id" in values
     _settings(run, case, values, over)
+    refuse_unused_slopes(case, run.variant.alibi)  # (run.toml may be what turned ALiBi on)
     _refuse_dropout_stages(run)
     if not values:
         run.notes.append(f"no {RUN_MANIFEST}: shapes from the input case, stages from the files present, "

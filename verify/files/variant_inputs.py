@@ -15,7 +15,7 @@ from typing import Dict, Optional, Set
 
 import numpy as np
 
-from ..stages import ALIBI_SLOPES_INPUT, BIAS_INPUT, FORMATS, MASK_INPUT, Dims, stage_file
+from ..stages import ALIBI_SLOPES_INPUT, BIAS_INPUT, FORMATS, INPUT_MANIFEST, MASK_INPUT, Dims, stage_file
 from ..text import plural
 from ..variant import BROADCAST, NONE, PER_HEAD, Variant
 from .kinds import CaseError
@@ -25,6 +25,12 @@ from .matrix_io import element_where, parse_matrix, read_bytes
 # says which (both happen to be spelled as the input).
 TENSOR_INPUTS = (MASK_INPUT, BIAS_INPUT)
 COVERAGE_FIELD = {MASK_INPUT: "mask", BIAS_INPUT: "bias"}
+
+
+# A slopes file in a case run or checked without ALiBi (which would ignore it): the words after the
+# file's path, and the hint. cuda_src/io/variant_inputs.cpp kUnusedSlopes is the binary's twin.
+UNUSED_SLOPES = ("exists but the run has no ALiBi (its slopes would be unused)",
+                 f"turn ALiBi on to use them (alibi = true in {INPUT_MANIFEST}, or --alibi), or remove the file")
 
 
 def whole_file(name: str, fmt: str) -> str:

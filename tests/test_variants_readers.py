@@ -1,0 +1,107 @@
+"""The binary and the verifier read a case folder alike (docs/contract.md): each case here is run by
+the binary (CPU backend) and checked by `attnstep check` on the same folder, with the same variant
+options; both refuse it, in the same words after each reader's own way of naming the place (the
+binary adds the manifest's line and column), or both accept it (the check then passes the
+binary's run).
+
+The rules: kv_heads 1..heads and a divisor of heads (0 refused); an ALiBi slopes file where the
+run has no ALiBi refused, ALiBi as the command line, else the manifest (else, for the check,
+run.toml) says; a softcap finite as a float32, a dropout below 1 as a float32; each value named by
+its manifest key (window_left, window_right).
+"""
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+from typing import List, Optional, Tuple
+
+import numpy as np
+import pytest
+
+from helpers.cli import invoke
+from helpers.variant_cases import GqaCase, write_gqa_case, write_slopes
+from helpers.variants import write_heads
+from verify.stages import OUTPUT, Dims
+from verify.variant import alibi_slopes
+
+CASE = GqaCase(Dims(batch=1, heads=2, seq_q=5, seq_k=7, d_k=16, d_v=16))
+NO_MANIFEST = None
+SLOPES = "exists but the run has no ALiBi (its slopes would be unused)"
+TURN_ON = "turn ALiBi on to use them (alibi = true in manifest.toml, or --alibi), or remove the file"
+CAUSAL_WINDOW = "a causal mask sees no key right of the diagonal (use 0 or -1) (causal from "
+
+
+# (id, manifest lines (NO_MANIFEST: none), slopes file, the binary's options, check's options, the
+# words both must say, each with {case} for the case folder; () when both accept the case).
+CASES: List[Tuple[str, Optional[str], bool, list, list, tuple]] = [
+    ("kv_heads-0", "kv_heads = 0", False, [], [],
+     ("{case}/manifest.toml", "kv_heads = 0: must be 1..heads and divide heads = 2 (each K/V head serves heads / "
+      "kv_heads query heads)", "use a divisor of heads: 1 (one K/V head for all), ..., heads (one each)")),
+    ("kv_heads-3", "kv_heads = 3", False, [], [], ("kv_heads = 3: must be 1..heads and divide heads = 2",)),
+    ("kv_heads-all", "kv_heads = 2", False, [], [], ()),
+    ("softcap-beyond-float32", "softcap = 1e39", False, [], [],
+     ("{case}/manifest.toml", "softcap = 1e+39: must be a finite number > 0 (0: none)")),
+    ("dropout-rounds-to-1", "dropout = 0.99999999999", False, [], [],
+     ("{case}/manifest.toml", "dropout = 0.99999999999: must be a probability in [0, 1)")),
+    ("window_left", "window_left = -2", False, [], [],
+     ("{case}/manifest.toml", "window_left = -2: must be -1 (unbounded) or a number of keys >= 0")),
+    ("causal-window_right", "causal = true\nwindow_right = 3", False, [], [],
+     ("{case}/manifest.toml", "window_right = 3: " + CAUSAL_WINDOW)),
+    ("causal-option-window", "causal = true", False, ["--window", "1,4"], ["--window", "1,4"],
+     ("window_right = 4: " + CAUSAL_WINDOW + "{case}/manifest.toml",)),
+    ("window-option", "", False, ["--window", "-2,1"], ["--window", "-2,1"],
+     ("'-2,1': window_left = -2: must be -1 (unbounded) or a number of keys >= 0",)),
+    ("softcap-option", "", False, ["--softcap", "1e39"], ["--softcap", "1e39"],
+     ("'1e39': must be a finite number > 0 (0: none)",)),
+    ("dropout-option", "", False, ["--dropout", "0.99999999999"], ["--dropout", "0.99999999999"],
+     ("'0.99999999999': must be a probability in [0, 1)",)),
+    ("slopes-manifest-without-alibi", "", True, [], [], ("{case}/alibi_slopes.txt: " + SLOPES, TURN_ON)),
+    ("slopes-manifest-alibi", "alibi = true", True, [], [], ()),
+    ("slopes-manifest-and-option", "", True, ["--alibi"], ["--alibi"], ()),
+    ("slopes-no-manifest", NO_MANIFEST, True, [], [], ("{case}/alibi_slopes.txt: " + SLOPES, TURN_ON)),
+    ("slopes-no-manifest-option", NO_MANIFEST, True, ["--alibi"], ["--alibi"], ()),
+    # The check without --alibi: run.toml records the binary's --alibi.
+    ("slopes-no-manifest-run-toml", NO_MANIFEST, True, ["--alibi"], [], ()),
+]
+
+
+def write_case(folder: Path, manifest: Optional[str], slopes: bool) -> Path:
+    write_gqa_case(folder, CASE, manifest=manifest is not NO_MANIFEST)
+    if manifest:
+        with open(folder / "manifest.toml", "a") as f:
+            f.write(manifest + "\n")
+    if slopes:
+        write_slopes(folder, alibi_slopes(CASE.dims.heads)[::-1], "txt")
+    return folder
+
+
+def run_binary(binary: Path, case: Path, out: Path, options: list) -> subprocess.CompletedProcess:
+    return subprocess.run([str(binary), "--in", str(case), "--out", str(out), "--backend", "cpu", *options],
+                          capture_output=True, text=True, timeout=300)
+
+
+def stand_in_output(folder: Path) -> Path:
+    """A program's output without run.toml, for the check of a case the binary refused: its refusal
+    must come from the case, whatever the output holds."""
+    d = CASE.dims
+    return write_heads(folder, {OUTPUT: [np.zeros((d.seq_q, d.d_v))] * d.total_heads})
+
+
+@pytest.mark.parametrize("manifest, slopes, binary_options, check_options, words",
+                         [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_the_binary_and_the_check_refuse_and_accept_the_same_cases(binary, tmp_path, manifest, slopes,
+                                                                    binary_options, check_options, words):
+    case = write_case(tmp_path / "case", manifest, slopes)
+    out = tmp_path / "out"
+    ran = run_binary(binary, case, out, binary_options)
+    checked = invoke("check", "--in", case, "--out", out if ran.returncode == 0 else stand_in_output(out),
+                     *check_options)
+    if not words:
+        assert ran.returncode == 0, ran.stderr
+        assert checked.exit_code == 0, checked.output
+        return
+    assert ran.returncode == 2 and "main: error: " in ran.stderr and "Traceback" not in ran.stderr, ran.stderr
+    assert checked.exit_code == 2 and "Traceback" not in checked.output, checked.output
+    for w in (w.format(case=case) for w in words):
+        assert w in ran.stderr, (w, ran.stderr)
+        assert w in checked.output, (w, checked.output)
