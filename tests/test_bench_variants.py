@@ -299,7 +299,7 @@ def test_cli_variants_goals_runs_the_preset_and_writes_the_ratios(tmp_path, monk
     (["--shape", "1,12,8,8,16", "--kv-heads", "5"], "shape B1-H12-N8-M8-d16: kv_heads = 5: must divide heads = 12"),
     (["--shape", "1,2,8,8,16,causal", "--window", "4,2"], "a causal mask sees no key right of the diagonal"),
     (["--window", "4"], "expected LEFT,RIGHT"),
-    (["--softcap", "-3"], "a softcap must be a finite number"),
+    (["--softcap", "-3"], "--softcap': '-3': must be a finite number > 0"),
 ])
 def test_cli_refuses_what_it_cannot_run(tmp_path, args, words):
     main = tmp_path / "main"
