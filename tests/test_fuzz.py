@@ -1,6 +1,9 @@
 """Property-based fuzzing: corrupt valid case files at random and require that the
 binary and the verifier either accept valid data or fail cleanly: a non-zero exit with a one-line
-message, never a signal, never a traceback, never exit 0 on corrupt data."""
+message, never a signal, never a traceback, never exit 0 on corrupt data. A variant case (grouped
+K/V heads, a bottom-right causal window, softcap, ALiBi with a slopes file, per-head mask files, a
+broadcast bias file, dropout) is fuzzed too: its variant inputs, its manifest's variant keys, and
+its run's stage files (the keep-mask, the K/V heads' gradients)."""
 from __future__ import annotations
 
 import os
@@ -17,8 +20,11 @@ from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E
 
 from verify.files.case import CaseError, load_input_case, read_matrix  # noqa: E402
 from verify.files.generate import generate_case  # noqa: E402
+from verify.files.patterns import VariantInputs  # noqa: E402
+from verify.files.variant_inputs import TENSOR_INPUTS  # noqa: E402
 from verify.runs.runner import run_binary  # noqa: E402
 from verify.stages import FORMATS, GRAD_INPUT, STAGES, Dims, stage_file  # noqa: E402
+from verify.variant import ALIGNMENTS, BOTTOM_RIGHT, NONE, TENSOR_COVERAGE, VARIANT_KEYS, Variant  # noqa: E402
 
 DIMS = Dims(batch=1, heads=2, seq_q=5, seq_k=7, d_k=16, d_v=16)
 # CI runs the same 60 examples per test every time (a submission's verdict does not depend on
@@ -64,12 +70,18 @@ def pristine(tmp_path_factory):
 
 
 def _python_error(folder) -> str:
-    """The verifier's message on the input case, '' when it accepts it."""
+    """The verifier's message on the input case (every input of every head: Q and dO per query
+    head, K and V per K/V head, the variant's mask, bias and slopes), '' when it accepts it."""
     try:
         case = load_input_case(folder)
-        for i in range(case.dims.total_heads):
-            for name in case.inputs:
+        for name in case.inputs:
+            for i in range(case.dims.heads_of(name)):
                 case.load(name, i)
+        for i in range(case.dims.total_heads):
+            for name in TENSOR_INPUTS:
+                case.variant_input(name, i)
+            if case.variant.alibi:
+                case.alibi_slope(i)
         return ""
     except CaseError as exc:
         return str(exc)
@@ -293,6 +305,85 @@ def test_verifier_never_passes_corrupt_outputs(binary, pristine_backward_txt, tm
     after = _corrupt(before, op, where, token)
     path.write_bytes(after)
     res = subprocess.run([sys.executable, "-m", "verify", "check", "--in", str(pristine), "--out", str(folder)],
+                         capture_output=True, text=True, timeout=120)
+    assert "Traceback" not in res.stderr, res.stderr[-2000:]
+    assert res.returncode in (0, 1, 2)
+    if after != before and target != "run.toml":
+        assert res.returncode != 0, res.stdout[-1500:]
+
+
+# ------------------------------------------------------------------ a variant case
+VARIANT_DIMS = Dims(batch=2, heads=4, seq_q=5, seq_k=7, d_k=16, d_v=16, kv_heads=2)
+VARIANT = Variant(causal=True, align=BOTTOM_RIGHT, window=(3, -1), softcap=5.0, alibi=True, dropout=0.2,
+                  dropout_seed=3)
+VARIANT_INPUTS = VariantInputs(mask="random", mask_heads="per-head", bias="random", bias_heads="broadcast",
+                               slopes="random")
+# Its files the input fuzz corrupts: a mask of the first and of the last query head, the broadcast
+# bias, the slopes, the last K/V head's K, the manifest.
+VARIANT_TARGETS = ["mask_head_0.txt", "mask_head_7.txt", "bias.txt", "alibi_slopes.txt", "K_head_3.txt",
+                   "manifest.toml"]
+# The manifest's variant keys with values of their own kind beside the generic ones.
+VARIANT_WORDS = [f'"{w}"' for w in ALIGNMENTS + TENSOR_COVERAGE + (NONE,)] + ["-1", "-2", "0", "1", "2", "3", "4",
+                                                                            "0.2", "1.0", "true", "false"]
+
+
+@pytest.fixture(scope="module")
+def pristine_variant(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("pristine_variant")
+    generate_case(folder, VARIANT_DIMS, seed=17, backward=True, variant=VARIANT, inputs=VARIANT_INPUTS)
+    return folder
+
+
+def test_the_variant_case_is_read_alike_by_both(binary, pristine_variant, tmp_path_factory):
+    """The pristine variant case: both readers accept it (the fuzz below starts from agreement)."""
+    assert _assert_readers_agree(binary, _copy(pristine_variant, tmp_path_factory)) == ""
+
+
+@pytest.mark.slow
+@FUZZ
+@given(st.sampled_from(VARIANT_TARGETS), st.sampled_from(OPS), st.floats(0, 1), st.sampled_from(TOKENS))
+def test_both_readers_refuse_corrupt_variant_inputs_alike(binary, pristine_variant, tmp_path_factory, target, op,
+                                                          where, token):
+    """A mask, bias or slopes file, a K/V head's K or the manifest of a variant case corrupted: the
+    binary and the verifier accept or refuse it together, in one line."""
+    folder = _copy(pristine_variant, tmp_path_factory)
+    path = folder / target
+    path.write_bytes(_corrupt(path.read_bytes(), op, where, token))
+    _assert_readers_agree(binary, folder)
+
+
+@pytest.mark.slow
+@FUZZ
+@given(st.sampled_from(sorted(VARIANT_KEYS) + ["kv_heads"]), st.one_of(manifest_values, st.sampled_from(VARIANT_WORDS)),
+       st.sampled_from(["", " # note"]))
+def test_both_readers_agree_on_variant_manifest_values(binary, pristine_variant, tmp_path_factory, key, value,
+                                                       comment):
+    """Any value of a variant key (valid or not, of its type or not) in a variant case's manifest:
+    both readers accept it or refuse it alike."""
+    folder = _copy(pristine_variant, tmp_path_factory)
+    manifest = folder / "manifest.toml"
+    kept = [ln for ln in manifest.read_text().splitlines() if not ln.startswith(key + " =")]
+    manifest.write_text("\n".join(kept + [f"{key} = {value}{comment}"]) + "\n")
+    _assert_readers_agree(binary, folder)
+
+
+@pytest.mark.slow
+@settings(FUZZ, max_examples=max(1, FUZZ_EXAMPLES // 3))  # a check each: a third of the examples
+@given(st.sampled_from(["dropout_mask_head_1.txt", "QK_scaled_head_0.txt", "attention_weights_head_7.txt",
+                        "dK_head_3.txt", "dV_head_0.txt", "flash_lse_head_2.txt", "flash_dK_head_1.txt",
+                        "flash_output_head_5.txt", "run.toml"]),
+       st.sampled_from(OPS), st.floats(0, 1), st.sampled_from(TOKENS))
+def test_verifier_never_passes_corrupt_variant_outputs(binary, pristine_variant, tmp_path_factory, target, op, where,
+                                                       token):
+    """A variant run's stage files corrupted (the keep-mask, masked scores, a K/V head's gradient,
+    the flash lse): never a traceback, never a pass."""
+    folder = tmp_path_factory.mktemp("run")
+    run_binary(binary, pristine_variant, folder, backend="cpu")
+    path = folder / target
+    before = path.read_bytes()
+    after = _corrupt(before, op, where, token)
+    path.write_bytes(after)
+    res = subprocess.run([sys.executable, "-m", "verify", "check", "--in", str(pristine_variant), "--out", str(folder)],
                          capture_output=True, text=True, timeout=120)
     assert "Traceback" not in res.stderr, res.stderr[-2000:]
     assert res.returncode in (0, 1, 2)

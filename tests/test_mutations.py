@@ -8,11 +8,16 @@ stage downstream of the planted one (the backward's included, in the cases with 
 from it in float32 (the CPU backend's arithmetic), so downstream stages are correct given their
 input and fail only chained; every other stage passes.
 A false-alarm suite runs correct cases over many seeds, shapes and distributions.
+
+The attention variants' bugs (tests/helpers/variant_programs.py's, each with its diagnosis code)
+are planted the same way into correct runs of grouped variant cases, at fp32 and bf16: the
+program computes the stage path with its bug from the run's own inputs (see the section below).
 """
 from __future__ import annotations
 
-import gc
 import ctypes
+import dataclasses
+import gc
 import json
 import os
 import shutil
@@ -21,8 +26,10 @@ import sys
 import time
 import weakref
 import zlib
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Optional
 
 import numpy as np
 import pytest
@@ -30,10 +37,12 @@ import pytest
 from helpers import foreign_routes as foreign
 from helpers.cli import invoke
 from helpers.simulated_float32 import mm_seq, scale_mask32, softmax32
+from helpers.variant_programs import BUGS, Program
 from verify.check.reference import softmax_rows
-from verify.files.case import read_toml
+from verify.diagnose import heads as head_bugs, masks as mask_bugs, variants as variant_bugs
+from verify.files.case import InputCase, load_input_case, read_matrix, read_toml
 from verify.specs import upstream
-from verify.stages import BACKWARD_STAGES, STAGES, stage_file
+from verify.stages import BACKWARD_STAGES, DROPOUT_MASK, STAGES, stage_file
 
 f32 = np.float32
 SHAPES = {  # name: (heads, N, M, d, causal, backward)
@@ -100,10 +109,10 @@ def downstream(stage: str):
 class Case:
     """A writable copy of a correct output case."""
 
-    def __init__(self, base: Path, work: Path):
+    def __init__(self, base: Path, work: Path, run: str = "out"):
         self.input = base / "in"
         self.out = work / "out"
-        shutil.copytree(base / "out", self.out)
+        shutil.copytree(base / run, self.out)
         self.run = read_toml(self.out / "run.toml")
         self.scale = float(self.run["scale"])
         self.causal = bool(self.run["causal"])
@@ -359,6 +368,254 @@ def _assert_caught(cases, tmp_path, mutation):
         elif entry["stage"] in must_inherit:
             assert entry["status"] == "INHERITED" and entry["inherited"], (entry["stage"], entry["status"])
             assert entry["isolated"]["passed"] and not entry["chained"]["passed"], entry["stage"]
+
+
+# ---- the variants' bugs: planted by the float32 program of tests/helpers/variant_programs.py ----
+#
+# Each variant case (irregular: H = 6 query heads over Hk = 2 K/V heads, N = 37, M = 53, d = 32, so
+# the flash stages run too) is run correctly by the binary. The program, fed the run's own inputs
+# (its echoes of Q, K, V and dO: rounded to the format in a half run) and the run's keep-mask, then
+# computes every stage-path stage with its bug, and they replace the binary's files (CRCs
+# re-stamped): downstream stages are correct given their input, as a buggy binary's would be. The
+# binary's flash stages stay, correct.
+
+VARIANT_SIZES = ("--heads", 6, "--kv-heads", 2, "--seq-q", 37, "--seq-k", 53, "--d-k", 32, "--d-v", 32)
+VARIANT_CASES = {  # name: `attnstep generate` options beside VARIANT_SIZES
+    "gqa": ("--causal", "bottom-right"),
+    "gqa-backward": ("--causal", "bottom-right", "--backward"),
+    "top-left": ("--causal", "top-left"),
+    "window": ("--window", "7,4", "--align", "bottom-right"),
+    "causal-window": ("--causal", "top-left", "--window", "7,-1"),
+    "softcap-backward": ("--softcap", "2", "--backward"),
+    "alibi": ("--alibi", "--causal", "bottom-right"),
+    "alibi-slopes-file": ("--alibi", "--alibi-slopes", "random"),
+    "mask": ("--mask", "random", "--mask-heads", "per-head", "--causal", "bottom-right"),
+    "bias": ("--bias", "random", "--bias-heads", "per-head"),
+    "dropout-backward": ("--dropout", "0.2", "--causal", "bottom-right", "--backward"),
+}
+# Stage-path stages the binary computes and the program replaces (the flash stages and the
+# echoes of the inputs stay the binary's).
+PROGRAM_STAGES = ("QK", "QK_scaled", "attention_weights", "output", "D", "dP", "dS", "dQ", "dK", "dV")
+
+
+def _variant_runs(binary, root: Path, *extra) -> dict:
+    """name -> the folder of one variant case's input (in/) and the binary's correct run with the
+    correct program's stage path planted (out/: what each bug is planted into)."""
+    out = {}
+    for name, options in VARIANT_CASES.items():
+        base = root / name
+        r = invoke("generate", "--out", base / "in", *VARIANT_SIZES, "--dist", "normal", "--seed", 5, *options)
+        assert r.exit_code == 0, r.output
+        subprocess.run([str(binary), "--in", str(base / "in"), "--out", str(base / "binary"), "--backend", "cpu",
+                        *extra], check=True, capture_output=True)
+        VariantRun(base, base, "binary").plant_program(None, 1)
+        out[name] = base
+    return out
+
+
+@pytest.fixture(scope="module")
+def variant_runs(binary, tmp_path_factory):
+    return _variant_runs(binary, tmp_path_factory.mktemp("variant-mutations"))
+
+
+@pytest.fixture(scope="module")
+def bf16_variant_runs(binary, tmp_path_factory):
+    return _variant_runs(binary, tmp_path_factory.mktemp("variant-mutations-bf16"), "--precision", "bf16")
+
+
+@dataclass
+class RunInputs(InputCase):
+    """The input case as a run read it: Q, K, V and dO (and the keep-mask) from the run's files."""
+    run_dir: Optional[Path] = None
+
+    def load(self, name: str, head: int) -> np.ndarray:
+        return read_matrix(self.run_dir / stage_file(name, head, "txt"), STAGES[name].shape(self.dims))
+
+
+class RunsKeepMask:
+    """Draws that make the program keep exactly the entries the run's keep-mask keeps (its rule
+    keeps a draw r when r >= p: 1 kept, 0 dropped)."""
+
+    def __init__(self, case: RunInputs, head: int):
+        self.case, self.head = case, head
+
+    def random(self, shape) -> np.ndarray:
+        return self.case.load(DROPOUT_MASK, self.head).astype(np.float64)
+
+
+class ProgramOnRun(Program):
+    """The program with the run's keep-mask instead of draws of its own."""
+
+    def query_head(self, case: RunInputs, head: int, rng):
+        return super().query_head(case, head, RunsKeepMask(case, head))
+
+
+def _rule_ignored(case: InputCase) -> InputCase:
+    """The case as a program that applies no causal mask or window reads it."""
+    return dataclasses.replace(case, causal=False, variant=case.variant.with_(causal=False, window=(-1, -1)))
+
+
+# The variants' diagnosis codes: the K/V heads' (heads.py), the masks' and the scores' and dropout's.
+VARIANT_CODES = tuple(c for c in head_bugs.CODES if c.startswith("kv_")) + mask_bugs.CODES + variant_bugs.CODES
+
+# Bugs the suite plants by changing the case the correct program reads (beside the program's BUGS).
+CASE_BUGS = {"rule_ignored": _rule_ignored}
+
+# id: (case, bug (variant_programs.BUGS or CASE_BUGS), by, the stage it begins at, its code, other
+# stages the same bug writes wrong on their own)
+VARIANT_MUTATIONS = {
+    "kv_head_map-modulo": ("gqa", "kv_modulo", 1, "QK", "kv_head_map", ("output",)),  # K and V read
+    "kv_head_map-unshared": ("gqa", "kv_unshared", 1, "QK", "kv_head_map", ("output",)),
+    "kv_group_not_summed-first": ("gqa-backward", "group_first", 1, "dK", "kv_group_not_summed", ("dV",)),
+    "kv_group_not_summed-last": ("gqa-backward", "group_last", 1, "dK", "kv_group_not_summed", ("dV",)),
+    "kv_group_summed_twice": ("gqa-backward", "group_twice", 1, "dK", "kv_group_summed_twice", ("dV",)),
+    "mask_offset-bottom-right-as-top-left": ("gqa", "align_swapped", 1, "QK_scaled", "mask_offset", ()),
+    "mask_offset-top-left-as-bottom-right": ("top-left", "align_swapped", 1, "QK_scaled", "mask_offset", ()),
+    "mask_missing-bottom-right": ("gqa", "rule_ignored", 1, "QK_scaled", "mask_missing", ()),
+    "window_off-left+1": ("window", "window_left", 1, "QK_scaled", "window_off", ()),
+    "window_off-left-2": ("window", "window_left", -2, "QK_scaled", "window_off", ()),
+    "window_off-right+2": ("window", "window_right", 2, "QK_scaled", "window_off", ()),
+    "window_off-causal-left+3": ("causal-window", "window_left", 3, "QK_scaled", "window_off", ()),
+    "window_off-swapped": ("window", "window_swapped", 0, "QK_scaled", "window_off", ()),
+    "window_missing": ("window", "window_ignored", 0, "QK_scaled", "window_missing", ()),
+    "window_missing-left": ("window", "window_left_ignored", 0, "QK_scaled", "window_missing", ()),
+    "mask_file_ignored": ("mask", "mask_ignored", 1, "QK_scaled", "mask_file_ignored", ()),
+    "mask_file_transposed": ("mask", "mask_transposed", 1, "QK_scaled", "mask_file_transposed", ()),
+    "bias_ignored": ("bias", "bias_ignored", 1, "QK_scaled", "bias_ignored", ()),
+    "bias_transposed": ("bias", "bias_transposed", 1, "QK_scaled", "bias_transposed", ()),
+    "softcap_missing": ("softcap-backward", "softcap_missing", 1, "QK_scaled", "softcap_missing", ()),
+    "softcap_before_scale": ("softcap-backward", "softcap_before_scale", 1, "QK_scaled", "softcap_before_scale", ()),
+    "softcap_derivative_missing": ("softcap-backward", "softcap_grad_missing", 1, "dQ", "softcap_derivative_missing",
+                                   ("dK",)),
+    "alibi_missing": ("alibi", "alibi_missing", 1, "QK_scaled", "alibi_missing", ()),
+    "alibi_sign": ("alibi", "alibi_sign", 1, "QK_scaled", "alibi_sign", ()),
+    "alibi_slope_order-reversed": ("alibi", "alibi_reversed", 1, "QK_scaled", "alibi_slope_order", ()),
+    "alibi_slope_order-next-head": ("alibi-slopes-file", "alibi_next_head", 1, "QK_scaled", "alibi_slope_order", ()),
+    "dropout_unscaled": ("dropout-backward", "dropout_unscaled", 1, "output", "dropout_unscaled", ("dV",)),
+    "dropout_not_applied": ("dropout-backward", "dropout_not_applied", 1, "output", "dropout_not_applied", ("dV",)),
+    "dropout_mask_inverted": ("dropout-backward", "dropout_inverted", 1, "output", "dropout_mask_inverted", ("dV",)),
+}
+
+
+def test_every_variant_bug_is_planted():
+    """Each bug of the variants' program, and each variant diagnosis code, has its mutation."""
+    planted = {bug for _, bug, *_ in VARIANT_MUTATIONS.values()}
+    assert planted == set(BUGS) | set(CASE_BUGS)
+    assert {code for *_, code, _ in VARIANT_MUTATIONS.values()} == set(VARIANT_CODES)
+
+
+class VariantRun(Case):
+    """A writable copy of a variant run, into which a program's stage path is planted."""
+
+    def program_case(self) -> RunInputs:
+        case = load_input_case(self.input)
+        values = {f.name: getattr(case, f.name) for f in dataclasses.fields(InputCase) if f.init}
+        return RunInputs(**values, run_dir=self.out)
+
+    def plant_program(self, bug: Optional[str], by: int) -> dict:
+        """The program's stage path with `bug` written where it differs from the correct
+        program's, which the run holds (the base run: the binary's, where the correct program's
+        replaces it); {stage: the heads where the bug changes the stage}."""
+        case = self.program_case()
+        buggy = ProgramOnRun().run(CASE_BUGS[bug](case)) if bug in CASE_BUGS else ProgramOnRun(bug, by).run(case)
+        correct = ProgramOnRun().run(case)
+        whole = bug is None  # the base run: every stage-path stage becomes the program's
+        changed = {}
+        for stage in (s for s in PROGRAM_STAGES if self.has(s)):
+            k = int(STAGES[stage].kv)
+            for head, (mat, right) in enumerate(zip(buggy[k], correct[k])):
+                if whole or not np.array_equal(mat[stage], right[stage], equal_nan=True):
+                    self.write(stage, head, mat[stage])
+                if _differs(mat[stage], right[stage]):
+                    changed.setdefault(stage, []).append(head)
+        return changed
+
+
+def _differs(got: np.ndarray, want: np.ndarray) -> bool:
+    """Whether `got` differs from `want` by more than a thousandth of want's largest finite
+    magnitude somewhere, or holds an infinity elsewhere (float32 orders differ far less)."""
+    finite = np.isfinite(want)
+    if not np.array_equal(finite, np.isfinite(got)) or not np.array_equal(got[~finite], want[~finite]):
+        return True
+    scale = np.abs(want[finite]).max(initial=0.0)
+    return bool((np.abs(got[finite] - want[finite]) > 1e-3 * scale).any())
+
+
+def _assert_variant_bug_caught(runs, tmp_path, mutation, named: bool = True):
+    """The bug fails the stage it begins at, in exactly the heads it changes there, named first by
+    its code (named=False: a known gap, not named in some of them); the other stages it writes
+    wrong on their own fail in the heads it changes; the stages downstream of them are computed
+    right from their input (inherited, or failing the checks that need no input: weights not 0 where
+    the mask hides them), some inherited; every other stage passes, the binary's flash stages
+    included."""
+    name, bug, by, stage, code, also = mutation
+    run = VariantRun(runs[name], tmp_path)
+    changed = run.plant_program(bug, by)
+    report = run.check(tmp_path)
+    assert report["exit_code"] == 1, report["output"]
+    assert report["first_failing_stage"] == stage, report["output"]
+    own = (stage,) + also
+    for s in own:
+        failing = [e for e in _results(report, s) if e["status"] == "FAIL"]
+        assert sorted(e["head"] for e in failing) == changed[s], (s, changed)
+    firsts = {e["head"]: [(d["code"], d["message"]) for d in e["diagnosis"]][:1]
+              for e in _results(report, stage) if e["status"] == "FAIL"}
+    assert all(f and f[0][0] == code for f in firsts.values()) == named, firsts
+    after = {d for s in own for d in downstream(s)} - set(own)
+    for e in report["results"]:
+        if e["stage"] in after and not e["passed"]:
+            assert e["isolated"]["passed"], (e["stage"], e["head"], e["status"], e["diagnosis"])
+        elif e["stage"] not in own:
+            assert e["passed"], (e["stage"], e["head"], e["status"], e["violations"], e["diagnosis"])
+    inherited = [e for e in report["results"] if e["status"] == "INHERITED"]
+    assert inherited or not [s for s in after if run.has(s)], "nothing downstream inherited"
+
+
+@pytest.mark.parametrize("name", list(VARIANT_MUTATIONS))
+def test_a_variant_bug_is_caught_localized_and_named(variant_runs, tmp_path, name):
+    _assert_variant_bug_caught(variant_runs, tmp_path, VARIANT_MUTATIONS[name])
+
+
+# The variants' bugs that a bf16 run catches and localizes but does not name (in some heads): a
+# diagnosis names a pattern only where it also differs from the reference by DISTINCT_WIDTHS (100)
+# tolerance widths somewhere (verify/diagnose/base.py explains), and a bf16 width is 0.4-1% of the
+# stage's largest value (2^-8 and the accumulations), so 40-100% of it: more than these bugs change
+# in the heads left unnamed (ALiBi's bias at the small slopes, dropout's factor 1 − p, a K/V group's
+# sum against one part), although the bug's candidate matches got within 1e-5 widths there. Named at
+# fp32. A fix of the diagnoses fails these tests (every head then names the code): remove the bug
+# from here.
+BF16_UNNAMED = {
+    "kv_group_not_summed-last": "dK of K/V head 1 holds one part of three",
+    "kv_group_summed_twice": "named scaled (got = 2·want)",
+    "alibi_missing": "named tile_boundary",
+    "alibi_sign": "named tile_boundary",
+    "alibi_slope_order-reversed": "named tile_boundary",
+    "alibi_slope_order-next-head": "not named",
+    "dropout_unscaled": "named scaled (got = 0.8·want)",
+    "dropout_not_applied": "not named",
+    "dropout_mask_inverted": "not named",
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(VARIANT_MUTATIONS))
+def test_a_variant_bug_is_caught_at_half_precision(bf16_variant_runs, tmp_path, name):
+    """The same bugs planted into bf16 runs (the inputs as the run rounded them, its bounds bf16's;
+    slow: the fp32 ones run by default)."""
+    _assert_variant_bug_caught(bf16_variant_runs, tmp_path, VARIANT_MUTATIONS[name], named=name not in BF16_UNNAMED)
+    if name in BF16_UNNAMED:
+        pytest.xfail(f"caught and localized at bf16, not named: {BF16_UNNAMED[name]}")
+
+
+@pytest.mark.parametrize("precision", ["fp32", pytest.param("bf16", marks=pytest.mark.slow)])
+def test_the_correct_program_planted_into_a_variant_run_passes(request, tmp_path, precision):
+    """The mechanism without a bug: each run the bugs are planted into (the binary's, the correct
+    program's stage path in place of its own) passes with no diagnosis."""
+    runs = request.getfixturevalue("variant_runs" if precision == "fp32" else "bf16_variant_runs")
+    for name in VARIANT_CASES:
+        report = VariantRun(runs[name], tmp_path / name).check(tmp_path / name)
+        assert report["exit_code"] == 0, (name, report["output"])
+        assert not [(e["stage"], e["head"]) for e in report["results"] if e["diagnosis"]], name
 
 
 WRONG_ELEMENT = (5, 7)

@@ -1,16 +1,25 @@
 """The false-alarm sweep's random cases: shapes from the whole generator space (batch, heads; seq_q
 and seq_k from 1 to a few hundred; d_k = d_v at each flash width, odd and unequal head dims),
 causal or not, every distribution and file format, sometimes an explicit scale, about a third with
-the output gradient dO. Case i's generator is seeded by i."""
+the output gradient dO. Case i's generator is seeded by i.
+
+draw_variant_case(i) lays an attention variant over case i (verify/variant.py): grouped K/V heads
+(MQA included), either alignment, windows (narrow ones, ones that leave rows with no key),
+softcap (small caps that saturate, 30-50), ALiBi (standard or random slopes), mask files
+(document, prefix-LM, random, with empty rows), bias files, dropout, and several at once. Its draws
+come from a stream of their own, so the textbook parameters of case i stay the sweep's before
+variants; a case prints the `attnstep generate` command that writes it again."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field, replace
+from typing import List, Optional
 
 import numpy as np
 
 from verify.files.generate import DISTRIBUTIONS
+from verify.files.patterns import MASK_PATTERNS, PREFIX_LM, RANDOM, SLOPE_CHOICES, VariantInputs
 from verify.stages import FLASH_HEAD_DIMS, FORMATS, MAX_HEAD_DIM, Dims
+from verify.variant import ALIGNMENTS, TENSOR_COVERAGE, UNBOUNDED, Variant
 
 SWEEP_SEED = 20260311
 MAX_SEQ = 300     # rows/keys: tail tiles of every tile size, yet milliseconds per case
@@ -60,25 +69,162 @@ def _scale(rng: np.random.Generator) -> Optional[float]:
     return float(np.float32(10.0 ** rng.uniform(-2.5, 0.5) * (-1 if rng.random() < 0.1 else 1)))
 
 
+def _fit(dims: Dims) -> Dims:
+    """`dims` with the longer sequence halved (+1: odd) until the case is within MAX_MACS."""
+    d = dims
+    while d.batch * d.heads * d.seq_q * d.seq_k * (d.d_k + d.d_v) > MAX_MACS:
+        if d.seq_q >= d.seq_k:
+            d = replace(d, seq_q=max(1, d.seq_q // 2 + 1))
+        else:
+            d = replace(d, seq_k=max(1, d.seq_k // 2 + 1))
+    return d
+
+
 def draw_case(index: int) -> Case:
     """Case `index` of the sweep: the same for every case count and backend."""
     rng = np.random.default_rng([SWEEP_SEED, index])
     d_k, d_v = _head_dims(rng)
     batch, heads = int(rng.integers(1, 3)), int(rng.integers(1, 4))
     seq_q, seq_k = _seq_len(rng), _seq_len(rng)
-    while batch * heads * seq_q * seq_k * (d_k + d_v) > MAX_MACS:  # halve the longer side (+1: odd)
-        if seq_q >= seq_k:
-            seq_q = max(1, seq_q // 2 + 1)
-        else:
-            seq_k = max(1, seq_k // 2 + 1)
+    dims = _fit(Dims(batch, heads, seq_q, seq_k, d_k, d_v))
     causal = bool(rng.integers(2))
     dist, fmt, scale = str(rng.choice(list(DISTRIBUTIONS))), str(rng.choice(FORMATS)), _scale(rng)
     # Drawn last: the forward parameters of case i are those of the sweep before it had dO.
-    return Case(index, Dims(batch, heads, seq_q, seq_k, d_k, d_v), causal, dist, fmt, scale,
-                bool(rng.random() < BACKWARD_SHARE))
+    return Case(index, dims, causal, dist, fmt, scale, bool(rng.random() < BACKWARD_SHARE))
+
+
+# ---- the variants ----------------------------------------------------------------------------------
+
+VARIANT_STREAM = 1        # the variant's draws: a stream of their own beside the textbook case's
+PLAIN_SHARE = 1 / 5       # of the variant cases stay textbook attention (the sweep before variants)
+# How often each feature is drawn in the other cases (at least one of them in each).
+FEATURE_SHARE = {"gqa": 0.4, "window": 0.4, "softcap": 0.3, "alibi": 0.3, "mask": 0.3, "bias": 0.25,
+                 "dropout": 0.3}
+MAX_GROUP = 4             # query heads per K/V head of a grouped case
+MAX_KV_HEADS = 3
+NARROW = 4                # a narrow window side: 0 .. NARROW - 1 keys
+SATURATING_CAP = (1.0, 5.0)   # softcaps that |scale·QK| of the wider distributions far exceeds
+MODEL_CAP = (30.0, 50.0)      # the caps models ship (Gemma-2: 50 on attention, 30 on the logits)
+DROPOUT_P = (0.05, 0.9)
+MAX_DROPOUT_SEED = 2 ** 31 - 1
+
+
+@dataclass(frozen=True)
+class VariantCase(Case):
+    """A case of the sweep with its variant: `dims` with kv_heads, `variant` (causal: the case's
+    flag) and the generator's mask, bias and slopes inputs."""
+    variant: Variant = Variant()
+    inputs: VariantInputs = field(default_factory=VariantInputs)
+
+    @property
+    def per_element_inputs(self) -> bool:
+        """Mask or bias files or dropout: the inputs only the CUDA backend's clean flash kernel takes."""
+        return bool(self.inputs.mask or self.inputs.bias) or self.variant.dropout > 0
+
+    def generate_args(self) -> dict:
+        """The keyword arguments of verify.files.generate.generate_case that write the case beside
+        its dims (the causal flag is the variant's)."""
+        return dict(seed=self.index, distribution=self.distribution, fmt=self.fmt,
+                    scale=self.scale, backward=self.backward, variant=self.variant, inputs=self.inputs)
+
+    def generate_command(self) -> List[str]:
+        """`attnstep generate` options that write the same case (docs/cli.md), for replaying it."""
+        d, v, x = self.dims, self.variant, self.inputs
+        args = ["--batch", d.batch, "--heads", d.heads, "--seq-q", d.seq_q, "--seq-k", d.seq_k, "--d-k", d.d_k,
+                "--d-v", d.d_v, "--dist", self.distribution, "--format", self.fmt, "--seed", self.index]
+        args += ["--kv-heads", d.kv_heads] if d.kv_heads else []
+        args += ["--scale", repr(self.scale)] if self.scale is not None else []
+        args += ["--backward"] if self.backward else []
+        args += ["--causal", v.align] if v.causal else ["--align", v.align]
+        args += ["--window", f"{v.window[0]},{v.window[1]}"] if v.window != (UNBOUNDED, UNBOUNDED) else []
+        args += ["--softcap", repr(v.softcap)] if v.softcap else []
+        args += ["--alibi", "--alibi-slopes", x.slopes] if v.alibi else []
+        if x.mask:
+            args += ["--mask", x.mask, "--mask-heads", x.mask_heads] + (["--mask-empty-rows"] if x.empty_rows else [])
+        args += ["--bias", x.bias, "--bias-heads", x.bias_heads] if x.bias else []
+        args += ["--dropout", repr(v.dropout), "--dropout-seed", v.dropout_seed] if v.dropout else []
+        return [str(a) for a in args]
+
+    def __str__(self) -> str:
+        return f"case {self.index}: attnstep generate --out IN {' '.join(self.generate_command())}"
+
+
+def _kv_heads(rng: np.random.Generator, dims: Dims) -> Dims:
+    """Grouped K/V heads: Hk K/V heads (1: MQA) of groups of 1 .. MAX_GROUP query heads (a group
+    of 1: kv_heads = heads, said explicitly); the sequences shortened to keep the case's size."""
+    kv = int(rng.integers(1, MAX_KV_HEADS + 1))
+    heads = kv * int(rng.integers(1, MAX_GROUP + 1))
+    return _fit(replace(dims, heads=heads, kv_heads=kv))
+
+
+def _window_side(rng: np.random.Generator, dims: Dims) -> int:
+    """A narrow side, one up to the longer sequence, or unbounded."""
+    kind = rng.integers(5)
+    if kind <= 1:
+        return int(rng.integers(0, NARROW))
+    return int(rng.integers(0, max(dims.seq_q, dims.seq_k) + 1)) if kind <= 3 else UNBOUNDED
+
+
+def _window(rng: np.random.Generator, dims: Dims, causal: bool):
+    """(left, right): causal keeps right 0 or unbounded; never both sides unbounded."""
+    left = _window_side(rng, dims)
+    right = int(rng.choice([0, UNBOUNDED])) if causal else _window_side(rng, dims)
+    if (left, right) == (UNBOUNDED, UNBOUNDED) or (causal and left == UNBOUNDED):
+        left = int(rng.integers(0, NARROW))
+    return left, right
+
+
+def _uniform(rng: np.random.Generator, bounds) -> float:
+    """A value of `bounds` with two decimals (as a user types it: rarely a float32 exactly)."""
+    return round(float(rng.uniform(*bounds)), 2)
+
+
+def _mask_inputs(rng: np.random.Generator, causal: bool) -> dict:
+    """A mask pattern (prefix-LM only without causal: it is causal by itself), random ones with
+    empty rows half the time, per head or broadcast."""
+    patterns = [p for p in MASK_PATTERNS if not (causal and p == PREFIX_LM)]
+    pattern = str(rng.choice(patterns))
+    return dict(mask=pattern, mask_heads=str(rng.choice(TENSOR_COVERAGE)),
+                empty_rows=pattern == RANDOM and bool(rng.integers(2)))
+
+
+def draw_variant_case(index: int) -> VariantCase:
+    """Case `index` of the sweep (draw_case) with a variant drawn over it: the same for every case
+    count and backend."""
+    case = draw_case(index)
+    rng = np.random.default_rng([SWEEP_SEED, index, VARIANT_STREAM])
+    dims, fields, inputs = case.dims, dict(causal=case.causal), {}
+    if rng.random() < PLAIN_SHARE:
+        return VariantCase(**vars(case), variant=Variant(**fields))
+    drawn = {name for name, share in FEATURE_SHARE.items() if rng.random() < share}
+    drawn = drawn or {str(rng.choice(list(FEATURE_SHARE)))}
+    fields["align"] = str(rng.choice(ALIGNMENTS))  # the causal mask's, the window's and ALiBi's diagonal
+    if "gqa" in drawn:
+        dims = _kv_heads(rng, dims)
+    if "window" in drawn:
+        fields["window"] = _window(rng, dims, case.causal)
+    if "softcap" in drawn:
+        fields["softcap"] = _uniform(rng, SATURATING_CAP if rng.integers(2) else MODEL_CAP)
+    if "alibi" in drawn:
+        fields["alibi"] = True
+        inputs["slopes"] = str(rng.choice(SLOPE_CHOICES))
+    if "mask" in drawn:
+        inputs.update(_mask_inputs(rng, case.causal))
+    if "bias" in drawn:
+        inputs.update(bias=RANDOM, bias_heads=str(rng.choice(TENSOR_COVERAGE)))
+    if "dropout" in drawn:
+        fields.update(dropout=_uniform(rng, DROPOUT_P), dropout_seed=int(rng.integers(MAX_DROPOUT_SEED)))
+    return VariantCase(**{**vars(case), "dims": dims}, variant=Variant(**fields), inputs=VariantInputs(**inputs))
 
 
 def failures(report) -> list:
-    """(stage, head, status, tolerance used) of each result of a check report that failed."""
-    return [(r.stage, r.head, r.status, r.main.tol_used if r.main else None)
-            for r in report.results if not r.passed]
+    """What failed in a check report: (stage, head, status, the worst error's ratio to its bound,
+    its (row, col), the invariants violated) of each stage × head, and (stage, code, message) of
+    each run-level check (dropout's keep rate) that failed."""
+    found = []
+    for r in report.results:
+        if not r.passed:
+            main = r.main
+            found.append((r.stage, r.head, r.status, main.tol_used if main else None, main.worst if main else None,
+                          [v.code for v in r.violations]))
+    return found + [(c.stage, c.code, c.message) for c in report.run_checks if not c.passed]

@@ -18,8 +18,8 @@ from ..model.attention import softmax_rows
 from ..model.chain import chained_eta, chained_logits
 from ..model.kernels import SOFTMAX_FINAL_ROUNDINGS
 from ..model.rounding import FLUSH, LAMBDA, ROUND_VAR, finish, unit_roundoff
-from ..model.softmax import (exponent_var, f32_subtraction_error, need, rowsum_rel_var, softmax_parts,
-                             weights_var)
+from ..model.softmax import (EqualTerms, correlated_sum, exponent_var, f32_subtraction_error, need, rowsum_rel_var,
+                             softmax_parts, weights_var)
 from ..stages import SCALED_SCORES, WEIGHTS
 from .base import MASK_MISSING, NEGATIVE_WEIGHTS, ROW_SUM, HeadContext, Problem, StageSpec, Violation, violation
 from .copies import PATTERNS
@@ -100,9 +100,10 @@ def _row_sums(stage, got, finite, rows_ok, ctx):
     p = np.where(finite, got, 0.0)
     u = unit_roundoff(ctx.precision)
     # The exp errors cancel in Σ_j p_j; what remains is the row sum's rounding (ε_l) and the
-    # final roundings of each weight: the model's variances, evaluated on got itself.
+    # final roundings of each weight: the model's variances, evaluated on got itself. Equal
+    # weights (equal exponentials) round alike: their final roundings add as one (correlated_sum).
     var = (rowsum_rel_var(np.clip(p, 0.0, None), u)[:, 0]
-           + SOFTMAX_FINAL_ROUNDINGS * ROUND_VAR * u * u * (p * p).sum(axis=1))
+           + SOFTMAX_FINAL_ROUNDINGS * ROUND_VAR * u * u * correlated_sum(p * p, EqualTerms(p.astype(np.float32))))
     allowed = LAMBDA * np.sqrt(var) + 2 * FLUSH * got.shape[1]
     q = ctx.bounds.invariant_quantum(stage, got, ctx)
     if q is not None:  # the printed resolution of every weight of the row
