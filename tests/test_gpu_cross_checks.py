@@ -130,12 +130,13 @@ def _rows_without_keys(in_dir: Path, out_dir: Path, stage: str) -> Optional[str]
     if not empty.any() or not path.exists():
         return None
     x = np.load(path)
-    rows = x.reshape(-1, n, x.shape[-1])[:, empty]
     lse = stage == FLASH_LSE
+    cols = 1 if lse else x.shape[-1]  # the lse is saved as (B, H, N)
+    rows = x.reshape(-1, n, cols)[:, empty]
     if (np.isinf(rows).all() if lse else not np.any(rows != 0)):  # NaN != 0 too
         return None
     what = "NaN" if np.isnan(rows).any() else f"values up to {np.nanmax(np.abs(rows)):.3g}"
-    x.reshape(-1, n, x.shape[-1])[:, empty] = -np.inf if lse else 0
+    x.reshape(-1, n, cols)[:, empty] = -np.inf if lse else 0
     np.save(path, x)
     return f"{stage}: {what}"
 

@@ -111,7 +111,7 @@ std::string json_kernel(const Result& r, bool ceilings) {
        << json_escape(r.status) << "\"";
     if (!r.reason.empty()) js << ", \"reason\": \"" << json_escape(r.reason) << "\"";
     if (r.status != "ok") return js.str() + "}";
-    js << ", \"ms\": " << num(r.ms) << ", \"flops\": " << num(r.flops) << ", \"bytes\": " << num(r.bytes) << ", \""
+    js << ", \"ms\": " << num(r.ms) << ", \"flops\": " << exact(r.flops) << ", \"bytes\": " << num(r.bytes) << ", \""
        << (r.kind == Kind::memory ? "gbps" : "tflops") << "\": " << num(r.rate);
     if (ceilings) js << ", \"fraction\": " << num(r.fraction);
     if (!r.tiles.empty()) js << ", \"tiles\": \"" << json_escape(r.tiles) << "\"";
