@@ -261,15 +261,29 @@ def dropout_keep_band(total: int, false_alarm: float = DROPOUT_FALSE_ALARM) -> f
     return math.sqrt(math.log(2.0 / false_alarm) / (2.0 * total)) if total else math.inf
 
 
+def dropout_keep_rates(p: float) -> Tuple[float, ...]:
+    """The keep rates a correct program at dropout p may draw with: 1 − p, and that of flash-attn's
+    8-bit threshold (it keeps an entry when a random byte is ≤ ⌊255·(1 − p)⌋, p_dropout_in_uint8_t,
+    so it keeps (⌊255·(1 − p)⌋ + 1)/256 of them: 0.8984 at p = 0.1)."""
+    exact = 1.0 - p
+    byte = (math.floor(float(np.float32(1.0 - np.float32(p))) * 255.0) + 1) / 256.0
+    return (exact,) if byte == exact else (exact, byte)
+
+
 def dropout_keep_tolerance(kept: int, total: int, p: float, false_alarm: float = DROPOUT_FALSE_ALARM) -> Optional[str]:
-    """Whether `kept` of `total` independent draws is a plausible keep count for a keep rate 1 − p:
-    None if so, else a one-line reason (dropout_keep_band: a correct run fails at most once in
+    """Whether `kept` of `total` independent draws is a plausible keep count for dropout p: a rate
+    within the band of 1 − p or of flash-attn's 8-bit threshold's rate (dropout_keep_rates). None if
+    so, else a one-line reason naming both (dropout_keep_band: a correct run fails at most once in
     1/false_alarm)."""
     if total == 0:
         return None
     t = dropout_keep_band(total, false_alarm)
     rate = kept / total
-    if abs(rate - (1.0 - p)) <= t:
+    rates = dropout_keep_rates(p)
+    if any(abs(rate - r) <= t for r in rates):
         return None
-    return (f"kept {kept} of {total} ({rate:.4%}); dropout {p} keeps {1 - p:.4%} ± {t:.4%} "
+    named = f"{rates[0]:.4%} ± {t:.4%}"
+    if len(rates) > 1:
+        named += f" (or {rates[1]:.4%} ± {t:.4%} with an 8-bit threshold, flash-attn's)"
+    return (f"kept {kept} of {total} ({rate:.4%}); dropout {p} keeps {named} "
             f"(a correct run is outside that less than once in {1 / false_alarm:.0f})")
