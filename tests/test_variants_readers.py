@@ -6,7 +6,8 @@ binary's run).
 
 The rules: kv_heads 1..heads and a divisor of heads (0 refused); an ALiBi slopes file where the
 run has no ALiBi refused, ALiBi as the command line, else the manifest (else, for the check,
-run.toml) says; a softcap finite as a float32, a dropout below 1 as a float32; each value named by
+run.toml) says; a softcap finite and 0 or normal as a float32, a dropout below 1 and 0 or
+positive as a float32; each value named by
 its manifest key (window_left, window_right).
 """
 from __future__ import annotations
@@ -42,7 +43,15 @@ CASES: List[Tuple[str, Optional[str], bool, list, list, tuple]] = [
     ("softcap-beyond-float32", "softcap = 1e39", False, [], [],
      ("{case}/manifest.toml", "softcap = 1e+39: must be a finite number > 0 (0: none)")),
     ("dropout-rounds-to-1", "dropout = 0.99999999999", False, [], [],
-     ("{case}/manifest.toml", "dropout = 0.99999999999: must be a probability in [0, 1)")),
+     ("{case}/manifest.toml", "dropout = 0.99999999999: must be a probability in [0, 1), below 1 as a float32 "
+      "(it rounds to 1)")),
+    ("softcap-0-as-float32", "softcap = 1e-46", False, [], [],
+     ("{case}/manifest.toml", "softcap = 1e-46: must be 0 (none) or a positive float32 (at least 1.18e-38)")),
+    ("softcap-subnormal", "softcap = 1e-40", False, [], [],
+     ("{case}/manifest.toml", "softcap = 1e-40: must be 0 (none) or a positive float32 (at least 1.18e-38)")),
+    ("softcap-smallest-normal", "softcap = 1.2e-38", False, [], [], ()),
+    ("dropout-0-as-float32", "dropout = 1e-46", False, [], [],
+     ("{case}/manifest.toml", "dropout = 1e-46: must be 0 (none) or a positive float32 (at least 1.4e-45)")),
     ("window_left", "window_left = -2", False, [], [],
      ("{case}/manifest.toml", "window_left = -2: must be -1 (unbounded) or a number of keys >= 0")),
     ("causal-window_right", "causal = true\nwindow_right = 3", False, [], [],
@@ -54,7 +63,9 @@ CASES: List[Tuple[str, Optional[str], bool, list, list, tuple]] = [
     ("softcap-option", "", False, ["--softcap", "1e39"], ["--softcap", "1e39"],
      ("'1e39': must be a finite number > 0 (0: none)",)),
     ("dropout-option", "", False, ["--dropout", "0.99999999999"], ["--dropout", "0.99999999999"],
-     ("'0.99999999999': must be a probability in [0, 1)",)),
+     ("'0.99999999999': must be a probability in [0, 1), below 1 as a float32 (it rounds to 1)",)),
+    ("softcap-option-0-as-float32", "", False, ["--softcap", "1e-46"], ["--softcap", "1e-46"],
+     ("'1e-46': must be 0 (none) or a positive float32 (at least 1.18e-38)",)),
     ("slopes-manifest-without-alibi", "", True, [], [], ("{case}/alibi_slopes.txt: " + SLOPES, TURN_ON)),
     ("slopes-manifest-alibi", "alibi = true", True, [], [], ()),
     ("slopes-manifest-and-option", "", True, ["--alibi"], ["--alibi"], ()),

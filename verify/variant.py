@@ -135,15 +135,29 @@ def _float32(x: float) -> float:
         return float(np.float32(x))
 
 
+# float32's smallest normal number: a softcap below it is 0 or flushed to 0 in the kernels (no cap).
+FLOAT32_MIN_NORMAL = float(np.finfo(np.float32).tiny)
+# float32's smallest positive number: a dropout below it rounds to 0 (no dropout, no keep-mask).
+FLOAT32_MIN_POSITIVE = float(np.finfo(np.float32).smallest_subnormal)
+
+
 def softcap_problem(cap: float) -> Optional[str]:
-    ok = math.isfinite(cap) and cap >= 0 and math.isfinite(_float32(cap))
-    return None if ok else "must be a finite number > 0 (0: none)"
+    if not (math.isfinite(cap) and cap >= 0 and math.isfinite(_float32(cap))):
+        return "must be a finite number > 0 (0: none)"
+    if 0 < cap and abs(_float32(cap)) < FLOAT32_MIN_NORMAL:
+        return "must be 0 (none) or a positive float32 (at least 1.18e-38)"
+    return None
 
 
 def dropout_problem(p: float) -> Optional[str]:
+    if not (math.isfinite(p) and 0 <= p < 1):
+        return "must be a probability in [0, 1)"
     # 0.99999999999 is < 1 but rounds to 1 in float32, where every entry would be dropped.
-    ok = math.isfinite(p) and p >= 0 and _float32(p) < 1
-    return None if ok else "must be a probability in [0, 1)"
+    if _float32(p) >= 1:
+        return "must be a probability in [0, 1), below 1 as a float32 (it rounds to 1)"
+    if 0 < p < FLOAT32_MIN_POSITIVE and _float32(p) == 0:
+        return "must be 0 (none) or a positive float32 (at least 1.4e-45)"
+    return None
 
 
 def dropout_seed_problem(seed) -> Optional[str]:
