@@ -116,3 +116,28 @@ def test_the_binary_and_the_check_refuse_and_accept_the_same_cases(binary, tmp_p
     for w in (w.format(case=case) for w in words):
         assert w in ran.stderr, (w, ran.stderr)
         assert w in checked.output, (w, checked.output)
+
+
+@pytest.mark.parametrize("name, value, words", [
+    ("mask", 0.5, ("{file}:4:5: 0.5 in a mask (1 such value)",
+                   "a mask holds 0 (hidden) or 1 (visible) only; additive values go in a bias file")),
+    ("mask", np.nan, ("{file}:4:5: nan in a mask (1 such value)",)),
+    ("bias", np.inf, ("{file}:4:5: inf in a bias (1 such value)",
+                      "a bias holds finite values or -inf (which hides the entry), never +inf or NaN")),
+])
+def test_the_binary_and_the_check_name_a_bad_mask_or_bias_value_alike(binary, tmp_path, name, value, words):
+    """A mask or bias file's bad value: the same words from both readers, at file:line:col (its line,
+    the comment counted; its value, 1-based), with the count of such values and the rule."""
+    case = write_case(tmp_path / "case", f'{name} = "per-head"', False)
+    d = CASE.dims
+    for head in range(d.total_heads):
+        values = np.ones((d.seq_q, d.seq_k)) if name == "mask" else np.zeros((d.seq_q, d.seq_k))
+        if head == 1:
+            values[2, 4] = value
+        np.savetxt(case / f"{name}_head_{head}.txt", values, fmt="%.9g", header="a comment line first")
+    ran = run_binary(binary, case, tmp_path / "out", [])
+    checked = invoke("check", "--in", case, "--out", stand_in_output(tmp_path / "stand_in"))
+    assert ran.returncode == 2 and checked.exit_code == 2, (ran.stderr, checked.output)
+    for w in (w.format(file=case / f"{name}_head_1.txt") for w in words):
+        assert w in ran.stderr, (w, ran.stderr)
+        assert w in checked.output, (w, checked.output)
