@@ -13,8 +13,8 @@ import pytest
 import attnstep
 import verify.api as api
 from helpers import foreign_routes as foreign
-from helpers.variants import FakeTensor, bf16_values, dropout_row
-from verify.stages import BIAS_INPUT, KEYS, MASK_INPUT, OUTPUT, WEIGHTS
+from helpers.variants import FakeTensor, bf16_values
+from verify.stages import BIAS_INPUT, DROPOUT_MASK, KEYS, MASK_INPUT, OUTPUT, WEIGHTS
 from verify.variant import BOTTOM_RIGHT, BROADCAST, NONE, PER_HEAD, TOP_LEFT, alibi_slopes
 
 f32 = np.float32
@@ -222,15 +222,14 @@ def test_masks_and_biases_broadcast_as_pytorch_attn_mask(handed, shape, coverage
 def test_a_dropout_mask_goes_with_dropout_p(handed):
     q, k, v = _qkv()
     weights = np.zeros((B, H, N, M), f32)
-    with dropout_row() as mask_stage:
-        keep = np.ones((B, H, N, M), f32)
-        attnstep.check_arrays(q, k, v, {WEIGHTS: weights, mask_stage: keep}, dropout_p=0.1)
-        assert handed["run"].variant.dropout == 0.1 and mask_stage in handed["run"].stages
-        with pytest.raises(ValueError, match=f"stage '{mask_stage}' is a dropout keep-mask: pass dropout_p="):
-            attnstep.check_arrays(q, k, v, {mask_stage: keep})
-        with pytest.raises(ValueError, match=r"dropout_p=0.1: pass the program's keep-mask too, as "
-                                             rf"stages\['{mask_stage}'\]"):
-            attnstep.check_arrays(q, k, v, {WEIGHTS: weights}, dropout_p=0.1)
+    keep = np.ones((B, H, N, M), f32)
+    attnstep.check_arrays(q, k, v, {WEIGHTS: weights, DROPOUT_MASK: keep}, dropout_p=0.1)
+    assert handed["run"].variant.dropout == 0.1 and DROPOUT_MASK in handed["run"].stages
+    with pytest.raises(ValueError, match=f"stage '{DROPOUT_MASK}' is a dropout keep-mask: pass dropout_p="):
+        attnstep.check_arrays(q, k, v, {DROPOUT_MASK: keep})
+    with pytest.raises(ValueError, match=r"dropout_p=0.1: pass the program's keep-mask too, as "
+                                         rf"stages\['{DROPOUT_MASK}'\]"):
+        attnstep.check_arrays(q, k, v, {WEIGHTS: weights}, dropout_p=0.1)
 
 
 @pytest.mark.parametrize("kwargs, error, words", [

@@ -13,13 +13,13 @@ import pytest
 
 from helpers import foreign_routes as foreign
 from helpers.cli import invoke
-from helpers.variants import dropout_row, set_manifest, write_heads
+from helpers.variants import set_manifest, write_heads
 from verify.files.case import load_input_case, read_matrix
 from verify.files.kinds import CaseError
 from verify.files.outputs import Mismatch, Overrides, open_run
 from verify.files.stage_files import StageSource
-from verify.stages import (ALIBI_SLOPES_INPUT, BIAS_INPUT, INPUT_MANIFEST, INPUT_NAMES, KEYS, MASK_INPUT, OUTPUT,
-                           RUN_MANIFEST, SCALED_SCORES, VALUES, Dims, default_scale, stage_file)
+from verify.stages import (ALIBI_SLOPES_INPUT, BIAS_INPUT, DROPOUT_MASK, INPUT_MANIFEST, INPUT_NAMES, KEYS, MASK_INPUT,
+                           OUTPUT, RUN_MANIFEST, SCALED_SCORES, VALUES, Dims, default_scale, stage_file)
 from verify.variant import BOTTOM_RIGHT, BROADCAST, NONE, PER_HEAD, TOP_LEFT, Variant, alibi_slopes
 
 # Irregular sizes: 2 K/V heads of 6 query heads, N != M, d not a power of two.
@@ -472,17 +472,16 @@ def test_a_run_toml_with_other_kv_heads_is_from_another_case(tmp_path):
 
 
 def test_the_dropout_mask_exists_only_with_dropout(tmp_path):
-    with dropout_row() as mask_stage:
-        case, out = _plain_run(tmp_path)
-        write_heads(out, {mask_stage: [np.ones((9, 13))] * 2})
-        loaded = load_input_case(case)
-        with pytest.raises(CaseError, match=f"holds {mask_stage} .* but the case has no dropout; HINT: check with "
-                                            "--dropout P"):
-            open_run(out, loaded)
-        run = open_run(out, loaded, Overrides(variant={"dropout": 0.1}))
-        assert mask_stage in run.stages and run.variant.dropout == 0.1
-        set_manifest(case, dropout=0.2)
-        assert open_run(out, load_input_case(case)).variant.dropout == 0.2
+    case, out = _plain_run(tmp_path)
+    write_heads(out, {DROPOUT_MASK: [np.ones((9, 13))] * 2})
+    loaded = load_input_case(case)
+    with pytest.raises(CaseError, match=f"holds {DROPOUT_MASK} .* but the case has no dropout; HINT: check with "
+                                        "--dropout P"):
+        open_run(out, loaded)
+    run = open_run(out, loaded, Overrides(variant={"dropout": 0.1}))
+    assert DROPOUT_MASK in run.stages and run.variant.dropout == 0.1
+    set_manifest(case, dropout=0.2)
+    assert open_run(out, load_input_case(case)).variant.dropout == 0.2
 
 
 # ---- run: the variant passed on to attnstep's binary ------------------------------------------

@@ -6,7 +6,8 @@ binary's run).
 
 The rules: kv_heads 1..heads and a divisor of heads (0 refused); an ALiBi slopes file where the
 run has no ALiBi refused, ALiBi as the command line, else the manifest (else, for the check,
-run.toml) says; a softcap finite as a float32, a dropout below 1 as a float32; each value named by
+run.toml) says; a softcap finite and 0 or normal as a float32, a dropout below 1 and 0 or
+positive as a float32; each value named by
 its manifest key (window_left, window_right).
 """
 from __future__ import annotations
@@ -42,7 +43,15 @@ CASES: List[Tuple[str, Optional[str], bool, list, list, tuple]] = [
     ("softcap-beyond-float32", "softcap = 1e39", False, [], [],
      ("{case}/manifest.toml", "softcap = 1e+39: must be a finite number > 0 (0: none)")),
     ("dropout-rounds-to-1", "dropout = 0.99999999999", False, [], [],
-     ("{case}/manifest.toml", "dropout = 0.99999999999: must be a probability in [0, 1)")),
+     ("{case}/manifest.toml", "dropout = 0.99999999999: must be a probability in [0, 1), below 1 as a float32 "
+      "(it rounds to 1)")),
+    ("softcap-0-as-float32", "softcap = 1e-46", False, [], [],
+     ("{case}/manifest.toml", "softcap = 1e-46: must be 0 (none) or a positive float32 (at least 1.18e-38)")),
+    ("softcap-subnormal", "softcap = 1e-40", False, [], [],
+     ("{case}/manifest.toml", "softcap = 1e-40: must be 0 (none) or a positive float32 (at least 1.18e-38)")),
+    ("softcap-smallest-normal", "softcap = 1.2e-38", False, [], [], ()),
+    ("dropout-0-as-float32", "dropout = 1e-46", False, [], [],
+     ("{case}/manifest.toml", "dropout = 1e-46: must be 0 (none) or a positive float32 (at least 1.4e-45)")),
     ("window_left", "window_left = -2", False, [], [],
      ("{case}/manifest.toml", "window_left = -2: must be -1 (unbounded) or a number of keys >= 0")),
     ("causal-window_right", "causal = true\nwindow_right = 3", False, [], [],
@@ -54,7 +63,9 @@ CASES: List[Tuple[str, Optional[str], bool, list, list, tuple]] = [
     ("softcap-option", "", False, ["--softcap", "1e39"], ["--softcap", "1e39"],
      ("'1e39': must be a finite number > 0 (0: none)",)),
     ("dropout-option", "", False, ["--dropout", "0.99999999999"], ["--dropout", "0.99999999999"],
-     ("'0.99999999999': must be a probability in [0, 1)",)),
+     ("'0.99999999999': must be a probability in [0, 1), below 1 as a float32 (it rounds to 1)",)),
+    ("softcap-option-0-as-float32", "", False, ["--softcap", "1e-46"], ["--softcap", "1e-46"],
+     ("'1e-46': must be 0 (none) or a positive float32 (at least 1.18e-38)",)),
     ("slopes-manifest-without-alibi", "", True, [], [], ("{case}/alibi_slopes.txt: " + SLOPES, TURN_ON)),
     ("slopes-manifest-alibi", "alibi = true", True, [], [], ()),
     ("slopes-manifest-and-option", "", True, ["--alibi"], ["--alibi"], ()),
@@ -103,5 +114,30 @@ def test_the_binary_and_the_check_refuse_and_accept_the_same_cases(binary, tmp_p
     assert ran.returncode == 2 and "main: error: " in ran.stderr and "Traceback" not in ran.stderr, ran.stderr
     assert checked.exit_code == 2 and "Traceback" not in checked.output, checked.output
     for w in (w.format(case=case) for w in words):
+        assert w in ran.stderr, (w, ran.stderr)
+        assert w in checked.output, (w, checked.output)
+
+
+@pytest.mark.parametrize("name, value, words", [
+    ("mask", 0.5, ("{file}:4:5: 0.5 in a mask (1 such value)",
+                   "a mask holds 0 (hidden) or 1 (visible) only; additive values go in a bias file")),
+    ("mask", np.nan, ("{file}:4:5: nan in a mask (1 such value)",)),
+    ("bias", np.inf, ("{file}:4:5: inf in a bias (1 such value)",
+                      "a bias holds finite values or -inf (which hides the entry), never +inf or NaN")),
+])
+def test_the_binary_and_the_check_name_a_bad_mask_or_bias_value_alike(binary, tmp_path, name, value, words):
+    """A mask or bias file's bad value: the same words from both readers, at file:line:col (its line,
+    the comment counted; its value, 1-based), with the count of such values and the rule."""
+    case = write_case(tmp_path / "case", f'{name} = "per-head"', False)
+    d = CASE.dims
+    for head in range(d.total_heads):
+        values = np.ones((d.seq_q, d.seq_k)) if name == "mask" else np.zeros((d.seq_q, d.seq_k))
+        if head == 1:
+            values[2, 4] = value
+        np.savetxt(case / f"{name}_head_{head}.txt", values, fmt="%.9g", header="a comment line first")
+    ran = run_binary(binary, case, tmp_path / "out", [])
+    checked = invoke("check", "--in", case, "--out", stand_in_output(tmp_path / "stand_in"))
+    assert ran.returncode == 2 and checked.exit_code == 2, (ran.stderr, checked.output)
+    for w in (w.format(file=case / f"{name}_head_1.txt") for w in words):
         assert w in ran.stderr, (w, ran.stderr)
         assert w in checked.output, (w, checked.output)

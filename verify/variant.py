@@ -135,15 +135,29 @@ def _float32(x: float) -> float:
         return float(np.float32(x))
 
 
+# float32's smallest normal number: a softcap below it is 0 or flushed to 0 in the kernels (no cap).
+FLOAT32_MIN_NORMAL = float(np.finfo(np.float32).tiny)
+# float32's smallest positive number: a dropout below it rounds to 0 (no dropout, no keep-mask).
+FLOAT32_MIN_POSITIVE = float(np.finfo(np.float32).smallest_subnormal)
+
+
 def softcap_problem(cap: float) -> Optional[str]:
-    ok = math.isfinite(cap) and cap >= 0 and math.isfinite(_float32(cap))
-    return None if ok else "must be a finite number > 0 (0: none)"
+    if not (math.isfinite(cap) and cap >= 0 and math.isfinite(_float32(cap))):
+        return "must be a finite number > 0 (0: none)"
+    if 0 < cap and abs(_float32(cap)) < FLOAT32_MIN_NORMAL:
+        return "must be 0 (none) or a positive float32 (at least 1.18e-38)"
+    return None
 
 
 def dropout_problem(p: float) -> Optional[str]:
+    if not (math.isfinite(p) and 0 <= p < 1):
+        return "must be a probability in [0, 1)"
     # 0.99999999999 is < 1 but rounds to 1 in float32, where every entry would be dropped.
-    ok = math.isfinite(p) and p >= 0 and _float32(p) < 1
-    return None if ok else "must be a probability in [0, 1)"
+    if _float32(p) >= 1:
+        return "must be a probability in [0, 1), below 1 as a float32 (it rounds to 1)"
+    if 0 < p < FLOAT32_MIN_POSITIVE and _float32(p) == 0:
+        return "must be 0 (none) or a positive float32 (at least 1.4e-45)"
+    return None
 
 
 def dropout_seed_problem(seed) -> Optional[str]:
@@ -261,15 +275,29 @@ def dropout_keep_band(total: int, false_alarm: float = DROPOUT_FALSE_ALARM) -> f
     return math.sqrt(math.log(2.0 / false_alarm) / (2.0 * total)) if total else math.inf
 
 
+def dropout_keep_rates(p: float) -> Tuple[float, ...]:
+    """The keep rates a correct program at dropout p may draw with: 1 − p, and that of flash-attn's
+    8-bit threshold (it keeps an entry when a random byte is ≤ ⌊255·(1 − p)⌋, p_dropout_in_uint8_t,
+    so it keeps (⌊255·(1 − p)⌋ + 1)/256 of them: 0.8984 at p = 0.1)."""
+    exact = 1.0 - p
+    byte = (math.floor(float(np.float32(1.0 - np.float32(p))) * 255.0) + 1) / 256.0
+    return (exact,) if byte == exact else (exact, byte)
+
+
 def dropout_keep_tolerance(kept: int, total: int, p: float, false_alarm: float = DROPOUT_FALSE_ALARM) -> Optional[str]:
-    """Whether `kept` of `total` independent draws is a plausible keep count for a keep rate 1 − p:
-    None if so, else a one-line reason (dropout_keep_band: a correct run fails at most once in
+    """Whether `kept` of `total` independent draws is a plausible keep count for dropout p: a rate
+    within the band of 1 − p or of flash-attn's 8-bit threshold's rate (dropout_keep_rates). None if
+    so, else a one-line reason naming both (dropout_keep_band: a correct run fails at most once in
     1/false_alarm)."""
     if total == 0:
         return None
     t = dropout_keep_band(total, false_alarm)
     rate = kept / total
-    if abs(rate - (1.0 - p)) <= t:
+    rates = dropout_keep_rates(p)
+    if any(abs(rate - r) <= t for r in rates):
         return None
-    return (f"kept {kept} of {total} ({rate:.4%}); dropout {p} keeps {1 - p:.4%} ± {t:.4%} "
+    named = f"{rates[0]:.4%} ± {t:.4%}"
+    if len(rates) > 1:
+        named += f" (or {rates[1]:.4%} ± {t:.4%} with an 8-bit threshold, flash-attn's)"
+    return (f"kept {kept} of {total} ({rate:.4%}); dropout {p} keeps {named} "
             f"(a correct run is outside that less than once in {1 / false_alarm:.0f})")

@@ -2,6 +2,7 @@
 #include "variant_inputs.h"
 
 #include <cmath>
+#include <fstream>
 #include <filesystem>
 #include <set>
 #include <system_error>
@@ -68,23 +69,52 @@ TensorFiles list_tensor_files(const std::string& dir, const char* name) {
 // -inf (hides the entry, as PyTorch's float attn_mask), never +inf or NaN; a slope is finite.
 enum class ValueRule { mask, bias, slope };
 
+// Where matrix element (r, c) (0-based) is, in verify/files/matrix_io.py element_where's words: in a
+// text file line:col (its line, comments counted; its value, 1-based), in an .npy row r, col c.
+std::string element_where(const std::string& path, size_t r, size_t c) {
+    const std::string ext = ".txt";
+    if (path.size() < ext.size() || path.compare(path.size() - ext.size(), ext.size(), ext))
+        return "row " + std::to_string(r) + ", col " + std::to_string(c);
+    std::ifstream in(path, std::ios::binary);
+    std::string line;
+    size_t row = 0;
+    for (int line_no = 1; std::getline(in, line); ++line_no) {
+        const size_t first = line.find_first_not_of(" \t\r\v\f");
+        if (first == std::string::npos || line[first] == '#') continue;
+        if (row++ == r) return std::to_string(line_no) + ":" + std::to_string(c + 1);
+    }
+    return "row " + std::to_string(r) + ", col " + std::to_string(c);
+}
+
+std::string value_text(float x) {
+    if (std::isnan(x)) return "nan";
+    if (std::isinf(x)) return x > 0 ? "inf" : "-inf";
+    char value[32];
+    std::snprintf(value, sizeof value, "%.9g", static_cast<double>(x));
+    return value;
+}
+
+// The words of verify/files/variant_inputs.py's _refuse: the first bad value at file:line:col, how
+// many there are, and the rule (as the hint).
 void check_values(const std::string& path, ValueRule rule, const float* data, int rows, int cols) {
-    static const char* const kWhy[] = {"a mask holds 0 (hidden) or 1 (visible) only",
-                                       "a bias may hold -inf (hides the entry) but not +inf or NaN",
-                                       "ALiBi slopes must be finite"};
+    static const char* const kWhat[] = {"a mask", "a bias", "the ALiBi slopes"};
+    static const char* const kWhy[] = {"a mask holds 0 (hidden) or 1 (visible) only; additive values go in a bias file",
+                                       "a bias holds finite values or -inf (which hides the entry), never +inf or NaN",
+                                       "slopes must be finite numbers"};
     const size_t n = static_cast<size_t>(rows) * static_cast<size_t>(cols);
+    size_t bad = 0, first = 0;
     for (size_t i = 0; i < n; ++i) {
         const float x = data[i];
         const bool ok = rule == ValueRule::mask   ? (x == 0.f || x == 1.f)
                         : rule == ValueRule::bias ? !(std::isnan(x) || x == INFINITY)
                                                   : std::isfinite(x);
-        if (ok) continue;
-        char value[32];
-        std::snprintf(value, sizeof value, "%.9g", static_cast<double>(x));
-        fail(kExitBadInput, path + ": row " + std::to_string(i / cols + 1) + ", col " + std::to_string(i % cols + 1) +
-                                ": value " + value + ": " + kWhy[static_cast<int>(rule)],
-             "regenerate the file (attnstep generate writes masks, biases and slopes)");
+        if (!ok && !bad++) first = i;
     }
+    if (!bad) return;
+    const int ri = static_cast<int>(rule);
+    fail(kExitBadInput, path + ":" + element_where(path, first / cols, first % cols) + ": " + value_text(data[first]) +
+                            " in " + kWhat[ri] + " (" + std::to_string(bad) + (bad == 1 ? " such value)" : " such values)"),
+         kWhy[ri]);
 }
 
 // Reads a matrix of the variant's inputs and checks its values (NaN and Inf are read, then judged

@@ -3,6 +3,7 @@
 
 #include <cmath>
 #include <iterator>
+#include <limits>
 
 #include "../common.h"
 #include "../stages.h"
@@ -114,14 +115,22 @@ std::string window_bound_problem(long long bound) {
 }
 
 std::string softcap_problem(double cap) {
-    // The cap is a float32 in the kernels: it must stay finite there too.
-    return std::isfinite(cap) && cap >= 0 && std::isfinite(static_cast<float>(cap)) ? ""
-                                                                                  : "must be a finite number > 0 (0: none)";
+    // The cap is a float32 in the kernels: it must stay finite there too, and not be 0 there (or
+    // below float32's smallest normal number, which a kernel may flush to 0): that would be no cap.
+    if (!(std::isfinite(cap) && cap >= 0 && std::isfinite(static_cast<float>(cap))))
+        return "must be a finite number > 0 (0: none)";
+    if (cap > 0 && static_cast<float>(cap) < std::numeric_limits<float>::min())
+        return "must be 0 (none) or a positive float32 (at least 1.18e-38)";
+    return "";
 }
 
 std::string dropout_problem(double p) {
-    // Checked as the float32 the kernels compare against: 0.99999999999 would round to 1.
-    return std::isfinite(p) && p >= 0 && static_cast<float>(p) < 1.f ? "" : "must be a probability in [0, 1)";
+    // Checked as the float32 the kernels compare against: 0.99999999999 would round to 1, and a p
+    // below float32's smallest positive number to 0 (no dropout).
+    if (!(std::isfinite(p) && p >= 0 && p < 1)) return "must be a probability in [0, 1)";
+    if (static_cast<float>(p) >= 1.f) return "must be a probability in [0, 1), below 1 as a float32 (it rounds to 1)";
+    if (p > 0 && static_cast<float>(p) == 0.f) return "must be 0 (none) or a positive float32 (at least 1.4e-45)";
+    return "";
 }
 
 std::string dropout_seed_problem(long long seed) { return seed < 0 ? "must be an integer >= 0" : ""; }

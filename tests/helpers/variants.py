@@ -1,16 +1,13 @@
 """What the variant tests share: a stand-in for a PyTorch tensor (torch is not needed to test how
-the API converts one), the dropout keep-mask's row of the stage table where this checkout's table
-lacks it, and small writers of case and output files."""
+the API converts one) and small writers of case and output files."""
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
-from typing import Dict, Iterator
+from typing import Dict
 
 import numpy as np
 
-from verify import stages
-from verify.stages import DROPOUT_MASK, STAGES, WEIGHTS, Stage, stage_file
+from verify.stages import stage_file
 
 
 class FakeTensor:
@@ -58,29 +55,6 @@ def bf16_values(x: np.ndarray) -> np.ndarray:
     bits = np.asarray(x, np.float32).view(np.uint32).astype(np.uint64)
     rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16 << 16).astype(np.uint32)
     return rounded.view(np.float32)
-
-
-@contextlib.contextmanager
-def dropout_row() -> Iterator[str]:
-    """The stage table with the dropout keep-mask's row (after attention_weights, dropout=True),
-    added for the test where this checkout's table lacks it; the stage's name."""
-    if DROPOUT_MASK in STAGES:
-        yield DROPOUT_MASK
-        return
-    saved = dict(STAGES)
-    rows = {}
-    for name, stage in saved.items():
-        rows[name] = stage
-        if name == WEIGHTS:
-            rows[DROPOUT_MASK] = Stage(DROPOUT_MASK, "N", "M", (WEIGHTS,), "the keep-mask of dropout", dropout=True)
-    STAGES.clear()
-    STAGES.update(rows)
-    try:
-        yield DROPOUT_MASK
-    finally:
-        STAGES.clear()
-        STAGES.update(saved)
-        assert stages.STAGES is STAGES
 
 
 def write_heads(folder: Path, matrices: Dict[str, list], fmt: str = "txt") -> Path:

@@ -5,7 +5,8 @@ checked against (their specs name it among their variant_sources and read src[DR
 check engine hands it to them), so the stage's reference is itself and its comparisons are exact. What
 can be checked without a reference: every entry is exactly 0 or 1; and, over the whole run (the
 engine sums each head's keep_counts), the share of the visible entries kept is within
-verify.variant.dropout_keep_tolerance of 1 − p.
+verify.variant.dropout_keep_tolerance of 1 − p (or of the rate of flash-attn's 8-bit threshold,
+(⌊255·(1 − p)⌋ + 1)/256).
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from typing import List, Optional, Tuple
 import numpy as np
 
 from ..stages import DROPOUT_MASK
-from ..variant import dropout_keep_band, dropout_keep_tolerance
+from ..variant import dropout_keep_band, dropout_keep_rates, dropout_keep_tolerance
 from .base import HeadContext, StageSpec, Violation, violation
 
 # Violation and run-check codes.
@@ -55,8 +56,9 @@ def keep_rate(kept: int, total: int, p: float) -> Tuple[bool, str]:
         return False, f"{problem} of the visible entries"
     if not total:
         return True, "no visible entry: not tested"
+    rates = " or ".join(f"{r:.4%}" for r in dropout_keep_rates(p))
     return True, (f"kept {kept} of {total} visible entries ({kept / total:.4%}); dropout {p} keeps "
-                  f"{1 - p:.4%} ± {dropout_keep_band(total):.4%}")
+                  f"{rates} ± {dropout_keep_band(total):.4%}")
 
 
 SPECS = (
