@@ -79,6 +79,7 @@ class Route:
     """How the program computes the variant's scores (all correct in float32)."""
     reciprocal_cap: bool = False     # S·(1/C) instead of S/C
     approx_tanh: bool = False        # tanh with a relative error up to TANH_APPROX_REL (tanh.approx.f32)
+    tanh_from_exp: bool = False      # sign(x)·(1 − 2/(e + 1)), e = exp(2|x|) 2^-22 off (ex2.approx)
     flash_attn_alibi: bool = False   # causal ALiBi as +slope·j (flash-attn's causal kernel)
     bias_first: bool = False         # the bias added before ALiBi
     plus_inf_lse: bool = False       # +inf as the lse of a row that sees no key (flash-attn)
@@ -91,6 +92,10 @@ def _tanh(x: np.ndarray, route: Route) -> np.ndarray:
     if route.approx_tanh:
         rng = np.random.default_rng(route.seed + 7)
         t = t * (1.0 + rng.uniform(-TANH_APPROX_REL, TANH_APPROX_REL, t.shape))
+    if route.tanh_from_exp:  # near 0 it cancels: an absolute error, the half flash kernel's tanh
+        a = np.abs(x).astype(f32)
+        e = (np.exp(2.0 * a.astype(np.float64)) * (1.0 + 2.0**-22)).astype(f32)
+        t = np.sign(x) * (f32(1) - (f32(2) / (e + f32(1))).astype(f32))
     return t.astype(f32)
 
 

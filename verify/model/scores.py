@@ -164,8 +164,9 @@ def as_head(x) -> HeadVariant:
 
 
 def tanh_error(t: np.ndarray, u: float, kernel: Kernel) -> np.ndarray:
-    """Bound on |fl(tanh(x)) − tanh(x)|: tanh_ulps ulps of t, or an approximation's relative error."""
-    return (kernel.tanh_ulps * ULP_IN_U * u + kernel.tanh_rel) * np.abs(t)
+    """Bound on |fl(tanh(x)) − tanh(x)|: tanh_ulps ulps of t, an approximation's relative error, and
+    the absolute error of a tanh computed from the exponential (near 0, where it cancels)."""
+    return (kernel.tanh_ulps * ULP_IN_U * u + kernel.tanh_rel) * np.abs(t) + kernel.tanh_abs
 
 
 def modification_det(scaled: np.ndarray, head: HeadVariant, u: float, kernel: Kernel, flash: bool = False,
