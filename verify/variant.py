@@ -185,6 +185,14 @@ def value_text(x) -> str:
     return repr(x)
 
 
+def with_causal(variant: Optional[Variant], causal) -> Variant:
+    """The variant an object that also carries the older `causal` flag holds: the variant, causal
+    when either says so (an InputCase or RunInfo built with causal=True and no variant)."""
+    if variant is None:
+        return Variant(causal=bool(causal))
+    return variant.with_(causal=True) if causal and not variant.causal else variant
+
+
 def validate(v: Variant) -> Optional[str]:
     """Why `v` is not a variant, or None: one line, "key = value: rule", the key as a manifest
     writes it, in the binary's words."""

@@ -16,7 +16,7 @@ import numpy as np
 from ..stages import (ALIBI_SLOPES_INPUT, CASE_INPUTS, FORMATS, GRAD_INPUT, INPUT_MANIFEST, INPUT_NAMES, KV_HEADS_KEY,
                       STAGES, VARIANT_INPUTS, Dims, parse_stage_file, stage_file)
 from ..text import plural, printable
-from ..variant import BROADCAST, NONE, PER_HEAD, Variant, alibi_slopes
+from ..variant import BROADCAST, NONE, PER_HEAD, Variant, alibi_slopes, with_causal
 from .kinds import CaseError
 from .manifests import (INPUT_KEYS, INT64, build_variant, check_case_limits, check_scale, check_types, read_toml,
                         validate_dims, variant_fields, write_toml)
@@ -56,10 +56,7 @@ class InputCase:
     _whole: Dict[str, np.ndarray] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self):
-        if self.variant is None:
-            self.variant = Variant(causal=bool(self.causal))
-        elif self.causal and not self.variant.causal:
-            self.variant = self.variant.with_(causal=True)
+        self.variant = with_causal(self.variant, self.causal)
         self.causal = self.variant.causal
 
     @property

@@ -27,7 +27,7 @@ from ..model.kernels import KERNELS, kernel_base_name
 from ..stages import (DIM_KEYS, FORMATS, KV_HEADS_KEY, PRECISIONS, RUN_MANIFEST, STAGES, Dims,
                       default_scale, parse_stage_file, stage_file)
 from ..text import plural, printable
-from ..variant import VARIANT_KEYS, Variant
+from ..variant import VARIANT_KEYS, Variant, with_causal
 from .case import InputCase, check_scale, check_types, crc32_hex, read_toml, refuse_unused_slopes, validate_dims
 from .manifests import CAUSAL_KEY, build_variant, variant_fields
 from .kinds import CaseError
@@ -85,10 +85,7 @@ class RunInfo:
     variant: Optional[Variant] = None  # what the run is checked against; `causal` mirrors its causal
 
     def __post_init__(self):
-        if self.variant is None:
-            self.variant = Variant(causal=bool(self.causal))
-        elif self.causal and not self.variant.causal:
-            self.variant = self.variant.with_(causal=True)
+        self.variant = with_causal(self.variant, self.causal)
         self.causal = self.variant.causal
 
     @property
