@@ -247,3 +247,31 @@ def test_the_structural_mask_at_any_offset_is_the_rule_s(v, n, m):
     assert (structural_hidden(v, n, m, own) == hidden(v, n, m)).all()
     for offset in (own - 3, own + 2, m - n, 0, -n, m):
         assert (structural_hidden(v, n, m, offset) == _hidden_at(v, n, m, offset)).all(), offset
+
+
+# ---- another program's files: %g text, a subset of stages ----------------------------------------
+
+def _as_g_text(folder: Path) -> None:
+    """Each .npy stage file rewritten as text with %g (six significant digits), as a C program's
+    printf would: the printed resolution must be part of the check."""
+    for path in sorted(folder.glob("*.npy")):
+        np.savetxt(path.with_suffix(".txt"), np.load(path), fmt="%g")
+        path.unlink()
+
+
+@pytest.mark.parametrize("plant,fails", [(None, None), ("softcap_missing", "flash_output")])
+def test_a_g_text_program_with_a_subset_of_stages_is_judged_by_its_arithmetic(tmp_path, cases, plant, fails):
+    """No run.toml, %g text, only the flash stages and dV: a correct program passes every variant at
+    once; the same program without its softcap fails where the cap was left out."""
+    in_dir = cases["everything-backward"]
+    only = ("flash_output", "flash_lse", "flash_dQ", "flash_dK", "flash_dV", "dropout_mask")
+    write_run(tmp_path / "out", load_input_case(in_dir), Program(plant) if plant else Program(), only)
+    _as_g_text(tmp_path / "out")
+    report = tmp_path / "r.json"
+    result = invoke("check", "--in", in_dir, "--out", tmp_path / "out", "--json", report)
+    data = json.loads(report.read_text())
+    assert {e["stage"] for e in data["results"]} == set(only)
+    if fails is None:
+        assert result.exit_code == 0, result.output
+    else:
+        assert result.exit_code == 1 and data["first_failing_stage"] == fails, result.output
