@@ -3,7 +3,7 @@
 # cross-checks against PyTorch's attention, the demo on the CUDA backend, compute-sanitizer
 # (memcheck, racecheck), the large bounded-memory cases, and the benchmarks.
 #
-#   scripts/gpu_check.sh [build] [tests] [gputests] [alarms] [sdpa] [xcheck] [demo] [example] [sanitize]
+#   scripts/gpu_check.sh [build] [tests] [gputests] [alarms] [sdpa] [xcheck] [demo] [example] [sanitize|memcheck|racecheck]
 #                        [large] [bigbwd] [bench] [halfbench] [sweep]
 #                        (default: build tests demo example sanitize large bigbwd bench halfbench)
 #   tests: the whole suite; gputests: only the tests marked gpu, false-alarm sweep aside; alarms:
@@ -12,7 +12,8 @@
 #   needed); xcheck: the variants of attention (GQA, both causal alignments, windows, softcap, ALiBi,
 #   mask and bias files) cross-checked against PyTorch's SDPA and FlexAttention, with planted bugs
 #   (tests/test_gpu_cross_checks.py), and tests/test_sdpa_cases.py whole (no build needed);
-#   example: `attnstep demo --example bug_qk_leading_dim`.
+#   example: `attnstep demo --example bug_qk_leading_dim`; sanitize: memcheck and racecheck (each
+#   also a step of its own).
 #   GPU_TESTS="tests/test_examples.py ..." limits gputests to those files.
 #   ATTNSTEP_BINARY=build-gpu/main scripts/gpu_check.sh tests sanitize large   (a prebuilt binary)
 #   bigbwd: the flash backward on 16 heads at N = M = 16384, d = 64 (a run of the binary and its
@@ -138,16 +139,20 @@ if want example; then
     sed -n '1,40p' "$OUT/example.log"
 fi
 
-if want sanitize; then
-    # Small irregular shapes, causal and not; every stage, forward and backward, and the flash kernels,
-    # in each precision of SANITIZE_PRECISIONS (default fp32 and bf16: the half pipeline's kernels).
+if want sanitize || want memcheck || want racecheck; then
+    # Small irregular shapes, causal and not and under the variants; every stage, forward and
+    # backward, and the flash kernels, in each precision of SANITIZE_PRECISIONS (default fp32 and
+    # bf16: the half pipeline's kernels).
     sanitize() {
         local tool=$1 rc=0
         for spec in "1 2 127 333 64 64" "2 1 65 129 128 128" "1 1 1 5 16 16" "1 2 33 47 24 40"; do
             set -- $spec
-            for causal in --no-causal --causal; do
-                local case=/tmp/san_${1}_${2}_${3}_${4}_${5}_${6}${causal}
-                $ATTNSTEP generate --out "$case" --batch $1 --heads $2 --seq-q $3 --seq-k $4 --d-k $5 --d-v $6 $causal \
+            # The masks: none, causal, and the variants' kernels (bottom-right, a window, a softcap,
+            # ALiBi; grouped K/V heads where the heads allow).
+            local kv=""; [ "$2" -gt 1 ] && kv="--kv-heads 1"
+            for mask in --no-causal --causal "--causal bottom-right --window 7,0 --softcap 30 --alibi $kv"; do
+                local case=/tmp/san_${1}_${2}_${3}_${4}_${5}_${6}$(echo "$mask" | tr -d ' ,-')
+                $ATTNSTEP generate --out "$case" --batch $1 --heads $2 --seq-q $3 --seq-k $4 --d-k $5 --d-v $6 $mask \
                     --backward >/dev/null || return 1
                 for precision in ${SANITIZE_PRECISIONS:-fp32 bf16}; do
                     compute-sanitizer --tool "$tool" --error-exitcode 99 $BUILD/main --in "$case" --out "$case.$precision" \
@@ -157,9 +162,9 @@ if want sanitize; then
         done
         return $rc
     }
-    step memcheck sanitize memcheck
-    step racecheck sanitize racecheck
-    grep -hE "ERROR SUMMARY|RACECHECK SUMMARY" "$OUT/memcheck.log" "$OUT/racecheck.log" | sort | uniq -c
+    { want sanitize || want memcheck; } && step memcheck sanitize memcheck
+    { want sanitize || want racecheck; } && step racecheck sanitize racecheck
+    grep -hsE "ERROR SUMMARY|RACECHECK SUMMARY" "$OUT/memcheck.log" "$OUT/racecheck.log" | sort | uniq -c
 fi
 
 if want large; then

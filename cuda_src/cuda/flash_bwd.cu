@@ -206,12 +206,54 @@ __device__ __forceinline__ void softmax_grad(float (&s)[BN / 8][4], float (&dp)[
 // P∘(dP∘Z·(1/(1 − p)) − D)·(1 − t²) (Z dropout's keep decision; 1 − t² the softcap's derivative).
 // Both are exactly 0 where the score is hidden (the rule, the mask file, -inf in the bias file), past
 // N or M, and in a row that saw no key (lse₂ = +inf there: row_lse2).
+//
+// Without the files and dropout (the rule, the softcap and ALiBi alone) the tile takes a lean path,
+// one loop per softcap or none, every test per score a compare without a branch: the general one
+// tests each input per score, and ptxas keeps those tests as branches.
+template <bool kCap, int BN, class At, class Lse2, class RowD>
+__device__ __forceinline__ void lean_softmax_grad(float (&s)[BN / 8][4], float (&dp)[BN / 8][4], const VariantArgs& va,
+                                                  float slope_log2, int N, int M, At at, Lse2 row_lse2, RowD row_d) {
+    const DeviceVariant& v = va.v;
+    const ScoreMods& mods = va.mods;
+    // The rule's bounds, an unbounded side as one that no key reaches (diag is within ±2^25: every
+    // dimension is at most kMaxDim = 2^24, and the host keeps bounds within N + M).
+    constexpr int kFar = 1 << 29;
+    const int left = v.left == kUnbounded ? kFar : v.left, right = v.right == kUnbounded ? kFar : v.right;
+#pragma unroll
+    for (int nt = 0; nt < BN / 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            int r, c;
+            at(nt, e, r, c);
+            const int diag = r + v.offset;
+            const bool hidden = (r >= N) | (c >= M) | (c < diag - left) | (c > diag + right);
+            float x, derivative = 1.f;
+            if constexpr (kCap) {
+                const float t = tanhf(s[nt][e] * mods.cap_in);
+                x = t * mods.cap_out;
+                derivative = 1.f - t * t;
+            } else {
+                x = s[nt][e] * mods.scale_log2;
+            }
+            const int dist = diag - c;
+            x = __fmaf_rn(-slope_log2, static_cast<float>(dist < 0 ? -dist : dist), x);  // 0 without ALiBi
+            const float p = hidden ? 0.f : exp2_ftz(x - row_lse2(nt, e));
+            s[nt][e] = p;
+            dp[nt][e] = hidden ? 0.f : p * (dp[nt][e] - row_d(nt, e)) * derivative;
+        }
+}
+
 template <int BN, class At, class Lse2, class RowD>
 __device__ __forceinline__ void variant_softmax_grad(float (&s)[BN / 8][4], float (&dp)[BN / 8][4],
                                                      const VariantArgs& va, float slope_log2, int h, int N, int M,
                                                      At at, Lse2 row_lse2, RowD row_d) {
     const DeviceVariant& v = va.v;
     const ScoreMods& mods = va.mods;
+    if (!v.per_element_inputs()) {
+        if (mods.cap_in != 0.f) lean_softmax_grad<true, BN>(s, dp, va, slope_log2, N, M, at, row_lse2, row_d);
+        else lean_softmax_grad<false, BN>(s, dp, va, slope_log2, N, M, at, row_lse2, row_d);
+        return;
+    }
     const float inv_keep = v.inv_keep();
 #pragma unroll
     for (int nt = 0; nt < BN / 8; ++nt)

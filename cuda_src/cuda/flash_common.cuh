@@ -209,14 +209,16 @@ __device__ __forceinline__ void mask_tile(float (&s)[BC / 8][4], int key0, int M
 // The variant instantiation's scores (flash_problem.cuh): the softcap and ALiBi, in base 2, and the
 // rule's mask on the tiles it cuts.
 
-// tanh(x) = sign(x)·(1 − 2/(2^(2|x|·log2 e) + 1)) on the special-function unit (ex2.approx and a fast
-// division): an absolute error of about 1e-7, as tanhf's, in five instructions instead of tanhf's
-// twenty or so; its relative error near 0 is larger, which a capped logit (C·tanh, an absolute
-// error) does not feel beside the half formats' rounding of P. For the half-precision kernel,
-// where the softcap must stay within 10% of the run without it; the float32 ones take tanhf.
-__device__ __forceinline__ float tanh_fast(float x) {
-    const float e = exp2_ftz(fabsf(x) * (2.f * kLog2e));
-    return copysignf(1.f - __fdividef(2.f, e + 1.f), x);
+// tanh on the special-function unit (tanh.approx.f32, flash-attn's softcap through
+// cutlass::fast_tanh): one instruction, a relative error of at most 2^-10.987 (PTX ISA), which the
+// verifier's model of the half-precision kernel allows (verify/model/kernels.py). For that kernel,
+// whose softmax already keeps the unit busy with one exponential per score: a tanh from the
+// exponential and a division (two more) made the softcap 1.74x the time of the run without it,
+// this one 1.33x (H100, docs/performance.md). The float32 kernels take tanhf.
+__device__ __forceinline__ float tanh_approx(float x) {
+    float y;
+    asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
 }
 
 // The modifications of a raw score s = q·k into the softmax's base 2: x = s·scale·log2 e, or under a
@@ -250,38 +252,49 @@ struct VariantArgs {
 inline VariantArgs variant_args(float scale, const DeviceVariant& v) { return {v, score_mods(scale, v)}; }
 
 // The tile's raw scores through ScoreMods. row0: the thread's row g (g+8 is the other); key0: the
-// tile's first key. kFastTanh: tanh_fast, else tanhf.
-template <int BC, bool kFastTanh>
+// tile's first key. kApproxTanh: tanh_approx, else tanhf. Each modification is one branch per tile
+// around a loop of its own: a test inside the unrolled loop is one per score, and ptxas keeps
+// those as divergent branches (the variant kernels ran at half the speed of the plain ones so).
+template <int BC, bool kApproxTanh>
 __device__ __forceinline__ void modify_tile(float (&s)[BC / 8][4], const ScoreMods& mods, int key0, int row0, int t) {
+    if (mods.cap_in != 0.f) {
 #pragma unroll
-    for (int nt = 0; nt < BC / 8; ++nt)
+        for (int nt = 0; nt < BC / 8; ++nt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            float x = s[nt][e];
-            if (mods.cap_in != 0.f) {
-                const float y = x * mods.cap_in;
-                x = (kFastTanh ? tanh_fast(y) : tanhf(y)) * mods.cap_out;
-            } else {
-                x *= mods.scale_log2;
+            for (int e = 0; e < 4; ++e) {
+                const float y = s[nt][e] * mods.cap_in;
+                s[nt][e] = (kApproxTanh ? tanh_approx(y) : tanhf(y)) * mods.cap_out;
             }
-            if (mods.slope_log2 != 0.f) {
+    } else {
+        scale_tile<BC>(s, mods.scale_log2);
+    }
+    if (mods.slope_log2 != 0.f) {
+#pragma unroll
+        for (int nt = 0; nt < BC / 8; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
                 const int dist = row0 + (e >= 2 ? 8 : 0) + mods.offset - (key0 + nt * 8 + 2 * t + (e & 1));
-                x = __fmaf_rn(-mods.slope_log2, static_cast<float>(dist < 0 ? -dist : dist), x);
+                s[nt][e] = __fmaf_rn(-mods.slope_log2, static_cast<float>(dist < 0 ? -dist : dist), s[nt][e]);
             }
-            s[nt][e] = x;
-        }
+    }
 }
 
-// Keys past M and keys the rule hides from the row get -inf.
+// Keys past M and keys the rule hides from the row get -inf. Each of the thread's two rows sees
+// the keys [first_key, end_key) (clipped to [0, M)), taken once relative to the thread's first
+// column: per score, two compares with constants, where the rule asked per score costs a branch
+// and a reload of its bounds.
 template <int BC>
 __device__ __forceinline__ void mask_tile_rule(float (&s)[BC / 8][4], const DeviceVariant& v, int key0, int M,
                                                int row0, int t) {
+    const int col0 = key0 + 2 * t;
+    const int lo[2] = {v.first_key(row0) - col0, v.first_key(row0 + 8) - col0};
+    const int hi[2] = {v.end_key(row0, M) - col0, v.end_key(row0 + 8, M) - col0};
 #pragma unroll
     for (int nt = 0; nt < BC / 8; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-            const int key = key0 + nt * 8 + 2 * t + (e & 1);
-            if (key >= M || !v.visible(row0 + (e >= 2 ? 8 : 0), key)) s[nt][e] = -INFINITY;
+            const int k = nt * 8 + (e & 1);
+            if ((k < lo[e >> 1]) | (k >= hi[e >> 1])) s[nt][e] = -INFINITY;
         }
 }
 

@@ -23,14 +23,15 @@ TANH_ULPS = 2.0
 
 
 # tanh.approx.f32 (PTX ISA: maximum relative error 2^-10.987), which flash-attn's softcap calls
-# through cutlass::fast_tanh: the error of t it may make, relative.
+# through cutlass::fast_tanh, and so does the half-precision wgmma kernel (tanh_approx in
+# cuda_src/cuda/flash_common.cuh): the error of t it may make, relative.
 TANH_APPROX_REL = 2.0**-10.987
 
 
-# tanh from the exponential, sign(x)·(1 − 2/(e^(2|x|) + 1)) (the half-precision wgmma kernel's
-# tanh_fast in cuda_src/cuda/flash_common.cuh; any program may compute it so): near 0 the
-# subtraction cancels and the error is absolute, ex2.approx's 2^-22 relative error of e ≈ 1, the
-# rounding of e + 1 and __fdividef's 2 ulp of the quotient ≈ 1: 2^-22 + 2^-24 + 2^-22 < 2^-20.5.
+# tanh from the exponential, sign(x)·(1 − 2/(e^(2|x|) + 1)), as any program may compute it with
+# ex2.approx and __fdividef: near 0 the subtraction cancels and the error is absolute, ex2.approx's
+# 2^-22 relative error of e ≈ 1, the rounding of e + 1 and __fdividef's 2 ulp of the quotient ≈ 1:
+# 2^-22 + 2^-24 + 2^-22 < 2^-20.5.
 TANH_FROM_EXP_ABS = 2.0**-20.5
 
 
@@ -90,8 +91,8 @@ _BACKEND_KERNELS = {
 KERNELS = {"cpu-tiled": _BACKEND_KERNELS["cpu"],
            **{f"cuda-{k}": _BACKEND_KERNELS["cuda"]
               for k in ("clean", "fast-3xtf32", "fast-tf32", "wgmma-3xtf32", "wgmma-tf32")},
-           # The half-precision kernel's softcap takes its tanh from the exponential.
-           **{f"cuda-{k}": replace(_BACKEND_KERNELS["cuda"], tanh_abs=TANH_FROM_EXP_ABS)
+           # The half-precision kernel's softcap takes tanh.approx.f32.
+           **{f"cuda-{k}": replace(_BACKEND_KERNELS["cuda"], tanh_rel=TANH_APPROX_REL)
               for k in ("wgmma-bf16", "wgmma-fp16")}}
 _SPLIT = re.compile(r"-split\d+$")
 

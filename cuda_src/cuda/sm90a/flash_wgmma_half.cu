@@ -215,7 +215,7 @@ __device__ __forceinline__ void pv_issue(float (&o)[T::D / 8][4], const uint32_t
 // and releases it unread (a release ahead of the load would count toward the stage's previous
 // phase); it still takes its turns.
 //
-// kVariant (flash_problem.cuh): the rule's tiles alone (variant_tile_share), the softcap (tanh_fast)
+// kVariant (flash_problem.cuh): the rule's tiles alone (variant_tile_share), the softcap (tanh_approx)
 // and ALiBi applied to S in base 2 before the rule's mask, and always kPositiveScale = false. A
 // window's warpgroups may start seeing tiles after the block's first: the one that skips tile j
 // and sees tile j+1 computes S_{j+1} in tile j's turn, as the loop's visible path would have.
@@ -357,23 +357,27 @@ __global__ void __launch_bounds__(T::THREADS, 1)
         if (!visible(j)) {  // causal: this and every later tile lie above the warpgroup's rows
             // The variant: a window's tiles may start after this one (the first tile's P then
             // comes here, in this tile's turn).
-            const bool starts = kVariant && !last && visible(j + 1);
+            // Again two straight paths, each with its own issue and wait.
             take();
-            if (starts) {
+            if (kVariant && !last && visible(j + 1)) {
                 bulk::wait(&k_full[slot(j + 1)], parity(j + 1));
                 qk_issue<T>(s, q_desc, wg::sw128_desc(stage_of(j + 1), 16));  // S_{j+1} = Q K_{j+1}ᵀ
-            }
-            pass(last);
-            bulk::wait(&k_full[slot(j)], parity(j));
-            bulk::wait(&v_full[slot(j)], parity(j));
-            release_k(j);
-            release_v(j);
-            if (starts) {
+                pass(last);
+                bulk::wait(&k_full[slot(j)], parity(j));
+                bulk::wait(&v_full[slot(j)], parity(j));
+                release_k(j);
+                release_v(j);
                 wg::wait<0>();
                 wg::fence_operands(s);
                 release_k(j + 1);
                 softmax(s, j + 1);
                 pack_p<T>(pa, s);
+            } else {
+                pass(last);
+                bulk::wait(&k_full[slot(j)], parity(j));
+                bulk::wait(&v_full[slot(j)], parity(j));
+                release_k(j);
+                release_v(j);
             }
             continue;
         }
