@@ -279,6 +279,30 @@ __device__ __forceinline__ void modify_tile(float (&s)[BC / 8][4], const ScoreMo
     }
 }
 
+// modify_tile for softmax_tile<BC, true>, which multiplies each score by a positive c in its
+// exponent's FFMA: the scores are left as far as that product can finish them, and c is returned.
+// Unscaled (a positive scale, no ALiBi: c = scale·log2 e, as the plain kernels do), tanh(s·scale/C)
+// alone (a softcap without ALiBi: c = C·log2 e), or all the way (c = 1). Each saves the tile's
+// multiply and the subtraction's own rounding where the score allows it.
+template <int BC, bool kApproxTanh>
+__device__ __forceinline__ float modify_tile_for_exp(float (&s)[BC / 8][4], const ScoreMods& mods, int key0,
+                                                     int row0, int t) {
+    const bool alibi = mods.slope_log2 != 0.f;
+    if (!alibi && mods.cap_in != 0.f) {
+#pragma unroll
+        for (int nt = 0; nt < BC / 8; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const float y = s[nt][e] * mods.cap_in;
+                s[nt][e] = kApproxTanh ? tanh_approx(y) : tanhf(y);
+            }
+        return mods.cap_out;
+    }
+    if (!alibi && mods.scale_log2 > 0.f) return mods.scale_log2;
+    modify_tile<BC, kApproxTanh>(s, mods, key0, row0, t);
+    return 1.f;
+}
+
 // Keys past M and keys the rule hides from the row get -inf. Each of the thread's two rows sees
 // the keys [first_key, end_key) (clipped to [0, M)), taken once relative to the thread's first
 // column: per score, two compares with constants, where the rule asked per score costs a branch

@@ -216,9 +216,10 @@ __device__ __forceinline__ void pv_issue(float (&o)[T::D / 8][4], const uint32_t
 // phase); it still takes its turns.
 //
 // kVariant (flash_problem.cuh): the rule's tiles alone (variant_tile_share), the softcap (tanh_approx)
-// and ALiBi applied to S in base 2 before the rule's mask, and always kPositiveScale = false. A
-// window's warpgroups may start seeing tiles after the block's first: the one that skips tile j
-// and sees tile j+1 computes S_{j+1} in tile j's turn, as the loop's visible path would have.
+// and ALiBi applied to S before the rule's mask, as far as the exponent's FFMA cannot take them
+// (modify_tile_for_exp). A window's warpgroups may start seeing tiles after the block's first: the
+// one that skips tile j and sees tile j+1 computes S_{j+1} in tile j's turn, as the loop's visible
+// path would have.
 template <class T, bool kCausal, bool kPositiveScale, bool kVariant>
 __global__ void __launch_bounds__(T::THREADS, 1)
     flash_wgmma_half_kernel(const HalfParams p, const __grid_constant__ HalfMaps maps,
@@ -325,14 +326,15 @@ __global__ void __launch_bounds__(T::THREADS, 1)
     auto softmax = [&](float (&s)[T::BC / 8][4], int j) {
         const int key0 = j * T::BC;
         if constexpr (kVariant) {
-            modify_tile<T::BC, true>(s, mods, key0, row0, t);
+            const float c = modify_tile_for_exp<T::BC, true>(s, mods, key0, row0, t);
             if (rule_cuts<T::BC>(va.v, key0, p.M, warp_row0, 16)) mask_tile_rule<T::BC>(s, va.v, key0, p.M, row0, t);
+            softmax_tile<T::BC, true>(s, m, l, alpha, c);
         } else {
             if constexpr (!kPositiveScale) scale_tile<T::BC>(s, p.scale_log2);
             if (key0 + T::BC > p.M || (kCausal && key0 + T::BC - 1 > warp_row0))
                 mask_tile<T::BC, kCausal>(s, key0, p.M, row0, t);
+            softmax_tile<T::BC, kPositiveScale>(s, m, l, alpha, p.scale_log2);
         }
-        softmax_tile<T::BC, kPositiveScale>(s, m, l, alpha, p.scale_log2);
     };
     if (tile_begin < tile_end) {
         bulk::wait(&q_full, 0);  // every warp waits, so no copy is still landing when the block ends
