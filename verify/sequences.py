@@ -23,11 +23,25 @@ from typing import Optional, Sequence, Tuple
 
 import numpy as np
 
+from .stages import MAX_DIM
+from .text import printable
+
 # The input case's files that describe the sequences (txt or npy, as every input), and the manifest
 # key whose presence makes a case packed (its value: the number of sequences B).
 CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_K = "cu_seqlens_q", "cu_seqlens_k", "seqused_k"
 SEQUENCE_FILES = (CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_K)
 SEQUENCES_KEY = "sequences"
+
+# Every value of those files is a count of tokens: a whole number in 0..MAX_TOKENS (a dimension's
+# largest, so the offsets and their totals fit seq_q and seq_k), and the number of sequences B is
+# 1..MAX_TOKENS too.
+MAX_TOKENS = MAX_DIM
+# A sequence file in a case that is not packed would be ignored: the words after the file's path
+# (as a slopes file without ALiBi), and the hint.
+# How much of a token that is not an integer the error quotes (as verify/files/matrix_io.py).
+QUOTED_TOKEN_LIMIT = 40
+NOT_PACKED = "exists but the case is not packed"
+NOT_PACKED_HINT = f"add {SEQUENCES_KEY} = B (the number of sequences) to the manifest, or remove the file"
 
 
 @dataclass(frozen=True)
@@ -112,3 +126,53 @@ def packed_sequences(cu_q: Sequence[int], cu_k: Sequence[int], used_k: Optional[
         raise ValueError(problem)
     return Sequences(tuple(int(x) for x in cu_q), tuple(int(x) for x in cu_k),
                      None if used_k is None else tuple(int(x) for x in used_k))
+
+
+def sequences_from_lengths(seqlens_q: Sequence[int], seqlens_k: Optional[Sequence[int]] = None,
+                           used_k: Optional[Sequence[int]] = None) -> Sequences:
+    """The packing of sequences of `seqlens_q` queries and key slots of `seqlens_k` (default: as
+    many keys as queries), each reading `used_k` keys of its slot (default: all); ValueError with
+    sequences_problem's words (a negative length makes its offsets decrease)."""
+    slots = list(seqlens_q) if seqlens_k is None else list(seqlens_k)
+    if len(slots) != len(seqlens_q):
+        raise ValueError(f"{len(slots)} key lengths for {len(seqlens_q)} sequences")
+    return packed_sequences(np.concatenate(([0], np.cumsum(seqlens_q, dtype=np.int64))).tolist(),
+                            np.concatenate(([0], np.cumsum(slots, dtype=np.int64))).tolist(), used_k)
+
+
+def problem_file(problem: str) -> str:
+    """The sequence file (CU_SEQLENS_Q, CU_SEQLENS_K or SEQUSED_K) that a sequences_problem is
+    about: its words start with that name."""
+    return next(name for name in SEQUENCE_FILES if problem.startswith(name))
+
+
+# ----------------------------------------------------------------------------------------------
+# The rules of one value of a sequence file, in the words both readers say after
+# "<file>:<line>:<col>: " (a text file) or "<file>:row <r>, col 0: " (an .npy file).
+
+def integer_token_problem(token: str) -> Optional[str]:
+    """What is wrong with one token of a text sequence file: an optional sign and decimal digits,
+    whose value is 0..MAX_TOKENS; None when it is a valid count."""
+    digits = token[1:] if token[:1] in "+-" else token
+    if not (digits and digits.isascii() and digits.isdigit()):
+        return f"not an integer: '{printable(token, QUOTED_TOKEN_LIMIT)}'"
+    return count_problem(int(token), token)
+
+
+def count_problem(value, shown: Optional[str] = None) -> Optional[str]:
+    """What is wrong with one value of a sequence file (an .npy's number, a text token's value;
+    `shown`: as the file writes it): a whole number in 0..MAX_TOKENS, or None."""
+    if value != value or value in (float("inf"), float("-inf")) or value != int(value):
+        return f"not an integer: {float(value):.9g}"
+    if not 0 <= value <= MAX_TOKENS:
+        return f"{int(value) if shown is None else printable(shown, QUOTED_TOKEN_LIMIT)} is outside 0..{MAX_TOKENS} (a count of tokens)"
+    return None
+
+
+def unsupported_with_packing(mask: bool, bias: bool, dropout: bool) -> Optional[str]:
+    """What a packed case asks for that packing does not support (mask or bias files, dropout), in
+    both readers' words; None when nothing."""
+    for asked, words in ((mask, "mask files are"), (bias, "bias files are"), (dropout, "dropout is")):
+        if asked:
+            return f"{words} not supported with packed sequences"
+    return None

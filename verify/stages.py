@@ -224,20 +224,75 @@ VARIANT_INPUTS = {MASK_INPUT: ("N", "M"), BIAS_INPUT: ("N", "M"), ALIBI_SLOPES_I
 BACKWARD_STAGES = tuple(n for n in STAGE_NAMES if STAGES[n].backward)
 
 
-def stage_file(stage: str, head: int, fmt: str) -> str:
-    """File name of one stage's matrix for flat head index `head`."""
-    return f"{stage}_head_{head}.{fmt}"
+# A packed case (verify/sequences.py) stores its N×M stages per sequence (n(b) × m(b) each):
+# `<stage>_head_{i}_seq_{b}.<fmt>`; every other stage keeps one file per head over the packed tokens.
+HEAD_INFIX, SEQUENCE_INFIX = "_head_", "_seq_"
+SEQUENCE_STAGES = tuple(n for n in STAGE_NAMES if (STAGES[n].rows, STAGES[n].cols) == ("N", "M"))
 
 
-def parse_stage_file(name: str):
-    """`QK_scaled_head_3.txt` -> ("QK_scaled", 3, "txt"); None if the name is not a stage file."""
+def per_sequence(stage: str) -> bool:
+    """Whether a packed case stores `stage` per sequence (its rows are queries, its columns keys)."""
+    return stage in SEQUENCE_STAGES
+
+
+def stage_file(stage: str, head: int, fmt: str, seq: Optional[int] = None) -> str:
+    """File name of one stage's matrix for flat head index `head` (and sequence `seq` of a packed
+    case, for the stages stored per sequence)."""
+    tail = "" if seq is None else f"{SEQUENCE_INFIX}{seq}"
+    return f"{stage}{HEAD_INFIX}{head}{tail}.{fmt}"
+
+
+class StageFileName(tuple):
+    """What parse_stage_file reads from a name: (stage, head, fmt) as a tuple, so that the callers
+    that unpack three values keep working, and `seq`, the sequence of a per-sequence file (None
+    for a file per head). A per-sequence name equals no plain tuple: it is not the head's file."""
+
+    def __new__(cls, stage: str, head: int, fmt: str, seq: Optional[int] = None):
+        obj = super().__new__(cls, (stage, head, fmt))
+        obj.seq = seq
+        return obj
+
+    stage = property(lambda self: self[0])
+    head = property(lambda self: self[1])
+    fmt = property(lambda self: self[2])
+
+    def __eq__(self, other):
+        if isinstance(other, StageFileName):
+            return tuple.__eq__(self, other) and self.seq == other.seq
+        return self.seq is None and tuple.__eq__(self, other)
+
+    def __ne__(self, other):
+        return not self == other
+
+    def __hash__(self):
+        return tuple.__hash__(self) if self.seq is None else hash((tuple(self), self.seq))
+
+    def __repr__(self):
+        return f"StageFileName{tuple(self) + (self.seq,)!r}"
+
+    @property
+    def name(self) -> str:
+        """The file name, as stage_file writes it."""
+        return stage_file(self[0], self[1], self[2], self.seq)
+
+
+def _number(text: str) -> Optional[int]:
+    # str.isdigit takes other scripts' digits, and '²'
+    return int(text) if text.isascii() and text.isdigit() else None
+
+
+def parse_stage_file(name: str) -> Optional[StageFileName]:
+    """`QK_scaled_head_3.txt` -> ("QK_scaled", 3, "txt"), `QK_head_3_seq_2.npy` -> ("QK", 3, "npy")
+    with seq 2; None if the name is not a stage file."""
     stem, dot, ext = name.rpartition(".")
-    if not dot or ext not in FORMATS or "_head_" not in stem:
+    if not dot or ext not in FORMATS or HEAD_INFIX not in stem:
         return None
-    stage, _, idx = stem.rpartition("_head_")
-    if not (idx.isascii() and idx.isdigit()):  # str.isdigit takes other scripts' digits, and '²'
+    stage, _, idx = stem.rpartition(HEAD_INFIX)
+    head, infix, seq = idx.partition(SEQUENCE_INFIX)
+    head_n, seq_n = _number(head), _number(seq) if infix else None
+    if head_n is None or (infix and seq_n is None):
         return None
-    return stage, int(idx), ext
+    return StageFileName(stage, head_n, ext, seq_n)
 
 
 def default_scale(d_k: int) -> float:

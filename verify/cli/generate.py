@@ -2,15 +2,18 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import List, Optional
 
 import click
+from click.core import ParameterSource
 
-from ..files.generate import DISTRIBUTIONS, generate_case
+from ..files.generate import DISTRIBUTIONS, generate_case, random_seqlens
 from ..files.kinds import CaseError
 from ..files.patterns import BIAS_PATTERNS, MASK_PATTERNS, SLOPE_CHOICES, STANDARD_SLOPES, VariantInputs
+from ..sequences import MAX_TOKENS, Sequences, sequences_from_lengths, unsupported_with_packing
 from ..stages import CASE_INPUTS, DEFAULT_INPUT_DIR, FORMATS, INPUT_NAMES, STAGES, Dims
 from ..terminal import progress_bar
-from ..text import plural
+from ..text import plural, printable
 from ..variant import BROADCAST, TENSOR_COVERAGE, Variant
 from .options import (align_option, alibi_option, causal_option, dims_options, dropout_option, dropout_seed_option,
                       force_option, no_causal_option, said_variant, seed_option, softcap_option, user_errors,
@@ -71,11 +74,91 @@ def _variant(causal, no_causal, align, window, softcap, alibi, alibi_slopes, dro
         raise CaseError(f"--causal with --window: {exc}") from None
 
 
+def packing_options(fn):
+    """generate's options of a packed case (docs/cli.md), in the order --help lists them."""
+    options = (
+        click.option("--seqlens", metavar="N1,N2,...",
+                     help="Pack sequences of these query lengths (a packed case: cu_seqlens files, batch 1, "
+                          "seq_q their total)."),
+        click.option("--seqlens-k", metavar="M1,M2,...",
+                     help="With --seqlens: each sequence's key slot [default: the query lengths]."),
+        click.option("--seqused-k", metavar="U1,U2,...",
+                     help="With --seqlens-k: the keys each sequence uses of its slot (a KV cache's fill)."),
+        click.option("--random-seqlens", metavar="B,MAX",
+                     help="Pack B sequences of random lengths 1..MAX (from --seed), keys as many as queries."),
+    )
+    for option in reversed(options):
+        fn = option(fn)
+    return fn
+
+
+def _lengths(option: str, text: str, at_least: int = 0) -> List[int]:
+    """A comma list of whole numbers >= at_least; one line naming the option otherwise."""
+    out = []
+    for token in text.split(","):
+        token = token.strip()
+        if not (token.isascii() and token.isdigit()) or int(token) < at_least:
+            raise CaseError(f"{option} {text}: {printable(repr(token))} is not a length (a whole number >= {at_least})")
+        out.append(int(token))
+    return out
+
+
+def _packing(seqlens, seqlens_k, seqused_k, random, seed) -> Optional[Sequences]:
+    """The sequences the packing options ask for (None: a case that is not packed)."""
+    for option, value, needs, given in (("--seqlens-k", seqlens_k, "--seqlens", seqlens),
+                                        ("--seqused-k", seqused_k, "--seqlens-k", seqlens_k)):
+        if value and not given:
+            raise CaseError(f"{option} needs {needs}")
+    if random and seqlens:
+        raise CaseError("--random-seqlens and --seqlens: choose one")
+    if random:
+        parts = _lengths("--random-seqlens", random, 1)
+        if len(parts) != 2 or max(parts) > MAX_TOKENS:
+            raise CaseError(f"--random-seqlens {random}: expected B,MAX (the number of sequences and the longest "
+                            f"length, each 1..{MAX_TOKENS})")
+        seqlens_q = random_seqlens(parts[0], parts[1], seed)
+    elif seqlens:
+        seqlens_q = _lengths("--seqlens", seqlens)
+    else:
+        return None
+    keys = _lengths("--seqlens-k", seqlens_k) if seqlens_k else None
+    if keys is not None and len(keys) != len(seqlens_q):
+        raise CaseError(f"--seqlens-k {seqlens_k}: {plural(len(keys), 'length')} for {len(seqlens_q)} sequences "
+                        "(--seqlens)")
+    try:
+        seqs = sequences_from_lengths(seqlens_q, keys, _lengths("--seqused-k", seqused_k) if seqused_k else None)
+    except ValueError as exc:  # only seqused_k's rules remain to break
+        raise CaseError(f"--seqused-k {seqused_k}: {exc}") from None
+    said_k = ("--seqlens-k", seqlens_k) if keys is not None else ("--seqlens", seqlens)
+    for total, what, (option, text) in ((seqs.total_q, "query", ("--seqlens", seqlens)), (seqs.total_k, "key", said_k)):
+        if total == 0:  # random lengths are 1 at least
+            raise CaseError(f"{option} {text}: no {what} in all; a case needs one at least")
+    return seqs
+
+
+def _packed_dims(seqs: Sequences, option: str, dims: Dims, variant: Variant, inputs: VariantInputs) -> Dims:
+    """The case's dimensions with the packing's totals; what contradicts the packing refused."""
+    ctx = click.get_current_context()
+    if dims.batch != 1:
+        raise CaseError(f"{option} with --batch {dims.batch}: a packed case has batch 1 (its sequences are the batch)")
+    for key, flag, total, what in (("seq_q", "--seq-q", seqs.total_q, "queries"), ("seq_k", "--seq-k", seqs.total_k, "keys")):
+        given = getattr(dims, key)
+        if ctx.get_parameter_source(key) != ParameterSource.DEFAULT and given != total:
+            raise CaseError(f"{flag} {given} with {option}: the sequences hold {total} {what} in all; HINT: leave "
+                            f"{flag} out (it is the total)")
+    problem = unsupported_with_packing(bool(inputs.mask), bool(inputs.bias), variant.dropout > 0)
+    if problem:
+        flag = "--mask" if inputs.mask else "--bias" if inputs.bias else "--dropout"
+        raise CaseError(f"{option} with {flag}: {problem}")
+    return Dims(1, dims.heads, seqs.total_q, seqs.total_k, dims.d_k, dims.d_v, dims.kv_heads)
+
+
 @click.command()
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path),
               default=DEFAULT_INPUT_DIR, show_default=True, help="Input case folder to write.")
 @dims_options
 @variant_options
+@packing_options
 @click.option("--scale", type=float, default=None, help="Score scale [default: 1/sqrt(d_k)].")
 @seed_option
 @click.option("--dist", "distribution", type=click.Choice(tuple(DISTRIBUTIONS)), default="uniform",
@@ -87,14 +170,16 @@ def _variant(causal, no_causal, align, window, softcap, alibi, alibi_slopes, dro
 @force_option
 @user_errors
 def generate(out_dir, batch, heads, seq_q, seq_k, d_k, d_v, kv_heads, causal, no_causal, align, window, softcap,
-             alibi, alibi_slopes, mask, mask_heads, mask_empty_rows, bias, bias_heads, dropout, dropout_seed, scale,
-             seed, distribution, fmt, backward, force):
+             alibi, alibi_slopes, mask, mask_heads, mask_empty_rows, bias, bias_heads, dropout, dropout_seed, seqlens,
+             seqlens_k, seqused_k, random_seqlens, scale, seed, distribution, fmt, backward, force):
     """Write a random input case.
 
     Writes Q_head_{i} for every head i (batch-major) and K_head_{j}, V_head_{j} for every K/V head
     j (with --backward also dO_head_{i}), the mask, bias and slopes files the options ask for, and
     manifest.toml into OUT, replacing the case attnstep generated there before (with --force, any
-    input case).
+    input case). With --seqlens or --random-seqlens the case is packed: its sequences lie one after
+    the other along the rows of one batch element, and cu_seqlens_q, cu_seqlens_k (and with
+    --seqused-k, seqused_k) say where each begins.
     """
     if kv_heads is not None and (kv_heads > heads or heads % kv_heads):
         raise CaseError(f"--kv-heads {kv_heads} does not divide --heads {heads}: each K/V head serves the same "
@@ -102,11 +187,15 @@ def generate(out_dir, batch, heads, seq_q, seq_k, d_k, d_v, kv_heads, causal, no
     dims = Dims(batch, heads, seq_q, seq_k, d_k, d_v, kv_heads=0 if kv_heads in (None, heads) else kv_heads)
     variant = _variant(causal, no_causal, align, window, softcap, alibi, alibi_slopes, dropout, dropout_seed)
     inputs = _variant_inputs(mask, mask_heads, mask_empty_rows, bias, bias_heads, alibi_slopes)
+    seqs = _packing(seqlens, seqlens_k, seqused_k, random_seqlens, seed)
+    if seqs is not None:
+        dims = _packed_dims(seqs, "--random-seqlens" if random_seqlens else "--seqlens", dims, variant, inputs)
     names = CASE_INPUTS if backward else INPUT_NAMES
     values = sum(dims.heads_of(n) * r * c for n, (r, c) in ((n, STAGES[n].shape(dims)) for n in names))
     with progress_bar(dims.total_heads, "generating heads", values >= GENERATE_PROGRESS_MIN_VALUES) as advance:
         generate_case(out_dir, dims, scale=scale, seed=seed, distribution=distribution, fmt=fmt, backward=backward,
-                      force=force, progress=advance, variant=variant, inputs=inputs)
+                      force=force, progress=advance, variant=variant, inputs=inputs, sequences=seqs)
     kv = f", {plural(dims.kv, 'K/V head')} per batch element" if dims.kv_heads else ""
-    click.echo(f"wrote {plural(dims.total_heads, 'head')} (N={seq_q} M={seq_k} d_k={d_k} d_v={d_v}{kv}, "
+    kv += f", {plural(seqs.count, 'packed sequence')}" if seqs is not None else ""
+    click.echo(f"wrote {plural(dims.total_heads, 'head')} (N={dims.seq_q} M={dims.seq_k} d_k={d_k} d_v={d_v}{kv}, "
                f"{distribution}, seed {seed}) to {out_dir}")

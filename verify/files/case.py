@@ -13,6 +13,7 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
+from ..sequences import Sequences
 from ..stages import (ALIBI_SLOPES_INPUT, CASE_INPUTS, FORMATS, GRAD_INPUT, INPUT_MANIFEST, INPUT_NAMES, KV_HEADS_KEY,
                       STAGES, VARIANT_INPUTS, Dims, parse_stage_file, stage_file)
 from ..text import plural, printable
@@ -23,6 +24,7 @@ from .manifests import (INPUT_KEYS, INT64, build_variant, check_case_limits, che
 from .matrix_io import (atomic_write_bytes, crc32_hex, file_kind, matrix_bytes, matrix_max_bytes, output_file_target,
                         parse_matrix, parse_npy_matrix, parse_text_matrix, probe_writable, read_bytes, read_matrix,
                         text_header_fields, write_matrix)
+from .sequence_files import case_sequences, manifest_count, sequence_file_names
 from .variant_inputs import (COVERAGE_FIELD, READERS, TENSOR_INPUTS, UNUSED_SLOPES, coverage, coverage_of_files,
                              read_slopes, slope_of, whole_file, whole_files)
 
@@ -52,6 +54,8 @@ class InputCase:
     allow_nonfinite: bool = False  # NaN/inf in Q/K/V load instead of being an error
     backward: bool = False         # the case has dO for every head (the backward stages exist)
     variant: Optional[Variant] = None  # what the case asks for; None: textbook attention (causal as said)
+    # A packed case: its sequences (verify/sequences.py); None: no packing.
+    sequences: Optional[Sequences] = None
     # The files read once for every head (a broadcast mask or bias, the slopes), read-only.
     _whole: Dict[str, np.ndarray] = field(default_factory=dict, repr=False, compare=False)
 
@@ -178,7 +182,9 @@ def _manifest_case(folder: Path, manifest: Path, files) -> Tuple[InputCase, Opti
         raise CaseError(f"{manifest}: format = {printable(repr(fmt))}; expected one of {', '.join(FORMATS)}")
     scale = check_scale(values["scale"], str(manifest)) if "scale" in values else None
     variant = build_variant(variant_fields(values), str(manifest))
-    return InputCase(folder, dims, fmt, scale=scale, manifest=True, variant=variant), values.get("backward")
+    sequences = case_sequences(folder, fmt, dims, variant, manifest_count(values, manifest), manifest=True)
+    return (InputCase(folder, dims, fmt, scale=scale, manifest=True, variant=variant, sequences=sequences),
+            values.get("backward"))
 
 
 def _has_grad(case: InputCase, files, flag: Optional[bool]) -> bool:
@@ -233,7 +239,9 @@ def _infer_case(folder: Path, files, whole) -> InputCase:
     variant = Variant(**{COVERAGE_FIELD[name]: coverage_of_files(folder, name, {i for n, i in files if n == name},
                                                                  whole.get(name, set()), fmt)
                          for name in TENSOR_INPUTS})
-    return InputCase(folder, validate_dims(values, str(folder)), fmt, variant=variant)
+    dims = validate_dims(values, str(folder))
+    return InputCase(folder, dims, fmt, variant=variant,
+                     sequences=case_sequences(folder, fmt, dims, variant, None, manifest=False))
 
 
 def _per_head_inputs(case: InputCase) -> Tuple[str, ...]:
@@ -323,10 +331,11 @@ def _refuse_other_format(case: InputCase, name: str, whole) -> None:
 
 
 def input_head_files(folder: Path) -> List[str]:
-    """The names of the input files in `folder`: Q, K, V, dO, mask and bias per head, and the mask,
-    bias and slopes files of every head."""
+    """The names of the input files in `folder`: Q, K, V, dO, mask and bias per head, the mask,
+    bias and slopes files of every head, and the sequence files of a packed case."""
     per_head = [stage_file(name, i, fmt) for (name, i), formats in _head_files(folder).items() for fmt in formats]
-    return per_head + [whole_file(name, fmt) for name, fmts in whole_files(folder).items() for fmt in sorted(fmts)]
+    return (per_head + [whole_file(name, fmt) for name, fmts in whole_files(folder).items() for fmt in sorted(fmts)]
+            + sequence_file_names(folder))
 
 
 def clear_input_files(folder: Path) -> None:

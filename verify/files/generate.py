@@ -13,16 +13,18 @@ from typing import Callable, Dict, List, Optional
 
 import numpy as np
 
+from ..sequences import SEQUENCES_KEY, Sequences, unsupported_with_packing
 from ..stages import (ALIBI_SLOPES_INPUT, BIAS_INPUT, CASE_INPUTS, DIM_KEYS, FORMATS, GENERATE_STAGING_PREFIX,
                       GRAD_INPUT, INPUT_MANIFEST, INPUT_NAMES, KV_HEADS_KEY, MASK_INPUT, STAGES, VARIANT_INPUTS, Dims,
                       stage_file)
 from ..text import mib
 from ..variant import BROADCAST, NONE, Variant
-from .case import (INT64, check_case_limits, check_scale, clear_input_files, input_head_files, read_toml,
+from .case import (INT64, atomic_write_bytes, check_case_limits, check_scale, clear_input_files, input_head_files, read_toml,
                    validate_dims, write_matrix, write_toml)
 from .kinds import CaseError
 from .manifests import CAUSAL_KEY, WINDOW_KEYS, variant_keys
 from .patterns import RANDOM_SLOPES, VariantInputs, check_inputs, draw_bias, draw_mask, draw_slopes
+from .sequence_files import counts_bytes, sequence_file, sequence_file_values
 from .unfinished import process_exists
 from .variant_inputs import whole_file
 
@@ -65,13 +67,16 @@ _STAGING_NAME = re.compile(re.escape(GENERATE_STAGING_PREFIX) + r"([0-9]+)")
 def generate_case(out_dir: Path, dims: Dims, *, causal: bool = False, scale: Optional[float] = None,
                   seed: int = 0, distribution: str = "uniform", fmt: str = "txt", backward: bool = False,
                   force: bool = False, progress: Optional[Callable[[int], None]] = None,
-                  variant: Optional[Variant] = None, inputs: VariantInputs = VariantInputs()) -> Path:
+                  variant: Optional[Variant] = None, inputs: VariantInputs = VariantInputs(),
+                  sequences: Optional[Sequences] = None) -> Path:
     """Writes Q for every query head and K, V for every K/V head (batch-major; dims.kv_heads) and
     manifest.toml into `out_dir`; `progress(i)` is called after query head i is written. With
     `backward`, also dO for every head (same distribution, from a random stream of its own, so
     Q/K/V of a seed do not depend on it) and `backward = true`. `variant` (causal: its causal
     flag, or `causal`) is recorded in the manifest, and `inputs` says which mask, bias and slopes
     files to draw (each from a stream of its own: Q, K, V of a seed are the same without them).
+    `sequences` makes a packed case: its cu_seqlens (and seqused_k) files and `sequences = B`, with
+    dims of batch 1 whose seq_q and seq_k are the packed totals.
 
     Everything is written into a temporary folder inside `out_dir` first and moved into place at
     the end (the manifest last), so an interrupted generation leaves neither a mix of old and new
@@ -81,11 +86,12 @@ def generate_case(out_dir: Path, dims: Dims, *, causal: bool = False, scale: Opt
     variant = _case_variant(variant, causal, inputs)
     _check_arguments(dims, scale, seed, distribution, fmt, backward, variant.dropout > 0)
     check_inputs(inputs, variant)
+    _check_packing(sequences, dims, variant)
     out_dir = Path(out_dir)
     if not force:
         _refuse_foreign_case(out_dir)
     remove_stale_staging(out_dir)
-    check_room(out_dir, dims, fmt, backward, inputs)
+    check_room(out_dir, dims, fmt, backward, inputs, sequences)
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -97,6 +103,9 @@ def generate_case(out_dir: Path, dims: Dims, *, causal: bool = False, scale: Opt
         manifest = {k: getattr(dims, k) for k in DIM_KEYS}
         if dims.kv_heads:
             manifest[KV_HEADS_KEY] = dims.kv
+        if sequences is not None:
+            names += _write_sequences(staging, sequences, fmt)
+            manifest[SEQUENCES_KEY] = sequences.count
         manifest.update(_variant_manifest(variant))
         manifest.update(format=fmt, seed=seed, distribution=distribution, generator=GENERATOR)
         if backward:
@@ -123,6 +132,40 @@ def _case_variant(variant: Optional[Variant], causal: bool, inputs: VariantInput
                        bias=inputs.bias_heads if inputs.bias else NONE)
     except ValueError as exc:  # causal with a window that reaches right of the diagonal
         raise CaseError(f"--causal with --window: {exc}") from None
+
+
+def _check_packing(sequences: Optional[Sequences], dims: Dims, variant: Variant) -> None:
+    """A packed case is one batch element whose query and key rows are the sequences' totals, and
+    has no mask or bias files and no dropout."""
+    if sequences is None:
+        return
+    packed = Dims(1, dims.heads, sequences.total_q, sequences.total_k, dims.d_k, dims.d_v, dims.kv_heads)
+    if dims != packed:
+        raise CaseError(f"packed sequences of {sequences.total_q} queries and {sequences.total_k} keys in all need "
+                        f"batch 1, seq_q {sequences.total_q} and seq_k {sequences.total_k} (got batch {dims.batch}, "
+                        f"seq_q {dims.seq_q}, seq_k {dims.seq_k})")
+    problem = unsupported_with_packing(variant.mask != NONE, variant.bias != NONE, variant.dropout > 0)
+    if problem:
+        raise CaseError(f"packed sequences: {problem}")
+
+
+def _write_sequences(staging: Path, sequences: Sequences, fmt: str) -> List[str]:
+    """The cu_seqlens (and seqused_k) files of a packed case into `staging`; their names."""
+    names = []
+    for name, values in sequence_file_values(sequences).items():
+        names.append(sequence_file(name, fmt))
+        atomic_write_bytes(staging / names[-1], counts_bytes(values, fmt))
+    return names
+
+
+# The seed's children 0..3 are the streams of dO, the mask, the bias and the slopes.
+_SEQLENS_STREAM = 4
+
+
+def random_seqlens(count: int, most: int, seed: int) -> List[int]:
+    """`count` sequence lengths, each 1..`most`, drawn from the case's seed in a stream of their own."""
+    rng = np.random.default_rng(np.random.SeedSequence(seed).spawn(_SEQLENS_STREAM + 1)[_SEQLENS_STREAM])
+    return rng.integers(1, most, size=count, endpoint=True).tolist()
 
 
 def _variant_manifest(v: Variant) -> dict:
@@ -234,7 +277,7 @@ def matrix_file_bytes(shape, fmt: str) -> int:
 
 
 def case_size(dims: Dims, fmt: str, backward: bool, block: int = 1,
-              inputs: VariantInputs = VariantInputs()) -> CaseSize:
+              inputs: VariantInputs = VariantInputs(), sequences: Optional[Sequences] = None) -> CaseSize:
     """What generating the case takes: its files (with the staging folder) and their bytes on
     disk, each file rounded up to `block` bytes (the file system's allocation unit)."""
     def on_disk(shape) -> int:
@@ -250,7 +293,11 @@ def case_size(dims: Dims, fmt: str, backward: bool, block: int = 1,
         counts[ALIBI_SLOPES_INPUT], shapes[ALIBI_SLOPES_INPUT] = 1, (dims.batch, dims.heads)
     files = sum(counts.values()) + 1
     # The manifest and the staging folder (a block each, at least).
-    return CaseSize(files, sum(counts[n] * on_disk(shapes[n]) for n in counts) + 2 * max(block, _MANIFEST_BYTES))
+    size = sum(counts[n] * on_disk(shapes[n]) for n in counts) + 2 * max(block, _MANIFEST_BYTES)
+    if sequences is not None:  # the offsets' files, a few bytes a sequence
+        written = [len(counts_bytes(v, fmt)) for v in sequence_file_values(sequences).values()]
+        files, size = files + len(written), size + sum(-(-b // block) * block for b in written)
+    return CaseSize(files, size)
 
 
 def _existing_parent(path: Path) -> Path:
@@ -261,7 +308,8 @@ def _existing_parent(path: Path) -> Path:
     return path
 
 
-def check_room(out_dir: Path, dims: Dims, fmt: str, backward: bool, inputs: VariantInputs = VariantInputs()) -> None:
+def check_room(out_dir: Path, dims: Dims, fmt: str, backward: bool, inputs: VariantInputs = VariantInputs(),
+               sequences: Optional[Sequences] = None) -> None:
     """Refuses, in one line, a case of more than MAX_CASE_FILES files, or one that needs more
     bytes or inodes than the file system of `out_dir` has free (for this user: f_bavail,
     f_favail; a file system that reports no inode counts, f_files 0, is not checked for them)."""
@@ -269,7 +317,7 @@ def check_room(out_dir: Path, dims: Dims, fmt: str, backward: bool, inputs: Vari
         fs = os.statvfs(_existing_parent(out_dir))
     except OSError:
         fs = None  # no answer: the writes themselves will say
-    need = case_size(dims, fmt, backward, max(1, fs.f_frsize) if fs else 1, inputs)
+    need = case_size(dims, fmt, backward, max(1, fs.f_frsize) if fs else 1, inputs, sequences)
     if need.files > MAX_CASE_FILES:
         raise CaseError(f"{out_dir}: the case would be {need.files:,} files, more than the {MAX_CASE_FILES:,} "
                         "'attnstep generate' writes; HINT: fewer heads (--heads, --batch): each head is one "

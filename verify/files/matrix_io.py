@@ -129,13 +129,6 @@ _BLANK_LINE = re.compile(r"\n[ \t\r]*\n")  # starts with a literal: fast on 100 
 _SEPARATORS = re.compile(r"[ \t\r]+")  # the binary separates values by spaces and tabs only
 
 
-def _first_bad_token(tokens: List[str]) -> Optional[int]:
-    for j, tok in enumerate(tokens):
-        if not _NUMBER.match(tok):
-            return j
-    return None
-
-
 def _needs_precise_pass(text: str) -> bool:
     """What np.loadtxt would accept but the contract does not: a blank line before a row, a '#'
     after a value, form feeds or vertical tabs. Substring counts, not regexes over every line,
@@ -187,8 +180,9 @@ def parse_text_matrix(data: bytes, name: str, shape: Optional[Tuple[int, int]] =
     return mat32
 
 
-def _precise_parse(text: str, name: str, shape) -> Tuple[np.ndarray, List[int]]:
-    """Line by line: names the first ragged row, bad token or blank line with line:col."""
+def text_rows(text: str, name: str) -> List[Tuple[int, List[str]]]:
+    """The rows of a text matrix, each (line number, its tokens): comments skipped, a blank line
+    before a row refused (line:col), an empty file refused."""
     rows: List[Tuple[int, List[str]]] = []
     blank_at = None
     lines = text.split("\n")
@@ -205,16 +199,27 @@ def _precise_parse(text: str, name: str, shape) -> Tuple[np.ndarray, List[int]]:
         rows.append((lineno, _SEPARATORS.split(stripped)))
     if not rows:
         raise CaseError(f"{name}: empty file: no matrix rows")
+    return rows
+
+
+def check_row_length(name: str, lineno: int, tokens: List[str], want_cols: int) -> None:
+    if len(tokens) != want_cols:
+        what = "missing values" if len(tokens) < want_cols else "extra values"
+        raise CaseError(f"{name}:{lineno}: {what}: {plural(len(tokens), 'value')} on this row, expected "
+                        f"{want_cols}; HINT: a ragged or truncated row")
+
+
+def _precise_parse(text: str, name: str, shape) -> Tuple[np.ndarray, List[int]]:
+    """Line by line: names the first ragged row, bad token or blank line with line:col."""
+    rows = text_rows(text, name)
+    lines = text.split("\n")
     want_cols = shape[1] if shape else len(rows[0][1])
     for lineno, tokens in rows:
-        j = _first_bad_token(tokens)
+        j = next((j for j, tok in enumerate(tokens) if not _NUMBER.match(tok)), None)
         if j is not None:
-            col = _char_column(lines[lineno - 1], tokens, j)
+            col = char_column(lines[lineno - 1], tokens, j)
             raise CaseError(f"{name}:{lineno}:{col}: not a number: '{printable(tokens[j], QUOTED_TOKEN_LIMIT)}'")
-        if len(tokens) != want_cols:
-            what = "missing values" if len(tokens) < want_cols else "extra values"
-            raise CaseError(f"{name}:{lineno}: {what}: {plural(len(tokens), 'value')} on this row, expected "
-                            f"{want_cols}; HINT: a ragged or truncated row")
+        check_row_length(name, lineno, tokens, want_cols)
     if shape and len(rows) != shape[0]:
         raise CaseError(f"{name}:{rows[-1][0]}: {plural(len(rows), 'row')}, expected {shape[0]}; "
                         "HINT: the file is truncated or has extra rows")
@@ -222,7 +227,7 @@ def _precise_parse(text: str, name: str, shape) -> Tuple[np.ndarray, List[int]]:
     return flat.reshape(len(rows), want_cols), [ln for ln, _ in rows]
 
 
-def _char_column(line: str, tokens: List[str], j: int) -> int:
+def char_column(line: str, tokens: List[str], j: int) -> int:
     """1-based character column of token j in line (the binary's column convention)."""
     pos = 0
     for i, tok in enumerate(tokens):
@@ -254,7 +259,7 @@ def _reject_nonfinite(mat: np.ndarray, name: str, linenos: Optional[List[int]] =
 _NPY_MAGIC = b"\x93NUMPY"
 
 
-def _npy_header_span(data: bytes) -> Tuple[int, int]:
+def npy_header_span(data: bytes) -> Tuple[int, int]:
     """Where the header dict of a .npy file (its magic checked) starts and ends: after the
     version-dependent length field, for the length it gives (cut at the file's end)."""
     if len(data) < 12:
@@ -263,9 +268,9 @@ def _npy_header_span(data: bytes) -> Tuple[int, int]:
     return start, min(len(data), start + size)
 
 
-def _npy_header(data: bytes) -> dict:
+def npy_header(data: bytes) -> dict:
     """The header dict as written (call after np.load has read it, so it is a valid one)."""
-    start, end = _npy_header_span(data)
+    start, end = npy_header_span(data)
     return ast.literal_eval(data[start:end].decode("latin1"))
 
 
@@ -280,11 +285,11 @@ def check_npy_size(data: bytes, name: str) -> None:
         raise CaseError(f"{name}: an .npz archive, not an .npy file; HINT: save one array with np.save")
     if not data.startswith(_NPY_MAGIC):
         raise CaseError(f"{name}: not a .npy file (bad magic)")
-    start, end = _npy_header_span(data)
+    start, end = npy_header_span(data)
     if end - start > NPY_MAX_HEADER_BYTES:
         return  # np.load refuses a header this long without reading it
     try:
-        header = _npy_header(data)
+        header = npy_header(data)
         shape, itemsize = tuple(header["shape"]), np.dtype(header["descr"]).itemsize
     except Exception:  # any malformed header: np.load's own message names it
         return
@@ -306,7 +311,7 @@ def check_npy_size(data: bytes, name: str) -> None:
 def parse_npy_matrix(data: bytes, name: str, shape: Optional[Tuple[int, int]] = None,
                      allow_nonfinite: bool = True) -> np.ndarray:
     check_npy_size(data, name)
-    if b"#" in data[slice(*_npy_header_span(data))]:  # Python source to numpy, a comment: not the format's
+    if b"#" in data[slice(*npy_header_span(data))]:  # Python source to numpy, a comment: not the format's
         raise CaseError(f"{name}: not a valid .npy file (a '#' in its header)")
     buf = io.BytesIO(data)
     try:
@@ -319,7 +324,7 @@ def parse_npy_matrix(data: bytes, name: str, shape: Optional[Tuple[int, int]] = 
         raise CaseError(f"{name}: dtype {arr.dtype}, expected float32 ('<f4') or float16 ('<f2'); "
                         "HINT: save with arr.astype(np.float32)")
     # np.load also takes 'f4' or '=f4', and Fortran order; the contract (and the binary) does not.
-    header = _npy_header(data)
+    header = npy_header(data)
     if header["descr"] not in ("<f4", "<f2"):
         raise CaseError(f"{name}: dtype descr {header['descr']!r}, expected '<f4' or '<f2'")
     arr = arr.astype(np.float32)  # an fp16 input: each value exactly
