@@ -32,6 +32,24 @@ size_t stage_bytes_per_head(const Dims& d, StageSet computed) {
     return b;
 }
 
+// A packed case's host bytes per head beyond the packed inputs and stages, and the backend's
+// working bytes per head: those of its largest sequence (each is computed on its own).
+struct SequenceBytes {
+    size_t host = 0, work = 0;
+};
+SequenceBytes largest_sequence(const Problem& p, StageSet computed, const Backend& be, const Sequences& seqs) {
+    SequenceBytes most;
+    for (int b = 0; b < seqs.count(); ++b) {
+        if (!seqs.computed(b)) continue;
+        Problem pb = p;
+        pb.dims.N = seqs.n(b);
+        pb.dims.M = seqs.m(b);
+        most.host = std::max(most.host, input_bytes_per_head(pb.dims, computed) + stage_bytes_per_head(pb.dims, computed));
+        most.work = std::max(most.work, be.working_bytes_per_head(pb, computed));
+    }
+    return most;
+}
+
 // The mask and bias files: an N×M buffer per head of the group for a per-head file, one for the
 // run for a broadcast file.
 size_t variant_bytes(const Problem& p, Coverage per) {
@@ -63,16 +81,23 @@ size_t kv_stage_bytes(const Dims& d, StageSet written) {
     return b;
 }
 
-GroupPlan plan_groups(const Options& o, const Problem& p, StageSet computed, const Backend& be) {
+GroupPlan plan_groups(const Options& o, const Problem& p, StageSet computed, const Backend& be, const Sequences* seqs) {
     GroupPlan g;
     size_t cap = o.max_memory_mb > 0 ? static_cast<size_t>(o.max_memory_mb) * kMiB : SIZE_MAX;
-    g.host_per_head = input_bytes_per_head(p.dims, computed) + stage_bytes_per_head(p.dims, computed) +
-                      variant_bytes(p, Coverage::per_head);
+    if (seqs && seqs->packed()) {  // no mask or bias files in a packed case
+        const SequenceBytes most = largest_sequence(p, computed, be, *seqs);
+        const StageSet packed_stages = computed.minus(StageSet::where(is_score_stage));
+        g.host_per_head = input_bytes_per_head(p.dims, computed) + stage_bytes_per_head(p.dims, packed_stages) + most.host;
+        g.work_per_head = most.work;
+    } else {
+        g.host_per_head = input_bytes_per_head(p.dims, computed) + stage_bytes_per_head(p.dims, computed) +
+                          variant_bytes(p, Coverage::per_head);
+        g.work_per_head = be.working_bytes_per_head(p, computed);
+    }
     // KvStageSum holds one K/V head's stages only for a grouped case; the slopes only with ALiBi.
     g.host_fixed = variant_bytes(p, Coverage::broadcast) +
                    (p.dims.group_size() > 1 ? kv_stage_bytes(p.dims, computed) : 0) +
                    (p.variant.alibi ? static_cast<size_t>(p.dims.total_heads()) * sizeof(float) : 0);
-    g.work_per_head = be.working_bytes_per_head(p, computed);
     g.host_budget = std::min(host_budget_bytes(), cap);
     g.work_budget = std::min(be.available_bytes(), cap);
     bool big_stage_path = computed.has(Stage::QK) || computed.has(Stage::QK_scaled) ||

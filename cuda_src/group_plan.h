@@ -9,6 +9,7 @@
 
 #include "backend.h"
 #include "cli.h"
+#include "sequences.h"
 #include "stages.h"
 
 namespace attnstep {
@@ -23,7 +24,11 @@ struct GroupPlan {
 // --max-memory-mb) and the backend's working memory; exit 3 when not even one head fits. A grouped
 // case's groups hold whole K/V groups (a multiple of Dims::group_size() heads) when at least one
 // fits; otherwise a K/V group is split over head groups, which KvStageSum allows.
-GroupPlan plan_groups(const Options& o, const Problem& p, StageSet computed, const Backend& be);
+// A packed case (seqs; null otherwise) holds per head its inputs and its stages but the score stages
+// over the packed tokens, and the inputs and every computed stage of one sequence at a time: the
+// largest sequence's are counted, and its working memory (packed_run.h).
+GroupPlan plan_groups(const Options& o, const Problem& p, StageSet computed, const Backend& be,
+                      const Sequences* seqs = nullptr);
 
 // The host bytes of one head's K/V stages in `written`: what KvStageSum holds.
 size_t kv_stage_bytes(const Dims& d, StageSet written);

@@ -8,7 +8,8 @@
 //      enough memory is a run that did not finish); per group: read Q/K/V (and dO; a grouped
 //      case's K/V head copied to each of its query heads) and the variant's per-head files,
 //      compute, and write the stage files into a staging folder inside it (io/run_folder.h): the
-//      K/V stages once per K/V head, the gradients summed over its query heads (group_plan.h);
+//      K/V stages once per K/V head, the gradients summed over its query heads (group_plan.h); a
+//      packed case's group one sequence at a time, each a dense problem (packed_run.h);
 //   3. write run.toml last, then put the staged files in place of the previous run's at once. On
 //      any failure the previous run's files stay untouched and the marker says why.
 #include <algorithm>
@@ -26,6 +27,7 @@
 #include "cli.h"
 #include "common.h"
 #include "group_plan.h"
+#include "packed_run.h"
 #include "io/atomic_file.h"
 #include "io/case_layout.h"
 #include "io/manifest.h"
@@ -33,6 +35,7 @@
 #include "io/output_folder.h"
 #include "io/run_folder.h"
 #include "io/run_files.h"
+#include "io/sequence_inputs.h"
 #include "io/variant_inputs.h"
 #include "stages.h"
 
@@ -73,6 +76,7 @@ Problem make_problem(const Options& o, const InputCase& c) {
     p.dims = c.dims;
     p.variant = effective_variant(o, c);
     p.causal = p.variant.causal;
+    check_packed_dropout_option(c, p.variant.dropout);
     // The keep-mask counts in the case's size only with dropout: --dropout on a case without it
     // checks the limits again (the manifest's dropout was counted when the case was opened).
     if (p.variant.dropout > 0.f && !(c.variant.dropout > 0.f))
@@ -165,13 +169,21 @@ StageSet select_stages(const Options& o, const InputCase& c) {
 // Plans the head groups, then per group reads the inputs (the variant's too), computes and writes
 // the stage files into rs.out_dir: the query heads' after each group, a K/V head's when its last
 // query head is computed (KvStageSum); run.toml last.
+// A packed case (in.packed()) is computed sequence by sequence within each group (packed_run.h):
+// its score stages are written per sequence as each is computed, the other stages over the packed
+// tokens with the group.
 void compute_and_write(const Options& o, const Problem& p, const InputCase& in, VariantInputs& variant_inputs,
                        Backend& be, StageSet written, StageSet computed, RunState& rs) {
-    GroupPlan plan = plan_groups(o, p, computed, be);
+    const Sequences* seqs = in.packed() ? &in.sequences : nullptr;
+    GroupPlan plan = plan_groups(o, p, computed, be, seqs);
     const Dims& d = p.dims;
     const int total = d.total_heads();
     rs.progress.on = o.progress;
-    rs.progress.total = progress_units(d, written);
+    rs.progress.total = progress_units(d, written, seqs);
+    // Buffers over the packed tokens hold no score stage: those exist per sequence only.
+    const StageSet buffered = seqs ? computed.minus(StageSet::where(is_score_stage)) : computed;
+    const StageSet written_per_head = seqs ? written.minus(StageSet::where(is_score_stage)) : written;
+    PackedRun packed(p, in.sequences, computed, written);
     std::vector<float> buf[kNumStages];
     std::vector<float> inputs[kNumStages];
     KvStageSum kv_stages(d, written);
@@ -182,18 +194,23 @@ void compute_and_write(const Options& o, const Problem& p, const InputCase& in, 
         read_group_inputs(in, o.allow_nonfinite, p.precision, computed, d, g, inputs, rs.progress);
         variant_inputs.read_group(g);
         for (int i = 0; i < kNumStages; ++i)
-            if (computed.has(static_cast<Stage>(i))) {
+            if (buffered.has(static_cast<Stage>(i))) {
                 buf[i].resize(stage_elems(static_cast<Stage>(i), d) * g.count);
                 g.out[i] = buf[i].data();
             }
         check_interrupted();
-        be.compute(p, computed, g, &rs.times);
+        if (seqs)
+            packed.compute(be, g, &rs.times, [&](Stage s, int head, int seq, const float* data, const Dims& seq_dims) {
+                write_sequence_stage_file(rs, s, head, seq, data, seq_dims);
+            });
+        else
+            be.compute(p, computed, g, &rs.times);
         rs.progress.step(g.count);
-        write_group(rs, g, written, d);
+        write_group(rs, g, written_per_head, d);
         kv_stages.add(g, [&](Stage s, int kv_head, const float* data) { write_stage_file(rs, s, kv_head, data, d); });
     }
     check_interrupted();
-    write_run_manifest(rs, o, p, be, computed, written);
+    write_run_manifest(rs, o, p, be, computed, written, in.sequences.count());
 }
 
 int run(int argc, char** argv) {

@@ -189,6 +189,24 @@ inline bool is_kv_stage(Stage s) {
     const StageInfo& i = stage_info(s);
     return (i.rows == Sym::M || i.cols == Sym::M) && i.rows != Sym::N && i.cols != Sym::N;
 }
+// Whether a stage is N×M, one value per query and key (QK, QK_scaled, attention_weights,
+// dropout_mask, dP, dS). A packed case stores these per sequence (n(b) × m(b) each, sequences.h);
+// every other stage keeps one file per head over the packed tokens.
+inline bool is_score_stage(Stage s) {
+    const StageInfo& i = stage_info(s);
+    return i.rows == Sym::N && i.cols == Sym::M;
+}
+
+// The name of a stage file: "<stage>_head_<i>.<ext>", or "<stage>_head_<i>_seq_<b>.<ext>" for a
+// score stage of sequence b of a packed case (seq >= 0). The one place the binary spells a stage
+// file's name (verify/stages.py stage_file is the twin).
+inline constexpr const char kHeadInfix[] = "_head_";
+inline constexpr const char kSequenceInfix[] = "_seq_";
+inline std::string stage_file_name(const std::string& stage, int head, const char* ext, int seq = -1) {
+    return stage + kHeadInfix + std::to_string(head) + (seq >= 0 ? kSequenceInfix + std::to_string(seq) : "") + "." +
+           ext;
+}
+
 // How many files of stage s a case has: one per query head, or one per K/V head.
 inline int heads_of(Stage s, const Dims& d) { return is_kv_stage(s) ? d.total_kv_heads() : d.total_heads(); }
 

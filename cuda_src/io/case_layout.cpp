@@ -2,6 +2,7 @@
 #include "case_layout.h"
 
 #include <filesystem>
+#include <optional>
 #include <set>
 #include <system_error>
 #include <utility>
@@ -12,6 +13,7 @@
 #include "input_file.h"
 #include "input_manifest.h"
 #include "manifest.h"
+#include "sequence_inputs.h"
 #include "variant_inputs.h"
 
 namespace fs = std::filesystem;
@@ -190,8 +192,8 @@ void check_inferred_dims_positive(const InputCase& c, MatrixShape q, MatrixShape
 
 }  // namespace
 
-std::string head_file_name(Stage s, int head, Format fmt) {
-    return std::string(stage_name(s)) + "_head_" + std::to_string(head) + "." + format_name(fmt);
+std::string head_file_name(Stage s, int head, Format fmt, int seq) {
+    return stage_file_name(stage_name(s), head, format_name(fmt), seq);
 }
 
 std::string InputCase::file(Stage input, int head) const {
@@ -311,19 +313,23 @@ InputCase open_input_case(const std::string& dir_in) {
     std::string manifest_path = join(c.dir, kInputManifestName);
     c.has_manifest = fs::exists(manifest_path, ec);
     HeadFiles hf = list_head_files(c.dir);
+    std::optional<Manifest> m;
     if (c.has_manifest) {
-        Manifest m = read_manifest(manifest_path);
-        apply_input_manifest(m, &c);
-        if (!m.find("format")) c.format = detect_format(c.dir, hf);
-        c.backward = decide_backward(c, hf, &m);
-        check_case_limits(m.path, c.dims, c.backward, c.variant.dropout > 0.f);
-        check_head_files(c, hf, true, m.find("backward") != nullptr);
+        m = read_manifest(manifest_path);
+        apply_input_manifest(*m, &c);
+        check_packed_manifest(c, *m);
+        if (!m->find("format")) c.format = detect_format(c.dir, hf);
+        c.backward = decide_backward(c, hf, &*m);
+        check_case_limits(m->path, c.dims, c.backward, c.variant.dropout > 0.f);
+        check_head_files(c, hf, true, m->find("backward") != nullptr);
     } else {
         infer_case_from_files(c, hf);
     }
     check_no_other_format(c, hf);
+    check_sequence_files(&c, m ? &*m : nullptr);
     check_input_files(c);
     check_variant_files(&c);
+    check_packed_variant(c, m ? &*m : nullptr);
     return c;
 }
 

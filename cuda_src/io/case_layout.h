@@ -6,14 +6,15 @@
 #include <string>
 #include <vector>
 
+#include "../sequences.h"
 #include "../stages.h"
 #include "../variant.h"
 #include "matrix_io.h"
 
 namespace attnstep {
 
-// "<stage>_head_<i>.<ext>": the one place the binary spells a per-head file name.
-std::string head_file_name(Stage s, int head, Format fmt);
+// "<stage>_head_<i>.<ext>" (seq >= 0: "<stage>_head_<i>_seq_<b>.<ext>"), by stage_file_name (stages.h).
+std::string head_file_name(Stage s, int head, Format fmt, int seq = -1);
 
 struct InputCase {
     std::string dir;       // as given, without trailing '/'
@@ -29,6 +30,10 @@ struct InputCase {
     double scale = 0;      // from the manifest when has_scale
     bool backward = false; // the case has the output gradient dO (its files, or the manifest's `backward`)
     bool has_slopes_file = false;  // alibi_slopes.<fmt>: the ALiBi slopes, else the standard ones
+    // A packed case (sequences.h; the manifest's `sequences`, or without a manifest the cu_seqlens
+    // files): the offsets, checked; dims.N and dims.M are the packed totals. Empty otherwise.
+    Sequences sequences;
+    bool packed() const { return sequences.packed(); }
     // input is an input echo stage (Q, K, V, dO); head a query head, or a K/V head for K and V
     std::string file(Stage input, int head) const;
     std::vector<Stage> inputs() const;               // Q, K, V, and dO when the case has it

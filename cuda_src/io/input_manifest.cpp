@@ -6,6 +6,7 @@
 
 #include "../backend.h"
 #include "../common.h"
+#include "../sequences.h"
 #include "variant_manifest.h"
 
 namespace attnstep {
@@ -23,7 +24,7 @@ const KeySpec kManifestKeys[] = {
     {kKvHeadsKey, KeyType::Int},
     {"causal", KeyType::Bool}, {"scale", KeyType::Float}, {"format", KeyType::String},
     {"seed", KeyType::Int},   {"distribution", KeyType::String}, {"generator", KeyType::String},
-    {"backward", KeyType::Bool},
+    {"backward", KeyType::Bool}, {kSequencesKey, KeyType::Int},
 };
 
 std::string known_keys() {

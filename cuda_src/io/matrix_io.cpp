@@ -22,6 +22,10 @@ void read_matrix(const std::string& path, Format fmt, int rows, int cols, bool a
     else read_npy(path, rows, cols, allow_nonfinite, what, dst);
 }
 
+IntegerColumn read_integer_column(const std::string& path, Format fmt, const std::string& what) {
+    return fmt == Format::txt ? read_text_integers(path, what) : read_npy_integers(path, what);
+}
+
 void write_matrix(AtomicFile& out, Format fmt, const float* src, int rows, int cols,
                   const std::string& header) {
     if (fmt == Format::txt) write_text(out, src, rows, cols, header);

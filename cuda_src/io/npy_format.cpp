@@ -28,7 +28,25 @@ struct NpyHeader {
     MatrixShape shape;
     size_t data_offset = 0;
     bool half = false;  // '<f2' (IEEE binary16): an fp16 input, every value exact in float32
+    std::string descr;
+    size_t item = sizeof(float);  // bytes per value
 };
+
+// The dtypes of an integer file (the packed sequences' offsets, sequences.h): every integer dtype
+// NumPy writes, little-endian, and float32 holding integers.
+struct IntegerDtype {
+    const char* descr;
+    size_t item;
+    bool is_signed;
+};
+const IntegerDtype kIntegerDtypes[] = {{"|i1", 1, true}, {"|u1", 1, false}, {"<i2", 2, true}, {"<u2", 2, false},
+                                       {"<i4", 4, true}, {"<u4", 4, false}, {"<i8", 8, true}, {"<u8", 8, false}};
+const IntegerDtype* integer_dtype(const std::string& descr) {
+    for (const IntegerDtype& t : kIntegerDtypes)
+        if (descr == t.descr) return &t;
+    return nullptr;
+}
+const char* kIntegerNpyHint = "write the file with np.save(path, a.astype(np.int64).reshape(-1, 1)) (one column)";
 
 // An IEEE binary16 value (its bits) as the float32 that equals it: normals and subnormals exactly,
 // +-inf and NaN kept.
@@ -44,6 +62,15 @@ float half_bits_to_float(uint16_t h) {
     }
     v = exp == 0 ? std::ldexp(static_cast<float>(mant), -24) : std::ldexp(static_cast<float>(mant | 0x400u), exp - 25);
     return sign ? -v : v;
+}
+
+// A float32 as the messages show it: %.9g, nan, inf, -inf.
+std::string float_text(float x) {
+    if (std::isnan(x)) return "nan";
+    if (std::isinf(x)) return x > 0 ? "inf" : "-inf";
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "%.9g", static_cast<double>(x));
+    return buf;
 }
 
 const char* kNpyHint = "write the file with np.save(path, a.astype(np.float32)) (a 2-D array)";
@@ -156,7 +183,8 @@ private:
 };
 
 // Versions 1.0 (2-byte header length), 2.0 and 3.0 (4-byte), as np.load reads them.
-NpyHeader parse_npy_header(const std::string& path, const std::string& head, uint64_t file_size) {
+// integers: the file holds integers (kIntegerDtypes or '<f4'), not a float matrix.
+NpyHeader parse_npy_header(const std::string& path, const std::string& head, uint64_t file_size, bool integers) {
     if (head.size() < 10 || head.compare(0, kNpyMagicLen, kNpyMagic, kNpyMagicLen) != 0)
         fail(kExitBadInput, path + ": not a .npy file (bad magic)", kNpyHint);
     int major = static_cast<unsigned char>(head[6]), minor = static_cast<unsigned char>(head[7]);
@@ -179,25 +207,31 @@ NpyHeader parse_npy_header(const std::string& path, const std::string& head, uin
     bool fortran_order = false;
     std::vector<long long> dims;
     NpyDictParser(path, dict).parse(&descr, &fortran_order, &dims);
-    if (descr != "<f4" && descr != "<f2")
+    const char* hint = integers ? kIntegerNpyHint : kNpyHint;
+    if (integers && descr != "<f4" && !integer_dtype(descr))
+        fail(kExitBadInput, path + ": dtype '" + descr + "' is not a little-endian integer type or float32 ('<f4')",
+             kIntegerNpyHint);
+    if (!integers && descr != "<f4" && descr != "<f2")
         fail(kExitBadInput, path + ": dtype '" + descr + "' is not little-endian float32 ('<f4') or float16 ('<f2')",
              kNpyHint);
-    if (fortran_order) fail(kExitBadInput, path + ": fortran_order arrays are not supported", kNpyHint);
+    if (fortran_order) fail(kExitBadInput, path + ": fortran_order arrays are not supported", hint);
     if (dims.size() != 2) {
         std::string shape;
         for (long long v : dims) shape += std::to_string(v) + ", ";
         fail(kExitBadInput, path + ": shape (" + shape.substr(0, shape.size() - (dims.size() > 1 ? 2 : 1)) + ") is not 2-D",
-             kNpyHint);
+             hint);
     }
     if (dims[0] > kMaxDim || dims[1] > kMaxDim)
         fail(kExitBadInput, path + ": shape (" + std::to_string(dims[0]) + ", " + std::to_string(dims[1]) +
-                                ") exceeds " + std::to_string(kMaxDim) + " in a dimension", kNpyHint);
+                                ") exceeds " + std::to_string(kMaxDim) + " in a dimension", hint);
     NpyHeader h;
     h.shape.rows = static_cast<int>(dims[0]);
     h.shape.cols = static_cast<int>(dims[1]);
     h.data_offset = start + len;
     h.half = descr == "<f2";
-    const uint64_t need = static_cast<uint64_t>(dims[0]) * static_cast<uint64_t>(dims[1]) * (h.half ? 2 : sizeof(float));
+    h.descr = descr;
+    h.item = integer_dtype(descr) ? integer_dtype(descr)->item : h.half ? 2 : sizeof(float);
+    const uint64_t need = static_cast<uint64_t>(dims[0]) * static_cast<uint64_t>(dims[1]) * h.item;
     if (file_size != h.data_offset + need)
         fail(kExitBadInput, path + ": holds " + plural(static_cast<long long>(file_size - h.data_offset), "data byte") + "; shape (" +
                                 std::to_string(dims[0]) + ", " + std::to_string(dims[1]) + ") needs " + std::to_string(need),
@@ -205,11 +239,11 @@ NpyHeader parse_npy_header(const std::string& path, const std::string& head, uin
     return h;
 }
 
-NpyHeader read_npy_header(InputFile& in) {
+NpyHeader read_npy_header(InputFile& in, bool integers = false) {
     if (in.size() == 0) fail(kExitBadInput, in.path() + ": empty file", "regenerate the case");
     std::string head(static_cast<size_t>(std::min<uint64_t>(in.size(), 12 + kNpyMaxHeaderBytes)), '\0');
     head.resize(std::fread(&head[0], 1, head.size(), in.get()));
-    NpyHeader h = parse_npy_header(in.path(), head, in.size());
+    NpyHeader h = parse_npy_header(in.path(), head, in.size(), integers);
     if (std::fseek(in.get(), static_cast<long>(h.data_offset), SEEK_SET) != 0)
         fail(kExitBadInput, in.path() + ": cannot seek to the data: " + std::strerror(errno));
     return h;
@@ -248,6 +282,50 @@ void read_npy(const std::string& path, int rows, int cols, bool allow_nonfinite,
                                     std::to_string(i % cols + 1) + ": non-finite value " +
                                     (std::isnan(dst[i]) ? "nan" : dst[i] > 0 ? "inf" : "-inf"),
                  kNonfiniteHint);
+}
+
+IntegerColumn read_npy_integers(const std::string& path, const std::string& what) {
+    InputFile in(path);
+    const NpyHeader h = read_npy_header(in, true);
+    if (h.shape.cols != 1)
+        fail(kExitBadInput, path + ": shape (" + std::to_string(h.shape.rows) + ", " + std::to_string(h.shape.cols) +
+                                ") is not one column (" + what + ")",
+             kIntegerNpyHint);
+    const size_t n = static_cast<size_t>(h.shape.rows);
+    std::vector<unsigned char> raw(n * h.item);
+    if (std::fread(raw.data(), 1, raw.size(), in.get()) != raw.size())
+        fail(kExitBadInput, path + ": short read", "the file is truncated; regenerate it");
+    IntegerColumn out;
+    out.values.resize(n);
+    const IntegerDtype* t = integer_dtype(h.descr);
+    for (size_t i = 0; i < n; ++i) {
+        const unsigned char* p = raw.data() + i * h.item;
+        if (!t) {  // float32: an integer value only
+            float f;
+            std::memcpy(&f, p, sizeof f);
+            if (!(std::isfinite(f) && f == std::nearbyint(f)))
+                fail(kExitBadInput, path + ": row " + std::to_string(i + 1) + ", col 1: " + float_text(f) +
+                                        " is not an integer (" + what + ")",
+                     kIntegerNpyHint);
+            out.values[i] = static_cast<long long>(f);
+            continue;
+        }
+        uint64_t u = 0;
+        for (size_t k = h.item; k-- > 0;) u = (u << 8) | p[k];  // little-endian
+        if (t->is_signed) {
+            const int bits = static_cast<int>(8 * h.item);
+            const int64_t v = bits == 64 ? static_cast<int64_t>(u)
+                                         : static_cast<int64_t>(u << (64 - bits)) >> (64 - bits);  // sign-extend
+            out.values[i] = v;
+        } else if (u > static_cast<uint64_t>(INT64_MAX)) {
+            fail(kExitBadInput, path + ": row " + std::to_string(i + 1) + ", col 1: " + std::to_string(u) +
+                                    " is out of the 64-bit integer range (" + what + ")",
+                 kIntegerNpyHint);
+        } else {
+            out.values[i] = static_cast<long long>(u);
+        }
+    }
+    return out;
 }
 
 MatrixShape probe_npy(const std::string& path) {

@@ -29,24 +29,44 @@ void Progress::step(long long units) {
     std::fflush(stderr);
 }
 
-long long progress_units(const Dims& d, StageSet written) {
+long long progress_units(const Dims& d, StageSet written, const Sequences* seqs) {
+    long long computed_sequences = 0;
+    if (seqs)
+        for (int b = 0; b < seqs->count(); ++b) computed_sequences += seqs->computed(b);
     long long files = 0;
-    for (int i = 0; i < kNumStages; ++i)
-        if (written.has(static_cast<Stage>(i))) files += heads_of(static_cast<Stage>(i), d);
+    for (int i = 0; i < kNumStages; ++i) {
+        const Stage s = static_cast<Stage>(i);
+        if (!written.has(s)) continue;
+        files += heads_of(s, d) * (seqs && seqs->packed() && is_score_stage(s) ? computed_sequences : 1);
+    }
     return 2LL * d.total_heads() + files;
 }
 
-void write_stage_file(RunState& rs, Stage s, int head, const float* data, const Dims& d) {
-    const std::string name = head_file_name(s, head, rs.out_format);
+namespace {
+
+// One stage file (seq >= 0: a score stage of one sequence of a packed case, of the sequence's dims).
+void write_file(RunState& rs, Stage s, int head, int seq, const float* data, const Dims& d) {
+    const std::string name = head_file_name(s, head, rs.out_format, seq);
     const int rows = stage_rows(s, d), cols = stage_cols(s, d);
     const std::string header = "# attnstep stage=" + std::string(stage_name(s)) + " head=" + std::to_string(head) +
-                               " rows=" + std::to_string(rows) + " cols=" + std::to_string(cols) + " run=" + rs.run_id;
+                               (seq >= 0 ? " seq=" + std::to_string(seq) : "") + " rows=" + std::to_string(rows) +
+                               " cols=" + std::to_string(cols) + " run=" + rs.run_id;
     check_interrupted();
     AtomicFile f(rs.out_dir + "/" + name, rs.run_id);
     write_matrix(f, rs.out_format, data, rows, cols, header);
     uint32_t crc = f.commit();
     rs.log.add(name, name.substr(0, name.rfind('.')), crc);
     rs.progress.step();
+}
+
+}  // namespace
+
+void write_stage_file(RunState& rs, Stage s, int head, const float* data, const Dims& d) {
+    write_file(rs, s, head, -1, data, d);
+}
+
+void write_sequence_stage_file(RunState& rs, Stage s, int head, int seq, const float* data, const Dims& seq_dims) {
+    write_file(rs, s, head, seq, data, seq_dims);
 }
 
 void write_group(RunState& rs, const HeadGroup& g, StageSet written, const Dims& d) {
@@ -58,7 +78,7 @@ void write_group(RunState& rs, const HeadGroup& g, StageSet written, const Dims&
 }
 
 void write_run_manifest(RunState& rs, const Options& o, const Problem& p, const Backend& be, StageSet computed,
-                        StageSet written) {
+                        StageSet written, int sequences) {
     FlashPlan flash;  // tiles 0 and no kernel: no flash stage was computed
     if (computed.any_flash()) flash = be.flash_plan(p);
     ManifestWriter w;
@@ -70,6 +90,7 @@ void write_run_manifest(RunState& rs, const Options& o, const Problem& p, const 
     w.add("format", format_name(rs.out_format));
     w.add("input", o.in_dir);
     for (const DimKey& k : kDimKeys) w.add(k.key, p.dims.*k.field);
+    if (sequences > 0) w.add(kSequencesKey, sequences);  // the offsets are in the input case
     w.add_bool("causal", p.causal);
     w.add_float("scale", static_cast<double>(p.scale));
     add_variant_keys(w, p.dims.kv(), p.variant);

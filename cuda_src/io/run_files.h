@@ -9,6 +9,7 @@
 
 #include "../backend.h"
 #include "../cli.h"
+#include "../sequences.h"
 #include "../stages.h"
 #include "atomic_file.h"
 #include "case_layout.h"
@@ -37,8 +38,9 @@ struct RunState {
 // "QK,dS,...": the stages of a set, in table order.
 std::string stage_list(StageSet set);
 
-// The units of --progress a run has: every query head read and computed, every stage file written.
-long long progress_units(const Dims& d, StageSet written);
+// The units of --progress a run has: every query head read and computed, every stage file written
+// (in a packed case, seqs, a score stage's file per head and computed sequence).
+long long progress_units(const Dims& d, StageSet written, const Sequences* seqs = nullptr);
 
 // Reads the group's heads of the inputs the computed stages need into `inputs` (a buffer per input
 // stage, resized to the group: K and V once per query head, from its K/V head's file) and points
@@ -49,11 +51,16 @@ void read_group_inputs(const InputCase& in, bool allow_nonfinite, Precision prec
 // Writes stage s of `head` (a query head; a K/V head for a K/V stage) from `data` into rs.out_dir.
 void write_stage_file(RunState& rs, Stage s, int head, const float* data, const Dims& d);
 
+// Writes score stage s of query head `head` and sequence `seq` of a packed case (n(b) × m(b), the
+// sequence's dims) into rs.out_dir.
+void write_sequence_stage_file(RunState& rs, Stage s, int head, int seq, const float* data, const Dims& seq_dims);
+
 // Writes the group's stages in `written` that are indexed by query head (not is_kv_stage).
 void write_group(RunState& rs, const HeadGroup& g, StageSet written, const Dims& d);
 
+// run.toml; `sequences` is a packed case's B (0: not packed), recorded as `sequences = B`.
 void write_run_manifest(RunState& rs, const Options& o, const Problem& p, const Backend& be, StageSet computed,
-                        StageSet written);
+                        StageSet written, int sequences = 0);
 
 // The files a run wrote (stage files, then run.toml), in order: what commit() puts in place.
 std::vector<std::string> staged_names(const RunState& rs);

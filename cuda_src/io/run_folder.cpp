@@ -103,12 +103,22 @@ extern volatile std::sig_atomic_t g_committing;
 
 bool is_run_file_name(const std::string& name) {
     if (name == kRunManifest) return true;
-    const size_t head = name.find("_head_"), dot = name.rfind('.');
+    const size_t head = name.find(kHeadInfix), dot = name.rfind('.');
     if (head == std::string::npos || dot == std::string::npos || dot < head) return false;
-    const std::string stage = name.substr(0, head), index = name.substr(head + 6, dot - head - 6);
-    const std::string ext = name.substr(dot + 1);
+    const size_t index_at = head + std::string(kHeadInfix).size();
+    std::string index = name.substr(index_at, dot - index_at);
+    const std::string stage = name.substr(0, head), ext = name.substr(dot + 1);
+    // A score stage of a packed run: "<stage>_head_<i>_seq_<b>".
+    const size_t seq = index.find(kSequenceInfix);
+    bool score = false;
+    if (seq != std::string::npos) {
+        if (!head_number(index.substr(seq + std::string(kSequenceInfix).size()))) return false;
+        index.resize(seq);
+        score = true;
+    }
     bool known = false;
-    for (int i = 0; i < kNumStages && !known; ++i) known = stage == stage_name(static_cast<Stage>(i));
+    for (int i = 0; i < kNumStages && !known; ++i)
+        known = stage == stage_name(static_cast<Stage>(i)) && (!score || is_score_stage(static_cast<Stage>(i)));
     return known && head_number(index) && (ext == format_name(Format::txt) || ext == format_name(Format::npy));
 }
 

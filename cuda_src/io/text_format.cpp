@@ -12,6 +12,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <strings.h>  // strncasecmp
+#include <system_error>
 #include <vector>
 
 #include "../common.h"
@@ -165,6 +166,42 @@ void read_text(const std::string& path, int rows, int cols, bool allow_nonfinite
         fail(kExitBadInput, at(path, ext.lines + 1, 1) + ": file ends after " +
                                 plural(ext.data_rows, "row") + "; expected " + expect,
              "the file is truncated or the case's dimensions are wrong");
+}
+
+IntegerColumn read_text_integers(const std::string& path, const std::string& what) {
+    InputFile in(path);
+    // One integer per line: at most 21 characters a value (a sign and 20 digits) and a line end;
+    // the slack for comments as a matrix has.
+    if (in.size() > kTextSlackBytes + 32ull * static_cast<uint64_t>(kMaxDim) + 32ull)
+        fail(kExitBadInput, path + ": " + plural(static_cast<long long>(in.size()), "byte") +
+                                " is more than a column of integers may take (" + what + ")",
+             "the file is not this column of integers");
+    const std::string text = in.read_all();
+    const char* hint = "one integer per line (an optional sign and digits), as np.savetxt(path, a, fmt=\"%d\") writes";
+    IntegerColumn out;
+    for_each_text_row(path, text, [&](int line, int row, const std::vector<Token>& tok) {
+        if (tok.size() > 1)
+            fail(kExitBadInput, at(path, line, tok[1].col) + ": row " + std::to_string(row + 1) + " has " +
+                                    plural(static_cast<long long>(tok.size()), "value") + "; expected one integer per line (" +
+                                    what + ")",
+                 hint);
+        const Token& t = tok[0];
+        const char* e = t.begin + t.len;
+        const char* first_digit = t.begin + (t.begin[0] == '+' || t.begin[0] == '-' ? 1 : 0);
+        const bool digits = first_digit < e && std::all_of(first_digit, e, [](char c) { return c >= '0' && c <= '9'; });
+        long long v = 0;
+        const std::from_chars_result r = std::from_chars(t.begin + (t.begin[0] == '+' ? 1 : 0), e, v);  // takes '-' only
+        if (!digits)
+            fail(kExitBadInput, at(path, line, t.col) + ": not an integer: '" + std::string(t.begin, std::min<size_t>(t.len, 40)) +
+                                    "' (" + what + ")",
+                 hint);
+        if (r.ec != std::errc())
+            fail(kExitBadInput, at(path, line, t.col) + ": '" + std::string(t.begin, std::min<size_t>(t.len, 40)) +
+                                    "' is out of the 64-bit integer range (" + what + ")",
+                 hint);
+        out.values.push_back(v);
+    });
+    return out;
 }
 
 MatrixShape probe_text(const std::string& path) {
