@@ -13,6 +13,7 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
+from ..sequences import Sequences
 from ..stages import (ALIBI_SLOPES_INPUT, CASE_INPUTS, FORMATS, GRAD_INPUT, INPUT_MANIFEST, INPUT_NAMES, KV_HEADS_KEY,
                       STAGES, VARIANT_INPUTS, Dims, parse_stage_file, stage_file)
 from ..text import plural, printable
@@ -52,6 +53,8 @@ class InputCase:
     allow_nonfinite: bool = False  # NaN/inf in Q/K/V load instead of being an error
     backward: bool = False         # the case has dO for every head (the backward stages exist)
     variant: Optional[Variant] = None  # what the case asks for; None: textbook attention (causal as said)
+    # A packed case: its sequences (verify/sequences.py); None: no packing.
+    sequences: Optional[Sequences] = None
     # The files read once for every head (a broadcast mask or bias, the slopes), read-only.
     _whole: Dict[str, np.ndarray] = field(default_factory=dict, repr=False, compare=False)
 
