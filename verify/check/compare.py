@@ -12,7 +12,8 @@ correct program may compute a stage by another route than from the upstream file
 Heads are checked one at a time per process, a K/V head's group of query heads in one job (a
 grouped case's stages of the K/V heads are checked once per K/V head, dK and dV against the sum
 over its group: verify/check/groups.py); large runs share the groups out to forked worker
-processes (verify/check/pool.py). A case's variant reaches every reference and bound through the
+processes (verify/check/pool.py). A packed case is checked sequence by sequence, each a dense case
+of its own (verify/check/packed.py). A case's variant reaches every reference and bound through the
 head's context: its mask and bias files and the program's dropout keep-mask are handed to the
 specs beside each stage's sources (stage_check.VARIANT_SOURCES), and dropout's keep rate is
 tested once over the whole run. The results and the report are in verify/check/results.py. A
