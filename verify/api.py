@@ -7,13 +7,18 @@
     attnstep.check_arrays(q, k, v, {"dQ": q.grad, "dK": k.grad, "dV": v.grad}, do=o.grad)  # backward
     attnstep.check_arrays(q, k, v, {"output": out}, layout="bshd", causal="bottom-right",  # flash-attn
                           window=(256, 0), softcap=30.0, alibi=slopes)
+    attnstep.check_arrays(q, k, v, {"output": out}, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,  # varlen
+                          causal="bottom-right")
 
 Arrays are NumPy arrays, anything np.asarray takes, or PyTorch tensors (CPU or CUDA, bf16 and
 fp16 included; verify/files/arrays.py converts them), shaped (N, d) for one head, (H, N, d) or
 (B, H, N, d) (layout="bhsd", PyTorch's) or (B, N, H, d) (layout="bshd", flash-attn's); k and v
 with fewer heads than q are grouped K/V heads (GQA/MQA). Each stage has the same leading axes and
 the stage's own last two (an N×1 stage may drop its last axis); scores and row statistics are
-(B, H, ...) in either layout. The report is the one `attnstep check` prints and writes: the same
+(B, H, ...) in either layout. Packed sequences (flash-attn's flash_attn_varlen_func): with
+cu_seqlens_q, cu_seqlens_k (and seqused_k) q, k, v and the per-token stages are (total, heads,
+dim), layout="thd", lse and D (heads, total); each sequence is checked as a case of its own. The
+report is the one `attnstep check` prints and writes: the same
 tolerance model, chained and isolated references, diagnoses.
 """
 from __future__ import annotations
@@ -28,18 +33,22 @@ import numpy as np
 from .check import flash_attn_criterion as fa_criterion
 from .check.compare import Options, Report, check_run
 from .diagnose.hypotheses import diagnose
-from .files.arrays import LAYOUTS, as_array, bias_heads, dims_of, mask_heads, slopes_rows, stage_heads
+from .files.arrays import BSHD, LAYOUTS, as_array, is_tensor, bias_heads, dims_of, mask_heads, slopes_rows, stage_heads
 from .files.case import InputCase, check_scale, validate_dims
 from .files.kinds import CaseError
 from .files.outputs import MATH_MODES, RunInfo, StageSource, half_rounding_for
 from .model.half import HALF_ROUNDINGS, rounding_refusal
+from .text import plural
 from .report.text import failure_lines, header_lines, summary_lines, table_lines
+from .sequences import CU_SEQLENS_K, CU_SEQLENS_Q, SEQUSED_K, Sequences, packed_sequences
 from .stages import (ALIBI_SLOPES_INPUT, BIAS_INPUT, DIM_KEYS, DROPOUT_MASK, GRAD_INPUT, INPUT_NAMES, KV_HEADS_KEY,
                      MASK_INPUT, PRECISIONS, STAGES, Dims, default_scale)
 from .variant import (ALIGNMENTS, BROADCAST, NONE, PER_HEAD, TOP_LEFT, UNBOUNDED, Variant, dropout_problem,
                       softcap_problem)
 
 ARRAYS = Path("<arrays>")  # what the report names as the run's and the inputs' place
+# flash-attn's varlen layout: (total tokens, heads, dim), the sequences packed along the tokens.
+PACKED_LAYOUT = "thd"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -173,7 +182,7 @@ _ARGUMENT_RULES: Dict[str, Callable[[str, Any], Any]] = {
     "softcap": _expect_softcap,
     "alibi": _expect_alibi,
     "dropout_p": _expect_probability,
-    "layout": _expect_choice(LAYOUTS),
+    "layout": lambda name, x: None if x is None else _expect_choice(LAYOUTS + (PACKED_LAYOUT,))(name, x),
     "scale": _expect_scale,
     "precision": _expect_choice(PRECISIONS),
     "math": _expect_choice(MATH_MODES),
@@ -252,12 +261,80 @@ def _stage_sources(stages: Mapping[str, object], dims: Dims, layout: str, dropou
             for name in STAGES if name in stages}
 
 
+def _offsets(name: str, x) -> Optional[Tuple[int, ...]]:
+    """Offsets or lengths given as ints, a NumPy array or a torch tensor (int32 on the GPU, as
+    flash-attn takes them): a tuple of ints; None when not given."""
+    if x is None:
+        return None
+    if is_tensor(x):
+        x = x.detach().cpu().numpy()
+    values = np.asarray(x)
+    if values.ndim != 1 or not (values.dtype.kind in "iu" or (values.dtype == object and all(
+            isinstance(i, numbers.Integral) and not _is_bool(i) for i in values))):
+        raise TypeError(f"{name}: expected a 1-d sequence of whole numbers (a list, an int32 array or tensor), got "
+                        f"{type(x).__name__} {values.dtype} of shape {values.shape}")
+    return tuple(int(i) for i in values)
+
+
+def _packing(args: Dict[str, Any], cu_seqlens_q, cu_seqlens_k, seqused_k) -> Optional[Sequences]:
+    """The sequences the arguments pack (None: not packed), and the layout they ask for checked."""
+    cu_q, cu_k, used = (_offsets(n, x) for n, x in ((CU_SEQLENS_Q, cu_seqlens_q), (CU_SEQLENS_K, cu_seqlens_k),
+                                                    (SEQUSED_K, seqused_k)))
+    if cu_q is None and cu_k is None:
+        if used is not None:
+            raise ValueError(f"{SEQUSED_K} without {CU_SEQLENS_Q} and {CU_SEQLENS_K}: it counts the keys of packed "
+                             "sequences")
+        if args["layout"] == PACKED_LAYOUT:
+            raise ValueError(f'layout="{PACKED_LAYOUT}" (packed sequences) needs {CU_SEQLENS_Q}= and {CU_SEQLENS_K}=')
+        args["layout"] = args["layout"] or LAYOUTS[0]
+        return None
+    if cu_q is None or cu_k is None:
+        given, missing = (CU_SEQLENS_Q, CU_SEQLENS_K) if cu_k is None else (CU_SEQLENS_K, CU_SEQLENS_Q)
+        raise ValueError(f"{given} without {missing}: packed sequences need both (B + 1 offsets each)")
+    if args["layout"] not in (None, PACKED_LAYOUT):
+        raise ValueError(f'layout="{args["layout"]}" with {CU_SEQLENS_Q}: packed tensors are (total, heads, dim), '
+                         f'layout="{PACKED_LAYOUT}"')
+    args["layout"] = PACKED_LAYOUT
+    try:
+        return packed_sequences(cu_q, cu_k, used)
+    except ValueError as exc:
+        raise ValueError(str(exc)) from None
+
+
+def _packed_tokens(seqs: Sequences, arrays: Dict[str, Any]) -> None:
+    """Each packed tensor (total, heads, dim) with as many tokens as its offsets end at."""
+    for name, x in arrays.items():
+        if x is None:
+            continue
+        shape = tuple(as_array(x).shape) if not hasattr(x, "shape") else tuple(x.shape)
+        if len(shape) != 3:
+            raise ValueError(f'{name} is {shape}: packed tensors are (total, heads, dim) (layout="{PACKED_LAYOUT}")')
+        cu, total = (CU_SEQLENS_K, seqs.total_k) if name in ("k", "v") else (CU_SEQLENS_Q, seqs.total_q)
+        if shape[0] != total:
+            raise ValueError(f"{name} has {plural(shape[0], 'token')}, {cu} ends at {total}")
+
+
+def _refuse_with_packing(stages: Mapping[str, object], attn_mask, attn_bias, dropout_p: float) -> None:
+    """What a packed case cannot have: the N×M stages (a block per sequence, which arrays do not
+    hold), mask and bias tensors, dropout."""
+    blocks = [n for n in stages if n in STAGES and (STAGES[n].rows, STAGES[n].cols) == ("N", "M")]
+    if blocks:
+        raise ValueError(f"stage {blocks[0]!r} is an n x m block per sequence: not accepted with {CU_SEQLENS_Q} "
+                         "(pass the per-token stages: output, flash_lse, dQ, ...)")
+    for name, given in (("attn_mask", attn_mask is not None), ("attn_bias", attn_bias is not None),
+                        ("dropout_p", bool(dropout_p))):
+        if given:
+            raise ValueError(f"{name} with {CU_SEQLENS_Q}: packed sequences are checked without masks, biases or "
+                             "dropout")
+
+
 def check_arrays(q, k, v, stages: Mapping[str, object], *, do=None, causal=False, align: Optional[str] = None,
                  window: Optional[Tuple[int, int]] = None, softcap: Optional[float] = None, alibi=False,
-                 attn_mask=None, attn_bias=None, dropout_p: float = 0.0, layout: str = "bhsd",
+                 attn_mask=None, attn_bias=None, dropout_p: float = 0.0, layout: Optional[str] = None,
                  scale: Optional[float] = None, precision: str = "fp32", math: str = "ieee",
                  atol: Optional[float] = None, rtol: Optional[float] = None, jobs: int = 1,
-                 allow_nonfinite: bool = False, half_rounding: Optional[str] = None) -> Report:
+                 allow_nonfinite: bool = False, half_rounding: Optional[str] = None, cu_seqlens_q=None,
+                 cu_seqlens_k=None, seqused_k=None) -> Report:
     """Checks each stage in `stages` ({stage name: array}) computed from q, k, v, as `attnstep
     check` does; returns the Report (report.passed, report.first_failing_stage, report.results),
     whose truth value is report.passed: `assert check_arrays(...)` fails when a stage fails
@@ -271,7 +348,12 @@ def check_arrays(q, k, v, stages: Mapping[str, object], *, do=None, causal=False
     standard slopes) or the slopes, (H,) or (B, H); attn_mask: True/1 visible, (N, M), (B, H, N, M)
     or broadcastable to it (PyTorch's boolean attn_mask; a float one is attn_bias); attn_bias:
     added to the scores (−inf hides); dropout_p: with the program's keep-mask in stages. layout:
-    "bhsd" or "bshd" (flash-attn's (batch, seq, heads, dim)). scale: default 1/sqrt(d_k);
+    "bhsd" (the default) or "bshd" (flash-attn's (batch, seq, heads, dim)), or "thd" (packed).
+    cu_seqlens_q, cu_seqlens_k: packed sequences (flash-attn's varlen convention, B + 1 offsets
+    each, ints, a NumPy array or a tensor), seqused_k: the keys each uses; q, k, v, do and the
+    per-token stages are then (total, heads, dim) (layout "thd", the default then), lse and D
+    (heads, total), and each sequence is checked as a case of its own (the causal mask, the window
+    and ALiBi within it). scale: default 1/sqrt(d_k);
     precision and math: the arithmetic the program used (fp32/tf32/bf16/fp16; ieee/fast);
     half_rounding: how a bf16/fp16 program converts to its format ("nearest", the default, or
     "toward-zero"; half precisions only). At fp32 or tf32 a stage of half-precision values (a
@@ -288,12 +370,19 @@ def check_arrays(q, k, v, stages: Mapping[str, object], *, do=None, causal=False
     backward = sorted(n for n in stages if n in STAGES and STAGES[n].backward)
     if backward and do is None:
         raise ValueError(f"stage {backward[0]!r} is a gradient: pass do= (the output gradient it was computed from)")
-    dims, inputs, note = _problem(q, k, v, do, args["layout"], args["allow_nonfinite"])
+    seqs = _packing(args, cu_seqlens_q, cu_seqlens_k, seqused_k)
+    layout = args["layout"]
+    if seqs is not None:
+        _refuse_with_packing(stages, attn_mask, attn_bias, args["dropout_p"])
+        _packed_tokens(seqs, {"q": q, "k": k, "v": v, "do": do})
+        layout = BSHD  # (total, heads, dim) is BSHD's (seq, heads, dim) without the batch
+    dims, inputs, note = _problem(q, k, v, do, layout, args["allow_nonfinite"])
+    note = None if seqs is not None else note  # (the tokens checked against the offsets: no doubt left)
     variant, tensors = _variant(args, attn_mask, attn_bias, dims)
-    sources = _stage_sources(stages, dims, args["layout"], variant.dropout)
+    sources = _stage_sources(stages, dims, layout, variant.dropout)
     scale = default_scale(dims.d_k) if args["scale"] is None else args["scale"]
     case = InputCase(ARRAYS, dims, "npy", scale=scale, manifest=True, arrays={**inputs, **tensors},
-                     allow_nonfinite=args["allow_nonfinite"], backward=do is not None, variant=variant)
+                     allow_nonfinite=args["allow_nonfinite"], backward=do is not None, variant=variant, sequences=seqs)
     run = RunInfo(None, {}, dims, sources, scale=scale, precision=args["precision"], math=args["math"],
                   half_rounding=half_rounding_for(args["precision"], args["half_rounding"]), variant=variant)
     if note:

@@ -12,7 +12,8 @@ correct program may compute a stage by another route than from the upstream file
 Heads are checked one at a time per process, a K/V head's group of query heads in one job (a
 grouped case's stages of the K/V heads are checked once per K/V head, dK and dV against the sum
 over its group: verify/check/groups.py); large runs share the groups out to forked worker
-processes (verify/check/pool.py). A case's variant reaches every reference and bound through the
+processes (verify/check/pool.py). A packed case is checked sequence by sequence, each a dense case
+of its own (verify/check/packed.py). A case's variant reaches every reference and bound through the
 head's context: its mask and bias files and the program's dropout keep-mask are handed to the
 specs beside each stage's sources (stage_check.VARIANT_SOURCES), and dropout's keep rate is
 tested once over the whole run. The results and the report are in verify/check/results.py. A
@@ -41,6 +42,7 @@ from ..stages import DROPOUT_MASK, GRAD_INPUT, STAGES
 from . import flash_attn_criterion, invariants, tolerance
 from .diagnosis import Diagnoser, Diagnosis, Suspect
 from .groups import KVGroup, check_summed, head_term, summed
+from .packed import PackedRun, packed_sources
 from .pool import REF_CACHE, collect_head_garbage, head_jobs, map_heads
 from .results import (FAIL, INHERITED, MISSING, PASS, SHAPE, STALE, UNCHECKABLE, UNREADABLE, Comparison, HeadResult,
                       Report, RunCheck, compare_arrays, elementwise_error)
@@ -239,9 +241,11 @@ class _HeadChecker:
     head_permuted diagnosis compared against last: one matrix each, REF_CACHE of them, counted in
     head_jobs' memory budget)."""
 
-    def __init__(self, run: RunInfo, case: InputCase, opts: Options, diagnoser: Optional[Diagnoser]) -> None:
+    def __init__(self, run: RunInfo, case: InputCase, opts: Options, diagnoser: Optional[Diagnoser],
+                 packed: Optional[PackedRun] = None) -> None:
         self.run, self.case, self.opts, self.diagnoser = run, case, opts, diagnoser
         self.ref_of_head = functools.lru_cache(maxsize=REF_CACHE)(self._reference)
+        self.packed = packed  # a packed case: each sequence is checked as a dense case of its own
 
     def _reference(self, stage: str, head: int) -> np.ndarray:
         """The reference of `stage` for query head `head`, or for K/V head `head` of a stage of the
@@ -264,7 +268,11 @@ class _HeadChecker:
                         self.case.alibi_slope(head))[stage]  # (its upstream stages are computed and dropped)
 
     def check(self, kv_head: int) -> List[HeadResult]:
-        """Every stage of K/V head `kv_head`'s query heads, and its own stages, in table order."""
+        """Every stage of K/V head `kv_head`'s query heads, and its own stages, in table order (in a
+        packed case, of each sequence in turn: packed.PackedRun)."""
+        if self.packed is not None:
+            return self.packed.check(kv_head, lambda run, case: _HeadChecker(run, case, self.opts,
+                                                                             self.diagnoser).check(kv_head))
         group = KVGroup(self.run, kv_head)
         out: List[HeadResult] = []
         # Non-finite inputs, when allowed, make the error model's arithmetic meet inf and NaN.
@@ -310,11 +318,16 @@ def check_run(run: RunInfo, case: InputCase, opts: Options, progress: Optional[C
         raise CaseError(f"{run.path or 'the run'} holds the backward stage {backward[0]}, but the input case "
                         f"{case.path} has no {GRAD_INPUT} (the output gradient it is computed from); HINT: "
                         "check it against the case it was run on ('attnstep generate --backward' writes one)")
-    checker = _HeadChecker(run, case, opts, diagnoser)
+    packed = None
+    if case.sequences is not None:
+        packed_sources(run)
+        packed = PackedRun(run, case, checked_stages(run, opts))
+    checker = _HeadChecker(run, case, opts, diagnoser, packed)
     dims = run.dims
     advance = None if progress is None else (lambda kv: [progress(h) for h in dims.query_heads_of(kv)])
-    results = map_heads(checker.check, dims.total_kv_heads, head_jobs(run, opts.jobs, opts.max_memory_mb), advance,
-                        tune_process)
+    jobs = head_jobs(run, opts.jobs, opts.max_memory_mb) if packed is None else \
+        head_jobs(packed.sizing_run(), opts.jobs, opts.max_memory_mb, packed.held_bytes())
+    results = map_heads(checker.check, dims.total_kv_heads, jobs, advance, tune_process)
     apply_mismatches(run, results)
     return Report(run, case, results, foreign_stage_files(run), _program_checks(run, opts), _keep_rate(run, results))
 
@@ -343,11 +356,13 @@ def _program_checks(run: RunInfo, opts: Options) -> List[ProgramCheck]:
 
 
 def error_ratio_map(run: RunInfo, case: InputCase, stage: str, head: int,
-                    opts: Optional[Options] = None) -> np.ndarray:
+                    opts: Optional[Options] = None, sequence: Optional[int] = None) -> np.ndarray:
     """|got - want| / allowed of one stage × head (a K/V head for a stage of the K/V heads: a summed
     one's against its group's sum) against its isolated reference from the program's own upstream
-    files (for plots)."""
+    files (for plots); in a packed case, of one sequence (`sequence`)."""
     opts = opts or Options()
+    if sequence is not None:
+        run, case = PackedRun(run, case, [stage]).sequence(sequence)
     got, resolution, _, msg = load_output(run, stage, head)
     if got is None:
         raise CaseError(msg)

@@ -158,14 +158,15 @@ def memory_budget(max_memory_mb: Optional[int], avail: Optional[int]) -> Tuple[O
     return avail, "the memory available"
 
 
-def head_jobs(run: RunInfo, requested: int = 0, max_memory_mb: Optional[int] = None) -> int:
+def head_jobs(run: RunInfo, requested: int = 0, max_memory_mb: Optional[int] = None, held_bytes: int = 0) -> int:
     """Worker processes for checking the K/V heads' groups of `run` (its heads, where K/V heads
     are not grouped): `requested` if positive, else as many as there are cores, limited so that
     the workers' groups fit in half the available memory, and 1 for small runs. 1 off Linux: the
     workers are forked (they inherit the loaded case). Either way no more than
-    memory_budget(max_memory_mb) holds, and NotEnoughMemory when one group does not fit."""
+    memory_budget(max_memory_mb) holds, and NotEnoughMemory when one group does not fit. held_bytes:
+    what a job holds besides (a packed case's matrices, sliced per sequence)."""
     d = run.dims
-    per_job, jobs = head_bytes(run), d.total_kv_heads
+    per_job, jobs = head_bytes(run) + held_bytes, d.total_kv_heads
     avail = _available_memory_bytes()
     budget, source = memory_budget(max_memory_mb, avail)
     if budget is not None and per_job > budget:

@@ -159,6 +159,20 @@ class HeadResult:
     query_heads: Optional[Tuple[int, ...]] = None
     # A dropout_mask: (kept, visible) entries, which the run's keep-rate test sums (RunCheck).
     keep_counts: Optional[Tuple[int, int]] = None
+    # A packed case (verify/check/packed.py): the sequence this result is of (None: a dense case,
+    # or the key rows no sequence reads, padding_rows), and the packed row and column of its
+    # matrix's [0, 0] (the rows and columns of the matrix are the sequence's own: token, key).
+    sequence: Optional[int] = None
+    offsets: Tuple[int, int] = (0, 0)
+    padding_rows: bool = False
+
+    @property
+    def packed(self) -> bool:
+        return self.sequence is not None or self.padding_rows
+
+    def packed_position(self, row: int, col: int) -> Tuple[int, int]:
+        """(packed row, packed column) of the result's element [row, col]."""
+        return row + self.offsets[0], col + self.offsets[1]
 
     @property
     def passed(self) -> bool:
@@ -197,7 +211,29 @@ class HeadResult:
             d["query_heads"] = list(self.query_heads)
         if self.keep_counts is not None:
             d["kept"], d["visible"] = self.keep_counts
+        if self.packed:
+            d["sequence"] = self.sequence
+            d["padding_rows"] = self.padding_rows
+            for comparison in (d, d["chained"], d["isolated"]):
+                if comparison is not None:
+                    self._packed_rows(comparison)
         return d
+
+    def _packed_rows(self, comparison: dict) -> None:
+        """The packed row and column beside each position a comparison's JSON names."""
+        for at in [comparison.get("worst")] + list(comparison.get("first_mismatches") or []):
+            if at is not None:
+                at["packed_row"], at["packed_col"] = self.packed_position(at["row"], at["col"])
+
+
+def result_order(r: HeadResult) -> Tuple[int, int, int]:
+    """Which of two results a report names first: table order, then head, then sequence (a
+    packed case's padding rows after its sequences)."""
+    seq = r.sequence if r.sequence is not None else (1 << 62 if r.padding_rows else 0)
+    return _STAGE_ORDER[r.stage], r.head, seq
+
+
+_STAGE_ORDER = {s: i for i, s in enumerate(STAGES)}
 
 
 @dataclass
@@ -253,8 +289,7 @@ class Report:
         own = [r for r in self.results if r.status not in (PASS, INHERITED)]
         if not own:
             own = [r for r in self.results if not r.passed]
-        order = {s: i for i, s in enumerate(STAGES)}
-        return min(own, key=lambda r: (order[r.stage], r.head)) if own else None
+        return min(own, key=result_order) if own else None
 
     @property
     def first_failing_stage(self) -> Optional[str]:

@@ -5,7 +5,8 @@ the two comparisons.
 """
 from __future__ import annotations
 
-from typing import Dict, Iterable, List, Optional, Tuple
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 import numpy as np
 
@@ -27,9 +28,25 @@ STATUS_CODES = {STALE: "stale", MISSING: "missing", SHAPE: "shape", UNREADABLE: 
 Loaded = Tuple[Optional[np.ndarray], object, Optional[str], str]
 
 
+@dataclass
+class SequenceRun(RunInfo):
+    """One sequence of a packed run, as a dense run of its own (verify/check/packed.py): its dims
+    are the sequence's, its N×M stages are its own files, and `rows` reads every other stage as
+    the sequence's rows (and KT's columns) of the packed files."""
+    rows: Optional[Callable[[str, int], Loaded]] = None
+    crc_names: Dict[str, str] = field(default_factory=dict)  # stage -> its files' CRC-32 key, {i} the head
+
+    def crc(self, stage: str, head: int) -> Optional[str]:
+        if stage in self.crc_names:
+            return self.values.get(self.crc_names[stage].format(i=head))
+        return super().crc(stage, head)
+
+
 def load_output(run: RunInfo, stage: str, index: int) -> Loaded:
     """(matrix or None, its Resolution, HeadResult-status or None, message) for one stage's matrix
     `index` (a query head's; a K/V head's for a stage of the K/V heads)."""
+    if isinstance(run, SequenceRun) and stage not in run.crc_names:
+        return run.rows(stage, index)
     src = run.sources[stage]
     data = None
     if src.arrays is None and (src.per_head or not src.file(index, run.dims).exists()):

@@ -107,7 +107,7 @@ def _plot(report, plot_dir: Path, opts: Options, quiet: bool) -> None:
         if not quiet:
             click.echo(f"no stage failed: no error map written to {plot_dir}")
         return
-    paths = write_plots(report, plot_dir, lambda s, h: error_ratio_map(report.run, report.case, s, h, opts))
+    paths = write_plots(report, plot_dir, lambda s, h, seq: error_ratio_map(report.run, report.case, s, h, opts, seq))
     if not quiet:
         click.echo(f"wrote {plural(len(paths), 'error map')} to {plot_dir}")
 

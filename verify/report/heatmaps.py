@@ -10,6 +10,7 @@ from typing import List, Optional
 
 import numpy as np
 
+from ..check.packed import sequence_stage_file
 from ..check.results import FAIL, INHERITED, Report
 from ..files.case import atomic_write_bytes, file_kind, probe_writable
 from ..files.kinds import CaseError
@@ -58,7 +59,7 @@ def _tile_grid(shown: np.ndarray, br: int, bc: int) -> np.ndarray:
     return grid
 
 
-def error_figure(stage: str, head: int, ratio: np.ndarray, tiles, kv: bool = False):
+def error_figure(stage: str, head: int, ratio: np.ndarray, tiles, kv: bool = False, sequence: Optional[int] = None):
     """The figure of one stage x head: log10(|error| / allowed) per element, and its maximum per
     tile (`tiles` = (rows, cols) of a tile), with integer ticks and axes named after what they hold."""
     import matplotlib.pyplot as plt
@@ -69,7 +70,8 @@ def error_figure(stage: str, head: int, ratio: np.ndarray, tiles, kv: bool = Fal
     row_name, col_name = tile_axis_name(stage, "row"), tile_axis_name(stage, "column")
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
     im = axes[0].imshow(shown, aspect="auto", cmap="magma", vmin=-3, vmax=6, interpolation="nearest")
-    axes[0].set_title(f"{stage} {'K/V head' if kv else 'head'} {head}: log10(|err| / allowed)")
+    seq = "" if sequence is None else f", sequence {sequence}"
+    axes[0].set_title(f"{stage} {'K/V head' if kv else 'head'} {head}{seq}: log10(|err| / allowed)")
     axes[0].set_xlabel("column")
     axes[0].set_ylabel("row")
     fig.colorbar(im, ax=axes[0])
@@ -90,8 +92,10 @@ def error_figure(stage: str, head: int, ratio: np.ndarray, tiles, kv: bool = Fal
 
 def write_plots(report: Report, folder: Path, error_map) -> List[Path]:
     """One PNG per failing stage × head: |error| / allowed as a heat map, and its per-tile maximum.
-    `error_map(stage, head)` returns that ratio array (compare.error_ratio_map; head: a K/V head
-    for a grouped case's K/V stages, as the result and its file number it)."""
+    `error_map(stage, head, sequence)` returns that ratio array (compare.error_ratio_map; head: a
+    K/V head for a grouped case's K/V stages, as the result and its file number it; sequence: a
+    packed case's, else None). A packed case's exact checks (the key rows no query reads, a
+    sequence without keys) have no reference to map."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -109,8 +113,12 @@ def write_plots(report: Report, folder: Path, error_map) -> List[Path]:
     for r in report.results:
         if r.status != FAIL and r.status != INHERITED:
             continue
-        fig = error_figure(r.stage, r.head, error_map(r.stage, r.head), tiles, r.kv)
-        path = folder / stage_file(r.stage, r.head, "png")
+        sequence = getattr(r, "sequence", None)
+        if getattr(r, "packed", False) and (sequence is None or not report.case.sequences.m(sequence)):
+            continue
+        fig = error_figure(r.stage, r.head, error_map(r.stage, r.head, sequence), tiles, r.kv, sequence)
+        path = folder / (stage_file(r.stage, r.head, "png") if sequence is None else
+                         sequence_stage_file(r.stage, r.head, "png", sequence))
         png = io.BytesIO()
         fig.savefig(png, format="png", dpi=90)
         plt.close(fig)

@@ -32,13 +32,17 @@ def to_json(report: Report) -> dict:
     for stage in report.stages:
         rs = report.stage_results(stage)
         w = worst_result(rs)
-        stages.append({"stage": stage, "status": stage_status(rs), "passed": all(r.passed for r in rs),
-                       "heads_passed": sum(r.passed for r in rs), "heads": len(rs),
-                       "tol_used": w.main.tol_used if w and w.main else None,
-                       "max_abs": w.main.max_abs if w and w.main else None,
-                       "worst_head": w.head if w else None, "resolution": resolution_words(rs),
-                       "print_limited": any(r.print_limited for r in rs),
-                       "source": run.sources[stage].describe(), "kv_heads": any(r.kv for r in rs)})
+        heads = {r.head for r in rs}  # (a packed case's head passes when every sequence of it does)
+        entry = {"stage": stage, "status": stage_status(rs), "passed": all(r.passed for r in rs),
+                 "heads_passed": len(heads - {r.head for r in rs if not r.passed}), "heads": len(heads),
+                 "tol_used": w.main.tol_used if w and w.main else None,
+                 "max_abs": w.main.max_abs if w and w.main else None,
+                 "worst_head": w.head if w else None, "resolution": resolution_words(rs),
+                 "print_limited": any(r.print_limited for r in rs),
+                 "source": run.sources[stage].describe(), "kv_heads": any(r.kv for r in rs)}
+        if getattr(report.case, "sequences", None) is not None:
+            entry["worst_sequence"] = w.sequence if w else None
+        stages.append(entry)
     return jsonable({
         "passed": report.passed, "first_failing_stage": report.first_failing_stage,
         "first_failure": first.to_json() if first else None,
@@ -47,12 +51,22 @@ def to_json(report: Report) -> dict:
         "causal": run.causal, "scale": run.scale,
         "mismatches": [m.message() for m in run.mismatches], "notes": notes(report),
         "dims": {k: getattr(d, k) for k in ("batch", "heads", "seq_q", "seq_k", "d_k", "d_v", "kv_heads")},
+        "sequences": _sequences_json(report),
         "variant": variant_words(run),
         FLASH_ATTN_KEY: flash_attn_criterion.json_block(report),
         "stages": stages, "results": [r.to_json() for r in report.results],
         "foreign_files": report.foreign_files, "timings_ms": report.run.timings(),
         "program_checks": program_checks.json_block(report.program_checks),
         "run_checks": [c.to_json() for c in report.run_checks]})
+
+
+def _sequences_json(report: Report):
+    """A packed case's sequences (flash-attn's offsets; None: not packed)."""
+    seqs = getattr(report.case, "sequences", None)
+    if seqs is None:
+        return None
+    return {"count": seqs.count, "cu_seqlens_q": list(seqs.cu_q), "cu_seqlens_k": list(seqs.cu_k),
+            "seqused_k": None if seqs.used_k is None else list(seqs.used_k)}
 
 
 def write_json(report: Report, path: Path) -> None:

@@ -58,6 +58,8 @@ def write_junit(report: Report, path: Path) -> None:
             ET.SubElement(case, "failure", type=c.code, message=_xml_text(c.message)).text = _xml_text(c.message)
     for r in report.results:
         name = f"{'kv_head' if getattr(r, 'kv', False) else 'head'}_{r.head}"  # a grouped case's K/V stages
+        if getattr(r, "packed", False):  # a packed case: one per head and sequence
+            name += "_padding_rows" if r.sequence is None else f"_seq_{r.sequence}"
         case = ET.SubElement(suite, "testcase", classname=f"attnstep.{r.stage}", name=name)
         props = ET.SubElement(case, "properties")
         ET.SubElement(props, "property", name="resolution", value=_xml_text(r.resolution))

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from ..check.results import FAIL, INHERITED, MISSING, PASS, STALE, UNCHECKABLE, HeadResult, Report
+from ..check.results import FAIL, INHERITED, MISSING, PASS, STALE, UNCHECKABLE, HeadResult, Report, result_order
 from ..files.resolution import HALF
 from ..stages import RUN_MANIFEST, STAGES
 from ..text import plural
@@ -47,8 +47,7 @@ def culprit(report: Report) -> Optional[HeadResult]:
     if not overwritten(report):
         return report.first_failure
     own = [r for r in report.results if r.status not in (PASS, INHERITED, STALE)]
-    order = {s: i for i, s in enumerate(STAGES)}
-    return min(own, key=lambda r: (order[r.stage], r.head)) if own else None
+    return min(own, key=result_order) if own else None
 
 
 # ---- one failure shared by several heads --------------------------------------------------------
@@ -60,18 +59,19 @@ def _pattern(r: HeadResult) -> Tuple:
     return r.stage, r.status, kind, tuple(d.code for d in r.diagnosis)
 
 
-def failure_groups(report: Report) -> List[Tuple[HeadResult, List[int]]]:
-    """The stage × head results that fail on their own, as (the first head's result, every head
-    failing alike): a FAIL that several heads share is one group. Stale files are left out when
-    many are (the overwritten line covers them), and the stages that cannot be checked
-    (unchecked_line covers them); other statuses name a file each, one per group."""
+def failure_groups(report: Report) -> List[Tuple[HeadResult, List[HeadResult]]]:
+    """The stage × head results that fail on their own, as (the first head's result, every result
+    failing alike): a FAIL that several heads (in a packed case, heads and sequences) share is one
+    group. Stale files are left out when many are (the overwritten line covers them), and the
+    stages that cannot be checked (unchecked_line covers them); other statuses name a file each,
+    one per group (a packed file's every sequence one)."""
     groups: Dict[Tuple, List[HeadResult]] = {}
     for r in report.results:
         if r.status in (PASS, INHERITED, UNCHECKABLE) or (r.status == STALE and overwritten(report)):
             continue
         key = _pattern(r) if r.status == FAIL else (r.stage, r.head)
         groups.setdefault(key, []).append(r)
-    return [(rs[0], [r.head for r in rs]) for rs in groups.values()]
+    return [(rs[0], rs) for rs in groups.values()]
 
 
 def head_ranges(heads: Sequence[int]) -> str:
@@ -105,23 +105,73 @@ def serves(r: HeadResult) -> str:
 
 
 def one_head(r: HeadResult) -> str:
-    """"head 4 (batch 0, head 4)", or "K/V head 1 (batch 0, K/V head 1; query heads 3-5)"."""
+    """"head 4 (batch 0, head 4)", or "K/V head 1 (batch 0, K/V head 1; query heads 3-5)"; in a
+    packed case "head 3, sequence 2 (token 17, packed row 245)"."""
+    if r.packed:
+        return packed_place(r)
     return f"{noun(r)} {r.head} (batch {r.batch}, {noun(r)} {r.head_in_batch}{serves(r)})"
 
 
-def where(r: HeadResult, heads: Sequence[int], report: Report) -> str:
+def packed_place(r: HeadResult) -> str:
+    """A packed case's result in words: its head, its sequence and where in it the worst element
+    is, by the sequence's own numbering and the packed files' ("head 3, sequence 2 (token 17,
+    packed row 245)"); for the key rows no query reads, the packed row."""
+    head = f"{noun(r)} {r.head}" + (f" (query head{'s' if len(r.query_heads) > 1 else ''} "
+                                    f"{head_ranges(list(r.query_heads))})" if r.kv else "")
+    c = r.main
+    at = c.worst if c is not None and c.total and not c.passed else None
+    if r.padding_rows:
+        return f"{head}, key rows no query reads" + (f": packed row {at[0]}" if at else "")
+    if at is None and c is not None and c.total:
+        at = c.worst
+    where = ""
+    if at is not None:
+        row, col = r.packed_position(*at)
+        st = STAGES[r.stage]
+        if st.rows in _ROW_WORDS:
+            where = f" ({_ROW_WORDS[st.rows]} {at[0]}, packed row {row})"
+        elif st.cols in _ROW_WORDS:
+            where = f" ({_ROW_WORDS[st.cols]} {at[1]}, packed column {col})"
+    return f"{head}, sequence {r.sequence}{where}"
+
+
+# What a row (or a column) of a packed stage is, by the stage table's dimension symbol.
+_ROW_WORDS = {"N": "token", "M": "key"}
+
+
+def _sequences_words(rs: Sequence[HeadResult]) -> str:
+    seqs = sorted({r.sequence for r in rs if r.sequence is not None})
+    if not seqs:
+        return "key rows no query reads"
+    return f"sequence{'s' if len(seqs) > 1 else ''} {head_ranges(seqs)}"
+
+
+def _heads_of_stage(report: Report, stage: str) -> int:
+    return len({r.head for r in report.stage_results(stage)})
+
+
+def where(r: HeadResult, rs: Sequence[HeadResult], report: Report) -> str:
     """A failure block's subject: one head, or the heads that fail alike (the first one shown)."""
-    if len(heads) == 1:
+    if len(rs) == 1:
         return f"{r.stage} {one_head(r)}"
-    total = len(report.stage_results(r.stage))
-    return f"{r.stage}, {heads_words(heads, total, noun(r))} alike; {one_head(r)} shown"
+    return f"{r.stage}, {alike_words(rs, report)} alike; {one_head(r)} shown"
+
+
+def alike_words(rs: Sequence[HeadResult], report: Report) -> str:
+    """The heads (and in a packed case the sequences) of results that fail alike."""
+    r = rs[0]
+    heads = sorted({x.head for x in rs})
+    words = heads_words(heads, _heads_of_stage(report, r.stage), noun(r))
+    return f"{words}, {_sequences_words(rs)}" if r.packed else words
 
 
 def culprit_heads(report: Report, first: HeadResult) -> str:
     """The verdict's words for the culprit's head, or for every head that fails alike with it."""
-    for r, heads in failure_groups(report):
-        if r is first and len(heads) > 1:
-            return heads_words(heads, len(report.stage_results(r.stage)), noun(r))
+    for r, rs in failure_groups(report):
+        if r is first and len(rs) > 1:
+            return alike_words(rs, report)
+    if first.packed:
+        return packed_place(first)
     return f"{noun(first)} {first.head}: batch {first.batch}, {noun(first)} {first.head_in_batch}{serves(first)}"
 
 

@@ -31,6 +31,9 @@ def worst_result(results: List[HeadResult]) -> Optional[HeadResult]:
 def _location(r: HeadResult, c: Comparison) -> str:
     if c.worst is None or c.max_abs == 0:
         return "-"
+    if r.packed:  # the sequence's own row and column (the failure lines add the packed row)
+        seq = "pad" if r.sequence is None else f"s{r.sequence}"
+        return f"{'kv' if r.kv else 'h'}{r.head} {seq} [{c.worst[0]},{c.worst[1]}]"
     return f"b{r.batch} {'kv' if r.kv else 'h'}{r.head_in_batch} [{c.worst[0]},{c.worst[1]}]"
 
 
@@ -55,6 +58,9 @@ def header_lines(report: Report) -> List[str]:
     run, d = report.run, report.run.dims
     what = f"run {run.run_id}" if run.run_id else str(run.path or "arrays")
     kv = f" sharing {plural(d.total_kv_heads, 'K/V head')} (kv_heads {d.kv})" if d.kv_heads else ""
+    seqs = getattr(report.case, "sequences", None)
+    if seqs is not None:  # N and M count the packed tokens and keys
+        kv += f", {plural(seqs.count, 'packed sequence')} (each checked as a case of its own)"
     return [f"attnstep check: {what} ({arithmetic(run)}"
             f"{', ' + run.device if run.device else ''}), "
             f"{plural(d.total_heads, 'head')} (batch {d.batch} x {d.heads}){kv}, N={d.seq_q} M={d.seq_k} "
@@ -89,14 +95,15 @@ def table_lines(report: Report, per_head: bool = False) -> List[str]:
         res = report.stage_results(stage)
         groups = [(f"{stage}", res)]
         if per_head:
-            groups = [(f"{stage}[{r.head}]", [r]) for r in res]
+            groups = [(f"{stage}[{r.head}]" + _sequence_label(r), [r]) for r in res]
         for label, rs in groups:
             w = worst_result(rs)
             c = w.main if w else None
-            ok = sum(r.passed for r in rs)
+            heads = {r.head for r in rs}  # (a packed case's head passes when every sequence of it does)
+            ok, count = len(heads - {r.head for r in rs if not r.passed}), len(heads)
             mism = sum((r.main.mismatched if r.main else 0) for r in rs)
             total = sum((r.main.total if r.main else 0) for r in rs)
-            rows.append((label, f"{ok}/{len(rs)}", stage_status(rs),
+            rows.append((label, f"{ok}/{count}", stage_status(rs),
                          _g(c.max_abs) if c else "-", _g(c.max_rel) if c else "-",
                          f"{mism}/{total}", _g(c.tol_used) if c else "-",
                          _location(w, c) if c else "-",
@@ -105,6 +112,13 @@ def table_lines(report: Report, per_head: bool = False) -> List[str]:
     widths = [max(len(str(x)) for x in col) for col in zip(cols, *rows)]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
     return [fmt.format(*cols), fmt.format(*("-" * w for w in widths))] + [fmt.format(*r) for r in rows]
+
+
+def _sequence_label(r: HeadResult) -> str:
+    """A per-head row's sequence in a packed case ("/s2"; "/pad": the key rows no query reads)."""
+    if not r.packed:
+        return ""
+    return "/pad" if r.sequence is None else f"/s{r.sequence}"
 
 
 def resolution_words(results: List[HeadResult]) -> str:
@@ -126,8 +140,8 @@ def _rel(c: Comparison) -> float:
 def failure_lines(report: Report) -> List[str]:
     lines = []
     groups = states.failure_groups(report)  # a failure several heads share is one block
-    for r, heads in groups[:MAX_DETAILED_FAILURES]:
-        where = states.where(r, heads, report)
+    for r, alike in groups[:MAX_DETAILED_FAILURES]:
+        where = states.where(r, alike, report)
         c = r.main
         if r.status != FAIL or c is None:
             lines.append(f"{r.status} {where}: {r.message}")
@@ -145,7 +159,7 @@ def failure_lines(report: Report) -> List[str]:
         for d in r.diagnosis:
             lines.append(f"    diagnosis {d.code}: {d.message}")
     if len(groups) > MAX_DETAILED_FAILURES:
-        more = sum(len(heads) for _, heads in groups[MAX_DETAILED_FAILURES:])
+        more = sum(len(alike) for _, alike in groups[MAX_DETAILED_FAILURES:])
         lines.append(f"... and {more} more failing stage x head pairs (--json has them all)")
     unchecked = states.unchecked_line(report)
     return lines + ([unchecked] if unchecked else [])

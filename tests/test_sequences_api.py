@@ -1,0 +1,83 @@
+"""check_arrays on packed (varlen) tensors, flash-attn's flash_attn_varlen_func layout: q, k, v,
+the outputs and the gradients (total, heads, dim), lse (heads, total), cu_seqlens_q/k and
+seqused_k as ints, NumPy arrays or torch tensors. A correct program passes; one that leaks
+across a sequence boundary fails naming the sequence; arrays that do not fit the offsets are
+named in one line."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from helpers.packed_programs import PackedCase, program_stages
+import attnstep
+
+SHAPE = dict(seqlens_q=[5, 6, 7, 3], seqlens_k=[6, 4, 5, 9], seqused_k=[4, 4, 5, 5], heads=4, kv_heads=2)
+
+
+def varlen(bug=None, shape=SHAPE):
+    """(q, k, v, do, stages, offsets) in flash-attn's varlen layout."""
+    case = PackedCase(**shape)
+    whole, _ = program_stages(case, bug)
+    thd = lambda x: np.ascontiguousarray(x.transpose(1, 0, 2))  # (heads, total, d) -> (total, heads, d)
+    stages = {"flash_output": thd(whole["flash_output"]), "flash_lse": whole["flash_lse"][..., 0],
+              "dQ": thd(whole["dQ"]), "dK": thd(whole["dK"]), "dV": thd(whole["dV"])}
+    offsets = dict(cu_seqlens_q=case.cu_q, cu_seqlens_k=case.cu_k, seqused_k=case.seqused_k)
+    return (*(thd(case.inputs[n]) for n in ("Q", "K", "V", "dO")), stages, offsets)
+
+
+def test_a_correct_varlen_program_passes():
+    q, k, v, do, stages, offsets = varlen()
+    report = attnstep.check_arrays(q, k, v, stages, do=do, **offsets)
+    assert report, attnstep.format_report(report)
+    assert {r.sequence for r in report.stage_results("flash_output")} == {0, 1, 2, 3}
+    assert "4 packed sequences" in attnstep.format_report(report)
+
+
+def test_offsets_as_numpy_int32_and_layout_thd_said():
+    q, k, v, do, stages, offsets = varlen()
+    offsets = {n: np.asarray(x, np.int32) for n, x in offsets.items()}
+    assert attnstep.check_arrays(q, k, v, stages, do=do, layout="thd", **offsets)
+
+
+def test_a_leak_across_the_boundary_fails_naming_the_sequence():
+    q, k, v, do, stages, offsets = varlen("leak")
+    report = attnstep.check_arrays(q, k, v, stages, do=do, **offsets)
+    assert not report
+    assert report.first_failing_stage == "flash_output"
+    assert report.first_failure.sequence == 1
+    assert "flash_output, all 4 heads, sequences 1-3 alike; head 0, sequence 1 (token" in attnstep.format_report(report)
+    with pytest.raises(AssertionError, match="sequence 1"):
+        attnstep.assert_attention_stages(q, k, v, stages, do=do, **offsets)
+
+
+def test_tensors_that_do_not_fit_the_offsets_are_named():
+    q, k, v, do, stages, offsets = varlen()
+    with pytest.raises(ValueError, match="^q has 22 tokens, cu_seqlens_q ends at 21$"):
+        attnstep.check_arrays(np.concatenate([q, q[:1]]), k, v, stages, do=do, **offsets)
+    with pytest.raises(ValueError, match="^k has 23 tokens, cu_seqlens_k ends at 24$"):
+        attnstep.check_arrays(q, k[:-1], v, stages, do=do, **offsets)
+    with pytest.raises(ValueError, match=r"q is \(1, 21, 4, 16\): packed tensors are \(total, heads, dim\)"):
+        attnstep.check_arrays(q[None], k, v, stages, do=do, **offsets)
+    with pytest.raises(ValueError, match='layout="bhsd" with cu_seqlens_q'):
+        attnstep.check_arrays(q, k, v, stages, do=do, layout="bhsd", **offsets)
+    with pytest.raises(ValueError, match="cu_seqlens_q without cu_seqlens_k"):
+        attnstep.check_arrays(q, k, v, stages, do=do, cu_seqlens_q=offsets["cu_seqlens_q"])
+    with pytest.raises(ValueError, match="seqused_k\\[0\\] = 7 is outside 0..6"):
+        attnstep.check_arrays(q, k, v, stages, do=do, **dict(offsets, seqused_k=[7, 4, 5, 5]))
+    with pytest.raises(ValueError, match="stage 'QK' is an n x m block per sequence"):
+        attnstep.check_arrays(q, k, v, {"QK": np.zeros((4, 21, 24))}, **offsets)
+    with pytest.raises(ValueError, match='layout="thd" \\(packed sequences\\) needs cu_seqlens_q'):
+        attnstep.check_arrays(q, k, v, stages, do=do, layout="thd")
+    with pytest.raises(TypeError, match="cu_seqlens_k: expected a 1-d sequence of whole numbers"):
+        attnstep.check_arrays(q, k, v, stages, do=do, **dict(offsets, cu_seqlens_k=[0.0, 6.5]))
+
+
+def test_torch_varlen_tensors():
+    torch = pytest.importorskip("torch", reason="torch is not installed: the NumPy tests cover the same path")
+    q, k, v, do, stages, offsets = varlen()
+    t = lambda x: torch.from_numpy(np.asarray(x))
+    cu = {n: torch.tensor(x, dtype=torch.int32) for n, x in offsets.items()}
+    assert attnstep.check_arrays(t(q), t(k), t(v), {n: t(x) for n, x in stages.items()}, do=t(do), **cu)
+    q, k, v, do, stages, offsets = varlen("off_by_one")
+    report = attnstep.check_arrays(t(q), t(k), t(v), {n: t(x) for n, x in stages.items()}, do=t(do), **cu)
+    assert report.first_failure.sequence == 1

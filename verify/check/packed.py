@@ -1,0 +1,325 @@
+"""Checking a packed case (verify/sequences.py) sequence by sequence.
+
+Each sequence b with queries is an ordinary dense problem: the same heads, K/V heads, d and
+variant, with N = n(b) and M = m(b) (so a causal mask or window aligned bottom-right meets each
+sequence's own corner), checked by the dense engine (compare.check_head, groups.check_summed)
+on a SequenceRun and a SequenceCase: the row slices of the packed per-head files (Q, dO and every
+stage of N rows: rows q_rows(b); K, V, dK, dV and their flash twins: rows k_rows(b); KT: those
+columns) and the sequence's own N×M files, `<stage>_head_{i}_seq_{b}`. A job is still one K/V
+head's group: its packed matrices are read once and sliced for every sequence.
+
+What the dense problems cannot see is checked here, exactly: a sequence that reads no key
+(m(b) = 0) outputs 0 on its rows and flash_lse −inf (+inf accepted, as for any row that sees no
+key); and a key row no query reads (padding past m(b) in a slot, or the keys of a sequence without
+queries) has dK, dV, flash_dK and flash_dV exactly 0.
+"""
+from __future__ import annotations
+
+import os
+import re
+from collections import OrderedDict
+from dataclasses import dataclass, fields, replace
+from typing import Callable, Dict, List, Optional, Tuple
+
+import numpy as np
+
+from ..files.case import InputCase
+from ..files.kinds import CaseError
+from ..files.outputs import RunInfo, StageSource
+from ..files.resolution import EXACT
+from ..sequences import Sequences
+from ..stages import (FLASH_GRAD_KEYS, FLASH_GRAD_VALUES, FLASH_LSE, FORMATS, GRAD_KEYS, GRAD_VALUES, STAGES,
+                      stage_file)
+from ..variant import NONE
+from .diagnosis import Diagnosis
+from .results import FAIL, HeadResult, compare_arrays, result_order
+from .stage_check import STATUS_CODES, Loaded, SequenceRun, load_output, new_result
+
+# The stages a packed run stores per sequence (their N×M matrices are n(b)×m(b) blocks).
+SEQUENCE_STAGES = tuple(s for s, st in STAGES.items() if (st.rows, st.cols) == ("N", "M"))
+# The gradients of the keys: exactly 0 on a key row no query reads.
+KEY_GRADIENTS = (GRAD_KEYS, GRAD_VALUES, FLASH_GRAD_KEYS, FLASH_GRAD_VALUES)
+# The diagnosis of a key row no query reads whose gradient is not 0.
+UNREAD_KEY_ROW = "unread_key_row"
+
+
+def sequence_stage_file(stage: str, head: int, fmt: str, seq: int) -> str:
+    """The file of an N×M stage of head `head` and sequence `seq` in a packed run (the one place
+    this name is built here: docs/contract.md's `<stage>_head_{i}_seq_{b}`)."""
+    return f"{stage}_head_{head}_seq_{seq}.{fmt}"
+
+
+def _sequence_pattern(stage: str, fmt: str, seq: int) -> str:
+    """A StageSource pattern for sequence `seq`'s files of `stage` ({i}: the head)."""
+    return sequence_stage_file(stage, 0, fmt, seq).replace("_head_0_", "_head_{i}_")
+
+
+# ----------------------------------------------------------------------------------------------
+# The N×M stages of a packed run: one file per head and sequence.
+
+def packed_sources(run: RunInfo) -> None:
+    """Puts the N×M stages a packed run holds into run.sources (table order): those listed in
+    run.toml or found with the dense name keep their place; those present only as per-sequence
+    files (another program's run) are found here. A name the sequence cannot be read from (a
+    --name pattern, one .npy for every head, arrays) is refused in one line."""
+    found: Dict[str, set] = {}
+    if run.path is not None:
+        pattern = re.compile(r"(" + "|".join(map(re.escape, SEQUENCE_STAGES)) + r")_head_(?:0|[1-9][0-9]*)_seq_"
+                             r"(?:0|[1-9][0-9]*)\.(" + "|".join(FORMATS) + r")")
+        for entry in os.listdir(run.path):
+            m = pattern.fullmatch(entry)
+            if m:
+                found.setdefault(m.group(1), set()).add(m.group(2))
+    sources = dict(run.sources)
+    for stage in SEQUENCE_STAGES:
+        fmts = sorted(found.get(stage, ()))
+        if len(fmts) > 1:
+            raise CaseError(f"{run.path}: {stage} has both .txt and .npy sequence files; HINT: remove one set")
+        src = sources.get(stage)
+        if src is None:
+            if fmts:
+                sources[stage] = StageSource(stage, run.path, stage_file(stage, 0, fmts[0]).replace("_head_0.",
+                                                                                                   "_head_{i}."))
+            continue
+        if _format_of(src) is None:
+            where = "arrays" if src.arrays is not None else f"'{src.describe()}'"
+            raise CaseError(f"{stage} ({where}): in a packed case {stage} is one n x m matrix per head and "
+                            f"sequence, {sequence_stage_file(stage, 0, 'txt', 0).replace('_0_seq_0', '_{i}_seq_{b}')} "
+                            "(or .npy); HINT: write it per sequence, or leave it out")
+    run.sources = {s: sources[s] for s in STAGES if s in sources}
+
+
+def _format_of(src: StageSource) -> Optional[str]:
+    """The format of a stage's per-head files named as attnstep names them; None for anything else."""
+    if src.arrays is not None:
+        return None
+    for fmt in FORMATS:
+        if src.pattern == stage_file(src.stage, 0, fmt).replace("_head_0.", "_head_{i}."):
+            return fmt
+    return None
+
+
+# ----------------------------------------------------------------------------------------------
+# One sequence as a dense case.
+
+@dataclass
+class SequenceCase(InputCase):
+    """One sequence of a packed input case: `rows` gives a head's input rows (Q and dO: its
+    queries; K and V: the keys it reads), `slope` the packed case's ALiBi slope of a head."""
+    rows: Optional[Callable[[str, int], np.ndarray]] = None
+    slope: Optional[Callable[[int], float]] = None
+
+    def load(self, name: str, head: int) -> np.ndarray:
+        return self.rows(name, head)
+
+    def variant_input(self, name: str, head: int) -> Optional[np.ndarray]:
+        return None  # a packed case has no mask or bias files (refused when it is read)
+
+    def alibi_slope(self, head: int) -> float:
+        return self.slope(head)
+
+
+class PackedRun:
+    """A packed run and its input case, seen sequence by sequence. Holds the packed matrices of
+    the heads one job reads (a K/V head's group; a few more for the diagnoses), read once each."""
+
+    def __init__(self, run: RunInfo, case: InputCase, stages) -> None:
+        self.run, self.case, self.seqs, self.stages = run, case, case.sequences, list(stages)
+        v = run.variant
+        refused = [what for what, on in (("a mask file", v.mask != NONE), ("a bias file", v.bias != NONE),
+                                         ("dropout", v.dropout > 0)) if on]
+        if refused:
+            raise CaseError(f"{run.path or 'the run'}: a packed case cannot have {refused[0]}; HINT: check its "
+                            "sequences as separate cases")
+        self._whole: "OrderedDict[tuple, object]" = OrderedDict()
+        self._keep = (len(STAGES) + 4) * (run.dims.group_size + 1) + 16
+        self._unread = self._unread_key_rows()
+
+    @property
+    def sequences(self) -> Sequences:
+        return self.seqs
+
+    # ---- the packed matrices, read once per job -------------------------------------------------
+
+    def forget(self) -> None:
+        """Drops the packed matrices held (a new job reads other heads)."""
+        self._whole.clear()
+
+    def _cached(self, key: tuple, read: Callable[[], object]):
+        if key in self._whole:
+            self._whole.move_to_end(key)
+            return self._whole[key]
+        value = self._whole[key] = read()
+        while len(self._whole) > self._keep:
+            self._whole.popitem(last=False)
+        return value
+
+    def whole_output(self, stage: str, index: int) -> Loaded:
+        return self._cached(("out", stage, index), lambda: load_output(self.run, stage, index))
+
+    def whole_input(self, name: str, head: int) -> np.ndarray:
+        return self._cached(("in", name, head), lambda: self.case.load(name, head))
+
+    # ---- the rows of a sequence -----------------------------------------------------------------
+
+    def _span(self, sym: str, b: int) -> slice:
+        """The rows (or columns) of sequence b along a dimension of the stage table."""
+        if sym == "N":
+            r = self.seqs.q_rows(b)
+        elif sym == "M":
+            r = self.seqs.k_rows(b)
+        else:
+            return slice(None)
+        return slice(r.start, r.stop)
+
+    def offsets(self, stage: str, b: int) -> Tuple[int, int]:
+        """The packed row and column of sequence b's [0, 0] in `stage`'s matrices."""
+        st = STAGES[stage]
+        return tuple({"N": self.seqs.cu_q[b], "M": self.seqs.cu_k[b]}.get(sym, 0) for sym in (st.rows, st.cols))
+
+    def _output_rows(self, b: int, stage: str, index: int) -> Loaded:
+        mat, resolution, status, msg = self.whole_output(stage, index)
+        if mat is None:
+            return mat, resolution, status, msg
+        st = STAGES[stage]
+        return mat[self._span(st.rows, b), self._span(st.cols, b)].copy(), resolution, None, ""
+
+    def _input_rows(self, b: int, name: str, head: int) -> np.ndarray:
+        return self.whole_input(name, head)[self._span(STAGES[name].rows, b)]
+
+    def sequence(self, b: int) -> Tuple[SequenceRun, SequenceCase]:
+        """Sequence b as a dense run and case of its own."""
+        run, case, seqs = self.run, self.case, self.seqs
+        dims = replace(run.dims, seq_q=seqs.n(b), seq_k=seqs.m(b))
+        own = {s: _sequence_pattern(s, _format_of(src), b) for s, src in run.sources.items() if s in SEQUENCE_STAGES}
+        sources = {s: StageSource(s, run.path, own[s]) if s in own else src for s, src in run.sources.items()}
+        crc = {s: "crc32_" + p.rsplit(".", 1)[0] for s, p in own.items()}
+        values = {f.name: getattr(run, f.name) for f in fields(RunInfo)}
+        sub_run = SequenceRun(**{**values, "dims": dims, "sources": sources},
+                              rows=lambda stage, index: self._output_rows(b, stage, index), crc_names=crc)
+        values = {f.name: getattr(case, f.name) for f in fields(InputCase) if f.init}
+        sub_case = SequenceCase(**{**values, "dims": dims, "sequences": None, "_whole": {}},
+                                rows=lambda name, head: self._input_rows(b, name, head), slope=case.alibi_slope)
+        return sub_run, sub_case
+
+    # ---- a job ----------------------------------------------------------------------------------
+
+    def check(self, kv_head: int, check_dense: Callable[[SequenceRun, SequenceCase], List[HeadResult]]
+              ) -> List[HeadResult]:
+        """Every sequence of K/V head `kv_head`'s group (check_dense: the dense engine's check of
+        the group on one sequence), then its key rows no query reads."""
+        self.forget()
+        out: List[HeadResult] = []
+        try:
+            for b in range(self.seqs.count):
+                if self.seqs.n(b) == 0:
+                    continue  # no query: nothing but its keys' gradients (unread rows) to check
+                results = self._keyless(kv_head, b) if self.seqs.m(b) == 0 else check_dense(*self.sequence(b))
+                for r in results:
+                    r.sequence, r.offsets = b, self.offsets(r.stage, b)
+                out += results
+            out += self._unread_rows(kv_head)
+        finally:
+            self.forget()
+        return sorted(out, key=result_order)
+
+    def _keyless(self, kv_head: int, b: int) -> List[HeadResult]:
+        """Sequence b reads no key: its queries' rows are exactly 0 (flash_lse −inf, or +inf), Q
+        and dO echo their input, within the file's printed resolution."""
+        out = []
+        for head in self.run.dims.query_heads_of(kv_head):
+            for stage in self.stages:
+                if STAGES[stage].rows != "N" or STAGES[stage].cols == "M":
+                    continue  # (an N×M stage of no key has no file; K, V, dK ...: no row of this sequence)
+                res = new_result(self.run, stage, head)
+                mat, resolution, status, msg = self._output_rows(b, stage, head)
+                if mat is None:
+                    res.status, res.message = status, msg
+                    res.diagnosis.append(Diagnosis(STATUS_CODES[status], msg, {}))
+                    out.append(res)
+                    continue
+                if stage == FLASH_LSE:
+                    mat = np.where(mat == np.inf, -np.inf, mat)  # flash-attn's +inf for a row without keys
+                    want = np.full(mat.shape, -np.inf)
+                elif STAGES[stage].inputs:
+                    want = np.zeros(mat.shape)
+                else:
+                    want = self._input_rows(b, stage, head).astype(np.float64)
+                quantum = resolution.quantum(mat)
+                allowed = np.zeros(mat.shape) if quantum is None else quantum
+                res.resolution = resolution.describe()
+                res.chained = res.isolated = compare_arrays(mat, want, allowed)
+                if not res.chained.passed:
+                    res.status = FAIL
+                    res.message = (f"sequence {b} reads no key (m = 0): its rows are "
+                                   + ("-inf (or +inf)" if stage == FLASH_LSE else
+                                      "0" if STAGES[stage].inputs else "the input as read"))
+                out.append(res)
+        return out
+
+    def _unread_key_rows(self) -> np.ndarray:
+        """Each packed key row: whether no query reads it (past m(b) in its slot, or of a
+        sequence without queries)."""
+        seqs = self.seqs
+        unread = np.zeros(seqs.total_k, bool)
+        for b in range(seqs.count):
+            slot, used = seqs.k_slot(b), seqs.k_rows(b)
+            unread[slot.start:slot.stop] = True
+            if seqs.n(b) > 0:
+                unread[used.start:used.stop] = False
+        return unread
+
+    def _why_unread(self, row: int) -> str:
+        seqs = self.seqs
+        b = seqs.sequence_of_key(row)
+        if seqs.n(b) == 0:
+            return f"a key of sequence {b}, which has no queries"
+        return (f"padding of sequence {b}: key {row - seqs.cu_k[b]} of its slot of {len(seqs.k_slot(b))}, past the "
+                f"{seqs.m(b)} it uses")
+
+    def _unread_rows(self, kv_head: int) -> List[HeadResult]:
+        """dK, dV, flash_dK, flash_dV of K/V head `kv_head` on the key rows no query reads: exactly 0."""
+        rows = self._unread
+        if not rows.any():
+            return []
+        out = []
+        for stage in (s for s in self.stages if s in KEY_GRADIENTS):
+            res = new_result(self.run, stage, self.run.dims.query_heads_of(kv_head)[0])
+            res.padding_rows = True
+            mat, resolution, status, msg = self.whole_output(stage, kv_head)
+            if mat is None:
+                res.status, res.message = status, msg
+                res.diagnosis.append(Diagnosis(STATUS_CODES[status], msg, {}))
+                out.append(res)
+                continue
+            got = np.where(rows[:, None], mat, 0.0)
+            comparison = compare_arrays(got, np.zeros(got.shape), np.zeros(got.shape))
+            comparison.total = int(rows.sum()) * got.shape[1]
+            res.chained = res.isolated = comparison
+            res.resolution = resolution.describe() if resolution is not EXACT else EXACT.describe()
+            if not comparison.passed:
+                row = comparison.worst[0]
+                res.status = FAIL
+                res.message = (f"packed key row {row} ({self._why_unread(row)}) is not 0: no query reads it, so its "
+                               f"{stage} is exactly 0")
+                res.diagnosis.append(Diagnosis(UNREAD_KEY_ROW, res.message,
+                                               {"row": row, "sequence": self.seqs.sequence_of_key(row)}))
+            out.append(res)
+        return out
+
+    # ---- what a job holds -----------------------------------------------------------------------
+
+    def sizing_run(self) -> RunInfo:
+        """The run as the memory plan sees one job: its largest sequence's scores (one at a time)."""
+        seqs = self.seqs
+        n = max((seqs.n(b) for b in range(seqs.count)), default=0)
+        m = max((seqs.m(b) for b in range(seqs.count)), default=0)
+        return replace(self.run, dims=replace(self.run.dims, seq_q=max(n, 1), seq_k=max(m, 1)))
+
+    def held_bytes(self) -> int:
+        """The packed matrices a job holds: every stage and input of its heads, float64."""
+        d = self.run.dims
+        per_head = sum(STAGES[s].shape(d)[0] * STAGES[s].shape(d)[1] for s in self.run.stages
+                       if s not in SEQUENCE_STAGES)
+        per_head += (d.seq_q * (d.d_k + d.d_v) + d.seq_k * (d.d_k + d.d_v))
+        return 8 * per_head * (d.group_size + 1)
