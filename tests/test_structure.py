@@ -39,7 +39,7 @@ LAYERS: Tuple[Tuple[str, Set[str]], ...] = (
     ("specs", {"stages", "variant", "text", "model"}),
     ("files", {"stages", "sequences", "variant", "text", "model"}),
     ("runs", {"stages", "variant", "text", "terminal", "files"}),
-    ("check", {"stages", "variant", "text", "model", "specs", "files", "runs"}),
+    ("check", {"stages", "sequences", "variant", "text", "model", "specs", "files", "runs"}),
     ("diagnose", {"stages", "variant", "text", "model", "specs", "check"}),
     ("report", {"stages", "variant", "text", "files", "runs", "check"}),
     ("bench", {"stages", "variant", "text", "terminal", "model", "files", "runs", "report"}),

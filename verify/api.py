@@ -33,22 +33,19 @@ import numpy as np
 from .check import flash_attn_criterion as fa_criterion
 from .check.compare import Options, Report, check_run
 from .diagnose.hypotheses import diagnose
-from .files.arrays import BSHD, LAYOUTS, as_array, is_tensor, bias_heads, dims_of, mask_heads, slopes_rows, stage_heads
+from .files.arrays import LAYOUTS, as_array, bias_heads, dims_of, mask_heads, slopes_rows, stage_heads
 from .files.case import InputCase, check_scale, validate_dims
 from .files.kinds import CaseError
+from .files.packed_arrays import PACKED_LAYOUT, packed_layout, packing
 from .files.outputs import MATH_MODES, RunInfo, StageSource, half_rounding_for
 from .model.half import HALF_ROUNDINGS, rounding_refusal
-from .text import plural
 from .report.text import failure_lines, header_lines, summary_lines, table_lines
-from .sequences import CU_SEQLENS_K, CU_SEQLENS_Q, SEQUSED_K, Sequences, packed_sequences
 from .stages import (ALIBI_SLOPES_INPUT, BIAS_INPUT, DIM_KEYS, DROPOUT_MASK, GRAD_INPUT, INPUT_NAMES, KV_HEADS_KEY,
                      MASK_INPUT, PRECISIONS, STAGES, Dims, default_scale)
 from .variant import (ALIGNMENTS, BROADCAST, NONE, PER_HEAD, TOP_LEFT, UNBOUNDED, Variant, dropout_problem,
                       softcap_problem)
 
 ARRAYS = Path("<arrays>")  # what the report names as the run's and the inputs' place
-# flash-attn's varlen layout: (total tokens, heads, dim), the sequences packed along the tokens.
-PACKED_LAYOUT = "thd"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -261,73 +258,6 @@ def _stage_sources(stages: Mapping[str, object], dims: Dims, layout: str, dropou
             for name in STAGES if name in stages}
 
 
-def _offsets(name: str, x) -> Optional[Tuple[int, ...]]:
-    """Offsets or lengths given as ints, a NumPy array or a torch tensor (int32 on the GPU, as
-    flash-attn takes them): a tuple of ints; None when not given."""
-    if x is None:
-        return None
-    if is_tensor(x):
-        x = x.detach().cpu().numpy()
-    values = np.asarray(x)
-    if values.ndim != 1 or not (values.dtype.kind in "iu" or (values.dtype == object and all(
-            isinstance(i, numbers.Integral) and not _is_bool(i) for i in values))):
-        raise TypeError(f"{name}: expected a 1-d sequence of whole numbers (a list, an int32 array or tensor), got "
-                        f"{type(x).__name__} {values.dtype} of shape {values.shape}")
-    return tuple(int(i) for i in values)
-
-
-def _packing(args: Dict[str, Any], cu_seqlens_q, cu_seqlens_k, seqused_k) -> Optional[Sequences]:
-    """The sequences the arguments pack (None: not packed), and the layout they ask for checked."""
-    cu_q, cu_k, used = (_offsets(n, x) for n, x in ((CU_SEQLENS_Q, cu_seqlens_q), (CU_SEQLENS_K, cu_seqlens_k),
-                                                    (SEQUSED_K, seqused_k)))
-    if cu_q is None and cu_k is None:
-        if used is not None:
-            raise ValueError(f"{SEQUSED_K} without {CU_SEQLENS_Q} and {CU_SEQLENS_K}: it counts the keys of packed "
-                             "sequences")
-        if args["layout"] == PACKED_LAYOUT:
-            raise ValueError(f'layout="{PACKED_LAYOUT}" (packed sequences) needs {CU_SEQLENS_Q}= and {CU_SEQLENS_K}=')
-        args["layout"] = args["layout"] or LAYOUTS[0]
-        return None
-    if cu_q is None or cu_k is None:
-        given, missing = (CU_SEQLENS_Q, CU_SEQLENS_K) if cu_k is None else (CU_SEQLENS_K, CU_SEQLENS_Q)
-        raise ValueError(f"{given} without {missing}: packed sequences need both (B + 1 offsets each)")
-    if args["layout"] not in (None, PACKED_LAYOUT):
-        raise ValueError(f'layout="{args["layout"]}" with {CU_SEQLENS_Q}: packed tensors are (total, heads, dim), '
-                         f'layout="{PACKED_LAYOUT}"')
-    args["layout"] = PACKED_LAYOUT
-    try:
-        return packed_sequences(cu_q, cu_k, used)
-    except ValueError as exc:
-        raise ValueError(str(exc)) from None
-
-
-def _packed_tokens(seqs: Sequences, arrays: Dict[str, Any]) -> None:
-    """Each packed tensor (total, heads, dim) with as many tokens as its offsets end at."""
-    for name, x in arrays.items():
-        if x is None:
-            continue
-        shape = tuple(as_array(x).shape) if not hasattr(x, "shape") else tuple(x.shape)
-        if len(shape) != 3:
-            raise ValueError(f'{name} is {shape}: packed tensors are (total, heads, dim) (layout="{PACKED_LAYOUT}")')
-        cu, total = (CU_SEQLENS_K, seqs.total_k) if name in ("k", "v") else (CU_SEQLENS_Q, seqs.total_q)
-        if shape[0] != total:
-            raise ValueError(f"{name} has {plural(shape[0], 'token')}, {cu} ends at {total}")
-
-
-def _refuse_with_packing(stages: Mapping[str, object], attn_mask, attn_bias, dropout_p: float) -> None:
-    """What a packed case cannot have: the N×M stages (a block per sequence, which arrays do not
-    hold), mask and bias tensors, dropout."""
-    blocks = [n for n in stages if n in STAGES and (STAGES[n].rows, STAGES[n].cols) == ("N", "M")]
-    if blocks:
-        raise ValueError(f"stage {blocks[0]!r} is an n x m block per sequence: not accepted with {CU_SEQLENS_Q} "
-                         "(pass the per-token stages: output, flash_lse, dQ, ...)")
-    for name, given in (("attn_mask", attn_mask is not None), ("attn_bias", attn_bias is not None),
-                        ("dropout_p", bool(dropout_p))):
-        if given:
-            raise ValueError(f"{name} with {CU_SEQLENS_Q}: packed sequences are checked without masks, biases or "
-                             "dropout")
-
-
 def check_arrays(q, k, v, stages: Mapping[str, object], *, do=None, causal=False, align: Optional[str] = None,
                  window: Optional[Tuple[int, int]] = None, softcap: Optional[float] = None, alibi=False,
                  attn_mask=None, attn_bias=None, dropout_p: float = 0.0, layout: Optional[str] = None,
@@ -370,12 +300,10 @@ def check_arrays(q, k, v, stages: Mapping[str, object], *, do=None, causal=False
     backward = sorted(n for n in stages if n in STAGES and STAGES[n].backward)
     if backward and do is None:
         raise ValueError(f"stage {backward[0]!r} is a gradient: pass do= (the output gradient it was computed from)")
-    seqs = _packing(args, cu_seqlens_q, cu_seqlens_k, seqused_k)
+    seqs = packing(args, cu_seqlens_q, cu_seqlens_k, seqused_k)
     layout = args["layout"]
     if seqs is not None:
-        _refuse_with_packing(stages, attn_mask, attn_bias, args["dropout_p"])
-        _packed_tokens(seqs, {"q": q, "k": k, "v": v, "do": do})
-        layout = BSHD  # (total, heads, dim) is BSHD's (seq, heads, dim) without the batch
+        layout = packed_layout(seqs, stages, attn_mask, attn_bias, args["dropout_p"], {"q": q, "k": k, "v": v, "do": do})
     dims, inputs, note = _problem(q, k, v, do, layout, args["allow_nonfinite"])
     note = None if seqs is not None else note  # (the tokens checked against the offsets: no doubt left)
     variant, tensors = _variant(args, attn_mask, attn_bias, dims)

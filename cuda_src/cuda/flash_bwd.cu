@@ -38,6 +38,7 @@
 #include "cuda_check.cuh"
 #include "device.cuh"
 #include "flash_common.cuh"
+#include "flash_scores.cuh"
 #include "flash_dispatch.cuh"
 #include "kernels.cuh"
 

@@ -45,6 +45,7 @@
 #include "cuda_check.cuh"
 #include "device.cuh"
 #include "flash_common.cuh"
+#include "flash_scores.cuh"
 
 namespace attnstep {
 namespace {

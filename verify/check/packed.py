@@ -28,17 +28,13 @@ from ..files.kinds import CaseError
 from ..files.outputs import RunInfo, StageSource
 from ..files.resolution import EXACT
 from ..sequences import Sequences
-from ..stages import (FLASH_GRAD_KEYS, FLASH_GRAD_VALUES, FLASH_LSE, FORMATS, GRAD_KEYS, GRAD_VALUES, STAGES,
-                      stage_file)
+from ..specs import SPECS
+from ..stages import FORMATS, SEQUENCE_STAGES, STAGES, per_sequence, stage_file
 from ..variant import NONE
 from .diagnosis import Diagnosis
 from .results import FAIL, HeadResult, compare_arrays, result_order
 from .stage_check import STATUS_CODES, Loaded, SequenceRun, load_output, new_result
 
-# The stages a packed run stores per sequence (their N×M matrices are n(b)×m(b) blocks).
-SEQUENCE_STAGES = tuple(s for s, st in STAGES.items() if (st.rows, st.cols) == ("N", "M"))
-# The gradients of the keys: exactly 0 on a key row no query reads.
-KEY_GRADIENTS = (GRAD_KEYS, GRAD_VALUES, FLASH_GRAD_KEYS, FLASH_GRAD_VALUES)
 # The diagnosis of a key row no query reads whose gradient is not 0.
 UNREAD_KEY_ROW = "unread_key_row"
 
@@ -191,7 +187,7 @@ class PackedRun:
         """Sequence b as a dense run and case of its own."""
         run, case, seqs = self.run, self.case, self.seqs
         dims = replace(run.dims, seq_q=seqs.n(b), seq_k=seqs.m(b))
-        own = {s: _sequence_pattern(s, _format_of(src), b) for s, src in run.sources.items() if s in SEQUENCE_STAGES}
+        own = {s: _sequence_pattern(s, _format_of(src), b) for s, src in run.sources.items() if per_sequence(s)}
         sources = {s: StageSource(s, run.path, own[s]) if s in own else src for s, src in run.sources.items()}
         crc = {s: "crc32_" + p.rsplit(".", 1)[0] for s, p in own.items()}
         values = {f.name: getattr(run, f.name) for f in fields(RunInfo)}
@@ -238,13 +234,13 @@ class PackedRun:
                     res.diagnosis.append(Diagnosis(STATUS_CODES[status], msg, {}))
                     out.append(res)
                     continue
-                if stage == FLASH_LSE:
-                    mat = np.where(mat == np.inf, -np.inf, mat)  # flash-attn's +inf for a row without keys
-                    want = np.full(mat.shape, -np.inf)
-                elif STAGES[stage].inputs:
-                    want = np.zeros(mat.shape)
-                else:
+                keyless = SPECS[stage].keyless
+                if SPECS[stage].echo:
                     want = self._input_rows(b, stage, head).astype(np.float64)
+                else:
+                    if keyless == -np.inf:
+                        mat = np.where(mat == np.inf, -np.inf, mat)  # flash-attn's +inf for a row without keys
+                    want = np.full(mat.shape, keyless)
                 quantum = resolution.quantum(mat)
                 allowed = np.zeros(mat.shape) if quantum is None else quantum
                 res.resolution = resolution.describe()
@@ -252,8 +248,8 @@ class PackedRun:
                 if not res.chained.passed:
                     res.status = FAIL
                     res.message = (f"sequence {b} reads no key (m = 0): its rows are "
-                                   + ("-inf (or +inf)" if stage == FLASH_LSE else
-                                      "0" if STAGES[stage].inputs else "the input as read"))
+                                   + ("the input as read" if SPECS[stage].echo else
+                                      "-inf (or +inf)" if keyless == -np.inf else f"{keyless:g}"))
                 out.append(res)
         return out
 
@@ -283,7 +279,8 @@ class PackedRun:
         if not rows.any():
             return []
         out = []
-        for stage in (s for s in self.stages if s in KEY_GRADIENTS):
+        # The gradients of the keys (per K/V head, of the backward): exactly 0 on a key row no query reads.
+        for stage in (s for s in self.stages if STAGES[s].kv and STAGES[s].backward):
             res = new_result(self.run, stage, self.run.dims.query_heads_of(kv_head)[0])
             res.padding_rows = True
             mat, resolution, status, msg = self.whole_output(stage, kv_head)
@@ -320,6 +317,6 @@ class PackedRun:
         """The packed matrices a job holds: every stage and input of its heads, float64."""
         d = self.run.dims
         per_head = sum(STAGES[s].shape(d)[0] * STAGES[s].shape(d)[1] for s in self.run.stages
-                       if s not in SEQUENCE_STAGES)
+                       if not per_sequence(s))
         per_head += (d.seq_q * (d.d_k + d.d_v) + d.seq_k * (d.d_k + d.d_v))
         return 8 * per_head * (d.group_size + 1)

@@ -255,6 +255,9 @@ class StageSpec:
     faulty upstream gave it otherwise than the reference computes it (attention_weights: a row its
     own scores leave without a key that the head's mask shows keys normalizes 0/0, NaN where the
     program does not guard such a row); applied to the isolated comparison only.
+    keyless: what every element of a row that sees no key holds when no dense case can hold the
+    row (a packed sequence that reads no key): 0 for the outputs and gradients, −inf for the
+    log-sum-exp (+inf accepted, as canonical says); an echo repeats its input instead.
     dropped: the sources it multiplies by dropout's keep-mask and 1/(1 − p) before a GEMM (the
     weights, for output and dV): a half pipeline may round that product to the format once more.
     rebuild: a backward stage from what it is computed from (specs/backward/reference.py's
@@ -287,6 +290,7 @@ class StageSpec:
     canonical: Optional[Canonical] = None
     passed_on: Optional[PassedOn] = None
     dropped: Tuple[str, ...] = ()
+    keyless: float = 0.0
 
 
 # ---- helpers the invariants share -----------------------------------------------------------

@@ -184,7 +184,7 @@ SPECS = (
               partner=OUTPUT, given_partner=(FLASH_VS_OUTPUT,), with_mask=_with_mask_output,
               from_inputs=_with_mask_output, diagnoses=PATTERNS + ("scaled", "mask", "keys", "overflow"),
               baseline=OUTPUT, variant_sources=flash_sources),
-    StageSpec(FLASH_LSE, reference=_reference(_with_mask_lse), isolated=_lse_isolated,
+    StageSpec(FLASH_LSE, reference=_reference(_with_mask_lse), isolated=_lse_isolated, keyless=-np.inf,
               floor=lambda src: FLUSH * 2 * np.asarray(src[KEYS]).shape[0] + _qk_flush_max(src),
               quantization=_lse_quantization, invariants=(_lse_vs_partner,), scaled=True, partner=SCALED_SCORES,
               given_partner=(LSE_VS_SCORES,),

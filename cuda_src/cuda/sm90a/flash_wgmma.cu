@@ -51,6 +51,7 @@
 #include "../cuda_check.cuh"
 #include "../device.cuh"
 #include "../flash_common.cuh"
+#include "../flash_scores.cuh"
 #include "../flash_dispatch.cuh"
 #include "bulk_copy.cuh"
 #include "flash_wgmma_half.cuh"

@@ -36,6 +36,7 @@
 #include "../cuda_check.cuh"
 #include "../device.cuh"
 #include "../flash_common.cuh"
+#include "../flash_scores.cuh"
 #include "../half_format.cuh"
 #include "bulk_copy.cuh"
 #include "tensor_map.cuh"
