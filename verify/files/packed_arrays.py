@@ -25,11 +25,13 @@ def offsets(name: str, x) -> Optional[Tuple[int, ...]]:
         return None
     if is_tensor(x):
         x = x.detach().cpu().numpy()
+    # A bool among Python ints would become an int in the array: look at the items as given.
+    given_bools = isinstance(x, (list, tuple)) and any(isinstance(i, (bool, np.bool_)) for i in x)
     values = np.asarray(x)
-    if values.ndim != 1 or not (values.dtype.kind in "iu" or (values.dtype == object and all(
+    if given_bools or values.ndim != 1 or not (values.dtype.kind in "iu" or (values.dtype == object and all(
             isinstance(i, numbers.Integral) and not isinstance(i, (bool, np.bool_)) for i in values))):
-        raise TypeError(f"{name}: expected a 1-d sequence of whole numbers (a list, an int32 array or tensor), got "
-                        f"{type(x).__name__} {values.dtype} of shape {values.shape}")
+        got = "a list with a bool" if given_bools else f"{type(x).__name__} {values.dtype} of shape {values.shape}"
+        raise TypeError(f"{name}: expected a 1-d sequence of whole numbers (a list, an int32 array or tensor), got {got}")
     return tuple(int(i) for i in values)
 
 
@@ -52,10 +54,7 @@ def packing(args: Dict[str, Any], cu_seqlens_q, cu_seqlens_k, seqused_k) -> Opti
         raise ValueError(f'layout="{args["layout"]}" with {CU_SEQLENS_Q}: packed tensors are (total, heads, dim), '
                          f'layout="{PACKED_LAYOUT}"')
     args["layout"] = PACKED_LAYOUT
-    try:
-        return packed_sequences(cu_q, cu_k, used)
-    except ValueError as exc:
-        raise ValueError(str(exc)) from None
+    return packed_sequences(cu_q, cu_k, used)
 
 
 def packed_tokens(seqs: Sequences, arrays: Dict[str, Any]) -> None:
