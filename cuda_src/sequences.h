@@ -9,8 +9,12 @@
 // dense problem per sequence (n(b) queries, m(b) keys), so every variant applies within a sequence.
 #pragma once
 
+#include <cmath>
+#include <cstdio>
 #include <string>
 #include <vector>
+
+#include "stages.h"
 
 namespace attnstep {
 
@@ -21,6 +25,18 @@ inline constexpr const char kCuSeqlensK[] = "cu_seqlens_k";
 inline constexpr const char kSequsedK[] = "seqused_k";
 inline constexpr const char* kSequenceFiles[] = {kCuSeqlensQ, kCuSeqlensK, kSequsedK};
 inline constexpr const char kSequencesKey[] = "sequences";
+
+// Every value of those files is a count of tokens: a whole number in 0..kMaxTokens (a dimension's
+// largest, so the offsets and their totals fit seq_q and seq_k), and the number of sequences B is
+// 1..kMaxTokens too.
+inline constexpr long long kMaxTokens = kMaxDim;
+// How much of a token that is not an integer an error quotes.
+inline constexpr int kQuotedTokenLimit = 40;
+// A sequence file in a case that is not packed would be ignored: the words after the file's path
+// (as a slopes file without ALiBi), and the hint.
+inline constexpr const char kNotPacked[] = "exists but the case is not packed";
+inline constexpr const char kNotPackedHint[] =
+    "add sequences = B (the number of sequences) to the manifest, or remove the file";
 
 // The packing of one case; empty (count() == 0) for a case that is not packed. Offsets are checked
 // by sequences_problem before a Sequences is used, and then fit an int (the totals are seq_q and
@@ -76,6 +92,110 @@ inline std::string sequences_problem(const std::vector<long long>& cu_q, const s
         }
     }
     return "";
+}
+
+// ------------------------------------------------------------------------------------------------
+// The rules of one value of a sequence file, in the words both readers say after
+// "<file>:<line>:<col>: " (a text file) or "<file>:row <r>, col 0: " (an .npy file).
+
+// A token from a file as messages show it (verify/text.py printable, for the ASCII a text sequence
+// file holds): control characters escaped, cut to `limit` characters with "..." (whole pieces only).
+inline std::string printable_token(const std::string& token, int limit = kQuotedTokenLimit) {
+    std::vector<std::string> pieces;
+    size_t length = 0;
+    for (unsigned char ch : token) {
+        std::string piece(1, static_cast<char>(ch));
+        if (ch < 0x20 || (ch >= 0x7f && ch < 0xa0)) {
+            char buf[8];
+            std::snprintf(buf, sizeof buf, "\\x%02x", ch);
+            piece = buf;
+        }
+        if (length + piece.size() > static_cast<size_t>(limit)) {
+            const size_t cut = static_cast<size_t>(limit) - 3;
+            while (!pieces.empty() && length > cut) {
+                length -= pieces.back().size();
+                pieces.pop_back();
+            }
+            std::string out;
+            for (const std::string& p : pieces) out += p;
+            return out + "...";
+        }
+        length += piece.size();
+        pieces.push_back(piece);
+    }
+    std::string out;
+    for (const std::string& p : pieces) out += p;
+    return out;
+}
+
+// A value out of 0..kMaxTokens, shown as the file writes it.
+inline std::string count_range_problem(const std::string& shown) {
+    return shown + " is outside 0.." + std::to_string(kMaxTokens) + " (a count of tokens)";
+}
+
+// What is wrong with one token of a text sequence file: an optional sign and decimal digits, whose
+// value is 0..kMaxTokens; "" when it is a valid count (then *value holds it).
+inline std::string integer_token_problem(const std::string& token, long long* value) {
+    const size_t first = !token.empty() && (token[0] == '+' || token[0] == '-') ? 1 : 0;
+    bool digits = first < token.size();
+    for (size_t i = first; i < token.size(); ++i) digits = digits && token[i] >= '0' && token[i] <= '9';
+    if (!digits) return "not an integer: '" + printable_token(token) + "'";
+    // Leading zeros aside, more digits than kMaxTokens has is out of range (and would overflow).
+    size_t lead = first;
+    while (lead + 1 < token.size() && token[lead] == '0') ++lead;
+    const bool negative = token[0] == '-';
+    const std::string magnitude = token.substr(lead);
+    long long v = 0;
+    if (magnitude.size() <= 9) v = std::stoll(magnitude);
+    if (magnitude.size() > 9 || (negative && v != 0) || v > kMaxTokens) return count_range_problem(printable_token(token));
+    *value = v;
+    return "";
+}
+
+// What is wrong with one value of an .npy sequence file: a whole number in 0..kMaxTokens, or "".
+inline std::string count_problem(long long value) {
+    return value < 0 || value > kMaxTokens ? count_range_problem(std::to_string(value)) : "";
+}
+inline std::string count_problem_unsigned(unsigned long long value) {
+    return value > static_cast<unsigned long long>(kMaxTokens) ? count_range_problem(std::to_string(value)) : "";
+}
+// A float32 value: "not an integer" as %.9g shows it, else the range as its integer shows it.
+inline std::string count_problem_float(float f, long long* value) {
+    char buf[64];
+    if (std::isnan(f)) return "not an integer: nan";
+    if (!std::isfinite(f) || f != std::nearbyint(f)) {
+        std::snprintf(buf, sizeof buf, "%.9g", static_cast<double>(f));
+        return std::string("not an integer: ") + buf;
+    }
+    if (f < 0 || f > static_cast<float>(kMaxTokens)) {
+        std::snprintf(buf, sizeof buf, "%.0f", static_cast<double>(f));
+        return count_range_problem(f == 0 ? "0" : buf);
+    }
+    *value = static_cast<long long>(f);
+    return "";
+}
+
+// What a packed case asks for that packing does not support (mask or bias files, dropout), in both
+// readers' words; "" when nothing.
+inline std::string unsupported_with_packing(bool mask, bool bias, bool dropout) {
+    const char* words = mask ? "mask files are" : bias ? "bias files are" : dropout ? "dropout is" : nullptr;
+    return words ? std::string(words) + " not supported with packed sequences" : "";
+}
+
+// The hint of those refusals.
+inline constexpr const char kPackedVariantsHint[] =
+    "packed sequences take causal, windows, softcap, ALiBi and grouped K/V heads; run a sequence that needs a mask, "
+    "a bias or dropout as a case of its own";
+
+// The manifest's `sequences` out of range; a batch other than 1 with it (words after the manifest's
+// place).
+inline std::string sequences_count_problem(long long count) {
+    return std::string(kSequencesKey) + " = " + std::to_string(count) + ": the number of sequences must be in 1.." +
+           std::to_string(kMaxTokens);
+}
+inline std::string packed_batch_problem(long long batch, long long count) {
+    return "batch = " + std::to_string(batch) + " with " + kSequencesKey + " = " + std::to_string(count) +
+           ": a packed case has batch = 1 (its sequences are the batch)";
 }
 
 }  // namespace attnstep

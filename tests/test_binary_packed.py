@@ -313,15 +313,13 @@ def test_refuses_batch_other_than_1(binary, tmp_path):
     in_dir = small(tmp_path)
     replace_line(in_dir / "manifest.toml", "batch = 1", "batch = 2")
     line = refused(binary, in_dir, tmp_path / "out")
-    assert line.endswith("manifest.toml:1:9: batch = 2 in a packed case: the sequences are the batch, so batch "
-                         "must be 1")
+    assert line.endswith("manifest.toml:1:9: batch = 2 with sequences = 2: a packed case has batch = 1 (its "
+                         "sequences are the batch)")
 
 
 @pytest.mark.parametrize("name, words", [
-    (CU_SEQLENS_Q, "cu_seqlens_q.txt: cu_seqlens_q ends at 7 but seq_q = 8: in a packed case seq_q is the total of "
-                   "the packed queries"),
-    (CU_SEQLENS_K, "cu_seqlens_k.txt: cu_seqlens_k ends at 9 but seq_k = 10: in a packed case seq_k is the total of "
-                   "the packed keys")])
+    (CU_SEQLENS_Q, "cu_seqlens_q.txt: ends at 7 (the packed queries), but {case}/manifest.toml says seq_q = 8"),
+    (CU_SEQLENS_K, "cu_seqlens_k.txt: ends at 9 (the packed keys), but {case}/manifest.toml says seq_k = 10")])
 def test_refuses_totals_other_than_seq_q_and_seq_k(binary, tmp_path, name, words):
     # Inputs and a manifest one token longer than the offsets say.
     longer = Packed(cu_q=(0, 3, 8) if name == CU_SEQLENS_Q else SMALL.cu_q,
@@ -329,7 +327,7 @@ def test_refuses_totals_other_than_seq_q_and_seq_k(binary, tmp_path, name, words
     in_dir = small(tmp_path, case=longer)
     offsets = SMALL.cu_q if name == CU_SEQLENS_Q else SMALL.cu_k
     np.savetxt(in_dir / f"{name}.txt", np.array(offsets).reshape(-1, 1), fmt="%d")
-    assert refused(binary, in_dir, tmp_path / "out").endswith(words)
+    assert refused(binary, in_dir, tmp_path / "out").endswith(words.format(case=in_dir))
 
 
 @pytest.mark.parametrize("name", [CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_K])
@@ -339,21 +337,21 @@ def test_refuses_a_sequence_file_in_a_case_not_packed(binary, tmp_path, name):
     for other in {CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_K} - {name}:
         (in_dir / f"{other}.txt").unlink()
     line = refused(binary, in_dir, tmp_path / "out")
-    assert line.endswith(f"{name}.txt: exists but the case is not packed")
+    assert line.endswith(f"{name}.txt: exists but the case is not packed (no sequences = B in manifest.toml)")
 
 
 def test_refuses_a_missing_offsets_file(binary, tmp_path):
     in_dir = small(tmp_path)
     (in_dir / f"{CU_SEQLENS_K}.txt").unlink()
     line = refused(binary, in_dir, tmp_path / "out")
-    assert line.endswith(f"{CU_SEQLENS_K}.txt: missing (the manifest says sequences = 2)")
+    assert line.endswith(f"{CU_SEQLENS_K}.txt: missing file (manifest.toml says sequences = 2)")
 
 
 @pytest.mark.parametrize("text, words", [
-    ("0\n2.5\n7\n", ":2:1: not an integer: '2.5' (B + 1 query offsets)"),
-    ("0\n3e0\n7\n", ":2:1: not an integer: '3e0' (B + 1 query offsets)"),
-    ("0\n3 4\n7\n", ":2:3: row 2 has 2 values; expected one integer per line (B + 1 query offsets)"),
-    ("0\n99999999999999999999\n7\n", ":2:1: '99999999999999999999' is out of the 64-bit integer range"),
+    ("0\n2.5\n7\n", ":2:1: not an integer: '2.5'"),
+    ("0\n3e0\n7\n", ":2:1: not an integer: '3e0'"),
+    ("0\n3 4\n7\n", ":2: extra values: 2 values on this row, expected 1"),
+    ("0\n99999999999999999999\n7\n", ":2:1: 99999999999999999999 is outside 0..16777216 (a count of tokens)"),
 ])
 def test_refuses_offsets_that_are_not_integers(binary, tmp_path, text, words):
     in_dir = small(tmp_path)
@@ -366,7 +364,7 @@ def test_refuses_float32_npy_offsets_that_are_not_integers(binary, tmp_path):
     in_dir = small(tmp_path, case=Packed(cu_q=SMALL.cu_q, cu_k=SMALL.cu_k, heads=1, kv_heads=1, fmt="npy"))
     np.save(in_dir / f"{CU_SEQLENS_K}.npy", np.array([[0], [4.5], [9]], np.float32))
     line = refused(binary, in_dir, tmp_path / "out")
-    assert line.endswith(f"{CU_SEQLENS_K}.npy: row 2, col 1: 4.5 is not an integer (B + 1 key offsets)")
+    assert line.endswith(f"{CU_SEQLENS_K}.npy:row 1, col 0: not an integer: 4.5")
 
 
 def test_accepts_float32_and_uint8_npy_offsets(binary, tmp_path):
@@ -385,21 +383,21 @@ def test_accepts_float32_and_uint8_npy_offsets(binary, tmp_path):
      "cu_seqlens_q.txt: cu_seqlens_q must not decrease: offset 2 is 7 after 8"),
     ({SEQUSED_K: (5, 5)}, "seqused_k.txt: seqused_k[1] = 5 is outside 0..4 (sequence 1's key slot)"),
     ({SEQUSED_K: (5,)}, "seqused_k.txt: seqused_k has 1 values for 2 sequences"),
-    ({CU_SEQLENS_Q: (0, 3, 5, 7)}, "cu_seqlens_q.txt: holds 4 offsets but the manifest says sequences = 2 "
-                                   "(B + 1 = 3 offsets)"),
+    ({CU_SEQLENS_Q: (0, 3, 5, 7)}, "cu_seqlens_q.txt: 4 offsets, but {case}/manifest.toml says sequences = 2, "
+                                   "which takes 3 (B + 1)"),
 ])
 def test_refuses_offsets_that_break_the_rules(binary, tmp_path, files, words):
     in_dir = small(tmp_path)
     for name, values in files.items():
         np.savetxt(in_dir / f"{name}.txt", np.array(values).reshape(-1, 1), fmt="%d")
-    assert refused(binary, in_dir, tmp_path / "out").endswith(words)
+    assert refused(binary, in_dir, tmp_path / "out").endswith(words.format(case=in_dir))
 
 
 def test_refuses_sequences_below_1(binary, tmp_path):
     in_dir = small(tmp_path)
     replace_line(in_dir / "manifest.toml", f"{SEQUENCES_KEY} = 2", f"{SEQUENCES_KEY} = 0")
     assert refused(binary, in_dir, tmp_path / "out").endswith(
-        f"{SEQUENCES_KEY} = 0: must be 1..16777216 (the number of packed sequences)")
+        f"{SEQUENCES_KEY} = 0: the number of sequences must be in 1..16777216")
 
 
 @pytest.mark.parametrize("name, extra", [("mask", 'mask = "broadcast"\n'), ("bias", 'bias = "per-head"\n')])
@@ -410,16 +408,16 @@ def test_refuses_mask_and_bias_files(binary, tmp_path, name, extra):
     save(in_dir / (f"{name}.txt" if name == "mask" else f"{name}_head_0.txt"), values, "txt")
     cov = "broadcast" if name == "mask" else "per-head"
     assert refused(binary, in_dir, tmp_path / "out").endswith(
-        f"manifest.toml:11:{len(name) + 4}: {name} = {cov}: mask and bias files are not supported in a packed case")
+        f'manifest.toml:11:{len(name) + 4}: {name} = "{cov}": {name} files are not supported with packed sequences')
 
 
 def test_refuses_dropout_from_the_manifest_and_the_command_line(binary, tmp_path):
     in_dir = small(tmp_path, "dropout = 0.25\n")
     assert refused(binary, in_dir, tmp_path / "out").endswith(
-        "manifest.toml:11:11: dropout = 0.25: dropout is not supported in a packed case")
+        "manifest.toml:11:11: dropout = 0.25: dropout is not supported with packed sequences")
     replace_line(in_dir / "manifest.toml", "dropout = 0.25\n", "")
     assert refused(binary, in_dir, tmp_path / "out", "--dropout", "0.5").endswith(
-        "main: error: --dropout 0.5: dropout is not supported in a packed case")
+        "main: error: --dropout 0.5: dropout is not supported with packed sequences")
 
 
 def test_refuses_an_offsets_file_of_the_other_format(binary, tmp_path):

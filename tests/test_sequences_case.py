@@ -188,7 +188,7 @@ def test_npy_sequence_files_take_any_integer_type_or_float32_holding_integers(tm
 
 
 @pytest.mark.parametrize("edit, words", [
-    ({SEQUENCES_KEY: 0}, "'sequences' = 0: the number of sequences must be in 1..16777216"),
+    ({SEQUENCES_KEY: 0}, "manifest.toml: sequences = 0: the number of sequences must be in 1..16777216"),
     ({SEQUENCES_KEY: '"3"'}, "'sequences' must be an integer"),
     ({"batch": 2}, "batch = 2 with sequences = 3: a packed case has batch = 1"),
     ({SEQUENCES_KEY: 4}, "cu_seqlens_q.txt: 4 offsets, but"),

@@ -169,6 +169,21 @@ def count_problem(value, shown: Optional[str] = None) -> Optional[str]:
     return None
 
 
+# The hint of those refusals (cuda_src/sequences.h kPackedVariantsHint).
+PACKED_VARIANTS_HINT = ("packed sequences take causal, windows, softcap, ALiBi and grouped K/V heads; run a sequence "
+                        "that needs a mask, a bias or dropout as a case of its own")
+
+
+def sequences_count_problem(count: int) -> str:
+    """The manifest's `sequences` out of 1..MAX_TOKENS (words after the manifest's place)."""
+    return f"{SEQUENCES_KEY} = {count}: the number of sequences must be in 1..{MAX_TOKENS}"
+
+
+def packed_batch_problem(batch: int, count: int) -> str:
+    """A batch other than 1 in a packed case (words after the manifest's place)."""
+    return f"batch = {batch} with {SEQUENCES_KEY} = {count}: a packed case has batch = 1 (its sequences are the batch)"
+
+
 def unsupported_with_packing(mask: bool, bias: bool, dropout: bool) -> Optional[str]:
     """What a packed case asks for that packing does not support (mask or bias files, dropout), in
     both readers' words; None when nothing."""

@@ -329,7 +329,6 @@ InputCase open_input_case(const std::string& dir_in) {
     check_sequence_files(&c, m ? &*m : nullptr);
     check_input_files(c);
     check_variant_files(&c);
-    check_packed_variant(c, m ? &*m : nullptr);
     return c;
 }
 

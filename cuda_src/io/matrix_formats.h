@@ -18,8 +18,8 @@ void read_text(const std::string& path, int rows, int cols, bool allow_nonfinite
 MatrixShape probe_text(const std::string& path);
 void write_text(AtomicFile& out, const float* src, int rows, int cols, const std::string& header);
 
-IntegerColumn read_text_integers(const std::string& path, const std::string& what);
-IntegerColumn read_npy_integers(const std::string& path, const std::string& what);
+IntegerColumn read_text_integers(const std::string& path);
+IntegerColumn read_npy_integers(const std::string& path);
 
 void read_npy(const std::string& path, int rows, int cols, bool allow_nonfinite, const std::string& what,
               float* dst);

@@ -22,8 +22,8 @@ void read_matrix(const std::string& path, Format fmt, int rows, int cols, bool a
     else read_npy(path, rows, cols, allow_nonfinite, what, dst);
 }
 
-IntegerColumn read_integer_column(const std::string& path, Format fmt, const std::string& what) {
-    return fmt == Format::txt ? read_text_integers(path, what) : read_npy_integers(path, what);
+IntegerColumn read_integer_column(const std::string& path, Format fmt) {
+    return fmt == Format::txt ? read_text_integers(path) : read_npy_integers(path);
 }
 
 void write_matrix(AtomicFile& out, Format fmt, const float* src, int rows, int cols,

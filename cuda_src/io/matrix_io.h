@@ -35,14 +35,15 @@ void check_text_file_size(const std::string& path, uint64_t size, int rows, int 
 void read_matrix(const std::string& path, Format fmt, int rows, int cols, bool allow_nonfinite,
                  const std::string& what, float* dst);
 
-// A column of integers, one per row (the packed sequences' offsets and lengths, sequences.h): text
-// one decimal integer per line (an optional sign and digits: no point, no exponent); .npy one
-// column (R, 1) of any little-endian integer dtype, or float32 holding integers. Errors (exit 2)
-// name file:line:col (text) or file, row and col (npy); `what` says what the column holds.
+// A column of counts of tokens, one per row (the packed sequences' offsets and lengths,
+// sequences.h): text one decimal integer per line (an optional sign and digits: no point, no
+// exponent); .npy one column (R, 1) of any little-endian integer dtype, or float32 holding whole
+// numbers; every value 0..kMaxTokens. Errors (exit 2) in the Python reader's words
+// (verify/files/sequence_files.py) name file:line:col (text) or file:row r, col 0 (npy, 0-based).
 struct IntegerColumn {
     std::vector<long long> values;
 };
-IntegerColumn read_integer_column(const std::string& path, Format fmt, const std::string& what);
+IntegerColumn read_integer_column(const std::string& path, Format fmt);
 
 // Writes rows x cols values; text files start with `header` (one '#' comment line, no newline).
 void write_matrix(AtomicFile& out, Format fmt, const float* src, int rows, int cols,

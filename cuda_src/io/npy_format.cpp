@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "../common.h"
+#include "../sequences.h"
 #include "../stages.h"
 #include "atomic_file.h"
 #include "input_file.h"
@@ -46,7 +47,7 @@ const IntegerDtype* integer_dtype(const std::string& descr) {
         if (descr == t.descr) return &t;
     return nullptr;
 }
-const char* kIntegerNpyHint = "write the file with np.save(path, a.astype(np.int64).reshape(-1, 1)) (one column)";
+const char* kIntegerNpyHint = "save with arr.astype(np.int32)";
 
 // An IEEE binary16 value (its bits) as the float32 that equals it: normals and subnormals exactly,
 // +-inf and NaN kept.
@@ -62,15 +63,6 @@ float half_bits_to_float(uint16_t h) {
     }
     v = exp == 0 ? std::ldexp(static_cast<float>(mant), -24) : std::ldexp(static_cast<float>(mant | 0x400u), exp - 25);
     return sign ? -v : v;
-}
-
-// A float32 as the messages show it: %.9g, nan, inf, -inf.
-std::string float_text(float x) {
-    if (std::isnan(x)) return "nan";
-    if (std::isinf(x)) return x > 0 ? "inf" : "-inf";
-    char buf[32];
-    std::snprintf(buf, sizeof buf, "%.9g", static_cast<double>(x));
-    return buf;
 }
 
 const char* kNpyHint = "write the file with np.save(path, a.astype(np.float32)) (a 2-D array)";
@@ -207,14 +199,22 @@ NpyHeader parse_npy_header(const std::string& path, const std::string& head, uin
     bool fortran_order = false;
     std::vector<long long> dims;
     NpyDictParser(path, dict).parse(&descr, &fortran_order, &dims);
-    const char* hint = integers ? kIntegerNpyHint : kNpyHint;
+    const char* hint = integers ? "save np.ascontiguousarray(arr)" : kNpyHint;
+    // A sequence file in the Python reader's words (verify/files/sequence_files.py _npy_counts).
     if (integers && descr != "<f4" && !integer_dtype(descr))
-        fail(kExitBadInput, path + ": dtype '" + descr + "' is not a little-endian integer type or float32 ('<f4')",
+        fail(kExitBadInput, path + ": dtype '" + descr + "', expected an integer type or float32 holding whole numbers",
              kIntegerNpyHint);
     if (!integers && descr != "<f4" && descr != "<f2")
         fail(kExitBadInput, path + ": dtype '" + descr + "' is not little-endian float32 ('<f4') or float16 ('<f2')",
              kNpyHint);
     if (fortran_order) fail(kExitBadInput, path + ": fortran_order arrays are not supported", hint);
+    if (integers && (dims.size() != 2 || dims[1] != 1)) {  // as Python writes the tuple: (), (4,), (4, 2)
+        std::string shape;
+        for (size_t i = 0; i < dims.size(); ++i) shape += (i ? ", " : "") + std::to_string(dims[i]);
+        fail(kExitBadInput, path + ": shape (" + shape + (dims.size() == 1 ? "," : "") +
+                                "), expected a column (rows, 1)",
+             "save arr.reshape(-1, 1)");
+    }
     if (dims.size() != 2) {
         std::string shape;
         for (long long v : dims) shape += std::to_string(v) + ", ";
@@ -284,13 +284,9 @@ void read_npy(const std::string& path, int rows, int cols, bool allow_nonfinite,
                  kNonfiniteHint);
 }
 
-IntegerColumn read_npy_integers(const std::string& path, const std::string& what) {
+IntegerColumn read_npy_integers(const std::string& path) {
     InputFile in(path);
-    const NpyHeader h = read_npy_header(in, true);
-    if (h.shape.cols != 1)
-        fail(kExitBadInput, path + ": shape (" + std::to_string(h.shape.rows) + ", " + std::to_string(h.shape.cols) +
-                                ") is not one column (" + what + ")",
-             kIntegerNpyHint);
+    const NpyHeader h = read_npy_header(in, true);  // one column: its shape is checked there
     const size_t n = static_cast<size_t>(h.shape.rows);
     std::vector<unsigned char> raw(n * h.item);
     if (std::fread(raw.data(), 1, raw.size(), in.get()) != raw.size())
@@ -300,30 +296,26 @@ IntegerColumn read_npy_integers(const std::string& path, const std::string& what
     const IntegerDtype* t = integer_dtype(h.descr);
     for (size_t i = 0; i < n; ++i) {
         const unsigned char* p = raw.data() + i * h.item;
-        if (!t) {  // float32: an integer value only
+        std::string problem;
+        long long value = 0;
+        if (!t) {  // float32: a whole number only
             float f;
             std::memcpy(&f, p, sizeof f);
-            if (!(std::isfinite(f) && f == std::nearbyint(f)))
-                fail(kExitBadInput, path + ": row " + std::to_string(i + 1) + ", col 1: " + float_text(f) +
-                                        " is not an integer (" + what + ")",
-                     kIntegerNpyHint);
-            out.values[i] = static_cast<long long>(f);
-            continue;
-        }
-        uint64_t u = 0;
-        for (size_t k = h.item; k-- > 0;) u = (u << 8) | p[k];  // little-endian
-        if (t->is_signed) {
-            const int bits = static_cast<int>(8 * h.item);
-            const int64_t v = bits == 64 ? static_cast<int64_t>(u)
-                                         : static_cast<int64_t>(u << (64 - bits)) >> (64 - bits);  // sign-extend
-            out.values[i] = v;
-        } else if (u > static_cast<uint64_t>(INT64_MAX)) {
-            fail(kExitBadInput, path + ": row " + std::to_string(i + 1) + ", col 1: " + std::to_string(u) +
-                                    " is out of the 64-bit integer range (" + what + ")",
-                 kIntegerNpyHint);
+            problem = count_problem_float(f, &value);
         } else {
-            out.values[i] = static_cast<long long>(u);
+            uint64_t u = 0;
+            for (size_t k = h.item; k-- > 0;) u = (u << 8) | p[k];  // little-endian
+            if (t->is_signed) {
+                const int bits = static_cast<int>(8 * h.item);
+                value = bits == 64 ? static_cast<int64_t>(u) : static_cast<int64_t>(u << (64 - bits)) >> (64 - bits);
+                problem = count_problem(value);
+            } else {
+                problem = count_problem_unsigned(u);
+                value = static_cast<long long>(u);
+            }
         }
+        if (!problem.empty()) fail(kExitBadInput, path + ":row " + std::to_string(i) + ", col 0: " + problem);
+        out.values[i] = value;
     }
     return out;
 }

@@ -1,6 +1,7 @@
 // sequence_inputs.cpp — the files of a packed case; see sequence_inputs.h.
 #include "sequence_inputs.h"
 
+#include <algorithm>
 #include <filesystem>
 #include <string>
 #include <system_error>
@@ -21,11 +22,6 @@ namespace {
 
 const Format kFormats[] = {Format::txt, Format::npy};
 
-// What the variants a packed case cannot have: the hint of their refusals.
-const char* kPackedVariantsHint =
-    "packed sequences take causal, windows, softcap, ALiBi and grouped K/V heads; run a sequence that needs "
-    "a mask, a bias or dropout as a case of its own";
-
 std::string file_path(const InputCase& c, const char* name, Format fmt) {
     return c.dir + "/" + name + "." + format_name(fmt);
 }
@@ -35,29 +31,16 @@ bool exists(const std::string& path) {
     return fs::exists(path, ec);
 }
 
-// What each file holds, for messages: "B + 1 query offsets".
-const char* column_words(const char* name) {
-    const std::string n = name;
-    return n == kCuSeqlensQ ? "B + 1 query offsets" : n == kCuSeqlensK ? "B + 1 key offsets" : "B keys used";
-}
-
-// Which of the sequence files the case holds, in its format; a file of the other format is an
-// error, as every input's is.
+// Which sequence files the folder holds, in either format.
 struct SequenceFiles {
-    bool has[3] = {false, false, false};
+    bool has[3][2] = {{false, false}, {false, false}, {false, false}};
+    bool any(int i) const { return has[i][0] || has[i][1]; }
 };
 
 SequenceFiles find_files(const InputCase& c) {
     SequenceFiles f;
     for (int i = 0; i < 3; ++i)
-        for (Format fmt : kFormats) {
-            const std::string path = file_path(c, kSequenceFiles[i], fmt);
-            if (!exists(path)) continue;
-            if (fmt != c.format)
-                fail(kExitBadInput, path + ": a ." + format_name(fmt) + " file in a ." + format_name(c.format) + " case",
-                     "a case holds one format; remove the stray file");
-            f.has[i] = true;
-        }
+        for (Format fmt : kFormats) f.has[i][static_cast<int>(fmt)] = exists(file_path(c, kSequenceFiles[i], fmt));
     return f;
 }
 
@@ -68,13 +51,58 @@ std::string problem_file(const InputCase& c, const std::string& words) {
     return c.dir;
 }
 
-// In a packed case seq_q and seq_k are the packed totals (cu_seqlens_q[B], cu_seqlens_k[B]).
-void check_total(const InputCase& c, const char* name, long long total, const char* key, int dim, const char* what) {
+// A case without a manifest has a mask or bias when its files say (`name`, `name`_head_<i>, either
+// format); the first such entry by name is the one an error names.
+std::string first_tensor_file(const InputCase& c, const char* name) {
+    std::vector<std::string> held;
+    bool any = false;
+    std::error_code ec;
+    const std::string prefix = name, head = prefix + "_head_";
+    for (const fs::directory_entry& e : fs::directory_iterator(c.dir, ec)) {
+        const std::string file = e.path().filename().string();
+        const size_t dot = file.rfind('.');
+        if (file.compare(0, prefix.size(), prefix) != 0 || dot == std::string::npos) continue;
+        const std::string ext = file.substr(dot + 1), stem = file.substr(0, dot);
+        if (ext != "txt" && ext != "npy") continue;
+        held.push_back(file);
+        bool per_head = stem.size() > head.size() && stem.compare(0, head.size(), head) == 0;
+        for (size_t i = head.size(); per_head && i < stem.size(); ++i) per_head = stem[i] >= '0' && stem[i] <= '9';
+        any = any || stem == prefix || per_head;
+    }
+    if (!any) return "";
+    std::sort(held.begin(), held.end());
+    return c.dir + "/" + held.front();
+}
+
+// Mask and bias files and dropout in a packed case: an error naming where the case asks for them
+// (the manifest's key, or the file).
+void refuse_unsupported(const InputCase& c, const Manifest* m) {
+    if (m) {
+        const bool mask = c.variant.mask != Coverage::none, bias = c.variant.bias != Coverage::none;
+        const std::string problem = unsupported_with_packing(mask, bias, c.variant.dropout > 0.f);
+        if (problem.empty()) return;
+        const char* key = mask ? kMaskInput : bias ? kBiasInput : "dropout";
+        const std::string value = mask   ? std::string("\"") + coverage_name(c.variant.mask) + "\""
+                                  : bias ? std::string("\"") + coverage_name(c.variant.bias) + "\""
+                                         : toml_float(m->find("dropout")->f);
+        fail(kExitBadInput, m->where(key) + ": " + key + " = " + value + ": " + problem, kPackedVariantsHint);
+    }
+    const std::string mask = first_tensor_file(c, kMaskInput);
+    const std::string bias = mask.empty() ? first_tensor_file(c, kBiasInput) : "";
+    if (mask.empty() && bias.empty()) return;
+    fail(kExitBadInput, (mask.empty() ? bias : mask) + ": " + unsupported_with_packing(!mask.empty(), !bias.empty(), false),
+         kPackedVariantsHint);
+}
+
+// In a packed case seq_q and seq_k are the packed tokens: the offsets' last values.
+void check_total(const InputCase& c, const Manifest* m, const char* name, long long total, const char* key, int dim,
+                 Stage stage, const char* what) {
     if (total == dim) return;
-    fail(kExitBadInput, file_path(c, name, c.format) + ": " + name + " ends at " + std::to_string(total) + " but " + key +
-                            " = " + std::to_string(dim) + ": in a packed case " + key + " is the total of the packed " +
-                            what,
-         "seq_q = cu_seqlens_q[B] and seq_k = cu_seqlens_k[B] (the packed tokens, every key slot whole)");
+    const std::string said = m ? m->path + " says " + key + " = " + std::to_string(dim)
+                               : fs::path(c.file(stage, 0)).filename().string() + " has " + plural(dim, "row");
+    fail(kExitBadInput, file_path(c, name, c.format) + ": ends at " + std::to_string(total) + " (the packed " + what +
+                            "), but " + said,
+         std::string(key) + " is the total of the sequences' lengths");
 }
 
 }  // namespace
@@ -82,79 +110,63 @@ void check_total(const InputCase& c, const char* name, long long total, const ch
 void check_packed_manifest(const InputCase& c, const Manifest& m) {
     const ManifestValue* key = m.find(kSequencesKey);
     if (!key) return;
-    if (key->i < 1 || key->i > kMaxDim)
-        fail(kExitBadInput, m.where(kSequencesKey) + ": " + kSequencesKey + " = " + std::to_string(key->i) +
-                                ": must be 1.." + std::to_string(kMaxDim) + " (the number of packed sequences)",
-             "fix the value in manifest.toml");
+    if (key->i < 1 || key->i > kMaxTokens) fail(kExitBadInput, m.where(kSequencesKey) + ": " + sequences_count_problem(key->i));
     if (c.dims.batch != 1)
-        fail(kExitBadInput, m.where("batch") + ": batch = " + std::to_string(c.dims.batch) +
-                                " in a packed case: the sequences are the batch, so batch must be 1",
-             "pack every sequence along the tokens: batch = 1, seq_q = cu_seqlens_q[B], seq_k = cu_seqlens_k[B]");
-    if (c.variant.dropout > 0.f)
-        fail(kExitBadInput, m.where("dropout") + ": dropout = " + toml_float(m.find("dropout")->f) +
-                                ": dropout is not supported in a packed case",
-             kPackedVariantsHint);
+        fail(kExitBadInput, (m.find("batch") ? m.where("batch") : m.path) + ": " + packed_batch_problem(c.dims.batch, key->i));
 }
 
 void check_sequence_files(InputCase* c, const Manifest* m) {
     const SequenceFiles files = find_files(*c);
     const ManifestValue* key = m ? m->find(kSequencesKey) : nullptr;
-    const bool packed = key || (!m && (files.has[0] || files.has[1]));
-    if (!packed) {
-        for (int i = 0; i < 3; ++i)
-            if (files.has[i])
-                fail(kExitBadInput, file_path(*c, kSequenceFiles[i], c->format) + ": exists but the case is not packed",
-                     m ? std::string("add sequences = B (the number of sequences) to ") + kInputManifestName +
-                             ", or remove the file"
-                       : "a packed case holds cu_seqlens_q and cu_seqlens_k; or remove the file");
-        return;
-    }
-    const std::string why = key ? "the manifest says " + std::string(kSequencesKey) + " = " + std::to_string(key->i)
-                                : "a packed case holds cu_seqlens_q and cu_seqlens_k";
-    std::vector<long long> column[3];
-    for (int i = 0; i < 3; ++i) {
-        const std::string path = file_path(*c, kSequenceFiles[i], c->format);
-        if (!files.has[i]) {
-            if (i == 2) continue;  // optional: every sequence reads its whole slot
-            fail(kExitBadInput, path + ": missing (" + why + ")",
-                 std::string("write ") + kCuSeqlensQ + " and " + kCuSeqlensK + " (B + 1 offsets each, one per line)");
+    const bool packed = m ? key != nullptr : files.any(0) || files.any(1);
+    const int own = static_cast<int>(c->format), other = 1 - own;
+    for (int i = 0; i < 3; ++i) {  // in kSequenceFiles' order, as the Python reader looks
+        if (!files.any(i)) continue;
+        if (!packed) {
+            const Format shown = files.has[i][static_cast<int>(Format::npy)] ? Format::npy : Format::txt;  // sorted first
+            const std::string why = m ? std::string("no ") + kSequencesKey + " = B in " + kInputManifestName
+                                      : std::string("no ") + kCuSeqlensQ + " and " + kCuSeqlensK + " files";
+            fail(kExitBadInput, file_path(*c, kSequenceFiles[i], shown) + ": " + kNotPacked + " (" + why + ")",
+                 kNotPackedHint);
         }
-        column[i] = read_integer_column(path, c->format, column_words(kSequenceFiles[i])).values;
+        if (files.has[i][other]) {
+            const Format f = static_cast<Format>(other);
+            fail(kExitBadInput, file_path(*c, kSequenceFiles[i], f) + ": a ." + format_name(f) + " file in a ." +
+                                    format_name(c->format) + " case",
+                 "a case holds one format; remove the stray file");
+        }
     }
+    if (!packed) return;
+    refuse_unsupported(*c, m);
+    for (int i = 0; i < 2; ++i)
+        if (!files.has[i][own])
+            fail(kExitBadInput, file_path(*c, kSequenceFiles[i], c->format) + ": missing file (" +
+                                    (key ? std::string(kInputManifestName) + " says " + kSequencesKey + " = " +
+                                               std::to_string(key->i)
+                                         : std::string("a packed case has both cu_seqlens files")) +
+                                    ")");
+    std::vector<long long> column[3];
+    column[0] = read_integer_column(file_path(*c, kCuSeqlensQ, c->format), c->format).values;
     if (key && static_cast<long long>(column[0].size()) != key->i + 1)
-        fail(kExitBadInput, file_path(*c, kCuSeqlensQ, c->format) + ": holds " + plural(column[0].size(), "offset") +
-                                " but " + why + " (B + 1 = " + std::to_string(key->i + 1) + " offsets)",
-             std::string("write B + 1 offsets, or fix ") + kSequencesKey + " in manifest.toml");
-    const std::string problem = sequences_problem(column[0], column[1], files.has[2] ? &column[2] : nullptr);
-    if (!problem.empty())
-        fail(kExitBadInput, problem_file(*c, problem) + ": " + problem,
-             "cu_seqlens_q and cu_seqlens_k start at 0 and never decrease (B + 1 offsets each); seqused_k[b] is "
-             "at most sequence b's key slot");
-    check_total(*c, kCuSeqlensQ, column[0].back(), "seq_q", c->dims.N, "queries");
-    check_total(*c, kCuSeqlensK, column[1].back(), "seq_k", c->dims.M, "keys");
+        fail(kExitBadInput, file_path(*c, kCuSeqlensQ, c->format) + ": " +
+                                plural(static_cast<long long>(column[0].size()), "offset") + ", but " + m->path + " says " +
+                                kSequencesKey + " = " + std::to_string(key->i) + ", which takes " +
+                                std::to_string(key->i + 1) + " (B + 1)");
+    column[1] = read_integer_column(file_path(*c, kCuSeqlensK, c->format), c->format).values;
+    const bool used = files.has[2][own];
+    if (used) column[2] = read_integer_column(file_path(*c, kSequsedK, c->format), c->format).values;
+    const std::string problem = sequences_problem(column[0], column[1], used ? &column[2] : nullptr);
+    if (!problem.empty()) fail(kExitBadInput, problem_file(*c, problem) + ": " + problem);
+    check_total(*c, m, kCuSeqlensQ, column[0].back(), "seq_q", c->dims.N, Stage::Q, "queries");
+    check_total(*c, m, kCuSeqlensK, column[1].back(), "seq_k", c->dims.M, Stage::K, "keys");
     c->sequences.cu_q = column[0];
     c->sequences.cu_k = column[1];
     c->sequences.used_k = column[2];
 }
 
-void check_packed_variant(const InputCase& c, const Manifest* m) {
-    if (!c.packed()) return;
-    const struct {
-        const char* name;
-        Coverage cov;
-    } inputs[] = {{kMaskInput, c.variant.mask}, {kBiasInput, c.variant.bias}};
-    for (const auto& in : inputs) {
-        if (in.cov == Coverage::none) continue;
-        const std::string where = m && m->find(in.name) ? m->where(in.name) : c.dir;
-        fail(kExitBadInput, where + ": " + in.name + " = " + coverage_name(in.cov) +
-                                ": mask and bias files are not supported in a packed case",
-             kPackedVariantsHint);
-    }
-}
-
 void check_packed_dropout_option(const InputCase& c, double dropout) {
     if (!c.packed() || !(dropout > 0)) return;
-    fail(kExitBadInput, "--dropout " + toml_float(dropout) + ": dropout is not supported in a packed case",
+    fail(kExitBadInput, "--dropout " + toml_float(dropout) + ": " + unsupported_with_packing(false, false, true),
          kPackedVariantsHint);
 }
 

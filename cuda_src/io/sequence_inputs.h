@@ -8,21 +8,19 @@
 
 namespace attnstep {
 
-// The manifest of a packed case (`sequences = B`): B within 1..kMaxDim, batch = 1, no dropout.
-// Called by open_input_case as soon as the manifest is applied, before any file is looked at.
+// The manifest of a packed case (`sequences = B`): B within 1..kMaxTokens, batch = 1. Called by
+// open_input_case as soon as the manifest is applied, before any file is looked at.
 void check_packed_manifest(const InputCase& c, const Manifest& m);
 
 // Finds and reads the sequence files and sets c->sequences: a case is packed when its manifest has
 // `sequences = B`, or, without a manifest, when it holds cu_seqlens_q or cu_seqlens_k. Refuses
-// (exit 2, one line naming the file or the manifest's line) a sequence file in a case that is not
-// packed, a missing one, a value that is not an integer, offsets sequences_problem refuses, and
-// seq_q or seq_k other than the packed totals. Called
-// by open_input_case once the dimensions are known (m: the manifest, null without one).
+// (exit 2, one line naming the file or the manifest's line), in this order as the Python reader
+// (verify/files/sequence_files.py case_sequences): a sequence file in a case that is not packed or
+// of the other format, mask or bias files or dropout, a missing offsets file, a value that is not a
+// count of tokens, a count of offsets other than the manifest's B + 1, offsets sequences_problem
+// refuses, and seq_q or seq_k other than the packed totals. Called by open_input_case once the
+// dimensions are known (m: the manifest, null without one).
 void check_sequence_files(InputCase* c, const Manifest* m);
-
-// A packed case refuses mask and bias files (called once check_variant_files has set the case's
-// coverage; m as above).
-void check_packed_variant(const InputCase& c, const Manifest* m);
 
 // "--dropout P" on a packed case: refused as the manifest's dropout is.
 void check_packed_dropout_option(const InputCase& c, double dropout);

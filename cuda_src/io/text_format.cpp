@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "../common.h"
+#include "../sequences.h"
 #include "../stages.h"
 #include "atomic_file.h"
 #include "input_file.h"
@@ -168,39 +169,70 @@ void read_text(const std::string& path, int rows, int cols, bool allow_nonfinite
              "the file is truncated or the case's dimensions are wrong");
 }
 
-IntegerColumn read_text_integers(const std::string& path, const std::string& what) {
+// A sequence file (sequences.h) in the Python reader's words (verify/files/sequence_files.py,
+// which walks the rows as verify/files/matrix_io.py text_rows does): ASCII only; lines split at
+// '\n', each stripped of spaces, tabs and '\r'; '#' comment lines skipped; a blank line before a row
+// refused; values separated by spaces, tabs and '\r'; one value a row, a count of tokens.
+IntegerColumn read_text_integers(const std::string& path) {
     InputFile in(path);
-    // One integer per line: at most 21 characters a value (a sign and 20 digits) and a line end;
+    // One count per line: at most 21 characters a value (a sign and 20 digits) and a line end;
     // the slack for comments as a matrix has.
     if (in.size() > kTextSlackBytes + 32ull * static_cast<uint64_t>(kMaxDim) + 32ull)
         fail(kExitBadInput, path + ": " + plural(static_cast<long long>(in.size()), "byte") +
-                                " is more than a column of integers may take (" + what + ")",
+                                " is more than a column of counts may take",
              "the file is not this column of integers");
     const std::string text = in.read_all();
-    const char* hint = "one integer per line (an optional sign and digits), as np.savetxt(path, a, fmt=\"%d\") writes";
+    for (size_t i = 0; i < text.size(); ++i)
+        if (static_cast<unsigned char>(text[i]) >= 0x80)
+            fail(kExitBadInput, path + ": not a text file (non-ASCII byte at offset " + std::to_string(i) + ")",
+                 "is it a .npy file with the wrong extension?");
+    auto separator = [](char ch) { return ch == ' ' || ch == '\t' || ch == '\r'; };
+    struct Row {
+        int line, col;
+        std::vector<std::string> tokens;
+    };
+    std::vector<Row> rows;
+    int line_no = 0, blank_at = 0;
+    for (size_t pos = 0; pos <= text.size();) {
+        size_t end = text.find('\n', pos);
+        if (end == std::string::npos) end = text.size();
+        const std::string line = text.substr(pos, end - pos);
+        pos = end + 1;
+        ++line_no;
+        size_t first = 0, last = line.size();
+        while (first < last && separator(line[first])) ++first;
+        while (last > first && separator(line[last - 1])) --last;
+        if (first < last && line[first] == '#') continue;
+        if (first == last) {
+            if (!blank_at) blank_at = line_no;
+            continue;
+        }
+        if (blank_at)
+            fail(kExitBadInput, path + ":" + std::to_string(blank_at) + ": blank line inside the matrix",
+                 "one matrix row per line, no empty lines");
+        Row row{line_no, static_cast<int>(first) + 1, {}};
+        for (size_t i = first; i < last;) {
+            size_t j = i;
+            while (j < last && !separator(line[j])) ++j;
+            row.tokens.push_back(line.substr(i, j - i));
+            while (j < last && separator(line[j])) ++j;
+            i = j;
+        }
+        rows.push_back(row);
+    }
+    if (rows.empty()) fail(kExitBadInput, path + ": empty file: no matrix rows");
     IntegerColumn out;
-    for_each_text_row(path, text, [&](int line, int row, const std::vector<Token>& tok) {
-        if (tok.size() > 1)
-            fail(kExitBadInput, at(path, line, tok[1].col) + ": row " + std::to_string(row + 1) + " has " +
-                                    plural(static_cast<long long>(tok.size()), "value") + "; expected one integer per line (" +
-                                    what + ")",
-                 hint);
-        const Token& t = tok[0];
-        const char* e = t.begin + t.len;
-        const char* first_digit = t.begin + (t.begin[0] == '+' || t.begin[0] == '-' ? 1 : 0);
-        const bool digits = first_digit < e && std::all_of(first_digit, e, [](char c) { return c >= '0' && c <= '9'; });
+    for (const Row& row : rows) {
+        if (row.tokens.size() != 1)
+            fail(kExitBadInput, path + ":" + std::to_string(row.line) + ": extra values: " +
+                                    plural(static_cast<long long>(row.tokens.size()), "value") + " on this row, expected 1",
+                 "a ragged or truncated row");
         long long v = 0;
-        const std::from_chars_result r = std::from_chars(t.begin + (t.begin[0] == '+' ? 1 : 0), e, v);  // takes '-' only
-        if (!digits)
-            fail(kExitBadInput, at(path, line, t.col) + ": not an integer: '" + std::string(t.begin, std::min<size_t>(t.len, 40)) +
-                                    "' (" + what + ")",
-                 hint);
-        if (r.ec != std::errc())
-            fail(kExitBadInput, at(path, line, t.col) + ": '" + std::string(t.begin, std::min<size_t>(t.len, 40)) +
-                                    "' is out of the 64-bit integer range (" + what + ")",
-                 hint);
+        const std::string problem = integer_token_problem(row.tokens[0], &v);
+        if (!problem.empty())
+            fail(kExitBadInput, path + ":" + std::to_string(row.line) + ":" + std::to_string(row.col) + ": " + problem);
         out.values.push_back(v);
-    });
+    }
     return out;
 }
 

@@ -27,7 +27,7 @@ from ..files.case import InputCase
 from ..files.kinds import CaseError
 from ..files.outputs import RunInfo, StageSource
 from ..files.resolution import EXACT
-from ..sequences import Sequences
+from ..sequences import PACKED_VARIANTS_HINT, Sequences, unsupported_with_packing
 from ..specs import SPECS
 from ..stages import FORMATS, SEQUENCE_STAGES, STAGES, per_sequence, stage_file
 from ..variant import NONE
@@ -122,11 +122,10 @@ class PackedRun:
     def __init__(self, run: RunInfo, case: InputCase, stages) -> None:
         self.run, self.case, self.seqs, self.stages = run, case, case.sequences, list(stages)
         v = run.variant
-        refused = [what for what, on in (("a mask file", v.mask != NONE), ("a bias file", v.bias != NONE),
-                                         ("dropout", v.dropout > 0)) if on]
-        if refused:
-            raise CaseError(f"{run.path or 'the run'}: a packed case cannot have {refused[0]}; HINT: check its "
-                            "sequences as separate cases")
+        # In the readers' words (a run's variant comes from the case, run.toml or check's options).
+        problem = unsupported_with_packing(v.mask != NONE, v.bias != NONE, v.dropout > 0)
+        if problem:
+            raise CaseError(f"{run.path or 'the run'}: {problem}; HINT: {PACKED_VARIANTS_HINT}")
         self._whole: "OrderedDict[tuple, object]" = OrderedDict()
         self._keep = (len(STAGES) + 4) * (run.dims.group_size + 1) + 16
         self._unread = self._unread_key_rows()

@@ -17,9 +17,10 @@ from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
 
-from ..sequences import (CU_SEQLENS_K, CU_SEQLENS_Q, MAX_TOKENS, NOT_PACKED, NOT_PACKED_HINT, SEQUENCE_FILES,
-                         SEQUENCES_KEY, SEQUSED_K, Sequences, count_problem, integer_token_problem, problem_file,
-                         sequences_problem, unsupported_with_packing)
+from ..sequences import (CU_SEQLENS_K, CU_SEQLENS_Q, MAX_TOKENS, NOT_PACKED, NOT_PACKED_HINT, PACKED_VARIANTS_HINT,
+                         SEQUENCE_FILES, SEQUENCES_KEY, SEQUSED_K, Sequences, count_problem, integer_token_problem,
+                         packed_batch_problem, problem_file, sequences_count_problem, sequences_problem,
+                         unsupported_with_packing)
 from ..stages import BIAS_INPUT, FORMATS, INPUT_MANIFEST, KEYS, MASK_INPUT, QUERIES, Dims, stage_file
 from ..text import plural
 from ..variant import NONE, Variant
@@ -110,11 +111,10 @@ def manifest_count(values: dict, manifest: Path) -> Optional[int]:
     if count is None:
         return None
     if not 1 <= count <= MAX_TOKENS:
-        raise CaseError(f"{manifest}: '{SEQUENCES_KEY}' = {count}: the number of sequences must be in 1..{MAX_TOKENS}")
+        raise CaseError(f"{manifest}: {sequences_count_problem(count)}")
     batch = values.get("batch")
     if batch != 1:
-        raise CaseError(f"{manifest}: batch = {batch} with {SEQUENCES_KEY} = {count}: a packed case has batch = 1 "
-                        "(its sequences are the batch)")
+        raise CaseError(f"{manifest}: {packed_batch_problem(batch, count)}")
     return count
 
 
@@ -168,10 +168,10 @@ def _refuse_unsupported(folder: Path, variant: Variant, manifest: bool) -> None:
     if manifest:
         key = "mask" if mask else "bias" if bias else "dropout"
         value = f'"{getattr(variant, key)}"' if key != "dropout" else f"{variant.dropout!r}"
-        raise CaseError(f"{folder / INPUT_MANIFEST}: {key} = {value}: {problem}")
+        raise CaseError(f"{folder / INPUT_MANIFEST}: {key} = {value}: {problem}; HINT: {PACKED_VARIANTS_HINT}")
     name = MASK_INPUT if mask else BIAS_INPUT
     held = sorted(e for e in os.listdir(folder) if e.startswith(name) and e.rpartition(".")[2] in FORMATS)
-    raise CaseError(f"{folder / (held[0] if held else name)}: {problem}")
+    raise CaseError(f"{folder / (held[0] if held else name)}: {problem}; HINT: {PACKED_VARIANTS_HINT}")
 
 
 def _check_totals(seqs: Sequences, dims: Dims, paths, folder: Path, fmt: str, manifest: bool) -> None:
