@@ -5,7 +5,8 @@ a few hundred, 1 and non-multiples of every tile included; d_k = d_v at each fla
 unequal head dims up to MAX_HEAD_DIM), causal or not, every distribution of
 verify.files.generate.DISTRIBUTIONS, both file formats, sometimes an explicit random scale, and about a
 third with the output gradient dO (the backward stages, where the backend computes them), and an
-attention variant over it (tests/helpers/random_cases.py draw_variant_case; a fifth stay textbook):
+attention variant over it (tests/helpers/random_cases.py draw_variant_case; a fifth stay textbook, and a
+share are packed sequences):
 grouped K/V heads (MQA included), either causal alignment, sliding windows (narrow ones, ones that
 leave rows with no key), softcap (caps that saturate, and 30-50), ALiBi (standard or random
 slopes), mask files (document, prefix-LM, random, with empty rows), bias files, dropout, and several
@@ -112,6 +113,22 @@ def test_the_sweep_draws_every_variant():
                    for c in drawn)  # textbook attention
     assert any(c.dims.kv_heads and c.variant.softcap and c.variant.alibi and c.inputs.mask and c.variant.dropout
                for c in cases)  # combined
+
+
+def test_the_sweep_draws_packed_cases():
+    """Packed cases (checked on the first 200), forward and backward, with variants and grouped
+    heads, sequences without queries, without keys, padded key slots; never with mask or bias files
+    or dropout (not supported with packing); at least one among the cases run by default."""
+    cases = [draw_variant_case(i) for i in range(200)]
+    packed = [c for c in cases if c.sequences is not None]
+    assert any(c.sequences is not None for c in cases[:CHUNK])
+    assert {c.backward for c in packed} == {False, True}
+    assert any(c.variant.structural for c in packed) and any(c.dims.kv_heads for c in packed)
+    assert any(c.sequences.count > 1 for c in packed)
+    for empty in (lambda s, b: s.n(b) == 0, lambda s, b: s.m(b) == 0):
+        assert any(empty(c.sequences, b) for c in packed for b in range(c.sequences.count))
+    assert any(c.sequences.used_k is not None for c in packed)
+    assert not any(c.per_element_inputs for c in packed)
 
 
 def _forced_kernel_refuses(backend, case) -> bool:

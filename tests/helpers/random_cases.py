@@ -8,7 +8,11 @@ draw_variant_case(i) lays an attention variant over case i (verify/variant.py): 
 softcap (small caps that saturate, 30-50), ALiBi (standard or random slopes), mask files
 (document, prefix-LM, random, with empty rows), bias files, dropout, and several at once. Its draws
 come from a stream of their own, so the textbook parameters of case i stay the sweep's before
-variants; a case prints the `attnstep generate` command that writes it again."""
+variants; a case prints the `attnstep generate` command that writes it again.
+
+A share of the variant cases without mask or bias files or dropout is packed (verify/sequences.py):
+1 .. MAX_SEQUENCES sequences of the case's heads and head dims, sequences without queries or keys
+and KV-cache padding (seqused_k) included, drawn from a stream of its own."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
@@ -18,6 +22,7 @@ import numpy as np
 
 from verify.files.generate import DISTRIBUTIONS
 from verify.files.patterns import MASK_PATTERNS, PREFIX_LM, RANDOM, SLOPE_CHOICES, VariantInputs
+from verify.sequences import Sequences, sequences_from_lengths
 from verify.stages import FLASH_HEAD_DIMS, FORMATS, MAX_HEAD_DIM, Dims
 from verify.variant import ALIGNMENTS, TENSOR_COVERAGE, UNBOUNDED, Variant
 
@@ -115,6 +120,7 @@ class VariantCase(Case):
     flag) and the generator's mask, bias and slopes inputs."""
     variant: Variant = Variant()
     inputs: VariantInputs = field(default_factory=VariantInputs)
+    sequences: Optional[Sequences] = None  # a packed case's packing (dims: batch 1, the totals)
 
     @property
     def per_element_inputs(self) -> bool:
@@ -125,7 +131,8 @@ class VariantCase(Case):
         """The keyword arguments of verify.files.generate.generate_case that write the case beside
         its dims (the causal flag is the variant's)."""
         return dict(seed=self.index, distribution=self.distribution, fmt=self.fmt,
-                    scale=self.scale, backward=self.backward, variant=self.variant, inputs=self.inputs)
+                    scale=self.scale, backward=self.backward, variant=self.variant, inputs=self.inputs,
+                    sequences=self.sequences)
 
     def generate_command(self) -> List[str]:
         """`attnstep generate` options that write the same case (docs/cli.md), for replaying it."""
@@ -143,6 +150,11 @@ class VariantCase(Case):
             args += ["--mask", x.mask, "--mask-heads", x.mask_heads] + (["--mask-empty-rows"] if x.empty_rows else [])
         args += ["--bias", x.bias, "--bias-heads", x.bias_heads] if x.bias else []
         args += ["--dropout", repr(v.dropout), "--dropout-seed", v.dropout_seed] if v.dropout else []
+        seqs = self.sequences
+        if seqs is not None:
+            lengths = [",".join(str(f(b)) for b in range(seqs.count)) for f in (seqs.n, lambda b: len(seqs.k_slot(b)))]
+            args += ["--seqlens", lengths[0], "--seqlens-k", lengths[1]]
+            args += ["--seqused-k", ",".join(map(str, seqs.used_k))] if seqs.used_k is not None else []
         return [str(a) for a in args]
 
     def __str__(self) -> str:
@@ -188,7 +200,44 @@ def _mask_inputs(rng: np.random.Generator, causal: bool) -> dict:
                 empty_rows=pattern == RANDOM and bool(rng.integers(2)))
 
 
+PACKED_STREAM = 2         # the packing's draws: a stream of their own
+PACKED_SHARE = 0.2        # of the variant cases that can be packed (no mask, bias or dropout) are
+MAX_SEQUENCES = 5
+EMPTY_SHARE = 0.15        # of a packed case's sequences have no queries, or no keys
+USED_K_SHARE = 0.3        # of the packed cases have seqused_k (a KV cache's padded slots)
+
+
+def _packing(index: int, case: "VariantCase") -> Optional[Sequences]:
+    """The packing of case `index` (None: dense): B sequences whose lengths share out about the
+    case's query and key rows (so its size stays the sweep's), some empty, some slots padded."""
+    rng = np.random.default_rng([SWEEP_SEED, index, PACKED_STREAM])
+    if case.per_element_inputs or rng.random() >= PACKED_SHARE:
+        return None
+    count = int(rng.integers(1, MAX_SEQUENCES + 1))
+
+    def lengths(total: int) -> List[int]:
+        out = [0 if rng.random() < EMPTY_SHARE else int(rng.integers(1, max(2, total // count) + 1))
+               for _ in range(count)]
+        out[-1] = max(out[-1], 1 if sum(out) == 0 else 0)  # at least one row in all
+        return out
+
+    n, slots = lengths(case.dims.seq_q), lengths(case.dims.seq_k)
+    used = [int(rng.integers(0, s + 1)) for s in slots] if rng.random() < USED_K_SHARE else None
+    return sequences_from_lengths(n, slots, used)
+
+
 def draw_variant_case(index: int) -> VariantCase:
+    """Case `index` of the sweep (draw_case) with a variant drawn over it and, for a share of
+    those without per-element inputs, packed: the same for every case count and backend."""
+    case = _draw_variant_case(index)
+    seqs = _packing(index, case)
+    if seqs is None:
+        return case
+    dims = replace(case.dims, batch=1, seq_q=seqs.total_q, seq_k=seqs.total_k)
+    return replace(case, dims=dims, sequences=seqs)
+
+
+def _draw_variant_case(index: int) -> VariantCase:
     """Case `index` of the sweep (draw_case) with a variant drawn over it: the same for every case
     count and backend."""
     case = draw_case(index)
@@ -225,6 +274,7 @@ def failures(report) -> list:
     for r in report.results:
         if not r.passed:
             main = r.main
-            found.append((r.stage, r.head, r.status, main.tol_used if main else None, main.worst if main else None,
-                          [v.code for v in r.violations]))
+            where = (r.head,) if r.sequence is None else (r.head, f"sequence {r.sequence}")
+            found.append((r.stage, *where, r.status, main.tol_used if main else None,
+                          main.worst if main else None, [v.code for v in r.violations]))
     return found + [(c.stage, c.code, c.message) for c in report.run_checks if not c.passed]

@@ -16,7 +16,6 @@ queries) has dK, dV, flash_dK and flash_dV exactly 0.
 from __future__ import annotations
 
 import os
-import re
 from collections import OrderedDict
 from dataclasses import dataclass, fields, replace
 from typing import Callable, Dict, List, Optional, Tuple
@@ -29,7 +28,7 @@ from ..files.outputs import RunInfo, StageSource
 from ..files.resolution import EXACT
 from ..sequences import PACKED_VARIANTS_HINT, Sequences, unsupported_with_packing
 from ..specs import SPECS
-from ..stages import FORMATS, SEQUENCE_STAGES, STAGES, per_sequence, stage_file
+from ..stages import FORMATS, SEQUENCE_STAGES, STAGES, parse_stage_file, per_sequence, stage_file
 from ..variant import NONE
 from .diagnosis import Diagnosis
 from .results import FAIL, HeadResult, compare_arrays, result_order
@@ -39,15 +38,9 @@ from .stage_check import STATUS_CODES, Loaded, SequenceRun, load_output, new_res
 UNREAD_KEY_ROW = "unread_key_row"
 
 
-def sequence_stage_file(stage: str, head: int, fmt: str, seq: int) -> str:
-    """The file of an N×M stage of head `head` and sequence `seq` in a packed run (the one place
-    this name is built here: docs/contract.md's `<stage>_head_{i}_seq_{b}`)."""
-    return f"{stage}_head_{head}_seq_{seq}.{fmt}"
-
-
 def _sequence_pattern(stage: str, fmt: str, seq: int) -> str:
     """A StageSource pattern for sequence `seq`'s files of `stage` ({i}: the head)."""
-    return sequence_stage_file(stage, 0, fmt, seq).replace("_head_0_", "_head_{i}_")
+    return stage_file(stage, 0, fmt, seq=seq).replace("_head_0_", "_head_{i}_")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -60,12 +53,10 @@ def packed_sources(run: RunInfo) -> None:
     --name pattern, one .npy for every head, arrays) is refused in one line."""
     found: Dict[str, set] = {}
     if run.path is not None:
-        pattern = re.compile(r"(" + "|".join(map(re.escape, SEQUENCE_STAGES)) + r")_head_(?:0|[1-9][0-9]*)_seq_"
-                             r"(?:0|[1-9][0-9]*)\.(" + "|".join(FORMATS) + r")")
         for entry in os.listdir(run.path):
-            m = pattern.fullmatch(entry)
-            if m:
-                found.setdefault(m.group(1), set()).add(m.group(2))
+            parsed = parse_stage_file(entry)
+            if parsed is not None and parsed.seq is not None and per_sequence(parsed[0]):
+                found.setdefault(parsed[0], set()).add(parsed[2])
     sources = dict(run.sources)
     for stage in SEQUENCE_STAGES:
         fmts = sorted(found.get(stage, ()))
@@ -80,7 +71,7 @@ def packed_sources(run: RunInfo) -> None:
         if _format_of(src) is None:
             where = "arrays" if src.arrays is not None else f"'{src.describe()}'"
             raise CaseError(f"{stage} ({where}): in a packed case {stage} is one n x m matrix per head and "
-                            f"sequence, {sequence_stage_file(stage, 0, 'txt', 0).replace('_0_seq_0', '_{i}_seq_{b}')} "
+                            f"sequence, {stage_file(stage, 0, 'txt', seq=0).replace('_0_seq_0', '_{i}_seq_{b}')} "
                             "(or .npy); HINT: write it per sequence, or leave it out")
     run.sources = {s: sources[s] for s in STAGES if s in sources}
 
@@ -190,7 +181,7 @@ class PackedRun:
         sources = {s: StageSource(s, run.path, own[s]) if s in own else src for s, src in run.sources.items()}
         crc = {s: "crc32_" + p.rsplit(".", 1)[0] for s, p in own.items()}
         values = {f.name: getattr(run, f.name) for f in fields(RunInfo)}
-        sub_run = SequenceRun(**{**values, "dims": dims, "sources": sources},
+        sub_run = SequenceRun(**{**values, "dims": dims, "sources": sources, "sequences": None},
                               rows=lambda stage, index: self._output_rows(b, stage, index), crc_names=crc)
         values = {f.name: getattr(case, f.name) for f in fields(InputCase) if f.init}
         sub_case = SequenceCase(**{**values, "dims": dims, "sequences": None, "_whole": {}},

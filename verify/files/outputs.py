@@ -24,8 +24,9 @@ import numpy as np
 
 from ..model.half import HALF_ROUNDINGS, NEAREST, rounding_refusal  # noqa: F401 (cli's choices)
 from ..model.kernels import KERNELS, kernel_base_name
+from ..sequences import SEQUENCES_KEY, Sequences
 from ..stages import (DIM_KEYS, FORMATS, KV_HEADS_KEY, PRECISIONS, RUN_MANIFEST, STAGES, Dims,
-                      default_scale, parse_stage_file, stage_file)
+                      default_scale, parse_stage_file, per_sequence, stage_file)
 from ..text import plural, printable
 from ..variant import VARIANT_KEYS, Variant, with_causal
 from .case import InputCase, check_scale, check_types, crc32_hex, read_toml, refuse_unused_slopes, validate_dims
@@ -43,7 +44,7 @@ __all__ = ["RunInfo", "Overrides", "Mismatch", "open_run", "load_run", "read_run
 BACKENDS = ("cpu", "cuda")          # what the project's binary writes as run.toml's `backend`
 MATH_MODES = ("ieee", "fast")       # strict IEEE float32, or CUDA's fast-math intrinsics
 TIMING_PREFIX = "time_ms_"           # run.toml's per-stage timings: time_ms_<stage> = milliseconds
-RUN_KEY_TYPES = {**{k: int for k in DIM_KEYS}, KV_HEADS_KEY: int, "run_id": str, "backend": str, "device": str,
+RUN_KEY_TYPES = {**{k: int for k in DIM_KEYS}, KV_HEADS_KEY: int, SEQUENCES_KEY: int, "run_id": str, "backend": str, "device": str,
                  "precision": str, "format": str, "stages": str, CAUSAL_KEY: bool, **VARIANT_KEYS, "scale": float,
                  "flash_block_q": int, "flash_block_k": int, "flash_kernel": str, "poison": bool}
 
@@ -83,6 +84,7 @@ class RunInfo:
     notes: List[str] = field(default_factory=list)
     mismatches: List[Mismatch] = field(default_factory=list)
     variant: Optional[Variant] = None  # what the run is checked against; `causal` mirrors its causal
+    sequences: Optional[Sequences] = None  # a packed case's packing (its N×M stages are per sequence)
 
     def __post_init__(self):
         self.variant = with_causal(self.variant, self.causal)
@@ -183,7 +185,7 @@ def _listed_pattern(folder: Path, stage: str, fmt: str) -> str:
     return per_head.replace("_head_0.", "_head_{i}.")
 
 
-def _run_dims(values: dict, case: InputCase, folder: Path) -> Dims:
+def _run_dims(values: dict, case: InputCase, folder: Path, packing: bool = True) -> Dims:
     given = [k for k in DIM_KEYS if k in values]
     manifest = folder / RUN_MANIFEST
     for key in given:
@@ -196,7 +198,25 @@ def _run_dims(values: dict, case: InputCase, folder: Path) -> Dims:
         raise CaseError(f"{manifest}: {KV_HEADS_KEY} = {kv} but the input case {case.path} has "
                         f"{plural(case.dims.kv, 'K/V head')} per batch element; HINT: the output was computed from "
                         "another input case: run it again")
+    if packing:
+        _check_sequences(values, case, manifest)
     return case.dims
+
+
+def _check_sequences(values: dict, case: InputCase, manifest: Path) -> None:
+    """run.toml's `sequences` (the binary writes it for a packed case, and only then) against the
+    input case's packing: another count, or a packing one side lacks, is another case's run. A
+    run.toml without `backend` (another program's) may leave the key out."""
+    count = values.get(SEQUENCES_KEY)
+    have = None if case.sequences is None else case.sequences.count
+    if count is None and (have is None or "backend" not in values):
+        return
+    if count == have:
+        return
+    ran = f"{SEQUENCES_KEY} = {count}" if count is not None else f"no {SEQUENCES_KEY} (not packed)"
+    asked = plural(have, "packed sequence") if have is not None else "no packing"
+    raise CaseError(f"{manifest}: {ran} but the input case {case.path} has {asked}; HINT: the output was "
+                    "computed from another input case: run it again")
 
 
 def _settings(run: RunInfo, case: InputCase, values: dict, over: Overrides) -> None:
@@ -228,14 +248,15 @@ def half_rounding_for(precision: str, asked: Optional[str]) -> str:
     return asked or NEAREST
 
 
-def open_run(folder: Path, case: InputCase, over: Overrides = Overrides()) -> RunInfo:
-    """The output case in `folder`, read against the input case it was computed from."""
+def open_run(folder: Path, case: InputCase, over: Overrides = Overrides(), packing: bool = True) -> RunInfo:
+    """The output case in `folder`, read against the input case it was computed from (packing:
+    whether `case` says its packing; load_run's, made from run.toml alone, cannot)."""
     folder = Path(folder)
     if not folder.is_dir():
         raise CaseError(f"{folder}: output case folder not found; HINT: run 'attnstep run' first")
     refuse_unfinished(folder)
     values = read_run_manifest(folder)
-    dims = _run_dims(values, case, folder)
+    dims = _run_dims(values, case, folder, packing)
     if "stages" in values:
         sources = _listed_sources(folder, values, over.names)
     else:
@@ -246,7 +267,7 @@ def open_run(folder: Path, case: InputCase, over: Overrides = Overrides()) -> Ru
                             "Name other files with --name STAGE=PATTERN")
     check_heads_named(sources, dims)
     refuse_query_head_kv_files(sources, dims)
-    run = RunInfo(folder, values, dims, sources)
+    run = RunInfo(folder, values, dims, sources, sequences=case.sequences)
     run.verify_crc = any(k.startswith("crc32_") for k in values) or "run_id" in values
     _settings(run, case, values, over)
     refuse_unused_slopes(case, run.variant.alibi)  # (run.toml may be what turned ALiBi on)
@@ -279,7 +300,7 @@ def load_run(folder: Path) -> RunInfo:
     dims = validate_dims(values, str(manifest))
     case = InputCase(folder, dims, values.get("format", FORMATS[0]), scale=values.get("scale"), manifest=True,
                      variant=build_variant(variant_fields(values), str(manifest)))
-    return open_run(folder, case)
+    return open_run(folder, case, packing=False)
 
 
 def stage_files_in(folder: Path, names: Mapping[str, str] = {}) -> List[str]:
@@ -300,9 +321,20 @@ def foreign_stage_files(run: RunInfo) -> List[str]:
     """Stage files in the output folder that the run's manifest does not list (leftovers)."""
     if run.path is None or not run.lists_stages:
         return []
-    listed = {run.sources[s].name(i, run.dims) for s in run.stages for i in range(run.dims.heads_of(s))}
+    listed = {name for s in run.stages for name in run_file_names(run, s)}
     listed |= {src.pattern for src in run.sources.values()}
     return [e for e in stage_files_in(run.path) if e not in listed and e != RUN_MANIFEST]
+
+
+def run_file_names(run: RunInfo, stage: str) -> List[str]:
+    """The files a run of `stage` holds: one per head; in a packed case, an N×M stage named the
+    binary's way has one per head and sequence that has queries and keys instead."""
+    src, heads = run.sources[stage], range(run.dims.heads_of(stage))
+    seqs = run.sequences
+    if seqs is None or not per_sequence(stage) or src.arrays is not None or not src.per_head:
+        return [src.name(i, run.dims) for i in heads]
+    fmt = src.pattern.rpartition(".")[2]
+    return [stage_file(stage, i, fmt, seq=b) for i in heads for b in range(seqs.count) if seqs.n(b) and seqs.m(b)]
 
 
 def staleness(run: RunInfo, stage: str, head: int, data: Optional[bytes]) -> Optional[str]:

@@ -244,8 +244,10 @@ def read_names_file(path: Path) -> Dict[str, str]:
 
 
 def discover_sources(folder: Path, names: Mapping[str, str]) -> Dict[str, StageSource]:
-    """The stages present in `folder`, table order: a name-map entry, `<stage>_head_{i}.txt|npy`,
-    or `<stage>.npy`. Both of the last two for one stage is ambiguous: an error."""
+    """The stages present in `folder`, table order: a name-map entry, `<stage>_head_{i}.txt|npy`
+    (a packed run's `<stage>_head_{i}_seq_{b}` files count as their stage's: the check reads them
+    per sequence, verify/check/packed.py), or `<stage>.npy`. Both of the last two for one stage
+    is ambiguous: an error."""
     entries = set(os.listdir(folder))
     per_head: Dict[str, set] = {}
     for entry in entries:

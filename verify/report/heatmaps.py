@@ -10,7 +10,6 @@ from typing import List, Optional
 
 import numpy as np
 
-from ..check.packed import sequence_stage_file
 from ..check.results import FAIL, INHERITED, Report
 from ..files.case import atomic_write_bytes, file_kind, probe_writable
 from ..files.kinds import CaseError
@@ -117,8 +116,7 @@ def write_plots(report: Report, folder: Path, error_map) -> List[Path]:
         if getattr(r, "packed", False) and (sequence is None or not report.case.sequences.m(sequence)):
             continue
         fig = error_figure(r.stage, r.head, error_map(r.stage, r.head, sequence), tiles, r.kv, sequence)
-        path = folder / (stage_file(r.stage, r.head, "png") if sequence is None else
-                         sequence_stage_file(r.stage, r.head, "png", sequence))
+        path = folder / stage_file(r.stage, r.head, "png", seq=sequence)
         png = io.BytesIO()
         fig.savefig(png, format="png", dpi=90)
         plt.close(fig)
