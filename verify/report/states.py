@@ -121,7 +121,9 @@ def packed_place(r: HeadResult) -> str:
     c = r.main
     at = c.worst if c is not None and c.total and not c.passed else None
     if r.padding_rows:
-        return f"{head}, key rows no query reads" + (f": packed row {at[0]}" if at else "")
+        # KT holds the keys as its columns
+        key = None if at is None else at[1] if STAGES[r.stage].cols == "M" else at[0]
+        return f"{head}, key rows no query reads" + (f": packed row {key}" if at else "")
     if at is None and c is not None and c.total:
         at = c.worst
     where = ""
