@@ -125,6 +125,12 @@ def test_the_case_size_counts_the_sequence_files():
     (("--random-seqlens", "3"), "--random-seqlens 3: expected B,MAX"),
     (("--random-seqlens", "3,0"), "--random-seqlens 3,0: '0' is not a length (a whole number >= 1)"),
     (("--random-seqlens", "3,4", "--seqlens", "1"), "--random-seqlens and --seqlens: choose one"),
+    # Totals beyond a dimension: named by the option that sums to them, not as seq_q or seq_k alone.
+    (("--seqlens", "20000000"), "--seqlens 20000000: 20000000 query tokens in all; seq_q, their total, is at most "
+                                "16777216"),
+    (("--seqlens", "99999999999999999999"), "--seqlens 99999999999999999999: 99999999999999999999 query tokens"),
+    (("--seqlens", "5,17", "--seqlens-k", "16777216,1"), "--seqlens-k 16777216,1: 16777217 key tokens in all; seq_k"),
+    (("--random-seqlens", "2,16777216", "--seed", 1), "--random-seqlens 2,16777216: 22842002 query tokens in all"),
 ])
 def test_bad_packing_options_are_refused_in_one_line_before_writing(tmp_path, args, words):
     assert words in refused(tmp_path / "c", *args)

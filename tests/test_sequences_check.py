@@ -146,3 +146,53 @@ def test_a_missing_sequence_file_is_named(tmp_path):
     assert [(r.head, r.sequence, r.status) for r in bad] == [(1, 2, "MISSING")]
     assert "QK_head_1_seq_2.txt is missing" in bad[0].message
     assert all(r.status == PASS for r in report.stage_results("QK_scaled") if r.sequence != 2 or r.head != 1)
+
+
+# ---- K, V and KT on the key rows no query reads: echoed as read -----------------------------------
+
+# A sequence without queries (1) beside a padded slot (2): key rows 3-7 and 12 are read by no query.
+UNREAD = dict(seqlens_q=[3, 0, 4], seqlens_k=[3, 5, 5], seqused_k=[3, 5, 4], heads=2, kv_heads=1)
+
+
+def _run_with(tmp_path, shape, path, edit):
+    """A correct run of `shape` whose file `path` (in the run) `edit` changes, checked."""
+    case = PackedCase(**shape)
+    write_case(case, tmp_path / "in")
+    run_program(case, tmp_path / "out", ALL)
+    mat = np.loadtxt(tmp_path / "out" / path, ndmin=2)
+    edit(mat)
+    write_text(tmp_path / "out" / path, mat)
+    return check_packed(tmp_path / "in", tmp_path / "out")
+
+
+def test_a_correct_run_echoes_k_v_and_kt_on_the_key_rows_no_query_reads(tmp_path):
+    report = packed_run(tmp_path, UNREAD)
+    assert report.passed, text(report)
+    for stage in ("K", "V", "KT", "dK", "flash_dV"):
+        unread = [r for r in report.stage_results(stage) if r.padding_rows]
+        assert len(unread) == 1 and unread[0].main.total == 6 * 16, stage
+
+
+def test_a_garbage_k_row_in_a_padded_slot_fails_naming_the_packed_row(tmp_path):
+    def garbage(mat):
+        mat[5] = 7.0   # packed key row 5: key 5 of sequence 0's slot of 6, which reads 4
+    report = _run_with(tmp_path, MIXED, "K_head_1.txt", garbage)
+    bad = failing(report, "K")
+    assert [(r.head, r.padding_rows) for r in bad] == [(1, True)], text(report)
+    assert bad[0].diagnosis[0].code == UNREAD_KEY_ROW
+    assert ("packed key row 5 (padding of sequence 0: key 5 of its slot of 6, past the 4 it uses) is not the "
+            "input's: no query reads it, but its K is still the input as read") in bad[0].message
+    assert "K K/V head 1 (query heads 2-3), key rows no query reads: packed row 5" in text(report)
+    assert all(r.passed for r in report.stage_results("K") if not r.padding_rows)
+
+
+def test_a_garbage_kt_column_of_a_sequence_without_queries_fails_naming_the_packed_row(tmp_path):
+    def garbage(mat):
+        mat[2, 6] += 0.5   # packed key row 6: a key of sequence 1, which has no queries
+    report = _run_with(tmp_path, UNREAD, "KT_head_0.txt", garbage)
+    bad = failing(report, "KT")
+    assert [(r.head, r.padding_rows, r.main.worst) for r in bad] == [(0, True, (2, 6))], text(report)
+    assert ("packed key row 6 (a key of sequence 1, which has no queries) is not the input's: no query reads it, "
+            "but its KT is still K transposed, as read") in bad[0].message
+    assert "KT K/V head 0 (query heads 0-1), key rows no query reads: packed row 6" in text(report)
+    assert report.first_failing_stage == "KT"

@@ -11,7 +11,8 @@ head's group: its packed matrices are read once and sliced for every sequence.
 What the dense problems cannot see is checked here, exactly: a sequence that reads no key
 (m(b) = 0) outputs 0 on its rows and flash_lse −inf (+inf accepted, as for any row that sees no
 key); and a key row no query reads (padding past m(b) in a slot, or the keys of a sequence without
-queries) has dK, dV, flash_dK and flash_dV exactly 0.
+queries) has dK, dV, flash_dK and flash_dV exactly 0, and K, V and KT (its column) echo the input
+as read.
 """
 from __future__ import annotations
 
@@ -25,7 +26,6 @@ import numpy as np
 from ..files.case import InputCase
 from ..files.kinds import CaseError
 from ..files.outputs import RunInfo, StageSource
-from ..files.resolution import EXACT
 from ..sequences import PACKED_VARIANTS_HINT, Sequences, unsupported_with_packing
 from ..specs import SPECS
 from ..stages import FORMATS, SEQUENCE_STAGES, STAGES, parse_stage_file, per_sequence, stage_file
@@ -34,7 +34,8 @@ from .diagnosis import Diagnosis
 from .results import FAIL, HeadResult, compare_arrays, result_order
 from .stage_check import STATUS_CODES, Loaded, SequenceRun, load_output, new_result
 
-# The diagnosis of a key row no query reads whose gradient is not 0.
+# The diagnosis of a key row no query reads whose gradient is not 0 or whose K, V or KT is not
+# the input's.
 UNREAD_KEY_ROW = "unread_key_row"
 
 
@@ -264,13 +265,15 @@ class PackedRun:
                 f"{seqs.m(b)} it uses")
 
     def _unread_rows(self, kv_head: int) -> List[HeadResult]:
-        """dK, dV, flash_dK, flash_dV of K/V head `kv_head` on the key rows no query reads: exactly 0."""
+        """K/V head `kv_head`'s stages on the key rows no query reads: dK, dV, flash_dK, flash_dV
+        exactly 0; K, V echo the input as read and KT's columns are K's rows (within the file's
+        printed resolution, as every echo)."""
         rows = self._unread
         if not rows.any():
             return []
         out = []
-        # The gradients of the keys (per K/V head, of the backward): exactly 0 on a key row no query reads.
-        for stage in (s for s in self.stages if STAGES[s].kv and STAGES[s].backward):
+        for stage in (s for s in self.stages if STAGES[s].kv):
+            st = STAGES[stage]
             res = new_result(self.run, stage, self.run.dims.query_heads_of(kv_head)[0])
             res.padding_rows = True
             mat, resolution, status, msg = self.whole_output(stage, kv_head)
@@ -279,16 +282,28 @@ class PackedRun:
                 res.diagnosis.append(Diagnosis(STATUS_CODES[status], msg, {}))
                 out.append(res)
                 continue
-            got = np.where(rows[:, None], mat, 0.0)
-            comparison = compare_arrays(got, np.zeros(got.shape), np.zeros(got.shape))
-            comparison.total = int(rows.sum()) * got.shape[1]
+            # KT holds the keys as columns: the unread keys are its columns there.
+            unread = rows[None, :] if st.cols == "M" else rows[:, None]
+            if st.backward:
+                want, allowed = np.zeros(mat.shape), np.zeros(mat.shape)
+                rule = "is not 0: no query reads it, so its {stage} is exactly 0"
+            else:
+                # K and V echo their input; KT is its one input (K), transposed (keys along its columns)
+                want = self.whole_input(st.inputs[0] if st.inputs else stage, kv_head).astype(np.float64)
+                want = want.T if st.cols == "M" else want
+                quantum = resolution.quantum(mat)
+                allowed = np.zeros(mat.shape) if quantum is None else quantum
+                rule = ("is not the input's: no query reads it, but its {stage} is still " +
+                        (f"{st.meaning}, as read" if st.inputs else "the input as read"))
+            res.resolution = resolution.describe()
+            mask = np.broadcast_to(unread, mat.shape)
+            comparison = compare_arrays(np.where(mask, mat, 0.0), np.where(mask, want, 0.0), np.where(mask, allowed, 0.0))
+            comparison.total = int(mask.sum())
             res.chained = res.isolated = comparison
-            res.resolution = resolution.describe() if resolution is not EXACT else EXACT.describe()
             if not comparison.passed:
-                row = comparison.worst[0]
+                row = comparison.worst[1] if st.cols == "M" else comparison.worst[0]
                 res.status = FAIL
-                res.message = (f"packed key row {row} ({self._why_unread(row)}) is not 0: no query reads it, so its "
-                               f"{stage} is exactly 0")
+                res.message = f"packed key row {row} ({self._why_unread(row)}) " + rule.format(stage=stage)
                 res.diagnosis.append(Diagnosis(UNREAD_KEY_ROW, res.message,
                                                {"row": row, "sequence": self.seqs.sequence_of_key(row)}))
             out.append(res)

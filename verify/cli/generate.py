@@ -117,23 +117,30 @@ def _packing(seqlens, seqlens_k, seqused_k, random, seed) -> Optional[Sequences]
             raise CaseError(f"--random-seqlens {random}: expected B,MAX (the number of sequences and the longest "
                             f"length, each 1..{MAX_TOKENS})")
         seqlens_q = random_seqlens(parts[0], parts[1], seed)
+        said_q = ("--random-seqlens", random)
     elif seqlens:
         seqlens_q = _lengths("--seqlens", seqlens)
+        said_q = ("--seqlens", seqlens)
     else:
         return None
     keys = _lengths("--seqlens-k", seqlens_k) if seqlens_k else None
     if keys is not None and len(keys) != len(seqlens_q):
         raise CaseError(f"--seqlens-k {seqlens_k}: {plural(len(keys), 'length')} for {len(seqlens_q)} sequences "
                         "(--seqlens)")
-    try:
-        seqs = sequences_from_lengths(seqlens_q, keys, _lengths("--seqused-k", seqused_k) if seqused_k else None)
-    except ValueError as exc:  # only seqused_k's rules remain to break
-        raise CaseError(f"--seqused-k {seqused_k}: {exc}") from None
-    said_k = ("--seqlens-k", seqlens_k) if keys is not None else ("--seqlens", seqlens)
-    for total, what, (option, text) in ((seqs.total_q, "query", ("--seqlens", seqlens)), (seqs.total_k, "key", said_k)):
+    # The totals are the case's seq_q and seq_k: said here in the options' words, before they
+    # become dimensions (or overflow the offsets' integers).
+    said_k = ("--seqlens-k", seqlens_k) if keys is not None else said_q
+    for total, what, key, (option, text) in ((sum(seqlens_q), "query", "seq_q", said_q),
+                                             (sum(seqlens_q if keys is None else keys), "key", "seq_k", said_k)):
         if total == 0:  # random lengths are 1 at least
             raise CaseError(f"{option} {text}: no {what} in all; a case needs one at least")
-    return seqs
+        if total > MAX_TOKENS:
+            raise CaseError(f"{option} {text}: {total} {what} tokens in all; {key}, their total, is at most "
+                            f"{MAX_TOKENS}")
+    try:
+        return sequences_from_lengths(seqlens_q, keys, _lengths("--seqused-k", seqused_k) if seqused_k else None)
+    except ValueError as exc:  # only seqused_k's rules remain to break
+        raise CaseError(f"--seqused-k {seqused_k}: {exc}") from None
 
 
 def _packed_dims(seqs: Sequences, option: str, dims: Dims, variant: Variant, inputs: VariantInputs) -> Dims:
