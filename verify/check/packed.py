@@ -297,7 +297,8 @@ class PackedRun:
                         (f"{st.meaning}, as read" if st.inputs else "the input as read"))
             res.resolution = resolution.describe()
             mask = np.broadcast_to(unread, mat.shape)
-            comparison = compare_arrays(np.where(mask, mat, 0.0), np.where(mask, want, 0.0), np.where(mask, allowed, 0.0))
+            comparison = compare_arrays(np.where(mask, mat, 0.0), np.where(mask, want, 0.0),
+                                        np.where(mask, allowed, 0.0))
             comparison.total = int(mask.sum())
             res.chained = res.isolated = comparison
             if not comparison.passed:
