@@ -32,18 +32,20 @@ import numpy as np
 
 from .check import flash_attn_criterion as fa_criterion
 from .check.compare import Options, Report, check_run
+from .check.paged import cache_after_checks, diagnose_paged
 from .diagnose.hypotheses import diagnose
 from .files.arrays import LAYOUTS, as_array, bias_heads, dims_of, mask_heads, slopes_rows, stage_heads
 from .files.case import InputCase, check_scale, validate_dims
 from .files.kinds import CaseError
+from .files.kv_cache import kv_cache, packed_keys, step_stages
 from .files.packed_arrays import PACKED_LAYOUT, packed_layout, packing
 from .files.outputs import MATH_MODES, RunInfo, StageSource, half_rounding_for
 from .model.half import HALF_ROUNDINGS, rounding_refusal
 from .report.text import failure_lines, header_lines, summary_lines, table_lines
 from .stages import (ALIBI_SLOPES_INPUT, BIAS_INPUT, DIM_KEYS, DROPOUT_MASK, GRAD_INPUT, INPUT_NAMES, KV_HEADS_KEY,
                      MASK_INPUT, PRECISIONS, STAGES, Dims, default_scale)
-from .variant import (ALIGNMENTS, BROADCAST, NONE, PER_HEAD, TOP_LEFT, UNBOUNDED, Variant, dropout_problem,
-                      softcap_problem)
+from .variant import (ALIGNMENTS, BOTTOM_RIGHT, BROADCAST, NONE, PER_HEAD, TOP_LEFT, UNBOUNDED, Variant,
+                      dropout_problem, softcap_problem)
 
 ARRAYS = Path("<arrays>")  # what the report names as the run's and the inputs' place
 
@@ -294,13 +296,20 @@ def check_arrays(q, k, v, stages: Mapping[str, object], *, do=None, causal=False
     args = _validated(stages=stages, causal=causal, align=align, window=window, softcap=softcap, alibi=alibi,
                       dropout_p=dropout_p, layout=layout, scale=scale, precision=precision, math=math, atol=atol,
                       rtol=rtol, jobs=jobs, allow_nonfinite=allow_nonfinite, half_rounding=half_rounding)
+    offsets = (cu_seqlens_q, cu_seqlens_k, seqused_k)
+    return check_run(*_opened(q, k, v, stages, do, args, attn_mask, attn_bias, offsets), diagnoser=diagnose)
+
+
+def _opened(q, k, v, stages, do, args: Dict[str, Any], attn_mask, attn_bias,
+            offsets) -> Tuple[RunInfo, InputCase, Options]:
+    """The run, the input case and the options that check_arrays' validated arguments describe."""
     refusal = rounding_refusal(args["precision"], args["half_rounding"], "half_rounding")
     if refusal:
         raise ValueError(refusal)
     backward = sorted(n for n in stages if n in STAGES and STAGES[n].backward)
     if backward and do is None:
         raise ValueError(f"stage {backward[0]!r} is a gradient: pass do= (the output gradient it was computed from)")
-    seqs = packing(args, cu_seqlens_q, cu_seqlens_k, seqused_k)
+    seqs = packing(args, *offsets)
     layout = args["layout"]
     if seqs is not None:
         layout = packed_layout(seqs, stages, attn_mask, attn_bias, args["dropout_p"], {"q": q, "k": k, "v": v, "do": do})
@@ -316,7 +325,51 @@ def check_arrays(q, k, v, stages: Mapping[str, object], *, do=None, causal=False
     if note:
         run.notes.append(note)
     options = Options(atol=args["atol"], rtol=args["rtol"], jobs=args["jobs"], allow_nonfinite=args["allow_nonfinite"])
-    return check_run(run, case, options, diagnoser=diagnose)
+    return run, case, options
+
+
+def check_kvcache(q, k_cache, v_cache, stages: Mapping[str, object], *, cache_seqlens, block_table=None,
+                  k_new=None, v_new=None, causal=False, window: Optional[Tuple[int, int]] = None,
+                  softcap: Optional[float] = None, alibi=False, scale: Optional[float] = None, precision: str = "fp32",
+                  math: str = "ieee", atol: Optional[float] = None, rtol: Optional[float] = None, jobs: int = 1,
+                  allow_nonfinite: bool = False, half_rounding: Optional[str] = None, k_cache_after=None,
+                  v_cache_after=None) -> Report:
+    """Checks a decode step against a KV cache, as flash-attn's flash_attn_with_kvcache or vLLM's
+    paged attention computes it; returns the Report, true when every stage (and the cache after
+    the step) passes.
+
+    q: (batch, queries, heads, dim), the queries aligned bottom-right (speculative decoding);
+    k_cache, v_cache: (batch, max_seqlen, kv_heads, dim), or pages (num_blocks, page_size,
+    kv_heads, dim) with block_table (batch, max_blocks_per_seq) (page sizes 16 to 256);
+    cache_seqlens: the keys each sequence holds before the step (an int or (batch,)); k_new,
+    v_new: (batch, new keys, kv_heads, dim), written at cache_seqlens[b] before the attention
+    (flash-attn's k and v). stages: output or flash_output (batch, queries, heads, dim) and
+    flash_lse (batch, heads, queries). causal=True and window are flash-attn's (bottom-right);
+    softcap, alibi ((H,) slopes), scale, precision, math, atol, rtol, jobs, allow_nonfinite,
+    half_rounding as check_arrays'. k_cache_after, v_cache_after: the cache after the step,
+    checked exactly (the new keys written through the table, every other slot unchanged).
+    Each sequence's keys are gathered and every sequence checked as a packed case; a failing one
+    is explained by the paged bugs' diagnoses (paged_wrong_page, paged_page_shift,
+    paged_past_length). A ValueError or TypeError names the argument and what is wrong."""
+    args = _validated(stages=stages, causal=causal, align=None, window=window, softcap=softcap, alibi=alibi,
+                      dropout_p=0.0, layout=None, scale=scale, precision=precision, math=math, atol=atol, rtol=rtol,
+                      jobs=jobs, allow_nonfinite=allow_nonfinite, half_rounding=half_rounding)
+    kv = kv_cache(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new)
+    packed = step_stages(kv, args["stages"])
+    aligned = isinstance(args["causal"], str)
+    args.update(causal=BOTTOM_RIGHT if args["causal"] is True else args["causal"],
+                align=None if aligned else BOTTOM_RIGHT)
+
+    def recheck(q, k, v, stages, seqs, diagnoser=None) -> Report:
+        opened = _opened(q, k, v, stages, None, dict(args), None, None, (seqs.cu_q, seqs.cu_k, None))
+        return check_run(*opened, diagnoser=diagnoser)
+
+    keys = packed_keys(kv, [kv.gather(b) for b in range(kv.batch)])
+    report = recheck(kv.q.reshape((-1,) + kv.q.shape[2:]), *keys, packed,
+                     kv.sequences([kv.m(b) for b in range(kv.batch)]), diagnose)
+    diagnose_paged(report, kv, packed, recheck)
+    report.run_checks += cache_after_checks(kv, k_cache_after, v_cache_after)
+    return report
 
 
 def format_report(report: Report, per_head: bool = False) -> str:

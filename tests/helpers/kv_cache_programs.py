@@ -1,0 +1,129 @@
+"""A float32 NumPy decode step against a KV cache, written from flash-attn's flash_attn_with_kvcache
+semantics (not from verify/): the new keys written into the cache at cache_seqlens[b] (through the
+block table of a paged cache), then each sequence's nq queries attend to its first
+cache_seqlens[b] + n_new keys, aligned bottom-right (query i sees keys j <= i + m - nq when causal).
+It returns what flash-attn returns: out (B, nq, H, d), softmax_lse (B, H, nq), and the cache after
+the step. A bug changes what it reads or writes (BUGS names each).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Optional, Sequence
+
+import numpy as np
+
+f32 = np.float32
+
+BUGS = {
+    "wrong_page": "sequence 1's page 1 read from the pool's next page",
+    "other_sequence_page": "sequence 1's page 0 read from sequence 0's page 0",
+    "page_shift": "every page of sequence 1 read one page further in the pool",
+    "past_length": "each sequence's last page read to its end (keys past cache_seqlens + n_new attended)",
+    "write_offset": "the new keys written one slot late in the cache",
+    "write_other_slot": "an unrelated slot of the cache overwritten",
+}
+
+
+@dataclass
+class DecodeCase:
+    """A decode step: sequences' cached keys, new keys, queries; a dense cache when page_size is None."""
+    seqlens: Sequence[int]
+    n_new: int = 0
+    nq: int = 1
+    heads: int = 4
+    kv_heads: int = 2
+    d: int = 16
+    page_size: Optional[int] = 16
+    spare_pages: int = 3
+    causal: bool = False
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        rng = np.random.default_rng(self.seed)
+        B, Hk, d = len(self.seqlens), self.kv_heads, self.d
+        m = [n + self.n_new for n in self.seqlens]
+        if self.page_size is None:
+            slots = max(m) + 5
+            self.k_cache = rng.standard_normal((B, slots, Hk, d)).astype(f32)
+            self.block_table = None
+        else:
+            per_seq = max(-(-x // self.page_size) for x in m) + 1
+            pages = B * per_seq + self.spare_pages
+            self.k_cache = rng.standard_normal((pages, self.page_size, Hk, d)).astype(f32)
+            self.block_table = rng.permutation(pages)[:B * per_seq].reshape(B, per_seq).astype(np.int32)
+        self.v_cache = rng.standard_normal(self.k_cache.shape).astype(f32)
+        self.q = rng.standard_normal((B, self.nq, self.heads, d)).astype(f32)
+        self.k_new = rng.standard_normal((B, self.n_new, Hk, d)).astype(f32) if self.n_new else None
+        self.v_new = rng.standard_normal((B, self.n_new, Hk, d)).astype(f32) if self.n_new else None
+
+    @property
+    def batch(self) -> int:
+        return len(self.seqlens)
+
+    def arguments(self) -> Dict[str, object]:
+        """check_kvcache's keyword arguments for this case."""
+        return dict(cache_seqlens=np.asarray(self.seqlens, np.int32), block_table=self.block_table,
+                    k_new=self.k_new, v_new=self.v_new, causal=self.causal)
+
+
+def _where(case: DecodeCase, table, b: int, key: int):
+    """(page, slot) of key `key` of sequence b."""
+    if table is None:
+        return b, key
+    return int(table[b][key // case.page_size]), key % case.page_size
+
+
+def _write(case: DecodeCase, bug: Optional[str]):
+    k, v = case.k_cache.copy(), case.v_cache.copy()
+    late = 1 if bug == "write_offset" else 0
+    for b in range(case.batch):
+        for t in range(case.n_new):
+            at = _where(case, case.block_table, b, case.seqlens[b] + t + late)
+            k[at], v[at] = case.k_new[b, t], case.v_new[b, t]
+    if bug == "write_other_slot":
+        k[-1, -1, 0, 0] += 1.0
+    return k, v
+
+
+def _table_read(case: DecodeCase, bug: Optional[str]):
+    """The table the program reads through (a paged bug changes sequence 1's row)."""
+    if case.block_table is None:
+        return None
+    t = case.block_table.astype(np.int64).copy()
+    if bug == "wrong_page":
+        t[1, 1] += 1
+    elif bug == "other_sequence_page":
+        t[1, 0] = t[0, 0]
+    elif bug == "page_shift":
+        t[1] += 1
+    return t
+
+
+def decode(case: DecodeCase, bug: Optional[str] = None):
+    """(out, lse, k_cache_after, v_cache_after) as the program computes them."""
+    k_pool, v_pool = _write(case, bug)
+    table = _table_read(case, bug)
+    B, nq, H, d = case.q.shape
+    group = H // case.kv_heads
+    out = np.zeros((B, nq, H, d), f32)
+    lse = np.zeros((B, H, nq), f32)
+    scale = f32(1 / np.sqrt(d))
+    for b in range(B):
+        m = case.seqlens[b] + case.n_new
+        count = m
+        if bug == "past_length" and case.page_size is not None:
+            count = -(-m // case.page_size) * case.page_size
+        places = [_where(case, table, b, j) for j in range(count)]
+        keys = np.stack([k_pool[p] for p in places])     # (count, Hk, d)
+        vals = np.stack([v_pool[p] for p in places])
+        for h in range(H):
+            s = (case.q[b, :, h] @ keys[:, h // group].T) * scale
+            if case.causal:
+                i, j = np.arange(nq)[:, None], np.arange(count)[None, :]
+                s = np.where(j <= i + m - nq, s, -np.inf).astype(f32)
+            mx = s.max(axis=1, keepdims=True)
+            p = np.exp(s - mx).astype(f32)
+            total = p.sum(axis=1, keepdims=True)
+            out[b, :, h] = (p / total) @ vals[:, h // group]
+            lse[b, h] = (mx + np.log(total))[:, 0]
+    return out, lse, k_pool, v_pool

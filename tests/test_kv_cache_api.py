@@ -1,0 +1,177 @@
+"""check_kvcache on a decode step, flash-attn's flash_attn_with_kvcache layouts: a dense cache and
+a paged one (pages of 16 and 64, a last partial page), grouped K/V heads, one and four queries per
+sequence, with and without new keys. A correct step passes; each planted paged bug fails with its
+diagnosis; the cache after the step is checked exactly; every refusal names the argument."""
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+from helpers.kv_cache_programs import DecodeCase, decode
+import attnstep
+
+# Sequence 1 spans several pages of 16 and its last page is partial; pages of 64: 70 + 2 keys.
+SEQLENS = [37, 45, 20]
+
+
+def check(case: DecodeCase, bug=None, after=True, **kwargs):
+    out, lse, k_after, v_after = decode(case, bug)
+    cache = dict(k_cache_after=k_after, v_cache_after=v_after) if after else {}
+    return attnstep.check_kvcache(case.q, case.k_cache, case.v_cache, {"flash_output": out, "flash_lse": lse},
+                                  **case.arguments(), **cache, **kwargs)
+
+
+@pytest.mark.parametrize("page_size, seqlens", [(None, SEQLENS), (16, SEQLENS), (64, [70, 45, 130])])
+@pytest.mark.parametrize("nq, n_new, causal", [(1, 0, False), (4, 2, True), (4, 0, False)])
+def test_a_correct_step_passes(page_size, seqlens, nq, n_new, causal):
+    case = DecodeCase(seqlens, n_new=n_new, nq=nq, page_size=page_size, causal=causal)
+    report = check(case)
+    assert report, attnstep.format_report(report)
+    assert {r.sequence for r in report.results} == {0, 1, 2}
+    assert [c.passed for c in report.run_checks] == [True, True]
+
+
+def test_output_alone_and_a_scalar_cache_seqlens():
+    case = DecodeCase([30, 30], n_new=1, heads=2, kv_heads=1)
+    out, _, _, _ = decode(case)
+    args = {**case.arguments(), "cache_seqlens": 30}
+    assert attnstep.check_kvcache(case.q, case.k_cache, case.v_cache, {"output": out}, **args)
+
+
+def _codes(report, sequence):
+    failing = [r for r in report.results if not r.passed and r.sequence == sequence]
+    assert failing, attnstep.format_report(report)
+    return [d.code for d in failing[0].diagnosis]
+
+
+@pytest.mark.parametrize("bug, code", [("wrong_page", "paged_wrong_page"), ("other_sequence_page", "paged_wrong_page"),
+                                       ("page_shift", "paged_page_shift")])
+def test_a_wrong_page_fails_with_its_diagnosis(bug, code):
+    report = check(DecodeCase(SEQLENS, n_new=2, nq=4, causal=True), bug)
+    assert not report
+    assert {r.sequence for r in report.results if not r.passed} == {1}
+    codes = _codes(report, 1)
+    assert codes[0] == code
+    assert "paged_page_shift" not in codes or code == "paged_page_shift"
+    diag = next(d for r in report.results if not r.passed for d in r.diagnosis)
+    if bug == "other_sequence_page":
+        assert "sequence 0's page 0" in diag.message
+    if bug == "wrong_page":
+        assert diag.detail["page_index"] == 1 and "the page after it in the pool" in diag.message
+    assert code in attnstep.format_report(report)
+
+
+@pytest.mark.parametrize("page_size, seqlens", [(16, SEQLENS), (64, [70, 45, 130])])
+def test_the_last_page_read_past_its_length_is_named(page_size, seqlens):
+    report = check(DecodeCase(seqlens, n_new=1, nq=1, page_size=page_size), "past_length")
+    assert not report
+    for b in range(3):
+        assert _codes(report, b)[0] == "paged_past_length"
+    diag = next(d for r in report.results if r.sequence == 0 and not r.passed for d in r.diagnosis)
+    whole = -(-(seqlens[0] + 1) // page_size) * page_size
+    assert diag.detail == {"sequence": 0, "keys": whole, "valid": seqlens[0] + 1}
+
+
+def test_a_correct_output_gets_no_paged_diagnosis_when_only_the_cache_write_is_wrong():
+    report = check(DecodeCase(SEQLENS, n_new=2), "write_other_slot")
+    assert not report
+    assert all(r.passed for r in report.results)
+    k_check, v_check = report.run_checks
+    assert (k_check.stage, k_check.passed, v_check.passed) == ("K", False, True)
+    assert k_check.message.startswith("k_cache_after: page ")
+    assert "(no sequence reads it)" in k_check.message and "only the new keys' slots change" in k_check.message
+    assert "FAIL K cache after the step: k_cache_after" in attnstep.format_report(report)
+
+
+def test_new_keys_written_one_slot_late_are_named_by_sequence_page_and_slot():
+    case = DecodeCase(SEQLENS, n_new=2)
+    k_check = check(case, "write_offset").run_checks[0]
+    found = re.match(r"k_cache_after: sequence (\d), page (\d+) \(block_table\[\1, (\d)\]\), slot (\d+) \(key (\d+)\), "
+                     r"K/V head 0, column 0: holds \S+, the new key written there is \S+ \(k_new\[\1, 0, 0, 0\]\) "
+                     r"\(\d+ entries differ\)$", k_check.message)
+    assert found, k_check.message
+    b, page, j, slot, key = (int(x) for x in found.groups())
+    assert key == SEQLENS[b] and page == case.block_table[b, j] and key == j * 16 + slot  # the first new key's slot
+    assert (k_check.detail["sequence"], k_check.detail["page"], k_check.detail["slot"]) == (b, page, slot)
+
+
+def test_a_dense_cache_after_the_step():
+    case = DecodeCase(SEQLENS, n_new=2, page_size=None)
+    assert check(case)
+    report = check(case, "write_offset")
+    assert report.run_checks[0].message.startswith("k_cache_after: sequence 0, slot 37,")
+
+
+# ---- refusals ---------------------------------------------------------------------------------
+
+def _call(case: DecodeCase, **changes):
+    out, lse, _, _ = decode(case)
+    args = dict(q=case.q, k_cache=case.k_cache, v_cache=case.v_cache, stages={"flash_output": out, "flash_lse": lse},
+                **case.arguments())
+    args.update(changes)
+    return attnstep.check_kvcache(args.pop("q"), args.pop("k_cache"), args.pop("v_cache"), args.pop("stages"), **args)
+
+
+REFUSALS = [
+    (dict(q=np.zeros((3, 4, 16))), r"^q is \(3, 4, 16\): expected \(batch, queries, heads, dim\), flash-attn's layout$"),
+    (dict(k_cache=np.zeros((12, 16, 2))), r"^k_cache is \(12, 16, 2\): expected \(num_blocks, page_size, kv_heads, dim\) "
+                                          "with block_table$"),
+    (dict(v_cache=np.zeros((15, 32, 2, 16))), "^k_cache has a page size of 16, v_cache a page size of 32: they must match$"),
+    (dict(k_cache=np.zeros((12, 16, 3, 16)), v_cache=np.zeros((12, 16, 3, 16))),
+     "^k_cache has 3 K/V heads and q 4: grouped K/V heads must divide the query heads$"),
+    (dict(k_cache=np.zeros((12, 8, 2, 16)), v_cache=np.zeros((12, 8, 2, 16))),
+     r"^k_cache's page size is 8 \(k_cache.shape\[1\]\): page sizes are 16 to 256$"),
+    (dict(cache_seqlens=[37, 45]), "^cache_seqlens has 2 values for a batch of 3$"),
+    (dict(cache_seqlens=[37, -1, 20]), r"^cache_seqlens\[1\] = -1: a count of keys is >= 0$"),
+    (dict(cache_seqlens=[37, 45, 63]), r"^cache_seqlens\[2\] = 63 with 2 new keys: 65 keys, more than the 4 pages of "
+                                       r"16 that block_table gives each sequence \(64\)$"),
+    (dict(block_table=np.zeros((2, 4), np.int32)), "^block_table has 2 rows for a batch of 3$"),
+    (dict(block_table=np.zeros((3, 4))), r"^block_table: expected \(batch, max_blocks_per_seq\) whole numbers"),
+    (dict(v_new=None), "^k_new without v_new: pass both"),
+    (dict(k_new=np.zeros((3, 2, 1, 16))), r"^k_new is \(3, 2, 1, 16\): expected \(batch, new keys, kv_heads, dim\) = "
+                                          r"\(3, n, 2, 16\)$"),
+    (dict(stages={"QK": np.zeros(1)}), "^stage 'QK': a decode step is checked on output, flash_output, flash_lse$"),
+    (dict(stages={"flash_lse": np.zeros((3, 4, 2))}),
+     r"^flash_lse is \(3, 4, 2\): expected \(batch, heads, queries\) = \(3, 4, 1\)$"),
+    (dict(k_cache_after=np.zeros((2, 2))), r"^k_cache_after is \(2, 2\), the cache \(\d+, 16, 2, 16\): the cache after"),
+]
+
+
+@pytest.mark.parametrize("changes, message", REFUSALS)
+def test_each_refusal_is_one_line_naming_the_argument(changes, message):
+    with pytest.raises(ValueError, match=message):
+        _call(DecodeCase(SEQLENS, n_new=2), **changes)
+
+
+def test_a_block_table_entry_out_of_range_is_named_by_its_place():
+    case = DecodeCase(SEQLENS, n_new=2)
+    table = case.block_table.copy()
+    table[1, 2] = 99
+    with pytest.raises(ValueError, match=rf"^block_table\[1, 2\] = 99 is outside 0..{case.k_cache.shape[0] - 1} "
+                                         rf"\(k_cache holds {case.k_cache.shape[0]} pages\); sequence 1 reads it$"):
+        _call(case, block_table=table)
+    table[1, 2], table[1, -1] = case.block_table[1, 2], -1  # an entry no key reads: not checked
+    assert _call(case, block_table=table)
+
+
+def test_dense_cache_refusals():
+    case = DecodeCase(SEQLENS, n_new=2, page_size=None)
+    with pytest.raises(ValueError, match=r"^k_cache holds 2 sequences, q 3: a dense cache is .*pass block_table="):
+        _call(case, k_cache=case.k_cache[:2], v_cache=case.v_cache[:2])
+    with pytest.raises(ValueError, match=r"^cache_seqlens\[0\] = 49 with 2 new keys: 51 keys, more than the cache's "
+                                         r"slots \(k_cache.shape\[1\]\) \(50\)$"):
+        _call(case, cache_seqlens=[49, 45, 20], k_cache=case.k_cache[:, :50], v_cache=case.v_cache[:, :50])
+    with pytest.raises(TypeError, match="^cache_seqlens: expected a 1-d sequence of whole numbers"):
+        _call(case, cache_seqlens=[1.5, 2.0, 3.0])
+
+
+def test_torch_tensors():
+    torch = pytest.importorskip("torch", reason="torch is not installed: the NumPy tests cover the same path")
+    case = DecodeCase(SEQLENS, n_new=2, nq=4, causal=True)
+    out, lse, k_after, v_after = decode(case)
+    t = lambda x: torch.from_numpy(np.asarray(x))
+    args = {n: (t(x) if isinstance(x, np.ndarray) else x) for n, x in case.arguments().items()}
+    assert attnstep.check_kvcache(t(case.q), t(case.k_cache), t(case.v_cache), {"flash_output": t(out),
+                                  "flash_lse": t(lse)}, k_cache_after=t(k_after), v_cache_after=t(v_after), **args)

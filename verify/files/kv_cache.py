@@ -1,0 +1,302 @@
+"""A decode step against a KV cache, given as arrays in flash-attn's `flash_attn_with_kvcache`
+layouts (the Python API's check_kvcache), read into packed sequences: each sequence's keys gathered
+from the cache (through the block table of a paged cache) after the new keys are written, so the
+step is checked by the packed engine as one sequence per batch entry.
+
+Layouts (flash-attn's): q (B, nq, H, d), its nq queries aligned bottom-right against the keys;
+a dense cache (B, max_seqlen, Hk, d), or a paged one, a pool (num_blocks, page_size, Hk, d) read
+through block_table (B, max_blocks_per_seq), page j of sequence b holding its keys
+[j·page_size, (j+1)·page_size); cache_seqlens (B,) the keys each sequence has before the step;
+k_new, v_new (B, n_new, Hk, d) written at cache_seqlens[b] before attention, so sequence b
+attends to its first cache_seqlens[b] + n_new keys. A dense cache is read as a pool of B pages of
+max_seqlen keys, page b sequence b's.
+
+Every refusal is one line naming the argument and what is wrong with it.
+"""
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+import numpy as np
+
+from ..sequences import Sequences, packed_sequences
+from ..stages import STAGES
+from ..text import plural
+from .arrays import as_array, native_float
+from .packed_arrays import offsets
+
+# The page sizes of a paged cache (vLLM's and flash-attn's range).
+MIN_PAGE_SIZE, MAX_PAGE_SIZE = 16, 256
+
+
+def decode_stage(name: str) -> bool:
+    """Whether a decode step returns `name`: a forward stage with a row per query and the output's
+    columns or one (output, flash_output: flash-attn's out; flash_lse: its softmax_lse)."""
+    s = STAGES.get(name)
+    return s is not None and s.rows == "N" and s.cols in ("DV", "1") and not (s.backward or s.dropout)
+
+
+KV_CACHE_STAGES = tuple(n for n in STAGES if decode_stage(n))
+LAYOUT_WORDS = "(batch, queries, heads, dim)"
+
+
+@dataclass
+class KVCache:
+    """One decode step's arrays, validated. k_pages and v_pages are the cache with the new keys
+    written (what the attention reads); k_before and v_before the cache as given."""
+    q: np.ndarray
+    k_before: np.ndarray
+    v_before: np.ndarray
+    k_pages: np.ndarray
+    v_pages: np.ndarray
+    table: np.ndarray          # (B, pages per sequence); a dense cache: [[0], [1], ...]
+    page_size: int
+    seqlens: Tuple[int, ...]   # cache_seqlens: the keys before the step
+    n_new: int
+    paged: bool
+
+    @property
+    def batch(self) -> int:
+        return self.q.shape[0]
+
+    @property
+    def nq(self) -> int:
+        return self.q.shape[1]
+
+    @property
+    def num_pages(self) -> int:
+        return self.k_pages.shape[0]
+
+    def m(self, b: int) -> int:
+        """The keys sequence b attends to."""
+        return self.seqlens[b] + self.n_new
+
+    def pages_read(self, b: int) -> int:
+        """The pages that hold sequence b's keys."""
+        return -(-self.m(b) // self.page_size)
+
+    def places(self, row: np.ndarray, count: int) -> Tuple[np.ndarray, np.ndarray]:
+        """(page, slot) of keys 0..count-1 of a sequence read through table row `row`."""
+        keys = np.arange(count)
+        return np.asarray(row)[keys // self.page_size], keys % self.page_size
+
+    def gather(self, b: int, row: Optional[np.ndarray] = None, count: Optional[int] = None
+               ) -> Tuple[np.ndarray, np.ndarray]:
+        """The keys and values (count, Hk, d) sequence b reads through `row` (default: its own)."""
+        pages, slots = self.places(self.table[b] if row is None else row, self.m(b) if count is None else count)
+        return self.k_pages[pages, slots], self.v_pages[pages, slots]
+
+    def sequences(self, lengths: List[int], nq: Optional[int] = None) -> Sequences:
+        """The packing of len(lengths) sequences of nq queries (default the step's) and these keys."""
+        nq = self.nq if nq is None else nq
+        cu_k = np.concatenate(([0], np.cumsum(lengths, dtype=np.int64))).tolist()
+        return packed_sequences([nq * b for b in range(len(lengths) + 1)], cu_k)
+
+    def table_key(self, b: int, page: int, slot: int) -> int:
+        """The key of sequence b that (page, slot) holds (past its keys: -1)."""
+        hits = np.flatnonzero(self.table[b, :self.pages_read(b)] == page)
+        return int(hits[0]) * self.page_size + slot if hits.size else -1
+
+    def owner(self, page: int) -> Optional[Tuple[int, int]]:
+        """(sequence, page index) whose table names `page` among the pages it reads, or None."""
+        for b in range(self.batch):
+            hits = np.flatnonzero(self.table[b, :self.pages_read(b)] == page)
+            if hits.size:
+                return b, int(hits[0])
+        return None
+
+
+# ----------------------------------------------------------------------------------------------
+# Reading the arguments.
+
+def _float4(name: str, x, words: str) -> np.ndarray:
+    a = native_float(as_array(x), name)
+    if a.ndim != 4:
+        raise ValueError(f"{name} is {tuple(a.shape)}: expected {words}")
+    return a
+
+
+def _caches(q, k_cache, v_cache, paged: bool) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """q and the two caches read and checked against each other."""
+    q = _float4("q", q, f"{LAYOUT_WORDS}, flash-attn's layout")
+    words = ("(num_blocks, page_size, kv_heads, dim) with block_table" if paged
+             else "(batch, max_seqlen, kv_heads, dim), or pages with block_table=")
+    k, v = _float4("k_cache", k_cache, words), _float4("v_cache", v_cache, words)
+    what = ("{} pages", "a page size of {}") if paged else ("{} sequences", "{} slots per sequence")
+    for axis, words in enumerate(what + ("{} K/V heads",)):
+        if k.shape[axis] != v.shape[axis]:
+            raise ValueError(f"k_cache has {words.format(k.shape[axis])}, v_cache {words.format(v.shape[axis])}: "
+                             "they must match")
+    H, Hk = q.shape[2], k.shape[2]
+    if Hk > H or H % Hk:
+        raise ValueError(f"k_cache has {plural(Hk, 'K/V head')} and q {H}: grouped K/V heads must divide the "
+                         "query heads")
+    if k.shape[3] != q.shape[3]:
+        raise ValueError(f"q's head dimension is {q.shape[3]}, k_cache's {k.shape[3]}: Q and K share it")
+    if q.shape[1] < 1:
+        raise ValueError(f"q is {tuple(q.shape)}: a decode step has at least one query per sequence")
+    return q, k, v
+
+
+def _new_keys(k_new, v_new, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    """k_new and v_new, (B, n_new, Hk, d) each; empty when neither is given."""
+    if (k_new is None) != (v_new is None):
+        given, missing = ("k_new", "v_new") if v_new is None else ("v_new", "k_new")
+        raise ValueError(f"{given} without {missing}: pass both (flash-attn's k and v) or neither")
+    B, Hk = q.shape[0], k.shape[2]
+    if k_new is None:
+        return np.zeros((B, 0) + k.shape[2:], k.dtype), np.zeros((B, 0) + v.shape[2:], v.dtype)
+    out = []
+    for name, x, cache in (("k_new", k_new, k), ("v_new", v_new, v)):
+        a = _float4(name, x, "(batch, new keys, kv_heads, dim)")
+        if a.shape[0] != B or a.shape[2:] != cache.shape[2:]:
+            raise ValueError(f"{name} is {tuple(a.shape)}: expected (batch, new keys, kv_heads, dim) = "
+                             f"({B}, n, {Hk}, {cache.shape[3]})")
+        out.append(a)
+    if out[0].shape[1] != out[1].shape[1]:
+        raise ValueError(f"k_new has {plural(out[0].shape[1], 'new key')}, v_new {out[1].shape[1]}")
+    return out[0], out[1]
+
+
+def _seqlens(cache_seqlens, batch: int) -> Tuple[int, ...]:
+    if isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, (bool, np.bool_)):
+        cache_seqlens = [cache_seqlens] * batch  # (flash-attn takes one int for every sequence)
+    lengths = offsets("cache_seqlens", cache_seqlens)
+    if lengths is None:
+        raise ValueError("cache_seqlens: expected the keys each sequence holds before the step, (batch,)")
+    if len(lengths) != batch:
+        raise ValueError(f"cache_seqlens has {plural(len(lengths), 'value')} for a batch of {batch}")
+    for b, n in enumerate(lengths):
+        if n < 0:
+            raise ValueError(f"cache_seqlens[{b}] = {n}: a count of keys is >= 0")
+    return lengths
+
+
+def _table(block_table, batch: int) -> np.ndarray:
+    t = as_array(block_table)
+    if t.ndim != 2 or t.dtype.kind not in "iu":
+        raise ValueError(f"block_table: expected (batch, max_blocks_per_seq) whole numbers, got {t.dtype} of shape "
+                         f"{tuple(t.shape)}")
+    if t.shape[0] != batch:
+        raise ValueError(f"block_table has {plural(t.shape[0], 'row')} for a batch of {batch}")
+    return t.astype(np.int64)
+
+
+def _fits(seqlens: Tuple[int, ...], n_new: int, capacity: int, where: str) -> None:
+    for b, n in enumerate(seqlens):
+        if n + n_new > capacity:
+            raise ValueError(f"cache_seqlens[{b}] = {n} with {plural(n_new, 'new key')}: {n + n_new} keys, more "
+                             f"than {where} ({capacity})")
+
+
+def _table_entries(table: np.ndarray, seqlens, n_new: int, page_size: int, num_pages: int) -> None:
+    """Every entry of the table that names a page a sequence reads is a page of the pool."""
+    for b, n in enumerate(seqlens):
+        for j in range(-(-(n + n_new) // page_size)):
+            if not 0 <= table[b, j] < num_pages:
+                raise ValueError(f"block_table[{b}, {j}] = {table[b, j]} is outside 0..{num_pages - 1} (k_cache "
+                                 f"holds {plural(num_pages, 'page')}); sequence {b} reads it")
+
+
+def _layout(k: np.ndarray, q: np.ndarray, block_table, seqlens, n_new: int) -> Tuple[np.ndarray, int]:
+    """The table and page size: a paged cache's, checked; a dense cache's, one page per sequence."""
+    B = q.shape[0]
+    if block_table is None:
+        if k.shape[0] != B:
+            raise ValueError(f"k_cache holds {plural(k.shape[0], 'sequence')}, q {B}: a dense cache is (batch, "
+                             "max_seqlen, kv_heads, dim); pass block_table= for a paged one")
+        _fits(seqlens, n_new, k.shape[1], "the cache's slots (k_cache.shape[1])")
+        return np.arange(B, dtype=np.int64)[:, None], k.shape[1]
+    table, page_size = _table(block_table, B), k.shape[1]
+    if not MIN_PAGE_SIZE <= page_size <= MAX_PAGE_SIZE:
+        raise ValueError(f"k_cache's page size is {page_size} (k_cache.shape[1]): page sizes are {MIN_PAGE_SIZE} "
+                         f"to {MAX_PAGE_SIZE}")
+    _fits(seqlens, n_new, table.shape[1] * page_size,
+          f"the {plural(table.shape[1], 'page')} of {page_size} that block_table gives each sequence")
+    _table_entries(table, seqlens, n_new, page_size, k.shape[0])
+    return table, page_size
+
+
+def kv_cache(q, k_cache, v_cache, cache_seqlens, block_table=None, k_new=None, v_new=None) -> KVCache:
+    """The step's arrays validated, and the cache as the attention reads it (the new keys written)."""
+    q, k, v = _caches(q, k_cache, v_cache, block_table is not None)
+    k_add, v_add = _new_keys(k_new, v_new, q, k, v)
+    seqlens = _seqlens(cache_seqlens, q.shape[0])
+    table, page_size = _layout(k, q, block_table, seqlens, k_add.shape[1])
+    kv = KVCache(q, k, v, k.copy(), v.copy(), table, page_size, seqlens, k_add.shape[1], block_table is not None)
+    for b in range(kv.batch):
+        pages, slots = kv.places(table[b], kv.m(b))
+        pages, slots = pages[seqlens[b]:], slots[seqlens[b]:]
+        kv.k_pages[pages, slots], kv.v_pages[pages, slots] = k_add[b], v_add[b]
+    return kv
+
+
+def step_stages(kv: KVCache, stages: Dict[str, object]) -> Dict[str, np.ndarray]:
+    """The step's stages in the packed layout: output and flash_output (B, nq, H, d) as (B·nq, H,
+    d); flash_lse (B, H, nq) as (H, B·nq)."""
+    unknown = [n for n in stages if not decode_stage(n)]
+    if unknown:
+        raise ValueError(f"stage {unknown[0]!r}: a decode step is checked on {', '.join(KV_CACHE_STAGES)}")
+    B, nq, H, _ = kv.q.shape
+    out = {}
+    for name, x in stages.items():
+        a = native_float(as_array(x), name)
+        lse = STAGES[name].cols == "1"
+        want = (B, H, nq) if lse else (B, nq, H, kv.v_pages.shape[3])
+        if tuple(a.shape) != want:
+            raise ValueError(f"{name} is {tuple(a.shape)}: expected "
+                             + (f"(batch, heads, queries) = {want}" if lse else f"{LAYOUT_WORDS} = {want}"))
+        out[name] = a.transpose(1, 0, 2).reshape(H, B * nq) if lse else a.reshape(B * nq, H, want[3])
+    return out
+
+
+def packed_keys(kv: KVCache, keys: List[Tuple[np.ndarray, np.ndarray]]) -> Tuple[np.ndarray, np.ndarray]:
+    """Sequences' gathered (keys, values), packed along the keys."""
+    return (np.concatenate([k for k, _ in keys]) if keys else kv.k_pages[:0, 0],
+            np.concatenate([v for _, v in keys]) if keys else kv.v_pages[:0, 0])
+
+
+# ----------------------------------------------------------------------------------------------
+# The cache after the step: the new keys written at cache_seqlens[b] through the table, every
+# other slot as it was.
+
+def _place(kv: KVCache, page: int, slot: int) -> Tuple[Optional[int], str]:
+    """(the sequence, the words) of a slot of the cache."""
+    if not kv.paged:
+        return page, f"sequence {page}, slot {slot}"
+    own = kv.owner(page)
+    if own is None:
+        return None, f"page {page} (no sequence reads it), slot {slot}"
+    b, j = own
+    return b, f"sequence {b}, page {page} (block_table[{b}, {j}]), slot {slot} (key {j * kv.page_size + slot})"
+
+
+def cache_after_problem(kv: KVCache, name: str, after) -> Optional[Tuple[str, dict]]:
+    """What is wrong with the program's cache after the step (`name`: k_cache_after or
+    v_cache_after), compared exactly with the cache given and the new keys written; None when it
+    is right. ValueError for a shape that is not the cache's."""
+    want = kv.k_pages if name.startswith("k") else kv.v_pages
+    before = kv.k_before if name.startswith("k") else kv.v_before
+    got = native_float(as_array(after), name)
+    if got.shape != want.shape:
+        raise ValueError(f"{name} is {tuple(got.shape)}, the cache {tuple(want.shape)}: the cache after the step "
+                         "has the cache's shape")
+    g, w = got.astype(np.float64), want.astype(np.float64)
+    bad = ~((g == w) | (np.isnan(g) & np.isnan(w)))
+    if not bad.any():
+        return None
+    page, slot, head, col = (int(i) for i in np.argwhere(bad)[0])
+    b, where = _place(kv, page, slot)
+    written = b is not None and kv.seqlens[b] <= kv.table_key(b, page, slot) < kv.m(b)
+    at = (page, slot, head, col)
+    if written:
+        t = kv.table_key(b, page, slot) - kv.seqlens[b]
+        why = f"holds {g[at]:.9g}, the new key written there is {w[at]:.9g} ({name[0]}_new[{b}, {t}, {head}, {col}])"
+    else:
+        why = f"changed from {float(before[at]):.9g} to {g[at]:.9g}; only the new keys' slots change"
+    count = int(bad.sum())
+    more = f" ({plural(count, 'entry', 'entries')} differ)" if count > 1 else ""
+    return (f"{name}: {where}, K/V head {head}, column {col}: {why}{more}",
+            {"sequence": b, "page": page, "slot": slot, "kv_head": head, "col": col, "mismatched": count})
