@@ -271,8 +271,8 @@ class _HeadChecker:
         """Every stage of K/V head `kv_head`'s query heads, and its own stages, in table order (in a
         packed case, of each sequence in turn: packed.PackedRun)."""
         if self.packed is not None:
-            return self.packed.check(kv_head, lambda run, case: _HeadChecker(run, case, self.opts,
-                                                                             self.diagnoser).check(kv_head))
+            return self.packed.check(kv_head, lambda run, case, diagnoser: _HeadChecker(
+                run, case, self.opts, diagnoser).check(kv_head), self.diagnoser)
         group = KVGroup(self.run, kv_head)
         out: List[HeadResult] = []
         # Non-finite inputs, when allowed, make the error model's arithmetic meet inf and NaN.

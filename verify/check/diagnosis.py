@@ -15,6 +15,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
+from ..sequences import Sequences
 from ..specs.base import HeadContext
 from ..stages import Dims
 from ..variant import Variant
@@ -29,6 +30,19 @@ class Diagnosis:
 
 
 @dataclass
+class Packing:
+    """The packed case a failing sequence belongs to (its stages are checked as a dense case of
+    their own): the packing, the sequence, and a query head's whole packed inputs (Q, K, V, and dO
+    where the case has it, every token, float64 as the engine reads them) from which the
+    diagnoses recompute what a program that read another sequence's rows wrote. `cache` is
+    shared by the sequences of one job (a candidate over the whole stream serves all of them)."""
+    sequences: Sequences
+    sequence: int
+    inputs_of_head: Callable[[int], Dict[str, np.ndarray]]
+    cache: dict = field(default_factory=dict)
+
+
+@dataclass
 class Suspect:
     """What the hypotheses see of a failing stage × head besides got and want: the problem, the
     isolated reference's sources and allowance, the other heads' references (head_permuted), the
@@ -39,7 +53,8 @@ class Suspect:
     head's context holds it), and group_terms each query head's part of the isolated reference,
     in order of head: what a program that summed some of them, or one twice, wrote. slope_of_head:
     any query head's ALiBi slope (a program that took another head's); variant: the case's, where
-    there is no head context to hold it (a K/V head's sums)."""
+    there is no head context to hold it (a K/V head's sums); packing: in a packed case, the
+    sequence the stage is of and the packed inputs around it."""
     dims: Optional[Dims] = None
     scale: float = 1.0
     causal: bool = False
@@ -53,6 +68,7 @@ class Suspect:
     group_terms: Optional[List[np.ndarray]] = None
     slope_of_head: Optional[Callable[[int], float]] = None
     variant: Optional[Variant] = None
+    packing: Optional[Packing] = None
 
 
 # (stage, got, the isolated reference, the Suspect) -> every pattern that explains got, most

@@ -30,9 +30,10 @@ from ..sequences import PACKED_VARIANTS_HINT, Sequences, unsupported_with_packin
 from ..specs import SPECS
 from ..stages import FORMATS, SEQUENCE_STAGES, STAGES, parse_stage_file, per_sequence, stage_file
 from ..variant import NONE
-from .diagnosis import Diagnosis
+from ..model.half import is_half, round_to_format
+from .diagnosis import Diagnoser, Diagnosis, Packing
 from .results import FAIL, HeadResult, compare_arrays, result_order
-from .stage_check import STATUS_CODES, Loaded, SequenceRun, load_output, new_result
+from .stage_check import STATUS_CODES, Loaded, SequenceRun, case_inputs, file_index, load_output, new_result
 
 # The diagnosis of a key row no query reads whose gradient is not 0 or whose K, V or KT is not
 # the input's.
@@ -119,6 +120,7 @@ class PackedRun:
         if problem:
             raise CaseError(f"{run.path or 'the run'}: {problem}; HINT: {PACKED_VARIANTS_HINT}")
         self._whole: "OrderedDict[tuple, object]" = OrderedDict()
+        self._candidates: dict = {}  # the diagnoses' candidates over several sequences, per job
         self._keep = (len(STAGES) + 4) * (run.dims.group_size + 1) + 16
         self._unread = self._unread_key_rows()
 
@@ -131,6 +133,7 @@ class PackedRun:
     def forget(self) -> None:
         """Drops the packed matrices held (a new job reads other heads)."""
         self._whole.clear()
+        self._candidates.clear()
 
     def _cached(self, key: tuple, read: Callable[[], object]):
         if key in self._whole:
@@ -174,6 +177,22 @@ class PackedRun:
     def _input_rows(self, b: int, name: str, head: int) -> np.ndarray:
         return self.whole_input(name, head)[self._span(STAGES[name].rows, b)]
 
+    def packed_inputs(self, head: int) -> Dict[str, np.ndarray]:
+        """Query head `head`'s whole packed Q, K, V (and dO), float64, rounded to the run's half
+        format where it has one: what the dense engine reads, over every token."""
+        run = self.run
+        out = {n: self.whole_input(n, file_index(run, n, head)).astype(np.float64) for n in case_inputs(run)}
+        if is_half(run.precision):
+            out = {n: round_to_format(x, run.precision, run.half_rounding) for n, x in out.items()}
+        return out
+
+    def _diagnoser(self, b: int, diagnoser: Optional[Diagnoser]) -> Optional[Diagnoser]:
+        """The diagnoser of sequence b's dense check: `diagnoser`, shown the packing around it."""
+        if diagnoser is None:
+            return None
+        packing = Packing(self.seqs, b, self.packed_inputs, self._candidates)
+        return lambda stage, got, want, suspect: diagnoser(stage, got, want, replace(suspect, packing=packing))
+
     def sequence(self, b: int) -> Tuple[SequenceRun, SequenceCase]:
         """Sequence b as a dense run and case of its own."""
         run, case, seqs = self.run, self.case, self.seqs
@@ -191,17 +210,20 @@ class PackedRun:
 
     # ---- a job ----------------------------------------------------------------------------------
 
-    def check(self, kv_head: int, check_dense: Callable[[SequenceRun, SequenceCase], List[HeadResult]]
-              ) -> List[HeadResult]:
+    def check(self, kv_head: int,
+              check_dense: Callable[[SequenceRun, SequenceCase, Optional[Diagnoser]], List[HeadResult]],
+              diagnoser: Optional[Diagnoser] = None) -> List[HeadResult]:
         """Every sequence of K/V head `kv_head`'s group (check_dense: the dense engine's check of
-        the group on one sequence), then its key rows no query reads."""
+        the group on one sequence, with `diagnoser` shown the packing), then its key rows no query
+        reads."""
         self.forget()
         out: List[HeadResult] = []
         try:
             for b in range(self.seqs.count):
                 if self.seqs.n(b) == 0:
                     continue  # no query: nothing but its keys' gradients (unread rows) to check
-                results = self._keyless(kv_head, b) if self.seqs.m(b) == 0 else check_dense(*self.sequence(b))
+                results = self._keyless(kv_head, b) if self.seqs.m(b) == 0 else \
+                    check_dense(*self.sequence(b), self._diagnoser(b, diagnoser))
                 for r in results:
                     r.sequence, r.offsets = b, self.offsets(r.stage, b)
                 out += results

@@ -16,8 +16,10 @@ mask_file_transposed (verify/diagnose/masks.py); the variants' softcap_missing,
 softcap_before_scale, alibi_missing, alibi_sign, alibi_slope_order, bias_ignored, bias_transposed,
 dropout_unscaled, dropout_not_applied, dropout_mask_inverted (verify/diagnose/variants.py); the
 backward's D_wrong_O, dS_missing_P, grad_unscaled, dV_untransposed_P (verify/diagnose/backward.py);
-and the precision ones: tf32, half_storage, half_truncation, half_accumulation
-(verify/diagnose/precision.py). overflow, keys_past_end and keys_dropped are in
+the precision ones: tf32, half_storage, half_truncation, half_accumulation
+(verify/diagnose/precision.py); and in a packed case, the sequences' sequence_leak,
+sequence_boundary, padding_read (verify/diagnose/sequences.py: a sequence's rows recomputed from
+the packed rows a buggy program read). overflow, keys_past_end and keys_dropped are in
 verify/diagnose/inputs.py: they, the mask, the variants and the scale recompute a stage from the
 case's Q, K, V where the program wrote no upstream stage (its spec's from_inputs). Every
 recomputation runs under the case's variant (verify/variant.py). (`stale` comes from the integrity
@@ -38,6 +40,7 @@ from . import backward as backward_bugs
 from . import heads as head_bugs
 from . import masks as mask_bugs
 from . import precision as precision_bugs
+from . import sequences as sequence_bugs
 from . import variants as variant_bugs
 from .base import (LOG2_E, MATCH_WIDTHS, POISON_VALUES, SCALE_NAME_RTOL, UNWRITTEN_DENSITY, explains, loc, maxdiff,
                    width_of)
@@ -325,11 +328,15 @@ _VARIANT_BUGS_WHERE = ("scaled", "mask")
 # missing rescale (a factor 1 − p) and the variants' bugs (where the errors are).
 _EXPLAINED_BY_BACKWARD_BUGS = ("scaled", "layout", "tile_boundary")
 _EXPLAINED_BY_VARIANT_BUGS = ("scaled", "tile_boundary", "unwritten")
+# A sequence that read other rows of the packed stream has wrong values everywhere, which a factor,
+# a tile pattern or a few keys read past the end only approximate.
+_EXPLAINED_BY_SEQUENCE_BUGS = ("scaled", "tile_boundary", "unwritten", "keys_past_end", "keys_dropped")
 # A K/V group summed twice is a factor 2: the cause, not a scale.
 _FACTORS = {"kv_group_summed_twice"}
 # The named causes that explain every element, NaN and Inf included (a moved −inf of the mask or
 # the bias): the nonfinite count comes after them.
-_CAUSES = _EMPTIES_LINES | {"unwritten", "overflow"} | set(variant_bugs.CODES) | set(head_bugs.CODES)
+_CAUSES = (_EMPTIES_LINES | {"unwritten", "overflow"} | set(variant_bugs.CODES) | set(head_bugs.CODES)
+           | set(sequence_bugs.CODES))
 
 
 def diagnose(stage: str, got: np.ndarray, want: np.ndarray, ctx: Suspect) -> List[Diagnosis]:
@@ -352,6 +359,13 @@ def diagnose(stage: str, got: np.ndarray, want: np.ndarray, ctx: Suspect) -> Lis
             variant_found = variant_bugs.variants(stage, got, want, ctx, width)
         if variant_found:
             found = [d for d in found if d.code not in _EXPLAINED_BY_VARIANT_BUGS] + variant_found
+    # A mask aligned at the other corner reads as the sequence's keys ending M − N early (or its
+    # queries' boundary moved by as many): the wrong mask, the more common bug, is named alone.
+    if sequence_bugs.applies(stage, ctx) and not {d.code for d in found} & set(mask_bugs.CODES):
+        with np.errstate(all="ignore"):
+            sequence_found = sequence_bugs.sequences(stage, got, want, ctx, width)
+        if sequence_found:
+            found = [d for d in found if d.code not in _EXPLAINED_BY_SEQUENCE_BUGS] + sequence_found
     found = precision_bugs.settle(found + precision_bugs.diagnose(stage, got, want, ctx, found))
     return _settled(found, fired)
 

@@ -1,0 +1,256 @@
+"""The bugs of packed (varlen) sequences: a sequence's rows computed from the wrong rows of the
+packed stream. Each hypothesis is what the program read for sequence b, as dense problems over
+packed query and key rows (the case's variant within each, as the engine's reference aligns it
+within a sequence): the sequence's rows recomputed from the whole packed inputs with the engine's
+float64 reference chain (verify/check/reference.py), named when that explains got and the
+reference does not. Tried on a failing stage of the query rows (output, flash_output, flash_lse,
+D, dQ, flash_dQ) of a packed case (the Suspect's packing: verify/check/packed.py).
+
+Codes: sequence_leak (sequence b also attends to the keys of the sequence before it, or to every
+earlier key of the packed stream as a causal mask over the whole stream does, or to every packed
+key as dense attention does), sequence_boundary (a boundary off by k rows: sequence b's keys start
+or end k rows early or late, or its whole key range shifted; its queries' boundary moved, or its
+query rows shifted), padding_read (keys of the slot past seqused_k read: the whole slot, or the
+first k past m(b)).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, Iterator, List, Optional
+
+import numpy as np
+
+from ..check import tolerance
+from ..check.diagnosis import Diagnosis, Packing, Suspect
+from ..check.reference import reference_chain
+from ..specs import SPECS
+from ..stages import INPUT_NAMES, STAGES
+from ..text import plural
+from ..variant import UNBOUNDED, Variant
+from .base import explains, width_of
+from .inputs import slope_of, variant_of
+
+CODES = ("sequence_leak", "sequence_boundary", "padding_read")
+# A boundary off by up to this many rows is named (a larger error is another bug, or a leak).
+MAX_BOUNDARY_SHIFT = 3
+# The largest dense problem (query rows × keys) a candidate recomputes: the whole packed stream's
+# included, which a program that ignores the packing attends over.
+MAX_CANDIDATE_ENTRIES = 1 << 22
+
+
+@dataclass
+class Piece:
+    """One dense problem a buggy program solved: packed query rows `q` over packed key rows `keys`
+    (in order), its first row written at packed row `at` (q.start unless its rows were shifted)."""
+    q: range
+    keys: np.ndarray
+    at: Optional[int] = None
+
+    @property
+    def written(self) -> range:
+        start = self.q.start if self.at is None else self.at
+        return range(start, start + len(self.q))
+
+
+@dataclass
+class Reading:
+    """What a buggy program read for a sequence: its code, its words, the dense problems whose rows
+    make up the sequence's rows, another variant (None: the case's), and a key under which the
+    candidate is shared by every sequence (the whole stream's)."""
+    code: str
+    words: str
+    pieces: List[Piece]
+    detail: dict = field(default_factory=dict)
+    variant: Optional[Variant] = None
+    shared: Optional[str] = None
+
+
+def _rows(lo: int, hi: int) -> np.ndarray:
+    return np.arange(lo, hi)
+
+
+def _span(keys: np.ndarray) -> str:
+    if not len(keys):
+        return "none"
+    if len(keys) == keys[-1] - keys[0] + 1:
+        return f"{keys[0]}-{keys[-1]}" if len(keys) > 1 else f"{keys[0]}"
+    return ", ".join(_span(part) for part in np.split(keys, np.flatnonzero(np.diff(keys) != 1) + 1))
+
+
+def _direction(k: int) -> str:
+    return f"{plural(abs(k), 'row')} {'late' if k > 0 else 'early'}"
+
+
+def _shifts() -> List[int]:
+    """1, -1, 2, -2, … MAX_BOUNDARY_SHIFT: the smallest first."""
+    return [s for k in range(1, MAX_BOUNDARY_SHIFT + 1) for s in (k, -k)]
+
+
+# ---- the readings ---------------------------------------------------------------------------------
+
+def _leaks(seqs, b: int, v: Variant) -> Iterator[Reading]:
+    q, own = seqs.q_rows(b), _rows(seqs.k_rows(b).start, seqs.k_rows(b).stop)
+    before = [p for p in range(b) if seqs.m(p) > 0]
+    if before:
+        p = before[-1]
+        slot, used = seqs.k_slot(p), seqs.k_rows(p)
+        reads = [_rows(slot.start, own[-1] + 1)]
+        if len(used) < len(slot) or slot.stop != own[0]:
+            reads.append(np.concatenate([_rows(used.start, used.stop), own]))
+        for keys in reads:
+            yield Reading("sequence_leak", f"sequence {b}'s queries also attend to the keys of sequence {p} before it "
+                          f"(packed key rows {_span(keys)} instead of {_span(own)}): attention crosses the "
+                          "boundary between them", [Piece(q, keys)],
+                          {"sequence": b, "read_sequence": p, "key_rows": [int(keys[0]), int(keys[-1])]})
+    whole = [Piece(range(0, seqs.total_q), _rows(0, seqs.total_k))]
+    if v.structural:
+        yield Reading("sequence_leak", f"the packing is ignored: sequence {b}'s queries attend to every earlier key "
+                      f"of the packed stream, as a causal mask over all {seqs.total_q} queries and {seqs.total_k} keys "
+                      "does", whole, {"sequence": b, "how": "causal over the whole stream"}, shared="whole")
+    yield Reading("sequence_leak", f"the packing is ignored: sequence {b}'s queries attend to all {seqs.total_k} "
+                  "packed keys, as dense attention over the whole stream does", whole,
+                  {"sequence": b, "how": "dense over every key"}, v.with_(causal=False, window=(UNBOUNDED, UNBOUNDED)),
+                  shared="dense")
+
+
+def _padding(seqs, b: int) -> Iterator[Reading]:
+    slot, used = seqs.k_slot(b), seqs.k_rows(b)
+    if len(used) == len(slot):
+        return
+    pad = len(slot) - len(used)
+    yield Reading("padding_read", f"sequence {b} reads the {plural(pad, 'padding key')} of its slot past seqused_k = "
+                  f"{len(used)} (packed key rows {_span(_rows(used.stop, slot.stop))}): all {len(slot)} keys of the "
+                  "slot attended", [Piece(seqs.q_rows(b), _rows(slot.start, slot.stop))],
+                  {"sequence": b, "padding_keys": pad, "key_rows": [slot.start, slot.stop - 1]})
+
+
+def _key_boundaries(seqs, b: int, s: int) -> Iterator[Reading]:
+    """Sequence b's keys with their start, their end or both moved by s rows."""
+    q, used, slot = seqs.q_rows(b), seqs.k_rows(b), seqs.k_slot(b)
+    lo, hi = used.start, used.stop
+    for side, a, z in (("start", lo + s, hi), ("end", lo, hi + s), ("range", lo + s, hi + s)):
+        if not (0 <= a < z <= seqs.total_k):
+            continue
+        keys = _rows(a, z)
+        detail = {"sequence": b, "shift": s, "side": f"keys {side}", "key_rows": [a, z - 1]}
+        if side == "end" and s > 0 and z <= slot.stop:
+            yield Reading("padding_read", f"sequence {b} reads {plural(s, 'padding key')} of its slot past seqused_k "
+                          f"= {len(used)} (packed key rows {_span(_rows(hi, z))}): its keys end {_direction(s)}",
+                          [Piece(q, keys)], {**detail, "padding_keys": s})
+            continue
+        what = {"start": f"start {_direction(s)}", "end": f"end {_direction(s)}",
+                "range": f"are shifted {_direction(s)}"}[side]
+        yield Reading("sequence_boundary", f"sequence {b}'s keys {what}: packed key rows {_span(keys)} instead of "
+                      f"{_span(_rows(lo, hi))} (the boundary off by {s:+d})", [Piece(q, keys)], detail)
+
+
+def _query_boundaries(seqs, b: int, s: int) -> Iterator[Reading]:
+    """The query boundary at either end of sequence b moved by s rows (the rows past it computed as
+    the neighbour's), or the sequence's query rows shifted by s (written where they belong)."""
+    keys = [_rows(seqs.k_rows(c).start, seqs.k_rows(c).stop) for c in range(seqs.count)]
+    cu = seqs.cu_q
+    for c in (b, b + 1):   # the sequence whose start is moved
+        if not 1 <= c < seqs.count:
+            continue
+        edge = cu[c] + s
+        if not cu[c - 1] <= edge <= cu[c + 1]:
+            continue
+        pieces = [Piece(range(cu[c - 1], edge), keys[c - 1]), Piece(range(edge, cu[c + 1]), keys[c])]
+        yield Reading("sequence_boundary", f"sequence {c}'s queries start {_direction(s)}: at packed row {edge} "
+                      f"instead of {cu[c]} (cu_seqlens_q[{c}] off by {s:+d}), so the rows between belong to sequence "
+                      f"{c - 1 if s > 0 else c}", pieces, {"sequence": c, "shift": s, "side": "queries start"})
+    q = seqs.q_rows(b)
+    if 0 <= q.start + s and q.stop + s <= seqs.total_q:
+        yield Reading("sequence_boundary", f"sequence {b}'s query rows are shifted {_direction(s)}: its rows hold the "
+                      f"result of packed query rows {q.start + s}-{q.stop + s - 1} instead of {q.start}-{q.stop - 1}",
+                      [Piece(range(q.start + s, q.stop + s), keys[b], q.start)],
+                      {"sequence": b, "shift": s, "side": "query rows"})
+
+
+def readings(seqs, b: int, v: Variant) -> Iterator[Reading]:
+    """What a buggy program may have read for sequence b of `seqs` (the packing: verify/sequences.py's
+    Sequences, as the Suspect's packing holds it): the neighbour's keys or the whole stream, the
+    slot's padding, then every boundary off by a few rows, the smallest first."""
+    yield from _leaks(seqs, b, v)
+    yield from _padding(seqs, b)
+    for s in _shifts():
+        yield from _key_boundaries(seqs, b, s)
+        yield from _query_boundaries(seqs, b, s)
+
+
+# ---- the candidates -------------------------------------------------------------------------------
+
+def _solve(stage: str, piece: Piece, inputs: Dict[str, np.ndarray], ctx: Suspect, v: Variant) -> np.ndarray:
+    """`stage` of one dense problem (its rows), by the engine's reference chain."""
+    q = slice(piece.q.start, piece.q.stop)
+    sub = {n: x[q] if STAGES[n].rows == "N" else x[piece.keys] for n, x in inputs.items()}
+    return reference_chain(sub, ctx.scale, v.causal, [stage], variant=v, slope=slope_of(ctx))[stage]
+
+
+def _candidate(stage: str, reading: Reading, packing: Packing, ctx: Suspect, cols: int) -> Optional[np.ndarray]:
+    """The sequence's rows of `stage` as the reading has them; None where it is too large."""
+    seqs, b = packing.sequences, packing.sequence
+    rows = seqs.q_rows(b)
+    v = reading.variant or variant_of(ctx)
+    if any(len(p.q) * len(p.keys) > MAX_CANDIDATE_ENTRIES for p in reading.pieces):
+        return None
+    key = None if reading.shared is None else (reading.shared, stage, ctx.head)
+    cached = packing.cache.get(key) if key is not None else None
+    out = np.full((len(rows), cols), np.nan)
+    for piece in reading.pieces:
+        where = piece.written
+        lo, hi = max(where.start, rows.start), min(where.stop, rows.stop)
+        if lo >= hi:
+            continue
+        if not len(piece.keys):
+            solved = np.full((len(piece.q), cols), SPECS[stage].keyless)
+        elif cached is not None:
+            solved = cached
+        else:
+            with np.errstate(all="ignore"):
+                solved = _solve(stage, piece, packing.inputs_of_head(ctx.head), ctx, v)
+            if key is not None:
+                packing.cache[key] = solved
+        out[lo - rows.start:hi - rows.start] = solved[lo - where.start:hi - where.start]
+    return out
+
+
+def _width(stage: str, ctx: Suspect, width: float) -> float:
+    """The width to match a candidate from the inputs with: a stage whose isolated reference starts
+    from upstream stages (output from the weights) carries the whole chain's error."""
+    hc = ctx.head_ctx
+    if hc is not None and set(STAGES[stage].inputs) - set(INPUT_NAMES) and stage in hc.chain:
+        chained = tolerance.chained_bound(stage, hc.chain, **hc.bound_args())
+        width = max(width, width_of(chained, hc.chain[stage]))
+    return width
+
+
+def applies(stage: str, ctx: Suspect) -> bool:
+    """A stage of a packed case's query rows, computed from its inputs (not an echo: Q and dO), of
+    a query head."""
+    st = STAGES[stage]
+    return (ctx.packing is not None and ctx.head_ctx is not None and ctx.head is not None and st.rows == "N"
+            and st.cols != "M" and not SPECS[stage].echo)
+
+
+def sequences(stage, got, want, ctx, width) -> List[Diagnosis]:
+    """The first reading of the sequence's rows that explains got."""
+    if not applies(stage, ctx):
+        return []
+    packing = ctx.packing
+    seqs, b = packing.sequences, packing.sequence
+    if got.shape[0] != seqs.n(b) or seqs.m(b) == 0:
+        return []
+    width = _width(stage, ctx, width)
+    for reading in readings(seqs, b, variant_of(ctx)):
+        try:
+            cand = _candidate(stage, reading, packing, ctx, got.shape[1])
+        except (KeyError, ValueError):
+            continue
+        if cand is None:
+            continue
+        diff = explains(got, cand, want, width)
+        if diff is not None:
+            return [Diagnosis(reading.code, f"{stage}: {reading.words} (max diff {diff:.2g})",
+                              {**reading.detail, "max_diff": diff}, 0.95)]
+    return []
