@@ -62,8 +62,8 @@ def test_a_leak_into_the_previous_sequence_is_named(tmp_path):
     first = report.first_failure
     assert (first.stage, first.sequence) == ("flash_output", 1)
     assert first.diagnosis[0].detail["read_sequence"] == 0
-    assert ("sequence 1's queries also attend to the keys of sequence 0 before it (packed key rows 0-9 instead of "
-            "6-9)") in first.diagnosis[0].message
+    assert ("sequence 1's queries also attend to the keys of sequence 0 before it (sequence 0's keys 0..5 and its "
+            "keys 0..3 instead of its keys 0..3; packed key rows 0-9 instead of 6-9)") in first.diagnosis[0].message
     assert "; sequence_leak: flash_output: sequence 1's" in "\n".join(summary_lines(report))
 
 
@@ -79,7 +79,8 @@ def test_boundary_one_row_early_names_the_sequence_and_the_shift(tmp_path):
         if not r.passed:
             d = r.diagnosis[0]
             assert (d.detail["sequence"], d.detail["shift"], d.detail["side"]) == (r.sequence, -1, "keys start")
-    assert "sequence 1's keys start 1 row early: packed key rows 5-9 instead of 6-9" in text(report)
+    assert ("sequence 1's keys start 1 row early (sequence 0's key 5 and its keys 0..3 instead of its keys 0..3; "
+            "packed key rows 5-9 instead of 6-9)") in text(report)
 
 
 def _key_rows_with(monkeypatch, bugs):
@@ -99,7 +100,8 @@ def test_a_boundary_two_rows_late_is_named(tmp_path, monkeypatch):
     assert_named(report, "sequence_boundary")
     d = report.first_failure.diagnosis[0]
     assert (d.detail["sequence"], d.detail["shift"]) == (0, 2)
-    assert "sequence 0's keys start 2 rows late: packed key rows 2-5 instead of 0-5" in d.message
+    assert "sequence 0's keys start 2 rows late (its keys 2..5 instead of 0..5; packed key rows 2-5 instead of 0-5)" \
+        in d.message
 
 
 def test_dense_attention_over_every_packed_key_is_named(tmp_path, monkeypatch):
@@ -137,7 +139,8 @@ def test_padding_keys_read_are_named(tmp_path):
     assert_named(report, "padding_read")
     d = report.first_failure.diagnosis[0]
     assert (d.detail["sequence"], d.detail["padding_keys"]) == (0, 2)
-    assert "sequence 0 reads the 2 padding keys of its slot past seqused_k = 4 (packed key rows 4-5)" in d.message
+    assert ("sequence 0 reads the 2 padding keys of its slot past seqused_k = 4 (its padding keys 4..5; packed key "
+            "rows 4-5)") in d.message
 
 
 def test_the_other_planted_bugs_keep_their_own_names(tmp_path):
@@ -167,3 +170,17 @@ def test_a_wrong_scale_in_a_packed_run_is_no_sequence_bug(tmp_path):
     codes = json_codes(report, "flash_output")
     assert codes and all(c[:1] == ["scaled"] for c in codes.values()), codes
     assert not sequence_codes(report)
+
+
+def test_a_wrong_scale_in_long_packed_sequences_tries_no_sequence_reading(tmp_path, monkeypatch):
+    """A stage already explained by a wrong scale is not recomputed as each sequence reading."""
+    import verify.diagnose.sequences as sequence_bugs
+    tried = []
+    readings = sequence_bugs.readings
+    monkeypatch.setattr(sequence_bugs, "readings", lambda *a: tried.append(a[1]) or readings(*a))
+    shape = dict(seqlens_q=[300, 200, 256], seqlens_k=[300, 200, 256], heads=2, kv_heads=1)
+    report = packed_run(tmp_path, shape, stages=("flash_output", "flash_lse"), case_type=_WrongScale)
+    codes = json_codes(report)
+    assert {s for _, _, s in codes} == {0, 1, 2}
+    assert codes and all(c[:1] == ["scaled"] for c in codes.values()), codes
+    assert not sequence_codes(report) and not tried

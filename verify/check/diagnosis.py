@@ -35,11 +35,19 @@ class Packing:
     their own): the packing, the sequence, and a query head's whole packed inputs (Q, K, V, and dO
     where the case has it, every token, float64 as the engine reads them) from which the
     diagnoses recompute what a program that read another sequence's rows wrote. `cache` is
-    shared by the sequences of one job (a candidate over the whole stream serves all of them)."""
+    shared by the sequences of one job (a candidate over the whole stream serves all of them, and
+    a head's packed inputs every reading of every sequence: inputs())."""
     sequences: Sequences
     sequence: int
     inputs_of_head: Callable[[int], Dict[str, np.ndarray]]
     cache: dict = field(default_factory=dict)
+
+    def inputs(self, head: int) -> Dict[str, np.ndarray]:
+        """inputs_of_head(head), converted once per job (held in the shared cache)."""
+        key = ("inputs", head)
+        if key not in self.cache:
+            self.cache[key] = self.inputs_of_head(head)
+        return self.cache[key]
 
 
 @dataclass

@@ -330,7 +330,7 @@ _EXPLAINED_BY_BACKWARD_BUGS = ("scaled", "layout", "tile_boundary")
 _EXPLAINED_BY_VARIANT_BUGS = ("scaled", "tile_boundary", "unwritten")
 # A sequence that read other rows of the packed stream has wrong values everywhere, which a factor,
 # a tile pattern or a few keys read past the end only approximate.
-_EXPLAINED_BY_SEQUENCE_BUGS = ("scaled", "tile_boundary", "unwritten", "keys_past_end", "keys_dropped")
+_EXPLAINED_BY_SEQUENCE_BUGS = sequence_bugs.APPROXIMATIONS
 # A K/V group summed twice is a factor 2: the cause, not a scale.
 _FACTORS = {"kv_group_summed_twice"}
 # The named causes that explain every element, NaN and Inf included (a moved −inf of the mask or
@@ -359,9 +359,10 @@ def diagnose(stage: str, got: np.ndarray, want: np.ndarray, ctx: Suspect) -> Lis
             variant_found = variant_bugs.variants(stage, got, want, ctx, width)
         if variant_found:
             found = [d for d in found if d.code not in _EXPLAINED_BY_VARIANT_BUGS] + variant_found
-    # A mask aligned at the other corner reads as the sequence's keys ending M − N early (or its
-    # queries' boundary moved by as many): the wrong mask, the more common bug, is named alone.
-    if sequence_bugs.applies(stage, ctx) and not {d.code for d in found} & set(mask_bugs.CODES):
+    # A cause found before (a wrong scale, the softmax's axis, a wrong mask — aligned at the other
+    # corner it reads as the sequence's keys ending M − N early —, a head's or a variant's bug)
+    # is named alone: the sequence readings (each a recomputation) are not tried.
+    if sequence_bugs.applies(stage, ctx) and not sequence_bugs.caused_elsewhere(found):
         with np.errstate(all="ignore"):
             sequence_found = sequence_bugs.sequences(stage, got, want, ctx, width)
         if sequence_found:

@@ -33,6 +33,10 @@ from .inputs import slope_of, variant_of
 CODES = ("sequence_leak", "sequence_boundary", "padding_read")
 # A boundary off by up to this many rows is named (a larger error is another bug, or a leak).
 MAX_BOUNDARY_SHIFT = 3
+# What a sequence that read other rows also looks like (its rows wrong everywhere, which a factor,
+# a tile pattern or a few keys read past the end only approximate): the readings are tried after
+# these, and replace them where one explains got.
+APPROXIMATIONS = ("scaled", "tile_boundary", "unwritten", "keys_past_end", "keys_dropped")
 # The largest dense problem (query rows × keys) a candidate recomputes: the whole packed stream's
 # included, which a program that ignores the packing attends over.
 MAX_CANDIDATE_ENTRIES = 1 << 22
@@ -77,6 +81,45 @@ def _span(keys: np.ndarray) -> str:
     return ", ".join(_span(part) for part in np.split(keys, np.flatnonzero(np.diff(keys) != 1) + 1))
 
 
+def _dots(lo: int, hi: int, what: str) -> str:
+    """Rows lo..hi (inclusive) of a sequence: "keys 1..43", "key 5"."""
+    return f"{what}s {lo}..{hi}" if hi > lo else f"{what} {lo}"
+
+
+def _own_terms(seqs, b: int, rows: np.ndarray, side: str = "k") -> str:
+    """Packed key (side "k") or query ("q") rows in the sequences' own terms, seen from sequence b:
+    "its keys 1..43", "sequence 0's keys 0..5 and its keys 0..3", "its padding keys 4..5"."""
+    if not len(rows):
+        return f"no {'key' if side == 'k' else 'query row'}"
+    cu = np.asarray(seqs.cu_k if side == "k" else seqs.cu_q)
+    owner = np.searchsorted(cu, rows, side="right") - 1
+    parts, last = [], None
+    for run in np.split(np.arange(len(rows)), np.flatnonzero((np.diff(rows) != 1) | (np.diff(owner) != 0)) + 1):
+        c, lo, hi = int(owner[run[0]]), int(rows[run[0]]), int(rows[run[-1]])
+        whose = "its" if c == b else f"sequence {c}'s"
+        whose, last = ("" if c == last else whose + " "), c
+        start = int(cu[c])
+        if side == "q":
+            parts.append(f"{whose}{_dots(lo - start, hi - start, 'row')}")
+            continue
+        used_end = start + seqs.m(c)
+        if lo < used_end:
+            parts.append(f"{whose}{_dots(lo - start, min(hi, used_end - 1) - start, 'key')}")
+            whose = ""
+        if hi >= used_end:
+            parts.append(f"{whose}{_dots(max(lo, used_end) - start, hi - start, 'padding key')}")
+    return " and ".join(parts)
+
+
+def _instead(seqs, b: int, read: np.ndarray, own: np.ndarray, side: str = "k") -> str:
+    """"its keys 1..43 instead of 0..43": the rows read, then the sequence's own, in its terms."""
+    got, want = _own_terms(seqs, b, read, side), _own_terms(seqs, b, own, side)
+    prefix = want.split(" ")[0] + " " + want.split(" ")[1] + " "   # "its keys "
+    if got.startswith("its ") and " and " not in got and want.startswith(prefix):
+        want = want[len(prefix):]
+    return f"{got} instead of {want}"
+
+
 def _direction(k: int) -> str:
     return f"{plural(abs(k), 'row')} {'late' if k > 0 else 'early'}"
 
@@ -99,8 +142,9 @@ def _leaks(seqs, b: int, v: Variant) -> Iterator[Reading]:
             reads.append(np.concatenate([_rows(used.start, used.stop), own]))
         for keys in reads:
             yield Reading("sequence_leak", f"sequence {b}'s queries also attend to the keys of sequence {p} before it "
-                          f"(packed key rows {_span(keys)} instead of {_span(own)}): attention crosses the "
-                          "boundary between them", [Piece(q, keys)],
+                          f"({_instead(seqs, b, keys, own)}; packed key rows "
+                          f"{_span(keys)} instead of {_span(own)}): attention crosses the boundary between them",
+                          [Piece(q, keys)],
                           {"sequence": b, "read_sequence": p, "key_rows": [int(keys[0]), int(keys[-1])]})
     whole = [Piece(range(0, seqs.total_q), _rows(0, seqs.total_k))]
     if v.structural:
@@ -118,9 +162,10 @@ def _padding(seqs, b: int) -> Iterator[Reading]:
     if len(used) == len(slot):
         return
     pad = len(slot) - len(used)
+    padding = _rows(used.stop, slot.stop)
     yield Reading("padding_read", f"sequence {b} reads the {plural(pad, 'padding key')} of its slot past seqused_k = "
-                  f"{len(used)} (packed key rows {_span(_rows(used.stop, slot.stop))}): all {len(slot)} keys of the "
-                  "slot attended", [Piece(seqs.q_rows(b), _rows(slot.start, slot.stop))],
+                  f"{len(used)} ({_own_terms(seqs, b, padding)}; packed key rows {_span(padding)}): all {len(slot)} "
+                  "keys of the slot attended", [Piece(seqs.q_rows(b), _rows(slot.start, slot.stop))],
                   {"sequence": b, "padding_keys": pad, "key_rows": [slot.start, slot.stop - 1]})
 
 
@@ -135,13 +180,14 @@ def _key_boundaries(seqs, b: int, s: int) -> Iterator[Reading]:
         detail = {"sequence": b, "shift": s, "side": f"keys {side}", "key_rows": [a, z - 1]}
         if side == "end" and s > 0 and z <= slot.stop:
             yield Reading("padding_read", f"sequence {b} reads {plural(s, 'padding key')} of its slot past seqused_k "
-                          f"= {len(used)} (packed key rows {_span(_rows(hi, z))}): its keys end {_direction(s)}",
+                          f"= {len(used)} ({_own_terms(seqs, b, _rows(hi, z))}; packed key rows {_span(_rows(hi, z))}): "
+                          f"its keys end {_direction(s)}",
                           [Piece(q, keys)], {**detail, "padding_keys": s})
             continue
         what = {"start": f"start {_direction(s)}", "end": f"end {_direction(s)}",
                 "range": f"are shifted {_direction(s)}"}[side]
-        yield Reading("sequence_boundary", f"sequence {b}'s keys {what}: packed key rows {_span(keys)} instead of "
-                      f"{_span(_rows(lo, hi))} (the boundary off by {s:+d})", [Piece(q, keys)], detail)
+        yield Reading("sequence_boundary", f"sequence {b}'s keys {what} ({_instead(seqs, b, keys, _rows(lo, hi))}; packed key rows {_span(keys)} instead of "
+                      f"{_span(_rows(lo, hi))}): the boundary off by {s:+d}", [Piece(q, keys)], detail)
 
 
 def _query_boundaries(seqs, b: int, s: int) -> Iterator[Reading]:
@@ -156,13 +202,17 @@ def _query_boundaries(seqs, b: int, s: int) -> Iterator[Reading]:
         if not cu[c - 1] <= edge <= cu[c + 1]:
             continue
         pieces = [Piece(range(cu[c - 1], edge), keys[c - 1]), Piece(range(edge, cu[c + 1]), keys[c])]
-        yield Reading("sequence_boundary", f"sequence {c}'s queries start {_direction(s)}: at packed row {edge} "
-                      f"instead of {cu[c]} (cu_seqlens_q[{c}] off by {s:+d}), so the rows between belong to sequence "
-                      f"{c - 1 if s > 0 else c}", pieces, {"sequence": c, "shift": s, "side": "queries start"})
+        between = _rows(min(edge, cu[c]), max(edge, cu[c]))
+        yield Reading("sequence_boundary", f"sequence {c}'s queries start {_direction(s)}: "
+                      f"{_own_terms(seqs, c, between, 'q')} computed as sequence {c - 1 if s > 0 else c}'s "
+                      f"(at packed row {edge} instead of {cu[c]}: cu_seqlens_q[{c}] off by {s:+d})", pieces,
+                      {"sequence": c, "shift": s, "side": "queries start"})
     q = seqs.q_rows(b)
     if 0 <= q.start + s and q.stop + s <= seqs.total_q:
+        read = _rows(q.start + s, q.stop + s)
         yield Reading("sequence_boundary", f"sequence {b}'s query rows are shifted {_direction(s)}: its rows hold the "
-                      f"result of packed query rows {q.start + s}-{q.stop + s - 1} instead of {q.start}-{q.stop - 1}",
+                      f"result of {_instead(seqs, b, read, _rows(q.start, q.stop), 'q')} "
+                      f"(packed query rows {_span(read)} instead of {q.start}-{q.stop - 1})",
                       [Piece(range(q.start + s, q.stop + s), keys[b], q.start)],
                       {"sequence": b, "shift": s, "side": "query rows"})
 
@@ -208,7 +258,7 @@ def _candidate(stage: str, reading: Reading, packing: Packing, ctx: Suspect, col
             solved = cached
         else:
             with np.errstate(all="ignore"):
-                solved = _solve(stage, piece, packing.inputs_of_head(ctx.head), ctx, v)
+                solved = _solve(stage, piece, packing.inputs(ctx.head), ctx, v)
             if key is not None:
                 packing.cache[key] = solved
         out[lo - rows.start:hi - rows.start] = solved[lo - where.start:hi - where.start]
@@ -223,6 +273,15 @@ def _width(stage: str, ctx: Suspect, width: float) -> float:
         chained = tolerance.chained_bound(stage, hc.chain, **hc.bound_args())
         width = max(width, width_of(chained, hc.chain[stage]))
     return width
+
+
+def caused_elsewhere(found: List[Diagnosis]) -> bool:
+    """Whether a finding the hypotheses made before names another cause than the sequences' (a
+    wrong scale, the softmax's axis, a wrong mask, a head's or a variant's bug): anything but an
+    approximation or non-finite values, and a factor that is one of the named scales (an unnamed
+    one only approximates keys read whose values are zero). The readings are then not tried."""
+    return any(d.code not in APPROXIMATIONS + ("nonfinite",) or (d.code == "scaled" and d.detail.get("names"))
+               for d in found)
 
 
 def applies(stage: str, ctx: Suspect) -> bool:
