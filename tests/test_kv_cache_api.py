@@ -11,6 +11,7 @@ import pytest
 
 from helpers.kv_cache_programs import DecodeCase, decode
 import attnstep
+from verify.check import paged
 
 # Sequence 1 spans several pages of 16 and its last page is partial; pages of 64: 70 + 2 keys.
 SEQLENS = [37, 45, 20]
@@ -121,8 +122,8 @@ REFUSALS = [
     (dict(v_cache=np.zeros((15, 32, 2, 16))), "^k_cache has a page size of 16, v_cache a page size of 32: they must match$"),
     (dict(k_cache=np.zeros((12, 16, 3, 16)), v_cache=np.zeros((12, 16, 3, 16))),
      "^k_cache has 3 K/V heads and q 4: grouped K/V heads must divide the query heads$"),
-    (dict(k_cache=np.zeros((12, 8, 2, 16)), v_cache=np.zeros((12, 8, 2, 16))),
-     r"^k_cache's page size is 8 \(k_cache.shape\[1\]\): page sizes are 16 to 256$"),
+    (dict(k_cache=np.zeros((12, 0, 2, 16)), v_cache=np.zeros((12, 0, 2, 16))),
+     r"^k_cache's page size is 0 \(k_cache.shape\[1\]\): a page holds at least 1 key$"),
     (dict(cache_seqlens=[37, 45]), "^cache_seqlens has 2 values for a batch of 3$"),
     (dict(cache_seqlens=[37, -1, 20]), r"^cache_seqlens\[1\] = -1: a count of keys is >= 0$"),
     (dict(cache_seqlens=[37, 45, 63]), r"^cache_seqlens\[2\] = 63 with 2 new keys: 65 keys, more than the 4 pages of "
@@ -175,3 +176,104 @@ def test_torch_tensors():
     args = {n: (t(x) if isinstance(x, np.ndarray) else x) for n, x in case.arguments().items()}
     assert attnstep.check_kvcache(t(case.q), t(case.k_cache), t(case.v_cache), {"flash_output": t(out),
                                   "flash_lse": t(lse)}, k_cache_after=t(k_after), v_cache_after=t(v_after), **args)
+
+
+# ---- the cost and the aim of the paged search ------------------------------------------------------
+
+@pytest.fixture
+def rechecked(monkeypatch):
+    """The readings each re-check of diagnose_paged packs, one count per call."""
+    calls = []
+    real = paged.packed_keys
+
+    def counting(kv, keys):
+        calls.append(len(keys))
+        return real(kv, keys)
+    monkeypatch.setattr(paged, "packed_keys", counting)
+    return calls
+
+
+@pytest.mark.parametrize("page_size", [16, 256])
+def test_a_large_output_off_by_1_percent_is_screened_without_a_recheck(rechecked, page_size):
+    # 4 sequences of 1024 keys, the output 1.01 times the right one: no reading is closer, none re-checked.
+    report = check(DecodeCase([1023] * 4, n_new=1, page_size=page_size, d=32), "scaled", after=False)
+    assert not report
+    assert not {d.code for r in report.results if not r.passed for d in r.diagnosis} & set(paged.PAGED_CODES)
+    assert rechecked == []
+
+
+def test_a_failure_with_another_cause_is_not_searched(monkeypatch):
+    screened = []
+    real = paged._screened
+    monkeypatch.setattr(paged, "_screened", lambda kv, b, *rest: screened.append(b) or real(kv, b, *rest))
+    report = check(DecodeCase([1023] * 4, n_new=1, d=32), "lse_log2", after=False)
+    codes = {d.code for r in report.results if not r.passed for d in r.diagnosis}
+    assert codes == {"lse_log2"} and screened == []
+
+
+def test_a_failure_no_reading_explains_is_screened_out_without_a_recheck(rechecked):
+    report = check(DecodeCase([1023, 500, 700, 1000], n_new=1, d=32), "noise", after=False)
+    assert not report
+    assert not {d.code for r in report.results if not r.passed for d in r.diagnosis} & set(paged.PAGED_CODES)
+    assert rechecked == []
+
+
+def test_only_the_readings_the_screen_keeps_are_rechecked(rechecked):
+    report = check(DecodeCase([300, 400, 200], n_new=2, nq=4, causal=True), "wrong_page")
+    assert _codes(report, 1)[0] == "paged_wrong_page"
+    assert len(rechecked) == 1 and rechecked[0] <= 2, rechecked
+
+
+def test_a_past_length_in_sequence_0_of_a_batch_of_24_is_named():
+    # Sequence 0's 19 pages give 2 + 23 wrong pages each: more readings than a cap over all kinds kept.
+    seqlens = [300] + [100 + 37 * b for b in range(1, 24)]
+    report = check(DecodeCase(seqlens, n_new=1, heads=2, kv_heads=1), "past_length_0", after=False)
+    assert {r.sequence for r in report.results if not r.passed} == {0}
+    assert _codes(report, 0)[0] == "paged_past_length"
+
+
+def test_a_one_page_sequence_read_from_the_page_before_is_a_wrong_page_not_a_shift():
+    case = DecodeCase([100, 120, 90], n_new=1, page_size=256)
+    if case.block_table[1, 0] == 0:
+        case.block_table[1, 0], case.block_table[2, 0] = case.block_table[2, 0], case.block_table[1, 0]
+    assert case.block_table[1, 0] > 0
+    codes = _codes(check(case, "page_before"), 1)
+    assert codes[0] == "paged_wrong_page" and "paged_page_shift" not in codes, codes
+
+
+@pytest.mark.parametrize("page_size", [1, 8, 48])
+def test_any_page_size_from_1(page_size):
+    case = DecodeCase([37, 60], n_new=2, nq=2, causal=True, page_size=page_size)
+    report = check(case)
+    assert report, attnstep.format_report(report)
+    assert not check(case, "wrong_page")
+
+
+def test_a_step_in_which_no_sequence_has_a_key_is_refused():
+    with pytest.raises(ValueError, match=r"^cache_seqlens are all 0 and there are no new keys \(k_new\): no "
+                                         "sequence has a key to attend to$"):
+        case = DecodeCase([0, 0])
+        attnstep.check_kvcache(case.q, case.k_cache, case.v_cache, {"output": np.zeros(case.q.shape)},
+                               cache_seqlens=0, block_table=case.block_table)
+
+
+def test_a_batch_of_0_and_a_dense_cache_of_0_slots_are_refused():
+    case = DecodeCase([0, 0], n_new=1, page_size=None)
+    with pytest.raises(ValueError, match=r"^q is \(0, 1, 4, 16\): a decode step has at least one sequence"):
+        _call(case, q=case.q[:0], k_cache=case.k_cache[:0], v_cache=case.v_cache[:0], cache_seqlens=[],
+              k_new=case.k_new[:0], v_new=case.v_new[:0], stages={"output": np.zeros((0, 1, 4, 16))})
+    with pytest.raises(ValueError, match=r"^k_cache is \(2, 0, 2, 16\): a dense cache holds at least one slot"):
+        _call(case, k_cache=case.k_cache[:, :0], v_cache=case.v_cache[:, :0])
+
+
+def test_a_table_under_which_two_sequences_write_one_slot_is_refused():
+    case = DecodeCase([37, 37, 20], n_new=2)
+    table = case.block_table.copy()
+    table[1, 2] = table[0, 2]
+    with pytest.raises(ValueError, match=rf"^block_table: sequences 0 and 1 both write a new key to page "
+                                         rf"{table[0, 2]}, slot 5 \(block_table\[0, 2\] = block_table\[1, 2\] = "
+                                         rf"{table[0, 2]}\): their new keys would overwrite each other$"):
+        _call(case, block_table=table)
+    table = case.block_table.copy()
+    table[1, 0] = table[0, 0]  # (keys read from another sequence's page, no new key written there: allowed)
+    _call(case, block_table=table)

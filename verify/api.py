@@ -340,7 +340,7 @@ def check_kvcache(q, k_cache, v_cache, stages: Mapping[str, object], *, cache_se
 
     q: (batch, queries, heads, dim), the queries aligned bottom-right (speculative decoding);
     k_cache, v_cache: (batch, max_seqlen, kv_heads, dim), or pages (num_blocks, page_size,
-    kv_heads, dim) with block_table (batch, max_blocks_per_seq) (page sizes 16 to 256);
+    kv_heads, dim) with block_table (batch, max_blocks_per_seq) (any page size >= 1);
     cache_seqlens: the keys each sequence holds before the step (an int or (batch,)); k_new,
     v_new: (batch, new keys, kv_heads, dim), written at cache_seqlens[b] before the attention
     (flash-attn's k and v). stages: output or flash_output (batch, queries, heads, dim) and

@@ -19,6 +19,11 @@ BUGS = {
     "other_sequence_page": "sequence 1's page 0 read from sequence 0's page 0",
     "page_shift": "every page of sequence 1 read one page further in the pool",
     "past_length": "each sequence's last page read to its end (keys past cache_seqlens + n_new attended)",
+    "past_length_0": "sequence 0's last page read to its end (the other sequences right)",
+    "page_before": "sequence 1's page 0 read from the pool's page before it",
+    "scaled": "every output 1.01 times the right one (lse right)",
+    "lse_log2": "the lse in base 2 (the output right)",
+    "noise": "sequence 0's output off by 1% noise (lse right)",
     "write_offset": "the new keys written one slot late in the cache",
     "write_other_slot": "an unrelated slot of the cache overwritten",
 }
@@ -96,6 +101,8 @@ def _table_read(case: DecodeCase, bug: Optional[str]):
         t[1, 0] = t[0, 0]
     elif bug == "page_shift":
         t[1] += 1
+    elif bug == "page_before":
+        t[1, 0] -= 1
     return t
 
 
@@ -111,7 +118,7 @@ def decode(case: DecodeCase, bug: Optional[str] = None):
     for b in range(B):
         m = case.seqlens[b] + case.n_new
         count = m
-        if bug == "past_length" and case.page_size is not None:
+        if (bug == "past_length" or bug == "past_length_0" and b == 0) and case.page_size is not None:
             count = -(-m // case.page_size) * case.page_size
         places = [_where(case, table, b, j) for j in range(count)]
         keys = np.stack([k_pool[p] for p in places])     # (count, Hk, d)
@@ -126,4 +133,10 @@ def decode(case: DecodeCase, bug: Optional[str] = None):
             total = p.sum(axis=1, keepdims=True)
             out[b, :, h] = (p / total) @ vals[:, h // group]
             lse[b, h] = (mx + np.log(total))[:, 0]
+    if bug == "scaled":
+        out *= f32(1.01)
+    elif bug == "lse_log2":
+        lse /= f32(np.log(2))
+    elif bug == "noise":
+        out[0] += (0.01 * np.abs(out[0]).max() * np.random.default_rng(1).standard_normal(out[0].shape)).astype(f32)
     return out, lse, k_pool, v_pool

@@ -9,6 +9,12 @@ plus or minus one, or the table read one entry late), or the last partial page r
 sequence's length (to the page's end). Each reading of a failing sequence is gathered and the
 sequence's stages re-checked against it with the same error model, in one packed check of every
 reading at once; a reading whose check passes explains the failure.
+
+The search is kept cheap: a sequence whose failure already has a cause that is not about paging
+(a diagnosis other than the packed and paged ones, e.g. scaled) is not searched; each reading is
+first screened with a float64 NumPy forward of the sequence over the reading's keys, and only one
+much closer to the program's rows than the right reading goes to the re-check; the readings are
+capped per kind (past-length and shifts first, then wrong pages, the last (partial) page first).
 """
 from __future__ import annotations
 
@@ -19,14 +25,24 @@ import numpy as np
 
 from ..files.kv_cache import KVCache, cache_after_problem, packed_keys
 from ..sequences import Sequences
-from ..stages import KEYS, STAGES, VALUES
+from ..stages import ALIBI_SLOPES_INPUT, KEYS, STAGES, VALUES
+from ..model.rounding import unit_roundoff
+from ..variant import Variant, hidden, modified_scores
 from .diagnosis import Diagnosis
 from .results import Report, RunCheck
 
 PAGED_WRONG_PAGE, PAGED_PAGE_SHIFT, PAGED_PAST_LENGTH = "paged_wrong_page", "paged_page_shift", "paged_past_length"
 CACHE_AFTER, CACHE_AFTER_TITLE = "cache_after", "cache after the step"
-# The readings tried per failing sequence (a long sequence has many pages that could be wrong).
-MAX_READINGS = 256
+PAGED_CODES = (PAGED_WRONG_PAGE, PAGED_PAGE_SHIFT, PAGED_PAST_LENGTH)
+# The diagnoses of the packed engine that a paging bug may also show as (verify/diagnose/sequences.py).
+PACKED_CODES = ("sequence_leak", "sequence_boundary", "padding_read")
+# The readings screened per failing sequence and kind, and those re-checked per kind after the screen.
+MAX_SCREENED, MAX_RECHECKED = 2048, 16
+# A reading goes to the re-check when its distance to the program's rows is at most this share
+# of the right reading's (a reading the program made is as close as its rounding), or within
+# ROUNDING_FLOOR unit roundoffs of the precision and half the right reading's distance (a bug as
+# small as a half-precision program's rounding).
+SCREEN_RATIO, ROUNDING_FLOOR = 0.1, 4.0
 # Confidence: a reading that reproduces the program's output to the error model's bound.
 READING_CONFIDENCE = 0.9
 
@@ -114,16 +130,173 @@ def _past_length(kv: KVCache, b: int) -> List[Reading]:
                     f"keys): {where}", {"sequence": b, "keys": whole, "valid": m})]
 
 
+def _read_key(kv: KVCache, r: Reading) -> Tuple:
+    """The pages a reading reads and its count of keys: two readings with one key read the same."""
+    return tuple(int(p) for p in r.row[:-(-r.count // kv.page_size)]), r.count
+
+
+def _same_keys(kv: KVCache, b: int, r: Reading, right_k: np.ndarray, right_v: np.ndarray) -> bool:
+    """Whether a reading reads sequence b's right keys and values (a wrong page: that page's)."""
+    if r.code == PAGED_WRONG_PAGE:
+        n = min(kv.m(b), (r.detail["page_index"] + 1) * kv.page_size) - r.detail["page_index"] * kv.page_size
+        at, right = r.detail["read"], r.detail["expected"]
+        return (np.array_equal(kv.k_pages[at, :n], kv.k_pages[right, :n])
+                and np.array_equal(kv.v_pages[at, :n], kv.v_pages[right, :n]))
+    k, v = kv.gather(b, r.row, r.count)
+    return k.shape == right_k.shape and np.array_equal(k, right_k) and np.array_equal(v, right_v)
+
+
 def readings(kv: KVCache, b: int) -> List[Reading]:
-    """The readings of sequence b a buggy program may make, each of keys other than the right ones."""
-    found = (_shifts(kv, b) + _wrong_pages(kv, b) if kv.paged else []) + _past_length(kv, b)
+    """The readings of sequence b a buggy program may make, each of keys other than the right ones,
+    each read once (a wrong page kept over a shift that reads the same pages), at most MAX_SCREENED
+    of a kind: past-length and shifts first, then wrong pages, the last (partial) page first."""
+    wrong = sorted(_wrong_pages(kv, b), key=lambda r: -r.detail["page_index"]) if kv.paged else []
+    found = _past_length(kv, b) + (_shifts(kv, b) if kv.paged else []) + wrong
     right_k, right_v = kv.gather(b)
-    out = []
+    out: Dict[Tuple, Reading] = {}
+    kinds: Dict[str, int] = {}
     for r in found:
-        k, v = kv.gather(b, r.row, r.count)
-        if k.shape != right_k.shape or not (np.array_equal(k, right_k) and np.array_equal(v, right_v)):
-            out.append(r)
-    return out[:MAX_READINGS]
+        key = _read_key(kv, r)
+        if key in out:
+            if r.code == PAGED_WRONG_PAGE and out[key].code != PAGED_WRONG_PAGE:
+                out[key] = r
+            continue
+        if kinds.get(r.code, 0) >= MAX_SCREENED:
+            continue
+        if not _same_keys(kv, b, r, right_k, right_v):
+            out[key] = r
+            kinds[r.code] = kinds.get(r.code, 0) + 1
+    return list(out.values())
+
+
+# ----------------------------------------------------------------------------------------------
+# The screen: a float64 forward of a sequence over a reading's keys.
+
+@dataclass
+class Screen:
+    """What the float64 forward needs: the case's scale, variant and ALiBi slopes ((H,) or None),
+    and the distance a reading within the program's rounding may have (floor)."""
+    scale: float
+    variant: Variant
+    slopes: Optional[np.ndarray]
+    floor: float
+
+    @classmethod
+    def of(cls, report: Report) -> "Screen":
+        run = report.run
+        slopes = report.case.arrays.get(ALIBI_SLOPES_INPUT) if run.variant.alibi else None
+        return cls(run.scale, run.variant,
+                   None if slopes is None else np.asarray(slopes, np.float64).reshape(-1, slopes.shape[-1])[0],
+                   ROUNDING_FLOOR * unit_roundoff(run.precision))
+
+    def close(self, distance: float, right: float) -> bool:
+        """Whether a reading at `distance` from the program's rows is much closer than the right one."""
+        return distance <= max(SCREEN_RATIO * right, min(0.5 * right, self.floor))
+
+    def scores(self, q: np.ndarray, k: np.ndarray, m: int, cols: slice = slice(None)) -> np.ndarray:
+        """(H, nq, keys) masked scores of queries q (nq, H, d) over keys k (keys, Hk, d), keys `cols`
+        of a sequence of m keys, float64."""
+        nq, H, Hk = q.shape[0], q.shape[1], k.shape[1]
+        qq = q.astype(np.float64).transpose(1, 0, 2).reshape(Hk, H // Hk * nq, -1)
+        s = (qq @ k.astype(np.float64).transpose(1, 2, 0)).reshape(H, nq, k.shape[0]) * self.scale
+        if self.variant.modifies_scores:
+            s = np.stack([modified_scores(s[h], self.variant, 0.0 if self.slopes is None else self.slopes[h],
+                                          cols=cols, n=nq, m=m) for h in range(H)])
+        return np.where(hidden(self.variant, nq, m, cols=cols)[None], -np.inf, s)
+
+    @staticmethod
+    def weigh(s: np.ndarray, v: np.ndarray, top: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+        """(Σ exp(s − top)·v (H, nq, dv), Σ exp(s − top) (H, nq, 1)) of scores s (H, nq, keys)."""
+        H, nq, Hk = s.shape[0], s.shape[1], v.shape[1]
+        p = np.exp(s - top)
+        values = p.reshape(Hk, H // Hk * nq, -1) @ v.astype(np.float64).transpose(1, 0, 2)
+        return values.reshape(H, nq, -1), p.sum(axis=2, keepdims=True)
+
+    @staticmethod
+    def finish(values: np.ndarray, total: np.ndarray, top: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+        """(out (nq, H, dv), lse (H, nq)); a row that sees no key: out 0, lse -inf."""
+        with np.errstate(divide="ignore"):
+            lse = (top + np.log(total))[:, :, 0]
+        return (values / np.where(total > 0, total, 1.0)).transpose(1, 0, 2), lse
+
+    def forward(self, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+        """(out (nq, H, dv), lse (H, nq)) of queries q (nq, H, d) over keys k, v (m, Hk, d)."""
+        s = self.scores(q, k, k.shape[0])
+        top = s.max(axis=2, keepdims=True)
+        top = np.where(np.isfinite(top), top, 0.0)
+        return self.finish(*self.weigh(s, v, top), top)
+
+
+@dataclass
+class Base:
+    """The right reading's scores and sums, which a reading of one other page changes in place."""
+    s: np.ndarray
+    top: np.ndarray
+    values: np.ndarray
+    total: np.ndarray
+
+    @classmethod
+    def of(cls, screen: Screen, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> "Base":
+        s = screen.scores(q, k, k.shape[0])
+        top = s.max(axis=2, keepdims=True)
+        top = np.where(np.isfinite(top), top, 0.0)
+        return cls(s, top, *screen.weigh(s, v, top))
+
+    def swap(self, screen: Screen, q: np.ndarray, v: np.ndarray, keys: slice, k_new: np.ndarray,
+             v_new: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+        """(out, lse) with keys `keys` (their values v[keys]) replaced by k_new, v_new."""
+        s_new = screen.scores(q, k_new, self.s.shape[2], keys)
+        top = np.maximum(self.top, np.where(np.isfinite(s_new).any(axis=2, keepdims=True),
+                                            s_new.max(axis=2, keepdims=True), self.top))
+        old_values, old_total = screen.weigh(self.s[:, :, keys], v[keys], self.top)
+        new_values, new_total = screen.weigh(s_new, v_new, top)
+        shrink = np.exp(self.top - top)
+        return screen.finish((self.values - old_values) * shrink + new_values,
+                             np.maximum((self.total - old_total) * shrink, 0.0) + new_total, top)
+
+
+def _distance(want: Dict[str, np.ndarray], got: Dict[str, np.ndarray]) -> float:
+    """The largest relative difference over the stages (an lse's against 1 + its size)."""
+    worst = 0.0
+    for name, g in got.items():
+        w = want[name]
+        same = (w == g) | (np.isinf(w) & np.isinf(g))
+        diff = np.where(same, 0.0, np.abs(w - g))
+        worst = max(worst, float(np.nan_to_num(diff, nan=np.inf).max(initial=0.0))
+                    / (1.0 + float(np.abs(np.where(np.isfinite(g), g, 0)).max(initial=0.0))))
+    return worst
+
+
+def _screened(kv: KVCache, b: int, tried: List[Reading], stages: Dict[str, np.ndarray], screen: Screen
+              ) -> List[Reading]:
+    """The readings of sequence b much closer to the program's rows than its right reading, at
+    most MAX_RECHECKED of a kind (all of them when its rows are not finite: no screen)."""
+    got = {s: _rows(s, x, b, kv.nq).astype(np.float64) for s, x in stages.items()}
+    if not all(np.isfinite(g).all() for g in got.values()):
+        return tried
+
+    right_k, right_v = kv.gather(b)
+    base = Base.of(screen, kv.q[b], right_k, right_v)
+
+    def distance(r: Optional[Reading]) -> float:
+        if r is None:
+            out, lse = screen.finish(base.values, base.total, base.top)
+        elif r.code == PAGED_WRONG_PAGE:
+            j = r.detail["page_index"]
+            keys = slice(j * kv.page_size, min(kv.m(b), (j + 1) * kv.page_size))
+            page, n = r.detail["read"], keys.stop - keys.start
+            out, lse = base.swap(screen, kv.q[b], right_v, keys, kv.k_pages[page, :n], kv.v_pages[page, :n])
+        else:
+            out, lse = screen.forward(kv.q[b], *kv.gather(b, r.row, r.count))
+        return _distance({s: (lse if STAGES[s].cols == "1" else out) for s in got}, got)
+
+    right = distance(None)
+    kept, kinds = [], {}
+    for r in tried:
+        if kinds.get(r.code, 0) < MAX_RECHECKED and screen.close(distance(r), right):
+            kept.append(r)
+            kinds[r.code] = kinds.get(r.code, 0) + 1
+    return kept
 
 
 # ----------------------------------------------------------------------------------------------
@@ -135,9 +308,13 @@ def _rows(stage: str, x: np.ndarray, b: int, nq: int) -> np.ndarray:
 
 
 def diagnose_paged(report: Report, kv: KVCache, stages: Dict[str, np.ndarray], recheck: Recheck) -> None:
-    """Adds to each failing sequence's results the readings that explain them (first)."""
+    """Adds to each failing sequence's results the readings that explain them (first): those of a
+    sequence whose failure has no other cause, screened (_screened), re-checked in one packed check."""
     failing = sorted({r.sequence for r in report.results if not r.passed and r.sequence is not None})
-    tried = [r for b in failing for r in readings(kv, b)]
+    other = {r.sequence for r in report.results if not r.passed
+             and any(d.code not in PAGED_CODES + PACKED_CODES for d in r.diagnosis)}
+    screen = Screen.of(report)
+    tried = [r for b in failing if b not in other for r in _screened(kv, b, readings(kv, b), stages, screen)]
     if not tried:
         return
     axis = {s: 1 if STAGES[s].cols == "1" else 0 for s in stages}

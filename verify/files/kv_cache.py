@@ -27,8 +27,8 @@ from ..text import plural
 from .arrays import as_array, native_float
 from .packed_arrays import offsets
 
-# The page sizes of a paged cache (vLLM's and flash-attn's range).
-MIN_PAGE_SIZE, MAX_PAGE_SIZE = 16, 256
+# The smallest page size of a paged cache (FA3 takes 1, vLLM 8 to 32, flash-attn 2 multiples of 256).
+MIN_PAGE_SIZE = 1
 
 
 def decode_stage(name: str) -> bool:
@@ -137,6 +137,11 @@ def _caches(q, k_cache, v_cache, paged: bool) -> Tuple[np.ndarray, np.ndarray, n
         raise ValueError(f"q's head dimension is {q.shape[3]}, k_cache's {k.shape[3]}: Q and K share it")
     if q.shape[1] < 1:
         raise ValueError(f"q is {tuple(q.shape)}: a decode step has at least one query per sequence")
+    if q.shape[0] < 1:
+        raise ValueError(f"q is {tuple(q.shape)}: a decode step has at least one sequence (batch >= 1)")
+    if not paged and k.shape[1] < 1:
+        raise ValueError(f"k_cache is {tuple(k.shape)}: a dense cache holds at least one slot per sequence "
+                         "(max_seqlen >= 1)")
     return q, k, v
 
 
@@ -210,9 +215,9 @@ def _layout(k: np.ndarray, q: np.ndarray, block_table, seqlens, n_new: int) -> T
         _fits(seqlens, n_new, k.shape[1], "the cache's slots (k_cache.shape[1])")
         return np.arange(B, dtype=np.int64)[:, None], k.shape[1]
     table, page_size = _table(block_table, B), k.shape[1]
-    if not MIN_PAGE_SIZE <= page_size <= MAX_PAGE_SIZE:
-        raise ValueError(f"k_cache's page size is {page_size} (k_cache.shape[1]): page sizes are {MIN_PAGE_SIZE} "
-                         f"to {MAX_PAGE_SIZE}")
+    if page_size < MIN_PAGE_SIZE:
+        raise ValueError(f"k_cache's page size is {page_size} (k_cache.shape[1]): a page holds at least "
+                         f"{plural(MIN_PAGE_SIZE, 'key')}")
     _fits(seqlens, n_new, table.shape[1] * page_size,
           f"the {plural(table.shape[1], 'page')} of {page_size} that block_table gives each sequence")
     _table_entries(table, seqlens, n_new, page_size, k.shape[0])
@@ -225,12 +230,31 @@ def kv_cache(q, k_cache, v_cache, cache_seqlens, block_table=None, k_new=None, v
     k_add, v_add = _new_keys(k_new, v_new, q, k, v)
     seqlens = _seqlens(cache_seqlens, q.shape[0])
     table, page_size = _layout(k, q, block_table, seqlens, k_add.shape[1])
+    if not any(seqlens) and not k_add.shape[1]:
+        raise ValueError("cache_seqlens are all 0 and there are no new keys (k_new): no sequence has a key to "
+                         "attend to")
     kv = KVCache(q, k, v, k.copy(), v.copy(), table, page_size, seqlens, k_add.shape[1], block_table is not None)
+    _no_shared_slot(kv)
     for b in range(kv.batch):
         pages, slots = kv.places(table[b], kv.m(b))
         pages, slots = pages[seqlens[b]:], slots[seqlens[b]:]
         kv.k_pages[pages, slots], kv.v_pages[pages, slots] = k_add[b], v_add[b]
     return kv
+
+
+def _no_shared_slot(kv: KVCache) -> None:
+    """No two sequences write their new keys to one slot (a table that aliases pages)."""
+    owner: Dict[Tuple[int, int], Tuple[int, int]] = {}
+    for b in range(kv.batch):
+        pages, slots = kv.places(kv.table[b], kv.m(b))
+        for t in range(kv.seqlens[b], kv.m(b)):
+            at = (int(pages[t]), int(slots[t]))
+            if at in owner and owner[at][0] != b:
+                c, u = owner[at]
+                raise ValueError(f"block_table: sequences {c} and {b} both write a new key to page {at[0]}, slot "
+                                 f"{at[1]} (block_table[{c}, {u // kv.page_size}] = block_table[{b}, "
+                                 f"{t // kv.page_size}] = {at[0]}): their new keys would overwrite each other")
+            owner[at] = (b, t)
 
 
 def step_stages(kv: KVCache, stages: Dict[str, object]) -> Dict[str, np.ndarray]:
