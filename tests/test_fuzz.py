@@ -288,6 +288,22 @@ def test_check_refuses_a_stage_file_that_is_not_a_regular_file(binary, pristine,
     assert "not a regular file" in res.stdout + res.stderr
 
 
+def _corrupted_run_never_passes(binary, case: Path, folder: Path, target: str, op, where, token) -> None:
+    """The binary's run of `case` into `folder`, its file `target` corrupted, checked: never a
+    traceback, and never a pass once a stage file changed (run.toml may change harmlessly)."""
+    run_binary(binary, case, folder, backend="cpu")
+    path = folder / target
+    before = path.read_bytes()
+    after = _corrupt(before, op, where, token)
+    path.write_bytes(after)
+    res = subprocess.run([sys.executable, "-m", "verify", "check", "--in", str(case), "--out", str(folder)],
+                         capture_output=True, text=True, timeout=120)
+    assert "Traceback" not in res.stderr, res.stderr[-2000:]
+    assert res.returncode in (0, 1, 2)
+    if after != before and target != "run.toml":
+        assert res.returncode != 0, res.stdout[-1500:]
+
+
 @pytest.mark.slow
 @FUZZ
 @given(st.sampled_from(["QK_head_0.txt", "attention_weights_head_1.txt", "flash_lse_head_0.txt", "dO_head_1.txt",
@@ -297,19 +313,8 @@ def test_check_refuses_a_stage_file_that_is_not_a_regular_file(binary, pristine,
 def test_verifier_never_passes_corrupt_outputs(binary, pristine_backward_txt, tmp_path_factory, target, op, where,
                                                token):
     """Forward and backward stage files of a case with dO."""
-    pristine = pristine_backward_txt
-    folder = tmp_path_factory.mktemp("run")
-    run_binary(binary, pristine, folder, backend="cpu")
-    path = folder / target
-    before = path.read_bytes()
-    after = _corrupt(before, op, where, token)
-    path.write_bytes(after)
-    res = subprocess.run([sys.executable, "-m", "verify", "check", "--in", str(pristine), "--out", str(folder)],
-                         capture_output=True, text=True, timeout=120)
-    assert "Traceback" not in res.stderr, res.stderr[-2000:]
-    assert res.returncode in (0, 1, 2)
-    if after != before and target != "run.toml":
-        assert res.returncode != 0, res.stdout[-1500:]
+    _corrupted_run_never_passes(binary, pristine_backward_txt, tmp_path_factory.mktemp("run"), target, op, where,
+                                token)
 
 
 # ------------------------------------------------------------------ a variant case
@@ -377,18 +382,7 @@ def test_verifier_never_passes_corrupt_variant_outputs(binary, pristine_variant,
                                                        token):
     """A variant run's stage files corrupted (the keep-mask, masked scores, a K/V head's gradient,
     the flash lse): never a traceback, never a pass."""
-    folder = tmp_path_factory.mktemp("run")
-    run_binary(binary, pristine_variant, folder, backend="cpu")
-    path = folder / target
-    before = path.read_bytes()
-    after = _corrupt(before, op, where, token)
-    path.write_bytes(after)
-    res = subprocess.run([sys.executable, "-m", "verify", "check", "--in", str(pristine_variant), "--out", str(folder)],
-                         capture_output=True, text=True, timeout=120)
-    assert "Traceback" not in res.stderr, res.stderr[-2000:]
-    assert res.returncode in (0, 1, 2)
-    if after != before and target != "run.toml":
-        assert res.returncode != 0, res.stdout[-1500:]
+    _corrupted_run_never_passes(binary, pristine_variant, tmp_path_factory.mktemp("run"), target, op, where, token)
 
 
 # ------------------------------------------------------------------ interrupted runs
