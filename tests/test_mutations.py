@@ -56,17 +56,22 @@ SHAPES = {  # name: (heads, N, M, d, causal, backward)
 }
 
 
+def _generate_and_run(binary, base: Path, out: str, generate_options, extra) -> None:
+    """`attnstep generate` into base/in, then the binary's CPU backend into base/<out>."""
+    r = invoke("generate", "--out", base / "in", *generate_options)
+    assert r.exit_code == 0, r.output
+    subprocess.run([str(binary), "--in", str(base / "in"), "--out", str(base / out), "--backend", "cpu", *extra],
+                   check=True, capture_output=True)
+
+
 def _correct_cases(binary, root, *extra):
     """One correct output case per shape, computed by the binary's CPU backend."""
     out = {}
     for name, (heads, N, M, d, causal, backward) in SHAPES.items():
         base = root / name
-        r = invoke("generate", "--out", base / "in", "--heads", heads, "--seq-q", N, "--seq-k", M,
-                    "--d-k", d, "--d-v", d, "--dist", "normal", "--seed", 11,
-                    "--causal" if causal else "--no-causal", *(("--backward",) if backward else ()))
-        assert r.exit_code == 0, r.output
-        subprocess.run([str(binary), "--in", str(base / "in"), "--out", str(base / "out"),
-                        "--backend", "cpu", *extra], check=True, capture_output=True)
+        _generate_and_run(binary, base, "out", ("--heads", heads, "--seq-q", N, "--seq-k", M, "--d-k", d, "--d-v", d,
+                                                "--dist", "normal", "--seed", 11, "--causal" if causal else "--no-causal",
+                                                *(("--backward",) if backward else ())), extra)
         out[name] = base
     return out
 
@@ -404,10 +409,7 @@ def _variant_runs(binary, root: Path, *extra) -> dict:
     out = {}
     for name, options in VARIANT_CASES.items():
         base = root / name
-        r = invoke("generate", "--out", base / "in", *VARIANT_SIZES, "--dist", "normal", "--seed", 5, *options)
-        assert r.exit_code == 0, r.output
-        subprocess.run([str(binary), "--in", str(base / "in"), "--out", str(base / "binary"), "--backend", "cpu",
-                        *extra], check=True, capture_output=True)
+        _generate_and_run(binary, base, "binary", (*VARIANT_SIZES, "--dist", "normal", "--seed", 5, *options), extra)
         VariantRun(base, base, "binary").plant_program(None, 1)
         out[name] = base
     return out
