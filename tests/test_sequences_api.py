@@ -70,6 +70,10 @@ def test_tensors_that_do_not_fit_the_offsets_are_named():
         attnstep.check_arrays(q, k, v, stages, do=do, layout="thd")
     with pytest.raises(TypeError, match="cu_seqlens_k: expected a 1-d sequence of whole numbers"):
         attnstep.check_arrays(q, k, v, stages, do=do, **dict(offsets, cu_seqlens_k=[0.0, 6.5]))
+    # A bool among ints would pass as 1 once NumPy made an int array of the list.
+    cu_q = list(offsets["cu_seqlens_q"])
+    with pytest.raises(TypeError, match="^cu_seqlens_q: expected .* got a list with a bool$"):
+        attnstep.check_arrays(q, k, v, stages, do=do, **dict(offsets, cu_seqlens_q=[cu_q[0], True, *cu_q[2:]]))
 
 
 def test_torch_varlen_tensors():
