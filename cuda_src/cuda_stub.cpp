@@ -19,4 +19,9 @@ int run_bench(int, char**) {
          std::string(kHowToBuildCuda) + "; run it on a machine with a GPU");
 }
 
+int run_decode_bench(int, char**) {
+    fail(kExitBadInput, "--bench-decode: bench needs a CUDA build and a GPU",
+         std::string(kHowToBuildCuda) + "; run it on a machine with a GPU");
+}
+
 }  // namespace attnstep

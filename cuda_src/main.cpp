@@ -260,9 +260,9 @@ int run(int argc, char** argv) {
     return kExitOk;
 }
 
-bool wants_bench(int argc, char** argv) {
+bool wants(const char* flag, int argc, char** argv) {
     for (int i = 1; i < argc; ++i)
-        if (std::string(argv[i]) == "--bench") return true;
+        if (std::string(argv[i]) == flag) return true;
     return false;
 }
 
@@ -273,7 +273,8 @@ bool wants_bench(int argc, char** argv) {
 int main(int argc, char** argv) {
     using namespace attnstep;
     try {
-        if (wants_bench(argc, argv)) return run_bench(argc, argv);
+        if (wants("--bench-decode", argc, argv)) return run_decode_bench(argc, argv);
+        if (wants("--bench", argc, argv)) return run_bench(argc, argv);
         return run(argc, argv);
     } catch (const Error& e) {
         std::fprintf(stderr, "main: error: %s\n", e.what());

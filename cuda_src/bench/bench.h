@@ -10,4 +10,7 @@ namespace attnstep {
 
 int run_bench(int argc, char** argv);
 
+// `main --bench-decode ...`: the split-KV decode kernel on a paged cache (bench/bench_decode.cu).
+int run_decode_bench(int argc, char** argv);
+
 }  // namespace attnstep

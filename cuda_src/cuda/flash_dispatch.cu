@@ -211,18 +211,23 @@ FlashOutputs kernel_outputs(const FlashArgs& a, int splits, float* partials) {
     return {partials, partials + static_cast<size_t>(splits) * a.heads * a.N * a.d};
 }
 
-void combine_kv_splits(const FlashArgs& a, int splits, const FlashOutputs& partials, cudaStream_t stream) {
-    if (splits <= 1) return;
-    const size_t rows = static_cast<size_t>(a.heads) * a.N;
-    const long long elems = static_cast<long long>(rows) * a.d;
+void combine_splits(const float* O_part, const float* lse_part, float* O, float* lse, long long rows, int d,
+                    int splits, Precision precision, cudaStream_t stream) {
+    const long long elems = rows * d;
     auto combine = [&](auto fmt) {
         flash_combine_kernel<decltype(fmt)><<<static_cast<unsigned>((elems + kCombineThreads - 1) / kCombineThreads),
-                                              kCombineThreads, 0, stream>>>(partials.O, partials.lse, a.O, a.lse,
-                                                                            static_cast<int>(rows), a.d, splits);
+                                              kCombineThreads, 0, stream>>>(O_part, lse_part, O, lse,
+                                                                            static_cast<int>(rows), d, splits);
         LAUNCH_CHECK(flash_combine_kernel);
     };
-    if (is_half(a.precision)) with_half_format(a.precision, combine);
+    if (is_half(precision)) with_half_format(precision, combine);
     else combine(Fp32{});
+}
+
+void combine_kv_splits(const FlashArgs& a, int splits, const FlashOutputs& partials, cudaStream_t stream) {
+    if (splits <= 1) return;
+    combine_splits(partials.O, partials.lse, a.O, a.lse, static_cast<long long>(a.heads) * a.N, a.d, splits,
+                   a.precision, stream);
 }
 
 dim3 query_block_grid(const FlashArgs& a, const KernelPlan& plan) {

@@ -147,6 +147,10 @@ struct FlashOutputs {
 FlashOutputs kernel_outputs(const FlashArgs& a, int splits, float* partials);
 // Merges the partials into a's O and lse (nothing when splits == 1): lse = log Σ_i exp(lse_i),
 // O = Σ_i exp(lse_i − lse)·O_i. Launch checked.
+// The split combine on its own: O_part [splits][rows][d] and lse_part [splits][rows] merged into O
+// [rows][d] (rounded to the precision's format) and lse [rows]; the decode kernel's combine too.
+void combine_splits(const float* O_part, const float* lse_part, float* O, float* lse, long long rows, int d,
+                    int splits, Precision precision, cudaStream_t stream);
 void combine_kv_splits(const FlashArgs& a, int splits, const FlashOutputs& partials, cudaStream_t stream);
 
 // The tensor-core kernels' grid: x = query blocks, y = heads, z = KV splits.
