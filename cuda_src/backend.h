@@ -82,7 +82,17 @@ struct Problem {
     Precision precision = Precision::fp32;
     bool poison = false;       // pre-fill outputs with NaN so unwritten elements show
     FlashKernel flash_kernel = FlashKernel::automatic;
+    // Keys per split of the split-KV (flash-decoding) stages, --split-size / run.toml split_size;
+    // 0: the run does not split, and has no split stages. dims.splits is then split_count().
+    int split_size = 0;
 };
+
+// The splits S of a run with split size K over key counts whose largest is `max_keys` (a packed
+// case: the largest m(b), every sequence split S ways, its later splits empty when it is shorter;
+// otherwise M): ceil(max_keys / K), at least 1.
+inline int split_count(int max_keys, int split_size) {
+    return std::max(1, static_cast<int>((static_cast<long long>(max_keys) + split_size - 1) / split_size));
+}
 
 // Problem::scale is a float32, so a scale given as a double (--scale, the manifest's `scale`) is
 // usable only when its float32 value is finite and non-zero: 1e39 would become inf, 1e-50 zero.

@@ -40,6 +40,17 @@ long long parse_positive_int(const std::string& opt, const std::string& text) {
     return v;
 }
 
+// --split-size K: keys per split, 1..kMaxDim (a split size from seq_k on is one split; the bound
+// keeps K an int).
+int parse_split_size(const std::string& text) {
+    const std::string opt = "--split-size";
+    const long long k = parse_positive_int(opt, text);
+    if (k > kMaxDim)
+        usage_error(opt + ": '" + text + "' exceeds " + std::to_string(kMaxDim) +
+                    " (the largest seq_k; any split size from seq_k on is one split)");
+    return static_cast<int>(k);
+}
+
 // A whole decimal integer, else a usage error.
 long long parse_int(const std::string& opt, const std::string& text) {
     char* end = nullptr;
@@ -133,8 +144,8 @@ void print_usage(FILE* to) {
         "            [--align top-left|bottom-right] [--window LEFT,RIGHT] [--softcap C] [--alibi]\n"
         "            [--dropout P] [--dropout-seed S]\n"
         "            [--scale S] [--stages LIST] [--format txt|npy] [--precision fp32|tf32|bf16|fp16]\n"
-        "            [--poison] [--flash-kernel auto|wgmma|fast|clean] [--allow-nonfinite] [--max-memory-mb MB]\n"
-        "            [--progress]\n"
+        "            [--poison] [--flash-kernel auto|wgmma|fast|clean] [--split-size K] [--allow-nonfinite]\n"
+        "            [--max-memory-mb MB] [--progress]\n"
         "       main --bench ...   (benchmarks; CUDA builds only: main --bench --help)\n"
         "\n"
         "Computes attention one stage at a time and writes every stage per head (docs/contract.md).\n"
@@ -168,6 +179,9 @@ void print_usage(FILE* to) {
         "                     fast: mma.sync tensor cores, d 16-128; clean: plain FP32. auto: the\n"
         "                     fastest measured for the shape on this GPU (wgmma: d 64/128 from\n"
         "                     N = M = 2048, d 64 non-causal from 1024; the only one at bf16/fp16)\n"
+        "  --split-size K     split the keys K at a time, as flash-decoding does: also writes each split's\n"
+        "                     output and lse (split_output, split_lse: one file per split), and\n"
+        "                     flash_output, flash_lse as their combine\n"
         "  --allow-nonfinite  accept NaN/Inf in the inputs\n"
         "  --max-memory-mb MB cap the working memory, at most 1 PiB (heads are processed in groups\n"
         "                     that fit)\n"
@@ -237,6 +251,7 @@ Options parse_cli(int argc, char** argv) {
         else if (arg == "--flash-kernel") {
             o.flash_kernel = pick(arg, take_value(), kFlashKernelNames, kFlashKernels);
         }
+        else if (arg == "--split-size") { o.split_size = parse_split_size(take_value()); }
         else if (arg == "--allow-nonfinite") { no_value(); o.allow_nonfinite = true; }
         else if (arg == "--progress") { no_value(); o.progress = true; }
         else if (arg == "--max-memory-mb") {

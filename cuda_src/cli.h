@@ -47,6 +47,7 @@ struct Options {
     Precision precision = Precision::fp32;
     bool poison = false;
     FlashKernel flash_kernel = FlashKernel::automatic;
+    int split_size = 0;              // --split-size K (1..kMaxDim): the split-KV stages; 0 without
     bool allow_nonfinite = false;
     bool progress = false;           // "main: progress: DONE/TOTAL" lines on stderr
     long long max_memory_mb = 0;     // 0: no cap beyond MemAvailable/2; else 1..kMaxMemoryMb

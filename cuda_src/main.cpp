@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <cmath>
 #include <cstdio>
+#include <limits>
 #include <string>
 #include <vector>
 #include <unistd.h>
@@ -71,6 +72,31 @@ std::unique_ptr<Backend> choose_backend(BackendChoice choice) {
     fail(kExitInternal, where(__FILE__, __LINE__) + ": unknown backend choice");
 }
 
+// The split stages' shape (--split-size K, Problem::split_size): S = split_count over the most keys
+// a query row reads (the largest m(b) of a packed case, where every sequence is split S ways, else
+// M). Split-KV is an inference path (flash-attn splits no pass that drops weights), so dropout with
+// it is refused; the split stages count in the case's size.
+void set_splits(const Options& o, const InputCase& c, Problem& p) {
+    if (o.split_size == 0) return;
+    const std::string opt = "--split-size " + std::to_string(o.split_size);
+    if (p.variant.dropout > 0.f)
+        fail(kExitBadInput, opt + ": the split stages have no dropout (this run has dropout = " +
+                                toml_float(p.variant.dropout) + ")",
+             "drop --split-size, or run without dropout (--dropout 0)");
+    int max_keys = c.dims.M;
+    if (c.packed()) {
+        max_keys = 0;
+        for (int b = 0; b < c.sequences.count(); ++b) max_keys = std::max(max_keys, c.sequences.m(b));
+    }
+    p.split_size = o.split_size;
+    p.dims.splits = split_count(max_keys, o.split_size);
+    if (static_cast<long long>(p.dims.splits) * p.dims.dv > std::numeric_limits<int>::max())
+        fail(kExitBadInput, opt + ": " + plural(p.dims.splits, "split") + " of d_v = " + std::to_string(p.dims.dv) +
+                                " columns is more than one row of split_output holds",
+             "pass a larger --split-size");
+    check_case_limits(c.dir + " with " + opt, p.dims, c.backward, false);
+}
+
 Problem make_problem(const Options& o, const InputCase& c) {
     Problem p;
     p.dims = c.dims;
@@ -87,6 +113,7 @@ Problem make_problem(const Options& o, const InputCase& c) {
     p.precision = o.precision;
     p.poison = o.poison;
     p.flash_kernel = o.flash_kernel;
+    set_splits(o, c, p);
     return p;
 }
 
@@ -132,6 +159,40 @@ StageSet drop_dropout(const Options& o, const Problem& p, StageSet sel) {
     return sel.minus(StageSet::dropout());
 }
 
+// What asks for the flash stages `lacking` by name, for the errors when they cannot be computed: the
+// --stages list that names a flash stage, else --split-size when the flash forward is among them
+// (the split stages come only with it); "" when only a group (all) takes them, and they are then
+// left out with a notice.
+std::string flash_asked_by(const Options& o, StageSet lacking) {
+    if (names_flash_explicitly(o.stages_text)) return "--stages " + o.stages_text;
+    const bool forward = lacking.any(StageSet::flash().minus(StageSet::backward()));
+    return o.split_size > 0 && forward ? "--split-size " + std::to_string(o.split_size) : "";
+}
+
+// The split stages exist only in a run that splits (--split-size): named one by one without it they
+// are an error; through a group (all, flash) they are left out, and never computed. A run that
+// splits writes them beside the flash forward's stages, which are their combine (unless the list
+// names split stages itself), and only there: a selection without the flash forward (the stage
+// path, the backward alone) is an error.
+StageSet drop_splits(const Options& o, const Problem& p, StageSet sel) {
+    const StageSet splits = StageSet::splits();
+    if (p.split_size == 0) {
+        const StageSet named{o.stages_named.bits & splits.bits};
+        if (!named.empty())
+            fail(kExitBadInput, "--stages " + o.stages_text + ": " + stage_list(named) +
+                                    (named.count() > 1 ? " exist" : " exists") + " only in a run that splits the keys",
+                 "pass --split-size K (the keys per split)");
+        return sel.minus(splits);
+    }
+    const StageSet forward_flash = StageSet::flash().minus(StageSet::backward());
+    if (!sel.any(forward_flash))
+        fail(kExitBadInput, "--split-size " + std::to_string(p.split_size) +
+                                ": the split stages come with the flash forward (flash_output, flash_lse), which --stages " +
+                                o.stages_text + " does not select",
+             "add flash_output to --stages (or select all or flash), or drop --split-size");
+    return sel.any(splits) ? sel : StageSet{sel.bits | splits.bits};  // split stages named: those alone
+}
+
 // At a half precision a backend may lack some flash kernels (the CUDA backend has the forward on
 // compute capability 9.0 only, and no backward; the CPU backend emulates them all): those stages
 // are an error when asked for (by name or by a group such as `flash`, as for an unsupported head
@@ -142,8 +203,9 @@ StageSet drop_half_flash(const Options& o, const Backend& be, const Problem& p, 
     if (missing.empty()) return sel;
     const std::string why = std::string("--precision ") + precision_name(o.precision) + ": the " + be.name() +
                             " backend has no half-precision kernel for " + stage_list(missing) + " on " + be.device_name();
-    if (names_flash_explicitly(o.stages_text))
-        fail(kExitBadInput, why + " (--stages " + o.stages_text + ")",
+    const std::string asker = flash_asked_by(o, missing);
+    if (!asker.empty())
+        fail(kExitBadInput, why + " (" + asker + ")",
              "select the stage path (--stages stages), or use --backend cpu, which emulates the flash kernels");
     notice(why + "; skipping them");
     return sel.minus(missing);
@@ -158,10 +220,13 @@ StageSet select_stages(const Options& o, const InputCase& c) {
     if (!sel.any_flash() || flash_supported(d)) return sel;
     std::string why = "flash stages need d_k = d_v in " + flash_head_dims_text() + "; this case has d_k = " +
                       std::to_string(d.dk) + ", d_v = " + std::to_string(d.dv);
-    if (names_flash_explicitly(o.stages_text))
-        fail(kExitBadInput, "--stages " + o.stages_text + ": " + why,
-             "drop the flash stages (--stages stages) or generate a case with a supported head size");
     const StageSet flash{sel.bits & StageSet::flash().bits};
+    const std::string asker = flash_asked_by(o, flash);
+    if (!asker.empty())
+        fail(kExitBadInput, asker + ": " + why,
+             names_flash_explicitly(o.stages_text)
+                 ? "drop the flash stages (--stages stages) or generate a case with a supported head size"
+                 : "drop --split-size, or generate a case with a supported head size");
     notice(why + "; skipping " + stage_list(flash));
     return sel.minus(flash);
 }
@@ -224,8 +289,8 @@ int run(int argc, char** argv) {
     InputCase in = open_input_case(o.in_dir);
     Problem p = make_problem(o, in);
     std::unique_ptr<Backend> be = choose_backend(o.backend);
-    StageSet written = drop_dropout(o, p, drop_half_flash(o, *be, p, select_stages(o, in)));
-    StageSet computed = drop_dropout(o, p, dependency_closure(written));
+    StageSet written = drop_splits(o, p, drop_dropout(o, p, drop_half_flash(o, *be, p, select_stages(o, in))));
+    StageSet computed = drop_splits(o, p, drop_dropout(o, p, dependency_closure(written)));
     check_forced_flash_kernel(o, *be, computed);
     VariantInputs variant_inputs(in, p);  // the broadcast mask/bias and the slopes: checked before OUT is touched
 

@@ -63,7 +63,7 @@ Problem PackedRun::sequence_problem(int b) const {
 }
 
 // What a row holds when no sequence computes it: the inputs as read (K and V of padding keys too),
-// KT as K's transpose, lse -inf (a row that sees no key), 0 for every other stage.
+// KT as K's transpose, lse -inf (a row that sees no key; every split's too), 0 for every other stage.
 void PackedRun::fill_unread_rows(HeadGroup& g) const {
     const Dims& d = p_.dims;
     const GroupInputs inputs(g);
@@ -81,7 +81,8 @@ void PackedRun::fill_unread_rows(HeadGroup& g) const {
                         out[stage_elems(s, d) * h + static_cast<size_t>(c) * d.M + r] =
                             g.k[stage_elems(Stage::K, d) * h + static_cast<size_t>(r) * d.dk + c];
         } else {
-            std::fill_n(out, n, s == Stage::flash_lse ? -std::numeric_limits<float>::infinity() : 0.f);
+            const bool lse = s == Stage::flash_lse || s == Stage::split_lse;  // a row that sees no key
+            std::fill_n(out, n, lse ? -std::numeric_limits<float>::infinity() : 0.f);
         }
     }
 }

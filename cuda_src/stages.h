@@ -23,6 +23,10 @@ struct Dims {
     // K/V heads per batch element (GQA/MQA: a divisor of heads; manifest key kv_heads); 0 means one
     // per query head. Query head h reads K/V head h / (heads / kv_heads) (verify/stages.py Dims).
     int kv_heads = 0;
+    // The key splits S of a run that splits (Problem::split_size, the flash-decoding stages); 0 in
+    // a run that does not, where the split stages have no elements. Not a manifest key: run.toml
+    // records the split size, and S follows from it (split_count in backend.h).
+    int splits = 0;
     // An int once the case limits hold (case_limit_violation below checks in 64 bits).
     int total_heads() const { return batch * heads; }
     int kv() const { return kv_heads > 0 ? kv_heads : heads; }
@@ -83,8 +87,10 @@ inline std::string flash_head_dims_text() {
     return s + "}";
 }
 
-// Shape symbols used by the table below.
-enum class Sym { N, M, DK, DV, ONE };
+// Shape symbols used by the table below. S_DV and S are the split stages' widths: S splits of d_v
+// columns (split s at columns [s·d_v, (s+1)·d_v)) and one lse column per split; the writer cuts
+// them into one N×d_v and one N×1 file per split (stage_file_name's split).
+enum class Sym { N, M, DK, DV, ONE, S_DV, S };
 
 inline int sym_value(Sym s, const Dims& d) {
     switch (s) {
@@ -93,6 +99,8 @@ inline int sym_value(Sym s, const Dims& d) {
         case Sym::DK: return d.dk;
         case Sym::DV: return d.dv;
         case Sym::ONE: return 1;
+        case Sym::S_DV: return d.splits * d.dv;  // fits an int: main.cpp refuses more splits
+        case Sym::S: return d.splits;
     }
     return 0;
 }
@@ -113,6 +121,8 @@ inline int sym_value(Sym s, const Dims& d) {
     X(attention_weights, N,  M,   fwd, path,  (QK_scaled))                                      \
     X(dropout_mask,      N,  M,   fwd, path,  ())                                               \
     X(output,            N,  DV,  fwd, path,  (attention_weights, dropout_mask))                \
+    X(split_output,      N,  S_DV, fwd, flash, ())                                              \
+    X(split_lse,         N,  S,   fwd, flash, ())                                               \
     X(flash_output,      N,  DV,  fwd, flash, ())                                               \
     X(flash_lse,         N,  ONE, fwd, flash, ())                                               \
     X(dO,                N,  DV,  bwd, input, ())                                               \
@@ -197,14 +207,17 @@ inline bool is_score_stage(Stage s) {
     return i.rows == Sym::N && i.cols == Sym::M;
 }
 
-// The name of a stage file: "<stage>_head_<i>.<ext>", or "<stage>_head_<i>_seq_<b>.<ext>" for a
-// score stage of sequence b of a packed case (seq >= 0). The one place the binary spells a stage
-// file's name (verify/stages.py stage_file is the twin).
+// The name of a stage file: "<stage>_head_<i>.<ext>", "<stage>_head_<i>_seq_<b>.<ext>" for a
+// score stage of sequence b of a packed case (seq >= 0), or "<stage>_head_<i>_split_<s>.<ext>" for
+// split s of a split stage (split >= 0). The one place the binary spells a stage file's name
+// (verify/stages.py stage_file is the twin).
 inline constexpr const char kHeadInfix[] = "_head_";
 inline constexpr const char kSequenceInfix[] = "_seq_";
-inline std::string stage_file_name(const std::string& stage, int head, const char* ext, int seq = -1) {
-    return stage + kHeadInfix + std::to_string(head) + (seq >= 0 ? kSequenceInfix + std::to_string(seq) : "") + "." +
-           ext;
+inline constexpr const char kSplitInfix[] = "_split_";
+inline std::string stage_file_name(const std::string& stage, int head, const char* ext, int seq = -1,
+                                   int split = -1) {
+    return stage + kHeadInfix + std::to_string(head) + (seq >= 0 ? kSequenceInfix + std::to_string(seq) : "") +
+           (split >= 0 ? kSplitInfix + std::to_string(split) : "") + "." + ext;
 }
 
 // How many files of stage s a case has: one per query head, or one per K/V head.
@@ -215,17 +228,29 @@ inline int heads_of(Stage s, const Dims& d) { return is_kv_stage(s) ? d.total_kv
 inline constexpr const char kDropoutMaskStage[] = "dropout_mask";
 inline bool is_dropout_stage(Stage s) { return std::string(stage_name(s)) == kDropoutMaskStage; }
 
+// The run.toml key of a run that splits: the keys per split K (Problem::split_size).
+inline constexpr const char kSplitSizeKey[] = "split_size";
+
+// The split-KV stages (flash-decoding's per-split output and lse): they exist only in a run that
+// splits (Problem::split_size > 0), one file per split; verify/stages.py names the same ones.
+inline bool is_split_stage(Stage s) {
+    const Sym c = stage_info(s).cols;
+    return c == Sym::S_DV || c == Sym::S;
+}
+
 inline bool is_flash_stage(Stage s) { return stage_info(s).kind == StageKind::flash; }
 inline bool is_input_echo(Stage s) { return stage_info(s).kind == StageKind::input; }
 inline bool is_backward_stage(Stage s) { return stage_info(s).pass == Pass::bwd; }
 // The row statistics stay float32 in the half pipelines, as FlashAttention keeps its lse and D:
 // every other stage holds values of the run's format (verify/stages.py's FLOAT32_STAGES).
-inline bool kept_float32(Stage s) { return s == Stage::flash_lse || s == Stage::D; }
+// The split stages too: flash-attn keeps its out_accum and lse_accum float32, and the combine reads
+// them so.
+inline bool kept_float32(Stage s) { return s == Stage::flash_lse || s == Stage::D || is_split_stage(s); }
 
 // The elements of every stage of one head (the case-size limit counts these; verify/stages.py
 // Dims.elements_per_head): the backward stages count only for a case that has dO, the dropout
-// stage only for a case with dropout. `which`: every stage, only those indexed by K/V head
-// (is_kv_stage), or only the others.
+// stage only for a case with dropout, the split stages only in a run that splits (d.splits > 0).
+// `which`: every stage, only those indexed by K/V head (is_kv_stage), or only the others.
 enum class KvStages { all, only, none };
 inline long long elements_per_head(const Dims& d, bool backward, bool dropout, KvStages which = KvStages::all) {
     long long n = 0;
@@ -233,6 +258,7 @@ inline long long elements_per_head(const Dims& d, bool backward, bool dropout, K
         const Stage s = static_cast<Stage>(i);
         if (which != KvStages::all && is_kv_stage(s) != (which == KvStages::only)) continue;
         if ((is_backward_stage(s) && !backward) || (is_dropout_stage(s) && !dropout)) continue;
+        if (is_split_stage(s) && d.splits == 0) continue;
         n += static_cast<long long>(stage_rows(s, d)) * stage_cols(s, d);
     }
     return n;
@@ -286,6 +312,7 @@ struct StageSet {
     static StageSet flash() { return where(is_flash_stage); }
     static StageSet backward() { return where(is_backward_stage); }
     static StageSet dropout() { return where(is_dropout_stage); }
+    static StageSet splits() { return where(is_split_stage); }
     bool any_flash() const { return any(flash()); }
     bool any_backward() const { return any(backward()); }
 };
@@ -311,9 +338,10 @@ inline StageSet computed_together(Stage s) {
     return StageSet::where([s](Stage t) { return is_flash_stage(t) && stage_info(t).pass == stage_info(s).pass; });
 }
 
-// True for the first stage of its computed_together() set: the one a backend computes the set at.
-inline bool leads_computation(Stage s) {
-    const unsigned together = computed_together(s).bits;
+// True for the first computed stage of its computed_together() set: the one a backend computes the
+// set at (split_output in a run that splits, flash_output in one that does not).
+inline bool leads_computation(Stage s, StageSet computed) {
+    const unsigned together = computed_together(s).bits & computed.bits;
     return (together & ((1u << static_cast<int>(s)) - 1)) == 0;
 }
 

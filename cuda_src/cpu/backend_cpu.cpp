@@ -8,7 +8,11 @@
 // stage's values rounded to the format (nearest even) as soon as the stage is computed, so the next
 // stage reads half values (GEMM products of two half values are exact in float32, the sums float32),
 // and the flash kernels' P (and the backward's dS) rounded before their GEMMs, as FlashAttention
-// does; flash_lse and D stay float32.
+// does; flash_lse and D stay float32. A run that splits the keys (flash-decoding) runs the same online
+// softmax over each split's keys (Bc keys at a time from the split's start) into split_output and
+// split_lse (float32 at every precision), and combines them in float32: m = max_s lse_s,
+// lse = m + log(sum_s exp(lse_s − m)), O = sum_s exp(lse_s − lse)·O_s in split order, O then rounded
+// to the format at bf16/fp16 (flash_forward.cpp's combine_row).
 // The variants (variant.h) go through head_scores.h: every score the softmax reads is scale·q·k,
 // capped (C·tanhf(s/C)), less ALiBi's slope·|diag − c|, plus the bias, in that order, each one
 // float32 rounding; under dropout the weights the GEMMs read are P∘Z·(1/(1 − p)) (the stage path
@@ -133,7 +137,7 @@ void CpuBackend::compute(const Problem& p, StageSet computed, HeadGroup& g, Stag
     for (int i = 0; i < kNumStages; ++i) {
         Stage s = static_cast<Stage>(i);
         // The flash stages of one pass are computed at the first of them (their time is its).
-        if (!computed.has(s) || !leads_computation(s)) continue;
+        if (!computed.has(s) || !leads_computation(s, computed)) continue;
         if (!g.out[i]) fail(kExitInternal, where(__FILE__, __LINE__) + ": no buffer for stage " + stage_name(s));
         if (!kComputeStage[i])
             fail(kExitInternal, where(__FILE__, __LINE__) + ": the CPU backend has no code for stage " + stage_name(s));

@@ -62,9 +62,13 @@ void compute_dQ(const StageWork& w);
 void compute_dK(const StageWork& w);
 void compute_dV(const StageWork& w);
 
-// The flash forward (flash_forward.cpp) writes flash_output and flash_lse; the flash backward
-// (flash_backward.cpp) writes flash_dQ, flash_dK and flash_dV.
+// The flash forward (flash_forward.cpp) writes flash_output and flash_lse; in a run that splits
+// (Problem::split_size) split_output leads the set, and the same function writes split_output,
+// split_lse and their combine as flash_output, flash_lse. The flash backward (flash_backward.cpp)
+// writes flash_dQ, flash_dK and flash_dV.
 void compute_flash_output(const StageWork& w);
+constexpr StageFunction compute_split_output = compute_flash_output;
+constexpr StageFunction compute_split_lse = nullptr;
 constexpr StageFunction compute_flash_lse = nullptr;
 void compute_flash_dQ(const StageWork& w);
 constexpr StageFunction compute_flash_dK = nullptr;

@@ -1,6 +1,7 @@
 // flash_forward.cpp — the CPU backend's FlashAttention forward (flash_output and flash_lse): the
 // same tiled online-softmax algorithm as the GPU's flash kernels, in float32, over kFlashBr x
-// kFlashBc tiles. backend_cpu.cpp's header states the arithmetic.
+// kFlashBc tiles; and its split-KV form (flash-decoding: split_output, split_lse and their combine).
+// backend_cpu.cpp's header states the arithmetic.
 #include <algorithm>
 #include <cmath>
 #include <vector>
@@ -49,18 +50,20 @@ struct OnlineRows {
     }
 
     // O_i = diag(l)^-1 O_i·keep_scale (dropout's 1/(1 − p); 1 without) and lse_i = m_i + log(l_i)
-    // into the tile's rows of the head's outputs. A row that saw no key has output 0 and lse
+    // into the tile's rows of the head's outputs, rows `o_stride` and `lse_stride` floats apart (a
+    // split's columns of the split stages' rows). A row that saw no key has output 0 and lse
     // log 0 = -inf, not the NaN of 0/0.
-    void finish(float* Oout, float* lse, float keep_scale) const {
+    void finish(float* Oout, size_t o_stride, float* lse, size_t lse_stride, float keep_scale) const {
         for (size_t rr = 0; rr < m.size(); ++rr) {
+            float* Or = Oout + rr * o_stride;
             if (m[rr] == kNegInf) {
-                std::fill_n(Oout + rr * d, d, 0.f);
-                lse[rr] = kNegInf;
+                std::fill_n(Or, d, 0.f);
+                lse[rr * lse_stride] = kNegInf;
                 continue;
             }
             const float inv = keep_scale / l[rr];
-            for (int t = 0; t < d; ++t) Oout[rr * d + t] = O[rr * d + t] * inv;
-            lse[rr] = m[rr] + std::log(l[rr]);
+            for (int t = 0; t < d; ++t) Or[t] = O[rr * d + t] * inv;
+            lse[rr * lse_stride] = m[rr] + std::log(l[rr]);
         }
     }
 };
@@ -87,23 +90,82 @@ struct TileRows {
     }
 };
 
+// The keys [k0, k1) of one head through the online softmax of one query tile, Bc keys at a time from
+// k0; key tiles outside every row's visible range are skipped whole.
+void stream_keys(const TileRows& tile, const float* K, const float* V, int k0, int k1, OnlineRows& state) {
+    const int d = tile.d;
+    for (int c0 = k0; c0 < k1; c0 += kFlashBc) {
+        const int cols = std::min(kFlashBc, k1 - c0);
+        if (!tile.sc.tile_visible(tile.r0, tile.r0 + tile.rows, c0, c0 + cols)) continue;
+        tile.visit(c0, cols, K + static_cast<size_t>(c0) * d, V + static_cast<size_t>(c0) * d, state);
+    }
+}
+
+// flash-decoding's combine of one row's S splits (O_s d wide, S·d floats; lse_s S floats), in
+// float32 as flash-attn's combine kernel: m = max_s lse_s, lse = m + log(sum_s exp(lse_s − m)),
+// O = sum_s exp(lse_s − lse)·O_s, summed over s in order. A split that sees no key (lse −inf) weighs
+// 0 exactly; a row whose splits see none has O = 0 and lse = −inf; a NaN lse makes the row NaN.
+void combine_row(const float* Os, const float* lses, int S, int d, float* O, float* lse) {
+    float m = kNegInf;
+    for (int s = 0; s < S; ++s) m = max_keep_nan(m, lses[s]);
+    std::fill_n(O, d, 0.f);
+    if (m == kNegInf) {
+        *lse = kNegInf;
+        return;
+    }
+    float sum = 0.f;
+    for (int s = 0; s < S; ++s)
+        if (lses[s] != kNegInf) sum += std::exp(lses[s] - m);
+    const float L = m + std::log(sum);
+    for (int s = 0; s < S; ++s)
+        if (lses[s] != kNegInf) axpy(std::exp(lses[s] - L), Os + static_cast<size_t>(s) * d, O, d);
+    *lse = L;
+}
+
+// The split-KV forward of one query tile (flash-decoding, Problem::split_size K): split s streams
+// the keys [s·K, (s+1)·K) ∩ [0, M) through an online softmax of its own (the forward's arithmetic,
+// the variant applied through the same scores) into split s's columns of split_output (normalised
+// by the split's own sum) and split_lse; a split with no key the row sees (past M, or masked whole)
+// has output 0 and lse −inf. Then each row's flash_output and flash_lse are the splits' combine.
+void split_tile(const Problem& p, const TileRows& tile, const float* K, const float* V, float* splitO,
+                float* splitL, float* O, float* lse) {
+    const int S = p.dims.splits, d = tile.d, M = p.dims.M;
+    const size_t o_stride = static_cast<size_t>(S) * d;
+    for (int s = 0; s < S; ++s) {
+        const long long k0 = static_cast<long long>(s) * p.split_size;
+        const int begin = static_cast<int>(std::min<long long>(k0, M));
+        const int end = static_cast<int>(std::min<long long>(k0 + p.split_size, M));
+        OnlineRows state(tile.rows, d, p.precision);
+        stream_keys(tile, K, V, begin, end, state);
+        state.finish(splitO + static_cast<size_t>(s) * d, o_stride, splitL + s, S, tile.sc.keep_scale());
+    }
+    for (int rr = 0; rr < tile.rows; ++rr)
+        combine_row(splitO + rr * o_stride, splitL + static_cast<size_t>(rr) * S, S, d, O + static_cast<size_t>(rr) * d,
+                    lse + rr);
+}
+
 }  // namespace
 
 // FlashAttention forward (Dao et al., Algorithm 1): for each query tile Qi (Br rows), stream the
 // key/value tiles Kj, Vj (Bc rows) through the online softmax (OnlineRows); never holds an N x M
 // matrix. Key tiles outside every row's visible range (causal tiles above the diagonal, tiles left
 // of a window) are skipped whole; the last tiles may be partial (tail rows/columns are simply not
-// visited).
+// visited). In a run that splits (split_tile) the same streams run split by split, and the output
+// is their combine.
 void compute_flash_output(const StageWork& w) {
     const Problem& p = w.p;
     const Operands& in = w.in;
     const Dims& dm = p.dims;
     const int N = dm.N, M = dm.M, d = dm.dk;
-    const int Br = kFlashBr, Bc = kFlashBc;
-    const int Tr = (N + Br - 1) / Br, Tc = (M + Bc - 1) / Bc;
+    const int Br = kFlashBr;
+    const int Tr = (N + Br - 1) / Br;
     float* O_all = w.out(Stage::flash_output).base;
     float* lse_all = w.out(Stage::flash_lse).base;
+    const View splitO = w.out(Stage::split_output), splitL = w.out(Stage::split_lse);
+    const bool splits = p.split_size > 0;
     if (!lse_all) fail(kExitInternal, where(__FILE__, __LINE__) + ": no buffer for flash_lse");
+    if (splits && (dm.splits < 1 || !splitO.base || !splitL.base))
+        fail(kExitInternal, where(__FILE__, __LINE__) + ": a run that splits without its split stages");
     parallel_for(static_cast<size_t>(w.g.count) * Tr, [&](size_t item) {
         const int h = static_cast<int>(item / Tr), i = static_cast<int>(item % Tr);
         const int r0 = i * Br, rows = std::min(Br, N - r0);
@@ -111,14 +173,16 @@ void compute_flash_output(const StageWork& w) {
         const TileRows tile{sc, in.head(Stage::Q, dm, h) + static_cast<size_t>(r0) * d, r0, rows, d};
         const float* K = in.head(Stage::K, dm, h);
         const float* V = in.head(Stage::V, dm, h);
-        OnlineRows state(rows, d, p.precision);
-        for (int j = 0; j < Tc; ++j) {
-            const int c0 = j * Bc, cols = std::min(Bc, M - c0);
-            if (!sc.tile_visible(r0, r0 + rows, c0, c0 + cols)) continue;
-            tile.visit(c0, cols, K + static_cast<size_t>(c0) * d, V + static_cast<size_t>(c0) * d, state);
+        float* O = O_all + stage_elems(Stage::flash_output, dm) * h + static_cast<size_t>(r0) * d;
+        float* lse = lse_all + stage_elems(Stage::flash_lse, dm) * h + r0;
+        if (splits) {
+            split_tile(p, tile, K, V, splitO.head(h) + static_cast<size_t>(r0) * dm.splits * d,
+                       splitL.head(h) + static_cast<size_t>(r0) * dm.splits, O, lse);
+            return;
         }
-        state.finish(O_all + stage_elems(Stage::flash_output, dm) * h + static_cast<size_t>(r0) * d,
-                     lse_all + stage_elems(Stage::flash_lse, dm) * h + r0, sc.keep_scale());
+        OnlineRows state(rows, d, p.precision);
+        stream_keys(tile, K, V, 0, M, state);
+        state.finish(O, d, lse, 1, sc.keep_scale());
     });
 }
 

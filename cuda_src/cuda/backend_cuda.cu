@@ -281,7 +281,7 @@ void CudaBackend::run_stages(const Problem& p, StageSet computed, int heads, con
     const DeviceStageWork work{p, heads, b, blas_, stream_};
     for (int i = 0; i < kNumStages; ++i) {
         const Stage s = static_cast<Stage>(i);
-        if (!computed.has(s) || is_input_echo(s) || !leads_computation(s)) continue;
+        if (!computed.has(s) || is_input_echo(s) || !leads_computation(s, computed)) continue;
         if (!kComputeStage[i])
             fail(kExitInternal, where(__FILE__, __LINE__) + ": the CUDA backend has no code for stage " + stage_name(s));
         timed(s, [&] { kComputeStage[i](work); });

@@ -100,9 +100,10 @@ void compute_output(const DeviceStageWork& w) {
     w.store_in_format(Stage::output);
 }
 
-// One kernel writes both flash stages; its time is booked to flash_output alone so that the
-// per-stage times still add up to the run.
-void compute_flash_output(const DeviceStageWork& w) {
+namespace {
+
+// The flash forward's arguments for the group's buffers.
+FlashArgs forward_args(const DeviceStageWork& w) {
     FlashArgs a = flash_args(w.p);
     a.Q = w.buf(Stage::Q);
     a.K = w.buf(Stage::K);
@@ -114,7 +115,25 @@ void compute_flash_output(const DeviceStageWork& w) {
     a.lse = w.buf(Stage::flash_lse);
     a.heads = w.heads;
     a.variant = w.b.variant;
-    flash_forward(a, w.stream);
+    return a;
+}
+
+}  // namespace
+
+// One kernel writes both flash stages; its time is booked to flash_output alone so that the
+// per-stage times still add up to the run.
+void compute_flash_output(const DeviceStageWork& w) { flash_forward(forward_args(w), w.stream); }
+
+// A run that splits: the split stages and their combine (flash_output, flash_lse), booked to
+// split_output, the first of them.
+void compute_split_output(const DeviceStageWork& w) {
+    FlashSplitArgs a;
+    static_cast<FlashArgs&>(a) = forward_args(w);
+    a.split_size = w.p.split_size;
+    a.splits = w.p.dims.splits;
+    a.split_O = w.buf(Stage::split_output);
+    a.split_lse = w.buf(Stage::split_lse);
+    compute_flash_splits(a, w.stream);
 }
 
 // ---------------------------------------------------------------- backward

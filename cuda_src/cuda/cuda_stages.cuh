@@ -63,8 +63,12 @@ void compute_dQ(const DeviceStageWork& w);
 void compute_dK(const DeviceStageWork& w);
 void compute_dV(const DeviceStageWork& w);
 
-// The flash forward (flash_dispatch.cu) writes flash_output and flash_lse; the flash backward
-// (flash_bwd.cu) writes flash_dQ, flash_dK and flash_dV.
+// The flash forward (flash_dispatch.cu) writes flash_output and flash_lse; in a run that splits,
+// split_output leads the set and compute_flash_splits (flash_splits.cu) writes split_output,
+// split_lse and their combine as flash_output, flash_lse. The flash backward (flash_bwd.cu) writes
+// flash_dQ, flash_dK and flash_dV.
+void compute_split_output(const DeviceStageWork& w);
+constexpr DeviceStageFunction compute_split_lse = nullptr;
 void compute_flash_output(const DeviceStageWork& w);
 constexpr DeviceStageFunction compute_flash_lse = nullptr;
 void compute_flash_dQ(const DeviceStageWork& w);

@@ -49,4 +49,17 @@ size_t flash_workspace_bytes_per_head(const FlashArgs& a);
 // Launches the forward pass on `stream`; checks the launch. Requires flash_supported().
 void flash_forward(const FlashArgs& a, cudaStream_t stream);
 
+// The split-KV forward (flash-decoding; Problem::split_size): `splits` splits of `split_size` keys,
+// split s of row r over the keys [s·split_size, (s+1)·split_size) that r sees. Per head it writes
+// split_O [N][splits·d] (split s at columns [s·d, (s+1)·d), normalised by the split's own sum) and
+// split_lse [N][splits] (a split that the row sees no key of: output 0, lse −inf), both float32 at
+// every precision, then their combine into O and lse as cpu/flash_forward.cpp's combine_row does:
+// m = max_s lse_s, lse = m + log(sum_s exp(lse_s − m)), O = sum_s exp(lse_s − lse)·O_s.
+struct FlashSplitArgs : FlashArgs {
+    int split_size = 0, splits = 0;
+    float* split_O = nullptr;
+    float* split_lse = nullptr;
+};
+void compute_flash_splits(const FlashSplitArgs& a, cudaStream_t stream);
+
 }  // namespace attnstep

@@ -137,6 +137,8 @@ const char* sym_key(Sym s) {
         case Sym::DK: return "d_k";
         case Sym::DV: return "d_v";
         case Sym::ONE: return "1";
+        case Sym::S_DV: return "splits·d_v";
+        case Sym::S: return "splits";
     }
     return "?";
 }

@@ -37,19 +37,21 @@ long long progress_units(const Dims& d, StageSet written, const Sequences* seqs)
     for (int i = 0; i < kNumStages; ++i) {
         const Stage s = static_cast<Stage>(i);
         if (!written.has(s)) continue;
-        files += heads_of(s, d) * (seqs && seqs->packed() && is_score_stage(s) ? computed_sequences : 1);
+        files += heads_of(s, d) * (seqs && seqs->packed() && is_score_stage(s) ? computed_sequences : 1) *
+                 (is_split_stage(s) ? d.splits : 1);
     }
     return 2LL * d.total_heads() + files;
 }
 
 namespace {
 
-// One stage file (seq >= 0: a score stage of one sequence of a packed case, of the sequence's dims).
-void write_file(RunState& rs, Stage s, int head, int seq, const float* data, const Dims& d) {
-    const std::string name = head_file_name(s, head, rs.out_format, seq);
-    const int rows = stage_rows(s, d), cols = stage_cols(s, d);
+// One stage file of rows x cols (seq >= 0: a score stage of one sequence of a packed case; split >= 0:
+// one split of a split stage).
+void write_file(RunState& rs, Stage s, int head, int seq, int split, const float* data, int rows, int cols) {
+    const std::string name = stage_file_name(stage_name(s), head, format_name(rs.out_format), seq, split);
     const std::string header = "# attnstep stage=" + std::string(stage_name(s)) + " head=" + std::to_string(head) +
-                               (seq >= 0 ? " seq=" + std::to_string(seq) : "") + " rows=" + std::to_string(rows) +
+                               (seq >= 0 ? " seq=" + std::to_string(seq) : "") +
+                               (split >= 0 ? " split=" + std::to_string(split) : "") + " rows=" + std::to_string(rows) +
                                " cols=" + std::to_string(cols) + " run=" + rs.run_id;
     check_interrupted();
     AtomicFile f(rs.out_dir + "/" + name, rs.run_id);
@@ -59,14 +61,27 @@ void write_file(RunState& rs, Stage s, int head, int seq, const float* data, con
     rs.progress.step();
 }
 
+// A split stage's head (N × S·w, split s at columns [s·w, (s+1)·w)) as S files of N × w.
+void write_split_files(RunState& rs, Stage s, int head, const float* data, const Dims& d) {
+    const int rows = stage_rows(s, d), S = d.splits, width = stage_cols(s, d) / S;
+    std::vector<float> one(static_cast<size_t>(rows) * width);
+    for (int split = 0; split < S; ++split) {
+        for (int r = 0; r < rows; ++r)
+            std::copy_n(data + static_cast<size_t>(r) * S * width + static_cast<size_t>(split) * width, width,
+                        one.data() + static_cast<size_t>(r) * width);
+        write_file(rs, s, head, -1, split, one.data(), rows, width);
+    }
+}
+
 }  // namespace
 
 void write_stage_file(RunState& rs, Stage s, int head, const float* data, const Dims& d) {
-    write_file(rs, s, head, -1, data, d);
+    if (is_split_stage(s)) write_split_files(rs, s, head, data, d);
+    else write_file(rs, s, head, -1, -1, data, stage_rows(s, d), stage_cols(s, d));
 }
 
 void write_sequence_stage_file(RunState& rs, Stage s, int head, int seq, const float* data, const Dims& seq_dims) {
-    write_file(rs, s, head, seq, data, seq_dims);
+    write_file(rs, s, head, seq, -1, data, stage_rows(s, seq_dims), stage_cols(s, seq_dims));
 }
 
 void write_group(RunState& rs, const HeadGroup& g, StageSet written, const Dims& d) {
@@ -98,6 +113,7 @@ void write_run_manifest(RunState& rs, const Options& o, const Problem& p, const 
     w.add("flash_block_q", flash.Br);
     w.add("flash_block_k", flash.Bc);
     if (!flash.kernel.empty()) w.add("flash_kernel", flash.kernel);
+    if (p.split_size > 0) w.add(kSplitSizeKey, p.split_size);  // the split stages' S follows from it
     w.add_bool("poison", p.poison);
     for (int i = 0; i < kNumStages; ++i)
         if (computed.has(static_cast<Stage>(i)))

@@ -48,7 +48,8 @@ long long progress_units(const Dims& d, StageSet written, const Sequences* seqs 
 void read_group_inputs(const InputCase& in, bool allow_nonfinite, Precision precision, StageSet computed,
                        const Dims& d, HeadGroup& g, std::vector<float> (&inputs)[kNumStages], Progress& progress);
 
-// Writes stage s of `head` (a query head; a K/V head for a K/V stage) from `data` into rs.out_dir.
+// Writes stage s of `head` (a query head; a K/V head for a K/V stage) from `data` into rs.out_dir: a
+// split stage's head as one file per split (N × d_v or N × 1 each, cut from its N × S·w buffer).
 void write_stage_file(RunState& rs, Stage s, int head, const float* data, const Dims& d);
 
 // Writes score stage s of query head `head` and sequence `seq` of a packed case (n(b) × m(b), the
@@ -58,7 +59,8 @@ void write_sequence_stage_file(RunState& rs, Stage s, int head, int seq, const f
 // Writes the group's stages in `written` that are indexed by query head (not is_kv_stage).
 void write_group(RunState& rs, const HeadGroup& g, StageSet written, const Dims& d);
 
-// run.toml; `sequences` is a packed case's B (0: not packed), recorded as `sequences = B`.
+// run.toml; `sequences` is a packed case's B (0: not packed), recorded as `sequences = B`; a run that
+// splits records its split size as `split_size = K`.
 void write_run_manifest(RunState& rs, const Options& o, const Problem& p, const Backend& be, StageSet computed,
                         StageSet written, int sequences = 0);
 

@@ -108,17 +108,24 @@ bool is_run_file_name(const std::string& name) {
     const size_t index_at = head + std::string(kHeadInfix).size();
     std::string index = name.substr(index_at, dot - index_at);
     const std::string stage = name.substr(0, head), ext = name.substr(dot + 1);
-    // A score stage of a packed run: "<stage>_head_<i>_seq_<b>".
-    const size_t seq = index.find(kSequenceInfix);
-    bool score = false;
+    // A score stage of a packed run: "<stage>_head_<i>_seq_<b>"; a split of a split stage:
+    // "<stage>_head_<i>_split_<s>".
+    const size_t seq = index.find(kSequenceInfix), split = index.find(kSplitInfix);
+    bool score = false, one_split = false;
     if (seq != std::string::npos) {
         if (!head_number(index.substr(seq + std::string(kSequenceInfix).size()))) return false;
         index.resize(seq);
         score = true;
+    } else if (split != std::string::npos) {
+        if (!head_number(index.substr(split + std::string(kSplitInfix).size()))) return false;
+        index.resize(split);
+        one_split = true;
     }
     bool known = false;
-    for (int i = 0; i < kNumStages && !known; ++i)
-        known = stage == stage_name(static_cast<Stage>(i)) && (!score || is_score_stage(static_cast<Stage>(i)));
+    for (int i = 0; i < kNumStages && !known; ++i) {
+        const Stage s = static_cast<Stage>(i);
+        known = stage == stage_name(s) && (!score || is_score_stage(s)) && one_split == is_split_stage(s);
+    }
     return known && head_number(index) && (ext == format_name(Format::txt) || ext == format_name(Format::npy));
 }
 

@@ -30,9 +30,10 @@ inline constexpr const char* kProgramChecks = "program_checks.toml";
 // output folder, whatever files a killed run left in it.
 bool holds_run_traces(const std::string& out_dir);
 
-// Whether `name` is a file a run of this binary writes: run.toml, <stage>_head_<i>.<txt|npy>, or
-// (a score stage of a packed run) <stage>_head_<i>_seq_<b>.<txt|npy>; i and b numbers as the binary
-// writes them (digits, no leading zero).
+// Whether `name` is a file a run of this binary writes: run.toml, <stage>_head_<i>.<txt|npy>,
+// (a score stage of a packed run) <stage>_head_<i>_seq_<b>.<txt|npy>, or (a split stage)
+// <stage>_head_<i>_split_<s>.<txt|npy>; i, b and s numbers as the binary writes them (digits, no
+// leading zero).
 bool is_run_file_name(const std::string& name);
 
 class RunFolder {

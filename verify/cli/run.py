@@ -69,6 +69,9 @@ def _build(build_dir: Path, quiet: bool, target: str = BINARY_NAME) -> Path:
               "the diagonal is).")
 @variant_run_options
 @click.option("--scale", type=float, help="Override the score scale.")
+@click.option("--split-size", type=click.IntRange(min=1), metavar="K",
+              help="Split the keys K at a time, as flash-decoding does: the binary also writes each split's "
+                   "output and lse (split_output, split_lse), and flash_output, flash_lse as their combine.")
 @click.option("--max-memory-mb", type=click.IntRange(min=1), help="Cap the binary's working memory.")
 @click.option("--allow-nonfinite", is_flag=True, help="Accept NaN/Inf in the inputs.")
 @click.option("--sanitize", metavar="TOOLS", help="Also run the program under compute-sanitizer's TOOLS "
@@ -80,8 +83,8 @@ def _build(build_dir: Path, quiet: bool, target: str = BINARY_NAME) -> Path:
 @click.argument("args", nargs=-1, type=click.UNPROCESSED, metavar="[-- ARGS...]")
 @user_errors
 def run(in_dir, out_dir, backend, build_dir, binary, timeout, cwd, stages, fmt, precision, poison, causal, align,
-        window, softcap, alibi, dropout, dropout_seed, scale, max_memory_mb, allow_nonfinite, sanitize, repeat, quiet,
-        names, names_file, args):
+        window, softcap, alibi, dropout, dropout_seed, scale, split_size, max_memory_mb, allow_nonfinite, sanitize,
+        repeat, quiet, names, names_file, args):
     """Build the binary if needed and run it on a case.
 
     Runs build/main on IN and writes every stage file and run.toml into OUT. With --binary PATH
@@ -98,6 +101,9 @@ def run(in_dir, out_dir, backend, build_dir, binary, timeout, cwd, stages, fmt, 
     if args and flags:
         raise click.UsageError(f"{flags[0]} is an option of attnstep's binary; your program (-- ARGS) takes its own: "
                                "pass the variant in ARGS, and to check with --align, --window, ...")
+    if args and split_size:
+        raise click.UsageError("--split-size is an option of attnstep's binary; your program (-- ARGS) takes its own: "
+                               "pass the split size in ARGS, and to check with --split-size")
     names = parse_names(names, names_file)
     tools = parse_tools(sanitize) if sanitize else []
     if args:
@@ -105,7 +111,7 @@ def run(in_dir, out_dir, backend, build_dir, binary, timeout, cwd, stages, fmt, 
     else:
         ours = binary is None
         binary = binary or _build(build_dir, quiet)
-        extra = binary_args(stages, fmt, precision, poison, causal, scale, max_memory_mb, allow_nonfinite)
+        extra = binary_args(stages, fmt, precision, poison, causal, scale, max_memory_mb, allow_nonfinite, split_size)
         extra += variant_flags(align, window, softcap, alibi, dropout, dropout_seed)
         once = binary_runner(binary, in_dir, backend, timeout, cwd, ours, quiet, extra)
     checks = run_with_program_checks(once, out_dir, in_dir, names, tools, repeat, chooses_out=not args)

@@ -150,7 +150,8 @@ def program_runner(binary: Path, args, cwd: Optional[Path], timeout: float, in_d
     return once
 
 
-def binary_args(stages, fmt, precision, poison, causal, scale, max_memory_mb, allow_nonfinite) -> List[str]:
+def binary_args(stages, fmt, precision, poison, causal, scale, max_memory_mb, allow_nonfinite,
+                split_size: Optional[int] = None) -> List[str]:
     """The binary's options for what `attnstep run` was given (None / False: not given)."""
     args = []
     if stages:
@@ -169,6 +170,8 @@ def binary_args(stages, fmt, precision, poison, causal, scale, max_memory_mb, al
         args += ["--max-memory-mb", str(max_memory_mb)]
     if allow_nonfinite:
         args.append("--allow-nonfinite")
+    if split_size:
+        args += ["--split-size", str(split_size)]
     return args
 
 
