@@ -327,6 +327,10 @@ class PackedRun:
                 # K and V echo their input; KT is its one input (K), transposed (keys along its columns)
                 want = self.whole_input(st.inputs[0] if st.inputs else stage, kv_head).astype(np.float64)
                 want = want.T if st.cols == "M" else want
+                if is_half(self.run.precision) and want.shape == mat.shape:
+                    # a half-precision program's echo is the input rounded to its format (or as read)
+                    rounded = round_to_format(want, self.run.precision, self.run.half_rounding)
+                    want = np.where(mat == want, want, rounded)
                 quantum = resolution.quantum(mat)
                 allowed = np.zeros(mat.shape) if quantum is None else quantum
                 rule = ("is not the input's: no query reads it, but its {stage} is still " +
