@@ -151,8 +151,8 @@ def _plot(report, plot_dir: Path, opts: Options, quiet: bool) -> None:
               "the reference has NaN).")
 @click.option("--max-memory-mb", type=click.IntRange(1, MAX_MEMORY_MB), metavar="MB",
               help="Memory the check may use [default: all free].")
-@click.option("--page-size", type=click.IntRange(1, MAX_TOKENS), metavar="P",
-              help="The page size of a paged case without a manifest (its block_table's pages hold P keys).")
+@click.option("--page-size", type=click.IntRange(1, MAX_TOKENS), metavar="P", hidden=True,
+              help="The page size of a paged case without a manifest (docs/cli.md).")
 @quiet_option
 @click.pass_context
 @user_errors
