@@ -127,7 +127,9 @@ void check_paged_files(InputCase* c, const Manifest* m, bool has_cu_k, bool has_
         fail(kExitBadInput, file_path(*c, kCuSeqlensK, shown) + ": " + paged_cu_seqlens_k_problem(fmt),
              kPagedCuSeqlensKHint);
     }
-    if (!m) fail(kExitBadInput, file_path(*c, kBlockTable, c->format) + ": " + paged_page_size_unknown(), kPageSizeUnknownHint);
+    if (!m)
+        fail(kExitBadInput, file_path(*c, kBlockTable, c->format) + ": " + paged_page_size_unknown(),
+             kPageSizeUnknownHint);
     const ManifestValue* key = m->find(kSequencesKey);
     const long long page_size = m->find(kPageSizeKey)->i;
     const std::string says = std::string(kInputManifestName) + " says ";
@@ -137,16 +139,19 @@ void check_paged_files(InputCase* c, const Manifest* m, bool has_cu_k, bool has_
     if (!has_table)
         fail(kExitBadInput, file_path(*c, kBlockTable, c->format) + ": missing file (" + says + kPageSizeKey + " = " +
                                 std::to_string(page_size) + ")");
-    if (!has_used) fail(kExitBadInput, file_path(*c, kSequsedK, c->format) + ": missing file (" + kPagedNeedsSeqused + ")");
+    if (!has_used)
+        fail(kExitBadInput, file_path(*c, kSequsedK, c->format) + ": missing file (" + kPagedNeedsSeqused + ")");
     if (c->backward) {
-        const std::string where = m->find("backward") ? m->where("backward") + ": backward = true" : c->file(Stage::dO, 0);
+        const std::string where =
+            m->find("backward") ? m->where("backward") + ": backward = true" : c->file(Stage::dO, 0);
         fail(kExitBadInput, where + ": " + kPagedBackward, kPagedBackwardHint);
     }
     const std::vector<long long> cu_q = read_offsets(*c, m);
     const std::vector<long long> used = read_integer_column(file_path(*c, kSequsedK, c->format), c->format).values;
     const IntegerColumn table = read_integer_matrix(file_path(*c, kBlockTable, c->format), c->format, kTableEntryRange);
     if (c->dims.M % page_size != 0)
-        fail(kExitBadInput, m->where("seq_k") + ": seq_k = " + std::to_string(c->dims.M) + pool_rows_problem(page_size));
+        fail(kExitBadInput,
+             m->where("seq_k") + ": seq_k = " + std::to_string(c->dims.M) + pool_rows_problem(page_size));
     const std::string problem =
         paged_problem(cu_q, used, table.values, table.rows, table.cols, page_size, c->dims.M / page_size);
     if (!problem.empty()) fail(kExitBadInput, problem_file(*c, problem) + ": " + problem);
