@@ -10,15 +10,21 @@ namespace attnstep {
 
 namespace {
 
-// The part of one axis that sequence b owns in the packed matrices: its query rows along N, the
-// keys it reads along M, the whole axis otherwise (d_k, d_v, 1).
+// The rows (or columns) of one axis that sequence b owns in the packed matrices: its query rows
+// along N, the keys it reads along M (through key_row: a paged case's pages), the whole axis
+// otherwise (d_k, d_v, 1). at(i): the packed index of the sequence's i-th.
 struct Span {
-    int begin = 0, count = 0;
+    const Sequences* seqs = nullptr;
+    Sym axis = Sym::ONE;
+    int b = 0, begin = 0, count = 0;
+    int at(int i) const { return axis == Sym::M ? seqs->key_row(b, i) : begin + i; }
+    // Consecutive packed indices: a row's columns copy in one piece.
+    bool contiguous() const { return axis != Sym::M || !seqs->paged(); }
 };
 Span span(Sym axis, const Sequences& seqs, int b, const Dims& packed) {
-    if (axis == Sym::N) return {seqs.q_begin(b), seqs.n(b)};
-    if (axis == Sym::M) return {seqs.k_begin(b), seqs.m(b)};
-    return {0, sym_value(axis, packed)};
+    if (axis == Sym::N) return {&seqs, axis, b, seqs.q_begin(b), seqs.n(b)};
+    if (axis == Sym::M) return {&seqs, axis, b, 0, seqs.m(b)};
+    return {&seqs, axis, b, 0, sym_value(axis, packed)};
 }
 
 // Copies sequence b's block of stage s, for `heads` heads, between the packed matrices (at the
@@ -32,10 +38,19 @@ void copy_block(Stage s, const Sequences& seqs, int b, const Dims& packed, int h
     const size_t packed_elems = stage_elems(s, packed), seq_elems = static_cast<size_t>(rows.count) * cols.count;
     for (int h = 0; h < heads; ++h)
         for (int r = 0; r < rows.count; ++r) {
-            const size_t at_packed = packed_elems * h + (rows.begin + static_cast<size_t>(r)) * packed_cols + cols.begin;
+            const size_t row_packed = packed_elems * h + static_cast<size_t>(rows.at(r)) * packed_cols;
             const size_t at_seq = seq_elems * h + static_cast<size_t>(r) * cols.count;
-            if (dir == Direction::gather) std::copy_n(from + at_packed, cols.count, to + at_seq);
-            else std::copy_n(from + at_seq, cols.count, to + at_packed);
+            if (cols.contiguous() && cols.count > 0) {
+                const size_t at_packed = row_packed + static_cast<size_t>(cols.at(0));
+                if (dir == Direction::gather) std::copy_n(from + at_packed, cols.count, to + at_seq);
+                else std::copy_n(from + at_seq, cols.count, to + at_packed);
+                continue;
+            }
+            for (int c = 0; c < cols.count; ++c) {  // KT of a paged case: its columns are pool rows
+                const size_t at_packed = row_packed + static_cast<size_t>(cols.at(c));
+                if (dir == Direction::gather) to[at_seq + c] = from[at_packed];
+                else to[at_packed] = from[at_seq + c];
+            }
         }
 }
 

@@ -1,9 +1,11 @@
 // packed_run.h — a packed case (sequences.h) computed on any backend as one dense problem per
 // sequence: sequence b is the case's problem with N = n(b) queries and M = m(b) keys (the same
 // heads, K/V heads, head widths, scale and variant, so the causal alignment, the window and ALiBi
-// apply within the sequence), its inputs the rows of its queries and the first m(b) keys of its
-// slot. Attention is block-diagonal, so nothing else reads those rows: the dense problems together
-// are the packed one, and each backend's dense pipeline computes it unchanged.
+// apply within the sequence), its inputs the rows of its queries and the m(b) keys it reads (the
+// first of its slot, or in a paged case the rows its block_table row names: Sequences::key_row).
+// Attention is block-diagonal, so nothing else reads those rows: the dense problems together are
+// the packed one, and each backend's dense pipeline computes it unchanged. A paged case's K and V
+// are the pool: rows no sequence reads keep their echoes, and shared pages are gathered by each.
 //
 // A head group's stages over the packed tokens (every stage but the score stages) are assembled from
 // its sequences' stages, row by row at the sequences' offsets; rows no sequence computes keep what

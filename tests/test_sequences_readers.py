@@ -19,7 +19,7 @@ import pytest
 
 from helpers.cli import invoke
 from helpers.variants import write_heads
-from verify.sequences import CU_SEQLENS_K, CU_SEQLENS_Q, SEQUSED_K
+from verify.sequences import BLOCK_TABLE, CU_SEQLENS_K, CU_SEQLENS_Q, SEQUSED_K
 from verify.stages import INPUT_MANIFEST, OUTPUT
 
 HEADS, D, TOTAL_Q = 2, 8, 9
@@ -133,10 +133,12 @@ CASES: List[Tuple[str, str, object, Dict[str, object], list, Optional[str]]] = [
 ]
 
 
-def write_case(folder: Path, fmt: str, manifest, files: Dict[str, object]) -> Path:
-    r = invoke("generate", "--out", folder, "--heads", HEADS, "--d-k", D, "--d-v", D, "--format", fmt,
-               "--seqlens", "2,3,4", "--seqlens-k", "3,3,4", "--seqused-k", "2,3,4")
-    assert r.exit_code == 0, r.output
+def write_case(folder: Path, fmt: str, manifest, files: Dict[str, object], generated: bool = False) -> Path:
+    """The packed case (unless `generated`: one in `folder` already) with the manifest and files edited."""
+    if not generated:
+        r = invoke("generate", "--out", folder, "--heads", HEADS, "--d-k", D, "--d-v", D, "--format", fmt,
+                   "--seqlens", "2,3,4", "--seqlens-k", "3,3,4", "--seqused-k", "2,3,4")
+        assert r.exit_code == 0, r.output
     if manifest == NO_MANIFEST:
         (folder / INPUT_MANIFEST).unlink()
     else:
@@ -171,6 +173,12 @@ def binary_line(stderr: str) -> str:
 def test_the_binary_and_the_check_refuse_and_accept_the_same_packed_cases(binary, tmp_path, fmt, manifest, files,
                                                                            options, words):
     case = write_case(tmp_path / "case", fmt, manifest, files)
+    _both_readers(binary, tmp_path, case, options, words)
+
+
+def _both_readers(binary, tmp_path: Path, case: Path, options: list, words: Optional[str]) -> None:
+    """The binary runs the case and check checks it (the binary's run, or a stand-in output when
+    it refused): both refuse it in the same words (`words`, after "{case}/") or both accept it."""
     out = tmp_path / "out"
     ran = subprocess.run([str(binary), "--in", str(case), "--out", str(out), "--backend", "cpu", *options],
                          capture_output=True, text=True, timeout=300)
@@ -206,3 +214,110 @@ def test_dropout_on_the_command_line_is_refused_for_a_packed_case(binary, tmp_pa
                           capture_output=True, text=True, timeout=300).returncode == 0
     checked = invoke("check", "--in", case, "--out", out, "--dropout", "0.5")
     assert checked.exit_code == 2 and f"{out}: {words}" in checked.output, checked.output
+
+
+# ----------------------------------------------------------------------------------------------
+# Paged folders (docs/contract.md, "Paged KV caches"): the same 3 sequences of 2, 3, 4 queries
+# reading 10, 3, 20 keys from a pool of pages of 4 keys (12 pages: 48 rows), through block_table.
+
+PAGE = 4
+PAGED_HINT = "add page_size = P (the keys a page holds) to the manifest, or remove the file"
+SIZE_HINT = "write a manifest.toml with sequences = B and page_size = P (attnstep check also takes --page-size P)"
+BACKWARD_HINT = "a paged case is forward only; check the backward pass on a packed case"
+TABLE = "0 1 2 -1 -1\n3 -1 -1 -1 -1\n4 5 6 7 8\n"
+INT32 = "-2147483648..2147483647 (a block_table entry, an int32)"
+
+PAGED_CASES: List[Tuple[str, str, object, Dict[str, object], list, Optional[str]]] = [
+    ("page_size-0", "txt", {"page_size": 0}, {}, [],
+     f"manifest.toml: page_size = 0: the keys a page holds must be in 1..{MAX}"),
+    ("page_size-unpacked", "txt", {"sequences": None}, {}, [],
+     "manifest.toml: page_size = 4 without sequences = B: a paged case is a packed case"),
+    ("not-paged", "txt", {"page_size": None}, {CU_SEQLENS_K: "0\n10\n13\n33\n"}, [],
+     "block_table.txt: exists but the case is not paged (no page_size = P in manifest.toml); HINT: " + PAGED_HINT),
+    ("cu_seqlens_k", "txt", {}, {CU_SEQLENS_K: "0\n10\n13\n33\n"}, [],
+     "cu_seqlens_k.txt: a paged case (block_table.txt) reads its keys through block_table, not cu_seqlens_k; "
+     "HINT: remove cu_seqlens_k, or block_table for a case without pages"),
+    ("no-manifest", "txt", NO_MANIFEST, {}, [],
+     "block_table.txt: a paged case needs its page size, and there is no manifest to say page_size = P; HINT: "
+     + SIZE_HINT),
+    ("missing-block_table", "txt", {}, {BLOCK_TABLE: None}, [],
+     "block_table.txt: missing file (manifest.toml says page_size = 4)"),
+    ("missing-seqused_k", "txt", {}, {SEQUSED_K: None}, [],
+     "seqused_k.txt: missing file (a paged case has seqused_k: the keys each sequence reads)"),
+    ("seq_k-46", "txt", {"seq_k": 46}, {}, [],
+     "manifest.toml: seq_k = 46, not a multiple of page_size = 4 (K and V hold the pool of pages)"),
+    ("mask", "txt", {"mask": '"broadcast"'}, {}, [],
+     'manifest.toml: mask = "broadcast": mask files are not supported with packed sequences; HINT: ' + VARIANTS_HINT),
+    ("outside", "txt", {}, {BLOCK_TABLE: "0 1 12 -1 -1\n3 -1 -1 -1 -1\n4 5 6 7 8\n"}, [],
+     "block_table.txt: block_table[0, 2] = 12 is outside 0..11 (the pool holds 12 pages of 4 keys); sequence 0 "
+     "reads it"),
+    ("negative-read", "txt", {}, {BLOCK_TABLE: "0 1 2 -1 -1\n-1 -1 -1 -1 -1\n4 5 6 7 8\n"}, [],
+     "block_table.txt: block_table[1, 0] = -1 is outside 0..11 (the pool holds 12 pages of 4 keys); sequence 1 "
+     "reads it"),
+    ("rows", "txt", {}, {BLOCK_TABLE: "0 1 2 -1 -1\n3 -1 -1 -1 -1\n"}, [],
+     "block_table.txt: block_table has 2 rows for 3 sequences"),
+    ("too-few-pages", "txt", {}, {BLOCK_TABLE: "0 1 2\n3 -1 -1\n4 5 6\n"}, [],
+     "seqused_k.txt: seqused_k[2] = 20 is more than the 3 pages of 4 keys a block_table row holds (12)"),
+    ("used-count", "txt", {}, {SEQUSED_K: "10\n3\n"}, [], "seqused_k.txt: seqused_k has 2 values for 3 sequences"),
+    ("not-an-integer", "txt", {}, {BLOCK_TABLE: "0 1  x -1 -1\n3 -1 -1 -1 -1\n4 5 6 7 8\n"}, [],
+     "block_table.txt:1:6: not an integer: 'x'"),
+    ("int32", "txt", {}, {BLOCK_TABLE: "0 1 2 -1 -1\n3 -1 -1 -1 3000000000\n4 5 6 7 8\n"}, [],
+     f"block_table.txt:2:12: 3000000000 is outside {INT32}"),
+    ("ragged", "txt", {}, {BLOCK_TABLE: "0 1 2 -1 -1\n3\n4 5 6 7 8\n"}, [],
+     "block_table.txt:2: missing values: 1 value on this row, expected 5; HINT: a ragged or truncated row"),
+    ("npy-1d", "npy", {}, {BLOCK_TABLE: np.arange(5, dtype=np.int32)}, [],
+     "block_table.npy: shape (5,), expected a matrix (rows, columns); HINT: save a 2-D array"),
+    ("npy-2.5", "npy", {}, {BLOCK_TABLE: np.array([[0, 1, 2.5], [3, 0, 0], [4, 5, 6]], np.float32)}, [],
+     "block_table.npy:row 0, col 2: not an integer: 2.5"),
+    ("npy-int64-huge", "npy", {}, {BLOCK_TABLE: np.array([[0, 1, 2, -1, -2**40], [3, 0, 0, 0, 0], [4, 5, 6, 7, 8]])},
+     [], f"block_table.npy:row 0, col 4: -1099511627776 is outside {INT32}"),
+    # Accepted.
+    ("good-txt", "txt", {}, {BLOCK_TABLE: "# pages\n0 1 2 -1 -7\n3 99 -1 -1 -1\n4 5 6 7 8\n"}, [], None),
+    ("good-shared-page", "txt", {}, {BLOCK_TABLE: "4 1 2 -1 -1\n4 -1 -1 -1 -1\n4 5 6 7 8\n"}, [], None),
+    ("good-npy-causal", "npy", {"causal": "true"}, {BLOCK_TABLE: np.array([[0, 1, 2, -1, -1], [3, -1, -1, -1, -1],
+                                                                          [4, 5, 6, 7, 8]], np.int64)},
+     ["--align", "bottom-right"], None),
+]
+
+
+def write_paged_case(folder: Path, fmt: str, manifest, files: Dict[str, object]) -> Path:
+    r = invoke("generate", "--out", folder, "--heads", HEADS, "--d-k", D, "--d-v", D, "--format", fmt,
+               "--seqlens", "2,3,4", "--seqlens-k", "10,3,20", "--page-size", PAGE)
+    assert r.exit_code == 0, r.output
+    (folder / f"{BLOCK_TABLE}.{fmt}").write_text(TABLE) if fmt == "txt" else \
+        np.save(folder / f"{BLOCK_TABLE}.npy", np.array([[0, 1, 2, -1, -1], [3, -1, -1, -1, -1], [4, 5, 6, 7, 8]]))
+    return write_case(folder, fmt, manifest, files, generated=True)
+
+
+@pytest.mark.parametrize("fmt, manifest, files, options, words", [c[1:] for c in PAGED_CASES],
+                         ids=[c[0] for c in PAGED_CASES])
+def test_the_binary_and_the_check_refuse_and_accept_the_same_paged_cases(binary, tmp_path, fmt, manifest, files,
+                                                                          options, words):
+    case = write_paged_case(tmp_path / "case", fmt, manifest, files)
+    _both_readers(binary, tmp_path, case, options, words)
+
+
+def test_a_paged_case_with_do_is_refused_by_both(binary, tmp_path):
+    case = write_paged_case(tmp_path / "case", "txt", {}, {})
+    for h in range(HEADS):
+        np.savetxt(case / f"dO_head_{h}.txt", np.ones((TOTAL_Q, D)))
+    _both_readers(binary, tmp_path, case, [], "dO_head_0.txt: the backward pass is not supported with paged KV "
+                                             "caches; HINT: " + BACKWARD_HINT)
+
+
+def test_check_page_size_reads_a_paged_folder_without_a_manifest(binary, tmp_path):
+    """Another program's paged folder has no manifest: check --page-size P gives the page size, and
+    must agree with a manifest where there is one."""
+    case = write_paged_case(tmp_path / "case", "txt", {}, {})
+    out = tmp_path / "out"
+    assert subprocess.run([str(binary), "--in", str(case), "--out", str(out), "--backend", "cpu"],
+                          capture_output=True, text=True, timeout=300).returncode == 0
+    wrong = invoke("check", "--in", case, "--out", out, "--page-size", 8)
+    assert wrong.exit_code == 2 and "--page-size 8: " in wrong.output and "page_size = 4" in wrong.output, wrong.output
+    (case / INPUT_MANIFEST).unlink()
+    for f in out.glob("run.toml"):
+        f.unlink()
+    refused = invoke("check", "--in", case, "--out", out)
+    assert refused.exit_code == 2 and "a paged case needs its page size" in refused.output, refused.output
+    checked = invoke("check", "--in", case, "--out", out, "--page-size", PAGE)
+    assert checked.exit_code == 0, checked.output

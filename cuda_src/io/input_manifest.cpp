@@ -24,7 +24,7 @@ const KeySpec kManifestKeys[] = {
     {kKvHeadsKey, KeyType::Int},
     {"causal", KeyType::Bool}, {"scale", KeyType::Float}, {"format", KeyType::String},
     {"seed", KeyType::Int},   {"distribution", KeyType::String}, {"generator", KeyType::String},
-    {"backward", KeyType::Bool}, {kSequencesKey, KeyType::Int},
+    {"backward", KeyType::Bool}, {kSequencesKey, KeyType::Int}, {kPageSizeKey, KeyType::Int},
 };
 
 std::string known_keys() {

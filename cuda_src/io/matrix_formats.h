@@ -18,8 +18,9 @@ void read_text(const std::string& path, int rows, int cols, bool allow_nonfinite
 MatrixShape probe_text(const std::string& path);
 void write_text(AtomicFile& out, const float* src, int rows, int cols, const std::string& header);
 
-IntegerColumn read_text_integers(const std::string& path);
-IntegerColumn read_npy_integers(const std::string& path);
+// column: one value a row (else a matrix); every value in range.
+IntegerColumn read_text_integers(const std::string& path, bool column = true, const WholeRange& range = kCountRange);
+IntegerColumn read_npy_integers(const std::string& path, bool column = true, const WholeRange& range = kCountRange);
 
 void read_npy(const std::string& path, int rows, int cols, bool allow_nonfinite, const std::string& what,
               float* dst);

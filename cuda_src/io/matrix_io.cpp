@@ -26,6 +26,10 @@ IntegerColumn read_integer_column(const std::string& path, Format fmt) {
     return fmt == Format::txt ? read_text_integers(path) : read_npy_integers(path);
 }
 
+IntegerColumn read_integer_matrix(const std::string& path, Format fmt, const WholeRange& range) {
+    return fmt == Format::txt ? read_text_integers(path, false, range) : read_npy_integers(path, false, range);
+}
+
 void write_matrix(AtomicFile& out, Format fmt, const float* src, int rows, int cols,
                   const std::string& header) {
     if (fmt == Format::txt) write_text(out, src, rows, cols, header);

@@ -8,6 +8,8 @@
 #include <string>
 #include <vector>
 
+#include "../sequences.h"
+
 namespace attnstep {
 
 class AtomicFile;
@@ -41,9 +43,14 @@ void read_matrix(const std::string& path, Format fmt, int rows, int cols, bool a
 // numbers; every value 0..kMaxTokens. Errors (exit 2) in the Python reader's words
 // (verify/files/sequence_files.py) name file:line:col (text) or file:row r, col 0 (npy, 0-based).
 struct IntegerColumn {
-    std::vector<long long> values;
+    std::vector<long long> values;  // row-major
+    int rows = 0, cols = 1;
 };
 IntegerColumn read_integer_column(const std::string& path, Format fmt);
+// A matrix of whole numbers (a paged case's block_table): as a column, but any number of columns,
+// every row as many as the first (text: "missing values" or "extra values"; .npy: a 2-D shape),
+// every value in `range`.
+IntegerColumn read_integer_matrix(const std::string& path, Format fmt, const WholeRange& range);
 
 // Writes rows x cols values; text files start with `header` (one '#' comment line, no newline).
 void write_matrix(AtomicFile& out, Format fmt, const float* src, int rows, int cols,

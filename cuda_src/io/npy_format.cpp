@@ -175,8 +175,10 @@ private:
 };
 
 // Versions 1.0 (2-byte header length), 2.0 and 3.0 (4-byte), as np.load reads them.
-// integers: the file holds integers (kIntegerDtypes or '<f4'), not a float matrix.
-NpyHeader parse_npy_header(const std::string& path, const std::string& head, uint64_t file_size, bool integers) {
+// integers: the file holds integers (kIntegerDtypes or '<f4'), not a float matrix; column: one
+// column of them (else a matrix of them).
+NpyHeader parse_npy_header(const std::string& path, const std::string& head, uint64_t file_size, bool integers,
+                           bool column = true) {
     if (head.size() < 10 || head.compare(0, kNpyMagicLen, kNpyMagic, kNpyMagicLen) != 0)
         fail(kExitBadInput, path + ": not a .npy file (bad magic)", kNpyHint);
     int major = static_cast<unsigned char>(head[6]), minor = static_cast<unsigned char>(head[7]);
@@ -208,12 +210,12 @@ NpyHeader parse_npy_header(const std::string& path, const std::string& head, uin
         fail(kExitBadInput, path + ": dtype '" + descr + "' is not little-endian float32 ('<f4') or float16 ('<f2')",
              kNpyHint);
     if (fortran_order) fail(kExitBadInput, path + ": fortran_order arrays are not supported", hint);
-    if (integers && (dims.size() != 2 || dims[1] != 1)) {  // as Python writes the tuple: (), (4,), (4, 2)
+    if (integers && (dims.size() != 2 || (column && dims[1] != 1))) {  // as Python writes the tuple: (), (4,), (4, 2)
         std::string shape;
         for (size_t i = 0; i < dims.size(); ++i) shape += (i ? ", " : "") + std::to_string(dims[i]);
-        fail(kExitBadInput, path + ": shape (" + shape + (dims.size() == 1 ? "," : "") +
-                                "), expected a column (rows, 1)",
-             "save arr.reshape(-1, 1)");
+        fail(kExitBadInput, path + ": shape (" + shape + (dims.size() == 1 ? "," : "") + "), expected " +
+                                (column ? "a column (rows, 1)" : "a matrix (rows, columns)"),
+             column ? "save arr.reshape(-1, 1)" : "save a 2-D array");
     }
     if (dims.size() != 2) {
         std::string shape;
@@ -239,11 +241,11 @@ NpyHeader parse_npy_header(const std::string& path, const std::string& head, uin
     return h;
 }
 
-NpyHeader read_npy_header(InputFile& in, bool integers = false) {
+NpyHeader read_npy_header(InputFile& in, bool integers = false, bool column = true) {
     if (in.size() == 0) fail(kExitBadInput, in.path() + ": empty file", "regenerate the case");
     std::string head(static_cast<size_t>(std::min<uint64_t>(in.size(), 12 + kNpyMaxHeaderBytes)), '\0');
     head.resize(std::fread(&head[0], 1, head.size(), in.get()));
-    NpyHeader h = parse_npy_header(in.path(), head, in.size(), integers);
+    NpyHeader h = parse_npy_header(in.path(), head, in.size(), integers, column);
     if (std::fseek(in.get(), static_cast<long>(h.data_offset), SEEK_SET) != 0)
         fail(kExitBadInput, in.path() + ": cannot seek to the data: " + std::strerror(errno));
     return h;
@@ -284,10 +286,10 @@ void read_npy(const std::string& path, int rows, int cols, bool allow_nonfinite,
                  kNonfiniteHint);
 }
 
-IntegerColumn read_npy_integers(const std::string& path) {
+IntegerColumn read_npy_integers(const std::string& path, bool column, const WholeRange& range) {
     InputFile in(path);
-    const NpyHeader h = read_npy_header(in, true);  // one column: its shape is checked there
-    const size_t n = static_cast<size_t>(h.shape.rows);
+    const NpyHeader h = read_npy_header(in, true, column);  // its shape is checked there
+    const size_t n = static_cast<size_t>(h.shape.rows) * static_cast<size_t>(h.shape.cols);
     std::vector<unsigned char> raw(n * h.item);
     if (std::fread(raw.data(), 1, raw.size(), in.get()) != raw.size())
         fail(kExitBadInput, path + ": short read", "the file is truncated; regenerate it");
@@ -301,22 +303,26 @@ IntegerColumn read_npy_integers(const std::string& path) {
         if (!t) {  // float32: a whole number only
             float f;
             std::memcpy(&f, p, sizeof f);
-            problem = count_problem_float(f, &value);
+            problem = count_problem_float(f, &value, range);
         } else {
             uint64_t u = 0;
             for (size_t k = h.item; k-- > 0;) u = (u << 8) | p[k];  // little-endian
             if (t->is_signed) {
                 const int bits = static_cast<int>(8 * h.item);
                 value = bits == 64 ? static_cast<int64_t>(u) : static_cast<int64_t>(u << (64 - bits)) >> (64 - bits);
-                problem = count_problem(value);
+                problem = count_problem(value, range);
             } else {
-                problem = count_problem_unsigned(u);
+                problem = count_problem_unsigned(u, range);
                 value = static_cast<long long>(u);
             }
         }
-        if (!problem.empty()) fail(kExitBadInput, path + ":row " + std::to_string(i) + ", col 0: " + problem);
+        if (!problem.empty())
+            fail(kExitBadInput, path + ":row " + std::to_string(i / h.shape.cols) + ", col " +
+                                    std::to_string(i % h.shape.cols) + ": " + problem);
         out.values[i] = value;
     }
+    out.rows = h.shape.rows;
+    out.cols = h.shape.cols;
     return out;
 }
 

@@ -33,20 +33,20 @@ bool exists(const std::string& path) {
 
 // Which sequence files the folder holds, in either format.
 struct SequenceFiles {
-    bool has[3][2] = {{false, false}, {false, false}, {false, false}};
+    bool has[kNumSequenceFiles][2] = {};
     bool any(int i) const { return has[i][0] || has[i][1]; }
 };
 
 SequenceFiles find_files(const InputCase& c) {
     SequenceFiles f;
-    for (int i = 0; i < 3; ++i)
+    for (int i = 0; i < kNumSequenceFiles; ++i)
         for (Format fmt : kFormats) f.has[i][static_cast<int>(fmt)] = exists(file_path(c, kSequenceFiles[i], fmt));
     return f;
 }
 
 // The file that the words of sequences_problem are about: the one whose name starts them.
 std::string problem_file(const InputCase& c, const std::string& words) {
-    for (const char* name : {kSequsedK, kCuSeqlensQ, kCuSeqlensK})
+    for (const char* name : {kSequsedK, kCuSeqlensQ, kCuSeqlensK, kBlockTable})
         if (words.compare(0, std::string(name).size(), name) == 0) return file_path(c, name, c.format);
     return c.dir;
 }
@@ -105,30 +105,101 @@ void check_total(const InputCase& c, const Manifest* m, const char* name, long l
          std::string(key) + " is the total of the sequences' lengths");
 }
 
+// cu_seqlens_q, its count of offsets the manifest's B + 1.
+std::vector<long long> read_offsets(const InputCase& c, const Manifest* m) {
+    const ManifestValue* key = m ? m->find(kSequencesKey) : nullptr;
+    std::vector<long long> cu_q = read_integer_column(file_path(c, kCuSeqlensQ, c.format), c.format).values;
+    if (key && static_cast<long long>(cu_q.size()) != key->i + 1)
+        fail(kExitBadInput, file_path(c, kCuSeqlensQ, c.format) + ": " +
+                                plural(static_cast<long long>(cu_q.size()), "offset") + ", but " + m->path + " says " +
+                                kSequencesKey + " = " + std::to_string(key->i) + ", which takes " +
+                                std::to_string(key->i + 1) + " (B + 1)");
+    return cu_q;
+}
+
+// A paged case (docs/contract.md, "Paged KV caches"): cu_seqlens_q, seqused_k and block_table, no
+// cu_seqlens_k; forward only; K and V hold whole pages. In the Python reader's order and words
+// (verify/files/sequence_files.py _paged_sequences).
+void check_paged_files(InputCase* c, const Manifest* m, bool has_cu_k, bool has_q, bool has_used, bool has_table) {
+    const std::string fmt = format_name(c->format);
+    if (has_cu_k) {
+        const Format shown = exists(file_path(*c, kCuSeqlensK, Format::npy)) ? Format::npy : Format::txt;
+        fail(kExitBadInput, file_path(*c, kCuSeqlensK, shown) + ": " + paged_cu_seqlens_k_problem(fmt),
+             kPagedCuSeqlensKHint);
+    }
+    if (!m)
+        fail(kExitBadInput, file_path(*c, kBlockTable, c->format) + ": " + paged_page_size_unknown(),
+             kPageSizeUnknownHint);
+    const ManifestValue* key = m->find(kSequencesKey);
+    const long long page_size = m->find(kPageSizeKey)->i;
+    const std::string says = std::string(kInputManifestName) + " says ";
+    if (!has_q)
+        fail(kExitBadInput, file_path(*c, kCuSeqlensQ, c->format) + ": missing file (" + says + kSequencesKey + " = " +
+                                std::to_string(key->i) + ")");
+    if (!has_table)
+        fail(kExitBadInput, file_path(*c, kBlockTable, c->format) + ": missing file (" + says + kPageSizeKey + " = " +
+                                std::to_string(page_size) + ")");
+    if (!has_used)
+        fail(kExitBadInput, file_path(*c, kSequsedK, c->format) + ": missing file (" + kPagedNeedsSeqused + ")");
+    if (c->backward) {
+        const std::string where =
+            m->find("backward") ? m->where("backward") + ": backward = true" : c->file(Stage::dO, 0);
+        fail(kExitBadInput, where + ": " + kPagedBackward, kPagedBackwardHint);
+    }
+    const std::vector<long long> cu_q = read_offsets(*c, m);
+    const std::vector<long long> used = read_integer_column(file_path(*c, kSequsedK, c->format), c->format).values;
+    const IntegerColumn table = read_integer_matrix(file_path(*c, kBlockTable, c->format), c->format, kTableEntryRange);
+    if (c->dims.M % page_size != 0)
+        fail(kExitBadInput,
+             m->where("seq_k") + ": seq_k = " + std::to_string(c->dims.M) + pool_rows_problem(page_size));
+    const std::string problem =
+        paged_problem(cu_q, used, table.values, table.rows, table.cols, page_size, c->dims.M / page_size);
+    if (!problem.empty()) fail(kExitBadInput, problem_file(*c, problem) + ": " + problem);
+    check_total(*c, m, kCuSeqlensQ, cu_q.back(), "seq_q", c->dims.N, Stage::Q, "queries");
+    Sequences& s = c->sequences;
+    s.cu_q = cu_q;
+    s.used_k = used;
+    s.page_size = static_cast<int>(page_size);
+    s.pages_per_seq = table.cols;
+    s.pool_rows = c->dims.M;
+    s.block_table = table.values;
+}
+
 }  // namespace
 
 void check_packed_manifest(const InputCase& c, const Manifest& m) {
     const ManifestValue* key = m.find(kSequencesKey);
+    const ManifestValue* page = m.find(kPageSizeKey);
+    if (page && !key) fail(kExitBadInput, m.where(kPageSizeKey) + ": " + paged_unpacked_problem(page->i));
     if (!key) return;
     if (key->i < 1 || key->i > kMaxTokens) fail(kExitBadInput, m.where(kSequencesKey) + ": " + sequences_count_problem(key->i));
     if (c.dims.batch != 1)
         fail(kExitBadInput, (m.find("batch") ? m.where("batch") : m.path) + ": " + packed_batch_problem(c.dims.batch, key->i));
+    if (page && (page->i < 1 || page->i > kMaxTokens))
+        fail(kExitBadInput, m.where(kPageSizeKey) + ": " + page_size_problem(page->i));
 }
 
 void check_sequence_files(InputCase* c, const Manifest* m) {
     const SequenceFiles files = find_files(*c);
     const ManifestValue* key = m ? m->find(kSequencesKey) : nullptr;
-    const bool packed = m ? key != nullptr : files.any(0) || files.any(1);
+    const ManifestValue* page = m ? m->find(kPageSizeKey) : nullptr;
+    const int kQ = 0, kK = 1, kUsed = 2, kTable = 3;
+    const bool packed = m ? key != nullptr : files.any(kQ) || files.any(kK) || files.any(kTable);
+    const bool paged = m ? page != nullptr : files.any(kTable);
     const int own = static_cast<int>(c->format), other = 1 - own;
-    for (int i = 0; i < 3; ++i) {  // in kSequenceFiles' order, as the Python reader looks
+    for (int i = 0; i < kNumSequenceFiles; ++i) {  // in kSequenceFiles' order, as the Python reader looks
         if (!files.any(i)) continue;
+        const Format shown = files.has[i][static_cast<int>(Format::npy)] ? Format::npy : Format::txt;  // sorted first
         if (!packed) {
-            const Format shown = files.has[i][static_cast<int>(Format::npy)] ? Format::npy : Format::txt;  // sorted first
             const std::string why = m ? std::string("no ") + kSequencesKey + " = B in " + kInputManifestName
                                       : std::string("no ") + kCuSeqlensQ + " and " + kCuSeqlensK + " files";
             fail(kExitBadInput, file_path(*c, kSequenceFiles[i], shown) + ": " + kNotPacked + " (" + why + ")",
                  kNotPackedHint);
         }
+        if (i == kTable && !paged)
+            fail(kExitBadInput, file_path(*c, kBlockTable, shown) + ": " + kNotPaged + " (no " + kPageSizeKey + " = P in " +
+                                    kInputManifestName + ")",
+                 kNotPagedHint);
         if (files.has[i][other]) {
             const Format f = static_cast<Format>(other);
             fail(kExitBadInput, file_path(*c, kSequenceFiles[i], f) + ": a ." + format_name(f) + " file in a ." +
@@ -138,6 +209,10 @@ void check_sequence_files(InputCase* c, const Manifest* m) {
     }
     if (!packed) return;
     refuse_unsupported(*c, m);
+    if (paged) {
+        check_paged_files(c, m, files.any(kK), files.has[kQ][own], files.has[kUsed][own], files.has[kTable][own]);
+        return;
+    }
     for (int i = 0; i < 2; ++i)
         if (!files.has[i][own])
             fail(kExitBadInput, file_path(*c, kSequenceFiles[i], c->format) + ": missing file (" +
@@ -146,12 +221,7 @@ void check_sequence_files(InputCase* c, const Manifest* m) {
                                          : std::string("a packed case has both cu_seqlens files")) +
                                     ")");
     std::vector<long long> column[3];
-    column[0] = read_integer_column(file_path(*c, kCuSeqlensQ, c->format), c->format).values;
-    if (key && static_cast<long long>(column[0].size()) != key->i + 1)
-        fail(kExitBadInput, file_path(*c, kCuSeqlensQ, c->format) + ": " +
-                                plural(static_cast<long long>(column[0].size()), "offset") + ", but " + m->path + " says " +
-                                kSequencesKey + " = " + std::to_string(key->i) + ", which takes " +
-                                std::to_string(key->i + 1) + " (B + 1)");
+    column[0] = read_offsets(*c, m);
     column[1] = read_integer_column(file_path(*c, kCuSeqlensK, c->format), c->format).values;
     const bool used = files.has[2][own];
     if (used) column[2] = read_integer_column(file_path(*c, kSequsedK, c->format), c->format).values;

@@ -173,7 +173,7 @@ void read_text(const std::string& path, int rows, int cols, bool allow_nonfinite
 // which walks the rows as verify/files/matrix_io.py text_rows does): ASCII only; lines split at
 // '\n', each stripped of spaces, tabs and '\r'; '#' comment lines skipped; a blank line before a row
 // refused; values separated by spaces, tabs and '\r'; one value a row, a count of tokens.
-IntegerColumn read_text_integers(const std::string& path) {
+IntegerColumn read_text_integers(const std::string& path, bool column, const WholeRange& range) {
     InputFile in(path);
     // One count per line: at most 21 characters a value (a sign and 20 digits) and a line end;
     // the slack for comments as a matrix has.
@@ -188,7 +188,8 @@ IntegerColumn read_text_integers(const std::string& path) {
                  "is it a .npy file with the wrong extension?");
     auto separator = [](char ch) { return ch == ' ' || ch == '\t' || ch == '\r'; };
     struct Row {
-        int line, col;
+        int line;
+        std::vector<int> cols;  // each token's 1-based column
         std::vector<std::string> tokens;
     };
     std::vector<Row> rows;
@@ -210,10 +211,11 @@ IntegerColumn read_text_integers(const std::string& path) {
         if (blank_at)
             fail(kExitBadInput, path + ":" + std::to_string(blank_at) + ": blank line inside the matrix",
                  "one matrix row per line, no empty lines");
-        Row row{line_no, static_cast<int>(first) + 1, {}};
+        Row row{line_no, {}, {}};
         for (size_t i = first; i < last;) {
             size_t j = i;
             while (j < last && !separator(line[j])) ++j;
+            row.cols.push_back(static_cast<int>(i) + 1);
             row.tokens.push_back(line.substr(i, j - i));
             while (j < last && separator(line[j])) ++j;
             i = j;
@@ -222,17 +224,24 @@ IntegerColumn read_text_integers(const std::string& path) {
     }
     if (rows.empty()) fail(kExitBadInput, path + ": empty file: no matrix rows");
     IntegerColumn out;
+    const size_t want = column ? 1 : rows.front().tokens.size();
     for (const Row& row : rows) {
-        if (row.tokens.size() != 1)
-            fail(kExitBadInput, path + ":" + std::to_string(row.line) + ": extra values: " +
-                                    plural(static_cast<long long>(row.tokens.size()), "value") + " on this row, expected 1",
+        if (row.tokens.size() != want)
+            fail(kExitBadInput, path + ":" + std::to_string(row.line) + ": " +
+                                    (row.tokens.size() < want ? "missing values: " : "extra values: ") +
+                                    plural(static_cast<long long>(row.tokens.size()), "value") + " on this row, expected " +
+                                    std::to_string(want),
                  "a ragged or truncated row");
-        long long v = 0;
-        const std::string problem = integer_token_problem(row.tokens[0], &v);
-        if (!problem.empty())
-            fail(kExitBadInput, path + ":" + std::to_string(row.line) + ":" + std::to_string(row.col) + ": " + problem);
-        out.values.push_back(v);
+        for (size_t t = 0; t < row.tokens.size(); ++t) {
+            long long v = 0;
+            const std::string problem = integer_token_problem(row.tokens[t], &v, range);
+            if (!problem.empty())
+                fail(kExitBadInput, path + ":" + std::to_string(row.line) + ":" + std::to_string(row.cols[t]) + ": " + problem);
+            out.values.push_back(v);
+        }
     }
+    out.rows = static_cast<int>(rows.size());
+    out.cols = static_cast<int>(want);
     return out;
 }
 

@@ -43,6 +43,7 @@ from . import flash_attn_criterion, invariants, tolerance
 from .diagnosis import Diagnoser, Diagnosis, Suspect
 from .groups import KVGroup, check_summed, head_term, summed
 from .packed import PackedRun, packed_sources
+from .paged import diagnose_paged_case
 from .pool import REF_CACHE, collect_head_garbage, head_jobs, map_heads
 from .results import (FAIL, INHERITED, MISSING, PASS, SHAPE, STALE, UNCHECKABLE, UNREADABLE, Comparison, HeadResult,
                       Report, RunCheck, compare_arrays, elementwise_error)
@@ -75,6 +76,7 @@ class Options:
     allow_nonfinite: bool = False  # NaN/inf inputs load; NaN then matches a NaN reference
     max_memory_mb: Optional[int] = None  # the most memory the check plans for (else what is available)
     variant: Dict[str, object] = field(default_factory=dict)  # Variant fields said (check --align, --window, ...)
+    page_size: Optional[int] = None  # check --page-size: a paged case without a manifest
 
     def overrides(self) -> Overrides:
         return Overrides(self.causal, self.scale, self.precision, self.math, dict(self.names), self.half_rounding,
@@ -294,7 +296,7 @@ def check(in_dir: Path, out_dir: Path, opts: Optional[Options] = None,
     explained by `diagnoser` (verify.diagnose.hypotheses.diagnose, as `attnstep check` does)."""
     opts = opts or Options()
     check_folders_apart(in_dir, out_dir)  # as `attnstep check`: inputs compared with themselves would pass
-    case = load_input_case(in_dir, alibi=opts.variant.get("alibi"))
+    case = load_input_case(in_dir, alibi=opts.variant.get("alibi"), page_size=opts.page_size)
     case.allow_nonfinite = opts.allow_nonfinite
     run = open_run(out_dir, case, opts.overrides())
     return check_run(run, case, opts, progress, tune_process=True, diagnoser=diagnoser)
@@ -329,7 +331,10 @@ def check_run(run: RunInfo, case: InputCase, opts: Options, progress: Optional[C
         head_jobs(packed.sizing_run(), opts.jobs, opts.max_memory_mb, packed.held_bytes())
     results = map_heads(checker.check, dims.total_kv_heads, jobs, advance, tune_process)
     apply_mismatches(run, results)
-    return Report(run, case, results, foreign_stage_files(run), _program_checks(run, opts), _keep_rate(run, results))
+    report = Report(run, case, results, foreign_stage_files(run), _program_checks(run, opts), _keep_rate(run, results))
+    if packed is not None and case.sequences.paged and diagnoser is not None:
+        diagnose_paged_case(report)  # a failing sequence's pages read from the wrong place
+    return report
 
 
 def _keep_rate(run: RunInfo, results: List[HeadResult]) -> List[RunCheck]:

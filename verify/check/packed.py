@@ -13,6 +13,11 @@ What the dense problems cannot see is checked here, exactly: a sequence that rea
 key); and a key row no query reads (padding past m(b) in a slot, or the keys of a sequence without
 queries) has dK, dV, flash_dK and flash_dV exactly 0, and K, V and KT (its column) echo the input
 as read.
+
+A paged case (verify/sequences.py) is checked the same way, each sequence's keys gathered through
+its block table (key_rows): its K and V rows of the SequenceCase are the pool rows the table names,
+in the sequence's key order. K, V and KT echo the pool: they are checked over all of it once per
+K/V head (an ordinary result of the K/V head), not per sequence.
 """
 from __future__ import annotations
 
@@ -152,11 +157,14 @@ class PackedRun:
 
     # ---- the rows of a sequence -----------------------------------------------------------------
 
-    def _span(self, sym: str, b: int) -> slice:
-        """The rows (or columns) of sequence b along a dimension of the stage table."""
+    def _span(self, sym: str, b: int):
+        """The rows (or columns) of sequence b along a dimension of the stage table: a slice, or
+        along the keys of a paged case the pool rows its table names, in its key order."""
         if sym == "N":
             r = self.seqs.q_rows(b)
         elif sym == "M":
+            if self.seqs.paged:
+                return self.seqs.key_rows(b)
             r = self.seqs.k_rows(b)
         else:
             return slice(None)
@@ -165,7 +173,8 @@ class PackedRun:
     def offsets(self, stage: str, b: int) -> Tuple[int, int]:
         """The packed row and column of sequence b's [0, 0] in `stage`'s matrices."""
         st = STAGES[stage]
-        return tuple({"N": self.seqs.cu_q[b], "M": self.seqs.cu_k[b]}.get(sym, 0) for sym in (st.rows, st.cols))
+        key = 0 if self.seqs.paged else self.seqs.cu_k[b]  # (paged: no key stage is checked per sequence)
+        return tuple({"N": self.seqs.cu_q[b], "M": key}.get(sym, 0) for sym in (st.rows, st.cols))
 
     def _output_rows(self, b: int, stage: str, index: int) -> Loaded:
         mat, resolution, status, msg = self.whole_output(stage, index)
@@ -198,7 +207,8 @@ class PackedRun:
         run, case, seqs = self.run, self.case, self.seqs
         dims = replace(run.dims, seq_q=seqs.n(b), seq_k=seqs.m(b))
         own = {s: _sequence_pattern(s, _format_of(src), b) for s, src in run.sources.items() if per_sequence(s)}
-        sources = {s: StageSource(s, run.path, own[s]) if s in own else src for s, src in run.sources.items()}
+        sources = {s: StageSource(s, run.path, own[s]) if s in own else src for s, src in run.sources.items()
+                   if not (seqs.paged and STAGES[s].kv)}  # (paged: K, V, KT are the pool's, checked whole)
         crc = {s: "crc32_" + p.rsplit(".", 1)[0] for s, p in own.items()}
         values = {f.name: getattr(run, f.name) for f in fields(RunInfo)}
         sub_run = SequenceRun(**{**values, "dims": dims, "sources": sources, "sequences": None},
@@ -268,8 +278,11 @@ class PackedRun:
 
     def _unread_key_rows(self) -> np.ndarray:
         """Each packed key row: whether no query reads it (past m(b) in its slot, or of a
-        sequence without queries)."""
+        sequence without queries); in a paged case every pool row (K, V and KT are checked over
+        the whole pool)."""
         seqs = self.seqs
+        if seqs.paged:
+            return np.ones(seqs.total_k, bool)
         unread = np.zeros(seqs.total_k, bool)
         for b in range(seqs.count):
             slot, used = seqs.k_slot(b), seqs.k_rows(b)
@@ -294,10 +307,11 @@ class PackedRun:
         if not rows.any():
             return []
         out = []
+        paged = self.seqs.paged
         for stage in (s for s in self.stages if STAGES[s].kv):
             st = STAGES[stage]
             res = new_result(self.run, stage, self.run.dims.query_heads_of(kv_head)[0])
-            res.padding_rows = True
+            res.padding_rows = not paged  # (paged: the whole pool, a K/V head's ordinary result)
             mat, resolution, status, msg = self.whole_output(stage, kv_head)
             if mat is None:
                 res.status, res.message = status, msg
@@ -313,10 +327,17 @@ class PackedRun:
                 # K and V echo their input; KT is its one input (K), transposed (keys along its columns)
                 want = self.whole_input(st.inputs[0] if st.inputs else stage, kv_head).astype(np.float64)
                 want = want.T if st.cols == "M" else want
+                if is_half(self.run.precision) and want.shape == mat.shape:
+                    # a half-precision program's echo is the input rounded to its format (or as read)
+                    rounded = round_to_format(want, self.run.precision, self.run.half_rounding)
+                    want = np.where(mat == want, want, rounded)
                 quantum = resolution.quantum(mat)
                 allowed = np.zeros(mat.shape) if quantum is None else quantum
                 rule = ("is not the input's: no query reads it, but its {stage} is still " +
                         (f"{st.meaning}, as read" if st.inputs else "the input as read"))
+                if paged:
+                    rule = "is not the input's: {stage} is " + (f"{st.meaning}, as read" if st.inputs else
+                                                                 "the input as read") + ", over the whole pool"
             res.resolution = resolution.describe()
             mask = np.broadcast_to(unread, mat.shape)
             comparison = compare_arrays(np.where(mask, mat, 0.0), np.where(mask, want, 0.0),
@@ -326,9 +347,13 @@ class PackedRun:
             if not comparison.passed:
                 row = comparison.worst[1] if st.cols == "M" else comparison.worst[0]
                 res.status = FAIL
-                res.message = f"packed key row {row} ({self._why_unread(row)}) " + rule.format(stage=stage)
-                res.diagnosis.append(Diagnosis(UNREAD_KEY_ROW, res.message,
-                                               {"row": row, "sequence": self.seqs.sequence_of_key(row)}))
+                if paged:
+                    P = self.seqs.page_size
+                    res.message = f"pool row {row} (page {row // P}, slot {row % P}) " + rule.format(stage=stage)
+                else:
+                    res.message = f"packed key row {row} ({self._why_unread(row)}) " + rule.format(stage=stage)
+                    res.diagnosis.append(Diagnosis(UNREAD_KEY_ROW, res.message,
+                                                   {"row": row, "sequence": self.seqs.sequence_of_key(row)}))
             out.append(res)
         return out
 

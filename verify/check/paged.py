@@ -15,17 +15,21 @@ The search is kept cheap: a sequence whose failure already has a cause that is n
 first screened with a float64 NumPy forward of the sequence over the reading's keys, and only one
 much closer to the program's rows than the right reading goes to the re-check; the readings are
 capped per kind (past-length and shifts first, then wrong pages, the last (partial) page first).
+
+A paged input case (files, or check_arrays' paged packing) is searched the same way once every
+sequence is checked (diagnose_paged_case): its pool and table read into a KVCache, its output,
+flash_output and flash_lse re-checked per reading.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from ..files.kv_cache import KVCache, cache_after_problem, packed_keys
+from ..files.kv_cache import KV_CACHE_STAGES, KVCache, cache_after_problem, packed_keys
 from ..sequences import Sequences
-from ..stages import ALIBI_SLOPES_INPUT, KEYS, STAGES, VALUES
+from ..stages import ALIBI_SLOPES_INPUT, KEYS, QUERIES, STAGES, VALUES
 from ..model.rounding import unit_roundoff
 from ..variant import Variant, hidden, modified_scores
 from .diagnosis import Diagnosis
@@ -125,9 +129,10 @@ def _past_length(kv: KVCache, b: int) -> List[Reading]:
     if whole == m or m == 0:
         return []
     where = "its last page read to its end" if kv.paged else "its cache slot read to its end"
+    said = f"cache_seqlens[{b}] + the new keys" if kv.cu_q is None else f"seqused_k[{b}]"
     return [Reading(b, kv.table[b], whole, PAGED_PAST_LENGTH,
-                    f"sequence {b} attended {whole} keys, {whole - m} past its {m} (cache_seqlens[{b}] + the new "
-                    f"keys): {where}", {"sequence": b, "keys": whole, "valid": m})]
+                    f"sequence {b} attended {whole} keys, {whole - m} past its {m} ({said}): {where}",
+                    {"sequence": b, "keys": whole, "valid": m})]
 
 
 def _read_key(kv: KVCache, r: Reading) -> Tuple:
@@ -184,10 +189,10 @@ class Screen:
     @classmethod
     def of(cls, report: Report) -> "Screen":
         run = report.run
-        slopes = report.case.arrays.get(ALIBI_SLOPES_INPUT) if run.variant.alibi else None
-        return cls(run.scale, run.variant,
-                   None if slopes is None else np.asarray(slopes, np.float64).reshape(-1, slopes.shape[-1])[0],
-                   ROUNDING_FLOOR * unit_roundoff(run.precision))
+        # (the case's slopes: its file or array, else the standard ones)
+        slopes = (np.array([report.case.alibi_slope(h) for h in range(run.dims.heads)], np.float64)
+                  if run.variant.alibi else None)
+        return cls(run.scale, run.variant, slopes, ROUNDING_FLOOR * unit_roundoff(run.precision))
 
     def close(self, distance: float, right: float) -> bool:
         """Whether a reading at `distance` from the program's rows is much closer than the right one."""
@@ -271,12 +276,12 @@ def _screened(kv: KVCache, b: int, tried: List[Reading], stages: Dict[str, np.nd
               ) -> List[Reading]:
     """The readings of sequence b much closer to the program's rows than its right reading, at
     most MAX_RECHECKED of a kind (all of them when its rows are not finite: no screen)."""
-    got = {s: _rows(s, x, b, kv.nq).astype(np.float64) for s, x in stages.items()}
+    got = {s: _rows(s, x, kv.q_span(b)).astype(np.float64) for s, x in stages.items()}
     if not all(np.isfinite(g).all() for g in got.values()):
         return tried
 
     right_k, right_v = kv.gather(b)
-    base = Base.of(screen, kv.q[b], right_k, right_v)
+    base = Base.of(screen, kv.queries(b), right_k, right_v)
 
     def distance(r: Optional[Reading]) -> float:
         if r is None:
@@ -285,9 +290,9 @@ def _screened(kv: KVCache, b: int, tried: List[Reading], stages: Dict[str, np.nd
             j = r.detail["page_index"]
             keys = slice(j * kv.page_size, min(kv.m(b), (j + 1) * kv.page_size))
             page, n = r.detail["read"], keys.stop - keys.start
-            out, lse = base.swap(screen, kv.q[b], right_v, keys, kv.k_pages[page, :n], kv.v_pages[page, :n])
+            out, lse = base.swap(screen, kv.queries(b), right_v, keys, kv.k_pages[page, :n], kv.v_pages[page, :n])
         else:
-            out, lse = screen.forward(kv.q[b], *kv.gather(b, r.row, r.count))
+            out, lse = screen.forward(kv.queries(b), *kv.gather(b, r.row, r.count))
         return _distance({s: (lse if STAGES[s].cols == "1" else out) for s in got}, got)
 
     right = distance(None)
@@ -302,9 +307,10 @@ def _screened(kv: KVCache, b: int, tried: List[Reading], stages: Dict[str, np.nd
 # ----------------------------------------------------------------------------------------------
 # Matching them.
 
-def _rows(stage: str, x: np.ndarray, b: int, nq: int) -> np.ndarray:
-    """Sequence b's part of a packed step stage: its rows, or its columns of an lse (H, B·nq)."""
-    return x[:, b * nq:(b + 1) * nq] if STAGES[stage].cols == "1" else x[b * nq:(b + 1) * nq]
+def _rows(stage: str, x: np.ndarray, span: Tuple[int, int]) -> np.ndarray:
+    """A sequence's part of a packed step stage (`span`: its rows): its rows, or its columns of an
+    lse (H, total queries)."""
+    return x[:, span[0]:span[1]] if STAGES[stage].cols == "1" else x[span[0]:span[1]]
 
 
 def diagnose_paged(report: Report, kv: KVCache, stages: Dict[str, np.ndarray], recheck: Recheck) -> None:
@@ -318,10 +324,10 @@ def diagnose_paged(report: Report, kv: KVCache, stages: Dict[str, np.ndarray], r
     if not tried:
         return
     axis = {s: 1 if STAGES[s].cols == "1" else 0 for s in stages}
-    got = {s: np.concatenate([_rows(s, x, r.b, kv.nq) for r in tried], axis=axis[s]) for s, x in stages.items()}
-    q = np.concatenate([kv.q[r.b] for r in tried])
+    got = {s: np.concatenate([_rows(s, x, kv.q_span(r.b)) for r in tried], axis=axis[s]) for s, x in stages.items()}
+    q = np.concatenate([kv.queries(r.b) for r in tried])
     k, v = packed_keys(kv, [kv.gather(r.b, r.row, r.count) for r in tried])
-    again = recheck(q, k, v, got, kv.sequences([r.count for r in tried]))
+    again = recheck(q, k, v, got, kv.sequences([r.count for r in tried], [kv.n(r.b) for r in tried]))
     failed = {r.sequence for r in again.results if not r.passed}
     for b in failing:
         found = [Diagnosis(r.code, r.message, r.detail, READING_CONFIDENCE) for i, r in enumerate(tried)
@@ -329,3 +335,71 @@ def diagnose_paged(report: Report, kv: KVCache, stages: Dict[str, np.ndarray], r
         for res in report.results:
             if res.sequence == b and not res.passed:
                 res.diagnosis[:0] = found
+
+
+# ----------------------------------------------------------------------------------------------
+# A paged input case.
+
+def case_cache(case, dims) -> KVCache:
+    """A paged input case's pool and table as a KVCache: q packed (total_q, H, d), the pool
+    (num_pages, P, Hk, d), each sequence attending to its seqused_k keys."""
+    seqs = case.sequences
+    P = seqs.page_size
+    q = np.stack([case.load(QUERIES, h) for h in range(dims.heads)], axis=1)
+    pools = []
+    for name in (KEYS, VALUES):
+        pool = np.stack([case.load(name, h) for h in range(dims.kv)], axis=1)
+        pools.append(pool.reshape(seqs.num_pages, P, dims.kv, pool.shape[-1]))
+    table = np.asarray(seqs.block_table, dtype=np.int64).reshape(seqs.count, -1)
+    return KVCache(q, pools[0], pools[1], pools[0], pools[1], table, P, tuple(seqs.used_k), 0, True,
+                   cu_q=tuple(seqs.cu_q))
+
+
+def _program_stages(run) -> Dict[str, np.ndarray]:
+    """The program's output, flash_output and flash_lse over every query head, in the packed step
+    layout (total_q, H, d) and (H, total_q); a stage that cannot be read is left out."""
+    from .stage_check import load_output  # (stage_check's helpers import the check engine)
+    out = {}
+    for stage in (s for s in KV_CACHE_STAGES if s in run.stages):
+        mats = [load_output(run, stage, h)[0] for h in range(run.dims.heads)]
+        if any(m is None for m in mats):
+            continue
+        out[stage] = (np.stack([m[:, 0] for m in mats]) if STAGES[stage].cols == "1"
+                      else np.stack(mats, axis=1))
+    return out
+
+
+def _case_recheck(run, case) -> Recheck:
+    """Re-checks readings of a paged input case: the gathered keys as a packed case of arrays, with
+    the run's variant, scale and arithmetic."""
+    from .compare import Options, check_run  # (compare calls diagnose_paged_case)
+    from ..files.case import InputCase
+    from ..files.outputs import RunInfo, StageSource
+
+    def recheck(q, k, v, stages, seqs) -> Report:
+        dims = replace(run.dims, batch=1, seq_q=seqs.total_q, seq_k=seqs.total_k)
+        arrays = {QUERIES: q.transpose(1, 0, 2), KEYS: k.transpose(1, 0, 2), VALUES: v.transpose(1, 0, 2)}
+        if run.variant.alibi:
+            arrays[ALIBI_SLOPES_INPUT] = np.array([[case.alibi_slope(h) for h in range(run.dims.heads)]])
+        sub_case = InputCase(case.path, dims, "npy", scale=run.scale, manifest=True, arrays=arrays,
+                             variant=run.variant, sequences=seqs)
+        sources = {s: StageSource(s, None, s, arrays=(x[:, :, None] if STAGES[s].cols == "1"
+                                                      else x.transpose(1, 0, 2)))
+                   for s, x in stages.items()}
+        sub_run = RunInfo(None, {}, dims, sources, scale=run.scale, precision=run.precision, math=run.math,
+                          half_rounding=run.half_rounding, variant=run.variant)
+        return check_run(sub_run, sub_case, Options(jobs=1))
+    return recheck
+
+
+def diagnose_paged_case(report: Report) -> None:
+    """The paged diagnoses of a checked paged input case, as check_kvcache searches them: a failing
+    sequence's output, flash_output and flash_lse re-checked on the readings a buggy program makes
+    of its pages (paged_wrong_page, paged_page_shift, paged_past_length)."""
+    if all(r.passed or r.sequence is None for r in report.results):
+        return
+    stages = _program_stages(report.run)
+    if not stages:
+        return
+    kv = case_cache(report.case, report.run.dims)
+    diagnose_paged(report, kv, stages, _case_recheck(report.run, report.case))

@@ -19,6 +19,7 @@ from ..report.heatmaps import check_plot_folder, write_plots
 from ..report.json_file import write_json
 from ..report.junit import write_junit
 from ..report.text import failure_lines, header_lines, summary_lines, table_lines
+from ..sequences import MAX_TOKENS
 from ..stages import PRECISIONS, STAGE_NAMES
 from ..terminal import progress_bar
 from ..text import plural
@@ -80,7 +81,7 @@ attention overrides IN's manifest, else run.toml's ({CLI_DOC}): --causal [ALIGN]
 
 
 def check_and_report(in_dir, out_dir, opts, json_path, junit_path, plot_dir, per_head, quiet=False) -> bool:
-    case = load_input_case(in_dir, alibi=opts.variant.get("alibi"))
+    case = load_input_case(in_dir, alibi=opts.variant.get("alibi"), page_size=opts.page_size)
     case.allow_nonfinite = opts.allow_nonfinite
     run_info = open_run(out_dir, case, opts.overrides())
     d = run_info.dims
@@ -150,17 +151,19 @@ def _plot(report, plot_dir: Path, opts: Options, quiet: bool) -> None:
               "the reference has NaN).")
 @click.option("--max-memory-mb", type=click.IntRange(1, MAX_MEMORY_MB), metavar="MB",
               help="Memory the check may use [default: all free].")
+@click.option("--page-size", type=click.IntRange(1, MAX_TOKENS), metavar="P", hidden=True,
+              help="The page size of a paged case without a manifest (docs/cli.md).")
 @quiet_option
 @click.pass_context
 @user_errors
 def check(ctx, in_dir, out_dir, json_path, junit_path, plot_dir, atol, rtol, tol, only, per_head, jobs,
           causal, no_causal, align, window, softcap, alibi, dropout, scale, precision, half_rounding, math, names,
-          names_file, allow_nonfinite, max_memory_mb, quiet):
+          names_file, allow_nonfinite, max_memory_mb, page_size, quiet):
     variant = said_variant(causal, no_causal, align, window, softcap, alibi, dropout)
     opts = Options(atol=atol, rtol=rtol, per_stage=_parse_tol(tol), only_stages=list(only) or None,
                    jobs=jobs, causal=variant.pop("causal", None), scale=scale, precision=precision, math=math,
                    half_rounding=half_rounding, names=parse_names(names, names_file), allow_nonfinite=allow_nonfinite,
-                   max_memory_mb=max_memory_mb, variant=variant)
+                   max_memory_mb=max_memory_mb, variant=variant, page_size=page_size)
     check_folders_apart(in_dir, out_dir)
     check_reports_apart({"--json": json_path, "--junit": junit_path}, in_dir, out_dir, opts.names, names_file)
     passed = check_and_report(in_dir, out_dir, opts, json_path, junit_path, plot_dir, per_head, quiet)

@@ -7,10 +7,10 @@ from typing import List, Optional
 import click
 from click.core import ParameterSource
 
-from ..files.generate import DISTRIBUTIONS, generate_case, random_seqlens
+from ..files.generate import DISTRIBUTIONS, generate_case, paged_case, random_seqlens
 from ..files.kinds import CaseError
 from ..files.patterns import BIAS_PATTERNS, MASK_PATTERNS, SLOPE_CHOICES, STANDARD_SLOPES, VariantInputs
-from ..sequences import MAX_TOKENS, Sequences, sequences_from_lengths, unsupported_with_packing
+from ..sequences import MAX_TOKENS, PAGED_BACKWARD, Sequences, sequences_from_lengths, unsupported_with_packing
 from ..stages import CASE_INPUTS, DEFAULT_INPUT_DIR, FORMATS, INPUT_NAMES, STAGES, Dims
 from ..terminal import progress_bar
 from ..text import plural, printable
@@ -86,6 +86,10 @@ def packing_options(fn):
                      help="With --seqlens-k: the keys each sequence uses of its slot (a KV cache's fill)."),
         click.option("--random-seqlens", metavar="B,MAX",
                      help="Pack B sequences of random lengths 1..MAX (from --seed), keys as many as queries."),
+        click.option("--page-size", type=click.IntRange(1, MAX_TOKENS), metavar="P",
+                     help="With --seqlens or --random-seqlens: a paged KV cache; each sequence's keys (--seqlens-k) "
+                          "in pages of P keys of one pool (K, V), dealt in a shuffled order (from --seed), read "
+                          "through block_table; seqused_k the key lengths. Forward only."),
     )
     for option in reversed(options):
         fn = option(fn)
@@ -103,8 +107,29 @@ def _lengths(option: str, text: str, at_least: int = 0) -> List[int]:
     return out
 
 
-def _packing(seqlens, seqlens_k, seqused_k, random, seed) -> Optional[Sequences]:
-    """The sequences the packing options ask for (None: a case that is not packed)."""
+def _packing(seqlens, seqlens_k, seqused_k, random, seed, page_size=None, backward=False) -> Optional[Sequences]:
+    """The sequences the packing options ask for (None: a case that is not packed); with
+    page_size, their paging."""
+    if page_size is not None:
+        if not (seqlens or random):
+            raise CaseError(f"--page-size {page_size} needs --seqlens or --random-seqlens (a paged case is packed)")
+        if seqused_k:
+            raise CaseError(f"--page-size with --seqused-k: a paged case's sequences read all their keys "
+                            "(--seqlens-k); HINT: leave --seqused-k out")
+        if backward:
+            raise CaseError(f"--page-size with --backward: {PAGED_BACKWARD}")
+    seqs = _packed(seqlens, seqlens_k, seqused_k, random, seed)
+    if seqs is None or page_size is None:
+        return seqs
+    try:
+        return paged_case([seqs.n(b) for b in range(seqs.count)], [seqs.m(b) for b in range(seqs.count)],
+                          page_size, seed)
+    except ValueError as exc:
+        raise CaseError(f"--page-size {page_size}: {exc}") from None
+
+
+def _packed(seqlens, seqlens_k, seqused_k, random, seed) -> Optional[Sequences]:
+    """The sequences the packing options ask for, not paged (None: a case that is not packed)."""
     for option, value, needs, given in (("--seqlens-k", seqlens_k, "--seqlens", seqlens),
                                         ("--seqused-k", seqused_k, "--seqlens-k", seqlens_k)):
         if value and not given:
@@ -178,7 +203,7 @@ def _packed_dims(seqs: Sequences, option: str, dims: Dims, variant: Variant, inp
 @user_errors
 def generate(out_dir, batch, heads, seq_q, seq_k, d_k, d_v, kv_heads, causal, no_causal, align, window, softcap,
              alibi, alibi_slopes, mask, mask_heads, mask_empty_rows, bias, bias_heads, dropout, dropout_seed, seqlens,
-             seqlens_k, seqused_k, random_seqlens, scale, seed, distribution, fmt, backward, force):
+             seqlens_k, seqused_k, random_seqlens, page_size, scale, seed, distribution, fmt, backward, force):
     """Write a random input case.
 
     Writes Q_head_{i} for every head i (batch-major) and K_head_{j}, V_head_{j} for every K/V head
@@ -186,7 +211,8 @@ def generate(out_dir, batch, heads, seq_q, seq_k, d_k, d_v, kv_heads, causal, no
     manifest.toml into OUT, replacing the case attnstep generated there before (with --force, any
     input case). With --seqlens or --random-seqlens the case is packed: its sequences lie one after
     the other along the rows of one batch element, and cu_seqlens_q, cu_seqlens_k (and with
-    --seqused-k, seqused_k) say where each begins.
+    --seqused-k, seqused_k) say where each begins. With --page-size the keys lie in pages of one
+    pool, and block_table (with cu_seqlens_q and seqused_k) says which pages each sequence reads.
     """
     if kv_heads is not None and (kv_heads > heads or heads % kv_heads):
         raise CaseError(f"--kv-heads {kv_heads} does not divide --heads {heads}: each K/V head serves the same "
@@ -194,7 +220,7 @@ def generate(out_dir, batch, heads, seq_q, seq_k, d_k, d_v, kv_heads, causal, no
     dims = Dims(batch, heads, seq_q, seq_k, d_k, d_v, kv_heads=0 if kv_heads in (None, heads) else kv_heads)
     variant = _variant(causal, no_causal, align, window, softcap, alibi, alibi_slopes, dropout, dropout_seed)
     inputs = _variant_inputs(mask, mask_heads, mask_empty_rows, bias, bias_heads, alibi_slopes)
-    seqs = _packing(seqlens, seqlens_k, seqused_k, random_seqlens, seed)
+    seqs = _packing(seqlens, seqlens_k, seqused_k, random_seqlens, seed, page_size, backward)
     if seqs is not None:
         dims = _packed_dims(seqs, "--random-seqlens" if random_seqlens else "--seqlens", dims, variant, inputs)
     names = CASE_INPUTS if backward else INPUT_NAMES
@@ -204,5 +230,6 @@ def generate(out_dir, batch, heads, seq_q, seq_k, d_k, d_v, kv_heads, causal, no
                       force=force, progress=advance, variant=variant, inputs=inputs, sequences=seqs)
     kv = f", {plural(dims.kv, 'K/V head')} per batch element" if dims.kv_heads else ""
     kv += f", {plural(seqs.count, 'packed sequence')}" if seqs is not None else ""
+    kv += f" in {plural(seqs.num_pages, 'page')} of {seqs.page_size}" if seqs is not None and seqs.paged else ""
     click.echo(f"wrote {plural(dims.total_heads, 'head')} (N={dims.seq_q} M={dims.seq_k} d_k={d_k} d_v={d_v}{kv}, "
                f"{distribution}, seed {seed}) to {out_dir}")

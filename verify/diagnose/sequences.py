@@ -286,10 +286,11 @@ def caused_elsewhere(found: List[Diagnosis]) -> bool:
 
 def applies(stage: str, ctx: Suspect) -> bool:
     """A stage of a packed case's query rows, computed from its inputs (not an echo: Q and dO), of
-    a query head."""
+    a query head. Not in a paged case, whose keys are no slots: its readings are the paged ones
+    (verify/check/paged.py, searched once the whole case is checked)."""
     st = STAGES[stage]
-    return (ctx.packing is not None and ctx.head_ctx is not None and ctx.head is not None and st.rows == "N"
-            and st.cols != "M" and not SPECS[stage].echo)
+    return (ctx.packing is not None and not ctx.packing.sequences.paged and ctx.head_ctx is not None
+            and ctx.head is not None and st.rows == "N" and st.cols != "M" and not SPECS[stage].echo)
 
 
 def sequences(stage, got, want, ctx, width) -> List[Diagnosis]:

@@ -13,7 +13,7 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from ..sequences import Sequences
+from ..sequences import PAGE_SIZE_KEY, Sequences
 from ..stages import (ALIBI_SLOPES_INPUT, CASE_INPUTS, FORMATS, GRAD_INPUT, INPUT_MANIFEST, INPUT_NAMES, KV_HEADS_KEY,
                       STAGES, VARIANT_INPUTS, Dims, parse_stage_file, stage_file)
 from ..text import plural, printable
@@ -134,20 +134,21 @@ def _format_of_files(folder: Path, files) -> Optional[str]:
     return formats[0] if formats else None
 
 
-def load_input_case(folder: Path, alibi: Optional[bool] = None) -> InputCase:
+def load_input_case(folder: Path, alibi: Optional[bool] = None, page_size: Optional[int] = None) -> InputCase:
     """Reads the manifest (or infers shapes from the files) and checks the layout is complete.
     `alibi`: whether the command line turns ALiBi on or off (None: it does not say), which decides
     with the manifest whether a slopes file is used (refuse_unused_slopes); a case with neither
-    leaves that to open_run, where run.toml may say."""
+    leaves that to open_run, where run.toml may say. `page_size`: check's --page-size, the page
+    size of a paged case without a manifest (one with a manifest must say the same)."""
     folder = Path(folder)
     if not folder.is_dir():
         raise CaseError(f"{folder}: input case folder not found; HINT: run 'attnstep generate' first")
     files, whole = _head_files(folder), whole_files(folder)
     manifest = folder / INPUT_MANIFEST
     if manifest.exists():
-        case, flag = _manifest_case(folder, manifest, files)
+        case, flag = _manifest_case(folder, manifest, files, page_size)
     else:
-        case, flag = _infer_case(folder, files, whole), None
+        case, flag = _infer_case(folder, files, whole, page_size), None
     case.backward = _has_grad(case, files, flag)
     dropout = case.variant.dropout > 0
     if case.backward or dropout:  # the backward stages and the keep-mask count too, as the binary counts them
@@ -168,7 +169,8 @@ def refuse_unused_slopes(case: InputCase, alibi: bool) -> None:
         raise CaseError(f"{path}: {UNUSED_SLOPES[0]}; HINT: {UNUSED_SLOPES[1]}")
 
 
-def _manifest_case(folder: Path, manifest: Path, files) -> Tuple[InputCase, Optional[bool]]:
+def _manifest_case(folder: Path, manifest: Path, files, page_size: Optional[int] = None
+                   ) -> Tuple[InputCase, Optional[bool]]:
     """The case its manifest describes, and its `backward` flag (None: not said)."""
     values = read_toml(manifest)
     unknown = sorted(set(values) - set(INPUT_KEYS))
@@ -182,7 +184,14 @@ def _manifest_case(folder: Path, manifest: Path, files) -> Tuple[InputCase, Opti
         raise CaseError(f"{manifest}: format = {printable(repr(fmt))}; expected one of {', '.join(FORMATS)}")
     scale = check_scale(values["scale"], str(manifest)) if "scale" in values else None
     variant = build_variant(variant_fields(values), str(manifest))
-    sequences = case_sequences(folder, fmt, dims, variant, manifest_count(values, manifest), manifest=True)
+    count = manifest_count(values, manifest)
+    said = values.get(PAGE_SIZE_KEY)
+    if page_size is not None and said != page_size:
+        raise CaseError(f"--page-size {page_size}: {manifest} says "
+                        + (f"{PAGE_SIZE_KEY} = {said}" if said is not None else f"no {PAGE_SIZE_KEY} (not paged)")
+                        + "; HINT: --page-size is for a paged case without a manifest")
+    sequences = case_sequences(folder, fmt, dims, variant, count, manifest=True, page_size=said,
+                               backward=values.get("backward"))
     return (InputCase(folder, dims, fmt, scale=scale, manifest=True, variant=variant, sequences=sequences),
             values.get("backward"))
 
@@ -207,7 +216,7 @@ def _heads_present(files, name: str) -> int:
     return count
 
 
-def _infer_case(folder: Path, files, whole) -> InputCase:
+def _infer_case(folder: Path, files, whole, page_size: Optional[int] = None) -> InputCase:
     """A case without a manifest: B = 1, H from the Q files, Hk from the K files, the shapes from
     head 0's files, the mask and bias from the files present."""
     Q, K, V = INPUT_NAMES
@@ -241,7 +250,7 @@ def _infer_case(folder: Path, files, whole) -> InputCase:
                          for name in TENSOR_INPUTS})
     dims = validate_dims(values, str(folder))
     return InputCase(folder, dims, fmt, variant=variant,
-                     sequences=case_sequences(folder, fmt, dims, variant, None, manifest=False))
+                     sequences=case_sequences(folder, fmt, dims, variant, None, manifest=False, page_size=page_size))
 
 
 def _per_head_inputs(case: InputCase) -> Tuple[str, ...]:

@@ -13,7 +13,8 @@ from typing import Callable, Dict, List, Optional
 
 import numpy as np
 
-from ..sequences import SEQUENCES_KEY, Sequences, unsupported_with_packing
+from ..sequences import (MAX_TOKENS, PAGE_SIZE_KEY, PAGED_BACKWARD, SEQUENCES_KEY, Sequences, paged_sequences,
+                         unsupported_with_packing)
 from ..stages import (ALIBI_SLOPES_INPUT, BIAS_INPUT, CASE_INPUTS, DIM_KEYS, FORMATS, GENERATE_STAGING_PREFIX,
                       GRAD_INPUT, INPUT_MANIFEST, INPUT_NAMES, KV_HEADS_KEY, MASK_INPUT, STAGES, VARIANT_INPUTS, Dims,
                       stage_file)
@@ -76,7 +77,8 @@ def generate_case(out_dir: Path, dims: Dims, *, causal: bool = False, scale: Opt
     flag, or `causal`) is recorded in the manifest, and `inputs` says which mask, bias and slopes
     files to draw (each from a stream of its own: Q, K, V of a seed are the same without them).
     `sequences` makes a packed case: its cu_seqlens (and seqused_k) files and `sequences = B`, with
-    dims of batch 1 whose seq_q and seq_k are the packed totals.
+    dims of batch 1 whose seq_q and seq_k are the packed totals; a paged one (paged_case) its
+    cu_seqlens_q, seqused_k and block_table and `page_size = P`, seq_k the pool's rows.
 
     Everything is written into a temporary folder inside `out_dir` first and moved into place at
     the end (the manifest last), so an interrupted generation leaves neither a mix of old and new
@@ -86,7 +88,7 @@ def generate_case(out_dir: Path, dims: Dims, *, causal: bool = False, scale: Opt
     variant = _case_variant(variant, causal, inputs)
     _check_arguments(dims, scale, seed, distribution, fmt, backward, variant.dropout > 0)
     check_inputs(inputs, variant)
-    _check_packing(sequences, dims, variant)
+    _check_packing(sequences, dims, variant, backward)
     out_dir = Path(out_dir)
     if not force:
         _refuse_foreign_case(out_dir)
@@ -106,6 +108,8 @@ def generate_case(out_dir: Path, dims: Dims, *, causal: bool = False, scale: Opt
         if sequences is not None:
             names += _write_sequences(staging, sequences, fmt)
             manifest[SEQUENCES_KEY] = sequences.count
+            if sequences.paged:
+                manifest[PAGE_SIZE_KEY] = sequences.page_size
         manifest.update(_variant_manifest(variant))
         manifest.update(format=fmt, seed=seed, distribution=distribution, generator=GENERATOR)
         if backward:
@@ -134,11 +138,13 @@ def _case_variant(variant: Optional[Variant], causal: bool, inputs: VariantInput
         raise CaseError(f"--causal with --window: {exc}") from None
 
 
-def _check_packing(sequences: Optional[Sequences], dims: Dims, variant: Variant) -> None:
+def _check_packing(sequences: Optional[Sequences], dims: Dims, variant: Variant, backward: bool = False) -> None:
     """A packed case is one batch element whose query and key rows are the sequences' totals, and
-    has no mask or bias files and no dropout."""
+    has no mask or bias files and no dropout; a paged one has no dO."""
     if sequences is None:
         return
+    if sequences.paged and backward:
+        raise CaseError(f"paged sequences: {PAGED_BACKWARD}")
     packed = Dims(1, dims.heads, sequences.total_q, sequences.total_k, dims.d_k, dims.d_v, dims.kv_heads)
     if dims != packed:
         raise CaseError(f"packed sequences of {sequences.total_q} queries and {sequences.total_k} keys in all need "
@@ -160,6 +166,33 @@ def _write_sequences(staging: Path, sequences: Sequences, fmt: str) -> List[str]
 
 # The seed's children 0..3 are the streams of dO, the mask, the bias and the slopes.
 _SEQLENS_STREAM = 4
+
+
+# ... and of the pages of a paged case.
+_PAGES_STREAM = 5
+# The pages a paged case's pool holds beyond those its sequences read (no sequence reads them).
+SPARE_PAGES = 3
+
+
+def paged_case(seqlens_q: List[int], keys: List[int], page_size: int, seed: int) -> Sequences:
+    """The paging of sequences of `seqlens_q` queries reading `keys` keys each (seqused_k): a pool
+    of ceil(keys/P) pages per sequence and SPARE_PAGES more, the pages dealt to the sequences in
+    an order shuffled from the case's seed (a program that reads pages in pool order fails), each
+    table row padded with -1 past the pages its sequence reads. ValueError naming what is wrong."""
+    pages = [-(-m // page_size) for m in keys]
+    num_pages = sum(pages) + SPARE_PAGES
+    if num_pages * page_size > MAX_TOKENS:
+        raise ValueError(f"a pool of {num_pages} pages of {page_size} keys is {num_pages * page_size} rows, more than "
+                         f"{MAX_TOKENS}")
+    rng = np.random.default_rng(np.random.SeedSequence(seed).spawn(_PAGES_STREAM + 1)[_PAGES_STREAM])
+    order = rng.permutation(num_pages).tolist()
+    cols = max(1, max(pages, default=0))
+    table, at = [], 0
+    for n in pages:
+        table.append(order[at:at + n] + [-1] * (cols - n))
+        at += n
+    cu_q = np.concatenate(([0], np.cumsum(seqlens_q, dtype=np.int64))).tolist()
+    return paged_sequences(cu_q, keys, table, page_size, num_pages * page_size)
 
 
 def random_seqlens(count: int, most: int, seed: int) -> List[int]:

@@ -56,14 +56,31 @@ class KVCache:
     seqlens: Tuple[int, ...]   # cache_seqlens: the keys before the step
     n_new: int
     paged: bool
+    # A case of sequences with their own query counts (a paged input case, verify/check/paged.py
+    # diagnose_paged_case): q packed (total_q, H, d), sequence b's rows cu_q[b]..cu_q[b+1]-1.
+    # None: q (B, nq, H, d), nq queries each.
+    cu_q: Optional[Tuple[int, ...]] = None
 
     @property
     def batch(self) -> int:
-        return self.q.shape[0]
+        return self.q.shape[0] if self.cu_q is None else len(self.cu_q) - 1
 
     @property
     def nq(self) -> int:
         return self.q.shape[1]
+
+    def n(self, b: int) -> int:
+        """The queries of sequence b."""
+        return self.nq if self.cu_q is None else self.cu_q[b + 1] - self.cu_q[b]
+
+    def q_span(self, b: int) -> Tuple[int, int]:
+        """Sequence b's rows of the packed query tokens (and of the step's stages)."""
+        start = b * self.nq if self.cu_q is None else self.cu_q[b]
+        return start, start + self.n(b)
+
+    def queries(self, b: int) -> np.ndarray:
+        """Sequence b's queries, (n(b), H, d)."""
+        return self.q[b] if self.cu_q is None else self.q[slice(*self.q_span(b))]
 
     @property
     def num_pages(self) -> int:
@@ -88,11 +105,12 @@ class KVCache:
         pages, slots = self.places(self.table[b] if row is None else row, self.m(b) if count is None else count)
         return self.k_pages[pages, slots], self.v_pages[pages, slots]
 
-    def sequences(self, lengths: List[int], nq: Optional[int] = None) -> Sequences:
-        """The packing of len(lengths) sequences of nq queries (default the step's) and these keys."""
-        nq = self.nq if nq is None else nq
+    def sequences(self, lengths: List[int], queries: Optional[List[int]] = None) -> Sequences:
+        """The packing of len(lengths) sequences of these keys and `queries` queries each (default
+        the step's nq)."""
+        queries = [self.nq] * len(lengths) if queries is None else queries
         cu_k = np.concatenate(([0], np.cumsum(lengths, dtype=np.int64))).tolist()
-        return packed_sequences([nq * b for b in range(len(lengths) + 1)], cu_k)
+        return packed_sequences(np.concatenate(([0], np.cumsum(queries, dtype=np.int64))).tolist(), cu_k)
 
     def table_key(self, b: int, page: int, slot: int) -> int:
         """The key of sequence b that (page, slot) holds (past its keys: -1)."""

@@ -65,8 +65,12 @@ def _sequences_json(report: Report):
     seqs = getattr(report.case, "sequences", None)
     if seqs is None:
         return None
-    return {"count": seqs.count, "cu_seqlens_q": list(seqs.cu_q), "cu_seqlens_k": list(seqs.cu_k),
-            "seqused_k": None if seqs.used_k is None else list(seqs.used_k)}
+    out = {"count": seqs.count, "cu_seqlens_q": list(seqs.cu_q),
+           "cu_seqlens_k": None if seqs.cu_k is None else list(seqs.cu_k),
+           "seqused_k": None if seqs.used_k is None else list(seqs.used_k)}
+    if seqs.paged:  # a paged KV cache: the pages each sequence reads
+        out.update(page_size=seqs.page_size, block_table=[list(row) for row in seqs.block_table])
+    return out
 
 
 def write_json(report: Report, path: Path) -> None:

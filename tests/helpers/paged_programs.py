@@ -1,0 +1,74 @@
+"""A float32 NumPy program for a paged input case, written from the file contract (docs/contract.md,
+"Paged KV caches"), not from verify/: it reads the manifest's page_size, cu_seqlens_q, seqused_k
+and block_table, gathers each sequence's keys and values from the pool (K_head_j, V_head_j) through
+its table row, and writes output, flash_output and flash_lse of every head as %.9g text, as another
+program's folder (no run.toml). A bug changes which pool rows it reads (BUGS names each).
+"""
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+f32 = np.float32
+
+BUGS = {
+    "wrong_page": "sequence 1's page 1 read from the pool's page after it (before it at the pool's end)",
+    "page_shift": "every page of sequence 1 read one page further in the pool (one back at the pool's end)",
+    "past_length": "each sequence's last page read to its end (keys past seqused_k attended)",
+    "pool_order": "each sequence's pages read in pool order from its first page (the table's order ignored)",
+}
+
+
+def _column(path: Path) -> np.ndarray:
+    return np.loadtxt(path, dtype=np.int64, comments="#", ndmin=1)
+
+
+def _table_row(table: np.ndarray, b: int, pages: int, num_pages: int, bug: Optional[str]) -> np.ndarray:
+    row = table[b].copy()
+    if bug == "wrong_page" and b == 1:
+        row[1] = row[1] + 1 if row[1] + 1 < num_pages else row[1] - 1
+    if bug == "page_shift" and b == 1:
+        step = 1 if (row[:pages] + 1 < num_pages).all() else -1
+        row[:pages] += step
+    if bug == "pool_order":
+        row[:pages] = row[0] + np.arange(pages)
+        row[:pages] %= num_pages
+    return row
+
+
+def run_program(case: Path, out: Path, bug: Optional[str] = None) -> Path:
+    """Computes the case in `case` into `out` (created); returns `out`."""
+    manifest = tomllib.loads((case / "manifest.toml").read_text())
+    P, H, Hk = manifest["page_size"], manifest["heads"], manifest.get("kv_heads", manifest["heads"])
+    scale = manifest.get("scale", 1 / np.sqrt(manifest["d_k"]))
+    cu_q = _column(case / "cu_seqlens_q.txt")
+    used = _column(case / "seqused_k.txt")
+    table = np.loadtxt(case / "block_table.txt", dtype=np.int64, comments="#", ndmin=2)
+    out.mkdir(parents=True, exist_ok=True)
+    for h in range(H):
+        q = np.loadtxt(case / f"Q_head_{h}.txt", dtype=f32, comments="#", ndmin=2)
+        k = np.loadtxt(case / f"K_head_{h // (H // Hk)}.txt", dtype=f32, comments="#", ndmin=2)
+        v = np.loadtxt(case / f"V_head_{h // (H // Hk)}.txt", dtype=f32, comments="#", ndmin=2)
+        num_pages = k.shape[0] // P
+        o = np.zeros((q.shape[0], v.shape[1]), f32)
+        lse = np.full((q.shape[0], 1), -np.inf, f32)
+        for b in range(len(used)):
+            m, pages = int(used[b]), -(-int(used[b]) // P)
+            count = pages * P if bug == "past_length" else m
+            if count == 0:
+                continue
+            row = _table_row(table, b, pages, num_pages, bug)
+            j = np.arange(count)
+            rows = row[j // P] * P + j % P
+            s = (q[cu_q[b]:cu_q[b + 1]] @ k[rows].T) * f32(scale)
+            top = s.max(axis=1, keepdims=True)
+            e = np.exp(s - top)
+            total = e.sum(axis=1, keepdims=True)
+            o[cu_q[b]:cu_q[b + 1]] = (e / total) @ v[rows]
+            lse[cu_q[b]:cu_q[b + 1]] = top + np.log(total)
+        for name, x in (("output", o), ("flash_output", o), ("flash_lse", lse)):
+            np.savetxt(out / f"{name}_head_{h}.txt", x, fmt="%.9g")
+    return out

@@ -1,0 +1,92 @@
+"""Checking a paged case (docs/contract.md, "Paged KV caches"): the binary's CPU run of a generated
+paged case passes at fp32 and bf16; a NumPy program (tests/helpers/paged_programs.py) passes when
+right, and each planted paging bug fails at its sequence with its diagnosis named; K, V and KT are
+checked over the whole pool.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+
+import numpy as np
+import pytest
+
+from helpers.cli import invoke
+from helpers.paged_programs import run_program
+
+CASE_ARGS = ("--heads", 4, "--kv-heads", 2, "--d-k", 16, "--d-v", 16, "--seqlens", "2,3,1", "--seqlens-k",
+             "40,70,20", "--page-size", 16)
+
+
+@pytest.fixture
+def case(tmp_path):
+    r = invoke("generate", "--out", tmp_path / "case", *CASE_ARGS)
+    assert r.exit_code == 0, r.output
+    return tmp_path / "case"
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_binarys_paged_run_passes(binary, tmp_path, case, precision, causal):
+    if causal:
+        text = (case / "manifest.toml").read_text().replace("causal = false", "causal = true")
+        (case / "manifest.toml").write_text(text)
+    out = tmp_path / "out"
+    ran = subprocess.run([str(binary), "--in", str(case), "--out", str(out), "--backend", "cpu", "--precision",
+                          precision], capture_output=True, text=True, timeout=300)
+    assert ran.returncode == 0, ran.stderr
+    report = tmp_path / "r.json"
+    checked = invoke("check", "--in", case, "--out", out, "--json", report)
+    assert checked.exit_code == 0, checked.output
+    data = json.loads(report.read_text())
+    assert data["sequences"]["page_size"] == 16 and len(data["sequences"]["block_table"]) == 3
+    assert {r["stage"] for r in data["results"]} >= {"K", "V", "KT", "QK", "flash_output", "flash_lse"}
+
+
+def test_a_right_program_passes(tmp_path, case):
+    checked = invoke("check", "--in", case, "--out", run_program(case, tmp_path / "out"))
+    assert checked.exit_code == 0, checked.output
+
+
+@pytest.mark.parametrize("bug, code, words", [
+    ("wrong_page", "paged_wrong_page", "sequence 1 read its page 1 (keys 16..31) from page"),
+    ("page_shift", "paged_page_shift", "sequence 1 read every page"),
+    ("past_length", "paged_past_length", "sequence 0 attended 48 keys, 8 past its 40 (seqused_k[0])"),
+])
+def test_a_paging_bug_is_named(tmp_path, case, bug, code, words):
+    report = tmp_path / "r.json"
+    checked = invoke("check", "--in", case, "--out", run_program(case, tmp_path / "out", bug), "--json", report)
+    assert checked.exit_code == 1, checked.output
+    assert f"diagnosis {code}: {words}" in checked.output, checked.output
+    data = json.loads(report.read_text())
+    failing = [r for r in data["results"] if not r["passed"]]
+    assert failing and all(r["sequence"] is not None for r in failing)
+    first = [d["code"] for r in failing for d in r["diagnosis"][:1]]
+    assert set(first) == {code}, first
+
+
+def test_pages_read_in_pool_order_fail(tmp_path, case):
+    """A program that ignores the table's order (the shuffled pages) fails."""
+    checked = invoke("check", "--in", case, "--out", run_program(case, tmp_path / "out", "pool_order"))
+    assert checked.exit_code == 1, checked.output
+
+
+def test_k_is_checked_over_the_whole_pool(binary, tmp_path, case):
+    """A pool row no sequence reads (a spare page) whose K echo is wrong fails K, named by page and slot."""
+    out = tmp_path / "out"
+    assert subprocess.run([str(binary), "--in", str(case), "--out", str(out), "--backend", "cpu"],
+                          capture_output=True, text=True, timeout=300).returncode == 0
+    table = np.loadtxt(case / "block_table.txt", dtype=int, ndmin=2)
+    spare = sorted(set(range(13)) - set(table[table >= 0].tolist()))[0]
+    k = np.loadtxt(out / "K_head_1.txt", ndmin=2)
+    k[spare * 16 + 3, 5] += 1.0
+    np.savetxt(tmp_path / "K_head_1.txt", k, fmt="%.9g")
+    (out / "run.toml").unlink()  # another program's folder: no CRC table
+    (tmp_path / "K_head_1.txt").replace(out / "K_head_1.txt")
+    report = tmp_path / "r.json"
+    checked = invoke("check", "--in", case, "--out", out, "--json", report)
+    assert checked.exit_code == 1, checked.output
+    assert "FAIL K K/V head 1" in checked.output and f"worst at [{spare * 16 + 3},5]" in checked.output
+    failing = [r for r in json.loads(report.read_text())["results"] if not r["passed"]]
+    assert [r["stage"] for r in failing] == ["K"], failing
+    assert failing[0]["message"].startswith(f"pool row {spare * 16 + 3} (page {spare}, slot 3) is not the input's")
