@@ -257,7 +257,7 @@ int run_decode(int argc, char** argv) {
           << ", \"kv_heads\": " << o.kv_heads << ", \"cache_len\": " << o.cache_len << ", \"page_size\": " << o.page_size
           << ", \"d\": " << o.d << ", \"precision\": \"" << precision_name(o.precision) << "\", \"queries\": " << o.queries
           << ", \"splits\": " << a.splits << ", \"split_size\": " << a.split_size << ", \"kernel_ms\": " << kernel_ms
-          << ", \"kv_bytes\": " << kv_bytes << ", \"kernel_gbps\": " << kernel_gbps << ", \"copy_ms\": " << copy_ms
+          << ", \"kv_bytes\": " << static_cast<long long>(kv_bytes) << ", \"kernel_gbps\": " << kernel_gbps << ", \"copy_ms\": " << copy_ms
           << ", \"copy_gbps\": " << copy_gbps << ", \"fraction_of_copy\": " << kernel_gbps / copy_gbps
           << ", \"max_error_output\": " << max_err_o << ", \"max_error_lse\": " << max_err_lse << "}\n";
         if (!f) fail(kExitBadInput, "--bench-decode: cannot write " + o.json);

@@ -25,6 +25,7 @@
 #include "../common.h"
 #include "cuda_check.cuh"
 #include "cuda_stages.cuh"
+#include "decode.cuh"
 #include "flash.cuh"
 #include "flash_bwd.cuh"
 #include "gemm.cuh"
@@ -164,6 +165,8 @@ void CudaBackend::release() noexcept {
 
 FlashPlan CudaBackend::flash_plan(const Problem& p) const {
     if (!flash_supported(p.dims)) return {};  // no flash stage for this width: nothing to report
+    if (p.split_size > 0) return {decode_tile_rows(p.precision), decode_chunk_keys(p.precision, p.dims.dk),
+                                  decode_kernel_name(p.precision)};
     return flash_forward_plan(flash_args(p));
 }
 
@@ -183,6 +186,8 @@ size_t CudaBackend::working_bytes_per_head(const Problem& p, StageSet computed) 
         if (needs_device_buffer(s, computed)) bytes += group_stage_bytes(s, p.dims, 1) + kBufferAlign;
     }
     if (computed.any_flash() && flash_supported(p.dims)) bytes += flash_workspace_bytes_per_head(flash_args(p));
+    // The split kernel's partials (flash_splits.cu), beside the split stages' own buffers.
+    if (p.split_size > 0) bytes += static_cast<size_t>(p.dims.splits) * p.dims.N * (p.dims.dv + 1) * sizeof(float);
     if (computed.has(Stage::flash_dQ) && flash_supported(p.dims))
         bytes += flash_backward_workspace_bytes_per_head(flash_bwd_args(p));
     if (needs_half_operands(p, computed)) bytes += 2 * (half_operand_bytes(p.dims, 1) + kBufferAlign);

@@ -632,6 +632,19 @@ int tile_rows_of(const DecodeArgs& a) {
     return (a.heads / a.kv_heads) * a.max_q <= kSmallTile ? kSmallTile : kLargeTile;
 }
 
+// The split stages from the kernel's layout to the stage layout: one thread per element.
+__global__ void split_stage_layout(const float* O_part, const float* lse_part, float* split_O, float* split_lse,
+                                   long long rows, int d, int splits) {
+    const long long idx = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+    if (idx >= static_cast<long long>(splits) * rows * (d + 1)) return;
+    const long long per_split = rows * (d + 1);
+    const int s = static_cast<int>(idx / per_split);
+    const long long within = idx % per_split, row = within / (d + 1);
+    const int col = static_cast<int>(within % (d + 1));
+    if (col < d) split_O[(row * splits + s) * d + col] = O_part[(s * rows + row) * d + col];
+    else split_lse[row * splits + s] = lse_part[s * rows + row];
+}
+
 }  // namespace
 
 bool decode_supported(int d) { return d == 16 || d == 32 || d == 64 || d == 128; }
@@ -649,6 +662,13 @@ int decode_default_split_size(const DecodeArgs& a) {
     const long long splits = std::max(1LL, (slots + blocks - 1) / blocks);
     const long long size = (std::max(1, a.max_k) + splits - 1) / splits;
     return static_cast<int>(std::max<long long>(kMinSplit, (size + kMinSplit - 1) / kMinSplit * kMinSplit));
+}
+
+int decode_tile_rows(Precision) { return kLargeTile; }
+
+int decode_chunk_keys(Precision p, int d) {
+    const int row_bytes = d * (is_half(p) ? 2 : 4);
+    return row_bytes >= (is_half(p) ? 256 : 128) ? kChunkBytes / row_bytes : 32;
 }
 
 const char* decode_kernel_name(Precision p) {
@@ -669,6 +689,14 @@ void decode_forward(const DecodeArgs& a, cudaStream_t stream) {
         if (a.precision == Precision::bf16) launch_width<B16>(a, stream);
         else if (a.precision == Precision::fp16) launch_width<H16>(a, stream);
         else launch_width<F32>(a, stream);
+        const long long rows = static_cast<long long>(a.heads) * a.total_q;
+        if (a.split_O && a.split_lse) {
+            constexpr int kLayoutThreads = 256;
+            const long long n = rows * a.splits * (a.d + 1);
+            split_stage_layout<<<static_cast<unsigned>((n + kLayoutThreads - 1) / kLayoutThreads), kLayoutThreads, 0,
+                                 stream>>>(a.O_part, a.lse_part, a.split_O, a.split_lse, rows, a.d, a.splits);
+            LAUNCH_CHECK(split_stage_layout);
+        }
         combine_splits(a.O_part, a.lse_part, a.O, a.lse, static_cast<long long>(a.heads) * a.total_q, a.d, a.splits,
                        a.precision, stream);
     }

@@ -57,6 +57,10 @@ struct DecodeArgs {
     float* lse_part = nullptr;
     float* O = nullptr;
     float* lse = nullptr;
+    // Optional: the split stages in their stage layout (split_O [heads][total_q][splits·d],
+    // split_lse [heads][total_q][splits]), copied from O_part and lse_part.
+    float* split_O = nullptr;
+    float* split_lse = nullptr;
 };
 
 // Whether the kernel has an instantiation for this width (kFlashHeadDims).
@@ -68,6 +72,10 @@ int decode_default_split_size(const DecodeArgs& a);
 
 // ceil(max_k / split_size), at least 1.
 int decode_split_count(int max_k, int split_size);
+
+// The rows of a block's tile and the keys of a warp's chunk (run.toml's flash tiles).
+int decode_tile_rows(Precision p);
+int decode_chunk_keys(Precision p, int d);
 
 // The kernel's name for run.toml ("decode-bf16", ...).
 const char* decode_kernel_name(Precision p);

@@ -93,7 +93,13 @@ KERNELS = {"cpu-tiled": _BACKEND_KERNELS["cpu"],
               for k in ("clean", "fast-3xtf32", "fast-tf32", "wgmma-3xtf32", "wgmma-tf32")},
            # The half-precision kernel's softcap takes tanh.approx.f32.
            **{f"cuda-{k}": replace(_BACKEND_KERNELS["cuda"], tanh_rel=TANH_APPROX_REL)
-              for k in ("wgmma-bf16", "wgmma-fp16")}}
+              for k in ("wgmma-bf16", "wgmma-fp16")},
+           # The split-KV decode kernel (cuda_src/cuda/decode.cu): float32 FMAs on the CUDA cores,
+           # or bf16/fp16 tensor cores (the CUDA model's truncating passes cover both); its four
+           # warps' states merged (a rescale, an add and a division by l) before the split combine's
+           # own three: seven final roundings of O.
+           **{f"cuda-decode-{p}": replace(_BACKEND_KERNELS["cuda"], final_roundings=7)
+              for p in ("fp32", "bf16", "fp16")}}
 _SPLIT = re.compile(r"-split\d+$")
 
 
