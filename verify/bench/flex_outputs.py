@@ -228,7 +228,9 @@ def write_flex_case(in_dir: Path, out_dir: Path, precision: str, scale: Optional
     refusal = flex_refusal(tensors)
     if refusal:
         raise BackendUnavailable(f"{FLEX}: {refusal}")
-    results = (runner or functools.partial(run_flex, device=device))(tensors, precision)
+    if runner is None:
+        runner = run_flex if device == "cuda" else functools.partial(run_flex, device=device)
+    results = runner(tensors, precision)
     write_stage_files(out_dir, stage_arrays(results, fused=True), precision, in_dir)
     return results
 
