@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import List, Sequence
 
 import numpy as np
 import pytest
@@ -25,13 +25,14 @@ from click.testing import CliRunner
 
 from verify.bench.flex_outputs import write_flex_case
 from verify.bench.foreign_outputs import BackendUnavailable
+from verify.bench.foreign_outputs import Results
 from verify.bench.sdpa_outputs import (BLOCK_TABLE, PAGE_SIZE_KEY, key_rows, load_case_tensors, packed_results,
                                        read_paged_case, write_sdpa_case)
 from verify.cli.group import cli
 from verify.files.kinds import CaseError
-from verify.files.manifests import write_toml
-from verify.sequences import CU_SEQLENS_K, CU_SEQLENS_Q, SEQUENCES_KEY, SEQUSED_K
-from verify.bench.foreign_outputs import Results
+from verify.sequences import CU_SEQLENS_K
+
+from helpers.sequence_cases import PAGE, SEQUENCE_LEAK, drop_packing, write_gathered, write_paged, wrong_page
 
 # The packed cases: id -> `attnstep generate` options (irregular lengths; an empty sequence, a
 # sequence whose keys are all padding, slots longer than the keys used).
@@ -43,7 +44,6 @@ PACKED = {
                    "--window", "4,2", "--align", "bottom-right"),
 }
 SDPA_RUNS = [("math", "bf16"), ("math", "fp32"), ("flash", "fp32")]
-LEAK = "sequence_leak"
 
 
 @pytest.fixture(scope="module")
@@ -77,12 +77,6 @@ def _codes(report: dict) -> set:
     return {d.get("code") for r in report["results"] for d in r.get("diagnosis") or []}
 
 
-def _drop_packing(t):
-    """The planted bug: the packing ignored, the whole packed stream one problem (attention
-    crosses every boundary: no document mask)."""
-    return t.with_(sequences=None)
-
-
 @pytest.mark.parametrize("backend,precision", SDPA_RUNS, ids=[f"{b}-{p}" for b, p in SDPA_RUNS])
 @pytest.mark.parametrize("case", PACKED)
 def test_sdpa_sequence_by_sequence_passes_a_packed_case(torch, tmp_path, case, backend, precision):
@@ -113,15 +107,15 @@ def test_attention_across_the_sequences_fails_named_sequence_leak(torch, tmp_pat
     precision = "bf16" if program == "flex" else "fp32"
     try:
         if program == "flex":
-            write_flex_case(in_dir, tmp_path / "out", precision, device="cpu", plant=_drop_packing)
+            write_flex_case(in_dir, tmp_path / "out", precision, device="cpu", plant=drop_packing)
         else:
-            write_sdpa_case(in_dir, tmp_path / "out", program, precision, device="cpu", plant=_drop_packing)
+            write_sdpa_case(in_dir, tmp_path / "out", program, precision, device="cpu", plant=drop_packing)
     except BackendUnavailable as exc:
         pytest.skip(f"this torch runs no {program} on the CPU: {exc}")
     report = _check(in_dir, tmp_path / "out", precision)
     assert report["exit_code"] == 1 and not report["passed"]
     assert report["first_failing_stage"] == ("output" if program == "math" else "flash_output")
-    assert LEAK in _codes(report), _failures(report)
+    assert SEQUENCE_LEAK in _codes(report), _failures(report)
 
 
 def test_a_sequence_without_keys_is_not_run_and_writes_zero_and_minus_infinity():
@@ -158,74 +152,13 @@ def test_a_sequence_without_keys_is_not_run_and_writes_zero_and_minus_infinity()
     assert got.notes == ["note 4", "note 2"]
 
 
-# ---- a paged case, written by hand from the contract ---------------------------------------------
-
-PAGE = 4
-
-
-def _write_paged(folder: Path, seqlens_q: Sequence[int], used_k: Sequence[int], heads: int = 4, kv_heads: int = 2,
-                 d: int = 16, spare: int = 3, seed: int = 0) -> Dict[str, np.ndarray]:
-    """A paged case (manifest with page_size and sequences, Q, the pool's K and V, cu_seqlens_q,
-    seqused_k and a block table padded with -1), its pages given out in shuffled order with spare
-    pages in the pool; returns the keys each sequence reads, gathered (K_b, V_b per K/V head)."""
-    rng = np.random.default_rng(seed)
-    pages_of = [-(-m // PAGE) for m in used_k]
-    total_pages = sum(pages_of) + spare
-    order = rng.permutation(total_pages)
-    width = max(max(pages_of), 1) + 1
-    table = np.full((len(used_k), width), -1, np.int32)
-    at = 0
-    for b, count in enumerate(pages_of):
-        table[b, :count] = order[at:at + count]
-        at += count
-    n = sum(seqlens_q)
-    folder.mkdir(parents=True)
-    q = rng.standard_normal((heads, n, d)).astype(np.float32)
-    k, v = (rng.standard_normal((kv_heads, total_pages * PAGE, d)).astype(np.float32) for _ in range(2))
-    for i in range(heads):
-        np.save(folder / f"Q_head_{i}.npy", q[i])
-    for j in range(kv_heads):
-        np.save(folder / f"K_head_{j}.npy", k[j])
-        np.save(folder / f"V_head_{j}.npy", v[j])
-    np.save(folder / f"{CU_SEQLENS_Q}.npy", np.concatenate(([0], np.cumsum(seqlens_q))).astype(np.int32)[:, None])
-    np.save(folder / f"{SEQUSED_K}.npy", np.asarray(used_k, np.int32)[:, None])
-    np.save(folder / f"{BLOCK_TABLE}.npy", table)
-    write_toml(folder / "manifest.toml", {"batch": 1, "heads": heads, "seq_q": n, "seq_k": total_pages * PAGE,
-                                          "d_k": d, "d_v": d, "kv_heads": kv_heads, SEQUENCES_KEY: len(used_k),
-                                          PAGE_SIZE_KEY: PAGE, "causal": True, "align": "bottom-right",
-                                          "format": "npy"}, "a paged case, written by hand")
-    rows = [np.concatenate([np.arange(p * PAGE, p * PAGE + PAGE) for p in table[b, :pages_of[b]]])[:m]
-            if m else np.zeros(0, int) for b, m in enumerate(used_k)]
-    return {"q": q, "k": k, "v": v, "rows": rows, "table": table}
-
-
-def _write_gathered(folder: Path, paged: Dict[str, np.ndarray], seqlens_q: Sequence[int]) -> Path:
-    """The packed case of the same attention: each sequence's keys gathered into a slot of its own."""
-    folder.mkdir(parents=True)
-    rows, q = paged["rows"], paged["q"]
-    order = np.concatenate(rows)
-    for i in range(q.shape[0]):
-        np.save(folder / f"Q_head_{i}.npy", q[i])
-    for j in range(paged["k"].shape[0]):
-        np.save(folder / f"K_head_{j}.npy", paged["k"][j][order])
-        np.save(folder / f"V_head_{j}.npy", paged["v"][j][order])
-    np.save(folder / f"{CU_SEQLENS_Q}.npy", np.concatenate(([0], np.cumsum(seqlens_q))).astype(np.int32)[:, None])
-    np.save(folder / f"{CU_SEQLENS_K}.npy", np.concatenate(([0], np.cumsum([len(r) for r in rows]))).astype(
-        np.int32)[:, None])
-    write_toml(folder / "manifest.toml", {"batch": 1, "heads": q.shape[0], "seq_q": q.shape[1], "seq_k": len(order),
-                                          "d_k": q.shape[2], "d_v": q.shape[2], "kv_heads": paged["k"].shape[0],
-                                          SEQUENCES_KEY: len(rows), "causal": True, "align": "bottom-right",
-                                          "format": "npy"}, "the gathered keys of a paged case")
-    return folder
-
-
 # Decode-like: one query (or a few: speculative decoding) per sequence, keys filling part of the last
 # page, a sequence without keys.
 SEQLENS_Q, USED_K = [1, 3, 1, 2, 1], [13, 8, 0, 21, 1]
 
 
 def test_the_paged_case_reads_its_keys_through_the_table(tmp_path):
-    paged = _write_paged(tmp_path / "paged", SEQLENS_Q, USED_K)
+    paged = write_paged(tmp_path / "paged", SEQLENS_Q, USED_K)
     t = load_case_tensors(tmp_path / "paged", "fp32")
     assert t.shape == (1, 4, sum(SEQLENS_Q), paged["k"].shape[1])
     for b, rows in enumerate(paged["rows"]):
@@ -234,8 +167,8 @@ def test_the_paged_case_reads_its_keys_through_the_table(tmp_path):
 
 @pytest.mark.parametrize("backend,precision", SDPA_RUNS, ids=[f"{b}-{p}" for b, p in SDPA_RUNS])
 def test_sdpa_on_the_gathered_cache_passes_and_a_wrong_page_fails(torch, tmp_path, backend, precision):
-    paged = _write_paged(tmp_path / "paged", SEQLENS_Q, USED_K)
-    gathered = _write_gathered(tmp_path / "gathered", paged, SEQLENS_Q)
+    paged = write_paged(tmp_path / "paged", SEQLENS_Q, USED_K)
+    gathered = write_gathered(tmp_path / "gathered", paged, SEQLENS_Q)
     write_sdpa_case(tmp_path / "paged", tmp_path / "out", backend, precision, device="cpu")
     report = _check(gathered, tmp_path / "out", precision)
     assert report["exit_code"] == 0 and report["passed"], _failures(report)
@@ -247,34 +180,14 @@ def test_sdpa_on_the_gathered_cache_passes_and_a_wrong_page_fails(torch, tmp_pat
 
 
 def test_flex_on_the_gathered_cache_passes(torch, tmp_path):
-    paged = _write_paged(tmp_path / "paged", SEQLENS_Q, USED_K)
-    gathered = _write_gathered(tmp_path / "gathered", paged, SEQLENS_Q)
+    paged = write_paged(tmp_path / "paged", SEQLENS_Q, USED_K)
+    gathered = write_gathered(tmp_path / "gathered", paged, SEQLENS_Q)
     try:
         write_flex_case(tmp_path / "paged", tmp_path / "out", "bf16", device="cpu")
     except BackendUnavailable as exc:
         pytest.skip(f"this torch runs no FlexAttention on the CPU: {exc}")
     report = _check(gathered, tmp_path / "out", "bf16")
     assert report["exit_code"] == 0 and report["passed"], _failures(report)
-
-
-def wrong_page(b: int, page: Optional[int] = None):
-    """The planted bug: sequence b's page `page` (default its last) read from another block of the
-    pool (the next one, cyclically), written as K and V of that page's rows replaced by the other
-    block's, so that any reader of the table sees it."""
-    def plant(t):
-        seqs = t.sequences
-        size, rows = seqs.page_size, key_rows(seqs, b)
-        pages = rows[::size] // size
-        own = int(pages[-1 if page is None else page])
-        pool = t.inputs["K"].shape[2] // size
-        other = next(p for p in ((own + k) % pool for k in range(1, pool)) if p not in pages)
-        inputs = dict(t.inputs)
-        for name in ("K", "V"):
-            x = inputs[name].copy()
-            x[:, :, own * size:(own + 1) * size] = x[:, :, other * size:(other + 1) * size]
-            inputs[name] = x
-        return t.with_(inputs=inputs)
-    return plant
 
 
 @pytest.mark.parametrize("change,words", [
@@ -286,7 +199,7 @@ def wrong_page(b: int, page: Optional[int] = None):
         f"{PAGE_SIZE_KEY} = {PAGE}", f"{PAGE_SIZE_KEY} = 5")), "is not a multiple of page_size = 5"),
 ], ids=["page-size-0", "page-outside-the-pool", "cu-seqlens-k", "pool-not-whole-pages"])
 def test_a_bad_paged_case_is_refused_in_one_line(tmp_path, change, words):
-    _write_paged(tmp_path / "paged", SEQLENS_Q, USED_K)
+    write_paged(tmp_path / "paged", SEQLENS_Q, USED_K)
     change(tmp_path / "paged")
     with pytest.raises(CaseError) as info:
         read_paged_case(tmp_path / "paged")
