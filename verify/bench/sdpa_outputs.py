@@ -372,10 +372,10 @@ def _block_table(path: Path, rows: int) -> np.ndarray:
         table = np.load(path, allow_pickle=False) if path.suffix == ".npy" else np.loadtxt(path, ndmin=2, comments="#")
     except (OSError, ValueError) as exc:
         raise CaseError(f"{path}: not a table of whole numbers ({str(exc).splitlines()[0]})") from None
-    table = np.asarray(table).reshape(rows, -1) if np.asarray(table).size and rows else np.asarray(table)
+    table = np.asarray(table)
     if table.ndim != 2 or table.shape[0] != rows:
         raise CaseError(f"{path}: shape {tuple(table.shape)}, expected {rows} rows (one per sequence)")
-    if not np.all(np.isfinite(table)) or np.any(table != np.round(table)):
+    if table.dtype.kind not in "iuf" or not np.all(np.isfinite(table)) or np.any(table != np.round(table)):
         raise CaseError(f"{path}: not a table of whole numbers")
     return table.astype(np.int64)
 
