@@ -77,13 +77,13 @@ def write_case(path: Path, N: int, M: int, *, heads: int = 2, kv_heads: int = 1,
     return inputs
 
 
-def run_cpu(binary, in_dir, out_dir, *extra):
-    return subprocess.run([str(binary), "--in", str(in_dir), "--out", str(out_dir), "--backend", "cpu",
+def run_cpu(binary, in_dir, out_dir, *extra, backend: str = "cpu"):
+    return subprocess.run([str(binary), "--in", str(in_dir), "--out", str(out_dir), "--backend", backend,
                            *map(str, extra)], capture_output=True, text=True, timeout=300)
 
 
-def run_ok(binary, in_dir, out_dir, *extra) -> Path:
-    proc = run_cpu(binary, in_dir, out_dir, *extra)
+def run_ok(binary, in_dir, out_dir, *extra, backend: str = "cpu") -> Path:
+    proc = run_cpu(binary, in_dir, out_dir, *extra, backend=backend)
     assert proc.returncode == 0, proc.stderr
     return Path(out_dir)
 
@@ -162,16 +162,21 @@ def check_split_run(out: Path, inputs, heads: int, kv_heads: int, S: int, fmt: s
     return empty
 
 
+# The CPU backend, and the CUDA backend's split-KV decode kernel where a GPU is present.
+BACKENDS = pytest.mark.parametrize("backend", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+
+
 def dense_slices(N: int, M: int):
     return [slice(0, N)], [slice(0, M)]
 
 
 # ---- dense cases ---------------------------------------------------------------------------------
 
-def test_dense_fp32_split_files_hold_each_split_and_combine_to_flash_output(binary, tmp_path):
+@BACKENDS
+def test_dense_fp32_split_files_hold_each_split_and_combine_to_flash_output(binary, tmp_path, backend):
     N, M = 40, 48  # bottom-right: row r sees keys <= r + 8, so rows 0..7 see nothing of splits 1, 2
     inputs = write_case(tmp_path / "in", N, M)
-    out = run_ok(binary, tmp_path / "in", tmp_path / "out", "--split-size", SPLIT)
+    out = run_ok(binary, tmp_path / "in", tmp_path / "out", "--split-size", SPLIT, backend=backend)
     S = 3
     assert split_files(out) == sorted(f"split_{k}_head_{h}_split_{s}.txt" for k in ("output", "lse")
                                       for h in range(2) for s in range(S))
@@ -189,10 +194,12 @@ def test_dense_fp32_split_files_hold_each_split_and_combine_to_flash_output(bina
     assert all(f"crc32_split_output_head_{h}_split_{s}" in run for h in range(2) for s in range(S))
 
 
-def test_bf16_split_stages_stay_float32_and_flash_output_is_the_rounded_combine(binary, tmp_path):
+@BACKENDS
+def test_bf16_split_stages_stay_float32_and_flash_output_is_the_rounded_combine(binary, tmp_path, backend):
     N, M = 33, 70
     inputs = write_case(tmp_path / "in", N, M, fmt="npy", bf16_inputs=True)
-    out = run_ok(binary, tmp_path / "in", tmp_path / "out", "--split-size", SPLIT, "--precision", "bf16")
+    out = run_ok(binary, tmp_path / "in", tmp_path / "out", "--split-size", SPLIT, "--precision", "bf16",
+                 backend=backend)
     S = 5  # ceil(70 / 16)
     assert len(split_files(out)) == 2 * 2 * S
     O, _ = read_splits(out, 0, S, "npy")
@@ -218,11 +225,12 @@ def test_a_split_size_past_the_keys_is_one_split(binary, tmp_path):
 
 # ---- a packed case -------------------------------------------------------------------------------
 
-def test_packed_splits_use_the_longest_sequence_and_leave_rows_without_keys_empty(binary, tmp_path):
+@BACKENDS
+def test_packed_splits_use_the_longest_sequence_and_leave_rows_without_keys_empty(binary, tmp_path, backend):
     cu_q, cu_k, used_k = [0, 3, 5, 9, 11], [0, 40, 52, 92, 100], [40, 10, 33, 0]
     packed = {"cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k, "seqused_k": used_k}
     inputs = write_case(tmp_path / "in", cu_q[-1], cu_k[-1], packed=packed)
-    out = run_ok(binary, tmp_path / "in", tmp_path / "out", "--split-size", SPLIT)
+    out = run_ok(binary, tmp_path / "in", tmp_path / "out", "--split-size", SPLIT, backend=backend)
     S = 3  # ceil(max m(b) / 16) = ceil(40 / 16), not ceil(100 / 16)
     assert split_files(out) == sorted(f"split_{k}_head_{h}_split_{s}.txt" for k in ("output", "lse")
                                       for h in range(2) for s in range(S))
