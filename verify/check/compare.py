@@ -44,6 +44,7 @@ from .diagnosis import Diagnoser, Diagnosis, Suspect
 from .groups import KVGroup, check_summed, head_term, summed
 from .packed import PackedRun, packed_sources
 from .pool import REF_CACHE, collect_head_garbage, head_jobs, map_heads
+from . import splits
 from .results import (FAIL, INHERITED, MISSING, PASS, SHAPE, STALE, UNCHECKABLE, UNREADABLE, Comparison, HeadResult,
                       Report, RunCheck, compare_arrays, elementwise_error)
 from .stage_check import (STATUS_CODES, Loaded, allowed, bit_identical, blamed_elsewhere, chain_of,
@@ -75,10 +76,11 @@ class Options:
     allow_nonfinite: bool = False  # NaN/inf inputs load; NaN then matches a NaN reference
     max_memory_mb: Optional[int] = None  # the most memory the check plans for (else what is available)
     variant: Dict[str, object] = field(default_factory=dict)  # Variant fields said (check --align, --window, ...)
+    split_size: Optional[int] = None  # check --split-size: the keys per split of a run that splits
 
     def overrides(self) -> Overrides:
         return Overrides(self.causal, self.scale, self.precision, self.math, dict(self.names), self.half_rounding,
-                         dict(self.variant))
+                         dict(self.variant), self.split_size)
 
     def override(self, stage: str) -> Optional[Tuple[float, float]]:
         if stage in self.per_stage:
@@ -105,7 +107,7 @@ def _open_head(run: RunInfo, case: InputCase, head: int, opts: Options, stages: 
     inputs = {**inputs, **variant_inputs(case, head, mask_read)}
     needed = set(stages).union(*(upstream(s) for s in stages))  # partial runs: upstream too
     needed = {s for s in needed if not (unchecked and reads_dropout_mask(s, run.variant))
-              and (not STAGES[s].dropout or s in inputs)}
+              and (not STAGES[s].dropout or s in inputs) and not STAGES[s].split}  # (splits: check/splits.py)
     slope = case.alibi_slope(head)
     # Logits, softmax parts, dot-product variances, … shared by this head's bounds (the isolated
     # and chained checks, both flash stages and the invariants), keyed by array identity: none of
@@ -139,6 +141,10 @@ def check_head(run: RunInfo, case: InputCase, head: int, opts: Options, ref_of_h
         elif why:
             res = results[stage] = new_result(run, stage, head)
             res.status, res.message = UNCHECKABLE, why
+        elif STAGES[stage].split:
+            res = results[stage] = new_result(run, stage, head)
+            splits.check_split_stage(res, load_output(run, stage, head), ctx, opts.override(stage),
+                                     opts.allow_nonfinite, diagnoser)
         else:
             res = results[stage] = new_result(run, stage, head)
             loaded = mask_read if STAGES[stage].dropout else load_output(run, stage, file_index(run, stage, head))
@@ -168,14 +174,17 @@ def _check_stage(res: HeadResult, loaded: Loaded, ctx: HeadContext, results: Dic
         res.violations = [v for v in res.violations if v.code != invariants.NONFINITE]
     if STAGES[stage].dropout:
         res.keep_counts = dropout_spec.keep_counts(mat, ctx)
-    upstream_failed = failed_upstream(stage, results)
+    upstream_failed = failed_upstream(stage, results) + splits.failed_splits(stage, ctx, results)
     partner = SPECS[stage].partner
     res.notes = blamed_elsewhere(stage, res.violations, upstream_failed,
                                  partner in results and not results[partner].passed)
     res.violations = [v for v in res.violations if v not in res.notes]
     classify(res, upstream_failed)
     if res.status == FAIL:
-        _diagnose(res, mat, isolated, ctx, run, *diagnosis)
+        if splits.combines(stage, ctx) and not res.isolated.passed:
+            _diagnose_combine(res, mat, isolated, ctx, diagnosis[-1])
+        else:
+            _diagnose(res, mat, isolated, ctx, run, *diagnosis)
     return mat, ctx.quanta[stage]
 
 
@@ -194,6 +203,12 @@ def _compare(res: HeadResult, ctx: HeadContext, results: Dict[str, HeadResult], 
     res.chained = compare_arrays(mat, want_chain, allowed_chain, opts.allow_nonfinite)
     res.half_values = half_values(mat, want_chain, run.precision)
     res.print_limited = quantum is not None and bool(np.any(quantum > model_chain))
+    if splits.combines(stage, ctx):
+        # A run that splits: the isolated reference is the combine of the program's own splits.
+        src_iso, want_iso, allowed_iso = splits.combine_isolated(stage, ctx, override)
+        allowed_iso = with_quantum(allowed_iso, quantum)
+        res.isolated = compare_arrays(mat, want_iso, allowed_iso, nan_agrees=True)
+        return src_iso, want_iso, allowed_iso
     if SPECS[stage].chained is None and not q_iso and bit_identical(src_iso, src_chain):
         # The binary read exactly the reference's sources (its echoes are exact): the isolated
         # reference and bound are the chained ones, so is the comparison.
@@ -217,6 +232,20 @@ def _diagnose(res: HeadResult, mat: np.ndarray, isolated, ctx: HeadContext, run:
         res.diagnosis = diagnoser(res.stage, mat, want_iso, Suspect(
             ctx.dims, ctx.scale, ctx.causal, res.head, src_iso, functools.partial(ref_of_head, res.stage),
             run.flash_tiles, allowed_iso, ctx, inputs_of_head, slope_of_head=slope_of_head))
+    for v in res.violations:
+        if not any(d.code == v.code for d in res.diagnosis):
+            res.diagnosis.append(Diagnosis(v.code, v.message, {"count": v.count}))
+
+
+def _diagnose_combine(res: HeadResult, mat: np.ndarray, isolated, ctx: HeadContext,
+                      diagnoser: Optional[Diagnoser]) -> None:
+    """A flash stage that disagrees with the combine of the program's own splits: the split
+    diagnoses of the combine (a split not rescaled, an empty split counted)."""
+    src_iso, want_iso, allowed_iso = isolated
+    if diagnoser is not None:
+        res.diagnosis = diagnoser(res.stage, invariants.canonical(res.stage, mat, ctx), want_iso, Suspect(
+            ctx.dims, ctx.scale, ctx.causal, res.head, src_iso, None, None, allowed_iso, ctx,
+            splits=splits.combine_suspect(res.stage, ctx, allowed_iso)))
     for v in res.violations:
         if not any(d.code == v.code for d in res.diagnosis):
             res.diagnosis.append(Diagnosis(v.code, v.message, {"count": v.count}))
