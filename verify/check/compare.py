@@ -181,10 +181,7 @@ def _check_stage(res: HeadResult, loaded: Loaded, ctx: HeadContext, results: Dic
     res.violations = [v for v in res.violations if v not in res.notes]
     classify(res, upstream_failed)
     if res.status == FAIL:
-        if splits.combines(stage, ctx) and not res.isolated.passed:
-            _diagnose_combine(res, mat, isolated, ctx, diagnosis[-1])
-        else:
-            _diagnose(res, mat, isolated, ctx, run, *diagnosis)
+        _diagnose(res, mat, isolated, ctx, run, *diagnosis)
     return mat, ctx.quanta[stage]
 
 
@@ -203,12 +200,8 @@ def _compare(res: HeadResult, ctx: HeadContext, results: Dict[str, HeadResult], 
     res.chained = compare_arrays(mat, want_chain, allowed_chain, opts.allow_nonfinite)
     res.half_values = half_values(mat, want_chain, run.precision)
     res.print_limited = quantum is not None and bool(np.any(quantum > model_chain))
-    if splits.combines(stage, ctx):
-        # A run that splits: the isolated reference is the combine of the program's own splits.
-        src_iso, want_iso, allowed_iso = splits.combine_isolated(stage, ctx, override)
-        allowed_iso = with_quantum(allowed_iso, quantum)
-        res.isolated = compare_arrays(mat, want_iso, allowed_iso, nan_agrees=True)
-        return src_iso, want_iso, allowed_iso
+    if splits.combines(stage, ctx):  # a run that splits: isolated, the combine of the program's splits
+        return splits.compare_combine(res, mat, quantum, ctx, override)
     if SPECS[stage].chained is None and not q_iso and bit_identical(src_iso, src_chain):
         # The binary read exactly the reference's sources (its echoes are exact): the isolated
         # reference and bound are the chained ones, so is the comparison.
@@ -227,25 +220,13 @@ def _diagnose(res: HeadResult, mat: np.ndarray, isolated, ctx: HeadContext, run:
               inputs_of_head, slope_of_head, diagnoser: Optional[Diagnoser]) -> None:
     """The patterns that explain a failing stage × head (the diagnoser's; none without one), then
     its reference-free findings."""
+    if splits.combines(res.stage, ctx) and not res.isolated.passed:  # the combine, not the splits, is wrong
+        return splits.diagnose_combine(res, invariants.canonical(res.stage, mat, ctx), isolated, ctx, diagnoser)
     src_iso, want_iso, allowed_iso = isolated
     if diagnoser is not None:
         res.diagnosis = diagnoser(res.stage, mat, want_iso, Suspect(
             ctx.dims, ctx.scale, ctx.causal, res.head, src_iso, functools.partial(ref_of_head, res.stage),
             run.flash_tiles, allowed_iso, ctx, inputs_of_head, slope_of_head=slope_of_head))
-    for v in res.violations:
-        if not any(d.code == v.code for d in res.diagnosis):
-            res.diagnosis.append(Diagnosis(v.code, v.message, {"count": v.count}))
-
-
-def _diagnose_combine(res: HeadResult, mat: np.ndarray, isolated, ctx: HeadContext,
-                      diagnoser: Optional[Diagnoser]) -> None:
-    """A flash stage that disagrees with the combine of the program's own splits: the split
-    diagnoses of the combine (a split not rescaled, an empty split counted)."""
-    src_iso, want_iso, allowed_iso = isolated
-    if diagnoser is not None:
-        res.diagnosis = diagnoser(res.stage, invariants.canonical(res.stage, mat, ctx), want_iso, Suspect(
-            ctx.dims, ctx.scale, ctx.causal, res.head, src_iso, None, None, allowed_iso, ctx,
-            splits=splits.combine_suspect(res.stage, ctx, allowed_iso)))
     for v in res.violations:
         if not any(d.code == v.code for d in res.diagnosis):
             res.diagnosis.append(Diagnosis(v.code, v.message, {"count": v.count}))

@@ -43,6 +43,11 @@ FLASH_OF = {SPLIT_OUTPUT: FLASH_OUTPUT, SPLIT_LSE: FLASH_LSE}
 COMBINED_FROM = {FLASH_OUTPUT: (SPLIT_OUTPUT, SPLIT_LSE), FLASH_LSE: (SPLIT_LSE,)}
 
 
+def row_statistic(stage: str) -> bool:
+    """Whether the stage is a log-sum-exp (one column per split, or one), not an output."""
+    return STAGES[stage].cols in ("1", "S")
+
+
 def splitting(ctx: HeadContext) -> bool:
     return ctx.dims.split_size > 0
 
@@ -187,7 +192,7 @@ def check_split_stage(res: HeadResult, loaded: Loaded, ctx: HeadContext, overrid
     quantum = resolution.quantum(mat) if override is None else None
     ctx.quanta[stage] = quantum
     want, bound, keyless = wide(stage, ctx)
-    got = _shifted_back(mat, want, ctx) if stage == SPLIT_LSE else mat
+    got = _shifted_back(mat, want, ctx) if row_statistic(stage) else mat
     if override is not None:
         atol, rtol = override
         bound = atol + rtol * np.where(np.isfinite(want), np.abs(want), 0.0)
@@ -284,7 +289,7 @@ def _propagated(lse_s, out_s, q_lse, q_out, stage: str):
     lse, out, w = combine(lse_s, out_s)
     w = np.where(np.isfinite(w), w, 0.0)
     total = 0.0
-    if stage == FLASH_LSE:
+    if row_statistic(stage):
         return (w * q_lse).sum(axis=1, keepdims=True) if q_lse is not None else 0.0
     if q_out is not None:
         total = total + (w[:, :, None] * q_out).sum(axis=1)
@@ -301,15 +306,15 @@ def combine_isolated(stage: str, ctx: HeadContext, override) -> Tuple[Dict[str, 
     q = {s: ctx.quanta.get(s) for s in SPLIT_STAGES}
     q_lse = None if q[SPLIT_LSE] is None else q[SPLIT_LSE].reshape(lse_s.shape)
     q_out = None if q[SPLIT_OUTPUT] is None or out_s is None else q[SPLIT_OUTPUT].reshape(out_s.shape)
-    use_out = out_s if stage == FLASH_OUTPUT else None
+    use_out = None if row_statistic(stage) else out_s
     lse, out, _ = combine(lse_s, use_out)
-    want = lse if stage == FLASH_LSE else out
+    want = lse if row_statistic(stage) else out
     if override is not None:
         atol, rtol = override
         allowed = atol + rtol * np.where(np.isfinite(want), np.abs(want), 0.0)
     else:
         lse_b, out_b = combine_bound(lse_s, use_out, ctx.math)
-        allowed = lse_b if stage == FLASH_LSE else out_b
+        allowed = lse_b if row_statistic(stage) else out_b
         allowed = allowed + _propagated(lse_s, use_out, q_lse, q_out, stage)
         if is_half(ctx.precision) and not STAGES[stage].float32:
             allowed = allowed + storage_bound(want, ctx.precision, ctx.half_rounding)
@@ -317,9 +322,29 @@ def combine_isolated(stage: str, ctx: HeadContext, override) -> Tuple[Dict[str, 
     return src, want, allowed
 
 
-def combine_suspect(stage: str, ctx: HeadContext, allowed: np.ndarray) -> SplitSuspect:
-    return suspect("combine", stage, ctx, allowed)
+def compare_combine(res: HeadResult, mat: np.ndarray, quantum, ctx: HeadContext, override):
+    """The isolated comparison of a combined flash stage (into res): against the combine of the
+    program's own splits; returns (sources, reference, allowance) for the diagnoses."""
+    src_iso, want_iso, allowed_iso = combine_isolated(stage=res.stage, ctx=ctx, override=override)
+    allowed_iso = with_quantum(allowed_iso, quantum)
+    res.isolated = compare_arrays(mat, want_iso, allowed_iso, nan_agrees=True)
+    return src_iso, want_iso, allowed_iso
 
 
-__all__ = ["check_split_stage", "combines", "combine", "combine_bound", "combine_isolated", "failed_splits",
+def diagnose_combine(res: HeadResult, got: np.ndarray, isolated, ctx: HeadContext, diagnoser) -> None:
+    """A flash stage that disagrees with the combine of the program's own splits: the split
+    diagnoses of the combine (a split not rescaled, an empty split counted), then its findings."""
+    src_iso, want_iso, allowed_iso = isolated
+    if diagnoser is not None:
+        res.diagnosis = diagnoser(res.stage, got, want_iso, Suspect(
+            ctx.dims, ctx.scale, ctx.causal, res.head, src_iso, None, None, allowed_iso, ctx,
+            splits=suspect("combine", res.stage, ctx, allowed_iso)))
+    for v in res.violations:
+        if not any(d.code == v.code for d in res.diagnosis):
+            res.diagnosis.append(Diagnosis(v.code, v.message, {"count": v.count}))
+
+
+__all__ = ["check_split_stage", "combines", "combine", "combine_bound", "combine_isolated", "compare_combine",
+           "diagnose_combine",
+           "failed_splits", "row_statistic",
            "split_references", "restricted_reference", "SplitSuspect"]

@@ -17,8 +17,7 @@ softcap_before_scale, alibi_missing, alibi_sign, alibi_slope_order, bias_ignored
 dropout_unscaled, dropout_not_applied, dropout_mask_inverted (verify/diagnose/variants.py); the
 backward's D_wrong_O, dS_missing_P, grad_unscaled, dV_untransposed_P (verify/diagnose/backward.py);
 the precision ones: tf32, half_storage, half_truncation, half_accumulation
-(verify/diagnose/precision.py); in a run that splits the keys, the splits' split_overlap, split_gap,
-empty_split, split_not_rescaled (verify/diagnose/splits.py); and in a packed case, the sequences' sequence_leak,
+(verify/diagnose/precision.py); and in a packed case, the sequences' sequence_leak,
 sequence_boundary, padding_read (verify/diagnose/sequences.py: a sequence's rows recomputed from
 the packed rows a buggy program read). overflow, keys_past_end and keys_dropped are in
 verify/diagnose/inputs.py: they, the mask, the variants and the scale recompute a stage from the
@@ -38,12 +37,10 @@ from ..specs import SPECS
 from ..stages import STAGES
 from ..text import plural
 from . import backward as backward_bugs
-from . import heads as head_bugs
-from . import masks as mask_bugs
+from . import heads as head_bugs, masks as mask_bugs
 from . import precision as precision_bugs
 from . import sequences as sequence_bugs
-from . import splits as split_bugs
-from . import variants as variant_bugs
+from . import splits as split_bugs, variants as variant_bugs
 from .base import (LOG2_E, MATCH_WIDTHS, POISON_VALUES, SCALE_NAME_RTOL, UNWRITTEN_DENSITY, explains, loc, maxdiff,
                    width_of)
 from .inputs import case_inputs, rebuilder, slope_of, variant_of, variant_tensors
@@ -348,14 +345,8 @@ def diagnose(stage: str, got: np.ndarray, want: np.ndarray, ctx: Suspect) -> Lis
     if got.shape != want.shape:
         return []
     width = width_of(ctx.bound, want)
-    if ctx.splits is not None:
-        # A split stage, or a flash stage against the combine of the program's splits: the split
-        # bugs explain it (the recomputations from Q, K, V below would be of another stage).
-        with np.errstate(all="ignore"):
-            found = split_bugs.diagnose(stage, got, want, ctx.splits, width)
-            if not found:
-                found = _nonfinite(stage, got, want, ctx, width)
-        return found
+    if ctx.splits is not None:  # a split-KV run's split or combine: split_overlap, split_gap, empty_split, ...
+        return split_bugs.diagnose(stage, got, want, ctx.splits, width) or _nonfinite(stage, got, want, ctx, width)
     found: List[Diagnosis] = []
     fired = set()
     for name, hyp in _HYPOTHESES.items():

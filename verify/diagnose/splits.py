@@ -22,7 +22,8 @@ from typing import List, Optional, Tuple
 import numpy as np
 
 from ..check.diagnosis import Diagnosis
-from ..check.splits import SplitSuspect, combine
+from ..check.splits import SplitSuspect, combine, row_statistic
+from ..specs import SPECS
 from ..stages import FLASH_LSE, FLASH_OUTPUT, SPLIT_LSE, SPLIT_OUTPUT
 from .base import MATCH_WIDTHS, explains
 
@@ -35,9 +36,10 @@ _FLASH_OF = {SPLIT_OUTPUT: FLASH_OUTPUT, SPLIT_LSE: FLASH_LSE}
 
 def diagnose(stage: str, got: np.ndarray, want: np.ndarray, view: SplitSuspect, width: float) -> List[Diagnosis]:
     """The split bugs that explain a failing split stage or combine."""
-    if view.kind == "split":
-        return _empty_in_split(stage, got, view) + _boundaries(stage, got, want, view, width)
-    return _combine(stage, got, want, view, width)
+    with np.errstate(all="ignore"):
+        if view.kind == "split":
+            return _empty_in_split(stage, got, view) + _boundaries(stage, got, want, view, width)
+        return _combine(stage, got, want, view, width)
 
 
 # ---- a split stage ----------------------------------------------------------------------------
@@ -50,7 +52,7 @@ def _empty_in_split(stage: str, got: np.ndarray, view: SplitSuspect) -> List[Dia
     """Rows that see no key of a split holding anything but 0 (output) or −inf (lse) there."""
     cols = _cols(stage, view, got)
     keyless = np.repeat(np.stack([r.keyless for r in view.references], axis=1), cols, axis=1)
-    want = -np.inf if stage == SPLIT_LSE else 0.0
+    want = SPECS[stage].keyless
     with np.errstate(invalid="ignore"):
         bad = keyless & ~(got == want)
     if not bad.any():
@@ -61,7 +63,7 @@ def _empty_in_split(stage: str, got: np.ndarray, view: SplitSuspect) -> List[Dia
     n_nan = int(np.isnan(got[bad]).sum())
     rows = int(bad.any(axis=1).sum())
     what = "NaN" if np.isnan(value) else f"{value:.6g}"
-    rule = "lse −inf" if stage == SPLIT_LSE else "output 0"
+    rule = "lse −inf" if row_statistic(stage) else "output 0"
     return [Diagnosis(EMPTY_SPLIT, f"{stage}: split {split} holds {what} in row {row}, which sees no key of it (want "
                       f"{rule} exactly); {int(bad.sum())} such entries in {rows} rows ({n_nan} NaN): an empty split "
                       "mishandled", {"split": split, "row": row, "value": value, "count": int(bad.sum()),
@@ -162,7 +164,7 @@ def _combine(stage: str, got: np.ndarray, want: np.ndarray, view: SplitSuspect, 
                 found.append(Diagnosis(EMPTY_SPLIT, f"{stage}: the combine {how} (max diff {diff:.2g}): an empty "
                                        "split (lse −inf) mishandled", {"how": how, "max_diff": diff}, 0.93))
                 break
-        if stage == FLASH_OUTPUT and out_s is not None and not found:
+        if not row_statistic(stage) and out_s is not None and not found:
             for how, cand, detail in _rescale_candidates(lse_s, out_s, empty):
                 diff = _explains(got, cand, want, width)
                 if diff is not None:
@@ -181,7 +183,7 @@ def _empty_candidates(stage: str, lse_s: np.ndarray, out_s: Optional[np.ndarray]
     every = empty.all(axis=1, keepdims=True)
     if every.any():
         lse, out, _ = combine(lse_s, out_s)
-        nan_rows = lse if stage == FLASH_LSE else out
+        nan_rows = lse if row_statistic(stage) else out
         yield ("gave NaN to rows that see no key of any split (−inf − (−inf)): a row with every split empty",
                np.where(every, np.nan, nan_rows))
     if not empty.any():
@@ -196,7 +198,7 @@ def _empty_candidates(stage: str, lse_s: np.ndarray, out_s: Optional[np.ndarray]
             lse2 = np.where(empty, value, lse_s)
         outs = None if out_s is None else np.where(empty[:, :, None] & ~np.isfinite(out_s), 0.0, out_s)
         lse, out, _ = combine(lse2, outs)
-        yield how, (lse if stage == FLASH_LSE else out)
+        yield how, (lse if row_statistic(stage) else out)
 
 
 def _rescale_candidates(lse_s: np.ndarray, out_s: np.ndarray, empty: np.ndarray):

@@ -13,20 +13,18 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Dict, List, Mapping, Optional, Tuple
+from typing import Dict, List, Mapping, Optional, Tuple
 
 import numpy as np
 
 from ..stages import (FORMATS, RUN_MANIFEST, SPLIT_SIZE_KEY, SPLIT_STAGES, STAGES, Dims, parse_stage_file,
                       split_columns, split_count, stage_file)
 from ..text import plural
+from .arrays import as_array, native_float
 from .kinds import CaseError
 from .matrix_io import crc32_hex, parse_matrix, read_bytes
 from .resolution import EXACT, array_resolution, text_resolution
 from .stage_files import STAGE_ITEMSIZE, StageSource, _as_matrix, _load_npy
-
-if TYPE_CHECKING:  # (outputs.py imports this module)
-    from .outputs import RunInfo
 
 # A file's state, as verify/check/results.py names it (that module sits above this one).
 _MISSING, _STALE, _SHAPE, _UNREADABLE = "MISSING", "STALE", "SHAPE", "UNREADABLE"
@@ -56,8 +54,8 @@ class SplitSource(StageSource):
     def file_names(self, dims: Dims) -> List[str]:
         return [self.split_name(i, s) for i in range(dims.heads_of(self.stage)) for s in range(dims.splits)]
 
-    def load(self, run: "RunInfo", head: int):
-        """(the head's matrix N × S·cols or None, its Resolution, a status or None, the message): each
+    def load(self, run, head: int):
+        """(run: the RunInfo, verify/files/outputs.py) (the head's matrix N × S·cols or None, its Resolution, a status or None, the message): each
         split's file read and checked in turn; the first that is missing, unreadable, stale or of the
         wrong shape is the head's status."""
         dims = run.dims
@@ -95,7 +93,7 @@ class SplitSource(StageSource):
         return np.hstack(mats) if mats else np.zeros((rows, 0)), resolution, None, ""
 
 
-def _staleness(run: "RunInfo", name: str, data: bytes) -> Optional[str]:
+def _staleness(run, name: str, data: bytes) -> Optional[str]:
     """Why a split file is not from this run (its CRC-32 differs from run.toml's, or is not listed)."""
     if not run.verify_crc:
         return None
@@ -113,7 +111,8 @@ def split_files_in(folder: Path) -> Dict[str, Dict[str, List[Tuple[int, int]]]]:
     found: Dict[str, Dict[str, List[Tuple[int, int]]]] = {}
     for entry in os.listdir(folder):
         parsed = parse_stage_file(entry)
-        if parsed is not None and parsed.split is not None and parsed[0] in SPLIT_STAGES and parsed.seq is None:
+        if parsed is not None and parsed.split is not None and parsed.seq is None and parsed[0] in STAGES \
+                and STAGES[parsed[0]].split:
             found.setdefault(parsed[0], {}).setdefault(parsed[2], []).append((parsed[1], parsed.split))
     return found
 
@@ -189,6 +188,7 @@ def refuse_split_variants(dims: Dims, stages, dropout: float, where: str) -> Non
 
 
 __all__ = ["SplitSource", "split_sources", "run_split_size", "split_dims", "split_size_problem", "SPLIT_SIZE_OPTION",
+           "split_arguments", "split_run", "split_arrays",
            "refuse_split_variants"]
 
 
@@ -200,7 +200,6 @@ def split_arrays(out_accum, lse_accum, dims: Dims, packed: bool) -> Dict[str, np
     matrix (the splits side by side): out_accum (num_splits, batch, heads, seqlen_q, d) and lse_accum
     (num_splits, batch, heads, seqlen_q); packed (thd): (num_splits, total_q, heads, d) and
     (num_splits, heads, total_q). Either may be None. Raises ValueError naming the argument."""
-    from .arrays import as_array, native_float  # (arrays.py: the tensors' conversion)
     S, B, H, N, D = dims.splits, dims.batch, dims.heads, dims.seq_q, dims.d_v
     out: Dict[str, np.ndarray] = {}
     layouts = {
@@ -218,10 +217,54 @@ def split_arrays(out_accum, lse_accum, dims: Dims, packed: bool) -> Dict[str, np
             raise ValueError(f"{stage}: shape {tuple(arr.shape)}, expected {shape} {words}: {plural(S, 'split')} of "
                              f"{dims.split_size} keys")
         arr = arr.astype(np.float64)
-        if stage == "split_output":
+        if STAGES[stage].cols == "SDV":
             heads = arr.transpose(2, 1, 0, 3) if packed else arr.transpose(1, 2, 3, 0, 4).reshape(B * H, N, S, D)
             out[stage] = np.ascontiguousarray(heads).reshape(B * H, N, S * D)
         else:
             heads = arr.transpose(1, 2, 0) if packed else arr.transpose(1, 2, 3, 0).reshape(B * H, N, S)
             out[stage] = np.ascontiguousarray(heads)
     return out
+
+
+def split_arguments(split_output, split_lse, split_size, stages) -> Optional[Tuple[object, object, int]]:
+    """check_arrays' (split_output, split_lse, split_size), checked as far as they go alone (None:
+    none given), and no split stage among its stages: a TypeError or ValueError naming the argument."""
+    refuse_split_stages(stages)
+    if split_output is None and split_lse is None and split_size is None:
+        return None
+    if split_size is None:
+        raise ValueError("split_output/split_lse: pass split_size= too (the keys per split the program used)")
+    if not isinstance(split_size, (int, np.integer)) or isinstance(split_size, (bool, np.bool_)):
+        raise TypeError(f"split_size: expected a whole number of keys >= 1, got {type(split_size).__name__} "
+                        f"{split_size!r}")
+    why = split_size_problem(int(split_size))
+    if why:
+        raise ValueError(f"split_size = {split_size!r}: {why}")
+    if split_output is None and split_lse is None:
+        raise ValueError(f"split_size={split_size}: pass split_output= and/or split_lse= (the split stages it splits)")
+    return split_output, split_lse, int(split_size)
+
+
+def split_run(splits, dims: Dims, seqs, dropout: float, sources: Dict[str, StageSource]
+              ) -> Tuple[Dims, Dict[str, StageSource]]:
+    """The run's dimensions and sources with check_arrays' split arrays (splits: split_arguments'
+    triple, or None for a run that does not split)."""
+    if splits is None:
+        return dims, sources
+    out_accum, lse_accum, split_size = splits
+    if dropout:
+        raise ValueError(f"split_output/split_lse with dropout_p={dropout}: a split-KV (flash-decoding) program is "
+                         "an inference path without dropout")
+    keys = dims.seq_k if seqs is None else max((seqs.m(b) for b in range(seqs.count)), default=0)
+    run_dims = split_dims(dims, split_size, keys)
+    arrays = split_arrays(out_accum, lse_accum, run_dims, seqs is not None)
+    sources = {**sources, **{n: StageSource(n, None, n, arrays=a) for n, a in arrays.items()}}
+    return run_dims, {n: sources[n] for n in STAGES if n in sources}
+
+
+def refuse_split_stages(stages) -> None:
+    """check_arrays' stages holding a split stage: they come as split_output=, split_lse=."""
+    split = [n for n in stages if n in STAGES and STAGES[n].split]
+    if split:
+        raise ValueError(f"stages[{split[0]!r}]: pass the split stages as {split[0]}= (flash-attn's layout, with "
+                         "split_size=), not among the stages")
