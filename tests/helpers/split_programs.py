@@ -164,7 +164,7 @@ def _combine(outs: np.ndarray, lses: np.ndarray, bug: Optional[str]):
     lses = lses.astype(f32)
     if bug == "empty_counted":
         lses = np.where(np.isneginf(lses), f32(0), lses).astype(f32)
-    with np.errstate(invalid="ignore", over="ignore"):
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
         m = np.max(lses, axis=1)
         empty = np.isneginf(m)
         m0 = np.where(empty, f32(0), m).astype(f32)
