@@ -51,7 +51,7 @@ class SplitCase:
     softcap: float = 0.0
     alibi: bool = False
     distribution: str = "normal"
-    inputs: Dict[str, np.ndarray] = field(default_factory=dict)
+    inputs: Dict[str, np.ndarray] = field(default_factory=dict, repr=False)
 
     @property
     def packed(self) -> bool:
@@ -233,3 +233,44 @@ def run_program(case: SplitCase, out: Path, bug: Optional[str] = None, precision
     if run_toml:
         (out / "run.toml").write_text(f"split_size = {case.split_size}\n")
     return res
+
+
+# ---- the false-alarm sweep's split runs ------------------------------------------------------------
+
+SPLIT_SWEEP_SEED = 20261126
+PRECISIONS = ("fp32", "fp32", "fp32", "bf16", "fp16")
+MAX_SWEPT_SPLITS = 24
+
+
+def draw_split_case(index: int) -> Tuple[SplitCase, str]:
+    """Case `index` of the split sweep and its precision: dense (1 to 40 queries, 1 to 300 keys) or
+    packed (up to 4 sequences, some without queries or keys), grouped K/V heads, either causal
+    alignment or none, windows, softcaps, ALiBi, every input distribution, and split sizes from 1 key
+    (where that makes at most MAX_SWEPT_SPLITS splits) to more than every key (one split), so that
+    rows see no key of some splits."""
+    rng = np.random.default_rng([SPLIT_SWEEP_SEED, index])
+    heads = int(rng.choice([1, 2, 4, 8]))
+    kv_heads = int(rng.choice([k for k in (1, 2, 4, 8) if heads % k == 0]))
+    shape: Dict[str, object] = {}
+    if rng.random() < 0.35:
+        count = int(rng.integers(1, 5))
+        shape["seqlens_q"] = [int(x) for x in rng.integers(0, 7, count)]
+        shape["seqlens_k"] = [int(x) for x in rng.integers(0, 120, count)]
+        shape["seqlens_q"][0] = max(1, shape["seqlens_q"][0])
+        most = max(shape["seqlens_k"])
+    else:
+        shape["seq_q"], shape["seq_k"] = int(rng.integers(1, 41)), int(rng.integers(1, 301))
+        most = shape["seq_k"]
+    causal = [False, "top-left", "bottom-right"][int(rng.integers(3))]
+    window = (-1, -1)
+    if rng.random() < 0.25:
+        window = (int(rng.integers(0, 40)), 0 if causal else int(rng.integers(-1, 20)))
+    # (at most MAX_SWEPT_SPLITS splits: each is checked over every key, so a case costs S times a flash check)
+    fewest = max(1, -(-most // MAX_SWEPT_SPLITS))
+    split_size = int(rng.choice([fewest, max(fewest, int(rng.integers(2, 17))), max(fewest, most // 3),
+                                 most + int(rng.integers(1, 9))]))
+    case = SplitCase(split_size=max(1, split_size), heads=heads, kv_heads=kv_heads, d=int(rng.choice([16, 32, 64, 128])),
+                     seed=index, causal=causal, window=window,
+                     softcap=float(rng.uniform(1, 50)) if rng.random() < 0.25 else 0.0, alibi=bool(rng.random() < 0.25),
+                     distribution=str(rng.choice(["uniform", "normal", "large"])), **shape)
+    return case, str(rng.choice(PRECISIONS))
