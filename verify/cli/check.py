@@ -75,7 +75,7 @@ prints a stage table and the first failing stage with a diagnosis. Exit status 0
 passes; 1: a stage fails; 2: bad input. The tolerances: {TOLERANCES_DOC}. The variant of
 attention overrides IN's manifest, else run.toml's ({CLI_DOC}): --causal [ALIGN], --no-causal,
 --align ALIGN (top-left or bottom-right), --window LEFT,RIGHT, --softcap C, --alibi/--no-alibi,
---dropout P.
+--dropout P; --split-size K (split-KV).
 """
 
 
@@ -138,8 +138,8 @@ def _plot(report, plot_dir: Path, opts: Options, quiet: bool) -> None:
               help="Score scale [default: IN's, else run.toml's, else 1/sqrt(d_k)].")
 @click.option("--precision", type=click.Choice(PRECISIONS),
               help="What the program computed in [default: run.toml's, else fp32].")
-@click.option("--split-size", type=click.IntRange(min=1), metavar="K",
-              help="Keys per split of a split-KV run (its split_output, split_lse files) [default: run.toml's].")
+@click.option("--split-size", type=click.IntRange(min=1), metavar="K", hidden=True,
+              help="Keys per split of a split-KV run [default: run.toml's].")
 @click.option("--half-rounding", type=click.Choice(HALF_ROUNDINGS), metavar="MODE",
               help="bf16/fp16 rounding: nearest, toward-zero.")
 @click.option("--math", type=click.Choice(MATH_MODES), default="ieee", show_default=True,
