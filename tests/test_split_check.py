@@ -241,3 +241,13 @@ def test_a_missing_split_file_and_one_of_the_wrong_shape_are_named(tmp_path):
 def test_a_program_that_writes_only_its_splits_is_checked(tmp_path):
     report = split_run(tmp_path, DECODE, stages=SPLITS)
     assert report.passed and report.stages == list(SPLITS)
+
+
+def test_a_failing_split_run_writes_its_reports_and_error_maps(tmp_path):
+    pytest.importorskip("matplotlib", reason="matplotlib is not installed (the plot extra)")
+    in_dir, out_dir = _folders(tmp_path, bug="gap")
+    r = invoke("check", "--in", in_dir, "--out", out_dir, "--split-size", 8, "--junit", tmp_path / "r.xml",
+               "--plot", tmp_path / "maps", "--quiet")
+    assert r.exit_code == 1, r.output
+    assert "split_gap" in r.output and "split_gap" in (tmp_path / "r.xml").read_text()
+    assert any(p.name.startswith("split_output_head_0") for p in (tmp_path / "maps").iterdir())

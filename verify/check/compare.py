@@ -142,9 +142,7 @@ def check_head(run: RunInfo, case: InputCase, head: int, opts: Options, ref_of_h
             res = results[stage] = new_result(run, stage, head)
             res.status, res.message = UNCHECKABLE, why
         elif STAGES[stage].split:
-            res = results[stage] = new_result(run, stage, head)
-            splits.check_split_stage(res, load_output(run, stage, head), ctx, opts.override(stage),
-                                     opts.allow_nonfinite, diagnoser)
+            results[stage] = splits.check_split_stage(new_result(run, stage, head), run, ctx, opts, diagnoser)
         else:
             res = results[stage] = new_result(run, stage, head)
             loaded = mask_read if STAGES[stage].dropout else load_output(run, stage, file_index(run, stage, head))
@@ -376,6 +374,8 @@ def error_ratio_map(run: RunInfo, case: InputCase, stage: str, head: int,
     got, resolution, _, msg = load_output(run, stage, head)
     if got is None:
         raise CaseError(msg)
+    if STAGES[stage].split:  # (against each split's own reference: verify/check/splits.py)
+        return splits.ratio_map(got, resolution, _open_head(run, case, head, opts, [stage])[0], stage)
     heads = [head]
     if STAGES[stage].kv:
         heads = list(run.dims.query_heads_of(head))[:None if summed(stage) else 1]

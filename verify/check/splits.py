@@ -34,8 +34,8 @@ from . import tolerance
 from .diagnosis import Diagnosis, Suspect
 from .half_rounding import route_error
 from .reference import compute_stage
-from .results import FAIL, HeadResult, compare_arrays
-from .stage_check import STATUS_CODES, Loaded, with_quantum
+from .results import FAIL, HeadResult, compare_arrays, elementwise_error
+from .stage_check import STATUS_CODES, load_output, with_quantum
 
 # Each split stage is the flash stage restricted to the split's keys.
 FLASH_OF = {SPLIT_OUTPUT: FLASH_OUTPUT, SPLIT_LSE: FLASH_LSE}
@@ -176,17 +176,17 @@ def suspect(kind: str, stage: str, ctx: HeadContext, allowed: np.ndarray) -> Spl
 
 # ---- a split stage's check -----------------------------------------------------------------------
 
-def check_split_stage(res: HeadResult, loaded: Loaded, ctx: HeadContext, override, allow_nonfinite: bool,
-                      diagnoser) -> Optional[np.ndarray]:
-    """Every split of one split stage × head against its own reference (into res); returns the matrix
-    (the combine reads it)."""
-    mat, resolution, bad_status, msg = loaded
+def check_split_stage(res: HeadResult, run, ctx: HeadContext, opts, diagnoser) -> HeadResult:
+    """Every split of one split stage × head against its own reference (into res, returned; the
+    combine reads the matrix from ctx.got). run: the RunInfo, opts: the check's Options."""
     stage = res.stage
+    mat, resolution, bad_status, msg = load_output(run, stage, res.head)
+    override, allow_nonfinite = opts.override(stage), opts.allow_nonfinite
     res.split_cols = split_columns(stage, ctx.dims)
     if mat is None:
         res.status, res.message = bad_status, msg
         res.diagnosis.append(Diagnosis(STATUS_CODES[bad_status], msg, {}))
-        return None
+        return res
     res.resolution = resolution.describe()
     ctx.got[stage] = mat
     quantum = resolution.quantum(mat) if override is None else None
@@ -199,14 +199,25 @@ def check_split_stage(res: HeadResult, loaded: Loaded, ctx: HeadContext, overrid
     allowed = np.where(keyless, 0.0, with_quantum(bound, quantum))  # a split no key of which the row sees: exact
     res.chained = res.isolated = compare_arrays(got, want, allowed, allow_nonfinite)
     if res.chained.passed:
-        return mat
+        return res
     res.status = FAIL
     res.message = "a split differs from the attention over its own keys"
     if diagnoser is not None:
         res.diagnosis = diagnoser(stage, got, want, Suspect(ctx.dims, ctx.scale, ctx.causal, res.head, {},
                                                             None, None, allowed, ctx,
                                                             splits=suspect("split", stage, ctx, allowed)))
-    return mat
+    return res
+
+
+def ratio_map(got: np.ndarray, resolution, ctx: HeadContext, stage: str) -> np.ndarray:
+    """|got − want| / allowed of a split stage × head, each split against its own reference (plots)."""
+    want, bound, keyless = wide(stage, ctx)
+    got = _shifted_back(got, want, ctx) if row_statistic(stage) else got
+    allowed = np.where(keyless, 0.0, with_quantum(bound, resolution.quantum(got)))
+    err = elementwise_error(got, want)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = np.where(err == 0, 0.0, err / allowed)
+    return np.where(np.isnan(ratio), np.inf, ratio)
 
 
 def failed_splits(stage: str, ctx: HeadContext, results: Dict[str, HeadResult]) -> List[str]:
@@ -346,5 +357,5 @@ def diagnose_combine(res: HeadResult, got: np.ndarray, isolated, ctx: HeadContex
 
 __all__ = ["check_split_stage", "combines", "combine", "combine_bound", "combine_isolated", "compare_combine",
            "diagnose_combine",
-           "failed_splits", "row_statistic",
+           "failed_splits", "row_statistic", "ratio_map",
            "split_references", "restricted_reference", "SplitSuspect"]
