@@ -11,7 +11,8 @@ grouped K/V heads (MQA included), either causal alignment, sliding windows (narr
 leave rows with no key), softcap (caps that saturate, and 30-50), ALiBi (standard or random
 slopes), mask files (document, prefix-LM, random, with empty rows), bias files, dropout, and several
 at once; then generate -> binary -> check, and every stage of every head must pass (chained and
-isolated), the dropout keep rate included. A failure prints the `attnstep generate` options of its
+isolated), the dropout keep rate included. Split-KV runs (split sizes drawn with the variants,
+packed ones too) are swept from a NumPy float32 split program's files. A failure prints the `attnstep generate` options of its
 case, which write it again.
 The tolerance model promises ~1e-10 false failures per element, so one failure here is a bug in
 the model or in the binary, never bad luck.
@@ -47,6 +48,9 @@ from verify.variant import ALIGNMENTS, TENSOR_COVERAGE, UNBOUNDED, Variant
 
 from helpers.end_to_end import BACKENDS, run_and_check
 from helpers.random_cases import MODEL_CAP, SATURATING_CAP, draw_case, draw_variant_case, failures
+from helpers.split_programs import draw_split_case, run_program, write_case
+from verify.check.compare import Options, check
+from verify.diagnose.hypotheses import diagnose
 
 CASES = int(os.environ.get("ATTNSTEP_FALSE_ALARM_CASES", "200"))
 CHUNK = 25        # cases per test function: one binary fixture, one report line per chunk
@@ -155,6 +159,38 @@ def test_random_correct_runs_never_fail(binary, tmp_path, backend, chunk):
             report = run_and_check(binary, work, case.dims, case.causal, backend, **case.generate_args())
             assert report.passed, f"false alarm {where}: {failures(report)}"
         shutil.rmtree(work)  # hundreds of cases: keep the disk use of one
+
+
+# ---- split-KV runs ---------------------------------------------------------------------------------
+# The binary does not split the keys on the CPU: the split runs are a float32 NumPy split program's
+# (tests/helpers/split_programs.py: each split in float32, P rounded at bf16/fp16, a float32 combine),
+# checked as another program's folder with --split-size.
+
+def test_the_split_sweep_draws_split_sizes_and_variants():
+    """Split sizes of one key, a few, a third of the keys and more than every key; packed and dense,
+    grouped heads, both alignments, windows, softcaps, ALiBi and every precision (the first 200)."""
+    cases = [draw_split_case(i) for i in range(200)]
+    most = lambda c: max(c.seqlens_k) if c.packed else c.seq_k  # noqa: E731
+    assert any(c.split_size == 1 for c, _ in cases) and any(c.split_size > most(c) for c, _ in cases)
+    assert any(1 < c.split_size < most(c) for c, _ in cases)
+    assert any(c.packed for c, _ in cases[:CHUNK]) and any(not c.packed for c, _ in cases[:CHUNK])
+    assert {c.causal for c, _ in cases} == {False, "top-left", "bottom-right"}
+    assert any(c.window != (-1, -1) for c, _ in cases) and any(c.softcap for c, _ in cases)
+    assert any(c.alibi for c, _ in cases) and any(c.kv_heads < c.heads for c, _ in cases)
+    assert {p for _, p in cases} == {"fp32", "bf16", "fp16"}
+
+
+@pytest.mark.parametrize("chunk", CHUNKS)
+def test_random_correct_split_runs_never_fail(tmp_path, chunk):
+    for index in range(chunk * CHUNK, min(CASES, (chunk + 1) * CHUNK)):
+        case, precision = draw_split_case(index)
+        work = tmp_path / str(index)
+        write_case(case, work / "in")
+        run_program(case, work / "out", precision=precision)
+        report = check(work / "in", work / "out", Options(jobs=1, precision=precision, split_size=case.split_size),
+                       diagnoser=diagnose)
+        assert report.passed, f"false alarm at {precision}: {case!r}: {failures(report)}"
+        shutil.rmtree(work)
 
 
 # ---- false alarms the sweep found, pinned ----------------------------------------------------------

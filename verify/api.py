@@ -40,6 +40,7 @@ from .files.kinds import CaseError
 from .files.kv_cache import kv_cache, packed_keys, step_stages
 from .files.packed_arrays import PACKED_LAYOUT, packed_layout, packing
 from .files.outputs import MATH_MODES, RunInfo, StageSource, half_rounding_for
+from .files.split_files import split_arguments, split_run
 from .model.half import HALF_ROUNDINGS, rounding_refusal
 from .report.text import failure_lines, header_lines, summary_lines, table_lines
 from .stages import (ALIBI_SLOPES_INPUT, BIAS_INPUT, DIM_KEYS, DROPOUT_MASK, GRAD_INPUT, INPUT_NAMES, KV_HEADS_KEY,
@@ -266,7 +267,7 @@ def check_arrays(q, k, v, stages: Mapping[str, object], *, do=None, causal=False
                  scale: Optional[float] = None, precision: str = "fp32", math: str = "ieee",
                  atol: Optional[float] = None, rtol: Optional[float] = None, jobs: int = 1,
                  allow_nonfinite: bool = False, half_rounding: Optional[str] = None, cu_seqlens_q=None,
-                 cu_seqlens_k=None, seqused_k=None) -> Report:
+                 cu_seqlens_k=None, seqused_k=None, split_output=None, split_lse=None, split_size=None) -> Report:
     """Checks each stage in `stages` ({stage name: array}) computed from q, k, v, as `attnstep
     check` does; returns the Report (report.passed, report.first_failing_stage, report.results),
     whose truth value is report.passed: `assert check_arrays(...)` fails when a stage fails
@@ -290,13 +291,16 @@ def check_arrays(q, k, v, stages: Mapping[str, object], *, do=None, causal=False
     half_rounding: how a bf16/fp16 program converts to its format ("nearest", the default, or
     "toward-zero"; half precisions only). At fp32 or tf32 a stage of half-precision values (a
     float16 array; a bf16 tensor, converted to float32) gets a note, and a hint in the failure
-    line, to pass precision='bf16' or 'fp16'. Raises ValueError for arrays that do not fit
+    line, to pass precision='bf16' or 'fp16'. split_output, split_lse, split_size: a split-KV program's
+    splits in flash-attn's layouts (out_accum, lse_accum; docs/check.md), each checked on its own,
+    flash_output and flash_lse against their combine. Raises ValueError for arrays that do not fit
     together (a layout that does not fit is named) or a value out of range, TypeError for an
     argument of the wrong kind (causal="no", scale="0.25"), each one line naming the argument."""
     args = _validated(stages=stages, causal=causal, align=align, window=window, softcap=softcap, alibi=alibi,
                       dropout_p=dropout_p, layout=layout, scale=scale, precision=precision, math=math, atol=atol,
                       rtol=rtol, jobs=jobs, allow_nonfinite=allow_nonfinite, half_rounding=half_rounding)
     offsets = (cu_seqlens_q, cu_seqlens_k, seqused_k)
+    args["splits"] = split_arguments(split_output, split_lse, split_size, stages)
     return check_run(*_opened(q, k, v, stages, do, args, attn_mask, attn_bias, offsets), diagnoser=diagnose)
 
 
@@ -316,11 +320,12 @@ def _opened(q, k, v, stages, do, args: Dict[str, Any], attn_mask, attn_bias,
     dims, inputs, note = _problem(q, k, v, do, layout, args["allow_nonfinite"])
     note = None if seqs is not None else note  # (the tokens checked against the offsets: no doubt left)
     variant, tensors = _variant(args, attn_mask, attn_bias, dims)
-    sources = _stage_sources(stages, dims, layout, variant.dropout)
+    sources = _stage_sources(stages, dims, layout, variant.dropout) if stages or not args.get("splits") else {}
     scale = default_scale(dims.d_k) if args["scale"] is None else args["scale"]
     case = InputCase(ARRAYS, dims, "npy", scale=scale, manifest=True, arrays={**inputs, **tensors},
                      allow_nonfinite=args["allow_nonfinite"], backward=do is not None, variant=variant, sequences=seqs)
-    run = RunInfo(None, {}, dims, sources, scale=scale, precision=args["precision"], math=args["math"],
+    run_dims, sources = split_run(args.get("splits"), dims, seqs, variant.dropout, sources)
+    run = RunInfo(None, {}, run_dims, sources, scale=scale, precision=args["precision"], math=args["math"],
                   half_rounding=half_rounding_for(args["precision"], args["half_rounding"]), variant=variant)
     if note:
         run.notes.append(note)

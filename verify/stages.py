@@ -5,7 +5,7 @@ stages, builds a file name or decodes a shape goes through this module.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Dict, Optional, Tuple
 
 # Dimension symbols -> manifest keys (docs/contract.md, "Dimensions").
@@ -66,6 +66,11 @@ class Dims:
     # in a case without grouping); 0 means one per query head. Query head h reads K/V head
     # h // (heads / kv_heads).
     kv_heads: int = 0
+    # A run that splits the keys (flash-decoding): the keys per split K (0: the run does not
+    # split) and the split count S (at least 1 in a run that splits: ceil(M / K), in a packed case
+    # ceil(max m(b) / K)). They shape the split stages (SPLIT_STAGES) only; the case has neither.
+    split_size: int = 0
+    splits: int = 0
 
     @property
     def total_heads(self) -> int:
@@ -101,7 +106,12 @@ class Dims:
         return range(first, first + self.group_size)
 
     def size(self, sym: str) -> int:
-        return {"N": self.seq_q, "M": self.seq_k, "DK": self.d_k, "DV": self.d_v, "1": 1}[sym]
+        return {"N": self.seq_q, "M": self.seq_k, "DK": self.d_k, "DV": self.d_v, "1": 1, "S": self.splits,
+                "SDV": self.splits * self.d_v}[sym]
+
+    def with_splits(self, split_size: int, splits: int) -> "Dims":
+        """These dimensions in a run that splits the keys K = split_size ways per split, S splits."""
+        return replace(self, split_size=split_size, splits=splits)
 
     def elements_per_head(self, backward: bool = False, dropout: bool = False, kv: Optional[bool] = None) -> int:
         """The elements of every stage of one head (the case-size limit counts these; stages.h's
@@ -148,6 +158,10 @@ class Stage:
     kv: bool = False
     # Exists only when the case has dropout (verify/variant.py): the program's keep-mask.
     dropout: bool = False
+    # Exists only in a run that splits the keys (flash-decoding; Dims.split_size): one file per
+    # split of the head's matrix, the split's columns (DV of them, or 1) side by side in the table's
+    # shape (rows × S·DV, rows × S), as the binary holds it.
+    split: bool = False
 
     def shape(self, dims: Dims) -> Tuple[int, int]:
         return dims.size(self.rows), dims.size(self.cols)
@@ -161,6 +175,7 @@ SCALED_SCORES = "QK_scaled"
 WEIGHTS = "attention_weights"
 OUTPUT = "output"
 FLASH_OUTPUT, FLASH_LSE = "flash_output", "flash_lse"
+SPLIT_OUTPUT, SPLIT_LSE = "split_output", "split_lse"
 DROPOUT_MASK = "dropout_mask"
 GRAD_OUTPUT = "dO"
 ROW_DOT = "D"
@@ -182,6 +197,13 @@ _TABLE = (
     # never draws its own: verify/specs/dropout.py).
     Stage(DROPOUT_MASK, "N", "M", (), "the dropout keep-mask: 1 kept, 0 dropped", dropout=True),
     Stage(OUTPUT, "N", "DV", (WEIGHTS, VALUES), "attention_weights·V (dropped and rescaled under dropout)"),
+    # Under a split of the keys only (flash-decoding): each split's partial output, normalised by
+    # its own sum, and its log-sum-exp, before the combine that gives flash_output and flash_lse.
+    # Kept float32 at every precision (flash-attn's out_accum and lse_accum).
+    Stage(SPLIT_OUTPUT, "N", "SDV", (QUERIES, KEYS, VALUES), "each split's output over its keys, normalised by "
+          "its own sum", flash=True, float32=True, split=True),
+    Stage(SPLIT_LSE, "N", "S", (QUERIES, KEYS), "each split's log-sum-exp over its keys", flash=True,
+          float32=True, split=True),
     Stage(FLASH_OUTPUT, "N", "DV", (QUERIES, KEYS, VALUES), "FlashAttention forward output", flash=True,
           rounds=(WEIGHTS,)),
     Stage(FLASH_LSE, "N", "1", (QUERIES, KEYS), "log-sum-exp of each scaled row", flash=True,
@@ -210,9 +232,24 @@ INPUT_NAMES = (QUERIES, KEYS, VALUES)  # every case has these
 GRAD_INPUT = GRAD_OUTPUT               # a case for the backward pass also has this
 CASE_INPUTS = INPUT_NAMES + (GRAD_INPUT,)
 # The forward stages of a case without dropout (what the binary writes for it); the dropout stages
-# exist only in a case with dropout.
-FORWARD_STAGES = tuple(n for n in STAGE_NAMES if not STAGES[n].backward and not STAGES[n].dropout)
+# exist only in a case with dropout, the split stages only in a run that splits the keys.
+FORWARD_STAGES = tuple(n for n in STAGE_NAMES if not STAGES[n].backward and not STAGES[n].dropout
+                       and not STAGES[n].split)
 DROPOUT_STAGES = tuple(n for n in STAGE_NAMES if STAGES[n].dropout)
+SPLIT_STAGES = tuple(n for n in STAGE_NAMES if STAGES[n].split)
+# run.toml's key (and `check --split-size`'s value): the keys per split of a run that splits.
+SPLIT_SIZE_KEY = "split_size"
+
+
+def split_count(keys: int, split_size: int) -> int:
+    """S: the splits of a run that splits `keys` keys (the most any sequence has) K = split_size
+    per split: ceil(keys / K), at least 1."""
+    return max(1, -(-keys // split_size))
+
+
+def split_columns(stage: str, dims: "Dims") -> int:
+    """The columns of one split in a split stage's matrix: DV for split_output, 1 for split_lse."""
+    return dims.d_v if STAGES[stage].cols == "SDV" else 1
 KV_STAGES = tuple(n for n in STAGE_NAMES if STAGES[n].kv)
 
 # The tensors a variant case adds to its inputs (verify/variant.py), besides Q, K, V and dO:
@@ -227,6 +264,8 @@ BACKWARD_STAGES = tuple(n for n in STAGE_NAMES if STAGES[n].backward)
 # A packed case (verify/sequences.py) stores its N×M stages per sequence (n(b) × m(b) each):
 # `<stage>_head_{i}_seq_{b}.<fmt>`; every other stage keeps one file per head over the packed tokens.
 HEAD_INFIX, SEQUENCE_INFIX = "_head_", "_seq_"
+# A split stage (SPLIT_STAGES) has one file per head and split: `<stage>_head_{i}_split_{s}.<fmt>`.
+SPLIT_INFIX = "_split_"
 SEQUENCE_STAGES = tuple(n for n in STAGE_NAMES if (STAGES[n].rows, STAGES[n].cols) == ("N", "M"))
 
 
@@ -235,21 +274,23 @@ def per_sequence(stage: str) -> bool:
     return stage in SEQUENCE_STAGES
 
 
-def stage_file(stage: str, head: int, fmt: str, seq: Optional[int] = None) -> str:
+def stage_file(stage: str, head: int, fmt: str, seq: Optional[int] = None, split: Optional[int] = None) -> str:
     """File name of one stage's matrix for flat head index `head` (and sequence `seq` of a packed
-    case, for the stages stored per sequence)."""
-    tail = "" if seq is None else f"{SEQUENCE_INFIX}{seq}"
+    case, for the stages stored per sequence; split `split` of a split stage)."""
+    tail = ("" if seq is None else f"{SEQUENCE_INFIX}{seq}") + ("" if split is None else f"{SPLIT_INFIX}{split}")
     return f"{stage}{HEAD_INFIX}{head}{tail}.{fmt}"
 
 
 class StageFileName(tuple):
     """What parse_stage_file reads from a name: (stage, head, fmt) as a tuple, so that the callers
-    that unpack three values keep working, and `seq`, the sequence of a per-sequence file (None
-    for a file per head). A per-sequence name equals no plain tuple: it is not the head's file."""
+    that unpack three values keep working, `seq`, the sequence of a per-sequence file, and `split`,
+    the split of a split stage's file (None for a file per head). A per-sequence or per-split name
+    equals no plain tuple: it is not the head's file."""
 
-    def __new__(cls, stage: str, head: int, fmt: str, seq: Optional[int] = None):
+    def __new__(cls, stage: str, head: int, fmt: str, seq: Optional[int] = None, split: Optional[int] = None):
         obj = super().__new__(cls, (stage, head, fmt))
         obj.seq = seq
+        obj.split = split
         return obj
 
     stage = property(lambda self: self[0])
@@ -258,22 +299,23 @@ class StageFileName(tuple):
 
     def __eq__(self, other):
         if isinstance(other, StageFileName):
-            return tuple.__eq__(self, other) and self.seq == other.seq
-        return self.seq is None and tuple.__eq__(self, other)
+            return tuple.__eq__(self, other) and (self.seq, self.split) == (other.seq, other.split)
+        return self.seq is None and self.split is None and tuple.__eq__(self, other)
 
     def __ne__(self, other):
         return not self == other
 
     def __hash__(self):
-        return tuple.__hash__(self) if self.seq is None else hash((tuple(self), self.seq))
+        plain = self.seq is None and self.split is None
+        return tuple.__hash__(self) if plain else hash((tuple(self), self.seq, self.split))
 
     def __repr__(self):
-        return f"StageFileName{tuple(self) + (self.seq,)!r}"
+        return f"StageFileName{tuple(self) + (self.seq,) + ((self.split,) if self.split is not None else ())!r}"
 
     @property
     def name(self) -> str:
         """The file name, as stage_file writes it."""
-        return stage_file(self[0], self[1], self[2], self.seq)
+        return stage_file(self[0], self[1], self[2], self.seq, self.split)
 
 
 def _number(text: str) -> Optional[int]:
@@ -283,16 +325,19 @@ def _number(text: str) -> Optional[int]:
 
 def parse_stage_file(name: str) -> Optional[StageFileName]:
     """`QK_scaled_head_3.txt` -> ("QK_scaled", 3, "txt"), `QK_head_3_seq_2.npy` -> ("QK", 3, "npy")
-    with seq 2; None if the name is not a stage file."""
+    with seq 2, `split_lse_head_3_split_1.txt` -> ("split_lse", 3, "txt") with split 1; None if the
+    name is not a stage file."""
     stem, dot, ext = name.rpartition(".")
     if not dot or ext not in FORMATS or HEAD_INFIX not in stem:
         return None
     stage, _, idx = stem.rpartition(HEAD_INFIX)
+    idx, split_infix, split = idx.partition(SPLIT_INFIX)
     head, infix, seq = idx.partition(SEQUENCE_INFIX)
     head_n, seq_n = _number(head), _number(seq) if infix else None
-    if head_n is None or (infix and seq_n is None):
+    split_n = _number(split) if split_infix else None
+    if head_n is None or (infix and seq_n is None) or (split_infix and split_n is None):
         return None
-    return StageFileName(stage, head_n, ext, seq_n)
+    return StageFileName(stage, head_n, ext, seq_n, split_n)
 
 
 def default_scale(d_k: int) -> float:

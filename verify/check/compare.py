@@ -45,6 +45,7 @@ from .groups import KVGroup, check_summed, head_term, summed
 from .packed import PackedRun, packed_sources
 from .paged import diagnose_paged_case
 from .pool import REF_CACHE, collect_head_garbage, head_jobs, map_heads
+from . import splits
 from .results import (FAIL, INHERITED, MISSING, PASS, SHAPE, STALE, UNCHECKABLE, UNREADABLE, Comparison, HeadResult,
                       Report, RunCheck, compare_arrays, elementwise_error)
 from .stage_check import (STATUS_CODES, Loaded, allowed, bit_identical, blamed_elsewhere, chain_of,
@@ -77,10 +78,11 @@ class Options:
     max_memory_mb: Optional[int] = None  # the most memory the check plans for (else what is available)
     variant: Dict[str, object] = field(default_factory=dict)  # Variant fields said (check --align, --window, ...)
     page_size: Optional[int] = None  # check --page-size: a paged case without a manifest
+    split_size: Optional[int] = None  # check --split-size: the keys per split of a run that splits
 
     def overrides(self) -> Overrides:
         return Overrides(self.causal, self.scale, self.precision, self.math, dict(self.names), self.half_rounding,
-                         dict(self.variant))
+                         dict(self.variant), self.split_size)
 
     def override(self, stage: str) -> Optional[Tuple[float, float]]:
         if stage in self.per_stage:
@@ -107,7 +109,7 @@ def _open_head(run: RunInfo, case: InputCase, head: int, opts: Options, stages: 
     inputs = {**inputs, **variant_inputs(case, head, mask_read)}
     needed = set(stages).union(*(upstream(s) for s in stages))  # partial runs: upstream too
     needed = {s for s in needed if not (unchecked and reads_dropout_mask(s, run.variant))
-              and (not STAGES[s].dropout or s in inputs)}
+              and (not STAGES[s].dropout or s in inputs) and not STAGES[s].split}  # (splits: check/splits.py)
     slope = case.alibi_slope(head)
     # Logits, softmax parts, dot-product variances, … shared by this head's bounds (the isolated
     # and chained checks, both flash stages and the invariants), keyed by array identity: none of
@@ -141,6 +143,8 @@ def check_head(run: RunInfo, case: InputCase, head: int, opts: Options, ref_of_h
         elif why:
             res = results[stage] = new_result(run, stage, head)
             res.status, res.message = UNCHECKABLE, why
+        elif STAGES[stage].split:
+            results[stage] = splits.check_split_stage(new_result(run, stage, head), run, ctx, opts, diagnoser)
         else:
             res = results[stage] = new_result(run, stage, head)
             loaded = mask_read if STAGES[stage].dropout else load_output(run, stage, file_index(run, stage, head))
@@ -170,7 +174,7 @@ def _check_stage(res: HeadResult, loaded: Loaded, ctx: HeadContext, results: Dic
         res.violations = [v for v in res.violations if v.code != invariants.NONFINITE]
     if STAGES[stage].dropout:
         res.keep_counts = dropout_spec.keep_counts(mat, ctx)
-    upstream_failed = failed_upstream(stage, results)
+    upstream_failed = failed_upstream(stage, results) + splits.failed_splits(stage, ctx, results)
     partner = SPECS[stage].partner
     res.notes = blamed_elsewhere(stage, res.violations, upstream_failed,
                                  partner in results and not results[partner].passed)
@@ -196,6 +200,8 @@ def _compare(res: HeadResult, ctx: HeadContext, results: Dict[str, HeadResult], 
     res.chained = compare_arrays(mat, want_chain, allowed_chain, opts.allow_nonfinite)
     res.half_values = half_values(mat, want_chain, run.precision)
     res.print_limited = quantum is not None and bool(np.any(quantum > model_chain))
+    if splits.combines(stage, ctx):  # a run that splits: isolated, the combine of the program's splits
+        return splits.compare_combine(res, mat, quantum, ctx, override)
     if SPECS[stage].chained is None and not q_iso and bit_identical(src_iso, src_chain):
         # The binary read exactly the reference's sources (its echoes are exact): the isolated
         # reference and bound are the chained ones, so is the comparison.
@@ -214,6 +220,8 @@ def _diagnose(res: HeadResult, mat: np.ndarray, isolated, ctx: HeadContext, run:
               inputs_of_head, slope_of_head, diagnoser: Optional[Diagnoser]) -> None:
     """The patterns that explain a failing stage × head (the diagnoser's; none without one), then
     its reference-free findings."""
+    if splits.combines(res.stage, ctx) and not res.isolated.passed:  # the combine, not the splits, is wrong
+        return splits.diagnose_combine(res, invariants.canonical(res.stage, mat, ctx), isolated, ctx, diagnoser)
     src_iso, want_iso, allowed_iso = isolated
     if diagnoser is not None:
         res.diagnosis = diagnoser(res.stage, mat, want_iso, Suspect(
@@ -371,6 +379,8 @@ def error_ratio_map(run: RunInfo, case: InputCase, stage: str, head: int,
     got, resolution, _, msg = load_output(run, stage, head)
     if got is None:
         raise CaseError(msg)
+    if STAGES[stage].split:  # (against each split's own reference: verify/check/splits.py)
+        return splits.ratio_map(got, resolution, _open_head(run, case, head, opts, [stage])[0], stage)
     heads = [head]
     if STAGES[stage].kv:
         heads = list(run.dims.query_heads_of(head))[:None if summed(stage) else 1]

@@ -62,7 +62,8 @@ class Suspect:
     in order of head: what a program that summed some of them, or one twice, wrote. slope_of_head:
     any query head's ALiBi slope (a program that took another head's); variant: the case's, where
     there is no head context to hold it (a K/V head's sums); packing: in a packed case, the
-    sequence the stage is of and the packed inputs around it."""
+    sequence the stage is of and the packed inputs around it; splits: in a run that splits the
+    keys, the splits of a failing split stage or combine."""
     dims: Optional[Dims] = None
     scale: float = 1.0
     causal: bool = False
@@ -77,6 +78,9 @@ class Suspect:
     slope_of_head: Optional[Callable[[int], float]] = None
     variant: Optional[Variant] = None
     packing: Optional[Packing] = None
+    # A run that splits the keys: a split stage's failure, or a flash stage's against the combine of
+    # the program's splits (verify/check/splits.py SplitSuspect); the split diagnoses alone explain it.
+    splits: Optional[object] = None
 
 
 # (stage, got, the isolated reference, the Suspect) -> every pattern that explains got, most

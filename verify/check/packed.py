@@ -33,7 +33,7 @@ from ..files.kinds import CaseError
 from ..files.outputs import RunInfo, StageSource
 from ..sequences import PACKED_VARIANTS_HINT, Sequences, unsupported_with_packing
 from ..specs import SPECS
-from ..stages import FORMATS, SEQUENCE_STAGES, STAGES, parse_stage_file, per_sequence, stage_file
+from ..stages import FORMATS, SEQUENCE_STAGES, STAGES, parse_stage_file, per_sequence, split_columns, stage_file
 from ..variant import NONE
 from ..model.half import is_half, round_to_format
 from .diagnosis import Diagnoser, Diagnosis, Packing
@@ -251,6 +251,7 @@ class PackedRun:
                 if STAGES[stage].rows != "N" or STAGES[stage].cols == "M":
                     continue  # (an N×M stage of no key has no file; K, V, dK ...: no row of this sequence)
                 res = new_result(self.run, stage, head)
+                res.split_cols = split_columns(stage, self.run.dims) if STAGES[stage].split else 0
                 mat, resolution, status, msg = self._output_rows(b, stage, head)
                 if mat is None:
                     res.status, res.message = status, msg
@@ -261,7 +262,7 @@ class PackedRun:
                 if SPECS[stage].echo:
                     want = self._input_rows(b, stage, head).astype(np.float64)
                 else:
-                    if keyless == -np.inf:
+                    if keyless == -np.inf and not STAGES[stage].split:  # (a split's lse is −inf: contract.md)
                         mat = np.where(mat == np.inf, -np.inf, mat)  # flash-attn's +inf for a row without keys
                     want = np.full(mat.shape, keyless)
                 quantum = resolution.quantum(mat)

@@ -165,6 +165,21 @@ class HeadResult:
     sequence: Optional[int] = None
     offsets: Tuple[int, int] = (0, 0)
     padding_rows: bool = False
+    # A split stage (split_output, split_lse): the columns of one split in its matrix (DV or 1; the
+    # splits side by side), so that a column is decoded to (split, column within it); 0 otherwise.
+    split_cols: int = 0
+
+    def split_position(self, col: int) -> Tuple[int, int]:
+        """(split, column within the split) of column `col` of a split stage's matrix."""
+        return divmod(col, self.split_cols)
+
+    @property
+    def split(self) -> Optional[int]:
+        """The split of the worst element of a split stage (None for another stage)."""
+        c = self.main
+        if not self.split_cols or c is None or c.worst is None:
+            return None
+        return self.split_position(c.worst[1])[0]
 
     @property
     def packed(self) -> bool:
@@ -217,7 +232,18 @@ class HeadResult:
             for comparison in (d, d["chained"], d["isolated"]):
                 if comparison is not None:
                     self._packed_rows(comparison)
+        if self.split_cols:
+            d["split"] = self.split
+            for comparison in (d, d["chained"], d["isolated"]):
+                if comparison is not None:
+                    self._split_columns(comparison)
         return d
+
+    def _split_columns(self, comparison: dict) -> None:
+        """The split and the column within it beside each position a comparison's JSON names."""
+        for at in [comparison.get("worst")] + list(comparison.get("first_mismatches") or []):
+            if at is not None:
+                at["split"], at["split_col"] = self.split_position(at["col"])
 
     def _packed_rows(self, comparison: dict) -> None:
         """The packed row and column beside each position a comparison's JSON names."""

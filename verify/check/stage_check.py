@@ -14,6 +14,7 @@ from ..files.case import read_bytes
 from ..files.kinds import CaseError
 from ..files.outputs import STAGE_ITEMSIZE, RunInfo, staleness
 from ..files.resolution import EXACT
+from ..files.split_files import SplitSource
 from ..specs import SPECS, HeadContext, sources_of, upstream
 from ..specs.base import Violation
 from ..files.case import InputCase
@@ -48,6 +49,8 @@ def load_output(run: RunInfo, stage: str, index: int) -> Loaded:
     if isinstance(run, SequenceRun) and stage not in run.crc_names:
         return run.rows(stage, index)
     src = run.sources[stage]
+    if isinstance(src, SplitSource):
+        return src.load(run, index)  # (one file per split, each checked on its own)
     data = None
     if src.arrays is None and (src.per_head or not src.file(index, run.dims).exists()):
         path = src.file(index, run.dims)

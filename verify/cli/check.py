@@ -76,7 +76,7 @@ prints a stage table and the first failing stage with a diagnosis. Exit status 0
 passes; 1: a stage fails; 2: bad input. The tolerances: {TOLERANCES_DOC}. The variant of
 attention overrides IN's manifest, else run.toml's ({CLI_DOC}): --causal [ALIGN], --no-causal,
 --align ALIGN (top-left or bottom-right), --window LEFT,RIGHT, --softcap C, --alibi/--no-alibi,
---dropout P.
+--dropout P; --split-size K (split-KV).
 """
 
 
@@ -139,6 +139,8 @@ def _plot(report, plot_dir: Path, opts: Options, quiet: bool) -> None:
               help="Score scale [default: IN's, else run.toml's, else 1/sqrt(d_k)].")
 @click.option("--precision", type=click.Choice(PRECISIONS),
               help="What the program computed in [default: run.toml's, else fp32].")
+@click.option("--split-size", type=click.IntRange(min=1), metavar="K", hidden=True,
+              help="Keys per split of a split-KV run [default: run.toml's].")
 @click.option("--half-rounding", type=click.Choice(HALF_ROUNDINGS), metavar="MODE",
               help="bf16/fp16 rounding: nearest, toward-zero.")
 @click.option("--math", type=click.Choice(MATH_MODES), default="ieee", show_default=True,
@@ -157,13 +159,13 @@ def _plot(report, plot_dir: Path, opts: Options, quiet: bool) -> None:
 @click.pass_context
 @user_errors
 def check(ctx, in_dir, out_dir, json_path, junit_path, plot_dir, atol, rtol, tol, only, per_head, jobs,
-          causal, no_causal, align, window, softcap, alibi, dropout, scale, precision, half_rounding, math, names,
-          names_file, allow_nonfinite, max_memory_mb, page_size, quiet):
+          causal, no_causal, align, window, softcap, alibi, dropout, scale, precision, split_size, half_rounding, math,
+          names, names_file, allow_nonfinite, max_memory_mb, page_size, quiet):
     variant = said_variant(causal, no_causal, align, window, softcap, alibi, dropout)
     opts = Options(atol=atol, rtol=rtol, per_stage=_parse_tol(tol), only_stages=list(only) or None,
                    jobs=jobs, causal=variant.pop("causal", None), scale=scale, precision=precision, math=math,
                    half_rounding=half_rounding, names=parse_names(names, names_file), allow_nonfinite=allow_nonfinite,
-                   max_memory_mb=max_memory_mb, variant=variant, page_size=page_size)
+                   max_memory_mb=max_memory_mb, variant=variant, page_size=page_size, split_size=split_size)
     check_folders_apart(in_dir, out_dir)
     check_reports_apart({"--json": json_path, "--junit": junit_path}, in_dir, out_dir, opts.names, names_file)
     passed = check_and_report(in_dir, out_dir, opts, json_path, junit_path, plot_dir, per_head, quiet)

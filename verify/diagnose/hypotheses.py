@@ -37,11 +37,10 @@ from ..specs import SPECS
 from ..stages import STAGES
 from ..text import plural
 from . import backward as backward_bugs
-from . import heads as head_bugs
-from . import masks as mask_bugs
+from . import heads as head_bugs, masks as mask_bugs
 from . import precision as precision_bugs
 from . import sequences as sequence_bugs
-from . import variants as variant_bugs
+from . import splits as split_bugs, variants as variant_bugs
 from .base import (LOG2_E, MATCH_WIDTHS, POISON_VALUES, SCALE_NAME_RTOL, UNWRITTEN_DENSITY, explains, loc, maxdiff,
                    width_of)
 from .inputs import case_inputs, rebuilder, slope_of, variant_of, variant_tensors
@@ -346,6 +345,8 @@ def diagnose(stage: str, got: np.ndarray, want: np.ndarray, ctx: Suspect) -> Lis
     if got.shape != want.shape:
         return []
     width = width_of(ctx.bound, want)
+    if ctx.splits is not None:  # a split-KV run's split or combine: split_overlap, split_gap, empty_split, ...
+        return split_bugs.diagnose(stage, got, want, ctx.splits, width) or _nonfinite(stage, got, want, ctx, width)
     found: List[Diagnosis] = []
     fired = set()
     for name, hyp in _HYPOTHESES.items():

@@ -25,7 +25,7 @@ import numpy as np
 from ..model.half import HALF_ROUNDINGS, NEAREST, rounding_refusal  # noqa: F401 (cli's choices)
 from ..model.kernels import KERNELS, kernel_base_name
 from ..sequences import SEQUENCES_KEY, Sequences
-from ..stages import (DIM_KEYS, FORMATS, KV_HEADS_KEY, PRECISIONS, RUN_MANIFEST, STAGES, Dims,
+from ..stages import (DIM_KEYS, FORMATS, KV_HEADS_KEY, PRECISIONS, RUN_MANIFEST, SPLIT_SIZE_KEY, STAGES, Dims,
                       default_scale, parse_stage_file, per_sequence, stage_file)
 from ..text import plural, printable
 from ..variant import VARIANT_KEYS, Variant, with_causal
@@ -33,6 +33,7 @@ from .case import InputCase, check_scale, check_types, crc32_hex, read_toml, ref
 from .manifests import CAUSAL_KEY, build_variant, variant_fields
 from .kinds import CaseError
 from .run_settings import Mismatch, resolve_variant
+from .split_files import SplitSource, refuse_split_variants, run_split_size, split_dims, split_sources
 from .stage_files import (STACKED_SUFFIX, STAGE_ITEMSIZE, StageSource, check_heads_named, discover_sources,
                           parse_name_map, pattern_regex, read_names_file, refuse_query_head_kv_files)
 from .unfinished import refuse_unfinished
@@ -46,7 +47,7 @@ MATH_MODES = ("ieee", "fast")       # strict IEEE float32, or CUDA's fast-math i
 TIMING_PREFIX = "time_ms_"           # run.toml's per-stage timings: time_ms_<stage> = milliseconds
 RUN_KEY_TYPES = {**{k: int for k in DIM_KEYS}, KV_HEADS_KEY: int, SEQUENCES_KEY: int, "run_id": str, "backend": str, "device": str,
                  "precision": str, "format": str, "stages": str, CAUSAL_KEY: bool, **VARIANT_KEYS, "scale": float,
-                 "flash_block_q": int, "flash_block_k": int, "flash_kernel": str, "poison": bool}
+                 "flash_block_q": int, "flash_block_k": int, "flash_kernel": str, "poison": bool, SPLIT_SIZE_KEY: int}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -63,6 +64,7 @@ class Overrides:
     names: Mapping[str, str] = field(default_factory=dict)
     half_rounding: Optional[str] = None
     variant: Mapping[str, object] = field(default_factory=dict)
+    split_size: Optional[int] = None  # check --split-size: the keys per split of a run that splits
 
     def variant_fields(self) -> Dict[str, object]:
         return {**({"causal": self.causal} if self.causal is not None else {}), **self.variant}
@@ -261,10 +263,14 @@ def open_run(folder: Path, case: InputCase, over: Overrides = Overrides(), packi
         sources = _listed_sources(folder, values, over.names)
     else:
         sources = discover_sources(folder, over.names)
-        if not sources:
-            raise CaseError(f"{folder}: no stage files (<stage>_head_<i>.txt or .npy, or <stage>.npy, "
-                            f"stages {', '.join(STAGES)}); HINT: is this the folder your program writes? "
-                            "Name other files with --name STAGE=PATTERN")
+    max_keys = dims.seq_k if case.sequences is None or not packing else \
+        max((case.sequences.m(b) for b in range(case.sequences.count)), default=0)
+    dims = split_dims(dims, run_split_size(values, over.split_size, folder), max_keys)
+    sources = split_sources(folder, sources, dims, "stages" in values, over.names)
+    if not sources:
+        raise CaseError(f"{folder}: no stage files (<stage>_head_<i>.txt or .npy, or <stage>.npy, "
+                        f"stages {', '.join(STAGES)}); HINT: is this the folder your program writes? "
+                        "Name other files with --name STAGE=PATTERN")
     check_heads_named(sources, dims)
     refuse_query_head_kv_files(sources, dims)
     run = RunInfo(folder, values, dims, sources, sequences=case.sequences)
@@ -272,6 +278,7 @@ def open_run(folder: Path, case: InputCase, over: Overrides = Overrides(), packi
     _settings(run, case, values, over)
     refuse_unused_slopes(case, run.variant.alibi)  # (run.toml may be what turned ALiBi on)
     _refuse_dropout_stages(run)
+    refuse_split_variants(run.dims, run.stages, run.variant.dropout, str(folder))
     if not values:
         run.notes.append(f"no {RUN_MANIFEST}: shapes from the input case, stages from the files present, "
                          "files not checked for staleness, any correct IEEE float32 arithmetic accepted")
@@ -330,6 +337,8 @@ def run_file_names(run: RunInfo, stage: str) -> List[str]:
     """The files a run of `stage` holds: one per head; in a packed case, an N×M stage named the
     binary's way has one per head and sequence that has queries and keys instead."""
     src, heads = run.sources[stage], range(run.dims.heads_of(stage))
+    if isinstance(src, SplitSource):
+        return src.file_names(run.dims)
     seqs = run.sequences
     if seqs is None or not per_sequence(stage) or src.arrays is not None or not src.per_head:
         return [src.name(i, run.dims) for i in heads]

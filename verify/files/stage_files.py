@@ -252,7 +252,8 @@ def discover_sources(folder: Path, names: Mapping[str, str]) -> Dict[str, StageS
     per_head: Dict[str, set] = {}
     for entry in entries:
         parsed = parse_stage_file(entry)
-        if parsed and parsed[0] in STAGES:
+        # (a split stage's files, `<stage>_head_{i}_split_{s}`, are verify/files/split_files.py's)
+        if parsed and parsed[0] in STAGES and parsed.split is None and not STAGES[parsed[0]].split:
             per_head.setdefault(parsed[0], set()).add(parsed[2])
     found: Dict[str, StageSource] = {}
     for stage in STAGES:

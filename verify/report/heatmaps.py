@@ -38,7 +38,8 @@ def check_plot_folder(folder: Path) -> None:
 
 # What a tile of a stage's rows or columns is, by the stage table's dimension symbol: the
 # columns of QK, QK_scaled and attention_weights are keys, those of output are value columns.
-_TILE_NAMES = {"N": "query tile", "M": "key tile", "DK": "{axis} tile", "DV": "{axis} tile", "1": None}
+_TILE_NAMES = {"N": "query tile", "M": "key tile", "DK": "{axis} tile", "DV": "{axis} tile", "1": None,
+               "SDV": "{axis} tile (the splits side by side)", "S": "split"}
 
 
 def tile_axis_name(stage: str, axis: str) -> Optional[str]:

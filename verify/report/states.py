@@ -109,7 +109,16 @@ def one_head(r: HeadResult) -> str:
     packed case "head 3, sequence 2 (token 17, packed row 245)"."""
     if r.packed:
         return packed_place(r)
-    return f"{noun(r)} {r.head} (batch {r.batch}, {noun(r)} {r.head_in_batch}{serves(r)})"
+    return f"{noun(r)} {r.head} (batch {r.batch}, {noun(r)} {r.head_in_batch}{serves(r)}){split_place(r)}"
+
+
+def split_place(r: HeadResult) -> str:
+    """A split stage's failing split and row in words (", split 2 (row 5)"; "" for another stage or
+    a pass)."""
+    c = r.main
+    if not r.split_cols or c is None or c.worst is None or c.passed:
+        return ""
+    return f", split {r.split} (row {c.worst[0]})"
 
 
 def packed_place(r: HeadResult) -> str:
@@ -127,6 +136,11 @@ def packed_place(r: HeadResult) -> str:
     if at is None and c is not None and c.total:
         at = c.worst
     where = ""
+    if at is not None and r.split_cols:
+        split = r.split_position(at[1])[0]
+        row = r.packed_position(*at)[0]
+        where = f", split {split} (token {at[0]}, packed row {row})"
+        return f"{head}, sequence {r.sequence}{where}"
     if at is not None:
         row, col = r.packed_position(*at)
         st = STAGES[r.stage]

@@ -31,10 +31,19 @@ def worst_result(results: List[HeadResult]) -> Optional[HeadResult]:
 def _location(r: HeadResult, c: Comparison) -> str:
     if c.worst is None or c.max_abs == 0:
         return "-"
+    at = _at(r, *c.worst)
     if r.packed:  # the sequence's own row and column (the failure lines add the packed row)
         seq = "pad" if r.sequence is None else f"s{r.sequence}"
-        return f"{'kv' if r.kv else 'h'}{r.head} {seq} [{c.worst[0]},{c.worst[1]}]"
-    return f"b{r.batch} {'kv' if r.kv else 'h'}{r.head_in_batch} [{c.worst[0]},{c.worst[1]}]"
+        return f"{'kv' if r.kv else 'h'}{r.head} {seq} {at}"
+    return f"b{r.batch} {'kv' if r.kv else 'h'}{r.head_in_batch} {at}"
+
+
+def _at(r: HeadResult, row: int, col: int) -> str:
+    """An element's place: [row,col], or for a split stage its split and [row,col] within it."""
+    if r.split_cols:
+        split, col = r.split_position(col)
+        return f"split {split} [{row},{col}]"
+    return f"[{row},{col}]"
 
 
 def arithmetic(run) -> str:
@@ -150,11 +159,11 @@ def failure_lines(report: Report) -> List[str]:
             got, want = number_pair(c.got, c.want)
             lines.append(
                 f"FAIL {where}: {c.mismatched}/{c.total} elements outside the tolerance ({kind}); "
-                f"worst at [{c.worst[0]},{c.worst[1]}]: got {got}, want {want}, "
+                f"worst at {_at(r, *c.worst)}: got {got}, want {want}, "
                 f"|diff| {_g(_diff(c))} > allowed {_g(c.allowed)} (rel {_g(_rel(c))})")
             if c.first:
                 lines.append("    first mismatches: " + "; ".join(
-                    "[{},{}] got {} want {}".format(m["row"], m["col"], *number_pair(m["got"], m["want"]))
+                    "{} got {} want {}".format(_at(r, m["row"], m["col"]), *number_pair(m["got"], m["want"]))
                     for m in c.first))
         for d in r.diagnosis:
             lines.append(f"    diagnosis {d.code}: {d.message}")

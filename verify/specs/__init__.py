@@ -11,10 +11,10 @@ from typing import Dict, List, Tuple
 
 from ..stages import CASE_INPUTS, DROPOUT_MASK, STAGES
 from ..variant import Variant
-from . import backward, copies, dropout, flash, output, scores, weights
+from . import backward, copies, dropout, flash, output, scores, splits, weights
 from .base import VARIANT_SOURCES, HeadContext, StageSpec, Violation
 
-SPECS: Dict[str, StageSpec] = {s.name: s for module in (copies, scores, weights, dropout, output, flash, backward)
+SPECS: Dict[str, StageSpec] = {s.name: s for module in (copies, scores, weights, dropout, output, splits, flash, backward)
                                for s in module.SPECS}
 assert set(SPECS) == set(STAGES), "every stage of verify/stages.py needs a spec"
 

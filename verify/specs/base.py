@@ -87,6 +87,9 @@ class HeadContext:
     raw_inputs: Src = field(default_factory=dict)  # the inputs as read, before any half rounding
     variant: Variant = Variant()   # the case's variant; its causal is `causal` above
     slope: float = 0.0             # this query head's ALiBi slope (variant.alibi)
+    # A run that splits the keys: each split's references and bounds, computed once for both split
+    # stages and the combine (verify/check/splits.py).
+    splits: Dict[str, Any] = field(default_factory=dict)
     bounds: Bounds = field(kw_only=True)
 
     def bound_args(self) -> dict:

@@ -1,0 +1,253 @@
+"""check of a split-KV (flash-decoding) run: another program's split files (split_output and
+split_lse per head and split, %.9g text, no run.toml or one holding only split_size) and the
+flash stages combined from them. A correct program passes (grouped K/V heads, either causal
+alignment with splits no key of which a row sees, a window, softcap, ALiBi, packed sequences, bf16
+and fp16); each split bug fails where it begins, a split's or the combine's, with its name; the
+reports name the head, the split and the row (and the sequence and token of a packed case); a
+folder that does not say its split size, or says two, is refused in one line."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from helpers.cli import invoke
+from helpers.split_programs import SplitCase, run_program, write_case, write_text
+from verify.check.compare import Options, check
+from verify.check.results import INHERITED, MISSING, PASS, SHAPE
+from verify.diagnose.hypotheses import diagnose
+from verify.model.half import round_to_format
+from verify.report.json_file import to_json
+from verify.report.text import failure_lines, header_lines, summary_lines, table_lines
+from verify.stages import (FLASH_OUTPUT, FORWARD_STAGES, SPLIT_LSE, SPLIT_OUTPUT, STAGE_NAMES, STAGES,
+                           parse_stage_file, stage_file)
+
+SPLITS = (SPLIT_OUTPUT, SPLIT_LSE)
+# N=8, M=37, K=8: 5 splits, the last partial; bottom-right causal leaves rows 0-2 without a key of split 4.
+DECODE = dict(split_size=8, causal="bottom-right")
+PACKED = dict(split_size=3, seqlens_q=[1, 4, 2], seqlens_k=[17, 9, 0], causal="bottom-right")
+
+
+def split_run(tmp_path, shape, bug=None, precision="fp32", run_toml=False, opts=None, **kw):
+    case = SplitCase(**shape)
+    write_case(case, tmp_path / "in")
+    run_program(case, tmp_path / "out", bug, precision, run_toml=run_toml, **kw)
+    options = Options(jobs=1, precision=precision, split_size=None if run_toml else case.split_size, **(opts or {}))
+    return check(tmp_path / "in", tmp_path / "out", options, diagnoser=diagnose)
+
+
+def text(report) -> str:
+    return "\n".join(header_lines(report) + table_lines(report) + failure_lines(report) + summary_lines(report))
+
+
+def codes(report, stage):
+    return {d.code for r in report.stage_results(stage) for d in r.diagnosis}
+
+
+def statuses(report):
+    return {s: {r.status for r in report.stage_results(s)} for s in report.stages}
+
+
+# ---- the stage table and the file names ----------------------------------------------------------
+
+def test_the_split_stages_stand_right_before_the_combine_and_only_in_a_run_that_splits():
+    i = STAGE_NAMES.index(FLASH_OUTPUT)
+    assert STAGE_NAMES[i - 2:i] == SPLITS
+    for stage in SPLITS:
+        st = STAGES[stage]
+        assert st.split and st.flash and st.float32 and not st.backward and stage not in FORWARD_STAGES
+    assert (STAGES[SPLIT_OUTPUT].cols, STAGES[SPLIT_LSE].cols) == ("SDV", "S")
+
+
+def test_a_split_file_name_reads_back_and_keeps_the_old_callers_tuple():
+    name = stage_file(SPLIT_LSE, 3, "npy", split=2)
+    assert name == "split_lse_head_3_split_2.npy"
+    parsed = parse_stage_file(name)
+    assert (parsed.stage, parsed.head, parsed.fmt, parsed.split, parsed.seq) == (SPLIT_LSE, 3, "npy", 2, None)
+    assert parsed.name == name and parsed != (SPLIT_LSE, 3, "npy")  # not the head's file
+    assert parse_stage_file("flash_lse_head_3.txt") == ("flash_lse", 3, "txt")
+    assert parse_stage_file("flash_lse_head_3.txt").split is None
+    assert parse_stage_file("split_lse_head_3_split_x.txt") is None
+
+
+# ---- correct programs pass ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("shape,precision", [
+    (DECODE, "fp32"),
+    (DECODE, "bf16"),
+    (dict(split_size=8, causal="top-left"), "fp32"),                       # splits 1-4 empty for every row
+    (dict(split_size=5, causal="bottom-right", alibi=True), "fp32"),
+    (dict(split_size=4, softcap=5.0, causal="top-left"), "fp16"),
+    (dict(split_size=7, window=(6, 2), seq_q=20, seq_k=30), "fp32"),
+    (dict(split_size=1, seq_q=3, seq_k=5, heads=2, kv_heads=1), "fp32"),     # one key per split, MQA
+    (dict(split_size=64, seq_q=4, seq_k=37), "fp32"),                       # one split holds every key
+    (PACKED, "fp32"),
+    (dict(split_size=16, seqlens_q=[3, 1], seqlens_k=[40, 70]), "bf16"),
+], ids=["decode", "decode-bf16", "top-left", "alibi", "softcap-fp16", "window", "K1-mqa", "one-split", "packed",
+        "packed-bf16"])
+def test_a_correct_split_program_passes(tmp_path, shape, precision):
+    report = split_run(tmp_path, shape, precision=precision)
+    assert report.passed, text(report)
+    assert report.stages == [SPLIT_OUTPUT, SPLIT_LSE, "flash_output", "flash_lse"]
+
+
+def test_a_split_run_is_read_from_its_run_toml_and_each_split_is_a_column_block(tmp_path):
+    report = split_run(tmp_path, DECODE, run_toml=True)
+    assert report.passed, text(report)
+    assert report.run.dims.split_size == 8 and report.run.dims.splits == 5
+    r = report.stage_results(SPLIT_OUTPUT)[0]
+    assert r.main.total == 8 * 5 * 16 and r.split_cols == 16
+
+
+# ---- planted bugs: named, and placed in a split or in the combine --------------------------------
+
+@pytest.mark.parametrize("bug,culprits,code,combine", [
+    ("not_rescaled", ("flash_output",), "split_not_rescaled", "FAIL"),
+    ("last_not_rescaled", ("flash_output",), "split_not_rescaled", "FAIL"),
+    ("unnormalized", ("flash_output",), "split_not_rescaled", "FAIL"),
+    ("empty_counted", ("flash_output", "flash_lse"), "empty_split", "FAIL"),
+    ("empty_lse_zero", (SPLIT_LSE,), "empty_split", INHERITED),
+    ("empty_nan", SPLITS, "empty_split", INHERITED),
+    ("overlap", SPLITS, "split_overlap", INHERITED),
+    ("gap", SPLITS, "split_gap", INHERITED),
+])
+def test_a_split_bug_is_named_where_it_begins(tmp_path, bug, culprits, code, combine):
+    report = split_run(tmp_path, DECODE, bug)
+    assert not report.passed
+    assert report.first_failing_stage == culprits[0], text(report)
+    for stage in culprits:
+        assert statuses(report)[stage] == {"FAIL"}, text(report)
+        assert code in codes(report, stage), text(report)
+    for stage in ("flash_output", "flash_lse"):
+        if stage not in culprits:
+            assert statuses(report)[stage] <= {combine, PASS}, text(report)
+    for stage in set(SPLITS) - set(culprits):
+        assert statuses(report)[stage] == {PASS}, text(report)
+
+
+def test_a_gap_is_named_with_the_key_it_leaves_out_and_the_split_and_row(tmp_path):
+    report = split_run(tmp_path, DECODE, "gap")
+    lines = failure_lines(report)
+    gap = next(d for r in report.stage_results(SPLIT_OUTPUT) for d in r.diagnosis if d.code == "split_gap")
+    assert gap.detail["keys"] == [8, 16] and gap.detail["covered"] == [9, 16] and gap.detail["missed_keys"] == [8]
+    fail = next(line for line in lines if line.startswith("FAIL split_output"))
+    assert ", split " in fail and "(row " in fail and "worst at split " in fail
+    assert any("split" in line and line.startswith("split_output") for line in table_lines(report))
+
+
+def test_a_correct_split_program_at_bf16_fails_when_its_splits_are_rounded_like_its_output(tmp_path):
+    """The split stages are float32 at every precision: a bf16 program's rounded splits do not pass
+    as float32 ones would (the check is not blind to the split stages' precision)."""
+    case = SplitCase(**DECODE, d=64)
+    write_case(case, tmp_path / "in")
+    res = run_program(case, tmp_path / "out", precision="bf16")
+    for h in range(case.heads):
+        for s, mat in enumerate(res[SPLIT_OUTPUT][h]):
+            write_text(tmp_path / "out" / f"split_output_head_{h}_split_{s}.txt",
+                       round_to_format(mat + np.float32(1e-3) * np.sign(mat), "bf16"))
+    report = check(tmp_path / "in", tmp_path / "out", Options(jobs=1, precision="bf16", split_size=8),
+                   diagnoser=diagnose)
+    assert statuses(report)[SPLIT_OUTPUT] == {"FAIL"}
+
+
+# ---- packed and grouped ------------------------------------------------------------------------
+
+def test_a_packed_split_bug_names_the_sequence_token_split_and_packed_row(tmp_path):
+    report = split_run(tmp_path, PACKED, "gap")
+    assert report.first_failing_stage == SPLIT_OUTPUT
+    failing = [r for r in report.stage_results(SPLIT_OUTPUT) if not r.passed]
+    assert {r.sequence for r in failing} == {0, 1}  # sequence 2 reads no key: nothing to leave out
+    line = next(x for x in failure_lines(report) if x.startswith("FAIL split_output"))
+    assert "sequence " in line and "token " in line and "packed row " in line and "split " in line
+    entry = next(e for e in to_json(report)["results"] if e["stage"] == SPLIT_OUTPUT and not e["passed"])
+    assert entry["sequence"] is not None and entry["split"] is not None
+    assert {"split", "split_col", "packed_row"} <= set(entry["worst"])
+
+
+def test_grouped_heads_with_splits_catch_one_head_read_from_another_group(tmp_path):
+    case = SplitCase(**DECODE)
+    write_case(case, tmp_path / "in")
+    case.inputs["K0"], case.inputs["K1"] = case.inputs["K1"], case.inputs["K0"].copy()  # query heads read the wrong group
+    run_program(case, tmp_path / "out")
+    report = check(tmp_path / "in", tmp_path / "out", Options(jobs=1, split_size=8), diagnoser=diagnose)
+    assert report.first_failing_stage == SPLIT_OUTPUT
+    assert statuses(report)["flash_output"] == {INHERITED}
+
+
+def test_the_json_report_carries_the_split(tmp_path):
+    report = split_run(tmp_path, DECODE, "overlap")
+    entries = [e for e in to_json(report)["results"] if e["stage"] in SPLITS and not e["passed"]]
+    assert entries and all(e["split"] in range(5) for e in entries)
+    assert all(e["worst"]["split"] == e["split"] for e in entries)
+    passing = [e for e in to_json(report)["results"] if e["stage"] == "flash_output"]
+    assert all("split" not in e for e in passing)
+
+
+# ---- reading: the split size, the files --------------------------------------------------------
+
+def _folders(tmp_path, **kw):
+    case = SplitCase(**DECODE)
+    write_case(case, tmp_path / "in")
+    run_program(case, tmp_path / "out", **kw)
+    return tmp_path / "in", tmp_path / "out"
+
+
+def test_the_command_line_checks_a_split_run_with_split_size(tmp_path):
+    in_dir, out_dir = _folders(tmp_path)
+    r = invoke("check", "--in", in_dir, "--out", out_dir, "--split-size", 8, "--json", tmp_path / "r.json")
+    assert r.exit_code == 0, r.output
+    assert json.loads((tmp_path / "r.json").read_text())["passed"]
+
+
+def test_split_files_without_a_split_size_are_refused_in_one_line(tmp_path):
+    in_dir, out_dir = _folders(tmp_path)
+    r = invoke("check", "--in", in_dir, "--out", out_dir)
+    assert r.exit_code == 2
+    assert "split_output_head_0_split_0.txt (a split stage) but no split size is known" in r.output
+    assert "--split-size K" in r.output and "Traceback" not in r.output and len(r.output.strip().splitlines()) == 1
+
+
+def test_a_split_size_that_disagrees_with_run_toml_names_both(tmp_path):
+    in_dir, out_dir = _folders(tmp_path, run_toml=True)
+    r = invoke("check", "--in", in_dir, "--out", out_dir, "--split-size", 4)
+    assert r.exit_code == 2
+    assert "split_size = 8 but --split-size 4" in r.output and "Traceback" not in r.output
+    (out_dir / "run.toml").write_text("split_size = 0\n")
+    r = invoke("check", "--in", in_dir, "--out", out_dir)
+    assert r.exit_code == 2 and "split_size = 0: must be a number of keys >= 1" in r.output
+
+
+def test_a_split_past_the_split_count_is_refused_naming_the_file(tmp_path):
+    in_dir, out_dir = _folders(tmp_path)
+    r = invoke("check", "--in", in_dir, "--out", out_dir, "--split-size", 16)  # 3 splits, 5 written
+    assert r.exit_code == 2
+    assert "split_3.txt: split 3, but splitting 37 keys 16 per split makes 3 splits (0..2)" in r.output
+
+
+def test_a_missing_split_file_and_one_of_the_wrong_shape_are_named(tmp_path):
+    in_dir, out_dir = _folders(tmp_path)
+    (out_dir / "split_output_head_1_split_4.txt").unlink()
+    write_text(out_dir / "split_lse_head_2_split_0.txt", np.zeros((7, 1)))
+    report = check(in_dir, out_dir, Options(jobs=1, split_size=8), diagnoser=diagnose)
+    missing = [r for r in report.stage_results(SPLIT_OUTPUT) if r.status == MISSING]
+    assert [r.head for r in missing] == [1] and "split_output_head_1_split_4.txt is missing" in missing[0].message
+    shape = [r for r in report.stage_results(SPLIT_LSE) if r.status == SHAPE]
+    assert [r.head for r in shape] == [2] and "is 7x1, expected 8x1" in shape[0].message
+    # the flash stages of those heads are checked without the combine (their split files unread)
+    assert {r.status for r in report.stage_results("flash_output")} == {PASS}
+
+
+def test_a_program_that_writes_only_its_splits_is_checked(tmp_path):
+    report = split_run(tmp_path, DECODE, stages=SPLITS)
+    assert report.passed and report.stages == list(SPLITS)
+
+
+def test_a_failing_split_run_writes_its_reports_and_error_maps(tmp_path):
+    pytest.importorskip("matplotlib", reason="matplotlib is not installed (the plot extra)")
+    in_dir, out_dir = _folders(tmp_path, bug="gap")
+    r = invoke("check", "--in", in_dir, "--out", out_dir, "--split-size", 8, "--junit", tmp_path / "r.xml",
+               "--plot", tmp_path / "maps", "--quiet")
+    assert r.exit_code == 1, r.output
+    assert "split_gap" in r.output and "split_gap" in (tmp_path / "r.xml").read_text()
+    assert any(p.name.startswith("split_output_head_0") for p in (tmp_path / "maps").iterdir())

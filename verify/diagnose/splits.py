@@ -1,0 +1,230 @@
+"""The bugs of a run that splits the keys (flash-decoding), each named only when recomputing what
+the bug would have written explains the program's values and the correct result does not:
+
+* split_overlap, split_gap: a split covering keys of its neighbour, or missing keys at its boundary:
+  the failing split's check passes when re-run on boundaries shifted by up to MAX_SHIFT keys
+  (overlap when the range it covered reaches past its own, gap when it leaves some of its own out;
+  a range shifted both ways is both). Found on split_output and split_lse.
+* empty_split: a split a row sees no key of, mishandled: in the split stages, anything but output
+  0 and lse −inf there (NaN, lse 0 or finite); in the combine, such a split counted (its lse taken
+  as 0, or as weight one), or a row whose every split is empty combined to NaN.
+* split_not_rescaled: flash_output combined without each split's weight exp(lse_s − lse) (the
+  outputs summed, or one split's added as it is), or with weights that do not sum to one
+  (exp(lse_s − max) not divided by their sum, exp(lse_s) as they are).
+
+The combine's candidates are computed from the program's own split files, as the combine check's
+reference is (verify/check/splits.py), so they name a bug of the combine, not of the splits.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Tuple
+
+import numpy as np
+
+from ..check.diagnosis import Diagnosis
+from ..check.splits import SplitSuspect, combine, row_statistic
+from ..specs import SPECS
+from ..stages import FLASH_LSE, FLASH_OUTPUT, SPLIT_LSE, SPLIT_OUTPUT
+from .base import MATCH_WIDTHS, explains
+
+SPLIT_OVERLAP, SPLIT_GAP, EMPTY_SPLIT, SPLIT_NOT_RESCALED = "split_overlap", "split_gap", "empty_split", \
+    "split_not_rescaled"
+CODES = (SPLIT_NOT_RESCALED, EMPTY_SPLIT, SPLIT_OVERLAP, SPLIT_GAP)
+MAX_SHIFT = 3  # keys a split boundary is searched off by, either way
+_FLASH_OF = {SPLIT_OUTPUT: FLASH_OUTPUT, SPLIT_LSE: FLASH_LSE}
+
+
+def diagnose(stage: str, got: np.ndarray, want: np.ndarray, view: SplitSuspect, width: float) -> List[Diagnosis]:
+    """The split bugs that explain a failing split stage or combine."""
+    with np.errstate(all="ignore"):
+        if view.kind == "split":
+            return _empty_in_split(stage, got, view) + _boundaries(stage, got, want, view, width)
+        return _combine(stage, got, want, view, width)
+
+
+# ---- a split stage ----------------------------------------------------------------------------
+
+def _cols(stage: str, view: SplitSuspect, got: np.ndarray) -> int:
+    return got.shape[1] // max(1, len(view.references))
+
+
+def _empty_in_split(stage: str, got: np.ndarray, view: SplitSuspect) -> List[Diagnosis]:
+    """Rows that see no key of a split holding anything but 0 (output) or −inf (lse) there."""
+    cols = _cols(stage, view, got)
+    keyless = np.repeat(np.stack([r.keyless for r in view.references], axis=1), cols, axis=1)
+    want = SPECS[stage].keyless
+    with np.errstate(invalid="ignore"):
+        bad = keyless & ~(got == want)
+    if not bad.any():
+        return []
+    row, col = (int(i) for i in np.argwhere(bad)[0])
+    split = col // cols
+    value = float(got[row, col])
+    n_nan = int(np.isnan(got[bad]).sum())
+    rows = int(bad.any(axis=1).sum())
+    what = "NaN" if np.isnan(value) else f"{value:.6g}"
+    rule = "lse −inf" if row_statistic(stage) else "output 0"
+    return [Diagnosis(EMPTY_SPLIT, f"{stage}: split {split} holds {what} in row {row}, which sees no key of it (want "
+                      f"{rule} exactly); {int(bad.sum())} such entries in {rows} rows ({n_nan} NaN): an empty split "
+                      "mishandled", {"split": split, "row": row, "value": value, "count": int(bad.sum()),
+                                     "nan": n_nan}, 0.95)]
+
+
+def _failing_splits(got: np.ndarray, want: np.ndarray, view: SplitSuspect, cols: int) -> List[int]:
+    with np.errstate(invalid="ignore"):
+        err = np.where((got == want) | (np.isnan(got) & np.isnan(want)), 0.0, np.abs(got - want))
+    bad = ~(err <= view.allowed)
+    per_split = bad.reshape(bad.shape[0], -1, cols).any(axis=(0, 2))
+    return [int(s) for s in np.flatnonzero(per_split) if not view.references[s].keyless.all()]
+
+
+def _shifts() -> List[Tuple[int, int]]:
+    pairs = [(a, b) for a in range(-MAX_SHIFT, MAX_SHIFT + 1) for b in range(-MAX_SHIFT, MAX_SHIFT + 1) if (a, b) != (0, 0)]
+    return sorted(pairs, key=lambda p: (abs(p[0]) + abs(p[1]), p))  # the nearest first
+
+
+def _boundaries(stage: str, got: np.ndarray, want: np.ndarray, view: SplitSuspect, width: float) -> List[Diagnosis]:
+    """A failing split's boundaries off by a few keys: its check passes over the shifted range."""
+    cols = _cols(stage, view, got)
+    failing = _failing_splits(got, want, view, cols)
+    if not failing:
+        return []
+    s = failing[0]
+    ref = view.references[s]
+    cut = slice(s * cols, (s + 1) * cols)
+    found = _shifted_range(stage, got[:, cut], want[:, cut], view, ref.first, ref.end, width)
+    if found is None:
+        return []
+    (a, b), diff = found
+    first, end = max(0, ref.first + a), min(view.keys, ref.end + b)
+    alike = [s]
+    for t in failing[1:]:
+        r = view.references[t]
+        f2, e2 = max(0, r.first + a), min(view.keys, r.end + b)
+        cut_t = slice(t * cols, (t + 1) * cols)
+        if explains(got[:, cut_t], view.recompute(_FLASH_OF[stage], f2, e2), want[:, cut_t], width) is not None:
+            alike.append(t)
+    extra, missed = _outside(first, end, ref.first, ref.end), _outside(ref.first, ref.end, first, end)
+    detail = {"split": s, "keys": [ref.first, ref.end], "covered": [first, end], "splits_alike": alike,
+              "max_diff": diff}
+    others = f"; {len(alike)} of the {len(failing)} failing splits alike" if len(failing) > 1 else ""
+    out = []
+    if extra:
+        out.append(Diagnosis(SPLIT_OVERLAP, f"{stage}: split {s} covers keys [{first}, {end}) instead of its "
+                             f"[{ref.first}, {ref.end}): {_keys_words(extra)} of its neighbour too{others} "
+                             f"(max diff {diff:.2g})", {**detail, "extra_keys": extra}, 0.93))
+    if missed:
+        out.append(Diagnosis(SPLIT_GAP, f"{stage}: split {s} covers keys [{first}, {end}) instead of its "
+                             f"[{ref.first}, {ref.end}): {_keys_words(missed)} left out at its boundary{others} "
+                             f"(max diff {diff:.2g})", {**detail, "missed_keys": missed}, 0.93))
+    return out
+
+
+def _outside(first: int, end: int, own_first: int, own_end: int) -> List[int]:
+    """The keys of [first, end) outside [own_first, own_end)."""
+    return [j for j in range(first, end) if not own_first <= j < own_end]
+
+
+def _keys_words(keys: List[int]) -> str:
+    return f"key {keys[0]}" if len(keys) == 1 else f"keys {keys[0]}..{keys[-1]}"
+
+
+def _shifted_range(stage: str, got: np.ndarray, want: np.ndarray, view: SplitSuspect, first: int, end: int,
+                   width: float) -> Optional[Tuple[Tuple[int, int], float]]:
+    tried = set()
+    for a, b in _shifts():
+        f2, e2 = max(0, first + a), min(view.keys, end + b)
+        if f2 >= e2 or (f2, e2) == (first, end) or (f2, e2) in tried:
+            continue
+        tried.add((f2, e2))
+        diff = explains(got, view.recompute(_FLASH_OF[stage], f2, e2), want, width)
+        if diff is not None:
+            return (f2 - first, e2 - end), diff
+    return None
+
+
+# ---- the combine ------------------------------------------------------------------------------
+
+def _weighted(out_s: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """Σ_s w_s·O_s, a zero weight contributing nothing (whatever the split's output holds)."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        return np.where((w != 0)[:, :, None], w[:, :, None] * out_s, 0.0).sum(axis=1)
+
+
+def _combine(stage: str, got: np.ndarray, want: np.ndarray, view: SplitSuspect, width: float) -> List[Diagnosis]:
+    lse_s, out_s = view.split_lse, view.split_output
+    if lse_s is None:
+        return []
+    empty = np.isneginf(lse_s)
+    found: List[Diagnosis] = []
+    with np.errstate(all="ignore"):
+        for how, cand in _empty_candidates(stage, lse_s, out_s, empty):
+            diff = _explains(got, cand, want, width)
+            if diff is not None:
+                found.append(Diagnosis(EMPTY_SPLIT, f"{stage}: the combine {how} (max diff {diff:.2g}): an empty "
+                                       "split (lse −inf) mishandled", {"how": how, "max_diff": diff}, 0.93))
+                break
+        if not row_statistic(stage) and out_s is not None and not found:
+            for how, cand, detail in _rescale_candidates(lse_s, out_s, empty):
+                diff = _explains(got, cand, want, width)
+                if diff is not None:
+                    found.append(Diagnosis(SPLIT_NOT_RESCALED, f"{stage}: the combine {how} (max diff {diff:.2g})",
+                                           {"how": how, "max_diff": diff, **detail}, 0.93))
+                    break
+    return found
+
+
+def _explains(got, cand, want, width) -> Optional[float]:
+    """explains(), with NaN where the candidate has it matching NaN."""
+    return explains(got, cand, want, width) if cand is not None else None
+
+
+def _empty_candidates(stage: str, lse_s: np.ndarray, out_s: Optional[np.ndarray], empty: np.ndarray):
+    every = empty.all(axis=1, keepdims=True)
+    if every.any():
+        lse, out, _ = combine(lse_s, out_s)
+        nan_rows = lse if row_statistic(stage) else out
+        yield ("gave NaN to rows that see no key of any split (−inf − (−inf)): a row with every split empty",
+               np.where(every, np.nan, nan_rows))
+    if not empty.any():
+        return
+    for how, value in (("counted the splits a row sees no key of with lse 0 instead of −inf", 0.0),
+                       ("counted the splits a row sees no key of with weight one", None)):
+        lse2 = lse_s.copy()
+        if value is None:
+            m = np.max(np.where(empty, -np.inf, lse_s), axis=1, keepdims=True)
+            lse2 = np.where(empty, np.broadcast_to(m, lse_s.shape), lse_s)
+        else:
+            lse2 = np.where(empty, value, lse_s)
+        outs = None if out_s is None else np.where(empty[:, :, None] & ~np.isfinite(out_s), 0.0, out_s)
+        lse, out, _ = combine(lse2, outs)
+        yield how, (lse if row_statistic(stage) else out)
+
+
+def _rescale_candidates(lse_s: np.ndarray, out_s: np.ndarray, empty: np.ndarray):
+    seen = ~empty
+    lse, _, w = combine(lse_s, out_s)
+    m = np.max(np.where(empty, -np.inf, lse_s), axis=1, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0.0)
+    yield ("summed the splits' outputs without their weights exp(lse_s − lse)", _weighted(out_s, seen * 1.0), {})
+    yield ("weighted the splits by exp(lse_s − max), not divided by their sum (the weights do not sum to one)",
+           _weighted(out_s, np.where(seen, np.exp(lse_s - m), 0.0)), {})
+    yield ("weighted the splits by exp(lse_s), without subtracting the combined lse (the weights do not sum to "
+           "one)", _weighted(out_s, np.where(seen, np.exp(lse_s), 0.0)), {})
+    count = np.maximum(seen.sum(axis=1, keepdims=True), 1)
+    yield ("averaged the splits' outputs (weights 1/S, not exp(lse_s − lse))", _weighted(out_s, seen / count), {})
+    last = np.where(seen.any(axis=1), (seen * np.arange(lse_s.shape[1])[None, :]).argmax(axis=1), -1)
+    w2 = w.copy()
+    rows = np.flatnonzero(last >= 0)
+    w2[rows, last[rows]] = 1.0
+    yield ("added the last split a row sees keys of without its weight exp(lse_s − lse)", _weighted(out_s, w2),
+           {"split": "last"})
+    for t in range(lse_s.shape[1]):
+        if not seen[:, t].any():
+            continue
+        w2 = w.copy()
+        w2[:, t] = np.where(seen[:, t], 1.0, 0.0)
+        yield (f"added split {t}'s output without its weight exp(lse_{t} − lse)", _weighted(out_s, w2), {"split": t})
+
+
+__all__ = ["diagnose", "CODES", "MAX_SHIFT", "MATCH_WIDTHS"]
