@@ -19,6 +19,7 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
+#include <climits>
 #include <string>
 #include <type_traits>
 
@@ -211,7 +212,7 @@ __global__ void __launch_bounds__(kThreads) decode_split_kernel(const DecodeArgs
                      : 0.f;
     }
     __syncthreads();
-    int range_lo = k_hi, range_hi = k_lo;
+    int range_lo = INT_MAX, range_hi = 0;  // none yet (k_hi < k_lo past a short sequence's keys)
     key_range<R>(rows_s, tile_rows, range_lo, range_hi);
     const int base = range_lo < range_hi ? range_lo / S::C * S::C : 0;
     const int chunks = range_lo < range_hi ? (range_hi - base + S::C - 1) / S::C : 0;
@@ -424,7 +425,7 @@ __global__ void __launch_bounds__(kThreads) decode_mma_kernel(const DecodeArgs a
                             : uint16_t(0);
     }
     __syncthreads();
-    int range_lo = k_hi, range_hi = k_lo;
+    int range_lo = INT_MAX, range_hi = 0;  // none yet (k_hi < k_lo past a short sequence's keys)
     key_range<R>(rows_s, t.rows, range_lo, range_hi);
     const int base = range_lo < range_hi ? range_lo / S::C * S::C : 0;
     const int chunks = range_lo < range_hi ? (range_hi - base + S::C - 1) / S::C : 0;
@@ -673,15 +674,17 @@ int decode_chunk_keys(Precision p, int d) {
 
 const char* decode_kernel_name(Precision p) {
     switch (p) {
-        case Precision::bf16: return "decode-bf16";
-        case Precision::fp16: return "decode-fp16";
-        default: return "decode-fp32";
+        case Precision::bf16: return "cuda-decode-bf16";
+        case Precision::fp16: return "cuda-decode-fp16";
+        default: return "cuda-decode-fp32";
     }
 }
 
+// More splits than the keys need are allowed: a sequence of a packed case shorter than the longest
+// has its last splits empty (lse −inf, output 0), as the case's S counts them.
 void decode_forward(const DecodeArgs& a, cudaStream_t stream) {
     if (a.heads <= 0 || a.kv_heads <= 0 || a.heads % a.kv_heads || a.batch <= 0 || a.split_size <= 0 ||
-        a.splits != decode_split_count(a.max_k, a.split_size) || a.splits > kMaxGridYZ || a.kv_heads > kMaxGridYZ)
+        a.splits < decode_split_count(a.max_k, a.split_size) || a.splits > kMaxGridYZ || a.kv_heads > kMaxGridYZ)
         fail(kExitInternal, where(__FILE__, __LINE__) + ": decode_forward: inconsistent arguments (heads=" +
                                 std::to_string(a.heads) + " kv_heads=" + std::to_string(a.kv_heads) +
                                 " split_size=" + std::to_string(a.split_size) + " splits=" + std::to_string(a.splits) + ")");

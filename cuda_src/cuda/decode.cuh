@@ -77,7 +77,7 @@ int decode_split_count(int max_k, int split_size);
 int decode_tile_rows(Precision p);
 int decode_chunk_keys(Precision p, int d);
 
-// The kernel's name for run.toml ("decode-bf16", ...).
+// The kernel's name for run.toml ("cuda-decode-bf16", ...).
 const char* decode_kernel_name(Precision p);
 
 // Launches the split kernel and the combine on `stream`; checks the launches.

@@ -10,6 +10,7 @@
 #include "decode.cuh"
 #include "flash.cuh"
 #include "flash_dispatch.cuh"
+#include "half.cuh"
 
 namespace attnstep {
 
@@ -42,10 +43,26 @@ void compute_flash_splits(const FlashSplitArgs& a, cudaStream_t stream) {
     d.right = a.variant.right;
     d.softcap = a.variant.softcap;
     d.slopes = a.variant.alibi ? a.variant.slopes : nullptr;
+    // At bf16/fp16 the kernel reads the format's 16-bit values, made here from the float32 inputs
+    // (which hold values of the format) into this call's own workspace.
     const bool half = is_half(a.precision);
-    d.Q = half ? static_cast<const void*>(a.Qh) : a.Q;
-    d.K = half ? static_cast<const void*>(a.Kh) : a.K;
-    d.V = half ? static_cast<const void*>(a.Vh) : a.V;
+    const size_t q_elems = static_cast<size_t>(a.heads) * a.N * a.d, kv_elems = static_cast<size_t>(a.heads) * a.M * a.d;
+    StreamWorkspace bits(half ? (q_elems + 2 * kv_elems + 24) / 2 : 0, stream);
+    if (half) {
+        auto* q = reinterpret_cast<uint16_t*>(bits.p);
+        uint16_t* k = q + (q_elems + 7) / 8 * 8;  // each 16-byte aligned
+        uint16_t* v = k + (kv_elems + 7) / 8 * 8;
+        launch_to_half(a.Q, q, q_elems, a.precision, stream);
+        launch_to_half(a.K, k, kv_elems, a.precision, stream);
+        launch_to_half(a.V, v, kv_elems, a.precision, stream);
+        d.Q = q;
+        d.K = k;
+        d.V = v;
+    } else {
+        d.Q = a.Q;
+        d.K = a.K;
+        d.V = a.V;
+    }
     d.kv_stride = static_cast<long long>(a.M) * a.d;
     d.split_size = a.split_size;
     d.splits = a.splits;
@@ -57,6 +74,7 @@ void compute_flash_splits(const FlashSplitArgs& a, cudaStream_t stream) {
     d.split_lse = a.split_lse;
     decode_forward(d, stream);
     ws.release();
+    bits.release();
 }
 
 }  // namespace attnstep
