@@ -7,18 +7,13 @@ A stage that fails in isolation is a fault of its own (status FAIL); one that fa
 downstream of a failing stage, has inherited the error (status INHERITED). The first stage, in the
 stage table's order, with a fault of its own is the culprit the report names.
 
-A stage passes in isolation when its own upstream files or the original inputs explain it (a
-correct program may compute a stage by another route than from the upstream files it wrote).
-Heads are checked one at a time per process, a K/V head's group of query heads in one job (a
-grouped case's stages of the K/V heads are checked once per K/V head, dK and dV against the sum
-over its group: verify/check/groups.py); large runs share the groups out to forked worker
-processes (verify/check/pool.py). A packed case is checked sequence by sequence, each a dense case
-of its own (verify/check/packed.py). A case's variant reaches every reference and bound through the
-head's context: its mask and bias files and the program's dropout keep-mask are handed to the
-specs beside each stage's sources (stage_check.VARIANT_SOURCES), and dropout's keep rate is
-tested once over the whole run. The results and the report are in verify/check/results.py. A
-failing stage × head is explained by the Diagnoser the caller hands in (the diagnoses of
-verify/diagnose/, which sit above this package: verify/check/diagnosis.py).
+A stage passes in isolation when its own upstream files or the original inputs explain it. Heads
+are checked one at a time per process, a K/V head's group of query heads in one job (dK and dV
+against the sum over its group: groups.py), shared out to forked workers (pool.py). A packed case is
+checked sequence by sequence (packed.py). A case's variant reaches every reference and bound
+through the head's context (stage_check.VARIANT_SOURCES); dropout's keep rate is tested once over
+the run. Results and report: results.py. A failing stage × head is explained by the Diagnoser the
+caller hands in (verify/diagnose/, above this package: diagnosis.py).
 """
 from __future__ import annotations
 
@@ -43,7 +38,7 @@ from . import flash_attn_criterion, invariants, tolerance
 from .diagnosis import Diagnoser, Diagnosis, Suspect
 from .groups import KVGroup, check_summed, head_term, summed
 from .packed import PackedRun, packed_sources
-from .paged import diagnose_paged_case
+from .paged_case import diagnose_paged_case
 from .pool import REF_CACHE, collect_head_garbage, head_jobs, map_heads
 from . import splits
 from .results import (FAIL, INHERITED, MISSING, PASS, SHAPE, STALE, UNCHECKABLE, UNREADABLE, Comparison, HeadResult,
@@ -341,7 +336,7 @@ def check_run(run: RunInfo, case: InputCase, opts: Options, progress: Optional[C
     apply_mismatches(run, results)
     report = Report(run, case, results, foreign_stage_files(run), _program_checks(run, opts), _keep_rate(run, results))
     if packed is not None and case.sequences.paged and diagnoser is not None:
-        diagnose_paged_case(report)  # a failing sequence's pages read from the wrong place
+        diagnose_paged_case(report, check_run, Options(jobs=1), load_output)  # pages read from the wrong place
     return report
 
 
