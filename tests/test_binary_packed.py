@@ -21,6 +21,8 @@ from typing import Optional, Sequence, Tuple
 import numpy as np
 import pytest
 
+from helpers.matrix_files import load, round_bf16, save
+
 from verify.sequences import CU_SEQLENS_K, CU_SEQLENS_Q, SEQUENCES_KEY, SEQUSED_K
 from verify.stages import RUN_MANIFEST, STAGES, stage_file
 
@@ -63,17 +65,8 @@ class Packed:
         return slice(self.cu_k[b], self.cu_k[b] + self.m(b))
 
 
-def save(path: Path, a, fmt: str, integers: bool = False) -> None:
-    if fmt == "txt":
-        np.savetxt(path, a, fmt="%d" if integers else "%.9g")
-    else:
-        np.save(path, a)
 
 
-def load(path: Path) -> np.ndarray:
-    if path.suffix == ".npy":
-        return np.load(path)
-    return np.loadtxt(path, dtype=np.float32, ndmin=2, comments="#")
 
 
 def dims_text(heads, kv_heads, seq_q, seq_k, d, fmt) -> str:
@@ -175,11 +168,6 @@ def check_against_sequences(binary, tmp_path: Path, case: Packed, extra: str = "
     return out
 
 
-def round_bf16(a: np.ndarray) -> np.ndarray:
-    """float32 values rounded to bf16 (nearest even), as the binary's bf16 pipeline reads its inputs."""
-    u = np.ascontiguousarray(a, np.float32).view(np.uint32).astype(np.uint64)
-    u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
-    return u.astype(np.uint32).view(np.float32)
 
 
 def check_rows_no_sequence_computes(out: Path, case: Packed, inputs, bf16: bool = False) -> None:

@@ -16,6 +16,8 @@ from typing import List, Optional, Sequence
 import numpy as np
 import pytest
 
+from helpers.matrix_files import load
+
 from verify.stages import STAGES
 
 SCORE_STAGES = tuple(n for n, s in STAGES.items() if (s.rows, s.cols) == ("N", "M") and not (s.dropout or s.backward))
@@ -72,10 +74,6 @@ def gathered_case(folder: Path, case: dict) -> Path:
 def run(binary: Path, case: Path, out: Path, *extra: str) -> subprocess.CompletedProcess:
     return subprocess.run([str(binary), "--in", str(case), "--out", str(out), "--backend", "cpu", *extra],
                           capture_output=True, text=True, timeout=300)
-
-
-def load(path: Path) -> np.ndarray:
-    return np.loadtxt(path, comments="#", ndmin=2)
 
 
 @pytest.mark.parametrize("causal", [False, True])

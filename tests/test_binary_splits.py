@@ -21,30 +21,18 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 import pytest
 
+from helpers.matrix_files import load, round_bf16, save
+
 from verify.cli.group import cli
 
 D = 16
 SPLIT = 16
 
 
-def save(path: Path, a: np.ndarray, fmt: str, integers: bool = False) -> None:
-    if fmt == "txt":
-        np.savetxt(path, a, fmt="%d" if integers else "%.9g")
-    else:
-        np.save(path, a)
 
 
-def load(path: Path) -> np.ndarray:
-    if path.suffix == ".npy":
-        return np.load(path)
-    return np.loadtxt(path, dtype=np.float32, ndmin=2, comments="#")
 
 
-def round_bf16(a: np.ndarray) -> np.ndarray:
-    """float32 values rounded to bf16 (nearest even), as the binary's bf16 pipeline reads its inputs."""
-    u = np.ascontiguousarray(a, np.float32).view(np.uint32).astype(np.uint64)
-    u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
-    return u.astype(np.uint32).view(np.float32)
 
 
 def write_case(path: Path, N: int, M: int, *, heads: int = 2, kv_heads: int = 1, d: int = D, fmt: str = "txt",

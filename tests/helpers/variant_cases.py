@@ -11,6 +11,7 @@ from typing import Dict, Tuple
 
 import numpy as np
 
+from helpers.matrix_files import load, save
 from verify.stages import (ALIBI_SLOPES_INPUT, GRAD_INPUT, KEYS, QUERIES, VALUES, Dims, stage_file)
 
 
@@ -34,13 +35,6 @@ class GqaCase:
         return text + (f"kv_heads = {d.kv_heads}\n" if d.kv_heads else "")
 
 
-def save(path: Path, a: np.ndarray, fmt: str) -> None:
-    """One float32 matrix in the case format (text as np.savetxt writes it, exact for float32)."""
-    a = np.asarray(a, dtype=np.float32)
-    if fmt == "txt":
-        np.savetxt(path, a, fmt="%.9g")
-    else:
-        np.save(path, a)
 
 
 def write_gqa_case(path: Path, case: GqaCase, seed: int = 0, manifest: bool = True) -> None:
@@ -72,11 +66,6 @@ def expand_to_mha(gqa: Path, mha: Path, case: GqaCase) -> None:
     (mha / "manifest.toml").write_text(GqaCase(replace(d, kv_heads=0), case.fmt, case.backward).manifest_text())
 
 
-def load(path: Path) -> np.ndarray:
-    """A stage file as float32 (text or .npy)."""
-    if path.suffix == ".npy":
-        return np.load(path)
-    return np.loadtxt(path, dtype=np.float32, ndmin=2)
 
 
 def tensor_file(name: str, head, fmt: str) -> str:
