@@ -43,8 +43,16 @@ def test_the_binarys_paged_run_passes(binary, tmp_path, case, precision, causal)
     assert {r["stage"] for r in data["results"]} >= {"K", "V", "KT", "QK", "flash_output", "flash_lse"}
 
 
-def test_a_right_program_passes(tmp_path, case):
-    checked = invoke("check", "--in", case, "--out", run_program(case, tmp_path / "out"))
+@pytest.mark.parametrize("fmt", ["%.9g", "%g"])  # %g: six significant digits, as printf writes them
+def test_a_right_program_passes(tmp_path, case, fmt):
+    checked = invoke("check", "--in", case, "--out", run_program(case, tmp_path / "out", fmt=fmt))
+    assert checked.exit_code == 0, checked.output
+
+
+def test_a_right_program_without_a_manifest_passes_with_the_page_size_given(tmp_path, case):
+    out = run_program(case, tmp_path / "out", fmt="%g")
+    (case / "manifest.toml").unlink()
+    checked = invoke("check", "--in", case, "--out", out, "--page-size", 16)
     assert checked.exit_code == 0, checked.output
 
 

@@ -92,6 +92,12 @@ def test_a_correct_split_program_passes(tmp_path, shape, precision):
     assert report.stages == [SPLIT_OUTPUT, SPLIT_LSE, "flash_output", "flash_lse"]
 
 
+@pytest.mark.parametrize("shape", [DECODE, PACKED], ids=["decode", "packed"])
+def test_a_correct_split_program_printing_six_digits_passes(tmp_path, shape):
+    report = split_run(tmp_path, shape, fmt="%g")
+    assert report.passed, text(report)
+
+
 def test_a_split_run_is_read_from_its_run_toml_and_each_split_is_a_column_block(tmp_path):
     report = split_run(tmp_path, DECODE, run_toml=True)
     assert report.passed, text(report)

@@ -39,8 +39,8 @@ def _table_row(table: np.ndarray, b: int, pages: int, num_pages: int, bug: Optio
     return row
 
 
-def run_program(case: Path, out: Path, bug: Optional[str] = None) -> Path:
-    """Computes the case in `case` into `out` (created); returns `out`."""
+def run_program(case: Path, out: Path, bug: Optional[str] = None, fmt: str = "%.9g") -> Path:
+    """Computes the case in `case` into `out` (created), its text written with `fmt`; returns `out`."""
     manifest = tomllib.loads((case / "manifest.toml").read_text())
     P, H, Hk = manifest["page_size"], manifest["heads"], manifest.get("kv_heads", manifest["heads"])
     scale = manifest.get("scale", 1 / np.sqrt(manifest["d_k"]))
@@ -70,5 +70,5 @@ def run_program(case: Path, out: Path, bug: Optional[str] = None) -> Path:
             o[cu_q[b]:cu_q[b + 1]] = (e / total) @ v[rows]
             lse[cu_q[b]:cu_q[b + 1]] = top + np.log(total)
         for name, x in (("output", o), ("flash_output", o), ("flash_lse", lse)):
-            np.savetxt(out / f"{name}_head_{h}.txt", x, fmt="%.9g")
+            np.savetxt(out / f"{name}_head_{h}.txt", x, fmt=fmt)
     return out
