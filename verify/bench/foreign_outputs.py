@@ -7,7 +7,8 @@ every value rounded to the format as the verifier rounds it (verify/model/half.p
 which torch's .to(torch.bfloat16) and .half() do too), so the program and the references start from
 the same values; the case's scale and variant (verify/variant.py); its mask and bias files as
 (B, H, N, M), or (1, 1, N, M) when one matrix covers every head; the ALiBi slopes of its query heads
-as (B, H) (the case's slopes file, else the standard slopes).
+as (B, H) (the case's slopes file, else the standard slopes); a packed case's packing
+(verify/sequences.py), its tensors over the packed tokens as the case holds them (batch 1).
 
 The files: one `<stage>.npy` per stage holding every head as (B, heads, rows, cols), as a PyTorch user
 saves a tensor: the contract's one-file form, so `check` needs no name map. The stages indexed by
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 import numpy as np
 
@@ -57,6 +58,7 @@ class CaseTensors:
     mask: Optional[np.ndarray] = None    # nonzero keeps (PyTorch's boolean attn_mask: True keeps)
     bias: Optional[np.ndarray] = None    # added to the scores; -inf masks
     slopes: Optional[np.ndarray] = None  # with variant.alibi
+    sequences: Optional[Any] = None      # a packed case's packing (Sequences; a paged case's too); None: dense
 
     @property
     def grouped(self) -> bool:
@@ -113,7 +115,7 @@ def case_tensors(case: InputCase, precision: str, scale: Optional[float] = None)
     return CaseTensors(case.dims, case_inputs(case, precision), float(scale), variant,
                        mask=_head_tensor(case, MASK_INPUT, variant.mask),
                        bias=_head_tensor(case, BIAS_INPUT, variant.bias),
-                       slopes=_slopes(case) if variant.alibi else None)
+                       slopes=_slopes(case) if variant.alibi else None, sequences=case.sequences)
 
 
 def _head_tensor(case: InputCase, name: str, coverage: str) -> Optional[np.ndarray]:

@@ -37,10 +37,25 @@ The variant (verify/variant.py) as SDPA takes it:
 A backend that refuses the problem (torch's flash backend takes no attn_mask; some take no GQA, or
 not at every size) is reported as unavailable, with torch's reason.
 
+A packed case (verify/sequences.py: cu_seqlens_q, cu_seqlens_k, seqused_k): each sequence is a problem
+of its own, as flash-attn's varlen functions compute it: its query rows against the first m(b) keys
+of its slot, the case's variant within it (so a bottom-right causal mask aligns at each sequence's
+own corner), SDPA run once per sequence, its results written back at the sequence's packed rows.
+Rows of a sequence without keys: output 0, lse -inf (SDPA is not run on it); the key rows no query
+reads (a slot's padding, a sequence without queries): dK, dV 0. A paged case (its keys in a pool of
+pages read through `block_table`, `page_size` in the manifest, `seqused_k` the keys each sequence
+reads): the same, each sequence's keys gathered through its table row first (key j of sequence b is
+pool row block_table[b][j // P]·P + j % P), as PyTorch users check a paged decode kernel: SDPA on
+the gathered cache. A paged case is forward only.
+
 The log-sum-exp: SDPA does not return it, so it comes from the backend's own operator
 (torch.ops.aten._scaled_dot_product_{flash,efficient,cudnn}_attention, run once more on the same
 inputs, K and V repeated over each group, the mask as a float bias); none for the math backend, or
 where the operator refuses.
+
+On the CPU (device "cpu", torch's CPU build: the CPU tests) the math and flash backends run; the
+flash backend's lse comes from its CPU operator (torch.ops.aten._scaled_dot_product_flash_attention_for_cpu),
+whose causal flag aligns top-left, so a bottom-right causal mask is an attn_mask there.
 
 torch is imported only when SDPA runs: the package, and everything here but run_sdpa, imports and
 works without it. The command that runs it on a case: verify/cli/sdpa_outputs.py.
@@ -49,15 +64,19 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from ..files.case import load_input_case
+from ..files.case import InputCase, load_input_case
+from ..files.kinds import CaseError
+from ..files.manifests import build_variant, check_scale, read_toml, validate_dims, variant_fields
+from ..files.sequence_files import read_counts, sequence_file
 from ..model.half import round_to_format
-from ..stages import GRAD_INPUT, HALF_PRECISIONS, INPUT_NAMES
+from ..sequences import CU_SEQLENS_K, CU_SEQLENS_Q, SEQUENCES_KEY, SEQUSED_K, Sequences, packed_sequences
+from ..stages import FORMATS, GRAD_INPUT, HALF_PRECISIONS, INPUT_MANIFEST, INPUT_NAMES, KEYS, QUERIES, VALUES
 from ..variant import TOP_LEFT, UNBOUNDED, hidden, modified_scores
 from .foreign_outputs import (GRADS, BackendUnavailable, CaseTensors, Results, case_tensors, stage_arrays,
                               write_stage_files)
@@ -82,6 +101,10 @@ BACKENDS = {FLASH: Backend("FLASH_ATTENTION", True), "efficient": Backend("EFFIC
 # A causal mask alone: the backend's own causal flag (NATIVE), or an attn_mask (EXPLICIT).
 NATIVE, EXPLICIT = "is_causal", "explicit"
 MASKS = (NATIVE, EXPLICIT)
+# The formats SDPA computes in here (fp32: the fused backends' exponentials may be the GPU's
+# approximate ones; check such a run with --math fast).
+SDPA_PRECISIONS = ("fp32",) + HALF_PRECISIONS
+DEVICES = ("cuda", "cpu")
 
 
 @dataclass
@@ -94,6 +117,7 @@ class SdpaCall:
     attn_mask: Optional[np.ndarray] = None   # bool (True keeps) or float64 (added), (B|1, H|1, N, M)
     enable_gqa: bool = False
     notes: List[str] = field(default_factory=list)
+    device: str = "cuda"                     # where torch runs it: "cuda", or "cpu" (torch's CPU kernels)
 
 
 # A function (call, backend, precision) -> Results: run_sdpa, or a stand-in that computes without
@@ -164,24 +188,25 @@ def _rounding_note(mask: np.ndarray, precision: str) -> Optional[str]:
             f"{changed} of its {finite.size} finite values changed, by up to {moved.max():.3g}")
 
 
-def sdpa_call(t: CaseTensors, backend: str, precision: str, mask: str = NATIVE) -> SdpaCall:
+def sdpa_call(t: CaseTensors, backend: str, precision: str, mask: str = NATIVE, device: str = "cuda") -> SdpaCall:
     """What SDPA is given for the case (module doc); BackendUnavailable when SDPA has no way to
-    compute its variant."""
+    compute its variant. A dense case: a packed one is given sequence by sequence (sequence_tensors)."""
     refusal = sdpa_refusal(t)
     if refusal:
         raise BackendUnavailable(f"{backend}: {refusal}")
-    call = SdpaCall(t.inputs, t.scale, enable_gqa=t.grouped)
+    call = SdpaCall(t.inputs, t.scale, enable_gqa=t.grouped, device=device)
     _, _, n, m = t.shape
     if mask == NATIVE and _causal_alone(t):
         if t.variant.align == TOP_LEFT or n == m:
             call.is_causal = True
             return call
-        if backend == FLASH:
+        if backend == FLASH and device == "cuda":  # the CPU flash operator's flag is top-left
             call.bottom_right = True
             return call
         call.notes.append("the bottom-right causal mask passed as an attn_mask (torch's is_causal is top-left)")
     call.attn_mask = attention_mask(t)
-    if call.attn_mask is not None and call.attn_mask.dtype != bool and BACKENDS[backend].fused:
+    if (call.attn_mask is not None and call.attn_mask.dtype != bool and BACKENDS[backend].fused
+            and precision in HALF_PRECISIONS):
         note = _rounding_note(call.attn_mask, precision)
         call.notes += [note] if note else []
     return call
@@ -189,33 +214,224 @@ def sdpa_call(t: CaseTensors, backend: str, precision: str, mask: str = NATIVE) 
 
 def write_sdpa_case(in_dir: Path, out_dir: Path, backend: str, precision: str, mask: str = NATIVE,
                     scale: Optional[float] = None, runner: Optional[Runner] = None,
-                    plant: Optional[Plant] = None) -> Results:
+                    plant: Optional[Plant] = None, device: str = "cuda") -> Results:
     """Runs SDPA (`runner`, default run_sdpa) on the case IN and writes its results into OUT as
-    stage files. scale: the case's unless given (a wrong one shows that the check fails it);
-    plant: a change to the case's tensors first (a planted bug)."""
-    if backend not in BACKENDS or precision not in HALF_PRECISIONS or mask not in MASKS:
-        raise ValueError(f"backend {backend!r}, precision {precision!r}, mask {mask!r}: expected one of "
-                         f"{', '.join(BACKENDS)}; {', '.join(HALF_PRECISIONS)}; {', '.join(MASKS)}")
-    tensors = case_tensors(load_input_case(in_dir), precision, scale)
+    stage files; a packed or paged case sequence by sequence (module doc). scale: the case's unless
+    given (a wrong one shows that the check fails it); plant: a change to the case's tensors first
+    (a planted bug; `sequences=None` drops the packing: attention across the sequences);
+    device: where torch runs ("cpu": torch's CPU kernels)."""
+    if backend not in BACKENDS or precision not in SDPA_PRECISIONS or mask not in MASKS or device not in DEVICES:
+        raise ValueError(f"backend {backend!r}, precision {precision!r}, mask {mask!r}, device {device!r}: expected "
+                         f"one of {', '.join(BACKENDS)}; {', '.join(SDPA_PRECISIONS)}; {', '.join(MASKS)}; "
+                         f"{', '.join(DEVICES)}")
+    tensors = load_case_tensors(in_dir, precision, scale)
     if plant is not None:
         tensors = plant(tensors)
-    call = sdpa_call(tensors, backend, precision, mask)
-    results = (runner or run_sdpa)(call, backend, precision)
-    results.notes[:0] = call.notes
+    run = runner or run_sdpa
+
+    def dense(t: CaseTensors) -> Results:
+        call = sdpa_call(t, backend, precision, mask, device)
+        results = run(call, backend, precision)
+        results.notes[:0] = call.notes
+        return results
+
+    results = dense(tensors) if tensors.sequences is None else packed_results(tensors, dense)
     write_stage_files(out_dir, stage_arrays(results, BACKENDS[backend].fused), precision, in_dir)
     return results
 
 
 # ----------------------------------------------------------------------------------------------
-# SDPA on the GPU (torch imported here only).
+# Packed and paged cases (no torch).
 
-def cuda_torch():
-    """torch, where it is installed and sees a CUDA device; else BackendUnavailable saying which."""
+def load_case_tensors(in_dir: Path, precision: str, scale: Optional[float] = None) -> CaseTensors:
+    """The case IN as the attention functions take it (foreign_outputs.case_tensors), a paged case
+    included: read by read_paged_case while the case reader does not read paging itself."""
+    if not CASE_READER_PAGES and paged_table_file(Path(in_dir)) is not None:
+        case, seqs = read_paged_case(Path(in_dir))
+        return replace(case_tensors(case, precision, scale), sequences=seqs)
+    return case_tensors(load_input_case(in_dir), precision, scale)
+
+
+def key_rows(seqs, b: int) -> np.ndarray:
+    """The K/V rows sequence b reads, in its key order: its slot's first m(b) rows, or in a paged
+    case the pool rows its block table names."""
+    rows = getattr(seqs, "key_rows", None)
+    if rows is not None:
+        return np.asarray(rows(b), dtype=np.int64)
+    r = seqs.k_rows(b)
+    return np.arange(r.start, r.stop, dtype=np.int64)
+
+
+def is_paged(seqs) -> bool:
+    return bool(getattr(seqs, "page_size", 0))
+
+
+def sequence_tensors(t: CaseTensors, b: int) -> CaseTensors:
+    """Sequence b of a packed case as a dense case of its own: its query rows (and dO's), the keys
+    it reads (K and V rows, gathered through the table in a paged case)."""
+    seqs = t.sequences
+    q, keys = slice(seqs.cu_q[b], seqs.cu_q[b + 1]), key_rows(seqs, b)
+    inputs = {name: x[:, :, keys] if name in (KEYS, VALUES) else x[:, :, q] for name, x in t.inputs.items()}
+    return t.with_(inputs=inputs, sequences=None, dims=replace(t.dims, seq_q=seqs.n(b), seq_k=len(keys)))
+
+
+def gathered_keys(t: CaseTensors) -> CaseTensors:
+    """A paged case as the packed case of the same attention: each sequence's keys gathered
+    through its table into a slot of its own (forward only: a paged case has no dO)."""
+    seqs = t.sequences
+    rows = [key_rows(seqs, b) for b in range(seqs.count)]
+    order = np.concatenate(rows) if rows else np.zeros(0, np.int64)
+    inputs = {name: x[:, :, order] if name in (KEYS, VALUES) else x for name, x in t.inputs.items()}
+    cu_k = np.concatenate(([0], np.cumsum([len(r) for r in rows]))).tolist()
+    return t.with_(inputs=inputs, sequences=packed_sequences(seqs.cu_q, cu_k),
+                   dims=replace(t.dims, seq_k=max(1, len(order))))
+
+
+def packed_results(t: CaseTensors, dense: Callable[[CaseTensors], Results]) -> Results:
+    """dense() of every sequence with queries and keys, its results written back at the
+    sequence's packed rows: output 0 and lse -inf in the rows of a sequence without keys, dK and dV
+    0 in the key rows no query reads. The lse is left out when a sequence's run has none."""
+    seqs = t.sequences
+    batch, heads, n, _ = t.shape
+    q_in, v_in = t.inputs[QUERIES], t.inputs[VALUES]
+    results = Results(np.zeros((batch, heads, n, v_in.shape[-1]), np.float32),
+                      np.full((batch, heads, n), -np.inf, np.float32))
+    if GRAD_INPUT in t.inputs:
+        results.grads = {"dq": np.zeros_like(q_in), "dk": np.zeros_like(t.inputs[KEYS]), "dv": np.zeros_like(v_in)}
+    lse = True
+    for b in range(seqs.count):
+        keys = key_rows(seqs, b)
+        if seqs.n(b) == 0 or len(keys) == 0:
+            continue
+        one = dense(sequence_tensors(t, b))
+        q = slice(seqs.cu_q[b], seqs.cu_q[b + 1])
+        results.out[:, :, q] = one.out
+        if one.lse is None:
+            lse = False
+        else:
+            results.lse[:, :, q] = one.lse
+        for name, x in one.grads.items():
+            if name == "dq":
+                results.grads[name][:, :, q] = x
+            else:  # keys a sequence shares with another (a shared page) sum their gradients
+                np.add.at(results.grads[name], (slice(None), slice(None), keys), x)
+        results.notes += [note for note in one.notes if note not in results.notes]
+    if not lse:
+        results.lse = None
+    return results
+
+
+# ----------------------------------------------------------------------------------------------
+# A paged case's files. read_paged_case reads them here until verify/files/case.py reads paged
+# cases itself (docs/contract.md); then CASE_READER_PAGES is true and the case reader is used.
+
+PAGE_SIZE_KEY, BLOCK_TABLE = "page_size", "block_table"
+CASE_READER_PAGES = hasattr(Sequences, "key_rows")
+
+
+@dataclass(frozen=True)
+class PagedSequences:
+    """A paged case's packing: the query offsets, the keys each sequence reads (seqused_k) and
+    where: key j of sequence b is pool row block_table[b][j // page_size]·page_size + j % page_size."""
+    cu_q: Tuple[int, ...]
+    used_k: Tuple[int, ...]
+    page_size: int
+    block_table: np.ndarray  # (B, pages per sequence), whole numbers
+
+    @property
+    def count(self) -> int:
+        return len(self.cu_q) - 1
+
+    @property
+    def total_q(self) -> int:
+        return self.cu_q[-1]
+
+    def n(self, b: int) -> int:
+        return self.cu_q[b + 1] - self.cu_q[b]
+
+    def m(self, b: int) -> int:
+        return self.used_k[b]
+
+    def q_rows(self, b: int) -> range:
+        return range(self.cu_q[b], self.cu_q[b + 1])
+
+    def key_rows(self, b: int) -> np.ndarray:
+        j = np.arange(self.m(b), dtype=np.int64)
+        return self.block_table[b, j // self.page_size].astype(np.int64) * self.page_size + j % self.page_size
+
+
+def paged_table_file(folder: Path) -> Optional[Path]:
+    """The case's block_table file, None when it has none (not a paged case)."""
+    found = [folder / sequence_file(BLOCK_TABLE, fmt) for fmt in FORMATS]
+    return next((p for p in found if p.is_file()), None)
+
+
+def _block_table(path: Path, rows: int) -> np.ndarray:
+    """The B × pages table (whole numbers; entries past a sequence's pages may be anything: -1)."""
+    try:
+        table = np.load(path, allow_pickle=False) if path.suffix == ".npy" else np.loadtxt(path, ndmin=2, comments="#")
+    except (OSError, ValueError) as exc:
+        raise CaseError(f"{path}: not a table of whole numbers ({str(exc).splitlines()[0]})") from None
+    table = np.asarray(table)
+    if table.ndim != 2 or table.shape[0] != rows:
+        raise CaseError(f"{path}: shape {tuple(table.shape)}, expected {rows} rows (one per sequence)")
+    if table.dtype.kind not in "iuf" or not np.all(np.isfinite(table)) or np.any(table != np.round(table)):
+        raise CaseError(f"{path}: not a table of whole numbers")
+    return table.astype(np.int64)
+
+
+def read_paged_case(folder: Path) -> Tuple[InputCase, PagedSequences]:
+    """A paged case (docs/contract.md: a packed case whose keys live in a pool of pages): its
+    manifest (`page_size`, `sequences`), cu_seqlens_q, seqused_k and block_table; the InputCase
+    of its Q and the pool's K and V (seq_k = the pool's rows). One CaseError line for what is wrong."""
+    manifest = folder / INPUT_MANIFEST
+    if not manifest.is_file():
+        raise CaseError(f"{manifest}: a paged case needs its manifest (page_size, sequences)")
+    values = read_toml(manifest)
+    page, count = values.pop(PAGE_SIZE_KEY, None), values.pop(SEQUENCES_KEY, None)
+    for key, value in ((PAGE_SIZE_KEY, page), (SEQUENCES_KEY, count)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise CaseError(f"{manifest}: {key} = {value!r}: a paged case needs a whole number >= 1")
+    fmt = values.get("format", FORMATS[0])
+    dims = validate_dims(values, str(manifest))
+    scale = check_scale(values["scale"], str(manifest)) if "scale" in values else None
+    variant = build_variant(variant_fields(values), str(manifest))
+    if (folder / sequence_file(CU_SEQLENS_K, fmt)).exists():
+        raise CaseError(f"{folder / sequence_file(CU_SEQLENS_K, fmt)}: a paged case has no {CU_SEQLENS_K} "
+                        f"({BLOCK_TABLE} and {SEQUSED_K} say where its keys are)")
+    cu_q = read_counts(folder / sequence_file(CU_SEQLENS_Q, fmt), count + 1)
+    used = read_counts(folder / sequence_file(SEQUSED_K, fmt), count)
+    if len(cu_q) != count + 1 or len(used) != count or cu_q[0] != 0 or cu_q[-1] != dims.seq_q:
+        raise CaseError(f"{folder}: {CU_SEQLENS_Q} ({len(cu_q)} offsets, ending at {cu_q[-1]}) and {SEQUSED_K} "
+                        f"({len(used)} values) do not fit {SEQUENCES_KEY} = {count}, seq_q = {dims.seq_q}")
+    if any(b > a for a, b in zip(cu_q[1:], cu_q)):
+        raise CaseError(f"{folder / sequence_file(CU_SEQLENS_Q, fmt)}: offsets must not decrease")
+    if dims.seq_k % page:
+        raise CaseError(f"{manifest}: seq_k = {dims.seq_k} (the pool's rows) is not a multiple of "
+                        f"{PAGE_SIZE_KEY} = {page}")
+    path = paged_table_file(folder)
+    table = _block_table(path, count)
+    pages = dims.seq_k // page
+    for b, m in enumerate(used):
+        read = table[b, :-(-m // page)]
+        if m > table.shape[1] * page or np.any((read < 0) | (read >= pages)):
+            raise CaseError(f"{path}: sequence {b} reads {m} keys, {-(-m // page)} pages of {page}, but its row "
+                            f"names {read.tolist()} of a pool of {pages} pages")
+    case = InputCase(folder, dims, fmt, scale=scale, manifest=True, variant=variant)
+    return case, PagedSequences(tuple(cu_q), tuple(used), page, table)
+
+
+# ----------------------------------------------------------------------------------------------
+# SDPA on the GPU, or torch's CPU kernels (torch imported here only).
+
+def cuda_torch(device: str = "cuda"):
+    """torch, where it is installed and (device "cuda") sees a CUDA device; else
+    BackendUnavailable saying which."""
     try:
         import torch  # noqa: PLC0415 (optional dependency)
     except ImportError:
         raise BackendUnavailable("PyTorch is not installed") from None
-    if not torch.cuda.is_available():
+    if device == "cuda" and not torch.cuda.is_available():
         raise BackendUnavailable(f"torch {torch.__version__} sees no CUDA device")
     return torch
 
@@ -263,11 +479,17 @@ def _lse(torch, backend: str, q, k, v, call: SdpaCall, mask_t) -> np.ndarray:
     aten, scale, causal = torch.ops.aten, call.scale, call.is_causal
     k, v = repeat_kv(q, k, v)
     bias = _float_bias(torch, mask_t, q, k.shape[2])
-    ops = {"flash": lambda: aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale),
-           "efficient": lambda: aten._scaled_dot_product_efficient_attention(q, k, v, bias, True, 0.0, causal,
-                                                                             scale=scale),
-           "cudnn": lambda: aten._scaled_dot_product_cudnn_attention(q, k, v, bias, True, 0.0, causal, False,
-                                                                     scale=scale)}
+    if call.device == "cpu":
+        if backend != FLASH:
+            raise RuntimeError(f"no {backend} operator on the CPU")
+        ops = {FLASH: lambda: aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=bias,
+                                                                                 scale=scale)}
+    else:
+        ops = {"flash": lambda: aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale),
+               "efficient": lambda: aten._scaled_dot_product_efficient_attention(q, k, v, bias, True, 0.0, causal,
+                                                                                 scale=scale),
+               "cudnn": lambda: aten._scaled_dot_product_cudnn_attention(q, k, v, bias, True, 0.0, causal, False,
+                                                                         scale=scale)}
     with torch.no_grad():
         lse = ops[backend]()[1]
     batch, heads, n = q.shape[:3]
@@ -283,8 +505,8 @@ def _flash_bottom_right(torch, q, k, v, scale: float):
 
 def run_sdpa(call: SdpaCall, backend: str, precision: str) -> Results:
     """SDPA of the call's inputs ((B, heads, rows, cols) float32 arrays holding values of the format)
-    on the GPU, at the format, under `backend` alone; the gradients too when dO is given."""
-    torch = cuda_torch()
+    on the call's device, at the format, under `backend` alone; the gradients too when dO is given."""
+    torch = cuda_torch(call.device)
     try:
         from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: PLC0415
     except ImportError:
@@ -293,8 +515,10 @@ def run_sdpa(call: SdpaCall, backend: str, precision: str) -> Results:
     from torch.nn.functional import scaled_dot_product_attention  # noqa: PLC0415
 
     dtype = torch_dtype(torch, precision)
-    q, k, v = (torch.from_numpy(call.inputs[n]).cuda().to(dtype).requires_grad_() for n in INPUT_NAMES)
-    mask_t = None if call.attn_mask is None else torch.from_numpy(np.ascontiguousarray(call.attn_mask)).cuda()
+    dev = call.device
+    q, k, v = (torch.from_numpy(np.ascontiguousarray(call.inputs[n])).to(dev).to(dtype).requires_grad_()
+               for n in INPUT_NAMES)
+    mask_t = None if call.attn_mask is None else torch.from_numpy(np.ascontiguousarray(call.attn_mask)).to(dev)
     if mask_t is not None and mask_t.dtype != torch.bool:  # the fused kernels take the query's format
         mask_t = mask_t.to(dtype if BACKENDS[backend].fused else torch.float32)
     gqa = {"enable_gqa": True} if call.enable_gqa else {}
@@ -310,7 +534,7 @@ def run_sdpa(call: SdpaCall, backend: str, precision: str) -> Results:
         results = Results(to_numpy(out))
         grad_output = call.inputs.get(GRAD_INPUT)  # the case's dO, when it has one
         if grad_output is not None:
-            do = torch.from_numpy(grad_output).cuda().to(dtype)
+            do = torch.from_numpy(np.ascontiguousarray(grad_output)).to(dev).to(dtype)
             results.grads = dict(zip(GRADS, map(to_numpy, _refused(lambda: torch.autograd.grad(out, (q, k, v), do),
                                                                     backend))))
     if lse is not None:
