@@ -8,10 +8,10 @@ by hand from the contract (a pool of pages in shuffled order, a block table padd
 seqused_k) gives the same outputs as the packed case of its gathered keys, which check passes; a
 page read from the wrong block fails it.
 
-What runs and why: verify/bench/sdpa_outputs.py, verify/bench/flex_outputs.py. Skipped with the
-reason where torch is not installed (the GPU runs: tests/test_gpu_sequences.py). torch's CPU flash
-kernel's lse at bf16 is outside float32's bounds (its scores are not float32 sums), so its runs
-here are at fp32.
+What runs and why: verify/bench/sdpa_outputs.py, verify/bench/flex_outputs.py,
+verify/bench/sequence_outputs.py. Skipped with the reason where torch is not installed (the GPU
+runs: tests/test_gpu_sequences.py). torch's CPU flash kernel's lse at bf16 is outside float32's
+bounds (its scores are not float32 sums), so its runs here are at fp32.
 """
 from __future__ import annotations
 
@@ -24,13 +24,12 @@ import pytest
 from click.testing import CliRunner
 
 from verify.bench.flex_outputs import write_flex_case
-from verify.bench.foreign_outputs import BackendUnavailable
-from verify.bench.foreign_outputs import Results
-from verify.bench.sdpa_outputs import (BLOCK_TABLE, PAGE_SIZE_KEY, key_rows, load_case_tensors, packed_results,
-                                       read_paged_case, write_sdpa_case)
+from verify.bench.foreign_outputs import BackendUnavailable, Results, load_case_tensors
+from verify.bench.sdpa_outputs import write_sdpa_case
+from verify.bench.sequence_outputs import packed_results
 from verify.cli.group import cli
 from verify.files.kinds import CaseError
-from verify.sequences import CU_SEQLENS_K
+from verify.sequences import BLOCK_TABLE, CU_SEQLENS_K, PAGE_SIZE_KEY
 
 from helpers.sequence_cases import PAGE, SEQUENCE_LEAK, drop_packing, write_gathered, write_paged, wrong_page
 
@@ -162,7 +161,7 @@ def test_the_paged_case_reads_its_keys_through_the_table(tmp_path):
     t = load_case_tensors(tmp_path / "paged", "fp32")
     assert t.shape == (1, 4, sum(SEQLENS_Q), paged["k"].shape[1])
     for b, rows in enumerate(paged["rows"]):
-        np.testing.assert_array_equal(key_rows(t.sequences, b), rows)
+        np.testing.assert_array_equal(t.sequences.key_rows(b), rows)
 
 
 @pytest.mark.parametrize("backend,precision", SDPA_RUNS, ids=[f"{b}-{p}" for b, p in SDPA_RUNS])
@@ -192,15 +191,16 @@ def test_flex_on_the_gathered_cache_passes(torch, tmp_path):
 
 @pytest.mark.parametrize("change,words", [
     (lambda f: (f / "manifest.toml").write_text((f / "manifest.toml").read_text().replace(
-        f"{PAGE_SIZE_KEY} = {PAGE}", f"{PAGE_SIZE_KEY} = 0")), "page_size = 0"),
-    (lambda f: np.save(f / f"{BLOCK_TABLE}.npy", np.load(f / f"{BLOCK_TABLE}.npy") + 100), "of a pool of"),
-    (lambda f: np.save(f / f"{CU_SEQLENS_K}.npy", np.zeros((6, 1), np.int32)), "has no cu_seqlens_k"),
+        f"{PAGE_SIZE_KEY} = {PAGE}", f"{PAGE_SIZE_KEY} = 0")), "page_size = 0: the keys a page holds must be in 1.."),
+    (lambda f: np.save(f / f"{BLOCK_TABLE}.npy", np.load(f / f"{BLOCK_TABLE}.npy") + 100), "(the pool holds"),
+    (lambda f: np.save(f / f"{CU_SEQLENS_K}.npy", np.zeros((6, 1), np.int32)),
+     "reads its keys through block_table, not cu_seqlens_k"),
     (lambda f: (f / "manifest.toml").write_text((f / "manifest.toml").read_text().replace(
-        f"{PAGE_SIZE_KEY} = {PAGE}", f"{PAGE_SIZE_KEY} = 5")), "is not a multiple of page_size = 5"),
+        f"{PAGE_SIZE_KEY} = {PAGE}", f"{PAGE_SIZE_KEY} = 5")), "not a multiple of page_size = 5"),
 ], ids=["page-size-0", "page-outside-the-pool", "cu-seqlens-k", "pool-not-whole-pages"])
 def test_a_bad_paged_case_is_refused_in_one_line(tmp_path, change, words):
     write_paged(tmp_path / "paged", SEQLENS_Q, USED_K)
     change(tmp_path / "paged")
     with pytest.raises(CaseError) as info:
-        read_paged_case(tmp_path / "paged")
+        load_case_tensors(tmp_path / "paged", "fp32")
     assert words in str(info.value) and "\n" not in str(info.value), str(info.value)

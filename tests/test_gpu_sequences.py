@@ -9,15 +9,15 @@ checked as other programs' output, and planted bugs named.
   check fails, named sequence_leak.
 * Paged cases: SDPA and Flex on the gathered cache of a paged case written from the contract
   (tests/helpers/sequence_cases.py) give the outputs of the packed case of the same keys, which
-  check passes. Once the case reader and the generator read and write paged cases
-  (`generate --page-size`), also: the binary on CUDA passes, the writers pass on the paged case
-  itself, and a page read from the wrong block fails, named paged_wrong_page; until then those skip
-  with the reason.
+  check passes. On paged cases of `generate --page-size`: the binary on CUDA passes, the writers
+  pass on the paged case itself, and a page read from the wrong block fails, named
+  paged_wrong_page.
 
     python3 -m pytest -q -m gpu -rs tests/test_gpu_sequences.py      (on the GPU machine)
 
-What the writers run: verify/bench/sdpa_outputs.py, verify/bench/flex_outputs.py. torch is
-imported only inside the tests; without a GPU (conftest.py) or torch each test skips with the reason.
+What the writers run: verify/bench/sdpa_outputs.py, verify/bench/flex_outputs.py,
+verify/bench/sequence_outputs.py. torch is imported only inside the tests; without a GPU
+(conftest.py) or torch each test skips with the reason.
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ from click.testing import CliRunner
 
 from verify.bench.flex_outputs import FLEX, write_flex_case
 from verify.bench.foreign_outputs import BackendUnavailable
-from verify.bench.sdpa_outputs import CASE_READER_PAGES, write_sdpa_case
+from verify.bench.sdpa_outputs import write_sdpa_case
 from verify.cli.group import cli
 from verify.runs.runner import run_binary
 
@@ -116,15 +116,6 @@ def _write(program: str, in_dir: Path, out_dir: Path, precision: str = PRECISION
         pytest.skip(f"{program} does not run this case here: {exc}")
 
 
-def _paged_generator() -> None:
-    """Skips while the case reader or the generator has no paged cases."""
-    if not CASE_READER_PAGES:
-        pytest.skip("the case reader does not read paged cases yet (verify/sequences.py Sequences.key_rows)")
-    r = CliRunner().invoke(cli, ["generate", "--help"])
-    if "--page-size" not in r.output:
-        pytest.skip("attnstep generate writes no paged cases yet (--page-size)")
-
-
 # ---- packed cases ----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("case", PACKED)
@@ -171,7 +162,7 @@ SEQLENS_Q, USED_K = [1, 1, 4, 2], [100, 2000, 37, 0]
 
 @pytest.mark.parametrize("program", ("math", "efficient", FLEX))
 def test_pytorch_on_the_gathered_cache_of_a_hand_written_paged_case(torch, tmp_path, program):
-    """No paged reader needed: checked as the packed case of the gathered keys."""
+    """The writers' output checked as the packed case of the gathered keys (no paging in the check)."""
     paged = write_paged(tmp_path / "paged", SEQLENS_Q, USED_K, heads=8, kv_heads=2, d=D)
     gathered = write_gathered(tmp_path / "gathered", paged, SEQLENS_Q)
     _write(program, tmp_path / "paged", tmp_path / "out")
@@ -181,7 +172,6 @@ def test_pytorch_on_the_gathered_cache_of_a_hand_written_paged_case(torch, tmp_p
 
 @pytest.mark.parametrize("case", PAGED)
 def test_the_cuda_backend_passes_a_paged_case(binary, tmp_path, case):
-    _paged_generator()
     in_dir = _generate(tmp_path / "in", PAGED[case])
     res = run_binary(binary, in_dir, tmp_path / "out", backend="cuda", check=False, extra=["--poison"])
     assert res.returncode == 0, res.stderr
@@ -192,7 +182,6 @@ def test_the_cuda_backend_passes_a_paged_case(binary, tmp_path, case):
 @pytest.mark.parametrize("program", ("math", "efficient", FLEX))
 @pytest.mark.parametrize("case", PAGED)
 def test_pytorch_passes_a_paged_case(torch, tmp_path, case, program):
-    _paged_generator()
     in_dir = _generate(tmp_path / "in", PAGED[case])
     _write(program, in_dir, tmp_path / "out")
     report = _check(in_dir, tmp_path / "out", "--precision", PRECISION)
@@ -203,7 +192,6 @@ def test_pytorch_passes_a_paged_case(torch, tmp_path, case, program):
 # the planted bug is named through SDPA's.
 @pytest.mark.parametrize("program", ("efficient",))
 def test_a_page_read_from_the_wrong_block_is_named(torch, tmp_path, program):
-    _paged_generator()
     in_dir = _generate(tmp_path / "in", PAGED["decode-gqa"])
     _write(program, in_dir, tmp_path / "out", plant=wrong_page(1))  # sequence 1: 2000 keys, 32 pages
     report = _check(in_dir, tmp_path / "out", "--precision", PRECISION)

@@ -1,8 +1,7 @@
 """Packed and paged cases for the cross-check writers' tests (tests/test_cross_writers_packed.py on the
 CPU, tests/test_gpu_sequences.py on the GPU): a paged case written by hand from docs/contract.md (a
 pool of pages given out in shuffled order, a block table padded with -1, seqused_k), the packed case
-of its gathered keys (the same attention, which `attnstep check` reads whatever its paging
-support), and the planted bugs as changes to the writers' tensors (verify/bench/foreign_outputs.py
+of its gathered keys (the same attention, checked without the paging), and the planted bugs as changes to the writers' tensors (verify/bench/foreign_outputs.py
 CaseTensors): the packing dropped (attention across the sequences) and a page read from the wrong
 block."""
 from __future__ import annotations
@@ -12,9 +11,8 @@ from typing import Dict, Optional, Sequence
 
 import numpy as np
 
-from verify.bench.sdpa_outputs import BLOCK_TABLE, PAGE_SIZE_KEY, key_rows
 from verify.files.manifests import write_toml
-from verify.sequences import CU_SEQLENS_K, CU_SEQLENS_Q, SEQUENCES_KEY, SEQUSED_K
+from verify.sequences import BLOCK_TABLE, CU_SEQLENS_K, CU_SEQLENS_Q, PAGE_SIZE_KEY, SEQUENCES_KEY, SEQUSED_K
 
 SEQUENCE_LEAK, PAGED_WRONG_PAGE = "sequence_leak", "paged_wrong_page"
 
@@ -31,7 +29,7 @@ def wrong_page(b: int, page: Optional[int] = None):
     block's, so that any reader of the table sees it."""
     def plant(t):
         seqs = t.sequences
-        size, rows = seqs.page_size, key_rows(seqs, b)
+        size, rows = seqs.page_size, seqs.key_rows(b)
         pages = rows[::size] // size
         own = int(pages[-1 if page is None else page])
         pool = t.inputs["K"].shape[2] // size

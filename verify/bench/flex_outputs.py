@@ -24,7 +24,7 @@ and bias files, the ALiBi slopes), with
   seqused_k, which no query reads), with the causal flag and the window within the sequence:
   kv_pos[kv_idx] against q_diag[q_idx] (a row's and a key's index within their sequence, the row's
   diagonal at that sequence's own alignment offset), and ALiBi's distance the same; a paged case's
-  keys gathered through its block table first (sdpa_outputs.gathered_keys);
+  keys gathered through its block table first (sequence_outputs.gathered_keys);
 * enable_gqa for grouped K/V heads: dK and dV come with Hk heads, Flex's backward summing each group;
 * kernel_options FORCE_USE_FLEX_ATTENTION: Flex's training kernel at every size (KERNEL_OPTIONS);
 * the lse requested with return_aux=AuxRequest(lse=True) (return_lse=True in a torch without
@@ -56,10 +56,11 @@ import numpy as np
 
 from ..stages import GRAD_INPUT, HALF_PRECISIONS, INPUT_NAMES
 from ..variant import UNBOUNDED
-from .foreign_outputs import (GRADS, BackendUnavailable, CaseTensors, Results, stage_arrays,
+from .foreign_outputs import (GRADS, BackendUnavailable, CaseTensors, Results, load_case_tensors, stage_arrays,
                               write_stage_files)
 from .sdpa import rejection_reason, torch_dtype
-from .sdpa_outputs import DEVICES, Plant, cuda_torch, gathered_keys, is_paged, key_rows, load_case_tensors, to_numpy
+from .sdpa_outputs import DEVICES, Plant, cuda_torch, to_numpy
+from .sequence_outputs import gathered_keys
 
 FLEX = "flex"
 FLEX_PRECISIONS = ("fp32",) + HALF_PRECISIONS
@@ -117,7 +118,7 @@ def packed_arrays(t: CaseTensors) -> Dict[str, np.ndarray]:
     q_seq, q_diag = np.full(n, -1, np.int64), np.zeros(n, np.int64)
     kv_seq, kv_pos = np.full(m, -1, np.int64), np.zeros(m, np.int64)
     for b in range(seqs.count):
-        q, keys = np.arange(seqs.cu_q[b], seqs.cu_q[b + 1]), key_rows(seqs, b)
+        q, keys = np.arange(seqs.cu_q[b], seqs.cu_q[b + 1]), seqs.key_rows(b)
         q_seq[q], q_diag[q] = b, q - seqs.cu_q[b] + v.offset(len(q), len(keys))
         kv_seq[keys], kv_pos[keys] = b, np.arange(len(keys))
     return {Q_SEQ: q_seq, KV_SEQ: kv_seq, Q_DIAG: q_diag, KV_POS: kv_pos}
@@ -223,7 +224,7 @@ def write_flex_case(in_dir: Path, out_dir: Path, precision: str, scale: Optional
     tensors = load_case_tensors(in_dir, precision, scale)
     if plant is not None:
         tensors = plant(tensors)
-    if tensors.sequences is not None and is_paged(tensors.sequences):
+    if tensors.sequences is not None and tensors.sequences.paged:
         tensors = gathered_keys(tensors)
     refusal = flex_refusal(tensors)
     if refusal:
@@ -307,7 +308,7 @@ def _run_flex(t: CaseTensors, precision: str, options: Optional[dict], device: s
     except ImportError:
         raise BackendUnavailable(f"{FLEX}: torch {torch.__version__} has no FlexAttention") from None
     dtype = torch_dtype(torch, precision)
-    grad = GRAD_INPUT in t.inputs  # Flex on the CPU refuses inputs that require a gradient
+    grad = t.backward  # Flex on the CPU refuses inputs that require a gradient
     q, k, v = (torch.from_numpy(np.ascontiguousarray(t.inputs[n])).to(device).to(dtype).requires_grad_(grad)
                for n in INPUT_NAMES)
     arrays = {name: torch.from_numpy(np.ascontiguousarray(x)).to(device) for name, x in flex_arrays(t).items()}

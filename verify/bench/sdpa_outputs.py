@@ -37,16 +37,9 @@ The variant (verify/variant.py) as SDPA takes it:
 A backend that refuses the problem (torch's flash backend takes no attn_mask; some take no GQA, or
 not at every size) is reported as unavailable, with torch's reason.
 
-A packed case (verify/sequences.py: cu_seqlens_q, cu_seqlens_k, seqused_k): each sequence is a problem
-of its own, as flash-attn's varlen functions compute it: its query rows against the first m(b) keys
-of its slot, the case's variant within it (so a bottom-right causal mask aligns at each sequence's
-own corner), SDPA run once per sequence, its results written back at the sequence's packed rows.
-Rows of a sequence without keys: output 0, lse -inf (SDPA is not run on it); the key rows no query
-reads (a slot's padding, a sequence without queries): dK, dV 0. A paged case (its keys in a pool of
-pages read through `block_table`, `page_size` in the manifest, `seqused_k` the keys each sequence
-reads): the same, each sequence's keys gathered through its table row first (key j of sequence b is
-pool row block_table[b][j // P]·P + j % P), as PyTorch users check a paged decode kernel: SDPA on
-the gathered cache. A paged case is forward only.
+A packed case: SDPA run once per sequence, on its query rows and the keys it reads (a paged case's
+gathered through its block table, as PyTorch users check a paged decode kernel: SDPA on the gathered
+cache), its results written back at the sequence's packed rows (verify/bench/sequence_outputs.py).
 
 The log-sum-exp: SDPA does not return it, so it comes from the backend's own operator
 (torch.ops.aten._scaled_dot_product_{flash,efficient,cudnn}_attention, run once more on the same
@@ -64,23 +57,19 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from ..files.case import InputCase, load_input_case
-from ..files.kinds import CaseError
-from ..files.manifests import build_variant, check_scale, read_toml, validate_dims, variant_fields
-from ..files.sequence_files import read_counts, sequence_file
 from ..model.half import round_to_format
-from ..sequences import CU_SEQLENS_K, CU_SEQLENS_Q, SEQUENCES_KEY, SEQUSED_K, Sequences, packed_sequences
-from ..stages import FORMATS, GRAD_INPUT, HALF_PRECISIONS, INPUT_MANIFEST, INPUT_NAMES, KEYS, QUERIES, VALUES
+from ..stages import GRAD_INPUT, HALF_PRECISIONS, INPUT_NAMES
 from ..variant import TOP_LEFT, UNBOUNDED, hidden, modified_scores
-from .foreign_outputs import (GRADS, BackendUnavailable, CaseTensors, Results, case_tensors, stage_arrays,
+from .foreign_outputs import (GRADS, BackendUnavailable, CaseTensors, Results, load_case_tensors, stage_arrays,
                               write_stage_files)
 from .sdpa import rejection_reason, torch_dtype
+from .sequence_outputs import packed_results
 
 
 @dataclass(frozen=True)
@@ -190,7 +179,8 @@ def _rounding_note(mask: np.ndarray, precision: str) -> Optional[str]:
 
 def sdpa_call(t: CaseTensors, backend: str, precision: str, mask: str = NATIVE, device: str = "cuda") -> SdpaCall:
     """What SDPA is given for the case (module doc); BackendUnavailable when SDPA has no way to
-    compute its variant. A dense case: a packed one is given sequence by sequence (sequence_tensors)."""
+    compute its variant. A dense case: a packed one is given sequence by sequence
+    (sequence_outputs.sequence_tensors)."""
     refusal = sdpa_refusal(t)
     if refusal:
         raise BackendUnavailable(f"{backend}: {refusal}")
@@ -238,187 +228,6 @@ def write_sdpa_case(in_dir: Path, out_dir: Path, backend: str, precision: str, m
     results = dense(tensors) if tensors.sequences is None else packed_results(tensors, dense)
     write_stage_files(out_dir, stage_arrays(results, BACKENDS[backend].fused), precision, in_dir)
     return results
-
-
-# ----------------------------------------------------------------------------------------------
-# Packed and paged cases (no torch).
-
-def load_case_tensors(in_dir: Path, precision: str, scale: Optional[float] = None) -> CaseTensors:
-    """The case IN as the attention functions take it (foreign_outputs.case_tensors), a paged case
-    included: read by read_paged_case while the case reader does not read paging itself."""
-    if not CASE_READER_PAGES and paged_table_file(Path(in_dir)) is not None:
-        case, seqs = read_paged_case(Path(in_dir))
-        return replace(case_tensors(case, precision, scale), sequences=seqs)
-    return case_tensors(load_input_case(in_dir), precision, scale)
-
-
-def key_rows(seqs, b: int) -> np.ndarray:
-    """The K/V rows sequence b reads, in its key order: its slot's first m(b) rows, or in a paged
-    case the pool rows its block table names."""
-    rows = getattr(seqs, "key_rows", None)
-    if rows is not None:
-        return np.asarray(rows(b), dtype=np.int64)
-    r = seqs.k_rows(b)
-    return np.arange(r.start, r.stop, dtype=np.int64)
-
-
-def is_paged(seqs) -> bool:
-    return bool(getattr(seqs, "page_size", 0))
-
-
-def sequence_tensors(t: CaseTensors, b: int) -> CaseTensors:
-    """Sequence b of a packed case as a dense case of its own: its query rows (and dO's), the keys
-    it reads (K and V rows, gathered through the table in a paged case)."""
-    seqs = t.sequences
-    q, keys = slice(seqs.cu_q[b], seqs.cu_q[b + 1]), key_rows(seqs, b)
-    inputs = {name: x[:, :, keys] if name in (KEYS, VALUES) else x[:, :, q] for name, x in t.inputs.items()}
-    return t.with_(inputs=inputs, sequences=None, dims=replace(t.dims, seq_q=seqs.n(b), seq_k=len(keys)))
-
-
-def gathered_keys(t: CaseTensors) -> CaseTensors:
-    """A paged case as the packed case of the same attention: each sequence's keys gathered
-    through its table into a slot of its own (forward only: a paged case has no dO)."""
-    seqs = t.sequences
-    rows = [key_rows(seqs, b) for b in range(seqs.count)]
-    order = np.concatenate(rows) if rows else np.zeros(0, np.int64)
-    inputs = {name: x[:, :, order] if name in (KEYS, VALUES) else x for name, x in t.inputs.items()}
-    cu_k = np.concatenate(([0], np.cumsum([len(r) for r in rows]))).tolist()
-    return t.with_(inputs=inputs, sequences=packed_sequences(seqs.cu_q, cu_k),
-                   dims=replace(t.dims, seq_k=max(1, len(order))))
-
-
-def packed_results(t: CaseTensors, dense: Callable[[CaseTensors], Results]) -> Results:
-    """dense() of every sequence with queries and keys, its results written back at the
-    sequence's packed rows: output 0 and lse -inf in the rows of a sequence without keys, dK and dV
-    0 in the key rows no query reads. The lse is left out when a sequence's run has none."""
-    seqs = t.sequences
-    batch, heads, n, _ = t.shape
-    q_in, v_in = t.inputs[QUERIES], t.inputs[VALUES]
-    results = Results(np.zeros((batch, heads, n, v_in.shape[-1]), np.float32),
-                      np.full((batch, heads, n), -np.inf, np.float32))
-    if GRAD_INPUT in t.inputs:
-        results.grads = {"dq": np.zeros_like(q_in), "dk": np.zeros_like(t.inputs[KEYS]), "dv": np.zeros_like(v_in)}
-    lse = True
-    for b in range(seqs.count):
-        keys = key_rows(seqs, b)
-        if seqs.n(b) == 0 or len(keys) == 0:
-            continue
-        one = dense(sequence_tensors(t, b))
-        q = slice(seqs.cu_q[b], seqs.cu_q[b + 1])
-        results.out[:, :, q] = one.out
-        if one.lse is None:
-            lse = False
-        else:
-            results.lse[:, :, q] = one.lse
-        for name, x in one.grads.items():
-            if name == "dq":
-                results.grads[name][:, :, q] = x
-            else:  # keys a sequence shares with another (a shared page) sum their gradients
-                np.add.at(results.grads[name], (slice(None), slice(None), keys), x)
-        results.notes += [note for note in one.notes if note not in results.notes]
-    if not lse:
-        results.lse = None
-    return results
-
-
-# ----------------------------------------------------------------------------------------------
-# A paged case's files. read_paged_case reads them here until verify/files/case.py reads paged
-# cases itself (docs/contract.md); then CASE_READER_PAGES is true and the case reader is used.
-
-PAGE_SIZE_KEY, BLOCK_TABLE = "page_size", "block_table"
-CASE_READER_PAGES = hasattr(Sequences, "key_rows")
-
-
-@dataclass(frozen=True)
-class PagedSequences:
-    """A paged case's packing: the query offsets, the keys each sequence reads (seqused_k) and
-    where: key j of sequence b is pool row block_table[b][j // page_size]·page_size + j % page_size."""
-    cu_q: Tuple[int, ...]
-    used_k: Tuple[int, ...]
-    page_size: int
-    block_table: np.ndarray  # (B, pages per sequence), whole numbers
-
-    @property
-    def count(self) -> int:
-        return len(self.cu_q) - 1
-
-    @property
-    def total_q(self) -> int:
-        return self.cu_q[-1]
-
-    def n(self, b: int) -> int:
-        return self.cu_q[b + 1] - self.cu_q[b]
-
-    def m(self, b: int) -> int:
-        return self.used_k[b]
-
-    def q_rows(self, b: int) -> range:
-        return range(self.cu_q[b], self.cu_q[b + 1])
-
-    def key_rows(self, b: int) -> np.ndarray:
-        j = np.arange(self.m(b), dtype=np.int64)
-        return self.block_table[b, j // self.page_size].astype(np.int64) * self.page_size + j % self.page_size
-
-
-def paged_table_file(folder: Path) -> Optional[Path]:
-    """The case's block_table file, None when it has none (not a paged case)."""
-    found = [folder / sequence_file(BLOCK_TABLE, fmt) for fmt in FORMATS]
-    return next((p for p in found if p.is_file()), None)
-
-
-def _block_table(path: Path, rows: int) -> np.ndarray:
-    """The B × pages table (whole numbers; entries past a sequence's pages may be anything: -1)."""
-    try:
-        table = np.load(path, allow_pickle=False) if path.suffix == ".npy" else np.loadtxt(path, ndmin=2, comments="#")
-    except (OSError, ValueError) as exc:
-        raise CaseError(f"{path}: not a table of whole numbers ({str(exc).splitlines()[0]})") from None
-    table = np.asarray(table)
-    if table.ndim != 2 or table.shape[0] != rows:
-        raise CaseError(f"{path}: shape {tuple(table.shape)}, expected {rows} rows (one per sequence)")
-    if table.dtype.kind not in "iuf" or not np.all(np.isfinite(table)) or np.any(table != np.round(table)):
-        raise CaseError(f"{path}: not a table of whole numbers")
-    return table.astype(np.int64)
-
-
-def read_paged_case(folder: Path) -> Tuple[InputCase, PagedSequences]:
-    """A paged case (docs/contract.md: a packed case whose keys live in a pool of pages): its
-    manifest (`page_size`, `sequences`), cu_seqlens_q, seqused_k and block_table; the InputCase
-    of its Q and the pool's K and V (seq_k = the pool's rows). One CaseError line for what is wrong."""
-    manifest = folder / INPUT_MANIFEST
-    if not manifest.is_file():
-        raise CaseError(f"{manifest}: a paged case needs its manifest (page_size, sequences)")
-    values = read_toml(manifest)
-    page, count = values.pop(PAGE_SIZE_KEY, None), values.pop(SEQUENCES_KEY, None)
-    for key, value in ((PAGE_SIZE_KEY, page), (SEQUENCES_KEY, count)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise CaseError(f"{manifest}: {key} = {value!r}: a paged case needs a whole number >= 1")
-    fmt = values.get("format", FORMATS[0])
-    dims = validate_dims(values, str(manifest))
-    scale = check_scale(values["scale"], str(manifest)) if "scale" in values else None
-    variant = build_variant(variant_fields(values), str(manifest))
-    if (folder / sequence_file(CU_SEQLENS_K, fmt)).exists():
-        raise CaseError(f"{folder / sequence_file(CU_SEQLENS_K, fmt)}: a paged case has no {CU_SEQLENS_K} "
-                        f"({BLOCK_TABLE} and {SEQUSED_K} say where its keys are)")
-    cu_q = read_counts(folder / sequence_file(CU_SEQLENS_Q, fmt), count + 1)
-    used = read_counts(folder / sequence_file(SEQUSED_K, fmt), count)
-    if len(cu_q) != count + 1 or len(used) != count or cu_q[0] != 0 or cu_q[-1] != dims.seq_q:
-        raise CaseError(f"{folder}: {CU_SEQLENS_Q} ({len(cu_q)} offsets, ending at {cu_q[-1]}) and {SEQUSED_K} "
-                        f"({len(used)} values) do not fit {SEQUENCES_KEY} = {count}, seq_q = {dims.seq_q}")
-    if any(b > a for a, b in zip(cu_q[1:], cu_q)):
-        raise CaseError(f"{folder / sequence_file(CU_SEQLENS_Q, fmt)}: offsets must not decrease")
-    if dims.seq_k % page:
-        raise CaseError(f"{manifest}: seq_k = {dims.seq_k} (the pool's rows) is not a multiple of "
-                        f"{PAGE_SIZE_KEY} = {page}")
-    path = paged_table_file(folder)
-    table = _block_table(path, count)
-    pages = dims.seq_k // page
-    for b, m in enumerate(used):
-        read = table[b, :-(-m // page)]
-        if m > table.shape[1] * page or np.any((read < 0) | (read >= pages)):
-            raise CaseError(f"{path}: sequence {b} reads {m} keys, {-(-m // page)} pages of {page}, but its row "
-                            f"names {read.tolist()} of a pool of {pages} pages")
-    case = InputCase(folder, dims, fmt, scale=scale, manifest=True, variant=variant)
-    return case, PagedSequences(tuple(cu_q), tuple(used), page, table)
 
 
 # ----------------------------------------------------------------------------------------------
