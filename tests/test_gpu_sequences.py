@@ -32,6 +32,7 @@ from verify.bench.flex_outputs import FLEX, write_flex_case
 from verify.bench.foreign_outputs import BackendUnavailable
 from verify.bench.sdpa_outputs import write_sdpa_case
 from verify.cli.group import cli
+from verify.files.case import load_input_case
 from verify.runs.runner import run_binary
 
 from helpers.sequence_cases import (PAGED_WRONG_PAGE, SEQUENCE_LEAK, drop_packing, write_gathered, write_paged,
@@ -188,12 +189,22 @@ def test_pytorch_passes_a_paged_case(torch, tmp_path, case, program):
     assert report["exit_code"] == 0 and report["passed"], _failures(report)
 
 
+def _page_before_an_unread_one(in_dir: Path, b: int) -> int:
+    """The last page of sequence b whose next page in the pool b does not read: the planted bug
+    reads it from that next page, one of the wrong pages the diagnosis tries (the page after it in
+    the pool)."""
+    seqs = load_input_case(in_dir).sequences
+    pages = [int(p) for p in seqs.block_table[b][:-(-seqs.m(b) // seqs.page_size)]]
+    return max(j for j, p in enumerate(pages) if p + 1 < seqs.num_pages and p + 1 not in pages)
+
+
 # Flex's run of the same wrong page fails too, but its bf16 values do not single out the reading:
 # the planted bug is named through SDPA's.
 @pytest.mark.parametrize("program", ("efficient",))
 def test_a_page_read_from_the_wrong_block_is_named(torch, tmp_path, program):
     in_dir = _generate(tmp_path / "in", PAGED["decode-gqa"])
-    _write(program, in_dir, tmp_path / "out", plant=wrong_page(1))  # sequence 1: 2000 keys, 32 pages
+    page = _page_before_an_unread_one(in_dir, 1)  # sequence 1: 2000 keys, 32 pages
+    _write(program, in_dir, tmp_path / "out", plant=wrong_page(1, page))
     report = _check(in_dir, tmp_path / "out", "--precision", PRECISION)
     assert report["exit_code"] == 1 and not report["passed"], _failures(report)
     assert {f[2] for f in _failures(report)} == {1}, _failures(report)
