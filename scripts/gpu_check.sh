@@ -4,14 +4,15 @@
 # (memcheck, racecheck), the large bounded-memory cases, and the benchmarks.
 #
 #   scripts/gpu_check.sh [build] [tests] [gputests] [alarms] [sdpa] [xcheck] [demo] [example] [sanitize|memcheck|racecheck]
-#                        [large] [bigbwd] [bench] [halfbench] [sweep]
+#                        [large] [bigbwd] [bench] [halfbench] [decode] [sweep]
 #                        (default: build tests demo example sanitize large bigbwd bench halfbench)
 #   tests: the whole suite; gputests: only the tests marked gpu, false-alarm sweep aside; alarms:
 #   the CUDA false-alarm sweep alone (fp32 with each flash kernel, tf32, bf16, fp16); sdpa:
 #   PyTorch's own SDPA backends at bf16 and fp16 checked as another program's output (no build
 #   needed); xcheck: the variants of attention (GQA, both causal alignments, windows, softcap, ALiBi,
 #   mask and bias files) cross-checked against PyTorch's SDPA and FlexAttention, with planted bugs
-#   (tests/test_gpu_cross_checks.py), and tests/test_sdpa_cases.py whole (no build needed);
+#   (tests/test_gpu_cross_checks.py), packed and paged cases likewise (tests/test_gpu_sequences.py),
+#   and tests/test_sdpa_cases.py whole;
 #   example: `attnstep demo --example bug_qk_leading_dim`; sanitize: memcheck and racecheck (each
 #   also a step of its own).
 #   GPU_TESTS="tests/test_examples.py ..." limits gputests to those files.
@@ -25,6 +26,9 @@
 #   causal and not) against PyTorch SDPA at the same dtype, each backend, with the float64 checks
 #   and the accuracy comparison on the same inputs; into $OUT/bench_half.json and .png.
 #   HALF_BENCH_ARGS="--precision bf16" scripts/gpu_check.sh halfbench            (added to those)
+#   decode: the paged decode kernel's goals (attnstep bench --decode goals: B 64, H 32, Hk 8, d 128,
+#   bf16, caches of 8192 and 32768 keys in pages of 64) against a device copy and PyTorch SDPA on the
+#   gathered cache; into $OUT/bench_decode.json; DECODE_BENCH_ARGS="--reps 50" adds options.
 #   sweep: the d × N table (attnstep sweep), CSV/JSON/PNG into $OUT; SWEEP_ARGS="--d 64"
 #   narrows it.
 #
@@ -111,12 +115,14 @@ fi
 
 if want xcheck; then
     # test_gpu_cross_checks.py in two pytest processes, SDPA's runs apart from FlexAttention's
-    # compiled ones and the planted bugs, then test_sdpa_cases.py (its GPU runs and the variants'
+    # compiled ones and the planted bugs, then the packed and paged cases (test_gpu_sequences.py),
+    # then test_sdpa_cases.py (its GPU runs and the variants'
     # stand-ins); a backend torch cannot run here is a skip with torch's reason (listed in the log).
     xcheck() {
         local rc=0 pytest=(python3 -m pytest -q -rs -p no:cacheprovider)
         "${pytest[@]}" -m gpu --junitxml="$OUT/xcheck_sdpa.xml" -k "sdpa_passes" tests/test_gpu_cross_checks.py || rc=1
         "${pytest[@]}" -m gpu --junitxml="$OUT/xcheck_flex.xml" -k "not sdpa_passes" tests/test_gpu_cross_checks.py || rc=1
+        "${pytest[@]}" -m gpu --junitxml="$OUT/xcheck_sequences.xml" tests/test_gpu_sequences.py || rc=1
         "${pytest[@]}" --junitxml="$OUT/xcheck_sdpa_cases.xml" tests/test_sdpa_cases.py || rc=1
         return $rc
     }
@@ -213,6 +219,11 @@ if want halfbench; then
     tail -n 40 "$OUT/halfbench.log"
 fi
 
+if want decode; then
+    step decode $ATTNSTEP bench --decode goals --binary $BUILD/main --json "$OUT/bench_decode.json" ${DECODE_BENCH_ARGS:-}
+    tail -n 20 "$OUT/decode.log"
+fi
+
 if want sweep; then
     step sweep $ATTNSTEP sweep --binary $BUILD/main --csv "$OUT/sweep.csv" --json "$OUT/sweep.json" \
         --plot "$OUT/sweep.png" ${SWEEP_ARGS:-}
@@ -221,7 +232,7 @@ fi
 
 echo "== summary ($(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1))"
 rc=0
-for name in build tests gputests alarms sdpa xcheck demo example memcheck racecheck large bigbwd bench halfbench sweep; do
+for name in build tests gputests alarms sdpa xcheck demo example memcheck racecheck large bigbwd bench halfbench decode sweep; do
     [ -n "${result[$name]:-}" ] || continue
     printf '%-10s %s\n' "$name" "${result[$name]}"
     case "${result[$name]}" in FAIL*) rc=1 ;; esac

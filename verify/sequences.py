@@ -124,6 +124,13 @@ class Sequences:
         pages = np.asarray(self.block_table[b], dtype=np.int64)
         return pages[j // self.page_size] * self.page_size + j % self.page_size
 
+    def gathered(self) -> "Sequences":
+        """The packing of the same attention with each sequence's keys (key_rows, in key order)
+        gathered into a slot of its own, one after another: a paged case as the packed case of its
+        gathered cache."""
+        lengths = [self.m(b) for b in range(self.count)]
+        return packed_sequences(self.cu_q, np.concatenate(([0], np.cumsum(lengths, dtype=np.int64))).tolist())
+
     def q_rows(self, b: int) -> range:
         return range(self.cu_q[b], self.cu_q[b + 1])
 

@@ -18,6 +18,13 @@ and bias files, the ALiBi slopes), with
   kv_idx >= q_idx + offset − left), and the mask file as a document mask (q_doc[q_idx] ==
   kv_doc[kv_idx], the ids read off the file by document_ids) where it is one, else looked up entry by
   entry (prefix-LM, random patterns);
+* a packed case (verify/sequences.py) computed whole, as Flex users compute varlen batches: the
+  packed tokens are one batch element, and mask_mod is a document mask, q_seq[q_idx] ==
+  kv_seq[kv_idx] (the sequence of each query row, of each key row; -1 for a slot's padding past
+  seqused_k, which no query reads), with the causal flag and the window within the sequence:
+  kv_pos[kv_idx] against q_diag[q_idx] (a row's and a key's index within their sequence, the row's
+  diagonal at that sequence's own alignment offset), and ALiBi's distance the same; a paged case's
+  keys gathered through its block table first (sequence_outputs.gathered_keys);
 * enable_gqa for grouped K/V heads: dK and dV come with Hk heads, Flex's backward summing each group;
 * kernel_options FORCE_USE_FLEX_ATTENTION: Flex's training kernel at every size (KERNEL_OPTIONS);
 * the lse requested with return_aux=AuxRequest(lse=True) (return_lse=True in a torch without
@@ -31,6 +38,9 @@ computes exp2 as Triton lowers it, with the GPU's approximate ex2 instruction, h
 for fp32 runs, which run with float32 matmul precision "highest" (no TF32), set for the run. Flex has no dropout: a case
 with dropout is reported as unavailable.
 
+On the CPU (device "cpu", torch's CPU build: the CPU tests) flex_attention runs uncompiled, the
+eager reference that materializes the scores, with the same mods and block mask.
+
 torch is imported only when Flex runs (run_flex); everything else works without it.
 """
 from __future__ import annotations
@@ -38,18 +48,19 @@ from __future__ import annotations
 import contextlib
 import functools
 import operator
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional, Tuple
 
 import numpy as np
 
-from ..files.case import load_input_case
 from ..stages import GRAD_INPUT, HALF_PRECISIONS, INPUT_NAMES
 from ..variant import UNBOUNDED
-from .foreign_outputs import (GRADS, BackendUnavailable, CaseTensors, Results, case_tensors, stage_arrays,
+from .foreign_outputs import (GRADS, BackendUnavailable, CaseTensors, Results, load_case_tensors, stage_arrays,
                               write_stage_files)
 from .sdpa import rejection_reason, torch_dtype
-from .sdpa_outputs import Plant, cuda_torch, to_numpy
+from .sdpa_outputs import DEVICES, Plant, cuda_torch, to_numpy
+from .sequence_outputs import gathered_keys
 
 FLEX = "flex"
 FLEX_PRECISIONS = ("fp32",) + HALF_PRECISIONS
@@ -58,6 +69,9 @@ FlexRunner = Callable[[CaseTensors, str], Results]
 # What the mods capture (flex_arrays): the slopes (B, H); the bias, the mask file's keep and its
 # document ids, each per head (B, H, ...) or, covering every head, without those two axes.
 SLOPES, BIAS, KEEP, Q_DOC, KV_DOC = "slopes", "bias", "keep", "q_doc", "kv_doc"
+# A packed case's (packed_arrays): each query row's sequence and diagonal within it, each key
+# row's sequence (-1: read by none) and index within it.
+Q_SEQ, KV_SEQ, Q_DIAG, KV_POS = "q_seq", "kv_seq", "q_diag", "kv_pos"
 # Flex's training kernel (the one with a backward) at every size: for short query sequences
 # (N < 128) torch otherwise picks its decoding kernel, which torch 2.11 cannot compile for grouped
 # K/V heads (NoValidChoicesError), seen on an H100.
@@ -96,9 +110,23 @@ def _per_head(x: np.ndarray) -> np.ndarray:
     return x[0, 0] if x.shape[:2] == (1, 1) else x
 
 
+def packed_arrays(t: CaseTensors) -> Dict[str, np.ndarray]:
+    """A packed case's document mask and positions (Q_SEQ, KV_SEQ, Q_DIAG, KV_POS), from its
+    packing; its keys in slots (a paged case's gathered first)."""
+    seqs, v = t.sequences, t.variant
+    _, _, n, m = t.shape
+    q_seq, q_diag = np.full(n, -1, np.int64), np.zeros(n, np.int64)
+    kv_seq, kv_pos = np.full(m, -1, np.int64), np.zeros(m, np.int64)
+    for b in range(seqs.count):
+        q, keys = np.arange(seqs.cu_q[b], seqs.cu_q[b + 1]), seqs.key_rows(b)
+        q_seq[q], q_diag[q] = b, q - seqs.cu_q[b] + v.offset(len(q), len(keys))
+        kv_seq[keys], kv_pos[keys] = b, np.arange(len(keys))
+    return {Q_SEQ: q_seq, KV_SEQ: kv_seq, Q_DIAG: q_diag, KV_POS: kv_pos}
+
+
 def flex_arrays(t: CaseTensors) -> Dict[str, np.ndarray]:
     """What score_mod and mask_mod look up (the names above)."""
-    out = {}
+    out = {} if t.sequences is None else packed_arrays(t)
     if t.variant.alibi:
         out[SLOPES] = t.slopes.astype(np.float32)
     if t.bias is not None:
@@ -126,12 +154,13 @@ def score_mod_of(t: CaseTensors, arrays: Dict[str, Any], lib) -> Optional[Callab
     _, _, n, m = t.shape
     offset, cap = v.offset(n, m), v.softcap
     slopes, bias = arrays.get(SLOPES), arrays.get(BIAS)
+    diagonal, position = _positions(arrays, offset)
 
     def score_mod(score, b, h, q_idx, kv_idx):
         if cap > 0:
             score = cap * lib.tanh(score / cap)
         if slopes is not None:
-            score = score - slopes[b, h] * lib.abs(q_idx + offset - kv_idx)
+            score = score - slopes[b, h] * lib.abs(diagonal(q_idx) - position(kv_idx))
         if bias is not None:
             score = score + _lookup(bias, b, h, q_idx, kv_idx)
         return score
@@ -139,23 +168,34 @@ def score_mod_of(t: CaseTensors, arrays: Dict[str, Any], lib) -> Optional[Callab
     return score_mod
 
 
+def _positions(arrays: Dict[str, Any], offset: int):
+    """(diagonal(q_idx), position(kv_idx)): a query row's diagonal and a key's index, within its
+    sequence in a packed case (Q_DIAG, KV_POS), else in the whole problem (offset: the alignment's)."""
+    if Q_DIAG in arrays:
+        q_diag, kv_pos = arrays[Q_DIAG], arrays[KV_POS]
+        return (lambda q_idx: q_diag[q_idx]), (lambda kv_idx: kv_pos[kv_idx])
+    return (lambda q_idx: q_idx + offset), (lambda kv_idx: kv_idx)
+
+
 def mask_mod_of(t: CaseTensors, arrays: Dict[str, Any]) -> Optional[Callable]:
-    """Flex's mask_mod of the case's causal flag, window and mask file (module doc), None when
-    they hide nothing."""
+    """Flex's mask_mod of the case's causal flag, window, mask file and packing (module doc), None
+    when they hide nothing."""
     v = t.variant
     _, _, n, m = t.shape
     offset, left, right = v.offset(n, m), v.left, v.right
     keep, q_doc, kv_doc = arrays.get(KEEP), arrays.get(Q_DOC), arrays.get(KV_DOC)
-    if left == UNBOUNDED and right == UNBOUNDED and keep is None and q_doc is None:
+    q_seq, kv_seq = arrays.get(Q_SEQ), arrays.get(KV_SEQ)
+    if left == UNBOUNDED and right == UNBOUNDED and keep is None and q_doc is None and q_seq is None:
         return None
+    diagonal, position = _positions(arrays, offset)
 
     def mask_mod(b, h, q_idx, kv_idx):
-        diag = q_idx + offset
-        conditions = []
+        diag, key = diagonal(q_idx), position(kv_idx)
+        conditions = [] if q_seq is None else [q_seq[q_idx] == kv_seq[kv_idx]]
         if left != UNBOUNDED:
-            conditions.append(kv_idx >= diag - left)
+            conditions.append(key >= diag - left)
         if right != UNBOUNDED:
-            conditions.append(kv_idx <= diag + right)
+            conditions.append(key <= diag + right)
         if q_doc is not None:
             conditions.append(_lookup(q_doc, b, h, q_idx) == _lookup(kv_doc, b, h, kv_idx))
         if keep is not None:
@@ -173,18 +213,25 @@ def flex_refusal(t: CaseTensors) -> Optional[str]:
 
 
 def write_flex_case(in_dir: Path, out_dir: Path, precision: str, scale: Optional[float] = None,
-                    runner: Optional[FlexRunner] = None, plant: Optional[Plant] = None) -> Results:
-    """Runs Flex (`runner`, default run_flex) on the case IN and writes its results into OUT as the
-    flash stages. scale: the case's unless given; plant: a change to the case's tensors first."""
-    if precision not in FLEX_PRECISIONS:
-        raise ValueError(f"precision {precision!r}: expected one of {', '.join(FLEX_PRECISIONS)}")
-    tensors = case_tensors(load_input_case(in_dir), precision, scale)
+                    runner: Optional[FlexRunner] = None, plant: Optional[Plant] = None,
+                    device: str = "cuda") -> Results:
+    """Runs Flex (`runner`, default run_flex on `device`) on the case IN and writes its results
+    into OUT as the flash stages. scale: the case's unless given; plant: a change to the case's
+    tensors first (`sequences=None` drops a packed case's document mask)."""
+    if precision not in FLEX_PRECISIONS or device not in DEVICES:
+        raise ValueError(f"precision {precision!r}, device {device!r}: expected one of {', '.join(FLEX_PRECISIONS)}; "
+                         f"{', '.join(DEVICES)}")
+    tensors = load_case_tensors(in_dir, precision, scale)
     if plant is not None:
         tensors = plant(tensors)
+    if tensors.sequences is not None and tensors.sequences.paged:
+        tensors = gathered_keys(tensors)
     refusal = flex_refusal(tensors)
     if refusal:
         raise BackendUnavailable(f"{FLEX}: {refusal}")
-    results = (runner or run_flex)(tensors, precision)
+    if runner is None:
+        runner = run_flex if device == "cuda" else functools.partial(run_flex, device=device)
+    results = runner(tensors, precision)
     write_stage_files(out_dir, stage_arrays(results, fused=True), precision, in_dir)
     return results
 
@@ -202,42 +249,50 @@ def _refused(call: Callable[[], Any]):
 
 
 @contextlib.contextmanager
-def _compiled(torch, flex):
+def _compiled(torch, flex, device: str = "cuda"):
     """torch.compile(flex_attention) with dynamo's caches cleared first (each case's mods are new
     functions: past its recompile limit dynamo would quietly run later cases through the unfused
-    eager path) and float32 matmuls at "highest" (no TF32) for the run."""
+    eager path) and float32 matmuls at "highest" (no TF32) for the run; on the CPU flex_attention
+    itself, uncompiled."""
     before = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("highest")
     torch._dynamo.reset()
     try:
-        yield torch.compile(flex.flex_attention, dynamic=False)
+        with warnings.catch_warnings():  # uncompiled on purpose: torch's advice to compile is noise here
+            warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+            yield torch.compile(flex.flex_attention, dynamic=False) if device == "cuda" else flex.flex_attention
     finally:
         torch.set_float32_matmul_precision(before)
 
 
 def _attend(flex, compiled, q, k, v, t: CaseTensors, score_mod, block_mask, options=KERNEL_OPTIONS):
-    """(output, lse) of one compiled call, the lse asked for as this torch asks for it."""
-    kwargs = dict(score_mod=score_mod, block_mask=block_mask, scale=t.scale, enable_gqa=t.grouped,
-                  kernel_options=options)
+    """(output, lse) of one compiled call, the lse asked for as this torch asks for it (options:
+    the kernel's; None uncompiled)."""
+    kwargs = dict(score_mod=score_mod, block_mask=block_mask, scale=t.scale, enable_gqa=t.grouped)
+    if options is not None:
+        kwargs["kernel_options"] = options
     if hasattr(flex, "AuxRequest"):
         out, aux = compiled(q, k, v, return_aux=flex.AuxRequest(lse=True), **kwargs)
         return out, aux.lse
     return compiled(q, k, v, return_lse=True, **kwargs)
 
 
-def _block_mask(flex, t: CaseTensors, mask_mod):
+def _block_mask(flex, t: CaseTensors, mask_mod, device: str = "cuda"):
     """create_block_mask of mask_mod: per batch element and query head where the mask file is."""
     if mask_mod is None:
         return None
     batch, heads, n, m = t.shape
     per_head = t.mask is not None and t.mask.shape[:2] != (1, 1)
     return flex.create_block_mask(mask_mod, batch if per_head else None, heads if per_head else None, n, m,
-                                  device="cuda")
+                                  device=device)
 
 
-def run_flex(t: CaseTensors, precision: str) -> Results:
-    """Flex of the case's tensors on the GPU at the format; the gradients too when dO is given.
-    Once more with smaller tiles where Triton has no configuration that fits (SMALL_TILE_OPTIONS)."""
+def run_flex(t: CaseTensors, precision: str, device: str = "cuda") -> Results:
+    """Flex of the case's tensors on the GPU (compiled) or the CPU (uncompiled) at the format; the
+    gradients too when dO is given. On the GPU once more with smaller tiles where Triton has no
+    configuration that fits (SMALL_TILE_OPTIONS)."""
+    if device != "cuda":
+        return _run_flex(t, precision, None, device)
     try:
         return _run_flex(t, precision, KERNEL_OPTIONS)
     except BackendUnavailable as exc:
@@ -246,22 +301,24 @@ def run_flex(t: CaseTensors, precision: str) -> Results:
     return _run_flex(t, precision, SMALL_TILE_OPTIONS)
 
 
-def _run_flex(t: CaseTensors, precision: str, options: dict) -> Results:
-    torch = cuda_torch()
+def _run_flex(t: CaseTensors, precision: str, options: Optional[dict], device: str = "cuda") -> Results:
+    torch = cuda_torch(device)
     try:
         from torch.nn.attention import flex_attention as flex  # noqa: PLC0415
     except ImportError:
         raise BackendUnavailable(f"{FLEX}: torch {torch.__version__} has no FlexAttention") from None
     dtype = torch_dtype(torch, precision)
-    q, k, v = (torch.from_numpy(t.inputs[n]).cuda().to(dtype).requires_grad_() for n in INPUT_NAMES)
-    arrays = {name: torch.from_numpy(np.ascontiguousarray(x)).cuda() for name, x in flex_arrays(t).items()}
+    grad = t.backward  # Flex on the CPU refuses inputs that require a gradient
+    q, k, v = (torch.from_numpy(np.ascontiguousarray(t.inputs[n])).to(device).to(dtype).requires_grad_(grad)
+               for n in INPUT_NAMES)
+    arrays = {name: torch.from_numpy(np.ascontiguousarray(x)).to(device) for name, x in flex_arrays(t).items()}
     score_mod, mask_mod = score_mod_of(t, arrays, torch), mask_mod_of(t, arrays)
-    with _compiled(torch, flex) as compiled:
-        block_mask = _refused(lambda: _block_mask(flex, t, mask_mod))
+    with _compiled(torch, flex, device) as compiled:
+        block_mask = _refused(lambda: _block_mask(flex, t, mask_mod, device))
         out, lse = _refused(lambda: _attend(flex, compiled, q, k, v, t, score_mod, block_mask, options))
         results = Results(to_numpy(out), to_numpy(lse))
         grad_output = t.inputs.get(GRAD_INPUT)  # the case's dO, when it has one
         if grad_output is not None:
-            do = torch.from_numpy(grad_output).cuda().to(dtype)
+            do = torch.from_numpy(np.ascontiguousarray(grad_output)).to(device).to(dtype)
             results.grads = dict(zip(GRADS, map(to_numpy, _refused(lambda: torch.autograd.grad(out, (q, k, v), do)))))
     return results

@@ -7,7 +7,10 @@ every value rounded to the format as the verifier rounds it (verify/model/half.p
 which torch's .to(torch.bfloat16) and .half() do too), so the program and the references start from
 the same values; the case's scale and variant (verify/variant.py); its mask and bias files as
 (B, H, N, M), or (1, 1, N, M) when one matrix covers every head; the ALiBi slopes of its query heads
-as (B, H) (the case's slopes file, else the standard slopes).
+as (B, H) (the case's slopes file, else the standard slopes); a packed case's packing
+(verify/sequences.py), its tensors over the packed tokens as the case holds them (batch 1); a paged
+case's K and V the pool of pages, as the case holds them (verify/bench/sequence_outputs.py gathers
+each sequence's keys).
 
 The files: one `<stage>.npy` per stage holding every head as (B, heads, rows, cols), as a PyTorch user
 saves a tensor: the contract's one-file form, so `check` needs no name map. The stages indexed by
@@ -19,11 +22,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 import numpy as np
 
-from ..files.case import InputCase
+from ..files.case import InputCase, load_input_case
 from ..files.stage_files import STACKED_SUFFIX
 from ..model.half import round_to_format
 from ..runs.watched import fresh_out
@@ -57,11 +60,17 @@ class CaseTensors:
     mask: Optional[np.ndarray] = None    # nonzero keeps (PyTorch's boolean attn_mask: True keeps)
     bias: Optional[np.ndarray] = None    # added to the scores; -inf masks
     slopes: Optional[np.ndarray] = None  # with variant.alibi
+    sequences: Optional[Any] = None      # a packed case's packing (Sequences; a paged case's too); None: dense
 
     @property
     def grouped(self) -> bool:
         """Whether K and V have fewer heads than Q (GQA/MQA: torch's enable_gqa)."""
         return self.inputs[KEYS].shape[1] != self.inputs[QUERIES].shape[1]
+
+    @property
+    def backward(self) -> bool:
+        """Whether the case has the output gradient dO (the runs compute the gradients)."""
+        return any(STAGES[name].backward for name in self.inputs)
 
     @property
     def shape(self):
@@ -113,7 +122,12 @@ def case_tensors(case: InputCase, precision: str, scale: Optional[float] = None)
     return CaseTensors(case.dims, case_inputs(case, precision), float(scale), variant,
                        mask=_head_tensor(case, MASK_INPUT, variant.mask),
                        bias=_head_tensor(case, BIAS_INPUT, variant.bias),
-                       slopes=_slopes(case) if variant.alibi else None)
+                       slopes=_slopes(case) if variant.alibi else None, sequences=case.sequences)
+
+
+def load_case_tensors(in_dir: Path, precision: str, scale: Optional[float] = None) -> CaseTensors:
+    """The case in the folder IN (a packed or paged one included) as the attention functions take it."""
+    return case_tensors(load_input_case(in_dir), precision, scale)
 
 
 def _head_tensor(case: InputCase, name: str, coverage: str) -> Optional[np.ndarray]:

@@ -37,10 +37,18 @@ The variant (verify/variant.py) as SDPA takes it:
 A backend that refuses the problem (torch's flash backend takes no attn_mask; some take no GQA, or
 not at every size) is reported as unavailable, with torch's reason.
 
+A packed case: SDPA run once per sequence, on its query rows and the keys it reads (a paged case's
+gathered through its block table, as PyTorch users check a paged decode kernel: SDPA on the gathered
+cache), its results written back at the sequence's packed rows (verify/bench/sequence_outputs.py).
+
 The log-sum-exp: SDPA does not return it, so it comes from the backend's own operator
 (torch.ops.aten._scaled_dot_product_{flash,efficient,cudnn}_attention, run once more on the same
 inputs, K and V repeated over each group, the mask as a float bias); none for the math backend, or
 where the operator refuses.
+
+On the CPU (device "cpu", torch's CPU build: the CPU tests) the math and flash backends run; the
+flash backend's lse comes from its CPU operator (torch.ops.aten._scaled_dot_product_flash_attention_for_cpu),
+whose causal flag aligns top-left, so a bottom-right causal mask is an attn_mask there.
 
 torch is imported only when SDPA runs: the package, and everything here but run_sdpa, imports and
 works without it. The command that runs it on a case: verify/cli/sdpa_outputs.py.
@@ -55,13 +63,13 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from ..files.case import load_input_case
 from ..model.half import round_to_format
 from ..stages import GRAD_INPUT, HALF_PRECISIONS, INPUT_NAMES
 from ..variant import TOP_LEFT, UNBOUNDED, hidden, modified_scores
-from .foreign_outputs import (GRADS, BackendUnavailable, CaseTensors, Results, case_tensors, stage_arrays,
+from .foreign_outputs import (GRADS, BackendUnavailable, CaseTensors, Results, load_case_tensors, stage_arrays,
                               write_stage_files)
 from .sdpa import rejection_reason, torch_dtype
+from .sequence_outputs import packed_results
 
 
 @dataclass(frozen=True)
@@ -82,6 +90,10 @@ BACKENDS = {FLASH: Backend("FLASH_ATTENTION", True), "efficient": Backend("EFFIC
 # A causal mask alone: the backend's own causal flag (NATIVE), or an attn_mask (EXPLICIT).
 NATIVE, EXPLICIT = "is_causal", "explicit"
 MASKS = (NATIVE, EXPLICIT)
+# The formats SDPA computes in here (fp32: the fused backends' exponentials may be the GPU's
+# approximate ones; check such a run with --math fast).
+SDPA_PRECISIONS = ("fp32",) + HALF_PRECISIONS
+DEVICES = ("cuda", "cpu")
 
 
 @dataclass
@@ -94,6 +106,7 @@ class SdpaCall:
     attn_mask: Optional[np.ndarray] = None   # bool (True keeps) or float64 (added), (B|1, H|1, N, M)
     enable_gqa: bool = False
     notes: List[str] = field(default_factory=list)
+    device: str = "cuda"                     # where torch runs it: "cuda", or "cpu" (torch's CPU kernels)
 
 
 # A function (call, backend, precision) -> Results: run_sdpa, or a stand-in that computes without
@@ -164,24 +177,26 @@ def _rounding_note(mask: np.ndarray, precision: str) -> Optional[str]:
             f"{changed} of its {finite.size} finite values changed, by up to {moved.max():.3g}")
 
 
-def sdpa_call(t: CaseTensors, backend: str, precision: str, mask: str = NATIVE) -> SdpaCall:
+def sdpa_call(t: CaseTensors, backend: str, precision: str, mask: str = NATIVE, device: str = "cuda") -> SdpaCall:
     """What SDPA is given for the case (module doc); BackendUnavailable when SDPA has no way to
-    compute its variant."""
+    compute its variant. A dense case: a packed one is given sequence by sequence
+    (sequence_outputs.sequence_tensors)."""
     refusal = sdpa_refusal(t)
     if refusal:
         raise BackendUnavailable(f"{backend}: {refusal}")
-    call = SdpaCall(t.inputs, t.scale, enable_gqa=t.grouped)
+    call = SdpaCall(t.inputs, t.scale, enable_gqa=t.grouped, device=device)
     _, _, n, m = t.shape
     if mask == NATIVE and _causal_alone(t):
         if t.variant.align == TOP_LEFT or n == m:
             call.is_causal = True
             return call
-        if backend == FLASH:
+        if backend == FLASH and device == "cuda":  # the CPU flash operator's flag is top-left
             call.bottom_right = True
             return call
         call.notes.append("the bottom-right causal mask passed as an attn_mask (torch's is_causal is top-left)")
     call.attn_mask = attention_mask(t)
-    if call.attn_mask is not None and call.attn_mask.dtype != bool and BACKENDS[backend].fused:
+    if (call.attn_mask is not None and call.attn_mask.dtype != bool and BACKENDS[backend].fused
+            and precision in HALF_PRECISIONS):
         note = _rounding_note(call.attn_mask, precision)
         call.notes += [note] if note else []
     return call
@@ -189,33 +204,43 @@ def sdpa_call(t: CaseTensors, backend: str, precision: str, mask: str = NATIVE) 
 
 def write_sdpa_case(in_dir: Path, out_dir: Path, backend: str, precision: str, mask: str = NATIVE,
                     scale: Optional[float] = None, runner: Optional[Runner] = None,
-                    plant: Optional[Plant] = None) -> Results:
+                    plant: Optional[Plant] = None, device: str = "cuda") -> Results:
     """Runs SDPA (`runner`, default run_sdpa) on the case IN and writes its results into OUT as
-    stage files. scale: the case's unless given (a wrong one shows that the check fails it);
-    plant: a change to the case's tensors first (a planted bug)."""
-    if backend not in BACKENDS or precision not in HALF_PRECISIONS or mask not in MASKS:
-        raise ValueError(f"backend {backend!r}, precision {precision!r}, mask {mask!r}: expected one of "
-                         f"{', '.join(BACKENDS)}; {', '.join(HALF_PRECISIONS)}; {', '.join(MASKS)}")
-    tensors = case_tensors(load_input_case(in_dir), precision, scale)
+    stage files; a packed or paged case sequence by sequence (module doc). scale: the case's unless
+    given (a wrong one shows that the check fails it); plant: a change to the case's tensors first
+    (a planted bug; `sequences=None` drops the packing: attention across the sequences);
+    device: where torch runs ("cpu": torch's CPU kernels)."""
+    if backend not in BACKENDS or precision not in SDPA_PRECISIONS or mask not in MASKS or device not in DEVICES:
+        raise ValueError(f"backend {backend!r}, precision {precision!r}, mask {mask!r}, device {device!r}: expected "
+                         f"one of {', '.join(BACKENDS)}; {', '.join(SDPA_PRECISIONS)}; {', '.join(MASKS)}; "
+                         f"{', '.join(DEVICES)}")
+    tensors = load_case_tensors(in_dir, precision, scale)
     if plant is not None:
         tensors = plant(tensors)
-    call = sdpa_call(tensors, backend, precision, mask)
-    results = (runner or run_sdpa)(call, backend, precision)
-    results.notes[:0] = call.notes
+    run = runner or run_sdpa
+
+    def dense(t: CaseTensors) -> Results:
+        call = sdpa_call(t, backend, precision, mask, device)
+        results = run(call, backend, precision)
+        results.notes[:0] = call.notes
+        return results
+
+    results = dense(tensors) if tensors.sequences is None else packed_results(tensors, dense)
     write_stage_files(out_dir, stage_arrays(results, BACKENDS[backend].fused), precision, in_dir)
     return results
 
 
 # ----------------------------------------------------------------------------------------------
-# SDPA on the GPU (torch imported here only).
+# SDPA on the GPU, or torch's CPU kernels (torch imported here only).
 
-def cuda_torch():
-    """torch, where it is installed and sees a CUDA device; else BackendUnavailable saying which."""
+def cuda_torch(device: str = "cuda"):
+    """torch, where it is installed and (device "cuda") sees a CUDA device; else
+    BackendUnavailable saying which."""
     try:
         import torch  # noqa: PLC0415 (optional dependency)
     except ImportError:
         raise BackendUnavailable("PyTorch is not installed") from None
-    if not torch.cuda.is_available():
+    if device == "cuda" and not torch.cuda.is_available():
         raise BackendUnavailable(f"torch {torch.__version__} sees no CUDA device")
     return torch
 
@@ -263,11 +288,17 @@ def _lse(torch, backend: str, q, k, v, call: SdpaCall, mask_t) -> np.ndarray:
     aten, scale, causal = torch.ops.aten, call.scale, call.is_causal
     k, v = repeat_kv(q, k, v)
     bias = _float_bias(torch, mask_t, q, k.shape[2])
-    ops = {"flash": lambda: aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale),
-           "efficient": lambda: aten._scaled_dot_product_efficient_attention(q, k, v, bias, True, 0.0, causal,
-                                                                             scale=scale),
-           "cudnn": lambda: aten._scaled_dot_product_cudnn_attention(q, k, v, bias, True, 0.0, causal, False,
-                                                                     scale=scale)}
+    if call.device == "cpu":
+        if backend != FLASH:
+            raise RuntimeError(f"no {backend} operator on the CPU")
+        ops = {FLASH: lambda: aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=bias,
+                                                                                 scale=scale)}
+    else:
+        ops = {"flash": lambda: aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale),
+               "efficient": lambda: aten._scaled_dot_product_efficient_attention(q, k, v, bias, True, 0.0, causal,
+                                                                                 scale=scale),
+               "cudnn": lambda: aten._scaled_dot_product_cudnn_attention(q, k, v, bias, True, 0.0, causal, False,
+                                                                         scale=scale)}
     with torch.no_grad():
         lse = ops[backend]()[1]
     batch, heads, n = q.shape[:3]
@@ -283,8 +314,8 @@ def _flash_bottom_right(torch, q, k, v, scale: float):
 
 def run_sdpa(call: SdpaCall, backend: str, precision: str) -> Results:
     """SDPA of the call's inputs ((B, heads, rows, cols) float32 arrays holding values of the format)
-    on the GPU, at the format, under `backend` alone; the gradients too when dO is given."""
-    torch = cuda_torch()
+    on the call's device, at the format, under `backend` alone; the gradients too when dO is given."""
+    torch = cuda_torch(call.device)
     try:
         from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: PLC0415
     except ImportError:
@@ -293,8 +324,10 @@ def run_sdpa(call: SdpaCall, backend: str, precision: str) -> Results:
     from torch.nn.functional import scaled_dot_product_attention  # noqa: PLC0415
 
     dtype = torch_dtype(torch, precision)
-    q, k, v = (torch.from_numpy(call.inputs[n]).cuda().to(dtype).requires_grad_() for n in INPUT_NAMES)
-    mask_t = None if call.attn_mask is None else torch.from_numpy(np.ascontiguousarray(call.attn_mask)).cuda()
+    dev = call.device
+    q, k, v = (torch.from_numpy(np.ascontiguousarray(call.inputs[n])).to(dev).to(dtype).requires_grad_()
+               for n in INPUT_NAMES)
+    mask_t = None if call.attn_mask is None else torch.from_numpy(np.ascontiguousarray(call.attn_mask)).to(dev)
     if mask_t is not None and mask_t.dtype != torch.bool:  # the fused kernels take the query's format
         mask_t = mask_t.to(dtype if BACKENDS[backend].fused else torch.float32)
     gqa = {"enable_gqa": True} if call.enable_gqa else {}
@@ -310,7 +343,7 @@ def run_sdpa(call: SdpaCall, backend: str, precision: str) -> Results:
         results = Results(to_numpy(out))
         grad_output = call.inputs.get(GRAD_INPUT)  # the case's dO, when it has one
         if grad_output is not None:
-            do = torch.from_numpy(grad_output).cuda().to(dtype)
+            do = torch.from_numpy(np.ascontiguousarray(grad_output)).to(dev).to(dtype)
             results.grads = dict(zip(GRADS, map(to_numpy, _refused(lambda: torch.autograd.grad(out, (q, k, v), do),
                                                                     backend))))
     if lse is not None:

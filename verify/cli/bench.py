@@ -1,10 +1,11 @@
 """`attnstep bench`: times the binary's stages and flash kernels, forward and backward, and PyTorch's
 SDPA, on a shape list (what runs: verify/bench/measure.py), and prints the table and the goals.
 The variant options apply to every shape; `--variants goals` runs the variants' goals instead
-(verify/bench/variant_goals.py).
+(verify/bench/variant_goals.py), `--decode goals` the paged decode kernel's (verify/bench/decode_goals.py).
 
     python -m verify.cli.bench --build-dir build --json bench.json --plot bench.png
     python -m verify.cli.bench --variants goals --json goals.json
+    python -m verify.cli.bench --decode goals --json decode.json
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from ..runs.runner import ensure_built
 from ..stages import FLOAT32_PRECISIONS, HALF_PRECISIONS, PRECISIONS
 from ..text import plural
 from ..bench.variant_goals import GOALS_PRESET, preset_runs
+from ..bench import decode_goals
 from .options import (InputError, align_option, alibi_option, binary_option, build_option, json_option, softcap_option,
                       timeout_option, user_errors, window_option)
 
@@ -72,6 +74,40 @@ def _refuse_with_preset(ctx: click.Context, preset: str) -> None:
     if given:
         raise InputError(f"--variants {preset} runs its own shapes, precisions, passes and variants; "
                          f"drop {', '.join(given)}")
+
+
+# The options `--decode goals` takes (the rest it would ignore).
+_DECODE_TAKES = ("build_dir", "binary", "warmup", "reps", "use_torch", "timeout", "json_path", "from_json", "decode")
+
+
+def _refuse_with_decode(ctx: click.Context) -> None:
+    given = [p.opts[0] for p in ctx.command.params
+             if p.name not in _DECODE_TAKES and ctx.get_parameter_source(p.name) == ParameterSource.COMMANDLINE]
+    if given:
+        raise InputError(f"--decode goals runs its own shapes (the decode kernel, bf16); drop {', '.join(given)}")
+
+
+def _decode_bench(build_dir, binary, warmup: int, reps: int, use_torch: bool, timeout: float, json_path,
+                  from_json) -> None:
+    """`--decode goals`: the decode kernel against the copy and SDPA on the gathered cache."""
+    if from_json:
+        results = load_results(from_json)
+    else:
+        if json_path is not None and not json_path.resolve().parent.is_dir():
+            raise BenchError(f"{json_path}: its folder does not exist")
+        results = decode_goals.collect_decode(binary or ensure_built(build_dir), decode_goals.DECODE_SHAPES, warmup,
+                                              reps, use_torch, log=lambda m: click.echo(m, err=True),
+                                              timeout=timeout)
+        if json_path:
+            atomic_write_bytes(json_path, (json.dumps(jsonable(results), indent=1) + "\n").encode())
+    click.echo(f"device: {results.get('device', '?')}  date: {results.get('date', '?')}  "
+               f"torch: {results.get('torch') or 'not timed'}")
+    for line in decode_goals.decode_table(results):
+        click.echo(line)
+    failed = [r["shape"] for r in results["runs"] if r.get("error")]
+    if failed:
+        click.echo(f"bench: main --bench-decode failed on {plural(len(failed), 'shape')}; see the table", err=True)
+        raise SystemExit(1)
 
 
 def _print_results(results: dict, rows: Sequence[Row]) -> None:
@@ -152,10 +188,16 @@ def _exit_status(rows: Sequence[Row]) -> int:
                    "(1024, 0) against full causal at N=M=16384 bf16; softcap 50 against none at B4 H16 N=M=4096 "
                    "d128, bf16 and fp32 (and the fp32 backward). Replaces --shape, --precision, --pass, --only and "
                    "the variant options.")
+@click.option("--decode", type=click.Choice((decode_goals.GOALS_PRESET,)),
+              help="goals: time the paged decode kernel (split-KV and its combine, main --bench-decode) at B=64 H=32 "
+                   "Hk=8 d128 bf16, one query per sequence, pages of 64, caches of 8192 and 32768 keys: its GB/s of "
+                   "K/V read against a device copy of the same bytes in the same run (goal >= 0.80), and its time "
+                   "against PyTorch SDPA on the gathered cache (enable_gqa, the gather untimed; goal <= 1.0x). Takes "
+                   "--binary, --build-dir, --warmup (SDPA), --reps, --torch, --timeout, --json and --from-json.")
 @user_errors
 @click.pass_context
 def bench(ctx, build_dir, binary, shape_specs, precision, warmup, reps, only, passes, check, ceilings, use_torch,
-          timeout, json_path, plot_path, from_json, kv_heads, align, window, softcap, alibi, variants):
+          timeout, json_path, plot_path, from_json, kv_heads, align, window, softcap, alibi, variants, decode):
     """Time every stage and flash kernel of the binary, forward and backward, and PyTorch SDPA,
     over a shape list.
 
@@ -170,10 +212,16 @@ def bench(ctx, build_dir, binary, shape_specs, precision, warmup, reps, only, pa
     A variant (--kv-heads, --align, --window, --softcap, --alibi) applies to every shape; SDPA is
     timed on plain shapes only, and a variant's rows note their time over the same shape's without
     it when that ran too. --variants goals runs the variants' goals in one invocation and reports
-    each ratio beside its goal (and in the JSON's "goals"), every run timed --reps times. Exit
-    status 1 when a checked result fails its float64 check.
+    each ratio beside its goal (and in the JSON's "goals"), every run timed --reps times. --decode
+    goals times the paged decode kernel against the copy and SDPA on the gathered cache (its own
+    table and goals). Exit status 1 when a checked result fails its float64 check, or the binary
+    fails on a shape.
     """
     try:
+        if decode or (from_json and decode_goals.is_decode_results(load_results(from_json))):
+            _refuse_with_decode(ctx)
+            _decode_bench(build_dir, binary, warmup, reps, use_torch, timeout, json_path, from_json)
+            return
         if from_json:
             results = load_results(from_json)
         else:

@@ -8,6 +8,10 @@ fp16) run on an input case, its results written as another program's output fold
     python -m verify.cli.sdpa_outputs --in data/case --out data/flex --backend flex --precision bf16
     attnstep check --in data/case --out data/flex --precision bf16
     (an fp32 Flex run: check it with --precision fp32 --math fast; its exp2 is the GPU's approximate one)
+
+A packed case is computed sequence by sequence (SDPA) or whole under a document mask (Flex); a
+paged case on the keys gathered through its block table. --device cpu runs torch's CPU kernels
+(SDPA's math and flash backends, Flex uncompiled).
 """
 from __future__ import annotations
 
@@ -18,7 +22,7 @@ import click
 
 from ..bench.flex_outputs import FLEX, FLEX_PRECISIONS, write_flex_case
 from ..bench.foreign_outputs import BackendUnavailable, stage_arrays
-from ..bench.sdpa_outputs import BACKENDS, MASKS, NATIVE, write_sdpa_case
+from ..bench.sdpa_outputs import BACKENDS, DEVICES, MASKS, NATIVE, write_sdpa_case
 from ..stages import DEFAULT_INPUT_DIR, HALF_PRECISIONS
 from .options import InputError, user_errors
 
@@ -38,8 +42,12 @@ from .options import InputError, user_errors
                    "attn_mask.")
 @click.option("--scale", type=float, default=None,
               help="Scale it uses instead of the case's (to see that a wrong scale fails the check).")
+@click.option("--device", type=click.Choice(DEVICES), default=DEVICES[0], show_default=True,
+              help="Where torch runs it: the GPU, or torch's CPU kernels (SDPA's math and flash backends, Flex "
+                   "uncompiled).")
 @user_errors
-def main(in_dir: Path, out_dir: Path, backend: str, precision: str, mask: str, scale: Optional[float]) -> None:
+def main(in_dir: Path, out_dir: Path, backend: str, precision: str, mask: str, scale: Optional[float],
+         device: str) -> None:
     """Run PyTorch SDPA or FlexAttention on the case IN and write its results into OUT.
 
     Check them with `attnstep check --in IN --out OUT --precision PRECISION`. Exit status 1
@@ -50,9 +58,9 @@ def main(in_dir: Path, out_dir: Path, backend: str, precision: str, mask: str, s
                          f"{precision} with --backend {FLEX}")
     try:
         if backend == FLEX:
-            results = write_flex_case(in_dir, out_dir, precision, scale)
+            results = write_flex_case(in_dir, out_dir, precision, scale, device=device)
         else:
-            results = write_sdpa_case(in_dir, out_dir, backend, precision, mask, scale)
+            results = write_sdpa_case(in_dir, out_dir, backend, precision, mask, scale, device=device)
     except BackendUnavailable as exc:
         raise InputError(f"{'FlexAttention' if backend == FLEX else 'SDPA backend'} unavailable: {exc}", 1) from None
     for note in results.notes:
