@@ -49,6 +49,15 @@ def test_a_right_program_passes(tmp_path, case, fmt):
     assert checked.exit_code == 0, checked.output
 
 
+def test_a_page_size_for_a_case_without_a_block_table_is_refused(tmp_path, case):
+    out = run_program(case, tmp_path / "out")
+    (case / "manifest.toml").unlink()
+    (case / "block_table.txt").unlink()
+    checked = invoke("check", "--in", case, "--out", out, "--page-size", 16)
+    assert checked.exit_code == 2 and len(checked.output.strip().splitlines()) == 1, checked.output
+    assert "a page size (16) was given, but the case has no block_table file" in checked.output
+
+
 def test_a_right_program_without_a_manifest_passes_with_the_page_size_given(tmp_path, case):
     out = run_program(case, tmp_path / "out", fmt="%g")
     (case / "manifest.toml").unlink()

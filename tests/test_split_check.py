@@ -228,7 +228,23 @@ def test_a_split_past_the_split_count_is_refused_naming_the_file(tmp_path):
     in_dir, out_dir = _folders(tmp_path)
     r = invoke("check", "--in", in_dir, "--out", out_dir, "--split-size", 16)  # 3 splits, 5 written
     assert r.exit_code == 2
-    assert "split_3.txt: split 3, but splitting 37 keys 16 per split makes 3 splits (0..2)" in r.output
+    assert "split_3.txt: split 3, but 16 keys per split makes 3 splits (0..2) of the longest row's keys" in r.output
+
+
+def test_a_split_past_the_split_count_of_a_packed_case_counts_its_longest_sequence(tmp_path):
+    case = SplitCase(**PACKED)  # the longest sequence has 17 keys: 6 splits of 3, the packed keys 26
+    write_case(case, tmp_path / "in")
+    run_program(case, tmp_path / "out")
+    r = invoke("check", "--in", tmp_path / "in", "--out", tmp_path / "out", "--split-size", 4)
+    assert r.exit_code == 2 and len(r.output.strip().splitlines()) == 1, r.output
+    assert "split 5, but 4 keys per split makes 5 splits (0..4) of the longest row's keys" in r.output
+
+
+def test_a_mask_bug_in_a_split_run_is_not_named_an_empty_split(tmp_path):
+    in_dir, out_dir = _folders(tmp_path)  # a right bottom-right program, checked as top-left
+    r = invoke("check", "--in", in_dir, "--out", out_dir, "--split-size", 8, "--causal", "top-left")
+    assert r.exit_code == 1, r.output
+    assert "empty_split" not in r.output, r.output
 
 
 def test_a_missing_split_file_and_one_of_the_wrong_shape_are_named(tmp_path):

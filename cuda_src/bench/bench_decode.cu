@@ -175,7 +175,7 @@ int run_decode(int argc, char** argv) {
     a.V = V.p;
     a.kv_stride = pool_rows * o.d;
     a.split_size = o.split_size ? o.split_size : decode_default_split_size(a);
-    a.splits = decode_split_count(a.max_k, a.split_size);
+    a.splits = split_count(a.max_k, a.split_size);
     const size_t rows = static_cast<size_t>(o.heads) * total_q;
     DeviceBuffer O_part(a.splits * rows * o.d), lse_part(a.splits * rows), O(rows * o.d), lse(rows);
     a.O_part = O_part.p;

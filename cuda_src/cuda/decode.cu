@@ -650,10 +650,6 @@ __global__ void split_stage_layout(const float* O_part, const float* lse_part, f
 
 bool decode_supported(int d) { return d == 16 || d == 32 || d == 64 || d == 128; }
 
-int decode_split_count(int max_k, int split_size) {
-    return std::max(1, static_cast<int>((static_cast<long long>(max_k) + split_size - 1) / split_size));
-}
-
 int decode_default_split_size(const DecodeArgs& a) {
     constexpr int kMinSplit = 256;  // keys: a split of fewer costs its partials more than it saves
     const int R = tile_rows_of(a);
@@ -684,7 +680,7 @@ const char* decode_kernel_name(Precision p) {
 // has its last splits empty (lse −inf, output 0), as the case's S counts them.
 void decode_forward(const DecodeArgs& a, cudaStream_t stream) {
     if (a.heads <= 0 || a.kv_heads <= 0 || a.heads % a.kv_heads || a.batch <= 0 || a.split_size <= 0 ||
-        a.splits < decode_split_count(a.max_k, a.split_size) || a.splits > kMaxGridYZ || a.kv_heads > kMaxGridYZ)
+        a.splits < split_count(a.max_k, a.split_size) || a.splits > kMaxGridYZ || a.kv_heads > kMaxGridYZ)
         fail(kExitInternal, where(__FILE__, __LINE__) + ": decode_forward: inconsistent arguments (heads=" +
                                 std::to_string(a.heads) + " kv_heads=" + std::to_string(a.kv_heads) +
                                 " split_size=" + std::to_string(a.split_size) + " splits=" + std::to_string(a.splits) + ")");

@@ -70,9 +70,6 @@ bool decode_supported(int d);
 // twice over, splits of at least one chunk of keys.
 int decode_default_split_size(const DecodeArgs& a);
 
-// ceil(max_k / split_size), at least 1.
-int decode_split_count(int max_k, int split_size);
-
 // The rows of a block's tile and the keys of a warp's chunk (run.toml's flash tiles).
 int decode_tile_rows(Precision p);
 int decode_chunk_keys(Precision p, int d);

@@ -38,7 +38,7 @@ def diagnose(stage: str, got: np.ndarray, want: np.ndarray, view: SplitSuspect, 
     """The split bugs that explain a failing split stage or combine."""
     with np.errstate(all="ignore"):
         if view.kind == "split":
-            return _empty_in_split(stage, got, view) + _boundaries(stage, got, want, view, width)
+            return _empty_in_split(stage, got, want, view) + _boundaries(stage, got, want, view, width)
         return _combine(stage, got, want, view, width)
 
 
@@ -48,14 +48,18 @@ def _cols(stage: str, view: SplitSuspect, got: np.ndarray) -> int:
     return got.shape[1] // max(1, len(view.references))
 
 
-def _empty_in_split(stage: str, got: np.ndarray, view: SplitSuspect) -> List[Diagnosis]:
-    """Rows that see no key of a split holding anything but 0 (output) or −inf (lse) there."""
+def _empty_in_split(stage: str, got: np.ndarray, want: np.ndarray, view: SplitSuspect) -> List[Diagnosis]:
+    """Rows that see no key of a split holding anything but 0 (output) or −inf (lse) there, while
+    every entry of a row that sees keys is right (else the keys a row sees are wrong, a mask bug,
+    which makes rows without keys hold values too)."""
     cols = _cols(stage, view, got)
     keyless = np.repeat(np.stack([r.keyless for r in view.references], axis=1), cols, axis=1)
-    want = SPECS[stage].keyless
     with np.errstate(invalid="ignore"):
-        bad = keyless & ~(got == want)
-    if not bad.any():
+        bad = keyless & ~(got == SPECS[stage].keyless)
+        if not bad.any():
+            return []
+        wrong = ~keyless & ~((np.abs(got - want) <= view.allowed) | (got == want))
+    if wrong.any():
         return []
     row, col = (int(i) for i in np.argwhere(bad)[0])
     split = col // cols

@@ -150,6 +150,9 @@ def case_sequences(folder: Path, fmt: str, dims: Dims, variant: Variant, count: 
     present = sequence_files(folder)
     packed = count is not None if manifest else bool(present.keys() & {CU_SEQLENS_Q, CU_SEQLENS_K, BLOCK_TABLE})
     paged = page_size is not None if manifest else BLOCK_TABLE in present
+    if not manifest and page_size is not None and not paged:
+        raise CaseError(f"{folder}: a page size ({page_size}) was given, but the case has no {BLOCK_TABLE} file, so it "
+                        f"is not paged; HINT: give no page size for it, or add its {BLOCK_TABLE}")
     for name, fmts in present.items():  # in SEQUENCE_FILES' order, as the binary looks
         shown = folder / sequence_file(name, sorted(fmts)[0])
         if not packed:

@@ -165,10 +165,9 @@ def split_sources(folder: Path, sources: Mapping[str, StageSource], dims: Dims, 
         beyond = sorted(p for p in found.get(stage, {}).get(fmt, []) if p[1] >= dims.splits)
         if beyond:
             head, split = beyond[0]
-            raise CaseError(f"{folder / stage_file(stage, head, fmt, split=split)}: split {split}, but splitting "
-                            f"{plural(dims.seq_k, 'key')} {dims.split_size} per split makes "
-                            f"{plural(dims.splits, 'split')} (0..{dims.splits - 1}); HINT: the split size the program "
-                            f"used? {SPLIT_SIZE_HINT}")
+            raise CaseError(f"{folder / stage_file(stage, head, fmt, split=split)}: split {split}, but {dims.split_size} "
+                            f"keys per split makes {plural(dims.splits, 'split')} (0..{dims.splits - 1}) of the "
+                            f"longest row's keys; HINT: the split size the program used? {SPLIT_SIZE_HINT}")
         out[stage] = SplitSource(stage, folder, stage_file(stage, 0, fmt, split=0), fmt=fmt)
     return {s: out[s] for s in STAGES if s in out}
 

@@ -24,7 +24,7 @@ TANH_ULPS = 2.0
 
 # tanh.approx.f32 (PTX ISA: maximum relative error 2^-10.987), which flash-attn's softcap calls
 # through cutlass::fast_tanh, and so does the half-precision wgmma kernel (tanh_approx in
-# cuda_src/cuda/flash_common.cuh): the error of t it may make, relative.
+# cuda_src/cuda/flash_scores.cuh): the error of t it may make, relative.
 TANH_APPROX_REL = 2.0**-10.987
 
 
