@@ -253,5 +253,5 @@ def is_decode_results(results: dict) -> bool:
     return isinstance(results, dict) and results.get("tool") == DECODE_TOOL
 
 
-__all__ = ["COPY_FRACTION_GOAL", "DECODE_SHAPES", "DecodeShape", "GOALS_PRESET", "SDPA_RATIO_GOAL", "collect_decode", "decode_binary_args", "decode_goal_records", "decode_table",
-           "is_decode_results", "parse_decode_json", "run_decode_binary", "sdpa_decode_runs", "time_sdpa_decode"]
+__all__ = ["COPY_FRACTION_GOAL", "DECODE_SHAPES", "DecodeShape", "GOALS_PRESET", "SDPA_RATIO_GOAL", "collect_decode",
+           "decode_binary_args", "decode_goal_records", "decode_table", "is_decode_results", "parse_decode_json", "run_decode_binary", "sdpa_decode_runs", "time_sdpa_decode"]
