@@ -44,6 +44,7 @@ constexpr int kStages = 3;         // chunks in flight per warp
 constexpr int kChunkBytes = 4096;  // of K (and of V) per chunk, unless a row is under 128 bytes
 constexpr int kSmallTile = 4, kLargeTile = 16;  // rows per block: a decode step's group, or more
 constexpr int kBlocksPerSmTarget = 2;
+constexpr int kMinComputeCapability = 80;  // cp.async and the 16-bit mma.sync
 
 // The input formats (F32: how its values read as float32, for the CUDA-core kernel).
 struct F32 {
@@ -344,7 +345,8 @@ __global__ void __launch_bounds__(kThreads) decode_split_kernel(const DecodeArgs
 }
 
 // ---------------------------------------------------------------------------------------------
-// The half formats on tensor cores: mma.sync m16n8k16 with the tile's rows as M (16, padded), as
+// The half formats on tensor cores (like cp.async, sm_80 and newer: on an older target these compile
+// to nothing, and decode_forward refuses the GPU): mma.sync m16n8k16 with the tile's rows as M (16, padded), as
 // FlashAttention-2 computes a 16-row slice: S = Q·Kᵀ from K read by ldmatrix, the online softmax
 // on S's fragments, P rounded to the format (as the flash kernels round it) and O += P·V from V
 // read by ldmatrix.trans. Q's fragments stay in registers for the whole split.
@@ -352,24 +354,31 @@ __global__ void __launch_bounds__(kThreads) decode_split_kernel(const DecodeArgs
 template <class Fmt> struct MmaOp;
 template <> struct MmaOp<B16> {
     static __device__ __forceinline__ void run(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+#ifndef ATTNSTEP_NO_CP_ASYNC
         asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
                      "{%0,%1,%2,%3};\n"
                      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
                      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
     }
     static __device__ __forceinline__ uint32_t pack(float lo, float hi) { return Bf16::pack(lo, hi); }
 };
 template <> struct MmaOp<H16> {
     static __device__ __forceinline__ void run(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+#ifndef ATTNSTEP_NO_CP_ASYNC
         asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
                      "{%0,%1,%2,%3};\n"
                      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
                      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
     }
     static __device__ __forceinline__ uint32_t pack(float lo, float hi) { return Fp16::pack(lo, hi); }
 };
 
 __device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void* p, bool trans) {
+#ifdef ATTNSTEP_NO_CP_ASYNC
+    r[0] = r[1] = r[2] = r[3] = 0;  // never launched there (decode_forward checks the GPU)
+#else
     const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(p));
     if (trans)
         asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
@@ -377,6 +386,7 @@ __device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void* p, bool tr
     else
         asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                      : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+#endif
 }
 
 template <int D>
@@ -684,6 +694,11 @@ void decode_forward(const DecodeArgs& a, cudaStream_t stream) {
         fail(kExitInternal, where(__FILE__, __LINE__) + ": decode_forward: inconsistent arguments (heads=" +
                                 std::to_string(a.heads) + " kv_heads=" + std::to_string(a.kv_heads) +
                                 " split_size=" + std::to_string(a.split_size) + " splits=" + std::to_string(a.splits) + ")");
+    if (device_compute_capability() < kMinComputeCapability)
+        fail(kExitBadInput, "--split-size: the CUDA split kernel needs compute capability 8.0 or newer (cp.async, "
+                            "mma.sync), this GPU has " + std::to_string(device_compute_capability() / 10) + "." +
+                                std::to_string(device_compute_capability() % 10),
+             "use --backend cpu, which computes the split stages");
     if (a.total_q > 0) {
         if (a.precision == Precision::bf16) launch_width<B16>(a, stream);
         else if (a.precision == Precision::fp16) launch_width<H16>(a, stream);
