@@ -34,7 +34,7 @@ from verify.variant import BOTTOM_RIGHT, PER_HEAD, TOP_LEFT, Variant, alibi_slop
 
 f32 = np.float32
 N, M, D = 37, 53, 24
-COMPUTED = [s for s in STAGES if STAGES[s].inputs]            # every stage but the echoes
+COMPUTED = [s for s in STAGES if STAGES[s].inputs and not STAGES[s].split]  # but the echoes and splits
 FLASH = (FLASH_OUTPUT, FLASH_LSE, FLASH_GRAD_QUERIES, FLASH_GRAD_KEYS, FLASH_GRAD_VALUES)
 HEADROOM: Dict[str, float] = {}                               # case/route -> largest fraction of a bound
 

@@ -19,6 +19,7 @@
 #include <numeric>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "../backend.h"
@@ -120,6 +121,95 @@ int* upload(const std::vector<T>& host, Bytes& dev) {
     return static_cast<int*>(dev.p);
 }
 
+// The paged cache of a run: its pages' order (the block table, row-major), its shape, the seeds.
+struct Cache {
+    std::vector<int> order;
+    int pages_per_seq = 0;
+    long long pool_rows = 0, total_q = 0;
+    uint64_t seed_q = 0, seed_k = 0, seed_v = 0;
+    long long row(const DecodeOptions& o, int b, int j) const {
+        return static_cast<long long>(order[static_cast<size_t>(b) * pages_per_seq + j / o.page_size]) * o.page_size +
+               j % o.page_size;
+    }
+};
+
+struct Errors {
+    double output = 0, lse = 0;
+};
+
+// The float64 check: sampled sequences, every query head, every query (bottom-right), against the
+// cache recomputed on the host from the same generator.
+Errors sampled_errors(const DecodeOptions& o, const Cache& c, float scale, const std::vector<float>& out,
+                      const std::vector<float>& out_lse) {
+    Errors err;
+    const int group = o.heads / o.kv_heads;
+    for (int si = 0; si < std::min(o.check_sequences, o.batch); ++si) {
+        const int b = si * (o.batch - 1) / std::max(1, o.check_sequences - 1);
+        for (int h = 0; h < o.heads; ++h) {
+            const long long kv = static_cast<long long>(h / group) * c.pool_rows;
+            for (int i = 0; i < o.queries; ++i) {
+                const long long qrow = static_cast<long long>(h) * c.total_q + static_cast<long long>(b) * o.queries + i;
+                const int visible = std::min(o.cache_len, o.cache_len - o.queries + i + 1);
+                std::vector<double> s(visible);
+                double mx = -INFINITY;
+                for (int j = 0; j < visible; ++j) {
+                    double dot = 0;
+                    for (int e = 0; e < o.d; ++e)
+                        dot += static_cast<double>(input_value(qrow * o.d + e, c.seed_q, o.precision)) *
+                               input_value((kv + c.row(o, b, j)) * o.d + e, c.seed_k, o.precision);
+                    s[j] = dot * scale;
+                    mx = std::max(mx, s[j]);
+                }
+                double l = 0;
+                std::vector<double> acc(o.d, 0.0);
+                for (int j = 0; j < visible; ++j) {
+                    const double p = std::exp(s[j] - mx);
+                    l += p;
+                    for (int e = 0; e < o.d; ++e)
+                        acc[e] += p * input_value((kv + c.row(o, b, j)) * o.d + e, c.seed_v, o.precision);
+                }
+                for (int e = 0; e < o.d; ++e) err.output = std::max(err.output, std::fabs(acc[e] / l - out[qrow * o.d + e]));
+                err.lse = std::max(err.lse, std::fabs(mx + std::log(l) - out_lse[qrow]));
+            }
+        }
+    }
+    return err;
+}
+
+struct Measured {
+    double kernel_ms, copy_ms, kv_bytes, kernel_gbps, copy_gbps;
+};
+
+// The lines printed and the JSON (--json).
+void report(const DecodeOptions& o, const DecodeArgs& a, const Measured& m, const Errors& err) {
+    const double kernel_ms = m.kernel_ms, copy_ms = m.copy_ms, kv_bytes = m.kv_bytes, kernel_gbps = m.kernel_gbps,
+                 copy_gbps = m.copy_gbps, max_err_o = err.output, max_err_lse = err.lse;
+    cudaDeviceProp prop;
+    int dev = 0;
+    CUDA_CHECK(cudaGetDevice(&dev));
+    CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
+    std::printf("decode: %s, batch %d, heads %d, kv_heads %d, cache %d, page %d, d %d, %s, queries %d, splits %d "
+                "of %d keys\n",
+                prop.name, o.batch, o.heads, o.kv_heads, o.cache_len, o.page_size, o.d, precision_name(o.precision),
+                o.queries, a.splits, a.split_size);
+    std::printf("  kernel %.4f ms, %.1f GB/s of K/V read\n", kernel_ms, kernel_gbps);
+    std::printf("  copy   %.4f ms, %.1f GB/s read + written\n", copy_ms, copy_gbps);
+    std::printf("  fraction of the copy's bandwidth %.3f\n", kernel_gbps / copy_gbps);
+    std::printf("  float64 check of %d sequences: max |error| O %.3g, lse %.3g\n", std::min(o.check_sequences, o.batch),
+                max_err_o, max_err_lse);
+    if (!o.json.empty()) {
+        std::ofstream f(o.json);
+        f << "{\"device\": \"" << prop.name << "\", \"batch\": " << o.batch << ", \"heads\": " << o.heads
+          << ", \"kv_heads\": " << o.kv_heads << ", \"cache_len\": " << o.cache_len << ", \"page_size\": " << o.page_size
+          << ", \"d\": " << o.d << ", \"precision\": \"" << precision_name(o.precision) << "\", \"queries\": " << o.queries
+          << ", \"splits\": " << a.splits << ", \"split_size\": " << a.split_size << ", \"kernel_ms\": " << kernel_ms
+          << ", \"kv_bytes\": " << static_cast<long long>(kv_bytes) << ", \"kernel_gbps\": " << kernel_gbps << ", \"copy_ms\": " << copy_ms
+          << ", \"copy_gbps\": " << copy_gbps << ", \"fraction_of_copy\": " << kernel_gbps / copy_gbps
+          << ", \"max_error_output\": " << max_err_o << ", \"max_error_lse\": " << max_err_lse << "}\n";
+        if (!f) fail(kExitBadInput, "--bench-decode: cannot write " + o.json);
+    }
+}
+
 }  // namespace
 
 int run_decode(int argc, char** argv) {
@@ -155,14 +245,10 @@ int run_decode(int argc, char** argv) {
 
     DecodeArgs a;
     a.precision = o.precision;
-    a.heads = o.heads;
-    a.kv_heads = o.kv_heads;
-    a.d = o.d;
+    std::tie(a.heads, a.kv_heads, a.d) = std::tie(o.heads, o.kv_heads, o.d);
     a.scale = 1.f / std::sqrt(static_cast<float>(o.d));
-    a.batch = o.batch;
+    std::tie(a.batch, a.max_q, a.max_k) = std::tie(o.batch, o.queries, o.cache_len);
     a.total_q = static_cast<int>(total_q);
-    a.max_q = o.queries;
-    a.max_k = o.cache_len;
     a.cu_q = upload(cu_q, cu_q_d);
     a.seqlen_k = upload(seqlen, seqlen_d);
     a.block_table = upload(order, table_d);
@@ -170,9 +256,7 @@ int run_decode(int argc, char** argv) {
     a.page_size = o.page_size;
     a.bottom_right = true;  // a decode step's queries are the last keys' (speculative decoding)
     a.right = 0;
-    a.Q = Q.p;
-    a.K = K.p;
-    a.V = V.p;
+    std::tie(a.Q, a.K, a.V) = std::make_tuple(Q.p, K.p, V.p);
     a.kv_stride = pool_rows * o.d;
     a.split_size = o.split_size ? o.split_size : decode_default_split_size(a);
     a.splits = split_count(a.max_k, a.split_size);
@@ -201,67 +285,9 @@ int run_decode(int argc, char** argv) {
     std::vector<float> out(rows * o.d), out_lse(rows);
     CUDA_CHECK(cudaMemcpy(out.data(), O.p, out.size() * sizeof(float), cudaMemcpyDeviceToHost));
     CUDA_CHECK(cudaMemcpy(out_lse.data(), lse.p, out_lse.size() * sizeof(float), cudaMemcpyDeviceToHost));
-    double max_err_o = 0, max_err_lse = 0;
-    const int group = o.heads / o.kv_heads;
-    for (int si = 0; si < std::min(o.check_sequences, o.batch); ++si) {
-        const int b = si * (o.batch - 1) / std::max(1, o.check_sequences - 1);
-        for (int h = 0; h < o.heads; ++h) {
-            const int g = h / group;
-            for (int i = 0; i < o.queries; ++i) {
-                const long long qrow = static_cast<long long>(h) * total_q + cu_q[b] + i;
-                const int visible = std::min(o.cache_len, o.cache_len - o.queries + i + 1);
-                std::vector<double> s(visible);
-                double mx = -INFINITY;
-                for (int j = 0; j < visible; ++j) {
-                    const long long row = static_cast<long long>(order[static_cast<size_t>(b) * pages_per_seq + j / o.page_size]) *
-                                              o.page_size + j % o.page_size;
-                    double dot = 0;
-                    for (int e = 0; e < o.d; ++e)
-                        dot += static_cast<double>(input_value(qrow * o.d + e, seed_q, o.precision)) *
-                               input_value((g * pool_rows + row) * o.d + e, seed_k, o.precision);
-                    s[j] = dot * a.scale;
-                    mx = std::max(mx, s[j]);
-                }
-                double l = 0;
-                std::vector<double> acc(o.d, 0.0);
-                for (int j = 0; j < visible; ++j) {
-                    const long long row = static_cast<long long>(order[static_cast<size_t>(b) * pages_per_seq + j / o.page_size]) *
-                                              o.page_size + j % o.page_size;
-                    const double p = std::exp(s[j] - mx);
-                    l += p;
-                    for (int e = 0; e < o.d; ++e) acc[e] += p * input_value((g * pool_rows + row) * o.d + e, seed_v, o.precision);
-                }
-                for (int e = 0; e < o.d; ++e)
-                    max_err_o = std::max(max_err_o, std::fabs(acc[e] / l - out[qrow * o.d + e]));
-                max_err_lse = std::max(max_err_lse, std::fabs(mx + std::log(l) - out_lse[qrow]));
-            }
-        }
-    }
-
-    cudaDeviceProp prop;
-    int dev = 0;
-    CUDA_CHECK(cudaGetDevice(&dev));
-    CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
-    std::printf("decode: %s, batch %d, heads %d, kv_heads %d, cache %d, page %d, d %d, %s, queries %d, splits %d "
-                "of %d keys\n",
-                prop.name, o.batch, o.heads, o.kv_heads, o.cache_len, o.page_size, o.d, precision_name(o.precision),
-                o.queries, a.splits, a.split_size);
-    std::printf("  kernel %.4f ms, %.1f GB/s of K/V read\n", kernel_ms, kernel_gbps);
-    std::printf("  copy   %.4f ms, %.1f GB/s read + written\n", copy_ms, copy_gbps);
-    std::printf("  fraction of the copy's bandwidth %.3f\n", kernel_gbps / copy_gbps);
-    std::printf("  float64 check of %d sequences: max |error| O %.3g, lse %.3g\n", std::min(o.check_sequences, o.batch),
-                max_err_o, max_err_lse);
-    if (!o.json.empty()) {
-        std::ofstream f(o.json);
-        f << "{\"device\": \"" << prop.name << "\", \"batch\": " << o.batch << ", \"heads\": " << o.heads
-          << ", \"kv_heads\": " << o.kv_heads << ", \"cache_len\": " << o.cache_len << ", \"page_size\": " << o.page_size
-          << ", \"d\": " << o.d << ", \"precision\": \"" << precision_name(o.precision) << "\", \"queries\": " << o.queries
-          << ", \"splits\": " << a.splits << ", \"split_size\": " << a.split_size << ", \"kernel_ms\": " << kernel_ms
-          << ", \"kv_bytes\": " << static_cast<long long>(kv_bytes) << ", \"kernel_gbps\": " << kernel_gbps << ", \"copy_ms\": " << copy_ms
-          << ", \"copy_gbps\": " << copy_gbps << ", \"fraction_of_copy\": " << kernel_gbps / copy_gbps
-          << ", \"max_error_output\": " << max_err_o << ", \"max_error_lse\": " << max_err_lse << "}\n";
-        if (!f) fail(kExitBadInput, "--bench-decode: cannot write " + o.json);
-    }
+    const Cache cache{order, pages_per_seq, pool_rows, total_q, seed_q, seed_k, seed_v};
+    const Errors err = sampled_errors(o, cache, a.scale, out, out_lse);
+    report(o, a, Measured{kernel_ms, copy_ms, kv_bytes, kernel_gbps, copy_gbps}, err);
     CUDA_CHECK(cudaStreamDestroy(stream));
     return kExitOk;
 }

@@ -171,9 +171,8 @@ FlashPlan CudaBackend::flash_plan(const Problem& p) const {
 }
 
 // The forward's kernels where the dispatcher has a half variant for the problem (wgmma, on compute
-// capability 9.0, or the split kernel in a run that splits); the flash backward has none.
+// capability 9.0, or in a run that splits the decode kernel, which has every width).
 StageSet CudaBackend::half_flash_stages(const Problem& p) const {
-    // A run that splits takes the decode kernel (flash_splits.cu), which has every width.
     if (p.split_size > 0 && flash_supported(p.dims)) return StageSet::flash().minus(StageSet::backward());
     if (!flash_supported(p.dims) || !flash_forward_available(flash_args(p))) return {};
     return StageSet::flash().minus(StageSet::backward());
@@ -189,8 +188,8 @@ size_t CudaBackend::working_bytes_per_head(const Problem& p, StageSet computed) 
     }
     if (computed.any_flash() && flash_supported(p.dims) && p.split_size == 0)
         bytes += flash_workspace_bytes_per_head(flash_args(p));
-    // The split kernel's partials (flash_splits.cu), beside the split stages' own buffers.
-    if (p.split_size > 0) bytes += static_cast<size_t>(p.dims.splits) * p.dims.N * (p.dims.dv + 1) * sizeof(float);
+    else if (p.split_size > 0)  // the split kernel's partials (flash_splits.cu)
+        bytes += static_cast<size_t>(p.dims.splits) * p.dims.N * (p.dims.dv + 1) * sizeof(float);
     if (computed.has(Stage::flash_dQ) && flash_supported(p.dims))
         bytes += flash_backward_workspace_bytes_per_head(flash_bwd_args(p));
     if (needs_half_operands(p, computed)) bytes += 2 * (half_operand_bytes(p.dims, 1) + kBufferAlign);
