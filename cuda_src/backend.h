@@ -17,6 +17,8 @@
 
 namespace attnstep {
 
+struct Sequences;
+
 // What the GEMMs compute in (--precision; verify/stages.py's PRECISIONS is the Python twin).
 // fp32 and tf32 keep every value float32 (tf32 rounds the GEMM operands as tensor cores read them);
 // bf16 and fp16 are the half pipelines: inputs and every stage value but the row statistics
@@ -82,6 +84,10 @@ struct Problem {
     Precision precision = Precision::fp32;
     bool poison = false;       // pre-fill outputs with NaN so unwritten elements show
     FlashKernel flash_kernel = FlashKernel::automatic;
+    // A packed case computed in one call (Backend::computes_packed): the sequences, whose rows the
+    // group's matrices hold packed, attention within each. Null: a dense problem (a packed case's
+    // sequences are then each one, packed_run.h).
+    const Sequences* sequences = nullptr;
     // Keys per split of the split-KV (flash-decoding) stages, --split-size / run.toml split_size;
     // 0: the run does not split, and has no split stages. dims.splits is then split_count().
     int split_size = 0;
@@ -161,6 +167,13 @@ public:
     // Computes every stage in `computed` for the group into group.out. Throws attnstep::Error.
     virtual void compute(const Problem& p, StageSet computed, HeadGroup& group,
                          StageTimes* times) = 0;
+    // Whether it computes a packed case's group in one call, p.sequences set and the group's
+    // matrices packed, rather than one dense problem per sequence (packed_run.h): where it has a
+    // kernel that reads the sequences' rows itself.
+    virtual bool computes_packed(const Problem& p, const Sequences& seqs, StageSet computed) const {
+        (void)p, (void)seqs, (void)computed;
+        return false;
+    }
 };
 
 std::unique_ptr<Backend> make_cpu_backend();

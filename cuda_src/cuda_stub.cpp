@@ -24,4 +24,9 @@ int run_decode_bench(int, char**) {
          std::string(kHowToBuildCuda) + "; run it on a machine with a GPU");
 }
 
+int run_varlen_bench(int, char**) {
+    fail(kExitBadInput, "--bench-varlen: bench needs a CUDA build and a GPU",
+         std::string(kHowToBuildCuda) + "; run it on a machine with a GPU");
+}
+
 }  // namespace attnstep

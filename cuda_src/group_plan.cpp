@@ -84,7 +84,12 @@ size_t kv_stage_bytes(const Dims& d, StageSet written) {
 GroupPlan plan_groups(const Options& o, const Problem& p, StageSet computed, const Backend& be, const Sequences* seqs) {
     GroupPlan g;
     size_t cap = o.max_memory_mb > 0 ? static_cast<size_t>(o.max_memory_mb) * kMiB : SIZE_MAX;
-    if (seqs && seqs->packed()) {  // no mask or bias files in a packed case
+    if (seqs && seqs->packed() && be.computes_packed(p, *seqs, computed)) {  // one call per group
+        Problem whole = p;
+        whole.sequences = seqs;
+        g.host_per_head = input_bytes_per_head(p.dims, computed) + stage_bytes_per_head(p.dims, computed);
+        g.work_per_head = be.working_bytes_per_head(whole, computed);
+    } else if (seqs && seqs->packed()) {  // no mask or bias files in a packed case
         const SequenceBytes most = largest_sequence(p, computed, be, *seqs);
         const StageSet packed_stages = computed.minus(StageSet::where(is_score_stage));
         g.host_per_head = input_bytes_per_head(p.dims, computed) + stage_bytes_per_head(p.dims, packed_stages) + most.host;

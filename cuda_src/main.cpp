@@ -234,8 +234,8 @@ StageSet select_stages(const Options& o, const InputCase& c) {
 // Plans the head groups, then per group reads the inputs (the variant's too), computes and writes
 // the stage files into rs.out_dir: the query heads' after each group, a K/V head's when its last
 // query head is computed (KvStageSum); run.toml last.
-// A packed case (in.packed()) is computed sequence by sequence within each group (packed_run.h):
-// its score stages are written per sequence as each is computed, the other stages over the packed
+// A packed case (in.packed()) is computed sequence by sequence within each group, or in one call
+// where the backend has a kernel for it (packed_run.h): its score stages are written per sequence as each is computed, the other stages over the packed
 // tokens with the group.
 void compute_and_write(const Options& o, const Problem& p, const InputCase& in, VariantInputs& variant_inputs,
                        Backend& be, StageSet written, StageSet computed, RunState& rs) {
@@ -339,6 +339,7 @@ int main(int argc, char** argv) {
     using namespace attnstep;
     try {
         if (wants("--bench-decode", argc, argv)) return run_decode_bench(argc, argv);
+        if (wants("--bench-varlen", argc, argv)) return run_varlen_bench(argc, argv);
         if (wants("--bench", argc, argv)) return run_bench(argc, argv);
         return run(argc, argv);
     } catch (const Error& e) {

@@ -103,6 +103,12 @@ void PackedRun::fill_unread_rows(HeadGroup& g) const {
 }
 
 void PackedRun::compute(Backend& be, HeadGroup& g, StageTimes* times, const SequenceStageWriter& write) {
+    if (be.computes_packed(p_, seqs_, computed_)) {  // every row is some sequence's: nothing to fill
+        Problem whole = p_;
+        whole.sequences = &seqs_;
+        be.compute(whole, computed_, g, times);
+        return;
+    }
     const Dims& d = p_.dims;
     fill_unread_rows(g);
     const GroupInputs inputs(g);

@@ -12,6 +12,10 @@
 // they are without one: the inputs' echoes and KT as read, 0 for the rest (the gradients of padding
 // keys and of keys no query reads; the output, D and dQ of queries that see no key) and lse -inf.
 // The score stages (N×M) are handed out per sequence, n(b) × m(b), to be written one file each.
+//
+// A backend that has a kernel reading the sequences' rows itself (Backend::computes_packed: the
+// CUDA backend's half-precision flash forward on Hopper) computes the group in one call instead,
+// Problem::sequences set: one launch for the whole batch, as a varlen kernel runs.
 #pragma once
 
 #include <functional>
@@ -33,6 +37,7 @@ public:
     Problem sequence_problem(int b) const;
     // Computes group g: its inputs hold the group's heads over the packed tokens, g.out every
     // computed stage but the score stages, at the packed dims; the written score stages go to write.
+    // In one backend call where the backend computes the case packed, else sequence by sequence.
     void compute(Backend& be, HeadGroup& g, StageTimes* times, const SequenceStageWriter& write);
 
 private:

@@ -4,7 +4,7 @@
 # (memcheck, racecheck), the large bounded-memory cases, and the benchmarks.
 #
 #   scripts/gpu_check.sh [build] [tests] [gputests] [alarms] [sdpa] [xcheck] [demo] [example] [sanitize|memcheck|racecheck]
-#                        [large] [bigbwd] [bench] [halfbench] [decode] [sweep]
+#                        [large] [bigbwd] [bench] [halfbench] [decode] [varlen] [sweep]
 #                        (default: build tests demo example sanitize large bigbwd bench halfbench)
 #   tests: the whole suite; gputests: only the tests marked gpu, false-alarm sweep aside; alarms:
 #   the CUDA false-alarm sweep alone (fp32 with each flash kernel, tf32, bf16, fp16); sdpa:
@@ -29,6 +29,9 @@
 #   decode: the paged decode kernel's goals (attnstep bench --decode goals: B 64, H 32, Hk 8, d 128,
 #   bf16, caches of 8192 and 32768 keys in pages of 64) against a device copy and PyTorch SDPA on the
 #   gathered cache; into $OUT/bench_decode.json; DECODE_BENCH_ARGS="--reps 50" adds options.
+#   varlen: the packed (varlen) prefill goal: main --bench-varlen (65536 tokens in sequences of
+#   random length 1..8192, 16 heads, d 128, bf16, causal) against the dense kernel at the mean
+#   length, goal >= 0.90 of its TFLOP/s; then d 64 and fp16; into $OUT/bench_varlen*.json.
 #   sweep: the d × N table (attnstep sweep), CSV/JSON/PNG into $OUT; SWEEP_ARGS="--d 64"
 #   narrows it.
 #
@@ -222,6 +225,26 @@ fi
 if want decode; then
     step decode $ATTNSTEP bench --decode goals --binary $BUILD/main --json "$OUT/bench_decode.json" ${DECODE_BENCH_ARGS:-}
     tail -n 20 "$OUT/decode.log"
+fi
+
+if want varlen; then
+    varlen() {
+        local rc=0 args
+        for args in "" "--d 64" "--precision fp16"; do
+            local json="$OUT/bench_varlen$(echo "$args" | tr -d ' -').json"
+            $BUILD/main --bench-varlen $args --reps 20 --json "$json" || rc=1
+            # The goal is the bf16 d128 row's; the others are reported.
+            python3 - "$json" "$args" <<'PY' || rc=1
+import json, sys
+ratio = json.load(open(sys.argv[1]))["ratio"]
+print("goal (packed >= 0.90 of dense TFLOP/s): %.3f, %s" % (ratio, "met" if ratio >= 0.90 else "MISSED"))
+sys.exit(0 if ratio >= 0.90 or sys.argv[2] else 1)
+PY
+        done
+        return $rc
+    }
+    step varlen varlen
+    grep -hE "^varlen|packed|dense|goal" "$OUT/varlen.log"
 fi
 
 if want sweep; then

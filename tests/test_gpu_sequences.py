@@ -119,12 +119,36 @@ def _write(program: str, in_dir: Path, out_dir: Path, precision: str = PRECISION
 
 # ---- packed cases ----------------------------------------------------------------------------------
 
+# Packed cases the CUDA backend computes in one launch at a half precision on Hopper (the flash
+# forward's stages alone, keys in slots, no mask or the causal one within every sequence): long and
+# one-token sequences, GQA, keys padded past seqused_k, sequences without queries or keys, a
+# bottom-right mask where every sequence has as many keys as queries. --poison leaves NaN in any
+# row the launch does not write.
+ONE_LAUNCH = {
+    "causal-d128-bf16": ("bf16", ("--heads", "4", "--kv-heads", "2", "--random-seqlens", "9,700", "--causal",
+                                  "--d-k", "128", "--d-v", "128")),
+    "no-mask-padded-fp16": ("fp16", ("--heads", "2", "--seqlens", "0,130,1,257,40", "--seqlens-k", "5,200,0,300,40",
+                                     "--seqused-k", "5,150,0,300,31", "--no-causal")),
+    "bottom-right-square-bf16": ("bf16", ("--heads", "3", "--seqlens", "64,1,200,129", "--causal", "bottom-right")),
+}
+
 @pytest.mark.parametrize("case", PACKED)
 def test_the_cuda_backend_passes_a_packed_case(binary, tmp_path, case):
     in_dir = _generate(tmp_path / "in", PACKED[case], backward=True)
     res = run_binary(binary, in_dir, tmp_path / "out", backend="cuda", check=False, extra=["--poison"])
     assert res.returncode == 0, res.stderr
     report = _check(in_dir, tmp_path / "out")  # the run's precision and variant from its run.toml
+    assert report["exit_code"] == 0 and report["passed"], _failures(report)
+
+
+@pytest.mark.parametrize("case", ONE_LAUNCH)
+def test_the_cuda_backend_passes_a_packed_case_in_one_launch(binary, tmp_path, case):
+    precision, options = ONE_LAUNCH[case]
+    in_dir = _generate(tmp_path / "in", options)
+    res = run_binary(binary, in_dir, tmp_path / "out", backend="cuda", check=False,
+                     extra=["--precision", precision, "--stages", "flash", "--poison"])
+    assert res.returncode == 0, res.stderr
+    report = _check(in_dir, tmp_path / "out")
     assert report["exit_code"] == 0 and report["passed"], _failures(report)
 
 

@@ -13,4 +13,8 @@ int run_bench(int argc, char** argv);
 // `main --bench-decode ...`: the split-KV decode kernel on a paged cache (bench/bench_decode.cu).
 int run_decode_bench(int argc, char** argv);
 
+// `main --bench-varlen ...`: the flash forward on a packed batch of random lengths beside a dense
+// batch at their mean length (bench/bench_varlen.cu).
+int run_varlen_bench(int argc, char** argv);
+
 }  // namespace attnstep

@@ -1,16 +1,15 @@
 // backend_cuda.cu — the CUDA backend: computes a group of heads stage by stage on the GPU, each
 // stage by its function in cuda_stages.cu (cuBLAS GEMMs of gemm.cu, the kernels of kernels.cu and
 // backward_kernels.cu, the flash forward of flash_dispatch.cu, the flash backward of flash_bwd.cu);
-// this file is the backend around them: device memory, uploads, timing and the dispatch.
-// Built by CMake when a CUDA toolkit is found (ATTNSTEP_HAVE_CUDA=1); run with
-// `build/main --in data/random_test --out data/random_verify --backend cuda`; checked on a GPU by
-// scripts/gpu_check.sh and tests/test_gpu_backend.py.
+// this file is the backend around them: device memory, uploads, timing and the dispatch. Built by
+// CMake when a CUDA toolkit is found (ATTNSTEP_HAVE_CUDA=1); run with `build/main --in data/random_test
+// --out data/random_verify --backend cuda`; checked on a GPU by scripts/gpu_check.sh.
 //
-// Per group: Q, K, V (and dO for the backward) are copied host -> device once, each stage in `computed` runs on one stream
-// (timed with a pair of CUDA events), and each computed stage is copied back to group.out[s].
-// Device memory is one arena, carved into one buffer per stage and kept between groups (it only
-// grows), so a run of equal groups allocates once. The first group of each size runs its stages
-// once untimed first, so that kernel loading stays out of the stage times.
+// Per group: Q, K, V (and dO for the backward) are copied host -> device once, each stage in `computed`
+// runs on one stream (timed with a pair of CUDA events), and each computed stage is copied back to
+// group.out[s]. Device memory is one arena, carved into one buffer per stage and kept between groups (it
+// only grows), so a run of equal groups allocates once. The first group of each size runs its stages once
+// untimed first, so that kernel loading stays out of the stage times.
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
@@ -104,6 +103,7 @@ public:
     size_t working_bytes_per_head(const Problem& p, StageSet computed) const override;
     size_t available_bytes() const override;
     void compute(const Problem& p, StageSet computed, HeadGroup& group, StageTimes* times) override;
+    bool computes_packed(const Problem& p, const Sequences& s, StageSet c) const override { return packed_flash_available(p, s, c); }
 
 private:
     DeviceBuffers carve_buffers(const Problem& p, StageSet computed, int heads);

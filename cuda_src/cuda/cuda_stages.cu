@@ -5,6 +5,7 @@
 #include <string>
 
 #include "../common.h"
+#include "../sequences.h"
 #include "cuda_stages.cuh"
 #include "half.cuh"
 #include "kernels.cuh"
@@ -16,10 +17,16 @@ namespace {
 
 // The arguments both flash passes share, of a whole problem, without buffers. `causal` is the
 // plain top-left mask alone (FlashProblem): any other rule is the variant's.
+// A packed batch's mask lies within each sequence, where the backend takes it only as the plain
+// kind (CudaBackend::computes_packed): its rule is made as a dense problem's with no offset.
 FlashProblem flash_problem(const Problem& p) {
-    const DeviceVariant v = make_device_variant(p);
-    return FlashProblem{nullptr, nullptr, nullptr, p.dims.total_heads(), p.dims.N, p.dims.M, p.dims.dk,
-                        p.scale, !v.beyond_plain() && v.top_left_causal(), p.precision, v};
+    Problem rule_of = p;
+    if (p.sequences) rule_of.dims.M = rule_of.dims.N;
+    const DeviceVariant v = make_device_variant(rule_of);
+    FlashProblem f{nullptr, nullptr, nullptr, p.dims.total_heads(), p.dims.N, p.dims.M, p.dims.dk,
+                   p.scale, !v.beyond_plain() && v.top_left_causal(), p.precision, v};
+    f.sequences = p.sequences;
+    return f;
 }
 
 // Whether the stage path runs kernels.cuh's plain kernels (no mask, or the top-left causal one,
@@ -55,6 +62,26 @@ FlashArgs flash_args(const Problem& p) {
     FlashArgs a{flash_problem(p)};
     a.kernel = p.flash_kernel;
     return a;
+}
+
+bool packed_flash_available(const Problem& p, const Sequences& seqs, StageSet computed) {
+    for (int i = 0; i < kNumStages; ++i) {
+        const Stage s = static_cast<Stage>(i);
+        if (computed.has(s) && !is_input_echo(s) && s != Stage::flash_output && s != Stage::flash_lse) return false;
+    }
+    if (seqs.paged() || p.split_size > 0 || !flash_supported(p.dims)) return false;
+    // The plain masks within every sequence: none, or causal with the diagonal at key r in each (a
+    // bottom-right one where each sequence has as many keys as queries).
+    const Variant& v = p.variant;
+    if (v.modifies_scores() || v.mask != Coverage::none || v.dropout > 0.f || v.window_left != kUnbounded ||
+        (!v.causal && v.window_right != kUnbounded))
+        return false;
+    if ((v.causal || p.causal) && v.align == Align::bottom_right)
+        for (int b = 0; b < seqs.count(); ++b)
+            if (seqs.computed(b) && seqs.n(b) != seqs.m(b)) return false;
+    Problem packed = p;
+    packed.sequences = &seqs;
+    return flash_forward_available(flash_args(packed));
 }
 
 FlashBwdArgs flash_bwd_args(const Problem& p) { return FlashBwdArgs{flash_problem(p)}; }

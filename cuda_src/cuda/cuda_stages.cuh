@@ -78,6 +78,11 @@ constexpr DeviceStageFunction compute_flash_dV = nullptr;
 // The flash kernels' arguments for a whole problem, without buffers: for plans and memory
 // estimates (the split decision depends on the work; groups may be smaller).
 FlashArgs flash_args(const Problem& p);
+
+// Whether a packed case's group is computed in one call (Backend::computes_packed): the forward
+// flash stages alone, the keys in slots (not pages), no split stages, the plain masks within every
+// sequence, and a flash kernel that reads the sequences' rows itself for the precision and GPU.
+bool packed_flash_available(const Problem& p, const Sequences& seqs, StageSet computed);
 FlashBwdArgs flash_bwd_args(const Problem& p);
 
 }  // namespace attnstep

@@ -12,9 +12,11 @@
 #include <cstdint>
 #include <string>
 
+#include "../sequences.h"
 #include "cuda_check.cuh"
 #include "device.cuh"
 #include "half_format.cuh"
+#include "packed_blocks.cuh"
 
 namespace attnstep {
 
@@ -71,6 +73,7 @@ struct Choice {
 Choice try_choose(const FlashArgs& a) {
     Choice c{nullptr, {}};
     for (const FlashKernelOps* ops : flash_kernels()) {
+        if (a.sequences && !ops->takes_sequences) continue;
         if (a.kernel == FlashKernel::automatic) {
             // At a half precision only a kernel with a half variant plans: preference aside.
             if ((is_half(a.precision) || !ops->preferred || ops->preferred(a)) && ops->plan(a, 0, &c.plan))
@@ -232,6 +235,37 @@ void combine_kv_splits(const FlashArgs& a, int splits, const FlashOutputs& parti
 
 dim3 query_block_grid(const FlashArgs& a, const KernelPlan& plan) {
     return dim3((a.N + plan.Br - 1) / plan.Br, a.heads, plan.splits);
+}
+
+std::vector<PackedBlock> packed_blocks(const Sequences& s, int br, int bc, bool causal) {
+    // A sequence's most work is its last query block's (causal) or any block's: its key tiles.
+    auto most_tiles = [&](int b) {
+        const int seen = causal ? std::min(s.m(b), s.n(b)) : s.m(b);
+        return (seen + bc - 1) / bc;
+    };
+    std::vector<int> order(s.count());
+    for (int b = 0; b < s.count(); ++b) order[b] = b;
+    std::stable_sort(order.begin(), order.end(), [&](int x, int y) { return most_tiles(x) < most_tiles(y); });
+    std::vector<PackedBlock> blocks;
+    for (int b : order)
+        for (int qb = 0; qb * br < s.n(b); ++qb) blocks.push_back({qb, s.q_begin(b), s.k_begin(b), s.n(b), s.m(b)});
+    return blocks;
+}
+
+DevicePackedBlocks::DevicePackedBlocks(const std::vector<PackedBlock>& blocks, cudaStream_t stream)
+    : count(static_cast<int>(blocks.size())), stream_(stream) {
+    if (blocks.empty()) return;
+    const size_t bytes = blocks.size() * sizeof(PackedBlock);
+    PackedBlock* d = nullptr;
+    CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&d), bytes, stream));
+    // From pageable memory: the call returns once the list is staged, so `blocks` may go.
+    CUDA_CHECK(cudaMemcpyAsync(d, blocks.data(), bytes, cudaMemcpyHostToDevice, stream));
+    p = d;
+}
+
+void DevicePackedBlocks::release() {
+    if (p) CUDA_CHECK(cudaFreeAsync(const_cast<PackedBlock*>(p), stream_));
+    p = nullptr;
 }
 
 StreamWorkspace::StreamWorkspace(size_t floats, cudaStream_t s) : stream(s) {

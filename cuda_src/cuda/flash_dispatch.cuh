@@ -46,6 +46,8 @@ struct FlashKernelOps {
     bool (*plan)(const FlashArgs& a, int forced_splits, KernelPlan* plan);
     // Launches `plan` for at most kMaxGridYZ heads on `stream` (flash_launch() takes any); checked.
     void (*launch)(const FlashArgs& a, const KernelPlan& plan, cudaStream_t stream);
+    // Whether plan() may accept a packed batch (FlashProblem::sequences); the others never see one.
+    bool takes_sequences = false;
 };
 
 const FlashKernelOps& flash_clean_ops();

@@ -10,6 +10,8 @@
 
 namespace attnstep {
 
+struct Sequences;
+
 struct FlashProblem {
     const float* Q;
     const float* K;
@@ -22,6 +24,10 @@ struct FlashProblem {
     // their variant instantiation, which takes the whole rule from here (causal is then false); a
     // plain one leaves it to `causal`. Its pointers are device memory, for the heads of the call.
     DeviceVariant variant = {};
+    // A packed batch (host memory): attention within each sequence, whose rows the matrices hold
+    // packed (sequences.h; N and M are the totals), in one launch (packed_blocks.cuh). The mask
+    // is then the plain kind within every sequence (`causal`: top-left in each). Null: dense.
+    const Sequences* sequences = nullptr;
 };
 
 // Calls f(causal, variant), both std::bool_constant, for the kernels' three instantiations: no

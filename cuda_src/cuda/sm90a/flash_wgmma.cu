@@ -484,6 +484,7 @@ bool preferred(const FlashArgs& a) {
 bool plan_wgmma(const FlashArgs& a, int forced_splits, KernelPlan* plan) {
     if (a.heads < 1 || a.N < 1 || a.M < 1 || device_compute_capability() != 90) return false;
     if (a.variant.per_element_inputs()) return false;  // mask and bias files, dropout: the clean kernel's
+    if (a.sequences && !is_half(a.precision)) return false;  // packed batches: the half kernel's alone
     if (is_half(a.precision)) return plan_wgmma_half(a, forced_splits, plan);
     return with_config(a, [&](auto tag, auto causal, auto variant) {
         using T = tag_type<decltype(tag)>;
@@ -505,7 +506,7 @@ void launch_wgmma(const FlashArgs& a, const KernelPlan& plan, cudaStream_t strea
 }  // namespace
 
 const FlashKernelOps& flash_wgmma_ops() {
-    static const FlashKernelOps ops{FlashKernel::wgmma, "wgmma", true, preferred, plan_wgmma, launch_wgmma};
+    static const FlashKernelOps ops{FlashKernel::wgmma, "wgmma", true, preferred, plan_wgmma, launch_wgmma, true};
     return ops;
 }
 

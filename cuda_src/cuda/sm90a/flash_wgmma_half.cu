@@ -38,6 +38,7 @@
 #include "../flash_common.cuh"
 #include "../flash_scores.cuh"
 #include "../half_format.cuh"
+#include "../packed_blocks.cuh"
 #include "bulk_copy.cuh"
 #include "tensor_map.cuh"
 #include "wgmma.cuh"
@@ -91,7 +92,21 @@ struct HalfParams {
     int heads, N, M;
     float scale_log2;  // scale·log2(e): the softmax runs in base 2
     int splits;
+    // A packed batch (packed_blocks.cuh): grid.x's blocks in order of work; N and M are then the
+    // packed totals, the rows every head's matrices hold. Null: one dense problem.
+    const PackedBlock* packed = nullptr;
 };
+
+// The block's problem: its query block, its sequence's first query row and key row in the
+// matrices, and the sequence's queries and keys (a dense problem's are the whole matrices').
+struct BlockProblem {
+    int qblock, q_begin, k_begin, N, M;
+};
+__device__ __forceinline__ BlockProblem block_problem(const HalfParams& p, int work) {
+    if (!p.packed) return {work, 0, 0, p.N, p.M};
+    const PackedBlock b = p.packed[work];
+    return {b.qblock, b.q_begin, b.k_begin, b.n, b.m};
+}
 
 // The three inputs as tensor maps (tensor_map.cuh), __grid_constant__ kernel parameters: Q in
 // boxes of the block's BR rows, K and V of a tile's BC keys.
@@ -238,17 +253,19 @@ __global__ void __launch_bounds__(T::THREADS, 1)
     __shared__ uint64_t q_full, k_full[T::STAGES], v_full[T::STAGES], k_empty[T::STAGES], v_empty[T::STAGES];
     constexpr int kConsumerWarps = T::CONSUMERS / 32;
 
-    // The variant's blocks go longest first where a right bound makes their work uneven.
-    const auto [qblock, head] = !kVariant ? block_work<kCausal>(p.heads)
-                                : va.v.right != kUnbounded ? block_work<true>(p.heads)
-                                                           : block_work<false>(p.heads);
+    // The variant's blocks go longest first where a right bound makes their work uneven, and so do
+    // a packed batch's (its list is in order of work).
+    const auto [work, head] = !kVariant ? (p.packed ? block_work<true>(p.heads) : block_work<kCausal>(p.heads))
+                              : va.v.right != kUnbounded ? block_work<true>(p.heads)
+                                                         : block_work<false>(p.heads);
+    const BlockProblem bp = block_problem(p, work);
     const int split_id = blockIdx.z;
-    const int q0 = qblock * T::BR;
+    const int q0 = bp.qblock * T::BR;
     int tile_begin, tile_end;
     if constexpr (kVariant)
-        variant_tile_share(va.v, p.M, p.N, q0, T::BR, T::BC, p.splits, split_id, tile_begin, tile_end);
+        variant_tile_share(va.v, bp.M, bp.N, q0, T::BR, T::BC, p.splits, split_id, tile_begin, tile_end);
     else
-        split_share(visible_key_tiles<kCausal>(p.M, p.N, q0, T::BR, T::BC), p.splits, split_id, tile_begin, tile_end);
+        split_share(visible_key_tiles<kCausal>(bp.M, bp.N, q0, T::BR, T::BC), p.splits, split_id, tile_begin, tile_end);
     // Tile j lives in stage (j - tile_begin) % 2; the n-th tile of a stage completes the n-th
     // phase (parity n % 2) of its full barriers, and its releases the n-th phases of the empty ones.
     auto slot = [&](int j) { return (j - tile_begin) % T::STAGES; };
@@ -272,16 +289,17 @@ __global__ void __launch_bounds__(T::THREADS, 1)
         if (threadIdx.x == T::CONSUMERS) {
             if (tile_begin < tile_end) {  // an empty split reads nothing (and nobody would wait)
                 bulk::arrive_expect_tx(&q_full, T::Q_BYTES);
-                load_rows<T, T::BR>(Qs, &maps.q, q0, head, &q_full);
+                load_rows<T, T::BR>(Qs, &maps.q, bp.q_begin + q0, head, &q_full);
             }
             for (int j = tile_begin; j < tile_end; ++j) {
                 const uint32_t previous = static_cast<uint32_t>((use(j) - 1) & 1);  // the stage's last use
                 if (use(j) > 0) bulk::wait(&k_empty[slot(j)], previous);
                 bulk::arrive_expect_tx(&k_full[slot(j)], T::K_BYTES);
-                load_rows<T, T::BC>(stage_of(j), &maps.k, j * T::BC, head, &k_full[slot(j)]);
+                load_rows<T, T::BC>(stage_of(j), &maps.k, bp.k_begin + j * T::BC, head, &k_full[slot(j)]);
                 if (use(j) > 0) bulk::wait(&v_empty[slot(j)], previous);
                 bulk::arrive_expect_tx(&v_full[slot(j)], T::V_BYTES);
-                load_rows<T, T::BC>(stage_of(j) + T::V_OFFSET, &maps.v, j * T::BC, head, &v_full[slot(j)]);
+                load_rows<T, T::BC>(stage_of(j) + T::V_OFFSET, &maps.v, bp.k_begin + j * T::BC, head,
+                                    &v_full[slot(j)]);
             }
         }
         return;
@@ -328,12 +346,12 @@ __global__ void __launch_bounds__(T::THREADS, 1)
         const int key0 = j * T::BC;
         if constexpr (kVariant) {
             const float c = modify_tile_for_exp<T::BC, true>(s, mods, key0, row0, t);
-            if (rule_cuts<T::BC>(va.v, key0, p.M, warp_row0, 16)) mask_tile_rule<T::BC>(s, va.v, key0, p.M, row0, t);
+            if (rule_cuts<T::BC>(va.v, key0, bp.M, warp_row0, 16)) mask_tile_rule<T::BC>(s, va.v, key0, bp.M, row0, t);
             softmax_tile<T::BC, true>(s, m, l, alpha, c);
         } else {
             if constexpr (!kPositiveScale) scale_tile<T::BC>(s, p.scale_log2);
-            if (key0 + T::BC > p.M || (kCausal && key0 + T::BC - 1 > warp_row0))
-                mask_tile<T::BC, kCausal>(s, key0, p.M, row0, t);
+            if (key0 + T::BC > bp.M || (kCausal && key0 + T::BC - 1 > warp_row0))
+                mask_tile<T::BC, kCausal>(s, key0, bp.M, row0, t);
             softmax_tile<T::BC, kPositiveScale>(s, m, l, alpha, p.scale_log2);
         }
     };
@@ -415,10 +433,12 @@ __global__ void __launch_bounds__(T::THREADS, 1)
         }
     }
 
-    float* O = p.O + (static_cast<size_t>(split_id) * p.heads + head) * p.N * T::D;
-    float* lse = p.lse + (static_cast<size_t>(split_id) * p.heads + head) * p.N;
-    if (p.splits == 1) store_rows<T::D, typename T::Fmt>(o, m, l, O, lse, row0, p.N, t);
-    else store_rows<T::D>(o, m, l, O, lse, row0, p.N, t);  // partials: the combine rounds
+    // A packed block's rows start at its sequence's first: they are rows [0, bp.N) from there.
+    const size_t head_rows = (static_cast<size_t>(split_id) * p.heads + head) * p.N + bp.q_begin;
+    float* O = p.O + head_rows * T::D;
+    float* lse = p.lse + head_rows;
+    if (p.splits == 1) store_rows<T::D, typename T::Fmt>(o, m, l, O, lse, row0, bp.N, t);
+    else store_rows<T::D>(o, m, l, O, lse, row0, bp.N, t);  // partials: the combine rounds
 #endif
 }
 
@@ -466,11 +486,16 @@ void launch_tiles(const FlashArgs& a, const KernelPlan& plan, cudaStream_t strea
     blocks_per_sm<T, kCausal, kVariant>();  // raises the shared-memory limit (flash_launch checked Qh, Kh, Vh)
     const HalfMaps maps{tma::rows_map(a.Qh, T::D, a.N, a.heads, T::BR), tma::rows_map(a.Kh, T::D, a.M, a.heads, T::BC),
                         tma::rows_map(a.Vh, T::D, a.M, a.heads, T::BC)};
+    DevicePackedBlocks packed(a.sequences ? packed_blocks(*a.sequences, T::BR, T::BC, kCausal)
+                                          : std::vector<PackedBlock>{},
+                              stream);
+    if (a.sequences && packed.count == 0) return;  // no sequence has queries
     launch_with_workspace(
         a, plan, 0, stream, [](float*) {},
         [&](float*, const FlashOutputs& out) {
-            const HalfParams p{out.O, out.lse, a.heads, a.N, a.M, a.scale * kLog2e, plan.splits};
-            const dim3 grid = query_block_grid(a, plan);
+            const HalfParams p{out.O, out.lse, a.heads, a.N, a.M, a.scale * kLog2e, plan.splits, packed.p};
+            dim3 grid = query_block_grid(a, plan);
+            if (a.sequences) grid.x = packed.count;
             const VariantArgs va = variant_args(a.scale, a.variant);
             if constexpr (kVariant)
                 flash_wgmma_half_kernel<T, false, false, true><<<grid, T::THREADS, T::SMEM_BYTES, stream>>>(p, maps, va);
@@ -480,15 +505,18 @@ void launch_tiles(const FlashArgs& a, const KernelPlan& plan, cudaStream_t strea
                 flash_wgmma_half_kernel<T, kCausal, false, false><<<grid, T::THREADS, T::SMEM_BYTES, stream>>>(p, maps, va);
             LAUNCH_CHECK(flash_wgmma_half_kernel);
         });
+    packed.release();
 }
 
 }  // namespace
 
 bool plan_wgmma_half(const FlashArgs& a, int forced_splits, KernelPlan* plan) {
     if (!is_half(a.precision)) return false;
+    if (a.sequences && a.variant.beyond_plain()) return false;  // a packed batch: the plain masks alone
     return with_config(a, [&](auto tag, auto causal, auto variant) {
         using T = tag_type<decltype(tag)>;
-        const int splits = plan_kv_splits(a, forced_splits, T::BR, T::BC, [] {
+        // A packed batch's blocks are its sequences' query blocks: no KV split.
+        const int splits = a.sequences ? 1 : plan_kv_splits(a, forced_splits, T::BR, T::BC, [] {
             return blocks_per_sm<T, constant_v<decltype(causal)>, constant_v<decltype(variant)>>();
         });
         *plan = KernelPlan{T::BR, T::BC, splits};
