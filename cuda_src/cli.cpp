@@ -147,6 +147,8 @@ void print_usage(FILE* to) {
         "            [--poison] [--flash-kernel auto|wgmma|fast|clean] [--split-size K] [--allow-nonfinite]\n"
         "            [--max-memory-mb MB] [--progress]\n"
         "       main --bench ...   (benchmarks; CUDA builds only: main --bench --help)\n"
+        "       main --bench-decode ... | --bench-varlen ...   (the paged decode kernel; a packed\n"
+        "                          batch beside a dense one: docs/performance.md)\n"
         "\n"
         "Computes attention one stage at a time and writes every stage per head (docs/contract.md).\n"
         "  CASE               case name under ./data or ../data (default random_test); output goes\n"

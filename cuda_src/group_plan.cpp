@@ -84,16 +84,18 @@ size_t kv_stage_bytes(const Dims& d, StageSet written) {
 GroupPlan plan_groups(const Options& o, const Problem& p, StageSet computed, const Backend& be, const Sequences* seqs) {
     GroupPlan g;
     size_t cap = o.max_memory_mb > 0 ? static_cast<size_t>(o.max_memory_mb) * kMiB : SIZE_MAX;
-    if (seqs && seqs->packed() && be.computes_packed(p, *seqs, computed)) {  // one call per group
-        Problem whole = p;
-        whole.sequences = seqs;
-        g.host_per_head = input_bytes_per_head(p.dims, computed) + stage_bytes_per_head(p.dims, computed);
-        g.work_per_head = be.working_bytes_per_head(whole, computed);
-    } else if (seqs && seqs->packed()) {  // no mask or bias files in a packed case
+    if (seqs && seqs->packed()) {  // no mask or bias files in a packed case
         const SequenceBytes most = largest_sequence(p, computed, be, *seqs);
         const StageSet packed_stages = computed.minus(StageSet::where(is_score_stage));
         g.host_per_head = input_bytes_per_head(p.dims, computed) + stage_bytes_per_head(p.dims, packed_stages) + most.host;
         g.work_per_head = most.work;
+        // A backend that computes the group in one call needs its working memory at the packed
+        // dims; a group it hands back to the sequences (packed_run.cpp) needs the sequences'.
+        if (be.computes_packed(p, *seqs, computed)) {
+            Problem whole = p;
+            whole.sequences = seqs;
+            g.work_per_head = std::max(g.work_per_head, be.working_bytes_per_head(whole, computed));
+        }
     } else {
         g.host_per_head = input_bytes_per_head(p.dims, computed) + stage_bytes_per_head(p.dims, computed) +
                           variant_bytes(p, Coverage::per_head);

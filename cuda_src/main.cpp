@@ -235,8 +235,8 @@ StageSet select_stages(const Options& o, const InputCase& c) {
 // the stage files into rs.out_dir: the query heads' after each group, a K/V head's when its last
 // query head is computed (KvStageSum); run.toml last.
 // A packed case (in.packed()) is computed sequence by sequence within each group, or in one call
-// where the backend has a kernel for it (packed_run.h): its score stages are written per sequence as each is computed, the other stages over the packed
-// tokens with the group.
+// where the backend has a kernel for it (packed_run.h): its score stages are written per sequence
+// as each is computed, the other stages over the packed tokens with the group.
 void compute_and_write(const Options& o, const Problem& p, const InputCase& in, VariantInputs& variant_inputs,
                        Backend& be, StageSet written, StageSet computed, RunState& rs) {
     const Sequences* seqs = in.packed() ? &in.sequences : nullptr;
@@ -275,7 +275,10 @@ void compute_and_write(const Options& o, const Problem& p, const InputCase& in, 
         kv_stages.add(g, [&](Stage s, int kv_head, const float* data) { write_stage_file(rs, s, kv_head, data, d); });
     }
     check_interrupted();
-    write_run_manifest(rs, o, p, be, computed, written, in.sequences.count());
+    // The flash plan recorded is the one launch's where the backend computes the case packed.
+    Problem recorded = p;
+    if (seqs && be.computes_packed(p, *seqs, computed)) recorded.sequences = seqs;
+    write_run_manifest(rs, o, recorded, be, computed, written, in.sequences.count());
 }
 
 int run(int argc, char** argv) {

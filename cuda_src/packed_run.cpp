@@ -1,7 +1,8 @@
-// packed_run.cpp — a packed case, one dense problem per sequence; see packed_run.h.
+// packed_run.cpp — a packed case, one dense problem per sequence or one backend call; see packed_run.h.
 #include "packed_run.h"
 
 #include <algorithm>
+#include <cmath>
 #include <limits>
 
 #include "io/run_folder.h"
@@ -102,8 +103,25 @@ void PackedRun::fill_unread_rows(HeadGroup& g) const {
     }
 }
 
+namespace {
+
+// Whether every value of V is finite in the precision's format. A kernel over the whole batch reads
+// its key tiles whole: rows past a sequence's keys (its padding, the next sequence's) come in
+// with weight 0, and 0·inf is NaN, so a non-finite value there (one --allow-nonfinite let in, or a
+// float32 past fp16's range) would reach rows that never see it. Such a group goes sequence by
+// sequence instead, where no sequence reads another's rows.
+bool finite_values(const HeadGroup& g, const Dims& d, Precision p) {
+    const size_t n = stage_elems(Stage::V, d) * static_cast<size_t>(g.count);
+    for (size_t i = 0; i < n; ++i)
+        if (!std::isfinite(round_to(p, g.v[i]))) return false;
+    return true;
+}
+
+}  // namespace
+
 void PackedRun::compute(Backend& be, HeadGroup& g, StageTimes* times, const SequenceStageWriter& write) {
-    if (be.computes_packed(p_, seqs_, computed_)) {  // every row is some sequence's: nothing to fill
+    if (be.computes_packed(p_, seqs_, computed_) && finite_values(g, p_.dims, p_.precision)) {
+        // Every row is some sequence's, and the backend writes them all: nothing to fill.
         Problem whole = p_;
         whole.sequences = &seqs_;
         be.compute(whole, computed_, g, times);

@@ -11,7 +11,8 @@
 //
 // Sequence b owns query rows [cu_q[b], cu_q[b+1]) and the key slot [cu_k[b], cu_k[b+1]); it reads the
 // first m(b) keys of its slot. Attention is block-diagonal: the binary computes a packed case as one
-// dense problem per sequence (n(b) queries, m(b) keys), so every variant applies within a sequence.
+// dense problem per sequence (n(b) queries, m(b) keys), so every variant applies within a sequence,
+// or, where a backend has a kernel that reads the sequences' rows itself, in one call (packed_run.h).
 #pragma once
 
 #include <cmath>

@@ -7,10 +7,16 @@
 // fp16, causal within each sequence unless --no-causal. The time is what a run of the binary's
 // CUDA backend executes for the flash stages of a packed case (CudaBackend::computes_packed): the
 // list of the sequences' query blocks built and copied to the device, and the one kernel launch,
-// median of --reps runs after --warmup. The dense batch has as many sequences, each of the mean
-// length. FLOP/s count the score pairs a row sees (the causal mask's, n(n + 1)/2 per sequence, or
-// n·m), 4·d FLOPs a pair, for both, so the ratio compares work done per second. A float64 check
-// of sampled rows (the first and last head) reports the largest error of O and lse.
+// median of --reps runs after --warmup, timed with CUDA events around the call (the GPU waits
+// while the host builds the list, so that time is in the figure). The dense batch has as many
+// sequences, each of the mean length. FLOP/s count the score pairs a row sees (the causal mask's,
+// n(n + 1)/2 per sequence, or n·n), 4·d FLOPs a pair, for both, so the ratio compares work done
+// per second. A float64 check of sampled rows (the first and last head) fails the bench (exit 1)
+// where the largest error of O relative to max|O|, or of lse, exceeds `main --bench --check`'s
+// tolerance for the format, or a value is not finite: a fast wrong kernel cannot pass.
+//
+//   build/main --bench-varlen                                  # the goal's case: bf16, d 128, causal
+//   build/main --bench-varlen --d 64 --precision fp16 --json varlen.json
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -118,10 +124,19 @@ Problem problem(const VarlenOptions& o, int batch, int n, const Sequences* seqs)
     return p;
 }
 
-double visible_pairs(long long n, bool causal) { return causal ? 0.5 * n * (n + 1) : static_cast<double>(n) * n; }
+// The score pairs a sequence of n queries and n keys sees, as `main --bench` counts a dense run's.
+double visible_pairs(const VarlenOptions& o, int n) {
+    Options dense;
+    dense.N = dense.M = n;
+    dense.variant.causal = o.causal;
+    return visible_entries(dense);
+}
 
+// The largest errors, a NaN counted as infinite (it never passes), and the largest |O| of the
+// reference, which the output's error is relative to.
 struct Errors {
-    double output = 0, lse = 0;
+    double output = 0, lse = 0, largest = 0;
+    static double worse(double e, double d) { return std::isnan(d) ? INFINITY : std::max(e, d); }
 };
 
 // Element e of row `row` of head h of an input ([heads][rows][d], filled from `seed`), as the
@@ -161,8 +176,11 @@ Errors sampled_errors(const VarlenOptions& o, const Sequences& s, float scale, c
                     acc[e] += p * input_at(o, o.tokens, h, s.k_begin(b) + j, e, input_seed(seed, BenchInput::V));
             }
             const size_t at = static_cast<size_t>(h) * o.tokens + row;
-            for (int e = 0; e < o.d; ++e) err.output = std::max(err.output, std::fabs(acc[e] / l - out[at * o.d + e]));
-            err.lse = std::max(err.lse, std::fabs(mx + std::log(l) - out_lse[at]));
+            for (int e = 0; e < o.d; ++e) {
+                err.output = Errors::worse(err.output, std::fabs(acc[e] / l - out[at * o.d + e]));
+                err.largest = std::max(err.largest, std::fabs(acc[e] / l));
+            }
+            err.lse = Errors::worse(err.lse, std::fabs(mx + std::log(l) - out_lse[at]));
         }
     }
     return err;
@@ -172,8 +190,13 @@ struct Row {
     double ms, tflops;
 };
 
-void report(const VarlenOptions& o, const Sequences& s, int mean, const Row& varlen, const Row& dense,
+// Prints the rows and writes the JSON (--json); whether the float64 check passed.
+bool report(const VarlenOptions& o, const Sequences& s, int mean, const Row& varlen, const Row& dense,
             const Errors& err) {
+    Options format;
+    format.precision = o.precision;
+    const double tol = check_tolerance(format), relative = err.largest > 0 ? err.output / err.largest : err.output;
+    const bool passed = relative <= tol && err.lse <= tol;
     cudaDeviceProp prop;
     int dev = 0;
     CUDA_CHECK(cudaGetDevice(&dev));
@@ -184,8 +207,9 @@ void report(const VarlenOptions& o, const Sequences& s, int mean, const Row& var
     std::printf("  packed        %.4f ms, %.1f TFLOP/s\n", varlen.ms, varlen.tflops);
     std::printf("  dense %5d x %d  %.4f ms, %.1f TFLOP/s\n", s.count(), mean, dense.ms, dense.tflops);
     std::printf("  packed / dense TFLOP/s %.3f\n", ratio);
-    std::printf("  float64 check of %d rows: max |error| O %.3g, lse %.3g\n", o.check_rows, err.output, err.lse);
-    if (o.json.empty()) return;
+    std::printf("  float64 check of %d rows: max |error| O %.3g (%.3g of max|O|), lse %.3g: %s (tolerance %.1e)\n",
+                o.check_rows, err.output, relative, err.lse, passed ? "passed" : "FAILED", tol);
+    if (o.json.empty()) return passed;
     std::ofstream f(o.json);
     f << "{\"device\": \"" << prop.name << "\", \"sequences\": " << s.count() << ", \"tokens\": " << o.tokens
       << ", \"max_len\": " << o.max_len << ", \"mean_len\": " << mean << ", \"heads\": " << o.heads
@@ -193,8 +217,9 @@ void report(const VarlenOptions& o, const Sequences& s, int mean, const Row& var
       << "\", \"causal\": " << (o.causal ? "true" : "false") << ", \"packed_ms\": " << varlen.ms
       << ", \"packed_tflops\": " << varlen.tflops << ", \"dense_ms\": " << dense.ms
       << ", \"dense_tflops\": " << dense.tflops << ", \"ratio\": " << ratio << ", \"max_error_output\": " << err.output
-      << ", \"max_error_lse\": " << err.lse << "}\n";
+      << ", \"max_error_lse\": " << err.lse << ", \"check_passed\": " << (passed ? "true" : "false") << "}\n";
     if (!f) fail(kExitBadInput, "--bench-varlen: cannot write " + o.json);
+    return passed;
 }
 
 }  // namespace
@@ -226,12 +251,12 @@ int run_varlen(int argc, char** argv) {
     if (!flash_forward_available(packed)) usage_error("no flash kernel for a packed batch here (it needs compute capability 9.0)");
     Timer timer(stream);
     double packed_flops = 0;
-    for (int b = 0; b < s.count(); ++b) packed_flops += visible_pairs(s.n(b), o.causal);
+    for (int b = 0; b < s.count(); ++b) packed_flops += visible_pairs(o, s.n(b));
     const double per_pair = 4.0 * o.d * o.heads;
     const double packed_ms = timer.median_ms(o.warmup, o.reps, [&] { flash_forward(packed, stream); });
     const double dense_ms = timer.median_ms(o.warmup, o.reps, [&] { flash_forward(dense, stream); });
     const Row varlen{packed_ms, packed_flops * per_pair / (packed_ms * 1e-3) / 1e12};
-    const Row dense_row{dense_ms, s.count() * visible_pairs(mean, o.causal) * per_pair / (dense_ms * 1e-3) / 1e12};
+    const Row dense_row{dense_ms, s.count() * visible_pairs(o, mean) * per_pair / (dense_ms * 1e-3) / 1e12};
 
     flash_forward(packed, stream);  // the checked outputs are the packed run's
     CUDA_CHECK(cudaStreamSynchronize(stream));
@@ -239,8 +264,13 @@ int run_varlen(int argc, char** argv) {
     std::vector<float> out(rows * o.d), out_lse(rows);
     CUDA_CHECK(cudaMemcpy(out.data(), O.p, out.size() * sizeof(float), cudaMemcpyDeviceToHost));
     CUDA_CHECK(cudaMemcpy(out_lse.data(), lse.p, out_lse.size() * sizeof(float), cudaMemcpyDeviceToHost));
-    report(o, s, mean, varlen, dense_row, sampled_errors(o, s, packed.scale, out, out_lse, o.seed));
+    const bool passed = report(o, s, mean, varlen, dense_row, sampled_errors(o, s, packed.scale, out, out_lse, o.seed));
     CUDA_CHECK(cudaStreamDestroy(stream));
+    if (!passed) {
+        std::fprintf(stderr, "main: error: --bench-varlen: the packed run's outputs exceed the %s tolerance against "
+                             "float64 (see the check line)\n", precision_name(o.precision));
+        return kExitInternal;
+    }
     return kExitOk;
 }
 

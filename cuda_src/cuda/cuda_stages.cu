@@ -141,7 +141,10 @@ FlashArgs forward_args(const DeviceStageWork& w) {
     a.O = w.buf(Stage::flash_output);
     a.lse = w.buf(Stage::flash_lse);
     a.heads = w.heads;
-    a.variant = w.b.variant;
+    // A packed batch keeps flash_args' rule, the plain mask within each sequence: the group's
+    // uploaded variant is the packed totals' (a bottom-right offset of total keys − total queries),
+    // and a plain mask reads no device input.
+    if (!w.p.sequences) a.variant = w.b.variant;
     return a;
 }
 

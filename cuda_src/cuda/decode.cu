@@ -666,7 +666,7 @@ int decode_default_split_size(const DecodeArgs& a) {
     const long long tiles = (static_cast<long long>(a.heads / a.kv_heads) * a.max_q + R - 1) / R;
     const long long blocks = std::max(1LL, static_cast<long long>(a.batch) * tiles * a.kv_heads);
     // Split only until the blocks fill the GPU's resident slots once: on an H100 (B 64, Hk 8, d128
-    // bf16) more splits measured slower, 2 of 4096 keys 2% behind 1 of 8192 (docs/performance.md).
+    // bf16) more splits measured slower (docs/performance.md, "Decode").
     const long long slots = static_cast<long long>(kBlocksPerSmTarget) * device_sm_count();
     const long long splits = std::max(1LL, (slots + blocks - 1) / blocks);
     const long long size = (std::max(1, a.max_k) + splits - 1) / splits;

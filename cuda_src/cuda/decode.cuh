@@ -66,8 +66,8 @@ struct DecodeArgs {
 // Whether the kernel has an instantiation for this width (kFlashHeadDims).
 bool decode_supported(int d);
 
-// The split size the kernel would pick for a launch without one: enough blocks to fill the GPU
-// twice over, splits of at least one chunk of keys.
+// The split size the kernel would pick for a launch without one: enough blocks to fill the GPU's
+// resident slots once, splits of at least 256 keys.
 int decode_default_split_size(const DecodeArgs& a);
 
 // The rows of a block's tile and the keys of a warp's chunk (run.toml's flash tiles).

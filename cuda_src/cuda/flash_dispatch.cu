@@ -263,6 +263,10 @@ DevicePackedBlocks::DevicePackedBlocks(const std::vector<PackedBlock>& blocks, c
     p = d;
 }
 
+DevicePackedBlocks::~DevicePackedBlocks() {
+    if (p) cudaFreeAsync(const_cast<PackedBlock*>(p), stream_);
+}
+
 void DevicePackedBlocks::release() {
     if (p) CUDA_CHECK(cudaFreeAsync(const_cast<PackedBlock*>(p), stream_));
     p = nullptr;

@@ -34,6 +34,9 @@ struct DevicePackedBlocks {
     const PackedBlock* p = nullptr;
     int count = 0;
     DevicePackedBlocks(const std::vector<PackedBlock>& blocks, cudaStream_t stream);
+    ~DevicePackedBlocks();  // frees it where an error was thrown before release() (errors ignored then)
+    DevicePackedBlocks(const DevicePackedBlocks&) = delete;
+    DevicePackedBlocks& operator=(const DevicePackedBlocks&) = delete;
     void release();
 
 private:
