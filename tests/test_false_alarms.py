@@ -10,10 +10,16 @@ share are packed sequences):
 grouped K/V heads (MQA included), either causal alignment, sliding windows (narrow ones, ones that
 leave rows with no key), softcap (caps that saturate, and 30-50), ALiBi (standard or random
 slopes), mask files (document, prefix-LM, random, with empty rows), bias files, dropout, and several
-at once; then generate -> binary -> check, and every stage of every head must pass (chained and
-isolated), the dropout keep rate included. Split-KV runs (split sizes drawn with the variants,
-packed ones too) are swept from a NumPy float32 split program's files. A failure prints the `attnstep generate` options of its
-case, which write it again.
+at once; a share of the forward ones are paged KV caches (pages of 16 .. 256 keys and odd small ones,
+decode steps, last pages partial or whole); then generate -> binary -> check, and every stage of
+every head must pass (chained and isolated), the dropout keep rate included. Split-KV runs are swept
+twice: from a NumPy float32 split program's files (split sizes drawn with the variants, packed ones
+too), and from the binary on every backend (`--split-size K`, tests/helpers/split_runs.py: the
+sweep's cases made ones a split run takes, dense, packed and paged, split sizes of one key, a few,
+a third of the keys and more than every key). A failure prints the `attnstep generate` options of
+its case, which write it again, and the `attnstep run` options (the binary's where `run` has no
+such option) that run it.
+
 The tolerance model promises ~1e-10 false failures per element, so one failure here is a bug in
 the model or in the binary, never bad luck.
 
@@ -24,11 +30,16 @@ forced by name that has no variant for the case's mask or bias files or dropout 
 the clean one) refuses the case in one line, as documented; the sweep requires exactly that refusal
 there. The CPU backend's half pipelines have their own, smaller sweep in tests/test_half.py.
 
-ATTNSTEP_FALSE_ALARM_CASES sets the number of cases per backend (default 200: about a minute on
-the CPU backend with 2 cores); scripts/gpu_check.sh runs 300 per CUDA configuration. The first 25
-run by default, the others are marked slow (`-m slow`). Case i is the same
-for every count and backend (its generator is seeded by i), so a failing case is reproduced by
-its parameters, which the assertion prints.
+The binary's split runs are swept on the CPU backend at fp32 (and at bf16 and fp16 with the slow
+tests), and on the CUDA backend, whose split stages come from its paged decode kernel
+(cuda_src/cuda/decode.cu), at fp32 (tf32 on the stage path), bf16 and fp16; that kernel takes no mask
+or bias files, and refuses them in one line, which the sweep requires there.
+
+ATTNSTEP_FALSE_ALARM_CASES sets the number of cases per backend and sweep (default 200: about a
+minute on the CPU backend with 2 cores); scripts/gpu_check.sh runs 300 per CUDA configuration. The
+first 25 run by default, the others are marked slow (`-m slow`). Case i is the same for every count
+and backend (its generator is seeded by i), so a failing case is reproduced by its parameters,
+which the assertion prints.
 """
 from __future__ import annotations
 
@@ -37,20 +48,24 @@ import shutil
 
 import numpy as np
 import pytest
+from click.testing import CliRunner
 
 from verify.files.generate import DISTRIBUTIONS
 from verify.files.patterns import MASK_PATTERNS, SLOPE_CHOICES, VariantInputs
 from verify.model.rounding import LAMBDA, UNIT_ROUNDOFF
 from verify.model.softmax import rowsum_rel_var, softmax_parts
 from verify.runs.runner import EXIT_BAD_INPUT, RunnerError
-from verify.stages import FLASH_HEAD_DIMS, FORMATS, HALF_PRECISIONS
+from verify.stages import FLASH_HEAD_DIMS, FORMATS, HALF_PRECISIONS, SPLIT_LSE, SPLIT_OUTPUT
 from verify.variant import ALIGNMENTS, TENSOR_COVERAGE, UNBOUNDED, Variant
 
-from helpers.end_to_end import BACKENDS, run_and_check
+from helpers.end_to_end import BACKENDS, run_and_check, run_command
 from helpers.random_cases import MODEL_CAP, SATURATING_CAP, draw_case, draw_variant_case, failures
 from helpers.split_programs import draw_split_case, run_program, write_case
+from helpers.split_runs import MAX_SPLITS, SPLIT_KINDS, draw_split_run
 from verify.check.compare import Options, check
+from verify.cli.group import cli
 from verify.diagnose.hypotheses import diagnose
+from verify.files.generate import generate_case
 
 CASES = int(os.environ.get("ATTNSTEP_FALSE_ALARM_CASES", "200"))
 CHUNK = 25        # cases per test function: one binary fixture, one report line per chunk
@@ -135,6 +150,52 @@ def test_the_sweep_draws_packed_cases():
     assert not any(c.per_element_inputs for c in packed)
 
 
+def _partial_last_page(seqs, b) -> bool:
+    return seqs.m(b) % seqs.page_size != 0
+
+
+def test_the_sweep_draws_paged_cases():
+    """Paged KV caches (checked on the first 200), forward only, never with mask or bias files or
+    dropout: page sizes of 16 and less and of 128 and more (odd ones too), several pages a
+    sequence, sequences of fewer pages than their table row (seqused_k short of the slot), last pages
+    partial and whole, decode steps of one query, sequences without queries or keys, pages dealt out
+    of the pool's order, with grouped heads (MQA too) and the structural variants, softcap and
+    ALiBi; at least one among the cases run by default."""
+    cases = [draw_variant_case(i) for i in range(200)]
+    paged = [c for c in cases if c.sequences is not None and c.sequences.paged]
+    assert any(c.sequences is not None and c.sequences.paged for c in cases[:CHUNK])
+    assert not any(c.backward or c.per_element_inputs for c in paged)
+    sizes = {c.sequences.page_size for c in paged}
+    assert min(sizes) <= 16 and max(sizes) >= 128 and sizes - {16, 32, 64, 128, 256}
+    each = [(c.sequences, b) for c in paged for b in range(c.sequences.count)]
+    assert any(-(-s.m(b) // s.page_size) > 2 for s, b in each)                    # several pages
+    assert any(s.m(b) < len(s.block_table[b]) * s.page_size for s, b in each)     # short of the slot
+    assert any(_partial_last_page(s, b) for s, b in each)
+    assert any(s.m(b) and not _partial_last_page(s, b) for s, b in each)
+    assert any(s.n(b) == 1 for s, b in each) and any(s.n(b) == 0 for s, b in each) and any(s.m(b) == 0 for s, b in each)
+    assert any(list(s.block_table[b][:2]) != [s.block_table[b][0], s.block_table[b][0] + 1]
+               for s, b in each if s.m(b) > s.page_size)                            # out of the pool's order
+    assert any(c.sequences.count > 1 for c in paged)
+    grouped = [c.dims for c in paged if c.dims.kv_heads]
+    assert any(d.kv == 1 for d in grouped) and any(d.group_size > 1 for d in grouped)
+    assert any(c.variant.causal for c in paged) and any(c.variant.window != (UNBOUNDED, UNBOUNDED) for c in paged)
+    assert {c.variant.align for c in paged if c.variant.structural} == set(ALIGNMENTS)
+    assert any(c.variant.softcap for c in paged) and any(c.variant.alibi for c in paged)
+
+
+@pytest.mark.parametrize("kind", ["paged", "packed"])
+def test_a_drawn_case_is_written_again_by_the_generate_options_it_prints(tmp_path, kind):
+    """The options a failure prints write the very case the sweep ran: the same files, byte for byte."""
+    case = next(c for c in map(draw_variant_case, range(200))
+                if c.sequences is not None and c.sequences.paged == (kind == "paged") and c.variant.structural)
+    generate_case(tmp_path / "sweep", case.dims, causal=case.causal, **case.generate_args())
+    res = CliRunner().invoke(cli, ["generate", "--out", str(tmp_path / "cli"), *case.generate_command()])
+    assert res.exit_code == 0, res.output
+    files = sorted(p.name for p in (tmp_path / "sweep").iterdir())
+    assert files == sorted(p.name for p in (tmp_path / "cli").iterdir())
+    assert all((tmp_path / "sweep" / f).read_bytes() == (tmp_path / "cli" / f).read_bytes() for f in files), case
+
+
 def _forced_kernel_refuses(backend, case) -> bool:
     """Whether `backend` forces a flash kernel by name that has no variant for the case's mask or
     bias files or dropout (every CUDA flash kernel but the clean one): it refuses the case."""
@@ -143,28 +204,36 @@ def _forced_kernel_refuses(backend, case) -> bool:
     return name == "cuda" and forced not in (None, "clean") and case.per_element_inputs and case.dims.flash_supported
 
 
+def _run(binary, work, case, backend, where: str):
+    """The report of `case` run on `backend`; a run the binary fails says how to run it again."""
+    try:
+        return run_and_check(binary, work, case.dims, case.causal, backend, **case.generate_args())
+    except RunnerError as exc:
+        pytest.fail(f"{where}: the binary failed: {exc}")
+
+
 @pytest.mark.parametrize("chunk", CHUNKS)
 @pytest.mark.parametrize("backend", SWEPT)
 def test_random_correct_runs_never_fail(binary, tmp_path, backend, chunk):
     for index in range(chunk * CHUNK, min(CASES, (chunk + 1) * CHUNK)):
         case = draw_variant_case(index)
         work = tmp_path / str(index)
-        where = f"on {backend[0]} {' '.join(backend[1])}: {case}"
+        where = f"{case}; {run_command(backend)}"
         if _forced_kernel_refuses(backend, case):
             with pytest.raises(RunnerError) as refused:
                 run_and_check(binary, work, case.dims, case.causal, backend, **case.generate_args())
             assert refused.value.exit_code == EXIT_BAD_INPUT, f"{where}: {refused.value}"
             assert "variant for mask or bias files or dropout" in str(refused.value), f"{where}: {refused.value}"
         else:
-            report = run_and_check(binary, work, case.dims, case.causal, backend, **case.generate_args())
+            report = _run(binary, work, case, backend, where)
             assert report.passed, f"false alarm {where}: {failures(report)}"
         shutil.rmtree(work)  # hundreds of cases: keep the disk use of one
 
 
 # ---- split-KV runs ---------------------------------------------------------------------------------
-# The binary does not split the keys on the CPU: the split runs are a float32 NumPy split program's
-# (tests/helpers/split_programs.py: each split in float32, P rounded at bf16/fp16, a float32 combine),
-# checked as another program's folder with --split-size.
+# Another program's split runs: a float32 NumPy split program's (tests/helpers/split_programs.py: each
+# split in float32, P rounded at bf16/fp16, a float32 combine), checked as another program's folder
+# (no run.toml) with --split-size. The binary's own split runs are swept below.
 
 def test_the_split_sweep_draws_split_sizes_and_variants():
     """Split sizes of one key, a few, a third of the keys and more than every key; packed and dense,
@@ -193,6 +262,66 @@ def test_random_correct_split_runs_never_fail(tmp_path, chunk):
         shutil.rmtree(work)
 
 
+# ---- split-KV runs of the binary -------------------------------------------------------------------
+# The sweep's cases run with `--split-size K` (tests/helpers/split_runs.py): the CPU backend splits
+# every variant; the CUDA backend's split stages come from its paged decode kernel
+# (cuda_src/cuda/decode.cu) at fp32 (tf32 on the stage path) and at bf16/fp16, which takes no mask or
+# bias files: there it refuses the case in one line, as documented, and the sweep requires exactly that.
+# The CPU backend's half pipelines are swept too, with the slow tests only (CI runs its fp32 sweep).
+SPLIT_SWEPT = [pytest.param(("cpu", ()), id="cpu")] + [
+    pytest.param(("cpu", ("--precision", p)), id=f"cpu-{p}", marks=pytest.mark.slow) for p in HALF_PRECISIONS] + [
+    pytest.param(("cuda", extra), id="-".join(("cuda",) + extra[1:]), marks=pytest.mark.gpu)
+    for extra in [()] + [("--precision", p) for p in ("tf32",) + HALF_PRECISIONS]]
+
+
+def test_the_binary_split_sweep_draws_every_layout_and_split_size():
+    """Dense, packed and paged cases, each with split sizes of one key, a few, a third of the keys
+    and more than every key (one split), at most MAX_SPLITS splits; grouped heads, the structural
+    variants, softcap and ALiBi, the backward in dense and packed cases, mask and bias files in a
+    few dense ones; the flash stages' head widths and no dropout (checked on the first 200); every
+    layout among the cases run by default."""
+    runs = [draw_split_run(i) for i in range(200)]
+    assert {(r.layout, r.kind) for r in runs} == {(lay, k) for lay in ("dense", "packed", "paged") for k in SPLIT_KINDS}
+    assert {r.layout for r in runs[:CHUNK]} == {"dense", "packed", "paged"}
+    assert all(r.case.dims.flash_supported and not r.case.variant.dropout for r in runs)
+    assert all(1 <= r.splits <= MAX_SPLITS for r in runs) and max(r.splits for r in runs) == MAX_SPLITS
+    assert any(r.split_size == 1 and r.most_keys > 1 for r in runs)
+    assert any(1 < r.split_size < r.most_keys // 2 for r in runs)
+    assert any(r.split_size == r.most_keys // 3 and r.splits >= 3 for r in runs)
+    assert any(r.split_size > r.most_keys for r in runs)
+    for layout in ("dense", "packed", "paged"):
+        drawn = [r.case for r in runs if r.layout == layout]
+        assert any(c.dims.kv_heads for c in drawn) and any(c.variant.structural for c in drawn)
+        assert any(c.variant.softcap for c in drawn) and any(c.variant.alibi for c in drawn)
+        assert any(c.backward for c in drawn) == (layout != "paged")
+    assert any(r.case.per_element_inputs for r in runs) and all(r.layout == "dense" for r in runs
+                                                                 if r.case.per_element_inputs)
+    # rows that see no key of some split: those of a sequence shorter than the longest
+    uneven = lambda s: len({s.m(b) for b in range(s.count)}) > 1  # noqa: E731
+    assert any(r.layout != "dense" and r.splits > 1 and uneven(r.case.sequences) for r in runs)
+
+
+@pytest.mark.parametrize("chunk", CHUNKS)
+@pytest.mark.parametrize("backend", SPLIT_SWEPT)
+def test_random_correct_binary_split_runs_never_fail(binary, tmp_path, backend, chunk):
+    name, extra = backend
+    for index in range(chunk * CHUNK, min(CASES, (chunk + 1) * CHUNK)):
+        run = draw_split_run(index)
+        case, work, where = run.case, tmp_path / str(index), run.describe(backend)
+        split = (name, tuple(extra) + tuple(run.run_options()))
+        if name == "cuda" and case.per_element_inputs:
+            with pytest.raises(RunnerError) as refused:
+                run_and_check(binary, work, case.dims, case.causal, split, **case.generate_args())
+            assert refused.value.exit_code == EXIT_BAD_INPUT, f"{where}: {refused.value}"
+            assert "split kernel takes no mask file, bias file or dropout" in str(refused.value), \
+                f"{where}: {refused.value}"
+        else:
+            report = _run(binary, work, case, split, where)
+            assert report.passed, f"false alarm {where}: {failures(report)}"
+            assert {SPLIT_OUTPUT, SPLIT_LSE} <= {r.stage for r in report.results}, f"{where}: no split stage checked"
+        shutil.rmtree(work)
+
+
 # ---- false alarms the sweep found, pinned ----------------------------------------------------------
 
 # Cases of the sweep that failed under an earlier error model, and pass since it was fixed.
@@ -209,6 +338,26 @@ def test_a_false_alarm_the_sweep_found_stays_fixed(binary, tmp_path, index):
     case = draw_variant_case(index)
     report = run_and_check(binary, tmp_path, case.dims, case.causal, ("cpu", ()), **case.generate_args())
     assert report.passed, f"{case}: {failures(report)}"
+
+
+# Split runs of the binary (index, precision) that the checker failed, and pass since it was fixed.
+SPLIT_FOUND = {
+    # Paged, ALiBi, scores near ±200, 4 splits: a correct float32 combine's weights exp(lse_s − lse)
+    # are off by ~u·|lse|, which moved flash_output 8.8 times the unsplit forward's chained bound
+    # (verify/check/splits.py combine_allowance).
+    (10, "fp32"): "flash_output chained 8.8 of the bound, and flash_vs_output",
+    # A sequence without keys at bf16: its Q echo holds the queries rounded to bf16, as the contract
+    # says, where the check of a keyless sequence wanted them as read (verify/check/packed.py).
+    (59, "bf16"): "Q of sequence 1 (m = 0) not the input",
+}
+
+
+@pytest.mark.parametrize("index, precision", list(SPLIT_FOUND), ids=[f"split{i}-{p}" for i, p in SPLIT_FOUND])
+def test_a_split_false_alarm_the_sweep_found_stays_fixed(binary, tmp_path, index, precision):
+    run, backend = draw_split_run(index), ("cpu", ("--precision", precision))
+    split = (backend[0], backend[1] + tuple(run.run_options()))
+    report = run_and_check(binary, tmp_path, run.case.dims, run.case.causal, split, **run.case.generate_args())
+    assert report.passed, f"{run.describe(backend)}: {failures(report)}"
 
 
 def test_a_row_sum_of_equal_terms_stays_within_its_bound():

@@ -28,3 +28,17 @@ def run_and_check(binary, tmp_path, dims, causal, backend, **gen):
     generate_case(in_dir, dims, causal=causal, **gen)
     run_binary(binary, in_dir, out_dir, backend=name, extra=extra)
     return check(in_dir, out_dir, diagnoser=diagnose)
+
+
+# The binary's options that `attnstep run` passes on under the same name (docs/cli.md).
+RUN_OPTIONS = ("--precision", "--split-size")
+
+
+def run_command(backend, options=()) -> str:
+    """The command that runs a case in IN on `backend` (with `options` more), for a failure's
+    message: `attnstep run` where it takes every option, else the binary itself."""
+    name, extra = backend
+    args = ["--in", "IN", "--out", "OUT", "--backend", name, *extra, *options]
+    known = ("--in", "--out", "--backend") + RUN_OPTIONS
+    runner = ["attnstep", "run"] if all(flag in known for flag in args[::2]) else ["build/main"]
+    return " ".join(runner + [str(a) for a in args])

@@ -12,7 +12,11 @@ variants; a case prints the `attnstep generate` command that writes it again.
 
 A share of the variant cases without mask or bias files or dropout is packed (verify/sequences.py):
 1 .. MAX_SEQUENCES sequences of the case's heads and head dims, sequences without queries or keys
-and KV-cache padding (seqused_k) included, drawn from a stream of its own."""
+and KV-cache padding (seqused_k) included, drawn from a stream of its own. A share of the forward
+ones is a paged KV cache instead (docs/contract.md, "Paged KV caches"): pages of 16 .. 256 keys
+and odd small ones, decode steps of a few queries, last pages partial or whole, as `attnstep
+generate --page-size` writes it, from a stream of its own too. (tests/helpers/split_runs.py draws
+the split-KV runs of the binary from the same cases.)"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
@@ -20,7 +24,7 @@ from typing import List, Optional
 
 import numpy as np
 
-from verify.files.generate import DISTRIBUTIONS
+from verify.files.generate import DISTRIBUTIONS, SPARE_PAGES, paged_case
 from verify.files.patterns import MASK_PATTERNS, PREFIX_LM, RANDOM, SLOPE_CHOICES, VariantInputs
 from verify.sequences import Sequences, sequences_from_lengths
 from verify.stages import FLASH_HEAD_DIMS, FORMATS, MAX_HEAD_DIM, Dims
@@ -150,12 +154,18 @@ class VariantCase(Case):
             args += ["--mask", x.mask, "--mask-heads", x.mask_heads] + (["--mask-empty-rows"] if x.empty_rows else [])
         args += ["--bias", x.bias, "--bias-heads", x.bias_heads] if x.bias else []
         args += ["--dropout", repr(v.dropout), "--dropout-seed", v.dropout_seed] if v.dropout else []
+        return [str(a) for a in args + self._sequence_options()]
+
+    def _sequence_options(self) -> list:
+        """The packing's options: the lengths, and the used keys or the page size."""
         seqs = self.sequences
-        if seqs is not None:
-            lengths = [",".join(str(f(b)) for b in range(seqs.count)) for f in (seqs.n, lambda b: len(seqs.k_slot(b)))]
-            args += ["--seqlens", lengths[0], "--seqlens-k", lengths[1]]
-            args += ["--seqused-k", ",".join(map(str, seqs.used_k))] if seqs.used_k is not None else []
-        return [str(a) for a in args]
+        if seqs is None:
+            return []
+        listed = lambda f: ",".join(str(f(b)) for b in range(seqs.count))  # noqa: E731
+        if seqs.paged:  # each sequence reads all its keys (--seqlens-k), from pages of one pool
+            return ["--seqlens", listed(seqs.n), "--seqlens-k", listed(seqs.m), "--page-size", seqs.page_size]
+        args = ["--seqlens", listed(seqs.n), "--seqlens-k", listed(lambda b: len(seqs.k_slot(b)))]
+        return args + (["--seqused-k", ",".join(map(str, seqs.used_k))] if seqs.used_k is not None else [])
 
     def __str__(self) -> str:
         return f"case {self.index}: attnstep generate --out IN {' '.join(self.generate_command())}"
@@ -207,37 +217,102 @@ EMPTY_SHARE = 0.15        # of a packed case's sequences have no queries, or no 
 USED_K_SHARE = 0.3        # of the packed cases have seqused_k (a KV cache's padded slots)
 
 
-def _packing(index: int, case: "VariantCase") -> Optional[Sequences]:
-    """The packing of case `index` (None: dense): B sequences whose lengths share out about the
-    case's query and key rows (so its size stays the sweep's), some empty, some slots padded."""
-    rng = np.random.default_rng([SWEEP_SEED, index, PACKED_STREAM])
-    if case.per_element_inputs or rng.random() >= PACKED_SHARE:
-        return None
+def _lengths(rng: np.random.Generator, count: int, total: int, most: Optional[int] = None) -> List[int]:
+    """`count` lengths sharing out about `total` rows (each at most `most` when given), some 0, at
+    least one row in all."""
+    top = max(2, total // count) if most is None else most
+    out = [0 if rng.random() < EMPTY_SHARE else int(rng.integers(1, top + 1)) for _ in range(count)]
+    out[-1] = max(out[-1], 1 if sum(out) == 0 else 0)
+    return out
+
+
+def packing(rng: np.random.Generator, dims: Dims) -> Sequences:
+    """A packing of about the query and key rows of `dims` (so the case's size stays the sweep's):
+    1 .. MAX_SEQUENCES sequences, some empty, some key slots padded (seqused_k)."""
     count = int(rng.integers(1, MAX_SEQUENCES + 1))
-
-    def lengths(total: int) -> List[int]:
-        out = [0 if rng.random() < EMPTY_SHARE else int(rng.integers(1, max(2, total // count) + 1))
-               for _ in range(count)]
-        out[-1] = max(out[-1], 1 if sum(out) == 0 else 0)  # at least one row in all
-        return out
-
-    n, slots = lengths(case.dims.seq_q), lengths(case.dims.seq_k)
+    n, slots = _lengths(rng, count, dims.seq_q), _lengths(rng, count, dims.seq_k)
     used = [int(rng.integers(0, s + 1)) for s in slots] if rng.random() < USED_K_SHARE else None
     return sequences_from_lengths(n, slots, used)
 
 
-def draw_variant_case(index: int) -> VariantCase:
-    """Case `index` of the sweep (draw_case) with a variant drawn over it and, for a share of
-    those without per-element inputs, packed: the same for every case count and backend."""
-    case = _draw_variant_case(index)
-    seqs = _packing(index, case)
+def _packing(index: int, case: "VariantCase") -> Optional[Sequences]:
+    """The packing of case `index` (None: dense)."""
+    rng = np.random.default_rng([SWEEP_SEED, index, PACKED_STREAM])
+    if case.per_element_inputs or rng.random() >= PACKED_SHARE:
+        return None
+    return packing(rng, case.dims)
+
+
+# ---- paged KV caches -----------------------------------------------------------------------------
+# A paged case is written as `attnstep generate --seqlens N --seqlens-k M --page-size P --seed S`
+# writes it (verify.files.generate.paged_case): each sequence reads all its keys (no seqused_k of
+# its own), its pages dealt from a shuffled pool with spare pages, its table row padded with -1
+# past its pages. Forward only, no mask or bias files or dropout (docs/contract.md).
+
+PAGED_STREAM = 3          # the paging's draws: a stream of their own
+PAGED_SHARE = 0.5         # of the forward variant cases that can be packed are paged
+PAGE_SIZES = (16, 32, 64, 128, 256)  # vLLM's 16 .. flash-attn's 256
+ODD_PAGE_SHARE = 0.2      # of the paged cases have pages of 1 .. 15 keys (any size the contract takes)
+DECODE_SHARE = 0.5        # of the paged cases are decode steps: 1 .. DECODE_QUERIES queries a sequence
+DECODE_QUERIES = 8
+DECODE_PAGES = 4          # a decode step's caches: up to this many pages a sequence
+WHOLE_PAGES_SHARE = 0.25  # of a paged case's sequences end on a page's end (no partial last page)
+POOL_VALUES = 500_000     # pool rows x (d_k + d_v) x K/V heads: the pool's files stay a few MB
+
+
+def _pool_rows(keys: List[int], page: int) -> int:
+    return (sum(-(-m // page) for m in keys) + SPARE_PAGES) * page
+
+
+def paging(rng: np.random.Generator, dims: Dims, seed: int, longest: Optional[int] = None) -> Sequences:
+    """A paged KV cache of `dims`'s heads and widths: 1 .. MAX_SEQUENCES sequences, pages of 16 ..
+    256 keys or odd small ones, a decode step's few queries against caches of up to DECODE_PAGES
+    pages, or about the rows of `dims`; some sequences without queries or keys, last pages partial
+    or whole, each at most `longest` keys when given; the pages dealt from `seed` as `attnstep
+    generate --seed` deals them."""
+    count = int(rng.integers(1, MAX_SEQUENCES + 1))
+    page = int(rng.integers(1, 16)) if rng.random() < ODD_PAGE_SHARE else int(rng.choice(PAGE_SIZES))
+    width = (dims.d_k + dims.d_v) * (dims.kv_heads or dims.heads)
+    while page > 1 and (count + SPARE_PAGES) * page * width > POOL_VALUES:
+        page //= 2
+    decode = rng.random() < DECODE_SHARE
+    n = _lengths(rng, count, dims.seq_q, DECODE_QUERIES if decode else None)
+    keys = max(dims.seq_k, int(rng.integers(1, DECODE_PAGES + 1)) * page * count) if decode else dims.seq_k
+    m = [k if longest is None else min(k, longest) for k in _lengths(rng, count, keys)]
+    while _pool_rows(m, page) * width > POOL_VALUES and max(m) > 1:
+        m = [k // 2 for k in m]
+    m[-1] = max(m[-1], 1 if sum(m) == 0 else 0)
+    m = [k // page * page if k >= page and rng.random() < WHOLE_PAGES_SHARE else k for k in m]
+    while sum(a * b for a, b in zip(n, m)) * dims.heads * (dims.d_k + dims.d_v) > MAX_MACS and max(n) > 1:
+        n = [max(1, a // 2) if a else 0 for a in n]  # the cache stays: fewer queries
+    return paged_case(n, m, page, seed)
+
+
+def _paging(index: int, case: "VariantCase") -> Optional[Sequences]:
+    """The paging of case `index` (None: not paged): a share of the forward cases that can be packed."""
+    rng = np.random.default_rng([SWEEP_SEED, index, PAGED_STREAM])
+    if case.per_element_inputs or case.backward or rng.random() >= PAGED_SHARE:
+        return None
+    return paging(rng, case.dims, index)
+
+
+def with_sequences(case: "VariantCase", seqs: Optional[Sequences]) -> "VariantCase":
+    """`case` packed or paged as `seqs` says (None: as it is): batch 1, the totals as its rows."""
     if seqs is None:
         return case
-    dims = replace(case.dims, batch=1, seq_q=seqs.total_q, seq_k=seqs.total_k)
-    return replace(case, dims=dims, sequences=seqs)
+    return replace(case, dims=replace(case.dims, batch=1, seq_q=seqs.total_q, seq_k=seqs.total_k), sequences=seqs)
 
 
-def _draw_variant_case(index: int) -> VariantCase:
+def draw_variant_case(index: int) -> VariantCase:
+    """Case `index` of the sweep (draw_case) with a variant drawn over it and, for a share of
+    those without per-element inputs, paged (forward ones) or packed: the same for every case
+    count and backend."""
+    case = draw_dense_variant_case(index)
+    seqs = _paging(index, case)
+    return with_sequences(case, seqs if seqs is not None else _packing(index, case))
+
+
+def draw_dense_variant_case(index: int) -> VariantCase:
     """Case `index` of the sweep (draw_case) with a variant drawn over it: the same for every case
     count and backend."""
     case = draw_case(index)

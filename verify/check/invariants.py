@@ -19,7 +19,7 @@ from ..specs import SPECS, HeadContext
 from ..specs.base import (COLUMN_SUM, ECHO_MISMATCH, FLASH_VS_OUTPUT, FLASH_VS_STAGES, LSE_VS_SCORES, MASK_MISSING,
                           NEGATIVE_WEIGHTS, NONFINITE, NOT_TRANSPOSE, ROW_SUM, Violation, nonfinite)
 from ..stages import Dims
-from . import half_rounding, reference, tolerance
+from . import half_rounding, reference, splits, tolerance
 
 __all__ = ["check_invariants", "canonical", "ENGINE_BOUNDS", "head_context", "Violation", "NONFINITE",
            "NEGATIVE_WEIGHTS", "ROW_SUM", "MASK_MISSING", "NOT_TRANSPOSE", "ECHO_MISMATCH", "FLASH_VS_OUTPUT", "LSE_VS_SCORES",
@@ -33,6 +33,7 @@ class EngineBounds:
     chained_bound = staticmethod(tolerance.chained_bound)
     reference_chain = staticmethod(reference.reference_chain)
     invariant_quantum = staticmethod(half_rounding.invariant_quantum)
+    combine_allowance = staticmethod(splits.combine_allowance)
 
 
 ENGINE_BOUNDS = EngineBounds()

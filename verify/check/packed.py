@@ -244,7 +244,8 @@ class PackedRun:
 
     def _keyless(self, kv_head: int, b: int) -> List[HeadResult]:
         """Sequence b reads no key: its queries' rows are exactly 0 (flash_lse −inf, or +inf), Q
-        and dO echo their input, within the file's printed resolution."""
+        and dO echo their input (at bf16/fp16 rounded to the format, or as read), within the file's
+        printed resolution."""
         out = []
         for head in self.run.dims.query_heads_of(kv_head):
             for stage in self.stages:
@@ -261,6 +262,9 @@ class PackedRun:
                 keyless = SPECS[stage].keyless
                 if SPECS[stage].echo:
                     want = self._input_rows(b, stage, head).astype(np.float64)
+                    if is_half(self.run.precision):  # a half-precision echo: the input in its format (or as read)
+                        want = np.where(mat == want, want, round_to_format(want, self.run.precision,
+                                                                           self.run.half_rounding))
                 else:
                     if keyless == -np.inf and not STAGES[stage].split:  # (a split's lse is −inf: contract.md)
                         mat = np.where(mat == np.inf, -np.inf, mat)  # flash-attn's +inf for a row without keys

@@ -12,9 +12,11 @@ The combine (docs/tolerances.md, "The split-KV combine"): lse = ln Σ_s exp(lse_
 O = Σ_s exp(lse_s − lse)·O_s over the program's own split files, in float64, is the isolated
 reference of flash_lse and flash_output; the allowance is the float32 arithmetic of any correct
 combine (combine_bound) plus, at bf16/fp16, flash_output's rounding to the format. The chained
-check (from Q, K, V) is flash_output's as in any run: a correct split program passes both, a wrong
-split fails its own check and leaves the flash stages INHERITED, a wrong combine fails the flash
-stages on their own.
+check (from Q, K, V) is flash_output's as in any run, plus what the float32 combine of correct
+splits adds (combine_allowance: its lse_s are float32 values of magnitude |lse|, so each weight
+exp(lse_s − lse) is off by about u·|lse|, which no unsplit forward has): a correct split program
+passes both, a wrong split fails its own check and leaves the flash stages INHERITED, a wrong
+combine fails the flash stages on their own.
 """
 from __future__ import annotations
 
@@ -292,6 +294,27 @@ def combine_bound(lse_s: np.ndarray, out_s: Optional[np.ndarray], math: str = "i
         out_bound = 2 * ((delta[:, :, None] * mag).sum(axis=1) + (S - 1) * u * mag.sum(axis=1)) + 2 * FLUSH
         out_bound = np.where(np.isfinite(lse), out_bound, 0.0)
     return lse_bound, out_bound
+
+
+def combine_allowance(stage: str, ctx: HeadContext):
+    """What a run that splits the keys adds to the bound of a flash stage from Q, K, V (chained, and
+    in the flash stages' agreement with the stage path): the float32 combine's error over the
+    reference splits (combine_bound), and each split's lse bound carried through the combine
+    (∂O/∂lse_s = w_s·(O_s − O); ∂lse/∂lse_s = w_s is the unsplit lse's own). 0 in a run that does
+    not split, and for the other stages."""
+    if not splitting(ctx) or stage not in COMBINED_FROM:
+        return 0.0
+    refs = split_references(ctx)
+    lse_s = np.concatenate([r.refs[FLASH_LSE] for r in refs], axis=1)
+    if row_statistic(stage):
+        return combine_bound(lse_s, None, ctx.math)[0]
+    out_s = np.stack([r.refs[FLASH_OUTPUT] for r in refs], axis=1)
+    _, out, w = combine(lse_s, out_s)
+    lse_bounds = np.concatenate([r.bounds[FLASH_LSE] for r in refs], axis=1)
+    with np.errstate(invalid="ignore"):
+        moved = np.where(w > 0, w * lse_bounds, 0.0)[:, :, None] * np.abs(out_s - out[:, None, :])
+    moved = np.where(np.isfinite(moved), moved, 0.0).sum(axis=1)
+    return combine_bound(lse_s, out_s, ctx.math)[1] + moved
 
 
 def _propagated(lse_s, out_s, q_lse, q_out, stage: str):

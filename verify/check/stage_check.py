@@ -169,12 +169,13 @@ def allowed(stage: str, src: Dict[str, np.ndarray], want: np.ndarray, ctx: HeadC
             override: Optional[Tuple[float, float]], chained: bool = False) -> np.ndarray:
     """The element-wise allowance: the user's atol + rtol·|want| where given (override), else the
     error model: isolated (this stage's own rounding, from `src`) or chained (the error
-    accumulated along the head's reference chain from the original inputs)."""
+    accumulated along the head's reference chain from the original inputs; in a run that splits
+    the keys, a flash stage's plus what its float32 combine adds)."""
     if override is not None:
         atol, rtol = override
         return atol + rtol * np.where(np.isfinite(want), np.abs(want), 0.0)
     if chained:
-        return tolerance.chained_bound(stage, ctx.chain, **ctx.bound_args())
+        return tolerance.chained_bound(stage, ctx.chain, **ctx.bound_args()) + ctx.bounds.combine_allowance(stage, ctx)
     return tolerance.stage_bound(stage, src, want, **ctx.bound_args())
 
 

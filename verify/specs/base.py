@@ -62,6 +62,10 @@ class Bounds(Protocol):
         """What a sum of `stage`'s values may miss by beyond its float32 model: the printed
         resolution and the half pipelines' roundings (verify/check/half_rounding.py)."""
 
+    def combine_allowance(self, stage: str, ctx: "HeadContext"):
+        """What a run that splits the keys adds to a flash stage's bound from Q, K, V: its float32
+        combine's error (verify/check/splits.py); 0 otherwise."""
+
 
 @dataclass
 class HeadContext:

@@ -141,7 +141,7 @@ def _output_vs_partner(stage: str, got: np.ndarray, ctx: HeadContext) -> List[Vi
     src = _flash_sources(ctx)
     chain = _partner_reference(ctx, list(INPUT_NAMES) + [partner])
     kw = ctx.bound_args()
-    allowed = (ctx.bounds.stage_bound(stage, src, chain[partner], **kw)
+    allowed = (ctx.bounds.stage_bound(stage, src, chain[partner], **kw) + ctx.bounds.combine_allowance(stage, ctx)
                + ctx.bounds.chained_bound(partner, {**src, **chain}, **kw) + ctx.quantum(stage, partner))
     v = consistency(FLASH_VS_OUTPUT, stage, got, np.asarray(ctx.got[partner], np.float64), allowed,
                     f"the binary's {partner}")
@@ -163,7 +163,8 @@ def _lse_vs_partner(stage: str, got: np.ndarray, ctx: HeadContext) -> List[Viola
     kw = ctx.bound_args()
     s_bound = ctx.bounds.chained_bound(partner, {**_flash_sources(ctx), **chain}, **kw) + ctx.quantum(partner)
     inherited = (chain[weights] * s_bound).sum(axis=1, keepdims=True) + ctx.quantum(stage)
-    allowed = ctx.bounds.stage_bound(stage, _flash_sources(ctx), chain[stage], **kw) + inherited
+    allowed = (ctx.bounds.stage_bound(stage, _flash_sources(ctx), chain[stage], **kw)
+               + ctx.bounds.combine_allowance(stage, ctx) + inherited)
     v = consistency(LSE_VS_SCORES, stage, got, log_sum_exp_rows(scores), allowed,
                     f"the log-sum-exp of the binary's {partner} rows")
     return [v] if v else []
