@@ -25,7 +25,8 @@ the model or in the binary, never bad luck.
 
 The CUDA backend is swept at every precision: fp32 with each flash kernel, tf32, and the half
 pipelines bf16 and fp16 (their stage path; the flash stages too where the binary has a half flash
-kernel, else it leaves them out with a notice and the sweep checks what it wrote). A flash kernel
+kernel, else it leaves them out with a notice and the sweep checks what it wrote), and bf16 and fp16
+with the flash forward alone, where a packed case runs in one launch over its sequences. A flash kernel
 forced by name that has no variant for the case's mask or bias files or dropout (every kernel but
 the clean one) refuses the case in one line, as documented; the sweep requires exactly that refusal
 there. The CPU backend's half pipelines have their own, smaller sweep in tests/test_half.py.
@@ -73,6 +74,12 @@ CHUNK = 25        # cases per test function: one binary fixture, one report line
 # binary has no half flash kernel, so they are not end-to-end backends, whose tests require them).
 SWEPT = BACKENDS + [pytest.param(("cuda", ("--precision", p)), id=f"cuda-{p}", marks=pytest.mark.gpu)
                     for p in HALF_PRECISIONS]
+# The half flash forward alone (--stages flash): a packed case of the plain masks then runs in one
+# kernel launch over the whole batch (cuda_src/packed_run.h), a dense one as in the configurations
+# above. Forward cases without mask or bias files or dropout; a width the half kernel lacks is
+# refused in one line, as documented.
+FLASH_ONLY = [pytest.param(("cuda", ("--precision", p, "--stages", "flash")), id=f"cuda-{p}-flash",
+                           marks=pytest.mark.gpu) for p in HALF_PRECISIONS]
 # The first chunk runs by default; the rest of the sweep is marked slow (python3 -m pytest -m slow).
 CHUNKS = [pytest.param(c, id=f"cases{c * CHUNK}-{min(CASES, (c + 1) * CHUNK) - 1}",
                        marks=pytest.mark.slow if c else ())
@@ -212,14 +219,38 @@ def _run(binary, work, case, backend, where: str):
         pytest.fail(f"{where}: the binary failed: {exc}")
 
 
+def _flash_only_skips(backend, case) -> bool:
+    """Whether a flash-only run leaves `case` to the other configurations (it has dO, or inputs the
+    half flash kernel does not take)."""
+    return "flash" in backend[1] and (case.backward or case.per_element_inputs)
+
+
+# How the binary refuses a flash-only run whose widths have no flash kernel (d_k != d_v, or a width
+# the half-precision kernel lacks), as documented: one line, exit 2.
+FLASH_REFUSALS = ("flash stages need d_k = d_v", "at half precision on this GPU")
+
+
+def _check_flash_only(binary, work, case, backend, where: str) -> None:
+    try:
+        report = run_and_check(binary, work, case.dims, case.causal, backend, **case.generate_args())
+    except RunnerError as exc:
+        assert exc.exit_code == EXIT_BAD_INPUT and any(r in str(exc) for r in FLASH_REFUSALS), f"{where}: {exc}"
+        return
+    assert report.passed, f"false alarm {where}: {failures(report)}"
+
+
 @pytest.mark.parametrize("chunk", CHUNKS)
-@pytest.mark.parametrize("backend", SWEPT)
+@pytest.mark.parametrize("backend", SWEPT + FLASH_ONLY)
 def test_random_correct_runs_never_fail(binary, tmp_path, backend, chunk):
     for index in range(chunk * CHUNK, min(CASES, (chunk + 1) * CHUNK)):
         case = draw_variant_case(index)
         work = tmp_path / str(index)
         where = f"{case}; {run_command(backend)}"
-        if _forced_kernel_refuses(backend, case):
+        if _flash_only_skips(backend, case):
+            continue
+        if "flash" in backend[1]:
+            _check_flash_only(binary, work, case, backend, where)
+        elif _forced_kernel_refuses(backend, case):
             with pytest.raises(RunnerError) as refused:
                 run_and_check(binary, work, case.dims, case.causal, backend, **case.generate_args())
             assert refused.value.exit_code == EXIT_BAD_INPUT, f"{where}: {refused.value}"
