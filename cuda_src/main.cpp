@@ -292,7 +292,9 @@ int run(int argc, char** argv) {
     InputCase in = open_input_case(o.in_dir);
     Problem p = make_problem(o, in);
     std::unique_ptr<Backend> be = choose_backend(o.backend);
-    StageSet written = drop_splits(o, p, drop_dropout(o, p, drop_half_flash(o, *be, p, select_stages(o, in))));
+    // The split stages are settled before the half-precision ones: a refusal then names only stages
+    // the run would compute.
+    StageSet written = drop_half_flash(o, *be, p, drop_splits(o, p, drop_dropout(o, p, select_stages(o, in))));
     StageSet computed = drop_splits(o, p, drop_dropout(o, p, dependency_closure(written)));
     check_forced_flash_kernel(o, *be, computed);
     VariantInputs variant_inputs(in, p);  // the broadcast mask/bias and the slopes: checked before OUT is touched

@@ -227,7 +227,7 @@ def _flash_only_skips(backend, case) -> bool:
 
 # How the binary refuses a flash-only run whose widths have no flash kernel (d_k != d_v, or a width
 # the half-precision kernel lacks), as documented: one line, exit 2.
-FLASH_REFUSALS = ("flash stages need d_k = d_v", "at half precision on this GPU")
+FLASH_REFUSALS = ("flash stages need d_k = d_v", "backend has no half-precision kernel for flash_output,flash_lse")
 
 
 def _check_flash_only(binary, work, case, backend, where: str) -> None:
