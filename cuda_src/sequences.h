@@ -36,6 +36,12 @@ inline constexpr int kNumSequenceFiles = 4;
 inline constexpr const char kSequencesKey[] = "sequences";
 // The manifest key whose presence makes a packed case paged (its value: the keys a page holds).
 inline constexpr const char kPageSizeKey[] = "page_size";
+// A decode step's new keys: the manifest key (their count n per sequence) and the input files that
+// hold them per K/V head, by the cache they are appended to ("K_new_head_<j>": sequence b's new keys
+// at rows b*n .. b*n + n - 1). Sequence b's new key t lands at its key seqused_k[b] + t.
+inline constexpr const char kNewKeysKey[] = "new_keys";
+inline constexpr const char kNewKeysInput[] = "K_new";
+inline constexpr const char kNewValuesInput[] = "V_new";
 
 // Every value of those files is a count of tokens: a whole number in 0..kMaxTokens (a dimension's
 // largest, so the offsets and their totals fit seq_q and seq_k), and the number of sequences B is
@@ -72,6 +78,9 @@ struct Sequences {
     // pages_per_seq entries, row-major; pool_rows the rows of K and V (num_pages * page_size).
     int page_size = 0, pages_per_seq = 0, pool_rows = 0;
     std::vector<long long> block_table;
+    // A decode step: the new keys appended to each sequence before attention (used_k counts them;
+    // the files hold the cache before the step).
+    int new_keys = 0;
 
     bool packed() const { return !cu_q.empty(); }
     int count() const { return cu_q.empty() ? 0 : static_cast<int>(cu_q.size()) - 1; }
@@ -91,6 +100,8 @@ struct Sequences {
         const long long page = block_table[static_cast<size_t>(b) * pages_per_seq + j / page_size];
         return static_cast<int>(page * page_size + j % page_size);
     }
+    // The keys sequence b's cache holds before the step (seqused_k as the files say).
+    int cache_len(int b) const { return m(b) - new_keys; }
     // Sequence b's key slot (not paged): its first packed row and its length, padding included.
     int k_begin(int b) const { return static_cast<int>(cu_k[b]); }
     int slot(int b) const { return static_cast<int>(cu_k[b + 1] - cu_k[b]); }
@@ -306,6 +317,68 @@ inline std::string sequences_count_problem(long long count) {
 inline std::string packed_batch_problem(long long batch, long long count) {
     return "batch = " + std::to_string(batch) + " with " + kSequencesKey + " = " + std::to_string(count) +
            ": a packed case has batch = 1 (its sequences are the batch)";
+}
+
+// ------------------------------------------------------------------------------------------------
+// A decode step's new keys (verify/sequences.py and verify/files/new_keys.py have the twins, in the
+// same words).
+
+inline constexpr const char kNewKeysBackward[] = "the backward pass is not supported with new keys (a decode step)";
+inline constexpr const char kNewKeysBackwardHint[] =
+    "a decode step is forward only; check the backward pass on a case without new_keys";
+inline constexpr const char kNewKeysNeedSequsedK[] =
+    "a case with new keys has seqused_k: the keys each sequence's cache holds before the step";
+inline constexpr const char kNotAppended[] = "exists but the case has no new keys";
+inline constexpr const char kNotAppendedHint[] =
+    "add new_keys = n (the keys appended to each sequence) to the manifest, or remove the file";
+inline constexpr const char kNewKeysNoManifest[] = "a case with new keys needs a manifest to say new_keys = n";
+inline constexpr const char kNewKeysNoManifestHint[] = "write a manifest.toml with sequences = B and new_keys = n";
+
+// The manifest's new_keys out of range; new_keys without sequences (words after the manifest's place).
+inline std::string new_keys_count_problem(long long count) {
+    return std::string(kNewKeysKey) + " = " + std::to_string(count) + ": the new keys per sequence must be in 1.." +
+           std::to_string(kMaxTokens);
+}
+inline std::string new_keys_unpacked_problem(long long count) {
+    return std::string(kNewKeysKey) + " = " + std::to_string(count) + " without " + kSequencesKey +
+           " = B: new keys are appended to a packed case's KV cache";
+}
+
+// What is wrong with appending `count` new keys to each sequence of s (the cache before the step:
+// m(b) is seqused_k), in words that start with the file's name; "" when nothing: room in the slot
+// or the table row, every page the new keys reach in the pool, no pool slot written by two sequences.
+inline std::string new_keys_problem(const Sequences& s, long long count) {
+    auto str = [](long long v) { return std::to_string(v); };
+    const std::string used = kSequsedK, bt = kBlockTable;
+    for (int b = 0; b < s.count(); ++b) {
+        const long long u = s.m(b);
+        const long long room = s.paged() ? static_cast<long long>(s.pages_per_seq) * s.page_size : s.slot(b);
+        const std::string words = s.paged() ? "the " + str(s.pages_per_seq) + " pages of " + str(s.page_size) +
+                                                  " keys a " + bt + " row holds"
+                                            : "sequence " + str(b) + "'s key slot";
+        if (u + count > room)
+            return used + "[" + str(b) + "] = " + str(u) + " with " + str(count) + " new keys is " + str(u + count) +
+                   " keys, more than " + words + " (" + str(room) + ")";
+    }
+    if (!s.paged()) return "";
+    std::vector<long long> after(s.used_k);
+    for (long long& a : after) a += count;
+    const std::string problem = paged_problem(s.cu_q, after, s.block_table, s.count(), s.pages_per_seq, s.page_size,
+                                              s.pool_rows / s.page_size);
+    if (!problem.empty()) return problem;
+    std::vector<int> writer(static_cast<size_t>(s.pool_rows), -1);
+    for (int b = 0; b < s.count(); ++b)
+        for (long long j = s.m(b); j < after[b]; ++j) {
+            const long long row = s.block_table[static_cast<size_t>(b) * s.pages_per_seq + j / s.page_size] * s.page_size +
+                                  j % s.page_size;
+            int& w = writer[static_cast<size_t>(row)];
+            if (w >= 0 && w != b)
+                return bt + " rows " + str(w) + " and " + str(b) + " both write a new key to page " +
+                       str(row / s.page_size) + ", slot " + str(row % s.page_size) +
+                       ": their new keys would overwrite each other";
+            w = b;
+        }
+    return "";
 }
 
 }  // namespace attnstep

@@ -354,8 +354,8 @@ def check_kvcache(q, k_cache, v_cache, stages: Mapping[str, object], *, cache_se
     half_rounding as check_arrays'. k_cache_after, v_cache_after: the cache after the step,
     checked exactly (the new keys written through the table, every other slot unchanged).
     Each sequence's keys are gathered and every sequence checked as a packed case; a failing one
-    is explained by the paged bugs' diagnoses (paged_wrong_page, paged_page_shift,
-    paged_past_length). A ValueError or TypeError names the argument and what is wrong."""
+    is explained by the paged bugs' diagnoses (paged_*, new_keys_unseen; a cache after: cache_* in its
+    `diagnosis`). A ValueError or TypeError names the argument and what is wrong."""
     args = _validated(stages=stages, causal=causal, align=None, window=window, softcap=softcap, alibi=alibi,
                       dropout_p=0.0, layout=None, scale=scale, precision=precision, math=math, atol=atol, rtol=rtol,
                       jobs=jobs, allow_nonfinite=allow_nonfinite, half_rounding=half_rounding)

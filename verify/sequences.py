@@ -19,6 +19,12 @@ pages of P keys: K and V hold num_pages·P rows, and key j of sequence b is pool
 block_table[b][j // P]·P + j % P (`key_rows`). It has seqused_k (the keys each sequence reads) and
 no cu_seqlens_k; entries of pages a sequence does not read are ignored; pages may be shared.
 
+A decode step (the manifest's `new_keys` = n, the files `K_new_head_{j}`, `V_new_head_{j}`, n rows
+per sequence) appends n new keys to each sequence's cache before attention, as flash-attn's
+`flash_attn_with_kvcache` writes its k and v: sequence b's new key t lands at its key
+seqused_k[b] + t (`new_key_rows`), and the sequence attends to seqused_k[b] + n keys. Sequences
+holds m(b) after the step (used_k) and the count (new_keys); the files hold the cache before it.
+
 `cuda_src/sequences.h` is the C++ twin; docs/contract.md ("Packed sequences", "Paged KV caches")
 describes both.
 """
@@ -29,7 +35,7 @@ from typing import Optional, Sequence, Tuple
 
 import numpy as np
 
-from .stages import MAX_DIM
+from .stages import KEYS, MAX_DIM, VALUES
 from .text import printable
 
 # The input case's files that describe the sequences (txt or npy, as every input), and the manifest
@@ -40,6 +46,12 @@ SEQUENCE_FILES = (CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_K, BLOCK_TABLE)  # in the 
 SEQUENCES_KEY = "sequences"
 # The manifest key whose presence makes a packed case paged (its value: the keys a page holds).
 PAGE_SIZE_KEY = "page_size"
+
+# The manifest key of a decode step's new keys (their count per sequence), and the input files that
+# hold them, per K/V head (`K_new_head_{j}`: sequence b's new keys at rows b·n .. b·n + n − 1), by the
+# cache they are appended to.
+NEW_KEYS_KEY = "new_keys"
+NEW_KEY_INPUTS = {KEYS: "K_new", VALUES: "V_new"}
 
 # Every value of those files is a count of tokens: a whole number in 0..MAX_TOKENS (a dimension's
 # largest, so the offsets and their totals fit seq_q and seq_k), and the number of sequences B is
@@ -82,6 +94,8 @@ class Sequences:
     page_size: int = 0
     block_table: Optional[Tuple[Tuple[int, ...], ...]] = None
     pool_rows: int = 0
+    # A decode step: the new keys appended to each sequence before attention (used_k counts them).
+    new_keys: int = 0
 
     @property
     def paged(self) -> bool:
@@ -123,6 +137,14 @@ class Sequences:
             return self.cu_k[b] + j
         pages = np.asarray(self.block_table[b], dtype=np.int64)
         return pages[j // self.page_size] * self.page_size + j % self.page_size
+
+    def cache_len(self, b: int) -> int:
+        """The keys sequence b's cache holds before the step (seqused_k as the files say)."""
+        return self.m(b) - self.new_keys
+
+    def new_key_rows(self, b: int) -> np.ndarray:
+        """The rows of K and V that sequence b's new keys 0..new_keys-1 are written to."""
+        return self.key_rows(b)[self.cache_len(b):]
 
     def gathered(self) -> "Sequences":
         """The packing of the same attention with each sequence's keys (key_rows, in key order)
@@ -329,3 +351,26 @@ def paged_sequences(cu_q: Sequence[int], used_k: Sequence[int], table: Sequence[
     if problem:
         raise ValueError(problem)
     return Sequences(tuple(int(x) for x in cu_q), None, tuple(int(x) for x in used_k), page_size, table, pool_rows)
+
+
+# ----------------------------------------------------------------------------------------------
+# A decode step's new keys (cuda_src/sequences.h has the twins, in the same words).
+
+NEW_KEYS_BACKWARD = "the backward pass is not supported with new keys (a decode step)"
+NEW_KEYS_BACKWARD_HINT = f"a decode step is forward only; check the backward pass on a case without {NEW_KEYS_KEY}"
+NEW_KEYS_NEED_SEQUSED = "a case with new keys has seqused_k: the keys each sequence's cache holds before the step"
+NOT_APPENDED = "exists but the case has no new keys"
+NOT_APPENDED_HINT = f"add {NEW_KEYS_KEY} = n (the keys appended to each sequence) to the manifest, or remove the file"
+NEW_KEYS_NO_MANIFEST = f"a case with new keys needs a manifest to say {NEW_KEYS_KEY} = n"
+NEW_KEYS_NO_MANIFEST_HINT = f"write a manifest.toml with {SEQUENCES_KEY} = B and {NEW_KEYS_KEY} = n"
+
+
+def new_keys_count_problem(count: int) -> str:
+    """The manifest's new_keys out of range (words after the manifest's place)."""
+    return f"{NEW_KEYS_KEY} = {count}: the new keys per sequence must be in 1..{MAX_TOKENS}"
+
+
+def new_keys_unpacked_problem(count: int) -> str:
+    """new_keys in a manifest without sequences (words after the manifest's place)."""
+    return f"{NEW_KEYS_KEY} = {count} without {SEQUENCES_KEY} = B: new keys are appended to a packed case's KV cache"
+

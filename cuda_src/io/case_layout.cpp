@@ -13,6 +13,7 @@
 #include "input_file.h"
 #include "input_manifest.h"
 #include "manifest.h"
+#include "new_key_inputs.h"
 #include "sequence_inputs.h"
 #include "variant_inputs.h"
 
@@ -338,6 +339,9 @@ void read_input(const InputCase& c, Stage input, int head, bool allow_nonfinite,
     const char* origin = c.has_manifest ? " from the manifest" : " from head 0";
     read_matrix(c.file(input, head), c.format, stage_rows(input, c.dims), stage_cols(input, c.dims), allow_nonfinite,
                 shape_words(input) + origin, dst);
+    // A decode step: the cache after its new keys are written, what every stage reads and K, V echo.
+    if (c.sequences.new_keys > 0 && (input == Stage::K || input == Stage::V))
+        append_new_keys(c, input, head, allow_nonfinite, dst);
 }
 
 }  // namespace attnstep

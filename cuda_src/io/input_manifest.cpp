@@ -25,6 +25,7 @@ const KeySpec kManifestKeys[] = {
     {"causal", KeyType::Bool}, {"scale", KeyType::Float}, {"format", KeyType::String},
     {"seed", KeyType::Int},   {"distribution", KeyType::String}, {"generator", KeyType::String},
     {"backward", KeyType::Bool}, {kSequencesKey, KeyType::Int}, {kPageSizeKey, KeyType::Int},
+    {kNewKeysKey, KeyType::Int},
 };
 
 std::string known_keys() {

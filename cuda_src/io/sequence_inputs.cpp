@@ -12,6 +12,7 @@
 #include "input_manifest.h"
 #include "manifest.h"
 #include "matrix_io.h"
+#include "new_key_inputs.h"
 #include "variant_manifest.h"
 
 namespace fs = std::filesystem;
@@ -171,12 +172,14 @@ void check_packed_manifest(const InputCase& c, const Manifest& m) {
     const ManifestValue* key = m.find(kSequencesKey);
     const ManifestValue* page = m.find(kPageSizeKey);
     if (page && !key) fail(kExitBadInput, m.where(kPageSizeKey) + ": " + paged_unpacked_problem(page->i));
+    if (m.find(kNewKeysKey) && !key) check_new_keys_manifest(m);
     if (!key) return;
     if (key->i < 1 || key->i > kMaxTokens) fail(kExitBadInput, m.where(kSequencesKey) + ": " + sequences_count_problem(key->i));
     if (c.dims.batch != 1)
         fail(kExitBadInput, (m.find("batch") ? m.where("batch") : m.path) + ": " + packed_batch_problem(c.dims.batch, key->i));
     if (page && (page->i < 1 || page->i > kMaxTokens))
         fail(kExitBadInput, m.where(kPageSizeKey) + ": " + page_size_problem(page->i));
+    check_new_keys_manifest(m);
 }
 
 void check_sequence_files(InputCase* c, const Manifest* m) {
@@ -207,11 +210,11 @@ void check_sequence_files(InputCase* c, const Manifest* m) {
                  "a case holds one format; remove the stray file");
         }
     }
-    if (!packed) return;
+    if (!packed) return check_new_key_files(c, m);
     refuse_unsupported(*c, m);
     if (paged) {
         check_paged_files(c, m, files.any(kK), files.has[kQ][own], files.has[kUsed][own], files.has[kTable][own]);
-        return;
+        return check_new_key_files(c, m);
     }
     for (int i = 0; i < 2; ++i)
         if (!files.has[i][own])
@@ -232,6 +235,7 @@ void check_sequence_files(InputCase* c, const Manifest* m) {
     c->sequences.cu_q = column[0];
     c->sequences.cu_k = column[1];
     c->sequences.used_k = column[2];
+    check_new_key_files(c, m);
 }
 
 void check_packed_dropout_option(const InputCase& c, double dropout) {

@@ -18,8 +18,9 @@ void check_packed_manifest(const InputCase& c, const Manifest& m);
 // (verify/files/sequence_files.py case_sequences): a sequence file in a case that is not packed or
 // of the other format, mask or bias files or dropout, a missing offsets file, a value that is not a
 // count of tokens, a count of offsets other than the manifest's B + 1, offsets sequences_problem
-// refuses, and seq_q or seq_k other than the packed totals. Called by open_input_case once the
-// dimensions are known (m: the manifest, null without one).
+// refuses, and seq_q or seq_k other than the packed totals; then a decode step's new keys
+// (new_key_inputs.h check_new_key_files). Called by open_input_case once the dimensions are known
+// (m: the manifest, null without one).
 void check_sequence_files(InputCase* c, const Manifest* m);
 
 // "--dropout P" on a packed case: refused as the manifest's dropout is.

@@ -335,8 +335,8 @@ def check_run(run: RunInfo, case: InputCase, opts: Options, progress: Optional[C
     results = map_heads(checker.check, dims.total_kv_heads, jobs, advance, tune_process)
     apply_mismatches(run, results)
     report = Report(run, case, results, foreign_stage_files(run), _program_checks(run, opts), _keep_rate(run, results))
-    if packed is not None and case.sequences.paged and diagnoser is not None:
-        diagnose_paged_case(report, check_run, Options(jobs=1), load_output)  # pages read from the wrong place
+    if packed is not None and diagnoser is not None:  # pages or new keys read from the wrong place
+        diagnose_paged_case(report, check_run, Options(jobs=1), load_output)
     return report
 
 

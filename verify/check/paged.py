@@ -16,28 +16,32 @@ first screened with a float64 NumPy forward of the sequence over the reading's k
 much closer to the program's rows than the right reading goes to the re-check; the readings are
 capped per kind (past-length and shifts first, then wrong pages, the last (partial) page first).
 
-A paged input case (files, or check_arrays' paged packing) is searched the same way once every
-sequence is checked (diagnose_paged_case): its pool and table read into a KVCache, its output,
-flash_output and flash_lse re-checked per reading.
+A paged input case, or a packed one with new keys (files, or check_arrays' paged packing), is
+searched the same way once every sequence is checked (verify/check/paged_case.py): its pool and
+table read into a KVCache, its output, flash_output and flash_lse re-checked per reading. A decode
+step with new keys also has the readings that leave them out (new_keys_unseen).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from ..files.kv_cache import KV_CACHE_STAGES, KVCache, cache_after_problem, packed_keys
+from ..files.kv_cache import KVCache, cache_after_problem, decode_stage, packed_keys
 from ..sequences import Sequences
-from ..stages import ALIBI_SLOPES_INPUT, KEYS, QUERIES, STAGES, VALUES
+from ..stages import KEYS, STAGES, VALUES
 from ..model.rounding import unit_roundoff
 from ..variant import Variant, hidden, modified_scores
 from .diagnosis import Diagnosis
+from .new_keys import CACHE_WRITE_OFFSET, cache_findings, pool_layout
 from .results import Report, RunCheck
 
 PAGED_WRONG_PAGE, PAGED_PAGE_SHIFT, PAGED_PAST_LENGTH = "paged_wrong_page", "paged_page_shift", "paged_past_length"
 CACHE_AFTER, CACHE_AFTER_TITLE = "cache_after", "cache after the step"
-PAGED_CODES = (PAGED_WRONG_PAGE, PAGED_PAGE_SHIFT, PAGED_PAST_LENGTH)
+# A decode step with new keys: attention over the cache without them (or before they were written).
+NEW_KEYS_UNSEEN = "new_keys_unseen"
+PAGED_CODES = (PAGED_WRONG_PAGE, PAGED_PAGE_SHIFT, PAGED_PAST_LENGTH, NEW_KEYS_UNSEEN, CACHE_WRITE_OFFSET)
 # The diagnoses of the packed engine that a paging bug may also show as (verify/diagnose/sequences.py).
 PACKED_CODES = ("sequence_leak", "sequence_boundary", "padding_read")
 # The readings screened per failing sequence and kind, and those re-checked per kind after the screen.
@@ -63,6 +67,19 @@ class Reading:
     code: str
     message: str
     detail: dict
+    before: bool = False  # read from the cache before the step's new keys are written ...
+    shift: int = 0        # ... and then with the new keys written `shift` keys late (early: < 0)
+
+    def keys(self, kv: KVCache) -> Tuple[np.ndarray, np.ndarray]:
+        """The keys and values this reading reads."""
+        k, v = kv.gather(self.b, self.row, self.count, self.before)
+        if self.shift:
+            u, n = kv.seqlens[self.b], kv.n_new
+            new_k, new_v = (x[u:u + n] for x in kv.gather(self.b))
+            at = np.arange(n) + u + self.shift
+            keep = (at >= 0) & (at < self.count)
+            k[at[keep]], v[at[keep]] = new_k[keep], new_v[keep]
+        return k, v
 
 
 def cache_after_checks(kv: KVCache, k_after, v_after) -> List[RunCheck]:
@@ -73,8 +90,29 @@ def cache_after_checks(kv: KVCache, k_after, v_after) -> List[RunCheck]:
             continue
         problem = cache_after_problem(kv, name, after)
         message, detail = problem or (f"{name}: the new keys at cache_seqlens, every other slot unchanged", {})
+        if problem:  # (the named ways it went wrong, as a folder's K and V stages name them)
+            detail = {**detail, "diagnosis": [{"code": d.code, "message": d.message, **d.detail}
+                                              for d in _cache_findings(kv, name, after)]}
         out.append(RunCheck(CACHE_AFTER, stage, CACHE_AFTER_TITLE, problem is None, message, detail))
     return out
+
+
+def _cache_findings(kv: KVCache, name: str, after) -> List[Diagnosis]:
+    """The named ways the program's cache after the step went wrong, over every K/V head."""
+    want, before = (kv.k_pages, kv.k_before) if name.startswith("k") else (kv.v_pages, kv.v_before)
+    got = np.asarray(after, np.float64)
+    places = [kv.places(kv.table[b], kv.m(b)) for b in range(kv.batch)]
+    new = np.concatenate([want[p[u:], s[u:]] for (p, s), u in zip(places, kv.seqlens)])
+    layout = pool_layout(kv.table, kv.page_size, kv.num_pages, kv.seqlens, kv.n_new)
+    if not kv.paged:
+        layout.where = lambda r: f"sequence {r // kv.page_size}, slot {r % kv.page_size}"
+    rows = lambda x: np.asarray(x).reshape((-1,) + x.shape[2:])  # noqa: E731  (page, slot) -> pool row
+    found: List[Diagnosis] = []
+    for j in range(want.shape[2]):
+        seen = {(f.code, f.detail.get("sequence")) for f in found}
+        found += [d for d in cache_findings(rows(got)[:, j], rows(want)[:, j], rows(before)[:, j], new[:, j], layout,
+                                            f"{name} K/V head {j}") if (d.code, d.detail.get("sequence")) not in seen]
+    return found
 
 
 # ----------------------------------------------------------------------------------------------
@@ -135,9 +173,28 @@ def _past_length(kv: KVCache, b: int) -> List[Reading]:
                     {"sequence": b, "keys": whole, "valid": m})]
 
 
+def _unseen(kv: KVCache, b: int) -> List[Reading]:
+    """Sequence b's new keys left out of its attention: its cache's keys only, or all its keys read
+    before the new ones were written (their slots' old values)."""
+    u, n = kv.seqlens[b], kv.n_new
+    if not n:
+        return []
+    detail = {"sequence": b, "cache_keys": u, "new_keys": n}
+    out = [Reading(b, kv.table[b], kv.m(b), NEW_KEYS_UNSEEN, f"sequence {b} attended its {kv.m(b)} keys before its "
+                   f"{n} new keys were written (keys {u}..{u + n - 1} the cache's old values)", detail, before=True)]
+    if u:
+        out.append(Reading(b, kv.table[b], u, NEW_KEYS_UNSEEN, f"sequence {b} attended its cache's {u} keys without its "
+                           f"{n} new keys", detail))
+    for k in (1, -1):
+        out.append(Reading(b, kv.table[b], kv.m(b), CACHE_WRITE_OFFSET, f"sequence {b} attended its keys with its new "
+                           f"keys written one key {'late' if k > 0 else 'early'} (at keys {u + k}..{u + k + n - 1})",
+                           {**detail, "offset": k}, before=True, shift=k))
+    return out
+
+
 def _read_key(kv: KVCache, r: Reading) -> Tuple:
     """The pages a reading reads and its count of keys: two readings with one key read the same."""
-    return tuple(int(p) for p in r.row[:-(-r.count // kv.page_size)]), r.count
+    return tuple(int(p) for p in r.row[:-(-r.count // kv.page_size)]), r.count, r.before, r.shift
 
 
 def _same_keys(kv: KVCache, b: int, r: Reading, right_k: np.ndarray, right_v: np.ndarray) -> bool:
@@ -147,7 +204,7 @@ def _same_keys(kv: KVCache, b: int, r: Reading, right_k: np.ndarray, right_v: np
         at, right = r.detail["read"], r.detail["expected"]
         return (np.array_equal(kv.k_pages[at, :n], kv.k_pages[right, :n])
                 and np.array_equal(kv.v_pages[at, :n], kv.v_pages[right, :n]))
-    k, v = kv.gather(b, r.row, r.count)
+    k, v = r.keys(kv)
     return k.shape == right_k.shape and np.array_equal(k, right_k) and np.array_equal(v, right_v)
 
 
@@ -156,7 +213,7 @@ def readings(kv: KVCache, b: int) -> List[Reading]:
     each read once (a wrong page kept over a shift that reads the same pages), at most MAX_SCREENED
     of a kind: past-length and shifts first, then wrong pages, the last (partial) page first."""
     wrong = sorted(_wrong_pages(kv, b), key=lambda r: -r.detail["page_index"]) if kv.paged else []
-    found = _past_length(kv, b) + (_shifts(kv, b) if kv.paged else []) + wrong
+    found = _unseen(kv, b) + _past_length(kv, b) + (_shifts(kv, b) if kv.paged else []) + wrong
     right_k, right_v = kv.gather(b)
     out: Dict[Tuple, Reading] = {}
     kinds: Dict[str, int] = {}
@@ -292,7 +349,7 @@ def _screened(kv: KVCache, b: int, tried: List[Reading], stages: Dict[str, np.nd
             page, n = r.detail["read"], keys.stop - keys.start
             out, lse = base.swap(screen, kv.queries(b), right_v, keys, kv.k_pages[page, :n], kv.v_pages[page, :n])
         else:
-            out, lse = screen.forward(kv.queries(b), *kv.gather(b, r.row, r.count))
+            out, lse = screen.forward(kv.queries(b), *r.keys(kv))
         return _distance({s: (lse if STAGES[s].cols == "1" else out) for s in got}, got)
 
     right = distance(None)
@@ -317,7 +374,7 @@ def diagnose_paged(report: Report, kv: KVCache, stages: Dict[str, np.ndarray], r
     """Adds to each failing sequence's results the readings that explain them (first): those of a
     sequence whose failure has no other cause, screened (_screened), re-checked in one packed check."""
     failing = sorted({r.sequence for r in report.results if not r.passed and r.sequence is not None})
-    other = {r.sequence for r in report.results if not r.passed
+    other = {r.sequence for r in report.results if not r.passed and decode_stage(r.stage)
              and any(d.code not in PAGED_CODES + PACKED_CODES for d in r.diagnosis)}
     screen = Screen.of(report)
     tried = [r for b in failing if b not in other for r in _screened(kv, b, readings(kv, b), stages, screen)]
@@ -326,30 +383,12 @@ def diagnose_paged(report: Report, kv: KVCache, stages: Dict[str, np.ndarray], r
     axis = {s: 1 if STAGES[s].cols == "1" else 0 for s in stages}
     got = {s: np.concatenate([_rows(s, x, kv.q_span(r.b)) for r in tried], axis=axis[s]) for s, x in stages.items()}
     q = np.concatenate([kv.queries(r.b) for r in tried])
-    k, v = packed_keys(kv, [kv.gather(r.b, r.row, r.count) for r in tried])
+    k, v = packed_keys(kv, [r.keys(kv) for r in tried])
     again = recheck(q, k, v, got, kv.sequences([r.count for r in tried], [kv.n(r.b) for r in tried]))
     failed = {r.sequence for r in again.results if not r.passed}
     for b in failing:
         found = [Diagnosis(r.code, r.message, r.detail, READING_CONFIDENCE) for i, r in enumerate(tried)
                  if r.b == b and i not in failed]
         for res in report.results:
-            if res.sequence == b and not res.passed:
+            if res.sequence == b and not res.passed and decode_stage(res.stage):
                 res.diagnosis[:0] = found
-
-
-# ----------------------------------------------------------------------------------------------
-# A paged input case.
-
-def case_cache(case, dims) -> KVCache:
-    """A paged input case's pool and table as a KVCache: q packed (total_q, H, d), the pool
-    (num_pages, P, Hk, d), each sequence attending to its seqused_k keys."""
-    seqs = case.sequences
-    P = seqs.page_size
-    q = np.stack([case.load(QUERIES, h) for h in range(dims.heads)], axis=1)
-    pools = []
-    for name in (KEYS, VALUES):
-        pool = np.stack([case.load(name, h) for h in range(dims.kv)], axis=1)
-        pools.append(pool.reshape(seqs.num_pages, P, dims.kv, pool.shape[-1]))
-    table = np.asarray(seqs.block_table, dtype=np.int64).reshape(seqs.count, -1)
-    return KVCache(q, pools[0], pools[1], pools[0], pools[1], table, P, tuple(seqs.used_k), 0, True,
-                   cu_q=tuple(seqs.cu_q))

@@ -9,8 +9,10 @@ from click.core import ParameterSource
 
 from ..files.generate import DISTRIBUTIONS, generate_case, paged_case, random_seqlens
 from ..files.kinds import CaseError
+from ..files.new_keys import new_keys_for
 from ..files.patterns import BIAS_PATTERNS, MASK_PATTERNS, SLOPE_CHOICES, STANDARD_SLOPES, VariantInputs
-from ..sequences import MAX_TOKENS, PAGED_BACKWARD, Sequences, sequences_from_lengths, unsupported_with_packing
+from ..sequences import (MAX_TOKENS, NEW_KEYS_BACKWARD, PAGED_BACKWARD, Sequences, sequences_from_lengths,
+                         unsupported_with_packing)
 from ..stages import CASE_INPUTS, DEFAULT_INPUT_DIR, FORMATS, INPUT_NAMES, STAGES, Dims
 from ..terminal import progress_bar
 from ..text import plural, printable
@@ -90,6 +92,11 @@ def packing_options(fn):
                      help="With --seqlens or --random-seqlens: a paged KV cache; each sequence's keys (--seqlens-k) "
                           "in pages of P keys of one pool (K, V), dealt in a shuffled order (from --seed), read "
                           "through block_table; seqused_k the key lengths. Forward only."),
+        click.option("--new-keys", type=click.IntRange(1, MAX_TOKENS), metavar="N",
+                     help="With --seqlens or --random-seqlens: a decode step that appends N new keys and values "
+                          "(K_new_head_{j}, V_new_head_{j}) to each sequence's KV cache before attention. Each "
+                          "sequence's keys count them: its cache holds N fewer before the step (seqused_k). "
+                          "Forward only."),
     )
     for option in reversed(options):
         fn = option(fn)
@@ -107,7 +114,27 @@ def _lengths(option: str, text: str, at_least: int = 0) -> List[int]:
     return out
 
 
-def _packing(seqlens, seqlens_k, seqused_k, random, seed, page_size=None, backward=False) -> Optional[Sequences]:
+def _packing(seqlens, seqlens_k, seqused_k, random, seed, page_size=None, backward=False,
+             new_keys=None) -> Optional[Sequences]:
+    """The sequences the packing options ask for (None: a case that is not packed); with
+    page_size, their paging; with new_keys, the decode step's."""
+    seqs = _paging(seqlens, seqlens_k, seqused_k, random, seed, page_size, backward)
+    if new_keys is None:
+        return seqs
+    if seqs is None:
+        raise CaseError(f"--new-keys {new_keys} needs --seqlens or --random-seqlens (new keys are appended to each "
+                        "sequence's KV cache)")
+    if backward:
+        raise CaseError(f"--new-keys with --backward: {NEW_KEYS_BACKWARD}")
+    try:
+        return new_keys_for(seqs, new_keys)
+    except ValueError as exc:
+        said = "--seqused-k" if seqused_k else "--seqlens-k" if seqlens_k else "the keys"
+        raise CaseError(f"--new-keys {new_keys}: {exc} ({said}); HINT: give each sequence at least {new_keys} keys") \
+            from None
+
+
+def _paging(seqlens, seqlens_k, seqused_k, random, seed, page_size=None, backward=False) -> Optional[Sequences]:
     """The sequences the packing options ask for (None: a case that is not packed); with
     page_size, their paging."""
     if page_size is not None:
@@ -203,7 +230,8 @@ def _packed_dims(seqs: Sequences, option: str, dims: Dims, variant: Variant, inp
 @user_errors
 def generate(out_dir, batch, heads, seq_q, seq_k, d_k, d_v, kv_heads, causal, no_causal, align, window, softcap,
              alibi, alibi_slopes, mask, mask_heads, mask_empty_rows, bias, bias_heads, dropout, dropout_seed, seqlens,
-             seqlens_k, seqused_k, random_seqlens, page_size, scale, seed, distribution, fmt, backward, force):
+             seqlens_k, seqused_k, random_seqlens, page_size, new_keys, scale, seed, distribution, fmt, backward,
+             force):
     """Write a random input case.
 
     Writes Q_head_{i} for every head i (batch-major) and K_head_{j}, V_head_{j} for every K/V head
@@ -213,6 +241,8 @@ def generate(out_dir, batch, heads, seq_q, seq_k, d_k, d_v, kv_heads, causal, no
     the other along the rows of one batch element, and cu_seqlens_q, cu_seqlens_k (and with
     --seqused-k, seqused_k) say where each begins. With --page-size the keys lie in pages of one
     pool, and block_table (with cu_seqlens_q and seqused_k) says which pages each sequence reads.
+    With --new-keys the case is a decode step: K_new_head_{j} and V_new_head_{j} hold the keys and
+    values each sequence appends to its cache before attention.
     """
     if kv_heads is not None and (kv_heads > heads or heads % kv_heads):
         raise CaseError(f"--kv-heads {kv_heads} does not divide --heads {heads}: each K/V head serves the same "
@@ -220,7 +250,7 @@ def generate(out_dir, batch, heads, seq_q, seq_k, d_k, d_v, kv_heads, causal, no
     dims = Dims(batch, heads, seq_q, seq_k, d_k, d_v, kv_heads=0 if kv_heads in (None, heads) else kv_heads)
     variant = _variant(causal, no_causal, align, window, softcap, alibi, alibi_slopes, dropout, dropout_seed)
     inputs = _variant_inputs(mask, mask_heads, mask_empty_rows, bias, bias_heads, alibi_slopes)
-    seqs = _packing(seqlens, seqlens_k, seqused_k, random_seqlens, seed, page_size, backward)
+    seqs = _packing(seqlens, seqlens_k, seqused_k, random_seqlens, seed, page_size, backward, new_keys)
     if seqs is not None:
         dims = _packed_dims(seqs, "--random-seqlens" if random_seqlens else "--seqlens", dims, variant, inputs)
     names = CASE_INPUTS if backward else INPUT_NAMES
@@ -231,5 +261,6 @@ def generate(out_dir, batch, heads, seq_q, seq_k, d_k, d_v, kv_heads, causal, no
     kv = f", {plural(dims.kv, 'K/V head')} per batch element" if dims.kv_heads else ""
     kv += f", {plural(seqs.count, 'packed sequence')}" if seqs is not None else ""
     kv += f" in {plural(seqs.num_pages, 'page')} of {seqs.page_size}" if seqs is not None and seqs.paged else ""
+    kv += f", {plural(seqs.new_keys, 'new key')} each" if seqs is not None and seqs.new_keys else ""
     click.echo(f"wrote {plural(dims.total_heads, 'head')} (N={dims.seq_q} M={dims.seq_k} d_k={d_k} d_v={d_v}{kv}, "
                f"{distribution}, seed {seed}) to {out_dir}")

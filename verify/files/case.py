@@ -13,7 +13,7 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from ..sequences import PAGE_SIZE_KEY, Sequences
+from ..sequences import NEW_KEY_INPUTS, NEW_KEYS_KEY, PAGE_SIZE_KEY, Sequences
 from ..stages import (ALIBI_SLOPES_INPUT, CASE_INPUTS, FORMATS, GRAD_INPUT, INPUT_MANIFEST, INPUT_NAMES, KV_HEADS_KEY,
                       STAGES, VARIANT_INPUTS, Dims, parse_stage_file, stage_file)
 from ..text import plural, printable
@@ -24,6 +24,7 @@ from .manifests import (INPUT_KEYS, INT64, build_variant, check_case_limits, che
 from .matrix_io import (atomic_write_bytes, crc32_hex, file_kind, matrix_bytes, matrix_max_bytes, output_file_target,
                         parse_matrix, parse_npy_matrix, parse_text_matrix, probe_writable, read_bytes, read_matrix,
                         text_header_fields, write_matrix)
+from .new_keys import case_new_keys, new_key_file_names, read_new_keys, write_new_keys
 from .sequence_files import case_sequences, manifest_count, sequence_file_names
 from .variant_inputs import (COVERAGE_FIELD, READERS, TENSOR_INPUTS, UNUSED_SLOPES, coverage, coverage_of_files,
                              read_slopes, slope_of, whole_file, whole_files)
@@ -76,6 +77,16 @@ class InputCase:
         (Dims.heads_of: b·Hk + h // (H/Hk) is the one query head b·H + h reads)."""
         if self.arrays is not None:
             return self.arrays[name][head]
+        pool = self.load_before(name, head)
+        seqs = self.sequences
+        if seqs is None or not seqs.new_keys or name not in NEW_KEY_INPUTS:
+            return pool
+        new = read_new_keys(self.path, self.fmt, name, head, self.dims, seqs, self.allow_nonfinite)
+        return write_new_keys(pool, new, seqs)
+
+    def load_before(self, name: str, head: int) -> np.ndarray:
+        """The matrix `name` of `head` as its file holds it: K and V of a case with new keys hold the
+        cache before the step (load writes the new keys in)."""
         shape = STAGES[name].shape(self.dims)
         return read_matrix(self.file(name, head), shape, allow_nonfinite=self.allow_nonfinite)
 
@@ -192,6 +203,7 @@ def _manifest_case(folder: Path, manifest: Path, files, page_size: Optional[int]
                         + "; HINT: --page-size is for a paged case without a manifest")
     sequences = case_sequences(folder, fmt, dims, variant, count, manifest=True, page_size=said,
                                backward=values.get("backward"))
+    sequences = case_new_keys(folder, fmt, dims, sequences, values.get(NEW_KEYS_KEY), True, values.get("backward"))
     return (InputCase(folder, dims, fmt, scale=scale, manifest=True, variant=variant, sequences=sequences),
             values.get("backward"))
 
@@ -249,8 +261,9 @@ def _infer_case(folder: Path, files, whole, page_size: Optional[int] = None) -> 
                                                                  whole.get(name, set()), fmt)
                          for name in TENSOR_INPUTS})
     dims = validate_dims(values, str(folder))
+    seqs = case_sequences(folder, fmt, dims, variant, None, manifest=False, page_size=page_size)
     return InputCase(folder, dims, fmt, variant=variant,
-                     sequences=case_sequences(folder, fmt, dims, variant, None, manifest=False, page_size=page_size))
+                     sequences=case_new_keys(folder, fmt, dims, seqs, None, False, None))
 
 
 def _per_head_inputs(case: InputCase) -> Tuple[str, ...]:
@@ -341,10 +354,10 @@ def _refuse_other_format(case: InputCase, name: str, whole) -> None:
 
 def input_head_files(folder: Path) -> List[str]:
     """The names of the input files in `folder`: Q, K, V, dO, mask and bias per head, the mask,
-    bias and slopes files of every head, and the sequence files of a packed case."""
+    bias and slopes files of every head, and the sequence and new-key files of a packed case."""
     per_head = [stage_file(name, i, fmt) for (name, i), formats in _head_files(folder).items() for fmt in formats]
     return (per_head + [whole_file(name, fmt) for name, fmts in whole_files(folder).items() for fmt in sorted(fmts)]
-            + sequence_file_names(folder))
+            + sequence_file_names(folder) + new_key_file_names(folder))
 
 
 def clear_input_files(folder: Path) -> None:

@@ -13,8 +13,8 @@ from typing import Callable, Dict, List, Optional
 
 import numpy as np
 
-from ..sequences import (MAX_TOKENS, PAGE_SIZE_KEY, PAGED_BACKWARD, SEQUENCES_KEY, Sequences, paged_sequences,
-                         unsupported_with_packing)
+from ..sequences import (MAX_TOKENS, NEW_KEYS_BACKWARD, NEW_KEYS_KEY, PAGE_SIZE_KEY, PAGED_BACKWARD, SEQUENCES_KEY,
+                         Sequences, paged_sequences, unsupported_with_packing)
 from ..stages import (ALIBI_SLOPES_INPUT, BIAS_INPUT, CASE_INPUTS, DIM_KEYS, FORMATS, GENERATE_STAGING_PREFIX,
                       GRAD_INPUT, INPUT_MANIFEST, INPUT_NAMES, KV_HEADS_KEY, MASK_INPUT, STAGES, VARIANT_INPUTS, Dims,
                       stage_file)
@@ -24,6 +24,7 @@ from .case import (INT64, atomic_write_bytes, check_case_limits, check_scale, cl
                    validate_dims, write_matrix, write_toml)
 from .kinds import CaseError
 from .manifests import CAUSAL_KEY, WINDOW_KEYS, variant_keys
+from .new_keys import write_new_key_files
 from .patterns import RANDOM_SLOPES, VariantInputs, check_inputs, draw_bias, draw_mask, draw_slopes
 from .sequence_files import counts_bytes, sequence_file, sequence_file_values
 from .unfinished import process_exists
@@ -106,10 +107,7 @@ def generate_case(out_dir: Path, dims: Dims, *, causal: bool = False, scale: Opt
         if dims.kv_heads:
             manifest[KV_HEADS_KEY] = dims.kv
         if sequences is not None:
-            names += _write_sequences(staging, sequences, fmt)
-            manifest[SEQUENCES_KEY] = sequences.count
-            if sequences.paged:
-                manifest[PAGE_SIZE_KEY] = sequences.page_size
+            names += _write_sequences(staging, dims, sequences, fmt, DISTRIBUTIONS[distribution], seed, manifest)
         manifest.update(_variant_manifest(variant))
         manifest.update(format=fmt, seed=seed, distribution=distribution, generator=GENERATOR)
         if backward:
@@ -145,6 +143,8 @@ def _check_packing(sequences: Optional[Sequences], dims: Dims, variant: Variant,
         return
     if sequences.paged and backward:
         raise CaseError(f"paged sequences: {PAGED_BACKWARD}")
+    if sequences.new_keys and backward:
+        raise CaseError(f"new keys: {NEW_KEYS_BACKWARD}")
     packed = Dims(1, dims.heads, sequences.total_q, sequences.total_k, dims.d_k, dims.d_v, dims.kv_heads)
     if dims != packed:
         raise CaseError(f"packed sequences of {sequences.total_q} queries and {sequences.total_k} keys in all need "
@@ -155,12 +155,21 @@ def _check_packing(sequences: Optional[Sequences], dims: Dims, variant: Variant,
         raise CaseError(f"packed sequences: {problem}")
 
 
-def _write_sequences(staging: Path, sequences: Sequences, fmt: str) -> List[str]:
-    """The cu_seqlens (and seqused_k) files of a packed case into `staging`; their names."""
+def _write_sequences(staging: Path, dims: Dims, sequences: Sequences, fmt: str, sample, seed: int,
+                     manifest: dict) -> List[str]:
+    """The cu_seqlens (and seqused_k, block_table) files of a packed case into `staging`, and a
+    decode step's new keys (drawn by `sample` from a stream of their own); their names. Their
+    manifest keys go into `manifest`."""
     names = []
     for name, values in sequence_file_values(sequences).items():
         names.append(sequence_file(name, fmt))
         atomic_write_bytes(staging / names[-1], counts_bytes(values, fmt))
+    manifest[SEQUENCES_KEY] = sequences.count
+    if sequences.paged:
+        manifest[PAGE_SIZE_KEY] = sequences.page_size
+    if sequences.new_keys:
+        names += write_new_key_files(staging, dims, sequences, fmt, sample, seed)
+        manifest[NEW_KEYS_KEY] = sequences.new_keys
     return names
 
 

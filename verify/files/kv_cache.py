@@ -99,11 +99,13 @@ class KVCache:
         keys = np.arange(count)
         return np.asarray(row)[keys // self.page_size], keys % self.page_size
 
-    def gather(self, b: int, row: Optional[np.ndarray] = None, count: Optional[int] = None
+    def gather(self, b: int, row: Optional[np.ndarray] = None, count: Optional[int] = None, before: bool = False
                ) -> Tuple[np.ndarray, np.ndarray]:
-        """The keys and values (count, Hk, d) sequence b reads through `row` (default: its own)."""
+        """The keys and values (count, Hk, d) sequence b reads through `row` (default: its own), from
+        the cache after the step (before: the cache as given, the new keys not written)."""
         pages, slots = self.places(self.table[b] if row is None else row, self.m(b) if count is None else count)
-        return self.k_pages[pages, slots], self.v_pages[pages, slots]
+        k, v = (self.k_before, self.v_before) if before else (self.k_pages, self.v_pages)
+        return k[pages, slots], v[pages, slots]
 
     def sequences(self, lengths: List[int], queries: Optional[List[int]] = None) -> Sequences:
         """The packing of len(lengths) sequences of these keys and `queries` queries each (default

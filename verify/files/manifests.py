@@ -11,7 +11,7 @@ from typing import Optional
 
 import numpy as np
 
-from ..sequences import PAGE_SIZE_KEY, SEQUENCES_KEY
+from ..sequences import NEW_KEYS_KEY, PAGE_SIZE_KEY, SEQUENCES_KEY
 from ..stages import DIM_KEYS, KV_HEADS_KEY, MAX_DIM, MAX_ELEMENTS, MAX_HEAD_DIM, MAX_HEADS, Dims
 from ..text import plural, printable
 from ..variant import UNBOUNDED, VARIANT_KEYS, WINDOW_KEYS, Variant
@@ -22,7 +22,7 @@ from .matrix_io import atomic_write_bytes, read_bytes
 # Manifests: flat `key = value` TOML.
 
 CAUSAL_KEY = "causal"
-INPUT_KEYS = {**{k: int for k in DIM_KEYS}, KV_HEADS_KEY: int, SEQUENCES_KEY: int, PAGE_SIZE_KEY: int, CAUSAL_KEY: bool,
+INPUT_KEYS = {**{k: int for k in DIM_KEYS}, KV_HEADS_KEY: int, SEQUENCES_KEY: int, PAGE_SIZE_KEY: int, NEW_KEYS_KEY: int, CAUSAL_KEY: bool,
               **VARIANT_KEYS, "scale": float, "format": str, "seed": int, "distribution": str, "generator": str,
               "backward": bool}
 _TYPE_WORDS = {int: "an integer", bool: "true or false", float: "a number", str: "a quoted string"}

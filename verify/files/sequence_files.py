@@ -17,7 +17,8 @@ from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
 
-from ..sequences import (BLOCK_TABLE, COUNT_RANGE, CU_SEQLENS_K, CU_SEQLENS_Q, MAX_TOKENS, NOT_PACKED, NOT_PACKED_HINT,
+from ..sequences import (BLOCK_TABLE, COUNT_RANGE, CU_SEQLENS_K, CU_SEQLENS_Q, MAX_TOKENS, NEW_KEYS_KEY, NOT_PACKED,
+                         NOT_PACKED_HINT, new_keys_count_problem, new_keys_unpacked_problem,
                          NOT_PAGED, NOT_PAGED_HINT, PACKED_VARIANTS_HINT, PAGE_SIZE_KEY, PAGE_SIZE_UNKNOWN,
                          PAGE_SIZE_UNKNOWN_HINT, PAGED_BACKWARD, PAGED_BACKWARD_HINT, PAGED_CU_SEQLENS_K_HINT,
                          PAGED_NEEDS_SEQUSED, SEQUENCE_FILES, SEQUENCES_KEY, SEQUSED_K, TABLE_ENTRY_RANGE, Sequences,
@@ -123,9 +124,11 @@ def _npy_counts(data: bytes, path: Path, column: bool = True, rule: WholeRange =
 def manifest_count(values: dict, manifest: Path) -> Optional[int]:
     """The manifest's `sequences` (its type already checked), None when absent; out of
     1..MAX_TOKENS, or with a batch other than 1, an error."""
-    count, page = values.get(SEQUENCES_KEY), values.get(PAGE_SIZE_KEY)
+    count, page, new = values.get(SEQUENCES_KEY), values.get(PAGE_SIZE_KEY), values.get(NEW_KEYS_KEY)
     if page is not None and count is None:
         raise CaseError(f"{manifest}: {paged_unpacked_problem(page)}")
+    if new is not None and count is None:
+        raise CaseError(f"{manifest}: {new_keys_unpacked_problem(new)}")
     if count is None:
         return None
     if not 1 <= count <= MAX_TOKENS:
@@ -135,6 +138,8 @@ def manifest_count(values: dict, manifest: Path) -> Optional[int]:
         raise CaseError(f"{manifest}: {packed_batch_problem(batch, count)}")
     if page is not None and not 1 <= page <= MAX_TOKENS:
         raise CaseError(f"{manifest}: {page_size_problem(page)}")
+    if new is not None and not 1 <= new <= MAX_TOKENS:
+        raise CaseError(f"{manifest}: {new_keys_count_problem(new)}")
     return count
 
 
@@ -282,12 +287,14 @@ def counts_bytes(values: Sequence, fmt: str) -> bytes:
 
 def sequence_file_values(seqs: Sequences) -> Dict[str, Tuple]:
     """The files a packed case has, name -> values: the offsets, seqused_k when given; a paged
-    case's cu_seqlens_q, seqused_k and block_table (rows)."""
+    case's cu_seqlens_q, seqused_k and block_table (rows). With new keys seqused_k is the cache
+    before the step."""
+    used = seqs.used_k if not seqs.new_keys else tuple(seqs.cache_len(b) for b in range(seqs.count))
     if seqs.paged:
-        return {CU_SEQLENS_Q: seqs.cu_q, SEQUSED_K: seqs.used_k, BLOCK_TABLE: seqs.block_table}
+        return {CU_SEQLENS_Q: seqs.cu_q, SEQUSED_K: used, BLOCK_TABLE: seqs.block_table}
     out = {CU_SEQLENS_Q: seqs.cu_q, CU_SEQLENS_K: seqs.cu_k}
-    if seqs.used_k is not None:
-        out[SEQUSED_K] = seqs.used_k
+    if used is not None:
+        out[SEQUSED_K] = used
     return out
 
 
