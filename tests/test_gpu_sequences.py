@@ -9,7 +9,8 @@ checked as other programs' output, and planted bugs named.
   check fails, named sequence_leak.
 * Paged cases: SDPA and Flex on the gathered cache of a paged case written from the contract
   (tests/helpers/sequence_cases.py) give the outputs of the packed case of the same keys, which
-  check passes. On paged cases of `generate --page-size`: the binary on CUDA passes, the writers
+  check passes. On paged cases of `generate --page-size` (and a decode step appending new keys,
+  `--new-keys`, on the binary): the binary on CUDA passes, the writers
   pass on the paged case itself, and a page read from the wrong block fails, named
   paged_wrong_page.
 
@@ -64,6 +65,9 @@ PAGED = {
     "pages-of-16": ("--heads", "4", "--seqlens", "1,2,1,1", "--seqlens-k", "300,17,1,64", "--page-size", "16",
                     "--causal", "bottom-right"),
 }
+# A decode step that appends two new keys per sequence into the cache's pages before attention.
+NEW_KEYS = {"new-keys": ("--heads", "4", "--kv-heads", "2", "--seqlens", "1,3,1", "--seqlens-k", "100,40,64",
+                         "--page-size", "16", "--new-keys", "2", "--causal", "bottom-right")}
 
 
 @pytest.fixture(scope="module")
@@ -218,9 +222,9 @@ def test_pytorch_on_the_gathered_cache_of_a_hand_written_paged_case(torch, tmp_p
     assert report["exit_code"] == 0 and report["passed"], _failures(report)
 
 
-@pytest.mark.parametrize("case", PAGED)
+@pytest.mark.parametrize("case", {**PAGED, **NEW_KEYS})
 def test_the_cuda_backend_passes_a_paged_case(binary, tmp_path, case):
-    in_dir = _generate(tmp_path / "in", PAGED[case])
+    in_dir = _generate(tmp_path / "in", {**PAGED, **NEW_KEYS}[case])
     res = run_binary(binary, in_dir, tmp_path / "out", backend="cuda", check=False, extra=["--poison"])
     assert res.returncode == 0, res.stderr
     report = _check(in_dir, tmp_path / "out")
