@@ -10,7 +10,6 @@ row); packed: slots of 6, 4, 8 keys, 2, 1, 3 of them in the cache before the ste
 """
 from __future__ import annotations
 
-import re
 import subprocess
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
@@ -18,7 +17,7 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 import pytest
 
-from helpers.cli import invoke
+from helpers.cli import assert_same_verdict, invoke
 from helpers.variants import write_heads
 from verify.stages import INPUT_MANIFEST, OUTPUT
 
@@ -92,18 +91,6 @@ def write_case(folder: Path, layout: list, manifest, files: Dict[str, object]) -
     return folder
 
 
-def binary_line(stderr: str) -> str:
-    """The binary's error and its hint as the verifier writes them: one line, "; HINT: " between."""
-    lines = stderr.strip().splitlines()
-    errors = [i for i, ln in enumerate(lines) if ln.startswith("main: error: ")]
-    assert len(errors) == 1, stderr
-    i = errors[0]
-    line = lines[i][len("main: error: "):]
-    if i + 1 < len(lines) and lines[i + 1].startswith("HINT: "):
-        line += "; " + lines[i + 1]
-    return re.sub(r"(manifest\.toml):\d+:\d+:", r"\1:", line)
-
-
 @pytest.mark.parametrize("layout, manifest, files, words", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
 def test_the_binary_and_the_check_refuse_and_accept_the_same_new_key_cases(binary, tmp_path, layout, manifest, files,
                                                                             words):
@@ -115,19 +102,7 @@ def test_the_binary_and_the_check_refuse_and_accept_the_same_new_key_cases(binar
     if ran.returncode != 0:  # a program's output without run.toml: the refusal must come from the case
         write_heads(stand_in, {OUTPUT: [np.zeros((TOTAL_Q, D))] * HEADS})
     checked = invoke("check", "--in", case, "--out", out if ran.returncode == 0 else stand_in)
-    if words is None:
-        assert ran.returncode == 0, ran.stderr
-        assert checked.exit_code == 0, checked.output
-        return
-    assert ran.returncode == 2 and "Traceback" not in ran.stderr, ran.stderr
-    assert not out.exists(), "a refused run wrote its output folder"
-    assert checked.exit_code == 2 and "Traceback" not in checked.output, checked.output
-    line = binary_line(ran.stderr)
-    assert line.startswith(f"{case}/") and line.count("\n") == 0, line
-    assert words.format(case=case) in line, (words, line)
-    python_lines = [ln for ln in checked.output.splitlines() if f"{case}/" in ln]
-    assert len(python_lines) == 1, checked.output
-    assert python_lines[0].endswith(line), (line, checked.output)
+    assert_same_verdict(ran, checked, out, case, words)
 
 
 @pytest.mark.parametrize("text", ["0 0 0\n" * 6, ("0 " * D + "\n") * 5], ids=["columns", "rows"])

@@ -9,7 +9,6 @@ The case: 2 heads of width 8, 3 sequences of 2, 3, 4 queries (9) and key slots o
 """
 from __future__ import annotations
 
-import re
 import subprocess
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
@@ -17,7 +16,7 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 import pytest
 
-from helpers.cli import invoke
+from helpers.cli import assert_same_verdict, binary_line, invoke
 from helpers.variants import write_heads
 from verify.sequences import BLOCK_TABLE, CU_SEQLENS_K, CU_SEQLENS_Q, SEQUSED_K
 from verify.stages import INPUT_MANIFEST, OUTPUT
@@ -157,18 +156,6 @@ def write_case(folder: Path, fmt: str, manifest, files: Dict[str, object], gener
     return folder
 
 
-def binary_line(stderr: str) -> str:
-    """The binary's error and its hint as the verifier writes them: one line, "; HINT: " between."""
-    lines = stderr.strip().splitlines()
-    errors = [i for i, ln in enumerate(lines) if ln.startswith("main: error: ")]
-    assert len(errors) == 1, stderr
-    i = errors[0]
-    line = lines[i][len("main: error: "):]
-    if i + 1 < len(lines) and lines[i + 1].startswith("HINT: "):
-        line += "; " + lines[i + 1]
-    return re.sub(r"(manifest\.toml):\d+:\d+:", r"\1:", line)
-
-
 @pytest.mark.parametrize("fmt, manifest, files, options, words", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
 def test_the_binary_and_the_check_refuse_and_accept_the_same_packed_cases(binary, tmp_path, fmt, manifest, files,
                                                                            options, words):
@@ -186,19 +173,7 @@ def _both_readers(binary, tmp_path: Path, case: Path, options: list, words: Opti
     if ran.returncode != 0:  # a program's output without run.toml: the refusal must come from the case
         write_heads(stand_in, {OUTPUT: [np.zeros((TOTAL_Q, D))] * HEADS})
     checked = invoke("check", "--in", case, "--out", out if ran.returncode == 0 else stand_in, *options)
-    if words is None:
-        assert ran.returncode == 0, ran.stderr
-        assert checked.exit_code == 0, checked.output
-        return
-    assert ran.returncode == 2 and "Traceback" not in ran.stderr, ran.stderr
-    assert not out.exists(), "a refused run wrote its output folder"
-    assert checked.exit_code == 2 and "Traceback" not in checked.output, checked.output
-    line = binary_line(ran.stderr)
-    assert line.startswith(f"{case}/") and line.count("\n") == 0, line
-    assert words.format(case=case) in line, (words, line)
-    python_lines = [ln for ln in checked.output.splitlines() if f"{case}/" in ln]
-    assert len(python_lines) == 1, checked.output
-    assert python_lines[0].endswith(line), (line, checked.output)
+    assert_same_verdict(ran, checked, out, case, words)
 
 
 def test_dropout_on_the_command_line_is_refused_for_a_packed_case(binary, tmp_path):

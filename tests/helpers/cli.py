@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Optional
 
@@ -36,3 +37,34 @@ def check_folder(tmp: Path, in_dir: Path, out_dir: Path, causal: bool, scale: Op
     args += ["--scale", repr(scale)] if scale is not None else []
     result = invoke(*args)
     return result, (json.loads(report.read_text()) if report.exists() else None)
+
+
+def binary_line(stderr: str) -> str:
+    """The binary's error and its hint as the verifier writes them: one line, "; HINT: " between."""
+    lines = stderr.strip().splitlines()
+    errors = [i for i, ln in enumerate(lines) if ln.startswith("main: error: ")]
+    assert len(errors) == 1, stderr
+    i = errors[0]
+    line = lines[i][len("main: error: "):]
+    if i + 1 < len(lines) and lines[i + 1].startswith("HINT: "):
+        line += "; " + lines[i + 1]
+    return re.sub(r"(manifest\.toml):\d+:\d+:", r"\1:", line)
+
+
+def assert_same_verdict(ran, checked, out: Path, case: Path, words: Optional[str]) -> None:
+    """The binary's run of `case` (`ran`, a CompletedProcess) and `attnstep check`'s (`checked`)
+    agree: both accept it (words None), or both refuse it with exit 2, no traceback and nothing
+    written, in one line about a file of the case that holds `words`, the same line from both."""
+    if words is None:
+        assert ran.returncode == 0, ran.stderr
+        assert checked.exit_code == 0, checked.output
+        return
+    assert ran.returncode == 2 and "Traceback" not in ran.stderr, ran.stderr
+    assert not out.exists(), "a refused run wrote its output folder"
+    assert checked.exit_code == 2 and "Traceback" not in checked.output, checked.output
+    line = binary_line(ran.stderr)
+    assert line.startswith(f"{case}/") and line.count("\n") == 0, line
+    assert words.format(case=case) in line, (words, line)
+    python_lines = [ln for ln in checked.output.splitlines() if f"{case}/" in ln]
+    assert len(python_lines) == 1, checked.output
+    assert python_lines[0].endswith(line), (line, checked.output)

@@ -14,6 +14,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from helpers.paged_programs import read_column
+
 f32 = np.float32
 
 BUGS = {
@@ -26,10 +28,6 @@ BUGS = {
 }
 
 
-def _column(path: Path) -> np.ndarray:
-    return np.loadtxt(path, dtype=np.int64, comments="#", ndmin=1)
-
-
 def _rows(case: Path, manifest: dict):
     """(key_row(b, j): the cache row of key j of sequence b, None past its table row; the page size)."""
     if "page_size" in manifest:
@@ -37,7 +35,7 @@ def _rows(case: Path, manifest: dict):
         table = np.loadtxt(case / "block_table.txt", dtype=np.int64, comments="#", ndmin=2)
         return lambda b, j: int(table[b][j // P] * P + j % P) if j < table.shape[1] * P and table[b][j // P] >= 0 \
             else None, P
-    cu_k = _column(case / "cu_seqlens_k.txt")
+    cu_k = read_column(case / "cu_seqlens_k.txt")
     return lambda b, j: int(cu_k[b] + j), None
 
 
@@ -66,7 +64,7 @@ def run_program(case: Path, out: Path, bug: Optional[str] = None, fmt: str = "%.
     manifest = tomllib.loads((case / "manifest.toml").read_text())
     H, Hk, n = manifest["heads"], manifest.get("kv_heads", manifest["heads"]), manifest["new_keys"]
     scale = manifest.get("scale", 1 / np.sqrt(manifest["d_k"]))
-    cu_q, used = _column(case / "cu_seqlens_q.txt"), _column(case / "seqused_k.txt")
+    cu_q, used = read_column(case / "cu_seqlens_q.txt"), read_column(case / "seqused_k.txt")
     load = lambda name: np.loadtxt(case / f"{name}.txt", dtype=f32, comments="#", ndmin=2)  # noqa: E731
     out.mkdir(parents=True, exist_ok=True)
     caches = {}

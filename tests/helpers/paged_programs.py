@@ -22,7 +22,8 @@ BUGS = {
 }
 
 
-def _column(path: Path) -> np.ndarray:
+def read_column(path: Path) -> np.ndarray:
+    """A file of whole numbers written as text (cu_seqlens, seqused_k), one value a line."""
     return np.loadtxt(path, dtype=np.int64, comments="#", ndmin=1)
 
 
@@ -44,8 +45,8 @@ def run_program(case: Path, out: Path, bug: Optional[str] = None, fmt: str = "%.
     manifest = tomllib.loads((case / "manifest.toml").read_text())
     P, H, Hk = manifest["page_size"], manifest["heads"], manifest.get("kv_heads", manifest["heads"])
     scale = manifest.get("scale", 1 / np.sqrt(manifest["d_k"]))
-    cu_q = _column(case / "cu_seqlens_q.txt")
-    used = _column(case / "seqused_k.txt")
+    cu_q = read_column(case / "cu_seqlens_q.txt")
+    used = read_column(case / "seqused_k.txt")
     table = np.loadtxt(case / "block_table.txt", dtype=np.int64, comments="#", ndmin=2)
     out.mkdir(parents=True, exist_ok=True)
     for h in range(H):
