@@ -21,8 +21,12 @@ from typing import Callable, List, Optional, Tuple
 
 from ..files.kinds import CaseError
 from ..files.outputs import RunInfo
+from ..model.half import is_half
+from ..model.tiles import TILE_BYTES
+from ..specs import upstream
 from ..stages import STAGES
 from ..text import mib
+from ..variant import NONE
 from .groups import summed
 
 
@@ -38,6 +42,11 @@ _BACKWARD_NM_MATRICES = 12
 
 
 _HEAD_ND_MATRICES = 32
+
+
+# A head whose stages hold no N×M matrix (the flash stages alone) is checked in row tiles
+# (verify/model/tiles.py): this many tiles' worth of matrices at a time, besides its (N + M)·d ones.
+_TILE_MATRICES = 48
 
 
 _WORKER_BASE_BYTES = 200 << 20
@@ -116,9 +125,20 @@ def head_bytes(run: RunInfo) -> int:
     interpreter, and every one-file stage the process reads whole (held, and its file's bytes
     while it loads)."""
     d = run.dims
-    matrices = 8 * (_nm_matrices(run) * d.seq_q * d.seq_k
-                    + _HEAD_ND_MATRICES * (d.seq_q + d.seq_k) * max(d.d_k, d.d_v))
-    return matrices + _group_bytes(run) + _WORKER_BASE_BYTES + 2 * _stacked_file_bytes(run)
+    nd = _HEAD_ND_MATRICES + (REF_CACHE if tiled_run(run) else 0)
+    matrices = 8 * (_nm_matrices(run) * d.seq_q * d.seq_k + nd * (d.seq_q + d.seq_k) * max(d.d_k, d.d_v))
+    tiles = _TILE_MATRICES * min(TILE_BYTES, 8 * d.seq_q * d.seq_k) if tiled_run(run) else 0
+    return matrices + tiles + _group_bytes(run) + _WORKER_BASE_BYTES + 2 * _stacked_file_bytes(run)
+
+
+def tiled_run(run: RunInfo) -> bool:
+    """Whether a head of `run` is sized as checked in row tiles: it has stages, none of them nor
+    what they are computed from is an N×M matrix (nor a split stage, whose wide files are sized as
+    before), and its precision is float32's (the half pipelines' roundings are bounded on the
+    whole head)."""
+    stages = set(run.stages).union(*(upstream(s) for s in run.stages))
+    return bool(stages) and not is_half(run.precision) and \
+        not any((STAGES[s].rows, STAGES[s].cols) == ("N", "M") or STAGES[s].split for s in stages)
 
 
 def _group_bytes(run: RunInfo) -> int:
@@ -132,7 +152,10 @@ def _group_bytes(run: RunInfo) -> int:
 
 
 def _nm_matrices(run: RunInfo) -> int:
-    """The float64 N×M matrices one process holds at most while it checks a head of `run`."""
+    """The float64 N×M matrices one process holds at most while it checks a head of `run`: in row
+    tiles, the head's mask and bias files (and their bool mask) alone."""
+    if tiled_run(run):
+        return (run.variant.mask != NONE) + (run.variant.bias != NONE)
     backward = any(STAGES[s].backward for s in run.stages)
     return _HEAD_NM_MATRICES + REF_CACHE + (_BACKWARD_NM_MATRICES if backward else 0)
 

@@ -3,6 +3,8 @@ orders GEMMs use; tensor-core truncation; underflow of tiny products.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import math
 from typing import Dict, NamedTuple, Optional, Tuple
@@ -40,6 +42,34 @@ DOT_MIN_BLOCK = 8               # index-order blocks of 8, 16, … K/2 (k-tiles 
 
 
 DOT_SPLITS = (2, 3, 4, 5, 6, 7, 8)  # split-K into n equal chunks (blocks of ⌈K/n⌉): 3 splits reached 0.78
+
+
+# While a row tile of a head is computed (verify/model/tiles.py), the head's query rows: a dot
+# product's exact or expected variance is chosen by the whole head's size, so that a tile's
+# bounds are the rows of the whole head's.
+_HEAD_ROWS: contextvars.ContextVar[Optional[int]] = contextvars.ContextVar("head_rows", default=None)
+
+
+@contextlib.contextmanager
+def head_rows(n: int):
+    """Within: the row-tiled GEMMs (A's rows a tile of the head's n rows) size as the head's."""
+    token = _HEAD_ROWS.set(n)
+    try:
+        yield
+    finally:
+        _HEAD_ROWS.reset(token)
+
+
+def _rows(R: int) -> int:
+    """The rows of the GEMM whose size decides its model: the head's, within a row tile."""
+    whole = _HEAD_ROWS.get()
+    return R if whole is None else whole
+
+
+def exact_energy(R: int, K: int, C: int) -> bool:
+    """Whether dot_var takes the exact partial sums for an R×K by K×C product (else their
+    expectation over random orders)."""
+    return R * K * C <= ENERGY_EXACT_MAX_MACS
 
 
 class _Orders(NamedTuple):
@@ -259,7 +289,7 @@ def dot_var(A: np.ndarray, B: np.ndarray, u: float, product_var: float = ROUND_V
     B = np.asarray(B, dtype=np.float64)
     R, K = A.shape
     C = B.shape[1]
-    if R * K * C > ENERGY_EXACT_MAX_MACS:
+    if not exact_energy(_rows(R), K, C):
         return _expected_var(A @ B, (A * A) @ (B * B), K, u, product_var)
     rows = _block_sums(K, C)
     scratch = _Scratch((_orders(K).padded + 1) * min(rows, R) * C)
@@ -278,7 +308,7 @@ def rowdot_var(A: np.ndarray, B: np.ndarray, u: float, product_var: float = ROUN
     A = np.asarray(A, dtype=np.float64)
     B = np.asarray(B, dtype=np.float64)
     R, K = A.shape
-    if R * K > ENERGY_EXACT_MAX_MACS:
+    if not exact_energy(_rows(R), K, 1):
         t = A * B
         return _expected_var(t.sum(axis=1, keepdims=True), np.einsum("ij,ij->i", t, t)[:, None], K,
                              u, product_var)

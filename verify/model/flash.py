@@ -12,6 +12,7 @@ from .dot import mma_truncation_det, pv, pv_var, qk_var
 from .kernels import FLASH_LOGIT_ROUNDINGS, Kernel
 from .rounding import ROUND_VAR, HeadCache, memo
 from .scores import HeadVariant, as_head, dropout_factor_error, modification_det
+from .tiles import over_rows, rows_of
 from .softmax import exponent_var, logits, mixed_output_var, p2_eta, raw_logits, rowsum_rel_var, softmax
 
 
@@ -98,8 +99,13 @@ def _common_dets(Q, K, scale, head, p, u, kernel, cache):
 
 def flash_output_var_det(Q: np.ndarray, K: np.ndarray, V: np.ndarray, scale: float, head, u: float,
                          kernel: Kernel, cache: Optional[HeadCache]) -> Tuple[np.ndarray, np.ndarray]:
-    """(variance, one-signed part) of the error of the flash forward's output."""
-    head = as_head(head)
+    """(variance, one-signed part) of the error of the flash forward's output (row tile by row
+    tile: verify/model/tiles.py)."""
+    return over_rows(Q.shape[0], K.shape[0], min(Q.shape[1], V.shape[1]), as_head(head), cache,
+                     lambda r, h, c: _output_var_det(rows_of(Q, r), K, V, scale, h, u, kernel, c))
+
+
+def _output_var_det(Q, K, V, scale: float, head: HeadVariant, u: float, kernel: Kernel, cache: Optional[HeadCache]):
     S, p, m, eta_var, l_var, s_det = flash_parts(Q, K, scale, head, u, kernel, cache)
     dropout = head.dropout > 0
     pz = head.dropped(p)  # the weights as P·V sums them: kept and rescaled under dropout
@@ -123,8 +129,24 @@ def flash_output_var_det(Q: np.ndarray, K: np.ndarray, V: np.ndarray, scale: flo
 
 def flash_lse_sums(Q: np.ndarray, K: np.ndarray, scale: float, head, u: float, kernel: Kernel,
                    cache: Optional[HeadCache]):
-    """The row sums of the log-sum-exp's bound: Σ_j p_j²·var(η_j) and the one-signed part."""
-    head = as_head(head)
+    """The row sums of the log-sum-exp's bound: the row max m, Σ_j p_j²·var(η_j), the row sum's
+    relative variance and the one-signed part (row tile by row tile)."""
+    return over_rows(Q.shape[0], K.shape[0], Q.shape[1], as_head(head), cache,
+                     lambda r, h, c: _lse_sums(rows_of(Q, r), K, scale, h, u, kernel, c))
+
+
+def flash_forward_rows(Q: np.ndarray, K: np.ndarray, V: np.ndarray, scale: float, head, u: float, kernel: Kernel,
+                      cache: Optional[HeadCache]):
+    """(flash_output_var_det, flash_lse_sums) in one pass over the row tiles, which share each
+    tile's logits and softmax (a head's cache shares them for a head of one tile)."""
+    def tile(r, h, c):
+        Qr = rows_of(Q, r)
+        return _output_var_det(Qr, K, V, scale, h, u, kernel, c) + _lse_sums(Qr, K, scale, h, u, kernel, c)
+    parts = over_rows(Q.shape[0], K.shape[0], min(Q.shape[1], V.shape[1]), as_head(head), cache, tile)
+    return parts[:2], parts[2:]
+
+
+def _lse_sums(Q, K, scale: float, head: HeadVariant, u: float, kernel: Kernel, cache: Optional[HeadCache]):
     S, p, m, eta_var, l_var, s_det = flash_parts(Q, K, scale, head, u, kernel, cache)
     eta_sum = p2_eta(p, eta_var, cache).sum(axis=1, keepdims=True)
     det = (p * s_det).sum(axis=1, keepdims=True) + _common_dets(Q, K, scale, head, p, u, kernel, cache)[1]

@@ -16,7 +16,7 @@ head (p itself, 1 − p and the reciprocal rounded), and one rounding of each pr
 """
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Optional, Tuple, Union
 
 import numpy as np
 
@@ -34,7 +34,7 @@ class HeadVariant:
     as the arrays themselves do (verify/model/rounding.py): an entry's key holds it, and with it
     the arrays, alive."""
 
-    __slots__ = ("variant", "slope", "mask", "bias", "keep", "_given", "_hidden")
+    __slots__ = ("variant", "slope", "mask", "bias", "keep", "_given", "_hidden", "origin")
 
     def __init__(self, variant: Variant = Variant(), slope: float = 0.0, mask: Optional[np.ndarray] = None,
                  bias: Optional[np.ndarray] = None, keep: Optional[np.ndarray] = None) -> None:
@@ -47,9 +47,39 @@ class HeadVariant:
         self.bias = None if bias is None else np.asarray(bias, np.float64)
         self.keep = None if keep is None else np.asarray(keep, np.float64)
         self._hidden = {}
+        # A row tile's (first row, the head's row count): its methods take the tile's rows and row
+        # count and answer for those rows of the whole head (rows_of).
+        self.origin: Optional[Tuple[int, int]] = None
 
     def _key(self) -> tuple:
-        return (self.variant, self.slope) + tuple(id(x) for x in self._given)
+        return (self.variant, self.slope, self.origin) + tuple(x if isinstance(x, tuple) else id(x) for x in self._given)
+
+    def rows_of(self, start: int, stop: int, n: int) -> "HeadVariant":
+        """Query rows start..stop of this head of n rows, as a head of their own: every method
+        takes the tile's rows (n: the tile's count, rows: within the tile) and answers what the
+        whole head holds there (the mask, the window and ALiBi's distances, the files' rows), so
+        that the error model runs on a row tile unchanged (verify/model/tiles.py)."""
+        tile = HeadVariant(self.variant, self.slope, *(None if x is None else x[start:stop]
+                                                       for x in (self.mask, self.bias, self.keep)))
+        if self.origin is not None:  # a tile of a tile: rows of the whole head
+            start, stop, n = start + self.origin[0], stop + self.origin[0], self.origin[1]
+        # Equal to another tile of the same rows of the same head's files (a cache key).
+        tile._given = tuple(None if x is None else (x[0] if isinstance(x, tuple) else id(x), start, stop)
+                            for x in self._given)
+        tile.origin = (start, n)
+        return tile
+
+    def _whole(self, n: int, rows: Optional[Rows]) -> Tuple[int, Rows]:
+        """(the head's row count, its rows) for the tile's n rows (or `rows` of them)."""
+        if self.origin is None:
+            return n, slice(None) if rows is None else rows
+        start, total = self.origin
+        if rows is None:
+            return total, slice(start, start + n)
+        if isinstance(rows, slice):
+            first, last, step = rows.indices(n)
+            return total, slice(start + first, start + last, step)
+        return total, start + np.arange(n)[rows]
 
     def __eq__(self, other) -> bool:
         return isinstance(other, HeadVariant) and self._key() == other._key()
@@ -81,7 +111,8 @@ class HeadVariant:
         if key in self._hidden:
             return self._hidden[key]
         r = slice(None) if rows is None else rows
-        out = hidden(self.variant, n, m, None if self.mask is None else self.mask[r], r)
+        total, whole = self._whole(n, rows)
+        out = hidden(self.variant, total, m, None if self.mask is None else self.mask[r], whole)
         if self.bias is not None:
             out |= self.bias[r] == -np.inf
         if key is not None:
@@ -97,7 +128,8 @@ class HeadVariant:
         r = slice(None) if rows is None else rows
         n = scaled.shape[0] if n is None else n
         bias = None if self.bias is None else np.where(np.isfinite(self.bias[r]), self.bias[r], 0.0)
-        return modified_scores(scaled, self.variant, self.slope, bias, r, slice(None), n, scaled.shape[1])
+        total, whole = self._whole(n, rows)
+        return modified_scores(scaled, self.variant, self.slope, bias, whole, slice(None), total, scaled.shape[1])
 
     def scores(self, scaled: np.ndarray, n: Optional[int] = None, rows: Optional[Rows] = None) -> np.ndarray:
         """The scores the softmax reads: modified, −inf where hidden (a new array)."""
@@ -120,8 +152,8 @@ class HeadVariant:
     def alibi_terms(self, n: int, m: int, rows: Optional[Rows] = None) -> Optional[np.ndarray]:
         if not self.variant.alibi:
             return None
-        r = slice(None) if rows is None else rows
-        return alibi_bias(self.slope, n, m, r, slice(None), self.variant.align)
+        total, whole = self._whole(n, rows)
+        return alibi_bias(self.slope, total, m, whole, slice(None), self.variant.align)
 
     def flash_shift(self, n: int, m: int) -> Optional[np.ndarray]:
         """slope·diag(i) (N×1) under causal ALiBi, else None: flash-attn's causal kernel adds
@@ -129,7 +161,8 @@ class HeadVariant:
         every score of row i, its maximum and its lse by this much (docs/contract.md)."""
         if not (self.variant.alibi and self.variant.causal) or self.slope == 0:
             return None
-        return self.slope * (np.arange(n, dtype=np.float64) + self.variant.offset(n, m))[:, None]
+        total, whole = self._whole(n, None)
+        return self.slope * (np.arange(total, dtype=np.float64)[whole] + self.variant.offset(total, m))[:, None]
 
     # ---- dropout ----------------------------------------------------------------------------
     @property

@@ -15,15 +15,16 @@ which the softmax does not see) is read shifted back: flash_lse's `canonical`.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import List
 
 import numpy as np
 
 from ..model.attention import log_sum_exp_rows
-from ..model.dot import flush_sum
-from ..model.flash import flash_lse_sums, flash_output_var_det
+from ..model.flash import flash_forward_rows, flash_lse_sums
 from ..model.rounding import FLUSH, ROUND_VAR, ULP_IN_U, finite_abs, memo
 from ..model.scores import as_head
+from ..model.tiles import flush_max, stack_over_rows
 from ..model.softmax import need, scaled_logits, softmax_parts
 from ..stages import FLASH_LSE, FLASH_OUTPUT, INPUT_NAMES, KEYS, OUTPUT, QUERIES, SCALED_SCORES, STAGES, VALUES
 from ..variant import Variant
@@ -43,14 +44,21 @@ def _with_mask_lse(src, scale, masked, variant: Variant = Variant(), slope: floa
 
 
 def _qk_flush_max(src) -> float:
-    qk = flush_sum(src[QUERIES], np.asarray(src[KEYS]).T)
-    return float(np.max(qk)) if qk.size else 0.0
+    return flush_max(src[QUERIES], np.asarray(src[KEYS]).T)
 
 
 def _output_isolated(src, ref, problem: Problem):
     Q, K, V = need(src, FLASH_OUTPUT, QUERIES, KEYS, VALUES)
-    return memo(problem.cache, "flash_output var", (Q, K, V), problem.key,
-                lambda: flash_output_var_det(Q, K, V, *problem.model_args))
+    return memo(problem.cache, "flash_output var", (Q, K, V), problem.key, lambda: _forward_rows(Q, K, V, problem))
+
+
+def _forward_rows(Q, K, V, problem: Problem):
+    """flash_output's (variance, one-signed part), computed in the same pass over the row tiles
+    as flash_lse's row sums, which the head's cache keeps for flash_lse's bound (lse_var_det)."""
+    out, sums = flash_forward_rows(Q, K, V, *problem.model_args)
+    scale, head, u, kernel, cache = problem.model_args
+    memo(cache, "flash_lse sums", (Q, K), (scale, as_head(head), u, kernel), lambda: sums)
+    return out
 
 
 def lse_var_det(Q, K, lse, scale, head, u, kernel, cache):
@@ -92,9 +100,26 @@ def _logit_moves(src, q, problem: Problem):
     return p * (dS if slope is None else dS * slope), p
 
 
+def _query_rows(src, q, problem: Problem, compute):
+    """compute(src, q, problem) row tile by row tile of the queries (their quanta with them)."""
+    Q = np.asarray(src[QUERIES])
+    n, m = Q.shape[0], np.shape(src[KEYS])[0]
+    head = problem.head
+
+    def tile(r):
+        if r is None:
+            return compute(src, q, problem)
+        qt = {k: (np.broadcast_to(v, Q.shape)[r] if k == QUERIES else v) for k, v in q.items()}
+        moved = compute({**src, QUERIES: Q[r]}, qt, replace(problem, tensors=head.rows_of(r.start, r.stop, n)))
+        return np.broadcast_to(moved, (r.stop - r.start, np.shape(moved)[-1]))
+    return stack_over_rows(n, m, Q.shape[1], tile)
+
+
 def _output_quantization(src, q, problem: Problem):
-    if not q:
-        return 0.0
+    return _query_rows(src, q, problem, _output_moves) if q else 0.0
+
+
+def _output_moves(src, q, problem: Problem):
     head = problem.head
     w, p = _logit_moves(src, q, problem)
     O = head.dropped(p) @ src[VALUES]
@@ -103,7 +128,8 @@ def _output_quantization(src, q, problem: Problem):
 
 
 def _lse_quantization(src, q, problem: Problem):
-    return _logit_moves(src, q, problem)[0].sum(axis=1, keepdims=True) if q else 0.0
+    return _query_rows(src, q, problem, lambda s, qt, p: _logit_moves(s, qt, p)[0].sum(axis=1, keepdims=True)) \
+        if q else 0.0
 
 
 def _lse_canonical(got: np.ndarray, ref: np.ndarray, ctx: HeadContext) -> np.ndarray:
@@ -172,8 +198,11 @@ def _lse_vs_partner(stage: str, got: np.ndarray, ctx: HeadContext) -> List[Viola
 
 def _reference(with_mask):
     def reference(src, problem: Problem):
-        head = problem.head
-        return with_mask(src, problem.scale, None, head.variant, head.slope)
+        head, Q = problem.head, np.asarray(src[QUERIES])
+        n = Q.shape[0]
+        return stack_over_rows(n, np.shape(src[KEYS])[0], Q.shape[1], lambda r: (
+            with_mask(src, problem.scale, None, head.variant, head.slope) if r is None else
+            with_mask({**src, QUERIES: Q[r]}, problem.scale, None, head.variant, head.slope, r, n)))
     return reference
 
 

@@ -23,8 +23,9 @@ from .checks import agrees_with, dk_column_sums, ds_checks, flash_dk_column_sums
 from .flash_bounds import flash_chained, flash_floor, flash_isolated
 from .quantization import (d_quantization, dp_quantization, ds_quantization, dv_quantization, flash_quantization,
                            grad_quantization)
+from .flash_tiles import flash_reference
 from .reference import (FLASH_SOURCES, Gradients, d_reference, dk_reference, dq_reference, ds_reference, dv_reference,
-                        flash_backward, flash_reference, flash_with_mask, grad_keys, grad_queries, grad_values)
+                        flash_backward, flash_with_mask, grad_keys, grad_queries, grad_values)
 
 __all__ = ["SPECS", "FLASH_SOURCES", "Gradients", "d_reference", "ds_reference", "flash_backward"]
 

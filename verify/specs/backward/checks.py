@@ -16,7 +16,7 @@ from ...model.rounding import FLUSH, LAMBDA, ROUND_VAR, unit_roundoff
 from ...stages import GRAD_OUTPUT, KEYS, QUERIES, VALUES
 from ..base import COLUMN_SUM, FLASH_VS_STAGES, MASK_MISSING, ROW_SUM, HeadContext, Violation, consistency, violation
 from .bounds import stage_chain
-from .flash_bounds import flash_chain
+from .flash_bounds import ColumnSumParts, flash_chain
 
 
 def _chain_model(ctx: HeadContext):
@@ -62,18 +62,20 @@ def _ds_row_sums(stage, got, finite, ctx, model):
 
 
 def _stage_path_errors(model, ctx: HeadContext):
-    """(dS, row errors, dS's independent errors, dK's one-signed part, the GEMM's product
-    variance) of the stage path's chain."""
+    """(the column sums' parts (flash_bounds.ColumnSumParts), dK's one-signed part) of the stage
+    path's chain."""
     u, kernel, (Q, K, V, dO), head = model
     _, _, _, dS, rows, indep, *_ = stage_chain(Q, K, V, dO, ctx.scale, head, u, kernel, ctx.cache)
-    return dS, rows, indep, 0.0, 2 * ROUND_VAR
+    row_sd = _row_sum_sd(indep, rows)
+    return ColumnSumParts((row_sd * row_sd * Q * Q).sum(axis=0), dS.T @ Q,
+                          transposed_gemm_var(dS, Q, u, ctx.cache, "dS Q var", 2 * ROUND_VAR)), 0.0
 
 
 def _flash_errors(model, ctx: HeadContext):
-    """The same of the flash backward's chain."""
+    """The same of the flash backward's chain (summed over its row tiles)."""
     u, kernel, (Q, K, V, dO), head = model
     fc = flash_chain(Q, K, V, dO, ctx.scale, head, u, kernel, ctx.cache)
-    return fc.dS, fc.rows, fc.indep, fc.bounds[1][1].sum(axis=0), kernel.flash_product_var + ROUND_VAR
+    return fc.column, fc.bounds[1][1].sum(axis=0)
 
 
 def _column_sums(errors):
@@ -82,7 +84,7 @@ def _column_sums(errors):
         model = _chain_model(ctx)
         if not np.isfinite(got).all() or model is None or model[3].cap > 0:
             return []  # under a softcap dK's columns need not sum to 0
-        allowed = _column_sum_allowed(stage, got, ctx, model, *errors(model, ctx))
+        allowed = _column_sum_allowed(stage, got, ctx, model[0], *errors(model, ctx))
         dev = np.abs(got.sum(axis=0))
         bad = ~(dev <= allowed)
         if not bad.any():
@@ -94,15 +96,12 @@ def _column_sums(errors):
     return check
 
 
-def _column_sum_allowed(stage: str, got, ctx: HeadContext, model, dS, rows, indep, det, pv) -> np.ndarray:
+def _column_sum_allowed(stage: str, got, ctx: HeadContext, u, parts: ColumnSumParts, det) -> np.ndarray:
     """Σ_j dK_j = scale·Σ_i Q_i·Σ_j dS_ij = 0 (every dS row sums to 0). Its error: each dS row sum's
     (independent across rows: see _ds_row_sums), the GEMM's roundings and the final scaling's,
     and the one-signed parts summed."""
-    u, _, (Q, _, _, _), _ = model
-    row_sd = _row_sum_sd(indep, rows)
-    dK = ctx.scale * dS.T @ Q
-    var = (ctx.scale ** 2 * (row_sd * row_sd * Q * Q).sum(axis=0)
-           + ctx.scale ** 2 * transposed_gemm_var(dS, Q, u, ctx.cache, "dS Q var", pv).sum(axis=0)
+    dK = ctx.scale * parts.dsq
+    var = (ctx.scale ** 2 * parts.row_sd_q2 + ctx.scale ** 2 * parts.gemm_var.sum(axis=0)
            + 2 * ROUND_VAR * u * u * (dK * dK).sum(axis=0))
     allowed = LAMBDA * np.sqrt(var) + det + FLUSH * got.shape[0]
     q = ctx.bounds.invariant_quantum(stage, got, ctx)

@@ -12,19 +12,20 @@ from typing import NamedTuple, Tuple
 import numpy as np
 
 from ...model.attention import log_sum_exp_rows
-from ...model.backward import (CappedGrads, RowErrors, capped_grads, d_var, ds_var_parts, flash_rows,
-                               grad_over_keys_var, grad_over_queries_var)
-from ...model.dot import flush_sum, mma_truncation_det, pv_var, qk_var, rowdot_var
+from ...model.backward import CappedGrads, RowErrors, capped_grads, d_var, ds_var_parts, flash_rows, grad_over_keys_var
+from ...model.dot import mma_truncation_det, pv_var, qk_var, rowdot_var
 from ...model.flash import common_factor_logits, flash_output_var_det, flash_parts, logit_magnitude
 from ...model.kernels import FLASH_LOGIT_ROUNDINGS
 from ...model.rounding import FLUSH, ROUND_VAR, finish, finite_abs, memo
 from ...model.scores import HeadVariant, as_head, cap_factor_error, dropout_factor_error, modification_det
 from ...model.softmax import exponent_var, logits, need, raw_logits
-from ...stages import FLASH_GRAD_QUERIES
+from ...model.tiles import Total, flush_max, smallest
+from ...stages import FLASH_GRAD_QUERIES, GRAD_OUTPUT, KEYS, QUERIES, VALUES
 from ..base import Problem
 from ..flash import lse_var_det
 from .bounds import chain_cap, dp_var, stage_chain
-from .reference import FLASH_SOURCES, flash_backward, through_cap
+from .flash_tiles import QueryGrad, over_queries
+from .reference import FLASH_SOURCES, flash_terms, through_cap
 
 
 def _scale_det(Q, K, scale, head, P, finite, u, kernel, cache):
@@ -86,14 +87,37 @@ def _flushed_entries(P, dS):
 
 
 class GradBounds(NamedTuple):
-    bounds: Tuple[tuple, tuple, tuple]   # (variance, one-signed part) of dQ, dK, dV
+    dq: tuple                            # (variance, one-signed part) of these rows of dQ
     indep: np.ndarray                    # dS's independent errors (sd)
     grads: CappedGrads                   # dS through the cap, and its errors
 
 
+class KeyGrads(NamedTuple):
+    """dK's and dV's bounds, summed over the query rows a tile at a time (flash_tiles.QueryGrad)."""
+    dk: QueryGrad
+    dv: QueryGrad
+
+    @classmethod
+    def of(cls, n: int) -> "KeyGrads":
+        return cls(QueryGrad(n), QueryGrad(n))
+
+    def bounds(self, scale, head: HeadVariant, u, kernel, cache, capped: bool):
+        """((variance, one-signed part) of dK, of dV) once every tile is in."""
+        pv = kernel.flash_product_var + ROUND_VAR
+        dk_var = scale * scale * self.dk.var(u, cache, "dS Q var", pv + ROUND_VAR * capped)
+        dv_var = self.dv.var(u, cache, "P dO var", pv + ROUND_VAR * (head.dropout > 0))
+        dk_det = abs(scale) * self.dk.det.value
+        dv_det = self.dv.det.value + dropout_factor_error(head, u) * np.abs(self.dv.gemm.sum)
+        if kernel.mma_passes:
+            dk_det = dk_det + abs(scale) * self.dk.mma.det(u, kernel.mma_passes)
+            dv_det = dv_det + self.dv.mma.det(u, kernel.mma_passes)
+        return (dk_var, dk_det), (dv_var, dv_det)
+
+
 def _flash_grad_bounds(parts, rows: RowErrors, dP_var, s_det, scale, head: HeadVariant, u, kernel, cache,
-                       cap) -> GradBounds:
-    """The bounds of flash_dQ, flash_dK, flash_dV from the row errors; cap: (f, its error's sd)."""
+                       cap, keys: KeyGrads) -> GradBounds:
+    """The bounds of these rows of flash_dQ from the row errors, and their parts of flash_dK's and
+    flash_dV's (into keys); cap: (f, its error's sd)."""
     Q, K, dO, P, dP, D, dS = parts
     dropout, r_err = int(head.dropout > 0), dropout_factor_error(head, u)
     dPz = head.dropped(dP)
@@ -105,24 +129,20 @@ def _flash_grad_bounds(parts, rows: RowErrors, dP_var, s_det, scale, head: HeadV
     pv = kernel.flash_product_var + ROUND_VAR  # the kernel's products, and the scale folded in
     pv_g = pv + ROUND_VAR * (f is not None)    # and the cap's factor
     dq_var = grad_over_keys_var(g.P, g.G, K, rows, g.indep, scale, u, cache, pv_g)
-    dk_var = scale * scale * grad_over_queries_var(g.G, g.indep + g.shared, Q, u, cache, "dS Q var", pv_g)
     Pz = head.dropped(P)
     p_sd = head.dropped(P * (np.sqrt(rows.eta) + np.sqrt(rows.shared)))
-    dv_var = grad_over_queries_var(Pz, p_sd, dO, u, cache, "P dO var", pv + ROUND_VAR * dropout)
     dq_det = abs(scale) * (ds_det @ np.abs(K))
-    dk_det = abs(scale) * (ds_det.T @ np.abs(Q))
-    dv_det = head.dropped(P * s_det).T @ np.abs(dO) + r_err * np.abs(Pz.T @ dO)
+    keys.dk.add(g.G, g.indep + g.shared, Q, ds_det, bool(kernel.mma_passes))
+    keys.dv.add(Pz, p_sd, dO, head.dropped(P * s_det), bool(kernel.mma_passes))
     lost_ds, lost_p = _flushed_entries(P, dS)
     if lost_ds is not None:
         lost_ds = through_cap(lost_ds, f)
         dq_det = dq_det + abs(scale) * (lost_ds @ np.abs(K))
-        dk_det = dk_det + abs(scale) * (lost_ds.T @ np.abs(Q))
-        dv_det = dv_det + head.dropped(lost_p).T @ np.abs(dO)
+        keys.dk.add_lost(lost_ds, Q)
+        keys.dv.add_lost(head.dropped(lost_p), dO)
     if kernel.mma_passes:
         dq_det = dq_det + abs(scale) * mma_truncation_det(g.G, K, u, kernel.mma_passes)
-        dk_det = dk_det + abs(scale) * mma_truncation_det(g.G.T, Q, u, kernel.mma_passes)
-        dv_det = dv_det + mma_truncation_det(Pz.T, dO, u, kernel.mma_passes)
-    return GradBounds(((dq_var, dq_det), (dk_var, dk_det), (dv_var, dv_det)), indep, g)
+    return GradBounds((dq_var, dq_det), indep, g)
 
 
 def _own_cap(Q, K, scale, head: HeadVariant, u, kernel, cache):
@@ -136,22 +156,32 @@ def _own_cap(Q, K, scale, head: HeadVariant, u, kernel, cache):
 def _flash_own(src, scale, head, u, kernel, cache):
     """The flash backward's errors from its own saved flash_output and flash_lse: the recomputed
     logits (their dot product, their roundings, exp), the lse's one rounding where a kernel folds
-    log2(e) into it (shared along the row), D's and dP's roundings, the gradient GEMMs."""
-    Q, K, V, dO, O, lse = need(src, FLASH_GRAD_QUERIES, *FLASH_SOURCES)
+    log2(e) into it (shared along the row), D's and dP's roundings, the gradient GEMMs; a row tile
+    at a time (flash_tiles.py)."""
+    need(src, FLASH_GRAD_QUERIES, *FLASH_SOURCES)
+    src = {n: np.asarray(src[n], np.float64) for n in FLASH_SOURCES}
     head = as_head(head)
 
     def compute():
-        masked = head.hidden(Q.shape[0], K.shape[0])
-        _, _, _, P, dP, D, dS = flash_backward(src, scale, masked, head=head)
-        finite = ~masked & np.isfinite(lse)
-        S = np.where(finite, logits(Q, K, scale, head, cache), 0.0)
-        eta = _recomputed_eta(Q, K, S, lse, finite, scale, head, u, kernel, cache)
-        lse_fold = ROUND_VAR * u * u * _lse_magnitude(lse, head, Q.shape[0], K.shape[0]) ** 2
-        rows = flash_rows(eta, lse_fold, rowdot_var(dO, O, u))
-        return _flash_grad_bounds((Q, K, dO, P, dP, D, dS), rows, dp_var(dO, V, u, kernel.flash_product_var, cache),
-                                  _logit_det(Q, K, P, scale, head, finite, u, kernel, cache), scale, head, u, kernel,
-                                  cache, _own_cap(Q, K, scale, head, u, kernel, cache)).bounds
-    return memo(cache, "flash grads own", (Q, K, V, dO, O, lse), (scale, head, u, kernel), compute)
+        keys = KeyGrads.of(src[QUERIES].shape[0])
+        dq = over_queries(src, head, cache, lambda s, h, c: _own_tile(s, scale, h, u, kernel, c, keys))
+        return (dq,) + keys.bounds(scale, head, u, kernel, cache, head.cap > 0)
+    return memo(cache, "flash grads own", tuple(src[n] for n in FLASH_SOURCES), (scale, head, u, kernel), compute)
+
+
+def _own_tile(src, scale, head: HeadVariant, u, kernel, cache, keys: KeyGrads):
+    """_flash_own's rows of one tile: dQ's bound, and dK's and dV's parts into keys."""
+    Q, K, V, dO, O, lse = (src[n] for n in FLASH_SOURCES)
+    masked = head.hidden(Q.shape[0], K.shape[0])
+    P, dP, D, dS, _ = flash_terms(src, scale, masked, head=head)
+    finite = ~masked & np.isfinite(lse)
+    S = np.where(finite, logits(Q, K, scale, head, cache), 0.0)
+    eta = _recomputed_eta(Q, K, S, lse, finite, scale, head, u, kernel, cache)
+    lse_fold = ROUND_VAR * u * u * _lse_magnitude(lse, head, Q.shape[0], K.shape[0]) ** 2
+    rows = flash_rows(eta, lse_fold, rowdot_var(dO, O, u))
+    return _flash_grad_bounds((Q, K, dO, P, dP, D, dS), rows, dp_var(dO, V, u, kernel.flash_product_var, cache),
+                              _logit_det(Q, K, P, scale, head, finite, u, kernel, cache), scale, head, u, kernel,
+                              cache, _own_cap(Q, K, scale, head, u, kernel, cache), keys).dq
 
 
 def flash_isolated(index: int):
@@ -161,67 +191,96 @@ def flash_isolated(index: int):
     return isolated
 
 
+class ColumnSumParts(NamedTuple):
+    """What the check that dK's columns sum to 0 reads of a chain (specs/backward/checks.py): Σ_i
+    (the sd of dS row i's sum)²·Q_i² (d), dSᵀ·Q (M×d) and its GEMM's rounding variance (M×d)."""
+    row_sd_q2: np.ndarray
+    dsq: np.ndarray
+    gemm_var: np.ndarray
+
+
 class FlashChain(NamedTuple):
     refs: Tuple[np.ndarray, np.ndarray, np.ndarray]   # dQ, dK, dV
     bounds: Tuple[tuple, tuple, tuple]
-    dS: np.ndarray
-    p: np.ndarray
-    indep: np.ndarray
-    rows: RowErrors
-    grads: CappedGrads
+    floors: Tuple[object, object, object]             # dot.flush_sum of each gradient's GEMM
+    column: ColumnSumParts
 
 
 def flash_chain(Q, K, V, dO, scale, head, u, kernel, cache) -> FlashChain:
     """The flash backward's errors from the original inputs: its forward's lse and output errors
-    (verify/model/flash.py) reach P (shared along the row) and D."""
+    (verify/model/flash.py) reach P (shared along the row) and D; a row tile at a time."""
     head = as_head(head)
 
     def compute():
-        S, p, m, eta_fwd, l_var, s_det = flash_parts(Q, K, scale, head, u, kernel, cache)
-        finite = np.isfinite(S)
-        lse = log_sum_exp_rows(S)
-        lse_var, lse_det = lse_var_det(Q, K, lse, scale, head, u, kernel, cache)
-        # The same weights, dP, D and dS as the stage path's chain (shared arrays share their bounds).
-        _, dP, D, dS = stage_chain(Q, K, V, dO, scale, head, u, kernel, cache)[:4]
-        dropout = int(head.dropout > 0)
-        pz = head.dropped(p)
-        O = pz @ V
-        _, O_det = flash_output_var_det(Q, K, V, scale, head, u, kernel, cache)
-        acc = kernel.rescale_factor * pv_var(pz, V, u, kernel.flash_product_var + ROUND_VAR * dropout, cache) \
-            + ((kernel.final_roundings + dropout) * ROUND_VAR + kernel.div_var) * (u * O) ** 2
-        Dv = d_var(p, eta_fwd, l_var, np.zeros(p.shape), dO, head.dropped(dP), D, acc, rowdot_var(dO, O, u))
-        D_sd = np.sqrt(Dv) + (np.abs(dO) * O_det).sum(axis=1, keepdims=True)
-        eta = _recomputed_eta(Q, K, S, lse, finite, scale, head, u, kernel, cache)
-        lse_mag = _lse_magnitude(lse, head, Q.shape[0], K.shape[0])
-        shared_sd = np.sqrt(lse_var + ROUND_VAR * u * u * lse_mag * lse_mag) + lse_det
-        rows = flash_rows(eta, shared_sd * shared_sd, D_sd * D_sd)
-        s_det = s_det + _scale_det(Q, K, scale, head, p, finite, u, kernel, cache)  # flash_parts': truncation
-        dPv = dp_var(dO, V, u, kernel.flash_product_var, cache)
-        cap = chain_cap(Q, K, scale, head, u, kernel, cache, kernel.flash_product_var)
-        gb = _flash_grad_bounds((Q, K, dO, p, dP, D, dS), rows, dPv, s_det, scale, head, u, kernel, cache, cap)
-        G = gb.grads.G
-        return FlashChain((scale * G @ K, scale * G.T @ Q, pz.T @ dO), gb.bounds, dS, p, gb.indep, rows, gb.grads)
+        n, m = Q.shape[0], K.shape[0]
+        keys, row_sd_q2, small = KeyGrads.of(n), Total(), [np.inf]
+        K_abs = finite_abs(K)
+
+        def tile(s, h, c):
+            Qt, dOt = s[QUERIES], s[GRAD_OUTPUT]
+            dq_ref, dq, G, Pz, row_sd = _chain_tile(Qt, K, V, dOt, scale, h, u, kernel, c, keys)
+            keys.dk.add_floor(G, Qt)
+            keys.dv.add_floor(Pz, dOt)
+            row_sd_q2.add((row_sd * row_sd * Qt * Qt).sum(axis=0))
+            G_abs = finite_abs(G)
+            small[0] = min(small[0], smallest(G_abs))
+            return dq_ref, dq[0], dq[1], np.minimum(G_abs @ K_abs, m * FLUSH)  # flush_sum(G, K)'s rows
+        dq_ref, dq_var, dq_det, dq_flush = over_queries({QUERIES: Q, KEYS: K, VALUES: V, GRAD_OUTPUT: dO}, head,
+                                                        cache, tile)
+        if small[0] * smallest(K_abs) >= FLUSH * 2.0**24:
+            dq_flush = np.zeros((1, 1))
+        dk, dv = keys.bounds(scale, head, u, kernel, cache, head.cap > 0)
+        return FlashChain((dq_ref, scale * keys.dk.gemm.sum, keys.dv.gemm.sum), ((dq_var, dq_det), dk, dv),
+                          (abs(scale) * dq_flush, abs(scale) * keys.dk.floor(), keys.dv.floor()),
+                          ColumnSumParts(row_sd_q2.value, keys.dk.gemm.sum, keys.dk.gemm_var))
     return memo(cache, "flash backward chain", (Q, K, V, dO), (scale, head, u, kernel), compute)
+
+
+def _chain_tile(Q, K, V, dO, scale, head: HeadVariant, u, kernel, cache, keys: KeyGrads):
+    """flash_chain's rows of one tile: (dQ's reference, dQ's bound, G, the kept weights, the sd of
+    each dS row sum's error); dK's and dV's parts into keys."""
+    S, p, m, eta_fwd, l_var, s_det = flash_parts(Q, K, scale, head, u, kernel, cache)
+    finite = np.isfinite(S)
+    lse = log_sum_exp_rows(S)
+    lse_var, lse_det = lse_var_det(Q, K, lse, scale, head, u, kernel, cache)
+    # The same weights, dP, D and dS as the stage path's chain (shared arrays share their bounds).
+    _, dP, D, dS = stage_chain(Q, K, V, dO, scale, head, u, kernel, cache)[:4]
+    dropout = int(head.dropout > 0)
+    pz = head.dropped(p)
+    O = pz @ V
+    _, O_det = flash_output_var_det(Q, K, V, scale, head, u, kernel, cache)
+    acc = kernel.rescale_factor * pv_var(pz, V, u, kernel.flash_product_var + ROUND_VAR * dropout, cache) \
+        + ((kernel.final_roundings + dropout) * ROUND_VAR + kernel.div_var) * (u * O) ** 2
+    Dv = d_var(p, eta_fwd, l_var, np.zeros(p.shape), dO, head.dropped(dP), D, acc, rowdot_var(dO, O, u))
+    D_sd = np.sqrt(Dv) + (np.abs(dO) * O_det).sum(axis=1, keepdims=True)
+    eta = _recomputed_eta(Q, K, S, lse, finite, scale, head, u, kernel, cache)
+    lse_mag = _lse_magnitude(lse, head, Q.shape[0], K.shape[0])
+    shared_sd = np.sqrt(lse_var + ROUND_VAR * u * u * lse_mag * lse_mag) + lse_det
+    rows = flash_rows(eta, shared_sd * shared_sd, D_sd * D_sd)
+    s_det = s_det + _scale_det(Q, K, scale, head, p, finite, u, kernel, cache)  # flash_parts': truncation
+    dPv = dp_var(dO, V, u, kernel.flash_product_var, cache)
+    cap = chain_cap(Q, K, scale, head, u, kernel, cache, kernel.flash_product_var)
+    gb = _flash_grad_bounds((Q, K, dO, p, dP, D, dS), rows, dPv, s_det, scale, head, u, kernel, cache, cap, keys)
+    G = gb.grads.G
+    row_sd = np.sqrt((gb.indep * gb.indep).sum(axis=1, keepdims=True)) + np.sqrt(rows.D)
+    return scale * G @ K, gb.dq, G, pz, row_sd
 
 
 def flash_chained(index: int):
     def chained(sources, problem: Problem):
-        scale, u = problem.scale, problem.u
+        u = problem.u
         Q, K, V, dO = sources
         fc = flash_chain(Q, K, V, dO, *problem.model_args)
         ref, (var, det) = fc.refs[index], fc.bounds[index]
         det = det + 2.0 * u * np.abs(ref) * (index < 2)
-        G = fc.grads.G
-        floor = [abs(scale) * flush_sum(G, K), abs(scale) * flush_sum(G.T, Q),
-                 flush_sum(problem.head.dropped(fc.p).T, dO)][index]
-        return finish(ref, var, det, floor + FLUSH)
+        return finish(ref, var, det, fc.floors[index] + FLUSH)
     return chained
 
 
 def flash_floor(src):
     """Flushed products: none unless the data's products come near float32's normal range."""
     Q, K, V, dO = (finite_abs(src[n]) for n in FLASH_SOURCES[:4])
-    tiny = float(np.max(flush_sum(dO, V.T), initial=0.0))
+    tiny = flush_max(dO, V.T)
     if not tiny:
         return 2 * FLUSH
     return 2 * FLUSH + tiny * max(1.0, Q.max(initial=0.0), K.max(initial=0.0), dO.max(initial=0.0)) \

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...stages import (FLASH_LSE, FLASH_OUTPUT, GRAD_OUTPUT, GRAD_SCORES, GRAD_WEIGHTS, KEYS, OUTPUT, QUERIES,
+from ...stages import (FLASH_LSE, FLASH_OUTPUT, GRAD_OUTPUT, GRAD_SCORES, GRAD_WEIGHTS, OUTPUT,
                        ROW_DOT, SCORES, VALUES, WEIGHTS)
 from ..base import Problem, product_quantization
-from .reference import flash_backward, through_cap
+from .flash_tiles import flash_moves
+from .reference import through_cap
 
 
 def _q(q, name):
@@ -77,16 +78,7 @@ def dv_quantization(src, q, problem: Problem):
 
 def flash_quantization(index: int):
     def quantization(src, q, problem: Problem):
-        scale, head = problem.scale, problem.head
         if not (FLASH_OUTPUT in q or FLASH_LSE in q):
             return 0.0
-        Q, K = np.asarray(src[QUERIES]), np.asarray(src[KEYS])
-        _, _, _, P, dP, D, dS = flash_backward(src, scale, head.hidden(Q.shape[0], K.shape[0]), head=head)
-        q_lse = _q(q, FLASH_LSE)
-        q_D = (np.abs(src[GRAD_OUTPUT]) * _q(q, FLASH_OUTPUT)).sum(axis=1, keepdims=True)
-        ds_q = np.abs(dS) * q_lse + P * q_D
-        if index < 2 and head.cap > 0:
-            ds_q = ds_q * head.cap_slope((np.asarray(Q, np.float64) @ np.asarray(K, np.float64).T) * scale)
-        return [abs(scale) * ds_q @ np.abs(K), abs(scale) * ds_q.T @ np.abs(Q),
-                head.dropped(P * q_lse).T @ np.abs(src[GRAD_OUTPUT])][index]
+        return flash_moves(src, q, problem.scale, problem.head)[index]
     return quantization

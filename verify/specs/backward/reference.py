@@ -42,10 +42,11 @@ def through_cap(dS: np.ndarray, f: Optional[np.ndarray]) -> np.ndarray:
     return dS if f is None else dS * f
 
 
-def flash_backward(src, scale: float, masked: np.ndarray, D=None, lse=None, head: HeadVariant = PLAIN):
-    """(dQ, dK, dV, P, dP, D, dS) of the FlashAttention backward from its sources, under `masked`
-    and the head's score modifications and dropout (D and lse may be replaced: the diagnoses build
-    buggy variants). dS is the gradient of the softmax's input."""
+def flash_terms(src, scale: float, masked: np.ndarray, D=None, lse=None, head: HeadVariant = PLAIN):
+    """(P, dP, D, dS, G) of the FlashAttention backward from its sources (the rows of Q, dO, the
+    output and lse it is given; head: those rows' variant), under `masked` and the head's score
+    modifications and dropout (D and lse may be replaced: the diagnoses build buggy variants). dS
+    is the gradient of the softmax's input, G = dS through the softcap's derivative."""
     Q, K, V, dO = (np.asarray(src[n], np.float64) for n in FLASH_SOURCES[:4])
     lse = np.asarray(src[FLASH_LSE], np.float64) if lse is None else lse
     S0 = (Q @ K.T) * scale
@@ -56,17 +57,14 @@ def flash_backward(src, scale: float, masked: np.ndarray, D=None, lse=None, head
     D = d_reference(dO, np.asarray(src[FLASH_OUTPUT], np.float64)) if D is None else D
     dP = dO @ V.T
     dS = ds_reference(P, dP, D, head)
-    G = through_cap(dS, cap_factor(S0, head))
+    return P, dP, D, dS, through_cap(dS, cap_factor(S0, head))
+
+
+def flash_backward(src, scale: float, masked: np.ndarray, D=None, lse=None, head: HeadVariant = PLAIN):
+    """(dQ, dK, dV, P, dP, D, dS) of the FlashAttention backward of a whole head (flash_terms)."""
+    Q, K, dO = (np.asarray(src[n], np.float64) for n in (QUERIES, KEYS, GRAD_OUTPUT))
+    P, dP, D, dS, G = flash_terms(src, scale, masked, D, lse, head)
     return scale * G @ K, scale * G.T @ Q, head.dropped(P).T @ dO, P, dP, D, dS
-
-
-def flash_reference(index: int):
-    """The reference of the flash gradient at `index` of (dQ, dK, dV)."""
-    def reference(src, problem: Problem):
-        Q, K = np.asarray(src[QUERIES]), np.asarray(src[KEYS])
-        head = problem.head
-        return flash_backward(src, problem.scale, head.hidden(Q.shape[0], K.shape[0]), head=head)[index]
-    return reference
 
 
 def flash_with_mask(index: int):

@@ -1,0 +1,277 @@
+"""The flash stages' references and error model in query-row tiles (verify/model/tiles.py).
+
+* Row tiles of a head's variant (HeadVariant.rows_of) answer what the whole head holds in those
+  rows: the mask, the window, both causal alignments, ALiBi's distances and flash-attn's causal
+  shift, the mask, bias and keep-mask files' rows.
+* Tiled and whole-head references and bounds of flash_output, flash_lse, flash_dQ, flash_dK,
+  flash_dV (chained, isolated, printed resolution, floors, the dK column-sum check) agree to 1e-12
+  on random small cases of every variant, with tiles smaller than N (and tails), on the CPU's and
+  the GPU kernels' arithmetic. The tiles run with the dot products' expected-variance model, which
+  the whole head takes above dot.ENERGY_EXACT_MAX_MACS (lowered here so that small heads take it).
+* A head that takes the exact model, or fits in one tile, is one tile (the whole head, as before);
+  a run that writes or reads an N×M stage is sized as an untiled one (pool.tiled_run).
+* Memory: the chained and isolated bounds of a flash forward and backward at N = 2048, M = 1024 never
+  hold one N×M float64 matrix (tracemalloc's peak stays below one), where the whole head's exceed
+  it many times.
+* The check engine gives the same report, tiled or not, on a flash run of the CPU binary (grouped
+  K/V heads, variants, split keys, packed sequences, a paged cache).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import tracemalloc
+
+import numpy as np
+import pytest
+
+from helpers.cli import invoke
+from verify.check import pool, tolerance
+from verify.check.reference import compute_stage, reference_chain
+from verify.files.case import load_input_case
+from verify.files.outputs import open_run
+from verify.model import dot, tiles
+from verify.model.scores import HeadVariant
+from verify.specs import SPECS, sources_of
+from verify.stages import FLASH_GRAD_KEYS, FLASH_GRAD_QUERIES, FLASH_GRAD_VALUES, FLASH_LSE, FLASH_OUTPUT, STAGES, Dims
+from verify.variant import BOTTOM_RIGHT, PER_HEAD, Variant
+
+FLASH = (FLASH_OUTPUT, FLASH_LSE, FLASH_GRAD_QUERIES, FLASH_GRAD_KEYS, FLASH_GRAD_VALUES)
+SCALE = 0.3
+RTOL = 1e-12
+
+VARIANTS = {
+    "plain": (Variant(), 0.0),
+    "causal": (Variant(causal=True), 0.0),
+    "bottom-right-alibi": (Variant(causal=True, align=BOTTOM_RIGHT, alibi=True), 0.25),
+    "window-softcap": (Variant(window=(7, 3), softcap=1.5), 0.0),
+    "mask-bias": (Variant(mask=PER_HEAD, bias=PER_HEAD), 0.0),
+    "dropout": (Variant(dropout=0.2), 0.0),
+}
+KERNELS = {"cpu": {}, "gpu-fast-tf32": dict(backend="cuda", flash_kernel="cuda-fast-tf32")}
+
+
+def _inputs(variant: Variant, n: int, m: int, d: int = 16, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    x = {"Q": rng.normal(size=(n, d)), "K": rng.normal(size=(m, d)), "V": rng.normal(size=(m, d)),
+         "dO": rng.normal(size=(n, d))}
+    if variant.mask != "none":
+        mask = (rng.random((n, m)) < 0.8).astype(np.float64)
+        mask[:, 0], mask[3] = 1, 0  # and a row that sees no key
+        x["mask"] = mask
+    if variant.bias != "none":
+        bias = rng.normal(size=(n, m))
+        bias[5, 2:9] = -np.inf
+        x["bias"] = bias
+    if variant.dropout > 0:
+        x["dropout_mask"] = (rng.random((n, m)) > variant.dropout).astype(np.float64)
+    return x
+
+
+def _everything(variant: Variant, slope: float, x, kernel) -> dict:
+    """Every flash stage's chained reference and bound, isolated reference and bound (from the
+    chain rounded to float32, as a program's upstream files), and printed-resolution move."""
+    args = dict(scale=SCALE, causal=variant.causal, variant=variant, slope=slope, **kernel)
+    chain = reference_chain(x, SCALE, variant.causal, FLASH, variant=variant, slope=slope)
+    full, cache, out = {**x, **chain}, tolerance.HeadCache(), {}
+    for st in FLASH:
+        out[st + " ref"] = chain[st]
+        out[st + " chained"] = tolerance.chained_bound(st, full, cache=cache, **args)
+    got = {k: v.astype(np.float32).astype(np.float64) if k in chain else v for k, v in full.items()}
+    for st in FLASH:
+        src = {n: got[n] for n in sources_of(st, variant) + ("mask", "bias", "dropout_mask") if n in got}
+        ref = compute_stage(st, src, SCALE, variant.causal, variant=variant, slope=slope)
+        out[st + " isolated ref"] = ref
+        out[st + " isolated"] = tolerance.stage_bound(st, src, ref, cache=cache, **args)
+        quanta = {n: np.full(np.shape(src[n]), 1e-7) for n in ("Q", "K", FLASH_OUTPUT, FLASH_LSE) if n in src}
+        out[st + " moved"] = np.asarray(tolerance.quantization_bound(st, src, quanta, SCALE, variant.causal,
+                                                                     variant=variant, slope=slope))
+        out[st + " floor"] = np.asarray(SPECS[st].floor(src), np.float64)
+    return out
+
+
+def _agree(whole: dict, tiled: dict) -> None:
+    for key, a in whole.items():
+        a, b = np.broadcast_arrays(a, tiled[key])
+        assert ((a == b) | np.isfinite(a) & np.isfinite(b) | np.isnan(a) & np.isnan(b)).all(), key
+        fin = np.isfinite(a) & np.isfinite(b)
+        if key.endswith("ref"):  # normwise: a gradient summed over other rows may cancel
+            tol = RTOL * max(np.max(np.abs(a[fin]), initial=0.0), 1e-300)
+        else:                    # a bound, element by element
+            tol = RTOL * np.abs(a[fin])
+        assert (np.abs(a[fin] - b[fin]) <= tol).all(), (key, np.max(np.abs(a[fin] - b[fin])))
+
+
+@pytest.fixture
+def expected_model(monkeypatch):
+    """Small heads take the expected-variance model of a large one (as above the limit)."""
+    monkeypatch.setattr(dot, "ENERGY_EXACT_MAX_MACS", 10)
+
+
+@pytest.mark.parametrize("kernel", list(KERNELS))
+@pytest.mark.parametrize("name", list(VARIANTS))
+@pytest.mark.parametrize("n,m,rows", [(77, 53, 8), (40, 96, 16), (33, 20, 32)], ids=lambda v: str(v))
+def test_tiles_agree_with_the_whole_head(name, kernel, n, m, rows, monkeypatch, expected_model):
+    variant, slope = VARIANTS[name]
+    x = _inputs(variant, n, m, seed=n + len(name))
+    monkeypatch.setattr(tiles, "TILE_BYTES", 1 << 40)
+    assert tiles.row_tiles(n, m, 16) == [(0, n)]
+    whole = _everything(variant, slope, x, KERNELS[kernel])
+    monkeypatch.setattr(tiles, "TILE_BYTES", 8 * m * rows)
+    cut = tiles.row_tiles(n, m, 16)
+    assert len(cut) > 1 and cut[-1][1] == n and all(a % 8 == 0 for a, _ in cut)
+    _agree(whole, _everything(variant, slope, x, KERNELS[kernel]))
+
+
+def test_a_tile_that_ignored_its_rows_would_be_caught(monkeypatch, expected_model):
+    """The comparison above can fail: tiles of a causal head that forget where they lie."""
+    variant, slope = VARIANTS["causal"]
+    x = _inputs(variant, 77, 53)
+    monkeypatch.setattr(tiles, "TILE_BYTES", 1 << 40)
+    whole = _everything(variant, slope, x, {})
+    monkeypatch.setattr(tiles, "TILE_BYTES", 8 * 53 * 8)
+    real = HeadVariant.rows_of
+
+    def forgetful(self, start, stop, n):
+        tile = real(self, start, stop, n)
+        tile.origin = (0, stop - start)  # each tile taken for a head of its own
+        return tile
+    monkeypatch.setattr(HeadVariant, "rows_of", forgetful)
+    with pytest.raises(AssertionError):
+        _agree(whole, _everything(variant, slope, x, {}))
+
+
+@pytest.mark.parametrize("name", ["causal", "bottom-right-alibi", "window-softcap", "mask-bias", "dropout"])
+def test_a_row_tile_of_a_head_variant_is_those_rows_of_the_head(name):
+    variant, slope = VARIANTS[name]
+    n, m = 23, 31
+    x = _inputs(variant, n, m, seed=3)
+    head = HeadVariant(variant, slope, x.get("mask"), x.get("bias"), x.get("dropout_mask"))
+    scaled = np.random.default_rng(1).normal(size=(n, m))
+    for a, b in [(0, 8), (8, 16), (16, 23)]:
+        tile = head.rows_of(a, b, n)
+        np.testing.assert_array_equal(tile.hidden(b - a, m), head.hidden(n, m)[a:b])
+        np.testing.assert_array_equal(tile.scores(scaled[a:b]), head.scores(scaled)[a:b])
+        np.testing.assert_array_equal(tile.dropped(scaled[a:b]), head.dropped(scaled)[a:b])
+        if variant.alibi:
+            np.testing.assert_array_equal(tile.alibi_terms(b - a, m), head.alibi_terms(n, m)[a:b])
+            np.testing.assert_array_equal(tile.flash_shift(b - a, m), head.flash_shift(n, m)[a:b])
+        inner = tile.rows_of(2, 5, b - a)  # a tile of a tile: rows a + 2 .. a + 5 of the head
+        np.testing.assert_array_equal(inner.hidden(3, m), head.hidden(n, m)[a + 2:a + 5])
+
+
+def test_small_heads_are_one_tile():
+    # The exact partial-sum model of a sum over the queries does not split into tiles.
+    assert tiles.row_tiles(512, 512, 64) == [(0, 512)]            # 512·512·64 MACs: exact
+    assert tiles.row_tiles(600, 600, 8) == [(0, 600)]             # fits in one tile
+    cut = tiles.row_tiles(8192, 8192, 64)
+    assert len(cut) > 1 and 8 * 8192 * (cut[0][1] - cut[0][0]) <= tiles.TILE_BYTES
+
+
+def _peak_mb(compute) -> float:
+    tracemalloc.start()
+    try:
+        compute()
+        return tracemalloc.get_traced_memory()[1] / 2**20
+    finally:
+        tracemalloc.stop()
+
+
+def test_no_n_by_m_matrix_is_held(monkeypatch):
+    """N = 2048, M = 1024, d = 16 (above the exact model's limit: tiled as a long head is): the
+    whole head's bounds hold many N×M float64 matrices (16 MiB each), the tiled ones never one."""
+    n, m = 2048, 1024
+    variant = Variant(causal=True)
+    x = _inputs(variant, n, m, d=16)
+    chain = reference_chain(x, SCALE, True, FLASH, variant=variant)
+    full = {**x, **chain}
+
+    def bounds():
+        cache = tolerance.HeadCache()
+        for st in FLASH:
+            tolerance.chained_bound(st, full, scale=SCALE, causal=True, cache=cache)
+        src = {name: full[name] for name in sources_of(FLASH_GRAD_KEYS, variant)}
+        tolerance.stage_bound(FLASH_GRAD_KEYS, src, chain[FLASH_GRAD_KEYS], scale=SCALE, causal=True, cache=cache)
+        compute_stage(FLASH_GRAD_VALUES, src, SCALE, True)
+    one_matrix = 8 * n * m / 2**20
+    monkeypatch.setattr(tiles, "TILE_BYTES", 1 << 40)
+    whole = _peak_mb(bounds)
+    monkeypatch.setattr(tiles, "TILE_BYTES", 1 << 17)
+    tiled = _peak_mb(bounds)
+    print(f"peak: whole head {whole:.0f} MiB, tiled {tiled:.1f} MiB, one N×M matrix {one_matrix:.0f} MiB")
+    assert tiled < one_matrix < whole / 4
+
+
+def _run(binary, case, out, *args) -> None:
+    """The CPU binary on the case."""
+    done = subprocess.run([str(binary), "--in", str(case), "--out", str(out), "--backend", "cpu", *map(str, args)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+
+
+def _flash_run(tmp_path, *gen):
+    case, out = tmp_path / "in", tmp_path / "out"
+    backward = () if "--page-size" in gen else ("--backward",)  # (paged caches: the forward alone)
+    sizes = () if "--seqlens" in gen else ("--seq-q", 45, "--seq-k", 70)  # (packed: the sequences' total)
+    r = invoke("generate", "--out", case, "--heads", 4, *sizes, "--d-k", 16, "--d-v", 16,
+               "--format", "npy", *backward, *gen)
+    assert r.exit_code == 0, r.output
+    return case, out
+
+
+@pytest.mark.parametrize("gen,split", [(("--kv-heads", 2, "--causal", "bottom-right"), 0),
+                                       (("--window", "9,4", "--softcap", 2), 0),
+                                       (("--mask", "document", "--bias", "random", "--alibi"), 0),
+                                       (("--causal", "top-left"), 32),
+                                       (("--seqlens", "20,25", "--seqlens-k", "30,40", "--causal", "bottom-right"), 0),
+                                       (("--seqlens", "20,25", "--seqlens-k", "32,40", "--page-size", 8), 0)],
+                         ids=["gqa-causal-br", "window-softcap", "mask-bias-alibi", "causal-split-kv", "packed",
+                              "paged"])
+def test_the_check_reports_the_same_tiled(tmp_path, binary, monkeypatch, gen, split):
+    """(A run that splits the keys is sized whole, its splits' references and bounds tiled.)"""
+    case, out = _flash_run(tmp_path, *gen)
+    _run(binary, case, out, "--stages", "flash", *(("--split-size", split) if split else ()))
+    run = open_run(out, load_input_case(case))
+    assert pool.tiled_run(run) == (not split)
+    monkeypatch.setattr(dot, "ENERGY_EXACT_MAX_MACS", 10)
+    reports = []
+    for tile_bytes in (1 << 40, 8 * 70 * 8):
+        monkeypatch.setattr(tiles, "TILE_BYTES", tile_bytes)
+        r = invoke("check", "--in", case, "--out", out, "--jobs", 1, "--json", tmp_path / "r.json")
+        assert r.exit_code == 0, r.output
+        reports.append(json.loads((tmp_path / "r.json").read_text()))
+    assert_same_report(*reports)
+    dims = reports[0]["dims"]  # each query head's stages, each K/V head's
+    heads = {True: dims["kv_heads"] or dims["heads"], False: dims["heads"]}
+    sequences = (reports[0]["sequences"] or {"count": 1})["count"]  # (each sequence checked alone)
+    assert len(reports[0]["results"]) == sequences * sum(heads[STAGES[s].kv] for s in run.stages)
+
+
+def assert_same_report(a: dict, b: dict) -> None:
+    """The same verdicts and bounds, and the same fraction of each bound used: to 1e-6, as the
+    error is a difference that a gradient summed in another order changes in its last bits."""
+    assert a["passed"] == b["passed"] and a["first_failing_stage"] == b["first_failing_stage"]
+    assert len(a["results"]) == len(b["results"])
+    for x, y in zip(a["results"], b["results"]):
+        assert (x["stage"], x["head"], x["status"]) == (y["stage"], y["head"], y["status"])
+        for side in ("chained", "isolated"):
+            p, q = x[side], y[side]
+            assert p["passed"] == q["passed"] and p["tol_used"] == pytest.approx(q["tol_used"], rel=1e-6)
+            if (p["worst"]["row"], p["worst"]["col"]) == (q["worst"]["row"], q["worst"]["col"]):
+                assert p["worst"]["allowed"] == pytest.approx(q["worst"]["allowed"], rel=RTOL), (x["stage"], side)
+
+
+def test_a_run_with_an_n_by_m_stage_is_sized_whole(tmp_path, binary):
+    """A run whose stages (or what they read) hold N×M matrices, or a half pipeline's flash
+    stages, is checked and sized as a whole head; the flash stages alone at float32 in tiles."""
+    case, out = _flash_run(tmp_path)
+    runs = {}
+    for name, args in (("all", ()), ("flash", ("--stages", "flash")),
+                       ("bf16", ("--stages", "flash", "--precision", "bf16"))):
+        _run(binary, case, tmp_path / name, *args)
+        runs[name] = open_run(tmp_path / name, load_input_case(case))
+    assert not pool.tiled_run(runs["all"]) and not pool.tiled_run(runs["bf16"])
+    assert pool.tiled_run(runs["flash"])
+    long = {k: dataclasses.replace(r, dims=Dims(1, 1, 8192, 8192, 64, 64)) for k, r in runs.items()}
+    assert pool.head_bytes(long["flash"]) < 1 << 30 < 10 * pool.head_bytes(long["flash"]) < pool.head_bytes(long["all"])

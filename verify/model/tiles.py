@@ -1,0 +1,152 @@
+"""Query-row tiles: the flash stages' references and error model computed a few MB at a time.
+
+A head's N×M scores never exist whole: the rows of Q are taken TILE_BYTES of scores at a time,
+each tile runs the same model code as a whole head (the head's variant seen through
+HeadVariant.rows_of, the dot products sized as the whole head's: dot.head_rows), the row-wise
+results (the outputs, dQ, lse and their bounds) are stacked and the sums over the query rows (dK,
+dV and their bounds) added tile by tile. A head whose scores fit in one tile, or whose sums over
+the query rows take the exact partial-sum model (small heads: dot.exact_energy), is one tile: the
+whole head, computed as it always was. Memory: O((N + M)·d) per head plus a tile's matrices.
+
+Only what the array API offers is used on the arrays (matmul, elementwise arithmetic, sums and
+maxima along an axis, concatenation), so that the loop can later run on another array namespace.
+"""
+from __future__ import annotations
+
+from typing import Callable, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from .dot import _HEAD_ROWS, _expected_var, exact_energy, head_rows
+from .kernels import MMA_K
+from .rounding import FLUSH, ULP_IN_U, HeadCache, finite_abs
+
+# The float64 scores of one tile: its dozen or so temporaries stay within a few tens of MB.
+TILE_BYTES = 4 << 20
+
+
+def row_tiles(n: int, m: int, d: int) -> List[Tuple[int, int]]:
+    """[start, stop) of the row tiles of an n×m head of width d: one tile for a head that fits in
+    TILE_BYTES of scores, whose query sums take the exact model, or that is itself a tile; else
+    tiles of a multiple of MMA_K rows (the tensor-core chunks of a sum over the queries)."""
+    if _HEAD_ROWS.get() is not None or 8 * n * m <= TILE_BYTES or exact_energy(m, n, max(1, d)):
+        return [(0, n)]
+    rows = max(MMA_K, TILE_BYTES // (8 * max(1, m)) // MMA_K * MMA_K)
+    return [(a, min(n, a + rows)) for a in range(0, n, rows)]
+
+
+def over_rows(n: int, m: int, d: int, head, cache: Optional[HeadCache],
+              compute: Callable[[slice, object, Optional[HeadCache]], tuple]) -> tuple:
+    """compute(rows, the head's variant of those rows, a cache) over the row tiles, its results
+    (arrays with a row per query row) stacked; for one tile, compute(None, head, cache): the whole
+    head's arrays themselves (rows_of), which key the head's cache."""
+    tiles = row_tiles(n, m, d)
+    if len(tiles) == 1:
+        return compute(None, head, cache)
+    parts = []
+    with head_rows(n):
+        for a, b in tiles:
+            parts.append(compute(slice(a, b), head.rows_of(a, b, n), HeadCache()))
+    heights = [b - a for a, b in tiles]
+    return tuple(stack_rows([p[i] for p in parts], heights) for i in range(len(parts[0])))
+
+
+def stack_over_rows(n: int, m: int, d: int, compute: Callable[[Optional[slice]], np.ndarray]) -> np.ndarray:
+    """compute(rows) over the row tiles, stacked (compute(None) for a head of one tile)."""
+    tiles = row_tiles(n, m, d)
+    if len(tiles) == 1:
+        return compute(None)
+    return np.concatenate([compute(slice(a, b)) for a, b in tiles], axis=0)
+
+
+def flush_max(A: np.ndarray, B: np.ndarray) -> float:
+    """The largest element of dot.flush_sum(A, B) (A: n×k, B: k×m), row tile by row tile."""
+    A, B = finite_abs(A), finite_abs(B)
+    if smallest(A) * smallest(B) >= FLUSH * 2.0**24 or not A.size or not B.size:
+        return 0.0
+    rows = max(1, TILE_BYTES // (8 * max(1, B.shape[1])))
+    return max(float(np.max(np.minimum(A[a:a + rows] @ B, A.shape[1] * FLUSH))) for a in range(0, A.shape[0], rows))
+
+
+def rows_of(x, rows: Optional[slice]):
+    """x's rows of a tile (x itself for the whole head)."""
+    return x if rows is None else x[rows]
+
+
+def stack_rows(parts: Sequence, heights: Sequence[int]):
+    """The tiles' row blocks as one array (a scalar, where every tile's is that scalar)."""
+    if all(np.ndim(p) == 0 for p in parts) and all(p == parts[0] for p in parts):
+        return parts[0]
+    width = next(np.shape(p)[1:] for p in parts if np.ndim(p))
+    return np.concatenate([np.broadcast_to(p, (h,) + width) for p, h in zip(parts, heights)], axis=0)
+
+
+class QuerySum:
+    """Σ over the head's query rows of Xᵀ·Y (X: rows×M, Y: rows×d), a tile at a time, with the
+    variance of its float32 roundings: dot_var of Xᵀ·Y for a head of one tile (the exact model
+    where it applies), else its expectation over summation orders from the sums of the products
+    and of their squares, which add over the tiles."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.tiles = n, 0
+        self.pair: Optional[Tuple[np.ndarray, np.ndarray]] = None
+        self.sum: Optional[np.ndarray] = None
+        self.squares: Optional[np.ndarray] = None
+
+    def add(self, X: np.ndarray, Y: np.ndarray) -> None:
+        self.tiles += 1
+        if self.tiles == 1:
+            self.pair = (X, Y)
+        else:
+            if self.pair is not None:  # a second tile: the first one's squares too
+                X0, Y0 = self.pair
+                self.squares, self.pair = (X0 * X0).T @ (Y0 * Y0), None
+            self.squares = self.squares + (X * X).T @ (Y * Y)
+        part = X.T @ Y
+        self.sum = part if self.sum is None else self.sum + part
+
+    def var(self, u: float, product_var: float, single: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> np.ndarray:
+        """The variance; single(X, Y): the whole head's (a cached dot_var of Xᵀ·Y)."""
+        if self.pair is not None:
+            return single(*self.pair)
+        return _expected_var(np.array(self.sum), np.array(self.squares), self.n, u, product_var)
+
+
+class Total:
+    """A sum over the tiles (0 before the first)."""
+
+    def __init__(self) -> None:
+        self.value = 0.0
+
+    def add(self, x) -> None:
+        self.value = x if np.ndim(self.value) == 0 and self.value == 0.0 else self.value + x
+
+
+class MmaCarry:
+    """dot.mma_truncation_det of Xᵀ·Y over the query rows, a tile at a time: the running partial
+    sum of the MMA_K-row chunks and the sum of its magnitudes carry from tile to tile (tiles begin
+    at multiples of MMA_K, so the chunks are the whole head's)."""
+
+    def __init__(self) -> None:
+        self.partial = self.total = None
+
+    def add(self, X: np.ndarray, Y: np.ndarray) -> None:
+        A = X.T
+        if self.partial is None:
+            self.partial = np.zeros((A.shape[0], Y.shape[1]))
+            self.total = np.zeros_like(self.partial)
+        for k0 in range(0, A.shape[1], MMA_K):
+            self.partial += A[:, k0:k0 + MMA_K] @ Y[k0:k0 + MMA_K]
+            self.total += np.abs(self.partial)
+
+    def det(self, u: float, passes: int) -> np.ndarray:
+        return passes * ULP_IN_U * u * self.total
+
+
+def smallest(x: np.ndarray) -> float:
+    """The smallest nonzero element of x (inf for none): dot.flush_sum's test, over tiles."""
+    nz = x[x != 0]
+    return float(nz.min()) if nz.size else np.inf
+
+
+__all__ = ["TILE_BYTES", "row_tiles", "over_rows", "stack_over_rows", "flush_max", "rows_of", "stack_rows", "QuerySum", "Total", "MmaCarry", "smallest"]
