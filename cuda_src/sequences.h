@@ -330,7 +330,7 @@ inline constexpr const char kNewKeysNeedSequsedK[] =
     "a case with new keys has seqused_k: the keys each sequence's cache holds before the step";
 inline constexpr const char kNotAppended[] = "exists but the case has no new keys";
 inline constexpr const char kNotAppendedHint[] =
-    "add new_keys = n (the keys appended to each sequence) to the manifest, or remove the file";
+    "add new_keys = n (the keys appended to each sequence) with sequences = B to the manifest, or remove the file";
 inline constexpr const char kNewKeysNoManifest[] = "a case with new keys needs a manifest to say new_keys = n";
 inline constexpr const char kNewKeysNoManifestHint[] = "write a manifest.toml with sequences = B and new_keys = n";
 

@@ -16,7 +16,10 @@ import pytest
 
 from helpers.cli import invoke
 from helpers.kv_append_programs import run_program
-from verify.stages import INPUT_MANIFEST
+from verify.check.new_keys import _KeyScan, _as_is, _equal
+from verify.files.case import InputCase
+from verify.model.half import echoed, round_to_format
+from verify.stages import INPUT_MANIFEST, Dims
 
 HEADS, KV_HEADS, D = 4, 2, 16
 # Three sequences of 2, 1, 3 queries; paged: pages of 4, keys 9, 4, 7 after the step (3 pages a row);
@@ -62,6 +65,10 @@ def test_generate_writes_the_cache_before_the_step_and_the_new_keys(tmp_path):
     (PACKED + ["--new-keys", 4], "--new-keys 4: sequence 1 attends to 3 keys, fewer than its 4 new keys "
                                  "(--seqused-k)"),
     (PAGED + ["--new-keys", 5], "--new-keys 5: sequence 1 attends to 4 keys, fewer than its 5 new keys (--seqlens-k)"),
+    # random lengths (seed 0 draws 1, 3, 2): a hint that can be followed
+    (["--random-seqlens", "3,4", "--seed", 0, "--new-keys", 2],
+     "--new-keys 2: sequence 0 attends to 1 key, fewer than its 2 new keys (--random-seqlens 3,4); HINT: give the "
+     "lengths with --seqlens and --seqlens-k (at least 2 keys each), or a larger MAX or another --seed"),
 ])
 def test_generate_refuses_a_step_that_cannot_be_in_one_line(tmp_path, args, words):
     r = invoke("generate", "--out", tmp_path / "case", "--heads", 2, "--d-k", 8, "--d-v", 8, *args)
@@ -162,3 +169,52 @@ def test_attention_that_does_not_see_the_new_keys_is_caught_without_the_cache_st
     out = run_program(case, tmp_path / "out", "unseen", stages=("output",))
     code, output, codes = check(case, out)
     assert code == 1 and set(codes) == {"output"} and codes["output"][0] == "new_keys_unseen", output
+
+
+def test_a_half_precision_cache_not_written_is_named_so(tmp_path):
+    """A bf16 program echoes the cache rounded to bf16: its new keys' slots still holding the cache
+    before the step (rounded) are cache_not_written, and the rest (rounded too) no clobbering."""
+    case = generate(tmp_path / "case", PAGED)
+    out = run_program(case, tmp_path / "out", "not_written", stages=("K", "V"))
+    for j in range(KV_HEADS):
+        for name in ("K", "V"):
+            path = out / f"{name}_head_{j}.txt"
+            np.savetxt(path, round_to_format(np.loadtxt(path, ndmin=2), "bf16"), fmt="%.9g")
+    code, output, codes = check(case, out, "--precision", "bf16")
+    assert code == 1 and codes["K"][0] == "cache_not_written" and codes["V"][0] == "cache_not_written", codes
+    assert "cache_clobbered" not in codes["K"] + codes["V"], codes
+
+
+# ----------------------------------------------------------------------------------------------
+# The classifier's comparisons.
+
+def test_equal_infinities_agree_and_nan_agrees_with_nan():
+    a = np.array([[np.inf, -np.inf, np.nan, 1.0]])
+    assert _equal(a, a.copy(), 0.0).all()
+    assert not _equal(a, np.array([[np.inf, np.inf, np.nan, 1.0]]), 0.0).any()
+    assert not _equal(a, np.array([[np.inf, -np.inf, 0.0, 1.0]]), 0.0).any()
+
+
+@pytest.mark.parametrize("echo", [_as_is, lambda g, w: echoed(g, w, "bf16")], ids=["as-read", "bf16"])
+def test_the_key_scan_finds_what_a_scan_of_every_row_finds(echo):
+    """The sorted first column finds exactly the rows a comparison with every row finds (within
+    each row's allowed, NaN and infinities included, keys as read or rounded)."""
+    rng = np.random.default_rng(3)
+    got = np.round(rng.normal(size=(200, 4)), 1)
+    got[::17, 0], got[5::23, 0], got[7::29, 1] = np.nan, np.inf, -np.inf
+    big = 1000 * got[20:30] + 0.3  # (bf16 rounds these by more than the allowed 0.05)
+    got[100:110] = round_to_format(big, "bf16") if echo is not _as_is else big
+    allowed = np.full(got.shape, 0.05)
+    scan = _KeyScan(got, allowed, echo)
+    keys = np.concatenate([got[:20], got[:20] + 0.03, big, rng.normal(size=(5, 4))])
+    for key in keys:
+        every = [h for h in range(len(got)) if _equal(got[h][None], echo(got[h][None], key[None]), allowed[h][None])[0]]
+        assert scan.hits(key) == every
+
+
+def test_an_array_case_s_cache_before_the_step_is_its_array(tmp_path):
+    """An array case (the Python API's) reads no file for the cache before the step."""
+    k = np.arange(12.0).reshape(1, 3, 4)
+    case = InputCase(tmp_path / "no-such-folder", Dims(1, 1, 2, 3, 4, 4), "npy", arrays={"K": k})
+    got = case.load_before("K", 0)
+    assert np.shares_memory(got, k) and np.array_equal(got, k[0])

@@ -24,7 +24,8 @@ from verify.stages import INPUT_MANIFEST, OUTPUT
 HEADS, D, TOTAL_Q = 2, 8, 6
 NO_MANIFEST = "no manifest"
 MAX = 16777216
-NOT_APPENDED_HINT = "add new_keys = n (the keys appended to each sequence) to the manifest, or remove the file"
+NOT_APPENDED_HINT = ("add new_keys = n (the keys appended to each sequence) with sequences = B to the manifest, or "
+                     "remove the file")
 BACKWARD_HINT = "a decode step is forward only; check the backward pass on a case without new_keys"
 PAGED = ["--seqlens", "2,1,3", "--seqlens-k", "9,4,7", "--page-size", "4"]
 PACKED = ["--seqlens", "2,1,3", "--seqlens-k", "6,4,8", "--seqused-k", "4,3,5"]
@@ -65,6 +66,9 @@ CASES: List[Tuple[str, list, object, Dict[str, object], Optional[str]]] = [
     ("extra-head", PAGED, {}, {"K_new_head_1.txt": ("0 " * D + "\n") * 6},
      "K_new_head_1.txt: unexpected file: the case has 1 K/V head (0..0)"),
     ("good-paged", PAGED, {}, {}, None),
+    # a per-sequence or per-split name is no new-key file: both readers leave it alone
+    ("seq-named", PAGED, {}, {"K_new_head_0_seq_1.txt": ("0 " * D + "\n") * 2}, None),
+    ("split-named", PACKED, {}, {"V_new_head_0_split_1.txt": ("0 " * D + "\n") * 6}, None),
     ("good-packed", PACKED, {}, {}, None),
 ]
 

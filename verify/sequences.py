@@ -360,7 +360,8 @@ NEW_KEYS_BACKWARD = "the backward pass is not supported with new keys (a decode 
 NEW_KEYS_BACKWARD_HINT = f"a decode step is forward only; check the backward pass on a case without {NEW_KEYS_KEY}"
 NEW_KEYS_NEED_SEQUSED = "a case with new keys has seqused_k: the keys each sequence's cache holds before the step"
 NOT_APPENDED = "exists but the case has no new keys"
-NOT_APPENDED_HINT = f"add {NEW_KEYS_KEY} = n (the keys appended to each sequence) to the manifest, or remove the file"
+NOT_APPENDED_HINT = (f"add {NEW_KEYS_KEY} = n (the keys appended to each sequence) with {SEQUENCES_KEY} = B to the "
+                     "manifest, or remove the file")
 NEW_KEYS_NO_MANIFEST = f"a case with new keys needs a manifest to say {NEW_KEYS_KEY} = n"
 NEW_KEYS_NO_MANIFEST_HINT = f"write a manifest.toml with {SEQUENCES_KEY} = B and {NEW_KEYS_KEY} = n"
 

@@ -11,7 +11,9 @@ The diagnoses, per sequence (the first that explains its new keys' slots):
   one the table names;
 * `cache_not_written`: the new keys' slots still hold the cache before the step;
 and once per K/V head `cache_clobbered`: an entry outside every new key's slot changed (a slot the
-bugs above explain is not counted again).
+bugs above explain is not counted again). A folder's values compare as its K/V echo check does (at
+bf16/fp16 rounded to the format or as read: verify/model/half.py echoed); the search for a new key
+on another page looks only at the rows whose first entry can match it (_KeyScan).
 """
 from __future__ import annotations
 
@@ -67,28 +69,40 @@ def slot_layout(cu_k, cache_len, n_new: int) -> CacheLayout:
                        lambda r: f"packed key row {r} (sequence {owner(r)}'s key {r - cu_k[owner(r)]})", owner)
 
 
+# A program's copy of an expected value: (got, want) -> what got may hold (verify/model/half.py echoed).
+Echo = Callable[[np.ndarray, np.ndarray], np.ndarray]
+
+
+def _as_is(got: np.ndarray, want: np.ndarray) -> np.ndarray:
+    return want
+
+
 def _equal(a: np.ndarray, b: np.ndarray, allowed) -> np.ndarray:
-    """Per row: whether a and b agree within `allowed` (NaN equals NaN)."""
-    same = (np.abs(a - b) <= allowed) | (np.isnan(a) & np.isnan(b))
+    """Per row: whether a and b agree within `allowed` (equal infinities and NaN with NaN agree)."""
+    with np.errstate(invalid="ignore"):
+        same = (a == b) | (np.abs(a - b) <= allowed) | (np.isnan(a) & np.isnan(b))
     return same.all(axis=-1)
 
 
 def cache_findings(got: np.ndarray, want: np.ndarray, before: np.ndarray, new: np.ndarray, layout: CacheLayout,
-                   name: str, allowed=0.0) -> List[Diagnosis]:
+                   name: str, allowed=0.0, echo: Echo = _as_is) -> List[Diagnosis]:
     """The diagnoses of one K/V head's cache after the step, `got` (rows × d), against `want` (the
-    cache before it, `before`, with `new` (B·n × d) written); [] when got is want."""
+    cache before it, `before`, with `new` (B·n × d) written); [] when got is want. `echo`: what
+    got may hold for a value (at bf16/fp16 rounded to the format or as read)."""
     got, want, before, new = (np.asarray(x, np.float64) for x in (got, want, before, new))
     allowed = np.broadcast_to(np.asarray(allowed, np.float64), got.shape)  # (the printed resolution of got's values)
-    ok = _equal(got, want, allowed)
+    same = lambda a, b, tol: _equal(a, echo(a, b), tol)  # noqa: E731
+    ok = same(got, want, allowed)
     if ok.all():
         return []
     found, explained = [], set()
+    scan = _KeyScan(got, allowed, echo)
     for b in range(layout.count):
         rows = layout.new_rows(b)
         keys = new[b * layout.n_new:(b + 1) * layout.n_new]
         if all(ok[r] for r in rows):
             continue
-        finding = _sequence_finding(got, before, keys, layout, b, rows, name, allowed)
+        finding = _sequence_finding(got, before, keys, layout, b, rows, name, allowed, same, scan)
         if finding is not None:
             found.append(finding[0])
             explained.update(finding[1])
@@ -102,28 +116,55 @@ def cache_findings(got: np.ndarray, want: np.ndarray, before: np.ndarray, new: n
     return found
 
 
-def _sequence_finding(got, before, keys, layout: CacheLayout, b: int, rows: List[int], name: str, allowed
-                      ) -> Optional[Tuple[Diagnosis, List[int]]]:
+class _KeyScan:
+    """The rows of got that hold a key (within `allowed`, as `echo` rounds it): got's first column
+    sorted once, so that a key is compared whole only with the rows whose first entry can match
+    it, not with every row of the pool for every new key."""
+
+    def __init__(self, got: np.ndarray, allowed: np.ndarray, echo: Echo):
+        self.got, self.allowed, self.echo = got, allowed, echo
+        first = got[:, 0] if got.shape[1] else np.zeros(got.shape[0])
+        self.order = np.argsort(first, kind="stable")  # (NaN last)
+        self.sorted = first[self.order]
+        self.span = float(allowed[:, 0].max()) if got.size else 0.0
+
+    def hits(self, key: np.ndarray) -> List[int]:
+        """The rows of got equal to `key` (within their allowed), ascending."""
+        if not self.got.size or not np.isfinite(self.span):
+            candidates = np.arange(self.got.shape[0])
+        elif np.isnan(key[0]):
+            candidates = self.order[np.isnan(self.sorted)]
+        else:
+            # a first entry that matches is near the key's, or the key's as echoed (a row not holding it as read)
+            values = np.concatenate([key[:1], self.echo(np.full(1, np.nan), key[:1])])
+            start = np.searchsorted(self.sorted, np.nanmin(values) - self.span, side="left")
+            stop = np.searchsorted(self.sorted, np.nanmax(values) + self.span, side="right")
+            candidates = np.sort(self.order[start:stop])
+        matched = _equal(self.got[candidates], self.echo(self.got[candidates], key[None]), self.allowed[candidates])
+        return [int(h) for h in candidates[matched]]
+
+
+def _sequence_finding(got, before, keys, layout: CacheLayout, b: int, rows: List[int], name: str, allowed, same,
+                      scan: _KeyScan) -> Optional[Tuple[Diagnosis, List[int]]]:
     """What a sequence's new keys' slots say happened to them: (the diagnosis, the rows it
     explains outside those slots), or None."""
     u, n = layout.cache_len[b], layout.n_new
     span = f"keys {u}..{u + n - 1}" if n > 1 else f"key {u}"
     for k in sorted(range(-MAX_OFFSET, MAX_OFFSET + 1), key=abs):
         at = [layout.key_row(b, u + t + k) for t in range(n)]
-        if k == 0 or any(r is None for r in at) or not _equal(got[at], keys, allowed[at]).all():
+        if k == 0 or any(r is None for r in at) or not same(got[at], keys, allowed[at]).all():
             continue
         late = f"{abs(k)} {'key' if abs(k) == 1 else 'keys'} {'late' if k > 0 else 'early'}"
         return Diagnosis(CACHE_WRITE_OFFSET, f"{name}: sequence {b}'s new keys were written {late}: at its keys "
                          f"{u + k}..{u + k + n - 1} ({layout.where(at[0])} first) instead of {span}",
                          {"sequence": b, "offset": k, "row": at[0]}, CACHE_CONFIDENCE), at
     for t, r in enumerate(rows):
-        hits = [int(h) for h in np.flatnonzero(_equal(got, keys[t][None], allowed)) if h != r]
-        moved = [h for h in hits if layout.page_of(h) != layout.page_of(r)]
+        moved = [h for h in scan.hits(keys[t]) if h != r and layout.page_of(h) != layout.page_of(r)]
         if moved:
             return Diagnosis(CACHE_WRITE_PAGE, f"{name}: sequence {b}'s new key {t} (its key {u + t}) was written to "
                              f"{layout.where(moved[0])} instead of {layout.where(r)}",
                              {"sequence": b, "new_key": t, "row": moved[0], "expected_row": r}, CACHE_CONFIDENCE), moved
-    if _equal(got[rows], before[rows], allowed[rows]).all():
+    if same(got[rows], before[rows], allowed[rows]).all():
         return Diagnosis(CACHE_NOT_WRITTEN, f"{name}: sequence {b}'s new keys were not written: {layout.where(rows[0])} "
                          f"and the rest of its {span} hold the cache before the step",
                          {"sequence": b, "row": rows[0]}, CACHE_CONFIDENCE), []

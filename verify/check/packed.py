@@ -35,7 +35,7 @@ from ..sequences import PACKED_VARIANTS_HINT, Sequences, unsupported_with_packin
 from ..specs import SPECS
 from ..stages import FORMATS, SEQUENCE_STAGES, STAGES, parse_stage_file, per_sequence, split_columns, stage_file
 from ..variant import NONE
-from ..model.half import is_half, round_to_format
+from ..model.half import echoed, is_half, round_to_format
 from .diagnosis import Diagnoser, Diagnosis, Packing
 from .results import FAIL, HeadResult, compare_arrays, result_order
 from .stage_check import STATUS_CODES, Loaded, SequenceRun, case_inputs, file_index, load_output, new_result
@@ -261,10 +261,8 @@ class PackedRun:
                     continue
                 keyless = SPECS[stage].keyless
                 if SPECS[stage].echo:
-                    want = self._input_rows(b, stage, head).astype(np.float64)
-                    if is_half(self.run.precision):  # a half-precision echo: the input in its format (or as read)
-                        want = np.where(mat == want, want, round_to_format(want, self.run.precision,
-                                                                           self.run.half_rounding))
+                    # a half-precision echo: the input in its format (or as read)
+                    want = echoed(mat, self._input_rows(b, stage, head), self.run.precision, self.run.half_rounding)
                 else:
                     if keyless == -np.inf and not STAGES[stage].split:  # (a split's lse is −inf: contract.md)
                         mat = np.where(mat == np.inf, -np.inf, mat)  # flash-attn's +inf for a row without keys
@@ -332,10 +330,9 @@ class PackedRun:
                 # K and V echo their input; KT is its one input (K), transposed (keys along its columns)
                 want = self.whole_input(st.inputs[0] if st.inputs else stage, kv_head).astype(np.float64)
                 want = want.T if st.cols == "M" else want
-                if is_half(self.run.precision) and want.shape == mat.shape:
+                if want.shape == mat.shape:
                     # a half-precision program's echo is the input rounded to its format (or as read)
-                    rounded = round_to_format(want, self.run.precision, self.run.half_rounding)
-                    want = np.where(mat == want, want, rounded)
+                    want = echoed(mat, want, self.run.precision, self.run.half_rounding)
                 quantum = resolution.quantum(mat)
                 allowed = np.zeros(mat.shape) if quantum is None else quantum
                 rule = ("is not the input's: no query reads it, but its {stage} is still " +

@@ -17,6 +17,7 @@ from ..files.new_keys import read_new_keys
 from ..sequences import NEW_KEY_INPUTS
 from ..files.outputs import RunInfo, StageSource
 from ..files.resolution import Resolution
+from ..model.half import echoed
 from ..stages import ALIBI_SLOPES_INPUT, KEYS, QUERIES, STAGES, VALUES
 from .new_keys import CacheLayout, cache_findings, pool_layout, slot_layout
 from .paged import Recheck, diagnose_paged
@@ -141,8 +142,10 @@ def diagnose_cache_after(report: Report, load_output: Callable) -> None:
             continue
         quantum = resolution.quantum(got)
         new = read_new_keys(case.path, case.fmt, stage, head, case.dims, seqs)
+        # (at bf16/fp16 the program's K and V hold the cache rounded to the format or as read, as their echo check says)
+        echo = lambda g, w: echoed(g, w, run.precision, run.half_rounding)  # noqa: E731
         found = cache_findings(got, case.load(stage, head), case.load_before(stage, head), new, layout,
-                               f"{stage} K/V head {head}", 0.0 if quantum is None else quantum)
+                               f"{stage} K/V head {head}", 0.0 if quantum is None else quantum, echo)
         for r in failing:
             if (r.stage, r.head) == (stage, head):
                 r.diagnosis[:0] = [d for d in found if r.sequence is None or d.detail.get("sequence") in (None, r.sequence)]

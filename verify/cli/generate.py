@@ -129,6 +129,10 @@ def _packing(seqlens, seqlens_k, seqused_k, random, seed, page_size=None, backwa
     try:
         return new_keys_for(seqs, new_keys)
     except ValueError as exc:
+        if random:  # (random lengths: the sequence's keys are as many as its queries, drawn from --seed)
+            raise CaseError(f"--new-keys {new_keys}: {exc} (--random-seqlens {random}); HINT: give the lengths with "
+                            f"--seqlens and --seqlens-k (at least {new_keys} keys each), or a larger MAX or another "
+                            "--seed") from None
         said = "--seqused-k" if seqused_k else "--seqlens-k" if seqlens_k else "the keys"
         raise CaseError(f"--new-keys {new_keys}: {exc} ({said}); HINT: give each sequence at least {new_keys} keys") \
             from None

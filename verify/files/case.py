@@ -86,7 +86,9 @@ class InputCase:
 
     def load_before(self, name: str, head: int) -> np.ndarray:
         """The matrix `name` of `head` as its file holds it: K and V of a case with new keys hold the
-        cache before the step (load writes the new keys in)."""
+        cache before the step (load writes the new keys in); an array case's array as given."""
+        if self.arrays is not None:
+            return self.arrays[name][head]
         shape = STAGES[name].shape(self.dims)
         return read_matrix(self.file(name, head), shape, allow_nonfinite=self.allow_nonfinite)
 

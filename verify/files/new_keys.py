@@ -6,7 +6,7 @@ the step), and their generation.
 The files hold the cache before the step (K, V and seqused_k); the new keys of sequence b are written
 at its keys seqused_k[b] .. seqused_k[b] + n − 1 (through its block_table row when paged), as
 flash-attn's `flash_attn_with_kvcache` writes its k and v, and the sequence attends to them all.
-cuda_src/io/sequence_inputs.cpp (check_new_key_files) refuses the same cases in the same words.
+cuda_src/io/new_key_inputs.cpp (check_new_key_files) refuses the same cases in the same words.
 """
 from __future__ import annotations
 
@@ -36,9 +36,11 @@ def new_key_file(name: str, head: int, fmt: str) -> str:
 
 
 def new_key_file_names(folder: Path) -> List[str]:
-    """The new-key files in `folder` (either format), sorted."""
+    """The new-key files in `folder` (either format), sorted: a head's file only (a per-sequence or
+    per-split name, K_new_head_0_seq_1.txt, is no new-key file; the binary ignores it too)."""
     names = set(NEW_KEY_INPUTS.values())
-    return sorted(e for e in os.listdir(folder) if (p := parse_stage_file(e)) and p[0] in names and e == p.name)
+    return sorted(e for e in os.listdir(folder) if (p := parse_stage_file(e)) and p[0] in names and e == p.name
+                  and p.seq is None and p.split is None)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -97,6 +97,17 @@ def round_to_format(x: np.ndarray, precision: str, rounding: str = NEAREST) -> n
     return round_to_format32(x, precision, rounding).astype(np.float64)
 
 
+def echoed(got: np.ndarray, want: np.ndarray, precision: str, rounding: str = NEAREST) -> np.ndarray:
+    """What a program's echo of `want` (an input it copies, such as K or V) may hold, float64: at
+    bf16/fp16 each entry as read where `got` has it so, else rounded to the format (a program that
+    stores its inputs in the format echoes them rounded; one that copies the text echoes them as
+    read); `want` itself at other precisions. `want` broadcasts against `got`."""
+    want = np.asarray(want, np.float64)
+    if not is_half(precision):
+        return want
+    return np.where(got == want, want, round_to_format(want, precision, rounding))
+
+
 def storage_bound(ref: np.ndarray, precision: str, rounding: str = NEAREST) -> np.ndarray:
     """Bound on the error of converting a float32 value near ref to the format: half an ulp, at
     most u_h·|x| (the value computed lies within a few float32 ulps of ref: 2^-20 covers them)
