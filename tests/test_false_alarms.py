@@ -38,7 +38,8 @@ or bias files, and refuses them in one line, which the sweep requires there.
 
 ATTNSTEP_FALSE_ALARM_CASES sets the number of cases per backend and sweep (default 200: about a
 minute on the CPU backend with 2 cores); scripts/gpu_check.sh runs 300 per CUDA configuration. The
-first 25 run by default, the others are marked slow (`-m slow`). Case i is the same for every count
+first 25 run by default, the others are marked slow (`-m slow`); without it set, the split sweeps
+stop at 50 on the CPU (25 for each CPU half pipeline). Case i is the same for every count
 and backend (its generator is seeded by i), so a failing case is reproduced by its parameters,
 which the assertion prints.
 """
@@ -69,6 +70,10 @@ from verify.diagnose.hypotheses import diagnose
 from verify.files.generate import generate_case
 
 CASES = int(os.environ.get("ATTNSTEP_FALSE_ALARM_CASES", "200"))
+# Without a sweep size asked for, the split sweeps stop at SPLIT_CASES_HERE (CI's time; the chunks
+# past it skip with the reason); the GPU machine's sweep asks for 300.
+SWEEP_SIZE_ASKED = "ATTNSTEP_FALSE_ALARM_CASES" in os.environ
+SPLIT_CASES_HERE = 50
 CHUNK = 25        # cases per test function: one binary fixture, one report line per chunk
 # The end-to-end backends and the CUDA half pipelines (which write no half flash stage where the
 # binary has no half flash kernel, so they are not end-to-end backends, whose tests require them).
@@ -280,8 +285,14 @@ def test_the_split_sweep_draws_split_sizes_and_variants():
     assert {p for _, p in cases} == {"fp32", "bf16", "fp16"}
 
 
+def _skip_past_split_cases(chunk: int, cases: int) -> None:
+    if not SWEEP_SIZE_ASKED and chunk * CHUNK >= cases:
+        pytest.skip(f"the split sweep runs {cases} cases here unless ATTNSTEP_FALSE_ALARM_CASES is set")
+
+
 @pytest.mark.parametrize("chunk", CHUNKS)
 def test_random_correct_split_runs_never_fail(tmp_path, chunk):
+    _skip_past_split_cases(chunk, SPLIT_CASES_HERE)
     for index in range(chunk * CHUNK, min(CASES, (chunk + 1) * CHUNK)):
         case, precision = draw_split_case(index)
         work = tmp_path / str(index)
@@ -298,10 +309,9 @@ def test_random_correct_split_runs_never_fail(tmp_path, chunk):
 # every variant; the CUDA backend's split stages come from its paged decode kernel
 # (cuda_src/cuda/decode.cu) at fp32 (tf32 on the stage path) and at bf16/fp16, which takes no mask or
 # bias files: there it refuses the case in one line, as documented, and the sweep requires exactly that.
-# The CPU backend's half pipelines are swept too, with the slow tests only (CI runs its fp32 sweep).
-# Unless ATTNSTEP_FALSE_ALARM_CASES asks for a sweep's size, the CPU backend's split runs stop at 50
-# cases (25 for each half pipeline), for CI's time; the GPU machine's sweep runs 300 of each.
-SWEEP_SIZE_ASKED = "ATTNSTEP_FALSE_ALARM_CASES" in os.environ
+# The CPU backend's half pipelines are swept too, with the slow tests only (CI runs its fp32 sweep);
+# without a sweep size asked for, the CPU backend stops at SPLIT_CASES_HERE (each half pipeline at
+# one chunk).
 SPLIT_SWEPT = [pytest.param(("cpu", ()), id="cpu")] + [
     pytest.param(("cpu", ("--precision", p)), id=f"cpu-{p}", marks=pytest.mark.slow) for p in HALF_PRECISIONS] + [
     pytest.param(("cuda", extra), id="-".join(("cuda",) + extra[1:]), marks=pytest.mark.gpu)
@@ -339,9 +349,8 @@ def test_the_binary_split_sweep_draws_every_layout_and_split_size():
 @pytest.mark.parametrize("backend", SPLIT_SWEPT)
 def test_random_correct_binary_split_runs_never_fail(binary, tmp_path, backend, chunk):
     name, extra = backend
-    cpu_cases = CASES if SWEEP_SIZE_ASKED else CHUNK if extra else 2 * CHUNK
-    if name == "cpu" and chunk * CHUNK >= cpu_cases:
-        pytest.skip(f"the CPU backend sweeps {cpu_cases} split runs here unless ATTNSTEP_FALSE_ALARM_CASES is set")
+    if name == "cpu":
+        _skip_past_split_cases(chunk, CHUNK if extra else SPLIT_CASES_HERE)
     for index in range(chunk * CHUNK, min(CASES, (chunk + 1) * CHUNK)):
         run = draw_split_run(index)
         case, work, where = run.case, tmp_path / str(index), run.describe(backend)
