@@ -53,6 +53,19 @@ def binary() -> Path:
     return ensure_built(REPO / "build")
 
 
+@pytest.fixture(scope="session")
+def cuda_torch():
+    """PyTorch with a CUDA device, for the GPU tests that run PyTorch's attention as another
+    program; skips with the reason where it is not installed or sees no device."""
+    try:
+        import torch  # noqa: PLC0415
+    except ImportError:
+        pytest.skip("PyTorch is not installed")
+    if not torch.cuda.is_available():
+        pytest.skip(f"torch {torch.__version__} sees no CUDA device")
+    return torch
+
+
 @pytest.fixture
 def runner():
     """Click's runner, for invoking the CLI in this process."""

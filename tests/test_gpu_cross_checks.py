@@ -74,17 +74,6 @@ PLANT_CASES = {OTHER_ALIGNMENT: "causal-bottom-right-N90-M203", WINDOW_OFF_BY_ON
 PROGRAMS = ("math", "efficient", FLEX)
 
 
-@pytest.fixture(scope="module")
-def torch():
-    try:
-        import torch  # noqa: PLC0415
-    except ImportError:
-        pytest.skip("PyTorch is not installed")
-    if not torch.cuda.is_available():
-        pytest.skip(f"torch {torch.__version__} sees no CUDA device")
-    return torch
-
-
 def _generate(tmp_path: Path, case: str, precision: str) -> Path:
     """The case `case` in tmp_path/in (npy, with dO). Its bias holds values of the format: the
     fused SDPA backends take the bias in the query's format, so a float32 bias would differ from
@@ -144,7 +133,7 @@ def _rows_without_keys(in_dir: Path, out_dir: Path, stage: str) -> Optional[str]
 @pytest.mark.parametrize("precision", HALF_PRECISIONS)
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("case", CASES)
-def test_sdpa_passes_every_variant_it_takes(torch, tmp_path, case, backend, precision):
+def test_sdpa_passes_every_variant_it_takes(cuda_torch, tmp_path, case, backend, precision):
     in_dir = _generate(tmp_path, case, precision)
     out_dir = tmp_path / "out"
     try:
@@ -170,7 +159,7 @@ def test_sdpa_passes_every_variant_it_takes(torch, tmp_path, case, backend, prec
 
 
 @pytest.mark.parametrize("case,precision", FLEX_RUNS, ids=[f"{c}-{p}" for c, p in FLEX_RUNS])
-def test_flex_passes_every_variant(torch, tmp_path, case, precision):
+def test_flex_passes_every_variant(cuda_torch, tmp_path, case, precision):
     in_dir = _generate(tmp_path, case, precision)
     try:
         results = write_flex_case(in_dir, tmp_path / "out", precision)
@@ -185,7 +174,7 @@ def test_flex_passes_every_variant(torch, tmp_path, case, precision):
 
 @pytest.mark.parametrize("program", PROGRAMS)
 @pytest.mark.parametrize("bug", PLANTS)
-def test_a_planted_bug_fails_where_it_starts(torch, tmp_path, bug, program):
+def test_a_planted_bug_fails_where_it_starts(cuda_torch, tmp_path, bug, program):
     if program != FLEX and bug in SDPA_CANNOT:
         pytest.skip("SDPA has no softcap to leave out")
     case, precision = PLANT_CASES[bug], "bf16"

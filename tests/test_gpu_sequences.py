@@ -70,17 +70,6 @@ NEW_KEYS = {"new-keys": ("--heads", "4", "--kv-heads", "2", "--seqlens", "1,3,1"
                          "--page-size", "16", "--new-keys", "2", "--causal", "bottom-right")}
 
 
-@pytest.fixture(scope="module")
-def torch():
-    try:
-        import torch  # noqa: PLC0415
-    except ImportError:
-        pytest.skip("PyTorch is not installed")
-    if not torch.cuda.is_available():
-        pytest.skip(f"torch {torch.__version__} sees no CUDA device")
-    return torch
-
-
 def _generate(folder: Path, options: Sequence[str], backward: bool = False) -> Path:
     args = ["generate", "--out", str(folder), "--d-k", str(D), "--d-v", str(D), "--format", "npy", "--dist",
             "normal", "--seed", "11", *options] + (["--backward"] if backward else [])
@@ -181,7 +170,7 @@ def test_values_past_fp16_in_padding_keys_do_not_reach_the_outputs(binary, tmp_p
 
 @pytest.mark.parametrize("program", SDPA_BACKENDS + (FLEX,))
 @pytest.mark.parametrize("case", PACKED)
-def test_pytorch_passes_a_packed_case(torch, tmp_path, case, program):
+def test_pytorch_passes_a_packed_case(cuda_torch, tmp_path, case, program):
     in_dir = _generate(tmp_path / "in", PACKED[case], backward=True)
     results = _write(program, in_dir, tmp_path / "out")
     report = _check(in_dir, tmp_path / "out", "--precision", PRECISION)
@@ -199,7 +188,7 @@ def test_pytorch_passes_a_packed_case(torch, tmp_path, case, program):
 
 
 @pytest.mark.parametrize("program", ("efficient", FLEX))
-def test_attention_across_the_sequences_is_named_sequence_leak(torch, tmp_path, program):
+def test_attention_across_the_sequences_is_named_sequence_leak(cuda_torch, tmp_path, program):
     in_dir = _generate(tmp_path / "in", PACKED["causal-bottom-right"])
     _write(program, in_dir, tmp_path / "out", plant=drop_packing)
     report = _check(in_dir, tmp_path / "out", "--precision", PRECISION)
@@ -213,7 +202,7 @@ SEQLENS_Q, USED_K = [1, 1, 4, 2], [100, 2000, 37, 0]
 
 
 @pytest.mark.parametrize("program", ("math", "efficient", FLEX))
-def test_pytorch_on_the_gathered_cache_of_a_hand_written_paged_case(torch, tmp_path, program):
+def test_pytorch_on_the_gathered_cache_of_a_hand_written_paged_case(cuda_torch, tmp_path, program):
     """The writers' output checked as the packed case of the gathered keys (no paging in the check)."""
     paged = write_paged(tmp_path / "paged", SEQLENS_Q, USED_K, heads=8, kv_heads=2, d=D)
     gathered = write_gathered(tmp_path / "gathered", paged, SEQLENS_Q)
@@ -233,7 +222,7 @@ def test_the_cuda_backend_passes_a_paged_case(binary, tmp_path, case):
 
 @pytest.mark.parametrize("program", ("math", "efficient", FLEX))
 @pytest.mark.parametrize("case", PAGED)
-def test_pytorch_passes_a_paged_case(torch, tmp_path, case, program):
+def test_pytorch_passes_a_paged_case(cuda_torch, tmp_path, case, program):
     in_dir = _generate(tmp_path / "in", PAGED[case])
     _write(program, in_dir, tmp_path / "out")
     report = _check(in_dir, tmp_path / "out", "--precision", PRECISION)
@@ -252,7 +241,7 @@ def _page_before_an_unread_one(in_dir: Path, b: int) -> int:
 # Flex's run of the same wrong page fails too, but its bf16 values do not single out the reading:
 # the planted bug is named through SDPA's.
 @pytest.mark.parametrize("program", ("efficient",))
-def test_a_page_read_from_the_wrong_block_is_named(torch, tmp_path, program):
+def test_a_page_read_from_the_wrong_block_is_named(cuda_torch, tmp_path, program):
     in_dir = _generate(tmp_path / "in", PAGED["decode-gqa"])
     page = _page_before_an_unread_one(in_dir, 1)  # sequence 1: 2000 keys, 32 pages
     _write(program, in_dir, tmp_path / "out", plant=wrong_page(1, page))
