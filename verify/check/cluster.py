@@ -1,0 +1,186 @@
+"""Checking on a Dask cluster (`check --scheduler`): the forked pool's jobs (pool.py: a K/V head's
+group of query heads each) as tasks of dask.distributed.
+
+A task carries the check's recipe (its two folders as absolute paths, its options and its
+diagnoser) and a job number, never arrays: a worker opens the run once, by the code this process
+runs (compare.check_run, stopped where it would hand out its jobs, so whatever that code learns
+the workers learn too), keeps it for the check's later tasks, and checks the job. The folders must
+therefore be at the same paths on every worker: a filesystem they share. Results come back as tasks
+end (the progress bar counts jobs as the pool's does) and are put back in job order, so the report
+is a local check's. A task whose worker dies is run again on another one, up to Dask's
+`distributed.scheduler.allowed-failures` times (3 by default); after that the check stops with one
+line. dask is imported only here, and only when a check asks for a cluster.
+
+One worker per GPU: start one `dask worker --nthreads 1` per GPU with its CUDA_VISIBLE_DEVICES (or
+dask-cuda's `dask cuda worker`), each with `--resources GPU=1`, and route with resources={"GPU": 1}
+(heads_on_cluster): the options in the recipe say the device, and each worker checks on its own GPU.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Dict, List, Optional
+
+from ..files.case import load_input_case
+from ..files.kinds import CaseError
+from ..files.outputs import open_run
+from .compare import Options, check_run
+from .diagnosis import Diagnoser
+from .pool import _usable_cores, collect_head_garbage, freed_memory_kept, heads_routed, one_blas_thread
+
+LOCAL = "local"  # check --scheduler local: a cluster of this host's processes, started for the check
+INSTALL_HINT = "pip install 'attnstep[cluster]'"
+TASK_PREFIX = "attnstep-check-"  # a check's tasks' keys: the prefix, the check's token, the job
+# How long a scheduler has to answer before the check gives up on it (Dask's own default is 30 s,
+# and it retries a refused connection until then).
+CONNECT_TIMEOUT_S = 10
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """What a worker needs to open a check's run by itself."""
+    in_dir: str
+    out_dir: str
+    opts: Options
+    diagnoser: Optional[Diagnoser]
+    token: str  # this check's own: a worker reuses the run it opened for the same check's tasks only
+
+
+def _distributed():
+    try:
+        import distributed
+    except ImportError:
+        raise CaseError("--scheduler: checking on a Dask cluster needs dask.distributed, which is not "
+                        f"installed; HINT: {INSTALL_HINT}") from None
+    return distributed
+
+
+@contextlib.contextmanager
+def _client(scheduler: str, jobs: int):
+    """A client of the scheduler at `scheduler` (tcp://HOST:PORT), or of a cluster of `jobs`
+    processes of one thread each started on this host for LOCAL (jobs 0: one per core)."""
+    distributed = _distributed()
+    if scheduler == LOCAL:
+        with local_cluster(jobs or _usable_cores()) as cluster, distributed.Client(cluster) as client:
+            yield client
+        return
+    try:
+        client = distributed.Client(scheduler, timeout=CONNECT_TIMEOUT_S)
+    except (OSError, TimeoutError, ValueError, TypeError) as exc:
+        why = f"no Dask scheduler answered within {CONNECT_TIMEOUT_S} s" if isinstance(exc, OSError) else \
+            f"not a scheduler's address ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})"
+        raise CaseError(f"--scheduler {scheduler}: {why}; HINT: start one with 'dask scheduler' and give its "
+                        f"tcp://HOST:PORT, or use --scheduler {LOCAL}") from None
+    with client:
+        yield client
+
+
+def local_cluster(workers: int):
+    """A Dask cluster of `workers` processes of one thread each on this host, as --scheduler local
+    starts it: no dashboard (its HTTP endpoints on a free port), no memory limit of Dask's (the
+    workers hold what the pool's would), Dask's own log lines from errors up only."""
+    distributed = _distributed()
+    return distributed.LocalCluster(n_workers=workers, threads_per_worker=1, processes=True, dashboard_address=None,
+                                    scheduler_kwargs={"dashboard_address": ":0"}, memory_limit=0,
+                                    silence_logs=logging.ERROR)
+
+
+class DaskRoute:
+    """pool.HeadRoute over a Dask client: one task per job, results as they end."""
+
+    def __init__(self, client, recipe: Recipe, resources: Optional[Dict[str, float]] = None) -> None:
+        self.client, self.recipe, self.resources = client, recipe, resources
+
+    def map(self, check: Callable[[int], list], heads: int, progress: Optional[Callable[[int], None]]) -> List:
+        distributed = _distributed()
+        jobs = {f"{TASK_PREFIX}{self.recipe.token}-{job}": job for job in range(heads)}
+        futures = [self.client.submit(check_job, self.recipe, job, key=key, resources=self.resources)
+                   for key, job in jobs.items()]
+        done: Dict[int, list] = {}
+        try:
+            for future in distributed.as_completed(futures):
+                job = jobs[future.key]
+                done[job] = future.result()  # (a task's error is raised here, as in this process)
+                if progress:
+                    progress(job)
+        except distributed.KilledWorker:
+            raise CaseError("the cluster lost a worker each time it gave it one of this check's jobs (killed "
+                            "for memory?); HINT: fewer workers a host, or check with fewer heads") from None
+        finally:
+            self.client.cancel([f for f in futures if not f.done()])
+        return [r for job in range(heads) for r in done[job]]
+
+
+@contextlib.contextmanager
+def heads_on_cluster(scheduler: Optional[str], jobs: int, in_dir: Path, out_dir: Path, opts: Options,
+                     diagnoser: Optional[Diagnoser], resources: Optional[Dict[str, float]] = None):
+    """The check run inside (of in_dir and out_dir with opts: check_run's first call) checks its jobs
+    on the cluster of `scheduler` (LOCAL: started here with `jobs` workers); nothing without one."""
+    if scheduler is None:
+        yield
+        return
+    recipe = Recipe(str(Path(in_dir).resolve()), str(Path(out_dir).resolve()), opts, diagnoser, uuid.uuid4().hex)
+    with _client(scheduler, jobs) as client, heads_routed(DaskRoute(client, recipe, resources)):
+        yield
+
+
+# ---- on a worker ---------------------------------------------------------------------------------
+
+_OPENED: Dict[str, Callable[[int], list]] = {}  # the checker of the check this worker last worked for
+_OPENING = threading.Lock()
+
+
+def check_job(recipe: Recipe, job: int) -> list:
+    """A task: job `job` of the check `recipe` describes, in a worker's process."""
+    check = _checker(recipe)
+    with freed_memory_kept():
+        try:
+            return check(job)
+        finally:
+            collect_head_garbage()
+
+
+def _checker(recipe: Recipe) -> Callable[[int], list]:
+    with _OPENING:
+        if recipe.token not in _OPENED:
+            _OPENED.clear()  # an earlier check's run is let go
+            one_blas_thread()  # one process a core, as the pool's workers
+            _OPENED[recipe.token] = _open_checker(recipe)
+        return _OPENED[recipe.token]
+
+
+class _Captured(BaseException):
+    """Carries a check's job checker out of check_run (never an error: BaseException, so no
+    handler of errors on the way takes it)."""
+
+    def __init__(self, check: Callable[[int], list]) -> None:
+        super().__init__()
+        self.check = check
+
+
+class _Capture:
+    """A route that keeps the checker check_run hands out, and checks nothing."""
+
+    def map(self, check, heads, progress):
+        raise _Captured(check)
+
+
+def _open_checker(recipe: Recipe) -> Callable[[int], list]:
+    opts = recipe.opts
+    try:
+        case = load_input_case(Path(recipe.in_dir), alibi=opts.variant.get("alibi"), page_size=opts.page_size)
+        case.allow_nonfinite = opts.allow_nonfinite
+        run = open_run(Path(recipe.out_dir), case, opts.overrides())
+    except CaseError as exc:
+        raise CaseError(f"a cluster worker could not open the check's folders: {exc}; HINT: every worker must "
+                        f"see {recipe.in_dir} and {recipe.out_dir} at these paths (a filesystem they share)") from None
+    try:
+        with heads_routed(_Capture()):
+            check_run(run, case, opts, diagnoser=recipe.diagnoser)
+    except _Captured as captured:
+        return captured.check
+    raise RuntimeError("check_run handed out no jobs")
