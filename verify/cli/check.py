@@ -150,8 +150,9 @@ def _plot(report, plot_dir: Path, opts: Options, quiet: bool) -> None:
 @click.option("--per-head", is_flag=True, help="One table row per stage x head.")
 @click.option("--jobs", type=click.IntRange(min=0), default=0, show_default=True, metavar="N",
               help="Processes checking heads; 0: as many as cores and memory allow.")
-@click.option("--scheduler", metavar="ADDRESS", help=f"Check heads on a Dask cluster: its scheduler's "
-              f"tcp://HOST:PORT, or '{LOCAL}' to start one here of --jobs processes (docs/check.md).")
+@click.option("--scheduler", metavar="ADDRESS", hidden=True,  # (docs/cli.md: the help fits a screen)
+              help=f"Check heads on a Dask cluster: its scheduler's tcp://HOST:PORT, or '{LOCAL}' to start "
+              "one here of --jobs processes (docs/check.md).")
 @click.option("--allow-nonfinite", is_flag=True, help="Accept NaN/Inf in the inputs (NaN passes where "
               "the reference has NaN).")
 @click.option("--max-memory-mb", type=click.IntRange(1, MAX_MEMORY_MB), metavar="MB",
