@@ -1,5 +1,5 @@
 """`check --scheduler`: heads checked on a Dask cluster (verify/check/cluster.py) give a local
-check's report, text and JSON, on the binary's run (grouped K/V heads, backward stages) and on a
+check's report (text, JSON and JUnit) on the binary's run (grouped K/V heads, backward stages) and on a
 foreign program's files (no run.toml, %.9g text), a planted bug's diagnosis included; a worker
 killed in a task costs a retry, not the check; the CPU path never imports dask; a missing dask and
 an unreachable scheduler are one line each. Two-process LocalClusters, a few seconds each."""
@@ -40,12 +40,12 @@ def scheduler():
 
 
 def _checks(tmp: Path, in_dir: Path, out_dir: Path, where: list, *args):
-    """(exit status, text, JSON report) of `check` here (one process) and `where`."""
+    """(exit status, text, JSON report, JUnit XML) of `check` here (one process) and `where`."""
     got = []
     for name, extra in (("local", ["--jobs", 1]), ("cluster", where)):
-        path = tmp / f"{name}.json"
-        r = invoke("check", "--in", in_dir, "--out", out_dir, "--json", path, *args, *extra)
-        got.append((r.exit_code, r.output, json.loads(path.read_text())))
+        path, junit = tmp / f"{name}.json", tmp / f"{name}.xml"
+        r = invoke("check", "--in", in_dir, "--out", out_dir, "--json", path, "--junit", junit, *args, *extra)
+        got.append((r.exit_code, r.output, json.loads(path.read_text()), junit.read_text()))
     return got
 
 
@@ -86,7 +86,7 @@ def test_a_foreign_programs_files_check_on_a_cluster_as_here(scheduler, tmp_path
     here, there = _on_cluster(scheduler, FOREIGN.heads, lambda: _checks(tmp_path, in_dir, tmp_path / "out",
                                                                           ["--scheduler", scheduler]))
     assert there == here
-    status, _, report = there
+    status, _, report, _ = there
     if offset == 0:
         assert status == 0, here[1]
         return
@@ -133,7 +133,7 @@ def test_a_task_that_kills_every_worker_it_is_given_stops_the_check_in_one_line(
             distributed.Client(c) as client:
         client.register_plugin(DieInFirstTask(str(tmp / "died")))
         r = invoke("check", "--in", tmp / "in", "--out", tmp / "out", "--scheduler", c.scheduler_address)
-    assert r.exit_code == 2 and r.output.count("\n") == 1 and "the cluster lost a worker" in r.output, r.output
+    assert r.exit_code == 2 and r.output.count("\n") == 1 and "workers died each time" in r.output, r.output
 
 
 def test_without_dask_the_option_says_how_to_install_it(binary, tmp_path, monkeypatch):

@@ -82,11 +82,12 @@ def _client(scheduler: str, jobs: int):
 def local_cluster(workers: int):
     """A Dask cluster of `workers` processes of one thread each on this host, as --scheduler local
     starts it: no dashboard (its HTTP endpoints on a free port), no memory limit of Dask's (the
-    workers hold what the pool's would), Dask's own log lines from errors up only."""
+    workers hold what the pool's would), none of Dask's own log lines (the check's errors are its
+    one-line messages)."""
     distributed = _distributed()
     return distributed.LocalCluster(n_workers=workers, threads_per_worker=1, processes=True, dashboard_address=None,
                                     scheduler_kwargs={"dashboard_address": ":0"}, memory_limit=0,
-                                    silence_logs=logging.ERROR)
+                                    silence_logs=logging.CRITICAL)
 
 
 class DaskRoute:
@@ -108,8 +109,9 @@ class DaskRoute:
                 if progress:
                     progress(job)
         except distributed.KilledWorker:
-            raise CaseError("the cluster lost a worker each time it gave it one of this check's jobs (killed "
-                            "for memory?); HINT: fewer workers a host, or check with fewer heads") from None
+            raise CaseError("the cluster's workers died each time they checked one of this check's heads "
+                            "(killed for memory?); HINT: start fewer workers a machine (each holds one head's "
+                            "matrices at a time), or check without --scheduler to see what a head needs") from None
         finally:
             self.client.cancel([f for f in futures if not f.done()])
         return [r for job in range(heads) for r in done[job]]
