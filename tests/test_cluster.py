@@ -50,12 +50,15 @@ def _checks(tmp: Path, in_dir: Path, out_dir: Path, where: list, *args):
 
 
 def _on_cluster(scheduler: str, jobs: int, checks):
-    """checks(), asserting that the cluster of `scheduler` ran `jobs` of a check's tasks meanwhile."""
+    """checks(), asserting that the cluster of `scheduler` ran `jobs` of a check's tasks meanwhile
+    and holds none of its runs after."""
     distributed = _distributed()
     with distributed.Client(scheduler) as client, distributed.get_task_stream(client) as stream:
         got = checks()
+        held = client.run(lambda: len(cluster._OPENED))
     ran = [t["key"] for t in stream.data if str(t["key"]).startswith(cluster.TASK_PREFIX)]
     assert len(ran) == jobs, ran
+    assert set(held.values()) == {0}, held  # the workers let go of the run once the check is over
     return got
 
 

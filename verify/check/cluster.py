@@ -4,8 +4,9 @@ group of query heads each) as tasks of dask.distributed.
 A task carries the check's recipe (its two folders as absolute paths, its options and its
 diagnoser) and a job number, never arrays: a worker opens the run once, by the code this process
 runs (compare.check_run, stopped where it would hand out its jobs, so whatever that code learns
-the workers learn too), keeps it for the check's later tasks, and checks the job. The folders must
-therefore be at the same paths on every worker: a filesystem they share. Results come back as tasks
+the workers learn too), keeps it for the check's later tasks (let go when the check ends), and
+checks the job. The folders must therefore be at the same paths on every worker: a filesystem
+they share. Results come back as tasks
 end (the progress bar counts jobs as the pool's does) and are put back in job order, so the report
 is a local check's. A task whose worker dies is run again on another one, up to Dask's
 `distributed.scheduler.allowed-failures` times (3 by default); after that the check stops with one
@@ -114,6 +115,8 @@ class DaskRoute:
                             "matrices at a time), or check without --scheduler to see what a head needs") from None
         finally:
             self.client.cancel([f for f in futures if not f.done()])
+            with contextlib.suppress(Exception):  # (a worker lost meanwhile has nothing to let go)
+                self.client.run(forget_check, self.recipe.token)
         return [r for job in range(heads) for r in done[job]]
 
 
@@ -143,6 +146,13 @@ def check_job(recipe: Recipe, job: int) -> list:
         try:
             return check(job)
         finally:
+            collect_head_garbage()
+
+
+def forget_check(token: str) -> None:
+    """Lets go of the run of check `token` where a worker holds it (the check is over)."""
+    with _OPENING:
+        if _OPENED.pop(token, None) is not None:
             collect_head_garbage()
 
 
