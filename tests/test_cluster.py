@@ -18,7 +18,12 @@ from helpers import buggy_programs as bp
 from helpers import foreign_routes as foreign
 from helpers.cli import generate_input, invoke
 from verify.check import cluster
+from verify.check.compare import Options, check_run
+from verify.diagnose.hypotheses import diagnose
+from verify.files.case import load_input_case
 from verify.files.kinds import CaseError
+from verify.files.outputs import open_run
+from verify.report.json_file import write_json
 from verify.stages import Dims, default_scale
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -98,29 +103,30 @@ def test_a_foreign_programs_files_check_on_a_cluster_as_here(scheduler, tmp_path
     assert firsts == {"mask_offset"}, there[1]
 
 
+def _check_through(scheduler: str, tmp: Path, progress=None, gpus=()):
+    """The report of check_run on tmp's run with its jobs on the cluster of `scheduler`."""
+    opts = Options()
+    with cluster.heads_on_cluster(scheduler, 0, tmp / "in", tmp / "out", opts, diagnose, gpus):
+        case = load_input_case(tmp / "in")
+        return check_run(open_run(tmp / "out", case, opts.overrides()), case, opts, progress, diagnoser=diagnose)
+
+
 def test_a_worker_lost_in_a_task_is_replaced_and_its_task_run_again(binary, tmp_path):
     """A worker dies as it starts the check's first task: Dask runs that task on another worker
     (allowed-failures), and the check counts each job once and reports what a local one does."""
     distributed = _distributed()
     from helpers.cluster_workers import DieInFirstTask
-    from verify.check.compare import Options, check_run
-    from verify.diagnose.hypotheses import diagnose
-    from verify.files.case import load_input_case
-    from verify.files.outputs import open_run
 
     tmp = _binary_run(tmp_path, binary)
     marker = tmp / "died"
     with cluster.local_cluster(2) as c, distributed.Client(c) as client:
         client.register_plugin(DieInFirstTask(str(marker)))
-        opts, counted = Options(), []
-        with cluster.heads_on_cluster(c.scheduler_address, 0, tmp / "in", tmp / "out", opts, diagnose):
-            case = load_input_case(tmp / "in")
-            report = check_run(open_run(tmp / "out", case, opts.overrides()), case, opts, counted.append, diagnoser=diagnose)
+        counted = []
+        report = _check_through(c.scheduler_address, tmp, counted.append)
     assert marker.exists()  # a worker did die in a task
     assert sorted(counted) == [0, 1, 2, 3]  # each query head once, as the pool counts them
     local = invoke("check", "--in", tmp / "in", "--out", tmp / "out", "--json", tmp / "local.json")
     assert local.exit_code == 0 and report.passed
-    from verify.report.json_file import write_json
     write_json(report, tmp / "cluster.json")
     assert json.loads((tmp / "cluster.json").read_text()) == json.loads((tmp / "local.json").read_text())
 
@@ -160,7 +166,6 @@ def test_an_unreachable_scheduler_is_one_line_naming_it(binary, tmp_path, monkey
 
 
 def test_a_worker_that_cannot_see_the_folders_says_they_must_be_shared(tmp_path):
-    from verify.check.compare import Options
     recipe = cluster.Recipe(str(tmp_path / "in"), str(tmp_path / "out"), Options(), None, "t")
     with pytest.raises(CaseError, match="every worker must see .* at these paths"):
         cluster.check_job(recipe, 0)
@@ -175,3 +180,15 @@ def test_the_cpu_path_never_imports_dask(binary, tmp_path):
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True,
                          env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_a_local_cluster_for_gpus_has_a_worker_per_gpu_seeing_it_alone(binary, tmp_path):
+    """The hook for a multi-GPU host, on the CPU: a worker per (here pretended) GPU, each with its
+    own CUDA_VISIBLE_DEVICES and a GPU to give; the tasks ask for one each, and the check is a local one's."""
+    distributed = _distributed()
+    tmp = _binary_run(tmp_path, binary)
+    with cluster.local_cluster(0, ["0", "1"]) as c, distributed.Client(c) as client:
+        seen = client.run(lambda: os.environ.get("CUDA_VISIBLE_DEVICES"))
+        assert sorted(seen.values()) == ["0", "1"]
+        assert [w["resources"] for w in client.scheduler_info()["workers"].values()] == [cluster.GPU_TASK] * 2
+        assert _check_through(c.scheduler_address, tmp, gpus=["0", "1"]).passed

@@ -12,9 +12,11 @@ is a local check's. A task whose worker dies is run again on another one, up to 
 `distributed.scheduler.allowed-failures` times (3 by default); after that the check stops with one
 line. dask is imported only here, and only when a check asks for a cluster.
 
-One worker per GPU: start one `dask worker --nthreads 1` per GPU with its CUDA_VISIBLE_DEVICES (or
-dask-cuda's `dask cuda worker`), each with `--resources GPU=1`, and route with resources={"GPU": 1}
-(heads_on_cluster): the options in the recipe say the device, and each worker checks on its own GPU.
+One worker per GPU: heads_on_cluster(..., gpus=[the host's GPUs]) starts, for LOCAL, one worker a
+GPU that sees that GPU alone, and asks every task for a whole GPU (GPU_TASK); a cluster of several
+hosts gets the same from one `CUDA_VISIBLE_DEVICES=i dask worker ADDRESS --nthreads 1 --resources
+GPU=1` per GPU (or dask-cuda's `dask cuda worker`). The recipe's options say the device to check on,
+so each worker checks its heads on its own GPU.
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ import threading
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Sequence
 
 from ..files.case import load_input_case
 from ..files.kinds import CaseError
@@ -35,6 +37,7 @@ from .pool import _usable_cores, collect_head_garbage, freed_memory_kept, heads_
 
 LOCAL = "local"  # check --scheduler local: a cluster of this host's processes, started for the check
 INSTALL_HINT = "pip install 'attnstep[cluster]'"
+GPU_TASK = {"GPU": 1}  # what a task asks of a worker on a GPU: the whole GPU
 TASK_PREFIX = "attnstep-check-"  # a check's tasks' keys: the prefix, the check's token, the job
 # How long a scheduler has to answer before the check gives up on it (Dask's own default is 30 s,
 # and it retries a refused connection until then).
@@ -61,12 +64,13 @@ def _distributed():
 
 
 @contextlib.contextmanager
-def _client(scheduler: str, jobs: int):
+def _client(scheduler: str, jobs: int, gpus: Sequence[str]):
     """A client of the scheduler at `scheduler` (tcp://HOST:PORT), or of a cluster of `jobs`
-    processes of one thread each started on this host for LOCAL (jobs 0: one per core)."""
+    processes of one thread each started on this host for LOCAL (jobs 0: one per core; one per GPU
+    of `gpus` when given)."""
     distributed = _distributed()
     if scheduler == LOCAL:
-        with local_cluster(jobs or _usable_cores()) as cluster, distributed.Client(cluster) as client:
+        with local_cluster(jobs or _usable_cores(), gpus) as cluster, distributed.Client(cluster) as client:
             yield client
         return
     try:
@@ -80,15 +84,23 @@ def _client(scheduler: str, jobs: int):
         yield client
 
 
-def local_cluster(workers: int):
+def local_cluster(workers: int, gpus: Sequence[str] = ()):
     """A Dask cluster of `workers` processes of one thread each on this host, as --scheduler local
     starts it: no dashboard (its HTTP endpoints on a free port), no memory limit of Dask's (the
     workers hold what the pool's would), none of Dask's own log lines (the check's errors are its
-    one-line messages)."""
+    one-line messages). gpus: one worker per GPU instead, each seeing its own alone
+    (CUDA_VISIBLE_DEVICES) and offering GPU_TASK's resource."""
     distributed = _distributed()
-    return distributed.LocalCluster(n_workers=workers, threads_per_worker=1, processes=True, dashboard_address=None,
-                                    scheduler_kwargs={"dashboard_address": ":0"}, memory_limit=0,
-                                    silence_logs=logging.CRITICAL)
+    if not gpus:
+        return distributed.LocalCluster(n_workers=workers, threads_per_worker=1, processes=True,
+                                        dashboard_address=None, scheduler_kwargs={"dashboard_address": ":0"},
+                                        memory_limit=0, silence_logs=logging.CRITICAL)
+    worker = lambda gpu: {"cls": distributed.Nanny, "options": {  # noqa: E731
+        "nthreads": 1, "memory_limit": 0, "env": {"CUDA_VISIBLE_DEVICES": gpu}, "resources": GPU_TASK,
+        "silence_logs": logging.CRITICAL}}
+    return distributed.SpecCluster(workers={f"gpu{gpu}": worker(gpu) for gpu in gpus}, scheduler={
+        "cls": distributed.Scheduler, "options": {"dashboard": False, "dashboard_address": ":0"}},
+        silence_logs=logging.CRITICAL)
 
 
 class DaskRoute:
@@ -122,14 +134,16 @@ class DaskRoute:
 
 @contextlib.contextmanager
 def heads_on_cluster(scheduler: Optional[str], jobs: int, in_dir: Path, out_dir: Path, opts: Options,
-                     diagnoser: Optional[Diagnoser], resources: Optional[Dict[str, float]] = None):
+                     diagnoser: Optional[Diagnoser], gpus: Sequence[str] = ()):
     """The check run inside (of in_dir and out_dir with opts: check_run's first call) checks its jobs
-    on the cluster of `scheduler` (LOCAL: started here with `jobs` workers); nothing without one."""
+    on the cluster of `scheduler` (LOCAL: started here with `jobs` workers); nothing without one.
+    gpus: a task a GPU (LOCAL: a worker per GPU of these)."""
     if scheduler is None:
         yield
         return
     recipe = Recipe(str(Path(in_dir).resolve()), str(Path(out_dir).resolve()), opts, diagnoser, uuid.uuid4().hex)
-    with _client(scheduler, jobs) as client, heads_routed(DaskRoute(client, recipe, resources)):
+    with _client(scheduler, jobs, gpus) as client, \
+            heads_routed(DaskRoute(client, recipe, GPU_TASK if gpus else None)):
         yield
 
 
