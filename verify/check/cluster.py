@@ -24,6 +24,7 @@ import contextlib
 import logging
 import threading
 import uuid
+from concurrent.futures import CancelledError
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence
@@ -74,7 +75,7 @@ def _client(scheduler: str, jobs: int, gpus: Sequence[str]):
             yield client
         return
     try:
-        client = distributed.Client(scheduler, timeout=CONNECT_TIMEOUT_S)
+        client = distributed.Client(scheduler, timeout=CONNECT_TIMEOUT_S)  # (and to reconnect, once lost)
     except (OSError, TimeoutError, ValueError, TypeError) as exc:
         why = f"no Dask scheduler answered within {CONNECT_TIMEOUT_S} s" if isinstance(exc, OSError) else \
             f"not a scheduler's address ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})"
@@ -82,6 +83,29 @@ def _client(scheduler: str, jobs: int, gpus: Sequence[str]):
                         f"tcp://HOST:PORT, or use --scheduler {LOCAL}") from None
     with client:
         yield client
+
+
+@contextlib.contextmanager
+def _dask_quiet():
+    """None of Dask's log lines in this process while it checks (a lost scheduler's reconnection
+    attempts, their tracebacks): the check says what went wrong in its own one line."""
+    names = ["distributed"] + [n for n in list(logging.root.manager.loggerDict) if n.startswith("distributed.")]
+    loggers = [logging.getLogger(n) for n in names]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.CRITICAL + 1)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+
+
+def _worker_on(gpu: str, distributed) -> dict:
+    """The spec of a local worker that sees GPU `gpu` alone and offers GPU_TASK's resource."""
+    return {"cls": distributed.Nanny, "options": {"nthreads": 1, "memory_limit": 0, "resources": GPU_TASK,
+                                                   "env": {"CUDA_VISIBLE_DEVICES": gpu},
+                                                   "silence_logs": logging.CRITICAL}}
 
 
 def local_cluster(workers: int, gpus: Sequence[str] = ()):
@@ -95,10 +119,7 @@ def local_cluster(workers: int, gpus: Sequence[str] = ()):
         return distributed.LocalCluster(n_workers=workers, threads_per_worker=1, processes=True,
                                         dashboard_address=None, scheduler_kwargs={"dashboard_address": ":0"},
                                         memory_limit=0, silence_logs=logging.CRITICAL)
-    worker = lambda gpu: {"cls": distributed.Nanny, "options": {  # noqa: E731
-        "nthreads": 1, "memory_limit": 0, "env": {"CUDA_VISIBLE_DEVICES": gpu}, "resources": GPU_TASK,
-        "silence_logs": logging.CRITICAL}}
-    return distributed.SpecCluster(workers={f"gpu{gpu}": worker(gpu) for gpu in gpus}, scheduler={
+    return distributed.SpecCluster(workers={f"gpu{gpu}": _worker_on(gpu, distributed) for gpu in gpus}, scheduler={
         "cls": distributed.Scheduler, "options": {"dashboard": False, "dashboard_address": ":0"}},
         silence_logs=logging.CRITICAL)
 
@@ -106,8 +127,8 @@ def local_cluster(workers: int, gpus: Sequence[str] = ()):
 class DaskRoute:
     """pool.HeadRoute over a Dask client: one task per job, results as they end."""
 
-    def __init__(self, client, recipe: Recipe, resources: Optional[Dict[str, float]] = None) -> None:
-        self.client, self.recipe, self.resources = client, recipe, resources
+    def __init__(self, client, recipe: Recipe, scheduler: str, resources: Optional[Dict[str, float]] = None) -> None:
+        self.client, self.recipe, self.scheduler, self.resources = client, recipe, scheduler, resources
 
     def map(self, check: Callable[[int], list], heads: int, progress: Optional[Callable[[int], None]]) -> List:
         distributed = _distributed()
@@ -125,6 +146,9 @@ class DaskRoute:
             raise CaseError("the cluster's workers died each time they checked one of this check's heads "
                             "(killed for memory?); HINT: start fewer workers a machine (each holds one head's "
                             "matrices at a time), or check without --scheduler to see what a head needs") from None
+        except CancelledError:  # (what Dask makes of the tasks of a client that lost its scheduler)
+            raise CaseError(f"--scheduler {self.scheduler}: the connection to the scheduler was lost during the "
+                            "check; HINT: see that it still runs, then check again") from None
         finally:
             self.client.cancel([f for f in futures if not f.done()])
             with contextlib.suppress(Exception):  # (a worker lost meanwhile has nothing to let go)
@@ -142,8 +166,9 @@ def heads_on_cluster(scheduler: Optional[str], jobs: int, in_dir: Path, out_dir:
         yield
         return
     recipe = Recipe(str(Path(in_dir).resolve()), str(Path(out_dir).resolve()), opts, diagnoser, uuid.uuid4().hex)
-    with _client(scheduler, jobs, gpus) as client, \
-            heads_routed(DaskRoute(client, recipe, GPU_TASK if gpus else None)):
+    _distributed()  # (imported before it is quieted: the import sets its loggers' levels)
+    with _dask_quiet(), _client(scheduler, jobs, gpus) as client, \
+            heads_routed(DaskRoute(client, recipe, scheduler, GPU_TASK if gpus else None)):
         yield
 
 
