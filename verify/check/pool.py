@@ -17,7 +17,7 @@ import signal
 import sys
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, List, Optional, Protocol, Tuple
 
 from ..files.kinds import CaseError
 from ..files.outputs import RunInfo
@@ -282,7 +282,7 @@ def keep_freed_memory(keep: bool) -> bool:
 
 
 @contextlib.contextmanager
-def _freed_memory_kept():
+def freed_memory_kept():
     kept = keep_freed_memory(True)
     try:
         yield
@@ -325,15 +325,44 @@ def _heads_garbage_only():
         gc.unfreeze()
 
 
+class HeadRoute(Protocol):
+    """Somewhere else to check a run's jobs than forked workers (a Dask cluster: cluster.py)."""
+
+    def map(self, check: Callable[[int], list], heads: int, progress: Optional[Callable[[int], None]]) -> List:
+        """What map_heads returns for the same jobs: results in job order, progress(i) once per job."""
+
+
+# The route the next map_heads call takes instead of its own processes. That call takes it (and
+# leaves none): the checks a check makes of its own afterwards (a paged case's diagnosis, with
+# other files than the workers can open) stay in this process.
+_ROUTE: Optional[HeadRoute] = None
+
+
+@contextlib.contextmanager
+def heads_routed(route: HeadRoute):
+    """The check run inside sends its jobs along `route`."""
+    global _ROUTE
+    _ROUTE = route
+    try:
+        yield
+    finally:
+        _ROUTE = None
+
+
 def map_heads(check: Callable[[int], list], heads: int, jobs: int,
               progress: Optional[Callable[[int], None]] = None, tune_process: bool = False) -> List:
     """check(i) for every job i < heads (a K/V head's group: compare's checker), in `jobs` forked
-    processes (in this one for jobs <= 1), results concatenated in order; progress(i) after each.
-    tune_process: this process is the command's own, so its allocator and garbage collector may be
-    set for checking (never in a caller's process: the Python API's)."""
+    processes (in this one for jobs <= 1; along the route of heads_routed when there is one),
+    results concatenated in order; progress(i) after each. tune_process: this process is the
+    command's own, so its allocator and garbage collector may be set for checking (never in a
+    caller's process: the Python API's)."""
+    global _ROUTE
+    route, _ROUTE = _ROUTE, None
+    if route is not None:
+        return route.map(check, heads, progress)
     results: List = []
     if jobs <= 1:
-        tuned = (_freed_memory_kept(), _heads_garbage_only()) if tune_process else ()
+        tuned = (freed_memory_kept(), _heads_garbage_only()) if tune_process else ()
         with contextlib.ExitStack() as stack:
             for ctx in tuned:
                 stack.enter_context(ctx)

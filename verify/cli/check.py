@@ -9,6 +9,7 @@ from typing import Dict, Tuple
 import click
 
 from ..check import flash_attn_criterion
+from ..check.cluster import LOCAL, heads_on_cluster
 from ..check.compare import Options, check_run, error_ratio_map
 from ..check.pool import MAX_MEMORY_MB
 from ..diagnose.hypotheses import diagnose
@@ -149,6 +150,9 @@ def _plot(report, plot_dir: Path, opts: Options, quiet: bool) -> None:
 @click.option("--per-head", is_flag=True, help="One table row per stage x head.")
 @click.option("--jobs", type=click.IntRange(min=0), default=0, show_default=True, metavar="N",
               help="Processes checking heads; 0: as many as cores and memory allow.")
+@click.option("--scheduler", metavar="ADDRESS", hidden=True,  # (docs/cli.md: the help fits a screen)
+              help=f"Check heads on a Dask cluster: its scheduler's tcp://HOST:PORT, or '{LOCAL}' to start "
+              "one here of --jobs processes (docs/check.md).")
 @click.option("--allow-nonfinite", is_flag=True, help="Accept NaN/Inf in the inputs (NaN passes where "
               "the reference has NaN).")
 @click.option("--max-memory-mb", type=click.IntRange(1, MAX_MEMORY_MB), metavar="MB",
@@ -160,7 +164,7 @@ def _plot(report, plot_dir: Path, opts: Options, quiet: bool) -> None:
 @user_errors
 def check(ctx, in_dir, out_dir, json_path, junit_path, plot_dir, atol, rtol, tol, only, per_head, jobs,
           causal, no_causal, align, window, softcap, alibi, dropout, scale, precision, split_size, half_rounding, math,
-          names, names_file, allow_nonfinite, max_memory_mb, page_size, quiet):
+          names, names_file, allow_nonfinite, max_memory_mb, page_size, quiet, scheduler):
     variant = said_variant(causal, no_causal, align, window, softcap, alibi, dropout)
     opts = Options(atol=atol, rtol=rtol, per_stage=_parse_tol(tol), only_stages=list(only) or None,
                    jobs=jobs, causal=variant.pop("causal", None), scale=scale, precision=precision, math=math,
@@ -168,5 +172,6 @@ def check(ctx, in_dir, out_dir, json_path, junit_path, plot_dir, atol, rtol, tol
                    max_memory_mb=max_memory_mb, variant=variant, page_size=page_size, split_size=split_size)
     check_folders_apart(in_dir, out_dir)
     check_reports_apart({"--json": json_path, "--junit": junit_path}, in_dir, out_dir, opts.names, names_file)
-    passed = check_and_report(in_dir, out_dir, opts, json_path, junit_path, plot_dir, per_head, quiet)
+    with heads_on_cluster(scheduler, jobs, in_dir, out_dir, opts, diagnose):
+        passed = check_and_report(in_dir, out_dir, opts, json_path, junit_path, plot_dir, per_head, quiet)
     ctx.exit(0 if passed else 1)

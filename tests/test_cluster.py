@@ -1,0 +1,194 @@
+"""`check --scheduler`: heads checked on a Dask cluster (verify/check/cluster.py) give a local
+check's report (text, JSON and JUnit) on the binary's run (grouped K/V heads, backward stages) and on a
+foreign program's files (no run.toml, %.9g text), a planted bug's diagnosis included; a worker
+killed in a task costs a retry, not the check; the CPU path never imports dask; a missing dask and
+an unreachable scheduler are one line each. Two-process LocalClusters, a few seconds each."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers import buggy_programs as bp
+from helpers import foreign_routes as foreign
+from helpers.cli import generate_input, invoke
+from verify.check import cluster
+from verify.check.compare import Options, check_run
+from verify.diagnose.hypotheses import diagnose
+from verify.files.case import load_input_case
+from verify.files.kinds import CaseError
+from verify.files.outputs import open_run
+from verify.report.json_file import write_json
+from verify.stages import Dims, default_scale
+
+ROOT = Path(__file__).resolve().parents[1]
+FOREIGN = Dims(1, 3, 48, 64, 16, 16)   # causal top-left, N < M: a mask at M - N is the bug
+FOREIGN_STAGES = ("QK", "QK_scaled", "attention_weights", "output")
+
+
+def _distributed():
+    return pytest.importorskip("distributed", reason="dask.distributed is not installed (pip install "
+                               "'attnstep[cluster]')")
+
+
+@pytest.fixture(scope="module")
+def scheduler():
+    """The address of a LocalCluster of two one-thread worker processes."""
+    _distributed()
+    with cluster.local_cluster(2) as c:
+        yield c.scheduler_address
+
+
+def _checks(tmp: Path, in_dir: Path, out_dir: Path, where: list, *args):
+    """(exit status, text, JSON report, JUnit XML) of `check` here (one process) and `where`."""
+    got = []
+    for name, extra in (("local", ["--jobs", 1]), ("cluster", where)):
+        path, junit = tmp / f"{name}.json", tmp / f"{name}.xml"
+        r = invoke("check", "--in", in_dir, "--out", out_dir, "--json", path, "--junit", junit, *args, *extra)
+        got.append((r.exit_code, r.output, json.loads(path.read_text()), junit.read_text()))
+    return got
+
+
+def _on_cluster(scheduler: str, jobs: int, checks):
+    """checks(), asserting that the cluster of `scheduler` ran `jobs` of a check's tasks meanwhile
+    and holds none of its runs after."""
+    distributed = _distributed()
+    with distributed.Client(scheduler) as client, distributed.get_task_stream(client) as stream:
+        got = checks()
+        held = client.run(lambda: len(cluster._OPENED))
+    ran = [t["key"] for t in stream.data if str(t["key"]).startswith(cluster.TASK_PREFIX)]
+    assert len(ran) == jobs, ran
+    assert set(held.values()) == {0}, held  # the workers let go of the run once the check is over
+    return got
+
+
+def _binary_run(tmp: Path, binary: Path) -> Path:
+    r = invoke("generate", "--out", tmp / "in", "--heads", 4, "--kv-heads", 2, "--seq-q", 40, "--seq-k", 56,
+               "--d-k", 16, "--d-v", 16, "--causal", "--backward")
+    assert r.exit_code == 0, r.output
+    subprocess.run([str(binary), "--in", str(tmp / "in"), "--out", str(tmp / "out"), "--backend", "cpu"],
+                   check=True, capture_output=True)
+    return tmp
+
+
+@pytest.mark.parametrize("where", ["address", "local"])
+def test_the_binarys_run_checks_on_a_cluster_as_here(binary, scheduler, tmp_path, where):
+    tmp = _binary_run(tmp_path, binary)
+    option = ["--scheduler", scheduler] if where == "address" else ["--scheduler", "local", "--jobs", 2]
+    checks = lambda: _checks(tmp, tmp / "in", tmp / "out", option, "--per-head")  # noqa: E731
+    here, there = _on_cluster(scheduler, 2, checks) if where == "address" else checks()  # 2 K/V heads' groups
+    assert here[0] == 0, here[1]
+    assert there == here
+
+
+@pytest.mark.parametrize("offset", [0, FOREIGN.seq_k - FOREIGN.seq_q], ids=["correct", "mask-bottom-right"])
+def test_a_foreign_programs_files_check_on_a_cluster_as_here(scheduler, tmp_path, offset):
+    in_dir = generate_input(tmp_path / "in", FOREIGN, "normal", 5, True)
+    heads = bp.masked_program(foreign.read_inputs(in_dir, FOREIGN.total_heads), default_scale(FOREIGN.d_k), offset)
+    foreign.write_outputs(tmp_path / "out", heads, FOREIGN, "g9", only=FOREIGN_STAGES)
+    here, there = _on_cluster(scheduler, FOREIGN.heads, lambda: _checks(tmp_path, in_dir, tmp_path / "out",
+                                                                          ["--scheduler", scheduler]))
+    assert there == here
+    status, _, report, _ = there
+    if offset == 0:
+        assert status == 0, here[1]
+        return
+    assert status == 1 and report["first_failing_stage"] == "QK_scaled", there[1]
+    firsts = {e["diagnosis"][0]["code"] for e in report["results"] if e["stage"] == "QK_scaled"}
+    assert firsts == {"mask_offset"}, there[1]
+
+
+def _check_through(scheduler: str, tmp: Path, progress=None, gpus=()):
+    """The report of check_run on tmp's run with its jobs on the cluster of `scheduler`."""
+    opts = Options()
+    with cluster.heads_on_cluster(scheduler, 0, tmp / "in", tmp / "out", opts, diagnose, gpus):
+        case = load_input_case(tmp / "in")
+        return check_run(open_run(tmp / "out", case, opts.overrides()), case, opts, progress, diagnoser=diagnose)
+
+
+def test_a_worker_lost_in_a_task_is_replaced_and_its_task_run_again(binary, tmp_path):
+    """A worker dies as it starts the check's first task: Dask runs that task on another worker
+    (allowed-failures), and the check counts each job once and reports what a local one does."""
+    distributed = _distributed()
+    from helpers.cluster_workers import DieInFirstTask
+
+    tmp = _binary_run(tmp_path, binary)
+    marker = tmp / "died"
+    with cluster.local_cluster(2) as c, distributed.Client(c) as client:
+        client.register_plugin(DieInFirstTask(str(marker)))
+        counted = []
+        report = _check_through(c.scheduler_address, tmp, counted.append)
+    assert marker.exists()  # a worker did die in a task
+    assert sorted(counted) == [0, 1, 2, 3]  # each query head once, as the pool counts them
+    local = invoke("check", "--in", tmp / "in", "--out", tmp / "out", "--json", tmp / "local.json")
+    assert local.exit_code == 0 and report.passed
+    write_json(report, tmp / "cluster.json")
+    assert json.loads((tmp / "cluster.json").read_text()) == json.loads((tmp / "local.json").read_text())
+
+
+def test_a_task_that_kills_every_worker_it_is_given_stops_the_check_in_one_line(binary, tmp_path):
+    """With no failure allowed, the first lost worker is the task's last: one line, exit 2."""
+    distributed = _distributed()
+    import dask
+    from helpers.cluster_workers import DieInFirstTask
+
+    tmp = _binary_run(tmp_path, binary)
+    with dask.config.set({"distributed.scheduler.allowed-failures": 0}), cluster.local_cluster(2) as c, \
+            distributed.Client(c) as client:
+        client.register_plugin(DieInFirstTask(str(tmp / "died")))
+        r = invoke("check", "--in", tmp / "in", "--out", tmp / "out", "--scheduler", c.scheduler_address)
+    assert r.exit_code == 2 and r.output.count("\n") == 1 and "workers died each time" in r.output, r.output
+
+
+def test_without_dask_the_option_says_how_to_install_it(binary, tmp_path, monkeypatch):
+    tmp = _binary_run(tmp_path, binary)
+    monkeypatch.setitem(sys.modules, "distributed", None)  # import distributed: ImportError
+    r = invoke("check", "--in", tmp / "in", "--out", tmp / "out", "--scheduler", "local")
+    assert r.exit_code == 2
+    assert r.output.count("\n") == 1 and "--scheduler" in r.output and "pip install 'attnstep[cluster]'" in r.output
+
+
+def test_an_unreachable_scheduler_is_one_line_naming_it(binary, tmp_path, monkeypatch):
+    _distributed()
+    tmp = _binary_run(tmp_path, binary)
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        address = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    monkeypatch.setattr(cluster, "CONNECT_TIMEOUT_S", 1)
+    r = invoke("check", "--in", tmp / "in", "--out", tmp / "out", "--scheduler", address)
+    assert r.exit_code == 2
+    assert r.output.count("\n") == 1 and address in r.output and "no Dask scheduler answered within 1 s" in r.output
+
+
+def test_a_worker_that_cannot_see_the_folders_says_they_must_be_shared(tmp_path):
+    recipe = cluster.Recipe(str(tmp_path / "in"), str(tmp_path / "out"), Options(), None, "t")
+    with pytest.raises(CaseError, match="every worker must see .* at these paths"):
+        cluster.check_job(recipe, 0)
+
+
+def test_the_cpu_path_never_imports_dask(binary, tmp_path):
+    tmp = _binary_run(tmp_path, binary)
+    code = ("import sys; from click.testing import CliRunner; from verify.cli.group import cli; "
+            f"r = CliRunner().invoke(cli, ['check', '--in', {str(tmp / 'in')!r}, '--out', {str(tmp / 'out')!r}]); "
+            "assert r.exit_code == 0, r.output; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('dask', 'distributed')))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_a_local_cluster_for_gpus_has_a_worker_per_gpu_seeing_it_alone(binary, tmp_path):
+    """The hook for a multi-GPU host, on the CPU: a worker per (here pretended) GPU, each with its
+    own CUDA_VISIBLE_DEVICES and a GPU to give; the tasks ask for one each, and the check is a local one's."""
+    distributed = _distributed()
+    tmp = _binary_run(tmp_path, binary)
+    with cluster.local_cluster(0, ["0", "1"]) as c, distributed.Client(c) as client:
+        seen = client.run(lambda: os.environ.get("CUDA_VISIBLE_DEVICES"))
+        assert sorted(seen.values()) == ["0", "1"]
+        assert [w["resources"] for w in client.scheduler_info()["workers"].values()] == [cluster.GPU_TASK] * 2
+        assert _check_through(c.scheduler_address, tmp, gpus=["0", "1"]).passed

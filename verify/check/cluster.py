@@ -1,0 +1,237 @@
+"""Checking on a Dask cluster (`check --scheduler`): the forked pool's jobs (pool.py: a K/V head's
+group of query heads each) as tasks of dask.distributed.
+
+A task carries the check's recipe (its two folders as absolute paths, its options and its
+diagnoser) and a job number, never arrays: a worker opens the run once, by the code this process
+runs (compare.check_run, stopped where it would hand out its jobs, so whatever that code learns
+the workers learn too), keeps it for the check's later tasks (let go when the check ends), and
+checks the job. The folders must therefore be at the same paths on every worker: a filesystem
+they share. Results come back as tasks
+end (the progress bar counts jobs as the pool's does) and are put back in job order, so the report
+is a local check's. A task whose worker dies is run again on another one, up to Dask's
+`distributed.scheduler.allowed-failures` times (3 by default); after that the check stops with one
+line. dask is imported only here, and only when a check asks for a cluster.
+
+One worker per GPU: heads_on_cluster(..., gpus=[the host's GPUs]) starts, for LOCAL, one worker a
+GPU that sees that GPU alone, and asks every task for a whole GPU (GPU_TASK); a cluster of several
+hosts gets the same from one `CUDA_VISIBLE_DEVICES=i dask worker ADDRESS --nthreads 1 --resources
+GPU=1` per GPU (or dask-cuda's `dask cuda worker`). The recipe's options say the device to check on,
+so each worker checks its heads on its own GPU.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import uuid
+from concurrent.futures import CancelledError
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence
+
+from ..files.case import load_input_case
+from ..files.kinds import CaseError
+from ..files.outputs import open_run
+from .compare import Options, check_run
+from .diagnosis import Diagnoser
+from .pool import _usable_cores, collect_head_garbage, freed_memory_kept, heads_routed, one_blas_thread
+
+LOCAL = "local"  # check --scheduler local: a cluster of this host's processes, started for the check
+INSTALL_HINT = "pip install 'attnstep[cluster]'"
+GPU_TASK = {"GPU": 1}  # what a task asks of a worker on a GPU: the whole GPU
+TASK_PREFIX = "attnstep-check-"  # a check's tasks' keys: the prefix, the check's token, the job
+# How long a scheduler has to answer before the check gives up on it (Dask's own default is 30 s,
+# and it retries a refused connection until then).
+CONNECT_TIMEOUT_S = 10
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """What a worker needs to open a check's run by itself."""
+    in_dir: str
+    out_dir: str
+    opts: Options
+    diagnoser: Optional[Diagnoser]
+    token: str  # this check's own: a worker reuses the run it opened for the same check's tasks only
+
+
+def _distributed():
+    try:
+        import distributed
+    except ImportError:
+        raise CaseError("--scheduler: checking on a Dask cluster needs dask.distributed, which is not "
+                        f"installed; HINT: {INSTALL_HINT}") from None
+    return distributed
+
+
+@contextlib.contextmanager
+def _client(scheduler: str, jobs: int, gpus: Sequence[str]):
+    """A client of the scheduler at `scheduler` (tcp://HOST:PORT), or of a cluster of `jobs`
+    processes of one thread each started on this host for LOCAL (jobs 0: one per core; one per GPU
+    of `gpus` when given)."""
+    distributed = _distributed()
+    if scheduler == LOCAL:
+        with local_cluster(jobs or _usable_cores(), gpus) as cluster, distributed.Client(cluster) as client:
+            yield client
+        return
+    try:
+        client = distributed.Client(scheduler, timeout=CONNECT_TIMEOUT_S)  # (and to reconnect, once lost)
+    except (OSError, TimeoutError, ValueError, TypeError) as exc:
+        why = f"no Dask scheduler answered within {CONNECT_TIMEOUT_S} s" if isinstance(exc, OSError) else \
+            f"not a scheduler's address ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})"
+        raise CaseError(f"--scheduler {scheduler}: {why}; HINT: start one with 'dask scheduler' and give its "
+                        f"tcp://HOST:PORT, or use --scheduler {LOCAL}") from None
+    with client:
+        yield client
+
+
+@contextlib.contextmanager
+def _dask_quiet():
+    """None of Dask's log lines in this process while it checks (a lost scheduler's reconnection
+    attempts, their tracebacks): the check says what went wrong in its own one line."""
+    names = ["distributed"] + [n for n in list(logging.root.manager.loggerDict) if n.startswith("distributed.")]
+    loggers = [logging.getLogger(n) for n in names]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.CRITICAL + 1)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+
+
+def _worker_on(gpu: str, distributed) -> dict:
+    """The spec of a local worker that sees GPU `gpu` alone and offers GPU_TASK's resource."""
+    return {"cls": distributed.Nanny, "options": {"nthreads": 1, "memory_limit": 0, "resources": GPU_TASK,
+                                                   "env": {"CUDA_VISIBLE_DEVICES": gpu},
+                                                   "silence_logs": logging.CRITICAL}}
+
+
+def local_cluster(workers: int, gpus: Sequence[str] = ()):
+    """A Dask cluster of `workers` processes of one thread each on this host, as --scheduler local
+    starts it: no dashboard (its HTTP endpoints on a free port), no memory limit of Dask's (the
+    workers hold what the pool's would), none of Dask's own log lines (the check's errors are its
+    one-line messages). gpus: one worker per GPU instead, each seeing its own alone
+    (CUDA_VISIBLE_DEVICES) and offering GPU_TASK's resource."""
+    distributed = _distributed()
+    if not gpus:
+        return distributed.LocalCluster(n_workers=workers, threads_per_worker=1, processes=True,
+                                        dashboard_address=None, scheduler_kwargs={"dashboard_address": ":0"},
+                                        memory_limit=0, silence_logs=logging.CRITICAL)
+    return distributed.SpecCluster(workers={f"gpu{gpu}": _worker_on(gpu, distributed) for gpu in gpus}, scheduler={
+        "cls": distributed.Scheduler, "options": {"dashboard": False, "dashboard_address": ":0"}},
+        silence_logs=logging.CRITICAL)
+
+
+class DaskRoute:
+    """pool.HeadRoute over a Dask client: one task per job, results as they end."""
+
+    def __init__(self, client, recipe: Recipe, scheduler: str, resources: Optional[Dict[str, float]] = None) -> None:
+        self.client, self.recipe, self.scheduler, self.resources = client, recipe, scheduler, resources
+
+    def map(self, check: Callable[[int], list], heads: int, progress: Optional[Callable[[int], None]]) -> List:
+        distributed = _distributed()
+        jobs = {f"{TASK_PREFIX}{self.recipe.token}-{job}": job for job in range(heads)}
+        futures = [self.client.submit(check_job, self.recipe, job, key=key, resources=self.resources)
+                   for key, job in jobs.items()]
+        done: Dict[int, list] = {}
+        try:
+            for future in distributed.as_completed(futures):
+                job = jobs[future.key]
+                done[job] = future.result()  # (a task's error is raised here, as in this process)
+                if progress:
+                    progress(job)
+        except distributed.KilledWorker:
+            raise CaseError("the cluster's workers died each time they checked one of this check's heads "
+                            "(killed for memory?); HINT: start fewer workers a machine (each holds one head's "
+                            "matrices at a time), or check without --scheduler to see what a head needs") from None
+        except CancelledError:  # (what Dask makes of the tasks of a client that lost its scheduler)
+            raise CaseError(f"--scheduler {self.scheduler}: the connection to the scheduler was lost during the "
+                            "check; HINT: see that it still runs, then check again") from None
+        finally:
+            self.client.cancel([f for f in futures if not f.done()])
+            with contextlib.suppress(Exception):  # (a worker lost meanwhile has nothing to let go)
+                self.client.run(forget_check, self.recipe.token)
+        return [r for job in range(heads) for r in done[job]]
+
+
+@contextlib.contextmanager
+def heads_on_cluster(scheduler: Optional[str], jobs: int, in_dir: Path, out_dir: Path, opts: Options,
+                     diagnoser: Optional[Diagnoser], gpus: Sequence[str] = ()):
+    """The check run inside (of in_dir and out_dir with opts: check_run's first call) checks its jobs
+    on the cluster of `scheduler` (LOCAL: started here with `jobs` workers); nothing without one.
+    gpus: a task a GPU (LOCAL: a worker per GPU of these)."""
+    if scheduler is None:
+        yield
+        return
+    recipe = Recipe(str(Path(in_dir).resolve()), str(Path(out_dir).resolve()), opts, diagnoser, uuid.uuid4().hex)
+    _distributed()  # (imported before it is quieted: the import sets its loggers' levels)
+    with _dask_quiet(), _client(scheduler, jobs, gpus) as client, \
+            heads_routed(DaskRoute(client, recipe, scheduler, GPU_TASK if gpus else None)):
+        yield
+
+
+# ---- on a worker ---------------------------------------------------------------------------------
+
+_OPENED: Dict[str, Callable[[int], list]] = {}  # the checker of the check this worker last worked for
+_OPENING = threading.Lock()
+
+
+def check_job(recipe: Recipe, job: int) -> list:
+    """A task: job `job` of the check `recipe` describes, in a worker's process."""
+    check = _checker(recipe)
+    with freed_memory_kept():
+        try:
+            return check(job)
+        finally:
+            collect_head_garbage()
+
+
+def forget_check(token: str) -> None:
+    """Lets go of the run of check `token` where a worker holds it (the check is over)."""
+    with _OPENING:
+        if _OPENED.pop(token, None) is not None:
+            collect_head_garbage()
+
+
+def _checker(recipe: Recipe) -> Callable[[int], list]:
+    with _OPENING:
+        if recipe.token not in _OPENED:
+            _OPENED.clear()  # an earlier check's run is let go
+            one_blas_thread()  # one process a core, as the pool's workers
+            _OPENED[recipe.token] = _open_checker(recipe)
+        return _OPENED[recipe.token]
+
+
+class _Captured(BaseException):
+    """Carries a check's job checker out of check_run (never an error: BaseException, so no
+    handler of errors on the way takes it)."""
+
+    def __init__(self, check: Callable[[int], list]) -> None:
+        super().__init__()
+        self.check = check
+
+
+class _Capture:
+    """A route that keeps the checker check_run hands out, and checks nothing."""
+
+    def map(self, check, heads, progress):
+        raise _Captured(check)
+
+
+def _open_checker(recipe: Recipe) -> Callable[[int], list]:
+    opts = recipe.opts
+    try:
+        case = load_input_case(Path(recipe.in_dir), alibi=opts.variant.get("alibi"), page_size=opts.page_size)
+        case.allow_nonfinite = opts.allow_nonfinite
+        run = open_run(Path(recipe.out_dir), case, opts.overrides())
+    except CaseError as exc:
+        raise CaseError(f"a cluster worker could not open the check's folders: {exc}; HINT: every worker must "
+                        f"see {recipe.in_dir} and {recipe.out_dir} at these paths (a filesystem they share)") from None
+    try:
+        with heads_routed(_Capture()):
+            check_run(run, case, opts, diagnoser=recipe.diagnoser)
+    except _Captured as captured:
+        return captured.check
+    raise RuntimeError("check_run handed out no jobs")
