@@ -35,9 +35,9 @@ MAX_FUNCTION_LINES = 80
 LONG_KERNEL_FILES: Dict[str, str] = {
     "cuda/flash_bwd.cu": "the flash backward: two kernels (dK/dV over key blocks, dQ over query blocks) "
                          "sharing one parameter block, tile table and device helpers, and their one launcher",
-    "cuda/decode.cu": "the split-KV decode kernels: the tensor-core one (bf16/fp16) and the CUDA-core one (fp32) "
-                      "share their rows' key ranges, key addressing through a page table, the merge of their "
-                      "warps' states and one launcher that picks between them",
+    "cuda/decode.cu": "the split-KV decode kernels with cp.async pipelines: the tensor-core one (bf16/fp16) and "
+                      "the CUDA-core one (fp32), and the one launcher that picks between them and Hopper's "
+                      "(their shared steps are decode_parts.cuh)",
     "cuda/flash_fast.cu": "the mma.sync flash forward: one kernel, its per-tile device steps and its tile "
                           "configurations (shipped and exploration variants) with the launcher that picks them",
     "cuda/sm90a/flash_wgmma.cu": "the wgmma flash forward: the kernel, the two operand-preparation kernels its "

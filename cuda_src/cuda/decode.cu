@@ -1,18 +1,22 @@
-// decode.cu — the split-KV decode kernel and its launcher (decode.cuh).
+// decode.cu — the split-KV decode kernels and their launcher (decode.cuh).
 //
 // A block computes one split of one K/V head of one sequence for a tile of R rows: the group's
 // query heads times the sequence's queries (a decode step of 1 query and 4 query heads per K/V
 // head is one tile of 4 rows), so it reads each key and value of the split once for all of them.
 // Its four warps take the split's keys in chunks of C keys (4 KB of K and 4 KB of V each), round
-// robin, each with its own cp.async pipeline of three chunks in flight and its own online softmax;
-// no block barrier until the warps' states are merged at the end. Decode is bound by reading the
-// cache, and per warp pipelines keep 2 chunks × 8 KB × 8 warps per SM in flight.
+// robin, each with its own pipeline of three chunks in flight and its own online softmax; no block
+// barrier until the warps' states are merged at the end. Decode is bound by reading the cache, and
+// per warp pipelines keep 2 chunks × 8 KB × 8 warps per SM in flight. A chunk that lies in one
+// page is found with one read of the page table, not one per key: decode does so little arithmetic
+// per byte that the addressing of its copies counts.
 //
-// Within a chunk the lanes work two ways. Scores: LPK = 32/C lanes per key, each a dot product
-// over D/LPK of the dimensions for every row, summed across its lanes by shuffles. Values: each
-// lane owns D/32 dimensions of the output for every row and reads P from shared memory. The
-// 16-byte pieces of a key's row are XOR-swizzled in shared memory so that both reads are free of
-// bank conflicts.
+// bf16/fp16: the tensor-core kernel (decode_parts.cuh: MmaWarp), its chunks copied by cp.async
+// here, or by tensor memory access on Hopper (sm90a/decode_tma.cu) where that kernel takes the
+// launch. fp32: the CUDA-core kernel below. Within its chunk the lanes work two ways. Scores:
+// LPK = 32/C lanes per key, each a dot product over D/LPK of the dimensions for every row, summed
+// across its lanes by shuffles. Values: each lane owns D/32 dimensions of the output for every row
+// and reads P from shared memory. The 16-byte pieces of a key's row are XOR-swizzled in shared
+// memory so that both reads are free of bank conflicts.
 #include "decode.cuh"
 
 #include <cuda_bf16.h>
@@ -25,10 +29,14 @@
 
 #include "../common.h"
 #include "cuda_check.cuh"
+#include "decode_parts.cuh"
 #include "device.cuh"
 #include "flash_common.cuh"
 #include "flash_dispatch.cuh"
 #include "half_format.cuh"
+#ifdef ATTNSTEP_HAVE_WGMMA
+#include "sm90a/decode_tma.cuh"
+#endif
 
 namespace attnstep {
 
@@ -38,11 +46,8 @@ using flash::cp_async_16;
 using flash::cp_async_commit;
 using flash::cp_async_wait;
 
-constexpr int kWarps = 4;
-constexpr int kThreads = kWarps * 32;
-constexpr int kStages = 3;         // chunks in flight per warp
-constexpr int kChunkBytes = 4096;  // of K (and of V) per chunk, unless a row is under 128 bytes
-constexpr int kSmallTile = 4, kLargeTile = 16;  // rows per block: a decode step's group, or more
+using namespace decode;
+
 constexpr int kBlocksPerSmTarget = 2;
 constexpr int kMinComputeCapability = 80;  // cp.async and the 16-bit mma.sync
 
@@ -50,12 +55,6 @@ constexpr int kMinComputeCapability = 80;  // cp.async and the 16-bit mma.sync
 struct F32 {
     using bits = float;
     static __device__ __forceinline__ float f(float x) { return x; }
-};
-struct B16 {
-    using bits = uint16_t;
-};
-struct H16 {
-    using bits = uint16_t;
 };
 
 template <int Bytes> struct Vec;
@@ -106,87 +105,6 @@ struct Shape {
         return kSwizzle ? (j ^ ((c * LPK + j / kPieces) & 7)) : j;
     }
 };
-
-struct RowInfo {
-    int lo, hi;     // the keys the row sees, within the block's split
-    float slope;    // ALiBi's (0: none)
-    int diag;       // the query's diagonal: i + offset
-};
-
-// The block's place: its split, K/V head and tile of rows (rho = tile·R + r: query head
-// g·group + rho / n, query rho % n of the sequence whose first query row is q0).
-struct Tile {
-    int split, g, group, n, q0, tile, rows;
-    __device__ __forceinline__ int head(int rho) const { return g * group + rho / n; }
-    __device__ __forceinline__ int query(int rho) const { return q0 + rho % n; }
-};
-
-// The tile's rows: each one's visible keys within [k_lo, k_hi) and ALiBi's terms, into rows_s.
-template <int R>
-__device__ __forceinline__ void describe_rows(const DecodeArgs& a, const Tile& t, int m, int k_lo, int k_hi,
-                                              RowInfo* rows_s) {
-    if (threadIdx.x >= R) return;
-    const int r = threadIdx.x;
-    RowInfo info{0, 0, 0.f, 0};
-    if (r < t.rows) {
-        const int rho = t.tile * R + r;
-        const long long diag = static_cast<long long>(rho % t.n) + (a.bottom_right ? m - t.n : 0);
-        const long long first = a.left == kUnbounded ? 0 : diag - a.left;
-        const long long end = a.right == kUnbounded ? m : diag + a.right + 1;
-        info.lo = static_cast<int>(max(static_cast<long long>(k_lo), first));
-        info.hi = static_cast<int>(min(static_cast<long long>(k_hi), end));
-        if (info.hi < info.lo) info.hi = info.lo;
-        info.slope = a.slopes ? a.slopes[t.head(rho)] : 0.f;
-        info.diag = static_cast<int>(diag);
-    }
-    rows_s[r] = info;
-}
-
-// [lo, hi) covering every row's visible keys (lo >= hi: none).
-template <int R>
-__device__ __forceinline__ void key_range(const RowInfo* rows_s, int rows, int& lo, int& hi) {
-    for (int r = 0; r < rows; ++r)
-        if (rows_s[r].lo < rows_s[r].hi) {
-            lo = min(lo, rows_s[r].lo);
-            hi = max(hi, rows_s[r].hi);
-        }
-}
-
-// The pool row (or packed key row) of key j of sequence b.
-__device__ __forceinline__ long long key_row(const DecodeArgs& a, int b, int j) {
-    return a.page_size > 0
-               ? static_cast<long long>(a.block_table[static_cast<long long>(b) * a.table_stride + j / a.page_size]) *
-                         a.page_size + j % a.page_size
-               : static_cast<long long>(a.k_begin[b]) + j;
-}
-
-// The warps' states merged and stored: O = Σ_w acc_w·e^(m_w − M) / Σ_w l_w·e^(m_w − M) and
-// lse = M + log l of every row of the tile, from m_s, l_s [kWarps][R] and acc_s [kWarps][R][D]
-// at the start of shared memory. A row that saw no key: O = 0, lse −inf.
-template <int D, int R>
-__device__ __forceinline__ void store_merged(const DecodeArgs& a, const Tile& t, const char* smem) {
-    const float* m_s = reinterpret_cast<const float*>(smem);
-    const float* l_s = m_s + kWarps * R;
-    const float* acc_s = l_s + kWarps * R;
-    for (int e = threadIdx.x; e < t.rows * D; e += kThreads) {
-        const int r = e / D, dim = e % D;
-        float mx = -INFINITY;
-#pragma unroll
-        for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, m_s[w * R + r]);
-        float l = 0.f, o = 0.f;
-        if (mx != -INFINITY)
-#pragma unroll
-            for (int w = 0; w < kWarps; ++w) {
-                const float f = expf(m_s[w * R + r] - mx);
-                l += l_s[w * R + r] * f;
-                o += acc_s[(w * R + r) * D + dim] * f;
-            }
-        const int rho = t.tile * R + r;
-        const long long row = (static_cast<long long>(t.split) * a.heads + t.head(rho)) * a.total_q + t.query(rho);
-        a.O_part[row * D + dim] = l > 0.f ? o / l : 0.f;
-        if (dim == 0) a.lse_part[row] = l > 0.f ? mx + logf(l) : -INFINITY;
-    }
-}
 
 template <class Fmt, int D, int R>
 __global__ void __launch_bounds__(kThreads) decode_split_kernel(const DecodeArgs a, int tiles) {
@@ -345,136 +263,70 @@ __global__ void __launch_bounds__(kThreads) decode_split_kernel(const DecodeArgs
 }
 
 // ---------------------------------------------------------------------------------------------
-// The half formats on tensor cores (like cp.async, sm_80 and newer: on an older target these compile
-// to nothing, and decode_forward refuses the GPU): mma.sync m16n8k16 with the tile's rows as M (16, padded), as
-// FlashAttention-2 computes a 16-row slice: S = Q·Kᵀ from K read by ldmatrix, the online softmax
-// on S's fragments, P rounded to the format (as the flash kernels round it) and O += P·V from V
-// read by ldmatrix.trans. Q's fragments stay in registers for the whole split.
-
-template <class Fmt> struct MmaOp;
-template <> struct MmaOp<B16> {
-    static __device__ __forceinline__ void run(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-#ifndef ATTNSTEP_NO_CP_ASYNC
-        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-                     "{%0,%1,%2,%3};\n"
-                     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-#endif
-    }
-    static __device__ __forceinline__ uint32_t pack(float lo, float hi) { return Bf16::pack(lo, hi); }
-};
-template <> struct MmaOp<H16> {
-    static __device__ __forceinline__ void run(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-#ifndef ATTNSTEP_NO_CP_ASYNC
-        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-                     "{%0,%1,%2,%3};\n"
-                     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-#endif
-    }
-    static __device__ __forceinline__ uint32_t pack(float lo, float hi) { return Fp16::pack(lo, hi); }
-};
-
-__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void* p, bool trans) {
-#ifdef ATTNSTEP_NO_CP_ASYNC
-    r[0] = r[1] = r[2] = r[3] = 0;  // never launched there (decode_forward checks the GPU)
-#else
-    const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(p));
-    if (trans)
-        asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
-    else
-        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
-#endif
-}
+// The half formats on tensor cores (decode_parts.cuh: MmaWarp), keys brought in by per-warp
+// cp.async pipelines: any GPU from compute capability 8.0 (on an older target these compile to
+// nothing, and decode_forward refuses the GPU). Hopper takes sm90a/decode_tma.cu where it can.
 
 template <int D>
-struct MmaShape {
-    static constexpr int R = kLargeTile;  // the MMA's 16 rows
-    static constexpr int kRowBytes = D * 2;
-    static constexpr int kRowPieces = kRowBytes / 16;
-    static constexpr int C = kRowBytes >= 256 ? kChunkBytes / kRowBytes : 32;  // keys per chunk: 16 or 32
-    static constexpr int kChunk = C * kRowBytes;
-    static constexpr int kLoads = C * kRowPieces / 32;  // 16-byte pieces each lane copies per chunk
+struct MmaShape : MmaDims<D> {
+    using M = MmaDims<D>;
+    static constexpr int kRowPieces = M::kRowBytes / 16;
+    static constexpr int kChunk = M::C * M::kRowBytes;
+    static constexpr int kLoads = M::C * kRowPieces / 32;  // 16-byte pieces each lane copies per chunk
     static constexpr int kWarpBytes = kStages * 2 * kChunk;
     static constexpr int kQOffset = kWarps * kWarpBytes;
-    static constexpr int kRowOffset = kQOffset + R * D * 2;
-    static constexpr int kSmem = kRowOffset + R * 16;
-    static_assert(C % 16 == 0 && kLoads >= 1, "a chunk is whole k-steps of P·V, a piece per lane at least");
-    static_assert(kWarps * R * (D + 2) * 4 <= kWarps * kWarpBytes, "the final states fit the chunks' room");
+    static constexpr int kRowOffset = kQOffset + M::R * D * 2;
+    static constexpr int kSmem = kRowOffset + M::R * 16;
+    static_assert(kLoads >= 1, "a piece per lane at least");
+    static_assert(kWarps * M::R * (D + 2) * 4 <= kWarps * kWarpBytes, "the final states fit the chunks' room");
     // 8 consecutive keys at one piece land in 8 different bank groups (ldmatrix's 8 rows).
-    static __device__ __forceinline__ int piece(int c, int j) { return kRowPieces >= 8 ? j ^ (c & 7) : j; }
-    static __device__ __forceinline__ const char* at(const char* chunk, int c, int j) {
-        return chunk + c * kRowBytes + piece(c, j) * 16;
+    static __device__ __forceinline__ int offset(int c, int j) {
+        return c * M::kRowBytes + (kRowPieces >= 8 ? j ^ (c & 7) : j) * 16;
     }
+    struct At {
+        __device__ __forceinline__ const char* operator()(const char* chunk, int c, int j) const {
+            return chunk + offset(c, j);
+        }
+    };
 };
 
 template <class Fmt, int D>
 __global__ void __launch_bounds__(kThreads) decode_mma_kernel(const DecodeArgs a, int tiles) {
     using S = MmaShape<D>;
-    constexpr int R = S::R, NT = S::C / 8, KS = D / 16, ND = D / 8;
-    using Op = MmaOp<Fmt>;
+    constexpr int C = S::C;
     extern __shared__ __align__(16) char smem[];
     uint16_t* q_s = reinterpret_cast<uint16_t*>(smem + S::kQOffset);
     RowInfo* rows_s = reinterpret_cast<RowInfo*>(smem + S::kRowOffset);
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gr = lane / 4, tq = lane % 4;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    MmaBlock blk;
+    if (!blk.begin<D, C>(a, static_cast<int>(blockIdx.x), static_cast<int>(blockIdx.y), static_cast<int>(blockIdx.z),
+                         tiles, q_s, rows_s))
+        return;
+    const int mine = blk.mine(warp);
+    MmaWarp<Fmt, D> w;
+    w.begin(q_s, rows_s, lane);
 
-    const int b = blockIdx.x / tiles;
-    const int q0 = a.cu_q[b], n = a.cu_q[b + 1] - q0, m = a.seqlen_k[b], group = a.heads / a.kv_heads;
-    const int tile = static_cast<int>(blockIdx.x) % tiles;
-    const Tile t{static_cast<int>(blockIdx.y), static_cast<int>(blockIdx.z), group, n, q0, tile,
-                 min(R, group * n - tile * R)};
-    if (t.rows <= 0) return;
-    const int k_lo = t.split * a.split_size, k_hi = min(m, k_lo + a.split_size);
-    describe_rows<R>(a, t, m, k_lo, k_hi, rows_s);
-    for (int e = threadIdx.x; e < R * D; e += kThreads) {
-        const int r = e / D, rho = tile * R + r;
-        q_s[e] = r < t.rows ? static_cast<const uint16_t*>(a.Q)[(static_cast<long long>(t.head(rho)) * a.total_q +
-                                                                t.query(rho)) * D + e % D]
-                            : uint16_t(0);
-    }
-    __syncthreads();
-    int range_lo = INT_MAX, range_hi = 0;  // none yet (k_hi < k_lo past a short sequence's keys)
-    key_range<R>(rows_s, t.rows, range_lo, range_hi);
-    const int base = range_lo < range_hi ? range_lo / S::C * S::C : 0;
-    const int chunks = range_lo < range_hi ? (range_hi - base + S::C - 1) / S::C : 0;
-    const int mine = chunks > warp ? (chunks - warp + kWarps - 1) / kWarps : 0;
-
-    // Q's A fragments (rows gr and gr + 8), one per k-step of 16 dimensions.
-    uint32_t qa[KS][4];
-    const uint32_t* q32 = reinterpret_cast<const uint32_t*>(q_s);
-#pragma unroll
-    for (int ks = 0; ks < KS; ++ks) {
-        const int c0 = ks * 16 + 2 * tq;
-        qa[ks][0] = q32[(gr * D + c0) / 2];
-        qa[ks][1] = q32[((gr + 8) * D + c0) / 2];
-        qa[ks][2] = q32[(gr * D + c0 + 8) / 2];
-        qa[ks][3] = q32[((gr + 8) * D + c0 + 8) / 2];
-    }
-    const RowInfo row_a = rows_s[gr], row_b = rows_s[gr + 8];
-
-    const uint16_t* K = static_cast<const uint16_t*>(a.K) + t.g * a.kv_stride;
-    const uint16_t* V = static_cast<const uint16_t*>(a.V) + t.g * a.kv_stride;
+    const uint16_t* K = static_cast<const uint16_t*>(a.K) + blk.t.g * a.kv_stride;
+    const uint16_t* V = static_cast<const uint16_t*>(a.V) + blk.t.g * a.kv_stride;
     char* warp_smem = smem + warp * S::kWarpBytes;
-    // Lane l copies pieces l, l + 32, ... of the chunk: whole rows by consecutive lanes.
+    // A chunk within one page (or of packed keys) is C consecutive rows: one table read per chunk.
+    const bool one_page = a.page_size % C == 0;
+    // Lane l copies pieces l, l + 32, ... of the chunk: whole rows by consecutive lanes; zeros for
+    // a key outside the range (so that P·V reads 0 there, never stale values).
     auto load = [&](int it) {
-        const int key0 = base + (warp + it * kWarps) * S::C;
+        const int key0 = blk.key0(warp, it, C);
+        const long long row0 = one_page && key0 < blk.hi ? key_row(a, blk.b, key0) : 0;
         char* k_dst = warp_smem + (it % kStages) * 2 * S::kChunk;
 #pragma unroll
         for (int u = 0; u < S::kLoads; ++u) {
             const int q = lane + 32 * u, c = q / S::kRowPieces, j = q % S::kRowPieces, key = key0 + c;
-            const bool valid = key >= range_lo && key < range_hi;
-            const long long row = valid ? key_row(a, b, key) : 0;
-            const int at = c * S::kRowBytes + S::piece(c, j) * 16;
+            const bool valid = key >= blk.lo && key < blk.hi;
+            const long long row = valid ? (one_page ? row0 + c : key_row(a, blk.b, key)) : 0;
+            const int at = S::offset(c, j);
             cp_async_16(k_dst + at, reinterpret_cast<const char*>(K + row * D) + j * 16, valid);
             cp_async_16(k_dst + S::kChunk + at, reinterpret_cast<const char*>(V + row * D) + j * 16, valid);
         }
     };
-
-    float m_a = -INFINITY, m_b = -INFINITY, l_a = 0.f, l_b = 0.f, acc[ND][4];
-#pragma unroll
-    for (int nd = 0; nd < ND; ++nd) acc[nd][0] = acc[nd][1] = acc[nd][2] = acc[nd][3] = 0.f;
 
 #pragma unroll
     for (int st = 0; st < kStages - 1; ++st) {
@@ -487,112 +339,14 @@ __global__ void __launch_bounds__(kThreads) decode_mma_kernel(const DecodeArgs a
         cp_async_wait<kStages - 1>();
         __syncwarp();
         const char* k_chunk = warp_smem + (it % kStages) * 2 * S::kChunk;
-        const char* v_chunk = k_chunk + S::kChunk;
-        const int key0 = base + (warp + it * kWarps) * S::C;
-
-        // S = Q·Kᵀ: n-tiles of 8 keys, in pairs per ldmatrix.x4.
-        float sc[NT][4];
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) sc[nt][0] = sc[nt][1] = sc[nt][2] = sc[nt][3] = 0.f;
-#pragma unroll
-        for (int pair = 0; pair < NT / 2; ++pair)
-#pragma unroll
-            for (int ks = 0; ks < KS; ++ks) {
-                const int mi = lane / 8, c = pair * 16 + (mi / 2) * 8 + lane % 8, j = ks * 2 + mi % 2;
-                uint32_t kb[4];
-                ldsm_x4(kb, S::at(k_chunk, c, j), false);
-                Op::run(sc[2 * pair], qa[ks], kb[0], kb[1]);
-                Op::run(sc[2 * pair + 1], qa[ks], kb[2], kb[3]);
-            }
-        // The scores as the softmax reads them, masked, and the running max of rows gr, gr + 8.
-        float mx_a = -INFINITY, mx_b = -INFINITY;
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const RowInfo& info = e < 2 ? row_a : row_b;
-                const int key = key0 + nt * 8 + 2 * tq + (e & 1);
-                float x = sc[nt][e] * a.scale;
-                if (a.softcap > 0.f) x = a.softcap * tanhf(x / a.softcap);
-                if (a.slopes) x -= info.slope * static_cast<float>(abs(info.diag - key));
-                x = key >= info.lo && key < info.hi ? x : -INFINITY;
-                sc[nt][e] = x;
-                if (e < 2) mx_a = fmaxf(mx_a, x);
-                else mx_b = fmaxf(mx_b, x);
-            }
-#pragma unroll
-        for (int off = 1; off < 4; off <<= 1) {
-            mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, off));
-            mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, off));
-        }
-        const float new_a = fmaxf(m_a, mx_a), new_b = fmaxf(m_b, mx_b);
-        const float alpha_a = new_a == -INFINITY ? 1.f : expf(m_a - new_a);
-        const float alpha_b = new_b == -INFINITY ? 1.f : expf(m_b - new_b);
-        m_a = new_a;
-        m_b = new_b;
-        l_a *= alpha_a;
-        l_b *= alpha_b;
-#pragma unroll
-        for (int nd = 0; nd < ND; ++nd) {
-            acc[nd][0] *= alpha_a;
-            acc[nd][1] *= alpha_a;
-            acc[nd][2] *= alpha_b;
-            acc[nd][3] *= alpha_b;
-        }
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const float x = sc[nt][e], mx = e < 2 ? new_a : new_b;
-                const float p = x == -INFINITY ? 0.f : expf(x - mx);
-                sc[nt][e] = p;
-                if (e < 2) l_a += p;
-                else l_b += p;
-            }
-        // O += P·V, 16 keys per k-step: P's A fragment is S's C fragments of two n-tiles.
-#pragma unroll
-        for (int kk = 0; kk < S::C / 16; ++kk) {
-            const uint32_t pa[4] = {Op::pack(sc[2 * kk][0], sc[2 * kk][1]), Op::pack(sc[2 * kk][2], sc[2 * kk][3]),
-                                    Op::pack(sc[2 * kk + 1][0], sc[2 * kk + 1][1]),
-                                    Op::pack(sc[2 * kk + 1][2], sc[2 * kk + 1][3])};
-#pragma unroll
-            for (int nd = 0; nd < ND; nd += 2) {
-                const int mi = lane / 8, c = kk * 16 + (mi % 2) * 8 + lane % 8, j = nd + mi / 2;
-                uint32_t vb[4];
-                ldsm_x4(vb, S::at(v_chunk, c, j), true);
-                Op::run(acc[nd], pa, vb[0], vb[1]);
-                Op::run(acc[nd + 1], pa, vb[2], vb[3]);
-            }
-        }
+        w.chunk(a, k_chunk, k_chunk + S::kChunk, blk.key0(warp, it, C), lane, typename S::At{});
         __syncwarp();
     }
     cp_async_wait<0>();
-#pragma unroll
-    for (int off = 1; off < 4; off <<= 1) {
-        l_a += __shfl_xor_sync(0xffffffffu, l_a, off);
-        l_b += __shfl_xor_sync(0xffffffffu, l_b, off);
-    }
     __syncthreads();  // every warp is past its chunks: their room holds the final states now
-
-    float* m_s = reinterpret_cast<float*>(smem);
-    float* l_s = m_s + kWarps * R;
-    float* acc_s = l_s + kWarps * R;
-    if (tq == 0) {
-        m_s[warp * R + gr] = m_a;
-        m_s[warp * R + gr + 8] = m_b;
-        l_s[warp * R + gr] = l_a;
-        l_s[warp * R + gr + 8] = l_b;
-    }
-#pragma unroll
-    for (int nd = 0; nd < ND; ++nd) {
-        const int dim = nd * 8 + 2 * tq;
-        acc_s[(warp * R + gr) * D + dim] = acc[nd][0];
-        acc_s[(warp * R + gr) * D + dim + 1] = acc[nd][1];
-        acc_s[(warp * R + gr + 8) * D + dim] = acc[nd][2];
-        acc_s[(warp * R + gr + 8) * D + dim + 1] = acc[nd][3];
-    }
+    w.save(smem, warp);
     __syncthreads();
-    store_merged<D, R>(a, t, smem);
+    store_merged<D, S::R>(a, blk.t, smem);
 }
 
 template <class Fmt, int D>
@@ -656,6 +410,19 @@ __global__ void split_stage_layout(const float* O_part, const float* lse_part, f
     else split_lse[row * splits + s] = lse_part[s * rows + row];
 }
 
+// Hopper's kernel where it takes the launch (sm90a/decode_tma.cu): whether it ran.
+bool ran_tma(const DecodeArgs& a, cudaStream_t stream) {
+#ifdef ATTNSTEP_HAVE_WGMMA
+    if (device_compute_capability() != 90 || !decode_tma_takes(a)) return false;
+    decode_tma_split(a, stream);
+    return true;
+#else
+    (void)a;
+    (void)stream;
+    return false;
+#endif
+}
+
 }  // namespace
 
 bool decode_supported(int d) { return d == 16 || d == 32 || d == 64 || d == 128; }
@@ -702,9 +469,11 @@ void decode_forward(const DecodeArgs& a, cudaStream_t stream) {
                                 std::to_string(device_compute_capability() % 10),
              "use --backend cpu, which computes the split stages");
     if (a.total_q > 0) {
-        if (a.precision == Precision::bf16) launch_width<B16>(a, stream);
-        else if (a.precision == Precision::fp16) launch_width<H16>(a, stream);
-        else launch_width<F32>(a, stream);
+        if (!ran_tma(a, stream)) {
+            if (a.precision == Precision::bf16) launch_width<B16>(a, stream);
+            else if (a.precision == Precision::fp16) launch_width<H16>(a, stream);
+            else launch_width<F32>(a, stream);
+        }
         const long long rows = static_cast<long long>(a.heads) * a.total_q;
         if (a.split_O && a.split_lse) {
             constexpr int kLayoutThreads = 256;
