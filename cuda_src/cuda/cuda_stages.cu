@@ -2,11 +2,14 @@
 // for every head of a group on the backend's stream, from the stages before it. The half
 // pipelines store each stage's values in the format as part of the stage (store_in_format); D
 // stays float32, and the flash kernels write their own outputs.
+#include <algorithm>
+#include <initializer_list>
 #include <string>
 
 #include "../common.h"
 #include "../sequences.h"
 #include "cuda_stages.cuh"
+#include "decode.cuh"
 #include "half.cuh"
 #include "kernels.cuh"
 #include "variant_kernels.cuh"
@@ -64,12 +67,27 @@ FlashArgs flash_args(const Problem& p) {
     return a;
 }
 
-bool packed_flash_available(const Problem& p, const Sequences& seqs, StageSet computed) {
+// Whether the run computes only these stages besides the inputs' echoes.
+static bool computes_only(StageSet computed, std::initializer_list<Stage> stages) {
     for (int i = 0; i < kNumStages; ++i) {
         const Stage s = static_cast<Stage>(i);
-        if (computed.has(s) && !is_input_echo(s) && s != Stage::flash_output && s != Stage::flash_lse) return false;
+        if (computed.has(s) && !is_input_echo(s) && std::find(stages.begin(), stages.end(), s) == stages.end())
+            return false;
     }
-    if (seqs.paged() || p.split_size > 0 || !flash_supported(p.dims)) return false;
+    return true;
+}
+
+bool packed_flash_available(const Problem& p, const Sequences& seqs, StageSet computed) {
+    // A split run: the decode kernel reads each sequence's keys itself, from their slots or through
+    // the block table, with its own mask diagonal (flash_splits.cu), under every variant it takes.
+    if (p.split_size > 0) {
+        const Variant& v = p.variant;
+        return computes_only(computed, {Stage::split_output, Stage::split_lse, Stage::flash_output, Stage::flash_lse}) &&
+               p.dims.dk == p.dims.dv && decode_supported(p.dims.dk) && v.mask == Coverage::none &&
+               v.bias == Coverage::none && v.dropout == 0.f;
+    }
+    if (!computes_only(computed, {Stage::flash_output, Stage::flash_lse})) return false;
+    if (seqs.paged() || !flash_supported(p.dims)) return false;
     // The plain masks within every sequence: none, or causal with the diagonal at key r in each (a
     // bottom-right one where each sequence has as many keys as queries).
     const Variant& v = p.variant;
@@ -163,6 +181,10 @@ void compute_split_output(const DeviceStageWork& w) {
     a.splits = w.p.dims.splits;
     a.split_O = w.buf(Stage::split_output);
     a.split_lse = w.buf(Stage::split_lse);
+    if (w.p.sequences) {  // the uploaded variant whole; the kernel places each sequence's diagonal
+        a.variant = w.b.variant;
+        a.bottom_right = w.p.variant.align == Align::bottom_right;
+    }
     compute_flash_splits(a, w.stream);
 }
 

@@ -57,6 +57,9 @@ void flash_forward(const FlashArgs& a, cudaStream_t stream);
 // m = max_s lse_s, lse = m + log(sum_s exp(lse_s − m)), O = sum_s exp(lse_s − lse)·O_s.
 struct FlashSplitArgs : FlashArgs {
     int split_size = 0, splits = 0;
+    // A packed case (FlashArgs::sequences): whether each sequence's mask diagonal is at key
+    // i + m(b) − n(b) (bottom-right) rather than i; its variant's own offset is the totals'.
+    bool bottom_right = false;
     float* split_O = nullptr;
     float* split_lse = nullptr;
 };
