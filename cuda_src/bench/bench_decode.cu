@@ -8,7 +8,8 @@
 // the step must read (each sequence's keys once per K/V head) over that time. The copy baseline
 // copies that many bytes with cudaMemcpyAsync and counts its bytes read and written, the memory
 // traffic a copy reaches. A float64 check of sampled sequences (every head) reports the largest
-// error of O and lse, so a fast wrong kernel cannot pass unnoticed.
+// error of O and lse and fails the bench (exit 1) past the format's tolerance, or on a value that
+// is not finite: a fast wrong kernel cannot pass.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -134,7 +135,8 @@ struct Cache {
 };
 
 struct Errors {
-    double output = 0, lse = 0;
+    double output = 0, lse = 0, largest = 0;  // largest: the largest |O| of the float64 reference
+    bool finite = true;
 };
 
 // The float64 check: sampled sequences, every query head, every query (bottom-right), against the
@@ -168,20 +170,37 @@ Errors sampled_errors(const DecodeOptions& o, const Cache& c, float scale, const
                     for (int e = 0; e < o.d; ++e)
                         acc[e] += p * input_value((kv + c.row(o, b, j)) * o.d + e, c.seed_v, o.precision);
                 }
-                for (int e = 0; e < o.d; ++e) err.output = std::max(err.output, std::fabs(acc[e] / l - out[qrow * o.d + e]));
+                for (int e = 0; e < o.d; ++e) {
+                    err.output = std::max(err.output, std::fabs(acc[e] / l - out[qrow * o.d + e]));
+                    err.largest = std::max(err.largest, std::fabs(acc[e] / l));
+                    err.finite = err.finite && std::isfinite(out[qrow * o.d + e]);
+                }
                 err.lse = std::max(err.lse, std::fabs(mx + std::log(l) - out_lse[qrow]));
+                err.finite = err.finite && std::isfinite(out_lse[qrow]);
             }
         }
     }
     return err;
 }
 
+// The step run once more and its outputs checked in float64 (sampled_errors).
+Errors step_errors(const DecodeOptions& o, const DecodeArgs& a, const Cache& c, size_t rows, cudaStream_t stream) {
+    decode_forward(a, stream);
+    CUDA_CHECK(cudaStreamSynchronize(stream));
+    std::vector<float> out(rows * o.d), out_lse(rows);
+    CUDA_CHECK(cudaMemcpy(out.data(), a.O, out.size() * sizeof(float), cudaMemcpyDeviceToHost));
+    CUDA_CHECK(cudaMemcpy(out_lse.data(), a.lse, out_lse.size() * sizeof(float), cudaMemcpyDeviceToHost));
+    return sampled_errors(o, c, a.scale, out, out_lse);
+}
+
 struct Measured {
     double kernel_ms, copy_ms, kv_bytes, kernel_gbps, copy_gbps;
 };
 
-// The lines printed and the JSON (--json).
-void report(const DecodeOptions& o, const DecodeArgs& a, const Measured& m, const Errors& err) {
+// The lines printed and the JSON (--json); whether the float64 check passed: every value finite,
+// the output's largest error within the format's check tolerance of its largest value and lse's
+// within it absolutely (bench_check.cu's rule for the flash forward).
+bool report(const DecodeOptions& o, const DecodeArgs& a, const Measured& m, const Errors& err) {
     const double kernel_ms = m.kernel_ms, copy_ms = m.copy_ms, kv_bytes = m.kv_bytes, kernel_gbps = m.kernel_gbps,
                  copy_gbps = m.copy_gbps, max_err_o = err.output, max_err_lse = err.lse;
     cudaDeviceProp prop;
@@ -195,8 +214,13 @@ void report(const DecodeOptions& o, const DecodeArgs& a, const Measured& m, cons
     std::printf("  kernel %.4f ms, %.1f GB/s of K/V read\n", kernel_ms, kernel_gbps);
     std::printf("  copy   %.4f ms, %.1f GB/s read + written\n", copy_ms, copy_gbps);
     std::printf("  fraction of the copy's bandwidth %.3f\n", kernel_gbps / copy_gbps);
-    std::printf("  float64 check of %d sequences: max |error| O %.3g, lse %.3g\n", std::min(o.check_sequences, o.batch),
-                max_err_o, max_err_lse);
+    Options format;
+    format.precision = o.precision;
+    const double tol = check_tolerance(format), relative = err.largest > 0 ? max_err_o / err.largest : max_err_o;
+    const bool passed = err.finite && relative <= tol && max_err_lse <= tol;
+    std::printf("  float64 check of %d sequences: max |error| O %.3g (%.3g of max|O|), lse %.3g: %s (tolerance %.1e)\n",
+                std::min(o.check_sequences, o.batch), max_err_o, relative, max_err_lse, passed ? "passed" : "FAILED",
+                tol);
     if (!o.json.empty()) {
         std::ofstream f(o.json);
         f << "{\"device\": \"" << prop.name << "\", \"batch\": " << o.batch << ", \"heads\": " << o.heads
@@ -208,6 +232,7 @@ void report(const DecodeOptions& o, const DecodeArgs& a, const Measured& m, cons
           << ", \"max_error_output\": " << max_err_o << ", \"max_error_lse\": " << max_err_lse << "}\n";
         if (!f) fail(kExitBadInput, "--bench-decode: cannot write " + o.json);
     }
+    return passed;
 }
 
 }  // namespace
@@ -278,17 +303,15 @@ int run_decode(int argc, char** argv) {
     const double kernel_gbps = kv_bytes / (kernel_ms * 1e-3) / 1e9;
     const double copy_gbps = 2.0 * kv_bytes / (copy_ms * 1e-3) / 1e9;
 
-    // The float64 check: sampled sequences, every query head, every query, against the cache
-    // recomputed on the host from the same generator.
-    decode_forward(a, stream);
-    CUDA_CHECK(cudaStreamSynchronize(stream));
-    std::vector<float> out(rows * o.d), out_lse(rows);
-    CUDA_CHECK(cudaMemcpy(out.data(), O.p, out.size() * sizeof(float), cudaMemcpyDeviceToHost));
-    CUDA_CHECK(cudaMemcpy(out_lse.data(), lse.p, out_lse.size() * sizeof(float), cudaMemcpyDeviceToHost));
     const Cache cache{order, pages_per_seq, pool_rows, total_q, seed_q, seed_k, seed_v};
-    const Errors err = sampled_errors(o, cache, a.scale, out, out_lse);
-    report(o, a, Measured{kernel_ms, copy_ms, kv_bytes, kernel_gbps, copy_gbps}, err);
+    const Errors err = step_errors(o, a, cache, rows, stream);
+    const bool passed = report(o, a, Measured{kernel_ms, copy_ms, kv_bytes, kernel_gbps, copy_gbps}, err);
     CUDA_CHECK(cudaStreamDestroy(stream));
+    if (!passed) {
+        std::fprintf(stderr, "main: error: --bench-decode: the step's outputs exceed the %s tolerance against float64 "
+                             "(see the check line)\n", precision_name(o.precision));
+        return kExitInternal;
+    }
     return kExitOk;
 }
 
