@@ -3,6 +3,7 @@
 
     python3 scripts/catch_rate.py [--keys 1024,8192,32768] [--rows 32] [--d 64] [--trials 100]
                                   [--json docs/catch_rate.json] [--markdown FILE]
+                                  [--exact-energy-macs MACS]   (an experiment: docs/performance.md)
 
 For each input distribution and key count M: generate one head (N query rows, M keys, d wide, not
 causal, with dO), run the binary's CPU backend on it (a correct float32 run of every stage), and
@@ -18,7 +19,7 @@ bounds computed from the untouched sources; whatever a trial adds to it from the
 dropped after the trial. tests/test_catch_rate.py checks, at a small size, that every trial's
 verdict is the whole `check`'s on the planted files.
 
-The binary: $ATTNSTEP_BINARY where set, else build/main (built when needed), as the tests find it.
+Results and what they show: docs/performance.md, "Power on long rows". The binary: $ATTNSTEP_BINARY where set, else build/main (built when needed), as the tests find it.
 """
 from __future__ import annotations
 
