@@ -30,9 +30,16 @@ from verify.sequences import BLOCK_TABLE, CU_SEQLENS_Q, PAGE_SIZE_KEY, SEQUSED_K
 pytestmark = pytest.mark.gpu
 
 KV_HEADS = 2
-CASE = ("--heads", "8", "--kv-heads", str(KV_HEADS), "--seqlens", "1,2,4", "--seqlens-k", "100,37,300",
+# Partial chunks at both ends of a row's keys: a window that starts mid-chunk, sequences of 37 and 2
+# keys, splits of 40 keys (a chunk straddles each split's first key); a sequence without queries;
+# one with more queries than keys (bottom-right: its first row sees no key).
+CASE = ("--heads", "8", "--kv-heads", str(KV_HEADS), "--seqlens", "1,2,4,0,3", "--seqlens-k", "100,37,300,5,2",
         "--causal", "bottom-right", "--window", "50,0", "--format", "npy", "--dist", "normal", "--seed", "5")
-PAGE_SIZES = (16, 24, 64, 256)  # in one page per chunk, or not, at d 64 and d 128
+SPLIT = 40
+# A warp's chunk is 16 keys at d 128, 32 at d 32 and d 64: pages of 16 hold a chunk only at d 128,
+# pages of 24 never, 64 and 256 always. On Hopper the bf16/fp16 kernel copies a chunk in one page by
+# tensor memory access at d 64 and d 128, by cp.async otherwise.
+PAGE_SIZES = (16, 24, 64, 256)
 OUTPUTS = ("flash_output", "flash_lse", "split_output", "split_lse")
 BACKEND = "cuda"
 
@@ -101,14 +108,14 @@ def _same(a: Dict[str, np.ndarray], b: Dict[str, np.ndarray], what: Sequence[str
         assert np.array_equal(a[name], b[name], equal_nan=True), f"{name} differs: {what}"
 
 
-@pytest.mark.parametrize("precision", ("bf16", "fp16"))
-@pytest.mark.parametrize("d", (64, 128))
+@pytest.mark.parametrize("precision", ("fp32", "bf16", "fp16"))
+@pytest.mark.parametrize("d", (32, 64, 128))
 def test_every_page_size_gives_the_same_bits(binary, tmp_path, d, precision):
     base = _generate(tmp_path / "case", d, PAGE_SIZES[0])
     first = None
     for p in PAGE_SIZES:
         in_dir = base if p == PAGE_SIZES[0] else _repage(base, tmp_path / f"case{p}", p, seed=p)
-        outs = _run(binary, in_dir, tmp_path / f"out{p}", precision, split=64)
+        outs = _run(binary, in_dir, tmp_path / f"out{p}", precision, split=SPLIT)
         _passes(in_dir, tmp_path / f"out{p}")
         if first is None:
             first = outs

@@ -3,6 +3,7 @@
 // pipelines store each stage's values in the format as part of the stage (store_in_format); D
 // stays float32, and the flash kernels write their own outputs.
 #include <algorithm>
+#include <climits>
 #include <initializer_list>
 #include <string>
 
@@ -82,6 +83,11 @@ bool packed_flash_available(const Problem& p, const Sequences& seqs, StageSet co
     // the block table, with its own mask diagonal (flash_splits.cu), under every variant it takes.
     if (p.split_size > 0) {
         const Variant& v = p.variant;
+        // The kernel's grid has a block per sequence and tile of its longest sequence's rows.
+        int most_q = 0;
+        for (int b = 0; b < seqs.count(); ++b) most_q = std::max(most_q, seqs.n(b));
+        if (static_cast<long long>(seqs.count()) * ((most_q + kDecodeMinTileRows - 1) / kDecodeMinTileRows) > INT_MAX)
+            return false;
         return computes_only(computed, {Stage::split_output, Stage::split_lse, Stage::flash_output, Stage::flash_lse}) &&
                p.dims.dk == p.dims.dv && decode_supported(p.dims.dk) && v.mask == Coverage::none &&
                v.bias == Coverage::none && v.dropout == 0.f;
@@ -181,8 +187,15 @@ void compute_split_output(const DeviceStageWork& w) {
     a.splits = w.p.dims.splits;
     a.split_O = w.buf(Stage::split_output);
     a.split_lse = w.buf(Stage::split_lse);
-    if (w.p.sequences) {  // the uploaded variant whole; the kernel places each sequence's diagonal
+    if (w.p.sequences) {  // the uploaded variant's softcap and slopes; the rest per sequence
+        // The window as the case states it: the upload treats a bound past the packed totals as
+        // none, but a sequence of a paged case may have more keys than the pool has rows (a page
+        // named twice in its table row), and the kernel places each sequence's diagonal itself.
+        const MaskRule rule = w.p.variant.rule(0, 0);
+        auto bound = [](long long b) { return b == kUnbounded || b > INT_MAX ? kUnbounded : static_cast<int>(b); };
         a.variant = w.b.variant;
+        a.variant.left = bound(rule.left);
+        a.variant.right = bound(rule.right);
         a.bottom_right = w.p.variant.align == Align::bottom_right;
     }
     compute_flash_splits(a, w.stream);

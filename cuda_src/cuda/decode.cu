@@ -463,6 +463,10 @@ void decode_forward(const DecodeArgs& a, cudaStream_t stream) {
         fail(kExitInternal, where(__FILE__, __LINE__) + ": decode_forward: inconsistent arguments (heads=" +
                                 std::to_string(a.heads) + " kv_heads=" + std::to_string(a.kv_heads) +
                                 " split_size=" + std::to_string(a.split_size) + " splits=" + std::to_string(a.splits) + ")");
+    const long long group_rows = static_cast<long long>(a.heads / a.kv_heads) * a.max_q, rows = tile_rows_of(a);
+    if (a.batch * ((group_rows + rows - 1) / rows) > INT_MAX)
+        fail(kExitInternal, where(__FILE__, __LINE__) + ": decode_forward: " + std::to_string(a.batch) +
+                                " sequences of up to " + std::to_string(a.max_q) + " queries are more blocks than a grid has");
     if (device_compute_capability() < kMinComputeCapability)
         fail(kExitBadInput, "--split-size: the CUDA split kernel needs compute capability 8.0 or newer (cp.async, "
                             "mma.sync), this GPU has " + std::to_string(device_compute_capability() / 10) + "." +

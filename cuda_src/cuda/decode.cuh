@@ -14,9 +14,10 @@
 //          sees no key of the split): the split stages
 //   O      [heads][total_q][d] (rounded to the format at bf16/fp16), lse [heads][total_q]: the
 //          combine of the splits, as flash_dispatch.cu's split combine computes it.
-// Arithmetic (verify/model/kernels.py `cuda-decode-*`): float32 dot products on the CUDA cores
-// (16-bit inputs are exact in float32), s = q·k·scale, the softcap's tanhf, ALiBi, expf(s − max)
-// with one rescale per chunk of keys, the split's 1/l, lse = max + logf(l).
+// Arithmetic (verify/model/kernels.py `cuda-decode-*`): float32 dot products (fp32 on the CUDA
+// cores; bf16/fp16 on tensor cores, mma.sync with float32 accumulation), s = q·k·scale, the
+// softcap's tanhf, ALiBi, expf(s − max) with one rescale per chunk of keys, the split's 1/l,
+// lse = max + logf(l).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -69,6 +70,9 @@ bool decode_supported(int d);
 // The split size the kernel would pick for a launch without one: enough blocks to fill the GPU's
 // resident slots once, splits of at least 256 keys.
 int decode_default_split_size(const DecodeArgs& a);
+
+// The fewest rows a block's tile has: the grid has batch × ceil(group·max_q / rows) blocks in x.
+inline constexpr int kDecodeMinTileRows = 4;
 
 // The rows of a block's tile and the keys of a warp's chunk (run.toml's flash tiles).
 int decode_tile_rows(Precision p);

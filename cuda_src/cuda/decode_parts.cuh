@@ -23,7 +23,7 @@ constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
 constexpr int kStages = 3;         // chunks in flight per warp
 constexpr int kChunkBytes = 4096;  // of K (and of V) per chunk, unless a row is under 128 bytes
-constexpr int kSmallTile = 4, kLargeTile = 16;  // rows per block: a decode step's group, or more
+constexpr int kSmallTile = kDecodeMinTileRows, kLargeTile = 16;  // rows per block: a decode step's group, or more
 
 // The 16-bit input formats (decode.cu adds F32, the CUDA-core kernel's).
 struct B16 {

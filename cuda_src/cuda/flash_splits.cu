@@ -99,12 +99,13 @@ void compute_flash_splits(const FlashSplitArgs& a, cudaStream_t stream) {
     d.right = a.variant.right;
     d.softcap = a.variant.softcap;
     d.slopes = a.variant.alibi ? a.variant.slopes : nullptr;
-    // At bf16/fp16 the kernel reads the format's 16-bit values, made here from the float32 inputs
-    // (which hold values of the format) into this call's own workspace.
-    const bool half = is_half(a.precision);
+    // At bf16/fp16 the kernel reads the format's 16-bit values: the backend's copies in the format
+    // (FlashArgs Qh, Kh, Vh) where it made them, else made here from the float32 inputs (which hold
+    // values of the format) into this call's own workspace.
+    const bool half = is_half(a.precision), made = half && !(a.Qh && a.Kh && a.Vh);
     const size_t q_elems = static_cast<size_t>(a.heads) * a.N * a.d, kv_elems = static_cast<size_t>(a.heads) * a.M * a.d;
-    StreamWorkspace bits(half ? (q_elems + 2 * kv_elems + 24) / 2 : 0, stream);
-    if (half) {
+    StreamWorkspace bits(made ? (q_elems + 2 * kv_elems + 24) / 2 : 0, stream);
+    if (made) {
         auto* q = reinterpret_cast<uint16_t*>(bits.p);
         uint16_t* k = q + (q_elems + 7) / 8 * 8;  // each 16-byte aligned
         uint16_t* v = k + (kv_elems + 7) / 8 * 8;
@@ -114,6 +115,10 @@ void compute_flash_splits(const FlashSplitArgs& a, cudaStream_t stream) {
         d.Q = q;
         d.K = k;
         d.V = v;
+    } else if (half) {
+        d.Q = a.Qh;
+        d.K = a.Kh;
+        d.V = a.Vh;
     } else {
         d.Q = a.Q;
         d.K = a.K;
