@@ -29,6 +29,7 @@ from ..files.guards import check_folders_apart
 from ..files.kinds import CaseError
 from ..files.outputs import Overrides, RunInfo, foreign_stage_files, open_run, stage_files_in
 from ..files.resolution import half_values
+from ..model.arrays import on_device
 from ..model.half import is_half, round_to_format
 from ..runs.program_checks import ProgramCheck, files_digest, read_findings
 from ..specs import SPECS, HeadContext, reads_dropout_mask, upstream, uses_scale_and_mask
@@ -73,6 +74,7 @@ class Options:
     max_memory_mb: Optional[int] = None  # the most memory the check plans for (else what is available)
     variant: Dict[str, object] = field(default_factory=dict)  # Variant fields said (check --align, --window, ...)
     page_size: Optional[int] = None  # check --page-size: a paged case without a manifest
+    device: str = "cpu"  # where the flash references run: cpu (NumPy), cuda (verify/model/arrays.py)
     split_size: Optional[int] = None  # check --split-size: the keys per split of a run that splits
 
     def overrides(self) -> Overrides:
@@ -332,7 +334,13 @@ def check_run(run: RunInfo, case: InputCase, opts: Options, progress: Optional[C
     advance = None if progress is None else (lambda kv: [progress(h) for h in dims.query_heads_of(kv)])
     jobs = head_jobs(run, opts.jobs, opts.max_memory_mb) if packed is None else \
         head_jobs(packed.sizing_run(), opts.jobs, opts.max_memory_mb, packed.held_bytes())
-    results = map_heads(checker.check, dims.total_kv_heads, jobs, advance, tune_process)
+    if opts.device != "cpu":
+        # The heads are checked here one after another: the pool's workers are forked, and a
+        # process that has started CUDA cannot be forked (the child's CUDA state is unusable);
+        # one GPU runs one head's float64 tiles at a time anyway.
+        jobs = 1
+    with on_device(opts.device):
+        results = map_heads(checker.check, dims.total_kv_heads, jobs, advance, tune_process)
     apply_mismatches(run, results)
     report = Report(run, case, results, foreign_stage_files(run), _program_checks(run, opts), _keep_rate(run, results))
     if packed is not None and diagnoser is not None:  # pages or new keys read from the wrong place

@@ -17,6 +17,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from .arrays import concat_rows
 from .dot import _HEAD_ROWS, _expected_var, exact_energy, head_rows
 from .kernels import MMA_K
 from .rounding import FLUSH, ULP_IN_U, HeadCache, finite_abs
@@ -52,11 +53,12 @@ def over_rows(n: int, m: int, d: int, head, cache: Optional[HeadCache],
 
 
 def stack_over_rows(n: int, m: int, d: int, compute: Callable[[Optional[slice]], np.ndarray]) -> np.ndarray:
-    """compute(rows) over the row tiles, stacked (compute(None) for a head of one tile)."""
+    """compute(rows) over the row tiles, stacked (compute(None) for a head of one tile), in the
+    namespace compute's arrays are in."""
     tiles = row_tiles(n, m, d)
     if len(tiles) == 1:
         return compute(None)
-    return np.concatenate([compute(slice(a, b)) for a, b in tiles], axis=0)
+    return concat_rows([compute(slice(a, b)) for a, b in tiles])
 
 
 def flush_max(A: np.ndarray, B: np.ndarray) -> float:

@@ -20,6 +20,7 @@ from typing import List
 
 import numpy as np
 
+from ..model.arrays import target, to_device, to_numpy
 from ..model.attention import log_sum_exp_rows
 from ..model.flash import flash_forward_rows, flash_lse_sums
 from ..model.rounding import FLUSH, ROUND_VAR, ULP_IN_U, finite_abs, memo
@@ -198,12 +199,23 @@ def _lse_vs_partner(stage: str, got: np.ndarray, ctx: HeadContext) -> List[Viola
 
 def _reference(with_mask):
     def reference(src, problem: Problem):
-        head, Q = problem.head, np.asarray(src[QUERIES])
+        head = problem.head
+        if on_device_of(head):  # Q, K, V moved to the check's device once, the result back once
+            src = {k: (to_device(v) if k in INPUT_NAMES else v) for k, v in src.items()}
+        Q = src[QUERIES] if on_device_of(head) else np.asarray(src[QUERIES])
         n = Q.shape[0]
-        return stack_over_rows(n, np.shape(src[KEYS])[0], Q.shape[1], lambda r: (
+        out = stack_over_rows(n, src[KEYS].shape[0], Q.shape[1], lambda r: (
             with_mask(src, problem.scale, None, head.variant, head.slope) if r is None else
             with_mask({**src, QUERIES: Q[r]}, problem.scale, None, head.variant, head.slope, r, n)))
+        return to_numpy(out)
     return reference
+
+
+def on_device_of(head) -> bool:
+    """Whether this head's flash references run on the check's device (verify/model/arrays.py):
+    a device is chosen and the variant is one the device path computes (the mask, windows,
+    grouped heads; the softcap, ALiBi, bias files and dropout stay with NumPy)."""
+    return target() is not None and not head.modifies and head.dropout == 0
 
 
 SPECS = (

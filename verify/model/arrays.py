@@ -1,0 +1,153 @@
+"""The array namespace the model computes in: NumPy by default, PyTorch's float64 on a GPU when
+the check runs there (check --device).
+
+The model's functions take their namespace from their arguments (namespace(x)) and call only
+its functions, so that one implementation runs on either. What the array API lacks and the model
+needs goes through here, with a NumPy and a PyTorch branch. The check chooses the device for a
+block of work (on_device); the reference code moves a head's arrays there once (to_device) and
+brings the results back for the comparison (to_numpy). NumPy never imports PyTorch: it and
+array_api_compat are imported only when a device other than NumPy's is asked for.
+"""
+from __future__ import annotations
+
+import contextlib
+import glob
+import importlib.util
+import sys
+from contextvars import ContextVar
+from typing import Iterator, Optional
+
+import numpy as np
+
+DEVICES = ("auto", "cpu", "cuda")
+
+# None: NumPy; else the PyTorch device the model's arrays live on ("cuda", or "cpu" in the tests,
+# which run PyTorch's float64 on the CPU: the same code the GPU runs).
+_TARGET: ContextVar[Optional[str]] = ContextVar("attnstep array device", default=None)
+
+
+class DeviceError(Exception):
+    """A device was asked for that this machine cannot give (a one-line message)."""
+
+
+def _torch():
+    import torch  # noqa: PLC0415 -- only off the NumPy path
+    return torch
+
+
+def cuda_visible() -> bool:
+    """PyTorch is importable and sees a CUDA device."""
+    try:
+        return bool(_torch().cuda.is_available())
+    except ImportError:
+        return False
+
+
+def _gpu_may_exist() -> bool:
+    """PyTorch is installed and the machine has an NVIDIA device file: without both, auto picks
+    the CPU without importing PyTorch (seconds of a check's start)."""
+    return importlib.util.find_spec("torch") is not None and bool(glob.glob("/dev/nvidia[0-9]*"))
+
+
+def resolve_device(name: str, what: str = "--device") -> str:
+    """cpu or cuda for check --device's NAME (`what`: the option or argument that said it): auto
+    is cuda where PyTorch sees a CUDA device."""
+    if name == "auto":
+        return "cuda" if _gpu_may_exist() and cuda_visible() else "cpu"
+    if name == "cuda" and not cuda_visible():
+        try:
+            why = f"PyTorch {_torch().__version__} sees no CUDA device"
+        except ImportError:
+            why = "PyTorch is not installed (pip install 'attnstep[gpu]')"
+        raise DeviceError(f"{what} cuda: {why}; use cpu")
+    if name not in DEVICES:
+        raise DeviceError(f"{what} {name}: not one of {', '.join(DEVICES)}")
+    return name
+
+
+def device_argument(name: str, x) -> str:
+    """The Python API's device= argument, resolved; a ValueError or TypeError names it."""
+    if not isinstance(x, str):
+        raise TypeError(f"{name}: expected one of {', '.join(DEVICES)}, got {type(x).__name__} {x!r}")
+    try:
+        return resolve_device(x, f"{name}=")
+    except DeviceError as exc:
+        raise ValueError(str(exc)) from None
+
+
+@contextlib.contextmanager
+def on_device(device: Optional[str]) -> Iterator[None]:
+    """The model's reference arrays on `device` within the block: "cpu" or None for NumPy, "cuda"
+    for PyTorch on the GPU, "torch-cpu" for PyTorch on the CPU (the tests)."""
+    target = {None: None, "cpu": None, "cuda": "cuda", "torch-cpu": "cpu"}[device]
+    token = _TARGET.set(target)
+    try:
+        yield
+    finally:
+        _TARGET.reset(token)
+
+
+def target() -> Optional[str]:
+    """The PyTorch device the model computes on now, None for NumPy."""
+    return _TARGET.get()
+
+
+def to_device(x):
+    """x as float64 on the current device (a NumPy array itself on NumPy's)."""
+    device = _TARGET.get()
+    if device is None:
+        return np.asarray(x, dtype=np.float64)
+    torch = _torch()
+    if isinstance(x, torch.Tensor):
+        return x.to(device=device, dtype=torch.float64)
+    return torch.as_tensor(np.asarray(x, dtype=np.float64), device=device)
+
+
+def to_numpy(x) -> np.ndarray:
+    """x as a NumPy array (one transfer for a GPU tensor)."""
+    if isinstance(x, np.ndarray) or np.isscalar(x):
+        return np.asarray(x)
+    return x.detach().cpu().numpy()
+
+
+def _is_tensor(x) -> bool:
+    """x is a PyTorch tensor (PyTorch loaded only where one can exist)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
+def float64(x):
+    """x as float64 in its own namespace (NumPy for anything that is not another's array)."""
+    if not _is_tensor(x):
+        return np.asarray(x, dtype=np.float64)
+    return x if x.dtype == _torch().float64 else x.to(_torch().float64)
+
+
+def like(x, a):
+    """a (a NumPy array: a mask, a bias row) on x's namespace and device."""
+    if isinstance(x, np.ndarray):
+        return a
+    return _torch().as_tensor(np.array(a), device=x.device)  # a copy: the mask may be read-only
+
+
+def namespace(*xs):
+    """The array namespace of xs: NumPy for NumPy arrays and scalars, else array_api_compat's."""
+    if all(isinstance(x, (np.ndarray, np.generic, float, int)) for x in xs):
+        return np
+    from array_api_compat import array_namespace  # noqa: PLC0415 -- only off the NumPy path
+    return array_namespace(*[x for x in xs if not isinstance(x, (float, int))])
+
+
+def quiet(xp):
+    """Floating-point warnings off within the block (NumPy's; PyTorch raises none)."""
+    return np.errstate(all="ignore") if xp is np else contextlib.nullcontext()
+
+
+def concat_rows(parts):
+    """The parts stacked along the rows, in their namespace."""
+    xp = namespace(*parts)
+    return xp.concat(parts, axis=0) if xp is not np else np.concatenate(parts, axis=0)
+
+
+__all__ = ["DEVICES", "DeviceError", "cuda_visible", "resolve_device", "device_argument", "on_device", "target", "to_device",
+           "to_numpy", "float64", "like", "namespace", "quiet", "concat_rows"]
