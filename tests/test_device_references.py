@@ -24,9 +24,11 @@ import numpy as np
 import pytest
 
 from helpers.cli import invoke
-from verify.check.reference import compute_stage
+from verify.check import tolerance
+from verify.check.reference import compute_stage, reference_chain
 from verify.cli import check as check_cli
-from verify.model import arrays, tiles
+from verify.model import arrays, dot, tiles
+from verify.specs import flash as flash_spec
 from verify.stages import FLASH_LSE, FLASH_OUTPUT
 from verify.variant import BOTTOM_RIGHT, Variant
 
@@ -70,6 +72,39 @@ def test_torch_references_equal_numpy(name, tile_bytes, monkeypatch):
         assert seen == ["torch"], seen  # the reference was computed on PyTorch tensors
         assert isinstance(got, np.ndarray) and got.dtype == np.float64
         _close(want, got)
+
+
+KERNELS = {"cpu": {}, "gpu-fast-tf32": dict(backend="cuda", flash_kernel="cuda-fast-tf32", precision="tf32")}
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("name", VARIANTS)
+@pytest.mark.parametrize("exact", [False, True], ids=["expected-model", "exact-model"])
+def test_torch_bounds_equal_numpy(name, kernel, exact, monkeypatch):
+    """The flash forward's chained and isolated bounds, in row tiles, with rows of equal terms
+    (repeated keys: their roundings grouped). exact: small heads' exact dot-product model, which
+    the device hands to NumPy; else the long heads' expected one."""
+    _torch()
+    if not exact:
+        monkeypatch.setattr(dot, "ENERGY_EXACT_MAX_MACS", 10)
+    monkeypatch.setattr(tiles, "TILE_BYTES", 8 * 70 * 8)
+    rng = np.random.default_rng(3)
+    x = {k: rng.normal(size=(n, 16)).astype(np.float32).astype(np.float64) for k, n in (("Q", 45), ("K", 70), ("V", 70))}
+    x["K"][10:20] = x["K"][3]  # equal scores in every row
+    variant = VARIANTS[name]
+    args = dict(scale=0.3, causal=variant.causal, variant=variant, **KERNELS[kernel])
+    bounds, moved = [], []
+    numpy = flash_spec._numpy
+    monkeypatch.setattr(flash_spec, "_numpy", lambda v: (moved.append(type(v).__module__), numpy(v))[1])
+    for device in (None, "torch-cpu"):
+        with arrays.on_device(device):
+            chain = reference_chain(x, 0.3, variant.causal, [FLASH_OUTPUT, FLASH_LSE], variant=variant)
+            full = {**x, **chain}
+            bounds.append([tolerance.chained_bound(st, full, cache=tolerance.HeadCache(), **args) for st in chain] +
+                          [tolerance.stage_bound(st, x, chain[st], cache=tolerance.HeadCache(), **args) for st in chain])
+    assert moved and set(moved) == {"torch"}  # the device's results were PyTorch tensors
+    for a, b in zip(*bounds):
+        np.testing.assert_allclose(b, a, rtol=1e-12, atol=0)
 
 
 def test_a_variant_the_device_path_lacks_stays_with_numpy():

@@ -138,6 +138,32 @@ def namespace(*xs):
     return array_namespace(*[x for x in xs if not isinstance(x, (float, int))])
 
 
+def put(x, value, where):
+    """x with `value` where `where` is true: in place for NumPy (x a fresh array of the caller's),
+    a new array for another namespace (the array API has no masked assignment)."""
+    if isinstance(x, np.ndarray):
+        np.copyto(x, value, where=where)
+        return x
+    return namespace(x).where(where, value, x)
+
+
+def zeros(x, shape):
+    """float64 zeros of `shape` on x's namespace and device."""
+    if isinstance(x, np.ndarray):
+        return np.zeros(shape)
+    return _torch().zeros(shape, dtype=_torch().float64, device=x.device)
+
+
+def binade_sq(x):
+    """4^e for each x in ±[2^e, 2^(e+1)) of a float64 tensor (0 for 0 and subnormals): its bits
+    with the sign and mantissa cleared, squared (verify/model/rounding.py's binade_sq, which
+    NumPy's arrays take)."""
+    torch = _torch()
+    x = x.contiguous().to(torch.float64)
+    out = (x.view(torch.int64) & 0x7FF0000000000000).view(torch.float64)
+    return out * out
+
+
 def quiet(xp):
     """Floating-point warnings off within the block (NumPy's; PyTorch raises none)."""
     return np.errstate(all="ignore") if xp is np else contextlib.nullcontext()
@@ -150,4 +176,4 @@ def concat_rows(parts):
 
 
 __all__ = ["DEVICES", "DeviceError", "cuda_visible", "resolve_device", "device_argument", "on_device", "target", "to_device",
-           "to_numpy", "float64", "like", "namespace", "quiet", "concat_rows"]
+           "to_numpy", "float64", "like", "put", "zeros", "binade_sq", "namespace", "quiet", "concat_rows"]

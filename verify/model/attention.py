@@ -23,6 +23,8 @@ def scaled_scores(qk: np.ndarray, scale: float, head) -> np.ndarray:
     """The scores the softmax reads from QK: scale·QK, modified by the head's variant (softcap,
     ALiBi, bias), −inf where hidden. head: a HeadVariant, or the causal bool of a plain case."""
     head = as_head(head)
+    if not isinstance(qk, np.ndarray):  # a device's (verify/model/arrays.py): its masking there
+        return head.scores(qk * scale)
     s = np.multiply(qk, scale)
     if head.modifies:
         return head.scores(s)

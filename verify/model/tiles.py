@@ -17,7 +17,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .arrays import concat_rows
+from .arrays import concat_rows, like, namespace
 from .dot import _HEAD_ROWS, _expected_var, exact_energy, head_rows
 from .kernels import MMA_K
 from .rounding import FLUSH, ULP_IN_U, HeadCache, finite_abs
@@ -79,8 +79,13 @@ def stack_rows(parts: Sequence, heights: Sequence[int]):
     """The tiles' row blocks as one array (a scalar, where every tile's is that scalar)."""
     if all(np.ndim(p) == 0 for p in parts) and all(p == parts[0] for p in parts):
         return parts[0]
-    width = next(np.shape(p)[1:] for p in parts if np.ndim(p))
-    return np.concatenate([np.broadcast_to(p, (h,) + width) for p, h in zip(parts, heights)], axis=0)
+    ref = next(p for p in parts if np.ndim(p))
+    width = tuple(ref.shape[1:])
+    if isinstance(ref, np.ndarray):
+        return np.concatenate([np.broadcast_to(p, (h,) + width) for p, h in zip(parts, heights)], axis=0)
+    xp = namespace(ref)  # a device's parts (a scalar among them moved there)
+    return concat_rows([xp.broadcast_to(like(ref, p) if isinstance(p, (float, int, np.ndarray, np.generic)) else p,
+                                        (h,) + width) for p, h in zip(parts, heights)])
 
 
 class QuerySum:

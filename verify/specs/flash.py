@@ -56,10 +56,20 @@ def _output_isolated(src, ref, problem: Problem):
 def _forward_rows(Q, K, V, problem: Problem):
     """flash_output's (variance, one-signed part), computed in the same pass over the row tiles
     as flash_lse's row sums, which the head's cache keeps for flash_lse's bound (lse_var_det)."""
-    out, sums = flash_forward_rows(Q, K, V, *problem.model_args)
     scale, head, u, kernel, cache = problem.model_args
+    if on_device_of(as_head(head)):
+        # Q, K, V moved to the device once; the row results (N×d and N×1) come back once.
+        out, sums = flash_forward_rows(to_device(Q), to_device(K), to_device(V), scale, head, u, kernel, None)
+        out, sums = tuple(map(_numpy, out)), tuple(map(_numpy, sums))
+    else:
+        out, sums = flash_forward_rows(Q, K, V, *problem.model_args)
     memo(cache, "flash_lse sums", (Q, K), (scale, as_head(head), u, kernel), lambda: sums)
     return out
+
+
+def _numpy(x):
+    """A device's result as NumPy (a scalar as it is)."""
+    return x if isinstance(x, (float, int)) else to_numpy(x)
 
 
 def lse_var_det(Q, K, lse, scale, head, u, kernel, cache):
