@@ -73,12 +73,11 @@ def _parse_tol(values) -> Dict[str, Tuple[float, float]]:
 
 CHECK_HELP = f"""Check every stage of a run against a float64 reference.
 
-Compares each stage file in OUT with a NumPy float64 reference computed from the input case IN,
-prints a stage table and the first failing stage with a diagnosis. Exit status 0: every stage
-passes; 1: a stage fails; 2: bad input. The tolerances: {TOLERANCES_DOC}. The variant of
-attention overrides IN's manifest, else run.toml's ({CLI_DOC}): --causal [ALIGN], --no-causal,
---align ALIGN (top-left or bottom-right), --window LEFT,RIGHT, --softcap C, --alibi/--no-alibi,
---dropout P; --split-size K (split-KV).
+Compares each stage file in OUT with a float64 reference from the input case IN, prints a stage
+table and the first failing stage with a diagnosis. Exit status 0: all pass; 1: a stage fails; 2:
+bad input. Tolerances: {TOLERANCES_DOC}. The variant overrides IN's manifest, else run.toml's
+({CLI_DOC}): --causal [ALIGN], --no-causal, --align ALIGN, --window
+LEFT,RIGHT, --softcap C, --alibi/--no-alibi, --dropout P; --split-size K.
 """
 
 
@@ -159,9 +158,8 @@ def _plot(report, plot_dir: Path, opts: Options, quiet: bool) -> None:
 @click.option("--per-head", is_flag=True, help="One table row per stage x head.")
 @click.option("--jobs", type=click.IntRange(min=0), default=0, show_default=True, metavar="N",
               help="Processes checking heads; 0: as many as cores and memory allow.")
-@click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True,
-              help="Where the flash stages' float64 references run: cuda (a GPU, through PyTorch), cpu, or auto "
-              "(cuda where PyTorch sees one).")
+@click.option("--device", type=click.Choice(DEVICES), default="auto", metavar="DEVICE",
+              help="Flash references on cuda, cpu or auto.")
 @click.option("--allow-nonfinite", is_flag=True, help="Accept NaN/Inf in the inputs (NaN passes where "
               "the reference has NaN).")
 @click.option("--max-memory-mb", type=click.IntRange(1, MAX_MEMORY_MB), metavar="MB",

@@ -87,6 +87,14 @@ def on_device(device: Optional[str]) -> Iterator[None]:
         _TARGET.reset(token)
 
 
+def device_jobs(device: str, jobs: int) -> int:
+    """The processes that check heads on `device`: `jobs` on NumPy's; on a GPU one, this one, the
+    heads one after another: the pool's workers are forked, and a process that has started CUDA
+    cannot be forked (the child's CUDA state is unusable); one GPU runs one head's tiles at a time
+    anyway."""
+    return jobs if device == "cpu" else 1
+
+
 def target() -> Optional[str]:
     """The PyTorch device the model computes on now, None for NumPy."""
     return _TARGET.get()
@@ -175,5 +183,5 @@ def concat_rows(parts):
     return xp.concat(parts, axis=0) if xp is not np else np.concatenate(parts, axis=0)
 
 
-__all__ = ["DEVICES", "DeviceError", "cuda_visible", "resolve_device", "device_argument", "on_device", "target", "to_device",
+__all__ = ["DEVICES", "DeviceError", "cuda_visible", "resolve_device", "device_argument", "device_jobs", "on_device", "target", "to_device",
            "to_numpy", "float64", "like", "put", "zeros", "binade_sq", "namespace", "quiet", "concat_rows"]
