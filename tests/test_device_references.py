@@ -23,6 +23,8 @@ import sys
 import numpy as np
 import pytest
 
+import attnstep
+
 from helpers.cli import invoke
 from verify.check import tolerance
 from verify.check.reference import compute_stage, reference_chain
@@ -227,6 +229,20 @@ def test_cuda_without_a_gpu_is_one_line(tmp_path):
     r = invoke("check", "--in", tmp_path / "in", "--out", tmp_path / "out", "--device", "cuda")
     assert r.exit_code == 2
     assert "--device cuda:" in r.output and "Traceback" not in r.output and len(r.output.strip().splitlines()) == 1
+
+
+def test_the_python_api_takes_a_device():
+    rng = np.random.default_rng(5)
+    q, k, v = (rng.normal(size=(2, 20, 8)).astype(np.float32) for _ in range(3))
+    s = np.einsum("hnd,hmd->hnm", q.astype(np.float64), k.astype(np.float64)) / np.sqrt(8)
+    p = np.exp(s - s.max(axis=-1, keepdims=True))
+    stages = {"flash_output": ((p / p.sum(axis=-1, keepdims=True)) @ v).astype(np.float32)}
+    assert attnstep.check_arrays(q, k, v, stages, device="cpu").passed
+    with pytest.raises(TypeError, match="^device: expected one of auto, cpu, cuda"):
+        attnstep.check_arrays(q, k, v, stages, device=1)
+    if not arrays.cuda_visible():
+        with pytest.raises(ValueError, match="^device='cuda': "):
+            attnstep.check_arrays(q, k, v, stages, device="cuda")
 
 
 @pytest.mark.gpu

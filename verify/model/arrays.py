@@ -49,9 +49,10 @@ def _gpu_may_exist() -> bool:
     return importlib.util.find_spec("torch") is not None and bool(glob.glob("/dev/nvidia[0-9]*"))
 
 
-def resolve_device(name: str, what: str = "--device") -> str:
-    """cpu or cuda for check --device's NAME (`what`: the option or argument that said it): auto
+def resolve_device(name: str, said: Optional[str] = None) -> str:
+    """cpu or cuda for check --device's NAME (`said`: how the user said it, for a message): auto
     is cuda where PyTorch sees a CUDA device."""
+    said = f"--device {name}" if said is None else said
     if name == "auto":
         return "cuda" if _gpu_may_exist() and cuda_visible() else "cpu"
     if name == "cuda" and not cuda_visible():
@@ -59,9 +60,9 @@ def resolve_device(name: str, what: str = "--device") -> str:
             why = f"PyTorch {_torch().__version__} sees no CUDA device"
         except ImportError:
             why = "PyTorch is not installed (pip install 'attnstep[gpu]')"
-        raise DeviceError(f"{what} cuda: {why}; use cpu")
+        raise DeviceError(f"{said}: {why}; use cpu")
     if name not in DEVICES:
-        raise DeviceError(f"{what} {name}: not one of {', '.join(DEVICES)}")
+        raise DeviceError(f"{said}: not one of {', '.join(DEVICES)}")
     return name
 
 
@@ -70,7 +71,7 @@ def device_argument(name: str, x) -> str:
     if not isinstance(x, str):
         raise TypeError(f"{name}: expected one of {', '.join(DEVICES)}, got {type(x).__name__} {x!r}")
     try:
-        return resolve_device(x, f"{name}=")
+        return resolve_device(x, f"{name}={x!r}")
     except DeviceError as exc:
         raise ValueError(str(exc)) from None
 
