@@ -113,7 +113,8 @@ def test_torch_bounds_equal_numpy(name, kernel, exact, monkeypatch):
         monkeypatch.setattr(dot, "ENERGY_EXACT_MAX_MACS", 10)
     monkeypatch.setattr(tiles, "TILE_BYTES", 8 * 70 * 8)
     rng = np.random.default_rng(3)
-    x = {k: rng.normal(size=(n, 16)).astype(np.float32).astype(np.float64) for k, n in (("Q", 45), ("K", 70), ("V", 70))}
+    x = {k: rng.normal(size=(n, 16)).astype(np.float32).astype(np.float64)
+         for k, n in (("Q", 45), ("K", 70), ("V", 70))}
     x["K"][10:20] = x["K"][3]  # equal scores in every row
     variant = VARIANTS[name]
     args = dict(scale=0.3, causal=variant.causal, variant=variant, **KERNELS[kernel])
@@ -124,8 +125,9 @@ def test_torch_bounds_equal_numpy(name, kernel, exact, monkeypatch):
         with arrays.on_device(device):
             chain = reference_chain(x, 0.3, variant.causal, [FLASH_OUTPUT, FLASH_LSE], variant=variant)
             full = {**x, **chain}
-            bounds.append([tolerance.chained_bound(st, full, cache=tolerance.HeadCache(), **args) for st in chain] +
-                          [tolerance.stage_bound(st, x, chain[st], cache=tolerance.HeadCache(), **args) for st in chain])
+            bounds.append([tolerance.chained_bound(st, full, cache=tolerance.HeadCache(), **args) for st in chain]
+                          + [tolerance.stage_bound(st, x, chain[st], cache=tolerance.HeadCache(), **args)
+                             for st in chain])
     assert moved and set(moved) == {"torch"}  # the device's results were PyTorch tensors
     for a, b in zip(*bounds):
         np.testing.assert_allclose(b, a, rtol=1e-12, atol=0)

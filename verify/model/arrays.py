@@ -184,5 +184,6 @@ def concat_rows(parts):
     return xp.concat(parts, axis=0) if xp is not np else np.concatenate(parts, axis=0)
 
 
-__all__ = ["DEVICES", "DeviceError", "cuda_visible", "resolve_device", "device_argument", "device_jobs", "on_device", "target", "to_device",
-           "to_numpy", "float64", "like", "put", "zeros", "binade_sq", "namespace", "quiet", "concat_rows"]
+__all__ = ["DEVICES", "DeviceError", "cuda_visible", "resolve_device", "device_argument", "device_jobs",
+           "on_device", "target", "to_device", "to_numpy", "float64", "like", "put", "zeros", "binade_sq",
+           "namespace", "quiet", "concat_rows"]

@@ -132,7 +132,7 @@ def _rowsum_step_var(p: np.ndarray, u: float) -> np.ndarray:
         top = xp.max(p[r0:r0 + rows], axis=1, keepdims=True)
         l = 1.0 / xp.where(top > 0, top, 1.0)  # a wholly masked row (p = 0) sums nothing
         eb = p[r0:r0 + rows] * l
-        equal = EqualTerms(xp.astype(eb, xp.float32))  # the terms as the program adds them
+        equal = EqualTerms(eb.astype(np.float32) if xp is np else xp.astype(eb, xp.float32))  # as added
         s = np.cumsum(eb, axis=1) if xp is np else xp.cumulative_sum(eb, axis=1)
         t2 = eb * eb
         fwd = correlated_sum(step_var(s, eb, u, t2), equal)

@@ -9,7 +9,8 @@ the query rows take the exact partial-sum model (small heads: dot.exact_energy),
 whole head, computed as it always was. Memory: O((N + M)·d) per head plus a tile's matrices.
 
 Only what the array API offers is used on the arrays (matmul, elementwise arithmetic, sums and
-maxima along an axis, concatenation), so that the loop can later run on another array namespace.
+maxima along an axis, concatenation), so that the loop runs on the check's device too, its arrays
+in that namespace (verify/model/arrays.py): the flash forward's, and the gradients' references.
 """
 from __future__ import annotations
 
