@@ -10,7 +10,8 @@ float64 on the CPU, which is the code `check --device cuda` runs on a GPU.
 * The check of the CPU binary's flash run (forward and backward, grouped K/V heads, causal) and of
   a NumPy program's flash output with no run.toml reports the same verdicts and bounds on either;
   a planted bug (a base-2 lse) fails with the same diagnosis.
-* `--device cpu` never imports PyTorch; `--device cuda` without a GPU is one line, exit 2.
+* `--device cpu` never imports PyTorch; `--device cuda` without a GPU is one line, exit 2; auto
+  keeps small heads, and a check asked for several processes, on NumPy.
 * On a GPU (marked gpu): `check --device cuda` reports what `--device cpu` does.
 Without PyTorch (or array_api_compat) the PyTorch tests skip with the reason.
 """
@@ -231,6 +232,15 @@ def test_cuda_without_a_gpu_is_one_line(tmp_path):
     r = invoke("check", "--in", tmp_path / "in", "--out", tmp_path / "out", "--device", "cuda")
     assert r.exit_code == 2
     assert "--device cuda:" in r.output and "Traceback" not in r.output and len(r.output.strip().splitlines()) == 1
+
+
+def test_auto_keeps_small_heads_and_several_processes_on_numpy():
+    for scores, jobs in ((arrays.AUTO_MIN_SCORES - 1, 0), (arrays.AUTO_MIN_SCORES, 2)):
+        with arrays.on_device("auto", scores, jobs) as device:
+            assert device == "cpu" and arrays.target() is None
+    if not arrays.cuda_visible():
+        with arrays.on_device("auto", arrays.AUTO_MIN_SCORES, 0) as device:
+            assert device == "cpu"
 
 
 def test_the_python_api_takes_a_device():

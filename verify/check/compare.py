@@ -331,8 +331,8 @@ def check_run(run: RunInfo, case: InputCase, opts: Options, progress: Optional[C
     advance = None if progress is None else (lambda kv: [progress(h) for h in dims.query_heads_of(kv)])
     jobs = head_jobs(run, opts.jobs, opts.max_memory_mb) if packed is None else \
         head_jobs(packed.sizing_run(), opts.jobs, opts.max_memory_mb, packed.held_bytes())
-    with on_device(opts.device):  # (with a GPU, one process: device_jobs)
-        results = map_heads(checker.check, dims.total_kv_heads, device_jobs(opts.device, jobs), advance, tune_process)
+    with on_device(opts.device, dims.seq_q * dims.seq_k, opts.jobs) as device:  # (a GPU: one process)
+        results = map_heads(checker.check, dims.total_kv_heads, device_jobs(device, jobs), advance, tune_process)
     apply_mismatches(run, results)
     report = Report(run, case, results, foreign_stage_files(run), _program_checks(run, opts), _keep_rate(run, results))
     if packed is not None and diagnoser is not None:  # pages or new keys read from the wrong place

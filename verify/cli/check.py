@@ -82,7 +82,7 @@ LEFT,RIGHT, --softcap C, --alibi/--no-alibi, --dropout P; --split-size K.
 
 
 def _device(name: str) -> str:
-    """check --device's choice, resolved (auto: cuda where PyTorch sees a GPU)."""
+    """check --device's choice, checked (auto is decided per run: arrays.on_device)."""
     try:
         return resolve_device(name)
     except DeviceError as exc:

@@ -49,12 +49,15 @@ def _gpu_may_exist() -> bool:
     return importlib.util.find_spec("torch") is not None and bool(glob.glob("/dev/nvidia[0-9]*"))
 
 
+# auto takes the GPU for heads of at least this many scores (N·M): below, moving a head there and
+# back costs about what its NumPy check does, and NumPy's worker processes share the heads out.
+AUTO_MIN_SCORES = 1 << 22
+
+
 def resolve_device(name: str, said: Optional[str] = None) -> str:
-    """cpu or cuda for check --device's NAME (`said`: how the user said it, for a message): auto
-    is cuda where PyTorch sees a CUDA device."""
+    """check --device's NAME, checked (`said`: how the user said it, for a message): cuda where
+    PyTorch sees a CUDA device (else a DeviceError), cpu, or auto (decided per run: on_device)."""
     said = f"--device {name}" if said is None else said
-    if name == "auto":
-        return "cuda" if _gpu_may_exist() and cuda_visible() else "cpu"
     if name == "cuda" and not cuda_visible():
         try:
             why = f"PyTorch {_torch().__version__} sees no CUDA device"
@@ -77,13 +80,18 @@ def device_argument(name: str, x) -> str:
 
 
 @contextlib.contextmanager
-def on_device(device: Optional[str]) -> Iterator[None]:
-    """The model's reference arrays on `device` within the block: "cpu" or None for NumPy, "cuda"
-    for PyTorch on the GPU, "torch-cpu" for PyTorch on the CPU (the tests)."""
+def on_device(device: Optional[str], scores: int = 0, jobs: int = 0) -> Iterator[str]:
+    """The model's reference arrays on `device` within the block, which it yields: "cpu" or None
+    for NumPy, "cuda" for PyTorch on the GPU, "torch-cpu" for PyTorch on the CPU (the tests); "auto"
+    is cuda for heads of AUTO_MIN_SCORES scores or more (`scores`: N·M) where PyTorch sees a CUDA
+    device and no more than one process (`jobs`: check --jobs, 0 for the default) was asked for."""
+    if device == "auto":
+        device = "cuda" if (scores >= AUTO_MIN_SCORES and jobs <= 1 and _gpu_may_exist() and cuda_visible()) \
+            else "cpu"
     target = {None: None, "cpu": None, "cuda": "cuda", "torch-cpu": "cpu"}[device]
     token = _TARGET.set(target)
     try:
-        yield
+        yield device or "cpu"
     finally:
         _TARGET.reset(token)
 
