@@ -32,7 +32,7 @@ from verify.check.reference import compute_stage, reference_chain
 from verify.cli import check as check_cli
 from verify.model import arrays, dot, tiles
 from verify.specs import flash as flash_spec
-from verify.specs.backward import flash_tiles
+from verify.specs.backward import flash_bounds, flash_tiles
 from verify.stages import FLASH_GRAD_KEYS, FLASH_GRAD_QUERIES, FLASH_GRAD_VALUES, FLASH_LSE, FLASH_OUTPUT
 from verify.variant import BOTTOM_RIGHT, Variant
 
@@ -42,6 +42,7 @@ def _torch():
     return pytest.importorskip("torch", reason="PyTorch is not installed (pip install 'attnstep[gpu]')")
 
 
+FLASH = (FLASH_OUTPUT, FLASH_LSE, FLASH_GRAD_QUERIES, FLASH_GRAD_KEYS, FLASH_GRAD_VALUES)
 VARIANTS = {
     "plain": Variant(),
     "causal": Variant(causal=True),
@@ -99,6 +100,13 @@ def test_torch_gradient_references_equal_numpy(name, monkeypatch):
         _close(want[st], got[st])
 
 
+def _first_leaf(x) -> str:
+    """The module of the first array in nested tuples."""
+    while isinstance(x, tuple):
+        x = x[0]
+    return type(x).__module__
+
+
 KERNELS = {"cpu": {}, "gpu-fast-tf32": dict(backend="cuda", flash_kernel="cuda-fast-tf32", precision="tf32")}
 
 
@@ -106,30 +114,36 @@ KERNELS = {"cpu": {}, "gpu-fast-tf32": dict(backend="cuda", flash_kernel="cuda-f
 @pytest.mark.parametrize("name", VARIANTS)
 @pytest.mark.parametrize("exact", [False, True], ids=["expected-model", "exact-model"])
 def test_torch_bounds_equal_numpy(name, kernel, exact, monkeypatch):
-    """The flash forward's chained and isolated bounds, in row tiles, with rows of equal terms
-    (repeated keys: their roundings grouped). exact: small heads' exact dot-product model, which
-    the device hands to NumPy; else the long heads' expected one."""
+    """Every flash stage's chained and isolated bounds (the isolated from a program's float32
+    flash_output and flash_lse), in row tiles, with rows of equal terms (repeated keys: their
+    roundings grouped). exact: small heads' exact dot-product model, which the device hands to
+    NumPy; else the long heads' expected one."""
     _torch()
     if not exact:
         monkeypatch.setattr(dot, "ENERGY_EXACT_MAX_MACS", 10)
     monkeypatch.setattr(tiles, "TILE_BYTES", 8 * 70 * 8)
     rng = np.random.default_rng(3)
     x = {k: rng.normal(size=(n, 16)).astype(np.float32).astype(np.float64)
-         for k, n in (("Q", 45), ("K", 70), ("V", 70))}
+         for k, n in (("Q", 45), ("K", 70), ("V", 70), ("dO", 45))}
     x["K"][10:20] = x["K"][3]  # equal scores in every row
     variant = VARIANTS[name]
     args = dict(scale=0.3, causal=variant.causal, variant=variant, **KERNELS[kernel])
     bounds, moved = [], []
-    numpy = flash_spec._numpy
+    numpy, numpy_all = flash_spec._numpy, flash_bounds.to_numpy_all
     monkeypatch.setattr(flash_spec, "_numpy", lambda v: (moved.append(type(v).__module__), numpy(v))[1])
+    monkeypatch.setattr(flash_bounds, "to_numpy_all", lambda v: (moved.append(_first_leaf(v)), numpy_all(v))[1])
     for device in (None, "torch-cpu"):
+        flash_tiles._LAST.clear()
         with arrays.on_device(device):
-            chain = reference_chain(x, 0.3, variant.causal, [FLASH_OUTPUT, FLASH_LSE], variant=variant)
+            chain = reference_chain(x, 0.3, variant.causal, FLASH, variant=variant)
             full = {**x, **chain}
-            bounds.append([tolerance.chained_bound(st, full, cache=tolerance.HeadCache(), **args) for st in chain]
-                          + [tolerance.stage_bound(st, x, chain[st], cache=tolerance.HeadCache(), **args)
-                             for st in chain])
-    assert moved and set(moved) == {"torch"}  # the device's results were PyTorch tensors
+            own = {**x, **{s: chain[s].astype(np.float32).astype(np.float64) for s in (FLASH_OUTPUT, FLASH_LSE)}}
+            bounds.append([tolerance.chained_bound(st, full, cache=tolerance.HeadCache(), **args) for st in FLASH]
+                          + [tolerance.stage_bound(st, own, chain[st], cache=tolerance.HeadCache(), **args)
+                             for st in FLASH])
+    flash_tiles._LAST.clear()
+    # the device's results were PyTorch tensors: the forward's rows, the backward's chain and own
+    assert moved and set(moved) == {"torch"} and len(moved) >= 4, moved
     for a, b in zip(*bounds):
         np.testing.assert_allclose(b, a, rtol=1e-12, atol=0)
 

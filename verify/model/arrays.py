@@ -133,6 +133,14 @@ def _is_tensor(x) -> bool:
     return torch is not None and isinstance(x, torch.Tensor)
 
 
+def to_numpy_all(x):
+    """x's arrays, in tuples (named ones too) at any depth, as NumPy arrays; scalars as they are."""
+    if isinstance(x, tuple):
+        parts = [to_numpy_all(v) for v in x]
+        return type(x)(*parts) if hasattr(x, "_fields") else tuple(parts)
+    return x if isinstance(x, (float, int)) or x is None else to_numpy(x)
+
+
 def float64(x):
     """x as float64 in its own namespace (NumPy for anything that is not another's array)."""
     if not _is_tensor(x):
@@ -193,5 +201,5 @@ def concat_rows(parts):
 
 
 __all__ = ["DEVICES", "DeviceError", "cuda_visible", "resolve_device", "device_argument", "device_jobs",
-           "on_device", "target", "to_device", "to_numpy", "float64", "like", "put", "zeros", "binade_sq",
+           "on_device", "target", "to_device", "to_numpy", "to_numpy_all", "float64", "like", "put", "zeros", "binade_sq",
            "namespace", "quiet", "concat_rows"]

@@ -307,9 +307,15 @@ def dot_var(A: np.ndarray, B: np.ndarray, u: float, product_var: float = ROUND_V
 def rowdot_var(A: np.ndarray, B: np.ndarray, u: float, product_var: float = ROUND_VAR) -> np.ndarray:
     """Variance (R×1) of the float32 error of the row-wise dot products Σ_k A[i, k]·B[i, k] (A and
     B both R×K), under dot_var's model: row i's is dot_var(A[i:i+1], B[i:i+1].T)."""
-    A = np.asarray(A, dtype=np.float64)
-    B = np.asarray(B, dtype=np.float64)
+    A, B = float64(A), float64(B)
     R, K = A.shape
+    if not isinstance(A, np.ndarray):  # a device's: its expected model there, the exact one in NumPy
+        if exact_energy(_rows(R), K, 1):
+            return like(A, rowdot_var(to_numpy(A), to_numpy(B), u, product_var))
+        t = A * B
+        xp = namespace(t)
+        return _expected_var(xp.sum(t, axis=1, keepdims=True), xp.sum(t * t, axis=1, keepdims=True), K, u,
+                             product_var)
     if not exact_energy(_rows(R), K, 1):
         t = A * B
         return _expected_var(t.sum(axis=1, keepdims=True), np.einsum("ij,ij->i", t, t)[:, None], K,

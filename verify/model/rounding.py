@@ -154,5 +154,7 @@ def finish(ref: np.ndarray, var: np.ndarray, det: np.ndarray, floor) -> np.ndarr
 def finite_abs(x: np.ndarray) -> np.ndarray:
     """|x| with non-finite entries (inputs accepted with --allow-nonfinite) as 0: a floor must
     stay finite, or an Inf would let every value of its row or column pass."""
-    x = np.abs(np.asarray(x, np.float64))
-    return np.where(np.isfinite(x), x, 0.0)
+    x = arrays.float64(x)
+    xp = namespace(x)
+    x = xp.abs(x)
+    return xp.where(xp.isfinite(x), x, 0.0)

@@ -10,7 +10,7 @@ whole head, computed as it always was. Memory: O((N + M)·d) per head plus a til
 
 Only what the array API offers is used on the arrays (matmul, elementwise arithmetic, sums and
 maxima along an axis, concatenation), so that the loop runs on the check's device too, its arrays
-in that namespace (verify/model/arrays.py): the flash forward's, and the gradients' references.
+in that namespace (verify/model/arrays.py).
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .arrays import concat_rows, like, namespace
+from .arrays import concat_rows, like, namespace, zeros
 from .dot import _HEAD_ROWS, _expected_var, exact_energy, head_rows
 from .kernels import MMA_K
 from .rounding import FLUSH, ULP_IN_U, HeadCache, finite_abs
@@ -117,7 +117,8 @@ class QuerySum:
         """The variance; single(X, Y): the whole head's (a cached dot_var of Xᵀ·Y)."""
         if self.pair is not None:
             return single(*self.pair)
-        return _expected_var(np.array(self.sum), np.array(self.squares), self.n, u, product_var)
+        own = np.array if isinstance(self.sum, np.ndarray) else (lambda x: x)  # (a device's: out of place)
+        return _expected_var(own(self.sum), own(self.squares), self.n, u, product_var)
 
 
 class Total:
@@ -141,11 +142,12 @@ class MmaCarry:
     def add(self, X: np.ndarray, Y: np.ndarray) -> None:
         A = X.T
         if self.partial is None:
-            self.partial = np.zeros((A.shape[0], Y.shape[1]))
-            self.total = np.zeros_like(self.partial)
+            self.partial = zeros(A, (A.shape[0], Y.shape[1]))
+            self.total = zeros(A, (A.shape[0], Y.shape[1]))
+        xp = namespace(A)
         for k0 in range(0, A.shape[1], MMA_K):
             self.partial += A[:, k0:k0 + MMA_K] @ Y[k0:k0 + MMA_K]
-            self.total += np.abs(self.partial)
+            self.total += xp.abs(self.partial)
 
     def det(self, u: float, passes: int) -> np.ndarray:
         return passes * ULP_IN_U * u * self.total
@@ -154,7 +156,7 @@ class MmaCarry:
 def smallest(x: np.ndarray) -> float:
     """The smallest nonzero element of x (inf for none): dot.flush_sum's test, over tiles."""
     nz = x[x != 0]
-    return float(nz.min()) if nz.size else np.inf
+    return float(nz.min()) if nz.shape[0] else np.inf
 
 
 __all__ = ["TILE_BYTES", "row_tiles", "over_rows", "stack_over_rows", "flush_max", "rows_of", "stack_rows", "QuerySum", "Total", "MmaCarry", "smallest"]

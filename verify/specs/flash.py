@@ -20,7 +20,7 @@ from typing import List
 
 import numpy as np
 
-from ..model.arrays import target, to_device, to_numpy
+from ..model.arrays import like, namespace, target, to_device, to_numpy
 from ..model.attention import log_sum_exp_rows
 from ..model.flash import flash_forward_rows, flash_lse_sums
 from ..model.rounding import FLUSH, ROUND_VAR, ULP_IN_U, finite_abs, memo
@@ -80,18 +80,19 @@ def lse_var_det(Q, K, lse, scale, head, u, kernel, cache):
     head = as_head(head)
     m, eta_sum, l_var, det = memo(cache, "flash_lse sums", (Q, K), (scale, head, u, kernel),
                                   lambda: flash_lse_sums(Q, K, scale, head, u, kernel, cache))
-    finite = np.isfinite(lse)
-    lse = np.where(finite, lse, 0.0)
-    log_l = np.where(finite, lse - m, 0.0)
-    magnitude = np.abs(m) + np.abs(lse)
+    xp = namespace(lse)
+    finite = xp.isfinite(lse)
+    lse = xp.where(finite, lse, 0.0)
+    log_l = xp.where(finite, lse - m, 0.0)
+    magnitude = xp.abs(m) + xp.abs(lse)
     shift = head.flash_shift(Q.shape[0], K.shape[0])
     if shift is not None:
-        magnitude = magnitude + 2 * np.abs(shift)
+        magnitude = magnitude + like(magnitude, 2 * np.abs(shift))
     var = (eta_sum + l_var
            + ROUND_VAR * u * u * ((kernel.log_ulps * ULP_IN_U * log_l) ** 2
                                   + kernel.lse_roundings * magnitude ** 2 / 4)
            + kernel.log_abs ** 2 / 3)
-    return np.where(finite, var, 0.0), det
+    return xp.where(finite, var, 0.0), det
 
 
 def _lse_isolated(src, ref, problem: Problem):

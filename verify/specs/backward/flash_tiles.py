@@ -11,7 +11,7 @@ from typing import Dict, Optional, Tuple
 
 import numpy as np
 
-from ...model.arrays import to_device, to_numpy
+from ...model.arrays import namespace, to_device, to_numpy
 from ...model.backward import transposed_gemm_var
 from ...model.rounding import FLUSH, HeadCache, finite_abs
 from ...model.scores import HeadVariant
@@ -123,13 +123,13 @@ class QueryGrad:
     def add(self, X, E, Y, det_x, mma: bool) -> None:
         self.err.add((E * E).T @ (Y * Y))
         self.gemm.add(X, Y)
-        self.det.add(det_x.T @ np.abs(Y))
+        self.det.add(det_x.T @ namespace(Y).abs(Y))
         if mma:
             self.mma.add(X, Y)
 
     def add_lost(self, lost_x, Y) -> None:
         """The flushed entries' part of the one-signed bound."""
-        self.det.add(lost_x.T @ np.abs(Y))
+        self.det.add(lost_x.T @ namespace(Y).abs(Y))
 
     def add_floor(self, X, Y) -> None:
         """X and Y's part of dot.flush_sum(Xᵀ, Y) (the chained floor)."""
@@ -140,7 +140,7 @@ class QueryGrad:
     def floor(self):
         if self.small_x * self.small_y >= FLUSH * 2.0**24:
             return np.zeros((1, 1))
-        return np.minimum(self.flushed.value, self.n * FLUSH)
+        return namespace(self.flushed.value).minimum(self.flushed.value, self.n * FLUSH)
 
     def var(self, u: float, cache, what: str, product_var: float) -> np.ndarray:
         """The variance once every tile is in (its GEMM's part kept as gemm_var)."""
