@@ -64,6 +64,7 @@ def _close(a: np.ndarray, b: np.ndarray) -> None:
 def test_torch_references_equal_numpy(name, tile_bytes, monkeypatch):
     _torch()
     monkeypatch.setattr(tiles, "TILE_BYTES", tile_bytes)
+    monkeypatch.setattr(tiles, "DEVICE_TILE_BYTES", tile_bytes)
     rng = np.random.default_rng(1)
     src = {k: rng.normal(size=(n, 16)).astype(np.float32) for k, n in (("Q", 45), ("K", 70), ("V", 70))}
     variant = VARIANTS[name]
@@ -84,6 +85,7 @@ def test_torch_gradient_references_equal_numpy(name, monkeypatch):
     """flash_dQ, flash_dK, flash_dV's references (a row tile at a time) on PyTorch tensors."""
     _torch()
     monkeypatch.setattr(tiles, "TILE_BYTES", 8 * 70 * 8)
+    monkeypatch.setattr(tiles, "DEVICE_TILE_BYTES", 8 * 70 * 8)
     rng = np.random.default_rng(4)
     x = {k: rng.normal(size=(n, 16)) for k, n in (("Q", 45), ("K", 70), ("V", 70), ("dO", 45))}
     variant, grads = VARIANTS[name], (FLASH_GRAD_QUERIES, FLASH_GRAD_KEYS, FLASH_GRAD_VALUES)
@@ -122,6 +124,7 @@ def test_torch_bounds_equal_numpy(name, kernel, exact, monkeypatch):
     if not exact:
         monkeypatch.setattr(dot, "ENERGY_EXACT_MAX_MACS", 10)
     monkeypatch.setattr(tiles, "TILE_BYTES", 8 * 70 * 8)
+    monkeypatch.setattr(tiles, "DEVICE_TILE_BYTES", 8 * 70 * 8)
     rng = np.random.default_rng(3)
     x = {k: rng.normal(size=(n, 16)).astype(np.float32).astype(np.float64)
          for k, n in (("Q", 45), ("K", 70), ("V", 70), ("dO", 45))}
@@ -146,6 +149,16 @@ def test_torch_bounds_equal_numpy(name, kernel, exact, monkeypatch):
     assert moved and set(moved) == {"torch"} and len(moved) >= 4, moved
     for a, b in zip(*bounds):
         np.testing.assert_allclose(b, a, rtol=1e-12, atol=0)
+
+
+def test_a_device_takes_larger_row_tiles():
+    """A few MB of scores a tile in NumPy; hundreds of MB on a GPU (its launches amortized)."""
+    n = m = 1 << 14
+    cpu = tiles.row_tiles(n, m, 128)
+    with arrays.on_device("torch-cpu"):
+        gpu = tiles.row_tiles(n, m, 128)
+    assert len(cpu) == 8 * n * m // tiles.TILE_BYTES and len(gpu) == 8 * n * m // tiles.DEVICE_TILE_BYTES
+    assert all(a % 16 == 0 for a, _ in gpu) and gpu[-1][1] == n
 
 
 def test_a_variant_the_device_path_lacks_stays_with_numpy():
@@ -190,6 +203,7 @@ def test_the_binary_flash_run_reports_the_same(tmp_path, binary, monkeypatch):
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     monkeypatch.setattr(tiles, "TILE_BYTES", 8 * 70 * 8)
+    monkeypatch.setattr(tiles, "DEVICE_TILE_BYTES", 8 * 70 * 8)
     reports = [_check_json(tmp_path, case, out, d, monkeypatch) for d in ("cpu", "torch-cpu")]
     assert reports[0]["passed"]
     _same_report(*reports)

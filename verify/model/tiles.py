@@ -18,7 +18,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .arrays import concat_rows, like, namespace, zeros
+from .arrays import concat_rows, like, namespace, target, zeros
 from .dot import _HEAD_ROWS, _expected_var, exact_energy, head_rows
 from .kernels import MMA_K
 from .rounding import FLUSH, ULP_IN_U, HeadCache, finite_abs
@@ -26,14 +26,19 @@ from .rounding import FLUSH, ULP_IN_U, HeadCache, finite_abs
 # The float64 scores of one tile: its dozen or so temporaries stay within a few tens of MB.
 TILE_BYTES = 4 << 20
 
+# On a GPU (verify/model/arrays.py): its dozen temporaries a few GB of the device's memory, and few
+# enough tiles that the time goes to arithmetic, not to launching each tile's few hundred kernels.
+DEVICE_TILE_BYTES = 256 << 20
+
 
 def row_tiles(n: int, m: int, d: int) -> List[Tuple[int, int]]:
     """[start, stop) of the row tiles of an n×m head of width d: one tile for a head that fits in
-    TILE_BYTES of scores, whose query sums take the exact model, or that is itself a tile; else
+    TILE_BYTES of scores (DEVICE_TILE_BYTES on a GPU), whose query sums take the exact model, or that is itself a tile; else
     tiles of a multiple of MMA_K rows (the tensor-core chunks of a sum over the queries)."""
-    if _HEAD_ROWS.get() is not None or 8 * n * m <= TILE_BYTES or exact_energy(m, n, max(1, d)):
+    budget = TILE_BYTES if target() is None else DEVICE_TILE_BYTES
+    if _HEAD_ROWS.get() is not None or 8 * n * m <= budget or exact_energy(m, n, max(1, d)):
         return [(0, n)]
-    rows = max(MMA_K, TILE_BYTES // (8 * max(1, m)) // MMA_K * MMA_K)
+    rows = max(MMA_K, budget // (8 * max(1, m)) // MMA_K * MMA_K)
     return [(a, min(n, a + rows)) for a in range(0, n, rows)]
 
 
@@ -159,4 +164,4 @@ def smallest(x: np.ndarray) -> float:
     return float(nz.min()) if nz.shape[0] else np.inf
 
 
-__all__ = ["TILE_BYTES", "row_tiles", "over_rows", "stack_over_rows", "flush_max", "rows_of", "stack_rows", "QuerySum", "Total", "MmaCarry", "smallest"]
+__all__ = ["TILE_BYTES", "DEVICE_TILE_BYTES", "row_tiles", "over_rows", "stack_over_rows", "flush_max", "rows_of", "stack_rows", "QuerySum", "Total", "MmaCarry", "smallest"]
