@@ -10,16 +10,15 @@
     attnstep.check_arrays(q, k, v, {"output": out}, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,  # varlen
                           causal="bottom-right")
 
-Arrays are NumPy arrays, anything np.asarray takes, or PyTorch tensors (CPU or CUDA, bf16 and
-fp16 included; verify/files/arrays.py converts them), shaped (N, d) for one head, (H, N, d) or
-(B, H, N, d) (layout="bhsd", PyTorch's) or (B, N, H, d) (layout="bshd", flash-attn's); k and v
-with fewer heads than q are grouped K/V heads (GQA/MQA). Each stage has the same leading axes and
-the stage's own last two (an N×1 stage may drop its last axis); scores and row statistics are
-(B, H, ...) in either layout. Packed sequences (flash-attn's flash_attn_varlen_func): with
-cu_seqlens_q, cu_seqlens_k (and seqused_k) q, k, v and the per-token stages are (total, heads,
-dim), layout="thd", lse and D (heads, total); each sequence is checked as a case of its own. The
-report is the one `attnstep check` prints and writes: the same
-tolerance model, chained and isolated references, diagnoses.
+Arrays are NumPy arrays, anything np.asarray takes, or PyTorch tensors (CPU or CUDA, bf16 and fp16 included;
+verify/files/arrays.py converts them), shaped (N, d) for one head, (H, N, d) or (B, H, N, d) (layout="bhsd",
+PyTorch's) or (B, N, H, d) (layout="bshd", flash-attn's); k and v with fewer heads than q are grouped K/V heads
+(GQA/MQA). Each stage has the same leading axes and the stage's own last two (an N×1 stage may drop its last
+axis); scores and row statistics are (B, H, ...) in either layout. Packed sequences (flash-attn's
+flash_attn_varlen_func): with cu_seqlens_q, cu_seqlens_k (and seqused_k) q, k, v and the per-token stages are
+(total, heads, dim), layout="thd", lse and D (heads, total); each sequence is checked as a case of its own. The
+report is the one `attnstep check` prints and writes: the same tolerance model, chained and isolated references,
+diagnoses.
 """
 from __future__ import annotations
 
@@ -41,6 +40,7 @@ from .files.kv_cache import kv_cache, packed_keys, step_stages
 from .files.packed_arrays import PACKED_LAYOUT, packed_layout, packing
 from .files.outputs import MATH_MODES, RunInfo, StageSource, half_rounding_for
 from .files.split_files import split_arguments, split_run
+from .model.arrays import device_argument
 from .model.half import HALF_ROUNDINGS, rounding_refusal
 from .report.text import failure_lines, header_lines, summary_lines, table_lines
 from .stages import (ALIBI_SLOPES_INPUT, BIAS_INPUT, DIM_KEYS, DROPOUT_MASK, GRAD_INPUT, INPUT_NAMES, KV_HEADS_KEY,
@@ -190,6 +190,7 @@ _ARGUMENT_RULES: Dict[str, Callable[[str, Any], Any]] = {
     "atol": _expect_tolerance,
     "rtol": _expect_tolerance,
     "jobs": _expect_jobs,
+    "device": device_argument,
     "allow_nonfinite": _expect_bool,
 }
 
@@ -267,38 +268,38 @@ def check_arrays(q, k, v, stages: Mapping[str, object], *, do=None, causal=False
                  scale: Optional[float] = None, precision: str = "fp32", math: str = "ieee",
                  atol: Optional[float] = None, rtol: Optional[float] = None, jobs: int = 1,
                  allow_nonfinite: bool = False, half_rounding: Optional[str] = None, cu_seqlens_q=None,
-                 cu_seqlens_k=None, seqused_k=None, split_output=None, split_lse=None, split_size=None) -> Report:
+                 cu_seqlens_k=None, seqused_k=None, split_output=None, split_lse=None, split_size=None,
+                 device: str = "auto") -> Report:
     """Checks each stage in `stages` ({stage name: array}) computed from q, k, v, as `attnstep
     check` does; returns the Report (report.passed, report.first_failing_stage, report.results),
     whose truth value is report.passed: `assert check_arrays(...)` fails when a stage fails
     (assert_attention_stages also puts the report in the message).
 
     do: the output gradient dL/d(output), shaped like the output, for the backward stages (dQ, dK,
-    dV, D, dP, dS, flash_dQ, ...). The variant (docs/contract.md): causal: False, True (top-left:
-    PyTorch's is_causal) or "top-left"/"bottom-right" (flash-attn's causal=True); align: the
-    diagonal's alignment for a window or ALiBi without causal; window: (left, right), -1
-    unbounded (flash-attn's window_size); softcap: C·tanh(S/C) after the scale; alibi: True (the
-    standard slopes) or the slopes, (H,) or (B, H); attn_mask: True/1 visible, (N, M), (B, H, N, M)
-    or broadcastable to it (PyTorch's boolean attn_mask; a float one is attn_bias); attn_bias:
-    added to the scores (−inf hides); dropout_p: with the program's keep-mask in stages. layout:
-    "bhsd" (the default) or "bshd" (flash-attn's (batch, seq, heads, dim)), or "thd" (packed).
-    cu_seqlens_q, cu_seqlens_k: packed sequences (flash-attn's varlen convention, B + 1 offsets
-    each, ints, a NumPy array or a tensor), seqused_k: the keys each uses; q, k, v, do and the
-    per-token stages are then (total, heads, dim) (layout "thd", the default then), lse and D
-    (heads, total), and each sequence is checked as a case of its own (the causal mask, the window
-    and ALiBi within it). scale: default 1/sqrt(d_k);
-    precision and math: the arithmetic the program used (fp32/tf32/bf16/fp16; ieee/fast);
-    half_rounding: how a bf16/fp16 program converts to its format ("nearest", the default, or
-    "toward-zero"; half precisions only). At fp32 or tf32 a stage of half-precision values (a
-    float16 array; a bf16 tensor, converted to float32) gets a note, and a hint in the failure
-    line, to pass precision='bf16' or 'fp16'. split_output, split_lse, split_size: a split-KV program's
-    splits in flash-attn's layouts (out_accum, lse_accum; docs/check.md), each checked on its own,
-    flash_output and flash_lse against their combine. Raises ValueError for arrays that do not fit
-    together (a layout that does not fit is named) or a value out of range, TypeError for an
-    argument of the wrong kind (causal="no", scale="0.25"), each one line naming the argument."""
+    dV, D, dP, dS, flash_dQ, ...). The variant (docs/contract.md): causal: False, True (top-left: PyTorch's
+    is_causal) or "top-left"/"bottom-right" (flash-attn's causal=True); align: the diagonal's alignment for a
+    window or ALiBi without causal; window: (left, right), -1 unbounded (flash-attn's window_size); softcap:
+    C·tanh(S/C) after the scale; alibi: True (the standard slopes) or the slopes, (H,) or (B, H); attn_mask:
+    True/1 visible, (N, M), (B, H, N, M) or broadcastable to it (PyTorch's boolean attn_mask; a float one is
+    attn_bias); attn_bias: added to the scores (−inf hides); dropout_p: with the program's keep-mask in stages.
+    layout: "bhsd" (the default) or "bshd" (flash-attn's (batch, seq, heads, dim)), or "thd" (packed).
+    cu_seqlens_q, cu_seqlens_k: packed sequences (flash-attn's varlen convention, B + 1 offsets each, ints, a
+    NumPy array or a tensor), seqused_k: the keys each uses; q, k, v, do and the per-token stages are then
+    (total, heads, dim) (layout "thd", the default then), lse and D (heads, total), and each sequence is checked
+    as a case of its own (the causal mask, the window and ALiBi within it). scale: default 1/sqrt(d_k);
+    precision and math: the arithmetic the program used (fp32/tf32/bf16/fp16; ieee/fast); half_rounding: how a
+    bf16/fp16 program converts to its format ("nearest", the default, or "toward-zero"; half precisions only).
+    At fp32 or tf32 a stage of half-precision values (a float16 array; a bf16 tensor, converted to float32) gets
+    a note, and a hint in the failure line, to pass precision='bf16' or 'fp16'. split_output, split_lse,
+    split_size: a split-KV program's splits in flash-attn's layouts (out_accum, lse_accum; docs/check.md), each
+    checked on its own, flash_output and flash_lse against their combine. device: where the flash stages'
+    float64 references run, as check's --device ("auto": "cuda" where PyTorch sees a GPU, else "cpu"). Raises
+    ValueError for arrays that do not fit together (a layout that does not fit is named) or a value out of
+    range, TypeError for an argument of the wrong kind (causal="no", scale="0.25"), each one line naming the
+    argument."""
     args = _validated(stages=stages, causal=causal, align=align, window=window, softcap=softcap, alibi=alibi,
                       dropout_p=dropout_p, layout=layout, scale=scale, precision=precision, math=math, atol=atol,
-                      rtol=rtol, jobs=jobs, allow_nonfinite=allow_nonfinite, half_rounding=half_rounding)
+                      rtol=rtol, jobs=jobs, allow_nonfinite=allow_nonfinite, half_rounding=half_rounding, device=device)
     offsets = (cu_seqlens_q, cu_seqlens_k, seqused_k)
     args["splits"] = split_arguments(split_output, split_lse, split_size, stages)
     return check_run(*_opened(q, k, v, stages, do, args, attn_mask, attn_bias, offsets), diagnoser=diagnose)
@@ -329,7 +330,8 @@ def _opened(q, k, v, stages, do, args: Dict[str, Any], attn_mask, attn_bias,
                   half_rounding=half_rounding_for(args["precision"], args["half_rounding"]), variant=variant)
     if note:
         run.notes.append(note)
-    options = Options(atol=args["atol"], rtol=args["rtol"], jobs=args["jobs"], allow_nonfinite=args["allow_nonfinite"])
+    options = Options(atol=args["atol"], rtol=args["rtol"], jobs=args["jobs"], allow_nonfinite=args["allow_nonfinite"],
+                      device=args.get("device", "cpu"))
     return run, case, options
 
 
@@ -343,19 +345,17 @@ def check_kvcache(q, k_cache, v_cache, stages: Mapping[str, object], *, cache_se
     paged attention computes it; returns the Report, true when every stage (and the cache after
     the step) passes.
 
-    q: (batch, queries, heads, dim), the queries aligned bottom-right (speculative decoding);
-    k_cache, v_cache: (batch, max_seqlen, kv_heads, dim), or pages (num_blocks, page_size,
-    kv_heads, dim) with block_table (batch, max_blocks_per_seq) (any page size >= 1);
-    cache_seqlens: the keys each sequence holds before the step (an int or (batch,)); k_new,
-    v_new: (batch, new keys, kv_heads, dim), written at cache_seqlens[b] before the attention
-    (flash-attn's k and v). stages: output or flash_output (batch, queries, heads, dim) and
-    flash_lse (batch, heads, queries). causal=True and window are flash-attn's (bottom-right);
-    softcap, alibi ((H,) slopes), scale, precision, math, atol, rtol, jobs, allow_nonfinite,
-    half_rounding as check_arrays'. k_cache_after, v_cache_after: the cache after the step,
-    checked exactly (the new keys written through the table, every other slot unchanged).
-    Each sequence's keys are gathered and every sequence checked as a packed case; a failing one
-    is explained by the paged bugs' diagnoses (paged_*, new_keys_unseen; a cache after: cache_* in its
-    `diagnosis`). A ValueError or TypeError names the argument and what is wrong."""
+    q: (batch, queries, heads, dim), the queries aligned bottom-right (speculative decoding); k_cache, v_cache:
+    (batch, max_seqlen, kv_heads, dim), or pages (num_blocks, page_size, kv_heads, dim) with block_table (batch,
+    max_blocks_per_seq) (any page size >= 1); cache_seqlens: the keys each sequence holds before the step (an
+    int or (batch,)); k_new, v_new: (batch, new keys, kv_heads, dim), written at cache_seqlens[b] before the
+    attention (flash-attn's k and v). stages: output or flash_output (batch, queries, heads, dim) and flash_lse
+    (batch, heads, queries). causal=True and window are flash-attn's (bottom-right); softcap, alibi ((H,)
+    slopes), scale, precision, math, atol, rtol, jobs, allow_nonfinite, half_rounding as check_arrays'.
+    k_cache_after, v_cache_after: the cache after the step, checked exactly (the new keys written through the
+    table, every other slot unchanged). Each sequence's keys are gathered and every sequence checked as a packed
+    case; a failing one is explained by the paged bugs' diagnoses (paged_*, new_keys_unseen; a cache after:
+    cache_* in its `diagnosis`). A ValueError or TypeError names the argument and what is wrong."""
     args = _validated(stages=stages, causal=causal, align=None, window=window, softcap=softcap, alibi=alibi,
                       dropout_p=0.0, layout=None, scale=scale, precision=precision, math=math, atol=atol, rtol=rtol,
                       jobs=jobs, allow_nonfinite=allow_nonfinite, half_rounding=half_rounding)

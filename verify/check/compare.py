@@ -7,13 +7,12 @@ A stage that fails in isolation is a fault of its own (status FAIL); one that fa
 downstream of a failing stage, has inherited the error (status INHERITED). The first stage, in the
 stage table's order, with a fault of its own is the culprit the report names.
 
-A stage passes in isolation when its own upstream files or the original inputs explain it. Heads
-are checked one at a time per process, a K/V head's group of query heads in one job (dK and dV
-against the sum over its group: groups.py), shared out to forked workers (pool.py). A packed case is
-checked sequence by sequence (packed.py). A case's variant reaches every reference and bound
-through the head's context (stage_check.VARIANT_SOURCES); dropout's keep rate is tested once over
-the run. Results and report: results.py. A failing stage × head is explained by the Diagnoser the
-caller hands in (verify/diagnose/, above this package: diagnosis.py).
+A stage passes in isolation when its own upstream files or the original inputs explain it. Heads are checked one at
+a time per process, a K/V head's group of query heads in one job (dK and dV against the sum over its group:
+groups.py), shared out to forked workers (pool.py). A packed case is checked sequence by sequence (packed.py). A
+case's variant reaches every reference and bound through the head's context (stage_check.VARIANT_SOURCES); dropout's
+keep rate is tested once over the run. Results and report: results.py. A failing stage × head is explained by the
+Diagnoser the caller hands in (verify/diagnose/, above this package: diagnosis.py).
 """
 from __future__ import annotations
 
@@ -29,6 +28,7 @@ from ..files.guards import check_folders_apart
 from ..files.kinds import CaseError
 from ..files.outputs import Overrides, RunInfo, foreign_stage_files, open_run, stage_files_in
 from ..files.resolution import half_values
+from ..model.arrays import device_jobs, on_device
 from ..model.half import is_half, round_to_format
 from ..runs.program_checks import ProgramCheck, files_digest, read_findings
 from ..specs import SPECS, HeadContext, reads_dropout_mask, upstream, uses_scale_and_mask
@@ -68,7 +68,7 @@ class Options:
     math: str = "ieee"
     names: Dict[str, str] = field(default_factory=dict)  # stage -> file name pattern in OUT
     half_rounding: Optional[str] = None  # how a bf16/fp16 program converts (None: to nearest)
-
+    device: str = "cpu"  # where the flash references run: cpu (NumPy), cuda (verify/model/arrays.py)
     allow_nonfinite: bool = False  # NaN/inf inputs load; NaN then matches a NaN reference
     max_memory_mb: Optional[int] = None  # the most memory the check plans for (else what is available)
     variant: Dict[str, object] = field(default_factory=dict)  # Variant fields said (check --align, --window, ...)
@@ -241,10 +241,9 @@ def apply_mismatches(run: RunInfo, results: List[HeadResult]) -> None:
 
 
 class _HeadChecker:
-    """Checks one K/V head's group of a run (one query head where K/V heads are not grouped); holds
-    what every group shares (and, per process, the reference stages of other heads that the
-    head_permuted diagnosis compared against last: one matrix each, REF_CACHE of them, counted in
-    head_jobs' memory budget)."""
+    """Checks one K/V head's group of a run (one query head where K/V heads are not grouped); holds what every group
+    shares (and, per process, the reference stages of other heads that the head_permuted diagnosis compared against
+    last: one matrix each, REF_CACHE of them, counted in head_jobs' memory budget)."""
 
     def __init__(self, run: RunInfo, case: InputCase, opts: Options, diagnoser: Optional[Diagnoser],
                  packed: Optional[PackedRun] = None) -> None:
@@ -307,9 +306,9 @@ def check(in_dir: Path, out_dir: Path, opts: Optional[Options] = None,
 
 def check_run(run: RunInfo, case: InputCase, opts: Options, progress: Optional[Callable[[int], None]] = None,
               tune_process: bool = False, diagnoser: Optional[Diagnoser] = None) -> Report:
-    """Compares every stage × head of an opened run (files or the Python API's arrays); a failing
-    one is explained by `diagnoser` (none: the engine's own findings only).
-    tune_process: this process is attnstep's own (see pool.map_heads)."""
+    """Compares every stage × head of an opened run (files or the Python API's arrays); a failing one is explained
+    by `diagnoser` (none: the engine's own findings only). tune_process: this process is attnstep's own (see
+    pool.map_heads)."""
     if opts.only_stages:
         unknown = [s for s in opts.only_stages if s not in STAGES]
         if unknown:
@@ -332,7 +331,8 @@ def check_run(run: RunInfo, case: InputCase, opts: Options, progress: Optional[C
     advance = None if progress is None else (lambda kv: [progress(h) for h in dims.query_heads_of(kv)])
     jobs = head_jobs(run, opts.jobs, opts.max_memory_mb) if packed is None else \
         head_jobs(packed.sizing_run(), opts.jobs, opts.max_memory_mb, packed.held_bytes())
-    results = map_heads(checker.check, dims.total_kv_heads, jobs, advance, tune_process)
+    with on_device(opts.device, dims.seq_q * dims.seq_k, opts.jobs) as device:  # (a GPU: one process)
+        results = map_heads(checker.check, dims.total_kv_heads, device_jobs(device, jobs), advance, tune_process)
     apply_mismatches(run, results)
     report = Report(run, case, results, foreign_stage_files(run), _program_checks(run, opts), _keep_rate(run, results))
     if packed is not None and diagnoser is not None:  # pages or new keys read from the wrong place
@@ -365,9 +365,9 @@ def _program_checks(run: RunInfo, opts: Options) -> List[ProgramCheck]:
 
 def error_ratio_map(run: RunInfo, case: InputCase, stage: str, head: int,
                     opts: Optional[Options] = None, sequence: Optional[int] = None) -> np.ndarray:
-    """|got - want| / allowed of one stage × head (a K/V head for a stage of the K/V heads: a summed
-    one's against its group's sum) against its isolated reference from the program's own upstream
-    files (for plots); in a packed case, of one sequence (`sequence`)."""
+    """|got - want| / allowed of one stage × head (a K/V head for a stage of the K/V heads: a summed one's against
+    its group's sum) against its isolated reference from the program's own upstream files (for plots); in a packed
+    case, of one sequence (`sequence`)."""
     opts = opts or Options()
     if sequence is not None:
         run, case = PackedRun(run, case, [stage]).sequence(sequence)

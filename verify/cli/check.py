@@ -14,8 +14,10 @@ from ..check.compare import Options, check_run, error_ratio_map
 from ..check.pool import MAX_MEMORY_MB
 from ..diagnose.hypotheses import diagnose
 from ..files.case import check_scale, load_input_case
+from ..files.kinds import CaseError
 from ..files.guards import check_folders_apart, check_reports_apart
 from ..files.outputs import HALF_ROUNDINGS, MATH_MODES, open_run
+from ..model.arrays import DEVICES, DeviceError, resolve_device
 from ..report.heatmaps import check_plot_folder, write_plots
 from ..report.json_file import write_json
 from ..report.junit import write_junit
@@ -72,13 +74,20 @@ def _parse_tol(values) -> Dict[str, Tuple[float, float]]:
 
 CHECK_HELP = f"""Check every stage of a run against a float64 reference.
 
-Compares each stage file in OUT with a NumPy float64 reference computed from the input case IN,
-prints a stage table and the first failing stage with a diagnosis. Exit status 0: every stage
-passes; 1: a stage fails; 2: bad input. The tolerances: {TOLERANCES_DOC}. The variant of
-attention overrides IN's manifest, else run.toml's ({CLI_DOC}): --causal [ALIGN], --no-causal,
---align ALIGN (top-left or bottom-right), --window LEFT,RIGHT, --softcap C, --alibi/--no-alibi,
---dropout P; --split-size K (split-KV).
+Compares each stage file in OUT with a float64 reference from the input case IN, prints a stage
+table and the first failing stage with a diagnosis. Exit status 0: all pass; 1: a stage fails; 2:
+bad input. Tolerances: {TOLERANCES_DOC}. The variant overrides IN's manifest, else run.toml's
+({CLI_DOC}): --causal [ALIGN], --no-causal, --align ALIGN, --window
+LEFT,RIGHT, --softcap C, --alibi/--no-alibi, --dropout P; --split-size K.
 """
+
+
+def _device(name: str) -> str:
+    """check --device's choice, checked (auto is decided per run: arrays.on_device)."""
+    try:
+        return resolve_device(name)
+    except DeviceError as exc:
+        raise CaseError(str(exc)) from None
 
 
 def check_and_report(in_dir, out_dir, opts, json_path, junit_path, plot_dir, per_head, quiet=False) -> bool:
@@ -150,6 +159,8 @@ def _plot(report, plot_dir: Path, opts: Options, quiet: bool) -> None:
 @click.option("--per-head", is_flag=True, help="One table row per stage x head.")
 @click.option("--jobs", type=click.IntRange(min=0), default=0, show_default=True, metavar="N",
               help="Processes checking heads; 0: as many as cores and memory allow.")
+@click.option("--device", type=click.Choice(DEVICES), default="auto", metavar="DEVICE",
+              help="Flash references on cuda, cpu or auto.")
 @click.option("--scheduler", metavar="ADDRESS", hidden=True,  # (docs/cli.md: the help fits a screen)
               help=f"Check heads on a Dask cluster: its scheduler's tcp://HOST:PORT, or '{LOCAL}' to start "
               "one here of --jobs processes (docs/check.md).")
@@ -162,14 +173,15 @@ def _plot(report, plot_dir: Path, opts: Options, quiet: bool) -> None:
 @quiet_option
 @click.pass_context
 @user_errors
-def check(ctx, in_dir, out_dir, json_path, junit_path, plot_dir, atol, rtol, tol, only, per_head, jobs,
+def check(ctx, in_dir, out_dir, json_path, junit_path, plot_dir, atol, rtol, tol, only, per_head, jobs, device,
           causal, no_causal, align, window, softcap, alibi, dropout, scale, precision, split_size, half_rounding, math,
           names, names_file, allow_nonfinite, max_memory_mb, page_size, quiet, scheduler):
     variant = said_variant(causal, no_causal, align, window, softcap, alibi, dropout)
     opts = Options(atol=atol, rtol=rtol, per_stage=_parse_tol(tol), only_stages=list(only) or None,
                    jobs=jobs, causal=variant.pop("causal", None), scale=scale, precision=precision, math=math,
                    half_rounding=half_rounding, names=parse_names(names, names_file), allow_nonfinite=allow_nonfinite,
-                   max_memory_mb=max_memory_mb, variant=variant, page_size=page_size, split_size=split_size)
+                   max_memory_mb=max_memory_mb, variant=variant, page_size=page_size, split_size=split_size,
+                   device=_device(device))
     check_folders_apart(in_dir, out_dir)
     check_reports_apart({"--json": json_path, "--junit": junit_path}, in_dir, out_dir, opts.names, names_file)
     with heads_on_cluster(scheduler, jobs, in_dir, out_dir, opts, diagnose):

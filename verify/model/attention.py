@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..variant import Variant, hidden
+from .arrays import namespace, quiet
 from .scores import as_head
 
 _CAUSAL = Variant(causal=True)
@@ -22,6 +23,8 @@ def scaled_scores(qk: np.ndarray, scale: float, head) -> np.ndarray:
     """The scores the softmax reads from QK: scale·QK, modified by the head's variant (softcap,
     ALiBi, bias), −inf where hidden. head: a HeadVariant, or the causal bool of a plain case."""
     head = as_head(head)
+    if not isinstance(qk, np.ndarray):  # a device's (verify/model/arrays.py): its masking there
+        return head.scores(qk * scale)
     s = np.multiply(qk, scale)
     if head.modifies:
         return head.scores(s)
@@ -30,24 +33,30 @@ def scaled_scores(qk: np.ndarray, scale: float, head) -> np.ndarray:
     return s
 
 
-def _exp_shifted(s: np.ndarray):
-    """(exp(s - m), m) with m the row max (0 for rows without a finite entry)."""
-    m = np.max(s, axis=1, keepdims=True)
-    m = np.where(np.isfinite(m), m, 0.0)
-    e = np.subtract(s, m)
-    return np.exp(e, out=e), m
+def _exp_shifted(s):
+    """(exp(s - m), m) with m the row max (0 for rows without a finite entry); s: any array
+    namespace's (verify/model/arrays.py)."""
+    xp = namespace(s)
+    m = xp.max(s, axis=1, keepdims=True)
+    m = xp.where(xp.isfinite(m), m, 0.0)
+    if xp is np:
+        e = np.subtract(s, m)
+        return np.exp(e, out=e), m
+    return xp.exp(s - m), m
 
 
-def softmax_rows(s: np.ndarray) -> np.ndarray:
+def softmax_rows(s):
     """Row softmax; a row that sees no key (all −inf) is all 0."""
     e, _ = _exp_shifted(s)
-    total = np.sum(e, axis=1, keepdims=True)
-    e /= np.where(total == 0, 1.0, total)  # NaN stays NaN: a faulty upstream's
-    return e
+    xp = namespace(e)
+    total = xp.sum(e, axis=1, keepdims=True)
+    # NaN stays NaN: a faulty upstream's
+    return e / xp.where(total == 0, 1.0, total)
 
 
-def log_sum_exp_rows(s: np.ndarray) -> np.ndarray:
+def log_sum_exp_rows(s):
     """log Σ_j exp(s_j) per row; −inf for a row that sees no key."""
     e, m = _exp_shifted(s)
-    with np.errstate(divide="ignore"):
-        return m + np.log(np.sum(e, axis=1, keepdims=True))
+    xp = namespace(e)
+    with quiet(xp):
+        return m + xp.log(xp.sum(e, axis=1, keepdims=True))

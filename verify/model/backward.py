@@ -15,6 +15,7 @@ from typing import Optional
 
 import numpy as np
 
+from .arrays import namespace, zeros
 from .dot import dot_var
 from .kernels import SOFTMAX_FINAL_ROUNDINGS, Kernel
 from .rounding import ROUND_VAR, HeadCache, memo
@@ -41,7 +42,8 @@ class RowErrors:
 def ds_round_var(P: np.ndarray, dP: np.ndarray, D: np.ndarray, u: float, extra: int = 0) -> np.ndarray:
     """Variance of dS's own roundings (either route: P∘(dP − D) or P·dP − P·D); extra: more
     roundings of the same magnitude (dropout's product dP·Z·(1/(1 − p)))."""
-    a = np.abs(P * dP) + np.abs(P * D)
+    xp = namespace(P)
+    a = xp.abs(P * dP) + xp.abs(P * D)
     return (DS_ROUNDINGS + extra) * ROUND_VAR * u * u * a * a
 
 
@@ -52,8 +54,9 @@ def ds_var_parts(P, dP, D, dS, rows: RowErrors, dP_var, u, extra: int = 0):
     Under dropout dP is the kept and rescaled dP·Z/(1 − p) and dP_var its variance (extra: 1)."""
     indep = (dS * dS * rows.eta + P * P * dP_var + rows.weight_round * (dP - D) ** 2
              + ds_round_var(P, dP, D, u, extra))
-    shared = np.abs(dS) * np.sqrt(rows.shared) + np.abs(P) * np.sqrt(rows.D)
-    return np.sqrt(indep), shared
+    xp = namespace(dS)
+    shared = xp.abs(dS) * xp.sqrt(rows.shared) + xp.abs(P) * xp.sqrt(rows.D)
+    return xp.sqrt(indep), shared
 
 
 def grad_over_keys_var(P, dS, K, rows: RowErrors, indep_sd, scale: float, u: float,
@@ -61,9 +64,10 @@ def grad_over_keys_var(P, dS, K, rows: RowErrors, indep_sd, scale: float, u: flo
     """Variance of dQ = scale·dS·K (N×d): the independent parts through K², the row-shared ones
     coherently (−ε·dQ/scale − δD·(P·K)), then the GEMM's own roundings (the scale may be folded
     into either operand: one more product rounding)."""
+    xp = namespace(dS)
     ind = (indep_sd * indep_sd) @ (K * K)
-    shared_sd = np.sqrt(rows.shared) * np.abs(dS @ K) + np.sqrt(rows.D) * np.abs(P @ K)
-    total = (np.sqrt(ind) + shared_sd) ** 2
+    shared_sd = xp.sqrt(rows.shared) * xp.abs(dS @ K) + xp.sqrt(rows.D) * xp.abs(P @ K)
+    total = (xp.sqrt(ind) + shared_sd) ** 2
     gemm = memo(cache, "dS K var", (dS, K), (u, product_var), lambda: dot_var(dS, K, u, product_var))
     return scale * scale * (total + gemm)
 
@@ -88,9 +92,10 @@ def d_var(p, eta_var, l_var, weight_round, dO, dP, D, O_round_var, D_round_var) 
     δD = Σ_j p_j η_j (dP_j − D) − ε_l·D + Σ_j ρ_j dP_j + Σ_k dO_k r_k + D's own rounding
     (r: O's accumulation and final roundings, ρ: each stored weight's)."""
     w = p * p * eta_var
-    return ((w * (dP - D) ** 2).sum(axis=1, keepdims=True) + l_var * D * D
-            + (weight_round * dP * dP).sum(axis=1, keepdims=True)
-            + (dO * dO * O_round_var).sum(axis=1, keepdims=True) + D_round_var)
+    xp = namespace(w)
+    return (xp.sum(w * (dP - D) ** 2, axis=1, keepdims=True) + l_var * D * D
+            + xp.sum(weight_round * dP * dP, axis=1, keepdims=True)
+            + xp.sum(dO * dO * O_round_var, axis=1, keepdims=True) + D_round_var)
 
 
 def weight_round_var(p, u: float, kernel: Kernel) -> np.ndarray:
@@ -101,14 +106,14 @@ def weight_round_var(p, u: float, kernel: Kernel) -> np.ndarray:
 def stage_rows(p, eta_var, l_var, D_var, u: float, kernel: Kernel) -> RowErrors:
     """The stage path's row errors: the weights' exponents, their normalization (shared: η̄ + ε_l),
     their final roundings, and D's."""
-    eta_bar = (p * p * eta_var).sum(axis=1, keepdims=True)
+    eta_bar = namespace(p).sum(p * p * eta_var, axis=1, keepdims=True)
     return RowErrors(eta_var, eta_bar + l_var, weight_round_var(p, u, kernel), D_var)
 
 
 def flash_rows(eta_var, lse_var, D_var) -> RowErrors:
     """The flash backward's row errors: P = exp(S − lse) errs by its logit and exponent (η) and by
     the saved lse (shared along the row; no normalization, no stored weight)."""
-    return RowErrors(eta_var, lse_var, np.zeros(eta_var.shape), D_var)
+    return RowErrors(eta_var, lse_var, zeros(eta_var, eta_var.shape), D_var)
 
 
 @dataclass(frozen=True)

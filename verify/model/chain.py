@@ -7,6 +7,7 @@ from typing import Optional
 
 import numpy as np
 
+from .arrays import namespace, put
 from .dot import qk_var
 from .kernels import Kernel
 from .rounding import ROUND_VAR, HeadCache, memo
@@ -24,8 +25,9 @@ def chained_logits(Q, K, scale: float, head, u: float, kernel: Kernel, cache: Op
     def compute():
         S = logits(Q, K, scale, head, cache)
         p, d, _, finite = softmax(S, cache)
-        masked = ~finite if not finite.all() else None  # an unmasked head skips every where()
-        s_var = np.multiply(scale * scale, qk_var(Q, K, u, ROUND_VAR, cache))
+        xp = namespace(S)
+        masked = ~finite if not bool(xp.all(finite)) else None  # an unmasked head skips every where()
+        s_var = (scale * scale) * qk_var(Q, K, u, ROUND_VAR, cache)
         if head.modifies:
             S0 = raw_logits(Q, K, scale, cache)
             s_det = 2.0 * u * np.abs(S0)
@@ -35,11 +37,10 @@ def chained_logits(Q, K, scale: float, head, u: float, kernel: Kernel, cache: Op
                 s_det *= slope
             s_det += modification_det(S0, head, u, kernel)
         else:
-            s_det = np.abs(S if masked is None else np.where(finite, S, 0.0))
+            s_det = xp.abs(S if masked is None else xp.where(finite, S, 0.0))
             s_det *= 2.0 * u
         if masked is not None:
-            np.copyto(s_var, 0.0, where=masked)
-            np.copyto(s_det, 0.0, where=masked)
+            s_var, s_det = put(s_var, 0.0, masked), put(s_det, 0.0, masked)
         return S, p, d, finite, s_var, s_det
     return memo(cache, "chained logits", (Q, K), (scale, head, u, kernel), compute)
 
@@ -52,7 +53,7 @@ def chained_eta(Q, K, scale: float, head, u: float, kernel: Kernel,
     S, p, d, finite, s_var, s_det = chained_logits(Q, K, scale, head, u, kernel, cache)
 
     def compute():
-        eta = np.multiply(s_det, s_det)
+        eta = s_det * s_det
         eta += s_var
         eta += exponent_var(d, finite, u, kernel)
         return eta

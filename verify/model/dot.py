@@ -11,6 +11,7 @@ from typing import Dict, NamedTuple, Optional, Tuple
 
 import numpy as np
 
+from .arrays import float64, like, namespace, to_numpy, zeros
 from .kernels import MMA_K
 from .rounding import FLUSH, ROUND_VAR, ULP_IN_U, HeadCache, binade, binade_sq, finite_abs, memo
 
@@ -285,12 +286,13 @@ def dot_var(A: np.ndarray, B: np.ndarray, u: float, product_var: float = ROUND_V
     the orders not enumerated); plus product_var·u²·Σ_k t_k² for the products' own rounding (an
     upper bound when FMA fuses them: an FMA's one rounding is that of the new partial sum,
     counted above)."""
-    A = np.asarray(A, dtype=np.float64)
-    B = np.asarray(B, dtype=np.float64)
+    A, B = float64(A), float64(B)
     R, K = A.shape
     C = B.shape[1]
     if not exact_energy(_rows(R), K, C):
         return _expected_var(A @ B, (A * A) @ (B * B), K, u, product_var)
+    if not isinstance(A, np.ndarray):  # a device's: the exact partial sums (small heads) in NumPy
+        return like(A, dot_var(to_numpy(A), to_numpy(B), u, product_var))
     rows = _block_sums(K, C)
     scratch = _Scratch((_orders(K).padded + 1) * min(rows, R) * C)
     out = np.empty((R, C))
@@ -305,9 +307,15 @@ def dot_var(A: np.ndarray, B: np.ndarray, u: float, product_var: float = ROUND_V
 def rowdot_var(A: np.ndarray, B: np.ndarray, u: float, product_var: float = ROUND_VAR) -> np.ndarray:
     """Variance (R×1) of the float32 error of the row-wise dot products Σ_k A[i, k]·B[i, k] (A and
     B both R×K), under dot_var's model: row i's is dot_var(A[i:i+1], B[i:i+1].T)."""
-    A = np.asarray(A, dtype=np.float64)
-    B = np.asarray(B, dtype=np.float64)
+    A, B = float64(A), float64(B)
     R, K = A.shape
+    if not isinstance(A, np.ndarray):  # a device's: its expected model there, the exact one in NumPy
+        if exact_energy(_rows(R), K, 1):
+            return like(A, rowdot_var(to_numpy(A), to_numpy(B), u, product_var))
+        t = A * B
+        xp = namespace(t)
+        return _expected_var(xp.sum(t, axis=1, keepdims=True), xp.sum(t * t, axis=1, keepdims=True), K, u,
+                             product_var)
     if not exact_energy(_rows(R), K, 1):
         t = A * B
         return _expected_var(t.sum(axis=1, keepdims=True), np.einsum("ij,ij->i", t, t)[:, None], K,
@@ -328,6 +336,9 @@ def _expected_var(S: np.ndarray, T2: np.ndarray, K: int, u: float, product_var: 
     sums wander further than average. S and T2 are overwritten."""
     # In place, in this grouping: u·u·(ROUND_VAR·energy + product_var·T2),
     # energy = ENERGY_FALLBACK_FACTOR·(K + 1)·(T2/6 + S·S/3).
+    if not isinstance(S, np.ndarray):  # a device's: the same grouping, out of place
+        var = (T2 / 6.0 + S * S / 3.0) * (ENERGY_FALLBACK_FACTOR * (K + 1)) * ROUND_VAR
+        return (var + T2 * product_var) * (u * u)
     var = np.divide(T2, 6.0)
     np.multiply(S, S, out=S)
     S /= 3.0
@@ -343,11 +354,11 @@ def _expected_var(S: np.ndarray, T2: np.ndarray, K: int, u: float, product_var: 
 def mma_truncation_det(A: np.ndarray, B: np.ndarray, u: float, passes: int) -> np.ndarray:
     """Bound on the one-signed error of A @ B accumulated by tensor-core mma (truncating): each of
     `passes` mma per MMA_K-long chunk loses < 1 ulp (≤ 2u·|running sum|)."""
-    partial = np.zeros((A.shape[0], B.shape[1]))
-    total = np.zeros_like(partial)
+    partial = total = zeros(A, (A.shape[0], B.shape[1]))
+    xp = namespace(partial)
     for k0 in range(0, A.shape[1], MMA_K):
-        partial += A[:, k0:k0 + MMA_K] @ B[k0:k0 + MMA_K]
-        total += np.abs(partial)
+        partial = partial + A[:, k0:k0 + MMA_K] @ B[k0:k0 + MMA_K]
+        total = total + xp.abs(partial)
     return passes * ULP_IN_U * u * total
 
 

@@ -8,6 +8,7 @@ from typing import List, Optional, Tuple
 
 import numpy as np
 
+from .arrays import like, namespace, put, zeros
 from .dot import mma_truncation_det, pv, pv_var, qk_var
 from .kernels import FLASH_LOGIT_ROUNDINGS, Kernel
 from .rounding import ROUND_VAR, HeadCache, memo
@@ -28,10 +29,11 @@ def flash_parts(Q: np.ndarray, K: np.ndarray, scale: float, head, u: float, kern
 def logit_magnitude(S: np.ndarray, finite: np.ndarray, head: HeadVariant) -> np.ndarray:
     """|S| as the flash logits' roundings see it: raised by slope·diag(i) under causal ALiBi
     (flash-attn's slope·j; HeadVariant.flash_shift), 0 where hidden."""
-    mag = np.where(finite, np.abs(np.where(finite, S, 0.0)), 0.0)
+    xp = namespace(S)
+    mag = xp.where(finite, xp.abs(xp.where(finite, S, 0.0)), 0.0)
     shift = head.flash_shift(*S.shape)
     if shift is not None:
-        mag = np.where(finite, mag + np.abs(shift), 0.0)
+        mag = xp.where(finite, mag + like(S, np.abs(shift)), 0.0)
     return mag
 
 
@@ -41,7 +43,8 @@ def _compute_flash_parts(Q, K, scale: float, head: HeadVariant, u: float, kernel
     p, d, m, finite = softmax(S, cache)
     # eta_var = where(finite, scale²·var(QK)·(1 − t²)², 0) + the modifications' roundings + the
     # exponent's own
-    eta_var = np.multiply(scale * scale, qk_var(Q, K, u, kernel.flash_product_var, cache))
+    xp = namespace(S)
+    eta_var = (scale * scale) * qk_var(Q, K, u, kernel.flash_product_var, cache)
     slope = None
     if head.modifies:
         S0 = raw_logits(Q, K, scale, cache)
@@ -49,14 +52,14 @@ def _compute_flash_parts(Q, K, scale: float, head: HeadVariant, u: float, kernel
         if slope is not None:
             eta_var *= slope * slope
         eta_var += modification_det(S0, head, u, kernel, flash=True) ** 2
-    np.copyto(eta_var, 0.0, where=~finite)
+    eta_var = put(eta_var, 0.0, ~finite)
     eta_var += exponent_var(d, finite, u, kernel, logit_magnitude(S, finite, head), FLASH_LOGIT_ROUNDINGS)
     l_var = rowsum_rel_var(p, u, kernel.rescale_factor, cache)
-    s_det = np.zeros(S.shape)
+    s_det = zeros(S, S.shape)
     if kernel.mma_passes:
         # |scale|: a bound is a magnitude (a negative scale made it negative: found by the GPU
         # false-alarm sweep, case 129, scale -0.74, every flash_lse element failing).
-        s_det = np.where(finite, abs(scale) * mma_truncation_det(Q, K.T, u, kernel.mma_passes), 0.0)
+        s_det = xp.where(finite, abs(scale) * mma_truncation_det(Q, K.T, u, kernel.mma_passes), 0.0)
         if slope is not None:
             s_det *= slope
     return S, p, m, eta_var, l_var, s_det
@@ -67,15 +70,16 @@ def common_factor_logits(Q, K, scale: float, head: HeadVariant, cache: Optional[
     raised by flash-attn's causal ALiBi shift), and, where the variant modifies them, scale·QK
     before the cap, as it reaches the logits ((1 − t²)·S0). 0 where hidden."""
     S = logits(Q, K, scale, head, cache)
-    finite = np.isfinite(S)
-    out = [np.where(finite, S, 0.0)]
+    xp = namespace(S)
+    finite = xp.isfinite(S)
+    out = [xp.where(finite, S, 0.0)]
     shift = head.flash_shift(*S.shape)
     if shift is not None:
-        out[0] = np.where(finite, out[0] + shift, 0.0)
+        out[0] = xp.where(finite, out[0] + like(S, shift), 0.0)
     if head.modifies:
         S0 = raw_logits(Q, K, scale, cache)
         slope = head.cap_slope(S0)
-        out.append(np.where(finite, S0 if slope is None else S0 * slope, 0.0))
+        out.append(xp.where(finite, S0 if slope is None else S0 * slope, 0.0))
     return out
 
 
@@ -83,9 +87,10 @@ def common_scale_det(S: np.ndarray, p: np.ndarray, u: float):
     """A relative error δ ≤ u of the head's one float32 scale factor moves every logit by δ·S_j:
     ΔO = δ·Σ_j p_j (S_j - S̄)(v_j - O) and Δlse = δ·S̄ (S̄ = Σ_j p_j S_j). Returns the weights
     w_j = u·p_j·|S_j - S̄| and u·|S̄|."""
-    Sf = np.where(np.isfinite(S), S, 0.0)
-    mean = (p * Sf).sum(axis=1, keepdims=True)
-    return u * p * np.abs(Sf - mean), u * np.abs(mean)
+    xp = namespace(S)
+    Sf = xp.where(xp.isfinite(S), S, 0.0)
+    mean = xp.sum(p * Sf, axis=1, keepdims=True)
+    return u * p * xp.abs(Sf - mean), u * xp.abs(mean)
 
 
 def _common_dets(Q, K, scale, head, p, u, kernel, cache):
@@ -120,8 +125,9 @@ def _output_var_det(Q, K, V, scale: float, head: HeadVariant, u: float, kernel: 
     # O by at most Σ_j p_j·|ΔS_j|·|r·Z_j·v_j - O|; truncation in P̃·V adds its own, the rounded
     # 1/(1 − p) its relative error.
     w = p * s_det + _common_dets(Q, K, scale, head, p, u, kernel, cache)[0]
-    det = head.dropped(w) @ np.abs(V) + np.abs(O) * w.sum(axis=1, keepdims=True)
-    det = det + dropout_factor_error(head, u) * np.abs(O)
+    xp = namespace(O)
+    det = head.dropped(w) @ xp.abs(V) + xp.abs(O) * xp.sum(w, axis=1, keepdims=True)
+    det = det + dropout_factor_error(head, u) * xp.abs(O)
     if kernel.mma_passes:
         det = det + mma_truncation_det(pz, V, u, kernel.mma_passes)
     return var, det
@@ -148,6 +154,7 @@ def flash_forward_rows(Q: np.ndarray, K: np.ndarray, V: np.ndarray, scale: float
 
 def _lse_sums(Q, K, scale: float, head: HeadVariant, u: float, kernel: Kernel, cache: Optional[HeadCache]):
     S, p, m, eta_var, l_var, s_det = flash_parts(Q, K, scale, head, u, kernel, cache)
-    eta_sum = p2_eta(p, eta_var, cache).sum(axis=1, keepdims=True)
-    det = (p * s_det).sum(axis=1, keepdims=True) + _common_dets(Q, K, scale, head, p, u, kernel, cache)[1]
+    xp = namespace(p)
+    eta_sum = xp.sum(p2_eta(p, eta_var, cache), axis=1, keepdims=True)
+    det = xp.sum(p * s_det, axis=1, keepdims=True) + _common_dets(Q, K, scale, head, p, u, kernel, cache)[1]
     return m, eta_sum, l_var, det

@@ -12,6 +12,9 @@ from typing import Callable, Dict, Optional, Sequence
 
 import numpy as np
 
+from . import arrays
+from .arrays import namespace
+
 
 # The unit roundoff of the arithmetic: the half pipelines (bf16, fp16) multiply half values and
 # accumulate in float32, so their arithmetic is float32's; the conversions to the half format are
@@ -126,6 +129,10 @@ def step_var(partial: np.ndarray, t: np.ndarray, u: float,
     picks the closer of the floats next to the sum, and both addends are floats at distance
     |s_(k-1)| and |t_k| from it. This keeps a sum dominated by one term (the softmax of large
     logits) tight. t2 (= t·t) may be passed when the caller has it already."""
+    if not isinstance(partial, np.ndarray):  # a device's: out of place, its binades by arrays.binade_sq
+        xp = namespace(partial)
+        prev = xp.minimum((partial - t) ** 2, t * t if t2 is None else t2)
+        return xp.minimum(arrays.binade_sq(partial) * (u * u / 3.0), prev)
     prev = partial - t
     np.multiply(prev, prev, out=prev)
     np.minimum(prev, t * t if t2 is None else t2, out=prev)
@@ -147,5 +154,7 @@ def finish(ref: np.ndarray, var: np.ndarray, det: np.ndarray, floor) -> np.ndarr
 def finite_abs(x: np.ndarray) -> np.ndarray:
     """|x| with non-finite entries (inputs accepted with --allow-nonfinite) as 0: a floor must
     stay finite, or an Inf would let every value of its row or column pass."""
-    x = np.abs(np.asarray(x, np.float64))
-    return np.where(np.isfinite(x), x, 0.0)
+    x = arrays.float64(x)
+    xp = namespace(x)
+    x = xp.abs(x)
+    return xp.where(xp.isfinite(x), x, 0.0)

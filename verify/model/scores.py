@@ -16,11 +16,13 @@ head (p itself, 1 − p and the reciprocal rounded), and one rounding of each pr
 """
 from __future__ import annotations
 
+import math
 from typing import Optional, Tuple, Union
 
 import numpy as np
 
 from ..variant import NONE, Variant, alibi_bias, hidden, modified_scores
+from .arrays import like, namespace
 from .kernels import Kernel
 from .rounding import ULP_IN_U
 
@@ -133,11 +135,24 @@ class HeadVariant:
 
     def scores(self, scaled: np.ndarray, n: Optional[int] = None, rows: Optional[Rows] = None) -> np.ndarray:
         """The scores the softmax reads: modified, −inf where hidden (a new array)."""
+        if not isinstance(scaled, np.ndarray):  # another namespace's (verify/model/arrays.py)
+            return self._device_scores(scaled, n, rows)
         s = self.modified(scaled, n, rows)
         s = np.array(s, dtype=np.float64, copy=s is scaled)
         n = s.shape[0] if n is None else n
         np.copyto(s, -np.inf, where=self.hidden(n, s.shape[1], rows))
         return s
+
+    def _device_scores(self, scaled, n: Optional[int], rows: Optional[Rows]):
+        """scores() of a device's scale·QK: the mask, built by NumPy, moved there. The softcap, ALiBi
+        and bias are NumPy's only (the check keeps such heads there: on_device_of)."""
+        if self.modifies or self.dropout > 0:
+            raise ValueError("this variant's scores are computed with NumPy only")
+        n = scaled.shape[0] if n is None else n
+        if not (self.variant.structural or self.mask is not None):
+            return scaled
+        xp = namespace(scaled)
+        return xp.where(like(scaled, self.hidden(n, scaled.shape[1], rows)), -math.inf, scaled)
 
     def tanh(self, scaled: np.ndarray) -> Optional[np.ndarray]:
         """t = tanh(scale·QK / C) (None without a softcap)."""

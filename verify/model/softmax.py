@@ -3,10 +3,12 @@ normalization and P·V.
 """
 from __future__ import annotations
 
+import math
 from typing import Dict, Optional, Tuple
 
 import numpy as np
 
+from .arrays import concat_rows, like, namespace, put, to_numpy
 from .attention import scaled_scores
 from .kernels import SOFTMAX_FINAL_ROUNDINGS, Kernel
 from .rounding import ROUND_VAR, UNIT_ROUNDOFF, HeadCache, ToleranceError, memo, step_var
@@ -43,19 +45,21 @@ def raw_logits(Q: np.ndarray, K: np.ndarray, scale: float, cache: Optional[HeadC
 
 def softmax_parts(S: np.ndarray):
     """p = softmax rows of S (masked -inf -> 0), d = S - rowmax (0 where masked), finite mask."""
-    finite = np.isfinite(S)
-    masked = None if finite.all() else ~finite  # an unmasked head skips every where()
-    m = np.max(S if masked is None else np.where(finite, S, -np.inf), axis=1, keepdims=True)
-    m = np.where(np.isfinite(m), m, 0.0)
+    xp = namespace(S)
+    finite = xp.isfinite(S)
+    masked = None if bool(xp.all(finite)) else ~finite  # an unmasked head skips every where()
+    m = xp.max(S if masked is None else xp.where(finite, S, -math.inf), axis=1, keepdims=True)
+    m = xp.where(xp.isfinite(m), m, 0.0)
     d = S - m                                  # where(finite, S - m, 0)
     if masked is not None:
-        np.copyto(d, 0.0, where=masked)
-    e = np.exp(d)                              # where(finite, exp(d), 0)
+        d = put(d, 0.0, masked)
+    e = xp.exp(d)                              # where(finite, exp(d), 0)
     if masked is not None:
-        np.copyto(e, 0.0, where=masked)
-    l = e.sum(axis=1, keepdims=True)
-    p = np.divide(e, np.where(l > 0, l, 1.0), out=e)
-    return p, d, m, finite
+        e = put(e, 0.0, masked)
+    l = xp.sum(e, axis=1, keepdims=True)
+    if xp is np:
+        return np.divide(e, np.where(l > 0, l, 1.0), out=e), d, m, finite
+    return e / xp.where(l > 0, l, 1.0), d, m, finite
 
 
 def softmax(S: np.ndarray, cache: Optional[HeadCache]):
@@ -66,21 +70,33 @@ def exponent_var(d: np.ndarray, finite: np.ndarray, u: float, kernel: Kernel,
                   S: Optional[np.ndarray] = None, logit_roundings: int = 0) -> np.ndarray:
     """Variance of the relative error η_j of e_j = exp(d_j): the subtraction S_j - m rounds
     (u|d_j|), exp errs (kernel.exp_var), and each rounding of the logit itself adds u|S_j|."""
-    # var = ROUND_VAR·(u·d)² + exp_var·u·u
-    var = np.multiply(d, u)
-    np.multiply(var, var, out=var)
-    var *= ROUND_VAR
-    var += kernel.exp_var * u * u
+    # var = ROUND_VAR·(u·d)² + exp_var·u·u (in place on NumPy's: a head's N×M temporaries)
+    xp = namespace(d)
+    if xp is np:
+        var = np.multiply(d, u)
+        np.multiply(var, var, out=var)
+        var *= ROUND_VAR
+        var += kernel.exp_var * u * u
+    else:
+        var = (d * u) ** 2 * ROUND_VAR + kernel.exp_var * u * u
     if kernel.exp_slope_var:
-        var += kernel.exp_slope_var * (u * d) ** 2
+        var = var + kernel.exp_slope_var * (u * d) ** 2
     if S is not None and logit_roundings:
         # var += logit_roundings·ROUND_VAR·(u·S)², S taken as 0 where masked
-        s2 = np.where(finite, S, 0.0)
-        s2 *= u
-        np.multiply(s2, s2, out=s2)
-        s2 *= logit_roundings * ROUND_VAR
-        var += s2
-    np.copyto(var, 0.0, where=~finite)         # where(finite, var, 0)
+        s2 = xp.where(finite, S, 0.0)
+        if xp is np:
+            var = _add_logit_var(var, s2, u, logit_roundings)
+        else:
+            var = var + (s2 * u) ** 2 * (logit_roundings * ROUND_VAR)
+    return put(var, 0.0, ~finite)              # where(finite, var, 0)
+
+
+def _add_logit_var(var: np.ndarray, s2: np.ndarray, u: float, logit_roundings: int) -> np.ndarray:
+    """var += logit_roundings·ROUND_VAR·(u·s2)², in place on NumPy's arrays (s2 too)."""
+    s2 *= u
+    np.multiply(s2, s2, out=s2)
+    s2 *= logit_roundings * ROUND_VAR
+    var += s2
     return var
 
 
@@ -107,22 +123,23 @@ def _rowsum_step_var(p: np.ndarray, u: float) -> np.ndarray:
     in [1/l, 1), a binade below the e-sums in [1, l) whenever l < 2, and their ulp is half
     (found by the false-alarm suite: a row of `large` data whose ~100 keys add to l ≈ 1.009
     rounded 8.7u off, twice the σ the p-sums gave). Equal terms err alike (correlated_sum)."""
+    xp = namespace(p)
     N, M = p.shape
-    out = np.empty(N)
-    rows = max(1, _ROW_BLOCK_ELEMS // max(1, M))
+    # On a device the whole row tile is one block (its temporaries are the tile's own size).
+    rows = max(1, _ROW_BLOCK_ELEMS // max(1, M)) if xp is np else max(1, N)
+    out = []
     for r0 in range(0, N, rows):
-        top = p[r0:r0 + rows].max(axis=1, keepdims=True)
-        l = 1.0 / np.where(top > 0, top, 1.0)  # a wholly masked row (p = 0) sums nothing
+        top = xp.max(p[r0:r0 + rows], axis=1, keepdims=True)
+        l = 1.0 / xp.where(top > 0, top, 1.0)  # a wholly masked row (p = 0) sums nothing
         eb = p[r0:r0 + rows] * l
-        equal = EqualTerms(eb.astype(np.float32))  # the terms as the program adds them
-        s = np.cumsum(eb, axis=1)
+        equal = EqualTerms(eb.astype(np.float32) if xp is np else xp.astype(eb, xp.float32))  # as added
+        s = np.cumsum(eb, axis=1) if xp is np else xp.cumulative_sum(eb, axis=1)
         t2 = eb * eb
         fwd = correlated_sum(step_var(s, eb, u, t2), equal)
-        np.subtract(l, s, out=s)               # reverse order's partial sums: l - s + e
-        s += eb
+        s = l - s + eb if xp is not np else np.add(np.subtract(l, s, out=s), eb, out=s)  # l - s + e: reverse order's
         bwd = correlated_sum(step_var(s, eb, u, t2), equal)
-        out[r0:r0 + rows] = np.maximum(fwd, bwd) / (l[:, 0] * l[:, 0])
-    return out
+        out.append(xp.maximum(fwd, bwd) / (l[:, 0] * l[:, 0]))
+    return concat_rows(out) if out else xp.zeros((0,), dtype=xp.float64)
 
 
 class EqualTerms:
@@ -130,12 +147,15 @@ class EqualTerms:
     order: the permutation that sorts each such row; first: where each group begins in
     the flattened sorted rows)."""
 
-    def __init__(self, terms: np.ndarray):
-        ordered = np.sort(terms, axis=1)
-        self.rows = np.flatnonzero(((ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] != 0)).any(axis=1))
+    def __init__(self, terms):
+        xp = namespace(terms)
+        ordered = xp.sort(terms, axis=1)
+        repeats = xp.any((ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] != 0), axis=1)
+        self.rows = np.flatnonzero(to_numpy(repeats))
         if not self.rows.size:
             return
-        keys = terms[self.rows]
+        # Rare rows (a saturated softcap): grouped in NumPy, whatever the terms' namespace.
+        keys = to_numpy(terms[like(terms, self.rows)])
         self.order = np.argsort(keys, axis=1)
         keys = np.take_along_axis(keys, self.order, axis=1)
         starts = np.ones(keys.shape, dtype=bool)
@@ -152,14 +172,15 @@ def correlated_sum(var: np.ndarray, equal: EqualTerms) -> np.ndarray:
     false-alarm suite: a softcap of 1.91 saturated 106 of a row's 128 scores at ±C, and the
     float32 sum of their 70 equal exp(−2C) ran 18.5u off, 7.7σ of independent roundings). Rows
     without repeated terms (the usual) are not regrouped."""
-    total = var.sum(axis=1)
+    total = namespace(var).sum(var, axis=1)
     if not equal.rows.size:
         return total
-    v = np.take_along_axis(var[equal.rows], equal.order, axis=1).ravel()
+    rows = like(var, equal.rows)
+    v = np.take_along_axis(to_numpy(var[rows]), equal.order, axis=1).ravel()
     sigma = np.add.reduceat(np.sqrt(v), equal.first)
     alone = np.add.reduceat(v, equal.first)
-    total[equal.rows] += np.bincount(equal.first // equal.width, weights=sigma * sigma - alone,
-                                     minlength=len(equal.rows))
+    total[rows] += like(total, np.bincount(equal.first // equal.width, weights=sigma * sigma - alone,
+                                           minlength=len(equal.rows)))
     return total
 
 
@@ -173,7 +194,7 @@ def rowsum_rel_var(p: np.ndarray, u: float, extra_roundings: float = 1.0,
 
 def p2_eta(p: np.ndarray, eta_var: np.ndarray, cache: Optional[HeadCache]) -> np.ndarray:
     """p²·var(η): the exponent errors' weight in the weights, the output and lse."""
-    return memo(cache, "p2 eta", (p, eta_var), (), lambda: np.multiply(np.multiply(p, p), eta_var))
+    return memo(cache, "p2 eta", (p, eta_var), (), lambda: p * p * eta_var)
 
 
 def weights_var(p: np.ndarray, eta_var: np.ndarray, l_var: np.ndarray, u: float,
@@ -199,10 +220,11 @@ def mixed_output_var(p: np.ndarray, eta_var: np.ndarray, V: np.ndarray, O: np.nd
     of all η cancels), for independent η_j: Σ_j w_j (v_j - O)² with w = p²·var(η), by three GEMMs.
     Under dropout the value of key j in row i is r·Z_ij·v_j (keep Z, rescale r = 1/(1 − p))."""
     w = p2_eta(p, eta_var, cache)
+    xp = namespace(w)
     if keep is None:
-        var = w @ (V * V) - 2.0 * O * (w @ V) + O * O * w.sum(axis=1, keepdims=True)
+        var = w @ (V * V) - 2.0 * O * (w @ V) + O * O * xp.sum(w, axis=1, keepdims=True)
     else:
         wz = w * keep
         var = (rescale * rescale) * (wz @ (V * V)) - 2.0 * rescale * O * (wz @ V) \
-            + O * O * w.sum(axis=1, keepdims=True)
-    return np.maximum(var, 0.0)
+            + O * O * xp.sum(w, axis=1, keepdims=True)
+    return xp.maximum(var, 0.0)

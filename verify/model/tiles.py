@@ -9,7 +9,8 @@ the query rows take the exact partial-sum model (small heads: dot.exact_energy),
 whole head, computed as it always was. Memory: O((N + M)·d) per head plus a tile's matrices.
 
 Only what the array API offers is used on the arrays (matmul, elementwise arithmetic, sums and
-maxima along an axis, concatenation), so that the loop can later run on another array namespace.
+maxima along an axis, concatenation), so that the loop runs on the check's device too, its arrays
+in that namespace (verify/model/arrays.py).
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from .arrays import concat_rows, like, namespace, target, zeros
 from .dot import _HEAD_ROWS, _expected_var, exact_energy, head_rows
 from .kernels import MMA_K
 from .rounding import FLUSH, ULP_IN_U, HeadCache, finite_abs
@@ -24,14 +26,19 @@ from .rounding import FLUSH, ULP_IN_U, HeadCache, finite_abs
 # The float64 scores of one tile: its dozen or so temporaries stay within a few tens of MB.
 TILE_BYTES = 4 << 20
 
+# On a GPU (verify/model/arrays.py): its dozen temporaries a few GB of the device's memory, and few
+# enough tiles that the time goes to arithmetic, not to launching each tile's few hundred kernels.
+DEVICE_TILE_BYTES = 256 << 20
+
 
 def row_tiles(n: int, m: int, d: int) -> List[Tuple[int, int]]:
     """[start, stop) of the row tiles of an n×m head of width d: one tile for a head that fits in
-    TILE_BYTES of scores, whose query sums take the exact model, or that is itself a tile; else
+    TILE_BYTES of scores (DEVICE_TILE_BYTES on a GPU), whose query sums take the exact model, or that is itself a tile; else
     tiles of a multiple of MMA_K rows (the tensor-core chunks of a sum over the queries)."""
-    if _HEAD_ROWS.get() is not None or 8 * n * m <= TILE_BYTES or exact_energy(m, n, max(1, d)):
+    budget = TILE_BYTES if target() is None else DEVICE_TILE_BYTES
+    if _HEAD_ROWS.get() is not None or 8 * n * m <= budget or exact_energy(m, n, max(1, d)):
         return [(0, n)]
-    rows = max(MMA_K, TILE_BYTES // (8 * max(1, m)) // MMA_K * MMA_K)
+    rows = max(MMA_K, budget // (8 * max(1, m)) // MMA_K * MMA_K)
     return [(a, min(n, a + rows)) for a in range(0, n, rows)]
 
 
@@ -52,11 +59,12 @@ def over_rows(n: int, m: int, d: int, head, cache: Optional[HeadCache],
 
 
 def stack_over_rows(n: int, m: int, d: int, compute: Callable[[Optional[slice]], np.ndarray]) -> np.ndarray:
-    """compute(rows) over the row tiles, stacked (compute(None) for a head of one tile)."""
+    """compute(rows) over the row tiles, stacked (compute(None) for a head of one tile), in the
+    namespace compute's arrays are in."""
     tiles = row_tiles(n, m, d)
     if len(tiles) == 1:
         return compute(None)
-    return np.concatenate([compute(slice(a, b)) for a, b in tiles], axis=0)
+    return concat_rows([compute(slice(a, b)) for a, b in tiles])
 
 
 def flush_max(A: np.ndarray, B: np.ndarray) -> float:
@@ -77,8 +85,13 @@ def stack_rows(parts: Sequence, heights: Sequence[int]):
     """The tiles' row blocks as one array (a scalar, where every tile's is that scalar)."""
     if all(np.ndim(p) == 0 for p in parts) and all(p == parts[0] for p in parts):
         return parts[0]
-    width = next(np.shape(p)[1:] for p in parts if np.ndim(p))
-    return np.concatenate([np.broadcast_to(p, (h,) + width) for p, h in zip(parts, heights)], axis=0)
+    ref = next(p for p in parts if np.ndim(p))
+    width = tuple(ref.shape[1:])
+    if isinstance(ref, np.ndarray):
+        return np.concatenate([np.broadcast_to(p, (h,) + width) for p, h in zip(parts, heights)], axis=0)
+    xp = namespace(ref)  # a device's parts (a scalar among them moved there)
+    return concat_rows([xp.broadcast_to(like(ref, p) if isinstance(p, (float, int, np.ndarray, np.generic)) else p,
+                                        (h,) + width) for p, h in zip(parts, heights)])
 
 
 class QuerySum:
@@ -109,7 +122,8 @@ class QuerySum:
         """The variance; single(X, Y): the whole head's (a cached dot_var of Xᵀ·Y)."""
         if self.pair is not None:
             return single(*self.pair)
-        return _expected_var(np.array(self.sum), np.array(self.squares), self.n, u, product_var)
+        own = np.array if isinstance(self.sum, np.ndarray) else (lambda x: x)  # (a device's: out of place)
+        return _expected_var(own(self.sum), own(self.squares), self.n, u, product_var)
 
 
 class Total:
@@ -133,11 +147,12 @@ class MmaCarry:
     def add(self, X: np.ndarray, Y: np.ndarray) -> None:
         A = X.T
         if self.partial is None:
-            self.partial = np.zeros((A.shape[0], Y.shape[1]))
-            self.total = np.zeros_like(self.partial)
+            self.partial = zeros(A, (A.shape[0], Y.shape[1]))
+            self.total = zeros(A, (A.shape[0], Y.shape[1]))
+        xp = namespace(A)
         for k0 in range(0, A.shape[1], MMA_K):
             self.partial += A[:, k0:k0 + MMA_K] @ Y[k0:k0 + MMA_K]
-            self.total += np.abs(self.partial)
+            self.total += xp.abs(self.partial)
 
     def det(self, u: float, passes: int) -> np.ndarray:
         return passes * ULP_IN_U * u * self.total
@@ -146,7 +161,7 @@ class MmaCarry:
 def smallest(x: np.ndarray) -> float:
     """The smallest nonzero element of x (inf for none): dot.flush_sum's test, over tiles."""
     nz = x[x != 0]
-    return float(nz.min()) if nz.size else np.inf
+    return float(nz.min()) if nz.shape[0] else np.inf
 
 
-__all__ = ["TILE_BYTES", "row_tiles", "over_rows", "stack_over_rows", "flush_max", "rows_of", "stack_rows", "QuerySum", "Total", "MmaCarry", "smallest"]
+__all__ = ["TILE_BYTES", "DEVICE_TILE_BYTES", "row_tiles", "over_rows", "stack_over_rows", "flush_max", "rows_of", "stack_rows", "QuerySum", "Total", "MmaCarry", "smallest"]

@@ -20,6 +20,7 @@ from typing import List
 
 import numpy as np
 
+from ..model.arrays import like, namespace, target, to_device, to_numpy
 from ..model.attention import log_sum_exp_rows
 from ..model.flash import flash_forward_rows, flash_lse_sums
 from ..model.rounding import FLUSH, ROUND_VAR, ULP_IN_U, finite_abs, memo
@@ -55,10 +56,20 @@ def _output_isolated(src, ref, problem: Problem):
 def _forward_rows(Q, K, V, problem: Problem):
     """flash_output's (variance, one-signed part), computed in the same pass over the row tiles
     as flash_lse's row sums, which the head's cache keeps for flash_lse's bound (lse_var_det)."""
-    out, sums = flash_forward_rows(Q, K, V, *problem.model_args)
     scale, head, u, kernel, cache = problem.model_args
+    if on_device_of(as_head(head)):
+        # Q, K, V moved to the device once; the row results (N×d and N×1) come back once.
+        out, sums = flash_forward_rows(to_device(Q), to_device(K), to_device(V), scale, head, u, kernel, None)
+        out, sums = tuple(map(_numpy, out)), tuple(map(_numpy, sums))
+    else:
+        out, sums = flash_forward_rows(Q, K, V, *problem.model_args)
     memo(cache, "flash_lse sums", (Q, K), (scale, as_head(head), u, kernel), lambda: sums)
     return out
+
+
+def _numpy(x):
+    """A device's result as NumPy (a scalar as it is)."""
+    return x if isinstance(x, (float, int)) else to_numpy(x)
 
 
 def lse_var_det(Q, K, lse, scale, head, u, kernel, cache):
@@ -69,18 +80,19 @@ def lse_var_det(Q, K, lse, scale, head, u, kernel, cache):
     head = as_head(head)
     m, eta_sum, l_var, det = memo(cache, "flash_lse sums", (Q, K), (scale, head, u, kernel),
                                   lambda: flash_lse_sums(Q, K, scale, head, u, kernel, cache))
-    finite = np.isfinite(lse)
-    lse = np.where(finite, lse, 0.0)
-    log_l = np.where(finite, lse - m, 0.0)
-    magnitude = np.abs(m) + np.abs(lse)
+    xp = namespace(lse)
+    finite = xp.isfinite(lse)
+    lse = xp.where(finite, lse, 0.0)
+    log_l = xp.where(finite, lse - m, 0.0)
+    magnitude = xp.abs(m) + xp.abs(lse)
     shift = head.flash_shift(Q.shape[0], K.shape[0])
     if shift is not None:
-        magnitude = magnitude + 2 * np.abs(shift)
+        magnitude = magnitude + like(magnitude, 2 * np.abs(shift))
     var = (eta_sum + l_var
            + ROUND_VAR * u * u * ((kernel.log_ulps * ULP_IN_U * log_l) ** 2
                                   + kernel.lse_roundings * magnitude ** 2 / 4)
            + kernel.log_abs ** 2 / 3)
-    return np.where(finite, var, 0.0), det
+    return xp.where(finite, var, 0.0), det
 
 
 def _lse_isolated(src, ref, problem: Problem):
@@ -198,12 +210,23 @@ def _lse_vs_partner(stage: str, got: np.ndarray, ctx: HeadContext) -> List[Viola
 
 def _reference(with_mask):
     def reference(src, problem: Problem):
-        head, Q = problem.head, np.asarray(src[QUERIES])
+        head = problem.head
+        if on_device_of(head):  # Q, K, V moved to the check's device once, the result back once
+            src = {k: (to_device(v) if k in INPUT_NAMES else v) for k, v in src.items()}
+        Q = src[QUERIES] if on_device_of(head) else np.asarray(src[QUERIES])
         n = Q.shape[0]
-        return stack_over_rows(n, np.shape(src[KEYS])[0], Q.shape[1], lambda r: (
+        out = stack_over_rows(n, src[KEYS].shape[0], Q.shape[1], lambda r: (
             with_mask(src, problem.scale, None, head.variant, head.slope) if r is None else
             with_mask({**src, QUERIES: Q[r]}, problem.scale, None, head.variant, head.slope, r, n)))
+        return to_numpy(out)
     return reference
+
+
+def on_device_of(head) -> bool:
+    """Whether this head's flash references run on the check's device (verify/model/arrays.py):
+    a device is chosen and the variant is one the device path computes (the mask, windows,
+    grouped heads; the softcap, ALiBi, bias files and dropout stay with NumPy)."""
+    return target() is not None and not head.modifies and head.dropout == 0
 
 
 SPECS = (

@@ -12,6 +12,7 @@ from typing import Optional
 
 import numpy as np
 
+from ..model.arrays import float64
 from ..model.attention import softmax_rows
 from ..model.chain import chained_eta, chained_logits
 from ..model.dot import dot_var, pv, pv_var
@@ -34,7 +35,7 @@ def scores_from_inputs(src, scale: float, masked: Optional[np.ndarray], variant:
     """The scores the softmax reads, in float64 from the case's Q and K, under `variant`: hidden
     where `masked` (None: the variant's own mask, with the mask and bias files in src). rows: the
     head's query rows that src's Q rows are (all by default), n: the head's query count then."""
-    Q, K = np.asarray(src[QUERIES], np.float64), np.asarray(src[KEYS], np.float64)
+    Q, K = float64(src[QUERIES]), float64(src[KEYS])  # NumPy's or the device's (verify/model/arrays.py)
     head = head_variant(variant, slope, src)
     scaled = (Q @ K.T) * scale
     if masked is None:
@@ -48,7 +49,7 @@ def attention_from_inputs(src, scale, masked, variant: Variant = Variant(), slop
     inputs (scores_from_inputs)."""
     scores = scores_from_inputs(src, scale, masked, variant, slope, rows, n)
     head = head_variant(variant, slope, src)
-    return head.dropped(softmax_rows(scores), rows) @ np.asarray(src[VALUES], np.float64)
+    return head.dropped(softmax_rows(scores), rows) @ float64(src[VALUES])
 
 
 def _isolated(src, ref, problem: Problem):

@@ -13,6 +13,7 @@ import numpy as np
 from ...model.backward import (capped_grads, d_var, ds_round_var, ds_var_parts, grad_over_keys_var,
                                grad_over_queries_var, stage_rows, weight_round_var)
 from ...model.chain import chained_eta, chained_logits
+from ...model.arrays import namespace
 from ...model.dot import dot_var, flush_sum, pv_var, qk_var, rowdot_var
 from ...model.rounding import FLUSH, ROUND_VAR, finish, memo
 from ...model.scores import as_head, cap_factor_error, dropout_factor_error
@@ -114,7 +115,7 @@ def stage_chain(Q, K, V, dO, scale, head, u, kernel, cache):
         rows = stage_rows(p, eta, l_var, Dv, u, kernel)
         dP_var = dp_var(dO, V, u, ROUND_VAR, cache)
         indep, shared = ds_var_parts(p, dPz, D, dS, rows, head.dropped(head.dropped(dP_var)), u, dropout)
-        return p, dP, D, dS, rows, indep, shared + r_err * np.abs(p * dPz), eta, l_var
+        return p, dP, D, dS, rows, indep, shared + r_err * namespace(p).abs(p * dPz), eta, l_var
     return memo(cache, "backward chain", (Q, K, V, dO), (scale, head, u, kernel), compute)
 
 

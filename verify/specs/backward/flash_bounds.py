@@ -11,18 +11,19 @@ from typing import NamedTuple, Tuple
 
 import numpy as np
 
+from ...model.arrays import like, namespace, to_device, to_numpy_all, zeros
 from ...model.attention import log_sum_exp_rows
 from ...model.backward import CappedGrads, RowErrors, capped_grads, d_var, ds_var_parts, flash_rows, grad_over_keys_var
 from ...model.dot import mma_truncation_det, pv_var, qk_var, rowdot_var
 from ...model.flash import common_factor_logits, flash_output_var_det, flash_parts, logit_magnitude
 from ...model.kernels import FLASH_LOGIT_ROUNDINGS
-from ...model.rounding import FLUSH, ROUND_VAR, finish, finite_abs, memo
+from ...model.rounding import FLUSH, ROUND_VAR, HeadCache, finish, finite_abs, memo
 from ...model.scores import HeadVariant, as_head, cap_factor_error, dropout_factor_error, modification_det
 from ...model.softmax import exponent_var, logits, need, raw_logits
 from ...model.tiles import Total, flush_max, smallest
 from ...stages import FLASH_GRAD_QUERIES, GRAD_OUTPUT, KEYS, QUERIES, VALUES
 from ..base import Problem
-from ..flash import lse_var_det
+from ..flash import lse_var_det, on_device_of
 from .bounds import chain_cap, dp_var, stage_chain
 from .flash_tiles import QueryGrad, over_queries
 from .reference import FLASH_SOURCES, flash_terms, through_cap
@@ -32,11 +33,12 @@ def _scale_det(Q, K, scale, head, P, finite, u, kernel, cache):
     """The head's one rounded scale factor (a relative δ ≤ u): each recomputed weight moves by
     δ·(S_j − S̄), S̄ = Σ_j P_j S_j carried by the lse (one-signed, relative), for each quantity
     such a factor may multiply (verify/model/flash.py common_factor_logits); 0 without one."""
+    det = zeros(P, finite.shape)
     if not kernel.common_scale:
-        return np.zeros(finite.shape)
-    det = np.zeros(finite.shape)
+        return det
+    xp = namespace(P)
     for S in common_factor_logits(Q, K, scale, head, cache):
-        det += np.where(finite, u * np.abs(S - (P * S).sum(axis=1, keepdims=True)), 0.0)
+        det = det + xp.where(finite, u * xp.abs(S - xp.sum(P * S, axis=1, keepdims=True)), 0.0)
     return det
 
 
@@ -47,7 +49,7 @@ def _logit_det(Q, K, P, scale, head, finite, u, kernel, cache):
     if kernel.mma_passes:
         trunc = abs(scale) * mma_truncation_det(Q, K.T, u, kernel.mma_passes)
         slope = head.cap_slope(raw_logits(Q, K, scale, cache)) if head.cap > 0 else None
-        det = det + np.where(finite, trunc if slope is None else trunc * slope, 0.0)
+        det = det + namespace(trunc).where(finite, trunc if slope is None else trunc * slope, 0.0)
     return det
 
 
@@ -59,17 +61,19 @@ def _recomputed_eta(Q, K, S, lse, finite, scale, head: HeadVariant, u, kernel, c
         S0 = raw_logits(Q, K, scale, cache)
         slope = head.cap_slope(S0)
         eta = eta * (1.0 if slope is None else slope * slope) + modification_det(S0, head, u, kernel, flash=True) ** 2
-    eta = np.where(finite, eta, 0.0)
-    d = np.where(finite, S - np.where(np.isfinite(lse), lse, 0.0), 0.0)
+    xp = namespace(S)
+    eta = xp.where(finite, eta, 0.0)
+    d = xp.where(finite, S - xp.where(xp.isfinite(lse), lse, 0.0), 0.0)
     return eta + exponent_var(d, finite, u, kernel, logit_magnitude(S, finite, head), FLASH_LOGIT_ROUNDINGS)
 
 
 def _lse_magnitude(lse, head: HeadVariant, n: int, m: int) -> np.ndarray:
     """|lse| as a kernel that rounds it sees it (0 for a row that sees no key; raised by
     flash-attn's causal ALiBi shift)."""
-    mag = np.where(np.isfinite(lse), np.abs(lse), 0.0)
+    xp = namespace(lse)
+    mag = xp.where(xp.isfinite(lse), xp.abs(lse), 0.0)
     shift = head.flash_shift(n, m)
-    return mag if shift is None else mag + np.abs(shift)
+    return mag if shift is None else mag + like(mag, np.abs(shift))
 
 
 def _flushed_entries(P, dS):
@@ -77,13 +81,14 @@ def _flushed_entries(P, dS):
     None) when none does. GPUs flush such values to zero (an ftz exp2, FTZ arithmetic), so each may
     be lost whole; the gradients summed from them are then tiny, but no smaller than those terms."""
     edge = 2 * FLUSH  # margin for the weight's own rounding error near the edge
+    xp = namespace(P)
     tiny_p = (P < edge) & (P > 0)
-    lost = (tiny_p | (np.abs(dS) < edge)) & (dS != 0)
-    if not (lost.any() or tiny_p.any()):
+    lost = (tiny_p | (xp.abs(dS) < edge)) & (dS != 0)
+    if not (bool(xp.any(lost)) or bool(xp.any(tiny_p))):
         return None, None
     # Twice the lost terms: a gradient made of one lost term equals its bound exactly, and the
     # reference's own rounding must not decide such a case.
-    return np.where(lost, 2 * np.abs(dS), 0.0), np.where(tiny_p, 2 * P, 0.0)
+    return xp.where(lost, 2 * xp.abs(dS), 0.0), xp.where(tiny_p, 2 * P, 0.0)
 
 
 class GradBounds(NamedTuple):
@@ -107,7 +112,7 @@ class KeyGrads(NamedTuple):
         dk_var = scale * scale * self.dk.var(u, cache, "dS Q var", pv + ROUND_VAR * capped)
         dv_var = self.dv.var(u, cache, "P dO var", pv + ROUND_VAR * (head.dropout > 0))
         dk_det = abs(scale) * self.dk.det.value
-        dv_det = self.dv.det.value + dropout_factor_error(head, u) * np.abs(self.dv.gemm.sum)
+        dv_det = self.dv.det.value + dropout_factor_error(head, u) * namespace(self.dv.gemm.sum).abs(self.dv.gemm.sum)
         if kernel.mma_passes:
             dk_det = dk_det + abs(scale) * self.dk.mma.det(u, kernel.mma_passes)
             dv_det = dv_det + self.dv.mma.det(u, kernel.mma_passes)
@@ -125,19 +130,20 @@ def _flash_grad_bounds(parts, rows: RowErrors, dP_var, s_det, scale, head: HeadV
                                  u, dropout)
     g = capped_grads(P, dS, indep, shared, *cap)
     f = cap[0]
-    ds_det = through_cap(np.abs(dS) * s_det + r_err * np.abs(P * dPz), f)
+    xp = namespace(dS)
+    ds_det = through_cap(xp.abs(dS) * s_det + r_err * xp.abs(P * dPz), f)
     pv = kernel.flash_product_var + ROUND_VAR  # the kernel's products, and the scale folded in
     pv_g = pv + ROUND_VAR * (f is not None)    # and the cap's factor
     dq_var = grad_over_keys_var(g.P, g.G, K, rows, g.indep, scale, u, cache, pv_g)
     Pz = head.dropped(P)
-    p_sd = head.dropped(P * (np.sqrt(rows.eta) + np.sqrt(rows.shared)))
-    dq_det = abs(scale) * (ds_det @ np.abs(K))
+    p_sd = head.dropped(P * (xp.sqrt(rows.eta) + xp.sqrt(rows.shared)))
+    dq_det = abs(scale) * (ds_det @ xp.abs(K))
     keys.dk.add(g.G, g.indep + g.shared, Q, ds_det, bool(kernel.mma_passes))
     keys.dv.add(Pz, p_sd, dO, head.dropped(P * s_det), bool(kernel.mma_passes))
     lost_ds, lost_p = _flushed_entries(P, dS)
     if lost_ds is not None:
         lost_ds = through_cap(lost_ds, f)
-        dq_det = dq_det + abs(scale) * (lost_ds @ np.abs(K))
+        dq_det = dq_det + abs(scale) * (lost_ds @ xp.abs(K))
         keys.dk.add_lost(lost_ds, Q)
         keys.dv.add_lost(head.dropped(lost_p), dO)
     if kernel.mma_passes:
@@ -162,11 +168,15 @@ def _flash_own(src, scale, head, u, kernel, cache):
     src = {n: np.asarray(src[n], np.float64) for n in FLASH_SOURCES}
     head = as_head(head)
 
-    def compute():
+    def compute(src, cache):
         keys = KeyGrads.of(src[QUERIES].shape[0])
         dq = over_queries(src, head, cache, lambda s, h, c: _own_tile(s, scale, h, u, kernel, c, keys))
         return (dq,) + keys.bounds(scale, head, u, kernel, cache, head.cap > 0)
-    return memo(cache, "flash grads own", tuple(src[n] for n in FLASH_SOURCES), (scale, head, u, kernel), compute)
+    if on_device_of(head):  # its sources moved once, its results back once
+        return memo(cache, "flash grads own", tuple(src[n] for n in FLASH_SOURCES), (scale, head, u, kernel),
+                    lambda: to_numpy_all(compute({n: to_device(x) for n, x in src.items()}, HeadCache())))
+    return memo(cache, "flash grads own", tuple(src[n] for n in FLASH_SOURCES), (scale, head, u, kernel),
+                lambda: compute(src, cache))
 
 
 def _own_tile(src, scale, head: HeadVariant, u, kernel, cache, keys: KeyGrads):
@@ -174,8 +184,9 @@ def _own_tile(src, scale, head: HeadVariant, u, kernel, cache, keys: KeyGrads):
     Q, K, V, dO, O, lse = (src[n] for n in FLASH_SOURCES)
     masked = head.hidden(Q.shape[0], K.shape[0])
     P, dP, D, dS, _ = flash_terms(src, scale, masked, head=head)
-    finite = ~masked & np.isfinite(lse)
-    S = np.where(finite, logits(Q, K, scale, head, cache), 0.0)
+    xp = namespace(Q)
+    finite = ~like(Q, masked) & xp.isfinite(lse)
+    S = xp.where(finite, logits(Q, K, scale, head, cache), 0.0)
     eta = _recomputed_eta(Q, K, S, lse, finite, scale, head, u, kernel, cache)
     lse_fold = ROUND_VAR * u * u * _lse_magnitude(lse, head, Q.shape[0], K.shape[0]) ** 2
     rows = flash_rows(eta, lse_fold, rowdot_var(dO, O, u))
@@ -208,39 +219,47 @@ class FlashChain(NamedTuple):
 
 def flash_chain(Q, K, V, dO, scale, head, u, kernel, cache) -> FlashChain:
     """The flash backward's errors from the original inputs: its forward's lse and output errors
-    (verify/model/flash.py) reach P (shared along the row) and D; a row tile at a time."""
+    (verify/model/flash.py) reach P (shared along the row) and D; a row tile at a time (on the
+    check's device where the head runs there: its inputs moved once, its results back once)."""
     head = as_head(head)
+    if on_device_of(head):
+        return memo(cache, "flash backward chain", (Q, K, V, dO), (scale, head, u, kernel), lambda: to_numpy_all(
+            _chain(*map(to_device, (Q, K, V, dO)), scale, head, u, kernel, HeadCache())))
+    return memo(cache, "flash backward chain", (Q, K, V, dO), (scale, head, u, kernel),
+                lambda: _chain(Q, K, V, dO, scale, head, u, kernel, cache))
 
-    def compute():
-        n, m = Q.shape[0], K.shape[0]
-        keys, row_sd_q2, small = KeyGrads.of(n), Total(), [np.inf]
-        K_abs = finite_abs(K)
 
-        def tile(s, h, c):
-            Qt, dOt = s[QUERIES], s[GRAD_OUTPUT]
-            dq_ref, dq, G, Pz, row_sd = _chain_tile(Qt, K, V, dOt, scale, h, u, kernel, c, keys)
-            keys.dk.add_floor(G, Qt)
-            keys.dv.add_floor(Pz, dOt)
-            row_sd_q2.add((row_sd * row_sd * Qt * Qt).sum(axis=0))
-            G_abs = finite_abs(G)
-            small[0] = min(small[0], smallest(G_abs))
-            return dq_ref, dq[0], dq[1], np.minimum(G_abs @ K_abs, m * FLUSH)  # flush_sum(G, K)'s rows
-        dq_ref, dq_var, dq_det, dq_flush = over_queries({QUERIES: Q, KEYS: K, VALUES: V, GRAD_OUTPUT: dO}, head,
-                                                        cache, tile)
-        if small[0] * smallest(K_abs) >= FLUSH * 2.0**24:
-            dq_flush = np.zeros((1, 1))
-        dk, dv = keys.bounds(scale, head, u, kernel, cache, head.cap > 0)
-        return FlashChain((dq_ref, scale * keys.dk.gemm.sum, keys.dv.gemm.sum), ((dq_var, dq_det), dk, dv),
-                          (abs(scale) * dq_flush, abs(scale) * keys.dk.floor(), keys.dv.floor()),
-                          ColumnSumParts(row_sd_q2.value, keys.dk.gemm.sum, keys.dk.gemm_var))
-    return memo(cache, "flash backward chain", (Q, K, V, dO), (scale, head, u, kernel), compute)
+def _chain(Q, K, V, dO, scale, head: HeadVariant, u, kernel, cache) -> FlashChain:
+    """flash_chain's FlashChain, computed."""
+    n, m = Q.shape[0], K.shape[0]
+    keys, row_sd_q2, small = KeyGrads.of(n), Total(), [np.inf]
+    K_abs = finite_abs(K)
+
+    def tile(s, h, c):
+        Qt, dOt = s[QUERIES], s[GRAD_OUTPUT]
+        dq_ref, dq, G, Pz, row_sd = _chain_tile(Qt, K, V, dOt, scale, h, u, kernel, c, keys)
+        keys.dk.add_floor(G, Qt)
+        keys.dv.add_floor(Pz, dOt)
+        row_sd_q2.add(namespace(Qt).sum(row_sd * row_sd * Qt * Qt, axis=0))
+        G_abs = finite_abs(G)
+        small[0] = min(small[0], smallest(G_abs))
+        return dq_ref, dq[0], dq[1], namespace(G_abs).minimum(G_abs @ K_abs, m * FLUSH)  # flush_sum(G, K)'s rows
+    dq_ref, dq_var, dq_det, dq_flush = over_queries({QUERIES: Q, KEYS: K, VALUES: V, GRAD_OUTPUT: dO}, head,
+                                                    cache, tile)
+    if small[0] * smallest(K_abs) >= FLUSH * 2.0**24:
+        dq_flush = zeros(Q, (1, 1))
+    dk, dv = keys.bounds(scale, head, u, kernel, cache, head.cap > 0)
+    return FlashChain((dq_ref, scale * keys.dk.gemm.sum, keys.dv.gemm.sum), ((dq_var, dq_det), dk, dv),
+                      (abs(scale) * dq_flush, abs(scale) * keys.dk.floor(), keys.dv.floor()),
+                      ColumnSumParts(row_sd_q2.value, keys.dk.gemm.sum, keys.dk.gemm_var))
 
 
 def _chain_tile(Q, K, V, dO, scale, head: HeadVariant, u, kernel, cache, keys: KeyGrads):
     """flash_chain's rows of one tile: (dQ's reference, dQ's bound, G, the kept weights, the sd of
     each dS row sum's error); dK's and dV's parts into keys."""
     S, p, m, eta_fwd, l_var, s_det = flash_parts(Q, K, scale, head, u, kernel, cache)
-    finite = np.isfinite(S)
+    xp = namespace(S)
+    finite = xp.isfinite(S)
     lse = log_sum_exp_rows(S)
     lse_var, lse_det = lse_var_det(Q, K, lse, scale, head, u, kernel, cache)
     # The same weights, dP, D and dS as the stage path's chain (shared arrays share their bounds).
@@ -251,18 +270,18 @@ def _chain_tile(Q, K, V, dO, scale, head: HeadVariant, u, kernel, cache, keys: K
     _, O_det = flash_output_var_det(Q, K, V, scale, head, u, kernel, cache)
     acc = kernel.rescale_factor * pv_var(pz, V, u, kernel.flash_product_var + ROUND_VAR * dropout, cache) \
         + ((kernel.final_roundings + dropout) * ROUND_VAR + kernel.div_var) * (u * O) ** 2
-    Dv = d_var(p, eta_fwd, l_var, np.zeros(p.shape), dO, head.dropped(dP), D, acc, rowdot_var(dO, O, u))
-    D_sd = np.sqrt(Dv) + (np.abs(dO) * O_det).sum(axis=1, keepdims=True)
+    Dv = d_var(p, eta_fwd, l_var, zeros(p, p.shape), dO, head.dropped(dP), D, acc, rowdot_var(dO, O, u))
+    D_sd = xp.sqrt(Dv) + xp.sum(xp.abs(dO) * O_det, axis=1, keepdims=True)
     eta = _recomputed_eta(Q, K, S, lse, finite, scale, head, u, kernel, cache)
     lse_mag = _lse_magnitude(lse, head, Q.shape[0], K.shape[0])
-    shared_sd = np.sqrt(lse_var + ROUND_VAR * u * u * lse_mag * lse_mag) + lse_det
+    shared_sd = xp.sqrt(lse_var + ROUND_VAR * u * u * lse_mag * lse_mag) + lse_det
     rows = flash_rows(eta, shared_sd * shared_sd, D_sd * D_sd)
     s_det = s_det + _scale_det(Q, K, scale, head, p, finite, u, kernel, cache)  # flash_parts': truncation
     dPv = dp_var(dO, V, u, kernel.flash_product_var, cache)
     cap = chain_cap(Q, K, scale, head, u, kernel, cache, kernel.flash_product_var)
     gb = _flash_grad_bounds((Q, K, dO, p, dP, D, dS), rows, dPv, s_det, scale, head, u, kernel, cache, cap, keys)
     G = gb.grads.G
-    row_sd = np.sqrt((gb.indep * gb.indep).sum(axis=1, keepdims=True)) + np.sqrt(rows.D)
+    row_sd = xp.sqrt(xp.sum(gb.indep * gb.indep, axis=1, keepdims=True)) + xp.sqrt(rows.D)
     return scale * G @ K, gb.dq, G, pz, row_sd
 
 

@@ -11,12 +11,14 @@ from typing import Dict, Optional, Tuple
 
 import numpy as np
 
+from ...model.arrays import namespace, to_device, to_numpy
 from ...model.backward import transposed_gemm_var
 from ...model.rounding import FLUSH, HeadCache, finite_abs
 from ...model.scores import HeadVariant
 from ...model.tiles import MmaCarry, QuerySum, Total, over_rows, rows_of, smallest
 from ...stages import FLASH_LSE, FLASH_OUTPUT, GRAD_OUTPUT, KEYS, QUERIES, VALUES
 from ..base import Problem
+from ..flash import on_device_of
 from .reference import FLASH_SOURCES, flash_terms
 
 # The rows of the flash backward's sources (Q, dO, the output and lse); K and V are the keys'.
@@ -53,6 +55,17 @@ def flash_gradients(src, scale: float, head: HeadVariant) -> Tuple[np.ndarray, n
     last = _LAST.get("grads")
     if last is not None and last[0] == key:
         return last[2]
+    out = _gradients(src, scale, head)
+    _LAST["grads"] = (key, src, out)  # (src: its arrays alive, so that their ids stay theirs)
+    return out
+
+
+def _gradients(src, scale: float, head: HeadVariant):
+    """flash_gradients' (dQ, dK, dV), on the check's device where the head's variant runs there
+    (its sources moved once, the three gradients back once: verify/specs/flash.py on_device_of)."""
+    device = on_device_of(head)
+    if device:
+        src = {n: to_device(x) for n, x in src.items()}
     K, dK, dV = src[KEYS], Total(), Total()
 
     def tile(s, h, c):
@@ -62,8 +75,7 @@ def flash_gradients(src, scale: float, head: HeadVariant) -> Tuple[np.ndarray, n
         return (scale * G @ K,)
     dQ, = over_queries(src, head, None, tile)
     out = (dQ, scale * dK.value, dV.value)
-    _LAST["grads"] = (key, src, out)  # (src: its arrays alive, so that their ids stay theirs)
-    return out
+    return tuple(to_numpy(x) for x in out) if device else out
 
 
 def flash_reference(index: int):
@@ -111,13 +123,13 @@ class QueryGrad:
     def add(self, X, E, Y, det_x, mma: bool) -> None:
         self.err.add((E * E).T @ (Y * Y))
         self.gemm.add(X, Y)
-        self.det.add(det_x.T @ np.abs(Y))
+        self.det.add(det_x.T @ namespace(Y).abs(Y))
         if mma:
             self.mma.add(X, Y)
 
     def add_lost(self, lost_x, Y) -> None:
         """The flushed entries' part of the one-signed bound."""
-        self.det.add(lost_x.T @ np.abs(Y))
+        self.det.add(lost_x.T @ namespace(Y).abs(Y))
 
     def add_floor(self, X, Y) -> None:
         """X and Y's part of dot.flush_sum(Xᵀ, Y) (the chained floor)."""
@@ -128,7 +140,7 @@ class QueryGrad:
     def floor(self):
         if self.small_x * self.small_y >= FLUSH * 2.0**24:
             return np.zeros((1, 1))
-        return np.minimum(self.flushed.value, self.n * FLUSH)
+        return namespace(self.flushed.value).minimum(self.flushed.value, self.n * FLUSH)
 
     def var(self, u: float, cache, what: str, product_var: float) -> np.ndarray:
         """The variance once every tile is in (its GEMM's part kept as gemm_var)."""

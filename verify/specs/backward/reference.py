@@ -10,11 +10,13 @@ A row that sees no key has P, dS and its dQ row 0.
 """
 from __future__ import annotations
 
+import math
 from functools import cached_property
 from typing import Callable, Optional
 
 import numpy as np
 
+from ...model.arrays import float64, like, namespace, put, quiet
 from ...model.scores import PLAIN, HeadVariant
 from ...stages import (FLASH_GRAD_QUERIES, FLASH_LSE, FLASH_OUTPUT, GRAD_OUTPUT, GRAD_WEIGHTS, KEYS, QUERIES, ROW_DOT,
                        GRAD_SCORES, SCORES, STAGES, WEIGHTS)
@@ -25,7 +27,7 @@ FLASH_SOURCES = STAGES[FLASH_GRAD_QUERIES].inputs       # Q, K, V, dO, flash_out
 
 
 def d_reference(dO, O):
-    return (dO * O).sum(axis=1, keepdims=True)
+    return namespace(dO).sum(dO * O, axis=1, keepdims=True)
 
 
 def ds_reference(P, dP, D, head: HeadVariant = PLAIN):
@@ -47,14 +49,15 @@ def flash_terms(src, scale: float, masked: np.ndarray, D=None, lse=None, head: H
     output and lse it is given; head: those rows' variant), under `masked` and the head's score
     modifications and dropout (D and lse may be replaced: the diagnoses build buggy variants). dS
     is the gradient of the softmax's input, G = dS through the softcap's derivative."""
-    Q, K, V, dO = (np.asarray(src[n], np.float64) for n in FLASH_SOURCES[:4])
-    lse = np.asarray(src[FLASH_LSE], np.float64) if lse is None else lse
+    Q, K, V, dO = (float64(src[n]) for n in FLASH_SOURCES[:4])  # NumPy's or a device's (model/arrays.py)
+    lse = float64(src[FLASH_LSE]) if lse is None else lse
     S0 = (Q @ K.T) * scale
-    S = np.where(masked, -np.inf, head.modified(S0))
-    with np.errstate(invalid="ignore", over="ignore"):  # rows that see no key: −inf − lse
-        P = np.exp(S - lse)
-    P[masked] = 0.0
-    D = d_reference(dO, np.asarray(src[FLASH_OUTPUT], np.float64)) if D is None else D
+    xp, masked = namespace(S0), like(S0, masked)
+    S = xp.where(masked, -math.inf, head.modified(S0))
+    with quiet(xp):  # rows that see no key: −inf − lse
+        P = xp.exp(S - lse)
+    P = put(P, 0.0, masked)
+    D = d_reference(dO, float64(src[FLASH_OUTPUT])) if D is None else D
     dP = dO @ V.T
     dS = ds_reference(P, dP, D, head)
     return P, dP, D, dS, through_cap(dS, cap_factor(S0, head))

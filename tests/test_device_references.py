@@ -1,0 +1,302 @@
+"""The flash stages' float64 references on another array namespace (verify/model/arrays.py).
+
+The same model code runs on NumPy and, through array_api_compat, on PyTorch; here PyTorch's
+float64 on the CPU, which is the code `check --device cuda` runs on a GPU.
+
+* flash_output and flash_lse references from PyTorch equal NumPy's to 1e-12 (relative to each
+  row's largest magnitude) on plain, causal, bottom-right, windowed and grouped heads, whole and in
+  row tiles, and the device path does run on PyTorch tensors (a reference that stayed in NumPy is
+  caught).
+* The check of the CPU binary's flash run (forward and backward, grouped K/V heads, causal) and of
+  a NumPy program's flash output with no run.toml reports the same verdicts and bounds on either;
+  a planted bug (a base-2 lse) fails with the same diagnosis.
+* `--device cpu` never imports PyTorch; `--device cuda` without a GPU is one line, exit 2; auto
+  keeps small heads, and a check asked for several processes, on NumPy.
+* On a GPU (marked gpu): `check --device cuda` reports what `--device cpu` does.
+Without PyTorch (or array_api_compat) the PyTorch tests skip with the reason.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import attnstep
+
+from helpers.cli import invoke
+from verify.check import tolerance
+from verify.check.reference import compute_stage, reference_chain
+from verify.cli import check as check_cli
+from verify.model import arrays, dot, tiles
+from verify.specs import flash as flash_spec
+from verify.specs.backward import flash_bounds, flash_tiles
+from verify.stages import FLASH_GRAD_KEYS, FLASH_GRAD_QUERIES, FLASH_GRAD_VALUES, FLASH_LSE, FLASH_OUTPUT
+from verify.variant import BOTTOM_RIGHT, Variant
+
+
+def _torch():
+    pytest.importorskip("array_api_compat", reason="array-api-compat is not installed (pip install 'attnstep[gpu]')")
+    return pytest.importorskip("torch", reason="PyTorch is not installed (pip install 'attnstep[gpu]')")
+
+
+FLASH = (FLASH_OUTPUT, FLASH_LSE, FLASH_GRAD_QUERIES, FLASH_GRAD_KEYS, FLASH_GRAD_VALUES)
+VARIANTS = {
+    "plain": Variant(),
+    "causal": Variant(causal=True),
+    "bottom-right": Variant(causal=True, align=BOTTOM_RIGHT),
+    "window": Variant(window=(7, 3)),
+}
+
+
+def _close(a: np.ndarray, b: np.ndarray) -> None:
+    """Equal to 1e-12 of the largest finite magnitude (a row that cancels to 0, a gradient of a
+    query that sees one key, is 0 only to its roundings on either); the same infinities."""
+    assert np.array_equal(np.isfinite(a), np.isfinite(b)) and np.array_equal(a[~np.isfinite(a)], b[~np.isfinite(b)])
+    fa, fb = np.where(np.isfinite(a), a, 0.0), np.where(np.isfinite(b), b, 0.0)
+    assert np.all(np.abs(fa - fb) <= 1e-12 * np.max(np.abs(fa), initial=0.0))
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+@pytest.mark.parametrize("tile_bytes", [1 << 40, 8 * 70 * 8], ids=["whole", "tiles"])
+def test_torch_references_equal_numpy(name, tile_bytes, monkeypatch):
+    _torch()
+    monkeypatch.setattr(tiles, "TILE_BYTES", tile_bytes)
+    monkeypatch.setattr(tiles, "DEVICE_TILE_BYTES", tile_bytes)
+    rng = np.random.default_rng(1)
+    src = {k: rng.normal(size=(n, 16)).astype(np.float32) for k, n in (("Q", 45), ("K", 70), ("V", 70))}
+    variant = VARIANTS[name]
+    for stage in (FLASH_OUTPUT, FLASH_LSE):
+        want = compute_stage(stage, src, 0.3, variant.causal, variant=variant)
+        seen = []
+        to_numpy = arrays.to_numpy
+        monkeypatch.setattr("verify.specs.flash.to_numpy", lambda x: (seen.append(type(x).__module__), to_numpy(x))[1])
+        with arrays.on_device("torch-cpu"):
+            got = compute_stage(stage, src, 0.3, variant.causal, variant=variant)
+        assert seen == ["torch"], seen  # the reference was computed on PyTorch tensors
+        assert isinstance(got, np.ndarray) and got.dtype == np.float64
+        _close(want, got)
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_torch_gradient_references_equal_numpy(name, monkeypatch):
+    """flash_dQ, flash_dK, flash_dV's references (a row tile at a time) on PyTorch tensors."""
+    _torch()
+    monkeypatch.setattr(tiles, "TILE_BYTES", 8 * 70 * 8)
+    monkeypatch.setattr(tiles, "DEVICE_TILE_BYTES", 8 * 70 * 8)
+    rng = np.random.default_rng(4)
+    x = {k: rng.normal(size=(n, 16)) for k, n in (("Q", 45), ("K", 70), ("V", 70), ("dO", 45))}
+    variant, grads = VARIANTS[name], (FLASH_GRAD_QUERIES, FLASH_GRAD_KEYS, FLASH_GRAD_VALUES)
+    want = reference_chain(x, 0.3, variant.causal, grads, variant=variant)
+    moved = []
+    to_numpy = arrays.to_numpy
+    monkeypatch.setattr(flash_tiles, "to_numpy", lambda v: (moved.append(type(v).__module__), to_numpy(v))[1])
+    flash_tiles._LAST.clear()  # (the last head's gradients, kept by the ids of its sources)
+    with arrays.on_device("torch-cpu"):
+        got = reference_chain(x, 0.3, variant.causal, grads, variant=variant)
+    flash_tiles._LAST.clear()
+    assert moved == ["torch"] * 3
+    for st in grads:
+        _close(want[st], got[st])
+
+
+def _first_leaf(x) -> str:
+    """The module of the first array in nested tuples."""
+    while isinstance(x, tuple):
+        x = x[0]
+    return type(x).__module__
+
+
+KERNELS = {"cpu": {}, "gpu-fast-tf32": dict(backend="cuda", flash_kernel="cuda-fast-tf32", precision="tf32")}
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("name", VARIANTS)
+@pytest.mark.parametrize("exact", [False, True], ids=["expected-model", "exact-model"])
+def test_torch_bounds_equal_numpy(name, kernel, exact, monkeypatch):
+    """Every flash stage's chained and isolated bounds (the isolated from a program's float32
+    flash_output and flash_lse), in row tiles, with rows of equal terms (repeated keys: their
+    roundings grouped). exact: small heads' exact dot-product model, which the device hands to
+    NumPy; else the long heads' expected one."""
+    _torch()
+    if not exact:
+        monkeypatch.setattr(dot, "ENERGY_EXACT_MAX_MACS", 10)
+    monkeypatch.setattr(tiles, "TILE_BYTES", 8 * 70 * 8)
+    monkeypatch.setattr(tiles, "DEVICE_TILE_BYTES", 8 * 70 * 8)
+    rng = np.random.default_rng(3)
+    x = {k: rng.normal(size=(n, 16)).astype(np.float32).astype(np.float64)
+         for k, n in (("Q", 45), ("K", 70), ("V", 70), ("dO", 45))}
+    x["K"][10:20] = x["K"][3]  # equal scores in every row
+    variant = VARIANTS[name]
+    args = dict(scale=0.3, causal=variant.causal, variant=variant, **KERNELS[kernel])
+    bounds, moved = [], []
+    numpy, numpy_all = flash_spec._numpy, flash_bounds.to_numpy_all
+    monkeypatch.setattr(flash_spec, "_numpy", lambda v: (moved.append(type(v).__module__), numpy(v))[1])
+    monkeypatch.setattr(flash_bounds, "to_numpy_all", lambda v: (moved.append(_first_leaf(v)), numpy_all(v))[1])
+    for device in (None, "torch-cpu"):
+        flash_tiles._LAST.clear()
+        with arrays.on_device(device):
+            chain = reference_chain(x, 0.3, variant.causal, FLASH, variant=variant)
+            full = {**x, **chain}
+            own = {**x, **{s: chain[s].astype(np.float32).astype(np.float64) for s in (FLASH_OUTPUT, FLASH_LSE)}}
+            bounds.append([tolerance.chained_bound(st, full, cache=tolerance.HeadCache(), **args) for st in FLASH]
+                          + [tolerance.stage_bound(st, own, chain[st], cache=tolerance.HeadCache(), **args)
+                             for st in FLASH])
+    flash_tiles._LAST.clear()
+    # the device's results were PyTorch tensors: the forward's rows, the backward's chain and own
+    assert moved and set(moved) == {"torch"} and len(moved) >= 4, moved
+    for a, b in zip(*bounds):
+        np.testing.assert_allclose(b, a, rtol=1e-12, atol=0)
+
+
+def test_a_device_takes_larger_row_tiles():
+    """A few MB of scores a tile in NumPy; hundreds of MB on a GPU (its launches amortized)."""
+    n = m = 1 << 14
+    cpu = tiles.row_tiles(n, m, 128)
+    with arrays.on_device("torch-cpu"):
+        gpu = tiles.row_tiles(n, m, 128)
+    assert len(cpu) == 8 * n * m // tiles.TILE_BYTES and len(gpu) == 8 * n * m // tiles.DEVICE_TILE_BYTES
+    assert all(a % 16 == 0 for a, _ in gpu) and gpu[-1][1] == n
+
+
+def test_a_variant_the_device_path_lacks_stays_with_numpy():
+    _torch()
+    rng = np.random.default_rng(2)
+    src = {k: rng.normal(size=(20, 8)) for k in ("Q", "K", "V")}
+    softcap = Variant(softcap=2.0)
+    want = compute_stage(FLASH_OUTPUT, src, 0.3, False, variant=softcap)
+    with arrays.on_device("torch-cpu"):
+        assert np.array_equal(compute_stage(FLASH_OUTPUT, src, 0.3, False, variant=softcap), want)
+
+
+def _check_json(tmp_path, case, out, device: str, monkeypatch, *extra) -> dict:
+    """check's JSON report with the flash references on `device` (torch-cpu: PyTorch on the CPU)."""
+    monkeypatch.setattr(check_cli, "_device", lambda name: device)
+    path = tmp_path / f"{device}.json"
+    r = invoke("check", "--in", case, "--out", out, "--json", path, *extra)
+    assert r.exit_code in (0, 1), r.output
+    return json.loads(path.read_text())
+
+
+def _same_report(a: dict, b: dict) -> None:
+    assert a["passed"] == b["passed"] and a["first_failing_stage"] == b["first_failing_stage"]
+    assert len(a["results"]) == len(b["results"])
+    for x, y in zip(a["results"], b["results"]):
+        assert (x["stage"], x["head"], x["status"]) == (y["stage"], y["head"], y["status"])
+        for side in ("chained", "isolated"):
+            p, q = x[side], y[side]
+            assert p["passed"] == q["passed"] and p["tol_used"] == pytest.approx(q["tol_used"], rel=1e-6)
+            assert p.get("diagnosis") == q.get("diagnosis")
+            if (p["worst"]["row"], p["worst"]["col"]) == (q["worst"]["row"], q["worst"]["col"]):
+                assert p["worst"]["allowed"] == pytest.approx(q["worst"]["allowed"], rel=1e-12)
+
+
+def test_the_binary_flash_run_reports_the_same(tmp_path, binary, monkeypatch):
+    _torch()
+    case, out = tmp_path / "in", tmp_path / "out"
+    r = invoke("generate", "--out", case, "--heads", 4, "--kv-heads", 2, "--seq-q", 45, "--seq-k", 70, "--d-k", 16,
+               "--d-v", 16, "--causal", "bottom-right", "--backward", "--format", "npy")
+    assert r.exit_code == 0, r.output
+    done = subprocess.run([str(binary), "--in", str(case), "--out", str(out), "--backend", "cpu", "--stages", "flash"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    monkeypatch.setattr(tiles, "TILE_BYTES", 8 * 70 * 8)
+    monkeypatch.setattr(tiles, "DEVICE_TILE_BYTES", 8 * 70 * 8)
+    reports = [_check_json(tmp_path, case, out, d, monkeypatch) for d in ("cpu", "torch-cpu")]
+    assert reports[0]["passed"]
+    _same_report(*reports)
+
+
+def _flash_program(case, out, log2: bool, heads: int = 2) -> None:
+    """A NumPy program's flash forward in float32, %.9g text of its own names, no run.toml; with
+    log2, its lse in base 2 (a classic bug)."""
+    out.mkdir()
+    for h in range(heads):
+        q, k, v = (np.loadtxt(case / f"{x}_head_{h}.txt", ndmin=2).astype(np.float32) for x in "QKV")
+        s = (q @ k.T) * np.float32(0.25)
+        m = s.max(axis=1, keepdims=True)
+        e = np.exp(s - m)
+        l = e.sum(axis=1, keepdims=True)
+        lse = (m + np.log(l)) / (np.float32(np.log(2)) if log2 else 1)
+        np.savetxt(out / f"o{h}.txt", (e / l) @ v, fmt="%.9g")
+        np.savetxt(out / f"lse{h}.txt", lse, fmt="%.9g")
+
+
+@pytest.mark.parametrize("log2", [False, True], ids=["correct", "lse-log2"])
+def test_a_foreign_program_reports_the_same(tmp_path, monkeypatch, log2):
+    _torch()
+    case, out = tmp_path / "in", tmp_path / "out"
+    r = invoke("generate", "--out", case, "--heads", 2, "--seq-q", 30, "--seq-k", 50, "--d-k", 16, "--d-v", 16)
+    assert r.exit_code == 0, r.output
+    _flash_program(case, out, log2)
+    names = ("--scale", 0.25, "--name", "flash_output=o{i}.txt", "--name", "flash_lse=lse{i}.txt")
+    reports = [_check_json(tmp_path, case, out, d, monkeypatch, *names) for d in ("cpu", "torch-cpu")]
+    _same_report(*reports)
+    assert reports[0]["passed"] is not log2
+    if log2:
+        assert reports[0]["first_failing_stage"] == FLASH_LSE
+        assert "lse_log2" in json.dumps([x for x in reports[1]["results"] if x["stage"] == FLASH_LSE])
+
+
+def test_the_cpu_path_never_imports_torch(tmp_path):
+    case, out = tmp_path / "in", tmp_path / "out"
+    r = invoke("generate", "--out", case, "--heads", 1, "--seq-q", 8, "--seq-k", 8, "--d-k", 8, "--d-v", 8)
+    assert r.exit_code == 0, r.output
+    _flash_program(case, out, False, heads=1)
+    code = ("import sys; from verify.cli.group import main\n"
+            f"sys.argv = ['attnstep', 'check', '--in', {str(case)!r}, '--out', {str(out)!r}, '--quiet', '--device', "
+            "'cpu', '--scale', '0.25', '--name', 'flash_output=o{i}.txt', '--name', 'flash_lse=lse{i}.txt']\n"
+            "try:\n    main()\nexcept SystemExit as e:\n    assert e.code == 0, e.code\n"
+            "assert 'torch' not in sys.modules and 'array_api_compat' not in sys.modules")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+
+
+def test_cuda_without_a_gpu_is_one_line(tmp_path):
+    if arrays.cuda_visible():
+        pytest.skip("a CUDA device is visible here")
+    r = invoke("check", "--in", tmp_path / "in", "--out", tmp_path / "out", "--device", "cuda")
+    assert r.exit_code == 2
+    assert "--device cuda:" in r.output and "Traceback" not in r.output and len(r.output.strip().splitlines()) == 1
+
+
+def test_auto_keeps_small_heads_and_several_processes_on_numpy():
+    for scores, jobs in ((arrays.AUTO_MIN_SCORES - 1, 0), (arrays.AUTO_MIN_SCORES, 2)):
+        with arrays.on_device("auto", scores, jobs) as device:
+            assert device == "cpu" and arrays.target() is None
+    if not arrays.cuda_visible():
+        with arrays.on_device("auto", arrays.AUTO_MIN_SCORES, 0) as device:
+            assert device == "cpu"
+
+
+def test_the_python_api_takes_a_device():
+    rng = np.random.default_rng(5)
+    q, k, v = (rng.normal(size=(2, 20, 8)).astype(np.float32) for _ in range(3))
+    s = np.einsum("hnd,hmd->hnm", q.astype(np.float64), k.astype(np.float64)) / np.sqrt(8)
+    p = np.exp(s - s.max(axis=-1, keepdims=True))
+    stages = {"flash_output": ((p / p.sum(axis=-1, keepdims=True)) @ v).astype(np.float32)}
+    assert attnstep.check_arrays(q, k, v, stages, device="cpu").passed
+    with pytest.raises(TypeError, match="^device: expected one of auto, cpu, cuda"):
+        attnstep.check_arrays(q, k, v, stages, device=1)
+    if not arrays.cuda_visible():
+        with pytest.raises(ValueError, match="^device='cuda': "):
+            attnstep.check_arrays(q, k, v, stages, device="cuda")
+
+
+@pytest.mark.gpu
+def test_check_on_the_gpu_reports_what_the_cpu_does(tmp_path, binary, cuda_torch):
+    case, out = tmp_path / "in", tmp_path / "out"
+    r = invoke("generate", "--out", case, "--heads", 4, "--seq-q", 300, "--seq-k", 400, "--d-k", 64, "--d-v", 64,
+               "--causal", "--backward", "--format", "npy")
+    assert r.exit_code == 0, r.output
+    done = subprocess.run([str(binary), "--in", str(case), "--out", str(out), "--stages", "flash"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    reports = []
+    for device in ("cpu", "cuda"):
+        r = invoke("check", "--in", case, "--out", out, "--device", device, "--json", tmp_path / f"{device}.json")
+        assert r.exit_code == 0, r.output
+        reports.append(json.loads((tmp_path / f"{device}.json").read_text()))
+    _same_report(*reports)

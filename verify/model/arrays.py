@@ -1,0 +1,205 @@
+"""The array namespace the model computes in: NumPy by default, PyTorch's float64 on a GPU when
+the check runs there (check --device).
+
+The model's functions take their namespace from their arguments (namespace(x)) and call only
+its functions, so that one implementation runs on either. What the array API lacks and the model
+needs goes through here, with a NumPy and a PyTorch branch. The check chooses the device for a
+block of work (on_device); the reference code moves a head's arrays there once (to_device) and
+brings the results back for the comparison (to_numpy). NumPy never imports PyTorch: it and
+array_api_compat are imported only when a device other than NumPy's is asked for.
+"""
+from __future__ import annotations
+
+import contextlib
+import glob
+import importlib.util
+import sys
+from contextvars import ContextVar
+from typing import Iterator, Optional
+
+import numpy as np
+
+DEVICES = ("auto", "cpu", "cuda")
+
+# None: NumPy; else the PyTorch device the model's arrays live on ("cuda", or "cpu" in the tests,
+# which run PyTorch's float64 on the CPU: the same code the GPU runs).
+_TARGET: ContextVar[Optional[str]] = ContextVar("attnstep array device", default=None)
+
+
+class DeviceError(Exception):
+    """A device was asked for that this machine cannot give (a one-line message)."""
+
+
+def _torch():
+    import torch  # noqa: PLC0415 -- only off the NumPy path
+    return torch
+
+
+def cuda_visible() -> bool:
+    """PyTorch is importable and sees a CUDA device."""
+    try:
+        return bool(_torch().cuda.is_available())
+    except ImportError:
+        return False
+
+
+def _gpu_may_exist() -> bool:
+    """PyTorch is installed and the machine has an NVIDIA device file: without both, auto picks
+    the CPU without importing PyTorch (seconds of a check's start)."""
+    return importlib.util.find_spec("torch") is not None and bool(glob.glob("/dev/nvidia[0-9]*"))
+
+
+# auto takes the GPU for heads of at least this many scores (N·M): below, moving a head there and
+# back costs about what its NumPy check does, and NumPy's worker processes share the heads out.
+AUTO_MIN_SCORES = 1 << 22
+
+
+def resolve_device(name: str, said: Optional[str] = None) -> str:
+    """check --device's NAME, checked (`said`: how the user said it, for a message): cuda where
+    PyTorch sees a CUDA device (else a DeviceError), cpu, or auto (decided per run: on_device)."""
+    said = f"--device {name}" if said is None else said
+    if name == "cuda" and not cuda_visible():
+        try:
+            why = f"PyTorch {_torch().__version__} sees no CUDA device"
+        except ImportError:
+            why = "PyTorch is not installed (pip install 'attnstep[gpu]')"
+        raise DeviceError(f"{said}: {why}; use cpu")
+    if name not in DEVICES:
+        raise DeviceError(f"{said}: not one of {', '.join(DEVICES)}")
+    return name
+
+
+def device_argument(name: str, x) -> str:
+    """The Python API's device= argument, resolved; a ValueError or TypeError names it."""
+    if not isinstance(x, str):
+        raise TypeError(f"{name}: expected one of {', '.join(DEVICES)}, got {type(x).__name__} {x!r}")
+    try:
+        return resolve_device(x, f"{name}={x!r}")
+    except DeviceError as exc:
+        raise ValueError(str(exc)) from None
+
+
+@contextlib.contextmanager
+def on_device(device: Optional[str], scores: int = 0, jobs: int = 0) -> Iterator[str]:
+    """The model's reference arrays on `device` within the block, which it yields: "cpu" or None
+    for NumPy, "cuda" for PyTorch on the GPU, "torch-cpu" for PyTorch on the CPU (the tests); "auto"
+    is cuda for heads of AUTO_MIN_SCORES scores or more (`scores`: N·M) where PyTorch sees a CUDA
+    device and no more than one process (`jobs`: check --jobs, 0 for the default) was asked for."""
+    if device == "auto":
+        device = "cuda" if (scores >= AUTO_MIN_SCORES and jobs <= 1 and _gpu_may_exist() and cuda_visible()) \
+            else "cpu"
+    target = {None: None, "cpu": None, "cuda": "cuda", "torch-cpu": "cpu"}[device]
+    token = _TARGET.set(target)
+    try:
+        yield device or "cpu"
+    finally:
+        _TARGET.reset(token)
+
+
+def device_jobs(device: str, jobs: int) -> int:
+    """The processes that check heads on `device`: `jobs` on NumPy's; on a GPU one, this one, the
+    heads one after another: the pool's workers are forked, and a process that has started CUDA
+    cannot be forked (the child's CUDA state is unusable); one GPU runs one head's tiles at a time
+    anyway."""
+    return jobs if device == "cpu" else 1
+
+
+def target() -> Optional[str]:
+    """The PyTorch device the model computes on now, None for NumPy."""
+    return _TARGET.get()
+
+
+def to_device(x):
+    """x as float64 on the current device (a NumPy array itself on NumPy's)."""
+    device = _TARGET.get()
+    if device is None:
+        return np.asarray(x, dtype=np.float64)
+    torch = _torch()
+    if isinstance(x, torch.Tensor):
+        return x.to(device=device, dtype=torch.float64)
+    return torch.as_tensor(np.asarray(x, dtype=np.float64), device=device)
+
+
+def to_numpy(x) -> np.ndarray:
+    """x as a NumPy array (one transfer for a GPU tensor)."""
+    if isinstance(x, np.ndarray) or np.isscalar(x):
+        return np.asarray(x)
+    return x.detach().cpu().numpy()
+
+
+def _is_tensor(x) -> bool:
+    """x is a PyTorch tensor (PyTorch loaded only where one can exist)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
+def to_numpy_all(x):
+    """x's arrays, in tuples (named ones too) at any depth, as NumPy arrays; scalars as they are."""
+    if isinstance(x, tuple):
+        parts = [to_numpy_all(v) for v in x]
+        return type(x)(*parts) if hasattr(x, "_fields") else tuple(parts)
+    return x if isinstance(x, (float, int)) or x is None else to_numpy(x)
+
+
+def float64(x):
+    """x as float64 in its own namespace (NumPy for anything that is not another's array)."""
+    if not _is_tensor(x):
+        return np.asarray(x, dtype=np.float64)
+    return x if x.dtype == _torch().float64 else x.to(_torch().float64)
+
+
+def like(x, a):
+    """a (a NumPy array: a mask, a bias row) on x's namespace and device."""
+    if isinstance(x, np.ndarray):
+        return a
+    return _torch().as_tensor(np.array(a), device=x.device)  # a copy: the mask may be read-only
+
+
+def namespace(*xs):
+    """The array namespace of xs: NumPy for NumPy arrays and scalars, else array_api_compat's."""
+    if all(isinstance(x, (np.ndarray, np.generic, float, int)) for x in xs):
+        return np
+    from array_api_compat import array_namespace  # noqa: PLC0415 -- only off the NumPy path
+    return array_namespace(*[x for x in xs if not isinstance(x, (float, int))])
+
+
+def put(x, value, where):
+    """x with `value` where `where` is true: in place for NumPy (x a fresh array of the caller's),
+    a new array for another namespace (the array API has no masked assignment)."""
+    if isinstance(x, np.ndarray):
+        np.copyto(x, value, where=where)
+        return x
+    return namespace(x).where(where, value, x)
+
+
+def zeros(x, shape):
+    """float64 zeros of `shape` on x's namespace and device."""
+    if isinstance(x, np.ndarray):
+        return np.zeros(shape)
+    return _torch().zeros(shape, dtype=_torch().float64, device=x.device)
+
+
+def binade_sq(x):
+    """4^e for each x in ±[2^e, 2^(e+1)) of a float64 tensor (0 for 0 and subnormals): its bits
+    with the sign and mantissa cleared, squared (verify/model/rounding.py's binade_sq, which
+    NumPy's arrays take)."""
+    torch = _torch()
+    x = x.contiguous().to(torch.float64)
+    out = (x.view(torch.int64) & 0x7FF0000000000000).view(torch.float64)
+    return out * out
+
+
+def quiet(xp):
+    """Floating-point warnings off within the block (NumPy's; PyTorch raises none)."""
+    return np.errstate(all="ignore") if xp is np else contextlib.nullcontext()
+
+
+def concat_rows(parts):
+    """The parts stacked along the rows, in their namespace."""
+    xp = namespace(*parts)
+    return xp.concat(parts, axis=0) if xp is not np else np.concatenate(parts, axis=0)
+
+
+__all__ = ["DEVICES", "DeviceError", "cuda_visible", "resolve_device", "device_argument", "device_jobs",
+           "on_device", "target", "to_device", "to_numpy", "to_numpy_all", "float64", "like", "put", "zeros", "binade_sq",
+           "namespace", "quiet", "concat_rows"]
