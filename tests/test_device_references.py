@@ -17,6 +17,7 @@ Without PyTorch (or array_api_compat) the PyTorch tests skip with the reason.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -260,6 +261,20 @@ def test_cuda_without_a_gpu_is_one_line(tmp_path):
     r = invoke("check", "--in", tmp_path / "in", "--out", tmp_path / "out", "--device", "cuda")
     assert r.exit_code == 2
     assert "--device cuda:" in r.output and "Traceback" not in r.output and len(r.output.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("missing", ("torch", "array_api_compat"))
+def test_a_gpu_extra_module_missing_is_one_line_and_auto_keeps_to_numpy(tmp_path, monkeypatch, missing):
+    """Either module of the gpu extra absent (PyTorch installed without array-api-compat, say):
+    --device cuda names it in one line, and auto checks with NumPy, whatever GPU there is."""
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == missing else real(name, *a))
+    r = invoke("check", "--in", tmp_path / "in", "--out", tmp_path / "out", "--device", "cuda")
+    pip_name = dict(arrays._GPU_MODULES)[missing]
+    assert r.exit_code == 2 and f"--device cuda: {pip_name} is not installed" in r.output, r.output
+    assert "Traceback" not in r.output and len(r.output.strip().splitlines()) == 1
+    with arrays.on_device("auto", arrays.AUTO_MIN_SCORES, 0) as device:
+        assert device == "cpu"
 
 
 def test_auto_keeps_small_heads_and_several_processes_on_numpy():

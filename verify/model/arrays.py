@@ -35,8 +35,19 @@ def _torch():
     return torch
 
 
+# What the GPU path imports (the gpu extra): module, and its name for pip.
+_GPU_MODULES = (("torch", "PyTorch"), ("array_api_compat", "array-api-compat"))
+
+
+def _gpu_extra_missing() -> Optional[str]:
+    """The first module of the gpu extra that is not installed (its pip name), or None."""
+    return next((name for module, name in _GPU_MODULES if importlib.util.find_spec(module) is None), None)
+
+
 def cuda_visible() -> bool:
-    """PyTorch is importable and sees a CUDA device."""
+    """The gpu extra is installed and PyTorch sees a CUDA device."""
+    if _gpu_extra_missing():
+        return False
     try:
         return bool(_torch().cuda.is_available())
     except ImportError:
@@ -44,9 +55,9 @@ def cuda_visible() -> bool:
 
 
 def _gpu_may_exist() -> bool:
-    """PyTorch is installed and the machine has an NVIDIA device file: without both, auto picks
-    the CPU without importing PyTorch (seconds of a check's start)."""
-    return importlib.util.find_spec("torch") is not None and bool(glob.glob("/dev/nvidia[0-9]*"))
+    """The gpu extra is installed and the machine has an NVIDIA device file: without both, auto
+    picks the CPU without importing PyTorch (seconds of a check's start)."""
+    return _gpu_extra_missing() is None and bool(glob.glob("/dev/nvidia[0-9]*"))
 
 
 # auto takes the GPU for heads of at least this many scores (N·M): below, moving a head there and
@@ -59,10 +70,9 @@ def resolve_device(name: str, said: Optional[str] = None) -> str:
     PyTorch sees a CUDA device (else a DeviceError), cpu, or auto (decided per run: on_device)."""
     said = f"--device {name}" if said is None else said
     if name == "cuda" and not cuda_visible():
-        try:
-            why = f"PyTorch {_torch().__version__} sees no CUDA device"
-        except ImportError:
-            why = "PyTorch is not installed (pip install 'attnstep[gpu]')"
+        missing = _gpu_extra_missing()
+        why = f"{missing} is not installed (pip install 'attnstep[gpu]')" if missing else \
+            f"PyTorch {_torch().__version__} sees no CUDA device"
         raise DeviceError(f"{said}: {why}; use cpu")
     if name not in DEVICES:
         raise DeviceError(f"{said}: not one of {', '.join(DEVICES)}")
