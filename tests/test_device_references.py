@@ -28,6 +28,7 @@ import pytest
 import attnstep
 
 from helpers.cli import invoke
+from helpers.reports import assert_same_report
 from verify.check import tolerance
 from verify.check.reference import compute_stage, reference_chain
 from verify.cli import check as check_cli
@@ -181,19 +182,6 @@ def _check_json(tmp_path, case, out, device: str, monkeypatch, *extra) -> dict:
     return json.loads(path.read_text())
 
 
-def _same_report(a: dict, b: dict) -> None:
-    assert a["passed"] == b["passed"] and a["first_failing_stage"] == b["first_failing_stage"]
-    assert len(a["results"]) == len(b["results"])
-    for x, y in zip(a["results"], b["results"]):
-        assert (x["stage"], x["head"], x["status"]) == (y["stage"], y["head"], y["status"])
-        for side in ("chained", "isolated"):
-            p, q = x[side], y[side]
-            assert p["passed"] == q["passed"] and p["tol_used"] == pytest.approx(q["tol_used"], rel=1e-6)
-            assert p.get("diagnosis") == q.get("diagnosis")
-            if (p["worst"]["row"], p["worst"]["col"]) == (q["worst"]["row"], q["worst"]["col"]):
-                assert p["worst"]["allowed"] == pytest.approx(q["worst"]["allowed"], rel=1e-12)
-
-
 def test_the_binary_flash_run_reports_the_same(tmp_path, binary, monkeypatch):
     _torch()
     case, out = tmp_path / "in", tmp_path / "out"
@@ -207,7 +195,7 @@ def test_the_binary_flash_run_reports_the_same(tmp_path, binary, monkeypatch):
     monkeypatch.setattr(tiles, "DEVICE_TILE_BYTES", 8 * 70 * 8)
     reports = [_check_json(tmp_path, case, out, d, monkeypatch) for d in ("cpu", "torch-cpu")]
     assert reports[0]["passed"]
-    _same_report(*reports)
+    assert_same_report(*reports, rtol=1e-12)
 
 
 def _flash_program(case, out, log2: bool, heads: int = 2) -> None:
@@ -234,7 +222,7 @@ def test_a_foreign_program_reports_the_same(tmp_path, monkeypatch, log2):
     _flash_program(case, out, log2)
     names = ("--scale", 0.25, "--name", "flash_output=o{i}.txt", "--name", "flash_lse=lse{i}.txt")
     reports = [_check_json(tmp_path, case, out, d, monkeypatch, *names) for d in ("cpu", "torch-cpu")]
-    _same_report(*reports)
+    assert_same_report(*reports, rtol=1e-12)
     assert reports[0]["passed"] is not log2
     if log2:
         assert reports[0]["first_failing_stage"] == FLASH_LSE
@@ -314,4 +302,4 @@ def test_check_on_the_gpu_reports_what_the_cpu_does(tmp_path, binary, cuda_torch
         r = invoke("check", "--in", case, "--out", out, "--device", device, "--json", tmp_path / f"{device}.json")
         assert r.exit_code == 0, r.output
         reports.append(json.loads((tmp_path / f"{device}.json").read_text()))
-    _same_report(*reports)
+    assert_same_report(*reports, rtol=1e-12)
