@@ -192,3 +192,30 @@ def test_a_local_cluster_for_gpus_has_a_worker_per_gpu_seeing_it_alone(binary, t
         assert sorted(seen.values()) == ["0", "1"]
         assert [w["resources"] for w in client.scheduler_info()["workers"].values()] == [cluster.GPU_TASK] * 2
         assert _check_through(c.scheduler_address, tmp, gpus=["0", "1"]).passed
+
+
+@pytest.mark.parametrize("device", ["cpu", "torch-cpu"])
+def test_a_worker_checks_on_the_device_its_check_run_chose(binary, tmp_path, device):
+    """--device reaches the workers: a task runs on the device the worker's own check_run chose (the
+    device the check's block left would otherwise be NumPy's). "torch-cpu" is PyTorch's float64 on
+    the CPU, the GPU path's code, as the tests of the device references run it."""
+    r = invoke("generate", "--out", tmp_path / "in", "--heads", 2, "--seq-q", 40, "--seq-k", 56, "--d-k", 16,
+               "--d-v", 16, "--backward")
+    assert r.exit_code == 0, r.output
+    subprocess.run([str(binary), "--in", str(tmp_path / "in"), "--out", str(tmp_path / "out"), "--backend", "cpu",
+                    "--stages", "flash"], check=True, capture_output=True)
+    recipe = cluster.Recipe(str(tmp_path / "in"), str(tmp_path / "out"), Options(device=device), diagnose, device)
+    try:
+        check, chosen = cluster._checker(recipe)
+        assert chosen == device
+        seen = []
+        real = cluster.on_device
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(cluster, "on_device", lambda d: (seen.append(d), real(d))[1])
+            if device == "torch-cpu":
+                pytest.importorskip("torch", reason="PyTorch is not installed (pip install 'attnstep[gpu]')")
+                pytest.importorskip("array_api_compat", reason="array-api-compat is not installed")
+            results = cluster.check_job(recipe, 0)
+        assert seen == [device] and all(res.passed for res in results)
+    finally:
+        cluster.forget_check(device)

@@ -21,6 +21,7 @@ import importlib.util
 import json
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -30,6 +31,8 @@ import attnstep
 from helpers.cli import invoke
 from helpers.reports import assert_same_report
 from verify.check import tolerance
+from verify.check.devices import device_for
+from verify.check.pool import NO_MEMORY_EXIT
 from verify.check.reference import compute_stage, reference_chain
 from verify.cli import check as check_cli
 from verify.model import arrays, dot, tiles
@@ -263,6 +266,48 @@ def test_a_gpu_extra_module_missing_is_one_line_and_auto_keeps_to_numpy(tmp_path
     assert "Traceback" not in r.output and len(r.output.strip().splitlines()) == 1
     with arrays.on_device("auto", arrays.AUTO_MIN_SCORES, 0) as device:
         assert device == "cpu"
+
+
+def test_a_pytorch_that_fails_to_load_is_one_line_and_auto_keeps_to_numpy(tmp_path, monkeypatch):
+    """PyTorch installed but failing to load (a CUDA library missing raises OSError, not ImportError):
+    --device cuda says so in one line; auto, the default, checks with NumPy on a machine with a GPU."""
+    def broken():
+        raise OSError("libcudnn.so.9: cannot open shared object file")
+    monkeypatch.setattr(arrays, "_torch", broken)
+    monkeypatch.setattr(arrays, "_gpu_extra_missing", lambda: None)
+    monkeypatch.setattr(arrays, "_gpu_may_exist", lambda: True)
+    r = invoke("check", "--in", tmp_path / "in", "--out", tmp_path / "out", "--device", "cuda")
+    assert r.exit_code == 2 and "--device cuda: PyTorch could not be loaded (libcudnn" in r.output, r.output
+    assert "Traceback" not in r.output and len(r.output.strip().splitlines()) == 1
+    with arrays.on_device("auto", arrays.AUTO_MIN_SCORES, 0) as device:
+        assert device == "cpu"
+
+
+def test_the_gpu_out_of_memory_is_one_line(tmp_path, monkeypatch):
+    """PyTorch's out-of-memory error (a RuntimeError of its own) ends the check in one line, exit 3."""
+    oom = type("OutOfMemoryError", (RuntimeError,), {})
+
+    def check_and_report(*args, **kwargs):
+        raise oom("CUDA out of memory. Tried to allocate 2.00 GiB")
+    monkeypatch.setattr(check_cli, "check_and_report", check_and_report)
+    monkeypatch.setattr(check_cli, "check_folders_apart", lambda *a: None)
+    monkeypatch.setattr(check_cli, "check_reports_apart", lambda *a: None)
+    r = invoke("check", "--in", tmp_path / "in", "--out", tmp_path / "out", "--device", "cpu")
+    assert r.exit_code == NO_MEMORY_EXIT and "out of GPU memory while checking the stages" in r.output, r.output
+    assert "Traceback" not in r.output and len(r.output.strip().splitlines()) == 1
+
+
+def test_runs_the_gpu_does_not_compute_stay_with_numpy():
+    """The GPU computes the flash stages' references of the plain variants: a run of other stages, or
+    under a softcap, ALiBi, bias files or dropout, is NumPy's even when cuda is asked; auto takes the
+    GPU only for a run without N×M stages."""
+    flash = ("flash_output", "flash_lse")
+    run = lambda stages, **v: SimpleNamespace(stages=stages, precision="fp32", variant=Variant(**v))  # noqa: E731
+    assert device_for(run(flash), "auto") == "auto" and device_for(run(flash), "cuda") == "cuda"
+    assert device_for(run(flash + ("QK",)), "auto") == "cpu" and device_for(run(flash + ("QK",)), "cuda") == "cuda"
+    for variant in ({"softcap": 30.0}, {"alibi": True}, {"dropout": 0.1}):
+        assert device_for(run(flash, **variant), "cuda") == "cpu", variant
+    assert device_for(run(("output",)), "cuda") == "cpu" and device_for(run(flash), "cpu") == "cpu"
 
 
 def test_auto_keeps_small_heads_and_several_processes_on_numpy():

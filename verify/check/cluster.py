@@ -27,11 +27,12 @@ import uuid
 from concurrent.futures import CancelledError
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from ..files.case import load_input_case
 from ..files.kinds import CaseError
 from ..files.outputs import open_run
+from ..model.arrays import device_now, on_device
 from .compare import Options, check_run
 from .diagnosis import Diagnoser
 from .pool import _usable_cores, collect_head_garbage, freed_memory_kept, heads_routed, one_blas_thread
@@ -150,7 +151,8 @@ class DaskRoute:
             raise CaseError(f"--scheduler {self.scheduler}: the connection to the scheduler was lost during the "
                             "check; HINT: see that it still runs, then check again") from None
         finally:
-            self.client.cancel([f for f in futures if not f.done()])
+            with contextlib.suppress(Exception):  # (a client that lost its scheduler cancels nothing)
+                self.client.cancel([f for f in futures if not f.done()])
             with contextlib.suppress(Exception):  # (a worker lost meanwhile has nothing to let go)
                 self.client.run(forget_check, self.recipe.token)
         return [r for job in range(heads) for r in done[job]]
@@ -174,14 +176,16 @@ def heads_on_cluster(scheduler: Optional[str], jobs: int, in_dir: Path, out_dir:
 
 # ---- on a worker ---------------------------------------------------------------------------------
 
-_OPENED: Dict[str, Callable[[int], list]] = {}  # the checker of the check this worker last worked for
+# The checker of the check this worker last worked for, and the device it checks on.
+_OPENED: Dict[str, Tuple[Callable[[int], list], str]] = {}
 _OPENING = threading.Lock()
 
 
 def check_job(recipe: Recipe, job: int) -> list:
-    """A task: job `job` of the check `recipe` describes, in a worker's process."""
-    check = _checker(recipe)
-    with freed_memory_kept():
+    """A task: job `job` of the check `recipe` describes, in a worker's process, on the device the
+    worker's check_run chose (--device: auto takes this worker's GPU where it has one)."""
+    check, device = _checker(recipe)
+    with freed_memory_kept(), on_device(device):
         try:
             return check(job)
         finally:
@@ -195,7 +199,7 @@ def forget_check(token: str) -> None:
             collect_head_garbage()
 
 
-def _checker(recipe: Recipe) -> Callable[[int], list]:
+def _checker(recipe: Recipe) -> Tuple[Callable[[int], list], str]:
     with _OPENING:
         if recipe.token not in _OPENED:
             _OPENED.clear()  # an earlier check's run is let go
@@ -205,22 +209,22 @@ def _checker(recipe: Recipe) -> Callable[[int], list]:
 
 
 class _Captured(BaseException):
-    """Carries a check's job checker out of check_run (never an error: BaseException, so no
-    handler of errors on the way takes it)."""
+    """Carries a check's job checker, and the device check_run chose for it, out of check_run
+    (never an error: BaseException, so no handler of errors on the way takes it)."""
 
-    def __init__(self, check: Callable[[int], list]) -> None:
+    def __init__(self, check: Callable[[int], list], device: str) -> None:
         super().__init__()
-        self.check = check
+        self.check, self.device = check, device
 
 
 class _Capture:
     """A route that keeps the checker check_run hands out, and checks nothing."""
 
     def map(self, check, heads, progress):
-        raise _Captured(check)
+        raise _Captured(check, device_now())
 
 
-def _open_checker(recipe: Recipe) -> Callable[[int], list]:
+def _open_checker(recipe: Recipe) -> Tuple[Callable[[int], list], str]:
     opts = recipe.opts
     try:
         case = load_input_case(Path(recipe.in_dir), alibi=opts.variant.get("alibi"), page_size=opts.page_size)
@@ -233,5 +237,5 @@ def _open_checker(recipe: Recipe) -> Callable[[int], list]:
         with heads_routed(_Capture()):
             check_run(run, case, opts, diagnoser=recipe.diagnoser)
     except _Captured as captured:
-        return captured.check
+        return captured.check, captured.device
     raise RuntimeError("check_run handed out no jobs")

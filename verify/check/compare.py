@@ -39,6 +39,7 @@ from .diagnosis import Diagnoser, Diagnosis, Suspect
 from .groups import KVGroup, check_summed, head_term, summed
 from .packed import PackedRun, packed_sources
 from .paged_case import diagnose_paged_case
+from .devices import device_for
 from .pool import REF_CACHE, collect_head_garbage, head_jobs, map_heads
 from . import splits
 from .results import (FAIL, INHERITED, MISSING, PASS, SHAPE, STALE, UNCHECKABLE, UNREADABLE, Comparison, HeadResult,
@@ -300,8 +301,7 @@ def check(in_dir: Path, out_dir: Path, opts: Optional[Options] = None,
     check_folders_apart(in_dir, out_dir)  # as `attnstep check`: inputs compared with themselves would pass
     case = load_input_case(in_dir, alibi=opts.variant.get("alibi"), page_size=opts.page_size)
     case.allow_nonfinite = opts.allow_nonfinite
-    run = open_run(out_dir, case, opts.overrides())
-    return check_run(run, case, opts, progress, tune_process=True, diagnoser=diagnoser)
+    return check_run(open_run(out_dir, case, opts.overrides()), case, opts, progress, True, diagnoser)
 
 
 def check_run(run: RunInfo, case: InputCase, opts: Options, progress: Optional[Callable[[int], None]] = None,
@@ -331,7 +331,7 @@ def check_run(run: RunInfo, case: InputCase, opts: Options, progress: Optional[C
     advance = None if progress is None else (lambda kv: [progress(h) for h in dims.query_heads_of(kv)])
     jobs = head_jobs(run, opts.jobs, opts.max_memory_mb) if packed is None else \
         head_jobs(packed.sizing_run(), opts.jobs, opts.max_memory_mb, packed.held_bytes())
-    with on_device(opts.device, dims.seq_q * dims.seq_k, opts.jobs) as device:  # (a GPU: one process)
+    with on_device(device_for(run, opts.device), dims.seq_q * dims.seq_k, opts.jobs) as device:  # (GPU: one process)
         results = map_heads(checker.check, dims.total_kv_heads, device_jobs(device, jobs), advance, tune_process)
     apply_mismatches(run, results)
     report = Report(run, case, results, foreign_stage_files(run), _program_checks(run, opts), _keep_rate(run, results))

@@ -52,6 +52,12 @@ def user_errors(fn):
             doing = _ACTIVITIES.get(fn.__name__, f"running {fn.__name__}")
             raise InputError(f"out of memory while {doing}; HINT: fewer heads or smaller matrices (check: "
                              "--max-memory-mb MB plans for the memory there is)", NO_MEMORY_EXIT) from None
+        except RuntimeError as exc:
+            if type(exc).__name__ != "OutOfMemoryError":  # PyTorch's, on the GPU (check --device)
+                raise
+            doing = _ACTIVITIES.get(fn.__name__, f"running {fn.__name__}")
+            raise InputError(f"out of GPU memory while {doing}; HINT: --device cpu, or free the GPU",
+                             NO_MEMORY_EXIT) from None
     return wrapper
 
 

@@ -14,8 +14,9 @@ import contextlib
 import glob
 import importlib.util
 import sys
+import warnings
 from contextvars import ContextVar
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Tuple
 
 import numpy as np
 
@@ -44,14 +45,28 @@ def _gpu_extra_missing() -> Optional[str]:
     return next((name for module, name in _GPU_MODULES if importlib.util.find_spec(module) is None), None)
 
 
+def _cuda_state() -> Tuple[bool, str]:
+    """Whether the gpu extra is installed and PyTorch sees a CUDA device, and why not. PyTorch can
+    fail to import in more ways than ImportError (a CUDA library it loads missing: OSError), and
+    its check of the driver may warn: neither reaches the check's output."""
+    missing = _gpu_extra_missing()
+    if missing:
+        return False, f"{missing} is not installed (pip install 'attnstep[gpu]')"
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch = _torch()
+            if torch.cuda.is_available():
+                return True, ""
+            return False, f"PyTorch {torch.__version__} sees no CUDA device"
+    except Exception as exc:  # noqa: BLE001 -- any failure to load PyTorch means no GPU here
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        return False, f"PyTorch could not be loaded ({first})"
+
+
 def cuda_visible() -> bool:
     """The gpu extra is installed and PyTorch sees a CUDA device."""
-    if _gpu_extra_missing():
-        return False
-    try:
-        return bool(_torch().cuda.is_available())
-    except ImportError:
-        return False
+    return _cuda_state()[0]
 
 
 def _gpu_may_exist() -> bool:
@@ -69,11 +84,10 @@ def resolve_device(name: str, said: Optional[str] = None) -> str:
     """check --device's NAME, checked (`said`: how the user said it, for a message): cuda where
     PyTorch sees a CUDA device (else a DeviceError), cpu, or auto (decided per run: on_device)."""
     said = f"--device {name}" if said is None else said
-    if name == "cuda" and not cuda_visible():
-        missing = _gpu_extra_missing()
-        why = f"{missing} is not installed (pip install 'attnstep[gpu]')" if missing else \
-            f"PyTorch {_torch().__version__} sees no CUDA device"
-        raise DeviceError(f"{said}: {why}; use cpu")
+    if name == "cuda":
+        visible, why = _cuda_state()
+        if not visible:
+            raise DeviceError(f"{said}: {why}; use cpu")
     if name not in DEVICES:
         raise DeviceError(f"{said}: not one of {', '.join(DEVICES)}")
     return name
@@ -117,6 +131,12 @@ def device_jobs(device: str, jobs: int) -> int:
 def target() -> Optional[str]:
     """The PyTorch device the model computes on now, None for NumPy."""
     return _TARGET.get()
+
+
+def device_now() -> str:
+    """The on_device name of the device the model computes on now (what to give on_device to
+    compute there again: a Dask worker's tasks, after check_run's block has ended)."""
+    return {None: "cpu", "cuda": "cuda", "cpu": "torch-cpu"}[_TARGET.get()]
 
 
 def to_device(x):
