@@ -258,8 +258,10 @@ def test_cuda_without_a_gpu_is_one_line(tmp_path):
 def test_a_gpu_extra_module_missing_is_one_line_and_auto_keeps_to_numpy(tmp_path, monkeypatch, missing):
     """Either module of the gpu extra absent (PyTorch installed without array-api-compat, say):
     --device cuda names it in one line, and auto checks with NumPy, whatever GPU there is."""
-    real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == missing else real(name, *a))
+    real, present = importlib.util.find_spec, object()  # (the other module: installed, whatever this machine has)
+    gpu_modules = dict(arrays._GPU_MODULES)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == missing else
+                        present if name in gpu_modules else real(name, *a))
     r = invoke("check", "--in", tmp_path / "in", "--out", tmp_path / "out", "--device", "cuda")
     pip_name = dict(arrays._GPU_MODULES)[missing]
     assert r.exit_code == 2 and f"--device cuda: {pip_name} is not installed" in r.output, r.output
