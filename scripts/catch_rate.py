@@ -29,6 +29,7 @@ import math
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -263,7 +264,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--d", type=int, default=64, help="d_k = d_v")
     ap.add_argument("--trials", type=int, default=100, help="plants per stage × distribution × M")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--work", type=Path, default=Path("/tmp/attnstep_catch_rate"), help="scratch folder")
+    ap.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "attnstep_catch_rate",
+                    help="scratch folder [default: in the system's temporary folder]")
     ap.add_argument("--exact-energy-macs", type=int, help="an experiment, not the check as shipped: the head size "
                     "(multiply-adds) up to which the dot products' bounds take the exact partial sums (the "
                     "error model's cost cap) for this run")

@@ -2,7 +2,7 @@
 // blocks, warps, chunks and arithmetic: decode_parts.cuh) with its keys brought in by tensor
 // memory access instead of cp.async. A warp's chunk of K and V is a few box copies issued by one
 // lane and counted on the warp's barrier for that stage, where the cp.async pipeline has every lane
-// issue 16 copies of 16 bytes per chunk. Decode does little arithmetic per byte, so fewer
+// start 16 copies of 16 bytes per chunk. Decode does little arithmetic per byte, so fewer
 // instructions per byte read is its speed: on an H100 this kernel reads the cache about 1% faster
 // than the cp.async one (docs/performance.md, "Decode").
 //
