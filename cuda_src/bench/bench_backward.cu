@@ -20,7 +20,9 @@
 // their query heads) of the whole stage path and of the flash backward with float64
 // (bench_check_backward.cu); the gradients are NaN-poisoned before the checked launch.
 //
-// At bf16/fp16 nothing of the backward is timed: its two whole-pass rows are "unsupported".
+// At bf16/fp16 the flash backward is timed where it has a kernel (Hopper's wgmma, no mask or the
+// top-left causal one), with its forward and both passes on Q, K, V in the format; the stage
+// path's whole-pass row is "unsupported".
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
@@ -28,6 +30,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "../backend.h"
@@ -47,7 +50,6 @@ namespace bench {
 
 namespace {
 
-constexpr int kFlashBackwardMinCapability = 80;  // flash_backward's TF32 tensor cores
 
 size_t q_elems(const Options& o) { return size_t(o.N) * o.d; }
 size_t k_elems(const Options& o) { return size_t(o.M) * o.d; }
@@ -291,16 +293,26 @@ void bench_flash_backward(const BenchContext& c, const DeviceBuffer& dO, const K
     Result r{kFlashBackwardRow, Kind::attention};
     r.backward = true;
     r.flops = kBackwardFlopFactor * attention_flops(o, c.total_heads);
-    if (!flash_supported(bench_dims(o)) || device_compute_capability() < kFlashBackwardMinCapability) {
+    const FlashProblem problem = bench_flash_problem(o, c.in, c.variant);
+    if (!flash_supported(bench_dims(o)) || !flash_backward_available(FlashBwdArgs{problem})) {
         r.status = "unsupported";
+        if (is_half(o.precision))
+            r.reason = std::string("the flash backward at ") + precision_name(o.precision) +
+                       " needs compute capability 9.0 and no mask or the top-left causal one";
         out->push_back(r);
         return;
     }
     DeviceBuffer O(c.total_heads * q_elems(o)), lse(size_t(c.total_heads) * o.N);
     FlashGrads g(o, c.total_heads);
-    const FlashProblem problem = bench_flash_problem(o, c.in, c.variant);
-    flash_forward(FlashArgs{problem, O.p, lse.p}, c.s);
-    const FlashBwdArgs a{problem, O.p, lse.p, dO.p, g.dQ.p, g.dK.p, g.dV.p};
+    // At a half precision the forward and the backward read Q, K, V in the format, made untimed
+    // (a run makes them as the inputs arrive).
+    FlashArgs fa{problem, O.p, lse.p};
+    const FormatInputs format(o, c.in, c.s);
+    format.attach(&fa);
+    if (is_half(o.precision)) format.expansion(o).launch(c.s);
+    flash_forward(fa, c.s);
+    FlashBwdArgs a{problem, O.p, lse.p, dO.p, g.dQ.p, g.dK.p, g.dV.p};
+    std::tie(a.Qh, a.Kh, a.Vh) = std::make_tuple(fa.Qh, fa.Kh, fa.Vh);
     const FlashPlan plan = flash_backward_plan(a);
     r.tiles = std::to_string(plan.Br) + "x" + std::to_string(plan.Bc) + ", " + plan.kernel;
     auto launch = [&] {
@@ -317,26 +329,25 @@ void bench_flash_backward(const BenchContext& c, const DeviceBuffer& dO, const K
     if (sums.dK) out->push_back(kv_group_sum_row(c, g, sums));
 }
 
-// At bf16/fp16: the whole stage path's and the flash backward's rows, marked (not timed).
-void half_backward_rows(const Options& o, std::vector<Result>* out) {
-    for (const char* name : {kStagePathBackwardRow, kFlashBackwardRow}) {
-        if (o.only == (name == kFlashBackwardRow ? "stages" : "flash")) continue;
-        Result r{name, Kind::attention};
-        r.backward = true;
-        r.status = "unsupported";
-        r.reason = std::string("the backward is timed at fp32 and tf32 only, not ") + precision_name(o.precision);
-        out->push_back(r);
-    }
+// At bf16/fp16: the whole stage path's row, marked (not timed).
+Result half_path_row(const Options& o) {
+    Result r{kStagePathBackwardRow, Kind::attention};
+    r.backward = true;
+    r.status = "unsupported";
+    r.reason = std::string("the backward stage path is timed at fp32 and tf32 only, not ") + precision_name(o.precision);
+    return r;
 }
 
 }  // namespace
 
 void bench_backward(const BenchContext& c, const DeviceBuffer& dO, int* group, std::vector<Result>* out) {
     *group = 0;
-    if (is_half(c.o.precision)) return half_backward_rows(c.o, out);
     BackwardReference ref(c.o, c.in, dO);
     const KvSums sums(c.o);
-    if (c.o.only != "flash") bench_path_backward(c, dO, sums, &ref, group, out);
+    if (c.o.only != "flash") {
+        if (is_half(c.o.precision)) out->push_back(half_path_row(c.o));
+        else bench_path_backward(c, dO, sums, &ref, group, out);
+    }
     if (c.o.only != "stages") bench_flash_backward(c, dO, sums, &ref, out);
 }
 

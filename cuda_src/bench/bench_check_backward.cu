@@ -128,6 +128,10 @@ HeadReference BackwardReference::Impl::compute(int head) const {
     const size_t qs = size_t(N) * d, ks = size_t(M) * d;
     HeadRows h{o, head_of(in.Q, head, qs), head_of(in.K, kv, ks), head_of(in.V, kv, ks), head_of(dO, head, qs),
                ReferenceScores(o, head), std::vector<double>(N), std::vector<double>(N)};
+    // At bf16/fp16 the gradients of the inputs as the kernels read them: rounded to the format.
+    if (is_half(o.precision))
+        for (std::vector<float>* x : {&h.q, &h.k, &h.v, &h.dout})
+            for (float& e : *x) e = round_to(o.precision, e);
     parallel_for(N, [&](int r) { row_statistics(h, r); });
     const double scale = o.scale;
     const MaskRule& rule = h.score.rule;

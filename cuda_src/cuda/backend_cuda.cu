@@ -171,11 +171,13 @@ FlashPlan CudaBackend::flash_plan(const Problem& p) const {
 }
 
 // The forward's kernels where the dispatcher has a half variant for the problem (wgmma, on compute
-// capability 9.0, or in a run that splits the decode kernel, which has every width).
+// capability 9.0, or in a run that splits the decode kernel, which has every width), and the
+// backward's where it has one too (wgmma: no mask or the top-left causal one).
 StageSet CudaBackend::half_flash_stages(const Problem& p) const {
-    if (p.split_size > 0 && flash_supported(p.dims)) return StageSet::flash().minus(StageSet::backward());
+    const StageSet forward = StageSet::flash().minus(StageSet::backward());
+    if (p.split_size > 0 && flash_supported(p.dims)) return forward;
     if (!flash_supported(p.dims) || !flash_forward_available(flash_args(p))) return {};
-    return StageSet::flash().minus(StageSet::backward());
+    return flash_backward_available(flash_bwd_args(p)) ? StageSet::flash() : forward;
 }
 
 size_t CudaBackend::working_bytes_per_head(const Problem& p, StageSet computed) const {

@@ -242,8 +242,6 @@ void compute_dV(const DeviceStageWork& w) {
 
 // The three gradients come from one backward pass, booked to flash_dQ.
 void compute_flash_dQ(const DeviceStageWork& w) {
-    if (is_half(w.p.precision))  // main leaves these out (half_flash_stages); kept as a guard
-        fail(kExitInternal, where(__FILE__, __LINE__) + ": the CUDA flash backward has no half-precision variant");
     FlashBwdArgs a = flash_bwd_args(w.p);
     a.heads = w.heads;
     a.Q = w.buf(Stage::Q);
@@ -256,6 +254,9 @@ void compute_flash_dQ(const DeviceStageWork& w) {
     a.dK = w.buf(Stage::flash_dK);
     a.dV = w.buf(Stage::flash_dV);
     a.variant = w.b.variant;
+    a.Qh = w.b.format[0];  // the half formats' copies (null at fp32 and tf32)
+    a.Kh = w.b.format[1];
+    a.Vh = w.b.format[2];
     flash_backward(a, w.stream);
 }
 

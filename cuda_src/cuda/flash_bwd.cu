@@ -41,6 +41,9 @@
 #include "flash_scores.cuh"
 #include "flash_dispatch.cuh"
 #include "kernels.cuh"
+#ifdef ATTNSTEP_HAVE_WGMMA
+#include "sm90a/flash_bwd_wgmma_half.cuh"
+#endif
 
 namespace attnstep {
 namespace {
@@ -526,7 +529,22 @@ bool with_bwd_tiles(int d, F&& f) {
     });
 }
 
+// The Hopper kernels at a half precision (sm90a/flash_bwd_wgmma_half.cu), where built and taken.
+bool half_backward_available(const FlashBwdArgs& a) {
+#ifdef ATTNSTEP_HAVE_WGMMA
+    return device_compute_capability() == 90 && wgmma_half_backward_takes(a);
+#else
+    (void)a;
+    return false;
+#endif
+}
+
 void check_supported(const FlashBwdArgs& a) {
+    if (is_half(a.precision)) {
+        if (!half_backward_available(a))
+            fail(kExitInternal, where(__FILE__, __LINE__) + ": no half-precision flash backward for this problem");
+        return;
+    }
     if (!device_supported())
         fail(kExitBadInput, "the flash backward needs a GPU of compute capability 8.0 or newer (TF32 tensor cores)",
              "select the backward stage path only (--stages stages) on this GPU");
@@ -536,8 +554,15 @@ void check_supported(const FlashBwdArgs& a) {
 
 }  // namespace
 
+bool flash_backward_available(const FlashBwdArgs& a) {
+    if (is_half(a.precision)) return half_backward_available(a);
+    return device_supported() && with_bwd_tiles(a.d, [](auto) {});
+}
+
 FlashPlan flash_backward_plan(const FlashBwdArgs& a) {
     check_supported(a);
+    if (is_half(a.precision))  // 128 rows owned per block, 64 streamed per tile, in both kernels
+        return FlashPlan{64, 128, std::string("cuda-bwd-wgmma-") + precision_name(a.precision)};
     FlashPlan plan;
     with_bwd_tiles(a.d, [&](auto tag) {
         using T = tag_type<decltype(tag)>;
@@ -547,12 +572,19 @@ FlashPlan flash_backward_plan(const FlashBwdArgs& a) {
 }
 
 size_t flash_backward_workspace_bytes_per_head(const FlashBwdArgs& a) {
-    return static_cast<size_t>(a.N) * sizeof(float);  // D
+    size_t bytes = static_cast<size_t>(a.N) * sizeof(float);  // D
+#ifdef ATTNSTEP_HAVE_WGMMA
+    if (is_half(a.precision)) bytes = wgmma_half_backward_workspace_bytes_per_head(a);
+#endif
+    return bytes;
 }
 
 void flash_backward(const FlashBwdArgs& a, cudaStream_t stream) {
     if (a.heads < 1 || a.N < 1 || a.M < 1) return;
     check_supported(a);
+#ifdef ATTNSTEP_HAVE_WGMMA
+    if (is_half(a.precision)) return wgmma_half_backward(a, stream);
+#endif
     StreamWorkspace D(static_cast<size_t>(a.heads) * a.N, stream);
     launch_row_dot(a.dO, a.O, D.p, static_cast<long long>(a.heads) * a.N, a.d, stream);
     with_bwd_tiles(a.d, [&](auto tag) {

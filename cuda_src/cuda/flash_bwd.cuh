@@ -10,6 +10,7 @@
 #include <cuda_runtime.h>
 
 #include <cstddef>
+#include <cstdint>
 
 #include "../backend.h"
 #include "flash_problem.cuh"
@@ -23,14 +24,25 @@ struct FlashBwdArgs : FlashProblem {
     float* dQ = nullptr;
     float* dK = nullptr;
     float* dV = nullptr;
+    // Q, K and V as 16-bit values of the format at bf16 and fp16 (the Hopper kernels read them by
+    // tensor memory access, as the forward does: FlashArgs::Qh); unused at fp32 and tf32.
+    const uint16_t* Qh = nullptr;
+    const uint16_t* Kh = nullptr;
+    const uint16_t* Vh = nullptr;
 };
 
-// The backward's tiles and kernel name ("cuda-bwd-3xtf32", "cuda-bwd-tf32"): Br is the query
-// rows per tile, Bc the keys. Requires flash_supported() and a GPU of compute capability 8.0+.
+// Whether this binary and GPU have a flash backward for `a`: at fp32 and tf32 on compute
+// capability 8.0+ (mma.sync), at bf16 and fp16 on 9.0 (wgmma) without a mask or with the top-left
+// causal one.
+bool flash_backward_available(const FlashBwdArgs& a);
+
+// The backward's tiles and kernel name ("cuda-bwd-3xtf32", "cuda-bwd-tf32", "cuda-bwd-wgmma-bf16",
+// "cuda-bwd-wgmma-fp16"): Br is the query rows per tile, Bc the keys. Requires
+// flash_backward_available().
 FlashPlan flash_backward_plan(const FlashBwdArgs& a);
 
-// Device memory flash_backward allocates per head beyond its arguments: two floats per query row
-// (D and lse·log2 e), O(N), never an N×M buffer.
+// Device memory flash_backward allocates per head beyond its arguments: D (a float per query row),
+// and at a half precision dO in the format and lse·log2 e; O((N + M)·d), never an N×M buffer.
 size_t flash_backward_workspace_bytes_per_head(const FlashBwdArgs& a);
 
 // Launches the backward on `stream`: the preprocess (D), then one kernel over key blocks (dK, dV)
