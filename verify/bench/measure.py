@@ -5,8 +5,8 @@ For each shape and precision it runs `build/main --bench ... --json FILE` (devic
 REPS after warm-up, inputs generated on the device, ceilings measured in the same run; see
 cuda_src/bench/bench.cu) and, when torch imports, times SDPA's forward and backward in fp32 on the
 same shape in this process (sdpa.py); at bf16/fp16 SDPA's forward and backward at that dtype, once
-per backend, the fastest of each pass being its yardstick, and under --check the errors of the binary's flash and of
-SDPA on the binary's own inputs (accuracy.py). collect() returns the results document; the command
+per backend, the fastest of each pass being its yardstick, and under --check the errors of the
+binary's flash forward and of SDPA's on the binary's own inputs (accuracy.py). collect() returns the results document; the command
 prints it as one table with the goals (goals.py) as met/missed, and writes it as JSON and a PNG
 plot (TFLOP/s against N, one line per kernel).
 
