@@ -22,10 +22,12 @@
 #   BENCH_ARGS="--shape 4,16,4096,4096,64" scripts/gpu_check.sh bench          (other shapes)
 #   BENCH_ARGS="--pass backward" scripts/gpu_check.sh bench                    (the backward rows alone)
 #   BENCH_ARGS="--precision bf16 --pass forward" scripts/gpu_check.sh bench    (any bench options)
-#   halfbench: the bf16 and fp16 forward at the goal shapes (B 4, H 16, N = M = 4096, d 64 and 128,
-#   causal and not) against PyTorch SDPA at the same dtype, each backend, with the float64 checks
-#   and the accuracy comparison on the same inputs; into $OUT/bench_half.json and .png.
+#   halfbench: the bf16 and fp16 forward and backward at the goal shapes (B 4, H 16, N = M = 4096,
+#   d 64 and 128, causal and not) against PyTorch SDPA's forward and backward at the same dtype,
+#   each backend, with the float64 checks (output and gradients) and the forward's accuracy
+#   comparison on the same inputs; into $OUT/bench_half.json and .png.
 #   HALF_BENCH_ARGS="--precision bf16" scripts/gpu_check.sh halfbench            (added to those)
+#   HALF_BENCH_ARGS="--pass forward" scripts/gpu_check.sh halfbench              (one pass alone)
 #   decode: the paged decode kernel's goals (attnstep bench --decode goals: B 64, H 32, Hk 8, d 128,
 #   bf16, caches of 8192 and 32768 keys in pages of 64) against a device copy and PyTorch SDPA on the
 #   gathered cache; into $OUT/bench_decode.json; DECODE_BENCH_ARGS="--reps 50" adds options.
@@ -217,7 +219,7 @@ fi
 if want halfbench; then
     goal_shapes=()
     for d in 64 128; do for mask in "" ",causal"; do goal_shapes+=(--shape "4,16,4096,4096,$d$mask"); done; done
-    step halfbench $ATTNSTEP bench --binary $BUILD/main --precision half --pass forward "${goal_shapes[@]}" \
+    step halfbench $ATTNSTEP bench --binary $BUILD/main --precision half --pass both "${goal_shapes[@]}" \
         --json "$OUT/bench_half.json" --plot "$OUT/bench_half.png" ${HALF_BENCH_ARGS:-}
     tail -n 40 "$OUT/halfbench.log"
 fi

@@ -17,7 +17,8 @@ from verify.bench import measure as vb
 from verify.bench import sdpa as bench_sdpa
 from verify.bench.accuracy import (half_accuracy, head_inputs, input_seed, inputs_checksum, normwise_error,
                                    reference_rows, uniform_inputs)
-from verify.bench.report import ACCURACY, SDPA, SDPA_BACKENDS, VS_SDPA, sdpa_backend_row
+from verify.bench.report import (ACCURACY, SDPA, SDPA_BACKENDS, SDPA_BACKWARD, SDPA_BACKWARD_BACKENDS, VS_SDPA,
+                                 sdpa_backend_row)
 from verify.bench.sdpa import SDPA_BACKENDS as BACKEND_NAMES
 from verify.bench.sdpa import rejection_reason
 from verify.cli import bench as cb
@@ -212,7 +213,7 @@ def _half_binary(precision="bf16", flash_tflops=300.0, err=3e-3, d=64):
                         {"name": "flash_fast", "kind": "attention", "pass": "forward", "status": "unsupported",
                          "reason": f"no {precision} fast variant"},
                         {"name": "flash_backward", "kind": "attention", "pass": "backward", "status": "unsupported",
-                         "reason": f"the backward is timed at fp32 and tf32 only, not {precision}"}]}
+                         "reason": f"the flash backward at {precision} needs compute capability 9.0"}]}
 
 
 def _backends(cudnn=250.0, flash=280.0):
@@ -246,7 +247,7 @@ def test_half_rows_name_the_fastest_backend_and_each_ratio():
     assert rows[sdpa_backend_row(EFFICIENT)].status == REFUSED
     table = vb.format_table(list(rows.values()))
     assert "unsupported: no bf16 fast variant" in table and REFUSED in table
-    assert "unsupported: the backward is timed at fp32 and tf32 only, not bf16" in table
+    assert "unsupported: the flash backward at bf16 needs compute capability 9.0" in table
     assert cb._exit_status(list(rows.values())) == 0  # refusals are not failures
 
 
@@ -353,7 +354,8 @@ def test_parse_takes_every_precision():
 # ---- collect and the command line ----------------------------------------------------------------
 def _fake_machine(monkeypatch):
     """The binary, torch and SDPA replaced: the binary answers _small_binary at any precision; the
-    forward SDPA timers record the precisions they were asked for; the backward must not run."""
+    SDPA timers record the precisions (and, per backend, the passes) they were asked for; the fp32
+    backward's must not run at bf16/fp16."""
     seen = {"binary": [], "backends": [], "fp32 sdpa": []}
 
     def fake_run(binary, shape, prec, warmup, reps, check, only="all", timeout=0, monitor=None, passes="both",
@@ -361,12 +363,12 @@ def _fake_machine(monkeypatch):
         seen["binary"].append((prec, check, passes))
         return {**_small_binary(prec), "passed": True}
 
-    def backends(shape, prec, warmup, reps):
-        seen["backends"].append(prec)
+    def backends(shape, prec, warmup, reps, pass_="forward"):
+        seen["backends"].append((prec, pass_))
         return _backends()
 
     def no_backward(*a):
-        raise AssertionError("SDPA's backward is not timed at bf16/fp16")
+        raise AssertionError("SDPA's backward is timed per backend at bf16/fp16")
 
     monkeypatch.setattr(vb, "run_binary_bench", fake_run)
     monkeypatch.setattr(vb, "torch_available", lambda: "2.11")
@@ -384,9 +386,10 @@ def test_collect_at_half_writes_backends_ratios_and_accuracy(monkeypatch):
     seen = _fake_machine(monkeypatch)
     res = vb.collect(Path("main"), [SMALL], HALF_PRECISIONS, 0, 1, True, use_torch=True, only="all",
                      log=lambda m: None, passes="both")
-    assert seen["backends"] == list(HALF_PRECISIONS) and seen["fp32 sdpa"] == []
+    assert seen["backends"] == [(p, pass_) for p in HALF_PRECISIONS for pass_ in ("forward", "backward")]
+    assert seen["fp32 sdpa"] == []
     for run, precision in zip(res["runs"], HALF_PRECISIONS):
-        assert set(run) == {"binary", SDPA, SDPA_BACKENDS, VS_SDPA, ACCURACY}
+        assert set(run) == {"binary", SDPA, SDPA_BACKENDS, SDPA_BACKWARD, SDPA_BACKWARD_BACKENDS, VS_SDPA, ACCURACY}
         assert run[SDPA]["backend"] == FLASH and run[SDPA_BACKENDS][EFFICIENT]["status"] == REFUSED
         assert set(run[VS_SDPA]["flash"]) == {CUDNN, FLASH, "fastest"}
         acc = run[ACCURACY]
@@ -406,7 +409,7 @@ def test_cli_precision_groups(tmp_path, monkeypatch, choice, precisions):
                                         "--precision", choice, "--json", str(out)])
     assert res.exit_code == 0, res.output
     assert [p for p, _, _ in seen["binary"]] == precisions
-    assert seen["backends"] == [p for p in precisions if p in HALF_PRECISIONS]
+    assert seen["backends"] == [(p, "forward") for p in precisions if p in HALF_PRECISIONS]
     assert seen["fp32 sdpa"] == [p for p in precisions if p not in HALF_PRECISIONS]
     runs = json.loads(out.read_text())["runs"]
     assert [ACCURACY in r for r in runs] == [p in HALF_PRECISIONS for p in precisions]
@@ -496,9 +499,9 @@ def test_gpu_half_flash_takes_more_heads_than_one_launch_holds(binary, tmp_path,
 @pytest.mark.parametrize("d", [16, 64, 128])
 def test_gpu_bench_half_forward(binary, tmp_path, precision, causal, d):
     """`main --bench --precision bf16|fp16 --check --check-rows 0` on a small irregular shape: the
-    stage path timed; on Hopper at d 64 and 128 the flash forward runs in the format and every row
-    of every head passes against float64 (elsewhere it is 'unsupported' with a reason); the
-    backward is marked; the checked heads' inputs are the ones the NumPy twin computes."""
+    stage path timed; on Hopper at d 64 and 128 the flash forward and backward run in the format and
+    every row of every head passes against float64 (elsewhere 'unsupported' with a reason); the
+    backward stage path is marked; the checked heads' inputs are the ones the NumPy twin computes."""
     out = tmp_path / "bench.json"
     cmd = [str(binary), "--bench", "--precision", precision, "--check", "--check-rows", "0", "--no-ceilings",
            "--batch", "1", "--heads", "3", "--seq-q", "127", "--seq-k", "333", "--d", str(d), "--warmup", "1",
@@ -510,13 +513,14 @@ def test_gpu_bench_half_forward(binary, tmp_path, precision, causal, d):
     assert data["precision"] == precision and data["passed"] is True
     for name in ("KT", "QK", "QK_scaled", "attention_weights", "output"):
         assert rows[name]["status"] == "ok" and rows[name]["ms"] > 0, rows[name]
-    for name in ("stages_backward", "flash_backward"):
-        assert rows[name]["status"] == "unsupported" and "fp32 and tf32" in rows[name]["reason"]
+    path = rows["stages_backward"]
+    assert path["status"] == "unsupported" and "fp32 and tf32" in path["reason"], path
     flash = rows["flash"]
     if _compute_capability().startswith("9.") and d in (64, 128):
         assert flash["status"] == "ok", flash
         assert f"-{precision}" in flash["tiles"] and flash["check"]["passed"] is True
         assert flash["check"]["max_rel_err"] < 4 * storage_unit(precision)
+        assert rows["flash_backward"]["status"] == "ok" and f"-{precision}" in rows["flash_backward"]["tiles"]
     else:
         assert flash["status"] == "unsupported" and flash["reason"], flash
     for k in rows.values():  # every flash kernel timed in the format was checked and passed

@@ -9,16 +9,19 @@ from typing import Any, List, Mapping, Optional, Sequence
 
 from ..stages import HALF_PRECISIONS, KEYS_T, OUTPUT, SCALED_SCORES, SCORES, WEIGHTS
 from .report import FLASH_BACKWARD, FLASH_DISPATCHER, Row, parse_shape_id
+from .sdpa import CUDNN
 from .variant_goals import VARIANT_GOALS, RatioGoal, variant_goal_records
 
 
 @dataclass(frozen=True)
 class Metric:
-    """What a goal measures: the row's field, how the goal words it (formatted with the goal as
-    `g`), and how the figure is printed (formatted with the row as `r`)."""
+    """What a goal measures: the row's field (with `backend`, that backend's entry of it), how the
+    goal words it (formatted with the goal as `g`), and how the figure is printed (formatted with
+    the row as `r` and the value as `v`)."""
     field: str
     claim: str
     figure: str
+    backend: Optional[str] = None
 
 
 METRICS = {
@@ -30,6 +33,10 @@ METRICS = {
     "vs_sdpa_fastest": Metric("vs_sdpa",
                               "{g.precision} {g.kernel} {g.comparison} {g.threshold:g}x SDPA's fastest backend",
                               "{r.vs_sdpa:.2f}x ({r.rate:.1f} TFLOP/s)"),
+    # At bf16/fp16 the flash backward against one backend, cuDNN's, timed in the same process.
+    "vs_sdpa_backward_cudnn": Metric("vs_backends",
+                                     "{g.precision} {g.kernel} {g.comparison} {g.threshold:g}x SDPA's cuDNN backward",
+                                     "{v:.2f}x ({r.rate:.1f} TFLOP/s)", backend=CUDNN),
     # The max relative error against float64 over SDPA's, same inputs and measure (accuracy.py).
     "err_vs_sdpa": Metric("err_vs_sdpa",
                           "{g.precision} {g.kernel} error {g.comparison} {g.threshold:g}x SDPA's on the same inputs",
@@ -62,8 +69,9 @@ _NO_WORSE = 1.0 + 1e-9
 _LARGE_D64 = {**_LARGE, "d": 64, "causal": False}
 
 # "flash" is what users get by default (the binary's dispatcher), so the flash goals are about it.
-# The flash backward's: at d 64 and 128, causal and not; so the half formats' forward, in speed
-# and in accuracy (against float64, no worse than PyTorch's SDPA at the same format).
+# The flash backward's: at d 64 and 128, causal and not (at bf16/fp16 against cuDNN's backward at
+# the same format); so the half formats' forward, in speed and in accuracy (against float64, no
+# worse than PyTorch's SDPA at the same format).
 GOALS = (
     Goal(FLASH_DISPATCHER, _LARGE, "fp32", "vs_sdpa", 1.5),
     Goal(FLASH_DISPATCHER, {**_LARGE, "d": 64}, "tf32", "tflops", 150.0),
@@ -73,6 +81,8 @@ GOALS = (
       for p in HALF_PRECISIONS for d in (64, 128)),
     *(Goal(FLASH_BACKWARD, {**_LARGE, "d": d}, "fp32", "vs_sdpa_backward", 2.0) for d in (64, 128)),
     *(Goal(FLASH_BACKWARD, {**_LARGE, "d": d}, "tf32", "tflops", 150.0) for d in (64, 128)),
+    *(Goal(FLASH_BACKWARD, {**_LARGE, "d": d}, p, "vs_sdpa_backward_cudnn", 1.0)
+      for p in HALF_PRECISIONS for d in (64, 128)),
     Goal(SCORES, _LARGE_D64, "fp32", "sgemm_fraction", 0.9),
     Goal(OUTPUT, _LARGE_D64, "fp32", "sgemm_fraction", 0.9),
     Goal(KEYS_T, _LARGE_D64, "fp32", "copy_fraction", 0.8),
@@ -93,11 +103,13 @@ def goal_line(goal: Goal, row: Row) -> Optional[str]:
     """'met'/'MISSED' with the figure, or None when the row does not decide the goal."""
     metric = METRICS[goal.metric]
     value = getattr(row, metric.field)
+    if metric.backend is not None:
+        value = (value or {}).get(metric.backend)
     if not _applies(goal, row) or value is None:
         return None
     met = COMPARISONS[goal.comparison](value, goal.threshold)
     return (f"{'met   ' if met else 'MISSED'} {metric.claim.format(g=goal)} at {row.shape}: "
-            f"{metric.figure.format(r=row)}")
+            f"{metric.figure.format(r=row, v=value)}")
 
 
 def evaluate_goals(rows: Sequence[Row], goals: Sequence[Goal] = GOALS,

@@ -4,9 +4,9 @@ kernels timed, forward and backward, and PyTorch's SDPA, on a shape list.
 For each shape and precision it runs `build/main --bench ... --json FILE` (device events, median of
 REPS after warm-up, inputs generated on the device, ceilings measured in the same run; see
 cuda_src/bench/bench.cu) and, when torch imports, times SDPA's forward and backward in fp32 on the
-same shape in this process (sdpa.py); at bf16/fp16 SDPA's forward at that dtype, once per
-backend, the fastest being the yardstick, and under --check the errors of the binary's flash and of
-SDPA on the binary's own inputs (accuracy.py). collect() returns the results document; the command
+same shape in this process (sdpa.py); at bf16/fp16 SDPA's forward and backward at that dtype, once
+per backend, the fastest of each pass being its yardstick, and under --check the errors of the
+binary's flash forward and of SDPA's on the binary's own inputs (accuracy.py). collect() returns the results document; the command
 prints it as one table with the goals (goals.py) as met/missed, and writes it as JSON and a PNG
 plot (TFLOP/s against N, one line per kernel).
 
@@ -34,9 +34,9 @@ from ..variant import TOP_LEFT
 from .accuracy import half_accuracy
 from .goals import evaluate_goals
 from .plot import write_plot
-from .report import (ACCURACY, BACKWARD, FORWARD, PASSES, SDPA, SDPA_BACKENDS, SDPA_BACKWARD, VS_SDPA,
-                     BenchError, Row, Shape, fastest_sdpa, format_table, parse_binary_json, parse_shape_id,
-                     ratios_to_backends, rows_from_results)
+from .report import (ACCURACY, BACKWARD, FORWARD, PASSES, SDPA, SDPA_BACKENDS, SDPA_BACKWARD, SDPA_RUN_KEYS,
+                     VS_SDPA, BenchError, Row, Shape, fastest_sdpa, format_table, parse_binary_json,
+                     parse_shape_id, ratios_to_backends, rows_from_results)
 from .shape import NO_WINDOW
 from .sdpa import (SDPA_BACKENDS as BACKEND_NAMES, sdpa_output, time_sdpa, time_sdpa_backends,
                    time_sdpa_backward, torch_available)
@@ -173,15 +173,17 @@ _SDPA_TIMERS = {FORWARD: (SDPA, time_sdpa), BACKWARD: (SDPA_BACKWARD, time_sdpa_
 
 
 def _sdpa_runs(shape: Shape, prec: str, passes: str, warmup: int, reps: int) -> dict:
-    """SDPA's timings for one run, by the run's keys: each pass asked for at fp32/tf32; at bf16/fp16
-    the forward alone (the binary times no half backward), every backend forced in turn, the
-    fastest being the run's SDPA."""
+    """SDPA's timings for one run, by the run's keys (SDPA_RUN_KEYS), each pass asked for: at
+    fp32/tf32 torch's own choice of backend; at bf16/fp16 every backend forced in turn, the fastest
+    being the pass's SDPA."""
     if prec not in HALF_PRECISIONS:
         return {name: timer(shape, prec, warmup, reps) for name, timer in (_SDPA_TIMERS[p] for p in passes_of(passes))}
-    if FORWARD not in passes_of(passes):
-        return {}
-    backends = time_sdpa_backends(shape, prec, warmup, reps)
-    return {SDPA: fastest_sdpa(backends), SDPA_BACKENDS: backends}
+    out = {}
+    for pass_ in passes_of(passes):
+        fastest_key, backends_key = SDPA_RUN_KEYS[pass_]
+        backends = time_sdpa_backends(shape, prec, warmup, reps, pass_)
+        out.update({fastest_key: fastest_sdpa(backends), backends_key: backends})
+    return out
 
 
 def _sdpa_accuracy(binary: dict) -> dict:
@@ -201,11 +203,13 @@ def _sdpa_accuracy(binary: dict) -> dict:
 
 
 def _half_extras(run: dict, check: bool) -> None:
-    """At bf16/fp16: each flash kernel's ratio to each SDPA backend and, under --check, the errors
-    of the binary's flash and of SDPA on the same inputs."""
+    """At bf16/fp16: each flash kernel's ratio to each SDPA backend of its pass and, under --check,
+    the errors of the binary's flash forward and of SDPA's on the same inputs."""
     binary = run["binary"]
-    if run.get(SDPA_BACKENDS):
-        run[VS_SDPA] = ratios_to_backends(binary, run[SDPA_BACKENDS])
+    timed = [(pass_, run[key]) for pass_, (_, key) in SDPA_RUN_KEYS.items() if run.get(key)]
+    if timed:
+        run[VS_SDPA] = {kernel: ratios for pass_, backends in timed
+                        for kernel, ratios in ratios_to_backends(binary, backends, pass_).items()}
     if check and binary.get("check_sample") and run.get(SDPA_BACKENDS):
         run[ACCURACY] = _sdpa_accuracy(binary)
 

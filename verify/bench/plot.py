@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Dict, List, Sequence, Tuple
 
 from ..files.matrix_io import output_file_target
-from .report import SDPA, SDPA_BACKWARD, BenchError, Row, sdpa_backend_row
+from .report import SDPA, SDPA_BACKWARD, SDPA_RUN_KEYS, BenchError, Row, sdpa_backend_row
 from .sdpa import SDPA_BACKENDS as SDPA_BACKEND_NAMES
 
 # PyTorch's rows, the yardsticks: black, its backward grey, both dashed.
@@ -15,9 +15,10 @@ _SDPA_COLOURS = {SDPA: "black", SDPA_BACKWARD: "grey"}
 
 
 def _plotted(rows: Sequence[Row]) -> List[Row]:
-    """Rows with a TFLOP/s figure. SDPA: its fp32 run (tf32 times the same fused kernels again) and
-    its fastest backend at bf16/fp16; the backends one by one stay in the table."""
-    backend_rows = {sdpa_backend_row(name) for name in SDPA_BACKEND_NAMES}
+    """Rows with a TFLOP/s figure. SDPA, forward and backward: its fp32 run (tf32 times the same
+    fused kernels again) and its fastest backend at bf16/fp16; the backends one by one stay in the
+    table."""
+    backend_rows = {sdpa_backend_row(name, sdpa) for sdpa, _ in SDPA_RUN_KEYS.values() for name in SDPA_BACKEND_NAMES}
     return [r for r in rows if r.status == "ok" and r.kind in ("attention", "gemm") and r.rate
             and r.kernel not in backend_rows and not (r.kernel in _SDPA_COLOURS and r.precision == "tf32")]
 

@@ -16,10 +16,13 @@ from .shape import BACKWARD_FLOP_FACTOR, Shape, parse_shape_id, shape_of_binary 
 FLASH_DISPATCHER = "flash"
 FLASH_KERNELS = (FLASH_DISPATCHER, "flash_wgmma", "flash_fast")
 SDPA = "sdpa"
-# At bf16/fp16 SDPA runs once per backend (sdpa.SDPA_BACKENDS), under the run's key
-# SDPA_BACKENDS; its "sdpa" is the fastest of them, and VS_SDPA holds each flash kernel's ratio to
-# each. ACCURACY holds the comparison of errors on the binary's own inputs (accuracy.py).
+# At bf16/fp16 SDPA runs once per backend (sdpa.SDPA_BACKENDS), each pass under its run key of
+# SDPA_RUN_KEYS: the forward's backends under "sdpa_backends", the fastest of them being "sdpa", the
+# backward's under "sdpa_backward_backends", the fastest being "sdpa_backward". VS_SDPA holds each
+# flash kernel's ratio to each backend of its pass. ACCURACY holds the comparison of errors on the
+# binary's own inputs (accuracy.py).
 SDPA_BACKENDS = "sdpa_backends"
+SDPA_BACKWARD_BACKENDS = "sdpa_backward_backends"
 VS_SDPA = "vs_sdpa"
 FASTEST = "fastest"
 ACCURACY = "accuracy"
@@ -33,6 +36,9 @@ SDPA_BACKWARD = "sdpa_backward"
 # The passes `main --bench --pass` times; a row without "pass" (an older run) is a forward row.
 FORWARD, BACKWARD = "forward", "backward"
 PASSES = (FORWARD, BACKWARD)
+# Each pass's SDPA in a run: the key of its timing (at bf16/fp16 the fastest backend's) and the key
+# of its backends one by one (bf16/fp16 only).
+SDPA_RUN_KEYS = {FORWARD: (SDPA, SDPA_BACKENDS), BACKWARD: (SDPA_BACKWARD, SDPA_BACKWARD_BACKENDS)}
 # A grouped run's rows that are not stages (bench_parts.cuh names them alike): the copy of the K/V
 # heads to their query heads, and the sums of dK and dV over each group.
 KV_EXPAND, KV_GROUP_SUM = "kv_expand", "kv_group_sum"
@@ -104,12 +110,14 @@ def _check_sdpa_sections(run: dict, source: str) -> None:
     for name in (SDPA, SDPA_BACKWARD):
         if run.get(name) is not None:
             _check_timing(run[name], f"{source}.{name}")
-    backends = run.get(SDPA_BACKENDS)
-    if backends is not None:
+    for _, key in SDPA_RUN_KEYS.values():
+        backends = run.get(key)
+        if backends is None:
+            continue
         if not isinstance(backends, dict):
-            raise BenchError(f"{source}.{SDPA_BACKENDS}: expected an object of backends")
+            raise BenchError(f"{source}.{key}: expected an object of backends")
         for name, timing in backends.items():
-            _check_timing(timing, f"{source}.{SDPA_BACKENDS}.{name}")
+            _check_timing(timing, f"{source}.{key}.{name}")
     if run.get(ACCURACY) is not None and not isinstance(run[ACCURACY], dict):
         raise BenchError(f"{source}.{ACCURACY}: expected an object")
 
@@ -139,6 +147,8 @@ class Row:
     rate: Optional[float] = None      # TFLOP/s (gemm, attention) or GB/s (memory)
     fraction: Optional[float] = None  # of the ceiling measured in the same run
     vs_sdpa: Optional[float] = None   # flash kernels: TFLOP/s over SDPA's on the same shape
+    # bf16/fp16 flash kernels: TFLOP/s over each SDPA backend's of the same pass, by backend name
+    vs_backends: Optional[Dict[str, float]] = None
     note: str = ""
     max_rel_err: Optional[float] = None  # checked rows: the binary's error against float64
     sdpa_err: Optional[float] = None     # bf16/fp16 flash rows: SDPA's, same inputs and measure
@@ -187,9 +197,10 @@ def _kernel_row(shape: Shape, precision: str, k: dict, sdpa_rates: Dict[str, flo
     return row
 
 
-def sdpa_backend_row(backend: str) -> str:
-    """The table's name of one SDPA backend's row: sdpa_cudnn, sdpa_flash, sdpa_efficient."""
-    return f"{SDPA}_{backend}"
+def sdpa_backend_row(backend: str, sdpa: str = SDPA) -> str:
+    """The table's name of one SDPA backend's row: the forward's sdpa_cudnn, sdpa_flash,
+    sdpa_efficient; the backward's (`sdpa` SDPA_BACKWARD) sdpa_backward_cudnn and so on."""
+    return f"{sdpa}_{backend}"
 
 
 def _sdpa_row(shape: Shape, precision: str, name: str, sdpa: dict) -> Row:
@@ -198,7 +209,7 @@ def _sdpa_row(shape: Shape, precision: str, name: str, sdpa: dict) -> Row:
         row.ms, row.rate = sdpa["ms"], sdpa["tflops"]
         row.note = f"torch {sdpa.get('torch', '?')} {sdpa.get('dtype', 'fp32')}"
         if sdpa.get("backend"):
-            row.note += f", {sdpa_backend_row(sdpa['backend'])} ({FASTEST})"
+            row.note += f", {sdpa_backend_row(sdpa['backend'], name)} ({FASTEST})"
     return row
 
 
@@ -212,20 +223,24 @@ def fastest_sdpa(backends: Dict[str, dict]) -> dict:
     return {**ran[name], "backend": name}
 
 
-def ratios_to_backends(binary: dict, backends: Dict[str, dict]) -> Dict[str, Dict[str, float]]:
-    """Each forward flash kernel's TFLOP/s over each SDPA backend's that ran, and over the
-    fastest's: {kernel: {backend: ratio, "fastest": ratio}}."""
+def ratios_to_backends(binary: dict, backends: Dict[str, dict],
+                       pass_: str = FORWARD) -> Dict[str, Dict[str, float]]:
+    """Each of the pass's rows compared with SDPA (the forward's flash kernels, the flash backward):
+    its TFLOP/s over each SDPA backend's of that pass that ran, and over the fastest's:
+    {kernel: {backend: ratio, "fastest": ratio}}."""
     rates = {name: b["tflops"] for name, b in backends.items() if b.get("status") == "ok" and b.get("tflops")}
     if not rates:
         return {}
     rates[FASTEST] = max(rates.values())
+    yardstick = SDPA_RUN_KEYS[pass_][0]
     return {k["name"]: {name: k["tflops"] / rate for name, rate in rates.items()}
             for k in binary["kernels"]
-            if k["name"] in FLASH_KERNELS and k["status"] == "ok" and k.get("pass", FORWARD) == FORWARD}
+            if _VS_SDPA.get(k["name"]) == yardstick and k["status"] == "ok" and k.get("pass", FORWARD) == pass_}
 
 
-def _ratio_note(ratios: Dict[str, float]) -> str:
-    return "vs " + ", ".join(f"{sdpa_backend_row(name)} {r:.2f}x" for name, r in ratios.items() if name != FASTEST)
+def _ratio_note(ratios: Dict[str, float], sdpa: str) -> str:
+    return "vs " + ", ".join(f"{sdpa_backend_row(name, sdpa)} {r:.2f}x"
+                             for name, r in ratios.items() if name != FASTEST)
 
 
 def _error_value(err) -> Optional[float]:
@@ -247,24 +262,37 @@ def _add_error_note(row: Row, err) -> None:
         row.note += f"; err {err:.1e} on the binary's inputs"
 
 
+def _backend_rows(shape: Shape, prec: str, run: dict, binary: dict, rows: List[Row], pass_: str) -> List[Row]:
+    """One pass at bf16/fp16: each SDPA backend's row (its speed over the fastest's), the pass's
+    flash rows' ratio to each backend in their note and vs_backends."""
+    sdpa, key = SDPA_RUN_KEYS[pass_]
+    backends = run.get(key) or {}
+    ratios = ratios_to_backends(binary, backends, pass_)
+    for row in rows:
+        if row.kernel in ratios:
+            row.note = "; ".join(n for n in (row.note, _ratio_note(ratios[row.kernel], sdpa)) if n)
+            row.vs_backends = {name: r for name, r in ratios[row.kernel].items() if name != FASTEST}
+    extra = [_sdpa_row(shape, prec, sdpa_backend_row(name, sdpa), b) for name, b in backends.items()]
+    fastest = (run.get(sdpa) or {}).get("tflops")
+    for row in extra:
+        row.vs_sdpa = row.rate / fastest if row.rate and fastest else None
+    return extra
+
+
 def _half_rows(shape: Shape, prec: str, run: dict, binary: dict, rows: List[Row]) -> List[Row]:
-    """At bf16/fp16: each SDPA backend's row, the flash rows' ratio to each backend in their note,
-    SDPA's error on the same inputs in theirs (or the accuracy comparison's failure as a row)."""
-    backends = run.get(SDPA_BACKENDS) or {}
-    ratios = ratios_to_backends(binary, backends)
+    """At bf16/fp16: each pass's SDPA backend rows and ratios (_backend_rows); the forward flash
+    rows' and backends' errors on the same inputs in their notes (or the accuracy comparison's
+    failure as a row)."""
+    by_pass = {pass_: _backend_rows(shape, prec, run, binary, rows, pass_) for pass_ in PASSES}
     accuracy = run.get(ACCURACY) or {}
     sdpa_err = _error_value(accuracy.get(SDPA))
     for row in rows:
-        if row.kernel in ratios:
-            row.note = "; ".join(n for n in (row.note, _ratio_note(ratios[row.kernel])) if n)
         if row.kernel in FLASH_KERNELS and row.status == "ok" and sdpa_err is not None:
             row.sdpa_err = sdpa_err
             row.note += f"; SDPA's err {sdpa_err:.1e}"
-    extra = [_sdpa_row(shape, prec, sdpa_backend_row(name), b) for name, b in backends.items()]
-    fastest = (run.get(SDPA) or {}).get("tflops")
-    for row, name in zip(extra, backends):
-        row.vs_sdpa = row.rate / fastest if row.rate and fastest else None
+    for row, name in zip(by_pass[FORWARD], run.get(SDPA_BACKENDS) or {}):
         _add_error_note(row, (accuracy.get(SDPA_BACKENDS) or {}).get(name))
+    extra = by_pass[FORWARD] + by_pass[BACKWARD]
     if accuracy.get("error"):
         extra.append(_row(shape, prec, ACCURACY, "attention", f"failed: {accuracy['error']}"))
     return extra
@@ -318,18 +346,19 @@ def _num(x: Optional[float], fmt: str) -> str:
 
 
 def format_table(rows: Sequence[Row]) -> str:
-    header = f"{'shape':<28} {'prec':<5} {'kernel':<18} {'ms':>10} {'rate':>15} {'ceiling':>8} {'vs sdpa':>8}  note"
+    """The table; the kernel column fits the longest row name, sdpa_backward_efficient."""
+    header = f"{'shape':<28} {'prec':<5} {'kernel':<23} {'ms':>10} {'rate':>15} {'ceiling':>8} {'vs sdpa':>8}  note"
     lines = [header, "-" * len(header)]
     for r in rows:
         if r.status != "ok":
             status = f"{r.status}: {r.note}" if r.note else r.status
-            lines.append(f"{r.shape:<28} {r.precision:<5} {r.kernel:<18} {'-':>10} {'-':>15} {'-':>8} {'-':>8}  {status}")
+            lines.append(f"{r.shape:<28} {r.precision:<5} {r.kernel:<23} {'-':>10} {'-':>15} {'-':>8} {'-':>8}  {status}")
             continue
         unit = "GB/s" if r.kind == "memory" else "TFLOP/s"
         rate = f"{r.rate:.0f} {unit}" if r.kind == "memory" else f"{r.rate:.2f} {unit}"
         frac = _num(None if r.fraction is None else 100 * r.fraction, "%.0f%%")
         ratio = _num(r.vs_sdpa, "%.2fx")
-        lines.append(f"{r.shape:<28} {r.precision:<5} {r.kernel:<18} {r.ms:>10.4f} {rate:>15} {frac:>8} {ratio:>8}  {r.note}")
+        lines.append(f"{r.shape:<28} {r.precision:<5} {r.kernel:<23} {r.ms:>10.4f} {rate:>15} {frac:>8} {ratio:>8}  {r.note}")
     return "\n".join(lines)
 
 

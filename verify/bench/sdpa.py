@@ -1,8 +1,8 @@
 """PyTorch SDPA timed in this process, the yardstick of `attnstep bench` and `attnstep sweep`: its
 forward (`torch.nn.functional.scaled_dot_product_attention`) and its backward (`torch.autograd.grad`
 of that output with a fixed output gradient dO), CUDA tensors of the binary's shape (fp32, or
-bf16/fp16 at those precisions), median of CUDA-event timings after warm-up; at bf16/fp16 also each
-backend forced in turn (SDPA_BACKENDS), and SDPA's output on given inputs for the accuracy
+bf16/fp16 at those precisions), median of CUDA-event timings after warm-up; at bf16/fp16 each pass
+with each backend forced in turn (SDPA_BACKENDS), and SDPA's output on given inputs for the accuracy
 comparison (accuracy.py). torch is imported only here, and only when asked."""
 from __future__ import annotations
 
@@ -14,13 +14,15 @@ from typing import Dict, Optional, Sequence, Union
 import numpy as np
 
 from ..stages import HALF_PRECISIONS
-from .report import MIB, OOM, UNSUPPORTED, Shape
+from .report import BACKWARD, FORWARD, MIB, OOM, UNSUPPORTED, Shape
 
-__all__ = ["SDPA_BACKENDS", "rejection_reason", "sdpa_output", "time_sdpa", "time_sdpa_backends",
+__all__ = ["CUDNN", "SDPA_BACKENDS", "rejection_reason", "sdpa_output", "time_sdpa", "time_sdpa_backends",
            "time_sdpa_backward", "torch_available", "torch_dtype"]
 
 # The backends timed one by one at bf16/fp16: the results' name -> torch.nn.attention.SDPBackend's.
-SDPA_BACKENDS = {"cudnn": "CUDNN_ATTENTION", "flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION"}
+# CUDNN is the one a goal names (the half-precision backward's: goals.py).
+CUDNN = "cudnn"
+SDPA_BACKENDS = {CUDNN: "CUDNN_ATTENTION", "flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION"}
 # What torch raises when no kernel of the allowed backends takes the problem.
 _NO_KERNEL = "No available kernel"
 # torch's warnings name the file that raised them; the reason ends before.
@@ -129,8 +131,9 @@ def _probe(torch, fn):
 
 def _timed(shape: Shape, precision: str, flop: float, setup, backend: Optional[str] = None) -> dict:
     """Runs setup(torch, F) -> fn under `precision`'s matmul setting and times fn, only `backend`
-    allowed when given; the result dict of time_sdpa. Out of memory is status OOM, a forced
-    backend's refusal 'unsupported: <torch's reason>', any other failure a 'failed: ...' status."""
+    allowed when given (setup included: the backward's forward picks the backend its backward
+    runs); the result dict of time_sdpa. Out of memory is status OOM, a forced backend's refusal
+    'unsupported: <torch's reason>', any other failure a 'failed: ...' status."""
     import torch  # noqa: PLC0415
     import torch.nn.functional as F  # noqa: PLC0415
 
@@ -139,8 +142,10 @@ def _timed(shape: Shape, precision: str, flop: float, setup, backend: Optional[s
     about = {"torch": torch.__version__, "dtype": tensor_dtype(precision)}
     try:
         with _forced(torch, backend):
-            fn, warmup, reps = setup(torch, F)
-            if backend is not None:
+            if backend is None:
+                fn, warmup, reps = setup(torch, F)
+            else:
+                fn, warmup, reps = _probe(torch, lambda: setup(torch, F))
                 _probe(torch, fn)
             torch.cuda.synchronize()
             ms = _median_ms(torch, fn, warmup, reps)
@@ -173,9 +178,12 @@ def time_sdpa(shape: Shape, precision: str, warmup: int, reps: int, seed: int = 
     return _timed(shape, precision, shape.flash_flop, setup, backend)
 
 
-def time_sdpa_backends(shape: Shape, precision: str, warmup: int, reps: int, seed: int = 0) -> Dict[str, dict]:
-    """time_sdpa with each of SDPA_BACKENDS forced, by backend name."""
-    return {name: time_sdpa(shape, precision, warmup, reps, seed, backend=name) for name in SDPA_BACKENDS}
+def time_sdpa_backends(shape: Shape, precision: str, warmup: int, reps: int, pass_: str = FORWARD,
+                       seed: int = 0) -> Dict[str, dict]:
+    """The pass's timer (time_sdpa, or time_sdpa_backward for BACKWARD) with each of SDPA_BACKENDS
+    forced, by backend name."""
+    timer = time_sdpa_backward if pass_ == BACKWARD else time_sdpa
+    return {name: timer(shape, precision, warmup, reps, seed, backend=name) for name in SDPA_BACKENDS}
 
 
 def sdpa_output(q: np.ndarray, k: np.ndarray, v: np.ndarray, rows: Sequence[int], scale: float, causal: bool,
@@ -201,10 +209,12 @@ def sdpa_output(q: np.ndarray, k: np.ndarray, v: np.ndarray, rows: Sequence[int]
     return out[0].index_select(1, index).double().cpu().numpy()
 
 
-def time_sdpa_backward(shape: Shape, precision: str, warmup: int, reps: int, seed: int = 0) -> dict:
+def time_sdpa_backward(shape: Shape, precision: str, warmup: int, reps: int, seed: int = 0,
+                       backend: Optional[str] = None) -> dict:
     """Median ms of SDPA's backward alone: torch.autograd.grad of one forward's output with a fixed
-    dO for Q, K and V (the graph kept between calls, so only the backward is timed); the result
-    as time_sdpa's, TFLOP/s by 2.5x the forward's FLOPs, peak_mib with the forward's saved tensors."""
+    dO for Q, K and V (the graph kept between calls, so only the backward is timed); `backend`
+    forces the forward's backend, whose own backward then runs. The result as time_sdpa's, TFLOP/s
+    by 2.5x the forward's FLOPs, peak_mib with the forward's saved tensors."""
     def setup(torch, F):
         q, k, v, do = _inputs(torch, shape, seed, grad=True, precision=precision)
         for x in (q, k, v):
@@ -213,4 +223,4 @@ def time_sdpa_backward(shape: Shape, precision: str, warmup: int, reps: int, see
         out = F.scaled_dot_product_attention(q, k, v, is_causal=shape.causal)
         return (lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True)), warmup, reps
 
-    return _timed(shape, precision, shape.backward_flop, setup)
+    return _timed(shape, precision, shape.backward_flop, setup, backend)

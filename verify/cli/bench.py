@@ -151,9 +151,9 @@ def _exit_status(rows: Sequence[Row]) -> int:
 @click.option("--shape", "shape_specs", multiple=True, metavar="B,H,N,M,D[,causal]",
               help="Benchmark this shape instead of the default list (repeatable).")
 @click.option("--precision", type=click.Choice(PRECISIONS + tuple(PRECISION_GROUPS)), default=BOTH, show_default=True,
-              help="Flash kernels and cuBLAS stages in fp32 (3xTF32 flash), tf32, bf16 or fp16 (the forward "
-                   "alone, against SDPA at that dtype, each backend); both: fp32 and tf32; half: bf16 and fp16; "
-                   "all: the four.")
+              help="Flash kernels and cuBLAS stages in fp32 (3xTF32 flash), tf32, bf16 or fp16 (against SDPA at "
+                   "that dtype, each backend; the backward by the flash kernel alone); both: fp32 and tf32; half: "
+                   "bf16 and fp16; all: the four.")
 @click.option("--warmup", type=click.IntRange(min=0), default=3, show_default=True, help="Untimed runs first.")
 @click.option("--reps", type=click.IntRange(min=1), default=20, show_default=True,
               help="Timed runs (median); a quarter of them, at least 3, for the largest shapes.")
@@ -205,7 +205,7 @@ def bench(ctx, build_dir, binary, shape_specs, precision, warmup, reps, only, pa
     in each precision; prints a table of ms, TFLOP/s or GB/s, the fraction of the ceilings the
     binary measured in the same run (cuBLAS SGEMM, device copy) and the flash kernels' speed over
     SDPA's (the backward's over SDPA's backward; at bf16/fp16 over SDPA's fastest backend at that
-    dtype, and over each); then the goals as met/missed, at bf16/fp16 with --check the flash
+    dtype, pass by pass, and over each); then the goals as met/missed, at bf16/fp16 with --check the flash
     error against float64 beside SDPA's on the same inputs. Backward TFLOP/s count 2.5x the
     forward's FLOPs; every FLOP count counts the score entries the mask leaves visible.
 
