@@ -171,13 +171,11 @@ FlashPlan CudaBackend::flash_plan(const Problem& p) const {
 }
 
 // The forward's kernels where the dispatcher has a half variant for the problem (wgmma, on compute
-// capability 9.0, or in a run that splits the decode kernel, which has every width), and the
-// backward's where it has one too (wgmma: no mask or the top-left causal one).
+// capability 9.0, or a split run's decode kernel, which has every width); the backward's likewise.
 StageSet CudaBackend::half_flash_stages(const Problem& p) const {
-    const StageSet forward = StageSet::flash().minus(StageSet::backward());
-    if (p.split_size > 0 && flash_supported(p.dims)) return forward;
-    if (!flash_supported(p.dims) || !flash_forward_available(flash_args(p))) return {};
-    return flash_backward_available(flash_bwd_args(p)) ? StageSet::flash() : forward;
+    if (!flash_supported(p.dims) || (p.split_size == 0 && !flash_forward_available(flash_args(p)))) return {};
+    const bool backward = p.split_size == 0 && flash_backward_available(flash_bwd_args(p));
+    return backward ? StageSet::flash() : StageSet::flash().minus(StageSet::backward());
 }
 
 size_t CudaBackend::working_bytes_per_head(const Problem& p, StageSet computed) const {
