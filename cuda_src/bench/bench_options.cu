@@ -58,7 +58,7 @@ void print_usage() {
         "  --precision         fp32 (default), tf32 (TF32 tensor-core GEMMs), or bf16 / fp16: the flash\n"
         "                      forward and the stage path in the format (cuBLAS GEMMs of bf16/fp16\n"
         "                      operands with float32 accumulation, each stage stored in the format);\n"
-        "                      the backward is timed at fp32 and tf32 only\n"
+        "                      the backward: the flash kernels alone (Hopper, no mask or causal)\n"
         "  --warmup, --reps    untimed and timed runs per kernel (default 3, 20)\n"
         "  --json FILE         write the rows as JSON (docs/performance.md)\n"
         "  --check             compare the flash results and the gradients with float64 on the host\n"
