@@ -219,6 +219,20 @@ def binade_sq(x):
     return out * out
 
 
+def take_rows(x, order):
+    """x's rows each permuted by the same row of `order` (NumPy's take_along_axis on axis 1)."""
+    if isinstance(x, np.ndarray):
+        return np.take_along_axis(x, order, axis=1)
+    return _torch().take_along_dim(x, order, dim=1)
+
+
+def running_max(x):
+    """The running maximum along each row (NumPy's maximum.accumulate on axis 1)."""
+    if isinstance(x, np.ndarray):
+        return np.maximum.accumulate(x, axis=1)
+    return _torch().cummax(x, dim=1).values
+
+
 def quiet(xp):
     """Floating-point warnings off within the block (NumPy's; PyTorch raises none)."""
     return np.errstate(all="ignore") if xp is np else contextlib.nullcontext()
@@ -232,4 +246,4 @@ def concat_rows(parts):
 
 __all__ = ["DEVICES", "DeviceError", "cuda_visible", "resolve_device", "device_argument", "device_jobs",
            "on_device", "target", "to_device", "to_numpy", "to_numpy_all", "float64", "like", "put", "zeros", "binade_sq",
-           "namespace", "quiet", "concat_rows"]
+           "namespace", "quiet", "concat_rows", "take_rows", "running_max"]
