@@ -298,7 +298,8 @@ void bench_flash_backward(const BenchContext& c, const DeviceBuffer& dO, const K
         r.status = "unsupported";
         if (is_half(o.precision))
             r.reason = std::string("the flash backward at ") + precision_name(o.precision) +
-                       " needs compute capability 9.0 and no mask or the top-left causal one";
+                       " needs a build for sm_90a, compute capability 9.0, d 64 or 128, and no mask or the "
+                       "top-left causal one";
         out->push_back(r);
         return;
     }

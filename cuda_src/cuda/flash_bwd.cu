@@ -561,8 +561,9 @@ bool flash_backward_available(const FlashBwdArgs& a) {
 
 FlashPlan flash_backward_plan(const FlashBwdArgs& a) {
     check_supported(a);
-    if (is_half(a.precision))  // 128 rows owned per block, 64 streamed per tile, in both kernels
-        return FlashPlan{64, 128, std::string("cuda-bwd-wgmma-") + precision_name(a.precision)};
+    // A label: the dK/dV kernel's tiles (64 query rows streamed by 128 keys a block); the dQ
+    // kernel's are the transpose.
+    if (is_half(a.precision)) return FlashPlan{64, 128, std::string("cuda-bwd-wgmma-") + precision_name(a.precision)};
     FlashPlan plan;
     with_bwd_tiles(a.d, [&](auto tag) {
         using T = tag_type<decltype(tag)>;

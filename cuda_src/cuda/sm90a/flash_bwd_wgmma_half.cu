@@ -2,9 +2,9 @@
 // with bf16 or fp16 operands and FP32 accumulation (--precision bf16|fp16), in the deterministic
 // two-kernel form of flash_bwd.cu: no N×M buffer, no atomics, so two runs give the same bytes.
 //
-//   0. Preparation: dO to the format (exact: the inputs already hold the format's values), and per
-//      query row D = rowsum(dO∘O) and lse·log2 e, padded to whole query blocks (+inf and 0 past N,
-//      so a tail row's P is exactly 0).
+//   0. Preparation: dO to the format (a run's inputs already hold the format's values; a caller's
+//      float32 dO is rounded), and per query row D = rowsum(dO∘O) of that rounded dO and
+//      lse·log2 e, padded to whole query blocks (+inf and 0 past N, so a tail row's P is exactly 0).
 //   1. dK/dV kernel: a block owns 128 keys (K and V in shared memory, 64 keys per consumer
 //      warpgroup) and streams the query tiles of 64 rows that can see them (Q, dO, and the rows'
 //      lse·log2 e and D). Per tile each warpgroup computes, with its keys as the MMA rows,
@@ -293,7 +293,7 @@ __global__ void __launch_bounds__(T::THREADS, 1) dkdv_kernel(const BwdParams p, 
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int c = 8 * jj + 2 * t + (e & 1);  // the query within the tile
-                const float x = exp2_ftz(st[jj][e] * p.scale_log2 - lse2[c]);
+                const float x = exp2_ftz(__fmaf_rn(st[jj][e], p.scale_log2, -lse2[c]));
                 st[jj][e] = cut && key0 + 8 * (e >> 1) > q_lo + c ? 0.f : x;
             }
         wg::wait<0>();
@@ -396,7 +396,7 @@ __global__ void __launch_bounds__(T::THREADS, 1) dq_kernel(const BwdParams p, co
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int key = key_lo + 8 * jj + 2 * t + (e & 1), row = row0 + 8 * (e >> 1);
-                const float x = exp2_ftz(s[jj][e] * p.scale_log2 - lse2[e >> 1]);
+                const float x = exp2_ftz(__fmaf_rn(s[jj][e], p.scale_log2, -lse2[e >> 1]));
                 s[jj][e] = cut && (key >= p.M || (kCausal && key > row)) ? 0.f : x;
             }
         wg::wait<0>();
@@ -417,8 +417,10 @@ __global__ void __launch_bounds__(T::THREADS, 1) dq_kernel(const BwdParams p, co
 #endif
 }
 
-// The preparation pass, one warp per padded row: D = rowsum(dO∘O) (FP32 FMAs, strided per lane,
-// then a butterfly) and lse·log2 e (a row that saw no key, lse = −inf, gets +inf: P = 0).
+// The preparation pass, one warp per padded row: D = rowsum(dO∘O) of dO rounded to the format, as
+// the GEMMs read it (FP32 FMAs, strided per lane, then a butterfly), and lse·log2 e (a row that
+// saw no key, lse = −inf, gets +inf: P = 0).
+template <class Fmt>
 __global__ void __launch_bounds__(256) rows_kernel(const float* __restrict__ dO, const float* __restrict__ O,
                                                    const float* __restrict__ lse, float* __restrict__ lse2,
                                                    float* __restrict__ Drow, long long rows, int N, int n_pad, int d) {
@@ -433,7 +435,7 @@ __global__ void __launch_bounds__(256) rows_kernel(const float* __restrict__ dO,
         }
         const size_t at = (static_cast<size_t>(h) * N + i) * d;
         float sum = 0.f;
-        for (int c = lane; c < d; c += 32) sum = fmaf(dO[at + c], O[at + c], sum);
+        for (int c = lane; c < d; c += 32) sum = fmaf(Fmt::round(dO[at + c]), O[at + c], sum);
         sum = warp_sum(sum);
         if (lane == 0) {
             const float l = lse[static_cast<size_t>(h) * N + i];
@@ -470,7 +472,7 @@ void launch_tiles(const FlashBwdArgs& a, cudaStream_t stream) {
     launch_to_half(a.dO, dOh, static_cast<size_t>(a.heads) * a.N * a.d, a.precision, stream);
     const long long rows = static_cast<long long>(a.heads) * n_pad;
     const int blocks = static_cast<int>(std::min<long long>((rows + 7) / 8, 64LL * device_sm_count()));
-    rows_kernel<<<blocks, 256, 0, stream>>>(a.dO, a.O, a.lse, lse2, Drow, rows, a.N, n_pad, a.d);
+    rows_kernel<typename T::Fmt><<<blocks, 256, 0, stream>>>(a.dO, a.O, a.lse, lse2, Drow, rows, a.N, n_pad, a.d);
     LAUNCH_CHECK(rows_kernel);
     const BwdMaps by_keys{tma::rows_map(a.Qh, T::D, a.N, a.heads, T::STREAM), tma::rows_map(a.Kh, T::D, a.M, a.heads, T::OWN),
                           tma::rows_map(a.Vh, T::D, a.M, a.heads, T::OWN), tma::rows_map(dOh, T::D, a.N, a.heads, T::STREAM)};
@@ -519,8 +521,10 @@ size_t wgmma_half_backward_workspace_bytes_per_head(const FlashBwdArgs& a) {
 }
 
 void wgmma_half_backward(const FlashBwdArgs& a, cudaStream_t stream) {
-    if (!a.Qh || !a.Kh || !a.Vh)
-        fail(kExitInternal, where(__FILE__, __LINE__) + ": the half-precision flash backward needs Q, K and V in the format");
+    auto aligned = [](const void* p) { return p && reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+    if (!aligned(a.Qh) || !aligned(a.Kh) || !aligned(a.Vh))
+        fail(kExitInternal, where(__FILE__, __LINE__) +
+                                ": the half-precision flash backward needs Q, K and V in the format, 16-byte aligned");
     with_tiles(a, [&](auto tag) {
         using T = tag_type<decltype(tag)>;
         if (a.causal) launch_tiles<T, true>(a, stream);
