@@ -72,19 +72,13 @@ struct BwdTiles {
     // that keeps the last P and dS fragments live beside the next Sᵀ and dPᵀ, which at d128 do
     // not fit the consumers' registers (ptxas would serialize every wgmma of the kernel).
     static constexpr bool OVERLAP_TILES = D <= 64 && NWG == 2;
-    // The fused form (FUSED_DQ): kernel 1 also computes each tile's dQ = dS·K of its keys, in
-    // column blocks of 64, one warpgroup's each (DQ_BLOCKS of them per tile), from dSᵀ written to
-    // shared memory (two buffers: a tile's is written while the last one's dQ may still read).
-    static constexpr int DQ_BLOCKS = D / 64;
-    static constexpr int DS_ELEMS = OWN * STREAM;
     static constexpr int COL_BLOCKS = D / tma::kRowValues;
     static constexpr int OWN_ELEMS = OWN * D, STREAM_ELEMS = STREAM * D;
     static constexpr uint32_t OWN_BYTES = OWN_ELEMS * sizeof(Half), STREAM_BYTES = STREAM_ELEMS * sizeof(Half),
                               ROW_BYTES = STREAM * sizeof(float);
-    static constexpr size_t HALF_BYTES =
-        (2 * static_cast<size_t>(OWN_ELEMS) + STAGES * 2 * STREAM_ELEMS + 2 * DS_ELEMS) * sizeof(Half);
+    static constexpr size_t HALF_BYTES = (2 * static_cast<size_t>(OWN_ELEMS) + STAGES * 2 * STREAM_ELEMS) * sizeof(Half);
     static constexpr size_t SMEM_BYTES = HALF_BYTES + STAGES * 2 * ROW_BYTES + kSwizzleAtom;
-    static_assert(D % tma::kRowValues == 0 && DQ_BLOCKS <= NWG, "whole column blocks, one a warpgroup");
+    static_assert(D % tma::kRowValues == 0, "whole column blocks");
     static_assert(SMEM_BYTES + 64 <= 227 * 1024, "shared memory");
     static_assert(2 * OWN_BYTES < (1u << 20) && 2 * (STREAM_BYTES + ROW_BYTES) < (1u << 20), "mbarrier transaction count");
 };
@@ -95,8 +89,6 @@ struct BwdParams {
     float* dQ;          // [heads][N][D]
     float* dK;          // [heads][M][D]
     float* dV;
-    float* dQacc;       // the fused form: [heads][n_pad][D], dQ/scale summed in key-block order
-    int* turns;         // the fused form: [heads][n_pad / STREAM], dQ adds done per query tile
     int head0;          // the launch's first head (a grid holds at most kMaxGridYZ)
     int N, M, n_pad;
     float scale_log2, scale;
@@ -187,105 +179,35 @@ struct Barriers {
     }
 };
 
-// The stage of the block's i-th streamed tile, and the parity of the phase it completes (the n-th
-// tile of a stage completes its n-th phase).
+// Stream tile j's stage, and the parity of the phase it completes (the n-th tile of a stage
+// completes its n-th phase); `tile_begin` is the block's first tile.
 struct StageRing {
-    int stages;
-    __device__ int slot(int i) const { return i % stages; }
-    __device__ int use(int i) const { return i / stages; }
-    __device__ uint32_t parity(int i) const { return static_cast<uint32_t>(use(i) & 1); }
+    int tile_begin, stages;
+    __device__ int slot(int j) const { return (j - tile_begin) % stages; }
+    __device__ int use(int j) const { return (j - tile_begin) / stages; }
+    __device__ uint32_t parity(int j) const { return static_cast<uint32_t>(use(j) & 1); }
 };
 
-// The producer thread: the owned rows (own_map from own_row), then the block's `count` streamed
-// tiles, each into its stage once the consumers released the stage's previous tile;
-// copy_tile(i, stage, bar) issues the i-th tile's copies, `tile_bytes` in all.
+// The producer thread: the owned rows (own_map from own_row), then each tile j of [begin, end)
+// into its stage once the consumers released the stage's previous tile; copy_tile(j, stage, bar)
+// issues the tile's copies, `tile_bytes` in all.
 template <class T, class CopyTile>
 __device__ void produce(Barriers<T>& bars, Half* own, const CUtensorMap* own_a, const CUtensorMap* own_b, int own_row,
-                        int head, const StageRing& ring, int count, uint32_t tile_bytes, CopyTile copy_tile) {
-    if (count <= 0) return;  // nothing to compute: nobody waits on a copy
+                        int head, const StageRing& ring, int end, uint32_t tile_bytes, CopyTile copy_tile) {
+    if (ring.tile_begin >= end) return;  // nothing to compute: nobody waits on a copy
     bulk::arrive_expect_tx(&bars.own, 2 * T::OWN_BYTES);
     load_rows<T, T::OWN>(own, own_a, own_row, head, &bars.own);
     load_rows<T, T::OWN>(own + T::OWN_ELEMS, own_b, own_row, head, &bars.own);
-    for (int i = 0; i < count; ++i) {
-        const int s = ring.slot(i);
-        if (ring.use(i) > 0) bulk::wait(&bars.empty[s], static_cast<uint32_t>((ring.use(i) - 1) & 1));
+    for (int j = ring.tile_begin; j < end; ++j) {
+        const int s = ring.slot(j);
+        if (ring.use(j) > 0) bulk::wait(&bars.empty[s], static_cast<uint32_t>((ring.use(j) - 1) & 1));
         bulk::arrive_expect_tx(&bars.full[s], tile_bytes);
-        copy_tile(i, s, &bars.full[s]);
+        copy_tile(j, s, &bars.full[s]);
     }
 }
 
-// ---------------------------------------------------------------------------------------------
-// The fused form's dQ: each key block adds its share of a query tile's dQ to an FP32 sum in the
-// order of the key blocks (a turn counter per query tile), so the sum, and the result, are the
-// same in every run.
-
-// Writes the warpgroup's dSᵀ fragments (its 64 keys × the tile's 64 queries, as pack_a made them)
-// into the block's dSᵀ tile: a row per key, the 64 queries in the 128-byte swizzle (16-byte chunk
-// c of row r at chunk c ^ (r mod 8)), as the dQ GEMM's MN-major A reads it.
-template <class T>
-__device__ __forceinline__ void store_ds(Half* ds, const uint32_t (&a)[T::STREAM / 16][4], int row0, int t) {
-    char* const base = reinterpret_cast<char*>(ds);
-#pragma unroll
-    for (int kk = 0; kk < T::STREAM / 16; ++kk)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const int r = row0 + 8 * (i & 1), chunk = 2 * kk + (i >> 1);
-            *reinterpret_cast<uint32_t*>(base + r * 128 + ((chunk ^ (r % 8)) * 16) + 4 * t) = a[kk][i];
-        }
-}
-
-// Issues X(64×64) = dS(64 queries × OWN keys)·K(OWN keys × column block cb): A the dSᵀ tile
-// (MN-major), B the block's K as it lies (MN-major); a k step is 16 keys, 16 rows of 128 bytes.
-template <class T>
-__device__ __forceinline__ void issue_dq(float (&x)[8][4], const Half* ds, const Half* k_own, int cb) {
-    const uint64_t a = wg::sw128_desc(ds, T::OWN * 128), b = wg::sw128_desc(k_own + cb * T::OWN * 64, T::OWN * 128);
-#pragma unroll
-    for (int kk = 0; kk < T::OWN / 16; ++kk)
-        wg::WgmmaHalfTransAB<64, typename T::Fmt>::ss(x, desc_plus(a, kk * 16 * 128), desc_plus(b, kk * 16 * 128), kk > 0);
-}
-
-// The consumer warpgroups together (named barrier 1), or one warpgroup (2 + wg).
-template <class T>
-__device__ __forceinline__ void consumers_sync() {
-    asm volatile("bar.sync 1, %0;\n" ::"n"(T::CONSUMERS) : "memory");
-}
-__device__ __forceinline__ void warpgroup_sync(int wg) {
-    asm volatile("bar.sync %0, %1;\n" ::"r"(2 + wg), "n"(kWarpgroup) : "memory");
-}
-__device__ __forceinline__ int load_acquire(const int* p) {
-    int v;
-    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
-    return v;
-}
-
-// Adds the warpgroup's X (column block cb of query tile j's dQ) to the FP32 sum once the key
-// blocks before this one have added theirs (`turn` adds counted on the tile), then counts its own.
-template <class T>
-__device__ __forceinline__ void add_dq(const BwdParams& p, const float (&x)[8][4], int head, int j, int cb, int turn,
-                                       int wg, int warp, int g, int t) {
-    int* const turns = p.turns + static_cast<size_t>(head) * (p.n_pad / T::STREAM) + j;
-    if (threadIdx.x % kWarpgroup == 0)
-        while (load_acquire(turns) < turn) {
-        }
-    warpgroup_sync(wg);
-    float* const dst = p.dQacc + (static_cast<size_t>(head) * p.n_pad + j * T::STREAM) * T::D + cb * 64;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        float* const row = dst + static_cast<size_t>(16 * warp + g + 8 * h) * T::D + 2 * t;
-#pragma unroll
-        for (int jj = 0; jj < 8; ++jj) {
-            atomicAdd(row + 8 * jj, x[jj][2 * h]);  // one add per element and block: the order is the turns'
-            atomicAdd(row + 8 * jj + 1, x[jj][2 * h + 1]);
-        }
-    }
-    __threadfence();
-    warpgroup_sync(wg);
-    if (threadIdx.x % kWarpgroup == 0) atomicAdd(turns, 1);
-}
-
-// Kernel 1 (grid: x = key blocks, y = heads): dK and dV of the block's keys; kFused: and their
-// share of every query tile's dQ, added in key-block order (add_dq).
-template <class T, bool kCausal, bool kFused>
+// Kernel 1 (grid: x = key blocks, y = heads): dK and dV of the block's 128 keys.
+template <class T, bool kCausal>
 __global__ void __launch_bounds__(T::THREADS, 1) dkdv_kernel(const BwdParams p, const __grid_constant__ BwdMaps maps) {
 #if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
     __trap();  // built for sm_90a only; never launched elsewhere
@@ -293,12 +215,12 @@ __global__ void __launch_bounds__(T::THREADS, 1) dkdv_kernel(const BwdParams p, 
     extern __shared__ float4 smem_f4[];
     Half* const own = atom_aligned(smem_f4);           // K [OWN×D], V [OWN×D]
     Half* const tiles = own + 2 * T::OWN_ELEMS;        // [STAGES]{Q [STREAM×D], dO [STREAM×D]}
-    Half* const ds_tiles = tiles + T::STAGES * 2 * T::STREAM_ELEMS;  // [2][OWN×STREAM]: dSᵀ (kFused)
-    float* const rows = reinterpret_cast<float*>(ds_tiles + 2 * T::DS_ELEMS);  // [STAGES]{lse₂, D}
+    float* const rows = reinterpret_cast<float*>(tiles + T::STAGES * 2 * T::STREAM_ELEMS);  // [STAGES]{lse₂, D}
     __shared__ Barriers<T> bars;
     const int head = p.head0 + blockIdx.y, k0 = blockIdx.x * T::OWN;
-    const StageRing ring{T::STAGES};
-    const TileOrder order = tile_order<T, kCausal, kFused>(p.N);
+    // The query tiles that can see the block's keys: causal, from the one holding query k0 on.
+    const StageRing ring{kCausal ? k0 / T::STREAM : 0, T::STAGES};
+    const int tile_end = ceil_div(p.N, T::STREAM);
     auto q_tile = [&](int s) { return tiles + s * 2 * T::STREAM_ELEMS; };
     auto do_tile = [&](int s) { return q_tile(s) + T::STREAM_ELEMS; };
     auto lse2_of = [&](int s) { return rows + s * 2 * T::STREAM; };
@@ -309,9 +231,8 @@ __global__ void __launch_bounds__(T::THREADS, 1) dkdv_kernel(const BwdParams p, 
         wg::release_registers<T::PRODUCER_REGS>();
         if (threadIdx.x == T::CONSUMERS) {
             const size_t row_base = static_cast<size_t>(head) * p.n_pad;
-            produce<T>(bars, own, &maps.k, &maps.v, k0, head, ring, order.count, 2 * (T::STREAM_BYTES + T::ROW_BYTES),
-                       [&](int i, int s, uint64_t* bar) {
-                           const int j = order.tile(i);
+            produce<T>(bars, own, &maps.k, &maps.v, k0, head, ring, tile_end, 2 * (T::STREAM_BYTES + T::ROW_BYTES),
+                       [&](int j, int s, uint64_t* bar) {
                            load_rows<T, T::STREAM>(q_tile(s), &maps.q, j * T::STREAM, head, bar);
                            load_rows<T, T::STREAM>(do_tile(s), &maps.dO, j * T::STREAM, head, bar);
                            bulk::copy(lse2_of(s), p.lse2 + row_base + j * T::STREAM, T::ROW_BYTES, bar);
@@ -331,10 +252,10 @@ __global__ void __launch_bounds__(T::THREADS, 1) dkdv_kernel(const BwdParams p, 
     uint32_t pa[T::STREAM / 16][4], dsa[T::STREAM / 16][4];
     zero(dk);
     zero(dv);
-    auto release = [&](int i) {
-        if (lane == 0) bulk::arrive(&bars.empty[ring.slot(i)]);
+    auto release = [&](int j) {
+        if (lane == 0) bulk::arrive(&bars.empty[ring.slot(j)]);
     };
-    int pending = -1;  // the step whose dV, dK group may still run, its stage not yet released
+    int pending = -1;  // the tile whose dV, dK group may still run, its stage not yet released
     auto finish_pending = [&] {
         if (pending < 0) return;
         wg::fence_operands(dv);
@@ -342,16 +263,14 @@ __global__ void __launch_bounds__(T::THREADS, 1) dkdv_kernel(const BwdParams p, 
         release(pending);
         pending = -1;
     };
-    if (order.count > 0) bulk::wait(&bars.own, 0);
-    for (int i = 0; i < order.count; ++i) {
-        const int j = order.tile(i), s = ring.slot(i), q_lo = j * T::STREAM;
-        bulk::wait(&bars.full[s], ring.parity(i));
-        // Every key of the warpgroup after every query (the fused form computes the tile, its dSᵀ
-        // all zeros, for its part of the block's dQ).
-        if (!kFused && kCausal && key_lo > q_lo + T::STREAM - 1) {
+    if (ring.tile_begin < tile_end) bulk::wait(&bars.own, 0);
+    for (int j = ring.tile_begin; j < tile_end; ++j) {
+        const int s = ring.slot(j), q_lo = j * T::STREAM;
+        bulk::wait(&bars.full[s], ring.parity(j));
+        if (kCausal && key_lo > q_lo + T::STREAM - 1) {  // every key of the warpgroup after every query
             wg::wait<0>();
             finish_pending();
-            release(i);
+            release(j);
             continue;
         }
         if constexpr (!T::OVERLAP_TILES) {
@@ -385,35 +304,11 @@ __global__ void __launch_bounds__(T::THREADS, 1) dkdv_kernel(const BwdParams p, 
             for (int e = 0; e < 4; ++e) dpt[jj][e] = st[jj][e] * (dpt[jj][e] - Dr[8 * jj + 2 * t + (e & 1)]);
         pack_a<typename T::Fmt, T::STREAM>(pa, st);
         pack_a<typename T::Fmt, T::STREAM>(dsa, dpt);
-        Half* const ds = ds_tiles + (i & 1) * T::DS_ELEMS;
-        if constexpr (kFused) {
-            store_ds<T>(ds, dsa, 64 * wg + 16 * warp + g, t);
-            wg::fence_proxy_async();  // the generic stores, before the dQ wgmma reads them
-        }
         wg::fence();
         issue_xb<T>(dv, pa, wg::sw128_desc(do_tile(s), T::STREAM * 128));  // dV_w += Pᵀ·dO_j
         issue_xb<T>(dk, dsa, wg::sw128_desc(q_tile(s), T::STREAM * 128));  // dK_w += dSᵀ·Q_j
         wg::commit();
-        if constexpr (kFused) {
-            consumers_sync<T>();  // the block's whole dSᵀ is written
-            const int cb = (wg + j) % T::NWG;  // the warpgroups take the column blocks in turn
-            float x[8][4];
-            if (cb < T::DQ_BLOCKS) {
-                wg::fence();
-                issue_dq<T>(x, ds, own, cb);  // dQ_j's column block cb, of this block's keys
-                wg::commit();
-            }
-            wg::wait<0>();
-            wg::fence_operands(dv);
-            wg::fence_operands(dk);
-            release(i);
-            if (cb < T::DQ_BLOCKS) {
-                wg::fence_operands(x);
-                add_dq<T>(p, x, head, j, cb, T::DQ_BLOCKS * order.rank(j), wg, warp, g, t);
-            }
-        } else {
-            pending = i;
-        }
+        pending = j;
     }
     wg::wait<0>();
     finish_pending();
@@ -436,8 +331,8 @@ __global__ void __launch_bounds__(T::THREADS, 1) dq_kernel(const BwdParams p, co
     // Causal blocks go longest first (the last query block sees the most keys).
     const int qblock = kCausal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
     const int head = p.head0 + blockIdx.y, q0 = qblock * T::OWN;
-    const StageRing ring{T::STAGES};
-    const int tile_end = visible_key_tiles<kCausal>(p.M, p.N, q0, T::OWN, T::STREAM);  // tile i is key tile i
+    const StageRing ring{0, T::STAGES};
+    const int tile_end = visible_key_tiles<kCausal>(p.M, p.N, q0, T::OWN, T::STREAM);
     auto k_tile = [&](int s) { return tiles + s * 2 * T::STREAM_ELEMS; };
     auto v_tile = [&](int s) { return k_tile(s) + T::STREAM_ELEMS; };
     if (threadIdx.x == 0) bars.init();
@@ -550,29 +445,13 @@ __global__ void __launch_bounds__(256) rows_kernel(const float* __restrict__ dO,
     }
 }
 
-// The fused form's last pass: dQ = scale·(the FP32 sum), rounded to the format, rows below N.
-template <class Fmt>
-__global__ void __launch_bounds__(256) finish_dq_kernel(const float4* __restrict__ sum, float4* __restrict__ dQ,
-                                                        long long vectors, int N, int n_pad, int d, float scale) {
-    const int per_row = d / 4;
-    for (long long i = blockIdx.x * 256LL + threadIdx.x; i < vectors; i += gridDim.x * 256LL) {
-        const long long row = i / per_row, h = row / N;
-        const float4 x = sum[(h * n_pad + row % N) * per_row + i % per_row];
-        dQ[i] = make_float4(Fmt::round(x.x * scale), Fmt::round(x.y * scale), Fmt::round(x.z * scale),
-                            Fmt::round(x.w * scale));
-    }
-}
-
-// The workspace of a launch: dO in the format, lse₂ and D; in the fused form the FP32 sum of dQ
-// and the turn counters; 16-byte aligned each.
+// The workspace of a launch: dO in the format, then lse₂ and D, 16-byte aligned each.
 struct Workspace {
-    size_t dO_floats, row_floats, sum_floats, turn_ints;
-    Workspace(const FlashBwdArgs& a, int heads, int n_pad, bool fused, int stream_rows)
+    size_t dO_floats, row_floats;
+    Workspace(const FlashBwdArgs& a, int heads, int n_pad)
         : dO_floats((static_cast<size_t>(heads) * a.N * a.d / 2 + 3) / 4 * 4),
-          row_floats(static_cast<size_t>(heads) * n_pad),
-          sum_floats(fused ? static_cast<size_t>(heads) * n_pad * a.d : 0),
-          turn_ints(fused ? (static_cast<size_t>(heads) * (n_pad / stream_rows) + 3) / 4 * 4 : 0) {}
-    size_t floats() const { return dO_floats + 2 * row_floats + sum_floats + turn_ints; }
+          row_floats(static_cast<size_t>(heads) * n_pad) {}
+    size_t floats() const { return dO_floats + 2 * row_floats; }
 };
 
 template <class T>
@@ -580,25 +459,16 @@ int padded_rows(int N) {
     return ceil_div(N, T::OWN) * T::OWN;
 }
 
-// Whether dQ comes from kernel 1 (the fused form) rather than kernel 2.
-#ifndef ATTNSTEP_BWD_FUSED_DQ
-#define ATTNSTEP_BWD_FUSED_DQ 1
-#endif
-constexpr bool kFusedDq = ATTNSTEP_BWD_FUSED_DQ;
-
 template <class T, bool kCausal>
 void launch_tiles(const FlashBwdArgs& a, cudaStream_t stream) {
-    kernel_blocks_per_sm<T, dkdv_kernel<T, kCausal, kFusedDq>>();  // raise their shared-memory limits
-    if (!kFusedDq) kernel_blocks_per_sm<T, dq_kernel<T, kCausal>>();
+    kernel_blocks_per_sm<T, dkdv_kernel<T, kCausal>>();  // raise their shared-memory limits
+    kernel_blocks_per_sm<T, dq_kernel<T, kCausal>>();
     const int n_pad = padded_rows<T>(a.N);
-    const Workspace sizes(a, a.heads, n_pad, kFusedDq, T::STREAM);
+    const Workspace sizes(a, a.heads, n_pad);
     StreamWorkspace ws(sizes.floats(), stream);
     uint16_t* dOh = reinterpret_cast<uint16_t*>(ws.p);
     float* lse2 = ws.p + sizes.dO_floats;
     float* Drow = lse2 + sizes.row_floats;
-    float* dQacc = Drow + sizes.row_floats;
-    int* turns = reinterpret_cast<int*>(dQacc + sizes.sum_floats);
-    if (kFusedDq) CUDA_CHECK(cudaMemsetAsync(dQacc, 0, (sizes.sum_floats + sizes.turn_ints) * sizeof(float), stream));
     launch_to_half(a.dO, dOh, static_cast<size_t>(a.heads) * a.N * a.d, a.precision, stream);
     const long long rows = static_cast<long long>(a.heads) * n_pad;
     const int blocks = static_cast<int>(std::min<long long>((rows + 7) / 8, 64LL * device_sm_count()));
@@ -610,20 +480,11 @@ void launch_tiles(const FlashBwdArgs& a, cudaStream_t stream) {
                           tma::rows_map(a.Vh, T::D, a.M, a.heads, T::STREAM), tma::rows_map(dOh, T::D, a.N, a.heads, T::OWN)};
     for (int head0 = 0; head0 < a.heads; head0 += kMaxGridYZ) {
         const int heads = std::min(kMaxGridYZ, a.heads - head0);
-        const BwdParams p{lse2, Drow, a.dQ, a.dK, a.dV, dQacc, turns, head0, a.N, a.M, n_pad, a.scale * kLog2e, a.scale};
-        dkdv_kernel<T, kCausal, kFusedDq><<<dim3(ceil_div(a.M, T::OWN), heads), T::THREADS, T::SMEM_BYTES, stream>>>(p, by_keys);
+        const BwdParams p{lse2, Drow, a.dQ, a.dK, a.dV, head0, a.N, a.M, n_pad, a.scale * kLog2e, a.scale};
+        dkdv_kernel<T, kCausal><<<dim3(ceil_div(a.M, T::OWN), heads), T::THREADS, T::SMEM_BYTES, stream>>>(p, by_keys);
         LAUNCH_CHECK(dkdv_kernel);
-        if (kFusedDq) continue;
         dq_kernel<T, kCausal><<<dim3(ceil_div(a.N, T::OWN), heads), T::THREADS, T::SMEM_BYTES, stream>>>(p, by_rows);
         LAUNCH_CHECK(dq_kernel);
-    }
-    if (kFusedDq) {
-        const long long vectors = static_cast<long long>(a.heads) * a.N * a.d / 4;
-        const int fblocks = static_cast<int>(std::min<long long>((vectors + 255) / 256, 16LL * device_sm_count()));
-        finish_dq_kernel<typename T::Fmt><<<fblocks, 256, 0, stream>>>(reinterpret_cast<const float4*>(dQacc),
-                                                                       reinterpret_cast<float4*>(a.dQ), vectors, a.N,
-                                                                       n_pad, a.d, a.scale);
-        LAUNCH_CHECK(finish_dq_kernel);
     }
     ws.release();
 }
@@ -654,7 +515,7 @@ size_t wgmma_half_backward_workspace_bytes_per_head(const FlashBwdArgs& a) {
     size_t bytes = 0;
     with_tiles(a, [&](auto tag) {
         using T = tag_type<decltype(tag)>;
-        bytes = Workspace(a, 1, padded_rows<T>(a.N), kFusedDq, T::STREAM).floats() * sizeof(float) + 16;
+        bytes = Workspace(a, 1, padded_rows<T>(a.N)).floats() * sizeof(float) + 16;
     });
     return bytes;
 }

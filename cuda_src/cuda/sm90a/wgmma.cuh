@@ -5,8 +5,7 @@
 //   Wgmma<N>:            TF32, K = 8 (flash_wgmma.cu). TF32 wgmma reads only the top 19 bits of
 //                        each operand.
 //   WgmmaHalf<N, Fmt>:   bf16 or fp16 (half_format.cuh), K = 16 (flash_wgmma_half.cu), B K-major;
-//   WgmmaHalfTransB<N, Fmt>: the same with B MN-major (wgmma's transposed B, 16-bit types only);
-//   WgmmaHalfTransAB<N, Fmt>: A from shared memory MN-major too (flash_bwd_wgmma_half.cu's dQ).
+//   WgmmaHalfTransB<N, Fmt>: the same with B MN-major (wgmma's transposed B, 16-bit types only).
 //
 // Register layouts (per warp w of the warpgroup, lane = 4g + t), the same as mma.sync's:
 //   D: d[j][e] = D(16w + g + 8·(e/2), 8j + 2t + e%2)
@@ -160,13 +159,6 @@ template <> struct WgmmaHalfTransB<64, Bf16> { ATTNSTEP_WGMMA_SHAPE(64, "k16.f32
 template <> struct WgmmaHalfTransB<128, Bf16> { ATTNSTEP_WGMMA_SHAPE(128, "k16.f32.bf16.bf16", ", 0, 1", ", 1") };
 template <> struct WgmmaHalfTransB<64, Fp16> { ATTNSTEP_WGMMA_SHAPE(64, "k16.f32.f16.f16", ", 0, 1", ", 1") };
 template <> struct WgmmaHalfTransB<128, Fp16> { ATTNSTEP_WGMMA_SHAPE(128, "k16.f32.f16.f16", ", 0, 1", ", 1") };
-
-// Both operands MN-major (A transposed as well): A(64×K) stored M-contiguous, as a tile whose rows
-// are its K index (the dQ GEMM's dS, written by the kernel as dSᵀ lies in registers).
-template <int N, class Fmt>
-struct WgmmaHalfTransAB;
-template <> struct WgmmaHalfTransAB<64, Bf16> { ATTNSTEP_WGMMA_SHAPE(64, "k16.f32.bf16.bf16", ", 1, 1", ", 1") };
-template <> struct WgmmaHalfTransAB<64, Fp16> { ATTNSTEP_WGMMA_SHAPE(64, "k16.f32.f16.f16", ", 1, 1", ", 1") };
 
 }  // namespace wg
 }  // namespace attnstep
