@@ -16,11 +16,14 @@ from .kernels import MMA_K
 from .rounding import FLUSH, ROUND_VAR, ULP_IN_U, HeadCache, binade, binade_sq, finite_abs, memo
 
 
-# Above this many multiply-adds per head the exact partial-sum energy (chunked cumsum) costs too
-# much; the model then uses its expectation over random summation orders, inflated by
-# ENERGY_FALLBACK_FACTOR to cover orders whose partial sums wander further than average.
-# 1 << 24: dot_var enumerates ~20 summation orders for K = 4096 (docs/tolerances.md, "Measurements behind the model").
-ENERGY_EXACT_MAX_MACS = 1 << 24
+# Above this many multiply-adds per head's product the exact partial-sum energy costs too much
+# time (its memory is bounded by blocks, below); the model then uses its expectation over random
+# summation orders, inflated by ENERGY_FALLBACK_FACTOR to cover orders whose partial sums wander
+# further than average: about 2.8× looser a bound, which a 10× error of one element no longer beats
+# (docs/performance.md, "Power on long rows"). 1 << 26: a head of 32 query rows at 32768 keys, d = 64,
+# keeps the exact bounds; 50-100 ns a multiply-add on one core (14 orders at K = 64, 26 at K = 32768),
+# a few seconds a product at the cap (docs/tolerances.md, "Measurements behind the model").
+ENERGY_EXACT_MAX_MACS = 1 << 26
 
 
 ENERGY_FALLBACK_FACTOR = 8.0
@@ -29,6 +32,13 @@ ENERGY_FALLBACK_FACTOR = 8.0
 # Products per block of the exact path: large enough that each numpy call does real work, small
 # enough that a block's dozen buffers stay in cache (docs/journal.md: the sizes timed).
 _CHUNK_ELEMS = 1 << 16
+
+
+# The most products of one block where one row's sums are long or many (a row of A times all of B
+# is K×C products): its columns are then taken in blocks, so that a block's dozen buffers stay
+# within ~8 MB each, whatever K and C (a 32768-long sum of 64 columns was 16 MB a buffer). Each
+# column is its own sum (its own scale, its own orders), so a block of columns gives the same bits.
+_MAX_BLOCK_ELEMS = 1 << 20
 
 
 # Structured summation orders dot_var covers besides index and reverse order: where the index-order
@@ -277,6 +287,12 @@ def _block_sums(K: int, n_per_row: int) -> int:
     return max(1, _CHUNK_ELEMS // max(1, _orders(K).padded * n_per_row))
 
 
+def _block_columns(K: int, C: int) -> int:
+    """Columns of B per block: all C where a row's K×C products fit _MAX_BLOCK_ELEMS (every head
+    below the old 2^24 cap that did, so the same blocks and bits), else as many as fit."""
+    return min(C, max(1, _MAX_BLOCK_ELEMS // _orders(K).padded))
+
+
 def dot_var(A: np.ndarray, B: np.ndarray, u: float, product_var: float = ROUND_VAR) -> np.ndarray:
     """Variance of the float32 error of each element of A @ B (R×K times K×C), from its products
     t_k and partial sums s_k: Σ_k var(rounding of s_k), the largest over the summation orders
@@ -293,14 +309,18 @@ def dot_var(A: np.ndarray, B: np.ndarray, u: float, product_var: float = ROUND_V
         return _expected_var(A @ B, (A * A) @ (B * B), K, u, product_var)
     if not isinstance(A, np.ndarray):  # a device's: the exact partial sums (small heads) in NumPy
         return like(A, dot_var(to_numpy(A), to_numpy(B), u, product_var))
-    rows = _block_sums(K, C)
-    scratch = _Scratch((_orders(K).padded + 1) * min(rows, R) * C)
+    cols = _block_columns(K, C)
+    rows = _block_sums(K, cols)
+    scratch = _Scratch((_orders(K).padded + 1) * min(rows, R) * cols)
     out = np.empty((R, C))
     for r0 in range(0, R, rows):
         a = A[r0:r0 + rows]
-        t = _products(scratch, K, a.shape[0] * C)     # t[k, i·C + j] = A[i, k]·B[k, j]
-        np.multiply(a.T[:, :, None], B[:, None, :], out=t[:K].reshape(K, a.shape[0], C))
-        out[r0:r0 + rows] = _sums_var(t, K, u, product_var, scratch).reshape(a.shape[0], C)
+        for c0 in range(0, C, cols):
+            b = B[:, c0:c0 + cols]
+            n = a.shape[0] * b.shape[1]
+            t = _products(scratch, K, n)     # t[k, i·cols + j] = A[i, k]·B[k, c0 + j]
+            np.multiply(a.T[:, :, None], b[:, None, :], out=t[:K].reshape(K, a.shape[0], b.shape[1]))
+            out[r0:r0 + rows, c0:c0 + cols] = _sums_var(t, K, u, product_var, scratch).reshape(a.shape[0], b.shape[1])
     return out
 
 
