@@ -16,16 +16,11 @@ from .kernels import MMA_K
 from .rounding import FLUSH, ROUND_VAR, ULP_IN_U, HeadCache, binade, binade_sq, finite_abs, memo
 
 
-# Above this many multiply-adds per head's product the exact partial-sum energy costs too much
-# time (its memory is bounded by blocks, below); the model then uses its expectation over random
-# summation orders, inflated by ENERGY_FALLBACK_FACTOR to cover orders whose partial sums wander
-# further than average: about 2.8× looser a bound, which a 10× error of one element no longer beats
-# (docs/performance.md, "Power on long rows"). 1 << 26: a head of 32 query rows at 32768 keys, d = 64,
-# keeps the exact bounds; 50-100 ns a multiply-add on one core (14 orders at K = 64, 26 at K = 32768),
-# a few seconds a product at the cap (docs/tolerances.md, "Measurements behind the model").
+# Above this many multiply-adds per head's product the exact partial-sum energy costs too much time
+# (its memory is bounded by blocks, below); the model then takes ENERGY_FALLBACK_FACTOR × the mean
+# over random orders, ~2.8× looser a bound (docs/performance.md, "Power on long rows"). 1 << 26: 32
+# query rows at 32768 keys, d = 64, stay exact; 50-100 ns a multiply-add on one core (docs/tolerances.md).
 ENERGY_EXACT_MAX_MACS = 1 << 26
-
-
 ENERGY_FALLBACK_FACTOR = 8.0
 
 
@@ -33,11 +28,8 @@ ENERGY_FALLBACK_FACTOR = 8.0
 # enough that a block's dozen buffers stay in cache (docs/journal.md: the sizes timed).
 _CHUNK_ELEMS = 1 << 16
 
-
-# The most products of one block where one row's sums are long or many (a row of A times all of B
-# is K×C products): its columns are then taken in blocks, so that a block's dozen buffers stay
-# within ~8 MB each, whatever K and C (a 32768-long sum of 64 columns was 16 MB a buffer). Each
-# column is its own sum (its own scale, its own orders), so a block of columns gives the same bits.
+# The most products of a block where a row's K×C products are more: B's columns then come in blocks,
+# each buffer ≤ 8 MB whatever K and C; each column is its own sum (scale, orders): the same bits.
 _MAX_BLOCK_ELEMS = 1 << 20
 
 
@@ -47,11 +39,7 @@ _MAX_BLOCK_ELEMS = 1 << 20
 # mean over random orders cannot stand in for them without losing tightness (the measurements are
 # in docs/tolerances.md, "Measurements behind the model").
 DOT_LANES = (2, 4, 8, 16, 32)   # L interleaved accumulators (SIMD lanes, unrolled FMA chains)
-
-
 DOT_MIN_BLOCK = 8               # index-order blocks of 8, 16, … K/2 (k-tiles restarted, split-K)
-
-
 DOT_SPLITS = (2, 3, 4, 5, 6, 7, 8)  # split-K into n equal chunks (blocks of ⌈K/n⌉): 3 splits reached 0.78
 
 
@@ -288,8 +276,7 @@ def _block_sums(K: int, n_per_row: int) -> int:
 
 
 def _block_columns(K: int, C: int) -> int:
-    """Columns of B per block: all C where a row's K×C products fit _MAX_BLOCK_ELEMS (every head
-    below the old 2^24 cap that did, so the same blocks and bits), else as many as fit."""
+    """Columns of B per block: all C where a row's K×C products fit _MAX_BLOCK_ELEMS, else as many as fit."""
     return min(C, max(1, _MAX_BLOCK_ELEMS // _orders(K).padded))
 
 
@@ -317,10 +304,10 @@ def dot_var(A: np.ndarray, B: np.ndarray, u: float, product_var: float = ROUND_V
         a = A[r0:r0 + rows]
         for c0 in range(0, C, cols):
             b = B[:, c0:c0 + cols]
-            n = a.shape[0] * b.shape[1]
-            t = _products(scratch, K, n)     # t[k, i·cols + j] = A[i, k]·B[k, c0 + j]
-            np.multiply(a.T[:, :, None], b[:, None, :], out=t[:K].reshape(K, a.shape[0], b.shape[1]))
-            out[r0:r0 + rows, c0:c0 + cols] = _sums_var(t, K, u, product_var, scratch).reshape(a.shape[0], b.shape[1])
+            shape = (a.shape[0], b.shape[1])
+            t = _products(scratch, K, a.shape[0] * b.shape[1])     # t[k, i·cols + j] = A[i, k]·B[k, c0 + j]
+            np.multiply(a.T[:, :, None], b[:, None, :], out=t[:K].reshape((K,) + shape))
+            out[r0:r0 + rows, c0:c0 + cols] = _sums_var(t, K, u, product_var, scratch).reshape(shape)
     return out
 
 
