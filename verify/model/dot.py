@@ -7,7 +7,7 @@ import contextlib
 import contextvars
 import functools
 import math
-from typing import Dict, NamedTuple, Optional, Tuple
+from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import numpy as np
 
@@ -275,9 +275,12 @@ def _block_sums(K: int, n_per_row: int) -> int:
     return max(1, _CHUNK_ELEMS // max(1, _orders(K).padded * n_per_row))
 
 
-def _block_columns(K: int, C: int) -> int:
-    """Columns of B per block: all C where a row's K×C products fit _MAX_BLOCK_ELEMS, else as many as fit."""
-    return min(C, max(1, _MAX_BLOCK_ELEMS // _orders(K).padded))
+def _column_blocks(K: int, C: int) -> List[Tuple[int, int]]:
+    """[start, stop) of B's column blocks: all C where a row's K×C products fit _MAX_BLOCK_ELEMS,
+    else as few blocks as fit it, of nearly equal widths and never one column alone (numpy sums
+    a lone column's terms pairwise, several columns term after term: other bits)."""
+    n = -(-C // max(4, _MAX_BLOCK_ELEMS // _orders(K).padded))
+    return [(i * C // n, (i + 1) * C // n) for i in range(n)]
 
 
 def dot_var(A: np.ndarray, B: np.ndarray, u: float, product_var: float = ROUND_VAR) -> np.ndarray:
@@ -296,18 +299,19 @@ def dot_var(A: np.ndarray, B: np.ndarray, u: float, product_var: float = ROUND_V
         return _expected_var(A @ B, (A * A) @ (B * B), K, u, product_var)
     if not isinstance(A, np.ndarray):  # a device's: the exact partial sums (small heads) in NumPy
         return like(A, dot_var(to_numpy(A), to_numpy(B), u, product_var))
-    cols = _block_columns(K, C)
+    blocks = _column_blocks(K, C)
+    cols = max(b - a for a, b in blocks)
     rows = _block_sums(K, cols)
     scratch = _Scratch((_orders(K).padded + 1) * min(rows, R) * cols)
     out = np.empty((R, C))
     for r0 in range(0, R, rows):
         a = A[r0:r0 + rows]
-        for c0 in range(0, C, cols):
-            b = B[:, c0:c0 + cols]
+        for c0, c1 in blocks:
+            b = B[:, c0:c1]
             shape = (a.shape[0], b.shape[1])
             t = _products(scratch, K, a.shape[0] * b.shape[1])     # t[k, i·cols + j] = A[i, k]·B[k, c0 + j]
             np.multiply(a.T[:, :, None], b[:, None, :], out=t[:K].reshape((K,) + shape))
-            out[r0:r0 + rows, c0:c0 + cols] = _sums_var(t, K, u, product_var, scratch).reshape(shape)
+            out[r0:r0 + rows, c0:c1] = _sums_var(t, K, u, product_var, scratch).reshape(shape)
     return out
 
 

@@ -54,7 +54,7 @@ def _compute_flash_parts(Q, K, scale: float, head: HeadVariant, u: float, kernel
         eta_var += modification_det(S0, head, u, kernel, flash=True) ** 2
     eta_var = put(eta_var, 0.0, ~finite)
     eta_var += exponent_var(d, finite, u, kernel, logit_magnitude(S, finite, head), FLASH_LOGIT_ROUNDINGS)
-    l_var = rowsum_rel_var(p, u, kernel.rescale_factor, cache)
+    l_var = rowsum_rel_var(p, u, kernel.rescale_factor, cache, kernel)
     s_det = zeros(S, S.shape)
     if kernel.mma_passes:
         # |scale|: a bound is a magnitude (a negative scale made it negative: found by the GPU
