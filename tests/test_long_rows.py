@@ -91,7 +91,8 @@ def _kernel_row_sum(S32: np.ndarray, tile: int) -> np.ndarray:
     f32 = np.float32
     for c0 in range(0, M, tile):
         m_new = np.maximum(m, S32[:, c0:c0 + tile].max(axis=1))
-        alpha = np.where(m == -np.inf, f32(0), np.exp(np.where(m == -np.inf, f32(0), m - m_new).astype(np.float64)).astype(f32))
+        seen = m != -np.inf
+        alpha = np.where(seen, np.exp(np.where(seen, m - m_new, f32(0)).astype(np.float64)).astype(f32), f32(0))
         rowsum = np.zeros(n, f32)
         for k in range(c0, min(M, c0 + tile)):
             rowsum = rowsum + np.exp((S32[:, k] - m_new).astype(np.float64)).astype(f32)

@@ -276,9 +276,8 @@ def _block_sums(K: int, n_per_row: int) -> int:
 
 
 def _column_blocks(K: int, C: int) -> List[Tuple[int, int]]:
-    """[start, stop) of B's column blocks: all C where a row's K×C products fit _MAX_BLOCK_ELEMS,
-    else as few blocks as fit it, of nearly equal widths and never one column alone (numpy sums
-    a lone column's terms pairwise, several columns term after term: other bits)."""
+    """[start, stop) of B's column blocks: one where a row's K×C products fit _MAX_BLOCK_ELEMS, else nearly
+    equal ones, never one column alone (numpy sums its terms pairwise, several columns in order: other bits)."""
     n = -(-C // max(4, _MAX_BLOCK_ELEMS // _orders(K).padded))
     return [(i * C // n, (i + 1) * C // n) for i in range(n)]
 

@@ -11,12 +11,27 @@ from __future__ import annotations
 
 import numpy as np
 
+from typing import Optional
+
 from .arrays import like, namespace, to_numpy
-from .rounding import rounding_var, step_var
+from .kernels import Kernel
+from .rounding import HeadCache, memo, rounding_var, step_var
+from .softmax import EqualTerms, correlated_sum, rowsum_rel_var
 
 
 # Rows per block: a block's few temporaries (each rows × M) stay within a few MB.
 _ROW_BLOCK_ELEMS = 1 << 18
+
+
+def flash_rowsum_var(p: np.ndarray, u: float, kernel: Kernel, cache: Optional[HeadCache]) -> np.ndarray:
+    """Relative variance (N×1) of the flash row sum l, one more rounding per 8 keys for the online
+    softmax's rescales (kernel.rescale_factor): in the kernel's tile order where run.toml names a
+    kernel whose order is known, else softmax.rowsum_rel_var's index or reverse order."""
+    if not kernel.row_sum_tile:
+        return rowsum_rel_var(p, u, kernel.rescale_factor, cache)
+    tile, exp_var = kernel.row_sum_tile, kernel.exp_var
+    steps = memo(cache, "tiled rowsum", (p,), (u, tile, exp_var), lambda: tiled_rowsum_var(p, u, tile, exp_var))
+    return (kernel.rescale_factor * steps)[:, None]
 
 
 def tiled_rowsum_var(p: np.ndarray, u: float, tile: int, exp_var: float) -> np.ndarray:
@@ -34,7 +49,6 @@ def tiled_rowsum_var(p: np.ndarray, u: float, tile: int, exp_var: float) -> np.n
     (softmax.correlated_sum), in the tiles and in the running sum alike."""
     if namespace(p) is not np:  # a device's row tile: this model's few passes in NumPy
         return like(p, tiled_rowsum_var(to_numpy(p), u, tile, exp_var))
-    from .softmax import EqualTerms, correlated_sum  # (softmax imports this module)
     N, M = p.shape
     J = max(1, -(-M // tile))
     rows = max(1, _ROW_BLOCK_ELEMS // (J * tile))
@@ -82,4 +96,4 @@ def _additions(partial: np.ndarray, t: np.ndarray, u: float):
     return np.where(lost, 0.0, step_var(partial, t, u)), np.where(lost, t, 0.0)
 
 
-__all__ = ["tiled_rowsum_var"]
+__all__ = ["flash_rowsum_var", "tiled_rowsum_var"]

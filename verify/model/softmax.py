@@ -12,7 +12,6 @@ from .arrays import concat_rows, like, namespace, put, to_numpy
 from .attention import scaled_scores
 from .kernels import SOFTMAX_FINAL_ROUNDINGS, Kernel
 from .rounding import ROUND_VAR, UNIT_ROUNDOFF, HeadCache, ToleranceError, memo, step_var
-from .rowsum import tiled_rowsum_var
 from .scores import as_head
 
 
@@ -186,16 +185,10 @@ def correlated_sum(var: np.ndarray, equal: EqualTerms) -> np.ndarray:
 
 
 def rowsum_rel_var(p: np.ndarray, u: float, extra_roundings: float = 1.0,
-                    cache: Optional[HeadCache] = None, kernel: Optional[Kernel] = None) -> np.ndarray:
+                    cache: Optional[HeadCache] = None) -> np.ndarray:
     """Relative variance of l = Σ_j e_j (N×1), from the partial sums of e in index or reverse
-    order (positive terms: any other order's partial sums are no larger on average); in the tile
-    order of a kernel that names one (Kernel.row_sum_tile: verify/model/rowsum.py)."""
-    if kernel is not None and kernel.row_sum_tile:
-        tile, exp_var = kernel.row_sum_tile, kernel.exp_var
-        steps = memo(cache, "tiled rowsum", (p,), (u, tile, exp_var),
-                     lambda: tiled_rowsum_var(p, u, tile, exp_var))
-    else:
-        steps = memo(cache, "rowsum", (p,), (u,), lambda: _rowsum_step_var(p, u))
+    order (positive terms: any other order's partial sums are no larger on average)."""
+    steps = memo(cache, "rowsum", (p,), (u,), lambda: _rowsum_step_var(p, u))
     return (extra_roundings * steps)[:, None]
 
 
