@@ -7,7 +7,7 @@ import contextlib
 import contextvars
 import functools
 import math
-from typing import Dict, NamedTuple, Optional, Tuple
+from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import numpy as np
 
@@ -16,19 +16,21 @@ from .kernels import MMA_K
 from .rounding import FLUSH, ROUND_VAR, ULP_IN_U, HeadCache, binade, binade_sq, finite_abs, memo
 
 
-# Above this many multiply-adds per head the exact partial-sum energy (chunked cumsum) costs too
-# much; the model then uses its expectation over random summation orders, inflated by
-# ENERGY_FALLBACK_FACTOR to cover orders whose partial sums wander further than average.
-# 1 << 24: dot_var enumerates ~20 summation orders for K = 4096 (docs/tolerances.md, "Measurements behind the model").
-ENERGY_EXACT_MAX_MACS = 1 << 24
-
-
+# Above this many multiply-adds per head's product the exact partial-sum energy costs too much time
+# (its memory is bounded by blocks, below); the model then takes ENERGY_FALLBACK_FACTOR × the mean
+# over random orders, ~2.8× looser a bound (docs/performance.md, "Power on long rows"). 1 << 26: 32
+# query rows at 32768 keys, d = 64, stay exact; 50-100 ns a multiply-add on one core (docs/tolerances.md).
+ENERGY_EXACT_MAX_MACS = 1 << 26
 ENERGY_FALLBACK_FACTOR = 8.0
 
 
 # Products per block of the exact path: large enough that each numpy call does real work, small
 # enough that a block's dozen buffers stay in cache (docs/journal.md: the sizes timed).
 _CHUNK_ELEMS = 1 << 16
+
+# The most products of a block where a row's K×C products are more: B's columns then come in blocks,
+# each buffer ≤ 8 MB whatever K and C; each column is its own sum (scale, orders): the same bits.
+_MAX_BLOCK_ELEMS = 1 << 20
 
 
 # Structured summation orders dot_var covers besides index and reverse order: where the index-order
@@ -37,11 +39,7 @@ _CHUNK_ELEMS = 1 << 16
 # mean over random orders cannot stand in for them without losing tightness (the measurements are
 # in docs/tolerances.md, "Measurements behind the model").
 DOT_LANES = (2, 4, 8, 16, 32)   # L interleaved accumulators (SIMD lanes, unrolled FMA chains)
-
-
 DOT_MIN_BLOCK = 8               # index-order blocks of 8, 16, … K/2 (k-tiles restarted, split-K)
-
-
 DOT_SPLITS = (2, 3, 4, 5, 6, 7, 8)  # split-K into n equal chunks (blocks of ⌈K/n⌉): 3 splits reached 0.78
 
 
@@ -277,6 +275,13 @@ def _block_sums(K: int, n_per_row: int) -> int:
     return max(1, _CHUNK_ELEMS // max(1, _orders(K).padded * n_per_row))
 
 
+def _column_blocks(K: int, C: int) -> List[Tuple[int, int]]:
+    """[start, stop) of B's column blocks: one where a row's K×C products fit _MAX_BLOCK_ELEMS, else nearly
+    equal ones, never one column alone (numpy sums its terms pairwise, several columns in order: other bits)."""
+    n = -(-C // max(4, _MAX_BLOCK_ELEMS // _orders(K).padded))
+    return [(i * C // n, (i + 1) * C // n) for i in range(n)]
+
+
 def dot_var(A: np.ndarray, B: np.ndarray, u: float, product_var: float = ROUND_VAR) -> np.ndarray:
     """Variance of the float32 error of each element of A @ B (R×K times K×C), from its products
     t_k and partial sums s_k: Σ_k var(rounding of s_k), the largest over the summation orders
@@ -293,14 +298,19 @@ def dot_var(A: np.ndarray, B: np.ndarray, u: float, product_var: float = ROUND_V
         return _expected_var(A @ B, (A * A) @ (B * B), K, u, product_var)
     if not isinstance(A, np.ndarray):  # a device's: the exact partial sums (small heads) in NumPy
         return like(A, dot_var(to_numpy(A), to_numpy(B), u, product_var))
-    rows = _block_sums(K, C)
-    scratch = _Scratch((_orders(K).padded + 1) * min(rows, R) * C)
+    blocks = _column_blocks(K, C)
+    cols = max(b - a for a, b in blocks)
+    rows = _block_sums(K, cols)
+    scratch = _Scratch((_orders(K).padded + 1) * min(rows, R) * cols)
     out = np.empty((R, C))
     for r0 in range(0, R, rows):
         a = A[r0:r0 + rows]
-        t = _products(scratch, K, a.shape[0] * C)     # t[k, i·C + j] = A[i, k]·B[k, j]
-        np.multiply(a.T[:, :, None], B[:, None, :], out=t[:K].reshape(K, a.shape[0], C))
-        out[r0:r0 + rows] = _sums_var(t, K, u, product_var, scratch).reshape(a.shape[0], C)
+        for c0, c1 in blocks:
+            b = B[:, c0:c1]
+            shape = (a.shape[0], b.shape[1])
+            t = _products(scratch, K, a.shape[0] * b.shape[1])     # t[k, i·cols + j] = A[i, k]·B[k, c0 + j]
+            np.multiply(a.T[:, :, None], b[:, None, :], out=t[:K].reshape((K,) + shape))
+            out[r0:r0 + rows, c0:c1] = _sums_var(t, K, u, product_var, scratch).reshape(shape)
     return out
 
 
