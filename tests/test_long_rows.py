@@ -1,6 +1,6 @@
-"""The power of the check on long rows: the dot products' exact partial-sum energies up to
-dot.ENERGY_EXACT_MAX_MACS (a head of 32 query rows at 32768 keys, d = 64, among them), computed in
-blocks of bounded memory with the same bits; and the CPU flash kernel's row sum modelled in its
+"""The power of the check on long rows: the dot products' exact partial-sum energies, where
+dot.ENERGY_EXACT_MAX_MACS allows them (raised here to 2^26, a head of 32 query rows at 32768 keys,
+d = 64: the shipped limit is 2^24, for time), computed in blocks of bounded memory with the same bits; and the CPU flash kernel's row sum modelled in its
 own tile order (verify/model/rowsum.py), which a float32 simulation of that order stays within,
 and which run.toml's kernel must name (the binary's own tile width; not split; not another
 program's)."""
@@ -29,8 +29,10 @@ def _qk(rng, rows: int, keys: int, d: int):
 
 
 def test_the_long_row_head_takes_the_exact_energy(monkeypatch):
-    """A row of a 32-row head at 32768 keys, d = 64 (2^26 multiply-adds, above the old 2^24 cap):
-    its variance is the exact path's to 1e-12, not the random-order expectation (≈ 8× it)."""
+    """A row of a 32-row head at 32768 keys, d = 64 (2^26 multiply-adds) under a limit of 2^26:
+    its variance in column blocks is the exact path's to 1e-12, not the random-order expectation
+    (≈ 8× it) that the shipped limit of 2^24 gives."""
+    monkeypatch.setattr(dot, "ENERGY_EXACT_MAX_MACS", 1 << 26)
     assert dot.exact_energy(32, 64, 32768) and not dot.exact_energy(33, 64, 32768)
     Q, K = _qk(np.random.default_rng(0), 1, 32768, 64)
     with dot.head_rows(32):
@@ -43,10 +45,12 @@ def test_the_long_row_head_takes_the_exact_energy(monkeypatch):
     assert np.median(capped / exact) > 4
 
 
-def test_a_narrow_exact_head_is_still_tiled():
-    """The exact model of the query sums keeps a head whole, but never one of more scores than at the
-    old limit: N = 4096, M = 8192, d = 1 (2^25 multiply-adds, exact) is tiled; d = 64, M = 32768 whole."""
+def test_a_narrow_exact_head_is_still_tiled(monkeypatch):
+    """The exact model of the query sums keeps a head whole, but never one of more scores than 2^24
+    (under a limit of 2^26 multiply-adds: N = 4096, M = 8192, d = 1 is exact and tiled; d = 64,
+    M = 32768 whole)."""
     from verify.model import tiles
+    monkeypatch.setattr(dot, "ENERGY_EXACT_MAX_MACS", 1 << 26)
     assert dot.exact_energy(8192, 4096, 1) and len(tiles.row_tiles(4096, 8192, 1)) > 1
     assert tiles.row_tiles(32, 32768, 64) == [(0, 32)]
 
@@ -65,8 +69,9 @@ def test_column_blocks_give_the_same_bits(monkeypatch, shape):
 
 def test_a_10x_error_beats_the_bound_of_a_head_above_the_old_cap(monkeypatch):
     """QK of a head above the old cap (32 rows, 8448 keys, d = 64), two of its rows: a float32 error
-    10× the typical one exceeds most elements' bounds (all but those whose own error is large);
-    the capped expectation let nearly all by."""
+    10× the typical one exceeds most elements' bounds under the exact model (a limit of 2^26: all but
+    those whose own error is large); the expectation of the shipped limit lets nearly all by."""
+    monkeypatch.setattr(dot, "ENERGY_EXACT_MAX_MACS", 1 << 26)
     rng = np.random.default_rng(2)
     Q, K = _qk(rng, 32, 8448, 64)
     Q = Q[:2]
