@@ -159,7 +159,7 @@ class EqualTerms:
         self.order = np.argsort(keys, axis=1) if xp is np else xp.argsort(keys, axis=1)
         keys = take_rows(keys, self.order)
         changes = keys[:, 1:] != keys[:, :-1]
-        first = xp.ones((keys.shape[0], 1), dtype=xp.bool) if xp is not np else np.ones((keys.shape[0], 1), dtype=bool)
+        first = xp.ones_like(keys[:, :1] == keys[:, :1])  # True where the terms are (a GPU's too)
         self.starts = np.concatenate([first, changes], axis=1) if xp is np else xp.concat([first, changes], axis=1)
 
 
