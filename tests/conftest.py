@@ -40,6 +40,7 @@ def pytest_collection_modifyitems(config, items):
 def binary() -> Path:
     """The binary under test: $ATTNSTEP_BINARY when set (a prebuilt or your own binary), else
     build/main, configured and built once per test session (incremental)."""
+    import fcntl
     import os
 
     from verify.runs.runner import ensure_built
@@ -50,7 +51,13 @@ def binary() -> Path:
         if not path.is_file():
             pytest.exit(f"ATTNSTEP_BINARY={given}: no such file", returncode=2)
         return path
-    return ensure_built(REPO / "build")
+    build = REPO / "build"
+    build.mkdir(exist_ok=True)
+    # Under `-n 2` each worker process asks for the binary: one builds, the others wait for it
+    # (two CMake builds of one folder at once would race).
+    with open(build / ".tests-build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return ensure_built(build)
 
 
 @pytest.fixture(scope="session")
@@ -86,6 +93,22 @@ def no_hang():
     yield
     signal.alarm(0)
     signal.signal(signal.SIGALRM, old)
+
+
+def pytest_sessionfinish(session):
+    """Under pytest-xdist each worker collects and leaves out the slow tests: it tells the
+    controller how many, for the summary line."""
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:
+        workeroutput["slow_left_out"] = session.config.stash.get(_LEFT_OUT, 0)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """(pytest-xdist, on the controller) A worker's count of the slow tests it left out; every
+    worker collects every test, so each count is the whole run's."""
+    left_out = getattr(node, "workeroutput", {}).get("slow_left_out", 0)
+    node.config.stash[_LEFT_OUT] = max(left_out, node.config.stash.get(_LEFT_OUT, 0))
 
 
 def pytest_terminal_summary(terminalreporter, config):
