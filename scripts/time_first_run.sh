@@ -7,7 +7,7 @@
 # build as the defaults choose it (CPU only without a GPU, CUDA for this GPU with one).
 #   scripts/time_first_run.sh           the first demo
 #   scripts/time_first_run.sh --tests   also README's test command, `pip install -e '.[test,plot]'`
-#                                       then `python3 -m pytest -q`, in a second fresh clone
+#                                       then the README test command, in a second fresh clone
 # Prints the machine (cores, load, GPU, CUDA toolkit), the demo's own output, then the seconds.
 # The temporary folder is removed at the end, whatever happens.
 set -euo pipefail
@@ -54,6 +54,6 @@ python3 -m venv --system-site-packages "$work/venv-tests"
 . "$work/venv-tests/bin/activate"
 pip install --quiet -e '.[test,plot]'
 t3=$(now)
-python3 -m pytest -q -p no:cacheprovider | tail -n 1
+python3 -m pytest -q -n 2 --dist loadfile -p no:cacheprovider | tail -n 1
 t4=$(now)
-echo "python3 -m pytest -q:   $(seconds "$t3" "$t4") (the build included)"
+echo "python3 -m pytest -q -n 2 --dist loadfile:   $(seconds "$t3" "$t4") (the build included)"

@@ -18,9 +18,8 @@ from .rounding import FLUSH, ROUND_VAR, ULP_IN_U, HeadCache, binade, binade_sq, 
 
 # Above this many multiply-adds per head's product the exact partial-sum energy costs too much time
 # (its memory is bounded by blocks, below); the model then takes ENERGY_FALLBACK_FACTOR × the mean
-# over random orders, ~2.8× looser a bound (docs/performance.md, "Power on long rows"). The exact
-# path costs 50-100 ns a multiply-add on one core (docs/tolerances.md): at 1 << 26 the check of two
-# heads at N = M = 1024, d = 64 took 107 s against 4.5 s at 1 << 24, so the limit stays there.
+# over random orders, ~2.8× looser (docs/performance.md, "Power on long rows"). At 1 << 26 two heads
+# at N = M = 1024, d = 64 checked in 107 s against 4.5 s at 1 << 24 (docs/tolerances.md).
 ENERGY_EXACT_MAX_MACS = 1 << 24
 ENERGY_FALLBACK_FACTOR = 8.0
 
