@@ -11,16 +11,16 @@ import subprocess
 
 import numpy as np
 import pytest
-from click.testing import CliRunner
 
 from verify.check.reference import reference_chain
-from verify.cli.group import cli
 from verify.files.case import read_matrix
 from verify.files.generate import generate_case
 from verify.files.outputs import load_run
 from verify.model.half import round_to_format, storage_unit
 from verify.stages import (FLASH_GRAD_KEYS, FLASH_GRAD_QUERIES, FLASH_GRAD_VALUES, FLASH_LSE, FLASH_OUTPUT,
                            GRAD_OUTPUT, HALF_PRECISIONS, INPUT_NAMES, Dims, stage_file)
+
+from helpers.reports import check_verdict
 
 pytestmark = pytest.mark.gpu
 
@@ -46,13 +46,6 @@ def run_flash(binary, in_dir, out_dir, precision, causal, *extra):
     return load_run(out_dir)
 
 
-def check(in_dir, out_dir, *args):
-    r = CliRunner().invoke(cli, ["check", "--in", str(in_dir), "--out", str(out_dir), "--quiet", *map(str, args)],
-                           catch_exceptions=False)
-    verdicts = [line for line in r.output.splitlines() if line.startswith(("PASS", "FAIL"))]
-    return r.exit_code, verdicts[-1] if verdicts else r.output
-
-
 @pytest.mark.parametrize("precision", HALF_PRECISIONS)
 @pytest.mark.parametrize("dims", SHAPES, ids=[str(d) for d in SHAPES])
 def test_the_wgmma_flash_backward_at_half_precision_matches_float64(binary, tmp_path, precision, dims):
@@ -66,7 +59,7 @@ def test_the_wgmma_flash_backward_at_half_precision_matches_float64(binary, tmp_
         run = run_flash(binary, in_dir, out, precision, causal)
         assert run.values["flash_kernel"].startswith(f"cuda-wgmma-{precision}"), run.values["flash_kernel"]
         if dims.total_heads <= VERIFIED_MAX_HEADS:
-            code, verdict = check(in_dir, out, "--causal" if causal else "--no-causal")
+            code, verdict = check_verdict(in_dir, out, "--causal" if causal else "--no-causal")
             assert code == 0 and verdict.startswith(f"PASS (bounds for {precision})"), verdict
         for head in range(dims.total_heads):
             inputs = {n: round_to_format(read_matrix(in_dir / stage_file(n, head, "npy")), precision)

@@ -16,10 +16,8 @@ import subprocess
 
 import numpy as np
 import pytest
-from click.testing import CliRunner
 
 from verify.check.reference import reference_chain
-from verify.cli.group import cli
 from verify.files.case import read_matrix
 from verify.files.generate import generate_case
 from verify.files.outputs import load_run
@@ -32,16 +30,10 @@ from helpers.end_to_end import run_and_check
 from helpers.foreign_routes import mm_blas, mm_pairwise, mm_reverse
 from helpers.half_programs import half_program_case
 from helpers.random_cases import draw_case, failures
+from helpers.reports import check_verdict
 
 f32 = np.float32
 HALF_CASES = int(os.environ.get("ATTNSTEP_HALF_FALSE_ALARM_CASES", "12"))  # per format
-
-
-def _check(in_dir, out_dir, *args):
-    r = CliRunner().invoke(cli, ["check", "--in", str(in_dir), "--out", str(out_dir), "--quiet", *map(str, args)],
-                           catch_exceptions=False)
-    verdicts = [line for line in r.output.splitlines() if line.startswith(("PASS", "FAIL"))]
-    return r.exit_code, verdicts[-1] if verdicts else r.output
 
 
 @pytest.mark.parametrize("precision", HALF_PRECISIONS)
@@ -83,7 +75,7 @@ def test_a_run_toml_naming_the_half_flash_kernel_is_checked_under_its_model(bina
     assert 'flash_kernel = "cpu-tiled"' in cpu
     for kernel in (f"cuda-wgmma-{precision}", f"cuda-wgmma-{precision}-split3"):
         toml.write_text(cpu.replace('backend = "cpu"', 'backend = "cuda"').replace('"cpu-tiled"', f'"{kernel}"'))
-        code, verdict = _check(tmp_path / "in", tmp_path / "out")
+        code, verdict = check_verdict(tmp_path / "in", tmp_path / "out")
         assert code == 0 and verdict.startswith(f"PASS (bounds for {precision})"), (kernel, verdict)
 
 
@@ -109,7 +101,7 @@ def test_the_cuda_backend_at_half_precision_passes(binary, tmp_path, precision, 
     elif dims.flash_supported:
         assert f"--precision {precision}: the cuda backend has no half-precision kernel for" in proc.stderr, proc.stderr
         assert "flash_dQ" in proc.stderr and "skipping them" in proc.stderr, proc.stderr
-    code, verdict = _check(tmp_path / "in", tmp_path / "out")
+    code, verdict = check_verdict(tmp_path / "in", tmp_path / "out")
     assert code == 0 and verdict.startswith(f"PASS (bounds for {precision})"), verdict
 
 
@@ -145,7 +137,7 @@ def test_the_wgmma_flash_forward_at_half_precision_passes(binary, tmp_path, prec
         run = _run_half_flash(binary, in_dir, tmp_path / f"out-{causal}", precision, causal)
         assert run.values["flash_kernel"].startswith(f"cuda-wgmma-{precision}"), run.values["flash_kernel"]
         if dims.total_heads <= VERIFIED_MAX_HEADS:
-            code, verdict = _check(in_dir, tmp_path / f"out-{causal}", "--causal" if causal else "--no-causal")
+            code, verdict = check_verdict(in_dir, tmp_path / f"out-{causal}", "--causal" if causal else "--no-causal")
             assert code == 0 and verdict.startswith(f"PASS (bounds for {precision})"), verdict
         unit = storage_unit(precision)
         for head in range(dims.total_heads):
@@ -213,14 +205,14 @@ def test_random_correct_half_runs_never_fail(binary, tmp_path, precision, chunk)
                                                                         "blas-causal"])
 def test_an_independent_half_program_passes(tmp_path, precision, mm, causal, fmt):
     in_dir, out_dir = half_program_case(tmp_path, precision, mm, causal, fmt=fmt)
-    code, verdict = _check(in_dir, out_dir, "--precision", precision, *(["--causal"] if causal else []))
+    code, verdict = check_verdict(in_dir, out_dir, "--precision", precision, *(["--causal"] if causal else []))
     assert code == 0 and verdict.startswith(f"PASS (bounds for {precision})"), verdict
 
 
 @pytest.mark.parametrize("precision", HALF_PRECISIONS)
 def test_a_missing_scale_fails_at_half_precision(tmp_path, precision):
     in_dir, out_dir = half_program_case(tmp_path, precision, mm_blas, False, bug="unscaled")
-    code, verdict = _check(in_dir, out_dir, "--precision", precision)
+    code, verdict = check_verdict(in_dir, out_dir, "--precision", precision)
     assert code == 1 and verdict.startswith(f"FAIL (bounds for {precision}): first failing stage: {SCALED_SCORES}"), \
         verdict
 
@@ -235,20 +227,20 @@ def test_one_wrong_element_fails_when_it_exceeds_the_half_bound(tmp_path, precis
     x[3, 5] = x[3, 5] * 1.02 + np.sign(x[3, 5]) * 0.02 * np.abs(x).max()
     np.save(path, x)
     json_path = tmp_path / "r.json"
-    code, verdict = _check(in_dir, out_dir, "--precision", precision, "--json", json_path)
+    code, verdict = check_verdict(in_dir, out_dir, "--precision", precision, "--json", json_path)
     assert code == 1 and f"first failing stage: {OUTPUT}" in verdict, verdict
     failed = [r for r in json.loads(json_path.read_text())["results"] if not r["passed"]]
     assert [(r["stage"], r["head"]) for r in failed] == [(OUTPUT, 1)], failed
-    code, verdict = _check(in_dir, out_dir, "--precision", "fp32")
+    code, verdict = check_verdict(in_dir, out_dir, "--precision", "fp32")
     assert code == 1, verdict
 
 
 def test_half_runs_of_the_binary_name_their_bounds(binary, tmp_path):
     generate_case(tmp_path / "in", Dims(1, 2, 33, 40, 32, 32), seed=2, backward=True)
     run_binary(binary, tmp_path / "in", tmp_path / "out", backend="cpu", extra=("--precision", "fp16"))
-    code, verdict = _check(tmp_path / "in", tmp_path / "out")
+    code, verdict = check_verdict(tmp_path / "in", tmp_path / "out")
     assert code == 0 and verdict.startswith("PASS (bounds for fp16)"), verdict
-    code, verdict = _check(tmp_path / "in", tmp_path / "out", "--precision", "fp32")
+    code, verdict = check_verdict(tmp_path / "in", tmp_path / "out", "--precision", "fp32")
     assert code == 1 and verdict.startswith("FAIL (bounds for fp32)"), verdict
 
 
@@ -264,7 +256,7 @@ def test_fp16_npy_inputs_are_read_exactly(binary, tmp_path):
                extra=("--stages", QUERIES, "--allow-nonfinite"))
     echo = np.load(tmp_path / "echo" / stage_file(QUERIES, 0, "npy"))
     np.testing.assert_array_equal(echo, every.astype(f32))
-    code, verdict = _check(tmp_path / "in", tmp_path / "echo", "--allow-nonfinite")
+    code, verdict = check_verdict(tmp_path / "in", tmp_path / "echo", "--allow-nonfinite")
     assert code == 0, verdict
 
     small = Dims(1, 2, 40, 50, 32, 32)
@@ -274,5 +266,5 @@ def test_fp16_npy_inputs_are_read_exactly(binary, tmp_path):
             path = tmp_path / "in2" / stage_file(name, i, "npy")
             np.save(path, np.load(path).astype(np.float16))
     run_binary(binary, tmp_path / "in2", tmp_path / "out2", backend="cpu", extra=("--precision", "fp16"))
-    code, verdict = _check(tmp_path / "in2", tmp_path / "out2")
+    code, verdict = check_verdict(tmp_path / "in2", tmp_path / "out2")
     assert code == 0 and verdict.startswith("PASS (bounds for fp16)"), verdict

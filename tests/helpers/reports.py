@@ -1,8 +1,20 @@
 """Two JSON reports of `check` compared: the same verdicts, the same fraction of each bound used, and
-where both name the same worst element, the same bound at it (to `rtol`)."""
+where both name the same worst element, the same bound at it (to `rtol`); and `check`'s exit status
+with its last verdict line."""
 from __future__ import annotations
 
 import pytest
+from click.testing import CliRunner
+
+from verify.cli.group import cli
+
+
+def check_verdict(in_dir, out_dir, *args):
+    """`check --quiet` on a folder: its exit status and its last PASS/FAIL line (else its output)."""
+    r = CliRunner().invoke(cli, ["check", "--in", str(in_dir), "--out", str(out_dir), "--quiet", *map(str, args)],
+                           catch_exceptions=False)
+    verdicts = [line for line in r.output.splitlines() if line.startswith(("PASS", "FAIL"))]
+    return r.exit_code, verdicts[-1] if verdicts else r.output
 
 
 def assert_same_report(a: dict, b: dict, rtol: float, diagnoses: bool = True) -> None:
