@@ -1,23 +1,13 @@
 """The power of the check on long rows: the dot products' exact partial-sum energies, where
 dot.ENERGY_EXACT_MAX_MACS allows them (raised here to 2^26, a head of 32 query rows at 32768 keys,
-d = 64: the shipped limit is 2^24, for time), computed in blocks of bounded memory with the same bits; and the CPU flash kernel's row sum modelled in its
-own tile order (verify/model/rowsum.py), which a float32 simulation of that order stays within,
-and which run.toml's kernel must name (the binary's own tile width; not split; not another
-program's)."""
+d = 64: the shipped limit is 2^24, for time), computed in blocks of bounded memory with the same bits."""
 from __future__ import annotations
-
-import tomllib
 
 import numpy as np
 import pytest
 
-from helpers.catch_rate import load_script
 from verify.check.tolerance import stage_bound
 from verify.model import dot
-from verify.model.kernels import KERNELS, kernel_for
-from verify.model.rounding import LAMBDA
-from verify.model.rowsum import tiled_rowsum_var
-from verify.model.softmax import _rowsum_step_var
 
 U = 2.0**-24
 
@@ -85,88 +75,3 @@ def test_a_10x_error_beats_the_bound_of_a_head_above_the_old_cap(monkeypatch):
     assert share_caught() > 0.75
     monkeypatch.setattr(dot, "ENERGY_EXACT_MAX_MACS", 1 << 24)
     assert share_caught() < 0.1
-
-
-def _kernel_row_sum(S32: np.ndarray, tile: int) -> np.ndarray:
-    """lse of each row as the CPU flash kernel forms m and l (OnlineRows: a tile of keys summed
-    from 0, the running sum rescaled by α = exp(m_old − m_new) and added), exp correctly rounded;
-    without the final log's rounding."""
-    n, M = S32.shape
-    m, l = np.full(n, -np.inf, np.float32), np.zeros(n, np.float32)
-    f32 = np.float32
-    for c0 in range(0, M, tile):
-        m_new = np.maximum(m, S32[:, c0:c0 + tile].max(axis=1))
-        seen = m != -np.inf
-        alpha = np.where(seen, np.exp(np.where(seen, m - m_new, f32(0)).astype(np.float64)).astype(f32), f32(0))
-        rowsum = np.zeros(n, f32)
-        for k in range(c0, min(M, c0 + tile)):
-            rowsum = rowsum + np.exp((S32[:, k] - m_new).astype(np.float64)).astype(f32)
-        l, m = alpha * l + rowsum, m_new
-    return m.astype(np.float64) + np.log(l.astype(np.float64))
-
-
-def _one_key(rng, n, M):
-    """One key at the maximum, the others ~0.9·2^-24 of it: the first tile's 63 fall below half an ulp
-    of its partial sum (1) and are dropped whole, an error of the same sign every time."""
-    S = -16.74 + 0.01 * rng.standard_normal((n, M))
-    S[:, 0] = 0.0
-    return S
-
-
-@pytest.mark.parametrize("dist", ["uniform", "normal", "large", "rising", "one_key"])
-def test_the_kernels_row_sum_stays_within_its_tiled_bound(dist):
-    """The float32 row sum in the kernel's order errs within 6.5σ of the tiled model (its exp
-    roundings counted as the model counts them), and that σ is far below the index order's."""
-    rng = np.random.default_rng(3)
-    n, M = 48, 1500
-    S = {"uniform": lambda: rng.uniform(-8, 8, (n, M)), "normal": lambda: 3 * rng.standard_normal((n, M)),
-         "large": lambda: rng.uniform(-400, 400, (n, M)),
-         "rising": lambda: np.sort(rng.uniform(-5, 5, (n, M)), axis=1),
-         "one_key": lambda: _one_key(rng, n, M)}[dist]().astype(np.float32)
-    S64 = S.astype(np.float64)
-    top = S64.max(axis=1, keepdims=True)
-    e = np.exp(S64 - top)
-    exact = top[:, 0] + np.log(e.sum(axis=1))
-    p = e / e.sum(axis=1, keepdims=True)
-    exp_part = (p * p * (0.18 + (S64 - top) ** 2 / 3)).sum(axis=1) * U * U
-    tiled = tiled_rowsum_var(p, U, 64, KERNELS["cpu-tiled"].exp_var)
-    err = np.abs(_kernel_row_sum(S, 64) - exact)
-    assert (err <= LAMBDA * np.sqrt(tiled + exp_part)).all()
-    assert np.sqrt(np.mean(err**2)) > 0.5 * np.sqrt(np.mean(tiled + exp_part))  # (a σ, not a loose bound)
-    if dist in ("uniform", "normal", "rising"):  # (elsewhere a few keys make the sum in either order)
-        assert np.median(_rowsum_step_var(p, U) / tiled) > 4
-
-
-def test_one_tile_or_none_is_the_index_orders_sum():
-    """Up to one tile the kernel's order is index order; no visible key sums nothing."""
-    rng = np.random.default_rng(4)
-    p = rng.uniform(0, 1, (5, 50))
-    p /= p.sum(axis=1, keepdims=True)
-    forward = tiled_rowsum_var(p, U, 64, 0.18)
-    assert forward.shape == (5,) and (forward <= _rowsum_step_var(p, U) * (1 + 1e-12)).all()
-    assert (tiled_rowsum_var(np.zeros((2, 130)), U, 64, 0.18) == 0).all()
-
-
-def test_only_the_binarys_unsplit_cpu_kernel_takes_the_tile_order(binary, tmp_path):
-    """run.toml of the binary's CPU run names the kernel whose tile width the model takes; a split
-    run, a backend named alone and a program of its own keep the order of any program."""
-    assert kernel_for("cpu", flash_kernel="cpu-tiled").row_sum_tile == 64
-    for kernel in (kernel_for("cpu", flash_kernel="cpu-tiled-split3"), kernel_for("cpu"), kernel_for(None),
-                   kernel_for("cuda", flash_kernel="cuda-clean"), kernel_for(None, math="fast")):
-        assert kernel.row_sum_tile == 0
-    cr = load_script()
-    _, out_dir = cr.make_run(tmp_path, binary, "uniform", 130, 3, 16, seed=1)
-    run = tomllib.loads((out_dir / "run.toml").read_text())
-    assert run["flash_kernel"] == "cpu-tiled"
-    assert run["flash_block_k"] == KERNELS["cpu-tiled"].row_sum_tile
-
-
-@pytest.mark.slow
-def test_a_wrong_lse_of_a_long_row_is_caught(binary, tmp_path):
-    """One lse element 10× the typical error off, 2048 keys: caught in the binary's run, where the
-    index order's bound let every one by (the whole check's own per-stage step, as
-    scripts/catch_rate.py runs it)."""
-    cr = load_script()
-    head = cr.Head(*cr.make_run(tmp_path, binary, "uniform", 2048, 8, 16, seed=0))
-    cell = cr.plant_trials(head, "flash_lse", "uniform", 2048, 20, np.random.default_rng(5))
-    assert cell.clean_passes and cell.rate() >= 0.9

@@ -14,8 +14,7 @@ from .kernels import FLASH_LOGIT_ROUNDINGS, Kernel
 from .rounding import ROUND_VAR, HeadCache, memo
 from .scores import HeadVariant, as_head, dropout_factor_error, modification_det
 from .tiles import over_rows, rows_of
-from .softmax import exponent_var, logits, mixed_output_var, p2_eta, raw_logits, softmax
-from .rowsum import flash_rowsum_var
+from .softmax import exponent_var, logits, mixed_output_var, p2_eta, raw_logits, rowsum_rel_var, softmax
 
 
 def flash_parts(Q: np.ndarray, K: np.ndarray, scale: float, head, u: float, kernel: Kernel,
@@ -55,7 +54,7 @@ def _compute_flash_parts(Q, K, scale: float, head: HeadVariant, u: float, kernel
         eta_var += modification_det(S0, head, u, kernel, flash=True) ** 2
     eta_var = put(eta_var, 0.0, ~finite)
     eta_var += exponent_var(d, finite, u, kernel, logit_magnitude(S, finite, head), FLASH_LOGIT_ROUNDINGS)
-    l_var = flash_rowsum_var(p, u, kernel, cache)
+    l_var = rowsum_rel_var(p, u, kernel.rescale_factor, cache)
     s_det = zeros(S, S.shape)
     if kernel.mma_passes:
         # |scale|: a bound is a magnitude (a negative scale made it negative: found by the GPU

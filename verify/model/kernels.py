@@ -52,7 +52,6 @@ class Kernel:
     tanh_ulps: float = TANH_ULPS  # the softcap's tanh: its error in ulps of t
     tanh_rel: float = 0.0       # and a relative error of t (an approximate tanh)
     tanh_abs: float = 0.0       # and an absolute error of t (a tanh computed from the exponential)
-    row_sum_tile: int = 0       # the flash row sum summed a key tile of this width at a time (0: any order)
 
 
 # Measured on an H200 (docs/tolerances.md): expf errs 0.48 ulp RMS (max 1.86), exp2f 0.75
@@ -89,10 +88,7 @@ _BACKEND_KERNELS = {
 # kernels (bf16/fp16 operands: their products are exact in FP32, one truncating tensor-core pass
 # per 16-long chunk, fewer than the model's three per 8); their roundings to the format are the
 # half model's (verify/check/half_rounding.py).
-# The CPU flash kernel (cuda_src/cpu/flash_forward.cpp, OnlineRows) sums each tile of kFlashBc = 64
-# keys from 0 and adds it to the rescaled running sum (verify/model/rowsum.py); split, its tiles
-# start at each split's first key and its sums are combined: the order of any program is assumed.
-KERNELS = {"cpu-tiled": replace(_BACKEND_KERNELS["cpu"], row_sum_tile=64),
+KERNELS = {"cpu-tiled": _BACKEND_KERNELS["cpu"],
            **{f"cuda-{k}": _BACKEND_KERNELS["cuda"]
               for k in ("clean", "fast-3xtf32", "fast-tf32", "wgmma-3xtf32", "wgmma-tf32")},
            # The half-precision kernel's softcap takes tanh.approx.f32.
@@ -171,7 +167,7 @@ def kernel_for(backend: Optional[str], math: str = "ieee", flash_kernel: Optiona
         if name not in KERNELS:
             raise ToleranceError(f"unknown flash kernel {flash_kernel!r}; the tolerance model knows "
                                  f"{', '.join(KERNELS)}")
-        return KERNELS[name] if name == flash_kernel else replace(KERNELS[name], row_sum_tile=0)
+        return KERNELS[name]
     if backend is None:
         return FOREIGN_KERNEL
     if backend not in _BACKEND_KERNELS:
