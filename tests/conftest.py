@@ -114,5 +114,6 @@ def pytest_testnodedown(node, error):
 def pytest_terminal_summary(terminalreporter, config):
     left_out = config.stash.get(_LEFT_OUT, 0)
     if left_out:
-        terminalreporter.write_line(f"{left_out} tests marked slow (the long sweeps) were left out; "
+        what = "test marked slow (a long sweep) was" if left_out == 1 else "tests marked slow (the long sweeps) were"
+        terminalreporter.write_line(f"{left_out} {what} left out; "
                                     "run them with: python3 -m pytest -q -m slow")

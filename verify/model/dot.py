@@ -28,8 +28,8 @@ ENERGY_FALLBACK_FACTOR = 8.0
 # enough that a block's dozen buffers stay in cache (docs/journal.md: the sizes timed).
 _CHUNK_ELEMS = 1 << 16
 
-# The most products of a block where a row's K×C products are more: B's columns then come in blocks,
-# each buffer ≤ 8 MB whatever K and C; each column is its own sum (scale, orders): the same bits.
+# The most products of a block where a row's K×C products are more: B's columns then come in blocks
+# (at least 4 columns, ~32·K bytes a buffer at the least); each column is its own sum: the same bits.
 _MAX_BLOCK_ELEMS = 1 << 20
 
 

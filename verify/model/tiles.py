@@ -31,8 +31,9 @@ TILE_BYTES = 4 << 20
 DEVICE_TILE_BYTES = 256 << 20
 
 # A head whose query sums take the exact model is one tile up to this many scores (its N×M float64
-# matrices 128 MiB each, as at the exact model's old limit of 2^24 multiply-adds and d = 1); a
-# narrower head than that is tiled, its query sums then taking the expectation (QuerySum).
+# matrices 128 MiB each); a narrower head than that is tiled, its query sums then taking the
+# expectation (QuerySum). At dot.ENERGY_EXACT_MAX_MACS = 2^24 every exact head is within it; it
+# bounds memory should that limit be raised.
 EXACT_TILE_SCORES = 1 << 24
 
 
