@@ -83,16 +83,10 @@ def runner():
 @pytest.fixture
 def no_hang():
     """Fails a test that blocks (a FIFO read) instead of hanging the run."""
-    import signal
+    from helpers.cli import time_limit  # noqa: PLC0415 -- the CLI's imports only where used
 
-    def expire(signum, frame):
-        raise TimeoutError("blocked for 10 s")
-
-    old = signal.signal(signal.SIGALRM, expire)
-    signal.alarm(10)
-    yield
-    signal.alarm(0)
-    signal.signal(signal.SIGALRM, old)
+    with time_limit(10, "the test"):
+        yield
 
 
 def pytest_sessionfinish(session):

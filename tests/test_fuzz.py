@@ -18,7 +18,7 @@ import pytest
 hypothesis = pytest.importorskip("hypothesis", reason="the fuzz tests need hypothesis (pip install hypothesis)")
 from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
 
-from helpers.cli import invoke  # noqa: E402
+from helpers.cli import invoke, time_limit  # noqa: E402
 from verify.files.case import CaseError, load_input_case, read_matrix  # noqa: E402
 from verify.files.generate import generate_case  # noqa: E402
 from verify.files.patterns import VariantInputs  # noqa: E402
@@ -300,7 +300,8 @@ def _corrupted_run_never_passes(binary, case: Path, folder: Path, target: str, o
     before = path.read_bytes()
     after = _corrupt(before, op, where, token)
     path.write_bytes(after)
-    res = invoke("check", "--in", case, "--out", folder)  # an exception propagates
+    with time_limit(120, "check of a corrupted folder"):  # a hang fails the example
+        res = invoke("check", "--in", case, "--out", folder)  # an exception propagates
     assert res.exit_code in (0, 1, 2), res.output[-1500:]
     if after != before and target != "run.toml":
         assert res.exit_code != 0, res.output[-1500:]

@@ -1,15 +1,32 @@
 """The attnstep command line run in this process: generate an input case, check a folder."""
 from __future__ import annotations
 
+import contextlib
 import json
 import re
+import signal
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 from click.testing import CliRunner
 
 from verify.cli.group import cli
 from verify.stages import INPUT_MANIFEST, Dims
+
+
+@contextlib.contextmanager
+def time_limit(seconds: int, what: str) -> Iterator[None]:
+    """Fails the block (TimeoutError) when it runs past `seconds`, instead of hanging the run."""
+    def expire(signum, frame):
+        raise TimeoutError(f"{what} ran past {seconds} s")
+
+    old = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
 
 
 def invoke(*args) -> "click.testing.Result":
