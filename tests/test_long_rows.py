@@ -35,16 +35,6 @@ def test_the_long_row_head_takes_the_exact_energy(monkeypatch):
     assert np.median(capped / exact) > 4
 
 
-def test_a_narrow_exact_head_is_still_tiled(monkeypatch):
-    """The exact model of the query sums keeps a head whole, but never one of more scores than 2^24
-    (under a limit of 2^26 multiply-adds: N = 4096, M = 8192, d = 1 is exact and tiled; d = 64,
-    M = 32768 whole)."""
-    from verify.model import tiles
-    monkeypatch.setattr(dot, "ENERGY_EXACT_MAX_MACS", 1 << 26)
-    assert dot.exact_energy(8192, 4096, 1) and len(tiles.row_tiles(4096, 8192, 1)) > 1
-    assert tiles.row_tiles(32, 32768, 64) == [(0, 32)]
-
-
 @pytest.mark.parametrize("shape", [(3, 64, 700), (2, 900, 37), (1, 4100, 9)])
 def test_column_blocks_give_the_same_bits(monkeypatch, shape):
     """B's columns taken a few at a time (as a long sum of many columns is) change no bit."""

@@ -196,7 +196,6 @@ def test_no_n_by_m_matrix_is_held(monkeypatch):
         tolerance.stage_bound(FLASH_GRAD_KEYS, src, chain[FLASH_GRAD_KEYS], scale=SCALE, causal=True, cache=cache)
         compute_stage(FLASH_GRAD_VALUES, src, SCALE, True)
     one_matrix = 8 * n * m / 2**20
-    monkeypatch.setattr(dot, "ENERGY_EXACT_MAX_MACS", 1 << 24)  # (the exact model's limit when written)
     monkeypatch.setattr(tiles, "TILE_BYTES", 1 << 40)
     whole = _peak_mb(bounds)
     monkeypatch.setattr(tiles, "TILE_BYTES", 1 << 17)

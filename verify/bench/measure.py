@@ -6,8 +6,8 @@ REPS after warm-up, inputs generated on the device, ceilings measured in the sam
 cuda_src/bench/bench.cu) and, when torch imports, times SDPA's forward and backward in fp32 on the
 same shape in this process (sdpa.py); at bf16/fp16 SDPA's forward and backward at that dtype, once
 per backend, the fastest of each pass being its yardstick, and under --check the errors of the
-binary's flash forward and of SDPA's on the binary's own inputs (accuracy.py). collect() returns the results document; the command
-prints it as one table with the goals (goals.py) as met/missed, and writes it as JSON and a PNG
+binary's flash forward and of SDPA's on the binary's own inputs (accuracy.py). collect() returns
+the results document; the command prints it as one table with the goals (goals.py) as met/missed, and writes it as JSON and a PNG
 plot (TFLOP/s against N, one line per kernel).
 
 The shape list: the default case (`verify.files.generate.DEFAULT_DIMS`) and B=4, H=16, N=M in

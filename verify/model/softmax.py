@@ -158,8 +158,8 @@ class EqualTerms:
         keys = terms[like(terms, self.rows)]
         self.order = np.argsort(keys, axis=1) if xp is np else xp.argsort(keys, axis=1)
         keys = take_rows(keys, self.order)
-        changes = keys[:, 1:] != keys[:, :-1]
-        first = xp.ones_like(keys[:, :1] == keys[:, :1])  # True where the terms are (a GPU's too)
+        changes = keys[:, 1:] != keys[:, :-1]  # (a row with repeats has two terms at least)
+        first = xp.ones_like(changes[:, :1])  # on the terms' device
         self.starts = np.concatenate([first, changes], axis=1) if xp is np else xp.concat([first, changes], axis=1)
 
 

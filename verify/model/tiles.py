@@ -30,20 +30,13 @@ TILE_BYTES = 4 << 20
 # enough tiles that the time goes to arithmetic, not to launching each tile's few hundred kernels.
 DEVICE_TILE_BYTES = 256 << 20
 
-# A head whose query sums take the exact model is one tile up to this many scores (its N×M float64
-# matrices 128 MiB each); a narrower head than that is tiled, its query sums then taking the
-# expectation (QuerySum). At dot.ENERGY_EXACT_MAX_MACS = 2^24 every exact head is within it; it
-# bounds memory should that limit be raised.
-EXACT_TILE_SCORES = 1 << 24
-
 
 def row_tiles(n: int, m: int, d: int) -> List[Tuple[int, int]]:
     """[start, stop) of the row tiles of an n×m head of width d: one tile for a head that fits in
     TILE_BYTES of scores (DEVICE_TILE_BYTES on a GPU), whose query sums take the exact model, or that is itself a tile; else
     tiles of a multiple of MMA_K rows (the tensor-core chunks of a sum over the queries)."""
     budget = TILE_BYTES if target() is None else DEVICE_TILE_BYTES
-    if _HEAD_ROWS.get() is not None or 8 * n * m <= budget or (exact_energy(m, n, max(1, d))
-                                                               and n * m <= EXACT_TILE_SCORES):
+    if _HEAD_ROWS.get() is not None or 8 * n * m <= budget or exact_energy(m, n, max(1, d)):
         return [(0, n)]
     rows = max(MMA_K, budget // (8 * max(1, m)) // MMA_K * MMA_K)
     return [(a, min(n, a + rows)) for a in range(0, n, rows)]
@@ -171,4 +164,4 @@ def smallest(x: np.ndarray) -> float:
     return float(nz.min()) if nz.shape[0] else np.inf
 
 
-__all__ = ["TILE_BYTES", "DEVICE_TILE_BYTES", "EXACT_TILE_SCORES", "row_tiles", "over_rows", "stack_over_rows", "flush_max", "rows_of", "stack_rows", "QuerySum", "Total", "MmaCarry", "smallest"]
+__all__ = ["TILE_BYTES", "DEVICE_TILE_BYTES", "row_tiles", "over_rows", "stack_over_rows", "flush_max", "rows_of", "stack_rows", "QuerySum", "Total", "MmaCarry", "smallest"]
