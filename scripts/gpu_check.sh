@@ -152,11 +152,14 @@ fi
 
 if want sanitize || want memcheck || want racecheck; then
     # Small irregular shapes, causal and not and under the variants; every stage, forward and
-    # backward, and the flash kernels, in each precision of SANITIZE_PRECISIONS (default fp32 and
-    # bf16: the half pipeline's kernels).
+    # backward, and the flash kernels, in each precision of SANITIZE_PRECISIONS (default fp32,
+    # tf32 and bf16: each family of Hopper backward kernels, and the half pipeline's).
     sanitize() {
         local tool=$1 rc=0
-        for spec in "1 2 127 333 64 64" "2 1 65 129 128 128" "1 1 1 5 16 16" "1 2 33 47 24 40"; do
+        # 333 query rows: the flash backward's key-block kernels stream several query tiles through
+        # each of their two stages, so a stage is released and filled again.
+        for spec in "1 2 127 333 64 64" "1 1 333 127 64 64" "2 1 65 129 128 128" "1 1 333 127 128 128" \
+                    "1 1 1 5 16 16" "1 2 33 47 24 40"; do
             set -- $spec
             # The masks: none, causal, and the variants' kernels (bottom-right, a window, a softcap,
             # ALiBi; grouped K/V heads where the heads allow).
@@ -165,7 +168,7 @@ if want sanitize || want memcheck || want racecheck; then
                 local case=/tmp/san_${1}_${2}_${3}_${4}_${5}_${6}$(echo "$mask" | tr -d ' ,-')
                 $ATTNSTEP generate --out "$case" --batch $1 --heads $2 --seq-q $3 --seq-k $4 --d-k $5 --d-v $6 $mask \
                     --backward >/dev/null || return 1
-                for precision in ${SANITIZE_PRECISIONS:-fp32 bf16}; do
+                for precision in ${SANITIZE_PRECISIONS:-fp32 tf32 bf16}; do
                     compute-sanitizer --tool "$tool" --error-exitcode 99 $BUILD/main --in "$case" --out "$case.$precision" \
                         --backend cuda --precision $precision || rc=1
                 done

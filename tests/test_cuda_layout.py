@@ -45,9 +45,10 @@ LONG_KERNEL_FILES: Dict[str, str] = {
                                  "all compiled for sm_90a alone (CMake's sm90a object library)",
     "cuda/sm90a/flash_wgmma_half.cu": "the bf16/fp16 wgmma flash forward: one kernel, its pipeline of tensor "
                                       "memory copies and its launcher, compiled for sm_90a alone",
-    "cuda/sm90a/flash_bwd_wgmma_half.cu": "the bf16/fp16 wgmma flash backward: its two kernels (dK/dV over key "
-                                          "blocks, dQ over query blocks) sharing tiles, barriers, copies and "
-                                          "device steps, the preparation pass and their launcher, for sm_90a alone",
+    "cuda/sm90a/flash_bwd_wgmma_kernels.cuh": "the wgmma flash backward's two kernels (dK/dV over key blocks, dQ "
+                                               "over query blocks) for both operand families (bf16/fp16 and TF32), "
+                                               "sharing tiles, barriers, copies and device steps; each family's "
+                                               "preparation pass and launcher instantiate them, for sm_90a alone",
 }
 
 # Host functions longer than MAX_FUNCTION_LINES (file, function): none today.

@@ -43,6 +43,7 @@
 #include "kernels.cuh"
 #ifdef ATTNSTEP_HAVE_WGMMA
 #include "sm90a/flash_bwd_wgmma_half.cuh"
+#include "sm90a/flash_bwd_wgmma_tf32.cuh"
 #endif
 
 namespace attnstep {
@@ -539,6 +540,16 @@ bool half_backward_available(const FlashBwdArgs& a) {
 #endif
 }
 
+// The Hopper kernels at TF32 (sm90a/flash_bwd_wgmma_tf32.cu), where built and taken.
+bool tf32_wgmma_backward(const FlashBwdArgs& a) {
+#ifdef ATTNSTEP_HAVE_WGMMA
+    return device_compute_capability() == 90 && wgmma_tf32_backward_takes(a);
+#else
+    (void)a;
+    return false;
+#endif
+}
+
 void check_supported(const FlashBwdArgs& a) {
     if (is_half(a.precision)) {
         if (!half_backward_available(a))
@@ -563,7 +574,8 @@ FlashPlan flash_backward_plan(const FlashBwdArgs& a) {
     check_supported(a);
     // A label: the dK/dV kernel's tiles (64 query rows streamed by 128 keys a block); the dQ
     // kernel's are the transpose.
-    if (is_half(a.precision)) return FlashPlan{64, 128, std::string("cuda-bwd-wgmma-") + precision_name(a.precision)};
+    if (is_half(a.precision) || tf32_wgmma_backward(a))
+        return FlashPlan{64, 128, std::string("cuda-bwd-wgmma-") + precision_name(a.precision)};
     FlashPlan plan;
     with_bwd_tiles(a.d, [&](auto tag) {
         using T = tag_type<decltype(tag)>;
@@ -576,6 +588,7 @@ size_t flash_backward_workspace_bytes_per_head(const FlashBwdArgs& a) {
     size_t bytes = static_cast<size_t>(a.N) * sizeof(float);  // D
 #ifdef ATTNSTEP_HAVE_WGMMA
     if (is_half(a.precision)) bytes = wgmma_half_backward_workspace_bytes_per_head(a);
+    if (tf32_wgmma_backward(a)) bytes = wgmma_tf32_backward_workspace_bytes_per_head(a);
 #endif
     return bytes;
 }
@@ -585,6 +598,7 @@ void flash_backward(const FlashBwdArgs& a, cudaStream_t stream) {
     check_supported(a);
 #ifdef ATTNSTEP_HAVE_WGMMA
     if (is_half(a.precision)) return wgmma_half_backward(a, stream);
+    if (tf32_wgmma_backward(a)) return wgmma_tf32_backward(a, stream);
 #endif
     StreamWorkspace D(static_cast<size_t>(a.heads) * a.N, stream);
     launch_row_dot(a.dO, a.O, D.p, static_cast<long long>(a.heads) * a.N, a.d, stream);

@@ -1,5 +1,6 @@
 // tensor_map.cuh — Hopper's tensor memory access (TMA, cp.async.bulk.tensor, sm_90) as the
-// half-precision wgmma kernel uses it: a tile of rows of 16-bit values, 64 to a row (128 bytes),
+// wgmma kernels use it: a tile of rows of 16-bit values, 64 to a row (128 bytes; or of 32-bit
+// values, 32 to a row),
 // copied from a row-major [heads][rows][d] tensor into shared memory in the 128-byte swizzle that
 // wgmma's descriptors read (wgmma.cuh: sw128_desc), its completion counted on an mbarrier
 // (bulk_copy.cuh). Rows past the tensor's end land as zeros. The host describes the tensor once
@@ -21,9 +22,10 @@ namespace tma {
 // Values per copied row: 128 bytes of 16-bit values, the widest row the 128-byte swizzle takes.
 constexpr int kRowValues = 64;
 
-// The tensor [heads][rows][d] of 16-bit values at `base` (16-byte aligned, d a multiple of 64),
-// copied box_rows rows × 64 columns at a time (the 128-byte swizzle; zeros past the last row).
-inline CUtensorMap rows_map(const void* base, int d, int rows, int heads, int box_rows) {
+// The tensor [heads][rows][d] of 16-bit values (elem_bytes 2) or 32-bit ones (4) at `base` (16-byte
+// aligned, d a multiple of one 128-byte row), copied box_rows rows × 128 bytes at a time (the
+// 128-byte swizzle; zeros past the last row).
+inline CUtensorMap rows_map(const void* base, int d, int rows, int heads, int box_rows, int elem_bytes = 2) {
     using Encode = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
                                 const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
                                 CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
@@ -45,11 +47,12 @@ inline CUtensorMap rows_map(const void* base, int d, int rows, int heads, int bo
     }();
     const cuuint64_t dims[3] = {static_cast<cuuint64_t>(d), static_cast<cuuint64_t>(rows),
                                 static_cast<cuuint64_t>(heads)};
-    const cuuint64_t strides[2] = {static_cast<cuuint64_t>(d) * 2, static_cast<cuuint64_t>(d) * 2 * rows};  // bytes
-    const cuuint32_t box[3] = {kRowValues, static_cast<cuuint32_t>(box_rows), 1};
+    const cuuint64_t strides[2] = {static_cast<cuuint64_t>(d) * elem_bytes,
+                                   static_cast<cuuint64_t>(d) * elem_bytes * rows};  // bytes
+    const cuuint32_t box[3] = {static_cast<cuuint32_t>(128 / elem_bytes), static_cast<cuuint32_t>(box_rows), 1};
     const cuuint32_t unit[3] = {1, 1, 1};
     CUtensorMap map;
-    const CUresult r = encode(&map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 3, const_cast<void*>(base), dims, strides, box,
+    const CUresult r = encode(&map, elem_bytes == 4 ? CU_TENSOR_MAP_DATA_TYPE_UINT32 : CU_TENSOR_MAP_DATA_TYPE_UINT16, 3, const_cast<void*>(base), dims, strides, box,
                               unit, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
                               CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
     if (r != CUDA_SUCCESS) {

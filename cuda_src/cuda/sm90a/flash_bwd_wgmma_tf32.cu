@@ -1,0 +1,186 @@
+// flash_bwd_wgmma_tf32.cu — FlashAttention-2 backward on Hopper's warpgroup MMA (wgmma, sm_90a)
+// at TF32 (--precision tf32), in the deterministic two-kernel form of flash_bwd.cu.
+//
+// The kernels are flash_bwd_wgmma_kernels.cuh's with TF32 operands (Tf32Ops). TF32 wgmma reads
+// both shared-memory operands K-major only, so the second GEMMs' B operands (dO and Q for dV and
+// dK, K for dQ, each with the streamed rows as the reduction) come from transposed copies. This
+// file holds the preparation pass that writes them, and the launch:
+//   0. Q, K, V and dO rounded to TF32 (nearest, ties away, as flash_bwd.cu's operands), each as
+//      it lies and, for Q, dO and K, transposed ([head][d][rows padded], zeros past the rows) with
+//      the rows permuted within each 8 as flash::kperm says; per query row D = rowsum(dO∘O) of the
+//      FP32 values and lse·log2 e, padded to whole query blocks (+inf and 0 past N: P = 0).
+//   1. dK/dV kernel: 128 keys a block (two consumer warpgroups), query tiles of 64 rows (d128: 64
+//      keys, one consumer warpgroup, tiles of 32 rows).
+//   2. dQ kernel: 128 query rows a block, key tiles of 64 keys (d128: 64 rows, tiles of 32).
+// Shared memory: 64 KB of owned K and V (Q and dO) and two stages of 64 KB (Q, dO, Qᵀ, dOᵀ; the dQ
+// kernel 48 KB: K, V, Kᵀ) at both widths.
+//
+// The arithmetic, the verifier's CUDA model of a TF32 flash kernel (verify/model/kernels.py):
+// TF32 products exact in FP32, summed by the tensor cores with truncation; scale·log2 e and
+// lse·log2 e each rounded once, the exponent one FFMA, ex2.approx.ftz; P and dS rounded to TF32 as
+// GEMM operands, dS = P·(dP − D) in FP32; dK and dQ times the scale once at the end.
+//
+// Build: sm_90a only (CMakeLists.txt, the attnstep_sm90a object library); resources:
+//   nvcc -gencode=arch=compute_90a,code=sm_90a -std=c++17 -Icuda_src -Xptxas -v -c cuda_src/cuda/sm90a/flash_bwd_wgmma_tf32.cu
+// Time / check: build/main --bench --pass backward --precision tf32 --batch 4 --heads 16 --seq-q 4096 --seq-k 4096 --d 64 --check
+#include "flash_bwd_wgmma_tf32.cuh"
+
+#include <algorithm>
+#include <cstdint>
+
+#include "../cuda_check.cuh"
+#include "../device.cuh"
+#include "../flash_common.cuh"
+#include "../flash_dispatch.cuh"
+#include "flash_bwd_wgmma_kernels.cuh"
+
+namespace attnstep {
+namespace {
+
+using namespace flash;
+using namespace wgbwd;
+
+// d64: two consumer warpgroups (128 keys or rows a block), tiles of 64 rows. d128: the owned rows'
+// 64 KB a warpgroup and four streamed matrices a stage leave room for one warpgroup and tiles of 32.
+template <int D>
+struct Tf32Config;
+template <> struct Tf32Config<64> { using type = BwdTiles<64, 2, 64, Tf32Ops>; };
+template <> struct Tf32Config<128> { using type = BwdTiles<128, 1, 32, Tf32Ops>; };
+
+// Calls f(TypeTag<T>{}) with a's tiles; false for a width without them.
+template <class F>
+bool with_tiles(const FlashBwdArgs& a, F&& f) {
+    if (a.d == 64) f(TypeTag<Tf32Config<64>::type>{});
+    else if (a.d == 128) f(TypeTag<Tf32Config<128>::type>{});
+    else return false;
+    return true;
+}
+
+// Rows of the transposed copies: the query rows (and keys) padded to whole blocks, which covers
+// every tile the kernels read and keeps each copy's rows 16-byte multiples (tensor maps).
+template <class T>
+int padded(int rows) { return ceil_div(rows, T::OWN) * T::OWN; }
+
+// x rounded to TF32, four at a time; n a multiple of 4 (d is).
+__global__ void __launch_bounds__(256) round_tf32_kernel(const float4* __restrict__ x, float4* __restrict__ out, size_t n4) {
+    for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n4; i += size_t(gridDim.x) * blockDim.x) {
+        const float4 v = x[i];
+        out[i] = make_float4(__uint_as_float(flash::round_tf32(v.x)), __uint_as_float(flash::round_tf32(v.y)),
+                             __uint_as_float(flash::round_tf32(v.z)), __uint_as_float(flash::round_tf32(v.w)));
+    }
+}
+
+// xT[h][c][p] = tf32(x[h][8·(p/8) + kperm(p%8)][c]) for p < pad (0 for rows >= rows): a 32-row ×
+// 32-column block per block of (32, 8) threads, through shared memory; reads and writes coalesced.
+__global__ void __launch_bounds__(256) transpose_tf32_kernel(const float* __restrict__ x, float* __restrict__ xT,
+                                                             int rows, int pad, int d, int heads) {
+    __shared__ float tile[32][33];  // +1: the column reads below spread over the banks
+    const int row0 = blockIdx.x * 32, col0 = blockIdx.y * 32;
+    for (int h = blockIdx.z; h < heads; h += gridDim.z) {
+        const float* xh = x + static_cast<size_t>(h) * rows * d;
+        for (int y = threadIdx.y; y < 32; y += 8) {
+            const int r = row0 + y;
+            tile[y][threadIdx.x] = r < rows ? xh[static_cast<size_t>(r) * d + col0 + threadIdx.x] : 0.f;
+        }
+        __syncthreads();
+        const int p = threadIdx.x, src = (p & ~7) + kperm(p & 7);
+        for (int y = threadIdx.y; y < 32; y += 8)
+            xT[(static_cast<size_t>(h) * d + col0 + y) * pad + row0 + p] = __uint_as_float(flash::round_tf32(tile[src][y]));
+        __syncthreads();
+    }
+}
+
+// The workspace of a launch, in floats, each part a multiple of 4 (16-byte aligned): Q, dO, K, V
+// rounded; Qᵀ, dOᵀ, Kᵀ; lse₂ and D.
+template <class T>
+struct Workspace {
+    size_t q, k, qT, kT, rows;
+    Workspace(const FlashBwdArgs& a, int heads)
+        : q(static_cast<size_t>(heads) * a.N * a.d), k(static_cast<size_t>(heads) * a.M * a.d),
+          qT(static_cast<size_t>(heads) * a.d * padded<T>(a.N)), kT(static_cast<size_t>(heads) * a.d * padded<T>(a.M)),
+          rows(static_cast<size_t>(heads) * padded<T>(a.N)) {}
+    size_t floats() const { return 2 * q + 2 * k + 2 * qT + kT + 2 * rows; }
+};
+
+void launch_round(const float* x, float* out, size_t n, cudaStream_t stream) {
+    const size_t n4 = n / 4;
+    const int blocks = static_cast<int>(std::min<size_t>((n4 + 255) / 256, 32ull * device_sm_count()));
+    round_tf32_kernel<<<std::max(blocks, 1), 256, 0, stream>>>(reinterpret_cast<const float4*>(x),
+                                                               reinterpret_cast<float4*>(out), n4);
+    LAUNCH_CHECK(round_tf32_kernel);
+}
+
+void launch_transpose(const float* x, float* xT, int rows, int pad, int d, int heads, cudaStream_t stream) {
+    const dim3 grid(pad / 32, d / 32, std::min(heads, kMaxGridYZ));
+    transpose_tf32_kernel<<<grid, dim3(32, 8), 0, stream>>>(x, xT, rows, pad, d, heads);
+    LAUNCH_CHECK(transpose_tf32_kernel);
+}
+
+template <class T, bool kCausal>
+void launch_tiles(const FlashBwdArgs& a, cudaStream_t stream) {
+    kernel_blocks_per_sm<T, dkdv_kernel<T, kCausal>>();  // raise their shared-memory limits
+    kernel_blocks_per_sm<T, dq_kernel<T, kCausal>>();
+    const int n_pad = padded<T>(a.N), m_pad = padded<T>(a.M);
+    const Workspace<T> sizes(a, a.heads);
+    StreamWorkspace ws(sizes.floats(), stream);
+    float* const Qr = ws.p;
+    float* const dOr = Qr + sizes.q;
+    float* const Kr = dOr + sizes.q;
+    float* const Vr = Kr + sizes.k;
+    float* const QT = Vr + sizes.k;
+    float* const dOT = QT + sizes.qT;
+    float* const KT = dOT + sizes.qT;
+    float* const lse2 = KT + sizes.kT;
+    float* const Drow = lse2 + sizes.rows;
+    launch_round(a.Q, Qr, sizes.q, stream);
+    launch_round(a.dO, dOr, sizes.q, stream);
+    launch_round(a.K, Kr, sizes.k, stream);
+    launch_round(a.V, Vr, sizes.k, stream);
+    launch_transpose(a.Q, QT, a.N, n_pad, T::D, a.heads, stream);
+    launch_transpose(a.dO, dOT, a.N, n_pad, T::D, a.heads, stream);
+    launch_transpose(a.K, KT, a.M, m_pad, T::D, a.heads, stream);
+    const long long rows = static_cast<long long>(a.heads) * n_pad;
+    const int blocks = static_cast<int>(std::min<long long>((rows + 7) / 8, 64LL * device_sm_count()));
+    rows_kernel<Fp32><<<blocks, 256, 0, stream>>>(a.dO, a.O, a.lse, lse2, Drow, rows, a.N, n_pad, a.d);
+    LAUNCH_CHECK(rows_kernel);
+    constexpr int kF = sizeof(float);
+    const CUtensorMap qT = tma::rows_map(QT, n_pad, T::D, a.heads, T::D, kF);
+    const CUtensorMap dOT_map = tma::rows_map(dOT, n_pad, T::D, a.heads, T::D, kF);
+    const BwdMaps by_keys{tma::rows_map(Qr, T::D, a.N, a.heads, T::STREAM, kF), tma::rows_map(Kr, T::D, a.M, a.heads, T::OWN, kF),
+                          tma::rows_map(Vr, T::D, a.M, a.heads, T::OWN, kF), tma::rows_map(dOr, T::D, a.N, a.heads, T::STREAM, kF),
+                          qT, dOT_map, CUtensorMap{}};
+    const BwdMaps by_rows{tma::rows_map(Qr, T::D, a.N, a.heads, T::OWN, kF), tma::rows_map(Kr, T::D, a.M, a.heads, T::STREAM, kF),
+                          tma::rows_map(Vr, T::D, a.M, a.heads, T::STREAM, kF), tma::rows_map(dOr, T::D, a.N, a.heads, T::OWN, kF),
+                          CUtensorMap{}, CUtensorMap{}, tma::rows_map(KT, m_pad, T::D, a.heads, T::D, kF)};
+    for (int head0 = 0; head0 < a.heads; head0 += kMaxGridYZ) {
+        const int heads = std::min(kMaxGridYZ, a.heads - head0);
+        const BwdParams p{lse2, Drow, a.dQ, a.dK, a.dV, head0, a.N, a.M, n_pad, a.scale * kLog2e, a.scale};
+        dkdv_kernel<T, kCausal><<<dim3(ceil_div(a.M, T::OWN), heads), T::THREADS, T::SMEM_BYTES, stream>>>(p, by_keys);
+        LAUNCH_CHECK(dkdv_kernel);
+        dq_kernel<T, kCausal><<<dim3(ceil_div(a.N, T::OWN), heads), T::THREADS, T::SMEM_BYTES, stream>>>(p, by_rows);
+        LAUNCH_CHECK(dq_kernel);
+    }
+    ws.release();
+}
+
+}  // namespace
+
+bool wgmma_tf32_backward_takes(const FlashBwdArgs& a) {
+    return a.precision == Precision::tf32 && !a.sequences && !a.variant.beyond_plain() && with_tiles(a, [](auto) {});
+}
+
+size_t wgmma_tf32_backward_workspace_bytes_per_head(const FlashBwdArgs& a) {
+    size_t bytes = 0;
+    with_tiles(a, [&](auto tag) { bytes = Workspace<tag_type<decltype(tag)>>(a, 1).floats() * sizeof(float) + 16; });
+    return bytes;
+}
+
+void wgmma_tf32_backward(const FlashBwdArgs& a, cudaStream_t stream) {
+    with_tiles(a, [&](auto tag) {
+        using T = tag_type<decltype(tag)>;
+        if (a.causal) launch_tiles<T, true>(a, stream);
+        else launch_tiles<T, false>(a, stream);
+    });
+}
+
+}  // namespace attnstep

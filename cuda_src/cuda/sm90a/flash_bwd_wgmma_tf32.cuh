@@ -1,0 +1,25 @@
+// flash_bwd_wgmma_tf32.cuh — the FlashAttention backward on Hopper's warpgroup MMA at TF32
+// (flash_bwd_wgmma_tf32.cu): TF32 operands, FP32 accumulation, deterministic. flash_bwd.cu hands it
+// the problems it takes; built only for sm_90a, run on compute capability 9.0 alone.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+
+#include "../flash_bwd.cuh"
+
+namespace attnstep {
+
+// Whether the kernels take `a`: --precision tf32, d 64 or 128, no mask or the top-left causal one, dense
+// (no packed batch). The caller checks the compute capability.
+bool wgmma_tf32_backward_takes(const FlashBwdArgs& a);
+
+// Device bytes per head the launch allocates beyond its arguments: Q, K, V and dO rounded to TF32,
+// the transposed copies Qᵀ, dOᵀ and Kᵀ, and the rows' lse·log2 e and D; O((N + M)·d).
+size_t wgmma_tf32_backward_workspace_bytes_per_head(const FlashBwdArgs& a);
+
+// The preparation pass, the dK/dV kernel and the dQ kernel on `stream`; no atomics. Checked.
+void wgmma_tf32_backward(const FlashBwdArgs& a, cudaStream_t stream);
+
+}  // namespace attnstep

@@ -1,0 +1,103 @@
+"""The Hopper flash backward at TF32 (wgmma): which kernel the binary takes, its gradients against
+float64 and the verifier, and determinism.
+
+The wgmma kernels need compute capability 9.0 and d 64 or 128; elsewhere the binary takes the
+mma.sync backward, which these tests then check the same way (the kernel-name test skips).
+"""
+from __future__ import annotations
+
+import filecmp
+import json
+import subprocess
+
+import numpy as np
+import pytest
+
+from verify.check.reference import reference_chain
+from verify.files.case import read_matrix
+from verify.files.generate import generate_case
+from verify.files.outputs import load_run
+from verify.stages import (FLASH_GRAD_KEYS, FLASH_GRAD_QUERIES, FLASH_GRAD_VALUES, FLASH_LSE, FLASH_OUTPUT,
+                           GRAD_OUTPUT, INPUT_NAMES, Dims, stage_file)
+
+from helpers.reports import check_verdict
+
+pytestmark = pytest.mark.gpu
+
+FLASH_GRADS = (FLASH_GRAD_QUERIES, FLASH_GRAD_KEYS, FLASH_GRAD_VALUES)
+WGMMA_TF32 = "cuda-bwd-wgmma-tf32"
+
+# One query and one key; tails in N and M (not multiples of 64 or 128) with N < M and N > M, which
+# under the causal mask leave key blocks no query sees; enough heads for several blocks a kernel.
+SHAPES = [Dims(1, 1, 1, 1, 64, 64), Dims(1, 2, 127, 333, 64, 64), Dims(2, 1, 300, 97, 128, 128),
+          Dims(1, 3, 300, 520, 128, 128), Dims(1, 5, 256, 256, 64, 64)]
+VERIFIED_MAX_HEADS = 2  # the verifier's bounds cost seconds a head
+
+
+def run_flash(binary, in_dir, out_dir, causal):
+    proc = subprocess.run([str(binary), "--in", str(in_dir), "--out", str(out_dir), "--backend", "cuda",
+                           "--precision", "tf32", "--stages", "flash", "--poison", *(["--causal"] if causal else [])],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    return load_run(out_dir)
+
+
+def bench_backward_kernel(binary, tmp_path, d):
+    """The flash backward's kernel as `main --bench` names it, on a small TF32 problem of width d."""
+    out = tmp_path / f"bench{d}.json"
+    proc = subprocess.run([str(binary), "--bench", "--pass", "backward", "--check", "--no-ceilings", "--batch", "1",
+                           "--heads", "2", "--seq-q", "200", "--seq-k", "300", "--d", str(d), "--precision", "tf32",
+                           "--warmup", "0", "--reps", "1", "--json", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = {k["name"]: k for k in json.loads(out.read_text())["kernels"]}
+    flash = rows["flash_backward"]
+    assert flash["check"]["passed"] is True, flash
+    return flash["tiles"]
+
+
+def test_hopper_takes_the_wgmma_backward_at_tf32(binary, tmp_path):
+    """On compute capability 9.0 the TF32 flash backward at d64 and d128 is the wgmma one; other
+    widths keep the mma.sync one."""
+    tiles = bench_backward_kernel(binary, tmp_path, 64)
+    if WGMMA_TF32 not in tiles:
+        pytest.skip(f"this GPU or build runs the mma.sync backward ({tiles})")
+    assert WGMMA_TF32 in bench_backward_kernel(binary, tmp_path, 128)
+    assert WGMMA_TF32 not in bench_backward_kernel(binary, tmp_path, 32)
+
+
+@pytest.mark.parametrize("dims", SHAPES, ids=[str(d) for d in SHAPES])
+def test_the_tf32_flash_backward_matches_float64_and_passes_the_verifier(binary, tmp_path, dims):
+    """Each gradient within a few TF32 units of the float64 gradients (normwise: a sum that
+    cancels has a small entry with a large relative error), every element written; the verifier
+    passes it under its TF32 bounds."""
+    in_dir = generate_case(tmp_path / "in", dims, seed=5, distribution="normal", fmt="npy", backward=True)
+    for causal in (False, True):
+        out = tmp_path / f"out-{causal}"
+        run = run_flash(binary, in_dir, out, causal)
+        if dims.total_heads <= VERIFIED_MAX_HEADS:
+            code, verdict = check_verdict(in_dir, out, "--causal" if causal else "--no-causal")
+            assert code == 0 and verdict.startswith("PASS (bounds for tf32)"), verdict
+        for head in range(dims.total_heads):
+            inputs = {n: read_matrix(in_dir / stage_file(n, head, "npy")) for n in (*INPUT_NAMES, GRAD_OUTPUT)}
+            inputs[FLASH_OUTPUT] = read_matrix(run.file(FLASH_OUTPUT, head))
+            inputs[FLASH_LSE] = read_matrix(run.file(FLASH_LSE, head))
+            ref = reference_chain(inputs, float(run.values["scale"]), causal, FLASH_GRADS)
+            for name in FLASH_GRADS:
+                got = read_matrix(run.file(name, head))
+                assert np.isfinite(got).all(), f"{name} head {head}: an element was not written"
+                if dims.seq_k == 1 and name != FLASH_GRAD_VALUES:
+                    continue  # one key: dS = P·(dP − D) is 0 exactly, the kernel's TF32 noise (the verifier bounds it)
+                err = np.abs(got - ref[name]).max() / max(np.abs(ref[name]).max(), 1e-3)
+                assert err < 16 * 2.0**-11, f"causal={causal} {name} head {head}: off by {err:.3g}"
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_the_tf32_flash_backward_is_deterministic(binary, tmp_path, d):
+    """Two runs write the same bytes: every gradient element has one owner, no atomics."""
+    dims = Dims(1, 4, 700, 900, d, d)
+    in_dir = generate_case(tmp_path / "in", dims, seed=3, distribution="normal", fmt="npy", backward=True)
+    runs = [run_flash(binary, in_dir, tmp_path / f"out{i}", True) for i in range(2)]
+    for name in FLASH_GRADS:
+        for head in range(dims.total_heads):
+            assert filecmp.cmp(runs[0].file(name, head), runs[1].file(name, head), shallow=False), (name, head)
