@@ -21,6 +21,10 @@
 //   (Z dropout's keep decision, drawn again), dQ and dK read P∘(dP∘Z/(1 − p) − D)·(1 − t²) (the
 //   softcap's derivative); a row the forward saw no key for (lse -inf) gives P = 0.
 //
+// On Hopper, TF32 at d 64 and 128 (no variant) goes to the wgmma kernels of
+// sm90a/flash_bwd_wgmma_tf32.cu, which do the same arithmetic; bf16 and fp16 to
+// sm90a/flash_bwd_wgmma_half.cu.
+//
 // Arithmetic the verifier assumes (verify/model/kernels.py: the CUDA model of the forward's
 // cuda-* flash_kernel): Precision::fp32 3xTF32 (every operand split hi + lo; FP32-accurate
 // products, as the forward), Precision::tf32 one TF32 product. Each tile's products are summed in a
