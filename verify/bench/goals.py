@@ -80,7 +80,7 @@ GOALS = (
     *(Goal(FLASH_DISPATCHER, {**_LARGE, "d": d}, p, "err_vs_sdpa", _NO_WORSE, "<=")
       for p in HALF_PRECISIONS for d in (64, 128)),
     *(Goal(FLASH_BACKWARD, {**_LARGE, "d": d}, "fp32", "vs_sdpa_backward", 2.0) for d in (64, 128)),
-    *(Goal(FLASH_BACKWARD, {**_LARGE, "d": d}, "tf32", "tflops", 150.0) for d in (64, 128)),
+    *(Goal(FLASH_BACKWARD, {**_LARGE, "d": d}, "tf32", "tflops", 200.0) for d in (64, 128)),
     *(Goal(FLASH_BACKWARD, {**_LARGE, "d": d}, p, "vs_sdpa_backward_cudnn", 1.0)
       for p in HALF_PRECISIONS for d in (64, 128)),
     Goal(SCORES, _LARGE_D64, "fp32", "sgemm_fraction", 0.9),
