@@ -41,13 +41,8 @@ constexpr int kWarpgroup = 128;     // threads
 constexpr int kSwizzleAtom = 1024;  // bytes: 8 rows of 128 (tensor_map.cuh)
 constexpr int kRowBytes = 128;      // one swizzled row
 
-// Byte offset of k step ks (32 bytes: 16 half or 8 TF32 values) in a K-major tile of R rows, its
-// columns in blocks of 128-byte rows.
-template <int R>
-__device__ __forceinline__ uint32_t k_step_bytes(int ks) {
-    return (ks / 4) * R * kRowBytes + (ks % 4) * 32;
-}
-__device__ __forceinline__ uint64_t desc_plus(uint64_t desc, uint32_t bytes) { return desc + (bytes >> 4); }
+using wg::desc_plus;
+using wg::k_step_bytes;
 
 // bf16/fp16 operands (Fmt: half_format.cuh), rounded to the format as the GEMMs read them.
 template <class Fmt_>
@@ -169,8 +164,7 @@ struct BwdMaps {
 // Rows [row, row + R) of a [heads][rows][D] tensor: D/ROW_VALUES column blocks of R rows.
 template <class T, int R>
 __device__ __forceinline__ void load_rows(typename T::Elem* dst, const CUtensorMap* map, int row, int head, uint64_t* bar) {
-#pragma unroll
-    for (int b = 0; b < T::COL_BLOCKS; ++b) tma::load(dst + b * R * T::ROW_VALUES, map, b * T::ROW_VALUES, row, head, bar);
+    tma::load_row_blocks<R, T::COL_BLOCKS>(dst, map, row, head, bar);
 }
 
 // Columns [col, col + STREAM) of a transposed [heads][D][rows padded] copy: STREAM/ROW_VALUES

@@ -114,21 +114,13 @@ struct HalfMaps {
     CUtensorMap q, k, v;
 };
 
-// Byte offset of k step ks (16 columns) in a K-major tile of R rows: four steps to a 128-byte row,
-// then the next column block.
-template <int R>
-__device__ __forceinline__ uint32_t k_step_bytes(int ks) {
-    return (ks / 4) * R * 128 + (ks % 4) * 32;
-}
-// The descriptor `bytes` further on (its address field counts 16-byte units).
-__device__ __forceinline__ uint64_t desc_plus(uint64_t desc, uint32_t bytes) { return desc + (bytes >> 4); }
+using wg::desc_plus;
+using wg::k_step_bytes;
 
 // Copies the R rows from `row` of head `head`, every column block, into the tile at dst.
 template <class T, int R>
 __device__ __forceinline__ void load_rows(Half* dst, const CUtensorMap* map, int row, int head, uint64_t* bar) {
-#pragma unroll
-    for (int b = 0; b < T::COL_BLOCKS; ++b)
-        tma::load(dst + b * R * tma::kRowValues, map, b * tma::kRowValues, row, head, bar);
+    tma::load_row_blocks<R, T::COL_BLOCKS>(dst, map, row, head, bar);
 }
 
 // ---------------------------------------------------------------------------------------------

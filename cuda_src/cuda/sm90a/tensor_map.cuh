@@ -74,5 +74,14 @@ __device__ __forceinline__ void load(void* dst, const CUtensorMap* map, int col,
         : "memory");
 }
 
+// Rows [row, row + R) of a [heads][rows][d] tensor of E values (2 or 4 bytes), every one of its
+// kColBlocks column blocks of 128 bytes, into the tile at dst: block b at dst + b·R rows.
+template <int R, int kColBlocks, class E>
+__device__ __forceinline__ void load_row_blocks(E* dst, const CUtensorMap* map, int row, int head, uint64_t* bar) {
+    constexpr int kValues = 128 / sizeof(E);
+#pragma unroll
+    for (int b = 0; b < kColBlocks; ++b) load(dst + b * R * kValues, map, b * kValues, row, head, bar);
+}
+
 }  // namespace tma
 }  // namespace attnstep

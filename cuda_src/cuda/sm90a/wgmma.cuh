@@ -50,6 +50,15 @@ __device__ __forceinline__ uint64_t sw128_desc(const void* smem, uint32_t lbo_by
     return make_desc(smem, lbo_bytes, 1024) | (1ull << 62);
 }
 
+// Byte offset of k step ks (32 bytes: 16 half or 8 TF32 values) in a K-major tile of R rows in the
+// 128-byte swizzle: four steps to a 128-byte row, then the next column block of R rows.
+template <int R>
+__device__ __forceinline__ uint32_t k_step_bytes(int ks) {
+    return (ks / 4) * R * 128 + (ks % 4) * 32;
+}
+// The descriptor `bytes` further on (its address field counts 16-byte units).
+__device__ __forceinline__ uint64_t desc_plus(uint64_t desc, uint32_t bytes) { return desc + (bytes >> 4); }
+
 // Orders earlier register and shared-memory accesses before the wgmma that follow.
 __device__ __forceinline__ void fence() { ATTNSTEP_SM90A_ASM("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void commit() { ATTNSTEP_SM90A_ASM("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
