@@ -159,11 +159,19 @@ def test_the_goal_names_cudnn_not_the_fastest_and_can_be_missed(monkeypatch):
     assert len(records) == 1 and not records[0]["met"] and records[0]["line"].startswith("MISSED")
 
 
-def test_no_cudnn_backward_leaves_the_goal_undecided(monkeypatch):
+def test_no_cudnn_backward_leaves_the_goal_undecided_and_says_so(monkeypatch):
     _fake_machine(monkeypatch, backends=lambda: _backends(cudnn=None))
     rows = _rows()
-    assert rows[FLASH_BACKWARD].vs_sdpa == pytest.approx(330 / 250) and goal_records(list(rows.values())) == []
+    assert rows[FLASH_BACKWARD].vs_sdpa == pytest.approx(330 / 250)
+    assert goal_records(list(rows.values())) == [
+        {"line": "not measured bf16 flash_backward >= 1x SDPA's cuDNN backward at B4-H16-N4096-M4096-d64: "
+                 "SDPA's cudnn backend did not run (its row says why)", "met": False}]
     assert rows[sdpa_backend_row(CUDNN, SDPA_BACKWARD)].status == CUDNN_REFUSED
+
+
+def test_a_run_without_sdpa_leaves_the_cudnn_goal_unprinted(monkeypatch):
+    _fake_machine(monkeypatch, backends=dict)
+    assert goal_records(list(_rows().values())) == []
 
 
 def test_the_plot_draws_the_fastest_backward_not_each_backend(monkeypatch):

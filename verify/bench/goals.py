@@ -100,10 +100,14 @@ def _applies(goal: Goal, row: Row) -> bool:
 
 
 def goal_line(goal: Goal, row: Row) -> Optional[str]:
-    """'met'/'MISSED' with the figure, or None when the row does not decide the goal."""
+    """'met'/'MISSED' with the figure; 'not measured' when SDPA ran on the row's shape but not the
+    backend the goal names; None when the row does not decide the goal."""
     metric = METRICS[goal.metric]
     value = getattr(row, metric.field)
     if metric.backend is not None:
+        if _applies(goal, row) and value is not None and value.get(metric.backend) is None:
+            return (f"not measured {metric.claim.format(g=goal)} at {row.shape}: SDPA's {metric.backend} "
+                    f"backend did not run (its row says why)")
         value = (value or {}).get(metric.backend)
     if not _applies(goal, row) or value is None:
         return None
