@@ -59,8 +59,6 @@ int padded_rows(int N) {
 
 template <class T, bool kCausal>
 void launch_tiles(const FlashBwdArgs& a, cudaStream_t stream) {
-    kernel_blocks_per_sm<T, dkdv_kernel<T, kCausal>>();  // raise their shared-memory limits
-    kernel_blocks_per_sm<T, dq_kernel<T, kCausal>>();
     const int n_pad = padded_rows<T>(a.N);
     const Workspace sizes(a, a.heads, n_pad);
     StreamWorkspace ws(sizes.floats(), stream);
@@ -76,14 +74,7 @@ void launch_tiles(const FlashBwdArgs& a, cudaStream_t stream) {
                           tma::rows_map(a.Vh, T::D, a.M, a.heads, T::OWN), tma::rows_map(dOh, T::D, a.N, a.heads, T::STREAM)};
     const BwdMaps by_rows{tma::rows_map(a.Qh, T::D, a.N, a.heads, T::OWN), tma::rows_map(a.Kh, T::D, a.M, a.heads, T::STREAM),
                           tma::rows_map(a.Vh, T::D, a.M, a.heads, T::STREAM), tma::rows_map(dOh, T::D, a.N, a.heads, T::OWN)};
-    for (int head0 = 0; head0 < a.heads; head0 += kMaxGridYZ) {
-        const int heads = std::min(kMaxGridYZ, a.heads - head0);
-        const BwdParams p{lse2, Drow, a.dQ, a.dK, a.dV, head0, a.N, a.M, n_pad, a.scale * kLog2e, a.scale};
-        dkdv_kernel<T, kCausal><<<dim3(ceil_div(a.M, T::OWN), heads), T::THREADS, T::SMEM_BYTES, stream>>>(p, by_keys);
-        LAUNCH_CHECK(dkdv_kernel);
-        dq_kernel<T, kCausal><<<dim3(ceil_div(a.N, T::OWN), heads), T::THREADS, T::SMEM_BYTES, stream>>>(p, by_rows);
-        LAUNCH_CHECK(dq_kernel);
-    }
+    launch_kernels<T, kCausal>(a, by_keys, by_rows, lse2, Drow, n_pad, stream);
     ws.release();
 }
 

@@ -23,9 +23,14 @@
 //   negative, and ∞·0 would poison dQ); a key's own gradient rows past M are never stored.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 
+#include "../cuda_check.cuh"
+#include "../device.cuh"
+#include "../flash_bwd.cuh"
 #include "../flash_common.cuh"
+#include "../flash_dispatch.cuh"
 #include "../half_format.cuh"
 #include "bulk_copy.cuh"
 #include "tensor_map.cuh"
@@ -510,6 +515,23 @@ __global__ void __launch_bounds__(256) rows_kernel(const float* __restrict__ dO,
             lse2[r] = l == -INFINITY ? INFINITY : l * flash::kLog2e;
             Drow[r] = sum;
         }
+    }
+}
+
+// Both kernels over a's heads (a grid holds at most kMaxGridYZ), their shared-memory limits raised
+// first; lse2 and Drow as the preparation pass wrote them, n_pad floats a head.
+template <class T, bool kCausal>
+void launch_kernels(const FlashBwdArgs& a, const BwdMaps& by_keys, const BwdMaps& by_rows, const float* lse2,
+                    const float* Drow, int n_pad, cudaStream_t stream) {
+    kernel_blocks_per_sm<T, dkdv_kernel<T, kCausal>>();
+    kernel_blocks_per_sm<T, dq_kernel<T, kCausal>>();
+    for (int head0 = 0; head0 < a.heads; head0 += kMaxGridYZ) {
+        const int heads = std::min(kMaxGridYZ, a.heads - head0);
+        const BwdParams p{lse2, Drow, a.dQ, a.dK, a.dV, head0, a.N, a.M, n_pad, a.scale * flash::kLog2e, a.scale};
+        dkdv_kernel<T, kCausal><<<dim3(ceil_div(a.M, T::OWN), heads), T::THREADS, T::SMEM_BYTES, stream>>>(p, by_keys);
+        LAUNCH_CHECK(dkdv_kernel);
+        dq_kernel<T, kCausal><<<dim3(ceil_div(a.N, T::OWN), heads), T::THREADS, T::SMEM_BYTES, stream>>>(p, by_rows);
+        LAUNCH_CHECK(dq_kernel);
     }
 }
 

@@ -118,8 +118,6 @@ void launch_transpose(const float* x, float* xT, int rows, int pad, int d, int h
 
 template <class T, bool kCausal>
 void launch_tiles(const FlashBwdArgs& a, cudaStream_t stream) {
-    kernel_blocks_per_sm<T, dkdv_kernel<T, kCausal>>();  // raise their shared-memory limits
-    kernel_blocks_per_sm<T, dq_kernel<T, kCausal>>();
     const int n_pad = padded<T>(a.N), m_pad = padded<T>(a.M);
     const Workspace<T> sizes(a, a.heads);
     StreamWorkspace ws(sizes.floats(), stream);
@@ -152,14 +150,7 @@ void launch_tiles(const FlashBwdArgs& a, cudaStream_t stream) {
     const BwdMaps by_rows{tma::rows_map(Qr, T::D, a.N, a.heads, T::OWN, kF), tma::rows_map(Kr, T::D, a.M, a.heads, T::STREAM, kF),
                           tma::rows_map(Vr, T::D, a.M, a.heads, T::STREAM, kF), tma::rows_map(dOr, T::D, a.N, a.heads, T::OWN, kF),
                           CUtensorMap{}, CUtensorMap{}, tma::rows_map(KT, m_pad, T::D, a.heads, T::D, kF)};
-    for (int head0 = 0; head0 < a.heads; head0 += kMaxGridYZ) {
-        const int heads = std::min(kMaxGridYZ, a.heads - head0);
-        const BwdParams p{lse2, Drow, a.dQ, a.dK, a.dV, head0, a.N, a.M, n_pad, a.scale * kLog2e, a.scale};
-        dkdv_kernel<T, kCausal><<<dim3(ceil_div(a.M, T::OWN), heads), T::THREADS, T::SMEM_BYTES, stream>>>(p, by_keys);
-        LAUNCH_CHECK(dkdv_kernel);
-        dq_kernel<T, kCausal><<<dim3(ceil_div(a.N, T::OWN), heads), T::THREADS, T::SMEM_BYTES, stream>>>(p, by_rows);
-        LAUNCH_CHECK(dq_kernel);
-    }
+    launch_kernels<T, kCausal>(a, by_keys, by_rows, lse2, Drow, n_pad, stream);
     ws.release();
 }
 
