@@ -534,20 +534,12 @@ bool with_bwd_tiles(int d, F&& f) {
     });
 }
 
-// The Hopper kernels at a half precision (sm90a/flash_bwd_wgmma_half.cu), where built and taken.
-bool half_backward_available(const FlashBwdArgs& a) {
+// The Hopper kernels (sm90a/flash_bwd_wgmma_half.cu at bf16/fp16, sm90a/flash_bwd_wgmma_tf32.cu at
+// tf32), where built and taken.
+bool hopper_backward(const FlashBwdArgs& a) {
 #ifdef ATTNSTEP_HAVE_WGMMA
-    return device_compute_capability() == 90 && wgmma_half_backward_takes(a);
-#else
-    (void)a;
-    return false;
-#endif
-}
-
-// The Hopper kernels at TF32 (sm90a/flash_bwd_wgmma_tf32.cu), where built and taken.
-bool tf32_wgmma_backward(const FlashBwdArgs& a) {
-#ifdef ATTNSTEP_HAVE_WGMMA
-    return device_compute_capability() == 90 && wgmma_tf32_backward_takes(a);
+    return device_compute_capability() == 90 &&
+           (is_half(a.precision) ? wgmma_half_backward_takes(a) : wgmma_tf32_backward_takes(a));
 #else
     (void)a;
     return false;
@@ -556,7 +548,7 @@ bool tf32_wgmma_backward(const FlashBwdArgs& a) {
 
 void check_supported(const FlashBwdArgs& a) {
     if (is_half(a.precision)) {
-        if (!half_backward_available(a))
+        if (!hopper_backward(a))
             fail(kExitInternal, where(__FILE__, __LINE__) + ": no half-precision flash backward for this problem");
         return;
     }
@@ -570,7 +562,7 @@ void check_supported(const FlashBwdArgs& a) {
 }  // namespace
 
 bool flash_backward_available(const FlashBwdArgs& a) {
-    if (is_half(a.precision)) return half_backward_available(a);
+    if (is_half(a.precision)) return hopper_backward(a);
     return device_supported() && with_bwd_tiles(a.d, [](auto) {});
 }
 
@@ -578,7 +570,7 @@ FlashPlan flash_backward_plan(const FlashBwdArgs& a) {
     check_supported(a);
     // A label: the dK/dV kernel's tiles (64 query rows streamed by 128 keys a block); the dQ
     // kernel's are the transpose.
-    if (is_half(a.precision) || tf32_wgmma_backward(a))
+    if (is_half(a.precision) || hopper_backward(a))
         return FlashPlan{64, 128, std::string("cuda-bwd-wgmma-") + precision_name(a.precision)};
     FlashPlan plan;
     with_bwd_tiles(a.d, [&](auto tag) {
@@ -592,7 +584,7 @@ size_t flash_backward_workspace_bytes_per_head(const FlashBwdArgs& a) {
     size_t bytes = static_cast<size_t>(a.N) * sizeof(float);  // D
 #ifdef ATTNSTEP_HAVE_WGMMA
     if (is_half(a.precision)) bytes = wgmma_half_backward_workspace_bytes_per_head(a);
-    if (tf32_wgmma_backward(a)) bytes = wgmma_tf32_backward_workspace_bytes_per_head(a);
+    else if (hopper_backward(a)) bytes = wgmma_tf32_backward_workspace_bytes_per_head(a);
 #endif
     return bytes;
 }
@@ -602,7 +594,7 @@ void flash_backward(const FlashBwdArgs& a, cudaStream_t stream) {
     check_supported(a);
 #ifdef ATTNSTEP_HAVE_WGMMA
     if (is_half(a.precision)) return wgmma_half_backward(a, stream);
-    if (tf32_wgmma_backward(a)) return wgmma_tf32_backward(a, stream);
+    if (hopper_backward(a)) return wgmma_tf32_backward(a, stream);
 #endif
     StreamWorkspace D(static_cast<size_t>(a.heads) * a.N, stream);
     launch_row_dot(a.dO, a.O, D.p, static_cast<long long>(a.heads) * a.N, a.d, stream);
