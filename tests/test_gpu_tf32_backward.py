@@ -27,8 +27,9 @@ pytestmark = pytest.mark.gpu
 FLASH_GRADS = (FLASH_GRAD_QUERIES, FLASH_GRAD_KEYS, FLASH_GRAD_VALUES)
 WGMMA_TF32 = "cuda-bwd-wgmma-tf32"
 
-# One query and one key; tails in N and M (not multiples of 64 or 128) with N < M and N > M, which
-# under the causal mask leave key blocks no query sees; enough heads for several blocks a kernel.
+# One query and one key; tails in N and M (not multiples of 32, 64 or 128) with N < M and N > M,
+# which under the causal mask leave key blocks no query sees; whole tiles with enough heads for
+# several blocks a kernel.
 SHAPES = [Dims(1, 1, 1, 1, 64, 64), Dims(1, 2, 127, 333, 64, 64), Dims(2, 1, 300, 97, 128, 128),
           Dims(1, 3, 300, 520, 128, 128), Dims(1, 5, 256, 256, 64, 64)]
 VERIFIED_MAX_HEADS = 2  # the verifier's bounds cost seconds a head
@@ -62,7 +63,9 @@ def test_hopper_takes_the_wgmma_backward_at_tf32(binary, tmp_path):
     tiles = bench_backward_kernel(binary, tmp_path, 64)
     if WGMMA_TF32 not in tiles:
         pytest.skip(f"this GPU or build runs the mma.sync backward ({tiles})")
-    assert WGMMA_TF32 in bench_backward_kernel(binary, tmp_path, 128)
+    # The label: query rows streamed a tile by keys a block, each width's own.
+    assert tiles == f"64x128, {WGMMA_TF32}"
+    assert bench_backward_kernel(binary, tmp_path, 128) == f"32x64, {WGMMA_TF32}"
     assert WGMMA_TF32 not in bench_backward_kernel(binary, tmp_path, 32)
 
 
@@ -92,12 +95,13 @@ def test_the_tf32_flash_backward_matches_float64_and_passes_the_verifier(binary,
                 assert err < 16 * 2.0**-11, f"causal={causal} {name} head {head}: off by {err:.3g}"
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("d", [64, 128])
-def test_the_tf32_flash_backward_is_deterministic(binary, tmp_path, d):
+def test_the_tf32_flash_backward_is_deterministic(binary, tmp_path, d, causal):
     """Two runs write the same bytes: every gradient element has one owner, no atomics."""
     dims = Dims(1, 4, 700, 900, d, d)
     in_dir = generate_case(tmp_path / "in", dims, seed=3, distribution="normal", fmt="npy", backward=True)
-    runs = [run_flash(binary, in_dir, tmp_path / f"out{i}", True) for i in range(2)]
+    runs = [run_flash(binary, in_dir, tmp_path / f"out{i}", causal) for i in range(2)]
     for name in FLASH_GRADS:
         for head in range(dims.total_heads):
             assert filecmp.cmp(runs[0].file(name, head), runs[1].file(name, head), shallow=False), (name, head)

@@ -22,8 +22,10 @@
 //   softcap's derivative); a row the forward saw no key for (lse -inf) gives P = 0.
 //
 // On Hopper, TF32 at d 64 and 128 (no variant) goes to the wgmma kernels of
-// sm90a/flash_bwd_wgmma_tf32.cu, which do the same arithmetic; bf16 and fp16 to
-// sm90a/flash_bwd_wgmma_half.cu.
+// sm90a/flash_bwd_wgmma_tf32.cu, bf16 and fp16 to sm90a/flash_bwd_wgmma_half.cu. Those keep dK, dV
+// and dQ in the tensor cores' accumulators across every tile, so the truncation spans the whole sum
+// (which the verifier's model bounds: the running sums over every 8-long chunk), not one tile as
+// here; their products and roundings are otherwise these.
 //
 // Arithmetic the verifier assumes (verify/model/kernels.py: the CUDA model of the forward's
 // cuda-* flash_kernel): Precision::fp32 3xTF32 (every operand split hi + lo; FP32-accurate
@@ -568,10 +570,17 @@ bool flash_backward_available(const FlashBwdArgs& a) {
 
 FlashPlan flash_backward_plan(const FlashBwdArgs& a) {
     check_supported(a);
-    // A label: the dK/dV kernel's tiles (64 query rows streamed by 128 keys a block); the dQ
-    // kernel's are the transpose.
-    if (is_half(a.precision) || hopper_backward(a))
-        return FlashPlan{64, 128, std::string("cuda-bwd-wgmma-") + precision_name(a.precision)};
+    // A label: the dK/dV kernel's tiles (query rows streamed a tile by keys a block: 64 by 128 at
+    // a half precision); the dQ kernel's are the transpose.
+    const std::string wgmma = std::string("cuda-bwd-wgmma-") + precision_name(a.precision);
+    if (is_half(a.precision)) return FlashPlan{64, 128, wgmma};
+#ifdef ATTNSTEP_HAVE_WGMMA
+    if (hopper_backward(a)) {
+        FlashPlan plan{0, 0, wgmma};
+        wgmma_tf32_backward_tiles(a, &plan.Br, &plan.Bc);
+        return plan;
+    }
+#endif
     FlashPlan plan;
     with_bwd_tiles(a.d, [&](auto tag) {
         using T = tag_type<decltype(tag)>;

@@ -130,8 +130,8 @@ struct BwdTiles {
     // Whether kernel 1 issues a tile's Sᵀ and dPᵀ before the last tile's dV, dK group completes:
     // that keeps the last P and dS fragments live beside the next Sᵀ and dPᵀ, which fit the
     // consumers' registers at d64 alone (at d128 ptxas would serialize every wgmma of the kernel).
-    // TF32 at d64 fits too but measured no faster (H100, B4 H16 N = M = 4096: 4.16 against
-    // 3.98 ms, causal 2.97 against 2.95), so it keeps the registers.
+    // TF32 at d64 fits too but measured no faster (H100, B4 H16 N = M = 4096: 4.16 ms with the
+    // overlap against 3.98 without, causal 2.97 against 2.95), so it keeps the registers.
     static constexpr bool OVERLAP_TILES = D <= 64 && NWG == 2 && !Ops::TRANSPOSED_COPIES;
     static constexpr int ROW_VALUES = Ops::ROW_VALUES;
     static constexpr int COL_BLOCKS = D / ROW_VALUES;
@@ -141,6 +141,8 @@ struct BwdTiles {
     static constexpr uint32_t OWN_BYTES = OWN_ELEMS * sizeof(Elem), STREAM_BYTES = STREAM_ELEMS * sizeof(Elem),
                               ROW_BYTES = STREAM * sizeof(float);
     static constexpr size_t TILE_BYTES = (2 * static_cast<size_t>(OWN_ELEMS) + STAGES * MATS_1 * STREAM_ELEMS) * sizeof(Elem);
+    // Sized for kernel 1 (the larger stages and the row vectors); kernel 2 takes the same, one block
+    // an SM either way.
     static constexpr size_t SMEM_BYTES = TILE_BYTES + STAGES * 2 * ROW_BYTES + kSwizzleAtom;
     static_assert(D % ROW_VALUES == 0 && STREAM % ROW_VALUES == 0, "whole column blocks");
     static_assert(STREAM % 8 == 0 && STREAM_BYTES % kSwizzleAtom == 0, "tiles of whole swizzle atoms");

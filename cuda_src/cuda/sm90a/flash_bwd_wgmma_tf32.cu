@@ -160,6 +160,13 @@ bool wgmma_tf32_backward_takes(const FlashBwdArgs& a) {
     return a.precision == Precision::tf32 && !a.sequences && !a.variant.beyond_plain() && with_tiles(a, [](auto) {});
 }
 
+void wgmma_tf32_backward_tiles(const FlashBwdArgs& a, int* rows, int* keys) {
+    with_tiles(a, [&](auto tag) {
+        using T = tag_type<decltype(tag)>;
+        *rows = T::STREAM, *keys = T::OWN;
+    });
+}
+
 size_t wgmma_tf32_backward_workspace_bytes_per_head(const FlashBwdArgs& a) {
     size_t bytes = 0;
     with_tiles(a, [&](auto tag) { bytes = Workspace<tag_type<decltype(tag)>>(a, 1).floats() * sizeof(float) + 16; });
@@ -167,6 +174,10 @@ size_t wgmma_tf32_backward_workspace_bytes_per_head(const FlashBwdArgs& a) {
 }
 
 void wgmma_tf32_backward(const FlashBwdArgs& a, cudaStream_t stream) {
+    auto aligned = [](const void* p) { return p && reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+    if (!aligned(a.Q) || !aligned(a.K) || !aligned(a.V) || !aligned(a.dO))
+        fail(kExitInternal, where(__FILE__, __LINE__) + ": the TF32 flash backward reads Q, K, V and dO 16 bytes at a time "
+                                                        "and needs them 16-byte aligned");
     with_tiles(a, [&](auto tag) {
         using T = tag_type<decltype(tag)>;
         if (a.causal) launch_tiles<T, true>(a, stream);

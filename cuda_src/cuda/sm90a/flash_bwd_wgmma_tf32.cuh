@@ -15,6 +15,10 @@ namespace attnstep {
 // (no packed batch). The caller checks the compute capability.
 bool wgmma_tf32_backward_takes(const FlashBwdArgs& a);
 
+// The dK/dV kernel's tiles as the bench labels them: {query rows streamed a tile, keys a block}
+// (the dQ kernel's are the transpose). Requires wgmma_tf32_backward_takes(a).
+void wgmma_tf32_backward_tiles(const FlashBwdArgs& a, int* rows, int* keys);
+
 // Device bytes per head the launch allocates beyond its arguments: Q, K, V and dO rounded to TF32,
 // the transposed copies Qᵀ, dOᵀ and Kᵀ, and the rows' lse·log2 e and D; O((N + M)·d).
 size_t wgmma_tf32_backward_workspace_bytes_per_head(const FlashBwdArgs& a);

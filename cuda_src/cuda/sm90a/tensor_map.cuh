@@ -63,8 +63,9 @@ inline CUtensorMap rows_map(const void* base, int d, int rows, int heads, int bo
     return map;
 }
 
-// Copies rows [row, row + box_rows) × columns [col, col + 64) of head `head` to `dst` (1024-byte
-// aligned), counted on `bar` (its expect_tx announces the box's bytes).
+// Copies rows [row, row + box_rows) × one 128-byte row's columns from `col` (64 16-bit values or
+// 32 32-bit ones) of head `head` to `dst` (1024-byte aligned), counted on `bar` (its expect_tx
+// announces the box's bytes, rows past the tensor's end included).
 __device__ __forceinline__ void load(void* dst, const CUtensorMap* map, int col, int row, int head, uint64_t* bar) {
     ATTNSTEP_SM90A_ASM(
         "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], "

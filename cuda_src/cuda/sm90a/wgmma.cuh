@@ -2,8 +2,8 @@
 // D(64×N) += A(64×K) · B(K×N) with FP32 accumulators, issued by one warpgroup (4 consecutive
 // warps, the first a multiple of 4). B always comes from shared memory through a matrix
 // descriptor; A from shared memory (ss) or from registers (rs). Two operand types:
-//   Wgmma<N>:            TF32, K = 8 (flash_wgmma.cu). TF32 wgmma reads only the top 19 bits of
-//                        each operand.
+//   Wgmma<N>:            TF32, K = 8 (flash_wgmma.cu, the TF32 backward). TF32 wgmma reads only
+//                        the top 19 bits of each operand, and both shared-memory operands K-major.
 //   WgmmaHalf<N, Fmt>:   bf16 or fp16 (half_format.cuh), K = 16 (flash_wgmma_half.cu), B K-major;
 //   WgmmaHalfTransB<N, Fmt>: the same with B MN-major (wgmma's transposed B, 16-bit types only).
 //
@@ -14,7 +14,8 @@
 //     a = {A(16w+g, 2t..2t+1), A(16w+g+8, 2t..2t+1), A(16w+g, 2t+8..2t+9), A(16w+g+8, 2t+8..2t+9)}
 // Shared-memory operands are K-major without swizzle: 8-row × 16-byte "core matrices" of 128
 // contiguous bytes (make_desc below); one k step spans two core matrices along K in both types. The
-// half kernel's operands lie in the 128-byte swizzle instead (sw128_desc), V MN-major.
+// half kernels' operands and the TF32 backward's lie in the 128-byte swizzle instead (sw128_desc;
+// the half kernels' V, dO, Q and K as B operands MN-major).
 //
 // The wrappers are generated per N by ATTNSTEP_WGMMA_SHAPE (inline assembly needs its operand
 // list written out; the preprocessor writes it once per N for every operand type).
@@ -42,7 +43,8 @@ __device__ __forceinline__ uint64_t make_desc(const void* smem, uint32_t lbo_byt
 }
 
 // A descriptor of a tile in the 128-byte swizzle (layout type 1; tensor_map.cuh's copies land in
-// it): rows of 64 16-bit values (128 bytes), 8-row atoms of 1024 bytes, the tile 1024-byte aligned.
+// it): rows of 128 bytes (64 16-bit values or 32 TF32 ones), 8-row atoms of 1024 bytes, the tile
+// 1024-byte aligned.
 // K-major (Q, K): SBO 1024 between 8-row groups, LBO unused; a k step within a row moves the start
 // address 32 bytes. MN-major (V as it lies in memory, the B operand transposed): LBO between
 // 64-column blocks, SBO 1024 between 8-key groups.
