@@ -35,6 +35,7 @@ from verify.files.outputs import open_run
 from verify.model import dot, tiles
 from verify.model.scores import HeadVariant
 from verify.specs import SPECS, sources_of
+from verify.specs import flash as flash_spec
 from verify.stages import FLASH_GRAD_KEYS, FLASH_GRAD_QUERIES, FLASH_GRAD_VALUES, FLASH_LSE, FLASH_OUTPUT, STAGES, Dims
 from verify.variant import BOTTOM_RIGHT, PER_HEAD, Variant
 
@@ -70,12 +71,15 @@ def _inputs(variant: Variant, n: int, m: int, d: int = 16, seed: int = 0):
     return x
 
 
-def _everything(variant: Variant, slope: float, x, kernel) -> dict:
+def _everything(variant: Variant, slope: float, x, kernel, shared: bool = False) -> dict:
     """Every flash stage's chained reference and bound, isolated reference and bound (from the
-    chain rounded to float32, as a program's upstream files), and printed-resolution move."""
+    chain rounded to float32, as a program's upstream files), and printed-resolution move;
+    shared: the forward's bounds from the backward chain's pass (as the check takes them)."""
     args = dict(scale=SCALE, causal=variant.causal, variant=variant, slope=slope, **kernel)
     chain = reference_chain(x, SCALE, variant.causal, FLASH, variant=variant, slope=slope)
     full, cache, out = {**x, **chain}, tolerance.HeadCache(), {}
+    if shared:
+        tolerance.share_flash_passes(FLASH_OUTPUT, full, cache=cache, **args)
     for st in FLASH:
         out[st + " ref"] = chain[st]
         out[st + " chained"] = tolerance.chained_bound(st, full, cache=cache, **args)
@@ -123,6 +127,25 @@ def test_tiles_agree_with_the_whole_head(name, kernel, n, m, rows, monkeypatch, 
     cut = tiles.row_tiles(n, m, 16)
     assert len(cut) > 1 and cut[-1][1] == n and all(a % 8 == 0 for a, _ in cut)
     _agree(whole, _everything(variant, slope, x, KERNELS[kernel]))
+    _agree(whole, _everything(variant, slope, x, KERNELS[kernel], shared=True))
+
+
+@pytest.mark.parametrize("tile_bytes", [1 << 40, 8 * 53 * 8], ids=["whole", "tiled"])
+def test_the_forward_bounds_come_from_the_backward_chain(tile_bytes, monkeypatch, expected_model):
+    """With a flash backward stage in the chain, the forward's bounds are taken from the chain's
+    pass over the row tiles: no pass of the forward's own (which would compute every tile's logits
+    and softmax again) runs, and the bounds are those of the forward's own pass."""
+    variant, slope = VARIANTS["causal"]
+    x = _inputs(variant, 77, 53)
+    monkeypatch.setattr(tiles, "TILE_BYTES", tile_bytes)
+    own = _everything(variant, slope, x, {})
+
+    def no_pass(*args):
+        raise AssertionError("the flash forward's own pass ran")
+    monkeypatch.setattr(flash_spec, "flash_forward_rows", no_pass)
+    _agree(own, _everything(variant, slope, x, {}, shared=True))
+    with pytest.raises(AssertionError, match="own pass ran"):
+        _everything(variant, slope, x, {})
 
 
 def test_a_tile_that_ignored_its_rows_would_be_caught(monkeypatch, expected_model):

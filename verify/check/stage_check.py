@@ -175,6 +175,7 @@ def allowed(stage: str, src: Dict[str, np.ndarray], want: np.ndarray, ctx: HeadC
         atol, rtol = override
         return atol + rtol * np.where(np.isfinite(want), np.abs(want), 0.0)
     if chained:
+        tolerance.share_flash_passes(stage, ctx.chain, **ctx.bound_args())
         return tolerance.chained_bound(stage, ctx.chain, **ctx.bound_args()) + ctx.bounds.combine_allowance(stage, ctx)
     return tolerance.stage_bound(stage, src, want, **ctx.bound_args())
 

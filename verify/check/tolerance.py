@@ -32,7 +32,7 @@ from ..model.rounding import (FLUSH, LAMBDA, LOG_ULPS, ROUND_VAR, UNIT_ROUNDOFF,
 from ..model.softmax import need
 from ..specs import SPECS, VARIANT_SOURCES, chain_inputs, sources_of
 from ..specs.base import Problem, resolve_variant
-from ..stages import INPUT_NAMES, STAGES  # noqa: F401 (tolerance.STAGES: the stage table, for callers)
+from ..stages import FLASH_LSE, FLASH_OUTPUT, INPUT_NAMES, STAGES  # noqa: F401 (tolerance.STAGES: the stage table, for callers)
 from ..variant import Variant
 from .half_rounding import half_terms
 
@@ -148,6 +148,27 @@ def _chained_float32(stage: str, chain: Dict[str, np.ndarray], *, scale: float, 
     sources = need(chain, stage, *chain_inputs(stage))
     problem = Problem.of(scale, variant.causal, chain, variant, slope, u, kernel, cache)
     return memo(cache, "chained " + stage, sources, problem.key, lambda: spec.chained(sources, problem))
+
+
+# The flash backward's stages, whose chained bounds compute the flash forward's in the same pass.
+_FLASH_BACKWARD = tuple(s for s in STAGES if STAGES[s].flash and STAGES[s].backward)
+
+
+def share_flash_passes(stage: str, chain: Dict[str, np.ndarray], *, scale: float, causal: bool,
+                       precision: str = "fp32", backend: Optional[str] = None, math: str = "ieee",
+                       flash_kernel: Optional[str] = None, cache: Optional[HeadCache] = None,
+                       half_rounding: str = NEAREST, variant: Optional[Variant] = None, slope: float = 0.0) -> None:
+    """Before a flash forward stage's bound (`stage`): where the chain holds a flash backward stage
+    too, compute that stage's chained bound first. Its pass over the row tiles computes the
+    forward's bounds as well and keeps them in the head's cache (verify/specs/flash.py
+    share_forward), so that the forward's logits and softmax are computed once, not once more in a
+    pass of their own. The same bounds either way; the arguments are chained_bound's."""
+    del half_rounding  # (the backward's float32 chain is what holds the forward's parts)
+    later = [s for s in _FLASH_BACKWARD if s in chain]
+    if cache is None or not later or stage not in (FLASH_OUTPUT, FLASH_LSE):
+        return
+    _chained_float32(later[0], chain, scale=scale, variant=resolve_variant(variant, causal), slope=slope,
+                     precision=precision, backend=backend, math=math, flash_kernel=flash_kernel, cache=cache)
 
 
 def quantization_bound(stage: str, src: Dict[str, np.ndarray], quanta: Dict[str, np.ndarray],

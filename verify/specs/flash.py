@@ -50,7 +50,14 @@ def _qk_flush_max(src) -> float:
 
 def _output_isolated(src, ref, problem: Problem):
     Q, K, V = need(src, FLASH_OUTPUT, QUERIES, KEYS, VALUES)
-    return memo(problem.cache, "flash_output var", (Q, K, V), problem.key, lambda: _forward_rows(Q, K, V, problem))
+    return memo(problem.cache, "flash_output var", (Q, K, V), _output_key(*problem.model_args[:4]),
+                lambda: _forward_rows(Q, K, V, problem))
+
+
+def _output_key(scale, head, u, kernel) -> tuple:
+    """What flash_output's (variance, one-signed part) depends on besides Q, K, V (Problem.key)."""
+    head = as_head(head)
+    return scale, head.causal, u, kernel, head
 
 
 def _forward_rows(Q, K, V, problem: Problem):
@@ -67,6 +74,15 @@ def _forward_rows(Q, K, V, problem: Problem):
     return out
 
 
+def share_forward(cache, Q, K, V, scale, head, u, kernel, out, sums) -> None:
+    """Keep in the head's cache flash_output's (variance, one-signed part) and flash_lse's row sums
+    of Q, K, V where another pass over the row tiles computed them (the flash backward's chain,
+    whose tiles compute the forward's parts anyway): the forward stages' bounds then take them
+    from there instead of computing each tile's logits and softmax once more."""
+    memo(cache, "flash_output var", (Q, K, V), _output_key(scale, head, u, kernel), lambda: tuple(out))
+    memo(cache, "flash_lse sums", (Q, K), (scale, as_head(head), u, kernel), lambda: tuple(sums))
+
+
 def _numpy(x):
     """A device's result as NumPy (a scalar as it is)."""
     return x if isinstance(x, (float, int)) else to_numpy(x)
@@ -78,8 +94,7 @@ def lse_var_det(Q, K, lse, scale, head, u, kernel, cache):
     lse's magnitude (m + log l; on the GPU the log2-domain conversions; under causal ALiBi raised
     by flash-attn's shift slope·diag(i)). A row that sees no key: 0 (its lse is exact)."""
     head = as_head(head)
-    m, eta_sum, l_var, det = memo(cache, "flash_lse sums", (Q, K), (scale, head, u, kernel),
-                                  lambda: flash_lse_sums(Q, K, scale, head, u, kernel, cache))
+    m, eta_sum, l_var, det = forward_sums(Q, K, scale, head, u, kernel, cache)
     xp = namespace(lse)
     finite = xp.isfinite(lse)
     lse = xp.where(finite, lse, 0.0)
@@ -93,6 +108,13 @@ def lse_var_det(Q, K, lse, scale, head, u, kernel, cache):
                                   + kernel.lse_roundings * magnitude ** 2 / 4)
            + kernel.log_abs ** 2 / 3)
     return xp.where(finite, var, 0.0), det
+
+
+def forward_sums(Q, K, scale, head, u, kernel, cache) -> tuple:
+    """flash_lse's row sums of Q, K (flash_lse_sums), kept in the head's cache."""
+    head = as_head(head)
+    return memo(cache, "flash_lse sums", (Q, K), (scale, head, u, kernel),
+                lambda: flash_lse_sums(Q, K, scale, head, u, kernel, cache))
 
 
 def _lse_isolated(src, ref, problem: Problem):

@@ -23,7 +23,7 @@ from ...model.softmax import exponent_var, logits, need, raw_logits
 from ...model.tiles import Total, flush_max, smallest
 from ...stages import FLASH_GRAD_QUERIES, GRAD_OUTPUT, KEYS, QUERIES, VALUES
 from ..base import Problem
-from ..flash import lse_var_det, on_device_of
+from ..flash import forward_sums, lse_var_det, on_device_of, share_forward
 from .bounds import chain_cap, dp_var, stage_chain
 from .flash_tiles import QueryGrad, over_queries
 from .reference import FLASH_SOURCES, flash_terms, through_cap
@@ -222,41 +222,48 @@ def flash_chain(Q, K, V, dO, scale, head, u, kernel, cache) -> FlashChain:
     (verify/model/flash.py) reach P (shared along the row) and D; a row tile at a time (on the
     check's device where the head runs there: its inputs moved once, its results back once)."""
     head = as_head(head)
-    if on_device_of(head):
-        return memo(cache, "flash backward chain", (Q, K, V, dO), (scale, head, u, kernel), lambda: to_numpy_all(
-            _chain(*map(to_device, (Q, K, V, dO)), scale, head, u, kernel, HeadCache())))
-    return memo(cache, "flash backward chain", (Q, K, V, dO), (scale, head, u, kernel),
-                lambda: _chain(Q, K, V, dO, scale, head, u, kernel, cache))
+
+    def compute() -> FlashChain:
+        if on_device_of(head):
+            fc, forward = to_numpy_all(_chain(*map(to_device, (Q, K, V, dO)), scale, head, u, kernel, HeadCache()))
+        else:
+            fc, forward = _chain(Q, K, V, dO, scale, head, u, kernel, cache)
+        share_forward(cache, Q, K, V, scale, head, u, kernel, forward[:2], forward[2:])
+        return fc
+    return memo(cache, "flash backward chain", (Q, K, V, dO), (scale, head, u, kernel), compute)
 
 
-def _chain(Q, K, V, dO, scale, head: HeadVariant, u, kernel, cache) -> FlashChain:
-    """flash_chain's FlashChain, computed."""
+def _chain(Q, K, V, dO, scale, head: HeadVariant, u, kernel, cache) -> Tuple[FlashChain, tuple]:
+    """flash_chain's FlashChain, computed, and what its tiles computed of the forward's bounds:
+    flash_output's (variance, one-signed part) and flash_lse's row sums (verify/specs/flash.py
+    share_forward)."""
     n, m = Q.shape[0], K.shape[0]
     keys, row_sd_q2, small = KeyGrads.of(n), Total(), [np.inf]
     K_abs = finite_abs(K)
 
     def tile(s, h, c):
         Qt, dOt = s[QUERIES], s[GRAD_OUTPUT]
-        dq_ref, dq, G, Pz, row_sd = _chain_tile(Qt, K, V, dOt, scale, h, u, kernel, c, keys)
+        dq_ref, dq, G, Pz, row_sd, forward = _chain_tile(Qt, K, V, dOt, scale, h, u, kernel, c, keys)
         keys.dk.add_floor(G, Qt)
         keys.dv.add_floor(Pz, dOt)
         row_sd_q2.add(namespace(Qt).sum(row_sd * row_sd * Qt * Qt, axis=0))
         G_abs = finite_abs(G)
         small[0] = min(small[0], smallest(G_abs))
-        return dq_ref, dq[0], dq[1], namespace(G_abs).minimum(G_abs @ K_abs, m * FLUSH)  # flush_sum(G, K)'s rows
-    dq_ref, dq_var, dq_det, dq_flush = over_queries({QUERIES: Q, KEYS: K, VALUES: V, GRAD_OUTPUT: dO}, head,
-                                                    cache, tile)
+        return (dq_ref, dq[0], dq[1], namespace(G_abs).minimum(G_abs @ K_abs, m * FLUSH)) + forward  # flush_sum(G, K)'s rows
+    dq_ref, dq_var, dq_det, dq_flush, *forward = over_queries({QUERIES: Q, KEYS: K, VALUES: V, GRAD_OUTPUT: dO},
+                                                               head, cache, tile)
     if small[0] * smallest(K_abs) >= FLUSH * 2.0**24:
         dq_flush = zeros(Q, (1, 1))
     dk, dv = keys.bounds(scale, head, u, kernel, cache, head.cap > 0)
     return FlashChain((dq_ref, scale * keys.dk.gemm.sum, keys.dv.gemm.sum), ((dq_var, dq_det), dk, dv),
                       (abs(scale) * dq_flush, abs(scale) * keys.dk.floor(), keys.dv.floor()),
-                      ColumnSumParts(row_sd_q2.value, keys.dk.gemm.sum, keys.dk.gemm_var))
+                      ColumnSumParts(row_sd_q2.value, keys.dk.gemm.sum, keys.dk.gemm_var)), tuple(forward)
 
 
 def _chain_tile(Q, K, V, dO, scale, head: HeadVariant, u, kernel, cache, keys: KeyGrads):
     """flash_chain's rows of one tile: (dQ's reference, dQ's bound, G, the kept weights, the sd of
-    each dS row sum's error); dK's and dV's parts into keys."""
+    each dS row sum's error, the forward's bounds: flash_output's two parts and flash_lse's four
+    row sums); dK's and dV's parts into keys."""
     S, p, m, eta_fwd, l_var, s_det = flash_parts(Q, K, scale, head, u, kernel, cache)
     xp = namespace(S)
     finite = xp.isfinite(S)
@@ -267,7 +274,9 @@ def _chain_tile(Q, K, V, dO, scale, head: HeadVariant, u, kernel, cache, keys: K
     dropout = int(head.dropout > 0)
     pz = head.dropped(p)
     O = pz @ V
-    _, O_det = flash_output_var_det(Q, K, V, scale, head, u, kernel, cache)
+    forward = flash_output_var_det(Q, K, V, scale, head, u, kernel, cache) \
+        + forward_sums(Q, K, scale, head, u, kernel, cache)
+    O_det = forward[1]
     acc = kernel.rescale_factor * pv_var(pz, V, u, kernel.flash_product_var + ROUND_VAR * dropout, cache) \
         + ((kernel.final_roundings + dropout) * ROUND_VAR + kernel.div_var) * (u * O) ** 2
     Dv = d_var(p, eta_fwd, l_var, zeros(p, p.shape), dO, head.dropped(dP), D, acc, rowdot_var(dO, O, u))
@@ -282,7 +291,7 @@ def _chain_tile(Q, K, V, dO, scale, head: HeadVariant, u, kernel, cache, keys: K
     gb = _flash_grad_bounds((Q, K, dO, p, dP, D, dS), rows, dPv, s_det, scale, head, u, kernel, cache, cap, keys)
     G = gb.grads.G
     row_sd = xp.sqrt(xp.sum(gb.indep * gb.indep, axis=1, keepdims=True)) + xp.sqrt(rows.D)
-    return scale * G @ K, gb.dq, G, pz, row_sd
+    return scale * G @ K, gb.dq, G, pz, row_sd, forward
 
 
 def flash_chained(index: int):
