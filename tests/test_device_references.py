@@ -156,6 +156,26 @@ def test_torch_bounds_equal_numpy(name, kernel, exact, monkeypatch):
         np.testing.assert_allclose(b, a, rtol=1e-12, atol=0)
 
 
+@pytest.mark.parametrize("batch", [1 << 25, 3 * 5 * 7, 1], ids=["one-batch", "batches", "chunk-by-chunk"])
+def test_the_device_truncation_model_batches_its_chunks(batch, monkeypatch):
+    """On a device the tensor-core chunks' running sums come from batched GEMMs (a few launches,
+    not one per 8-long chunk): the same as NumPy's chunk by chunk, a short last chunk included,
+    carried across calls as the row tiles carry them."""
+    torch = _torch()
+    monkeypatch.setattr(dot, "_MMA_BATCH_ELEMS", batch)
+    rng = np.random.default_rng(5)
+    A, B = rng.normal(size=(5, 61)), rng.normal(size=(61, 7))
+    want = dot.mma_truncation_det(A, B, 2.0**-24, 2)
+    got = dot.mma_truncation_det(torch.as_tensor(A), torch.as_tensor(B), 2.0**-24, 2)
+    assert isinstance(got, torch.Tensor)
+    np.testing.assert_allclose(got.numpy(), want, rtol=1e-12, atol=0)
+    carry = [tiles.MmaCarry() for _ in range(2)]
+    for a, b in ((0, 16), (16, 61)):  # two row tiles of X (61 rows)
+        carry[0].add(A.T[a:b], B[a:b])
+        carry[1].add(torch.as_tensor(A.T[a:b]), torch.as_tensor(B[a:b]))
+    np.testing.assert_allclose(carry[1].det(2.0**-24, 2).numpy(), carry[0].det(2.0**-24, 2), rtol=1e-12, atol=0)
+
+
 def test_a_device_takes_larger_row_tiles():
     """A few MB of scores a tile in NumPy; hundreds of MB on a GPU (its launches amortized)."""
     n = m = 1 << 14

@@ -19,7 +19,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import numpy as np
 
 from .arrays import concat_rows, like, namespace, target, zeros
-from .dot import _HEAD_ROWS, _expected_var, exact_energy, head_rows
+from .dot import _HEAD_ROWS, _expected_var, exact_energy, head_rows, mma_running_sums
 from .kernels import MMA_K
 from .rounding import FLUSH, ULP_IN_U, HeadCache, finite_abs
 
@@ -149,10 +149,7 @@ class MmaCarry:
         if self.partial is None:
             self.partial = zeros(A, (A.shape[0], Y.shape[1]))
             self.total = zeros(A, (A.shape[0], Y.shape[1]))
-        xp = namespace(A)
-        for k0 in range(0, A.shape[1], MMA_K):
-            self.partial += A[:, k0:k0 + MMA_K] @ Y[k0:k0 + MMA_K]
-            self.total += xp.abs(self.partial)
+        self.partial, self.total = mma_running_sums(A, Y, self.partial, self.total)
 
     def det(self, u: float, passes: int) -> np.ndarray:
         return passes * ULP_IN_U * u * self.total
