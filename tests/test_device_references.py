@@ -39,6 +39,7 @@ from verify.model import arrays, dot, tiles
 from verify.specs import flash as flash_spec
 from verify.specs.backward import flash_bounds, flash_tiles
 from verify.stages import FLASH_GRAD_KEYS, FLASH_GRAD_QUERIES, FLASH_GRAD_VALUES, FLASH_LSE, FLASH_OUTPUT
+from verify.model.scores import HeadVariant
 from verify.variant import BOTTOM_RIGHT, Variant
 
 
@@ -174,6 +175,24 @@ def test_the_device_truncation_model_batches_its_chunks(batch, monkeypatch):
         carry[0].add(A.T[a:b], B[a:b])
         carry[1].add(torch.as_tensor(A.T[a:b]), torch.as_tensor(B[a:b]))
     np.testing.assert_allclose(carry[1].det(2.0**-24, 2).numpy(), carry[0].det(2.0**-24, 2), rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_a_device_builds_the_mask_of_a_row_tile_itself(name, monkeypatch):
+    """The causal flag's and window's mask of a row tile, built on the device from the indices, is
+    the tile's rows of the head's mask (NumPy's); none is built by NumPy for it."""
+    torch = _torch()
+    head = HeadVariant(VARIANTS[name])
+    n, m = 37, 53
+    whole = head.hidden(n, m)
+    monkeypatch.setattr(HeadVariant, "hidden", lambda *a, **k: pytest.fail("a mask built by NumPy"))
+    x = torch.zeros((1, 1), dtype=torch.float64)
+    for a, b in ((0, n), (0, 16), (16, 32), (32, 37)):
+        tile = head.rows_of(a, b, n)
+        got = tile.hidden_like(x, b - a, m)
+        assert isinstance(got, torch.Tensor) and np.array_equal(got.numpy(), whole[a:b])
+        inner = tile.rows_of(1, 3, b - a)  # a tile of a tile
+        assert np.array_equal(inner.hidden_like(x, 2, m).numpy(), whole[a + 1:a + 3])
 
 
 def test_a_device_takes_larger_row_tiles():

@@ -179,9 +179,12 @@ def float64(x):
 
 
 def like(x, a):
-    """a (a NumPy array: a mask, a bias row) on x's namespace and device."""
-    if isinstance(x, np.ndarray):
+    """a (a NumPy array: a mask, a bias row; or already x's kind: as it is) on x's namespace and
+    device."""
+    if isinstance(x, np.ndarray) or (_is_tensor(a) and a.device == x.device):
         return a
+    if _is_tensor(a):
+        return a.to(x.device)
     return _torch().as_tensor(np.array(a), device=x.device)  # a copy: the mask may be read-only
 
 

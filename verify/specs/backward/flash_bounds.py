@@ -182,10 +182,10 @@ def _flash_own(src, scale, head, u, kernel, cache):
 def _own_tile(src, scale, head: HeadVariant, u, kernel, cache, keys: KeyGrads):
     """_flash_own's rows of one tile: dQ's bound, and dK's and dV's parts into keys."""
     Q, K, V, dO, O, lse = (src[n] for n in FLASH_SOURCES)
-    masked = head.hidden(Q.shape[0], K.shape[0])
+    masked = head.hidden_like(Q, Q.shape[0], K.shape[0])
     P, dP, D, dS, _ = flash_terms(src, scale, masked, head=head)
     xp = namespace(Q)
-    finite = ~like(Q, masked) & xp.isfinite(lse)
+    finite = ~masked & xp.isfinite(lse)
     S = xp.where(finite, logits(Q, K, scale, head, cache), 0.0)
     eta = _recomputed_eta(Q, K, S, lse, finite, scale, head, u, kernel, cache)
     lse_fold = ROUND_VAR * u * u * _lse_magnitude(lse, head, Q.shape[0], K.shape[0]) ** 2

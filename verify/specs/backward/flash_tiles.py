@@ -69,7 +69,7 @@ def _gradients(src, scale: float, head: HeadVariant):
     K, dK, dV = src[KEYS], Total(), Total()
 
     def tile(s, h, c):
-        P, _, _, _, G = flash_terms(s, scale, h.hidden(s[QUERIES].shape[0], K.shape[0]), head=h)
+        P, _, _, _, G = flash_terms(s, scale, h.hidden_like(K, s[QUERIES].shape[0], K.shape[0]), head=h)
         dK.add(G.T @ s[QUERIES])
         dV.add(h.dropped(P).T @ s[GRAD_OUTPUT])
         return (scale * G @ K,)
