@@ -279,7 +279,7 @@ def _chain_tile(Q, K, V, dO, scale, head: HeadVariant, u, kernel, cache, keys: K
     O_det = forward[1]
     acc = kernel.rescale_factor * pv_var(pz, V, u, kernel.flash_product_var + ROUND_VAR * dropout, cache) \
         + ((kernel.final_roundings + dropout) * ROUND_VAR + kernel.div_var) * (u * O) ** 2
-    Dv = d_var(p, eta_fwd, l_var, zeros(p, p.shape), dO, head.dropped(dP), D, acc, rowdot_var(dO, O, u))
+    Dv = d_var(p, eta_fwd, l_var, None, dO, head.dropped(dP), D, acc, rowdot_var(dO, O, u))
     D_sd = xp.sqrt(Dv) + xp.sum(xp.abs(dO) * O_det, axis=1, keepdims=True)
     eta = _recomputed_eta(Q, K, S, lse, finite, scale, head, u, kernel, cache)
     lse_mag = _lse_magnitude(lse, head, Q.shape[0], K.shape[0])
