@@ -36,6 +36,7 @@ from verify.model import dot, tiles
 from verify.model.scores import HeadVariant
 from verify.specs import SPECS, sources_of
 from verify.specs import flash as flash_spec
+from verify.specs.backward import flash_tiles
 from verify.stages import FLASH_GRAD_KEYS, FLASH_GRAD_QUERIES, FLASH_GRAD_VALUES, FLASH_LSE, FLASH_OUTPUT, STAGES, Dims
 from verify.variant import BOTTOM_RIGHT, PER_HEAD, Variant
 
@@ -74,7 +75,8 @@ def _inputs(variant: Variant, n: int, m: int, d: int = 16, seed: int = 0):
 def _everything(variant: Variant, slope: float, x, kernel, shared: bool = False) -> dict:
     """Every flash stage's chained reference and bound, isolated reference and bound (from the
     chain rounded to float32, as a program's upstream files), and printed-resolution move;
-    shared: the forward's bounds from the backward chain's pass (as the check takes them)."""
+    shared: the forward's bounds from the backward chain's pass, the gradients' isolated references
+    from their isolated bounds' pass (as the check takes them)."""
     args = dict(scale=SCALE, causal=variant.causal, variant=variant, slope=slope, **kernel)
     chain = reference_chain(x, SCALE, variant.causal, FLASH, variant=variant, slope=slope)
     full, cache, out = {**x, **chain}, tolerance.HeadCache(), {}
@@ -86,6 +88,8 @@ def _everything(variant: Variant, slope: float, x, kernel, shared: bool = False)
     got = {k: v.astype(np.float32).astype(np.float64) if k in chain else v for k, v in full.items()}
     for st in FLASH:
         src = {n: got[n] for n in sources_of(st, variant) + ("mask", "bias", "dropout_mask") if n in got}
+        if shared:
+            tolerance.share_flash_references(st, src, cache=cache, **args)
         ref = compute_stage(st, src, SCALE, variant.causal, variant=variant, slope=slope)
         out[st + " isolated ref"] = ref
         out[st + " isolated"] = tolerance.stage_bound(st, src, ref, cache=cache, **args)
@@ -131,10 +135,11 @@ def test_tiles_agree_with_the_whole_head(name, kernel, n, m, rows, monkeypatch, 
 
 
 @pytest.mark.parametrize("tile_bytes", [1 << 40, 8 * 53 * 8], ids=["whole", "tiled"])
-def test_the_forward_bounds_come_from_the_backward_chain(tile_bytes, monkeypatch, expected_model):
+def test_the_passes_over_the_tiles_are_shared(tile_bytes, monkeypatch, expected_model):
     """With a flash backward stage in the chain, the forward's bounds are taken from the chain's
     pass over the row tiles: no pass of the forward's own (which would compute every tile's logits
-    and softmax again) runs, and the bounds are those of the forward's own pass."""
+    and softmax again) runs; the gradients' isolated references come from their isolated bounds'
+    pass: one pass of the references' own (the chain's), not two. The same references and bounds."""
     variant, slope = VARIANTS["causal"]
     x = _inputs(variant, 77, 53)
     monkeypatch.setattr(tiles, "TILE_BYTES", tile_bytes)
@@ -143,7 +148,10 @@ def test_the_forward_bounds_come_from_the_backward_chain(tile_bytes, monkeypatch
     def no_pass(*args):
         raise AssertionError("the flash forward's own pass ran")
     monkeypatch.setattr(flash_spec, "flash_forward_rows", no_pass)
+    passes, gradients = [], flash_tiles._gradients
+    monkeypatch.setattr(flash_tiles, "_gradients", lambda *a: passes.append(1) or gradients(*a))
     _agree(own, _everything(variant, slope, x, {}, shared=True))
+    assert len(passes) == 1  # the chained reference's
     with pytest.raises(AssertionError, match="own pass ran"):
         _everything(variant, slope, x, {})
 

@@ -149,7 +149,10 @@ def sources(stage: str, ctx: HeadContext) -> Tuple[str, ...]:
 
 
 def reference(stage: str, src: Dict[str, np.ndarray], ctx: HeadContext) -> np.ndarray:
-    """The float64 reference of `stage` from `src` (its sources()) under the head's variant."""
+    """The float64 reference of `stage` from `src` (its sources()) under the head's variant. A flash
+    gradient's is computed in one pass over the row tiles with its isolated bound from the same
+    sources, which its check asks for next (tolerance.share_flash_references)."""
+    tolerance.share_flash_references(stage, src, **ctx.bound_args())
     return compute_stage(stage, src, ctx.scale, ctx.causal, variant=ctx.effective_variant, slope=ctx.slope)
 
 

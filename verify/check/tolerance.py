@@ -31,6 +31,7 @@ from ..model.rounding import (FLUSH, LAMBDA, LOG_ULPS, ROUND_VAR, UNIT_ROUNDOFF,
                               memo, unit_roundoff)
 from ..model.softmax import need
 from ..specs import SPECS, VARIANT_SOURCES, chain_inputs, sources_of
+from ..specs.backward.flash_bounds import flash_own_and_references
 from ..specs.base import Problem, resolve_variant
 from ..stages import FLASH_LSE, FLASH_OUTPUT, INPUT_NAMES, STAGES  # noqa: F401 (tolerance.STAGES: the stage table, for callers)
 from ..variant import Variant
@@ -169,6 +170,22 @@ def share_flash_passes(stage: str, chain: Dict[str, np.ndarray], *, scale: float
         return
     _chained_float32(later[0], chain, scale=scale, variant=resolve_variant(variant, causal), slope=slope,
                      precision=precision, backend=backend, math=math, flash_kernel=flash_kernel, cache=cache)
+
+
+def share_flash_references(stage: str, src: Dict[str, np.ndarray], *, scale: float, causal: bool,
+                           precision: str = "fp32", backend: Optional[str] = None, math: str = "ieee",
+                           flash_kernel: Optional[str] = None, cache: Optional[HeadCache] = None,
+                           half_rounding: str = NEAREST, variant: Optional[Variant] = None, slope: float = 0.0) -> None:
+    """Before a flash gradient's isolated reference from `src` (the program's own flash_output and
+    flash_lse): that reference and the stage's isolated bound (stage_bound) computed in one pass
+    over the row tiles, which share each tile's recomputed weights and dS. The same references and
+    bounds either way; the arguments are stage_bound's."""
+    del half_rounding
+    if cache is None or stage not in _FLASH_BACKWARD:
+        return
+    problem = Problem.of(scale, causal, src, variant, slope, unit_roundoff(precision),
+                         kernel_for(backend, math, flash_kernel), cache)
+    flash_own_and_references(src, problem)
 
 
 def quantization_bound(stage: str, src: Dict[str, np.ndarray], quanta: Dict[str, np.ndarray],

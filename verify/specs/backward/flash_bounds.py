@@ -7,7 +7,7 @@ the softcap's derivative, dV the kept and rescaled weights.
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import numpy as np
 
@@ -25,7 +25,7 @@ from ...stages import FLASH_GRAD_QUERIES, GRAD_OUTPUT, KEYS, QUERIES, VALUES
 from ..base import Problem
 from ..flash import forward_sums, lse_var_det, on_device_of, share_forward
 from .bounds import chain_cap, dp_var, stage_chain
-from .flash_tiles import QueryGrad, over_queries
+from .flash_tiles import GradientSums, QueryGrad, over_queries, remember_gradients
 from .reference import FLASH_SOURCES, flash_terms, through_cap
 
 
@@ -159,19 +159,26 @@ def _own_cap(Q, K, scale, head: HeadVariant, u, kernel, cache):
     return head.cap_slope(S0), cap_factor_error(S0, head, u, kernel)
 
 
-def _flash_own(src, scale, head, u, kernel, cache):
+def _flash_own(src, scale, head, u, kernel, cache, references: bool = False):
     """The flash backward's errors from its own saved flash_output and flash_lse: the recomputed
     logits (their dot product, their roundings, exp), the lse's one rounding where a kernel folds
     log2(e) into it (shared along the row), D's and dP's roundings, the gradient GEMMs; a row tile
-    at a time (flash_tiles.py)."""
+    at a time (flash_tiles.py). references: the same pass computes the gradients' references from
+    these sources too, kept for flash_gradients (flash_tiles.remember_gradients)."""
     need(src, FLASH_GRAD_QUERIES, *FLASH_SOURCES)
     src = {n: np.asarray(src[n], np.float64) for n in FLASH_SOURCES}
     head = as_head(head)
 
-    def compute(src, cache):
-        keys = KeyGrads.of(src[QUERIES].shape[0])
-        dq = over_queries(src, head, cache, lambda s, h, c: _own_tile(s, scale, h, u, kernel, c, keys))
-        return (dq,) + keys.bounds(scale, head, u, kernel, cache, head.cap > 0)
+    def compute(on, cache):
+        keys, sums = KeyGrads.of(on[QUERIES].shape[0]), GradientSums() if references else None
+        parts = over_queries(on, head, cache, lambda s, h, c: _own_tile(s, scale, h, u, kernel, c, keys, sums))
+        out = (parts[:2],) + keys.bounds(scale, head, u, kernel, cache, head.cap > 0)
+        if not references:
+            return out
+        refs = sums.gradients(parts[2], scale)
+        refs = to_numpy_all(refs) if on is not src else refs
+        remember_gradients(src, scale, head, refs)
+        return out
     if on_device_of(head):  # its sources moved once, its results back once
         return memo(cache, "flash grads own", tuple(src[n] for n in FLASH_SOURCES), (scale, head, u, kernel),
                     lambda: to_numpy_all(compute({n: to_device(x) for n, x in src.items()}, HeadCache())))
@@ -179,11 +186,21 @@ def _flash_own(src, scale, head, u, kernel, cache):
                 lambda: compute(src, cache))
 
 
-def _own_tile(src, scale, head: HeadVariant, u, kernel, cache, keys: KeyGrads):
-    """_flash_own's rows of one tile: dQ's bound, and dK's and dV's parts into keys."""
+def flash_own_and_references(src, problem: Problem) -> None:
+    """Before a flash gradient's isolated reference and bound from the same sources: both in one
+    pass over the row tiles (each tile's P, dP and dS computed once), the bound kept in the head's
+    cache, the references for flash_gradients."""
+    _flash_own(src, *problem.model_args, references=True)
+
+
+def _own_tile(src, scale, head: HeadVariant, u, kernel, cache, keys: KeyGrads, sums: Optional[GradientSums]):
+    """_flash_own's rows of one tile: dQ's bound (variance, one-signed part), and dK's and dV's
+    parts into keys; with sums, the tile's gradients' references too (its dQ rows, a third
+    result)."""
     Q, K, V, dO, O, lse = (src[n] for n in FLASH_SOURCES)
     masked = head.hidden_like(Q, Q.shape[0], K.shape[0])
-    P, dP, D, dS, _ = flash_terms(src, scale, masked, head=head)
+    P, dP, D, dS, G = flash_terms(src, scale, masked, head=head)
+    refs = () if sums is None else (sums.add(src, head, scale, P, G),)
     xp = namespace(Q)
     finite = ~masked & xp.isfinite(lse)
     S = xp.where(finite, logits(Q, K, scale, head, cache), 0.0)
@@ -192,7 +209,7 @@ def _own_tile(src, scale, head: HeadVariant, u, kernel, cache, keys: KeyGrads):
     rows = flash_rows(eta, lse_fold, rowdot_var(dO, O, u))
     return _flash_grad_bounds((Q, K, dO, P, dP, D, dS), rows, dp_var(dO, V, u, kernel.flash_product_var, cache),
                               _logit_det(Q, K, P, scale, head, finite, u, kernel, cache), scale, head, u, kernel,
-                              cache, _own_cap(Q, K, scale, head, u, kernel, cache), keys).dq
+                              cache, _own_cap(Q, K, scale, head, u, kernel, cache), keys).dq + refs
 
 
 def flash_isolated(index: int):
@@ -315,4 +332,4 @@ def flash_floor(src):
         * (Q.shape[0] + K.shape[0])
 
 
-__all__ = ["flash_isolated", "flash_chained", "flash_chain", "flash_floor"]
+__all__ = ["flash_isolated", "flash_own_and_references", "flash_chained", "flash_chain", "flash_floor"]
