@@ -35,7 +35,7 @@ from verify.check.devices import device_for
 from verify.check.pool import NO_MEMORY_EXIT
 from verify.check.reference import compute_stage, reference_chain
 from verify.cli import check as check_cli
-from verify.model import arrays, dot, tiles
+from verify.model import arrays, dot, mma, tiles
 from verify.specs import flash as flash_spec
 from verify.specs.backward import flash_bounds, flash_tiles
 from verify.stages import FLASH_GRAD_KEYS, FLASH_GRAD_QUERIES, FLASH_GRAD_VALUES, FLASH_LSE, FLASH_OUTPUT
@@ -163,7 +163,7 @@ def test_the_device_truncation_model_batches_its_chunks(batch, monkeypatch):
     not one per 8-long chunk): the same as NumPy's chunk by chunk, a short last chunk included,
     carried across calls as the row tiles carry them."""
     torch = _torch()
-    monkeypatch.setattr(dot, "_MMA_BATCH_ELEMS", batch)
+    monkeypatch.setattr(mma, "_MMA_BATCH_ELEMS", batch)
     rng = np.random.default_rng(5)
     A, B = rng.normal(size=(5, 61)), rng.normal(size=(61, 7))
     want = dot.mma_truncation_det(A, B, 2.0**-24, 2)

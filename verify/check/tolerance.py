@@ -33,7 +33,7 @@ from ..model.softmax import need
 from ..specs import SPECS, VARIANT_SOURCES, chain_inputs, sources_of
 from ..specs.backward.flash_bounds import flash_own_and_references
 from ..specs.base import Problem, resolve_variant
-from ..stages import FLASH_LSE, FLASH_OUTPUT, INPUT_NAMES, STAGES  # noqa: F401 (tolerance.STAGES: the stage table, for callers)
+from ..stages import INPUT_NAMES, STAGES  # noqa: F401 (tolerance.STAGES: the stage table, for callers)
 from ..variant import Variant
 from .half_rounding import half_terms
 
@@ -151,8 +151,9 @@ def _chained_float32(stage: str, chain: Dict[str, np.ndarray], *, scale: float, 
     return memo(cache, "chained " + stage, sources, problem.key, lambda: spec.chained(sources, problem))
 
 
-# The flash backward's stages, whose chained bounds compute the flash forward's in the same pass.
-_FLASH_BACKWARD = tuple(s for s in STAGES if STAGES[s].flash and STAGES[s].backward)
+def _flash_backward(stage: str) -> bool:
+    """A stage of the flash backward (its chained bound computes the flash forward's in its pass)."""
+    return STAGES[stage].flash and STAGES[stage].backward
 
 
 def share_flash_passes(stage: str, chain: Dict[str, np.ndarray], *, scale: float, causal: bool,
@@ -165,8 +166,9 @@ def share_flash_passes(stage: str, chain: Dict[str, np.ndarray], *, scale: float
     share_forward), so that the forward's logits and softmax are computed once, not once more in a
     pass of their own. The same bounds either way; the arguments are chained_bound's."""
     del half_rounding  # (the backward's float32 chain is what holds the forward's parts)
-    later = [s for s in _FLASH_BACKWARD if s in chain]
-    if cache is None or not later or stage not in (FLASH_OUTPUT, FLASH_LSE):
+    later = [s for s in chain if s in STAGES and _flash_backward(s)]
+    entry = STAGES[stage]
+    if cache is None or not later or not entry.flash or entry.backward or entry.split:
         return
     _chained_float32(later[0], chain, scale=scale, variant=resolve_variant(variant, causal), slope=slope,
                      precision=precision, backend=backend, math=math, flash_kernel=flash_kernel, cache=cache)
@@ -181,7 +183,7 @@ def share_flash_references(stage: str, src: Dict[str, np.ndarray], *, scale: flo
     over the row tiles, which share each tile's recomputed weights and dS. The same references and
     bounds either way; the arguments are stage_bound's."""
     del half_rounding
-    if cache is None or stage not in _FLASH_BACKWARD:
+    if cache is None or not _flash_backward(stage):
         return
     problem = Problem.of(scale, causal, src, variant, slope, unit_roundoff(precision),
                          kernel_for(backend, math, flash_kernel), cache)

@@ -19,7 +19,8 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import numpy as np
 
 from .arrays import concat_rows, like, namespace, target, zeros
-from .dot import _HEAD_ROWS, _expected_var, exact_energy, head_rows, mma_running_sums
+from .dot import _HEAD_ROWS, _expected_var, exact_energy, head_rows
+from .mma import mma_running_sums
 from .kernels import MMA_K
 from .rounding import FLUSH, ULP_IN_U, HeadCache, finite_abs
 
