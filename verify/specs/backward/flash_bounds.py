@@ -24,9 +24,9 @@ from ...model.tiles import Total, flush_max, smallest
 from ...stages import FLASH_GRAD_QUERIES, GRAD_OUTPUT, KEYS, QUERIES, VALUES
 from ..base import Problem
 from ..flash import forward_sums, lse_var_det, on_device_of, share_forward
-from .bounds import chain_cap, dp_var, stage_chain
+from .bounds import chain_cap, dp_var
 from .flash_tiles import GradientSums, QueryGrad, over_queries, remember_gradients
-from .reference import FLASH_SOURCES, flash_terms, through_cap
+from .reference import FLASH_SOURCES, d_reference, ds_reference, flash_terms, through_cap
 
 
 def _scale_det(Q, K, scale, head, P, finite, u, kernel, cache):
@@ -286,11 +286,14 @@ def _chain_tile(Q, K, V, dO, scale, head: HeadVariant, u, kernel, cache, keys: K
     finite = xp.isfinite(S)
     lse = log_sum_exp_rows(S)
     lse_var, lse_det = lse_var_det(Q, K, lse, scale, head, u, kernel, cache)
-    # The same weights, dP, D and dS as the stage path's chain (shared arrays share their bounds).
-    _, dP, D, dS = stage_chain(Q, K, V, dO, scale, head, u, kernel, cache)[:4]
+    # The same weights, dP, D and dS as the stage path's chain (bounds.stage_chain), without its
+    # bounds, which the flash chain does not read.
     dropout = int(head.dropout > 0)
     pz = head.dropped(p)
     O = pz @ V
+    dP = dO @ V.T
+    D = d_reference(dO, O)
+    dS = ds_reference(p, dP, D, head)
     forward = flash_output_var_det(Q, K, V, scale, head, u, kernel, cache) \
         + forward_sums(Q, K, scale, head, u, kernel, cache)
     O_det = forward[1]
