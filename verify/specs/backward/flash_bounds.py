@@ -14,7 +14,7 @@ import numpy as np
 from ...model.arrays import like, namespace, to_device, to_numpy_all, zeros
 from ...model.attention import log_sum_exp_rows
 from ...model.backward import CappedGrads, RowErrors, capped_grads, d_var, ds_var_parts, flash_rows, grad_over_keys_var
-from ...model.dot import mma_truncation_det, pv_var, qk_var, rowdot_var
+from ...model.dot import mma_truncation_det, pv, pv_var, qk_var, rowdot_var
 from ...model.flash import common_factor_logits, flash_output_var_det, flash_parts, logit_magnitude
 from ...model.kernels import FLASH_LOGIT_ROUNDINGS
 from ...model.rounding import FLUSH, ROUND_VAR, HeadCache, finish, finite_abs, memo
@@ -290,7 +290,7 @@ def _chain_tile(Q, K, V, dO, scale, head: HeadVariant, u, kernel, cache, keys: K
     # bounds, which the flash chain does not read.
     dropout = int(head.dropout > 0)
     pz = head.dropped(p)
-    O = pz @ V
+    O = pv(pz, V, cache)  # (the forward's, below)
     dP = dO @ V.T
     D = d_reference(dO, O)
     dS = ds_reference(p, dP, D, head)
