@@ -8,6 +8,9 @@
   on random small cases of every variant, with tiles smaller than N (and tails), on the CPU's and
   the GPU kernels' arithmetic. The tiles run with the dot products' expected-variance model, which
   the whole head takes above dot.ENERGY_EXACT_MAX_MACS (lowered here so that small heads take it).
+* The passes over the tiles are shared as the check shares them (the forward's bounds from the
+  backward chain's pass, a gradient's isolated reference from its isolated bound's pass) with the
+  same results; no pass of the forward's own runs then, and one of the gradients' references.
 * A head that takes the exact model, or fits in one tile, is one tile (the whole head, as before);
   a run that writes or reads an N×M stage is sized as an untiled one (pool.tiled_run).
 * Memory: the chained and isolated bounds of a flash forward and backward at N = 2048, M = 1024 never
@@ -130,8 +133,7 @@ def test_tiles_agree_with_the_whole_head(name, kernel, n, m, rows, monkeypatch, 
     monkeypatch.setattr(tiles, "TILE_BYTES", 8 * m * rows)
     cut = tiles.row_tiles(n, m, 16)
     assert len(cut) > 1 and cut[-1][1] == n and all(a % 8 == 0 for a, _ in cut)
-    _agree(whole, _everything(variant, slope, x, KERNELS[kernel]))
-    _agree(whole, _everything(variant, slope, x, KERNELS[kernel], shared=True))
+    _agree(whole, _everything(variant, slope, x, KERNELS[kernel], shared=True))  # (as the check shares its passes)
 
 
 @pytest.mark.parametrize("tile_bytes", [1 << 40, 8 * 53 * 8], ids=["whole", "tiled"])

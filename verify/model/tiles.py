@@ -115,9 +115,12 @@ class QuerySum:
             if self.pair is not None:  # a second tile: the first one's squares too
                 X0, Y0 = self.pair
                 self.squares, self.pair = (X0 * X0).T @ (Y0 * Y0), None
-            self.squares = self.squares + (X * X).T @ (Y * Y)
+            self.squares += (X * X).T @ (Y * Y)  # (its own arrays, made here: added into in place)
         part = X.T @ Y
-        self.sum = part if self.sum is None else self.sum + part
+        if self.sum is None:
+            self.sum = part
+        else:
+            self.sum += part
 
     def var(self, u: float, product_var: float, single: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> np.ndarray:
         """The variance; single(X, Y): the whole head's (a cached dot_var of Xᵀ·Y)."""
@@ -128,13 +131,25 @@ class QuerySum:
 
 
 class Total:
-    """A sum over the tiles (0 before the first)."""
+    """A sum over the tiles (0 before the first): the first tile's array, then a sum of its own,
+    which the later tiles' are added into in place (the same additions, no new M×d array a tile)."""
 
     def __init__(self) -> None:
         self.value = 0.0
+        self._own = False
 
     def add(self, x) -> None:
-        self.value = x if np.ndim(self.value) == 0 and self.value == 0.0 else self.value + x
+        if np.ndim(self.value) == 0 and self.value == 0.0:
+            self.value = x
+        elif self._own and np.shape(x) == np.shape(self.value) and _writable(self.value):
+            self.value += x
+        else:
+            self.value, self._own = self.value + x, True
+
+
+def _writable(x) -> bool:
+    """Whether x may be added into in place (a NumPy array must be writeable; a device's is)."""
+    return not isinstance(x, np.ndarray) or x.flags.writeable
 
 
 class MmaCarry:
