@@ -30,16 +30,19 @@ def mma_running_sums(A, B, partial, total):
     each chunk. NumPy's a chunk at a time; a device's chunks in batches, one batched GEMM each,
     their running sums a cumulative sum that begins with partial (the same additions in the same
     order, to the float64 rounding of the device's scan)."""
-    if isinstance(A, np.ndarray):  # (a batched GEMM of 8-long sums is slower than BLAS's loop here)
-        partial, total = partial.copy(), total.copy()
-        for k0 in range(0, A.shape[1], MMA_K):
-            partial += A[:, k0:k0 + MMA_K] @ B[k0:k0 + MMA_K]
-            total += np.abs(partial)
-        return partial, total
     R, K = A.shape
     C = B.shape[1]
+    per = _MMA_BATCH_ELEMS // max(1, R * C)  # chunks per batch
+    if isinstance(A, np.ndarray) or per < 2:
+        # A chunk at a time: NumPy's (a batched GEMM of 8-long sums is slower than BLAS's loop),
+        # and a device's whose result alone fills a batch (Q·Kᵀ: few chunks, each a large GEMM).
+        xp = namespace(A, B)
+        partial, total = partial * 1.0, total * 1.0  # (copies of their own: added into in place)
+        for k0 in range(0, K, MMA_K):
+            partial += A[:, k0:k0 + MMA_K] @ B[k0:k0 + MMA_K]
+            total += xp.abs(partial)
+        return partial, total
     xp = namespace(A, B)
-    per = max(1, _MMA_BATCH_ELEMS // max(1, R * C))  # chunks per batch
     for k0 in range(0, K, per * MMA_K):
         k1 = min(K, k0 + per * MMA_K)
         whole = (k1 - k0) // MMA_K * MMA_K

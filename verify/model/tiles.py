@@ -173,8 +173,10 @@ class MmaCarry:
 
 def smallest(x: np.ndarray) -> float:
     """The smallest nonzero element of x (inf for none): dot.flush_sum's test, over tiles."""
-    nz = x[x != 0]
-    return float(nz.min()) if nz.shape[0] else np.inf
+    if 0 in tuple(x.shape):
+        return np.inf
+    xp = namespace(x)  # (no boolean indexing: on a device it waits for the count of nonzeros)
+    return float(xp.min(xp.where(x != 0, x, np.inf)))
 
 
 __all__ = ["TILE_BYTES", "DEVICE_TILE_BYTES", "row_tiles", "over_rows", "stack_over_rows", "flush_max", "rows_of", "stack_rows", "QuerySum", "Total", "MmaCarry", "smallest"]
