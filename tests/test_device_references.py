@@ -40,6 +40,7 @@ from verify.specs import flash as flash_spec
 from verify.specs.backward import flash_bounds, flash_tiles
 from verify.stages import FLASH_GRAD_KEYS, FLASH_GRAD_QUERIES, FLASH_GRAD_VALUES, FLASH_LSE, FLASH_OUTPUT
 from verify.model.scores import HeadVariant
+from verify.model.softmax import EqualTerms, correlated_sum
 from verify.variant import BOTTOM_RIGHT, Variant
 
 
@@ -175,6 +176,21 @@ def test_the_device_truncation_model_batches_its_chunks(batch, monkeypatch):
         carry[0].add(A.T[a:b], B[a:b])
         carry[1].add(torch.as_tensor(A.T[a:b]), torch.as_tensor(B[a:b]))
     np.testing.assert_allclose(carry[1].det(2.0**-24, 2).numpy(), carry[0].det(2.0**-24, 2), rtol=1e-12, atol=0)
+
+
+def test_equal_terms_regroup_alike_on_a_device():
+    """correlated_sum's groups of equal terms (zeros among them), found and summed on the device,
+    give NumPy's sums; rows without repeats are left as they are."""
+    torch = _torch()
+    rng = np.random.default_rng(4)
+    terms = rng.choice(rng.random(9).astype(np.float32), size=(7, 60))
+    terms[rng.random(terms.shape) < 0.2] = 0
+    terms[0] = np.arange(1, 61, dtype=np.float32)
+    var = rng.random(terms.shape)
+    want = correlated_sum(var, EqualTerms(terms))
+    got = correlated_sum(torch.as_tensor(var), EqualTerms(torch.as_tensor(terms)))
+    assert isinstance(got, torch.Tensor) and want[0] == var[0].sum()
+    np.testing.assert_allclose(got.numpy(), want, rtol=1e-13, atol=0)
 
 
 @pytest.mark.parametrize("name", VARIANTS)
