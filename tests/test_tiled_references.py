@@ -176,6 +176,22 @@ def test_a_tile_that_ignored_its_rows_would_be_caught(monkeypatch, expected_mode
         _agree(whole, _everything(variant, slope, x, {}))
 
 
+@pytest.mark.parametrize("name", ["causal", "mask-bias"])
+def test_the_lse_reference_comes_from_the_output_references_pass(name, monkeypatch):
+    """The chain's flash_lse reference is the one flash_output's pass computed from the same tiles'
+    scores (no pass of its own), and equal to its own pass's."""
+    variant, slope = VARIANTS[name]
+    x = _inputs(variant, 77, 53)
+    monkeypatch.setattr(tiles, "TILE_BYTES", 8 * 53 * 8)
+    own = compute_stage(FLASH_LSE, {k: v for k, v in x.items() if k != "V"}, SCALE, variant.causal,
+                        variant=variant, slope=slope)
+    passes, lse = [], flash_spec._with_mask_lse
+    monkeypatch.setattr(flash_spec, "_with_mask_lse", lambda *a, **k: passes.append(1) or lse(*a, **k))
+    chain = reference_chain(x, SCALE, variant.causal, (FLASH_OUTPUT, FLASH_LSE), variant=variant, slope=slope)
+    assert not passes
+    np.testing.assert_array_equal(chain[FLASH_LSE], own)
+
+
 @pytest.mark.parametrize("name", ["causal", "bottom-right-alibi", "window-softcap", "mask-bias", "dropout"])
 def test_a_row_tile_of_a_head_variant_is_those_rows_of_the_head(name):
     variant, slope = VARIANTS[name]

@@ -20,8 +20,8 @@ from typing import List
 
 import numpy as np
 
-from ..model.arrays import like, namespace, target, to_device, to_numpy
-from ..model.attention import log_sum_exp_rows
+from ..model.arrays import concat_rows, float64, like, namespace, target, to_device, to_numpy
+from ..model.attention import log_sum_exp_rows, softmax_and_lse
 from ..model.flash import flash_forward_rows, flash_lse_sums
 from ..model.rounding import FLUSH, ROUND_VAR, ULP_IN_U, finite_abs, memo
 from ..model.scores import as_head
@@ -30,7 +30,7 @@ from ..model.softmax import need, scaled_logits, softmax_parts
 from ..stages import FLASH_LSE, FLASH_OUTPUT, INPUT_NAMES, KEYS, OUTPUT, QUERIES, SCALED_SCORES, STAGES, VALUES
 from ..variant import Variant
 from .base import (FLASH_VS_OUTPUT, LSE_VS_SCORES, HeadContext, Problem, StageSpec, Violation, consistency,
-                   flash_sources, score_sources)
+                   flash_sources, head_variant, score_sources)
 from .copies import PATTERNS
 from .output import attention_from_inputs, scores_from_inputs, values_floor
 from .scores import qk_quantization
@@ -244,6 +244,43 @@ def _reference(with_mask):
     return reference
 
 
+# The last flash_output reference's log-sum-exp, computed from the same scores: (its sources' key,
+# the sources, the lse). flash_lse's reference from the same Q, K (and mask) comes next in a chain.
+_LAST_LSE: List[tuple] = []
+
+
+def _lse_key(src, problem: Problem) -> tuple:
+    """What flash_lse's reference from src depends on: its sources but V, by identity, the problem."""
+    return tuple((k, id(v)) for k, v in sorted(src.items()) if k != VALUES), problem.scale, problem.head
+
+
+def _output_reference(src, problem: Problem):
+    """flash_output's reference, a row tile at a time, with flash_lse's from the same tiles' scores
+    and exponentials (kept for flash_lse's reference: _lse_reference)."""
+    head, host = problem.head, src
+    if on_device_of(head):  # Q, K, V moved to the check's device once, the results back once
+        src = {k: (to_device(v) if k in INPUT_NAMES else v) for k, v in src.items()}
+    Q = src[QUERIES] if on_device_of(head) else np.asarray(src[QUERIES])
+    n, lse = Q.shape[0], []
+
+    def tile(r):
+        part = src if r is None else {**src, QUERIES: Q[r]}
+        scores = scores_from_inputs(part, problem.scale, None, head.variant, head.slope, r, None if r is None else n)
+        p, row_lse = softmax_and_lse(scores)
+        lse.append(row_lse)
+        return head_variant(head.variant, head.slope, part).dropped(p, r) @ float64(part[VALUES])
+    out = to_numpy(stack_over_rows(n, src[KEYS].shape[0], Q.shape[1], tile))
+    _LAST_LSE[:] = [(_lse_key(host, problem), host, to_numpy(concat_rows(lse)))]
+    return out
+
+
+def _lse_reference(src, problem: Problem):
+    """flash_lse's reference: the last flash_output reference's where it came from the same sources."""
+    if _LAST_LSE and _LAST_LSE[0][0] == _lse_key(src, problem):
+        return _LAST_LSE[0][2]
+    return _reference(_with_mask_lse)(src, problem)
+
+
 def on_device_of(head) -> bool:
     """Whether this head's flash references run on the check's device (verify/model/arrays.py):
     a device is chosen and the variant is one the device path computes (the mask, windows,
@@ -252,14 +289,14 @@ def on_device_of(head) -> bool:
 
 
 SPECS = (
-    StageSpec(FLASH_OUTPUT, reference=_reference(_with_mask_output), isolated=_output_isolated,
+    StageSpec(FLASH_OUTPUT, reference=_output_reference, isolated=_output_isolated,
               floor=lambda src: (values_floor(src[VALUES])
                                  + _qk_flush_max(src) * np.max(finite_abs(src[VALUES]), initial=0.0)),
               quantization=_output_quantization, invariants=(_output_vs_partner,), scaled=True,
               partner=OUTPUT, given_partner=(FLASH_VS_OUTPUT,), with_mask=_with_mask_output,
               from_inputs=_with_mask_output, diagnoses=PATTERNS + ("scaled", "mask", "keys", "overflow"),
               baseline=OUTPUT, variant_sources=flash_sources),
-    StageSpec(FLASH_LSE, reference=_reference(_with_mask_lse), isolated=_lse_isolated, keyless=-np.inf,
+    StageSpec(FLASH_LSE, reference=_lse_reference, isolated=_lse_isolated, keyless=-np.inf,
               floor=lambda src: FLUSH * 2 * np.asarray(src[KEYS]).shape[0] + _qk_flush_max(src),
               quantization=_lse_quantization, invariants=(_lse_vs_partner,), scaled=True, partner=SCALED_SCORES,
               given_partner=(LSE_VS_SCORES,),
