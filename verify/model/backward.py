@@ -69,9 +69,10 @@ def grad_over_keys_var(P, dS, K, rows: RowErrors, indep_sd, scale: float, u: flo
     into either operand: one more product rounding)."""
     xp = namespace(dS)
     ind = (indep_sd * indep_sd) @ (K * K)
-    shared_sd = xp.sqrt(rows.shared) * xp.abs(dS @ K) + xp.sqrt(rows.D) * xp.abs(P @ K)
+    dsk = dS @ K  # (the GEMM's sums in its rounding model too)
+    shared_sd = xp.sqrt(rows.shared) * xp.abs(dsk) + xp.sqrt(rows.D) * xp.abs(P @ K)
     total = (xp.sqrt(ind) + shared_sd) ** 2
-    gemm = memo(cache, "dS K var", (dS, K), (u, product_var), lambda: dot_var(dS, K, u, product_var))
+    gemm = memo(cache, "dS K var", (dS, K), (u, product_var), lambda: dot_var(dS, K, u, product_var, dsk))
     return scale * scale * (total + gemm)
 
 
