@@ -250,8 +250,10 @@ _LAST_LSE: List[tuple] = []
 
 
 def _lse_key(src, problem: Problem) -> tuple:
-    """What flash_lse's reference from src depends on: its sources but V, by identity, the problem."""
-    return tuple((k, id(v)) for k, v in sorted(src.items()) if k != VALUES), problem.scale, problem.head
+    """What flash_lse's reference from src depends on: its sources but V, by identity, the problem,
+    the device it is computed on."""
+    return (tuple((k, id(v)) for k, v in sorted(src.items()) if k != VALUES), problem.scale, problem.head,
+            on_device_of(problem.head) and target())
 
 
 def _output_reference(src, problem: Problem):
