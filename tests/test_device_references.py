@@ -35,10 +35,12 @@ from verify.check.devices import device_for
 from verify.check.pool import NO_MEMORY_EXIT
 from verify.check.reference import compute_stage, reference_chain
 from verify.cli import check as check_cli
-from verify.model import arrays, dot, tiles
+from verify.model import arrays, dot, mma, tiles
 from verify.specs import flash as flash_spec
 from verify.specs.backward import flash_bounds, flash_tiles
 from verify.stages import FLASH_GRAD_KEYS, FLASH_GRAD_QUERIES, FLASH_GRAD_VALUES, FLASH_LSE, FLASH_OUTPUT
+from verify.model.scores import HeadVariant
+from verify.model.softmax import EqualTerms, correlated_sum
 from verify.variant import BOTTOM_RIGHT, Variant
 
 
@@ -74,13 +76,15 @@ def test_torch_references_equal_numpy(name, tile_bytes, monkeypatch):
     src = {k: rng.normal(size=(n, 16)).astype(np.float32) for k, n in (("Q", 45), ("K", 70), ("V", 70))}
     variant = VARIANTS[name]
     for stage in (FLASH_OUTPUT, FLASH_LSE):
+        flash_spec._LAST_LSE.clear()  # (flash_lse's own pass, not flash_output's kept lse)
         want = compute_stage(stage, src, 0.3, variant.causal, variant=variant)
         seen = []
         to_numpy = arrays.to_numpy
         monkeypatch.setattr("verify.specs.flash.to_numpy", lambda x: (seen.append(type(x).__module__), to_numpy(x))[1])
+        flash_spec._LAST_LSE.clear()
         with arrays.on_device("torch-cpu"):
             got = compute_stage(stage, src, 0.3, variant.causal, variant=variant)
-        assert seen == ["torch"], seen  # the reference was computed on PyTorch tensors
+        assert seen and set(seen) == {"torch"}, seen  # the reference was computed on PyTorch tensors
         assert isinstance(got, np.ndarray) and got.dtype == np.float64
         _close(want, got)
 
@@ -154,6 +158,59 @@ def test_torch_bounds_equal_numpy(name, kernel, exact, monkeypatch):
     assert moved and set(moved) == {"torch"} and len(moved) >= 4, moved
     for a, b in zip(*bounds):
         np.testing.assert_allclose(b, a, rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("batch", [1 << 25, 3 * 5 * 7, 1], ids=["one-batch", "batches", "chunk-by-chunk"])
+def test_the_device_truncation_model_batches_its_chunks(batch, monkeypatch):
+    """On a device the tensor-core chunks' running sums come from batched GEMMs (a few launches,
+    not one per 8-long chunk): the same as NumPy's chunk by chunk, a short last chunk included,
+    carried across calls as the row tiles carry them."""
+    torch = _torch()
+    monkeypatch.setattr(mma, "_MMA_BATCH_ELEMS", batch)
+    rng = np.random.default_rng(5)
+    A, B = rng.normal(size=(5, 61)), rng.normal(size=(61, 7))
+    want = dot.mma_truncation_det(A, B, 2.0**-24, 2)
+    got = dot.mma_truncation_det(torch.as_tensor(A), torch.as_tensor(B), 2.0**-24, 2)
+    assert isinstance(got, torch.Tensor)
+    np.testing.assert_allclose(got.numpy(), want, rtol=1e-12, atol=0)
+    carry = [tiles.MmaCarry() for _ in range(2)]
+    for a, b in ((0, 16), (16, 61)):  # two row tiles of X (61 rows)
+        carry[0].add(A.T[a:b], B[a:b])
+        carry[1].add(torch.as_tensor(A.T[a:b]), torch.as_tensor(B[a:b]))
+    np.testing.assert_allclose(carry[1].det(2.0**-24, 2).numpy(), carry[0].det(2.0**-24, 2), rtol=1e-12, atol=0)
+
+
+def test_equal_terms_regroup_alike_on_a_device():
+    """correlated_sum's groups of equal terms (zeros among them), found and summed on the device,
+    give NumPy's sums; rows without repeats are left as they are."""
+    torch = _torch()
+    rng = np.random.default_rng(4)
+    terms = rng.choice(rng.random(9).astype(np.float32), size=(7, 60))
+    terms[rng.random(terms.shape) < 0.2] = 0
+    terms[0] = np.arange(1, 61, dtype=np.float32)
+    var = rng.random(terms.shape)
+    want = correlated_sum(var, EqualTerms(terms))
+    got = correlated_sum(torch.as_tensor(var), EqualTerms(torch.as_tensor(terms)))
+    assert isinstance(got, torch.Tensor) and want[0] == var[0].sum()
+    np.testing.assert_allclose(got.numpy(), want, rtol=1e-13, atol=0)
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_a_device_builds_the_mask_of_a_row_tile_itself(name, monkeypatch):
+    """The causal flag's and window's mask of a row tile, built on the device from the indices, is
+    the tile's rows of the head's mask (NumPy's); none is built by NumPy for it."""
+    torch = _torch()
+    head = HeadVariant(VARIANTS[name])
+    n, m = 37, 53
+    whole = head.hidden(n, m)
+    monkeypatch.setattr(HeadVariant, "hidden", lambda *a, **k: pytest.fail("a mask built by NumPy"))
+    x = torch.zeros((1, 1), dtype=torch.float64)
+    for a, b in ((0, n), (0, 16), (16, 32), (32, 37)):
+        tile = head.rows_of(a, b, n)
+        got = tile.hidden_like(x, b - a, m)
+        assert isinstance(got, torch.Tensor) and np.array_equal(got.numpy(), whole[a:b])
+        inner = tile.rows_of(1, 3, b - a)  # a tile of a tile
+        assert np.array_equal(inner.hidden_like(x, 2, m).numpy(), whole[a + 1:a + 3])
 
 
 def test_a_device_takes_larger_row_tiles():

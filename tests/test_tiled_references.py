@@ -8,6 +8,9 @@
   on random small cases of every variant, with tiles smaller than N (and tails), on the CPU's and
   the GPU kernels' arithmetic. The tiles run with the dot products' expected-variance model, which
   the whole head takes above dot.ENERGY_EXACT_MAX_MACS (lowered here so that small heads take it).
+* The passes over the tiles are shared as the check shares them (the forward's bounds from the
+  backward chain's pass, a gradient's isolated reference from its isolated bound's pass) with the
+  same results; no pass of the forward's own runs then, and one of the gradients' references.
 * A head that takes the exact model, or fits in one tile, is one tile (the whole head, as before);
   a run that writes or reads an N×M stage is sized as an untiled one (pool.tiled_run).
 * Memory: the chained and isolated bounds of a flash forward and backward at N = 2048, M = 1024 never
@@ -35,6 +38,8 @@ from verify.files.outputs import open_run
 from verify.model import dot, tiles
 from verify.model.scores import HeadVariant
 from verify.specs import SPECS, sources_of
+from verify.specs import flash as flash_spec
+from verify.specs.backward import flash_tiles
 from verify.stages import FLASH_GRAD_KEYS, FLASH_GRAD_QUERIES, FLASH_GRAD_VALUES, FLASH_LSE, FLASH_OUTPUT, STAGES, Dims
 from verify.variant import BOTTOM_RIGHT, PER_HEAD, Variant
 
@@ -70,18 +75,24 @@ def _inputs(variant: Variant, n: int, m: int, d: int = 16, seed: int = 0):
     return x
 
 
-def _everything(variant: Variant, slope: float, x, kernel) -> dict:
+def _everything(variant: Variant, slope: float, x, kernel, shared: bool = False) -> dict:
     """Every flash stage's chained reference and bound, isolated reference and bound (from the
-    chain rounded to float32, as a program's upstream files), and printed-resolution move."""
+    chain rounded to float32, as a program's upstream files), and printed-resolution move;
+    shared: the forward's bounds from the backward chain's pass, the gradients' isolated references
+    from their isolated bounds' pass (as the check takes them)."""
     args = dict(scale=SCALE, causal=variant.causal, variant=variant, slope=slope, **kernel)
     chain = reference_chain(x, SCALE, variant.causal, FLASH, variant=variant, slope=slope)
     full, cache, out = {**x, **chain}, tolerance.HeadCache(), {}
+    if shared:
+        tolerance.share_flash_passes(FLASH_OUTPUT, full, cache=cache, **args)
     for st in FLASH:
         out[st + " ref"] = chain[st]
         out[st + " chained"] = tolerance.chained_bound(st, full, cache=cache, **args)
     got = {k: v.astype(np.float32).astype(np.float64) if k in chain else v for k, v in full.items()}
     for st in FLASH:
         src = {n: got[n] for n in sources_of(st, variant) + ("mask", "bias", "dropout_mask") if n in got}
+        if shared:
+            tolerance.share_flash_references(st, src, cache=cache, **args)
         ref = compute_stage(st, src, SCALE, variant.causal, variant=variant, slope=slope)
         out[st + " isolated ref"] = ref
         out[st + " isolated"] = tolerance.stage_bound(st, src, ref, cache=cache, **args)
@@ -122,7 +133,29 @@ def test_tiles_agree_with_the_whole_head(name, kernel, n, m, rows, monkeypatch, 
     monkeypatch.setattr(tiles, "TILE_BYTES", 8 * m * rows)
     cut = tiles.row_tiles(n, m, 16)
     assert len(cut) > 1 and cut[-1][1] == n and all(a % 8 == 0 for a, _ in cut)
-    _agree(whole, _everything(variant, slope, x, KERNELS[kernel]))
+    _agree(whole, _everything(variant, slope, x, KERNELS[kernel], shared=True))  # (as the check shares its passes)
+
+
+@pytest.mark.parametrize("tile_bytes", [1 << 40, 8 * 53 * 8], ids=["whole", "tiled"])
+def test_the_passes_over_the_tiles_are_shared(tile_bytes, monkeypatch, expected_model):
+    """With a flash backward stage in the chain, the forward's bounds are taken from the chain's
+    pass over the row tiles: no pass of the forward's own (which would compute every tile's logits
+    and softmax again) runs; the gradients' isolated references come from their isolated bounds'
+    pass: one pass of the references' own (the chain's), not two. The same references and bounds."""
+    variant, slope = VARIANTS["causal"]
+    x = _inputs(variant, 77, 53)
+    monkeypatch.setattr(tiles, "TILE_BYTES", tile_bytes)
+    own = _everything(variant, slope, x, {})
+
+    def no_pass(*args):
+        raise AssertionError("the flash forward's own pass ran")
+    monkeypatch.setattr(flash_spec, "flash_forward_rows", no_pass)
+    passes, gradients = [], flash_tiles._gradients
+    monkeypatch.setattr(flash_tiles, "_gradients", lambda *a: passes.append(1) or gradients(*a))
+    _agree(own, _everything(variant, slope, x, {}, shared=True))
+    assert len(passes) == 1  # the chained reference's
+    with pytest.raises(AssertionError, match="own pass ran"):
+        _everything(variant, slope, x, {})
 
 
 def test_a_tile_that_ignored_its_rows_would_be_caught(monkeypatch, expected_model):
@@ -141,6 +174,22 @@ def test_a_tile_that_ignored_its_rows_would_be_caught(monkeypatch, expected_mode
     monkeypatch.setattr(HeadVariant, "rows_of", forgetful)
     with pytest.raises(AssertionError):
         _agree(whole, _everything(variant, slope, x, {}))
+
+
+@pytest.mark.parametrize("name", ["causal", "mask-bias"])
+def test_the_lse_reference_comes_from_the_output_references_pass(name, monkeypatch):
+    """The chain's flash_lse reference is the one flash_output's pass computed from the same tiles'
+    scores (no pass of its own), and equal to its own pass's."""
+    variant, slope = VARIANTS[name]
+    x = _inputs(variant, 77, 53)
+    monkeypatch.setattr(tiles, "TILE_BYTES", 8 * 53 * 8)
+    own = compute_stage(FLASH_LSE, {k: v for k, v in x.items() if k != "V"}, SCALE, variant.causal,
+                        variant=variant, slope=slope)
+    passes, lse = [], flash_spec._with_mask_lse
+    monkeypatch.setattr(flash_spec, "_with_mask_lse", lambda *a, **k: passes.append(1) or lse(*a, **k))
+    chain = reference_chain(x, SCALE, variant.causal, (FLASH_OUTPUT, FLASH_LSE), variant=variant, slope=slope)
+    assert not passes
+    np.testing.assert_array_equal(chain[FLASH_LSE], own)
 
 
 @pytest.mark.parametrize("name", ["causal", "bottom-right-alibi", "window-softcap", "mask-bias", "dropout"])

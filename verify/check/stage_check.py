@@ -149,7 +149,10 @@ def sources(stage: str, ctx: HeadContext) -> Tuple[str, ...]:
 
 
 def reference(stage: str, src: Dict[str, np.ndarray], ctx: HeadContext) -> np.ndarray:
-    """The float64 reference of `stage` from `src` (its sources()) under the head's variant."""
+    """The float64 reference of `stage` from `src` (its sources()) under the head's variant. A flash
+    gradient's is computed in one pass over the row tiles with its isolated bound from the same
+    sources, which its check asks for next (tolerance.share_flash_references)."""
+    tolerance.share_flash_references(stage, src, **ctx.bound_args())
     return compute_stage(stage, src, ctx.scale, ctx.causal, variant=ctx.effective_variant, slope=ctx.slope)
 
 
@@ -175,6 +178,7 @@ def allowed(stage: str, src: Dict[str, np.ndarray], want: np.ndarray, ctx: HeadC
         atol, rtol = override
         return atol + rtol * np.where(np.isfinite(want), np.abs(want), 0.0)
     if chained:
+        tolerance.share_flash_passes(stage, ctx.chain, **ctx.bound_args())
         return tolerance.chained_bound(stage, ctx.chain, **ctx.bound_args()) + ctx.bounds.combine_allowance(stage, ctx)
     return tolerance.stage_bound(stage, src, want, **ctx.bound_args())
 

@@ -31,6 +31,7 @@ from ..model.rounding import (FLUSH, LAMBDA, LOG_ULPS, ROUND_VAR, UNIT_ROUNDOFF,
                               memo, unit_roundoff)
 from ..model.softmax import need
 from ..specs import SPECS, VARIANT_SOURCES, chain_inputs, sources_of
+from ..specs.backward.flash_bounds import flash_own_and_references
 from ..specs.base import Problem, resolve_variant
 from ..stages import INPUT_NAMES, STAGES  # noqa: F401 (tolerance.STAGES: the stage table, for callers)
 from ..variant import Variant
@@ -148,6 +149,45 @@ def _chained_float32(stage: str, chain: Dict[str, np.ndarray], *, scale: float, 
     sources = need(chain, stage, *chain_inputs(stage))
     problem = Problem.of(scale, variant.causal, chain, variant, slope, u, kernel, cache)
     return memo(cache, "chained " + stage, sources, problem.key, lambda: spec.chained(sources, problem))
+
+
+def _flash_backward(stage: str) -> bool:
+    """A stage of the flash backward (its chained bound computes the flash forward's in its pass)."""
+    return STAGES[stage].flash and STAGES[stage].backward
+
+
+def share_flash_passes(stage: str, chain: Dict[str, np.ndarray], *, scale: float, causal: bool,
+                       precision: str = "fp32", backend: Optional[str] = None, math: str = "ieee",
+                       flash_kernel: Optional[str] = None, cache: Optional[HeadCache] = None,
+                       half_rounding: str = NEAREST, variant: Optional[Variant] = None, slope: float = 0.0) -> None:
+    """Before a flash forward stage's bound (`stage`): where the chain holds a flash backward stage
+    too, compute that stage's chained bound first. Its pass over the row tiles computes the
+    forward's bounds as well and keeps them in the head's cache (verify/specs/flash.py
+    share_forward), so that the forward's logits and softmax are computed once, not once more in a
+    pass of their own. The same bounds either way; the arguments are chained_bound's."""
+    del half_rounding  # (the backward's float32 chain is what holds the forward's parts)
+    later = [s for s in chain if s in STAGES and _flash_backward(s)]
+    entry = STAGES[stage]
+    if cache is None or not later or not entry.flash or entry.backward or entry.split:
+        return
+    _chained_float32(later[0], chain, scale=scale, variant=resolve_variant(variant, causal), slope=slope,
+                     precision=precision, backend=backend, math=math, flash_kernel=flash_kernel, cache=cache)
+
+
+def share_flash_references(stage: str, src: Dict[str, np.ndarray], *, scale: float, causal: bool,
+                           precision: str = "fp32", backend: Optional[str] = None, math: str = "ieee",
+                           flash_kernel: Optional[str] = None, cache: Optional[HeadCache] = None,
+                           half_rounding: str = NEAREST, variant: Optional[Variant] = None, slope: float = 0.0) -> None:
+    """Before a flash gradient's isolated reference from `src` (the program's own flash_output and
+    flash_lse): that reference and the stage's isolated bound (stage_bound) computed in one pass
+    over the row tiles, which share each tile's recomputed weights and dS. The same references and
+    bounds either way; the arguments are stage_bound's."""
+    del half_rounding
+    if cache is None or not _flash_backward(stage):
+        return
+    problem = Problem.of(scale, causal, src, variant, slope, unit_roundoff(precision),
+                         kernel_for(backend, math, flash_kernel), cache)
+    flash_own_and_references(src, problem)
 
 
 def quantization_bound(stage: str, src: Dict[str, np.ndarray], quanta: Dict[str, np.ndarray],

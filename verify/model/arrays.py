@@ -179,9 +179,12 @@ def float64(x):
 
 
 def like(x, a):
-    """a (a NumPy array: a mask, a bias row) on x's namespace and device."""
-    if isinstance(x, np.ndarray):
+    """a (a NumPy array: a mask, a bias row; or already x's kind: as it is) on x's namespace and
+    device."""
+    if isinstance(x, np.ndarray) or (_is_tensor(a) and a.device == x.device):
         return a
+    if _is_tensor(a):
+        return a.to(x.device)
     return _torch().as_tensor(np.array(a), device=x.device)  # a copy: the mask may be read-only
 
 
@@ -226,6 +229,14 @@ def take_rows(x, order):
     return _torch().take_along_dim(x, order, dim=1)
 
 
+def segment_sums(labels, weights, n: int):
+    """The sums of weights by label (n labels 0 … n − 1; NumPy's bincount)."""
+    if isinstance(weights, np.ndarray):
+        return np.bincount(labels, weights=weights, minlength=n)
+    out = _torch().zeros(n, dtype=weights.dtype, device=weights.device)
+    return out.index_add_(0, labels, weights)
+
+
 def running_max(x):
     """The running maximum along each row (NumPy's maximum.accumulate on axis 1)."""
     if isinstance(x, np.ndarray):
@@ -246,4 +257,4 @@ def concat_rows(parts):
 
 __all__ = ["DEVICES", "DeviceError", "cuda_visible", "resolve_device", "device_argument", "device_jobs",
            "on_device", "target", "to_device", "to_numpy", "to_numpy_all", "float64", "like", "put", "zeros", "binade_sq",
-           "namespace", "quiet", "concat_rows", "take_rows", "running_max"]
+           "namespace", "quiet", "concat_rows", "take_rows", "running_max", "segment_sums"]

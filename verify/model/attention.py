@@ -54,6 +54,16 @@ def softmax_rows(s):
     return e / xp.where(total == 0, 1.0, total)
 
 
+def softmax_and_lse(s):
+    """(softmax_rows(s), log_sum_exp_rows(s)) from one exponentiation of s (the same values)."""
+    e, m = _exp_shifted(s)
+    xp = namespace(e)
+    total = xp.sum(e, axis=1, keepdims=True)
+    with quiet(xp):
+        lse = m + xp.log(total)
+    return e / xp.where(total == 0, 1.0, total), lse
+
+
 def log_sum_exp_rows(s):
     """log Σ_j exp(s_j) per row; −inf for a row that sees no key."""
     e, m = _exp_shifted(s)

@@ -15,7 +15,7 @@ from typing import Optional
 
 import numpy as np
 
-from .arrays import namespace, zeros
+from .arrays import namespace
 from .dot import dot_var
 from .kernels import SOFTMAX_FINAL_ROUNDINGS, Kernel
 from .rounding import ROUND_VAR, HeadCache, memo
@@ -31,11 +31,12 @@ class RowErrors:
 
     eta: each weight's own relative error (its logit, its exponent), independent across keys;
     shared: the relative error common to the row's weights (the normalization, or the saved lse);
-    weight_round: the absolute rounding of each stored weight (stage path only);
+    weight_round: the absolute rounding of each stored weight (stage path only: None in the
+    flash backward, which stores none, so that no N×M array of zeros is made and multiplied);
     D: D's error (its own rounding and the output's error reaching it)."""
     eta: np.ndarray
     shared: np.ndarray
-    weight_round: np.ndarray
+    weight_round: Optional[np.ndarray]
     D: np.ndarray
 
 
@@ -52,8 +53,10 @@ def ds_var_parts(P, dP, D, dS, rows: RowErrors, dP_var, u, extra: int = 0):
     δdS = dS·η + P·δdP + ρ·(dP − D) + own roundings   (independent across keys),
         − dS·ε − P·δD                                 (shared along the row).
     Under dropout dP is the kept and rescaled dP·Z/(1 − p) and dP_var its variance (extra: 1)."""
-    indep = (dS * dS * rows.eta + P * P * dP_var + rows.weight_round * (dP - D) ** 2
-             + ds_round_var(P, dP, D, u, extra))
+    indep = dS * dS * rows.eta + P * P * dP_var
+    if rows.weight_round is not None:
+        indep = indep + rows.weight_round * (dP - D) ** 2
+    indep = indep + ds_round_var(P, dP, D, u, extra)
     xp = namespace(dS)
     shared = xp.abs(dS) * xp.sqrt(rows.shared) + xp.abs(P) * xp.sqrt(rows.D)
     return xp.sqrt(indep), shared
@@ -66,9 +69,10 @@ def grad_over_keys_var(P, dS, K, rows: RowErrors, indep_sd, scale: float, u: flo
     into either operand: one more product rounding)."""
     xp = namespace(dS)
     ind = (indep_sd * indep_sd) @ (K * K)
-    shared_sd = xp.sqrt(rows.shared) * xp.abs(dS @ K) + xp.sqrt(rows.D) * xp.abs(P @ K)
+    dsk = dS @ K  # (the GEMM's sums in its rounding model too)
+    shared_sd = xp.sqrt(rows.shared) * xp.abs(dsk) + xp.sqrt(rows.D) * xp.abs(P @ K)
     total = (xp.sqrt(ind) + shared_sd) ** 2
-    gemm = memo(cache, "dS K var", (dS, K), (u, product_var), lambda: dot_var(dS, K, u, product_var))
+    gemm = memo(cache, "dS K var", (dS, K), (u, product_var), lambda: dot_var(dS, K, u, product_var, dsk))
     return scale * scale * (total + gemm)
 
 
@@ -93,9 +97,10 @@ def d_var(p, eta_var, l_var, weight_round, dO, dP, D, O_round_var, D_round_var) 
     (r: O's accumulation and final roundings, ρ: each stored weight's)."""
     w = p * p * eta_var
     xp = namespace(w)
-    return (xp.sum(w * (dP - D) ** 2, axis=1, keepdims=True) + l_var * D * D
-            + xp.sum(weight_round * dP * dP, axis=1, keepdims=True)
-            + xp.sum(dO * dO * O_round_var, axis=1, keepdims=True) + D_round_var)
+    var = xp.sum(w * (dP - D) ** 2, axis=1, keepdims=True) + l_var * D * D
+    if weight_round is not None:  # (None: no stored weight, the flash backward's)
+        var = var + xp.sum(weight_round * dP * dP, axis=1, keepdims=True)
+    return var + xp.sum(dO * dO * O_round_var, axis=1, keepdims=True) + D_round_var
 
 
 def weight_round_var(p, u: float, kernel: Kernel) -> np.ndarray:
@@ -113,7 +118,7 @@ def stage_rows(p, eta_var, l_var, D_var, u: float, kernel: Kernel) -> RowErrors:
 def flash_rows(eta_var, lse_var, D_var) -> RowErrors:
     """The flash backward's row errors: P = exp(S − lse) errs by its logit and exponent (η) and by
     the saved lse (shared along the row; no normalization, no stored weight)."""
-    return RowErrors(eta_var, lse_var, zeros(eta_var, eta_var.shape), D_var)
+    return RowErrors(eta_var, lse_var, None, D_var)
 
 
 @dataclass(frozen=True)

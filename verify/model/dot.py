@@ -11,9 +11,9 @@ from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import numpy as np
 
-from .arrays import float64, like, namespace, to_numpy, zeros
-from .kernels import MMA_K
-from .rounding import FLUSH, ROUND_VAR, ULP_IN_U, HeadCache, binade, binade_sq, finite_abs, memo
+from .arrays import float64, like, namespace, to_numpy
+from .mma import mma_running_sums, mma_truncation_det  # noqa: F401 (the dot products' truncation model)
+from .rounding import FLUSH, ROUND_VAR, HeadCache, binade, binade_sq, finite_abs, memo
 
 
 # Above this many multiply-adds per head's product the exact partial-sum energy costs too much time
@@ -282,7 +282,7 @@ def _column_blocks(K: int, C: int) -> List[Tuple[int, int]]:
     return [(i * C // n, (i + 1) * C // n) for i in range(n)]
 
 
-def dot_var(A: np.ndarray, B: np.ndarray, u: float, product_var: float = ROUND_VAR) -> np.ndarray:
+def dot_var(A: np.ndarray, B: np.ndarray, u: float, product_var: float = ROUND_VAR, product=None) -> np.ndarray:
     """Variance of the float32 error of each element of A @ B (R×K times K×C), from its products
     t_k and partial sums s_k: Σ_k var(rounding of s_k), the largest over the summation orders
     float32 GEMMs use: index order, reverse order, DOT_LANES interleaved accumulators, index-order
@@ -290,12 +290,12 @@ def dot_var(A: np.ndarray, B: np.ndarray, u: float, product_var: float = ROUND_V
     each block summed from 0, then the block sums), and the expectation over random orders (for
     the orders not enumerated); plus product_var·u²·Σ_k t_k² for the products' own rounding (an
     upper bound when FMA fuses them: an FMA's one rounding is that of the new partial sum,
-    counted above)."""
+    counted above). product: A @ B where the caller has it (the expected model's sums)."""
     A, B = float64(A), float64(B)
     R, K = A.shape
     C = B.shape[1]
     if not exact_energy(_rows(R), K, C):
-        return _expected_var(A @ B, (A * A) @ (B * B), K, u, product_var)
+        return _expected_var(A @ B if product is None else product * 1.0, (A * A) @ (B * B), K, u, product_var)
     if not isinstance(A, np.ndarray):  # a device's: the exact partial sums (small heads) in NumPy
         return like(A, dot_var(to_numpy(A), to_numpy(B), u, product_var))
     blocks = _column_blocks(K, C)
@@ -361,17 +361,6 @@ def _expected_var(S: np.ndarray, T2: np.ndarray, K: int, u: float, product_var: 
     return var
 
 
-def mma_truncation_det(A: np.ndarray, B: np.ndarray, u: float, passes: int) -> np.ndarray:
-    """Bound on the one-signed error of A @ B accumulated by tensor-core mma (truncating): each of
-    `passes` mma per MMA_K-long chunk loses < 1 ulp (≤ 2u·|running sum|)."""
-    partial = total = zeros(A, (A.shape[0], B.shape[1]))
-    xp = namespace(partial)
-    for k0 in range(0, A.shape[1], MMA_K):
-        partial = partial + A[:, k0:k0 + MMA_K] @ B[k0:k0 + MMA_K]
-        total = total + xp.abs(partial)
-    return passes * ULP_IN_U * u * total
-
-
 def flush_sum(A: np.ndarray, B: np.ndarray) -> np.ndarray:
     """Bound on what flushing tiny products and partial sums of A @ B to zero can cost: none when
     no product of non-zero entries comes near float32's normal range, else min(Σ|a·b|, K·FLUSH)."""
@@ -393,7 +382,8 @@ def qk_var(Q: np.ndarray, K: np.ndarray, u: float, product_var: float,
 
 def pv_var(p: np.ndarray, V: np.ndarray, u: float, product_var: float,
             cache: Optional[HeadCache]) -> np.ndarray:
-    return memo(cache, "PV var", (p, V), (u, product_var), lambda: dot_var(p, V, u, product_var))
+    return memo(cache, "PV var", (p, V), (u, product_var),
+                lambda: dot_var(p, V, u, product_var, pv(p, V, cache)))  # (a copy of P·V: its sums)
 
 
 def pv(p: np.ndarray, V: np.ndarray, cache: Optional[HeadCache]) -> np.ndarray:

@@ -21,7 +21,7 @@ from typing import Optional, Tuple, Union
 
 import numpy as np
 
-from ..variant import NONE, Variant, alibi_bias, hidden, modified_scores
+from ..variant import NONE, UNBOUNDED, Variant, alibi_bias, hidden, modified_scores
 from .arrays import like, namespace
 from .kernels import Kernel
 from .rounding import ULP_IN_U
@@ -122,6 +122,24 @@ class HeadVariant:
             self._hidden[key] = out
         return out
 
+    def hidden_like(self, x, n: int, m: int):
+        """hidden(n, m) on x's namespace and device. A device builds the mask of the causal flag
+        and window itself from the rows' and keys' indices (no N×M array built by NumPy and moved
+        there for each tile); a mask or bias file's rows are moved."""
+        if isinstance(x, np.ndarray) or self.mask is not None or self.bias is not None:
+            return like(x, self.hidden(n, m))
+        xp = namespace(x)
+        total, whole = self._whole(n, None)
+        first = whole.start or 0
+        i = xp.reshape(xp.arange(first, first + n, device=x.device), (n, 1)) + self.variant.offset(total, m)
+        j = xp.reshape(xp.arange(m, device=x.device), (1, m))
+        out = xp.zeros((n, m), dtype=xp.bool, device=x.device)
+        if self.variant.left != UNBOUNDED:
+            out = out | (j < i - self.variant.left)
+        if self.variant.right != UNBOUNDED:
+            out = out | (j > i + self.variant.right)
+        return out
+
     # ---- the scores -------------------------------------------------------------------------
     def modified(self, scaled: np.ndarray, n: Optional[int] = None, rows: Optional[Rows] = None) -> np.ndarray:
         """scale·QK (float64, rows of an n×m head) after the softcap, ALiBi and the bias, unmasked."""
@@ -152,7 +170,9 @@ class HeadVariant:
         if not (self.variant.structural or self.mask is not None):
             return scaled
         xp = namespace(scaled)
-        return xp.where(like(scaled, self.hidden(n, scaled.shape[1], rows)), -math.inf, scaled)
+        masked = self.hidden_like(scaled, n, scaled.shape[1]) if rows is None else \
+            like(scaled, self.hidden(n, scaled.shape[1], rows))
+        return xp.where(masked, -math.inf, scaled)
 
     def tanh(self, scaled: np.ndarray) -> Optional[np.ndarray]:
         """t = tanh(scale·QK / C) (None without a softcap)."""

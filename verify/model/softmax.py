@@ -8,7 +8,7 @@ from typing import Dict, Optional, Tuple
 
 import numpy as np
 
-from .arrays import concat_rows, like, namespace, put, running_max, take_rows, to_numpy
+from .arrays import concat_rows, like, namespace, put, segment_sums, take_rows, to_numpy
 from .attention import scaled_scores
 from .kernels import SOFTMAX_FINAL_ROUNDINGS, Kernel
 from .rounding import ROUND_VAR, UNIT_ROUNDOFF, HeadCache, ToleranceError, memo, step_var
@@ -143,10 +143,12 @@ def _rowsum_step_var(p: np.ndarray, u: float) -> np.ndarray:
 
 
 class EqualTerms:
-    """The groups of equal nonzero terms in the rows of a sum that has any (rows: their indices, a
-    NumPy array; order: the permutation that sorts each such row; starts: where each group begins
-    in the sorted rows), in the terms' namespace. At thousands of keys most rows have some: two of
-    8192 float32 exponentials in a few binades share a value more often than not."""
+    """The groups of equal terms in the rows of a sum that has repeated nonzero terms (rows: their
+    indices, a NumPy array), in the terms' namespace: of the terms that share their value with
+    another of their row (zeros too), `at` their flat index in the rows × terms array, `label` their
+    group, and `group_rows` each group's row. At thousands of keys most rows have some: two of 8192
+    float32 exponentials in a few binades share a value more often than not; but few of a row's
+    terms do, and only they are regrouped (correlated_sum)."""
 
     def __init__(self, terms):
         xp = namespace(terms)
@@ -156,11 +158,22 @@ class EqualTerms:
         if not self.rows.size:
             return
         keys = terms[like(terms, self.rows)]
-        self.order = np.argsort(keys, axis=1) if xp is np else xp.argsort(keys, axis=1)
-        keys = take_rows(keys, self.order)
-        changes = keys[:, 1:] != keys[:, :-1]  # (a row with repeats has two terms at least)
-        first = xp.ones_like(changes[:, :1])  # on the terms' device
-        self.starts = np.concatenate([first, changes], axis=1) if xp is np else xp.concat([first, changes], axis=1)
+        order = np.argsort(keys, axis=1) if xp is np else xp.argsort(keys, axis=1)
+        keys = take_rows(keys, order)
+        same = keys[:, 1:] == keys[:, :-1]  # (a row with repeats has two terms at least)
+        none = xp.zeros_like(same[:, :1])
+        after, before = _concat_cols(xp, [same, none]), _concat_cols(xp, [none, same])
+        row, k = xp.nonzero(after | before)  # each member, row by row, in sorted order
+        starts = ~before[row, k]
+        starts = starts | _concat_cols(xp, [xp.ones_like(row[:1], dtype=xp.bool), row[1:] != row[:-1]])
+        self.label = (np.cumsum(starts) if xp is np else xp.cumulative_sum(xp.astype(starts, xp.int64))) - 1
+        self.group_rows = like(row, self.rows)[row[starts]]
+        self.at = like(row, self.rows)[row] * terms.shape[1] + order[row, k]
+
+
+def _concat_cols(xp, parts):
+    """parts side by side (along the last axis)."""
+    return np.concatenate(parts, axis=-1) if xp is np else xp.concat(parts, axis=-1)
 
 
 def correlated_sum(var: np.ndarray, equal: EqualTerms) -> np.ndarray:
@@ -170,20 +183,18 @@ def correlated_sum(var: np.ndarray, equal: EqualTerms) -> np.ndarray:
     bits alone decide: equal terms err alike, however they interleave with others (found by the
     false-alarm suite: a softcap of 1.91 saturated 106 of a row's 128 scores at ±C, and the
     float32 sum of their 70 equal exp(−2C) ran 18.5u off, 7.7σ of independent roundings). Rows
-    without repeated terms are not regrouped. In the sorted row, (Σ_k∈g σ_k)² summed over the
-    groups is Σ_k σ_k·(2·P_k − σ_k), P_k the group's running sum of σ up to k: running sums and a
-    running maximum, so the regrouping runs where the terms are (on a GPU too)."""
+    without repeated terms are not regrouped; in a row with some, each group of equal terms adds
+    (Σ σ)² − Σ σ² to the row's Σ var (the terms alone in their value add nothing), from the group
+    members only, so that a regrouped row costs its repeated terms, not all of its terms."""
     xp = namespace(var)
     total = xp.sum(var, axis=1)
     if not equal.rows.size:
         return total
-    v = take_rows(var[like(var, equal.rows)], equal.order)
+    v = xp.reshape(var, (-1,))[equal.at]
     sigma = xp.sqrt(v)
-    run = np.cumsum(sigma, axis=1) if xp is np else xp.cumulative_sum(sigma, axis=1)
-    before = running_max(xp.where(equal.starts, run - sigma, 0.0))  # the running sum before each group
-    grouped = xp.sum(sigma * (2.0 * (run - before) - sigma), axis=1)
-    total[like(total, equal.rows)] += grouped - xp.sum(v, axis=1)
-    return total
+    groups = int(equal.group_rows.shape[0])
+    extra = segment_sums(equal.label, sigma, groups) ** 2 - segment_sums(equal.label, v, groups)
+    return total + segment_sums(equal.group_rows, extra, total.shape[0])
 
 
 def rowsum_rel_var(p: np.ndarray, u: float, extra_roundings: float = 1.0,

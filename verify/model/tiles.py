@@ -20,6 +20,7 @@ import numpy as np
 
 from .arrays import concat_rows, like, namespace, target, zeros
 from .dot import _HEAD_ROWS, _expected_var, exact_energy, head_rows
+from .mma import mma_running_sums
 from .kernels import MMA_K
 from .rounding import FLUSH, ULP_IN_U, HeadCache, finite_abs
 
@@ -114,9 +115,12 @@ class QuerySum:
             if self.pair is not None:  # a second tile: the first one's squares too
                 X0, Y0 = self.pair
                 self.squares, self.pair = (X0 * X0).T @ (Y0 * Y0), None
-            self.squares = self.squares + (X * X).T @ (Y * Y)
+            self.squares += (X * X).T @ (Y * Y)  # (its own arrays, made here: added into in place)
         part = X.T @ Y
-        self.sum = part if self.sum is None else self.sum + part
+        if self.sum is None:
+            self.sum = part
+        else:
+            self.sum += part
 
     def var(self, u: float, product_var: float, single: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> np.ndarray:
         """The variance; single(X, Y): the whole head's (a cached dot_var of Xᵀ·Y)."""
@@ -127,13 +131,25 @@ class QuerySum:
 
 
 class Total:
-    """A sum over the tiles (0 before the first)."""
+    """A sum over the tiles (0 before the first): the first tile's array, then a sum of its own,
+    which the later tiles' are added into in place (the same additions, no new M×d array a tile)."""
 
     def __init__(self) -> None:
         self.value = 0.0
+        self._own = False
 
     def add(self, x) -> None:
-        self.value = x if np.ndim(self.value) == 0 and self.value == 0.0 else self.value + x
+        if np.ndim(self.value) == 0 and self.value == 0.0:
+            self.value = x
+        elif self._own and np.shape(x) == np.shape(self.value) and _writable(self.value):
+            self.value += x
+        else:
+            self.value, self._own = self.value + x, True
+
+
+def _writable(x) -> bool:
+    """Whether x may be added into in place (a NumPy array must be writeable; a device's is)."""
+    return not isinstance(x, np.ndarray) or x.flags.writeable
 
 
 class MmaCarry:
@@ -149,10 +165,7 @@ class MmaCarry:
         if self.partial is None:
             self.partial = zeros(A, (A.shape[0], Y.shape[1]))
             self.total = zeros(A, (A.shape[0], Y.shape[1]))
-        xp = namespace(A)
-        for k0 in range(0, A.shape[1], MMA_K):
-            self.partial += A[:, k0:k0 + MMA_K] @ Y[k0:k0 + MMA_K]
-            self.total += xp.abs(self.partial)
+        self.partial, self.total = mma_running_sums(A, Y, self.partial, self.total)
 
     def det(self, u: float, passes: int) -> np.ndarray:
         return passes * ULP_IN_U * u * self.total
@@ -160,8 +173,10 @@ class MmaCarry:
 
 def smallest(x: np.ndarray) -> float:
     """The smallest nonzero element of x (inf for none): dot.flush_sum's test, over tiles."""
-    nz = x[x != 0]
-    return float(nz.min()) if nz.shape[0] else np.inf
+    if 0 in tuple(x.shape):
+        return np.inf
+    xp = namespace(x)  # (no boolean indexing: on a device it waits for the count of nonzeros)
+    return float(xp.min(xp.where(x != 0, x, np.inf)))
 
 
 __all__ = ["TILE_BYTES", "DEVICE_TILE_BYTES", "row_tiles", "over_rows", "stack_over_rows", "flush_max", "rows_of", "stack_rows", "QuerySum", "Total", "MmaCarry", "smallest"]

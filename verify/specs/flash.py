@@ -20,8 +20,8 @@ from typing import List
 
 import numpy as np
 
-from ..model.arrays import like, namespace, target, to_device, to_numpy
-from ..model.attention import log_sum_exp_rows
+from ..model.arrays import concat_rows, float64, like, namespace, target, to_device, to_numpy
+from ..model.attention import log_sum_exp_rows, softmax_and_lse
 from ..model.flash import flash_forward_rows, flash_lse_sums
 from ..model.rounding import FLUSH, ROUND_VAR, ULP_IN_U, finite_abs, memo
 from ..model.scores import as_head
@@ -30,7 +30,7 @@ from ..model.softmax import need, scaled_logits, softmax_parts
 from ..stages import FLASH_LSE, FLASH_OUTPUT, INPUT_NAMES, KEYS, OUTPUT, QUERIES, SCALED_SCORES, STAGES, VALUES
 from ..variant import Variant
 from .base import (FLASH_VS_OUTPUT, LSE_VS_SCORES, HeadContext, Problem, StageSpec, Violation, consistency,
-                   flash_sources, score_sources)
+                   flash_sources, head_variant, score_sources)
 from .copies import PATTERNS
 from .output import attention_from_inputs, scores_from_inputs, values_floor
 from .scores import qk_quantization
@@ -50,7 +50,14 @@ def _qk_flush_max(src) -> float:
 
 def _output_isolated(src, ref, problem: Problem):
     Q, K, V = need(src, FLASH_OUTPUT, QUERIES, KEYS, VALUES)
-    return memo(problem.cache, "flash_output var", (Q, K, V), problem.key, lambda: _forward_rows(Q, K, V, problem))
+    return memo(problem.cache, "flash_output var", (Q, K, V), _output_key(*problem.model_args[:4]),
+                lambda: _forward_rows(Q, K, V, problem))
+
+
+def _output_key(scale, head, u, kernel) -> tuple:
+    """What flash_output's (variance, one-signed part) depends on besides Q, K, V (Problem.key)."""
+    head = as_head(head)
+    return scale, head.causal, u, kernel, head
 
 
 def _forward_rows(Q, K, V, problem: Problem):
@@ -67,6 +74,15 @@ def _forward_rows(Q, K, V, problem: Problem):
     return out
 
 
+def share_forward(cache, Q, K, V, scale, head, u, kernel, out, sums) -> None:
+    """Keep in the head's cache flash_output's (variance, one-signed part) and flash_lse's row sums
+    of Q, K, V where another pass over the row tiles computed them (the flash backward's chain,
+    whose tiles compute the forward's parts anyway): the forward stages' bounds then take them
+    from there instead of computing each tile's logits and softmax once more."""
+    memo(cache, "flash_output var", (Q, K, V), _output_key(scale, head, u, kernel), lambda: tuple(out))
+    memo(cache, "flash_lse sums", (Q, K), (scale, as_head(head), u, kernel), lambda: tuple(sums))
+
+
 def _numpy(x):
     """A device's result as NumPy (a scalar as it is)."""
     return x if isinstance(x, (float, int)) else to_numpy(x)
@@ -78,8 +94,7 @@ def lse_var_det(Q, K, lse, scale, head, u, kernel, cache):
     lse's magnitude (m + log l; on the GPU the log2-domain conversions; under causal ALiBi raised
     by flash-attn's shift slope·diag(i)). A row that sees no key: 0 (its lse is exact)."""
     head = as_head(head)
-    m, eta_sum, l_var, det = memo(cache, "flash_lse sums", (Q, K), (scale, head, u, kernel),
-                                  lambda: flash_lse_sums(Q, K, scale, head, u, kernel, cache))
+    m, eta_sum, l_var, det = forward_sums(Q, K, scale, head, u, kernel, cache)
     xp = namespace(lse)
     finite = xp.isfinite(lse)
     lse = xp.where(finite, lse, 0.0)
@@ -93,6 +108,13 @@ def lse_var_det(Q, K, lse, scale, head, u, kernel, cache):
                                   + kernel.lse_roundings * magnitude ** 2 / 4)
            + kernel.log_abs ** 2 / 3)
     return xp.where(finite, var, 0.0), det
+
+
+def forward_sums(Q, K, scale, head, u, kernel, cache) -> tuple:
+    """flash_lse's row sums of Q, K (flash_lse_sums), kept in the head's cache."""
+    head = as_head(head)
+    return memo(cache, "flash_lse sums", (Q, K), (scale, head, u, kernel),
+                lambda: flash_lse_sums(Q, K, scale, head, u, kernel, cache))
 
 
 def _lse_isolated(src, ref, problem: Problem):
@@ -222,6 +244,45 @@ def _reference(with_mask):
     return reference
 
 
+# The last flash_output reference's log-sum-exp, computed from the same scores: (its sources' key,
+# the sources, the lse). flash_lse's reference from the same Q, K (and mask) comes next in a chain.
+_LAST_LSE: List[tuple] = []
+
+
+def _lse_key(src, problem: Problem) -> tuple:
+    """What flash_lse's reference from src depends on: its sources but V, by identity, the problem,
+    the device it is computed on."""
+    return (tuple((k, id(v)) for k, v in sorted(src.items()) if k != VALUES), problem.scale, problem.head,
+            on_device_of(problem.head) and target())
+
+
+def _output_reference(src, problem: Problem):
+    """flash_output's reference, a row tile at a time, with flash_lse's from the same tiles' scores
+    and exponentials (kept for flash_lse's reference: _lse_reference)."""
+    head, host = problem.head, src
+    if on_device_of(head):  # Q, K, V moved to the check's device once, the results back once
+        src = {k: (to_device(v) if k in INPUT_NAMES else v) for k, v in src.items()}
+    Q = src[QUERIES] if on_device_of(head) else np.asarray(src[QUERIES])
+    n, lse = Q.shape[0], []
+
+    def tile(r):
+        part = src if r is None else {**src, QUERIES: Q[r]}
+        scores = scores_from_inputs(part, problem.scale, None, head.variant, head.slope, r, None if r is None else n)
+        p, row_lse = softmax_and_lse(scores)
+        lse.append(row_lse)
+        return head_variant(head.variant, head.slope, part).dropped(p, r) @ float64(part[VALUES])
+    out = to_numpy(stack_over_rows(n, src[KEYS].shape[0], Q.shape[1], tile))
+    _LAST_LSE[:] = [(_lse_key(host, problem), host, to_numpy(concat_rows(lse)))]
+    return out
+
+
+def _lse_reference(src, problem: Problem):
+    """flash_lse's reference: the last flash_output reference's where it came from the same sources."""
+    if _LAST_LSE and _LAST_LSE[0][0] == _lse_key(src, problem):
+        return _LAST_LSE[0][2]
+    return _reference(_with_mask_lse)(src, problem)
+
+
 def on_device_of(head) -> bool:
     """Whether this head's flash references run on the check's device (verify/model/arrays.py):
     a device is chosen and the variant is one the device path computes (the mask, windows,
@@ -230,14 +291,14 @@ def on_device_of(head) -> bool:
 
 
 SPECS = (
-    StageSpec(FLASH_OUTPUT, reference=_reference(_with_mask_output), isolated=_output_isolated,
+    StageSpec(FLASH_OUTPUT, reference=_output_reference, isolated=_output_isolated,
               floor=lambda src: (values_floor(src[VALUES])
                                  + _qk_flush_max(src) * np.max(finite_abs(src[VALUES]), initial=0.0)),
               quantization=_output_quantization, invariants=(_output_vs_partner,), scaled=True,
               partner=OUTPUT, given_partner=(FLASH_VS_OUTPUT,), with_mask=_with_mask_output,
               from_inputs=_with_mask_output, diagnoses=PATTERNS + ("scaled", "mask", "keys", "overflow"),
               baseline=OUTPUT, variant_sources=flash_sources),
-    StageSpec(FLASH_LSE, reference=_reference(_with_mask_lse), isolated=_lse_isolated, keyless=-np.inf,
+    StageSpec(FLASH_LSE, reference=_lse_reference, isolated=_lse_isolated, keyless=-np.inf,
               floor=lambda src: FLUSH * 2 * np.asarray(src[KEYS]).shape[0] + _qk_flush_max(src),
               quantization=_lse_quantization, invariants=(_lse_vs_partner,), scaled=True, partner=SCALED_SCORES,
               given_partner=(LSE_VS_SCORES,),

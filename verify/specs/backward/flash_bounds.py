@@ -7,14 +7,14 @@ the softcap's derivative, dV the kept and rescaled weights.
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import numpy as np
 
 from ...model.arrays import like, namespace, to_device, to_numpy_all, zeros
 from ...model.attention import log_sum_exp_rows
 from ...model.backward import CappedGrads, RowErrors, capped_grads, d_var, ds_var_parts, flash_rows, grad_over_keys_var
-from ...model.dot import mma_truncation_det, pv_var, qk_var, rowdot_var
+from ...model.dot import mma_truncation_det, pv, pv_var, qk_var, rowdot_var
 from ...model.flash import common_factor_logits, flash_output_var_det, flash_parts, logit_magnitude
 from ...model.kernels import FLASH_LOGIT_ROUNDINGS
 from ...model.rounding import FLUSH, ROUND_VAR, HeadCache, finish, finite_abs, memo
@@ -23,10 +23,10 @@ from ...model.softmax import exponent_var, logits, need, raw_logits
 from ...model.tiles import Total, flush_max, smallest
 from ...stages import FLASH_GRAD_QUERIES, GRAD_OUTPUT, KEYS, QUERIES, VALUES
 from ..base import Problem
-from ..flash import lse_var_det, on_device_of
-from .bounds import chain_cap, dp_var, stage_chain
-from .flash_tiles import QueryGrad, over_queries
-from .reference import FLASH_SOURCES, flash_terms, through_cap
+from ..flash import forward_sums, lse_var_det, on_device_of, share_forward
+from .bounds import chain_cap, dp_var
+from .flash_tiles import GradientSums, QueryGrad, over_queries, remember_gradients
+from .reference import FLASH_SOURCES, d_reference, ds_reference, flash_terms, through_cap
 
 
 def _scale_det(Q, K, scale, head, P, finite, u, kernel, cache):
@@ -159,19 +159,26 @@ def _own_cap(Q, K, scale, head: HeadVariant, u, kernel, cache):
     return head.cap_slope(S0), cap_factor_error(S0, head, u, kernel)
 
 
-def _flash_own(src, scale, head, u, kernel, cache):
+def _flash_own(src, scale, head, u, kernel, cache, references: bool = False):
     """The flash backward's errors from its own saved flash_output and flash_lse: the recomputed
     logits (their dot product, their roundings, exp), the lse's one rounding where a kernel folds
     log2(e) into it (shared along the row), D's and dP's roundings, the gradient GEMMs; a row tile
-    at a time (flash_tiles.py)."""
+    at a time (flash_tiles.py). references: the same pass computes the gradients' references from
+    these sources too, kept for flash_gradients (flash_tiles.remember_gradients)."""
     need(src, FLASH_GRAD_QUERIES, *FLASH_SOURCES)
     src = {n: np.asarray(src[n], np.float64) for n in FLASH_SOURCES}
     head = as_head(head)
 
-    def compute(src, cache):
-        keys = KeyGrads.of(src[QUERIES].shape[0])
-        dq = over_queries(src, head, cache, lambda s, h, c: _own_tile(s, scale, h, u, kernel, c, keys))
-        return (dq,) + keys.bounds(scale, head, u, kernel, cache, head.cap > 0)
+    def compute(on, cache):
+        keys, sums = KeyGrads.of(on[QUERIES].shape[0]), GradientSums() if references else None
+        parts = over_queries(on, head, cache, lambda s, h, c: _own_tile(s, scale, h, u, kernel, c, keys, sums))
+        out = (parts[:2],) + keys.bounds(scale, head, u, kernel, cache, head.cap > 0)
+        if not references:
+            return out
+        refs = sums.gradients(parts[2], scale)
+        refs = to_numpy_all(refs) if on is not src else refs
+        remember_gradients(src, scale, head, refs)
+        return out
     if on_device_of(head):  # its sources moved once, its results back once
         return memo(cache, "flash grads own", tuple(src[n] for n in FLASH_SOURCES), (scale, head, u, kernel),
                     lambda: to_numpy_all(compute({n: to_device(x) for n, x in src.items()}, HeadCache())))
@@ -179,20 +186,30 @@ def _flash_own(src, scale, head, u, kernel, cache):
                 lambda: compute(src, cache))
 
 
-def _own_tile(src, scale, head: HeadVariant, u, kernel, cache, keys: KeyGrads):
-    """_flash_own's rows of one tile: dQ's bound, and dK's and dV's parts into keys."""
+def flash_own_and_references(src, problem: Problem) -> None:
+    """Before a flash gradient's isolated reference and bound from the same sources: both in one
+    pass over the row tiles (each tile's P, dP and dS computed once), the bound kept in the head's
+    cache, the references for flash_gradients."""
+    _flash_own(src, *problem.model_args, references=True)
+
+
+def _own_tile(src, scale, head: HeadVariant, u, kernel, cache, keys: KeyGrads, sums: Optional[GradientSums]):
+    """_flash_own's rows of one tile: dQ's bound (variance, one-signed part), and dK's and dV's
+    parts into keys; with sums, the tile's gradients' references too (its dQ rows, a third
+    result)."""
     Q, K, V, dO, O, lse = (src[n] for n in FLASH_SOURCES)
-    masked = head.hidden(Q.shape[0], K.shape[0])
-    P, dP, D, dS, _ = flash_terms(src, scale, masked, head=head)
+    masked = head.hidden_like(Q, Q.shape[0], K.shape[0])
+    P, dP, D, dS, G = flash_terms(src, scale, masked, head=head)
+    refs = () if sums is None else (sums.add(src, head, scale, P, G),)
     xp = namespace(Q)
-    finite = ~like(Q, masked) & xp.isfinite(lse)
+    finite = ~masked & xp.isfinite(lse)
     S = xp.where(finite, logits(Q, K, scale, head, cache), 0.0)
     eta = _recomputed_eta(Q, K, S, lse, finite, scale, head, u, kernel, cache)
     lse_fold = ROUND_VAR * u * u * _lse_magnitude(lse, head, Q.shape[0], K.shape[0]) ** 2
     rows = flash_rows(eta, lse_fold, rowdot_var(dO, O, u))
     return _flash_grad_bounds((Q, K, dO, P, dP, D, dS), rows, dp_var(dO, V, u, kernel.flash_product_var, cache),
                               _logit_det(Q, K, P, scale, head, finite, u, kernel, cache), scale, head, u, kernel,
-                              cache, _own_cap(Q, K, scale, head, u, kernel, cache), keys).dq
+                              cache, _own_cap(Q, K, scale, head, u, kernel, cache), keys).dq + refs
 
 
 def flash_isolated(index: int):
@@ -222,55 +239,67 @@ def flash_chain(Q, K, V, dO, scale, head, u, kernel, cache) -> FlashChain:
     (verify/model/flash.py) reach P (shared along the row) and D; a row tile at a time (on the
     check's device where the head runs there: its inputs moved once, its results back once)."""
     head = as_head(head)
-    if on_device_of(head):
-        return memo(cache, "flash backward chain", (Q, K, V, dO), (scale, head, u, kernel), lambda: to_numpy_all(
-            _chain(*map(to_device, (Q, K, V, dO)), scale, head, u, kernel, HeadCache())))
-    return memo(cache, "flash backward chain", (Q, K, V, dO), (scale, head, u, kernel),
-                lambda: _chain(Q, K, V, dO, scale, head, u, kernel, cache))
+
+    def compute() -> FlashChain:
+        if on_device_of(head):
+            fc, forward = to_numpy_all(_chain(*map(to_device, (Q, K, V, dO)), scale, head, u, kernel, HeadCache()))
+        else:
+            fc, forward = _chain(Q, K, V, dO, scale, head, u, kernel, cache)
+        share_forward(cache, Q, K, V, scale, head, u, kernel, forward[:2], forward[2:])
+        return fc
+    return memo(cache, "flash backward chain", (Q, K, V, dO), (scale, head, u, kernel), compute)
 
 
-def _chain(Q, K, V, dO, scale, head: HeadVariant, u, kernel, cache) -> FlashChain:
-    """flash_chain's FlashChain, computed."""
+def _chain(Q, K, V, dO, scale, head: HeadVariant, u, kernel, cache) -> Tuple[FlashChain, tuple]:
+    """flash_chain's FlashChain, computed, and what its tiles computed of the forward's bounds:
+    flash_output's (variance, one-signed part) and flash_lse's row sums (verify/specs/flash.py
+    share_forward)."""
     n, m = Q.shape[0], K.shape[0]
     keys, row_sd_q2, small = KeyGrads.of(n), Total(), [np.inf]
     K_abs = finite_abs(K)
 
     def tile(s, h, c):
         Qt, dOt = s[QUERIES], s[GRAD_OUTPUT]
-        dq_ref, dq, G, Pz, row_sd = _chain_tile(Qt, K, V, dOt, scale, h, u, kernel, c, keys)
+        dq_ref, dq, G, Pz, row_sd, forward = _chain_tile(Qt, K, V, dOt, scale, h, u, kernel, c, keys)
         keys.dk.add_floor(G, Qt)
         keys.dv.add_floor(Pz, dOt)
         row_sd_q2.add(namespace(Qt).sum(row_sd * row_sd * Qt * Qt, axis=0))
         G_abs = finite_abs(G)
         small[0] = min(small[0], smallest(G_abs))
-        return dq_ref, dq[0], dq[1], namespace(G_abs).minimum(G_abs @ K_abs, m * FLUSH)  # flush_sum(G, K)'s rows
-    dq_ref, dq_var, dq_det, dq_flush = over_queries({QUERIES: Q, KEYS: K, VALUES: V, GRAD_OUTPUT: dO}, head,
-                                                    cache, tile)
+        return (dq_ref, dq[0], dq[1], namespace(G_abs).minimum(G_abs @ K_abs, m * FLUSH)) + forward  # flush_sum(G, K)'s rows
+    dq_ref, dq_var, dq_det, dq_flush, *forward = over_queries({QUERIES: Q, KEYS: K, VALUES: V, GRAD_OUTPUT: dO},
+                                                               head, cache, tile)
     if small[0] * smallest(K_abs) >= FLUSH * 2.0**24:
         dq_flush = zeros(Q, (1, 1))
     dk, dv = keys.bounds(scale, head, u, kernel, cache, head.cap > 0)
     return FlashChain((dq_ref, scale * keys.dk.gemm.sum, keys.dv.gemm.sum), ((dq_var, dq_det), dk, dv),
                       (abs(scale) * dq_flush, abs(scale) * keys.dk.floor(), keys.dv.floor()),
-                      ColumnSumParts(row_sd_q2.value, keys.dk.gemm.sum, keys.dk.gemm_var))
+                      ColumnSumParts(row_sd_q2.value, keys.dk.gemm.sum, keys.dk.gemm_var)), tuple(forward)
 
 
 def _chain_tile(Q, K, V, dO, scale, head: HeadVariant, u, kernel, cache, keys: KeyGrads):
     """flash_chain's rows of one tile: (dQ's reference, dQ's bound, G, the kept weights, the sd of
-    each dS row sum's error); dK's and dV's parts into keys."""
+    each dS row sum's error, the forward's bounds: flash_output's two parts and flash_lse's four
+    row sums); dK's and dV's parts into keys."""
     S, p, m, eta_fwd, l_var, s_det = flash_parts(Q, K, scale, head, u, kernel, cache)
     xp = namespace(S)
     finite = xp.isfinite(S)
     lse = log_sum_exp_rows(S)
     lse_var, lse_det = lse_var_det(Q, K, lse, scale, head, u, kernel, cache)
-    # The same weights, dP, D and dS as the stage path's chain (shared arrays share their bounds).
-    _, dP, D, dS = stage_chain(Q, K, V, dO, scale, head, u, kernel, cache)[:4]
+    # The same weights, dP, D and dS as the stage path's chain (bounds.stage_chain), without its
+    # bounds, which the flash chain does not read.
     dropout = int(head.dropout > 0)
     pz = head.dropped(p)
-    O = pz @ V
-    _, O_det = flash_output_var_det(Q, K, V, scale, head, u, kernel, cache)
+    O = pv(pz, V, cache)  # (the forward's, below)
+    dP = dO @ V.T
+    D = d_reference(dO, O)
+    dS = ds_reference(p, dP, D, head)
+    forward = flash_output_var_det(Q, K, V, scale, head, u, kernel, cache) \
+        + forward_sums(Q, K, scale, head, u, kernel, cache)
+    O_det = forward[1]
     acc = kernel.rescale_factor * pv_var(pz, V, u, kernel.flash_product_var + ROUND_VAR * dropout, cache) \
         + ((kernel.final_roundings + dropout) * ROUND_VAR + kernel.div_var) * (u * O) ** 2
-    Dv = d_var(p, eta_fwd, l_var, zeros(p, p.shape), dO, head.dropped(dP), D, acc, rowdot_var(dO, O, u))
+    Dv = d_var(p, eta_fwd, l_var, None, dO, head.dropped(dP), D, acc, rowdot_var(dO, O, u))
     D_sd = xp.sqrt(Dv) + xp.sum(xp.abs(dO) * O_det, axis=1, keepdims=True)
     eta = _recomputed_eta(Q, K, S, lse, finite, scale, head, u, kernel, cache)
     lse_mag = _lse_magnitude(lse, head, Q.shape[0], K.shape[0])
@@ -282,7 +311,7 @@ def _chain_tile(Q, K, V, dO, scale, head: HeadVariant, u, kernel, cache, keys: K
     gb = _flash_grad_bounds((Q, K, dO, p, dP, D, dS), rows, dPv, s_det, scale, head, u, kernel, cache, cap, keys)
     G = gb.grads.G
     row_sd = xp.sqrt(xp.sum(gb.indep * gb.indep, axis=1, keepdims=True)) + xp.sqrt(rows.D)
-    return scale * G @ K, gb.dq, G, pz, row_sd
+    return scale * G @ K, gb.dq, G, pz, row_sd, forward
 
 
 def flash_chained(index: int):
@@ -306,4 +335,4 @@ def flash_floor(src):
         * (Q.shape[0] + K.shape[0])
 
 
-__all__ = ["flash_isolated", "flash_chained", "flash_chain", "flash_floor"]
+__all__ = ["flash_isolated", "flash_own_and_references", "flash_chained", "flash_chain", "flash_floor"]

@@ -55,9 +55,33 @@ def flash_gradients(src, scale: float, head: HeadVariant) -> Tuple[np.ndarray, n
     last = _LAST.get("grads")
     if last is not None and last[0] == key:
         return last[2]
-    out = _gradients(src, scale, head)
+    return remember_gradients(src, scale, head, _gradients(src, scale, head))
+
+
+def remember_gradients(src, scale: float, head: HeadVariant, out: tuple) -> tuple:
+    """Keep `out`, (dQ, dK, dV) from the sources src (float64 NumPy arrays), as the last head's
+    gradients (another pass over the row tiles computed them: verify/specs/backward/flash_bounds.py
+    flash_own_and_references); returns it."""
+    key = (tuple(id(src[n]) for n in FLASH_SOURCES), scale, head)
     _LAST["grads"] = (key, src, out)  # (src: its arrays alive, so that their ids stay theirs)
     return out
+
+
+class GradientSums:
+    """flash_gradients' dK and dV, summed over the row tiles (dQ's rows are each tile's own)."""
+
+    def __init__(self) -> None:
+        self.dK, self.dV = Total(), Total()
+
+    def add(self, s, h: HeadVariant, scale: float, P, G) -> np.ndarray:
+        """A tile's parts (its sources s, variant h, weights P and G = dS through the cap); returns
+        its rows of dQ."""
+        self.dK.add(G.T @ s[QUERIES])
+        self.dV.add(h.dropped(P).T @ s[GRAD_OUTPUT])
+        return scale * G @ s[KEYS]
+
+    def gradients(self, dQ, scale: float) -> tuple:
+        return dQ, scale * self.dK.value, self.dV.value
 
 
 def _gradients(src, scale: float, head: HeadVariant):
@@ -66,15 +90,13 @@ def _gradients(src, scale: float, head: HeadVariant):
     device = on_device_of(head)
     if device:
         src = {n: to_device(x) for n, x in src.items()}
-    K, dK, dV = src[KEYS], Total(), Total()
+    K, sums = src[KEYS], GradientSums()
 
     def tile(s, h, c):
-        P, _, _, _, G = flash_terms(s, scale, h.hidden(s[QUERIES].shape[0], K.shape[0]), head=h)
-        dK.add(G.T @ s[QUERIES])
-        dV.add(h.dropped(P).T @ s[GRAD_OUTPUT])
-        return (scale * G @ K,)
+        P, _, _, _, G = flash_terms(s, scale, h.hidden_like(K, s[QUERIES].shape[0], K.shape[0]), head=h)
+        return (sums.add(s, h, scale, P, G),)
     dQ, = over_queries(src, head, None, tile)
-    out = (dQ, scale * dK.value, dV.value)
+    out = sums.gradients(dQ, scale)
     return tuple(to_numpy(x) for x in out) if device else out
 
 
@@ -149,4 +171,4 @@ class QueryGrad:
         return self.err.value + self.gemm_var
 
 
-__all__ = ["flash_gradients", "flash_reference", "flash_moves", "over_queries", "tile_sources", "QueryGrad", "ROW_SOURCES"]
+__all__ = ["flash_gradients", "remember_gradients", "GradientSums", "flash_reference", "flash_moves", "over_queries", "tile_sources", "QueryGrad", "ROW_SOURCES"]

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# time_long_check.sh [--device cpu|cuda] [--backend cpu|cuda] [--binary PATH] [--profile FILE] [--keep DIR]
+#                    HEADS N D
+#
+# Times `attnstep check` of a long flash run, as docs/performance.md quotes it: generates HEADS
+# heads at N = M = N, d_k = d_v = D with the output gradient (not causal, npy), runs the binary's
+# flash forward and backward on it (flash_output, flash_lse, flash_dQ, flash_dK, flash_dV), then
+# checks the run with scripts/measure.py (wall time, peak RSS). --profile FILE: the check runs
+# under cProfile instead, its statistics written to FILE (FILE.txt: the top entries by cumulative
+# and internal time). The case and run live in a temporary folder (--keep DIR: there, and kept).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+device=cpu backend=cpu binary=build/main profile="" keep=""
+while [[ $# -gt 3 ]]; do
+    case "$1" in
+        --device) device=$2; shift 2 ;;
+        --backend) backend=$2; shift 2 ;;
+        --binary) binary=$2; shift 2 ;;
+        --profile) profile=$2; shift 2 ;;
+        --keep) keep=$2; shift 2 ;;
+        *) echo "time_long_check.sh: unknown option $1" >&2; exit 2 ;;
+    esac
+done
+if [[ $# -ne 3 ]]; then
+    echo "usage: time_long_check.sh [--device D] [--backend B] [--binary PATH] [--profile FILE] [--keep DIR] HEADS N D" >&2
+    exit 2
+fi
+heads=$1 n=$2 d=$3
+work=${keep:-$(mktemp -d)}
+[[ -n "$keep" ]] || trap 'rm -rf "$work"' EXIT
+mkdir -p "$work"
+python3 -m verify generate --out "$work/in" --heads "$heads" --seq-q "$n" --seq-k "$n" --d-k "$d" --d-v "$d" \
+    --backward --format npy --no-causal >/dev/null
+t0=$(date +%s.%N)
+"$binary" --in "$work/in" --out "$work/out" --backend "$backend" \
+    --stages flash_output,flash_lse,flash_dQ,flash_dK,flash_dV --format npy >/dev/null
+t1=$(date +%s.%N)
+python3 -c "import sys; print(f'binary ({sys.argv[1]} backend): {float(sys.argv[3]) - float(sys.argv[2]):.2f} s: '
+           f'{sys.argv[4]} heads, N = M = {sys.argv[5]}, d {sys.argv[6]}')" "$backend" "$t0" "$t1" "$heads" "$n" "$d"
+check=(python3 -m verify check --in "$work/in" --out "$work/out" --device "$device" --quiet)
+if [[ -n "$profile" ]]; then
+    python3 -m cProfile -o "$profile" -m verify check --in "$work/in" --out "$work/out" --device "$device" --quiet
+    python3 - "$profile" <<'EOF'
+import pstats, sys
+with open(sys.argv[1] + ".txt", "w") as f:
+    for key in ("cumulative", "tottime"):
+        pstats.Stats(sys.argv[1], stream=f).sort_stats(key).print_stats(70)
+EOF
+else
+    python3 scripts/measure.py "${check[@]}"
+fi
