@@ -1,12 +1,38 @@
 """The `attnstep` group: every command of verify/cli/, and the console entry point."""
 from __future__ import annotations
 
+import importlib
+from typing import Dict, List, Optional, Tuple
+
 import click
 
-from . import bench, check, generate, run, sweep
+# Each command: the module of verify/cli/ that defines it and its name there. A command's module is
+# imported when the command runs (or --help lists it), so that `check` does not load what `bench`
+# needs, and the reverse.
+COMMANDS: Dict[str, Tuple[str, str]] = {
+    "generate": ("generate", "generate"),
+    "run": ("run", "run"),
+    "check": ("check", "check"),
+    "demo": ("run", "demo"),
+    "bench": ("bench", "bench"),  # GPU timings against ceilings and PyTorch SDPA
+    "sweep": ("sweep", "sweep"),  # the d × N grid of the stage path, flash and SDPA
+}
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class LazyGroup(click.Group):
+    """A click group whose commands are imported from COMMANDS when first asked for."""
+
+    def list_commands(self, ctx: click.Context) -> List[str]:
+        return list(COMMANDS)
+
+    def get_command(self, ctx: click.Context, name: str) -> Optional[click.Command]:
+        if name not in COMMANDS:
+            return None
+        module, attr = COMMANDS[name]
+        return getattr(importlib.import_module(f"{__package__}.{module}"), attr)
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="attnstep", message="%(prog)s %(version)s")
 def cli():
     """attnstep: find the stage where CUDA attention code goes wrong.
@@ -14,14 +40,6 @@ def cli():
     Generate an input case, run the binary (CUDA or CPU backend) that writes every intermediate
     stage, and check each stage against a float64 NumPy reference.
     """
-
-
-cli.add_command(generate.generate)
-cli.add_command(run.run)
-cli.add_command(check.check)
-cli.add_command(run.demo)
-cli.add_command(bench.bench)  # GPU timings against ceilings and PyTorch SDPA
-cli.add_command(sweep.sweep)  # the d × N grid of the stage path, flash and SDPA
 
 
 def main() -> None:  # console-script entry point
