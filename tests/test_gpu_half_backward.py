@@ -12,19 +12,17 @@ import subprocess
 import numpy as np
 import pytest
 
-from verify.check.reference import reference_chain
 from verify.files.case import read_matrix
 from verify.files.generate import generate_case
 from verify.files.outputs import load_run
 from verify.model.half import round_to_format, storage_unit
-from verify.stages import (FLASH_GRAD_KEYS, FLASH_GRAD_QUERIES, FLASH_GRAD_VALUES, FLASH_LSE, FLASH_OUTPUT,
-                           GRAD_OUTPUT, HALF_PRECISIONS, INPUT_NAMES, Dims, stage_file)
+from verify.stages import HALF_PRECISIONS, Dims
 
+from helpers.flash_gradients import FLASH_GRADS, flash_gradient_reference
 from helpers.reports import check_verdict
 
 pytestmark = pytest.mark.gpu
 
-FLASH_GRADS = (FLASH_GRAD_QUERIES, FLASH_GRAD_KEYS, FLASH_GRAD_VALUES)
 
 # Tails in N and M (not multiples of 64 or 128), one query and one key, N < M and N > M under the
 # causal mask (key blocks no query sees), and enough heads for several blocks in each kernel.
@@ -62,12 +60,8 @@ def test_the_wgmma_flash_backward_at_half_precision_matches_float64(binary, tmp_
             code, verdict = check_verdict(in_dir, out, "--causal" if causal else "--no-causal")
             assert code == 0 and verdict.startswith(f"PASS (bounds for {precision})"), verdict
         for head in range(dims.total_heads):
-            inputs = {n: round_to_format(read_matrix(in_dir / stage_file(n, head, "npy")), precision)
-                      for n in (*INPUT_NAMES, GRAD_OUTPUT)}
-            # The gradients of what the kernels read: the forward's own O and lse.
-            inputs[FLASH_OUTPUT] = read_matrix(run.file(FLASH_OUTPUT, head))
-            inputs[FLASH_LSE] = read_matrix(run.file(FLASH_LSE, head))
-            ref = reference_chain(inputs, float(run.values["scale"]), causal, FLASH_GRADS)
+            # The gradients of what the kernels read: the inputs in the format, the forward's own O and lse.
+            ref = flash_gradient_reference(in_dir, run, head, causal, lambda x: round_to_format(x, precision))
             for name in FLASH_GRADS:
                 got = read_matrix(run.file(name, head))
                 assert np.isfinite(got).all(), f"{name} head {head}: an element was not written"

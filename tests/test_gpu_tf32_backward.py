@@ -13,18 +13,16 @@ import subprocess
 import numpy as np
 import pytest
 
-from verify.check.reference import reference_chain
 from verify.files.case import read_matrix
 from verify.files.generate import generate_case
 from verify.files.outputs import load_run
-from verify.stages import (FLASH_GRAD_KEYS, FLASH_GRAD_QUERIES, FLASH_GRAD_VALUES, FLASH_LSE, FLASH_OUTPUT,
-                           GRAD_OUTPUT, INPUT_NAMES, Dims, stage_file)
+from verify.stages import FLASH_GRAD_VALUES, Dims
 
+from helpers.flash_gradients import FLASH_GRADS, flash_gradient_reference
 from helpers.reports import check_verdict
 
 pytestmark = pytest.mark.gpu
 
-FLASH_GRADS = (FLASH_GRAD_QUERIES, FLASH_GRAD_KEYS, FLASH_GRAD_VALUES)
 WGMMA_TF32 = "cuda-bwd-wgmma-tf32"
 
 # One query and one key; tails in N and M (not multiples of 32, 64 or 128) with N < M and N > M,
@@ -82,10 +80,7 @@ def test_the_tf32_flash_backward_matches_float64_and_passes_the_verifier(binary,
             code, verdict = check_verdict(in_dir, out, "--causal" if causal else "--no-causal")
             assert code == 0 and verdict.startswith("PASS (bounds for tf32)"), verdict
         for head in range(dims.total_heads):
-            inputs = {n: read_matrix(in_dir / stage_file(n, head, "npy")) for n in (*INPUT_NAMES, GRAD_OUTPUT)}
-            inputs[FLASH_OUTPUT] = read_matrix(run.file(FLASH_OUTPUT, head))
-            inputs[FLASH_LSE] = read_matrix(run.file(FLASH_LSE, head))
-            ref = reference_chain(inputs, float(run.values["scale"]), causal, FLASH_GRADS)
+            ref = flash_gradient_reference(in_dir, run, head, causal)
             for name in FLASH_GRADS:
                 got = read_matrix(run.file(name, head))
                 assert np.isfinite(got).all(), f"{name} head {head}: an element was not written"
