@@ -311,3 +311,17 @@ def test_a_run_with_an_n_by_m_stage_is_sized_whole(tmp_path, binary):
     assert pool.tiled_run(runs["flash"])
     long = {k: dataclasses.replace(r, dims=Dims(1, 1, 8192, 8192, 64, 64)) for k, r in runs.items()}
     assert pool.head_bytes(long["flash"]) < 1 << 30 < 10 * pool.head_bytes(long["flash"]) < pool.head_bytes(long["all"])
+
+
+def test_a_gradients_tolerance_override_skips_its_isolated_bound(tmp_path, binary, monkeypatch):
+    """With --tol on the flash gradients their isolated bounds are never asked for, so their
+    references come without the pass that would compute those bounds too; without it, they do."""
+    case, out = _flash_run(tmp_path, "--causal", "top-left")
+    _run(binary, case, out, "--stages", "flash")
+    shared, own = [], tolerance.flash_own_and_references
+    monkeypatch.setattr(tolerance, "flash_own_and_references", lambda *a: shared.append(1) or own(*a))
+    tols = [a for g in (FLASH_GRAD_QUERIES, FLASH_GRAD_KEYS, FLASH_GRAD_VALUES) for a in ("--tol", f"{g}=1")]
+    r = invoke("check", "--in", case, "--out", out, "--jobs", 1, *tols)
+    assert r.exit_code == 0 and not shared, r.output
+    r = invoke("check", "--in", case, "--out", out, "--jobs", 1)
+    assert r.exit_code == 0 and shared, r.output

@@ -203,7 +203,7 @@ def _compare(res: HeadResult, ctx: HeadContext, results: Dict[str, HeadResult], 
         # reference and bound are the chained ones, so is the comparison.
         res.isolated = res.chained
         return src_iso, want_chain, allowed_chain
-    want_iso = reference(stage, src_iso, ctx)
+    want_iso = reference(stage, src_iso, ctx, with_bound=override is None)
     if SPECS[stage].passed_on is not None:  # (the program's form of what a faulty upstream gave it)
         want_iso = SPECS[stage].passed_on(mat, want_iso, src_iso, ctx)
     propagated = quantization(stage, src_iso, q_iso, ctx) if override is None else None

@@ -148,11 +148,12 @@ def sources(stage: str, ctx: HeadContext) -> Tuple[str, ...]:
     return sources_of(stage, ctx.effective_variant) or (stage,)
 
 
-def reference(stage: str, src: Dict[str, np.ndarray], ctx: HeadContext) -> np.ndarray:
-    """The float64 reference of `stage` from `src` (its sources()) under the head's variant. A flash
-    gradient's is computed in one pass over the row tiles with its isolated bound from the same
-    sources, which its check asks for next (tolerance.share_flash_references)."""
-    tolerance.share_flash_references(stage, src, **ctx.bound_args())
+def reference(stage: str, src: Dict[str, np.ndarray], ctx: HeadContext, with_bound: bool = True) -> np.ndarray:
+    """The float64 reference of `stage` from `src` (its sources()) under the head's variant. With
+    `with_bound` (its isolated bound is asked for next: no tolerance override), a flash gradient's
+    is computed in one pass over the row tiles with that bound (tolerance.share_flash_references)."""
+    if with_bound:
+        tolerance.share_flash_references(stage, src, **ctx.bound_args())
     return compute_stage(stage, src, ctx.scale, ctx.causal, variant=ctx.effective_variant, slope=ctx.slope)
 
 
