@@ -313,10 +313,12 @@ def test_a_run_with_an_n_by_m_stage_is_sized_whole(tmp_path, binary):
     assert pool.head_bytes(long["flash"]) < 1 << 30 < 10 * pool.head_bytes(long["flash"]) < pool.head_bytes(long["all"])
 
 
-def test_a_gradients_tolerance_override_skips_its_isolated_bound(tmp_path, binary, monkeypatch):
+@pytest.mark.parametrize("gen", [("--causal", "top-left"), ("--kv-heads", 2)], ids=["mha", "grouped"])
+def test_a_gradients_tolerance_override_skips_its_isolated_bound(tmp_path, binary, monkeypatch, gen):
     """With --tol on the flash gradients their isolated bounds are never asked for, so their
-    references come without the pass that would compute those bounds too; without it, they do."""
-    case, out = _flash_run(tmp_path, "--causal", "top-left")
+    references come without the pass that would compute those bounds too (a grouped run's dK and dV
+    summed over each group's query heads as well); without it, they do."""
+    case, out = _flash_run(tmp_path, *gen)
     _run(binary, case, out, "--stages", "flash")
     shared, own = [], tolerance.flash_own_and_references
     monkeypatch.setattr(tolerance, "flash_own_and_references", lambda *a: shared.append(1) or own(*a))

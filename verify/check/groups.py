@@ -82,7 +82,7 @@ def head_term(stage: str, ctx: HeadContext, results: Dict[str, HeadResult],
     if unchecked:
         return Term(unchecked=unchecked)
     src, q = isolated_sources(sources(stage, ctx), ctx.got, ctx.quanta, results, ctx.chain)
-    want = reference(stage, src, ctx)
+    want = reference(stage, src, ctx, with_bound=override is None)
     term = Term(want, ctx.chain[stage], upstream_failed=failed_upstream(stage, results))
     if override is None:
         term.parts = tolerance.stage_bound_parts(stage, src, want, **ctx.bound_args())

@@ -278,8 +278,9 @@ def _output_reference(src, problem: Problem):
 
 def _lse_reference(src, problem: Problem):
     """flash_lse's reference: the last flash_output reference's where it came from the same sources."""
-    if _LAST_LSE and _LAST_LSE[0][0] == _lse_key(src, problem):
-        return _LAST_LSE[0][2]
+    last = _LAST_LSE[0] if _LAST_LSE else None  # (read once: another thread may replace it)
+    if last is not None and last[0] == _lse_key(src, problem):
+        return last[2]
     return _reference(_with_mask_lse)(src, problem)
 
 
