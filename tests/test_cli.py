@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -38,6 +40,20 @@ def test_check_help_fits_a_screen_and_points_to_the_tolerance_model(runner):
     assert res.exit_code == 0
     assert len(res.output.splitlines()) <= 45, res.output
     assert "docs/tolerances.md" in res.output and "2^-24" not in res.output
+
+
+def test_a_command_loads_its_own_modules_alone():
+    """`check` runs without importing what `bench` needs (nor the reverse's own), and the group's
+    help still lists every command."""
+    code = ("import sys; from click.testing import CliRunner; from verify.cli.group import cli, COMMANDS; "
+            "r = CliRunner().invoke(cli, ['check', '--help']); assert r.exit_code == 0, r.output; "
+            "print(sorted(m for m in sys.modules if m.startswith('verify.cli.') or m.startswith('verify.bench'))); "
+            "r = CliRunner().invoke(cli, ['--help']); assert all(c in r.output for c in COMMANDS), r.output")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          cwd=Path(__file__).resolve().parent.parent)
+    assert done.returncode == 0, done.stderr
+    loaded = done.stdout
+    assert "verify.cli.check" in loaded and "verify.cli.bench" not in loaded and "verify.bench" not in loaded, loaded
 
 
 def test_check_without_a_run_is_a_one_line_error(runner, tmp_path):

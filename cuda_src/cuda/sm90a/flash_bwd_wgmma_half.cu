@@ -52,11 +52,6 @@ struct Workspace {
     size_t floats() const { return dO_floats + 2 * row_floats; }
 };
 
-template <class T>
-int padded_rows(int N) {
-    return ceil_div(N, T::OWN) * T::OWN;
-}
-
 template <class T, bool kCausal>
 void launch_tiles(const FlashBwdArgs& a, cudaStream_t stream) {
     const int n_pad = padded_rows<T>(a.N);
@@ -110,8 +105,7 @@ size_t wgmma_half_backward_workspace_bytes_per_head(const FlashBwdArgs& a) {
 }
 
 void wgmma_half_backward(const FlashBwdArgs& a, cudaStream_t stream) {
-    auto aligned = [](const void* p) { return p && reinterpret_cast<uintptr_t>(p) % 16 == 0; };
-    if (!aligned(a.Qh) || !aligned(a.Kh) || !aligned(a.Vh))
+    if (!aligned16(a.Qh) || !aligned16(a.Kh) || !aligned16(a.Vh))
         fail(kExitInternal, where(__FILE__, __LINE__) +
                                 ": the half-precision flash backward needs Q, K and V in the format, 16-byte aligned");
     with_tiles(a, [&](auto tag) {

@@ -123,10 +123,10 @@ struct BwdTiles {
     using Elem = typename Ops::Elem;
     static constexpr int D = D_, NWG = NWG_, OWN = 64 * NWG, STREAM = STREAM_, STAGES = 2;
     static constexpr int CONSUMERS = kWarpgroup * NWG, THREADS = CONSUMERS + kWarpgroup;
-    // The producer keeps the minimum; the consumers share the rest of the 64K registers.
+    // The producer keeps the minimum; the consumers share the rest of the 64K registers, at most
+    // 240 a thread (one consumer warpgroup: what its launch already holds).
     static constexpr int PRODUCER_REGS = 24;
-    static constexpr int CONSUMER_REGS = (65536 / kWarpgroup - PRODUCER_REGS) / NWG / 8 * 8 < 240
-                                             ? (65536 / kWarpgroup - PRODUCER_REGS) / NWG / 8 * 8 : 240;
+    static constexpr int CONSUMER_REGS = std::min((65536 / kWarpgroup - PRODUCER_REGS) / NWG / 8 * 8, 240);
     // Whether kernel 1 issues a tile's Sᵀ and dPᵀ before the last tile's dV, dK group completes:
     // that keeps the last P and dS fragments live beside the next Sᵀ and dPᵀ, which fit the
     // consumers' registers at d64 alone (at d128 ptxas would serialize every wgmma of the kernel).
@@ -161,6 +161,16 @@ struct BwdParams {
     int N, M, n_pad;
     float scale_log2, scale;
 };
+
+// The query rows (or keys) padded to whole blocks of T::OWN: the rows the row vectors lse₂ and D
+// hold, and the transposed copies' (every tile the kernels read, rows 16-byte multiples).
+template <class T>
+int padded_rows(int rows) {
+    return ceil_div(rows, T::OWN) * T::OWN;
+}
+
+// Whether a kernel argument can be read 16 bytes at a time (tensor maps, float4 loads).
+inline bool aligned16(const void* p) { return p && reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 // Q, K, V and dO (and the transposed copies Qᵀ, dOᵀ, Kᵀ: [heads][D][rows padded]) as tensor
 // maps, boxes of the owned or the streamed rows as the kernel reads them.

@@ -56,11 +56,6 @@ bool with_tiles(const FlashBwdArgs& a, F&& f) {
     return true;
 }
 
-// Rows of the transposed copies: the query rows (and keys) padded to whole blocks, which covers
-// every tile the kernels read and keeps each copy's rows 16-byte multiples (tensor maps).
-template <class T>
-int padded(int rows) { return ceil_div(rows, T::OWN) * T::OWN; }
-
 // x rounded to TF32, four at a time; n a multiple of 4 (d is).
 __global__ void __launch_bounds__(256) round_tf32_kernel(const float4* __restrict__ x, float4* __restrict__ out, size_t n4) {
     for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n4; i += size_t(gridDim.x) * blockDim.x) {
@@ -97,8 +92,8 @@ struct Workspace {
     size_t q, k, qT, kT, rows;
     Workspace(const FlashBwdArgs& a, int heads)
         : q(static_cast<size_t>(heads) * a.N * a.d), k(static_cast<size_t>(heads) * a.M * a.d),
-          qT(static_cast<size_t>(heads) * a.d * padded<T>(a.N)), kT(static_cast<size_t>(heads) * a.d * padded<T>(a.M)),
-          rows(static_cast<size_t>(heads) * padded<T>(a.N)) {}
+          qT(static_cast<size_t>(heads) * a.d * padded_rows<T>(a.N)), kT(static_cast<size_t>(heads) * a.d * padded_rows<T>(a.M)),
+          rows(static_cast<size_t>(heads) * padded_rows<T>(a.N)) {}
     size_t floats() const { return 2 * q + 2 * k + 2 * qT + kT + 2 * rows; }
 };
 
@@ -118,7 +113,7 @@ void launch_transpose(const float* x, float* xT, int rows, int pad, int d, int h
 
 template <class T, bool kCausal>
 void launch_tiles(const FlashBwdArgs& a, cudaStream_t stream) {
-    const int n_pad = padded<T>(a.N), m_pad = padded<T>(a.M);
+    const int n_pad = padded_rows<T>(a.N), m_pad = padded_rows<T>(a.M);
     const Workspace<T> sizes(a, a.heads);
     StreamWorkspace ws(sizes.floats(), stream);
     float* const Qr = ws.p;
@@ -174,8 +169,7 @@ size_t wgmma_tf32_backward_workspace_bytes_per_head(const FlashBwdArgs& a) {
 }
 
 void wgmma_tf32_backward(const FlashBwdArgs& a, cudaStream_t stream) {
-    auto aligned = [](const void* p) { return p && reinterpret_cast<uintptr_t>(p) % 16 == 0; };
-    if (!aligned(a.Q) || !aligned(a.K) || !aligned(a.V) || !aligned(a.dO))
+    if (!aligned16(a.Q) || !aligned16(a.K) || !aligned16(a.V) || !aligned16(a.dO))
         fail(kExitInternal, where(__FILE__, __LINE__) + ": the TF32 flash backward reads Q, K, V and dO 16 bytes at a time "
                                                         "and needs them 16-byte aligned");
     with_tiles(a, [&](auto tag) {
