@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # time_long_check.sh [--device cpu|cuda] [--backend cpu|cuda] [--binary PATH] [--profile FILE] [--keep DIR]
-#                    HEADS N D
+#                    [--scheduler WHERE]... HEADS N D
 #
 # Times `attnstep check` of a long flash run, as docs/performance.md quotes it: generates HEADS
 # heads at N = M = N, d_k = d_v = D with the output gradient (not causal, npy), runs the binary's
@@ -8,9 +8,12 @@
 # checks the run with scripts/measure.py (wall time, peak RSS). --profile FILE: the check runs
 # under cProfile instead, its statistics written to FILE (FILE.txt: the top entries by cumulative
 # and internal time). The case and run live in a temporary folder (--keep DIR: there, and kept).
+# --scheduler WHERE (repeatable): the same run is checked once for each, in turn, with
+# `check --scheduler WHERE` (local: a Dask cluster started for the check, a worker per GPU where
+# the heads are checked on GPUs), and `none` without a cluster; the default is `none` alone.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-device=cpu backend=cpu binary=build/main profile="" keep=""
+device=cpu backend=cpu binary=build/main profile="" keep="" schedulers=()
 while [[ $# -gt 3 ]]; do
     case "$1" in
         --device) device=$2; shift 2 ;;
@@ -18,11 +21,13 @@ while [[ $# -gt 3 ]]; do
         --binary) binary=$2; shift 2 ;;
         --profile) profile=$2; shift 2 ;;
         --keep) keep=$2; shift 2 ;;
+        --scheduler) schedulers+=("$2"); shift 2 ;;
         *) echo "time_long_check.sh: unknown option $1" >&2; exit 2 ;;
     esac
 done
 if [[ $# -ne 3 ]]; then
-    echo "usage: time_long_check.sh [--device D] [--backend B] [--binary PATH] [--profile FILE] [--keep DIR] HEADS N D" >&2
+    echo "usage: time_long_check.sh [--device D] [--backend B] [--binary PATH] [--profile FILE] [--keep DIR]" \
+         "[--scheduler WHERE]... HEADS N D" >&2
     exit 2
 fi
 heads=$1 n=$2 d=$3
@@ -47,5 +52,9 @@ with open(sys.argv[1] + ".txt", "w") as f:
         pstats.Stats(sys.argv[1], stream=f).sort_stats(key).print_stats(70)
 EOF
 else
-    python3 scripts/measure.py "${check[@]}"
+    [[ ${#schedulers[@]} -gt 0 ]] || schedulers=(none)
+    for where in "${schedulers[@]}"; do
+        if [[ "$where" == none ]]; then python3 scripts/measure.py "${check[@]}"
+        else python3 scripts/measure.py "${check[@]}" --scheduler "$where"; fi
+    done
 fi

@@ -194,6 +194,45 @@ def test_a_local_cluster_for_gpus_has_a_worker_per_gpu_seeing_it_alone(binary, t
         assert _check_through(c.scheduler_address, tmp, gpus=["0", "1"]).passed
 
 
+def test_local_takes_a_worker_per_visible_gpu_only_for_heads_checked_on_a_gpu(monkeypatch):
+    monkeypatch.setattr(cluster, "visible_gpus", lambda: ["2", "5", "7"])
+    for where, jobs, gpus in (("cuda", 0, ["2", "5", "7"]), ("cuda", 2, ["2", "5"]), ("cpu", 0, []), (None, 0, [])):
+        monkeypatch.setattr(cluster, "target", lambda: where)
+        assert cluster.local_gpus(jobs) == gpus, (where, jobs)
+
+
+@pytest.mark.parametrize("on_gpu", [False, True], ids=["numpy", "gpus"])
+def test_local_starts_its_cluster_for_the_device_the_heads_are_checked_on(binary, tmp_path, monkeypatch, on_gpu):
+    """check --scheduler local on a host of (here pretended) GPUs: where check_run checks the heads
+    on a GPU, the cluster it starts has a worker a GPU, each seeing its own, and the tasks ask for
+    one each; elsewhere a worker a core (--jobs). Either way the report is a local check's."""
+    _distributed()
+    tmp = _binary_run(tmp_path, binary)
+    started, seen = [], []
+    real = cluster.local_cluster
+
+    def recorded(workers, gpus=()):
+        started.append((workers, list(gpus)))
+        return real(workers, gpus)
+
+    real_route = cluster.DaskRoute.map
+
+    def seen_workers(route, *args):
+        client, _ = route.connect()
+        seen.append(sorted(client.run(lambda: os.environ.get("CUDA_VISIBLE_DEVICES", "all")).values()))
+        return real_route(route, *args)
+
+    monkeypatch.setattr(cluster, "local_cluster", recorded)
+    monkeypatch.setattr(cluster.DaskRoute, "map", seen_workers)
+    monkeypatch.setattr(cluster, "visible_gpus", lambda: ["0", "1"])
+    if on_gpu:  # (the workers themselves check on NumPy: this machine has no GPU)
+        monkeypatch.setattr(cluster, "target", lambda: "cuda")
+    here, there = _checks(tmp_path, tmp / "in", tmp / "out", ["--scheduler", "local", "--jobs", 2])
+    assert started == ([(2, ["0", "1"])] if on_gpu else [(2, [])])
+    assert seen == ([["0", "1"]] if on_gpu else [["all", "all"]])
+    assert here[0] == 0 and there == here, there[1]
+
+
 @pytest.mark.parametrize("device", ["cpu", "torch-cpu"])
 def test_a_worker_checks_on_the_device_its_check_run_chose(binary, tmp_path, device):
     """--device reaches the workers: a task runs on the device the worker's own check_run chose (the

@@ -12,11 +12,13 @@ is a local check's. A task whose worker dies is run again on another one, up to 
 `distributed.scheduler.allowed-failures` times (3 by default); after that the check stops with one
 line. dask is imported only here, and only when a check asks for a cluster.
 
-One worker per GPU: heads_on_cluster(..., gpus=[the host's GPUs]) starts, for LOCAL, one worker a
-GPU that sees that GPU alone, and asks every task for a whole GPU (GPU_TASK); a cluster of several
-hosts gets the same from one `CUDA_VISIBLE_DEVICES=i dask worker ADDRESS --nthreads 1 --resources
-GPU=1` per GPU (or dask-cuda's `dask cuda worker`). The recipe's options say the device to check on,
-so each worker checks its heads on its own GPU.
+One worker per GPU: LOCAL's cluster is started when check_run hands out its jobs, so that it fits
+the device check_run chose for them: heads checked on a GPU get one worker a visible GPU (--jobs N:
+the first N), each seeing that GPU alone, and every task asks for a whole GPU (GPU_TASK); heads
+checked by NumPy get one worker a core. A cluster of several hosts gets the same from one
+`CUDA_VISIBLE_DEVICES=i dask worker ADDRESS --nthreads 1 --resources GPU=1` per GPU (or dask-cuda's
+`dask cuda worker`). The recipe's options say the device to check on, so each worker checks its
+heads on its own GPU.
 """
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 from ..files.case import load_input_case
 from ..files.kinds import CaseError
 from ..files.outputs import open_run
-from ..model.arrays import device_now, on_device
+from ..model.arrays import device_now, on_device, target, visible_gpus
 from .compare import Options, check_run
 from .diagnosis import Diagnoser
 from .pool import _usable_cores, collect_head_garbage, freed_memory_kept, heads_routed, one_blas_thread
@@ -125,16 +127,31 @@ def local_cluster(workers: int, gpus: Sequence[str] = ()):
         silence_logs=logging.CRITICAL)
 
 
-class DaskRoute:
-    """pool.HeadRoute over a Dask client: one task per job, results as they end."""
+def local_gpus(jobs: int) -> List[str]:
+    """The GPUs LOCAL starts a worker on each, for jobs check_run hands out now: every visible GPU
+    (jobs > 0: the first `jobs`) where they are checked on a GPU, none (a worker a core) elsewhere."""
+    if target() != "cuda":
+        return []
+    gpus = visible_gpus()
+    return gpus[:jobs] if jobs > 0 else gpus
 
-    def __init__(self, client, recipe: Recipe, scheduler: str, resources: Optional[Dict[str, float]] = None) -> None:
-        self.client, self.recipe, self.scheduler, self.resources = client, recipe, scheduler, resources
+
+# What a route submits its tasks through: a Dask client and what each task asks of a worker.
+Connection = Tuple[object, Optional[Dict[str, float]]]
+
+
+class DaskRoute:
+    """pool.HeadRoute over a Dask client: one task per job, results as they end. `connect` gives the
+    client when the jobs are handed out (LOCAL's cluster is started then, for their device)."""
+
+    def __init__(self, connect: Callable[[], Connection], recipe: Recipe, scheduler: str) -> None:
+        self.connect, self.recipe, self.scheduler = connect, recipe, scheduler
 
     def map(self, check: Callable[[int], list], heads: int, progress: Optional[Callable[[int], None]]) -> List:
         distributed = _distributed()
+        client, resources = self.connect()
         jobs = {f"{TASK_PREFIX}{self.recipe.token}-{job}": job for job in range(heads)}
-        futures = [self.client.submit(check_job, self.recipe, job, key=key, resources=self.resources)
+        futures = [client.submit(check_job, self.recipe, job, key=key, resources=resources)
                    for key, job in jobs.items()]
         done: Dict[int, list] = {}
         try:
@@ -152,9 +169,9 @@ class DaskRoute:
                             "check; HINT: see that it still runs, then check again") from None
         finally:
             with contextlib.suppress(Exception):  # (a client that lost its scheduler cancels nothing)
-                self.client.cancel([f for f in futures if not f.done()])
+                client.cancel([f for f in futures if not f.done()])
             with contextlib.suppress(Exception):  # (a worker lost meanwhile has nothing to let go)
-                self.client.run(forget_check, self.recipe.token)
+                client.run(forget_check, self.recipe.token)
         return [r for job in range(heads) for r in done[job]]
 
 
@@ -162,16 +179,27 @@ class DaskRoute:
 def heads_on_cluster(scheduler: Optional[str], jobs: int, in_dir: Path, out_dir: Path, opts: Options,
                      diagnoser: Optional[Diagnoser], gpus: Sequence[str] = ()):
     """The check run inside (of in_dir and out_dir with opts: check_run's first call) checks its jobs
-    on the cluster of `scheduler` (LOCAL: started here with `jobs` workers); nothing without one.
-    gpus: a task a GPU (LOCAL: a worker per GPU of these)."""
+    on the cluster of `scheduler` (LOCAL: started here when the jobs are handed out, with `jobs`
+    workers, or a worker a GPU where they are checked on GPUs: local_gpus); nothing without one.
+    gpus: a task a GPU (LOCAL: a worker per GPU of these, whatever the device)."""
     if scheduler is None:
         yield
         return
     recipe = Recipe(str(Path(in_dir).resolve()), str(Path(out_dir).resolve()), opts, diagnoser, uuid.uuid4().hex)
     _distributed()  # (imported before it is quieted: the import sets its loggers' levels)
-    with _dask_quiet(), _client(scheduler, jobs, gpus) as client, \
-            heads_routed(DaskRoute(client, recipe, scheduler, GPU_TASK if gpus else None)):
-        yield
+    with _dask_quiet(), contextlib.ExitStack() as stack:
+        connected: List[Connection] = []
+
+        def connect() -> Connection:
+            if not connected:
+                on = list(gpus) or (local_gpus(jobs) if scheduler == LOCAL else [])
+                connected.append((stack.enter_context(_client(scheduler, jobs, on)), GPU_TASK if on else None))
+            return connected[0]
+
+        if scheduler != LOCAL:
+            connect()  # (a scheduler that does not answer is told before the run is opened)
+        with heads_routed(DaskRoute(connect, recipe, scheduler)):
+            yield
 
 
 # ---- on a worker ---------------------------------------------------------------------------------

@@ -13,10 +13,11 @@ from __future__ import annotations
 import contextlib
 import glob
 import importlib.util
+import os
 import sys
 import warnings
 from contextvars import ContextVar
-from typing import Iterator, Optional, Tuple
+from typing import Iterator, List, Optional, Tuple
 
 import numpy as np
 
@@ -131,6 +132,18 @@ def device_jobs(device: str, jobs: int) -> int:
 def target() -> Optional[str]:
     """The PyTorch device the model computes on now, None for NumPy."""
     return _TARGET.get()
+
+
+def visible_gpus() -> List[str]:
+    """The CUDA devices this process sees, each named as CUDA_VISIBLE_DEVICES names it for a child
+    process that should see that one alone (its index, or its entry of this process's own
+    CUDA_VISIBLE_DEVICES); none where PyTorch sees none."""
+    if not cuda_visible():
+        return []
+    count = _torch().cuda.device_count()
+    said = os.environ.get("CUDA_VISIBLE_DEVICES")
+    names = [s.strip() for s in said.split(",")] if said else [str(i) for i in range(count)]
+    return names[:count]
 
 
 def device_now() -> str:
@@ -256,5 +269,6 @@ def concat_rows(parts):
 
 
 __all__ = ["DEVICES", "DeviceError", "cuda_visible", "resolve_device", "device_argument", "device_jobs",
-           "on_device", "target", "to_device", "to_numpy", "to_numpy_all", "float64", "like", "put", "zeros", "binade_sq",
-           "namespace", "quiet", "concat_rows", "take_rows", "running_max", "segment_sums"]
+           "on_device", "target", "visible_gpus", "to_device", "to_numpy", "to_numpy_all", "float64", "like",
+           "put", "zeros", "binade_sq", "namespace", "quiet", "concat_rows", "take_rows", "running_max",
+           "segment_sums"]
