@@ -225,6 +225,23 @@ def zeros(x, shape):
     return _torch().zeros(shape, dtype=_torch().float64, device=x.device)
 
 
+def add_product(out, A, B):
+    """out + A @ B, into out (an array of the caller's own): on a device in the GEMM itself
+    (addmm: the product is never stored apart)."""
+    if isinstance(out, np.ndarray):
+        out += A @ B
+        return out
+    return out.addmm_(A, B)
+
+
+def add_magnitude(out, x):
+    """out + |x|, into out (an array of the caller's own)."""
+    if isinstance(out, np.ndarray):
+        out += np.abs(x)
+        return out
+    return out.add_(x.abs())
+
+
 def binade_sq(x):
     """4^e for each x in ±[2^e, 2^(e+1)) of a float64 tensor (0 for 0 and subnormals): its bits
     with the sign and mantissa cleared, squared (verify/model/rounding.py's binade_sq, which
@@ -270,5 +287,5 @@ def concat_rows(parts):
 
 __all__ = ["DEVICES", "DeviceError", "cuda_visible", "resolve_device", "device_argument", "device_jobs",
            "on_device", "target", "visible_gpus", "to_device", "to_numpy", "to_numpy_all", "float64", "like",
-           "put", "zeros", "binade_sq", "namespace", "quiet", "concat_rows", "take_rows", "running_max",
-           "segment_sums"]
+           "put", "zeros", "add_product", "add_magnitude", "binade_sq", "namespace", "quiet", "concat_rows",
+           "take_rows", "running_max", "segment_sums"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .arrays import namespace, zeros
+from .arrays import add_magnitude, add_product, namespace, zeros
 from .kernels import MMA_K
 from .rounding import ULP_IN_U
 
@@ -28,34 +28,34 @@ def mma_running_sums(A, B, partial, total):
     """(partial, total) after adding A @ B an MMA_K-long chunk of its sum at a time: the running
     sum partial + Σ of the chunks so far, and total + the sum of the running sums' magnitudes after
     each chunk. NumPy's a chunk at a time; a device's chunks in batches, one batched GEMM each,
-    their running sums a cumulative sum that begins with partial (the same additions in the same
-    order, to the float64 rounding of the device's scan)."""
+    their running sums a cumulative sum whose first term holds partial (the same additions in the
+    same order, to the float64 rounding of the device's scan)."""
     R, K = A.shape
     C = B.shape[1]
     per = _MMA_BATCH_ELEMS // max(1, R * C)  # chunks per batch
+    xp = namespace(A, B)
+    partial, total = partial * 1.0, total * 1.0  # (copies of their own: added into in place)
     if isinstance(A, np.ndarray) or per < 2:
         # A chunk at a time: NumPy's (a batched GEMM of 8-long sums is slower than BLAS's loop),
         # and a device's whose result alone fills a batch (Q·Kᵀ: few chunks, each a large GEMM).
-        xp = namespace(A, B)
-        partial, total = partial * 1.0, total * 1.0  # (copies of their own: added into in place)
         for k0 in range(0, K, MMA_K):
-            partial += A[:, k0:k0 + MMA_K] @ B[k0:k0 + MMA_K]
-            total += xp.abs(partial)
+            partial = add_product(partial, A[:, k0:k0 + MMA_K], B[k0:k0 + MMA_K])
+            total = add_magnitude(total, partial)
         return partial, total
-    xp = namespace(A, B)
     for k0 in range(0, K, per * MMA_K):
         k1 = min(K, k0 + per * MMA_K)
         whole = (k1 - k0) // MMA_K * MMA_K
         if whole:
             n = whole // MMA_K
             a = xp.permute_dims(xp.reshape(A[:, k0:k0 + whole], (R, n, MMA_K)), (1, 0, 2))
-            prods = a @ xp.reshape(B[k0:k0 + whole], (n, MMA_K, C))  # (n, R, C)
-            run = xp.cumulative_sum(xp.concat([partial[None], prods], axis=0), axis=0)[1:]
-            total = total + xp.sum(xp.abs(run), axis=0)
-            partial = run[-1]
+            run = a @ xp.reshape(B[k0:k0 + whole], (n, MMA_K, C))  # (n, R, C): each chunk's product
+            run[0, ...] = run[0, ...] + partial
+            run = xp.cumulative_sum(run, axis=0)
+            total = total + xp.linalg.vector_norm(run, axis=0, ord=1)  # (Σ |run| in one pass)
+            partial = run[-1, ...]
         if k1 - k0 > whole:  # a last chunk shorter than MMA_K
-            partial = partial + A[:, k0 + whole:k1] @ B[k0 + whole:k1]
-            total = total + xp.abs(partial)
+            partial = add_product(partial, A[:, k0 + whole:k1], B[k0 + whole:k1])
+            total = add_magnitude(total, partial)
     return partial, total
 
 

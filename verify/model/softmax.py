@@ -47,7 +47,9 @@ def softmax_parts(S: np.ndarray):
     """p = softmax rows of S (masked -inf -> 0), d = S - rowmax (0 where masked), finite mask."""
     xp = namespace(S)
     finite = xp.isfinite(S)
-    masked = None if bool(xp.all(finite)) else ~finite  # an unmasked head skips every where()
+    # An unmasked head skips every where() (NumPy's; on a device the test would wait for the
+    # tile's kernels, and the where()s keep what they are given).
+    masked = None if xp is np and bool(xp.all(finite)) else ~finite
     m = xp.max(S if masked is None else xp.where(finite, S, -math.inf), axis=1, keepdims=True)
     m = xp.where(xp.isfinite(m), m, 0.0)
     d = S - m                                  # where(finite, S - m, 0)

@@ -173,10 +173,27 @@ class MmaCarry:
 
 def smallest(x: np.ndarray) -> float:
     """The smallest nonzero element of x (inf for none): dot.flush_sum's test, over tiles."""
+    return float(smallest_now(x))
+
+
+def smallest_now(x):
+    """smallest(x) without waiting for it: on a device a 0-d array of its own (reading it would wait
+    for the tile's kernels; the tiles' least is read once they are all in)."""
     if 0 in tuple(x.shape):
         return np.inf
     xp = namespace(x)  # (no boolean indexing: on a device it waits for the count of nonzeros)
-    return float(xp.min(xp.where(x != 0, x, np.inf)))
+    return xp.min(xp.where(x != 0, x, np.inf))
 
 
-__all__ = ["TILE_BYTES", "DEVICE_TILE_BYTES", "row_tiles", "over_rows", "stack_over_rows", "flush_max", "rows_of", "stack_rows", "QuerySum", "Total", "MmaCarry", "smallest"]
+def least(a, b):
+    """The lesser of two smallest_now results (floats, or a device's 0-d arrays; inf: none yet)."""
+    if isinstance(a, float) and isinstance(b, float):
+        return min(a, b)
+    if not isinstance(a, float) and not isinstance(b, float):
+        return namespace(a).minimum(a, b)
+    x, y = (a, b) if isinstance(b, float) else (b, a)  # x the array, y the float
+    return x if y == np.inf else namespace(x).minimum(x, like(x, np.asarray(y)))
+
+
+__all__ = ["TILE_BYTES", "DEVICE_TILE_BYTES", "row_tiles", "over_rows", "stack_over_rows", "flush_max", "rows_of",
+           "stack_rows", "QuerySum", "Total", "MmaCarry", "smallest", "smallest_now", "least"]

@@ -20,7 +20,7 @@ from ...model.kernels import FLASH_LOGIT_ROUNDINGS
 from ...model.rounding import FLUSH, ROUND_VAR, HeadCache, finish, finite_abs, memo
 from ...model.scores import HeadVariant, as_head, cap_factor_error, dropout_factor_error, modification_det
 from ...model.softmax import exponent_var, logits, need, raw_logits
-from ...model.tiles import Total, flush_max, smallest
+from ...model.tiles import Total, flush_max, least, smallest_now
 from ...stages import FLASH_GRAD_QUERIES, GRAD_OUTPUT, KEYS, QUERIES, VALUES
 from ..base import Problem
 from ..flash import forward_sums, lse_var_det, on_device_of, share_forward
@@ -77,14 +77,17 @@ def _lse_magnitude(lse, head: HeadVariant, n: int, m: int) -> np.ndarray:
 
 
 def _flushed_entries(P, dS):
-    """(|dS|, P) where a weight or a dS entry lies below float32's normal range, else 0; (None,
-    None) when none does. GPUs flush such values to zero (an ftz exp2, FTZ arithmetic), so each may
-    be lost whole; the gradients summed from them are then tiny, but no smaller than those terms."""
+    """(|dS|, P) where a weight or a dS entry lies below float32's normal range, else 0; on NumPy
+    (None, None) when none does. GPUs flush such values to zero (an ftz exp2, FTZ arithmetic), so
+    each may be lost whole; the gradients summed from them are then tiny, but no smaller than those
+    terms."""
     edge = 2 * FLUSH  # margin for the weight's own rounding error near the edge
     xp = namespace(P)
     tiny_p = (P < edge) & (P > 0)
     lost = (tiny_p | (xp.abs(dS) < edge)) & (dS != 0)
-    if not (bool(xp.any(lost)) or bool(xp.any(tiny_p))):
+    # On a device the test would wait for the tile's kernels; the terms are kept whatever they
+    # hold (zeros where nothing is lost, which add nothing).
+    if xp is np and not (lost.any() or tiny_p.any()):
         return None, None
     # Twice the lost terms: a gradient made of one lost term equals its bound exactly, and the
     # reference's own rounding must not decide such a case.
@@ -265,11 +268,11 @@ def _chain(Q, K, V, dO, scale, head: HeadVariant, u, kernel, cache) -> Tuple[Fla
         keys.dv.add_floor(Pz, dOt)
         row_sd_q2.add(namespace(Qt).sum(row_sd * row_sd * Qt * Qt, axis=0))
         G_abs = finite_abs(G)
-        small[0] = min(small[0], smallest(G_abs))
+        small[0] = least(small[0], smallest_now(G_abs))
         return (dq_ref, dq[0], dq[1], namespace(G_abs).minimum(G_abs @ K_abs, m * FLUSH)) + forward  # flush_sum(G, K)'s rows
     dq_ref, dq_var, dq_det, dq_flush, *forward = over_queries({QUERIES: Q, KEYS: K, VALUES: V, GRAD_OUTPUT: dO},
                                                                head, cache, tile)
-    if small[0] * smallest(K_abs) >= FLUSH * 2.0**24:
+    if small[0] * smallest_now(K_abs) >= FLUSH * 2.0**24:  # (read once the tiles are in)
         dq_flush = zeros(Q, (1, 1))
     dk, dv = keys.bounds(scale, head, u, kernel, cache, head.cap > 0)
     return FlashChain((dq_ref, scale * keys.dk.gemm.sum, keys.dv.gemm.sum), ((dq_var, dq_det), dk, dv),
