@@ -103,6 +103,30 @@ def test_a_foreign_programs_files_check_on_a_cluster_as_here(scheduler, tmp_path
     assert firsts == {"mask_offset"}, there[1]
 
 
+def test_the_cluster_is_given_a_few_tasks_a_worker_at_a_time(scheduler, tmp_path, monkeypatch):
+    """Tasks go to the cluster as workers free up (at most IN_FLIGHT_PER_THREAD a worker thread at
+    once), not all at the start: a task that asks for a GPU is placed when it is submitted, so
+    handing out all at once can leave one GPU with the last several. Every job still runs once."""
+    distributed = _distributed()
+    dims = Dims(1, 6, 16, 24, 8, 8)
+    in_dir = generate_input(tmp_path / "in", dims, "normal", 5, True)
+    heads = bp.masked_program(foreign.read_inputs(in_dir, dims.total_heads), default_scale(dims.d_k), 0)
+    foreign.write_outputs(tmp_path / "out", heads, dims, "g9", only=FOREIGN_STAGES)
+    monkeypatch.setattr(cluster, "IN_FLIGHT_PER_THREAD", 1)
+    submitted, real = [], distributed.Client.submit
+
+    def counted(client, *args, **kwargs):
+        future = real(client, *args, **kwargs)
+        if str(kwargs.get("key", "")).startswith(cluster.TASK_PREFIX):
+            submitted.append(future)
+            assert sum(not f.done() for f in submitted) <= 2  # the fixture's two one-thread workers
+        return future
+    monkeypatch.setattr(distributed.Client, "submit", counted)
+    here, there = _on_cluster(scheduler, dims.heads, lambda: _checks(tmp_path, in_dir, tmp_path / "out",
+                                                                      ["--scheduler", scheduler]))
+    assert len(submitted) == dims.heads and here[0] == 0 and there == here, there[1]
+
+
 def _check_through(scheduler: str, tmp: Path, progress=None, gpus=()):
     """The report of check_run on tmp's run with its jobs on the cluster of `scheduler`."""
     opts = Options()

@@ -23,6 +23,7 @@ heads on its own GPU.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import threading
 import uuid
@@ -43,6 +44,10 @@ LOCAL = "local"  # check --scheduler local: a cluster of this host's processes, 
 INSTALL_HINT = "pip install 'attnstep[cluster]'"
 GPU_TASK = {"GPU": 1}  # what a task asks of a worker on a GPU: the whole GPU
 TASK_PREFIX = "attnstep-check-"  # a check's tasks' keys: the prefix, the check's token, the job
+# Tasks on the cluster at a time, per worker thread: enough that a worker never waits for its next,
+# few enough that the last ones go to whichever worker is free (the scheduler places a task that
+# asks for a resource, a GPU, as it is submitted, by guesses of how long the tasks take).
+IN_FLIGHT_PER_THREAD = 2
 # How long a scheduler has to answer before the check gives up on it (Dask's own default is 30 s,
 # and it retries a refused connection until then).
 CONNECT_TIMEOUT_S = 10
@@ -151,15 +156,22 @@ class DaskRoute:
         distributed = _distributed()
         client, resources = self.connect()
         jobs = {f"{TASK_PREFIX}{self.recipe.token}-{job}": job for job in range(heads)}
-        futures = [client.submit(check_job, self.recipe, job, key=key, resources=resources)
-                   for key, job in jobs.items()]
+        waiting, futures, running = iter(jobs.items()), [], distributed.as_completed()
         done: Dict[int, list] = {}
+
+        def submit() -> None:  # up to IN_FLIGHT_PER_THREAD tasks a worker thread on the cluster now
+            room = IN_FLIGHT_PER_THREAD * max(1, sum(client.nthreads().values())) - (len(futures) - len(done))
+            for key, job in itertools.islice(waiting, max(0, room)):
+                futures.append(client.submit(check_job, self.recipe, job, key=key, resources=resources))
+                running.add(futures[-1])
         try:
-            for future in distributed.as_completed(futures):
+            submit()
+            for future in running:
                 job = jobs[future.key]
                 done[job] = future.result()  # (a task's error is raised here, as in this process)
                 if progress:
                     progress(job)
+                submit()
         except distributed.KilledWorker:
             raise CaseError("the cluster's workers died each time they checked one of this check's heads "
                             "(killed for memory?); HINT: start fewer workers a machine (each holds one head's "
