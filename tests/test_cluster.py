@@ -5,6 +5,7 @@ killed in a task costs a retry, not the check; the CPU path never imports dask; 
 an unreachable scheduler are one line each. Two-process LocalClusters, a few seconds each."""
 from __future__ import annotations
 
+import gc
 import json
 import os
 import socket
@@ -206,14 +207,18 @@ def test_the_cpu_path_never_imports_dask(binary, tmp_path):
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
 
 
-def test_a_local_cluster_for_gpus_has_a_worker_per_gpu_seeing_it_alone(binary, tmp_path):
+def test_a_local_cluster_for_gpus_has_a_worker_per_gpu_seeing_it_alone(binary, tmp_path, monkeypatch):
     """The hook for a multi-GPU host, on the CPU: a worker per (here pretended) GPU, each with its
     own CUDA_VISIBLE_DEVICES and a GPU to give; the tasks ask for one each, and the check is a local one's."""
     distributed = _distributed()
     tmp = _binary_run(tmp_path, binary)
+    monkeypatch.setattr(cluster, "_usable_cores", lambda: 8)
     with cluster.local_cluster(0, ["0", "1"]) as c, distributed.Client(c) as client:
         seen = client.run(lambda: os.environ.get("CUDA_VISIBLE_DEVICES"))
         assert sorted(seen.values()) == ["0", "1"]
+        # A GPU's worker keeps a share of the host's cores for its libraries (Dask's nanny gives each one).
+        threads = client.run(lambda: [os.environ.get(n) for n in cluster._THREAD_COUNTS])
+        assert list(threads.values()) == [["4"] * 3] * 2  # 8 cores, 2 GPUs
         assert [w["resources"] for w in client.scheduler_info()["workers"].values()] == [cluster.GPU_TASK] * 2
         assert _check_through(c.scheduler_address, tmp, gpus=["0", "1"]).passed
 
@@ -269,16 +274,20 @@ def test_a_worker_checks_on_the_device_its_check_run_chose(binary, tmp_path, dev
                     "--stages", "flash"], check=True, capture_output=True)
     recipe = cluster.Recipe(str(tmp_path / "in"), str(tmp_path / "out"), Options(device=device), diagnose, device)
     try:
+        if device == "torch-cpu":
+            pytest.importorskip("torch", reason="PyTorch is not installed (pip install 'attnstep[gpu]')")
+            pytest.importorskip("array_api_compat", reason="array-api-compat is not installed")
         check, chosen = cluster._checker(recipe)
         assert chosen == device
+        # What the worker held once the run was open (its libraries too) is out of the garbage
+        # collector's walks for the check's heads, as in attnstep's own process.
+        assert gc.get_freeze_count() > 0
         seen = []
         real = cluster.on_device
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(cluster, "on_device", lambda d: (seen.append(d), real(d))[1])
-            if device == "torch-cpu":
-                pytest.importorskip("torch", reason="PyTorch is not installed (pip install 'attnstep[gpu]')")
-                pytest.importorskip("array_api_compat", reason="array-api-compat is not installed")
             results = cluster.check_job(recipe, 0)
         assert seen == [device] and all(res.passed for res in results)
     finally:
         cluster.forget_check(device)
+    assert gc.get_freeze_count() == 0  # let go with the run

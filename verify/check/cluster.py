@@ -23,6 +23,7 @@ heads on its own GPU.
 from __future__ import annotations
 
 import contextlib
+import gc
 import itertools
 import logging
 import threading
@@ -32,10 +33,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
+import numpy as np
+
 from ..files.case import load_input_case
 from ..files.kinds import CaseError
 from ..files.outputs import open_run
-from ..model.arrays import device_now, on_device, target, visible_gpus
+from ..model.arrays import device_now, namespace, on_device, target, to_device, visible_gpus
 from .compare import Options, check_run
 from .diagnosis import Diagnoser
 from .pool import _usable_cores, collect_head_garbage, freed_memory_kept, heads_routed, one_blas_thread
@@ -109,11 +112,18 @@ def _dask_quiet():
             logger.setLevel(level)
 
 
-def _worker_on(gpu: str, distributed) -> dict:
-    """The spec of a local worker that sees GPU `gpu` alone and offers GPU_TASK's resource."""
+# The thread pools a worker process's libraries size by these (Dask's nanny sets each to 1, for
+# workers as many as the cores).
+_THREAD_COUNTS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+
+
+def _worker_on(gpu: str, cores: int, distributed) -> dict:
+    """The spec of a local worker that sees GPU `gpu` alone and offers GPU_TASK's resource; its
+    libraries take `cores` threads (the host's part of a head checked on a GPU: the data's
+    transfers, the exact models of short dot products, the comparisons)."""
+    env = {"CUDA_VISIBLE_DEVICES": gpu, **{name: str(cores) for name in _THREAD_COUNTS}}
     return {"cls": distributed.Nanny, "options": {"nthreads": 1, "memory_limit": 0, "resources": GPU_TASK,
-                                                   "env": {"CUDA_VISIBLE_DEVICES": gpu},
-                                                   "silence_logs": logging.CRITICAL}}
+                                                   "env": env, "silence_logs": logging.CRITICAL}}
 
 
 def local_cluster(workers: int, gpus: Sequence[str] = ()):
@@ -121,13 +131,15 @@ def local_cluster(workers: int, gpus: Sequence[str] = ()):
     starts it: no dashboard (its HTTP endpoints on a free port), no memory limit of Dask's (the
     workers hold what the pool's would), none of Dask's own log lines (the check's errors are its
     one-line messages). gpus: one worker per GPU instead, each seeing its own alone
-    (CUDA_VISIBLE_DEVICES) and offering GPU_TASK's resource."""
+    (CUDA_VISIBLE_DEVICES), offering GPU_TASK's resource, and with a share of the cores."""
     distributed = _distributed()
     if not gpus:
         return distributed.LocalCluster(n_workers=workers, threads_per_worker=1, processes=True,
                                         dashboard_address=None, scheduler_kwargs={"dashboard_address": ":0"},
                                         memory_limit=0, silence_logs=logging.CRITICAL)
-    return distributed.SpecCluster(workers={f"gpu{gpu}": _worker_on(gpu, distributed) for gpu in gpus}, scheduler={
+    cores = max(1, _usable_cores() // len(gpus))  # (the host's cores shared among its GPUs' workers)
+    workers = {f"gpu{gpu}": _worker_on(gpu, cores, distributed) for gpu in gpus}
+    return distributed.SpecCluster(workers=workers, scheduler={
         "cls": distributed.Scheduler, "options": {"dashboard": False, "dashboard_address": ":0"}},
         silence_logs=logging.CRITICAL)
 
@@ -235,16 +247,32 @@ def check_job(recipe: Recipe, job: int) -> list:
 def forget_check(token: str) -> None:
     """Lets go of the run of check `token` where a worker holds it (the check is over)."""
     with _OPENING:
-        if _OPENED.pop(token, None) is not None:
-            collect_head_garbage()
+        _let_go(token)
+
+
+def _let_go(token: str) -> None:
+    if _OPENED.pop(token, None) is not None:
+        gc.unfreeze()
+        collect_head_garbage()
 
 
 def _checker(recipe: Recipe) -> Tuple[Callable[[int], list], str]:
     with _OPENING:
         if recipe.token not in _OPENED:
-            _OPENED.clear()  # an earlier check's run is let go
-            one_blas_thread()  # one process a core, as the pool's workers
+            if _OPENED:  # an earlier check's run is let go
+                _let_go(next(iter(_OPENED)))
             _OPENED[recipe.token] = _open_checker(recipe)
+            device = _OPENED[recipe.token][1]
+            if device != "cpu":
+                with on_device(device):
+                    namespace(to_device(np.zeros(1)))  # PyTorch and its array API loaded before the freeze
+            # What the process holds now (its libraries, the opened run) is frozen out of the
+            # garbage collector, as in attnstep's own process: every collection during a head, and
+            # the one after it, then walks the head's own objects only, not all of PyTorch's.
+            gc.collect()
+            gc.freeze()
+            if device == "cpu":
+                one_blas_thread()  # one process a core, as the pool's workers (a GPU's keeps its share)
         return _OPENED[recipe.token]
 
 
