@@ -10,7 +10,9 @@
 # and internal time). The case and run live in a temporary folder (--keep DIR: there, and kept).
 # --scheduler WHERE (repeatable): the same run is checked once for each, in turn, with
 # `check --scheduler WHERE` (local: a Dask cluster started for the check, a worker per GPU where
-# the heads are checked on GPUs), and `none` without a cluster; the default is `none` alone.
+# the heads are checked on GPUs), and `none` without a cluster; the default is `none` alone. Under a
+# cluster the peak RSS is the largest one process's (the check's or a worker's), not their sum.
+# --profile profiles the check without a cluster (it refuses --scheduler).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 device=cpu backend=cpu binary=build/main profile="" keep="" schedulers=()
@@ -28,6 +30,10 @@ done
 if [[ $# -ne 3 ]]; then
     echo "usage: time_long_check.sh [--device D] [--backend B] [--binary PATH] [--profile FILE] [--keep DIR]" \
          "[--scheduler WHERE]... HEADS N D" >&2
+    exit 2
+fi
+if [[ -n "$profile" && ${#schedulers[@]} -gt 0 ]]; then
+    echo "time_long_check.sh: --profile profiles the check in this process; leave out --scheduler" >&2
     exit 2
 fi
 heads=$1 n=$2 d=$3

@@ -112,18 +112,11 @@ def _dask_quiet():
             logger.setLevel(level)
 
 
-# The thread pools a worker process's libraries size by these (Dask's nanny sets each to 1, for
-# workers as many as the cores).
-_THREAD_COUNTS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
-
-
-def _worker_on(gpu: str, cores: int, distributed) -> dict:
-    """The spec of a local worker that sees GPU `gpu` alone and offers GPU_TASK's resource; its
-    libraries take `cores` threads (the host's part of a head checked on a GPU: the data's
-    transfers, the exact models of short dot products, the comparisons)."""
-    env = {"CUDA_VISIBLE_DEVICES": gpu, **{name: str(cores) for name in _THREAD_COUNTS}}
+def _worker_on(gpu: str, distributed) -> dict:
+    """The spec of a local worker that sees GPU `gpu` alone and offers GPU_TASK's resource."""
     return {"cls": distributed.Nanny, "options": {"nthreads": 1, "memory_limit": 0, "resources": GPU_TASK,
-                                                   "env": env, "silence_logs": logging.CRITICAL}}
+                                                   "env": {"CUDA_VISIBLE_DEVICES": gpu},
+                                                   "silence_logs": logging.CRITICAL}}
 
 
 def local_cluster(workers: int, gpus: Sequence[str] = ()):
@@ -131,17 +124,16 @@ def local_cluster(workers: int, gpus: Sequence[str] = ()):
     starts it: no dashboard (its HTTP endpoints on a free port), no memory limit of Dask's (the
     workers hold what the pool's would), none of Dask's own log lines (the check's errors are its
     one-line messages). gpus: one worker per GPU instead, each seeing its own alone
-    (CUDA_VISIBLE_DEVICES), offering GPU_TASK's resource, and with a share of the cores."""
+    (CUDA_VISIBLE_DEVICES) and offering GPU_TASK's resource."""
     distributed = _distributed()
     if not gpus:
         return distributed.LocalCluster(n_workers=workers, threads_per_worker=1, processes=True,
                                         dashboard_address=None, scheduler_kwargs={"dashboard_address": ":0"},
                                         memory_limit=0, silence_logs=logging.CRITICAL)
-    cores = max(1, _usable_cores() // len(gpus))  # (the host's cores shared among its GPUs' workers)
-    workers = {f"gpu{gpu}": _worker_on(gpu, cores, distributed) for gpu in gpus}
-    return distributed.SpecCluster(workers=workers, scheduler={
-        "cls": distributed.Scheduler, "options": {"dashboard": False, "dashboard_address": ":0"}},
-        silence_logs=logging.CRITICAL)
+    return distributed.SpecCluster(workers={f"gpu{gpu}": _worker_on(gpu, distributed) for gpu in gpus},
+                                   scheduler={"cls": distributed.Scheduler,
+                                              "options": {"dashboard": False, "dashboard_address": ":0"}},
+                                   silence_logs=logging.CRITICAL)
 
 
 def local_gpus(jobs: int) -> List[str]:
@@ -172,7 +164,9 @@ class DaskRoute:
         done: Dict[int, list] = {}
 
         def submit() -> None:  # up to IN_FLIGHT_PER_THREAD tasks a worker thread on the cluster now
-            room = IN_FLIGHT_PER_THREAD * max(1, sum(client.nthreads().values())) - (len(futures) - len(done))
+            workers = client.scheduler_info().get("workers", {}).values()  # (the client's copy: no call)
+            threads = max(1, sum(w.get("nthreads", 1) for w in workers))
+            room = IN_FLIGHT_PER_THREAD * threads - (len(futures) - len(done))
             for key, job in itertools.islice(waiting, max(0, room)):
                 futures.append(client.submit(check_job, self.recipe, job, key=key, resources=resources))
                 running.add(futures[-1])
@@ -261,18 +255,17 @@ def _checker(recipe: Recipe) -> Tuple[Callable[[int], list], str]:
         if recipe.token not in _OPENED:
             if _OPENED:  # an earlier check's run is let go
                 _let_go(next(iter(_OPENED)))
-            _OPENED[recipe.token] = _open_checker(recipe)
-            device = _OPENED[recipe.token][1]
-            if device != "cpu":
-                with on_device(device):
+            one_blas_thread()  # one process a core, as the pool's workers
+            opened = _open_checker(recipe)
+            if opened[1] != "cpu":
+                with on_device(opened[1]):
                     namespace(to_device(np.zeros(1)))  # PyTorch and its array API loaded before the freeze
             # What the process holds now (its libraries, the opened run) is frozen out of the
             # garbage collector, as in attnstep's own process: every collection during a head, and
             # the one after it, then walks the head's own objects only, not all of PyTorch's.
             gc.collect()
             gc.freeze()
-            if device == "cpu":
-                one_blas_thread()  # one process a core, as the pool's workers (a GPU's keeps its share)
+            _OPENED[recipe.token] = opened
         return _OPENED[recipe.token]
 
 

@@ -192,7 +192,7 @@ def least(a, b):
     if not isinstance(a, float) and not isinstance(b, float):
         return namespace(a).minimum(a, b)
     x, y = (a, b) if isinstance(b, float) else (b, a)  # x the array, y the float
-    return x if y == np.inf else namespace(x).minimum(x, like(x, np.asarray(y)))
+    return x if y == np.inf else namespace(x).clip(x, max=y)
 
 
 __all__ = ["TILE_BYTES", "DEVICE_TILE_BYTES", "row_tiles", "over_rows", "stack_over_rows", "flush_max", "rows_of",
