@@ -282,7 +282,8 @@ async def warm_up() -> None:
 
 
 def _load_device() -> None:
-    with contextlib.suppress(Exception), on_device("cuda"):
+    # (under _OPENING: a first task that arrives meanwhile opens its run once PyTorch is whole)
+    with _OPENING, contextlib.suppress(Exception), on_device("cuda"):
         namespace(to_device(np.zeros(1)))
 
 

@@ -172,8 +172,8 @@ def to_numpy(x) -> np.ndarray:
 
 def _is_tensor(x) -> bool:
     """x is a PyTorch tensor (PyTorch loaded only where one can exist)."""
-    torch = sys.modules.get("torch")
-    return torch is not None and isinstance(x, torch.Tensor)
+    tensor = getattr(sys.modules.get("torch"), "Tensor", None)  # (None while another thread imports it)
+    return tensor is not None and isinstance(x, tensor)
 
 
 def to_numpy_all(x):
