@@ -20,7 +20,7 @@ from ...model.kernels import FLASH_LOGIT_ROUNDINGS
 from ...model.rounding import FLUSH, ROUND_VAR, HeadCache, finish, finite_abs, memo
 from ...model.scores import HeadVariant, as_head, cap_factor_error, dropout_factor_error, modification_det
 from ...model.softmax import exponent_var, logits, need, raw_logits
-from ...model.tiles import Total, flush_max, smallest
+from ...model.tiles import Total, flush_max, in_order, smallest
 from ...stages import FLASH_GRAD_QUERIES, GRAD_OUTPUT, KEYS, QUERIES, VALUES
 from ..base import Problem
 from ..flash import forward_sums, lse_var_det, on_device_of, share_forward
@@ -265,7 +265,8 @@ def _chain(Q, K, V, dO, scale, head: HeadVariant, u, kernel, cache) -> Tuple[Fla
         keys.dv.add_floor(Pz, dOt)
         row_sd_q2.add(namespace(Qt).sum(row_sd * row_sd * Qt * Qt, axis=0))
         G_abs = finite_abs(G)
-        small[0] = min(small[0], smallest(G_abs))
+        least = smallest(G_abs)
+        in_order(lambda: small.__setitem__(0, min(small[0], least)))
         return (dq_ref, dq[0], dq[1], namespace(G_abs).minimum(G_abs @ K_abs, m * FLUSH)) + forward  # flush_sum(G, K)'s rows
     dq_ref, dq_var, dq_det, dq_flush, *forward = over_queries({QUERIES: Q, KEYS: K, VALUES: V, GRAD_OUTPUT: dO},
                                                                head, cache, tile)

@@ -15,7 +15,7 @@ from ...model.arrays import namespace, to_device, to_numpy
 from ...model.backward import transposed_gemm_var
 from ...model.rounding import FLUSH, HeadCache, finite_abs
 from ...model.scores import HeadVariant
-from ...model.tiles import MmaCarry, QuerySum, Total, over_rows, rows_of, smallest
+from ...model.tiles import MmaCarry, QuerySum, Total, in_order, over_rows, rows_of, smallest
 from ...stages import FLASH_LSE, FLASH_OUTPUT, GRAD_OUTPUT, KEYS, QUERIES, VALUES
 from ..base import Problem
 from ..flash import on_device_of
@@ -156,8 +156,12 @@ class QueryGrad:
     def add_floor(self, X, Y) -> None:
         """X and Y's part of dot.flush_sum(Xᵀ, Y) (the chained floor)."""
         X, Y = finite_abs(X), finite_abs(Y)
-        self.small_x, self.small_y = min(self.small_x, smallest(X)), min(self.small_y, smallest(Y))
+        small_x, small_y = smallest(X), smallest(Y)
+        in_order(lambda: self._smallest(small_x, small_y))
         self.flushed.add(X.T @ Y)
+
+    def _smallest(self, x: float, y: float) -> None:
+        self.small_x, self.small_y = min(self.small_x, x), min(self.small_y, y)
 
     def floor(self):
         if self.small_x * self.small_y >= FLUSH * 2.0**24:
