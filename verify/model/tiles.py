@@ -202,8 +202,8 @@ class QuerySum:
         """The variance; single(X, Y): the whole head's (a cached dot_var of Xᵀ·Y)."""
         if self.pair is not None:
             return single(*self.pair)
-        own = np.array if isinstance(self.sum, np.ndarray) else (lambda x: x)  # (a device's: out of place)
-        return _expected_var(own(self.sum), own(self.squares), self.n, u, product_var)
+        own = np.array if isinstance(self.squares, np.ndarray) else (lambda x: x)  # (a device's: out of place)
+        return _expected_var(self.sum, own(self.squares), self.n, u, product_var)
 
 
 class Total:

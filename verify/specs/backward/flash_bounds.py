@@ -207,7 +207,7 @@ def _own_tile(src, scale, head: HeadVariant, u, kernel, cache, keys: KeyGrads, s
     eta = _recomputed_eta(Q, K, S, lse, finite, scale, head, u, kernel, cache)
     lse_fold = ROUND_VAR * u * u * _lse_magnitude(lse, head, Q.shape[0], K.shape[0]) ** 2
     rows = flash_rows(eta, lse_fold, rowdot_var(dO, O, u))
-    return _flash_grad_bounds((Q, K, dO, P, dP, D, dS), rows, dp_var(dO, V, u, kernel.flash_product_var, cache),
+    return _flash_grad_bounds((Q, K, dO, P, dP, D, dS), rows, dp_var(dO, V, u, kernel.flash_product_var, cache, dP),
                               _logit_det(Q, K, P, scale, head, finite, u, kernel, cache), scale, head, u, kernel,
                               cache, _own_cap(Q, K, scale, head, u, kernel, cache), keys).dq + refs
 
@@ -307,7 +307,7 @@ def _chain_tile(Q, K, V, dO, scale, head: HeadVariant, u, kernel, cache, keys: K
     shared_sd = xp.sqrt(lse_var + ROUND_VAR * u * u * lse_mag * lse_mag) + lse_det
     rows = flash_rows(eta, shared_sd * shared_sd, D_sd * D_sd)
     s_det = s_det + _scale_det(Q, K, scale, head, p, finite, u, kernel, cache)  # flash_parts': truncation
-    dPv = dp_var(dO, V, u, kernel.flash_product_var, cache)
+    dPv = dp_var(dO, V, u, kernel.flash_product_var, cache, dP)
     cap = chain_cap(Q, K, scale, head, u, kernel, cache, kernel.flash_product_var)
     gb = _flash_grad_bounds((Q, K, dO, p, dP, D, dS), rows, dPv, s_det, scale, head, u, kernel, cache, cap, keys)
     G = gb.grads.G
