@@ -7,7 +7,7 @@ the softcap's derivative, dV the kept and rescaled weights.
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Tuple
+from typing import NamedTuple, Tuple
 
 import numpy as np
 
@@ -25,7 +25,7 @@ from ...stages import FLASH_GRAD_QUERIES, GRAD_OUTPUT, KEYS, QUERIES, VALUES
 from ..base import Problem
 from ..flash import forward_sums, lse_var_det, on_device_of, share_forward
 from .bounds import chain_cap, dp_var
-from .flash_tiles import GradientSums, QueryGrad, over_queries, remember_gradients
+from .flash_tiles import QueryGrad, over_queries, remember_gradients
 from .reference import FLASH_SOURCES, d_reference, ds_reference, flash_terms, through_cap
 
 
@@ -95,6 +95,7 @@ class GradBounds(NamedTuple):
     dq: tuple                            # (variance, one-signed part) of these rows of dQ
     indep: np.ndarray                    # dS's independent errors (sd)
     grads: CappedGrads                   # dS through the cap, and its errors
+    gk: np.ndarray                       # G·K (dQ's reference, but for the scale)
 
 
 class KeyGrads(NamedTuple):
@@ -134,7 +135,8 @@ def _flash_grad_bounds(parts, rows: RowErrors, dP_var, s_det, scale, head: HeadV
     ds_det = through_cap(xp.abs(dS) * s_det + r_err * xp.abs(P * dPz), f)
     pv = kernel.flash_product_var + ROUND_VAR  # the kernel's products, and the scale folded in
     pv_g = pv + ROUND_VAR * (f is not None)    # and the cap's factor
-    dq_var = grad_over_keys_var(g.P, g.G, K, rows, g.indep, scale, u, cache, pv_g)
+    gk = g.G @ K  # (dQ's reference, but for the scale, and its GEMM's sums in the bound)
+    dq_var = grad_over_keys_var(g.P, g.G, K, rows, g.indep, scale, u, cache, pv_g, gk)
     Pz = head.dropped(P)
     p_sd = head.dropped(P * (xp.sqrt(rows.eta) + xp.sqrt(rows.shared)))
     dq_det = abs(scale) * (ds_det @ xp.abs(K))
@@ -148,7 +150,7 @@ def _flash_grad_bounds(parts, rows: RowErrors, dP_var, s_det, scale, head: HeadV
         keys.dv.add_lost(head.dropped(lost_p), dO)
     if kernel.mma_passes:
         dq_det = dq_det + abs(scale) * mma_truncation_det(g.G, K, u, kernel.mma_passes)
-    return GradBounds((dq_var, dq_det), indep, g)
+    return GradBounds((dq_var, dq_det), indep, g, gk)
 
 
 def _own_cap(Q, K, scale, head: HeadVariant, u, kernel, cache):
@@ -170,12 +172,12 @@ def _flash_own(src, scale, head, u, kernel, cache, references: bool = False):
     head = as_head(head)
 
     def compute(on, cache):
-        keys, sums = KeyGrads.of(on[QUERIES].shape[0]), GradientSums() if references else None
-        parts = over_queries(on, head, cache, lambda s, h, c: _own_tile(s, scale, h, u, kernel, c, keys, sums))
+        keys = KeyGrads.of(on[QUERIES].shape[0])
+        parts = over_queries(on, head, cache, lambda s, h, c: _own_tile(s, scale, h, u, kernel, c, keys, references))
         out = (parts[:2],) + keys.bounds(scale, head, u, kernel, cache, head.cap > 0)
         if not references:
             return out
-        refs = sums.gradients(parts[2], scale)
+        refs = (parts[2], scale * keys.dk.gemm.sum, keys.dv.gemm.sum)  # (the bounds' sums over the queries)
         refs = to_numpy_all(refs) if on is not src else refs
         remember_gradients(src, scale, head, refs)
         return out
@@ -193,23 +195,23 @@ def flash_own_and_references(src, problem: Problem) -> None:
     _flash_own(src, *problem.model_args, references=True)
 
 
-def _own_tile(src, scale, head: HeadVariant, u, kernel, cache, keys: KeyGrads, sums: Optional[GradientSums]):
+def _own_tile(src, scale, head: HeadVariant, u, kernel, cache, keys: KeyGrads, references: bool):
     """_flash_own's rows of one tile: dQ's bound (variance, one-signed part), and dK's and dV's
-    parts into keys; with sums, the tile's gradients' references too (its dQ rows, a third
-    result)."""
+    parts into keys; with references, the tile's rows of dQ's reference too (a third result: dK's
+    and dV's are the sums over the queries that their bounds hold)."""
     Q, K, V, dO, O, lse = (src[n] for n in FLASH_SOURCES)
     masked = head.hidden_like(Q, Q.shape[0], K.shape[0])
-    P, dP, D, dS, G = flash_terms(src, scale, masked, head=head)
-    refs = () if sums is None else (sums.add(src, head, scale, P, G),)
+    P, dP, D, dS, _ = flash_terms(src, scale, masked, head=head)
     xp = namespace(Q)
     finite = ~masked & xp.isfinite(lse)
     S = xp.where(finite, logits(Q, K, scale, head, cache), 0.0)
     eta = _recomputed_eta(Q, K, S, lse, finite, scale, head, u, kernel, cache)
     lse_fold = ROUND_VAR * u * u * _lse_magnitude(lse, head, Q.shape[0], K.shape[0]) ** 2
     rows = flash_rows(eta, lse_fold, rowdot_var(dO, O, u))
-    return _flash_grad_bounds((Q, K, dO, P, dP, D, dS), rows, dp_var(dO, V, u, kernel.flash_product_var, cache, dP),
-                              _logit_det(Q, K, P, scale, head, finite, u, kernel, cache), scale, head, u, kernel,
-                              cache, _own_cap(Q, K, scale, head, u, kernel, cache), keys).dq + refs
+    gb = _flash_grad_bounds((Q, K, dO, P, dP, D, dS), rows, dp_var(dO, V, u, kernel.flash_product_var, cache, dP),
+                            _logit_det(Q, K, P, scale, head, finite, u, kernel, cache), scale, head, u, kernel,
+                            cache, _own_cap(Q, K, scale, head, u, kernel, cache), keys)
+    return gb.dq + ((scale * gb.gk,) if references else ())
 
 
 def flash_isolated(index: int):
@@ -312,7 +314,7 @@ def _chain_tile(Q, K, V, dO, scale, head: HeadVariant, u, kernel, cache, keys: K
     gb = _flash_grad_bounds((Q, K, dO, p, dP, D, dS), rows, dPv, s_det, scale, head, u, kernel, cache, cap, keys)
     G = gb.grads.G
     row_sd = xp.sqrt(xp.sum(gb.indep * gb.indep, axis=1, keepdims=True)) + xp.sqrt(rows.D)
-    return scale * G @ K, gb.dq, G, pz, row_sd, forward
+    return scale * gb.gk, gb.dq, G, pz, row_sd, forward
 
 
 def flash_chained(index: int):
