@@ -15,7 +15,7 @@ from ...model.arrays import like, namespace, to_device, to_numpy_all, zeros
 from ...model.attention import log_sum_exp_rows
 from ...model.backward import CappedGrads, RowErrors, capped_grads, d_var, ds_var_parts, flash_rows, grad_over_keys_var
 from ...model.dot import mma_truncation_det, pv, pv_var, qk_var, rowdot_var
-from ...model.flash import common_factor_logits, flash_output_var_det, flash_parts, logit_magnitude
+from ...model.flash import common_factor_logits, flash_output_var_det, flash_parts, logit_magnitude, plus
 from ...model.kernels import FLASH_LOGIT_ROUNDINGS
 from ...model.rounding import FLUSH, ROUND_VAR, HeadCache, finish, finite_abs, memo
 from ...model.scores import HeadVariant, as_head, cap_factor_error, dropout_factor_error, modification_det
@@ -32,24 +32,24 @@ from .reference import FLASH_SOURCES, d_reference, ds_reference, flash_terms, th
 def _scale_det(Q, K, scale, head, P, finite, u, kernel, cache):
     """The head's one rounded scale factor (a relative δ ≤ u): each recomputed weight moves by
     δ·(S_j − S̄), S̄ = Σ_j P_j S_j carried by the lse (one-signed, relative), for each quantity
-    such a factor may multiply (verify/model/flash.py common_factor_logits); 0 without one."""
-    det = zeros(P, finite.shape)
+    such a factor may multiply (verify/model/flash.py common_factor_logits); None without one."""
+    det = None
     if not kernel.common_scale:
         return det
     xp = namespace(P)
     for S in common_factor_logits(Q, K, scale, head, cache):
-        det = det + xp.where(finite, u * xp.abs(S - xp.sum(P * S, axis=1, keepdims=True)), 0.0)
+        det = plus(det, xp.where(finite, u * xp.abs(S - xp.sum(P * S, axis=1, keepdims=True)), 0.0))
     return det
 
 
 def _logit_det(Q, K, P, scale, head, finite, u, kernel, cache):
     """One-signed relative errors of the recomputed weights: tensor-core truncation of the logits
-    (through the softcap's derivative) and the common scale factor."""
+    (through the softcap's derivative) and the common scale factor; None for a kernel with neither."""
     det = _scale_det(Q, K, scale, head, P, finite, u, kernel, cache)
     if kernel.mma_passes:
         trunc = abs(scale) * mma_truncation_det(Q, K.T, u, kernel.mma_passes)
         slope = head.cap_slope(raw_logits(Q, K, scale, cache)) if head.cap > 0 else None
-        det = det + namespace(trunc).where(finite, trunc if slope is None else trunc * slope, 0.0)
+        det = plus(det, namespace(trunc).where(finite, trunc if slope is None else trunc * slope, 0.0))
     return det
 
 
@@ -112,12 +112,17 @@ class KeyGrads(NamedTuple):
         pv = kernel.flash_product_var + ROUND_VAR
         dk_var = scale * scale * self.dk.var(u, cache, "dS Q var", pv + ROUND_VAR * capped)
         dv_var = self.dv.var(u, cache, "P dO var", pv + ROUND_VAR * (head.dropout > 0))
-        dk_det = abs(scale) * self.dk.det.value
-        dv_det = self.dv.det.value + dropout_factor_error(head, u) * namespace(self.dv.gemm.sum).abs(self.dv.gemm.sum)
+        dk_det = abs(scale) * _array(self.dk.det.value, self.dk.gemm.sum)
+        dv_det = _array(self.dv.det.value, self.dv.gemm.sum) + dropout_factor_error(head, u) * namespace(self.dv.gemm.sum).abs(self.dv.gemm.sum)
         if kernel.mma_passes:
             dk_det = dk_det + abs(scale) * self.dk.mma.det(u, kernel.mma_passes)
             dv_det = dv_det + self.dv.mma.det(u, kernel.mma_passes)
         return (dk_var, dk_det), (dv_var, dv_det)
+
+
+def _array(total, like_x):
+    """A sum over the tiles as an array of like_x's shape (zeros where no tile added any)."""
+    return zeros(like_x, like_x.shape) if np.ndim(total) == 0 and total == 0.0 else total
 
 
 def _flash_grad_bounds(parts, rows: RowErrors, dP_var, s_det, scale, head: HeadVariant, u, kernel, cache,
@@ -132,16 +137,18 @@ def _flash_grad_bounds(parts, rows: RowErrors, dP_var, s_det, scale, head: HeadV
     g = capped_grads(P, dS, indep, shared, *cap)
     f = cap[0]
     xp = namespace(dS)
-    ds_det = through_cap(xp.abs(dS) * s_det + r_err * xp.abs(P * dPz), f)
+    # (s_det None and no dropout: no one-signed part, and no N×M pass or GEMM of zeros for it)
+    ds_det = plus(None if s_det is None else xp.abs(dS) * s_det, r_err * xp.abs(P * dPz) if r_err else None)
+    ds_det = None if ds_det is None else through_cap(ds_det, f)
     pv = kernel.flash_product_var + ROUND_VAR  # the kernel's products, and the scale folded in
     pv_g = pv + ROUND_VAR * (f is not None)    # and the cap's factor
     gk = g.G @ K  # (dQ's reference, but for the scale, and its GEMM's sums in the bound)
     dq_var = grad_over_keys_var(g.P, g.G, K, rows, g.indep, scale, u, cache, pv_g, gk)
     Pz = head.dropped(P)
     p_sd = head.dropped(P * (xp.sqrt(rows.eta) + xp.sqrt(rows.shared)))
-    dq_det = abs(scale) * (ds_det @ xp.abs(K))
+    dq_det = zeros(dS, (dS.shape[0], K.shape[1])) if ds_det is None else abs(scale) * (ds_det @ xp.abs(K))
     keys.dk.add(g.G, g.indep + g.shared, Q, ds_det, bool(kernel.mma_passes))
-    keys.dv.add(Pz, p_sd, dO, head.dropped(P * s_det), bool(kernel.mma_passes))
+    keys.dv.add(Pz, p_sd, dO, None if s_det is None else head.dropped(P * s_det), bool(kernel.mma_passes))
     lost_ds, lost_p = _flushed_entries(P, dS)
     if lost_ds is not None:
         lost_ds = through_cap(lost_ds, f)
@@ -308,7 +315,7 @@ def _chain_tile(Q, K, V, dO, scale, head: HeadVariant, u, kernel, cache, keys: K
     lse_mag = _lse_magnitude(lse, head, Q.shape[0], K.shape[0])
     shared_sd = xp.sqrt(lse_var + ROUND_VAR * u * u * lse_mag * lse_mag) + lse_det
     rows = flash_rows(eta, shared_sd * shared_sd, D_sd * D_sd)
-    s_det = s_det + _scale_det(Q, K, scale, head, p, finite, u, kernel, cache)  # flash_parts': truncation
+    s_det = plus(s_det, _scale_det(Q, K, scale, head, p, finite, u, kernel, cache))  # flash_parts': truncation
     dPv = dp_var(dO, V, u, kernel.flash_product_var, cache, dP)
     cap = chain_cap(Q, K, scale, head, u, kernel, cache, kernel.flash_product_var)
     gb = _flash_grad_bounds((Q, K, dO, p, dP, D, dS), rows, dPv, s_det, scale, head, u, kernel, cache, cap, keys)

@@ -145,7 +145,8 @@ class QueryGrad:
     def add(self, X, E, Y, det_x, mma: bool) -> None:
         self.err.add((E * E).T @ (Y * Y))
         self.gemm.add(X, Y)
-        self.det.add(det_x.T @ namespace(Y).abs(Y))
+        if det_x is not None:  # (None: no one-signed part)
+            self.det.add(det_x.T @ namespace(Y).abs(Y))
         if mma:
             self.mma.add(X, Y)
 
