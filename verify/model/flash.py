@@ -11,7 +11,7 @@ import numpy as np
 from .arrays import like, namespace, put, zeros
 from .dot import mma_truncation_det, pv, pv_var, qk_var
 from .kernels import FLASH_LOGIT_ROUNDINGS, Kernel
-from .rounding import ROUND_VAR, HeadCache, memo
+from .rounding import ROUND_VAR, HeadCache, everywhere, memo
 from .scores import HeadVariant, as_head, dropout_factor_error, modification_det
 from .tiles import over_rows, rows_of
 from .softmax import exponent_var, logits, mixed_output_var, p2_eta, raw_logits, rowsum_rel_var, softmax
@@ -30,10 +30,11 @@ def logit_magnitude(S: np.ndarray, finite: np.ndarray, head: HeadVariant) -> np.
     """|S| as the flash logits' roundings see it: raised by slope·diag(i) under causal ALiBi
     (flash-attn's slope·j; HeadVariant.flash_shift), 0 where hidden."""
     xp = namespace(S)
-    mag = xp.where(finite, xp.abs(xp.where(finite, S, 0.0)), 0.0)
+    seen = everywhere(finite)  # (then the where()s are no-ops)
+    mag = xp.abs(S) if seen else xp.where(finite, xp.abs(xp.where(finite, S, 0.0)), 0.0)
     shift = head.flash_shift(*S.shape)
     if shift is not None:
-        mag = xp.where(finite, mag + like(S, np.abs(shift)), 0.0)
+        mag = mag + like(S, np.abs(shift)) if seen else xp.where(finite, mag + like(S, np.abs(shift)), 0.0)
     return mag
 
 

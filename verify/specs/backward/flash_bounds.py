@@ -17,7 +17,7 @@ from ...model.backward import CappedGrads, RowErrors, capped_grads, d_var, ds_va
 from ...model.dot import mma_truncation_det, pv, pv_var, qk_var, rowdot_var
 from ...model.flash import common_factor_logits, flash_output_var_det, flash_parts, logit_magnitude, plus
 from ...model.kernels import FLASH_LOGIT_ROUNDINGS
-from ...model.rounding import FLUSH, ROUND_VAR, HeadCache, finish, finite_abs, memo
+from ...model.rounding import FLUSH, ROUND_VAR, HeadCache, everywhere, finish, finite_abs, memo
 from ...model.scores import HeadVariant, as_head, cap_factor_error, dropout_factor_error, modification_det
 from ...model.softmax import exponent_var, logits, need, raw_logits
 from ...model.tiles import Total, flush_max, in_order, smallest
@@ -62,8 +62,10 @@ def _recomputed_eta(Q, K, S, lse, finite, scale, head: HeadVariant, u, kernel, c
         slope = head.cap_slope(S0)
         eta = eta * (1.0 if slope is None else slope * slope) + modification_det(S0, head, u, kernel, flash=True) ** 2
     xp = namespace(S)
-    eta = xp.where(finite, eta, 0.0)
-    d = xp.where(finite, S - xp.where(xp.isfinite(lse), lse, 0.0), 0.0)
+    seen = everywhere(finite)  # (then the where()s are no-ops)
+    eta = eta if seen else xp.where(finite, eta, 0.0)
+    d = S - xp.where(xp.isfinite(lse), lse, 0.0)
+    d = d if seen else xp.where(finite, d, 0.0)
     return eta + exponent_var(d, finite, u, kernel, logit_magnitude(S, finite, head), FLASH_LOGIT_ROUNDINGS)
 
 
@@ -211,7 +213,8 @@ def _own_tile(src, scale, head: HeadVariant, u, kernel, cache, keys: KeyGrads, r
     P, dP, D, dS, _ = flash_terms(src, scale, masked, head=head)
     xp = namespace(Q)
     finite = ~masked & xp.isfinite(lse)
-    S = xp.where(finite, logits(Q, K, scale, head, cache), 0.0)
+    S = logits(Q, K, scale, head, cache)
+    S = S if everywhere(finite) else xp.where(finite, S, 0.0)
     eta = _recomputed_eta(Q, K, S, lse, finite, scale, head, u, kernel, cache)
     lse_fold = ROUND_VAR * u * u * _lse_magnitude(lse, head, Q.shape[0], K.shape[0]) ** 2
     rows = flash_rows(eta, lse_fold, rowdot_var(dO, O, u))

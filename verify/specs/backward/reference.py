@@ -53,10 +53,11 @@ def flash_terms(src, scale: float, masked: np.ndarray, D=None, lse=None, head: H
     lse = float64(src[FLASH_LSE]) if lse is None else lse
     S0 = (Q @ K.T) * scale
     xp, masked = namespace(S0), like(S0, masked)
-    S = xp.where(masked, -math.inf, head.modified(S0))
+    hides = not (isinstance(masked, np.ndarray) and not masked.any())  # (nothing hidden: no where()s)
+    S = xp.where(masked, -math.inf, head.modified(S0)) if hides else head.modified(S0)
     with quiet(xp):  # rows that see no key: −inf − lse
         P = xp.exp(S - lse)
-    P = put(P, 0.0, masked)
+    P = put(P, 0.0, masked) if hides else P
     D = d_reference(dO, float64(src[FLASH_OUTPUT])) if D is None else D
     dP = dO @ V.T
     dS = ds_reference(P, dP, D, head)
