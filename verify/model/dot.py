@@ -371,9 +371,13 @@ def flush_sum(A: np.ndarray, B: np.ndarray) -> np.ndarray:
 
 
 def qk_var(Q: np.ndarray, K: np.ndarray, u: float, product_var: float,
-            cache: Optional[HeadCache]) -> np.ndarray:
-    """dot_var of Q·Kᵀ (keyed on Q and K: K.T is a new view object at every call)."""
-    return memo(cache, "QK var", (Q, K), (u, product_var), lambda: dot_var(Q, K.T, u, product_var))
+            cache: Optional[HeadCache], product=None) -> np.ndarray:
+    """dot_var of Q·Kᵀ (keyed on Q and K: K.T is a new view object at every call); product():
+    Q·Kᵀ, where the caller has it (asked for by the expected model only)."""
+    def compute():
+        expected = product is not None and not exact_energy(_rows(Q.shape[0]), Q.shape[1], K.shape[0])
+        return dot_var(Q, K.T, u, product_var, product() if expected else None)
+    return memo(cache, "QK var", (Q, K), (u, product_var), compute)
 
 
 def pv_var(p: np.ndarray, V: np.ndarray, u: float, product_var: float,

@@ -4,7 +4,7 @@ and dropout's rescaling.
 """
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import numpy as np
 
@@ -40,12 +40,13 @@ def logit_magnitude(S: np.ndarray, finite: np.ndarray, head: HeadVariant) -> np.
 
 def _compute_flash_parts(Q, K, scale: float, head: HeadVariant, u: float, kernel: Kernel,
                          cache: Optional[HeadCache]):
-    S = logits(Q, K, scale, head, cache)
+    product = once(lambda: Q @ K.T)  # (for the logits and their dot products' variance, if either is computed)
+    S = logits(Q, K, scale, head, cache, product)
     p, d, m, finite = softmax(S, cache)
     # eta_var = where(finite, scale²·var(QK)·(1 − t²)², 0) + the modifications' roundings + the
     # exponent's own
     xp = namespace(S)
-    eta_var = (scale * scale) * qk_var(Q, K, u, kernel.flash_product_var, cache)
+    eta_var = (scale * scale) * qk_var(Q, K, u, kernel.flash_product_var, cache, product)
     slope = None
     if head.modifies:
         S0 = raw_logits(Q, K, scale, cache)
@@ -92,6 +93,17 @@ def common_scale_det(S: np.ndarray, p: np.ndarray, u: float):
     Sf = xp.where(xp.isfinite(S), S, 0.0)
     mean = xp.sum(p * Sf, axis=1, keepdims=True)
     return u * p * xp.abs(Sf - mean), u * xp.abs(mean)
+
+
+def once(compute: Callable[[], np.ndarray]) -> Callable[[], np.ndarray]:
+    """compute, computed at the first call only (a product two parts may ask for, or neither)."""
+    kept: list = []
+
+    def get():
+        if not kept:
+            kept.append(compute())
+        return kept[0]
+    return get
 
 
 def plus(a, b):

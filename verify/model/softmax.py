@@ -33,9 +33,11 @@ def scaled_logits(Q: np.ndarray, K: np.ndarray, scale: float, head) -> np.ndarra
     return scaled_scores(Q @ K.T, scale, head)
 
 
-def logits(Q: np.ndarray, K: np.ndarray, scale: float, head, cache: Optional[HeadCache]) -> np.ndarray:
+def logits(Q: np.ndarray, K: np.ndarray, scale: float, head, cache: Optional[HeadCache], product=None) -> np.ndarray:
+    """scaled_logits, kept in the cache; product(): Q·Kᵀ, where the caller has it."""
     head = as_head(head)
-    return memo(cache, "logits", (Q, K), (scale, head), lambda: scaled_logits(Q, K, scale, head))
+    return memo(cache, "logits", (Q, K), (scale, head),
+                lambda: scaled_logits(Q, K, scale, head) if product is None else scaled_scores(product(), scale, head))
 
 
 def raw_logits(Q: np.ndarray, K: np.ndarray, scale: float, cache: Optional[HeadCache]) -> np.ndarray:

@@ -53,10 +53,11 @@ def _logit_det(Q, K, P, scale, head, finite, u, kernel, cache):
     return det
 
 
-def _recomputed_eta(Q, K, S, lse, finite, scale, head: HeadVariant, u, kernel, cache):
+def _recomputed_eta(Q, K, S, lse, finite, scale, head: HeadVariant, u, kernel, cache, product=None):
     """Variance of each recomputed weight's relative error: its logit's dot product (through the
-    cap), the modifications' and the logit's roundings, the subtraction of lse, exp."""
-    eta = scale * scale * qk_var(Q, K, u, kernel.flash_product_var, cache)
+    cap), the modifications' and the logit's roundings, the subtraction of lse, exp; product():
+    Q·Kᵀ, where the caller has it."""
+    eta = scale * scale * qk_var(Q, K, u, kernel.flash_product_var, cache, product)
     if head.modifies:
         S0 = raw_logits(Q, K, scale, cache)
         slope = head.cap_slope(S0)
@@ -210,12 +211,13 @@ def _own_tile(src, scale, head: HeadVariant, u, kernel, cache, keys: KeyGrads, r
     and dV's are the sums over the queries that their bounds hold)."""
     Q, K, V, dO, O, lse = (src[n] for n in FLASH_SOURCES)
     masked = head.hidden_like(Q, Q.shape[0], K.shape[0])
-    P, dP, D, dS, _ = flash_terms(src, scale, masked, head=head)
+    qk = Q @ K.T  # (once for the weights, the logits and their dot products' variance)
+    P, dP, D, dS, _ = flash_terms(src, scale, masked, head=head, qk=qk)
     xp = namespace(Q)
     finite = ~masked & xp.isfinite(lse)
-    S = logits(Q, K, scale, head, cache)
+    S = logits(Q, K, scale, head, cache, lambda: qk)
     S = S if everywhere(finite) else xp.where(finite, S, 0.0)
-    eta = _recomputed_eta(Q, K, S, lse, finite, scale, head, u, kernel, cache)
+    eta = _recomputed_eta(Q, K, S, lse, finite, scale, head, u, kernel, cache, lambda: qk)
     lse_fold = ROUND_VAR * u * u * _lse_magnitude(lse, head, Q.shape[0], K.shape[0]) ** 2
     rows = flash_rows(eta, lse_fold, rowdot_var(dO, O, u))
     gb = _flash_grad_bounds((Q, K, dO, P, dP, D, dS), rows, dp_var(dO, V, u, kernel.flash_product_var, cache, dP),
