@@ -264,27 +264,56 @@ def flash_chain(Q, K, V, dO, scale, head, u, kernel, cache) -> FlashChain:
     return memo(cache, "flash backward chain", (Q, K, V, dO), (scale, head, u, kernel), compute)
 
 
+class _TinyProducts(Exception):
+    """A tile's smallest entries could make a product near float32's normal range: the flushed
+    products' floors are not 0, and their sums over every tile are needed."""
+
+
+# Below this, a product of two entries comes near float32's normal range (dot.flush_sum's test).
+_TINY = FLUSH * 2.0**24
+
+
 def _chain(Q, K, V, dO, scale, head: HeadVariant, u, kernel, cache) -> Tuple[FlashChain, tuple]:
     """flash_chain's FlashChain, computed, and what its tiles computed of the forward's bounds:
     flash_output's (variance, one-signed part) and flash_lse's row sums (verify/specs/flash.py
-    share_forward)."""
+    share_forward). The gradients' floors for flushed products (dot.flush_sum) are 0 unless some
+    product of their operands' entries comes near float32's normal range: a first pass leaves out
+    their sums (three GEMMs a tile) and stops at a tile where one could; a second pass then computes
+    them, as every pass did before (the same bounds, bit for bit, either way)."""
+    try:
+        return _chain_pass(Q, K, V, dO, scale, head, u, kernel, cache, floors=False)
+    except _TinyProducts:
+        return _chain_pass(Q, K, V, dO, scale, head, u, kernel, cache, floors=True)
+
+
+def _chain_pass(Q, K, V, dO, scale, head: HeadVariant, u, kernel, cache, floors: bool) -> Tuple[FlashChain, tuple]:
+    """_chain's pass over the row tiles; floors: with the floors' sums (else _TinyProducts where
+    they are not 0)."""
     n, m = Q.shape[0], K.shape[0]
     keys, row_sd_q2, small = KeyGrads.of(n), Total(), [np.inf]
     K_abs = finite_abs(K)
+    others = None if floors else (smallest(K_abs), smallest(finite_abs(Q)), smallest(finite_abs(dO)))
 
     def tile(s, h, c):
         Qt, dOt = s[QUERIES], s[GRAD_OUTPUT]
         dq_ref, dq, G, Pz, row_sd, forward = _chain_tile(Qt, K, V, dOt, scale, h, u, kernel, c, keys)
-        keys.dk.add_floor(G, Qt)
-        keys.dv.add_floor(Pz, dOt)
+        if not floors:  # (G·K, Gᵀ·Q, Pzᵀ·dO: each floor is 0 if no product of their entries is tiny)
+            least = smallest(finite_abs(G))
+            if min(least * others[0], least * others[1], smallest(finite_abs(Pz)) * others[2]) < _TINY:
+                raise _TinyProducts
+        else:
+            keys.dk.add_floor(G, Qt)
+            keys.dv.add_floor(Pz, dOt)
         row_sd_q2.add(namespace(Qt).sum(row_sd * row_sd * Qt * Qt, axis=0))
+        if not floors:
+            return (dq_ref, dq[0], dq[1], 0.0) + forward
         G_abs = finite_abs(G)
         least = smallest(G_abs)
         in_order(lambda: small.__setitem__(0, min(small[0], least)))
         return (dq_ref, dq[0], dq[1], namespace(G_abs).minimum(G_abs @ K_abs, m * FLUSH)) + forward  # flush_sum(G, K)'s rows
     dq_ref, dq_var, dq_det, dq_flush, *forward = over_queries({QUERIES: Q, KEYS: K, VALUES: V, GRAD_OUTPUT: dO},
                                                                head, cache, tile)
-    if small[0] * smallest(K_abs) >= FLUSH * 2.0**24:
+    if small[0] * smallest(K_abs) >= _TINY:
         dq_flush = zeros(Q, (1, 1))
     dk, dv = keys.bounds(scale, head, u, kernel, cache, head.cap > 0)
     return FlashChain((dq_ref, scale * keys.dk.gemm.sum, keys.dv.gemm.sum), ((dq_var, dq_det), dk, dv),
