@@ -225,7 +225,8 @@ def test_the_chain_computes_the_floors_sums_only_where_they_count(tiny, monkeypa
     args = (x["Q"], x["K"], x["V"], x["dO"], SCALE, HeadVariant(variant), 2.0**-24, KERNELS_CPU, None)
     passes = []
     chain_pass = flash_bounds._chain_pass
-    monkeypatch.setattr(flash_bounds, "_chain_pass", lambda *a, floors: passes.append(floors) or chain_pass(*a, floors=floors))
+    monkeypatch.setattr(flash_bounds, "_chain_pass",
+                        lambda *a, floors: passes.append(floors) or chain_pass(*a, floors=floors))
     with tiles.tile_workers(2):
         lazy = flash_bounds._chain(*args)
     assert passes == ([False, True] if tiny else [False])

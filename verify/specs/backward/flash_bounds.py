@@ -116,7 +116,8 @@ class KeyGrads(NamedTuple):
         dk_var = scale * scale * self.dk.var(u, cache, "dS Q var", pv + ROUND_VAR * capped)
         dv_var = self.dv.var(u, cache, "P dO var", pv + ROUND_VAR * (head.dropout > 0))
         dk_det = abs(scale) * _array(self.dk.det.value, self.dk.gemm.sum)
-        dv_det = _array(self.dv.det.value, self.dv.gemm.sum) + dropout_factor_error(head, u) * namespace(self.dv.gemm.sum).abs(self.dv.gemm.sum)
+        dv_sum = self.dv.gemm.sum
+        dv_det = _array(self.dv.det.value, dv_sum) + dropout_factor_error(head, u) * namespace(dv_sum).abs(dv_sum)
         if kernel.mma_passes:
             dk_det = dk_det + abs(scale) * self.dk.mma.det(u, kernel.mma_passes)
             dv_det = dv_det + self.dv.mma.det(u, kernel.mma_passes)
