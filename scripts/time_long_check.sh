@@ -7,7 +7,7 @@
 # flash forward and backward on it (flash_output, flash_lse, flash_dQ, flash_dK, flash_dV), then
 # checks the run with scripts/measure.py (wall time, peak RSS). --profile FILE: the check runs
 # under cProfile instead, its statistics written to FILE (FILE.txt: the top entries by cumulative
-# and internal time). The case and run live in a temporary folder (--keep DIR: there, and kept).
+# and internal time; the head's row tiles then run on the profiled thread, not one a core). The case and run live in a temporary folder (--keep DIR: there, and kept).
 # --scheduler WHERE (repeatable): the same run is checked once for each, in turn, with
 # `check --scheduler WHERE` (local: a Dask cluster started for the check, a worker per GPU where
 # the heads are checked on GPUs), and `none` without a cluster; the default is `none` alone. Under a

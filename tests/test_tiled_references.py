@@ -11,6 +11,12 @@
 * The passes over the tiles are shared as the check shares them (the forward's bounds from the
   backward chain's pass, a gradient's isolated reference from its isolated bound's pass) with the
   same results; no pass of the forward's own runs then, and one of the gradients' references.
+* On several threads (tiles.tile_workers) the tiles give the same references and bounds bit for
+  bit as on one, even where the later tiles are computed first: their sums over the query rows and
+  their lists of rows add in tile order (tiles.in_order). The check itself runs them on the cores.
+* The backward chain's floors for flushed products: a pass that leaves out their sums gives the
+  bounds of one that computes them where no product can be tiny, and hands over to such a pass
+  where a later tile's entries could make one (the same bounds, bit for bit, both ways).
 * A head that takes the exact model, or fits in one tile, is one tile (the whole head, as before);
   a run that writes or reads an N×M stage is sized as an untiled one (pool.tiled_run).
 * Memory: the chained and isolated bounds of a flash forward and backward at N = 2048, M = 1024 never
@@ -39,7 +45,8 @@ from verify.model import dot, tiles
 from verify.model.scores import HeadVariant
 from verify.specs import SPECS, sources_of
 from verify.specs import flash as flash_spec
-from verify.specs.backward import flash_tiles
+from verify.model.kernels import kernel_for
+from verify.specs.backward import flash_bounds, flash_tiles
 from verify.stages import FLASH_GRAD_KEYS, FLASH_GRAD_QUERIES, FLASH_GRAD_VALUES, FLASH_LSE, FLASH_OUTPUT, STAGES, Dims
 from verify.variant import BOTTOM_RIGHT, PER_HEAD, Variant
 
@@ -56,6 +63,7 @@ VARIANTS = {
     "dropout": (Variant(dropout=0.2), 0.0),
 }
 KERNELS = {"cpu": {}, "gpu-fast-tf32": dict(backend="cuda", flash_kernel="cuda-fast-tf32")}
+KERNELS_CPU = kernel_for("cpu", "ieee", None)
 
 
 def _inputs(variant: Variant, n: int, m: int, d: int = 16, seed: int = 0):
@@ -134,6 +142,98 @@ def test_tiles_agree_with_the_whole_head(name, kernel, n, m, rows, monkeypatch, 
     cut = tiles.row_tiles(n, m, 16)
     assert len(cut) > 1 and cut[-1][1] == n and all(a % 8 == 0 for a, _ in cut)
     _agree(whole, _everything(variant, slope, x, KERNELS[kernel], shared=True))  # (as the check shares its passes)
+
+
+class _LastFirst:
+    """An executor that computes the tiles handed to it last first (all of them, when a result is
+    first asked for): what threads may do, at its most out of order."""
+
+    def __init__(self, workers: int) -> None:
+        self.waiting: list = []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.run()
+
+    def submit(self, fn, *args):
+        later = _Later(self, lambda: fn(*args))
+        self.waiting.append(later)
+        return later
+
+    def run(self) -> None:
+        waiting, self.waiting = self.waiting, []
+        for later in reversed(waiting):
+            later.value = later.compute()
+
+
+class _Later:
+    def __init__(self, pool: _LastFirst, compute) -> None:
+        self.pool, self.compute, self.value = pool, compute, None
+
+    def result(self):
+        if self.value is None:
+            self.pool.run()
+        return self.value
+
+
+def _same_bits(a: dict, b: dict) -> None:
+    for key, x in a.items():
+        assert np.array_equal(np.asarray(x), np.asarray(b[key]), equal_nan=True), key
+
+
+@pytest.mark.parametrize("order", ["threads", "last-first"])
+@pytest.mark.parametrize("kernel", list(KERNELS))
+@pytest.mark.parametrize("name", ["causal", "window-softcap", "dropout"])
+def test_tiles_on_threads_give_one_threads_bits(name, kernel, order, monkeypatch, expected_model):
+    variant, slope = VARIANTS[name]
+    x = _inputs(variant, 77, 53, seed=len(name))
+    monkeypatch.setattr(tiles, "TILE_BYTES", 8 * 53 * 8)
+    one = _everything(variant, slope, x, KERNELS[kernel], shared=True)
+    if order == "last-first":
+        monkeypatch.setattr(tiles, "ThreadPoolExecutor", _LastFirst)
+    with tiles.tile_workers(4):
+        _same_bits(one, _everything(variant, slope, x, KERNELS[kernel], shared=True))
+
+
+def test_the_check_runs_a_heads_tiles_on_the_cores(monkeypatch):
+    """attnstep's own process checking one head at a time: its tiles on a thread a core, BLAS on
+    one thread of its own within them (restored after)."""
+    monkeypatch.setattr(pool, "_usable_cores", lambda: 3)
+    seen = []
+    assert pool.map_heads(lambda h: seen.append(tiles._WORKERS.get()[0]) or [h], 2, 1, tune_process=True) == [0, 1]
+    assert seen == [3, 3] and tiles._WORKERS.get()[0] == 1
+    assert pool.map_heads(lambda h: seen.append(tiles._WORKERS.get()[0]) or [h], 1, 1) == [0]
+    assert seen[-1] == 1  # (the Python API's: the caller's process, untouched)
+
+
+def _arrays(x):
+    """Every array in a nest of tuples, in order."""
+    if isinstance(x, tuple):
+        return [a for part in x for a in _arrays(part)]
+    return [np.asarray(x)]
+
+
+@pytest.mark.parametrize("tiny", [False, True], ids=["normal", "tiny-last-rows"])
+def test_the_chain_computes_the_floors_sums_only_where_they_count(tiny, monkeypatch, expected_model):
+    variant = Variant()
+    x = _inputs(variant, 77, 53, seed=3)
+    if tiny:  # the last tile's dS (dO's rows) near float32's normal range, the earlier tiles' not
+        x["dO"][72:] *= 1e-33
+    monkeypatch.setattr(tiles, "TILE_BYTES", 8 * 53 * 8)
+    args = (x["Q"], x["K"], x["V"], x["dO"], SCALE, HeadVariant(variant), 2.0**-24, KERNELS_CPU, None)
+    passes = []
+    chain_pass = flash_bounds._chain_pass
+    monkeypatch.setattr(flash_bounds, "_chain_pass",
+                        lambda *a, floors: passes.append(floors) or chain_pass(*a, floors=floors))
+    with tiles.tile_workers(2):
+        lazy = flash_bounds._chain(*args)
+    assert passes == ([False, True] if tiny else [False])
+    full = chain_pass(*args, floors=True)
+    for a, b in zip(_arrays(tuple(lazy[0]) + lazy[1]), _arrays(tuple(full[0]) + full[1])):
+        assert np.array_equal(a, b, equal_nan=True)
+    assert bool(np.any(lazy[0].floors[0] != 0)) == tiny  # (dQ's floor: G·K's tiny products)
 
 
 @pytest.mark.parametrize("tile_bytes", [1 << 40, 8 * 53 * 8], ids=["whole", "tiled"])

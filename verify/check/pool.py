@@ -22,11 +22,12 @@ from typing import Callable, List, Optional, Protocol, Tuple
 from ..files.kinds import CaseError
 from ..files.outputs import RunInfo
 from ..model.half import is_half
-from ..model.tiles import TILE_BYTES
+from ..model.tiles import TILE_BYTES, tile_workers
 from ..specs import upstream
 from ..stages import STAGES
 from ..text import mib
 from ..variant import NONE
+from .blas import _OPENBLAS_SET_THREADS, _loaded_openblas, blas_on_one_thread, one_blas_thread  # noqa: F401
 from .groups import summed
 
 
@@ -224,41 +225,6 @@ def _die_with_parent() -> None:
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
-# OpenBLAS's thread-count setter under the names its builds export (numpy's own wheels, older
-# numpy wheels, a system OpenBLAS).
-_OPENBLAS_SET_THREADS = ("scipy_openblas_set_num_threads64_", "openblas_set_num_threads64_",
-                         "openblas_set_num_threads")
-
-
-def _loaded_openblas() -> List[ctypes.CDLL]:
-    """The OpenBLAS libraries mapped into this process (numpy's BLAS, where it is OpenBLAS)."""
-    try:
-        with open("/proc/self/maps") as f:
-            paths = {line.split()[-1] for line in f if "openblas" in line.lower() and "/" in line}
-    except OSError:
-        return []
-    libs = []
-    for path in sorted(paths):
-        try:
-            libs.append(ctypes.CDLL(path))
-        except OSError:
-            pass
-    return libs
-
-
-def one_blas_thread() -> bool:
-    """Limits numpy's OpenBLAS to one thread in this process; False where it is not OpenBLAS. A
-    worker is one of as many processes as cores: OpenBLAS's own threads (one a core, spinning
-    between calls) would compete with the other workers for the cores."""
-    done = False
-    for lib in _loaded_openblas():
-        setter = next((getattr(lib, n) for n in _OPENBLAS_SET_THREADS if hasattr(lib, n)), None)
-        if setter is not None:
-            setter(1)
-            done = True
-    return done
-
-
 # glibc's mallopt parameters (<malloc.h>) and its defaults for them.
 _M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
 _DEFAULT_TRIM_THRESHOLD, _DEFAULT_MMAP_MAX = 128 * 1024, 65536
@@ -289,6 +255,12 @@ def freed_memory_kept():
     finally:
         if kept:
             keep_freed_memory(False)
+
+
+def tile_threads():
+    """A head's row tiles on as many threads as the cores this process may use (one head at a time
+    in this process: the cores are its); on this thread under a profiler, which sees no other."""
+    return tile_workers(1 if sys.getprofile() is not None else _usable_cores(), blas_on_one_thread)
 
 
 def _init_worker() -> None:
@@ -362,7 +334,7 @@ def map_heads(check: Callable[[int], list], heads: int, jobs: int,
         return route.map(check, heads, progress)
     results: List = []
     if jobs <= 1:
-        tuned = (freed_memory_kept(), _heads_garbage_only()) if tune_process else ()
+        tuned = (freed_memory_kept(), _heads_garbage_only(), tile_threads()) if tune_process else ()
         with contextlib.ExitStack() as stack:
             for ctx in tuned:
                 stack.enter_context(ctx)

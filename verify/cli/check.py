@@ -97,7 +97,7 @@ def check_and_report(in_dir, out_dir, opts, json_path, junit_path, plot_dir, per
     d = run_info.dims
     big = d.seq_q * d.seq_k * d.total_heads >= PROGRESS_MIN_WORK
     with progress_bar(d.total_heads, "checking heads", big and not quiet) as advance:
-        report = check_run(run_info, case, opts, progress=advance, diagnoser=diagnose)
+        report = check_run(run_info, case, opts, advance, True, diagnose)  # (this process is attnstep's own)
     if not quiet:
         for line in header_lines(report) + table_lines(report, per_head) + failure_lines(report):
             click.echo(line)

@@ -63,13 +63,13 @@ def ds_var_parts(P, dP, D, dS, rows: RowErrors, dP_var, u, extra: int = 0):
 
 
 def grad_over_keys_var(P, dS, K, rows: RowErrors, indep_sd, scale: float, u: float,
-                       cache: Optional[HeadCache], product_var: float = 2 * ROUND_VAR) -> np.ndarray:
+                       cache: Optional[HeadCache], product_var: float = 2 * ROUND_VAR, dsk=None) -> np.ndarray:
     """Variance of dQ = scale·dS·K (N×d): the independent parts through K², the row-shared ones
     coherently (−ε·dQ/scale − δD·(P·K)), then the GEMM's own roundings (the scale may be folded
-    into either operand: one more product rounding)."""
+    into either operand: one more product rounding). dsk: dS·K, where the caller has it."""
     xp = namespace(dS)
     ind = (indep_sd * indep_sd) @ (K * K)
-    dsk = dS @ K  # (the GEMM's sums in its rounding model too)
+    dsk = dS @ K if dsk is None else dsk  # (the GEMM's sums in its rounding model too)
     shared_sd = xp.sqrt(rows.shared) * xp.abs(dsk) + xp.sqrt(rows.D) * xp.abs(P @ K)
     total = (xp.sqrt(ind) + shared_sd) ** 2
     gemm = memo(cache, "dS K var", (dS, K), (u, product_var), lambda: dot_var(dS, K, u, product_var, dsk))

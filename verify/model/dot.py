@@ -295,7 +295,7 @@ def dot_var(A: np.ndarray, B: np.ndarray, u: float, product_var: float = ROUND_V
     R, K = A.shape
     C = B.shape[1]
     if not exact_energy(_rows(R), K, C):
-        return _expected_var(A @ B if product is None else product * 1.0, (A * A) @ (B * B), K, u, product_var)
+        return _expected_var(A @ B if product is None else product, (A * A) @ (B * B), K, u, product_var)
     if not isinstance(A, np.ndarray):  # a device's: the exact partial sums (small heads) in NumPy
         return like(A, dot_var(to_numpy(A), to_numpy(B), u, product_var))
     blocks = _column_blocks(K, C)
@@ -343,21 +343,17 @@ def rowdot_var(A: np.ndarray, B: np.ndarray, u: float, product_var: float = ROUN
 def _expected_var(S: np.ndarray, T2: np.ndarray, K: int, u: float, product_var: float) -> np.ndarray:
     """For very large heads, from the sums S and the sums of squared products T2: E[Σ_k s_k²] over
     random orders, (K+1)(T2/6 + S²/3), inflated by ENERGY_FALLBACK_FACTOR for orders whose partial
-    sums wander further than average. S and T2 are overwritten."""
-    # In place, in this grouping: u·u·(ROUND_VAR·energy + product_var·T2),
-    # energy = ENERGY_FALLBACK_FACTOR·(K + 1)·(T2/6 + S·S/3).
+    sums wander further than average. T2 is overwritten; S is not (a caller's product may be it)."""
+    # u·u·(ROUND_VAR·energy + product_var·T2), energy = ENERGY_FALLBACK_FACTOR·(K + 1)·(T2/6 + S·S/3),
+    # as a·T2 + b·S·S: four passes over the result, not nine.
+    grow = ENERGY_FALLBACK_FACTOR * (K + 1) * ROUND_VAR
+    a, b = u * u * (grow / 6.0 + product_var), u * u * (grow / 3.0)
     if not isinstance(S, np.ndarray):  # a device's: the same grouping, out of place
-        var = (T2 / 6.0 + S * S / 3.0) * (ENERGY_FALLBACK_FACTOR * (K + 1)) * ROUND_VAR
-        return (var + T2 * product_var) * (u * u)
-    var = np.divide(T2, 6.0)
-    np.multiply(S, S, out=S)
-    S /= 3.0
-    var += S
-    var *= ENERGY_FALLBACK_FACTOR * (K + 1)
-    var *= ROUND_VAR
-    T2 *= product_var
-    var += T2
-    var *= u * u
+        return T2 * a + (S * S) * b
+    var = np.multiply(T2, a, out=T2)
+    s2 = np.multiply(S, S)
+    s2 *= b
+    var += s2
     return var
 
 
@@ -375,9 +371,13 @@ def flush_sum(A: np.ndarray, B: np.ndarray) -> np.ndarray:
 
 
 def qk_var(Q: np.ndarray, K: np.ndarray, u: float, product_var: float,
-            cache: Optional[HeadCache]) -> np.ndarray:
-    """dot_var of Q·Kᵀ (keyed on Q and K: K.T is a new view object at every call)."""
-    return memo(cache, "QK var", (Q, K), (u, product_var), lambda: dot_var(Q, K.T, u, product_var))
+            cache: Optional[HeadCache], product=None) -> np.ndarray:
+    """dot_var of Q·Kᵀ (keyed on Q and K: K.T is a new view object at every call); product():
+    Q·Kᵀ, where the caller has it (asked for by the expected model only)."""
+    def compute():
+        expected = product is not None and not exact_energy(_rows(Q.shape[0]), Q.shape[1], K.shape[0])
+        return dot_var(Q, K.T, u, product_var, product() if expected else None)
+    return memo(cache, "QK var", (Q, K), (u, product_var), compute)
 
 
 def pv_var(p: np.ndarray, V: np.ndarray, u: float, product_var: float,

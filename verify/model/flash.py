@@ -4,14 +4,14 @@ and dropout's rescaling.
 """
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import numpy as np
 
 from .arrays import like, namespace, put, zeros
 from .dot import mma_truncation_det, pv, pv_var, qk_var
 from .kernels import FLASH_LOGIT_ROUNDINGS, Kernel
-from .rounding import ROUND_VAR, HeadCache, memo
+from .rounding import ROUND_VAR, HeadCache, everywhere, memo
 from .scores import HeadVariant, as_head, dropout_factor_error, modification_det
 from .tiles import over_rows, rows_of
 from .softmax import exponent_var, logits, mixed_output_var, p2_eta, raw_logits, rowsum_rel_var, softmax
@@ -30,21 +30,23 @@ def logit_magnitude(S: np.ndarray, finite: np.ndarray, head: HeadVariant) -> np.
     """|S| as the flash logits' roundings see it: raised by slope·diag(i) under causal ALiBi
     (flash-attn's slope·j; HeadVariant.flash_shift), 0 where hidden."""
     xp = namespace(S)
-    mag = xp.where(finite, xp.abs(xp.where(finite, S, 0.0)), 0.0)
+    seen = everywhere(finite)  # (then the where()s are no-ops)
+    mag = xp.abs(S) if seen else xp.where(finite, xp.abs(xp.where(finite, S, 0.0)), 0.0)
     shift = head.flash_shift(*S.shape)
     if shift is not None:
-        mag = xp.where(finite, mag + like(S, np.abs(shift)), 0.0)
+        mag = mag + like(S, np.abs(shift)) if seen else xp.where(finite, mag + like(S, np.abs(shift)), 0.0)
     return mag
 
 
 def _compute_flash_parts(Q, K, scale: float, head: HeadVariant, u: float, kernel: Kernel,
                          cache: Optional[HeadCache]):
-    S = logits(Q, K, scale, head, cache)
+    product = once(lambda: Q @ K.T)  # (for the logits and their dot products' variance, if either is computed)
+    S = logits(Q, K, scale, head, cache, product)
     p, d, m, finite = softmax(S, cache)
     # eta_var = where(finite, scale²·var(QK)·(1 − t²)², 0) + the modifications' roundings + the
     # exponent's own
     xp = namespace(S)
-    eta_var = (scale * scale) * qk_var(Q, K, u, kernel.flash_product_var, cache)
+    eta_var = (scale * scale) * qk_var(Q, K, u, kernel.flash_product_var, cache, product)
     slope = None
     if head.modifies:
         S0 = raw_logits(Q, K, scale, cache)
@@ -55,7 +57,7 @@ def _compute_flash_parts(Q, K, scale: float, head: HeadVariant, u: float, kernel
     eta_var = put(eta_var, 0.0, ~finite)
     eta_var += exponent_var(d, finite, u, kernel, logit_magnitude(S, finite, head), FLASH_LOGIT_ROUNDINGS)
     l_var = rowsum_rel_var(p, u, kernel.rescale_factor, cache)
-    s_det = zeros(S, S.shape)
+    s_det = None  # (the logits' one-signed errors: none but a tensor core's truncation)
     if kernel.mma_passes:
         # |scale|: a bound is a magnitude (a negative scale made it negative: found by the GPU
         # false-alarm sweep, case 129, scale -0.74, every flash_lse element failing).
@@ -93,11 +95,27 @@ def common_scale_det(S: np.ndarray, p: np.ndarray, u: float):
     return u * p * xp.abs(Sf - mean), u * xp.abs(mean)
 
 
+def once(compute: Callable[[], np.ndarray]) -> Callable[[], np.ndarray]:
+    """compute, computed at the first call only (a product two parts may ask for, or neither)."""
+    kept: list = []
+
+    def get():
+        if not kept:
+            kept.append(compute())
+        return kept[0]
+    return get
+
+
+def plus(a, b):
+    """a + b, where None is a zero that no array was made for (a one-signed part a kernel lacks)."""
+    return b if a is None else a if b is None else a + b
+
+
 def _common_dets(Q, K, scale, head, p, u, kernel, cache):
-    """(Σ of common_scale_det's weights, Σ of its lse parts) over common_factor_logits; 0 for a
+    """(Σ of common_scale_det's weights, Σ of its lse parts) over common_factor_logits; None for a
     kernel without a common factor."""
     if not kernel.common_scale:
-        return 0.0, 0.0
+        return None, None
     parts = [common_scale_det(S, p, u) for S in common_factor_logits(Q, K, scale, head, cache)]
     return sum(w for w, _ in parts), sum(m for _, m in parts)
 
@@ -124,9 +142,12 @@ def _output_var_det(Q, K, V, scale: float, head: HeadVariant, u: float, kernel: 
     # One-signed parts: a common scale error and tensor-core truncation of the logits move
     # O by at most Σ_j p_j·|ΔS_j|·|r·Z_j·v_j - O|; truncation in P̃·V adds its own, the rounded
     # 1/(1 − p) its relative error.
-    w = p * s_det + _common_dets(Q, K, scale, head, p, u, kernel, cache)[0]
+    w = plus(None if s_det is None else p * s_det, _common_dets(Q, K, scale, head, p, u, kernel, cache)[0])
     xp = namespace(O)
-    det = head.dropped(w) @ xp.abs(V) + xp.abs(O) * xp.sum(w, axis=1, keepdims=True)
+    if w is None:  # (none: no N×M pass or GEMM of zeros)
+        det = zeros(O, O.shape)
+    else:
+        det = head.dropped(w) @ xp.abs(V) + xp.abs(O) * xp.sum(w, axis=1, keepdims=True)
     det = det + dropout_factor_error(head, u) * xp.abs(O)
     if kernel.mma_passes:
         det = det + mma_truncation_det(pz, V, u, kernel.mma_passes)
@@ -156,5 +177,6 @@ def _lse_sums(Q, K, scale: float, head: HeadVariant, u: float, kernel: Kernel, c
     S, p, m, eta_var, l_var, s_det = flash_parts(Q, K, scale, head, u, kernel, cache)
     xp = namespace(p)
     eta_sum = xp.sum(p2_eta(p, eta_var, cache), axis=1, keepdims=True)
-    det = xp.sum(p * s_det, axis=1, keepdims=True) + _common_dets(Q, K, scale, head, p, u, kernel, cache)[1]
-    return m, eta_sum, l_var, det
+    det = plus(None if s_det is None else xp.sum(p * s_det, axis=1, keepdims=True),
+               _common_dets(Q, K, scale, head, p, u, kernel, cache)[1])
+    return m, eta_sum, l_var, zeros(p, (p.shape[0], 1)) if det is None else det

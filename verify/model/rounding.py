@@ -151,6 +151,13 @@ def finish(ref: np.ndarray, var: np.ndarray, det: np.ndarray, floor) -> np.ndarr
     return bound
 
 
+def everywhere(mask) -> bool:
+    """Whether mask is a NumPy array that is true everywhere (a head with nothing hidden or
+    non-finite: its where()s would copy it whole). A device's mask is not asked: the answer would
+    wait for the device."""
+    return isinstance(mask, np.ndarray) and bool(mask.all())
+
+
 def finite_abs(x: np.ndarray) -> np.ndarray:
     """|x| with non-finite entries (inputs accepted with --allow-nonfinite) as 0: a floor must
     stay finite, or an Inf would let every value of its row or column pass."""

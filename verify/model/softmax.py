@@ -11,7 +11,7 @@ import numpy as np
 from .arrays import concat_rows, like, namespace, put, segment_sums, take_rows, to_numpy
 from .attention import scaled_scores
 from .kernels import SOFTMAX_FINAL_ROUNDINGS, Kernel
-from .rounding import ROUND_VAR, UNIT_ROUNDOFF, HeadCache, ToleranceError, memo, step_var
+from .rounding import ROUND_VAR, UNIT_ROUNDOFF, HeadCache, ToleranceError, everywhere, memo, step_var
 from .scores import as_head
 
 
@@ -33,9 +33,11 @@ def scaled_logits(Q: np.ndarray, K: np.ndarray, scale: float, head) -> np.ndarra
     return scaled_scores(Q @ K.T, scale, head)
 
 
-def logits(Q: np.ndarray, K: np.ndarray, scale: float, head, cache: Optional[HeadCache]) -> np.ndarray:
+def logits(Q: np.ndarray, K: np.ndarray, scale: float, head, cache: Optional[HeadCache], product=None) -> np.ndarray:
+    """scaled_logits, kept in the cache; product(): Q·Kᵀ, where the caller has it."""
     head = as_head(head)
-    return memo(cache, "logits", (Q, K), (scale, head), lambda: scaled_logits(Q, K, scale, head))
+    return memo(cache, "logits", (Q, K), (scale, head),
+                lambda: scaled_logits(Q, K, scale, head) if product is None else scaled_scores(product(), scale, head))
 
 
 def raw_logits(Q: np.ndarray, K: np.ndarray, scale: float, cache: Optional[HeadCache]) -> np.ndarray:
@@ -83,19 +85,19 @@ def exponent_var(d: np.ndarray, finite: np.ndarray, u: float, kernel: Kernel,
         var = (d * u) ** 2 * ROUND_VAR + kernel.exp_var * u * u
     if kernel.exp_slope_var:
         var = var + kernel.exp_slope_var * (u * d) ** 2
+    seen = everywhere(finite)  # (then the where()s are no-ops)
     if S is not None and logit_roundings:
         # var += logit_roundings·ROUND_VAR·(u·S)², S taken as 0 where masked
-        s2 = xp.where(finite, S, 0.0)
         if xp is np:
-            var = _add_logit_var(var, s2, u, logit_roundings)
+            var = _add_logit_var(var, np.multiply(S, u) if seen else np.multiply(np.where(finite, S, 0.0), u),
+                                 logit_roundings)
         else:
-            var = var + (s2 * u) ** 2 * (logit_roundings * ROUND_VAR)
-    return put(var, 0.0, ~finite)              # where(finite, var, 0)
+            var = var + (xp.where(finite, S, 0.0) * u) ** 2 * (logit_roundings * ROUND_VAR)
+    return var if seen else put(var, 0.0, ~finite)  # where(finite, var, 0)
 
 
-def _add_logit_var(var: np.ndarray, s2: np.ndarray, u: float, logit_roundings: int) -> np.ndarray:
-    """var += logit_roundings·ROUND_VAR·(u·s2)², in place on NumPy's arrays (s2 too)."""
-    s2 *= u
+def _add_logit_var(var: np.ndarray, s2: np.ndarray, logit_roundings: int) -> np.ndarray:
+    """var += logit_roundings·ROUND_VAR·s2² (s2 = u·S), in place on NumPy's arrays (s2 too)."""
     np.multiply(s2, s2, out=s2)
     s2 *= logit_roundings * ROUND_VAR
     var += s2

@@ -11,10 +11,19 @@ whole head, computed as it always was. Memory: O((N + M)·d) per head plus a til
 Only what the array API offers is used on the arrays (matmul, elementwise arithmetic, sums and
 maxima along an axis, concatenation), so that the loop runs on the check's device too, its arrays
 in that namespace (verify/model/arrays.py).
+
+On the CPU the tiles may run on several threads (tile_workers; NumPy's and BLAS's loops release
+Python's lock): each tile's arrays are computed on a worker, and what adds tiles together (a sum
+over the query rows, a list of rows) runs in tile order once the earlier tiles' has (in_order), so
+that the result is bit for bit the one thread's, whatever thread computed which tile.
 """
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Sequence, Tuple
+import contextlib
+import contextvars
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -30,6 +39,62 @@ TILE_BYTES = 4 << 20
 # On a GPU (verify/model/arrays.py): its dozen temporaries a few GB of the device's memory, and few
 # enough tiles that the time goes to arithmetic, not to launching each tile's few hundred kernels.
 DEVICE_TILE_BYTES = 256 << 20
+
+
+# The threads a head's row tiles run on (the check's choice: verify/check/pool.py); the steps of the
+# tile being computed on a worker that must run in tile order (None: run them at once).
+_WORKERS: contextvars.ContextVar[Tuple[int, Optional[Callable]]] = contextvars.ContextVar("tile workers",
+                                                                                        default=(1, None))
+_ORDERED: contextvars.ContextVar[Optional[list]] = contextvars.ContextVar("tile steps in order", default=None)
+
+
+@contextlib.contextmanager
+def tile_workers(n: int, around: Optional[Callable] = None):
+    """Within: the row tiles of a head on the CPU are computed on n threads; around(): a context
+    manager the threads run within (the check's: BLAS on one thread of its own per worker)."""
+    token = _WORKERS.set((max(1, int(n)), around))
+    try:
+        yield
+    finally:
+        _WORKERS.reset(token)
+
+
+def in_order(step: Callable[[], None]) -> None:
+    """step() now, or, in a tile computed on a worker thread, after every earlier tile's steps and
+    this tile's own before it: the tiles' parts add in tile order, as on one thread."""
+    steps = _ORDERED.get()
+    if steps is None:
+        step()
+    else:
+        steps.append(step)
+
+
+def map_tiles(compute: Callable, tiles: Iterable) -> list:
+    """[compute(t) for t in tiles], on the tile workers where there are several and the arrays are
+    NumPy's (a device runs its own kernels in parallel): each tile in a copy of the caller's context
+    (the head's rows, the device), its in_order steps run here, tile after tile."""
+    tiles = list(tiles)
+    workers, around = _WORKERS.get()
+    workers = min(workers, len(tiles))
+    if workers <= 1 or target() is not None:
+        return [compute(t) for t in tiles]
+
+    def run(t):
+        steps: list = []
+        _ORDERED.set(steps)
+        return compute(t), steps
+    out: list = []
+    pending: deque = deque()
+    with (around() if around else contextlib.nullcontext()), ThreadPoolExecutor(workers) as pool:
+        for t in tiles + [None] * (workers + 1):  # at most workers + 1 tiles' results held at once
+            if t is not None:
+                pending.append(pool.submit(contextvars.copy_context().run, run, t))
+            if len(pending) > workers or (t is None and pending):
+                result, steps = pending.popleft().result()
+                for step in steps:
+                    step()
+                out.append(result)
+    return out
 
 
 def row_tiles(n: int, m: int, d: int) -> List[Tuple[int, int]]:
@@ -51,10 +116,8 @@ def over_rows(n: int, m: int, d: int, head, cache: Optional[HeadCache],
     tiles = row_tiles(n, m, d)
     if len(tiles) == 1:
         return compute(None, head, cache)
-    parts = []
     with head_rows(n):
-        for a, b in tiles:
-            parts.append(compute(slice(a, b), head.rows_of(a, b, n), HeadCache()))
+        parts = map_tiles(lambda t: compute(slice(*t), head.rows_of(t[0], t[1], n), HeadCache()), tiles)
     heights = [b - a for a, b in tiles]
     return tuple(stack_rows([p[i] for p in parts], heights) for i in range(len(parts[0])))
 
@@ -65,7 +128,7 @@ def stack_over_rows(n: int, m: int, d: int, compute: Callable[[Optional[slice]],
     tiles = row_tiles(n, m, d)
     if len(tiles) == 1:
         return compute(None)
-    return concat_rows([compute(slice(a, b)) for a, b in tiles])
+    return concat_rows(map_tiles(lambda t: compute(slice(*t)), tiles))
 
 
 def flush_max(A: np.ndarray, B: np.ndarray) -> float:
@@ -108,6 +171,10 @@ class QuerySum:
         self.squares: Optional[np.ndarray] = None
 
     def add(self, X: np.ndarray, Y: np.ndarray) -> None:
+        if _ORDERED.get() is not None:  # a tile on a worker, one of several: its parts made there
+            part, squares = X.T @ Y, (X * X).T @ (Y * Y)
+            in_order(lambda: self._add_parts(part, squares))
+            return
         self.tiles += 1
         if self.tiles == 1:
             self.pair = (X, Y)
@@ -122,12 +189,21 @@ class QuerySum:
         else:
             self.sum += part
 
+    def _add_parts(self, part: np.ndarray, squares: np.ndarray) -> None:
+        """A tile's Xᵀ·Y and (X∘X)ᵀ·(Y∘Y), of its own, added as add does (the first ones kept)."""
+        self.tiles += 1
+        if self.tiles == 1:
+            self.sum, self.squares = part, squares
+        else:
+            self.squares += squares
+            self.sum += part
+
     def var(self, u: float, product_var: float, single: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> np.ndarray:
         """The variance; single(X, Y): the whole head's (a cached dot_var of Xᵀ·Y)."""
         if self.pair is not None:
             return single(*self.pair)
-        own = np.array if isinstance(self.sum, np.ndarray) else (lambda x: x)  # (a device's: out of place)
-        return _expected_var(own(self.sum), own(self.squares), self.n, u, product_var)
+        own = np.array if isinstance(self.squares, np.ndarray) else (lambda x: x)  # (a device's: out of place)
+        return _expected_var(self.sum, own(self.squares), self.n, u, product_var)
 
 
 class Total:
@@ -139,6 +215,9 @@ class Total:
         self._own = False
 
     def add(self, x) -> None:
+        in_order(lambda: self._add(x))
+
+    def _add(self, x) -> None:
         if np.ndim(self.value) == 0 and self.value == 0.0:
             self.value = x
         elif self._own and np.shape(x) == np.shape(self.value) and _writable(self.value):
@@ -161,6 +240,9 @@ class MmaCarry:
         self.partial = self.total = None
 
     def add(self, X: np.ndarray, Y: np.ndarray) -> None:
+        in_order(lambda: self._add(X, Y))  # (each tile's chunks carry the one before: in tile order)
+
+    def _add(self, X: np.ndarray, Y: np.ndarray) -> None:
         A = X.T
         if self.partial is None:
             self.partial = zeros(A, (A.shape[0], Y.shape[1]))
@@ -195,5 +277,6 @@ def least(a, b):
     return x if y == np.inf else namespace(x).clip(x, max=y)
 
 
-__all__ = ["TILE_BYTES", "DEVICE_TILE_BYTES", "row_tiles", "over_rows", "stack_over_rows", "flush_max", "rows_of",
-           "stack_rows", "QuerySum", "Total", "MmaCarry", "smallest", "smallest_now", "least"]
+__all__ = ["TILE_BYTES", "DEVICE_TILE_BYTES", "tile_workers", "in_order", "map_tiles", "row_tiles", "over_rows",
+           "stack_over_rows", "flush_max", "rows_of", "stack_rows", "QuerySum", "Total", "MmaCarry", "smallest",
+           "smallest_now", "least"]

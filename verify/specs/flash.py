@@ -25,7 +25,7 @@ from ..model.attention import log_sum_exp_rows, softmax_and_lse
 from ..model.flash import flash_forward_rows, flash_lse_sums
 from ..model.rounding import FLUSH, ROUND_VAR, ULP_IN_U, finite_abs, memo
 from ..model.scores import as_head
-from ..model.tiles import flush_max, stack_over_rows
+from ..model.tiles import flush_max, in_order, stack_over_rows
 from ..model.softmax import need, scaled_logits, softmax_parts
 from ..stages import FLASH_LSE, FLASH_OUTPUT, INPUT_NAMES, KEYS, OUTPUT, QUERIES, SCALED_SCORES, STAGES, VALUES
 from ..variant import Variant
@@ -269,7 +269,7 @@ def _output_reference(src, problem: Problem):
         part = src if r is None else {**src, QUERIES: Q[r]}
         scores = scores_from_inputs(part, problem.scale, None, head.variant, head.slope, r, None if r is None else n)
         p, row_lse = softmax_and_lse(scores)
-        lse.append(row_lse)
+        in_order(lambda: lse.append(row_lse))  # (the tiles' rows in order, whatever thread computed them)
         return head_variant(head.variant, head.slope, part).dropped(p, r) @ float64(part[VALUES])
     out = to_numpy(stack_over_rows(n, src[KEYS].shape[0], Q.shape[1], tile))
     _LAST_LSE[:] = [(_lse_key(host, problem), host, to_numpy(concat_rows(lse)))]

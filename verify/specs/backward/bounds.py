@@ -88,8 +88,9 @@ def dv_isolated(src, ref, problem: Problem):
     return dot_var(head.dropped(P).T, dO, u, ROUND_VAR * (1 + dropout)), det
 
 
-def dp_var(dO, V, u, product_var, cache):
-    return memo(cache, "dP var", (dO, V), (u, product_var), lambda: dot_var(dO, V.T, u, product_var))
+def dp_var(dO, V, u, product_var, cache, dP=None):
+    """dot_var of dP = dO·Vᵀ (dP: that product, where the caller has it)."""
+    return memo(cache, "dP var", (dO, V), (u, product_var), lambda: dot_var(dO, V.T, u, product_var, dP))
 
 
 # ---- chained bounds (from Q, K, V, dO) ----------------------------------------------------------

@@ -7,7 +7,7 @@ the softcap's derivative, dV the kept and rescaled weights.
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Tuple
+from typing import NamedTuple, Tuple
 
 import numpy as np
 
@@ -15,55 +15,58 @@ from ...model.arrays import like, namespace, to_device, to_numpy_all, zeros
 from ...model.attention import log_sum_exp_rows
 from ...model.backward import CappedGrads, RowErrors, capped_grads, d_var, ds_var_parts, flash_rows, grad_over_keys_var
 from ...model.dot import mma_truncation_det, pv, pv_var, qk_var, rowdot_var
-from ...model.flash import common_factor_logits, flash_output_var_det, flash_parts, logit_magnitude
+from ...model.flash import common_factor_logits, flash_output_var_det, flash_parts, logit_magnitude, plus
 from ...model.kernels import FLASH_LOGIT_ROUNDINGS
-from ...model.rounding import FLUSH, ROUND_VAR, HeadCache, finish, finite_abs, memo
+from ...model.rounding import FLUSH, ROUND_VAR, HeadCache, everywhere, finish, finite_abs, memo
 from ...model.scores import HeadVariant, as_head, cap_factor_error, dropout_factor_error, modification_det
 from ...model.softmax import exponent_var, logits, need, raw_logits
-from ...model.tiles import Total, flush_max, least, smallest_now
+from ...model.tiles import Total, flush_max, in_order, least, smallest, smallest_now
 from ...stages import FLASH_GRAD_QUERIES, GRAD_OUTPUT, KEYS, QUERIES, VALUES
 from ..base import Problem
 from ..flash import forward_sums, lse_var_det, on_device_of, share_forward
 from .bounds import chain_cap, dp_var
-from .flash_tiles import GradientSums, QueryGrad, over_queries, remember_gradients
+from .flash_tiles import QueryGrad, over_queries, remember_gradients
 from .reference import FLASH_SOURCES, d_reference, ds_reference, flash_terms, through_cap
 
 
 def _scale_det(Q, K, scale, head, P, finite, u, kernel, cache):
     """The head's one rounded scale factor (a relative δ ≤ u): each recomputed weight moves by
     δ·(S_j − S̄), S̄ = Σ_j P_j S_j carried by the lse (one-signed, relative), for each quantity
-    such a factor may multiply (verify/model/flash.py common_factor_logits); 0 without one."""
-    det = zeros(P, finite.shape)
+    such a factor may multiply (verify/model/flash.py common_factor_logits); None without one."""
+    det = None
     if not kernel.common_scale:
         return det
     xp = namespace(P)
     for S in common_factor_logits(Q, K, scale, head, cache):
-        det = det + xp.where(finite, u * xp.abs(S - xp.sum(P * S, axis=1, keepdims=True)), 0.0)
+        det = plus(det, xp.where(finite, u * xp.abs(S - xp.sum(P * S, axis=1, keepdims=True)), 0.0))
     return det
 
 
 def _logit_det(Q, K, P, scale, head, finite, u, kernel, cache):
     """One-signed relative errors of the recomputed weights: tensor-core truncation of the logits
-    (through the softcap's derivative) and the common scale factor."""
+    (through the softcap's derivative) and the common scale factor; None for a kernel with neither."""
     det = _scale_det(Q, K, scale, head, P, finite, u, kernel, cache)
     if kernel.mma_passes:
         trunc = abs(scale) * mma_truncation_det(Q, K.T, u, kernel.mma_passes)
         slope = head.cap_slope(raw_logits(Q, K, scale, cache)) if head.cap > 0 else None
-        det = det + namespace(trunc).where(finite, trunc if slope is None else trunc * slope, 0.0)
+        det = plus(det, namespace(trunc).where(finite, trunc if slope is None else trunc * slope, 0.0))
     return det
 
 
-def _recomputed_eta(Q, K, S, lse, finite, scale, head: HeadVariant, u, kernel, cache):
+def _recomputed_eta(Q, K, S, lse, finite, scale, head: HeadVariant, u, kernel, cache, product=None):
     """Variance of each recomputed weight's relative error: its logit's dot product (through the
-    cap), the modifications' and the logit's roundings, the subtraction of lse, exp."""
-    eta = scale * scale * qk_var(Q, K, u, kernel.flash_product_var, cache)
+    cap), the modifications' and the logit's roundings, the subtraction of lse, exp; product():
+    Q·Kᵀ, where the caller has it."""
+    eta = scale * scale * qk_var(Q, K, u, kernel.flash_product_var, cache, product)
     if head.modifies:
         S0 = raw_logits(Q, K, scale, cache)
         slope = head.cap_slope(S0)
         eta = eta * (1.0 if slope is None else slope * slope) + modification_det(S0, head, u, kernel, flash=True) ** 2
     xp = namespace(S)
-    eta = xp.where(finite, eta, 0.0)
-    d = xp.where(finite, S - xp.where(xp.isfinite(lse), lse, 0.0), 0.0)
+    seen = everywhere(finite)  # (then the where()s are no-ops)
+    eta = eta if seen else xp.where(finite, eta, 0.0)
+    d = S - xp.where(xp.isfinite(lse), lse, 0.0)
+    d = d if seen else xp.where(finite, d, 0.0)
     return eta + exponent_var(d, finite, u, kernel, logit_magnitude(S, finite, head), FLASH_LOGIT_ROUNDINGS)
 
 
@@ -98,6 +101,7 @@ class GradBounds(NamedTuple):
     dq: tuple                            # (variance, one-signed part) of these rows of dQ
     indep: np.ndarray                    # dS's independent errors (sd)
     grads: CappedGrads                   # dS through the cap, and its errors
+    gk: np.ndarray                       # G·K (dQ's reference, but for the scale)
 
 
 class KeyGrads(NamedTuple):
@@ -114,12 +118,18 @@ class KeyGrads(NamedTuple):
         pv = kernel.flash_product_var + ROUND_VAR
         dk_var = scale * scale * self.dk.var(u, cache, "dS Q var", pv + ROUND_VAR * capped)
         dv_var = self.dv.var(u, cache, "P dO var", pv + ROUND_VAR * (head.dropout > 0))
-        dk_det = abs(scale) * self.dk.det.value
-        dv_det = self.dv.det.value + dropout_factor_error(head, u) * namespace(self.dv.gemm.sum).abs(self.dv.gemm.sum)
+        dk_det = abs(scale) * _array(self.dk.det.value, self.dk.gemm.sum)
+        dv_sum = self.dv.gemm.sum
+        dv_det = _array(self.dv.det.value, dv_sum) + dropout_factor_error(head, u) * namespace(dv_sum).abs(dv_sum)
         if kernel.mma_passes:
             dk_det = dk_det + abs(scale) * self.dk.mma.det(u, kernel.mma_passes)
             dv_det = dv_det + self.dv.mma.det(u, kernel.mma_passes)
         return (dk_var, dk_det), (dv_var, dv_det)
+
+
+def _array(total, like_x):
+    """A sum over the tiles as an array of like_x's shape (zeros where no tile added any)."""
+    return zeros(like_x, like_x.shape) if np.ndim(total) == 0 and total == 0.0 else total
 
 
 def _flash_grad_bounds(parts, rows: RowErrors, dP_var, s_det, scale, head: HeadVariant, u, kernel, cache,
@@ -134,15 +144,18 @@ def _flash_grad_bounds(parts, rows: RowErrors, dP_var, s_det, scale, head: HeadV
     g = capped_grads(P, dS, indep, shared, *cap)
     f = cap[0]
     xp = namespace(dS)
-    ds_det = through_cap(xp.abs(dS) * s_det + r_err * xp.abs(P * dPz), f)
+    # (s_det None and no dropout: no one-signed part, and no N×M pass or GEMM of zeros for it)
+    ds_det = plus(None if s_det is None else xp.abs(dS) * s_det, r_err * xp.abs(P * dPz) if r_err else None)
+    ds_det = None if ds_det is None else through_cap(ds_det, f)
     pv = kernel.flash_product_var + ROUND_VAR  # the kernel's products, and the scale folded in
     pv_g = pv + ROUND_VAR * (f is not None)    # and the cap's factor
-    dq_var = grad_over_keys_var(g.P, g.G, K, rows, g.indep, scale, u, cache, pv_g)
+    gk = g.G @ K  # (dQ's reference, but for the scale, and its GEMM's sums in the bound)
+    dq_var = grad_over_keys_var(g.P, g.G, K, rows, g.indep, scale, u, cache, pv_g, gk)
     Pz = head.dropped(P)
     p_sd = head.dropped(P * (xp.sqrt(rows.eta) + xp.sqrt(rows.shared)))
-    dq_det = abs(scale) * (ds_det @ xp.abs(K))
+    dq_det = zeros(dS, (dS.shape[0], K.shape[1])) if ds_det is None else abs(scale) * (ds_det @ xp.abs(K))
     keys.dk.add(g.G, g.indep + g.shared, Q, ds_det, bool(kernel.mma_passes))
-    keys.dv.add(Pz, p_sd, dO, head.dropped(P * s_det), bool(kernel.mma_passes))
+    keys.dv.add(Pz, p_sd, dO, None if s_det is None else head.dropped(P * s_det), bool(kernel.mma_passes))
     lost_ds, lost_p = _flushed_entries(P, dS)
     if lost_ds is not None:
         lost_ds = through_cap(lost_ds, f)
@@ -151,7 +164,7 @@ def _flash_grad_bounds(parts, rows: RowErrors, dP_var, s_det, scale, head: HeadV
         keys.dv.add_lost(head.dropped(lost_p), dO)
     if kernel.mma_passes:
         dq_det = dq_det + abs(scale) * mma_truncation_det(g.G, K, u, kernel.mma_passes)
-    return GradBounds((dq_var, dq_det), indep, g)
+    return GradBounds((dq_var, dq_det), indep, g, gk)
 
 
 def _own_cap(Q, K, scale, head: HeadVariant, u, kernel, cache):
@@ -173,12 +186,12 @@ def _flash_own(src, scale, head, u, kernel, cache, references: bool = False):
     head = as_head(head)
 
     def compute(on, cache):
-        keys, sums = KeyGrads.of(on[QUERIES].shape[0]), GradientSums() if references else None
-        parts = over_queries(on, head, cache, lambda s, h, c: _own_tile(s, scale, h, u, kernel, c, keys, sums))
+        keys = KeyGrads.of(on[QUERIES].shape[0])
+        parts = over_queries(on, head, cache, lambda s, h, c: _own_tile(s, scale, h, u, kernel, c, keys, references))
         out = (parts[:2],) + keys.bounds(scale, head, u, kernel, cache, head.cap > 0)
         if not references:
             return out
-        refs = sums.gradients(parts[2], scale)
+        refs = (parts[2], scale * keys.dk.gemm.sum, keys.dv.gemm.sum)  # (the bounds' sums over the queries)
         refs = to_numpy_all(refs) if on is not src else refs
         remember_gradients(src, scale, head, refs)
         return out
@@ -196,23 +209,25 @@ def flash_own_and_references(src, problem: Problem) -> None:
     _flash_own(src, *problem.model_args, references=True)
 
 
-def _own_tile(src, scale, head: HeadVariant, u, kernel, cache, keys: KeyGrads, sums: Optional[GradientSums]):
+def _own_tile(src, scale, head: HeadVariant, u, kernel, cache, keys: KeyGrads, references: bool):
     """_flash_own's rows of one tile: dQ's bound (variance, one-signed part), and dK's and dV's
-    parts into keys; with sums, the tile's gradients' references too (its dQ rows, a third
-    result)."""
+    parts into keys; with references, the tile's rows of dQ's reference too (a third result: dK's
+    and dV's are the sums over the queries that their bounds hold)."""
     Q, K, V, dO, O, lse = (src[n] for n in FLASH_SOURCES)
     masked = head.hidden_like(Q, Q.shape[0], K.shape[0])
-    P, dP, D, dS, G = flash_terms(src, scale, masked, head=head)
-    refs = () if sums is None else (sums.add(src, head, scale, P, G),)
+    qk = Q @ K.T  # (once for the weights, the logits and their dot products' variance)
+    P, dP, D, dS, _ = flash_terms(src, scale, masked, head=head, qk=qk)
     xp = namespace(Q)
     finite = ~masked & xp.isfinite(lse)
-    S = xp.where(finite, logits(Q, K, scale, head, cache), 0.0)
-    eta = _recomputed_eta(Q, K, S, lse, finite, scale, head, u, kernel, cache)
+    S = logits(Q, K, scale, head, cache, lambda: qk)
+    S = S if everywhere(finite) else xp.where(finite, S, 0.0)
+    eta = _recomputed_eta(Q, K, S, lse, finite, scale, head, u, kernel, cache, lambda: qk)
     lse_fold = ROUND_VAR * u * u * _lse_magnitude(lse, head, Q.shape[0], K.shape[0]) ** 2
     rows = flash_rows(eta, lse_fold, rowdot_var(dO, O, u))
-    return _flash_grad_bounds((Q, K, dO, P, dP, D, dS), rows, dp_var(dO, V, u, kernel.flash_product_var, cache),
-                              _logit_det(Q, K, P, scale, head, finite, u, kernel, cache), scale, head, u, kernel,
-                              cache, _own_cap(Q, K, scale, head, u, kernel, cache), keys).dq + refs
+    gb = _flash_grad_bounds((Q, K, dO, P, dP, D, dS), rows, dp_var(dO, V, u, kernel.flash_product_var, cache, dP),
+                            _logit_det(Q, K, P, scale, head, finite, u, kernel, cache), scale, head, u, kernel,
+                            cache, _own_cap(Q, K, scale, head, u, kernel, cache), keys)
+    return gb.dq + ((scale * gb.gk,) if references else ())
 
 
 def flash_isolated(index: int):
@@ -253,26 +268,58 @@ def flash_chain(Q, K, V, dO, scale, head, u, kernel, cache) -> FlashChain:
     return memo(cache, "flash backward chain", (Q, K, V, dO), (scale, head, u, kernel), compute)
 
 
+class _TinyProducts(Exception):
+    """A tile's smallest entries could make a product near float32's normal range: the flushed
+    products' floors are not 0, and their sums over every tile are needed."""
+
+
+# Below this, a product of two entries comes near float32's normal range (dot.flush_sum's test).
+_TINY = FLUSH * 2.0**24
+
+
 def _chain(Q, K, V, dO, scale, head: HeadVariant, u, kernel, cache) -> Tuple[FlashChain, tuple]:
     """flash_chain's FlashChain, computed, and what its tiles computed of the forward's bounds:
     flash_output's (variance, one-signed part) and flash_lse's row sums (verify/specs/flash.py
-    share_forward)."""
+    share_forward). The gradients' floors for flushed products (dot.flush_sum) are 0 unless some
+    product of their operands' entries comes near float32's normal range: a first pass leaves out
+    their sums (three GEMMs a tile) and stops at a tile where one could; a second pass then computes
+    them, as every pass did before (the same bounds, bit for bit, either way)."""
+    if namespace(Q) is not np:  # (a device computes the floors' sums sooner than it waits for the test)
+        return _chain_pass(Q, K, V, dO, scale, head, u, kernel, cache, floors=True)
+    try:
+        return _chain_pass(Q, K, V, dO, scale, head, u, kernel, cache, floors=False)
+    except _TinyProducts:
+        return _chain_pass(Q, K, V, dO, scale, head, u, kernel, cache, floors=True)
+
+
+def _chain_pass(Q, K, V, dO, scale, head: HeadVariant, u, kernel, cache, floors: bool) -> Tuple[FlashChain, tuple]:
+    """_chain's pass over the row tiles; floors: with the floors' sums (else _TinyProducts where
+    they are not 0)."""
     n, m = Q.shape[0], K.shape[0]
     keys, row_sd_q2, small = KeyGrads.of(n), Total(), [np.inf]
     K_abs = finite_abs(K)
+    others = None if floors else (smallest(K_abs), smallest(finite_abs(Q)), smallest(finite_abs(dO)))
 
     def tile(s, h, c):
         Qt, dOt = s[QUERIES], s[GRAD_OUTPUT]
         dq_ref, dq, G, Pz, row_sd, forward = _chain_tile(Qt, K, V, dOt, scale, h, u, kernel, c, keys)
-        keys.dk.add_floor(G, Qt)
-        keys.dv.add_floor(Pz, dOt)
+        if not floors:  # (G·K, Gᵀ·Q, Pzᵀ·dO: each floor is 0 if no product of their entries is tiny)
+            small_g = smallest(finite_abs(G))
+            if min(small_g * others[0], small_g * others[1], smallest(finite_abs(Pz)) * others[2]) < _TINY:
+                raise _TinyProducts
+        else:
+            keys.dk.add_floor(G, Qt)
+            keys.dv.add_floor(Pz, dOt)
         row_sd_q2.add(namespace(Qt).sum(row_sd * row_sd * Qt * Qt, axis=0))
+        if not floors:
+            return (dq_ref, dq[0], dq[1], 0.0) + forward
         G_abs = finite_abs(G)
-        small[0] = least(small[0], smallest_now(G_abs))
+        small_g = smallest_now(G_abs)
+        in_order(lambda: small.__setitem__(0, least(small[0], small_g)))
         return (dq_ref, dq[0], dq[1], namespace(G_abs).minimum(G_abs @ K_abs, m * FLUSH)) + forward  # flush_sum(G, K)'s rows
     dq_ref, dq_var, dq_det, dq_flush, *forward = over_queries({QUERIES: Q, KEYS: K, VALUES: V, GRAD_OUTPUT: dO},
                                                                head, cache, tile)
-    if small[0] * smallest_now(K_abs) >= FLUSH * 2.0**24:  # (read once the tiles are in)
+    if small[0] * smallest_now(K_abs) >= _TINY:  # (on a device read once the tiles are in)
         dq_flush = zeros(Q, (1, 1))
     dk, dv = keys.bounds(scale, head, u, kernel, cache, head.cap > 0)
     return FlashChain((dq_ref, scale * keys.dk.gemm.sum, keys.dv.gemm.sum), ((dq_var, dq_det), dk, dv),
@@ -308,13 +355,13 @@ def _chain_tile(Q, K, V, dO, scale, head: HeadVariant, u, kernel, cache, keys: K
     lse_mag = _lse_magnitude(lse, head, Q.shape[0], K.shape[0])
     shared_sd = xp.sqrt(lse_var + ROUND_VAR * u * u * lse_mag * lse_mag) + lse_det
     rows = flash_rows(eta, shared_sd * shared_sd, D_sd * D_sd)
-    s_det = s_det + _scale_det(Q, K, scale, head, p, finite, u, kernel, cache)  # flash_parts': truncation
-    dPv = dp_var(dO, V, u, kernel.flash_product_var, cache)
+    s_det = plus(s_det, _scale_det(Q, K, scale, head, p, finite, u, kernel, cache))  # flash_parts': truncation
+    dPv = dp_var(dO, V, u, kernel.flash_product_var, cache, dP)
     cap = chain_cap(Q, K, scale, head, u, kernel, cache, kernel.flash_product_var)
     gb = _flash_grad_bounds((Q, K, dO, p, dP, D, dS), rows, dPv, s_det, scale, head, u, kernel, cache, cap, keys)
     G = gb.grads.G
     row_sd = xp.sqrt(xp.sum(gb.indep * gb.indep, axis=1, keepdims=True)) + xp.sqrt(rows.D)
-    return scale * G @ K, gb.dq, G, pz, row_sd, forward
+    return scale * gb.gk, gb.dq, G, pz, row_sd, forward
 
 
 def flash_chained(index: int):

@@ -15,7 +15,7 @@ from ...model.arrays import namespace, to_device, to_numpy
 from ...model.backward import transposed_gemm_var
 from ...model.rounding import FLUSH, HeadCache, finite_abs
 from ...model.scores import HeadVariant
-from ...model.tiles import MmaCarry, QuerySum, Total, least, over_rows, rows_of, smallest_now
+from ...model.tiles import MmaCarry, QuerySum, Total, in_order, least, over_rows, rows_of, smallest_now
 from ...stages import FLASH_LSE, FLASH_OUTPUT, GRAD_OUTPUT, KEYS, QUERIES, VALUES
 from ..base import Problem
 from ..flash import on_device_of
@@ -145,7 +145,8 @@ class QueryGrad:
     def add(self, X, E, Y, det_x, mma: bool) -> None:
         self.err.add((E * E).T @ (Y * Y))
         self.gemm.add(X, Y)
-        self.det.add(det_x.T @ namespace(Y).abs(Y))
+        if det_x is not None:  # (None: no one-signed part)
+            self.det.add(det_x.T @ namespace(Y).abs(Y))
         if mma:
             self.mma.add(X, Y)
 
@@ -156,8 +157,12 @@ class QueryGrad:
     def add_floor(self, X, Y) -> None:
         """X and Y's part of dot.flush_sum(Xᵀ, Y) (the chained floor)."""
         X, Y = finite_abs(X), finite_abs(Y)
-        self.small_x, self.small_y = least(self.small_x, smallest_now(X)), least(self.small_y, smallest_now(Y))
+        small_x, small_y = smallest_now(X), smallest_now(Y)
+        in_order(lambda: self._smallest(small_x, small_y))
         self.flushed.add(X.T @ Y)
+
+    def _smallest(self, x, y) -> None:
+        self.small_x, self.small_y = least(self.small_x, x), least(self.small_y, y)
 
     def floor(self):
         if self.small_x * self.small_y >= FLUSH * 2.0**24:
