@@ -258,30 +258,6 @@ def test_local_starts_its_cluster_for_the_device_the_heads_are_checked_on(binary
     assert here[0] == 0 and there == here, there[1]
 
 
-@pytest.mark.parametrize("heads_on", ["gpus", "numpy"])
-def test_told_to_check_on_gpus_local_starts_its_cluster_before_it_opens_the_run(binary, tmp_path, monkeypatch,
-                                                                                heads_on):
-    """--scheduler local --device cuda on a host of (here pretended) GPUs: the cluster of a worker a
-    GPU starts at once, its workers warming up while the run is opened; it takes the heads where
-    check_run puts them on the GPUs, and gives way to one a core where it puts them elsewhere. The
-    report is a local check's either way."""
-    _distributed()
-    tmp = _binary_run(tmp_path, binary)
-    started, real = [], cluster.local_cluster
-    monkeypatch.setattr(cluster, "local_cluster", lambda workers, gpus=(): (started.append(list(gpus)),
-                                                                            real(workers, gpus))[1])
-    monkeypatch.setattr(cluster, "_gpus_told", lambda jobs, opts: ["0", "1"])
-    monkeypatch.setattr(cluster, "visible_gpus", lambda: ["0", "1"])
-    if heads_on == "gpus":  # (the workers themselves check on NumPy: this machine has no GPU)
-        monkeypatch.setattr(cluster, "target", lambda: "cuda")
-    report = _check_through(cluster.LOCAL, tmp)
-    assert started == ([["0", "1"]] if heads_on == "gpus" else [["0", "1"], []])
-    local = invoke("check", "--in", tmp / "in", "--out", tmp / "out", "--json", tmp / "local.json")
-    assert local.exit_code == 0 and report.passed
-    write_json(report, tmp / "cluster.json")
-    assert json.loads((tmp / "cluster.json").read_text()) == json.loads((tmp / "local.json").read_text())
-
-
 @pytest.mark.parametrize("device", ["cpu", "torch-cpu"])
 def test_a_worker_checks_on_the_device_its_check_run_chose(binary, tmp_path, device):
     """--device reaches the workers: a task runs on the device the worker's own check_run chose (the

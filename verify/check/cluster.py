@@ -22,7 +22,6 @@ heads on its own GPU.
 """
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import gc
 import itertools
@@ -32,7 +31,7 @@ import uuid
 from concurrent.futures import CancelledError
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -208,52 +207,17 @@ def heads_on_cluster(scheduler: Optional[str], jobs: int, in_dir: Path, out_dir:
     _distributed()  # (imported before it is quieted: the import sets its loggers' levels)
     with _dask_quiet(), contextlib.ExitStack() as stack:
         connected: List[Connection] = []
-        early = _started_early(stack, scheduler, jobs, opts) if not gpus else None
 
         def connect() -> Connection:
             if not connected:
                 on = list(gpus) or (local_gpus(jobs) if scheduler == LOCAL else [])
-                if early is not None and early.gpus == on:
-                    client = early.client
-                else:
-                    if early is not None:  # started for GPUs the heads did not go to
-                        early.stack.close()
-                    client = stack.enter_context(_client(scheduler, jobs, on))
-                connected.append((client, GPU_TASK if on else None))
+                connected.append((stack.enter_context(_client(scheduler, jobs, on)), GPU_TASK if on else None))
             return connected[0]
 
         if scheduler != LOCAL:
             connect()  # (a scheduler that does not answer is told before the run is opened)
         with heads_routed(DaskRoute(connect, recipe, scheduler)):
             yield
-
-
-class _Early(NamedTuple):
-    gpus: List[str]
-    stack: contextlib.ExitStack  # (closes it)
-    client: object
-
-
-def _gpus_told(jobs: int, opts: Options) -> List[str]:
-    """The GPUs a check told to check on GPUs (--device cuda) takes (jobs > 0: the first `jobs`)."""
-    if opts.device != "cuda":
-        return []
-    gpus = visible_gpus()
-    return gpus[:jobs] if jobs > 0 else gpus
-
-
-def _started_early(stack: contextlib.ExitStack, scheduler: Optional[str], jobs: int, opts: Options) -> Optional[_Early]:
-    """LOCAL's cluster told to check on GPUs (--device cuda), started at once: its workers load
-    PyTorch and make their GPU's context (warm_up) while this process opens the run, seconds each
-    first task would otherwise wait. (Where check_run then checks the heads elsewhere, connect
-    closes it and starts the one they need.)"""
-    gpus = _gpus_told(jobs, opts) if scheduler == LOCAL else []
-    if not gpus:
-        return None
-    own = stack.enter_context(contextlib.ExitStack())
-    client = own.enter_context(_client(LOCAL, jobs, gpus))
-    client.run(warm_up, wait=False)
-    return _Early(gpus, own, client)
 
 
 # ---- on a worker ---------------------------------------------------------------------------------
@@ -272,19 +236,6 @@ def check_job(recipe: Recipe, job: int) -> list:
             return check(job)
         finally:
             collect_head_garbage()
-
-
-async def warm_up() -> None:
-    """On a GPU's worker as it starts, on a thread beside its event loop: PyTorch and its array API
-    loaded, the GPU's context made, as its first task would. (A worker that cannot is told so by
-    its first task.)"""
-    await asyncio.get_running_loop().run_in_executor(None, _load_device)
-
-
-def _load_device() -> None:
-    # (under _OPENING: a first task that arrives meanwhile opens its run once PyTorch is whole)
-    with _OPENING, contextlib.suppress(Exception), on_device("cuda"):
-        namespace(to_device(np.zeros(1)))
 
 
 def forget_check(token: str) -> None:
