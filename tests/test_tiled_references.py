@@ -86,15 +86,16 @@ def _inputs(variant: Variant, n: int, m: int, d: int = 16, seed: int = 0):
 def _everything(variant: Variant, slope: float, x, kernel, shared: bool = False) -> dict:
     """Every flash stage's chained reference and bound, isolated reference and bound (from the
     chain rounded to float32, as a program's upstream files), and printed-resolution move;
-    shared: the forward's bounds from the backward chain's pass, the gradients' isolated references
-    from their isolated bounds' pass (as the check takes them)."""
+    shared: the forward's bounds and every chained reference from the backward chain's pass, the
+    gradients' isolated references from their isolated bounds' pass (as the check takes them)."""
     args = dict(scale=SCALE, causal=variant.causal, variant=variant, slope=slope, **kernel)
     chain = reference_chain(x, SCALE, variant.causal, FLASH, variant=variant, slope=slope)
     full, cache, out = {**x, **chain}, tolerance.HeadCache(), {}
     if shared:
         tolerance.share_flash_passes(FLASH_OUTPUT, full, cache=cache, **args)
+    refs = tolerance.chained_flash_references(full, cache=cache, **args) if shared else chain
     for st in FLASH:
-        out[st + " ref"] = chain[st]
+        out[st + " ref"] = refs[st]
         out[st + " chained"] = tolerance.chained_bound(st, full, cache=cache, **args)
     got = {k: v.astype(np.float32).astype(np.float64) if k in chain else v for k, v in full.items()}
     for st in FLASH:
@@ -427,3 +428,57 @@ def test_a_gradients_tolerance_override_skips_its_isolated_bound(tmp_path, binar
     assert r.exit_code == 0 and not shared, r.output
     r = invoke("check", "--in", case, "--out", out, "--jobs", 1)
     assert r.exit_code == 0 and shared, r.output
+
+
+def _count(monkeypatch, module, name: str) -> list:
+    """A list that grows by one at each call of module.name."""
+    calls, real = [], getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a, **k: calls.append(1) or real(*a, **k))
+    return calls
+
+
+@pytest.mark.parametrize("gen", [("--causal", "top-left"), ("--kv-heads", 2), ("--window", "9,4", "--softcap", 2),
+                                 ("--mask", "document", "--bias", "random", "--alibi"), ("--dropout", 0.2)],
+                         ids=["causal", "grouped", "window-softcap", "mask-bias-alibi", "dropout"])
+def test_the_chains_flash_references_come_from_its_bounds_pass(tmp_path, binary, monkeypatch, gen):
+    """Where the flash stages' chained bounds are asked, the pass over the row tiles of the flash
+    backward's chained bound gives their chained references too: neither the forward's reference
+    pass nor the gradients' runs, and the report is the one those passes give. With --tol on every
+    flash stage no chained bound is asked: the references take their own passes, and the backward
+    chain runs only for the check that dK's columns sum to 0."""
+    case, out = _flash_run(tmp_path, *gen)
+    _run(binary, case, out, "--stages", "flash")
+    monkeypatch.setattr(dot, "ENERGY_EXACT_MAX_MACS", 10)
+    monkeypatch.setattr(tiles, "TILE_BYTES", 8 * 70 * 8)
+    forward, grads = _count(monkeypatch, flash_spec, "stack_over_rows"), _count(monkeypatch, flash_tiles, "_gradients")
+    chains = _count(monkeypatch, flash_bounds, "_chain_pass")
+
+    def report(*args):
+        r = invoke("check", "--in", case, "--out", out, "--jobs", 1, "--json", tmp_path / "r.json", *args)
+        assert r.exit_code == 0, r.output
+        return json.loads((tmp_path / "r.json").read_text())
+    shared = report()
+    assert chains and not forward and not grads
+    with monkeypatch.context() as m:  # the references from passes of their own
+        m.setattr(tolerance, "chained_flash_references", lambda *a, **k: {})
+        own = report()
+    assert forward and grads
+    assert_same_report(shared, own, rtol=RTOL, diagnoses=False)
+    del chains[:], forward[:], grads[:]
+    asked = _count(monkeypatch, tolerance, "chained_flash_references")
+    assert report(*[a for st in FLASH for a in ("--tol", f"{st}=1")])["passed"]
+    assert not asked and forward and grads
+    if "--softcap" in gen:  # (elsewhere dK's column-sum check reads the backward chain)
+        assert not chains
+
+
+def test_a_forward_run_runs_no_backward_chain(tmp_path, binary, monkeypatch):
+    case, out = tmp_path / "in", tmp_path / "out"
+    r = invoke("generate", "--out", case, "--heads", 2, "--seq-q", 45, "--seq-k", 70, "--d-k", 16, "--d-v", 16,
+               "--format", "npy", "--causal", "top-left")
+    assert r.exit_code == 0, r.output
+    _run(binary, case, out, "--stages", "flash")
+    monkeypatch.setattr(tiles, "TILE_BYTES", 8 * 70 * 8)
+    chains, forward = _count(monkeypatch, flash_bounds, "_chain_pass"), _count(monkeypatch, flash_spec, "stack_over_rows")
+    r = invoke("check", "--in", case, "--out", out, "--jobs", 1)
+    assert r.exit_code == 0 and not chains and forward, r.output

@@ -44,7 +44,7 @@ from .pool import REF_CACHE, collect_head_garbage, head_jobs, map_heads
 from . import splits
 from .results import (FAIL, INHERITED, MISSING, PASS, SHAPE, STALE, UNCHECKABLE, UNREADABLE, Comparison, HeadResult,
                       Report, RunCheck, compare_arrays, elementwise_error)
-from .stage_check import (STATUS_CODES, Loaded, allowed, bit_identical, blamed_elsewhere, chain_of,
+from .stage_check import (STATUS_CODES, Loaded, allowed, bit_identical, blamed_elsewhere, chain_of, head_chain,
                           classify, failed_upstream, file_index, head_inputs, isolated_sources, keep_mask, load_output,
                           new_result, nonfinite_propagated, quantization, query_keys_values, reference, sources,
                           variant_inputs, with_quantum)
@@ -112,10 +112,10 @@ def _open_head(run: RunInfo, case: InputCase, head: int, opts: Options, stages: 
     # the arrays in the context is modified while it lives.
     ctx = invariants.head_context(run.dims, run.scale, run.causal, precision=run.precision, backend=run.backend,
                                   math=run.math, flash_kernel=run.flash_kernel, inputs=inputs,
-                                  chain=chain_of(inputs, needed, run.scale, run.causal, run.variant, slope), got={},
-                                  quanta={}, cache=tolerance.HeadCache(), allow_nonfinite=opts.allow_nonfinite,
-                                  half_rounding=run.half_rounding, raw_inputs=raw, variant=run.variant, slope=slope)
-    return ctx, mask_read, unchecked
+                                  chain={}, got={}, quanta={}, cache=tolerance.HeadCache(),
+                                  allow_nonfinite=opts.allow_nonfinite, half_rounding=run.half_rounding,
+                                  raw_inputs=raw, variant=run.variant, slope=slope)
+    return head_chain(ctx, inputs, needed, [s for s in stages if opts.override(s) is None]), mask_read, unchecked
 
 
 def check_head(run: RunInfo, case: InputCase, head: int, opts: Options, ref_of_head: Callable[[str, int], np.ndarray],

@@ -169,6 +169,24 @@ def chain_of(inputs: Dict[str, np.ndarray], needed: Iterable[str], scale: float,
     return {**inputs, **reference_chain(inputs, scale, causal, needed, variant=variant, slope=slope)}
 
 
+def head_chain(ctx: HeadContext, inputs: Dict[str, np.ndarray], needed: Iterable[str],
+               asked: Iterable[str]) -> HeadContext:
+    """ctx with its chain: chain_of the stages `needed` from `inputs`. Where the chained bound of a
+    flash stage is asked (`asked`: the stages checked by the error model, no tolerance override)
+    and the chain holds the flash backward, that bound's pass over the row tiles computes the flash
+    stages' chained references too (tolerance.chained_flash_references): they need no passes of
+    their own. Not with non-finite inputs, whose references the passes may spell differently."""
+    needed = set(needed)
+    src = dict(inputs)
+    flash = [s for s in needed if STAGES[s].flash]
+    if (any(STAGES[s].backward for s in flash) and any(s in flash for s in asked)
+            and all(np.isfinite(np.asarray(src[n])).all() for n in INPUT_NAMES + (GRAD_INPUT,) if n in src)):
+        refs = tolerance.chained_flash_references(src, **ctx.bound_args())
+        src.update({n: x for n, x in refs.items() if n in needed})
+    ctx.chain.update(chain_of(src, needed, ctx.scale, ctx.causal, ctx.variant, ctx.slope))
+    return ctx
+
+
 def allowed(stage: str, src: Dict[str, np.ndarray], want: np.ndarray, ctx: HeadContext,
             override: Optional[Tuple[float, float]], chained: bool = False) -> np.ndarray:
     """The element-wise allowance: the user's atol + rtol·|want| where given (override), else the

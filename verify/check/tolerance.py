@@ -31,9 +31,10 @@ from ..model.rounding import (FLUSH, LAMBDA, LOG_ULPS, ROUND_VAR, UNIT_ROUNDOFF,
                               memo, unit_roundoff)
 from ..model.softmax import need
 from ..specs import SPECS, VARIANT_SOURCES, chain_inputs, sources_of
-from ..specs.backward.flash_bounds import flash_own_and_references
+from ..specs.backward.flash_bounds import flash_chain, flash_own_and_references
 from ..specs.base import Problem, resolve_variant
-from ..stages import INPUT_NAMES, STAGES  # noqa: F401 (tolerance.STAGES: the stage table, for callers)
+from ..stages import (FLASH_GRAD_KEYS, FLASH_GRAD_QUERIES, FLASH_GRAD_VALUES, FLASH_LSE, FLASH_OUTPUT, INPUT_NAMES,
+                      STAGES)  # noqa: F401 (tolerance.STAGES: the stage table, for callers)
 from ..variant import Variant
 from .half_rounding import half_terms
 
@@ -188,6 +189,28 @@ def share_flash_references(stage: str, src: Dict[str, np.ndarray], *, scale: flo
     problem = Problem.of(scale, causal, src, variant, slope, unit_roundoff(precision),
                          kernel_for(backend, math, flash_kernel), cache)
     flash_own_and_references(src, problem)
+
+
+# The stages whose chained references the flash backward chain's pass gives (in FlashChain's order).
+FLASH_CHAINED = (FLASH_OUTPUT, FLASH_LSE, FLASH_GRAD_QUERIES, FLASH_GRAD_KEYS, FLASH_GRAD_VALUES)
+
+
+def chained_flash_references(chain: Dict[str, np.ndarray], *, scale: float, causal: bool, precision: str = "fp32",
+                             backend: Optional[str] = None, math: str = "ieee", flash_kernel: Optional[str] = None,
+                             cache: Optional[HeadCache] = None, half_rounding: str = NEAREST,
+                             variant: Optional[Variant] = None, slope: float = 0.0) -> Dict[str, np.ndarray]:
+    """The chained references of the flash forward and backward (flash_output, flash_lse, flash_dQ,
+    flash_dK, flash_dV) from chain's inputs, computed in the pass over the row tiles of the flash
+    backward's chained bound, which the head's cache keeps for that bound (and the forward's): for
+    a head whose flash stages' chained bounds are asked for anyway, the references need no passes
+    of their own. The same references, to float64 rounding; the arguments are chained_bound's."""
+    del half_rounding
+    variant = resolve_variant(variant, causal)
+    problem = Problem.of(scale, variant.causal, chain, variant, slope, unit_roundoff(precision),
+                         kernel_for(backend, math, flash_kernel), cache)
+    fc = flash_chain(*need(chain, FLASH_GRAD_QUERIES, *chain_inputs(FLASH_GRAD_QUERIES)), *problem.model_args)
+    # (the forward's output and lse from the chain's tiles' weights, the gradients from its sums over the queries)
+    return {n: np.ascontiguousarray(x) for n, x in zip(FLASH_CHAINED, fc.forward + fc.refs)}
 
 
 def quantization_bound(stage: str, src: Dict[str, np.ndarray], quanta: Dict[str, np.ndarray],

@@ -250,6 +250,7 @@ class FlashChain(NamedTuple):
     bounds: Tuple[tuple, tuple, tuple]
     floors: Tuple[object, object, object]             # dot.flush_sum of each gradient's GEMM
     column: ColumnSumParts
+    forward: Tuple[np.ndarray, np.ndarray]            # the forward's output and lse, from the same tiles
 
 
 def flash_chain(Q, K, V, dO, scale, head, u, kernel, cache) -> FlashChain:
@@ -319,18 +320,19 @@ def _chain_pass(Q, K, V, dO, scale, head: HeadVariant, u, kernel, cache, floors:
         return (dq_ref, dq[0], dq[1], namespace(G_abs).minimum(G_abs @ K_abs, m * FLUSH)) + forward  # flush_sum(G, K)'s rows
     dq_ref, dq_var, dq_det, dq_flush, *forward = over_queries({QUERIES: Q, KEYS: K, VALUES: V, GRAD_OUTPUT: dO},
                                                                head, cache, tile)
+    forward, refs = forward[:-2], tuple(forward[-2:])  # (the forward's bounds, then its output and lse)
     if small[0] * smallest_now(K_abs) >= _TINY:  # (on a device read once the tiles are in)
         dq_flush = zeros(Q, (1, 1))
     dk, dv = keys.bounds(scale, head, u, kernel, cache, head.cap > 0)
     return FlashChain((dq_ref, scale * keys.dk.gemm.sum, keys.dv.gemm.sum), ((dq_var, dq_det), dk, dv),
                       (abs(scale) * dq_flush, abs(scale) * keys.dk.floor(), keys.dv.floor()),
-                      ColumnSumParts(row_sd_q2.value, keys.dk.gemm.sum, keys.dk.gemm_var)), tuple(forward)
+                      ColumnSumParts(row_sd_q2.value, keys.dk.gemm.sum, keys.dk.gemm_var), refs), tuple(forward)
 
 
 def _chain_tile(Q, K, V, dO, scale, head: HeadVariant, u, kernel, cache, keys: KeyGrads):
     """flash_chain's rows of one tile: (dQ's reference, dQ's bound, G, the kept weights, the sd of
     each dS row sum's error, the forward's bounds: flash_output's two parts and flash_lse's four
-    row sums); dK's and dV's parts into keys."""
+    row sums, then the forward's output and lse); dK's and dV's parts into keys."""
     S, p, m, eta_fwd, l_var, s_det = flash_parts(Q, K, scale, head, u, kernel, cache)
     xp = namespace(S)
     finite = xp.isfinite(S)
@@ -345,7 +347,7 @@ def _chain_tile(Q, K, V, dO, scale, head: HeadVariant, u, kernel, cache, keys: K
     D = d_reference(dO, O)
     dS = ds_reference(p, dP, D, head)
     forward = flash_output_var_det(Q, K, V, scale, head, u, kernel, cache) \
-        + forward_sums(Q, K, scale, head, u, kernel, cache)
+        + forward_sums(Q, K, scale, head, u, kernel, cache) + (O, lse)
     O_det = forward[1]
     acc = kernel.rescale_factor * pv_var(pz, V, u, kernel.flash_product_var + ROUND_VAR * dropout, cache) \
         + ((kernel.final_roundings + dropout) * ROUND_VAR + kernel.div_var) * (u * O) ** 2
