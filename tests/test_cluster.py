@@ -226,6 +226,19 @@ def test_a_local_cluster_for_gpus_has_a_worker_per_gpu_seeing_it_alone(binary, t
         assert _check_through(c.scheduler_address, tmp, gpus=["0", "1"]).passed
 
 
+@pytest.mark.parametrize("gpus", [(), ("0", "1")], ids=["cores", "gpus"])
+def test_a_local_clusters_workers_run_without_dasks_sampling_profiler(gpus):
+    """Dask's profiler stops a worker's threads every 10 ms to read their stacks (for a dashboard the
+    local cluster has not): its workers run without it."""
+    distributed = _distributed()
+    import dask
+
+    with _pretended_gpus(), cluster.local_cluster(2, list(gpus)) as c, distributed.Client(c) as client:
+        on = client.run(lambda: dask.config.get("distributed.worker.profile.enabled"))
+    assert list(on.values()) == [False, False]
+    assert dask.config.get("distributed.worker.profile.enabled")  # (this process's own setting as it was)
+
+
 def test_local_takes_a_worker_per_visible_gpu_only_for_heads_checked_on_a_gpu(monkeypatch):
     monkeypatch.setattr(cluster, "visible_gpus", lambda: ["2", "5", "7"])
     for where, jobs, gpus in (("cuda", 0, ["2", "5", "7"]), ("cuda", 2, ["2", "5"]), ("cpu", 0, []), (None, 0, [])):
