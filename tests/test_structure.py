@@ -24,6 +24,7 @@ OPTIONAL_IMPORTS = {
     "torch": "PyTorch, for bench's SDPA timings and the SDPA outputs (pip install torch)",
     "matplotlib": "plots: check --plot's heat maps and bench/sweep --plot (pip install matplotlib)",
     "distributed": "Dask's distributed scheduler: check --scheduler (pip install 'attnstep[cluster]')",
+    "dask": "Dask's configuration, for the cluster check --scheduler local starts (pip install 'attnstep[cluster]')",
     "array_api_compat": "check --device cuda: the flash references through PyTorch (pip install 'attnstep[gpu]')",
 }
 
