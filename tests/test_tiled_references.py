@@ -479,6 +479,58 @@ def test_a_forward_run_runs_no_backward_chain(tmp_path, binary, monkeypatch):
     assert r.exit_code == 0, r.output
     _run(binary, case, out, "--stages", "flash")
     monkeypatch.setattr(tiles, "TILE_BYTES", 8 * 70 * 8)
-    chains, forward = _count(monkeypatch, flash_bounds, "_chain_pass"), _count(monkeypatch, flash_spec, "stack_over_rows")
+    chains = _count(monkeypatch, flash_bounds, "_chain_pass")
+    forward = _count(monkeypatch, flash_spec, "stack_over_rows")
     r = invoke("check", "--in", case, "--out", out, "--jobs", 1)
     assert r.exit_code == 0 and not chains and forward, r.output
+
+
+def _foreign_flash_backward(case, out, heads: int, scale: float, bug: str = "") -> None:
+    """A NumPy program's flash forward and backward in float32, its own arithmetic order (keys in
+    tiles of 16: an online softmax forward; a backward that recomputes the weights from its lse),
+    %.9g text under its own names, no run.toml. bug "dk-unscaled": dK without the softmax scale."""
+    out.mkdir()
+    f32 = np.float32
+    for h in range(heads):
+        q, k, v, do = (np.loadtxt(case / f"{x}_head_{h}.txt", ndmin=2).astype(f32) for x in ("Q", "K", "V", "dO"))
+        n, m = q.shape[0], k.shape[0]
+        acc, mx, l = np.zeros((n, v.shape[1]), f32), np.full((n, 1), -np.inf, f32), np.zeros((n, 1), f32)
+        for j in range(0, m, 16):
+            s = (q @ k[j:j + 16].T) * f32(scale)
+            new = np.maximum(mx, s.max(axis=1, keepdims=True))
+            p, r = np.exp(s - new), np.exp(mx - new)
+            acc, l, mx = acc * r + p @ v[j:j + 16], l * r + p.sum(axis=1, keepdims=True), new
+        o, lse = acc / l, mx + np.log(l)
+        d = (do * o).sum(axis=1, keepdims=True)
+        dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
+        for j in range(0, m, 16):
+            p = np.exp((q @ k[j:j + 16].T) * f32(scale) - lse)
+            ds = p * (do @ v[j:j + 16].T - d)
+            dq += f32(scale) * (ds @ k[j:j + 16])
+            dk[j:j + 16] = (ds.T @ q) * (f32(1) if bug == "dk-unscaled" else f32(scale))
+            dv[j:j + 16] = p.T @ do
+        for name, x in (("o", o), ("lse", lse), ("dq", dq), ("dk", dk), ("dv", dv)):
+            np.savetxt(out / f"{name}{h}.txt", x, fmt="%g" if name == "lse" else "%.9g")
+
+
+@pytest.mark.parametrize("bug", ["", "dk-unscaled"], ids=["correct", "dk-unscaled"])
+def test_a_foreign_flash_backward_checks_against_the_chains_references(tmp_path, monkeypatch, bug):
+    """Another program's flash forward and backward (its own names, %.9g and %g text, no run.toml,
+    its own order of arithmetic): the chained references from the backward chain's pass pass it
+    where it is right and fail it, at the stage, where it is not."""
+    case = tmp_path / "in"
+    r = invoke("generate", "--out", case, "--heads", 2, "--seq-q", 40, "--seq-k", 72, "--d-k", 16, "--d-v", 16,
+               "--no-causal", "--backward")
+    assert r.exit_code == 0, r.output
+    _foreign_flash_backward(case, tmp_path / "out", 2, 0.25, bug)
+    chains = _count(monkeypatch, flash_bounds, "_chain_pass")
+    forward = _count(monkeypatch, flash_spec, "stack_over_rows")
+    names = [a for st, f in zip(FLASH, ("o", "lse", "dq", "dk", "dv")) for a in ("--name", f"{st}={f}{{i}}.txt")]
+    r = invoke("check", "--in", case, "--out", tmp_path / "out", "--jobs", 1, "--json", tmp_path / "r.json", *names)
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert chains
+    if not bug:
+        assert not forward  # (the references from the chain's pass; a failing stage's diagnoses take their own)
+        assert r.exit_code == 0 and report["passed"], r.output
+    else:
+        assert r.exit_code == 1 and report["first_failing_stage"] == FLASH_GRAD_KEYS, r.output
