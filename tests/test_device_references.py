@@ -407,3 +407,16 @@ def test_check_on_the_gpu_reports_what_the_cpu_does(tmp_path, binary, cuda_torch
         assert r.exit_code == 0, r.output
         reports.append(json.loads((tmp_path / f"{device}.json").read_text()))
     assert_same_report(*reports, rtol=1e-12)
+
+
+def test_the_visible_gpus_are_named_as_a_child_process_would_see_them(monkeypatch):
+    """check --scheduler local gives each GPU's worker CUDA_VISIBLE_DEVICES of one of these: this
+    process's own entries where it has them (as many as CUDA counts), else the indices."""
+    monkeypatch.setattr(arrays, "cuda_visible", lambda: True)
+    monkeypatch.setattr(arrays, "_torch", lambda: SimpleNamespace(cuda=SimpleNamespace(device_count=lambda: 2)))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3, 5,7")  # (CUDA counts the first two: say 7 is not there)
+    assert arrays.visible_gpus() == ["3", "5"]
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert arrays.visible_gpus() == ["0", "1"]
+    monkeypatch.setattr(arrays, "cuda_visible", lambda: False)
+    assert arrays.visible_gpus() == []
