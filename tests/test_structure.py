@@ -26,6 +26,7 @@ OPTIONAL_IMPORTS = {
     "distributed": "Dask's distributed scheduler: check --scheduler (pip install 'attnstep[cluster]')",
     "dask": "Dask's configuration, for the cluster check --scheduler local starts (pip install 'attnstep[cluster]')",
     "array_api_compat": "check --device cuda: the flash references through PyTorch (pip install 'attnstep[gpu]')",
+    "triton": "check --device cuda: one-pass kernels of the model's sums (comes with PyTorch's CUDA builds)",
 }
 
 # The parts of verify/ (a package, or a module at the top), lowest first, each with the parts it

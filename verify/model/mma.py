@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from .arrays import add_magnitude, add_product, namespace, zeros
+from .fused import running_sums
 from .kernels import MMA_K
 from .rounding import ULP_IN_U
 
@@ -27,9 +28,14 @@ _MMA_BATCH_ELEMS = 1 << 25
 def mma_running_sums(A, B, partial, total):
     """(partial, total) after adding A @ B an MMA_K-long chunk of its sum at a time: the running
     sum partial + Σ of the chunks so far, and total + the sum of the running sums' magnitudes after
-    each chunk. NumPy's a chunk at a time; a device's chunks in batches, one batched GEMM each,
+    each chunk. NumPy's a chunk at a time; a CUDA device's in one kernel (verify/model/fused.py);
+    elsewhere a device's chunks in batches, one batched GEMM each,
     their running sums a cumulative sum whose first term holds partial (the same additions in the
     same order, to the float64 rounding of the device's scan)."""
+    if not isinstance(A, np.ndarray):
+        fused = running_sums(A, B, partial, total, MMA_K)  # (a CUDA device's: one pass, where Triton runs)
+        if fused is not None:
+            return fused
     R, K = A.shape
     C = B.shape[1]
     per = _MMA_BATCH_ELEMS // max(1, R * C)  # chunks per batch
