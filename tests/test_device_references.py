@@ -195,6 +195,62 @@ def test_equal_terms_regroup_alike_on_a_device():
     np.testing.assert_allclose(got.numpy(), want, rtol=1e-13, atol=0)
 
 
+def _rows_to_sort():
+    """float32 rows with negative values, both zeros, infinities, repeats and a strided view."""
+    rng = np.random.default_rng(8)
+    x = rng.choice(np.float32([-3.5, -1, -0.0, 0.0, 1e-40, 0.25, 2, np.inf, -np.inf]), size=(6, 90))
+    x[0] = rng.standard_normal(90).astype(np.float32)
+    return x[:, ::-1]  # (not contiguous)
+
+
+def test_rows_sort_with_their_columns_in_one_sort():
+    """sort_rows_with_columns gives NumPy's sorted values and the columns they came from: equal
+    values in column order (a stable argsort's), −0 just before +0; float32 only."""
+    x = _rows_to_sort()
+    values, columns = arrays.sort_rows_with_columns(x)
+    np.testing.assert_array_equal(values, np.sort(x, axis=1))
+    np.testing.assert_array_equal(np.take_along_axis(x, columns, axis=1), values)
+    for row, cols in zip(x, columns):
+        nonzero = [c for c in np.argsort(row, kind="stable") if row[c] != 0]
+        zeros = [c for c in range(row.size) if row[c] == 0 and np.signbit(row[c])] + \
+                [c for c in range(row.size) if row[c] == 0 and not np.signbit(row[c])]
+        assert [c for c in cols if row[c] != 0] == nonzero
+        assert [c for c in cols if row[c] == 0] == zeros
+    with pytest.raises(TypeError, match="float32"):
+        arrays.sort_rows_with_columns(x.astype(np.float64))
+
+
+def test_rows_sort_alike_on_a_device():
+    torch = _torch()
+    x = _rows_to_sort()
+    want = arrays.sort_rows_with_columns(x)
+    got = arrays.sort_rows_with_columns(torch.as_tensor(x.copy()))
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g.numpy(), w)
+
+
+def test_clip_takes_python_bounds():
+    """A bound given as a Python float, on NumPy's arrays and scalars; NaN stays NaN."""
+    x = np.array([np.nan, -2.0, 0.5, 3.0])
+    np.testing.assert_array_equal(arrays.clip(x, low=0.0), [np.nan, 0.0, 0.5, 3.0])
+    np.testing.assert_array_equal(arrays.clip(x, high=1.0), [np.nan, -2.0, 0.5, 1.0])
+    assert arrays.clip(np.float64(5.0), high=1.0) == 1.0 and arrays.clip(2.0, low=3.0) == 3.0
+
+
+def test_clip_takes_python_bounds_on_a_device():
+    """On PyTorch's tensors too, with no copy of the bound to the device (a copy waits for it)."""
+    torch = _torch()
+    x = torch.as_tensor([np.nan, -2.0, 0.5, 3.0])
+    copies = []
+    real = torch.as_tensor
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch, "as_tensor", lambda *a, **k: copies.append(a) or real(*a, **k))
+        mp.setattr(torch, "asarray", lambda *a, **k: copies.append(a) or real(*a, **k))
+        got = arrays.clip(x, low=0.0, high=1.0)
+    np.testing.assert_array_equal(got.numpy(), [np.nan, 0.0, 0.5, 1.0])
+    assert not copies
+
+
 @pytest.mark.parametrize("name", VARIANTS)
 def test_a_device_builds_the_mask_of_a_row_tile_itself(name, monkeypatch):
     """The causal flag's and window's mask of a row tile, built on the device from the indices, is

@@ -242,6 +242,14 @@ def add_magnitude(out, x):
     return out.add_(x.abs())
 
 
+def clip(x, low: Optional[float] = None, high: Optional[float] = None):
+    """x limited to [low, high] (either may be None), by Python floats: on a device no copy of the
+    bound is made there (a copy from the host waits for every kernel queued before it)."""
+    if not _is_tensor(x):
+        return np.clip(x, low, high)
+    return _torch().clamp(x, low, high)
+
+
 def binade_sq(x):
     """4^e for each x in ±[2^e, 2^(e+1)) of a float64 tensor (0 for 0 and subnormals): its bits
     with the sign and mantissa cleared, squared (verify/model/rounding.py's binade_sq, which
@@ -250,6 +258,29 @@ def binade_sq(x):
     x = x.contiguous().to(torch.float64)
     out = (x.view(torch.int64) & 0x7FF0000000000000).view(torch.float64)
     return out * out
+
+
+def sort_rows_with_columns(x):
+    """(x's rows sorted, the column each sorted element came from), for float32 x, by one sort of
+    64-bit keys (each element's bits, made to sort as the floats do, above its column), where a sort
+    and an argsort would each pass over x: equal values in column order. −0 sorts just before +0,
+    and NaN by its bits (first or last), where NumPy's and PyTorch's sorts put it last."""
+    if str(x.dtype) not in ("float32", "torch.float32"):
+        raise TypeError(f"sort_rows_with_columns sorts float32, not {x.dtype}")
+    if isinstance(x, np.ndarray):
+        bits = np.ascontiguousarray(x).view(np.int32)
+        keys = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).astype(np.int64) << 32
+        keys |= np.arange(x.shape[-1], dtype=np.int64)
+        keys.sort(axis=-1)
+        columns = keys & 0xFFFFFFFF
+        return np.take_along_axis(x, columns, axis=-1), columns
+    torch = _torch()
+    bits = x.contiguous().view(torch.int32)
+    keys = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(torch.int64) << 32
+    keys |= torch.arange(x.shape[-1], dtype=torch.int64, device=x.device)
+    keys = torch.sort(keys, dim=-1).values
+    columns = keys & 0xFFFFFFFF
+    return torch.take_along_dim(x, columns, dim=-1), columns
 
 
 def take_rows(x, order):
@@ -287,5 +318,5 @@ def concat_rows(parts):
 
 __all__ = ["DEVICES", "DeviceError", "cuda_visible", "resolve_device", "device_argument", "device_jobs",
            "on_device", "target", "visible_gpus", "to_device", "to_numpy", "to_numpy_all", "float64", "like",
-           "put", "zeros", "add_product", "add_magnitude", "binade_sq", "namespace", "quiet", "concat_rows",
-           "take_rows", "running_max", "segment_sums"]
+           "put", "zeros", "clip", "add_product", "add_magnitude", "binade_sq", "namespace", "quiet", "concat_rows",
+           "take_rows", "sort_rows_with_columns", "running_max", "segment_sums"]

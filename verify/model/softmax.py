@@ -8,7 +8,7 @@ from typing import Dict, Optional, Tuple
 
 import numpy as np
 
-from .arrays import concat_rows, like, namespace, put, segment_sums, take_rows, to_numpy
+from .arrays import clip, concat_rows, like, namespace, put, segment_sums, sort_rows_with_columns, to_numpy
 from .attention import scaled_scores
 from .kernels import SOFTMAX_FINAL_ROUNDINGS, Kernel
 from .rounding import ROUND_VAR, UNIT_ROUNDOFF, HeadCache, ToleranceError, everywhere, memo, step_var
@@ -156,14 +156,13 @@ class EqualTerms:
 
     def __init__(self, terms):
         xp = namespace(terms)
-        ordered = xp.sort(terms, axis=1)
+        ordered, columns = sort_rows_with_columns(terms)  # (equal terms in column order)
         repeats = xp.any((ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] != 0), axis=1)
         self.rows = np.flatnonzero(to_numpy(repeats))
         if not self.rows.size:
             return
-        keys = terms[like(terms, self.rows)]
-        order = np.argsort(keys, axis=1) if xp is np else xp.argsort(keys, axis=1)
-        keys = take_rows(keys, order)
+        rows = like(terms, self.rows)
+        keys, order = ordered[rows], columns[rows]
         same = keys[:, 1:] == keys[:, :-1]  # (a row with repeats has two terms at least)
         none = xp.zeros_like(same[:, :1])
         after, before = _concat_cols(xp, [same, none]), _concat_cols(xp, [none, same])
@@ -244,4 +243,4 @@ def mixed_output_var(p: np.ndarray, eta_var: np.ndarray, V: np.ndarray, O: np.nd
         wz = w * keep
         var = (rescale * rescale) * (wz @ (V * V)) - 2.0 * rescale * O * (wz @ V) \
             + O * O * xp.sum(w, axis=1, keepdims=True)
-    return xp.maximum(var, 0.0)
+    return clip(var, low=0.0)

@@ -11,7 +11,7 @@ from typing import NamedTuple, Tuple
 
 import numpy as np
 
-from ...model.arrays import like, namespace, to_device, to_numpy_all, zeros
+from ...model.arrays import clip, like, namespace, to_device, to_numpy_all, zeros
 from ...model.attention import log_sum_exp_rows
 from ...model.backward import CappedGrads, RowErrors, capped_grads, d_var, ds_var_parts, flash_rows, grad_over_keys_var
 from ...model.dot import mma_truncation_det, pv, pv_var, qk_var, rowdot_var
@@ -21,11 +21,11 @@ from ...model.rounding import FLUSH, ROUND_VAR, HeadCache, everywhere, finish, f
 from ...model.scores import HeadVariant, as_head, cap_factor_error, dropout_factor_error, modification_det
 from ...model.softmax import exponent_var, logits, need, raw_logits
 from ...model.tiles import Total, flush_max, in_order, least, smallest, smallest_now
-from ...stages import FLASH_GRAD_QUERIES, GRAD_OUTPUT, KEYS, QUERIES, VALUES
+from ...stages import FLASH_GRAD_QUERIES, FLASH_OUTPUT, GRAD_OUTPUT, KEYS, QUERIES, VALUES
 from ..base import Problem
 from ..flash import forward_sums, lse_var_det, on_device_of, share_forward
 from .bounds import chain_cap, dp_var
-from .flash_tiles import QueryGrad, over_queries, remember_gradients
+from .flash_tiles import ROW_TERMS, QueryGrad, over_queries, remember_gradients
 from .reference import FLASH_SOURCES, d_reference, ds_reference, flash_terms, through_cap
 
 
@@ -187,7 +187,10 @@ def _flash_own(src, scale, head, u, kernel, cache, references: bool = False):
 
     def compute(on, cache):
         keys = KeyGrads.of(on[QUERIES].shape[0])
-        parts = over_queries(on, head, cache, lambda s, h, c: _own_tile(s, scale, h, u, kernel, c, keys, references))
+        # D's dot products' variance, each row its own: the whole head's at once from the sources
+        # as read (on a device no tile then waits to bring its rows back to NumPy's exact model).
+        rows = {**on, ROW_TERMS: like(on[QUERIES], rowdot_var(src[GRAD_OUTPUT], src[FLASH_OUTPUT], u))}
+        parts = over_queries(rows, head, cache, lambda s, h, c: _own_tile(s, scale, h, u, kernel, c, keys, references))
         out = (parts[:2],) + keys.bounds(scale, head, u, kernel, cache, head.cap > 0)
         if not references:
             return out
@@ -223,7 +226,7 @@ def _own_tile(src, scale, head: HeadVariant, u, kernel, cache, keys: KeyGrads, r
     S = S if everywhere(finite) else xp.where(finite, S, 0.0)
     eta = _recomputed_eta(Q, K, S, lse, finite, scale, head, u, kernel, cache, lambda: qk)
     lse_fold = ROUND_VAR * u * u * _lse_magnitude(lse, head, Q.shape[0], K.shape[0]) ** 2
-    rows = flash_rows(eta, lse_fold, rowdot_var(dO, O, u))
+    rows = flash_rows(eta, lse_fold, src[ROW_TERMS])
     gb = _flash_grad_bounds((Q, K, dO, P, dP, D, dS), rows, dp_var(dO, V, u, kernel.flash_product_var, cache, dP),
                             _logit_det(Q, K, P, scale, head, finite, u, kernel, cache), scale, head, u, kernel,
                             cache, _own_cap(Q, K, scale, head, u, kernel, cache), keys)
@@ -317,7 +320,7 @@ def _chain_pass(Q, K, V, dO, scale, head: HeadVariant, u, kernel, cache, floors:
         G_abs = finite_abs(G)
         small_g = smallest_now(G_abs)
         in_order(lambda: small.__setitem__(0, least(small[0], small_g)))
-        return (dq_ref, dq[0], dq[1], namespace(G_abs).minimum(G_abs @ K_abs, m * FLUSH)) + forward  # flush_sum(G, K)'s rows
+        return (dq_ref, dq[0], dq[1], clip(G_abs @ K_abs, high=m * FLUSH)) + forward  # flush_sum(G, K)'s rows
     dq_ref, dq_var, dq_det, dq_flush, *forward = over_queries({QUERIES: Q, KEYS: K, VALUES: V, GRAD_OUTPUT: dO},
                                                                head, cache, tile)
     forward, refs = forward[:-2], tuple(forward[-2:])  # (the forward's bounds, then its output and lse)

@@ -11,7 +11,7 @@ from typing import Dict, Optional, Tuple
 
 import numpy as np
 
-from ...model.arrays import namespace, to_device, to_numpy
+from ...model.arrays import clip, namespace, to_device, to_numpy
 from ...model.backward import transposed_gemm_var
 from ...model.rounding import FLUSH, HeadCache, finite_abs
 from ...model.scores import HeadVariant
@@ -21,8 +21,10 @@ from ..base import Problem
 from ..flash import on_device_of
 from .reference import FLASH_SOURCES, flash_terms
 
-# The rows of the flash backward's sources (Q, dO, the output and lse); K and V are the keys'.
-ROW_SOURCES = (QUERIES, GRAD_OUTPUT, FLASH_OUTPUT, FLASH_LSE)
+# The rows of the flash backward's sources (Q, dO, the output and lse); K and V are the keys'. A
+# pass may add rows of its own under ROW_TERMS (what it computes once for the whole head, N×1).
+ROW_TERMS = "row terms"
+ROW_SOURCES = (QUERIES, GRAD_OUTPUT, FLASH_OUTPUT, FLASH_LSE, ROW_TERMS)
 
 
 def tile_sources(src, rows: Optional[slice]):
@@ -167,7 +169,7 @@ class QueryGrad:
     def floor(self):
         if self.small_x * self.small_y >= FLUSH * 2.0**24:
             return np.zeros((1, 1))
-        return namespace(self.flushed.value).minimum(self.flushed.value, self.n * FLUSH)
+        return clip(self.flushed.value, high=self.n * FLUSH)
 
     def var(self, u: float, cache, what: str, product_var: float) -> np.ndarray:
         """The variance once every tile is in (its GEMM's part kept as gemm_var)."""
@@ -176,4 +178,4 @@ class QueryGrad:
         return self.err.value + self.gemm_var
 
 
-__all__ = ["flash_gradients", "remember_gradients", "GradientSums", "flash_reference", "flash_moves", "over_queries", "tile_sources", "QueryGrad", "ROW_SOURCES"]
+__all__ = ["flash_gradients", "remember_gradients", "GradientSums", "flash_reference", "flash_moves", "over_queries", "tile_sources", "QueryGrad", "ROW_SOURCES", "ROW_TERMS"]
