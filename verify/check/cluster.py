@@ -12,13 +12,13 @@ is a local check's. A task whose worker dies is run again on another one, up to 
 `distributed.scheduler.allowed-failures` times (3 by default); after that the check stops with one
 line. dask is imported only here, and only when a check asks for a cluster.
 
-One worker per GPU: LOCAL's cluster is started when check_run hands out its jobs, so that it fits
-the device check_run chose for them: heads checked on a GPU get one worker a visible GPU (--jobs N:
-the first N), each seeing that GPU alone, and every task asks for a whole GPU (GPU_TASK); heads
-checked by NumPy get one worker a core. A cluster of several hosts gets the same from one
-`CUDA_VISIBLE_DEVICES=i dask worker ADDRESS --nthreads 1 --resources GPU=1` per GPU (or dask-cuda's
-`dask cuda worker`). The recipe's options say the device to check on, so each worker checks its
-heads on its own GPU.
+Workers on GPUs: LOCAL's cluster is started when check_run hands out its jobs, so that it fits the
+device check_run chose for them: heads checked on a GPU get WORKERS_PER_GPU workers a visible GPU
+(--jobs N: the first N GPUs), each seeing that GPU alone and offering it to one task at a time
+(GPU_TASK); heads checked by NumPy get one worker a core. A cluster of several hosts gets the same
+from `CUDA_VISIBLE_DEVICES=i dask worker ADDRESS --nworkers 2 --nthreads 1` per GPU (its tasks ask
+for no resource: a worker takes one at a time). The recipe's options say the device to check on, so
+each worker checks its heads on its own GPU.
 """
 from __future__ import annotations
 
@@ -46,6 +46,11 @@ from .pool import _usable_cores, collect_head_garbage, freed_memory_kept, heads_
 LOCAL = "local"  # check --scheduler local: a cluster of this host's processes, started for the check
 INSTALL_HINT = "pip install 'attnstep[cluster]'"
 GPU_TASK = {"GPU": 1}  # what a task asks of a worker on a GPU: the whole GPU
+# LOCAL's workers on each GPU: a head's check alternates between the GPU's kernels and the host's
+# work (NumPy's exact models, reading and comparing the stages), so a second worker's kernels run
+# while the first one's host works (docs/performance.md, "The flash stages' references on a GPU").
+# Each holds its head's row tiles on the GPU.
+WORKERS_PER_GPU = 2
 TASK_PREFIX = "attnstep-check-"  # a check's tasks' keys: the prefix, the check's token, the job
 # Tasks on the cluster at a time, per worker thread: enough that a worker never waits for its next,
 # few enough that the last ones go to whichever worker is free (the scheduler places a task that
@@ -123,7 +128,7 @@ def local_cluster(workers: int, gpus: Sequence[str] = ()):
     """A Dask cluster of `workers` processes of one thread each on this host, as --scheduler local
     starts it: no dashboard (its HTTP endpoints on a free port), no memory limit of Dask's (the
     workers hold what the pool's would), none of Dask's own log lines (the check's errors are its
-    one-line messages). gpus: one worker per GPU instead, each seeing its own alone
+    one-line messages). gpus: WORKERS_PER_GPU workers per GPU instead, each seeing its GPU alone
     (CUDA_VISIBLE_DEVICES) and offering GPU_TASK's resource. Its workers run without Dask's
     sampling profiler (which stops a worker's threads every 10 ms to read their stacks, for a
     dashboard this cluster does not have: about 5% of a head's time, measured on one core)."""
@@ -134,14 +139,15 @@ def local_cluster(workers: int, gpus: Sequence[str] = ()):
             return distributed.LocalCluster(n_workers=workers, threads_per_worker=1, processes=True,
                                             dashboard_address=None, scheduler_kwargs={"dashboard_address": ":0"},
                                             memory_limit=0, silence_logs=logging.CRITICAL)
-        return distributed.SpecCluster(workers={f"gpu{gpu}": _worker_on(gpu, distributed) for gpu in gpus},
+        return distributed.SpecCluster(workers={f"gpu{gpu}-{k}": _worker_on(gpu, distributed)
+                                                for gpu in gpus for k in range(WORKERS_PER_GPU)},
                                        scheduler={"cls": distributed.Scheduler,
                                                   "options": {"dashboard": False, "dashboard_address": ":0"}},
                                        silence_logs=logging.CRITICAL)
 
 
 def local_gpus(jobs: int) -> List[str]:
-    """The GPUs LOCAL starts a worker on each, for jobs check_run hands out now: every visible GPU
+    """The GPUs LOCAL starts its workers on, for jobs check_run hands out now: every visible GPU
     (jobs > 0: the first `jobs`) where they are checked on a GPU, none (a worker a core) elsewhere."""
     if target() != "cuda":
         return []
@@ -202,8 +208,8 @@ def heads_on_cluster(scheduler: Optional[str], jobs: int, in_dir: Path, out_dir:
                      diagnoser: Optional[Diagnoser], gpus: Sequence[str] = ()):
     """The check run inside (of in_dir and out_dir with opts: check_run's first call) checks its jobs
     on the cluster of `scheduler` (LOCAL: started here when the jobs are handed out, with `jobs`
-    workers, or a worker a GPU where they are checked on GPUs: local_gpus); nothing without one.
-    gpus: a task a GPU (LOCAL: a worker per GPU of these, whatever the device)."""
+    workers, or workers on each GPU where they are checked on GPUs: local_gpus); nothing without one.
+    gpus: a task a GPU (LOCAL: WORKERS_PER_GPU workers per GPU of these, whatever the device)."""
     if scheduler is None:
         yield
         return
