@@ -727,13 +727,22 @@ def test_head_jobs_follow_the_request_the_size_and_the_memory(monkeypatch):
 
 
 def _blas_threads(head):  # module level: the pool sends workers its function by name
-    from verify.check import pool
-    return [_openblas_threads(lib) for lib in pool._loaded_openblas()]
+    from verify.check import blas
+    return [_openblas_threads(lib) for lib in blas._loaded_openblas()]
 
 
 def _openblas_threads(lib):
-    from verify.check.pool import _OPENBLAS_SET_THREADS
+    from verify.check.blas import _OPENBLAS_SET_THREADS
     return next(getattr(lib, n.replace("set", "get")) for n in _OPENBLAS_SET_THREADS if hasattr(lib, n))()
+
+
+def _openblas_setters():
+    """The loaded OpenBLAS libraries' thread-count setters (skips where numpy's BLAS is another)."""
+    from verify.check import blas
+    libs = blas._loaded_openblas()
+    if not libs:
+        pytest.skip("numpy's BLAS is not OpenBLAS")
+    return libs, [next(getattr(lib, n) for n in blas._OPENBLAS_SET_THREADS if hasattr(lib, n)) for lib in libs]
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="workers are forked on Linux only")
@@ -741,10 +750,7 @@ def test_workers_use_one_blas_thread_each():
     """Each worker is one of as many processes as cores: BLAS threads of its own would compete
     with the other workers."""
     from verify.check import pool
-    libs = pool._loaded_openblas()
-    if not libs:
-        pytest.skip("numpy's BLAS is not OpenBLAS")
-    setters = [next(getattr(lib, n) for n in pool._OPENBLAS_SET_THREADS if hasattr(lib, n)) for lib in libs]
+    libs, setters = _openblas_setters()
     before = [_openblas_threads(lib) for lib in libs]
     for setter in setters:
         setter(2)  # what a forked worker would inherit on a machine of two or more cores
@@ -753,6 +759,39 @@ def test_workers_use_one_blas_thread_each():
     finally:
         for setter, n in zip(setters, before):
             setter(n)
+
+
+def test_a_heads_row_tiles_run_blas_on_one_thread_and_give_its_threads_back():
+    """The row tiles' threads each call BLAS: within their block it runs on one thread of its own,
+    and after it on as many as before."""
+    from verify.check import blas
+    libs, setters = _openblas_setters()
+    before = [_openblas_threads(lib) for lib in libs]
+    for setter in setters:
+        setter(3)
+    try:
+        with blas.blas_on_one_thread():
+            assert [_openblas_threads(lib) for lib in libs] == [1] * len(libs)
+        assert [_openblas_threads(lib) for lib in libs] == [3] * len(libs)
+    finally:
+        for setter, n in zip(setters, before):
+            setter(n)
+
+
+def test_the_commands_head_takes_the_cores_for_its_row_tiles_but_not_under_a_profiler(monkeypatch):
+    """One head checked in the command's own process: its row tiles on a thread a core it may use;
+    under a profiler (which sees its own thread alone) on that thread."""
+    from verify.check import pool
+    from verify.model import tiles
+    monkeypatch.setattr(pool, "_usable_cores", lambda: 3)
+    with pool.tile_threads():
+        assert tiles._WORKERS.get()[0] == 3
+    sys.setprofile(lambda *args: None)
+    try:
+        with pool.tile_threads():
+            assert tiles._WORKERS.get()[0] == 1
+    finally:
+        sys.setprofile(None)
 
 
 class _MallInfo2(ctypes.Structure):  # glibc's struct mallinfo2 (<malloc.h>), every field a size_t

@@ -39,6 +39,7 @@ from helpers.cli import invoke
 from helpers.reports import assert_same_report
 from verify.check import pool, tolerance
 from verify.check.reference import compute_stage, reference_chain
+from verify.cli import check as check_cli
 from verify.files.case import load_input_case
 from verify.files.outputs import open_run
 from verify.model import dot, tiles
@@ -513,11 +514,24 @@ def _foreign_flash_backward(case, out, heads: int, scale: float, bug: str = "") 
             np.savetxt(out / f"{name}{h}.txt", x, fmt="%g" if name == "lse" else "%.9g")
 
 
+@pytest.mark.parametrize("how", ["whole", "row-tiles", "row-tiles-torch"])
 @pytest.mark.parametrize("bug", ["", "dk-unscaled"], ids=["correct", "dk-unscaled"])
-def test_a_foreign_flash_backward_checks_against_the_chains_references(tmp_path, monkeypatch, bug):
+def test_a_foreign_flash_backward_checks_against_the_chains_references(tmp_path, monkeypatch, bug, how):
     """Another program's flash forward and backward (its own names, %.9g and %g text, no run.toml,
     its own order of arithmetic): the chained references from the backward chain's pass pass it
-    where it is right and fail it, at the stage, where it is not."""
+    where it is right and fail it, at the stage, where it is not; whole, in row tiles of 8 rows
+    (the isolated pass's row terms, D's dot products' variance of the whole head, sliced to each
+    tile), and in row tiles through PyTorch's float64 (the GPU's code, on the CPU)."""
+    if how != "whole":
+        monkeypatch.setattr(dot, "ENERGY_EXACT_MAX_MACS", 0)  # (the exact model keeps a head whole)
+        monkeypatch.setattr(tiles, "TILE_BYTES", 8 * 72 * 8)
+        monkeypatch.setattr(tiles, "DEVICE_TILE_BYTES", 8 * 72 * 8)
+    if how == "row-tiles-torch":
+        pytest.importorskip("array_api_compat", reason="array-api-compat is not installed (pip install 'attnstep[gpu]')")
+        pytest.importorskip("torch", reason="PyTorch is not installed (pip install 'attnstep[gpu]')")
+        monkeypatch.setattr(check_cli, "_device", lambda name: "torch-cpu")
+    counts, real_tiles = [], tiles.row_tiles
+    monkeypatch.setattr(tiles, "row_tiles", lambda *a: counts.append(len(real_tiles(*a))) or real_tiles(*a))
     case = tmp_path / "in"
     r = invoke("generate", "--out", case, "--heads", 2, "--seq-q", 40, "--seq-k", 72, "--d-k", 16, "--d-v", 16,
                "--no-causal", "--backward")
@@ -528,7 +542,7 @@ def test_a_foreign_flash_backward_checks_against_the_chains_references(tmp_path,
     names = [a for st, f in zip(FLASH, ("o", "lse", "dq", "dk", "dv")) for a in ("--name", f"{st}={f}{{i}}.txt")]
     r = invoke("check", "--in", case, "--out", tmp_path / "out", "--jobs", 1, "--json", tmp_path / "r.json", *names)
     report = json.loads((tmp_path / "r.json").read_text())
-    assert chains
+    assert chains and (max(counts) == 5) == (how != "whole"), counts  # (40 query rows: 5 tiles of 8)
     if not bug:
         assert not forward  # (the references from the chain's pass; a failing stage's diagnoses take their own)
         assert r.exit_code == 0 and report["passed"], r.output

@@ -41,7 +41,8 @@ from ..files.outputs import open_run
 from ..model.arrays import device_now, namespace, on_device, target, to_device, visible_gpus
 from .compare import Options, check_run
 from .diagnosis import Diagnoser
-from .pool import _usable_cores, collect_head_garbage, freed_memory_kept, heads_routed, one_blas_thread
+from .blas import one_blas_thread
+from .pool import _usable_cores, collect_head_garbage, freed_memory_kept, heads_routed
 
 LOCAL = "local"  # check --scheduler local: a cluster of this host's processes, started for the check
 INSTALL_HINT = "pip install 'attnstep[cluster]'"

@@ -27,7 +27,7 @@ from ..specs import upstream
 from ..stages import STAGES
 from ..text import mib
 from ..variant import NONE
-from .blas import _OPENBLAS_SET_THREADS, _loaded_openblas, blas_on_one_thread, one_blas_thread  # noqa: F401
+from .blas import blas_on_one_thread, one_blas_thread
 from .groups import summed
 
 

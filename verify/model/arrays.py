@@ -283,13 +283,6 @@ def sort_rows_with_columns(x):
     return torch.take_along_dim(x, columns, dim=-1), columns
 
 
-def take_rows(x, order):
-    """x's rows each permuted by the same row of `order` (NumPy's take_along_axis on axis 1)."""
-    if isinstance(x, np.ndarray):
-        return np.take_along_axis(x, order, axis=1)
-    return _torch().take_along_dim(x, order, dim=1)
-
-
 def segment_sums(labels, weights, n: int):
     """The sums of weights by label (n labels 0 … n − 1; NumPy's bincount)."""
     if isinstance(weights, np.ndarray):
@@ -319,4 +312,4 @@ def concat_rows(parts):
 __all__ = ["DEVICES", "DeviceError", "cuda_visible", "resolve_device", "device_argument", "device_jobs",
            "on_device", "target", "visible_gpus", "to_device", "to_numpy", "to_numpy_all", "float64", "like",
            "put", "zeros", "clip", "add_product", "add_magnitude", "binade_sq", "namespace", "quiet", "concat_rows",
-           "take_rows", "sort_rows_with_columns", "running_max", "segment_sums"]
+           "sort_rows_with_columns", "running_max", "segment_sums"]
