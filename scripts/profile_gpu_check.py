@@ -18,6 +18,8 @@ def main() -> int:
     args = sys.argv[1:]
     top = 25
     if args[:1] == ["--top"]:
+        if len(args) < 2 or not args[1].isdigit():
+            sys.exit(f"profile_gpu_check.py: --top needs a count of kernels, got {args[1] if len(args) > 1 else 'nothing'}")
         top, args = int(args[1]), args[2:]
     try:
         import torch
