@@ -203,7 +203,8 @@ def test_backward_over_several_head_groups_matches_one_group(binary, tmp_path, b
     dims = Dims(batch=1, heads=5, seq_q=128, seq_k=128, d_k=64, d_v=64)
     write_case(tmp_path / "in", dims)
     run_ok(binary, tmp_path / "in", tmp_path / "one", "--causal", backend=backend)
-    run_ok(binary, tmp_path / "in", tmp_path / "many", "--causal", "--max-memory-mb", "1", backend=backend)
+    # (2 MiB: one head a group on the GPU, whose Hopper fp32 flash backward takes 1.2 MiB a head here.)
+    run_ok(binary, tmp_path / "in", tmp_path / "many", "--causal", "--max-memory-mb", "2", backend=backend)
     for name in BACKWARD_STAGES:
         for i in range(dims.total_heads):
             one, many = load(tmp_path / "one", name, i), load(tmp_path / "many", name, i)

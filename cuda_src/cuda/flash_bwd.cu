@@ -537,7 +537,7 @@ bool with_bwd_tiles(int d, F&& f) {
 }
 
 // The Hopper kernels (sm90a/flash_bwd_wgmma_half.cu at bf16/fp16, sm90a/flash_bwd_wgmma_tf32.cu at
-// tf32), where built and taken.
+// tf32 and fp32), where built and taken.
 bool hopper_backward(const FlashBwdArgs& a) {
 #ifdef ATTNSTEP_HAVE_WGMMA
     return device_compute_capability() == 90 &&

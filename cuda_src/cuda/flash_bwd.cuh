@@ -32,19 +32,19 @@ struct FlashBwdArgs : FlashProblem {
 };
 
 // Whether this binary and GPU have a flash backward for `a`: at fp32 and tf32 on compute
-// capability 8.0+ (mma.sync; tf32 at d 64 and 128 on 9.0 by wgmma where there is no mask or the
-// top-left causal one), at bf16 and fp16 on 9.0 (wgmma) without a mask or with the top-left causal
+// capability 8.0+ (mma.sync; on 9.0 by wgmma tf32 at d 64 and 128 and fp32 at d 64, where there
+// is no mask or the top-left causal one), at bf16 and fp16 on 9.0 (wgmma) without a mask or with the top-left causal
 // one.
 bool flash_backward_available(const FlashBwdArgs& a);
 
-// The backward's tiles and kernel name ("cuda-bwd-3xtf32", "cuda-bwd-tf32", "cuda-bwd-wgmma-tf32",
-// "cuda-bwd-wgmma-bf16", "cuda-bwd-wgmma-fp16"): Br is the query rows per tile, Bc the keys. Requires
+// The backward's tiles and kernel name ("cuda-bwd-3xtf32", "cuda-bwd-tf32", "cuda-bwd-wgmma-fp32",
+// "cuda-bwd-wgmma-tf32", "cuda-bwd-wgmma-bf16", "cuda-bwd-wgmma-fp16"): Br is the query rows per tile, Bc the keys. Requires
 // flash_backward_available().
 FlashPlan flash_backward_plan(const FlashBwdArgs& a);
 
 // Device memory flash_backward allocates per head beyond its arguments: D (a float per query row),
 // at a half precision dO in the format and lse·log2 e, on Hopper at tf32 the operands rounded to
-// TF32 and transposed; O((N + M)·d), never an N×M buffer.
+// TF32 and transposed (fp32: their two TF32 parts); O((N + M)·d), never an N×M buffer.
 size_t flash_backward_workspace_bytes_per_head(const FlashBwdArgs& a);
 
 // Launches the backward on `stream`: the preprocess (D), then one kernel over key blocks (dK, dV)

@@ -1,7 +1,7 @@
 // flash_bwd_wgmma_kernels.cuh — the FlashAttention-2 backward's two Hopper kernels (warpgroup MMA,
-// sm_90a), written once for two operand families: bf16/fp16 (flash_bwd_wgmma_half.cu) and TF32
-// (flash_bwd_wgmma_tf32.cu). The deterministic two-kernel form of flash_bwd.cu: no N×M buffer, no
-// atomics, so two runs give the same bytes.
+// sm_90a), written once for three operand families: bf16/fp16 (flash_bwd_wgmma_half.cu), TF32 and
+// 3xTF32 (flash_bwd_wgmma_tf32.cu). The deterministic two-kernel form of flash_bwd.cu: no N×M
+// buffer, no atomics, so two runs give the same bytes.
 //
 //   1. dK/dV kernel: a block owns 64·NWG keys (K and V in shared memory, 64 keys per consumer
 //      warpgroup) and streams the query tiles of STREAM rows that can see them (Q, dO, and the
@@ -17,6 +17,10 @@
 //   transposed copy beside each such tile (dOᵀ, Qᵀ, Kᵀ, written by its preparation pass with the
 //   rows permuted within each 8 as flash::kperm says, so that the accumulators are the next A
 //   fragments as they stand).
+//   3xTF32 (FP32 accuracy) keeps every operand as two TF32 parts, x = hi + lo, each matrix's lo part
+//   right after its hi part in shared memory and in the preparation pass's copies (the lo parts as
+//   heads [heads, 2·heads) of the same tensor maps); each product is three MMAs, lo·hi, hi·lo, hi·hi,
+//   per k step (the dropped lo·lo is a product of two TF32 rounding errors).
 //   A producer warpgroup's one thread issues every copy by tensor memory access (tensor_map.cuh)
 //   into the 128-byte swizzle, into two stages counted on mbarriers. Rows past N or M land as
 //   zeros; a key past M is masked in the dQ kernel (its P could overflow where lse is very
@@ -55,6 +59,7 @@ struct HalfOps {
     using Fmt = Fmt_;  // the gradients are rounded to the format as they are stored
     using Elem = uint16_t;
     static constexpr int K = 16;  // the k of one wgmma
+    static constexpr int PARTS = 1;  // parts of each operand (3xTF32: hi and lo)
     static constexpr bool TRANSPOSED_COPIES = false;
     static constexpr int ROW_VALUES = kRowBytes / sizeof(Elem);
     template <int N>
@@ -64,29 +69,34 @@ struct HalfOps {
     // acc(64×N) += X·B, X's k step kk from registers, B the streamed tile of R rows as it lies
     // (MN-major: 64-column blocks R rows apart, k step kk 16 rows in).
     template <int N, int R>
-    static __device__ __forceinline__ void rs(float (&acc)[N / 8][4], const uint32_t (&x)[4], const void* tile, int kk) {
-        wg::WgmmaHalfTransB<N, Fmt>::rs(acc, x, desc_plus(wg::sw128_desc(tile, R * kRowBytes), kk * 16 * kRowBytes), 1);
+    static __device__ __forceinline__ void rs(float (&acc)[N / 8][4], const uint32_t (&x)[4], const void* tile, int kk,
+                                              int accumulate) {
+        wg::WgmmaHalfTransB<N, Fmt>::rs(acc, x, desc_plus(wg::sw128_desc(tile, R * kRowBytes), kk * 16 * kRowBytes),
+                                        accumulate);
     }
     // Accumulator fragments (64×C) rounded to the format as the next wgmma's A fragments: the
     // column pairs of s[2kk] and s[2kk+1] make k step kk.
     template <int C>
-    static __device__ __forceinline__ void pack_a(uint32_t (&a)[C / K][4], const float (&s)[C / 8][4]) {
+    static __device__ __forceinline__ void pack_a(uint32_t (&a)[PARTS][C / K][4], const float (&s)[C / 8][4]) {
 #pragma unroll
         for (int kk = 0; kk < C / K; ++kk) {
-            a[kk][0] = Fmt::pack(s[2 * kk][0], s[2 * kk][1]);
-            a[kk][1] = Fmt::pack(s[2 * kk][2], s[2 * kk][3]);
-            a[kk][2] = Fmt::pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-            a[kk][3] = Fmt::pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+            a[0][kk][0] = Fmt::pack(s[2 * kk][0], s[2 * kk][1]);
+            a[0][kk][1] = Fmt::pack(s[2 * kk][2], s[2 * kk][3]);
+            a[0][kk][2] = Fmt::pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+            a[0][kk][3] = Fmt::pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
         }
     }
 };
 
 // TF32 operands, rounded to TF32 (nearest, ties away) by the preparation pass and, for P and dS,
-// as they become A fragments; the gradients are stored as FP32.
+// as they become A fragments; the gradients are stored as FP32. kThree: 3xTF32, each operand split
+// into hi = tf32(x) and lo = tf32(x − hi) (flash::split), the products' three MMAs.
+template <bool kThree>
 struct Tf32Ops {
     using Fmt = Fp32;
     using Elem = float;
     static constexpr int K = 8;
+    static constexpr int PARTS = kThree ? 2 : 1;
     static constexpr bool TRANSPOSED_COPIES = true;
     static constexpr int ROW_VALUES = kRowBytes / sizeof(Elem);
     template <int N>
@@ -95,18 +105,20 @@ struct Tf32Ops {
     }
     // acc(64×N) += X·B, B from the transposed copy of the streamed tile (N rows, K-major).
     template <int N, int R>
-    static __device__ __forceinline__ void rs(float (&acc)[N / 8][4], const uint32_t (&x)[4], const void* tile_t, int kk) {
-        wg::Wgmma<N>::rs(acc, x, desc_plus(wg::sw128_desc(tile_t, 16), k_step_bytes<N>(kk)), 1);
+    static __device__ __forceinline__ void rs(float (&acc)[N / 8][4], const uint32_t (&x)[4], const void* tile_t, int kk,
+                                              int accumulate) {
+        wg::Wgmma<N>::rs(acc, x, desc_plus(wg::sw128_desc(tile_t, 16), k_step_bytes<N>(kk)), accumulate);
     }
-    // s[kk] as k step kk's A fragment under kperm: {c0, c2, c1, c3} (flash_common.cuh split_acc_a).
+    // s[kk] as k step kk's A fragment under kperm: {c0, c2, c1, c3} (flash_common.cuh split_acc_a),
+    // its parts a[0] (hi) and a[1] (lo, 3xTF32).
     template <int C>
-    static __device__ __forceinline__ void pack_a(uint32_t (&a)[C / K][4], const float (&s)[C / 8][4]) {
+    static __device__ __forceinline__ void pack_a(uint32_t (&a)[PARTS][C / K][4], const float (&s)[C / 8][4]) {
+        uint32_t unused;
 #pragma unroll
         for (int kk = 0; kk < C / K; ++kk) {
-            a[kk][0] = flash::round_tf32(s[kk][0]);
-            a[kk][1] = flash::round_tf32(s[kk][2]);
-            a[kk][2] = flash::round_tf32(s[kk][1]);
-            a[kk][3] = flash::round_tf32(s[kk][3]);
+            constexpr int kOrder[4] = {0, 2, 1, 3};
+#pragma unroll
+            for (int i = 0; i < 4; ++i) flash::split<kThree>(s[kk][kOrder[i]], a[0][kk][i], kThree ? a[PARTS - 1][kk][i] : unused);
         }
     }
 };
@@ -116,12 +128,15 @@ struct Tf32Ops {
 // memory: the two owned matrices, two stages of the streamed ones (kernel 1: Q, dO, and with
 // transposed copies Qᵀ, dOᵀ; kernel 2: K, V, and Kᵀ), two stages of two row vectors (lse₂ and D,
 // kernel 1 only), each matrix in blocks of 128-byte rows in the swizzle.
+// 3xTF32 stores two parts of every matrix, the lo part right after the hi part. (Two stages at
+// least: a consumer waits for tile j's copies before it releases tile j − 1's stage.)
 template <int D_, int NWG_, int STREAM_, class Ops_>
 struct BwdTiles {
     using Ops = Ops_;
     using Fmt = typename Ops::Fmt;
     using Elem = typename Ops::Elem;
     static constexpr int D = D_, NWG = NWG_, OWN = 64 * NWG, STREAM = STREAM_, STAGES = 2;
+    static constexpr int PARTS = Ops::PARTS;
     static constexpr int CONSUMERS = kWarpgroup * NWG, THREADS = CONSUMERS + kWarpgroup;
     // The producer keeps the minimum; the consumers share the rest of the 64K registers, at most
     // 240 a thread (one consumer warpgroup: what its launch already holds).
@@ -140,14 +155,15 @@ struct BwdTiles {
     static constexpr int MATS_2 = Ops::TRANSPOSED_COPIES ? 3 : 2;  // and kernel 2
     static constexpr uint32_t OWN_BYTES = OWN_ELEMS * sizeof(Elem), STREAM_BYTES = STREAM_ELEMS * sizeof(Elem),
                               ROW_BYTES = STREAM * sizeof(float);
-    static constexpr size_t TILE_BYTES = (2 * static_cast<size_t>(OWN_ELEMS) + STAGES * MATS_1 * STREAM_ELEMS) * sizeof(Elem);
+    static constexpr size_t TILE_BYTES =
+        (2 * static_cast<size_t>(OWN_ELEMS) + STAGES * MATS_1 * STREAM_ELEMS) * PARTS * sizeof(Elem);
     // Sized for kernel 1 (the larger stages and the row vectors); kernel 2 takes the same, one block
     // an SM either way.
     static constexpr size_t SMEM_BYTES = TILE_BYTES + STAGES * 2 * ROW_BYTES + kSwizzleAtom;
     static_assert(D % ROW_VALUES == 0 && STREAM % ROW_VALUES == 0, "whole column blocks");
     static_assert(STREAM % 8 == 0 && STREAM_BYTES % kSwizzleAtom == 0, "tiles of whole swizzle atoms");
     static_assert(SMEM_BYTES + 64 <= 227 * 1024, "shared memory");
-    static_assert(2 * OWN_BYTES < (1u << 20) && MATS_1 * STREAM_BYTES + 2 * ROW_BYTES < (1u << 20),
+    static_assert(2 * PARTS * OWN_BYTES < (1u << 20) && MATS_1 * PARTS * STREAM_BYTES + 2 * ROW_BYTES < (1u << 20),
                   "mbarrier transaction count");
 };
 
@@ -158,6 +174,7 @@ struct BwdParams {
     float* dK;          // [heads][M][D]
     float* dV;
     int head0;          // the launch's first head (a grid holds at most kMaxGridYZ)
+    int heads;          // the heads of a's tensors: a lo part's head in the tensor maps is head + heads
     int N, M, n_pad;
     float scale_log2, scale;
 };
@@ -201,21 +218,46 @@ __device__ __forceinline__ E* atom_aligned(float4* smem) {
 }
 
 // X(64×STREAM) = A(64×D)·B(STREAM×D)ᵀ, both K-major: a, the warpgroup's 64 owned rows; b, a tile.
+// 3xTF32 (each part's lo a matrix after its hi): the small terms lo·hi and hi·lo of every k step
+// first, then hi·hi. The tensor cores truncate each addition to the running sum, a bias toward
+// zero; summed first, the small terms' truncations are of a small sum, so the result takes about
+// one truncation per k step, as flash_bwd.cu's separate small accumulator gives.
 template <class T>
 __device__ __forceinline__ void issue_abt(float (&x)[T::STREAM / 8][4], uint64_t a, uint64_t b) {
+    if constexpr (T::PARTS == 2) {
+#pragma unroll
+        for (int ks = 0; ks < T::D / T::Ops::K; ++ks) {
+            const uint64_t ak = desc_plus(a, k_step_bytes<T::OWN>(ks)), bk = desc_plus(b, k_step_bytes<T::STREAM>(ks));
+            T::Ops::template ss<T::STREAM>(x, desc_plus(ak, T::OWN_BYTES), bk, ks > 0);  // lo·hi
+            T::Ops::template ss<T::STREAM>(x, ak, desc_plus(bk, T::STREAM_BYTES), 1);    // hi·lo
+        }
+    }
 #pragma unroll
     for (int ks = 0; ks < T::D / T::Ops::K; ++ks)
         T::Ops::template ss<T::STREAM>(x, desc_plus(a, k_step_bytes<T::OWN>(ks)), desc_plus(b, k_step_bytes<T::STREAM>(ks)),
-                                       ks > 0);
+                                       T::PARTS == 2 || ks > 0);
 }
 
-// acc(64×D) += X(64×STREAM, register fragments)·B(STREAM×D): `b` the streamed tile, or its
-// transposed copy (Ops::TRANSPOSED_COPIES).
+// acc(64×D) (+)= X(64×STREAM, register fragments: x[0] hi, x[1] lo)·B(STREAM×D): `b` the streamed
+// tile, or its transposed copy (Ops::TRANSPOSED_COPIES); `fresh`: acc starts from 0 (3xTF32 sums
+// each tile in an accumulator of its own, added in FP32: one chain over every tile would take
+// three truncations per k step of the whole sum, their bias growing with its length). The small
+// terms first, as in issue_abt.
 template <class T>
-__device__ __forceinline__ void issue_xb(float (&acc)[T::D / 8][4], const uint32_t (&x)[T::STREAM / T::Ops::K][4],
-                                         const void* b) {
+__device__ __forceinline__ void issue_xb(float (&acc)[T::D / 8][4],
+                                         const uint32_t (&x)[T::PARTS][T::STREAM / T::Ops::K][4], const void* b,
+                                         bool fresh = false) {
+    if constexpr (T::PARTS == 2) {
+        const void* b_lo = static_cast<const typename T::Elem*>(b) + T::STREAM_ELEMS;
 #pragma unroll
-    for (int kk = 0; kk < T::STREAM / T::Ops::K; ++kk) T::Ops::template rs<T::D, T::STREAM>(acc, x[kk], b, kk);
+        for (int kk = 0; kk < T::STREAM / T::Ops::K; ++kk) {
+            T::Ops::template rs<T::D, T::STREAM>(acc, x[1][kk], b, kk, !fresh || kk > 0);  // lo·hi
+            T::Ops::template rs<T::D, T::STREAM>(acc, x[0][kk], b_lo, kk, 1);             // hi·lo
+        }
+    }
+#pragma unroll
+    for (int kk = 0; kk < T::STREAM / T::Ops::K; ++kk)
+        T::Ops::template rs<T::D, T::STREAM>(acc, x[0][kk], b, kk, T::PARTS == 2 || !fresh || kk > 0);
 }
 
 // Writes the thread's part of a warp's 16 gradient rows (row0 = the warp's first + g), times
@@ -259,16 +301,20 @@ struct StageRing {
     __device__ uint32_t parity(int j) const { return static_cast<uint32_t>(use(j) & 1); }
 };
 
-// The producer thread: the owned rows (own_map from own_row), then each tile j of [begin, end)
-// into its stage once the consumers released the stage's previous tile; copy_tile(j, stage, bar)
-// issues the tile's copies, `tile_bytes` in all.
+// The producer thread: the owned rows (own_map from own_row, each part), then each tile j of
+// [begin, end) into its stage once the consumers released the stage's previous tile;
+// copy_tile(j, stage, bar) issues the tile's copies, `tile_bytes` in all.
 template <class T, class CopyTile>
 __device__ void produce(Barriers<T>& bars, typename T::Elem* own, const CUtensorMap* own_a, const CUtensorMap* own_b,
-                        int own_row, int head, const StageRing& ring, int end, uint32_t tile_bytes, CopyTile copy_tile) {
+                        int own_row, int head, int heads, const StageRing& ring, int end, uint32_t tile_bytes,
+                        CopyTile copy_tile) {
     if (ring.tile_begin >= end) return;  // nothing to compute: nobody waits on a copy
-    bulk::arrive_expect_tx(&bars.own, 2 * T::OWN_BYTES);
-    load_rows<T, T::OWN>(own, own_a, own_row, head, &bars.own);
-    load_rows<T, T::OWN>(own + T::OWN_ELEMS, own_b, own_row, head, &bars.own);
+    bulk::arrive_expect_tx(&bars.own, 2 * T::PARTS * T::OWN_BYTES);
+#pragma unroll
+    for (int part = 0; part < T::PARTS; ++part) {
+        load_rows<T, T::OWN>(own + part * T::OWN_ELEMS, own_a, own_row, head + part * heads, &bars.own);
+        load_rows<T, T::OWN>(own + (T::PARTS + part) * T::OWN_ELEMS, own_b, own_row, head + part * heads, &bars.own);
+    }
     for (int j = ring.tile_begin; j < end; ++j) {
         const int s = ring.slot(j);
         if (ring.use(j) > 0) bulk::wait(&bars.empty[s], static_cast<uint32_t>((ring.use(j) - 1) & 1));
@@ -287,19 +333,20 @@ __global__ void __launch_bounds__(T::THREADS, 1) dkdv_kernel(const BwdParams p, 
     using E = typename T::Elem;
     using Ops = typename T::Ops;
     extern __shared__ float4 smem_f4[];
-    E* const own = atom_aligned<E>(smem_f4);   // K [OWN×D], V [OWN×D]
-    E* const tiles = own + 2 * T::OWN_ELEMS;  // [STAGES]{Q, dO [STREAM×D], and Qᵀ, dOᵀ [D×STREAM]}
-    float* const rows = reinterpret_cast<float*>(tiles + T::STAGES * T::MATS_1 * T::STREAM_ELEMS);  // [STAGES]{lse₂, D}
+    constexpr int kStreamMat = T::PARTS * T::STREAM_ELEMS;  // a streamed matrix, its parts
+    E* const own = atom_aligned<E>(smem_f4);   // K [PARTS][OWN×D], V [PARTS][OWN×D]
+    E* const tiles = own + 2 * T::PARTS * T::OWN_ELEMS;  // [STAGES]{Q, dO [STREAM×D], and Qᵀ, dOᵀ [D×STREAM]}
+    float* const rows = reinterpret_cast<float*>(tiles + T::STAGES * T::MATS_1 * kStreamMat);  // [STAGES]{lse₂, D}
     __shared__ Barriers<T> bars;
     const int head = p.head0 + blockIdx.y, k0 = blockIdx.x * T::OWN;
     // The query tiles that can see the block's keys: causal, from the one holding query k0 on.
     const StageRing ring{kCausal ? k0 / T::STREAM : 0, T::STAGES};
     const int tile_end = ceil_div(p.N, T::STREAM);
-    auto q_tile = [&](int s) { return tiles + s * T::MATS_1 * T::STREAM_ELEMS; };
-    auto do_tile = [&](int s) { return q_tile(s) + T::STREAM_ELEMS; };
+    auto q_tile = [&](int s) { return tiles + s * T::MATS_1 * kStreamMat; };
+    auto do_tile = [&](int s) { return q_tile(s) + kStreamMat; };
     // The B operands of dK += dSᵀ·Q and dV += Pᵀ·dO: the tiles, or their transposed copies.
-    auto q_b = [&](int s) { return Ops::TRANSPOSED_COPIES ? q_tile(s) + 2 * T::STREAM_ELEMS : q_tile(s); };
-    auto do_b = [&](int s) { return Ops::TRANSPOSED_COPIES ? q_tile(s) + 3 * T::STREAM_ELEMS : do_tile(s); };
+    auto q_b = [&](int s) { return Ops::TRANSPOSED_COPIES ? q_tile(s) + 2 * kStreamMat : q_tile(s); };
+    auto do_b = [&](int s) { return Ops::TRANSPOSED_COPIES ? q_tile(s) + 3 * kStreamMat : do_tile(s); };
     auto lse2_of = [&](int s) { return rows + s * 2 * T::STREAM; };
     if (threadIdx.x == 0) bars.init();
     __syncthreads();
@@ -308,13 +355,17 @@ __global__ void __launch_bounds__(T::THREADS, 1) dkdv_kernel(const BwdParams p, 
         wg::release_registers<T::PRODUCER_REGS>();
         if (threadIdx.x == T::CONSUMERS) {
             const size_t row_base = static_cast<size_t>(head) * p.n_pad;
-            produce<T>(bars, own, &maps.k, &maps.v, k0, head, ring, tile_end,
-                       T::MATS_1 * T::STREAM_BYTES + 2 * T::ROW_BYTES, [&](int j, int s, uint64_t* bar) {
-                           load_rows<T, T::STREAM>(q_tile(s), &maps.q, j * T::STREAM, head, bar);
-                           load_rows<T, T::STREAM>(do_tile(s), &maps.dO, j * T::STREAM, head, bar);
-                           if constexpr (Ops::TRANSPOSED_COPIES) {
-                               load_cols<T>(q_b(s), &maps.qT, j * T::STREAM, head, bar);
-                               load_cols<T>(do_b(s), &maps.dOT, j * T::STREAM, head, bar);
+            produce<T>(bars, own, &maps.k, &maps.v, k0, head, p.heads, ring, tile_end,
+                       T::MATS_1 * T::PARTS * T::STREAM_BYTES + 2 * T::ROW_BYTES, [&](int j, int s, uint64_t* bar) {
+#pragma unroll
+                           for (int part = 0; part < T::PARTS; ++part) {
+                               const int at = part * T::STREAM_ELEMS, h = head + part * p.heads;
+                               load_rows<T, T::STREAM>(q_tile(s) + at, &maps.q, j * T::STREAM, h, bar);
+                               load_rows<T, T::STREAM>(do_tile(s) + at, &maps.dO, j * T::STREAM, h, bar);
+                               if constexpr (Ops::TRANSPOSED_COPIES) {
+                                   load_cols<T>(q_b(s) + at, &maps.qT, j * T::STREAM, h, bar);
+                                   load_cols<T>(do_b(s) + at, &maps.dOT, j * T::STREAM, h, bar);
+                               }
                            }
                            bulk::copy(lse2_of(s), p.lse2 + row_base + j * T::STREAM, T::ROW_BYTES, bar);
                            bulk::copy(lse2_of(s) + T::STREAM, p.Drow + row_base + j * T::STREAM, T::ROW_BYTES, bar);
@@ -328,9 +379,12 @@ __global__ void __launch_bounds__(T::THREADS, 1) dkdv_kernel(const BwdParams p, 
     const int lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
     const int key_lo = k0 + 64 * wg, key0 = key_lo + 16 * warp + g;  // the thread's keys: key0, key0 + 8
     const uint64_t k_desc = wg::sw128_desc(own + wg * 64 * T::ROW_VALUES, 16);
-    const uint64_t v_desc = wg::sw128_desc(own + T::OWN_ELEMS + wg * 64 * T::ROW_VALUES, 16);
+    const uint64_t v_desc = wg::sw128_desc(own + T::PARTS * T::OWN_ELEMS + wg * 64 * T::ROW_VALUES, 16);
     float dk[T::D / 8][4], dv[T::D / 8][4], st[T::STREAM / 8][4], dpt[T::STREAM / 8][4];
-    uint32_t pa[T::STREAM / Ops::K][4], dsa[T::STREAM / Ops::K][4];
+    uint32_t pa[T::PARTS][T::STREAM / Ops::K][4], dsa[T::PARTS][T::STREAM / Ops::K][4];
+    // 3xTF32: the tile's own dV and dK sums (issue_xb's `fresh`); unused otherwise.
+    constexpr int kTileSums = T::PARTS == 2 ? T::D / 8 : 1;
+    float dk_tile[kTileSums][4], dv_tile[kTileSums][4];
     zero(dk);
     zero(dv);
     // Every consumer thread arrives: its own loads of the stage's lse₂ and D are then ordered
@@ -340,8 +394,15 @@ __global__ void __launch_bounds__(T::THREADS, 1) dkdv_kernel(const BwdParams p, 
     int pending = -1;  // the tile whose dV, dK group may still run, its stage not yet released
     auto finish_pending = [&] {
         if (pending < 0) return;
-        wg::fence_operands(dv);
-        wg::fence_operands(dk);
+        if constexpr (T::PARTS == 2) {
+            wg::fence_operands(dv_tile);
+            wg::fence_operands(dk_tile);
+            flash::add_to(dv, dv_tile);
+            flash::add_to(dk, dk_tile);
+        } else {
+            wg::fence_operands(dv);
+            wg::fence_operands(dk);
+        }
         release(pending);
         pending = -1;
     };
@@ -387,8 +448,13 @@ __global__ void __launch_bounds__(T::THREADS, 1) dkdv_kernel(const BwdParams p, 
         Ops::template pack_a<T::STREAM>(pa, st);
         Ops::template pack_a<T::STREAM>(dsa, dpt);
         wg::fence();
-        issue_xb<T>(dv, pa, do_b(s));  // dV_w += Pᵀ·dO_j
-        issue_xb<T>(dk, dsa, q_b(s));  // dK_w += dSᵀ·Q_j
+        if constexpr (T::PARTS == 2) {
+            issue_xb<T>(dv_tile, pa, do_b(s), true);  // dV_w += Pᵀ·dO_j, once the group completes
+            issue_xb<T>(dk_tile, dsa, q_b(s), true);  // dK_w += dSᵀ·Q_j
+        } else {
+            issue_xb<T>(dv, pa, do_b(s));  // dV_w += Pᵀ·dO_j
+            issue_xb<T>(dk, dsa, q_b(s));  // dK_w += dSᵀ·Q_j
+        }
         wg::commit();
         pending = j;
     }
@@ -409,28 +475,33 @@ __global__ void __launch_bounds__(T::THREADS, 1) dq_kernel(const BwdParams p, co
     using E = typename T::Elem;
     using Ops = typename T::Ops;
     extern __shared__ float4 smem_f4[];
-    E* const own = atom_aligned<E>(smem_f4);   // Q [OWN×D], dO [OWN×D]
-    E* const tiles = own + 2 * T::OWN_ELEMS;  // [STAGES]{K, V [STREAM×D], and Kᵀ [D×STREAM]}
+    constexpr int kStreamMat = T::PARTS * T::STREAM_ELEMS;
+    E* const own = atom_aligned<E>(smem_f4);   // Q [PARTS][OWN×D], dO [PARTS][OWN×D]
+    E* const tiles = own + 2 * T::PARTS * T::OWN_ELEMS;  // [STAGES]{K, V [STREAM×D], and Kᵀ [D×STREAM]}
     __shared__ Barriers<T> bars;
     // Causal blocks go longest first (the last query block sees the most keys).
     const int qblock = kCausal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
     const int head = p.head0 + blockIdx.y, q0 = qblock * T::OWN;
     const StageRing ring{0, T::STAGES};
     const int tile_end = flash::visible_key_tiles<kCausal>(p.M, p.N, q0, T::OWN, T::STREAM);
-    auto k_tile = [&](int s) { return tiles + s * T::MATS_2 * T::STREAM_ELEMS; };
-    auto v_tile = [&](int s) { return k_tile(s) + T::STREAM_ELEMS; };
-    auto k_b = [&](int s) { return Ops::TRANSPOSED_COPIES ? k_tile(s) + 2 * T::STREAM_ELEMS : k_tile(s); };
+    auto k_tile = [&](int s) { return tiles + s * T::MATS_2 * kStreamMat; };
+    auto v_tile = [&](int s) { return k_tile(s) + kStreamMat; };
+    auto k_b = [&](int s) { return Ops::TRANSPOSED_COPIES ? k_tile(s) + 2 * kStreamMat : k_tile(s); };
     if (threadIdx.x == 0) bars.init();
     __syncthreads();
 
     if (threadIdx.x >= T::CONSUMERS) {
         wg::release_registers<T::PRODUCER_REGS>();
         if (threadIdx.x == T::CONSUMERS)
-            produce<T>(bars, own, &maps.q, &maps.dO, q0, head, ring, tile_end, T::MATS_2 * T::STREAM_BYTES,
-                       [&](int j, int s, uint64_t* bar) {
-                           load_rows<T, T::STREAM>(k_tile(s), &maps.k, j * T::STREAM, head, bar);
-                           load_rows<T, T::STREAM>(v_tile(s), &maps.v, j * T::STREAM, head, bar);
-                           if constexpr (Ops::TRANSPOSED_COPIES) load_cols<T>(k_b(s), &maps.kT, j * T::STREAM, head, bar);
+            produce<T>(bars, own, &maps.q, &maps.dO, q0, head, p.heads, ring, tile_end,
+                       T::MATS_2 * T::PARTS * T::STREAM_BYTES, [&](int j, int s, uint64_t* bar) {
+#pragma unroll
+                           for (int part = 0; part < T::PARTS; ++part) {
+                               const int at = part * T::STREAM_ELEMS, h = head + part * p.heads;
+                               load_rows<T, T::STREAM>(k_tile(s) + at, &maps.k, j * T::STREAM, h, bar);
+                               load_rows<T, T::STREAM>(v_tile(s) + at, &maps.v, j * T::STREAM, h, bar);
+                               if constexpr (Ops::TRANSPOSED_COPIES) load_cols<T>(k_b(s) + at, &maps.kT, j * T::STREAM, h, bar);
+                           }
                        });
         return;
     }
@@ -440,18 +511,24 @@ __global__ void __launch_bounds__(T::THREADS, 1) dq_kernel(const BwdParams p, co
     const int lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
     const int wg_row0 = q0 + 64 * wg, warp_row0 = wg_row0 + 16 * warp, row0 = warp_row0 + g;
     const uint64_t q_desc = wg::sw128_desc(own + wg * 64 * T::ROW_VALUES, 16);
-    const uint64_t do_desc = wg::sw128_desc(own + T::OWN_ELEMS + wg * 64 * T::ROW_VALUES, 16);
+    const uint64_t do_desc = wg::sw128_desc(own + T::PARTS * T::OWN_ELEMS + wg * 64 * T::ROW_VALUES, 16);
     const size_t row_base = static_cast<size_t>(head) * p.n_pad;  // n_pad covers every block's rows
     const float lse2[2] = {p.lse2[row_base + row0], p.lse2[row_base + row0 + 8]};
     const float Dr[2] = {p.Drow[row_base + row0], p.Drow[row_base + row0 + 8]};
     float dq[T::D / 8][4], s[T::STREAM / 8][4], dp[T::STREAM / 8][4];
-    uint32_t dsa[T::STREAM / Ops::K][4];
+    uint32_t dsa[T::PARTS][T::STREAM / Ops::K][4];
+    float dq_tile[T::PARTS == 2 ? T::D / 8 : 1][4];  // 3xTF32: the tile's own dQ sums
     zero(dq);
     auto release = [&](int j) { bulk::arrive(&bars.empty[ring.slot(j)]); };
     int pending = -1;  // the tile whose dQ group may still run, its stage not yet released
     auto finish_pending = [&] {
         if (pending < 0) return;
-        wg::fence_operands(dq);
+        if constexpr (T::PARTS == 2) {
+            wg::fence_operands(dq_tile);
+            flash::add_to(dq, dq_tile);
+        } else {
+            wg::fence_operands(dq);
+        }
         release(pending);
         pending = -1;
     };
@@ -465,6 +542,10 @@ __global__ void __launch_bounds__(T::THREADS, 1) dq_kernel(const BwdParams p, co
             release(j);
             continue;
         }
+        if constexpr (T::PARTS == 2) {  // the last tile's own dQ sums, read with no wgmma in flight
+            wg::wait<0>();
+            finish_pending();
+        }
         wg::fence();
         issue_abt<T>(s, q_desc, wg::sw128_desc(k_tile(st), 16));  // S = Q_w·K_jᵀ
         wg::commit();
@@ -472,7 +553,9 @@ __global__ void __launch_bounds__(T::THREADS, 1) dq_kernel(const BwdParams p, co
         wg::commit();
         wg::wait<1>();
         wg::fence_operands(s);
-        finish_pending();
+        // (3xTF32 read the last tile's own dQ sums above: read while any wgmma is in flight, ptxas
+        // serializes every wgmma of the kernel.)
+        if constexpr (T::PARTS == 1) finish_pending();
         // Keys past M (zeros) and, causal, keys after the row get P = 0.
         const bool cut = key_lo + T::STREAM > p.M || (kCausal && key_lo + T::STREAM - 1 > warp_row0);
 #pragma unroll
@@ -491,7 +574,8 @@ __global__ void __launch_bounds__(T::THREADS, 1) dq_kernel(const BwdParams p, co
             for (int e = 0; e < 4; ++e) dp[jj][e] = s[jj][e] * (dp[jj][e] - Dr[e >> 1]);
         Ops::template pack_a<T::STREAM>(dsa, dp);
         wg::fence();
-        issue_xb<T>(dq, dsa, k_b(st));  // dQ_w += dS·K_j
+        if constexpr (T::PARTS == 2) issue_xb<T>(dq_tile, dsa, k_b(st), true);  // dQ_w += dS·K_j, once it completes
+        else issue_xb<T>(dq, dsa, k_b(st));  // dQ_w += dS·K_j
         wg::commit();
         pending = j;
     }
@@ -539,7 +623,7 @@ void launch_kernels(const FlashBwdArgs& a, const BwdMaps& by_keys, const BwdMaps
     kernel_blocks_per_sm<T, dq_kernel<T, kCausal>>();
     for (int head0 = 0; head0 < a.heads; head0 += kMaxGridYZ) {
         const int heads = std::min(kMaxGridYZ, a.heads - head0);
-        const BwdParams p{lse2, Drow, a.dQ, a.dK, a.dV, head0, a.N, a.M, n_pad, a.scale * flash::kLog2e, a.scale};
+        const BwdParams p{lse2, Drow, a.dQ, a.dK, a.dV, head0, a.heads, a.N, a.M, n_pad, a.scale * flash::kLog2e, a.scale};
         dkdv_kernel<T, kCausal><<<dim3(ceil_div(a.M, T::OWN), heads), T::THREADS, T::SMEM_BYTES, stream>>>(p, by_keys);
         LAUNCH_CHECK(dkdv_kernel);
         dq_kernel<T, kCausal><<<dim3(ceil_div(a.N, T::OWN), heads), T::THREADS, T::SMEM_BYTES, stream>>>(p, by_rows);
