@@ -66,8 +66,9 @@ struct HalfOps {
     static __device__ __forceinline__ void ss(float (&x)[N / 8][4], uint64_t a, uint64_t b, int accumulate) {
         wg::WgmmaHalf<N, Fmt>::ss(x, a, b, accumulate);
     }
-    // acc(64×N) += X·B, X's k step kk from registers, B the streamed tile of R rows as it lies
-    // (MN-major: 64-column blocks R rows apart, k step kk 16 rows in).
+    // acc(64×N) (+)= X·B (accumulate 0: acc starts from 0), X's k step kk from registers, B the
+    // streamed tile of R rows as it lies (MN-major: 64-column blocks R rows apart, k step kk 16 rows
+    // in).
     template <int N, int R>
     static __device__ __forceinline__ void rs(float (&acc)[N / 8][4], const uint32_t (&x)[4], const void* tile, int kk,
                                               int accumulate) {
@@ -103,23 +104,18 @@ struct Tf32Ops {
     static __device__ __forceinline__ void ss(float (&x)[N / 8][4], uint64_t a, uint64_t b, int accumulate) {
         wg::Wgmma<N>::ss(x, a, b, accumulate);
     }
-    // acc(64×N) += X·B, B from the transposed copy of the streamed tile (N rows, K-major).
+    // acc(64×N) (+)= X·B, B from the transposed copy of the streamed tile (N rows, K-major).
     template <int N, int R>
     static __device__ __forceinline__ void rs(float (&acc)[N / 8][4], const uint32_t (&x)[4], const void* tile_t, int kk,
                                               int accumulate) {
         wg::Wgmma<N>::rs(acc, x, desc_plus(wg::sw128_desc(tile_t, 16), k_step_bytes<N>(kk)), accumulate);
     }
-    // s[kk] as k step kk's A fragment under kperm: {c0, c2, c1, c3} (flash_common.cuh split_acc_a),
-    // its parts a[0] (hi) and a[1] (lo, 3xTF32).
+    // s[kk] as k step kk's A fragment under kperm, {c0, c2, c1, c3}: its parts a[0] (hi) and a[1]
+    // (lo, 3xTF32; with one part the split writes no lo).
     template <int C>
     static __device__ __forceinline__ void pack_a(uint32_t (&a)[PARTS][C / K][4], const float (&s)[C / 8][4]) {
-        uint32_t unused;
 #pragma unroll
-        for (int kk = 0; kk < C / K; ++kk) {
-            constexpr int kOrder[4] = {0, 2, 1, 3};
-#pragma unroll
-            for (int i = 0; i < 4; ++i) flash::split<kThree>(s[kk][kOrder[i]], a[0][kk][i], kThree ? a[PARTS - 1][kk][i] : unused);
-        }
+        for (int kk = 0; kk < C / K; ++kk) flash::split_acc_a<kThree>(s[kk], a[0][kk], a[PARTS - 1][kk]);
     }
 };
 
@@ -163,8 +159,12 @@ struct BwdTiles {
     static_assert(D % ROW_VALUES == 0 && STREAM % ROW_VALUES == 0, "whole column blocks");
     static_assert(STREAM % 8 == 0 && STREAM_BYTES % kSwizzleAtom == 0, "tiles of whole swizzle atoms");
     static_assert(SMEM_BYTES + 64 <= 227 * 1024, "shared memory");
-    static_assert(2 * PARTS * OWN_BYTES < (1u << 20) && MATS_1 * PARTS * STREAM_BYTES + 2 * ROW_BYTES < (1u << 20),
-                  "mbarrier transaction count");
+    // A streamed matrix with its parts, in elements; the bytes the owned rows' copies and each
+    // tile's (kernel 1, kernel 2) bring, as their mbarriers count them.
+    static constexpr int STREAM_MAT = PARTS * STREAM_ELEMS;
+    static constexpr uint32_t OWN_TX = 2 * PARTS * OWN_BYTES, TILE_TX_1 = MATS_1 * PARTS * STREAM_BYTES + 2 * ROW_BYTES,
+                              TILE_TX_2 = MATS_2 * PARTS * STREAM_BYTES;
+    static_assert(OWN_TX < (1u << 20) && TILE_TX_1 < (1u << 20), "mbarrier transaction count");
 };
 
 struct BwdParams {
@@ -195,6 +195,9 @@ struct BwdMaps {
     CUtensorMap q, k, v, dO, qT, dOT, kT;
 };
 
+// The tensor maps' head of a head's part: the lo parts (3xTF32) are heads [heads, 2·heads).
+__device__ __forceinline__ int part_head(int head, int part, int heads) { return head + part * heads; }
+
 // Rows [row, row + R) of a [heads][rows][D] tensor: D/ROW_VALUES column blocks of R rows.
 template <class T, int R>
 __device__ __forceinline__ void load_rows(typename T::Elem* dst, const CUtensorMap* map, int row, int head, uint64_t* bar) {
@@ -218,7 +221,7 @@ __device__ __forceinline__ E* atom_aligned(float4* smem) {
 }
 
 // X(64×STREAM) = A(64×D)·B(STREAM×D)ᵀ, both K-major: a, the warpgroup's 64 owned rows; b, a tile.
-// 3xTF32 (each part's lo a matrix after its hi): the small terms lo·hi and hi·lo of every k step
+// 3xTF32 (each matrix's lo part right after its hi part): the small terms lo·hi and hi·lo of every k step
 // first, then hi·hi. The tensor cores truncate each addition to the running sum, a bias toward
 // zero; summed first, the small terms' truncations are of a small sum, so the result takes about
 // one truncation per k step, as flash_bwd.cu's separate small accumulator gives.
@@ -309,11 +312,12 @@ __device__ void produce(Barriers<T>& bars, typename T::Elem* own, const CUtensor
                         int own_row, int head, int heads, const StageRing& ring, int end, uint32_t tile_bytes,
                         CopyTile copy_tile) {
     if (ring.tile_begin >= end) return;  // nothing to compute: nobody waits on a copy
-    bulk::arrive_expect_tx(&bars.own, 2 * T::PARTS * T::OWN_BYTES);
+    bulk::arrive_expect_tx(&bars.own, T::OWN_TX);
 #pragma unroll
     for (int part = 0; part < T::PARTS; ++part) {
-        load_rows<T, T::OWN>(own + part * T::OWN_ELEMS, own_a, own_row, head + part * heads, &bars.own);
-        load_rows<T, T::OWN>(own + (T::PARTS + part) * T::OWN_ELEMS, own_b, own_row, head + part * heads, &bars.own);
+        const int h = part_head(head, part, heads);
+        load_rows<T, T::OWN>(own + part * T::OWN_ELEMS, own_a, own_row, h, &bars.own);
+        load_rows<T, T::OWN>(own + (T::PARTS + part) * T::OWN_ELEMS, own_b, own_row, h, &bars.own);
     }
     for (int j = ring.tile_begin; j < end; ++j) {
         const int s = ring.slot(j);
@@ -333,7 +337,7 @@ __global__ void __launch_bounds__(T::THREADS, 1) dkdv_kernel(const BwdParams p, 
     using E = typename T::Elem;
     using Ops = typename T::Ops;
     extern __shared__ float4 smem_f4[];
-    constexpr int kStreamMat = T::PARTS * T::STREAM_ELEMS;  // a streamed matrix, its parts
+    constexpr int kStreamMat = T::STREAM_MAT;
     E* const own = atom_aligned<E>(smem_f4);   // K [PARTS][OWN×D], V [PARTS][OWN×D]
     E* const tiles = own + 2 * T::PARTS * T::OWN_ELEMS;  // [STAGES]{Q, dO [STREAM×D], and Qᵀ, dOᵀ [D×STREAM]}
     float* const rows = reinterpret_cast<float*>(tiles + T::STAGES * T::MATS_1 * kStreamMat);  // [STAGES]{lse₂, D}
@@ -355,11 +359,11 @@ __global__ void __launch_bounds__(T::THREADS, 1) dkdv_kernel(const BwdParams p, 
         wg::release_registers<T::PRODUCER_REGS>();
         if (threadIdx.x == T::CONSUMERS) {
             const size_t row_base = static_cast<size_t>(head) * p.n_pad;
-            produce<T>(bars, own, &maps.k, &maps.v, k0, head, p.heads, ring, tile_end,
-                       T::MATS_1 * T::PARTS * T::STREAM_BYTES + 2 * T::ROW_BYTES, [&](int j, int s, uint64_t* bar) {
+            produce<T>(bars, own, &maps.k, &maps.v, k0, head, p.heads, ring, tile_end, T::TILE_TX_1,
+                       [&](int j, int s, uint64_t* bar) {
 #pragma unroll
                            for (int part = 0; part < T::PARTS; ++part) {
-                               const int at = part * T::STREAM_ELEMS, h = head + part * p.heads;
+                               const int at = part * T::STREAM_ELEMS, h = part_head(head, part, p.heads);
                                load_rows<T, T::STREAM>(q_tile(s) + at, &maps.q, j * T::STREAM, h, bar);
                                load_rows<T, T::STREAM>(do_tile(s) + at, &maps.dO, j * T::STREAM, h, bar);
                                if constexpr (Ops::TRANSPOSED_COPIES) {
@@ -475,7 +479,7 @@ __global__ void __launch_bounds__(T::THREADS, 1) dq_kernel(const BwdParams p, co
     using E = typename T::Elem;
     using Ops = typename T::Ops;
     extern __shared__ float4 smem_f4[];
-    constexpr int kStreamMat = T::PARTS * T::STREAM_ELEMS;
+    constexpr int kStreamMat = T::STREAM_MAT;
     E* const own = atom_aligned<E>(smem_f4);   // Q [PARTS][OWN×D], dO [PARTS][OWN×D]
     E* const tiles = own + 2 * T::PARTS * T::OWN_ELEMS;  // [STAGES]{K, V [STREAM×D], and Kᵀ [D×STREAM]}
     __shared__ Barriers<T> bars;
@@ -493,11 +497,11 @@ __global__ void __launch_bounds__(T::THREADS, 1) dq_kernel(const BwdParams p, co
     if (threadIdx.x >= T::CONSUMERS) {
         wg::release_registers<T::PRODUCER_REGS>();
         if (threadIdx.x == T::CONSUMERS)
-            produce<T>(bars, own, &maps.q, &maps.dO, q0, head, p.heads, ring, tile_end,
-                       T::MATS_2 * T::PARTS * T::STREAM_BYTES, [&](int j, int s, uint64_t* bar) {
+            produce<T>(bars, own, &maps.q, &maps.dO, q0, head, p.heads, ring, tile_end, T::TILE_TX_2,
+                       [&](int j, int s, uint64_t* bar) {
 #pragma unroll
                            for (int part = 0; part < T::PARTS; ++part) {
-                               const int at = part * T::STREAM_ELEMS, h = head + part * p.heads;
+                               const int at = part * T::STREAM_ELEMS, h = part_head(head, part, p.heads);
                                load_rows<T, T::STREAM>(k_tile(s) + at, &maps.k, j * T::STREAM, h, bar);
                                load_rows<T, T::STREAM>(v_tile(s) + at, &maps.v, j * T::STREAM, h, bar);
                                if constexpr (Ops::TRANSPOSED_COPIES) load_cols<T>(k_b(s) + at, &maps.kT, j * T::STREAM, h, bar);

@@ -72,16 +72,19 @@ __device__ __forceinline__ float tf32_part(float x, int part) {
     return __uint_as_float(part == 0 ? hi : lo);
 }
 
-// x's TF32 parts, four at a time: part p of element i at out[p·n + i]; n = 4·n4, a multiple of 4
-// (d is).
+__device__ __forceinline__ float4 as_float4(const uint32_t (&v)[4]) {
+    return make_float4(__uint_as_float(v[0]), __uint_as_float(v[1]), __uint_as_float(v[2]), __uint_as_float(v[3]));
+}
+
+// x's TF32 parts, four at a time: hi of element i at out[i], lo (two parts) at out[n + i]; n = 4·n4,
+// a multiple of 4 (d is).
 template <int kParts>
 __global__ void __launch_bounds__(256) split_tf32_kernel(const float4* __restrict__ x, float4* __restrict__ out, size_t n4) {
     for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n4; i += size_t(gridDim.x) * blockDim.x) {
-        const float4 v = x[i];
-#pragma unroll
-        for (int part = 0; part < kParts; ++part)
-            out[part * n4 + i] = make_float4(tf32_part<kParts>(v.x, part), tf32_part<kParts>(v.y, part),
-                                             tf32_part<kParts>(v.z, part), tf32_part<kParts>(v.w, part));
+        uint32_t hi[4], lo[4];
+        flash::split4<kParts == 2>(x[i], hi, lo);
+        out[i] = as_float4(hi);
+        if constexpr (kParts == 2) out[n4 + i] = as_float4(lo);
     }
 }
 
@@ -201,7 +204,7 @@ size_t wgmma_tf32_backward_workspace_bytes_per_head(const FlashBwdArgs& a) {
 void wgmma_tf32_backward(const FlashBwdArgs& a, cudaStream_t stream) {
     if (!aligned16(a.Q) || !aligned16(a.K) || !aligned16(a.V) || !aligned16(a.dO))
         fail(kExitInternal, where(__FILE__, __LINE__) + ": the TF32 flash backwards read Q, K, V and dO 16 bytes at a time "
-                                                        "and needs them 16-byte aligned");
+                                                        "and need them 16-byte aligned");
     with_tiles(a, [&](auto tag) {
         using T = tag_type<decltype(tag)>;
         if (a.causal) launch_tiles<T, true>(a, stream);

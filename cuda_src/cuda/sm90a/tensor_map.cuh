@@ -41,7 +41,7 @@ inline CUtensorMap rows_map(const void* base, int d, int rows, int heads, int bo
 #endif
         if (err != cudaSuccess || found != cudaDriverEntryPointSuccess || fn == nullptr) {
             fail(kExitInternal, "the CUDA driver does not provide cuTensorMapEncodeTiled (tensor memory access)",
-                 "update the NVIDIA driver, or run with --precision fp32");
+                 "update the NVIDIA driver: the Hopper kernels' copies need it");
         }
         return reinterpret_cast<Encode>(fn);
     }();
