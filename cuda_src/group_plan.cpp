@@ -107,19 +107,23 @@ GroupPlan plan_groups(const Options& o, const Problem& p, StageSet computed, con
                    (p.variant.alibi ? static_cast<size_t>(p.dims.total_heads()) * sizeof(float) : 0);
     g.host_budget = std::min(host_budget_bytes(), cap);
     g.work_budget = std::min(be.available_bytes(), cap);
-    bool big_stage_path = computed.has(Stage::QK) || computed.has(Stage::QK_scaled) ||
-                          computed.has(Stage::attention_weights);
-    std::string hint = big_stage_path
-                           ? "the N x M stages dominate: --stages flash needs no N x M buffers; or use a "
-                             "smaller case or a larger --max-memory-mb"
-                           : "use a smaller case or a larger --max-memory-mb";
+    // The N×M stages' buffers, where they are a good part of what a head needs, are the thing to
+    // drop (the flash stages hold none); otherwise the case or the budget is.
+    const size_t score_bytes = stage_bytes_per_head(p.dims, computed.both(StageSet::where(is_score_stage)));
+    auto hint = [&](size_t need) {
+        const std::string other = "use a smaller case or a larger --max-memory-mb";
+        if (4 * score_bytes < need) return other;
+        return "the N x M stages take " + mib(score_bytes) + " of it: --stages flash needs no N x M buffers; or " + other;
+    };
     if (g.host_fixed + g.host_per_head > g.host_budget)
         fail(kExitNoMemory, "not enough host memory: one head needs " + mib(g.host_fixed + g.host_per_head) +
                                 " (inputs + stage buffers + the variant's inputs) but the budget is " +
-                                mib(g.host_budget) + " (min of MemAvailable/2 and --max-memory-mb)", hint);
+                                mib(g.host_budget) + " (min of MemAvailable/2 and --max-memory-mb)",
+             hint(g.host_fixed + g.host_per_head));
     if (g.work_per_head > g.work_budget)
         fail(kExitNoMemory, std::string("not enough ") + be.name() + " working memory: one head needs " +
-                                mib(g.work_per_head) + " but " + mib(g.work_budget) + " is available", hint);
+                                mib(g.work_per_head) + " but " + mib(g.work_budget) + " is available",
+             hint(g.work_per_head));
     size_t by_host = (g.host_budget - g.host_fixed) / g.host_per_head;
     size_t by_work = g.work_per_head ? g.work_budget / g.work_per_head : SIZE_MAX;
     g.group_size = whole_kv_groups(std::min(by_host, by_work), p.dims);

@@ -300,6 +300,7 @@ struct StageSet {
         return n;
     }
     StageSet minus(StageSet other) const { return StageSet{bits & ~other.bits}; }
+    StageSet both(StageSet other) const { return StageSet{bits & other.bits}; }
     // The stages for which pred(s) holds.
     template <typename Pred>
     static StageSet where(Pred pred) {

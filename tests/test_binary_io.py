@@ -653,6 +653,19 @@ def test_exit_3_when_one_head_does_not_fit(binary, tmp_path):
     assert proc.returncode == 0, proc.stderr
 
 
+def test_the_memory_hint_names_the_n_x_m_stages_only_where_they_weigh(binary, tmp_path):
+    """A wide head whose N×M stages are a small part of its need is told of the case and the budget,
+    not of --stages flash; a long one is told what its N×M stages take."""
+    write_case(tmp_path / "wide", heads=1, n=128, m=128, dk=256, dv=256)
+    proc = run_cpu(binary, tmp_path / "wide", tmp_path / "out", "--max-memory-mb", "1")
+    error_line(proc, code=3)
+    assert "--stages flash" not in proc.stderr and "a larger --max-memory-mb" in proc.stderr
+    write_case(tmp_path / "long", heads=1, n=512, m=512, dk=16, dv=16)
+    proc = run_cpu(binary, tmp_path / "long", tmp_path / "out", "--max-memory-mb", "1")
+    error_line(proc, code=3)
+    assert "the N x M stages take 3.0 MiB of it: --stages flash" in proc.stderr
+
+
 def test_npy_round_trip_and_format_switch(binary, tmp_path):
     in_dir = tmp_path / "in"
     mats = write_case(in_dir, heads=2, n=6, m=9, dk=32, dv=32, fmt="npy")
