@@ -241,26 +241,24 @@ __device__ __forceinline__ void issue_abt(float (&x)[T::STREAM / 8][4], uint64_t
                                        T::PARTS == 2 || ks > 0);
 }
 
-// acc(64×D) (+)= X(64×STREAM, register fragments: x[0] hi, x[1] lo)·B(STREAM×D): `b` the streamed
-// tile, or its transposed copy (Ops::TRANSPOSED_COPIES); `fresh`: acc starts from 0 (3xTF32 sums
-// each tile in an accumulator of its own, added in FP32: one chain over every tile would take
-// three truncations per k step of the whole sum, their bias growing with its length). The small
+// acc(64×D) += X(64×STREAM, register fragments: x[0] hi, x[1] lo)·B(STREAM×D): `b` the streamed
+// tile, or its transposed copy (Ops::TRANSPOSED_COPIES). 3xTF32: acc = X·B instead, the tile's sums
+// in an accumulator of their own that the caller adds in FP32 (one chain over every tile would take
+// three truncations per k step of the whole sum, their bias growing with its length); the small
 // terms first, as in issue_abt.
 template <class T>
 __device__ __forceinline__ void issue_xb(float (&acc)[T::D / 8][4],
-                                         const uint32_t (&x)[T::PARTS][T::STREAM / T::Ops::K][4], const void* b,
-                                         bool fresh = false) {
+                                         const uint32_t (&x)[T::PARTS][T::STREAM / T::Ops::K][4], const void* b) {
     if constexpr (T::PARTS == 2) {
         const void* b_lo = static_cast<const typename T::Elem*>(b) + T::STREAM_ELEMS;
 #pragma unroll
         for (int kk = 0; kk < T::STREAM / T::Ops::K; ++kk) {
-            T::Ops::template rs<T::D, T::STREAM>(acc, x[1][kk], b, kk, !fresh || kk > 0);  // lo·hi
-            T::Ops::template rs<T::D, T::STREAM>(acc, x[0][kk], b_lo, kk, 1);             // hi·lo
+            T::Ops::template rs<T::D, T::STREAM>(acc, x[1][kk], b, kk, kk > 0);  // lo·hi
+            T::Ops::template rs<T::D, T::STREAM>(acc, x[0][kk], b_lo, kk, 1);   // hi·lo
         }
     }
 #pragma unroll
-    for (int kk = 0; kk < T::STREAM / T::Ops::K; ++kk)
-        T::Ops::template rs<T::D, T::STREAM>(acc, x[0][kk], b, kk, T::PARTS == 2 || !fresh || kk > 0);
+    for (int kk = 0; kk < T::STREAM / T::Ops::K; ++kk) T::Ops::template rs<T::D, T::STREAM>(acc, x[0][kk], b, kk, 1);
 }
 
 // Writes the thread's part of a warp's 16 gradient rows (row0 = the warp's first + g), times
@@ -337,20 +335,19 @@ __global__ void __launch_bounds__(T::THREADS, 1) dkdv_kernel(const BwdParams p, 
     using E = typename T::Elem;
     using Ops = typename T::Ops;
     extern __shared__ float4 smem_f4[];
-    constexpr int kStreamMat = T::STREAM_MAT;
     E* const own = atom_aligned<E>(smem_f4);   // K [PARTS][OWN×D], V [PARTS][OWN×D]
     E* const tiles = own + 2 * T::PARTS * T::OWN_ELEMS;  // [STAGES]{Q, dO [STREAM×D], and Qᵀ, dOᵀ [D×STREAM]}
-    float* const rows = reinterpret_cast<float*>(tiles + T::STAGES * T::MATS_1 * kStreamMat);  // [STAGES]{lse₂, D}
+    float* const rows = reinterpret_cast<float*>(tiles + T::STAGES * T::MATS_1 * T::STREAM_MAT);  // [STAGES]{lse₂, D}
     __shared__ Barriers<T> bars;
     const int head = p.head0 + blockIdx.y, k0 = blockIdx.x * T::OWN;
     // The query tiles that can see the block's keys: causal, from the one holding query k0 on.
     const StageRing ring{kCausal ? k0 / T::STREAM : 0, T::STAGES};
     const int tile_end = ceil_div(p.N, T::STREAM);
-    auto q_tile = [&](int s) { return tiles + s * T::MATS_1 * kStreamMat; };
-    auto do_tile = [&](int s) { return q_tile(s) + kStreamMat; };
+    auto q_tile = [&](int s) { return tiles + s * T::MATS_1 * T::STREAM_MAT; };
+    auto do_tile = [&](int s) { return q_tile(s) + T::STREAM_MAT; };
     // The B operands of dK += dSᵀ·Q and dV += Pᵀ·dO: the tiles, or their transposed copies.
-    auto q_b = [&](int s) { return Ops::TRANSPOSED_COPIES ? q_tile(s) + 2 * kStreamMat : q_tile(s); };
-    auto do_b = [&](int s) { return Ops::TRANSPOSED_COPIES ? q_tile(s) + 3 * kStreamMat : do_tile(s); };
+    auto q_b = [&](int s) { return Ops::TRANSPOSED_COPIES ? q_tile(s) + 2 * T::STREAM_MAT : q_tile(s); };
+    auto do_b = [&](int s) { return Ops::TRANSPOSED_COPIES ? q_tile(s) + 3 * T::STREAM_MAT : do_tile(s); };
     auto lse2_of = [&](int s) { return rows + s * 2 * T::STREAM; };
     if (threadIdx.x == 0) bars.init();
     __syncthreads();
@@ -386,7 +383,7 @@ __global__ void __launch_bounds__(T::THREADS, 1) dkdv_kernel(const BwdParams p, 
     const uint64_t v_desc = wg::sw128_desc(own + T::PARTS * T::OWN_ELEMS + wg * 64 * T::ROW_VALUES, 16);
     float dk[T::D / 8][4], dv[T::D / 8][4], st[T::STREAM / 8][4], dpt[T::STREAM / 8][4];
     uint32_t pa[T::PARTS][T::STREAM / Ops::K][4], dsa[T::PARTS][T::STREAM / Ops::K][4];
-    // 3xTF32: the tile's own dV and dK sums (issue_xb's `fresh`); unused otherwise.
+    // 3xTF32: the tile's own dV and dK sums (issue_xb); unused otherwise.
     constexpr int kTileSums = T::PARTS == 2 ? T::D / 8 : 1;
     float dk_tile[kTileSums][4], dv_tile[kTileSums][4];
     zero(dk);
@@ -453,8 +450,8 @@ __global__ void __launch_bounds__(T::THREADS, 1) dkdv_kernel(const BwdParams p, 
         Ops::template pack_a<T::STREAM>(dsa, dpt);
         wg::fence();
         if constexpr (T::PARTS == 2) {
-            issue_xb<T>(dv_tile, pa, do_b(s), true);  // dV_w += Pᵀ·dO_j, once the group completes
-            issue_xb<T>(dk_tile, dsa, q_b(s), true);  // dK_w += dSᵀ·Q_j
+            issue_xb<T>(dv_tile, pa, do_b(s));  // dV_w += Pᵀ·dO_j, once the group completes
+            issue_xb<T>(dk_tile, dsa, q_b(s));  // dK_w += dSᵀ·Q_j
         } else {
             issue_xb<T>(dv, pa, do_b(s));  // dV_w += Pᵀ·dO_j
             issue_xb<T>(dk, dsa, q_b(s));  // dK_w += dSᵀ·Q_j
@@ -479,7 +476,6 @@ __global__ void __launch_bounds__(T::THREADS, 1) dq_kernel(const BwdParams p, co
     using E = typename T::Elem;
     using Ops = typename T::Ops;
     extern __shared__ float4 smem_f4[];
-    constexpr int kStreamMat = T::STREAM_MAT;
     E* const own = atom_aligned<E>(smem_f4);   // Q [PARTS][OWN×D], dO [PARTS][OWN×D]
     E* const tiles = own + 2 * T::PARTS * T::OWN_ELEMS;  // [STAGES]{K, V [STREAM×D], and Kᵀ [D×STREAM]}
     __shared__ Barriers<T> bars;
@@ -488,9 +484,9 @@ __global__ void __launch_bounds__(T::THREADS, 1) dq_kernel(const BwdParams p, co
     const int head = p.head0 + blockIdx.y, q0 = qblock * T::OWN;
     const StageRing ring{0, T::STAGES};
     const int tile_end = flash::visible_key_tiles<kCausal>(p.M, p.N, q0, T::OWN, T::STREAM);
-    auto k_tile = [&](int s) { return tiles + s * T::MATS_2 * kStreamMat; };
-    auto v_tile = [&](int s) { return k_tile(s) + kStreamMat; };
-    auto k_b = [&](int s) { return Ops::TRANSPOSED_COPIES ? k_tile(s) + 2 * kStreamMat : k_tile(s); };
+    auto k_tile = [&](int s) { return tiles + s * T::MATS_2 * T::STREAM_MAT; };
+    auto v_tile = [&](int s) { return k_tile(s) + T::STREAM_MAT; };
+    auto k_b = [&](int s) { return Ops::TRANSPOSED_COPIES ? k_tile(s) + 2 * T::STREAM_MAT : k_tile(s); };
     if (threadIdx.x == 0) bars.init();
     __syncthreads();
 
@@ -578,7 +574,7 @@ __global__ void __launch_bounds__(T::THREADS, 1) dq_kernel(const BwdParams p, co
             for (int e = 0; e < 4; ++e) dp[jj][e] = s[jj][e] * (dp[jj][e] - Dr[e >> 1]);
         Ops::template pack_a<T::STREAM>(dsa, dp);
         wg::fence();
-        if constexpr (T::PARTS == 2) issue_xb<T>(dq_tile, dsa, k_b(st), true);  // dQ_w += dS·K_j, once it completes
+        if constexpr (T::PARTS == 2) issue_xb<T>(dq_tile, dsa, k_b(st));  // dQ_w += dS·K_j, once it completes
         else issue_xb<T>(dq, dsa, k_b(st));  // dQ_w += dS·K_j
         wg::commit();
         pending = j;
