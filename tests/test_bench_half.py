@@ -25,6 +25,8 @@ from verify.cli import bench as cb
 from verify.model.half import round_to_format, storage_unit
 from verify.stages import HALF_PRECISIONS, PRECISIONS
 
+from helpers.environment import compute_capability
+
 REPO = Path(__file__).resolve().parents[1]
 LARGE = {"batch": 4, "heads": 16, "seq_q": 4096, "seq_k": 4096, "d": 64, "causal": False, "scale": 0.125}
 CUDNN, FLASH, EFFICIENT = BACKEND_NAMES
@@ -467,12 +469,6 @@ def test_cli_refuses_an_unknown_precision():
 
 
 # ---- on the GPU ----------------------------------------------------------------------------------
-def _compute_capability() -> str:
-    out = subprocess.run(["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"], capture_output=True,
-                         text=True, timeout=30).stdout.split()
-    return out[0] if out else "?"
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("precision", HALF_PRECISIONS)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -480,7 +476,7 @@ def test_gpu_half_flash_takes_more_heads_than_one_launch_holds(binary, tmp_path,
     """More heads than a grid dimension holds (65535) go in several launches, each with its own
     tensor maps of the inputs in the format from its first head on (the causal order's head groups
     then end short); --check compares the first and the last head with float64."""
-    if not _compute_capability().startswith("9."):
+    if not compute_capability().startswith("9."):
         pytest.skip("the half-precision flash forward needs compute capability 9.0")
     out = tmp_path / "bench.json"
     cmd = [str(binary), "--bench", "--precision", precision, "--batch", "1", "--heads", "65537", "--seq-q", "16",
@@ -516,7 +512,7 @@ def test_gpu_bench_half_forward(binary, tmp_path, precision, causal, d):
     path = rows["stages_backward"]
     assert path["status"] == "unsupported" and "fp32 and tf32" in path["reason"], path
     flash = rows["flash"]
-    if _compute_capability().startswith("9.") and d in (64, 128):
+    if compute_capability().startswith("9.") and d in (64, 128):
         assert flash["status"] == "ok", flash
         assert f"-{precision}" in flash["tiles"] and flash["check"]["passed"] is True
         assert flash["check"]["max_rel_err"] < 4 * storage_unit(precision)

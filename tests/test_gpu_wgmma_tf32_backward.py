@@ -18,6 +18,7 @@ from verify.files.generate import generate_case
 from verify.files.outputs import load_run
 from verify.stages import FLASH_GRAD_VALUES, Dims
 
+from helpers.environment import compute_capability
 from helpers.flash_gradients import FLASH_GRADS, FP32_GRADIENT_ERROR, flash_gradient_reference
 from helpers.reports import check_verdict
 
@@ -35,16 +36,6 @@ def max_error(precision: str, d: int) -> float:
     if precision == "tf32":
         return 16 * 2.0**-11
     return FP32_GRADIENT_ERROR if d == 64 else 2 * FP32_GRADIENT_ERROR
-
-
-def compute_capability() -> str:
-    """The first GPU's compute capability as nvidia-smi gives it ("9.0"), or "" where it cannot say."""
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=60).stdout
-    except (OSError, subprocess.SubprocessError):
-        return ""
-    return out.splitlines()[0].strip() if out.strip() else ""
 
 
 def hopper_or_skip(tiles: str, kernel: str) -> None:
