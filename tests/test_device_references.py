@@ -251,6 +251,47 @@ def test_clip_takes_python_bounds_on_a_device():
     assert not copies
 
 
+def test_isfinite_is_numpys_on_a_device_in_two_passes():
+    """arrays.isfinite: NumPy's isfinite on PyTorch's tensors (NaN and ±inf, float64 and float32),
+    from two element-wise kernels where PyTorch's own isfinite launches four."""
+    torch = _torch()
+    from torch.utils._python_dispatch import TorchDispatchMode  # noqa: PLC0415
+
+    class Kernels(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.calls = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.calls.append(str(func))
+            return func(*args, **(kwargs or {}))
+    x = np.array([np.nan, -np.inf, np.inf, -0.0, 1e308, -1e-320, np.finfo(np.float64).max])
+    for dtype in (np.float64, np.float32):
+        with np.errstate(over="ignore"):
+            y = x.astype(dtype)
+        t = torch.as_tensor(y)
+        np.testing.assert_array_equal(arrays.isfinite(y), np.isfinite(y))
+        with Kernels() as seen:
+            got = arrays.isfinite(t)
+        np.testing.assert_array_equal(got.numpy(), np.isfinite(y))
+        assert len(seen.calls) == 2, seen.calls
+    assert arrays.isfinite(torch.arange(3)).all()
+
+
+def test_common_factor_logits_stay_finite_under_a_cap():
+    """An infinite input under a softcap: the capped logit is ±C, finite, but scale·QK before the cap
+    is infinite and its slope 0, so the factor's product is NaN; the logits a common scale factor
+    multiplies are 0 there (a NaN would make its row's Σ p·S, and every bound of the row, NaN)."""
+    from verify.model.flash import common_factor_logits  # noqa: PLC0415
+    Q = np.array([[1.0, np.inf], [0.5, -0.25]])
+    K = np.array([[1.0, 2.0], [-1.0, 0.5], [0.25, 0.0]])
+    with np.errstate(invalid="ignore", over="ignore"):
+        out = common_factor_logits(Q, K, 0.3, HeadVariant(Variant(softcap=2.0)), None)
+    assert len(out) == 2
+    for S in out:
+        assert np.isfinite(S).all(), S
+
+
 @pytest.mark.parametrize("name", VARIANTS)
 def test_a_device_builds_the_mask_of_a_row_tile_itself(name, monkeypatch):
     """The causal flag's and window's mask of a row tile, built on the device from the indices, is

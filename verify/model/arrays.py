@@ -250,6 +250,18 @@ def clip(x, low: Optional[float] = None, high: Optional[float] = None):
     return _torch().clamp(x, low, high)
 
 
+def isfinite(x):
+    """Where x is finite (NumPy's isfinite). PyTorch's isfinite is four kernels, each a pass over
+    x (x == x, |x|, != inf, and their product); |x| <= the format's largest finite value is two,
+    and false for NaN as for ±inf."""
+    if not _is_tensor(x):
+        return np.isfinite(x)
+    torch = _torch()
+    if not x.dtype.is_floating_point:
+        return torch.ones_like(x, dtype=torch.bool)
+    return torch.abs(x) <= torch.finfo(x.dtype).max
+
+
 def binade_sq(x):
     """4^e for each x in ±[2^e, 2^(e+1)) of a float64 tensor (0 for 0 and subnormals): its bits
     with the sign and mantissa cleared, squared (verify/model/rounding.py's binade_sq, which
@@ -312,4 +324,4 @@ def concat_rows(parts):
 __all__ = ["DEVICES", "DeviceError", "cuda_visible", "resolve_device", "device_argument", "device_jobs",
            "on_device", "target", "visible_gpus", "to_device", "to_numpy", "to_numpy_all", "float64", "like",
            "put", "zeros", "clip", "add_product", "add_magnitude", "binade_sq", "namespace", "quiet", "concat_rows",
-           "sort_rows_with_columns", "running_max", "segment_sums"]
+           "sort_rows_with_columns", "running_max", "segment_sums", "isfinite"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..variant import Variant, hidden
-from .arrays import namespace, quiet
+from .arrays import isfinite, namespace, quiet
 from .scores import as_head
 
 _CAUSAL = Variant(causal=True)
@@ -38,7 +38,7 @@ def _exp_shifted(s):
     namespace's (verify/model/arrays.py)."""
     xp = namespace(s)
     m = xp.max(s, axis=1, keepdims=True)
-    m = xp.where(xp.isfinite(m), m, 0.0)
+    m = xp.where(isfinite(m), m, 0.0)
     if xp is np:
         e = np.subtract(s, m)
         return np.exp(e, out=e), m

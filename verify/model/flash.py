@@ -4,17 +4,17 @@ and dropout's rescaling.
 """
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import numpy as np
 
-from .arrays import like, namespace, put, zeros
+from .arrays import isfinite, like, namespace, put, zeros
 from .dot import mma_truncation_det, pv, pv_var, qk_var
 from .kernels import FLASH_LOGIT_ROUNDINGS, Kernel
 from .rounding import ROUND_VAR, HeadCache, everywhere, memo
 from .scores import HeadVariant, as_head, dropout_factor_error, modification_det
 from .tiles import over_rows, rows_of
-from .softmax import exponent_var, logits, mixed_output_var, p2_eta, raw_logits, rowsum_rel_var, softmax
+from .softmax import exponent_var, finite_logits, logits, mixed_output_var, p2_eta, raw_logits, rowsum_rel_var, softmax
 
 
 def flash_parts(Q: np.ndarray, K: np.ndarray, scale: float, head, u: float, kernel: Kernel,
@@ -67,13 +67,20 @@ def _compute_flash_parts(Q, K, scale: float, head: HeadVariant, u: float, kernel
     return S, p, m, eta_var, l_var, s_det
 
 
-def common_factor_logits(Q, K, scale: float, head: HeadVariant, cache: Optional[HeadCache]) -> List[np.ndarray]:
+def common_factor_logits(Q, K, scale: float, head: HeadVariant, cache: Optional[HeadCache]) -> Tuple[np.ndarray, ...]:
     """What one rounded factor common to the head may multiply: the logits (a folded log2(e),
     raised by flash-attn's causal ALiBi shift), and, where the variant modifies them, scale·QK
-    before the cap, as it reaches the logits ((1 − t²)·S0). 0 where hidden."""
+    before the cap, as it reaches the logits ((1 − t²)·S0). 0 where hidden or not finite (an
+    infinite input's S0 under the cap, whose slope is 0), so that a row's Σ_j p_j·S_j stays finite.
+    Kept in the cache: the forward's output and lse and the backward's weights each ask for them."""
+    return memo(cache, "common factor logits", (Q, K), (scale, head),
+                lambda: _common_factor_logits(Q, K, scale, head, cache))
+
+
+def _common_factor_logits(Q, K, scale: float, head: HeadVariant, cache: Optional[HeadCache]) -> Tuple[np.ndarray, ...]:
     S = logits(Q, K, scale, head, cache)
     xp = namespace(S)
-    finite = xp.isfinite(S)
+    finite = finite_logits(S, cache)
     out = [xp.where(finite, S, 0.0)]
     shift = head.flash_shift(*S.shape)
     if shift is not None:
@@ -81,18 +88,18 @@ def common_factor_logits(Q, K, scale: float, head: HeadVariant, cache: Optional[
     if head.modifies:
         S0 = raw_logits(Q, K, scale, cache)
         slope = head.cap_slope(S0)
-        out.append(xp.where(finite, S0 if slope is None else S0 * slope, 0.0))
-    return out
+        factor = S0 if slope is None else S0 * slope
+        out.append(xp.where(finite & isfinite(factor), factor, 0.0))
+    return tuple(out)  # (a tuple: the cache marks its NumPy arrays read-only, as they are shared)
 
 
 def common_scale_det(S: np.ndarray, p: np.ndarray, u: float):
     """A relative error δ ≤ u of the head's one float32 scale factor moves every logit by δ·S_j:
     ΔO = δ·Σ_j p_j (S_j - S̄)(v_j - O) and Δlse = δ·S̄ (S̄ = Σ_j p_j S_j). Returns the weights
-    w_j = u·p_j·|S_j - S̄| and u·|S̄|."""
+    w_j = u·p_j·|S_j - S̄| and u·|S̄|. S: common_factor_logits' (0 where hidden, so finite)."""
     xp = namespace(S)
-    Sf = xp.where(xp.isfinite(S), S, 0.0)
-    mean = xp.sum(p * Sf, axis=1, keepdims=True)
-    return u * p * xp.abs(Sf - mean), u * xp.abs(mean)
+    mean = xp.sum(p * S, axis=1, keepdims=True)
+    return u * p * xp.abs(S - mean), u * xp.abs(mean)
 
 
 def once(compute: Callable[[], np.ndarray]) -> Callable[[], np.ndarray]:

@@ -132,14 +132,14 @@ def _launch(A, B, partial, total, chunk: int):
 
 def _segment_starts(A, B, partial, seg_len: int, segments: int):
     """The running sum at each segment's start: partial, then partial plus the GEMMs of the
-    segments before (segments × R × C)."""
+    segments before (segments × R × C), from one batched GEMM of the segments and a running sum
+    over them (a GEMM a segment launched one at a time cost the host more than the GPU its work)."""
     torch = _torch()
-    starts = torch.empty((segments,) + tuple(partial.shape), dtype=torch.float64, device=A.device)
-    starts[0] = partial
-    for s in range(1, segments):
-        k0, k1 = (s - 1) * seg_len, s * seg_len
-        torch.addmm(starts[s - 1], A[:, k0:k1], B[k0:k1], out=starts[s])
-    return starts
+    (R, _), C = A.shape, B.shape[1]
+    k = (segments - 1) * seg_len  # (the segments before the last: each holds seg_len whole)
+    products = torch.bmm(A[:, :k].reshape(R, segments - 1, seg_len).transpose(0, 1),
+                         B[:k].reshape(segments - 1, seg_len, C))
+    return torch.cumsum(torch.cat([partial[None], products]), dim=0)
 
 
 def _torch():

@@ -8,7 +8,7 @@ from typing import Dict, Optional, Tuple
 
 import numpy as np
 
-from .arrays import clip, concat_rows, like, namespace, put, segment_sums, sort_rows_with_columns, to_numpy
+from .arrays import clip, concat_rows, isfinite, like, namespace, put, segment_sums, sort_rows_with_columns, to_numpy
 from .attention import scaled_scores
 from .kernels import SOFTMAX_FINAL_ROUNDINGS, Kernel
 from .rounding import ROUND_VAR, UNIT_ROUNDOFF, HeadCache, ToleranceError, everywhere, memo, step_var
@@ -48,12 +48,12 @@ def raw_logits(Q: np.ndarray, K: np.ndarray, scale: float, cache: Optional[HeadC
 def softmax_parts(S: np.ndarray):
     """p = softmax rows of S (masked -inf -> 0), d = S - rowmax (0 where masked), finite mask."""
     xp = namespace(S)
-    finite = xp.isfinite(S)
+    finite = isfinite(S)
     # An unmasked head skips every where() (NumPy's; on a device the test would wait for the
     # tile's kernels, and the where()s keep what they are given).
     masked = None if xp is np and bool(xp.all(finite)) else ~finite
     m = xp.max(S if masked is None else xp.where(finite, S, -math.inf), axis=1, keepdims=True)
-    m = xp.where(xp.isfinite(m), m, 0.0)
+    m = xp.where(isfinite(m), m, 0.0)
     d = S - m                                  # where(finite, S - m, 0)
     if masked is not None:
         d = put(d, 0.0, masked)
@@ -68,6 +68,13 @@ def softmax_parts(S: np.ndarray):
 
 def softmax(S: np.ndarray, cache: Optional[HeadCache]):
     return memo(cache, "softmax", (S,), (), lambda: softmax_parts(S))
+
+
+def finite_logits(S: np.ndarray, cache: Optional[HeadCache]):
+    """Where S is finite (not hidden), kept in the cache: the softmax's own test where it ran on
+    these logits, else a pass of its own."""
+    kept = cache.peek("softmax", (S,), ()) if cache is not None else None
+    return kept[3] if kept is not None else memo(cache, "finite logits", (S,), (), lambda: isfinite(S))
 
 
 def exponent_var(d: np.ndarray, finite: np.ndarray, u: float, kernel: Kernel,

@@ -20,7 +20,7 @@ from typing import List
 
 import numpy as np
 
-from ..model.arrays import concat_rows, float64, like, namespace, target, to_device, to_numpy
+from ..model.arrays import concat_rows, float64, isfinite, like, namespace, target, to_device, to_numpy
 from ..model.attention import log_sum_exp_rows, softmax_and_lse
 from ..model.flash import flash_forward_rows, flash_lse_sums
 from ..model.rounding import FLUSH, ROUND_VAR, ULP_IN_U, finite_abs, memo
@@ -96,7 +96,7 @@ def lse_var_det(Q, K, lse, scale, head, u, kernel, cache):
     head = as_head(head)
     m, eta_sum, l_var, det = forward_sums(Q, K, scale, head, u, kernel, cache)
     xp = namespace(lse)
-    finite = xp.isfinite(lse)
+    finite = isfinite(lse)
     lse = xp.where(finite, lse, 0.0)
     log_l = xp.where(finite, lse - m, 0.0)
     magnitude = xp.abs(m) + xp.abs(lse)

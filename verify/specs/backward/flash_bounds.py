@@ -11,7 +11,7 @@ from typing import NamedTuple, Tuple
 
 import numpy as np
 
-from ...model.arrays import clip, like, namespace, to_device, to_numpy_all, zeros
+from ...model.arrays import clip, isfinite, like, namespace, to_device, to_numpy_all, zeros
 from ...model.attention import log_sum_exp_rows
 from ...model.backward import CappedGrads, RowErrors, capped_grads, d_var, ds_var_parts, flash_rows, grad_over_keys_var
 from ...model.dot import mma_truncation_det, pv, pv_var, qk_var, rowdot_var
@@ -19,7 +19,7 @@ from ...model.flash import common_factor_logits, flash_output_var_det, flash_par
 from ...model.kernels import FLASH_LOGIT_ROUNDINGS
 from ...model.rounding import FLUSH, ROUND_VAR, HeadCache, everywhere, finish, finite_abs, memo
 from ...model.scores import HeadVariant, as_head, cap_factor_error, dropout_factor_error, modification_det
-from ...model.softmax import exponent_var, logits, need, raw_logits
+from ...model.softmax import exponent_var, finite_logits, logits, need, raw_logits
 from ...model.tiles import Total, flush_max, in_order, least, smallest, smallest_now
 from ...stages import FLASH_GRAD_QUERIES, FLASH_OUTPUT, GRAD_OUTPUT, KEYS, QUERIES, VALUES
 from ..base import Problem
@@ -65,7 +65,7 @@ def _recomputed_eta(Q, K, S, lse, finite, scale, head: HeadVariant, u, kernel, c
     xp = namespace(S)
     seen = everywhere(finite)  # (then the where()s are no-ops)
     eta = eta if seen else xp.where(finite, eta, 0.0)
-    d = S - xp.where(xp.isfinite(lse), lse, 0.0)
+    d = S - xp.where(isfinite(lse), lse, 0.0)
     d = d if seen else xp.where(finite, d, 0.0)
     return eta + exponent_var(d, finite, u, kernel, logit_magnitude(S, finite, head), FLASH_LOGIT_ROUNDINGS)
 
@@ -74,7 +74,7 @@ def _lse_magnitude(lse, head: HeadVariant, n: int, m: int) -> np.ndarray:
     """|lse| as a kernel that rounds it sees it (0 for a row that sees no key; raised by
     flash-attn's causal ALiBi shift)."""
     xp = namespace(lse)
-    mag = xp.where(xp.isfinite(lse), xp.abs(lse), 0.0)
+    mag = xp.where(isfinite(lse), xp.abs(lse), 0.0)
     shift = head.flash_shift(n, m)
     return mag if shift is None else mag + like(mag, np.abs(shift))
 
@@ -86,15 +86,20 @@ def _flushed_entries(P, dS):
     terms."""
     edge = 2 * FLUSH  # margin for the weight's own rounding error near the edge
     xp = namespace(P)
-    tiny_p = (P < edge) & (P > 0)
-    lost = (tiny_p | (xp.abs(dS) < edge)) & (dS != 0)
-    # On a device the test would wait for the tile's kernels; the terms are kept whatever they
-    # hold (zeros where nothing is lost, which add nothing).
-    if xp is np and not (lost.any() or tiny_p.any()):
-        return None, None
+    abs_ds = xp.abs(dS)
     # Twice the lost terms: a gradient made of one lost term equals its bound exactly, and the
     # reference's own rounding must not decide such a case.
-    return xp.where(lost, 2 * xp.abs(dS), 0.0), xp.where(tiny_p, 2 * P, 0.0)
+    if xp is not np:
+        # On a device a test of the tile would wait for its kernels: the terms are kept whatever
+        # they hold (zeros where nothing is lost, which add nothing). A dS of 0 gives a zero term
+        # whether it is counted lost or not, so the test of dS ≠ 0 is left out (two passes fewer).
+        tiny_p = (P < edge) & (P > 0)
+        return xp.where(tiny_p | (abs_ds < edge), 2 * abs_ds, 0.0), xp.where(tiny_p, 2 * P, 0.0)
+    tiny_p = (P < edge) & (P > 0)
+    lost = (tiny_p | (abs_ds < edge)) & (dS != 0)
+    if not (lost.any() or tiny_p.any()):
+        return None, None
+    return xp.where(lost, 2 * abs_ds, 0.0), xp.where(tiny_p, 2 * P, 0.0)
 
 
 class GradBounds(NamedTuple):
@@ -221,7 +226,7 @@ def _own_tile(src, scale, head: HeadVariant, u, kernel, cache, keys: KeyGrads, r
     qk = Q @ K.T  # (once for the weights, the logits and their dot products' variance)
     P, dP, D, dS, _ = flash_terms(src, scale, masked, head=head, qk=qk)
     xp = namespace(Q)
-    finite = ~masked & xp.isfinite(lse)
+    finite = ~masked & isfinite(lse)
     S = logits(Q, K, scale, head, cache, lambda: qk)
     S = S if everywhere(finite) else xp.where(finite, S, 0.0)
     eta = _recomputed_eta(Q, K, S, lse, finite, scale, head, u, kernel, cache, lambda: qk)
@@ -338,7 +343,7 @@ def _chain_tile(Q, K, V, dO, scale, head: HeadVariant, u, kernel, cache, keys: K
     row sums, then the forward's output and lse); dK's and dV's parts into keys."""
     S, p, m, eta_fwd, l_var, s_det = flash_parts(Q, K, scale, head, u, kernel, cache)
     xp = namespace(S)
-    finite = xp.isfinite(S)
+    finite = finite_logits(S, cache)
     lse = log_sum_exp_rows(S)
     lse_var, lse_det = lse_var_det(Q, K, lse, scale, head, u, kernel, cache)
     # The same weights, dP, D and dS as the stage path's chain (bounds.stage_chain), without its
