@@ -44,7 +44,7 @@ def ds_round_var(P: np.ndarray, dP: np.ndarray, D: np.ndarray, u: float, extra: 
     """Variance of dS's own roundings (either route: P∘(dP − D) or P·dP − P·D); extra: more
     roundings of the same magnitude (dropout's product dP·Z·(1/(1 − p)))."""
     xp = namespace(P)
-    a = xp.abs(P * dP) + xp.abs(P * D)
+    a = P * xp.abs(dP) + P * xp.abs(D)  # (|P·x| = P·|x| exactly: weights are never negative)
     return (DS_ROUNDINGS + extra) * ROUND_VAR * u * u * a * a
 
 
@@ -58,7 +58,7 @@ def ds_var_parts(P, dP, D, dS, rows: RowErrors, dP_var, u, extra: int = 0):
         indep = indep + rows.weight_round * (dP - D) ** 2
     indep = indep + ds_round_var(P, dP, D, u, extra)
     xp = namespace(dS)
-    shared = xp.abs(dS) * xp.sqrt(rows.shared) + xp.abs(P) * xp.sqrt(rows.D)
+    shared = xp.abs(dS) * xp.sqrt(rows.shared) + P * xp.sqrt(rows.D)  # (P ≥ 0: its own magnitude)
     return xp.sqrt(indep), shared
 
 

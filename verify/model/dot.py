@@ -348,8 +348,8 @@ def _expected_var(S: np.ndarray, T2: np.ndarray, K: int, u: float, product_var: 
     # as a·T2 + b·S·S: four passes over the result, not nine.
     grow = ENERGY_FALLBACK_FACTOR * (K + 1) * ROUND_VAR
     a, b = u * u * (grow / 6.0 + product_var), u * u * (grow / 3.0)
-    if not isinstance(S, np.ndarray):  # a device's: the same grouping, out of place
-        return T2 * a + (S * S) * b
+    if not isinstance(S, np.ndarray):  # a device's: a·T2 + b·S² in two passes, not four
+        return (T2 * a).addcmul_(S, S, value=b)
     var = np.multiply(T2, a, out=T2)
     s2 = np.multiply(S, S)
     s2 *= b

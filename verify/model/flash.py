@@ -31,7 +31,7 @@ def logit_magnitude(S: np.ndarray, finite: np.ndarray, head: HeadVariant) -> np.
     (flash-attn's slope·j; HeadVariant.flash_shift), 0 where hidden."""
     xp = namespace(S)
     seen = everywhere(finite)  # (then the where()s are no-ops)
-    mag = xp.abs(S) if seen else xp.where(finite, xp.abs(xp.where(finite, S, 0.0)), 0.0)
+    mag = xp.abs(S) if seen else xp.where(finite, xp.abs(S), 0.0)
     shift = head.flash_shift(*S.shape)
     if shift is not None:
         mag = mag + like(S, np.abs(shift)) if seen else xp.where(finite, mag + like(S, np.abs(shift)), 0.0)
