@@ -44,7 +44,7 @@ def ds_round_var(P: np.ndarray, dP: np.ndarray, D: np.ndarray, u: float, extra: 
     """Variance of dS's own roundings (either route: P∘(dP − D) or P·dP − P·D); extra: more
     roundings of the same magnitude (dropout's product dP·Z·(1/(1 − p)))."""
     xp = namespace(P)
-    a = P * xp.abs(dP) + P * xp.abs(D)  # (|P·x| = P·|x| exactly: weights are never negative)
+    a = P * xp.abs(dP) + P * xp.abs(D)  # (|P·x| = ±P·|x| exactly: squared below, the sign of P is lost)
     return (DS_ROUNDINGS + extra) * ROUND_VAR * u * u * a * a
 
 
