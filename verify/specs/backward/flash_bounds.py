@@ -87,18 +87,17 @@ def _flushed_entries(P, dS):
     edge = 2 * FLUSH  # margin for the weight's own rounding error near the edge
     xp = namespace(P)
     abs_ds = xp.abs(dS)
-    # Twice the lost terms: a gradient made of one lost term equals its bound exactly, and the
-    # reference's own rounding must not decide such a case.
-    if xp is not np:
-        # On a device a test of the tile would wait for its kernels: the terms are kept whatever
-        # they hold (zeros where nothing is lost, which add nothing). A dS of 0 gives a zero term
-        # whether it is counted lost or not, so the test of dS ≠ 0 is left out (two passes fewer).
-        tiny_p = (P < edge) & (P > 0)
-        return xp.where(tiny_p | (abs_ds < edge), 2 * abs_ds, 0.0), xp.where(tiny_p, 2 * P, 0.0)
     tiny_p = (P < edge) & (P > 0)
-    lost = (tiny_p | (abs_ds < edge)) & (dS != 0)
-    if not (lost.any() or tiny_p.any()):
-        return None, None
+    lost = tiny_p | (abs_ds < edge)
+    if xp is np:
+        lost &= dS != 0
+        if not (lost.any() or tiny_p.any()):
+            return None, None
+    # (On a device a test of the tile would wait for its kernels: the terms are kept whatever they
+    # hold, zeros where nothing is lost, which add nothing; and a dS of 0 gives a zero term whether
+    # it is counted lost or not, so the test of dS ≠ 0 is left out: two passes fewer.) Twice the
+    # lost terms: a gradient made of one lost term equals its bound exactly, and the reference's
+    # own rounding must not decide such a case.
     return xp.where(lost, 2 * abs_ds, 0.0), xp.where(tiny_p, 2 * P, 0.0)
 
 
