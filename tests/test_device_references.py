@@ -36,6 +36,7 @@ from verify.check.pool import NO_MEMORY_EXIT
 from verify.check.reference import compute_stage, reference_chain
 from verify.cli import check as check_cli
 from verify.model import arrays, dot, mma, tiles
+from verify.model.dot import rowdot_var, rowdot_var_later
 from verify.specs import flash as flash_spec
 from verify.specs.backward import flash_bounds, flash_tiles
 from verify.stages import FLASH_GRAD_KEYS, FLASH_GRAD_QUERIES, FLASH_GRAD_VALUES, FLASH_LSE, FLASH_OUTPUT
@@ -181,18 +182,37 @@ def test_the_device_truncation_model_batches_its_chunks(batch, monkeypatch):
 
 
 def test_equal_terms_regroup_alike_on_a_device():
-    """correlated_sum's groups of equal terms (zeros among them), found and summed on the device,
-    give NumPy's sums; rows without repeats are left as they are."""
+    """correlated_sum's groups of equal terms (zeros among them), found and summed on the device
+    without reading the rows back, give NumPy's sums; rows without repeated nonzero terms (zeros
+    repeated alone) are left as they are, and one of a single term too."""
     torch = _torch()
     rng = np.random.default_rng(4)
-    terms = rng.choice(rng.random(9).astype(np.float32), size=(7, 60))
-    terms[rng.random(terms.shape) < 0.2] = 0
-    terms[0] = np.arange(1, 61, dtype=np.float32)
-    var = rng.random(terms.shape)
-    want = correlated_sum(var, EqualTerms(terms))
-    got = correlated_sum(torch.as_tensor(var), EqualTerms(torch.as_tensor(terms)))
-    assert isinstance(got, torch.Tensor) and want[0] == var[0].sum()
-    np.testing.assert_allclose(got.numpy(), want, rtol=1e-13, atol=0)
+    for cols in (60, 1):
+        terms = rng.choice(rng.random(9).astype(np.float32), size=(7, cols))
+        terms[rng.random(terms.shape) < 0.2] = 0
+        terms[0] = np.arange(1, cols + 1, dtype=np.float32)
+        terms[1] = np.where(np.arange(cols) % 3 == 0, 0, np.arange(1, cols + 1)).astype(np.float32)
+        var = rng.random(terms.shape)
+        want = correlated_sum(var, EqualTerms(terms))
+        got = correlated_sum(torch.as_tensor(var), EqualTerms(torch.as_tensor(terms)))
+        assert isinstance(got, torch.Tensor) and want[0] == var[0].sum() and want[1] == var[1].sum()
+        np.testing.assert_allclose(got.numpy(), want, rtol=1e-13, atol=0)
+
+
+def test_equal_terms_on_a_device_read_nothing_back(monkeypatch):
+    """Finding and summing the groups on a device reads nothing back to the host: a read would
+    wait for every kernel queued before it, once a row tile."""
+    torch = _torch()
+    rng = np.random.default_rng(5)
+    terms = torch.as_tensor(rng.choice(rng.random(5).astype(np.float32), size=(4, 30)))
+    var = torch.as_tensor(rng.random((4, 30)))
+
+    def read_back(*args, **kwargs):
+        raise AssertionError("read back to the host")
+    for name in ("cpu", "numpy", "item", "tolist", "nonzero", "__bool__", "__int__", "__index__", "__float__"):
+        monkeypatch.setattr(torch.Tensor, name, read_back)
+    monkeypatch.setattr(torch, "nonzero", read_back)
+    assert correlated_sum(var, EqualTerms(terms)).shape == (4,)
 
 
 def _rows_to_sort():
@@ -517,3 +537,29 @@ def test_the_visible_gpus_are_named_as_a_child_process_would_see_them(monkeypatc
     assert arrays.visible_gpus() == ["0", "1"]
     monkeypatch.setattr(arrays, "cuda_visible", lambda: False)
     assert arrays.visible_gpus() == []
+
+
+def test_rows_read_back_later_give_the_rows_model():
+    """rowdot_var_later (the flash chain's D rows, NumPy's exact model for a device's rows): the
+    model of rowdot_var, on NumPy and on a device."""
+    torch = _torch()
+    rng = np.random.default_rng(6)
+    A, B = rng.normal(size=(12, 64)), rng.normal(size=(12, 64))
+    want = rowdot_var(A, B, 2.0**-24)
+    assert np.array_equal(rowdot_var_later(A, B, 2.0**-24)(), want)
+    got = rowdot_var_later(torch.as_tensor(A), torch.as_tensor(B), 2.0**-24)()
+    assert isinstance(got, torch.Tensor) and np.array_equal(got.numpy(), want)
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_copies_that_do_not_wait_carry_the_values(cuda_torch):
+    """arrays.to_numpy_later's copy, started before more kernels are queued, holds the values as
+    they were; arrays.like's copy to the GPU (from page-locked memory, not waiting) those given."""
+    torch = cuda_torch
+    x = torch.arange(1 << 20, dtype=torch.float64, device="cuda")
+    later = arrays.to_numpy_later(x)
+    x.mul_(2.0)  # (queued after the copy: not in it)
+    y = x @ x
+    np.testing.assert_array_equal(later(), np.arange(1 << 20, dtype=np.float64))
+    mask = np.arange(1000) % 3 == 0
+    np.testing.assert_array_equal(arrays.like(y, mask).cpu().numpy(), mask)

@@ -17,7 +17,7 @@ import os
 import sys
 import warnings
 from contextvars import ContextVar
-from typing import Iterator, List, Optional, Tuple
+from typing import Callable, Iterator, List, Optional, Tuple
 
 import numpy as np
 
@@ -170,6 +170,24 @@ def to_numpy(x) -> np.ndarray:
     return x.detach().cpu().numpy()
 
 
+def to_numpy_later(x) -> Callable[[], np.ndarray]:
+    """A function that returns to_numpy(x). A CUDA tensor's copy to the host starts now, into
+    page-locked memory, and the function waits for that copy alone: the kernels queued between
+    now and the call run on meanwhile (to_numpy waits for all that is queued when it is called)."""
+    if not _is_tensor(x) or x.device.type != "cuda":
+        return lambda: to_numpy(x)
+    torch = _torch()
+    host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+    host.copy_(x.detach(), non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+
+    def read() -> np.ndarray:
+        done.synchronize()
+        return host.numpy()
+    return read
+
+
 def _is_tensor(x) -> bool:
     """x is a PyTorch tensor (PyTorch loaded only where one can exist)."""
     tensor = getattr(sys.modules.get("torch"), "Tensor", None)  # (None while another thread imports it)
@@ -198,7 +216,12 @@ def like(x, a):
         return a
     if _is_tensor(a):
         return a.to(x.device)
-    return _torch().as_tensor(np.array(a), device=x.device)  # a copy: the mask may be read-only
+    a = _torch().as_tensor(np.array(a))  # (a copy: the mask may be read-only)
+    if x.device.type != "cuda":
+        return a.to(x.device)
+    # From page-locked memory without waiting: a copy that waits would wait for every kernel queued
+    # before it (PyTorch keeps the page-locked block until the copy is done).
+    return a.pin_memory().to(x.device, non_blocking=True)
 
 
 def namespace(*xs):
@@ -295,6 +318,13 @@ def sort_rows_with_columns(x):
     return torch.take_along_dim(x, columns, dim=-1), columns
 
 
+def take_along_rows(x, columns):
+    """x's elements at the given columns of each row (NumPy's take_along_axis on axis 1)."""
+    if isinstance(x, np.ndarray):
+        return np.take_along_axis(x, columns, axis=1)
+    return _torch().take_along_dim(x, columns, dim=1)
+
+
 def segment_sums(labels, weights, n: int):
     """The sums of weights by label (n labels 0 … n − 1; NumPy's bincount)."""
     if isinstance(weights, np.ndarray):
@@ -324,4 +354,4 @@ def concat_rows(parts):
 __all__ = ["DEVICES", "DeviceError", "cuda_visible", "resolve_device", "device_argument", "device_jobs",
            "on_device", "target", "visible_gpus", "to_device", "to_numpy", "to_numpy_all", "float64", "like",
            "put", "zeros", "clip", "add_product", "add_magnitude", "binade_sq", "namespace", "quiet", "concat_rows",
-           "sort_rows_with_columns", "running_max", "segment_sums", "isfinite"]
+           "to_numpy_later", "sort_rows_with_columns", "take_along_rows", "running_max", "segment_sums", "isfinite"]

@@ -7,11 +7,11 @@ import contextlib
 import contextvars
 import functools
 import math
-from typing import Dict, List, NamedTuple, Optional, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import numpy as np
 
-from .arrays import float64, like, namespace, to_numpy
+from .arrays import float64, like, namespace, to_numpy, to_numpy_later
 from .mma import mma_running_sums, mma_truncation_det  # noqa: F401 (the dot products' truncation model)
 from .rounding import FLUSH, ROUND_VAR, HeadCache, binade, binade_sq, finite_abs, memo
 
@@ -338,6 +338,16 @@ def rowdot_var(A: np.ndarray, B: np.ndarray, u: float, product_var: float = ROUN
         np.multiply(A[r0:r0 + rows].T, B[r0:r0 + rows].T, out=t[:K])
         out[r0:r0 + rows, 0] = _sums_var(t, K, u, product_var, scratch)
     return out
+
+
+def rowdot_var_later(A, B, u: float, product_var: float = ROUND_VAR) -> Callable[[], np.ndarray]:
+    """A function returning rowdot_var(A, B, u, product_var): a device's rows for NumPy's exact model
+    start their copies now, the call waits for those alone (arrays.to_numpy_later)."""
+    if isinstance(A, np.ndarray) or not exact_energy(_rows(A.shape[0]), A.shape[1], 1):
+        var = rowdot_var(A, B, u, product_var)
+        return lambda: var
+    a, b = to_numpy_later(float64(A)), to_numpy_later(float64(B))
+    return lambda: like(A, rowdot_var(a(), b(), u, product_var))
 
 
 def _expected_var(S: np.ndarray, T2: np.ndarray, K: int, u: float, product_var: float) -> np.ndarray:

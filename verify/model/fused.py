@@ -1,14 +1,14 @@
 """One-pass kernels on a CUDA device for the model's primitives whose PyTorch composition passes
-over memory many times: the same sums in float64, to its rounding (here each product is added to
-the running sum in turn, where the composition adds a chunk's GEMM; a segment starts from a GEMM),
-written once in Triton, which PyTorch's CUDA builds carry.
+over memory many times: the same sums in float64, to its rounding (each chunk's product a float64
+tensor-core dot here, a GEMM in the composition; a segment starts from a GEMM), written once in
+Triton, which PyTorch's CUDA builds carry.
 Where Triton cannot run (no CUDA device, PyTorch on the CPU, Triton missing or failing to compile),
 the caller's composition runs instead: these are a speed-up, never a second model.
 
 running_sums is tensor-core truncation's model (verify/model/mma.py): A @ B an MMA_K-long chunk of
 its sum at a time, with the sum of the running sum's magnitudes after each chunk. Composed of
 PyTorch operations, each chunk's product, its running sum and its magnitude are N×M passes of their
-own; here every output element keeps both sums in registers while the products stream through.
+own; here every output element keeps both sums in registers while the chunks stream through.
 """
 from __future__ import annotations
 
@@ -16,8 +16,13 @@ import functools
 import warnings
 from typing import Optional, Tuple
 
-# Output tiles of the kernel: BLOCK_R × BLOCK_C elements a program, two float64 sums each.
-BLOCK_R, BLOCK_C = 32, 32
+# Output tiles of the kernel: BLOCK_R × BLOCK_C elements a program, two float64 sums each, on
+# NUM_WARPS warps (the fastest of the tiles and warps tried on an H100: docs/performance.md).
+# BLOCK_K: the k extent of each chunk's dot, the shortest float64 dot Triton compiles (16): the
+# chunk's entries and zeros after them, so the tensor cores do twice the products, still several
+# times faster than a product at a time on the float64 units.
+BLOCK_R, BLOCK_C, NUM_WARPS = 32, 64, 4
+BLOCK_K = 16
 
 # A long sum (the keys of P·V, the queries of dK) runs in segments of its chunks when its output
 # has too few tiles to fill the GPU: each segment starts from the running sum at its start (one
@@ -40,7 +45,7 @@ def _kernel():
     @triton.jit
     def running_sums_kernel(a_ptr, b_ptr, start_ptr, partial_ptr, total_ptr, R, C, K, seg_len,
                             s_ar, s_ak, s_bk, s_bc, s_ss, s_sr, s_sc, s_ts,
-                            CHUNK: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+                            CHUNK: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
         rows = tl.program_id(0) * BR + tl.arange(0, BR)
         cols = tl.program_id(1) * BC + tl.arange(0, BC)
         seg = tl.program_id(2)
@@ -50,12 +55,17 @@ def _kernel():
         acc = tl.load(start_ptr + seg * s_ss + at, mask=inside, other=0.0)
         total = tl.full((BR, BC), 0.0, tl.float64)
         k_end = tl.minimum(K, (seg + 1) * seg_len)
+        kk = tl.arange(0, BK)
         for k0 in range(seg * seg_len, k_end, CHUNK):
-            for j in tl.static_range(CHUNK):
-                k = k0 + j
-                a = tl.load(a_ptr + rows * s_ar + k * s_ak, mask=in_r & (rows * 0 + k < k_end), other=0.0)
-                b = tl.load(b_ptr + k * s_bk + cols * s_bc, mask=in_c & (cols * 0 + k < k_end), other=0.0)
-                acc += a[:, None] * b[None, :]
+            # One chunk: its CHUNK columns of A and rows of B, the rest of the BK-long block
+            # loaded as zeros (nothing read), so the dot adds exactly the chunk's products.
+            ks = k0 + kk
+            mine = (kk < CHUNK) & (ks < k_end)
+            a = tl.load(a_ptr + rows[:, None] * s_ar + ks[None, :] * s_ak, mask=in_r[:, None] & mine[None, :],
+                        other=0.0)
+            b = tl.load(b_ptr + ks[:, None] * s_bk + cols[None, :] * s_bc, mask=mine[:, None] & in_c[None, :],
+                        other=0.0)
+            acc = tl.dot(a, b, acc, out_dtype=tl.float64)
             total += tl.abs(acc)
         out = rows[:, None] * C + cols[None, :]
         tl.store(total_ptr + seg * s_ts + out, total, mask=inside)
@@ -123,7 +133,8 @@ def _launch(A, B, partial, total, chunk: int):
     kernel[grid](A, B, starts, partials, totals, R, C, K, seg_len,
                  A.stride(0), A.stride(1), B.stride(0), B.stride(1),
                  starts.stride(0), starts.stride(1), starts.stride(2), R * C,
-                 CHUNK=chunk, BR=BLOCK_R, BC=BLOCK_C, num_warps=4)
+                 CHUNK=chunk, BK=triton.next_power_of_2(max(BLOCK_K, chunk)), BR=BLOCK_R, BC=BLOCK_C,
+                 num_warps=NUM_WARPS)
     # The last segment's running sum is A @ B's (a copy of its own: a carry across tiles then holds
     # no other segment's).
     partial_out = partials[0] if segments == 1 else partials[-1].clone()

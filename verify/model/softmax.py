@@ -8,7 +8,8 @@ from typing import Dict, Optional, Tuple
 
 import numpy as np
 
-from .arrays import clip, concat_rows, isfinite, like, namespace, put, segment_sums, sort_rows_with_columns, to_numpy
+from .arrays import (clip, concat_rows, isfinite, namespace, put, segment_sums, sort_rows_with_columns,
+                     take_along_rows)
 from .attention import scaled_scores
 from .kernels import SOFTMAX_FINAL_ROUNDINGS, Kernel
 from .rounding import ROUND_VAR, UNIT_ROUNDOFF, HeadCache, ToleranceError, everywhere, memo, step_var
@@ -155,31 +156,48 @@ def _rowsum_step_var(p: np.ndarray, u: float) -> np.ndarray:
 
 
 class EqualTerms:
-    """The groups of equal terms in the rows of a sum that has repeated nonzero terms (rows: their
-    indices, a NumPy array), in the terms' namespace: of the terms that share their value with
-    another of their row (zeros too), `at` their flat index in the rows × terms array, `label` their
-    group, and `group_rows` each group's row. At thousands of keys most rows have some: two of 8192
-    float32 exponentials in a few binades share a value more often than not; but few of a row's
-    terms do, and only they are regrouped (correlated_sum)."""
+    """The groups of equal terms in the rows of a sum that has repeated nonzero terms, in the
+    terms' namespace. At thousands of keys most rows have some: two of 8192 float32 exponentials in
+    a few binades share a value more often than not; but few of a row's terms do, and only they are
+    regrouped (correlated_sum). NumPy's: `rows` (a NumPy array) the rows with repeats, and of their
+    terms that share their value with another of their row (zeros too), `at` their flat index in
+    the rows × terms array, `label` their group, `group_rows` each group's row. A device's: the same
+    groups, found without reading the rows back (a read waits for every kernel queued before it):
+    `columns` the column of each term of the rows sorted, `member` whether it belongs to a group (it
+    equals a neighbour there, in a row with repeats), `label` its run of equal terms, numbered
+    across the rows."""
 
     def __init__(self, terms):
         xp = namespace(terms)
         ordered, columns = sort_rows_with_columns(terms)  # (equal terms in column order)
-        repeats = xp.any((ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] != 0), axis=1)
-        self.rows = np.flatnonzero(to_numpy(repeats))
+        same = ordered[:, 1:] == ordered[:, :-1]
+        repeats = xp.any(same & (ordered[:, 1:] != 0), axis=1)
+        if xp is not np:
+            self._on_device(xp, ordered, columns, same, repeats)
+            return
+        self.rows = np.flatnonzero(repeats)
         if not self.rows.size:
             return
-        rows = like(terms, self.rows)
-        keys, order = ordered[rows], columns[rows]
-        same = keys[:, 1:] == keys[:, :-1]  # (a row with repeats has two terms at least)
-        none = xp.zeros_like(same[:, :1])
+        keys, order = ordered[self.rows], columns[self.rows]
+        same = same[self.rows]  # (a row with repeats has two terms at least)
+        none = np.zeros_like(same[:, :1])
         after, before = _concat_cols(xp, [same, none]), _concat_cols(xp, [none, same])
-        row, k = xp.nonzero(after | before)  # each member, row by row, in sorted order
+        row, k = np.nonzero(after | before)  # each member, row by row, in sorted order
         starts = ~before[row, k]
-        starts = starts | _concat_cols(xp, [xp.ones_like(row[:1], dtype=xp.bool), row[1:] != row[:-1]])
-        self.label = (np.cumsum(starts) if xp is np else xp.cumulative_sum(xp.astype(starts, xp.int64))) - 1
-        self.group_rows = like(row, self.rows)[row[starts]]
-        self.at = like(row, self.rows)[row] * terms.shape[1] + order[row, k]
+        starts = starts | _concat_cols(xp, [np.ones_like(row[:1], dtype=bool), row[1:] != row[:-1]])
+        self.label = np.cumsum(starts) - 1
+        self.group_rows = self.rows[row[starts]]
+        self.at = self.rows[row] * terms.shape[1] + order[row, k]
+
+    def _on_device(self, xp, ordered, columns, same, repeats) -> None:
+        R, M = ordered.shape
+        self.columns = columns
+        none = xp.zeros_like(same[:, :1])
+        self.member = (_concat_cols(xp, [same, none]) | _concat_cols(xp, [none, same])) & repeats[:, None]
+        starts = _concat_cols(xp, [xp.ones_like(none), ~same])
+        runs = xp.cumulative_sum(xp.astype(starts, xp.int64), axis=1) - 1
+        self.label = xp.reshape(runs + xp.reshape(xp.arange(R, dtype=xp.int64, device=ordered.device) * M, (R, 1)),
+                                (-1,))
 
 
 def _concat_cols(xp, parts):
@@ -199,6 +217,12 @@ def correlated_sum(var: np.ndarray, equal: EqualTerms) -> np.ndarray:
     members only, so that a regrouped row costs its repeated terms, not all of its terms."""
     xp = namespace(var)
     total = xp.sum(var, axis=1)
+    if xp is not np:  # (each run of equal terms sums its members alone: others add 0² − 0)
+        v = xp.where(equal.member, take_along_rows(var, equal.columns), 0.0)
+        flat = xp.reshape(v, (-1,))
+        extra = segment_sums(equal.label, xp.sqrt(flat), flat.shape[0]) ** 2 \
+            - segment_sums(equal.label, flat, flat.shape[0])
+        return total + xp.sum(xp.reshape(extra, v.shape), axis=1)
     if not equal.rows.size:
         return total
     v = xp.reshape(var, (-1,))[equal.at]

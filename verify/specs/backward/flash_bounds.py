@@ -14,7 +14,7 @@ import numpy as np
 from ...model.arrays import clip, isfinite, like, namespace, to_device, to_numpy_all, zeros
 from ...model.attention import log_sum_exp_rows
 from ...model.backward import CappedGrads, RowErrors, capped_grads, d_var, ds_var_parts, flash_rows, grad_over_keys_var
-from ...model.dot import mma_truncation_det, pv, pv_var, qk_var, rowdot_var
+from ...model.dot import mma_truncation_det, pv, pv_var, qk_var, rowdot_var, rowdot_var_later
 from ...model.flash import common_factor_logits, flash_output_var_det, flash_parts, logit_magnitude, plus
 from ...model.kernels import FLASH_LOGIT_ROUNDINGS
 from ...model.rounding import FLUSH, ROUND_VAR, HeadCache, everywhere, finish, finite_abs, memo
@@ -350,6 +350,7 @@ def _chain_tile(Q, K, V, dO, scale, head: HeadVariant, u, kernel, cache, keys: K
     dropout = int(head.dropout > 0)
     pz = head.dropped(p)
     O = pv(pz, V, cache)  # (the forward's, below)
+    d_rows = rowdot_var_later(dO, O, u)  # (D's dot products: on a device read back once the forward's are queued)
     dP = dO @ V.T
     D = d_reference(dO, O)
     dS = ds_reference(p, dP, D, head)
@@ -358,7 +359,7 @@ def _chain_tile(Q, K, V, dO, scale, head: HeadVariant, u, kernel, cache, keys: K
     O_det = forward[1]
     acc = kernel.rescale_factor * pv_var(pz, V, u, kernel.flash_product_var + ROUND_VAR * dropout, cache) \
         + ((kernel.final_roundings + dropout) * ROUND_VAR + kernel.div_var) * (u * O) ** 2
-    Dv = d_var(p, eta_fwd, l_var, None, dO, head.dropped(dP), D, acc, rowdot_var(dO, O, u))
+    Dv = d_var(p, eta_fwd, l_var, None, dO, head.dropped(dP), D, acc, d_rows())
     D_sd = xp.sqrt(Dv) + xp.sum(xp.abs(dO) * O_det, axis=1, keepdims=True)
     eta = _recomputed_eta(Q, K, S, lse, finite, scale, head, u, kernel, cache)
     lse_mag = _lse_magnitude(lse, head, Q.shape[0], K.shape[0])
