@@ -563,3 +563,25 @@ def test_on_a_gpu_copies_that_do_not_wait_carry_the_values(cuda_torch):
     np.testing.assert_array_equal(later(), np.arange(1 << 20, dtype=np.float64))
     mask = np.arange(1000) % 3 == 0
     np.testing.assert_array_equal(arrays.like(y, mask).cpu().numpy(), mask)
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_a_tiles_host_work_queues_without_waiting(cuda_torch):
+    """Grouping and summing equal terms, arrays.like's upload and arrays.to_numpy_later's copy
+    queue their work without waiting for the GPU (a wait would make a tile's host work and the
+    GPU's take turns): PyTorch's sync debug mode raises on an operation that waits."""
+    torch = cuda_torch
+    rng = np.random.default_rng(7)
+    terms = torch.as_tensor(rng.choice(rng.random(5).astype(np.float32), size=(6, 50)), device="cuda")
+    var = torch.as_tensor(rng.random((6, 50)), device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = correlated_sum(var, EqualTerms(terms))
+        mask = arrays.like(var, np.arange(50) % 2 == 0)
+        later = arrays.to_numpy_later(got)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    want = correlated_sum(var.cpu().numpy(), EqualTerms(terms.cpu().numpy()))
+    np.testing.assert_allclose(later(), want, rtol=1e-13, atol=0)
+    assert mask.cpu().numpy().tolist() == (np.arange(50) % 2 == 0).tolist()

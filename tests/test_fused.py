@@ -39,7 +39,9 @@ _INTERPRETED_CASES = {"short": (5, 37, 7, False, False, False), "carried": (33, 
                       "segments": (16, 8 * 70, 9, False, False, False),
                       "segments-short-last-chunk": (3, 8 * 200 + 3, 5, True, False, False),
                       "transposed": (24, 40, 6, False, True, False),
-                      "transposed-b-and-carried": (12, 80, 10, True, False, True)}
+                      "transposed-b-and-carried": (12, 80, 10, True, False, True),
+                      "column-tiles": (40, 8 * 3 + 1, 129, True, True, True),
+                      "nonfinite": (9, 8 * 5 + 2, 70, False, False, False)}
 _INTERPRETER = """
 import json, sys
 import numpy as np, torch, triton, triton.language as tl
@@ -67,13 +69,21 @@ def view(x, transposed):
 for name, (R, K, C, carried, a_t, b_t) in json.loads(sys.argv[1]).items():
     rng = np.random.default_rng(R * K)
     A, B = rng.standard_normal((R, K)), rng.standard_normal((K, C))
+    if name == "nonfinite":  # (an inf and a NaN: the same entries non-finite, none spread by padding)
+        A[1, 20], B[33, 65] = np.inf, np.nan
     partial = rng.standard_normal((R, C)) if carried else np.zeros((R, C))
     total = np.abs(rng.standard_normal((R, C))) if carried else np.zeros((R, C))
     want_p, want_t = mma.mma_running_sums(A, B, partial.copy(), total.copy())
     got_p, got_t = fused._launch(view(A, a_t), view(B, b_t), view(partial, b_t), view(total, b_t), MMA_K)
+    got_t, got_p = got_t.numpy(), got_p.numpy()
+    if not (np.array_equal(np.isnan(got_t), np.isnan(want_t)) and np.array_equal(np.isnan(got_p), np.isnan(want_p))
+            and np.array_equal(np.isinf(got_t), np.isinf(want_t))):
+        out[name] = [np.inf, np.inf]
+        continue
+    ok = np.isfinite(want_t) & np.isfinite(want_p)
     # (a running sum near 0: its difference against the magnitudes)
-    out[name] = [float(np.max(np.abs(got_t.numpy() - want_t) / want_t)),
-                 float(np.max(np.abs(got_p.numpy() - want_p) / want_t))]
+    out[name] = [float(np.max(np.abs(got_t - want_t)[ok] / want_t[ok])),
+                 float(np.max(np.abs(got_p - want_p)[ok] / want_t[ok]))]
 print(json.dumps(out))
 """
 
@@ -96,8 +106,9 @@ def interpreted():
 
 @pytest.mark.parametrize("case", list(_INTERPRETED_CASES))
 def test_the_interpreted_kernel_sums_as_numpy_does(interpreted, case):
-    """Short and long sums, segments, a last chunk shorter than MMA_K, a running sum carried in, and
-    operands given as transposed views (dK's and dV's Xᵀ·Y over the queries), strides and all."""
+    """Short and long sums, segments, a last chunk shorter than MMA_K, a running sum carried in,
+    operands given as transposed views (dK's and dV's Xᵀ·Y over the queries), strides and all, more
+    than one tile of columns, and non-finite entries (where they spread, as in NumPy's loop)."""
     total, running = interpreted[case]
     assert total < 1e-12 and running < 1e-12, (total, running)
 

@@ -180,7 +180,7 @@ def to_numpy_later(x) -> Callable[[], np.ndarray]:
     host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
     host.copy_(x.detach(), non_blocking=True)
     done = torch.cuda.Event()
-    done.record()
+    done.record(torch.cuda.current_stream(x.device))  # (the stream the copy was queued on)
 
     def read() -> np.ndarray:
         done.synchronize()

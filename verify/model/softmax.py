@@ -178,7 +178,7 @@ class EqualTerms:
         self.rows = np.flatnonzero(repeats)
         if not self.rows.size:
             return
-        keys, order = ordered[self.rows], columns[self.rows]
+        order = columns[self.rows]
         same = same[self.rows]  # (a row with repeats has two terms at least)
         none = np.zeros_like(same[:, :1])
         after, before = _concat_cols(xp, [same, none]), _concat_cols(xp, [none, same])
@@ -192,7 +192,7 @@ class EqualTerms:
     def _on_device(self, xp, ordered, columns, same, repeats) -> None:
         R, M = ordered.shape
         self.columns = columns
-        none = xp.zeros_like(same[:, :1])
+        none = xp.zeros((R, 1), dtype=xp.bool, device=ordered.device)  # (same[:, :1] has no column at M = 1)
         self.member = (_concat_cols(xp, [same, none]) | _concat_cols(xp, [none, same])) & repeats[:, None]
         starts = _concat_cols(xp, [xp.ones_like(none), ~same])
         runs = xp.cumulative_sum(xp.astype(starts, xp.int64), axis=1) - 1
