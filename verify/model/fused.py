@@ -17,8 +17,8 @@ import warnings
 from typing import Optional, Tuple
 
 # Output tiles of the kernel: BLOCK_R × BLOCK_C elements a program, two float64 sums each, on
-# NUM_WARPS warps (with 64×64 the fastest of the tiles and warps tried on an H100, and faster than
-# 64×64 on Q·Kᵀ and P·V: docs/performance.md). BLOCK_K: the k extent of each chunk's dot, the
+# NUM_WARPS warps (as fast as 64×64, the fastest of the others tried on an H100, and faster on Q·Kᵀ
+# and P·V: docs/performance.md). BLOCK_K: the k extent of each chunk's dot, the
 # shortest float64 dot Triton compiles (16): the chunk's entries and zeros after them, so the tensor
 # cores do twice the products, on an H100 still 2.8-4.1× as fast as a product at a time on the
 # float64 units.
