@@ -12,6 +12,8 @@ cd "$(dirname "$0")/.."
 binary=build/main
 if [[ "${1:-}" == "--binary" ]]; then binary=$2; shift 2; fi
 out=${1:-ncu-backward}
+command -v ncu >/dev/null || { echo "profile_backward_kernels.sh: ncu (Nsight Compute) is not on the PATH" >&2; exit 2; }
+[[ -x "$binary" ]] || { echo "profile_backward_kernels.sh: no binary at $binary (build it, or give --binary PATH)" >&2; exit 2; }
 mkdir -p "$out"
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT

@@ -406,6 +406,46 @@ def test_a_foreign_program_reports_the_same(tmp_path, monkeypatch, log2):
         assert "lse_log2" in json.dumps([x for x in reports[1]["results"] if x["stage"] == FLASH_LSE])
 
 
+def _flash_backward_program(case, out, scale_dk: bool) -> None:
+    """A NumPy program's gradients in float32, its own order of arithmetic (the whole softmax, then
+    D from its own output), %.9g text of its own names, no run.toml, the gradients alone; without
+    scale_dk, dK misses the scale (a classic bug)."""
+    out.mkdir()
+    for h in range(2):
+        q, k, v, do = (np.loadtxt(case / f"{x}_head_{h}.txt", ndmin=2).astype(np.float32) for x in ("Q", "K", "V", "dO"))
+        s = (q @ k.T) * np.float32(0.25)
+        e = np.exp(s - s.max(axis=1, keepdims=True))
+        p = e / e.sum(axis=1, keepdims=True)
+        ds = p * (do @ v.T - np.sum(do * (p @ v), axis=1, keepdims=True))
+        np.savetxt(out / f"gq{h}.txt", (ds @ k) * np.float32(0.25), fmt="%.9g")
+        np.savetxt(out / f"gk{h}.txt", (ds.T @ q) * np.float32(0.25 if scale_dk else 1.0), fmt="%.9g")
+        np.savetxt(out / f"gv{h}.txt", p.T @ do, fmt="%.9g")
+
+
+@pytest.mark.parametrize("scale_dk", [True, False], ids=["correct", "dk-unscaled"])
+def test_a_foreign_programs_gradients_report_the_same(tmp_path, monkeypatch, scale_dk):
+    """The gradients of a program we did not write, checked a row tile at a time on a device (the
+    chain's tiles, their equal terms and D's rows read back later) and with NumPy: the same report,
+    a pass where it is right and dK named where it is wrong."""
+    _torch()
+    case, out = tmp_path / "in", tmp_path / "out"
+    r = invoke("generate", "--out", case, "--heads", 2, "--seq-q", 40, "--seq-k", 70, "--d-k", 16, "--d-v", 16,
+               "--backward")
+    assert r.exit_code == 0, r.output
+    _flash_backward_program(case, out, scale_dk)
+    # Row tiles of 8 (a head's sums over 40 queries past the exact model), D's rows in the exact one.
+    monkeypatch.setattr(dot, "ENERGY_EXACT_MAX_MACS", 40 * 16)
+    monkeypatch.setattr(tiles, "TILE_BYTES", 8 * 70 * 8)
+    monkeypatch.setattr(tiles, "DEVICE_TILE_BYTES", 8 * 70 * 8)
+    names = ("--scale", 0.25, "--name", "flash_dQ=gq{i}.txt", "--name", "flash_dK=gk{i}.txt",
+             "--name", "flash_dV=gv{i}.txt")
+    reports = [_check_json(tmp_path, case, out, d, monkeypatch, *names) for d in ("cpu", "torch-cpu")]
+    assert_same_report(*reports, rtol=1e-12)
+    assert reports[0]["passed"] is scale_dk
+    if not scale_dk:
+        assert reports[1]["first_failing_stage"] == FLASH_GRAD_KEYS
+
+
 def test_the_cpu_path_never_imports_torch(tmp_path):
     case, out = tmp_path / "in", tmp_path / "out"
     r = invoke("generate", "--out", case, "--heads", 1, "--seq-q", 8, "--seq-k", 8, "--d-k", 8, "--d-v", 8)

@@ -194,6 +194,8 @@ class EqualTerms:
         self.columns = columns
         none = xp.zeros((R, 1), dtype=xp.bool, device=ordered.device)  # (same[:, :1] has no column at M = 1)
         self.member = (_concat_cols(xp, [same, none]) | _concat_cols(xp, [none, same])) & repeats[:, None]
+        # Row r's runs numbered r·M + 0, 1, …: their sums land in row r's M slots of an R×M array,
+        # whose row sums are then each row's own.
         starts = _concat_cols(xp, [xp.ones_like(none), ~same])
         runs = xp.cumulative_sum(xp.astype(starts, xp.int64), axis=1) - 1
         self.label = xp.reshape(runs + xp.reshape(xp.arange(R, dtype=xp.int64, device=ordered.device) * M, (R, 1)),
