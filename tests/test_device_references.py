@@ -38,7 +38,7 @@ from verify.cli import check as check_cli
 from verify.model import arrays, dot, mma, tiles
 from verify.model.dot import rowdot_var, rowdot_var_later
 from verify.specs import flash as flash_spec
-from verify.specs.backward import flash_bounds, flash_tiles
+from verify.specs.backward import flash_bounds, flash_chain_pass, flash_tiles
 from verify.stages import FLASH_GRAD_KEYS, FLASH_GRAD_QUERIES, FLASH_GRAD_VALUES, FLASH_LSE, FLASH_OUTPUT
 from verify.model.scores import HeadVariant
 from verify.model.softmax import EqualTerms, correlated_sum
@@ -144,7 +144,8 @@ def test_torch_bounds_equal_numpy(name, kernel, exact, monkeypatch):
     bounds, moved = [], []
     numpy, numpy_all = flash_spec._numpy, flash_bounds.to_numpy_all
     monkeypatch.setattr(flash_spec, "_numpy", lambda v: (moved.append(type(v).__module__), numpy(v))[1])
-    monkeypatch.setattr(flash_bounds, "to_numpy_all", lambda v: (moved.append(_first_leaf(v)), numpy_all(v))[1])
+    for module in (flash_bounds, flash_chain_pass):
+        monkeypatch.setattr(module, "to_numpy_all", lambda v: (moved.append(_first_leaf(v)), numpy_all(v))[1])
     for device in (None, "torch-cpu"):
         flash_tiles._LAST.clear()
         with arrays.on_device(device):

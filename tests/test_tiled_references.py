@@ -37,7 +37,7 @@ import pytest
 
 from helpers.cli import invoke
 from helpers.reports import assert_same_report
-from verify.check import pool, tolerance
+from verify.check import compare, pool, tolerance
 from verify.check.reference import compute_stage, reference_chain
 from verify.cli import check as check_cli
 from verify.files.case import load_input_case
@@ -47,7 +47,7 @@ from verify.model.scores import HeadVariant
 from verify.specs import SPECS, sources_of
 from verify.specs import flash as flash_spec
 from verify.model.kernels import kernel_for
-from verify.specs.backward import flash_bounds, flash_tiles
+from verify.specs.backward import flash_bounds, flash_chain_pass, flash_tiles
 from verify.stages import FLASH_GRAD_KEYS, FLASH_GRAD_QUERIES, FLASH_GRAD_VALUES, FLASH_LSE, FLASH_OUTPUT, STAGES, Dims
 from verify.variant import BOTTOM_RIGHT, PER_HEAD, Variant
 
@@ -226,11 +226,11 @@ def test_the_chain_computes_the_floors_sums_only_where_they_count(tiny, monkeypa
     monkeypatch.setattr(tiles, "TILE_BYTES", 8 * 53 * 8)
     args = (x["Q"], x["K"], x["V"], x["dO"], SCALE, HeadVariant(variant), 2.0**-24, KERNELS_CPU, None)
     passes = []
-    chain_pass = flash_bounds._chain_pass
-    monkeypatch.setattr(flash_bounds, "_chain_pass",
-                        lambda *a, floors: passes.append(floors) or chain_pass(*a, floors=floors))
+    chain_pass = flash_chain_pass._chain_pass
+    monkeypatch.setattr(flash_chain_pass, "_chain_pass",
+                        lambda *a, floors, own=None: passes.append(floors) or chain_pass(*a, floors=floors, own=own))
     with tiles.tile_workers(2):
-        lazy = flash_bounds._chain(*args)
+        lazy = flash_chain_pass._chain(*args)
     assert passes == ([False, True] if tiny else [False])
     full = chain_pass(*args, floors=True)
     for a, b in zip(_arrays(tuple(lazy[0]) + lazy[1]), _arrays(tuple(full[0]) + full[1])):
@@ -452,7 +452,7 @@ def test_the_chains_flash_references_come_from_its_bounds_pass(tmp_path, binary,
     monkeypatch.setattr(dot, "ENERGY_EXACT_MAX_MACS", 10)
     monkeypatch.setattr(tiles, "TILE_BYTES", 8 * 70 * 8)
     forward, grads = _count(monkeypatch, flash_spec, "stack_over_rows"), _count(monkeypatch, flash_tiles, "_gradients")
-    chains = _count(monkeypatch, flash_bounds, "_chain_pass")
+    chains = _count(monkeypatch, flash_chain_pass, "_chain_pass")
 
     def report(*args):
         r = invoke("check", "--in", case, "--out", out, "--jobs", 1, "--json", tmp_path / "r.json", *args)
@@ -473,6 +473,38 @@ def test_the_chains_flash_references_come_from_its_bounds_pass(tmp_path, binary,
         assert not chains
 
 
+@pytest.mark.parametrize("gen,precision,tol", [(("--causal", "top-left"), "fp32", ()), (("--kv-heads", 2), "fp32", ()),
+                                               (("--kv-heads", 2), "fp32", ("--tol", "flash_dQ=1e-2")),
+                                               (("--window", "9,4", "--softcap", 2), "fp32", ()),
+                                               (("--mask", "document", "--bias", "random", "--alibi"), "fp32", ()),
+                                               (("--dropout", 0.2), "fp32", ()), (("--causal", "top-left"), "bf16", ())],
+                         ids=["causal", "grouped", "grouped-dQ-tol", "window-softcap", "mask-bias-alibi", "dropout",
+                              "bf16"])
+def test_the_chains_pass_computes_the_gradients_isolated_bounds(tmp_path, binary, monkeypatch, gen, precision, tol):
+    """Where the program wrote flash_output and flash_lse, the flash gradients' isolated bounds and
+    references (from those files) come from the chain's pass over the row tiles, which shares each
+    tile's Q·Kᵀ, logits, dP and their variances with them: the isolated pass of its own does not
+    run, and the report is the one that pass gives (a grouped head's summed dK and dV read them too,
+    whatever the tolerance of dQ)."""
+    case, out = _flash_run(tmp_path, *gen)
+    _run(binary, case, out, "--stages", "flash", "--precision", precision)
+    monkeypatch.setattr(dot, "ENERGY_EXACT_MAX_MACS", 10)
+    monkeypatch.setattr(tiles, "TILE_BYTES", 8 * 70 * 8)
+    isolated = _count(monkeypatch, flash_bounds, "over_queries")  # (the isolated pass's tiles)
+
+    def report():
+        r = invoke("check", "--in", case, "--out", out, "--jobs", 1, "--json", tmp_path / "r.json", *tol)
+        assert r.exit_code == 0, r.output
+        return json.loads((tmp_path / "r.json").read_text())
+    joint = report()
+    assert not isolated
+    with monkeypatch.context() as m:  # the program's outputs read in turn: the isolated pass of its own
+        m.setattr(compare, "early_outputs", lambda *a, **k: {})
+        apart = report()
+    assert len(isolated) == 4  # (a head each)
+    assert_same_report(joint, apart, rtol=RTOL, diagnoses=False)
+
+
 def test_a_forward_run_runs_no_backward_chain(tmp_path, binary, monkeypatch):
     case, out = tmp_path / "in", tmp_path / "out"
     r = invoke("generate", "--out", case, "--heads", 2, "--seq-q", 45, "--seq-k", 70, "--d-k", 16, "--d-v", 16,
@@ -480,7 +512,7 @@ def test_a_forward_run_runs_no_backward_chain(tmp_path, binary, monkeypatch):
     assert r.exit_code == 0, r.output
     _run(binary, case, out, "--stages", "flash")
     monkeypatch.setattr(tiles, "TILE_BYTES", 8 * 70 * 8)
-    chains = _count(monkeypatch, flash_bounds, "_chain_pass")
+    chains = _count(monkeypatch, flash_chain_pass, "_chain_pass")
     forward = _count(monkeypatch, flash_spec, "stack_over_rows")
     r = invoke("check", "--in", case, "--out", out, "--jobs", 1)
     assert r.exit_code == 0 and not chains and forward, r.output
@@ -537,7 +569,7 @@ def test_a_foreign_flash_backward_checks_against_the_chains_references(tmp_path,
                "--no-causal", "--backward")
     assert r.exit_code == 0, r.output
     _foreign_flash_backward(case, tmp_path / "out", 2, 0.25, bug)
-    chains = _count(monkeypatch, flash_bounds, "_chain_pass")
+    chains = _count(monkeypatch, flash_chain_pass, "_chain_pass")
     forward = _count(monkeypatch, flash_spec, "stack_over_rows")
     names = [a for st, f in zip(FLASH, ("o", "lse", "dq", "dk", "dv")) for a in ("--name", f"{st}={f}{{i}}.txt")]
     r = invoke("check", "--in", case, "--out", tmp_path / "out", "--jobs", 1, "--json", tmp_path / "r.json", *names)

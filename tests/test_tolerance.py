@@ -430,13 +430,14 @@ def test_a_relative_error_over_a_subnormal_reference_is_inf_without_a_warning():
 
 def test_equal_terms_count_as_one_error_repeated():
     """correlated_sum: a row with repeated terms sums (Σ σ)² over each group of equal terms (zeros
-    included), a row without sums the variances as they are; checked against the definition on
-    random rows with few distinct values."""
+    included, −0 with +0), a row without sums the variances as they are; checked against the
+    definition on random rows with few distinct values."""
     rng = np.random.default_rng(1)
     for _ in range(40):
         rows, cols = int(rng.integers(1, 12)), int(rng.integers(2, 200))
         terms = rng.choice(rng.random(int(rng.integers(1, 30))).astype(np.float32), size=(rows, cols))
         terms[rng.random((rows, cols)) < 0.2] = 0
+        terms[rng.random((rows, cols)) < 0.1] = -0.0
         terms[0] = np.arange(1, cols + 1, dtype=np.float32)  # no repeats: left as it is
         var = rng.random((rows, cols))
         want = var.sum(axis=1)
@@ -446,3 +447,5 @@ def test_equal_terms_count_as_one_error_repeated():
                 want[r] = sum(np.sqrt(var[r, values == x]).sum() ** 2 for x in np.unique(values))
         got = correlated_sum(var, EqualTerms(terms))
         np.testing.assert_allclose(got, want, rtol=1e-12)
+    with pytest.raises(TypeError, match="float32"):  # (float64 terms would find no group)
+        EqualTerms(terms.astype(np.float64))

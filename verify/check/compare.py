@@ -45,9 +45,9 @@ from . import splits
 from .results import (FAIL, INHERITED, MISSING, PASS, SHAPE, STALE, UNCHECKABLE, UNREADABLE, Comparison, HeadResult,
                       Report, RunCheck, compare_arrays, elementwise_error)
 from .stage_check import (STATUS_CODES, Loaded, allowed, bit_identical, blamed_elsewhere, chain_of, head_chain,
-                          classify, failed_upstream, file_index, head_inputs, isolated_sources, keep_mask, load_output,
-                          new_result, nonfinite_propagated, quantization, query_keys_values, reference, sources,
-                          variant_inputs, with_quantum)
+                          classify, early_outputs, failed_upstream, file_index, head_inputs, isolated_sources,
+                          keep_mask, load_output, new_result, nonfinite_propagated, quantization, query_keys_values,
+                          reference, sources, variant_inputs, with_quantum)
 
 __all__ = ["Options", "check", "check_run", "check_head", "error_ratio_map", "Report", "HeadResult", "Comparison",
            "compare_arrays", "elementwise_error", "head_jobs", "RunInfo", "PASS", "FAIL", "INHERITED", "MISSING",
@@ -87,16 +87,16 @@ class Options:
             return (self.atol or 0.0, self.rtol or 0.0)
         return None
 
+    def checked(self, run: RunInfo) -> List[str]:
+        return [s for s in run.stages if self.only_stages is None or s in self.only_stages]
+
 
 # ----------------------------------------------------------------------------------------------
 # One query head.
 
-def checked_stages(run: RunInfo, opts: Options) -> List[str]:
-    return [s for s in run.stages if opts.only_stages is None or s in opts.only_stages]
 
-
-def _open_head(run: RunInfo, case: InputCase, head: int, opts: Options, stages: Sequence[str]):
-    """(the head's context, its keep-mask as read, why the stages that read it cannot be checked)."""
+def _open_head(run: RunInfo, case: InputCase, head: int, opts: Options, stages: Sequence[str], early=None):
+    """(the head's context, its keep-mask as read, why the stages reading it can't be checked); early: early_outputs."""
     inputs = raw = head_inputs(run, case, head)
     if is_half(run.precision):
         # The half pipelines compute from the inputs rounded to their format, and so do the references.
@@ -107,15 +107,14 @@ def _open_head(run: RunInfo, case: InputCase, head: int, opts: Options, stages: 
     needed = {s for s in needed if not (unchecked and reads_dropout_mask(s, run.variant))
               and (not STAGES[s].dropout or s in inputs) and not STAGES[s].split}  # (splits: check/splits.py)
     slope = case.alibi_slope(head)
-    # Logits, softmax parts, dot-product variances, … shared by this head's bounds (the isolated
-    # and chained checks, both flash stages and the invariants), keyed by array identity: none of
-    # the arrays in the context is modified while it lives.
+    # What this head's bounds share (logits, softmax parts, dot-product variances, …), keyed by
+    # array identity: none of the arrays in the context is modified while it lives.
     ctx = invariants.head_context(run.dims, run.scale, run.causal, precision=run.precision, backend=run.backend,
                                   math=run.math, flash_kernel=run.flash_kernel, inputs=inputs,
                                   chain={}, got={}, quanta={}, cache=tolerance.HeadCache(),
                                   allow_nonfinite=opts.allow_nonfinite, half_rounding=run.half_rounding,
                                   raw_inputs=raw, variant=run.variant, slope=slope)
-    return head_chain(ctx, inputs, needed, [s for s in stages if opts.override(s) is None]), mask_read, unchecked
+    return head_chain(ctx, inputs, needed, [s for s in stages if opts.override(s) is None], early), mask_read, unchecked
 
 
 def check_head(run: RunInfo, case: InputCase, head: int, opts: Options, ref_of_head: Callable[[str, int], np.ndarray],
@@ -124,11 +123,11 @@ def check_head(run: RunInfo, case: InputCase, head: int, opts: Options, ref_of_h
     the K/V heads its group's first query head checked are borrowed, and the summed ones only
     contribute to the group's sums (groups.check_summed checks them)."""
     group = group or KVGroup(run, run.dims.kv_head_of(head))
-    stages = checked_stages(run, opts)
-    ctx, mask_read, unchecked = _open_head(run, case, head, opts, stages)
+    stages = opts.checked(run)
+    early = early_outputs(run, head, stages, lambda s: opts.override(s) is None and not group.lends(s))
+    ctx, mask_read, unchecked = _open_head(run, case, head, opts, stages, early)
     inputs_of_head = functools.partial(query_keys_values, run, case)
-    results: Dict[str, HeadResult] = {}
-    lent = set()
+    results, lent = {}, set()  # (stage: HeadResult; the stages borrowed)
     for stage in stages:
         why = unchecked if reads_dropout_mask(stage, run.variant) else None
         if group.lends(stage):
@@ -143,7 +142,8 @@ def check_head(run: RunInfo, case: InputCase, head: int, opts: Options, ref_of_h
             results[stage] = splits.check_split_stage(new_result(run, stage, head), run, ctx, opts, diagnoser)
         else:
             res = results[stage] = new_result(run, stage, head)
-            loaded = mask_read if STAGES[stage].dropout else load_output(run, stage, file_index(run, stage, head))
+            loaded = mask_read if STAGES[stage].dropout else early.pop(stage, None) or load_output(
+                run, stage, file_index(run, stage, head))
             mat, quantum = _check_stage(res, loaded, ctx, results, run, opts,
                                         (ref_of_head, inputs_of_head, case.alibi_slope, diagnoser))
             group.keep(stage, res, mat, quantum)
@@ -325,7 +325,7 @@ def check_run(run: RunInfo, case: InputCase, opts: Options, progress: Optional[C
     packed = None
     if case.sequences is not None:
         packed_sources(run)
-        packed = PackedRun(run, case, checked_stages(run, opts))
+        packed = PackedRun(run, case, opts.checked(run))
     checker = _HeadChecker(run, case, opts, diagnoser, packed)
     dims = run.dims
     advance = None if progress is None else (lambda kv: [progress(h) for h in dims.query_heads_of(kv)])

@@ -46,8 +46,9 @@ _HEAD_ND_MATRICES = 32
 
 
 # A head whose stages hold no N×M matrix (the flash stages alone) is checked in row tiles
-# (verify/model/tiles.py): this many tiles' worth of matrices at a time, besides its (N + M)·d ones.
-_TILE_MATRICES = 48
+# (verify/model/tiles.py): this many tiles' worth of matrices at a time, besides its (N + M)·d ones
+# (a quarter more than the chained pass alone held: the isolated bounds' pass shares its tiles).
+_TILE_MATRICES = 60
 
 
 _WORKER_BASE_BYTES = 200 << 20

@@ -169,19 +169,33 @@ def chain_of(inputs: Dict[str, np.ndarray], needed: Iterable[str], scale: float,
     return {**inputs, **reference_chain(inputs, scale, causal, needed, variant=variant, slope=slope)}
 
 
+def early_outputs(run: RunInfo, head: int, stages: Iterable[str], by_model: Callable[[str], bool]) -> Dict[str, Loaded]:
+    """The program's flash_output and flash_lse of this head as read (load_output), where a flash
+    gradient's isolated check reads them with its error model (by_model(stage): no tolerance
+    override, the stage checked on its own); else none. Read before the head's chain (head_chain),
+    whose pass over the row tiles then computes that check's bounds and references as well."""
+    stages = list(stages)
+    if not all(s in stages for s in tolerance.FLASH_OWN_OUTPUTS) or not any(
+            STAGES[s].flash and STAGES[s].backward and not STAGES[s].split and by_model(s) for s in stages):
+        return {}
+    return {s: load_output(run, s, file_index(run, s, head)) for s in tolerance.FLASH_OWN_OUTPUTS}
+
+
 def head_chain(ctx: HeadContext, inputs: Dict[str, np.ndarray], needed: Iterable[str],
-               asked: Iterable[str]) -> HeadContext:
+               asked: Iterable[str], early: Optional[Dict[str, Loaded]] = None) -> HeadContext:
     """ctx with its chain: chain_of the stages `needed` from `inputs`. Where the chained bound of a
     flash stage is asked (`asked`: the stages checked by the error model, no tolerance override)
     and the chain holds the flash backward, that bound's pass over the row tiles computes the flash
     stages' chained references too (tolerance.chained_flash_references): they need no passes of
-    their own. Not with non-finite inputs, whose references the passes may spell differently."""
+    their own; and with `early` (early_outputs), the flash gradients' isolated bounds and
+    references. Not with non-finite inputs, whose references the passes may spell differently."""
     needed = set(needed)
     src = dict(inputs)
     flash = [s for s in needed if STAGES[s].flash]
     if (any(STAGES[s].backward for s in flash) and any(s in flash for s in asked)
             and all(np.isfinite(np.asarray(src[n])).all() for n in INPUT_NAMES + (GRAD_INPUT,) if n in src)):
-        refs = tolerance.chained_flash_references(src, **ctx.bound_args())
+        own = {n: loaded[0] for n, loaded in (early or {}).items() if loaded[0] is not None}
+        refs = tolerance.chained_flash_references(src, own_outputs=own, **ctx.bound_args())
         src.update({n: x for n, x in refs.items() if n in needed})
     ctx.chain.update(chain_of(src, needed, ctx.scale, ctx.causal, ctx.variant, ctx.slope))
     return ctx

@@ -31,7 +31,8 @@ from ..model.rounding import (FLUSH, LAMBDA, LOG_ULPS, ROUND_VAR, UNIT_ROUNDOFF,
                               memo, unit_roundoff)
 from ..model.softmax import need
 from ..specs import SPECS, VARIANT_SOURCES, chain_inputs, sources_of
-from ..specs.backward.flash_bounds import flash_chain, flash_own_and_references
+from ..specs.backward.flash_bounds import flash_own_and_references, own_sources
+from ..specs.backward.flash_chain_pass import flash_chain
 from ..specs.base import Problem, resolve_variant
 from ..stages import (FLASH_GRAD_KEYS, FLASH_GRAD_QUERIES, FLASH_GRAD_VALUES, FLASH_LSE, FLASH_OUTPUT, INPUT_NAMES,
                       STAGES)  # noqa: F401 (tolerance.STAGES: the stage table, for callers)
@@ -194,21 +195,35 @@ def share_flash_references(stage: str, src: Dict[str, np.ndarray], *, scale: flo
 # The stages whose chained references the flash backward chain's pass gives (in FlashChain's order).
 FLASH_CHAINED = (FLASH_OUTPUT, FLASH_LSE, FLASH_GRAD_QUERIES, FLASH_GRAD_KEYS, FLASH_GRAD_VALUES)
 
+# The program's outputs the flash gradients' isolated bounds are computed from, besides the inputs.
+FLASH_OWN_OUTPUTS = (FLASH_OUTPUT, FLASH_LSE)
+
 
 def chained_flash_references(chain: Dict[str, np.ndarray], *, scale: float, causal: bool, precision: str = "fp32",
                              backend: Optional[str] = None, math: str = "ieee", flash_kernel: Optional[str] = None,
                              cache: Optional[HeadCache] = None, half_rounding: str = NEAREST,
-                             variant: Optional[Variant] = None, slope: float = 0.0) -> Dict[str, np.ndarray]:
+                             variant: Optional[Variant] = None, slope: float = 0.0,
+                             own_outputs: Optional[Dict[str, np.ndarray]] = None) -> Dict[str, np.ndarray]:
     """The chained references of the flash forward and backward (flash_output, flash_lse, flash_dQ,
     flash_dK, flash_dV) from chain's inputs, computed in the pass over the row tiles of the flash
     backward's chained bound, which the head's cache keeps for that bound (and the forward's): for
     a head whose flash stages' chained bounds are asked for anyway, the references need no passes
-    of their own. The same references, to float64 rounding; the arguments are chained_bound's."""
+    of their own. The same references, to float64 rounding; the other arguments are chained_bound's.
+    own_outputs: the program's flash_output and flash_lse as the flash gradients' isolated check
+    will read them: the same pass computes that check's bounds and references (share each tile's
+    Q·Kᵀ, logits, dP and their variances), kept for it (specs/backward/flash_bounds.py)."""
     del half_rounding
     variant = resolve_variant(variant, causal)
-    problem = Problem.of(scale, variant.causal, chain, variant, slope, unit_roundoff(precision),
-                         kernel_for(backend, math, flash_kernel), cache)
-    fc = flash_chain(*need(chain, FLASH_GRAD_QUERIES, *chain_inputs(FLASH_GRAD_QUERIES)), *problem.model_args)
+    u, kernel = unit_roundoff(precision), kernel_for(backend, math, flash_kernel)
+    problem = Problem.of(scale, variant.causal, chain, variant, slope, u, kernel, cache)
+    own = None
+    if own_outputs and set(own_outputs) == set(FLASH_OWN_OUTPUTS) \
+            and all(x.dtype == np.float64 for x in own_outputs.values()):  # (else the check's arrays differ)
+        own_src = {**chain, **own_outputs}
+        if Problem.of(scale, causal, own_src, variant, slope, u, kernel, cache).model_args == problem.model_args:
+            own = own_sources(own_src)
+    fc = flash_chain(*need(chain, FLASH_GRAD_QUERIES, *chain_inputs(FLASH_GRAD_QUERIES)), *problem.model_args,
+                     own=own)
     # (the forward's output and lse from the chain's tiles' weights, the gradients from its sums over the queries)
     return {n: np.ascontiguousarray(x) for n, x in zip(FLASH_CHAINED, fc.forward + fc.refs)}
 

@@ -257,6 +257,15 @@ def add_product(out, A, B):
     return out.addmm_(A, B)
 
 
+def add_scaled(out, x, a: float):
+    """out + a·x, into out (out and x arrays of the caller's own: x is overwritten on NumPy)."""
+    if isinstance(out, np.ndarray):
+        x *= a
+        out += x
+        return out
+    return out.add_(x, alpha=a)
+
+
 def add_magnitude(out, x):
     """out + |x|, into out (an array of the caller's own)."""
     if isinstance(out, np.ndarray):
@@ -353,5 +362,6 @@ def concat_rows(parts):
 
 __all__ = ["DEVICES", "DeviceError", "cuda_visible", "resolve_device", "device_argument", "device_jobs",
            "on_device", "target", "visible_gpus", "to_device", "to_numpy", "to_numpy_all", "float64", "like",
-           "put", "zeros", "clip", "add_product", "add_magnitude", "binade_sq", "namespace", "quiet", "concat_rows",
-           "to_numpy_later", "sort_rows_with_columns", "take_along_rows", "running_max", "segment_sums", "isfinite"]
+           "put", "zeros", "clip", "add_product", "add_scaled", "add_magnitude", "binade_sq", "namespace", "quiet",
+           "concat_rows", "to_numpy_later", "sort_rows_with_columns", "take_along_rows", "running_max", "segment_sums",
+           "isfinite"]

@@ -354,10 +354,7 @@ def _expected_var(S: np.ndarray, T2: np.ndarray, K: int, u: float, product_var: 
     """For very large heads, from the sums S and the sums of squared products T2: E[Σ_k s_k²] over
     random orders, (K+1)(T2/6 + S²/3), inflated by ENERGY_FALLBACK_FACTOR for orders whose partial
     sums wander further than average. T2 is overwritten; S is not (a caller's product may be it)."""
-    # u·u·(ROUND_VAR·energy + product_var·T2), energy = ENERGY_FALLBACK_FACTOR·(K + 1)·(T2/6 + S·S/3),
-    # as a·T2 + b·S·S: four passes over the result, not nine.
-    grow = ENERGY_FALLBACK_FACTOR * (K + 1) * ROUND_VAR
-    a, b = u * u * (grow / 6.0 + product_var), u * u * (grow / 3.0)
+    a, b = expected_var_weights(K, u, product_var)  # (a·T2 + b·S²: four passes over the result, not nine)
     if not isinstance(S, np.ndarray):  # a device's: a·T2 + b·S² in two passes, not four
         return (T2 * a).addcmul_(S, S, value=b)
     var = np.multiply(T2, a, out=T2)
@@ -367,15 +364,18 @@ def _expected_var(S: np.ndarray, T2: np.ndarray, K: int, u: float, product_var: 
     return var
 
 
+def expected_var_weights(K: int, u: float, product_var: float) -> Tuple[float, float]:
+    """(a, b) of _expected_var = a·T2 + b·S² = u²·(ROUND_VAR·energy + product_var·T2), its energy
+    ENERGY_FALLBACK_FACTOR·(K + 1)·(T2/6 + S²/3)."""
+    grow = ENERGY_FALLBACK_FACTOR * (K + 1) * ROUND_VAR
+    return u * u * (grow / 6.0 + product_var), u * u * (grow / 3.0)
+
+
 def flush_sum(A: np.ndarray, B: np.ndarray) -> np.ndarray:
     """Bound on what flushing tiny products and partial sums of A @ B to zero can cost: none when
     no product of non-zero entries comes near float32's normal range, else min(Σ|a·b|, K·FLUSH)."""
     A, B = finite_abs(A), finite_abs(B)
-
-    def smallest(x):
-        nz = x[x != 0]
-        return float(nz.min()) if nz.size else np.inf
-    if smallest(A) * smallest(B) >= FLUSH * 2.0**24:
+    if np.min(A[A != 0], initial=np.inf) * np.min(B[B != 0], initial=np.inf) >= FLUSH * 2.0**24:
         return np.zeros((1, 1))
     return np.minimum(A @ B, A.shape[1] * FLUSH)
 

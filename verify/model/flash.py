@@ -40,7 +40,7 @@ def logit_magnitude(S: np.ndarray, finite: np.ndarray, head: HeadVariant) -> np.
 
 def _compute_flash_parts(Q, K, scale: float, head: HeadVariant, u: float, kernel: Kernel,
                          cache: Optional[HeadCache]):
-    product = once(lambda: Q @ K.T)  # (for the logits and their dot products' variance, if either is computed)
+    product = once(lambda: times_transposed(Q, K, cache))  # (the logits' and their variance's, if computed)
     S = logits(Q, K, scale, head, cache, product)
     p, d, m, finite = softmax(S, cache)
     # eta_var = where(finite, scale²·var(QK)·(1 − t²)², 0) + the modifications' roundings + the
@@ -111,6 +111,13 @@ def once(compute: Callable[[], np.ndarray]) -> Callable[[], np.ndarray]:
             kept.append(compute())
         return kept[0]
     return get
+
+
+def times_transposed(A: np.ndarray, B: np.ndarray, cache: Optional[HeadCache]) -> np.ndarray:
+    """A·Bᵀ (Q·Kᵀ, dO·Vᵀ), kept in NumPy's cache: a tile's logits, weights, dP and their variances
+    ask for it, in the chain's pass and in the isolated pass that shares its tiles there (a device's
+    passes are apart: its tile's product is not kept for them)."""
+    return memo(cache if isinstance(A, np.ndarray) else None, "A Bt", (A, B), (), lambda: A @ B.T)
 
 
 def plus(a, b):

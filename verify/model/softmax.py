@@ -19,6 +19,10 @@ from .scores import as_head
 # Rows per block of the row-sum variance: a block's temporaries stay in the CPU cache.
 _ROW_BLOCK_ELEMS = 1 << 16
 
+# The most groups of equal terms in a row that EqualTerms finds by comparing the row with each
+# group's value (a few at thousands of keys); rows of more search for each term's value.
+_FEW_GROUPS = 16
+
 
 def need(src: Dict[str, np.ndarray], stage: str, *names: str) -> Tuple[np.ndarray, ...]:
     missing = [n for n in names if n not in src]
@@ -169,25 +173,49 @@ class EqualTerms:
 
     def __init__(self, terms):
         xp = namespace(terms)
+        if xp is np:
+            self._numpy(terms)
+            return
         ordered, columns = sort_rows_with_columns(terms)  # (equal terms in column order)
         same = ordered[:, 1:] == ordered[:, :-1]
         repeats = xp.any(same & (ordered[:, 1:] != 0), axis=1)
-        if xp is not np:
-            self._on_device(xp, ordered, columns, same, repeats)
-            return
-        self.rows = np.flatnonzero(repeats)
+        self._on_device(xp, ordered, columns, same, repeats)
+
+    def _numpy(self, terms) -> None:
+        if terms.dtype != np.float32:  # (a float64 term would equal no float32 group value)
+            raise TypeError(f"EqualTerms groups float32 terms, not {terms.dtype}")
+        # The values alone are sorted (a float32 sort, where a sort of 64-bit keys that carry each
+        # term's column took twice as long); each group's members are then found in column order
+        # by comparing the rows with their few repeated values.
+        ordered = np.sort(terms, axis=1)
+        same = ordered[:, 1:] == ordered[:, :-1]
+        self.rows = np.flatnonzero(np.any(same & (ordered[:, 1:] != 0), axis=1))
         if not self.rows.size:
             return
-        order = columns[self.rows]
-        same = same[self.rows]  # (a row with repeats has two terms at least)
-        none = np.zeros_like(same[:, :1])
-        after, before = _concat_cols(xp, [same, none]), _concat_cols(xp, [none, same])
-        row, k = np.nonzero(after | before)  # each member, row by row, in sorted order
-        starts = ~before[row, k]
-        starts = starts | _concat_cols(xp, [np.ones_like(row[:1], dtype=bool), row[1:] != row[:-1]])
-        self.label = np.cumsum(starts) - 1
-        self.group_rows = self.rows[row[starts]]
-        self.at = self.rows[row] * terms.shape[1] + order[row, k]
+        same = same[self.rows]
+        first = same.copy()  # the first pair of each run of equal terms
+        first[:, 1:] &= ~same[:, :-1]
+        row, k = np.nonzero(first)  # each group, row by row, in value order
+        self.group_rows = self.rows[row]
+        values, sub = ordered[self.rows[row], k], terms[self.rows]
+        counts = np.bincount(row, minlength=self.rows.size)
+        if counts.max() > _FEW_GROUPS:  # (a row of many repeated values: each term searched for)
+            groups = _row_value_keys(row, values)
+            keys = _row_value_keys(np.arange(self.rows.size)[:, None], sub)
+            at = np.minimum(np.searchsorted(groups, keys), groups.size - 1)
+            member = groups[at] == keys
+            self.label = at[member]
+        else:
+            first_group = np.cumsum(counts) - counts
+            table = np.full((self.rows.size, int(counts.max())), np.nan, np.float32)  # (NaN equals no term)
+            table[row, np.arange(row.size) - first_group[row]] = values
+            slot = np.full(sub.shape, -1, np.int8)
+            for g in range(table.shape[1]):
+                np.copyto(slot, g, where=sub == table[:, g:g + 1])
+            member = slot >= 0
+            self.label = first_group[np.nonzero(member)[0]] + slot[member]
+        row_of, column = np.nonzero(member)
+        self.at = self.rows[row_of] * terms.shape[1] + column
 
     def _on_device(self, xp, ordered, columns, same, repeats) -> None:
         R, M = ordered.shape
@@ -200,6 +228,13 @@ class EqualTerms:
         runs = xp.cumulative_sum(xp.astype(starts, xp.int64), axis=1) - 1
         self.label = xp.reshape(runs + xp.reshape(xp.arange(R, dtype=xp.int64, device=ordered.device) * M, (R, 1)),
                                 (-1,))
+
+
+def _row_value_keys(row, values):
+    """(row, value) as int64 keys that sort by row, then as the float32 values do (−0 as +0: the two
+    are equal terms)."""
+    bits = (values + np.float32(0.0)).view(np.int32)
+    return (np.asarray(row, np.int64) << 32) | ((bits ^ ((bits >> 31) & 0x7FFFFFFF)).astype(np.int64) + (1 << 31))
 
 
 def _concat_cols(xp, parts):

@@ -97,12 +97,18 @@ def map_tiles(compute: Callable, tiles: Iterable) -> list:
     return out
 
 
+def tiled() -> bool:
+    """Whether the rows being computed are one tile of several (over_rows): a head's sums over the
+    query rows then take the expected model, never the exact one of a single tile's."""
+    return _HEAD_ROWS.get() is not None
+
+
 def row_tiles(n: int, m: int, d: int) -> List[Tuple[int, int]]:
     """[start, stop) of the row tiles of an n×m head of width d: one tile for a head that fits in
     TILE_BYTES of scores (DEVICE_TILE_BYTES on a GPU), whose query sums take the exact model, or that is itself a tile; else
     tiles of a multiple of MMA_K rows (the tensor-core chunks of a sum over the queries)."""
     budget = TILE_BYTES if target() is None else DEVICE_TILE_BYTES
-    if _HEAD_ROWS.get() is not None or 8 * n * m <= budget or exact_energy(m, n, max(1, d)):
+    if tiled() or 8 * n * m <= budget or exact_energy(m, n, max(1, d)):
         return [(0, n)]
     rows = max(MMA_K, budget // (8 * max(1, m)) // MMA_K * MMA_K)
     return [(a, min(n, a + rows)) for a in range(0, n, rows)]
@@ -189,13 +195,20 @@ class QuerySum:
         else:
             self.sum += part
 
-    def _add_parts(self, part: np.ndarray, squares: np.ndarray) -> None:
+    def add_sum(self, X: np.ndarray, Y: np.ndarray) -> None:
+        """add's Xᵀ·Y alone, for a head of several tiles whose caller counts the squares' part of
+        the variance in a GEMM of its own (var then takes the sum's part alone)."""
+        part = X.T @ Y
+        in_order(lambda: self._add_parts(part, None))
+
+    def _add_parts(self, part: np.ndarray, squares: Optional[np.ndarray]) -> None:
         """A tile's Xᵀ·Y and (X∘X)ᵀ·(Y∘Y), of its own, added as add does (the first ones kept)."""
         self.tiles += 1
         if self.tiles == 1:
             self.sum, self.squares = part, squares
         else:
-            self.squares += squares
+            if squares is not None:
+                self.squares += squares
             self.sum += part
 
     def var(self, u: float, product_var: float, single: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> np.ndarray:
@@ -278,5 +291,5 @@ def least(a, b):
 
 
 __all__ = ["TILE_BYTES", "DEVICE_TILE_BYTES", "tile_workers", "in_order", "map_tiles", "row_tiles", "over_rows",
-           "stack_over_rows", "flush_max", "rows_of", "stack_rows", "QuerySum", "Total", "MmaCarry", "smallest",
+           "stack_over_rows", "flush_max", "rows_of", "stack_rows", "QuerySum", "Total", "tiled", "MmaCarry", "smallest",
            "smallest_now", "least"]

@@ -20,7 +20,8 @@ from ..copies import PATTERNS
 from .bounds import (d_chained, d_isolated, dk_chained, dk_isolated, dp_isolated, dq_chained, dq_isolated, ds_chained,
                      ds_isolated, dv_chained, dv_isolated, floor_d)
 from .checks import agrees_with, dk_column_sums, ds_checks, flash_dk_column_sums
-from .flash_bounds import flash_chained, flash_floor, flash_isolated
+from .flash_bounds import flash_floor, flash_isolated
+from .flash_chain_pass import flash_chained
 from .quantization import (d_quantization, dp_quantization, ds_quantization, dv_quantization, flash_quantization,
                            grad_quantization)
 from .flash_tiles import flash_reference

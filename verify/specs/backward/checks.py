@@ -16,7 +16,7 @@ from ...model.rounding import FLUSH, LAMBDA, ROUND_VAR, unit_roundoff
 from ...stages import GRAD_OUTPUT, KEYS, QUERIES, VALUES
 from ..base import COLUMN_SUM, FLASH_VS_STAGES, MASK_MISSING, ROW_SUM, HeadContext, Violation, consistency, violation
 from .bounds import stage_chain
-from .flash_bounds import ColumnSumParts, flash_chain
+from .flash_chain_pass import ColumnSumParts, flash_chain
 
 
 def _chain_model(ctx: HeadContext):
@@ -62,7 +62,7 @@ def _ds_row_sums(stage, got, finite, ctx, model):
 
 
 def _stage_path_errors(model, ctx: HeadContext):
-    """(the column sums' parts (flash_bounds.ColumnSumParts), dK's one-signed part) of the stage
+    """(the column sums' parts (flash_chain_pass.ColumnSumParts), dK's one-signed part) of the stage
     path's chain."""
     u, kernel, (Q, K, V, dO), head = model
     _, _, _, dS, rows, indep, *_ = stage_chain(Q, K, V, dO, ctx.scale, head, u, kernel, ctx.cache)

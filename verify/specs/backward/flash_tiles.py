@@ -11,11 +11,12 @@ from typing import Dict, Optional, Tuple
 
 import numpy as np
 
-from ...model.arrays import clip, namespace, to_device, to_numpy
+from ...model.arrays import add_scaled, clip, namespace, to_device, to_numpy
 from ...model.backward import transposed_gemm_var
+from ...model.dot import expected_var_weights
 from ...model.rounding import FLUSH, HeadCache, finite_abs
 from ...model.scores import HeadVariant
-from ...model.tiles import MmaCarry, QuerySum, Total, in_order, least, over_rows, rows_of, smallest_now
+from ...model.tiles import MmaCarry, QuerySum, Total, in_order, least, over_rows, rows_of, smallest_now, tiled
 from ...stages import FLASH_LSE, FLASH_OUTPUT, GRAD_OUTPUT, KEYS, QUERIES, VALUES
 from ..base import Problem
 from ..flash import on_device_of
@@ -135,18 +136,31 @@ def flash_moves(src, q, scale: float, head: HeadVariant) -> Tuple[np.ndarray, np
 class QueryGrad:
     """The bound of a gradient summed over the query rows, Xᵀ·Y (dK: X = dS through the cap, Y =
     Q; dV: X = the kept weights, Y = dO), a tile at a time: X's errors (standard deviations E,
-    independent across queries) through Y², the GEMM's roundings, the one-signed parts through
-    |Y|, tensor-core truncation, and the flushed terms (model/backward.py grad_over_queries_var)."""
+    independent across queries) through Y², the GEMM's roundings (product_var: each product's, in
+    u² units), the one-signed parts through |Y|, tensor-core truncation, and the flushed terms
+    (model/backward.py grad_over_queries_var). apart: the GEMM's rounding variance is read on its
+    own (gemm_var, by the check that dK's columns sum to 0)."""
 
-    def __init__(self, n: int) -> None:
+    def __init__(self, n: int, u: float, product_var: float, apart: bool = False) -> None:
         self.err, self.gemm, self.det, self.mma = Total(), QuerySum(n), Total(), MmaCarry()
-        self.n, self.gemm_var = n, None
+        self.n, self.u, self.product_var, self.gemm_var = n, u, product_var, None
         self.small_x = self.small_y = np.inf
         self.flushed = Total()
+        # Over several tiles the GEMM's variance is a·Σ(X²)ᵀ·Y² + b·(Σ Xᵀ·Y)² (the expected model):
+        # where it is not read apart, its first part joins the errors' GEMM, (E² + a·X²)ᵀ·Y², one
+        # GEMM a tile fewer.
+        self.weights = None if apart else expected_var_weights(n, u, product_var)
+        self.joined = False
 
     def add(self, X, E, Y, det_x, mma: bool) -> None:
-        self.err.add((E * E).T @ (Y * Y))
-        self.gemm.add(X, Y)
+        Y2 = Y * Y
+        if self.weights is not None and tiled():
+            self.joined = True
+            self.err.add(add_scaled(E * E, X * X, self.weights[0]).T @ Y2)
+            self.gemm.add_sum(X, Y)
+        else:
+            self.err.add((E * E).T @ Y2)
+            self.gemm.add(X, Y)
         if det_x is not None:  # (None: no one-signed part)
             self.det.add(det_x.T @ namespace(Y).abs(Y))
         if mma:
@@ -171,10 +185,13 @@ class QueryGrad:
             return np.zeros((1, 1))
         return clip(self.flushed.value, high=self.n * FLUSH)
 
-    def var(self, u: float, cache, what: str, product_var: float) -> np.ndarray:
-        """The variance once every tile is in (its GEMM's part kept as gemm_var)."""
-        self.gemm_var = self.gemm.var(u, product_var,
-                                      lambda X, Y: transposed_gemm_var(X, Y, u, cache, what, product_var))
+    def var(self, cache, what: str) -> np.ndarray:
+        """The variance once every tile is in (its GEMM's part kept as gemm_var, unless joined)."""
+        if self.joined:
+            total = self.gemm.sum
+            return self.err.value + self.weights[1] * (total * total)
+        self.gemm_var = self.gemm.var(self.u, self.product_var,
+                                      lambda X, Y: transposed_gemm_var(X, Y, self.u, cache, what, self.product_var))
         return self.err.value + self.gemm_var
 
 

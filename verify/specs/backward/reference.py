@@ -44,12 +44,13 @@ def through_cap(dS: np.ndarray, f: Optional[np.ndarray]) -> np.ndarray:
     return dS if f is None else dS * f
 
 
-def flash_terms(src, scale: float, masked: np.ndarray, D=None, lse=None, head: HeadVariant = PLAIN, qk=None):
+def flash_terms(src, scale: float, masked: np.ndarray, D=None, lse=None, head: HeadVariant = PLAIN, qk=None,
+                dp=None):
     """(P, dP, D, dS, G) of the FlashAttention backward from its sources (the rows of Q, dO, the
     output and lse it is given; head: those rows' variant), under `masked` and the head's score
     modifications and dropout (D and lse may be replaced: the diagnoses build buggy variants). dS
     is the gradient of the softmax's input, G = dS through the softcap's derivative. qk: Q·Kᵀ,
-    where the caller has it."""
+    dp: dO·Vᵀ, where the caller has them."""
     Q, K, V, dO = (float64(src[n]) for n in FLASH_SOURCES[:4])  # NumPy's or a device's (model/arrays.py)
     lse = float64(src[FLASH_LSE]) if lse is None else lse
     S0 = (Q @ K.T if qk is None else qk) * scale
@@ -60,7 +61,7 @@ def flash_terms(src, scale: float, masked: np.ndarray, D=None, lse=None, head: H
         P = xp.exp(S - lse)
     P = put(P, 0.0, masked) if hides else P
     D = d_reference(dO, float64(src[FLASH_OUTPUT])) if D is None else D
-    dP = dO @ V.T
+    dP = dO @ V.T if dp is None else dp
     dS = ds_reference(P, dP, D, head)
     return P, dP, D, dS, through_cap(dS, cap_factor(S0, head))
 
