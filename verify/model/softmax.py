@@ -203,8 +203,8 @@ class EqualTerms:
             groups = _row_value_keys(row, values)
             keys = _row_value_keys(np.arange(self.rows.size)[:, None], sub)
             at = np.minimum(np.searchsorted(groups, keys), groups.size - 1)
-            member = groups[at] == keys
-            self.label = at[member]
+            row_of, column = np.nonzero(groups[at] == keys)
+            self.label = at[row_of, column]
         else:
             first_group = np.cumsum(counts) - counts
             table = np.full((self.rows.size, int(counts.max())), np.nan, np.float32)  # (NaN equals no term)
@@ -212,9 +212,8 @@ class EqualTerms:
             slot = np.full(sub.shape, -1, np.int8)
             for g in range(table.shape[1]):
                 np.copyto(slot, g, where=sub == table[:, g:g + 1])
-            member = slot >= 0
-            self.label = first_group[np.nonzero(member)[0]] + slot[member]
-        row_of, column = np.nonzero(member)
+            row_of, column = np.nonzero(slot >= 0)
+            self.label = first_group[row_of] + slot[row_of, column]
         self.at = self.rows[row_of] * terms.shape[1] + column
 
     def _on_device(self, xp, ordered, columns, same, repeats) -> None:
