@@ -571,12 +571,15 @@ def test_a_foreign_flash_backward_checks_against_the_chains_references(tmp_path,
     _foreign_flash_backward(case, tmp_path / "out", 2, 0.25, bug)
     chains = _count(monkeypatch, flash_chain_pass, "_chain_pass")
     forward = _count(monkeypatch, flash_spec, "stack_over_rows")
+    isolated = _count(monkeypatch, flash_bounds, "over_queries")  # (the gradients' isolated pass of its own)
     names = [a for st, f in zip(FLASH, ("o", "lse", "dq", "dk", "dv")) for a in ("--name", f"{st}={f}{{i}}.txt")]
     r = invoke("check", "--in", case, "--out", tmp_path / "out", "--jobs", 1, "--json", tmp_path / "r.json", *names)
     report = json.loads((tmp_path / "r.json").read_text())
     assert chains and (max(counts) == 5) == (how != "whole"), counts  # (40 query rows: 5 tiles of 8)
     if not bug:
         assert not forward  # (the references from the chain's pass; a failing stage's diagnoses take their own)
+        # (its text files' isolated bounds from the chain's pass too, on NumPy; a device's passes are apart)
+        assert len(isolated) == (2 if how == "row-tiles-torch" else 0), isolated
         assert r.exit_code == 0 and report["passed"], r.output
     else:
         assert r.exit_code == 1 and report["first_failing_stage"] == FLASH_GRAD_KEYS, r.output

@@ -312,19 +312,23 @@ def sort_rows_with_columns(x):
     if str(x.dtype) not in ("float32", "torch.float32"):
         raise TypeError(f"sort_rows_with_columns sorts float32, not {x.dtype}")
     if isinstance(x, np.ndarray):
-        bits = np.ascontiguousarray(x).view(np.int32)
-        keys = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).astype(np.int64) << 32
+        keys = ordered_bits(np.ascontiguousarray(x).view(np.int32)).astype(np.int64) << 32
         keys |= np.arange(x.shape[-1], dtype=np.int64)
         keys.sort(axis=-1)
         columns = keys & 0xFFFFFFFF
         return np.take_along_axis(x, columns, axis=-1), columns
     torch = _torch()
-    bits = x.contiguous().view(torch.int32)
-    keys = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(torch.int64) << 32
+    keys = ordered_bits(x.contiguous().view(torch.int32)).to(torch.int64) << 32
     keys |= torch.arange(x.shape[-1], dtype=torch.int64, device=x.device)
     keys = torch.sort(keys, dim=-1).values
     columns = keys & 0xFFFFFFFF
     return torch.take_along_dim(x, columns, dim=-1), columns
+
+
+def ordered_bits(bits):
+    """float32 values' bits (as int32) made to order as the floats do: negatives' magnitude bits
+    flipped (−0 just below +0, NaN by its bits), in either namespace."""
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
 
 
 def take_along_rows(x, columns):
@@ -363,5 +367,5 @@ def concat_rows(parts):
 __all__ = ["DEVICES", "DeviceError", "cuda_visible", "resolve_device", "device_argument", "device_jobs",
            "on_device", "target", "visible_gpus", "to_device", "to_numpy", "to_numpy_all", "float64", "like",
            "put", "zeros", "clip", "add_product", "add_scaled", "add_magnitude", "binade_sq", "namespace", "quiet",
-           "concat_rows", "to_numpy_later", "sort_rows_with_columns", "take_along_rows", "running_max", "segment_sums",
-           "isfinite"]
+           "concat_rows", "to_numpy_later", "ordered_bits", "sort_rows_with_columns", "take_along_rows",
+           "running_max", "segment_sums", "isfinite"]

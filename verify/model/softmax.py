@@ -8,8 +8,8 @@ from typing import Dict, Optional, Tuple
 
 import numpy as np
 
-from .arrays import (clip, concat_rows, isfinite, namespace, put, segment_sums, sort_rows_with_columns,
-                     take_along_rows)
+from .arrays import (clip, concat_rows, isfinite, namespace, ordered_bits, put, segment_sums,
+                     sort_rows_with_columns, take_along_rows)
 from .attention import scaled_scores
 from .kernels import SOFTMAX_FINAL_ROUNDINGS, Kernel
 from .rounding import ROUND_VAR, UNIT_ROUNDOFF, HeadCache, ToleranceError, everywhere, memo, step_var
@@ -232,8 +232,8 @@ class EqualTerms:
 def _row_value_keys(row, values):
     """(row, value) as int64 keys that sort by row, then as the float32 values do (−0 as +0: the two
     are equal terms)."""
-    bits = (values + np.float32(0.0)).view(np.int32)
-    return (np.asarray(row, np.int64) << 32) | ((bits ^ ((bits >> 31) & 0x7FFFFFFF)).astype(np.int64) + (1 << 31))
+    bits = ordered_bits((values + np.float32(0.0)).view(np.int32))
+    return (np.asarray(row, np.int64) << 32) | (bits.astype(np.int64) + (1 << 31))
 
 
 def _concat_cols(xp, parts):
