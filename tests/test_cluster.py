@@ -216,12 +216,12 @@ def test_the_cpu_path_never_imports_dask(binary, tmp_path):
 
 @pytest.mark.parametrize("per_gpu", [1, 2])
 def test_a_local_cluster_for_gpus_has_its_workers_on_each_gpu_seeing_it_alone(binary, tmp_path, monkeypatch, per_gpu):
-    """The hook for a multi-GPU host, on the CPU: WORKERS_PER_GPU workers per (here pretended) GPU,
+    """The hook for a multi-GPU host, on the CPU: workers_per_gpu workers per (here pretended) GPU,
     each with its GPU's CUDA_VISIBLE_DEVICES and a GPU to give; the tasks ask for one each, and the
     check is a local one's."""
     distributed = _distributed()
     tmp = _binary_run(tmp_path, binary)
-    monkeypatch.setattr(cluster, "WORKERS_PER_GPU", per_gpu)
+    monkeypatch.setattr(cluster, "workers_per_gpu", lambda gpus: per_gpu)
     with _pretended_gpus(), cluster.local_cluster(0, ["0", "1"]) as c, distributed.Client(c) as client:
         seen = client.run(lambda: os.environ.get("CUDA_VISIBLE_DEVICES"))
         assert sorted(seen.values()) == ["0"] * per_gpu + ["1"] * per_gpu
@@ -242,6 +242,18 @@ def test_a_local_clusters_workers_run_without_dasks_sampling_profiler(gpus):
     assert dask.config.get("distributed.worker.profile.enabled")  # (this process's own setting as it was)
 
 
+@pytest.mark.parametrize("memory_gb, cores, gpus, per_gpu", [
+    (80, 16, 1, 4), (141, 16, 1, 4), (80, 16, 8, 2), (80, 64, 4, 4), (40, 16, 1, 2), (24, 16, 1, 1), (12, 16, 1, 1),
+    (80, 1, 4, 1), (None, 2, 2, 1)])
+def test_a_local_cluster_puts_as_many_workers_on_a_gpu_as_its_memory_and_the_cores_allow(
+        monkeypatch, memory_gb, cores, gpus, per_gpu):
+    """Up to four workers a GPU (their kernels run while another's host works), one per 16 GiB of
+    the smallest GPU's memory and a core each, at least one."""
+    monkeypatch.setattr(cluster, "gpu_memory_bytes", lambda: None if memory_gb is None else memory_gb * 10**9)
+    monkeypatch.setattr(cluster, "_usable_cores", lambda: cores)
+    assert cluster.workers_per_gpu([str(i) for i in range(gpus)]) == per_gpu
+
+
 def test_local_takes_a_worker_per_visible_gpu_only_for_heads_checked_on_a_gpu(monkeypatch):
     monkeypatch.setattr(cluster, "visible_gpus", lambda: ["2", "5", "7"])
     for where, jobs, gpus in (("cuda", 0, ["2", "5", "7"]), ("cuda", 2, ["2", "5"]), ("cpu", 0, []), (None, 0, [])):
@@ -252,7 +264,7 @@ def test_local_takes_a_worker_per_visible_gpu_only_for_heads_checked_on_a_gpu(mo
 @pytest.mark.parametrize("on_gpu", [False, True], ids=["numpy", "gpus"])
 def test_local_starts_its_cluster_for_the_device_the_heads_are_checked_on(binary, tmp_path, monkeypatch, on_gpu):
     """check --scheduler local on a host of (here pretended) GPUs: where check_run checks the heads
-    on a GPU, the cluster it starts has WORKERS_PER_GPU workers a GPU, each seeing its own, and the
+    on a GPU, the cluster it starts has workers_per_gpu workers a GPU, each seeing its own, and the
     tasks ask for one each; elsewhere a worker a core (--jobs). Either way the report is a local check's."""
     _distributed()
     tmp = _binary_run(tmp_path, binary)
@@ -278,7 +290,7 @@ def test_local_starts_its_cluster_for_the_device_the_heads_are_checked_on(binary
     with _pretended_gpus():
         here, there = _checks(tmp_path, tmp / "in", tmp / "out", ["--scheduler", "local", "--jobs", 2])
     assert started == ([(2, ["0", "1"])] if on_gpu else [(2, [])])
-    per_gpu = cluster.WORKERS_PER_GPU
+    per_gpu = cluster.workers_per_gpu(["0", "1"])
     assert seen == ([["0"] * per_gpu + ["1"] * per_gpu] if on_gpu else [["all", "all"]])
     assert here[0] == 0 and there == here, there[1]
 

@@ -13,10 +13,10 @@ is a local check's. A task whose worker dies is run again on another one, up to 
 line. dask is imported only here, and only when a check asks for a cluster.
 
 Workers on GPUs: LOCAL's cluster is started when check_run hands out its jobs, so that it fits the
-device check_run chose for them: heads checked on a GPU get WORKERS_PER_GPU workers a visible GPU
+device check_run chose for them: heads checked on a GPU get workers_per_gpu workers a visible GPU
 (--jobs N: the first N GPUs), each seeing that GPU alone and offering it to one task at a time
 (GPU_TASK); heads checked by NumPy get one worker a core. A cluster of several hosts gets the same
-from `CUDA_VISIBLE_DEVICES=i dask worker ADDRESS --nworkers 2 --nthreads 1` per GPU (its tasks ask
+from `CUDA_VISIBLE_DEVICES=i dask worker ADDRESS --nworkers 4 --nthreads 1` per GPU (its tasks ask
 for no resource: a worker takes one at a time). The recipe's options say the device to check on, so
 each worker checks its heads on its own GPU.
 """
@@ -38,7 +38,7 @@ import numpy as np
 from ..files.case import load_input_case
 from ..files.kinds import CaseError
 from ..files.outputs import open_run
-from ..model.arrays import device_now, namespace, on_device, target, to_device, visible_gpus
+from ..model.arrays import device_now, gpu_memory_bytes, namespace, on_device, target, to_device, visible_gpus
 from .compare import Options, check_run
 from .diagnosis import Diagnoser
 from .blas import one_blas_thread
@@ -47,11 +47,14 @@ from .pool import _usable_cores, collect_head_garbage, freed_memory_kept, heads_
 LOCAL = "local"  # check --scheduler local: a cluster of this host's processes, started for the check
 INSTALL_HINT = "pip install 'attnstep[cluster]'"
 GPU_TASK = {"GPU": 1}  # what a task asks of a worker on a GPU: the whole GPU
-# LOCAL's workers on each GPU: a head's check alternates between the GPU's kernels and the host's
-# work (NumPy's exact models, reading and comparing the stages), so a second worker's kernels run
-# while the first one's host works (docs/performance.md, "The flash stages' references on a GPU").
-# Each holds its head's row tiles on the GPU.
-WORKERS_PER_GPU = 2
+# LOCAL's workers on each GPU (workers_per_gpu): a head's check alternates between the GPU's
+# kernels and the host's work (NumPy's exact models, reading and comparing the stages, launching the
+# kernels), so the other workers' kernels run while one's host works. 16 heads at N = M = 32768 took
+# 62 s with two workers, 50 s with three and 47 s with four, on one H200 (docs/performance.md, "The
+# flash stages' references on a GPU"). Each holds its head's arrays and row tiles on the GPU (9 GiB
+# at 131072 keys): a worker per WORKER_DEVICE_BYTES of the GPU's memory, and a core of the host each.
+MAX_WORKERS_PER_GPU = 4
+WORKER_DEVICE_BYTES = 16 << 30
 TASK_PREFIX = "attnstep-check-"  # a check's tasks' keys: the prefix, the check's token, the job
 # Tasks on the cluster at a time, per worker thread: enough that a worker never waits for its next,
 # few enough that the last ones go to whichever worker is free (the scheduler places a task that
@@ -129,7 +132,7 @@ def local_cluster(workers: int, gpus: Sequence[str] = ()):
     """A Dask cluster of `workers` processes of one thread each on this host, as --scheduler local
     starts it: no dashboard (its HTTP endpoints on a free port), no memory limit of Dask's (the
     workers hold what the pool's would), none of Dask's own log lines (the check's errors are its
-    one-line messages). gpus: WORKERS_PER_GPU workers per GPU instead, each seeing its GPU alone
+    one-line messages). gpus: workers_per_gpu workers on each GPU instead, each seeing its GPU alone
     (CUDA_VISIBLE_DEVICES) and offering GPU_TASK's resource. Its workers run without Dask's
     sampling profiler (which stops a worker's threads every 10 ms to read their stacks, for a
     dashboard this cluster does not have: about 5% of a head's time, measured on one core)."""
@@ -140,11 +143,21 @@ def local_cluster(workers: int, gpus: Sequence[str] = ()):
             return distributed.LocalCluster(n_workers=workers, threads_per_worker=1, processes=True,
                                             dashboard_address=None, scheduler_kwargs={"dashboard_address": ":0"},
                                             memory_limit=0, silence_logs=logging.CRITICAL)
+        per_gpu = workers_per_gpu(gpus)
         return distributed.SpecCluster(workers={f"gpu{gpu}-{k}": _worker_on(gpu, distributed)
-                                                for gpu in gpus for k in range(WORKERS_PER_GPU)},
+                                                for gpu in gpus for k in range(per_gpu)},
                                        scheduler={"cls": distributed.Scheduler,
                                                   "options": {"dashboard": False, "dashboard_address": ":0"}},
                                        silence_logs=logging.CRITICAL)
+
+
+def workers_per_gpu(gpus: Sequence[str]) -> int:
+    """LOCAL's workers on each of `gpus`: MAX_WORKERS_PER_GPU, fewer where the smallest GPU's memory
+    or the host's cores (a core a worker) do not have room for them; at least one."""
+    memory = gpu_memory_bytes()
+    by_memory = MAX_WORKERS_PER_GPU if memory is None else memory // WORKER_DEVICE_BYTES
+    by_cores = _usable_cores() // max(1, len(gpus))
+    return max(1, min(MAX_WORKERS_PER_GPU, by_memory, by_cores))
 
 
 def local_gpus(jobs: int) -> List[str]:
@@ -210,7 +223,7 @@ def heads_on_cluster(scheduler: Optional[str], jobs: int, in_dir: Path, out_dir:
     """The check run inside (of in_dir and out_dir with opts: check_run's first call) checks its jobs
     on the cluster of `scheduler` (LOCAL: started here when the jobs are handed out, with `jobs`
     workers, or workers on each GPU where they are checked on GPUs: local_gpus); nothing without one.
-    gpus: a task a GPU (LOCAL: WORKERS_PER_GPU workers per GPU of these, whatever the device)."""
+    gpus: a task a GPU (LOCAL: workers_per_gpu workers on each of these, whatever the device)."""
     if scheduler is None:
         yield
         return

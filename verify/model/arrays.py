@@ -146,6 +146,15 @@ def visible_gpus() -> List[str]:
     return names[:count]
 
 
+def gpu_memory_bytes() -> Optional[int]:
+    """The memory of the smallest CUDA device this process sees, in bytes (None where it sees
+    none)."""
+    if not cuda_visible():
+        return None
+    cuda = _torch().cuda
+    return min(cuda.get_device_properties(i).total_memory for i in range(cuda.device_count()))
+
+
 def device_now() -> str:
     """The on_device name of the device the model computes on now (what to give on_device to
     compute there again: a Dask worker's tasks, after check_run's block has ended)."""
@@ -365,7 +374,7 @@ def concat_rows(parts):
 
 
 __all__ = ["DEVICES", "DeviceError", "cuda_visible", "resolve_device", "device_argument", "device_jobs",
-           "on_device", "target", "visible_gpus", "to_device", "to_numpy", "to_numpy_all", "float64", "like",
+           "on_device", "target", "visible_gpus", "gpu_memory_bytes", "to_device", "to_numpy", "to_numpy_all", "float64", "like",
            "put", "zeros", "clip", "add_product", "add_scaled", "add_magnitude", "binade_sq", "namespace", "quiet",
            "concat_rows", "to_numpy_later", "ordered_bits", "sort_rows_with_columns", "take_along_rows",
            "running_max", "segment_sums", "isfinite"]
