@@ -5,13 +5,14 @@
 # Times `attnstep check` of a long flash run, as docs/performance.md quotes it: generates HEADS
 # heads at N = M = N, d_k = d_v = D with the output gradient (not causal, npy), runs the binary's
 # flash forward and backward on it (flash_output, flash_lse, flash_dQ, flash_dK, flash_dV), then
-# checks the run with scripts/measure.py (wall time, peak RSS). --profile FILE: the check runs
+# checks the run with scripts/measure.py (wall time, peak memory). --profile FILE: the check runs
 # under cProfile instead, its statistics written to FILE (FILE.txt: the top entries by cumulative
 # and internal time; the head's row tiles then run on the profiled thread, not one a core). The case and run live in a temporary folder (--keep DIR: there, and kept).
 # --scheduler WHERE (repeatable): the same run is checked once for each, in turn, with
-# `check --scheduler WHERE` (local: a Dask cluster started for the check, a worker per GPU where
+# `check --scheduler WHERE` (local: a Dask cluster started for the check, workers on each GPU where
 # the heads are checked on GPUs), and `none` without a cluster; the default is `none` alone. Under a
-# cluster the peak RSS is the largest one process's (the check's or a worker's), not their sum.
+# cluster measure.py's peak RSS is the largest one process's (the check's or a worker's), and its
+# process tree's total is what they hold together.
 # --profile profiles the check without a cluster (it refuses --scheduler).
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -242,16 +242,21 @@ def test_a_local_clusters_workers_run_without_dasks_sampling_profiler(gpus):
     assert dask.config.get("distributed.worker.profile.enabled")  # (this process's own setting as it was)
 
 
-@pytest.mark.parametrize("memory_gb, cores, gpus, per_gpu", [
-    (80, 16, 1, 4), (141, 16, 1, 4), (80, 16, 8, 2), (80, 64, 4, 4), (40, 16, 1, 2), (24, 16, 1, 1), (12, 16, 1, 1),
-    (80, 1, 4, 1), (None, 2, 2, 1)])
-def test_a_local_cluster_puts_as_many_workers_on_a_gpu_as_its_memory_and_the_cores_allow(
-        monkeypatch, memory_gb, cores, gpus, per_gpu):
-    """Up to four workers a GPU (their kernels run while another's host works), one per 16 GiB of
-    the smallest GPU's memory and a core each, at least one."""
-    monkeypatch.setattr(cluster, "gpu_memory_bytes", lambda: None if memory_gb is None else memory_gb * 10**9)
+@pytest.mark.parametrize("memory_gb, host_gb, cores, gpus, per_gpu", [
+    (80, 1000, 16, 1, 4), (141, 1000, 16, 1, 4), (80, 1000, 16, 8, 2), (80, 1000, 64, 4, 4), (40, 1000, 16, 1, 3),
+    (24, 1000, 16, 1, 2), (12, 1000, 16, 1, 1), (80, 1000, 1, 4, 1), (80, 64, 64, 4, 1), (80, 40, 16, 1, 2),
+    (None, None, 2, 2, 1), (None, None, 16, 1, 4)])
+def test_a_local_cluster_puts_as_many_workers_on_a_gpu_as_memory_and_cores_allow(
+        monkeypatch, memory_gb, host_gb, cores, gpus, per_gpu):
+    """Up to four workers a GPU (their kernels run while another's host works): each needs 10 GiB of
+    the smallest GPU used, 8 GiB of half the host's available memory and a core; at least one."""
+    asked = []
+    monkeypatch.setattr(cluster, "gpu_memory_bytes",
+                        lambda count: asked.append(count) or (None if memory_gb is None else memory_gb * 10**9))
+    monkeypatch.setattr(cluster, "_available_memory_bytes", lambda: None if host_gb is None else host_gb * 10**9)
     monkeypatch.setattr(cluster, "_usable_cores", lambda: cores)
     assert cluster.workers_per_gpu([str(i) for i in range(gpus)]) == per_gpu
+    assert asked == [gpus]  # (the GPUs the workers go to, not every one the machine has)
 
 
 def test_local_takes_a_worker_per_visible_gpu_only_for_heads_checked_on_a_gpu(monkeypatch):
@@ -285,12 +290,13 @@ def test_local_starts_its_cluster_for_the_device_the_heads_are_checked_on(binary
     monkeypatch.setattr(cluster, "local_cluster", recorded)
     monkeypatch.setattr(cluster.DaskRoute, "map", seen_workers)
     monkeypatch.setattr(cluster, "visible_gpus", lambda: ["0", "1"])
+    monkeypatch.setattr(cluster, "workers_per_gpu", lambda gpus: 2)
     if on_gpu:  # (the workers themselves check on NumPy: this machine has no GPU)
         monkeypatch.setattr(cluster, "target", lambda: "cuda")
     with _pretended_gpus():
         here, there = _checks(tmp_path, tmp / "in", tmp / "out", ["--scheduler", "local", "--jobs", 2])
     assert started == ([(2, ["0", "1"])] if on_gpu else [(2, [])])
-    per_gpu = cluster.workers_per_gpu(["0", "1"])
+    per_gpu = 2
     assert seen == ([["0"] * per_gpu + ["1"] * per_gpu] if on_gpu else [["all", "all"]])
     assert here[0] == 0 and there == here, there[1]
 

@@ -580,6 +580,23 @@ def test_the_visible_gpus_are_named_as_a_child_process_would_see_them(monkeypatc
     assert arrays.visible_gpus() == []
 
 
+def test_the_gpus_memory_is_the_smallest_of_those_asked_for(monkeypatch):
+    sizes = [80, 40, 24]
+
+    def properties(i):
+        if sizes[i] is None:
+            raise RuntimeError("CUDA error: initialization error")
+        return SimpleNamespace(total_memory=sizes[i])
+    monkeypatch.setattr(arrays, "cuda_visible", lambda: True)
+    monkeypatch.setattr(arrays, "_torch", lambda: SimpleNamespace(
+        cuda=SimpleNamespace(device_count=lambda: len(sizes), get_device_properties=properties)))
+    assert [arrays.gpu_memory_bytes(n) for n in (1, 2, 3, 5)] == [80, 40, 24, 24]
+    sizes[0] = None
+    assert arrays.gpu_memory_bytes(2) is None  # (a GPU that cannot start: the caller's default)
+    monkeypatch.setattr(arrays, "cuda_visible", lambda: False)
+    assert arrays.gpu_memory_bytes(1) is None
+
+
 def test_rows_read_back_later_give_the_rows_model():
     """rowdot_var_later (the flash chain's D rows, NumPy's exact model for a device's rows): the
     model of rowdot_var, on NumPy and on a device."""

@@ -15,8 +15,8 @@ line. dask is imported only here, and only when a check asks for a cluster.
 Workers on GPUs: LOCAL's cluster is started when check_run hands out its jobs, so that it fits the
 device check_run chose for them: heads checked on a GPU get workers_per_gpu workers a visible GPU
 (--jobs N: the first N GPUs), each seeing that GPU alone and offering it to one task at a time
-(GPU_TASK); heads checked by NumPy get one worker a core. A cluster of several hosts gets the same
-from `CUDA_VISIBLE_DEVICES=i dask worker ADDRESS --nworkers 4 --nthreads 1` per GPU (its tasks ask
+(GPU_TASK); heads checked by NumPy get one worker a core. A cluster of several hosts gets the like
+from `CUDA_VISIBLE_DEVICES=i dask worker ADDRESS --nworkers W --nthreads 1` per GPU (its tasks ask
 for no resource: a worker takes one at a time). The recipe's options say the device to check on, so
 each worker checks its heads on its own GPU.
 """
@@ -42,7 +42,7 @@ from ..model.arrays import device_now, gpu_memory_bytes, namespace, on_device, t
 from .compare import Options, check_run
 from .diagnosis import Diagnoser
 from .blas import one_blas_thread
-from .pool import _usable_cores, collect_head_garbage, freed_memory_kept, heads_routed
+from .pool import _available_memory_bytes, _usable_cores, collect_head_garbage, freed_memory_kept, heads_routed
 
 LOCAL = "local"  # check --scheduler local: a cluster of this host's processes, started for the check
 INSTALL_HINT = "pip install 'attnstep[cluster]'"
@@ -51,10 +51,13 @@ GPU_TASK = {"GPU": 1}  # what a task asks of a worker on a GPU: the whole GPU
 # kernels and the host's work (NumPy's exact models, reading and comparing the stages, launching the
 # kernels), so the other workers' kernels run while one's host works. 16 heads at N = M = 32768 took
 # 62 s with two workers, 50 s with three and 47 s with four, on one H200 (docs/performance.md, "The
-# flash stages' references on a GPU"). Each holds its head's arrays and row tiles on the GPU (9 GiB
-# at 131072 keys): a worker per WORKER_DEVICE_BYTES of the GPU's memory, and a core of the host each.
+# flash stages' references on a GPU"). A worker holds its head's arrays and row tiles on the GPU
+# (9 GiB at 131072 keys, the most measured) and PyTorch, the head's files and its results on the
+# host (7 GB at 131072 keys): each needs WORKER_DEVICE_BYTES of its GPU, WORKER_HOST_BYTES of half
+# the host's available memory (the pool's rule for its processes) and a core.
 MAX_WORKERS_PER_GPU = 4
-WORKER_DEVICE_BYTES = 16 << 30
+WORKER_DEVICE_BYTES = 10 << 30
+WORKER_HOST_BYTES = 8 << 30
 TASK_PREFIX = "attnstep-check-"  # a check's tasks' keys: the prefix, the check's token, the job
 # Tasks on the cluster at a time, per worker thread: enough that a worker never waits for its next,
 # few enough that the last ones go to whichever worker is free (the scheduler places a task that
@@ -152,12 +155,15 @@ def local_cluster(workers: int, gpus: Sequence[str] = ()):
 
 
 def workers_per_gpu(gpus: Sequence[str]) -> int:
-    """LOCAL's workers on each of `gpus`: MAX_WORKERS_PER_GPU, fewer where the smallest GPU's memory
-    or the host's cores (a core a worker) do not have room for them; at least one."""
-    memory = gpu_memory_bytes()
-    by_memory = MAX_WORKERS_PER_GPU if memory is None else memory // WORKER_DEVICE_BYTES
-    by_cores = _usable_cores() // max(1, len(gpus))
-    return max(1, min(MAX_WORKERS_PER_GPU, by_memory, by_cores))
+    """LOCAL's workers on each of `gpus` (the first len(gpus) this process sees): MAX_WORKERS_PER_GPU,
+    fewer where the smallest of those GPUs' memory, half the host's available memory or its cores do
+    not have room for them; at least one."""
+    count = max(1, len(gpus))
+    device = gpu_memory_bytes(count)
+    host = _available_memory_bytes()
+    by_device = MAX_WORKERS_PER_GPU if device is None else device // WORKER_DEVICE_BYTES
+    by_host = MAX_WORKERS_PER_GPU if host is None else host // 2 // (WORKER_HOST_BYTES * count)
+    return max(1, min(MAX_WORKERS_PER_GPU, by_device, by_host, _usable_cores() // count))
 
 
 def local_gpus(jobs: int) -> List[str]:

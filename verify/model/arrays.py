@@ -146,13 +146,17 @@ def visible_gpus() -> List[str]:
     return names[:count]
 
 
-def gpu_memory_bytes() -> Optional[int]:
-    """The memory of the smallest CUDA device this process sees, in bytes (None where it sees
-    none)."""
+def gpu_memory_bytes(count: int) -> Optional[int]:
+    """The memory of the smallest of the first `count` CUDA devices this process sees, in bytes
+    (None where it sees none, or cannot ask). PyTorch starts CUDA in this process to answer: a
+    process that forks workers afterwards must not (the cluster's workers are started afresh)."""
     if not cuda_visible():
         return None
     cuda = _torch().cuda
-    return min(cuda.get_device_properties(i).total_memory for i in range(cuda.device_count()))
+    try:
+        return min(cuda.get_device_properties(i).total_memory for i in range(min(count, cuda.device_count())))
+    except (RuntimeError, ValueError):  # (a device that fails to start: the caller's default)
+        return None
 
 
 def device_now() -> str:
