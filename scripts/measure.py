@@ -79,7 +79,10 @@ def main() -> int:
         except (OSError, AttributeError):
             pass
     t0 = time.perf_counter()
-    proc = subprocess.Popen(sys.argv[1:])
+    try:
+        proc = subprocess.Popen(sys.argv[1:])
+    except OSError as exc:  # (not found, not executable: one line, as a shell says it)
+        sys.exit(f"measure.py: cannot run {sys.argv[1]}: {exc.strerror}")
     peak, proportional = [0], [True]
     done = threading.Event()
 

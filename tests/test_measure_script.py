@@ -98,3 +98,10 @@ def test_a_process_whose_parent_exits_stays_in_the_tree():
 def test_without_a_command_it_says_how_to_call_it():
     done = _measure()
     assert done.returncode != 0 and "usage: measure.py CMD" in done.stderr
+
+
+def test_a_command_that_cannot_run_is_one_line(tmp_path):
+    done = _measure(str(tmp_path / "no-such-program"))
+    assert done.returncode != 0
+    assert done.stderr.strip().splitlines() == [f"measure.py: cannot run {tmp_path / 'no-such-program'}: "
+                                               "No such file or directory"]

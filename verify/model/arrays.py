@@ -378,7 +378,7 @@ def concat_rows(parts):
 
 
 __all__ = ["DEVICES", "DeviceError", "cuda_visible", "resolve_device", "device_argument", "device_jobs",
-           "on_device", "target", "visible_gpus", "gpu_memory_bytes", "to_device", "to_numpy", "to_numpy_all", "float64", "like",
-           "put", "zeros", "clip", "add_product", "add_scaled", "add_magnitude", "binade_sq", "namespace", "quiet",
+           "on_device", "target", "visible_gpus", "gpu_memory_bytes", "to_device", "to_numpy", "to_numpy_all",
+           "float64", "like", "put", "zeros", "clip", "add_product", "add_scaled", "add_magnitude", "binade_sq", "namespace", "quiet",
            "concat_rows", "to_numpy_later", "ordered_bits", "sort_rows_with_columns", "take_along_rows",
            "running_max", "segment_sums", "isfinite"]

@@ -291,5 +291,5 @@ def least(a, b):
 
 
 __all__ = ["TILE_BYTES", "DEVICE_TILE_BYTES", "tile_workers", "in_order", "map_tiles", "row_tiles", "over_rows",
-           "stack_over_rows", "flush_max", "rows_of", "stack_rows", "QuerySum", "Total", "tiled", "MmaCarry", "smallest",
-           "smallest_now", "least"]
+           "stack_over_rows", "flush_max", "rows_of", "stack_rows", "QuerySum", "Total", "tiled", "MmaCarry",
+           "smallest", "smallest_now", "least"]
