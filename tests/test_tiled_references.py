@@ -47,6 +47,7 @@ from verify.model.scores import HeadVariant
 from verify.specs import SPECS, sources_of
 from verify.specs import flash as flash_spec
 from verify.model.kernels import kernel_for
+from verify.model.rounding import FLUSH
 from verify.specs.backward import flash_bounds, flash_chain_pass, flash_tiles
 from verify.stages import FLASH_GRAD_KEYS, FLASH_GRAD_QUERIES, FLASH_GRAD_VALUES, FLASH_LSE, FLASH_OUTPUT, STAGES, Dims
 from verify.variant import BOTTOM_RIGHT, PER_HEAD, Variant
@@ -583,3 +584,21 @@ def test_a_foreign_flash_backward_checks_against_the_chains_references(tmp_path,
         assert r.exit_code == 0 and report["passed"], r.output
     else:
         assert r.exit_code == 1 and report["first_failing_stage"] == FLASH_GRAD_KEYS, r.output
+
+
+def test_the_flash_floor_takes_the_inputs_magnitudes_only_for_products_near_the_flush_range(monkeypatch):
+    """The flushed-products floor: 2·FLUSH for ordinary data, without a pass over |Q|, |K|, |dO|
+    (a head's worth of N·d arrays); where dO·Vᵀ's products come near float32's normal range, the
+    lost products' bound scaled by the largest finite input magnitude, as before."""
+    rng = np.random.default_rng(3)
+    src = {n: rng.normal(size=(s, 8)) for n, s in (("Q", 5), ("K", 7), ("V", 7), ("dO", 5))}
+    src["Q"][0, 0] = np.inf  # (not finite: left out of the magnitude)
+    real = flash_bounds.finite_abs
+    monkeypatch.setattr(flash_bounds, "finite_abs", lambda x: pytest.fail("magnitudes taken for ordinary data"))
+    assert flash_bounds.flash_floor(src) == 2 * FLUSH
+    monkeypatch.setattr(flash_bounds, "finite_abs", real)
+    src["V"] = src["V"] * 1e-36
+    tiny = tiles.flush_max(src["dO"], src["V"].T)
+    assert tiny > 0
+    largest = max(1.0, *(float(np.max(np.where(np.isfinite(src[n]), np.abs(src[n]), 0.0))) for n in ("Q", "K", "dO")))
+    assert flash_bounds.flash_floor(src) == 2 * FLUSH + tiny * largest * (5 + 7)

@@ -272,13 +272,14 @@ def flash_isolated(index: int):
 
 
 def flash_floor(src):
-    """Flushed products: none unless the data's products come near float32's normal range."""
-    Q, K, V, dO = (finite_abs(src[n]) for n in FLASH_SOURCES[:4])
+    """Flushed products: none unless the data's products come near float32's normal range (the
+    inputs' magnitudes are taken only then: most heads never need them)."""
+    Q, K, V, dO = (src[n] for n in FLASH_SOURCES[:4])
     tiny = flush_max(dO, V.T)
     if not tiny:
         return 2 * FLUSH
-    return 2 * FLUSH + tiny * max(1.0, Q.max(initial=0.0), K.max(initial=0.0), dO.max(initial=0.0)) \
-        * (Q.shape[0] + K.shape[0])
+    largest = max(1.0, *(float(finite_abs(x).max(initial=0.0)) for x in (Q, K, dO)))
+    return 2 * FLUSH + tiny * largest * (Q.shape[0] + K.shape[0])
 
 
 __all__ = ["flash_isolated", "flash_own_and_references", "flash_floor", "KeyGrads", "flash_grad_bounds",
