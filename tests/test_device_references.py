@@ -624,6 +624,24 @@ def test_on_a_gpu_copies_that_do_not_wait_carry_the_values(cuda_torch):
 
 
 @pytest.mark.gpu
+def test_on_a_gpu_results_come_back_as_numpy_arrays_of_their_values_and_dtype(cuda_torch):
+    """arrays.to_numpy of a GPU tensor (copied into an array NumPy allocates): the same values and
+    dtype as PyTorch's own copy, for the dtypes the model brings back, a 0-d tensor and a
+    transposed (not contiguous) one; a NumPy array and a CPU tensor as they are."""
+    torch = cuda_torch
+    base = torch.arange(24, device="cuda").reshape(4, 6)
+    for x in (base.to(torch.float64) / 7, base.to(torch.float32), base, base % 3 == 0,
+              (base.to(torch.float64) / 7).T, torch.tensor(2.5, dtype=torch.float64, device="cuda")):
+        got, want = arrays.to_numpy(x), x.cpu().numpy()
+        assert isinstance(got, np.ndarray) and got.dtype == want.dtype and got.shape == want.shape
+        np.testing.assert_array_equal(got, want)
+    host = np.ones(3)
+    assert arrays.to_numpy(host) is host
+    cpu = torch.ones(3, dtype=torch.float64)
+    assert np.shares_memory(arrays.to_numpy(cpu), cpu.numpy())  # (PyTorch on the CPU: no copy)
+
+
+@pytest.mark.gpu
 def test_on_a_gpu_a_tiles_host_work_queues_without_waiting(cuda_torch):
     """Grouping and summing equal terms, arrays.like's upload and arrays.to_numpy_later's copy
     queue their work without waiting for the GPU (a wait would make a tile's host work and the

@@ -11,6 +11,7 @@ array_api_compat are imported only when a device other than NumPy's is asked for
 from __future__ import annotations
 
 import contextlib
+import functools
 import glob
 import importlib.util
 import os
@@ -180,7 +181,21 @@ def to_numpy(x) -> np.ndarray:
     """x as a NumPy array (one transfer for a GPU tensor)."""
     if isinstance(x, np.ndarray) or np.isscalar(x):
         return np.asarray(x)
-    return x.detach().cpu().numpy()
+    x = x.detach()
+    if x.device.type == "cpu":
+        return x.numpy()
+    # Into an array NumPy allocates: NumPy asks for huge pages for a large one, so the copy fills
+    # memory that faults in 2 MB at a time; PyTorch's own host tensor faults 4 KB at a time, and
+    # took 2.2-2.5x as long for the results of a long head (docs/performance.md).
+    out = np.empty(tuple(x.shape), dtype=_numpy_dtype(x.dtype))
+    _torch().from_numpy(out).copy_(x)
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _numpy_dtype(dtype) -> np.dtype:
+    """The NumPy dtype of a PyTorch dtype (one NumPy has: float64, float32, integers, bool)."""
+    return _torch().empty(0, dtype=dtype).numpy().dtype
 
 
 def to_numpy_later(x) -> Callable[[], np.ndarray]:
