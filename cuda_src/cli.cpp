@@ -130,6 +130,12 @@ const char* const kFlashKernelNames[] = {"auto", "wgmma", "fast", "clean"};
 const FlashKernel kFlashKernels[] = {FlashKernel::automatic, FlashKernel::wgmma, FlashKernel::fast,
                                      FlashKernel::clean};
 
+// A folder given as "" (an unset shell variable) would be the working directory: refused.
+std::string folder_value(const std::string& opt, const std::string& folder) {
+    if (folder.empty()) usage_error(opt + ": an empty path (name a folder)");
+    return folder;
+}
+
 }  // namespace
 
 const char* flash_kernel_option(FlashKernel k) {
@@ -215,8 +221,8 @@ Options parse_cli(int argc, char** argv) {
             if (inline_value) usage_error(arg + " takes no value");
         };
         if (arg == "--help" || arg == "-h") { o.help = true; }
-        else if (arg == "--in") { o.in_dir = take_value(); have_in = true; }
-        else if (arg == "--out") { o.out_dir = take_value(); }
+        else if (arg == "--in") { o.in_dir = folder_value(arg, take_value()); have_in = true; }
+        else if (arg == "--out") { o.out_dir = folder_value(arg, take_value()); }
         else if (arg == "--backend") {
             static const char* const names[] = {"auto", "cuda", "cpu"};
             static const BackendChoice values[] = {BackendChoice::Auto, BackendChoice::Cuda, BackendChoice::Cpu};
@@ -263,6 +269,7 @@ Options parse_cli(int argc, char** argv) {
                 usage_error("--max-memory-mb: '" + text + "' exceeds " + std::to_string(kMaxMemoryMb) + " (1 PiB)");
         }
         else if (arg.size() > 1 && arg[0] == '-') { usage_error("unknown option '" + arg + "'"); }
+        else if (arg.empty()) { usage_error("an empty argument (name a CASE, or leave it out)"); }
         else if (o.case_name.empty()) { o.case_name = arg; }
         else { usage_error("unexpected argument '" + arg + "' (CASE is already '" + o.case_name + "')"); }
     }

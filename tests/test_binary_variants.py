@@ -136,8 +136,9 @@ def test_help_names_every_option(binary):
 # (key, value as written in the manifest, words of the message).
 MANIFEST_ERRORS = [
     ("align", '"diagonal"', "align = 'diagonal': must be top-left or bottom-right"),
-    ("window_left", "-2", "window_left = -2: must be -1 (unbounded) or a number of keys >= 0"),
+    ("window_left", "-2", "window_left = -2: must be -1 (unbounded) or a number of keys from 0 to 2147483647"),
     ("window_right", "-7", "window_right = -7: must be -1 (unbounded)"),
+    ("window_left", "9223372036854775807", "window_left = 9223372036854775807: must be -1 (unbounded) or a number of keys from 0 to 2147483647"),
     ("softcap", "-1.0", "softcap = -1.0: must be a finite number > 0 (0: none)"),
     ("softcap", "inf", "softcap = inf: must be a finite number"),
     ("softcap", "1e39", "softcap = 1e+39: must be a finite number"),

@@ -35,6 +35,52 @@ def test_generate_rejects_bad_dims(runner, tmp_path):
     assert res.exit_code == 2 and "--d-k" in res.output
 
 
+@pytest.mark.parametrize("args", [
+    ["generate", "--out", "", *SMALL], ["run", "--out", "", "--backend", "cpu"], ["run", "--in", "", "--backend", "cpu"],
+    ["check", "--in", ""], ["check", "--out", ""], ["check", "--json", ""], ["check", "--junit", ""],
+], ids=["generate-out", "run-out", "run-in", "check-in", "check-out", "check-json", "check-junit"])
+def test_an_empty_path_is_refused_and_nothing_is_written(runner, tmp_path, monkeypatch, args):
+    """An empty path (an unset shell variable) would be the working directory: refused in one line
+    naming the option, and nothing written there."""
+    monkeypatch.chdir(tmp_path)
+    res = runner.invoke(cli, args)
+    assert "an empty path (name a file or folder)" in _one_line_error(res) and args[1] in res.output
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--in", "", "--out", "o"], "--in: an empty path (name a folder)"),
+    (["--out", ""], "--out: an empty path (name a folder)"),
+    (["--out=", "--backend", "cpu"], "--out: an empty path (name a folder)"),
+    ([""], "an empty argument (name a CASE, or leave it out)"),
+])
+def test_the_binary_refuses_an_empty_path_and_writes_nothing(binary, tmp_path, args, words):
+    ran = subprocess.run([str(binary), *args], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert ran.returncode == 2 and words in ran.stderr, ran.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("option, before", [("--seqlens", []), ("--seqlens-k", ["--seqlens", "3,4"]),
+                                            ("--seqused-k", ["--seqlens", "3,4", "--seqlens-k", "3,4"]),
+                                            ("--random-seqlens", [])])
+def test_an_empty_packing_option_is_refused_not_taken_for_none(runner, tmp_path, option, before):
+    res = runner.invoke(cli, ["generate", "--out", str(tmp_path / "c"), "--heads", "2", "--d-k", "16", "--d-v", "16",
+                              *before, option, ""])
+    assert _one_line_error(res) == f"Error: {option}: empty; give its numbers or leave {option} out"
+    assert not (tmp_path / "c").exists()
+
+
+@pytest.mark.parametrize("option", ["--stages", "--sanitize"])
+def test_run_with_an_empty_list_is_refused_before_anything_moves(runner, good_run, binary, option):
+    """An empty --stages (or --sanitize) is refused, not taken for every stage (no sanitizer), and
+    before the earlier run is moved aside: the folder still checks."""
+    in_dir, out_dir = good_run
+    res = runner.invoke(cli, ["run", "--in", str(in_dir), "--out", str(out_dir), "--backend", "cpu",
+                              "--binary", str(binary), option, ""])
+    assert _one_line_error(res) == f"Error: {option}: empty; give its list or leave {option} out"
+    assert runner.invoke(cli, ["check", "--in", str(in_dir), "--out", str(out_dir)]).exit_code == 0
+
+
 def test_check_help_fits_a_screen_and_points_to_the_tolerance_model(runner):
     res = runner.invoke(cli, ["check", "--help"])
     assert res.exit_code == 0
@@ -127,6 +173,28 @@ def test_check_names_first_failing_stage_and_writes_plots(runner, good_run, tmp_
     assert rep["first_failing_stage"] == "QK"
     assert "first failing stage: QK (head 1" in res.output
     assert (tmp_path / "plots" / "QK_head_1.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize("value", ["-5", "99999999999"])
+def test_a_flash_tile_out_of_range_in_run_toml_is_one_line(runner, good_run, value):
+    in_dir, out_dir = good_run
+    manifest = out_dir / "run.toml"
+    manifest.write_text(manifest.read_text().replace("flash_block_q = ", f"flash_block_q = {value}\n#", 1))
+    res = runner.invoke(cli, ["check", "--in", str(in_dir), "--out", str(out_dir)])
+    assert f"run.toml: flash_block_q = {value}: a flash tile of 0..16777216 (0: no flash stage ran)" in \
+        _one_line_error(res)
+
+
+def test_the_diagnoses_try_a_runs_own_key_tile_only_as_wide_as_a_kernels():
+    """A key tile wider than any kernel's (run.toml may say up to 2^24) would extend the keys by
+    that many in the keys-past-the-end diagnosis: the usual widths are tried instead."""
+    from types import SimpleNamespace
+
+    from verify.diagnose.base import KEY_TILES, MAX_RUN_KEY_TILE
+    from verify.diagnose.inputs import _tiles
+    assert _tiles(SimpleNamespace(flash_tiles=(64, 96))) == [96, *KEY_TILES]
+    assert _tiles(SimpleNamespace(flash_tiles=(64, MAX_RUN_KEY_TILE + 1))) == list(KEY_TILES)
+    assert _tiles(SimpleNamespace(flash_tiles=(64, 10**7))) == list(KEY_TILES)
 
 
 def test_stale_file_is_refused(runner, good_run, tmp_path):
@@ -501,3 +569,20 @@ def test_run_on_a_terminal_shows_the_binarys_progress(runner, tmp_path, binary, 
     quiet = runner.invoke(cli, ["run", "--in", str(tmp_path / "in"), "--out", str(tmp_path / "out"),
                                 "--backend", "cpu", "--quiet"])
     assert quiet.exit_code == 0 and seen == [24]
+
+
+def test_a_check_of_nonfinite_inputs_prints_no_numpy_warnings(runner, tmp_path, binary):
+    """A bias file changed to -inf along a row after the run (its scores then disagree): the check
+    fails and names the stage, and NumPy's warnings about the infinities stay out of its output."""
+    in_dir, out_dir = tmp_path / "in", tmp_path / "out"
+    small = ["--heads", "2", "--seq-q", "8", "--seq-k", "8", "--d-k", "16", "--d-v", "16"]
+    assert runner.invoke(cli, ["generate", "--out", str(in_dir), *small, "--bias", "random"]).exit_code == 0
+    assert subprocess.run([str(binary), "--in", str(in_dir), "--out", str(out_dir), "--backend", "cpu"],
+                          capture_output=True).returncode == 0
+    bias = in_dir / "bias.txt"
+    lines = bias.read_text().splitlines()
+    bias.write_text("\n".join([lines[0], " ".join(["-inf"] * 8), *lines[2:]]) + "\n")
+    res = subprocess.run([sys.executable, "-m", "verify", "check", "--in", str(in_dir), "--out", str(out_dir),
+                          "--quiet"], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 1 and "first failing stage" in res.stdout + res.stderr, res.stdout + res.stderr
+    assert "Warning" not in res.stderr, res.stderr

@@ -107,9 +107,10 @@ FAKE_BINARY = '''#!{python}
 """A stand-in for main --bench-decode: writes the JSON the decode bench writes, or fails."""
 import json, sys
 args = dict(zip(sys.argv[2::2], sys.argv[3::2]))
-if {fail!r} and args["--cache-len"] == "32768":
-    print("main: error: no CUDA device", file=sys.stderr)
-    sys.exit(2)
+if {fail} and args["--cache-len"] in {failing!r}:
+    print("main: error: " + ("no CUDA device" if {fail} == 2 else "CUDA error: an illegal memory access"),
+          file=sys.stderr)
+    sys.exit({fail})
 b, hk, l, d = (int(args[k]) for k in ("--batch", "--kv-heads", "--cache-len", "--d"))
 kv = 2 * b * hk * l * d * 2
 result = {{"device": "stand-in GPU", "batch": b, "heads": int(args["--heads"]), "kv_heads": hk, "cache_len": l,
@@ -120,9 +121,10 @@ open(args["--json"], "w").write(json.dumps(result))
 '''
 
 
-def _fake_binary(tmp_path: Path, fail: bool = False) -> Path:
+def _fake_binary(tmp_path: Path, fail: int = 0, failing=("32768",)) -> Path:
+    """fail: the exit status of the shapes whose cache length is in `failing` (0: none fails)."""
     path = tmp_path / "main"
-    path.write_text(FAKE_BINARY.format(python=sys.executable, fail=fail))
+    path.write_text(FAKE_BINARY.format(python=sys.executable, fail=fail, failing=tuple(failing)))
     path.chmod(path.stat().st_mode | stat.S_IXUSR)
     return path
 
@@ -148,11 +150,21 @@ def test_the_command_runs_the_binary_prints_the_table_and_writes_the_json(tmp_pa
 
 
 def test_a_failing_binary_is_one_line_per_shape_and_exit_status_1(tmp_path):
-    r = CliRunner().invoke(cli, ["bench", "--decode", "goals", "--binary", str(_fake_binary(tmp_path, fail=True)),
+    r = CliRunner().invoke(cli, ["bench", "--decode", "goals", "--binary", str(_fake_binary(tmp_path, fail=1)),
                                  "--no-torch"])
     assert r.exit_code == 1 and "Traceback" not in r.output
-    assert "exited 2: main: error: no CUDA device" in r.output
+    assert "exited 1: main: error: CUDA error: an illegal memory access" in r.output
     assert "main --bench-decode failed on 1 shape" in r.output
+
+
+def test_a_binary_that_cannot_bench_at_all_is_one_line_and_exit_status_2(tmp_path):
+    """The binary refuses --bench-decode itself (exit 2: no CUDA build or no GPU): no shape can run,
+    so one line and exit 2, as bench without --decode, not a table of goals missed."""
+    fake = _fake_binary(tmp_path, fail=2, failing=("8192", "32768"))
+    r = CliRunner().invoke(cli, ["bench", "--decode", "goals", "--binary", str(fake), "--no-torch"])
+    assert r.exit_code == 2 and "Traceback" not in r.output and "goals:" not in r.output, r.output
+    assert r.output.strip().splitlines()[-1] == ("Error: B64 H32 Hk8 L8192 P64 d128 bf16: main --bench-decode exited 2: "
+                                                "main: error: no CUDA device")
 
 
 def test_options_the_decode_goals_would_ignore_are_refused(tmp_path):

@@ -365,3 +365,42 @@ def test_another_programs_earlier_files_moved_aside_under_the_marker(tmp_path):
     _, err = run.communicate(timeout=120)
     assert run.returncode != 0 and "cannot move the previous run's files aside" in err, err
     _assert_refused(in_dir, out_dir, "cannot move the previous run's files aside")
+
+
+# ------------------------------------------------------------------ generate
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=lambda s: signal.Signals(s).name)
+def test_a_signal_while_generating_leaves_no_new_folder(tmp_path, sig):
+    """generate stopped by a signal while it writes into a folder it created: the folder is gone,
+    one line in the binary's words, and 128 + the signal."""
+    out = tmp_path / "new"
+    cmd = [sys.executable, "-m", "verify", "generate", "--out", str(out), "--heads", "8", "--seq-q", "384",
+           "--seq-k", "384", "--d-k", "32", "--d-v", "32", "--backward"]
+
+    def writing() -> bool:
+        return out.is_dir() and any(any(p.iterdir()) for p in out.iterdir() if p.is_dir())
+    signalled, rc, err = signal_when(cmd, writing, sig)
+    assert signalled, "five runs of generate ended before a file was written"
+    name = signal.Signals(sig).name
+    assert rc == 128 + sig and err.strip().splitlines() == [f"Error: interrupted by signal {int(sig)} ({name})"], err
+    assert not out.exists()
+
+
+def test_ctrl_c_while_generating_removes_the_folder_it_created(tmp_path, monkeypatch):
+    """Ctrl-C (KeyboardInterrupt) while generate writes: one line, 130, and no folder left; into a
+    folder that was there before, the folder stays (with nothing of this generate in it)."""
+    from helpers.cli import invoke
+    from verify.files import generate as gen
+
+    def interrupted(staging, *args, **kwargs):
+        (staging / "Q_head_0.txt").write_text("1\n")
+        raise KeyboardInterrupt
+    monkeypatch.setattr(gen, "_write_inputs", interrupted)
+    args = ["--heads", "2", "--seq-q", "4", "--seq-k", "4", "--d-k", "4", "--d-v", "4"]
+    res = invoke("generate", "--out", tmp_path / "new", *args)
+    assert res.exit_code == 130 and res.output.strip().splitlines()[-1] == "Error: interrupted by signal 2 (SIGINT)"
+    assert not (tmp_path / "new").exists()
+    assert invoke("generate", "--out", tmp_path / "p" / "a" / "new", *args).exit_code == 130
+    assert not (tmp_path / "p").exists()  # (the parents it made too)
+    (tmp_path / "kept").mkdir()
+    assert invoke("generate", "--out", tmp_path / "kept", *args).exit_code == 130
+    assert list((tmp_path / "kept").iterdir()) == []

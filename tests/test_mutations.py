@@ -918,3 +918,31 @@ def test_workers_do_not_outlive_a_killed_check(tmp_path):
     else:
         os.kill(pid, 9)
         pytest.fail(f"worker {pid} outlived its killed parent")
+
+
+def _slow_after_the_first(head: int) -> list:
+    if head > 0:
+        time.sleep(600)  # a head still being checked when the check is stopped
+    return [head]
+
+
+def _stop_after_the_first_head(head: int) -> None:
+    raise KeyboardInterrupt  # (as Ctrl-C, or SIGTERM turned into an exception, would)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="workers are forked on Linux only")
+def test_a_stopped_parallel_check_ends_its_workers_without_waiting_for_their_heads():
+    """A check stopped while workers still check heads ends them and returns at once: it does not
+    wait for each head begun (leaving the executor waits for them), which a signal's sender would
+    take for a hang."""
+    from helpers.cli import time_limit
+    from verify.check import pool
+    before = set(multiprocessing_children())
+    with time_limit(120, "the stopped check"), pytest.raises(KeyboardInterrupt):
+        pool.map_heads(_slow_after_the_first, 3, 2, progress=_stop_after_the_first_head)
+    assert set(multiprocessing_children()) <= before
+
+
+def multiprocessing_children() -> list:
+    import multiprocessing
+    return [p.pid for p in multiprocessing.active_children()]

@@ -49,7 +49,8 @@ LAYERS: Tuple[Tuple[str, Set[str]], ...] = (
     ("bench", {"stages", "variant", "text", "terminal", "model", "files", "runs", "report"}),
     ("cli", {"stages", "sequences", "variant", "text", "terminal", "model", "specs", "files", "runs", "check", "diagnose",
              "report", "bench"}),
-    ("api", {"stages", "variant", "text", "model", "specs", "files", "check", "diagnose", "report"}),
+    ("api_arguments", {"stages", "variant", "model", "files", "check"}),
+    ("api", {"stages", "variant", "text", "model", "specs", "files", "check", "diagnose", "report", "api_arguments"}),
     ("__main__", {"cli"}),
 )
 

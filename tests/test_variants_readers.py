@@ -53,13 +53,18 @@ CASES: List[Tuple[str, Optional[str], bool, list, list, tuple]] = [
     ("dropout-0-as-float32", "dropout = 1e-46", False, [], [],
      ("{case}/manifest.toml", "dropout = 1e-46: must be 0 (none) or a positive float32 (at least 1.4e-45)")),
     ("window_left", "window_left = -2", False, [], [],
-     ("{case}/manifest.toml", "window_left = -2: must be -1 (unbounded) or a number of keys >= 0")),
+     ("{case}/manifest.toml", "window_left = -2: must be -1 (unbounded) or a number of keys from 0 to 2147483647")),
     ("causal-window_right", "causal = true\nwindow_right = 3", False, [], [],
      ("{case}/manifest.toml", "window_right = 3: " + CAUSAL_WINDOW)),
     ("causal-option-window", "causal = true", False, ["--window", "1,4"], ["--window", "1,4"],
      ("window_right = 4: " + CAUSAL_WINDOW + "{case}/manifest.toml",)),
     ("window-option", "", False, ["--window", "-2,1"], ["--window", "-2,1"],
-     ("'-2,1': window_left = -2: must be -1 (unbounded) or a number of keys >= 0",)),
+     ("'-2,1': window_left = -2: must be -1 (unbounded) or a number of keys from 0 to 2147483647",)),
+    # Past a 32-bit count of keys (diag ± bound would wrap around near 2^63).
+    ("window_right-too-wide", "window_right = 2147483648", False, [], [],
+     ("{case}/manifest.toml", "window_right = 2147483648: must be -1 (unbounded) or a number of keys from 0 to 2147483647")),
+    ("window-option-too-wide", "", False, ["--window", "2147483648,0"], ["--window", "2147483648,0"],
+     ("'2147483648,0': window_left = 2147483648: must be -1 (unbounded) or a number of keys from 0 to 2147483647",)),
     ("softcap-option", "", False, ["--softcap", "1e39"], ["--softcap", "1e39"],
      ("'1e39': must be a finite number > 0 (0: none)",)),
     ("dropout-option", "", False, ["--dropout", "0.99999999999"], ["--dropout", "0.99999999999"],
@@ -116,6 +121,21 @@ def test_the_binary_and_the_check_refuse_and_accept_the_same_cases(binary, tmp_p
     for w in (w.format(case=case) for w in words):
         assert w in ran.stderr, (w, ran.stderr)
         assert w in checked.output, (w, checked.output)
+
+
+def test_a_window_past_64_bits_is_one_line_from_check_and_generate(binary, tmp_path):
+    """A window side too large for any integer the readers hold: one line naming the side and its
+    range from `check --window` and `generate --window`, and generate writes nothing."""
+    case = write_case(tmp_path / "case", "", False)
+    assert run_binary(binary, case, tmp_path / "out", []).returncode == 0
+    words = ("'99999999999999999999,0': window_left = 99999999999999999999: must be -1 (unbounded) or a number "
+             "of keys from 0 to 2147483647")
+    checked = invoke("check", "--in", case, "--out", tmp_path / "out", "--window", "99999999999999999999,0")
+    made = invoke("generate", "--out", tmp_path / "new", "--heads", "2", "--seq-q", "4", "--seq-k", "4", "--d-k", "4",
+                  "--d-v", "4", "--window", "99999999999999999999,0")
+    for result in (checked, made):
+        assert result.exit_code == 2 and "Traceback" not in result.output and words in result.output, result.output
+    assert not (tmp_path / "new").exists()
 
 
 @pytest.mark.parametrize("name, value, words", [

@@ -31,6 +31,9 @@ import numpy as np
 TOP_LEFT, BOTTOM_RIGHT = "top-left", "bottom-right"
 ALIGNMENTS = (TOP_LEFT, BOTTOM_RIGHT)
 UNBOUNDED = -1
+# The widest window side (cuda_src/io/variant_manifest.h kMaxWindow): a 32-bit count of keys, as flash-attn's
+# window_size; wider sees what an unbounded side sees, and diag ± bound stays inside 64 bits.
+MAX_WINDOW = 2**31 - 1
 # How a mask or bias file covers the heads: one matrix per query head, or one for all of them.
 PER_HEAD, BROADCAST = "per-head", "broadcast"
 TENSOR_COVERAGE = (PER_HEAD, BROADCAST)
@@ -125,8 +128,8 @@ class Variant:
 # binary holds the softcap and dropout as float32, so a value is judged as that float32 too.
 
 def window_bound_problem(bound) -> Optional[str]:
-    ok = isinstance(bound, (int, np.integer)) and bound >= UNBOUNDED
-    return None if ok else "must be -1 (unbounded) or a number of keys >= 0"
+    ok = isinstance(bound, (int, np.integer)) and UNBOUNDED <= bound <= MAX_WINDOW
+    return None if ok else f"must be -1 (unbounded) or a number of keys from 0 to {MAX_WINDOW}"
 
 
 def _float32(x: float) -> float:

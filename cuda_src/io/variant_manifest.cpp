@@ -111,7 +111,8 @@ std::string kv_heads_problem(long long kv, int heads) {
 }
 
 std::string window_bound_problem(long long bound) {
-    return bound < kUnbounded ? "must be -1 (unbounded) or a number of keys >= 0" : "";
+    if (bound >= kUnbounded && bound <= kMaxWindow) return "";
+    return "must be -1 (unbounded) or a number of keys from 0 to " + std::to_string(kMaxWindow);
 }
 
 std::string softcap_problem(double cap) {

@@ -16,7 +16,11 @@ struct InputCase;
 // verify/variant.py's functions of the same names (kv_heads_problem: verify/files/manifests.py)
 // are the twins, in the same words.
 std::string kv_heads_problem(long long kv, int heads);  // 1..heads, a divisor of heads
-std::string window_bound_problem(long long bound);
+// The widest window side: a 32-bit count of keys (flash-attn's window_size is two ints). Wider
+// sees what an unbounded side sees (a dimension is at most kMaxDim), and diag ± bound then stays far
+// inside 64 bits, where a bound near 2^63 wraps around (MaskRule::visible).
+inline constexpr long long kMaxWindow = 2147483647;
+std::string window_bound_problem(long long bound);  // -1 or 0..kMaxWindow
 std::string softcap_problem(double cap);
 std::string dropout_problem(double p);
 std::string dropout_seed_problem(long long seed);

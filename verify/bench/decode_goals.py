@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence
 
+from .measure import BenchUnusable
 from .report import BenchError
 from .sdpa import SDPA_BACKENDS, _timed, torch_available
 
@@ -112,8 +113,9 @@ def run_decode_binary(binary: Path, shape: DecodeShape, reps: int, timeout: floa
             raise BenchError(f"{shape.id}: the binary did not finish in {timeout:.0f} s") from None
         if not json_path.exists():
             lines = [ln for ln in (proc.stderr + proc.stdout).splitlines() if ln.strip()]
-            raise BenchError(f"{shape.id}: main --bench-decode exited {proc.returncode}: "
-                             + (lines[0] if lines else "no output"))
+            error = BenchUnusable if proc.returncode == 2 else BenchError  # (2: no shape can run)
+            raise error(f"{shape.id}: main --bench-decode exited {proc.returncode}: "
+                        + (lines[0] if lines else "no output"))
         try:
             data = json.loads(json_path.read_text())
         except ValueError as exc:
@@ -205,6 +207,8 @@ def collect_decode(binary: Path, shapes: Sequence[DecodeShape], warmup: int, rep
         run: dict = {"shape": shape.id, "params": asdict(shape)}
         try:
             run["binary"] = run_binary(binary, shape, reps, timeout)
+        except BenchUnusable:
+            raise
         except BenchError as exc:
             run["error"] = str(exc)
             log(f"bench --decode: {shape.id}: FAILED: {exc}")

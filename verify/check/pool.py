@@ -214,7 +214,10 @@ def head_jobs(run: RunInfo, requested: int = 0, max_memory_mb: Optional[int] = N
 
 def _die_with_parent() -> None:
     """Pool initializer: a worker gets SIGTERM when the check that forked it dies (a plain kill of
-    the parent would otherwise leave it waiting on its queue for ever)."""
+    the parent would otherwise leave it waiting on its queue for ever), and dies of it (the command
+    line's handler, inherited by the fork, would raise it in the worker's loop instead)."""
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL)
     try:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
     except (OSError, AttributeError):
@@ -350,10 +353,19 @@ def map_heads(check: Callable[[int], list], heads: int, jobs: int,
     try:
         with _heads_garbage_only(), ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork"),
                                                         initializer=_init_worker) as pool:
-            for head, head_results in enumerate(pool.map(_check_in_worker, range(heads))):
-                results.extend(head_results)
-                if progress:
-                    progress(head)
+            try:
+                for head, head_results in enumerate(pool.map(_check_in_worker, range(heads))):
+                    results.extend(head_results)
+                    if progress:
+                        progress(head)
+            except BaseException:  # (Ctrl-C, a signal, a head's error): stop now, not after the heads begun
+                workers = list((getattr(pool, "_processes", None) or {}).values())  # (its own: no public list)
+                pool.shutdown(wait=False, cancel_futures=True)
+                for worker in workers:
+                    worker.terminate()
+                for worker in workers:
+                    worker.join(10)
+                raise
     except BrokenProcessPool:
         raise CaseError(f"a checking process of {jobs} died (killed for memory?); HINT: run check "
                         "with --jobs 1, or fewer") from None

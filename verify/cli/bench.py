@@ -29,8 +29,8 @@ from ..stages import FLOAT32_PRECISIONS, HALF_PRECISIONS, PRECISIONS
 from ..text import plural
 from ..bench.variant_goals import GOALS_PRESET, preset_runs
 from ..bench import decode_goals
-from .options import (InputError, align_option, alibi_option, binary_option, build_option, json_option, softcap_option,
-                      timeout_option, user_errors, window_option)
+from .options import (GivenPath, InputError, align_option, alibi_option, binary_option, build_option, json_option,
+                      softcap_option, timeout_option, user_errors, window_option)
 
 # `--precision`: one precision, or one of these groups.
 PRECISION_GROUPS = {BOTH: FLOAT32_PRECISIONS, "half": HALF_PRECISIONS, "all": PRECISIONS}
@@ -170,9 +170,9 @@ def _exit_status(rows: Sequence[Row]) -> int:
               help="Also time PyTorch SDPA (fp32; bf16/fp16 at those precisions) when torch imports and sees a GPU.")
 @timeout_option.but(default=BENCH_TIMEOUT_S, help="Seconds before the binary is stopped on one shape.")
 @json_option.but(callback=None, help="Write all results as JSON to this file.")
-@click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path),
+@click.option("--plot", "plot_path", type=GivenPath(dir_okay=False, path_type=Path),
               help="Write a PNG plot of TFLOP/s against N per kernel.")
-@click.option("--from-json", "from_json", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+@click.option("--from-json", "from_json", type=GivenPath(exists=True, dir_okay=False, path_type=Path),
               help="Do not run anything: print the table, goals and plot of an earlier --json file.")
 @click.option("--kv-heads", type=click.IntRange(min=1), metavar="HK",
               help="K/V heads per batch element for every shape (GQA; 1: MQA; a divisor of H). The flash rows "

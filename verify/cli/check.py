@@ -26,7 +26,7 @@ from ..sequences import MAX_TOKENS
 from ..stages import PRECISIONS, STAGE_NAMES
 from ..terminal import progress_bar
 from ..text import plural
-from .options import (align_option, causal_option, checked_path, dropout_option, in_option, json_option,
+from .options import (GivenPath, align_option, causal_option, checked_path, dropout_option, in_option, json_option,
                       name_options, no_causal_option, out_option, parse_names, quiet_option, report_file, said_variant,
                       softcap_option, user_errors, window_option)
 
@@ -127,9 +127,9 @@ def _plot(report, plot_dir: Path, opts: Options, quiet: bool) -> None:
 @in_option
 @out_option
 @json_option
-@click.option("--junit", "junit_path", type=click.Path(path_type=Path),
+@click.option("--junit", "junit_path", type=GivenPath(path_type=Path),
               callback=checked_path(report_file), help="Write a JUnit XML report to this file.")
-@click.option("--plot", "plot_dir", type=click.Path(path_type=Path),
+@click.option("--plot", "plot_dir", type=GivenPath(path_type=Path),
               callback=checked_path(check_plot_folder),
               help="Write error maps (PNG) of failing stages here (needs matplotlib).")
 @click.option("--atol", type=TOLERANCE, help="Absolute tolerance, instead of the model.")

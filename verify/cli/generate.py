@@ -17,9 +17,9 @@ from ..stages import CASE_INPUTS, DEFAULT_INPUT_DIR, FORMATS, INPUT_NAMES, STAGE
 from ..terminal import progress_bar
 from ..text import plural, printable
 from ..variant import BROADCAST, TENSOR_COVERAGE, Variant
-from .options import (align_option, alibi_option, causal_option, dims_options, dropout_option, dropout_seed_option,
-                      force_option, no_causal_option, said_variant, seed_option, softcap_option, user_errors,
-                      window_option)
+from .options import (GivenPath, align_option, alibi_option, causal_option, dims_options, dropout_option,
+                      dropout_seed_option, force_option, no_causal_option, said_variant, seed_option, softcap_option,
+                      user_errors, window_option)
 
 # Values written above which `generate` shows a progress bar (on a terminal only).
 GENERATE_PROGRESS_MIN_VALUES = 1 << 22
@@ -105,6 +105,8 @@ def packing_options(fn):
 
 def _lengths(option: str, text: str, at_least: int = 0) -> List[int]:
     """A comma list of whole numbers >= at_least; one line naming the option otherwise."""
+    if not text.strip():
+        raise CaseError(f"{option}: empty; give its numbers or leave {option} out")
     out = []
     for token in text.split(","):
         token = token.strip()
@@ -144,7 +146,7 @@ def _paging(seqlens, seqlens_k, seqused_k, random, seed, page_size=None, backwar
     if page_size is not None:
         if not (seqlens or random):
             raise CaseError(f"--page-size {page_size} needs --seqlens or --random-seqlens (a paged case is packed)")
-        if seqused_k:
+        if seqused_k is not None:
             raise CaseError(f"--page-size with --seqused-k: a paged case's sequences read all their keys "
                             "(--seqlens-k); HINT: leave --seqused-k out")
         if backward:
@@ -163,23 +165,23 @@ def _packed(seqlens, seqlens_k, seqused_k, random, seed) -> Optional[Sequences]:
     """The sequences the packing options ask for, not paged (None: a case that is not packed)."""
     for option, value, needs, given in (("--seqlens-k", seqlens_k, "--seqlens", seqlens),
                                         ("--seqused-k", seqused_k, "--seqlens-k", seqlens_k)):
-        if value and not given:
+        if value is not None and given is None:
             raise CaseError(f"{option} needs {needs}")
-    if random and seqlens:
+    if random is not None and seqlens is not None:
         raise CaseError("--random-seqlens and --seqlens: choose one")
-    if random:
+    if random is not None:
         parts = _lengths("--random-seqlens", random, 1)
         if len(parts) != 2 or max(parts) > MAX_TOKENS:
             raise CaseError(f"--random-seqlens {random}: expected B,MAX (the number of sequences and the longest "
                             f"length, each 1..{MAX_TOKENS})")
         seqlens_q = random_seqlens(parts[0], parts[1], seed)
         said_q = ("--random-seqlens", random)
-    elif seqlens:
+    elif seqlens is not None:  # ("" too: refused as no lengths, not taken for no option)
         seqlens_q = _lengths("--seqlens", seqlens)
         said_q = ("--seqlens", seqlens)
     else:
         return None
-    keys = _lengths("--seqlens-k", seqlens_k) if seqlens_k else None
+    keys = _lengths("--seqlens-k", seqlens_k) if seqlens_k is not None else None
     if keys is not None and len(keys) != len(seqlens_q):
         raise CaseError(f"--seqlens-k {seqlens_k}: {plural(len(keys), 'length')} for {len(seqlens_q)} sequences "
                         "(--seqlens)")
@@ -194,7 +196,7 @@ def _packed(seqlens, seqlens_k, seqused_k, random, seed) -> Optional[Sequences]:
             raise CaseError(f"{option} {text}: {total} {what} tokens in all; {key}, their total, is at most "
                             f"{MAX_TOKENS}")
     try:
-        return sequences_from_lengths(seqlens_q, keys, _lengths("--seqused-k", seqused_k) if seqused_k else None)
+        return sequences_from_lengths(seqlens_q, keys, _lengths("--seqused-k", seqused_k) if seqused_k is not None else None)
     except ValueError as exc:  # only seqused_k's rules remain to break
         raise CaseError(f"--seqused-k {seqused_k}: {exc}") from None
 
@@ -217,7 +219,7 @@ def _packed_dims(seqs: Sequences, option: str, dims: Dims, variant: Variant, inp
 
 
 @click.command()
-@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path),
+@click.option("--out", "out_dir", type=GivenPath(file_okay=False, path_type=Path),
               default=DEFAULT_INPUT_DIR, show_default=True, help="Input case folder to write.")
 @dims_options
 @variant_options

@@ -4,9 +4,12 @@ Defined here once so that every command of verify/cli/ uses the same flags, type
 """
 from __future__ import annotations
 
+import contextlib
 import functools
+import signal
+import threading
 from pathlib import Path
-from typing import Dict
+from typing import Dict, Iterator
 
 import click
 
@@ -34,6 +37,44 @@ class InputError(click.ClickException):
 _ACTIVITIES = {"check": "checking the stages", "generate": "generating the case", "demo": "running the demo"}
 
 
+class Interrupted(BaseException):
+    """A signal that stops a command (SIGTERM, SIGHUP), raised where the command is, as Ctrl-C raises
+    KeyboardInterrupt: the command's own cleanup runs (a generate removes what it began), and it
+    ends in one line, as the binary does."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+    def __str__(self) -> str:  # (the words a run's unfinished marker records)
+        return f"interrupted by signal {self.signum} ({signal.Signals(self.signum).name})"
+
+
+STOPPING_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
+@contextlib.contextmanager
+def _signals_raise() -> Iterator[None]:
+    """Within: STOPPING_SIGNALS raise Interrupted (only the main thread can take signals)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, frame):
+        raise Interrupted(signum)
+    before = {sig: signal.signal(sig, stop) for sig in STOPPING_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+
+
+def _interrupted(signum: int) -> InputError:
+    """The one line a command stopped by a signal ends with (the binary's words), and 128 + the signal."""
+    return InputError(str(Interrupted(signum)), 128 + signum)
+
+
 def user_errors(fn):
     """Turns CaseError / RunnerError into a one-line message and the right exit status, and a
     MemoryError (an allocation refused: a low ulimit -v, a container's limit) into one line and
@@ -41,7 +82,12 @@ def user_errors(fn):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
-            return fn(*args, **kwargs)
+            with _signals_raise():
+                return fn(*args, **kwargs)
+        except KeyboardInterrupt:
+            raise _interrupted(signal.SIGINT) from None
+        except Interrupted as exc:
+            raise _interrupted(exc.signum) from None
         except CaseError as exc:
             raise InputError(str(exc), getattr(exc, "exit_code", 2)) from None
         except RunnerError as exc:
@@ -97,17 +143,27 @@ class SharedOption:
         return click.option(*self.decls, **{**self.attrs, **attrs})
 
 
-in_option = SharedOption("--in", "in_dir", type=click.Path(file_okay=False, path_type=Path),
+class GivenPath(click.Path):
+    """click.Path that refuses an empty path: "" (an unset shell variable) would otherwise be the
+    working directory, which a command would read or write in place of the folder meant."""
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, str) and not value:
+            self.fail("an empty path (name a file or folder)", param, ctx)
+        return super().convert(value, param, ctx)
+
+
+in_option = SharedOption("--in", "in_dir", type=GivenPath(file_okay=False, path_type=Path),
                          default=DEFAULT_INPUT_DIR, show_default=True, help="Input case folder (Q/K/V).")
-out_option = SharedOption("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path),
+out_option = SharedOption("--out", "out_dir", type=GivenPath(file_okay=False, path_type=Path),
                           default=DEFAULT_OUTPUT_DIR, show_default=True,
                           help="Output case folder (the binary's stage files).")
-build_option = SharedOption("--build-dir", type=click.Path(file_okay=False, path_type=Path),
+build_option = SharedOption("--build-dir", type=GivenPath(file_okay=False, path_type=Path),
                             default=DEFAULT_BUILD_DIR, show_default=True,
                             help="CMake build folder; built incrementally when needed.")
 backend_option = SharedOption("--backend", type=click.Choice(BACKENDS), default="auto", show_default=True,
                               help="Binary backend; auto uses CUDA when a GPU is present.")
-binary_option = SharedOption("--binary", type=click.Path(exists=True, dir_okay=False, resolve_path=True,
+binary_option = SharedOption("--binary", type=GivenPath(exists=True, dir_okay=False, resolve_path=True,
                                                        path_type=Path),
                              help="Run this binary instead of building BUILD_DIR/main (e.g. your own, "
                              "writing the output case of docs/contract.md).")
@@ -117,7 +173,7 @@ seed_option = SharedOption("--seed", type=click.IntRange(0, MAX_SEED), default=0
                            help="Random seed.")
 force_option = SharedOption("--force", is_flag=True,
                             help="Replace an input case there that attnstep did not generate.")
-json_option = SharedOption("--json", "json_path", type=click.Path(path_type=Path),
+json_option = SharedOption("--json", "json_path", type=GivenPath(path_type=Path),
                            callback=checked_path(report_file),
                            help="Write the full report as JSON to this file.")
 quiet_option = click.option("--quiet", "-q", is_flag=True, help="Print only the verdict and errors.")
@@ -125,7 +181,7 @@ quiet_option = click.option("--quiet", "-q", is_flag=True, help="Print only the 
 
 def name_options(fn):
     """--name STAGE=PATTERN (repeatable) and --names FILE: how a program names its stage files."""
-    fn = click.option("--names", "names_file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    fn = click.option("--names", "names_file", type=GivenPath(exists=True, dir_okay=False, path_type=Path),
                       help="A file of STAGE = \"PATTERN\" lines.")(fn)
     return click.option("--name", "names", multiple=True, metavar="STAGE=PATTERN",
                         help="A stage's file names, e.g. output=O_{i}.txt ({i} head, {b} batch, {h} head in "

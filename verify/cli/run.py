@@ -17,9 +17,10 @@ from ..runs.watched import (binary_args, binary_runner, program_runner, run_any_
                             run_summary, run_with_program_checks)
 from ..stages import BACKWARD_STAGES, DATA_DIR, DEFAULT_CASE, DEFAULT_RESULT, FORMATS, PRECISIONS, STAGE_NAMES
 from .check import check_and_report
-from .options import (align_option, alibi_option, backend_option, binary_option, build_option, dropout_option,
-                      dropout_seed_option, force_option, in_option, json_option, name_options, out_option, parse_names,
-                      quiet_option, seed_option, softcap_option, timeout_option, user_errors, window_option)
+from .options import (GivenPath, align_option, alibi_option, backend_option, binary_option, build_option,
+                      dropout_option, dropout_seed_option, force_option, in_option, json_option, name_options,
+                      out_option, parse_names, quiet_option, seed_option, softcap_option, timeout_option, user_errors,
+                      window_option)
 
 
 def variant_run_options(fn):
@@ -55,7 +56,7 @@ def _build(build_dir: Path, quiet: bool, target: str = BINARY_NAME) -> Path:
 @build_option
 @binary_option
 @timeout_option
-@click.option("--cwd", type=click.Path(exists=True, file_okay=False, path_type=Path),
+@click.option("--cwd", type=GivenPath(exists=True, file_okay=False, path_type=Path),
               help="Run the program in this folder (e.g. build/ for `./main random_test`).")
 @click.option("--stages", help="Stages to write: all (every stage the case allows), stages (the stage path), "
               "flash (the flash stages), or a comma list of stages "
@@ -104,6 +105,9 @@ def run(in_dir, out_dir, backend, build_dir, binary, timeout, cwd, stages, fmt, 
     if args and split_size:
         raise click.UsageError("--split-size is an option of attnstep's binary; your program (-- ARGS) takes its own: "
                                "pass the split size in ARGS, and to check with --split-size")
+    for option, value in (("--stages", stages), ("--sanitize", sanitize)):
+        if value is not None and not value.strip():  # (before the previous run is moved aside)
+            raise click.UsageError(f"{option}: empty; give its list or leave {option} out")
     names = parse_names(names, names_file)
     tools = parse_tools(sanitize) if sanitize else []
     if args:
@@ -120,7 +124,7 @@ def run(in_dir, out_dir, backend, build_dir, binary, timeout, cwd, stages, fmt, 
 
 
 @click.command()
-@click.option("--data-dir", type=click.Path(file_okay=False, path_type=Path), default=Path(DATA_DIR),
+@click.option("--data-dir", type=GivenPath(file_okay=False, path_type=Path), default=Path(DATA_DIR),
               show_default=True, help="Where random_test/ and random_verify/ go.")
 @backend_option
 @build_option

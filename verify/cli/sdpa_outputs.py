@@ -24,13 +24,13 @@ from ..bench.flex_outputs import FLEX, FLEX_PRECISIONS, write_flex_case
 from ..bench.foreign_outputs import BackendUnavailable, stage_arrays
 from ..bench.sdpa_outputs import BACKENDS, DEVICES, MASKS, NATIVE, write_sdpa_case
 from ..stages import DEFAULT_INPUT_DIR, HALF_PRECISIONS
-from .options import InputError, user_errors
+from .options import GivenPath, InputError, user_errors
 
 
 @click.command()
-@click.option("--in", "in_dir", type=click.Path(file_okay=False, path_type=Path), default=DEFAULT_INPUT_DIR,
+@click.option("--in", "in_dir", type=GivenPath(file_okay=False, path_type=Path), default=DEFAULT_INPUT_DIR,
               show_default=True, help="Input case (attnstep generate; dO for the gradients).")
-@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), required=True,
+@click.option("--out", "out_dir", type=GivenPath(file_okay=False, path_type=Path), required=True,
               help="Folder for the stage files (one <stage>.npy each).")
 @click.option("--backend", type=click.Choice(tuple(BACKENDS) + (FLEX,)), required=True,
               help="The SDPA backend to force (math-half: the math backend with fp16/bf16 reductions), "

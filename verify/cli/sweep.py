@@ -21,7 +21,7 @@ from ..runs.runner import ensure_built
 from ..stages import FLOAT32_PRECISIONS
 from ..terminal import progress_bar
 from ..text import plural
-from .options import InputError, binary_option, build_option, timeout_option, user_errors
+from .options import GivenPath, InputError, binary_option, build_option, timeout_option, user_errors
 
 
 def _check_outputs(csv_path: Optional[Path], json_path: Optional[Path], plot_path: Optional[Path]) -> None:
@@ -105,11 +105,11 @@ or a checked result (flash output, gradients) failed its float64 check.
 @click.option("--check/--no-check", default=True, show_default=True,
               help="Compare sampled rows of the flash outputs and of the gradients with float64 inside the binary.")
 @timeout_option.but(default=BENCH_TIMEOUT_S, help="Seconds before the binary is stopped on one row.")
-@click.option("--csv", "csv_path", type=click.Path(dir_okay=False, path_type=Path),
+@click.option("--csv", "csv_path", type=GivenPath(dir_okay=False, path_type=Path),
               help="Write the rows as CSV to this file.")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),
+@click.option("--json", "json_path", type=GivenPath(dir_okay=False, path_type=Path),
               help="Write the rows and the settings as JSON to this file.")
-@click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path),
+@click.option("--plot", "plot_path", type=GivenPath(dir_okay=False, path_type=Path),
               help="Write a PNG plot of TFLOP/s against N, a panel per d and masking (needs matplotlib).")
 @user_errors
 def sweep(build_dir, binary, ds, seqs, masking, batch, heads, kernel_names, passes, precision, warmup, reps, check,

@@ -26,6 +26,9 @@ SCALE_NAME_RTOL = 2e-3
 # The key tile widths kernels use: a kernel that drops the keys past its last full tile, or reads
 # past the end to fill it, does so for one of these.
 KEY_TILES = (16, 32, 64, 128)
+# The widest key tile of the run's own (run.toml's flash_block_k) that the diagnoses try: kernels
+# tile keys by at most a few hundred, and a wider one would extend the keys by up to its width.
+MAX_RUN_KEY_TILE = 1024
 # exp overflows float32 past log(FLT_MAX); a row's sum of exps past the same. The slack covers
 # exp2-based and fast-math exponentials, whose overflow points differ by far less.
 LOG_FLOAT32_MAX = float(np.log(np.finfo(np.float32).max))

@@ -27,7 +27,7 @@ from ..specs.base import head_variant
 from ..stages import BIAS_INPUT, DROPOUT_MASK, INPUT_NAMES, KEYS, MASK_INPUT, QUERIES, SCALED_SCORES, STAGES, VALUES
 from ..text import plural
 from ..variant import TOP_LEFT, Variant
-from .base import DISTINCT_WIDTHS, KEY_TILES, LOG_FLOAT32_MAX, MATCH_WIDTHS, OVERFLOW_SLACK, maxdiff, width_of
+from .base import DISTINCT_WIDTHS, KEY_TILES, LOG_FLOAT32_MAX, MATCH_WIDTHS, MAX_RUN_KEY_TILE, OVERFLOW_SLACK, maxdiff, width_of
 
 Tensors = Dict[str, np.ndarray]
 # (Q, K, V with the head's variant tensors), masked (None: the variant's own), variant, slope -> the stage
@@ -217,7 +217,7 @@ def overflow(stage, got, want, ctx, width) -> List[Diagnosis]:
 
 def _tiles(ctx: Suspect) -> List[int]:
     """Key tile widths to try: the run's own first, then the usual ones."""
-    own = [int(ctx.flash_tiles[1])] if ctx.flash_tiles and ctx.flash_tiles[1] else []
+    own = [int(ctx.flash_tiles[1])] if ctx.flash_tiles and 0 < ctx.flash_tiles[1] <= MAX_RUN_KEY_TILE else []
     return own + [t for t in KEY_TILES if t not in own]
 
 

@@ -282,10 +282,12 @@ def _accumulation(stage, got, want, ctx) -> List[Diagnosis]:
     return []
 
 
+@np.errstate(all="ignore")
 def diagnose(stage: str, got: np.ndarray, want: np.ndarray, ctx: Suspect,
              found: List[Diagnosis]) -> List[Diagnosis]:
     """The precision diagnosis that explains a failing stage × head, if any (at most one). None when
-    a bug pattern other than one a precision mimics explains it already (found)."""
+    a bug pattern other than one a precision mimics explains it already (found). A program's NaN
+    and inf are judged, not warned about."""
     head = ctx.head_ctx
     mimicked = {m for ms in _MIMICKED_BY.values() for m in ms}
     if head is None or any(d.code not in mimicked for d in found) or not _stored(stage):

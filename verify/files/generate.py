@@ -22,6 +22,7 @@ from ..text import mib
 from ..variant import BROADCAST, NONE, Variant
 from .case import (INT64, atomic_write_bytes, check_case_limits, check_scale, clear_input_files, input_head_files, read_toml,
                    validate_dims, write_matrix, write_toml)
+from .guards import removed_on_failure
 from .kinds import CaseError
 from .manifests import CAUSAL_KEY, WINDOW_KEYS, variant_keys
 from .new_keys import write_new_key_files
@@ -95,6 +96,14 @@ def generate_case(out_dir: Path, dims: Dims, *, causal: bool = False, scale: Opt
         _refuse_foreign_case(out_dir)
     remove_stale_staging(out_dir)
     check_room(out_dir, dims, fmt, backward, inputs, sequences)
+    with removed_on_failure(out_dir):
+        _write_case(out_dir, dims, variant, inputs, seed, distribution, fmt, backward, progress, sequences, scale)
+    return out_dir
+
+
+def _write_case(out_dir: Path, dims: Dims, variant: Variant, inputs: VariantInputs, seed: int, distribution: str,
+                fmt: str, backward: bool, progress, sequences: Optional[Sequences], scale: Optional[float]) -> None:
+    """The case's files into a staging folder inside out_dir, then moved into place, the manifest last."""
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -122,7 +131,6 @@ def generate_case(out_dir: Path, dims: Dims, *, causal: bool = False, scale: Opt
         raise CaseError(f"{out_dir}: cannot write the case: {exc.strerror or exc}") from None
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    return out_dir
 
 
 def _case_variant(variant: Optional[Variant], causal: bool, inputs: VariantInputs) -> Variant:

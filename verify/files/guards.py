@@ -4,9 +4,11 @@ another case's inputs aside. Each test here is made before any work, so a refusa
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 from pathlib import Path
-from typing import List, Mapping, Optional
+from typing import Iterator, List, Mapping, Optional
 
 from ..stages import INPUT_MANIFEST, PREVIOUS_DIR, RUN_MANIFEST, UNFINISHED_MARKER
 from ..text import plural
@@ -136,3 +138,21 @@ def foreign_input_case(out_dir: Path, in_dir: Optional[Path], names: Mapping[str
         return None
     more = f" and {plural(len(inputs) - 1, 'other input file')}" if len(inputs) > 1 else ""
     return f"holds an input case ({inputs[0]}{more}, and no run.toml or other stage file)"
+
+
+@contextlib.contextmanager
+def removed_on_failure(folder: Path) -> Iterator[None]:
+    """Within: a folder the block creates (with any parents it creates) is removed again when the
+    block fails or is interrupted (Ctrl-C, or a signal the command line turns into an exception):
+    a failed generate leaves nothing."""
+    first_missing = None
+    for p in [Path(folder), *Path(folder).parents]:
+        if os.path.lexists(p):
+            break
+        first_missing = p
+    try:
+        yield
+    except BaseException:
+        if first_missing is not None:
+            shutil.rmtree(first_missing, ignore_errors=True)
+        raise

@@ -25,7 +25,7 @@ import numpy as np
 from ..model.half import HALF_ROUNDINGS, NEAREST, rounding_refusal  # noqa: F401 (cli's choices)
 from ..model.kernels import KERNELS, kernel_base_name
 from ..sequences import SEQUENCES_KEY, Sequences
-from ..stages import (DIM_KEYS, FORMATS, KV_HEADS_KEY, PRECISIONS, RUN_MANIFEST, SPLIT_SIZE_KEY, STAGES, Dims,
+from ..stages import (DIM_KEYS, FORMATS, KV_HEADS_KEY, MAX_DIM, PRECISIONS, RUN_MANIFEST, SPLIT_SIZE_KEY, STAGES, Dims,
                       default_scale, parse_stage_file, per_sequence, stage_file)
 from ..text import plural, printable
 from ..variant import VARIANT_KEYS, Variant, with_causal
@@ -44,10 +44,11 @@ __all__ = ["RunInfo", "Overrides", "Mismatch", "open_run", "load_run", "read_run
 
 BACKENDS = ("cpu", "cuda")          # what the project's binary writes as run.toml's `backend`
 MATH_MODES = ("ieee", "fast")       # strict IEEE float32, or CUDA's fast-math intrinsics
+TILE_KEYS = ("flash_block_q", "flash_block_k")  # the flash kernel's tile: Br query rows, Bc keys
 TIMING_PREFIX = "time_ms_"           # run.toml's per-stage timings: time_ms_<stage> = milliseconds
 RUN_KEY_TYPES = {**{k: int for k in DIM_KEYS}, KV_HEADS_KEY: int, SEQUENCES_KEY: int, "run_id": str, "backend": str, "device": str,
                  "precision": str, "format": str, "stages": str, CAUSAL_KEY: bool, **VARIANT_KEYS, "scale": float,
-                 "flash_block_q": int, "flash_block_k": int, "flash_kernel": str, "poison": bool, SPLIT_SIZE_KEY: int}
+                 **{k: int for k in TILE_KEYS}, "flash_kernel": str, "poison": bool, SPLIT_SIZE_KEY: int}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -120,7 +121,7 @@ class RunInfo:
 
     @property
     def flash_tiles(self) -> Optional[Tuple[int, int]]:
-        br, bc = self.values.get("flash_block_q"), self.values.get("flash_block_k")
+        br, bc = (self.values.get(k) for k in TILE_KEYS)
         return (int(br), int(bc)) if br and bc else None
 
     @property
@@ -158,6 +159,9 @@ def read_run_manifest(folder: Path) -> dict:
     if kernel and "backend" in values and not kernel.startswith(values["backend"]):
         raise CaseError(f"{manifest}: flash_kernel = {printable(repr(kernel))} with backend = {printable(repr(values['backend']))}: the "
                         f"{values['backend']} backend has no such kernel")
+    for key in TILE_KEYS:  # (0: no flash stage ran)
+        if key in values and not 0 <= values[key] <= MAX_DIM:
+            raise CaseError(f"{manifest}: {key} = {values[key]}: a flash tile of 0..{MAX_DIM} (0: no flash stage ran)")
     if "format" in values and values["format"] not in FORMATS:
         raise CaseError(f"{manifest}: format = {printable(repr(values['format']))}; expected one of {', '.join(FORMATS)}")
     build_variant(variant_fields(values), str(manifest))  # each variant key valid, in one line
