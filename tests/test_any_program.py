@@ -145,6 +145,18 @@ def test_only_output_without_run_toml(tmp_path):
     assert [s["stage"] for s in rep["stages"]] == ["output"] and "no run.toml" in r.output
 
 
+@pytest.mark.parametrize("text", ["", "# written by my program\n"])
+def test_a_run_toml_without_keys_is_named_as_such(tmp_path, text):
+    """An empty (or comments-only) run.toml says nothing, as no run.toml says nothing, but the note
+    names what is there, not a file that is absent."""
+    inputs = make_input(tmp_path / "in")
+    write_heads(tmp_path / "out", correct_heads(inputs), ["output"])
+    (tmp_path / "out" / "run.toml").write_text(text)
+    r, _ = check(tmp_path / "in", tmp_path / "out", json_path=tmp_path / "r.json")
+    assert r.exit_code == 0 and "note: run.toml without keys: shapes from the input case" in r.output, r.output
+    assert "no run.toml" not in r.output
+
+
 def test_a_stage_checks_without_its_upstream_files(tmp_path):
     inputs = make_input(tmp_path / "in")
     write_heads(tmp_path / "out", correct_heads(inputs), foreign.SUBSETS["seed"])

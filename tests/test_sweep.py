@@ -66,7 +66,7 @@ if seq == CONFIG.get("interrupt_at"):
     for _ in range(60):
         if os.getppid() != parent:
             break
-        os.kill(parent, signal.SIGINT)
+        os.kill(parent, getattr(signal, CONFIG.get("interrupt_signal", "SIGINT")))
         time.sleep(0.5)
 if seq >= CONFIG.get("oom_from", 1 << 40):
     # as the binary says it (cuda_src/cuda/cuda_check.cuh): exit 1, CUDA's error name and string
@@ -227,8 +227,10 @@ def test_sdpa_alone_without_torch_is_one_line(tmp_path):
     assert "--kernel sdpa: needs PyTorch" in res.output and runs(tmp_path) == []
 
 
-def test_ctrl_c_mid_sweep_writes_no_file(tmp_path):
-    main = fake_main(tmp_path, interrupt_at=256)
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_ctrl_c_mid_sweep_writes_no_file(tmp_path, sig):
+    """Ctrl-C (or SIGTERM) mid-sweep: one line, 128 + the signal, and no file written or replaced."""
+    main = fake_main(tmp_path, interrupt_at=256, interrupt_signal=sig)
     out = tmp_path / "out"
     out.mkdir()
     (out / "sweep.csv").write_text("an earlier sweep\n")
@@ -240,7 +242,7 @@ def test_ctrl_c_mid_sweep_writes_no_file(tmp_path):
     # that; a user's terminal delivers it, so the sweep starts with the default action restored.
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=REPO,
                           preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    assert proc.returncode == 130, proc.stderr
+    assert proc.returncode == 128 + getattr(signal, sig), proc.stderr
     assert proc.stderr.strip().splitlines()[-1].endswith("interrupted after 2 of 12 rows; nothing written")
     assert sorted(p.name for p in out.iterdir()) == ["sweep.csv"]
     assert (out / "sweep.csv").read_text() == "an earlier sweep\n"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import signal
 from pathlib import Path
 from typing import List, Optional, Sequence
 
@@ -21,7 +22,7 @@ from ..runs.runner import ensure_built
 from ..stages import FLOAT32_PRECISIONS
 from ..terminal import progress_bar
 from ..text import plural
-from .options import GivenPath, InputError, binary_option, build_option, timeout_option, user_errors
+from .options import GivenPath, InputError, Interrupted, binary_option, build_option, timeout_option, user_errors
 
 
 def _check_outputs(csv_path: Optional[Path], json_path: Optional[Path], plot_path: Optional[Path]) -> None:
@@ -126,9 +127,9 @@ def sweep(build_dir, binary, ds, seqs, masking, batch, heads, kernel_names, pass
         try:
             with progress_bar(total, "sweep") as advance:
                 sweep_.run(shapes, kernels, advance)
-        except KeyboardInterrupt:
+        except (KeyboardInterrupt, Interrupted) as exc:  # (Ctrl-C, SIGTERM, SIGHUP)
             click.echo(f"sweep: interrupted after {len(sweep_.rows)} of {total} rows; nothing written", err=True)
-            raise SystemExit(130)
+            raise SystemExit(128 + getattr(exc, "signum", signal.SIGINT))
         click.echo(f"device: {sweep_.device or '?'}  torch: {torch_version or 'not timed'}  "
                    f"B={batch} H={heads} {precision}")
         click.echo(format_table(sweep_.rows))

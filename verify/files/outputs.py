@@ -283,8 +283,9 @@ def open_run(folder: Path, case: InputCase, over: Overrides = Overrides(), packi
     refuse_unused_slopes(case, run.variant.alibi)  # (run.toml may be what turned ALiBi on)
     _refuse_dropout_stages(run)
     refuse_split_variants(run.dims, run.stages, run.variant.dropout, str(folder))
-    if not values:
-        run.notes.append(f"no {RUN_MANIFEST}: shapes from the input case, stages from the files present, "
+    if not values:  # (a run.toml without keys, an empty one included, says as little as none)
+        said = f"{RUN_MANIFEST} without keys" if (folder / RUN_MANIFEST).exists() else f"no {RUN_MANIFEST}"
+        run.notes.append(f"{said}: shapes from the input case, stages from the files present, "
                          "files not checked for staleness, any correct IEEE float32 arithmetic accepted")
     elif not run.verify_crc:
         run.notes.append(f"{RUN_MANIFEST} has no CRC-32 table: files not checked for staleness")
