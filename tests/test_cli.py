@@ -36,7 +36,8 @@ def test_generate_rejects_bad_dims(runner, tmp_path):
 
 
 @pytest.mark.parametrize("args", [
-    ["generate", "--out", "", *SMALL], ["run", "--out", "", "--backend", "cpu"], ["run", "--in", "", "--backend", "cpu"],
+    ["generate", "--out", "", *SMALL], ["run", "--out", "", "--backend", "cpu"],
+    ["run", "--in", "", "--backend", "cpu"],
     ["check", "--in", ""], ["check", "--out", ""], ["check", "--json", ""], ["check", "--junit", ""],
 ], ids=["generate-out", "run-out", "run-in", "check-in", "check-out", "check-json", "check-junit"])
 def test_an_empty_path_is_refused_and_nothing_is_written(runner, tmp_path, monkeypatch, args):
@@ -66,7 +67,7 @@ def test_the_binary_refuses_an_empty_path_and_writes_nothing(binary, tmp_path, a
 def test_an_empty_packing_option_is_refused_not_taken_for_none(runner, tmp_path, option, before):
     res = runner.invoke(cli, ["generate", "--out", str(tmp_path / "c"), "--heads", "2", "--d-k", "16", "--d-v", "16",
                               *before, option, ""])
-    assert _one_line_error(res) == f"Error: {option}: empty; give its numbers or leave {option} out"
+    assert _one_line_error(res) == f"Error: Invalid value for '{option}': empty; give its value or leave {option} out"
     assert not (tmp_path / "c").exists()
 
 
@@ -77,7 +78,7 @@ def test_run_with_an_empty_list_is_refused_before_anything_moves(runner, good_ru
     in_dir, out_dir = good_run
     res = runner.invoke(cli, ["run", "--in", str(in_dir), "--out", str(out_dir), "--backend", "cpu",
                               "--binary", str(binary), option, ""])
-    assert _one_line_error(res) == f"Error: {option}: empty; give its list or leave {option} out"
+    assert _one_line_error(res) == f"Error: Invalid value for '{option}': empty; give its value or leave {option} out"
     assert runner.invoke(cli, ["check", "--in", str(in_dir), "--out", str(out_dir)]).exit_code == 0
 
 

@@ -163,8 +163,8 @@ def test_a_binary_that_cannot_bench_at_all_is_one_line_and_exit_status_2(tmp_pat
     fake = _fake_binary(tmp_path, fail=2, failing=("8192", "32768"))
     r = CliRunner().invoke(cli, ["bench", "--decode", "goals", "--binary", str(fake), "--no-torch"])
     assert r.exit_code == 2 and "Traceback" not in r.output and "goals:" not in r.output, r.output
-    assert r.output.strip().splitlines()[-1] == ("Error: B64 H32 Hk8 L8192 P64 d128 bf16: main --bench-decode exited 2: "
-                                                "main: error: no CUDA device")
+    assert r.output.strip().splitlines()[-1] == ("Error: B64 H32 Hk8 L8192 P64 d128 bf16: main --bench-decode "
+                                                "exited 2: main: error: no CUDA device")
 
 
 def test_options_the_decode_goals_would_ignore_are_refused(tmp_path):

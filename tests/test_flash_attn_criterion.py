@@ -364,3 +364,10 @@ def test_the_python_api_reports_the_criterion():
     assert crit.stage == OUTPUT and crit.meets and crit.ratio == 1.0 and crit.error > 0
     assert "flash-attn's test criterion" in attnstep.format_report(report)
     assert attnstep.flash_attn_criterion(attnstep.check_arrays(q, k, v, {OUTPUT: o}, causal=True, scale=0.25)) == []
+
+
+@pytest.mark.parametrize("fn", [attnstep.format_report, attnstep.flash_attn_criterion])
+@pytest.mark.parametrize("given", ["a report's text", None, {"passed": True}])
+def test_the_report_functions_refuse_what_is_not_a_report_in_one_line(fn, given):
+    with pytest.raises(TypeError, match=r"^report: expected the Report that check_arrays returns, got "):
+        fn(given)

@@ -62,7 +62,8 @@ CASES: List[Tuple[str, Optional[str], bool, list, list, tuple]] = [
      ("'-2,1': window_left = -2: must be -1 (unbounded) or a number of keys from 0 to 2147483647",)),
     # Past a 32-bit count of keys (diag ± bound would wrap around near 2^63).
     ("window_right-too-wide", "window_right = 2147483648", False, [], [],
-     ("{case}/manifest.toml", "window_right = 2147483648: must be -1 (unbounded) or a number of keys from 0 to 2147483647")),
+     ("{case}/manifest.toml",
+      "window_right = 2147483648: must be -1 (unbounded) or a number of keys from 0 to 2147483647")),
     ("window-option-too-wide", "", False, ["--window", "2147483648,0"], ["--window", "2147483648,0"],
      ("'2147483648,0': window_left = 2147483648: must be -1 (unbounded) or a number of keys from 0 to 2147483647",)),
     ("softcap-option", "", False, ["--softcap", "1e39"], ["--softcap", "1e39"],

@@ -18,8 +18,8 @@ from ..terminal import progress_bar
 from ..text import plural, printable
 from ..variant import BROADCAST, TENSOR_COVERAGE, Variant
 from .options import (GivenPath, align_option, alibi_option, causal_option, dims_options, dropout_option,
-                      dropout_seed_option, force_option, no_causal_option, said_variant, seed_option, softcap_option,
-                      user_errors, window_option)
+                      dropout_seed_option, force_option, given_text, no_causal_option, said_variant, seed_option,
+                      softcap_option, user_errors, window_option)
 
 # Values written above which `generate` shows a progress bar (on a terminal only).
 GENERATE_PROGRESS_MIN_VALUES = 1 << 22
@@ -79,14 +79,14 @@ def _variant(causal, no_causal, align, window, softcap, alibi, alibi_slopes, dro
 def packing_options(fn):
     """generate's options of a packed case (docs/cli.md), in the order --help lists them."""
     options = (
-        click.option("--seqlens", metavar="N1,N2,...",
+        click.option("--seqlens", metavar="N1,N2,...", callback=given_text,
                      help="Pack sequences of these query lengths (a packed case: cu_seqlens files, batch 1, "
                           "seq_q their total)."),
-        click.option("--seqlens-k", metavar="M1,M2,...",
+        click.option("--seqlens-k", metavar="M1,M2,...", callback=given_text,
                      help="With --seqlens: each sequence's key slot [default: the query lengths]."),
-        click.option("--seqused-k", metavar="U1,U2,...",
+        click.option("--seqused-k", metavar="U1,U2,...", callback=given_text,
                      help="With --seqlens-k: the keys each sequence uses of its slot (a KV cache's fill)."),
-        click.option("--random-seqlens", metavar="B,MAX",
+        click.option("--random-seqlens", metavar="B,MAX", callback=given_text,
                      help="Pack B sequences of random lengths 1..MAX (from --seed), keys as many as queries."),
         click.option("--page-size", type=click.IntRange(1, MAX_TOKENS), metavar="P",
                      help="With --seqlens or --random-seqlens: a paged KV cache; each sequence's keys (--seqlens-k) "
@@ -105,8 +105,6 @@ def packing_options(fn):
 
 def _lengths(option: str, text: str, at_least: int = 0) -> List[int]:
     """A comma list of whole numbers >= at_least; one line naming the option otherwise."""
-    if not text.strip():
-        raise CaseError(f"{option}: empty; give its numbers or leave {option} out")
     out = []
     for token in text.split(","):
         token = token.strip()
@@ -146,7 +144,7 @@ def _paging(seqlens, seqlens_k, seqused_k, random, seed, page_size=None, backwar
     if page_size is not None:
         if not (seqlens or random):
             raise CaseError(f"--page-size {page_size} needs --seqlens or --random-seqlens (a paged case is packed)")
-        if seqused_k is not None:
+        if seqused_k:
             raise CaseError(f"--page-size with --seqused-k: a paged case's sequences read all their keys "
                             "(--seqlens-k); HINT: leave --seqused-k out")
         if backward:
@@ -165,23 +163,23 @@ def _packed(seqlens, seqlens_k, seqused_k, random, seed) -> Optional[Sequences]:
     """The sequences the packing options ask for, not paged (None: a case that is not packed)."""
     for option, value, needs, given in (("--seqlens-k", seqlens_k, "--seqlens", seqlens),
                                         ("--seqused-k", seqused_k, "--seqlens-k", seqlens_k)):
-        if value is not None and given is None:
+        if value and not given:
             raise CaseError(f"{option} needs {needs}")
-    if random is not None and seqlens is not None:
+    if random and seqlens:
         raise CaseError("--random-seqlens and --seqlens: choose one")
-    if random is not None:
+    if random:
         parts = _lengths("--random-seqlens", random, 1)
         if len(parts) != 2 or max(parts) > MAX_TOKENS:
             raise CaseError(f"--random-seqlens {random}: expected B,MAX (the number of sequences and the longest "
                             f"length, each 1..{MAX_TOKENS})")
         seqlens_q = random_seqlens(parts[0], parts[1], seed)
         said_q = ("--random-seqlens", random)
-    elif seqlens is not None:  # ("" too: refused as no lengths, not taken for no option)
+    elif seqlens:
         seqlens_q = _lengths("--seqlens", seqlens)
         said_q = ("--seqlens", seqlens)
     else:
         return None
-    keys = _lengths("--seqlens-k", seqlens_k) if seqlens_k is not None else None
+    keys = _lengths("--seqlens-k", seqlens_k) if seqlens_k else None
     if keys is not None and len(keys) != len(seqlens_q):
         raise CaseError(f"--seqlens-k {seqlens_k}: {plural(len(keys), 'length')} for {len(seqlens_q)} sequences "
                         "(--seqlens)")
@@ -196,7 +194,7 @@ def _packed(seqlens, seqlens_k, seqused_k, random, seed) -> Optional[Sequences]:
             raise CaseError(f"{option} {text}: {total} {what} tokens in all; {key}, their total, is at most "
                             f"{MAX_TOKENS}")
     try:
-        return sequences_from_lengths(seqlens_q, keys, _lengths("--seqused-k", seqused_k) if seqused_k is not None else None)
+        return sequences_from_lengths(seqlens_q, keys, _lengths("--seqused-k", seqused_k) if seqused_k else None)
     except ValueError as exc:  # only seqused_k's rules remain to break
         raise CaseError(f"--seqused-k {seqused_k}: {exc}") from None
 

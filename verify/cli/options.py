@@ -143,6 +143,14 @@ class SharedOption:
         return click.option(*self.decls, **{**self.attrs, **attrs})
 
 
+def given_text(ctx, param, value):
+    """An option callback: a text option given as "" (an unset shell variable) is refused in one
+    line, not taken for the option left out (every stage, no packing, no sanitizer)."""
+    if value is not None and not value.strip():
+        raise click.BadParameter(f"empty; give its value or leave {param.opts[0]} out", ctx, param)
+    return value
+
+
 class GivenPath(click.Path):
     """click.Path that refuses an empty path: "" (an unset shell variable) would otherwise be the
     working directory, which a command would read or write in place of the folder meant."""

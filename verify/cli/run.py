@@ -18,9 +18,9 @@ from ..runs.watched import (binary_args, binary_runner, program_runner, run_any_
 from ..stages import BACKWARD_STAGES, DATA_DIR, DEFAULT_CASE, DEFAULT_RESULT, FORMATS, PRECISIONS, STAGE_NAMES
 from .check import check_and_report
 from .options import (GivenPath, align_option, alibi_option, backend_option, binary_option, build_option,
-                      dropout_option, dropout_seed_option, force_option, in_option, json_option, name_options,
-                      out_option, parse_names, quiet_option, seed_option, softcap_option, timeout_option, user_errors,
-                      window_option)
+                      dropout_option, dropout_seed_option, force_option, given_text, in_option, json_option,
+                      name_options, out_option, parse_names, quiet_option, seed_option, softcap_option, timeout_option,
+                      user_errors, window_option)
 
 
 def variant_run_options(fn):
@@ -58,7 +58,7 @@ def _build(build_dir: Path, quiet: bool, target: str = BINARY_NAME) -> Path:
 @timeout_option
 @click.option("--cwd", type=GivenPath(exists=True, file_okay=False, path_type=Path),
               help="Run the program in this folder (e.g. build/ for `./main random_test`).")
-@click.option("--stages", help="Stages to write: all (every stage the case allows), stages (the stage path), "
+@click.option("--stages", callback=given_text, help="Stages to write: all (every stage the case allows), stages (the stage path), "
               "flash (the flash stages), or a comma list of stages "
               f"({', '.join(STAGE_NAMES)}). The backward stages ({', '.join(BACKWARD_STAGES)}) need a "
               "case with dO ('attnstep generate --backward').")
@@ -75,7 +75,7 @@ def _build(build_dir: Path, quiet: bool, target: str = BINARY_NAME) -> Path:
                    "output and lse (split_output, split_lse), and flash_output, flash_lse as their combine.")
 @click.option("--max-memory-mb", type=click.IntRange(min=1), help="Cap the binary's working memory.")
 @click.option("--allow-nonfinite", is_flag=True, help="Accept NaN/Inf in the inputs.")
-@click.option("--sanitize", metavar="TOOLS", help="Also run the program under compute-sanitizer's TOOLS "
+@click.option("--sanitize", metavar="TOOLS", callback=given_text, help="Also run the program under compute-sanitizer's TOOLS "
               f"({', '.join(SANITIZER_TOOLS)}; comma list, a run each), for check to report.")
 @click.option("--repeat", type=click.IntRange(min=1), default=1, show_default=True, metavar="K",
               help="Run K times; check reports the stages whose values differ between runs.")
@@ -105,9 +105,6 @@ def run(in_dir, out_dir, backend, build_dir, binary, timeout, cwd, stages, fmt, 
     if args and split_size:
         raise click.UsageError("--split-size is an option of attnstep's binary; your program (-- ARGS) takes its own: "
                                "pass the split size in ARGS, and to check with --split-size")
-    for option, value in (("--stages", stages), ("--sanitize", sanitize)):
-        if value is not None and not value.strip():  # (before the previous run is moved aside)
-            raise click.UsageError(f"{option}: empty; give its list or leave {option} out")
     names = parse_names(names, names_file)
     tools = parse_tools(sanitize) if sanitize else []
     if args:

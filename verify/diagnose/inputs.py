@@ -27,7 +27,8 @@ from ..specs.base import head_variant
 from ..stages import BIAS_INPUT, DROPOUT_MASK, INPUT_NAMES, KEYS, MASK_INPUT, QUERIES, SCALED_SCORES, STAGES, VALUES
 from ..text import plural
 from ..variant import TOP_LEFT, Variant
-from .base import DISTINCT_WIDTHS, KEY_TILES, LOG_FLOAT32_MAX, MATCH_WIDTHS, MAX_RUN_KEY_TILE, OVERFLOW_SLACK, maxdiff, width_of
+from .base import (DISTINCT_WIDTHS, KEY_TILES, LOG_FLOAT32_MAX, MATCH_WIDTHS, MAX_RUN_KEY_TILE, OVERFLOW_SLACK, maxdiff,
+                   width_of)
 
 Tensors = Dict[str, np.ndarray]
 # (Q, K, V with the head's variant tensors), masked (None: the variant's own), variant, slope -> the stage

@@ -186,7 +186,7 @@ def to_numpy(x) -> np.ndarray:
         return x.numpy()
     # Into an array NumPy allocates: NumPy asks for huge pages for a large one, so the copy fills
     # memory that faults in 2 MB at a time; PyTorch's own host tensor faults 4 KB at a time, and
-    # took 2.2-2.5x as long for the results of a long head (docs/performance.md).
+    # filled at about half the rate (docs/performance.md, scripts/time_host_copies.py).
     out = np.empty(tuple(x.shape), dtype=_numpy_dtype(x.dtype))
     _torch().from_numpy(out).copy_(x)
     return out
@@ -392,8 +392,8 @@ def concat_rows(parts):
     return xp.concat(parts, axis=0) if xp is not np else np.concatenate(parts, axis=0)
 
 
-__all__ = ["DEVICES", "DeviceError", "cuda_visible", "resolve_device", "device_argument", "device_jobs",
-           "on_device", "target", "visible_gpus", "gpu_memory_bytes", "to_device", "to_numpy", "to_numpy_all",
-           "float64", "like", "put", "zeros", "clip", "add_product", "add_scaled", "add_magnitude", "binade_sq", "namespace", "quiet",
-           "concat_rows", "to_numpy_later", "ordered_bits", "sort_rows_with_columns", "take_along_rows",
-           "running_max", "segment_sums", "isfinite"]
+__all__ = ["DEVICES", "DeviceError", "cuda_visible", "resolve_device", "device_argument", "device_jobs", "on_device",
+           "target", "visible_gpus", "gpu_memory_bytes", "to_device", "to_numpy", "to_numpy_all", "float64", "like",
+           "put", "zeros", "clip", "add_product", "add_scaled", "add_magnitude", "binade_sq", "namespace", "quiet",
+           "concat_rows", "to_numpy_later", "ordered_bits", "sort_rows_with_columns", "take_along_rows", "running_max",
+           "segment_sums", "isfinite"]
