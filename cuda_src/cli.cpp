@@ -172,7 +172,7 @@ void print_usage(FILE* to) {
         "  --alibi            ALiBi: S - slope_h*|diag(i) - j| (slopes from alibi_slopes.txt|.npy in\n"
         "                     the case, else the standard geometric slopes)\n"
         "  --dropout P        dropout probability in [0, 1): writes the keep-mask as dropout_mask\n"
-        "  --dropout-seed S   dropout's seed (an integer >= 0; default 0)\n"
+        "  --dropout-seed S   dropout's seed (an integer >= 0; default 0), for --dropout P or a case with dropout\n"
         "                     These options override the manifest's keys; run.toml records the values\n"
         "  --scale S          scale for QK (default: the manifest's, else 1/sqrt(d_k))\n"
         "  --stages LIST      all | stages | flash | comma-separated stage names (default all).\n"
@@ -291,6 +291,12 @@ Variant effective_variant(const Options& o, const InputCase& c) {
     v.alibi = v.alibi || opt.alibi;
     if (opt.dropout) v.dropout = static_cast<float>(*opt.dropout);
     if (opt.dropout_seed) v.dropout_seed = static_cast<uint64_t>(*opt.dropout_seed);
+    // A seed for a run that has no dropout at all is a mistaken command (it would change nothing);
+    // with --dropout given (0 included: dropout turned off) it stays a plain override.
+    if (opt.dropout_seed && !opt.dropout && c.variant.dropout == 0.f)
+        fail(kExitBadInput, "--dropout-seed " + std::to_string(*opt.dropout_seed) +
+                                ": the run has no dropout (neither --dropout P nor the case's manifest gives one)",
+             "add --dropout P (P > 0), or leave out --dropout-seed");
     const std::string why = v.causal ? causal_window_problem(v.window_right) : "";
     if (!why.empty()) {
         const std::string window = opt.window_left ? "--window " + opt.window_text : c.where_window_right;

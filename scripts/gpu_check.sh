@@ -174,6 +174,20 @@ if want sanitize || want memcheck || want racecheck; then
                 done
             done
         done
+        # A paged decode case (the split-KV kernels): one split, whose blocks store the output
+        # themselves, and splits of 64 keys with their stages; page sizes the tensor copies take (16)
+        # and not (24).
+        for page in 16 24; do
+            local case=/tmp/san_paged_$page
+            $ATTNSTEP generate --out "$case" --heads 4 --kv-heads 2 --seqlens 1,3,2 --seqlens-k 200,129,77 \
+                --page-size $page --d-k 128 --d-v 128 --causal bottom-right >/dev/null || return 1
+            for precision in fp32 bf16; do
+                for split in "" "--split-size 64"; do
+                    compute-sanitizer --tool "$tool" --error-exitcode 99 $BUILD/main --in "$case" \
+                        --out "$case.$precision${split:+.split}" --backend cuda --precision $precision $split || rc=1
+                done
+            done
+        done
         return $rc
     }
     { want sanitize || want memcheck; } && step memcheck sanitize memcheck

@@ -120,6 +120,14 @@ def test_options_parse_the_variant(options_driver):
     assert rc == 0 and o["grouped"] is False and o["text"] == "none"
 
 
+def test_a_window_takes_every_side_a_manifest_takes(options_driver):
+    """Each side up to 2^31 - 1 keys, as in a case's manifest; one more is refused in one line."""
+    rc, o = _parse(options_driver, "--window", "2147483647,0")
+    assert rc == 0 and (o["left"], o["right"]) == (2147483647, 0)
+    rc, err = _parse(options_driver, "--window", "0,2147483648")
+    assert rc == 2 and "--window RIGHT needs an integer" in err.splitlines()[0], err
+
+
 @pytest.mark.parametrize("args,words", [
     (["--heads", "12", "--kv-heads", "5"], "--kv-heads 5 must divide --heads 12"),
     (["--heads", "4", "--kv-heads", "8"], "--kv-heads 8 must divide --heads 4"),

@@ -248,6 +248,20 @@ def test_nonfinite_inputs_run_with_allow_nonfinite(binary, tmp_path):
     assert np.isnan(q[1, 0]) and np.isfinite(np.delete(q.ravel(), 16)).all()
 
 
+def test_nonfinite_npy_input_is_named_at_its_numpy_index(binary, tmp_path):
+    """In a .npy input the element is named as NumPy indexes it (0-based), as the verifier and the
+    binary's integer readers name theirs."""
+    in_dir, out_dir = tmp_path / "in", tmp_path / "out"
+    mats = write_case(in_dir, fmt="npy")
+    k = mats["K", 1].copy()
+    k[3, 5] = np.inf
+    np.save(in_dir / stage_file("K", 1, "npy"), k)
+    proc = run_cpu(binary, in_dir, out_dir)
+    assert proc.returncode != 0
+    assert error_line(proc).endswith(f"{stage_file('K', 1, 'npy')}:row 3, col 5: non-finite value inf"), proc.stderr
+    assert written_in(out_dir) == []
+
+
 def test_head_gap_without_manifest_is_rejected(binary, tmp_path):
     in_dir = tmp_path / "in"
     write_case(in_dir, heads=4, manifest=False)

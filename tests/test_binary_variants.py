@@ -100,7 +100,7 @@ OPTIONS = [(["--align", "bottom-right"], {"align": "bottom-right"}),
            (["--softcap", "30"], {"softcap": 30.0}),
            (["--alibi"], {"alibi": True}),
            (["--dropout", "0.125"], {"dropout": 0.125}),
-           (["--dropout-seed", "12345"], {"dropout_seed": 12345}),
+           (["--dropout", "0.25", "--dropout-seed", "12345"], {"dropout": 0.25, "dropout_seed": 12345}),
            (["--causal", "--align=bottom-right", "--window", "5,0"],
             {"causal": True, "align": "bottom-right", "window_left": 5, "window_right": 0})]
 
@@ -124,6 +124,14 @@ def test_options_override_the_manifest(binary, tmp_path):
     rec = run_toml(out)
     assert (rec["align"], rec["window_left"], rec["window_right"], rec["softcap"], rec["dropout"],
             rec["dropout_seed"]) == ("top-left", -1, -1, 0.0, 0.0, 9)
+
+
+def test_dropout_seed_alone_reseeds_the_cases_dropout(binary, tmp_path):
+    out = tmp_path / "out"
+    proc = run_cpu(binary, small_case(tmp_path, "dropout = 0.5\ndropout_seed = 3\n"), out, "--dropout-seed", "9")
+    assert proc.returncode == 0, proc.stderr
+    rec = run_toml(out)
+    assert (rec["dropout"], rec["dropout_seed"]) == (0.5, 9)
 
 
 def test_help_names_every_option(binary):
@@ -202,6 +210,7 @@ OPTION_ERRORS = [
     (["--dropout-seed", "-4"], "--dropout-seed: '-4': must be an integer >= 0"),
     (["--dropout-seed", "1.5"], "--dropout-seed: '1.5' is not an integer"),
     (["--softcap"], "--softcap needs a value"),
+    (["--dropout-seed", "7"], "--dropout-seed 7: the run has no dropout (neither --dropout P nor the case's manifest"),
 ]
 
 

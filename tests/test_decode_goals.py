@@ -167,6 +167,18 @@ def test_a_binary_that_cannot_bench_at_all_is_one_line_and_exit_status_2(tmp_pat
                                                 "exited 2: main: error: no CUDA device")
 
 
+def test_a_shape_the_binary_refuses_after_one_it_measured_keeps_the_measured_one(tmp_path):
+    """Exit 2 on the second shape only: that shape failed (exit 1), the first's row and goals stay."""
+    out = tmp_path / "decode.json"
+    fake = _fake_binary(tmp_path, fail=2, failing=("32768",))
+    r = CliRunner().invoke(cli, ["bench", "--decode", "goals", "--binary", str(fake), "--no-torch", "--json", str(out)])
+    assert r.exit_code == 1 and "Traceback" not in r.output, r.output
+    assert "met    decode GB/s of the copy (>= 0.80) at B64 H32 Hk8 L8192 P64 d128 bf16: 0.833x" in r.output
+    assert "main --bench-decode failed on 1 shape" in r.output
+    first, second = json.loads(out.read_text())["runs"]
+    assert first["binary"]["cache_len"] == 8192 and "exited 2: main: error: no CUDA device" in second["error"]
+
+
 def test_options_the_decode_goals_would_ignore_are_refused(tmp_path):
     r = CliRunner().invoke(cli, ["bench", "--decode", "goals", "--shape", "1,1,64,64,64", "--binary",
                                  str(_fake_binary(tmp_path))])

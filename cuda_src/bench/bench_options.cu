@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <limits>
 #include <string>
 
 #include "../common.h"
@@ -101,9 +102,10 @@ void parse_window(const std::string& flag, const std::string& text, Variant* v) 
     const size_t comma = text.find(',');
     if (comma == std::string::npos)
         bad_option(flag + " needs LEFT,RIGHT (two integers; -1 is unbounded), got '" + text + "'");
-    const int bound = 1 << 30;
-    const int left = parse_int(flag + " LEFT", text.substr(0, comma).c_str(), -bound, bound);
-    const int right = parse_int(flag + " RIGHT", text.substr(comma + 1).c_str(), -bound, bound);
+    // Any int parses; the window's own rule (as in a manifest) then names what is wrong.
+    const int lo = std::numeric_limits<int>::min(), hi = std::numeric_limits<int>::max();
+    const int left = parse_int(flag + " LEFT", text.substr(0, comma).c_str(), lo, hi);
+    const int right = parse_int(flag + " RIGHT", text.substr(comma + 1).c_str(), lo, hi);
     for (int b : {left, right}) check_rule(flag, text, window_bound_problem(b));
     v->window_left = left;
     v->window_right = right;

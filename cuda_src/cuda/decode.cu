@@ -116,10 +116,10 @@ __global__ void __launch_bounds__(kThreads) decode_split_kernel(const DecodeArgs
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     float* p_s = reinterpret_cast<float*>(smem + S::kPOffset) + warp * S::C * R;
 
-    const int b = blockIdx.x / tiles;
+    const Place place = block_place(a);
+    const int b = place.x / tiles;
     const int q0 = a.cu_q[b], n = a.cu_q[b + 1] - q0, m = a.seqlen_k[b], group = a.heads / a.kv_heads;
-    const Tile t{static_cast<int>(blockIdx.y), static_cast<int>(blockIdx.z), group, n, q0,
-                 static_cast<int>(blockIdx.x) % tiles, min(R, group * n - (static_cast<int>(blockIdx.x) % tiles) * R)};
+    const Tile t{place.split, place.g, group, n, q0, place.x % tiles, min(R, group * n - (place.x % tiles) * R)};
     if (t.rows <= 0) return;  // this sequence has fewer tiles than the longest
     const int split = t.split, g = t.g, tile = t.tile, tile_rows = t.rows;
     const int k_lo = split * a.split_size, k_hi = min(m, k_lo + a.split_size);
@@ -299,9 +299,7 @@ __global__ void __launch_bounds__(kThreads) decode_mma_kernel(const DecodeArgs a
     RowInfo* rows_s = reinterpret_cast<RowInfo*>(smem + S::kRowOffset);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     MmaBlock blk;
-    if (!blk.begin<D, C>(a, static_cast<int>(blockIdx.x), static_cast<int>(blockIdx.y), static_cast<int>(blockIdx.z),
-                         tiles, q_s, rows_s))
-        return;
+    if (!blk.begin<D, C>(a, block_place(a), tiles, q_s, rows_s)) return;
     const int mine = blk.mine(warp);
     MmaWarp<Fmt, D> w;
     w.begin(q_s, rows_s, lane);
@@ -356,8 +354,7 @@ void launch_mma(const DecodeArgs& a, cudaStream_t stream) {
     static const int fit = prepare_kernel(reinterpret_cast<const void*>(kernel), kThreads, S::kSmem);
     (void)fit;
     const int tiles = ((a.heads / a.kv_heads) * a.max_q + S::R - 1) / S::R;
-    const dim3 grid(static_cast<unsigned>(static_cast<long long>(a.batch) * tiles), a.splits, a.kv_heads);
-    kernel<<<grid, kThreads, S::kSmem, stream>>>(a, tiles);
+    kernel<<<grid_blocks(a, tiles), kThreads, S::kSmem, stream>>>(a, tiles);
     LAUNCH_CHECK(decode_mma_kernel);
 }
 
@@ -369,8 +366,7 @@ void launch(const DecodeArgs& a, cudaStream_t stream) {
     (void)fit;
     const int group = a.heads / a.kv_heads;
     const int tiles = (group * a.max_q + R - 1) / R;
-    const dim3 grid(static_cast<unsigned>(static_cast<long long>(a.batch) * tiles), a.splits, a.kv_heads);
-    kernel<<<grid, kThreads, S::kSmem, stream>>>(a, tiles);
+    kernel<<<grid_blocks(a, tiles), kThreads, S::kSmem, stream>>>(a, tiles);
     LAUNCH_CHECK(decode_split_kernel);
 }
 
@@ -459,27 +455,36 @@ const char* decode_kernel_name(Precision p) {
 // has its last splits empty (lse −inf, output 0), as the case's S counts them.
 void decode_forward(const DecodeArgs& a, cudaStream_t stream) {
     if (a.heads <= 0 || a.kv_heads <= 0 || a.heads % a.kv_heads || a.batch <= 0 || a.split_size <= 0 ||
-        a.splits < split_count(a.max_k, a.split_size) || a.splits > kMaxGridYZ || a.kv_heads > kMaxGridYZ)
+        a.splits < split_count(a.max_k, a.split_size))
         fail(kExitInternal, where(__FILE__, __LINE__) + ": decode_forward: inconsistent arguments (heads=" +
                                 std::to_string(a.heads) + " kv_heads=" + std::to_string(a.kv_heads) +
                                 " split_size=" + std::to_string(a.split_size) + " splits=" + std::to_string(a.splits) + ")");
     const long long group_rows = static_cast<long long>(a.heads / a.kv_heads) * a.max_q, rows = tile_rows_of(a);
-    if (a.batch * ((group_rows + rows - 1) / rows) > INT_MAX)
+    if (static_cast<double>(a.batch) * ((group_rows + rows - 1) / rows) * a.splits * a.kv_heads > INT_MAX)
         fail(kExitInternal, where(__FILE__, __LINE__) + ": decode_forward: " + std::to_string(a.batch) +
-                                " sequences of up to " + std::to_string(a.max_q) + " queries are more blocks than a grid has");
+                                " sequences of up to " + std::to_string(a.max_q) + " queries in " +
+                                std::to_string(a.splits) + " splits are more blocks than a grid has");
     if (device_compute_capability() < kMinComputeCapability)
         fail(kExitBadInput, "--split-size: the CUDA split kernel needs compute capability 8.0 or newer (cp.async, "
                             "mma.sync), this GPU has " + std::to_string(device_compute_capability() / 10) + "." +
                                 std::to_string(device_compute_capability() % 10),
              "use --backend cpu, which computes the split stages");
     if (a.total_q > 0) {
-        if (!ran_tma(a, stream)) {
-            if (a.precision == Precision::bf16) launch_width<B16>(a, stream);
-            else if (a.precision == Precision::fp16) launch_width<H16>(a, stream);
-            else launch_width<F32>(a, stream);
+        const bool split_stages = a.split_O && a.split_lse;
+        DecodeArgs k = a;  // one split without its stage: the blocks store O and lse themselves
+        if (a.splits == 1 && !split_stages) {
+            k.O_part = a.O;
+            k.lse_part = a.lse;
+            k.combined = true;
         }
+        if (!ran_tma(k, stream)) {
+            if (a.precision == Precision::bf16) launch_width<B16>(k, stream);
+            else if (a.precision == Precision::fp16) launch_width<H16>(k, stream);
+            else launch_width<F32>(k, stream);
+        }
+        if (k.combined) return;
         const long long rows = static_cast<long long>(a.heads) * a.total_q;
-        if (a.split_O && a.split_lse) {
+        if (split_stages) {
             constexpr int kLayoutThreads = 256;
             const long long n = rows * a.splits * (a.d + 1);
             split_stage_layout<<<static_cast<unsigned>((n + kLayoutThreads - 1) / kLayoutThreads), kLayoutThreads, 0,

@@ -58,6 +58,10 @@ struct DecodeArgs {
     float* lse_part = nullptr;
     float* O = nullptr;
     float* lse = nullptr;
+    // Set by decode_forward where one split has every key and no split stage is asked for: O_part
+    // and lse_part are then O and lse, the blocks' outputs rounded to the format as the combine
+    // would (its weights are 1 then), and the combine is not launched.
+    bool combined = false;
     // Optional: the split stages in their stage layout (split_O [heads][total_q][splits·d],
     // split_lse [heads][total_q][splits]), copied from O_part and lse_part.
     float* split_O = nullptr;

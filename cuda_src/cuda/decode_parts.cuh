@@ -47,6 +47,20 @@ struct Tile {
     __device__ __forceinline__ int query(int rho) const { return q0 + rho % n; }
 };
 
+// The block's place in the grid, one dimension of batch·tiles × splits × kv_heads blocks, the K/V
+// head fastest: the blocks that run at once read the same rows of the same pages for every K/V
+// head of a sequence (a pool row holds all of them), not one head of many sequences.
+struct Place {
+    int x, split, g;  // x: the sequence's tile (b·tiles + tile)
+};
+inline dim3 grid_blocks(const DecodeArgs& a, int tiles) {
+    return dim3(static_cast<unsigned>(static_cast<long long>(a.batch) * tiles * a.splits * a.kv_heads));
+}
+__device__ __forceinline__ Place block_place(const DecodeArgs& a) {
+    const long long i = blockIdx.x, per_x = static_cast<long long>(a.splits) * a.kv_heads;
+    return {static_cast<int>(i / per_x), static_cast<int>(i / a.kv_heads % a.splits), static_cast<int>(i % a.kv_heads)};
+}
+
 // The tile's rows: each one's visible keys within [k_lo, k_hi) and ALiBi's terms, into rows_s.
 template <int R>
 __device__ __forceinline__ void describe_rows(const DecodeArgs& a, const Tile& t, int m, int k_lo, int k_hi,
@@ -86,6 +100,11 @@ __device__ __forceinline__ long long key_row(const DecodeArgs& a, int b, int j) 
                : static_cast<long long>(a.k_begin[b]) + j;
 }
 
+// x rounded to the output's format (the combine's rounding: flash_dispatch.cu).
+__device__ __forceinline__ float round_output(Precision p, float x) {
+    return p == Precision::bf16 ? Bf16::round(x) : p == Precision::fp16 ? Fp16::round(x) : x;
+}
+
 // The warps' states merged and stored: O = Σ_w acc_w·e^(m_w − M) / Σ_w l_w·e^(m_w − M) and
 // lse = M + log l of every row of the tile, from m_s, l_s [kWarps][R] and acc_s [kWarps][R][D]
 // at the start of shared memory. A row that saw no key: O = 0, lse −inf.
@@ -109,7 +128,8 @@ __device__ __forceinline__ void store_merged(const DecodeArgs& a, const Tile& t,
             }
         const int rho = t.tile * R + r;
         const long long row = (static_cast<long long>(t.split) * a.heads + t.head(rho)) * a.total_q + t.query(rho);
-        a.O_part[row * D + dim] = l > 0.f ? o / l : 0.f;
+        const float out = l > 0.f ? o / l : 0.f;
+        a.O_part[row * D + dim] = a.combined ? round_output(a.precision, out) : out;
         if (dim == 0) a.lse_part[row] = l > 0.f ? mx + logf(l) : -INFINITY;
     }
 }
@@ -178,15 +198,15 @@ struct MmaBlock {
     int b = 0, m = 0, lo = INT_MAX, hi = 0, base = 0, chunks = 0;
 
     template <int D, int C>
-    __device__ __forceinline__ bool begin(const DecodeArgs& a, int x, int split, int g, int tiles, uint16_t* q_s,
+    __device__ __forceinline__ bool begin(const DecodeArgs& a, Place place, int tiles, uint16_t* q_s,
                                           RowInfo* rows_s) {
         constexpr int R = kLargeTile;
-        b = x / tiles;
-        const int q0 = a.cu_q[b], n = a.cu_q[b + 1] - q0, group = a.heads / a.kv_heads, tile = x % tiles;
+        b = place.x / tiles;
+        const int q0 = a.cu_q[b], n = a.cu_q[b + 1] - q0, group = a.heads / a.kv_heads, tile = place.x % tiles;
         m = a.seqlen_k[b];
-        t = Tile{split, g, group, n, q0, tile, min(R, group * n - tile * R)};
+        t = Tile{place.split, place.g, group, n, q0, tile, min(R, group * n - tile * R)};
         if (t.rows <= 0) return false;
-        const int k_lo = split * a.split_size, k_hi = min(m, k_lo + a.split_size);
+        const int k_lo = place.split * a.split_size, k_hi = min(m, k_lo + a.split_size);
         describe_rows<R>(a, t, m, k_lo, k_hi, rows_s);
         for (int e = threadIdx.x; e < R * D; e += kThreads) {
             const int r = e / D, rho = tile * R + r;

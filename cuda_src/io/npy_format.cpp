@@ -280,8 +280,8 @@ void read_npy(const std::string& path, int rows, int cols, bool allow_nonfinite,
     if (allow_nonfinite) return;
     for (size_t i = 0; i < n; ++i)
         if (!std::isfinite(dst[i]))
-            fail(kExitBadInput, path + ": row " + std::to_string(i / cols + 1) + ", col " +
-                                    std::to_string(i % cols + 1) + ": non-finite value " +
+            fail(kExitBadInput, path + ":row " + std::to_string(i / cols) + ", col " +  // NumPy's [row, col]
+                                    std::to_string(i % cols) + ": non-finite value " +
                                     (std::isnan(dst[i]) ? "nan" : dst[i] > 0 ? "inf" : "-inf"),
                  kNonfiniteHint);
 }

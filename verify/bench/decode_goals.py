@@ -207,9 +207,11 @@ def collect_decode(binary: Path, shapes: Sequence[DecodeShape], warmup: int, rep
         run: dict = {"shape": shape.id, "params": asdict(shape)}
         try:
             run["binary"] = run_binary(binary, shape, reps, timeout)
-        except BenchUnusable:
-            raise
         except BenchError as exc:
+            # Unusable before any shape ran: the binary cannot bench at all. After one it measured,
+            # only this shape failed, and the measured ones are kept.
+            if isinstance(exc, BenchUnusable) and not runs:
+                raise
             run["error"] = str(exc)
             log(f"bench --decode: {shape.id}: FAILED: {exc}")
         if torch_version:

@@ -78,8 +78,7 @@ __global__ void __launch_bounds__(kThreads) decode_tma_kernel(const DecodeArgs a
         bulk::fence_init();
     }
     MmaBlock blk;
-    if (!blk.begin<D, C>(a, static_cast<int>(blockIdx.x), static_cast<int>(blockIdx.y), static_cast<int>(blockIdx.z),
-                         tiles, q_s, rows_s))  // its __syncthreads publishes the barriers
+    if (!blk.begin<D, C>(a, block_place(a), tiles, q_s, rows_s))  // its __syncthreads publishes the barriers
         return;
     const int mine = blk.mine(warp);
     MmaWarp<Fmt, D> w;
@@ -138,8 +137,7 @@ void launch(const DecodeArgs& a, cudaStream_t stream) {
     const int rows = static_cast<int>(a.kv_stride / D);
     const TmaMaps maps{tma::rows_map(a.K, D, rows, a.kv_heads, S::C), tma::rows_map(a.V, D, rows, a.kv_heads, S::C)};
     const int tiles = ((a.heads / a.kv_heads) * a.max_q + S::R - 1) / S::R;
-    const dim3 grid(static_cast<unsigned>(static_cast<long long>(a.batch) * tiles), a.splits, a.kv_heads);
-    kernel<<<grid, kThreads, S::kSmem, stream>>>(a, maps, tiles);
+    kernel<<<grid_blocks(a, tiles), kThreads, S::kSmem, stream>>>(a, maps, tiles);
     LAUNCH_CHECK(decode_tma_kernel);
 }
 
