@@ -174,18 +174,19 @@ if want sanitize || want memcheck || want racecheck; then
                 done
             done
         done
-        # A paged decode case (the split-KV kernels): one split, whose blocks store the output
-        # themselves, and splits of 64 keys with their stages; page sizes the tensor copies take (16)
-        # and not (24).
+        # The split-KV decode kernels, on page sizes the tensor copies take (16) and not (24): a
+        # paged case's run in splits of 64 keys (the split stages, their layout copy, the combine),
+        # and the decode bench's step of one split (its blocks store the output themselves).
         for page in 16 24; do
             local case=/tmp/san_paged_$page
             $ATTNSTEP generate --out "$case" --heads 4 --kv-heads 2 --seqlens 1,3,2 --seqlens-k 200,129,77 \
                 --page-size $page --d-k 128 --d-v 128 --causal bottom-right >/dev/null || return 1
             for precision in fp32 bf16; do
-                for split in "" "--split-size 64"; do
-                    compute-sanitizer --tool "$tool" --error-exitcode 99 $BUILD/main --in "$case" \
-                        --out "$case.$precision${split:+.split}" --backend cuda --precision $precision $split || rc=1
-                done
+                compute-sanitizer --tool "$tool" --error-exitcode 99 $BUILD/main --in "$case" \
+                    --out "$case.$precision" --backend cuda --precision $precision --split-size 64 || rc=1
+                compute-sanitizer --tool "$tool" --error-exitcode 99 $BUILD/main --bench-decode --batch 3 --heads 4 \
+                    --kv-heads 2 --cache-len 200 --page-size $page --d 128 --precision $precision --queries 2 \
+                    --warmup 1 --reps 1 >/dev/null || rc=1
             done
         done
         return $rc

@@ -180,6 +180,27 @@ def test_collect_goes_on_after_a_failing_shape(tmp_path, monkeypatch):
     assert res["device"] == "NVIDIA H200"
 
 
+@pytest.mark.parametrize("refused_first", [True, False])
+def test_a_shape_the_binary_refuses_is_unusable_only_before_any_measure(monkeypatch, refused_first):
+    """Exit 2 (BenchUnusable) on the first shape: the binary cannot bench, the bench ends there;
+    after a shape it measured, only that shape failed and the measured one is kept."""
+    def fake_run(binary, shape, prec, warmup, reps, check, only="all", timeout=0, **kw):
+        if (shape.seq_q == 7) == refused_first:
+            raise vb.BenchUnusable("exited 2: refused")
+        return _binary_json(prec)
+
+    monkeypatch.setattr(vb, "run_binary_bench", fake_run)
+    shapes = [vb.Shape(1, 1, 7, 7, 64, False), vb.Shape(1, 1, 9, 9, 64, False)]
+    collect = lambda: vb.collect(Path("main"), shapes, ("fp32",), 0, 1, False, use_torch=False, only="all",
+                                 log=lambda m: None)
+    if refused_first:
+        with pytest.raises(vb.BenchUnusable):
+            collect()
+    else:
+        res = collect()
+        assert "binary" in res["runs"][0] and res["runs"][1]["error"] == "exited 2: refused"
+
+
 def test_cli_bad_results_file_exits_2(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"runs": [{"binary": {"device": "x"}}]}))

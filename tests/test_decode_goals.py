@@ -14,6 +14,7 @@ from click.testing import CliRunner
 
 from verify.bench.decode_goals import (COPY_FRACTION_GOAL, DECODE_SHAPES, DecodeShape, collect_decode,
                                        decode_binary_args, decode_goal_records, decode_table, parse_decode_json)
+from verify.bench.measure import BenchUnusable
 from verify.bench.report import BenchError
 from verify.cli.group import cli
 
@@ -177,6 +178,18 @@ def test_a_shape_the_binary_refuses_after_one_it_measured_keeps_the_measured_one
     assert "main --bench-decode failed on 1 shape" in r.output
     first, second = json.loads(out.read_text())["runs"]
     assert first["binary"]["cache_len"] == 8192 and "exited 2: main: error: no CUDA device" in second["error"]
+
+
+def test_a_binary_unusable_after_shapes_that_only_failed_is_unusable():
+    """Exit 1 on the first shape, exit 2 on the second: nothing was measured, so the bench is
+    unusable (one line, exit 2), not a table of failures."""
+    def run_binary(binary, shape, reps, timeout):
+        if shape.cache_len == 8192:
+            raise BenchError(f"{shape.id}: main --bench-decode exited 1: CUDA error")
+        raise BenchUnusable(f"{shape.id}: main --bench-decode exited 2: no CUDA device")
+
+    with pytest.raises(BenchUnusable, match="no CUDA device"):
+        collect_decode(Path("main"), DECODE_SHAPES, 3, 20, False, log=lambda m: None, run_binary=run_binary)
 
 
 def test_options_the_decode_goals_would_ignore_are_refused(tmp_path):

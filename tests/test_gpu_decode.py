@@ -15,6 +15,7 @@ keys inside.
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 from typing import Dict, Sequence
 
@@ -121,3 +122,18 @@ def test_every_page_size_gives_the_same_bits(binary, tmp_path, d, precision):
             first = outs
         else:
             _same(first, outs, (f"pages of {PAGE_SIZES[0]}", f"pages of {p}"))
+
+
+# The decode bench's step: one split (the default for 200 keys here), whose blocks store the output
+# and lse themselves without the combine, and splits of 64 keys with the combine; every sequence's
+# outputs checked against float64 by the bench itself (exit 1 past the format's tolerance).
+@pytest.mark.parametrize("precision", ("fp32", "bf16", "fp16"))
+@pytest.mark.parametrize("page_size", (16, 24))
+@pytest.mark.parametrize("split", (None, 64), ids=("one split", "splits of 64"))
+def test_the_decode_step_passes_its_float64_check(binary, precision, page_size, split):
+    args = [str(binary), "--bench-decode", "--batch", "3", "--heads", "8", "--kv-heads", "2", "--cache-len", "200",
+            "--page-size", str(page_size), "--d", "128", "--precision", precision, "--queries", "2",
+            "--warmup", "1", "--reps", "2", "--check-sequences", "3", *(["--split-size", str(split)] if split else [])]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert f"splits {1 if split is None else 4} " in proc.stdout and ": passed" in proc.stdout, proc.stdout

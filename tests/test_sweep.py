@@ -54,6 +54,9 @@ with open(CONFIG["log"], "a") as f:
 if CONFIG.get("no_gpu"):
     print("main: error: --bench: no CUDA device found\nHINT: run it on a machine with an NVIDIA GPU", file=sys.stderr)
     sys.exit(2)
+if seq >= CONFIG.get("refuse_from", 1 << 40):
+    print(f"main: error: --seq-q {{seq}}: refused by this binary", file=sys.stderr)
+    sys.exit(2)
 if CONFIG.get("smi_state"):
     with open(CONFIG["smi_state"], "w") as f:
         f.write(f"{{os.getpid() + 1}}, 99999\n{{os.getpid()}}, {{seq}}\n")
@@ -219,6 +222,17 @@ def test_an_unusable_binary_is_one_line_and_no_file(tmp_path):
     lines = res.output.strip().splitlines()
     assert len(lines) == 1 and "main --bench exited 2: main: error: --bench: no CUDA device found" in lines[0]
     assert len(runs(tmp_path)) == 1 and not out_csv.exists()
+
+
+def test_a_shape_the_binary_refuses_after_rows_it_timed_keeps_those_rows(tmp_path):
+    """Exit 2 from N = 512 on: those rows fail naming it; the rows timed before stay."""
+    out_csv = tmp_path / "s.csv"
+    res = invoke(fake_main(tmp_path, refuse_from=512), *GRID, "--csv", str(out_csv))
+    assert "Traceback" not in res.output, res.output
+    rows = read_csv(out_csv)
+    assert {r["status"] for r in rows if r["seq"] != "512"} == {"ok"}
+    refused = [r["status"] for r in rows if r["seq"] == "512"]
+    assert refused and all("exited 2: main: error: --seq-q 512: refused by this binary" in s for s in refused)
 
 
 def test_sdpa_alone_without_torch_is_one_line(tmp_path):

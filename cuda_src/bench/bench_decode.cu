@@ -3,13 +3,15 @@
 //
 // A decode step: `batch` sequences of `queries` queries each against `cache-len` keys per sequence,
 // K/V in pages of `page-size` keys assigned to the sequences in a shuffled order (as a cache that
-// has lived a while hands them out), grouped K/V heads. The time is every kernel of the step: the
-// split kernel and the combine, median of --reps runs after --warmup. Bandwidth: the K and V bytes
-// the step must read (each sequence's keys once per K/V head) over that time. The copy baseline
-// copies that many bytes with cudaMemcpyAsync and counts its bytes read and written, the memory
-// traffic a copy reaches. A float64 check of sampled sequences (every head) reports the largest
-// error of O and lse and fails the bench (exit 1) past the format's tolerance, or on a value that
-// is not finite: a fast wrong kernel cannot pass.
+// has lived a while hands them out), grouped K/V heads. The time is every kernel of the step as an
+// inference engine runs it: the split kernel, and the combine where there are several splits (one
+// split stores its output from the kernel's blocks); a run of the binary, which writes the split
+// stages, adds their layout copy and the combine. The median of --reps runs after --warmup.
+// Bandwidth: the K and V bytes the step must read (each sequence's keys once per K/V head) over
+// that time. The copy baseline copies that many bytes with cudaMemcpyAsync and counts its bytes
+// read and written, the memory traffic a copy reaches. A float64 check of sampled sequences (every
+// head) reports the largest error of O and lse and fails the bench (exit 1) past the format's
+// tolerance, or on a value that is not finite: a fast wrong kernel cannot pass.
 #include <cuda_runtime.h>
 
 #include <algorithm>

@@ -7,8 +7,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cerrno>
 #include <cstdlib>
-#include <limits>
 #include <string>
 
 #include "../common.h"
@@ -102,13 +102,18 @@ void parse_window(const std::string& flag, const std::string& text, Variant* v) 
     const size_t comma = text.find(',');
     if (comma == std::string::npos)
         bad_option(flag + " needs LEFT,RIGHT (two integers; -1 is unbounded), got '" + text + "'");
-    // Any int parses; the window's own rule (as in a manifest) then names what is wrong.
-    const int lo = std::numeric_limits<int>::min(), hi = std::numeric_limits<int>::max();
-    const int left = parse_int(flag + " LEFT", text.substr(0, comma).c_str(), lo, hi);
-    const int right = parse_int(flag + " RIGHT", text.substr(comma + 1).c_str(), lo, hi);
-    for (int b : {left, right}) check_rule(flag, text, window_bound_problem(b));
-    v->window_left = left;
-    v->window_right = right;
+    // Any integer parses; the window's own rule (as in a manifest) then names what is wrong.
+    auto side = [&](const std::string& part, const char* name) {
+        char* end = nullptr;
+        errno = 0;
+        const long long b = std::strtoll(part.c_str(), &end, 10);
+        if (part.empty() || *end || errno == ERANGE)
+            bad_option(flag + " " + name + " needs an integer, got '" + part + "'");
+        check_rule(flag, text, window_bound_problem(b));
+        return static_cast<int>(b);  // (the rule holds: -1 or 0..kMaxWindow)
+    };
+    v->window_left = side(text.substr(0, comma), "LEFT");
+    v->window_right = side(text.substr(comma + 1), "RIGHT");
 }
 
 // The variant's options; false when `a` is none of them.

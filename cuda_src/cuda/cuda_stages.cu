@@ -83,10 +83,12 @@ bool packed_flash_available(const Problem& p, const Sequences& seqs, StageSet co
     // the block table, with its own mask diagonal (flash_splits.cu), under every variant it takes.
     if (p.split_size > 0) {
         const Variant& v = p.variant;
-        // The kernel's grid has a block per sequence and tile of its longest sequence's rows.
+        // The kernel's grid has a block per sequence, tile of its longest sequence's group rows,
+        // split and K/V head (decode_forward refuses more than a grid holds).
         int most_q = 0;
         for (int b = 0; b < seqs.count(); ++b) most_q = std::max(most_q, seqs.n(b));
-        if (static_cast<long long>(seqs.count()) * ((most_q + kDecodeMinTileRows - 1) / kDecodeMinTileRows) > INT_MAX)
+        if (!decode_grid_fits(seqs.count(), static_cast<long long>(p.dims.group_size()) * most_q, kDecodeMinTileRows,
+                              p.dims.splits, p.dims.kv()))
             return false;
         return computes_only(computed, {Stage::split_output, Stage::split_lse, Stage::flash_output, Stage::flash_lse}) &&
                p.dims.dk == p.dims.dv && decode_supported(p.dims.dk) && v.mask == Coverage::none &&

@@ -459,11 +459,12 @@ void decode_forward(const DecodeArgs& a, cudaStream_t stream) {
         fail(kExitInternal, where(__FILE__, __LINE__) + ": decode_forward: inconsistent arguments (heads=" +
                                 std::to_string(a.heads) + " kv_heads=" + std::to_string(a.kv_heads) +
                                 " split_size=" + std::to_string(a.split_size) + " splits=" + std::to_string(a.splits) + ")");
-    const long long group_rows = static_cast<long long>(a.heads / a.kv_heads) * a.max_q, rows = tile_rows_of(a);
-    if (static_cast<double>(a.batch) * ((group_rows + rows - 1) / rows) * a.splits * a.kv_heads > INT_MAX)
+    const long long group_rows = static_cast<long long>(a.heads / a.kv_heads) * a.max_q;
+    if (!decode_grid_fits(a.batch, group_rows, tile_rows_of(a), a.splits, a.kv_heads))
         fail(kExitInternal, where(__FILE__, __LINE__) + ": decode_forward: " + std::to_string(a.batch) +
-                                " sequences of up to " + std::to_string(a.max_q) + " queries in " +
-                                std::to_string(a.splits) + " splits are more blocks than a grid has");
+                                " sequences of up to " + std::to_string(a.max_q) + " queries, " +
+                                std::to_string(a.kv_heads) + " K/V heads and " + std::to_string(a.splits) +
+                                " splits are more blocks than a grid has");
     if (device_compute_capability() < kMinComputeCapability)
         fail(kExitBadInput, "--split-size: the CUDA split kernel needs compute capability 8.0 or newer (cp.async, "
                             "mma.sync), this GPU has " + std::to_string(device_compute_capability() / 10) + "." +
@@ -471,11 +472,11 @@ void decode_forward(const DecodeArgs& a, cudaStream_t stream) {
              "use --backend cpu, which computes the split stages");
     if (a.total_q > 0) {
         const bool split_stages = a.split_O && a.split_lse;
-        DecodeArgs k = a;  // one split without its stage: the blocks store O and lse themselves
-        if (a.splits == 1 && !split_stages) {
+        DecodeArgs k = a;  // one split without its stages: the blocks store O and lse themselves
+        k.combined = a.splits == 1 && !split_stages;
+        if (k.combined) {
             k.O_part = a.O;
             k.lse_part = a.lse;
-            k.combined = true;
         }
         if (!ran_tma(k, stream)) {
             if (a.precision == Precision::bf16) launch_width<B16>(k, stream);

@@ -1,7 +1,9 @@
 // decode.cuh — the split-KV decode kernel (flash-decoding): attention of packed queries against
 // keys that lie packed or in a paged cache, the keys of each sequence cut into splits of
-// split_size keys that separate blocks compute, then a combine. Made for few queries per
-// sequence (a decode step: 1 to 64), where the work is reading the cache once; correct for any.
+// split_size keys that separate blocks compute, then a combine (none for one split without its
+// stages: the blocks store the output themselves, as flash-attn's one split does). Made for few
+// queries per sequence (a decode step: 1 to 64), where the work is reading the cache once;
+// correct for any.
 //
 // Grouped K/V heads: one block reads a K/V page once for every query head of its group (and every
 // query of its sequence), so a cache is read once per step whatever H / Hk is.
@@ -22,6 +24,7 @@
 
 #include <cuda_runtime.h>
 
+#include <climits>
 #include <cstdint>
 
 #include "../backend.h"
@@ -58,9 +61,10 @@ struct DecodeArgs {
     float* lse_part = nullptr;
     float* O = nullptr;
     float* lse = nullptr;
-    // Set by decode_forward where one split has every key and no split stage is asked for: O_part
-    // and lse_part are then O and lse, the blocks' outputs rounded to the format as the combine
-    // would (its weights are 1 then), and the combine is not launched.
+    // Set by decode_forward alone (a caller's value is ignored): one split has every key and no
+    // split stage is asked for, so O_part and lse_part are O and lse, the blocks' outputs rounded
+    // to the format as the combine would round them (its weights are 1 then), and the combine is
+    // not launched.
     bool combined = false;
     // Optional: the split stages in their stage layout (split_O [heads][total_q][splits·d],
     // split_lse [heads][total_q][splits]), copied from O_part and lse_part.
@@ -75,8 +79,18 @@ bool decode_supported(int d);
 // resident slots once, splits of at least 256 keys.
 int decode_default_split_size(const DecodeArgs& a);
 
-// The fewest rows a block's tile has: the grid has batch × ceil(group·max_q / rows) blocks in x.
+// The fewest rows a block's tile has.
 inline constexpr int kDecodeMinTileRows = 4;
+
+// Whether a launch's grid holds its blocks: batch × tiles × splits × kv_heads in one dimension (at
+// most INT_MAX), tiles = ceil(group_rows / tile_rows) for the group_rows query rows of a sequence's
+// K/V head (group · max_q).
+inline bool decode_grid_fits(long long batch, long long group_rows, int tile_rows, long long splits,
+                             long long kv_heads) {
+    const long long tiles = (group_rows + tile_rows - 1) / tile_rows;
+    return static_cast<double>(batch) * static_cast<double>(tiles) * static_cast<double>(splits) *
+               static_cast<double>(kv_heads) <= INT_MAX;
+}
 
 // The rows of a block's tile and the keys of a warp's chunk (run.toml's flash tiles).
 int decode_tile_rows(Precision p);
@@ -85,7 +99,8 @@ int decode_chunk_keys(Precision p, int d);
 // The kernel's name for run.toml ("cuda-decode-bf16", ...).
 const char* decode_kernel_name(Precision p);
 
-// Launches the split kernel and the combine on `stream`; checks the launches.
+// Launches the split kernel on `stream`, then the split stages' layout copy where they are asked
+// for and the combine where there are several splits or those stages; checks the launches.
 void decode_forward(const DecodeArgs& a, cudaStream_t stream);
 
 }  // namespace attnstep

@@ -48,8 +48,9 @@ struct Tile {
 };
 
 // The block's place in the grid, one dimension of batch·tiles × splits × kv_heads blocks, the K/V
-// head fastest: the blocks that run at once read the same rows of the same pages for every K/V
-// head of a sequence (a pool row holds all of them), not one head of many sequences.
+// head fastest: the blocks that run at once are every K/V head of a few sequences, reading the
+// same block-table entries and the same pages in each head's pool, where sequence first had one
+// head of many sequences; on an H100 0.4-0.8% faster (docs/performance.md, "Decode").
 struct Place {
     int x, split, g;  // x: the sequence's tile (b·tiles + tile)
 };
@@ -189,7 +190,7 @@ struct MmaDims {
     static_assert(C % 16 == 0, "a chunk is whole k-steps of P·V");
 };
 
-// The block's place in the grid (x: sequence and tile, y: split, z or g: K/V head), its rows
+// The block's place in the grid (block_place: the sequence's tile, split, K/V head), its rows
 // described into rows_s and its queries into q_s (R×D, the format's bits), then its keys: chunks
 // of C from `base` covering every row's visible keys [lo, hi). False: a tile past this sequence's
 // rows (its block has nothing to do).

@@ -210,7 +210,7 @@ def collect_decode(binary: Path, shapes: Sequence[DecodeShape], warmup: int, rep
         except BenchError as exc:
             # Unusable before any shape ran: the binary cannot bench at all. After one it measured,
             # only this shape failed, and the measured ones are kept.
-            if isinstance(exc, BenchUnusable) and not runs:
+            if isinstance(exc, BenchUnusable) and not any("binary" in r for r in runs):
                 raise
             run["error"] = str(exc)
             log(f"bench --decode: {shape.id}: FAILED: {exc}")

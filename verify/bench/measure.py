@@ -254,9 +254,11 @@ def collect_runs(binary: Path, runs: Sequence[Run], warmup: int, reps: int, chec
         try:
             results.append(_measure(binary, (shape, prec, passes), warmup, reps if all_reps else reps_for(shape, reps),
                                     check, torch_version, only, timeout, ceilings))
-        except BenchUnusable:
-            raise
         except BenchError as exc:  # one shape failing must not lose the others' numbers
+            # Unusable before any run measured: the binary cannot bench at all. After one, only
+            # this run failed (a shape the binary refuses), and the measured ones are kept.
+            if isinstance(exc, BenchUnusable) and not any("binary" in r for r in results):
+                raise
             results.append({"shape": shape.id, "precision": prec, "error": str(exc)})
             log(f"bench: {shape.id} {prec}: FAILED: {exc}")
             continue

@@ -173,11 +173,12 @@ class Sweep:
             data = run_binary_bench(self.binary, shape, s.precision, s.warmup, self._reps(shape), s.check,
                                     kernel.only, s.timeout, monitor=memory.watch, passes=kernel.direction,
                                     ceilings=False)
-        except BenchUnusable:
-            raise
         except BenchOutOfMemory:
             row.status = OOM
         except BenchError as exc:  # one shape failing must not lose the others' rows
+            # Unusable before the binary timed any row: it cannot bench at all (no GPU).
+            if isinstance(exc, BenchUnusable) and self.device is None:
+                raise
             row.status = f"failed: {exc}"
         else:
             self.device = self.device or data["device"]

@@ -12,7 +12,7 @@ namespace attnstep {
 // keys consecutive rows of the pool (packed keys, or pages of a multiple of the chunk's keys).
 bool decode_tma_takes(const DecodeArgs& a);
 
-// Launches the split kernel alone (decode_forward adds the layout copy and the combine).
+// Launches the split kernel alone (decode_forward adds the layout copy and the combine where due).
 void decode_tma_split(const DecodeArgs& a, cudaStream_t stream);
 
 }  // namespace attnstep
