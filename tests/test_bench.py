@@ -249,7 +249,12 @@ def test_gpu_bench_tiny_shape_checks(binary, tmp_path, precision, causal):
 def test_cli_checks_output_paths_before_running(tmp_path):
     res = CliRunner().invoke(cb.bench, ["--shape", "1,1,8,8,16", "--json", str(tmp_path / "no" / "x.json"),
                                         "--build-dir", str(tmp_path / "never-built")])
-    assert res.exit_code == 2 and "folder does not exist" in res.output
+    assert res.exit_code == 2 and f"--json {tmp_path / 'no' / 'x.json'}: cannot write: folder" in res.output
+    same = tmp_path / "r.json"
+    res = CliRunner().invoke(cb.bench, ["--shape", "1,1,8,8,16", "--json", str(same), "--plot", str(same),
+                                        "--build-dir", str(tmp_path / "never-built")])
+    assert res.exit_code == 2 and f"--json {same}: is also the --plot file" in res.output, res.output
+    assert not (tmp_path / "never-built").exists()
 
 
 def test_goal_table_names_known_kernels_metrics_and_fields():
@@ -319,3 +324,29 @@ def test_the_binarys_bench_help_lists_every_option_it_parses(binary):
     assert parsed and all(opt in res.stdout for opt in parsed), sorted(o for o in parsed if o not in res.stdout)
     bad = subprocess.run([str(binary), "--bench", "--bogus"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "main --bench --help" in bad.stderr
+
+
+def _edited(path: Path, edit) -> dict:
+    data = json.loads(path.read_text())
+    edit(data)
+    return data
+
+
+@pytest.mark.parametrize("source, edit, words", [
+    ("bench_h100.json", lambda d: d["runs"].__setitem__(0, None), "not a results file as attnstep bench writes it"),
+    ("bench_h100.json", lambda d: d["runs"][0]["binary"]["shape"].__setitem__("seq_q", None),
+     "not a results file as attnstep bench writes it"),
+    ("bench_h100.json", lambda d: d["runs"][0]["binary"]["kernels"][0].__setitem__("fraction", "x"),
+     "not a results file as attnstep bench writes it"),
+    ("bench_h100_decode.json", lambda d: d["runs"][0]["binary"].pop("kernel_ms"),
+     "not a results file as attnstep bench writes it"),
+    ("bench_h100.json", lambda d: d.__setitem__("format", 99), "results format 99, where this attnstep reads 1"),
+], ids=["run-null", "seq-null", "fraction-text", "decode-no-kernel-ms", "format-99"])
+def test_a_results_file_edited_by_hand_is_one_line(tmp_path, source, edit, words):
+    """--from-json on a results file changed by hand: one line naming the file, exit 2, no traceback."""
+    edited = tmp_path / "edited.json"
+    edited.write_text(json.dumps(_edited(Path(__file__).resolve().parents[1] / "docs" / source, edit)))
+    res = CliRunner().invoke(cb.bench, ["--from-json", str(edited)])
+    assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+    last = res.output.strip().splitlines()[-1]
+    assert last.startswith(f"Error: {edited}: ") and words in last, last

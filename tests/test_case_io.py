@@ -322,3 +322,20 @@ def test_counts_in_messages_agree_with_their_nouns(tmp_path):
     (tmp_path / "c" / stage_file("K", 0, "txt")).unlink()
     with pytest.raises(CaseError, match=r"\(1 head expected\)"):
         load_input_case(tmp_path / "c")
+
+
+def test_a_program_npy_whose_header_is_not_a_dict_is_one_line(tmp_path):
+    """Another program's .npy stage whose header dict never closes (numpy parses it as Python source):
+    `check` reports the stage unreadable, naming the file and why, as for any file it cannot read."""
+    from helpers.cli import invoke
+    case, out = tmp_path / "in", tmp_path / "out"
+    assert invoke("generate", "--out", case, "--heads", "1", "--seq-q", "4", "--seq-k", "4", "--d-k", "8", "--d-v",
+                  "8", "--format", "npy").exit_code == 0
+    out.mkdir()
+    header = b"{'descr': '<f4', 'fortran_order': False, 'shape': (4, 8), ".ljust(117) + b"\n"
+    (out / "output_head_0.npy").write_bytes(b"\x93NUMPY\x01\x00" + len(header).to_bytes(2, "little") + header
+                                            + np.zeros((4, 8), np.float32).tobytes())
+    r = invoke("check", "--in", case, "--out", out)
+    assert r.exit_code == 1 and "Traceback" not in r.output, r.output
+    assert "UNREADABLE output head 0" in r.output
+    assert "output_head_0.npy: not a valid .npy file (its header is not a dict literal)" in r.output

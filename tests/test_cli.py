@@ -35,6 +35,25 @@ def test_generate_rejects_bad_dims(runner, tmp_path):
     assert res.exit_code == 2 and "--d-k" in res.output
 
 
+_LONG = "x" * 300  # past any file system's limit on one name (255 bytes)
+
+
+@pytest.mark.parametrize("args", [
+    ["generate", "--out", "{tmp}/" + _LONG, *SMALL], ["check", "--in", "{tmp}/" + _LONG],
+    ["check", "--in", "{case}", "--out", "{tmp}/" + _LONG],
+    ["check", "--in", "{case}", "--out", "{tmp}/out", "--name", "output=" + _LONG + "{{i}}.txt"],
+], ids=["generate-out", "check-in", "check-out", "check-name"])
+def test_a_name_too_long_is_one_line(runner, tmp_path, args):
+    """A path or a file-name pattern the file system cannot name: one line with the system's reason,
+    exit 2, never a traceback."""
+    case = tmp_path / "case"
+    assert runner.invoke(cli, ["generate", "--out", str(case), *SMALL]).exit_code == 0
+    (tmp_path / "out").mkdir()
+    res = runner.invoke(cli, [a.format(tmp=tmp_path, case=case) for a in args])
+    assert "name too long" in _one_line_error(res).lower() and res.exit_code == 2, res.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["case", "out"]
+
+
 @pytest.mark.parametrize("args", [
     ["generate", "--out", "", *SMALL], ["run", "--out", "", "--backend", "cpu"],
     ["run", "--in", "", "--backend", "cpu"],
@@ -587,3 +606,21 @@ def test_a_check_of_nonfinite_inputs_prints_no_numpy_warnings(runner, tmp_path, 
                           "--quiet"], capture_output=True, text=True, timeout=300)
     assert res.returncode == 1 and "first failing stage" in res.stdout + res.stderr, res.stdout + res.stderr
     assert "Warning" not in res.stderr, res.stderr
+
+
+@pytest.mark.parametrize("command", [["bench"], ["sweep"], ["run", "--backend", "cpu"], ["demo"]],
+                         ids=lambda c: c[0])
+@pytest.mark.parametrize("value", ["nan", "inf"])
+def test_a_timeout_that_is_not_a_finite_number_is_refused(runner, tmp_path, monkeypatch, command, value):
+    monkeypatch.chdir(tmp_path)
+    res = runner.invoke(cli, [*command, "--timeout", value])
+    assert f"'--timeout': {value} is not a finite number of seconds" in _one_line_error(res)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("command", [["bench"], ["sweep", "--d", "16", "--seq", "128"]], ids=lambda c: c[0])
+def test_a_binary_that_cannot_be_run_is_one_line(runner, tmp_path, command):
+    plain = tmp_path / "main"
+    plain.write_text("not a program\n")  # (not executable)
+    res = runner.invoke(cli, [*command, "--binary", str(plain)])
+    assert _one_line_error(res) == f"Error: {plain}: Permission denied"

@@ -197,6 +197,55 @@ def test_an_unreachable_scheduler_is_one_line_naming_it(binary, tmp_path, monkey
     assert r.output.count("\n") == 1 and address in r.output and "no Dask scheduler answered within 1 s" in r.output
 
 
+class _Server:
+    """A TCP server on a free local port that is not a Dask scheduler: it accepts each connection,
+    then sends `reply` (None: nothing) and keeps it open until the test ends."""
+
+    def __init__(self, reply):
+        import threading
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen()
+        self.address = f"tcp://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.conns = []
+
+        def serve():
+            while True:
+                try:
+                    conn, _ = self.sock.accept()
+                except OSError:
+                    return
+                self.conns.append(conn)
+                if reply is not None:
+                    conn.sendall(reply)
+
+        threading.Thread(target=serve, daemon=True).start()
+
+    def close(self):
+        for c in self.conns:
+            c.close()
+        self.sock.close()
+
+
+# A port that accepts and then stays silent (another server) must not hold the check; one that
+# answers bytes that are not Dask's (here a frame of 2^60 bytes) must not read as out of memory.
+@pytest.mark.parametrize("reply, words", [(None, "no Dask scheduler answered within 1 s"),
+                                          (b"\xff" * 64, "what answers there is not a Dask scheduler")],
+                         ids=["silent", "garbage"])
+def test_an_address_that_is_not_a_scheduler_is_one_line_within_the_timeout(binary, tmp_path, monkeypatch, reply,
+                                                                           words):
+    _distributed()
+    tmp = _binary_run(tmp_path, binary)
+    monkeypatch.setattr(cluster, "CONNECT_TIMEOUT_S", 1)
+    server = _Server(reply)
+    try:
+        r = invoke("check", "--in", tmp / "in", "--out", tmp / "out", "--scheduler", server.address)
+    finally:
+        server.close()
+    assert r.exit_code == 2, r.output
+    assert r.output.count("\n") == 1 and server.address in r.output and words in r.output, r.output
+
+
 def test_a_worker_that_cannot_see_the_folders_says_they_must_be_shared(tmp_path):
     recipe = cluster.Recipe(str(tmp_path / "in"), str(tmp_path / "out"), Options(), None, "t")
     with pytest.raises(CaseError, match="every worker must see .* at these paths"):

@@ -371,3 +371,11 @@ def test_the_python_api_reports_the_criterion():
 def test_the_report_functions_refuse_what_is_not_a_report_in_one_line(fn, given):
     with pytest.raises(TypeError, match=r"^report: expected the Report that check_arrays returns, got "):
         fn(given)
+
+
+def test_format_report_wants_per_head_as_true_or_false():
+    q, k, v, o = (np.full((1, 4, 8), 0.5, np.float32) for _ in range(4))
+    report = attnstep.check_arrays(q, k, v, {OUTPUT: o})
+    with pytest.raises(TypeError, match=r"^per_head: expected True or False, got str 'no'$"):
+        attnstep.format_report(report, per_head="no")
+    assert attnstep.format_report(report, per_head=np.bool_(True))

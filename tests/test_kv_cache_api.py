@@ -257,6 +257,14 @@ def test_a_step_in_which_no_sequence_has_a_key_is_refused():
                                cache_seqlens=0, block_table=case.block_table)
 
 
+def test_a_cache_or_query_without_heads_or_values_is_refused():
+    case = DecodeCase(SEQLENS, n_new=2)
+    with pytest.raises(ValueError, match=r"^k_cache is \(\d+, \d+, 0, 16\): at least one head and one value a head"):
+        _call(case, k_cache=case.k_cache[:, :, :0], v_cache=case.v_cache[:, :, :0])
+    with pytest.raises(ValueError, match=r"^q is \(3, \d+, 4, 0\): at least one head and one value a head"):
+        _call(case, q=case.q[..., :0])
+
+
 def test_a_batch_of_0_and_a_dense_cache_of_0_slots_are_refused():
     case = DecodeCase([0, 0], n_new=1, page_size=None)
     with pytest.raises(ValueError, match=r"^q is \(0, 1, 4, 16\): a decode step has at least one sequence"):

@@ -253,11 +253,30 @@ def _case():
     (dict(precision=None), TypeError, "precision: expected one of"),
     (dict(math="slow"), ValueError, "math 'slow': expected one of ieee, fast"),
     (dict(allow_nonfinite="yes"), TypeError, "allow_nonfinite: expected True or False"),
+    (dict(atol=10**400), ValueError, "atol: a number beyond a float's range (401 digits)"),
+    (dict(scale=-10**400), ValueError, "scale: a number beyond a float's range (401 digits)"),
 ])
 def test_the_python_api_refuses_bad_arguments_in_one_line(kwargs, error, words):
     q, k, v, stages = _case()
     with pytest.raises(error) as exc:
         attnstep.check_arrays(q, k, v, stages, **kwargs)
+    assert words in str(exc.value) and "\n" not in str(exc.value)
+
+
+@pytest.mark.parametrize("change, words", [
+    (lambda a: {**a, "q": [[0.0], [1.0, 2.0]]}, "q: cannot be read as an array of values"),
+    (lambda a: {**a, "stages": {"output": [[0.0], [1.0, 2.0]]}}, "output: cannot be read as an array of values"),
+    (lambda a: {**a, "attn_mask": [[1], [1, 0]]}, "attn_mask: cannot be read as an array of values"),
+    (lambda a: {**a, "q": np.zeros((0, 16), f32)}, "q is (0, 16): every axis needs at least one element"),
+    (lambda a: {**a, "k": np.zeros((0, 5, 16), f32), "v": np.zeros((0, 5, 16), f32), "q": a["q"][None]},
+     "k is (0, 5, 16): every axis needs at least one element"),
+], ids=["ragged-q", "ragged-stage", "ragged-mask", "no-rows", "no-kv-heads"])
+def test_the_python_api_names_an_argument_that_is_no_array(change, words):
+    """Lists of unequal rows, or an axis of length 0: ValueError naming the argument, one line."""
+    q, k, v, stages = _case()
+    a = change({"q": q, "k": k, "v": v, "stages": stages})
+    with pytest.raises(ValueError) as exc:
+        attnstep.check_arrays(a.pop("q"), a.pop("k"), a.pop("v"), a.pop("stages"), **a)
     assert words in str(exc.value) and "\n" not in str(exc.value)
 
 

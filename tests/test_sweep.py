@@ -209,9 +209,19 @@ def test_a_bad_output_path_is_one_line_before_any_run(tmp_path, option):
     main = fake_main(tmp_path)
     res = invoke(main, "--d", "16", "--seq", "128", option, str(tmp_path / "missing" / "x"))
     assert res.exit_code == 2
-    assert res.output.strip().splitlines() == [f"Error: {tmp_path / 'missing' / 'x'}: cannot write: folder "
+    assert res.output.strip().splitlines() == [f"Error: {option} {tmp_path / 'missing' / 'x'}: cannot write: folder "
                                                f"{tmp_path / 'missing'} does not exist"]
     assert runs(tmp_path) == []
+
+
+def test_two_outputs_on_one_file_are_refused_before_any_run(tmp_path):
+    main = fake_main(tmp_path)
+    same = tmp_path / "r.txt"
+    res = invoke(main, "--d", "16", "--seq", "128", "--csv", str(same), "--json", str(same))
+    assert res.exit_code == 2
+    assert res.output.strip().splitlines() == [f"Error: --csv {same}: is also the --json file; HINT: give each its "
+                                               "own file"]
+    assert runs(tmp_path) == [] and not same.exists()
 
 
 def test_an_unusable_binary_is_one_line_and_no_file(tmp_path):

@@ -51,9 +51,9 @@ ARRAYS = Path("<arrays>")  # what the report names as the run's and the inputs' 
 def _problem(q, k, v, do, layout: str, allow_nonfinite: bool) -> Tuple[Dims, Dict[str, np.ndarray], Optional[str]]:
     """The case's dimensions from q, k, v in `layout` (k and v may have fewer heads: GQA), the
     inputs as (heads, rows, cols), and a note when the layout looks like the other one."""
-    arrays = dict(zip(INPUT_NAMES, (as_array(x) for x in (q, k, v))))
+    arrays = {name: as_array(x, arg) for name, arg, x in zip(INPUT_NAMES, ("q", "k", "v"), (q, k, v))}
     if do is not None:
-        arrays[GRAD_INPUT] = as_array(do)
+        arrays[GRAD_INPUT] = as_array(do, "do")
     (B, H, Hk, N, M, d_k, d_v), note = dims_of(*(arrays[n] for n in INPUT_NAMES), layout)
     try:
         dims = validate_dims({**dict(zip(DIM_KEYS, (B, H, N, M, d_k, d_v))), KV_HEADS_KEY: Hk}, "q, k, v")
@@ -227,7 +227,7 @@ def check_kvcache(q, k_cache, v_cache, stages: Mapping[str, object], *, cache_se
 
 def format_report(report: Report, per_head: bool = False) -> str:
     """The report as `attnstep check` prints it."""
-    report = expect_report(report)
+    report, per_head = expect_report(report), validated(per_head=per_head)["per_head"]
     return "\n".join(header_lines(report) + table_lines(report, per_head) + failure_lines(report)
                      + summary_lines(report) + fa_criterion.text_lines(report))
 

@@ -39,7 +39,10 @@ def _expect_bool(name: str, x) -> bool:
 def _expect_real(name: str, x) -> float:
     if not _is_real(x):
         raise TypeError(f"{name}: expected a number, got {type(x).__name__} {x!r}")
-    return float(x)
+    try:
+        return float(x)
+    except OverflowError:  # an int past float's range (10**400)
+        raise ValueError(f"{name}: a number beyond a float's range ({len(str(abs(int(x))))} digits)") from None
 
 
 def _expect_tolerance(name: str, x) -> Optional[float]:
@@ -159,6 +162,7 @@ _ARGUMENT_RULES: Dict[str, Callable[[str, Any], Any]] = {
     "jobs": _expect_jobs,
     "device": device_argument,
     "allow_nonfinite": _expect_bool,
+    "per_head": _expect_bool,
 }
 
 

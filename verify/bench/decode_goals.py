@@ -30,10 +30,10 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 from .measure import BenchUnusable
 from .report import BenchError
+from .results_file import RESULTS_FORMAT
 from .sdpa import SDPA_BACKENDS, _timed, torch_available
 
 DECODE_TOOL = "attnstep bench --decode"
-RESULTS_FORMAT = 1
 GOALS_PRESET = "goals"
 COPY_FRACTION_GOAL = 0.80
 SDPA_RATIO_GOAL = 1.0

@@ -37,6 +37,7 @@ from .plot import write_plot
 from .report import (ACCURACY, BACKWARD, FORWARD, PASSES, SDPA, SDPA_BACKENDS, SDPA_BACKWARD, SDPA_RUN_KEYS,
                      VS_SDPA, BenchError, Row, Shape, fastest_sdpa, format_table, parse_binary_json,
                      parse_shape_id, ratios_to_backends, rows_from_results)
+from .results_file import RESULTS_FORMAT
 from .shape import NO_WINDOW
 from .sdpa import (SDPA_BACKENDS as BACKEND_NAMES, sdpa_output, time_sdpa, time_sdpa_backends,
                    time_sdpa_backward, torch_available)
@@ -47,7 +48,6 @@ __all__ = ["BenchError", "BenchOutOfMemory", "BenchUnusable", "Row", "Shape", "b
            "rows_from_results", "run_binary_bench", "time_sdpa", "time_sdpa_backward", "torch_available",
            "write_plot"]
 
-RESULTS_FORMAT = 1
 # Work (FLOP) above which a shape gets fewer timed repetitions, to bound the run's length.
 LARGE_WORK_FLOP = 2e12
 BENCH_TIMEOUT_S = 900

@@ -2,10 +2,8 @@
 ceilings and the results file (the plot is plot.py's)."""
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 from ..stages import HALF_PRECISIONS, PRECISIONS
@@ -120,16 +118,6 @@ def _check_sdpa_sections(run: dict, source: str) -> None:
             _check_timing(timing, f"{source}.{key}.{name}")
     if run.get(ACCURACY) is not None and not isinstance(run[ACCURACY], dict):
         raise BenchError(f"{source}.{ACCURACY}: expected an object")
-
-
-def load_results(path: Path) -> dict:
-    try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as exc:
-        raise BenchError(f"{path}: cannot read results JSON: {exc}")
-    if not isinstance(data, dict) or not isinstance(data.get("runs"), list):
-        raise BenchError(f"{path}: not a bench results file (no 'runs' list)")
-    return data
 
 
 # ---- rows ----------------------------------------------------------------------------------------

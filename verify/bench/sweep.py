@@ -23,9 +23,9 @@ from .device_memory import PeakDeviceMemory
 from .measure import BenchOutOfMemory, BenchUnusable, reps_for, run_binary_bench
 from .report import (BACKWARD, FLASH_BACKWARD, FLASH_DISPATCHER, FORWARD, OOM, SDPA, STAGE_PATH_BACKWARD,
                      STAGE_PATH_SKIPPED, BenchError, Row, Shape, kernel_note)
+from .results_file import RESULTS_FORMAT
 from .sdpa import time_sdpa, time_sdpa_backward
 
-RESULTS_FORMAT = 1
 SWEEP_D = (16, 32, 64, 128)
 SWEEP_SEQ = tuple(128 << i for i in range(8))  # 128, 256, ..., 16384
 SWEEP_BATCH, SWEEP_HEADS = 8, 1

@@ -22,6 +22,7 @@ each worker checks its heads on its own GPU.
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import gc
 import itertools
@@ -97,15 +98,49 @@ def _client(scheduler: str, jobs: int, gpus: Sequence[str]):
         with local_cluster(jobs or _usable_cores(), gpus) as cluster, distributed.Client(cluster) as client:
             yield client
         return
+    hint = f"HINT: start one with 'dask scheduler' and give its tcp://HOST:PORT, or use --scheduler {LOCAL}"
     try:
+        _is_scheduler(scheduler, distributed)
         client = distributed.Client(scheduler, timeout=CONNECT_TIMEOUT_S)  # (and to reconnect, once lost)
     except (OSError, TimeoutError, ValueError, TypeError) as exc:
         why = f"no Dask scheduler answered within {CONNECT_TIMEOUT_S} s" if isinstance(exc, OSError) else \
             f"not a scheduler's address ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})"
-        raise CaseError(f"--scheduler {scheduler}: {why}; HINT: start one with 'dask scheduler' and give its "
-                        f"tcp://HOST:PORT, or use --scheduler {LOCAL}") from None
+        raise CaseError(f"--scheduler {scheduler}: {why}; {hint}") from None
+    except NotAScheduler as exc:
+        raise CaseError(f"--scheduler {scheduler}: {exc}; {hint}") from None
     with client:
         yield client
+
+
+class NotAScheduler(Exception):
+    """Something answered at the address, but not as a Dask scheduler does."""
+
+
+def _is_scheduler(address: str, distributed) -> None:
+    """Asks the process at `address` who it is, through Dask's own messages, all of it within
+    CONNECT_TIMEOUT_S: the Client's own timeout covers the connection alone, and a port that
+    accepts it and then stays silent (another server) would hold the check for ever. OSError where
+    nothing listens; NotAScheduler where what answers is not a Dask scheduler."""
+    distributed.comm.get_address_host_port(address)  # ValueError: not an address
+
+    async def identity():
+        comm = await distributed.comm.connect(address, timeout=CONNECT_TIMEOUT_S)
+        try:
+            await comm.write({"op": "identity", "reply": True})
+            return await comm.read()
+        finally:
+            comm.abort()
+
+    try:
+        reply = asyncio.run(asyncio.wait_for(identity(), CONNECT_TIMEOUT_S))
+    except OSError:  # nothing listens, it closed, or the time is up (a silent server)
+        raise
+    except Exception as exc:  # bytes that are not Dask's messages: a decoding error, a garbage length
+        raise NotAScheduler(f"what answers there is not a Dask scheduler ({type(exc).__name__})") from None
+    if not (isinstance(reply, dict) and reply.get("type") == "Scheduler"):
+        kind = reply.get("type") if isinstance(reply, dict) else None
+        raise NotAScheduler(f"what answers there is {'a Dask ' + str(kind) if kind else 'not a Dask scheduler'}, "
+                            "not a scheduler")
 
 
 @contextlib.contextmanager

@@ -20,8 +20,9 @@ from click.core import ParameterSource
 from ..bench.goals import evaluate_goals, goal_records
 from ..bench.measure import BENCH_TIMEOUT_S, BOTH, collect_runs, default_shapes
 from ..bench.plot import write_plot
-from ..bench.report import (ACCURACY, PASSES, SDPA, BenchError, Row, Shape, ceiling_lines, format_table, load_results,
+from ..bench.report import (ACCURACY, PASSES, SDPA, BenchError, Row, Shape, ceiling_lines, format_table,
                             rows_from_results)
+from ..bench.results_file import load_results
 from ..files.case import atomic_write_bytes
 from ..report.json_file import jsonable
 from ..runs.runner import ensure_built
@@ -30,7 +31,7 @@ from ..text import plural
 from ..bench.variant_goals import GOALS_PRESET, preset_runs
 from ..bench import decode_goals
 from .options import (GivenPath, InputError, align_option, alibi_option, binary_option, build_option, json_option,
-                      softcap_option, timeout_option, user_errors, window_option)
+                      output_files_apart, softcap_option, timeout_option, user_errors, window_option)
 
 # `--precision`: one precision, or one of these groups.
 PRECISION_GROUPS = {BOTH: FLOAT32_PRECISIONS, "half": HALF_PRECISIONS, "all": PRECISIONS}
@@ -93,8 +94,7 @@ def _decode_bench(build_dir, binary, warmup: int, reps: int, use_torch: bool, ti
     if from_json:
         results = load_results(from_json)
     else:
-        if json_path is not None and not json_path.resolve().parent.is_dir():
-            raise BenchError(f"{json_path}: its folder does not exist")
+        output_files_apart({"--json": json_path})  # before minutes of GPU work
         results = decode_goals.collect_decode(binary or ensure_built(build_dir), decode_goals.DECODE_SHAPES, warmup,
                                               reps, use_torch, log=lambda m: click.echo(m, err=True),
                                               timeout=timeout)
@@ -225,9 +225,7 @@ def bench(ctx, build_dir, binary, shape_specs, precision, warmup, reps, only, pa
         if from_json:
             results = load_results(from_json)
         else:
-            for path in (json_path, plot_path):  # before minutes of GPU work, not after
-                if path is not None and not path.resolve().parent.is_dir():
-                    raise BenchError(f"{path}: its folder does not exist")
+            output_files_apart({"--json": json_path, "--plot": plot_path})  # before minutes of GPU work
             if variants:
                 _refuse_with_preset(ctx, variants)
                 runs, only = preset_runs(), "flash"
@@ -248,6 +246,11 @@ def bench(ctx, build_dir, binary, shape_specs, precision, warmup, reps, only, pa
             write_plot(rows, plot_path, f"attnstep bench on {results.get('device', '?')}")
     except BenchError as exc:
         raise InputError(str(exc)) from None
+    except (TypeError, KeyError, ValueError, AttributeError, IndexError) as exc:
+        if not from_json:
+            raise
+        raise InputError(f"{from_json}: not a results file as attnstep bench writes it (edited by hand?): "
+                         f"{type(exc).__name__}: {exc}") from None
     status = _exit_status(rows)
     if status:
         raise SystemExit(status)

@@ -5,16 +5,20 @@ Defined here once so that every command of verify/cli/ uses the same flags, type
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
+import math
+import os
 import signal
 import threading
 from pathlib import Path
-from typing import Dict, Iterator
+from typing import Dict, Iterator, Mapping, Optional
 
 import click
 
 from ..check.pool import NO_MEMORY_EXIT
 from ..files.case import output_file_target, probe_writable
+from ..files.guards import same_file
 from ..files.generate import DEFAULT_DIMS, MAX_SEED
 from ..files.kinds import CaseError
 from ..files.outputs import parse_name_map, read_names_file
@@ -94,6 +98,12 @@ def user_errors(fn):
             if exc.detail:
                 click.echo(exc.detail, err=True)
             raise InputError(str(exc), exc.exit_code) from None
+        except OSError as exc:
+            # A file the command reads or writes that the system refuses (a name too long, no
+            # permission, no space): the path and the system's reason, never a traceback.
+            if exc.filename is None:
+                raise
+            raise InputError(f"{exc.filename}: {exc.strerror or exc}", 2) from None
         except MemoryError:
             doing = _ACTIVITIES.get(fn.__name__, f"running {fn.__name__}")
             raise InputError(f"out of memory while {doing}; HINT: fewer heads or smaller matrices (check: "
@@ -119,6 +129,21 @@ def checked_path(check_fn):
                 raise InputError(str(exc) if str(exc).startswith(opt) else f"{opt} {exc}") from None
         return value
     return callback
+
+
+def output_files_apart(files: Mapping[str, Optional[Path]]) -> None:
+    """Refuses, before the work that fills them, output files ({option: path}) that could not be
+    written at its end (their folder missing or read-only, a folder or a device there), or two
+    options naming one file, which would keep only the last written: InputError naming the option."""
+    given = [(opt, Path(p)) for opt, p in files.items() if p is not None]
+    for k, (opt, path) in enumerate(given):
+        try:
+            report_file(path)
+        except CaseError as exc:
+            raise InputError(f"{opt} {exc}") from None
+        other = next((o for o, p in given[k + 1:] if same_file(path, p)), None)
+        if other is not None:
+            raise InputError(f"{opt} {path}: is also the {other} file; HINT: give each its own file")
 
 
 def report_file(path: Path) -> Path:
@@ -158,6 +183,11 @@ class GivenPath(click.Path):
     def convert(self, value, param, ctx):
         if isinstance(value, str) and not value:
             self.fail("an empty path (name a file or folder)", param, ctx)
+        try:
+            os.lstat(value)
+        except OSError as exc:  # (a name too long, a loop of links: the path cannot name anything)
+            if exc.errno in (errno.ENAMETOOLONG, errno.ELOOP):
+                self.fail(f"{value}: {exc.strerror}", param, ctx)
         return super().convert(value, param, ctx)
 
 
@@ -175,7 +205,18 @@ binary_option = SharedOption("--binary", type=GivenPath(exists=True, dir_okay=Fa
                                                        path_type=Path),
                              help="Run this binary instead of building BUILD_DIR/main (e.g. your own, "
                              "writing the output case of docs/contract.md).")
-timeout_option = SharedOption("--timeout", type=click.FloatRange(min=1), default=DEFAULT_RUN_TIMEOUT_S,
+class Seconds(click.FloatRange):
+    """A time limit in seconds, from 1 on: NaN and inf are refused (no timer takes them, and NaN
+    passes every range's comparison)."""
+
+    def convert(self, value, param, ctx):
+        seconds = super().convert(value, param, ctx)
+        if not math.isfinite(seconds):
+            self.fail(f"{value} is not a finite number of seconds", param, ctx)
+        return seconds
+
+
+timeout_option = SharedOption("--timeout", type=Seconds(min=1), default=DEFAULT_RUN_TIMEOUT_S,
                               show_default=True, help="Seconds before the binary is stopped.")
 seed_option = SharedOption("--seed", type=click.IntRange(0, MAX_SEED), default=0, show_default=True,
                            help="Random seed.")

@@ -17,19 +17,18 @@ from ..bench.report import PASSES, BenchError
 from ..bench.sdpa import torch_available
 from ..bench.sweep import (KERNEL_NAMES, KERNELS, MASKINGS, SWEEP_BATCH, SWEEP_D, SWEEP_HEADS, SWEEP_LARGE_FLOP,
                            SWEEP_SEQ, Settings, Sweep, SweepKernel, SweepRow, csv_text, format_table, grid, plot_rows)
-from ..files.matrix_io import atomic_write_bytes, output_file_target
+from ..files.matrix_io import atomic_write_bytes
 from ..runs.runner import ensure_built
-from ..stages import FLOAT32_PRECISIONS
+from ..stages import FLOAT32_PRECISIONS, MAX_DIM
 from ..terminal import progress_bar
 from ..text import plural
-from .options import GivenPath, InputError, Interrupted, binary_option, build_option, timeout_option, user_errors
+from .options import (GivenPath, InputError, Interrupted, binary_option, build_option, output_files_apart, timeout_option,
+                      user_errors)
 
 
 def _check_outputs(csv_path: Optional[Path], json_path: Optional[Path], plot_path: Optional[Path]) -> None:
     """Refuses, before minutes of GPU work, an output that could not be written at the end."""
-    for path in (csv_path, json_path, plot_path):
-        if path is not None:
-            output_file_target(path)
+    output_files_apart({"--csv": csv_path, "--json": json_path, "--plot": plot_path})
     if plot_path is not None and importlib.util.find_spec("matplotlib") is None:
         raise InputError(f"--plot {plot_path}: needs matplotlib (pip install matplotlib)")
 
@@ -87,13 +86,13 @@ or a checked result (flash output, gradients) failed its float64 check.
 @binary_option.but(help="Time this prebuilt binary instead of building BUILD_DIR/main.")
 @click.option("--d", "ds", multiple=True, type=click.IntRange(1, 256), metavar="D",
               help=f"Head width d (repeatable) [default: {', '.join(map(str, SWEEP_D))}].")
-@click.option("--seq", "seqs", multiple=True, type=click.IntRange(min=1), metavar="N",
+@click.option("--seq", "seqs", multiple=True, type=click.IntRange(1, MAX_DIM), metavar="N",
               help=f"Sequence length N = M (repeatable) [default: {SWEEP_SEQ[0]}, {SWEEP_SEQ[1]}, ..., "
                    f"{SWEEP_SEQ[-1]}].")
 @click.option("--causal", "masking", type=click.Choice(tuple(MASKINGS)), default="both", show_default=True,
               help="Causal masking, none, or both.")
-@click.option("--batch", type=click.IntRange(min=1), default=SWEEP_BATCH, show_default=True, help="Batch size B.")
-@click.option("--heads", type=click.IntRange(min=1), default=SWEEP_HEADS, show_default=True, help="Heads H.")
+@click.option("--batch", type=click.IntRange(1, MAX_DIM), default=SWEEP_BATCH, show_default=True, help="Batch size B.")
+@click.option("--heads", type=click.IntRange(1, MAX_DIM), default=SWEEP_HEADS, show_default=True, help="Heads H.")
 @click.option("--kernel", "kernel_names", multiple=True, type=click.Choice(KERNEL_NAMES),
               help="Time only this kernel (repeatable; '-backward': its backward pass) [default: all].")
 @click.option("--pass", "passes", type=click.Choice(PASSES + (BOTH,)), default=BOTH, show_default=True,

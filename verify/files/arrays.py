@@ -39,15 +39,21 @@ def is_tensor(x) -> bool:
     return not isinstance(x, np.ndarray) and hasattr(x, "detach") and hasattr(x, "cpu")
 
 
-def as_array(x) -> np.ndarray:
+def as_array(x, name: str) -> np.ndarray:
     """x as a NumPy array: a tensor detached, its floats as float32 (float64 kept: bf16 has no
-    NumPy dtype, and fp16 values are held exactly), moved to the CPU; anything else np.asarray."""
-    if not is_tensor(x):
-        return np.asarray(x)
-    t = x.detach()
-    if t.is_floating_point():
-        t = t.double() if str(t.dtype).endswith("float64") else t.float()
-    return np.asarray(t.cpu().numpy())
+    NumPy dtype, and fp16 values are held exactly), moved to the CPU; anything else np.asarray.
+    ValueError naming the argument `name` where it cannot be one (nested lists of unequal
+    lengths, a tensor with no values to read: meta, nested or sparse)."""
+    try:
+        if not is_tensor(x):
+            return np.asarray(x)
+        t = x.detach()
+        if t.is_floating_point():
+            t = t.double() if str(t.dtype).endswith("float64") else t.float()
+        return np.asarray(t.cpu().numpy())
+    except (ValueError, TypeError, RuntimeError, NotImplementedError) as exc:
+        why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ValueError(f"{name}: cannot be read as an array of values ({why})") from None
 
 
 def native_float(x: np.ndarray, name: str) -> np.ndarray:
@@ -83,6 +89,9 @@ def _misfit(q, k, v, layout: str) -> Optional[str]:
         return f"q: {len(q)}-d; expected (N, d), (H, N, d) or (B, H, N, d) in BHSD, (N, H, d) or (B, N, H, d) in BSHD"
     if len(k) != len(q) or len(v) != len(q):
         return f"q, k, v have {len(q)}, {len(k)} and {len(v)} axes: give them the same"
+    for name, shape in (("q", q), ("k", k), ("v", v)):
+        if 0 in shape:
+            return f"{name} is {tuple(shape)}: every axis needs at least one element"
     (B, H, _, dk), (Bk, Hk, M, dk2), (Bv, Hv, Mv, _) = sq, sk, sv
     if not B == Bk == Bv:
         return f"batch {B}, {Bk} and {Bv} in q, k and v"
@@ -137,7 +146,7 @@ def stage_heads(x, stage: str, dims: Dims, layout: str, name: Optional[str] = No
     """A stage's (or an input's) array as (heads, rows, cols): B·H query heads, or B·Hk for the
     stages of K/V heads; an N×1 stage may come without its last axis."""
     name = name or stage
-    x = native_float(as_array(x), name)
+    x = native_float(as_array(x, name), name)
     count, (rows, cols) = dims.heads_of(stage), STAGES[stage].shape(dims)
     laid = follows_layout(stage)
     y = _to_bhsd(x, layout) if laid else x
@@ -181,7 +190,7 @@ def _first(bad: np.ndarray) -> str:
 
 def mask_heads(attn_mask, dims: Dims) -> Tuple[np.ndarray, bool]:
     """attn_mask (True/1 visible, False/0 hidden) as a (B, H, N, M) view of 0/1; whether broadcast."""
-    x = as_array(attn_mask)
+    x = as_array(attn_mask, "attn_mask")
     if x.dtype.kind not in "biuf":
         raise ValueError(f"attn_mask: dtype {x.dtype}; expected bool (True: visible) or 0/1")
     if x.dtype.kind != "b":
@@ -194,7 +203,7 @@ def mask_heads(attn_mask, dims: Dims) -> Tuple[np.ndarray, bool]:
 
 def bias_heads(attn_bias, dims: Dims) -> Tuple[np.ndarray, bool]:
     """attn_bias (added to the scores; −inf hides the entry) as a (B, H, N, M) view; whether broadcast."""
-    x = as_array(attn_bias)
+    x = as_array(attn_bias, "attn_bias")
     if x.dtype.kind not in "iuf":
         raise ValueError(f"attn_bias: dtype {x.dtype}; expected floats (added to the scores)")
     x = x.astype(np.float64)
@@ -207,7 +216,7 @@ def bias_heads(attn_bias, dims: Dims) -> Tuple[np.ndarray, bool]:
 
 def slopes_rows(alibi, dims: Dims) -> np.ndarray:
     """alibi's slopes as (1, H) or (B, H) float64 (flash-attn's alibi_slopes: (H,) or (B, H))."""
-    x = native_float(as_array(alibi), "alibi").astype(np.float64)
+    x = native_float(as_array(alibi, "alibi"), "alibi").astype(np.float64)
     rows = x.reshape(1, -1) if x.ndim == 1 else x
     if rows.ndim != 2 or rows.shape[1] != dims.heads or rows.shape[0] not in (1, dims.batch):
         raise ValueError(f"alibi: slopes of shape {tuple(x.shape)}; expected ({dims.heads},) or "

@@ -132,7 +132,7 @@ class KVCache:
 # Reading the arguments.
 
 def _float4(name: str, x, words: str) -> np.ndarray:
-    a = native_float(as_array(x), name)
+    a = native_float(as_array(x, name), name)
     if a.ndim != 4:
         raise ValueError(f"{name} is {tuple(a.shape)}: expected {words}")
     return a
@@ -150,6 +150,9 @@ def _caches(q, k_cache, v_cache, paged: bool) -> Tuple[np.ndarray, np.ndarray, n
             raise ValueError(f"k_cache has {words.format(k.shape[axis])}, v_cache {words.format(v.shape[axis])}: "
                              "they must match")
     H, Hk = q.shape[2], k.shape[2]
+    for name, a in (("q", q), ("k_cache", k), ("v_cache", v)):
+        if 0 in a.shape[2:]:
+            raise ValueError(f"{name} is {tuple(a.shape)}: at least one head and one value a head")
     if Hk > H or H % Hk:
         raise ValueError(f"k_cache has {plural(Hk, 'K/V head')} and q {H}: grouped K/V heads must divide the "
                          "query heads")
@@ -200,7 +203,7 @@ def _seqlens(cache_seqlens, batch: int) -> Tuple[int, ...]:
 
 
 def _table(block_table, batch: int) -> np.ndarray:
-    t = as_array(block_table)
+    t = as_array(block_table, "block_table")
     if t.ndim != 2 or t.dtype.kind not in "iu":
         raise ValueError(f"block_table: expected (batch, max_blocks_per_seq) whole numbers, got {t.dtype} of shape "
                          f"{tuple(t.shape)}")
@@ -286,7 +289,7 @@ def step_stages(kv: KVCache, stages: Dict[str, object]) -> Dict[str, np.ndarray]
     B, nq, H, _ = kv.q.shape
     out = {}
     for name, x in stages.items():
-        a = native_float(as_array(x), name)
+        a = native_float(as_array(x, name), name)
         lse = STAGES[name].cols == "1"
         want = (B, H, nq) if lse else (B, nq, H, kv.v_pages.shape[3])
         if tuple(a.shape) != want:
@@ -323,7 +326,7 @@ def cache_after_problem(kv: KVCache, name: str, after) -> Optional[Tuple[str, di
     is right. ValueError for a shape that is not the cache's."""
     want = kv.k_pages if name.startswith("k") else kv.v_pages
     before = kv.k_before if name.startswith("k") else kv.v_before
-    got = native_float(as_array(after), name)
+    got = native_float(as_array(after, name), name)
     if got.shape != want.shape:
         raise ValueError(f"{name} is {tuple(got.shape)}, the cache {tuple(want.shape)}: the cache after the step "
                          "has the cache's shape")

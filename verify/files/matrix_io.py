@@ -7,13 +7,11 @@ twin of this reader: both accept exactly the same files.
 """
 from __future__ import annotations
 
-import ast
 import io
 import os
 import re
 import stat
 import tempfile
-import tokenize
 import warnings
 import zlib
 from pathlib import Path
@@ -24,6 +22,7 @@ import numpy as np
 from ..stages import NPY_MAX_HEADER_BYTES, TEXT_BYTES_PER_VALUE, TEXT_SLACK_BYTES
 from ..text import plural, printable
 from .kinds import CaseError, file_kind, new_temp_file, not_regular, own_name, refuse_unreadable_kind
+from .npy_bytes import load_npy, npy_header
 
 # How much of a token that is not a number an error quotes.
 QUOTED_TOKEN_LIMIT = 40
@@ -256,70 +255,9 @@ def _reject_nonfinite(mat: np.ndarray, name: str, linenos: Optional[List[int]] =
                         "HINT: inputs must be finite (--allow-nonfinite to accept them)")
 
 
-_NPY_MAGIC = b"\x93NUMPY"
-
-
-def npy_header_span(data: bytes) -> Tuple[int, int]:
-    """Where the header dict of a .npy file (its magic checked) starts and ends: after the
-    version-dependent length field, for the length it gives (cut at the file's end)."""
-    if len(data) < 12:
-        return len(data), len(data)
-    start, size = (10, int.from_bytes(data[8:10], "little")) if data[6] == 1 else (12, int.from_bytes(data[8:12], "little"))
-    return start, min(len(data), start + size)
-
-
-def npy_header(data: bytes) -> dict:
-    """The header dict as written (call after np.load has read it, so it is a valid one)."""
-    start, end = npy_header_span(data)
-    return ast.literal_eval(data[start:end].decode("latin1"))
-
-
-_ZIP_MAGIC = b"PK\x03\x04"  # what np.savez writes: np.load would hand back an NpzFile
-
-
-def check_npy_size(data: bytes, name: str) -> None:
-    """Refuses, before np.load allocates the array its header declares, a file that is not one
-    .npy array or whose data is not the size its header declares (shape (10^9, 10^9) in a small
-    file would ask for exabytes). A header this cannot read is left for np.load to name."""
-    if data.startswith(_ZIP_MAGIC):
-        raise CaseError(f"{name}: an .npz archive, not an .npy file; HINT: save one array with np.save")
-    if not data.startswith(_NPY_MAGIC):
-        raise CaseError(f"{name}: not a .npy file (bad magic)")
-    start, end = npy_header_span(data)
-    if end - start > NPY_MAX_HEADER_BYTES:
-        return  # np.load refuses a header this long without reading it
-    try:
-        header = npy_header(data)
-        shape, itemsize = tuple(header["shape"]), np.dtype(header["descr"]).itemsize
-    except Exception:  # any malformed header: np.load's own message names it
-        return
-    if not all(isinstance(n, int) and n >= 0 for n in shape):
-        return
-    declared = itemsize
-    for n in shape:
-        declared *= n
-    held = len(data) - end
-    if declared > held:
-        raise CaseError(f"{name}: its header declares shape {shape} of {header['descr']!r}, {plural(declared, 'byte')} "
-                        f"of data, but the file holds {plural(held, 'byte')} after the header; HINT: the file is "
-                        "truncated or damaged; regenerate it")
-    if declared < held:
-        raise CaseError(f"{name}: {plural(held - declared, 'byte')} after the array data; HINT: the file is damaged; "
-                        "regenerate it")
-
-
 def parse_npy_matrix(data: bytes, name: str, shape: Optional[Tuple[int, int]] = None,
                      allow_nonfinite: bool = True) -> np.ndarray:
-    check_npy_size(data, name)
-    if b"#" in data[slice(*npy_header_span(data))]:  # Python source to numpy, a comment: not the format's
-        raise CaseError(f"{name}: not a valid .npy file (a '#' in its header)")
-    buf = io.BytesIO(data)
-    try:
-        arr = np.load(buf, allow_pickle=False)
-    except (ValueError, OSError, EOFError) as exc:
-        raise CaseError(f"{name}: not a valid .npy file ({str(exc).splitlines()[0]})") from None
-    except (SyntaxError, tokenize.TokenError):  # numpy parses the header dict as Python source
-        raise CaseError(f"{name}: not a valid .npy file (its header is not a dict literal)") from None
+    arr = load_npy(data, name)
     if arr.dtype not in (np.dtype("<f4"), np.dtype("<f2")):
         raise CaseError(f"{name}: dtype {arr.dtype}, expected float32 ('<f4') or float16 ('<f2'); "
                         "HINT: save with arr.astype(np.float32)")

@@ -62,7 +62,7 @@ def packed_tokens(seqs: Sequences, arrays: Dict[str, Any]) -> None:
     for name, x in arrays.items():
         if x is None:
             continue
-        shape = tuple(as_array(x).shape) if not hasattr(x, "shape") else tuple(x.shape)
+        shape = tuple(as_array(x, name).shape) if not hasattr(x, "shape") else tuple(x.shape)
         if len(shape) != 3:
             raise ValueError(f'{name} is {shape}: packed tensors are (total, heads, dim) (layout="{PACKED_LAYOUT}")')
         cu, total = (CU_SEQLENS_K, seqs.total_k) if name in ("k", "v") else (CU_SEQLENS_Q, seqs.total_q)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import io
 import os
-import tokenize
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Set, Tuple
 
@@ -29,8 +28,8 @@ from ..stages import BIAS_INPUT, FORMATS, GRAD_INPUT, INPUT_MANIFEST, KEYS, MASK
 from ..text import plural
 from ..variant import NONE, Variant
 from .kinds import CaseError
-from .matrix_io import (char_column, check_npy_size, check_row_length, npy_header, npy_header_span, read_bytes,
-                        text_rows)
+from .matrix_io import char_column, check_row_length, read_bytes, text_rows
+from .npy_bytes import load_npy, npy_header
 
 # The dtypes an .npy sequence file may have (little-endian, or one byte): every integer type, and
 # float32 holding whole numbers (what a matrix-only writer produces).
@@ -89,15 +88,7 @@ def _text_counts(data: bytes, path: Path, column: bool = True, rule: WholeRange 
 
 
 def _npy_counts(data: bytes, path: Path, column: bool = True, rule: WholeRange = COUNT_RANGE):
-    check_npy_size(data, str(path))
-    if b"#" in data[slice(*npy_header_span(data))]:
-        raise CaseError(f"{path}: not a valid .npy file (a '#' in its header)")
-    try:
-        arr = np.load(io.BytesIO(data), allow_pickle=False)
-    except (ValueError, OSError, EOFError) as exc:
-        raise CaseError(f"{path}: not a valid .npy file ({str(exc).splitlines()[0]})") from None
-    except (SyntaxError, tokenize.TokenError):  # numpy parses the header dict as Python source
-        raise CaseError(f"{path}: not a valid .npy file (its header is not a dict literal)") from None
+    arr = load_npy(data, str(path))
     header = npy_header(data)
     if header["descr"] not in NPY_COUNT_DESCRS:
         raise CaseError(f"{path}: dtype {header['descr']!r}, expected an integer type or float32 holding whole "

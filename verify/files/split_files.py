@@ -210,7 +210,7 @@ def split_arrays(out_accum, lse_accum, dims: Dims, packed: bool) -> Dict[str, np
     for stage, given in (("split_output", out_accum), ("split_lse", lse_accum)):
         if given is None:
             continue
-        arr = native_float(as_array(given), stage)
+        arr = native_float(as_array(given, stage), stage)
         shape, words = layouts[stage]
         if tuple(arr.shape) != shape:
             raise ValueError(f"{stage}: shape {tuple(arr.shape)}, expected {shape} {words}: {plural(S, 'split')} of "

@@ -3,7 +3,6 @@ name map's pattern), one `.npy` holding every head, or arrays in memory (the Pyt
 finding the stage files a folder holds."""
 from __future__ import annotations
 
-import io
 import os
 import re
 import string
@@ -17,7 +16,7 @@ from ..stages import KV_HEADS_KEY, STAGES, Dims, parse_stage_file, stage_file
 from ..text import plural, printable, showable
 from .case import parse_matrix, read_bytes, read_toml
 from .kinds import CaseError
-from .matrix_io import check_npy_size
+from .npy_bytes import load_npy
 from .resolution import Resolution, array_resolution, text_resolution
 
 STACKED_SUFFIX = ".npy"             # `<stage>.npy`: every head in one array
@@ -91,11 +90,7 @@ class StageSource:
 
 
 def _load_npy(data: bytes, path: Path) -> np.ndarray:
-    check_npy_size(data, str(path))
-    try:
-        arr = np.load(io.BytesIO(data), allow_pickle=False)
-    except (ValueError, OSError, EOFError) as exc:
-        raise CaseError(f"{path}: not a valid .npy file ({str(exc).splitlines()[0]})") from None
+    arr = load_npy(data, str(path))
     if arr.dtype.str not in STAGE_DTYPES:
         raise CaseError(f"{path}: dtype {arr.dtype}, expected float32, float64 or float16; HINT: save "
                         "with arr.astype(np.float32) (bfloat16 has no .npy dtype)")
