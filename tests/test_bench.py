@@ -350,3 +350,12 @@ def test_a_results_file_edited_by_hand_is_one_line(tmp_path, source, edit, words
     assert res.exit_code == 2 and "Traceback" not in res.output, res.output
     last = res.output.strip().splitlines()[-1]
     assert last.startswith(f"Error: {edited}: ") and words in last, last
+
+
+def test_a_plot_over_the_results_file_it_reads_is_refused(tmp_path):
+    results = tmp_path / "r.json"
+    results.write_text((Path(__file__).resolve().parents[1] / "docs" / "bench_h100.json").read_text())
+    res = CliRunner().invoke(cb.bench, ["--from-json", str(results), "--plot", str(results)])
+    assert res.exit_code == 2 and res.output.strip().splitlines() == [
+        f"Error: --plot {results}: is the --from-json file; HINT: give the plot its own file"], res.output
+    assert json.loads(results.read_text())["runs"]

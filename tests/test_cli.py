@@ -618,9 +618,10 @@ def test_a_timeout_that_is_not_a_finite_number_is_refused(runner, tmp_path, monk
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("command", [["bench"], ["sweep", "--d", "16", "--seq", "128"]], ids=lambda c: c[0])
+@pytest.mark.parametrize("command", [["bench"], ["sweep", "--d", "16", "--seq", "128"], ["bench", "--decode", "goals"]],
+                         ids=["bench", "sweep", "decode"])
 def test_a_binary_that_cannot_be_run_is_one_line(runner, tmp_path, command):
     plain = tmp_path / "main"
     plain.write_text("not a program\n")  # (not executable)
     res = runner.invoke(cli, [*command, "--binary", str(plain)])
-    assert _one_line_error(res) == f"Error: {plain}: Permission denied"
+    assert _one_line_error(res) == f"Error: cannot run {plain}: Permission denied; HINT: is it executable (chmod +x)?"

@@ -230,7 +230,7 @@ class _Server:
 # A port that accepts and then stays silent (another server) must not hold the check; one that
 # answers bytes that are not Dask's (here a frame of 2^60 bytes) must not read as out of memory.
 @pytest.mark.parametrize("reply, words", [(None, "no Dask scheduler answered within 1 s"),
-                                          (b"\xff" * 64, "what answers there is not a Dask scheduler")],
+                                          (b"\xff" * 64, "what answers there does not speak Dask's protocol")],
                          ids=["silent", "garbage"])
 def test_an_address_that_is_not_a_scheduler_is_one_line_within_the_timeout(binary, tmp_path, monkeypatch, reply,
                                                                            words):
@@ -244,6 +244,22 @@ def test_an_address_that_is_not_a_scheduler_is_one_line_within_the_timeout(binar
         server.close()
     assert r.exit_code == 2, r.output
     assert r.output.count("\n") == 1 and server.address in r.output and words in r.output, r.output
+
+
+def test_the_scheduler_is_asked_who_it_is_even_from_a_running_event_loop(scheduler):
+    """A notebook runs its cells in an event loop: the question still goes out (on its own thread),
+    a scheduler is taken, and one of its workers is told apart from it."""
+    import asyncio
+    distributed = _distributed()
+
+    async def in_a_loop(address):
+        cluster._is_scheduler(address, distributed)
+
+    asyncio.run(in_a_loop(scheduler))
+    with distributed.Client(scheduler) as client:
+        worker = next(iter(client.scheduler_info()["workers"]))
+    with pytest.raises(cluster.NotAScheduler, match="^a Dask (worker|nanny) answers there, not its scheduler$"):
+        asyncio.run(in_a_loop(worker))
 
 
 def test_a_worker_that_cannot_see_the_folders_says_they_must_be_shared(tmp_path):

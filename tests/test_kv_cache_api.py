@@ -259,9 +259,9 @@ def test_a_step_in_which_no_sequence_has_a_key_is_refused():
 
 def test_a_cache_or_query_without_heads_or_values_is_refused():
     case = DecodeCase(SEQLENS, n_new=2)
-    with pytest.raises(ValueError, match=r"^k_cache is \(\d+, \d+, 0, 16\): at least one head and one value a head"):
+    with pytest.raises(ValueError, match=r"^k_cache is \(\d+, \d+, 0, 16\): needs at least one head, of a width"):
         _call(case, k_cache=case.k_cache[:, :, :0], v_cache=case.v_cache[:, :, :0])
-    with pytest.raises(ValueError, match=r"^q is \(3, \d+, 4, 0\): at least one head and one value a head"):
+    with pytest.raises(ValueError, match=r"^q is \(3, \d+, 4, 0\): needs at least one head, of a width of at"):
         _call(case, q=case.q[..., :0])
 
 

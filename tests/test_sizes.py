@@ -253,8 +253,8 @@ def _case():
     (dict(precision=None), TypeError, "precision: expected one of"),
     (dict(math="slow"), ValueError, "math 'slow': expected one of ieee, fast"),
     (dict(allow_nonfinite="yes"), TypeError, "allow_nonfinite: expected True or False"),
-    (dict(atol=10**400), ValueError, "atol: a number beyond a float's range (401 digits)"),
-    (dict(scale=-10**400), ValueError, "scale: a number beyond a float's range (401 digits)"),
+    (dict(atol=10**400), ValueError, "atol: a number beyond a float's range"),
+    (dict(scale=-10**5000), ValueError, "scale: a number beyond a float's range"),
 ])
 def test_the_python_api_refuses_bad_arguments_in_one_line(kwargs, error, words):
     q, k, v, stages = _case()

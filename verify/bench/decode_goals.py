@@ -109,6 +109,9 @@ def run_decode_binary(binary: Path, shape: DecodeShape, reps: int, timeout: floa
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
         except FileNotFoundError:
             raise BenchError(f"binary not found: {binary}") from None
+        except OSError as exc:  # no shape can run
+            raise BenchUnusable(f"cannot run {binary}: {exc.strerror or exc}; HINT: is it executable "
+                                "(chmod +x)?") from None
         except subprocess.TimeoutExpired:
             raise BenchError(f"{shape.id}: the binary did not finish in {timeout:.0f} s") from None
         if not json_path.exists():

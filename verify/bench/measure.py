@@ -156,6 +156,8 @@ def run_binary_bench(binary: Path, shape: Shape, precision: str, warmup: int, re
             returncode, output = _run_watched(cmd, timeout, monitor)
         except FileNotFoundError:
             raise BenchError(f"binary not found: {binary}")
+        except OSError as exc:  # no shape can run
+            raise BenchUnusable(f"cannot run {binary}: {exc.strerror or exc}; HINT: is it executable (chmod +x)?")
         except subprocess.TimeoutExpired:
             raise BenchError(f"{shape.id} {precision}: the binary did not finish in {timeout:.0f} s")
         if not json_path.exists():

@@ -29,7 +29,7 @@ import itertools
 import logging
 import threading
 import uuid
-from concurrent.futures import CancelledError
+from concurrent.futures import CancelledError, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -98,7 +98,7 @@ def _client(scheduler: str, jobs: int, gpus: Sequence[str]):
         with local_cluster(jobs or _usable_cores(), gpus) as cluster, distributed.Client(cluster) as client:
             yield client
         return
-    hint = f"HINT: start one with 'dask scheduler' and give its tcp://HOST:PORT, or use --scheduler {LOCAL}"
+    hint = f"HINT: start one with 'dask scheduler' and give its address (tcp://HOST:PORT), or use --scheduler {LOCAL}"
     try:
         _is_scheduler(scheduler, distributed)
         client = distributed.Client(scheduler, timeout=CONNECT_TIMEOUT_S)  # (and to reconnect, once lost)
@@ -122,25 +122,30 @@ def _is_scheduler(address: str, distributed) -> None:
     accepts it and then stays silent (another server) would hold the check for ever. OSError where
     nothing listens; NotAScheduler where what answers is not a Dask scheduler."""
     distributed.comm.get_address_host_port(address)  # ValueError: not an address
+    # The connection as the Client makes it (TLS where Dask's configuration sets it up).
+    connection_args = distributed.Security().get_connection_args("client")
 
     async def identity():
-        comm = await distributed.comm.connect(address, timeout=CONNECT_TIMEOUT_S)
+        comm = await distributed.comm.connect(address, timeout=CONNECT_TIMEOUT_S, **connection_args)
         try:
             await comm.write({"op": "identity", "reply": True})
             return await comm.read()
         finally:
             comm.abort()
 
-    try:
-        reply = asyncio.run(asyncio.wait_for(identity(), CONNECT_TIMEOUT_S))
-    except OSError:  # nothing listens, it closed, or the time is up (a silent server)
-        raise
-    except Exception as exc:  # bytes that are not Dask's messages: a decoding error, a garbage length
-        raise NotAScheduler(f"what answers there is not a Dask scheduler ({type(exc).__name__})") from None
-    if not (isinstance(reply, dict) and reply.get("type") == "Scheduler"):
-        kind = reply.get("type") if isinstance(reply, dict) else None
-        raise NotAScheduler(f"what answers there is {'a Dask ' + str(kind) if kind else 'not a Dask scheduler'}, "
-                            "not a scheduler")
+    # On a thread of its own: asyncio.run cannot start inside a running event loop (a notebook's).
+    with ThreadPoolExecutor(1) as thread:
+        answer = thread.submit(lambda: asyncio.run(asyncio.wait_for(identity(), CONNECT_TIMEOUT_S)))
+        try:
+            reply = answer.result()
+        except OSError:  # nothing listens, it closed, or the time is up (a silent server)
+            raise
+        except (ValueError, TypeError, KeyError, IndexError, MemoryError):  # bytes that are not Dask's messages
+            raise NotAScheduler("what answers there does not speak Dask's protocol") from None
+    if not isinstance(reply, dict):
+        raise NotAScheduler("what answers there is not a Dask scheduler")
+    if reply.get("type") in ("Worker", "Nanny"):
+        raise NotAScheduler(f"a Dask {str(reply['type']).lower()} answers there, not its scheduler")
 
 
 @contextlib.contextmanager

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 import click
 from click.core import ParameterSource
@@ -23,6 +23,7 @@ from ..bench.plot import write_plot
 from ..bench.report import (ACCURACY, PASSES, SDPA, BenchError, Row, Shape, ceiling_lines, format_table,
                             rows_from_results)
 from ..bench.results_file import load_results
+from ..files.guards import same_file
 from ..files.case import atomic_write_bytes
 from ..report.json_file import jsonable
 from ..runs.runner import ensure_built
@@ -145,6 +146,14 @@ def _exit_status(rows: Sequence[Row]) -> int:
     return 1 if failed or crashed else 0
 
 
+def _reread(from_json: Path, plot_path: Optional[Path]) -> dict:
+    """The results of an earlier run, their plot's file checked first (never the file read)."""
+    output_files_apart({"--plot": plot_path})
+    if plot_path is not None and same_file(plot_path, from_json):
+        raise BenchError(f"--plot {plot_path}: is the --from-json file; HINT: give the plot its own file")
+    return load_results(from_json)
+
+
 @click.command("bench")
 @build_option
 @binary_option.but(help="Time this prebuilt binary instead of building BUILD_DIR/main.")
@@ -223,7 +232,7 @@ def bench(ctx, build_dir, binary, shape_specs, precision, warmup, reps, only, pa
             _decode_bench(build_dir, binary, warmup, reps, use_torch, timeout, json_path, from_json)
             return
         if from_json:
-            results = load_results(from_json)
+            results = _reread(from_json, plot_path)
         else:
             output_files_apart({"--json": json_path, "--plot": plot_path})  # before minutes of GPU work
             if variants:

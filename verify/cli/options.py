@@ -80,9 +80,10 @@ def _interrupted(signum: int) -> InputError:
 
 
 def user_errors(fn):
-    """Turns CaseError / RunnerError into a one-line message and the right exit status, and a
-    MemoryError (an allocation refused: a low ulimit -v, a container's limit) into one line and
-    the binary's exit status for not enough memory, never a traceback."""
+    """Turns CaseError / RunnerError into a one-line message and the right exit status, an OSError
+    on a file (one the command's own checks did not name first) into its path and the system's
+    reason (exit 2), and a MemoryError (an allocation refused: a low ulimit -v, a container's
+    limit) into one line and the binary's exit status for not enough memory, never a traceback."""
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
@@ -191,6 +192,17 @@ class GivenPath(click.Path):
         return super().convert(value, param, ctx)
 
 
+class Seconds(click.FloatRange):
+    """A time limit in seconds, from 1 on: NaN and inf are refused (no timer takes them, and NaN
+    passes every range's comparison)."""
+
+    def convert(self, value, param, ctx):
+        seconds = super().convert(value, param, ctx)
+        if not math.isfinite(seconds):
+            self.fail(f"{value} is not a finite number of seconds", param, ctx)
+        return seconds
+
+
 in_option = SharedOption("--in", "in_dir", type=GivenPath(file_okay=False, path_type=Path),
                          default=DEFAULT_INPUT_DIR, show_default=True, help="Input case folder (Q/K/V).")
 out_option = SharedOption("--out", "out_dir", type=GivenPath(file_okay=False, path_type=Path),
@@ -205,17 +217,6 @@ binary_option = SharedOption("--binary", type=GivenPath(exists=True, dir_okay=Fa
                                                        path_type=Path),
                              help="Run this binary instead of building BUILD_DIR/main (e.g. your own, "
                              "writing the output case of docs/contract.md).")
-class Seconds(click.FloatRange):
-    """A time limit in seconds, from 1 on: NaN and inf are refused (no timer takes them, and NaN
-    passes every range's comparison)."""
-
-    def convert(self, value, param, ctx):
-        seconds = super().convert(value, param, ctx)
-        if not math.isfinite(seconds):
-            self.fail(f"{value} is not a finite number of seconds", param, ctx)
-        return seconds
-
-
 timeout_option = SharedOption("--timeout", type=Seconds(min=1), default=DEFAULT_RUN_TIMEOUT_S,
                               show_default=True, help="Seconds before the binary is stopped.")
 seed_option = SharedOption("--seed", type=click.IntRange(0, MAX_SEED), default=0, show_default=True,

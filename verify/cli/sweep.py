@@ -22,8 +22,8 @@ from ..runs.runner import ensure_built
 from ..stages import FLOAT32_PRECISIONS, MAX_DIM
 from ..terminal import progress_bar
 from ..text import plural
-from .options import (GivenPath, InputError, Interrupted, binary_option, build_option, output_files_apart, timeout_option,
-                      user_errors)
+from .options import (GivenPath, InputError, Interrupted, binary_option, build_option, output_files_apart,
+                      timeout_option, user_errors)
 
 
 def _check_outputs(csv_path: Optional[Path], json_path: Optional[Path], plot_path: Optional[Path]) -> None:

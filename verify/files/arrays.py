@@ -52,6 +52,8 @@ def as_array(x, name: str) -> np.ndarray:
             t = t.double() if str(t.dtype).endswith("float64") else t.float()
         return np.asarray(t.cpu().numpy())
     except (ValueError, TypeError, RuntimeError, NotImplementedError) as exc:
+        if type(exc).__name__ == "OutOfMemoryError":  # PyTorch's, on the GPU: the command's own line
+            raise
         why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise ValueError(f"{name}: cannot be read as an array of values ({why})") from None
 

@@ -152,7 +152,7 @@ def _caches(q, k_cache, v_cache, paged: bool) -> Tuple[np.ndarray, np.ndarray, n
     H, Hk = q.shape[2], k.shape[2]
     for name, a in (("q", q), ("k_cache", k), ("v_cache", v)):
         if 0 in a.shape[2:]:
-            raise ValueError(f"{name} is {tuple(a.shape)}: at least one head and one value a head")
+            raise ValueError(f"{name} is {tuple(a.shape)}: needs at least one head, of a width of at least 1")
     if Hk > H or H % Hk:
         raise ValueError(f"k_cache has {plural(Hk, 'K/V head')} and q {H}: grouped K/V heads must divide the "
                          "query heads")

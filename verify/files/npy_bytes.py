@@ -23,7 +23,10 @@ def npy_header_span(data: bytes) -> Tuple[int, int]:
     version-dependent length field, for the length it gives (cut at the file's end)."""
     if len(data) < 12:
         return len(data), len(data)
-    start, size = (10, int.from_bytes(data[8:10], "little")) if data[6] == 1 else (12, int.from_bytes(data[8:12], "little"))
+    if data[6] == 1:  # version 1.0: a 2-byte length, else 4 bytes
+        start, size = 10, int.from_bytes(data[8:10], "little")
+    else:
+        start, size = 12, int.from_bytes(data[8:12], "little")
     return start, min(len(data), start + size)
 
 
