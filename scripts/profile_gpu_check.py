@@ -13,6 +13,8 @@ import runpy
 import sys
 import time
 
+from cuda_torch import cuda_torch
+
 
 def main() -> int:
     args = sys.argv[1:]
@@ -21,14 +23,9 @@ def main() -> int:
         if len(args) < 2 or not args[1].isdigit():
             sys.exit(f"profile_gpu_check.py: --top needs a count of kernels, got {args[1] if len(args) > 1 else 'nothing'}")
         top, args = int(args[1]), args[2:]
-    try:
-        import torch
-        from torch.autograd import DeviceType
-        from torch.profiler import ProfilerActivity, profile
-    except ImportError:
-        sys.exit("profile_gpu_check.py: needs PyTorch (pip install 'attnstep[gpu]')")
-    if not torch.cuda.is_available():
-        sys.exit("profile_gpu_check.py: PyTorch sees no CUDA device")
+    torch = cuda_torch("profile_gpu_check.py")
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     sys.argv = ["attnstep", "check"] + args
     t0 = time.perf_counter()

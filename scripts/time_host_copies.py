@@ -16,6 +16,8 @@ import time
 
 import numpy as np
 
+from cuda_torch import cuda_torch
+
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -24,12 +26,7 @@ def main() -> int:
     args = parser.parse_args()
     if args.count < 1 or any(m < 1 for m in args.mib or []):
         parser.error("--count and --mib take positive numbers")
-    try:
-        import torch
-    except ImportError:
-        sys.exit("time_host_copies.py: needs PyTorch (pip install 'attnstep[gpu]')")
-    if not torch.cuda.is_available():
-        sys.exit("time_host_copies.py: PyTorch sees no CUDA device")
+    torch = cuda_torch("time_host_copies.py")
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from verify.model.arrays import to_numpy
 

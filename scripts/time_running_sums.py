@@ -22,6 +22,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from verify.model import fused, mma  # noqa: E402
 from verify.model.kernels import MMA_K  # noqa: E402
 
+from cuda_torch import cuda_torch  # noqa: E402 (this folder's)
+
 CALLS, WARM_CALLS = 5, 2
 
 
@@ -84,12 +86,7 @@ def main() -> int:
     ap.add_argument("--tiles", type=_tile, nargs="+", default=[None],
                     help="output tiles and warps to try, ROWS,COLUMNS,WARPS [the module's]")
     args = ap.parse_args()
-    try:
-        import torch
-    except ImportError:
-        sys.exit("time_running_sums.py: needs PyTorch (pip install 'attnstep[gpu]')")
-    if not torch.cuda.is_available():
-        sys.exit("time_running_sums.py: needs a CUDA device; none is visible")
+    torch = cuda_torch("time_running_sums.py")
     ops = operands(torch, args.rows, args.keys, args.d)
     print(f"{args.rows} query rows, {args.keys} keys, d {args.d}, float64 ({torch.cuda.get_device_name()})")
     for tile in args.tiles:
