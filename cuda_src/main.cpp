@@ -194,8 +194,8 @@ StageSet drop_splits(const Options& o, const Problem& p, StageSet sel) {
 }
 
 // At a half precision a backend may lack some flash kernels (the CUDA backend has them on compute
-// capability 9.0 only, the backward without a mask or with the top-left causal one alone; the CPU
-// backend emulates them all): those stages
+// capability 9.0 only, neither for mask or bias files nor dropout; the CPU backend emulates them
+// all): those stages
 // are an error when asked for (by name or by a group such as `flash`, as for an unsupported head
 // size), and left out with a notice under the default `all`.
 StageSet drop_half_flash(const Options& o, const Backend& be, const Problem& p, StageSet sel) {

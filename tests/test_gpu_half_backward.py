@@ -71,23 +71,31 @@ def test_the_wgmma_flash_backward_at_half_precision_matches_float64(binary, tmp_
                 assert err < 16 * unit, f"{precision} causal={causal} {name} head {head}: off by {err:.3g}"
 
 
+# The plain instantiation (top-left causal) and the variant's (a window of both sides under the
+# bottom-right alignment, softcap, ALiBi).
+MASKS = {"causal": ("--causal",),
+         "window-softcap-alibi": ("--window", "150,40", "--align", "bottom-right", "--softcap", "6", "--alibi")}
+
+
+@pytest.mark.parametrize("mask", MASKS)
 @pytest.mark.parametrize("precision", HALF_PRECISIONS)
-def test_the_wgmma_flash_backward_is_deterministic(binary, tmp_path, precision):
+def test_the_wgmma_flash_backward_is_deterministic(binary, tmp_path, precision, mask):
     """Two runs write the same bytes: every gradient element has one owner, no atomics."""
     dims = Dims(1, 4, 700, 900, 128, 128)
     in_dir = generate_case(tmp_path / "in", dims, seed=3, distribution="normal", fmt="npy", backward=True)
-    runs = [run_flash(binary, in_dir, tmp_path / f"out{i}", precision, True) for i in range(2)]
+    runs = [run_flash(binary, in_dir, tmp_path / f"out{i}", precision, False, *MASKS[mask]) for i in range(2)]
+    assert runs[0].values["flash_kernel"].startswith(f"cuda-wgmma-{precision}"), runs[0].values["flash_kernel"]
     for name in FLASH_GRADS:
         for head in range(dims.total_heads):
             assert filecmp.cmp(runs[0].file(name, head), runs[1].file(name, head), shallow=False), (name, head)
 
 
 def test_the_half_flash_backward_refuses_a_variant_it_does_not_compute(binary, tmp_path):
-    """A sliding window at bf16: the wgmma backward takes no mask beyond the top-left causal one, so
-    asking for the flash stages is one clear error naming the gradients, and nothing is written."""
+    """Dropout at bf16: the wgmma kernels take no per-element inputs (dropout, mask or bias files),
+    so asking for the flash stages is one clear error naming the gradients, and nothing is written."""
     generate_case(tmp_path / "in", Dims(1, 1, 64, 64, 64, 64), backward=True)
     proc = subprocess.run([str(binary), "--in", str(tmp_path / "in"), "--out", str(tmp_path / "out"),
-                           "--backend", "cuda", "--precision", "bf16", "--stages", "flash", "--window", "16,0"],
+                           "--backend", "cuda", "--precision", "bf16", "--stages", "flash", "--dropout", "0.1"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and proc.stderr.startswith("main: error: --precision bf16"), proc.stderr
     assert "flash_dQ" in proc.stderr.splitlines()[0], proc.stderr

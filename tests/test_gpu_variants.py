@@ -32,6 +32,7 @@ from verify.stages import DROPOUT_MASK, FLASH_LSE, FLASH_OUTPUT, HALF_PRECISIONS
 from verify.variant import BOTTOM_RIGHT, Variant
 
 from helpers.environment import REPO
+from helpers.flash_gradients import FLASH_GRADS
 
 gpu = pytest.mark.gpu
 
@@ -288,6 +289,37 @@ def test_the_half_flash_forward_matches_the_cpu_backend(binary, tmp_path, case, 
         assert np.abs(got[finite] - want[finite]).max(initial=0) < 1e-3, f"{precision} head {head}: flash_lse"
     verified(in_dir, tmp_path / "cuda", case)
 
+
+
+# The half-precision flash backward (wgmma, d 64 and 128): the variants of the forward's cases, and
+# the edges of the mask (rows that see no key, a narrow window over many key tiles).
+HALF_BACKWARD_CASES = HALF_CASES + EDGE_CASES
+GRAD_UNITS = 16  # gradients: sums of products of rounded P and dS, a few more units than the output
+
+
+@gpu
+@pytest.mark.parametrize("precision", HALF_PRECISIONS)
+@pytest.mark.parametrize("case", HALF_BACKWARD_CASES, ids=[c.id for c in HALF_BACKWARD_CASES])
+def test_the_half_flash_backward_matches_the_cpu_backend(binary, tmp_path, case, precision):
+    """The wgmma bf16/fp16 backward's variant instantiation (the rule's tiles alone, the softcap's
+    tanh on the special-function unit and its derivative, ALiBi) against the CPU backend's emulation
+    of it: each gradient within a few units of the format (normwise); the verifier passes the run."""
+    in_dir = make_case(tmp_path / "in", case)
+    flags = ["--stages", "flash", "--precision", precision]
+    res = run(binary, in_dir, tmp_path / "cuda", "cuda", *flags, expect_ok=False)
+    if res.returncode == 2 and "no half-precision kernel" in res.stderr:
+        pytest.skip(f"this GPU has no half-precision flash backward: {res.stderr.strip()}")
+    assert res.returncode == 0, res.stderr
+    run(binary, in_dir, tmp_path / "cpu", "cpu", *flags)
+    flash_kernel = load_run(tmp_path / "cuda").values["flash_kernel"]
+    assert flash_kernel.startswith(f"cuda-wgmma-{precision}"), flash_kernel
+    grads = [[n for n in stage_files(tmp_path / side) if parse_stage_file(n)[0] in FLASH_GRADS]
+             for side in ("cuda", "cpu")]
+    assert grads[0] and grads[0] == grads[1], grads
+    for name in grads[0]:
+        err = difference(read_matrix(tmp_path / "cuda" / name), read_matrix(tmp_path / "cpu" / name))
+        assert err < GRAD_UNITS * storage_unit(precision), f"{precision} {name}: off by {err:.3g}"
+    verified(in_dir, tmp_path / "cuda", case)
 
 # ---- the kernels' key ranges, on the host ----------------------------------------------------------
 

@@ -20,8 +20,8 @@
 // their query heads) of the whole stage path and of the flash backward with float64
 // (bench_check_backward.cu); the gradients are NaN-poisoned before the checked launch.
 //
-// At bf16/fp16 the flash backward is timed where it has a kernel (Hopper's wgmma, no mask or the
-// top-left causal one), with its forward and both passes on Q, K, V in the format; the stage
+// At bf16/fp16 the flash backward is timed where it has a kernel (Hopper's wgmma, no mask or bias
+// files, no dropout), with its forward and both passes on Q, K, V in the format; the stage
 // path's whole-pass row is "unsupported".
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
@@ -298,8 +298,8 @@ void bench_flash_backward(const BenchContext& c, const DeviceBuffer& dO, const K
         r.status = "unsupported";
         if (is_half(o.precision))
             r.reason = std::string("the flash backward at ") + precision_name(o.precision) +
-                       " needs a build for sm_90a, compute capability 9.0, d 64 or 128, and no mask or the "
-                       "top-left causal one";
+                       " needs a build for sm_90a, compute capability 9.0, d 64 or 128, and no mask or bias "
+                       "files or dropout";
         out->push_back(r);
         return;
     }

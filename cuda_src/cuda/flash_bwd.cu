@@ -22,7 +22,8 @@
 //   softcap's derivative); a row the forward saw no key for (lse -inf) gives P = 0.
 //
 // On Hopper, TF32 at d 64 and 128 (no variant) goes to the wgmma kernels of
-// sm90a/flash_bwd_wgmma_tf32.cu, bf16 and fp16 to sm90a/flash_bwd_wgmma_half.cu. Those keep dK, dV
+// sm90a/flash_bwd_wgmma_tf32.cu, bf16 and fp16 to sm90a/flash_bwd_wgmma_half.cu (every variant but
+// mask or bias files and dropout). Those keep dK, dV
 // and dQ in the tensor cores' accumulators across every tile, so the truncation spans the whole sum
 // (which the verifier's model bounds: the running sums over every 8-long chunk), not one tile as
 // here; their products and roundings are otherwise these.

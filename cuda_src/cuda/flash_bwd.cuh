@@ -33,8 +33,8 @@ struct FlashBwdArgs : FlashProblem {
 
 // Whether this binary and GPU have a flash backward for `a`: at fp32 and tf32 on compute
 // capability 8.0+ (mma.sync; on 9.0 by wgmma tf32 at d 64 and 128 and fp32 at d 64, where there
-// is no mask or the top-left causal one), at bf16 and fp16 on 9.0 (wgmma) without a mask or with the top-left causal
-// one.
+// is no mask or the top-left causal one), at bf16 and fp16 on 9.0 (wgmma) without mask or bias
+// files or dropout.
 bool flash_backward_available(const FlashBwdArgs& a);
 
 // The backward's tiles and kernel name ("cuda-bwd-3xtf32", "cuda-bwd-tf32", "cuda-bwd-wgmma-fp32",

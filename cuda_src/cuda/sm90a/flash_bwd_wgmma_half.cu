@@ -5,7 +5,9 @@
 // The kernels are flash_bwd_wgmma_kernels.cuh's, with 16-bit operands (HalfOps): K and V owned 128
 // a block, query tiles of 64 rows streamed (the dQ kernel the transpose), the second GEMMs' B
 // operand read MN-major as the tiles lie, and at d64 the next tile's Sᵀ and dPᵀ issued before this
-// tile's dV, dK group is waited for. This file holds the preparation pass and the launch:
+// tile's dV, dK group is waited for. Their variant instantiation takes the rule of either causal
+// alignment and sliding windows (the tiles of its range alone), the softcap and ALiBi; mask or bias
+// files and dropout are left to the stage path. This file holds the preparation pass and the launch:
 //   0. dO to the format (a run's inputs already hold the format's values; a caller's float32 dO
 //      is rounded), and per query row D = rowsum(dO∘O) of that rounded dO and lse·log2 e, padded
 //      to whole query blocks (+inf and 0 past N, so a tail row's P is exactly 0).
@@ -15,7 +17,9 @@
 // the tensor cores with truncation; scale·log2 e and lse·log2 e each rounded once, the exponent one
 // FFMA, ex2.approx.ftz; P and dS rounded to the format as GEMM operands (FlashAttention's order),
 // dS = P·(dP − D) in FP32; dK and dQ times the scale once at the end; every gradient rounded to
-// the format once as it is stored.
+// the format once as it is stored. The variant's scores as the half forward makes them: under a
+// softcap t = tanh.approx(s·scale/C) and C·log2 e·t rounded, ALiBi's slope·|diag − key| by an FMA,
+// then x − lse·log2 e rounded before ex2.approx.ftz; dS = P·(1 − t²)·(dP − D).
 //
 // Build: sm_90a only (CMakeLists.txt, the attnstep_sm90a object library); resources:
 //   nvcc -gencode=arch=compute_90a,code=sm_90a -std=c++17 -Icuda_src -Xptxas -v -c cuda_src/cuda/sm90a/flash_bwd_wgmma_half.cu
@@ -52,7 +56,7 @@ struct Workspace {
     size_t floats() const { return dO_floats + 2 * row_floats; }
 };
 
-template <class T, bool kCausal>
+template <class T, bool kCausal, bool kVariant>
 void launch_tiles(const FlashBwdArgs& a, cudaStream_t stream) {
     const int n_pad = padded_rows<T>(a.N);
     const Workspace sizes(a, a.heads, n_pad);
@@ -69,7 +73,7 @@ void launch_tiles(const FlashBwdArgs& a, cudaStream_t stream) {
                           tma::rows_map(a.Vh, T::D, a.M, a.heads, T::OWN), tma::rows_map(dOh, T::D, a.N, a.heads, T::STREAM)};
     const BwdMaps by_rows{tma::rows_map(a.Qh, T::D, a.N, a.heads, T::OWN), tma::rows_map(a.Kh, T::D, a.M, a.heads, T::STREAM),
                           tma::rows_map(a.Vh, T::D, a.M, a.heads, T::STREAM), tma::rows_map(dOh, T::D, a.N, a.heads, T::OWN)};
-    launch_kernels<T, kCausal>(a, by_keys, by_rows, lse2, Drow, n_pad, stream);
+    launch_kernels<T, kCausal, kVariant>(a, by_keys, by_rows, lse2, Drow, n_pad, stream);
     ws.release();
 }
 
@@ -92,7 +96,7 @@ bool with_tiles(const FlashBwdArgs& a, F&& f) {
 }  // namespace
 
 bool wgmma_half_backward_takes(const FlashBwdArgs& a) {
-    return !a.sequences && !a.variant.beyond_plain() && with_tiles(a, [](auto) {});
+    return !a.sequences && !a.variant.per_element_inputs() && with_tiles(a, [](auto) {});
 }
 
 size_t wgmma_half_backward_workspace_bytes_per_head(const FlashBwdArgs& a) {
@@ -110,8 +114,9 @@ void wgmma_half_backward(const FlashBwdArgs& a, cudaStream_t stream) {
                                 ": the half-precision flash backward needs Q, K and V in the format, 16-byte aligned");
     with_tiles(a, [&](auto tag) {
         using T = tag_type<decltype(tag)>;
-        if (a.causal) launch_tiles<T, true>(a, stream);
-        else launch_tiles<T, false>(a, stream);
+        with_mask_kind(a, [&](auto causal, auto variant) {
+            launch_tiles<T, constant_v<decltype(causal)>, constant_v<decltype(variant)>>(a, stream);
+        });
     });
 }
 

@@ -12,8 +12,8 @@
 
 namespace attnstep {
 
-// Whether the kernels take `a`: bf16 or fp16, d 64 or 128, no mask or the top-left causal one,
-// dense (no packed batch), Q, K and V in the format (FlashBwdArgs::Qh, Kh, Vh). The caller checks
+// Whether the kernels take `a`: bf16 or fp16, d 64 or 128, no mask or bias files or dropout (the
+// rule of either alignment, windows, softcap and ALiBi they take), dense (no packed batch), Q, K and V in the format (FlashBwdArgs::Qh, Kh, Vh). The caller checks
 // the compute capability.
 bool wgmma_half_backward_takes(const FlashBwdArgs& a);
 

@@ -21,6 +21,10 @@
 //   right after its hi part in shared memory and in the preparation pass's copies (the lo parts as
 //   heads [heads, 2·heads) of the same tensor maps); each product is three MMAs, lo·hi, hi·lo, hi·hi,
 //   per k step (the dropped lo·lo is a product of two TF32 rounding errors).
+//   The variant instantiation (kVariant, half operands: the mask rule of either causal alignment
+//   and of sliding windows, the softcap, ALiBi; no per-element inputs) visits only the tiles of
+//   the rule's range, skips a warpgroup's tile that the rule hides whole, and makes each score as
+//   the half forward made it (variant_weights); dS takes the softcap's derivative.
 //   A producer warpgroup's one thread issues every copy by tensor memory access (tensor_map.cuh)
 //   into the 128-byte swizzle, into two stages counted on mbarriers. Rows past N or M land as
 //   zeros; a key past M is masked in the dQ kernel (its P could overflow where lse is very
@@ -35,6 +39,7 @@
 #include "../flash_bwd.cuh"
 #include "../flash_common.cuh"
 #include "../flash_dispatch.cuh"
+#include "../flash_scores.cuh"
 #include "../half_format.cuh"
 #include "bulk_copy.cuh"
 #include "tensor_map.cuh"
@@ -44,6 +49,9 @@ namespace attnstep {
 namespace wgbwd {
 
 using flash::ceil_div;
+using flash::tanh_approx;
+using flash::variant_args;
+using flash::VariantArgs;
 using flash::zero;
 
 constexpr int kWarpgroup = 128;     // threads
@@ -326,9 +334,74 @@ __device__ void produce(Barriers<T>& bars, typename T::Elem* own, const CUtensor
 }
 
 
-// Kernel 1 (grid: x = key blocks, y = heads): dK and dV of the block's OWN keys.
-template <class T, bool kCausal>
-__global__ void __launch_bounds__(T::THREADS, 1) dkdv_kernel(const BwdParams p, const __grid_constant__ BwdMaps maps) {
+// The variant instantiation's weights of a tile of raw scores s (half operands), as the half
+// forward made them (flash_wgmma_half.cu, flash_scores.cuh): x = c·y with y = s and c = scale·log2 e,
+// or under a softcap (kCap) y = t = tanh(s·scale/C) by tanh.approx and c = C·log2 e; kAlibi: x
+// minus the slope·|diag − key|; P = 2^(x − lse₂), its exponent c·y − lse₂ in one FFMA without
+// ALiBi, and 0 for a key past M or one the rule hides (tested only where `cut`: the tile is not
+// visible whole). s becomes P∘f, f = 1 − t² the softcap's derivative (1 without), which
+// dS = P∘f∘(dP − D) takes; kPack: P itself is packed into pa as the dV GEMM's A fragments
+// (HalfOps::pack_a's layout) before s is overwritten. at(jj, e, r, c): the score's query row and
+// key; dist_of(jj, e): diag(r) − key as a float (a tile's base and the fragment's constant offset: an
+// addition, where converting each score's own integer would take a special-function slot);
+// lse2_of(jj, e): its row's lse·log2 e.
+template <class T, bool kCap, bool kAlibi, bool kPack, class At, class Dist, class Lse2>
+__device__ __forceinline__ void variant_weights(float (&s)[T::STREAM / 8][4], uint32_t (&pa)[1][T::STREAM / 16][4],
+                                                const VariantArgs& va, float slope_log2, int M, bool cut, At at,
+                                                Dist dist_of, Lse2 lse2_of) {
+    static_assert(T::PARTS == 1 && T::Ops::K == 16, "half operands");
+    const float c = kCap ? va.mods.cap_out : va.mods.scale_log2;
+#pragma unroll
+    for (int jj = 0; jj < T::STREAM / 8; ++jj)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            float p[2];
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+                const int e = 2 * h + i;
+                float y = s[jj][e], f = 1.f;
+                if constexpr (kCap) {
+                    y = tanh_approx(y * va.mods.cap_in);
+                    f = __fmaf_rn(-y, y, 1.f);
+                }
+                float exponent;
+                if constexpr (kAlibi) exponent = __fmaf_rn(-slope_log2, fabsf(dist_of(jj, e)), y * c) - lse2_of(jj, e);
+                else exponent = __fmaf_rn(y, c, -lse2_of(jj, e));
+                bool hidden = false;
+                if (cut) {
+                    int r, k;
+                    at(jj, e, r, k);
+                    hidden = k >= M || !va.v.visible(r, k);
+                }
+                p[i] = hidden ? 0.f : flash::exp2_ftz(exponent);
+                s[jj][e] = kCap ? p[i] * f : p[i];
+            }
+            if constexpr (kPack) pa[0][jj / 2][(jj % 2) * 2 + h] = T::Fmt::pack(p[0], p[1]);
+        }
+}
+
+// variant_weights with the softcap's and ALiBi's branches taken once per tile (a test per score
+// would be a divergent branch of its own in the machine code, and ALiBi's conversion of each
+// distance would cost the others a special-function slot per score).
+template <class T, bool kPack, class At, class Dist, class Lse2>
+__device__ __forceinline__ void variant_tile_weights(float (&s)[T::STREAM / 8][4], uint32_t (&pa)[1][T::STREAM / 16][4],
+                                                     const VariantArgs& va, float slope_log2, int M, bool cut, At at,
+                                                     Dist dist_of, Lse2 lse2_of) {
+    const bool cap = va.mods.cap_in != 0.f;
+    if (slope_log2 != 0.f) {
+        if (cap) variant_weights<T, true, true, kPack>(s, pa, va, slope_log2, M, cut, at, dist_of, lse2_of);
+        else variant_weights<T, false, true, kPack>(s, pa, va, slope_log2, M, cut, at, dist_of, lse2_of);
+    } else {
+        if (cap) variant_weights<T, true, false, kPack>(s, pa, va, slope_log2, M, cut, at, dist_of, lse2_of);
+        else variant_weights<T, false, false, kPack>(s, pa, va, slope_log2, M, cut, at, dist_of, lse2_of);
+    }
+}
+
+// Kernel 1 (grid: x = key blocks, y = heads): dK and dV of the block's OWN keys. kVariant: va's
+// rule, softcap and ALiBi (its own kernel parameter, read in place).
+template <class T, bool kCausal, bool kVariant>
+__global__ void __launch_bounds__(T::THREADS, 1) dkdv_kernel(const BwdParams p, const __grid_constant__ BwdMaps maps,
+                                                             const __grid_constant__ VariantArgs va) {
 #if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
     __trap();  // built for sm_90a only; never launched elsewhere
 #else
@@ -340,9 +413,11 @@ __global__ void __launch_bounds__(T::THREADS, 1) dkdv_kernel(const BwdParams p, 
     float* const rows = reinterpret_cast<float*>(tiles + T::STAGES * T::MATS_1 * T::STREAM_MAT);  // [STAGES]{lse₂, D}
     __shared__ Barriers<T> bars;
     const int head = p.head0 + blockIdx.y, k0 = blockIdx.x * T::OWN;
-    // The query tiles that can see the block's keys: causal, from the one holding query k0 on.
-    const StageRing ring{kCausal ? k0 / T::STREAM : 0, T::STAGES};
-    const int tile_end = ceil_div(p.N, T::STREAM);
+    // The query tiles that can see the block's keys: causal, from the one holding query k0 on; the
+    // variant's, those of the rows [first_row, end_row) of its keys.
+    const int tile_end = kVariant ? ceil_div(va.v.end_row(min(k0 + T::OWN, p.M), p.N), T::STREAM) : ceil_div(p.N, T::STREAM);
+    const StageRing ring{kVariant ? min(tile_end, va.v.first_row(k0) / T::STREAM) : kCausal ? k0 / T::STREAM : 0,
+                         T::STAGES};
     auto q_tile = [&](int s) { return tiles + s * T::MATS_1 * T::STREAM_MAT; };
     auto do_tile = [&](int s) { return q_tile(s) + T::STREAM_MAT; };
     // The B operands of dK += dSᵀ·Q and dV += Pᵀ·dO: the tiles, or their transposed copies.
@@ -379,6 +454,7 @@ __global__ void __launch_bounds__(T::THREADS, 1) dkdv_kernel(const BwdParams p, 
     const int wg = threadIdx.x / kWarpgroup, warp = (threadIdx.x % kWarpgroup) / 32;
     const int lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
     const int key_lo = k0 + 64 * wg, key0 = key_lo + 16 * warp + g;  // the thread's keys: key0, key0 + 8
+    const float slope_log2 = kVariant ? va.v.slope(head) * flash::kLog2e : 0.f;
     const uint64_t k_desc = wg::sw128_desc(own + wg * 64 * T::ROW_VALUES, 16);
     const uint64_t v_desc = wg::sw128_desc(own + T::PARTS * T::OWN_ELEMS + wg * 64 * T::ROW_VALUES, 16);
     float dk[T::D / 8][4], dv[T::D / 8][4], st[T::STREAM / 8][4], dpt[T::STREAM / 8][4];
@@ -411,7 +487,9 @@ __global__ void __launch_bounds__(T::THREADS, 1) dkdv_kernel(const BwdParams p, 
     for (int j = ring.tile_begin; j < tile_end; ++j) {
         const int s = ring.slot(j), q_lo = j * T::STREAM;
         bulk::wait(&bars.full[s], ring.parity(j));
-        if (kCausal && key_lo > q_lo + T::STREAM - 1) {  // every key of the warpgroup after every query
+        // Every key of the warpgroup after every query (causal), or hidden from every query (the rule).
+        if ((kCausal && key_lo > q_lo + T::STREAM - 1) ||
+            (kVariant && va.v.none_visible(q_lo, q_lo + T::STREAM, key_lo, key_lo + 64))) {
             wg::wait<0>();
             finish_pending();
             release(j);
@@ -431,22 +509,35 @@ __global__ void __launch_bounds__(T::THREADS, 1) dkdv_kernel(const BwdParams p, 
         finish_pending();
         const float* lse2 = lse2_of(s);
         const float* Dr = lse2 + T::STREAM;
-        const bool cut = kCausal && key_lo + 16 * warp + 15 > q_lo;  // some key of the warp after some query
+        if constexpr (kVariant) {  // P into pa, P∘f into st
+            const int wk0 = key_lo + 16 * warp;
+            const float dist0 = static_cast<float>(q_lo + 2 * t + va.v.offset - key0);  // diag − key of (0, 0)
+            variant_tile_weights<T, true>(
+                st, pa, va, slope_log2, p.M, wk0 + 16 > p.M || !va.v.all_visible(q_lo, q_lo + T::STREAM, wk0, wk0 + 16),
+                [&](int jj, int e, int& r, int& c) {
+                    r = q_lo + 8 * jj + 2 * t + (e & 1);
+                    c = key0 + 8 * (e >> 1);
+                },
+                [&](int jj, int e) { return dist0 + static_cast<float>(8 * jj + (e & 1) - 8 * (e >> 1)); },
+                [&](int jj, int e) { return lse2[8 * jj + 2 * t + (e & 1)]; });
+        } else {
+            const bool cut = kCausal && key_lo + 16 * warp + 15 > q_lo;  // some key of the warp after some query
 #pragma unroll
-        for (int jj = 0; jj < T::STREAM / 8; ++jj)
+            for (int jj = 0; jj < T::STREAM / 8; ++jj)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int c = 8 * jj + 2 * t + (e & 1);  // the query within the tile
-                const float x = flash::exp2_ftz(__fmaf_rn(st[jj][e], p.scale_log2, -lse2[c]));
-                st[jj][e] = cut && key0 + 8 * (e >> 1) > q_lo + c ? 0.f : x;
-            }
+                for (int e = 0; e < 4; ++e) {
+                    const int c = 8 * jj + 2 * t + (e & 1);  // the query within the tile
+                    const float x = flash::exp2_ftz(__fmaf_rn(st[jj][e], p.scale_log2, -lse2[c]));
+                    st[jj][e] = cut && key0 + 8 * (e >> 1) > q_lo + c ? 0.f : x;
+                }
+        }
         wg::wait<0>();
         wg::fence_operands(dpt);
 #pragma unroll
         for (int jj = 0; jj < T::STREAM / 8; ++jj)
 #pragma unroll
             for (int e = 0; e < 4; ++e) dpt[jj][e] = st[jj][e] * (dpt[jj][e] - Dr[8 * jj + 2 * t + (e & 1)]);
-        Ops::template pack_a<T::STREAM>(pa, st);
+        if constexpr (!kVariant) Ops::template pack_a<T::STREAM>(pa, st);
         Ops::template pack_a<T::STREAM>(dsa, dpt);
         wg::fence();
         if constexpr (T::PARTS == 2) {
@@ -467,9 +558,11 @@ __global__ void __launch_bounds__(T::THREADS, 1) dkdv_kernel(const BwdParams p, 
 #endif
 }
 
-// Kernel 2 (grid: x = query blocks, y = heads): dQ of the block's OWN query rows.
-template <class T, bool kCausal>
-__global__ void __launch_bounds__(T::THREADS, 1) dq_kernel(const BwdParams p, const __grid_constant__ BwdMaps maps) {
+// Kernel 2 (grid: x = query blocks, y = heads): dQ of the block's OWN query rows. kVariant: as
+// kernel 1's.
+template <class T, bool kCausal, bool kVariant>
+__global__ void __launch_bounds__(T::THREADS, 1) dq_kernel(const BwdParams p, const __grid_constant__ BwdMaps maps,
+                                                           const __grid_constant__ VariantArgs va) {
 #if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
     __trap();
 #else
@@ -479,11 +572,14 @@ __global__ void __launch_bounds__(T::THREADS, 1) dq_kernel(const BwdParams p, co
     E* const own = atom_aligned<E>(smem_f4);   // Q [PARTS][OWN×D], dO [PARTS][OWN×D]
     E* const tiles = own + 2 * T::PARTS * T::OWN_ELEMS;  // [STAGES]{K, V [STREAM×D], and Kᵀ [D×STREAM]}
     __shared__ Barriers<T> bars;
-    // Causal blocks go longest first (the last query block sees the most keys).
-    const int qblock = kCausal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+    // Causal blocks go longest first (the last query block sees the most keys; so does a
+    // bottom-right one's under the rule).
+    const int qblock = kCausal || kVariant ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
     const int head = p.head0 + blockIdx.y, q0 = qblock * T::OWN;
-    const StageRing ring{0, T::STAGES};
-    const int tile_end = flash::visible_key_tiles<kCausal>(p.M, p.N, q0, T::OWN, T::STREAM);
+    // The key tiles the block's rows can see: the variant's, those of [first_key, end_key).
+    int tile_begin = 0, tile_end = flash::visible_key_tiles<kCausal>(p.M, p.N, q0, T::OWN, T::STREAM);
+    if constexpr (kVariant) flash::variant_tile_share(va.v, p.M, p.N, q0, T::OWN, T::STREAM, 1, 0, tile_begin, tile_end);
+    const StageRing ring{tile_begin, T::STAGES};
     auto k_tile = [&](int s) { return tiles + s * T::MATS_2 * T::STREAM_MAT; };
     auto v_tile = [&](int s) { return k_tile(s) + T::STREAM_MAT; };
     auto k_b = [&](int s) { return Ops::TRANSPOSED_COPIES ? k_tile(s) + 2 * T::STREAM_MAT : k_tile(s); };
@@ -510,6 +606,7 @@ __global__ void __launch_bounds__(T::THREADS, 1) dq_kernel(const BwdParams p, co
     const int wg = threadIdx.x / kWarpgroup, warp = (threadIdx.x % kWarpgroup) / 32;
     const int lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
     const int wg_row0 = q0 + 64 * wg, warp_row0 = wg_row0 + 16 * warp, row0 = warp_row0 + g;
+    const float slope_log2 = kVariant ? va.v.slope(head) * flash::kLog2e : 0.f;
     const uint64_t q_desc = wg::sw128_desc(own + wg * 64 * T::ROW_VALUES, 16);
     const uint64_t do_desc = wg::sw128_desc(own + T::PARTS * T::OWN_ELEMS + wg * 64 * T::ROW_VALUES, 16);
     const size_t row_base = static_cast<size_t>(head) * p.n_pad;  // n_pad covers every block's rows
@@ -532,11 +629,13 @@ __global__ void __launch_bounds__(T::THREADS, 1) dq_kernel(const BwdParams p, co
         release(pending);
         pending = -1;
     };
-    if (tile_end > 0) bulk::wait(&bars.own, 0);
-    for (int j = 0; j < tile_end; ++j) {
+    if (ring.tile_begin < tile_end) bulk::wait(&bars.own, 0);
+    for (int j = ring.tile_begin; j < tile_end; ++j) {
         const int st = ring.slot(j), key_lo = j * T::STREAM;
         bulk::wait(&bars.full[st], ring.parity(j));
-        if (kCausal && key_lo > wg_row0 + 63) {  // every key of the tile after every row of the warpgroup
+        // Every key of the tile after every row of the warpgroup (causal), or hidden from all of them.
+        if ((kCausal && key_lo > wg_row0 + 63) ||
+            (kVariant && va.v.none_visible(wg_row0, wg_row0 + 64, key_lo, key_lo + T::STREAM))) {
             wg::wait<0>();
             finish_pending();
             release(j);
@@ -556,16 +655,30 @@ __global__ void __launch_bounds__(T::THREADS, 1) dq_kernel(const BwdParams p, co
         // (3xTF32 read the last tile's own dQ sums above: read while any wgmma is in flight, ptxas
         // serializes every wgmma of the kernel.)
         if constexpr (T::PARTS == 1) finish_pending();
-        // Keys past M (zeros) and, causal, keys after the row get P = 0.
-        const bool cut = key_lo + T::STREAM > p.M || (kCausal && key_lo + T::STREAM - 1 > warp_row0);
+        // Keys past M (zeros) and, causal, keys after the row get P = 0; the variant's P∘f.
+        if constexpr (kVariant) {
+            uint32_t unused[1][T::STREAM / 16][4];
+            const float dist0 = static_cast<float>(row0 + va.v.offset - key_lo - 2 * t);  // diag − key of (0, 0)
+            variant_tile_weights<T, false>(
+                s, unused, va, slope_log2, p.M,
+                key_lo + T::STREAM > p.M || !va.v.all_visible(warp_row0, warp_row0 + 16, key_lo, key_lo + T::STREAM),
+                [&](int jj, int e, int& r, int& c) {
+                    r = row0 + 8 * (e >> 1);
+                    c = key_lo + 8 * jj + 2 * t + (e & 1);
+                },
+                [&](int jj, int e) { return dist0 + static_cast<float>(8 * (e >> 1) - 8 * jj - (e & 1)); },
+                [&](int, int e) { return lse2[e >> 1]; });
+        } else {
+            const bool cut = key_lo + T::STREAM > p.M || (kCausal && key_lo + T::STREAM - 1 > warp_row0);
 #pragma unroll
-        for (int jj = 0; jj < T::STREAM / 8; ++jj)
+            for (int jj = 0; jj < T::STREAM / 8; ++jj)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int key = key_lo + 8 * jj + 2 * t + (e & 1), row = row0 + 8 * (e >> 1);
-                const float x = flash::exp2_ftz(__fmaf_rn(s[jj][e], p.scale_log2, -lse2[e >> 1]));
-                s[jj][e] = cut && (key >= p.M || (kCausal && key > row)) ? 0.f : x;
-            }
+                for (int e = 0; e < 4; ++e) {
+                    const int key = key_lo + 8 * jj + 2 * t + (e & 1), row = row0 + 8 * (e >> 1);
+                    const float x = flash::exp2_ftz(__fmaf_rn(s[jj][e], p.scale_log2, -lse2[e >> 1]));
+                    s[jj][e] = cut && (key >= p.M || (kCausal && key > row)) ? 0.f : x;
+                }
+        }
         wg::wait<0>();
         wg::fence_operands(dp);
 #pragma unroll
@@ -615,18 +728,22 @@ __global__ void __launch_bounds__(256) rows_kernel(const float* __restrict__ dO,
 }
 
 // Both kernels over a's heads (a grid holds at most kMaxGridYZ), their shared-memory limits raised
-// first; lse2 and Drow as the preparation pass wrote them, n_pad floats a head.
-template <class T, bool kCausal>
+// first; lse2 and Drow as the preparation pass wrote them, n_pad floats a head. kVariant: a's
+// variant, whose per-head inputs the kernels index by the head of the whole call (head0 + y).
+template <class T, bool kCausal, bool kVariant = false>
 void launch_kernels(const FlashBwdArgs& a, const BwdMaps& by_keys, const BwdMaps& by_rows, const float* lse2,
                     const float* Drow, int n_pad, cudaStream_t stream) {
-    kernel_blocks_per_sm<T, dkdv_kernel<T, kCausal>>();
-    kernel_blocks_per_sm<T, dq_kernel<T, kCausal>>();
+    kernel_blocks_per_sm<T, dkdv_kernel<T, kCausal, kVariant>>();
+    kernel_blocks_per_sm<T, dq_kernel<T, kCausal, kVariant>>();
+    const VariantArgs va = kVariant ? variant_args(a.scale, a.variant) : VariantArgs{};
     for (int head0 = 0; head0 < a.heads; head0 += kMaxGridYZ) {
         const int heads = std::min(kMaxGridYZ, a.heads - head0);
         const BwdParams p{lse2, Drow, a.dQ, a.dK, a.dV, head0, a.heads, a.N, a.M, n_pad, a.scale * flash::kLog2e, a.scale};
-        dkdv_kernel<T, kCausal><<<dim3(ceil_div(a.M, T::OWN), heads), T::THREADS, T::SMEM_BYTES, stream>>>(p, by_keys);
+        dkdv_kernel<T, kCausal, kVariant>
+            <<<dim3(ceil_div(a.M, T::OWN), heads), T::THREADS, T::SMEM_BYTES, stream>>>(p, by_keys, va);
         LAUNCH_CHECK(dkdv_kernel);
-        dq_kernel<T, kCausal><<<dim3(ceil_div(a.N, T::OWN), heads), T::THREADS, T::SMEM_BYTES, stream>>>(p, by_rows);
+        dq_kernel<T, kCausal, kVariant>
+            <<<dim3(ceil_div(a.N, T::OWN), heads), T::THREADS, T::SMEM_BYTES, stream>>>(p, by_rows, va);
         LAUNCH_CHECK(dq_kernel);
     }
 }
