@@ -367,13 +367,9 @@ __device__ __forceinline__ void variant_weights(float (&s)[T::STREAM / 8][4], ui
                 float exponent;
                 if constexpr (kAlibi) exponent = __fmaf_rn(-slope_log2, fabsf(dist_of(jj, e)), y * c) - lse2_of(jj, e);
                 else exponent = __fmaf_rn(y, c, -lse2_of(jj, e));
-                bool hidden = false;
-                if (cut) {
-                    int r, k;
-                    at(jj, e, r, k);
-                    hidden = k >= M || !va.v.visible(r, k);
-                }
-                p[i] = hidden ? 0.f : flash::exp2_ftz(exponent);
+                int r, k;
+                at(jj, e, r, k);
+                p[i] = cut && (k >= M || !va.v.visible(r, k)) ? 0.f : flash::exp2_ftz(exponent);
                 s[jj][e] = kCap ? p[i] * f : p[i];
             }
             if constexpr (kPack) pa[0][jj / 2][(jj % 2) * 2 + h] = T::Fmt::pack(p[0], p[1]);
