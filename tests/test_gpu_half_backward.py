@@ -91,8 +91,9 @@ def test_the_wgmma_flash_backward_is_deterministic(binary, tmp_path, precision, 
 
 
 def test_the_half_flash_backward_refuses_a_variant_it_does_not_compute(binary, tmp_path):
-    """Dropout at bf16: the wgmma kernels take no per-element inputs (dropout, mask or bias files),
-    so asking for the flash stages is one clear error naming the gradients, and nothing is written."""
+    """Dropout at bf16: neither half flash kernel, forward or backward, takes per-element inputs
+    (dropout, mask or bias files), so asking for the flash stages is one clear error naming the
+    gradients among them, and nothing is written."""
     generate_case(tmp_path / "in", Dims(1, 1, 64, 64, 64, 64), backward=True)
     proc = subprocess.run([str(binary), "--in", str(tmp_path / "in"), "--out", str(tmp_path / "out"),
                            "--backend", "cuda", "--precision", "bf16", "--stages", "flash", "--dropout", "0.1"],

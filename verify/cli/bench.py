@@ -194,9 +194,9 @@ def _reread(from_json: Path, plot_path: Optional[Path]) -> dict:
 @click.option("--variants", type=click.Choice((GOALS_PRESET,)),
               help="goals: run exactly what the variants' goals compare, each against the same kernel without "
                    "the variant (the flash rows only): GQA H=32 Hk=8 N=M=8192 d128 bf16 against MHA; window "
-                   "(1024, 0) against full causal at N=M=16384 bf16; softcap 50 against none at B4 H16 N=M=4096 "
-                   "d128, bf16 and fp32 (and the fp32 backward). Replaces --shape, --precision, --pass, --only and "
-                   "the variant options.")
+                   "(1024, 0) against full causal at N=M=16384 bf16, forward and backward; softcap 50 against none "
+                   "at B4 H16 N=M=4096 d128, forward and backward at bf16 and fp32. Replaces --shape, --precision, "
+                   "--pass, --only and the variant options.")
 @click.option("--decode", type=click.Choice((decode_goals.GOALS_PRESET,)),
               help="goals: time the paged decode kernel (split-KV and its combine, main --bench-decode) at B=64 H=32 "
                    "Hk=8 d128 bf16, one query per sequence, pages of 64, caches of 8192 and 32768 keys: its GB/s of "
