@@ -4,7 +4,7 @@
 # (memcheck, racecheck), the large bounded-memory cases, and the benchmarks.
 #
 #   scripts/gpu_check.sh [build] [tests] [gputests] [alarms] [sdpa] [xcheck] [demo] [example] [sanitize|memcheck|racecheck]
-#                        [large] [bigbwd] [bench] [halfbench] [decode] [varlen] [sweep]
+#                        [large] [bigbwd] [bench] [halfbench] [variants] [decode] [varlen] [sweep]
 #                        (default: build tests demo example sanitize large bigbwd bench halfbench)
 #   tests: the whole suite; gputests: only the tests marked gpu, false-alarm sweep aside; alarms:
 #   the CUDA false-alarm sweep alone (fp32 with each flash kernel, tf32, bf16, fp16); sdpa:
@@ -28,6 +28,9 @@
 #   comparison on the same inputs; into $OUT/bench_half.json and .png.
 #   HALF_BENCH_ARGS="--precision bf16" scripts/gpu_check.sh halfbench            (added to those)
 #   HALF_BENCH_ARGS="--pass forward" scripts/gpu_check.sh halfbench              (one pass alone)
+#   variants: the variants' goals (attnstep bench --variants goals: GQA, a window (1024, 0) and
+#   softcap 50, each against the same kernel without it, flash forward and backward); into
+#   $OUT/bench_variants.json.
 #   decode: the paged decode kernel's goals (attnstep bench --decode goals: B 64, H 32, Hk 8, d 128,
 #   bf16, caches of 8192 and 32768 keys in pages of 64) against a device copy and PyTorch SDPA on the
 #   gathered cache; into $OUT/bench_decode.json; DECODE_BENCH_ARGS="--reps 50" adds options.
@@ -242,6 +245,11 @@ if want halfbench; then
     tail -n 40 "$OUT/halfbench.log"
 fi
 
+if want variants; then
+    step variants $ATTNSTEP bench --variants goals --binary $BUILD/main --json "$OUT/bench_variants.json"
+    sed -n '/^goals:/,$p' "$OUT/variants.log"
+fi
+
 if want decode; then
     step decode $ATTNSTEP bench --decode goals --binary $BUILD/main --json "$OUT/bench_decode.json" ${DECODE_BENCH_ARGS:-}
     tail -n 20 "$OUT/decode.log"
@@ -275,7 +283,7 @@ fi
 
 echo "== summary ($(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1))"
 rc=0
-for name in build tests gputests alarms sdpa xcheck demo example memcheck racecheck large bigbwd bench halfbench decode sweep; do
+for name in build tests gputests alarms sdpa xcheck demo example memcheck racecheck large bigbwd bench halfbench variants decode sweep; do
     [ -n "${result[$name]:-}" ] || continue
     printf '%-10s %s\n' "$name" "${result[$name]}"
     case "${result[$name]}" in FAIL*) rc=1 ;; esac
