@@ -341,10 +341,9 @@ __global__ void __launch_bounds__(T::THREADS, T::MIN_BLOCKS)
     load_rows<T, T::BB>(Vs, p.V + koff * T::D, k0, p.M);
     cp_async_commit();
 
-    // Causal: query rows before k0 see none of these keys. The variant: the rows of
-    // [first_row(k0), end_row(k0 + BB)), those that may see one of them.
-    const int n_tiles = kVariant ? ceil_div(va.v.end_row(min(k0 + T::BB, p.M), p.N), T::BT) : ceil_div(p.N, T::BT);
-    const int first = kVariant ? min(n_tiles, va.v.first_row(k0) / T::BT) : kCausal ? min(n_tiles, k0 / T::BT) : 0;
+    // Causal: query rows before k0 see none of these keys; the variant's rule, those of its range.
+    int first = 0, n_tiles = 0;
+    visible_query_tiles<kCausal, kVariant>(va.v, p.M, p.N, k0, T::BB, T::BT, first, n_tiles);
     auto load_tile = [&](int i, int buf) {
         const int q0 = i * T::BT;
         load_rows<T, T::BT>(Qs + buf * T::STAGE, Qh, q0, p.N);

@@ -130,6 +130,16 @@ __device__ __forceinline__ void variant_tile_share(const DeviceVariant& v, int M
     end += first;
 }
 
+// The query tiles of BT rows that a block of BB keys from k0 is seen by: [begin, end). All ⌈N/BT⌉,
+// or (top-left causal) from the one holding row k0 on, or the variant's, those of the rows
+// [first_row(k0), end_row(the block's end)): the backward's dK/dV side of variant_tile_share.
+template <bool kCausal, bool kVariant>
+__device__ __forceinline__ void visible_query_tiles(const DeviceVariant& v, int M, int N, int k0, int BB, int BT,
+                                                    int& begin, int& end) {
+    end = kVariant ? ceil_div(v.end_row(min(k0 + BB, M), N), BT) : ceil_div(N, BT);
+    begin = kVariant ? min(end, v.first_row(k0) / BT) : kCausal ? min(end, k0 / BT) : 0;
+}
+
 // C(16×8) += A(16×8, row) · B(8×8, col), TF32 inputs, FP32 accumulators (mma.sync, sm_80+).
 __device__ __forceinline__ void mma_tf32(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
 #ifndef ATTNSTEP_NO_CP_ASYNC

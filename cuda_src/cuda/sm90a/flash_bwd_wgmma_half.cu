@@ -8,9 +8,9 @@
 // tile's dV, dK group is waited for. Their variant instantiation takes the rule of either causal
 // alignment and sliding windows (the tiles of its range alone), the softcap and ALiBi; mask or bias
 // files and dropout are left to the stage path. This file holds the preparation pass and the launch:
-//   0. dO to the format (a run's inputs already hold the format's values; a caller's float32 dO
-//      is rounded), and per query row D = rowsum(dO∘O) of that rounded dO and lse·log2 e, padded
-//      to whole query blocks (+inf and 0 past N, so a tail row's P is exactly 0).
+//   0. One pass over dO: dO to the format (a run's inputs already hold the format's values; a
+//      caller's float32 dO is rounded), and per query row D = rowsum(dO∘O) of that rounded dO and
+//      lse·log2 e, padded to whole query blocks (+inf and 0 past N, so a tail row's P is exactly 0).
 //
 // The arithmetic, which the verifier's model of the half pipeline bounds (as it bounds the CPU
 // backend's emulation, cuda_src/cpu/flash_backward.cpp): half products exact, summed in FP32 by
@@ -33,7 +33,6 @@
 #include "../device.cuh"
 #include "../flash_common.cuh"
 #include "../flash_dispatch.cuh"
-#include "../half.cuh"
 #include "../half_format.cuh"
 #include "../warp.cuh"
 #include "flash_bwd_wgmma_kernels.cuh"
@@ -64,10 +63,9 @@ void launch_tiles(const FlashBwdArgs& a, cudaStream_t stream) {
     uint16_t* dOh = reinterpret_cast<uint16_t*>(ws.p);
     float* lse2 = ws.p + sizes.dO_floats;
     float* Drow = lse2 + sizes.row_floats;
-    launch_to_half(a.dO, dOh, static_cast<size_t>(a.heads) * a.N * a.d, a.precision, stream);
     const long long rows = static_cast<long long>(a.heads) * n_pad;
     const int blocks = static_cast<int>(std::min<long long>((rows + 7) / 8, 64LL * device_sm_count()));
-    rows_kernel<typename T::Fmt><<<blocks, 256, 0, stream>>>(a.dO, a.O, a.lse, lse2, Drow, rows, a.N, n_pad, a.d);
+    rows_kernel<typename T::Fmt><<<blocks, 256, 0, stream>>>(a.dO, a.O, a.lse, lse2, Drow, dOh, rows, a.N, n_pad, a.d);
     LAUNCH_CHECK(rows_kernel);
     const BwdMaps by_keys{tma::rows_map(a.Qh, T::D, a.N, a.heads, T::STREAM), tma::rows_map(a.Kh, T::D, a.M, a.heads, T::OWN),
                           tma::rows_map(a.Vh, T::D, a.M, a.heads, T::OWN), tma::rows_map(dOh, T::D, a.N, a.heads, T::STREAM)};

@@ -411,9 +411,9 @@ __global__ void __launch_bounds__(T::THREADS, 1) dkdv_kernel(const BwdParams p, 
     const int head = p.head0 + blockIdx.y, k0 = blockIdx.x * T::OWN;
     // The query tiles that can see the block's keys: causal, from the one holding query k0 on; the
     // variant's, those of the rows [first_row, end_row) of its keys.
-    const int tile_end = kVariant ? ceil_div(va.v.end_row(min(k0 + T::OWN, p.M), p.N), T::STREAM) : ceil_div(p.N, T::STREAM);
-    const StageRing ring{kVariant ? min(tile_end, va.v.first_row(k0) / T::STREAM) : kCausal ? k0 / T::STREAM : 0,
-                         T::STAGES};
+    int tile_begin = 0, tile_end = 0;
+    flash::visible_query_tiles<kCausal, kVariant>(va.v, p.M, p.N, k0, T::OWN, T::STREAM, tile_begin, tile_end);
+    const StageRing ring{tile_begin, T::STAGES};
     auto q_tile = [&](int s) { return tiles + s * T::MATS_1 * T::STREAM_MAT; };
     auto do_tile = [&](int s) { return q_tile(s) + T::STREAM_MAT; };
     // The B operands of dK += dSᵀ·Q and dV += Pᵀ·dO: the tiles, or their transposed copies.
@@ -697,11 +697,14 @@ __global__ void __launch_bounds__(T::THREADS, 1) dq_kernel(const BwdParams p, co
 // The preparation pass's row vectors, one warp per padded row: D = rowsum(dO∘O) of dO as the GEMMs
 // read it (Fmt::round: rounded to a half format; the TF32 family, as flash_bwd.cu, sums the FP32
 // dO), by FP32 FMAs strided per lane, then a butterfly; and lse·log2 e (a row that saw no key,
-// lse = −inf, gets +inf: P = 0).
+// lse = −inf, gets +inf: P = 0). A half format also writes dO rounded to it (dO_half, the GEMMs'
+// operand) in the same pass, which reads dO once for both.
 template <class Fmt>
 __global__ void __launch_bounds__(256) rows_kernel(const float* __restrict__ dO, const float* __restrict__ O,
                                                    const float* __restrict__ lse, float* __restrict__ lse2,
-                                                   float* __restrict__ Drow, long long rows, int N, int n_pad, int d) {
+                                                   float* __restrict__ Drow, uint16_t* __restrict__ dO_half,
+                                                   long long rows, int N, int n_pad, int d) {
+    constexpr bool kHalf = Fmt::precision != Precision::fp32;
     const int lane = threadIdx.x % 32;
     const long long warps = static_cast<long long>(gridDim.x) * (blockDim.x / 32);
     for (long long r = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; r < rows; r += warps) {
@@ -713,7 +716,11 @@ __global__ void __launch_bounds__(256) rows_kernel(const float* __restrict__ dO,
         }
         const size_t at = (static_cast<size_t>(h) * N + i) * d;
         float sum = 0.f;
-        for (int c = lane; c < d; c += 32) sum = fmaf(Fmt::round(dO[at + c]), O[at + c], sum);
+        for (int c = lane; c < d; c += 32) {
+            const float x = dO[at + c];
+            sum = fmaf(Fmt::round(x), O[at + c], sum);
+            if constexpr (kHalf) dO_half[at + c] = static_cast<uint16_t>(Fmt::pack(x, 0.f));  // the low half
+        }
         sum = warp_sum(sum);
         if (lane == 0) {
             const float l = lse[static_cast<size_t>(h) * N + i];

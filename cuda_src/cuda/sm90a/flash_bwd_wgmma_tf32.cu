@@ -166,7 +166,7 @@ void launch_tiles(const FlashBwdArgs& a, cudaStream_t stream) {
     launch_transpose<P>(a.K, KT, a.M, m_pad, T::D, a.heads, stream);
     const long long rows = static_cast<long long>(a.heads) * n_pad;
     const int blocks = static_cast<int>(std::min<long long>((rows + 7) / 8, 64LL * device_sm_count()));
-    rows_kernel<Fp32><<<blocks, 256, 0, stream>>>(a.dO, a.O, a.lse, lse2, Drow, rows, a.N, n_pad, a.d);
+    rows_kernel<Fp32><<<blocks, 256, 0, stream>>>(a.dO, a.O, a.lse, lse2, Drow, nullptr, rows, a.N, n_pad, a.d);
     LAUNCH_CHECK(rows_kernel);
     constexpr int kF = sizeof(float);
     const int ph = P * a.heads;  // the maps' heads: every part
