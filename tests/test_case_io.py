@@ -6,8 +6,9 @@ import re
 import numpy as np
 import pytest
 
-from verify.files.case import (CaseError, load_input_case, matrix_bytes, parse_text_matrix, read_matrix,
-                               write_matrix)
+from verify.cli.group import cli
+from verify.files.case import (CaseError, load_input_case, matrix_bytes, matrix_max_bytes, parse_text_matrix,
+                               read_matrix, write_matrix)
 from verify.files.generate import generate_case
 from verify.stages import Dims, parse_stage_file, stage_file
 
@@ -53,6 +54,19 @@ def test_nonfinite_inputs_rejected_with_location():
         parse_text_matrix(b"# header\n1 2\n3 nan\n", "q.txt", allow_nonfinite=False)
     assert "q.txt:3:2" in str(exc.value)
     assert parse_text_matrix(b"1 inf\n", "ok.txt").shape == (1, 2)
+
+
+@pytest.mark.parametrize("token, value", [("1e400", "'1e400'"), ("-1E999", "'-1E999'"), ("1e39", "1e+39")])
+def test_a_number_past_float32_is_an_overflow_not_an_infinity(token, value):
+    """Written as a number, it overflows float32 (as the binary says), even past float64's range,
+    where NumPy reads it as inf; a spelled-out inf stays a non-finite input."""
+    text = f"# header\n1 2\n3 {token}\n".encode()
+    for allow in (True, False):
+        with pytest.raises(CaseError) as exc:
+            parse_text_matrix(text, "q.txt", allow_nonfinite=allow)
+        assert str(exc.value) == f"q.txt:3:2: value {value} overflows float32"
+    with pytest.raises(CaseError, match="q.txt:3:2: -inf in an input"):
+        parse_text_matrix(b"# header\n1 2\n3 -inf\n", "q.txt", allow_nonfinite=False)
 
 
 def test_npy_wrong_dtype_and_shape(tmp_path):
@@ -256,6 +270,43 @@ def test_npy_with_bytes_after_the_data_or_not_npy_at_all(tmp_path):
         z.writestr("a.npy", matrix_bytes(np.zeros((2, 2), np.float32), "npy"))
     with pytest.raises(CaseError, match="an .npz archive, not an .npy file"):
         read_matrix(path)
+
+
+@pytest.mark.parametrize("array, words", [
+    (np.zeros((256, 128)), r"Q_head_0.npy: dtype float64, expected float32 \('<f4'\) or float16 \('<f2'\); HINT: "),
+    (np.full((256, 128), 0.5, dtype=object), r"holds Python objects \(dtype '\|O': a pickled array\), not numbers; HINT"),
+    (np.zeros((512, 128), np.float32), r"Q_head_0.npy: shape 512x128, expected 256x128$"),
+    (np.zeros((256, 128, 2), np.float32), r"Q_head_0.npy: 3-d array, expected a 2-d matrix$"),
+], ids=["float64", "pickled", "other-shape", "3-d"])
+def test_an_npy_too_large_for_its_matrix_says_what_it_holds(tmp_path, array, words):
+    """NumPy's default float64, a pickled array of Python objects, another shape: each named from
+    the file's header (as a file small enough to be read is), where the size alone would only say
+    that the file is not this matrix."""
+    path = tmp_path / "Q_head_0.npy"
+    np.save(path, array, allow_pickle=True)
+    assert path.stat().st_size > matrix_max_bytes((256, 128), "npy")  # refused before it is read
+    with pytest.raises(CaseError, match=words):
+        read_matrix(path, (256, 128))
+
+
+def test_a_small_pickled_npy_is_named_not_called_damaged(tmp_path):
+    path = tmp_path / "Q_head_0.npy"
+    np.save(path, np.full((2, 2), 0.5, dtype=object), allow_pickle=True)
+    with pytest.raises(CaseError, match=r"Q_head_0.npy: holds Python objects .*; HINT: save numbers"):
+        read_matrix(path, (2, 2))
+    with pytest.raises(CaseError, match="holds Python objects"):
+        read_matrix(path)
+
+
+def test_check_names_a_float64_input_in_one_line(runner, tmp_path):
+    generate_case(tmp_path / "in", Dims(1, 1, 256, 6, 128, 8), fmt="npy")
+    (tmp_path / "out").mkdir()
+    np.save(tmp_path / "out" / "output_head_0.npy", np.zeros((256, 8), np.float32))  # another program's output
+    q = tmp_path / "in" / "Q_head_0.npy"
+    np.save(q, np.load(q).astype(np.float64))
+    res = runner.invoke(cli, ["check", "--in", str(tmp_path / "in"), "--out", str(tmp_path / "out")])
+    assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+    assert res.output.count("\n") == 1 and "Q_head_0.npy: dtype float64, expected float32" in res.output, res.output
 
 
 def test_npy_descr_must_be_spelled_little_endian_float32(tmp_path):

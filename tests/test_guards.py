@@ -294,3 +294,15 @@ def test_a_names_file_pattern_with_control_characters_is_refused_escaped(tmp_pat
     names.write_text('output = "O_\\u001b]52;c;eA==\\u0007{i}.txt"\n')
     err = one_line_error(invoke("check", "--in", in_dir, "--out", out_dir, "--names", names))
     assert no_controls(err) and "control characters in a file name" in err and "\\x1b]52" in err
+
+
+@pytest.mark.parametrize("content, words", [
+    (b"output = [\n", "names.toml: not a valid names file ("),
+    (b"output = \"O_\xe9{i}.txt\"\n", "names.toml:1:13: byte 0xE9 in the names file (ASCII text only)"),
+], ids=["not-toml", "not-ascii"])
+def test_a_broken_names_file_is_called_a_names_file(tmp_path, good_run, content, words):
+    in_dir, out_dir = good_run
+    names = tmp_path / "names.toml"
+    names.write_bytes(content)
+    err = one_line_error(invoke("check", "--in", in_dir, "--out", out_dir, "--names", names))
+    assert words in err and "manifest" not in err, err

@@ -157,6 +157,18 @@ def test_a_block_table_entry_out_of_range_is_named_by_its_place():
     assert _call(case, block_table=table)
 
 
+def test_an_unsigned_block_table_entry_is_shown_as_written():
+    """A uint64 table (a sentinel of 2^64 − 1, say) is named with its own value, not a wrapped −1;
+    where no key reads the sentinel, the table is taken."""
+    case = DecodeCase(SEQLENS, n_new=2)
+    table = case.block_table.astype(np.uint64)
+    table[1, 2] = 2**64 - 1
+    with pytest.raises(ValueError, match=r"^block_table\[1, 2\] = 18446744073709551615 is outside 0\.\."):
+        _call(case, block_table=table)
+    table[1, 2], table[1, -1] = case.block_table[1, 2], 2**64 - 1
+    assert _call(case, block_table=table)
+
+
 def test_dense_cache_refusals():
     case = DecodeCase(SEQLENS, n_new=2, page_size=None)
     with pytest.raises(ValueError, match=r"^k_cache holds 2 sequences, q 3: a dense cache is .*pass block_table="):

@@ -203,13 +203,15 @@ def _seqlens(cache_seqlens, batch: int) -> Tuple[int, ...]:
 
 
 def _table(block_table, batch: int) -> np.ndarray:
+    """The block table as given (its own integer type, so that an entry is shown as written: a
+    uint64 2^64 − 1 is no −1), its shape and type checked."""
     t = as_array(block_table, "block_table")
     if t.ndim != 2 or t.dtype.kind not in "iu":
         raise ValueError(f"block_table: expected (batch, max_blocks_per_seq) whole numbers, got {t.dtype} of shape "
                          f"{tuple(t.shape)}")
     if t.shape[0] != batch:
         raise ValueError(f"block_table has {plural(t.shape[0], 'row')} for a batch of {batch}")
-    return t.astype(np.int64)
+    return t
 
 
 def _fits(seqlens: Tuple[int, ...], n_new: int, capacity: int, where: str) -> None:
@@ -244,7 +246,7 @@ def _layout(k: np.ndarray, q: np.ndarray, block_table, seqlens, n_new: int) -> T
     _fits(seqlens, n_new, table.shape[1] * page_size,
           f"the {plural(table.shape[1], 'page')} of {page_size} that block_table gives each sequence")
     _table_entries(table, seqlens, n_new, page_size, k.shape[0])
-    return table, page_size
+    return table.astype(np.int64), page_size  # (an entry no sequence reads may wrap: it is never used)
 
 
 def kv_cache(q, k_cache, v_cache, cache_seqlens, block_table=None, k_new=None, v_new=None) -> KVCache:

@@ -68,21 +68,22 @@ def _line_col(data: bytes, offset: int) -> str:
     return f"{line}:{col}"
 
 
-def read_toml(path: Path) -> dict:
+def read_toml(path: Path, what: str = "manifest") -> dict:
+    """A TOML file of the manifests' subset; `what` names it in errors (a names file is no manifest)."""
     data = read_bytes(path)
     # ASCII without control characters (tabs and line ends aside, a CR only before a line feed),
     # as the binary's reader.
     bad = re.search(rb"[^\t\n\r\x20-\x7e]|\r(?!\n)", data)
     if bad:
         raise CaseError(f"{path}:{_line_col(data, bad.start())}: byte 0x{data[bad.start()]:02X} in the "
-                        "manifest (ASCII text only)")
+                        f"{what} (ASCII text only)")
     multi = _MULTILINE_STRING.search(data)
     if multi:
         raise CaseError(f"{path}:{_line_col(data, multi.start(1))}: multi-line strings are not supported")
     try:
         return tomllib.loads(data.decode("ascii"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-        raise CaseError(f"{path}: not a valid manifest ({exc})") from None
+        raise CaseError(f"{path}: not a valid {what} ({exc})") from None
 
 
 def _toml_value(v) -> str:

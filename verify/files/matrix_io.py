@@ -22,7 +22,7 @@ import numpy as np
 from ..stages import NPY_MAX_HEADER_BYTES, TEXT_BYTES_PER_VALUE, TEXT_SLACK_BYTES
 from ..text import plural, printable
 from .kinds import CaseError, file_kind, new_temp_file, not_regular, own_name, refuse_unreadable_kind
-from .npy_bytes import load_npy, npy_header
+from .npy_bytes import load_npy, npy_header, oversized_npy
 
 # How much of a token that is not a number an error quotes.
 QUOTED_TOKEN_LIMIT = 40
@@ -168,6 +168,11 @@ def parse_text_matrix(data: bytes, name: str, shape: Optional[Tuple[int, int]] =
     linenos = None
     if mat is None or (shape and mat.shape != tuple(shape)):
         mat, linenos = _precise_parse(text, name, shape)
+    written = _number_read_as_inf(mat, text)
+    if written:
+        r, c, tok = written
+        raise CaseError(f"{name}:{element_where(r, c, linenos, text)}: value "
+                        f"'{printable(tok, QUOTED_TOKEN_LIMIT)}' overflows float32")
     with np.errstate(over="ignore"):
         mat32 = mat.astype(np.float32)
     overflow = np.argwhere(np.isfinite(mat) & ~np.isfinite(mat32))
@@ -177,6 +182,20 @@ def parse_text_matrix(data: bytes, name: str, shape: Optional[Tuple[int, int]] =
     if not allow_nonfinite:
         _reject_nonfinite(mat32, name, linenos, text)
     return mat32
+
+
+def _number_read_as_inf(mat: np.ndarray, text: str) -> Optional[Tuple[int, int, str]]:
+    """The first element written as a number too large even for float64 (1e400 reads as inf), with
+    its token: an overflow, as the binary names it, where a spelled-out inf is a non-finite input."""
+    infs = np.argwhere(np.isinf(mat))
+    if not infs.size:
+        return None
+    rows = text_rows(text, "")
+    for r, c in infs:
+        tok = rows[r][1][c]
+        if any(ch.isdigit() for ch in tok):
+            return int(r), int(c), tok
+    return None
 
 
 def text_rows(text: str, name: str) -> List[Tuple[int, List[str]]]:
@@ -307,9 +326,12 @@ def read_bytes(path: Path, shape: Optional[Tuple[int, int]] = None, itemsize: in
         if shape is not None:
             fmt = "npy" if str(path).endswith(".npy") else "txt"
             most = matrix_max_bytes(shape, fmt, itemsize)
-            if info.st_size > most:
-                raise CaseError(f"{path}: {plural(info.st_size, 'byte')} is more than a {fmt} matrix of {shape[0]} x "
-                                f"{shape[1]} values may take ({most} bytes); HINT: the file is not this matrix")
+            if info.st_size > most:  # a .npy header may say what the file holds instead
+                said = oversized_npy(fh.read(12 + NPY_MAX_HEADER_BYTES), str(path), shape, itemsize) \
+                    if fmt == "npy" else None
+                raise CaseError(said or f"{path}: {plural(info.st_size, 'byte')} is more than a {fmt} matrix of "
+                                f"{shape[0]} x {shape[1]} values may take ({most} bytes); HINT: the file is not this "
+                                "matrix")
         try:
             return fh.read()
         except OSError as exc:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import ast
 import io
 import tokenize
-from typing import Tuple
+from typing import Optional, Tuple
 
 import numpy as np
 
@@ -52,9 +52,12 @@ def check_npy_size(data: bytes, name: str) -> None:
         return  # np.load refuses a header this long without reading it
     try:
         header = npy_header(data)
-        shape, itemsize = tuple(header["shape"]), np.dtype(header["descr"]).itemsize
+        shape, dtype = tuple(header["shape"]), np.dtype(header["descr"])
     except Exception:  # any malformed header: np.load's own message names it
         return
+    if dtype.hasobject:  # its data is a pickle, whose length the header does not give
+        raise CaseError(pickled_array(name, header["descr"]))
+    itemsize = dtype.itemsize
     if not all(isinstance(n, int) and n >= 0 for n in shape):
         return
     declared = itemsize
@@ -68,6 +71,36 @@ def check_npy_size(data: bytes, name: str) -> None:
     if declared < held:
         raise CaseError(f"{name}: {plural(held - declared, 'byte')} after the array data; HINT: the file is damaged; "
                         "regenerate it")
+
+
+def pickled_array(name: str, descr) -> str:
+    """The message for a .npy file of Python objects (np.save of an object array pickles it)."""
+    return (f"{name}: holds Python objects (dtype {descr!r}: a pickled array), not numbers; HINT: save numbers: "
+            "np.save(path, np.asarray(a, dtype=np.float32))")
+
+
+def oversized_npy(head: bytes, name: str, shape: Tuple[int, int], itemsize: int) -> Optional[str]:
+    """Why a .npy file is larger than a `shape` matrix of at most `itemsize` bytes a value may take,
+    from its first bytes (`head`: its header whole): it holds Python objects, a wider dtype than the
+    file may (float64 where float32 is expected: NumPy's default) or another shape; None where the
+    header does not say (not a .npy header, or a valid one of that shape and width)."""
+    if not head.startswith(_NPY_MAGIC):
+        return None
+    try:
+        header = npy_header(head)
+        dtype, dims = np.dtype(header["descr"]), tuple(header["shape"])
+    except Exception:  # a header cut short or malformed: the size is all there is to say
+        return None
+    if dtype.hasobject:
+        return pickled_array(name, header["descr"])
+    if dtype.itemsize > itemsize:  # (as parse_npy_matrix and the stage files' reader word it)
+        wanted = "float32, float64 or float16" if itemsize >= 8 else "float32 ('<f4') or float16 ('<f2')"
+        return f"{name}: dtype {dtype}, expected {wanted}; HINT: save with arr.astype(np.float32)"
+    if len(dims) != 2:
+        return f"{name}: {len(dims)}-d array, expected a 2-d matrix"
+    if dims != tuple(shape):
+        return f"{name}: shape {dims[0]}x{dims[1]}, expected {shape[0]}x{shape[1]}"
+    return None
 
 
 def load_npy(data: bytes, name: str) -> np.ndarray:

@@ -235,7 +235,7 @@ def refuse_query_head_kv_files(sources: Dict[str, "StageSource"], dims: Dims) ->
 
 def read_names_file(path: Path) -> Dict[str, str]:
     """A names file: flat `STAGE = "PATTERN"` lines (the manifests' TOML subset)."""
-    return parse_name_map(read_toml(path), str(path))
+    return parse_name_map(read_toml(path, "names file"), str(path))
 
 
 def discover_sources(folder: Path, names: Mapping[str, str]) -> Dict[str, StageSource]:
