@@ -218,6 +218,19 @@ def test_stage_npy_files_are_sized_from_their_header_before_loading(tmp_path, pe
         StageSource("output", tmp_path, name).read(0, dims)
 
 
+def test_a_transposed_stage_file_is_named_as_such(runner, tmp_path):
+    """A program that wrote N x d as d x N (a column-major write) is told so; another wrong shape is
+    only a wrong shape."""
+    generate_case(tmp_path / "in", Dims(1, 2, 6, 5, 4, 3), fmt="npy")
+    (tmp_path / "out").mkdir()
+    np.save(tmp_path / "out" / "output_head_0.npy", np.zeros((3, 6), f32))
+    np.save(tmp_path / "out" / "output_head_1.npy", np.zeros((6, 2), f32))
+    res = runner.invoke(cli, ["check", "--in", str(tmp_path / "in"), "--out", str(tmp_path / "out"), "--per-head"])
+    assert res.exit_code == 1 and "Traceback" not in res.output, res.output
+    assert "output_head_0.npy is 3x6, expected 6x3 (NxDV); it is the transpose (written column-major?)" in res.output
+    assert "output_head_1.npy is 6x2, expected 6x3 (NxDV)\n" in res.output, res.output
+
+
 def test_check_reports_a_huge_or_npz_stage_file_as_unreadable(runner, tmp_path):
     in_dir, out_dir = _output_only_run(tmp_path, 2, 3, 2)
     (out_dir / "output_head_0.npy").write_bytes(_npy_declaring((10**9, 10**9)))

@@ -12,6 +12,7 @@ import numpy as np
 
 from ..files.case import read_bytes
 from ..files.kinds import CaseError
+from ..files.matrix_io import wrong_shape
 from ..files.outputs import STAGE_ITEMSIZE, RunInfo, staleness
 from ..files.resolution import EXACT
 from ..files.split_files import SplitSource
@@ -73,8 +74,8 @@ def load_output(run: RunInfo, stage: str, index: int) -> Loaded:
         resolution = EXACT  # attnstep's binary wrote it (its CRC matches): %.9g round-trips float32
     shape = STAGES[stage].shape(run.dims)
     if mat.shape != shape:
-        return None, EXACT, SHAPE, (f"{src.name(index, run.dims)} is {mat.shape[0]}x{mat.shape[1]}, expected "
-                                    f"{shape[0]}x{shape[1]} ({STAGES[stage].rows}x{STAGES[stage].cols})")
+        symbols = f"{STAGES[stage].rows}x{STAGES[stage].cols}"
+        return None, EXACT, SHAPE, wrong_shape(src.name(index, run.dims), mat.shape, shape, symbols)
     return mat, resolution, None, ""
 
 

@@ -338,6 +338,13 @@ def read_bytes(path: Path, shape: Optional[Tuple[int, int]] = None, itemsize: in
             raise CaseError(f"{path}: cannot read: {exc.strerror or exc}") from None
 
 
+def wrong_shape(name: str, got: Tuple[int, ...], want: Tuple[int, int], symbols: str) -> str:
+    """A stage file's shape problem in one line; rows and columns swapped, how a column-major write
+    (cuBLAS's order) shows, is named as such."""
+    turned = "; it is the transpose (written column-major?)" if tuple(got) == tuple(want)[::-1] else ""
+    return f"{name} is {got[0]}x{got[1]}, expected {want[0]}x{want[1]} ({symbols}){turned}"
+
+
 def parse_matrix(data: bytes, path: Path, shape=None, allow_nonfinite=True) -> np.ndarray:
     parse = parse_npy_matrix if str(path).endswith(".npy") else parse_text_matrix
     return parse(data, str(path), shape, allow_nonfinite)

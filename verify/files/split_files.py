@@ -22,7 +22,7 @@ from ..stages import (FORMATS, RUN_MANIFEST, SPLIT_SIZE_KEY, SPLIT_STAGES, STAGE
 from ..text import plural
 from .arrays import as_array, native_float
 from .kinds import CaseError
-from .matrix_io import crc32_hex, parse_matrix, read_bytes
+from .matrix_io import crc32_hex, parse_matrix, read_bytes, wrong_shape
 from .resolution import EXACT, array_resolution, text_resolution
 from .stage_files import STAGE_ITEMSIZE, StageSource, _as_matrix, _load_npy
 
@@ -82,7 +82,7 @@ class SplitSource(StageSource):
             verified = verified and run.verify_crc
             if mat.shape != (rows, cols):
                 sym = STAGES[self.stage].rows + "x" + ("DV" if STAGES[self.stage].cols == "SDV" else "1")
-                return None, EXACT, _SHAPE, f"{name} is {mat.shape[0]}x{mat.shape[1]}, expected {rows}x{cols} ({sym})"
+                return None, EXACT, _SHAPE, wrong_shape(name, mat.shape, (rows, cols), sym)
             resolutions.append(res)
             mats.append(mat)
         # A program prints its files alike, but a split a file of which holds only 0 and -inf (no key
