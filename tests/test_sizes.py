@@ -218,6 +218,23 @@ def test_stage_npy_files_are_sized_from_their_header_before_loading(tmp_path, pe
         StageSource("output", tmp_path, name).read(0, dims)
 
 
+@pytest.mark.parametrize("per_head", [True, False])
+@pytest.mark.parametrize("array, words", [
+    (np.full((3000, 4), 0.5, dtype=object), "holds Python objects (dtype '|O': a pickled array)"),
+    (np.zeros((3000, 4), np.complex128), "dtype complex128, expected float32, float64 or float16; HINT: "),
+    (np.zeros((2, 3000, 4), f32), "is more than a npy matrix of 3 x 4 values may take"),
+], ids=["pickled", "complex", "another-layout"])
+def test_a_stage_npy_too_large_says_what_it_holds_where_that_is_sure(tmp_path, per_head, array, words):
+    """Python objects and a dtype a stage file never takes are named from the header; its shape is
+    not (stacked heads may be 3-d, an N x 1 stage a vector), so a large file of another layout keeps
+    the size's refusal."""
+    name = "output_head_{i}.npy" if per_head else "output.npy"
+    np.save(tmp_path / name.format(i=0), array, allow_pickle=True)
+    with pytest.raises(CaseError) as exc:
+        StageSource("output", tmp_path, name).read(0, Dims(1, 1, 3, 2, 4, 4))
+    assert words in str(exc.value), exc.value
+
+
 def test_a_transposed_stage_file_is_named_as_such(runner, tmp_path):
     """A program that wrote N x d as d x N (a column-major write) is told so; another wrong shape is
     only a wrong shape."""

@@ -16,6 +16,7 @@ from ..files.matrix_io import wrong_shape
 from ..files.outputs import STAGE_ITEMSIZE, RunInfo, staleness
 from ..files.resolution import EXACT
 from ..files.split_files import SplitSource
+from ..files.stage_files import STAGE_NPY
 from ..specs import SPECS, HeadContext, sources_of, upstream
 from ..specs.base import Violation
 from ..files.case import InputCase
@@ -60,7 +61,7 @@ def load_output(run: RunInfo, stage: str, index: int) -> Loaded:
                 f"the other {stage} files exist"
             return None, EXACT, MISSING, f"{path.name} is missing ({why})"
         try:
-            data = read_bytes(path, STAGES[stage].shape(run.dims), STAGE_ITEMSIZE)  # a FIFO, a device, too large
+            data = read_bytes(path, STAGES[stage].shape(run.dims), STAGE_ITEMSIZE, STAGE_NPY)  # a FIFO, too large
         except CaseError as exc:
             return None, EXACT, UNREADABLE, str(exc)
         stale = staleness(run, stage, index, data)

@@ -22,7 +22,7 @@ import numpy as np
 from ..stages import NPY_MAX_HEADER_BYTES, TEXT_BYTES_PER_VALUE, TEXT_SLACK_BYTES
 from ..text import plural, printable
 from .kinds import CaseError, file_kind, new_temp_file, not_regular, own_name, refuse_unreadable_kind
-from .npy_bytes import load_npy, npy_header, oversized_npy
+from .npy_bytes import NpyExpect, load_npy, npy_header, oversized_npy
 
 # How much of a token that is not a number an error quotes.
 QUOTED_TOKEN_LIMIT = 40
@@ -168,34 +168,43 @@ def parse_text_matrix(data: bytes, name: str, shape: Optional[Tuple[int, int]] =
     linenos = None
     if mat is None or (shape and mat.shape != tuple(shape)):
         mat, linenos = _precise_parse(text, name, shape)
-    written = _number_read_as_inf(mat, text)
-    if written:
-        r, c, tok = written
-        raise CaseError(f"{name}:{element_where(r, c, linenos, text)}: value "
-                        f"'{printable(tok, QUOTED_TOKEN_LIMIT)}' overflows float32")
     with np.errstate(over="ignore"):
         mat32 = mat.astype(np.float32)
     overflow = np.argwhere(np.isfinite(mat) & ~np.isfinite(mat32))
-    if overflow.size:
-        r, c = (int(x) for x in overflow[0])
-        raise CaseError(f"{name}:{element_where(r, c, linenos, text)}: value {mat[r, c]:.9g} overflows float32")
+    beyond = _number_read_as_inf(mat, text)  # past float64 too: NumPy read it as ±inf
+    if overflow.size or beyond:
+        lineno, col, tok = beyond or _token_at(text, *(int(x) for x in overflow[0]))
+        raise CaseError(f"{name}:{lineno}:{col}: value '{printable(tok, QUOTED_TOKEN_LIMIT)}' overflows float32")
     if not allow_nonfinite:
         _reject_nonfinite(mat32, name, linenos, text)
     return mat32
 
 
+# A number NumPy may read as ±inf: an exponent of three digits or more, or hundreds of digits
+# (float64 ends near 1.8e308). The text is searched for one at C speed before any token is looked
+# at: a masked stage's file holds -inf by the million, and no such number.
+_PAST_FLOAT64 = re.compile(r"[eE]\+?0*[1-9][0-9]{2}|[0-9]{300}")
+
+
 def _number_read_as_inf(mat: np.ndarray, text: str) -> Optional[Tuple[int, int, str]]:
-    """The first element written as a number too large even for float64 (1e400 reads as inf), with
-    its token: an overflow, as the binary names it, where a spelled-out inf is a non-finite input."""
-    infs = np.argwhere(np.isinf(mat))
-    if not infs.size:
+    """(line, character column, token) of the first element written as a number too large even for
+    float64 (1e400 reads as inf): an overflow, as the binary names it, where a spelled-out inf is a
+    non-finite value."""
+    if not _PAST_FLOAT64.search(text):
         return None
-    rows = text_rows(text, "")
-    for r, c in infs:
-        tok = rows[r][1][c]
-        if any(ch.isdigit() for ch in tok):
-            return int(r), int(c), tok
+    rows, lines = text_rows(text, ""), text.split("\n")
+    for r, c in np.argwhere(np.isinf(mat)):
+        lineno, tokens = rows[r]
+        if any(ch.isdigit() for ch in tokens[c]):
+            return lineno, char_column(lines[lineno - 1], tokens, int(c)), tokens[c]
     return None
+
+
+def _token_at(text: str, r: int, c: int) -> Tuple[int, int, str]:
+    """(line, character column, token) of matrix element (r, c) of a text matrix that parsed, the
+    binary's way of placing a value (an error's path only: it splits the whole text)."""
+    lineno, tokens = text_rows(text, "")[r]
+    return lineno, char_column(text.split("\n")[lineno - 1], tokens, c), tokens[c]
 
 
 def text_rows(text: str, name: str) -> List[Tuple[int, List[str]]]:
@@ -274,12 +283,15 @@ def _reject_nonfinite(mat: np.ndarray, name: str, linenos: Optional[List[int]] =
                         "HINT: inputs must be finite (--allow-nonfinite to accept them)")
 
 
+# What an input matrix's .npy file holds (parse_npy_matrix's tests, in its words).
+INPUT_NPY = NpyExpect(("<f4", "<f2"), "float32 ('<f4') or float16 ('<f2')", "save with arr.astype(np.float32)", True)
+
+
 def parse_npy_matrix(data: bytes, name: str, shape: Optional[Tuple[int, int]] = None,
                      allow_nonfinite: bool = True) -> np.ndarray:
     arr = load_npy(data, name)
     if arr.dtype not in (np.dtype("<f4"), np.dtype("<f2")):
-        raise CaseError(f"{name}: dtype {arr.dtype}, expected float32 ('<f4') or float16 ('<f2'); "
-                        "HINT: save with arr.astype(np.float32)")
+        raise CaseError(f"{name}: dtype {arr.dtype}, expected {INPUT_NPY.words}; HINT: {INPUT_NPY.hint}")
     # np.load also takes 'f4' or '=f4', and Fortran order; the contract (and the binary) does not.
     header = npy_header(data)
     if header["descr"] not in ("<f4", "<f2"):
@@ -305,10 +317,12 @@ def matrix_max_bytes(shape: Tuple[int, int], fmt: str, itemsize: int = 4) -> int
     return TEXT_BYTES_PER_VALUE * values + TEXT_SLACK_BYTES
 
 
-def read_bytes(path: Path, shape: Optional[Tuple[int, int]] = None, itemsize: int = 4) -> bytes:
+def read_bytes(path: Path, shape: Optional[Tuple[int, int]] = None, itemsize: int = 4,
+               expect: Optional[NpyExpect] = None) -> bytes:
     """The bytes of a regular file (after symlinks: a FIFO would block, /dev/zero never ends,
     /proc/self/environ is no matrix). With `shape`, a file larger than a matrix of that shape may
-    take (format from the name) is refused before it is read."""
+    take (format from the name) is refused before it is read; `expect`: what the reader's .npy
+    files hold, so that the refusal of one says from its header what it holds instead."""
     refuse_unreadable_kind(path)
     try:
         # O_NONBLOCK: should the file have been swapped for a FIFO since, opening it must not wait
@@ -323,19 +337,27 @@ def read_bytes(path: Path, shape: Optional[Tuple[int, int]] = None, itemsize: in
         os.close(fd)
         raise not_regular(path, info.st_mode)
     with os.fdopen(fd, "rb") as fh:
-        if shape is not None:
-            fmt = "npy" if str(path).endswith(".npy") else "txt"
-            most = matrix_max_bytes(shape, fmt, itemsize)
-            if info.st_size > most:  # a .npy header may say what the file holds instead
-                said = oversized_npy(fh.read(12 + NPY_MAX_HEADER_BYTES), str(path), shape, itemsize) \
-                    if fmt == "npy" else None
-                raise CaseError(said or f"{path}: {plural(info.st_size, 'byte')} is more than a {fmt} matrix of "
-                                f"{shape[0]} x {shape[1]} values may take ({most} bytes); HINT: the file is not this "
-                                "matrix")
         try:
+            if shape is not None:
+                _refuse_oversized(fh, path, shape, info.st_size, itemsize, expect)
             return fh.read()
         except OSError as exc:
             raise CaseError(f"{path}: cannot read: {exc.strerror or exc}") from None
+
+
+def _refuse_oversized(fh, path: Path, shape: Tuple[int, int], size: int, itemsize: int,
+                      expect: Optional[NpyExpect]) -> None:
+    """read_bytes' refusal of a file larger than a `shape` matrix may take (a .npy file's header,
+    where the reader says what its files hold, may say why)."""
+    fmt = "npy" if str(path).endswith(".npy") else "txt"
+    most = matrix_max_bytes(shape, fmt, itemsize)
+    if size <= most:
+        return
+    said = None
+    if fmt == "npy" and expect is not None:
+        said = oversized_npy(fh.read(12 + NPY_MAX_HEADER_BYTES), str(path), shape, expect)
+    raise CaseError(said or f"{path}: {plural(size, 'byte')} is more than a {fmt} matrix of {shape[0]} x {shape[1]} "
+                    f"values may take ({most} bytes); HINT: the file is not this matrix")
 
 
 def wrong_shape(name: str, got: Tuple[int, ...], want: Tuple[int, int], symbols: str) -> str:
@@ -351,7 +373,7 @@ def parse_matrix(data: bytes, path: Path, shape=None, allow_nonfinite=True) -> n
 
 
 def read_matrix(path: Path, shape=None, allow_nonfinite=True) -> np.ndarray:
-    return parse_matrix(read_bytes(path, shape), path, shape, allow_nonfinite)
+    return parse_matrix(read_bytes(path, shape, expect=INPUT_NPY), path, shape, allow_nonfinite)
 
 
 def crc32_hex(data: bytes) -> str:

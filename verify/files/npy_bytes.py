@@ -7,7 +7,7 @@ from __future__ import annotations
 import ast
 import io
 import tokenize
-from typing import Optional, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import numpy as np
 
@@ -75,27 +75,39 @@ def check_npy_size(data: bytes, name: str) -> None:
 
 def pickled_array(name: str, descr) -> str:
     """The message for a .npy file of Python objects (np.save of an object array pickles it)."""
-    return (f"{name}: holds Python objects (dtype {descr!r}: a pickled array), not numbers; HINT: save numbers: "
-            "np.save(path, np.asarray(a, dtype=np.float32))")
+    return (f"{name}: holds Python objects (dtype {descr!r}: a pickled array), not numbers; HINT: convert them "
+            "before np.save, e.g. np.asarray(a, dtype=np.float32)")
 
 
-def oversized_npy(head: bytes, name: str, shape: Tuple[int, int], itemsize: int) -> Optional[str]:
-    """Why a .npy file is larger than a `shape` matrix of at most `itemsize` bytes a value may take,
-    from its first bytes (`head`: its header whole): it holds Python objects, a wider dtype than the
-    file may (float64 where float32 is expected: NumPy's default) or another shape; None where the
-    header does not say (not a .npy header, or a valid one of that shape and width)."""
+class NpyExpect(NamedTuple):
+    """What a reader's .npy files may hold, to say why one too large for its matrix is refused."""
+    descrs: Tuple[str, ...]  # the dtypes it takes, as a header spells them
+    words: str               # those dtypes, as its messages name them
+    hint: str
+    exact_shape: bool        # the shape it is given is the matrix's own, 2-d (else a bound on the size)
+
+
+def oversized_npy(head: bytes, name: str, shape: Tuple[int, int], expect: NpyExpect) -> Optional[str]:
+    """Why a .npy file is larger than a `shape` matrix may take, from its first bytes (`head`: its
+    header whole), tested in the order the reader tests a file it reads: Python objects, a dtype it
+    does not take (float64 where float32 is expected: NumPy's default), then, for an exact shape,
+    Fortran order, the rank and the shape. None where the header does not say (not a .npy header)."""
     if not head.startswith(_NPY_MAGIC):
         return None
     try:
         header = npy_header(head)
-        dtype, dims = np.dtype(header["descr"]), tuple(header["shape"])
+        descr, dims = header["descr"], tuple(header["shape"])
+        dtype = np.dtype(descr)
     except Exception:  # a header cut short or malformed: the size is all there is to say
         return None
     if dtype.hasobject:
-        return pickled_array(name, header["descr"])
-    if dtype.itemsize > itemsize:  # (as parse_npy_matrix and the stage files' reader word it)
-        wanted = "float32, float64 or float16" if itemsize >= 8 else "float32 ('<f4') or float16 ('<f2')"
-        return f"{name}: dtype {dtype}, expected {wanted}; HINT: save with arr.astype(np.float32)"
+        return pickled_array(name, descr)
+    if descr not in expect.descrs:
+        return f"{name}: dtype {dtype}, expected {expect.words}; HINT: {expect.hint}"
+    if not expect.exact_shape:
+        return None
+    if header.get("fortran_order"):
+        return f"{name}: fortran_order arrays are not supported; HINT: save np.ascontiguousarray(arr)"
     if len(dims) != 2:
         return f"{name}: {len(dims)}-d array, expected a 2-d matrix"
     if dims != tuple(shape):

@@ -24,7 +24,7 @@ from .arrays import as_array, native_float
 from .kinds import CaseError
 from .matrix_io import crc32_hex, parse_matrix, read_bytes, wrong_shape
 from .resolution import EXACT, array_resolution, text_resolution
-from .stage_files import STAGE_ITEMSIZE, StageSource, _as_matrix, _load_npy
+from .stage_files import STAGE_ITEMSIZE, STAGE_NPY, StageSource, _as_matrix, _load_npy
 
 # A file's state, as verify/check/results.py names it (that module sits above this one).
 _MISSING, _STALE, _SHAPE, _UNREADABLE = "MISSING", "STALE", "SHAPE", "UNREADABLE"
@@ -68,7 +68,7 @@ class SplitSource(StageSource):
                 return None, EXACT, _MISSING, (f"{name} is missing (the run splits the keys {dims.split_size} per "
                                                f"split: {plural(dims.splits, 'split')} per head, 0..{dims.splits - 1})")
             try:
-                data = read_bytes(path, (rows, cols), STAGE_ITEMSIZE)
+                data = read_bytes(path, (rows, cols), STAGE_ITEMSIZE, STAGE_NPY)
                 if path.suffix == ".npy":
                     arr = _load_npy(data, path)
                     mat, res = _as_matrix(arr, (rows, cols)), array_resolution(arr)

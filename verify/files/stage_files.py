@@ -16,13 +16,16 @@ from ..stages import KV_HEADS_KEY, STAGES, Dims, parse_stage_file, stage_file
 from ..text import plural, printable, showable
 from .case import parse_matrix, read_bytes, read_toml
 from .kinds import CaseError
-from .npy_bytes import load_npy
+from .npy_bytes import NpyExpect, load_npy
 from .resolution import Resolution, array_resolution, text_resolution
 
 STACKED_SUFFIX = ".npy"             # `<stage>.npy`: every head in one array
 HEAD_FIELDS = ("i", "b", "h")       # placeholders of a name-map pattern
 STAGE_DTYPES = ("<f4", "<f8", "<f2")  # what a stage .npy may hold (inputs are float32 only)
 STAGE_ITEMSIZE = 8                   # the widest of them: bounds a stage file's size before reading
+# A stage .npy as _load_npy takes it (any rank: an N×1 stage may be a vector, stacked heads 3-d).
+STAGE_NPY = NpyExpect(STAGE_DTYPES, "float32, float64 or float16",
+                      "save with arr.astype(np.float32) (bfloat16 has no .npy dtype)", False)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -64,7 +67,7 @@ class StageSource:
             return _as_matrix(self.arrays[head], shape), array_resolution(self.arrays), None
         path = self.file(head, dims)
         if self.per_head:
-            data = read_bytes(path, shape, STAGE_ITEMSIZE) if data is None else data
+            data = read_bytes(path, shape, STAGE_ITEMSIZE, STAGE_NPY) if data is None else data
             if path.suffix == ".npy":
                 arr = _load_npy(data, path)
                 return _as_matrix(arr, shape), array_resolution(arr), data
@@ -84,7 +87,7 @@ class StageSource:
                 self._stack = parse_matrix(data, path, None)[None]
             else:
                 r, c = STAGES[self.stage].shape(dims)
-                data = read_bytes(path, (heads * r, c), STAGE_ITEMSIZE)
+                data = read_bytes(path, (heads * r, c), STAGE_ITEMSIZE, STAGE_NPY)
                 self._stack = _stack_heads(_load_npy(data, path), self.stage, dims, path)
         return self._stack
 
@@ -92,8 +95,7 @@ class StageSource:
 def _load_npy(data: bytes, path: Path) -> np.ndarray:
     arr = load_npy(data, str(path))
     if arr.dtype.str not in STAGE_DTYPES:
-        raise CaseError(f"{path}: dtype {arr.dtype}, expected float32, float64 or float16; HINT: save "
-                        "with arr.astype(np.float32) (bfloat16 has no .npy dtype)")
+        raise CaseError(f"{path}: dtype {arr.dtype}, expected {STAGE_NPY.words}; HINT: {STAGE_NPY.hint}")
     return arr
 
 
