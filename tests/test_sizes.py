@@ -248,6 +248,17 @@ def test_a_transposed_stage_file_is_named_as_such(runner, tmp_path):
     assert "output_head_1.npy is 6x2, expected 6x3 (NxDV)\n" in res.output, res.output
 
 
+def test_a_g_text_output_with_a_number_past_float64_is_named_an_overflow(runner, tmp_path):
+    """Another program's `%g` text, no run.toml: a value printed as 1e400 is no infinity to judge
+    but an overflow of float32, placed by line and character column."""
+    generate_case(tmp_path / "in", Dims(1, 1, 3, 5, 4, 2), fmt="txt")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "output_head_0.txt").write_text("0.5 0.25\n0.125 1e400\n1 2\n")
+    res = runner.invoke(cli, ["check", "--in", str(tmp_path / "in"), "--out", str(tmp_path / "out")])
+    assert res.exit_code == 1 and "Traceback" not in res.output, res.output
+    assert "output_head_0.txt:2:7: value '1e400' overflows float32" in res.output, res.output
+
+
 def test_check_reports_a_huge_or_npz_stage_file_as_unreadable(runner, tmp_path):
     in_dir, out_dir = _output_only_run(tmp_path, 2, 3, 2)
     (out_dir / "output_head_0.npy").write_bytes(_npy_declaring((10**9, 10**9)))

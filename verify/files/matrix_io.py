@@ -194,17 +194,22 @@ def _number_read_as_inf(mat: np.ndarray, text: str) -> Optional[Tuple[int, int, 
         return None
     rows, lines = text_rows(text, ""), text.split("\n")
     for r, c in np.argwhere(np.isinf(mat)):
-        lineno, tokens = rows[r]
-        if any(ch.isdigit() for ch in tokens[c]):
-            return lineno, char_column(lines[lineno - 1], tokens, int(c)), tokens[c]
+        place = _place(rows, lines, int(r), int(c))
+        if any(ch.isdigit() for ch in place[2]):
+            return place
     return None
 
 
 def _token_at(text: str, r: int, c: int) -> Tuple[int, int, str]:
-    """(line, character column, token) of matrix element (r, c) of a text matrix that parsed, the
-    binary's way of placing a value (an error's path only: it splits the whole text)."""
-    lineno, tokens = text_rows(text, "")[r]
-    return lineno, char_column(text.split("\n")[lineno - 1], tokens, c), tokens[c]
+    """_place of one element of a text matrix that parsed (an error's path only: it splits the
+    whole text)."""
+    return _place(text_rows(text, ""), text.split("\n"), r, c)
+
+
+def _place(rows: List[Tuple[int, List[str]]], lines: List[str], r: int, c: int) -> Tuple[int, int, str]:
+    """(line, character column, token) of matrix element (r, c): the binary's way of placing a value."""
+    lineno, tokens = rows[r]
+    return lineno, char_column(lines[lineno - 1], tokens, c), tokens[c]
 
 
 def text_rows(text: str, name: str) -> List[Tuple[int, List[str]]]:
@@ -290,11 +295,11 @@ INPUT_NPY = NpyExpect(("<f4", "<f2"), "float32 ('<f4') or float16 ('<f2')", "sav
 def parse_npy_matrix(data: bytes, name: str, shape: Optional[Tuple[int, int]] = None,
                      allow_nonfinite: bool = True) -> np.ndarray:
     arr = load_npy(data, name)
-    if arr.dtype not in (np.dtype("<f4"), np.dtype("<f2")):
+    if arr.dtype.str not in INPUT_NPY.descrs:
         raise CaseError(f"{name}: dtype {arr.dtype}, expected {INPUT_NPY.words}; HINT: {INPUT_NPY.hint}")
     # np.load also takes 'f4' or '=f4', and Fortran order; the contract (and the binary) does not.
     header = npy_header(data)
-    if header["descr"] not in ("<f4", "<f2"):
+    if header["descr"] not in INPUT_NPY.descrs:
         raise CaseError(f"{name}: dtype descr {header['descr']!r}, expected '<f4' or '<f2'")
     arr = arr.astype(np.float32)  # an fp16 input: each value exactly
     if header["fortran_order"]:
