@@ -215,6 +215,32 @@ def test_demo_example_without_a_gpu_says_so_before_building(monkeypatch, tmp_pat
         "which falls back to its CPU backend"]
 
 
+def test_demo_on_cuda_refuses_a_build_without_cuda_before_generating(monkeypatch, tmp_path):
+    """The binary would refuse `--backend cuda` too, but only after the demo had generated its case."""
+    build = tmp_path / "build"
+    build.mkdir()
+    (build / "CMakeCache.txt").write_text("ATTNSTEP_CUDA_BUILT:INTERNAL=OFF\n")
+    monkeypatch.setattr(cli_run, "_build", lambda *a, **kw: build / "main")
+    monkeypatch.setattr(gpu, "no_gpu_reason", lambda: None)
+    r = invoke("demo", "--backend", "cuda", "--build-dir", build, "--data-dir", tmp_path / "data")
+    assert r.exit_code == 2 and "Traceback" not in r.output
+    assert r.output.strip().splitlines()[-1] == (
+        f"Error: --backend cuda: the binary in {build} was built without CUDA; HINT: configure it with "
+        "-DATTNSTEP_CUDA=ON (docs/cli.md, Building), or use --backend cpu")
+    assert not (tmp_path / "data").exists()
+
+
+def test_demo_on_cuda_without_a_gpu_says_so_before_generating(monkeypatch, tmp_path):
+    monkeypatch.setattr(gpu, "no_gpu_reason", lambda: "nvidia-smi -L lists no GPU")
+    (tmp_path / "theirs").write_text("#!/bin/sh\nexit 0\n")
+    (tmp_path / "theirs").chmod(0o755)
+    r = invoke("demo", "--backend", "cuda", "--binary", tmp_path / "theirs", "--data-dir", tmp_path / "data")
+    assert r.exit_code == 2 and r.output.strip().splitlines()[-1] == (
+        "Error: --backend cuda: no CUDA device found: nvidia-smi -L lists no GPU; HINT: run on a machine with an "
+        "NVIDIA GPU, or use --backend cpu")
+    assert not (tmp_path / "data").exists()
+
+
 def test_a_gpu_hidden_from_cuda_is_no_gpu(monkeypatch):
     for hidden in ("", "-1"):
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", hidden)

@@ -10,7 +10,7 @@ from ..check.compare import Options
 from ..files.generate import DEFAULT_DIMS, generate_case
 from ..runs import gpu
 from ..runs.program_checks import text_lines as program_check_lines
-from ..runs.runner import BINARY_NAME, ensure_built, example_names
+from ..runs.runner import BINARY_NAME, ensure_built, example_names, require_cuda_backend
 from ..runs.sanitizer import TOOLS as SANITIZER_TOOLS
 from ..runs.sanitizer import parse_tools
 from ..runs.watched import (binary_args, binary_runner, program_runner, run_any_program, run_attnstep_binary,
@@ -152,6 +152,8 @@ def demo(ctx, data_dir, backend, build_dir, binary, timeout, json_path, seed, fo
     say(f"[1/4] using {binary}" if binary else f"[1/4] building the binary in {build_dir}")
     ours = binary is None
     binary = binary or _build(build_dir, quiet)
+    if backend == "cuda":
+        require_cuda_backend(build_dir if ours else None)
     say(f"[2/4] generating {in_dir}" + (" with the output gradient dO" if backward else ""))
     generate_case(in_dir, DEFAULT_DIMS, seed=seed, force=force, backward=backward)
     say(f"[3/4] running {binary.name} --backend {backend}")
