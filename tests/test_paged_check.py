@@ -82,6 +82,21 @@ def test_a_paging_bug_is_named(tmp_path, case, bug, code, words):
     assert set(first) == {code}, first
 
 
+@pytest.mark.parametrize("bug, code", [("wrong_page", "paged_wrong_page"), ("past_length", "paged_past_length")])
+def test_a_paging_bug_of_a_split_kv_program_is_named_in_its_first_failing_split(tmp_path, case, bug, code):
+    """Each split reads its keys through the table as the whole step does: the split that first
+    fails carries the reading that explains the step's output."""
+    right = run_program(case, tmp_path / "right", split_size=16)
+    assert invoke("check", "--in", case, "--out", right, "--split-size", 16).exit_code == 0
+    checked = invoke("check", "--in", case, "--out", run_program(case, tmp_path / "out", bug, split_size=16),
+                     "--split-size", 16, "--json", tmp_path / "r.json")
+    assert checked.exit_code == 1, checked.output
+    failing = [r for r in json.loads((tmp_path / "r.json").read_text())["results"]
+               if r["stage"] in ("split_output", "split_lse") and not r["passed"]]
+    assert failing and {r["diagnosis"][0]["code"] for r in failing} == {code}, checked.output
+    assert f"diagnosis {code}: " in checked.output.split("FAIL split_output", 1)[1].split("\nFAIL ", 1)[0]
+
+
 def test_pages_read_in_pool_order_fail(tmp_path, case):
     """A program that ignores the table's order (the shuffled pages) fails."""
     checked = invoke("check", "--in", case, "--out", run_program(case, tmp_path / "out", "pool_order"))

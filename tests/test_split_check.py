@@ -179,6 +179,12 @@ def test_grouped_heads_with_splits_catch_one_head_read_from_another_group(tmp_pa
     report = check(tmp_path / "in", tmp_path / "out", Options(jobs=1, split_size=8), diagnoser=diagnose)
     assert report.first_failing_stage == SPLIT_OUTPUT
     assert statuses(report)["flash_output"] == {INHERITED}
+    # No split diagnosis sees a wrong K/V head; the combine passes the error on, and there the
+    # diagnoses of a run that does not split name it, for the splits too (the lse's: only K is
+    # another group's here, so the outputs match no one head's K and V).
+    failing = [r for r in report.stage_results(SPLIT_LSE) if not r.passed]
+    assert failing and {r.diagnosis[0].code for r in failing} == {"kv_head_map"}
+    assert "in flash_lse, the combine of the splits" in failing[0].diagnosis[0].message
 
 
 def test_the_json_report_carries_the_split(tmp_path):
@@ -245,6 +251,14 @@ def test_a_mask_bug_in_a_split_run_is_not_named_an_empty_split(tmp_path):
     r = invoke("check", "--in", in_dir, "--out", out_dir, "--split-size", 8, "--causal", "top-left")
     assert r.exit_code == 1, r.output
     assert "empty_split" not in r.output, r.output
+    assert "mask_offset" in r.output.split("FAIL split_output", 1)[1].split("\nFAIL ", 1)[0], r.output
+
+
+def test_nan_in_the_rows_of_a_sequence_without_keys_is_an_empty_split(tmp_path):
+    report = split_run(tmp_path, PACKED, "empty_nan")  # sequence 2 reads no key: every split of it is empty
+    keyless = [r for r in report.stage_results(SPLIT_OUTPUT) if r.sequence == 2 and not r.passed]
+    assert keyless and all(r.diagnosis and r.diagnosis[0].code == "empty_split" for r in keyless)
+    assert "sequence 2 holds" in keyless[0].diagnosis[0].message
 
 
 def test_a_missing_split_file_and_one_of_the_wrong_shape_are_named(tmp_path):

@@ -40,8 +40,21 @@ def _table_row(table: np.ndarray, b: int, pages: int, num_pages: int, bug: Optio
     return row
 
 
-def run_program(case: Path, out: Path, bug: Optional[str] = None, fmt: str = "%.9g") -> Path:
-    """Computes the case in `case` into `out` (created), its text written with `fmt`; returns `out`."""
+def _attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float):
+    """(output, lse) of float32 attention; a row of no key: 0 and −inf (a split's, contract.md)."""
+    if k.shape[0] == 0:
+        return np.zeros((q.shape[0], v.shape[1]), f32), np.full((q.shape[0], 1), -np.inf, f32)
+    s = (q @ k.T) * f32(scale)
+    top = s.max(axis=1, keepdims=True)
+    e = np.exp(s - top)
+    total = e.sum(axis=1, keepdims=True)
+    return (e / total) @ v, top + np.log(total)
+
+
+def run_program(case: Path, out: Path, bug: Optional[str] = None, fmt: str = "%.9g",
+                split_size: Optional[int] = None) -> Path:
+    """Computes the case in `case` into `out` (created), its text written with `fmt`; returns `out`.
+    With split_size K, also each split's output and lse over the keys [s·K, (s+1)·K) it read."""
     manifest = tomllib.loads((case / "manifest.toml").read_text())
     P, H, Hk = manifest["page_size"], manifest["heads"], manifest.get("kv_heads", manifest["heads"])
     scale = manifest.get("scale", 1 / np.sqrt(manifest["d_k"]))
@@ -56,6 +69,9 @@ def run_program(case: Path, out: Path, bug: Optional[str] = None, fmt: str = "%.
         num_pages = k.shape[0] // P
         o = np.zeros((q.shape[0], v.shape[1]), f32)
         lse = np.full((q.shape[0], 1), -np.inf, f32)
+        splits = -(-int(used.max()) // split_size) if split_size else 0
+        split_o = np.zeros((splits, q.shape[0], v.shape[1]), f32)
+        split_lse = np.full((splits, q.shape[0], 1), -np.inf, f32)
         for b in range(len(used)):
             m, pages = int(used[b]), -(-int(used[b]) // P)
             count = pages * P if bug == "past_length" else m
@@ -64,12 +80,14 @@ def run_program(case: Path, out: Path, bug: Optional[str] = None, fmt: str = "%.
             row = _table_row(table, b, pages, num_pages, bug)
             j = np.arange(count)
             rows = row[j // P] * P + j % P
-            s = (q[cu_q[b]:cu_q[b + 1]] @ k[rows].T) * f32(scale)
-            top = s.max(axis=1, keepdims=True)
-            e = np.exp(s - top)
-            total = e.sum(axis=1, keepdims=True)
-            o[cu_q[b]:cu_q[b + 1]] = (e / total) @ v[rows]
-            lse[cu_q[b]:cu_q[b + 1]] = top + np.log(total)
+            span = slice(cu_q[b], cu_q[b + 1])
+            o[span], lse[span] = _attend(q[span], k[rows], v[rows], scale)
+            for sp in range(splits):
+                part = rows[sp * split_size:(sp + 1) * split_size]
+                split_o[sp, span], split_lse[sp, span] = _attend(q[span], k[part], v[part], scale)
         for name, x in (("output", o), ("flash_output", o), ("flash_lse", lse)):
             np.savetxt(out / f"{name}_head_{h}.txt", x, fmt=fmt)
+        for sp in range(splits):
+            np.savetxt(out / f"split_output_head_{h}_split_{sp}.txt", split_o[sp], fmt=fmt)
+            np.savetxt(out / f"split_lse_head_{h}_split_{sp}.txt", split_lse[sp], fmt=fmt)
     return out

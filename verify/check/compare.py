@@ -35,7 +35,7 @@ from ..specs import SPECS, HeadContext, reads_dropout_mask, upstream, uses_scale
 from ..specs import dropout as dropout_spec
 from ..stages import DROPOUT_MASK, GRAD_INPUT, STAGES
 from . import flash_attn_criterion, invariants, tolerance
-from .diagnosis import Diagnoser, Diagnosis, Suspect
+from .diagnosis import Diagnoser, Diagnosis
 from .groups import KVGroup, check_summed, head_term, summed
 from .packed import PackedRun, packed_sources
 from .paged_case import diagnose_paged_case
@@ -44,6 +44,7 @@ from .pool import REF_CACHE, collect_head_garbage, head_jobs, map_heads
 from . import splits
 from .results import (FAIL, INHERITED, MISSING, PASS, SHAPE, STALE, UNCHECKABLE, UNREADABLE, Comparison, HeadResult,
                       Report, RunCheck, compare_arrays, elementwise_error)
+from .stage_diagnosis import diagnose_stage, diagnose_through_splits
 from .stage_check import (STATUS_CODES, Loaded, allowed, bit_identical, blamed_elsewhere, chain_of, head_chain,
                           classify, early_outputs, failed_upstream, file_index, head_inputs, isolated_sources,
                           keep_mask, load_output, new_result, nonfinite_propagated, quantization, query_keys_values,
@@ -177,7 +178,9 @@ def _check_stage(res: HeadResult, loaded: Loaded, ctx: HeadContext, results: Dic
     res.violations = [v for v in res.violations if v not in res.notes]
     classify(res, upstream_failed)
     if res.status == FAIL:
-        _diagnose(res, mat, isolated, ctx, run, *diagnosis)
+        diagnose_stage(res, mat, isolated, ctx, run, *diagnosis)
+    elif res.status == INHERITED:  # a correct combine of failing splits: the attention's own bug?
+        diagnose_through_splits(res, mat, ctx, results, run, opts.override(stage), *diagnosis)
     return mat, ctx.quanta[stage]
 
 
@@ -210,22 +213,6 @@ def _compare(res: HeadResult, ctx: HeadContext, results: Dict[str, HeadResult], 
     allowed_iso = with_quantum(allowed(stage, src_iso, want_iso, ctx, override), quantum, propagated)
     res.isolated = compare_arrays(mat, want_iso, allowed_iso, nan_agrees=True)
     return src_iso, want_iso, allowed_iso
-
-
-def _diagnose(res: HeadResult, mat: np.ndarray, isolated, ctx: HeadContext, run: RunInfo, ref_of_head,
-              inputs_of_head, slope_of_head, diagnoser: Optional[Diagnoser]) -> None:
-    """The patterns that explain a failing stage × head (the diagnoser's; none without one), then
-    its reference-free findings."""
-    if splits.combines(res.stage, ctx) and not res.isolated.passed:  # the combine, not the splits, is wrong
-        return splits.diagnose_combine(res, invariants.canonical(res.stage, mat, ctx), isolated, ctx, diagnoser)
-    src_iso, want_iso, allowed_iso = isolated
-    if diagnoser is not None:
-        res.diagnosis = diagnoser(res.stage, mat, want_iso, Suspect(
-            ctx.dims, ctx.scale, ctx.causal, res.head, src_iso, functools.partial(ref_of_head, res.stage),
-            run.flash_tiles, allowed_iso, ctx, inputs_of_head, slope_of_head=slope_of_head))
-    for v in res.violations:
-        if not any(d.code == v.code for d in res.diagnosis):
-            res.diagnosis.append(Diagnosis(v.code, v.message, {"count": v.count}))
 
 
 def apply_mismatches(run: RunInfo, results: List[HeadResult]) -> None:

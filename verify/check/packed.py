@@ -37,7 +37,9 @@ from ..stages import FORMATS, SEQUENCE_STAGES, STAGES, parse_stage_file, per_seq
 from ..variant import NONE
 from ..model.half import echoed, is_half, round_to_format
 from .diagnosis import Diagnoser, Diagnosis, Packing
+from .invariants import NONFINITE
 from .results import FAIL, HeadResult, compare_arrays, result_order
+from .splits import COMBINED_FROM as COMBINED, EMPTY_SPLIT
 from .stage_check import STATUS_CODES, Loaded, SequenceRun, case_inputs, file_index, load_output, new_result
 
 # The diagnosis of a key row no query reads whose gradient is not 0 or whose K, V or KT is not
@@ -112,6 +114,22 @@ class SequenceCase(InputCase):
     def alibi_slope(self, head: int) -> float:
         return self.slope(head)
 
+
+def _keyless_nonfinite(stage: str, got: np.ndarray, want: np.ndarray, b: int, splits_keys: bool) -> List[Diagnosis]:
+    """NaN or Inf in the rows of a sequence that reads no key, named: in a run that splits the keys,
+    every split of those rows is empty (empty_split: −inf − (−inf) in a combine, 0/0 in a split);
+    elsewhere, the stage's nonfinite values."""
+    with np.errstate(invalid="ignore"):
+        bad = ~np.isfinite(got) & (got != want)
+    if not bad.any():
+        return []
+    nan, inf = int(np.isnan(got).sum()), int(bad.sum() - np.isnan(got).sum())
+    first = tuple(int(i) for i in np.argwhere(bad)[0])
+    held = f"{nan} NaN and {inf} Inf where it reads no key (m = 0); first at {list(first)} = {float(got[first])}"
+    if splits_keys and (STAGES[stage].split or stage in COMBINED):
+        return [Diagnosis(EMPTY_SPLIT, f"{stage}: sequence {b} holds {held}: every split of its rows is empty, "
+                          "and an empty split mishandled", {"sequence": b, "nan": nan, "count": nan + inf}, 0.95)]
+    return [Diagnosis(NONFINITE, f"{stage}: sequence {b} holds {held}", {"count": nan + inf})]
 
 class PackedRun:
     """A packed run and its input case, seen sequence by sequence. Holds the packed matrices of
@@ -276,6 +294,7 @@ class PackedRun:
                     res.message = (f"sequence {b} reads no key (m = 0): its rows are "
                                    + ("the input as read" if SPECS[stage].echo else
                                       "-inf (or +inf)" if keyless == -np.inf else f"{keyless:g}"))
+                    res.diagnosis += _keyless_nonfinite(stage, mat, want, b, self.run.dims.split_size > 0)
                 out.append(res)
         return out
 

@@ -390,5 +390,5 @@ def diagnose_paged(report: Report, kv: KVCache, stages: Dict[str, np.ndarray], r
         found = [Diagnosis(r.code, r.message, r.detail, READING_CONFIDENCE) for i, r in enumerate(tried)
                  if r.b == b and i not in failed]
         for res in report.results:
-            if res.sequence == b and not res.passed and decode_stage(res.stage):
-                res.diagnosis[:0] = found
+            if res.sequence == b and not res.passed and (decode_stage(res.stage) or STAGES[res.stage].split):
+                res.diagnosis[:0] = found  # (a split reads its keys as the whole step does)

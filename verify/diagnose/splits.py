@@ -22,13 +22,12 @@ from typing import List, Optional, Tuple
 import numpy as np
 
 from ..check.diagnosis import Diagnosis
-from ..check.splits import SplitSuspect, combine, row_statistic
+from ..check.splits import EMPTY_SPLIT, SplitSuspect, combine, row_statistic
 from ..specs import SPECS
 from ..stages import FLASH_LSE, FLASH_OUTPUT, SPLIT_LSE, SPLIT_OUTPUT
 from .base import MATCH_WIDTHS, explains
 
-SPLIT_OVERLAP, SPLIT_GAP, EMPTY_SPLIT, SPLIT_NOT_RESCALED = "split_overlap", "split_gap", "empty_split", \
-    "split_not_rescaled"
+SPLIT_OVERLAP, SPLIT_GAP, SPLIT_NOT_RESCALED = "split_overlap", "split_gap", "split_not_rescaled"
 CODES = (SPLIT_NOT_RESCALED, EMPTY_SPLIT, SPLIT_OVERLAP, SPLIT_GAP)
 MAX_SHIFT = 3  # keys a split boundary is searched off by, either way
 _FLASH_OF = {SPLIT_OUTPUT: FLASH_OUTPUT, SPLIT_LSE: FLASH_LSE}
