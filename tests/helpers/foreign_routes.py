@@ -150,9 +150,18 @@ def _softmax_online(s: np.ndarray, tile: int) -> np.ndarray:
     return np.exp(s - m) / l
 
 
+def _softmax_lse(s: np.ndarray) -> np.ndarray:
+    """Exponentiated against the float32 log-sum-exp, exp(s - lse), as a two-pass softmax (and the
+    FlashAttention backward's recomputation) does: no division by the row's own sum."""
+    m = _row_max(s)
+    lse = m + np.log(np.exp(s - m).sum(axis=1, keepdims=True))
+    return np.exp(s - lse)
+
+
 SOFTMAX_TILES = (16, 32, 64)
 SOFTMAXES: Dict[str, Callable[[np.ndarray], np.ndarray]] = {
     "exp": _softmax_plain, "exp2": _softmax_exp2, "recip": _softmax_reciprocal, "exp64": _softmax_exp64,
+    "lse": _softmax_lse,
     **{f"online{t}": (lambda s, t=t: _softmax_online(s, t)) for t in SOFTMAX_TILES},
 }
 SOFTMAX_ROUTES = tuple(SOFTMAXES)

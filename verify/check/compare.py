@@ -32,7 +32,7 @@ from ..model.arrays import device_jobs, on_device
 from ..model.half import is_half, round_to_format
 from ..runs.program_checks import ProgramCheck, files_digest, read_findings
 from ..specs import SPECS, HeadContext, reads_dropout_mask, upstream, uses_scale_and_mask
-from ..specs import dropout as dropout_spec
+from ..specs import dropout as dropout_spec, lse_route
 from ..stages import DROPOUT_MASK, GRAD_INPUT, STAGES
 from . import flash_attn_criterion, invariants, tolerance
 from .diagnosis import Diagnoser, Diagnosis
@@ -196,6 +196,7 @@ def _compare(res: HeadResult, ctx: HeadContext, results: Dict[str, HeadResult], 
     want_chain = ctx.chain[stage]
     model_chain = allowed(stage, src_chain, want_chain, ctx, override, chained=True)
     allowed_chain = with_quantum(model_chain, quantum)
+    want_chain = lse_route.fitted(stage, mat, want_chain, allowed_chain, ctx)  # (weights from a float32 lse: a row's factor)
     res.chained = compare_arrays(mat, want_chain, allowed_chain, opts.allow_nonfinite)
     res.half_values = half_values(mat, want_chain, run.precision)
     res.print_limited = quantum is not None and bool(np.any(quantum > model_chain))
@@ -211,6 +212,7 @@ def _compare(res: HeadResult, ctx: HeadContext, results: Dict[str, HeadResult], 
         want_iso = SPECS[stage].passed_on(mat, want_iso, src_iso, ctx)
     propagated = quantization(stage, src_iso, q_iso, ctx) if override is None else None
     allowed_iso = with_quantum(allowed(stage, src_iso, want_iso, ctx, override), quantum, propagated)
+    want_iso = lse_route.fitted(stage, mat, want_iso, allowed_iso, ctx)
     res.isolated = compare_arrays(mat, want_iso, allowed_iso, nan_agrees=True)
     return src_iso, want_iso, allowed_iso
 

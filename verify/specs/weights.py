@@ -22,6 +22,7 @@ from ..model.softmax import (EqualTerms, correlated_sum, exponent_var, f32_subtr
                              softmax_parts, weights_var)
 from ..stages import SCALED_SCORES, WEIGHTS
 from .base import MASK_MISSING, NEGATIVE_WEIGHTS, ROW_SUM, HeadContext, Problem, StageSpec, Violation, violation
+from . import lse_route
 from .copies import PATTERNS
 
 
@@ -104,7 +105,9 @@ def _row_sums(stage, got, finite, rows_ok, ctx):
     # weights (equal exponentials) round alike: their final roundings add as one (correlated_sum).
     var = (rowsum_rel_var(np.clip(p, 0.0, None), u)[:, 0]
            + SOFTMAX_FINAL_ROUNDINGS * ROUND_VAR * u * u * correlated_sum(p * p, EqualTerms(p.astype(np.float32))))
-    allowed = LAMBDA * np.sqrt(var) + 2 * FLUSH * got.shape[1]
+    # Weights exponentiated against a float32 lse share its error as a factor of the row: the row
+    # sum is off by it (lse_route).
+    allowed = LAMBDA * np.sqrt(var) + 2 * FLUSH * got.shape[1] + np.expm1(lse_route.factor_bound(ctx))[:, 0]
     q = ctx.bounds.invariant_quantum(stage, got, ctx)
     if q is not None:  # the printed resolution of every weight of the row
         allowed = allowed + np.where(finite, q, 0.0).sum(axis=1)

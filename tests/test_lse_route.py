@@ -1,0 +1,68 @@
+"""Weights exponentiated against a float32 log-sum-exp, P = exp(S − lse), and the output P·V: a
+correct route whose rows share the lse's own error as one factor (verify/specs/lse_route.py). It
+passes, its row sums included, at every distribution; a wrong element, or a row off by more than the
+lse can err, still fails.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from helpers.cli import invoke
+from verify.stages import default_scale
+
+f32 = np.float32
+
+
+def lse_program(case, out, heads: int, causal: bool, bug=None):
+    """A float32 two-pass softmax: the lse, then exp(S − lse) and its product with V; its own file names."""
+    out.mkdir(parents=True, exist_ok=True)
+    for i in range(heads):
+        q, k, v = (np.load(case / f"{n}_head_{i}.npy").astype(f32) for n in "QKV")
+        s = (q @ k.T) * f32(default_scale(q.shape[1]))
+        if causal:
+            s[np.triu(np.ones(s.shape, bool), 1)] = -np.inf
+        m = s.max(axis=1, keepdims=True)
+        lse = m + np.log(np.exp(s - m).sum(axis=1, keepdims=True))
+        p = np.exp(s - lse)
+        if bug == "element":
+            p[3, 1] *= f32(1.001)
+        if bug == "row":
+            p[5] *= f32(1.0001)
+        np.save(out / f"P_{i}.npy", p)
+        np.save(out / f"L_{i}.npy", lse)
+        np.save(out / f"O_{i}.npy", p @ v)
+    return out
+
+
+NAMES = ("--name", "attention_weights=P_{i}.npy", "--name", "flash_lse=L_{i}.npy", "--name", "output=O_{i}.npy")
+
+
+def _case(tmp_path, dist, seed, causal, n=128, m=128):
+    r = invoke("generate", "--out", tmp_path / "in", "--heads", 4, "--seq-q", n, "--seq-k", m, "--d-k", 64, "--d-v", 64,
+               "--seed", seed, "--dist", dist, "--format", "npy", "--causal" if causal else "--no-causal")
+    assert r.exit_code == 0, r.output
+    return tmp_path / "in"
+
+
+@pytest.mark.parametrize("dist, seed, causal", [("uniform", 1, True), ("uniform", 4, True), ("normal", 2, False),
+                                                 ("large", 1, False), ("large", 2, True)])
+def test_weights_from_a_float32_lse_pass(tmp_path, dist, seed, causal):
+    case = _case(tmp_path, dist, seed, causal)
+    r = invoke("check", "--in", case, "--out", lse_program(case, tmp_path / "out", 4, causal), *NAMES)
+    assert r.exit_code == 0, r.output
+
+
+def test_their_output_alone_passes_where_the_logits_are_large(tmp_path):
+    case = _case(tmp_path, "large", 1, False)
+    r = invoke("check", "--in", case, "--out", lse_program(case, tmp_path / "out", 4, False),
+               "--name", "output=O_{i}.npy")
+    assert r.exit_code == 0, r.output
+
+
+@pytest.mark.parametrize("bug", ["element", "row"])
+def test_a_wrong_weight_or_a_row_off_by_more_than_the_lse_errs_fails(tmp_path, bug):
+    case = _case(tmp_path, "uniform", 1, False)
+    r = invoke("check", "--in", case, "--out", lse_program(case, tmp_path / "out", 4, False, bug), *NAMES)
+    assert r.exit_code == 1, r.output
+    assert "first failing stage: attention_weights" in r.output, r.output
