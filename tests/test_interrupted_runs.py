@@ -404,3 +404,29 @@ def test_ctrl_c_while_generating_removes_the_folder_it_created(tmp_path, monkeyp
     (tmp_path / "kept").mkdir()
     assert invoke("generate", "--out", tmp_path / "kept", *args).exit_code == 130
     assert list((tmp_path / "kept").iterdir()) == []
+
+
+def test_ctrl_c_before_a_command_starts_ends_in_one_line_and_130(monkeypatch, capsys):
+    """click turns a Ctrl-C while it parses (or a command's module loads) into "Aborted!" and exit 1,
+    a failing check's status; the entry point says what happened and exits 130."""
+    from verify.cli import group
+    import click
+
+    def aborted(*args, **kwargs):
+        raise click.Abort()
+    monkeypatch.setattr(group.cli, "main", aborted)
+    with pytest.raises(SystemExit) as stop:
+        group.main()
+    assert stop.value.code == 130
+    assert capsys.readouterr().err.strip() == "Error: interrupted by signal 2 (SIGINT)"
+
+
+def test_the_marker_replaces_a_link_in_the_folder_not_the_file_it_points_to(tmp_path):
+    outside = tmp_path / "outside.txt"
+    outside.write_text("keep\n")
+    folder = tmp_path / "out"
+    folder.mkdir()
+    (folder / UNFINISHED_MARKER).symlink_to(outside)
+    mark_unfinished(folder, "r1")
+    assert outside.read_text() == "keep\n"
+    assert not (folder / UNFINISHED_MARKER).is_symlink() and read_marker(folder) is not None

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import importlib
+import signal
+import sys
 from typing import Dict, List, Optional, Tuple
 
 import click
@@ -43,7 +45,17 @@ def cli():
 
 
 def main() -> None:  # console-script entry point
-    cli(prog_name="attnstep")
+    """The group, with a Ctrl-C before a command has started (Python and click still loading it)
+    ending as one there does: one line and 130, not click's "Aborted!" and 1, a failing check's."""
+    try:
+        code = cli.main(prog_name="attnstep", standalone_mode=False)
+    except click.ClickException as exc:
+        exc.show()
+        sys.exit(exc.exit_code)
+    except click.Abort:
+        click.echo(f"Error: interrupted by signal {signal.SIGINT.value} (SIGINT)", err=True)
+        sys.exit(128 + signal.SIGINT.value)
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 if __name__ == "__main__":

@@ -96,9 +96,11 @@ def _toml_value(v) -> str:
     return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
-def write_toml(path: Path, values: dict, comment: str) -> None:
+def write_toml(path: Path, values: dict, comment: str, through_links: bool = True) -> None:
+    """through_links: as atomic_write_bytes (False for a file attnstep names inside a folder: a link
+    there is replaced, never the file it points to, which may lie outside the folder)."""
     body = f"# {comment}\n" + "".join(f"{k} = {_toml_value(v)}\n" for k, v in values.items())
-    atomic_write_bytes(path, body.encode("utf-8"))
+    atomic_write_bytes(path, body.encode("utf-8"), through_links)
 
 
 def validate_dims(values: dict, where: str) -> Dims:

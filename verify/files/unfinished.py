@@ -103,7 +103,8 @@ def mark_unfinished(folder: Path, run_id: str, state: str = RUNNING, reason: str
                {"run_id": run_id, "pid": pid, "pid_start": process_start_ticks(pid),
                 "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "state": state,
                 "reason": reason},
-               "attnstep: a run into this folder has not finished (docs/contract.md); the next run removes this")
+               "attnstep: a run into this folder has not finished (docs/contract.md); the next run removes this",
+               through_links=False)
 
 
 def clear_unfinished(folder: Path) -> None:

@@ -106,7 +106,8 @@ def write_findings(folder: Path, checks: List[ProgramCheck], digest: str) -> Non
     for c in checks:
         values.update({f"{c.kind}_{k}": v for k, v in asdict(c).items() if k in _KEYS})
     write_toml(Path(folder) / PROGRAM_CHECKS, values,
-               "attnstep run: checks of the program beside its values (docs/contract.md); check reads this")
+               "attnstep run: checks of the program beside its values (docs/contract.md); check reads this",
+               through_links=False)
 
 
 def clear_findings(folder: Path) -> None:
