@@ -430,3 +430,38 @@ def test_the_marker_replaces_a_link_in_the_folder_not_the_file_it_points_to(tmp_
     mark_unfinished(folder, "r1")
     assert outside.read_text() == "keep\n"
     assert not (folder / UNFINISHED_MARKER).is_symlink() and read_marker(folder) is not None
+
+
+@pytest.mark.parametrize("moved", [1, 2, 4])
+def test_a_generate_stopped_while_it_moves_its_files_leaves_no_case_that_verifies(binary, tmp_path, monkeypatch,
+                                                                                    moved):
+    """Stopped where Python sees it, it clears what it moved; stopped by SIGKILL (no cleanup: here the
+    clearing made a no-op), what is left has the manifest and not all of its files, which the binary
+    and the Python side both refuse."""
+    from verify.files import generate as gen
+    from verify.files.case import load_input_case
+    dims = Dims(1, 4, 8, 8, 8, 8)
+    real_replace = os.replace
+    calls = []
+
+    def stop_after(src, dst):  # (os.replace is every module's: only the moves out of the staging folder count)
+        if Path(src).parent.name.startswith(".attnstep-generate") and Path(dst).parent == Path(src).parent.parent:
+            if len(calls) == moved:
+                raise KeyboardInterrupt
+            calls.append(dst)
+        real_replace(src, dst)
+    monkeypatch.setattr(gen.os, "replace", stop_after)
+    for folder in ("cleared", "killed"):  # a folder of the user's, which a failed generate keeps
+        (tmp_path / folder).mkdir()
+    with pytest.raises(KeyboardInterrupt):
+        generate_case(tmp_path / "cleared", dims, seed=1)
+    assert not [p.name for p in (tmp_path / "cleared").iterdir() if not p.name.startswith(".")]
+    calls.clear()
+    monkeypatch.setattr(gen, "clear_input_files", lambda folder: None)
+    with pytest.raises(KeyboardInterrupt):
+        generate_case(tmp_path / "killed", dims, seed=1)
+    with pytest.raises(CaseError, match="missing|not found"):
+        load_input_case(tmp_path / "killed")
+    ran = subprocess.run([str(binary), "--in", str(tmp_path / "killed"), "--out", str(tmp_path / "out"),
+                          "--backend", "cpu"], capture_output=True, text=True)
+    assert ran.returncode != 0, ran.stderr
