@@ -82,6 +82,21 @@ def test_check_refuses_an_output_folder_that_is_or_overlaps_the_input_case(tmp_p
     assert words in line and f"--in {args[0]}" in line and f"--out {args[1]}" in line and "HINT:" in line
 
 
+@pytest.mark.parametrize("layout", ["out-inside-in", "in-inside-out"])
+def test_run_refuses_them_before_anything_is_written(tmp_path, good_run, layout):
+    """A run into such a folder could never be checked: refused before the program runs."""
+    in_dir, _ = good_run
+    if layout == "out-inside-in":
+        args = (in_dir, in_dir / "result")
+    else:
+        shutil.copytree(in_dir, tmp_path / "hold" / "case")
+        args = (tmp_path / "hold" / "case", tmp_path / "hold")
+    before = _snapshot(tmp_path)
+    line = one_line_error(invoke("run", "--in", args[0], "--out", args[1], "--backend", "cpu"))
+    assert "the input case and the output folder must be apart" in line
+    assert _snapshot(tmp_path) == before
+
+
 # ---- 2. name maps match only the names a program writes ------------------------------------------
 
 def test_name_map_patterns_match_only_head_numbers(tmp_path):

@@ -196,7 +196,7 @@ def _compare(res: HeadResult, ctx: HeadContext, results: Dict[str, HeadResult], 
     want_chain = ctx.chain[stage]
     model_chain = allowed(stage, src_chain, want_chain, ctx, override, chained=True)
     allowed_chain = with_quantum(model_chain, quantum)
-    want_chain = lse_route.fitted(stage, mat, want_chain, allowed_chain, ctx)  # (weights from a float32 lse: a row's factor)
+    want_chain = lse_route.fitted(stage, mat, want_chain, allowed_chain, ctx)  # (a float32 lse: a row factor)
     res.chained = compare_arrays(mat, want_chain, allowed_chain, opts.allow_nonfinite)
     res.half_values = half_values(mat, want_chain, run.precision)
     res.print_limited = quantum is not None and bool(np.any(quantum > model_chain))

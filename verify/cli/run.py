@@ -8,6 +8,7 @@ import click
 
 from ..check.compare import Options
 from ..files.generate import DEFAULT_DIMS, generate_case
+from ..files.guards import check_folders_apart
 from ..runs import gpu
 from ..runs.program_checks import text_lines as program_check_lines
 from ..runs.runner import BINARY_NAME, ensure_built, example_names, require_cuda_backend
@@ -105,6 +106,7 @@ def run(in_dir, out_dir, backend, build_dir, binary, timeout, cwd, stages, fmt, 
     if args and split_size:
         raise click.UsageError("--split-size is an option of attnstep's binary; your program (-- ARGS) takes its own: "
                                "pass the split size in ARGS, and to check with --split-size")
+    check_folders_apart(in_dir, out_dir)  # (check refuses them: a run there could never be checked)
     names = parse_names(names, names_file)
     tools = parse_tools(sanitize) if sanitize else []
     if args:

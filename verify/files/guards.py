@@ -56,6 +56,9 @@ def check_folders_apart(in_dir: Path, out_dir: Path) -> None:
     """`check` compares OUT's files with references computed from IN's: one folder inside the
     other (or the same) would have it compare inputs with themselves and call that a pass."""
     relation = folder_relation(out_dir, in_dir)
+    if relation is None and not os.path.lexists(out_dir):  # (a folder a run is to create: where it would be)
+        there = next((p for p in Path(out_dir).absolute().parents if os.path.lexists(p)), None)
+        relation = INSIDE if there is not None and folder_relation(there, in_dir) in (SAME, INSIDE) else None
     if relation is None:
         return
     what = {SAME: f"--out {out_dir} and --in {in_dir} are the same folder",
