@@ -71,3 +71,18 @@ def test_a_wrong_weight_or_a_row_off_by_more_than_the_lse_errs_fails(tmp_path, b
     r = invoke("check", "--in", case, "--out", lse_program(case, tmp_path / "out", 4, False, bug), *NAMES)
     assert r.exit_code == 1, r.output
     assert "first failing stage: attention_weights" in r.output, r.output
+
+
+def test_an_inf_in_a_programs_weights_is_reported_without_numpys_warnings(tmp_path):
+    import warnings
+    from verify.check.compare import Options, check
+    case = _case(tmp_path, "uniform", 1, False)
+    out = lse_program(case, tmp_path / "out", 4, False)
+    p = np.load(out / "P_0.npy")
+    p[2, 0] = np.inf
+    np.save(out / "P_0.npy", p)
+    names = {"attention_weights": "P_{i}.npy", "output": "O_{i}.npy"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        report = check(case, out, Options(jobs=1, names=names))
+    assert report.first_failing_stage == "attention_weights"

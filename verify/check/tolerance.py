@@ -87,7 +87,8 @@ def stage_bound_parts(stage: str, src: Dict[str, np.ndarray], ref: np.ndarray, *
     ref = np.asarray(ref, dtype=np.float64)
     if spec.isolated is None:
         return None
-    var, det = spec.isolated(src, ref, Problem.of(scale, causal, src, variant, slope, u, kernel, cache))
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):  # (a program's NaN or Inf among the sources)
+        var, det = spec.isolated(src, ref, Problem.of(scale, causal, src, variant, slope, u, kernel, cache))
     extra = half_terms(stage, ref, src, scale, causal, precision, False, cache, half_rounding,
                        variant=variant, slope=slope) if is_half(precision) else 0.0
     return BoundParts(var, det, spec.floor(src), extra)

@@ -12,6 +12,8 @@ row) still fails; the row-sum check widens by the bound.
 """
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 
 from ..model.kernels import kernel_for
@@ -65,8 +67,10 @@ def fitted(stage: str, got: np.ndarray, want: np.ndarray, allowed: np.ndarray, c
         if not big.any():
             return want
         count = np.maximum(big.sum(axis=1, keepdims=True), 1)
-        median = np.nanmedian(np.where(big, got / np.where(big, want, 1.0), np.nan), axis=1, keepdims=True)
-        spread = np.nanmedian(np.where(big, allowed / (LAMBDA * size), np.nan), axis=1, keepdims=True)
+        with warnings.catch_warnings():  # (a row without a finite element: its median NaN, never used)
+            warnings.simplefilter("ignore", RuntimeWarning)
+            median = np.nanmedian(np.where(big, got / np.where(big, want, 1.0), np.nan), axis=1, keepdims=True)
+            spread = np.nanmedian(np.where(big, allowed / (LAMBDA * size), np.nan), axis=1, keepdims=True)
         lo, hi = _fitting(got, want, allowed, both)
         lo, hi = np.maximum(lo, np.exp(-bound)), np.minimum(hi, np.exp(bound))
         c = np.clip(median, lo + (hi - lo) / 4, hi - (hi - lo) / 4)
