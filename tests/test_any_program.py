@@ -208,6 +208,25 @@ def test_a_name_map_and_half_precision(tmp_path):
     assert bad.exit_code == 2 and "unknown stage 'outptu'" in bad.output
 
 
+def test_a_name_map_entry_that_names_no_file_is_a_stage_not_written(tmp_path):
+    """One names file serves runs that write different stages; a pattern that matches nothing is
+    said in a note (a typo shows there), and is an error only where nothing else would be checked."""
+    inputs = make_input(tmp_path / "in")
+    out = tmp_path / "out"
+    out.mkdir()
+    for i, h in enumerate(correct_heads(inputs)):
+        np.savetxt(out / f"O_{i}.txt", h["output"].astype(np.float64), fmt="%.9g")
+    names = tmp_path / "names.toml"
+    names.write_text('output = "O_{i}.txt"\nflash_output = "FO_{i}.txt"\n')
+    r, rep = check(tmp_path / "in", out, "--names", names, json_path=tmp_path / "r.json")
+    assert r.exit_code == 0, r.output
+    assert [s["stage"] for s in rep["stages"]] == ["output"]
+    assert f"note: the name map's flash_output=FO_{{i}}.txt: no file in {out} matches it: not checked" in r.output
+    typo = invoke("check", "--in", tmp_path / "in", "--out", out, "--name", "output=Out_{i}.txt")
+    assert typo.exit_code == 2 and typo.output.strip().splitlines()[-1].startswith(
+        f"Error: {out}: no file matches the name map's output=Out_{{i}}.txt; nothing would be checked")
+
+
 def test_both_naming_forms_for_one_stage_is_an_error(tmp_path):
     inputs = make_input(tmp_path / "in")
     write_heads(tmp_path / "out", correct_heads(inputs), ["output"])

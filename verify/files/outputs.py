@@ -263,14 +263,20 @@ def open_run(folder: Path, case: InputCase, over: Overrides = Overrides(), packi
     refuse_unfinished(folder)
     values = read_run_manifest(folder)
     dims = _run_dims(values, case, folder, packing)
+    unmatched: List[str] = []
     if "stages" in values:
         sources = _listed_sources(folder, values, over.names)
     else:
-        sources = discover_sources(folder, over.names)
+        sources = discover_sources(folder, over.names, unmatched)
     max_keys = dims.seq_k if case.sequences is None or not packing else \
         max((case.sequences.m(b) for b in range(case.sequences.count)), default=0)
     dims = split_dims(dims, run_split_size(values, over.split_size, folder), max_keys)
     sources = split_sources(folder, sources, dims, "stages" in values, over.names)
+    check_heads_named({s: StageSource(s, folder, over.names[s]) for s in unmatched}, dims)  # (a wrong pattern first)
+    unnamed = [f"the name map's {s}={printable(over.names[s])}" for s in unmatched]
+    if not sources and unnamed:
+        raise CaseError(f"{folder}: no file matches {', '.join(unnamed)}; nothing would be checked; HINT: the "
+                        "pattern is a file name in the output folder, {i} the head's number")
     if not sources:
         raise CaseError(f"{folder}: no stage files (<stage>_head_<i>.txt or .npy, or <stage>.npy, "
                         f"stages {', '.join(STAGES)}); HINT: is this the folder your program writes? "
@@ -289,6 +295,7 @@ def open_run(folder: Path, case: InputCase, over: Overrides = Overrides(), packi
                          "files not checked for staleness, any correct IEEE float32 arithmetic accepted")
     elif not run.verify_crc:
         run.notes.append(f"{RUN_MANIFEST} has no CRC-32 table: files not checked for staleness")
+    run.notes += [f"{n}: no file in {printable(str(folder))} matches it: not checked" for n in unnamed]
     return run
 
 

@@ -8,7 +8,7 @@ import re
 import string
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, Mapping, Optional, Tuple
+from typing import Dict, List, Mapping, Optional, Tuple
 
 import numpy as np
 
@@ -240,11 +240,14 @@ def read_names_file(path: Path) -> Dict[str, str]:
     return parse_name_map(read_toml(path, "names file"), str(path))
 
 
-def discover_sources(folder: Path, names: Mapping[str, str]) -> Dict[str, StageSource]:
+def discover_sources(folder: Path, names: Mapping[str, str], unmatched: Optional[List[str]] = None
+                     ) -> Dict[str, StageSource]:
     """The stages present in `folder`, table order: a name-map entry, `<stage>_head_{i}.txt|npy`
     (a packed run's `<stage>_head_{i}_seq_{b}` files count as their stage's: the check reads them
     per sequence, verify/check/packed.py), or `<stage>.npy`. Both of the last two for one stage
-    is ambiguous: an error."""
+    is ambiguous: an error. A name-map entry that names no file of the folder is a stage the
+    program did not write (one names file serves runs of different stages; a typo shows in the
+    note): its stage goes into `unmatched`."""
     entries = set(os.listdir(folder))
     per_head: Dict[str, set] = {}
     for entry in entries:
@@ -255,7 +258,11 @@ def discover_sources(folder: Path, names: Mapping[str, str]) -> Dict[str, StageS
     found: Dict[str, StageSource] = {}
     for stage in STAGES:
         if stage in names:
-            found[stage] = StageSource(stage, folder, names[stage])
+            pattern = names[stage]
+            if "/" in pattern or any(pattern_regex(pattern).fullmatch(e) for e in entries):
+                found[stage] = StageSource(stage, folder, pattern)
+            elif unmatched is not None:
+                unmatched.append(stage)
             continue
         fmts = sorted(per_head.get(stage, ()))
         stacked = stage + STACKED_SUFFIX in entries
