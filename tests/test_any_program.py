@@ -227,6 +227,17 @@ def test_a_name_map_entry_that_names_no_file_is_a_stage_not_written(tmp_path):
         f"Error: {out}: no file matches the name map's output=Out_{{i}}.txt; nothing would be checked")
 
 
+def test_files_for_heads_the_case_does_not_have_are_noted(tmp_path):
+    inputs = make_input(tmp_path / "in")
+    out = tmp_path / "out"
+    write_heads(out, correct_heads(inputs), ["output"])
+    (out / "output_head_2.txt").write_text((out / "output_head_1.txt").read_text())  # a third head
+    r, _ = check(tmp_path / "in", out)
+    assert r.exit_code == 0, r.output
+    assert ("note: 1 stage file for heads the input case does not have (2 query heads) ignored, e.g. "
+            "output_head_2.txt: is --in the case the program ran on?") in r.output
+
+
 def test_both_naming_forms_for_one_stage_is_an_error(tmp_path):
     inputs = make_input(tmp_path / "in")
     write_heads(tmp_path / "out", correct_heads(inputs), ["output"])

@@ -35,7 +35,8 @@ from .kinds import CaseError
 from .run_settings import Mismatch, resolve_variant
 from .split_files import SplitSource, refuse_split_variants, run_split_size, split_dims, split_sources
 from .stage_files import (STACKED_SUFFIX, STAGE_ITEMSIZE, StageSource, check_heads_named, discover_sources,
-                          parse_name_map, pattern_regex, read_names_file, refuse_query_head_kv_files)
+                          files_past_the_heads, parse_name_map, pattern_regex, read_names_file,
+                          refuse_query_head_kv_files)
 from .unfinished import refuse_unfinished
 
 __all__ = ["RunInfo", "Overrides", "Mismatch", "open_run", "load_run", "read_run_manifest", "stage_files_in",
@@ -296,6 +297,11 @@ def open_run(folder: Path, case: InputCase, over: Overrides = Overrides(), packi
     elif not run.verify_crc:
         run.notes.append(f"{RUN_MANIFEST} has no CRC-32 table: files not checked for staleness")
     run.notes += [f"{n}: no file in {printable(str(folder))} matches it: not checked" for n in unnamed]
+    past = [] if "stages" in values else files_past_the_heads(folder, sources, dims)
+    if past:
+        run.notes.append(f"{plural(len(past), 'stage file')} for heads the input case does not have "
+                         f"({dims.total_heads} query heads) ignored, e.g. {printable(past[0])}: is --in the case "
+                         "the program ran on?")
     return run
 
 

@@ -204,6 +204,21 @@ def pattern_regex(pattern: str) -> "re.Pattern[str]":
     return re.compile("".join(out))
 
 
+def files_past_the_heads(folder: Path, sources: Dict[str, "StageSource"], dims: Dims) -> List[str]:
+    """Files of a per-head stage in `folder` beyond the case's heads (a program run on a case of
+    more heads, or a folder checked against another case): what they match of its pattern, in
+    order, that no head of `dims` is named."""
+    entries = sorted(os.listdir(folder))
+    out = []
+    for stage, src in sources.items():
+        if src.arrays is not None or not src.per_head or STAGES[stage].split:
+            continue
+        named = {src.name(i, dims) for i in range(dims.heads_of(stage))}
+        match = pattern_regex(src.pattern)
+        out += [e for e in entries if match.fullmatch(e) and e not in named]
+    return out
+
+
 def check_heads_named(sources: Dict[str, "StageSource"], dims: Dims) -> None:
     """Each per-head pattern names every head apart: {i}, or {b} and {h} (one of them suffices when
     the other dimension is 1). Otherwise several heads would read one file."""
