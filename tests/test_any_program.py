@@ -19,6 +19,7 @@ import attnstep
 from helpers import foreign_routes as foreign
 from helpers.cli import generate_input, invoke
 from verify.check.reference import reference_chain
+from verify.model.half import round_to_format
 from verify.files.resolution import EXACT, Resolution, text_resolution
 from verify.stages import INPUT_NAMES, STAGES, Dims, default_scale, stage_file
 from verify.variant import Variant, hidden
@@ -463,6 +464,19 @@ def test_name_maps_take_plain_head_fields_that_tell_heads_apart(tmp_path, patter
     (tmp_path / "out").mkdir()
     r = invoke("check", "--in", tmp_path / "in", "--out", tmp_path / "out", "--name", f"output={pattern}")
     assert r.exit_code == 2 and words in r.output and "Traceback" not in r.output, r.output
+
+
+def test_one_wrong_element_of_a_stage_given_alone_is_counted_once():
+    """With no upstream stage of the program's, the isolated bound would take the references it is
+    computed from as exact, and count correct elements outside: the chained comparison applies."""
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal(shape).astype(f32) for shape in ((33, 64), (47, 64), (47, 64)))
+    o = foreign.compute_heads([{"Q": q, "K": k, "V": v}], default_scale(64), False)[0]["output"].astype(np.float64)
+    o[20, 7] += 0.5
+    for precision, stored in (("fp32", o), ("bf16", round_to_format(o, "bf16"))):
+        report = attnstep.check_arrays(q, k, v, {"output": stored}, precision=precision)
+        main = report.results[0].main
+        assert (main.mismatched, main.worst) == (1, (20, 7)), precision
 
 
 def test_the_python_api_refuses_nonfinite_inputs_unless_allowed():

@@ -214,6 +214,11 @@ def _compare(res: HeadResult, ctx: HeadContext, results: Dict[str, HeadResult], 
     allowed_iso = with_quantum(allowed(stage, src_iso, want_iso, ctx, override), quantum, propagated)
     want_iso = lse_route.fitted(stage, mat, want_iso, allowed_iso, ctx)
     res.isolated = compare_arrays(mat, want_iso, allowed_iso, nan_agrees=True)
+    if not q_iso and all(src_iso[n] is ctx.chain.get(n) for n in names):
+        # None of its sources is the program's: the isolated bound would take them as exact and count
+        # correct elements outside; the comparison that applies is the chained one (the diagnoses keep
+        # the isolated reference and bound).
+        res.isolated = res.chained
     return src_iso, want_iso, allowed_iso
 
 
