@@ -131,7 +131,7 @@ def test_tensors_are_converted_without_torch():
               "flash_lse": FakeTensor(lse.astype(f32), "torch.float32", "cpu", calls)}
     report = attnstep.check_arrays(*tensors, stages, scale=0.25, atol=1e-2)
     assert report.passed
-    assert calls.count("detach") == 5 and calls.count("cpu") == 5 and calls.count("double") == 1
+    assert calls.count("detach") == 5 and calls.count("cpu") == 5 and calls.count("float") == 4  # (float64 kept)
     if "torch" not in sys.modules:
         assert "torch" not in sys.modules  # nothing imported it on the way
 
@@ -141,6 +141,15 @@ def test_a_bf16_tensor_at_fp32_keeps_its_half_precision_note(handed):
     attnstep.check_arrays(*(FakeTensor(x, "torch.bfloat16") for x in (q, k, v)), {OUTPUT: q})
     held = handed["case"].load("Q", 0)
     assert held.dtype == f32 and np.array_equal(held, q[0, 0])
+
+
+def test_a_float16_tensor_reads_as_the_float16_array_does():
+    """Results computed in float32 and stored in float16: half a float16 unit allowed, tensor or array."""
+    q, k, v, out, _ = _plain()
+    stored = out.astype(np.float16)
+    for given in (stored, FakeTensor(stored, "torch.float16")):
+        report = attnstep.check_arrays(q, k, v, {OUTPUT: given}, scale=0.25)
+        assert report.passed and report.stage_results(OUTPUT)[0].resolution == "float16"
 
 
 def test_a_real_torch_tensor_checks_directly():

@@ -40,8 +40,9 @@ def is_tensor(x) -> bool:
 
 
 def as_array(x, name: str) -> np.ndarray:
-    """x as a NumPy array: a tensor detached, its floats as float32 (float64 kept: bf16 has no
-    NumPy dtype, and fp16 values are held exactly), moved to the CPU; anything else np.asarray.
+    """x as a NumPy array: a tensor detached, its floats as float32 (float64 and float16 kept, so
+    that a float16 tensor reads as the same NumPy array does: results stored in float16; bf16 has
+    no NumPy dtype), moved to the CPU; anything else np.asarray.
     ValueError naming the argument `name` where it cannot be one (nested lists of unequal
     lengths, a tensor with no values to read: meta, nested or sparse)."""
     try:
@@ -49,7 +50,8 @@ def as_array(x, name: str) -> np.ndarray:
             return np.asarray(x)
         t = x.detach()
         if t.is_floating_point():
-            t = t.double() if str(t.dtype).endswith("float64") else t.float()
+            kept = str(t.dtype).endswith(("float64", "float16")) and not str(t.dtype).endswith("bfloat16")
+            t = t if kept else t.float()
         return np.asarray(t.cpu().numpy())
     except (ValueError, TypeError, RuntimeError, NotImplementedError) as exc:
         if type(exc).__name__ == "OutOfMemoryError":  # PyTorch's, on the GPU: the command's own line
