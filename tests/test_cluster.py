@@ -8,6 +8,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import tempfile
 import socket
 import subprocess
 import sys
@@ -396,3 +397,14 @@ def test_a_worker_checks_on_the_device_its_check_run_chose(binary, tmp_path, dev
     finally:
         cluster.forget_check(device)
     assert gc.get_freeze_count() < frozen // 10  # let go with the run
+
+
+def test_a_local_cluster_leaves_nothing_in_the_temporary_folder(tmp_path, monkeypatch):
+    """Dask's scratch space (the workers' folders, its locks) lies in a folder of the cluster's own,
+    removed when it closes: nothing outside the output folder is left behind."""
+    distributed = _distributed()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    with cluster.local_cluster(2) as c, distributed.Client(c) as client:
+        assert client.submit(lambda: 1).result() == 1
+        assert [p.name.startswith("attnstep-dask-") for p in tmp_path.iterdir()] == [True]
+    assert list(tmp_path.iterdir()) == []

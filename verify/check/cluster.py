@@ -27,6 +27,8 @@ import contextlib
 import gc
 import itertools
 import logging
+import shutil
+import tempfile
 import threading
 import uuid
 from concurrent.futures import CancelledError, ThreadPoolExecutor
@@ -171,7 +173,22 @@ def _worker_on(gpu: str, distributed) -> dict:
                                                    "silence_logs": logging.CRITICAL}}
 
 
+@contextlib.contextmanager
 def local_cluster(workers: int, gpus: Sequence[str] = ()):
+    """_local_cluster, its Dask scratch space (the workers' folders and locks, which Dask puts in
+    the system's temporary folder and leaves there) in a folder of its own, removed when it closes."""
+    scratch = tempfile.mkdtemp(prefix="attnstep-dask-")
+    try:
+        import dask  # noqa: PLC0415 -- (with distributed, only here)
+        with dask.config.set({"temporary-directory": scratch}):
+            started = _local_cluster(workers, gpus)
+        with started as cluster:
+            yield cluster
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _local_cluster(workers: int, gpus: Sequence[str] = ()):
     """A Dask cluster of `workers` processes of one thread each on this host, as --scheduler local
     starts it: no dashboard (its HTTP endpoints on a free port), no memory limit of Dask's (the
     workers hold what the pool's would), none of Dask's own log lines (the check's errors are its
