@@ -465,3 +465,20 @@ def test_a_generate_stopped_while_it_moves_its_files_leaves_no_case_that_verifie
     ran = subprocess.run([str(binary), "--in", str(tmp_path / "killed"), "--out", str(tmp_path / "out"),
                           "--backend", "cpu"], capture_output=True, text=True)
     assert ran.returncode != 0, ran.stderr
+
+
+def test_a_second_program_run_into_a_folder_a_live_run_writes_is_refused(tmp_path):
+    """As the binary refuses it: the second run would move the first one's files aside and clear
+    its marker while it writes, and check would then read a folder still being written."""
+    from helpers.cli import invoke
+    in_dir = tmp_path / "in"
+    generate_case(in_dir, Dims(1, 2, 8, 8, 8, 8), seed=1)
+    out = tmp_path / "out"
+    out.mkdir()
+    mark_unfinished(out, "the-first-run")  # (this process: alive)
+    program = tmp_path / "prog.sh"
+    program.write_text("#!/bin/sh\nexit 0\n")
+    program.chmod(0o755)
+    r = invoke("run", "--in", in_dir, "--out", out, "--binary", program, "--", "x")
+    assert r.exit_code == 2 and "run the-first-run is still writing into this folder" in r.output, r.output
+    assert read_marker(out).run_id == "the-first-run"

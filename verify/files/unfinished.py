@@ -80,6 +80,20 @@ def read_marker(folder: Path) -> Optional[Unfinished]:
     return Unfinished(**{k: values[k] for k in MARKER_KEYS if k in values})
 
 
+def _still_writing(folder: Path, marker: Unfinished, hint: str) -> CaseError:
+    run = f"run {printable(marker.run_id)}" if marker.run_id else "a run"
+    return CaseError(f"{folder}: {run} is still writing into this folder (process {marker.pid}, started "
+                     f"{printable(marker.started)}); HINT: {hint}")
+
+
+def refuse_live_writer(folder: Path) -> None:
+    """Raises CaseError when a run still writes into `folder` (its process alive): a second run
+    there would move its files aside and clear its marker while it writes, as the binary refuses."""
+    marker = read_marker(folder)
+    if marker is not None and marker.writer_alive():
+        raise _still_writing(folder, marker, "wait for it to finish, or write into another folder")
+
+
 def refuse_unfinished(folder: Path) -> None:
     """Raises CaseError when `folder` holds a run that has not finished, saying why in one line."""
     marker = read_marker(folder)
@@ -87,8 +101,7 @@ def refuse_unfinished(folder: Path) -> None:
         return
     run = f"run {printable(marker.run_id)}" if marker.run_id else "a run"
     if marker.writer_alive():
-        raise CaseError(f"{folder}: {run} is still writing into this folder (process {marker.pid}, started "
-                        f"{printable(marker.started)}); HINT: check it once that run has finished")
+        raise _still_writing(folder, marker, "check it once that run has finished")
     why = (printable(marker.reason, REASON_LIMIT) if marker.reason else
            f"its process {marker.pid} ended before it finished" if marker.pid else "it was stopped")
     raise CaseError(f"{folder}: the last run into this folder did not finish ({run}: {why}); what the folder "

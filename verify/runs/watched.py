@@ -16,7 +16,7 @@ from ..files.guards import foreign_input_case
 from ..files.kinds import CaseError
 from ..files.outputs import stage_files_in
 from ..files.stage_files import STACKED_SUFFIX, pattern_regex
-from ..files.unfinished import FAILED, clear_unfinished, mark_unfinished
+from ..files.unfinished import FAILED, clear_unfinished, mark_unfinished, refuse_live_writer
 from ..stages import RUN_MANIFEST, STAGE_NAMES, parse_stage_file
 from ..terminal import reported_progress_bar
 from ..text import plural, printable
@@ -98,6 +98,7 @@ def watched_run(out_dir: Path, in_dir: Optional[Path], names: Mapping[str, str],
         Path(out_dir).mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise CaseError(f"--out {out_dir}: cannot create the folder: {exc.strerror or exc}") from None
+    refuse_live_writer(out_dir)
     mark_unfinished(out_dir, run_id)  # before anything moves: a move cut short is marked too
     try:
         set_aside_previous(out_dir, stage_files_in(out_dir, names))
