@@ -438,7 +438,7 @@ def test_a_generate_stopped_while_it_moves_its_files_leaves_no_case_that_verifie
     """Stopped where Python sees it, it clears what it moved; stopped by SIGKILL (no cleanup: here the
     clearing made a no-op), what is left has the manifest and not all of its files, which the binary
     and the Python side both refuse."""
-    from verify.files import generate as gen
+    from verify.files import case as case_files
     from verify.files.case import load_input_case
     dims = Dims(1, 4, 8, 8, 8, 8)
     real_replace = os.replace
@@ -450,14 +450,14 @@ def test_a_generate_stopped_while_it_moves_its_files_leaves_no_case_that_verifie
                 raise KeyboardInterrupt
             calls.append(dst)
         real_replace(src, dst)
-    monkeypatch.setattr(gen.os, "replace", stop_after)
+    monkeypatch.setattr(case_files.os, "replace", stop_after)
     for folder in ("cleared", "killed"):  # a folder of the user's, which a failed generate keeps
         (tmp_path / folder).mkdir()
     with pytest.raises(KeyboardInterrupt):
         generate_case(tmp_path / "cleared", dims, seed=1)
     assert not [p.name for p in (tmp_path / "cleared").iterdir() if not p.name.startswith(".")]
     calls.clear()
-    monkeypatch.setattr(gen, "clear_input_files", lambda folder: None)
+    monkeypatch.setattr(case_files, "clear_input_files", lambda folder: None)
     with pytest.raises(KeyboardInterrupt):
         generate_case(tmp_path / "killed", dims, seed=1)
     with pytest.raises(CaseError, match="missing|not found"):

@@ -29,7 +29,7 @@ from .sequence_files import case_sequences, manifest_count, sequence_file_names
 from .variant_inputs import (COVERAGE_FIELD, READERS, TENSOR_INPUTS, UNUSED_SLOPES, coverage, coverage_of_files,
                              read_slopes, slope_of, whole_file, whole_files)
 
-__all__ = ["InputCase", "load_input_case", "refuse_unused_slopes", "input_head_files", "clear_input_files",
+__all__ = ["InputCase", "load_input_case", "refuse_unused_slopes", "input_head_files", "clear_input_files", "replace_case_files",
            "CaseError", "INPUT_KEYS", "INT64", "check_scale", "check_types", "read_toml", "validate_dims",
            "write_toml", "atomic_write_bytes", "crc32_hex", "file_kind", "matrix_bytes", "matrix_max_bytes",
            "output_file_target", "parse_matrix", "parse_npy_matrix", "parse_text_matrix", "probe_writable",
@@ -367,3 +367,18 @@ def clear_input_files(folder: Path) -> None:
     for name in input_head_files(folder):
         (folder / name).unlink()
     (folder / INPUT_MANIFEST).unlink(missing_ok=True)
+
+
+def replace_case_files(staging: Path, out_dir: Path, names: List[str]) -> None:
+    """The files staged in `staging` (the manifest and `names`) over the earlier case's in out_dir,
+    the manifest first: a generate stopped midway (even by SIGKILL, which no cleanup sees) leaves a
+    manifest whose files are not all there, which the binary and `check` refuse, never a folder of
+    fewer heads that reads as a whole case without a manifest. Stopped by anything Python sees, it
+    clears what it moved: no case at all."""
+    clear_input_files(out_dir)
+    try:
+        for name in [INPUT_MANIFEST] + names:
+            os.replace(staging / name, out_dir / name)
+    except BaseException:
+        clear_input_files(out_dir)
+        raise

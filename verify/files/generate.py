@@ -20,7 +20,7 @@ from ..stages import (ALIBI_SLOPES_INPUT, BIAS_INPUT, CASE_INPUTS, DIM_KEYS, FOR
                       stage_file)
 from ..text import mib
 from ..variant import BROADCAST, NONE, Variant
-from .case import (INT64, atomic_write_bytes, check_case_limits, check_scale, clear_input_files, input_head_files, read_toml,
+from .case import (INT64, atomic_write_bytes, check_case_limits, check_scale, replace_case_files, input_head_files, read_toml,
                    validate_dims, write_matrix, write_toml)
 from .guards import removed_on_failure
 from .kinds import CaseError
@@ -103,7 +103,7 @@ def generate_case(out_dir: Path, dims: Dims, *, causal: bool = False, scale: Opt
 
 def _write_case(out_dir: Path, dims: Dims, variant: Variant, inputs: VariantInputs, seed: int, distribution: str,
                 fmt: str, backward: bool, progress, sequences: Optional[Sequences], scale: Optional[float]) -> None:
-    """The case's files into a staging folder inside out_dir, then moved into place (_move_into_place)."""
+    """The case's files into a staging folder inside out_dir, then moved into place (replace_case_files)."""
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -124,25 +124,11 @@ def _write_case(out_dir: Path, dims: Dims, variant: Variant, inputs: VariantInpu
         if scale is not None:
             manifest["scale"] = float(scale)
         write_toml(staging / INPUT_MANIFEST, manifest, "attnstep input case (see docs/contract.md)")
-        _move_into_place(staging, out_dir, names)
+        replace_case_files(staging, out_dir, names)
     except OSError as exc:
         raise CaseError(f"{out_dir}: cannot write the case: {exc.strerror or exc}") from None
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-
-
-def _move_into_place(staging: Path, out_dir: Path, names: List[str]) -> None:
-    """The staged files over the earlier case's, the manifest first: a generate stopped midway (even by
-    SIGKILL, which no cleanup sees) leaves a manifest whose files are not all there, which the binary
-    and `check` refuse, never a folder of fewer heads that reads as a whole case without a manifest.
-    Stopped by anything Python sees, it clears what it moved: no case at all."""
-    clear_input_files(out_dir)
-    try:
-        for name in [INPUT_MANIFEST] + names:
-            os.replace(staging / name, out_dir / name)
-    except BaseException:
-        clear_input_files(out_dir)
-        raise
 
 
 def _case_variant(variant: Optional[Variant], causal: bool, inputs: VariantInputs) -> Variant:
