@@ -20,7 +20,7 @@ from ..stages import (ALIBI_SLOPES_INPUT, BIAS_INPUT, CASE_INPUTS, DIM_KEYS, FOR
                       stage_file)
 from ..text import mib
 from ..variant import BROADCAST, NONE, Variant
-from .case import (INT64, atomic_write_bytes, check_case_limits, check_scale, replace_case_files, input_head_files, read_toml,
+from .case import (INT64, atomic_write_bytes, check_case_limits, check_scale, input_head_files, read_toml, replace_case_files,
                    validate_dims, write_matrix, write_toml)
 from .guards import removed_on_failure
 from .kinds import CaseError
