@@ -20,8 +20,8 @@ from ..stages import (ALIBI_SLOPES_INPUT, BIAS_INPUT, CASE_INPUTS, DIM_KEYS, FOR
                       stage_file)
 from ..text import mib
 from ..variant import BROADCAST, NONE, Variant
-from .case import (INT64, atomic_write_bytes, check_case_limits, check_scale, input_head_files, read_toml, replace_case_files,
-                   validate_dims, write_matrix, write_toml)
+from .case import (INT64, atomic_write_bytes, check_case_limits, check_scale, input_head_files, read_toml,
+                   replace_case_files, validate_dims, write_matrix, write_toml)
 from .guards import removed_on_failure
 from .kinds import CaseError
 from .manifests import CAUSAL_KEY, WINDOW_KEYS, variant_keys
