@@ -108,6 +108,14 @@ def test_check_help_fits_a_screen_and_points_to_the_tolerance_model(runner):
     assert "docs/tolerances.md" in res.output and "2^-24" not in res.output
 
 
+def test_check_help_names_every_option_it_does_not_list(runner):
+    """The options left out of the list (so that it fits a screen) are named in the description."""
+    from verify.cli.check import check as check_command
+    text = " ".join(runner.invoke(cli, ["check", "--help"]).output.split())
+    hidden = [o for p in check_command.params if getattr(p, "hidden", False) for o in p.opts + p.secondary_opts]
+    assert hidden and [o for o in hidden if o not in text] == []
+
+
 def test_a_command_loads_its_own_modules_alone():
     """`check` runs without importing what `bench` needs (nor the reverse's own), and the group's
     help still lists every command."""

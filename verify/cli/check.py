@@ -75,10 +75,10 @@ def _parse_tol(values) -> Dict[str, Tuple[float, float]]:
 CHECK_HELP = f"""Check every stage of a run against a float64 reference.
 
 Compares OUT's stage files with float64 references from the input case IN; names the first
-failing stage. Exit status 0: all pass; 1: a stage fails; 2: bad input. Tolerances:
-{TOLERANCES_DOC}. The variant overrides IN's manifest, else run.toml's ({CLI_DOC}): --causal
-[ALIGN], --no-causal, --align ALIGN, --window LEFT,RIGHT, --softcap C, --alibi/--no-alibi,
---dropout P; --split-size K. A Dask cluster: --scheduler ADDRESS|local.
+failing stage. Exit 0: all pass; 1: a stage fails; 2: bad input. Tolerances: {TOLERANCES_DOC}.
+Over IN's manifest and run.toml ({CLI_DOC}): --causal [ALIGN], --no-causal, --align ALIGN,
+--window LEFT,RIGHT, --softcap C, --alibi/--no-alibi, --dropout P; --split-size K, --page-size P.
+A Dask cluster: --scheduler ADDRESS|local.
 """
 
 
