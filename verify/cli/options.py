@@ -226,7 +226,7 @@ force_option = SharedOption("--force", is_flag=True,
 json_option = SharedOption("--json", "json_path", type=GivenPath(path_type=Path),
                            callback=checked_path(report_file),
                            help="Write the full report as JSON to this file.")
-quiet_option = click.option("--quiet", "-q", is_flag=True, help="Print only the verdict and errors.")
+quiet_option = click.option("--quiet", "-q", is_flag=True, help="Print only the verdict, its notes and errors.")
 
 
 def name_options(fn):
