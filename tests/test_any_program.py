@@ -239,6 +239,32 @@ def test_files_for_heads_the_case_does_not_have_are_noted(tmp_path):
             "output_head_2.txt: is --in the case the program ran on?") in r.output
 
 
+@pytest.mark.parametrize("bug, code", [("scale", "scaled"), ("keys", "keys_past_end")])
+def test_the_weights_name_a_bug_of_their_scores_where_no_scores_are_written(tmp_path, bug, code):
+    """A program writing its weights and output but not its scores: the first failing stage, the
+    weights, is recomputed from the inputs (with the scale missing; with the next head's first
+    keys entering the last key tile's softmax) and named, as the output alone would be."""
+    dims = Dims(1, 2, 24, 40, 16, 16)
+    inputs = make_input(tmp_path / "in", dims)
+    out = tmp_path / "out"
+    out.mkdir()
+    for i, x in enumerate(inputs):
+        k, v = x["K"], x["V"]
+        if bug == "keys":  # a tile of 16 keys reads 8 past the end: the next head's first (zeros after the last)
+            tail = inputs[i + 1] if i + 1 < len(inputs) else {"K": np.zeros_like(k), "V": np.zeros_like(v)}
+            k, v = np.vstack([k, tail["K"][:8]]), np.vstack([v, tail["V"][:8]])
+        s = (x["Q"] @ k.T) * f32(1.0 if bug == "scale" else default_scale(16))
+        e = np.exp(s - s.max(axis=1, keepdims=True))
+        p = e / e.sum(axis=1, keepdims=True)
+        np.save(out / f"P_{i}.npy", p[:, :40])
+        np.save(out / f"O_{i}.npy", p @ v)
+    r, rep = check(tmp_path / "in", out, "--name", "attention_weights=P_{i}.npy", "--name", "output=O_{i}.npy",
+                   json_path=tmp_path / "r.json")
+    assert r.exit_code == 1 and rep["first_failing_stage"] == "attention_weights", r.output
+    first = [x for x in rep["results"] if x["stage"] == "attention_weights" and x["head"] == 0][0]
+    assert first["diagnosis"][0]["code"] == code, first["diagnosis"]
+
+
 def test_both_naming_forms_for_one_stage_is_an_error(tmp_path):
     inputs = make_input(tmp_path / "in")
     write_heads(tmp_path / "out", correct_heads(inputs), ["output"])

@@ -268,11 +268,21 @@ def _extended(qkv, extra: int, k_tail, v_tail) -> Dict[str, np.ndarray]:
     return out
 
 
+def _as_written(stage: str, cand: np.ndarray, m: int) -> np.ndarray:
+    """A rebuilt N×M stage (the weights) over another key count, as the program writes it into its
+    N×M buffer: the first m columns (keys past the end), or the kept ones and 0 (keys left out)."""
+    if STAGES[stage].cols != "M" or cand.shape[1] == m:
+        return cand
+    if cand.shape[1] > m:
+        return cand[:, :m]
+    return np.concatenate([cand, np.zeros((cand.shape[0], m - cand.shape[1]))], axis=1)
+
+
 def _keys_past_end(stage, got, want, ctx, rebuild, width, qkv) -> List[Diagnosis]:
     m, n = qkv[KEYS].shape[0], got.shape[0]
     for extra, tiles in _by_count(_tiles(ctx), lambda t: -m % t).items():
         for words, k_tail, v_tail in _past_end_sources(ctx, extra):
-            cand = rebuild(_extended(qkv, extra, k_tail, v_tail), run_hidden(ctx, n, m, extra))
+            cand = _as_written(stage, rebuild(_extended(qkv, extra, k_tail, v_tail), run_hidden(ctx, n, m, extra)), m)
             for judged, overrun in _past_end_judged(got, want, ctx, extra):
                 diff = explains_rows(got, cand, want, width, judged)
                 if diff is None:
@@ -292,7 +302,8 @@ def _keys_dropped(stage, got, want, ctx, rebuild, width, qkv) -> List[Diagnosis]
         kept = m - dropped
         cut = {QUERIES: qkv[QUERIES], KEYS: qkv[KEYS][:kept], VALUES: qkv[VALUES][:kept]}
         judged = ~blank_rows(got, want)
-        diff = explains_rows(got, rebuild(cut, run_hidden(ctx, n, m)[:, :kept]), want, width, judged)
+        diff = explains_rows(got, _as_written(stage, rebuild(cut, run_hidden(ctx, n, m)[:, :kept]), m), want, width,
+                             judged)
         if diff is None:
             continue
         blank = int((~judged).sum())

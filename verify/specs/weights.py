@@ -10,7 +10,7 @@ sum's rounding and the final roundings.
 """
 from __future__ import annotations
 
-from typing import List
+from typing import List, Optional
 
 import numpy as np
 
@@ -21,9 +21,11 @@ from ..model.rounding import FLUSH, LAMBDA, ROUND_VAR, finish, unit_roundoff
 from ..model.softmax import (EqualTerms, correlated_sum, exponent_var, f32_subtraction_error, need, rowsum_rel_var,
                              softmax_parts, weights_var)
 from ..stages import SCALED_SCORES, WEIGHTS
+from ..variant import Variant
 from .base import MASK_MISSING, NEGATIVE_WEIGHTS, ROW_SUM, HeadContext, Problem, StageSpec, Violation, violation
 from . import lse_route
 from .copies import PATTERNS
+from .output import scores_from_inputs
 
 
 def _source(src):
@@ -120,8 +122,17 @@ def _row_sums(stage, got, finite, rows_ok, ctx):
                      f"row {r} sums to {p[r].sum():.9g} (allowed ±{allowed[r]:.2g})", int(bad.sum()), (r,))
 
 
+def weights_from_inputs(src, scale, masked, variant: Variant = Variant(), slope: float = 0.0, rows=None,
+                       n: Optional[int] = None):
+    """softmax(scores) in float64 from the case's inputs (output's scores_from_inputs): what the
+    diagnoses recompute a program's weights from where it wrote no scores of its own (a wrong
+    scale, keys read past the head's end)."""
+    return softmax_rows(scores_from_inputs(src, scale, masked, variant, slope, rows, n))
+
+
 SPECS = (
     StageSpec(WEIGHTS, reference=_reference, isolated=_isolated, chained=_chained,
               quantization=_quantization, invariants=(_softmax_checks,), masked_value=0.0, passed_on=_passed_on,
-              diagnoses=PATTERNS + ("softmax_axis", "mask", "overflow")),
+              from_inputs=weights_from_inputs,
+              diagnoses=PATTERNS + ("scaled", "softmax_axis", "mask", "keys", "overflow")),
 )
