@@ -265,6 +265,26 @@ def test_the_weights_name_a_bug_of_their_scores_where_no_scores_are_written(tmp_
     assert first["diagnosis"][0]["code"] == code, first["diagnosis"]
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_exp_of_the_row_max_divided_by_column_sums_is_the_wrong_axis(tmp_path, causal):
+    """A student's softmax: exp(S − max over the row) divided by the column sums. Under a causal mask
+    with N < M the columns no row sees are 0/0: NaN that is the wrong axis, not an unwritten block."""
+    dims = Dims(1, 2, 24, 40, 16, 16)
+    inputs = make_input(tmp_path / "in", dims, causal=causal)
+    out = tmp_path / "out"
+    out.mkdir()
+    for i, x in enumerate(inputs):
+        s = (x["Q"] @ x["K"].T) * f32(default_scale(16))
+        if causal:
+            s[np.triu(np.ones(s.shape, bool), 1)] = -np.inf
+        e = np.exp(s - s.max(axis=1, keepdims=True))
+        with np.errstate(invalid="ignore"):
+            np.save(out / f"P_{i}.npy", e / e.sum(axis=0, keepdims=True))
+    r, rep = check(tmp_path / "in", out, "--name", "attention_weights=P_{i}.npy", json_path=tmp_path / "r.json")
+    assert r.exit_code == 1, r.output
+    assert {x["diagnosis"][0]["code"] for x in rep["results"]} == {"softmax_axis"}, r.output
+
+
 def test_both_naming_forms_for_one_stage_is_an_error(tmp_path):
     inputs = make_input(tmp_path / "in")
     write_heads(tmp_path / "out", correct_heads(inputs), ["output"])

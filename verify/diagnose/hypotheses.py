@@ -274,6 +274,10 @@ def _softmax_axis(stage, got, want, ctx, width) -> List[Diagnosis]:
         S = np.asarray(S, dtype=np.float64)
         by_columns = _unguarded_softmax_rows(S.T)
         cands.append(("got is the softmax over columns: each column sums to 1", by_columns.T))
+        with np.errstate(all="ignore"):  # exp(S − row max) summed down the columns (0/0 where a column sees none)
+            e = np.exp(S - np.max(S, axis=1, keepdims=True))
+            cands.append(("exp(S − row max) divided by its column sums: each column sums to 1",
+                          e / e.sum(axis=0, keepdims=True)))
         R, C = S.shape
         if R != C:
             cands.append(("got is the row softmax of QK_scaledᵀ written into the N×M buffer",
