@@ -285,6 +285,19 @@ def test_exp_of_the_row_max_divided_by_column_sums_is_the_wrong_axis(tmp_path, c
     assert {x["diagnosis"][0]["code"] for x in rep["results"]} == {"softmax_axis"}, r.output
 
 
+@pytest.mark.parametrize("stages", [["attention_weights", "output"], ["output"]])
+def test_a_causal_program_checked_against_a_case_that_is_not_names_the_extra_mask(tmp_path, stages):
+    """The case without a manifest (so not causal) and --causal forgotten: named, with the hint."""
+    inputs = make_input(tmp_path / "in", manifest=False)
+    write_heads(tmp_path / "out", correct_heads(inputs, causal=True), stages)
+    r, rep = check(tmp_path / "in", tmp_path / "out", json_path=tmp_path / "r.json")
+    assert r.exit_code == 1, r.output
+    first = [x for x in rep["results"] if x["stage"] == stages[0]]
+    assert {x["diagnosis"][0]["code"] for x in first} == {"mask_extra"}, r.output
+    assert "check with --causal [ALIGN] if the program masks" in r.output
+    assert check(tmp_path / "in", tmp_path / "out", "--causal")[0].exit_code == 0
+
+
 def test_both_naming_forms_for_one_stage_is_an_error(tmp_path):
     inputs = make_input(tmp_path / "in")
     write_heads(tmp_path / "out", correct_heads(inputs), ["output"])

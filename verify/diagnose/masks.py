@@ -36,8 +36,11 @@ MAX_WINDOW_SHIFT = 3
 ALIGNMENT_WORDS = {TOP_LEFT: "top-left aligned (PyTorch's convention)",
                    BOTTOM_RIGHT: "bottom-right aligned (flash-attn's convention)"}
 # The codes of a wrong mask: they leave rows with no visible key (0/0), and explain them.
-CODES = ("mask_missing", "mask_offset", "window_off", "window_missing", "mask_file_ignored",
+CODES = ("mask_missing", "mask_extra", "mask_offset", "window_off", "window_missing", "mask_file_ignored",
          "mask_file_transposed")
+# What a causal mask the case does not have most often is: a case without a manifest, checked
+# without --causal.
+_EXTRA_HINT = "HINT: a case without a manifest is not causal: check with --causal [ALIGN] if the program masks"
 
 
 @dataclass
@@ -49,10 +52,11 @@ class Candidate:
     hidden: np.ndarray
     detail: dict = field(default_factory=dict)
     confidence: float = 0.92
+    hint: str = ""
 
     def diagnosis(self, stage: str, diff: Optional[float]) -> Diagnosis:
         how = f" (max diff {diff:.2g})" if diff is not None else ""
-        return Diagnosis(self.code, f"{stage}: {self.words}{how}",
+        return Diagnosis(self.code, f"{stage}: {self.words}{how}{'; ' + self.hint if self.hint else ''}",
                          {**self.detail, **({"max_diff": diff} if diff is not None else {})}, self.confidence)
 
 
@@ -89,6 +93,17 @@ def _missing(masks: Masks) -> Iterator[Candidate]:
     what = f"causal masking and the window {v.window} are on" if window else "causal masking is on"
     yield Candidate("mask_missing", f"{what} but got matches the result without {'them' if window else 'it'}",
                     masks.files, {"window": list(v.window), "causal": True}, 0.9)
+
+
+def _extra(masks: Masks) -> Iterator[Candidate]:
+    """A causal mask, either alignment, where the case has none (nor a window)."""
+    v = masks.v
+    if v.structural:
+        return
+    for align in ALIGNMENTS if masks.n != masks.m else (TOP_LEFT,):
+        where = f", {ALIGNMENT_WORDS[align]}" if masks.n != masks.m else ""
+        yield Candidate("mask_extra", f"the case is not causal, but got matches the result under a causal mask{where}",
+                        masks.of(v.with_(causal=True, align=align)), {"align": align}, 0.9, _EXTRA_HINT)
 
 
 def _other_alignment(masks: Masks) -> Iterator[Candidate]:
@@ -190,7 +205,7 @@ def candidates(masks: Masks, fitted: List[int]) -> Iterator[Candidate]:
     """Every named mask, most specific first; none equal to the run's own or to another before it
     (told apart by a digest: one N×M mask is held at a time)."""
     seen = {_digest(masks.run)}
-    for group in (_missing(masks), _other_alignment(masks), _mask_file(masks), _window(masks),
+    for group in (_missing(masks), _extra(masks), _other_alignment(masks), _mask_file(masks), _window(masks),
                   _offsets(masks, fitted)):
         for c in group:
             digest = _digest(c.hidden)
@@ -301,9 +316,15 @@ def _plain_offset(stage: str, pattern: np.ndarray) -> List[Diagnosis]:
     """A case without a mask whose program masked causally at offset k (k < M − 1: some key hidden)."""
     N, M = pattern.shape
     k = _fit_offset(pattern)
-    if k is None or k == 0 or k >= M - 1:
+    if k is None or k >= M - 1:
         return []
     v = Variant()
+    align = next((a for a in ALIGNMENTS if v.with_(causal=True, align=a).offset(N, M) == k), None)
+    if align is not None:  # the causal mask itself, where the case has none
+        where = f", {ALIGNMENT_WORDS[align]}" if N != M else ""
+        return [Diagnosis("mask_extra", f"{stage}: the case is not causal, but entries c > r "
+                          f"{'+ ' + str(k) + ' ' if k else ''}are masked (a causal mask{where}); {_EXTRA_HINT}",
+                          {"align": align, "offset": k}, 0.9)]
     return [Diagnosis("mask_offset", f"{stage}: the mask is shifted by {k:+d}: entries c > r "
                       f"{'+' if k >= 0 else '-'} {abs(k)} are masked instead of c > r ({_shift_words(k)})"
                       f"{_alignment_words(v, k, N, M)}", _offset_detail(v, k, N, M), 0.9)]
