@@ -24,17 +24,14 @@ import numpy as np
 from ..check.diagnosis import Diagnosis
 from ..specs import SPECS
 from ..stages import KEYS, MASK_INPUT, QUERIES, STAGES
-from ..text import plural
-from ..variant import ALIGNMENTS, BOTTOM_RIGHT, NONE, TOP_LEFT, UNBOUNDED, Variant
+from ..variant import ALIGNMENTS, NONE, TOP_LEFT, UNBOUNDED, Variant
 from .base import MASK_FIT_ROWS, MATCH_WIDTHS, MAX_MASK_FIT_KEYS, MAX_MASK_OFFSET, explains
+from .mask_words import ALIGNMENT_WORDS, alignment_words, keys_words, offset_detail, shift_words, window_words
 from .inputs import (case_inputs, file_hidden, rebuilder, slope_of, structural_hidden, variant_of,
                      variant_tensors)
 
 # A window bound off by up to this many keys is named (a larger error is another bug).
 MAX_WINDOW_SHIFT = 3
-# The convention each alignment is, in a user's words.
-ALIGNMENT_WORDS = {TOP_LEFT: "top-left aligned (PyTorch's convention)",
-                   BOTTOM_RIGHT: "bottom-right aligned (flash-attn's convention)"}
 # The codes of a wrong mask: they leave rows with no visible key (0/0), and explain them.
 CODES = ("mask_missing", "mask_extra", "mask_offset", "window_off", "window_missing", "mask_file_ignored",
          "mask_file_transposed")
@@ -114,8 +111,8 @@ def _other_alignment(masks: Masks) -> Iterator[Candidate]:
     k = v.with_(align=other).offset(n, m) - masks.offset
     what = "causal mask" if v.causal else "window"
     yield Candidate("mask_offset", f"the {what} is {ALIGNMENT_WORDS[other]}, the case's is "
-                    f"{ALIGNMENT_WORDS[v.align]}: its diagonal is shifted by {k:+d} ({_shift_words(k)})",
-                    masks.of(v.with_(align=other)), _offset_detail(v, k, n, m))
+                    f"{ALIGNMENT_WORDS[v.align]}: its diagonal is shifted by {k:+d} ({shift_words(k)})",
+                    masks.of(v.with_(align=other)), offset_detail(v, k, n, m))
 
 
 def _window_bounds(v: Variant) -> Iterator[Tuple[str, str, Tuple[int, int]]]:
@@ -131,7 +128,7 @@ def _window_bounds(v: Variant) -> Iterator[Tuple[str, str, Tuple[int, int]]]:
                 continue
             w = (bound, right) if i == 0 else (left, bound)
             yield "window_off", f"the window's {side} bound is off by {k:+d}: {bound} keys instead of " \
-                f"{v.window[i]} ({_window_words(side, k)})", w
+                f"{v.window[i]} ({window_words(side, k)})", w
     if not v.causal and left != right and UNBOUNDED not in v.window:
         yield "window_off", f"the window's bounds are swapped: ({right}, {left}) instead of ({left}, {right})", \
             (right, left)
@@ -158,10 +155,10 @@ def _window(masks: Masks) -> Iterator[Candidate]:
         # The causal diagonal (the window's right bound) moved while its left bound stayed.
         for k in _shifts():
             if left + k >= 0:
-                yield Candidate("mask_offset", f"the causal mask is shifted by {k:+d} ({_shift_words(k)}); the "
+                yield Candidate("mask_offset", f"the causal mask is shifted by {k:+d} ({shift_words(k)}); the "
                                 "window's left bound is where it belongs",
                                 masks.at(masks.offset + k, v.with_(window=(left + k, v.window[1]))),
-                                {**_offset_detail(v, k, masks.n, masks.m), "window_kept": True}, 0.9)
+                                {**offset_detail(v, k, masks.n, masks.m), "window_kept": True}, 0.9)
 
 
 def _mask_file(masks: Masks) -> Iterator[Candidate]:
@@ -196,9 +193,9 @@ def _offsets(masks: Masks, fitted: List[int]) -> Iterator[Candidate]:
         if k == 0:
             continue
         yield Candidate("mask_offset", f"the {'causal mask' if v.causal else 'window'} is shifted by {k:+d} "
-                        f"({_keys_words(masks.offset + k)} visible instead of {_keys_words(masks.offset)}: "
-                        f"{_shift_words(k)}){_alignment_words(v, masks.offset + k, n, m)}",
-                        masks.at(masks.offset + k), _offset_detail(v, k, n, m), 0.9)
+                        f"({keys_words(masks.offset + k)} visible instead of {keys_words(masks.offset)}: "
+                        f"{shift_words(k)}){alignment_words(v, masks.offset + k, n, m)}",
+                        masks.at(masks.offset + k), offset_detail(v, k, n, m), 0.9)
 
 
 def candidates(masks: Masks, fitted: List[int]) -> Iterator[Candidate]:
@@ -216,40 +213,6 @@ def candidates(masks: Masks, fitted: List[int]) -> Iterator[Candidate]:
 
 def _digest(hidden: np.ndarray) -> bytes:
     return hashlib.blake2b(np.packbits(hidden).tobytes(), digest_size=16).digest()
-
-
-# ---- words -------------------------------------------------------------------------------------
-
-def _shift_words(k: int) -> str:
-    """Which way a mask shifted by k errs, in a query's terms."""
-    if k > 0:
-        return f"each query sees {plural(k, 'key')} past the diagonal"
-    return ("the diagonal masked too" if k == -1 else f"the diagonal and {plural(-k - 1, 'key')} before it "
-            "masked too") + f": each query sees {plural(-k, 'key')} fewer"
-
-
-def _keys_words(offset: int) -> str:
-    return "keys c <= r" + (f" {'+' if offset > 0 else '-'} {abs(offset)}" if offset else "")
-
-
-def _window_words(side: str, k: int) -> str:
-    more = (k > 0)
-    return f"each query sees {plural(abs(k), 'key')} {'more' if more else 'fewer'} on the {side}"
-
-
-def _alignment_of(v: Variant, offset: int, n: int, m: int) -> Optional[str]:
-    """The alignment whose diagonal is at `offset`, when it is not the case's own."""
-    return next((a for a in ALIGNMENTS if a != v.align and n != m and v.with_(align=a).offset(n, m) == offset), None)
-
-
-def _alignment_words(v: Variant, offset: int, n: int, m: int) -> str:
-    a = _alignment_of(v, offset, n, m)
-    return f": {ALIGNMENT_WORDS[a]}, the case's mask is {ALIGNMENT_WORDS[v.align].split(' (')[0]}" if a else ""
-
-
-def _offset_detail(v: Variant, k: int, n: int, m: int) -> dict:
-    a = _alignment_of(v, v.offset(n, m) + k, n, m)
-    return {"offset": k, "alignment": a, "bottom_right": a == BOTTOM_RIGHT}
 
 
 # ---- the hypothesis -------------------------------------------------------------------------------
@@ -326,8 +289,8 @@ def _plain_offset(stage: str, pattern: np.ndarray) -> List[Diagnosis]:
                           f"{'+ ' + str(k) + ' ' if k else ''}are masked (a causal mask{where}); {_EXTRA_HINT}",
                           {"align": align, "offset": k}, 0.9)]
     return [Diagnosis("mask_offset", f"{stage}: the mask is shifted by {k:+d}: entries c > r "
-                      f"{'+' if k >= 0 else '-'} {abs(k)} are masked instead of c > r ({_shift_words(k)})"
-                      f"{_alignment_words(v, k, N, M)}", _offset_detail(v, k, N, M), 0.9)]
+                      f"{'+' if k >= 0 else '-'} {abs(k)} are masked instead of c > r ({shift_words(k)})"
+                      f"{alignment_words(v, k, N, M)}", offset_detail(v, k, N, M), 0.9)]
 
 
 def _stand_in(stage: str, got: np.ndarray, pattern: np.ndarray, masks: Masks) -> List[Diagnosis]:
