@@ -42,8 +42,10 @@ def test_npy_round_trip(tmp_path):
     (b"# only a comment\n", None, "m.txt: empty file"),
     (b"1 2\n\n3 4\n", None, "m.txt:2: blank line inside the matrix"),
     (b"1 2\xff\n", None, "not a text matrix"),
+    (b"1 0x1.701d22p-1\n", None, "m.txt:1:3: not a number: '0x1.701d22p-1'; HINT: hexadecimal floats (%a) are not "
+                              "read: print %.9g"),
 ], ids=["ragged", "extra", "non-numeric", "truncated", "truncated-to-one-row", "one-value", "empty",
-        "blank-line", "binary"])
+        "blank-line", "binary", "hexadecimal"])
 def test_strict_text_errors_name_line_and_column(text, shape, message):
     with pytest.raises(CaseError, match=None) as exc:
         parse_text_matrix(text, "m.txt", shape)

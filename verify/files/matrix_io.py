@@ -124,6 +124,7 @@ def write_matrix(path: Path, arr: np.ndarray, fmt: str, header: Optional[str] = 
 
 # The number syntax both readers accept (cuda_src/io/text_format.cpp has the same rule).
 _NUMBER = re.compile(r"^[+-]?(?:(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?|inf|infinity|nan)$", re.IGNORECASE)
+_HEX = re.compile(r"^[+-]?0[xX][0-9a-fA-F]*\.?[0-9a-fA-F]*(?:[pP][+-]?\d+)?$")  # C's %a: named in the error
 _BLANK_LINE = re.compile(r"\n[ \t\r]*\n")  # starts with a literal: fast on 100 MB files
 _SEPARATORS = re.compile(r"[ \t\r]+")  # the binary separates values by spaces and tabs only
 
@@ -250,7 +251,9 @@ def _precise_parse(text: str, name: str, shape) -> Tuple[np.ndarray, List[int]]:
         j = next((j for j, tok in enumerate(tokens) if not _NUMBER.match(tok)), None)
         if j is not None:
             col = char_column(lines[lineno - 1], tokens, j)
-            raise CaseError(f"{name}:{lineno}:{col}: not a number: '{printable(tokens[j], QUOTED_TOKEN_LIMIT)}'")
+            hex_hint = "; HINT: hexadecimal floats (%a) are not read: print %.9g" if _HEX.match(tokens[j]) else ""
+            raise CaseError(f"{name}:{lineno}:{col}: not a number: '{printable(tokens[j], QUOTED_TOKEN_LIMIT)}'"
+                            f"{hex_hint}")
         check_row_length(name, lineno, tokens, want_cols)
     if shape and len(rows) != shape[0]:
         raise CaseError(f"{name}:{rows[-1][0]}: {plural(len(rows), 'row')}, expected {shape[0]}; "
