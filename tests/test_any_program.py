@@ -581,3 +581,11 @@ def test_files_of_attnstep_s_binary_are_exact_whatever_they_look_like(tmp_path, 
                               else ln for ln in toml.read_text().splitlines()) + "\n")
     r, rep = check(tmp_path / "in", tmp_path / "out", json_path=tmp_path / "r.json")
     assert r.exit_code == 1 and rep["first_failing_stage"] == "Q", r.output
+
+
+def test_the_no_run_toml_note_says_the_precision_values_are_stored_in(tmp_path):
+    inputs = make_input(tmp_path / "in")
+    write_heads(tmp_path / "out", [{k: round_to_format(v, "bf16") for k, v in h.items()}
+                                   for h in correct_heads(inputs)], ["output"])
+    r, _ = check(tmp_path / "in", tmp_path / "out", "--precision", "bf16")
+    assert r.exit_code == 0 and "any correct IEEE float32 arithmetic accepted (values stored in bf16)" in r.output

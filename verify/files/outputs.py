@@ -293,7 +293,8 @@ def open_run(folder: Path, case: InputCase, over: Overrides = Overrides(), packi
     if not values:  # (a run.toml without keys, an empty one included, says as little as none)
         said = f"{RUN_MANIFEST} without keys" if (folder / RUN_MANIFEST).exists() else f"no {RUN_MANIFEST}"
         run.notes.append(f"{said}: shapes from the input case, stages from the files present, "
-                         "files not checked for staleness, any correct IEEE float32 arithmetic accepted")
+                         "files not checked for staleness, any correct IEEE float32 arithmetic accepted"
+                         + (f" (values stored in {run.precision})" if run.precision in ("bf16", "fp16") else ""))
     elif not run.verify_crc:
         run.notes.append(f"{RUN_MANIFEST} has no CRC-32 table: files not checked for staleness")
     run.notes += [f"{n}: no file in {printable(str(folder))} matches it: not checked" for n in unnamed]
