@@ -460,8 +460,13 @@ def _rule_ignored(case: InputCase) -> InputCase:
 # The variants' diagnosis codes: the K/V heads' (heads.py), the masks' and the scores' and dropout's.
 VARIANT_CODES = tuple(c for c in head_bugs.CODES if c.startswith("kv_")) + mask_bugs.CODES + variant_bugs.CODES
 
+def _causal_added(case: InputCase) -> InputCase:
+    """The case as a program that masks causally (top-left) where the case does not reads it."""
+    return dataclasses.replace(case, causal=True, variant=case.variant.with_(causal=True, align="top-left"))
+
+
 # Bugs the suite plants by changing the case the correct program reads (beside the program's BUGS).
-CASE_BUGS = {"rule_ignored": _rule_ignored}
+CASE_BUGS = {"rule_ignored": _rule_ignored, "causal_added": _causal_added}
 
 # id: (case, bug (variant_programs.BUGS or CASE_BUGS), by, the stage it begins at, its code, other
 # stages the same bug writes wrong on their own)
@@ -474,6 +479,7 @@ VARIANT_MUTATIONS = {
     "mask_offset-bottom-right-as-top-left": ("gqa", "align_swapped", 1, "QK_scaled", "mask_offset", ()),
     "mask_offset-top-left-as-bottom-right": ("top-left", "align_swapped", 1, "QK_scaled", "mask_offset", ()),
     "mask_missing-bottom-right": ("gqa", "rule_ignored", 1, "QK_scaled", "mask_missing", ()),
+    "mask_extra-top-left": ("bias", "causal_added", 1, "QK_scaled", "mask_extra", ()),
     "window_off-left+1": ("window", "window_left", 1, "QK_scaled", "window_off", ()),
     "window_off-left-2": ("window", "window_left", -2, "QK_scaled", "window_off", ()),
     "window_off-right+2": ("window", "window_right", 2, "QK_scaled", "window_off", ()),

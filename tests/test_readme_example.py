@@ -77,6 +77,7 @@ def test_the_readme_examples_bug_is_named(commands, tmp_path):
     assert result.exit_code == 1, result.output
     assert report["first_failing_stage"] == "attention_weights"
     assert [d["code"] for d in report["first_failure"]["diagnosis"]][0] == "softmax_axis"
-    assert "diagnosis softmax_axis: attention_weights columns sum to 1 but rows do not" in result.output
+    assert ("diagnosis softmax_axis: attention_weights normalized along the wrong axis: exp(S − row max) divided by "
+            "its column sums") in result.output
     statuses = {s["stage"]: s["status"] for s in report["stages"]}
     assert statuses == {"QK": "PASS", "attention_weights": "FAIL", "output": "INHERITED"}

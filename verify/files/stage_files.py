@@ -204,6 +204,18 @@ def pattern_regex(pattern: str) -> "re.Pattern[str]":
     return re.compile("".join(out))
 
 
+def _nameable(folder: Path, stage: str, pattern: str) -> None:
+    """A pattern no file could have: a name past the file system's limit is said as such (not as a
+    stage the program did not write)."""
+    try:
+        limit = os.pathconf(folder, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        limit = 255
+    if len(pattern.replace("{", "").replace("}", "").encode("utf-8", "surrogateescape")) > limit:
+        raise CaseError(f"the name map's {stage}={printable(pattern)}: file name too long for {folder} "
+                        f"(more than {limit} bytes)")
+
+
 def files_past_the_heads(folder: Path, sources: Dict[str, "StageSource"], dims: Dims) -> List[str]:
     """Files of a per-head stage in `folder` beyond the case's heads (a program run on a case of
     more heads, or a folder checked against another case): what they match of its pattern, in
@@ -277,6 +289,7 @@ def discover_sources(folder: Path, names: Mapping[str, str], unmatched: Optional
             if "/" in pattern or any(pattern_regex(pattern).fullmatch(e) for e in entries):
                 found[stage] = StageSource(stage, folder, pattern)
             elif unmatched is not None:
+                _nameable(folder, stage, pattern)
                 unmatched.append(stage)
             continue
         fmts = sorted(per_head.get(stage, ()))
