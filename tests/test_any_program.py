@@ -223,6 +223,9 @@ def test_a_name_map_entry_that_names_no_file_is_a_stage_not_written(tmp_path):
     assert r.exit_code == 0, r.output
     assert [s["stage"] for s in rep["stages"]] == ["output"]
     assert f"note: the name map's flash_output=FO_{{i}}.txt: no file in {out} matches it: not checked" in r.output
+    write_heads(tmp_path / "own", correct_heads(inputs), ["output"])
+    own = invoke("check", "--in", tmp_path / "in", "--out", tmp_path / "own", "--name", "output=Out_{i}.txt")
+    assert own.exit_code == 2 and "but output's own files are there" in own.output, own.output
     typo = invoke("check", "--in", tmp_path / "in", "--out", out, "--name", "output=Out_{i}.txt")
     assert typo.exit_code == 2 and typo.output.strip().splitlines()[-1].startswith(
         f"Error: {out}: no file matches the name map's output=Out_{{i}}.txt; nothing would be checked")
@@ -294,7 +297,7 @@ def test_a_causal_program_checked_against_a_case_that_is_not_names_the_extra_mas
     assert r.exit_code == 1, r.output
     first = [x for x in rep["results"] if x["stage"] == stages[0]]
     assert {x["diagnosis"][0]["code"] for x in first} == {"mask_extra"}, r.output
-    assert "check with --causal [ALIGN] if the program masks" in r.output
+    assert "a case without one is not causal unless checked with --causal [ALIGN]" in r.output
     assert check(tmp_path / "in", tmp_path / "out", "--causal")[0].exit_code == 0
 
 

@@ -196,7 +196,8 @@ def _compare(res: HeadResult, ctx: HeadContext, results: Dict[str, HeadResult], 
     want_chain = ctx.chain[stage]
     model_chain = allowed(stage, src_chain, want_chain, ctx, override, chained=True)
     allowed_chain = with_quantum(model_chain, quantum)
-    want_chain = lse_route.fitted(stage, mat, want_chain, allowed_chain, ctx)  # (a float32 lse: a row factor)
+    if override is None:  # (a float32 lse: a row factor; a tolerance the user gives is taken as it is)
+        want_chain = lse_route.fitted(stage, mat, want_chain, allowed_chain, ctx)
     res.chained = compare_arrays(mat, want_chain, allowed_chain, opts.allow_nonfinite)
     res.half_values = half_values(mat, want_chain, run.precision)
     res.print_limited = quantum is not None and bool(np.any(quantum > model_chain))
@@ -212,7 +213,8 @@ def _compare(res: HeadResult, ctx: HeadContext, results: Dict[str, HeadResult], 
         want_iso = SPECS[stage].passed_on(mat, want_iso, src_iso, ctx)
     propagated = quantization(stage, src_iso, q_iso, ctx) if override is None else None
     allowed_iso = with_quantum(allowed(stage, src_iso, want_iso, ctx, override), quantum, propagated)
-    want_iso = lse_route.fitted(stage, mat, want_iso, allowed_iso, ctx)
+    if override is None:
+        want_iso = lse_route.fitted(stage, mat, want_iso, allowed_iso, ctx)
     res.isolated = compare_arrays(mat, want_iso, allowed_iso, nan_agrees=True)
     if not q_iso and all(src_iso[n] is ctx.chain.get(n) for n in names):
         # None of its sources is the program's: the isolated bound would take them as exact and count

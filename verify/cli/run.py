@@ -151,11 +151,13 @@ def demo(ctx, data_dir, backend, build_dir, binary, timeout, json_path, seed, fo
         _demo_example(ctx, example, build_dir, timeout, json_path, seed, force, quiet)
     in_dir, out_dir = data_dir / DEFAULT_CASE, data_dir / DEFAULT_RESULT
     say = _step_printer(quiet)
+    if backend == "cuda":
+        require_cuda_backend(None)  # (no GPU: said before minutes of building)
     say(f"[1/4] using {binary}" if binary else f"[1/4] building the binary in {build_dir}")
     ours = binary is None
     binary = binary or _build(build_dir, quiet)
-    if backend == "cuda":
-        require_cuda_backend(build_dir if ours else None)
+    if backend == "cuda" and ours:
+        require_cuda_backend(build_dir)
     say(f"[2/4] generating {in_dir}" + (" with the output gradient dO" if backward else ""))
     generate_case(in_dir, DEFAULT_DIMS, seed=seed, force=force, backward=backward)
     say(f"[3/4] running {binary.name} --backend {backend}")

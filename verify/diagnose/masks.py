@@ -37,7 +37,8 @@ CODES = ("mask_missing", "mask_extra", "mask_offset", "window_off", "window_miss
          "mask_file_transposed")
 # What a causal mask the case does not have most often is: a case without a manifest, checked
 # without --causal.
-_EXTRA_HINT = "HINT: a case without a manifest is not causal: check with --causal [ALIGN] if the program masks"
+_EXTRA_HINT = ("HINT: if the program is meant to mask, the case must say so (its manifest; a case without one is "
+               "not causal unless checked with --causal [ALIGN])")
 
 
 @dataclass

@@ -290,6 +290,10 @@ def discover_sources(folder: Path, names: Mapping[str, str], unmatched: Optional
                 found[stage] = StageSource(stage, folder, pattern)
             elif unmatched is not None:
                 _nameable(folder, stage, pattern)
+                if stage in per_head or stage + STACKED_SUFFIX in entries:  # (its files are there, named otherwise)
+                    raise CaseError(f"the name map's {stage}={printable(pattern)} matches no file in {folder}, but "
+                                    f"{stage}'s own files are there; HINT: correct the pattern, or leave it out to "
+                                    "check those")
                 unmatched.append(stage)
             continue
         fmts = sorted(per_head.get(stage, ()))

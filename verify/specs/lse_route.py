@@ -51,9 +51,8 @@ def fitted(stage: str, got: np.ndarray, want: np.ndarray, allowed: np.ndarray, c
     brings inside every one; want itself elsewhere and for other stages. c is the row's own: the
     median m of got/want over its larger elements (a quarter of its largest |want| or more), moved
     at most its uncertainty (MEDIAN_SPREAD times its elements' deviation over √count) to the nearest
-    factor that fits every element, within factor_bound; or to that factor wherever more elements
-    lie outside on one side (_coherent). One wrong element moves neither m nor the rest's fit: it
-    fails as before."""
+    factor that fits every element, within factor_bound. A few wrong elements move neither m nor
+    the rest's fit: they fail as before."""
     if stage not in ROUTED or got.shape != want.shape or got.ndim != 2:
         return want
     bound = factor_bound(ctx)
@@ -62,6 +61,8 @@ def fitted(stage: str, got: np.ndarray, want: np.ndarray, allowed: np.ndarray, c
     allowed = np.broadcast_to(allowed, want.shape)
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
         both = np.isfinite(got) & np.isfinite(want)
+        if np.all((np.abs(got - want) <= allowed) | ~both):  # (a row factor 1 explains: no fit, no cost)
+            return want
         size = np.abs(np.where(both, want, 0.0))
         big = both & (size > 0) & (size >= np.max(size, axis=1, keepdims=True) / 4)
         if not big.any():
@@ -75,7 +76,7 @@ def fitted(stage: str, got: np.ndarray, want: np.ndarray, allowed: np.ndarray, c
         lo, hi = np.maximum(lo, np.exp(-bound)), np.minimum(hi, np.exp(bound))
         c = np.clip(median, lo + (hi - lo) / 4, hi - (hi - lo) / 4)
         near = np.abs(c - median) <= MEDIAN_SPREAD * spread / np.sqrt(count)
-        use = (lo <= hi) & ~((lo <= 1.0) & (1.0 <= hi)) & (near | _coherent(got, want, allowed, both))
+        use = (lo <= hi) & ~((lo <= 1.0) & (1.0 <= hi)) & near
     use &= np.isfinite(c)
     return want * np.where(use, c, 1.0) if use.any() else want
 
@@ -86,16 +87,6 @@ def fitted(stage: str, got: np.ndarray, want: np.ndarray, allowed: np.ndarray, c
 # at 4 the normal distribution's output lost 0.09 of its catch rate at M = 1024, at 2 none beyond
 # the measurement's spread.
 MEDIAN_SPREAD = 2.0
-
-
-def _coherent(got, want, allowed, both):
-    """Rows where two or more elements lie outside their allowance at factor 1, all on the side a
-    factor moves them (got/want above 1, or all below): a factor's mark, which one wrong element
-    is not."""
-    out = both & ~(np.abs(got - want) <= allowed)
-    side = np.sign((got - want) * want)
-    up, down = np.any(out & (side > 0), axis=1, keepdims=True), np.any(out & (side < 0), axis=1, keepdims=True)
-    return (out.sum(axis=1, keepdims=True) >= 2) & (up != down)
 
 
 def _fitting(got, want, allowed, both):
