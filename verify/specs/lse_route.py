@@ -6,9 +6,10 @@ Such weights share one factor per row, e^(−Δlse), Δlse the error of the prog
 which no division by the row sum removes: the roundings of values of lse's magnitude (m + log l)
 and of the log, about u·(|m| + |lse|), large where the logits are. Each weight and output of the
 row carries that factor, and its row sum is off by it. The check allows the factor as what it is,
-one number per row within the lse's bound: the comparison is against the reference times the
-factor that fits the row best, clipped to that bound, so that a wrong element (not a factor of its
-row) still fails; the row-sum check widens by the bound.
+one number per row within the lse's bound: where factor 1 leaves some element outside, the
+comparison is against the reference times a factor that brings every element inside and lies
+near the row's median got/want (fitted), so that a few wrong elements (no factor of their row)
+still fail; the row-sum check widens by the bound.
 """
 from __future__ import annotations
 
@@ -61,7 +62,7 @@ def fitted(stage: str, got: np.ndarray, want: np.ndarray, allowed: np.ndarray, c
     allowed = np.broadcast_to(allowed, want.shape)
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
         both = np.isfinite(got) & np.isfinite(want)
-        if np.all((np.abs(got - want) <= allowed) | ~both):  # (a row factor 1 explains: no fit, no cost)
+        if np.all((np.abs(got - want) <= allowed) | ~both):  # (factor 1 explains every row: no fit, no cost)
             return want
         size = np.abs(np.where(both, want, 0.0))
         big = both & (size > 0) & (size >= np.max(size, axis=1, keepdims=True) / 4)
