@@ -164,7 +164,7 @@ def _check_stage(res: HeadResult, loaded: Loaded, ctx: HeadContext, results: Dic
     res.resolution = resolution.describe()
     ctx.got[stage] = mat
     ctx.quanta[stage] = resolution.quantum(mat) if opts.override(stage) is None else None
-    isolated = _compare(res, ctx, results, run, opts)
+    isolated, chained = _compare(res, ctx, results, run, opts)
     res.flash_attn = flash_attn_criterion.head_errors(stage, mat, ctx)  # informational
     res.violations = invariants.check_invariants(stage, mat, ctx)
     if res.isolated.passed and nonfinite_propagated(mat, isolated[1]):
@@ -180,13 +180,13 @@ def _check_stage(res: HeadResult, loaded: Loaded, ctx: HeadContext, results: Dic
     if res.status == FAIL:
         diagnose_stage(res, mat, isolated, ctx, run, *diagnosis)
     elif res.status == INHERITED:  # a correct combine of failing splits: the attention's own bug?
-        diagnose_through_splits(res, mat, ctx, results, run, opts.override(stage), *diagnosis)
+        diagnose_through_splits(res, mat, chained, ctx, results, run, *diagnosis)
     return mat, ctx.quanta[stage]
 
 
 def _compare(res: HeadResult, ctx: HeadContext, results: Dict[str, HeadResult], run: RunInfo, opts: Options):
     """The chained and the isolated comparison of one stage × head (into res); returns the isolated
-    (sources, reference, allowance) for the diagnoses."""
+    and the chained (sources, reference, allowance) for the diagnoses."""
     stage, mat, quantum = res.stage, ctx.got[res.stage], ctx.quanta[res.stage]
     override = opts.override(stage)
     names = sources(stage, ctx)
@@ -202,12 +202,12 @@ def _compare(res: HeadResult, ctx: HeadContext, results: Dict[str, HeadResult], 
     res.half_values = half_values(mat, want_chain, run.precision)
     res.print_limited = quantum is not None and bool(np.any(quantum > model_chain))
     if splits.combines(stage, ctx):  # a run that splits: isolated, the combine of the program's splits
-        return splits.compare_combine(res, mat, quantum, ctx, override)
+        return splits.compare_combine(res, mat, quantum, ctx, override), (src_chain, want_chain, allowed_chain)
     if SPECS[stage].chained is None and not q_iso and bit_identical(src_iso, src_chain):
         # The binary read exactly the reference's sources (its echoes are exact): the isolated
         # reference and bound are the chained ones, so is the comparison.
         res.isolated = res.chained
-        return src_iso, want_chain, allowed_chain
+        return (src_iso, want_chain, allowed_chain), (src_chain, want_chain, allowed_chain)
     want_iso = reference(stage, src_iso, ctx, with_bound=override is None)
     if SPECS[stage].passed_on is not None:  # (the program's form of what a faulty upstream gave it)
         want_iso = SPECS[stage].passed_on(mat, want_iso, src_iso, ctx)
@@ -221,7 +221,7 @@ def _compare(res: HeadResult, ctx: HeadContext, results: Dict[str, HeadResult], 
         # correct elements outside; the comparison that applies is the chained one (the diagnoses keep
         # the isolated reference and bound).
         res.isolated = res.chained
-    return src_iso, want_iso, allowed_iso
+    return (src_iso, want_iso, allowed_iso), (src_chain, want_chain, allowed_chain)
 
 
 def apply_mismatches(run: RunInfo, results: List[HeadResult]) -> None:

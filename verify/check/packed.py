@@ -131,6 +131,7 @@ def _keyless_nonfinite(stage: str, got: np.ndarray, want: np.ndarray, b: int, sp
                           "and an empty split mishandled", {"sequence": b, "nan": nan, "count": nan + inf}, 0.95)]
     return [Diagnosis(NONFINITE, f"{stage}: sequence {b} holds {held}", {"count": nan + inf})]
 
+
 class PackedRun:
     """A packed run and its input case, seen sequence by sequence. Holds the packed matrices of
     the heads one job reads (a K/V head's group; a few more for the diagnoses), read once each."""

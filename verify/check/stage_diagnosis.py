@@ -19,7 +19,6 @@ from ..specs import HeadContext
 from . import invariants, splits
 from .diagnosis import Diagnoser, Diagnosis, Suspect
 from .results import HeadResult
-from .stage_check import allowed, sources, with_quantum
 
 # What names no cause: every NaN or Inf is counted, whatever put it there.
 _NO_CAUSE = {invariants.NONFINITE}
@@ -40,18 +39,16 @@ def diagnose_stage(res: HeadResult, mat: np.ndarray, isolated, ctx: HeadContext,
             res.diagnosis.append(Diagnosis(v.code, v.message, {"count": v.count}))
 
 
-def diagnose_through_splits(res: HeadResult, mat: np.ndarray, ctx: HeadContext, results: Dict[str, HeadResult], run,
-                            override, ref_of_head, inputs_of_head, slope_of_head,
+def diagnose_through_splits(res: HeadResult, mat: np.ndarray, chained, ctx: HeadContext,
+                            results: Dict[str, HeadResult], run, ref_of_head, inputs_of_head, slope_of_head,
                             diagnoser: Optional[Diagnoser]) -> None:
     """A combined flash stage INHERITED from failing splits: the diagnoses of a run that does not
-    split, against the reference from the original inputs, into res and the failing splits'."""
+    split, against the reference from the original inputs (`chained`: its sources, reference and
+    allowance, as its chained comparison used them), into res and the failing splits'."""
     failed = splits.failed_splits(res.stage, ctx, results)
     if diagnoser is None or not failed:
         return
-    names = sources(res.stage, ctx)
-    src = {n: ctx.chain[n] for n in names}
-    want = ctx.chain[res.stage]
-    bound = with_quantum(allowed(res.stage, src, want, ctx, override, chained=True), ctx.quanta.get(res.stage))
+    src, want, bound = chained
     found = [d for d in diagnoser(res.stage, mat, want, _suspect(res, src, bound, ctx, run, ref_of_head,
                                                                   inputs_of_head, slope_of_head))
              if d.code not in _NO_CAUSE]
