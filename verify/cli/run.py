@@ -152,7 +152,7 @@ def demo(ctx, data_dir, backend, build_dir, binary, timeout, json_path, seed, fo
     in_dir, out_dir = data_dir / DEFAULT_CASE, data_dir / DEFAULT_RESULT
     say = _step_printer(quiet)
     if backend == "cuda":
-        require_cuda_backend(None)  # (no GPU: said before minutes of building)
+        require_cuda_backend()  # (no GPU: said before minutes of building)
     say(f"[1/4] using {binary}" if binary else f"[1/4] building the binary in {build_dir}")
     ours = binary is None
     binary = binary or _build(build_dir, quiet)

@@ -29,11 +29,11 @@ from .sequence_files import case_sequences, manifest_count, sequence_file_names
 from .variant_inputs import (COVERAGE_FIELD, READERS, TENSOR_INPUTS, UNUSED_SLOPES, coverage, coverage_of_files,
                              read_slopes, slope_of, whole_file, whole_files)
 
-__all__ = ["InputCase", "load_input_case", "refuse_unused_slopes", "input_head_files", "clear_input_files", "replace_case_files",
-           "CaseError", "INPUT_KEYS", "INT64", "check_scale", "check_types", "read_toml", "validate_dims",
-           "write_toml", "atomic_write_bytes", "crc32_hex", "file_kind", "matrix_bytes", "matrix_max_bytes",
-           "output_file_target", "parse_matrix", "parse_npy_matrix", "parse_text_matrix", "probe_writable",
-           "read_bytes", "read_matrix", "text_header_fields", "write_matrix"]
+__all__ = ["InputCase", "load_input_case", "refuse_unused_slopes", "input_head_files", "clear_input_files",
+           "replace_case_files", "CaseError", "INPUT_KEYS", "INT64", "check_scale", "check_types", "read_toml",
+           "validate_dims", "write_toml", "atomic_write_bytes", "crc32_hex", "file_kind", "matrix_bytes",
+           "matrix_max_bytes", "output_file_target", "parse_matrix", "parse_npy_matrix", "parse_text_matrix",
+           "probe_writable", "read_bytes", "read_matrix", "text_header_fields", "write_matrix"]
 
 # ----------------------------------------------------------------------------------------------
 # Input cases.

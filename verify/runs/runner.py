@@ -121,13 +121,15 @@ def _configured_before_a_gpu(build_dir: Path) -> bool:
     return without_gpu and gpu.no_gpu_reason() is None  # nvidia-smi asked only for such a folder
 
 
-def require_cuda_backend(build_dir: Optional[Path]) -> None:
-    """`--backend cuda` refused before anything is written, in the binary's words: a build folder
-    whose cache says it built no CUDA (`build_dir`, for attnstep's own binary), or no GPU here. The
-    binary refuses the same, but only once it runs, after `demo` has generated its case."""
-    if build_dir is not None and _cache_entries(Path(build_dir) / "CMakeCache.txt").get("ATTNSTEP_CUDA_BUILT") == "OFF":
-        raise RunnerError(f"--backend cuda: the binary in {build_dir} was built without CUDA; HINT: configure it "
-                          "with -DATTNSTEP_CUDA=ON (docs/cli.md, Building), or use --backend cpu")
+def require_cuda_backend(build_dir: Optional[Path] = None) -> None:
+    """`--backend cuda` refused before anything is written, in the binary's words: no GPU here, or
+    (`build_dir`, attnstep's own binary once built) a build folder whose cache says it built no
+    CUDA. The binary refuses the same, but only once it runs, after `demo` has generated its case."""
+    if build_dir is not None:
+        if _cache_entries(Path(build_dir) / "CMakeCache.txt").get("ATTNSTEP_CUDA_BUILT") == "OFF":
+            raise RunnerError(f"--backend cuda: the binary in {build_dir} was built without CUDA; HINT: configure "
+                              "it with -DATTNSTEP_CUDA=ON (docs/cli.md, Building), or use --backend cpu")
+        return
     why = gpu.no_gpu_reason()
     if why:
         raise RunnerError(f"--backend cuda: no CUDA device found: {why}; HINT: run on a machine with an NVIDIA GPU, "
