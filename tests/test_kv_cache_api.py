@@ -297,3 +297,22 @@ def test_a_table_under_which_two_sequences_write_one_slot_is_refused():
     table = case.block_table.copy()
     table[1, 0] = table[0, 0]  # (keys read from another sequence's page, no new key written there: allowed)
     _call(case, block_table=table)
+
+
+
+@pytest.mark.parametrize("page_size, seqlens", [(16, [37, 44, 20]), (16, [37, 46, 20]), (None, SEQLENS)])
+@pytest.mark.parametrize("bug, keys, nq, causal", [("length_plus_one", 1, 1, False), ("length_plus_one", 1, 4, True),
+                                                   ("length_minus_one", -1, 1, False)])
+@pytest.mark.parametrize("n_new", [0, 2])
+def test_a_length_off_by_one_is_named(page_size, seqlens, bug, keys, nq, causal, n_new):
+    """One key past the length (in the last page, or, where the length fills its pages, the next
+    page's first), or the last key left out, on a paged and a dense cache. (Causal, the last key
+    left out is exactly a bottom-right mask one key short, named so.)"""
+    report = check(DecodeCase(seqlens, n_new=n_new, nq=nq, page_size=page_size, causal=causal), bug)
+    assert not report
+    assert {r.sequence for r in report.results if not r.passed} == {1}
+    assert _codes(report, 1)[0] == "cache_length_off_by_one", attnstep.format_report(report)
+    diag = next(d for r in report.results if r.sequence == 1 and not r.passed for d in r.diagnosis)
+    m = seqlens[1] + n_new
+    assert diag.detail == {"sequence": 1, "keys": m + keys, "valid": m}
+    assert ("left out" if keys < 0 else f"one past its {m}") in diag.message

@@ -69,6 +69,8 @@ def test_a_right_program_without_a_manifest_passes_with_the_page_size_given(tmp_
     ("wrong_page", "paged_wrong_page", "sequence 1 read its page 1 (keys 16..31) from page"),
     ("page_shift", "paged_page_shift", "sequence 1 read every page"),
     ("past_length", "paged_past_length", "sequence 0 attended 48 keys, 8 past its 40 (seqused_k[0])"),
+    ("length_plus_one", "cache_length_off_by_one", "sequence 1 attended 71 keys, one past its 70 (seqused_k[1]): "
+     "key 70 read"),
 ])
 def test_a_paging_bug_is_named(tmp_path, case, bug, code, words):
     report = tmp_path / "r.json"

@@ -21,6 +21,8 @@ BUGS = {
     "past_length": "each sequence's last page read to its end (keys past cache_seqlens + n_new attended)",
     "past_length_0": "sequence 0's last page read to its end (the other sequences right)",
     "page_before": "sequence 1's page 0 read from the pool's page before it",
+    "length_plus_one": "sequence 1 attends one key past its length (its length taken as one more)",
+    "length_minus_one": "sequence 1 leaves its last key out (its length taken as one less)",
     "scaled": "every output 1.01 times the right one (lse right)",
     "lse_log2": "the lse in base 2 (the output right)",
     "noise": "sequence 0's output off by 1% noise (lse right)",
@@ -120,6 +122,8 @@ def decode(case: DecodeCase, bug: Optional[str] = None):
         count = m
         if (bug == "past_length" or bug == "past_length_0" and b == 0) and case.page_size is not None:
             count = -(-m // case.page_size) * case.page_size
+        if b == 1 and bug in ("length_plus_one", "length_minus_one"):
+            m = count = m + (1 if bug == "length_plus_one" else -1)
         places = [_where(case, table, b, j) for j in range(count)]
         keys = np.stack([k_pool[p] for p in places])     # (count, Hk, d)
         vals = np.stack([v_pool[p] for p in places])

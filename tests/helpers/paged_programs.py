@@ -18,6 +18,7 @@ BUGS = {
     "wrong_page": "sequence 1's page 1 read from the pool's page after it (before it at the pool's end)",
     "page_shift": "every page of sequence 1 read one page further in the pool (one back at the pool's end)",
     "past_length": "each sequence's last page read to its end (keys past seqused_k attended)",
+    "length_plus_one": "sequence 1 attends one key past seqused_k",
     "pool_order": "each sequence's pages read in pool order from its first page (the table's order ignored)",
 }
 
@@ -74,7 +75,7 @@ def run_program(case: Path, out: Path, bug: Optional[str] = None, fmt: str = "%.
         split_lse = np.full((splits, q.shape[0], 1), -np.inf, f32)
         for b in range(len(used)):
             m, pages = int(used[b]), -(-int(used[b]) // P)
-            count = pages * P if bug == "past_length" else m
+            count = pages * P if bug == "past_length" else m + (bug == "length_plus_one" and b == 1)
             if count == 0:
                 continue
             row = _table_row(table, b, pages, num_pages, bug)

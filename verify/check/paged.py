@@ -38,10 +38,14 @@ from .new_keys import CACHE_WRITE_OFFSET, cache_findings, pool_layout
 from .results import Report, RunCheck
 
 PAGED_WRONG_PAGE, PAGED_PAGE_SHIFT, PAGED_PAST_LENGTH = "paged_wrong_page", "paged_page_shift", "paged_past_length"
+# A sequence's length read one key long or short (`<=` for `<`, or the count of keys taken as the
+# last key's index), paged or dense.
+CACHE_LENGTH_OFF = "cache_length_off_by_one"
 CACHE_AFTER, CACHE_AFTER_TITLE = "cache_after", "cache after the step"
 # A decode step with new keys: attention over the cache without them (or before they were written).
 NEW_KEYS_UNSEEN = "new_keys_unseen"
-PAGED_CODES = (PAGED_WRONG_PAGE, PAGED_PAGE_SHIFT, PAGED_PAST_LENGTH, NEW_KEYS_UNSEEN, CACHE_WRITE_OFFSET)
+PAGED_CODES = (PAGED_WRONG_PAGE, PAGED_PAGE_SHIFT, PAGED_PAST_LENGTH, CACHE_LENGTH_OFF, NEW_KEYS_UNSEEN,
+               CACHE_WRITE_OFFSET)
 # The diagnoses of the packed engine that a paging bug may also show as (verify/diagnose/sequences.py).
 PACKED_CODES = ("sequence_leak", "sequence_boundary", "padding_read")
 # The readings screened per failing sequence and kind, and those re-checked per kind after the screen.
@@ -173,6 +177,21 @@ def _past_length(kv: KVCache, b: int) -> List[Reading]:
                     {"sequence": b, "keys": whole, "valid": m})]
 
 
+def _off_by_one(kv: KVCache, b: int) -> List[Reading]:
+    """Sequence b's keys counted one too many (the key after its last: in its last page, the next
+    table entry's page, or its slot) or one too few (its last key left out)."""
+    m, said = kv.m(b), (f"cache_seqlens[{b}] + the new keys" if kv.cu_q is None else f"seqused_k[{b}]")
+    out = []
+    if m > 1:
+        out.append(Reading(b, kv.table[b], m - 1, CACHE_LENGTH_OFF, f"sequence {b} attended {m - 1} keys, not its {m} "
+                           f"({said}): its last key, {m - 1}, left out", {"sequence": b, "keys": m - 1, "valid": m}))
+    page = m // kv.page_size
+    if m and page < kv.table.shape[1] and 0 <= int(kv.table[b][page]) < kv.num_pages:
+        out.append(Reading(b, kv.table[b], m + 1, CACHE_LENGTH_OFF, f"sequence {b} attended {m + 1} keys, one past its "
+                           f"{m} ({said}): key {m} read", {"sequence": b, "keys": m + 1, "valid": m}))
+    return out
+
+
 def _unseen(kv: KVCache, b: int) -> List[Reading]:
     """Sequence b's new keys left out of its attention: its cache's keys only, or all its keys read
     before the new ones were written (their slots' old values)."""
@@ -211,9 +230,10 @@ def _same_keys(kv: KVCache, b: int, r: Reading, right_k: np.ndarray, right_v: np
 def readings(kv: KVCache, b: int) -> List[Reading]:
     """The readings of sequence b a buggy program may make, each of keys other than the right ones,
     each read once (a wrong page kept over a shift that reads the same pages), at most MAX_SCREENED
-    of a kind: past-length and shifts first, then wrong pages, the last (partial) page first."""
+    of a kind: past-length, a length off by one and shifts first, then wrong pages, the last
+    (partial) page first."""
     wrong = sorted(_wrong_pages(kv, b), key=lambda r: -r.detail["page_index"]) if kv.paged else []
-    found = _unseen(kv, b) + _past_length(kv, b) + (_shifts(kv, b) if kv.paged else []) + wrong
+    found = _unseen(kv, b) + _past_length(kv, b) + _off_by_one(kv, b) + (_shifts(kv, b) if kv.paged else []) + wrong
     right_k, right_v = kv.gather(b)
     out: Dict[Tuple, Reading] = {}
     kinds: Dict[str, int] = {}
