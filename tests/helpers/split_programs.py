@@ -26,6 +26,9 @@ BUGS = {
     "not_rescaled": "the combine sums the splits' outputs without their weights exp(lse_s - lse)",
     "last_not_rescaled": "the combine adds the last split a row sees keys of without its weight",
     "unnormalized": "the combine weights exp(lse_s - max) are not divided by their sum",
+    "exp2": "the combine takes exp2 of the natural-log lse (2^(lse_s - max), lse = max + log2 of their sum)",
+    "last_left_out": "the combine's loop stops one split short: the last split a row sees keys of left out",
+    "first_only": "the combine takes only the first split a row sees keys of",
     "empty_lse_zero": "a split a row sees no key of writes lse 0 (not -inf), and the combine counts it",
     "empty_nan": "a split a row sees no key of writes NaN (0/0) into its output and lse",
     "empty_counted": "the splits are right, but the combine counts an empty split as lse 0",
@@ -162,6 +165,13 @@ def _one_split(s: np.ndarray, v: np.ndarray, first: int, end: int, precision: st
 def _combine(outs: np.ndarray, lses: np.ndarray, bug: Optional[str]):
     """float32 combine of (n, S, d) outputs and (n, S) lse."""
     lses = lses.astype(f32)
+    if bug == "last_left_out":
+        last = (np.isfinite(lses) * np.arange(lses.shape[1])[None, :]).argmax(axis=1)
+        lses = lses.copy()
+        lses[np.arange(lses.shape[0]), last] = -np.inf
+    if bug == "first_only":
+        first = np.isfinite(lses).argmax(axis=1)
+        lses = np.where(np.arange(lses.shape[1])[None, :] == first[:, None], lses, -np.inf).astype(f32)
     if bug == "empty_counted":
         lses = np.where(np.isneginf(lses), f32(0), lses).astype(f32)
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
@@ -172,6 +182,11 @@ def _combine(outs: np.ndarray, lses: np.ndarray, bug: Optional[str]):
         l = e.sum(axis=1, dtype=f32)
         lse = np.where(empty, -np.inf, m0 + np.log(l)).astype(f32)
         w = np.exp(lses - np.where(empty, f32(0), lse)[:, None], dtype=f32)
+        if bug == "exp2":
+            e = np.exp2(lses - m0[:, None], dtype=f32)
+            l = e.sum(axis=1, dtype=f32)
+            lse = np.where(empty, -np.inf, m0 + np.log2(l)).astype(f32)
+            w = (e / np.where(empty, f32(1), l)[:, None]).astype(f32)
         if bug == "not_rescaled":
             w = np.where(np.isneginf(lses), f32(0), f32(1)).astype(f32)
         if bug == "unnormalized":

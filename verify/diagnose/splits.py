@@ -11,6 +11,11 @@ the bug would have written explains the program's values and the correct result 
 * split_not_rescaled: flash_output combined without each split's weight exp(lse_s − lse) (the
   outputs summed, or one split's added as it is), or with weights that do not sum to one
   (exp(lse_s − max) not divided by their sum, exp(lse_s) as they are).
+* split_exp2: the combine's exponentials in base 2 of the natural-log lse (exp2 without the
+  log2(e) factor a base-2 kernel multiplies its exponents by): weights 2^(lse_s − max) over their
+  sum, lse = max + ln or log2 of that sum.
+* split_left_out: the combine leaves splits out (the last split a row sees keys of, or every split
+  but the first): a loop bound off by one. Found on flash_output and flash_lse.
 
 The combine's candidates are computed from the program's own split files, as the combine check's
 reference is (verify/check/splits.py), so they name a bug of the combine, not of the splits.
@@ -28,7 +33,8 @@ from ..stages import FLASH_LSE, FLASH_OUTPUT, SPLIT_LSE, SPLIT_OUTPUT
 from .base import MATCH_WIDTHS, explains
 
 SPLIT_OVERLAP, SPLIT_GAP, SPLIT_NOT_RESCALED = "split_overlap", "split_gap", "split_not_rescaled"
-CODES = (SPLIT_NOT_RESCALED, EMPTY_SPLIT, SPLIT_OVERLAP, SPLIT_GAP)
+SPLIT_EXP2, SPLIT_LEFT_OUT = "split_exp2", "split_left_out"
+CODES = (SPLIT_NOT_RESCALED, SPLIT_EXP2, SPLIT_LEFT_OUT, EMPTY_SPLIT, SPLIT_OVERLAP, SPLIT_GAP)
 MAX_SHIFT = 3  # keys a split boundary is searched off by, either way
 _FLASH_OF = {SPLIT_OUTPUT: FLASH_OUTPUT, SPLIT_LSE: FLASH_LSE}
 
@@ -167,11 +173,19 @@ def _combine(stage: str, got: np.ndarray, want: np.ndarray, view: SplitSuspect, 
                 found.append(Diagnosis(EMPTY_SPLIT, f"{stage}: the combine {how} (max diff {diff:.2g}): an empty "
                                        "split (lse −inf) mishandled", {"how": how, "max_diff": diff}, 0.93))
                 break
-        if not row_statistic(stage) and out_s is not None and not found:
-            for how, cand, detail in _rescale_candidates(lse_s, out_s, empty):
+        use_out = None if row_statistic(stage) else out_s
+        if use_out is None and not row_statistic(stage):
+            return found
+        for code, candidates in ((SPLIT_NOT_RESCALED, _rescale_candidates(lse_s, out_s, empty) if use_out is not None
+                                  else ()),
+                                 (SPLIT_EXP2, _exp2_candidates(stage, lse_s, use_out, empty)),
+                                 (SPLIT_LEFT_OUT, _left_out_candidates(stage, lse_s, use_out, empty))):
+            if found:
+                break
+            for how, cand, detail in candidates:
                 diff = _explains(got, cand, want, width)
                 if diff is not None:
-                    found.append(Diagnosis(SPLIT_NOT_RESCALED, f"{stage}: the combine {how} (max diff {diff:.2g})",
+                    found.append(Diagnosis(code, f"{stage}: the combine {how} (max diff {diff:.2g})",
                                            {"how": how, "max_diff": diff, **detail}, 0.93))
                     break
     return found
@@ -202,6 +216,38 @@ def _empty_candidates(stage: str, lse_s: np.ndarray, out_s: Optional[np.ndarray]
         outs = None if out_s is None else np.where(empty[:, :, None] & ~np.isfinite(out_s), 0.0, out_s)
         lse, out, _ = combine(lse2, outs)
         yield how, (lse if row_statistic(stage) else out)
+
+
+def _exp2_candidates(stage: str, lse_s: np.ndarray, out_s: Optional[np.ndarray], empty: np.ndarray):
+    """The combine in base 2 of a natural-log lse: weights 2^(lse_s − m) / Σ, lse = m + ln Σ or
+    m + log2 Σ (m the largest lse_s)."""
+    m = np.max(np.where(empty, -np.inf, lse_s), axis=1, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0.0)
+    e = np.where(empty, 0.0, np.exp2(lse_s - m))
+    total = e.sum(axis=1, keepdims=True)
+    none = ~(total > 0)
+    words = "took 2^(lse_s − max) for exp(lse_s − max) (exp2 of the natural-log lse, without the log2(e) factor)"
+    if not row_statistic(stage):
+        yield words, np.where(none, 0.0, _weighted(out_s, e / np.where(none, 1.0, total))), {}
+        return
+    for log, name in ((np.log, "ln"), (np.log2, "log2")):
+        yield (f"{words}, lse = max + {name} of their sum", np.where(none, -np.inf, m + log(np.where(none, 1.0, total))),
+               {"log": name})
+
+
+def _left_out_candidates(stage: str, lse_s: np.ndarray, out_s: Optional[np.ndarray], empty: np.ndarray):
+    """The combine over fewer splits: without the last split a row sees keys of, or of the first one only."""
+    seen = ~empty
+    index = np.arange(lse_s.shape[1])[None, :]
+    last = np.where(seen, index, -1).max(axis=1, keepdims=True)
+    first = np.where(seen, index, lse_s.shape[1]).min(axis=1, keepdims=True)
+    for how, keep, detail in (("left out the last split a row sees keys of (a loop bound one short)",
+                               index != last, {"split": "last"}),
+                              ("took only the first split a row sees keys of", index == first, {"split": "first"})):
+        if (keep | ~seen).all():
+            continue
+        lse, out, _ = combine(np.where(keep, lse_s, -np.inf), out_s)
+        yield how, (lse if row_statistic(stage) else out), detail
 
 
 def _rescale_candidates(lse_s: np.ndarray, out_s: np.ndarray, empty: np.ndarray):
