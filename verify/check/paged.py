@@ -2,11 +2,12 @@
 Python API's check_kvcache; verify/files/kv_cache.py reads the cache): the cache after the step,
 compared exactly (a run-level check of K or V), and the diagnoses of the classic paged-cache bugs.
 
-A diagnosis is a reading of the cache that a buggy program makes instead of the right one: a wrong
-page (one page of the sequence read from the page before or after it in the pool, or from another
-sequence's page at the same index), every page of the sequence shifted (each entry of its table
-plus or minus one, or the table read one entry late), or the last partial page read past the
-sequence's length (to the page's end). Each reading of a failing sequence is gathered and the
+A diagnosis is a reading of the cache that a buggy program makes instead of the right one
+(verify/check/paged_readings.py): a wrong page (one page of the sequence read from the page before
+or after it in the pool, or from another sequence's page at the same index), every page of the
+sequence shifted (each entry of its table plus or minus one, or the table read one entry late),
+the last partial page read past the sequence's length (to the page's end), or the length off by
+one key. Each reading of a failing sequence is gathered and the
 sequence's stages re-checked against it with the same error model, in one packed check of every
 reading at once; a reading whose check passes explains the failure.
 
@@ -35,21 +36,17 @@ from ..model.rounding import unit_roundoff
 from ..variant import Variant, hidden, modified_scores
 from .diagnosis import Diagnosis
 from .new_keys import CACHE_WRITE_OFFSET, cache_findings, pool_layout
+from .paged_readings import (CACHE_LENGTH_OFF, NEW_KEYS_UNSEEN, PAGED_PAST_LENGTH, PAGED_PAGE_SHIFT, PAGED_WRONG_PAGE,
+                             Reading, readings)
 from .results import Report, RunCheck
 
-PAGED_WRONG_PAGE, PAGED_PAGE_SHIFT, PAGED_PAST_LENGTH = "paged_wrong_page", "paged_page_shift", "paged_past_length"
-# A sequence's length read one key long or short (`<=` for `<`, or the count of keys taken as the
-# last key's index), paged or dense.
-CACHE_LENGTH_OFF = "cache_length_off_by_one"
 CACHE_AFTER, CACHE_AFTER_TITLE = "cache_after", "cache after the step"
-# A decode step with new keys: attention over the cache without them (or before they were written).
-NEW_KEYS_UNSEEN = "new_keys_unseen"
 PAGED_CODES = (PAGED_WRONG_PAGE, PAGED_PAGE_SHIFT, PAGED_PAST_LENGTH, CACHE_LENGTH_OFF, NEW_KEYS_UNSEEN,
                CACHE_WRITE_OFFSET)
 # The diagnoses of the packed engine that a paging bug may also show as (verify/diagnose/sequences.py).
 PACKED_CODES = ("sequence_leak", "sequence_boundary", "padding_read")
-# The readings screened per failing sequence and kind, and those re-checked per kind after the screen.
-MAX_SCREENED, MAX_RECHECKED = 2048, 16
+# The readings re-checked per kind after the screen.
+MAX_RECHECKED = 16
 # A reading goes to the re-check when its distance to the program's rows is at most this share
 # of the right reading's (a reading the program made is as close as its rounding), or within
 # ROUNDING_FLOOR unit roundoffs of the precision and half the right reading's distance (a bug as
@@ -60,30 +57,6 @@ READING_CONFIDENCE = 0.9
 
 # (q, k, v, stages, sequences) -> the report of a packed check, without diagnoses.
 Recheck = Callable[[np.ndarray, np.ndarray, np.ndarray, Dict[str, np.ndarray], Sequences], Report]
-
-
-@dataclass
-class Reading:
-    """A way to read sequence b's keys: a table row and a count of keys."""
-    b: int
-    row: np.ndarray
-    count: int
-    code: str
-    message: str
-    detail: dict
-    before: bool = False  # read from the cache before the step's new keys are written ...
-    shift: int = 0        # ... and then with the new keys written `shift` keys late (early: < 0)
-
-    def keys(self, kv: KVCache) -> Tuple[np.ndarray, np.ndarray]:
-        """The keys and values this reading reads."""
-        k, v = kv.gather(self.b, self.row, self.count, self.before)
-        if self.shift:
-            u, n = kv.seqlens[self.b], kv.n_new
-            new_k, new_v = (x[u:u + n] for x in kv.gather(self.b))
-            at = np.arange(n) + u + self.shift
-            keep = (at >= 0) & (at < self.count)
-            k[at[keep]], v[at[keep]] = new_k[keep], new_v[keep]
-        return k, v
 
 
 def cache_after_checks(kv: KVCache, k_after, v_after) -> List[RunCheck]:
@@ -117,138 +90,6 @@ def _cache_findings(kv: KVCache, name: str, after) -> List[Diagnosis]:
         found += [d for d in cache_findings(rows(got)[:, j], rows(want)[:, j], rows(before)[:, j], new[:, j], layout,
                                             f"{name} K/V head {j}") if (d.code, d.detail.get("sequence")) not in seen]
     return found
-
-
-# ----------------------------------------------------------------------------------------------
-# The readings of a buggy program.
-
-def _valid(kv: KVCache, row: np.ndarray, pages: int) -> bool:
-    return bool(((row[:pages] >= 0) & (row[:pages] < kv.num_pages)).all())
-
-
-def _shifts(kv: KVCache, b: int) -> List[Reading]:
-    """Every page of sequence b one off: its table entries ± 1, or its table read one entry late."""
-    out, table, pages, m = [], kv.table[b], kv.pages_read(b), kv.m(b)
-    for s in (1, -1):
-        row = table.copy()
-        row[:pages] += s
-        if _valid(kv, row, pages):
-            out.append(Reading(b, row, m, PAGED_PAGE_SHIFT, f"sequence {b} read every page {s:+d}: page "
-                               f"block_table[{b}, j] {'+' if s > 0 else '-'} 1 for its page j", {"shift": s}))
-    if pages < table.size:
-        row = np.concatenate((table[1:], table[-1:]))
-        if _valid(kv, row, pages):
-            out.append(Reading(b, row, m, PAGED_PAGE_SHIFT, f"sequence {b} read block_table[{b}, j + 1] for its "
-                               "page j (the table read one entry late)", {"table_offset": 1}))
-    return out
-
-
-def _wrong_pages(kv: KVCache, b: int) -> List[Reading]:
-    """One page j of sequence b read from another page: the pool's page before or after it, or
-    another sequence's page j."""
-    out, table, m = [], kv.table[b], kv.m(b)
-    for j in range(kv.pages_read(b)):
-        right = int(table[j])
-        others = {right - 1: "the page before it in the pool", right + 1: "the page after it in the pool"}
-        for c in range(kv.batch):
-            if c != b and j < kv.table.shape[1] and j < kv.pages_read(c):
-                others.setdefault(int(kv.table[c, j]), f"sequence {c}'s page {j}")
-        for page, words in others.items():
-            if page == right or not 0 <= page < kv.num_pages:
-                continue
-            row = table.copy()
-            row[j] = page
-            out.append(Reading(b, row, m, PAGED_WRONG_PAGE, f"sequence {b} read its page {j} (keys "
-                               f"{j * kv.page_size}..{min(m, (j + 1) * kv.page_size) - 1}) from page {page}, {words}, "
-                               f"instead of page {right} (block_table[{b}, {j}])",
-                               {"sequence": b, "page_index": j, "read": page, "expected": right}))
-    return out
-
-
-def _past_length(kv: KVCache, b: int) -> List[Reading]:
-    """Sequence b's last page read to its end, past the sequence's keys."""
-    m, whole = kv.m(b), kv.pages_read(b) * kv.page_size
-    if whole == m or m == 0:
-        return []
-    where = "its last page read to its end" if kv.paged else "its cache slot read to its end"
-    said = f"cache_seqlens[{b}] + the new keys" if kv.cu_q is None else f"seqused_k[{b}]"
-    return [Reading(b, kv.table[b], whole, PAGED_PAST_LENGTH,
-                    f"sequence {b} attended {whole} keys, {whole - m} past its {m} ({said}): {where}",
-                    {"sequence": b, "keys": whole, "valid": m})]
-
-
-def _off_by_one(kv: KVCache, b: int) -> List[Reading]:
-    """Sequence b's keys counted one too many (the key after its last: in its last page, the next
-    table entry's page, or its slot) or one too few (its last key left out)."""
-    m, said = kv.m(b), (f"cache_seqlens[{b}] + the new keys" if kv.cu_q is None else f"seqused_k[{b}]")
-    out = []
-    if m > 1:
-        out.append(Reading(b, kv.table[b], m - 1, CACHE_LENGTH_OFF, f"sequence {b} attended {m - 1} keys, not its {m} "
-                           f"({said}): its last key, {m - 1}, left out", {"sequence": b, "keys": m - 1, "valid": m}))
-    page = m // kv.page_size
-    if m and page < kv.table.shape[1] and 0 <= int(kv.table[b][page]) < kv.num_pages:
-        out.append(Reading(b, kv.table[b], m + 1, CACHE_LENGTH_OFF, f"sequence {b} attended {m + 1} keys, one past its "
-                           f"{m} ({said}): key {m} read", {"sequence": b, "keys": m + 1, "valid": m}))
-    return out
-
-
-def _unseen(kv: KVCache, b: int) -> List[Reading]:
-    """Sequence b's new keys left out of its attention: its cache's keys only, or all its keys read
-    before the new ones were written (their slots' old values)."""
-    u, n = kv.seqlens[b], kv.n_new
-    if not n:
-        return []
-    detail = {"sequence": b, "cache_keys": u, "new_keys": n}
-    out = [Reading(b, kv.table[b], kv.m(b), NEW_KEYS_UNSEEN, f"sequence {b} attended its {kv.m(b)} keys before its "
-                   f"{n} new keys were written (keys {u}..{u + n - 1} the cache's old values)", detail, before=True)]
-    if u:
-        out.append(Reading(b, kv.table[b], u, NEW_KEYS_UNSEEN, f"sequence {b} attended its cache's {u} keys without its "
-                           f"{n} new keys", detail))
-    for k in (1, -1):
-        out.append(Reading(b, kv.table[b], kv.m(b), CACHE_WRITE_OFFSET, f"sequence {b} attended its keys with its new "
-                           f"keys written one key {'late' if k > 0 else 'early'} (at keys {u + k}..{u + k + n - 1})",
-                           {**detail, "offset": k}, before=True, shift=k))
-    return out
-
-
-def _read_key(kv: KVCache, r: Reading) -> Tuple:
-    """The pages a reading reads and its count of keys: two readings with one key read the same."""
-    return tuple(int(p) for p in r.row[:-(-r.count // kv.page_size)]), r.count, r.before, r.shift
-
-
-def _same_keys(kv: KVCache, b: int, r: Reading, right_k: np.ndarray, right_v: np.ndarray) -> bool:
-    """Whether a reading reads sequence b's right keys and values (a wrong page: that page's)."""
-    if r.code == PAGED_WRONG_PAGE:
-        n = min(kv.m(b), (r.detail["page_index"] + 1) * kv.page_size) - r.detail["page_index"] * kv.page_size
-        at, right = r.detail["read"], r.detail["expected"]
-        return (np.array_equal(kv.k_pages[at, :n], kv.k_pages[right, :n])
-                and np.array_equal(kv.v_pages[at, :n], kv.v_pages[right, :n]))
-    k, v = r.keys(kv)
-    return k.shape == right_k.shape and np.array_equal(k, right_k) and np.array_equal(v, right_v)
-
-
-def readings(kv: KVCache, b: int) -> List[Reading]:
-    """The readings of sequence b a buggy program may make, each of keys other than the right ones,
-    each read once (a wrong page kept over a shift that reads the same pages), at most MAX_SCREENED
-    of a kind: past-length, a length off by one and shifts first, then wrong pages, the last
-    (partial) page first."""
-    wrong = sorted(_wrong_pages(kv, b), key=lambda r: -r.detail["page_index"]) if kv.paged else []
-    found = _unseen(kv, b) + _past_length(kv, b) + _off_by_one(kv, b) + (_shifts(kv, b) if kv.paged else []) + wrong
-    right_k, right_v = kv.gather(b)
-    out: Dict[Tuple, Reading] = {}
-    kinds: Dict[str, int] = {}
-    for r in found:
-        key = _read_key(kv, r)
-        if key in out:
-            if r.code == PAGED_WRONG_PAGE and out[key].code != PAGED_WRONG_PAGE:
-                out[key] = r
-            continue
-        if kinds.get(r.code, 0) >= MAX_SCREENED:
-            continue
-        if not _same_keys(kv, b, r, right_k, right_v):
-            out[key] = r
-            kinds[r.code] = kinds.get(r.code, 0) + 1
-    return list(out.values())
 
 
 # ----------------------------------------------------------------------------------------------
