@@ -275,3 +275,24 @@ def test_a_g_text_program_with_a_subset_of_stages_is_judged_by_its_arithmetic(tm
         assert result.exit_code == 0, result.output
     else:
         assert result.exit_code == 1 and data["first_failing_stage"] == fails, result.output
+
+
+
+@pytest.mark.parametrize("kv_heads", [2, 6])
+def test_a_flash_gradient_without_the_softcap_s_derivative_is_named(tmp_path, kv_heads):
+    """The flash backward (its P recomputed from the saved lse) leaving out 1 − t² on dQ and dK:
+    named on flash_dQ, and on flash_dK where each head has its own K (a group's sum is not
+    searched for it)."""
+    sizes = [str(kv_heads) if SIZES[i - 1] == "--kv-heads" else str(a) for i, a in enumerate(SIZES)]
+    r = invoke("generate", "--out", tmp_path / "in", *sizes, "--dist", "normal", "--seed", 5, "--format", "npy",
+               *CASES["softcap-backward"])
+    assert r.exit_code == 0, r.output
+    only = ("flash_output", "flash_lse", "flash_dQ", "flash_dK", "flash_dV")
+    report = _check(tmp_path, tmp_path / "in", Program("softcap_grad_missing"), only)[1]
+    found = _named(report, "flash_dQ", "softcap_derivative_missing", range(6))
+    assert all(d["detail"]["softcap"] == 2.0 for d in found.values())
+    assert {e["status"] for e in report["results"] if e["stage"] == "flash_dV"} == {"PASS"}
+    failing_dk = [e for e in report["results"] if e["stage"] == "flash_dK" and e["status"] == "FAIL"]
+    assert len(failing_dk) == kv_heads
+    if kv_heads == 6:
+        assert all(e["diagnosis"][0]["code"] == "softcap_derivative_missing" for e in failing_dk)

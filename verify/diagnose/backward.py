@@ -1,6 +1,6 @@
 """The backward pass's classic bugs, as hypotheses of verify/diagnose/hypotheses.py: D from the wrong O, dS
 without its P factor, a gradient missing the scale, dV from P instead of Pᵀ, and a flash backward
-whose lse is in the wrong base. Each rebuilds the failing stage the way the bug would have computed
+whose lse is in the wrong base or whose dQ and dK leave out the softcap's derivative. Each rebuilds the failing stage the way the bug would have computed
 it, from the program's own upstream files where it wrote them (else the reference chain), and fires
 when that explains got while the correct computation does not.
 """
@@ -17,7 +17,7 @@ from ..model.scores import HeadVariant
 from ..specs import SPECS
 from ..specs.backward import Gradients, d_reference
 from ..stages import FLASH_LSE, GRAD_OUTPUT, KEYS, QUERIES, STAGES, VALUES
-from .base import LOG2_E, explains
+from .base import LOG2_E, explains_closely
 
 Own = Callable[[str], np.ndarray]
 
@@ -86,9 +86,9 @@ def _problem(ctx) -> Optional[Tuple[Own, float, HeadVariant]]:
 
 
 def _first_match(got, want, width: float, cands: Iterable[Tuple[str, Optional[np.ndarray]]]):
-    """(how, max diff) of the first candidate that explains got (see explains), or None."""
+    """(how, max diff) of the first candidate that explains got (see explains_closely), or None."""
     for how, cand in cands:
-        diff = None if cand is None else explains(got, cand, want, width)
+        diff = None if cand is None else explains_closely(got, cand, want, width)
         if diff is not None:
             return how, diff
     return None
@@ -180,7 +180,24 @@ def flash_lse_base(stage, got, want, ctx, width) -> List[Diagnosis]:
                       f"(max diff {diff:.2g})", {"how": how, "max_diff": diff}, 0.93)]
 
 
+def flash_cap_derivative(stage, got, want, ctx, width) -> List[Diagnosis]:
+    """A flash backward whose forward caps the logits (P from C·tanh(S/C)) but whose dQ and dK
+    leave out the cap's derivative 1 − t². (The stage path's, from the program's own dS, is a
+    variant's bug: verify/diagnose/variants.py.)"""
+    problem = _problem(ctx)
+    if problem is None or problem[2].cap <= 0:
+        return []
+    own, scale, head = problem
+    cand = _rebuilt(stage, _gradients(stage, own, scale, head).replaced(cap_slope=False))
+    hit = _first_match(got, want, _width(ctx, stage, width), (("", cand),))
+    if hit is None:
+        return []
+    return [Diagnosis("softcap_derivative_missing", f"{stage}: dS is not multiplied by the softcap's derivative "
+                      f"1 − t² (t = tanh(scale·QK/C), C = {head.cap:g}) on its way to dQ and dK "
+                      f"(max diff {hit[1]:.2g})", {"softcap": head.cap, "max_diff": hit[1]}, 0.95)]
+
+
 # Keys: the hypothesis names the specs list (verify/specs/); each finding's code is its own.
 HYPOTHESES: Dict[str, Callable] = {"grad_lse_log2": flash_lse_base, "D_wrong_O": d_wrong_o,
                                    "dS_missing_P": ds_missing_p, "grad_unscaled": grad_unscaled,
-                                   "dV_untransposed_P": dv_untransposed_p}
+                                   "dV_untransposed_P": dv_untransposed_p, "cap_derivative": flash_cap_derivative}

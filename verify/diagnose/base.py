@@ -79,5 +79,21 @@ def explains(got: np.ndarray, cand: np.ndarray, want: np.ndarray, width: float) 
     return diff
 
 
+def explains_closely(got: np.ndarray, cand: np.ndarray, want: np.ndarray, width: float) -> Optional[float]:
+    """explains(), where a candidate that reproduces got far more closely than a width is a real
+    alternative when it differs from want by DISTINCT_WIDTHS times that closeness: a bound much
+    wider than the program's own error (a gradient's through a softcap) otherwise hides a bug
+    whose effect is a few hundred widths or less. For candidates computed exactly as the bug
+    would (from the program's own files), whose distance to got is the program's rounding."""
+    found = explains(got, cand, want, width)
+    if found is not None or cand.shape != got.shape:
+        return found
+    diff = maxdiff(got, cand)
+    if not diff <= MATCH_WIDTHS * width:
+        return None
+    close = max(diff, float(np.max(np.abs(want[np.isfinite(want)]), initial=0.0)) * 2.0**-20)
+    return diff if maxdiff(cand, want) > DISTINCT_WIDTHS * min(width, close) else None
+
+
 def loc(idx) -> str:
     return "[" + ", ".join(str(int(i)) for i in idx) + "]"

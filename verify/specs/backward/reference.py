@@ -114,12 +114,14 @@ class Gradients:
 
     def __init__(self, own: Own, scale: float, masked: np.ndarray, recompute: bool,
                  D: Optional[np.ndarray] = None, dS: Optional[np.ndarray] = None,
-                 lse: Optional[np.ndarray] = None, head: HeadVariant = PLAIN) -> None:
+                 lse: Optional[np.ndarray] = None, head: HeadVariant = PLAIN, cap_slope: bool = True) -> None:
         self.own, self.scale, self.masked, self.recompute = own, scale, masked, recompute
-        self._D, self._dS, self._lse, self.head = D, dS, lse, head
+        self._D, self._dS, self._lse, self.head, self.cap_slope = D, dS, lse, head, cap_slope
 
     def replaced(self, **parts) -> "Gradients":
-        kw = dict(D=self._D, dS=self._dS, lse=self._lse, head=self.head)
+        """The same computation with parts replaced (D, dS, lse, head, or cap_slope=False: G = dS,
+        the softcap's derivative left out)."""
+        kw = dict(D=self._D, dS=self._dS, lse=self._lse, head=self.head, cap_slope=self.cap_slope)
         kw.update(parts)
         return Gradients(self.own, self.scale, self.masked, self.recompute, **kw)
 
@@ -151,7 +153,7 @@ class Gradients:
     @cached_property
     def G(self) -> np.ndarray:
         """dS through the softcap's derivative (dS without a cap): what dQ and dK are made of."""
-        if self.head.cap == 0:
+        if self.head.cap == 0 or not self.cap_slope:
             return self.dS
         QK = self.own(QUERIES) @ self.own(KEYS).T if self.recompute else self.own(SCORES)
         return through_cap(self.dS, cap_factor(np.asarray(QK, np.float64) * self.scale, self.head))
