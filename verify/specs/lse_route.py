@@ -9,7 +9,9 @@ row carries that factor, and its row sum is off by it. The check allows the fact
 one number per row within the lse's bound: where factor 1 leaves some element outside, the
 comparison is against the reference times a factor that brings every element inside and lies
 near the row's median got/want (fitted), so that a few wrong elements (no factor of their row)
-still fail; the row-sum check widens by the bound.
+still fail; the row-sum check widens by the bound. Where the program wrote its weights, the output's
+factor is theirs, their row sum, where it brings the row inside (an output of logits in the
+hundreds, whose elements' ratios scatter too widely for the median to find it).
 """
 from __future__ import annotations
 
@@ -75,8 +77,14 @@ def fitted(stage: str, got: np.ndarray, want: np.ndarray, allowed: np.ndarray, c
             spread = np.nanmedian(np.where(big, allowed / (LAMBDA * size), np.nan), axis=1, keepdims=True)
         lo, hi = _fitting(got, want, allowed, both)
         lo, hi = np.maximum(lo, np.exp(-bound)), np.minimum(hi, np.exp(bound))
+        own = _weights_factor(stage, ctx, want.shape[0])
+        if own is not None:  # (the program's own factor, where it fits: no estimate needed)
+            fits = (lo <= own) & (own <= hi) & ~((lo <= 1.0) & (1.0 <= hi))
+            lo, hi = np.where(fits, own, lo), np.where(fits, own, hi)
         c = np.clip(median, lo + (hi - lo) / 4, hi - (hi - lo) / 4)
         near = np.abs(c - median) <= MEDIAN_SPREAD * spread / np.sqrt(count)
+        if own is not None:
+            near |= fits
         use = (lo <= hi) & ~((lo <= 1.0) & (1.0 <= hi)) & near
     use &= np.isfinite(c)
     return want * np.where(use, c, 1.0) if use.any() else want
@@ -88,6 +96,17 @@ def fitted(stage: str, got: np.ndarray, want: np.ndarray, allowed: np.ndarray, c
 # at 4 the normal distribution's output lost 0.09 of its catch rate at M = 1024, at 2 none beyond
 # the measurement's spread.
 MEDIAN_SPREAD = 2.0
+
+
+def _weights_factor(stage: str, ctx: HeadContext, rows: int):
+    """The output's row factor where the program wrote its weights: their row sums, which a
+    correct route's weights share with its output (exactly 1 but for the roundings of the sum and
+    the exponentials, far finer than the factor); None for other stages or without the weights."""
+    weights = ctx.got.get(WEIGHTS)
+    if stage != OUTPUT or weights is None or np.ndim(weights) != 2 or np.shape(weights)[0] != rows:
+        return None
+    with np.errstate(invalid="ignore", over="ignore"):
+        return np.sum(np.asarray(weights, np.float64), axis=1, keepdims=True)
 
 
 def _fitting(got, want, allowed, both):
