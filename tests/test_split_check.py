@@ -115,6 +115,7 @@ def test_a_split_run_is_read_from_its_run_toml_and_each_split_is_a_column_block(
     ("exp2", ("flash_output", "flash_lse"), "split_exp2", "FAIL"),
     ("last_left_out", ("flash_output", "flash_lse"), "split_left_out", "FAIL"),
     ("first_only", ("flash_output", "flash_lse"), "split_left_out", "FAIL"),
+    ("loop_one_short", ("flash_output", "flash_lse"), "split_left_out", "FAIL"),
     ("empty_counted", ("flash_output", "flash_lse"), "empty_split", "FAIL"),
     ("empty_lse_zero", (SPLIT_LSE,), "empty_split", INHERITED),
     ("empty_nan", SPLITS, "empty_split", INHERITED),
@@ -133,6 +134,33 @@ def test_a_split_bug_is_named_where_it_begins(tmp_path, bug, culprits, code, com
             assert statuses(report)[stage] <= {combine, PASS}, text(report)
     for stage in set(SPLITS) - set(culprits):
         assert statuses(report)[stage] == {PASS}, text(report)
+
+
+@pytest.mark.parametrize("shape", [DECODE, dict(split_size=8)], ids=["bottom-right", "not-causal"])
+@pytest.mark.parametrize("bug, code, how", [
+    ("exp2", "split_exp2", {"log": "log2"}),
+    ("last_left_out", "split_left_out", {"split": "last"}),
+    ("first_only", "split_left_out", {"split": "first"}),
+    ("loop_one_short", "split_left_out", {"split": 4}),
+])
+def test_a_combine_bug_is_named_first_with_what_it_did(tmp_path, shape, bug, code, how):
+    """Named first on both combined stages, with the split (or the logarithm) it took; where each
+    row sees every split, the run's last split is each row's last (named as the loop one short)."""
+    report = split_run(tmp_path, shape, bug)
+    if shape is not DECODE and bug == "last_left_out":
+        how = {"split": 4}
+    for stage in ("flash_output", "flash_lse"):
+        firsts = [r.diagnosis[0] for r in report.stage_results(stage) if not r.passed]
+        assert firsts and {d.code for d in firsts} == {code}, text(report)
+        detail = how if stage == "flash_lse" or code != "split_exp2" else {}
+        assert all({k: d.detail.get(k) for k in detail} == detail for d in firsts), [d.detail for d in firsts]
+
+
+@pytest.mark.parametrize("shape", [DECODE, dict(split_size=64, seq_q=4, seq_k=37), dict(split_size=8, causal="top-left")])
+def test_an_unwritten_combined_output_is_not_named_a_split_left_out(tmp_path, shape):
+    report = split_run(tmp_path, shape, "unwritten_output")
+    assert not report.passed
+    assert "split_left_out" not in codes(report, "flash_output"), text(report)
 
 
 def test_a_gap_is_named_with_the_key_it_leaves_out_and_the_split_and_row(tmp_path):

@@ -29,6 +29,8 @@ BUGS = {
     "exp2": "the combine takes exp2 of the natural-log lse (2^(lse_s - max), lse = max + log2 of their sum)",
     "last_left_out": "the combine's loop stops one split short: the last split a row sees keys of left out",
     "first_only": "the combine takes only the first split a row sees keys of",
+    "loop_one_short": "the combine's loop stops one split short of the run's last split (range(splits - 1))",
+    "unwritten_output": "flash_output left all zeros (the combine never wrote it)",
     "empty_lse_zero": "a split a row sees no key of writes lse 0 (not -inf), and the combine counts it",
     "empty_nan": "a split a row sees no key of writes NaN (0/0) into its output and lse",
     "empty_counted": "the splits are right, but the combine counts an empty split as lse 0",
@@ -169,6 +171,9 @@ def _combine(outs: np.ndarray, lses: np.ndarray, bug: Optional[str]):
         last = (np.isfinite(lses) * np.arange(lses.shape[1])[None, :]).argmax(axis=1)
         lses = lses.copy()
         lses[np.arange(lses.shape[0]), last] = -np.inf
+    if bug == "loop_one_short":
+        lses = lses.copy()
+        lses[:, -1] = -np.inf
     if bug == "first_only":
         first = np.isfinite(lses).argmax(axis=1)
         lses = np.where(np.arange(lses.shape[1])[None, :] == first[:, None], lses, -np.inf).astype(f32)
@@ -198,6 +203,8 @@ def _combine(outs: np.ndarray, lses: np.ndarray, bug: Optional[str]):
             w[rows, last] = np.where(np.isfinite(lses[rows, last]), f32(1), w[rows, last])
         terms = np.where((w > 0)[:, :, None] | np.isnan(w)[:, :, None], w[:, :, None] * outs, f32(0))
         out = np.where(empty[:, None], f32(0), terms.sum(axis=1, dtype=f32)).astype(f32)
+    if bug == "unwritten_output":
+        out = np.zeros_like(out)
     return out, lse
 
 

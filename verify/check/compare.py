@@ -197,7 +197,7 @@ def _compare(res: HeadResult, ctx: HeadContext, results: Dict[str, HeadResult], 
     model_chain = allowed(stage, src_chain, want_chain, ctx, override, chained=True)
     allowed_chain = with_quantum(model_chain, quantum)
     if override is None:  # (a float32 lse: a row factor; a tolerance the user gives is taken as it is)
-        want_chain = lse_route.fitted(stage, mat, want_chain, allowed_chain, ctx)
+        want_chain = lse_route.fitted(stage, mat, want_chain, allowed_chain, ctx, chained=True)
     res.chained = compare_arrays(mat, want_chain, allowed_chain, opts.allow_nonfinite)
     res.half_values = half_values(mat, want_chain, run.precision)
     res.print_limited = quantum is not None and bool(np.any(quantum > model_chain))

@@ -83,8 +83,10 @@ def explains_closely(got: np.ndarray, cand: np.ndarray, want: np.ndarray, width:
     """explains(), where a candidate that reproduces got far more closely than a width is a real
     alternative when it differs from want by DISTINCT_WIDTHS times that closeness: a bound much
     wider than the program's own error (a gradient's through a softcap) otherwise hides a bug
-    whose effect is a few hundred widths or less. For candidates computed exactly as the bug
-    would (from the program's own files), whose distance to got is the program's rounding."""
+    whose effect is a few hundred widths or less. A candidate that got lies a hundred times closer
+    to than to want is evidence for it whatever it was built from (the program's own files, where
+    its distance to got is the program's rounding, or the reference chain, where it is no closer
+    than a width and this adds nothing)."""
     found = explains(got, cand, want, width)
     if found is not None or cand.shape != got.shape:
         return found

@@ -13,7 +13,7 @@ import numpy as np
 
 from ..check.diagnosis import Diagnosis, Suspect
 from ..stages import KEYS, KEYS_T, STAGES, VALUES, Dims
-from .base import MATCH_WIDTHS, MAX_HEADS_SEARCHED, explains
+from .base import MATCH_WIDTHS, MAX_HEADS_SEARCHED, explains, explains_closely
 from .inputs import alternatives
 
 CODES = ("head_permuted", "kv_head_map", "kv_group_not_summed", "kv_group_summed_twice")
@@ -91,7 +91,7 @@ def kv_head_map(stage, got, want, ctx, width) -> List[Diagnosis]:
         return []
     for j in _read_order(dims, head):
         for cand, w in alternatives(stage, ctx, width, replace=_kv_inputs(ctx, j)):
-            diff = explains(got, cand, want, w)
+            diff = explains_closely(got, cand, want, w)
             if diff is None:
                 continue
             own = dims.kv_head_of(head)
@@ -113,7 +113,7 @@ def kv_group_sum(stage, got, want, ctx, width) -> List[Diagnosis]:
         return []
     heads = list(ctx.dims.query_heads_of(ctx.head)) if ctx.dims is not None else list(range(len(terms)))
     for i, term in sorted(enumerate(terms), key=lambda t: (t[0] not in (0, len(terms) - 1), -t[0])):
-        diff = explains(got, np.asarray(term, np.float64), want, width)
+        diff = explains_closely(got, np.asarray(term, np.float64), want, width)
         if diff is not None:
             which = ("the last of its group: each query head's part overwrote the previous one's"
                      if i == len(terms) - 1 else "the first of its group" if i == 0 else f"number {i} of its group")
@@ -121,7 +121,7 @@ def kv_group_sum(stage, got, want, ctx, width) -> List[Diagnosis]:
                               f"part only ({which}), not the sum over its {len(terms)} query heads "
                               f"{heads[0]}..{heads[-1]} (max diff {diff:.2g})",
                               {"query_head": heads[i], "position": i, "group": heads, "max_diff": diff}, 0.95)]
-    diff = explains(got, 2.0 * want, want, 2.0 * width)
+    diff = explains_closely(got, 2.0 * want, want, 2.0 * width)
     if diff is not None:
         return [Diagnosis("kv_group_summed_twice", f"{stage} K/V head {ctx.head} holds twice the sum over its "
                           f"{len(terms)} query heads {heads[0]}..{heads[-1]} (accumulated twice, or onto a buffer "

@@ -13,11 +13,12 @@ tile_boundary, lse_log2; the heads' head_permuted, kv_head_map, kv_group_not_sum
 kv_group_summed_twice (verify/diagnose/heads.py); the masks' mask_missing, mask_offset (any
 offset; the other alignment named), window_off, window_missing, mask_file_ignored,
 mask_file_transposed (verify/diagnose/masks.py); the variants' softcap_missing,
-softcap_before_scale, alibi_missing, alibi_sign, alibi_slope_order, bias_ignored, bias_transposed,
-dropout_unscaled, dropout_not_applied, dropout_mask_inverted (verify/diagnose/variants.py); the
-backward's D_wrong_O, dS_missing_P, grad_unscaled, dV_untransposed_P (verify/diagnose/backward.py);
-the precision ones: tf32, half_storage, half_truncation, half_accumulation
-(verify/diagnose/precision.py); and in a packed case, the sequences' sequence_leak,
+softcap_before_scale, softcap_derivative_missing, alibi_missing, alibi_sign, alibi_slope_order,
+bias_ignored, bias_transposed, dropout_unscaled, dropout_not_applied, dropout_mask_inverted
+(verify/diagnose/variants.py); the backward's D_wrong_O, dS_missing_P, grad_unscaled,
+dV_untransposed_P, lse_log2 and the flash gradients' softcap_derivative_missing
+(verify/diagnose/backward.py); the precision ones: tf32, half_storage, half_truncation,
+half_accumulation (verify/diagnose/precision.py); and in a packed case, the sequences' sequence_leak,
 sequence_boundary, padding_read (verify/diagnose/sequences.py: a sequence's rows recomputed from
 the packed rows a buggy program read). overflow, keys_past_end and keys_dropped are in
 verify/diagnose/inputs.py: they, the mask, the variants and the scale recompute a stage from the

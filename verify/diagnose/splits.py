@@ -14,8 +14,9 @@ the bug would have written explains the program's values and the correct result 
 * split_exp2: the combine's exponentials in base 2 of the natural-log lse (exp2 without the
   log2(e) factor a base-2 kernel multiplies its exponents by): weights 2^(lse_s − max) over their
   sum, lse = max + ln or log2 of that sum.
-* split_left_out: the combine leaves splits out (the last split a row sees keys of, or every split
-  but the first): a loop bound off by one. Found on flash_output and flash_lse.
+* split_left_out: the combine leaves splits out (the run's last split, the last split a row sees
+  keys of, or every split but the first): a loop bound off by one. Found on flash_output and
+  flash_lse.
 
 The combine's candidates are computed from the program's own split files, as the combine check's
 reference is (verify/check/splits.py), so they name a bug of the combine, not of the splits.
@@ -236,15 +237,24 @@ def _exp2_candidates(stage: str, lse_s: np.ndarray, out_s: Optional[np.ndarray],
 
 
 def _left_out_candidates(stage: str, lse_s: np.ndarray, out_s: Optional[np.ndarray], empty: np.ndarray):
-    """The combine over fewer splits: without the last split a row sees keys of, or of the first one only."""
+    """The combine over fewer splits: the loop one split short (the run's last split left out of
+    every row, or each row's own last split), or the first split a row sees alone. A candidate that
+    leaves a row that sees keys with no split is not one (an unwritten output would match it), nor
+    one that changes no row."""
     seen = ~empty
-    index = np.arange(lse_s.shape[1])[None, :]
+    count = lse_s.shape[1]
+    index = np.arange(count)[None, :]
+    several = seen.sum(axis=1, keepdims=True) > 1
     last = np.where(seen, index, -1).max(axis=1, keepdims=True)
-    first = np.where(seen, index, lse_s.shape[1]).min(axis=1, keepdims=True)
-    for how, keep, detail in (("left out the last split a row sees keys of (a loop bound one short)",
-                               index != last, {"split": "last"}),
-                              ("took only the first split a row sees keys of", index == first, {"split": "first"})):
-        if (keep | ~seen).all():
+    first = np.where(seen, index, count).min(axis=1, keepdims=True)
+    for how, keep, detail in ((f"left out its last split, {count - 1} (a loop bound one short)",
+                               index != count - 1, {"split": count - 1}),
+                              ("left out the last split each row sees keys of (a loop bound one short)",
+                               (index != last) | ~several, {"split": "last"}),
+                              ("took only the first split a row sees keys of", (index == first) | ~several,
+                               {"split": "first"})):
+        kept = keep & seen
+        if count < 2 or (kept == seen).all() or not kept.any(axis=1)[seen.any(axis=1)].all():
             continue
         lse, out, _ = combine(np.where(keep, lse_s, -np.inf), out_s)
         yield how, (lse if row_statistic(stage) else out), detail

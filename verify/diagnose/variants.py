@@ -22,7 +22,7 @@ from ..check.diagnosis import Diagnosis, Suspect
 from ..specs import reads_dropout_mask
 from ..stages import BIAS_INPUT, DROPOUT_MASK, STAGES
 from ..variant import NONE, Variant, alibi_slopes
-from .base import explains
+from .base import explains_closely
 from .inputs import alternatives, slope_of, variant_of, variant_tensors
 
 
@@ -138,7 +138,7 @@ def _unscaled(stage, got, want, ctx, width) -> List[Diagnosis]:
     p = v.dropout
     if p <= 0 or not reads_dropout_mask(stage, v):
         return []
-    diff = explains(got, want * (1.0 - p), want, width)
+    diff = explains_closely(got, want * (1.0 - p), want, width)
     if diff is None:
         return []
     return [Diagnosis("dropout_unscaled", f"{stage}: the kept weights are not divided by 1 − p = {1 - p:g} "
@@ -153,7 +153,7 @@ def variants(stage, got, want, ctx, width) -> List[Diagnosis]:
         return found
     for bug in bugs(stage, ctx):
         for cand, w in alternatives(stage, ctx, width, bug.variant, bug.slope, bug.replace):
-            diff = explains(got, cand, want, w)
+            diff = explains_closely(got, cand, want, w)
             if diff is not None:
                 return [Diagnosis(bug.code, f"{stage}: {bug.words} (max diff {diff:.2g})",
                                   {**bug.detail, "max_diff": diff}, 0.95)]

@@ -49,13 +49,15 @@ def factor_bound(ctx: HeadContext) -> np.ndarray:
     return np.where(seen, LAMBDA * np.sqrt(var), 0.0)
 
 
-def fitted(stage: str, got: np.ndarray, want: np.ndarray, allowed: np.ndarray, ctx: HeadContext) -> np.ndarray:
+def fitted(stage: str, got: np.ndarray, want: np.ndarray, allowed: np.ndarray, ctx: HeadContext,
+           chained: bool = False) -> np.ndarray:
     """want, times a factor c in each row that c = 1 leaves outside some element's allowance and c
     brings inside every one; want itself elsewhere and for other stages. c is the row's own: the
     median m of got/want over its larger elements (a quarter of its largest |want| or more), moved
     at most its uncertainty (MEDIAN_SPREAD times its elements' deviation over √count) to the nearest
     factor that fits every element, within factor_bound. A few wrong elements move neither m nor
-    the rest's fit: they fail as before."""
+    the rest's fit: they fail as before. chained: want is from the inputs, so the output's factor
+    may be the program's own weights' (an isolated want, from those weights, has it already)."""
     if stage not in ROUTED or got.shape != want.shape or got.ndim != 2:
         return want
     bound = factor_bound(ctx)
@@ -77,7 +79,7 @@ def fitted(stage: str, got: np.ndarray, want: np.ndarray, allowed: np.ndarray, c
             spread = np.nanmedian(np.where(big, allowed / (LAMBDA * size), np.nan), axis=1, keepdims=True)
         lo, hi = _fitting(got, want, allowed, both)
         lo, hi = np.maximum(lo, np.exp(-bound)), np.minimum(hi, np.exp(bound))
-        own = _weights_factor(stage, ctx, want.shape[0])
+        own = _weights_factor(stage, ctx, want.shape[0]) if chained else None
         if own is not None:  # (the program's own factor, where it fits: no estimate needed)
             fits = (lo <= own) & (own <= hi) & ~((lo <= 1.0) & (1.0 <= hi))
             lo, hi = np.where(fits, own, lo), np.where(fits, own, hi)
