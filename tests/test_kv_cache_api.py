@@ -316,3 +316,17 @@ def test_a_length_off_by_one_is_named(page_size, seqlens, bug, keys, nq, causal,
     m = seqlens[1] + n_new
     assert diag.detail == {"sequence": 1, "keys": m + keys, "valid": m}
     assert ("left out" if keys < 0 else f"one past its {m}") in diag.message
+
+
+@pytest.mark.parametrize("page_size", [16, None])
+def test_one_key_past_a_full_cache_row_is_the_next_sequence_s_first(page_size):
+    """A sequence whose keys fill its cache slot (or its table row): one key long reads what
+    follows in memory, the next sequence's first slot (or the next row's first page)."""
+    case = DecodeCase([37, 48, 20], nq=1, page_size=page_size)
+    if page_size is None:
+        case.k_cache, case.v_cache = case.k_cache[:, :48].copy(), case.v_cache[:, :48].copy()
+    else:
+        case.block_table = case.block_table[:, :3].copy()
+    report = check(case, "length_plus_one")
+    assert not report
+    assert _codes(report, 1)[0] == "cache_length_off_by_one", attnstep.format_report(report)

@@ -74,10 +74,13 @@ class DecodeCase:
 
 
 def _where(case: DecodeCase, table, b: int, key: int):
-    """(page, slot) of key `key` of sequence b."""
+    """(page, slot) of key `key` of sequence b; past the end of its slot or table row, what follows
+    in memory (the next sequence's slot, or the next row's entries), as a read out of bounds is."""
     if table is None:
-        return b, key
-    return int(table[b][key // case.page_size]), key % case.page_size
+        slots = case.k_cache.shape[1]
+        return b + key // slots, key % slots
+    width = np.shape(table)[1]
+    return int(np.asarray(table).reshape(-1)[b * width + key // case.page_size]), key % case.page_size
 
 
 def _write(case: DecodeCase, bug: Optional[str]):

@@ -104,15 +104,18 @@ def _past_length(kv: KVCache, b: int) -> List[Reading]:
 
 def _off_by_one(kv: KVCache, b: int) -> List[Reading]:
     """Sequence b's keys counted one too many (the key after its last: in its last page, the next
-    table entry's page, or its slot) or one too few (its last key left out)."""
+    table entry's page, or its slot; past the end of its table row or its cache slot, the next
+    sequence's first, which follows it in memory) or one too few (its last key left out)."""
     m, said = kv.m(b), (f"cache_seqlens[{b}] + the new keys" if kv.cu_q is None else f"seqused_k[{b}]")
     out = []
     if m > 1:
         out.append(Reading(b, kv.table[b], m - 1, CACHE_LENGTH_OFF, f"sequence {b} attended {m - 1} keys, not its {m} "
                            f"({said}): its last key, {m - 1}, left out", {"sequence": b, "keys": m - 1, "valid": m}))
-    page = m // kv.page_size
-    if m and page < kv.table.shape[1] and 0 <= int(kv.table[b][page]) < kv.num_pages:
-        out.append(Reading(b, kv.table[b], m + 1, CACHE_LENGTH_OFF, f"sequence {b} attended {m + 1} keys, one past its "
+    row, page = kv.table[b], m // kv.page_size
+    if page >= row.size and b + 1 < kv.batch:  # (past its row: what follows it in memory, the next row's first)
+        row = np.concatenate((row, kv.table[b + 1][:1]))
+    if m and page < row.size and 0 <= int(row[page]) < kv.num_pages:
+        out.append(Reading(b, row, m + 1, CACHE_LENGTH_OFF, f"sequence {b} attended {m + 1} keys, one past its "
                            f"{m} ({said}): key {m} read", {"sequence": b, "keys": m + 1, "valid": m}))
     return out
 
