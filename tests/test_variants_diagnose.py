@@ -278,19 +278,20 @@ def test_a_g_text_program_with_a_subset_of_stages_is_judged_by_its_arithmetic(tm
 
 
 
-@pytest.mark.parametrize("kv_heads", [2, 6])
-def test_a_flash_gradient_without_the_softcap_s_derivative_is_named(tmp_path, kv_heads):
+@pytest.mark.parametrize("kv_heads, cap", [(2, 2), (6, 2), (2, 50), (6, 50)])
+def test_a_flash_gradient_without_the_softcap_s_derivative_is_named(tmp_path, kv_heads, cap):
     """The flash backward (its P recomputed from the saved lse) leaving out 1 − t² on dQ and dK:
     named on flash_dQ, and on flash_dK where each head has its own K (a group's sum is not
-    searched for it)."""
+    searched for it). At Gemma-2's cap of 50 the bug changes the gradients by well under an
+    approximate tanh's error, which an IEEE float32 program is not allowed."""
     sizes = [str(kv_heads) if SIZES[i - 1] == "--kv-heads" else str(a) for i, a in enumerate(SIZES)]
     r = invoke("generate", "--out", tmp_path / "in", *sizes, "--dist", "normal", "--seed", 5, "--format", "npy",
-               *CASES["softcap-backward"])
+               "--softcap", cap, "--backward")
     assert r.exit_code == 0, r.output
     only = ("flash_output", "flash_lse", "flash_dQ", "flash_dK", "flash_dV")
     report = _check(tmp_path, tmp_path / "in", Program("softcap_grad_missing"), only)[1]
     found = _named(report, "flash_dQ", "softcap_derivative_missing", range(6))
-    assert all(d["detail"]["softcap"] == 2.0 for d in found.values())
+    assert all(d["detail"]["softcap"] == cap for d in found.values())
     assert {e["status"] for e in report["results"] if e["stage"] == "flash_dV"} == {"PASS"}
     failing_dk = [e for e in report["results"] if e["stage"] == "flash_dK" and e["status"] == "FAIL"]
     assert len(failing_dk) == kv_heads

@@ -83,7 +83,7 @@ def stage_bound_parts(stage: str, src: Dict[str, np.ndarray], ref: np.ndarray, *
     """stage_bound's parts (BoundParts); None for an exact copy (echoes, the transpose)."""
     spec = _spec(stage)
     u = unit_roundoff(precision)
-    kernel = kernel_for(backend, math, flash_kernel)
+    kernel = kernel_for(backend, math, flash_kernel, precision)
     ref = np.asarray(ref, dtype=np.float64)
     if spec.isolated is None:
         return None
@@ -142,7 +142,7 @@ def _chained_float32(stage: str, chain: Dict[str, np.ndarray], *, scale: float, 
     """chained_bound's float32 arithmetic (every precision's accumulation)."""
     spec = _spec(stage)
     u = unit_roundoff(precision)
-    kernel = kernel_for(backend, math, flash_kernel)
+    kernel = kernel_for(backend, math, flash_kernel, precision)
     if spec.chained is None:
         names = INPUT_NAMES + VARIANT_SOURCES + sources_of(stage, variant)
         src = {n: chain[n] for n in names if n in chain}
@@ -189,7 +189,7 @@ def share_flash_references(stage: str, src: Dict[str, np.ndarray], *, scale: flo
     if cache is None or not _flash_backward(stage):
         return
     problem = Problem.of(scale, causal, src, variant, slope, unit_roundoff(precision),
-                         kernel_for(backend, math, flash_kernel), cache)
+                         kernel_for(backend, math, flash_kernel, precision), cache)
     flash_own_and_references(src, problem)
 
 
@@ -215,7 +215,7 @@ def chained_flash_references(chain: Dict[str, np.ndarray], *, scale: float, caus
     Q·Kᵀ, logits, dP and their variances), kept for it (specs/backward/flash_bounds.py)."""
     del half_rounding
     variant = resolve_variant(variant, causal)
-    u, kernel = unit_roundoff(precision), kernel_for(backend, math, flash_kernel)
+    u, kernel = unit_roundoff(precision), kernel_for(backend, math, flash_kernel, precision)
     problem = Problem.of(scale, variant.causal, chain, variant, slope, u, kernel, cache)
     own = None
     if own_outputs and set(own_outputs) == set(FLASH_OWN_OUTPUTS) \

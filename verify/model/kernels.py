@@ -9,6 +9,7 @@ from typing import Optional
 
 import numpy as np
 
+from .half import is_half
 from .rounding import ROUND_VAR, ULP_IN_U, ToleranceError
 
 
@@ -121,20 +122,24 @@ ANY_KERNEL = Kernel(*(max(getattr(k, f) for k in _BACKEND_KERNELS.values())
 DOCUMENTED_EXP_ULPS = 2.0
 
 
-# The softcap's tanh may be tanh.approx.f32 (flash-attn's, FlexAttention's approximate score_mod):
-# a program we did not write is allowed its error.
+# Its softcap's tanh: tanhf's 2 ulps, or a tanh from the exponential (its absolute error). At
+# float32, tanh.approx.f32 is a fast-math intrinsic like __expf (`--math fast`: FAST_KERNEL): an
+# IEEE program's bound without its 2^-11 is some thousand times tighter under a softcap, where a
+# missing cap derivative at Gemma-2's C = 50 changes a gradient by less than that. A half-precision
+# program may take it (flash-attn's bf16/fp16 softcap calls it through cutlass::fast_tanh).
 FOREIGN_KERNEL = replace(ANY_KERNEL, exp_var=max(ANY_KERNEL.exp_var, (DOCUMENTED_EXP_ULPS * ULP_IN_U) ** 2 / 3),
-                         rescale_factor=2.0, tanh_rel=TANH_APPROX_REL, tanh_abs=TANH_FROM_EXP_ABS)
+                         rescale_factor=2.0, tanh_abs=TANH_FROM_EXP_ABS)
+FOREIGN_HALF_KERNEL = replace(FOREIGN_KERNEL, tanh_rel=TANH_APPROX_REL)
 
 
 # CUDA's fast-math intrinsics (-use_fast_math, __expf, __logf, __fdividef), by the maximum errors
 # the CUDA C++ Programming Guide documents: __expf(x) 2 + floor(1.173·|x|) ulp (here uniform within
 # that maximum, its two parts bounded by twice their squares), __logf 3 ulp or 2^-21.41 absolute
-# for x in [0.5, 2], __fdividef 2 ulp; tanh as tanh.approx.f32 (FOREIGN_KERNEL's).
+# for x in [0.5, 2], __fdividef 2 ulp; tanh as tanh.approx.f32.
 FAST_EXP_ULPS, FAST_EXP_SLOPE, FAST_LOG_ULPS, FAST_LOG_ABS, FAST_DIV_ULPS = 2.0, 1.173, 3.0, 2.0**-21.41, 2.0
 
 
-FAST_KERNEL = replace(FOREIGN_KERNEL,
+FAST_KERNEL = replace(FOREIGN_HALF_KERNEL,
                       exp_var=2 * (FAST_EXP_ULPS * ULP_IN_U) ** 2 / 3,
                       exp_slope_var=2 * (FAST_EXP_SLOPE * ULP_IN_U) ** 2 / 3,
                       log_ulps=FAST_LOG_ULPS, log_abs=FAST_LOG_ABS,
@@ -154,10 +159,11 @@ FLASH_LOGIT_ROUNDINGS = 1
 SOFTMAX_FINAL_ROUNDINGS = 2
 
 
-def kernel_for(backend: Optional[str], math: str = "ieee", flash_kernel: Optional[str] = None) -> Kernel:
+def kernel_for(backend: Optional[str], math: str = "ieee", flash_kernel: Optional[str] = None,
+               precision: str = "fp32") -> Kernel:
     """The arithmetic assumed: attnstep's flash kernel or backend as run.toml names them, any
-    correct IEEE float32 implementation for other programs (backend None), CUDA's fast-math
-    intrinsics on request."""
+    correct IEEE float32 implementation for other programs (backend None; at bf16 and fp16 also
+    an approximate tanh), CUDA's fast-math intrinsics on request."""
     if math not in ("ieee", "fast"):
         raise ToleranceError(f"unknown math mode {math!r}; the tolerance model knows ieee, fast")
     if math == "fast":
@@ -169,7 +175,7 @@ def kernel_for(backend: Optional[str], math: str = "ieee", flash_kernel: Optiona
                                  f"{', '.join(KERNELS)}")
         return KERNELS[name]
     if backend is None:
-        return FOREIGN_KERNEL
+        return FOREIGN_HALF_KERNEL if is_half(precision) else FOREIGN_KERNEL
     if backend not in _BACKEND_KERNELS:
         raise ToleranceError(f"unknown backend {backend!r}; the tolerance model knows "
                              f"{', '.join(_BACKEND_KERNELS)}")

@@ -40,7 +40,7 @@ def factor_bound(ctx: HeadContext) -> np.ndarray:
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
         m = np.where(seen, np.max(np.where(finite, S, -np.inf), axis=1, keepdims=True), 0.0)
         log_l = np.where(seen, np.log(np.sum(np.where(finite, np.exp(S - m), 0.0), axis=1, keepdims=True)), 0.0)
-    kernel = kernel_for(ctx.backend, ctx.math, ctx.flash_kernel)
+    kernel = kernel_for(ctx.backend, ctx.math, ctx.flash_kernel, ctx.precision)
     magnitude = np.abs(m) + np.abs(m + log_l)
     # The roundings of lse's magnitude and of log l, and each exponent's S_j − lse rounding, whose
     # argument is log l further from 0 than the normalized route's S_j − m.

@@ -25,7 +25,8 @@ def _chain_model(ctx: HeadContext):
     if not all(n in ctx.chain for n in (QUERIES, KEYS, VALUES, GRAD_OUTPUT)):
         return None
     inputs = tuple(np.asarray(ctx.chain[n], np.float64) for n in (QUERIES, KEYS, VALUES, GRAD_OUTPUT))
-    return unit_roundoff(ctx.precision), kernel_for(ctx.backend, ctx.math, ctx.flash_kernel), inputs, ctx.head()
+    kernel = kernel_for(ctx.backend, ctx.math, ctx.flash_kernel, ctx.precision)
+    return unit_roundoff(ctx.precision), kernel, inputs, ctx.head()
 
 
 def _row_sum_sd(indep, rows) -> np.ndarray:
