@@ -99,7 +99,8 @@ def test_keys_past_the_last_full_tile_left_out_are_named_with_the_tile(tmp_path)
                             ("flash_output",))
     for d in _assert_named_first(report, "flash_output", "keys_dropped"):
         assert d["detail"]["dropped"] == [96, 99] and TILE in d["detail"]["tiles"]
-        assert "tile of 16 or 32 keys" in d["message"]
+        assert "tile of 16 or 32 keys (as of any tile width t with M mod t = 4: also 8, 12, 24, 48 or 96)" \
+            in d["message"], d["message"]
     for entry in _failed(report, "flash_output"):
         assert "unwritten" in [x["code"] for x in entry["diagnosis"]]
 

@@ -26,6 +26,7 @@ SCALE_NAME_RTOL = 2e-3
 # The key tile widths kernels use: a kernel that drops the keys past its last full tile, or reads
 # past the end to fill it, does so for one of these.
 KEY_TILES = (16, 32, 64, 128)
+MIN_KEY_TILE = 8  # the narrowest key tile a dropped tail is also named for
 # The widest key tile of the run's own (run.toml's flash_block_k) that the diagnoses try: kernels
 # tile keys by at most a few hundred, and a wider one would extend the keys by up to its width.
 MAX_RUN_KEY_TILE = 1024

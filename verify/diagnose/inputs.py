@@ -27,8 +27,8 @@ from ..specs.base import head_variant
 from ..stages import BIAS_INPUT, DROPOUT_MASK, INPUT_NAMES, KEYS, MASK_INPUT, QUERIES, SCALED_SCORES, STAGES, VALUES
 from ..text import plural
 from ..variant import TOP_LEFT, Variant
-from .base import (DISTINCT_WIDTHS, KEY_TILES, LOG_FLOAT32_MAX, MATCH_WIDTHS, MAX_RUN_KEY_TILE, OVERFLOW_SLACK, maxdiff,
-                   width_of)
+from .base import (DISTINCT_WIDTHS, KEY_TILES, LOG_FLOAT32_MAX, MATCH_WIDTHS, MAX_RUN_KEY_TILE, MIN_KEY_TILE,
+                   OVERFLOW_SLACK, maxdiff, width_of)
 
 Tensors = Dict[str, np.ndarray]
 # (Q, K, V with the head's variant tensors), masked (None: the variant's own), variant, slope -> the stage
@@ -308,8 +308,12 @@ def _keys_dropped(stage, got, want, ctx, rebuild, width, qkv) -> List[Diagnosis]
             continue
         blank = int((~judged).sum())
         rest = f"; {plural(blank, 'row')} never written" if blank else ""
+        # (the same keys are past the last full tile of any width t with m mod t = dropped)
+        others = [t for t in range(MIN_KEY_TILE, m) if m % t == dropped and t not in tiles]
+        also = f" (as of any tile width t with M mod t = {dropped}: also {_tile_words(others[:6])}" \
+               f"{', ...' if len(others) > 6 else ''})" if others else ""
         return [Diagnosis("keys_dropped", f"{stage}: keys {kept}..{m - 1} are left out of every row, the keys "
-                          f"past the last full tile of {_tile_words(tiles)} keys (max diff {diff:.2g}){rest}",
+                          f"past the last full tile of {_tile_words(tiles)} keys{also} (max diff {diff:.2g}){rest}",
                           {"dropped": [kept, m - 1], "tiles": tiles, "max_diff": diff}, 0.92)]
     return []
 
