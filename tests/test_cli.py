@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
@@ -267,6 +268,20 @@ def test_python_dash_m_verify(tmp_path):
     import sys
     out = subprocess.run([sys.executable, "-m", "verify", "--help"], capture_output=True, text=True)
     assert out.returncode == 0 and "generate" in out.stdout and "check" in out.stdout
+
+
+@pytest.mark.parametrize("args, words", [
+    (["check", "--names", "nosuch.toml"], "Invalid value for '--names': File 'nosuch.toml' does not exist. "
+                                          "(see attnstep check --help)"),
+    (["check", "--name", "output"], "expected STAGE=PATTERN"),
+    (["--bogus"], "No such option '--bogus'. (see attnstep --help)"),
+    (["nosuchcommand"], "No such command 'nosuchcommand'."),
+])
+def test_a_usage_error_is_one_line_naming_the_help(tmp_path, args, words):
+    out = subprocess.run([sys.executable, "-m", "verify", *args], capture_output=True, text=True, cwd=tmp_path,
+                         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
+    assert out.returncode == 2 and out.stdout == "", out
+    assert len(out.stderr.strip().splitlines()) == 1 and words in out.stderr, out.stderr
 
 
 def test_seed_scripts_run_the_same_code(tmp_path):

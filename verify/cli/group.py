@@ -46,9 +46,14 @@ def cli():
 
 def main() -> None:  # console-script entry point
     """The group, with a Ctrl-C before a command has started (Python and click still loading it)
-    ending as one there does: one line and 130, not click's "Aborted!" and 1, a failing check's."""
+    ending as one there does: one line and 130, not click's "Aborted!" and 1, a failing check's;
+    and a usage error (an unknown option, a bad value) in one line that names the command's help."""
     try:
         code = cli.main(prog_name="attnstep", standalone_mode=False)
+    except click.UsageError as exc:  # (one line, not click's usage block: the command's help is named)
+        where = exc.ctx.command_path if exc.ctx is not None else "attnstep"
+        click.echo(f"Error: {exc.format_message()} (see {where} --help)", err=True)
+        sys.exit(exc.exit_code)
     except click.ClickException as exc:
         exc.show()
         sys.exit(exc.exit_code)
