@@ -519,12 +519,14 @@ def test_review_findings_on_reading_foreign_files(tmp_path):
 
 
 @pytest.mark.parametrize("pattern,words", [("O_{i[0]}.txt", "only placeholders"), ("O_{i:03d}.txt", "only placeholders"),
-                                           ("O_{h}.txt", "several heads")])
+                                           ("O_{h}.txt", "several heads"),
+                                           ("K=K_{j}.txt", "K's head is its K/V head: write K/V head j as {i}")])
 def test_name_maps_take_plain_head_fields_that_tell_heads_apart(tmp_path, pattern, words):
     dims = Dims(2, 2, 8, 8, 16, 16)
     make_input(tmp_path / "in", dims)
     (tmp_path / "out").mkdir()
-    r = invoke("check", "--in", tmp_path / "in", "--out", tmp_path / "out", "--name", f"output={pattern}")
+    item = pattern if "=" in pattern else f"output={pattern}"
+    r = invoke("check", "--in", tmp_path / "in", "--out", tmp_path / "out", "--name", item)
     assert r.exit_code == 2 and words in r.output and "Traceback" not in r.output, r.output
 
 

@@ -165,8 +165,9 @@ def parse_name_map(items: Mapping[str, str], where: str) -> Dict[str, str]:
             raise CaseError(f"{where}: {stage} = {shown}: control characters in a file name; HINT: "
                             "name the files with printable characters")
         if _placeholders(pattern) is None:
+            kv = f"; {stage}'s head is its K/V head: write K/V head j as {{i}}" if STAGES[stage].kv else ""
             raise CaseError(f"{where}: {stage} = {shown}: the only placeholders are {{i}} (head "
-                            "0..B·H-1), {b} (batch) and {h} (head within the batch), without formats")
+                            f"0..B·H-1), {{b}} (batch) and {{h}} (head within the batch), without formats{kv}")
         out[stage] = pattern
     return out
 
