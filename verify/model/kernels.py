@@ -124,7 +124,7 @@ DOCUMENTED_EXP_ULPS = 2.0
 
 # Its softcap's tanh: tanhf's 2 ulps, or a tanh from the exponential (its absolute error). At
 # float32, tanh.approx.f32 is a fast-math intrinsic like __expf (`--math fast`: FAST_KERNEL): an
-# IEEE program's bound without its 2^-11 is some thousand times tighter under a softcap, where a
+# IEEE program's bound without its 2^-11 is a few hundred times tighter under a softcap, where a
 # missing cap derivative at Gemma-2's C = 50 changes a gradient by less than that. A half-precision
 # program may take it (flash-attn's bf16/fp16 softcap calls it through cutlass::fast_tanh).
 FOREIGN_KERNEL = replace(ANY_KERNEL, exp_var=max(ANY_KERNEL.exp_var, (DOCUMENTED_EXP_ULPS * ULP_IN_U) ** 2 / 3),
