@@ -520,7 +520,7 @@ def test_review_findings_on_reading_foreign_files(tmp_path):
 
 @pytest.mark.parametrize("pattern,words", [("O_{i[0]}.txt", "only placeholders"), ("O_{i:03d}.txt", "only placeholders"),
                                            ("O_{h}.txt", "several heads"),
-                                           ("K=K_{j}.txt", "K's head is its K/V head: write K/V head j as {i}")])
+                                           ("O_{j}.txt", "for a stage of the K/V heads, {j}")])
 def test_name_maps_take_plain_head_fields_that_tell_heads_apart(tmp_path, pattern, words):
     dims = Dims(2, 2, 8, 8, 16, 16)
     make_input(tmp_path / "in", dims)
@@ -528,6 +528,24 @@ def test_name_maps_take_plain_head_fields_that_tell_heads_apart(tmp_path, patter
     item = pattern if "=" in pattern else f"output={pattern}"
     r = invoke("check", "--in", tmp_path / "in", "--out", tmp_path / "out", "--name", item)
     assert r.exit_code == 2 and words in r.output and "Traceback" not in r.output, r.output
+
+
+def test_a_k_v_stage_s_files_may_be_named_by_their_k_v_head_j(binary, tmp_path):
+    """K_{j}: the contract's name for K/V head j, which a K/V stage's {i} counts."""
+    r = invoke("generate", "--out", tmp_path / "in", "--heads", 4, "--kv-heads", 2, "--seq-q", 8, "--seq-k", 8,
+               "--d-k", 16, "--d-v", 16)
+    assert r.exit_code == 0, r.output
+    run = tmp_path / "run"
+    assert subprocess.run([str(binary), "--in", str(tmp_path / "in"), "--out", str(run), "--backend", "cpu",
+                           "--stages", "K,output"], capture_output=True).returncode == 0
+    out = tmp_path / "out"
+    out.mkdir()
+    for j in range(2):
+        (out / f"key_{j}.txt").write_bytes((run / f"K_head_{j}.txt").read_bytes())
+    for i in range(4):
+        (out / f"O{i}.txt").write_bytes((run / f"output_head_{i}.txt").read_bytes())
+    r = invoke("check", "--in", tmp_path / "in", "--out", out, "--name", "K=key_{j}.txt", "--name", "output=O{i}.txt")
+    assert r.exit_code == 0 and any(line.split()[:2] == ["K", "2/2"] for line in r.output.splitlines()), r.output
 
 
 def test_one_wrong_element_of_a_stage_given_alone_is_counted_once():

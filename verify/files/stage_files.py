@@ -20,7 +20,7 @@ from .npy_bytes import NpyExpect, load_npy
 from .resolution import Resolution, array_resolution, text_resolution
 
 STACKED_SUFFIX = ".npy"             # `<stage>.npy`: every head in one array
-HEAD_FIELDS = ("i", "b", "h")       # placeholders of a name-map pattern
+HEAD_FIELDS = ("i", "b", "h", "j")  # placeholders of a name-map pattern ({j}: a K/V stage's {i})
 STAGE_DTYPES = ("<f4", "<f8", "<f2")  # what a stage .npy may hold (inputs are float32 only)
 STAGE_ITEMSIZE = 8                   # the widest of them: bounds a stage file's size before reading
 # A stage .npy as _load_npy takes it (any rank: an N×1 stage may be a vector, stacked heads 3-d).
@@ -49,7 +49,7 @@ class StageSource:
         """The file of `head`: a query head, or for the stages of K/V heads a K/V head (its {b}
         and {h} then count K/V heads)."""
         b, h = divmod(head, heads_per_batch(self.stage, dims))
-        return self.pattern.format(i=head, b=b, h=h) if self.per_head else self.pattern
+        return self.pattern.format(i=head, j=head, b=b, h=h) if self.per_head else self.pattern
 
     def file(self, head: int, dims: Dims) -> Path:
         return Path(self.folder or ".") / self.name(head, dims)
@@ -164,8 +164,9 @@ def parse_name_map(items: Mapping[str, str], where: str) -> Dict[str, str]:
         if not showable(pattern):  # it would put them into every message naming a file
             raise CaseError(f"{where}: {stage} = {shown}: control characters in a file name; HINT: "
                             "name the files with printable characters")
-        if _placeholders(pattern) is None:
-            kv = f"; {stage}'s head is its K/V head: write K/V head j as {{i}}" if STAGES[stage].kv else ""
+        if _placeholders(pattern) is None or (not STAGES[stage].kv and any(
+                name == "j" for _, name, _, _ in string.Formatter().parse(pattern))):
+            kv = " and, for a stage of the K/V heads, {j} (the K/V head, as {i})"
             raise CaseError(f"{where}: {stage} = {shown}: the only placeholders are {{i}} (head "
                             f"0..B·H-1), {{b}} (batch) and {{h}} (head within the batch), without formats{kv}")
         out[stage] = pattern
@@ -173,8 +174,8 @@ def parse_name_map(items: Mapping[str, str], where: str) -> Dict[str, str]:
 
 
 def _placeholders(pattern: str) -> Optional[set]:
-    """The head fields a pattern names ({i}, {b}, {h}), or None when it has anything else: another
-    name, an index or attribute, a format or conversion, an unmatched brace."""
+    """The head fields a pattern names ({i}, {b}, {h}; {j} as {i}), or None when it has anything
+    else: another name, an index or attribute, a format or conversion, an unmatched brace."""
     try:
         parts = list(string.Formatter().parse(pattern))
     except ValueError:
@@ -185,7 +186,7 @@ def _placeholders(pattern: str) -> Optional[set]:
             continue
         if name not in HEAD_FIELDS or spec or conversion:
             return None
-        fields.add(name)
+        fields.add("i" if name == "j" else name)
     return fields
 
 
@@ -256,7 +257,8 @@ def refuse_query_head_kv_files(sources: Dict[str, "StageSource"], dims: Dims) ->
         if not (STAGES[src.stage].kv and src.folder is not None and fields & {"i", "h"}):
             continue
         # The first file past the K/V heads: {i} = B·Hk, or {b} = 0 and {h} = Hk.
-        beyond = Path(src.folder) / src.pattern.format(i=dims.total_kv_heads, b=0, h=dims.kv)
+        beyond = Path(src.folder) / src.pattern.format(i=dims.total_kv_heads, j=dims.total_kv_heads, b=0,
+                                                       h=dims.kv)
         if beyond.exists():
             raise CaseError(f"{beyond}: one {src.stage} file per query head, but {gqa_layout(src.stage, dims)} "
                             f"({src.name(0, dims)} .. {src.name(dims.total_kv_heads - 1, dims)}); HINT: write "
