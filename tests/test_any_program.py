@@ -612,3 +612,17 @@ def test_the_no_run_toml_note_says_the_precision_values_are_stored_in(tmp_path):
                                    for h in correct_heads(inputs)], ["output"])
     r, _ = check(tmp_path / "in", tmp_path / "out", "--precision", "bf16")
     assert r.exit_code == 0 and "any correct IEEE float32 arithmetic accepted (values stored in bf16)" in r.output
+
+
+@pytest.mark.parametrize("stages", [("attention_weights", "output"), ("output",)])
+def test_the_case_s_own_scale_ignored_for_the_default_is_named(stages):
+    """A program that uses 1/√d_k where the case says 0.37: named where it begins, the stage
+    recomputed at the scale it used."""
+    rng = np.random.default_rng(3)
+    q, k, v, do = (rng.standard_normal(shape).astype(np.float32) for shape in ((17, 24), (29, 24), (29, 24), (17, 24)))
+    wrong = reference_chain({"Q": q, "K": k, "V": v, "dO": do}, 24 ** -0.5, False, ("attention_weights", "output", "dQ"))
+    report = attnstep.check_arrays(q, k, v, {s: wrong[s].astype(np.float32) for s in stages}, do=do, scale=0.37)
+    assert not report and report.first_failing_stage == stages[0]
+    first = [r.diagnosis[0] for r in report.results if not r.passed and r.stage == stages[0]]
+    assert first and first[0].code == "scaled" and "the default 1/√d_k used, not the case's scale" in first[0].message, \
+        attnstep.format_report(report)

@@ -160,10 +160,16 @@ def _feeds_the_scale(stage: str) -> bool:
 
 def _wrong_scales(scale: float, d_k: int) -> Dict[str, float]:
     """The scales a program uses by mistake, each with what it is: dividing by d_k instead of √d_k
-    first (with the default scale 1/√d_k it is also the scale applied twice: both are named)."""
+    first (with the default scale 1/√d_k it is also the scale applied twice: both are named), and
+    the default 1/√d_k where the case gives another scale (the case's scale ignored)."""
     return {"1/d_k used as the scale (divided by d_k, not √d_k)": 1.0 / d_k,
             "scale applied twice": scale * scale, "scale missing": 1.0,
-            "multiplied by √d_k instead of divided": d_k ** 0.5}
+            "multiplied by √d_k instead of divided": d_k ** 0.5,
+            _DEFAULT_USED: d_k ** -0.5}
+
+
+# A program that ignores the case's own scale (a manifest's, or --scale) for the usual 1/√d_k.
+_DEFAULT_USED = "the default 1/√d_k used, not the case's scale"
 
 
 def _named(value: float, named: Dict[str, float]) -> List[str]:
@@ -175,7 +181,8 @@ def _scale_names(f: float, scale: float, d_k: int, stage: str) -> List[str]:
     named = {"√d_k": d_k ** 0.5, "1/√d_k": d_k ** -0.5, "d_k": float(d_k), "1/d_k": 1.0 / d_k}
     if scale != 0.0:
         if SPECS[stage].scaled:
-            used = [n for n in _named(f * scale, _wrong_scales(scale, d_k)) if n.startswith("1/d_k")]
+            used = [n for n in _named(f * scale, _wrong_scales(scale, d_k))
+                    if n.startswith("1/d_k") or n == _DEFAULT_USED]
             named = {**{n: f for n in used}, **named}  # the scale it used, named first
             named["scale (scale applied twice)"] = scale
             named["1/scale (scale missing)"] = 1.0 / scale
