@@ -7,7 +7,6 @@ feature down on its own.
 from __future__ import annotations
 
 import json
-import os
 import stat
 import subprocess
 from pathlib import Path
@@ -21,7 +20,7 @@ from helpers.cli import generate_input, invoke
 from verify.check.reference import reference_chain
 from verify.model.half import round_to_format
 from verify.files.resolution import EXACT, Resolution, text_resolution
-from verify.stages import INPUT_NAMES, STAGES, Dims, default_scale, stage_file
+from verify.stages import Dims, default_scale, stage_file
 from verify.variant import Variant, hidden
 
 DIMS = Dims(1, 2, 24, 40, 16, 16)
@@ -619,10 +618,10 @@ def test_the_case_s_own_scale_ignored_for_the_default_is_named(stages):
     """A program that uses 1/√d_k where the case says 0.37: named where it begins, the stage
     recomputed at the scale it used."""
     rng = np.random.default_rng(3)
-    q, k, v, do = (rng.standard_normal(shape).astype(np.float32) for shape in ((17, 24), (29, 24), (29, 24), (17, 24)))
-    wrong = reference_chain({"Q": q, "K": k, "V": v, "dO": do}, 24 ** -0.5, False, ("attention_weights", "output", "dQ"))
-    report = attnstep.check_arrays(q, k, v, {s: wrong[s].astype(np.float32) for s in stages}, do=do, scale=0.37)
+    q, k, v = (rng.standard_normal(shape).astype(np.float32) for shape in ((17, 24), (29, 24), (29, 24)))
+    wrong = reference_chain({"Q": q, "K": k, "V": v}, 24 ** -0.5, False, ("attention_weights", "output"))
+    report = attnstep.check_arrays(q, k, v, {s: wrong[s].astype(np.float32) for s in stages}, scale=0.37)
     assert not report and report.first_failing_stage == stages[0]
     first = [r.diagnosis[0] for r in report.results if not r.passed and r.stage == stages[0]]
-    assert first and first[0].code == "scaled" and "the default 1/√d_k used, not the case's scale" in first[0].message, \
-        attnstep.format_report(report)
+    named = "the default 1/√d_k used, not the case's scale"
+    assert first and first[0].code == "scaled" and named in first[0].message, attnstep.format_report(report)

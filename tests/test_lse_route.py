@@ -96,7 +96,8 @@ def test_two_wrong_weights_of_a_row_are_not_taken_for_its_factor(tmp_path):
 def test_a_tolerance_given_is_taken_as_it_is(tmp_path):
     case = _case(tmp_path, "uniform", 1, False)
     out = lse_program(case, tmp_path / "out", 4, False, "row-within-the-lse-bound")
-    r = invoke("check", "--in", case, "--out", out, "--name", "attention_weights=P_{i}.npy", "--atol", 0, "--rtol", 2e-7)
+    r = invoke("check", "--in", case, "--out", out, "--name", "attention_weights=P_{i}.npy",
+               "--atol", 0, "--rtol", 2e-7)
     assert r.exit_code == 1, r.output
 
 

@@ -72,9 +72,10 @@ def test_a_right_program_without_a_manifest_passes_with_the_page_size_given(tmp_
     ("length_plus_one", "cache_length_off_by_one", "sequence 1 attended 71 keys, one past its 70 (seqused_k[1]): "
      "key 70 read"),
 ])
-def test_a_paging_bug_is_named(tmp_path, case, bug, code, words):
+@pytest.mark.parametrize("fmt", ["%.9g", "%g"])
+def test_a_paging_bug_is_named(tmp_path, case, bug, code, words, fmt):
     report = tmp_path / "r.json"
-    checked = invoke("check", "--in", case, "--out", run_program(case, tmp_path / "out", bug), "--json", report)
+    checked = invoke("check", "--in", case, "--out", run_program(case, tmp_path / "out", bug, fmt=fmt), "--json", report)
     assert checked.exit_code == 1, checked.output
     assert f"diagnosis {code}: {words}" in checked.output, checked.output
     data = json.loads(report.read_text())

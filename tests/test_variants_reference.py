@@ -178,8 +178,8 @@ class Verifier:
         applied as the engine applies it on reading a stage)."""
         dims = Dims(1, 1, self.h.n, self.h.m, D, D)
         ctx = invariants.head_context(dims, self.h.scale, self.h.variant.causal, precision=self.precision,
-                                      backend=self.backend, math=self.math, inputs=self.inputs, chain=self.chain, got={},
-                                      quanta={}, cache=self.cache, variant=self.h.variant, slope=self.h.slope)
+                                      backend=self.backend, math=self.math, inputs=self.inputs, chain=self.chain,
+                                      got={}, quanta={}, cache=self.cache, variant=self.h.variant, slope=self.h.slope)
         for stage, x in got.items():
             ctx.got[stage] = invariants.canonical(stage, np.asarray(x, np.float64), ctx)
         return ctx

@@ -2,14 +2,11 @@
 Python API's check_kvcache; verify/files/kv_cache.py reads the cache): the cache after the step,
 compared exactly (a run-level check of K or V), and the diagnoses of the classic paged-cache bugs.
 
-A diagnosis is a reading of the cache that a buggy program makes instead of the right one
-(verify/check/paged_readings.py): a wrong page (one page of the sequence read from the page before
-or after it in the pool, or from another sequence's page at the same index), every page of the
-sequence shifted (each entry of its table plus or minus one, or the table read one entry late),
-the last partial page read past the sequence's length (to the page's end), or the length off by
-one key. Each reading of a failing sequence is gathered and the
-sequence's stages re-checked against it with the same error model, in one packed check of every
-reading at once; a reading whose check passes explains the failure.
+A diagnosis is a reading of the cache that a buggy program makes instead of the right one (a wrong
+page, every page one off, the last page read past the length, the length off by one key, the new
+keys unseen: verify/check/paged_readings.py). Each reading of a failing sequence is gathered and
+the sequence's stages re-checked against it with the same error model, in one packed check of
+every reading at once; a reading whose check passes explains the failure.
 
 The search is kept cheap: a sequence whose failure already has a cause that is not about paging
 (a diagnosis other than the packed and paged ones, e.g. scaled) is not searched; each reading is

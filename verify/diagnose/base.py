@@ -88,13 +88,11 @@ def explains_closely(got: np.ndarray, cand: np.ndarray, want: np.ndarray, width:
     to than to want is evidence for it whatever it was built from (the program's own files, where
     its distance to got is the program's rounding, or the reference chain, where it is no closer
     than a width and this adds nothing)."""
-    found = explains(got, cand, want, width)
-    if found is not None or cand.shape != got.shape:
-        return found
-    diff = maxdiff(got, cand)
+    diff = maxdiff(got, cand)  # (inf for another shape)
     if not diff <= MATCH_WIDTHS * width:
         return None
     close = max(diff, float(np.max(np.abs(want[np.isfinite(want)]), initial=0.0)) * 2.0**-20)
+    # (min(width, close) ≤ width: every candidate explains() takes is taken)
     return diff if maxdiff(cand, want) > DISTINCT_WIDTHS * min(width, close) else None
 
 

@@ -158,6 +158,10 @@ def _feeds_the_scale(stage: str) -> bool:
     return any(SPECS[s].scaled and stage in STAGES[s].inputs for s in SPECS)
 
 
+# A program that ignores the case's own scale (a manifest's, or --scale) for the usual 1/√d_k.
+_DEFAULT_USED = "the default 1/√d_k used, not the case's scale"
+
+
 def _wrong_scales(scale: float, d_k: int) -> Dict[str, float]:
     """The scales a program uses by mistake, each with what it is: dividing by d_k instead of √d_k
     first (with the default scale 1/√d_k it is also the scale applied twice: both are named), and
@@ -167,9 +171,6 @@ def _wrong_scales(scale: float, d_k: int) -> Dict[str, float]:
             "multiplied by √d_k instead of divided": d_k ** 0.5,
             _DEFAULT_USED: d_k ** -0.5}
 
-
-# A program that ignores the case's own scale (a manifest's, or --scale) for the usual 1/√d_k.
-_DEFAULT_USED = "the default 1/√d_k used, not the case's scale"
 
 
 def _named(value: float, named: Dict[str, float]) -> List[str]:

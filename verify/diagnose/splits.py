@@ -232,8 +232,8 @@ def _exp2_candidates(stage: str, lse_s: np.ndarray, out_s: Optional[np.ndarray],
         yield words, np.where(none, 0.0, _weighted(out_s, e / np.where(none, 1.0, total))), {}
         return
     for log, name in ((np.log, "ln"), (np.log2, "log2")):
-        yield (f"{words}, lse = max + {name} of their sum", np.where(none, -np.inf, m + log(np.where(none, 1.0, total))),
-               {"log": name})
+        lse = np.where(none, -np.inf, m + log(np.where(none, 1.0, total)))
+        yield f"{words}, lse = max + {name} of their sum", lse, {"log": name}
 
 
 def _left_out_candidates(stage: str, lse_s: np.ndarray, out_s: Optional[np.ndarray], empty: np.ndarray):
@@ -241,8 +241,9 @@ def _left_out_candidates(stage: str, lse_s: np.ndarray, out_s: Optional[np.ndarr
     every row, or each row's own last split), or the first split a row sees alone. A candidate that
     leaves a row that sees keys with no split is not one (an unwritten output would match it), nor
     one that changes no row."""
-    seen = ~empty
-    count = lse_s.shape[1]
+    seen, count = ~empty, lse_s.shape[1]
+    if count < 2:
+        return
     index = np.arange(count)[None, :]
     several = seen.sum(axis=1, keepdims=True) > 1
     last = np.where(seen, index, -1).max(axis=1, keepdims=True)
@@ -254,7 +255,7 @@ def _left_out_candidates(stage: str, lse_s: np.ndarray, out_s: Optional[np.ndarr
                               ("took only the first split a row sees keys of", (index == first) | ~several,
                                {"split": "first"})):
         kept = keep & seen
-        if count < 2 or (kept == seen).all() or not kept.any(axis=1)[seen.any(axis=1)].all():
+        if (kept == seen).all() or not kept.any(axis=1)[seen.any(axis=1)].all():
             continue
         lse, out, _ = combine(np.where(keep, lse_s, -np.inf), out_s)
         yield how, (lse if row_statistic(stage) else out), detail
