@@ -241,6 +241,31 @@ def test_files_for_heads_the_case_does_not_have_are_noted(tmp_path):
             "output_head_2.txt: is --in the case the program ran on?") in r.output
 
 
+@pytest.mark.parametrize("axis", [1, 0], ids=["softmax-right", "softmax-over-columns"])
+def test_a_stage_whose_source_is_not_written_is_judged_from_the_stage_the_program_wrote(tmp_path, axis):
+    """A program writing QK (one row wrong), its weights and output, but not QK_scaled: the weights'
+    isolated reference starts from the program's own QK scaled, not the reference's, so they only
+    inherit QK's error; a softmax wrong on its own (over the columns) still fails there, named."""
+    inputs = make_input(tmp_path / "in")
+    heads = []
+    for x in inputs:
+        qk = (x["Q"] @ x["K"].T).astype(f32)
+        qk[5] *= f32(1.5)
+        s = (qk * f32(default_scale(DIMS.d_k))).astype(f32)
+        e = np.exp(s - s.max(axis=axis, keepdims=True))
+        p = (e / e.sum(axis=axis, keepdims=True)).astype(f32)
+        heads.append({"QK": qk, "attention_weights": p, "output": (p @ x["V"]).astype(f32)})
+    write_heads(tmp_path / "out", heads, ("QK", "attention_weights", "output"))
+    r, rep = check(tmp_path / "in", tmp_path / "out", json_path=tmp_path / "r.json")
+    assert r.exit_code == 1 and rep["first_failing_stage"] == "QK", r.output
+    status = {s["stage"]: s["status"] for s in rep["stages"]}
+    assert status == {"QK": "FAIL", "attention_weights": "INHERITED" if axis == 1 else "FAIL",
+                      "output": "INHERITED"}, r.output
+    if axis == 0:
+        weights = [x for x in rep["results"] if x["stage"] == "attention_weights"]
+        assert {x["diagnosis"][0]["code"] for x in weights} == {"softmax_axis"}, r.output
+
+
 @pytest.mark.parametrize("bug, code", [("scale", "scaled"), ("keys", "keys_past_end")])
 def test_the_weights_name_a_bug_of_their_scores_where_no_scores_are_written(tmp_path, bug, code):
     """A program writing its weights and output but not its scores: the first failing stage, the

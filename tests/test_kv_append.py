@@ -37,12 +37,14 @@ def generate(folder: Path, layout, fmt: str = "txt", *extra) -> Path:
 
 
 def check(case: Path, out: Path, *options):
-    """`attnstep check`: (exit code, output, {stage: [diagnosis codes of its failing results]})."""
+    """`attnstep check`: (exit code, output, {stage: [diagnosis codes of its failing results]}): those
+    that fail on their own or inherit an upstream stage's error (the output computed from a cache
+    the program wrote wrong is right for that cache: it inherits K's error, and carries its name)."""
     report = out.parent / f"{out.name}.json"
     r = invoke("check", "--in", case, "--out", out, "--json", report, *options)
     codes = {}
     for res in json.loads(report.read_text())["results"]:
-        if res["status"] == "FAIL":
+        if res["status"] in ("FAIL", "INHERITED"):
             codes.setdefault(res["stage"], []).extend(d["code"] for d in res["diagnosis"])
     return r.exit_code, r.output, codes
 

@@ -98,6 +98,15 @@ def test_new_keys_written_one_slot_late_are_named_by_sequence_page_and_slot():
     assert (k_check.detail["sequence"], k_check.detail["page"], k_check.detail["slot"]) == (b, page, slot)
 
 
+def test_the_text_report_names_what_went_wrong_with_the_cache_after_the_step():
+    report = check(DecodeCase(SEQLENS, n_new=2), "write_offset")
+    text = attnstep.format_report(report)
+    assert re.search(r"^    diagnosis cache_write_offset: k_cache_after K/V head 0: sequence \d's new keys were "
+                     r"written 1 key late", text, re.M), text
+    verdict = text.splitlines()[-1]
+    assert verdict.startswith("FAIL") and "; cache_write_offset: k_cache_after" in verdict, verdict
+
+
 def test_a_dense_cache_after_the_step():
     case = DecodeCase(SEQLENS, n_new=2, page_size=None)
     assert check(case)
@@ -129,7 +138,9 @@ REFUSALS = [
     (dict(cache_seqlens=[37, 45, 63]), r"^cache_seqlens\[2\] = 63 with 2 new keys: 65 keys, more than the 4 pages of "
                                        r"16 that block_table gives each sequence \(64\)$"),
     (dict(block_table=np.zeros((2, 4), np.int32)), "^block_table has 2 rows for a batch of 3$"),
-    (dict(block_table=np.zeros((3, 4))), r"^block_table: expected \(batch, max_blocks_per_seq\) whole numbers"),
+    (dict(block_table=np.zeros((3, 4))),
+     r"^block_table: expected \(batch, max_blocks_per_seq\) of an integer type \(int32, as flash-attn.s\), "
+     "got float64"),
     (dict(v_new=None), "^k_new without v_new: pass both"),
     (dict(k_new=np.zeros((3, 2, 1, 16))), r"^k_new is \(3, 2, 1, 16\): expected \(batch, new keys, kv_heads, dim\) = "
                                           r"\(3, n, 2, 16\)$"),

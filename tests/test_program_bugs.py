@@ -190,3 +190,56 @@ def test_one_over_d_is_right_at_d_k_1(tmp_path):
     """At d_k = 1, 1/d_k = 1/√d_k: the program is correct."""
     dims = Dims(1, 2, 16, 24, 1, 1)
     _assert_passes(*_check(tmp_path, dims, _used_scale(1.0), STAGE_PATH))
+
+
+# ---- the softmax's loops: the mask after it, a key of every tile, the online rescale ---------------
+
+@pytest.mark.parametrize("stages,stage", [(STAGE_PATH, "QK_scaled"), (STAGE_PATH[2:], "attention_weights"),
+                                          (("output",), "output")], ids=["stage-path", "weights", "output-only"])
+def test_a_mask_applied_after_the_softmax_is_named(tmp_path, stages, stage):
+    """The weights softmaxed over every key, then the hidden ones zeroed: where the program wrote its
+    (unmasked) scores, their missing mask is the first failing stage; where it wrote none, the weights
+    or the output are named for the mask applied after the softmax."""
+    scale = default_scale(SQUARE.d_k)
+    result, report = _check(tmp_path, SQUARE, lambda x: bp.mask_after_softmax_program(x, scale), stages,
+                            causal=True)
+    _assert_named_first(report, stage, "mask_missing" if stage == "QK_scaled" else "mask_after_softmax")
+
+
+FLASH = ("flash_output", "flash_lse")
+ONLINE = [  # (id, dims, the program's options, the stages that fail, the tile named, what the message says)
+    ("output-not-rescaled", PAST_TILE, {"rescale_output": False}, ("flash_output",), 32, "running output acc"),
+    ("sum-not-rescaled", PAST_TILE, {"rescale_sum": False}, FLASH, 32, "running sum l"),
+    ("neither-rescaled", SQUARE, {"rescale_sum": False, "rescale_output": False}, FLASH, 32, "neither"),
+    ("last-key-skipped", SQUARE, {"skip": "last"}, FLASH, 32, "the last key of every full tile of 32"),
+    ("last-key-skipped-tail", PAST_TILE, {"skip": "last"}, FLASH, 32, "(the partial last tile's included)"),
+    ("first-key-skipped", PAST_TILE, {"skip": "first"}, FLASH, 32, "the first key of every tile of 32"),
+]
+
+
+@pytest.mark.parametrize("dims,options,failing,tile,words", [o[1:] for o in ONLINE], ids=[o[0] for o in ONLINE])
+def test_a_flash_loop_bug_is_named_with_its_tile(tmp_path, dims, options, failing, tile, words):
+    scale = default_scale(dims.d_k)
+    result, report = _check(tmp_path, dims, lambda x: bp.online_program(x, scale, tile, **options), FLASH)
+    code = "tile_keys_skipped" if "skip" in options else "online_rescale_missing"
+    for stage in failing:
+        for d in _assert_named_first(report, "flash_output", code) if stage == "flash_output" else \
+                [_first(e) for e in _failed(report, stage)]:
+            said = "running sum l" if stage == "flash_lse" and code == "online_rescale_missing" else words
+            assert d["code"] == code and d["detail"]["tile"] == tile and said in d["message"], d
+    assert all(e["status"] != "FAIL" for e in report["results"] if e["stage"] not in failing)
+
+
+def test_the_same_flash_loop_passes(tmp_path):
+    scale = default_scale(PAST_TILE.d_k)
+    _assert_passes(*_check(tmp_path, PAST_TILE, lambda x: bp.online_program(x, scale, TILE), FLASH))
+
+
+def test_an_exp2_softmax_without_log2e_is_named_as_the_scale_it_used(tmp_path):
+    """exp2 of the scaled scores, log2(e) not folded in: the attention of scale·ln 2, named so on both
+    flash stages."""
+    scale = default_scale(SQUARE.d_k)
+    result, report = _check(tmp_path, SQUARE, lambda x: bp.online_program(x, scale, TILE, fold_log2e=False), FLASH)
+    for d in _assert_named_first(report, "flash_output", "scaled") + [_first(e) for e in _failed(report, "flash_lse")]:
+        assert d["code"] == "scaled" and abs(d["detail"]["used_scale"] - scale * np.log(2)) < 1e-9, d
+        assert "exp2 used without log2(e)" in d["message"], d

@@ -50,6 +50,18 @@ def test_a_leak_across_the_boundary_fails_naming_the_sequence():
         attnstep.assert_attention_stages(q, k, v, stages, do=do, **offsets)
 
 
+def test_results_alike_in_some_heads_of_each_sequence_claim_no_other_pairing():
+    """Head 0 of sequence 1 and heads 0-1 of sequence 2 left unwritten: one block, which names the
+    heads of each sequence, not every pairing of heads 0-1 with sequences 1-2."""
+    q, k, v, do, stages, offsets = varlen()
+    cu = offsets["cu_seqlens_q"]
+    out = stages["flash_output"].copy()
+    out[cu[1]:cu[2], 0] = 0.0
+    out[cu[2]:cu[3], :2] = 0.0
+    text = attnstep.format_report(attnstep.check_arrays(q, k, v, {"flash_output": out}, do=do, **offsets))
+    assert "FAIL flash_output, head 0, sequence 1; heads 0-1, sequence 2 alike; head 0, sequence 1 (token" in text, text
+
+
 def test_tensors_that_do_not_fit_the_offsets_are_named():
     q, k, v, do, stages, offsets = varlen()
     with pytest.raises(ValueError, match="^q has 22 tokens, cu_seqlens_q ends at 21$"):

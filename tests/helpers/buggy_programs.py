@@ -111,3 +111,43 @@ def dropped_tail_program(inputs: Sequence[Head], scale: float, tile: int) -> Lis
         o[:rows] = _flash_rows(x["Q"][:rows], x["K"][:kept], x["V"][:kept], scale, tile)
         out.append({"Q": x["Q"], "K": x["K"], "V": x["V"], "flash_output": o})
     return out
+
+
+def mask_after_softmax_program(inputs: Sequence[Head], scale: float) -> List[Head]:
+    """A causal program that takes the softmax over every key, then zeroes the hidden weights
+    (the mask applied to the weights, not to the scores), and writes its scores unmasked."""
+    out = []
+    for x in inputs:
+        head = _stage_path(x["Q"], x["K"], x["V"], scale, None, stable_softmax)
+        masked = shifted_mask(x["Q"].shape[0], x["K"].shape[0], 0)
+        head["attention_weights"] = np.where(masked, f32(0), head["attention_weights"]).astype(f32)
+        head["output"] = mm_blas(head["attention_weights"], x["V"])
+        out.append(head)
+    return out
+
+
+def online_program(inputs: Sequence[Head], scale: float, tile: int, rescale_sum: bool = True,
+                   rescale_output: bool = True, skip: Optional[str] = None, fold_log2e: bool = True) -> List[Head]:
+    """A flash forward in float32 with exp2 (log2 e folded into the scale) over key tiles of `tile`:
+    its running sum or output not rescaled when a tile raises the row maximum (the online softmax's
+    bug), its key loop leaving out the "last" or "first" key of every tile, or log2 e left out."""
+    out = []
+    for x in inputs:
+        q, k, v = x["Q"], x["K"], x["V"]
+        n, m = q.shape[0], k.shape[0]
+        mx, total = np.full((n, 1), -np.inf, f32), np.zeros((n, 1), f32)
+        acc = np.zeros((n, v.shape[1]), f32)
+        for c0 in range(0, m, tile):
+            cols = slice(c0, min(c0 + tile, m) - (skip == "last"))
+            cols = slice(cols.start + (skip == "first"), cols.stop)
+            factor = f32(scale * (1.4426950408889634 if fold_log2e else 1.0))
+            s = (mm_blas(q, np.ascontiguousarray(k[cols].T)) * factor).astype(f32)
+            new = np.maximum(mx, s.max(axis=1, keepdims=True))
+            p = np.exp2(s - new).astype(f32)
+            alpha = np.exp2(mx - new).astype(f32)
+            total = (alpha * total if rescale_sum else total) + p.sum(axis=1, keepdims=True, dtype=f32)
+            acc = (alpha * acc if rescale_output else acc) + mm_blas(p, v[cols])
+            mx = new
+        lse = (mx * f32(0.6931471805599453) + np.log(total)).astype(f32)
+        out.append({"Q": q, "K": k, "V": v, "flash_output": (acc / total).astype(f32), "flash_lse": lse})
+    return out

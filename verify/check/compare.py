@@ -46,7 +46,8 @@ from .results import (FAIL, INHERITED, MISSING, PASS, SHAPE, STALE, UNCHECKABLE,
                       Report, RunCheck, compare_arrays, elementwise_error)
 from .stage_diagnosis import diagnose_stage, diagnose_through_splits
 from .stage_check import (STATUS_CODES, Loaded, allowed, bit_identical, blamed_elsewhere, chain_of, head_chain,
-                          classify, early_outputs, failed_upstream, file_index, head_inputs, isolated_sources,
+                          classify, derived_sources, early_outputs, failed_upstream, file_index, head_inputs,
+                          isolated_sources,
                           keep_mask, load_output, new_result, nonfinite_propagated, quantization, query_keys_values,
                           reference, sources, variant_inputs, with_quantum)
 
@@ -192,6 +193,7 @@ def _compare(res: HeadResult, ctx: HeadContext, results: Dict[str, HeadResult], 
     names = sources(stage, ctx)
     src_chain = {n: ctx.chain[n] for n in names}
     src_iso, q_iso = isolated_sources(names, ctx.got, ctx.quanta, results, ctx.chain)
+    src_iso = derived_sources(names, src_iso, ctx, results)
     mat = invariants.canonical(stage, mat, ctx)  # (a correct program's other convention: flash_lse's +inf)
     want_chain = ctx.chain[stage]
     model_chain = allowed(stage, src_chain, want_chain, ctx, override, chained=True)

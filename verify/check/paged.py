@@ -31,7 +31,7 @@ from ..sequences import Sequences
 from ..stages import KEYS, STAGES, VALUES
 from ..model.rounding import unit_roundoff
 from ..variant import Variant, hidden, modified_scores
-from .diagnosis import Diagnosis
+from .diagnosis import SEARCHED_CODES, Diagnosis
 from .new_keys import CACHE_WRITE_OFFSET, cache_findings, pool_layout
 from .paged_readings import (CACHE_LENGTH_OFF, NEW_KEYS_UNSEEN, PAGED_PAST_LENGTH, PAGED_PAGE_SHIFT, PAGED_WRONG_PAGE,
                              Reading, readings)
@@ -233,7 +233,7 @@ def diagnose_paged(report: Report, kv: KVCache, stages: Dict[str, np.ndarray], r
     sequence whose failure has no other cause, screened (_screened), re-checked in one packed check."""
     failing = sorted({r.sequence for r in report.results if not r.passed and r.sequence is not None})
     other = {r.sequence for r in report.results if not r.passed and decode_stage(r.stage)
-             and any(d.code not in PAGED_CODES + PACKED_CODES for d in r.diagnosis)}
+             and any(d.code not in PAGED_CODES + PACKED_CODES + SEARCHED_CODES for d in r.diagnosis)}
     screen = Screen.of(report)
     tried = [r for b in failing if b not in other for r in _screened(kv, b, readings(kv, b), stages, screen)]
     if not tried:

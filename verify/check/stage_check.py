@@ -59,7 +59,7 @@ def load_output(run: RunInfo, stage: str, index: int) -> Loaded:
         if not path.exists():
             why = f"run.toml lists stage {stage}" if run.lists_stages else \
                 f"the other {stage} files exist"
-            return None, EXACT, MISSING, f"{path.name} is missing ({why})"
+            return None, EXACT, MISSING, f"{path} is missing ({why})"
         try:
             data = read_bytes(path, STAGES[stage].shape(run.dims), STAGE_ITEMSIZE, STAGE_NPY)  # a FIFO, too large
         except CaseError as exc:
@@ -238,6 +238,37 @@ def isolated_sources(names, got, quanta, results, chain):
         if own and quanta.get(n) is not None:
             q[n] = quanta[n]
     return src, q
+
+
+def derived_sources(names, src: Dict[str, np.ndarray], ctx: HeadContext, results) -> Dict[str, np.ndarray]:
+    """`src` with each source the program did not write, but computed from a stage it wrote that
+    failed, recomputed from the program's own stages (float64, stored as float32, as a program
+    holds it): QK_scaled from the program's QK where it wrote QK and the weights but not
+    QK_scaled. The reference's own QK_scaled would blame the weights for QK's error; from the
+    program's QK they pass, and fail only where they are wrong on their own."""
+    memo: Dict[str, np.ndarray] = {}
+
+    def own(n: str) -> bool:
+        return n in ctx.got and not (SPECS[n].echo and results[n].passed)
+
+    def failed_above(n: str) -> bool:  # (a variant's file, a keep-mask: no stage of the table)
+        return n in STAGES and any(own(u) and u in results and not results[u].passed for u in upstream(n))
+
+    def value(n: str) -> np.ndarray:
+        if n not in STAGES:
+            return src[n] if n in src else ctx.chain[n]
+        if own(n):
+            return ctx.got[n]
+        if n not in memo:
+            memo[n] = ctx.chain[n]
+            if failed_above(n):
+                try:
+                    derived = reference(n, {m: value(m) for m in sources(n, ctx)}, ctx, with_bound=False)
+                except (KeyError, ValueError):
+                    return memo[n]
+                memo[n] = derived.astype(np.float32).astype(np.float64)
+        return memo[n]
+    return {n: value(n) if src[n] is ctx.chain.get(n) and failed_above(n) else src[n] for n in names}
 
 
 def bit_identical(a: Dict[str, np.ndarray], b: Dict[str, np.ndarray]) -> bool:

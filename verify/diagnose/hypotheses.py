@@ -9,9 +9,10 @@ candidate must explain got within a few tolerance widths AND differ from want by
 
 Codes (stable; the report's `diagnosis`; docs/contract.md says each in a user's words): nonfinite,
 unwritten, overflow, transposed, layout, scaled, softmax_axis, keys_past_end, keys_dropped,
-tile_boundary, lse_log2; the heads' head_permuted, kv_head_map, kv_group_not_summed,
-kv_group_summed_twice (verify/diagnose/heads.py); the masks' mask_missing, mask_offset (any
-offset; the other alignment named), window_off, window_missing, mask_file_ignored,
+tile_boundary, lse_log2; the softmax loops' mask_after_softmax, tile_keys_skipped,
+online_rescale_missing (verify/diagnose/softmax_loops.py); the heads' head_permuted, kv_head_map,
+kv_group_not_summed, kv_group_summed_twice (verify/diagnose/heads.py); the masks' mask_missing,
+mask_offset (any offset; the other alignment named), window_off, window_missing, mask_file_ignored,
 mask_file_transposed (verify/diagnose/masks.py); the variants' softcap_missing,
 softcap_before_scale, softcap_derivative_missing, alibi_missing, alibi_sign, alibi_slope_order,
 bias_ignored, bias_transposed, dropout_unscaled, dropout_not_applied, dropout_mask_inverted
@@ -42,6 +43,7 @@ from . import heads as head_bugs, masks as mask_bugs
 from . import precision as precision_bugs
 from . import sequences as sequence_bugs
 from . import splits as split_bugs, variants as variant_bugs
+from . import softmax_loops as loop_bugs
 from .softmax_axis import softmax_axis
 from .base import (LOG2_E, MATCH_WIDTHS, POISON_VALUES, SCALE_NAME_RTOL, UNWRITTEN_DENSITY, explains, loc, maxdiff,
                    width_of)
@@ -160,16 +162,19 @@ def _feeds_the_scale(stage: str) -> bool:
 
 # A program that ignores the case's own scale (a manifest's, or --scale) for the usual 1/√d_k.
 _DEFAULT_USED = "the default 1/√d_k used, not the case's scale"
+# A softmax by exp2 whose scale does not fold in log2(e): exp2(s·x) = exp(s·ln 2·x).
+_EXP2_WITHOUT_LOG2E = "exp2 used without log2(e) folded into the scale (scale·ln 2)"
 
 
 def _wrong_scales(scale: float, d_k: int) -> Dict[str, float]:
     """The scales a program uses by mistake, each with what it is: dividing by d_k instead of √d_k
-    first (with the default scale 1/√d_k it is also the scale applied twice: both are named), and
-    the default 1/√d_k where the case gives another scale (the case's scale ignored)."""
+    first (with the default scale 1/√d_k it is also the scale applied twice: both are named), the
+    default 1/√d_k where the case gives another scale (the case's scale ignored), and an exp2
+    softmax without log2(e) in its scale."""
     return {"1/d_k used as the scale (divided by d_k, not √d_k)": 1.0 / d_k,
             "scale applied twice": scale * scale, "scale missing": 1.0,
             "multiplied by √d_k instead of divided": d_k ** 0.5,
-            _DEFAULT_USED: d_k ** -0.5}
+            _DEFAULT_USED: d_k ** -0.5, _EXP2_WITHOUT_LOG2E: scale * np.log(2.0)}
 
 
 
@@ -292,7 +297,7 @@ _EMPTIES_LINES = {"softmax_axis", *mask_bugs.CODES}
 _HYPOTHESES = {"nonfinite": _nonfinite, "unwritten": _unwritten, "transposed": _transposed, "layout": _layout,
                "scaled": _scaled, "softmax_axis": softmax_axis, "head_permuted": head_bugs.heads, "mask": mask_bugs.mask,
                "tile_boundary": _tile_boundary, "lse_log2": _lse_log2, "keys": _keys, "overflow": _overflow,
-               **backward_bugs.HYPOTHESES}
+               **loop_bugs.HYPOTHESES, **backward_bugs.HYPOTHESES}
 # The variants' bugs (verify/diagnose/variants.py: softcap, ALiBi, bias, dropout) reach the stages
 # a wrong scale or mask reaches: they are tried where the spec names either.
 _VARIANT_BUGS_WHERE = ("scaled", "mask")
@@ -323,7 +328,7 @@ def diagnose(stage: str, got: np.ndarray, want: np.ndarray, ctx: Suspect) -> Lis
     found: List[Diagnosis] = []
     fired = set()
     for name, hyp in _HYPOTHESES.items():
-        if name in SPECS[stage].diagnoses:
+        if name in SPECS[stage].diagnoses and name not in loop_bugs.SEARCHES:
             with np.errstate(all="ignore"):
                 new = hyp(stage, got, want, ctx, width)
             found.extend(new)
@@ -341,6 +346,14 @@ def diagnose(stage: str, got: np.ndarray, want: np.ndarray, ctx: Suspect) -> Lis
             sequence_found = sequence_bugs.sequences(stage, got, want, ctx, width)
         if sequence_found:
             found = [d for d in found if d.code not in _EXPLAINED_BY_SEQUENCE_BUGS] + sequence_found
+    # The key loops' bugs are a search over every tile width: tried where nothing else named a
+    # cause (a mask one key short also fits a width whose skipped keys carry little weight).
+    if not sequence_bugs.caused_elsewhere(found):
+        for name in (n for n in loop_bugs.SEARCHES if n in SPECS[stage].diagnoses):
+            with np.errstate(all="ignore"):
+                new = _HYPOTHESES[name](stage, got, want, ctx, width)
+            found.extend(new)
+            fired.update([name] if new else [])
     found = precision_bugs.settle(found + precision_bugs.diagnose(stage, got, want, ctx, found))
     return _settled(found, fired)
 
@@ -358,6 +371,9 @@ def _settled(found: List[Diagnosis], fired) -> List[Diagnosis]:
         # are the cause's consequence, not a region never written nor a tile's.
         found = _without(found, ("unwritten", "tile_boundary"))
     if "transposed" in codes:
+        found = _without(found, ("tile_boundary",))
+    if codes & set(loop_bugs.CODES):
+        # A key of every tile left out, or a tile's rescale forgotten, is wrong tile by tile.
         found = _without(found, ("tile_boundary",))
     if fired & set(backward_bugs.HYPOTHESES):
         found = _without(found, _EXPLAINED_BY_BACKWARD_BUGS)

@@ -207,8 +207,8 @@ def _table(block_table, batch: int) -> np.ndarray:
     uint64 2^64 − 1 is no −1), its shape and type checked."""
     t = as_array(block_table, "block_table")
     if t.ndim != 2 or t.dtype.kind not in "iu":
-        raise ValueError(f"block_table: expected (batch, max_blocks_per_seq) whole numbers, got {t.dtype} of shape "
-                         f"{tuple(t.shape)}")
+        raise ValueError(f"block_table: expected (batch, max_blocks_per_seq) of an integer type (int32, as "
+                         f"flash-attn's), got {t.dtype} of shape {tuple(t.shape)}")
     if t.shape[0] != batch:
         raise ValueError(f"block_table has {plural(t.shape[0], 'row')} for a batch of {batch}")
     return t

@@ -65,7 +65,7 @@ class SplitSource(StageSource):
             name = self.split_name(head, s)
             path = Path(self.folder) / name
             if not path.exists():
-                return None, EXACT, _MISSING, (f"{name} is missing (the run splits the keys {dims.split_size} per "
+                return None, EXACT, _MISSING, (f"{path} is missing (the run splits the keys {dims.split_size} per "
                                                f"split: {plural(dims.splits, 'split')} per head, 0..{dims.splits - 1})")
             try:
                 data = read_bytes(path, (rows, cols), STAGE_ITEMSIZE, STAGE_NPY)

@@ -89,7 +89,7 @@ def heads_words(heads: Sequence[int], total: int, noun: str = "head") -> str:
     the K/V heads)."""
     if len(heads) == total:
         return f"both {noun}s" if total == 2 else f"all {plural(total, noun)}"
-    return f"{noun}s {head_ranges(heads)}"
+    return f"{noun} {heads[0]}" if len(heads) == 1 else f"{noun}s {head_ranges(heads)}"
 
 
 def noun(r: HeadResult) -> str:
@@ -174,11 +174,22 @@ def where(r: HeadResult, rs: Sequence[HeadResult], report: Report) -> str:
 
 
 def alike_words(rs: Sequence[HeadResult], report: Report) -> str:
-    """The heads (and in a packed case the sequences) of results that fail alike."""
+    """The heads (and in a packed case the sequences) of results that fail alike. Where those are
+    not every pairing of their heads and sequences, the sequences that share their heads are named
+    together ("heads 0, 2, sequence 1; all 8 heads, sequences 2-3"): no pair is claimed that is not
+    in the block."""
     r = rs[0]
-    heads = sorted({x.head for x in rs})
-    words = heads_words(heads, _heads_of_stage(report, r.stage), noun(r))
-    return f"{words}, {_sequences_words(rs)}" if r.packed else words
+    total = _heads_of_stage(report, r.stage)
+    if not r.packed:
+        return heads_words(sorted({x.head for x in rs}), total, noun(r))
+    by_sequence: Dict[Optional[int], set] = {}
+    for x in rs:
+        by_sequence.setdefault(x.sequence, set()).add(x.head)
+    shared: Dict[Tuple[int, ...], List[HeadResult]] = {}
+    for seq, heads in by_sequence.items():
+        shared.setdefault(tuple(sorted(heads)), []).extend(x for x in rs if x.sequence == seq)
+    return "; ".join(f"{heads_words(list(heads), total, noun(r))}, {_sequences_words(group)}"
+                     for heads, group in sorted(shared.items(), key=lambda kv: min(x.head for x in kv[1])))
 
 
 def culprit_heads(report: Report, first: HeadResult) -> str:

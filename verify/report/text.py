@@ -194,8 +194,17 @@ def notes(report: Report) -> List[str]:
 
 
 def run_check_lines(report: Report) -> List[str]:
-    """The run-level checks (dropout's keep rate), one line each, passed or not."""
-    return [f"{'PASS' if c.passed else 'FAIL'} {c.stage} {c.title}: {c.message}" for c in report.run_checks]
+    """The run-level checks (dropout's keep rate, the cache after a decode step), one line each,
+    passed or not, and the named ways a failing one went wrong."""
+    out = []
+    for c in report.run_checks:
+        out.append(f"{'PASS' if c.passed else 'FAIL'} {c.stage} {c.title}: {c.message}")
+        out += [f"    diagnosis {d['code']}: {d['message']}" for d in _run_check_causes(c)]
+    return out
+
+
+def _run_check_causes(check) -> List[dict]:
+    return [] if check.passed else list(check.detail.get("diagnosis", []))
 
 
 def summary_lines(report: Report) -> List[str]:
@@ -205,7 +214,8 @@ def summary_lines(report: Report) -> List[str]:
     failed_run = [c for c in report.run_checks if not c.passed]
     if failed_run and (first is None or report.first_failing_stage != first.stage):
         c = failed_run[0]
-        lines.append(f"{verdict} first failing stage: {c.stage} ({c.title}, over the whole run): {c.message}")
+        cause = next((f"; {d['code']}: {d['message']}" for d in _run_check_causes(c)), "")
+        lines.append(f"{verdict} first failing stage: {c.stage} ({c.title}, over the whole run): {c.message}{cause}")
         return lines
     if first is not None and first.status == UNCHECKABLE:
         lines.append(f"{verdict} {states.unchecked_stages(report)} {first.message}")

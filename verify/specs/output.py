@@ -94,6 +94,8 @@ def _quantization(src, q, problem: Problem):
 SPECS = (
     StageSpec(OUTPUT, reference=_reference, isolated=_isolated, chained=_chained,
               floor=lambda src: values_floor(src[VALUES]), quantization=_quantization, linear=True,
-              from_inputs=attention_from_inputs, diagnoses=PATTERNS + ("scaled", "mask", "keys", "overflow"),
+              from_inputs=attention_from_inputs,
+              diagnoses=PATTERNS + ("scaled", "mask", "keys", "overflow", "mask_after_softmax", "tile_keys",
+                                    "online_rescale"),
               baseline=OUTPUT, variant_sources=dropout_sources, dropped=(WEIGHTS,)),
 )

@@ -134,5 +134,6 @@ SPECS = (
     StageSpec(WEIGHTS, reference=_reference, isolated=_isolated, chained=_chained,
               quantization=_quantization, invariants=(_softmax_checks,), masked_value=0.0, passed_on=_passed_on,
               from_inputs=weights_from_inputs,
-              diagnoses=PATTERNS + ("scaled", "softmax_axis", "mask", "keys", "overflow")),
+              diagnoses=PATTERNS + ("scaled", "softmax_axis", "mask", "keys", "overflow", "mask_after_softmax",
+                                    "tile_keys")),
 )

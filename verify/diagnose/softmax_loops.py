@@ -1,0 +1,217 @@
+"""Bugs of the loops that compute a softmax: the mask applied after it, a key of every tile left
+out, the online softmax's rescale forgotten. Hypotheses of verify/diagnose/hypotheses.py, each
+tried on the stages whose spec names it (the weights, the outputs, the lse), where the program
+wrote no scores of its own (the stage recomputed from the case's Q, K, V under its variant), or,
+for the weights, from the program's own scaled scores.
+
+mask_after_softmax: the softmax over every key, then the hidden entries zeroed and the rows not
+renormalized (the causal mask, window or mask file applied to the weights instead of the scores).
+tile_keys_skipped: a key tile's loop stops one key short (or starts one late), so the last (first)
+key of every tile of T keys is left out of every row. online_rescale_missing: a flash kernel that
+keeps a running maximum m, sum l and output acc over its key tiles, and, when a tile raises m, does
+not multiply l or acc (or either) by exp(m_old − m_new).
+
+A kernel's key tile may be any width: each width from 2 keys up to MAX_TILE_SEARCHED is tried on a
+few sampled rows first, and the stage recomputed whole only for the widths those rows fit.
+"""
+from __future__ import annotations
+
+from typing import Iterator, List, Optional, Tuple
+
+import numpy as np
+
+from ..check.diagnosis import ONLINE_RESCALE_MISSING, TILE_KEYS_SKIPPED, Diagnosis, Suspect
+from ..model.attention import log_sum_exp_rows, softmax_rows
+from ..specs import SPECS
+from ..specs.output import scores_from_inputs
+from ..stages import KEYS, QUERIES, STAGES, VALUES
+from .base import MATCH_WIDTHS, maxdiff
+from .inputs import blank_rows, case_inputs, explains_rows, rebuilder, run_hidden, slope_of, variant_of, variant_tensors
+
+MASK_AFTER_SOFTMAX = "mask_after_softmax"
+CODES = (MASK_AFTER_SOFTMAX, TILE_KEYS_SKIPPED, ONLINE_RESCALE_MISSING)
+# A stage of fewer values than this (a decode step's lse: one per head) fits some candidate of
+# the many widths by chance: the tiles' bugs are not named on it.
+MIN_VALUES = 8
+MAX_TILE_SEARCHED = 256
+SAMPLED_ROWS = 4
+# What a stage holds, by its table entry's columns: the weights (one per key), one log-sum-exp a
+# row, or the attention's output (V's columns).
+_PROBABILITIES, _LOG_SUM_EXP, _ATTENTION = "probabilities", "log-sum-exp", "attention"
+
+
+class _Head:
+    """One head's logits with nothing hidden (the scale and the variant's softcap, ALiBi and bias
+    applied), the run's whole mask, V, the stage's kind (from its table entry: the weights hold
+    the keys' columns, the lse one column, the output V's) and the width to match with."""
+
+    def __init__(self, stage: str, ctx: Suspect, width: float) -> None:
+        self.ok = False
+        st = STAGES[stage]
+        self.kind = _PROBABILITIES if st.cols == "M" else _LOG_SUM_EXP if st.cols == "1" else _ATTENTION
+        built = rebuilder(stage, ctx, width)
+        qkv = case_inputs(ctx)
+        got = ctx.head_ctx.got if ctx.head_ctx is not None else {}
+        # The program's own scores, where it wrote those the stage is the softmax of.
+        own = [n for n in st.inputs if SPECS[n].masked_value == -np.inf and n in got and n in ctx.src]
+        if built is None and own and self.kind == _PROBABILITIES:
+            self.logits, self.values, self.width = np.asarray(ctx.src[own[0]], np.float64), None, width
+        elif built is not None and qkv is not None and not variant_of(ctx).dropout:
+            # (under dropout the program's keep-mask multiplies P: not modelled here)
+            n, m = qkv[QUERIES].shape[0], qkv[KEYS].shape[0]
+            self.logits = scores_from_inputs({**variant_tensors(ctx), **qkv}, ctx.scale, np.zeros((n, m), bool),
+                                             variant_of(ctx), slope_of(ctx))
+            self.values, self.width = qkv[VALUES], built[1]
+        else:
+            return
+        self.hidden = run_hidden(ctx, *self.logits.shape)
+        self.ok = self.kind == _PROBABILITIES or self.values is not None
+
+    def from_weights(self, weights: np.ndarray) -> np.ndarray:
+        """The stage as the program writes it from these weights (normalized or not)."""
+        return weights if self.kind == _PROBABILITIES else weights @ self.values
+
+    def softmax_stage(self, logits: np.ndarray, rows=slice(None)) -> np.ndarray:
+        """The stage from these logits of `rows` under the run's mask."""
+        s = np.where(self.hidden[rows], -np.inf, logits)
+        if self.kind == _LOG_SUM_EXP:
+            return log_sum_exp_rows(s)
+        return self.from_weights(softmax_rows(s))
+
+
+def _head(stage, got, ctx, width) -> Optional[_Head]:
+    if got.ndim != 2:
+        return None
+    head = _Head(stage, ctx, width)
+    return head if head.ok and head.logits.shape[0] == got.shape[0] else None
+
+
+def _matches(got, want, head: _Head, cand: np.ndarray) -> Optional[float]:
+    return explains_rows(got, cand, want, head.width, ~blank_rows(got, want))
+
+
+def _sampled(got: np.ndarray, want: np.ndarray) -> np.ndarray:
+    """A few rows where got is wrong (most wrong first): the rows a width is tried on."""
+    err = np.nan_to_num(np.abs(got - want), nan=np.inf).max(axis=1)
+    return np.argsort(-err, kind="stable")[:SAMPLED_ROWS]
+
+
+def _fits_rows(got, head: _Head, cand_rows: np.ndarray, rows: np.ndarray) -> bool:
+    return maxdiff(got[rows], cand_rows) <= MATCH_WIDTHS * head.width
+
+
+def _widths(m: int) -> range:
+    return range(2, min(m, MAX_TILE_SEARCHED + 1))
+
+
+# ---- the mask after the softmax -------------------------------------------------------------------
+
+def mask_after_softmax(stage, got, want, ctx, width) -> List[Diagnosis]:
+    head = _head(stage, got, ctx, width)
+    if head is None or head.kind == _LOG_SUM_EXP or not (head.hidden.any(axis=1) & ~head.hidden.all(axis=1)).any():
+        return []
+    with np.errstate(invalid="ignore"):
+        weights = np.where(head.hidden, 0.0, softmax_rows(head.logits))
+    diff = _matches(got, want, head, head.from_weights(weights))
+    if diff is None:
+        return []
+    return [Diagnosis(MASK_AFTER_SOFTMAX, f"{stage}: the mask is applied after the softmax: the weights are the "
+                      "softmax over every key with the hidden ones then set to 0, so a row's visible weights do "
+                      f"not sum to 1 (mask the scores with -inf before the softmax; max diff {diff:.2g})",
+                      {"max_diff": diff}, 0.93)]
+
+
+# ---- a key of every tile left out ----------------------------------------------------------------
+
+def _skipped_keys(m: int, tile: int) -> Iterator[Tuple[str, np.ndarray]]:
+    """(what the loop does, the keys it leaves out) for key tiles of `tile` keys."""
+    cols = np.arange(m)
+    last = cols % tile == tile - 1
+    yield f"stops one key short of each tile: the last key of every full tile of {tile} keys", last
+    if m % tile:
+        yield f"stops one key short of each tile: the last key of every tile of {tile} keys (the partial last " \
+            "tile's included)", last | (cols == m - 1)
+    yield f"starts one key late in each tile: the first key of every tile of {tile} keys", cols % tile == 0
+
+
+def tile_keys(stage, got, want, ctx, width) -> List[Diagnosis]:
+    head = _head(stage, got, ctx, width)
+    if head is None or got.size < MIN_VALUES:
+        return []
+    m = head.logits.shape[1]
+    rows = _sampled(got, want)
+    for tile in _widths(m):
+        for how, skipped in _skipped_keys(m, tile):
+            cut = np.where(skipped[None, :], -np.inf, head.logits)
+            with np.errstate(invalid="ignore", over="ignore"):
+                if not _fits_rows(got, head, head.softmax_stage(cut[rows], rows), rows):
+                    continue
+                diff = _matches(got, want, head, head.softmax_stage(cut))
+            if diff is not None:
+                keys = np.flatnonzero(skipped)
+                return [Diagnosis(TILE_KEYS_SKIPPED, f"{stage}: the key loop {how} is left out of every row "
+                                  f"(keys {_key_list(keys)}; max diff {diff:.2g})",
+                                  {"tile": tile, "skipped": int(skipped.sum()), "first": int(keys[0]),
+                                   "max_diff": diff}, 0.92)]
+    return []
+
+
+def _key_list(keys: np.ndarray) -> str:
+    shown = ", ".join(str(int(k)) for k in keys[:4])
+    return shown + (f", ... {int(keys[-1])}" if len(keys) > 4 else "")
+
+
+# ---- the online softmax's rescale ----------------------------------------------------------------
+
+_RESCALES = (  # (what the kernel does, rescale the running sum, rescale the running output)
+    ("does not rescale the running output acc by exp(m_old − m_new) (the running sum is rescaled)", True, False),
+    ("does not rescale the running sum l by exp(m_old − m_new) (the running output is rescaled)", False, True),
+    ("rescales neither the running sum l nor the running output acc by exp(m_old − m_new)", False, False),
+)
+# The lse is m + log l: whether the output was rescaled does not reach it.
+_LSE_RESCALES = (("does not rescale the running sum l by exp(m_old − m_new)", False, True),)
+
+
+def _online(head: _Head, tile: int, sum_scaled: bool, out_scaled: bool, rows=slice(None)) -> np.ndarray:
+    """The stage from an online softmax of `rows` over key tiles of `tile` keys, with its running
+    sum and output rescaled when a tile raises the row maximum, or not."""
+    logits = np.where(head.hidden[rows], -np.inf, head.logits[rows])
+    n, m = logits.shape
+    mx, total = np.full(n, -np.inf), np.zeros(n)
+    acc = np.zeros((n, head.values.shape[1]))
+    for k0 in range(0, m, tile):
+        s = logits[:, k0:k0 + tile]
+        new = np.maximum(mx, s.max(axis=1))
+        seen = np.isfinite(new)
+        factor = np.where(seen, np.exp(mx - new), 1.0)
+        p = np.where(seen[:, None], np.exp(s - np.where(seen, new, 0.0)[:, None]), 0.0)
+        total = (factor if sum_scaled else 1.0) * total + p.sum(axis=1)
+        acc = (factor[:, None] if out_scaled else 1.0) * acc + p @ head.values[k0:k0 + tile]
+        mx = new
+    if head.kind == _LOG_SUM_EXP:
+        return (mx + np.log(total))[:, None]
+    return acc / total[:, None]
+
+
+def online_rescale(stage, got, want, ctx, width) -> List[Diagnosis]:
+    head = _head(stage, got, ctx, width)
+    if head is None or head.values is None or head.kind == _PROBABILITIES or got.size < MIN_VALUES:
+        return []
+    rows = _sampled(got, want)
+    for tile in _widths(head.logits.shape[1]):
+        for how, sum_scaled, out_scaled in _LSE_RESCALES if head.kind == _LOG_SUM_EXP else _RESCALES:
+            with np.errstate(invalid="ignore", over="ignore"):
+                if not _fits_rows(got, head, _online(head, tile, sum_scaled, out_scaled, rows), rows):
+                    continue
+                diff = _matches(got, want, head, _online(head, tile, sum_scaled, out_scaled))
+            if diff is not None:
+                return [Diagnosis(ONLINE_RESCALE_MISSING, f"{stage}: the online softmax over key tiles of {tile} "
+                                  f"{how} when a tile raises the row maximum (max diff {diff:.2g})",
+                                  {"tile": tile, "sum_rescaled": sum_scaled, "output_rescaled": out_scaled,
+                                   "max_diff": diff}, 0.93)]
+    return []
+
+
+HYPOTHESES = {"mask_after_softmax": mask_after_softmax, "tile_keys": tile_keys, "online_rescale": online_rescale}
+# The searches over the tile widths (verify/diagnose/hypotheses.py tries them last).
+SEARCHES = ("tile_keys", "online_rescale")
