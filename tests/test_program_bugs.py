@@ -5,6 +5,7 @@ its bug passes with no diagnosis.
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
@@ -13,7 +14,7 @@ import pytest
 
 from helpers import buggy_programs as bp
 from helpers import foreign_routes as foreign
-from helpers.cli import check_folder, generate_input
+from helpers.cli import check_folder, generate_input, invoke
 from verify.stages import Dims, default_scale
 
 STAGE_PATH = ("QK", "QK_scaled", "attention_weights", "output")
@@ -243,3 +244,42 @@ def test_an_exp2_softmax_without_log2e_is_named_as_the_scale_it_used(tmp_path):
     for d in _assert_named_first(report, "flash_output", "scaled") + [_first(e) for e in _failed(report, "flash_lse")]:
         assert d["code"] == "scaled" and abs(d["detail"]["used_scale"] - scale * np.log(2)) < 1e-9, d
         assert "exp2 used without log2(e)" in d["message"], d
+
+
+# ---- a finite stand-in for -inf ------------------------------------------------------------------
+
+STAND_INS = [-1e9, -65504.0, -1e4, float(np.finfo(np.float32).min)]
+
+
+@pytest.mark.parametrize("fill", STAND_INS)
+def test_scores_masked_with_a_finite_stand_in_pass(tmp_path, fill):
+    """masked_fill(-1e9) and its kin: its exponential is 0 in float32, the weights those of -inf."""
+    scale = default_scale(WIDE.d_k)
+    _assert_passes(*_check(tmp_path, WIDE, lambda x: bp.masked_program(x, scale, 0, fill), STAGE_PATH, causal=True))
+
+
+@pytest.mark.parametrize("offset", [1, -1])
+def test_a_stand_in_mask_at_another_offset_is_named_with_its_offset(tmp_path, offset):
+    scale = default_scale(TALL.d_k)
+    result, report = _check(tmp_path, TALL, lambda x: bp.masked_program(x, scale, offset, -1e9), STAGE_PATH,
+                            causal=True)
+    for d in _assert_named_first(report, "QK_scaled", "mask_offset"):
+        assert d["detail"]["offset"] == offset
+
+
+def test_a_row_of_stand_ins_is_the_weights_failure_said_so(tmp_path):
+    """Bottom-right with N > M leaves the first rows no key: a softmax over a row of -1e9 weighs every
+    key alike, where the weights are 0. The scores are right (a stand-in in every entry of the row);
+    the weights fail, and say why."""
+    scale = default_scale(TALL.d_k)
+    offset = TALL.seq_k - TALL.seq_q  # bottom-right: rows 0..31 see no key
+    in_dir = generate_input(tmp_path / "in", TALL, "normal", 7, False)
+    heads = bp.masked_program(foreign.read_inputs(in_dir, TALL.total_heads), scale, offset, -1e9)
+    foreign.write_outputs(tmp_path / "out", heads, TALL, "g9", only=STAGE_PATH)
+    result = invoke("check", "--in", in_dir, "--out", tmp_path / "out", "--causal", "bottom-right", "--json",
+                    tmp_path / "r.json")
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["first_failing_stage"] == "attention_weights", result.output
+    for entry in _failed(report, "attention_weights"):
+        d = _first(entry)
+        assert d["code"] == "mask_missing" and "hiding every key" in d["message"], d

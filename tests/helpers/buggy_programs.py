@@ -17,12 +17,13 @@ from helpers.foreign_routes import f32, mm_blas
 Head = Dict[str, np.ndarray]
 
 
-def _stage_path(q, k, v, scale: float, masked: Optional[np.ndarray], softmax) -> Head:
-    """QK, QK_scaled, attention_weights, output in float32, `masked` set to -inf before the softmax."""
+def _stage_path(q, k, v, scale: float, masked: Optional[np.ndarray], softmax, fill: float = -np.inf) -> Head:
+    """QK, QK_scaled, attention_weights, output in float32, `masked` set to `fill` (-inf, or a finite
+    stand-in: masked_fill(-1e9)) before the softmax."""
     qk = mm_blas(q, np.ascontiguousarray(k.T))
     s = (qk * f32(scale)).astype(f32)
     if masked is not None:
-        s = np.where(masked, f32(-np.inf), s).astype(f32)
+        s = np.where(masked, f32(fill), s).astype(f32)
     with np.errstate(over="ignore", invalid="ignore"):
         p = softmax(s).astype(f32)
         o = mm_blas(p, v)
@@ -51,12 +52,13 @@ def shifted_mask(n: int, m: int, offset: int) -> np.ndarray:
     return np.arange(m)[None, :] > np.arange(n)[:, None] + offset
 
 
-def masked_program(inputs: Sequence[Head], scale: float, offset: int) -> List[Head]:
-    """A causal program whose mask is aligned at `offset` (0: the top-left mask the case asks for)."""
+def masked_program(inputs: Sequence[Head], scale: float, offset: int, fill: float = -np.inf) -> List[Head]:
+    """A causal program whose mask is aligned at `offset` (0: the top-left mask the case asks for),
+    masking with `fill`."""
     out = []
     for x in inputs:
         masked = shifted_mask(x["Q"].shape[0], x["K"].shape[0], offset)
-        out.append(_stage_path(x["Q"], x["K"], x["V"], scale, masked, stable_softmax))
+        out.append(_stage_path(x["Q"], x["K"], x["V"], scale, masked, stable_softmax, fill))
     return out
 
 

@@ -23,6 +23,7 @@ import numpy as np
 
 from ..check.diagnosis import Diagnosis
 from ..specs import SPECS
+from ..specs.scores import STAND_IN_CEILING, stand_ins
 from ..stages import KEYS, MASK_INPUT, QUERIES, STAGES
 from ..variant import ALIGNMENTS, NONE, TOP_LEFT, UNBOUNDED, Variant
 from .base import MASK_FIT_ROWS, MATCH_WIDTHS, MAX_MASK_FIT_KEYS, MAX_MASK_OFFSET, explains
@@ -220,10 +221,14 @@ def _digest(hidden: np.ndarray) -> bytes:
 
 def _mask_pattern(got: np.ndarray, stage: str) -> Optional[np.ndarray]:
     """Where got holds the stage's masked value (a weight row with no visible key normalizes 0/0:
-    NaN counts as masked too); None for stages that hold no masked entries."""
+    NaN counts as masked too; scores masked with a finite stand-in for −inf, such as -1e9, count
+    where it lies far below the row's other scores); None for stages that hold no masked entries."""
     value = SPECS[stage].masked_value
     if value is None:
         return None
+    if value == -np.inf:
+        far = np.isfinite(got) & (got <= STAND_IN_CEILING)
+        return (got == value) | stand_ins(got, far | (got == value))
     return (got == value) | (np.isnan(got) if value == 0 else False)
 
 
@@ -303,6 +308,8 @@ def _stand_in(stage: str, got: np.ndarray, pattern: np.ndarray, masks: Masks) ->
     unmasked = hidden & ~pattern & np.isfinite(got)
     if unmasked.sum() < 0.5 * hidden.sum() or (pattern & hidden).all():
         return []
+    if not unmasked[~masks.run.all(axis=1)].any():
+        return []  # only rows that see no key: the stage's own check says what such a row holds
     value = SPECS[stage].masked_value
     what = "causal masking is on" if masks.v.causal else "the case has a sliding window"
     return [Diagnosis("mask_missing", f"{stage}: {what} but {int(unmasked.sum())} of {int(hidden.sum())} "

@@ -6,7 +6,8 @@ every summation order GEMMs use (verify/model/dot.py). QK_scaled is one rounding
 plus the float32 scale's own (≤ 2u|scale·QK|) from the binary's QK, through the softcap's
 derivative, plus the roundings of the softcap, ALiBi and the bias (verify/model/scores.py); a
 program may also compute it by a GEMM of its own ((Q·scale)·Kᵀ, QK/√d): its chained bound from Q
-and K admits that route. Masked entries are exact.
+and K admits that route. Masked entries are exact: −inf, or a finite stand-in far enough below the
+row's visible scores that its exponential is 0 in float32 (masked_fill(-1e9)).
 """
 from __future__ import annotations
 
@@ -73,9 +74,31 @@ def _scaled_quantization(src, q, problem: Problem):
     return moved if slope is None else moved * slope
 
 
+# A finite stand-in for −inf (masked_fill(-1e9), float16's −65504, float32's lowest) hides a key as
+# −inf does where its exponential against the row's largest visible score is 0 in float32 (e^-104
+# lies below the smallest subnormal): the weights are then exactly those of −inf. In a row that
+# sees no key, any value up to STAND_IN_CEILING stands in (what the weights make of such a row,
+# 0 or each key alike, is the weights' to answer).
+STAND_IN_GAP = 104.0
+STAND_IN_CEILING = -1e4
+
+
+def stand_ins(got: np.ndarray, hidden: np.ndarray) -> np.ndarray:
+    """Where got holds a finite stand-in for −inf at an entry `hidden` hides."""
+    with np.errstate(invalid="ignore"):
+        visible_max = np.max(np.where(hidden | np.isnan(got), -np.inf, got), axis=1, keepdims=True, initial=-np.inf)
+        limit = np.where(hidden.all(axis=1, keepdims=True), STAND_IN_CEILING, visible_max - STAND_IN_GAP)
+        return hidden & np.isfinite(got) & (got <= limit)
+
+
+def _scores_canonical(got: np.ndarray, ref: np.ndarray, ctx) -> np.ndarray:
+    """QK_scaled as the reference writes it: −inf where the program wrote a stand-in for it."""
+    return np.where(stand_ins(got, ref == -np.inf), -np.inf, got)
+
+
 def _mask_check(stage, got, ctx):
     hidden = ctx.hidden(*got.shape)
-    v = violation(MASK_MISSING, stage, hidden & (got != -np.inf) & ~np.isnan(got),
+    v = violation(MASK_MISSING, stage, hidden & (got != -np.inf) & ~np.isnan(got) & ~stand_ins(got, hidden),
                   "are not -inf where the mask hides them")
     return [v] if v else []
 
@@ -85,5 +108,6 @@ SPECS = (
               quantization=qk_quantization, linear=True, diagnoses=PATTERNS + ("scaled",)),
     StageSpec(SCALED_SCORES, reference=_scaled_reference, isolated=_scaled_isolated, chained=_scaled_chained,
               quantization=_scaled_quantization, invariants=(_mask_check,), masked_value=-np.inf,
+              canonical=_scores_canonical,
               scaled=True, linear=True, diagnoses=PATTERNS + ("scaled", "mask"), variant_sources=score_sources),
 )

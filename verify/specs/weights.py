@@ -90,13 +90,25 @@ def _quantization(src, q, problem: Problem):
 def _softmax_checks(stage: str, got: np.ndarray, ctx: HeadContext) -> List[Violation]:
     masked = ctx.hidden(*got.shape)
     finite = np.isfinite(got)
+    unmasked = masked & finite & (got != 0)
+    empty = masked.all(axis=1)
+    # (a row that sees no key, softmaxed over its stand-ins for −inf: every key alike, not 0)
+    what = "are not 0 where the mask hides them" if not unmasked[empty].any() else \
+        (f"are not 0 where the mask hides them, {_rows_words(np.flatnonzero(unmasked.any(axis=1) & empty))} "
+         "hiding every key (a softmax over a row of -1e9 or another finite stand-in weighs each key alike; "
+         "such a row's weights are 0)")
     out = [violation(NEGATIVE_WEIGHTS, stage, finite & (got < 0), "are negative"),
-           violation(MASK_MISSING, stage, masked & finite & (got != 0), "are not 0 where the mask hides them")]
+           violation(MASK_MISSING, stage, unmasked, what)]
     # A row that sees no key holds only masked zeros (checked above), and sums to 0, not 1.
-    rows_ok = finite.all(axis=1) & ~masked.all(axis=1)
+    rows_ok = finite.all(axis=1) & ~empty
     if rows_ok.any():
         out.append(_row_sums(stage, got, finite, rows_ok, ctx))
     return [v for v in out if v]
+
+
+def _rows_words(rows: np.ndarray) -> str:
+    shown = ", ".join(str(int(r)) for r in rows[:4])
+    return f"in row{'s' if len(rows) > 1 else ''} {shown}{', ...' if len(rows) > 4 else ''}"
 
 
 def _row_sums(stage, got, finite, rows_ok, ctx):
