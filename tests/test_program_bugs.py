@@ -267,14 +267,15 @@ def test_a_stand_in_mask_at_another_offset_is_named_with_its_offset(tmp_path, of
         assert d["detail"]["offset"] == offset
 
 
-def test_a_row_of_stand_ins_is_the_weights_failure_said_so(tmp_path):
+@pytest.mark.parametrize("fill", [-1e9, -2000.0])
+def test_a_row_of_stand_ins_is_the_weights_failure_said_so(tmp_path, fill):
     """Bottom-right with N > M leaves the first rows no key: a softmax over a row of -1e9 weighs every
     key alike, where the weights are 0. The scores are right (a stand-in in every entry of the row);
     the weights fail, and say why."""
     scale = default_scale(TALL.d_k)
     offset = TALL.seq_k - TALL.seq_q  # bottom-right: rows 0..31 see no key
     in_dir = generate_input(tmp_path / "in", TALL, "normal", 7, False)
-    heads = bp.masked_program(foreign.read_inputs(in_dir, TALL.total_heads), scale, offset, -1e9)
+    heads = bp.masked_program(foreign.read_inputs(in_dir, TALL.total_heads), scale, offset, fill)
     foreign.write_outputs(tmp_path / "out", heads, TALL, "g9", only=STAGE_PATH)
     result = invoke("check", "--in", in_dir, "--out", tmp_path / "out", "--causal", "bottom-right", "--json",
                     tmp_path / "r.json")
@@ -283,3 +284,28 @@ def test_a_row_of_stand_ins_is_the_weights_failure_said_so(tmp_path):
     for entry in _failed(report, "attention_weights"):
         d = _first(entry)
         assert d["code"] == "mask_missing" and "hiding every key" in d["message"], d
+
+
+def _skipping_keys(keys):
+    """A flash program whose key loop leaves out the given keys (and nothing else)."""
+    def program(inputs):
+        out = []
+        for x in inputs:
+            kept = np.setdiff1d(np.arange(x["K"].shape[0]), list(keys))
+            o, lse = foreign.flash_forward(x["Q"], x["K"][kept], x["V"][kept], default_scale(x["Q"].shape[1]), False,
+                                           64, True)
+            out.append({"flash_output": o, "flash_lse": lse})
+        return out
+    return program
+
+
+@pytest.mark.parametrize("dims,keys", [(Dims(1, 4, 1, 200, 64, 64), {0}), (Dims(1, 4, 1, 130, 64, 64), {65}),
+                                       (Dims(1, 2, 64, 130, 32, 32), {128, 129})],
+                         ids=["decode-first-key", "decode-middle-key", "keys-past-the-last-tile"])
+def test_keys_left_out_otherwise_are_no_tile_pattern(tmp_path, dims, keys):
+    """A decode step's one row leaves the keys it weighs little free to fit some tiling, and the keys
+    past the last full tile are keys_dropped's: no tile_keys_skipped is named for either."""
+    result, report = _check(tmp_path, dims, _skipping_keys(keys), FLASH)
+    assert report["first_failing_stage"] == "flash_output", result.output
+    named = {d["code"] for e in report["results"] for d in e["diagnosis"]}
+    assert "tile_keys_skipped" not in named, result.output

@@ -62,6 +62,16 @@ def test_results_alike_in_some_heads_of_each_sequence_claim_no_other_pairing():
     assert "FAIL flash_output, head 0, sequence 1; heads 0-1, sequence 2 alike; head 0, sequence 1 (token" in text, text
 
 
+def test_a_wrong_kv_head_map_is_named_so_where_a_sequence_has_one_key():
+    """A sequence of one key: each query head's output is its K/V head's value row, which another
+    query head's reference also is. The map h % Hk is the cause, named in every failing result."""
+    q, k, v, do, stages, offsets = varlen("kv_modulo", dict(SHAPE, seqlens_k=[6, 1, 5, 9], seqused_k=None))
+    report = attnstep.check_arrays(q, k, v, {"flash_output": stages["flash_output"]}, do=do, **offsets)
+    failed = [r for r in report.results if not r.passed]
+    assert failed and {r.diagnosis[0].code for r in failed} == {"kv_head_map"}, attnstep.format_report(report)
+    assert {r.sequence for r in failed} >= {1}
+
+
 def test_tensors_that_do_not_fit_the_offsets_are_named():
     q, k, v, do, stages, offsets = varlen()
     with pytest.raises(ValueError, match="^q has 22 tokens, cu_seqlens_q ends at 21$"):

@@ -113,3 +113,17 @@ def test_split_arguments_that_do_not_fit_are_refused_naming_them(kwargs, error, 
     with pytest.raises(error) as raised:
         attnstep.check_arrays(q, k, v, kwargs.pop("stages", stages), causal="bottom-right", **kwargs)
     assert words in str(raised.value)
+
+
+def test_a_left_out_split_of_one_key_is_named_where_its_effect_is_a_few_bounds():
+    """M = 8 keys in splits of 7, logits in the tens: the last split's one key moves the output by a
+    few dozen bounds only. Its reading, the combine of the program's own splits without it,
+    reproduces the output to float32 rounding: named."""
+    case = _case(split_size=7, seq_q=4, seq_k=8)
+    for name in [n for n in case.inputs if n[0] in "QK"]:
+        case.inputs[name] = (case.inputs[name] * 6).astype(np.float32)
+    q, k, v, stages, out_accum, lse_accum = _dense_arrays(case, "loop_one_short")
+    report = attnstep.check_arrays(q, k, v, stages, split_output=out_accum, split_lse=lse_accum, split_size=7)
+    failed = [r for r in report.stage_results("flash_output") if not r.passed]
+    assert failed and all(r.diagnosis and r.diagnosis[0].code == "split_left_out" for r in failed), \
+        attnstep.format_report(report)

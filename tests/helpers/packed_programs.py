@@ -23,6 +23,7 @@ BUGS = {
     "padding_read": "seqused_k ignored: the padding keys of a slot are read",
     "padding_dk": "a padding key row of dK (and flash_dK) left nonzero",
     "top_left": "the causal mask aligned top-left in every sequence (bottom-right asked)",
+    "kv_modulo": "query head h reads K/V head h % Hk (interleaved), not h // (H/Hk)",
 }
 
 PER_TOKEN = ("Q", "K", "V", "KT", "output", "flash_output", "flash_lse", "dO", "D", "dQ", "dK", "dV",
@@ -128,7 +129,7 @@ def program_stages(case: PackedCase, bug: Optional[str] = None):
     blocks: Dict[Tuple[str, int, int], np.ndarray] = {}
     Q, K, V, dO = (case.inputs[n] for n in ("Q", "K", "V", "dO"))
     for h in range(case.heads):
-        kv = h // group
+        kv = h % case.kv_heads if bug == "kv_modulo" else h // group
         for b in range(case.count):
             qr = slice(case.cu_q[b], case.cu_q[b + 1])
             kr = _key_rows(case, b, bug)

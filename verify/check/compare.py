@@ -193,7 +193,8 @@ def _compare(res: HeadResult, ctx: HeadContext, results: Dict[str, HeadResult], 
     names = sources(stage, ctx)
     src_chain = {n: ctx.chain[n] for n in names}
     src_iso, q_iso = isolated_sources(names, ctx.got, ctx.quanta, results, ctx.chain)
-    src_iso = derived_sources(names, src_iso, ctx, results)
+    src_iso, derived_q = derived_sources(names, src_iso, ctx, results)
+    q_iso.update(derived_q)
     mat = invariants.canonical(stage, mat, ctx)  # (a correct program's other convention: flash_lse's +inf)
     want_chain = ctx.chain[stage]
     model_chain = allowed(stage, src_chain, want_chain, ctx, override, chained=True)

@@ -20,7 +20,8 @@ from ..files.stage_files import STAGE_NPY
 from ..specs import SPECS, HeadContext, sources_of, upstream
 from ..specs.base import Violation
 from ..files.case import InputCase
-from ..stages import BIAS_INPUT, DROPOUT_MASK, GRAD_INPUT, INPUT_NAMES, MASK_INPUT, STAGES
+from ..model.half import round_to_format
+from ..stages import BIAS_INPUT, DROPOUT_MASK, GRAD_INPUT, HALF_PRECISIONS, INPUT_NAMES, MASK_INPUT, STAGES
 from . import tolerance
 from .reference import compute_stage, reference_chain
 from .results import FAIL, INHERITED, MISSING, PASS, SHAPE, STALE, UNREADABLE, HeadResult
@@ -240,13 +241,14 @@ def isolated_sources(names, got, quanta, results, chain):
     return src, q
 
 
-def derived_sources(names, src: Dict[str, np.ndarray], ctx: HeadContext, results) -> Dict[str, np.ndarray]:
-    """`src` with each source the program did not write, but computed from a stage it wrote that
-    failed, recomputed from the program's own stages (float64, stored as float32, as a program
-    holds it): QK_scaled from the program's QK where it wrote QK and the weights but not
-    QK_scaled. The reference's own QK_scaled would blame the weights for QK's error; from the
-    program's QK they pass, and fail only where they are wrong on their own."""
-    memo: Dict[str, np.ndarray] = {}
+def derived_sources(names, src: Dict[str, np.ndarray], ctx: HeadContext, results):
+    """(`src` with each source the program did not write, but computed from a stage it wrote that
+    failed, recomputed from the program's own stages and stored in the run's format, as a program
+    holds it; each such source's uncertainty, for the isolated bound: its own isolated bound from
+    those stages, and theirs carried through it). QK_scaled from the program's QK where it wrote
+    QK and the weights but not QK_scaled: the reference's own QK_scaled would blame the weights for
+    QK's error; from the program's QK they pass, and fail only where they are wrong on their own."""
+    memo: Dict[str, Tuple[np.ndarray, Optional[np.ndarray]]] = {}
 
     def own(n: str) -> bool:
         return n in ctx.got and not (SPECS[n].echo and results[n].passed)
@@ -254,21 +256,40 @@ def derived_sources(names, src: Dict[str, np.ndarray], ctx: HeadContext, results
     def failed_above(n: str) -> bool:  # (a variant's file, a keep-mask: no stage of the table)
         return n in STAGES and any(own(u) and u in results and not results[u].passed for u in upstream(n))
 
-    def value(n: str) -> np.ndarray:
+    def value(n: str) -> Tuple[np.ndarray, Optional[np.ndarray]]:
         if n not in STAGES:
-            return src[n] if n in src else ctx.chain[n]
+            return (src[n] if n in src else ctx.chain[n]), None
         if own(n):
-            return ctx.got[n]
+            return ctx.got[n], ctx.quanta.get(n)
         if n not in memo:
-            memo[n] = ctx.chain[n]
+            memo[n] = ctx.chain[n], None
             if failed_above(n):
-                try:
-                    derived = reference(n, {m: value(m) for m in sources(n, ctx)}, ctx, with_bound=False)
-                except (KeyError, ValueError):
-                    return memo[n]
-                memo[n] = derived.astype(np.float32).astype(np.float64)
+                memo[n] = _derived(n, {m: value(m) for m in sources(n, ctx)}, ctx) or memo[n]
         return memo[n]
-    return {n: value(n) if src[n] is ctx.chain.get(n) and failed_above(n) else src[n] for n in names}
+
+    out, quanta = dict(src), {}
+    for n in names:
+        if src[n] is ctx.chain.get(n) and failed_above(n):
+            out[n], q = value(n)
+            if q is not None:
+                quanta[n] = q
+    return out, quanta
+
+
+def _derived(stage: str, given, ctx: HeadContext) -> Optional[Tuple[np.ndarray, np.ndarray]]:
+    """The stage from `given` ({source: (values, uncertainty or None)}) as the program would hold
+    it, and its uncertainty; None where it cannot be computed from them."""
+    src = {m: x for m, (x, _) in given.items()}
+    try:
+        exact = reference(stage, src, ctx, with_bound=False)
+        bound = tolerance.stage_bound(stage, src, exact, **ctx.bound_args())
+    except (KeyError, ValueError):
+        return None
+    quanta = {m: q for m, (_, q) in given.items() if q is not None}
+    carried = quantization(stage, src, quanta, ctx) if quanta else None
+    stored = round_to_format(exact, ctx.precision) if ctx.precision in HALF_PRECISIONS else \
+        exact.astype(np.float32).astype(np.float64)
+    return stored, with_quantum(np.asarray(bound, np.float64), carried)
 
 
 def bit_identical(a: Dict[str, np.ndarray], b: Dict[str, np.ndarray]) -> bool:

@@ -130,6 +130,8 @@ def kv_group_sum(stage, got, want, ctx, width) -> List[Diagnosis]:
 
 
 def heads(stage, got, want, ctx, width) -> List[Diagnosis]:
-    """Every head mix-up: another head's result, another K/V head read, a group not summed."""
-    return (head_permuted(stage, got, want, ctx, width) or kv_head_map(stage, got, want, ctx, width)
+    """Every head mix-up: another K/V head read, another head's result, a group not summed. The K/V
+    head read first: where a query's own rows do not matter (a sequence of one key: its output is
+    that key's value row) it is also another head's result, and the wrong map is the cause."""
+    return (kv_head_map(stage, got, want, ctx, width) or head_permuted(stage, got, want, ctx, width)
             or kv_group_sum(stage, got, want, ctx, width))

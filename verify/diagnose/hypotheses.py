@@ -308,6 +308,8 @@ _EXPLAINED_BY_VARIANT_BUGS = ("scaled", "tile_boundary", "unwritten")
 # A sequence that read other rows of the packed stream has wrong values everywhere, which a factor,
 # a tile pattern or a few keys read past the end only approximate.
 _EXPLAINED_BY_SEQUENCE_BUGS = sequence_bugs.APPROXIMATIONS
+# Findings that name where a stage is wrong, not why: the key loops' searches still run.
+_NO_CAUSE_NAMED = ("nonfinite", "unwritten", "tile_boundary")
 # A K/V group summed twice is a factor 2: the cause, not a scale.
 _FACTORS = {"kv_group_summed_twice"}
 # The named causes that explain every element, NaN and Inf included (a moved −inf of the mask or
@@ -347,8 +349,9 @@ def diagnose(stage: str, got: np.ndarray, want: np.ndarray, ctx: Suspect) -> Lis
         if sequence_found:
             found = [d for d in found if d.code not in _EXPLAINED_BY_SEQUENCE_BUGS] + sequence_found
     # The key loops' bugs are a search over every tile width: tried where nothing else named a
-    # cause (a mask one key short also fits a width whose skipped keys carry little weight).
-    if not sequence_bugs.caused_elsewhere(found):
+    # cause (a mask one key short, or the keys past the last tile left out, also fits a width
+    # whose skipped keys carry little weight).
+    if all(d.code in _NO_CAUSE_NAMED for d in found):
         for name in (n for n in loop_bugs.SEARCHES if n in SPECS[stage].diagnoses):
             with np.errstate(all="ignore"):
                 new = _HYPOTHESES[name](stage, got, want, ctx, width)

@@ -23,7 +23,7 @@ import numpy as np
 
 from ..check.diagnosis import Diagnosis
 from ..specs import SPECS
-from ..specs.scores import STAND_IN_CEILING, stand_ins
+from ..specs.scores import STAND_IN_CEILING, STAND_IN_GAP, stand_ins
 from ..stages import KEYS, MASK_INPUT, QUERIES, STAGES
 from ..variant import ALIGNMENTS, NONE, TOP_LEFT, UNBOUNDED, Variant
 from .base import MASK_FIT_ROWS, MATCH_WIDTHS, MAX_MASK_FIT_KEYS, MAX_MASK_OFFSET, explains
@@ -275,8 +275,10 @@ def _mask_in_pattern(stage: str, got: np.ndarray, pattern: np.ndarray, ctx) -> L
     for c in candidates(masks, [] if fitted is None else [fitted - masks.offset]):
         if (pattern == c.hidden).all():
             found = c.diagnosis(stage, None)
-            if c.code == "mask_missing":
-                found.message += f" ({_STAND_IN})"
+            if c.code == "mask_missing":  # (read off where got holds the masked value: none does)
+                what = "causal masking is on" if masks.v.causal else "the case has a sliding window"
+                found.message = (f"{stage}: {what} but no entry it hides holds the masked value "
+                                 f"{SPECS[stage].masked_value:g} ({_STAND_IN})")
             return [found]
     return _stand_in(stage, got, pattern, masks)
 
@@ -317,7 +319,8 @@ def _stand_in(stage: str, got: np.ndarray, pattern: np.ndarray, masks: Masks) ->
                       {"count": int(unmasked.sum())}, 0.9)]
 
 
-_STAND_IN = "not masked, or masked with a finite stand-in such as -1e9"
+_STAND_IN = ("not masked, or masked with a finite value too near the row's scores: a stand-in for -inf "
+             f"lies at least {STAND_IN_GAP:g} below the row's largest visible score, as -1e9 does")
 
 
 def _mask_recompute(stage: str, ctx, width):

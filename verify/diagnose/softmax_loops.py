@@ -31,8 +31,10 @@ from .inputs import blank_rows, case_inputs, explains_rows, rebuilder, run_hidde
 MASK_AFTER_SOFTMAX = "mask_after_softmax"
 CODES = (MASK_AFTER_SOFTMAX, TILE_KEYS_SKIPPED, ONLINE_RESCALE_MISSING)
 # A stage of fewer values than this (a decode step's lse: one per head) fits some candidate of
-# the many widths by chance: the tiles' bugs are not named on it.
+# the many widths by chance: the tiles' bugs are not named on it; nor a key of every tile left out
+# on fewer rows than MIN_ROWS.
 MIN_VALUES = 8
+MIN_ROWS = 4
 MAX_TILE_SEARCHED = 256
 SAMPLED_ROWS = 4
 # What a stage holds, by its table entry's columns: the weights (one per key), one log-sum-exp a
@@ -101,6 +103,7 @@ def _fits_rows(got, head: _Head, cand_rows: np.ndarray, rows: np.ndarray) -> boo
 
 
 def _widths(m: int) -> range:
+    """The tile widths below m keys searched."""
     return range(2, min(m, MAX_TILE_SEARCHED + 1))
 
 
@@ -136,17 +139,18 @@ def _skipped_keys(m: int, tile: int) -> Iterator[Tuple[str, np.ndarray]]:
 
 def tile_keys(stage, got, want, ctx, width) -> List[Diagnosis]:
     head = _head(stage, got, ctx, width)
-    if head is None or got.size < MIN_VALUES:
+    # A few rows (a decode step's one) leave the keys they weigh little free to fit some tiling.
+    if head is None or got.size < MIN_VALUES or got.shape[0] < MIN_ROWS:
         return []
     m = head.logits.shape[1]
     rows = _sampled(got, want)
-    for tile in _widths(m):
+    sampled = head.logits[rows]
+    for tile in _widths(m // 2):  # (at least two full tiles: one tile's key is no pattern)
         for how, skipped in _skipped_keys(m, tile):
-            cut = np.where(skipped[None, :], -np.inf, head.logits)
             with np.errstate(invalid="ignore", over="ignore"):
-                if not _fits_rows(got, head, head.softmax_stage(cut[rows], rows), rows):
+                if not _fits_rows(got, head, head.softmax_stage(np.where(skipped, -np.inf, sampled), rows), rows):
                     continue
-                diff = _matches(got, want, head, head.softmax_stage(cut))
+                diff = _matches(got, want, head, head.softmax_stage(np.where(skipped, -np.inf, head.logits)))
             if diff is not None:
                 keys = np.flatnonzero(skipped)
                 return [Diagnosis(TILE_KEYS_SKIPPED, f"{stage}: the key loop {how} is left out of every row "
@@ -178,7 +182,8 @@ def _online(head: _Head, tile: int, sum_scaled: bool, out_scaled: bool, rows=sli
     logits = np.where(head.hidden[rows], -np.inf, head.logits[rows])
     n, m = logits.shape
     mx, total = np.full(n, -np.inf), np.zeros(n)
-    acc = np.zeros((n, head.values.shape[1]))
+    lse = head.kind == _LOG_SUM_EXP  # (the running output does not reach it)
+    acc = np.zeros((n, 0 if lse else head.values.shape[1]))
     for k0 in range(0, m, tile):
         s = logits[:, k0:k0 + tile]
         new = np.maximum(mx, s.max(axis=1))
@@ -186,9 +191,10 @@ def _online(head: _Head, tile: int, sum_scaled: bool, out_scaled: bool, rows=sli
         factor = np.where(seen, np.exp(mx - new), 1.0)
         p = np.where(seen[:, None], np.exp(s - np.where(seen, new, 0.0)[:, None]), 0.0)
         total = (factor if sum_scaled else 1.0) * total + p.sum(axis=1)
-        acc = (factor[:, None] if out_scaled else 1.0) * acc + p @ head.values[k0:k0 + tile]
+        if not lse:
+            acc = (factor[:, None] if out_scaled else 1.0) * acc + p @ head.values[k0:k0 + tile]
         mx = new
-    if head.kind == _LOG_SUM_EXP:
+    if lse:
         return (mx + np.log(total))[:, None]
     return acc / total[:, None]
 

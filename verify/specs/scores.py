@@ -80,7 +80,7 @@ def _scaled_quantization(src, q, problem: Problem):
 # sees no key, any value up to STAND_IN_CEILING stands in (what the weights make of such a row,
 # 0 or each key alike, is the weights' to answer).
 STAND_IN_GAP = 104.0
-STAND_IN_CEILING = -1e4
+STAND_IN_CEILING = -1e3
 
 
 def stand_ins(got: np.ndarray, hidden: np.ndarray) -> np.ndarray:
