@@ -145,6 +145,18 @@ def test_only_output_without_run_toml(tmp_path):
     assert [s["stage"] for s in rep["stages"]] == ["output"] and "no run.toml" in r.output
 
 
+def test_a_missing_head_file_is_named_with_its_folder(tmp_path):
+    """A program that wrote head 0's output but not head 1's: the report names the file where the
+    user looks for it, in the output folder."""
+    inputs = make_input(tmp_path / "in")
+    write_heads(tmp_path / "out", correct_heads(inputs)[:1], ["output"])
+    r, rep = check(tmp_path / "in", tmp_path / "out", json_path=tmp_path / "r.json")
+    missing = [x for x in rep["results"] if x["status"] == "MISSING"]
+    path = tmp_path / "out" / stage_file("output", 1, "txt")
+    assert r.exit_code == 1 and [x["head"] for x in missing] == [1], r.output
+    assert f"{path} is missing (the other output files exist)" in r.output, r.output
+
+
 @pytest.mark.parametrize("text", ["", "# written by my program\n"])
 def test_a_run_toml_without_keys_is_named_as_such(tmp_path, text):
     """An empty (or comments-only) run.toml says nothing, as no run.toml says nothing, but the note
@@ -241,17 +253,21 @@ def test_files_for_heads_the_case_does_not_have_are_noted(tmp_path):
             "output_head_2.txt: is --in the case the program ran on?") in r.output
 
 
-@pytest.mark.parametrize("axis", [1, 0], ids=["softmax-right", "softmax-over-columns"])
-def test_a_stage_whose_source_is_not_written_is_judged_from_the_stage_the_program_wrote(tmp_path, axis):
+@pytest.mark.parametrize("axis,amplitude", [(1, 1.0), (0, 1.0), (1, 6.0)],
+                         ids=["softmax-right", "softmax-over-columns", "logits-in-the-tens"])
+def test_a_stage_whose_source_is_not_written_is_judged_from_the_stage_the_program_wrote(tmp_path, axis, amplitude):
     """A program writing QK (one row wrong), its weights and output, but not QK_scaled: the weights'
-    isolated reference starts from the program's own QK scaled, not the reference's, so they only
-    inherit QK's error; a softmax wrong on its own (over the columns) still fails there, named."""
-    inputs = make_input(tmp_path / "in")
+    isolated reference starts from the program's own QK scaled (and allows the rounding of that
+    scaling, which the program did in float32, by a float32 scale: 1/√24 is not exact), not from the
+    reference's, so they only inherit QK's error; a softmax wrong on its own (over the columns) still
+    fails there, named."""
+    dims = Dims(1, 2, 24, 40, 24, 16)
+    inputs = make_input(tmp_path / "in", dims)
     heads = []
     for x in inputs:
-        qk = (x["Q"] @ x["K"].T).astype(f32)
+        qk = ((x["Q"] * f32(amplitude)) @ (x["K"] * f32(amplitude)).T).astype(f32)
         qk[5] *= f32(1.5)
-        s = (qk * f32(default_scale(DIMS.d_k))).astype(f32)
+        s = (qk * f32(default_scale(dims.d_k))).astype(f32)
         e = np.exp(s - s.max(axis=axis, keepdims=True))
         p = (e / e.sum(axis=axis, keepdims=True)).astype(f32)
         heads.append({"QK": qk, "attention_weights": p, "output": (p @ x["V"]).astype(f32)})

@@ -24,10 +24,10 @@ TILE = 32
 
 
 def _check(tmp: Path, dims: Dims, program: Callable, stages: Sequence[str], dist: str = "normal",
-           causal: bool = False, scale: Optional[float] = None):
+           causal: bool = False, scale: Optional[float] = None, writer: str = "g9"):
     in_dir = generate_input(tmp / "in", dims, dist, 7, causal)
     heads = program(foreign.read_inputs(in_dir, dims.total_heads))
-    foreign.write_outputs(tmp / "out", heads, dims, "g9", only=stages)
+    foreign.write_outputs(tmp / "out", heads, dims, writer, only=stages)
     return check_folder(tmp, in_dir, tmp / "out", causal, scale)
 
 
@@ -210,6 +210,8 @@ def test_a_mask_applied_after_the_softmax_is_named(tmp_path, stages, stage):
 FLASH = ("flash_output", "flash_lse")
 ONLINE = [  # (id, dims, the program's options, the stages that fail, the tile named, what the message says)
     ("output-not-rescaled", PAST_TILE, {"rescale_output": False}, ("flash_output",), 32, "running output acc"),
+    ("output-not-rescaled-tile-24", PAST_TILE, {"rescale_output": False}, ("flash_output",), 24, "running output acc"),
+    ("last-key-skipped-tile-24", SQUARE, {"skip": "last"}, FLASH, 24, "every tile of 24 keys (the partial last"),
     ("sum-not-rescaled", PAST_TILE, {"rescale_sum": False}, FLASH, 32, "running sum l"),
     ("neither-rescaled", SQUARE, {"rescale_sum": False, "rescale_output": False}, FLASH, 32, "neither"),
     ("last-key-skipped", SQUARE, {"skip": "last"}, FLASH, 32, "the last key of every full tile of 32"),
@@ -251,11 +253,22 @@ def test_an_exp2_softmax_without_log2e_is_named_as_the_scale_it_used(tmp_path):
 STAND_INS = [-1e9, -65504.0, -1e4, float(np.finfo(np.float32).min)]
 
 
+@pytest.mark.parametrize("writer", ["g9", "g6"])
 @pytest.mark.parametrize("fill", STAND_INS)
-def test_scores_masked_with_a_finite_stand_in_pass(tmp_path, fill):
-    """masked_fill(-1e9) and its kin: its exponential is 0 in float32, the weights those of -inf."""
+def test_scores_masked_with_a_finite_stand_in_pass(tmp_path, fill, writer):
+    """masked_fill(-1e9) and its kin, printed %.9g or %g: its exponential is 0 in float32, the
+    weights those of -inf."""
     scale = default_scale(WIDE.d_k)
-    _assert_passes(*_check(tmp_path, WIDE, lambda x: bp.masked_program(x, scale, 0, fill), STAGE_PATH, causal=True))
+    _assert_passes(*_check(tmp_path, WIDE, lambda x: bp.masked_program(x, scale, 0, fill), STAGE_PATH, causal=True,
+                           writer=writer))
+
+
+def test_a_mask_value_too_near_the_scores_fails_and_says_how_far_a_stand_in_lies(tmp_path):
+    scale = default_scale(WIDE.d_k)
+    result, report = _check(tmp_path, WIDE, lambda x: bp.masked_program(x, scale, 0, -50.0), STAGE_PATH, causal=True)
+    for d in _assert_named_first(report, "QK_scaled", "mask_missing"):
+        assert "no entry it hides holds the masked value -inf" in d["message"], d
+        assert "at least 104 below the row's largest visible score" in d["message"], d
 
 
 @pytest.mark.parametrize("offset", [1, -1])

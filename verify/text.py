@@ -1,6 +1,6 @@
 """The words of messages: counted nouns (every count a user reads goes through plural()), sizes
-(mib), the measured values of a check's report (number, number_pair), and text from files or
-names shown safely (printable, showable)."""
+(mib), a few of many places (indices), the measured values of a check's report (number,
+number_pair), and text from files or names shown safely (printable, showable)."""
 from __future__ import annotations
 
 import math
@@ -10,6 +10,13 @@ from typing import Optional
 def plural(n: int, noun: str, nouns: str = "") -> str:
     """`1 head`, `2 heads` (`nouns` for a plural that is not noun + s: `1 entry`, `2 entries`)."""
     return f"{n} {noun if n == 1 else (nouns or noun + 's')}"
+
+
+def indices(places, shown: int = 4) -> str:
+    """`15, 31, 47` or, of more than `shown`, `15, 31, 47, 63, ... 255`: the first and the last."""
+    places = [int(x) for x in places]
+    head = ", ".join(map(str, places[:shown]))
+    return head + (f", ... {places[-1]}" if len(places) > shown else "")
 
 
 def mib(n_bytes: int) -> str:

@@ -228,13 +228,19 @@ def with_quantum(allowed: np.ndarray, *extra) -> np.ndarray:
     return out
 
 
+def _own(name: str, got, results) -> bool:
+    """Whether an isolated reference reads the program's own `name`: written, and not an echo that
+    matched its input (the exact input is read then)."""
+    return name in got and not (SPECS[name].echo and results[name].passed)
+
+
 def isolated_sources(names, got, quanta, results, chain):
     """The sources of a stage's isolated reference: the binary's own upstream stages where it wrote
     them, except echoes that matched their input (the exact input then), and the reference where a
     stage was not written (an unchecked upstream stage is simply not checked)."""
     src, q = {}, {}
     for n in names:
-        own = n in got and not (SPECS[n].echo and results[n].passed)
+        own = _own(n, got, results)
         src[n] = got[n] if own else chain[n]
         if own and quanta.get(n) is not None:
             q[n] = quanta[n]
@@ -250,16 +256,14 @@ def derived_sources(names, src: Dict[str, np.ndarray], ctx: HeadContext, results
     QK's error; from the program's QK they pass, and fail only where they are wrong on their own."""
     memo: Dict[str, Tuple[np.ndarray, Optional[np.ndarray]]] = {}
 
-    def own(n: str) -> bool:
-        return n in ctx.got and not (SPECS[n].echo and results[n].passed)
-
     def failed_above(n: str) -> bool:  # (a variant's file, a keep-mask: no stage of the table)
-        return n in STAGES and any(own(u) and u in results and not results[u].passed for u in upstream(n))
+        return n in STAGES and any(u in results and _own(u, ctx.got, results) and not results[u].passed
+                                   for u in upstream(n))
 
     def value(n: str) -> Tuple[np.ndarray, Optional[np.ndarray]]:
         if n not in STAGES:
             return (src[n] if n in src else ctx.chain[n]), None
-        if own(n):
+        if _own(n, ctx.got, results):
             return ctx.got[n], ctx.quanta.get(n)
         if n not in memo:
             memo[n] = ctx.chain[n], None

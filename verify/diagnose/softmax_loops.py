@@ -25,6 +25,7 @@ from ..model.attention import log_sum_exp_rows, softmax_rows
 from ..specs import SPECS
 from ..specs.output import scores_from_inputs
 from ..stages import KEYS, QUERIES, STAGES, VALUES
+from ..text import indices
 from .base import MATCH_WIDTHS, maxdiff
 from .inputs import blank_rows, case_inputs, explains_rows, rebuilder, run_hidden, slope_of, variant_of, variant_tensors
 
@@ -154,15 +155,10 @@ def tile_keys(stage, got, want, ctx, width) -> List[Diagnosis]:
             if diff is not None:
                 keys = np.flatnonzero(skipped)
                 return [Diagnosis(TILE_KEYS_SKIPPED, f"{stage}: the key loop {how} is left out of every row "
-                                  f"(keys {_key_list(keys)}; max diff {diff:.2g})",
+                                  f"(keys {indices(keys)}; max diff {diff:.2g})",
                                   {"tile": tile, "skipped": int(skipped.sum()), "first": int(keys[0]),
                                    "max_diff": diff}, 0.92)]
     return []
-
-
-def _key_list(keys: np.ndarray) -> str:
-    shown = ", ".join(str(int(k)) for k in keys[:4])
-    return shown + (f", ... {int(keys[-1])}" if len(keys) > 4 else "")
 
 
 # ---- the online softmax's rescale ----------------------------------------------------------------

@@ -21,6 +21,7 @@ from ..model.rounding import FLUSH, LAMBDA, ROUND_VAR, finish, unit_roundoff
 from ..model.softmax import (EqualTerms, correlated_sum, exponent_var, f32_subtraction_error, need, rowsum_rel_var,
                              softmax_parts, weights_var)
 from ..stages import SCALED_SCORES, WEIGHTS
+from ..text import indices
 from ..variant import Variant
 from .base import MASK_MISSING, NEGATIVE_WEIGHTS, ROW_SUM, HeadContext, Problem, StageSpec, Violation, violation
 from . import lse_route
@@ -94,7 +95,7 @@ def _softmax_checks(stage: str, got: np.ndarray, ctx: HeadContext) -> List[Viola
     empty = masked.all(axis=1)
     # (a row that sees no key, softmaxed over its stand-ins for −inf: every key alike, not 0)
     what = "are not 0 where the mask hides them" if not unmasked[empty].any() else \
-        (f"are not 0 where the mask hides them, {_rows_words(np.flatnonzero(unmasked.any(axis=1) & empty))} "
+        (f"are not 0 where the mask hides them, in {_rows(np.flatnonzero(unmasked.any(axis=1) & empty))} "
          "hiding every key (a softmax over a row of -1e9 or another finite stand-in weighs each key alike; "
          "such a row's weights are 0)")
     out = [violation(NEGATIVE_WEIGHTS, stage, finite & (got < 0), "are negative"),
@@ -106,9 +107,8 @@ def _softmax_checks(stage: str, got: np.ndarray, ctx: HeadContext) -> List[Viola
     return [v for v in out if v]
 
 
-def _rows_words(rows: np.ndarray) -> str:
-    shown = ", ".join(str(int(r)) for r in rows[:4])
-    return f"in row{'s' if len(rows) > 1 else ''} {shown}{', ...' if len(rows) > 4 else ''}"
+def _rows(rows: np.ndarray) -> str:
+    return f"row{'s' if len(rows) > 1 else ''} {indices(rows)}"
 
 
 def _row_sums(stage, got, finite, rows_ok, ctx):
