@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # time_long_check.sh [--device cpu|cuda] [--backend cpu|cuda] [--binary PATH] [--profile FILE] [--keep DIR]
-#                    [--scheduler WHERE]... HEADS N D
+#                    [--scheduler WHERE]... [--plant 'ARGS'] HEADS N D
 #
 # Times `attnstep check` of a long flash run, as docs/performance.md quotes it: generates HEADS
 # heads at N = M = N, d_k = d_v = D with the output gradient (not causal, npy), runs the binary's
@@ -14,9 +14,12 @@
 # cluster measure.py's peak RSS is the largest one process's (the check's or a worker's), and its
 # process tree's total is what they hold together.
 # --profile profiles the check without a cluster (it refuses --scheduler).
+# --plant 'ARGS': a bug planted in the run, for the time and memory of checking a failing one: the
+# binary runs with ARGS added (e.g. '--scale 1': the scale missing) and its run.toml is removed, so
+# that the check reads its files as another program's, against the case's own attention.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-device=cpu backend=cpu binary=build/main profile="" keep="" schedulers=()
+device=cpu backend=cpu binary=build/main profile="" keep="" plant="" schedulers=()
 while [[ $# -gt 3 ]]; do
     case "$1" in
         --device) device=$2; shift 2 ;;
@@ -25,12 +28,13 @@ while [[ $# -gt 3 ]]; do
         --profile) profile=$2; shift 2 ;;
         --keep) keep=$2; shift 2 ;;
         --scheduler) schedulers+=("$2"); shift 2 ;;
+        --plant) plant=$2; shift 2 ;;
         *) echo "time_long_check.sh: unknown option $1" >&2; exit 2 ;;
     esac
 done
 if [[ $# -ne 3 ]]; then
     echo "usage: time_long_check.sh [--device D] [--backend B] [--binary PATH] [--profile FILE] [--keep DIR]" \
-         "[--scheduler WHERE]... HEADS N D" >&2
+         "[--scheduler WHERE]... [--plant 'ARGS'] HEADS N D" >&2
     exit 2
 fi
 if [[ -n "$profile" && ${#schedulers[@]} -gt 0 ]]; then
@@ -45,8 +49,9 @@ python3 -m verify generate --out "$work/in" --heads "$heads" --seq-q "$n" --seq-
     --backward --format npy --no-causal >/dev/null
 t0=$(date +%s.%N)
 "$binary" --in "$work/in" --out "$work/out" --backend "$backend" \
-    --stages flash_output,flash_lse,flash_dQ,flash_dK,flash_dV --format npy >/dev/null
+    --stages flash_output,flash_lse,flash_dQ,flash_dK,flash_dV --format npy $plant >/dev/null
 t1=$(date +%s.%N)
+[[ -z "$plant" ]] || rm -f "$work/out/run.toml"
 python3 -c "import sys; print(f'binary ({sys.argv[1]} backend): {float(sys.argv[3]) - float(sys.argv[2]):.2f} s: '
            f'{sys.argv[4]} heads, N = M = {sys.argv[5]}, d {sys.argv[6]}')" "$backend" "$t0" "$t1" "$heads" "$n" "$d"
 check=(python3 -m verify check --in "$work/in" --out "$work/out" --device "$device" --quiet)

@@ -299,6 +299,29 @@ def test_a_row_of_stand_ins_is_the_weights_failure_said_so(tmp_path, fill):
         assert d["code"] == "mask_missing" and "hiding every key" in d["message"], d
 
 
+@pytest.mark.parametrize("fill", [-1e9, float(np.finfo(np.float32).min)])
+def test_a_row_of_stand_ins_beside_an_lse_of_minus_inf_passes(tmp_path, fill):
+    """The scores of a row that sees no key held as stand-ins, and that row's flash_lse -inf (log 0,
+    the contract's value): the log-sum-exp of the scores' row is log 0 as well, not fill + log M."""
+    scale = default_scale(TALL.d_k)
+    offset = TALL.seq_k - TALL.seq_q  # bottom-right: rows 0..31 see no key
+    in_dir = generate_input(tmp_path / "in", TALL, "normal", 7, False)
+    inputs = foreign.read_inputs(in_dir, TALL.total_heads)
+    heads = bp.masked_program(inputs, scale, offset, fill)
+    for h, x in zip(heads, inputs):
+        s = np.where(np.isfinite(h["QK_scaled"]) & (h["QK_scaled"] > -1e3), h["QK_scaled"], -np.inf).astype(np.float64)
+        lse = np.logaddexp.reduce(s, axis=1, keepdims=True)
+        with np.errstate(invalid="ignore"):  # (−inf − −inf in the rows that see no key: 0 weights there)
+            weights = np.nan_to_num(np.exp(s - lse))
+        h["flash_lse"], h["attention_weights"] = lse.astype(np.float32), weights.astype(np.float32)
+        h["flash_output"] = weights @ x["V"].astype(np.float64)
+        h["output"] = h["flash_output"].astype(np.float32)
+    foreign.write_outputs(tmp_path / "out", heads, TALL, "g9", only=STAGE_PATH + FLASH)
+    result = invoke("check", "--in", in_dir, "--out", tmp_path / "out", "--causal", "bottom-right", "--json",
+                    tmp_path / "r.json")
+    _assert_passes(result, json.loads((tmp_path / "r.json").read_text()))
+
+
 def _skipping_keys(keys):
     """A flash program whose key loop leaves out the given keys (and nothing else)."""
     def program(inputs):

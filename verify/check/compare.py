@@ -12,7 +12,7 @@ a time per process, a K/V head's group of query heads in one job (dK and dV agai
 groups.py), shared out to forked workers (pool.py). A packed case is checked sequence by sequence (packed.py). A
 case's variant reaches every reference and bound through the head's context (stage_check.VARIANT_SOURCES); dropout's
 keep rate is tested once over the run. Results and report: results.py. A failing stage × head is explained by the
-Diagnoser the caller hands in (verify/diagnose/, above this package: diagnosis.py).
+Diagnoser the caller hands in (verify/diagnose/, above this package: diagnosis.py; a long head's: slab.py).
 """
 from __future__ import annotations
 
@@ -34,22 +34,21 @@ from ..runs.program_checks import ProgramCheck, files_digest, read_findings
 from ..specs import SPECS, HeadContext, reads_dropout_mask, upstream, uses_scale_and_mask
 from ..specs import dropout as dropout_spec, lse_route
 from ..stages import DROPOUT_MASK, GRAD_INPUT, STAGES
-from . import flash_attn_criterion, invariants, tolerance
+from . import flash_attn_criterion, invariants, splits, tolerance
 from .diagnosis import Diagnoser, Diagnosis
 from .groups import KVGroup, check_summed, head_term, summed
 from .packed import PackedRun, packed_sources
 from .paged_case import diagnose_paged_case
 from .devices import device_for
 from .pool import REF_CACHE, collect_head_garbage, head_jobs, map_heads
-from . import splits
+from .slab import diagnoser as slab_diagnoser, notes as slab_notes
 from .results import (FAIL, INHERITED, MISSING, PASS, SHAPE, STALE, UNCHECKABLE, UNREADABLE, Comparison, HeadResult,
                       Report, RunCheck, compare_arrays, elementwise_error)
 from .stage_diagnosis import diagnose_stage, diagnose_through_splits
 from .stage_check import (STATUS_CODES, Loaded, allowed, bit_identical, blamed_elsewhere, chain_of, head_chain,
                           classify, derived_sources, early_outputs, failed_upstream, file_index, head_inputs,
-                          isolated_sources,
-                          keep_mask, load_output, new_result, nonfinite_propagated, quantization, query_keys_values,
-                          reference, sources, variant_inputs, with_quantum)
+                          isolated_sources, keep_mask, load_output, new_result, nonfinite_propagated, quantization,
+                          query_keys_values, reference, sources, variant_inputs, with_quantum)
 
 __all__ = ["Options", "check", "check_run", "check_head", "error_ratio_map", "Report", "HeadResult", "Comparison",
            "compare_arrays", "elementwise_error", "head_jobs", "RunInfo", "PASS", "FAIL", "INHERITED", "MISSING",
@@ -189,8 +188,7 @@ def _compare(res: HeadResult, ctx: HeadContext, results: Dict[str, HeadResult], 
     """The chained and the isolated comparison of one stage × head (into res); returns the isolated
     and the chained (sources, reference, allowance) for the diagnoses."""
     stage, mat, quantum = res.stage, ctx.got[res.stage], ctx.quanta[res.stage]
-    override = opts.override(stage)
-    names = sources(stage, ctx)
+    override, names = opts.override(stage), sources(stage, ctx)
     src_chain = {n: ctx.chain[n] for n in names}
     src_iso, q_iso = isolated_sources(names, ctx.got, ctx.quanta, results, ctx.chain)
     src_iso, derived_q = derived_sources(names, src_iso, ctx, results)
@@ -246,8 +244,8 @@ class _HeadChecker:
     last: one matrix each, REF_CACHE of them, counted in head_jobs' memory budget)."""
 
     def __init__(self, run: RunInfo, case: InputCase, opts: Options, diagnoser: Optional[Diagnoser],
-                 packed: Optional[PackedRun] = None) -> None:
-        self.run, self.case, self.opts, self.diagnoser = run, case, opts, diagnoser
+                 packed: Optional[PackedRun] = None, slabs: bool = True) -> None:
+        self.run, self.case, self.opts, self.diagnoser, self.slabs = run, case, opts, diagnoser, slabs
         self.ref_of_head = functools.lru_cache(maxsize=REF_CACHE)(self._reference)
         self.packed = packed  # a packed case: each sequence is checked as a dense case of its own
 
@@ -278,14 +276,16 @@ class _HeadChecker:
             return self.packed.check(kv_head, lambda run, case, diagnoser: _HeadChecker(
                 run, case, self.opts, diagnoser).check(kv_head), self.diagnoser)
         group = KVGroup(self.run, kv_head)
+        diagnoser = slab_diagnoser(self.run, self.case, self.diagnoser, lambda run, case, capture: _HeadChecker(
+            run, case, self.opts, capture, slabs=False).check(kv_head)) if self.slabs else self.diagnoser
         out: List[HeadResult] = []
         # Non-finite inputs, when allowed, make the error model's arithmetic meet inf and NaN.
         with np.errstate(all="ignore") if self.opts.allow_nonfinite else np.errstate():
             for i, head in enumerate(group.heads):
                 if i:
                     collect_head_garbage()  # the previous query head's matrices, before the next one's
-                out += check_head(self.run, self.case, head, self.opts, self.ref_of_head, self.diagnoser, group)
-            out += check_summed(group, self.opts, self.ref_of_head, self.diagnoser)
+                out += check_head(self.run, self.case, head, self.opts, self.ref_of_head, diagnoser, group)
+            out += check_summed(group, self.opts, self.ref_of_head, diagnoser)
         if group.size == 1:
             return out
         order = {s: i for i, s in enumerate(STAGES)}
@@ -333,6 +333,7 @@ def check_run(run: RunInfo, case: InputCase, opts: Options, progress: Optional[C
     with on_device(device_for(run, opts.device), dims.seq_q * dims.seq_k, opts.jobs) as device:  # (GPU: one process)
         results = map_heads(checker.check, dims.total_kv_heads, device_jobs(device, jobs), advance, tune_process)
     apply_mismatches(run, results)
+    run.notes += slab_notes(run, results) if diagnoser is not None else []
     report = Report(run, case, results, foreign_stage_files(run), _program_checks(run, opts), _keep_rate(run, results))
     if packed is not None and diagnoser is not None:  # pages or new keys read from the wrong place
         diagnose_paged_case(report, check_run, Options(jobs=1), load_output)

@@ -89,6 +89,9 @@ class Suspect:
     # A run that splits the keys: a split stage's failure, or a flash stage's against the combine of
     # the program's splits (verify/check/splits.py SplitSuspect); the split diagnoses alone explain it.
     splits: Optional[object] = None
+    # A head too long to recompute whole (verify/check/slab.py): the diagnoses find the whole stage's
+    # patterns, and slab() gives the causes the head's first rows, checked as a case of their own, showed.
+    slab: Optional[Callable[[], List[Diagnosis]]] = None
 
 
 # (stage, got, the isolated reference, the Suspect) -> every pattern that explains got, most

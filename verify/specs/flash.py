@@ -33,7 +33,7 @@ from .base import (FLASH_VS_OUTPUT, LSE_VS_SCORES, HeadContext, Problem, StageSp
                    flash_sources, head_variant, score_sources)
 from .copies import PATTERNS
 from .output import attention_from_inputs, scores_from_inputs, values_floor
-from .scores import qk_quantization
+from .scores import qk_quantization, stand_ins
 
 
 def _with_mask_output(src, scale, masked, variant: Variant = Variant(), slope: float = 0.0, rows=None, n=None):
@@ -204,7 +204,7 @@ def _output_vs_partner(stage: str, got: np.ndarray, ctx: HeadContext) -> List[Vi
     allowed = (ctx.bounds.stage_bound(stage, src, chain[partner], **kw) + ctx.bounds.combine_allowance(stage, ctx)
                + ctx.bounds.chained_bound(partner, {**src, **chain}, **kw) + ctx.quantum(stage, partner))
     v = consistency(FLASH_VS_OUTPUT, stage, got, np.asarray(ctx.got[partner], np.float64), allowed,
-                    f"the binary's {partner}")
+                    f"the program's {partner}")
     return [v] if v else []
 
 
@@ -213,8 +213,11 @@ def _lse_vs_partner(stage: str, got: np.ndarray, ctx: HeadContext) -> List[Viola
     partner = SPECS_BY_NAME[stage].partner
     if partner not in ctx.got:
         return []
+    hidden = ctx.hidden(*np.shape(ctx.got[partner]))
+    # (a finite stand-in for −inf is −inf to the softmax: a row that sees no key has log 0 = −inf)
     scores = np.asarray(ctx.got[partner], np.float64)
-    empty = ctx.hidden(*scores.shape).all(axis=1)
+    scores = np.where(stand_ins(scores, hidden), -np.inf, scores)
+    empty = hidden.all(axis=1)
     if not (np.isfinite(scores) | (scores == -np.inf)).all() or ((scores == -np.inf).all(axis=1) & ~empty).any():
         return []  # the scores' own check reports it
     weights = next(s for s in STAGES if partner in STAGES[s].inputs)
@@ -226,7 +229,7 @@ def _lse_vs_partner(stage: str, got: np.ndarray, ctx: HeadContext) -> List[Viola
     allowed = (ctx.bounds.stage_bound(stage, _flash_sources(ctx), chain[stage], **kw)
                + ctx.bounds.combine_allowance(stage, ctx) + inherited)
     v = consistency(LSE_VS_SCORES, stage, got, log_sum_exp_rows(scores), allowed,
-                    f"the log-sum-exp of the binary's {partner} rows")
+                    f"the log-sum-exp of the program's {partner} rows")
     return [v] if v else []
 
 

@@ -1,0 +1,120 @@
+"""A failing stage of a head too long to recompute whole (verify/check/slab.py): its causes are
+looked for on the head's first query rows, checked as a case of their own, and named with those
+rows; its unwritten regions and other patterns on the whole stage. The recomputing diagnoses never
+see more than the slab's rows. DIAGNOSIS_SCORES is lowered so that a head of 256 × 256 scores is
+long (its slab: 64 rows); the same bugs on the head diagnosed whole get the same names."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import attnstep
+from helpers import foreign_routes as foreign
+from verify.check import slab
+from verify.diagnose import hypotheses
+
+N, D, TILE, SLAB = 256, 32, 32, 64
+SCALE = D ** -0.5
+# The hypotheses that recompute a stage from Q, K, V (the others read got and want alone).
+RECOMPUTING = ("scaled", "softmax_axis", "head_permuted", "mask", "keys", "overflow")
+
+
+def _case(seed: int = 3, n: int = N, m: int = N):
+    rng = np.random.default_rng(seed)
+    return tuple(rng.standard_normal((1, 2, rows, D)).astype(np.float32) for rows in (n, m, m))
+
+
+def _flash(q, k, v, scale: float = SCALE, causal: bool = True, mask_offset: int = 0):
+    """A float32 flash forward (tiles of 32 keys) of every head: output (B, H, N, d), lse (B, H, N)."""
+    heads = [foreign.flash_forward(q[0, h], k[0, h], v[0, h], scale, causal, TILE, False, mask_offset)
+             for h in range(q.shape[1])]
+    return np.stack([o for o, _ in heads])[None], np.stack([lse[:, 0] for _, lse in heads])[None]
+
+
+@pytest.fixture
+def seen_rows(monkeypatch):
+    """The rows of every stage a recomputing hypothesis was shown."""
+    rows = []
+    for name in RECOMPUTING:
+        hyp = hypotheses._HYPOTHESES[name]
+
+        def spy(stage, got, want, ctx, width, hyp=hyp):
+            rows.append(got.shape[0])
+            return hyp(stage, got, want, ctx, width)
+        monkeypatch.setitem(hypotheses._HYPOTHESES, name, spy)
+    return rows
+
+
+@pytest.fixture
+def long_heads(monkeypatch):
+    monkeypatch.setattr(slab, "DIAGNOSIS_SCORES", N * N // 4)
+
+
+def _named(report, stage: str):
+    results = [r for r in report.results if r.stage == stage]
+    assert results and all(r.status == "FAIL" for r in results), [(r.head, r.status) for r in results]
+    return [r.diagnosis for r in results]
+
+
+@pytest.mark.parametrize("bug, planted, code", [
+    ("mask one key past the diagonal", dict(mask_offset=1), "mask_offset"),
+    ("scale missing", dict(scale=1.0), "scaled"),
+], ids=["mask_offset", "scaled"])
+def test_a_long_heads_cause_is_named_from_its_first_rows(long_heads, seen_rows, bug, planted, code):
+    q, k, v = _case()
+    out, lse = _flash(q, k, v, **planted)
+    report = attnstep.check_arrays(q, k, v, {"flash_output": out, "flash_lse": lse}, causal=True)
+    assert report.first_failing_stage == "flash_output"
+    for stage in ("flash_output", "flash_lse"):
+        for found in _named(report, stage):
+            assert found[0].code == code, [(d.code, d.message) for d in found]
+            assert found[0].message.endswith(f"(found on query rows 0..{SLAB - 1} of {N})"), found[0].message
+    assert seen_rows and max(seen_rows) == SLAB, seen_rows
+    assert any("first 64 query rows" in n for n in report.run.notes), report.run.notes
+
+
+@pytest.mark.parametrize("planted, code", [(dict(mask_offset=1), "mask_offset"), (dict(scale=1.0), "scaled")],
+                         ids=["mask_offset", "scaled"])
+def test_the_same_bugs_are_named_alike_on_a_head_diagnosed_whole(seen_rows, planted, code):
+    q, k, v = _case()
+    out, lse = _flash(q, k, v, **planted)
+    report = attnstep.check_arrays(q, k, v, {"flash_output": out, "flash_lse": lse}, causal=True)
+    for found in _named(report, "flash_output"):
+        assert found[0].code == code and "found on query rows" not in found[0].message
+    assert max(seen_rows) == N
+    assert not any("too long" in n for n in report.run.notes)
+
+
+def test_rows_left_unwritten_past_the_slab_are_placed_on_the_whole_stage(long_heads, seen_rows):
+    q, k, v = _case()
+    out, lse = _flash(q, k, v)
+    out[0, 1, N - 6:] = 0.0  # the last query tile's last rows never written
+    report = attnstep.check_arrays(q, k, v, {"flash_output": out, "flash_lse": lse}, causal=True)
+    [found] = [r.diagnosis for r in report.results if r.stage == "flash_output" and r.head == 1]
+    assert found[0].code == "unwritten" and f"rows {N - 6}..{N - 1}" in found[0].message, found
+    assert all(r <= SLAB for r in seen_rows), seen_rows
+
+
+def test_a_correct_long_head_passes_without_a_note(long_heads):
+    q, k, v = _case()
+    out, lse = _flash(q, k, v)
+    report = attnstep.check_arrays(q, k, v, {"flash_output": out, "flash_lse": lse}, causal=True)
+    assert report.passed, attnstep.format_report(report)
+    assert not any("too long" in n for n in report.run.notes)
+
+
+def test_a_bottom_right_mask_with_more_keys_names_the_whole_stages_patterns_alone(long_heads, seen_rows, monkeypatch):
+    """With M > N the first query rows of a bottom-right mask see M − N keys more than a case of
+    those rows alone would: no slab, and nothing is recomputed on the whole head either."""
+    n, m = N // 2, 2 * N
+    q, k, v = _case(n=n, m=m)
+    out, lse = _flash(q, k, v, mask_offset=m - n + 1)  # bottom-right, one key past the diagonal
+    report = attnstep.check_arrays(q, k, v, {"flash_output": out, "flash_lse": lse}, causal="bottom-right")
+    assert report.first_failing_stage == "flash_output"
+    for found in _named(report, "flash_output"):
+        assert "mask_offset" not in [d.code for d in found]
+    assert seen_rows == []
+    assert any("bottom-right mask with N != M" in n for n in report.run.notes), report.run.notes
+    monkeypatch.setattr(slab, "DIAGNOSIS_SCORES", n * m)  # the same head diagnosed whole names the mask
+    whole = attnstep.check_arrays(q, k, v, {"flash_output": out, "flash_lse": lse}, causal="bottom-right")
+    assert all(found[0].code == "mask_offset" for found in _named(whole, "flash_output"))

@@ -1,0 +1,135 @@
+"""The scale's bugs: a stage that is a factor off the reference (a known factor named), or one
+recomputed under a scale programs use by mistake (1/d_k, the scale twice or missing, the default
+1/√d_k for the case's own, an exp2 softmax without log2(e))."""
+from __future__ import annotations
+
+from typing import Dict, List
+
+import numpy as np
+
+from ..check.diagnosis import Diagnosis
+from ..check.reference import compute_stage
+from ..specs import SPECS
+from ..stages import STAGES
+from .base import MATCH_WIDTHS, SCALE_NAME_RTOL, explains, maxdiff
+from .inputs import case_inputs, rebuilder, slope_of, variant_of, variant_tensors
+
+
+def _feeds_the_scale(stage: str) -> bool:
+    """Whether the stage is what a scaling stage scales (QK: a scale found there came too early)."""
+    return any(SPECS[s].scaled and stage in STAGES[s].inputs for s in SPECS)
+
+
+# A program that ignores the case's own scale (a manifest's, or --scale) for the usual 1/√d_k.
+_DEFAULT_USED = "the default 1/√d_k used, not the case's scale"
+# A softmax by exp2 whose scale does not fold in log2(e): exp2(s·x) = exp(s·ln 2·x).
+_EXP2_WITHOUT_LOG2E = "exp2 used without log2(e) folded into the scale (scale·ln 2)"
+
+
+def _wrong_scales(scale: float, d_k: int) -> Dict[str, float]:
+    """The scales a program uses by mistake, each with what it is: dividing by d_k instead of √d_k
+    first (with the default scale 1/√d_k it is also the scale applied twice: both are named), the
+    default 1/√d_k where the case gives another scale (the case's scale ignored), and an exp2
+    softmax without log2(e) in its scale."""
+    return {"1/d_k used as the scale (divided by d_k, not √d_k)": 1.0 / d_k,
+            "scale applied twice": scale * scale, "scale missing": 1.0,
+            "multiplied by √d_k instead of divided": d_k ** 0.5,
+            _DEFAULT_USED: d_k ** -0.5, _EXP2_WITHOUT_LOG2E: scale * np.log(2.0)}
+
+
+
+def _named(value: float, named: Dict[str, float]) -> List[str]:
+    return [n for n, v in named.items() if abs(value - v) <= SCALE_NAME_RTOL * abs(v)]
+
+
+def _scale_names(f: float, scale: float, d_k: int, stage: str) -> List[str]:
+    """What a factor f between got and want is: a known factor, or a known wrong scale used."""
+    named = {"√d_k": d_k ** 0.5, "1/√d_k": d_k ** -0.5, "d_k": float(d_k), "1/d_k": 1.0 / d_k}
+    if scale != 0.0:
+        if SPECS[stage].scaled:
+            used = [n for n in _named(f * scale, _wrong_scales(scale, d_k))
+                    if n.startswith("1/d_k") or n == _DEFAULT_USED]
+            named = {**{n: f for n in used}, **named}  # the scale it used, named first
+            named["scale (scale applied twice)"] = scale
+            named["1/scale (scale missing)"] = 1.0 / scale
+        elif _feeds_the_scale(stage):
+            named["scale (QK already scaled)"] = scale
+        else:
+            named["scale"] = scale
+            named["1/scale"] = 1.0 / scale
+    return _named(f, named)
+
+
+def _linear_factor(stage, got, want, ctx, width) -> List[Diagnosis]:
+    """got ≈ f·want, f fitted on the entries that are not blank."""
+    d_k = ctx.dims.d_k if ctx.dims is not None else 1
+    # Entries left blank (0 or NaN where want is not) belong to an unwritten region, not to the
+    # scaling: fit the factor on the rest.
+    blank = (np.isnan(got) | (got == 0)) & (want != 0) & np.isfinite(want)
+    fin = np.isfinite(got) & np.isfinite(want) & ~blank
+    if not fin.any() or (np.isfinite(want) != np.isfinite(got))[~blank].any():
+        return []
+    g, w = got[fin], want[fin]
+    ww = float(w @ w)
+    if ww <= 0:
+        return []
+    f = float(g @ w) / ww
+    if f == 0 or abs(f - 1) <= 1e-3:
+        return []
+    diff = maxdiff(got[fin], f * want[fin])
+    if diff > MATCH_WIDTHS * width * max(1.0, abs(f)):
+        return []
+    names = _scale_names(f, ctx.scale, d_k, stage)
+    named = f" ≈ {' = '.join(names)}" if names else ""
+    rest = f", apart from {int(blank.sum())} blank entries" if blank.any() else ""
+    return [Diagnosis("scaled", f"{stage} is scaled: got ≈ {f:.6g}·want{named}{rest} (max diff {diff:.2g})",
+                      {"factor": f, "names": names, "max_diff": diff}, 0.9)]
+
+
+def recomputed(stage: str, src: Dict[str, np.ndarray], scale: float, ctx) -> np.ndarray:
+    """The stage from `src` at `scale` under the run's variant."""
+    v = variant_of(ctx)
+    return compute_stage(stage, src, scale, v.causal, variant=v, slope=slope_of(ctx))
+
+
+def _rescaler(stage, ctx, width):
+    """(the stage recomputed under another scale, the width to match it with): from the stage's
+    sources when it applies the scale itself, else from the case's inputs; None if neither."""
+    if SPECS[stage].scaled and ctx.src:
+        return (lambda s2: recomputed(stage, ctx.src, s2, ctx)), width
+    built = rebuilder(stage, ctx, width)
+    if built is None:
+        return None
+    qkv, from_inputs = case_inputs(ctx), SPECS[stage].from_inputs
+    v, slope = variant_of(ctx), slope_of(ctx)
+    qkv = {**variant_tensors(ctx), **qkv}
+    return (lambda s2: from_inputs(qkv, s2, None, variant=v, slope=slope)), built[1]
+
+
+def _wrong_scale(stage, got, want, ctx, width) -> List[Diagnosis]:
+    """The stage recomputed with each wrong scale a program uses; every name of the one that fits."""
+    d_k, scale = (ctx.dims.d_k if ctx.dims is not None else 1), ctx.scale
+    rescaled = _rescaler(stage, ctx, width)
+    if rescaled is None:
+        return []
+    recompute, width = rescaled
+    for s2 in dict.fromkeys(_wrong_scales(scale, d_k).values()):
+        if abs(s2 - scale) <= 1e-6 * abs(scale):
+            continue
+        try:
+            cand = recompute(s2)
+        except (KeyError, ValueError):
+            continue
+        diff = explains(got, cand, want, width)
+        if diff is not None:
+            names = _named(s2, _wrong_scales(scale, d_k))
+            return [Diagnosis("scaled", f"{stage} used scale {s2:.6g} instead of {scale:.6g}: "
+                              f"{' = '.join(names)} (max diff {diff:.2g})",
+                              {"factor": s2 / scale, "used_scale": s2, "names": names, "max_diff": diff}, 0.9)]
+    return []
+
+
+def scaled(stage, got, want, ctx, width) -> List[Diagnosis]:
+    """got ≈ f·want (linear stages), or the stage recomputed with a wrong scale (nonlinear ones)."""
+    found = _linear_factor(stage, got, want, ctx, width) if SPECS[stage].linear else []
+    return found or _wrong_scale(stage, got, want, ctx, width)
