@@ -489,6 +489,7 @@ VARIANT_MUTATIONS = {
     "window_missing-left": ("window", "window_left_ignored", 0, "QK_scaled", "window_missing", ()),
     "mask_file_ignored": ("mask", "mask_ignored", 1, "QK_scaled", "mask_file_ignored", ()),
     "mask_file_transposed": ("mask", "mask_transposed", 1, "QK_scaled", "mask_file_transposed", ()),
+    "mask_file_inverted": ("mask", "mask_inverted", 1, "QK_scaled", "mask_file_inverted", ()),
     "bias_ignored": ("bias", "bias_ignored", 1, "QK_scaled", "bias_ignored", ()),
     "bias_transposed": ("bias", "bias_transposed", 1, "QK_scaled", "bias_transposed", ()),
     "softcap_missing": ("softcap-backward", "softcap_missing", 1, "QK_scaled", "softcap_missing", ()),

@@ -167,9 +167,10 @@ def test_a_causal_diagonal_moved_under_a_window_is_named_with_the_window_kept(tm
     assert all(d["detail"]["offset"] == 1 and d["detail"]["window_kept"] for d in found.values())
 
 
-@pytest.mark.parametrize("bug,code", [("mask_transposed", "mask_file_transposed"), ("mask_ignored", "mask_file_ignored")])
+@pytest.mark.parametrize("bug,code", [("mask_transposed", "mask_file_transposed"), ("mask_ignored", "mask_file_ignored"),
+                                      ("mask_inverted", "mask_file_inverted")])
 @pytest.mark.parametrize("only,stage", [(None, "QK_scaled"), (("flash_output",), "flash_output")])
-def test_the_mask_file_ignored_or_read_transposed_is_named(tmp_path, cases, bug, code, only, stage):
+def test_the_mask_file_ignored_read_transposed_or_inverted_is_named(tmp_path, cases, bug, code, only, stage):
     _named(_check(tmp_path, cases["mask"], Program(bug), only)[1], stage, code)
 
 

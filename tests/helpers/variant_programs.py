@@ -48,6 +48,7 @@ BUGS = {
     "alibi_missing": "no ALiBi",
     "mask_transposed": "the mask file read with transposed strides",
     "mask_ignored": "the mask file ignored",
+    "mask_inverted": "the mask file read inverted (1: hidden)",
     "bias_ignored": "the bias file ignored",
     "bias_transposed": "the bias file read with transposed strides",
     "dropout_unscaled": "the kept weights not divided by 1 - p",
@@ -100,6 +101,8 @@ class Program:
         if self.bug == f"{name}_transposed":
             n, m = x.shape
             return np.ascontiguousarray(x).reshape(m, n).T  # the N×M buffer read as M×N column-major
+        if self.bug == f"{name}_inverted":
+            return (x == 0).astype(x.dtype)  # True taken as the keys to hide
         return x
 
     # ---- the mask and the scores ---------------------------------------------------------------

@@ -13,7 +13,7 @@ tile_boundary, lse_log2; the softmax loops' mask_after_softmax, tile_keys_skippe
 online_rescale_missing (verify/diagnose/softmax_loops.py); the heads' head_permuted, kv_head_map,
 kv_group_not_summed, kv_group_summed_twice (verify/diagnose/heads.py); the masks' mask_missing,
 mask_offset (any offset; the other alignment named), window_off, window_missing, mask_file_ignored,
-mask_file_transposed (verify/diagnose/masks.py); the variants' softcap_missing,
+mask_file_transposed, mask_file_inverted (verify/diagnose/masks.py); the variants' softcap_missing,
 softcap_before_scale, softcap_derivative_missing, alibi_missing, alibi_sign, alibi_slope_order,
 bias_ignored, bias_transposed, dropout_unscaled, dropout_not_applied, dropout_mask_inverted
 (verify/diagnose/variants.py); the backward's D_wrong_O, dS_missing_P, grad_unscaled,

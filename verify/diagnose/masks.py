@@ -11,7 +11,7 @@ stage) and must explain got while the reference does not.
 Codes: mask_missing (the causal mask or the whole window not applied), mask_offset (the diagonal
 moved by k keys: any k, the other alignment named as such), window_off (one bound of the window
 off by a few keys, or the bounds swapped), window_missing (one bound of the window ignored, or the
-window with the causal mask kept), mask_file_ignored, mask_file_transposed.
+window with the causal mask kept), mask_file_ignored, mask_file_transposed, mask_file_inverted.
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ from .inputs import (case_inputs, file_hidden, rebuilder, slope_of, structural_h
 MAX_WINDOW_SHIFT = 3
 # The codes of a wrong mask: they leave rows with no visible key (0/0), and explain them.
 CODES = ("mask_missing", "mask_extra", "mask_offset", "window_off", "window_missing", "mask_file_ignored",
-         "mask_file_transposed")
+         "mask_file_transposed", "mask_file_inverted")
 # What a causal mask the case does not have most often is: a case without a manifest, checked
 # without --causal.
 _EXTRA_HINT = ("HINT: if the program is meant to mask, the case must say so (its manifest; a case without one is "
@@ -174,6 +174,9 @@ def _mask_file(masks: Masks) -> Iterator[Candidate]:
     for how, read in _transposed_reads(mask):
         yield Candidate("mask_file_transposed", f"the mask file ({v.mask}) is read {how}",
                         structural | without | (read == 0), {"coverage": v.mask, "how": how})
+    yield Candidate("mask_file_inverted", f"the mask file ({v.mask}) is read inverted: its 1s (True: keep) hide "
+                    "keys and its 0s keep them",
+                    structural | without | (mask != 0), {"coverage": v.mask})
 
 
 def _transposed_reads(x: np.ndarray) -> Iterator[Tuple[str, np.ndarray]]:
