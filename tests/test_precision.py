@@ -163,6 +163,35 @@ def test_truncation_of_bf16_inputs_fails_qk_by_twice_its_bound_and_is_not_a_scal
     assert attnstep.check_arrays(q, k, v, stages, precision="bf16", half_rounding="toward-zero").passed
 
 
+def _truncated(x: np.ndarray) -> np.ndarray:
+    """float32 to bf16 by dropping the low 16 bits (toward zero)."""
+    return (np.ascontiguousarray(x, np.float32).view(np.uint32) & np.uint32(0xFFFF0000)).view(np.float32)
+
+
+def test_a_truncating_flash_output_with_entries_near_zero_is_named_truncation():
+    """A bf16 flash forward that truncates its inputs, P and output: its output's entries near 0
+    (below the error of P in bf16) may take the other sign, the rest lie up to a bf16 unit nearer
+    0. Checked as rounding to nearest, the output is named truncation all the same."""
+    rng = np.random.default_rng(5)
+    q = rng.standard_normal((2, 100, 64)).astype(np.float32)
+    k, v = (rng.standard_normal((2, 130, 64)).astype(np.float32) for _ in range(2))
+    out, lse = [], []
+    for h in range(2):
+        s = (_truncated(q[h]) @ _truncated(k[h]).T) * np.float32(0.125)
+        mx = s.max(axis=1, keepdims=True)
+        p = np.exp(s - mx)
+        l = p.sum(axis=1, keepdims=True)
+        out.append(_truncated((_truncated(p) @ _truncated(v[h])) / l))
+        lse.append((mx + np.log(l))[:, 0])
+    stages = {"flash_output": np.stack(out), "flash_lse": np.stack(lse)}
+    assert (np.stack(out) * np.stack(out) < 1e-6).any()  # (entries near 0)
+    report = attnstep.check_arrays(q, k, v, stages, precision="bf16")
+    first = report.first_failure
+    assert first.stage == "flash_output" and [d.code for d in first.diagnosis][:1] == ["half_truncation"], \
+        [d.message for d in first.diagnosis]
+    assert attnstep.check_arrays(q, k, v, stages, precision="bf16", half_rounding="toward-zero").passed
+
+
 def test_a_rounding_bf16_program_checked_as_truncating_is_told_to_round():
     """toward-zero bounds assume the inputs were truncated too: a program that rounds them fails
     there, and is told that rounding to nearest explains it."""

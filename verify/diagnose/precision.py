@@ -43,6 +43,9 @@ EVIDENCE_FRACTION = 0.125
 MIN_EVIDENCE = 16
 # Truncation shrinks |x| by half an ulp on average, rounding to nearest by none.
 TRUNCATION_BIAS = 0.25
+# Values nearer 0 than the float32 result's own error may take the other sign (an output's small
+# entries under a P rounded to the format); more of them than this is no truncation.
+MAX_SIGN_FLIPS = 0.01
 # TF32 moves a result by a few of its units (2^-11) of the stage's magnitude; a bug by far more.
 TF32_GATE = 2.0 ** -11 * 64
 # TF32 operands move nearly every element past float32's bound; a few wrong elements are a bug.
@@ -157,13 +160,17 @@ def half_format_of(stage: str, got: np.ndarray, ctx: Suspect) -> Optional[str]:
 
 
 def truncation_bias(got: np.ndarray, want: np.ndarray, precision: str) -> float:
-    """The mean shrink of |got| below |want| in units of the format's last place (≈ 0.5 for a
-    truncating conversion, ≈ 0 for rounding to nearest); -inf where a sign differs."""
+    """The median shrink of |got| below |want| in units of the format's last place (≈ 0.5 for a
+    truncating conversion, ≈ 0 for rounding to nearest), over the entries of one sign in both (the
+    median: an entry near 0, far below its error, may be many of its tiny units off); -inf where
+    more than MAX_SIGN_FLIPS of them differ in sign."""
     where = np.isfinite(got) & np.isfinite(want) & (want != 0)
     g, w = got[where], want[where]
-    if not g.size or np.any(g * w < 0):
+    flips = g * w < 0
+    if not g.size or np.mean(flips) > MAX_SIGN_FLIPS:
         return -np.inf
-    return float(np.mean((np.abs(w) - np.abs(g)) / _ulp(w, precision)))
+    g, w = g[~flips], w[~flips]
+    return float(np.median((np.abs(w) - np.abs(g)) / _ulp(w, precision)))
 
 
 def tf32_operands(x: np.ndarray, toward_zero: bool) -> np.ndarray:
@@ -251,9 +258,9 @@ def _half(stage, got, want, ctx, fmt: str, current: Tuple[str, str]) -> List[Dia
     if not (ratio < 1 and bias > TRUNCATION_BIAS):
         return []
     return [Diagnosis("half_truncation", f"{stage}: the {fmt} values are truncated, not rounded: each lies "
-                      f"up to one unit of {fmt}'s last place closer to zero than the float32 result (on "
-                      f"average {bias:.2f} units, never farther), as converting by dropping the low bits "
-                      "(bits >> 16) does. It passes under --precision "
+                      f"up to one unit of {fmt}'s last place closer to zero than the float32 result (a median of "
+                      f"{bias:.2f} units; none farther but entries nearer 0 than their error), as converting by "
+                      "dropping the low bits (bits >> 16) does. It passes under --precision "
                       f"{fmt} --half-rounding toward-zero (at {ratio:.2g} of those bounds); or convert "
                       "with rounding to nearest (__float2bfloat16, __float2half)",
                       {"precision": fmt, "rounding": TOWARD_ZERO, "bias_ulps": bias, "tol_used": ratio},
