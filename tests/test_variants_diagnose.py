@@ -204,6 +204,27 @@ def test_a_gradient_without_the_softcap_s_derivative_is_named(tmp_path, cases):
            "softcap_derivative_missing", range(6))
 
 
+def test_the_gradients_of_a_softcap_before_the_scale_name_it_first_and_nothing_looser(tmp_path, cases):
+    """The flash gradients of a program that caps before the scale, checked against its own wrong
+    output and lse: a bound wide where those disagree lets loose candidates fit too. The cause,
+    which reproduces got most closely, comes first, and none 100 times looser is listed."""
+    flash = ("flash_output", "flash_lse", "flash_dQ", "flash_dK", "flash_dV")
+    in_dir = tmp_path / "in"
+    r = invoke("generate", "--out", in_dir, "--heads", "4", "--seq-q", "128", "--seq-k", "128", "--d-k", "64", "--d-v",
+               "64", "--dist", "normal", "--seed", 0, "--format", "npy", "--softcap", "50", "--backward")
+    assert r.exit_code == 0, r.output
+    for f in [*in_dir.glob("Q_head_*.npy"), *in_dir.glob("K_head_*.npy")]:  # logits in the tens: the cap bends them
+        np.save(f, 2 * np.load(f))
+    report = _check(tmp_path, in_dir, Program("softcap_before_scale"), flash)[1]
+    for e in report["results"]:
+        if e["status"] != "FAIL":
+            continue
+        found = e["diagnosis"]
+        assert found and found[0]["code"] == "softcap_before_scale", (e["stage"], [d["code"] for d in found])
+        diffs = [d["detail"]["max_diff"] for d in found if "max_diff" in d["detail"]]
+        assert max(diffs) <= 100 * min(diffs), (e["stage"], [(d["code"], d["detail"].get("max_diff")) for d in found])
+
+
 # ---- dropout ---------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("bug,code", [("dropout_unscaled", "dropout_unscaled"),
@@ -222,7 +243,7 @@ def test_a_dropout_bug_is_named_at_the_output(tmp_path, cases, bug, code):
 def test_every_planted_bug_is_tested():
     planted = {bug for _, bug, *_ in WINDOWS} | {bug for _, bug, _ in SCORES} | {"softcap_grad_missing"} | {
         "kv_modulo", "kv_unshared", "group_first", "group_last", "group_twice", "align_swapped", "mask_transposed",
-        "mask_ignored", "dropout_unscaled", "dropout_not_applied", "dropout_inverted"}
+        "mask_ignored", "mask_inverted", "dropout_unscaled", "dropout_not_applied", "dropout_inverted"}
     assert planted == set(BUGS)
 
 

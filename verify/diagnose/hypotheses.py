@@ -267,8 +267,29 @@ def _without(found: List[Diagnosis], codes) -> List[Diagnosis]:
     return [d for d in found if d.code not in codes]
 
 
+# A candidate that reproduces got this many times less closely than another is not its explanation
+# (where a stage's bound is wide somewhere, from sources that disagree, several fit loosely).
+_LOOSER = 100.0
+
+
+def _max_diff(d: Diagnosis):
+    """How closely a candidate reproduces got (None where the finding is no candidate)."""
+    diff = d.detail.get("max_diff")
+    return diff if isinstance(diff, float) else None
+
+
+def _closest(found: List[Diagnosis]) -> List[Diagnosis]:
+    """The findings without the candidates that reproduce got _LOOSER times less closely than the
+    closest one (those with a max_diff; the others stay)."""
+    diffs = [_max_diff(d) for d in found if _max_diff(d) is not None]
+    if not diffs:
+        return found
+    return [d for d in found if _max_diff(d) is None or _max_diff(d) <= _LOOSER * min(diffs)]
+
+
 def _settled(found: List[Diagnosis], fired) -> List[Diagnosis]:
     """The findings without those another one explains, most confident first."""
+    found = _closest(found)
     codes = {d.code for d in found}
     if codes & (_EMPTIES_LINES | {"overflow"}):
         # A wrong axis or mask leaves rows or columns with no visible key (0/0: NaN, or 0 where
@@ -291,4 +312,9 @@ def _settled(found: List[Diagnosis], fired) -> List[Diagnosis]:
             if d.code == "nonfinite":
                 d.confidence = 0.85
     found.sort(key=lambda d: -d.confidence)
+    # Equally confident candidates: the closest reproduction of got first, in the places they hold.
+    for confidence in {d.confidence for d in found}:
+        places = [i for i, d in enumerate(found) if d.confidence == confidence and _max_diff(d) is not None]
+        for i, d in zip(places, sorted((found[i] for i in places), key=_max_diff)):
+            found[i] = d
     return found
