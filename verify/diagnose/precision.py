@@ -247,10 +247,11 @@ def _half(stage, got, want, ctx, fmt: str, current: Tuple[str, str]) -> List[Dia
         ratio, _ = recheck(stage, got, ctx, fmt)
         if ratio < 1:
             how = " and conversions to nearest (without --half-rounding toward-zero)" if current[0] == fmt else ""
-            return [Diagnosis("half_storage", f"{stage} holds {fmt} values (each one of the format's) and "
-                              f"passes under --precision {fmt}{how} (at {ratio:.2g} of those bounds): the "
-                              f"program stores its values in {fmt} ({_HALF_TYPES[fmt]}). Check with "
-                              f"--precision {fmt}{how}", {"precision": fmt, "tol_used": ratio}, CONFIDENCE)]
+            holds = f"holds {fmt} values (each one of the format's) and passes" if stored_in_format(stage) else \
+                f"(float32 in a {fmt} program too) is computed from {fmt} values: it passes"
+            return [Diagnosis("half_storage", f"{stage} {holds} under --precision {fmt}{how} (at {ratio:.2g} of "
+                              f"those bounds): the program stores its values in {fmt} ({_HALF_TYPES[fmt]}). Check "
+                              f"with --precision {fmt}{how}", {"precision": fmt, "tol_used": ratio}, CONFIDENCE)]
     if current == (fmt, TOWARD_ZERO):
         return []  # the check itself assumed truncation
     ratio, want_rz = recheck(stage, got, ctx, fmt, TOWARD_ZERO)

@@ -7,6 +7,7 @@ from typing import List, Optional
 from ..check.results import FAIL, INHERITED, PASS, UNCHECKABLE, Comparison, HeadResult, Report
 from ..files.resolution import EXACT
 from ..runs import program_checks
+from ..stages import HALF_PRECISIONS
 from ..text import number as _g
 from ..text import number_pair, plural, printable
 from ..variant import NONE, TOP_LEFT, Variant
@@ -48,8 +49,15 @@ def _at(r: HeadResult, row: int, col: int) -> str:
 
 def arithmetic(run) -> str:
     """What the bounds assume, in words: the precision and whose arithmetic."""
-    who = {None: "any IEEE float32 program"}.get(run.backend, f"attnstep's {run.backend} backend")
+    who = f"attnstep's {run.backend} backend" if run.backend is not None else _any_program(run.precision)
     return f"{_precision_words(run)}, {who}" + (", fast-math intrinsics" if run.math == "fast" else "")
+
+
+def _any_program(precision: str) -> str:
+    """Whose arithmetic the bounds of another program's run assume."""
+    if precision in HALF_PRECISIONS:
+        return f"any program storing {precision}, accumulating in IEEE float32"
+    return "any program, its GEMMs on TF32 tensor cores" if precision == "tf32" else "any IEEE float32 program"
 
 
 def bounds_words(run) -> str:
