@@ -207,6 +207,15 @@ def test_a_mask_applied_after_the_softmax_is_named(tmp_path, stages, stage):
     _assert_named_first(report, stage, "mask_missing" if stage == "QK_scaled" else "mask_after_softmax")
 
 
+def test_a_mask_applied_after_the_softmax_of_other_scores_than_written_is_named(tmp_path):
+    """The scores written masked, the weights the softmax of the unmasked ones with the hidden zeroed:
+    the weights are named, from the inputs' scores where the written ones hold -inf."""
+    scale = default_scale(SQUARE.d_k)
+    result, report = _check(tmp_path, SQUARE, lambda x: bp.mask_after_softmax_program(x, scale, masked_scores=True),
+                            STAGE_PATH, causal=True)
+    _assert_named_first(report, "attention_weights", "mask_after_softmax")
+
+
 FLASH = ("flash_output", "flash_lse")
 ONLINE = [  # (id, dims, the program's options, the stages that fail, the tile named, what the message says)
     ("output-not-rescaled", PAST_TILE, {"rescale_output": False}, ("flash_output",), 32, "running output acc"),

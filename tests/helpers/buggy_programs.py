@@ -115,13 +115,16 @@ def dropped_tail_program(inputs: Sequence[Head], scale: float, tile: int) -> Lis
     return out
 
 
-def mask_after_softmax_program(inputs: Sequence[Head], scale: float) -> List[Head]:
+def mask_after_softmax_program(inputs: Sequence[Head], scale: float, masked_scores: bool = False) -> List[Head]:
     """A causal program that takes the softmax over every key, then zeroes the hidden weights
-    (the mask applied to the weights, not to the scores), and writes its scores unmasked."""
+    (the mask applied to the weights, not to the scores), and writes its scores unmasked (or,
+    masked_scores, masked: what it meant to take the softmax of)."""
     out = []
     for x in inputs:
         head = _stage_path(x["Q"], x["K"], x["V"], scale, None, stable_softmax)
         masked = shifted_mask(x["Q"].shape[0], x["K"].shape[0], 0)
+        if masked_scores:
+            head["QK_scaled"] = np.where(masked, -np.inf, head["QK_scaled"]).astype(f32)
         head["attention_weights"] = np.where(masked, f32(0), head["attention_weights"]).astype(f32)
         head["output"] = mm_blas(head["attention_weights"], x["V"])
         out.append(head)

@@ -114,8 +114,15 @@ def mask_after_softmax(stage, got, want, ctx, width) -> List[Diagnosis]:
     head = _head(stage, got, ctx, width)
     if head is None or head.kind == _LOG_SUM_EXP or not (head.hidden.any(axis=1) & ~head.hidden.all(axis=1)).any():
         return []
+    logits = head.logits
+    if head.values is None:  # the program's own masked scores: the hidden ones are the inputs' scores
+        qkv = case_inputs(ctx)
+        if qkv is None:
+            return []
+        logits = np.where(head.hidden, scores_from_inputs({**variant_tensors(ctx), **qkv}, ctx.scale, np.zeros(
+            logits.shape, bool), variant_of(ctx), slope_of(ctx)), logits)
     with np.errstate(invalid="ignore"):
-        weights = np.where(head.hidden, 0.0, softmax_rows(head.logits))
+        weights = np.where(head.hidden, 0.0, softmax_rows(logits))
     diff = _matches(got, want, head, head.from_weights(weights))
     if diff is None:
         return []
