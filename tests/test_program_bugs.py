@@ -12,6 +12,8 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 import pytest
 
+import attnstep
+
 from helpers import buggy_programs as bp
 from helpers import foreign_routes as foreign
 from helpers.cli import check_folder, generate_input, invoke
@@ -255,6 +257,24 @@ def test_an_exp2_softmax_without_log2e_is_named_as_the_scale_it_used(tmp_path):
     for d in _assert_named_first(report, "flash_output", "scaled") + [_first(e) for e in _failed(report, "flash_lse")]:
         assert d["code"] == "scaled" and abs(d["detail"]["used_scale"] - scale * np.log(2)) < 1e-9, d
         assert "exp2 used without log2(e)" in d["message"], d
+
+
+def test_a_missing_scale_over_many_keys_is_named_in_every_head():
+    """Over 32768 keys the output of a softmax without its scale moves little from the right one
+    (its weights spread as thin), less than a hundred of its bounds in some heads; the candidate
+    reproduces the program's float32 output to its own rounding, which names it all the same."""
+    rng = np.random.default_rng(2)
+    q = rng.random((1, 2, 64, 128), dtype=np.float32)
+    k, v = (rng.random((1, 2, 32768, 128), dtype=np.float32) for _ in range(2))
+    s = np.einsum("bhnd,bhmd->bhnm", q, k)  # (the scale left out), float32
+    mx = s.max(axis=-1, keepdims=True)
+    p = np.exp(s - mx)
+    l = p.sum(axis=-1, keepdims=True)
+    out, lse = np.einsum("bhnm,bhmd->bhnd", p / l, v), (mx + np.log(l))[..., 0]
+    report = attnstep.check_arrays(q, k, v, {"flash_output": out, "flash_lse": lse})
+    for r in report.results:
+        assert r.status == "FAIL" and [d.code for d in r.diagnosis][:1] == ["scaled"], (r.stage, r.head, r.diagnosis)
+        assert r.diagnosis[0].detail["used_scale"] == 1.0
 
 
 # ---- a finite stand-in for -inf ------------------------------------------------------------------
