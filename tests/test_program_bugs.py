@@ -277,6 +277,23 @@ def test_a_missing_scale_over_many_keys_is_named_in_every_head():
         assert r.diagnosis[0].detail["used_scale"] == 1.0
 
 
+def test_d_from_a_wrong_flash_output_is_inherited_in_a_flash_only_program():
+    """A FlashAttention-2 backward computes D = rowsum(dO * O) from its own flash_output: where the
+    forward is wrong (the scale left out here) and the program wrote no `output`, D is computed
+    right from what it was given: INHERITED, not a second bug."""
+    rng = np.random.default_rng(4)
+    q, k, v, do = (rng.standard_normal((1, 2, 48, 32)).astype(np.float32) for _ in range(4))
+    heads = [foreign.flash_forward(q[0, h], k[0, h], v[0, h], 1.0, True, 16, False) for h in range(2)]
+    out = np.stack([o for o, _ in heads])[None]
+    lse = np.stack([x[:, 0] for _, x in heads])[None]
+    d = (do * out).sum(axis=-1)
+    report = attnstep.check_arrays(q, k, v, {"flash_output": out, "flash_lse": lse, "D": d}, do=do, causal=True)
+    assert report.first_failing_stage == "flash_output"
+    for r in report.results:
+        if r.stage == "D":
+            assert r.status == "INHERITED" and "flash_output" in r.message, (r.status, r.message)
+
+
 # ---- a finite stand-in for -inf ------------------------------------------------------------------
 
 STAND_INS = [-1e9, -65504.0, -1e4, float(np.finfo(np.float32).min)]

@@ -236,14 +236,16 @@ def _own(name: str, got, results) -> bool:
 
 def isolated_sources(names, got, quanta, results, chain):
     """The sources of a stage's isolated reference: the binary's own upstream stages where it wrote
-    them, except echoes that matched their input (the exact input then), and the reference where a
-    stage was not written (an unchecked upstream stage is simply not checked)."""
+    them (or a stage that stands for one: flash_output for output), except echoes that matched their
+    input (the exact input then), and the reference where a stage was not written (an unchecked
+    upstream stage is simply not checked)."""
     src, q = {}, {}
     for n in names:
-        own = _own(n, got, results)
-        src[n] = got[n] if own else chain[n]
-        if own and quanta.get(n) is not None:
-            q[n] = quanta[n]
+        own = n if _own(n, got, results) else next((s for s in SPECS if SPECS[s].stands_for == n
+                                                     and _own(s, got, results)), None)
+        src[n] = got[own] if own else chain[n]
+        if own and quanta.get(own) is not None:
+            q[n] = quanta[own]
     return src, q
 
 
@@ -308,8 +310,10 @@ def bit_identical(a: Dict[str, np.ndarray], b: Dict[str, np.ndarray]) -> bool:
 # ---- the verdict ---------------------------------------------------------------------------------
 
 def failed_upstream(stage: str, results: Dict[str, HeadResult]) -> List[str]:
-    """The stages `stage` is computed from that failed, in table order."""
-    return [u for u in upstream(stage) if u in results and not results[u].passed]
+    """The stages `stage` is computed from that failed (or a stage that stands for one: flash_output
+    for output), in table order."""
+    above = upstream(stage)
+    return [u for u in results if not results[u].passed and (u in above or SPECS[u].stands_for in above)]
 
 
 def blamed_elsewhere(stage: str, violations: List[Violation], upstream_failed: List[str],

@@ -258,6 +258,9 @@ class StageSpec:
     canonical: the program's values in the reference's convention where a correct program may
     write the same result otherwise (flash_lse: +inf for a row that sees no key, as flash-attn
     stores it; under causal ALiBi flash-attn's row shift): applied before every comparison.
+    stands_for: the stage-path stage holding the same values (flash_output: output), which a
+    program's file of this one stands in for as a source where the program wrote only this one (D
+    of a flash-only backward is computed from its flash_output).
     passed_on: the isolated reference in the program's form where a correct stage may pass on what a
     faulty upstream gave it otherwise than the reference computes it (attention_weights: a row its
     own scores leave without a key that the head's mask shows keys normalizes 0/0, NaN where the
@@ -298,6 +301,7 @@ class StageSpec:
     passed_on: Optional[PassedOn] = None
     dropped: Tuple[str, ...] = ()
     keyless: float = 0.0
+    stands_for: Optional[str] = None
 
 
 # ---- helpers the invariants share -----------------------------------------------------------

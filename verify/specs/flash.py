@@ -303,7 +303,7 @@ SPECS = (
               from_inputs=_with_mask_output,
               diagnoses=PATTERNS + ("scaled", "mask", "keys", "overflow", "mask_after_softmax", "tile_keys",
                                     "online_rescale"),
-              baseline=OUTPUT, variant_sources=flash_sources),
+              baseline=OUTPUT, variant_sources=flash_sources, stands_for=OUTPUT),
     StageSpec(FLASH_LSE, reference=_lse_reference, isolated=_lse_isolated, keyless=-np.inf,
               floor=lambda src: FLUSH * 2 * np.asarray(src[KEYS]).shape[0] + _qk_flush_max(src),
               quantization=_lse_quantization, invariants=(_lse_vs_partner,), scaled=True, partner=SCALED_SCORES,
