@@ -321,3 +321,11 @@ def test_a_broken_names_file_is_called_a_names_file(tmp_path, good_run, content,
     names.write_bytes(content)
     err = one_line_error(invoke("check", "--in", in_dir, "--out", out_dir, "--names", names))
     assert words in err and "manifest" not in err, err
+
+
+def test_a_bare_pattern_in_a_names_file_is_told_to_quote_it(tmp_path, good_run):
+    in_dir, out_dir = good_run
+    names = tmp_path / "names.toml"
+    names.write_text("output = O_{i}.txt\n")
+    err = one_line_error(invoke("check", "--in", in_dir, "--out", out_dir, "--names", names))
+    assert "not a valid names file" in err and 'the pattern in double quotes' in err, err

@@ -267,7 +267,14 @@ def refuse_query_head_kv_files(sources: Dict[str, "StageSource"], dims: Dims) ->
 
 def read_names_file(path: Path) -> Dict[str, str]:
     """A names file: flat `STAGE = "PATTERN"` lines (the manifests' TOML subset)."""
-    return parse_name_map(read_toml(path, "names file"), str(path))
+    try:
+        return parse_name_map(read_toml(path, "names file"), str(path))
+    except CaseError as exc:
+        if "not a valid names file" not in str(exc):
+            raise
+        # (the usual slip: a pattern written bare, as on the command line)
+        raise CaseError(f'{exc}; HINT: each line is STAGE = "PATTERN", the pattern in double quotes '
+                        '(flash_output = "o_{i}.txt")') from None
 
 
 def discover_sources(folder: Path, names: Mapping[str, str], unmatched: Optional[List[str]] = None
