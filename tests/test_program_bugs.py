@@ -294,6 +294,33 @@ def test_d_from_a_wrong_flash_output_is_inherited_in_a_flash_only_program():
             assert r.status == "INHERITED" and "flash_output" in r.message, (r.status, r.message)
 
 
+@pytest.mark.parametrize("bug, stage, code", [
+    ("lse is the max", "flash_lse", "lse_sum_missing"),
+    ("lse is log l", "flash_lse", "lse_max_missing"),
+    ("output not divided by l", "flash_output", "softmax_unnormalized"),
+    ("weights not divided by l", "attention_weights", "softmax_unnormalized"),
+])
+def test_a_softmax_without_a_part_of_its_normalization_is_named(bug, stage, code):
+    """A kernel's last step left out: the output (or the weights) not divided by the row sum l, or
+    the lse = max + log l without one of its terms."""
+    rng = np.random.default_rng(6)
+    q, k, v = (rng.standard_normal((1, 2, 40, 32)).astype(np.float32) for _ in range(3))
+    s = np.einsum("bhnd,bhmd->bhnm", q, k) * np.float32(32 ** -0.5)
+    s = np.where(np.tril(np.ones((40, 40), bool)), s, -np.inf)
+    mx = s.max(axis=-1, keepdims=True)
+    p = np.exp(s - mx)
+    l = p.sum(axis=-1, keepdims=True)
+    stages = {"flash_output": np.einsum("bhnm,bhmd->bhnd", p / l, v), "flash_lse": (mx + np.log(l))[..., 0],
+              "attention_weights": p / l}
+    wrong = {"lse is the max": mx[..., 0], "lse is log l": np.log(l)[..., 0],
+             "output not divided by l": np.einsum("bhnm,bhmd->bhnd", p, v), "weights not divided by l": p}[bug]
+    report = attnstep.check_arrays(q, k, v, {stage: wrong}, causal=True)
+    assert report.first_failing_stage == stage
+    for r in report.results:
+        assert [d.code for d in r.diagnosis][:1] == [code], [(d.code, d.message) for d in r.diagnosis]
+    assert attnstep.check_arrays(q, k, v, {stage: stages[stage]}, causal=True).passed
+
+
 # ---- a finite stand-in for -inf ------------------------------------------------------------------
 
 STAND_INS = [-1e9, -65504.0, -1e4, float(np.finfo(np.float32).min)]

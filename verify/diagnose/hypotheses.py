@@ -10,7 +10,8 @@ candidate must explain got within a few tolerance widths AND differ from want by
 Codes (stable; the report's `diagnosis`; docs/contract.md says each in a user's words): nonfinite,
 unwritten, overflow, transposed, layout, scaled, softmax_axis, keys_past_end, keys_dropped,
 tile_boundary, lse_log2; the softmax loops' mask_after_softmax, tile_keys_skipped,
-online_rescale_missing (verify/diagnose/softmax_loops.py); the heads' head_permuted, kv_head_map,
+online_rescale_missing, softmax_unnormalized, lse_sum_missing, lse_max_missing
+(verify/diagnose/softmax_loops.py); the heads' head_permuted, kv_head_map,
 kv_group_not_summed, kv_group_summed_twice (verify/diagnose/heads.py); the masks' mask_missing,
 mask_offset (any offset; the other alignment named), window_off, window_missing, mask_file_ignored,
 mask_file_transposed, mask_file_inverted (verify/diagnose/masks.py); the variants' softcap_missing,

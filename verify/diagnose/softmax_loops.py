@@ -1,5 +1,5 @@
 """Bugs of the loops that compute a softmax: the mask applied after it, a key of every tile left
-out, the online softmax's rescale forgotten. Hypotheses of verify/diagnose/hypotheses.py, each
+out, the online softmax's rescale forgotten, its normalization left out. Hypotheses of verify/diagnose/hypotheses.py, each
 tried on the stages whose spec names it (the weights, the outputs, the lse), where the program
 wrote no scores of its own (the stage recomputed from the case's Q, K, V under its variant), or,
 for the weights, from the program's own scaled scores.
@@ -9,7 +9,8 @@ renormalized (the causal mask, window or mask file applied to the weights instea
 tile_keys_skipped: a key tile's loop stops one key short (or starts one late), so the last (first)
 key of every tile of T keys is left out of every row. online_rescale_missing: a flash kernel that
 keeps a running maximum m, sum l and output acc over its key tiles, and, when a tile raises m, does
-not multiply l or acc (or either) by exp(m_old − m_new).
+not multiply l or acc (or either) by exp(m_old − m_new). softmax_unnormalized, lse_sum_missing,
+lse_max_missing: the last step left out, the division by the row sum l, or a term of lse = m + log l.
 
 A kernel's key tile may be any width: each width from 2 keys up to MAX_TILE_SEARCHED is tried on a
 few sampled rows first, and the stage recomputed whole only for the widths those rows fit.
@@ -30,7 +31,9 @@ from .base import MATCH_WIDTHS, maxdiff
 from .inputs import blank_rows, case_inputs, explains_rows, rebuilder, run_hidden, slope_of, variant_of, variant_tensors
 
 MASK_AFTER_SOFTMAX = "mask_after_softmax"
-CODES = (MASK_AFTER_SOFTMAX, TILE_KEYS_SKIPPED, ONLINE_RESCALE_MISSING)
+SOFTMAX_UNNORMALIZED, LSE_SUM_MISSING, LSE_MAX_MISSING = "softmax_unnormalized", "lse_sum_missing", "lse_max_missing"
+CODES = (MASK_AFTER_SOFTMAX, TILE_KEYS_SKIPPED, ONLINE_RESCALE_MISSING, SOFTMAX_UNNORMALIZED, LSE_SUM_MISSING,
+         LSE_MAX_MISSING)
 # A stage of fewer values than this (a decode step's lse: one per head) fits some candidate of
 # the many widths by chance: the tiles' bugs are not named on it; nor a key of every tile left out
 # on fewer rows than MIN_ROWS.
@@ -221,6 +224,39 @@ def online_rescale(stage, got, want, ctx, width) -> List[Diagnosis]:
     return []
 
 
-HYPOTHESES = {"mask_after_softmax": mask_after_softmax, "tile_keys": tile_keys, "online_rescale": online_rescale}
+# ---- the row sum left out -------------------------------------------------------------------------
+
+def _normalizations(head: _Head) -> List[Tuple[str, str, np.ndarray]]:
+    """(code, what the stage then is, the stage so computed) for each part of the softmax's
+    normalization a program leaves out: the division by the row sum l = Σ exp(s − max), or in the
+    lse (max + log l) either term."""
+    s = np.where(head.hidden, -np.inf, head.logits)
+    mx = s.max(axis=1, keepdims=True)
+    seen = np.isfinite(mx)
+    p = np.where(seen, np.exp(s - np.where(seen, mx, 0.0)), 0.0)
+    if head.kind == _LOG_SUM_EXP:
+        return [(LSE_SUM_MISSING, "is the row maximum alone: log l, the log of the row sum of exp(s - max), is "
+                 "not added", mx),
+                (LSE_MAX_MISSING, "is log l alone, the log of the row sum of exp(s - max): the row maximum is not "
+                 "added back", np.log(p.sum(axis=1, keepdims=True)))]
+    what = "output" if head.kind == _ATTENTION else "weights"
+    return [(SOFTMAX_UNNORMALIZED, f"is not divided by the row sum l = sum of exp(s - max): the {what} of the "
+             "unnormalized exponentials", head.from_weights(p))]
+
+
+def normalization(stage, got, want, ctx, width) -> List[Diagnosis]:
+    head = _head(stage, got, ctx, width)
+    if head is None:
+        return []
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        for code, what, cand in _normalizations(head):
+            diff = _matches(got, want, head, cand)
+            if diff is not None:
+                return [Diagnosis(code, f"{stage} {what} (max diff {diff:.2g})", {"max_diff": diff}, 0.93)]
+    return []
+
+
+HYPOTHESES = {"mask_after_softmax": mask_after_softmax, "tile_keys": tile_keys, "online_rescale": online_rescale,
+              "normalization": normalization}
 # The searches over the tile widths (verify/diagnose/hypotheses.py tries them last).
 SEARCHES = ("tile_keys", "online_rescale")

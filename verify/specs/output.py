@@ -96,6 +96,6 @@ SPECS = (
               floor=lambda src: values_floor(src[VALUES]), quantization=_quantization, linear=True,
               from_inputs=attention_from_inputs,
               diagnoses=PATTERNS + ("scaled", "mask", "keys", "overflow", "mask_after_softmax", "tile_keys",
-                                    "online_rescale"),
+                                    "online_rescale", "normalization"),
               baseline=OUTPUT, variant_sources=dropout_sources, dropped=(WEIGHTS,)),
 )
