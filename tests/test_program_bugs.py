@@ -321,6 +321,25 @@ def test_a_softmax_without_a_part_of_its_normalization_is_named(bug, stage, code
     assert attnstep.check_arrays(q, k, v, {stage: stages[stage]}, causal=True).passed
 
 
+@pytest.mark.parametrize("operand", ["K", "V"])
+def test_one_operand_read_from_the_next_head_is_named(operand):
+    """K (or V) read at the next head's offset, the other operand at the head's own: named with the
+    operand and the head it read."""
+    rng = np.random.default_rng(8)
+    q, k, v = (rng.standard_normal((1, 3, 40, 32)).astype(np.float32) for _ in range(3))
+    out = []
+    for h in range(3):
+        kk, vv = (k[0, (h + 1) % 3], v[0, h]) if operand == "K" else (k[0, h], v[0, (h + 1) % 3])
+        s = (q[0, h] @ kk.T) * np.float32(32 ** -0.5)
+        p = np.exp(s - s.max(axis=1, keepdims=True))
+        out.append((p / p.sum(axis=1, keepdims=True)) @ vv)
+    report = attnstep.check_arrays(q, k, v, {"flash_output": np.stack(out)[None]})
+    for r in report.results:
+        d = r.diagnosis[0]
+        assert d.code == "operand_head" and d.detail["operand"] == operand, [(x.code, x.message) for x in r.diagnosis]
+        assert d.detail["read_head"] == (r.head + 1) % 3
+
+
 # ---- a finite stand-in for -inf ------------------------------------------------------------------
 
 STAND_INS = [-1e9, -65504.0, -1e4, float(np.finfo(np.float32).min)]

@@ -214,11 +214,13 @@ def test_grouped_heads_with_splits_catch_one_head_read_from_another_group(tmp_pa
     assert report.first_failing_stage == SPLIT_OUTPUT
     assert statuses(report)["flash_output"] == {INHERITED}
     # No split diagnosis sees a wrong K/V head; the combine passes the error on, and there the
-    # diagnoses of a run that does not split name it, for the splits too (the lse's: only K is
-    # another group's here, so the outputs match no one head's K and V).
+    # diagnoses of a run that does not split name it, for the splits too: only K is another
+    # group's here, so the outputs read K of the other K/V head and V of their own, and the lse,
+    # which reads no V, the other K/V head.
     failing = [r for r in report.stage_results(SPLIT_LSE) if not r.passed]
-    assert failing and {r.diagnosis[0].code for r in failing} == {"kv_head_map"}
-    assert "in flash_lse, the combine of the splits" in failing[0].diagnosis[0].message
+    assert failing and all([d.code for d in r.diagnosis][:2] == ["operand_head", "kv_head_map"] for r in failing)
+    assert all(r.diagnosis[0].detail["operand"] == "K" for r in failing)
+    assert "in flash_lse, the combine of the splits" in failing[0].diagnosis[1].message
 
 
 def test_the_json_report_carries_the_split(tmp_path):

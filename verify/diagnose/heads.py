@@ -1,9 +1,9 @@
 """Heads mixed up: a stage holding another head's result, a query head that read another K/V head
 than its group's (GQA/MQA: the map h % Hk, or K/V heads not shared), and a K/V head's dK or dV not
-summed over its group's query heads, or summed twice. Hypotheses of verify/diagnose/hypotheses.py
-("head_permuted": the specs list it for every stage).
+summed over its group's query heads, or summed twice, or K read from one head and V from another.
+Hypotheses of verify/diagnose/hypotheses.py ("head_permuted": the specs list it for every stage).
 
-Codes: head_permuted, kv_head_map, kv_group_not_summed, kv_group_summed_twice.
+Codes: head_permuted, kv_head_map, kv_group_not_summed, kv_group_summed_twice, operand_head.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from ..stages import KEYS, KEYS_T, STAGES, VALUES, Dims
 from .base import MATCH_WIDTHS, MAX_HEADS_SEARCHED, explains, explains_closely
 from .inputs import alternatives
 
-CODES = ("head_permuted", "kv_head_map", "kv_group_not_summed", "kv_group_summed_twice")
+CODES = ("head_permuted", "kv_head_map", "kv_group_not_summed", "kv_group_summed_twice", "operand_head")
 
 
 def head_permuted(stage, got, want, ctx, width) -> List[Diagnosis]:
@@ -103,6 +103,37 @@ def kv_head_map(stage, got, want, ctx, width) -> List[Diagnosis]:
     return []
 
 
+# ---- K from one head, V from another ---------------------------------------------------------------
+
+def _neighbours(dims: Dims, own: int) -> List[int]:
+    """The K/V heads a wrong offset into K or V reads instead of `own`: the next and the previous
+    (a head index off by one), the first (a head stride of 0) and the last."""
+    return [j for j in dict.fromkeys((own + 1, own - 1, 0, dims.total_kv_heads - 1))
+            if 0 <= j < dims.total_kv_heads and j != own]
+
+
+def operand_head(stage, got, want, ctx, width) -> List[Diagnosis]:
+    """A query head's stage computed with K of another K/V head and V of its own, or the reverse:
+    one operand's offset into its buffer off by a head."""
+    dims, head = ctx.dims, ctx.head
+    if dims is None or head is None or STAGES[stage].kv or ctx.inputs_of_head is None or dims.total_kv_heads < 2:
+        return []
+    own = dims.kv_head_of(head)
+    for j in _neighbours(dims, own):
+        other = _kv_inputs(ctx, j)
+        for name, replace in (("K", {KEYS: other[KEYS], KEYS_T: other[KEYS_T]}), ("V", {VALUES: other[VALUES]})):
+            for cand, w in alternatives(stage, ctx, width, replace=replace):
+                diff = explains_closely(got, cand, want, w)
+                if diff is not None:
+                    kept = "V" if name == "K" else "K"
+                    what = "K/V head" if dims.kv_heads else "head"
+                    return [Diagnosis("operand_head", f"{stage}: query head {head} read {name} of {what} {j} and "
+                                      f"{kept} of its own, {what} {own} (the offset into {name} off by "
+                                      f"{j - own:+d} heads) (max diff {diff:.2g})",
+                                      {"operand": name, "read_head": j, "own_head": own, "max_diff": diff}, 0.93)]
+    return []
+
+
 # ---- a K/V head's gradient summed over its group ------------------------------------------------
 
 def kv_group_sum(stage, got, want, ctx, width) -> List[Diagnosis]:
@@ -134,4 +165,4 @@ def heads(stage, got, want, ctx, width) -> List[Diagnosis]:
     head read first: where a query's own rows do not matter (a sequence of one key: its output is
     that key's value row) it is also another head's result, and the wrong map is the cause."""
     return (kv_head_map(stage, got, want, ctx, width) or head_permuted(stage, got, want, ctx, width)
-            or kv_group_sum(stage, got, want, ctx, width))
+            or kv_group_sum(stage, got, want, ctx, width) or operand_head(stage, got, want, ctx, width))
