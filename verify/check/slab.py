@@ -71,7 +71,8 @@ def notes(run: RunInfo, results: List[HeadResult]) -> List[str]:
     patterns = "unwritten regions, tile boundaries, NaN and layouts"
     if rows is None:
         return [f"{head}: a failing stage's {patterns} are named, not its causes (a bottom-right mask with N != M "
-                "leaves no first rows that are a case of their own); HINT: the same bug usually shows on a shorter case"]
+                "leaves no first rows that are a case of their own); HINT: the same bug usually shows on a shorter "
+                "case"]
     return [f"{head}: a failing stage's causes were looked for on each head's first {rows} query rows, its "
             f"{patterns} on the whole stage"]
 

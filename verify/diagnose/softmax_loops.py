@@ -1,6 +1,6 @@
 """Bugs of the loops that compute a softmax: the mask applied after it, a key of every tile left
-out, the online softmax's rescale forgotten, its normalization left out. Hypotheses of verify/diagnose/hypotheses.py, each
-tried on the stages whose spec names it (the weights, the outputs, the lse), where the program
+out, the online softmax's rescale forgotten, its normalization left out. Hypotheses of
+verify/diagnose/hypotheses.py, each tried on the stages whose spec names it (the weights, the outputs, the lse), where the program
 wrote no scores of its own (the stage recomputed from the case's Q, K, V under its variant), or,
 for the weights, from the program's own scaled scores.
 
