@@ -121,11 +121,11 @@ def operand_head(stage, got, want, ctx, width) -> List[Diagnosis]:
     own = dims.kv_head_of(head)
     for j in _neighbours(dims, own):
         other = _kv_inputs(ctx, j)
-        for name, replace in (("K", {KEYS: other[KEYS], KEYS_T: other[KEYS_T]}), ("V", {VALUES: other[VALUES]})):
+        for name, kept, replace in ((KEYS, VALUES, {KEYS: other[KEYS], KEYS_T: other[KEYS_T]}),
+                                    (VALUES, KEYS, {VALUES: other[VALUES]})):
             for cand, w in alternatives(stage, ctx, width, replace=replace):
                 diff = explains_closely(got, cand, want, w)
                 if diff is not None:
-                    kept = "V" if name == "K" else "K"
                     what = "K/V head" if dims.kv_heads else "head"
                     return [Diagnosis("operand_head", f"{stage}: query head {head} read {name} of {what} {j} and "
                                       f"{kept} of its own, {what} {own} (the offset into {name} off by "
