@@ -310,10 +310,11 @@ def bit_identical(a: Dict[str, np.ndarray], b: Dict[str, np.ndarray]) -> bool:
 # ---- the verdict ---------------------------------------------------------------------------------
 
 def failed_upstream(stage: str, results: Dict[str, HeadResult]) -> List[str]:
-    """The stages `stage` is computed from that failed (or a stage that stands for one: flash_output
-    for output), in table order."""
+    """The stages `stage` is computed from that failed (or a stage that stands for one the program did
+    not write: flash_output for output), in table order."""
     above = upstream(stage)
-    return [u for u in results if not results[u].passed and (u in above or SPECS[u].stands_for in above)]
+    return [u for u in results if not results[u].passed
+            and (u in above or (SPECS[u].stands_for in above and SPECS[u].stands_for not in results))]
 
 
 def blamed_elsewhere(stage: str, violations: List[Violation], upstream_failed: List[str],
