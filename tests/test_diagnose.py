@@ -284,3 +284,11 @@ def test_lse_log2_needs_the_base_2_factor(how):
     bound = tolerance.stage_bound("flash_lse", src, want, scale=scale, causal=False)
     got = LSE_NOT_BASE_2[how](want, bound, np.random.default_rng(3))
     assert "lse_log2" not in codes(run("flash_lse", got, chains, dims, scale, False))
+
+
+def test_an_exact_candidate_does_not_make_every_near_one_loose():
+    """A candidate 100 times looser than the closest is dropped, but an exact match (max diff 0)
+    drops no candidate that differs from it by a float32 rounding of got."""
+    from verify.diagnose.hypotheses import Diagnosis, _closest
+    exact, near, loose = (Diagnosis(c, c, {"max_diff": d}) for c, d in (("a", 0.0), ("b", 5e-6), ("c", 1.0)))
+    assert [d.code for d in _closest([exact, near, loose], 1e-7)] == ["a", "b"]

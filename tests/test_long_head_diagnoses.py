@@ -118,3 +118,72 @@ def test_a_bottom_right_mask_with_more_keys_names_the_whole_stages_patterns_alon
     monkeypatch.setattr(slab, "DIAGNOSIS_SCORES", n * m)  # the same head diagnosed whole names the mask
     whole = attnstep.check_arrays(q, k, v, {"flash_output": out, "flash_lse": lse}, causal="bottom-right")
     assert all(found[0].code == "mask_offset" for found in _named(whole, "flash_output"))
+
+
+def test_a_long_heads_dk_missing_its_scale_is_named_by_its_factor(long_heads):
+    """dK and dV sum over every query row, so they have no slab: a constant factor, which needs no
+    recomputation, is still found on the whole stage."""
+    q, k, v = _case()
+    do = np.random.default_rng(9).standard_normal(q.shape).astype(np.float32)
+    out, lse = _flash(q, k, v, causal=False)
+    dk = []
+    for h in range(q.shape[1]):
+        Q, K, V, dO = (x[0, h].astype(np.float64) for x in (q, k, v, do))
+        P = np.exp(Q @ K.T * SCALE - lse[0, h][:, None])
+        dP = dO @ V.T
+        dS = P * (dP - (dO * out[0, h]).sum(axis=1, keepdims=True))
+        dk.append(dS.T @ Q)  # (the scale left out)
+    report = attnstep.check_arrays(q, k, v, {"flash_output": out, "flash_lse": lse, "flash_dK": np.stack(dk)[None]},
+                                   do=do)
+    for found in _named(report, "flash_dK"):
+        assert found[0].code == "scaled" and "scale missing" in found[0].message, [(d.code, d.message) for d in found]
+    assert any("dK and dV" in n for n in report.run.notes), report.run.notes
+
+
+def test_a_long_head_of_another_programs_text_files_is_diagnosed_on_its_first_rows(long_heads, tmp_path):
+    """A program of its own: %g text, no run.toml, the flash forward alone, its mask one key late."""
+    from helpers.cli import check_folder, generate_input
+    from verify.stages import Dims
+    dims = Dims(1, 2, N, N, D, D)
+    in_dir = generate_input(tmp_path / "in", dims, "normal", 7, True)
+    heads = [dict(zip(("flash_output", "flash_lse"), foreign.flash_forward(x["Q"], x["K"], x["V"], SCALE, True, TILE,
+                                                                          False, 1)))
+             for x in foreign.read_inputs(in_dir, dims.total_heads)]
+    foreign.write_outputs(tmp_path / "out", heads, dims, "g6", only=("flash_output", "flash_lse"))
+    result, report = check_folder(tmp_path, in_dir, tmp_path / "out", True, None)
+    assert report["first_failing_stage"] == "flash_output", result.output
+    for e in report["results"]:
+        assert e["diagnosis"][0]["code"] == "mask_offset", e["diagnosis"]
+        assert e["diagnosis"][0]["message"].endswith(f"(found on query rows 0..{SLAB - 1} of {N})")
+
+
+def test_a_mask_file_of_ones_read_inverted_is_no_explanation_of_an_empty_output():
+    """A padding mask with no padding (all True): an output never written is `unwritten`, not the
+    file read inverted, which would hide every key."""
+    q, k, v = _case()
+    out = np.zeros_like(q)
+    report = attnstep.check_arrays(q, k, v, {"flash_output": out}, attn_mask=np.ones((N, N), bool))
+    for found in _named(report, "flash_output"):
+        assert found[0].code == "unwritten" and "mask_file_inverted" not in [d.code for d in found], found
+
+
+def test_sequences_of_a_packed_run_are_diagnosed_whole_without_a_note(long_heads):
+    """Each sequence of a packed run is a case of its own: diagnosed whole, as before, and the
+    packed total is no head too long."""
+    rng = np.random.default_rng(11)
+    total = 2 * N
+    q, k, v = (rng.standard_normal((total, 2, D)).astype(np.float32) for _ in range(3))
+    outs, lses = [], []
+    for s in range(2):
+        rows = slice(s * N, (s + 1) * N)
+        heads = [foreign.flash_forward(q[rows, h], k[rows, h], v[rows, h], SCALE, True, TILE, False, 1)
+                 for h in range(2)]
+        outs.append(np.stack([o for o, _ in heads], axis=1))
+        lses.append(np.stack([x[:, 0] for _, x in heads]))
+    cu = np.array([0, N, total])
+    report = attnstep.check_arrays(q, k, v, {"flash_output": np.concatenate(outs), "flash_lse": np.concatenate(lses, 1)},
+                                   causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu)
+    failing = [r for r in report.results if r.status == "FAIL" and r.stage == "flash_output"]
+    assert failing and all(r.diagnosis[0].code == "mask_offset" and "found on query rows" not in r.diagnosis[0].message
+                           for r in failing), [[d.message for d in r.diagnosis] for r in failing]
+    assert not any("too long" in n for n in report.run.notes), report.run.notes

@@ -274,7 +274,7 @@ class _HeadChecker:
         packed case, of each sequence in turn: packed.PackedRun)."""
         if self.packed is not None:
             return self.packed.check(kv_head, lambda run, case, diagnoser: _HeadChecker(
-                run, case, self.opts, diagnoser).check(kv_head), self.diagnoser)
+                run, case, self.opts, diagnoser, slabs=False).check(kv_head), self.diagnoser)
         group = KVGroup(self.run, kv_head)
         diagnoser = slab_diagnoser(self.run, self.case, self.diagnoser, lambda run, case, capture: _HeadChecker(
             run, case, self.opts, capture, slabs=False).check(kv_head)) if self.slabs else self.diagnoser
@@ -333,7 +333,7 @@ def check_run(run: RunInfo, case: InputCase, opts: Options, progress: Optional[C
     with on_device(device_for(run, opts.device), dims.seq_q * dims.seq_k, opts.jobs) as device:  # (GPU: one process)
         results = map_heads(checker.check, dims.total_kv_heads, device_jobs(device, jobs), advance, tune_process)
     apply_mismatches(run, results)
-    run.notes += slab_notes(run, results) if diagnoser is not None else []
+    run.notes += slab_notes(run, results) if diagnoser is not None and packed is None else []
     report = Report(run, case, results, foreign_stage_files(run), _program_checks(run, opts), _keep_rate(run, results))
     if packed is not None and diagnoser is not None:  # pages or new keys read from the wrong place
         diagnose_paged_case(report, check_run, Options(jobs=1), load_output)

@@ -68,13 +68,13 @@ def notes(run: RunInfo, results: List[HeadResult]) -> List[str]:
         return []
     d, rows = run.dims, slab_rows(run)
     head = f"heads of {d.seq_q} x {d.seq_k} scores are too long to recompute whole"
-    patterns = "unwritten regions, tile boundaries, NaN and layouts"
+    patterns = "unwritten regions, tile boundaries, NaN and layouts"  # (hypotheses.py's _PATTERNS, in words)
     if rows is None:
         return [f"{head}: a failing stage's {patterns} are named, not its causes (a bottom-right mask with N != M "
                 "leaves no first rows that are a case of their own); HINT: the same bug usually shows on a shorter "
                 "case"]
     return [f"{head}: a failing stage's causes were looked for on each head's first {rows} query rows, its "
-            f"{patterns} on the whole stage"]
+            f"{patterns} on the whole stage (dK and dV, sums over every row: those and a constant factor alone)"]
 
 
 def diagnoser(run: RunInfo, case: InputCase, diagnoser: Optional[Diagnoser],

@@ -198,6 +198,8 @@ def flash_cap_derivative(stage, got, want, ctx, width) -> List[Diagnosis]:
                       f"(max diff {hit[1]:.2g})", {"softcap": head.cap, "max_diff": hit[1]}, 0.95)]
 
 
+# The codes only the backward's hypotheses give (lse_log2 is the forward's too).
+CODES = ("D_wrong_O", "dS_missing_P", "grad_unscaled", "dV_untransposed_P", "softcap_derivative_missing")
 # Keys: the hypothesis names the specs list (verify/specs/); each finding's code is its own.
 HYPOTHESES: Dict[str, Callable] = {"grad_lse_log2": flash_lse_base, "D_wrong_O": d_wrong_o,
                                    "dS_missing_P": ds_missing_p, "grad_unscaled": grad_unscaled,

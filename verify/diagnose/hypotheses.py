@@ -45,7 +45,7 @@ from . import precision as precision_bugs
 from . import sequences as sequence_bugs
 from . import splits as split_bugs, variants as variant_bugs
 from . import softmax_loops as loop_bugs
-from .scales import recomputed, scaled
+from .scales import linear_factor, recomputed, scaled
 from .softmax_axis import softmax_axis
 from .base import (LOG2_E, MATCH_WIDTHS, POISON_VALUES, UNWRITTEN_DENSITY, explains, loc, width_of)
 from .inputs import keys as _keys
@@ -240,7 +240,7 @@ def diagnose(stage: str, got: np.ndarray, want: np.ndarray, ctx: Suspect) -> Lis
             found.extend(new)
             fired.update([name] if new else [])
     found = precision_bugs.settle(found + precision_bugs.diagnose(stage, got, want, ctx, found))
-    return _settled(found, fired)
+    return _settled(found, fired, _rounding(got))
 
 
 # What is found on a whole stage without recomputing it: where it is wrong, and a result written in
@@ -259,9 +259,13 @@ def _patterns_and_slab(stage, got, want, ctx: Suspect, width) -> List[Diagnosis]
         if name in SPECS[stage].diagnoses:
             with np.errstate(all="ignore"):
                 found.extend(_HYPOTHESES[name](stage, got, want, bare, width))
+    if SPECS[stage].linear:  # a factor needs no recomputation (dK and dV have no slab: this is theirs)
+        found.extend(linear_factor(stage, got, want, bare, width))
     codes = {d.code for d in found}
     causes = [d for d in ctx.slab() if d.code not in codes and d.code not in _PLACES]
-    return _settled(found + causes, {d.code for d in causes})
+    # (the slab's own settling knew which hypotheses fired: here its codes stand for them)
+    fired = set(backward_bugs.HYPOTHESES) if {d.code for d in causes} & set(backward_bugs.CODES) else set()
+    return _settled(found + causes, fired, _rounding(got))
 
 
 def _without(found: List[Diagnosis], codes) -> List[Diagnosis]:
@@ -279,18 +283,26 @@ def _max_diff(d: Diagnosis):
     return diff if isinstance(diff, float) else None
 
 
-def _closest(found: List[Diagnosis]) -> List[Diagnosis]:
+def _rounding(got: np.ndarray) -> float:
+    """One float32 rounding of got's largest finite entry: how closely any candidate can reproduce it."""
+    finite = np.abs(got[np.isfinite(got)])
+    return float(finite.max(initial=0.0)) * 2.0**-24
+
+
+def _closest(found: List[Diagnosis], rounding: float) -> List[Diagnosis]:
     """The findings without the candidates that reproduce got _LOOSER times less closely than the
-    closest one (those with a max_diff; the others stay)."""
+    closest one (those with a max_diff; the others stay), the closest taken as no closer than got's
+    rounding: an exact match (max diff 0) drops no candidate that differs from it by a rounding."""
     diffs = [_max_diff(d) for d in found if _max_diff(d) is not None]
     if not diffs:
         return found
-    return [d for d in found if _max_diff(d) is None or _max_diff(d) <= _LOOSER * min(diffs)]
+    best = max(min(diffs), rounding)
+    return [d for d in found if _max_diff(d) is None or _max_diff(d) <= _LOOSER * best]
 
 
-def _settled(found: List[Diagnosis], fired) -> List[Diagnosis]:
+def _settled(found: List[Diagnosis], fired, rounding: float) -> List[Diagnosis]:
     """The findings without those another one explains, most confident first."""
-    found = _closest(found)
+    found = _closest(found, rounding)
     codes = {d.code for d in found}
     if codes & (_EMPTIES_LINES | {"overflow"}):
         # A wrong axis or mask leaves rows or columns with no visible key (0/0: NaN, or 0 where

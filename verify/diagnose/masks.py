@@ -174,9 +174,9 @@ def _mask_file(masks: Masks) -> Iterator[Candidate]:
     for how, read in _transposed_reads(mask):
         yield Candidate("mask_file_transposed", f"the mask file ({v.mask}) is read {how}",
                         structural | without | (read == 0), {"coverage": v.mask, "how": how})
-    yield Candidate("mask_file_inverted", f"the mask file ({v.mask}) is read inverted: its 1s (True: keep) hide "
-                    "keys and its 0s keep them",
-                    structural | without | (mask != 0), {"coverage": v.mask})
+    if (mask == 0).any():  # (a file of 1s alone, read inverted, would hide every key: an empty output's look)
+        yield Candidate("mask_file_inverted", f"the mask file ({v.mask}) is read inverted: its 1s (True: keep) "
+                        "hide keys and its 0s keep them", structural | without | (mask != 0), {"coverage": v.mask})
 
 
 def _transposed_reads(x: np.ndarray) -> Iterator[Tuple[str, np.ndarray]]:

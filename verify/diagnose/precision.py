@@ -247,11 +247,12 @@ def _half(stage, got, want, ctx, fmt: str, current: Tuple[str, str]) -> List[Dia
         ratio, _ = recheck(stage, got, ctx, fmt)
         if ratio < 1:
             how = " and conversions to nearest (without --half-rounding toward-zero)" if current[0] == fmt else ""
-            holds = f"holds {fmt} values (each one of the format's) and passes" if stored_in_format(stage) else \
-                f"(float32 in a {fmt} program too) is computed from {fmt} values: it passes"
-            return [Diagnosis("half_storage", f"{stage} {holds} under --precision {fmt}{how} (at {ratio:.2g} of "
-                              f"those bounds): the program stores its values in {fmt} ({_HALF_TYPES[fmt]}). Check "
-                              f"with --precision {fmt}{how}", {"precision": fmt, "tol_used": ratio}, CONFIDENCE)]
+            holds = f"holds {fmt} values (each one of the format's)" if stored_in_format(stage) else \
+                f"(float32, as a {fmt} program keeps it) is computed from {fmt} values"
+            return [Diagnosis("half_storage", f"{stage} {holds} and passes under --precision {fmt}{how} (at "
+                              f"{ratio:.2g} of those bounds): the program stores its values in {fmt} "
+                              f"({_HALF_TYPES[fmt]}). Check with --precision {fmt}{how}",
+                              {"precision": fmt, "tol_used": ratio}, CONFIDENCE)]
     if current == (fmt, TOWARD_ZERO):
         return []  # the check itself assumed truncation
     ratio, want_rz = recheck(stage, got, ctx, fmt, TOWARD_ZERO)
@@ -260,7 +261,7 @@ def _half(stage, got, want, ctx, fmt: str, current: Tuple[str, str]) -> List[Dia
         return []
     return [Diagnosis("half_truncation", f"{stage}: the {fmt} values are truncated, not rounded: each lies "
                       f"up to one unit of {fmt}'s last place closer to zero than the float32 result (a median of "
-                      f"{bias:.2f} units; none farther but entries nearer 0 than their error), as converting by "
+                      f"{bias:.2f} units; a few entries near 0 may cross it), as converting by "
                       "dropping the low bits (bits >> 16) does. It passes under --precision "
                       f"{fmt} --half-rounding toward-zero (at {ratio:.2g} of those bounds); or convert "
                       "with rounding to nearest (__float2bfloat16, __float2half)",

@@ -60,7 +60,7 @@ def _scale_names(f: float, scale: float, d_k: int, stage: str) -> List[str]:
     return _named(f, named)
 
 
-def _linear_factor(stage, got, want, ctx, width) -> List[Diagnosis]:
+def linear_factor(stage, got, want, ctx, width) -> List[Diagnosis]:
     """got ≈ f·want, f fitted on the entries that are not blank."""
     d_k = ctx.dims.d_k if ctx.dims is not None else 1
     # Entries left blank (0 or NaN where want is not) belong to an unwritten region, not to the
@@ -133,5 +133,5 @@ def _wrong_scale(stage, got, want, ctx, width) -> List[Diagnosis]:
 
 def scaled(stage, got, want, ctx, width) -> List[Diagnosis]:
     """got ≈ f·want (linear stages), or the stage recomputed with a wrong scale (nonlinear ones)."""
-    found = _linear_factor(stage, got, want, ctx, width) if SPECS[stage].linear else []
+    found = linear_factor(stage, got, want, ctx, width) if SPECS[stage].linear else []
     return found or _wrong_scale(stage, got, want, ctx, width)

@@ -1,7 +1,7 @@
 """Bugs of the loops that compute a softmax: the mask applied after it, a key of every tile left
 out, the online softmax's rescale forgotten, its normalization left out. Hypotheses of
-verify/diagnose/hypotheses.py, each tried on the stages whose spec names it (the weights, the outputs, the lse), where the program
-wrote no scores of its own (the stage recomputed from the case's Q, K, V under its variant), or,
+verify/diagnose/hypotheses.py, each tried on the stages whose spec names it (the weights, the
+outputs, the lse), where the program wrote no scores of its own (the stage recomputed from the case's Q, K, V under its variant), or,
 for the weights, from the program's own scaled scores.
 
 mask_after_softmax: the softmax over every key, then the hidden entries zeroed and the rows not
@@ -64,9 +64,7 @@ class _Head:
             self.logits, self.values, self.width = np.asarray(ctx.src[own[0]], np.float64), None, width
         elif built is not None and qkv is not None and not variant_of(ctx).dropout:
             # (under dropout the program's keep-mask multiplies P: not modelled here)
-            n, m = qkv[QUERIES].shape[0], qkv[KEYS].shape[0]
-            self.logits = scores_from_inputs({**variant_tensors(ctx), **qkv}, ctx.scale, np.zeros((n, m), bool),
-                                             variant_of(ctx), slope_of(ctx))
+            self.logits = _input_logits(ctx, qkv)
             self.values, self.width = qkv[VALUES], built[1]
         else:
             return
@@ -83,6 +81,13 @@ class _Head:
         if self.kind == _LOG_SUM_EXP:
             return log_sum_exp_rows(s)
         return self.from_weights(softmax_rows(s))
+
+
+def _input_logits(ctx: Suspect, qkv) -> np.ndarray:
+    """The scores from the case's Q and K with nothing hidden (the scale, softcap, ALiBi, bias)."""
+    n, m = qkv[QUERIES].shape[0], qkv[KEYS].shape[0]
+    return scores_from_inputs({**variant_tensors(ctx), **qkv}, ctx.scale, np.zeros((n, m), bool), variant_of(ctx),
+                              slope_of(ctx))
 
 
 def _head(stage, got, ctx, width) -> Optional[_Head]:
@@ -122,8 +127,7 @@ def mask_after_softmax(stage, got, want, ctx, width) -> List[Diagnosis]:
         qkv = case_inputs(ctx)
         if qkv is None:
             return []
-        logits = np.where(head.hidden, scores_from_inputs({**variant_tensors(ctx), **qkv}, ctx.scale, np.zeros(
-            logits.shape, bool), variant_of(ctx), slope_of(ctx)), logits)
+        logits = np.where(head.hidden, _input_logits(ctx, qkv), logits)
     with np.errstate(invalid="ignore"):
         weights = np.where(head.hidden, 0.0, softmax_rows(logits))
     diff = _matches(got, want, head, head.from_weights(weights))

@@ -163,9 +163,7 @@ def failure_lines(report: Report) -> List[str]:
         if r.status != FAIL or c is None:
             lines.append(f"{r.status} {where}: {r.message}")
         elif c.mismatched == 0:  # failed by a check of its own (an invariant, another stage it must agree with)
-            kind = "isolated" if c is r.isolated else "chained"
-            lines.append(f"FAIL {where}: every element within the tolerance ({kind}), but a check of the stage "
-                         "fails (below)")
+            lines.append(f"FAIL {where}: every element within the tolerance, but a check of the stage fails (below)")
         else:
             kind = "isolated" if c is r.isolated else "chained"
             got, want = number_pair(c.got, c.want)
