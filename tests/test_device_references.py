@@ -32,7 +32,7 @@ from helpers.cli import invoke
 from helpers.reports import assert_same_report
 from verify.check import tolerance
 from verify.check.devices import device_for
-from verify.check.pool import NO_MEMORY_EXIT
+from verify.check.sizing import NO_MEMORY_EXIT
 from verify.check.reference import compute_stage, reference_chain
 from verify.cli import check as check_cli
 from verify.model import arrays, dot, mma, tiles

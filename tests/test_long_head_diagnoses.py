@@ -1,16 +1,19 @@
 """A failing stage of a head too long to recompute whole (verify/check/slab.py): its causes are
-looked for on the head's first query rows, checked as a case of their own, and named with those
-rows; its unwritten regions and other patterns on the whole stage. The recomputing diagnoses never
-see more than the slab's rows. DIAGNOSIS_SCORES is lowered so that a head of 256 × 256 scores is
-long (its slab: 64 rows); the same bugs on the head diagnosed whole get the same names."""
+looked for on a slab of the head's query rows (its first, or its last under a bottom-right mask
+with N != M), checked as a case of their own, and named with those rows; its unwritten regions and
+other patterns on the whole stage. The recomputing diagnoses never see more than the slab's rows.
+DIAGNOSIS_SCORES is lowered so that a head of 256 × 256 scores is long (its slab: 64 rows); the
+same bugs on the head diagnosed whole get the same names."""
 from __future__ import annotations
+
+import re
 
 import numpy as np
 import pytest
 
 import attnstep
 from helpers import foreign_routes as foreign
-from verify.check import slab
+from verify.check import pool, sizing
 from verify.diagnose import hypotheses
 
 N, D, TILE, SLAB = 256, 32, 32, 64
@@ -47,7 +50,12 @@ def seen_rows(monkeypatch):
 
 @pytest.fixture
 def long_heads(monkeypatch):
-    monkeypatch.setattr(slab, "DIAGNOSIS_SCORES", N * N // 4)
+    monkeypatch.setattr(sizing, "DIAGNOSIS_SCORES", N * N // 4)
+
+
+def _words(message: str) -> str:
+    """A finding's message without its max diff (a slab's rows fit the candidate otherwise closely)."""
+    return re.sub(r" \(max diff [^)]*\)", "", message)
 
 
 def _named(report, stage: str):
@@ -103,21 +111,50 @@ def test_a_correct_long_head_passes_without_a_note(long_heads):
     assert not any("too long" in n for n in report.run.notes)
 
 
-def test_a_bottom_right_mask_with_more_keys_names_the_whole_stages_patterns_alone(long_heads, seen_rows, monkeypatch):
-    """With M > N the first query rows of a bottom-right mask see M − N keys more than a case of
-    those rows alone would: no slab, and nothing is recomputed on the whole head either."""
+# (case's alignment, the program's mask offset in the whole head's rows, what the slab's finding says)
+N_NOT_M = {
+    "bottom-right, one key past": ("bottom-right", 1, "is shifted by +1"),
+    "top-left, aligned bottom-right": ("top-left", "bottom-right", "bottom-right aligned (flash-attn's convention)"),
+    "bottom-right, aligned top-left": ("bottom-right", "top-left", "top-left aligned (PyTorch's convention)"),
+}
+
+
+@pytest.mark.parametrize("name", N_NOT_M)
+def test_a_head_with_more_keys_names_its_mask_from_rows_aligned_as_the_head(long_heads, seen_rows, monkeypatch, name):
+    """With M > N, a bottom-right case's slab is the head's last rows (its first rows see M − N keys
+    more than a case of their own), a top-left one's its first; an alignment is named by the whole
+    head's N and M, as on the head diagnosed whole."""
+    align, planted, words = N_NOT_M[name]
+    n, m = N // 2, 2 * N
+    rows = N * N // 4 // m
+    q, k, v = _case(n=n, m=m)
+    offsets = {"top-left": 0, "bottom-right": m - n}
+    offset = offsets[planted] if isinstance(planted, str) else offsets[align] + planted
+    out, lse = _flash(q, k, v, mask_offset=offset)
+    report = attnstep.check_arrays(q, k, v, {"flash_output": out, "flash_lse": lse}, causal=align)
+    first = n - rows if align == "bottom-right" else 0
+    where = f" (found on query rows {first}..{first + rows - 1} of {n})"
+    long = _named(report, "flash_output")
+    for found in long:
+        assert found[0].code == "mask_offset" and words in found[0].message, [d.message for d in found]
+        assert found[0].message.endswith(where), found[0].message
+    assert max(seen_rows) == rows, seen_rows
+    which = "last" if first else "first"
+    assert any(f"{which} {rows} query rows" in note for note in report.run.notes), report.run.notes
+    monkeypatch.setattr(sizing, "DIAGNOSIS_SCORES", n * m)  # the same head diagnosed whole
+    whole = attnstep.check_arrays(q, k, v, {"flash_output": out, "flash_lse": lse}, causal=align)
+    assert [_words(f[0].message) + where for f in _named(whole, "flash_output")] == [_words(f[0].message) for f in long]
+
+
+def test_a_bottom_right_heads_missing_scale_is_named_from_its_last_rows(long_heads):
     n, m = N // 2, 2 * N
     q, k, v = _case(n=n, m=m)
-    out, lse = _flash(q, k, v, mask_offset=m - n + 1)  # bottom-right, one key past the diagonal
+    out, lse = _flash(q, k, v, scale=1.0, mask_offset=m - n)
     report = attnstep.check_arrays(q, k, v, {"flash_output": out, "flash_lse": lse}, causal="bottom-right")
-    assert report.first_failing_stage == "flash_output"
-    for found in _named(report, "flash_output"):
-        assert "mask_offset" not in [d.code for d in found]
-    assert seen_rows == []
-    assert any("bottom-right mask with N != M" in n for n in report.run.notes), report.run.notes
-    monkeypatch.setattr(slab, "DIAGNOSIS_SCORES", n * m)  # the same head diagnosed whole names the mask
-    whole = attnstep.check_arrays(q, k, v, {"flash_output": out, "flash_lse": lse}, causal="bottom-right")
-    assert all(found[0].code == "mask_offset" for found in _named(whole, "flash_output"))
+    for stage in ("flash_output", "flash_lse"):
+        for found in _named(report, stage):
+            assert found[0].code == "scaled" and found[0].message.endswith(f"(found on query rows 96..127 of {n})"), \
+                [d.message for d in found]
 
 
 def test_a_long_heads_dk_missing_its_scale_is_named_by_its_factor(long_heads):
@@ -187,3 +224,26 @@ def test_sequences_of_a_packed_run_are_diagnosed_whole_without_a_note(long_heads
     assert failing and all(r.diagnosis[0].code == "mask_offset" and "found on query rows" not in r.diagnosis[0].message
                            for r in failing), [[d.message for d in r.diagnosis] for r in failing]
     assert not any("too long" in n for n in report.run.notes), report.run.notes
+
+
+def test_slabs_wait_for_a_slot_where_memory_has_room_for_fewer_than_the_workers(monkeypatch):
+    """Workers are sized by their tiled heads; a failing head's slab holds a dense check besides,
+    so where what the workers leave holds one slab, one is checked at a time."""
+    import multiprocessing
+    import time
+    monkeypatch.setattr(pool, "slab_bytes", lambda run: 10)
+    jobs = pool._slabs_sized(None, 4, 1, 4 * 1 + 10 + 9)  # four workers of 1 byte, room for one slab of 10
+    assert (jobs, pool._SLABS_AT_ONCE) == (4, 1)
+    inside, most, lock = multiprocessing.Value("i", 0), multiprocessing.Value("i", 0), multiprocessing.Lock()
+
+    def check(job):
+        with pool.slab_slot():
+            with lock:
+                inside.value += 1
+                most.value = max(most.value, inside.value)
+            time.sleep(0.2)
+            with lock:
+                inside.value -= 1
+        return [job]
+    assert pool.map_heads(check, 8, jobs) == list(range(8))
+    assert most.value == 1 and pool._SLABS_AT_ONCE is None

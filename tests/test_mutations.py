@@ -457,8 +457,10 @@ def _rule_ignored(case: InputCase) -> InputCase:
     return dataclasses.replace(case, causal=False, variant=case.variant.with_(causal=False, window=(-1, -1)))
 
 
-# The variants' diagnosis codes: the K/V heads' (heads.py), the masks' and the scores' and dropout's.
-VARIANT_CODES = tuple(c for c in head_bugs.CODES if c.startswith("kv_")) + mask_bugs.CODES + variant_bugs.CODES
+# The variants' diagnosis codes: the K/V heads' (heads.py), the masks' and the scores' and dropout's
+# (a causal kernel's tile skip is a mask of the kernel's tiles: tests/test_program_bugs.py plants it).
+VARIANT_CODES = tuple(c for c in head_bugs.CODES if c.startswith("kv_")) + \
+    tuple(c for c in mask_bugs.CODES if c != "causal_tile_skip") + variant_bugs.CODES
 
 def _causal_added(case: InputCase) -> InputCase:
     """The case as a program that masks causally (top-left) where the case does not reads it."""
@@ -863,7 +865,7 @@ def test_a_dead_worker_is_a_one_line_error(cases, tmp_path, monkeypatch):
 
 def test_container_limits_cap_the_workers(monkeypatch):
     """cgroup limits (docker, k8s) count, not only the host's free memory and cores."""
-    from verify.check import pool as compare
+    from verify.check import sizing as compare
 
     fake = {("/sys/fs/cgroup/memory.max", 0): 4 << 30, ("/sys/fs/cgroup/memory.current", 0): 1 << 30,
             ("/sys/fs/cgroup/cpu.max", 0): 150000, ("/sys/fs/cgroup/cpu.max", 1): 100000}

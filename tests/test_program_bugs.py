@@ -244,6 +244,50 @@ def test_a_flash_loop_bug_is_named_with_its_tile(tmp_path, dims, options, failin
     assert all(e["status"] != "FAIL" for e in report["results"] if e["stage"] not in failing)
 
 
+@pytest.mark.parametrize("query_tile, key_tile", [(64, 16), (128, 32)])
+def test_a_causal_tile_skip_tested_at_the_query_tiles_first_row_is_named_with_its_tiles(tmp_path, query_tile,
+                                                                                       key_tile):
+    scale = default_scale(SQUARE.d_k)
+    result, report = _check(tmp_path, SQUARE, lambda x: bp.causal_tiles_program(x, scale, query_tile, key_tile, "first"),
+                            FLASH, causal=True)
+    for stage in FLASH:
+        for e in _failed(report, stage):
+            d = _first(e)
+            assert d["code"] == "causal_tile_skip", e["diagnosis"]
+            assert (d["detail"]["query_tile"], d["detail"]["key_tile"]) == (query_tile, key_tile), d
+    _assert_passes(*_check(tmp_path / "right", SQUARE, lambda x: bp.causal_tiles_program(x, scale, query_tile, key_tile),
+                           FLASH, causal=True))
+
+
+@pytest.mark.parametrize("route", ["stage-path", "flash"])
+def test_a_row_maximum_started_at_zero_is_named_where_a_rows_sum_underflows(tmp_path, route):
+    """The first causal rows, which see a few keys, given scores below -104: exp(s - 0) underflows
+    float32 there, and the rows' 0/0 is the bug's, not rows left unwritten."""
+    scale = default_scale(SQUARE.d_k)
+    if route == "flash":
+        stages, named = FLASH, FLASH
+        program = lambda x, bug: bp.online_program(x, scale, TILE, causal=True, max_from=0.0 if bug else -np.inf)  # noqa: E731
+    else:
+        stages, named = STAGE_PATH, ("attention_weights",)
+        program = lambda x, bug: bp.causal_program(x, scale, bp.max_from_zero_softmax if bug else  # noqa: E731
+                                                   bp.stable_softmax)
+    in_dir = generate_input(tmp_path / "in", SQUARE, "normal", 7, True)
+    inputs = foreign.read_inputs(in_dir, SQUARE.total_heads)
+    for h, x in enumerate(inputs):  # rows 0..3 against keys 0..3: scores near -200
+        x["Q"][:4] = -25.0 * x["K"][:4].sum(axis=0)
+        np.savetxt(in_dir / f"Q_head_{h}.txt", x["Q"], fmt="%.9g")
+        assert (x["Q"][:4] @ x["K"][:4].T * scale < -104).all()
+    for bug, out in ((True, "out"), (False, "right")):
+        foreign.write_outputs(tmp_path / out, program(inputs, bug), SQUARE, "g9", only=stages)
+    result, report = check_folder(tmp_path, in_dir, tmp_path / "out", True, None)
+    assert report["first_failing_stage"] == named[0], result.output
+    for stage in named:
+        for e in _failed(report, stage):
+            assert _first(e)["code"] == "running_max_zero" and "rows 0, 1, 2, 3," in _first(e)["message"], \
+                [(d["code"], d["message"]) for d in e["diagnosis"]]
+    _assert_passes(*check_folder(tmp_path, in_dir, tmp_path / "right", True, None))
+
+
 def test_the_same_flash_loop_passes(tmp_path):
     scale = default_scale(PAST_TILE.d_k)
     _assert_passes(*_check(tmp_path, PAST_TILE, lambda x: bp.online_program(x, scale, TILE), FLASH))

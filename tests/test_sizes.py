@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 import attnstep
-from verify.check.pool import NO_MEMORY_EXIT, head_bytes, head_jobs
+from verify.check.pool import head_jobs
+from verify.check.sizing import NO_MEMORY_EXIT, head_bytes
 from verify.cli.group import cli
 from verify.files.case import CaseError, load_input_case, matrix_bytes, read_matrix
 from verify.files.generate import DISTRIBUTIONS, MAX_CASE_FILES, case_size, generate_case

@@ -18,7 +18,7 @@
   bounds of one that computes them where no product can be tiny, and hands over to such a pass
   where a later tile's entries could make one (the same bounds, bit for bit, both ways).
 * A head that takes the exact model, or fits in one tile, is one tile (the whole head, as before);
-  a run that writes or reads an N×M stage is sized as an untiled one (pool.tiled_run).
+  a run that writes or reads an N×M stage is sized as an untiled one (sizing.tiled_run).
 * Memory: the chained and isolated bounds of a flash forward and backward at N = 2048, M = 1024 never
   hold one N×M float64 matrix (tracemalloc's peak stays below one), where the whole head's exceed
   it many times.
@@ -37,7 +37,7 @@ import pytest
 
 from helpers.cli import invoke
 from helpers.reports import assert_same_report
-from verify.check import compare, pool, tolerance
+from verify.check import compare, pool, sizing, tolerance
 from verify.check.reference import compute_stage, reference_chain
 from verify.cli import check as check_cli
 from verify.files.case import load_input_case
@@ -386,7 +386,7 @@ def test_the_check_reports_the_same_tiled(tmp_path, binary, monkeypatch, gen, sp
     case, out = _flash_run(tmp_path, *gen)
     _run(binary, case, out, "--stages", "flash", *(("--split-size", split) if split else ()))
     run = open_run(out, load_input_case(case))
-    assert pool.tiled_run(run) == (not split)
+    assert sizing.tiled_run(run) == (not split)
     monkeypatch.setattr(dot, "ENERGY_EXACT_MAX_MACS", 10)
     reports = []
     for tile_bytes in (1 << 40, 8 * 70 * 8):
@@ -410,10 +410,12 @@ def test_a_run_with_an_n_by_m_stage_is_sized_whole(tmp_path, binary):
                        ("bf16", ("--stages", "flash", "--precision", "bf16"))):
         _run(binary, case, tmp_path / name, *args)
         runs[name] = open_run(tmp_path / name, load_input_case(case))
-    assert not pool.tiled_run(runs["all"]) and not pool.tiled_run(runs["bf16"])
-    assert pool.tiled_run(runs["flash"])
+    assert not sizing.tiled_run(runs["all"]) and not sizing.tiled_run(runs["bf16"])
+    assert sizing.tiled_run(runs["flash"])
     long = {k: dataclasses.replace(r, dims=Dims(1, 1, 8192, 8192, 64, 64)) for k, r in runs.items()}
-    assert pool.head_bytes(long["flash"]) < 1 << 30 < 10 * pool.head_bytes(long["flash"]) < pool.head_bytes(long["all"])
+    assert sizing.head_bytes(long["flash"]) < 1 << 30 < 10 * sizing.head_bytes(long["flash"]) < sizing.head_bytes(long["all"])
+    # (a failing long head's slab: a dense check of DIAGNOSIS_SCORES scores; a head held whole has none)
+    assert sizing.slab_bytes(long["flash"]) > 8 * sizing.DIAGNOSIS_SCORES and sizing.slab_bytes(long["all"]) == 0
 
 
 @pytest.mark.parametrize("gen", [("--causal", "top-left"), ("--kv-heads", 2)], ids=["mha", "grouped"])

@@ -190,7 +190,7 @@ def test_a_group_is_one_job_across_workers(tmp_path):
 
 
 def test_group_memory_and_jobs_follow_the_groups(monkeypatch):
-    from verify.check import pool
+    from verify.check import pool, sizing
     from verify.check.compare import RunInfo
 
     monkeypatch.setattr(pool, "_usable_cores", lambda: 16)
@@ -199,7 +199,7 @@ def test_group_memory_and_jobs_follow_the_groups(monkeypatch):
     plain = RunInfo(Path("."), {}, Dims(1, 12, 512, 512, 64, 64), {})
     assert pool.head_jobs(grouped) == 3 and pool.head_jobs(plain) == 12   # a worker a group
     assert pool.head_jobs(grouped, requested=8) == 3
-    assert pool.head_bytes(grouped) > pool.head_bytes(plain)   # a group's sums and parts besides a head's
+    assert sizing.head_bytes(grouped) > sizing.head_bytes(plain)   # a group's sums and parts besides a head's
 
 
 # ---- dropout --------------------------------------------------------------------------------------

@@ -41,6 +41,18 @@ def stable_softmax(s: np.ndarray) -> np.ndarray:
     return e / e.sum(axis=1, keepdims=True, dtype=f32)
 
 
+def max_from_zero_softmax(s: np.ndarray) -> np.ndarray:
+    """The row maximum found by a loop that starts it at 0 (`float mx = 0;`), not −inf."""
+    e = np.exp(s - np.maximum(s.max(axis=1, keepdims=True), f32(0)))
+    return e / e.sum(axis=1, keepdims=True, dtype=f32)
+
+
+def causal_program(inputs: Sequence[Head], scale: float, softmax=stable_softmax) -> List[Head]:
+    """The causal stage path with the softmax given."""
+    return [_stage_path(x["Q"], x["K"], x["V"], scale, shifted_mask(x["Q"].shape[0], x["K"].shape[0], 0), softmax)
+            for x in inputs]
+
+
 def softmax_program(inputs: Sequence[Head], scale: float, subtract_max: bool) -> List[Head]:
     """The textbook stage path; without the max subtracted when asked (the overflow bug)."""
     softmax = stable_softmax if subtract_max else naive_softmax
@@ -132,27 +144,63 @@ def mask_after_softmax_program(inputs: Sequence[Head], scale: float, masked_scor
 
 
 def online_program(inputs: Sequence[Head], scale: float, tile: int, rescale_sum: bool = True,
-                   rescale_output: bool = True, skip: Optional[str] = None, fold_log2e: bool = True) -> List[Head]:
+                   rescale_output: bool = True, skip: Optional[str] = None, fold_log2e: bool = True,
+                   causal: bool = False, max_from: float = -np.inf) -> List[Head]:
     """A flash forward in float32 with exp2 (log2 e folded into the scale) over key tiles of `tile`:
     its running sum or output not rescaled when a tile raises the row maximum (the online softmax's
-    bug), its key loop leaving out the "last" or "first" key of every tile, or log2 e left out."""
+    bug), its key loop leaving out the "last" or "first" key of every tile, log2 e left out, or its
+    running maximum started at `max_from` (0: the bug)."""
     out = []
     for x in inputs:
         q, k, v = x["Q"], x["K"], x["V"]
         n, m = q.shape[0], k.shape[0]
-        mx, total = np.full((n, 1), -np.inf, f32), np.zeros((n, 1), f32)
+        mx, total = np.full((n, 1), max_from, f32), np.zeros((n, 1), f32)
         acc = np.zeros((n, v.shape[1]), f32)
         for c0 in range(0, m, tile):
             cols = slice(c0, min(c0 + tile, m) - (skip == "last"))
             cols = slice(cols.start + (skip == "first"), cols.stop)
             factor = f32(scale * (1.4426950408889634 if fold_log2e else 1.0))
             s = (mm_blas(q, np.ascontiguousarray(k[cols].T)) * factor).astype(f32)
+            if causal:
+                s = np.where(np.arange(cols.start, cols.stop)[None, :] > np.arange(n)[:, None], f32(-np.inf), s)
             new = np.maximum(mx, s.max(axis=1, keepdims=True))
-            p = np.exp2(s - new).astype(f32)
+            p = np.where(np.isneginf(s), f32(0), np.exp2(s - new)).astype(f32)
             alpha = np.exp2(mx - new).astype(f32)
             total = (alpha * total if rescale_sum else total) + p.sum(axis=1, keepdims=True, dtype=f32)
             acc = (alpha * acc if rescale_output else acc) + mm_blas(p, v[cols])
             mx = new
-        lse = (mx * f32(0.6931471805599453) + np.log(total)).astype(f32)
-        out.append({"Q": q, "K": k, "V": v, "flash_output": (acc / total).astype(f32), "flash_lse": lse})
+        with np.errstate(divide="ignore", invalid="ignore"):  # (a sum of 0: the running maximum's bug)
+            lse = (mx * f32(0.6931471805599453) + np.log(total)).astype(f32)
+            o = (acc / total).astype(f32)
+        out.append({"Q": q, "K": k, "V": v, "flash_output": o, "flash_lse": lse})
+    return out
+
+
+def causal_tiles_program(inputs: Sequence[Head], scale: float, query_tile: int, key_tile: int,
+                         skip_by: str = "last") -> List[Head]:
+    """A causal flash forward in float32 over query tiles × key tiles that skips a key tile lying
+    wholly past the diagonal: tested at the query tile's last row (right), or its "first" (the bug:
+    the tile's later rows lose the keys of the tiles it skipped)."""
+    out = []
+    for x in inputs:
+        q, k, v = x["Q"], x["K"], x["V"]
+        n, m = q.shape[0], k.shape[0]
+        o, lse = np.zeros((n, v.shape[1]), f32), np.zeros((n, 1), f32)
+        for r0 in range(0, n, query_tile):
+            rows = np.arange(r0, min(r0 + query_tile, n))
+            test_row = rows[-1] if skip_by == "last" else rows[0]
+            mx, total = np.full((len(rows), 1), -np.inf, f32), np.zeros((len(rows), 1), f32)
+            acc = np.zeros((len(rows), v.shape[1]), f32)
+            for c0 in range(0, min(m, test_row + 1), key_tile):
+                cols = np.arange(c0, min(c0 + key_tile, m))
+                s = (mm_blas(q[rows], np.ascontiguousarray(k[cols].T)) * f32(scale)).astype(f32)
+                s = np.where(cols[None, :] > rows[:, None], f32(-np.inf), s)
+                new = np.maximum(mx, s.max(axis=1, keepdims=True))
+                p = np.exp(s - new).astype(f32)
+                alpha = np.exp(mx - new).astype(f32)
+                total = alpha * total + p.sum(axis=1, keepdims=True, dtype=f32)
+                acc = alpha * acc + mm_blas(p, v[cols])
+                mx = new
+            o[rows], lse[rows] = acc / total, mx + np.log(total)
+        out.append({"Q": q, "K": k, "V": v, "flash_output": o, "flash_lse": lse})
     return out

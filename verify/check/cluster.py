@@ -45,7 +45,8 @@ from ..model.arrays import device_now, gpu_memory_bytes, namespace, on_device, t
 from .compare import Options, check_run
 from .diagnosis import Diagnoser
 from .blas import one_blas_thread
-from .pool import _available_memory_bytes, _usable_cores, collect_head_garbage, freed_memory_kept, heads_routed
+from .pool import collect_head_garbage, freed_memory_kept, heads_routed
+from .sizing import _available_memory_bytes, _usable_cores
 
 LOCAL = "local"  # check --scheduler local: a cluster of this host's processes, started for the check
 INSTALL_HINT = "pip install 'attnstep[cluster]'"

@@ -34,13 +34,13 @@ from ..runs.program_checks import ProgramCheck, files_digest, read_findings
 from ..specs import SPECS, HeadContext, reads_dropout_mask, upstream, uses_scale_and_mask
 from ..specs import dropout as dropout_spec, lse_route
 from ..stages import DROPOUT_MASK, GRAD_INPUT, STAGES
-from . import flash_attn_criterion, invariants, splits, tolerance
+from . import flash_attn_criterion, invariants, sizing, splits, tolerance
 from .diagnosis import Diagnoser, Diagnosis
 from .groups import KVGroup, check_summed, head_term, summed
 from .packed import PackedRun, packed_sources
 from .paged_case import diagnose_paged_case
 from .devices import device_for
-from .pool import REF_CACHE, collect_head_garbage, head_jobs, map_heads
+from .pool import collect_head_garbage, head_jobs, map_heads
 from .slab import diagnoser as slab_diagnoser, notes as slab_notes
 from .results import (FAIL, INHERITED, MISSING, PASS, SHAPE, STALE, UNCHECKABLE, UNREADABLE, Comparison, HeadResult,
                       Report, RunCheck, compare_arrays, elementwise_error)
@@ -246,7 +246,7 @@ class _HeadChecker:
     def __init__(self, run: RunInfo, case: InputCase, opts: Options, diagnoser: Optional[Diagnoser],
                  packed: Optional[PackedRun] = None, slabs: bool = True) -> None:
         self.run, self.case, self.opts, self.diagnoser, self.slabs = run, case, opts, diagnoser, slabs
-        self.ref_of_head = functools.lru_cache(maxsize=REF_CACHE)(self._reference)
+        self.ref_of_head = functools.lru_cache(maxsize=sizing.REF_CACHE)(self._reference)
         self.packed = packed  # a packed case: each sequence is checked as a dense case of its own
 
     def _reference(self, stage: str, head: int) -> np.ndarray:

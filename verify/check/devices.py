@@ -6,7 +6,7 @@ from typing import Optional
 
 from ..files.outputs import RunInfo
 from ..stages import STAGES
-from .pool import tiled_run
+from .sizing import tiled_run
 
 
 def device_for(run: RunInfo, device: Optional[str]) -> Optional[str]:

@@ -90,8 +90,10 @@ class Suspect:
     # the program's splits (verify/check/splits.py SplitSuspect); the split diagnoses alone explain it.
     splits: Optional[object] = None
     # A head too long to recompute whole (verify/check/slab.py): the diagnoses find the whole stage's
-    # patterns, and slab() gives the causes the head's first rows, checked as a case of their own, showed.
+    # patterns, and slab() gives the causes a slab of its rows, checked as a case of their own, showed.
     slab: Optional[Callable[[], List[Diagnosis]]] = None
+    # Within a slab's check: (its first row, the whole head's N and M), by which an alignment is named.
+    rows_of_head: Optional[Tuple[int, int, int]] = None
 
 
 # (stage, got, the isolated reference, the Suspect) -> every pattern that explains got, most

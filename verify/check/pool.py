@@ -17,170 +17,20 @@ import signal
 import sys
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from typing import Callable, List, Optional, Protocol, Tuple
+from typing import Callable, List, Optional, Protocol
 
 from ..files.kinds import CaseError
 from ..files.outputs import RunInfo
-from ..model.half import is_half
-from ..model.tiles import TILE_BYTES, tile_workers
-from ..specs import upstream
-from ..stages import STAGES
+from ..model.tiles import tile_workers
 from ..text import mib
-from ..variant import NONE
 from .blas import blas_on_one_thread, one_blas_thread
-from .groups import summed
-
-
-# Memory one worker holds while it checks a head, in float64 N×M matrices (the reference chain,
-# the binary's stages, bounds and the error model's intermediates: docs/journal.md has the
-# measured peak) and in (N + M)·d ones, plus the interpreter and numpy.
-_HEAD_NM_MATRICES = 32
-
-
-# And for a run with backward stages (dP, dS and their bounds), this many more N×M ones: a
-# backward check of one head measured 43 in all at N = M = 2048, a forward one 27.
-_BACKWARD_NM_MATRICES = 12
-
-
-_HEAD_ND_MATRICES = 32
-
-
-# A head whose stages hold no N×M matrix (the flash stages alone) is checked in row tiles
-# (verify/model/tiles.py): this many tiles' worth of matrices at a time, besides its (N + M)·d ones
-# (a quarter more than the chained pass alone held: the isolated bounds' pass shares its tiles).
-_TILE_MATRICES = 60
-
-
-_WORKER_BASE_BYTES = 200 << 20
-
-
-# Other heads' reference stages a process keeps for the head_permuted diagnosis (one matrix each).
-REF_CACHE = 8
+from .sizing import (NotEnoughMemory, _available_memory_bytes, _nm_matrices, _usable_cores, head_bytes,
+                     memory_budget, slab_bytes)
 
 
 # Below this many multiply-adds over all heads (the default 12×128×128 case has 25 M) one process
 # checks faster than a pool can start.
 _PARALLEL_MIN_MACS = 1 << 23
-
-
-def _read_int(path: str, field: int = 0) -> Optional[int]:
-    try:
-        with open(path) as f:
-            return int(f.read().split()[field])
-    except (OSError, ValueError, IndexError):
-        return None  # absent, or "max" (no limit)
-
-
-def _available_memory_bytes() -> Optional[int]:
-    """MemAvailable, and no more than a container's memory limit leaves (cgroup v2, else v1)."""
-    avail = None
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    avail = int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
-                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
-        limit, usage = _read_int(limit_file), _read_int(usage_file)
-        if limit is not None and usage is not None and limit < (1 << 60):
-            left = max(0, limit - usage)
-            avail = left if avail is None else min(avail, left)
-            break
-    return avail
-
-
-def _usable_cores() -> int:
-    """The cores this process may run on, and no more than a container's CPU quota (cgroup v2)."""
-    cores = len(os.sched_getaffinity(0))
-    quota, period = _read_int("/sys/fs/cgroup/cpu.max", 0), _read_int("/sys/fs/cgroup/cpu.max", 1)
-    if quota is not None and period:
-        cores = min(cores, max(1, -(-quota // period)))
-    return cores
-
-
-# The largest --max-memory-mb, as the binary's (kMaxMemoryMb in cuda_src/cli.h: 1 PiB).
-MAX_MEMORY_MB = 1 << 30
-
-# The exit status of a command that does not have the memory it needs, as the binary's.
-NO_MEMORY_EXIT = 3
-
-
-class NotEnoughMemory(CaseError):
-    """The check would need more memory than it may use: one line, exit status NO_MEMORY_EXIT."""
-    exit_code = NO_MEMORY_EXIT
-
-
-# What a K/V head's group holds besides one query head's matrices (verify/check/groups.py), in
-# M×d float64 matrices: per summed stage its running sums and bounds, and each query head's part
-# (for the diagnoses); and the K/V head's K, V and KT, lent to its query heads.
-_GROUP_SUMS_MD_MATRICES = 10
-_GROUP_COPIES_MD_MATRICES = 3
-
-
-def head_bytes(run: RunInfo) -> int:
-    """The most memory one process holds while it checks a K/V head's group of `run` (a head, where
-    K/V heads are not grouped): one query head's N×M and (N + M)·d float64 matrices at a time, the
-    other heads' reference stages of REF_CACHE, what the group keeps across its query heads, the
-    interpreter, and every one-file stage the process reads whole (held, and its file's bytes
-    while it loads)."""
-    d = run.dims
-    nd = _HEAD_ND_MATRICES + (REF_CACHE if tiled_run(run) else 0)
-    matrices = 8 * (_nm_matrices(run) * d.seq_q * d.seq_k + nd * (d.seq_q + d.seq_k) * max(d.d_k, d.d_v))
-    tiles = _TILE_MATRICES * min(TILE_BYTES, 8 * d.seq_q * d.seq_k) if tiled_run(run) else 0
-    return matrices + tiles + _group_bytes(run) + _WORKER_BASE_BYTES + 2 * _stacked_file_bytes(run)
-
-
-def tiled_run(run: RunInfo) -> bool:
-    """Whether a head of `run` is sized as checked in row tiles: it has stages, none of them nor
-    what they are computed from is an N×M matrix (nor a split stage, whose wide files are sized as
-    before), and its precision is float32's (the half pipelines' roundings are bounded on the
-    whole head)."""
-    stages = set(run.stages).union(*(upstream(s) for s in run.stages))
-    return bool(stages) and not is_half(run.precision) and \
-        not any((STAGES[s].rows, STAGES[s].cols) == ("N", "M") or STAGES[s].split for s in stages)
-
-
-def _group_bytes(run: RunInfo) -> int:
-    """What a K/V head's group keeps while its query heads are checked one by one (0 ungrouped)."""
-    d = run.dims
-    if d.group_size == 1:
-        return 0
-    summed_stages = sum(1 for s in run.stages if summed(s))
-    per_matrix = 8 * d.seq_k * max(d.d_k, d.d_v)
-    return per_matrix * (summed_stages * (_GROUP_SUMS_MD_MATRICES + d.group_size) + _GROUP_COPIES_MD_MATRICES)
-
-
-def _nm_matrices(run: RunInfo) -> int:
-    """The float64 N×M matrices one process holds at most while it checks a head of `run`: in row
-    tiles, the head's mask and bias files (and their bool mask) alone."""
-    if tiled_run(run):
-        return (run.variant.mask != NONE) + (run.variant.bias != NONE)
-    backward = any(STAGES[s].backward for s in run.stages)
-    return _HEAD_NM_MATRICES + REF_CACHE + (_BACKWARD_NM_MATRICES if backward else 0)
-
-
-def _stacked_file_bytes(run: RunInfo) -> int:
-    """The bytes of the run's one-file stages (every head in one .npy): each process loads them whole."""
-    total = 0
-    for src in run.sources.values():
-        if src.arrays is None and not src.per_head:
-            try:
-                total += os.stat(src.file(0, run.dims)).st_size
-            except OSError:
-                pass  # missing: reported as such when its heads are checked
-    return total
-
-
-def memory_budget(max_memory_mb: Optional[int], avail: Optional[int]) -> Tuple[Optional[int], str]:
-    """(the bytes a check may use, what sets them): `avail` (MemAvailable, a container's limit),
-    and no more than `max_memory_mb` MiB when given; None when neither is known."""
-    cap = None if max_memory_mb is None else max_memory_mb << 20
-    if cap is not None and (avail is None or cap <= avail):
-        return cap, f"--max-memory-mb {max_memory_mb}"
-    return avail, "the memory available"
 
 
 def head_jobs(run: RunInfo, requested: int = 0, max_memory_mb: Optional[int] = None, held_bytes: int = 0) -> int:
@@ -189,7 +39,8 @@ def head_jobs(run: RunInfo, requested: int = 0, max_memory_mb: Optional[int] = N
     the workers' groups fit in half the available memory, and 1 for small runs. 1 off Linux: the
     workers are forked (they inherit the loaded case). Either way no more than
     memory_budget(max_memory_mb) holds, and NotEnoughMemory when one group does not fit. held_bytes:
-    what a job holds besides (a packed case's matrices, sliced per sequence)."""
+    what a job holds besides (a packed case's matrices, sliced per sequence). The slabs of failing
+    long heads share what the workers leave (_SLABS_AT_ONCE)."""
     d = run.dims
     per_job, jobs = head_bytes(run) + held_bytes, d.total_kv_heads
     avail = _available_memory_bytes()
@@ -204,12 +55,39 @@ def head_jobs(run: RunInfo, requested: int = 0, max_memory_mb: Optional[int] = N
     if jobs <= 1 or sys.platform != "linux":
         return 1
     if requested > 0:
-        return min(requested, jobs, fits)
+        return _slabs_sized(run, min(requested, jobs, fits), per_job, budget)
     if d.total_heads * d.seq_q * d.seq_k * (d.d_k + d.d_v) < _PARALLEL_MIN_MACS:
         return 1  # starting workers would cost more than the checking
     # Of what is available, half: the machine's other work keeps the rest.
     by_memory = fits if avail is None else min(fits, max(1, (avail // 2) // per_job))
-    return max(1, min(_usable_cores(), by_memory, jobs))
+    usable = budget if avail is None else avail // 2 if budget is None else min(budget, avail // 2)
+    return _slabs_sized(run, max(1, min(_usable_cores(), by_memory, jobs)), per_job, usable)
+
+
+# How many slabs of failing long heads (verify/check/slab.py) the next map_heads call's workers
+# check at once (None: no limit). The workers are sized by their tiled heads; a slab holds a dense
+# check of DIAGNOSIS_SCORES scores besides, so where memory has room for fewer slabs than workers,
+# a worker's slab waits for a slot.
+_SLABS_AT_ONCE: Optional[int] = None
+_SLAB_SLOTS = None  # the semaphore the forked workers share
+
+
+def _slabs_sized(run: RunInfo, jobs: int, per_job: int, memory: Optional[int]) -> int:
+    """jobs, with _SLABS_AT_ONCE set for them."""
+    global _SLABS_AT_ONCE
+    extra = slab_bytes(run)
+    _SLABS_AT_ONCE = None if not extra or memory is None else max(1, (memory - jobs * per_job) // extra)
+    return jobs
+
+
+@contextlib.contextmanager
+def slab_slot():
+    """Within: a slab is checked, never more at once across the workers than memory has room for."""
+    if _SLAB_SLOTS is None:
+        yield
+        return
+    with _SLAB_SLOTS:
+        yield
 
 
 def _die_with_parent() -> None:
@@ -331,9 +209,11 @@ def map_heads(check: Callable[[int], list], heads: int, jobs: int,
     processes (in this one for jobs <= 1; along the route of heads_routed when there is one),
     results concatenated in order; progress(i) after each. tune_process: this process is the
     command's own, so its allocator and garbage collector may be set for checking (never in a
-    caller's process: the Python API's)."""
-    global _ROUTE
+    caller's process: the Python API's). The workers check no more slabs at once than the last
+    head_jobs found room for."""
+    global _ROUTE, _SLABS_AT_ONCE
     route, _ROUTE = _ROUTE, None
+    slots, _SLABS_AT_ONCE = _SLABS_AT_ONCE, None
     if route is not None:
         return route.map(check, heads, progress)
     results: List = []
@@ -348,11 +228,12 @@ def map_heads(check: Callable[[int], list], heads: int, jobs: int,
                 if progress:
                     progress(head)
         return results
-    global _CHECK
+    global _CHECK, _SLAB_SLOTS
     _CHECK = check  # forked workers inherit it: nothing large is pickled to them
+    context = multiprocessing.get_context("fork")
+    _SLAB_SLOTS = context.Semaphore(slots) if slots is not None and slots < jobs else None
     try:
-        with _heads_garbage_only(), ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork"),
-                                                        initializer=_init_worker) as pool:
+        with _heads_garbage_only(), ProcessPoolExecutor(jobs, mp_context=context, initializer=_init_worker) as pool:
             try:
                 for head, head_results in enumerate(pool.map(_check_in_worker, range(heads))):
                     results.extend(head_results)
@@ -370,5 +251,5 @@ def map_heads(check: Callable[[int], list], heads: int, jobs: int,
         raise CaseError(f"a checking process of {jobs} died (killed for memory?); HINT: run check "
                         "with --jobs 1, or fewer") from None
     finally:
-        _CHECK = None
+        _CHECK, _SLAB_SLOTS = None, None
     return results

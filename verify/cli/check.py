@@ -11,7 +11,7 @@ import click
 from ..check import flash_attn_criterion
 from ..check.cluster import LOCAL, heads_on_cluster
 from ..check.compare import Options, check_run, error_ratio_map
-from ..check.pool import MAX_MEMORY_MB
+from ..check.sizing import MAX_MEMORY_MB
 from ..diagnose.hypotheses import diagnose
 from ..files.case import check_scale, load_input_case
 from ..files.kinds import CaseError

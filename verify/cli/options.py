@@ -16,7 +16,7 @@ from typing import Dict, Iterator, Mapping, Optional
 
 import click
 
-from ..check.pool import NO_MEMORY_EXIT
+from ..check.sizing import NO_MEMORY_EXIT
 from ..files.case import output_file_target, probe_writable
 from ..files.guards import same_file
 from ..files.generate import DEFAULT_DIMS, MAX_SEED

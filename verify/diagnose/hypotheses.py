@@ -10,14 +10,14 @@ candidate must explain got within a few tolerance widths AND differ from want by
 Codes (stable; the report's `diagnosis`; docs/contract.md says each in a user's words): nonfinite,
 unwritten, overflow, transposed, layout, scaled, softmax_axis, keys_past_end, keys_dropped,
 tile_boundary, lse_log2; the softmax loops' mask_after_softmax, tile_keys_skipped,
-online_rescale_missing, softmax_unnormalized, lse_sum_missing, lse_max_missing
+online_rescale_missing, softmax_unnormalized, lse_sum_missing, lse_max_missing, running_max_zero
 (verify/diagnose/softmax_loops.py); the heads' head_permuted, kv_head_map,
 kv_group_not_summed, kv_group_summed_twice (verify/diagnose/heads.py); the masks' mask_missing,
 mask_offset (any offset; the other alignment named), window_off, window_missing, mask_file_ignored,
-mask_file_transposed, mask_file_inverted (verify/diagnose/masks.py); the variants' softcap_missing,
-softcap_before_scale, softcap_derivative_missing, alibi_missing, alibi_sign, alibi_slope_order,
-bias_ignored, bias_transposed, dropout_unscaled, dropout_not_applied, dropout_mask_inverted
-(verify/diagnose/variants.py); the backward's D_wrong_O, dS_missing_P, grad_unscaled,
+mask_file_transposed, mask_file_inverted, causal_tile_skip (verify/diagnose/masks.py); the
+variants' softcap_missing, softcap_before_scale, softcap_derivative_missing, alibi_missing,
+alibi_sign, alibi_slope_order, bias_ignored, bias_transposed, dropout_unscaled, dropout_not_applied,
+dropout_mask_inverted (verify/diagnose/variants.py); the backward's D_wrong_O, dS_missing_P, grad_unscaled,
 dV_untransposed_P, lse_log2 and the flash gradients' softcap_derivative_missing
 (verify/diagnose/backward.py); the precision ones: tf32, half_storage, half_truncation,
 half_accumulation (verify/diagnose/precision.py); and in a packed case, the sequences' sequence_leak,
@@ -169,7 +169,7 @@ def _lse_log2(stage, got, want, ctx, width) -> List[Diagnosis]:
 
 
 # Bugs that leave whole rows or columns empty or renormalized, explaining every element.
-_EMPTIES_LINES = {"softmax_axis", *mask_bugs.CODES}
+_EMPTIES_LINES = {"softmax_axis", loop_bugs.RUNNING_MAX_ZERO, *mask_bugs.CODES}
 
 # Each stage's spec (verify/specs/) names the hypotheses that apply to it. "head_permuted" is every
 # head mix-up (verify/diagnose/heads.py: a GQA query head reading another K/V head, a K/V group
@@ -252,7 +252,7 @@ _PLACES = ("nonfinite", "unwritten", "tile_boundary", "transposed")
 
 def _patterns_and_slab(stage, got, want, ctx: Suspect, width) -> List[Diagnosis]:
     """A head too long to recompute whole (verify/check/slab.py): the patterns of the whole stage,
-    and the causes found on the head's first rows."""
+    and the causes found on a slab of its rows."""
     found: List[Diagnosis] = []
     bare = replace(ctx, src={}, slab=None)
     for name in _PATTERNS:

@@ -2,223 +2,35 @@
 missing or shifted (another alignment among them), a window bound off by a few keys or ignored,
 the mask file ignored or read transposed. A hypothesis of verify/diagnose/hypotheses.py ("mask").
 
-Every candidate is a whole mask (True hides), built from verify/variant.py's rule, the case's
-mask and bias files: in a stage that holds the masked value (the scores' −inf, the weights' 0) the
-mask is read off got and must equal a candidate exactly; elsewhere the stage is recomputed under
-each candidate (from its sources, or from the case's inputs where the program wrote no upstream
-stage) and must explain got while the reference does not.
+Every candidate is a whole mask (True hides: verify/diagnose/mask_candidates.py), built from
+verify/variant.py's rule, the case's mask and bias files: in a stage that holds the masked value
+(the scores' −inf, the weights' 0) the mask is read off got and must equal a candidate exactly;
+elsewhere the stage is recomputed under each candidate (from its sources, or from the case's
+inputs where the program wrote no upstream stage) and must explain got while the reference does
+not.
 
 Codes: mask_missing (the causal mask or the whole window not applied), mask_offset (the diagonal
 moved by k keys: any k, the other alignment named as such), window_off (one bound of the window
 off by a few keys, or the bounds swapped), window_missing (one bound of the window ignored, or the
-window with the causal mask kept), mask_file_ignored, mask_file_transposed, mask_file_inverted.
+window with the causal mask kept), mask_file_ignored, mask_file_transposed, mask_file_inverted,
+causal_tile_skip (a kernel that skips the key tiles past the diagonal by its query tile's first
+row: the tile's later rows lose the keys of the tiles it skipped).
 """
 from __future__ import annotations
 
-import hashlib
-from dataclasses import dataclass, field
-from typing import Callable, Iterator, List, Optional, Tuple
+from typing import Callable, List, Optional
 
 import numpy as np
 
 from ..check.diagnosis import Diagnosis
 from ..specs import SPECS
 from ..specs.scores import STAND_IN_CEILING, STAND_IN_GAP, stand_ins
-from ..stages import KEYS, MASK_INPUT, QUERIES, STAGES
-from ..variant import ALIGNMENTS, NONE, TOP_LEFT, UNBOUNDED, Variant
-from .base import MASK_FIT_ROWS, MATCH_WIDTHS, MAX_MASK_FIT_KEYS, MAX_MASK_OFFSET, explains
-from .mask_words import ALIGNMENT_WORDS, alignment_words, keys_words, offset_detail, shift_words, window_words
-from .inputs import (case_inputs, file_hidden, rebuilder, slope_of, structural_hidden, variant_of,
-                     variant_tensors)
-
-# A window bound off by up to this many keys is named (a larger error is another bug).
-MAX_WINDOW_SHIFT = 3
-# The codes of a wrong mask: they leave rows with no visible key (0/0), and explain them.
-CODES = ("mask_missing", "mask_extra", "mask_offset", "window_off", "window_missing", "mask_file_ignored",
-         "mask_file_transposed", "mask_file_inverted")
-# What a causal mask the case does not have most often is: a case without a manifest, checked
-# without --causal.
-_EXTRA_HINT = ("HINT: if the program is meant to mask, the case must say so (its manifest; a case without one is "
-               "not causal unless checked with --causal [ALIGN])")
-
-
-@dataclass
-class Candidate:
-    """A mask a buggy program applied: its code, what the program did (a user's words) and the
-    whole mask (True hides)."""
-    code: str
-    words: str
-    hidden: np.ndarray
-    detail: dict = field(default_factory=dict)
-    confidence: float = 0.92
-    hint: str = ""
-
-    def diagnosis(self, stage: str, diff: Optional[float]) -> Diagnosis:
-        how = f" (max diff {diff:.2g})" if diff is not None else ""
-        return Diagnosis(self.code, f"{stage}: {self.words}{how}{'; ' + self.hint if self.hint else ''}",
-                         {**self.detail, **({"max_diff": diff} if diff is not None else {})}, self.confidence)
-
-
-class Masks:
-    """The case's mask on one head (n query rows, m keys) and its parts: the structural mask of the
-    variant at any diagonal offset, the files' hidden entries."""
-
-    def __init__(self, ctx, n: int, m: int) -> None:
-        self.v, self.n, self.m = variant_of(ctx), n, m
-        self.tensors = variant_tensors(ctx)
-        self.files = file_hidden(self.v, self.tensors, n, m)
-        self.offset = self.v.offset(n, m)
-
-    def at(self, offset: int, v: Optional[Variant] = None) -> np.ndarray:
-        """The whole mask with row i's diagonal at key i + offset (v: another causal flag or window)."""
-        return structural_hidden(self.v if v is None else v, self.n, self.m, offset) | self.files
-
-    @property
-    def run(self) -> np.ndarray:
-        return self.at(self.offset)
-
-    def of(self, v: Variant) -> np.ndarray:
-        return self.at(v.offset(self.n, self.m), v)
-
-
-# ---- the candidates -------------------------------------------------------------------------------
-
-def _missing(masks: Masks) -> Iterator[Candidate]:
-    """The causal mask not applied (nor the window, where the case has one)."""
-    v = masks.v
-    if not v.causal:
-        return
-    window = v.window != (UNBOUNDED, UNBOUNDED)
-    what = f"causal masking and the window {v.window} are on" if window else "causal masking is on"
-    yield Candidate("mask_missing", f"{what} but got matches the result without {'them' if window else 'it'}",
-                    masks.files, {"window": list(v.window), "causal": True}, 0.9)
-
-
-def _extra(masks: Masks) -> Iterator[Candidate]:
-    """A causal mask, either alignment, where the case has none (nor a window)."""
-    v = masks.v
-    if v.structural:
-        return
-    for align in ALIGNMENTS if masks.n != masks.m else (TOP_LEFT,):
-        where = f", {ALIGNMENT_WORDS[align]}" if masks.n != masks.m else ""
-        yield Candidate("mask_extra", f"the case is not causal, but got matches the result under a causal mask{where}",
-                        masks.of(v.with_(causal=True, align=align)), {"align": align}, 0.9, _EXTRA_HINT)
-
-
-def _other_alignment(masks: Masks) -> Iterator[Candidate]:
-    v, n, m = masks.v, masks.n, masks.m
-    if not v.structural or n == m:
-        return
-    other = next(a for a in ALIGNMENTS if a != v.align)
-    k = v.with_(align=other).offset(n, m) - masks.offset
-    what = "causal mask" if v.causal else "window"
-    yield Candidate("mask_offset", f"the {what} is {ALIGNMENT_WORDS[other]}, the case's is "
-                    f"{ALIGNMENT_WORDS[v.align]}: its diagonal is shifted by {k:+d} ({shift_words(k)})",
-                    masks.of(v.with_(align=other)), offset_detail(v, k, n, m))
-
-
-def _window_bounds(v: Variant) -> Iterator[Tuple[str, str, Tuple[int, int]]]:
-    """(code, what, the window a buggy program applied) for each bound of v's window off by a few
-    keys, ignored, or the two swapped (the causal flag, which sets the right bound, kept)."""
-    left, right = v.window
-    sides = [("left", 0)] + ([] if v.causal else [("right", 1)])
-    bounded = [(side, i) for side, i in sides if v.window[i] != UNBOUNDED]
-    for side, i in bounded:
-        for k in _shifts():
-            bound = v.window[i] + k
-            if bound < 0:
-                continue
-            w = (bound, right) if i == 0 else (left, bound)
-            yield "window_off", f"the window's {side} bound is off by {k:+d}: {bound} keys instead of " \
-                f"{v.window[i]} ({window_words(side, k)})", w
-    if not v.causal and left != right and UNBOUNDED not in v.window:
-        yield "window_off", f"the window's bounds are swapped: ({right}, {left}) instead of ({left}, {right})", \
-            (right, left)
-    for side, i in bounded if len(bounded) > 1 else ():
-        w = (UNBOUNDED, right) if i == 0 else (left, UNBOUNDED)
-        yield "window_missing", f"the window's {side} bound ({v.window[i]} keys) is ignored", w
-    if bounded:
-        kept = "; the causal mask is applied" if v.causal else ": got matches the result without it"
-        yield "window_missing", f"the window {v.window} is ignored{kept}", (UNBOUNDED, UNBOUNDED)
-
-
-def _shifts() -> List[int]:
-    """1, -1, 2, -2, … MAX_WINDOW_SHIFT keys: the off-by-few errors, the smallest first."""
-    return sorted((k for k in range(-MAX_WINDOW_SHIFT, MAX_WINDOW_SHIFT + 1) if k), key=lambda x: (abs(x), -x))
-
-
-def _window(masks: Masks) -> Iterator[Candidate]:
-    v = masks.v
-    for code, words, w in _window_bounds(v):
-        other = v.with_(window=w)
-        yield Candidate(code, words, masks.of(other), {"window": list(w), "case_window": list(v.window)})
-    left = v.window[0]
-    if v.causal and left != UNBOUNDED:
-        # The causal diagonal (the window's right bound) moved while its left bound stayed.
-        for k in _shifts():
-            if left + k >= 0:
-                yield Candidate("mask_offset", f"the causal mask is shifted by {k:+d} ({shift_words(k)}); the "
-                                "window's left bound is where it belongs",
-                                masks.at(masks.offset + k, v.with_(window=(left + k, v.window[1]))),
-                                {**offset_detail(v, k, masks.n, masks.m), "window_kept": True}, 0.9)
-
-
-def _mask_file(masks: Masks) -> Iterator[Candidate]:
-    v, mask = masks.v, masks.tensors.get(MASK_INPUT)
-    if v.mask == NONE or mask is None:
-        return
-    without = file_hidden(v.with_(mask=NONE), masks.tensors, masks.n, masks.m)
-    structural = structural_hidden(v, masks.n, masks.m, masks.offset)
-    yield Candidate("mask_file_ignored", f"the mask file ({v.mask}) is ignored: got matches the result "
-                    "without it", structural | without, {"coverage": v.mask})
-    for how, read in _transposed_reads(mask):
-        yield Candidate("mask_file_transposed", f"the mask file ({v.mask}) is read {how}",
-                        structural | without | (read == 0), {"coverage": v.mask, "how": how})
-    if (mask == 0).any():  # (a file of 1s alone, read inverted, would hide every key: an empty output's look)
-        yield Candidate("mask_file_inverted", f"the mask file ({v.mask}) is read inverted: its 1s (True: keep) "
-                        "hide keys and its 0s keep them", structural | without | (mask != 0), {"coverage": v.mask})
-
-
-def _transposed_reads(x: np.ndarray) -> Iterator[Tuple[str, np.ndarray]]:
-    """An N×M file read transposed: its transpose where square, else the buffer read as column-major
-    (an M×N layout), as a program that swapped its strides does."""
-    n, m = x.shape
-    if n == m:
-        yield "transposed (mask[j, i] for row i, key j)", x.T
-    elif n > 1 and m > 1:
-        yield "as column-major (transposed strides)", x.reshape(m, n).T
-
-
-def _offsets(masks: Masks, fitted: List[int]) -> Iterator[Candidate]:
-    """The structural mask at the run's diagonal shifted by k (fitted ones first, then small ones)."""
-    v, n, m = masks.v, masks.n, masks.m
-    if not v.structural:
-        return
-    for k in dict.fromkeys(fitted + sorted(range(-MAX_MASK_OFFSET, MAX_MASK_OFFSET + 1), key=abs)):
-        if k == 0:
-            continue
-        yield Candidate("mask_offset", f"the {'causal mask' if v.causal else 'window'} is shifted by {k:+d} "
-                        f"({keys_words(masks.offset + k)} visible instead of {keys_words(masks.offset)}: "
-                        f"{shift_words(k)}){alignment_words(v, masks.offset + k, n, m)}",
-                        masks.at(masks.offset + k), offset_detail(v, k, n, m), 0.9)
-
-
-def candidates(masks: Masks, fitted: List[int]) -> Iterator[Candidate]:
-    """Every named mask, most specific first; none equal to the run's own or to another before it
-    (told apart by a digest: one N×M mask is held at a time)."""
-    seen = {_digest(masks.run)}
-    for group in (_missing(masks), _extra(masks), _other_alignment(masks), _mask_file(masks), _window(masks),
-                  _offsets(masks, fitted)):
-        for c in group:
-            digest = _digest(c.hidden)
-            if digest not in seen:
-                seen.add(digest)
-                yield c
-
-
-def _digest(hidden: np.ndarray) -> bytes:
-    return hashlib.blake2b(np.packbits(hidden).tobytes(), digest_size=16).digest()
-
+from ..stages import KEYS, QUERIES, STAGES
+from ..variant import ALIGNMENTS, Variant
+from .base import MASK_FIT_ROWS, MATCH_WIDTHS, MAX_MASK_FIT_KEYS, explains
+from .mask_candidates import EXTRA_HINT, CODES, Masks, candidates  # noqa: F401 (CODES: the hypothesis's codes)
+from .mask_words import ALIGNMENT_WORDS, alignment_words, offset_detail, shift_words
+from .inputs import case_inputs, rebuilder, slope_of, variant_of, variant_tensors
 
 # ---- the hypothesis -------------------------------------------------------------------------------
 
@@ -273,7 +85,7 @@ def _mask_in_pattern(stage: str, got: np.ndarray, pattern: np.ndarray, ctx) -> L
     if (pattern == masks.run).all():
         return []
     if not masks.v.structural and not masks.files.any():
-        return _plain_offset(stage, pattern)
+        return _plain_offset(stage, pattern, masks)
     fitted = _fit_offset(pattern & ~masks.files)
     for c in candidates(masks, [] if fitted is None else [fitted - masks.offset]):
         if (pattern == c.hidden).all():
@@ -286,18 +98,18 @@ def _mask_in_pattern(stage: str, got: np.ndarray, pattern: np.ndarray, ctx) -> L
     return _stand_in(stage, got, pattern, masks)
 
 
-def _plain_offset(stage: str, pattern: np.ndarray) -> List[Diagnosis]:
-    """A case without a mask whose program masked causally at offset k (k < M − 1: some key hidden)."""
-    N, M = pattern.shape
-    k = _fit_offset(pattern)
-    if k is None or k >= M - 1:
+def _plain_offset(stage: str, pattern: np.ndarray, masks: Masks) -> List[Diagnosis]:
+    """A case without a mask whose program masked causally at offset k (k < M − 1: some key hidden);
+    k in the whole head's rows."""
+    fitted = _fit_offset(pattern)
+    if fitted is None or fitted >= pattern.shape[1] - 1:
         return []
-    v = Variant()
+    v, k, N, M = Variant(), fitted - masks.first, masks.N, masks.M
     align = next((a for a in ALIGNMENTS if v.with_(causal=True, align=a).offset(N, M) == k), None)
     if align is not None:  # the causal mask itself, where the case has none
         where = f", {ALIGNMENT_WORDS[align]}" if N != M else ""
         return [Diagnosis("mask_extra", f"{stage}: the case is not causal, but entries c > r "
-                          f"{'+ ' + str(k) + ' ' if k else ''}are masked (a causal mask{where}); {_EXTRA_HINT}",
+                          f"{'+ ' + str(k) + ' ' if k else ''}are masked (a causal mask{where}); {EXTRA_HINT}",
                           {"align": align, "offset": k}, 0.9)]
     return [Diagnosis("mask_offset", f"{stage}: the mask is shifted by {k:+d}: entries c > r "
                       f"{'+' if k >= 0 else '-'} {abs(k)} are masked instead of c > r ({shift_words(k)})"

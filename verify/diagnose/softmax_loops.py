@@ -11,6 +11,8 @@ key of every tile of T keys is left out of every row. online_rescale_missing: a 
 keeps a running maximum m, sum l and output acc over its key tiles, and, when a tile raises m, does
 not multiply l or acc (or either) by exp(m_old − m_new). softmax_unnormalized, lse_sum_missing,
 lse_max_missing: the last step left out, the division by the row sum l, or a term of lse = m + log l.
+running_max_zero: the row maximum (running or not) started at 0 instead of −inf, so that a row whose
+scores all lie below about −87 sums float32 exponentials that underflow to 0.
 
 A kernel's key tile may be any width: each width from 2 keys up to MAX_TILE_SEARCHED is tried on a
 few sampled rows first, and the stage recomputed whole only for the widths those rows fit.
@@ -32,8 +34,9 @@ from .inputs import blank_rows, case_inputs, explains_rows, rebuilder, run_hidde
 
 MASK_AFTER_SOFTMAX = "mask_after_softmax"
 SOFTMAX_UNNORMALIZED, LSE_SUM_MISSING, LSE_MAX_MISSING = "softmax_unnormalized", "lse_sum_missing", "lse_max_missing"
+RUNNING_MAX_ZERO = "running_max_zero"
 CODES = (MASK_AFTER_SOFTMAX, TILE_KEYS_SKIPPED, ONLINE_RESCALE_MISSING, SOFTMAX_UNNORMALIZED, LSE_SUM_MISSING,
-         LSE_MAX_MISSING)
+         LSE_MAX_MISSING, RUNNING_MAX_ZERO)
 # A stage of fewer values than this (a decode step's lse: one per head) fits some candidate of
 # the many widths by chance: the tiles' bugs are not named on it; nor a key of every tile left out
 # on fewer rows than MIN_ROWS.
@@ -248,15 +251,38 @@ def _normalizations(head: _Head) -> List[Tuple[str, str, np.ndarray]]:
              "unnormalized exponentials", head.from_weights(p))]
 
 
+def _max_from_zero(head: _Head) -> Tuple[np.ndarray, np.ndarray]:
+    """(the stage with the row maximum started at 0, not −inf, its exponentials float32's; the rows
+    whose sum underflows to 0): those rows 0/0 (NaN) in the weights and output, −inf in the lse."""
+    s = np.where(head.hidden, -np.inf, head.logits)
+    mx = np.maximum(s.max(axis=1, keepdims=True), 0.0)
+    p = np.exp(s - mx).astype(np.float32).astype(np.float64)
+    total = p.sum(axis=1, keepdims=True)
+    if head.kind == _LOG_SUM_EXP:
+        return mx + np.log(total), total[:, 0] == 0
+    return head.from_weights(p / total), total[:, 0] == 0
+
+
 def normalization(stage, got, want, ctx, width) -> List[Diagnosis]:
     head = _head(stage, got, ctx, width)
     if head is None:
         return []
-    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore", under="ignore"):
         for code, what, cand in _normalizations(head):
             diff = _matches(got, want, head, cand)
             if diff is not None:
                 return [Diagnosis(code, f"{stage} {what} (max diff {diff:.2g})", {"max_diff": diff}, 0.93)]
+        cand, empty = _max_from_zero(head)
+        if not empty.any():
+            return []
+        every = np.ones(got.shape[0], bool)  # (the rows it empties are its evidence: none is left out)
+        for fill in ((np.nan, 0.0) if head.kind != _LOG_SUM_EXP else (-np.inf,)):
+            diff = explains_rows(got, np.where(empty[:, None], fill, cand), want, head.width, every)
+            if diff is not None:
+                return [Diagnosis(RUNNING_MAX_ZERO, f"{stage}: the row maximum starts at 0, not -inf: in rows "
+                                  f"{indices(np.flatnonzero(empty))}, whose scores all lie below about -87, exp(s - 0) "
+                                  f"underflows float32 and the row's sum is 0 (max diff {diff:.2g})",
+                                  {"rows": int(empty.sum()), "max_diff": diff}, 0.93)]
     return []
 
 
