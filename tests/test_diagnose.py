@@ -292,3 +292,21 @@ def test_an_exact_candidate_does_not_make_every_near_one_loose():
     from verify.diagnose.hypotheses import Diagnosis, _closest
     exact, near, loose = (Diagnosis(c, c, {"max_diff": d}) for c, d in (("a", 0.0), ("b", 5e-6), ("c", 1.0)))
     assert [d.code for d in _closest([exact, near, loose], 1e-7)] == ["a", "b"]
+
+
+def test_a_mask_reproduced_to_rounding_is_named_where_the_widest_bound_is_wide():
+    """A shifted mask that moves the output by less than a hundred widths of the stage's widest
+    bound (over many keys, or where one entry's bound is wide) is still the cause when got
+    reproduces it to its own rounding, far closer than it lies to the reference."""
+    chains, dims, scale = make_case("square", causal=True)
+    c = chains[1]
+    s = np.where(np.triu(np.ones((32, 32), bool), k=2), -np.inf, c["Q"] @ c["K"].T * scale)  # one key past
+    got = (softmax_rows(s) @ c["V"]).astype(np.float32).astype(np.float64)
+    src = {n: c[n] for n in ("Q", "K", "V")}
+    want = compute_stage("flash_output", src, scale, True)
+    bound = tolerance.stage_bound("flash_output", src, want, scale=scale, causal=True)
+    wide = bound.copy()
+    wide[0, 0] = np.abs(got - want).max()  # one entry's bound as wide as the whole change
+    for b in (bound, wide):
+        ctx = Suspect(dims=dims, scale=scale, causal=True, head=1, src=src, bound=b)
+        assert codes(diagnose("flash_output", got, want, ctx))[:1] == ["mask_offset"]

@@ -247,3 +247,4 @@ def test_slabs_wait_for_a_slot_where_memory_has_room_for_fewer_than_the_workers(
         return [job]
     assert pool.map_heads(check, 8, jobs) == list(range(8))
     assert most.value == 1 and pool._SLABS_AT_ONCE is None
+

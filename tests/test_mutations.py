@@ -327,6 +327,7 @@ MUTATIONS = {
     "dV_untransposed_P": ("backward-square-causal", _dv_untransposed, "dV_untransposed_P", EVERY),
     "mask_missing-flash_dQ": ("backward-square-causal", _flash_bug("flash_dQ", "bwd_mask"), "mask_missing", EVERY),
     "lse_log2-flash_dV": ("backward-tiles", _flash_bug("flash_dV", "bwd_lse_log2"), "lse_log2", EVERY),
+    "dq_key_tile_rows-flash_dQ": ("backward-tiles", _flash_bug("flash_dQ", "dq_key_rows"), "dq_key_tile_rows", EVERY),
     "transposed-dK-column-major": ("backward-tiles", _column_major("dK"), "transposed", EVERY),
     "unwritten-flash_dQ-tile": ("backward-tiles", _unwritten_tile("flash_dQ", 1), "unwritten", EVERY),
 }

@@ -168,11 +168,13 @@ def _used_scale(scale: float):
 
 def test_a_scale_of_one_over_d_is_named_first_and_as_the_scale_twice_where_they_coincide(tmp_path):
     """With the default scale 1/√d_k, 1/d_k is also the scale applied twice: both are right, the
-    scale used named first."""
+    scale used named first; the message says the factor's values apart from the two readings."""
     result, report = _check(tmp_path, SQUARE, _used_scale(1 / SQUARE.d_k), STAGE_PATH)
     for d in _assert_named_first(report, "QK_scaled", "scaled"):
         assert d["detail"]["names"][0].startswith("1/d_k used as the scale")
         assert "scale (scale applied twice)" in d["detail"]["names"]
+        assert "·want (0.125 = 1/√d_k = scale): 1/d_k used as the scale (divided by d_k, not √d_k), or scale applied " \
+            "twice" in d["message"], d["message"]
 
 
 def test_one_over_d_under_an_explicit_scale_is_not_the_scale_twice(tmp_path):

@@ -340,8 +340,10 @@ def read_inputs(folder: Path, heads: int) -> List[Dict[str, np.ndarray]]:
 
 # Bugs of the backward pass, planted like the forward's: everything downstream computed from the
 # bugged value. "bwd_mask" recomputes the flash backward's P without the causal mask; "bwd_lse_log2"
-# feeds the natural-log lse into an exp2 without converting it.
-BACKWARD_BUGS = ("D_wrong_O", "dS_missing_P", "grad_unscaled", "dV_untransposed_P", "bwd_mask", "bwd_lse_log2")
+# feeds the natural-log lse into an exp2 without converting it; "dq_key_rows" adds each tile's dQ
+# term at the key tile's rows.
+BACKWARD_BUGS = ("D_wrong_O", "dS_missing_P", "grad_unscaled", "dV_untransposed_P", "bwd_mask", "bwd_lse_log2",
+                 "dq_key_rows")
 
 
 @dataclass(frozen=True)
@@ -436,7 +438,11 @@ def flash_backward(q, k, v, do, o, lse, scale: float, causal: bool, route: Backw
             else:
                 dv[c0:c0 + block] += mm_blas(np.ascontiguousarray(p.T), dor)
             dk[c0:c0 + block] += mm_blas(np.ascontiguousarray(ds.T), qr) * s_used
-            dq[r0:r0 + block] += mm_blas(ds, kc) * s_used
+            if bug == "dq_key_rows":  # dQ[k0 + r] where dQ[q0 + r] belongs
+                end = min(c0 + qr.shape[0], n)
+                dq[c0:end] += (mm_blas(ds, kc) * s_used)[:end - c0]
+            else:
+                dq[r0:r0 + block] += mm_blas(ds, kc) * s_used
     return {"flash_dQ": dq, "flash_dK": dk, "flash_dV": dv}
 
 

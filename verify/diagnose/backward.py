@@ -1,6 +1,7 @@
 """The backward pass's classic bugs, as hypotheses of verify/diagnose/hypotheses.py: D from the wrong O, dS
 without its P factor, a gradient missing the scale, dV from P instead of Pᵀ, and a flash backward
-whose lse is in the wrong base or whose dQ and dK leave out the softcap's derivative. Each rebuilds
+whose lse is in the wrong base, whose dQ and dK leave out the softcap's derivative, or whose dQ is
+accumulated at the key tile's rows. Each rebuilds
 the failing stage the way the bug would have computed it, from the program's own upstream files
 where it wrote them (else the reference chain), and fires when that explains got while the correct
 computation does not.
@@ -198,9 +199,51 @@ def flash_cap_derivative(stage, got, want, ctx, width) -> List[Diagnosis]:
                       f"(max diff {hit[1]:.2g})", {"softcap": head.cap, "max_diff": hit[1]}, 0.95)]
 
 
+# The query and key tiles a flash backward's dQ accumulation is tried with (each pair).
+DQ_TILES = (16, 32, 64, 128)
+
+
+def _dq_at_key_rows(G: np.ndarray, K: np.ndarray, scale: float, rows: int, keys: int) -> np.ndarray:
+    """dQ as a flash backward that adds each (query tile, key tile) term scale·G[tile]·K[keys] at
+    the key tile's first row instead of the query tile's: the rows from keys·b on receive the
+    terms of every query tile with key tile b."""
+    n, m = G.shape
+    out = np.zeros((n, K.shape[1]))
+    for c0 in range(0, min(m, n), keys):
+        g = G[:, c0:c0 + keys]
+        stacked = np.vstack([g, np.zeros(((-n) % rows, g.shape[1]))]).reshape(-1, rows, g.shape[1]).sum(axis=0)
+        end = min(c0 + rows, n)
+        out[c0:end] += (stacked @ K[c0:c0 + keys])[:end - c0]
+    return scale * out
+
+
+def dq_key_tile_rows(stage, got, want, ctx, width) -> List[Diagnosis]:
+    """A flash backward that accumulates dQ at the rows of the key tile (dQ[k0 + r]) where the
+    query tile's belong (dQ[q0 + r]), as a loop over key tiles that mixes up its two offsets."""
+    problem = _problem(ctx)
+    if problem is None:
+        return []
+    own, scale, head = problem
+    G, K = _gradients(stage, own, scale, head).G, own(KEYS)
+    if G.shape[0] <= min(DQ_TILES):
+        return []
+    cands = (((rows, keys), _dq_at_key_rows(G, K, scale, rows, keys)) for rows in DQ_TILES for keys in DQ_TILES
+             if rows < G.shape[0] or keys < G.shape[1])
+    hit = _first_match(got, want, _width(ctx, stage, width), cands)
+    if hit is None:
+        return []
+    (rows, keys), diff = hit
+    return [Diagnosis("dq_key_tile_rows", f"{stage}: dQ is accumulated at the key tile's rows: the term of query "
+                      f"tile q and key tile k (tiles of {rows} queries and {keys} keys) is added at row {keys}·k "
+                      f"instead of {rows}·q (max diff {diff:.2g})",
+                      {"query_tile": rows, "key_tile": keys, "max_diff": diff}, 0.95)]
+
+
 # The codes only the backward's hypotheses give (lse_log2 is the forward's too).
-CODES = ("D_wrong_O", "dS_missing_P", "grad_unscaled", "dV_untransposed_P", "softcap_derivative_missing")
+CODES = ("D_wrong_O", "dS_missing_P", "grad_unscaled", "dV_untransposed_P", "softcap_derivative_missing",
+         "dq_key_tile_rows")
 # Keys: the hypothesis names the specs list (verify/specs/); each finding's code is its own.
 HYPOTHESES: Dict[str, Callable] = {"grad_lse_log2": flash_lse_base, "D_wrong_O": d_wrong_o,
                                    "dS_missing_P": ds_missing_p, "grad_unscaled": grad_unscaled,
-                                   "dV_untransposed_P": dv_untransposed_p, "cap_derivative": flash_cap_derivative}
+                                   "dV_untransposed_P": dv_untransposed_p, "cap_derivative": flash_cap_derivative,
+                                   "dq_rows": dq_key_tile_rows}

@@ -18,7 +18,7 @@ mask_file_transposed, mask_file_inverted, causal_tile_skip (verify/diagnose/mask
 variants' softcap_missing, softcap_before_scale, softcap_derivative_missing, alibi_missing,
 alibi_sign, alibi_slope_order, bias_ignored, bias_transposed, dropout_unscaled, dropout_not_applied,
 dropout_mask_inverted (verify/diagnose/variants.py); the backward's D_wrong_O, dS_missing_P, grad_unscaled,
-dV_untransposed_P, lse_log2 and the flash gradients' softcap_derivative_missing
+dV_untransposed_P, lse_log2 and the flash gradients' softcap_derivative_missing, dq_key_tile_rows
 (verify/diagnose/backward.py); the precision ones: tf32, half_storage, half_truncation,
 half_accumulation (verify/diagnose/precision.py); and in a packed case, the sequences' sequence_leak,
 sequence_boundary, padding_read (verify/diagnose/sequences.py: a sequence's rows recomputed from

@@ -27,7 +27,7 @@ from ..specs import SPECS
 from ..specs.scores import STAND_IN_CEILING, STAND_IN_GAP, stand_ins
 from ..stages import KEYS, QUERIES, STAGES
 from ..variant import ALIGNMENTS, Variant
-from .base import MASK_FIT_ROWS, MATCH_WIDTHS, MAX_MASK_FIT_KEYS, explains
+from .base import MASK_FIT_ROWS, MATCH_WIDTHS, MAX_MASK_FIT_KEYS, explains_closely, maxdiff
 from .mask_candidates import EXTRA_HINT, CODES, Masks, candidates  # noqa: F401 (CODES: the hypothesis's codes)
 from .mask_words import ALIGNMENT_WORDS, alignment_words, offset_detail, shift_words
 from .inputs import case_inputs, rebuilder, slope_of, variant_of, variant_tensors
@@ -57,22 +57,47 @@ def mask(stage, got, want, ctx, width) -> List[Diagnosis]:
     rebuild, fit_rows, (N, M), width = recompute
     masks = Masks(ctx, N, M)
     fitted = _fitted_offsets(fit_rows, got, (N, M), width) if fit_rows is not None else []
+    rows = _sampled_rows(got, want) if fit_rows is not None and got.shape[0] == N else None
     for c in candidates(masks, [k - masks.offset for k in fitted]):
+        if rows is not None and not _rows_fit(fit_rows, got, rows, c.hidden, width):
+            continue
         diff = _explains_empty_rows(got, rebuild(c.hidden), want, width, c.hidden)
         if diff is not None:
             return [c.diagnosis(stage, diff)]
     return []
 
 
+# The rows a candidate mask is tried on before the whole stage is recomputed under it.
+SCREENED_ROWS = 4
+
+
+def _sampled_rows(got: np.ndarray, want: np.ndarray) -> np.ndarray:
+    """got's most wrong rows."""
+    err = np.nan_to_num(np.abs(got - want), nan=np.inf).max(axis=1)
+    return np.argsort(-err, kind="stable")[:SCREENED_ROWS]
+
+
+def _rows_fit(fit_rows, got: np.ndarray, rows: np.ndarray, hidden: np.ndarray, width: float) -> bool:
+    """Whether the sampled rows that see a key under the candidate match got as a candidate that
+    explains the stage must (the whole recomputation is skipped for one that cannot)."""
+    rows = rows[~hidden[rows].all(axis=1)]
+    if not rows.size:
+        return True
+    with np.errstate(all="ignore"):
+        return bool(maxdiff(got[rows], fit_rows(rows, hidden[rows])) <= MATCH_WIDTHS * width)
+
+
 def _explains_empty_rows(got, cand, want, width, hidden) -> Optional[float]:
-    """explains(), with a row that sees no key under the candidate mask (and has as many rows in
-    the stage) taken as 0/0 (NaN) or as 0 (a kernel that guards it, as flash-attn does)."""
-    diff = explains(got, cand, want, width)
+    """explains_closely(), with a row that sees no key under the candidate mask (and has as many
+    rows in the stage) taken as 0/0 (NaN) or as 0 (a kernel that guards it, as flash-attn does).
+    (Closely: over many keys a mask that moves each row's keys by thousands may move the output by
+    less than a hundred widths of its widest bound, yet got reproduces it to its own rounding.)"""
+    diff = explains_closely(got, cand, want, width)
     empty = hidden.all(axis=1)
     if diff is not None or not empty.any() or cand.shape[0] != empty.shape[0]:
         return diff
     for fill in (np.nan, 0.0):
-        diff = explains(got, np.where(empty[:, None], fill, cand), want, width)
+        diff = explains_closely(got, np.where(empty[:, None], fill, cand), want, width)
         if diff is not None:
             return diff
     return None

@@ -60,6 +60,21 @@ def _scale_names(f: float, scale: float, d_k: int, stage: str) -> List[str]:
     return _named(f, named)
 
 
+def _factor_words(f: float, names: List[str]) -> str:
+    """The factor f's names as a message says them: ` (f = 1/√d_k = scale): what the program did,
+    or another reading` (a value is `scale` of `scale (scale applied twice)`)."""
+    values, readings = [], []
+    for name in names:
+        value, _, reading = name.partition(" (")
+        if " " in value:  # a whole reading: "1/d_k used as the scale (divided by d_k, not √d_k)"
+            readings.append(name)
+            continue
+        values.append(value)
+        readings += [reading.removesuffix(")")] if reading else []
+    said = f" ({f:.6g}{''.join(f' = {v}' for v in dict.fromkeys(values))})" if values else ""
+    return said + (f": {', or '.join(readings)}" if readings else "")
+
+
 def linear_factor(stage, got, want, ctx, width) -> List[Diagnosis]:
     """got ≈ f·want, f fitted on the entries that are not blank."""
     d_k = ctx.dims.d_k if ctx.dims is not None else 1
@@ -80,9 +95,9 @@ def linear_factor(stage, got, want, ctx, width) -> List[Diagnosis]:
     if diff > MATCH_WIDTHS * width * max(1.0, abs(f)):
         return []
     names = _scale_names(f, ctx.scale, d_k, stage)
-    named = f" ≈ {' = '.join(names)}" if names else ""
     rest = f", apart from {int(blank.sum())} blank entries" if blank.any() else ""
-    return [Diagnosis("scaled", f"{stage} is scaled: got ≈ {f:.6g}·want{named}{rest} (max diff {diff:.2g})",
+    return [Diagnosis("scaled", f"{stage} is scaled: got ≈ {f:.6g}·want{_factor_words(f, names)}{rest} "
+                      f"(max diff {diff:.2g})",
                       {"factor": f, "names": names, "max_diff": diff}, 0.9)]
 
 

@@ -35,6 +35,7 @@ D_BUGS = ("D_wrong_O",)
 DS_BUGS = D_BUGS + ("dS_missing_P",)
 SCALE_BUGS = ("grad_unscaled",)
 CAP_BUGS = ("cap_derivative",)  # the flash backward's dQ and dK without the softcap's derivative
+DQ_BUGS = ("dq_rows",)  # the flash backward's dQ accumulated at the key tile's rows
 _GRAD_PATTERNS = PATTERNS + ("scaled",)
 _FLASH_PATTERNS = _GRAD_PATTERNS + ("mask", "grad_lse_log2")
 
@@ -76,7 +77,7 @@ SPECS = (
               quantization=dv_quantization, linear=True, rebuild=grad_values,
               diagnoses=_GRAD_PATTERNS + ("dV_untransposed_P",), baseline=GRAD_VALUES, variant_sources=dropout_sources,
               dropped=(WEIGHTS,)),
-    _flash_spec(FLASH_GRAD_QUERIES, 0, GRAD_QUERIES, grad_queries, bugs=DS_BUGS + SCALE_BUGS + CAP_BUGS),
+    _flash_spec(FLASH_GRAD_QUERIES, 0, GRAD_QUERIES, grad_queries, bugs=DS_BUGS + SCALE_BUGS + CAP_BUGS + DQ_BUGS),
     _flash_spec(FLASH_GRAD_KEYS, 1, GRAD_KEYS, grad_keys, invariants=(flash_dk_column_sums,),
                 given_upstream=(COLUMN_SUM,), bugs=DS_BUGS + SCALE_BUGS + CAP_BUGS),
     _flash_spec(FLASH_GRAD_VALUES, 2, GRAD_VALUES, grad_values, bugs=("dV_untransposed_P",)),
