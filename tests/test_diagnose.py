@@ -310,3 +310,27 @@ def test_a_mask_reproduced_to_rounding_is_named_where_the_widest_bound_is_wide()
     for b in (bound, wide):
         ctx = Suspect(dims=dims, scale=scale, causal=True, head=1, src=src, bound=b)
         assert codes(diagnose("flash_output", got, want, ctx))[:1] == ["mask_offset"]
+
+
+def test_wrong_scales_and_masks_are_recomputed_whole_only_where_the_worst_rows_fit(monkeypatch):
+    """Each wrong scale and each candidate mask is first tried on got's four worst rows; the whole
+    stage is recomputed only for a candidate those rows fit (the same names, far less work on a
+    long head's slab)."""
+    from verify.diagnose import masks, scales
+    chains, dims, scale = make_case("square", causal=True)
+    c = chains[1]
+    whole = {"scale": 0, "mask": 0}
+    recomputed, explains_rows = scales.recomputed, masks._explains_empty_rows
+    monkeypatch.setattr(scales, "recomputed", lambda *a: whole.__setitem__("scale", whole["scale"] + 1) or recomputed(*a))
+    monkeypatch.setattr(masks, "_explains_empty_rows",
+                        lambda *a: whole.__setitem__("mask", whole["mask"] + 1) or explains_rows(*a))
+    s = c["Q"] @ c["K"].T  # the scale missing
+    got = softmax_rows(np.where(np.triu(np.ones((32, 32), bool), k=1), -np.inf, s)) @ c["V"]
+    assert codes(run("flash_output", got.astype(np.float32).astype(np.float64), chains, dims, scale, True))[0] == "scaled"
+    assert whole["scale"] == 1, whole
+    whole.update(scale=0, mask=0)
+    s = np.where(np.triu(np.ones((32, 32), bool), k=4), -np.inf, c["Q"] @ c["K"].T * scale)  # three keys past
+    got = softmax_rows(s) @ c["V"]
+    assert codes(run("flash_output", got.astype(np.float32).astype(np.float64), chains, dims, scale, True))[0] == \
+        "mask_offset"
+    assert whole["mask"] == 1, whole

@@ -169,6 +169,25 @@ def explains_rows(got: np.ndarray, cand: np.ndarray, want: np.ndarray, width: fl
     return diff
 
 
+def worst_rows(got: np.ndarray, want: np.ndarray, count: int = 4) -> np.ndarray:
+    """got's `count` most wrong rows, most wrong first: where a candidate is tried before the whole
+    stage is recomputed under it."""
+    err = np.nan_to_num(np.abs(got - want), nan=np.inf).max(axis=1)
+    return np.argsort(-err, kind="stable")[:count]
+
+
+def rows_fit(part: Callable[[np.ndarray, np.ndarray], np.ndarray], got: np.ndarray, rows: np.ndarray,
+             hidden: np.ndarray, width: float) -> bool:
+    """Whether the rows of got that see a key under `hidden` (the candidate's whole mask) match
+    part(rows, hidden[rows]), the candidate's stage on those rows, as a candidate that explains
+    the whole stage must (one that cannot is not recomputed whole)."""
+    rows = rows[~hidden[rows].all(axis=1)]
+    if not rows.size:
+        return True
+    with np.errstate(all="ignore"):
+        return bool(maxdiff(got[rows], part(rows, hidden[rows])) <= MATCH_WIDTHS * width)
+
+
 def blank_rows(got: np.ndarray, want: np.ndarray) -> np.ndarray:
     """Rows holding only zeros or NaN where the reference does not: never written (the unwritten
     diagnosis names them), so no other bug is judged there."""

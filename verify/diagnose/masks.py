@@ -27,10 +27,10 @@ from ..specs import SPECS
 from ..specs.scores import STAND_IN_CEILING, STAND_IN_GAP, stand_ins
 from ..stages import KEYS, QUERIES, STAGES
 from ..variant import ALIGNMENTS, Variant
-from .base import MASK_FIT_ROWS, MATCH_WIDTHS, MAX_MASK_FIT_KEYS, explains_closely, maxdiff
+from .base import MASK_FIT_ROWS, MATCH_WIDTHS, MAX_MASK_FIT_KEYS, explains_closely
 from .mask_candidates import EXTRA_HINT, CODES, Masks, candidates  # noqa: F401 (CODES: the hypothesis's codes)
 from .mask_words import ALIGNMENT_WORDS, alignment_words, offset_detail, shift_words
-from .inputs import case_inputs, rebuilder, slope_of, variant_of, variant_tensors
+from .inputs import case_inputs, rebuilder, rows_fit, slope_of, variant_of, variant_tensors, worst_rows
 
 # ---- the hypothesis -------------------------------------------------------------------------------
 
@@ -57,34 +57,15 @@ def mask(stage, got, want, ctx, width) -> List[Diagnosis]:
     rebuild, fit_rows, (N, M), width = recompute
     masks = Masks(ctx, N, M)
     fitted = _fitted_offsets(fit_rows, got, (N, M), width) if fit_rows is not None else []
-    rows = _sampled_rows(got, want) if fit_rows is not None and got.shape[0] == N else None
+    rows = worst_rows(got, want) if fit_rows is not None and got.shape[0] == N else None
     for c in candidates(masks, [k - masks.offset for k in fitted]):
-        if rows is not None and not _rows_fit(fit_rows, got, rows, c.hidden, width):
+        if rows is not None and not rows_fit(fit_rows, got, rows, c.hidden, width):
             continue
         diff = _explains_empty_rows(got, rebuild(c.hidden), want, width, c.hidden)
         if diff is not None:
             return [c.diagnosis(stage, diff)]
     return []
 
-
-# The rows a candidate mask is tried on before the whole stage is recomputed under it.
-SCREENED_ROWS = 4
-
-
-def _sampled_rows(got: np.ndarray, want: np.ndarray) -> np.ndarray:
-    """got's most wrong rows."""
-    err = np.nan_to_num(np.abs(got - want), nan=np.inf).max(axis=1)
-    return np.argsort(-err, kind="stable")[:SCREENED_ROWS]
-
-
-def _rows_fit(fit_rows, got: np.ndarray, rows: np.ndarray, hidden: np.ndarray, width: float) -> bool:
-    """Whether the sampled rows that see a key under the candidate match got as a candidate that
-    explains the stage must (the whole recomputation is skipped for one that cannot)."""
-    rows = rows[~hidden[rows].all(axis=1)]
-    if not rows.size:
-        return True
-    with np.errstate(all="ignore"):
-        return bool(maxdiff(got[rows], fit_rows(rows, hidden[rows])) <= MATCH_WIDTHS * width)
 
 
 def _explains_empty_rows(got, cand, want, width, hidden) -> Optional[float]:

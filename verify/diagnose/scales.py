@@ -3,16 +3,16 @@ recomputed under a scale programs use by mistake (1/d_k, the scale twice or miss
 1/√d_k for the case's own, an exp2 softmax without log2(e))."""
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Callable, Dict, List, Optional
 
 import numpy as np
 
 from ..check.diagnosis import Diagnosis
 from ..check.reference import compute_stage
 from ..specs import SPECS
-from ..stages import STAGES
+from ..stages import INPUT_NAMES, KEYS, QUERIES, STAGES
 from .base import MATCH_WIDTHS, SCALE_NAME_RTOL, explains_closely, maxdiff
-from .inputs import case_inputs, rebuilder, slope_of, variant_of, variant_tensors
+from .inputs import case_inputs, rebuilder, rows_fit, run_hidden, slope_of, variant_of, variant_tensors, worst_rows
 
 
 def _feeds_the_scale(stage: str) -> bool:
@@ -121,6 +121,24 @@ def _rescaler(stage, ctx, width):
     return (lambda s2: from_inputs(qkv, s2, None, variant=v, slope=slope)), built[1]
 
 
+def _row_screen(stage, got, want, ctx, width) -> Optional[Callable[[float], bool]]:
+    """A test of a scale on got's worst rows recomputed alone, for a stage the rescaler recomputes
+    from the inputs (None where it does not, or where a row's place changes its scores: ALiBi's
+    distances, the mask and bias files' rows)."""
+    from_inputs, qkv, v = SPECS[stage].from_inputs, case_inputs(ctx), variant_of(ctx)
+    if from_inputs is None or qkv is None or v.alibi or variant_tensors(ctx) or \
+            not (set(STAGES[stage].inputs) <= set(INPUT_NAMES) or not (SPECS[stage].scaled and ctx.src)):
+        return None
+    n, m = qkv[QUERIES].shape[0], qkv[KEYS].shape[0]
+    if got.ndim != 2 or got.shape[0] != n:
+        return None
+    rows, hidden, slope = worst_rows(got, want), run_hidden(ctx, n, m), slope_of(ctx)
+
+    def at(s2: float) -> Callable[[np.ndarray, np.ndarray], np.ndarray]:
+        return lambda r, h: from_inputs({**qkv, QUERIES: qkv[QUERIES][r]}, s2, h, variant=v, slope=slope)
+    return lambda s2: rows_fit(at(s2), got, rows, hidden, width)
+
+
 def _wrong_scale(stage, got, want, ctx, width) -> List[Diagnosis]:
     """The stage recomputed with each wrong scale a program uses; every name of the one that fits."""
     d_k, scale = (ctx.dims.d_k if ctx.dims is not None else 1), ctx.scale
@@ -128,8 +146,9 @@ def _wrong_scale(stage, got, want, ctx, width) -> List[Diagnosis]:
     if rescaled is None:
         return []
     recompute, width = rescaled
+    screen = _row_screen(stage, got, want, ctx, width)
     for s2 in dict.fromkeys(_wrong_scales(scale, d_k).values()):
-        if abs(s2 - scale) <= 1e-6 * abs(scale):
+        if abs(s2 - scale) <= 1e-6 * abs(scale) or (screen is not None and not screen(s2)):
             continue
         try:
             cand = recompute(s2)

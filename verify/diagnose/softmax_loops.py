@@ -30,7 +30,8 @@ from ..specs.output import scores_from_inputs
 from ..stages import KEYS, QUERIES, STAGES, VALUES
 from ..text import indices
 from .base import MATCH_WIDTHS, maxdiff
-from .inputs import blank_rows, case_inputs, explains_rows, rebuilder, run_hidden, slope_of, variant_of, variant_tensors
+from .inputs import (blank_rows, case_inputs, explains_rows, rebuilder, run_hidden, slope_of, variant_of,
+                     variant_tensors, worst_rows)
 
 MASK_AFTER_SOFTMAX = "mask_after_softmax"
 SOFTMAX_UNNORMALIZED, LSE_SUM_MISSING, LSE_MAX_MISSING = "softmax_unnormalized", "lse_sum_missing", "lse_max_missing"
@@ -104,12 +105,6 @@ def _matches(got, want, head: _Head, cand: np.ndarray) -> Optional[float]:
     return explains_rows(got, cand, want, head.width, ~blank_rows(got, want))
 
 
-def _sampled(got: np.ndarray, want: np.ndarray) -> np.ndarray:
-    """A few rows where got is wrong (most wrong first): the rows a width is tried on."""
-    err = np.nan_to_num(np.abs(got - want), nan=np.inf).max(axis=1)
-    return np.argsort(-err, kind="stable")[:SAMPLED_ROWS]
-
-
 def _fits_rows(got, head: _Head, cand_rows: np.ndarray, rows: np.ndarray) -> bool:
     return maxdiff(got[rows], cand_rows) <= MATCH_WIDTHS * head.width
 
@@ -161,7 +156,7 @@ def tile_keys(stage, got, want, ctx, width) -> List[Diagnosis]:
     if head is None or got.size < MIN_VALUES or got.shape[0] < MIN_ROWS:
         return []
     m = head.logits.shape[1]
-    rows = _sampled(got, want)
+    rows = worst_rows(got, want, SAMPLED_ROWS)
     sampled = head.logits[rows]
     for tile in _widths(m // 2):  # (at least two full tiles: one tile's key is no pattern)
         for how, skipped in _skipped_keys(m, tile):
@@ -216,7 +211,7 @@ def online_rescale(stage, got, want, ctx, width) -> List[Diagnosis]:
     head = _head(stage, got, ctx, width)
     if head is None or head.values is None or head.kind == _PROBABILITIES or got.size < MIN_VALUES:
         return []
-    rows = _sampled(got, want)
+    rows = worst_rows(got, want, SAMPLED_ROWS)
     for tile in _widths(head.logits.shape[1]):
         for how, sum_scaled, out_scaled in _LSE_RESCALES if head.kind == _LOG_SUM_EXP else _RESCALES:
             with np.errstate(invalid="ignore", over="ignore"):
