@@ -248,3 +248,30 @@ def test_slabs_wait_for_a_slot_where_memory_has_room_for_fewer_than_the_workers(
     assert pool.map_heads(check, 8, jobs) == list(range(8))
     assert most.value == 1 and pool._SLABS_AT_ONCE is None
 
+
+
+def test_rows_that_see_no_key_are_not_a_running_maximum_started_at_zero():
+    """A padding mask's rows that hide every key, written NaN (0/0): those rows are unwritten, not
+    rows whose scores underflowed (they have no scores)."""
+    q, k, v = _case()
+    keep = np.ones((N, N), bool)
+    keep[40:44] = False
+    out, lse = _flash(q, k, v, causal=False)
+    out[:, :, 40:44] = np.nan
+    report = attnstep.check_arrays(q, k, v, {"flash_output": out}, attn_mask=keep)
+    for found in _named(report, "flash_output"):
+        assert "running_max_zero" not in [d.code for d in found] and found[0].code == "unwritten", \
+            [(d.code, d.message) for d in found]
+
+
+def test_a_slab_that_cannot_tell_no_mask_from_the_other_alignment_says_both(long_heads, monkeypatch):
+    """N > M aligned bottom-right: under a top-left mask the last rows see every key, as with no
+    mask at all; the slab's finding says both, where the head diagnosed whole names the alignment."""
+    n, m = 2 * N, N // 2  # (a slab of the last 128 rows, each seeing every key under a top-left mask)
+    q, k, v = _case(n=n, m=m)
+    with np.errstate(invalid="ignore"):
+        out, lse = _flash(q, k, v, mask_offset=0)  # top-left
+    report = attnstep.check_arrays(q, k, v, {"flash_output": out, "flash_lse": lse}, causal="bottom-right")
+    for found in _named(report, "flash_output"):
+        assert found[0].code == "mask_missing" and "or with it top-left aligned (PyTorch's convention)" in \
+            found[0].message, [d.message for d in found]

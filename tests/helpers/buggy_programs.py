@@ -145,11 +145,12 @@ def mask_after_softmax_program(inputs: Sequence[Head], scale: float, masked_scor
 
 def online_program(inputs: Sequence[Head], scale: float, tile: int, rescale_sum: bool = True,
                    rescale_output: bool = True, skip: Optional[str] = None, fold_log2e: bool = True,
-                   causal: bool = False, max_from: float = -np.inf) -> List[Head]:
+                   causal: bool = False, max_from: float = -np.inf, ftz: bool = False) -> List[Head]:
     """A flash forward in float32 with exp2 (log2 e folded into the scale) over key tiles of `tile`:
     its running sum or output not rescaled when a tile raises the row maximum (the online softmax's
     bug), its key loop leaving out the "last" or "first" key of every tile, log2 e left out, or its
-    running maximum started at `max_from` (0: the bug)."""
+    running maximum started at `max_from` (0: the bug); ftz: subnormal weights flushed to 0, as a
+    GPU's fast exp2 does."""
     out = []
     for x in inputs:
         q, k, v = x["Q"], x["K"], x["V"]
@@ -165,6 +166,8 @@ def online_program(inputs: Sequence[Head], scale: float, tile: int, rescale_sum:
                 s = np.where(np.arange(cols.start, cols.stop)[None, :] > np.arange(n)[:, None], f32(-np.inf), s)
             new = np.maximum(mx, s.max(axis=1, keepdims=True))
             p = np.where(np.isneginf(s), f32(0), np.exp2(s - new)).astype(f32)
+            if ftz:
+                p = np.where(p < np.finfo(f32).tiny, f32(0), p)
             alpha = np.exp2(mx - new).astype(f32)
             total = (alpha * total if rescale_sum else total) + p.sum(axis=1, keepdims=True, dtype=f32)
             acc = (alpha * acc if rescale_output else acc) + mm_blas(p, v[cols])

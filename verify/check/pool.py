@@ -41,7 +41,9 @@ def head_jobs(run: RunInfo, requested: int = 0, max_memory_mb: Optional[int] = N
     memory_budget(max_memory_mb) holds, and NotEnoughMemory when one group does not fit. held_bytes:
     what a job holds besides (a packed case's matrices, sliced per sequence). The slabs of failing
     long heads share what the workers leave (_SLABS_AT_ONCE)."""
+    global _SLABS_AT_ONCE
     d = run.dims
+    _SLABS_AT_ONCE = None  # (set below for this run's workers, none left from an earlier one)
     per_job, jobs = head_bytes(run) + held_bytes, d.total_kv_heads
     avail = _available_memory_bytes()
     budget, source = memory_budget(max_memory_mb, avail)

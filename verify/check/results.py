@@ -3,7 +3,7 @@ result, and the report of a whole run, with their JSON forms."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional, Tuple
+from typing import TYPE_CHECKING, List, Optional, Tuple
 
 import numpy as np
 
@@ -13,6 +13,9 @@ from ..files.resolution import EXACT
 from ..specs.base import Violation
 from ..stages import STAGES
 from .diagnosis import Diagnosis
+
+if TYPE_CHECKING:  # (an annotation only)
+    from ..runs.program_checks import ProgramCheck
 
 # The key of flash-attn's test criterion in --json (per head here, per stage in the report) and
 # --junit (verify/check/flash_attn_criterion.py).

@@ -60,9 +60,10 @@ def notes(run: RunInfo, results: List[HeadResult]) -> List[str]:
     d, rows = run.dims, slab_rows(run)
     which = "first" if rows.start == 0 else "last"
     patterns = "unwritten regions, tile boundaries, NaN and layouts"  # (hypotheses.py's _PATTERNS, in words)
+    keys = " (dK and dV, sums over every row: those and a constant factor alone)" if any(
+        STAGES[s].rows == "M" for s in run.stages) else ""
     return [f"heads of {d.seq_q} x {d.seq_k} scores are too long to recompute whole: a failing stage's causes were "
-            f"looked for on each head's {which} {len(rows)} query rows, its {patterns} on the whole stage (dK and dV, "
-            "sums over every row: those and a constant factor alone)"]
+            f"looked for on each head's {which} {len(rows)} query rows, its {patterns} on the whole stage{keys}"]
 
 
 def diagnoser(run: RunInfo, case: InputCase, diagnoser: Optional[Diagnoser],

@@ -145,7 +145,7 @@ def _paging(seqlens, seqlens_k, seqused_k, random, seed, page_size=None, backwar
         if not (seqlens or random):
             raise CaseError(f"--page-size {page_size} needs --seqlens or --random-seqlens (a paged case is packed)")
         if seqused_k:
-            raise CaseError(f"--page-size with --seqused-k: a paged case's sequences read all their keys "
+            raise CaseError("--page-size with --seqused-k: a paged case's sequences read all their keys "
                             "(--seqlens-k); HINT: leave --seqused-k out")
         if backward:
             raise CaseError(f"--page-size with --backward: {PAGED_BACKWARD}")

@@ -14,7 +14,8 @@ online_rescale_missing, softmax_unnormalized, lse_sum_missing, lse_max_missing, 
 (verify/diagnose/softmax_loops.py); the heads' head_permuted, kv_head_map,
 kv_group_not_summed, kv_group_summed_twice (verify/diagnose/heads.py); the masks' mask_missing,
 mask_offset (any offset; the other alignment named), window_off, window_missing, mask_file_ignored,
-mask_file_transposed, mask_file_inverted, causal_tile_skip (verify/diagnose/masks.py); the
+mask_file_transposed, mask_file_inverted, causal_tile_skip (verify/diagnose/masks.py and
+mask_candidates.py); the
 variants' softcap_missing, softcap_before_scale, softcap_derivative_missing, alibi_missing,
 alibi_sign, alibi_slope_order, bias_ignored, bias_transposed, dropout_unscaled, dropout_not_applied,
 dropout_mask_inverted (verify/diagnose/variants.py); the backward's D_wrong_O, dS_missing_P, grad_unscaled,
@@ -240,7 +241,7 @@ def diagnose(stage: str, got: np.ndarray, want: np.ndarray, ctx: Suspect) -> Lis
             found.extend(new)
             fired.update([name] if new else [])
     found = precision_bugs.settle(found + precision_bugs.diagnose(stage, got, want, ctx, found))
-    return _settled(found, fired, _rounding(got))
+    return _settled(found, fired, _rounding(want))
 
 
 # What is found on a whole stage without recomputing it: where it is wrong, and a result written in
@@ -265,7 +266,7 @@ def _patterns_and_slab(stage, got, want, ctx: Suspect, width) -> List[Diagnosis]
     causes = [d for d in ctx.slab() if d.code not in codes and d.code not in _PLACES]
     # (the slab's own settling knew which hypotheses fired: here its codes stand for them)
     fired = set(backward_bugs.HYPOTHESES) if {d.code for d in causes} & set(backward_bugs.CODES) else set()
-    return _settled(found + causes, fired, _rounding(got))
+    return _settled(found + causes, fired, _rounding(want))
 
 
 def _without(found: List[Diagnosis], codes) -> List[Diagnosis]:
@@ -283,9 +284,10 @@ def _max_diff(d: Diagnosis):
     return diff if isinstance(diff, float) else None
 
 
-def _rounding(got: np.ndarray) -> float:
-    """One float32 rounding of got's largest finite entry: how closely any candidate can reproduce it."""
-    finite = np.abs(got[np.isfinite(got)])
+def _rounding(want: np.ndarray) -> float:
+    """One float32 rounding of the reference's largest finite entry: about how closely a candidate
+    can reproduce got (got's own largest may be a stand-in for −inf, -1e9)."""
+    finite = np.abs(want[np.isfinite(want)])
     return float(finite.max(initial=0.0)) * 2.0**-24
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
-from typing import Iterator, List, Optional, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 
@@ -92,8 +92,13 @@ def _missing(masks: Masks) -> Iterator[Candidate]:
         return
     window = v.window != (UNBOUNDED, UNBOUNDED)
     what = f"causal masking and the window {v.window} are on" if window else "causal masking is on"
-    yield Candidate("mask_missing", f"{what} but got matches the result without {'them' if window else 'it'}",
-                    masks.files, {"window": list(v.window), "causal": True}, 0.9)
+    words = f"{what} but got matches the result without {'them' if window else 'it'}"
+    other = next(a for a in ALIGNMENTS if a != v.align)
+    if masks.n < masks.N and masks.N != masks.M and (masks.of(v.with_(align=other)) == masks.files).all():
+        # A slab's rows that the other alignment lets see every key cannot tell the two apart.
+        words += (f", or with it {ALIGNMENT_WORDS[other]} (on these rows the two hide the same keys; the case's "
+                  f"is {ALIGNMENT_WORDS[v.align].split(' (')[0]})")
+    yield Candidate("mask_missing", words, masks.files, {"window": list(v.window), "causal": True}, 0.9)
 
 
 def _extra(masks: Masks) -> Iterator[Candidate]:
@@ -214,29 +219,36 @@ def _tile_skips(masks: Masks) -> Iterator[Candidate]:
     if not v.causal:
         return
     rows = np.arange(masks.first, masks.first + masks.n)
-    for br in SKIP_TILES:
+
+    def skipping(br: int, bc: int) -> np.ndarray:
         first_diag = (rows // br) * br - masks.first + masks.offset  # (in the stage's own columns)
+        return masks.run | (((np.arange(masks.m) // bc) * bc)[None, :] > first_diag[:, None])
+    tilings: Dict[bytes, List[Tuple[int, int]]] = {}  # (tilings that hide the same keys: one candidate)
+    for br in SKIP_TILES:
         for bc in SKIP_TILES:
-            starts = (np.arange(masks.m) // bc) * bc
-            skipped = starts[None, :] > first_diag[:, None]
-            yield Candidate("causal_tile_skip", f"the causal tile skip tests a query tile's first row: key tiles "
-                            f"of {bc} that start past its diagonal are skipped for all {br} rows of the query "
-                            "tile (its last row's diagonal decides)", masks.run | skipped,
-                            {"query_tile": br, "key_tile": bc}, 0.9)
+            tilings.setdefault(digest(skipping(br, bc)), []).append((br, bc))
+    for pairs in tilings.values():
+        (br, bc), same = pairs[0], ", ".join(f"{r} x {c}" for r, c in pairs[1:])
+        yield Candidate("causal_tile_skip", f"the causal tile skip tests a query tile's first row: key tiles "
+                        f"of {bc} that start past its diagonal are skipped for all {br} rows of the query "
+                        "tile (its last row's diagonal decides)"
+                        + (f"; query x key tiles of {same} hide the same keys" if same else ""), skipping(br, bc),
+                        {"query_tile": br, "key_tile": bc, "tilings": [list(p) for p in pairs]}, 0.9)
 
 
-def candidates(masks: Masks, fitted: List[int]) -> Iterator[Candidate]:
+def candidates(masks: Masks, fitted: List[int], tile_skips: bool = True) -> Iterator[Candidate]:
     """Every named mask, most specific first; none equal to the run's own or to another before it
-    (told apart by a digest: one N×M mask is held at a time)."""
-    seen = {_digest(masks.run)}
+    (told apart by a digest: one N×M mask is held at a time). tile_skips: with the causal tile
+    skips (a search of many tilings, for a caller that tries each on a few rows first)."""
+    seen = {digest(masks.run)}
     for group in (_missing(masks), _extra(masks), _other_alignment(masks), _mask_file(masks), _window(masks),
-                  _offsets(masks, fitted), _tile_skips(masks)):
+                  _offsets(masks, fitted), _tile_skips(masks) if tile_skips else ()):
         for c in group:
-            digest = _digest(c.hidden)
-            if digest not in seen:
-                seen.add(digest)
+            key = digest(c.hidden)
+            if key not in seen:
+                seen.add(key)
                 yield c
 
 
-def _digest(hidden: np.ndarray) -> bytes:
+def digest(hidden: np.ndarray) -> bytes:
     return hashlib.blake2b(np.packbits(hidden).tobytes(), digest_size=16).digest()

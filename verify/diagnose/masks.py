@@ -58,7 +58,7 @@ def mask(stage, got, want, ctx, width) -> List[Diagnosis]:
     masks = Masks(ctx, N, M)
     fitted = _fitted_offsets(fit_rows, got, (N, M), width) if fit_rows is not None else []
     rows = worst_rows(got, want) if fit_rows is not None and got.shape[0] == N else None
-    for c in candidates(masks, [k - masks.offset for k in fitted]):
+    for c in candidates(masks, [k - masks.offset for k in fitted], tile_skips=rows is not None):
         if rows is not None and not rows_fit(fit_rows, got, rows, c.hidden, width):
             continue
         diff = _explains_empty_rows(got, rebuild(c.hidden), want, width, c.hidden)

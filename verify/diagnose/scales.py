@@ -96,7 +96,7 @@ def linear_factor(stage, got, want, ctx, width) -> List[Diagnosis]:
         return []
     names = _scale_names(f, ctx.scale, d_k, stage)
     rest = f", apart from {int(blank.sum())} blank entries" if blank.any() else ""
-    return [Diagnosis("scaled", f"{stage} is scaled: got ≈ {f:.6g}·want{_factor_words(f, names)}{rest} "
+    return [Diagnosis("scaled", f"{stage} is off by a constant factor: got ≈ {f:.6g}·want{_factor_words(f, names)}{rest} "
                       f"(max diff {diff:.2g})",
                       {"factor": f, "names": names, "max_diff": diff}, 0.9)]
 
@@ -160,7 +160,7 @@ def _wrong_scale(stage, got, want, ctx, width) -> List[Diagnosis]:
         if diff is not None:
             names = _named(s2, _wrong_scales(scale, d_k))
             return [Diagnosis("scaled", f"{stage} used scale {s2:.6g} instead of {scale:.6g}: "
-                              f"{' = '.join(names)} (max diff {diff:.2g})",
+                              f"{', or '.join(names)} (max diff {diff:.2g})",
                               {"factor": s2 / scale, "used_scale": s2, "names": names, "max_diff": diff}, 0.9)]
     return []
 

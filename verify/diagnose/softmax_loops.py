@@ -246,16 +246,24 @@ def _normalizations(head: _Head) -> List[Tuple[str, str, np.ndarray]]:
              "unnormalized exponentials", head.from_weights(p))]
 
 
-def _max_from_zero(head: _Head) -> Tuple[np.ndarray, np.ndarray]:
-    """(the stage with the row maximum started at 0, not −inf, its exponentials float32's; the rows
-    whose sum underflows to 0): those rows 0/0 (NaN) in the weights and output, −inf in the lse."""
+# Below this an exponential is subnormal in float32, which a GPU's fast exp flushes to 0.
+_FLOAT32_TINY = float(np.finfo(np.float32).tiny)
+
+
+def _max_from_zero(head: _Head, flush: bool) -> Tuple[np.ndarray, np.ndarray]:
+    """(the stage with the row maximum started at 0, not −inf, its exponentials float32's, the
+    subnormal ones flushed to 0 where `flush`; the rows that see a key whose sum underflows to 0):
+    those rows 0/0 (NaN) in the weights and output, −inf in the lse."""
     s = np.where(head.hidden, -np.inf, head.logits)
     mx = np.maximum(s.max(axis=1, keepdims=True), 0.0)
     p = np.exp(s - mx).astype(np.float32).astype(np.float64)
+    if flush:
+        p[p < _FLOAT32_TINY] = 0.0
     total = p.sum(axis=1, keepdims=True)
+    empty = (total[:, 0] == 0) & ~head.hidden.all(axis=1)
     if head.kind == _LOG_SUM_EXP:
-        return mx + np.log(total), total[:, 0] == 0
-    return head.from_weights(p / total), total[:, 0] == 0
+        return mx + np.log(total), empty
+    return head.from_weights(p / total), empty
 
 
 def normalization(stage, got, want, ctx, width) -> List[Diagnosis]:
@@ -267,17 +275,19 @@ def normalization(stage, got, want, ctx, width) -> List[Diagnosis]:
             diff = _matches(got, want, head, cand)
             if diff is not None:
                 return [Diagnosis(code, f"{stage} {what} (max diff {diff:.2g})", {"max_diff": diff}, 0.93)]
-        cand, empty = _max_from_zero(head)
-        if not empty.any():
-            return []
         every = np.ones(got.shape[0], bool)  # (the rows it empties are its evidence: none is left out)
-        for fill in ((np.nan, 0.0) if head.kind != _LOG_SUM_EXP else (-np.inf,)):
-            diff = explains_rows(got, np.where(empty[:, None], fill, cand), want, head.width, every)
-            if diff is not None:
-                return [Diagnosis(RUNNING_MAX_ZERO, f"{stage}: the row maximum starts at 0, not -inf: in rows "
-                                  f"{indices(np.flatnonzero(empty))}, whose scores all lie below about -87, exp(s - 0) "
-                                  f"underflows float32 and the row's sum is 0 (max diff {diff:.2g})",
-                                  {"rows": int(empty.sum()), "max_diff": diff}, 0.93)]
+        for flush, below in ((False, -104), (True, -87)):
+            cand, empty = _max_from_zero(head, flush)
+            if not empty.any():
+                continue
+            for fill in ((np.nan, 0.0) if head.kind != _LOG_SUM_EXP else (-np.inf, np.inf)):  # (+inf: guarded)
+                diff = explains_rows(got, np.where(empty[:, None], fill, cand), want, head.width, every)
+                if diff is not None:
+                    rows = f"{'row' if empty.sum() == 1 else 'rows'} {indices(np.flatnonzero(empty))}"
+                    return [Diagnosis(RUNNING_MAX_ZERO, f"{stage}: the row maximum starts at 0, not -inf: in {rows}, "
+                                      f"whose scores all lie below about {below}, exp(s - 0) underflows float32"
+                                      f"{' (subnormals flushed to 0)' if flush else ''} and the row's sum is 0 "
+                                      f"(max diff {diff:.2g})", {"rows": int(empty.sum()), "max_diff": diff}, 0.93)]
     return []
 
 
