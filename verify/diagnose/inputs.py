@@ -177,15 +177,16 @@ def worst_rows(got: np.ndarray, want: np.ndarray, count: int = 4) -> np.ndarray:
 
 
 def rows_fit(part: Callable[[np.ndarray, np.ndarray], np.ndarray], got: np.ndarray, rows: np.ndarray,
-             hidden: np.ndarray, width: float) -> bool:
-    """Whether the rows of got that see a key under `hidden` (the candidate's whole mask) match
-    part(rows, hidden[rows]), the candidate's stage on those rows, as a candidate that explains
-    the whole stage must (one that cannot is not recomputed whole)."""
-    rows = rows[~hidden[rows].all(axis=1)]
-    if not rows.size:
+             hidden: Callable[[np.ndarray], np.ndarray], width: float) -> bool:
+    """Whether the rows of got that see a key under the candidate's mask (hidden(rows): those rows
+    of it) match part(rows, their mask), the candidate's stage on those rows, as a candidate that
+    explains the whole stage must (one that cannot is not recomputed whole)."""
+    masked = hidden(rows)
+    seeing = ~masked.all(axis=1)
+    if not seeing.any():
         return True
     with np.errstate(all="ignore"):
-        return bool(maxdiff(got[rows], part(rows, hidden[rows])) <= MATCH_WIDTHS * width)
+        return bool(maxdiff(got[rows[seeing]], part(rows[seeing], masked[seeing])) <= MATCH_WIDTHS * width)
 
 
 def blank_rows(got: np.ndarray, want: np.ndarray) -> np.ndarray:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 
@@ -20,8 +20,9 @@ from .inputs import file_hidden, structural_hidden, variant_of, variant_tensors
 
 # A window bound off by up to this many keys is named (a larger error is another bug).
 MAX_WINDOW_SHIFT = 3
-# The query and key tiles a causal kernel's tile skip is tried with (each pair).
-SKIP_TILES = (16, 32, 64, 128, 256)
+# The query and key tiles a causal kernel's tile skip is tried with (each pair): the multiples of 16
+# that kernels use, up to 256.
+SKIP_TILES = tuple(range(16, 257, 16))
 # The codes of a wrong mask: they leave rows with no visible key (0/0), and explain them.
 CODES = ("mask_missing", "mask_extra", "mask_offset", "window_off", "window_missing", "mask_file_ignored",
          "mask_file_transposed", "mask_file_inverted", "causal_tile_skip")
@@ -34,13 +35,23 @@ EXTRA_HINT = ("HINT: if the program is meant to mask, the case must say so (its 
 @dataclass
 class Candidate:
     """A mask a buggy program applied: its code, what the program did (a user's words) and the
-    whole mask (True hides)."""
+    whole mask (True hides), or a function of rows that builds those rows of it (the whole mask
+    then built when first asked for: a search of many masks tries each on a few rows first)."""
     code: str
     words: str
-    hidden: np.ndarray
+    hidden: Optional[np.ndarray]
     detail: dict = field(default_factory=dict)
     confidence: float = 0.92
     hint: str = ""
+    rows: Optional[Callable[[object], np.ndarray]] = None  # (rows: an index array, or slice(None) for all)
+
+    def mask(self) -> np.ndarray:
+        if self.hidden is None:
+            self.hidden = self.rows(slice(None))
+        return self.hidden
+
+    def mask_rows(self, rows: np.ndarray) -> np.ndarray:
+        return self.hidden[rows] if self.hidden is not None else self.rows(rows)
 
     def diagnosis(self, stage: str, diff: Optional[float]) -> Diagnosis:
         how = f" (max diff {diff:.2g})" if diff is not None else ""
@@ -214,26 +225,36 @@ def _offsets(masks: Masks, fitted: List[int]) -> Iterator[Candidate]:
 def _tile_skips(masks: Masks) -> Iterator[Candidate]:
     """A causal kernel that tests whether a key tile lies past the diagonal at its query tile's
     first row, where the tile's last row decides: a key tile starting between the two diagonals
-    is skipped for every row of the query tile (query tiles counted from the head's row 0)."""
+    is skipped for every row of the query tile (query tiles counted from the head's row 0). Each
+    tiling leaves a row the keys up to a last one (with the files, no such prefix: not tried);
+    tilings with the same last keys are one candidate, whose rows are built when asked for."""
     v = masks.v
-    if not v.causal:
+    if not v.causal or masks.files.any():
         return
     rows = np.arange(masks.first, masks.first + masks.n)
-
-    def skipping(br: int, bc: int) -> np.ndarray:
-        first_diag = (rows // br) * br - masks.first + masks.offset  # (in the stage's own columns)
-        return masks.run | (((np.arange(masks.m) // bc) * bc)[None, :] > first_diag[:, None])
-    tilings: Dict[bytes, List[Tuple[int, int]]] = {}  # (tilings that hide the same keys: one candidate)
+    diag = np.arange(masks.n) + masks.offset  # (in the stage's own columns)
+    tilings: Dict[bytes, List[Tuple[int, int]]] = {}
+    last: Dict[bytes, np.ndarray] = {}
     for br in SKIP_TILES:
+        first_diag = (rows // br) * br - masks.first + masks.offset
         for bc in SKIP_TILES:
-            tilings.setdefault(digest(skipping(br, bc)), []).append((br, bc))
-    for pairs in tilings.values():
-        (br, bc), same = pairs[0], ", ".join(f"{r} x {c}" for r, c in pairs[1:])
+            keys = np.minimum(diag, (first_diag // bc + 1) * bc - 1)  # the last key of the last tile visited
+            if (keys < diag).any():
+                tilings.setdefault(keys.tobytes(), []).append((br, bc))
+                last.setdefault(keys.tobytes(), keys)
+    cols, run = np.arange(masks.m), masks.run
+    for key, pairs in tilings.items():
+        (br, bc), same = pairs[0], ", ".join(f"{r} x {c}" for r, c in pairs[1:4])
+        more = f" and {len(pairs) - 4} more" if len(pairs) > 4 else ""
+
+        def part(r, keys=last[key]) -> np.ndarray:
+            return run[r] | (cols[None, :] > keys[r][:, None])
         yield Candidate("causal_tile_skip", f"the causal tile skip tests a query tile's first row: key tiles "
                         f"of {bc} that start past its diagonal are skipped for all {br} rows of the query "
                         "tile (its last row's diagonal decides)"
-                        + (f"; query x key tiles of {same} hide the same keys" if same else ""), skipping(br, bc),
-                        {"query_tile": br, "key_tile": bc, "tilings": [list(p) for p in pairs]}, 0.9)
+                        + (f"; query x key tiles of {same}{more} hide the same keys" if same else ""), None,
+                        {"query_tile": br, "key_tile": bc, "tilings": [list(p) for p in pairs]},
+                        0.9, rows=part)
 
 
 def candidates(masks: Masks, fitted: List[int], tile_skips: bool = True) -> Iterator[Candidate]:
@@ -244,6 +265,9 @@ def candidates(masks: Masks, fitted: List[int], tile_skips: bool = True) -> Iter
     for group in (_missing(masks), _extra(masks), _other_alignment(masks), _mask_file(masks), _window(masks),
                   _offsets(masks, fitted), _tile_skips(masks) if tile_skips else ()):
         for c in group:
+            if c.hidden is None:  # (built when asked for: its search keeps its own apart)
+                yield c
+                continue
             key = digest(c.hidden)
             if key not in seen:
                 seen.add(key)

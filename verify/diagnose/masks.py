@@ -59,9 +59,9 @@ def mask(stage, got, want, ctx, width) -> List[Diagnosis]:
     fitted = _fitted_offsets(fit_rows, got, (N, M), width) if fit_rows is not None else []
     rows = worst_rows(got, want) if fit_rows is not None and got.shape[0] == N else None
     for c in candidates(masks, [k - masks.offset for k in fitted], tile_skips=rows is not None):
-        if rows is not None and not rows_fit(fit_rows, got, rows, c.hidden, width):
+        if rows is not None and not rows_fit(fit_rows, got, rows, c.mask_rows, width):
             continue
-        diff = _explains_empty_rows(got, rebuild(c.hidden), want, width, c.hidden)
+        diff = _explains_empty_rows(got, rebuild(c.mask()), want, width, c.mask())
         if diff is not None:
             return [c.diagnosis(stage, diff)]
     return []
@@ -94,7 +94,7 @@ def _mask_in_pattern(stage: str, got: np.ndarray, pattern: np.ndarray, ctx) -> L
         return _plain_offset(stage, pattern, masks)
     fitted = _fit_offset(pattern & ~masks.files)
     for c in candidates(masks, [] if fitted is None else [fitted - masks.offset]):
-        if (pattern == c.hidden).all():
+        if (pattern == c.mask()).all():
             found = c.diagnosis(stage, None)
             if c.code == "mask_missing":  # (read off where got holds the masked value: none does)
                 what = "causal masking is on" if masks.v.causal else "the case has a sliding window"

@@ -136,7 +136,7 @@ def _row_screen(stage, got, want, ctx, width) -> Optional[Callable[[float], bool
 
     def at(s2: float) -> Callable[[np.ndarray, np.ndarray], np.ndarray]:
         return lambda r, h: from_inputs({**qkv, QUERIES: qkv[QUERIES][r]}, s2, h, variant=v, slope=slope)
-    return lambda s2: rows_fit(at(s2), got, rows, hidden, width)
+    return lambda s2: rows_fit(at(s2), got, rows, hidden.__getitem__, width)
 
 
 def _wrong_scale(stage, got, want, ctx, width) -> List[Diagnosis]:
