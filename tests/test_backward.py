@@ -107,6 +107,21 @@ def test_a_backward_bug_fails_with_its_name(tmp_path, bug):
             assert r.diagnosis and r.diagnosis[0].code == code, (stage, head, [d.message for d in r.diagnosis])
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_dq_accumulated_at_the_key_tiles_rows_is_named_with_its_tiles(tmp_path, causal):
+    """Another program's flash backward (tiles of 64, %g text, its flash stages alone, no run.toml)
+    that adds each tile's dQ term at the key tile's rows."""
+    flash = ("flash_output", "flash_lse", "flash_dQ", "flash_dK", "flash_dV")
+    in_dir, out_dir = write_backward_case(tmp_path, Dims(1, 2, 160, 160, 32, 32), causal, bug="dq_key_rows",
+                                          writer="g9", only=flash)
+    failed = failures(compare.check(in_dir, out_dir, diagnoser=diagnose))
+    assert {s for s, _ in failed} == {"flash_dQ"}, sorted(failed)
+    for head in range(2):
+        found = failed[("flash_dQ", head)].diagnosis
+        assert found and found[0].code == "dq_key_tile_rows" and [64, 64] == [found[0].detail["query_tile"],
+                                                                             found[0].detail["key_tile"]], found
+
+
 def test_stages_downstream_of_a_wrong_ds_inherit_it(tmp_path):
     in_dir, out_dir = write_backward_case(tmp_path, Dims(1, 1, 32, 32, 16, 16), False, bug="dS_missing_P")
     failed = failures(compare.check(in_dir, out_dir, diagnoser=diagnose))

@@ -232,7 +232,8 @@ def test_slabs_wait_for_a_slot_where_memory_has_room_for_fewer_than_the_workers(
     import multiprocessing
     import time
     monkeypatch.setattr(pool, "slab_bytes", lambda run: 10)
-    jobs = pool._slabs_sized(None, 4, 1, 4 * 1 + 10 + 9)  # four workers of 1 byte, room for one slab of 10
+    monkeypatch.setattr(pool, "_workers", lambda *a: (4, 1, 4 * 1 + 10 + 9))  # four workers of 1 byte, room for one slab
+    jobs = pool.head_jobs(None)
     assert (jobs, pool._SLABS_AT_ONCE) == (4, 1)
     inside, most, lock = multiprocessing.Value("i", 0), multiprocessing.Value("i", 0), multiprocessing.Lock()
 

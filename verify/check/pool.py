@@ -17,7 +17,7 @@ import signal
 import sys
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from typing import Callable, List, Optional, Protocol
+from typing import Callable, List, Optional, Protocol, Tuple
 
 from ..files.kinds import CaseError
 from ..files.outputs import RunInfo
@@ -42,8 +42,17 @@ def head_jobs(run: RunInfo, requested: int = 0, max_memory_mb: Optional[int] = N
     what a job holds besides (a packed case's matrices, sliced per sequence). The slabs of failing
     long heads share what the workers leave (_SLABS_AT_ONCE)."""
     global _SLABS_AT_ONCE
+    jobs, per_job, memory = _workers(run, requested, max_memory_mb, held_bytes)
+    extra = slab_bytes(run)
+    _SLABS_AT_ONCE = None if jobs <= 1 or not extra or memory is None else \
+        max(1, (memory - jobs * per_job) // extra)
+    return jobs
+
+
+def _workers(run: RunInfo, requested: int, max_memory_mb: Optional[int], held_bytes: int
+             ) -> Tuple[int, int, Optional[int]]:
+    """(head_jobs' workers, the memory each holds, the memory they may use together)."""
     d = run.dims
-    _SLABS_AT_ONCE = None  # (set below for this run's workers, none left from an earlier one)
     per_job, jobs = head_bytes(run) + held_bytes, d.total_kv_heads
     avail = _available_memory_bytes()
     budget, source = memory_budget(max_memory_mb, avail)
@@ -55,15 +64,15 @@ def head_jobs(run: RunInfo, requested: int = 0, max_memory_mb: Optional[int] = N
                               f"(a head's check holds some {_nm_matrices(run)} float64 N x M matrices), or free memory")
     fits = jobs if budget is None else max(1, budget // per_job)
     if jobs <= 1 or sys.platform != "linux":
-        return 1
+        return 1, per_job, None
     if requested > 0:
-        return _slabs_sized(run, min(requested, jobs, fits), per_job, budget)
+        return min(requested, jobs, fits), per_job, budget
     if d.total_heads * d.seq_q * d.seq_k * (d.d_k + d.d_v) < _PARALLEL_MIN_MACS:
-        return 1  # starting workers would cost more than the checking
+        return 1, per_job, None  # starting workers would cost more than the checking
     # Of what is available, half: the machine's other work keeps the rest.
     by_memory = fits if avail is None else min(fits, max(1, (avail // 2) // per_job))
     usable = budget if avail is None else avail // 2 if budget is None else min(budget, avail // 2)
-    return _slabs_sized(run, max(1, min(_usable_cores(), by_memory, jobs)), per_job, usable)
+    return max(1, min(_usable_cores(), by_memory, jobs)), per_job, usable
 
 
 # How many slabs of failing long heads (verify/check/slab.py) the next map_heads call's workers
@@ -72,14 +81,6 @@ def head_jobs(run: RunInfo, requested: int = 0, max_memory_mb: Optional[int] = N
 # a worker's slab waits for a slot.
 _SLABS_AT_ONCE: Optional[int] = None
 _SLAB_SLOTS = None  # the semaphore the forked workers share
-
-
-def _slabs_sized(run: RunInfo, jobs: int, per_job: int, memory: Optional[int]) -> int:
-    """jobs, with _SLABS_AT_ONCE set for them."""
-    global _SLABS_AT_ONCE
-    extra = slab_bytes(run)
-    _SLABS_AT_ONCE = None if not extra or memory is None else max(1, (memory - jobs * per_job) // extra)
-    return jobs
 
 
 @contextlib.contextmanager

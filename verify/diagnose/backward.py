@@ -1,10 +1,9 @@
 """The backward pass's classic bugs, as hypotheses of verify/diagnose/hypotheses.py: D from the wrong O, dS
 without its P factor, a gradient missing the scale, dV from P instead of Pᵀ, and a flash backward
 whose lse is in the wrong base, whose dQ and dK leave out the softcap's derivative, or whose dQ is
-accumulated at the key tile's rows. Each rebuilds
-the failing stage the way the bug would have computed it, from the program's own upstream files
-where it wrote them (else the reference chain), and fires when that explains got while the correct
-computation does not.
+accumulated at the key tile's rows. Each rebuilds the failing stage the way the bug would have
+computed it, from the program's own upstream files where it wrote them (else the reference chain),
+and fires when that explains got while the correct computation does not.
 """
 from __future__ import annotations
 

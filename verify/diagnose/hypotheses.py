@@ -15,10 +15,10 @@ online_rescale_missing, softmax_unnormalized, lse_sum_missing, lse_max_missing, 
 kv_group_not_summed, kv_group_summed_twice (verify/diagnose/heads.py); the masks' mask_missing,
 mask_offset (any offset; the other alignment named), window_off, window_missing, mask_file_ignored,
 mask_file_transposed, mask_file_inverted, causal_tile_skip (verify/diagnose/masks.py and
-mask_candidates.py); the
-variants' softcap_missing, softcap_before_scale, softcap_derivative_missing, alibi_missing,
-alibi_sign, alibi_slope_order, bias_ignored, bias_transposed, dropout_unscaled, dropout_not_applied,
-dropout_mask_inverted (verify/diagnose/variants.py); the backward's D_wrong_O, dS_missing_P, grad_unscaled,
+mask_candidates.py); the variants' softcap_missing, softcap_before_scale,
+softcap_derivative_missing, alibi_missing, alibi_sign, alibi_slope_order, bias_ignored,
+bias_transposed, dropout_unscaled, dropout_not_applied, dropout_mask_inverted
+(verify/diagnose/variants.py); the backward's D_wrong_O, dS_missing_P, grad_unscaled,
 dV_untransposed_P, lse_log2 and the flash gradients' softcap_derivative_missing, dq_key_tile_rows
 (verify/diagnose/backward.py); the precision ones: tf32, half_storage, half_truncation,
 half_accumulation (verify/diagnose/precision.py); and in a packed case, the sequences' sequence_leak,
@@ -293,8 +293,9 @@ def _rounding(want: np.ndarray) -> float:
 
 def _closest(found: List[Diagnosis], rounding: float) -> List[Diagnosis]:
     """The findings without the candidates that reproduce got _LOOSER times less closely than the
-    closest one (those with a max_diff; the others stay), the closest taken as no closer than got's
-    rounding: an exact match (max diff 0) drops no candidate that differs from it by a rounding."""
+    closest one (those with a max_diff; the others stay), the closest taken as no closer than
+    `rounding` (_rounding: the reference's): an exact match (max diff 0) drops no candidate that
+    differs from it by a rounding."""
     diffs = [_max_diff(d) for d in found if _max_diff(d) is not None]
     if not diffs:
         return found

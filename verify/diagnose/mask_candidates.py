@@ -43,15 +43,17 @@ class Candidate:
     detail: dict = field(default_factory=dict)
     confidence: float = 0.92
     hint: str = ""
-    rows: Optional[Callable[[object], np.ndarray]] = None  # (rows: an index array, or slice(None) for all)
+    build_rows: Optional[Callable[[object], np.ndarray]] = None  # (of an index array, or slice(None): all)
 
     def mask(self) -> np.ndarray:
+        """The whole mask (built now where it was not)."""
         if self.hidden is None:
-            self.hidden = self.rows(slice(None))
+            self.hidden = self.build_rows(slice(None))
         return self.hidden
 
     def mask_rows(self, rows: np.ndarray) -> np.ndarray:
-        return self.hidden[rows] if self.hidden is not None else self.rows(rows)
+        """Those rows of the mask (without building the rest)."""
+        return self.hidden[rows] if self.hidden is not None else self.build_rows(rows)
 
     def diagnosis(self, stage: str, diff: Optional[float]) -> Diagnosis:
         how = f" (max diff {diff:.2g})" if diff is not None else ""
@@ -254,7 +256,7 @@ def _tile_skips(masks: Masks) -> Iterator[Candidate]:
                         "tile (its last row's diagonal decides)"
                         + (f"; query x key tiles of {same}{more} hide the same keys" if same else ""), None,
                         {"query_tile": br, "key_tile": bc, "tilings": [list(p) for p in pairs]},
-                        0.9, rows=part)
+                        0.9, build_rows=part)
 
 
 def candidates(masks: Masks, fitted: List[int], tile_skips: bool = True) -> Iterator[Candidate]:

@@ -96,8 +96,8 @@ def linear_factor(stage, got, want, ctx, width) -> List[Diagnosis]:
         return []
     names = _scale_names(f, ctx.scale, d_k, stage)
     rest = f", apart from {int(blank.sum())} blank entries" if blank.any() else ""
-    return [Diagnosis("scaled", f"{stage} is off by a constant factor: got ≈ {f:.6g}·want{_factor_words(f, names)}{rest} "
-                      f"(max diff {diff:.2g})",
+    return [Diagnosis("scaled", f"{stage} is off by a constant factor: got ≈ {f:.6g}·want"
+                      f"{_factor_words(f, names)}{rest} (max diff {diff:.2g})",
                       {"factor": f, "names": names, "max_diff": diff}, 0.9)]
 
 
@@ -126,8 +126,10 @@ def _row_screen(stage, got, want, ctx, width) -> Optional[Callable[[float], bool
     from the inputs (None where it does not, or where a row's place changes its scores: ALiBi's
     distances, the mask and bias files' rows)."""
     from_inputs, qkv, v = SPECS[stage].from_inputs, case_inputs(ctx), variant_of(ctx)
-    if from_inputs is None or qkv is None or v.alibi or variant_tensors(ctx) or \
-            not (set(STAGES[stage].inputs) <= set(INPUT_NAMES) or not (SPECS[stage].scaled and ctx.src)):
+    # (_rescaler's recomputation from the stage's sources: the inputs' rows stand for it only where
+    # those sources are the inputs, not the program's own upstream stages)
+    own_sources = SPECS[stage].scaled and ctx.src and not set(STAGES[stage].inputs) <= set(INPUT_NAMES)
+    if from_inputs is None or qkv is None or v.alibi or variant_tensors(ctx) or own_sources:
         return None
     n, m = qkv[QUERIES].shape[0], qkv[KEYS].shape[0]
     if got.ndim != 2 or got.shape[0] != n:

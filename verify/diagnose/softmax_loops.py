@@ -1,8 +1,8 @@
 """Bugs of the loops that compute a softmax: the mask applied after it, a key of every tile left
 out, the online softmax's rescale forgotten, its normalization left out. Hypotheses of
 verify/diagnose/hypotheses.py, each tried on the stages whose spec names it (the weights, the
-outputs, the lse), where the program wrote no scores of its own (the stage recomputed from the case's Q, K, V under its variant), or,
-for the weights, from the program's own scaled scores.
+outputs, the lse), where the program wrote no scores of its own (the stage recomputed from the
+case's Q, K, V under its variant), or, for the weights, from the program's own scaled scores.
 
 mask_after_softmax: the softmax over every key, then the hidden entries zeroed and the rows not
 renormalized (the causal mask, window or mask file applied to the weights instead of the scores).
@@ -12,7 +12,8 @@ keeps a running maximum m, sum l and output acc over its key tiles, and, when a 
 not multiply l or acc (or either) by exp(m_old − m_new). softmax_unnormalized, lse_sum_missing,
 lse_max_missing: the last step left out, the division by the row sum l, or a term of lse = m + log l.
 running_max_zero: the row maximum (running or not) started at 0 instead of −inf, so that a row whose
-scores all lie below about −87 sums float32 exponentials that underflow to 0.
+scores all lie below about −104 (−87 where subnormals are flushed to 0) sums float32 exponentials
+that underflow to 0.
 
 A kernel's key tile may be any width: each width from 2 keys up to MAX_TILE_SEARCHED is tried on a
 few sampled rows first, and the stage recomputed whole only for the widths those rows fit.
