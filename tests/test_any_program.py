@@ -86,6 +86,28 @@ def test_coarse_printing_passes_and_is_shown(tmp_path, fmt):
         assert "resolution" in r.output.splitlines()[1] and "%.9g" in r.output  # column and note
 
 
+def test_rows_that_see_no_key_do_not_make_an_exact_file_look_coarse(tmp_path):
+    """An lse written with 8 decimals, its values in [1, 10) (9 digits: float32's own) and -inf where
+    a row sees no key (bottom-right, N > M), whose bound is 0: no note that the file's resolution
+    limits the check."""
+    r = invoke("generate", "--out", tmp_path / "in", "--heads", 2, "--seq-q", 40, "--seq-k", 24, "--d-k", 16,
+               "--d-v", 16, "--causal", "bottom-right", "--format", "npy")
+    assert r.exit_code == 0, r.output
+    (tmp_path / "out").mkdir()
+    for i in range(2):
+        q, k = (np.load(tmp_path / "in" / f"{n}_head_{i}.npy").astype(f32) for n in "QK")
+        s = (q @ k.T) * f32(default_scale(16))
+        s[np.arange(40)[:, None] - 16 < np.arange(24)[None, :]] = -np.inf
+        with np.errstate(divide="ignore", invalid="ignore"):
+            m = s.max(axis=1, keepdims=True)
+            lse = m + np.log(np.exp(s - m).sum(axis=1, keepdims=True))
+        lse[~np.isfinite(m[:, 0])] = -np.inf
+        np.savetxt(tmp_path / "out" / f"lse_{i}.txt", lse.astype(np.float64), fmt="%.8f")
+    r = invoke("check", "--in", tmp_path / "in", "--out", tmp_path / "out", "--name", "flash_lse=lse_{i}.txt")
+    assert r.exit_code == 0, r.output
+    assert "8 decimals" in r.output and "limits what can be checked" not in r.output, r.output
+
+
 @pytest.mark.parametrize("bug", ["layout", "scale", "axis"])
 def test_bugs_are_caught_at_six_digits(tmp_path, bug):
     inputs = make_input(tmp_path / "in")

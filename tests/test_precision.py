@@ -15,6 +15,7 @@ from click.testing import CliRunner
 import attnstep
 from verify.cli.group import cli
 from verify.files.generate import generate_case
+from verify.model.half import round_to_format32
 from verify.stages import INPUT_NAMES, OUTPUT, SCALED_SCORES, SCORES, WEIGHTS, Dims, stage_file
 from verify.text import number_pair
 
@@ -171,7 +172,8 @@ def _truncated(x: np.ndarray) -> np.ndarray:
 def test_a_truncating_flash_output_with_entries_near_zero_is_named_truncation():
     """A bf16 flash forward that truncates its inputs, P and output: its output's entries near 0
     (below the error of P in bf16) may take the other sign, the rest lie up to a bf16 unit nearer
-    0. Checked as rounding to nearest, the output is named truncation all the same."""
+    0. Checked as rounding to nearest, the output is named truncation all the same, and so is its
+    float32 lse, from the truncated inputs."""
     rng = np.random.default_rng(5)
     q = rng.standard_normal((2, 100, 64)).astype(np.float32)
     k, v = (rng.standard_normal((2, 130, 64)).astype(np.float32) for _ in range(2))
@@ -189,7 +191,52 @@ def test_a_truncating_flash_output_with_entries_near_zero_is_named_truncation():
     first = report.first_failure
     assert first.stage == "flash_output" and [d.code for d in first.diagnosis][:1] == ["half_truncation"], \
         [d.message for d in first.diagnosis]
+    lse = [r for r in report.results if r.stage == "flash_lse"]  # (float32, from the truncated Q and K)
+    assert lse and all(r.status == "FAIL" and [d.code for d in r.diagnosis] == ["half_truncation"] for r in lse), \
+        [(r.status, [d.message for d in r.diagnosis]) for r in lse]
+    assert "computed from bf16 values truncated" in lse[0].diagnosis[0].message
     assert attnstep.check_arrays(q, k, v, stages, precision="bf16", half_rounding="toward-zero").passed
+
+
+def _rounded(x: np.ndarray, fmt: str) -> np.ndarray:
+    return x.astype(np.float32).astype(np.float16).astype(np.float32) if fmt == "fp16" else \
+        round_to_format32(x.astype(np.float32), "bf16")
+
+
+def _half_flash_forward(q, k, v, fmt: str, scores_rounded: bool):
+    """A half flash forward as a kernel computes it (inputs, P and output in the format; the row sum
+    and lse in float32), its score tile kept in the format where scores_rounded."""
+    out, lse = [], []
+    for h in range(q.shape[0]):
+        s = (_rounded(q[h], fmt) @ _rounded(k[h], fmt).T) * np.float32(0.125)
+        s = _rounded(s, fmt) if scores_rounded else s
+        mx = s.max(axis=1, keepdims=True)
+        p = np.exp(s - mx)
+        l = p.sum(axis=1, keepdims=True)
+        out.append(_rounded((_rounded(p, fmt) @ _rounded(v[h], fmt)) / l, fmt))
+        lse.append((mx + np.log(l))[:, 0])
+    return {"flash_output": np.stack(out), "flash_lse": np.stack(lse)}
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp16"])
+def test_scores_kept_in_the_half_format_are_named(fmt):
+    """A half flash kernel that keeps its score tile in the format (a bf16 S buffer, a cast before
+    the exponent): the lse fails at a hundred of its bounds or more, the output at a few (logits of
+    a few tens), both named; the same kernel with float32 scores passes."""
+    rng = np.random.default_rng(5)
+    q = (3 * rng.standard_normal((2, 100, 64))).astype(np.float32)
+    k, v = (rng.standard_normal((2, 130, 64)).astype(np.float32) for _ in range(2))
+    assert attnstep.check_arrays(q, k, v, _half_flash_forward(q, k, v, fmt, False), precision=fmt).passed
+    report = attnstep.check_arrays(q, k, v, _half_flash_forward(q, k, v, fmt, True), precision=fmt)
+    failed = [r for r in report.results if r.status == "FAIL"]
+    assert {r.stage for r in failed} == {"flash_output", "flash_lse"}, \
+        [(r.stage, r.chained.tol_used) for r in report.results]
+    assert all([d.code for d in r.diagnosis] == ["scores_rounded"] for r in failed), \
+        [(r.stage, [d.message for d in r.diagnosis]) for r in failed]
+    assert f"scores rounded to {fmt} before the softmax" in failed[0].diagnosis[0].message
+    alone = attnstep.check_arrays(q, k, v, {"flash_lse": _half_flash_forward(q, k, v, fmt, True)["flash_lse"]},
+                                  precision=fmt)  # (no stage of the format's values to tell it by)
+    assert all([d.code for d in r.diagnosis] == ["scores_rounded"] for r in alone.results), alone.results
 
 
 def test_a_rounding_bf16_program_checked_as_truncating_is_told_to_round():

@@ -43,7 +43,7 @@ from .devices import device_for
 from .pool import collect_head_garbage, head_jobs, map_heads
 from .slab import diagnoser as slab_diagnoser, notes as slab_notes
 from .results import (FAIL, INHERITED, MISSING, PASS, SHAPE, STALE, UNCHECKABLE, UNREADABLE, Comparison, HeadResult,
-                      Report, RunCheck, compare_arrays, elementwise_error)
+                      Report, RunCheck, compare_arrays, elementwise_error, print_limited)
 from .stage_diagnosis import diagnose_stage, diagnose_through_splits
 from .stage_check import (STATUS_CODES, Loaded, allowed, bit_identical, blamed_elsewhere, chain_of, head_chain,
                           classify, derived_sources, early_outputs, failed_upstream, file_index, head_inputs,
@@ -201,7 +201,7 @@ def _compare(res: HeadResult, ctx: HeadContext, results: Dict[str, HeadResult], 
         want_chain = lse_route.fitted(stage, mat, want_chain, allowed_chain, ctx, chained=True)
     res.chained = compare_arrays(mat, want_chain, allowed_chain, opts.allow_nonfinite)
     res.half_values = half_values(mat, want_chain, run.precision)
-    res.print_limited = quantum is not None and bool(np.any(quantum > model_chain))
+    res.print_limited = print_limited(quantum, model_chain, want_chain)
     if splits.combines(stage, ctx):  # a run that splits: isolated, the combine of the program's splits
         return splits.compare_combine(res, mat, quantum, ctx, override), (src_chain, want_chain, allowed_chain)
     if SPECS[stage].chained is None and not q_iso and bit_identical(src_iso, src_chain):

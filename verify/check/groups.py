@@ -37,7 +37,7 @@ from ..stages import STAGES
 from . import tolerance
 from .diagnosis import Diagnoser, Diagnosis, Suspect
 from .half_rounding import stored_in_format
-from .results import FAIL, UNCHECKABLE, HeadResult, compare_arrays
+from .results import FAIL, UNCHECKABLE, HeadResult, compare_arrays, print_limited
 from .stage_check import (STATUS_CODES, blamed_elsewhere, classify, failed_upstream, isolated_sources,
                           load_output, new_result, nonfinite_propagated, quantization, reference, sources,
                           with_quantum)
@@ -203,7 +203,7 @@ def _check_sum(group: KVGroup, stage: str, opts, ref_of_head, diagnoser) -> Head
     res.chained = compare_arrays(mat, acc.want_chain, with_quantum(a_chain, quantum), opts.allow_nonfinite)
     res.isolated = compare_arrays(mat, acc.want_iso, with_quantum(a_iso, quantum), nan_agrees=True)
     res.half_values = half_values(mat, acc.want_chain, run.precision)
-    res.print_limited = quantum is not None and bool(np.any(quantum > a_chain))
+    res.print_limited = print_limited(quantum, a_chain, acc.want_chain)
     res.violations = _sum_checks(group, stage, mat, acc, a_chain, quantum, opts)
     if res.isolated.passed and nonfinite_propagated(mat, acc.want_iso):
         res.violations = [v for v in res.violations if v.code != NONFINITE]

@@ -99,6 +99,16 @@ def _first_indices(bad: np.ndarray, limit: int) -> List[Tuple[int, int]]:
 _COMPARE_BLOCK_ELEMS = 1 << 16
 
 
+def print_limited(quantum, model, want: np.ndarray) -> bool:
+    """Whether the file's printed resolution (quantum) is coarser than the error model's bound
+    somewhere the reference is finite (where it is not, a row that sees no key, the bound is 0 and
+    the file's ±inf is exact whatever its resolution)."""
+    if quantum is None:
+        return False
+    with np.errstate(invalid="ignore"):
+        return bool(np.any((quantum > model) & np.isfinite(want)))
+
+
 def compare_arrays(got: np.ndarray, want: np.ndarray, allowed: np.ndarray,
                    nan_agrees: bool = False) -> Comparison:
     """got against want under `allowed` (all of one 2-D shape), row block by row block."""

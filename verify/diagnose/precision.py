@@ -23,13 +23,14 @@ from ..check.diagnosis import Diagnosis, Suspect
 from ..check.half_rounding import stored_in_format
 from ..check.reference import compute_stage, reference_chain
 from ..check.results import compare_arrays
-from ..model.half import HALF_FORMATS, NEAREST, TOWARD_ZERO, is_half, round_mantissa32, round_to_format
+from ..model.half import (HALF_FORMATS, NEAREST, TOWARD_ZERO, is_half, round_mantissa32, round_to_format,
+                          storage_bound)
 from ..model.rounding import HeadCache
 from ..specs import SPECS, upstream
-from ..stages import (GRAD_OUTPUT, GRAD_VALUES, GRAD_WEIGHTS, KEYS, OUTPUT, QUERIES, SCORES, STAGES, VALUES,
-                      WEIGHTS)
+from ..stages import (GRAD_OUTPUT, GRAD_VALUES, GRAD_WEIGHTS, KEYS, OUTPUT, QUERIES, SCALED_SCORES, SCORES,
+                      STAGES, VALUES, WEIGHTS)
 
-CODES = ("tf32", "half_storage", "half_truncation", "half_accumulation")
+CODES = ("tf32", "half_storage", "half_truncation", "half_accumulation", "scores_rounded")
 CONFIDENCE = 0.8
 
 # TF32 keeps 10 of float32's 23 stored mantissa bits.
@@ -178,8 +179,9 @@ def tf32_operands(x: np.ndarray, toward_zero: bool) -> np.ndarray:
     return round_mantissa32(x, TF32_DROPPED_BITS, toward_zero).astype(np.float64)
 
 
-def _gap(got: np.ndarray, cand: np.ndarray) -> float:
-    d = np.abs(got - cand)
+def _gap(got: np.ndarray, cand: np.ndarray, beyond=0.0) -> float:
+    """max |got − cand| beyond `beyond` (a conversion's half unit: how far a correct value may lie)."""
+    d = np.maximum(np.abs(got - cand) - beyond, 0.0)
     d = d[np.isfinite(d)]
     return float(d.max()) if d.size else np.inf
 
@@ -256,16 +258,22 @@ def _half(stage, got, want, ctx, fmt: str, current: Tuple[str, str]) -> List[Dia
     if current == (fmt, TOWARD_ZERO):
         return []  # the check itself assumed truncation
     ratio, want_rz = recheck(stage, got, ctx, fmt, TOWARD_ZERO)
-    bias = truncation_bias(got, want_rz, fmt) if want_rz is not None and stored_in_format(stage) else -np.inf
-    if not (ratio < 1 and bias > TRUNCATION_BIAS):
+    if not ratio < 1:
+        return []
+    detail = {"precision": fmt, "rounding": TOWARD_ZERO, "tol_used": ratio}
+    passes = (f"It passes under --precision {fmt} --half-rounding toward-zero (at {ratio:.2g} of those bounds); "
+              "or convert with rounding to nearest (__float2bfloat16, __float2half)")
+    if not stored_in_format(stage):  # (a float32 stage: its inputs' truncation alone, which the re-check shows)
+        return [Diagnosis("half_truncation", f"{stage} (float32, as a {fmt} program keeps it) is computed from "
+                          f"{fmt} values truncated, not rounded, as converting by dropping the low bits "
+                          f"(bits >> 16) does. {passes}", detail, CONFIDENCE)]
+    bias = truncation_bias(got, want_rz, fmt) if want_rz is not None else -np.inf
+    if not bias > TRUNCATION_BIAS:
         return []
     return [Diagnosis("half_truncation", f"{stage}: the {fmt} values are truncated, not rounded: each lies "
                       f"up to one unit of {fmt}'s last place closer to zero than the float32 result (a median of "
                       f"{bias:.2f} units; a few entries near 0 may cross it), as converting by "
-                      "dropping the low bits (bits >> 16) does. It passes under --precision "
-                      f"{fmt} --half-rounding toward-zero (at {ratio:.2g} of those bounds); or convert "
-                      "with rounding to nearest (__float2bfloat16, __float2half)",
-                      {"precision": fmt, "rounding": TOWARD_ZERO, "bias_ulps": bias, "tol_used": ratio},
+                      f"dropping the low bits (bits >> 16) does. {passes}", {**detail, "bias_ulps": bias},
                       CONFIDENCE)]
 
 
@@ -302,13 +310,59 @@ def diagnose(stage: str, got: np.ndarray, want: np.ndarray, ctx: Suspect,
     if head is None or any(d.code not in mimicked for d in found) or not _stored(stage):
         return []
     fmt = half_format_of(stage, got, ctx)
+    if fmt is None and is_half(head.precision) and _from_scores(stage):  # (a float32 lse written alone)
+        return _rounded_scores(stage, got, want, ctx, head.precision)
     if fmt is None:
         small = _gap(got, want) <= TF32_GATE * float(np.max(np.abs(want[np.isfinite(want)]), initial=0.0))
         return _tf32(stage, got, want, ctx) if head.precision == "fp32" and small else []
     found = _half(stage, got, want, ctx, fmt, (head.precision, head.half_rounding))
     if not found and fmt == "fp16" and stored_in_format(stage):
         found = _accumulation(stage, got, want, ctx)
+    if not found and _from_scores(stage):
+        found = _rounded_scores(stage, got, want, ctx, fmt)
     return found
+
+
+def _from_scores(stage: str) -> bool:
+    """The flash forward's stages (its output and lse, not a split's), whose values follow the scores
+    directly: a kernel that keeps its score tile in the half format (an S buffer of bf16, a cast
+    before the exponent) moves them by far more than its GEMMs' roundings do."""
+    st = STAGES[stage]
+    return st.flash and not st.backward and not st.split
+
+
+def _rounded_scores(stage, got, want, ctx, fmt: str) -> List[Diagnosis]:
+    """scores_rounded: got matches the softmax of the scores rounded to fmt far better than want."""
+    head = ctx.head_ctx
+    if not head.raw_inputs:
+        return []
+    inputs = {**head.variant_tensors(), **{n: round_to_format(x, fmt, NEAREST) for n, x in head.raw_inputs.items()}}
+    variant = dict(variant=head.effective_variant, slope=head.slope)
+    s = reference_chain(inputs, head.scale, head.causal, [SCALED_SCORES], **variant)[SCALED_SCORES]
+    s = np.where(np.isfinite(s), round_to_format(s, fmt, NEAREST), s)
+    m = np.max(s, axis=1, keepdims=True)
+    e = np.exp(s - np.where(np.isfinite(m), m, 0.0))
+    l = np.sum(e, axis=1, keepdims=True)
+    if STAGES[stage].cols == "1":  # (the lse: one a row)
+        cand = m + np.log(l)
+    else:  # (as a flash kernel: P rounded to the format for P·V, the sum l of P unrounded)
+        cand = (round_to_format(e, fmt, NEAREST) @ inputs[VALUES]) / l
+    if cand.size != got.size:
+        return []
+    cand = cand.reshape(got.shape)
+    # (past the output's own conversion, half a unit: a value near a rounding tie may go either way)
+    own = storage_bound(cand, fmt) if stored_in_format(stage) else 0.0
+    base, gap = _gap(got, want, own), _gap(got, cand, own)
+    if not gap <= FAR_BETTER * base:
+        return []
+    beyond = f" beyond its own conversion to {fmt}" if stored_in_format(stage) else ""
+    return [Diagnosis("scores_rounded", f"{stage} follows scores rounded to {fmt} before the softmax: it matches "
+                      f"the softmax of Q·Kᵀ·scale rounded to {fmt} to {gap:.2g}{beyond}, against {base:.2g} for "
+                      f"scores kept in float32. The program keeps its score tile in {fmt} (a {fmt} buffer for S, or a "
+                      "cast of Q·Kᵀ before the exponent): each score then errs by up to half a unit of "
+                      f"{fmt}'s last place, which the exponent turns into the weights' relative error. Keep the "
+                      "scores in float32 until P, as FlashAttention does",
+                      {"precision": fmt, "max_diff": gap, "float32_diff": base}, CONFIDENCE)]
 
 
 # The hypotheses a precision mimics: a truncating conversion shrinks every value by about half a

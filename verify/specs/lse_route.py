@@ -7,15 +7,12 @@ which no division by the row sum removes: the roundings of values of lse's magni
 and of the log, about u·(|m| + |lse|), large where the logits are. Each weight and output of the
 row carries that factor, and its row sum is off by it. The check allows the factor as what it is,
 one number per row within the lse's bound: where factor 1 leaves some element outside, the
-comparison is against the reference times a factor that brings every element inside and lies
-near the row's median got/want (fitted), so that a few wrong elements (no factor of their row)
+comparison is against the reference times the row's fitted factor, where that factor brings every
+element inside with room to spare (fitted), so that a few wrong elements (no factor of their row)
 still fail; the row-sum check widens by the bound. Where the program wrote its weights, the output's
-factor is theirs, their row sum, where it brings the row inside (an output of logits in the
-hundreds, whose elements' ratios scatter too widely for the median to find it).
+factor is theirs, their row sum, where it brings the row inside.
 """
 from __future__ import annotations
-
-import warnings
 
 import numpy as np
 
@@ -52,12 +49,17 @@ def factor_bound(ctx: HeadContext) -> np.ndarray:
 def fitted(stage: str, got: np.ndarray, want: np.ndarray, allowed: np.ndarray, ctx: HeadContext,
            chained: bool = False) -> np.ndarray:
     """want, times a factor c in each row that c = 1 leaves outside some element's allowance and c
-    brings inside every one; want itself elsewhere and for other stages. c is the row's own: the
-    median m of got/want over its larger elements (a quarter of its largest |want| or more), moved
-    at most its uncertainty (MEDIAN_SPREAD times its elements' deviation over √count) to the nearest
-    factor that fits every element, within factor_bound. A few wrong elements move neither m nor
-    the rest's fit: they fail as before. chained: want is from the inputs, so the output's factor
-    may be the program's own weights' (an isolated want, from those weights, has it already)."""
+    brings inside every one with room to spare; want itself elsewhere and for other stages.
+
+    c is the row's least-squares factor (each element weighted by its inverse variance,
+    (want/allowed)²), taken where it lies within factor_bound and in the middle half of the interval
+    of factors that fit every element. A correct row's elements err on either side of the factor,
+    so its fit sits near that interval's middle; an element wrong by more than its allowance is one
+    edge of the interval and pulls the fit only by its weight's share, so the fit lies near that
+    edge and the row fails as before. (A median of the row's ratios, the first form, was thrown off
+    at logits of a few hundred, where a few dominant keys' errors move the whole row's ratios
+    together.) chained: want is from the inputs, so the output's factor may be the program's own
+    weights' (an isolated want, from those weights, has it already)."""
     if stage not in ROUTED or got.shape != want.shape or got.ndim != 2:
         return want
     bound = factor_bound(ctx)
@@ -68,36 +70,22 @@ def fitted(stage: str, got: np.ndarray, want: np.ndarray, allowed: np.ndarray, c
         both = np.isfinite(got) & np.isfinite(want)
         if np.all((np.abs(got - want) <= allowed) | ~both):  # (factor 1 explains every row: no fit, no cost)
             return want
-        size = np.abs(np.where(both, want, 0.0))
-        big = both & (size > 0) & (size >= np.max(size, axis=1, keepdims=True) / 4)
-        if not big.any():
-            return want
-        count = np.maximum(big.sum(axis=1, keepdims=True), 1)
-        with warnings.catch_warnings():  # (a row without a finite element: its median NaN, never used)
-            warnings.simplefilter("ignore", RuntimeWarning)
-            median = np.nanmedian(np.where(big, got / np.where(big, want, 1.0), np.nan), axis=1, keepdims=True)
-            spread = np.nanmedian(np.where(big, allowed / (LAMBDA * size), np.nan), axis=1, keepdims=True)
         lo, hi = _fitting(got, want, allowed, both)
-        lo, hi = np.maximum(lo, np.exp(-bound)), np.minimum(hi, np.exp(bound))
+        c = _least_squares(got, want, allowed, both & (want != 0))
+        inside = (lo + (hi - lo) / 4 <= c) & (c <= hi - (hi - lo) / 4)
         own = _weights_factor(stage, ctx, want.shape[0]) if chained else None
         if own is not None:  # (the program's own factor, where it fits: no estimate needed)
-            fits = (lo <= own) & (own <= hi) & ~((lo <= 1.0) & (1.0 <= hi))
-            lo, hi = np.where(fits, own, lo), np.where(fits, own, hi)
-        c = np.clip(median, lo + (hi - lo) / 4, hi - (hi - lo) / 4)
-        near = np.abs(c - median) <= MEDIAN_SPREAD * spread / np.sqrt(count)
-        if own is not None:
-            near |= fits
-        use = (lo <= hi) & ~((lo <= 1.0) & (1.0 <= hi)) & near
-    use &= np.isfinite(c)
+            fits = (lo <= own) & (own <= hi)
+            c, inside = np.where(fits, own, c), inside | fits
+        use = inside & (np.abs(np.log(c)) <= bound) & ~((lo <= 1.0) & (1.0 <= hi)) & np.isfinite(c)
     return want * np.where(use, c, 1.0) if use.any() else want
 
 
-# How far the fitted factor may lie from the row's median ratio, in units of its elements' relative
-# deviation over √count (a median of k deviations of σ varies by about 1.25σ/√k): a row with one
-# element wrong by 10σ needs its fit some 3σ from the median. Measured by scripts/catch_rate.py:
-# at 4 the normal distribution's output lost 0.09 of its catch rate at M = 1024, at 2 none beyond
-# the measurement's spread.
-MEDIAN_SPREAD = 2.0
+def _least_squares(got, want, allowed, used):
+    """Each row's c minimising Σ ((got − c·want)/allowed)² over its used elements (NaN where none)."""
+    weight = np.where(used, (want / np.maximum(allowed, np.finfo(np.float64).tiny)) ** 2, 0.0)
+    ratio = got / np.where(used, want, 1.0)
+    return np.sum(weight * np.where(used, ratio, 0.0), axis=1, keepdims=True) / np.sum(weight, axis=1, keepdims=True)
 
 
 def _weights_factor(stage: str, ctx: HeadContext, rows: int):
