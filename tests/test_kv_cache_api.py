@@ -341,3 +341,29 @@ def test_one_key_past_a_full_cache_row_is_the_next_sequence_s_first(page_size):
     report = check(case, "length_plus_one")
     assert not report
     assert _codes(report, 1)[0] == "cache_length_off_by_one", attnstep.format_report(report)
+
+
+def test_a_one_value_lse_is_not_named_by_a_reading_found_by_chance():
+    """Every sequence one key long, one query each: a sequence's lse is one value a head, which some
+    other head's keys (or some operand's layout) fit by chance. Such a reading is not tried there, so
+    it neither names the lse nor keeps the length's reading from every sequence."""
+    case = DecodeCase([70, 150, 190], nq=1, page_size=64, d=64, causal=True, seed=7)
+    report = check(case, "lengths_plus_one", after=False)
+    failing = [r for r in report.results if not r.passed]
+    assert {r.sequence for r in failing} == {0, 1, 2}
+    assert all(r.diagnosis and r.diagnosis[0].code == "cache_length_off_by_one" for r in failing), \
+        attnstep.format_report(report)
+    assert not any(d.code in ("kv_head_map", "layout") for r in failing for d in r.diagnosis)
+
+
+@pytest.mark.parametrize("bug, n_new, reading", [("length_minus_one", 0, "cache_length_off_by_one"),
+                                                 ("new_keys_unseen", 1, "new_keys_unseen"),
+                                                 ("new_keys_unseen", 2, "new_keys_unseen")])
+@pytest.mark.parametrize("page_size", [16, None])
+def test_keys_left_out_under_a_causal_mask_are_named_as_the_mask_and_as_the_reading(bug, n_new, reading, page_size):
+    """Bottom-right, a sequence's last keys left out are also the causal mask that many keys short:
+    the mask's name first, the decode step's reading after it."""
+    report = check(DecodeCase(SEQLENS, n_new=n_new, nq=4, page_size=page_size, causal=True), bug)
+    assert {r.sequence for r in report.results if not r.passed} == {1}
+    codes = _codes(report, 1)
+    assert codes[0] == "mask_offset" and reading in codes, attnstep.format_report(report)

@@ -222,7 +222,7 @@ def test_sequences_of_a_packed_run_are_diagnosed_whole_without_a_note(long_heads
                                    causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu)
     failing = [r for r in report.results if r.status == "FAIL" and r.stage == "flash_output"]
     assert failing and all(r.diagnosis[0].code == "mask_offset" and "found on query rows" not in r.diagnosis[0].message
-                           for r in failing), [[d.message for d in r.diagnosis] for r in failing]
+                           for r in failing), [[d.code + ": " + d.message for d in r.diagnosis] for r in failing]
     assert not any("too long" in n for n in report.run.notes), report.run.notes
 
 

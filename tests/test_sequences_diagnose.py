@@ -143,6 +143,27 @@ def test_padding_keys_read_are_named(tmp_path):
             "rows 4-5)") in d.message
 
 
+class LargeLogits(PackedCase):
+    """Logits of tens: weights near one-hot."""
+    def draw(self) -> None:
+        super().draw()
+        self.inputs["Q"] *= np.float32(12)
+
+
+def test_padding_keys_read_at_large_logits_are_named_first(tmp_path):
+    """Near one-hot weights: the padding keys read, a bottom-right causal mask shifted past the
+    diagonal and the packing ignored may all give the same rows. The padding read is named wherever
+    it fits: first, or after the mask's shift that gives the same rows (named first)."""
+    shape = dict(seqlens_q=[30, 3, 20], seqlens_k=[34, 50, 20], seqused_k=[30, 21, 20], heads=2, kv_heads=1,
+                 causal=True, d=64)
+    report = packed_run(tmp_path, shape, bug="padding_read", opts=BOTTOM_RIGHT, case_type=LargeLogits)
+    found = json_codes(report, "flash_output")
+    assert {s for _, _, s in found} == {0, 1}
+    assert all(codes[0] == "padding_read" or codes[:2] == ["mask_offset", "padding_read"]
+               for codes in found.values()), found
+    assert found[("flash_output", 0, 0)][:2] == ["mask_offset", "padding_read"]  # (4 keys past the diagonal)
+
+
 def test_the_other_planted_bugs_keep_their_own_names(tmp_path):
     report = packed_run(tmp_path / "dk", PADDED, FORWARD + BACKWARD, bug="padding_dk")
     assert json_codes(report) == {(s, 0, None): ["unread_key_row"] for s in ("dK", "flash_dK")}

@@ -214,8 +214,9 @@ def check_kvcache(q, k_cache, v_cache, stages: Mapping[str, object], *, cache_se
                 align=None if aligned else BOTTOM_RIGHT)
 
     def recheck(q, k, v, stages, seqs, diagnoser=None) -> Report:
-        opened = _opened(q, k, v, stages, None, dict(args), None, None, (seqs.cu_q, seqs.cu_k, None))
-        return check_run(*opened, diagnoser=diagnoser)
+        run, case, options = _opened(q, k, v, stages, None, dict(args), None, None, (seqs.cu_q, seqs.cu_k, None))
+        case.sequences = seqs  # (the packing the check gathered from the cache, known as such)
+        return check_run(run, case, options, diagnoser=diagnoser)
 
     keys = packed_keys(kv, [kv.gather(b) for b in range(kv.batch)])
     report = recheck(kv.q.reshape((-1,) + kv.q.shape[2:]), *keys, packed,

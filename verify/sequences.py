@@ -96,6 +96,9 @@ class Sequences:
     pool_rows: int = 0
     # A decode step: the new keys appended to each sequence before attention (used_k counts them).
     new_keys: int = 0
+    # The keys a KV cache's sequences read, gathered into packed rows by the check itself (the user
+    # packed nothing: the cache's own readings name its bugs, not the packing's).
+    from_cache: bool = False
 
     @property
     def paged(self) -> bool:

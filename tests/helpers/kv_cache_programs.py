@@ -23,6 +23,8 @@ BUGS = {
     "page_before": "sequence 1's page 0 read from the pool's page before it",
     "length_plus_one": "sequence 1 attends one key past its length (its length taken as one more)",
     "length_minus_one": "sequence 1 leaves its last key out (its length taken as one less)",
+    "lengths_plus_one": "every sequence attends one key past its length (a loop's <= for <)",
+    "new_keys_unseen": "sequence 1 attends its cache's keys only, not the step's new ones",
     "scaled": "every output 1.01 times the right one (lse right)",
     "lse_log2": "the lse in base 2 (the output right)",
     "noise": "sequence 0's output off by 1% noise (lse right)",
@@ -125,8 +127,10 @@ def decode(case: DecodeCase, bug: Optional[str] = None):
         count = m
         if (bug == "past_length" or bug == "past_length_0" and b == 0) and case.page_size is not None:
             count = -(-m // case.page_size) * case.page_size
-        if b == 1 and bug in ("length_plus_one", "length_minus_one"):
-            m = count = m + (1 if bug == "length_plus_one" else -1)
+        if (b == 1 and bug in ("length_plus_one", "length_minus_one")) or bug == "lengths_plus_one":
+            m = count = m + (1 if bug in ("length_plus_one", "lengths_plus_one") else -1)
+        if b == 1 and bug == "new_keys_unseen":
+            m = count = case.seqlens[b]
         places = [_where(case, table, b, j) for j in range(count)]
         keys = np.stack([k_pool[p] for p in places])     # (count, Hk, d)
         vals = np.stack([v_pool[p] for p in places])

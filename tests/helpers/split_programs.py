@@ -36,6 +36,8 @@ BUGS = {
     "empty_counted": "the splits are right, but the combine counts an empty split as lse 0",
     "overlap": "each split but the last covers one key of the next: [s*K, (s+1)*K + 1)",
     "gap": "each split but the first starts one key late: [s*K + 1, (s+1)*K)",
+    "tile_not_rescaled": "each split an online softmax over tiles of 4 keys that never rescales its running sum "
+                         "and output when a tile raises the row maximum",
 }
 
 
@@ -153,6 +155,8 @@ def _one_split(s: np.ndarray, v: np.ndarray, first: int, end: int, precision: st
         p = np.where(np.isfinite(t), p, f32(0)).astype(f32)
         l = p.sum(axis=1, dtype=f32)
         acc = (_half(p, precision) @ v[first:end]).astype(f32)
+        if bug == "tile_not_rescaled":
+            l, acc = _unrescaled_tiles(t, v[first:end], 4)
         with np.errstate(invalid="ignore", divide="ignore"):
             out = np.where(sees[:, None], acc / l[:, None], f32(0)).astype(f32)
             lse = np.where(sees, m + np.log(l), -np.inf).astype(f32)
@@ -162,6 +166,22 @@ def _one_split(s: np.ndarray, v: np.ndarray, first: int, end: int, precision: st
         out = np.where(sees[:, None], out, np.nan).astype(f32)
         lse = np.where(sees, lse, np.nan).astype(f32)
     return out, lse
+
+
+def _unrescaled_tiles(t: np.ndarray, v: np.ndarray, tile: int):
+    """(l, acc) of an online softmax over tiles of `tile` keys that keeps a running maximum m but
+    never multiplies l or acc by exp(m_old − m_new); the caller's lse = m + log l takes the final m."""
+    n = t.shape[0]
+    m, l, acc = np.full(n, -np.inf, f32), np.zeros(n, f32), np.zeros((n, v.shape[1]), f32)
+    for k0 in range(0, t.shape[1], tile):
+        part = t[:, k0:k0 + tile]
+        m = np.maximum(m, part.max(axis=1)).astype(f32)
+        with np.errstate(invalid="ignore"):
+            p = np.where(np.isfinite(part), np.exp(part - np.where(np.isfinite(m), m, f32(0))[:, None], dtype=f32),
+                         f32(0)).astype(f32)
+        l = (l + p.sum(axis=1, dtype=f32)).astype(f32)
+        acc = (acc + p @ v[k0:k0 + tile]).astype(f32)
+    return l, acc
 
 
 def _combine(outs: np.ndarray, lses: np.ndarray, bug: Optional[str]):

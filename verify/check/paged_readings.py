@@ -127,11 +127,14 @@ def _unseen(kv: KVCache, b: int) -> List[Reading]:
     if not n:
         return []
     detail = {"sequence": b, "cache_keys": u, "new_keys": n}
+    new = "new key" if n == 1 else f"{n} new keys"
+    places = f"key {u} holding" if n == 1 else f"keys {u}..{u + n - 1} holding"
     out = [Reading(b, kv.table[b], kv.m(b), NEW_KEYS_UNSEEN, f"sequence {b} attended its {kv.m(b)} keys before its "
-                   f"{n} new keys were written (keys {u}..{u + n - 1} the cache's old values)", detail, before=True)]
+                   f"{new} {'was' if n == 1 else 'were'} written ({places} the cache's old values)", detail,
+                   before=True)]
     if u:
         out.append(Reading(b, kv.table[b], u, NEW_KEYS_UNSEEN, f"sequence {b} attended its cache's {u} keys without "
-                           f"its {n} new keys", detail))
+                           f"its {new}", detail))
     for k in (1, -1):
         out.append(Reading(b, kv.table[b], kv.m(b), CACHE_WRITE_OFFSET, f"sequence {b} attended its keys with its new "
                            f"keys written one key {'late' if k > 0 else 'early'} (at keys {u + k}..{u + k + n - 1})",

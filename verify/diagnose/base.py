@@ -27,6 +27,13 @@ SCALE_NAME_RTOL = 2e-3
 # past the end to fill it, does so for one of these.
 KEY_TILES = (16, 32, 64, 128)
 MIN_KEY_TILE = 8  # the narrowest key tile a dropped tail is also named for
+# A stage of fewer values than this (a decode step's lse: one per head) fits some candidate of a
+# search over hundreds of readings (every tile width) by chance.
+MIN_SEARCHED_VALUES = 8
+# The same for a search over a few dozen readings (every operand's layouts, every other head, every
+# mask offset, a sequence's boundaries): one value fits some reading by chance; two that no reading
+# made do not.
+MIN_READ_VALUES = 2
 # The widest key tile of the run's own (run.toml's flash_block_k) that the diagnoses try: kernels
 # tile keys by at most a few hundred, and a wider one would extend the keys by up to its width.
 MAX_RUN_KEY_TILE = 1024

@@ -21,7 +21,7 @@ bias_transposed, dropout_unscaled, dropout_not_applied, dropout_mask_inverted
 (verify/diagnose/variants.py); the backward's D_wrong_O, dS_missing_P, grad_unscaled,
 dV_untransposed_P, lse_log2 and the flash gradients' softcap_derivative_missing, dq_key_tile_rows
 (verify/diagnose/backward.py); the precision ones: tf32, half_storage, half_truncation,
-half_accumulation (verify/diagnose/precision.py); and in a packed case, the sequences' sequence_leak,
+half_accumulation, scores_rounded (verify/diagnose/precision.py); and in a packed case, the sequences' sequence_leak,
 sequence_boundary, padding_read (verify/diagnose/sequences.py: a sequence's rows recomputed from
 the packed rows a buggy program read). overflow, keys_past_end and keys_dropped are in
 verify/diagnose/inputs.py: they, the mask, the variants and the scale recompute a stage from the
@@ -48,7 +48,8 @@ from . import splits as split_bugs, variants as variant_bugs
 from . import softmax_loops as loop_bugs
 from .scales import linear_factor, recomputed, scaled
 from .softmax_axis import softmax_axis
-from .base import (LOG2_E, MATCH_WIDTHS, POISON_VALUES, UNWRITTEN_DENSITY, explains, loc, width_of)
+from .base import (LOG2_E, MATCH_WIDTHS, MIN_READ_VALUES, POISON_VALUES, UNWRITTEN_DENSITY, explains,
+                   loc, width_of)
 from .inputs import keys as _keys
 from .inputs import overflow as _overflow
 from .regions import tile_boundary as _tile_boundary
@@ -179,6 +180,9 @@ _HYPOTHESES = {"nonfinite": _nonfinite, "unwritten": _unwritten, "transposed": _
                "scaled": scaled, "softmax_axis": softmax_axis, "head_permuted": head_bugs.heads, "mask": mask_bugs.mask,
                "tile_boundary": _tile_boundary, "lse_log2": _lse_log2, "keys": _keys, "overflow": _overflow,
                **loop_bugs.HYPOTHESES, **backward_bugs.HYPOTHESES}
+# The hypotheses that try many readings (every operand's layouts, every other head, every mask
+# offset): one of them fits a stage of one value by chance (a decode step's lse, one a head).
+_SEARCHES = ("layout", "head_permuted", "mask")
 # The variants' bugs (verify/diagnose/variants.py: softcap, ALiBi, bias, dropout) reach the stages
 # a wrong scale or mask reaches: they are tried where the spec names either.
 _VARIANT_BUGS_WHERE = ("scaled", "mask")
@@ -191,6 +195,8 @@ _EXPLAINED_BY_VARIANT_BUGS = ("scaled", "tile_boundary", "unwritten")
 _EXPLAINED_BY_SEQUENCE_BUGS = sequence_bugs.APPROXIMATIONS
 # Findings that name where a stage is wrong, not why: the key loops' searches still run.
 _NO_CAUSE_NAMED = ("nonfinite", "unwritten", "tile_boundary")
+# How much less confident a reading listed after an equivalent one is.
+_AFTER = 0.01
 # A K/V group summed twice is a factor 2: the cause, not a scale.
 _FACTORS = {"kv_group_summed_twice"}
 # The named causes that explain every element, NaN and Inf included (a moved −inf of the mask or
@@ -207,13 +213,16 @@ def diagnose(stage: str, got: np.ndarray, want: np.ndarray, ctx: Suspect) -> Lis
         return []
     width = width_of(ctx.bound, want)
     if ctx.splits is not None:  # a split-KV run's split or combine: split_overlap, split_gap, empty_split, ...
-        return split_bugs.diagnose(stage, got, want, ctx.splits, width) or _nonfinite(stage, got, want, ctx, width)
+        return (split_bugs.diagnose(stage, got, want, ctx.splits, width)
+                or loop_bugs.online_rescale_in_splits(stage, got, want, ctx, width)
+                or _nonfinite(stage, got, want, ctx, width))
     if ctx.slab is not None:
         return _patterns_and_slab(stage, got, want, ctx, width)
     found: List[Diagnosis] = []
     fired = set()
+    few = got.size < MIN_READ_VALUES
     for name, hyp in _HYPOTHESES.items():
-        if name in SPECS[stage].diagnoses and name not in loop_bugs.SEARCHES:
+        if name in SPECS[stage].diagnoses and name not in loop_bugs.SEARCHES and not (few and name in _SEARCHES):
             with np.errstate(all="ignore"):
                 new = hyp(stage, got, want, ctx, width)
             found.extend(new)
@@ -225,10 +234,14 @@ def diagnose(stage: str, got: np.ndarray, want: np.ndarray, ctx: Suspect) -> Lis
             found = [d for d in found if d.code not in _EXPLAINED_BY_VARIANT_BUGS] + variant_found
     # A cause found before (a wrong scale, the softmax's axis, a wrong mask — aligned at the other
     # corner it reads as the sequence's keys ending M − N early —, a head's or a variant's bug)
-    # is named alone: the sequence readings (each a recomputation) are not tried.
+    # is named alone: the sequence readings (each a recomputation) are not tried. A causal mask a
+    # few keys off is named first, and the sequence's readings that give the same rows after it.
     if sequence_bugs.applies(stage, ctx) and not sequence_bugs.caused_elsewhere(found):
         with np.errstate(all="ignore"):
             sequence_found = sequence_bugs.sequences(stage, got, want, ctx, width)
+        shifts = [d.confidence for d in found if sequence_bugs.equivalent(d)]
+        for d in sequence_found if shifts else ():
+            d.confidence = min(d.confidence, min(shifts) - _AFTER)
         if sequence_found:
             found = [d for d in found if d.code not in _EXPLAINED_BY_SEQUENCE_BUGS] + sequence_found
     # The key loops' bugs are a search over every tile width: tried where nothing else named a

@@ -27,7 +27,7 @@ from ..specs import SPECS
 from ..stages import INPUT_NAMES, STAGES
 from ..text import plural
 from ..variant import UNBOUNDED, Variant
-from .base import explains, width_of
+from .base import MIN_READ_VALUES, explains, width_of
 from .inputs import slope_of, variant_of
 
 CODES = ("sequence_leak", "sequence_boundary", "padding_read")
@@ -37,6 +37,8 @@ MAX_BOUNDARY_SHIFT = 3
 # a tile pattern or a few keys read past the end only approximate): the readings are tried after
 # these, and replace them where one explains got.
 APPROXIMATIONS = ("scaled", "tile_boundary", "unwritten", "keys_past_end", "keys_dropped")
+# A causal mask shifted by a few keys shows or hides a sequence's keys at its ends, as reading its
+# padding keys or a boundary off by a few does: both are named, where both fit (equivalent).
 # The largest dense problem (query rows × keys) a candidate recomputes: the whole packed stream's
 # included, which a program that ignores the packing attends over.
 MAX_CANDIDATE_ENTRIES = 1 << 22
@@ -69,6 +71,13 @@ class Reading:
     shared: Optional[str] = None
 
 
+def _what_it_reads(reading: Reading) -> tuple:
+    """The rows a reading computes from which keys, under which variant: readings alike in this are
+    one reading under two names."""
+    return (reading.variant, reading.shared,
+            tuple((p.q.start, p.q.stop, p.at, tuple(int(k) for k in p.keys)) for p in reading.pieces))
+
+
 def _rows(lo: int, hi: int) -> np.ndarray:
     return np.arange(lo, hi)
 
@@ -79,6 +88,10 @@ def _span(keys: np.ndarray) -> str:
     if len(keys) == keys[-1] - keys[0] + 1:
         return f"{keys[0]}-{keys[-1]}" if len(keys) > 1 else f"{keys[0]}"
     return ", ".join(_span(part) for part in np.split(keys, np.flatnonzero(np.diff(keys) != 1) + 1))
+
+
+def _packed_rows(keys: np.ndarray) -> str:
+    return f"packed key {'row' if len(keys) == 1 else 'rows'} {_span(keys)}"
 
 
 def _dots(lo: int, hi: int, what: str) -> str:
@@ -142,8 +155,8 @@ def _leaks(seqs, b: int, v: Variant) -> Iterator[Reading]:
             reads.append(np.concatenate([_rows(used.start, used.stop), own]))
         for keys in reads:
             yield Reading("sequence_leak", f"sequence {b}'s queries also attend to the keys of sequence {p} before it "
-                          f"({_instead(seqs, b, keys, own)}; packed key rows "
-                          f"{_span(keys)} instead of {_span(own)}): attention crosses the boundary between them",
+                          f"({_instead(seqs, b, keys, own)}; {_packed_rows(keys)} instead of {_span(own)}): "
+                          "attention crosses the boundary between them",
                           [Piece(q, keys)],
                           {"sequence": b, "read_sequence": p, "key_rows": [int(keys[0]), int(keys[-1])]})
     whole = [Piece(range(0, seqs.total_q), _rows(0, seqs.total_k))]
@@ -164,7 +177,7 @@ def _padding(seqs, b: int) -> Iterator[Reading]:
     pad = len(slot) - len(used)
     padding = _rows(used.stop, slot.stop)
     yield Reading("padding_read", f"sequence {b} reads the {plural(pad, 'padding key')} of its slot past seqused_k = "
-                  f"{len(used)} ({_own_terms(seqs, b, padding)}; packed key rows {_span(padding)}): all {len(slot)} "
+                  f"{len(used)} ({_own_terms(seqs, b, padding)}; {_packed_rows(padding)}): all {len(slot)} "
                   "keys of the slot attended", [Piece(seqs.q_rows(b), _rows(slot.start, slot.stop))],
                   {"sequence": b, "padding_keys": pad, "key_rows": [slot.start, slot.stop - 1]})
 
@@ -180,14 +193,15 @@ def _key_boundaries(seqs, b: int, s: int) -> Iterator[Reading]:
         detail = {"sequence": b, "shift": s, "side": f"keys {side}", "key_rows": [a, z - 1]}
         if side == "end" and s > 0 and z <= slot.stop:
             yield Reading("padding_read", f"sequence {b} reads {plural(s, 'padding key')} of its slot past seqused_k "
-                          f"= {len(used)} ({_own_terms(seqs, b, _rows(hi, z))}; packed key rows {_span(_rows(hi, z))}): "
+                          f"= {len(used)} ({_own_terms(seqs, b, _rows(hi, z))}; {_packed_rows(_rows(hi, z))}): "
                           f"its keys end {_direction(s)}",
                           [Piece(q, keys)], {**detail, "padding_keys": s})
             continue
         what = {"start": f"start {_direction(s)}", "end": f"end {_direction(s)}",
                 "range": f"are shifted {_direction(s)}"}[side]
-        yield Reading("sequence_boundary", f"sequence {b}'s keys {what} ({_instead(seqs, b, keys, _rows(lo, hi))}; packed key rows {_span(keys)} instead of "
-                      f"{_span(_rows(lo, hi))}): the boundary off by {s:+d}", [Piece(q, keys)], detail)
+        yield Reading("sequence_boundary", f"sequence {b}'s keys {what} ({_instead(seqs, b, keys, _rows(lo, hi))}; "
+                      f"{_packed_rows(keys)} instead of {_span(_rows(lo, hi))}): the boundary off by {s:+d}",
+                      [Piece(q, keys)], detail)
 
 
 def _query_boundaries(seqs, b: int, s: int) -> Iterator[Reading]:
@@ -280,8 +294,13 @@ def caused_elsewhere(found: List[Diagnosis]) -> bool:
     wrong scale, the softmax's axis, a wrong mask, a head's or a variant's bug): anything but an
     approximation or non-finite values, and a factor that is one of the named scales (an unnamed
     one only approximates keys read whose values are zero). The readings are then not tried."""
-    return any(d.code not in APPROXIMATIONS + ("nonfinite",) or (d.code == "scaled" and d.detail.get("names"))
-               for d in found)
+    return any((d.code not in APPROXIMATIONS + ("nonfinite",) and not equivalent(d))
+               or (d.code == "scaled" and d.detail.get("names")) for d in found)
+
+
+def equivalent(d: Diagnosis) -> bool:
+    """A causal mask shifted by a few keys (not to the other alignment, a cause of its own)."""
+    return d.code == "mask_offset" and not d.detail.get("alignment")
 
 
 def applies(stage: str, ctx: Suspect) -> bool:
@@ -289,20 +308,29 @@ def applies(stage: str, ctx: Suspect) -> bool:
     a query head. Not in a paged case, whose keys are no slots: its readings are the paged ones
     (verify/check/paged.py, searched once the whole case is checked)."""
     st = STAGES[stage]
-    return (ctx.packing is not None and not ctx.packing.sequences.paged and ctx.head_ctx is not None
+    return (ctx.packing is not None and not ctx.packing.sequences.paged and not ctx.packing.sequences.from_cache
+            and ctx.head_ctx is not None
             and ctx.head is not None and st.rows == "N" and st.cols != "M" and not SPECS[stage].echo)
 
 
 def sequences(stage, got, want, ctx, width) -> List[Diagnosis]:
-    """The first reading of the sequence's rows that explains got."""
-    if not applies(stage, ctx):
+    """Every reading of the sequence's rows that explains got, the closest first (where the weights
+    are near one-hot, several readings of the keys a row sees give the same rows); not on a stage of
+    one value (a one-query sequence's lse), which some reading fits by chance."""
+    if not applies(stage, ctx) or got.size < MIN_READ_VALUES:
         return []
     packing = ctx.packing
     seqs, b = packing.sequences, packing.sequence
     if got.shape[0] != seqs.n(b) or seqs.m(b) == 0:
         return []
     width = _width(stage, ctx, width)
+    found: List[Diagnosis] = []
+    seen = set()
     for reading in readings(seqs, b, variant_of(ctx)):
+        same = _what_it_reads(reading)
+        if same in seen:  # (two names for the same keys: the first is listed)
+            continue
+        seen.add(same)
         try:
             cand = _candidate(stage, reading, packing, ctx, got.shape[1])
         except (KeyError, ValueError):
@@ -310,7 +338,7 @@ def sequences(stage, got, want, ctx, width) -> List[Diagnosis]:
         if cand is None:
             continue
         diff = explains(got, cand, want, width)
-        if diff is not None:
-            return [Diagnosis(reading.code, f"{stage}: {reading.words} (max diff {diff:.2g})",
-                              {**reading.detail, "max_diff": diff}, 0.95)]
-    return []
+        if diff is not None and reading.code not in {d.code for d in found}:
+            found.append(Diagnosis(reading.code, f"{stage}: {reading.words} (max diff {diff:.2g})",
+                                   {**reading.detail, "max_diff": diff}, 0.95))
+    return sorted(found, key=lambda d: d.detail["max_diff"])

@@ -20,6 +20,7 @@ few sampled rows first, and the stage recomputed whole only for the widths those
 """
 from __future__ import annotations
 
+import copy
 from typing import Iterator, List, Optional, Tuple
 
 import numpy as np
@@ -28,9 +29,9 @@ from ..check.diagnosis import ONLINE_RESCALE_MISSING, TILE_KEYS_SKIPPED, Diagnos
 from ..model.attention import log_sum_exp_rows, softmax_rows
 from ..specs import SPECS
 from ..specs.output import scores_from_inputs
-from ..stages import KEYS, QUERIES, STAGES, VALUES
+from ..stages import FLASH_LSE, FLASH_OUTPUT, KEYS, QUERIES, SPLIT_LSE, SPLIT_OUTPUT, STAGES, VALUES
 from ..text import indices
-from .base import MATCH_WIDTHS, maxdiff
+from .base import MATCH_WIDTHS, MIN_SEARCHED_VALUES, maxdiff
 from .inputs import (blank_rows, case_inputs, explains_rows, rebuilder, run_hidden, slope_of, variant_of,
                      variant_tensors, worst_rows)
 
@@ -39,11 +40,11 @@ SOFTMAX_UNNORMALIZED, LSE_SUM_MISSING, LSE_MAX_MISSING = "softmax_unnormalized",
 RUNNING_MAX_ZERO = "running_max_zero"
 CODES = (MASK_AFTER_SOFTMAX, TILE_KEYS_SKIPPED, ONLINE_RESCALE_MISSING, SOFTMAX_UNNORMALIZED, LSE_SUM_MISSING,
          LSE_MAX_MISSING, RUNNING_MAX_ZERO)
-# A stage of fewer values than this (a decode step's lse: one per head) fits some candidate of
-# the many widths by chance: the tiles' bugs are not named on it; nor a key of every tile left out
-# on fewer rows than MIN_ROWS.
-MIN_VALUES = 8
+# A key of every tile left out is not named on fewer rows than this (nor on fewer values than
+# MIN_SEARCHED_VALUES: a search over every tile width).
 MIN_ROWS = 4
+# A split stage's flash stage: what its values are, over the split's keys.
+FLASH_OF = {SPLIT_OUTPUT: FLASH_OUTPUT, SPLIT_LSE: FLASH_LSE}
 MAX_TILE_SEARCHED = 256
 SAMPLED_ROWS = 4
 # What a stage holds, by its table entry's columns: the weights (one per key), one log-sum-exp a
@@ -75,6 +76,13 @@ class _Head:
             return
         self.hidden = run_hidden(ctx, *self.logits.shape)
         self.ok = self.kind == _PROBABILITIES or self.values is not None
+
+    def keys(self, first: int, end: int) -> "_Head":
+        """This head over its keys [first, end) alone (a split of a split-KV run)."""
+        part = copy.copy(self)
+        part.logits, part.hidden = self.logits[:, first:end], self.hidden[:, first:end]
+        part.values = None if self.values is None else self.values[first:end]
+        return part
 
     def from_weights(self, weights: np.ndarray) -> np.ndarray:
         """The stage as the program writes it from these weights (normalized or not)."""
@@ -154,7 +162,7 @@ def _skipped_keys(m: int, tile: int) -> Iterator[Tuple[str, np.ndarray]]:
 def tile_keys(stage, got, want, ctx, width) -> List[Diagnosis]:
     head = _head(stage, got, ctx, width)
     # A few rows (a decode step's one) leave the keys they weigh little free to fit some tiling.
-    if head is None or got.size < MIN_VALUES or got.shape[0] < MIN_ROWS:
+    if head is None or got.size < MIN_SEARCHED_VALUES or got.shape[0] < MIN_ROWS:
         return []
     m = head.logits.shape[1]
     rows = worst_rows(got, want, SAMPLED_ROWS)
@@ -210,8 +218,39 @@ def _online(head: _Head, tile: int, sum_scaled: bool, out_scaled: bool, rows=sli
 
 def online_rescale(stage, got, want, ctx, width) -> List[Diagnosis]:
     head = _head(stage, got, ctx, width)
-    if head is None or head.values is None or head.kind == _PROBABILITIES or got.size < MIN_VALUES:
+    if head is None or head.values is None or head.kind == _PROBABILITIES or got.size < MIN_SEARCHED_VALUES:
         return []
+    found = _online_search(head, got, want)
+    return [_online_diagnosis(stage, *found)] if found else []
+
+
+@np.errstate(all="ignore")  # (a failing split may hold NaN: judged, not warned about)
+def online_rescale_in_splits(stage, got, want, ctx, width) -> List[Diagnosis]:
+    """The online softmax's rescale forgotten inside the splits of a split-KV run: a failing split's
+    rows recomputed over its own keys, its tiles counted from its first key (each split is a loop
+    of its own)."""
+    view, flash = ctx.splits, FLASH_OF.get(stage)
+    if view is None or view.kind != "split" or flash is None or got.size < MIN_SEARCHED_VALUES:
+        return []
+    head = _head(flash, got, ctx, width)
+    if head is None or head.values is None:
+        return []
+    cols = got.shape[1] // max(1, len(view.references))
+    for s, ref in enumerate(view.references):
+        part = slice(s * cols, (s + 1) * cols)
+        if ref.end - ref.first < 2 or maxdiff(got[:, part], want[:, part]) <= MATCH_WIDTHS * head.width:
+            continue  # (a split of one key has no tiles to rescale between; this one is right)
+        found = _online_search(head.keys(ref.first, ref.end), got[:, part], want[:, part])
+        if found:
+            d = _online_diagnosis(stage, *found)
+            d.message += f", in split {s} (keys {ref.first}..{ref.end - 1}, its tiles from its first key)"
+            return [d]
+    return []
+
+
+def _online_search(head: _Head, got, want) -> Optional[Tuple[int, str, bool, bool, float]]:
+    """(tile, what the loop does, sum rescaled, output rescaled, max diff) of the first tiling whose
+    online softmax without a rescale explains got; None where none does."""
     rows = worst_rows(got, want, SAMPLED_ROWS)
     for tile in _widths(head.logits.shape[1]):
         for how, sum_scaled, out_scaled in _LSE_RESCALES if head.kind == _LOG_SUM_EXP else _RESCALES:
@@ -220,11 +259,15 @@ def online_rescale(stage, got, want, ctx, width) -> List[Diagnosis]:
                     continue
                 diff = _matches(got, want, head, _online(head, tile, sum_scaled, out_scaled))
             if diff is not None:
-                return [Diagnosis(ONLINE_RESCALE_MISSING, f"{stage}: the online softmax over key tiles of {tile} "
-                                  f"{how} when a tile raises the row maximum (max diff {diff:.2g})",
-                                  {"tile": tile, "sum_rescaled": sum_scaled, "output_rescaled": out_scaled,
-                                   "max_diff": diff}, 0.93)]
-    return []
+                return tile, how, sum_scaled, out_scaled, diff
+    return None
+
+
+def _online_diagnosis(stage: str, tile: int, how: str, sum_scaled: bool, out_scaled: bool, diff: float) -> Diagnosis:
+    return Diagnosis(ONLINE_RESCALE_MISSING, f"{stage}: the online softmax over key tiles of {tile} {how} when a "
+                     f"tile raises the row maximum (max diff {diff:.2g})",
+                     {"tile": tile, "sum_rescaled": sum_scaled, "output_rescaled": out_scaled, "max_diff": diff},
+                     0.93)
 
 
 # ---- the row sum left out -------------------------------------------------------------------------

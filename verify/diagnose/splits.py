@@ -30,14 +30,13 @@ import numpy as np
 from ..check.diagnosis import Diagnosis
 from ..check.splits import EMPTY_SPLIT, SplitSuspect, combine, row_statistic
 from ..specs import SPECS
-from ..stages import FLASH_LSE, FLASH_OUTPUT, SPLIT_LSE, SPLIT_OUTPUT
 from .base import MATCH_WIDTHS, explains, explains_closely
+from .softmax_loops import FLASH_OF
 
 SPLIT_OVERLAP, SPLIT_GAP, SPLIT_NOT_RESCALED = "split_overlap", "split_gap", "split_not_rescaled"
 SPLIT_EXP2, SPLIT_LEFT_OUT = "split_exp2", "split_left_out"
 CODES = (SPLIT_NOT_RESCALED, SPLIT_EXP2, SPLIT_LEFT_OUT, EMPTY_SPLIT, SPLIT_OVERLAP, SPLIT_GAP)
 MAX_SHIFT = 3  # keys a split boundary is searched off by, either way
-_FLASH_OF = {SPLIT_OUTPUT: FLASH_OUTPUT, SPLIT_LSE: FLASH_LSE}
 
 
 def diagnose(stage: str, got: np.ndarray, want: np.ndarray, view: SplitSuspect, width: float) -> List[Diagnosis]:
@@ -112,7 +111,7 @@ def _boundaries(stage: str, got: np.ndarray, want: np.ndarray, view: SplitSuspec
         r = view.references[t]
         f2, e2 = max(0, r.first + a), min(view.keys, r.end + b)
         cut_t = slice(t * cols, (t + 1) * cols)
-        if explains(got[:, cut_t], view.recompute(_FLASH_OF[stage], f2, e2), want[:, cut_t], width) is not None:
+        if explains(got[:, cut_t], view.recompute(FLASH_OF[stage], f2, e2), want[:, cut_t], width) is not None:
             alike.append(t)
     extra, missed = _outside(first, end, ref.first, ref.end), _outside(ref.first, ref.end, first, end)
     detail = {"split": s, "keys": [ref.first, ref.end], "covered": [first, end], "splits_alike": alike,
@@ -147,7 +146,7 @@ def _shifted_range(stage: str, got: np.ndarray, want: np.ndarray, view: SplitSus
         if f2 >= e2 or (f2, e2) == (first, end) or (f2, e2) in tried:
             continue
         tried.add((f2, e2))
-        diff = explains(got, view.recompute(_FLASH_OF[stage], f2, e2), want, width)
+        diff = explains(got, view.recompute(FLASH_OF[stage], f2, e2), want, width)
         if diff is not None:
             return (f2 - first, e2 - end), diff
     return None

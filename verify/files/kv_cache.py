@@ -16,7 +16,7 @@ Every refusal is one line naming the argument and what is wrong with it.
 from __future__ import annotations
 
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Dict, List, Optional, Tuple
 
 import numpy as np
@@ -112,7 +112,8 @@ class KVCache:
         the step's nq)."""
         queries = [self.nq] * len(lengths) if queries is None else queries
         cu_k = np.concatenate(([0], np.cumsum(lengths, dtype=np.int64))).tolist()
-        return packed_sequences(np.concatenate(([0], np.cumsum(queries, dtype=np.int64))).tolist(), cu_k)
+        packing = packed_sequences(np.concatenate(([0], np.cumsum(queries, dtype=np.int64))).tolist(), cu_k)
+        return replace(packing, from_cache=True)
 
     def table_key(self, b: int, page: int, slot: int) -> int:
         """The key of sequence b that (page, slot) holds (past its keys: -1)."""
