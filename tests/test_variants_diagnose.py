@@ -98,6 +98,18 @@ def test_the_modulo_head_map_is_named_with_the_k_v_head_read(tmp_path, cases):
     assert all("modulo" in d["detail"]["maps"] and "h % Hk" in d["message"] for d in found.values())
 
 
+def test_the_modulo_head_map_is_named_on_the_k_v_heads_gradients(tmp_path, cases):
+    """dK and dV of a K/V head under h % Hk are the sum over the query heads that map sends to it
+    (0, 2, 4 and 1, 3, 5), not over its group (0..2, 3..5): named as the map, with the heads."""
+    report = _check(tmp_path, cases["gqa-backward"], Program("kv_modulo"))[1]
+    sums = [e for e in report["results"] if e["stage"] in ("dK", "dV", "flash_dK", "flash_dV")]
+    assert sums and all(e["status"] == "FAIL" for e in sums)
+    for e in sums:
+        first = e["diagnosis"][0] if e["diagnosis"] else {}
+        assert first.get("code") == "kv_head_map", (e["stage"], e["head"], e["diagnosis"])
+        assert first["detail"]["read_by"] == [e["head"], e["head"] + 2, e["head"] + 4] and "h % Hk" in first["message"]
+
+
 def test_k_v_heads_not_shared_are_named_also_past_the_last_k_v_head(tmp_path, cases):
     """Query head i reads K/V head i, clamped to the last one past it: heads 1 and 2 read K/V head 1."""
     found = _named(_check(tmp_path, cases["gqa-backward"], Program("kv_unshared"))[1], "QK", "kv_head_map", [1, 2])

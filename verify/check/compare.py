@@ -275,7 +275,7 @@ class _HeadChecker:
         if self.packed is not None:
             return self.packed.check(kv_head, lambda run, case, diagnoser: _HeadChecker(
                 run, case, self.opts, diagnoser, slabs=False).check(kv_head), self.diagnoser)
-        group = KVGroup(self.run, kv_head)
+        group = KVGroup(self.run, kv_head, functools.partial(head_inputs, self.run, self.case))
         diagnoser = slab_diagnoser(self.run, self.case, self.diagnoser, lambda run, case, capture: _HeadChecker(
             run, case, self.opts, capture, slabs=False).check(kv_head)) if self.slabs else self.diagnoser
         out: List[HeadResult] = []

@@ -140,10 +140,11 @@ def _plus(total: Optional[np.ndarray], x: np.ndarray) -> np.ndarray:
 
 class KVGroup:
     """One job: K/V head `kv_head` and its query heads. Holds the copies its first query head
-    checked (lent to the others) and the sums of the summed stages."""
+    checked (lent to the others) and the sums of the summed stages. inputs_of_head: any query
+    head's inputs (dO too), for the diagnoses that rebuild a sum over other query heads."""
 
-    def __init__(self, run: RunInfo, kv_head: int) -> None:
-        self.run, self.kv_head = run, kv_head
+    def __init__(self, run: RunInfo, kv_head: int, inputs_of_head: Optional[Callable] = None) -> None:
+        self.run, self.kv_head, self.inputs_of_head = run, kv_head, inputs_of_head
         self.heads = run.dims.query_heads_of(kv_head)
         self.copies: Dict[str, Tuple[HeadResult, Optional[np.ndarray], object]] = {}
         self.sums: Dict[str, GroupSum] = {}
@@ -243,7 +244,7 @@ def _diagnose(group: KVGroup, res: HeadResult, mat, acc: GroupSum, allowed, ref_
         run = group.run
         res.diagnosis = diagnoser(res.stage, mat, acc.want_iso, Suspect(
             run.dims, run.scale, run.causal, group.kv_head, {}, functools.partial(ref_of_head, res.stage),
-            run.flash_tiles, allowed, None, None, group_terms=list(acc.terms), variant=run.variant))
+            run.flash_tiles, allowed, None, group.inputs_of_head, group_terms=list(acc.terms), variant=run.variant))
     for v in res.violations:
         if not any(d.code == v.code for d in res.diagnosis):
             res.diagnosis.append(Diagnosis(v.code, v.message, {"count": v.count}))

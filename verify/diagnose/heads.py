@@ -12,9 +12,11 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple
 import numpy as np
 
 from ..check.diagnosis import Diagnosis, Suspect
-from ..stages import KEYS, KEYS_T, STAGES, VALUES, Dims
+from ..check.reference import reference_chain
+from ..stages import GRAD_OUTPUT, KEYS, KEYS_T, QUERIES, STAGES, VALUES, Dims
+from ..variant import NONE
 from .base import MATCH_WIDTHS, MAX_HEADS_SEARCHED, explains, explains_closely
-from .inputs import alternatives
+from .inputs import alternatives, variant_of
 
 CODES = ("head_permuted", "kv_head_map", "kv_group_not_summed", "kv_group_summed_twice", "operand_head")
 
@@ -160,9 +162,42 @@ def kv_group_sum(stage, got, want, ctx, width) -> List[Diagnosis]:
     return []
 
 
+def kv_group_map(stage, got, want, ctx, width) -> List[Diagnosis]:
+    """dK or dV of a K/V head under the map h % Hk: the sum of the parts of the query heads that map
+    sends to it (each against this K/V head's K and V), not of its group's (h // (H/Hk))."""
+    dims, kv_head = ctx.dims, ctx.head
+    v = variant_of(ctx)
+    if (not ctx.group_terms or ctx.inputs_of_head is None or dims is None or dims.group_size < 2
+            or v.alibi or v.bias != NONE or v.mask != NONE or v.dropout):  # (per-head tensors: not rebuilt here)
+        return []
+    b, j = divmod(kv_head, dims.kv)
+    readers = [b * dims.heads + h for h in range(dims.heads) if h % dims.kv == j]
+    group = list(dims.query_heads_of(kv_head))
+    if readers == group:
+        return []
+    own = _kv_inputs(ctx, kv_head)
+    cand = 0.0
+    for h in readers:
+        x = ctx.inputs_of_head(h)
+        if x.get(GRAD_OUTPUT) is None:
+            return []
+        src = {QUERIES: x[QUERIES], KEYS: own[KEYS], VALUES: own[VALUES], GRAD_OUTPUT: x[GRAD_OUTPUT]}
+        cand = cand + reference_chain(src, ctx.scale, v.causal, [stage], variant=v)[stage]
+    diff = explains_closely(got, np.asarray(cand, np.float64), want, width)
+    if diff is None:
+        return []
+    return [Diagnosis("kv_head_map", f"{stage} K/V head {kv_head} holds the sum over query heads "
+                      f"{', '.join(map(str, readers))}, those the map h % Hk (interleaved) sends to it, instead of "
+                      f"over its group {group[0]}..{group[-1]} (h // (H/Hk) = h // {dims.group_size}) "
+                      f"(max diff {diff:.2g})",
+                      {"kv_head": kv_head, "read_by": readers, "group": group, "maps": ["modulo"], "max_diff": diff},
+                      0.95)]
+
+
 def heads(stage, got, want, ctx, width) -> List[Diagnosis]:
     """Every head mix-up: another K/V head read, another head's result, a group not summed. The K/V
     head read first: where a query's own rows do not matter (a sequence of one key: its output is
     that key's value row) it is also another head's result, and the wrong map is the cause."""
     return (kv_head_map(stage, got, want, ctx, width) or head_permuted(stage, got, want, ctx, width)
-            or kv_group_sum(stage, got, want, ctx, width) or operand_head(stage, got, want, ctx, width))
+            or kv_group_sum(stage, got, want, ctx, width) or kv_group_map(stage, got, want, ctx, width)
+            or operand_head(stage, got, want, ctx, width))
