@@ -203,13 +203,16 @@ def _rounded(x: np.ndarray, fmt: str) -> np.ndarray:
         round_to_format32(x.astype(np.float32), "bf16")
 
 
-def _half_flash_forward(q, k, v, fmt: str, scores_rounded: bool):
+def _half_flash_forward(q, k, v, fmt: str, scores_rounded: bool, before_scale: bool = False):
     """A half flash forward as a kernel computes it (inputs, P and output in the format; the row sum
-    and lse in float32), its score tile kept in the format where scores_rounded."""
+    and lse in float32), its score tile kept in the format where scores_rounded (Q·Kᵀ rounded before
+    the scale where before_scale)."""
     out, lse = [], []
+    scale = np.float32(1 / np.sqrt(q.shape[2]))
     for h in range(q.shape[0]):
-        s = (_rounded(q[h], fmt) @ _rounded(k[h], fmt).T) * np.float32(0.125)
-        s = _rounded(s, fmt) if scores_rounded else s
+        s = _rounded(q[h], fmt) @ _rounded(k[h], fmt).T
+        s = _rounded(s, fmt) * scale if scores_rounded and before_scale else s * scale
+        s = _rounded(s, fmt) if scores_rounded and not before_scale else s
         mx = s.max(axis=1, keepdims=True)
         p = np.exp(s - mx)
         l = p.sum(axis=1, keepdims=True)
@@ -237,6 +240,20 @@ def test_scores_kept_in_the_half_format_are_named(fmt):
     alone = attnstep.check_arrays(q, k, v, {"flash_lse": _half_flash_forward(q, k, v, fmt, True)["flash_lse"]},
                                   precision=fmt)  # (no stage of the format's values to tell it by)
     assert all([d.code for d in r.diagnosis] == ["scores_rounded"] for r in alone.results), alone.results
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp16"])
+def test_scores_rounded_before_a_scale_that_is_no_power_of_two_are_named(fmt):
+    """d = 128: Q·Kᵀ rounded to the format, then scaled by 2^-3.5 (not the same values as the
+    scaled scores rounded)."""
+    rng = np.random.default_rng(6)
+    q = (3 * rng.standard_normal((2, 90, 128))).astype(np.float32)
+    k, v = (rng.standard_normal((2, 110, 128)).astype(np.float32) for _ in range(2))
+    report = attnstep.check_arrays(q, k, v, _half_flash_forward(q, k, v, fmt, True, before_scale=True), precision=fmt)
+    failed = [r for r in report.results if r.status == "FAIL"]
+    assert failed and all([d.code for d in r.diagnosis] == ["scores_rounded"] for r in failed), \
+        [(r.stage, [d.message for d in r.diagnosis]) for r in failed]
+    assert "Q·Kᵀ rounded, then scaled" in failed[0].diagnosis[0].message
 
 
 def test_a_rounding_bf16_program_checked_as_truncating_is_told_to_round():

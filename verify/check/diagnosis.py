@@ -37,6 +37,12 @@ class Diagnosis:
     confidence: float = field(default=0.5, repr=False, compare=False)
 
 
+def equivalent(d: Diagnosis) -> bool:
+    """A causal mask shifted by a few keys (not to the other alignment, a cause of its own), which
+    shows or hides a sequence's keys at its ends as a packed or cached reading does: both are named."""
+    return d.code == "mask_offset" and not d.detail.get("alignment")
+
+
 @dataclass
 class Packing:
     """The packed case a failing sequence belongs to (its stages are checked as a dense case of

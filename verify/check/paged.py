@@ -31,7 +31,7 @@ from ..sequences import Sequences
 from ..stages import KEYS, STAGES, VALUES
 from ..model.rounding import unit_roundoff
 from ..variant import Variant, hidden, modified_scores
-from .diagnosis import SEARCHED_CODES, Diagnosis
+from .diagnosis import SEARCHED_CODES, Diagnosis, equivalent
 from .new_keys import CACHE_WRITE_OFFSET, cache_findings, pool_layout
 from .paged_readings import (CACHE_LENGTH_OFF, NEW_KEYS_UNSEEN, PAGED_PAST_LENGTH, PAGED_PAGE_SHIFT, PAGED_WRONG_PAGE,
                              Reading, readings)
@@ -42,9 +42,6 @@ PAGED_CODES = (PAGED_WRONG_PAGE, PAGED_PAGE_SHIFT, PAGED_PAST_LENGTH, CACHE_LENG
                CACHE_WRITE_OFFSET)
 # The diagnoses of the packed engine that a paging bug may also show as (verify/diagnose/sequences.py).
 PACKED_CODES = ("sequence_leak", "sequence_boundary", "padding_read")
-# A causal mask a few keys off, bottom-right, hides or shows a sequence's last keys, as a length
-# off by one or new keys left unseen do: the readings are searched too, and listed after it.
-ALSO_A_READING = ("mask_offset",)
 # The readings re-checked per kind after the screen.
 MAX_RECHECKED = 16
 # A reading goes to the re-check when its distance to the program's rows is at most this share
@@ -236,7 +233,8 @@ def diagnose_paged(report: Report, kv: KVCache, stages: Dict[str, np.ndarray], r
     sequence whose failure has no other cause, screened (_screened), re-checked in one packed check."""
     failing = sorted({r.sequence for r in report.results if not r.passed and r.sequence is not None})
     other = {r.sequence for r in report.results if not r.passed and decode_stage(r.stage)
-             and any(d.code not in PAGED_CODES + PACKED_CODES + SEARCHED_CODES + ALSO_A_READING for d in r.diagnosis)}
+             and any(d.code not in PAGED_CODES + PACKED_CODES + SEARCHED_CODES and not equivalent(d)
+                     for d in r.diagnosis)}
     screen = Screen.of(report)
     tried = [r for b in failing if b not in other for r in _screened(kv, b, readings(kv, b), stages, screen)]
     if not tried:
@@ -253,6 +251,5 @@ def diagnose_paged(report: Report, kv: KVCache, stages: Dict[str, np.ndarray], r
         for res in report.results:
             if res.sequence == b and not res.passed and (decode_stage(res.stage) or STAGES[res.stage].split):
                 # (a split reads its keys as the whole step does; a mask named first stays first)
-                at = next((i for i, d in enumerate(res.diagnosis) if d.code not in ALSO_A_READING),
-                          len(res.diagnosis))
+                at = next((i for i, d in enumerate(res.diagnosis) if not equivalent(d)), len(res.diagnosis))
                 res.diagnosis[at:at] = found

@@ -36,7 +36,7 @@ from typing import Dict, Iterable, List, Tuple
 
 import numpy as np
 
-from ..check.diagnosis import Diagnosis, Suspect
+from ..check.diagnosis import Diagnosis, Suspect, equivalent
 from ..specs import SPECS
 from ..stages import STAGES
 from ..text import plural
@@ -239,7 +239,7 @@ def diagnose(stage: str, got: np.ndarray, want: np.ndarray, ctx: Suspect) -> Lis
     if sequence_bugs.applies(stage, ctx) and not sequence_bugs.caused_elsewhere(found):
         with np.errstate(all="ignore"):
             sequence_found = sequence_bugs.sequences(stage, got, want, ctx, width)
-        shifts = [d.confidence for d in found if sequence_bugs.equivalent(d)]
+        shifts = [d.confidence for d in found if equivalent(d)]
         for d in sequence_found if shifts else ():
             d.confidence = min(d.confidence, min(shifts) - _AFTER)
         if sequence_found:

@@ -332,37 +332,51 @@ def _from_scores(stage: str) -> bool:
 
 
 def _rounded_scores(stage, got, want, ctx, fmt: str) -> List[Diagnosis]:
-    """scores_rounded: got matches the softmax of the scores rounded to fmt far better than want."""
+    """scores_rounded: got matches the softmax of the scores rounded to fmt far better than want:
+    Q·Kᵀ rounded before the scale, or the scaled scores (one value at a power-of-two scale)."""
     head = ctx.head_ctx
     if not head.raw_inputs:
         return []
     inputs = {**head.variant_tensors(), **{n: round_to_format(x, fmt, NEAREST) for n, x in head.raw_inputs.items()}}
     variant = dict(variant=head.effective_variant, slope=head.slope)
-    s = reference_chain(inputs, head.scale, head.causal, [SCALED_SCORES], **variant)[SCALED_SCORES]
-    s = np.where(np.isfinite(s), round_to_format(s, fmt, NEAREST), s)
-    m = np.max(s, axis=1, keepdims=True)
-    e = np.exp(s - np.where(np.isfinite(m), m, 0.0))
-    l = np.sum(e, axis=1, keepdims=True)
-    if STAGES[stage].cols == "1":  # (the lse: one a row)
-        cand = m + np.log(l)
-    else:  # (as a flash kernel: P rounded to the format for P·V, the sum l of P unrounded)
-        cand = (round_to_format(e, fmt, NEAREST) @ inputs[VALUES]) / l
-    if cand.size != got.size:
-        return []
-    cand = cand.reshape(got.shape)
+    chain = reference_chain(inputs, head.scale, head.causal, [SCORES, SCALED_SCORES], **variant)
+    s = chain[SCALED_SCORES]
+    seen = np.isfinite(s)
+    # (Q·Kᵀ rounded, then scaled: where the variant only hides scores, as the scaled ones are)
+    routes = [("Q·Kᵀ·scale rounded", round_to_format(s, fmt, NEAREST)),
+              ("Q·Kᵀ rounded, then scaled,", round_to_format(chain[SCORES], fmt, NEAREST) * head.scale)]
     # (past the output's own conversion, half a unit: a value near a rounding tie may go either way)
-    own = storage_bound(cand, fmt) if stored_in_format(stage) else 0.0
-    base, gap = _gap(got, want, own), _gap(got, cand, own)
-    if not gap <= FAR_BETTER * base:
+    own = storage_bound(want, fmt) if stored_in_format(stage) else 0.0
+    base = _gap(got, want, own)
+    found = []
+    for words, rounded in routes:
+        cand = _flash_of_scores(stage, np.where(seen, rounded, s), inputs[VALUES], fmt)
+        if cand.size == got.size:
+            gap = _gap(got, cand.reshape(got.shape), own)
+            if gap <= FAR_BETTER * base:
+                found.append((gap, words))
+    if not found:
         return []
+    gap, words = min(found)
     beyond = f" beyond its own conversion to {fmt}" if stored_in_format(stage) else ""
     return [Diagnosis("scores_rounded", f"{stage} follows scores rounded to {fmt} before the softmax: it matches "
-                      f"the softmax of Q·Kᵀ·scale rounded to {fmt} to {gap:.2g}{beyond}, against {base:.2g} for "
+                      f"the softmax of {words} to {fmt} to {gap:.2g}{beyond}, against {base:.2g} for "
                       f"scores kept in float32. The program keeps its score tile in {fmt} (a {fmt} buffer for S, or a "
                       "cast of Q·Kᵀ before the exponent): each score then errs by up to half a unit of "
                       f"{fmt}'s last place, which the exponent turns into the weights' relative error. Keep the "
                       "scores in float32 until P, as FlashAttention does",
                       {"precision": fmt, "max_diff": gap, "float32_diff": base}, CONFIDENCE)]
+
+
+def _flash_of_scores(stage: str, s: np.ndarray, v: np.ndarray, fmt: str) -> np.ndarray:
+    """The flash stage from these scores: the lse, or the output as a flash kernel has it (P rounded
+    to the format for P·V, the sum l of P unrounded)."""
+    m = np.max(s, axis=1, keepdims=True)
+    e = np.exp(s - np.where(np.isfinite(m), m, 0.0))
+    l = np.sum(e, axis=1, keepdims=True)
+    if STAGES[stage].cols == "1":  # (the lse: one a row)
+        return m + np.log(l)
+    return (round_to_format(e, fmt, NEAREST) @ v) / l
 
 
 # The hypotheses a precision mimics: a truncating conversion shrinks every value by about half a

@@ -21,7 +21,7 @@ from typing import Dict, Iterator, List, Optional
 import numpy as np
 
 from ..check import tolerance
-from ..check.diagnosis import Diagnosis, Packing, Suspect
+from ..check.diagnosis import Diagnosis, Packing, Suspect, equivalent
 from ..check.reference import reference_chain
 from ..specs import SPECS
 from ..stages import INPUT_NAMES, STAGES
@@ -30,7 +30,8 @@ from ..variant import UNBOUNDED, Variant
 from .base import MIN_READ_VALUES, explains, width_of
 from .inputs import slope_of, variant_of
 
-CODES = ("sequence_leak", "sequence_boundary", "padding_read")
+PADDING_READ = "padding_read"
+CODES = ("sequence_leak", "sequence_boundary", PADDING_READ)
 # A boundary off by up to this many rows is named (a larger error is another bug, or a leak).
 MAX_BOUNDARY_SHIFT = 3
 # What a sequence that read other rows also looks like (its rows wrong everywhere, which a factor,
@@ -176,7 +177,7 @@ def _padding(seqs, b: int) -> Iterator[Reading]:
         return
     pad = len(slot) - len(used)
     padding = _rows(used.stop, slot.stop)
-    yield Reading("padding_read", f"sequence {b} reads the {plural(pad, 'padding key')} of its slot past seqused_k = "
+    yield Reading(PADDING_READ, f"sequence {b} reads the {plural(pad, 'padding key')} of its slot past seqused_k = "
                   f"{len(used)} ({_own_terms(seqs, b, padding)}; {_packed_rows(padding)}): all {len(slot)} "
                   "keys of the slot attended", [Piece(seqs.q_rows(b), _rows(slot.start, slot.stop))],
                   {"sequence": b, "padding_keys": pad, "key_rows": [slot.start, slot.stop - 1]})
@@ -192,7 +193,7 @@ def _key_boundaries(seqs, b: int, s: int) -> Iterator[Reading]:
         keys = _rows(a, z)
         detail = {"sequence": b, "shift": s, "side": f"keys {side}", "key_rows": [a, z - 1]}
         if side == "end" and s > 0 and z <= slot.stop:
-            yield Reading("padding_read", f"sequence {b} reads {plural(s, 'padding key')} of its slot past seqused_k "
+            yield Reading(PADDING_READ, f"sequence {b} reads {plural(s, 'padding key')} of its slot past seqused_k "
                           f"= {len(used)} ({_own_terms(seqs, b, _rows(hi, z))}; {_packed_rows(_rows(hi, z))}): "
                           f"its keys end {_direction(s)}",
                           [Piece(q, keys)], {**detail, "padding_keys": s})
@@ -298,11 +299,6 @@ def caused_elsewhere(found: List[Diagnosis]) -> bool:
                or (d.code == "scaled" and d.detail.get("names")) for d in found)
 
 
-def equivalent(d: Diagnosis) -> bool:
-    """A causal mask shifted by a few keys (not to the other alignment, a cause of its own)."""
-    return d.code == "mask_offset" and not d.detail.get("alignment")
-
-
 def applies(stage: str, ctx: Suspect) -> bool:
     """A stage of a packed case's query rows, computed from its inputs (not an echo: Q and dO), of
     a query head. Not in a paged case, whose keys are no slots: its readings are the paged ones
@@ -314,9 +310,10 @@ def applies(stage: str, ctx: Suspect) -> bool:
 
 
 def sequences(stage, got, want, ctx, width) -> List[Diagnosis]:
-    """Every reading of the sequence's rows that explains got, the closest first (where the weights
-    are near one-hot, several readings of the keys a row sees give the same rows); not on a stage of
-    one value (a one-query sequence's lse), which some reading fits by chance."""
+    """The first reading of the sequence's rows that explains got and, after it, its padding read
+    where that explains got too (where the weights are near one-hot, reading the padding keys and
+    a broader reading give the same rows); not on a stage of one value (a one-query sequence's lse),
+    which some reading fits by chance."""
     if not applies(stage, ctx) or got.size < MIN_READ_VALUES:
         return []
     packing = ctx.packing
@@ -328,8 +325,8 @@ def sequences(stage, got, want, ctx, width) -> List[Diagnosis]:
     seen = set()
     for reading in readings(seqs, b, variant_of(ctx)):
         same = _what_it_reads(reading)
-        if same in seen:  # (two names for the same keys: the first is listed)
-            continue
+        if same in seen or (found and (reading.code != PADDING_READ or reading.code in {d.code for d in found})):
+            continue  # (two names for the same keys; after a match, only the padding read is tried)
         seen.add(same)
         try:
             cand = _candidate(stage, reading, packing, ctx, got.shape[1])
@@ -338,7 +335,7 @@ def sequences(stage, got, want, ctx, width) -> List[Diagnosis]:
         if cand is None:
             continue
         diff = explains(got, cand, want, width)
-        if diff is not None and reading.code not in {d.code for d in found}:
+        if diff is not None:
             found.append(Diagnosis(reading.code, f"{stage}: {reading.words} (max diff {diff:.2g})",
                                    {**reading.detail, "max_diff": diff}, 0.95))
     return sorted(found, key=lambda d: d.detail["max_diff"])

@@ -230,7 +230,7 @@ def online_rescale_in_splits(stage, got, want, ctx, width) -> List[Diagnosis]:
     rows recomputed over its own keys, its tiles counted from its first key (each split is a loop
     of its own)."""
     view, flash = ctx.splits, FLASH_OF.get(stage)
-    if view is None or view.kind != "split" or flash is None or got.size < MIN_SEARCHED_VALUES:
+    if view is None or view.kind != "split" or flash is None:
         return []
     head = _head(flash, got, ctx, width)
     if head is None or head.values is None:
@@ -238,8 +238,10 @@ def online_rescale_in_splits(stage, got, want, ctx, width) -> List[Diagnosis]:
     cols = got.shape[1] // max(1, len(view.references))
     for s, ref in enumerate(view.references):
         part = slice(s * cols, (s + 1) * cols)
-        if ref.end - ref.first < 2 or maxdiff(got[:, part], want[:, part]) <= MATCH_WIDTHS * head.width:
-            continue  # (a split of one key has no tiles to rescale between; this one is right)
+        if (ref.end - ref.first < 2 or got[:, part].size < MIN_SEARCHED_VALUES
+                or maxdiff(got[:, part], want[:, part]) <= MATCH_WIDTHS * head.width):
+            continue  # (a split of one key has no tiles to rescale between, one of a few values fits
+            # some width by chance; this one is right)
         found = _online_search(head.keys(ref.first, ref.end), got[:, part], want[:, part])
         if found:
             d = _online_diagnosis(stage, *found)

@@ -4,7 +4,8 @@ beside the one the error model follows, P = e/l with l the row's own sum.
 
 Such weights share one factor per row, e^(−Δlse), Δlse the error of the program's float32 lse,
 which no division by the row sum removes: the roundings of values of lse's magnitude (m + log l)
-and of the log, about u·(|m| + |lse|), large where the logits are. Each weight and output of the
+and of the log, about u·(|m| + |lse|), large where the logits are, and the scores the lse came
+from, where the weights' were computed apart (a backward's own GEMM). Each weight and output of the
 row carries that factor, and its row sum is off by it. The check allows the factor as what it is,
 one number per row within the lse's bound: where factor 1 leaves some element outside, the
 comparison is against the reference times the row's fitted factor, where that factor brings every
@@ -17,17 +18,20 @@ from __future__ import annotations
 import numpy as np
 
 from ..model.kernels import kernel_for
-from ..model.rounding import LAMBDA, ROUND_VAR, ULP_IN_U, unit_roundoff
-from .base import HeadContext
-from ..stages import OUTPUT, SCALED_SCORES, WEIGHTS
+from ..model.rounding import LAMBDA, ROUND_VAR, ULP_IN_U, memo, unit_roundoff
+from ..model.softmax import need
+from .base import HeadContext, Problem
+from .scores import scaled_chained
+from ..stages import KEYS, OUTPUT, QUERIES, SCALED_SCORES, WEIGHTS
 
 ROUTED = (WEIGHTS, OUTPUT)
 _U32 = unit_roundoff("fp32")  # the lse is float32 at every precision (docs/contract.md)
 
 
-def factor_bound(ctx: HeadContext) -> np.ndarray:
+def factor_bound(ctx: HeadContext, recomputed: bool = True) -> np.ndarray:
     """|Δlse| that a correct float32 lse of each row may err by (N×1; 0 for a row without keys,
-    or where the head's scores are not at hand)."""
+    or where the head's scores are not at hand); recomputed: against scores computed apart from
+    the lse's own (_scores_shift)."""
     S = ctx.chain.get(SCALED_SCORES)
     if S is None:
         return np.zeros((1, 1))
@@ -43,7 +47,24 @@ def factor_bound(ctx: HeadContext) -> np.ndarray:
     # argument is log l further from 0 than the normalized route's S_j − m.
     var = ROUND_VAR * _U32 * _U32 * ((kernel.log_ulps * ULP_IN_U * log_l) ** 2 + log_l ** 2
                                      + kernel.lse_roundings * magnitude ** 2 / 4)
-    return np.where(seen, LAMBDA * np.sqrt(var), 0.0)
+    shift = _scores_shift(ctx, S, finite, m + log_l) if recomputed else 0.0
+    return np.where(seen, LAMBDA * np.sqrt(var) + shift, 0.0)
+
+
+def _scores_shift(ctx: HeadContext, S: np.ndarray, finite: np.ndarray, lse: np.ndarray) -> np.ndarray:
+    """How far a row's lse may lie from the log-sum-exp of the scores its weights are exponentiated
+    from where the two come from two computations of the scores (a backward recomputing S with a
+    GEMM of its own, against the forward's lse): each within the scores' chained bound b, which
+    moves the log-sum-exp by at most Σ p·b."""
+    if not all(n in ctx.chain for n in (QUERIES, KEYS)):
+        return 0.0
+    problem = Problem.of(ctx.scale, ctx.causal, ctx.chain, ctx.effective_variant, ctx.slope, _U32,
+                         kernel_for(ctx.backend, ctx.math, ctx.flash_kernel, ctx.precision), ctx.cache)
+    b = memo(ctx.cache, "chained " + SCALED_SCORES, need(ctx.chain, SCALED_SCORES, QUERIES, KEYS), problem.key,
+             lambda: scaled_chained(need(ctx.chain, SCALED_SCORES, QUERIES, KEYS), problem))
+    with np.errstate(invalid="ignore", over="ignore"):
+        p = np.where(finite, np.exp(np.where(finite, S, 0.0) - np.where(np.isfinite(lse), lse, 0.0)), 0.0)
+        return 2.0 * np.sum(p * np.where(finite, b, 0.0), axis=1, keepdims=True)
 
 
 def fitted(stage: str, got: np.ndarray, want: np.ndarray, allowed: np.ndarray, ctx: HeadContext,
@@ -52,17 +73,20 @@ def fitted(stage: str, got: np.ndarray, want: np.ndarray, allowed: np.ndarray, c
     brings inside every one with room to spare; want itself elsewhere and for other stages.
 
     c is the row's least-squares factor (each element weighted by its inverse variance,
-    (want/allowed)²), taken where it lies within factor_bound and in the middle half of the interval
-    of factors that fit every element. A correct row's elements err on either side of the factor,
-    so its fit sits near that interval's middle; an element wrong by more than its allowance is one
-    edge of the interval and pulls the fit only by its weight's share, so the fit lies near that
-    edge and the row fails as before. (A median of the row's ratios, the first form, was thrown off
+    (want/allowed)²) moved into the middle half of the interval of factors that fit every element,
+    taken where that move is within FIT_SPREAD of the fit's deviations and c within factor_bound. A
+    correct row's elements err on either side of the factor, so its fit lies near that interval's
+    middle or a few deviations from it; an element wrong by more than its allowance is one edge of
+    the interval and pulls the fit only by its weight's share, so the middle half lies far from
+    the fit and the row fails as before. (A median of the row's ratios, the first form, was thrown off
     at logits of a few hundred, where a few dominant keys' errors move the whole row's ratios
     together.) chained: want is from the inputs, so the output's factor may be the program's own
     weights' (an isolated want, from those weights, has it already)."""
     if stage not in ROUTED or got.shape != want.shape or got.ndim != 2:
         return want
-    bound = factor_bound(ctx)
+    own = _weights_factor(stage, ctx, want.shape[0]) if chained else None
+    # (where the program wrote its weights, its output's factor is theirs: no other scores' shift)
+    bound = factor_bound(ctx, recomputed=own is None)
     if bound.shape[0] != want.shape[0]:
         return want
     allowed = np.broadcast_to(allowed, want.shape)
@@ -71,9 +95,9 @@ def fitted(stage: str, got: np.ndarray, want: np.ndarray, allowed: np.ndarray, c
         if np.all((np.abs(got - want) <= allowed) | ~both):  # (factor 1 explains every row: no fit, no cost)
             return want
         lo, hi = _fitting(got, want, allowed, both)
-        c = _least_squares(got, want, allowed, both & (want != 0))
-        inside = (lo + (hi - lo) / 4 <= c) & (c <= hi - (hi - lo) / 4)
-        own = _weights_factor(stage, ctx, want.shape[0]) if chained else None
+        fit, spread = _least_squares(got, want, allowed, both & (want != 0))
+        c = np.clip(fit, lo + (hi - lo) / 4, hi - (hi - lo) / 4)
+        inside = (lo <= hi) & (np.abs(c - fit) <= FIT_SPREAD * spread)
         if own is not None:  # (the program's own factor, where it fits: no estimate needed)
             fits = (lo <= own) & (own <= hi)
             c, inside = np.where(fits, own, c), inside | fits
@@ -82,10 +106,20 @@ def fitted(stage: str, got: np.ndarray, want: np.ndarray, allowed: np.ndarray, c
 
 
 def _least_squares(got, want, allowed, used):
-    """Each row's c minimising Σ ((got − c·want)/allowed)² over its used elements (NaN where none)."""
+    """Each row's c minimising Σ ((got − c·want)/allowed)² over its used elements, and its standard
+    deviation where each element errs by allowed/LAMBDA (NaN where none is used)."""
     weight = np.where(used, (want / np.maximum(allowed, np.finfo(np.float64).tiny)) ** 2, 0.0)
     ratio = got / np.where(used, want, 1.0)
-    return np.sum(weight * np.where(used, ratio, 0.0), axis=1, keepdims=True) / np.sum(weight, axis=1, keepdims=True)
+    total = np.sum(weight, axis=1, keepdims=True)
+    fit = np.sum(weight * np.where(used, ratio, 0.0), axis=1, keepdims=True) / total
+    return fit, 1.0 / (LAMBDA * np.sqrt(total))
+
+
+# How far the factor taken (the fit moved into the middle half of the fitting interval) may lie from
+# the least-squares fit, in the fit's standard deviations: a correct row's fit lies within a few of
+# the factor; one wrong element makes itself the interval's edge and pulls the fit only by its
+# weight's share, so the middle half lies many deviations away.
+FIT_SPREAD = 2.0
 
 
 def _weights_factor(stage: str, ctx: HeadContext, rows: int):

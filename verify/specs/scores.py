@@ -61,7 +61,8 @@ def _scaled_isolated(src, ref, problem: Problem):
     return np.zeros(ref.shape), np.where(finite, det, 0.0)
 
 
-def _scaled_chained(sources, problem: Problem):
+def scaled_chained(sources, problem: Problem):
+    """QK_scaled's chained bound, from Q and K (also the lse route's bound on the scores)."""
     Q, K = sources[:2]
     S, _, _, _, s_var, s_det = chained_logits(Q, K, *problem.model_args)
     return finish(S, s_var, s_det, abs(problem.scale) * _qk_floor({QUERIES: Q, KEYS: K}) + FLUSH)
@@ -106,7 +107,7 @@ def _mask_check(stage, got, ctx):
 SPECS = (
     StageSpec(SCORES, reference=_qk_reference, isolated=_qk_isolated, floor=_qk_floor,
               quantization=qk_quantization, linear=True, diagnoses=PATTERNS + ("scaled",)),
-    StageSpec(SCALED_SCORES, reference=_scaled_reference, isolated=_scaled_isolated, chained=_scaled_chained,
+    StageSpec(SCALED_SCORES, reference=_scaled_reference, isolated=_scaled_isolated, chained=scaled_chained,
               quantization=_scaled_quantization, invariants=(_mask_check,), masked_value=-np.inf,
               canonical=_scores_canonical,
               scaled=True, linear=True, diagnoses=PATTERNS + ("scaled", "mask"), variant_sources=score_sources),
