@@ -367,3 +367,5 @@ def test_keys_left_out_under_a_causal_mask_are_named_as_the_mask_and_as_the_read
     assert {r.sequence for r in report.results if not r.passed} == {1}
     codes = _codes(report, 1)
     assert codes[0] == "mask_offset" and reading in codes, attnstep.format_report(report)
+    if n_new == 1:  # (one new key, said so)
+        assert "without its new key" in attnstep.format_report(report)

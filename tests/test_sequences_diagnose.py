@@ -205,3 +205,10 @@ def test_a_wrong_scale_in_long_packed_sequences_tries_no_sequence_reading(tmp_pa
     assert {s for _, _, s in codes} == {0, 1, 2}
     assert codes and all(c[:1] == ["scaled"] for c in codes.values()), codes
     assert not sequence_codes(report) and not tried
+
+
+def test_one_padding_key_read_is_said_in_the_singular(tmp_path):
+    shape = dict(seqlens_q=[5, 6], seqlens_k=[6, 4], seqused_k=[5, 4], heads=2, kv_heads=1)
+    report = packed_run(tmp_path, shape, bug="padding_read")
+    assert_named(report, "padding_read")
+    assert "reads the 1 padding key of its slot" in text(report) and "packed key row 5)" in text(report), text(report)

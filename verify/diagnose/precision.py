@@ -23,6 +23,7 @@ from ..check.diagnosis import Diagnosis, Suspect
 from ..check.half_rounding import stored_in_format
 from ..check.reference import compute_stage, reference_chain
 from ..check.results import compare_arrays
+from ..model.attention import log_sum_exp_rows
 from ..model.half import (HALF_FORMATS, NEAREST, TOWARD_ZERO, is_half, round_mantissa32, round_to_format,
                           storage_bound)
 from ..model.rounding import HeadCache
@@ -371,12 +372,11 @@ def _rounded_scores(stage, got, want, ctx, fmt: str) -> List[Diagnosis]:
 def _flash_of_scores(stage: str, s: np.ndarray, v: np.ndarray, fmt: str) -> np.ndarray:
     """The flash stage from these scores: the lse, or the output as a flash kernel has it (P rounded
     to the format for P·V, the sum l of P unrounded)."""
+    if STAGES[stage].cols == "1":  # (the lse: one a row)
+        return log_sum_exp_rows(s)
     m = np.max(s, axis=1, keepdims=True)
     e = np.exp(s - np.where(np.isfinite(m), m, 0.0))
-    l = np.sum(e, axis=1, keepdims=True)
-    if STAGES[stage].cols == "1":  # (the lse: one a row)
-        return m + np.log(l)
-    return (round_to_format(e, fmt, NEAREST) @ v) / l
+    return (round_to_format(e, fmt, NEAREST) @ v) / np.sum(e, axis=1, keepdims=True)
 
 
 # The hypotheses a precision mimics: a truncating conversion shrinks every value by about half a

@@ -38,8 +38,6 @@ MAX_BOUNDARY_SHIFT = 3
 # a tile pattern or a few keys read past the end only approximate): the readings are tried after
 # these, and replace them where one explains got.
 APPROXIMATIONS = ("scaled", "tile_boundary", "unwritten", "keys_past_end", "keys_dropped")
-# A causal mask shifted by a few keys shows or hides a sequence's keys at its ends, as reading its
-# padding keys or a boundary off by a few does: both are named, where both fit (equivalent).
 # The largest dense problem (query rows × keys) a candidate recomputes: the whole packed stream's
 # included, which a program that ignores the packing attends over.
 MAX_CANDIDATE_ENTRIES = 1 << 22
@@ -76,7 +74,7 @@ def _what_it_reads(reading: Reading) -> tuple:
     """The rows a reading computes from which keys, under which variant: readings alike in this are
     one reading under two names."""
     return (reading.variant, reading.shared,
-            tuple((p.q.start, p.q.stop, p.at, tuple(int(k) for k in p.keys)) for p in reading.pieces))
+            tuple((p.q.start, p.q.stop, p.at, np.asarray(p.keys, np.int64).tobytes()) for p in reading.pieces))
 
 
 def _rows(lo: int, hi: int) -> np.ndarray:

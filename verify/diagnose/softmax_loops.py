@@ -26,14 +26,16 @@ from typing import Iterator, List, Optional, Tuple
 import numpy as np
 
 from ..check.diagnosis import ONLINE_RESCALE_MISSING, TILE_KEYS_SKIPPED, Diagnosis, Suspect
+from ..check.splits import FLASH_OF
 from ..model.attention import log_sum_exp_rows, softmax_rows
 from ..specs import SPECS
 from ..specs.output import scores_from_inputs
-from ..stages import FLASH_LSE, FLASH_OUTPUT, KEYS, QUERIES, SPLIT_LSE, SPLIT_OUTPUT, STAGES, VALUES
+from ..stages import KEYS, QUERIES, STAGES, VALUES
 from ..text import indices
 from .base import MATCH_WIDTHS, MIN_SEARCHED_VALUES, maxdiff
 from .inputs import (blank_rows, case_inputs, explains_rows, rebuilder, run_hidden, slope_of, variant_of,
                      variant_tensors, worst_rows)
+from .splits import split_cols
 
 MASK_AFTER_SOFTMAX = "mask_after_softmax"
 SOFTMAX_UNNORMALIZED, LSE_SUM_MISSING, LSE_MAX_MISSING = "softmax_unnormalized", "lse_sum_missing", "lse_max_missing"
@@ -43,8 +45,6 @@ CODES = (MASK_AFTER_SOFTMAX, TILE_KEYS_SKIPPED, ONLINE_RESCALE_MISSING, SOFTMAX_
 # A key of every tile left out is not named on fewer rows than this (nor on fewer values than
 # MIN_SEARCHED_VALUES: a search over every tile width).
 MIN_ROWS = 4
-# A split stage's flash stage: what its values are, over the split's keys.
-FLASH_OF = {SPLIT_OUTPUT: FLASH_OUTPUT, SPLIT_LSE: FLASH_LSE}
 MAX_TILE_SEARCHED = 256
 SAMPLED_ROWS = 4
 # What a stage holds, by its table entry's columns: the weights (one per key), one log-sum-exp a
@@ -235,7 +235,7 @@ def online_rescale_in_splits(stage, got, want, ctx, width) -> List[Diagnosis]:
     head = _head(flash, got, ctx, width)
     if head is None or head.values is None:
         return []
-    cols = got.shape[1] // max(1, len(view.references))
+    cols = split_cols(stage, view, got)
     for s, ref in enumerate(view.references):
         part = slice(s * cols, (s + 1) * cols)
         if (ref.end - ref.first < 2 or got[:, part].size < MIN_SEARCHED_VALUES

@@ -28,10 +28,9 @@ from typing import List, Optional, Tuple
 import numpy as np
 
 from ..check.diagnosis import Diagnosis
-from ..check.splits import EMPTY_SPLIT, SplitSuspect, combine, row_statistic
+from ..check.splits import EMPTY_SPLIT, FLASH_OF, SplitSuspect, combine, row_statistic
 from ..specs import SPECS
 from .base import MATCH_WIDTHS, explains, explains_closely
-from .softmax_loops import FLASH_OF
 
 SPLIT_OVERLAP, SPLIT_GAP, SPLIT_NOT_RESCALED = "split_overlap", "split_gap", "split_not_rescaled"
 SPLIT_EXP2, SPLIT_LEFT_OUT = "split_exp2", "split_left_out"
@@ -49,7 +48,8 @@ def diagnose(stage: str, got: np.ndarray, want: np.ndarray, view: SplitSuspect, 
 
 # ---- a split stage ----------------------------------------------------------------------------
 
-def _cols(stage: str, view: SplitSuspect, got: np.ndarray) -> int:
+def split_cols(stage: str, view: SplitSuspect, got: np.ndarray) -> int:
+    """The columns of one split in a split stage's matrix."""
     return got.shape[1] // max(1, len(view.references))
 
 
@@ -57,7 +57,7 @@ def _empty_in_split(stage: str, got: np.ndarray, want: np.ndarray, view: SplitSu
     """Rows that see no key of a split holding anything but 0 (output) or −inf (lse) there, while
     every entry of a row that sees keys is right (else the keys a row sees are wrong, a mask bug,
     which makes rows without keys hold values too)."""
-    cols = _cols(stage, view, got)
+    cols = split_cols(stage, view, got)
     keyless = np.repeat(np.stack([r.keyless for r in view.references], axis=1), cols, axis=1)
     with np.errstate(invalid="ignore"):
         bad = keyless & ~(got == SPECS[stage].keyless)
@@ -94,7 +94,7 @@ def _shifts() -> List[Tuple[int, int]]:
 
 def _boundaries(stage: str, got: np.ndarray, want: np.ndarray, view: SplitSuspect, width: float) -> List[Diagnosis]:
     """A failing split's boundaries off by a few keys: its check passes over the shifted range."""
-    cols = _cols(stage, view, got)
+    cols = split_cols(stage, view, got)
     failing = _failing_splits(got, want, view, cols)
     if not failing:
         return []

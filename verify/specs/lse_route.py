@@ -60,6 +60,7 @@ def _scores_shift(ctx: HeadContext, S: np.ndarray, finite: np.ndarray, lse: np.n
         return 0.0
     problem = Problem.of(ctx.scale, ctx.causal, ctx.chain, ctx.effective_variant, ctx.slope, _U32,
                          kernel_for(ctx.backend, ctx.math, ctx.flash_kernel, ctx.precision), ctx.cache)
+    # (under the key the check's own chained bound of the scores is kept: computed once a head)
     b = memo(ctx.cache, "chained " + SCALED_SCORES, need(ctx.chain, SCALED_SCORES, QUERIES, KEYS), problem.key,
              lambda: scaled_chained(need(ctx.chain, SCALED_SCORES, QUERIES, KEYS), problem))
     with np.errstate(invalid="ignore", over="ignore"):
@@ -84,15 +85,15 @@ def fitted(stage: str, got: np.ndarray, want: np.ndarray, allowed: np.ndarray, c
     weights' (an isolated want, from those weights, has it already)."""
     if stage not in ROUTED or got.shape != want.shape or got.ndim != 2:
         return want
-    own = _weights_factor(stage, ctx, want.shape[0]) if chained else None
-    # (where the program wrote its weights, its output's factor is theirs: no other scores' shift)
-    bound = factor_bound(ctx, recomputed=own is None)
-    if bound.shape[0] != want.shape[0]:
-        return want
     allowed = np.broadcast_to(allowed, want.shape)
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
         both = np.isfinite(got) & np.isfinite(want)
         if np.all((np.abs(got - want) <= allowed) | ~both):  # (factor 1 explains every row: no fit, no cost)
+            return want
+        own = _weights_factor(stage, ctx, want.shape[0]) if chained else None
+        # (where the program wrote its weights, its output's factor is theirs: no other scores' shift)
+        bound = factor_bound(ctx, recomputed=own is None)
+        if bound.shape[0] != want.shape[0]:
             return want
         lo, hi = _fitting(got, want, allowed, both)
         fit, spread = _least_squares(got, want, allowed, both & (want != 0))

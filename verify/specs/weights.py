@@ -119,13 +119,16 @@ def _row_sums(stage, got, finite, rows_ok, ctx):
     # weights (equal exponentials) round alike: their final roundings add as one (correlated_sum).
     var = (rowsum_rel_var(np.clip(p, 0.0, None), u)[:, 0]
            + SOFTMAX_FINAL_ROUNDINGS * ROUND_VAR * u * u * correlated_sum(p * p, EqualTerms(p.astype(np.float32))))
-    # Weights exponentiated against a float32 lse share its error as a factor of the row: the row
-    # sum is off by it (lse_route).
-    allowed = LAMBDA * np.sqrt(var) + 2 * FLUSH * got.shape[1] + np.expm1(lse_route.factor_bound(ctx))[:, 0]
+    allowed = LAMBDA * np.sqrt(var) + 2 * FLUSH * got.shape[1]
     q = ctx.bounds.invariant_quantum(stage, got, ctx)
     if q is not None:  # the printed resolution of every weight of the row
         allowed = allowed + np.where(finite, q, 0.0).sum(axis=1)
     dev = np.abs(p.sum(axis=1) - 1.0)
+    if not (rows_ok & ~(dev <= allowed)).any():
+        return None
+    # Weights exponentiated against a float32 lse share its error as a factor of the row: the row
+    # sum is off by it (lse_route; its bound, an N×M pass, only where a row is off without it).
+    allowed = allowed + np.expm1(lse_route.factor_bound(ctx))[:, 0]
     bad = rows_ok & ~(dev <= allowed)
     if not bad.any():
         return None
