@@ -75,19 +75,34 @@ def maxdiff(a: np.ndarray, b: np.ndarray) -> float:
     return float(d.max()) if d.size else 0.0
 
 
-def explains(got: np.ndarray, cand: np.ndarray, want: np.ndarray, width: float) -> Optional[float]:
-    """max|got - cand| when cand explains got and is a real alternative to want, else None."""
+def differs(got: np.ndarray, cand: np.ndarray, want: np.ndarray, limit: float, nan_evidence: bool = False) -> bool:
+    """Whether cand differs from want by more than `limit` where it counts as evidence: where got
+    is not NaN, unless the hypothesis itself puts NaN there (nan_evidence: a row's 0/0 it names).
+    Anything computed from a NaN is NaN, so a candidate built from the program's own files, NaN
+    where they are, matches a NaN of got whatever bug it stands for."""
+    if not nan_evidence:
+        seen = ~np.isnan(got)
+        if not seen.all():
+            cand, want = cand[seen], want[seen]
+    return maxdiff(cand, want) > limit
+
+
+def explains(got: np.ndarray, cand: np.ndarray, want: np.ndarray, width: float,
+             nan_evidence: bool = False) -> Optional[float]:
+    """max|got - cand| when cand explains got and is a real alternative to want, else None
+    (nan_evidence: differs())."""
     if cand.shape != got.shape:
         return None
     diff = maxdiff(got, cand)
     if not diff <= MATCH_WIDTHS * width:
         return None
-    if not maxdiff(cand, want) > DISTINCT_WIDTHS * width:
+    if not differs(got, cand, want, DISTINCT_WIDTHS * width, nan_evidence):
         return None
     return diff
 
 
-def explains_closely(got: np.ndarray, cand: np.ndarray, want: np.ndarray, width: float) -> Optional[float]:
+def explains_closely(got: np.ndarray, cand: np.ndarray, want: np.ndarray, width: float,
+                     nan_evidence: bool = False) -> Optional[float]:
     """explains(), where a candidate that reproduces got far more closely than a width is a real
     alternative when it differs from want by DISTINCT_WIDTHS times that closeness: a bound much
     wider than the program's own error (a gradient's through a softcap) otherwise hides a bug
@@ -100,7 +115,7 @@ def explains_closely(got: np.ndarray, cand: np.ndarray, want: np.ndarray, width:
         return None
     close = max(diff, float(np.max(np.abs(want[np.isfinite(want)]), initial=0.0)) * 2.0**-20)
     # (min(width, close) ≤ width: every candidate explains() takes is taken)
-    return diff if maxdiff(cand, want) > DISTINCT_WIDTHS * min(width, close) else None
+    return diff if differs(got, cand, want, DISTINCT_WIDTHS * min(width, close), nan_evidence) else None
 
 
 def loc(idx) -> str:

@@ -8,7 +8,7 @@ look at where got and want differ. No hypothesis fires on a correct or merely no
 candidate must explain got within a few tolerance widths AND differ from want by far more.
 
 Codes (stable; the report's `diagnosis`; docs/contract.md says each in a user's words): nonfinite,
-unwritten, overflow, transposed, layout, scaled, softmax_axis, keys_past_end, keys_dropped,
+empty_rows_nan, unwritten, overflow, transposed, layout, scaled, softmax_axis, keys_past_end, keys_dropped,
 tile_boundary, lse_log2; the softmax loops' mask_after_softmax, tile_keys_skipped,
 online_rescale_missing, softmax_unnormalized, lse_sum_missing, lse_max_missing, running_max_zero
 (verify/diagnose/softmax_loops.py); the heads' head_permuted, kv_head_map,
@@ -39,7 +39,7 @@ import numpy as np
 from ..check.diagnosis import Diagnosis, Suspect, equivalent
 from ..specs import SPECS
 from ..stages import STAGES
-from ..text import plural
+from ..text import indices, plural
 from . import backward as backward_bugs
 from . import heads as head_bugs, masks as mask_bugs
 from . import precision as precision_bugs
@@ -56,6 +56,9 @@ from .regions import tile_boundary as _tile_boundary
 
 __all__ = ["Diagnosis", "Suspect", "diagnose"]
 
+# Rows that see no key computed as 0/0 (the code is the spec's: verify/specs/copies.py).
+EMPTY_ROWS_NAN = "empty_rows_nan"
+
 
 # ---------------------------------------------------------------------------------------------
 # Hypotheses
@@ -70,6 +73,26 @@ def _nonfinite(stage, got, want, ctx, width) -> List[Diagnosis]:
     return [Diagnosis("nonfinite", f"{stage} has {n_nan} NaN and {n_inf} Inf where the reference is "
                       f"finite; first at {loc(first)} = {float(got[first])}",
                       {"nan": n_nan, "inf": n_inf, "count": int(bad.sum()), "first": list(first)}, 0.95)]
+
+
+def _empty_rows_nan(stage, got, want, ctx, width) -> List[Diagnosis]:
+    """NaN in exactly the query rows that see no key (the reference's rows of 0, or of −inf in the
+    lse): a softmax with no guard for a row whose every score is masked, where exp(s − max) is
+    exp(−inf − (−inf)) and the row's sum 0."""
+    if STAGES[stage].rows != "N" or got.ndim != 2:
+        return []
+    empty = ((want == 0) | np.isneginf(want)).all(axis=1)
+    nan_rows = np.isnan(got).all(axis=1)
+    wrong = (~np.isfinite(got) & ~(got == want)).any(axis=1)
+    if not empty.any() or not (nan_rows == empty).all() or not (wrong <= empty).all():
+        return []
+    rows = np.flatnonzero(empty)
+    which = (f"rows {rows[0]}..{rows[-1]}" if rows[-1] - rows[0] + 1 == len(rows) else
+             f"{'row' if len(rows) == 1 else 'rows'} {indices(rows)}")
+    held = "-inf" if np.isneginf(want[rows]).all() else "0"
+    return [Diagnosis(EMPTY_ROWS_NAN, f"{stage}: the {plural(len(rows), 'row')} that see{'s' if len(rows) == 1 else ''} "
+                      f"no key ({which}) hold NaN, the 0/0 of a softmax whose every score is masked; such a row "
+                      f"holds {held} (guard the row maximum and the sum where every key is masked)", {"rows": len(rows)}, 0.96)]
 
 
 def _unwritten(stage, got, want, ctx, width) -> List[Diagnosis]:
@@ -89,9 +112,9 @@ def _unwritten(stage, got, want, ctx, width) -> List[Diagnosis]:
     region = got[r0:r1 + 1, c0:c1 + 1]
     kinds = [k for k, m in (("NaN", np.isnan(region)), ("zeros", region == 0),
                             ("poison", np.isin(region, POISON_VALUES))) if m.any()]
-    whole = "whole matrix" if (r1 - r0 + 1, c1 - c0 + 1) == got.shape else \
-        f"rows {r0}..{r1}, cols {c0}..{c1}"
-    return [Diagnosis("unwritten", f"{stage}: {whole} hold {'/'.join(kinds)} where the reference "
+    whole = "whole matrix holds" if (r1 - r0 + 1, c1 - c0 + 1) == got.shape else \
+        f"rows {r0}..{r1}, cols {c0}..{c1} hold"
+    return [Diagnosis("unwritten", f"{stage}: {whole} {'/'.join(kinds)} where the reference "
                       f"holds other values: never written ({plural(int(suspect.sum()), 'entry', 'entries')})",
                       {"rows": [r0, r1], "cols": [c0, c1], "values": kinds,
                        "count": int(suspect.sum())}, 0.9)]
@@ -171,12 +194,13 @@ def _lse_log2(stage, got, want, ctx, width) -> List[Diagnosis]:
 
 
 # Bugs that leave whole rows or columns empty or renormalized, explaining every element.
-_EMPTIES_LINES = {"softmax_axis", loop_bugs.RUNNING_MAX_ZERO, *mask_bugs.CODES}
+_EMPTIES_LINES = {"softmax_axis", EMPTY_ROWS_NAN, loop_bugs.RUNNING_MAX_ZERO, *mask_bugs.CODES}
 
 # Each stage's spec (verify/specs/) names the hypotheses that apply to it. "head_permuted" is every
 # head mix-up (verify/diagnose/heads.py: a GQA query head reading another K/V head, a K/V group
 # not summed), "mask" every wrong mask (verify/diagnose/masks.py).
-_HYPOTHESES = {"nonfinite": _nonfinite, "unwritten": _unwritten, "transposed": _transposed, "layout": _layout,
+_HYPOTHESES = {"nonfinite": _nonfinite, EMPTY_ROWS_NAN: _empty_rows_nan, "unwritten": _unwritten,
+               "transposed": _transposed, "layout": _layout,
                "scaled": scaled, "softmax_axis": softmax_axis, "head_permuted": head_bugs.heads, "mask": mask_bugs.mask,
                "tile_boundary": _tile_boundary, "lse_log2": _lse_log2, "keys": _keys, "overflow": _overflow,
                **loop_bugs.HYPOTHESES, **backward_bugs.HYPOTHESES}

@@ -28,7 +28,7 @@ from ..stages import BIAS_INPUT, DROPOUT_MASK, INPUT_NAMES, KEYS, MASK_INPUT, QU
 from ..text import plural
 from ..variant import TOP_LEFT, Variant
 from .base import (DISTINCT_WIDTHS, KEY_TILES, LOG_FLOAT32_MAX, MATCH_WIDTHS, MAX_RUN_KEY_TILE, MIN_KEY_TILE,
-                   OVERFLOW_SLACK, maxdiff, width_of)
+                   OVERFLOW_SLACK, differs, maxdiff, width_of)
 
 Tensors = Dict[str, np.ndarray]
 # (Q, K, V with the head's variant tensors), masked (None: the variant's own), variant, slope -> the stage
@@ -158,13 +158,16 @@ def alternatives(stage: str, ctx: Suspect, width: float, variant: Optional[Varia
 
 
 def explains_rows(got: np.ndarray, cand: np.ndarray, want: np.ndarray, width: float,
-                  judged: np.ndarray) -> Optional[float]:
+                  judged: np.ndarray, nan_evidence: bool = False) -> Optional[float]:
     """max|got - cand| over the judged rows when cand explains them and differs from want there by
-    far more than rounding, else None. At least half of the rows must be judged."""
+    far more than rounding (where it counts: differs()), else None. At least half of the rows
+    must be judged."""
     if cand.shape != got.shape or judged.sum() < max(1, got.shape[0] / 2):
         return None
     diff = maxdiff(got[judged], cand[judged])
-    if not diff <= MATCH_WIDTHS * width or not maxdiff(cand[judged], want[judged]) > DISTINCT_WIDTHS * width:
+    if not diff <= MATCH_WIDTHS * width:
+        return None
+    if not differs(got[judged], cand[judged], want[judged], DISTINCT_WIDTHS * width, nan_evidence):
         return None
     return diff
 

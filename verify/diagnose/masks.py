@@ -78,7 +78,7 @@ def _explains_empty_rows(got, cand, want, width, hidden) -> Optional[float]:
     if diff is not None or not empty.any() or cand.shape[0] != empty.shape[0]:
         return diff
     for fill in (np.nan, 0.0):
-        diff = explains_closely(got, np.where(empty[:, None], fill, cand), want, width)
+        diff = explains_closely(got, np.where(empty[:, None], fill, cand), want, width, nan_evidence=True)
         if diff is not None:
             return diff
     return None

@@ -327,7 +327,8 @@ def normalization(stage, got, want, ctx, width) -> List[Diagnosis]:
             if not empty.any():
                 continue
             for fill in ((np.nan, 0.0) if head.kind != _LOG_SUM_EXP else (-np.inf, np.inf)):  # (+inf: guarded)
-                diff = explains_rows(got, np.where(empty[:, None], fill, cand), want, head.width, every)
+                diff = explains_rows(got, np.where(empty[:, None], fill, cand), want, head.width, every,
+                                     nan_evidence=True)
                 if diff is not None:
                     rows = f"{'row' if empty.sum() == 1 else 'rows'} {indices(np.flatnonzero(empty))}"
                     return [Diagnosis(RUNNING_MAX_ZERO, f"{stage}: the row maximum starts at 0, not -inf: in {rows}, "

@@ -195,7 +195,7 @@ def _explains(got, cand, want, width) -> Optional[float]:
     """explains_closely(), with NaN where the candidate has it matching NaN: a combine's candidate
     is computed from the program's own splits, so a bug's reading reproduces got to its rounding,
     however small the bug's effect against the bound (a left-out split of one key)."""
-    return explains_closely(got, cand, want, width) if cand is not None else None
+    return explains_closely(got, cand, want, width, nan_evidence=True) if cand is not None else None
 
 
 def _empty_candidates(stage: str, lse_s: np.ndarray, out_s: Optional[np.ndarray], empty: np.ndarray):

@@ -15,7 +15,7 @@ from ..stages import CASE_INPUTS, KEYS_T, STAGES
 from .base import (ECHO_MISMATCH, NOT_TRANSPOSE, HeadContext, Problem, StageSpec, Violation, bitwise_equal,
                    nonfinite, violation)
 
-PATTERNS = ("nonfinite", "unwritten", "transposed", "layout", "head_permuted", "tile_boundary")
+PATTERNS = ("nonfinite", "empty_rows_nan", "unwritten", "transposed", "layout", "head_permuted", "tile_boundary")
 
 
 def _echo_check(stage: str, got: np.ndarray, ctx: HeadContext) -> List[Violation]:
