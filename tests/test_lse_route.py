@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from helpers.cli import invoke
+from helpers.foreign_routes import apply_mask, flash_forward, mm_blas
 from verify.stages import default_scale
 
 f32 = np.float32
@@ -44,21 +45,42 @@ def lse_program(case, out, heads: int, causal: bool, bug=None):
     return out
 
 
-def recomputed_program(case, out, heads: int):
+def recomputed_program(case, out, heads: int, written: str = "first", window=None):
     """A forward's float32 lse from its scores, and the weights exponentiated against it from the
     scores computed again in another summation order (as a backward recomputes them with a GEMM of
-    its own): its own file names, the first scores written."""
+    its own): its own file names, the first scores written, or (written="again") those the weights
+    come from, as a backward that writes what it computed; window: a left window under the causal
+    mask aligned bottom-right (few keys a row: one often dominates)."""
     out.mkdir(parents=True, exist_ok=True)
     for i in range(heads):
         q, k = (np.load(case / f"{n}_head_{i}.npy").astype(f32) for n in "QK")
         scale = f32(default_scale(q.shape[1]))
         s = (q @ k.T) * scale
+        again = (q[:, ::-1] @ np.ascontiguousarray(k[:, ::-1]).T) * scale
+        if window is not None:
+            j = np.arange(k.shape[0])[None, :] - np.arange(q.shape[0])[:, None] - (k.shape[0] - q.shape[0])
+            s[(j > 0) | (j < -window)] = again[(j > 0) | (j < -window)] = -np.inf
         m = s.max(axis=1, keepdims=True)
         lse = m + np.log(np.exp(s - m).sum(axis=1, keepdims=True))
-        again = (q[:, ::-1] @ np.ascontiguousarray(k[:, ::-1]).T) * scale
-        np.save(out / f"S_{i}.npy", s)
+        np.save(out / f"S_{i}.npy", again if written == "again" else s)
         np.save(out / f"L_{i}.npy", lse)
         np.save(out / f"P_{i}.npy", np.exp(again - lse))
+    return out
+
+
+def flash_backward_weights(case, out, heads: int, window=None):
+    """A tiled online-softmax forward's output and float32 lse (key tiles of 48, causal aligned
+    bottom-right), and the weights a backward recomputes from them with a GEMM of its own,
+    exp(S − lse): its scores and weights written, as a FlashAttention-2 backward that writes what it
+    computed."""
+    out.mkdir(parents=True, exist_ok=True)
+    for i in range(heads):
+        q, k, v = (np.load(case / f"{n}_head_{i}.npy").astype(f32) for n in "QKV")
+        scale, offset = f32(default_scale(q.shape[1])), k.shape[0] - q.shape[0]
+        o, lse = flash_forward(q, k, v, scale, True, 48, False, mask_offset=offset, window=window)
+        s = apply_mask(mm_blas(q, k.T) * scale, True, 0, offset, window)
+        for name, x in (("O", o), ("L", lse), ("S", s), ("P", np.exp(s - lse))):
+            np.save(out / f"{name}_{i}.npy", x)
     return out
 
 
@@ -129,7 +151,7 @@ def _factor_row(monkeypatch, rows=200, d=64, seed=0):
 def test_a_rows_factor_is_fitted_where_its_elements_err_either_side(monkeypatch):
     lse_route, got, want, allowed, _ = _factor_row(monkeypatch)
     assert np.any(np.abs(got - want) > allowed, axis=1).all()
-    fitted = lse_route.fitted("output", got, want, allowed, None)
+    fitted, _ = lse_route.fitted("output", got, want, allowed, None)
     assert np.all(np.abs(got - fitted) <= allowed)
 
 
@@ -142,7 +164,7 @@ def test_an_element_just_past_its_allowance_is_not_fitted_away(monkeypatch):
     got[rows, col] = (1 + 20 * sigma) * want[rows, col] + 7 * sigma * np.sign(want[rows, col])
     lo, hi = lse_route._fitting(got, want, allowed, np.ones(got.shape, bool))
     assert np.mean(lo <= hi) > 0.5  # (a factor fits most of these rows: the fit must not take it)
-    fitted = lse_route.fitted("output", got, want, allowed, None)
+    fitted, _ = lse_route.fitted("output", got, want, allowed, None)
     assert np.all(np.abs(got - fitted)[rows, col] > allowed[rows, col])
 
 
@@ -207,4 +229,24 @@ def test_weights_from_scores_computed_apart_from_the_lse_pass(tmp_path, seed):
     out = recomputed_program(case, tmp_path / "out", 4)
     r = invoke("check", "--in", case, "--out", out, "--name", "QK_scaled=S_{i}.npy", "--name", "flash_lse=L_{i}.npy",
                "--name", "attention_weights=P_{i}.npy")
+    assert r.exit_code == 0, r.output
+
+
+@pytest.mark.parametrize("seed", [2, 5, 9])
+def test_a_flash_backwards_recomputed_weights_pass(tmp_path, seed):
+    """Logits of tens under a window of 25 keys (one key often dominates a row): the weights a
+    backward exponentiates against the forward's tiled lse, from scores of its own GEMM, which it
+    writes. Against those scores each weight errs by its own subtraction S_j − lse; against the
+    inputs, by its score's whole error, which the lse (from the forward's scores) does not share."""
+    r = invoke("generate", "--out", tmp_path / "in", "--heads", 4, "--seq-q", 33, "--seq-k", 177, "--d-k", 64,
+               "--d-v", 64, "--seed", seed, "--dist", "normal", "--format", "npy", "--causal", "bottom-right",
+               "--window", "25,0")
+    assert r.exit_code == 0, r.output
+    case = tmp_path / "in"
+    for i in range(4):  # (the user's own inputs: five times the generator's, logits of tens)
+        for n in "QKV":
+            np.save(case / f"{n}_head_{i}.npy", np.load(case / f"{n}_head_{i}.npy") * f32(5))
+    out = flash_backward_weights(case, tmp_path / "out", 4, window=25)
+    r = invoke("check", "--in", case, "--out", out, "--name", "QK_scaled=S_{i}.npy", "--name", "flash_lse=L_{i}.npy",
+               "--name", "attention_weights=P_{i}.npy", "--name", "flash_output=O_{i}.npy")
     assert r.exit_code == 0, r.output

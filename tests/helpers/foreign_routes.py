@@ -75,15 +75,17 @@ OUTPUT_ROUTES = ("blas", "f64", "reverse")
 # ---- masking -----------------------------------------------------------------------------------
 
 
-def masked_where(n: int, m: int, col0: int = 0, offset: int = 0) -> np.ndarray:
-    """True where key col0 + c is hidden from query r: top-left aligned, c > r + offset."""
-    return (col0 + np.arange(m))[None, :] > np.arange(n)[:, None] + offset
+def masked_where(n: int, m: int, col0: int = 0, offset: int = 0, window: Optional[int] = None) -> np.ndarray:
+    """True where key col0 + c is hidden from query r: top-left aligned, c > r + offset (and, with
+    a left window, c < r + offset − window)."""
+    j = (col0 + np.arange(m))[None, :] - np.arange(n)[:, None] - offset
+    return (j > 0) | (j < -window) if window is not None else j > 0
 
 
-def apply_mask(s: np.ndarray, causal: bool, col0: int = 0, offset: int = 0) -> np.ndarray:
+def apply_mask(s: np.ndarray, causal: bool, col0: int = 0, offset: int = 0, window: Optional[int] = None) -> np.ndarray:
     if not causal:
         return s
-    return np.where(masked_where(*s.shape, col0, offset), f32(-np.inf), s).astype(f32)
+    return np.where(masked_where(*s.shape, col0, offset, window), f32(-np.inf), s).astype(f32)
 
 
 # ---- QK_scaled ---------------------------------------------------------------------------------
@@ -175,7 +177,7 @@ def softmax_columns(s: np.ndarray) -> np.ndarray:
 
 
 def flash_forward(q, k, v, scale: float, causal: bool, block: int, use_exp2: bool,
-                  mask_offset: int = 0) -> Tuple[np.ndarray, np.ndarray]:
+                  mask_offset: int = 0, window: Optional[int] = None) -> Tuple[np.ndarray, np.ndarray]:
     """Tiled online-softmax forward over key tiles of width `block`, all in float32.
     Returns (output N×d_v, natural-log lse N×1). exp2: log2(e) folded into the score scale."""
     q, k, v = q.astype(f32), k.astype(f32), v.astype(f32)
@@ -186,10 +188,11 @@ def flash_forward(q, k, v, scale: float, causal: bool, block: int, use_exp2: boo
     l = np.zeros((n, 1), f32)
     o = np.zeros((n, v.shape[1]), f32)
     for c0 in range(0, k.shape[0], block):
-        s = apply_mask(mm_blas(q, k[c0:c0 + block].T) * factor, causal, c0, mask_offset)
+        s = apply_mask(mm_blas(q, k[c0:c0 + block].T) * factor, causal, c0, mask_offset, window)
         m_new = np.maximum(m, _row_max(s))
-        p = expf(s - m_new)
-        alpha = expf(m - m_new)
+        safe = np.where(np.isneginf(m_new), f32(0), m_new)  # (a row that has seen no key yet: a window)
+        p = expf(s - safe)
+        alpha = expf(m - safe)
         l = alpha * l + p.sum(axis=1, keepdims=True)
         o = alpha * o + mm_blas(p, v[c0:c0 + block])
         m = m_new

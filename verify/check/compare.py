@@ -198,7 +198,7 @@ def _compare(res: HeadResult, ctx: HeadContext, results: Dict[str, HeadResult], 
     model_chain = allowed(stage, src_chain, want_chain, ctx, override, chained=True)
     allowed_chain = with_quantum(model_chain, quantum)
     if override is None:  # (a float32 lse: a row factor; a tolerance the user gives is taken as it is)
-        want_chain = lse_route.fitted(stage, mat, want_chain, allowed_chain, ctx, chained=True)
+        want_chain, allowed_chain = lse_route.fitted(stage, mat, want_chain, allowed_chain, ctx, chained=True)
     res.chained = compare_arrays(mat, want_chain, allowed_chain, opts.allow_nonfinite)
     res.half_values = half_values(mat, want_chain, run.precision)
     res.print_limited = print_limited(quantum, model_chain, want_chain)
@@ -215,7 +215,7 @@ def _compare(res: HeadResult, ctx: HeadContext, results: Dict[str, HeadResult], 
     propagated = quantization(stage, src_iso, q_iso, ctx) if override is None else None
     allowed_iso = with_quantum(allowed(stage, src_iso, want_iso, ctx, override), quantum, propagated)
     if override is None:
-        want_iso = lse_route.fitted(stage, mat, want_iso, allowed_iso, ctx)
+        want_iso, allowed_iso = lse_route.fitted(stage, mat, want_iso, allowed_iso, ctx)
     res.isolated = compare_arrays(mat, want_iso, allowed_iso, nan_agrees=True)
     if not q_iso and all(src_iso[n] is ctx.chain.get(n) for n in names):
         # None of its sources is the program's: the isolated bound would take them as exact and count

@@ -32,15 +32,10 @@ def factor_bound(ctx: HeadContext, recomputed: bool = True) -> np.ndarray:
     """|Δlse| that a correct float32 lse of each row may err by (N×1; 0 for a row without keys,
     or where the head's scores are not at hand); recomputed: against scores computed apart from
     the lse's own (_scores_shift)."""
-    S = ctx.chain.get(SCALED_SCORES)
-    if S is None:
+    rows = _row_lse(ctx)
+    if rows is None:
         return np.zeros((1, 1))
-    S = np.asarray(S, dtype=np.float64)
-    finite = np.isfinite(S)
-    seen = finite.any(axis=1, keepdims=True)
-    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
-        m = np.where(seen, np.max(np.where(finite, S, -np.inf), axis=1, keepdims=True), 0.0)
-        log_l = np.where(seen, np.log(np.sum(np.where(finite, np.exp(S - m), 0.0), axis=1, keepdims=True)), 0.0)
+    S, finite, seen, m, log_l = rows
     kernel = kernel_for(ctx.backend, ctx.math, ctx.flash_kernel, ctx.precision)
     magnitude = np.abs(m) + np.abs(m + log_l)
     # The roundings of lse's magnitude and of log l, and each exponent's S_j − lse rounding, whose
@@ -51,27 +46,78 @@ def factor_bound(ctx: HeadContext, recomputed: bool = True) -> np.ndarray:
     return np.where(seen, LAMBDA * np.sqrt(var) + shift, 0.0)
 
 
+def _row_lse(ctx: HeadContext):
+    """The head's scaled scores, where they are finite, the rows that see a key, and each row's
+    max m and log l (lse = m + log l); None where the scores are not at hand."""
+    S = ctx.chain.get(SCALED_SCORES)
+    if S is None:
+        return None
+    S = np.asarray(S, dtype=np.float64)
+    finite = np.isfinite(S)
+    seen = finite.any(axis=1, keepdims=True)
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        m = np.where(seen, np.max(np.where(finite, S, -np.inf), axis=1, keepdims=True), 0.0)
+        log_l = np.where(seen, np.log(np.sum(np.where(finite, np.exp(S - m), 0.0), axis=1, keepdims=True)), 0.0)
+    return S, finite, seen, m, log_l
+
+
 def _scores_shift(ctx: HeadContext, S: np.ndarray, finite: np.ndarray, lse: np.ndarray) -> np.ndarray:
     """How far a row's lse may lie from the log-sum-exp of the scores its weights are exponentiated
     from where the two come from two computations of the scores (a backward recomputing S with a
     GEMM of its own, against the forward's lse): each within the scores' chained bound b, which
     moves the log-sum-exp by at most Σ p·b."""
-    if not all(n in ctx.chain for n in (QUERIES, KEYS)):
+    b = _scores_bound(ctx)
+    if b is None:
         return 0.0
-    problem = Problem.of(ctx.scale, ctx.causal, ctx.chain, ctx.effective_variant, ctx.slope, _U32,
-                         kernel_for(ctx.backend, ctx.math, ctx.flash_kernel, ctx.precision), ctx.cache)
-    # (under the key the check's own chained bound of the scores is kept: computed once a head)
-    b = memo(ctx.cache, "chained " + SCALED_SCORES, need(ctx.chain, SCALED_SCORES, QUERIES, KEYS), problem.key,
-             lambda: scaled_chained(need(ctx.chain, SCALED_SCORES, QUERIES, KEYS), problem))
     with np.errstate(invalid="ignore", over="ignore"):
         p = np.where(finite, np.exp(np.where(finite, S, 0.0) - np.where(np.isfinite(lse), lse, 0.0)), 0.0)
         return 2.0 * np.sum(p * np.where(finite, b, 0.0), axis=1, keepdims=True)
 
 
+def _scores_bound(ctx: HeadContext):
+    """The scaled scores' chained bound b (N×M), None without the head's Q and K."""
+    if not all(n in ctx.chain for n in (QUERIES, KEYS)):
+        return None
+    problem = Problem.of(ctx.scale, ctx.causal, ctx.chain, ctx.effective_variant, ctx.slope, _U32,
+                         kernel_for(ctx.backend, ctx.math, ctx.flash_kernel, ctx.precision), ctx.cache)
+    # (under the key the check's own chained bound of the scores is kept: computed once a head)
+    return memo(ctx.cache, "chained " + SCALED_SCORES, need(ctx.chain, SCALED_SCORES, QUERIES, KEYS), problem.key,
+                lambda: scaled_chained(need(ctx.chain, SCALED_SCORES, QUERIES, KEYS), problem))
+
+
+def _own_terms(stage: str, want: np.ndarray, ctx: HeadContext, chained: bool):
+    """What each weight exponentiated against the lse, exp(S_j − lse), errs by on its own, beside
+    the row's factor (0 for other stages):
+    - isolated (from the program's own scores): its float32 subtraction S_j − lse, at most
+      u·|S_j − lse|, which moves exp by that relative amount; the isolated bound models the
+      normalized route's S_j − m exactly (known bits), which says nothing of S_j − lse;
+    - chained (from the inputs), where the program wrote the scores it exponentiated: the part of
+      each score's own error that the normalized route's bound leaves out, p_j·δ_j (relative), δ_j
+      = S_j − the reference's as those scores show it. That route's e_j/l errs by
+      (1 − p_j)·δ_j − Σ_k≠j p_k·δ_k, cancelling most of a dominant weight's; exp(S_j − lse) with
+      the scores computed apart from the lse's (a backward's own GEMM) errs by δ_j − Δlse, whose
+      common part is the factor. (Their error as written, not its bound: the QK_scaled check holds
+      δ to that bound, and a weight wrong by more than that still fails here.)"""
+    rows = _row_lse(ctx) if stage == WEIGHTS else None
+    if rows is None or rows[0].shape != want.shape:
+        return 0.0
+    S, finite, _, m, log_l = rows
+    with np.errstate(invalid="ignore", over="ignore"):
+        if not chained:
+            return np.where(finite, np.abs(want) * _U32 * np.abs(np.where(finite, S, 0.0) - (m + log_l)), 0.0)
+        own = np.asarray(ctx.got[SCALED_SCORES], np.float64) if SCALED_SCORES in ctx.got else None
+        if own is None or own.shape != S.shape:
+            return 0.0
+        both = finite & np.isfinite(own)
+        return np.where(both, want * want * np.abs(np.expm1(np.where(both, own - S, 0.0))), 0.0)
+
+
 def fitted(stage: str, got: np.ndarray, want: np.ndarray, allowed: np.ndarray, ctx: HeadContext,
-           chained: bool = False) -> np.ndarray:
-    """want, times a factor c in each row that c = 1 leaves outside some element's allowance and c
-    brings inside every one with room to spare; want itself elsewhere and for other stages.
+           chained: bool = False):
+    """(want, times a factor c in each row that c = 1 leaves outside some element's allowance and
+    c brings inside every one with room to spare, want itself elsewhere and for other stages; the
+    allowance, with each weight's own error beside the factor added in the rows c = 1 leaves
+    outside: _own_terms).
 
     c is the row's least-squares factor (each element weighted by its inverse variance,
     (want/allowed)²) moved into the middle half of the interval of factors that fit every element,
@@ -84,26 +130,28 @@ def fitted(stage: str, got: np.ndarray, want: np.ndarray, allowed: np.ndarray, c
     together.) chained: want is from the inputs, so the output's factor may be the program's own
     weights' (an isolated want, from those weights, has it already)."""
     if stage not in ROUTED or got.shape != want.shape or got.ndim != 2:
-        return want
-    allowed = np.broadcast_to(allowed, want.shape)
+        return want, allowed
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
         both = np.isfinite(got) & np.isfinite(want)
         if np.all((np.abs(got - want) <= allowed) | ~both):  # (factor 1 explains every row: no fit, no cost)
-            return want
+            return want, allowed
         own = _weights_factor(stage, ctx, want.shape[0]) if chained else None
         # (where the program wrote its weights, its output's factor is theirs: no other scores' shift)
         bound = factor_bound(ctx, recomputed=own is None)
         if bound.shape[0] != want.shape[0]:
-            return want
-        lo, hi = _fitting(got, want, allowed, both)
-        fit, spread = _least_squares(got, want, allowed, both & (want != 0))
+            return want, allowed
+        routed = np.broadcast_to(allowed + _own_terms(stage, want, ctx, chained), want.shape)
+        lo, hi = _fitting(got, want, routed, both)
+        fit, spread = _least_squares(got, want, routed, both & (want != 0))
         c = np.clip(fit, lo + (hi - lo) / 4, hi - (hi - lo) / 4)
         inside = (lo <= hi) & (np.abs(c - fit) <= FIT_SPREAD * spread)
         if own is not None:  # (the program's own factor, where it fits: no estimate needed)
             fits = (lo <= own) & (own <= hi)
             c, inside = np.where(fits, own, c), inside | fits
         use = inside & (np.abs(np.log(c)) <= bound) & ~((lo <= 1.0) & (1.0 <= hi)) & np.isfinite(c)
-    return want * np.where(use, c, 1.0) if use.any() else want
+    # (a row off without the route: its subtractions' roundings allowed, with or without a factor)
+    off = np.any((np.abs(got - want) > allowed) & both, axis=1, keepdims=True)
+    return want * np.where(use, c, 1.0) if use.any() else want, np.where(off, routed, allowed)
 
 
 def _least_squares(got, want, allowed, used):
