@@ -203,21 +203,28 @@ def _rounded(x: np.ndarray, fmt: str) -> np.ndarray:
         round_to_format32(x.astype(np.float32), "bf16")
 
 
-def _half_flash_forward(q, k, v, fmt: str, scores_rounded: bool, before_scale: bool = False):
+def _half_flash_forward(q, k, v, fmt: str, scores_rounded: bool, before_scale: bool = False, exp2_prescaled=None):
     """A half flash forward as a kernel computes it (inputs, P and output in the format; the row sum
     and lse in float32), its score tile kept in the format where scores_rounded (Q·Kᵀ rounded before
-    the scale where before_scale)."""
+    the scale where before_scale); exp2_prescaled (False or True): Q times the scale (and log2 e:
+    an exp2 kernel) stored in the format before Q·Kᵀ, as Triton's fused-attention tutorial did."""
     out, lse = [], []
     scale = np.float32(1 / np.sqrt(q.shape[2]))
     for h in range(q.shape[0]):
-        s = _rounded(q[h], fmt) @ _rounded(k[h], fmt).T
-        s = _rounded(s, fmt) * scale if scores_rounded and before_scale else s * scale
-        s = _rounded(s, fmt) if scores_rounded and not before_scale else s
+        if exp2_prescaled is not None:
+            c = scale * np.float32(1 / np.log(2)) if exp2_prescaled else scale
+            s = _rounded(_rounded(q[h], fmt) * c, fmt) @ _rounded(k[h], fmt).T  # (in units of c/scale)
+            ex, log, unit = (np.exp2, np.log2, np.float32(np.log(2))) if exp2_prescaled else (np.exp, np.log, 1)
+        else:
+            s = _rounded(q[h], fmt) @ _rounded(k[h], fmt).T
+            s = _rounded(s, fmt) * scale if scores_rounded and before_scale else s * scale
+            s = _rounded(s, fmt) if scores_rounded and not before_scale else s
+            ex, log, unit = np.exp, np.log, 1
         mx = s.max(axis=1, keepdims=True)
-        p = np.exp(s - mx)
+        p = ex(s - mx)
         l = p.sum(axis=1, keepdims=True)
         out.append(_rounded((_rounded(p, fmt) @ _rounded(v[h], fmt)) / l, fmt))
-        lse.append((mx + np.log(l))[:, 0])
+        lse.append(((mx + log(l)) * unit)[:, 0])
     return {"flash_output": np.stack(out), "flash_lse": np.stack(lse)}
 
 
@@ -254,6 +261,28 @@ def test_scores_rounded_before_a_scale_that_is_no_power_of_two_are_named(fmt):
     assert failed and all([d.code for d in r.diagnosis] == ["scores_rounded"] for r in failed), \
         [(r.stage, [d.message for d in r.diagnosis]) for r in failed]
     assert "Q·Kᵀ rounded, then scaled" in failed[0].diagnosis[0].message
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp16"])
+@pytest.mark.parametrize("exp2", [False, True])
+def test_a_query_scaled_and_stored_in_the_half_format_is_named(fmt, exp2):
+    """Triton's fused-attention tutorial: q = (q * qk_scale).to(fp16), qk_scale the softmax scale
+    times log2 e for its exp2 (or the scale alone, for exp): every product of a score carries a
+    rounding of the format. Named on the stages that fail, with the factor; not scores_rounded.
+    (d = 128: a scale of 2^-3.5, which Q's values do not keep exactly.)"""
+    rng = np.random.default_rng(7)
+    q = (3 * rng.standard_normal((2, 100, 128))).astype(np.float32)
+    k, v = (rng.standard_normal((2, 130, 128)).astype(np.float32) for _ in range(2))
+    report = attnstep.check_arrays(q, k, v, _half_flash_forward(q, k, v, fmt, False, exp2_prescaled=exp2),
+                                   precision=fmt)
+    failed = [r for r in report.results if r.status == "FAIL"]
+    lse = [r for r in failed if r.stage == "flash_lse"]
+    assert len(lse) == 2 and all([d.code for d in r.diagnosis] == ["prescaled_rounded"] for r in lse), \
+        [(r.stage, [d.message for d in r.diagnosis]) for r in failed]
+    # (an output that fails by a few of its bounds is named where the candidate is far closer)
+    assert all([d.code for d in r.diagnosis] in (["prescaled_rounded"], []) for r in failed), failed
+    words = "Q·scale·log2 e" if exp2 else "Q·scale in"
+    assert words in lse[0].diagnosis[0].message, lse[0].diagnosis[0].message
 
 
 def test_a_rounding_bf16_program_checked_as_truncating_is_told_to_round():

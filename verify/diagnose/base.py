@@ -46,6 +46,10 @@ OVERFLOW_SLACK = 0.5
 MASK_FIT_ROWS = 4
 MAX_MASK_FIT_KEYS = 1024
 LOG2_E = 1.0 / np.log(2.0)
+# A candidate arithmetic (a precision's) explains got "far better" when it leaves at most this
+# fraction of the error the float32 reference leaves; its diagnoses' confidence.
+FAR_BETTER = 0.25
+PRECISION_CONFIDENCE = 0.8
 
 
 # ---------------------------------------------------------------------------------------------
@@ -116,6 +120,13 @@ def explains_closely(got: np.ndarray, cand: np.ndarray, want: np.ndarray, width:
     close = max(diff, float(np.max(np.abs(want[np.isfinite(want)]), initial=0.0)) * 2.0**-20)
     # (min(width, close) ≤ width: every candidate explains() takes is taken)
     return diff if differs(got, cand, want, DISTINCT_WIDTHS * min(width, close), nan_evidence) else None
+
+
+def gap(got: np.ndarray, cand: np.ndarray, beyond=0.0) -> float:
+    """max |got − cand| beyond `beyond` (a conversion's half unit: how far a correct value may lie)."""
+    d = np.maximum(np.abs(got - cand) - beyond, 0.0)
+    d = d[np.isfinite(d)]
+    return float(d.max()) if d.size else np.inf
 
 
 def loc(idx) -> str:

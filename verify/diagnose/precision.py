@@ -23,22 +23,19 @@ from ..check.diagnosis import Diagnosis, Suspect
 from ..check.half_rounding import stored_in_format
 from ..check.reference import compute_stage, reference_chain
 from ..check.results import compare_arrays
-from ..model.attention import log_sum_exp_rows
-from ..model.half import (HALF_FORMATS, NEAREST, TOWARD_ZERO, is_half, round_mantissa32, round_to_format,
-                          storage_bound)
+from ..model.half import (HALF_FORMATS, NEAREST, TOWARD_ZERO, is_half, round_mantissa32, round_to_format)
 from ..model.rounding import HeadCache
 from ..specs import SPECS, upstream
-from ..stages import (GRAD_OUTPUT, GRAD_VALUES, GRAD_WEIGHTS, KEYS, OUTPUT, QUERIES, SCALED_SCORES, SCORES,
+from ..stages import (GRAD_OUTPUT, GRAD_VALUES, GRAD_WEIGHTS, KEYS, OUTPUT, QUERIES, SCORES,
                       STAGES, VALUES, WEIGHTS)
+from . import score_rounding
+from .base import FAR_BETTER, PRECISION_CONFIDENCE, gap
 
-CODES = ("tf32", "half_storage", "half_truncation", "half_accumulation", "scores_rounded")
-CONFIDENCE = 0.8
+CODES = ("tf32", "half_storage", "half_truncation", "half_accumulation") + score_rounding.CODES
+CONFIDENCE = PRECISION_CONFIDENCE
 
 # TF32 keeps 10 of float32's 23 stored mantissa bits.
 TF32_DROPPED_BITS = 13
-# A candidate arithmetic explains got "far better" when it leaves at most this fraction of the
-# error the float32 reference leaves.
-FAR_BETTER = 0.25
 # Values whose printed resolution is finer than this fraction of the format's ulp tell whether
 # they are values of the format; at least MIN_EVIDENCE such values must all be.
 EVIDENCE_FRACTION = 0.125
@@ -180,13 +177,6 @@ def tf32_operands(x: np.ndarray, toward_zero: bool) -> np.ndarray:
     return round_mantissa32(x, TF32_DROPPED_BITS, toward_zero).astype(np.float64)
 
 
-def _gap(got: np.ndarray, cand: np.ndarray, beyond=0.0) -> float:
-    """max |got − cand| beyond `beyond` (a conversion's half unit: how far a correct value may lie)."""
-    d = np.maximum(np.abs(got - cand) - beyond, 0.0)
-    d = d[np.isfinite(d)]
-    return float(d.max()) if d.size else np.inf
-
-
 def tf32_explains(stage: str, got: np.ndarray, want: np.ndarray, src: Dict[str, np.ndarray]) -> bool:
     """Whether the product of TF32-rounded operands (either rounding) explains got far better than
     want does. Only the GEMM stages have operands to round: a flash kernel's TF32 products leave
@@ -194,10 +184,10 @@ def tf32_explains(stage: str, got: np.ndarray, want: np.ndarray, src: Dict[str, 
     cover a storage in fp16 too), so it is never named."""
     if stage not in _GEMMS or not all(n in src for n in STAGES[stage].inputs):
         return False
-    base = _gap(got, want)
+    base = gap(got, want)
     for toward_zero in (False, True):
         a, b = (tf32_operands(x, toward_zero) for x in _GEMMS[stage](src))
-        if _gap(got, a @ b) <= FAR_BETTER * base:
+        if gap(got, a @ b) <= FAR_BETTER * base:
             return True
     return False
 
@@ -285,17 +275,17 @@ def _accumulation(stage, got, want, ctx) -> List[Diagnosis]:
     a, b = _GEMMS[stage]({n: np.asarray(x, np.float64) for n, x in ctx.src.items()})
     if a.shape[1] > MAX_REPLAYED_TERMS:
         return []
-    base = _gap(got, want)
+    base = gap(got, want)
     for fused in (True, False):
-        gap = _gap(got, fp16_accumulated(a, b, fused))
-        if gap <= FAR_BETTER * base:
+        left = gap(got, fp16_accumulated(a, b, fused))
+        if left <= FAR_BETTER * base:
             return [Diagnosis("half_accumulation", f"{stage} holds fp16 values whose error grows along the "
                               f"sum of {a.shape[1]} terms: it matches a sum accumulated in fp16 (each partial "
-                              f"sum rounded to fp16) to {gap:.2g}, against {base:.2g} for the float32 result. "
+                              f"sum rounded to fp16) to {left:.2g}, against {base:.2g} for the float32 result. "
                               "The program accumulates in fp16 (a __half accumulator, __hfma, "
                               "CUBLAS_COMPUTE_16F), which no --precision covers: accumulate in float32 "
                               "(CUBLAS_COMPUTE_32F, a float accumulator)",
-                              {"precision": "fp16", "terms": int(a.shape[1]), "max_diff": gap,
+                              {"precision": "fp16", "terms": int(a.shape[1]), "max_diff": left,
                                "float32_diff": base}, CONFIDENCE)]
     return []
 
@@ -311,72 +301,17 @@ def diagnose(stage: str, got: np.ndarray, want: np.ndarray, ctx: Suspect,
     if head is None or any(d.code not in mimicked for d in found) or not _stored(stage):
         return []
     fmt = half_format_of(stage, got, ctx)
-    if fmt is None and is_half(head.precision) and _from_scores(stage):  # (a float32 lse written alone)
-        return _rounded_scores(stage, got, want, ctx, head.precision)
+    if fmt is None and is_half(head.precision) and score_rounding.from_scores(stage):  # (a float32 lse written alone)
+        return score_rounding.diagnose(stage, got, want, ctx, head.precision)
     if fmt is None:
-        small = _gap(got, want) <= TF32_GATE * float(np.max(np.abs(want[np.isfinite(want)]), initial=0.0))
+        small = gap(got, want) <= TF32_GATE * float(np.max(np.abs(want[np.isfinite(want)]), initial=0.0))
         return _tf32(stage, got, want, ctx) if head.precision == "fp32" and small else []
     found = _half(stage, got, want, ctx, fmt, (head.precision, head.half_rounding))
     if not found and fmt == "fp16" and stored_in_format(stage):
         found = _accumulation(stage, got, want, ctx)
-    if not found and _from_scores(stage):
-        found = _rounded_scores(stage, got, want, ctx, fmt)
+    if not found and score_rounding.from_scores(stage):
+        found = score_rounding.diagnose(stage, got, want, ctx, fmt)
     return found
-
-
-def _from_scores(stage: str) -> bool:
-    """The flash forward's stages (its output and lse, not a split's), whose values follow the scores
-    directly: a kernel that keeps its score tile in the half format (an S buffer of bf16, a cast
-    before the exponent) moves them by far more than its GEMMs' roundings do."""
-    st = STAGES[stage]
-    return st.flash and not st.backward and not st.split
-
-
-def _rounded_scores(stage, got, want, ctx, fmt: str) -> List[Diagnosis]:
-    """scores_rounded: got matches the softmax of the scores rounded to fmt far better than want:
-    Q·Kᵀ rounded before the scale, or the scaled scores (one value at a power-of-two scale)."""
-    head = ctx.head_ctx
-    if not head.raw_inputs:
-        return []
-    inputs = {**head.variant_tensors(), **{n: round_to_format(x, fmt, NEAREST) for n, x in head.raw_inputs.items()}}
-    variant = dict(variant=head.effective_variant, slope=head.slope)
-    chain = reference_chain(inputs, head.scale, head.causal, [SCORES, SCALED_SCORES], **variant)
-    s = chain[SCALED_SCORES]
-    seen = np.isfinite(s)
-    # (Q·Kᵀ rounded, then scaled: where the variant only hides scores, as the scaled ones are)
-    routes = [("Q·Kᵀ·scale rounded", round_to_format(s, fmt, NEAREST)),
-              ("Q·Kᵀ rounded, then scaled,", round_to_format(chain[SCORES], fmt, NEAREST) * head.scale)]
-    # (past the output's own conversion, half a unit: a value near a rounding tie may go either way)
-    own = storage_bound(want, fmt) if stored_in_format(stage) else 0.0
-    base = _gap(got, want, own)
-    found = []
-    for words, rounded in routes:
-        cand = _flash_of_scores(stage, np.where(seen, rounded, s), inputs[VALUES], fmt)
-        if cand.size == got.size:
-            gap = _gap(got, cand.reshape(got.shape), own)
-            if gap <= FAR_BETTER * base:
-                found.append((gap, words))
-    if not found:
-        return []
-    gap, words = min(found)
-    beyond = f" beyond its own conversion to {fmt}" if stored_in_format(stage) else ""
-    return [Diagnosis("scores_rounded", f"{stage} follows scores rounded to {fmt} before the softmax: it matches "
-                      f"the softmax of {words} to {fmt} to {gap:.2g}{beyond}, against {base:.2g} for "
-                      f"scores kept in float32. The program keeps its score tile in {fmt} (a {fmt} buffer for S, or a "
-                      "cast of Q·Kᵀ before the exponent): each score then errs by up to half a unit of "
-                      f"{fmt}'s last place, which the exponent turns into the weights' relative error. Keep the "
-                      "scores in float32 until P, as FlashAttention does",
-                      {"precision": fmt, "max_diff": gap, "float32_diff": base}, CONFIDENCE)]
-
-
-def _flash_of_scores(stage: str, s: np.ndarray, v: np.ndarray, fmt: str) -> np.ndarray:
-    """The flash stage from these scores: the lse, or the output as a flash kernel has it (P rounded
-    to the format for P·V, the sum l of P unrounded)."""
-    if STAGES[stage].cols == "1":  # (the lse: one a row)
-        return log_sum_exp_rows(s)
-    m = np.max(s, axis=1, keepdims=True)
-    e = np.exp(s - np.where(np.isfinite(m), m, 0.0))
-    return (round_to_format(e, fmt, NEAREST) @ v) / np.sum(e, axis=1, keepdims=True)
 
 
 # The hypotheses a precision mimics: a truncating conversion shrinks every value by about half a

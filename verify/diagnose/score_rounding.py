@@ -1,0 +1,106 @@
+"""Precision diagnoses of the flash forward's scores: a half-precision kernel that rounds them, or an
+operand of them, to its format where FlashAttention keeps float32.
+
+* scores_rounded: the score tile kept in bf16/fp16 (an S buffer of the format, a cast of Q·Kᵀ
+  before the exponent): Q·Kᵀ·scale rounded, or Q·Kᵀ rounded before the scale.
+* prescaled_rounded: Q multiplied by the softmax scale (and log2 e, for exp2) and stored back in
+  the format before Q·Kᵀ, as Triton's fused-attention tutorial did (q = (q * qk_scale).to(fp16)):
+  every product of each score's dot product then carries a rounding of the format.
+
+Each moves the flash output and lse by far more than float32 scores do; the candidate is the flash
+stage recomputed from the rounded scores (or operand), named where got follows it far better than
+the reference (FAR_BETTER). Both names keep the verdict: the stage failed; the name says why.
+"""
+from __future__ import annotations
+
+from typing import List, Tuple
+
+import numpy as np
+
+from ..check.diagnosis import Diagnosis
+from ..check.half_rounding import stored_in_format
+from ..check.reference import reference_chain
+from ..model.attention import log_sum_exp_rows
+from ..model.half import NEAREST, round_to_format, storage_bound
+from ..stages import QUERIES, SCALED_SCORES, SCORES, STAGES, VALUES
+from .base import FAR_BETTER, LOG2_E, PRECISION_CONFIDENCE, gap
+
+SCORES_ROUNDED, PRESCALED_ROUNDED = "scores_rounded", "prescaled_rounded"
+CODES = (SCORES_ROUNDED, PRESCALED_ROUNDED)
+
+
+def from_scores(stage: str) -> bool:
+    """The flash forward's stages (its output and lse, not a split's), whose values follow the scores
+    directly: a kernel that keeps its score tile in the half format (an S buffer of bf16, a cast
+    before the exponent) moves them by far more than its GEMMs' roundings do."""
+    st = STAGES[stage]
+    return st.flash and not st.backward and not st.split
+
+
+def diagnose(stage, got, want, ctx, fmt: str) -> List[Diagnosis]:
+    """scores_rounded or prescaled_rounded: got matches the flash stage of the rounded scores (or
+    of the rounded, scaled Q) far better than want."""
+    head = ctx.head_ctx
+    if not head.raw_inputs:
+        return []
+    inputs = {**head.variant_tensors(), **{n: round_to_format(x, fmt, NEAREST) for n, x in head.raw_inputs.items()}}
+    # (past the output's own conversion, half a unit: a value near a rounding tie may go either way)
+    own = storage_bound(want, fmt) if stored_in_format(stage) else 0.0
+    base = gap(got, want, own)
+    found = []
+    for code, words, s in _routes(inputs, head, fmt):
+        cand = _flash_of_scores(stage, s, inputs[VALUES], fmt)
+        if cand.size == got.size:
+            left = gap(got, cand.reshape(got.shape), own)
+            if left <= FAR_BETTER * base:
+                found.append((left, code, words))
+    if not found:
+        return []
+    left, code, words = min(found)
+    beyond = f" beyond its own conversion to {fmt}" if stored_in_format(stage) else ""
+    if code == SCORES_ROUNDED:
+        what = (f"scores rounded to {fmt} before the softmax: it matches the softmax of {words} to {fmt} to "
+                f"{left:.2g}{beyond}, against {base:.2g} for scores kept in float32. The program keeps its score "
+                f"tile in {fmt} (a {fmt} buffer for S, or a cast of Q·Kᵀ before the exponent): each score then errs "
+                f"by up to half a unit of {fmt}'s last place, which the exponent turns into the weights' relative "
+                "error. Keep the scores in float32 until P, as FlashAttention does")
+    else:
+        what = (f"Q scaled and stored in {fmt} before Q·Kᵀ: it matches {words} to {left:.2g}{beyond}, against "
+                f"{base:.2g} for Q as given (Triton's fused-attention tutorial: q = (q * qk_scale).to({fmt})). "
+                f"Each product of a score's dot product then carries a rounding of {fmt}, which the exponent turns "
+                "into the weights' relative error. Multiply the float32 scores by the scale instead "
+                "(qk * qk_scale), as FlashAttention does")
+    return [Diagnosis(code, f"{stage} follows {what}", {"precision": fmt, "max_diff": left, "float32_diff": base},
+                      PRECISION_CONFIDENCE)]
+
+
+def _routes(inputs, head, fmt: str) -> List[Tuple[str, str, np.ndarray]]:
+    """(code, words, the scaled scores) of each rounding a kernel may do: the scores (after the
+    scale, or Q·Kᵀ before it: where the variant only hides scores, as the scaled ones are), and Q
+    times the scale, or times scale·log2 e (an exp2 kernel), each in float32, rounded to fmt."""
+    variant = dict(variant=head.effective_variant, slope=head.slope)
+    chain = reference_chain(inputs, head.scale, head.causal, [SCORES, SCALED_SCORES], **variant)
+    s = chain[SCALED_SCORES]
+    seen = np.isfinite(s)
+    routes = [(SCORES_ROUNDED, "Q·Kᵀ·scale rounded", np.where(seen, round_to_format(s, fmt, NEAREST), s)),
+              (SCORES_ROUNDED, "Q·Kᵀ rounded, then scaled,",
+               np.where(seen, round_to_format(chain[SCORES], fmt, NEAREST) * head.scale, s))]
+    q = np.asarray(inputs[QUERIES], np.float64)
+    for factor, words in ((np.float32(head.scale), "Q·scale"),
+                          (np.float32(head.scale) * np.float32(LOG2_E), "Q·scale·log2 e")):
+        # Q·c in float32, rounded to fmt: the scores are that Q·Kᵀ, over c in the softmax's units.
+        prescaled = round_to_format((q.astype(np.float32) * factor).astype(np.float64), fmt, NEAREST)
+        other = {**inputs, QUERIES: prescaled / float(factor)}
+        scaled = reference_chain(other, head.scale, head.causal, [SCORES, SCALED_SCORES], **variant)
+        routes.append((PRESCALED_ROUNDED, f"the flash stage of {words} in {fmt}", scaled[SCALED_SCORES]))
+    return routes
+
+
+def _flash_of_scores(stage: str, s: np.ndarray, v: np.ndarray, fmt: str) -> np.ndarray:
+    """The flash stage from these scores: the lse, or the output as a flash kernel has it (P rounded
+    to the format for P·V, the sum l of P unrounded)."""
+    if STAGES[stage].cols == "1":  # (the lse: one a row)
+        return log_sum_exp_rows(s)
+    m = np.max(s, axis=1, keepdims=True)
+    e = np.exp(s - np.where(np.isfinite(m), m, 0.0))
+    return (round_to_format(e, fmt, NEAREST) @ v) / np.sum(e, axis=1, keepdims=True)
