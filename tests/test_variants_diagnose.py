@@ -98,6 +98,14 @@ def test_the_modulo_head_map_is_named_with_the_k_v_head_read(tmp_path, cases):
     assert all("modulo" in d["detail"]["maps"] and "h % Hk" in d["message"] for d in found.values())
 
 
+def test_the_modulo_head_map_is_named_at_the_scaled_scores_of_a_program_that_wrote_no_qk(tmp_path, cases):
+    """The first stage a program of h % Hk writes is QK_scaled: recomputed from the K/V head the
+    query head read, it names the map there (not only from the output on)."""
+    found = _named(_check(tmp_path, cases["gqa-backward"], Program("kv_modulo"), ("QK_scaled", "flash_output"))[1],
+                   "QK_scaled", "kv_head_map", [1, 4])
+    assert [(found[h]["detail"]["read_kv_head"], found[h]["detail"]["kv_head"]) for h in (1, 4)] == [(1, 0), (0, 1)]
+
+
 def test_the_modulo_head_map_is_named_on_the_k_v_heads_gradients(tmp_path, cases):
     """dK and dV of a K/V head under h % Hk are the sum over the query heads that map sends to it
     (0, 2, 4 and 1, 3, 5), not over its group (0..2, 3..5): named as the map, with the heads."""
