@@ -33,6 +33,7 @@ CASES: Dict[str, Sequence[str]] = {
     "softcap-backward": ("--softcap", "2", "--backward"),
     "alibi": ("--alibi", "--causal", "bottom-right"),
     "alibi-slopes-file": ("--alibi", "--alibi-slopes", "random"),
+    "alibi-top-left": ("--alibi", "--causal", "top-left"),
     "mask": ("--mask", "random", "--mask-heads", "per-head", "--causal", "bottom-right"),
     "bias": ("--bias", "random", "--bias-heads", "per-head"),
     "dropout-backward": ("--dropout", "0.2", "--causal", "bottom-right", "--backward"),
@@ -201,6 +202,7 @@ SCORES = [  # (case, bug, code)
     ("softcap", "softcap_before_scale", "softcap_before_scale"),
     ("alibi", "alibi_missing", "alibi_missing"),
     ("alibi", "alibi_sign", "alibi_sign"),
+    ("alibi", "alibi_other_alignment", "alibi_alignment"),
     ("alibi", "alibi_reversed", "alibi_slope_order"),
     ("alibi-slopes-file", "alibi_next_head", "alibi_slope_order"),
     ("bias", "bias_ignored", "bias_ignored"),
@@ -215,8 +217,22 @@ def test_a_wrong_score_is_named_where_it_begins(tmp_path, cases, case, bug, code
     found = _named(_check(tmp_path, cases[case], Program(bug), only)[1], stage, code, range(6))
     if bug == "alibi_reversed":
         assert all(d["detail"]["used_head"] == 5 - h and d["detail"]["reversed"] for h, d in found.items())
+    if bug == "alibi_other_alignment":  # named with the diagonal it used
+        assert all(d["detail"]["alignment"] == "top-left" and "from the top-left diagonal, |i − j|" in d["message"]
+                   and "where it is |i + 16 − j|" in d["message"] for d in found.values())
     if bug == "alibi_next_head":  # head 2's next is head 3 = H - 1 - 2: named reversed as well
         assert all(d["detail"]["used_head"] == (h + 1) % 6 for h, d in found.items())
+
+
+@pytest.mark.parametrize("only,stage", [(None, "QK_scaled"), (("flash_output", "flash_lse"), "flash_lse")],
+                         ids=["stage-path", "flash-only"])
+def test_alibi_from_flash_attn_s_bottom_right_diagonal_in_a_top_left_case_is_named(tmp_path, cases, only, stage):
+    """Under the top-left causal mask, ALiBi measured from the bottom-right diagonal moves each row's
+    visible scores alike: the weights and output are right, the scores and the lse are not."""
+    found = _named(_check(tmp_path, cases["alibi-top-left"], Program("alibi_other_alignment"), only)[1], stage,
+                   "alibi_alignment", range(6))
+    assert all(d["detail"]["alignment"] == "bottom-right" and "from the bottom-right diagonal, |i + 16 − j|"
+               in d["message"] for d in found.values())
 
 
 def test_a_gradient_without_the_softcap_s_derivative_is_named(tmp_path, cases):
