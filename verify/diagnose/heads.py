@@ -2,6 +2,8 @@
 than its group's (GQA/MQA: the map h % Hk, or K/V heads not shared), and a K/V head's dK or dV not
 summed over its group's query heads, or summed twice, or K read from one head and V from another.
 Hypotheses of verify/diagnose/hypotheses.py ("head_permuted": the specs list it for every stage).
+other_head_stage gives another query head's stage, for a bug that read an operand off by a head
+(verify/diagnose/backward.py: D from another head's O).
 
 Codes: head_permuted, kv_head_map, kv_group_not_summed, kv_group_summed_twice, operand_head.
 """
@@ -14,9 +16,9 @@ import numpy as np
 from ..check.diagnosis import Diagnosis, Suspect
 from ..check.reference import reference_chain
 from ..stages import GRAD_OUTPUT, KEYS, KEYS_T, QUERIES, STAGES, VALUES, Dims
-from ..variant import NONE
+from ..variant import NONE, PER_HEAD
 from .base import MATCH_WIDTHS, MAX_HEADS_SEARCHED, explains, explains_closely
-from .inputs import alternatives, variant_of
+from .inputs import alternatives, variant_of, variant_tensors
 
 CODES = ("head_permuted", "kv_head_map", "kv_group_not_summed", "kv_group_summed_twice", "operand_head")
 
@@ -107,11 +109,23 @@ def kv_head_map(stage, got, want, ctx, width) -> List[Diagnosis]:
 
 # ---- K from one head, V from another ---------------------------------------------------------------
 
-def _neighbours(dims: Dims, own: int) -> List[int]:
-    """The K/V heads a wrong offset into K or V reads instead of `own`: the next and the previous
-    (a head index off by one), the first (a head stride of 0) and the last."""
-    return [j for j in dict.fromkeys((own + 1, own - 1, 0, dims.total_kv_heads - 1))
-            if 0 <= j < dims.total_kv_heads and j != own]
+def neighbours(count: int, own: int) -> List[int]:
+    """The heads (of `count`) a wrong offset into a buffer of heads reads instead of `own`: the next
+    and the previous (a head index off by one), the first (a head stride of 0) and the last."""
+    return [j for j in dict.fromkeys((own + 1, own - 1, 0, count - 1)) if 0 <= j < count and j != own]
+
+
+def other_head_stage(stage: str, ctx: Suspect, other: int) -> Optional[np.ndarray]:
+    """Query head `other`'s reference of `stage` from its inputs (an operand a program read from
+    another head's buffer), None where that head's own tensors are not at hand (a per-head mask or
+    bias file, a dropout keep-mask) or its slope is not known."""
+    v = variant_of(ctx)
+    if (ctx.inputs_of_head is None or PER_HEAD in (v.mask, v.bias) or v.dropout
+            or (v.alibi and ctx.slope_of_head is None)):
+        return None
+    src = {**variant_tensors(ctx), **ctx.inputs_of_head(other)}
+    slope = ctx.slope_of_head(other) if v.alibi else 0.0
+    return reference_chain(src, ctx.scale, v.causal, [stage], variant=v, slope=slope)[stage]
 
 
 def operand_head(stage, got, want, ctx, width) -> List[Diagnosis]:
@@ -121,7 +135,7 @@ def operand_head(stage, got, want, ctx, width) -> List[Diagnosis]:
     if dims is None or head is None or STAGES[stage].kv or ctx.inputs_of_head is None or dims.total_kv_heads < 2:
         return []
     own = dims.kv_head_of(head)
-    for j in _neighbours(dims, own):
+    for j in neighbours(dims.total_kv_heads, own):
         other = _kv_inputs(ctx, j)
         for name, kept, replace in ((KEYS, VALUES, {KEYS: other[KEYS], KEYS_T: other[KEYS_T]}),
                                     (VALUES, KEYS, {VALUES: other[VALUES]})):
