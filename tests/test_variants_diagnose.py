@@ -28,6 +28,7 @@ CASES: Dict[str, Sequence[str]] = {
     "bottom-right": ("--causal", "bottom-right"),
     "top-left": ("--causal", "top-left"),
     "window": ("--window", "7,4", "--align", "bottom-right"),
+    "window-backward": ("--window", "7,4", "--align", "bottom-right", "--backward"),
     "causal-window": ("--causal", "bottom-right", "--window", "7,-1"),
     "softcap": ("--softcap", "2", "--causal", "top-left"),
     "softcap-backward": ("--softcap", "2", "--backward"),
@@ -178,6 +179,18 @@ WINDOWS = [  # (case, bug, by, stages written, the stage named, code, the window
 def test_a_window_off_by_a_few_keys_or_ignored_is_named(tmp_path, cases, case, bug, by, only, stage, code, window):
     found = _named(_check(tmp_path, cases[case], Program(bug, by), only)[1], stage, code)
     assert all(d["detail"]["window"] == window for d in found.values())
+
+
+def test_a_window_off_by_one_is_named_on_the_k_v_heads_gradients(tmp_path, cases):
+    """A K/V head's flash dK and dV under a window one key too wide on the left: the sum over its
+    group's query heads, each under that window, names it there too."""
+    flash = ("flash_output", "flash_lse", "flash_dQ", "flash_dK", "flash_dV")
+    report = _check(tmp_path, cases["window-backward"], Program("window_left", 1), flash)[1]
+    sums = [e for e in report["results"] if e["stage"] in ("flash_dK", "flash_dV")]
+    assert len(sums) == 4 and all(e["status"] == "FAIL" for e in sums)
+    for e in sums:
+        first = e["diagnosis"][0] if e["diagnosis"] else {}
+        assert first.get("code") == "window_off" and first["detail"]["window"] == [8, 4], (e["stage"], e["diagnosis"])
 
 
 def test_a_causal_diagonal_moved_under_a_window_is_named_with_the_window_kept(tmp_path, cases):
