@@ -1,7 +1,8 @@
 """The backward pass's classic bugs, as hypotheses of verify/diagnose/hypotheses.py: D from the wrong O
-(another head's among them: verify/diagnose/heads.py's other_head_stage), dS without its P factor, a gradient missing the scale, dV from P instead of Pᵀ, and a flash backward
-whose lse is in the wrong base, whose dQ and dK leave out the softcap's derivative, or whose dQ is
-accumulated at the key tile's rows. Each rebuilds the failing stage the way the bug would have
+(another head's among them: verify/diagnose/heads.py's other_head_stage), dS without its P factor,
+a gradient missing the scale, dV from P instead of Pᵀ, and a flash backward whose lse is in the
+wrong base, whose dQ and dK leave out the softcap's derivative, or whose dQ is accumulated at the
+key tile's rows. Each rebuilds the failing stage the way the bug would have
 computed it, from the program's own upstream files where it wrote them (else the reference chain),
 and fires when that explains got while the correct computation does not.
 """
@@ -102,8 +103,9 @@ def _first_match(got, want, width: float, cands: Iterable[Tuple[str, Optional[np
     return None
 
 
-def _other_heads_os(ctx) -> Iterable[Tuple[str, np.ndarray]]:
-    """Another query head's O (its reference), as a program whose offset into O is off by a head."""
+def _other_heads_os(ctx) -> Iterable[Tuple[str, np.ndarray, int]]:
+    """(how, O, the head) of another query head's O (its reference), as a program whose offset into
+    O is off by a head reads it."""
     dims, head = ctx.dims, ctx.head
     if dims is None or head is None:
         return

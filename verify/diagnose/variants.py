@@ -32,7 +32,8 @@ from .mask_words import CONVENTIONS
 # The other heads whose slope a head's bias is tried with: the reversed order's, then the nearest.
 MAX_SLOPE_HEADS = 6
 CODES = ("softcap_missing", "softcap_before_scale", "softcap_derivative_missing", "alibi_missing", "alibi_sign",
-         "alibi_alignment", "alibi_slope_order", "bias_ignored", "bias_transposed", "dropout_unscaled", "dropout_not_applied", "dropout_mask_inverted")
+         "alibi_alignment", "alibi_slope_order", "bias_ignored", "bias_transposed", "dropout_unscaled",
+         "dropout_not_applied", "dropout_mask_inverted")
 
 
 @dataclass
