@@ -107,6 +107,24 @@ def test_a_backward_bug_fails_with_its_name(tmp_path, bug):
             assert r.diagnosis and r.diagnosis[0].code == code, (stage, head, [d.message for d in r.diagnosis])
 
 
+def test_d_from_another_head_s_output_is_named_with_the_head_it_read(tmp_path):
+    """D = rowsum(dO∘O) with the next head's O (the offset into O off by a head; the last head's
+    wraps to the first): named D_wrong_O, with the head."""
+    in_dir, out_dir = write_backward_case(tmp_path, Dims(1, 3, 48, 48, 32, 32), True, only=("output", "D"))
+    dO = [np.load(in_dir / stage_file(GRAD_INPUT, h, "npy")) for h in range(3)]
+    O = [np.load(out_dir / stage_file("output", h, "npy")) for h in range(3)]
+    for h in range(3):
+        D = (dO[h] * O[(h + 1) % 3]).sum(axis=1, keepdims=True, dtype=np.float32)
+        np.save(out_dir / stage_file("D", h, "npy"), D)
+    failed = failures(compare.check(in_dir, out_dir, diagnoser=diagnose))
+    assert sorted(failed) == [("D", h) for h in range(3)], sorted(failed)
+    for h in range(3):
+        found = failed[("D", h)].diagnosis
+        assert found and found[0].code == "D_wrong_O" and found[0].detail["read_head"] == (h + 1) % 3, \
+            [d.message for d in found]
+        assert f"the O of head {(h + 1) % 3}" in found[0].message
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_dq_accumulated_at_the_key_tiles_rows_is_named_with_its_tiles(tmp_path, causal):
     """Another program's flash backward (tiles of 64, %g text, its flash stages alone, no run.toml)

@@ -501,6 +501,7 @@ VARIANT_MUTATIONS = {
                                    ("dK",)),
     "alibi_missing": ("alibi", "alibi_missing", 1, "QK_scaled", "alibi_missing", ()),
     "alibi_sign": ("alibi", "alibi_sign", 1, "QK_scaled", "alibi_sign", ()),
+    "alibi_alignment": ("alibi", "alibi_other_alignment", 1, "QK_scaled", "alibi_alignment", ()),
     "alibi_slope_order-reversed": ("alibi", "alibi_reversed", 1, "QK_scaled", "alibi_slope_order", ()),
     "alibi_slope_order-next-head": ("alibi-slopes-file", "alibi_next_head", 1, "QK_scaled", "alibi_slope_order", ()),
     "dropout_unscaled": ("dropout-backward", "dropout_unscaled", 1, "output", "dropout_unscaled", ("dV",)),

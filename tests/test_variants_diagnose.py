@@ -28,11 +28,13 @@ CASES: Dict[str, Sequence[str]] = {
     "bottom-right": ("--causal", "bottom-right"),
     "top-left": ("--causal", "top-left"),
     "window": ("--window", "7,4", "--align", "bottom-right"),
+    "window-backward": ("--window", "7,4", "--align", "bottom-right", "--backward"),
     "causal-window": ("--causal", "bottom-right", "--window", "7,-1"),
     "softcap": ("--softcap", "2", "--causal", "top-left"),
     "softcap-backward": ("--softcap", "2", "--backward"),
     "alibi": ("--alibi", "--causal", "bottom-right"),
     "alibi-slopes-file": ("--alibi", "--alibi-slopes", "random"),
+    "alibi-top-left": ("--alibi", "--causal", "top-left"),
     "mask": ("--mask", "random", "--mask-heads", "per-head", "--causal", "bottom-right"),
     "bias": ("--bias", "random", "--bias-heads", "per-head"),
     "dropout-backward": ("--dropout", "0.2", "--causal", "bottom-right", "--backward"),
@@ -96,6 +98,14 @@ def test_the_modulo_head_map_is_named_with_the_k_v_head_read(tmp_path, cases):
     found = _named(_check(tmp_path, cases["gqa-backward"], Program("kv_modulo"))[1], "QK", "kv_head_map", [1, 4])
     assert [(found[h]["detail"]["read_kv_head"], found[h]["detail"]["kv_head"]) for h in (1, 4)] == [(1, 0), (0, 1)]
     assert all("modulo" in d["detail"]["maps"] and "h % Hk" in d["message"] for d in found.values())
+
+
+def test_the_modulo_head_map_is_named_at_the_scaled_scores_of_a_program_that_wrote_no_qk(tmp_path, cases):
+    """The first stage a program of h % Hk writes is QK_scaled: recomputed from the K/V head the
+    query head read, it names the map there (not only from the output on)."""
+    found = _named(_check(tmp_path, cases["gqa-backward"], Program("kv_modulo"), ("QK_scaled", "flash_output"))[1],
+                   "QK_scaled", "kv_head_map", [1, 4])
+    assert [(found[h]["detail"]["read_kv_head"], found[h]["detail"]["kv_head"]) for h in (1, 4)] == [(1, 0), (0, 1)]
 
 
 def test_the_modulo_head_map_is_named_on_the_k_v_heads_gradients(tmp_path, cases):
@@ -171,6 +181,18 @@ def test_a_window_off_by_a_few_keys_or_ignored_is_named(tmp_path, cases, case, b
     assert all(d["detail"]["window"] == window for d in found.values())
 
 
+def test_a_window_off_by_one_is_named_on_the_k_v_heads_gradients(tmp_path, cases):
+    """A K/V head's flash dK and dV under a window one key too wide on the left: the sum over its
+    group's query heads, each under that window, names it there too."""
+    flash = ("flash_output", "flash_lse", "flash_dQ", "flash_dK", "flash_dV")
+    report = _check(tmp_path, cases["window-backward"], Program("window_left", 1), flash)[1]
+    sums = [e for e in report["results"] if e["stage"] in ("flash_dK", "flash_dV")]
+    assert len(sums) == 4 and all(e["status"] == "FAIL" for e in sums)
+    for e in sums:
+        first = e["diagnosis"][0] if e["diagnosis"] else {}
+        assert first.get("code") == "window_off" and first["detail"]["window"] == [8, 4], (e["stage"], e["diagnosis"])
+
+
 def test_a_causal_diagonal_moved_under_a_window_is_named_with_the_window_kept(tmp_path, cases):
     """A causal window whose right bound (the causal diagonal) is one key late: the diagonal moved,
     the window's left bound where it belongs."""
@@ -193,6 +215,7 @@ SCORES = [  # (case, bug, code)
     ("softcap", "softcap_before_scale", "softcap_before_scale"),
     ("alibi", "alibi_missing", "alibi_missing"),
     ("alibi", "alibi_sign", "alibi_sign"),
+    ("alibi", "alibi_other_alignment", "alibi_alignment"),
     ("alibi", "alibi_reversed", "alibi_slope_order"),
     ("alibi-slopes-file", "alibi_next_head", "alibi_slope_order"),
     ("bias", "bias_ignored", "bias_ignored"),
@@ -207,8 +230,22 @@ def test_a_wrong_score_is_named_where_it_begins(tmp_path, cases, case, bug, code
     found = _named(_check(tmp_path, cases[case], Program(bug), only)[1], stage, code, range(6))
     if bug == "alibi_reversed":
         assert all(d["detail"]["used_head"] == 5 - h and d["detail"]["reversed"] for h, d in found.items())
+    if bug == "alibi_other_alignment":  # named with the diagonal it used
+        assert all(d["detail"]["alignment"] == "top-left" and "from the top-left diagonal, |i − j|" in d["message"]
+                   and "where it is |i + 16 − j|" in d["message"] for d in found.values())
     if bug == "alibi_next_head":  # head 2's next is head 3 = H - 1 - 2: named reversed as well
         assert all(d["detail"]["used_head"] == (h + 1) % 6 for h, d in found.items())
+
+
+@pytest.mark.parametrize("only,stage", [(None, "QK_scaled"), (("flash_output", "flash_lse"), "flash_lse")],
+                         ids=["stage-path", "flash-only"])
+def test_alibi_from_flash_attn_s_bottom_right_diagonal_in_a_top_left_case_is_named(tmp_path, cases, only, stage):
+    """Under the top-left causal mask, ALiBi measured from the bottom-right diagonal moves each row's
+    visible scores alike: the weights and output are right, the scores and the lse are not."""
+    found = _named(_check(tmp_path, cases["alibi-top-left"], Program("alibi_other_alignment"), only)[1], stage,
+                   "alibi_alignment", range(6))
+    assert all(d["detail"]["alignment"] == "bottom-right" and "from the bottom-right diagonal, |i + 16 − j|"
+               in d["message"] for d in found.values())
 
 
 def test_a_gradient_without_the_softcap_s_derivative_is_named(tmp_path, cases):

@@ -46,6 +46,7 @@ BUGS = {
     "alibi_next_head": "the next head's ALiBi slope",
     "alibi_sign": "+slope·|diag - j|",
     "alibi_missing": "no ALiBi",
+    "alibi_other_alignment": "the ALiBi distance from the other alignment's diagonal than the mask's",
     "mask_transposed": "the mask file read with transposed strides",
     "mask_ignored": "the mask file ignored",
     "mask_inverted": "the mask file read inverted (1: hidden)",
@@ -146,7 +147,8 @@ class Program:
                 s = cap * np.tanh(s / cap)
         if v.alibi and self.bug != "alibi_missing":
             n, m = hidden.shape
-            diag = np.arange(n)[:, None] + (m - n if v.align == "bottom-right" else 0)
+            bottom_right = (v.align == "bottom-right") != (self.bug == "alibi_other_alignment")
+            diag = np.arange(n)[:, None] + (m - n if bottom_right else 0)
             s = s - f32(self.slope(case, head)) * np.abs(diag - np.arange(m)[None, :]).astype(f32)
         bias = self.tensor(case, BIAS_INPUT, head)
         if bias is not None:

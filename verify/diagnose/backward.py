@@ -1,7 +1,8 @@
-"""The backward pass's classic bugs, as hypotheses of verify/diagnose/hypotheses.py: D from the wrong O, dS
-without its P factor, a gradient missing the scale, dV from P instead of Pᵀ, and a flash backward
-whose lse is in the wrong base, whose dQ and dK leave out the softcap's derivative, or whose dQ is
-accumulated at the key tile's rows. Each rebuilds the failing stage the way the bug would have
+"""The backward pass's classic bugs, as hypotheses of verify/diagnose/hypotheses.py: D from the wrong O
+(another head's among them: verify/diagnose/heads.py's other_head_stage), dS without its P factor,
+a gradient missing the scale, dV from P instead of Pᵀ, and a flash backward whose lse is in the
+wrong base, whose dQ and dK leave out the softcap's derivative, or whose dQ is accumulated at the
+key tile's rows. Each rebuilds the failing stage the way the bug would have
 computed it, from the program's own upstream files where it wrote them (else the reference chain),
 and fires when that explains got while the correct computation does not.
 """
@@ -17,8 +18,9 @@ from ..model.attention import softmax_rows
 from ..model.scores import HeadVariant
 from ..specs import SPECS
 from ..specs.backward import Gradients, d_reference
-from ..stages import FLASH_LSE, GRAD_OUTPUT, KEYS, QUERIES, STAGES, VALUES
+from ..stages import FLASH_LSE, GRAD_OUTPUT, KEYS, OUTPUT, QUERIES, STAGES, VALUES
 from .base import LOG2_E, explains_closely
+from .heads import neighbours, other_head_stage
 
 Own = Callable[[str], np.ndarray]
 
@@ -53,6 +55,12 @@ def _width(ctx, stage: str, width: float) -> float:
     head = ctx.head_ctx
     if head is None or all(n in head.got for n in STAGES[stage].inputs):
         return width  # every candidate is built from the program's own files
+    return _chained_width(ctx, stage, width)
+
+
+def _chained_width(ctx, stage: str, width: float) -> float:
+    """The width of a candidate built from the reference chain: the chained bound's, at least."""
+    head = ctx.head_ctx
     try:
         chained = tolerance.chained_bound(stage, head.chain, **head.bound_args())
     except (KeyError, ValueError):
@@ -95,6 +103,20 @@ def _first_match(got, want, width: float, cands: Iterable[Tuple[str, Optional[np
     return None
 
 
+def _other_heads_os(ctx) -> Iterable[Tuple[str, np.ndarray, int]]:
+    """(how, O, the head) of another query head's O (its reference), as a program whose offset into
+    O is off by a head reads it."""
+    dims, head = ctx.dims, ctx.head
+    if dims is None or head is None:
+        return
+    for other in neighbours(dims.total_heads, head):
+        O = other_head_stage(OUTPUT, ctx, other)
+        if O is not None:
+            which = {head + 1: "the next head's", head - 1: "the previous head's"}.get(
+                other, "the first head's" if other == 0 else "the last head's")
+            yield f"the O of head {other} ({which}) instead of its own, head {head}", O, other
+
+
 def d_wrong_o(stage, got, want, ctx, width) -> List[Diagnosis]:
     problem = _problem(ctx)
     if problem is None:
@@ -105,11 +127,19 @@ def d_wrong_o(stage, got, want, ctx, width) -> List[Diagnosis]:
     cands = ((how, _rebuilt(stage, g.replaced(D=d_reference(dO, O))))
              for how, O in _wrong_os(own, scale, head) if O.shape == dO.shape)
     hit = _first_match(got, want, _width(ctx, stage, width), cands)
+    read = {}
+    if hit is None:  # (another head's O is the reference chain's: its width is the chained bound's)
+        others = list(_other_heads_os(ctx))
+        read = {how: other for how, _, other in others}
+        cands = ((how, _rebuilt(stage, g.replaced(D=d_reference(dO, O)))) for how, O, _ in others
+                 if O.shape == dO.shape)
+        hit = _first_match(got, want, _chained_width(ctx, stage, width), cands)
     if hit is None:
         return []
     how, diff = hit
+    detail = {"how": how, "max_diff": diff, **({"read_head": read[how]} if how in read else {})}
     return [Diagnosis("D_wrong_O", f"{stage}: D = rowsum(dO∘O) was computed from the wrong tensor: "
-                      f"{how} (max diff {diff:.2g})", {"how": how, "max_diff": diff}, 0.95)]
+                      f"{how} (max diff {diff:.2g})", detail, 0.95)]
 
 
 def _missing_p_candidates(stage, own: Own, scale, head):

@@ -45,6 +45,10 @@ OVERFLOW_SLACK = 0.5
 # MASK_FIT_ROWS rows, each a MAX_MASK_FIT_KEYS² problem at most.
 MASK_FIT_ROWS = 4
 MAX_MASK_FIT_KEYS = 1024
+# A K/V head's summed dK or dV is recomputed under each of a few dozen masks as its group's whole
+# backward from the inputs: searched where N·M·(its query heads) is at most this (the query heads'
+# own stages, checked first, name a wrong mask at any size).
+MAX_GROUP_MASK_VALUES = 2**16
 LOG2_E = 1.0 / np.log(2.0)
 # A candidate arithmetic (a precision's) explains got "far better" when it leaves at most this
 # fraction of the error the float32 reference leaves; its diagnoses' confidence.

@@ -2,6 +2,9 @@
 than its group's (GQA/MQA: the map h % Hk, or K/V heads not shared), and a K/V head's dK or dV not
 summed over its group's query heads, or summed twice, or K read from one head and V from another.
 Hypotheses of verify/diagnose/hypotheses.py ("head_permuted": the specs list it for every stage).
+other_head_stage gives another query head's stage, for a bug that read an operand off by a head
+(verify/diagnose/backward.py: D from another head's O); group_sum a K/V head's dK or dV as the sum
+over some query heads, under the case's variant or another mask (verify/diagnose/masks.py).
 
 Codes: head_permuted, kv_head_map, kv_group_not_summed, kv_group_summed_twice, operand_head.
 """
@@ -13,10 +16,11 @@ import numpy as np
 
 from ..check.diagnosis import Diagnosis, Suspect
 from ..check.reference import reference_chain
+from ..specs import SPECS
 from ..stages import GRAD_OUTPUT, KEYS, KEYS_T, QUERIES, STAGES, VALUES, Dims
-from ..variant import NONE
+from ..variant import NONE, PER_HEAD, Variant
 from .base import MATCH_WIDTHS, MAX_HEADS_SEARCHED, explains, explains_closely
-from .inputs import alternatives, variant_of
+from .inputs import alternatives, variant_of, variant_tensors
 
 CODES = ("head_permuted", "kv_head_map", "kv_group_not_summed", "kv_group_summed_twice", "operand_head")
 
@@ -107,11 +111,23 @@ def kv_head_map(stage, got, want, ctx, width) -> List[Diagnosis]:
 
 # ---- K from one head, V from another ---------------------------------------------------------------
 
-def _neighbours(dims: Dims, own: int) -> List[int]:
-    """The K/V heads a wrong offset into K or V reads instead of `own`: the next and the previous
-    (a head index off by one), the first (a head stride of 0) and the last."""
-    return [j for j in dict.fromkeys((own + 1, own - 1, 0, dims.total_kv_heads - 1))
-            if 0 <= j < dims.total_kv_heads and j != own]
+def neighbours(count: int, own: int) -> List[int]:
+    """The heads (of `count`) a wrong offset into a buffer of heads reads instead of `own`: the next
+    and the previous (a head index off by one), the first (a head stride of 0) and the last."""
+    return [j for j in dict.fromkeys((own + 1, own - 1, 0, count - 1)) if 0 <= j < count and j != own]
+
+
+def other_head_stage(stage: str, ctx: Suspect, other: int) -> Optional[np.ndarray]:
+    """Query head `other`'s reference of `stage` from its inputs (an operand a program read from
+    another head's buffer), None where that head's own tensors are not at hand (a per-head mask or
+    bias file, a dropout keep-mask) or its slope is not known."""
+    v = variant_of(ctx)
+    if (ctx.inputs_of_head is None or PER_HEAD in (v.mask, v.bias) or v.dropout
+            or (v.alibi and ctx.slope_of_head is None)):
+        return None
+    src = {**variant_tensors(ctx), **ctx.inputs_of_head(other)}
+    slope = ctx.slope_of_head(other) if v.alibi else 0.0
+    return reference_chain(src, ctx.scale, v.causal, [stage], variant=v, slope=slope)[stage]
 
 
 def operand_head(stage, got, want, ctx, width) -> List[Diagnosis]:
@@ -121,7 +137,7 @@ def operand_head(stage, got, want, ctx, width) -> List[Diagnosis]:
     if dims is None or head is None or STAGES[stage].kv or ctx.inputs_of_head is None or dims.total_kv_heads < 2:
         return []
     own = dims.kv_head_of(head)
-    for j in _neighbours(dims, own):
+    for j in neighbours(dims.total_kv_heads, own):
         other = _kv_inputs(ctx, j)
         for name, kept, replace in ((KEYS, VALUES, {KEYS: other[KEYS], KEYS_T: other[KEYS_T]}),
                                     (VALUES, KEYS, {VALUES: other[VALUES]})):
@@ -162,28 +178,53 @@ def kv_group_sum(stage, got, want, ctx, width) -> List[Diagnosis]:
     return []
 
 
+def group_rebuildable(ctx: Suspect) -> bool:
+    """Whether a K/V head's summed stage can be rebuilt from its query heads' inputs (group_sum):
+    not where each query head has tensors of its own (a slope, mask or bias files, a keep-mask)."""
+    dims, v = ctx.dims, variant_of(ctx)
+    return bool(ctx.group_terms and ctx.inputs_of_head is not None and dims is not None and dims.group_size >= 2
+                and not (v.alibi or v.bias != NONE or v.mask != NONE or v.dropout))
+
+
+def group_sum(stage: str, ctx: Suspect, heads, variant: Variant,
+              masked: Optional[np.ndarray] = None) -> Optional[np.ndarray]:
+    """K/V head ctx.head's summed stage (dK, dV) as the sum over query heads `heads` of their
+    references against its K and V (each head's Q and dO), under `variant`, or under the whole mask
+    `masked` (True hides; the stage's with_mask, its upstream stages from the inputs under the same
+    mask: a program that masked every query head so); None where a head's dO is not at hand or the
+    stage has no such recomputation."""
+    own = _kv_inputs(ctx, ctx.head)
+    total = 0.0
+    for h in heads:
+        x = ctx.inputs_of_head(h)
+        if x.get(GRAD_OUTPUT) is None:
+            return None
+        src = {QUERIES: x[QUERIES], KEYS: own[KEYS], VALUES: own[VALUES], GRAD_OUTPUT: x[GRAD_OUTPUT]}
+        if masked is None:
+            total = total + reference_chain(src, ctx.scale, variant.causal, [stage], variant=variant)[stage]
+            continue
+        upstream = [n for n in STAGES[stage].inputs if n not in src]
+        if SPECS[stage].with_mask is None or any(SPECS[n].from_inputs is None for n in upstream):
+            return None
+        for n in upstream:
+            src[n] = SPECS[n].from_inputs(src, ctx.scale, masked, variant=variant)
+        total = total + SPECS[stage].with_mask(src, ctx.scale, masked, variant=variant)
+    return np.asarray(total, np.float64)
+
+
 def kv_group_map(stage, got, want, ctx, width) -> List[Diagnosis]:
     """dK or dV of a K/V head under the map h % Hk: the sum of the parts of the query heads that map
     sends to it (each against this K/V head's K and V), not of its group's (h // (H/Hk))."""
-    dims, kv_head = ctx.dims, ctx.head
-    v = variant_of(ctx)
-    if (not ctx.group_terms or ctx.inputs_of_head is None or dims is None or dims.group_size < 2
-            or v.alibi or v.bias != NONE or v.mask != NONE or v.dropout):  # (per-head tensors: not rebuilt here)
+    if not group_rebuildable(ctx):
         return []
+    dims, kv_head = ctx.dims, ctx.head
     b, j = divmod(kv_head, dims.kv)
     readers = [b * dims.heads + h for h in range(dims.heads) if h % dims.kv == j]
     group = list(dims.query_heads_of(kv_head))
     if readers == group:
         return []
-    own = _kv_inputs(ctx, kv_head)
-    cand = 0.0
-    for h in readers:
-        x = ctx.inputs_of_head(h)
-        if x.get(GRAD_OUTPUT) is None:
-            return []
-        src = {QUERIES: x[QUERIES], KEYS: own[KEYS], VALUES: own[VALUES], GRAD_OUTPUT: x[GRAD_OUTPUT]}
-        cand = cand + reference_chain(src, ctx.scale, v.causal, [stage], variant=v)[stage]
-    diff = explains_closely(got, np.asarray(cand, np.float64), want, width)
+    cand = group_sum(stage, ctx, readers, variant_of(ctx))
+    diff = None if cand is None else explains_closely(got, cand, want, width)
     if diff is None:
         return []
     return [Diagnosis("kv_head_map", f"{stage} K/V head {kv_head} holds the sum over query heads "

@@ -16,7 +16,7 @@ kv_group_not_summed, kv_group_summed_twice (verify/diagnose/heads.py); the masks
 mask_offset (any offset; the other alignment named), window_off, window_missing, mask_file_ignored,
 mask_file_transposed, mask_file_inverted, causal_tile_skip (verify/diagnose/masks.py and
 mask_candidates.py); the variants' softcap_missing, softcap_before_scale,
-softcap_derivative_missing, alibi_missing, alibi_sign, alibi_slope_order, bias_ignored,
+softcap_derivative_missing, alibi_missing, alibi_sign, alibi_alignment, alibi_slope_order, bias_ignored,
 bias_transposed, dropout_unscaled, dropout_not_applied, dropout_mask_inverted
 (verify/diagnose/variants.py); the backward's D_wrong_O, dS_missing_P, grad_unscaled,
 dV_untransposed_P, lse_log2 and the flash gradients' softcap_derivative_missing, dq_key_tile_rows

@@ -144,7 +144,10 @@ def alternatives(stage: str, ctx: Suspect, width: float, variant: Optional[Varia
     replace = replace or {}
     src = ctx.src
     if src and (variant is not None or slope is not None or any(src.get(n) is not None for n in replace)):
-        changed = {**src, **{n: x for n, x in replace.items() if src.get(n) is not None}}
+        # (a variant tensor the bug adds, a bias where the case has none, goes in; Q, K, V only
+        # where the stage reads them itself)
+        changed = {**src, **{n: x for n, x in replace.items()
+                             if src.get(n) is not None or n in VARIANT_SOURCES}}
         try:
             yield compute_stage(stage, changed, ctx.scale, v.causal, variant=v, slope=s), width
         except (KeyError, ValueError):

@@ -8,8 +8,8 @@ from ..text import plural
 from ..variant import ALIGNMENTS, BOTTOM_RIGHT, TOP_LEFT, Variant
 
 # The convention each alignment is, in a user's words.
-ALIGNMENT_WORDS = {TOP_LEFT: "top-left aligned (PyTorch's convention)",
-                   BOTTOM_RIGHT: "bottom-right aligned (flash-attn's convention)"}
+CONVENTIONS = {TOP_LEFT: "PyTorch's convention", BOTTOM_RIGHT: "flash-attn's convention"}
+ALIGNMENT_WORDS = {a: f"{a} aligned ({CONVENTIONS[a]})" for a in ALIGNMENTS}
 
 
 def shift_words(k: int) -> str:

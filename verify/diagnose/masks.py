@@ -5,9 +5,10 @@ the mask file ignored or read transposed. A hypothesis of verify/diagnose/hypoth
 Every candidate is a whole mask (True hides: verify/diagnose/mask_candidates.py), built from
 verify/variant.py's rule, the case's mask and bias files: in a stage that holds the masked value
 (the scores' −inf, the weights' 0) the mask is read off got and must equal a candidate exactly;
-elsewhere the stage is recomputed under each candidate (from its sources, or from the case's
-inputs where the program wrote no upstream stage) and must explain got while the reference does
-not.
+elsewhere the stage is recomputed under each candidate (from its sources, from the case's inputs
+where the program wrote no upstream stage, or, for a K/V head's summed dK and dV, as the sum over
+its query heads: verify/diagnose/heads.py's group_sum) and must explain got while the reference
+does not.
 
 Codes: mask_missing (the causal mask or the whole window not applied), mask_offset (the diagonal
 moved by k keys: any k, the other alignment named as such), window_off (one bound of the window
@@ -27,9 +28,10 @@ from ..specs import SPECS
 from ..specs.scores import STAND_IN_CEILING, STAND_IN_GAP, stand_ins
 from ..stages import KEYS, QUERIES, STAGES
 from ..variant import ALIGNMENTS, Variant
-from .base import MASK_FIT_ROWS, MATCH_WIDTHS, MAX_MASK_FIT_KEYS, explains_closely
+from .base import MASK_FIT_ROWS, MATCH_WIDTHS, MAX_GROUP_MASK_VALUES, MAX_MASK_FIT_KEYS, explains_closely
 from .mask_candidates import EXTRA_HINT, CODES, Masks, candidates  # noqa: F401 (CODES: the hypothesis's codes)
 from .mask_words import ALIGNMENT_WORDS, alignment_words, offset_detail, shift_words
+from .heads import group_rebuildable, group_sum
 from .inputs import case_inputs, rebuilder, rows_fit, slope_of, variant_of, variant_tensors, worst_rows
 
 # ---- the hypothesis -------------------------------------------------------------------------------
@@ -146,14 +148,16 @@ _STAND_IN = ("not masked, or masked with a finite value too near the row's score
 
 def _mask_recompute(stage: str, ctx, width):
     """(the stage under any whole mask, its sampled rows under per-row masks or None, (N, M), the
-    width to match with), from the case's inputs where the program wrote no upstream stage, else
-    from the stage's own sources; None where neither recomputes it."""
+    width to match with), from the case's inputs where the program wrote no upstream stage (a K/V
+    head's sum: its group's), else from the stage's own sources; None where none recomputes it."""
     built = rebuilder(stage, ctx, width)
     if built is not None:
         rebuild, width = built
         qkv = case_inputs(ctx)
         N, M = qkv[QUERIES].shape[0], qkv[KEYS].shape[0]
         return (lambda masked: rebuild(qkv, masked)), _row_fitter(rebuild, qkv, ctx), (N, M), width
+    if ctx.head_ctx is None and group_rebuildable(ctx):
+        return _group_recompute(stage, ctx, width)
     src, with_mask = ctx.src, SPECS[stage].with_mask
     if with_mask is None or not all(n in src for n in STAGES[stage].inputs):
         return None
@@ -162,6 +166,19 @@ def _mask_recompute(stage: str, ctx, width):
     M = next(np.asarray(src[n]).shape[0] for n in STAGES[stage].inputs if STAGES[n].rows == "M")
     v, s = variant_of(ctx), slope_of(ctx)
     return (lambda masked: with_mask(src, ctx.scale, masked, variant=v, slope=s)), None, (N, M), width
+
+
+def _group_recompute(stage: str, ctx, width):
+    """_mask_recompute's for a K/V head's summed stage (dK, dV): the sum over its group's query
+    heads, each recomputed from its inputs under the mask, as a program that applied the mask to
+    every query head wrote it."""
+    group = list(ctx.dims.query_heads_of(ctx.head))
+    x = ctx.inputs_of_head(group[0])
+    N, M = np.shape(x[QUERIES])[0], np.shape(x[KEYS])[0]
+    if N * M * len(group) > MAX_GROUP_MASK_VALUES:
+        return None
+    v = variant_of(ctx)
+    return (lambda masked: group_sum(stage, ctx, group, v, masked)), None, (N, M), width
 
 
 def _row_fitter(rebuild: Callable, qkv, ctx) -> Optional[Callable]:

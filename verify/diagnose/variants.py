@@ -6,7 +6,9 @@ reference does not. Hypotheses of verify/diagnose/hypotheses.py, tried wherever 
 
 Codes: softcap_missing (S not capped), softcap_before_scale (C·tanh(QK/C)·scale: the cap applied
 to the unscaled QK), softcap_derivative_missing (dQ, dK from dS without the cap's 1 − t²), alibi_missing, alibi_sign (+slope·|i − j|: the bias grows with the
-distance), alibi_slope_order (another head's slope: the slopes reversed, or shifted by a head),
+distance), alibi_alignment (the distance measured from the other alignment's diagonal: top-left
+|i − j| in a bottom-right case, or flash-attn's bottom-right one in a top-left case),
+alibi_slope_order (another head's slope: the slopes reversed, or shifted by a head),
 bias_ignored, bias_transposed (the bias file read transposed), dropout_unscaled (the kept weights
 not divided by 1 − p), dropout_not_applied (the keep-mask written but not applied),
 dropout_mask_inverted (1 − Z applied: the mask's 1 read as "dropped").
@@ -20,16 +22,18 @@ import numpy as np
 
 from ..check.diagnosis import Diagnosis, Suspect
 from ..specs import reads_dropout_mask
-from ..stages import BIAS_INPUT, DROPOUT_MASK, STAGES
-from ..variant import NONE, Variant, alibi_slopes
+from ..stages import BIAS_INPUT, DROPOUT_MASK, KEYS, QUERIES, STAGES
+from ..variant import ALIGNMENTS, NONE, PER_HEAD, TOP_LEFT, Variant, alibi_bias, alibi_slopes
 from .base import explains_closely
-from .inputs import alternatives, slope_of, variant_of, variant_tensors
+from .inputs import alternatives, case_inputs, slope_of, variant_of, variant_tensors
+from .mask_words import CONVENTIONS
 
 
 # The other heads whose slope a head's bias is tried with: the reversed order's, then the nearest.
 MAX_SLOPE_HEADS = 6
-CODES = ("softcap_missing", "softcap_before_scale", "softcap_derivative_missing", "alibi_missing", "alibi_sign", "alibi_slope_order",
-         "bias_ignored", "bias_transposed", "dropout_unscaled", "dropout_not_applied", "dropout_mask_inverted")
+CODES = ("softcap_missing", "softcap_before_scale", "softcap_derivative_missing", "alibi_missing", "alibi_sign",
+         "alibi_alignment", "alibi_slope_order", "bias_ignored", "bias_transposed", "dropout_unscaled",
+         "dropout_not_applied", "dropout_mask_inverted")
 
 
 @dataclass
@@ -83,6 +87,7 @@ def _alibi(v: Variant, ctx: Suspect) -> Iterator[Bug]:
               v.with_(alibi=False), detail={"slope": slope})
     yield Bug("alibi_sign", f"the ALiBi bias has the wrong sign: +slope·|diag(i) − j| instead of −slope·|diag(i) − j| "
               f"(slope {slope:.6g}): far keys gain instead of lose", slope=-slope, detail={"slope": slope})
+    yield from _alibi_alignment(v, ctx, slope)
     slopes = _slopes_of_batch(ctx)
     if slopes is None:
         return
@@ -95,6 +100,33 @@ def _alibi(v: Variant, ctx: Suspect) -> Iterator[Bug]:
                   f"{slope:.6g}", slope=float(slopes[other]),
                   detail={"used_slope": float(slopes[other]), "slope": slope, "used_head": other,
                           "reversed": other == H - 1 - h})
+
+
+def _alibi_alignment(v: Variant, ctx: Suspect, slope: float) -> Iterator[Bug]:
+    """ALiBi's distance measured from the other alignment's diagonal than the mask's: a program that
+    aligns its mask one way and its bias the other (flash-attn's ALiBi is bottom-right whatever the
+    mask). No variant holds two alignments: the bias is the other alignment's ALiBi term added as a
+    bias file, ALiBi off."""
+    qkv = case_inputs(ctx)
+    if qkv is None or ctx.rows_of_head is not None:  # (a slab's rows: not the whole head's diagonals)
+        return
+    n, m = qkv[QUERIES].shape[0], qkv[KEYS].shape[0]
+    if n == m:
+        return
+    other = next(a for a in ALIGNMENTS if a != v.align)
+    own = variant_tensors(ctx).get(BIAS_INPUT) if v.bias != NONE else None
+    bias = alibi_bias(slope, n, m, align=other) + (0.0 if own is None else own)
+    yield Bug("alibi_alignment", f"the ALiBi distance is measured from the {other} diagonal, {_distance(other, n, m)} "
+              f"({CONVENTIONS[other]}); this case is aligned {v.align}, where it is {_distance(v.align, n, m)} "
+              f"({CONVENTIONS[v.align]}) (slope {slope:.6g})",
+              v.with_(alibi=False, bias=PER_HEAD if v.bias == NONE else v.bias), replace={BIAS_INPUT: bias},
+              detail={"slope": slope, "alignment": other, "case_alignment": v.align})
+
+
+def _distance(align: str, n: int, m: int) -> str:
+    """Row i's distance to key j from the alignment's diagonal, M − N written out."""
+    diag = "i" if align == TOP_LEFT else f"i + {m - n}" if m >= n else f"i − {n - m}"
+    return f"|{diag} − j|"
 
 
 def _bias(v: Variant, ctx: Suspect) -> Iterator[Bug]:

@@ -22,6 +22,7 @@ from ..model.softmax import need
 from ..stages import KEYS, QUERIES, SCALED_SCORES, SCORES
 from .base import MASK_MISSING, Problem, StageSpec, product_quantization, score_sources, violation
 from .copies import PATTERNS
+from .output import scores_from_inputs
 
 
 def _qk_reference(src, problem: Problem):
@@ -109,6 +110,6 @@ SPECS = (
               quantization=qk_quantization, linear=True, diagnoses=PATTERNS + ("scaled",)),
     StageSpec(SCALED_SCORES, reference=_scaled_reference, isolated=_scaled_isolated, chained=scaled_chained,
               quantization=_scaled_quantization, invariants=(_mask_check,), masked_value=-np.inf,
-              canonical=_scores_canonical,
+              canonical=_scores_canonical, from_inputs=scores_from_inputs,
               scaled=True, linear=True, diagnoses=PATTERNS + ("scaled", "mask"), variant_sources=score_sources),
 )
