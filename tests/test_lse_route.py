@@ -250,3 +250,25 @@ def test_a_flash_backwards_recomputed_weights_pass(tmp_path, seed):
     r = invoke("check", "--in", case, "--out", out, "--name", "QK_scaled=S_{i}.npy", "--name", "flash_lse=L_{i}.npy",
                "--name", "attention_weights=P_{i}.npy", "--name", "flash_output=O_{i}.npy")
     assert r.exit_code == 0, r.output
+
+
+def test_the_largest_error_shown_is_against_the_reference_not_its_row_factor():
+    """A weight near 1 off by 1.9e-5, within what the row's factor from a float32 lse of logits near
+    60 allows: the verdict takes the factor, the `max abs` and `max rel` columns (and the smallest
+    passing atol) show |got − want| against the reference itself."""
+    import attnstep
+    rng = np.random.default_rng(5)
+    q, k = ((rng.standard_normal((n, 64)) * 5).astype(f32) for n in (33, 177))
+    v = rng.standard_normal((177, 64)).astype(f32)
+    seen = np.arange(177)[None, :] <= np.arange(33)[:, None] + 144
+    s = np.where(seen, (q.astype(np.float64) @ k.T.astype(np.float64)) / 8, -np.inf)
+    want = np.exp(s - s.max(axis=1, keepdims=True))
+    want /= want.sum(axis=1, keepdims=True)
+    p = want.astype(f32)
+    p[21, 152] += f32(1.9e-5)  # (want there 0.999)
+    r = attnstep.check_arrays(q, k, v, {"attention_weights": p}, causal="bottom-right").results[0]
+    err = np.abs(p - want)
+    assert r.status == "PASS", r.chained.to_json()
+    assert r.chained.max_abs == r.chained.min_atol == err.max() > 1.8e-5, r.chained.to_json()
+    rel = np.divide(err, np.abs(want), out=np.zeros(err.shape), where=err > 0)
+    assert r.chained.max_rel == rel.max(), r.chained.to_json()

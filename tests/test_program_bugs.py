@@ -329,6 +329,53 @@ def test_a_missing_scale_over_many_keys_is_named_in_every_head():
         assert r.diagnosis[0].detail["used_scale"] == 1.0
 
 
+def _flash_from_a_max_started_at_zero(q, k, v, do, bias, plant_dv: float = 0.0):
+    """A float32 flash forward whose row maximum starts at 0 (rows whose scores all lie far below 0
+    end with l = 0: output 0, lse = -inf), and a FlashAttention-2 backward from its own output and
+    lse that takes an lse of -inf as a row without weight (P = 0 there, as for flash-attn's +inf)."""
+    f32, scale = np.float32, np.float32(q.shape[-1] ** -0.5)
+    out = {n: np.zeros(x.shape, f32) for n, x in (("flash_output", q), ("flash_dQ", q), ("flash_dK", k),
+                                                  ("flash_dV", v))}
+    out["flash_lse"] = np.zeros(q.shape[:-1], f32)
+    for h in range(q.shape[1]):
+        Q, K, V, dO = q[0, h], k[0, h], v[0, h], do[0, h]
+        S = (Q @ K.T) * scale + bias
+        m = np.maximum(f32(0), S.max(axis=1))
+        p = np.exp(S - m[:, None])
+        l = p.sum(axis=1, dtype=f32)
+        with np.errstate(divide="ignore"):
+            lse = (m + np.log(l)).astype(f32)
+        O = np.where(l[:, None] > 0, (p @ V) / np.where(l > 0, l, 1)[:, None], 0).astype(f32)
+        P = np.exp(S - np.where(np.isneginf(lse), np.inf, lse)[:, None]).astype(f32)
+        dS = P * (dO @ V.T - (dO * O).sum(axis=1, dtype=f32)[:, None])
+        out["flash_output"][0, h], out["flash_lse"][0, h], out["flash_dV"][0, h] = O, lse, P.T @ dO
+        out["flash_dQ"][0, h], out["flash_dK"][0, h] = (dS @ K) * scale, (dS.T @ Q) * scale
+    out["flash_dV"][0, 0, 3, 2] += np.float32(plant_dv)
+    return out
+
+
+@pytest.mark.parametrize("plant_dv", [0.0, 1e-3])
+def test_gradients_from_a_max_started_at_zero_inherit_its_lse(plant_dv):
+    """The flash gradients computed right from a forward whose lse is -inf in rows that see keys
+    (the row maximum started at 0): the lse says those rows hold no weight, so the gradients' check
+    from the program's own lse gives them none (not exp(S + inf), a NaN reference): INHERITED; a
+    gradient wrong on its own still fails."""
+    rng = np.random.default_rng(3)
+    q, do = (rng.standard_normal((1, 2, 40, 32)).astype(np.float32) for _ in range(2))
+    k, v = (rng.standard_normal((1, 2, 56, 32)).astype(np.float32) for _ in range(2))
+    bias = np.zeros((40, 56), np.float32)
+    bias[5:9] -= 150  # rows 5..8: every score below -104, exp(s - 0) underflows
+    report = attnstep.check_arrays(q, k, v, _flash_from_a_max_started_at_zero(q, k, v, do, bias, plant_dv), do=do,
+                                   attn_bias=bias)
+    status = {(r.stage, r.head): r for r in report.results}
+    assert report.first_failing_stage == "flash_output"
+    for h in range(2):
+        for stage in ("flash_dQ", "flash_dK", "flash_dV"):
+            r = status[stage, h]
+            want = "FAIL" if plant_dv and (stage, h) == ("flash_dV", 0) else "INHERITED"
+            assert r.status == want and np.isfinite(r.isolated.want), (stage, h, r.status, r.isolated.want)
+
+
 def test_d_from_a_wrong_flash_output_is_inherited_in_a_flash_only_program():
     """A FlashAttention-2 backward computes D = rowsum(dO * O) from its own flash_output: where the
     forward is wrong (the scale left out here) and the program wrote no `output`, D is computed

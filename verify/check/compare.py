@@ -32,7 +32,7 @@ from ..model.arrays import device_jobs, on_device
 from ..model.half import is_half, round_to_format
 from ..runs.program_checks import ProgramCheck, files_digest, read_findings
 from ..specs import SPECS, HeadContext, reads_dropout_mask, upstream, uses_scale_and_mask
-from ..specs import dropout as dropout_spec, lse_route
+from ..specs import dropout as dropout_spec
 from ..stages import DROPOUT_MASK, GRAD_INPUT, STAGES
 from . import flash_attn_criterion, invariants, sizing, splits, tolerance
 from .diagnosis import Diagnoser, Diagnosis
@@ -46,9 +46,9 @@ from .results import (FAIL, INHERITED, MISSING, PASS, SHAPE, STALE, UNCHECKABLE,
                       Report, RunCheck, compare_arrays, elementwise_error, print_limited)
 from .stage_diagnosis import diagnose_stage, diagnose_through_splits
 from .stage_check import (STATUS_CODES, Loaded, allowed, bit_identical, blamed_elsewhere, chain_of, head_chain,
-                          classify, derived_sources, early_outputs, failed_upstream, file_index, head_inputs,
-                          isolated_sources, keep_mask, load_output, new_result, nonfinite_propagated, quantization,
-                          query_keys_values, reference, sources, variant_inputs, with_quantum)
+                          classify, compare_fitted, derived_sources, early_outputs, failed_upstream, file_index,
+                          head_inputs, isolated_sources, keep_mask, load_output, new_result, nonfinite_propagated,
+                          quantization, query_keys_values, reference, sources, variant_inputs, with_quantum)
 
 __all__ = ["Options", "check", "check_run", "check_head", "error_ratio_map", "Report", "HeadResult", "Comparison",
            "compare_arrays", "elementwise_error", "head_jobs", "RunInfo", "PASS", "FAIL", "INHERITED", "MISSING",
@@ -197,9 +197,8 @@ def _compare(res: HeadResult, ctx: HeadContext, results: Dict[str, HeadResult], 
     want_chain = ctx.chain[stage]
     model_chain = allowed(stage, src_chain, want_chain, ctx, override, chained=True)
     allowed_chain = with_quantum(model_chain, quantum)
-    if override is None:  # (a float32 lse: a row factor; a tolerance the user gives is taken as it is)
-        want_chain, allowed_chain = lse_route.fitted(stage, mat, want_chain, allowed_chain, ctx, chained=True)
-    res.chained = compare_arrays(mat, want_chain, allowed_chain, opts.allow_nonfinite)
+    res.chained, want_chain, allowed_chain = compare_fitted(stage, mat, want_chain, allowed_chain, ctx,
+                                                            override is None, opts.allow_nonfinite, chained=True)
     res.half_values = half_values(mat, want_chain, run.precision)
     res.print_limited = print_limited(quantum, model_chain, want_chain)
     if splits.combines(stage, ctx):  # a run that splits: isolated, the combine of the program's splits
@@ -214,9 +213,7 @@ def _compare(res: HeadResult, ctx: HeadContext, results: Dict[str, HeadResult], 
         want_iso = SPECS[stage].passed_on(mat, want_iso, src_iso, ctx)
     propagated = quantization(stage, src_iso, q_iso, ctx) if override is None else None
     allowed_iso = with_quantum(allowed(stage, src_iso, want_iso, ctx, override), quantum, propagated)
-    if override is None:
-        want_iso, allowed_iso = lse_route.fitted(stage, mat, want_iso, allowed_iso, ctx)
-    res.isolated = compare_arrays(mat, want_iso, allowed_iso, nan_agrees=True)
+    res.isolated, want_iso, allowed_iso = compare_fitted(stage, mat, want_iso, allowed_iso, ctx, override is None, True)
     if not q_iso and all(src_iso[n] is ctx.chain.get(n) for n in names):
         # None of its sources is the program's: the isolated bound would take them as exact and count
         # correct elements outside; the comparison that applies is the chained one (the diagnoses keep

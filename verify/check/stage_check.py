@@ -17,14 +17,14 @@ from ..files.outputs import STAGE_ITEMSIZE, RunInfo, staleness
 from ..files.resolution import EXACT
 from ..files.split_files import SplitSource
 from ..files.stage_files import STAGE_NPY
-from ..specs import SPECS, HeadContext, sources_of, upstream
+from ..specs import SPECS, HeadContext, lse_route, sources_of, upstream
 from ..specs.base import Violation
 from ..files.case import InputCase
 from ..model.half import round_to_format
 from ..stages import BIAS_INPUT, DROPOUT_MASK, GRAD_INPUT, HALF_PRECISIONS, INPUT_NAMES, MASK_INPUT, STAGES
 from . import tolerance
 from .reference import compute_stage, reference_chain
-from .results import FAIL, INHERITED, MISSING, PASS, SHAPE, STALE, UNREADABLE, HeadResult
+from .results import FAIL, INHERITED, MISSING, PASS, SHAPE, STALE, UNREADABLE, Comparison, HeadResult, compare_arrays
 
 # A file's state -> its diagnosis code.
 STATUS_CODES = {STALE: "stale", MISSING: "missing", SHAPE: "shape", UNREADABLE: "unreadable"}
@@ -217,6 +217,16 @@ def allowed(stage: str, src: Dict[str, np.ndarray], want: np.ndarray, ctx: HeadC
         tolerance.share_flash_passes(stage, ctx.chain, **ctx.bound_args())
         return tolerance.chained_bound(stage, ctx.chain, **ctx.bound_args()) + ctx.bounds.combine_allowance(stage, ctx)
     return tolerance.stage_bound(stage, src, want, **ctx.bound_args())
+
+
+def compare_fitted(stage: str, got: np.ndarray, want: np.ndarray, allowance: np.ndarray, ctx: HeadContext,
+                   fit: bool, nan_agrees: bool, chained: bool = False) -> Tuple[Comparison, np.ndarray, np.ndarray]:
+    """got against want under `allowance` (compare_arrays), where weights or an output from a float32
+    lse may carry a row factor (with `fit`: no tolerance the user gives, which is taken as it is;
+    lse_route.fitted); the comparison, its largest errors against want itself, and the want and
+    allowance it judged by."""
+    judged, allowance = lse_route.fitted(stage, got, want, allowance, ctx, chained=chained) if fit else (want, allowance)
+    return compare_arrays(got, judged, allowance, nan_agrees, measured=want), judged, allowance
 
 
 def with_quantum(allowed: np.ndarray, *extra) -> np.ndarray:
