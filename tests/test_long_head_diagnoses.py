@@ -252,8 +252,8 @@ def test_slabs_wait_for_a_slot_where_memory_has_room_for_fewer_than_the_workers(
 
 
 def test_rows_that_see_no_key_are_not_a_running_maximum_started_at_zero():
-    """A padding mask's rows that hide every key, written NaN (0/0): those rows are unwritten, not
-    rows whose scores underflowed (they have no scores)."""
+    """A padding mask's rows that hide every key, written NaN (0/0): named as such, not as rows whose
+    scores underflowed (they have no scores)."""
     q, k, v = _case()
     keep = np.ones((N, N), bool)
     keep[40:44] = False
@@ -261,7 +261,7 @@ def test_rows_that_see_no_key_are_not_a_running_maximum_started_at_zero():
     out[:, :, 40:44] = np.nan
     report = attnstep.check_arrays(q, k, v, {"flash_output": out}, attn_mask=keep)
     for found in _named(report, "flash_output"):
-        assert "running_max_zero" not in [d.code for d in found] and found[0].code == "unwritten", \
+        assert "running_max_zero" not in [d.code for d in found] and found[0].code == "empty_rows_nan", \
             [(d.code, d.message) for d in found]
 
 
