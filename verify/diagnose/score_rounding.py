@@ -3,6 +3,8 @@ operand of them, to its format where FlashAttention keeps float32.
 
 * scores_rounded: the score tile kept in bf16/fp16 (an S buffer of the format, a cast of Q·Kᵀ
   before the exponent): Q·Kᵀ·scale rounded, or Q·Kᵀ rounded before the scale.
+* row_sum_rounded: the row sum l of the weights taken after they are rounded to the format for P·V
+  (the lse moves by their roundings; FlashAttention sums the float32 exponentials).
 * prescaled_rounded: Q multiplied by the softmax scale (and log2 e, for exp2) and stored back in
   the format before Q·Kᵀ, as Triton's fused-attention tutorial did (q = (q * qk_scale).to(fp16)):
   every product of each score's dot product then carries a rounding of the format.
@@ -25,8 +27,8 @@ from ..model.half import NEAREST, round_to_format, storage_bound
 from ..stages import QUERIES, SCALED_SCORES, SCORES, STAGES, VALUES
 from .base import FAR_BETTER, LOG2_E, PRECISION_CONFIDENCE, gap
 
-SCORES_ROUNDED, PRESCALED_ROUNDED = "scores_rounded", "prescaled_rounded"
-CODES = (SCORES_ROUNDED, PRESCALED_ROUNDED)
+SCORES_ROUNDED, PRESCALED_ROUNDED, ROW_SUM_ROUNDED = "scores_rounded", "prescaled_rounded", "row_sum_rounded"
+CODES = (SCORES_ROUNDED, PRESCALED_ROUNDED, ROW_SUM_ROUNDED)
 
 
 def from_scores(stage: str) -> bool:
@@ -49,7 +51,7 @@ def diagnose(stage, got, want, ctx, fmt: str) -> List[Diagnosis]:
     base = gap(got, want, own)
     found = []
     for code, words, s in _routes(inputs, head, fmt):
-        cand = _flash_of_scores(stage, s, inputs[VALUES], fmt)
+        cand = _flash_of_scores(stage, s, inputs[VALUES], fmt, code == ROW_SUM_ROUNDED)
         if cand.size == got.size:
             left = gap(got, cand.reshape(got.shape), own)
             if left <= FAR_BETTER * base:
@@ -64,6 +66,12 @@ def diagnose(stage, got, want, ctx, fmt: str) -> List[Diagnosis]:
                 f"tile in {fmt} (a {fmt} buffer for S, or a cast of Q·Kᵀ before the exponent): each score then errs "
                 f"by up to half a unit of {fmt}'s last place, which the exponent turns into the weights' relative "
                 "error. Keep the scores in float32 until P, as FlashAttention does")
+    elif code == ROW_SUM_ROUNDED:
+        what = (f"a row sum of the weights rounded to {fmt}: it matches the log-sum-exp of the weights P·V reads, "
+                f"each rounded to {fmt}, to {left:.2g}, against {base:.2g} for their float32 sum. The program sums "
+                f"P after converting it to {fmt} (l += rowsum(p.to({fmt}))): each weight's rounding, up to half a "
+                f"unit of {fmt}, moves l and the lse. Sum the float32 exponentials before the conversion, as "
+                "FlashAttention does")
     else:
         what = (f"Q scaled and stored in {fmt} before Q·Kᵀ: it matches {words} to {left:.2g}{beyond}, against "
                 f"{base:.2g} for Q as given (Triton's fused-attention tutorial: q = (q * qk_scale).to({fmt})). "
@@ -93,14 +101,16 @@ def _routes(inputs, head, fmt: str) -> List[Tuple[str, str, np.ndarray]]:
         other = {**inputs, QUERIES: prescaled / float(factor)}
         scaled = reference_chain(other, head.scale, head.causal, [SCORES, SCALED_SCORES], **variant)
         routes.append((PRESCALED_ROUNDED, f"the flash stage of {words} in {fmt}", scaled[SCALED_SCORES]))
-    return routes
+    return routes + [(ROW_SUM_ROUNDED, "", s)]
 
 
-def _flash_of_scores(stage: str, s: np.ndarray, v: np.ndarray, fmt: str) -> np.ndarray:
+def _flash_of_scores(stage: str, s: np.ndarray, v: np.ndarray, fmt: str, rounded_sum: bool = False) -> np.ndarray:
     """The flash stage from these scores: the lse, or the output as a flash kernel has it (P rounded
-    to the format for P·V, the sum l of P unrounded)."""
-    if STAGES[stage].cols == "1":  # (the lse: one a row)
-        return log_sum_exp_rows(s)
+    to the format for P·V, the sum l of P unrounded, or rounded where rounded_sum)."""
     m = np.max(s, axis=1, keepdims=True)
-    e = np.exp(s - np.where(np.isfinite(m), m, 0.0))
-    return (round_to_format(e, fmt, NEAREST) @ v) / np.sum(e, axis=1, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0.0)
+    e = np.exp(s - m)
+    l = np.sum(round_to_format(e, fmt, NEAREST) if rounded_sum else e, axis=1, keepdims=True)
+    if STAGES[stage].cols == "1":  # (the lse: one a row)
+        return log_sum_exp_rows(s) if not rounded_sum else m + np.log(l)
+    return (round_to_format(e, fmt, NEAREST) @ v) / l
