@@ -203,6 +203,13 @@ def _rounded(x: np.ndarray, fmt: str) -> np.ndarray:
         round_to_format32(x.astype(np.float32), "bf16")
 
 
+def _half_inputs(seed: int, n: int, m: int, d: int):
+    """Two heads of queries at logits of a few tens (three times N(0, 1)), keys and values."""
+    rng = np.random.default_rng(seed)
+    q = (3 * rng.standard_normal((2, n, d))).astype(np.float32)
+    return (q, *(rng.standard_normal((2, m, d)).astype(np.float32) for _ in range(2)))
+
+
 def _half_flash_forward(q, k, v, fmt: str, scores_rounded: bool, before_scale: bool = False, exp2_prescaled=None,
                         rounded_sum: bool = False):
     """A half flash forward as a kernel computes it (inputs, P and output in the format; the row sum
@@ -235,9 +242,7 @@ def test_scores_kept_in_the_half_format_are_named(fmt):
     """A half flash kernel that keeps its score tile in the format (a bf16 S buffer, a cast before
     the exponent): the lse fails at a hundred of its bounds or more, the output at a few (logits of
     a few tens), both named; the same kernel with float32 scores passes."""
-    rng = np.random.default_rng(5)
-    q = (3 * rng.standard_normal((2, 100, 64))).astype(np.float32)
-    k, v = (rng.standard_normal((2, 130, 64)).astype(np.float32) for _ in range(2))
+    q, k, v = _half_inputs(5, 100, 130, 64)
     assert attnstep.check_arrays(q, k, v, _half_flash_forward(q, k, v, fmt, False), precision=fmt).passed
     report = attnstep.check_arrays(q, k, v, _half_flash_forward(q, k, v, fmt, True), precision=fmt)
     failed = [r for r in report.results if r.status == "FAIL"]
@@ -255,9 +260,7 @@ def test_scores_kept_in_the_half_format_are_named(fmt):
 def test_scores_rounded_before_a_scale_that_is_no_power_of_two_are_named(fmt):
     """d = 128: Q·Kᵀ rounded to the format, then scaled by 2^-3.5 (not the same values as the
     scaled scores rounded)."""
-    rng = np.random.default_rng(6)
-    q = (3 * rng.standard_normal((2, 90, 128))).astype(np.float32)
-    k, v = (rng.standard_normal((2, 110, 128)).astype(np.float32) for _ in range(2))
+    q, k, v = _half_inputs(6, 90, 110, 128)
     report = attnstep.check_arrays(q, k, v, _half_flash_forward(q, k, v, fmt, True, before_scale=True), precision=fmt)
     failed = [r for r in report.results if r.status == "FAIL"]
     assert failed and all([d.code for d in r.diagnosis] == ["scores_rounded"] for r in failed), \
@@ -272,9 +275,7 @@ def test_a_query_scaled_and_stored_in_the_half_format_is_named(fmt, exp2):
     times log2 e for its exp2 (or the scale alone, for exp): every product of a score carries a
     rounding of the format. Named on the stages that fail, with the factor; not scores_rounded.
     (d = 128: a scale of 2^-3.5, which Q's values do not keep exactly.)"""
-    rng = np.random.default_rng(7)
-    q = (3 * rng.standard_normal((2, 100, 128))).astype(np.float32)
-    k, v = (rng.standard_normal((2, 130, 128)).astype(np.float32) for _ in range(2))
+    q, k, v = _half_inputs(7, 100, 130, 128)
     report = attnstep.check_arrays(q, k, v, _half_flash_forward(q, k, v, fmt, False, exp2_prescaled=exp2),
                                    precision=fmt)
     failed = [r for r in report.results if r.status == "FAIL"]
@@ -293,9 +294,7 @@ def test_a_row_sum_of_the_rounded_weights_is_named(fmt):
     the weights' roundings, far past its float32 bound, and is named for it. (At fp16 the same
     kernel fails its lse by a few bounds, where the candidate, whose weights round on either side
     of a tie as float64 values do, is not four times closer than the reference: unnamed.)"""
-    rng = np.random.default_rng(8)
-    q = (3 * rng.standard_normal((2, 100, 64))).astype(np.float32)
-    k, v = (rng.standard_normal((2, 130, 64)).astype(np.float32) for _ in range(2))
+    q, k, v = _half_inputs(8, 100, 130, 64)
     report = attnstep.check_arrays(q, k, v, _half_flash_forward(q, k, v, fmt, False, rounded_sum=True),
                                    precision=fmt)
     lse = [r for r in report.results if r.stage == "flash_lse"]
