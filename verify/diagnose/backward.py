@@ -94,6 +94,18 @@ def _problem(ctx) -> Optional[Tuple[Own, float, HeadVariant]]:
     return own, ctx.scale, ctx.head_ctx.head()
 
 
+def rebuilt_with(stage: str, ctx, replaced: Dict[str, np.ndarray]) -> Optional[np.ndarray]:
+    """The stage rebuilt from the program's own files (a flash gradient recomputing P from its
+    saved lse) with some sources replaced (an operand as a kernel rounded it), None without the
+    head's context."""
+    problem = _problem(ctx)
+    if problem is None:
+        return None
+    own, scale, head = problem
+    return _rebuilt(stage, _gradients(stage, lambda name: replaced[name] if name in replaced else own(name),
+                                      scale, head))
+
+
 def _first_match(got, want, width: float, cands: Iterable[Tuple[str, Optional[np.ndarray]]]):
     """(how, max diff) of the first candidate that explains got (see explains_closely), or None."""
     for how, cand in cands:

@@ -311,6 +311,8 @@ def diagnose(stage: str, got: np.ndarray, want: np.ndarray, ctx: Suspect,
         found = _accumulation(stage, got, want, ctx)
     if not found and score_rounding.from_scores(stage):
         found = score_rounding.diagnose(stage, got, want, ctx, fmt)
+    if not found and STAGES[stage].flash and STAGES[stage].backward:
+        found = score_rounding.gradients(stage, got, want, ctx, fmt)
     return found
 
 

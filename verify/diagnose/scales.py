@@ -9,6 +9,7 @@ import numpy as np
 
 from ..check.diagnosis import Diagnosis
 from ..check.reference import compute_stage
+from ..model.half import is_half, storage_unit
 from ..specs import SPECS
 from ..stages import INPUT_NAMES, KEYS, QUERIES, STAGES
 from .base import MATCH_WIDTHS, SCALE_NAME_RTOL, explains_closely, maxdiff
@@ -75,6 +76,20 @@ def _factor_words(f: float, names: List[str]) -> str:
     return said + (f": {', or '.join(readings)}" if readings else "")
 
 
+# A factor this near 1 is no scale: a fraction of a float32 result, or a few units of a half
+# format's last place, which a bias of its conversions can give a whole stage (a bf16 kernel that
+# rounds an operand of its recomputed scores moves its gradients by 1.002-1.01).
+_NEAR_ONE = 1e-3
+_NEAR_ONE_UNITS = 4
+
+
+def _near_one(ctx) -> float:
+    head = ctx.head_ctx
+    if head is None or not is_half(head.precision):
+        return _NEAR_ONE
+    return max(_NEAR_ONE, _NEAR_ONE_UNITS * storage_unit(head.precision))
+
+
 def linear_factor(stage, got, want, ctx, width) -> List[Diagnosis]:
     """got ≈ f·want, f fitted on the entries that are not blank."""
     d_k = ctx.dims.d_k if ctx.dims is not None else 1
@@ -89,7 +104,7 @@ def linear_factor(stage, got, want, ctx, width) -> List[Diagnosis]:
     if ww <= 0:
         return []
     f = float(g @ w) / ww
-    if f == 0 or abs(f - 1) <= 1e-3:
+    if f == 0 or abs(f - 1) <= _near_one(ctx):
         return []
     diff = maxdiff(got[fin], f * want[fin])
     if diff > MATCH_WIDTHS * width * max(1.0, abs(f)):

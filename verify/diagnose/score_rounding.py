@@ -24,7 +24,8 @@ from ..check.half_rounding import stored_in_format
 from ..check.reference import reference_chain
 from ..model.attention import log_sum_exp_rows
 from ..model.half import NEAREST, round_to_format, storage_bound
-from ..stages import QUERIES, SCALED_SCORES, SCORES, STAGES, VALUES
+from ..stages import KEYS, QUERIES, SCALED_SCORES, SCORES, STAGES, VALUES
+from .backward import rebuilt_with
 from .base import FAR_BETTER, LOG2_E, PRECISION_CONFIDENCE, gap
 
 SCORES_ROUNDED, PRESCALED_ROUNDED, ROW_SUM_ROUNDED = "scores_rounded", "prescaled_rounded", "row_sum_rounded"
@@ -82,6 +83,42 @@ def diagnose(stage, got, want, ctx, fmt: str) -> List[Diagnosis]:
                       PRECISION_CONFIDENCE)]
 
 
+def gradients(stage, got, want, ctx, fmt: str) -> List[Diagnosis]:
+    """prescaled_rounded on a flash gradient: got matches the gradient rebuilt from the program's own
+    files with K (or Q) times the scale, or scale·log2 e, rounded to fmt far better than want (the
+    Triton tutorial's backward: k·(sm_scale·log2 e) stored in the format, for P and dQ)."""
+    head = ctx.head_ctx
+    if head is None or not STAGES[stage].flash or not STAGES[stage].backward:
+        return []
+    own = storage_bound(want, fmt) if stored_in_format(stage) else 0.0
+    base = gap(got, want, own)
+    found = []
+    for name in (KEYS, QUERIES):
+        for factor, words in _prescales(head.scale):
+            x = np.asarray(head.own(name), np.float64)
+            prescaled = round_to_format((x.astype(np.float32) * factor).astype(np.float64), fmt, NEAREST)
+            cand = rebuilt_with(stage, ctx, {name: prescaled / float(factor)})
+            if cand is not None and cand.shape == got.shape:
+                left = gap(got, cand, own)
+                if left <= FAR_BETTER * base:
+                    found.append((left, words.replace("Q", name)))
+    if not found:
+        return []
+    left, words = min(found)
+    return [Diagnosis(PRESCALED_ROUNDED, f"{stage} follows {words} stored in {fmt} before the scores are "
+                      f"recomputed: it matches that gradient to {left:.2g}, against {base:.2g} for the operand "
+                      f"as given (Triton's fused-attention tutorial's backward stores k * (sm_scale * log2 e) in "
+                      f"{fmt}). Each score, and so each recomputed weight, then carries a rounding of {fmt}; "
+                      "multiply the float32 scores by the scale instead, as FlashAttention does",
+                      {"precision": fmt, "max_diff": left, "float32_diff": base}, PRECISION_CONFIDENCE)]
+
+
+def _prescales(scale: float):
+    """(the factor, in float32, a kernel multiplies Q or K by before rounding it; in words): the
+    softmax scale, and the scale times log2 e of an exp2 kernel."""
+    return ((np.float32(scale), "Q·scale"), (np.float32(scale) * np.float32(LOG2_E), "Q·scale·log2 e"))
+
+
 def _routes(inputs, head, fmt: str) -> List[Tuple[str, str, np.ndarray]]:
     """(code, words, the scaled scores) of each rounding a kernel may do: the scores (after the
     scale, or Q·Kᵀ before it: where the variant only hides scores, as the scaled ones are), and Q
@@ -94,8 +131,7 @@ def _routes(inputs, head, fmt: str) -> List[Tuple[str, str, np.ndarray]]:
               (SCORES_ROUNDED, "Q·Kᵀ rounded, then scaled,",
                np.where(seen, round_to_format(chain[SCORES], fmt, NEAREST) * head.scale, s))]
     q = np.asarray(inputs[QUERIES], np.float64)
-    for factor, words in ((np.float32(head.scale), "Q·scale"),
-                          (np.float32(head.scale) * np.float32(LOG2_E), "Q·scale·log2 e")):
+    for factor, words in _prescales(head.scale):
         # Q·c in float32, rounded to fmt: the scores are that Q·Kᵀ, over c in the softmax's units.
         prescaled = round_to_format((q.astype(np.float32) * factor).astype(np.float64), fmt, NEAREST)
         other = {**inputs, QUERIES: prescaled / float(factor)}
