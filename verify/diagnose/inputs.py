@@ -27,8 +27,8 @@ from ..specs.base import head_variant
 from ..stages import BIAS_INPUT, DROPOUT_MASK, INPUT_NAMES, KEYS, MASK_INPUT, QUERIES, SCALED_SCORES, STAGES, VALUES
 from ..text import plural
 from ..variant import TOP_LEFT, Variant
-from .base import (DISTINCT_WIDTHS, KEY_TILES, LOG_FLOAT32_MAX, MATCH_WIDTHS, MAX_RUN_KEY_TILE, MIN_KEY_TILE,
-                   OVERFLOW_SLACK, differs, maxdiff, width_of)
+from .base import (KEY_TILES, LOG_FLOAT32_MAX, MATCH_WIDTHS, MAX_RUN_KEY_TILE, MIN_KEY_TILE, OVERFLOW_SLACK,
+                   explains, explains_closely, maxdiff, width_of)
 
 Tensors = Dict[str, np.ndarray]
 # (Q, K, V with the head's variant tensors), masked (None: the variant's own), variant, slope -> the stage
@@ -158,18 +158,13 @@ def alternatives(stage: str, ctx: Suspect, width: float, variant: Optional[Varia
 
 
 def explains_rows(got: np.ndarray, cand: np.ndarray, want: np.ndarray, width: float,
-                  judged: np.ndarray, nan_evidence: bool = False) -> Optional[float]:
-    """max|got - cand| over the judged rows when cand explains them and differs from want there by
-    far more than rounding (where it counts: differs()), else None. At least half of the rows
-    must be judged."""
+                  judged: np.ndarray, nan_evidence: bool = False, closely: bool = False) -> Optional[float]:
+    """explains() over the judged rows (explains_closely() where `closely`), else None. At least
+    half of the rows must be judged."""
     if cand.shape != got.shape or judged.sum() < max(1, got.shape[0] / 2):
         return None
-    diff = maxdiff(got[judged], cand[judged])
-    if not diff <= MATCH_WIDTHS * width:
-        return None
-    if not differs(got[judged], cand[judged], want[judged], DISTINCT_WIDTHS * width, nan_evidence):
-        return None
-    return diff
+    match = explains_closely if closely else explains
+    return match(got[judged], cand[judged], want[judged], width, nan_evidence)
 
 
 def worst_rows(got: np.ndarray, want: np.ndarray, count: int = 4) -> np.ndarray:

@@ -111,7 +111,10 @@ def _head(stage, got, ctx, width) -> Optional[_Head]:
 
 
 def _matches(got, want, head: _Head, cand: np.ndarray) -> Optional[float]:
-    return explains_rows(got, cand, want, head.width, ~blank_rows(got, want))
+    """explains_closely() on the written rows: a half program's output bound is wide (its P rounded
+    to the format before P·V), and a loop's bug moves the output by less than DISTINCT_WIDTHS of
+    them, while its float64 candidate reproduces got to the output's own rounding."""
+    return explains_rows(got, cand, want, head.width, ~blank_rows(got, want), closely=True)
 
 
 def _fits_rows(got, head: _Head, cand_rows: np.ndarray, rows: np.ndarray) -> bool:
