@@ -218,7 +218,7 @@ def test_a_missing_scale_fails_at_half_precision(tmp_path, precision):
 
 
 @pytest.mark.parametrize("precision", HALF_PRECISIONS)
-@pytest.mark.parametrize("bug,code", [("no_rescale", "online_rescale_missing")])
+@pytest.mark.parametrize("bug,code", [("no_rescale", "online_rescale_missing"), ("skip_key_tile", "key_tile_skipped")])
 def test_a_flash_loop_bug_is_named_at_half_precision(tmp_path, precision, bug, code):
     """The flash loop's bug is named on flash_output, the first failing stage: its P rounded to the
     format before P·V widens the output's bound until the bug moves it by fewer than a hundred

@@ -234,9 +234,14 @@ def overflow(stage, got, want, ctx, width) -> List[Diagnosis]:
 
 # ---- keys past the end of the last tile, or left out ---------------------------------------------
 
-def _tiles(ctx: Suspect) -> List[int]:
+def run_key_tile(ctx: Suspect) -> Optional[int]:
+    """The run's own key tile width (run.toml's flash_block_k), where it gives one to try."""
+    return int(ctx.flash_tiles[1]) if ctx.flash_tiles and 0 < ctx.flash_tiles[1] <= MAX_RUN_KEY_TILE else None
+
+
+def key_tiles(ctx: Suspect) -> List[int]:
     """Key tile widths to try: the run's own first, then the usual ones."""
-    own = [int(ctx.flash_tiles[1])] if ctx.flash_tiles and 0 < ctx.flash_tiles[1] <= MAX_RUN_KEY_TILE else []
+    own = [] if run_key_tile(ctx) is None else [run_key_tile(ctx)]
     return own + [t for t in KEY_TILES if t not in own]
 
 
@@ -298,7 +303,7 @@ def _as_written(stage: str, cand: np.ndarray, m: int) -> np.ndarray:
 
 def _keys_past_end(stage, got, want, ctx, rebuild, width, qkv) -> List[Diagnosis]:
     m, n = qkv[KEYS].shape[0], got.shape[0]
-    for extra, tiles in _by_count(_tiles(ctx), lambda t: -m % t).items():
+    for extra, tiles in _by_count(key_tiles(ctx), lambda t: -m % t).items():
         for words, k_tail, v_tail in _past_end_sources(ctx, extra):
             cand = _as_written(stage, rebuild(_extended(qkv, extra, k_tail, v_tail), run_hidden(ctx, n, m, extra)), m)
             for judged, overrun in _past_end_judged(got, want, ctx, extra):
@@ -316,7 +321,7 @@ def _keys_past_end(stage, got, want, ctx, rebuild, width, qkv) -> List[Diagnosis
 def _keys_dropped(stage, got, want, ctx, rebuild, width, qkv) -> List[Diagnosis]:
     m = qkv[KEYS].shape[0]
     n = got.shape[0]
-    for dropped, tiles in _by_count(_tiles(ctx), lambda t: m % t if t < m else 0).items():
+    for dropped, tiles in _by_count(key_tiles(ctx), lambda t: m % t if t < m else 0).items():
         kept = m - dropped
         cut = {QUERIES: qkv[QUERIES], KEYS: qkv[KEYS][:kept], VALUES: qkv[VALUES][:kept]}
         judged = ~blank_rows(got, want)
