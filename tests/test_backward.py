@@ -140,6 +140,20 @@ def test_dq_accumulated_at_the_key_tiles_rows_is_named_with_its_tiles(tmp_path, 
                                                                              found[0].detail["key_tile"]], found
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_dv_from_each_tile_of_p_untransposed_is_named_with_its_tile(tmp_path, causal):
+    """Another program's flash backward (square tiles of 64, its flash stages alone, no run.toml)
+    that adds P_tile·dO_tile to dV where P_tileᵀ·dO_tile belongs."""
+    flash = ("flash_output", "flash_lse", "flash_dQ", "flash_dK", "flash_dV")
+    in_dir, out_dir = write_backward_case(tmp_path, Dims(1, 2, 128, 192, 32, 32), causal, bug="dV_untransposed_tile",
+                                          writer="g9", only=flash)
+    failed = failures(compare.check(in_dir, out_dir, diagnoser=diagnose))
+    assert {s for s, _ in failed} == {"flash_dV"}, sorted(failed)
+    for head in range(2):
+        found = failed[("flash_dV", head)].diagnosis
+        assert found and found[0].code == "dV_untransposed_P" and found[0].detail["tile"] == 64, found
+
+
 def test_stages_downstream_of_a_wrong_ds_inherit_it(tmp_path):
     in_dir, out_dir = write_backward_case(tmp_path, Dims(1, 1, 32, 32, 16, 16), False, bug="dS_missing_P")
     failed = failures(compare.check(in_dir, out_dir, diagnoser=diagnose))

@@ -218,6 +218,18 @@ def test_a_missing_scale_fails_at_half_precision(tmp_path, precision):
 
 
 @pytest.mark.parametrize("precision", HALF_PRECISIONS)
+@pytest.mark.parametrize("bug,code", [("no_rescale", "online_rescale_missing"), ("skip_key_tile", "key_tile_skipped")])
+def test_a_flash_loop_bug_is_named_at_half_precision(tmp_path, precision, bug, code):
+    """The flash loop's bug is named on flash_output, the first failing stage: its P rounded to the
+    format before P·V widens the output's bound until the bug moves it by fewer than a hundred
+    widths, but the bug's candidate reproduces it to the output's own rounding."""
+    in_dir, out_dir = half_program_case(tmp_path, precision, mm_blas, False, bug=bug)
+    status, verdict = check_verdict(in_dir, out_dir, "--precision", precision)
+    assert status == 1 and verdict.startswith(f"FAIL (bounds for {precision}): first failing stage: {FLASH_OUTPUT} "
+                                              f"(both heads); {code}:"), verdict
+
+
+@pytest.mark.parametrize("precision", HALF_PRECISIONS)
 def test_one_wrong_element_fails_when_it_exceeds_the_half_bound(tmp_path, precision):
     """One output element off by 2% (five half ulps of bf16, forty of fp16) fails, at that element;
     the same program run at fp32 bounds fails everywhere (its values are half-rounded)."""

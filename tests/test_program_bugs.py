@@ -230,14 +230,16 @@ ONLINE = [  # (id, dims, the program's options, the stages that fail, the tile n
     ("last-key-skipped", SQUARE, {"skip": "last"}, FLASH, 32, "the last key of every full tile of 32"),
     ("last-key-skipped-tail", PAST_TILE, {"skip": "last"}, FLASH, 32, "(the partial last tile's included)"),
     ("first-key-skipped", PAST_TILE, {"skip": "first"}, FLASH, 32, "the first key of every tile of 32"),
+    ("key-tile-skipped", PAST_TILE, {"skip": "tile"}, FLASH, 32, "keys 32..63 (the second tile of 32 keys) are never"),
 ]
+_CODES = {"tile": "key_tile_skipped", "last": "tile_keys_skipped", "first": "tile_keys_skipped"}
 
 
 @pytest.mark.parametrize("dims,options,failing,tile,words", [o[1:] for o in ONLINE], ids=[o[0] for o in ONLINE])
 def test_a_flash_loop_bug_is_named_with_its_tile(tmp_path, dims, options, failing, tile, words):
     scale = default_scale(dims.d_k)
     result, report = _check(tmp_path, dims, lambda x: bp.online_program(x, scale, tile, **options), FLASH)
-    code = "tile_keys_skipped" if "skip" in options else "online_rescale_missing"
+    code = _CODES[options["skip"]] if "skip" in options else "online_rescale_missing"
     for stage in failing:
         for d in _assert_named_first(report, "flash_output", code) if stage == "flash_output" else \
                 [_first(e) for e in _failed(report, stage)]:

@@ -148,16 +148,16 @@ def online_program(inputs: Sequence[Head], scale: float, tile: int, rescale_sum:
                    causal: bool = False, max_from: float = -np.inf, ftz: bool = False) -> List[Head]:
     """A flash forward in float32 with exp2 (log2 e folded into the scale) over key tiles of `tile`:
     its running sum or output not rescaled when a tile raises the row maximum (the online softmax's
-    bug), its key loop leaving out the "last" or "first" key of every tile, log2 e left out, or its
-    running maximum started at `max_from` (0: the bug); ftz: subnormal weights flushed to 0, as a
-    GPU's fast exp2 does."""
+    bug), its key loop leaving out the "last" or "first" key of every tile or the second "tile" whole,
+    log2 e left out, or its running maximum started at `max_from` (0: the bug); ftz: subnormal
+    weights flushed to 0, as a GPU's fast exp2 does."""
     out = []
     for x in inputs:
         q, k, v = x["Q"], x["K"], x["V"]
         n, m = q.shape[0], k.shape[0]
         mx, total = np.full((n, 1), max_from, f32), np.zeros((n, 1), f32)
         acc = np.zeros((n, v.shape[1]), f32)
-        for c0 in range(0, m, tile):
+        for c0 in (c for c in range(0, m, tile) if not (skip == "tile" and c == tile)):
             cols = slice(c0, min(c0 + tile, m) - (skip == "last"))
             cols = slice(cols.start + (skip == "first"), cols.stop)
             factor = f32(scale * (1.4426950408889634 if fold_log2e else 1.0))

@@ -344,9 +344,9 @@ def read_inputs(folder: Path, heads: int) -> List[Dict[str, np.ndarray]]:
 # Bugs of the backward pass, planted like the forward's: everything downstream computed from the
 # bugged value. "bwd_mask" recomputes the flash backward's P without the causal mask; "bwd_lse_log2"
 # feeds the natural-log lse into an exp2 without converting it; "dq_key_rows" adds each tile's dQ
-# term at the key tile's rows.
+# term at the key tile's rows; "dV_untransposed_tile" adds P_tile·dO_tile to dV (square tiles).
 BACKWARD_BUGS = ("D_wrong_O", "dS_missing_P", "grad_unscaled", "dV_untransposed_P", "bwd_mask", "bwd_lse_log2",
-                 "dq_key_rows")
+                 "dq_key_rows", "dV_untransposed_tile")
 
 
 @dataclass(frozen=True)
@@ -438,6 +438,8 @@ def flash_backward(q, k, v, do, o, lse, scale: float, causal: bool, route: Backw
                 ds = _flush_subnormals(ds)
             if bug == "dV_untransposed_P":  # dV = P·dO (N = M): query rows, key rows of dO
                 dv[r0:r0 + block] += mm_blas(p, do[c0:c0 + block])
+            elif bug == "dV_untransposed_tile":  # each tile of P untransposed (N, M multiples of the tile)
+                dv[c0:c0 + block] += mm_blas(p, dor)
             else:
                 dv[c0:c0 + block] += mm_blas(np.ascontiguousarray(p.T), dor)
             dk[c0:c0 + block] += mm_blas(np.ascontiguousarray(ds.T), qr) * s_used

@@ -24,7 +24,9 @@ def half(x, precision):
 def emulate(q, k, v, scale, causal, precision, mm, bug=None):
     """A bf16/fp16 attention as PyTorch's eager mode runs it (each op's result in the format,
     float32 inside), its GEMMs summed in `mm`'s order, and a FlashAttention-style forward over
-    key tiles of 32 with P rounded before P·V."""
+    key tiles of 32 with P rounded before P·V. Its bugs: "unscaled" (the scores' scale left out),
+    and in the flash loop "no_rescale" (the running sum and output not rescaled when a tile raises
+    the row maximum) and "skip_key_tile" (the second key tile, keys 32..63, never read)."""
     h = lambda x: half(x, precision)  # noqa: E731
     q, k, v = h(q), h(k), h(v)
     qk = h(mm(q, k.T))
@@ -40,9 +42,12 @@ def emulate(q, k, v, scale, causal, precision, mm, bug=None):
     if causal:
         full = np.where(np.triu(np.ones(full.shape, bool), 1), -np.inf, full).astype(f32)
     for c0 in range(0, k.shape[0], 32):
+        if bug == "skip_key_tile" and c0 == 32:
+            continue
         t = full[:, c0:c0 + 32]
         m_new = np.maximum(m, t.max(axis=1, keepdims=True))
         alpha = np.where(m == -np.inf, f32(0), np.exp(m - m_new, dtype=f32)).astype(f32)
+        alpha = np.ones_like(alpha) if bug == "no_rescale" else alpha
         pt = np.exp(t - m_new, dtype=f32)
         l = (alpha * l + pt.sum(axis=1, keepdims=True, dtype=f32)).astype(f32)
         acc = (alpha * acc + mm(h(pt), v[c0:c0 + 32])).astype(f32)

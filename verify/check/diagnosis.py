@@ -21,12 +21,13 @@ from ..stages import Dims
 from ..variant import Variant
 
 
-# The key loops' bugs (verify/diagnose/softmax_loops.py), found by a search over tile widths: a
+# The key loops' bugs (verify/diagnose/softmax_loops.py, key_tiles.py), found by a search over tile widths: a
 # decode step's last keys left out (a length one short, new keys unseen) may also fit a width whose
 # tiles end there, so the readings of a paged or packed case's keys are still tried where only
 # these were named (verify/check/paged.py).
 TILE_KEYS_SKIPPED, ONLINE_RESCALE_MISSING = "tile_keys_skipped", "online_rescale_missing"
-SEARCHED_CODES = (TILE_KEYS_SKIPPED, ONLINE_RESCALE_MISSING)
+KEY_TILE_SKIPPED = "key_tile_skipped"
+SEARCHED_CODES = (TILE_KEYS_SKIPPED, ONLINE_RESCALE_MISSING, KEY_TILE_SKIPPED)
 
 
 @dataclass

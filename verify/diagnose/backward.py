@@ -1,8 +1,8 @@
 """The backward pass's classic bugs, as hypotheses of verify/diagnose/hypotheses.py: D from the wrong O
 (another head's among them: verify/diagnose/heads.py's other_head_stage), dS without its P factor,
-a gradient missing the scale, dV from P instead of Pᵀ, and a flash backward whose lse is in the
-wrong base, whose dQ and dK leave out the softcap's derivative, or whose dQ is accumulated at the
-key tile's rows. Each rebuilds the failing stage the way the bug would have
+a gradient missing the scale, dV from P instead of Pᵀ (whole, or tile by tile), and a flash backward
+whose lse is in the wrong base, whose dQ and dK leave out the softcap's derivative, or whose dQ is
+accumulated at the key tile's rows. Each rebuilds the failing stage the way the bug would have
 computed it, from the program's own upstream files where it wrote them (else the reference chain),
 and fires when that explains got while the correct computation does not.
 """
@@ -21,6 +21,7 @@ from ..specs.backward import Gradients, d_reference
 from ..stages import FLASH_LSE, GRAD_OUTPUT, KEYS, OUTPUT, QUERIES, STAGES, VALUES
 from .base import LOG2_E, explains_closely
 from .heads import neighbours, other_head_stage
+from .inputs import key_tiles
 
 Own = Callable[[str], np.ndarray]
 
@@ -189,6 +190,31 @@ def grad_unscaled(stage, got, want, ctx, width) -> List[Diagnosis]:
                       {"how": how, "scale": scale, "max_diff": diff}, 0.95)]
 
 
+def _untransposed_tiles(P: np.ndarray, dO: np.ndarray, tile: int) -> np.ndarray:
+    """dV as a flash backward over square tiles of `tile` queries and keys that adds P_tile·dO_tile
+    where P_tileᵀ·dO_tile belongs: dV[c·t + a] = Σ_r Σ_b P[r·t + a, c·t + b]·dO[r·t + b], the tiles
+    past the ends padded with zeros (a kernel's masked P and unread dO rows)."""
+    n, m = P.shape
+    rows, cols = -(-n // tile), -(-m // tile)
+    padded = np.zeros((rows * tile, cols * tile))
+    padded[:n, :m] = P
+    d_out = np.zeros((rows * tile, dO.shape[1]))
+    d_out[:n] = dO
+    blocks = np.einsum("racb,rbd->cad", padded.reshape(rows, tile, cols, tile), d_out.reshape(rows, tile, -1))
+    return blocks.reshape(cols * tile, -1)[:m]
+
+
+def _untransposed_candidates(P: np.ndarray, dO: np.ndarray, ctx):
+    """(the square tile's width, 0 for the whole matrix; dV from P untransposed): P·dO where N = M,
+    then tile by tile for the run's own key tile width and the usual ones, below N or M."""
+    n, m = P.shape
+    if n == m:
+        yield 0, P @ dO
+    for tile in key_tiles(ctx):
+        if tile < max(n, m):
+            yield tile, _untransposed_tiles(P, dO, tile)
+
+
 def dv_untransposed_p(stage, got, want, ctx, width) -> List[Diagnosis]:
     problem = _problem(ctx)
     if problem is None:
@@ -196,13 +222,17 @@ def dv_untransposed_p(stage, got, want, ctx, width) -> List[Diagnosis]:
     own, scale, head = problem
     P = _gradients(stage, own, scale, head).P
     dO = own(GRAD_OUTPUT)
-    if P.shape[1] != dO.shape[0]:
-        return []  # P·dO needs N = M
-    hit = _first_match(got, want, _width(ctx, stage, width), (("", P @ dO),))
+    if P.shape[0] != dO.shape[0] or P.shape[1] != got.shape[0]:
+        return []
+    hit = _first_match(got, want, _width(ctx, stage, width), _untransposed_candidates(P, dO, ctx))
     if hit is None:
         return []
-    return [Diagnosis("dV_untransposed_P", f"{stage}: dV = P·dO instead of Pᵀ·dO (max diff {hit[1]:.2g})",
-                      {"max_diff": hit[1]}, 0.96)]
+    tile, diff = hit
+    how = ("dV = P·dO instead of Pᵀ·dO" if not tile else
+           f"dV accumulated tile by tile as P_tile·dO_tile instead of P_tileᵀ·dO_tile (square tiles of {tile} "
+           "queries and keys: each tile of P used untransposed)")
+    return [Diagnosis("dV_untransposed_P", f"{stage}: {how} (max diff {diff:.2g})",
+                      {"tile": tile, "max_diff": diff}, 0.96)]
 
 
 def flash_lse_base(stage, got, want, ctx, width) -> List[Diagnosis]:

@@ -11,8 +11,8 @@ Codes (stable; the report's `diagnosis`; docs/contract.md says each in a user's 
 empty_rows_nan, unwritten, overflow, transposed, layout, scaled, softmax_axis, keys_past_end, keys_dropped,
 tile_boundary, lse_log2; the softmax loops' mask_after_softmax, tile_keys_skipped,
 online_rescale_missing, softmax_unnormalized, lse_sum_missing, lse_max_missing, running_max_zero
-(verify/diagnose/softmax_loops.py); the heads' head_permuted, kv_head_map,
-kv_group_not_summed, kv_group_summed_twice (verify/diagnose/heads.py); the masks' mask_missing,
+(verify/diagnose/softmax_loops.py) and key_tile_skipped (verify/diagnose/key_tiles.py); the heads'
+head_permuted, kv_head_map, kv_group_not_summed, kv_group_summed_twice (verify/diagnose/heads.py); the masks' mask_missing,
 mask_offset (any offset; the other alignment named), window_off, window_missing, mask_file_ignored,
 mask_file_transposed, mask_file_inverted, causal_tile_skip (verify/diagnose/masks.py and
 mask_candidates.py); the variants' softcap_missing, softcap_before_scale,
@@ -47,6 +47,7 @@ from . import precision as precision_bugs
 from . import sequences as sequence_bugs
 from . import splits as split_bugs, variants as variant_bugs
 from . import softmax_loops as loop_bugs
+from . import key_tiles as key_tile_bugs
 from .scales import linear_factor, recomputed, scaled
 from .softmax_axis import softmax_axis
 from .base import (LOG2_E, MATCH_WIDTHS, MIN_READ_VALUES, POISON_VALUES, UNWRITTEN_DENSITY, explains,
@@ -204,7 +205,7 @@ _HYPOTHESES = {"nonfinite": _nonfinite, EMPTY_ROWS_NAN: _empty_rows_nan, "unwrit
                "transposed": _transposed, "layout": _layout,
                "scaled": scaled, "softmax_axis": softmax_axis, "head_permuted": head_bugs.heads, "mask": mask_bugs.mask,
                "tile_boundary": _tile_boundary, "lse_log2": _lse_log2, "keys": _keys, "overflow": _overflow,
-               **loop_bugs.HYPOTHESES, **backward_bugs.HYPOTHESES}
+               **loop_bugs.HYPOTHESES, **key_tile_bugs.HYPOTHESES, **backward_bugs.HYPOTHESES}
 # The hypotheses that try many readings (every operand's layouts, every other head, every mask
 # offset): one of them fits a stage of one value by chance (a decode step's lse, one a head).
 _SEARCHES = ("layout", "head_permuted", "mask")
@@ -218,6 +219,9 @@ _EXPLAINED_BY_VARIANT_BUGS = ("scaled", "tile_boundary", "unwritten")
 # A sequence that read other rows of the packed stream has wrong values everywhere, which a factor,
 # a tile pattern or a few keys read past the end only approximate.
 _EXPLAINED_BY_SEQUENCE_BUGS = sequence_bugs.APPROXIMATIONS
+# The key loops' searches over tile widths (tried last), and what they name.
+_LOOP_SEARCHES = loop_bugs.SEARCHES + key_tile_bugs.SEARCHES
+_LOOP_CODES = set(loop_bugs.CODES) | set(key_tile_bugs.CODES)
 # Findings that name where a stage is wrong, not why: the key loops' searches still run.
 _NO_CAUSE_NAMED = ("nonfinite", "unwritten", "tile_boundary")
 # How much less confident a reading listed after an equivalent one is.
@@ -247,7 +251,7 @@ def diagnose(stage: str, got: np.ndarray, want: np.ndarray, ctx: Suspect) -> Lis
     fired = set()
     few = got.size < MIN_READ_VALUES
     for name, hyp in _HYPOTHESES.items():
-        if name in SPECS[stage].diagnoses and name not in loop_bugs.SEARCHES and not (few and name in _SEARCHES):
+        if name in SPECS[stage].diagnoses and name not in _LOOP_SEARCHES and not (few and name in _SEARCHES):
             with np.errstate(all="ignore"):
                 new = hyp(stage, got, want, ctx, width)
             found.extend(new)
@@ -273,7 +277,7 @@ def diagnose(stage: str, got: np.ndarray, want: np.ndarray, ctx: Suspect) -> Lis
     # cause (a mask one key short, or the keys past the last tile left out, also fits a width
     # whose skipped keys carry little weight).
     if all(d.code in _NO_CAUSE_NAMED for d in found):
-        for name in (n for n in loop_bugs.SEARCHES if n in SPECS[stage].diagnoses):
+        for name in (n for n in _LOOP_SEARCHES if n in SPECS[stage].diagnoses):
             with np.errstate(all="ignore"):
                 new = _HYPOTHESES[name](stage, got, want, ctx, width)
             found.extend(new)
@@ -352,8 +356,8 @@ def _settled(found: List[Diagnosis], fired, rounding: float) -> List[Diagnosis]:
         found = _without(found, ("unwritten", "tile_boundary"))
     if "transposed" in codes:
         found = _without(found, ("tile_boundary",))
-    if codes & set(loop_bugs.CODES):
-        # A key of every tile left out, or a tile's rescale forgotten, is wrong tile by tile.
+    if codes & _LOOP_CODES:
+        # A key of every tile left out, a tile skipped or a tile's rescale forgotten is wrong tile by tile.
         found = _without(found, ("tile_boundary",))
     if fired & set(backward_bugs.HYPOTHESES):
         found = _without(found, _EXPLAINED_BY_BACKWARD_BUGS)

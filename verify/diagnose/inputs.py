@@ -27,8 +27,8 @@ from ..specs.base import head_variant
 from ..stages import BIAS_INPUT, DROPOUT_MASK, INPUT_NAMES, KEYS, MASK_INPUT, QUERIES, SCALED_SCORES, STAGES, VALUES
 from ..text import plural
 from ..variant import TOP_LEFT, Variant
-from .base import (DISTINCT_WIDTHS, KEY_TILES, LOG_FLOAT32_MAX, MATCH_WIDTHS, MAX_RUN_KEY_TILE, MIN_KEY_TILE,
-                   OVERFLOW_SLACK, differs, maxdiff, width_of)
+from .base import (KEY_TILES, LOG_FLOAT32_MAX, MATCH_WIDTHS, MAX_RUN_KEY_TILE, MIN_KEY_TILE, OVERFLOW_SLACK,
+                   explains, explains_closely, maxdiff, width_of)
 
 Tensors = Dict[str, np.ndarray]
 # (Q, K, V with the head's variant tensors), masked (None: the variant's own), variant, slope -> the stage
@@ -161,18 +161,13 @@ def alternatives(stage: str, ctx: Suspect, width: float, variant: Optional[Varia
 
 
 def explains_rows(got: np.ndarray, cand: np.ndarray, want: np.ndarray, width: float,
-                  judged: np.ndarray, nan_evidence: bool = False) -> Optional[float]:
-    """max|got - cand| over the judged rows when cand explains them and differs from want there by
-    far more than rounding (where it counts: differs()), else None. At least half of the rows
-    must be judged."""
+                  judged: np.ndarray, nan_evidence: bool = False, closely: bool = False) -> Optional[float]:
+    """explains() over the judged rows (explains_closely() where `closely`), else None. At least
+    half of the rows must be judged."""
     if cand.shape != got.shape or judged.sum() < max(1, got.shape[0] / 2):
         return None
-    diff = maxdiff(got[judged], cand[judged])
-    if not diff <= MATCH_WIDTHS * width:
-        return None
-    if not differs(got[judged], cand[judged], want[judged], DISTINCT_WIDTHS * width, nan_evidence):
-        return None
-    return diff
+    match = explains_closely if closely else explains
+    return match(got[judged], cand[judged], want[judged], width, nan_evidence)
 
 
 def worst_rows(got: np.ndarray, want: np.ndarray, count: int = 4) -> np.ndarray:
@@ -242,9 +237,14 @@ def overflow(stage, got, want, ctx, width) -> List[Diagnosis]:
 
 # ---- keys past the end of the last tile, or left out ---------------------------------------------
 
-def _tiles(ctx: Suspect) -> List[int]:
+def run_key_tile(ctx: Suspect) -> Optional[int]:
+    """The run's own key tile width (run.toml's flash_block_k), where it gives one to try."""
+    return int(ctx.flash_tiles[1]) if ctx.flash_tiles and 0 < ctx.flash_tiles[1] <= MAX_RUN_KEY_TILE else None
+
+
+def key_tiles(ctx: Suspect) -> List[int]:
     """Key tile widths to try: the run's own first, then the usual ones."""
-    own = [int(ctx.flash_tiles[1])] if ctx.flash_tiles and 0 < ctx.flash_tiles[1] <= MAX_RUN_KEY_TILE else []
+    own = [] if run_key_tile(ctx) is None else [run_key_tile(ctx)]
     return own + [t for t in KEY_TILES if t not in own]
 
 
@@ -306,7 +306,7 @@ def _as_written(stage: str, cand: np.ndarray, m: int) -> np.ndarray:
 
 def _keys_past_end(stage, got, want, ctx, rebuild, width, qkv) -> List[Diagnosis]:
     m, n = qkv[KEYS].shape[0], got.shape[0]
-    for extra, tiles in _by_count(_tiles(ctx), lambda t: -m % t).items():
+    for extra, tiles in _by_count(key_tiles(ctx), lambda t: -m % t).items():
         for words, k_tail, v_tail in _past_end_sources(ctx, extra):
             cand = _as_written(stage, rebuild(_extended(qkv, extra, k_tail, v_tail), run_hidden(ctx, n, m, extra)), m)
             for judged, overrun in _past_end_judged(got, want, ctx, extra):
@@ -324,7 +324,7 @@ def _keys_past_end(stage, got, want, ctx, rebuild, width, qkv) -> List[Diagnosis
 def _keys_dropped(stage, got, want, ctx, rebuild, width, qkv) -> List[Diagnosis]:
     m = qkv[KEYS].shape[0]
     n = got.shape[0]
-    for dropped, tiles in _by_count(_tiles(ctx), lambda t: m % t if t < m else 0).items():
+    for dropped, tiles in _by_count(key_tiles(ctx), lambda t: m % t if t < m else 0).items():
         kept = m - dropped
         cut = {QUERIES: qkv[QUERIES], KEYS: qkv[KEYS][:kept], VALUES: qkv[VALUES][:kept]}
         judged = ~blank_rows(got, want)

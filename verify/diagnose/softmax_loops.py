@@ -88,6 +88,15 @@ class _Head:
         """The stage as the program writes it from these weights (normalized or not)."""
         return weights if self.kind == _PROBABILITIES else weights @ self.values
 
+    def from_state(self, lse: np.ndarray, out: Optional[np.ndarray], masked: np.ndarray) -> np.ndarray:
+        """The stage from a softmax's log-sum-exp (a column) and output over the keys it read, and
+        its logits with the hidden and unread keys −inf (the weights: exp(s − lse))."""
+        if self.kind == _LOG_SUM_EXP:
+            return lse
+        if self.kind == _ATTENTION:
+            return out
+        return np.exp(masked - np.where(np.isfinite(lse), lse, 0.0))
+
     def softmax_stage(self, logits: np.ndarray, rows=slice(None)) -> np.ndarray:
         """The stage from these logits of `rows` under the run's mask."""
         s = np.where(self.hidden[rows], -np.inf, logits)
@@ -103,18 +112,21 @@ def _input_logits(ctx: Suspect, qkv) -> np.ndarray:
                               slope_of(ctx))
 
 
-def _head(stage, got, ctx, width) -> Optional[_Head]:
+def loop_head(stage, got, ctx, width) -> Optional[_Head]:
     if got.ndim != 2:
         return None
     head = _Head(stage, ctx, width)
     return head if head.ok and head.logits.shape[0] == got.shape[0] else None
 
 
-def _matches(got, want, head: _Head, cand: np.ndarray) -> Optional[float]:
-    return explains_rows(got, cand, want, head.width, ~blank_rows(got, want))
+def loop_matches(got, want, head: _Head, cand: np.ndarray) -> Optional[float]:
+    """explains_closely() on the written rows: a half program's output bound is wide (its P rounded
+    to the format before P·V), and a loop's bug moves the output by less than DISTINCT_WIDTHS of
+    them, while its float64 candidate reproduces got to the output's own rounding."""
+    return explains_rows(got, cand, want, head.width, ~blank_rows(got, want), closely=True)
 
 
-def _fits_rows(got, head: _Head, cand_rows: np.ndarray, rows: np.ndarray) -> bool:
+def loop_fits_rows(got, head: _Head, cand_rows: np.ndarray, rows: np.ndarray) -> bool:
     return maxdiff(got[rows], cand_rows) <= MATCH_WIDTHS * head.width
 
 
@@ -126,7 +138,7 @@ def _widths(m: int) -> range:
 # ---- the mask after the softmax -------------------------------------------------------------------
 
 def mask_after_softmax(stage, got, want, ctx, width) -> List[Diagnosis]:
-    head = _head(stage, got, ctx, width)
+    head = loop_head(stage, got, ctx, width)
     if head is None or head.kind == _LOG_SUM_EXP or not (head.hidden.any(axis=1) & ~head.hidden.all(axis=1)).any():
         return []
     logits = head.logits
@@ -137,7 +149,7 @@ def mask_after_softmax(stage, got, want, ctx, width) -> List[Diagnosis]:
         logits = np.where(head.hidden, _input_logits(ctx, qkv), logits)
     with np.errstate(invalid="ignore"):
         weights = np.where(head.hidden, 0.0, softmax_rows(logits))
-    diff = _matches(got, want, head, head.from_weights(weights))
+    diff = loop_matches(got, want, head, head.from_weights(weights))
     if diff is None:
         return []
     return [Diagnosis(MASK_AFTER_SOFTMAX, f"{stage}: the mask is applied after the softmax: the weights are the "
@@ -160,7 +172,7 @@ def _skipped_keys(m: int, tile: int) -> Iterator[Tuple[str, np.ndarray]]:
 
 
 def tile_keys(stage, got, want, ctx, width) -> List[Diagnosis]:
-    head = _head(stage, got, ctx, width)
+    head = loop_head(stage, got, ctx, width)
     # A few rows (a decode step's one) leave the keys they weigh little free to fit some tiling.
     if head is None or got.size < MIN_SEARCHED_VALUES or got.shape[0] < MIN_ROWS:
         return []
@@ -170,9 +182,9 @@ def tile_keys(stage, got, want, ctx, width) -> List[Diagnosis]:
     for tile in _widths(m // 2):  # (at least two full tiles: one tile's key is no pattern)
         for how, skipped in _skipped_keys(m, tile):
             with np.errstate(invalid="ignore", over="ignore"):
-                if not _fits_rows(got, head, head.softmax_stage(np.where(skipped, -np.inf, sampled), rows), rows):
+                if not loop_fits_rows(got, head, head.softmax_stage(np.where(skipped, -np.inf, sampled), rows), rows):
                     continue
-                diff = _matches(got, want, head, head.softmax_stage(np.where(skipped, -np.inf, head.logits)))
+                diff = loop_matches(got, want, head, head.softmax_stage(np.where(skipped, -np.inf, head.logits)))
             if diff is not None:
                 keys = np.flatnonzero(skipped)
                 return [Diagnosis(TILE_KEYS_SKIPPED, f"{stage}: the key loop {how} is left out of every row "
@@ -217,7 +229,7 @@ def _online(head: _Head, tile: int, sum_scaled: bool, out_scaled: bool, rows=sli
 
 
 def online_rescale(stage, got, want, ctx, width) -> List[Diagnosis]:
-    head = _head(stage, got, ctx, width)
+    head = loop_head(stage, got, ctx, width)
     if head is None or head.values is None or head.kind == _PROBABILITIES or got.size < MIN_SEARCHED_VALUES:
         return []
     found = _online_search(head, got, want)
@@ -232,7 +244,7 @@ def online_rescale_in_splits(stage, got, want, ctx, width) -> List[Diagnosis]:
     view, flash = ctx.splits, FLASH_OF.get(stage)
     if view is None or view.kind != "split" or flash is None:
         return []
-    head = _head(flash, got, ctx, width)
+    head = loop_head(flash, got, ctx, width)
     if head is None or head.values is None:
         return []
     cols = split_cols(stage, view, got)
@@ -257,9 +269,9 @@ def _online_search(head: _Head, got, want) -> Optional[Tuple[int, str, bool, boo
     for tile in _widths(head.logits.shape[1]):
         for how, sum_scaled, out_scaled in _LSE_RESCALES if head.kind == _LOG_SUM_EXP else _RESCALES:
             with np.errstate(invalid="ignore", over="ignore"):
-                if not _fits_rows(got, head, _online(head, tile, sum_scaled, out_scaled, rows), rows):
+                if not loop_fits_rows(got, head, _online(head, tile, sum_scaled, out_scaled, rows), rows):
                     continue
-                diff = _matches(got, want, head, _online(head, tile, sum_scaled, out_scaled))
+                diff = loop_matches(got, want, head, _online(head, tile, sum_scaled, out_scaled))
             if diff is not None:
                 return tile, how, sum_scaled, out_scaled, diff
     return None
@@ -313,12 +325,12 @@ def _max_from_zero(head: _Head, flush: bool) -> Tuple[np.ndarray, np.ndarray]:
 
 
 def normalization(stage, got, want, ctx, width) -> List[Diagnosis]:
-    head = _head(stage, got, ctx, width)
+    head = loop_head(stage, got, ctx, width)
     if head is None:
         return []
     with np.errstate(invalid="ignore", over="ignore", divide="ignore", under="ignore"):
         for code, what, cand in _normalizations(head):
-            diff = _matches(got, want, head, cand)
+            diff = loop_matches(got, want, head, cand)
             if diff is not None:
                 return [Diagnosis(code, f"{stage} {what} (max diff {diff:.2g})", {"max_diff": diff}, 0.93)]
         every = np.ones(got.shape[0], bool)  # (the rows it empties are its evidence: none is left out)

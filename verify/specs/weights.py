@@ -150,5 +150,5 @@ SPECS = (
               quantization=_quantization, invariants=(_softmax_checks,), masked_value=0.0, passed_on=_passed_on,
               from_inputs=weights_from_inputs,
               diagnoses=PATTERNS + ("scaled", "softmax_axis", "mask", "keys", "overflow", "mask_after_softmax",
-                                    "tile_keys", "normalization")),
+                                    "tile_keys", "key_tile", "normalization")),
 )
