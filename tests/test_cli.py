@@ -220,10 +220,10 @@ def test_the_diagnoses_try_a_runs_own_key_tile_only_as_wide_as_a_kernels():
     from types import SimpleNamespace
 
     from verify.diagnose.base import KEY_TILES, MAX_RUN_KEY_TILE
-    from verify.diagnose.inputs import _tiles
-    assert _tiles(SimpleNamespace(flash_tiles=(64, 96))) == [96, *KEY_TILES]
-    assert _tiles(SimpleNamespace(flash_tiles=(64, MAX_RUN_KEY_TILE + 1))) == list(KEY_TILES)
-    assert _tiles(SimpleNamespace(flash_tiles=(64, 10**7))) == list(KEY_TILES)
+    from verify.diagnose.inputs import key_tiles
+    assert key_tiles(SimpleNamespace(flash_tiles=(64, 96))) == [96, *KEY_TILES]
+    assert key_tiles(SimpleNamespace(flash_tiles=(64, MAX_RUN_KEY_TILE + 1))) == list(KEY_TILES)
+    assert key_tiles(SimpleNamespace(flash_tiles=(64, 10**7))) == list(KEY_TILES)
 
 
 def test_stale_file_is_refused(runner, good_run, tmp_path):
