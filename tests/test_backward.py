@@ -125,14 +125,19 @@ def test_d_from_another_head_s_output_is_named_with_the_head_it_read(tmp_path):
         assert f"the O of head {(h + 1) % 3}" in found[0].message
 
 
+def _flash_backward_failures(tmp_path, dims: Dims, causal: bool, bug: str):
+    """The failures of another program's flash backward with `bug` (%g text, its flash stages alone,
+    no run.toml)."""
+    flash = ("flash_output", "flash_lse", "flash_dQ", "flash_dK", "flash_dV")
+    in_dir, out_dir = write_backward_case(tmp_path, dims, causal, bug=bug, writer="g9", only=flash)
+    return failures(compare.check(in_dir, out_dir, diagnoser=diagnose))
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_dq_accumulated_at_the_key_tiles_rows_is_named_with_its_tiles(tmp_path, causal):
     """Another program's flash backward (tiles of 64, %g text, its flash stages alone, no run.toml)
     that adds each tile's dQ term at the key tile's rows."""
-    flash = ("flash_output", "flash_lse", "flash_dQ", "flash_dK", "flash_dV")
-    in_dir, out_dir = write_backward_case(tmp_path, Dims(1, 2, 160, 160, 32, 32), causal, bug="dq_key_rows",
-                                          writer="g9", only=flash)
-    failed = failures(compare.check(in_dir, out_dir, diagnoser=diagnose))
+    failed = _flash_backward_failures(tmp_path, Dims(1, 2, 160, 160, 32, 32), causal, "dq_key_rows")
     assert {s for s, _ in failed} == {"flash_dQ"}, sorted(failed)
     for head in range(2):
         found = failed[("flash_dQ", head)].diagnosis
@@ -144,10 +149,7 @@ def test_dq_accumulated_at_the_key_tiles_rows_is_named_with_its_tiles(tmp_path, 
 def test_dv_from_each_tile_of_p_untransposed_is_named_with_its_tile(tmp_path, causal):
     """Another program's flash backward (square tiles of 64, its flash stages alone, no run.toml)
     that adds P_tile·dO_tile to dV where P_tileᵀ·dO_tile belongs."""
-    flash = ("flash_output", "flash_lse", "flash_dQ", "flash_dK", "flash_dV")
-    in_dir, out_dir = write_backward_case(tmp_path, Dims(1, 2, 128, 192, 32, 32), causal, bug="dV_untransposed_tile",
-                                          writer="g9", only=flash)
-    failed = failures(compare.check(in_dir, out_dir, diagnoser=diagnose))
+    failed = _flash_backward_failures(tmp_path, Dims(1, 2, 128, 192, 32, 32), causal, "dV_untransposed_tile")
     assert {s for s, _ in failed} == {"flash_dV"}, sorted(failed)
     for head in range(2):
         found = failed[("flash_dV", head)].diagnosis
