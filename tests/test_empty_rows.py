@@ -55,3 +55,30 @@ def test_guarded_rows_pass():
     guarded = {n: np.nan_to_num(a, nan=-np.inf if n == FLASH_LSE else 0.0) for n, a in stages.items()}
     guarded[FLASH_DV] = np.nan_to_num(stages[WEIGHTS], nan=0.0).T @ do
     assert attnstep.check_arrays(q, k, v, guarded, do=do, causal="bottom-right").passed
+
+
+def test_nan_rows_that_see_keys_are_not_taken_for_rows_that_see_none():
+    """Rows whose reference is 0 because their dO is (not the mask): NaN there is no 0/0 of a row
+    that sees no key."""
+    q, k, v, do, _ = _unguarded_program()
+    do[3:6] = 0.0
+    d = (np.full((N, 1), np.nan, np.float32))
+    d[:3] = d[6:] = 1.0  # (wrong anyway: the name is what is asked)
+    report = attnstep.check_arrays(q, k, v, {"D": d}, do=do)
+    assert "empty_rows_nan" not in [x.code for x in _diagnoses(report, "D")]
+
+
+def test_an_lse_never_written_beside_an_output_is_no_row_without_weight():
+    """An lse buffer left at −inf beside a correct output, and gradients never computed (zeros):
+    the gradients are not taken as right for an lse whose rows hold no weight."""
+    rng = np.random.default_rng(0)
+    q, k, v, do = (rng.standard_normal(shape).astype(np.float32) for shape in ((16, 8), (16, 8), (16, 8), (16, 8)))
+    s = (q.astype(np.float64) @ k.T) / np.sqrt(8)
+    p = np.exp(s - s.max(axis=1, keepdims=True))
+    p /= p.sum(axis=1, keepdims=True)
+    stages = {FLASH_OUTPUT: (p @ v).astype(np.float32), FLASH_LSE: np.full(16, -np.inf, np.float32),
+              "flash_dQ": np.zeros((16, 8), np.float32), "flash_dK": np.zeros((16, 8), np.float32),
+              FLASH_DV: np.zeros((16, 8), np.float32)}
+    report = attnstep.check_arrays(q, k, v, stages, do=do)
+    assert all(r.status == "FAIL" for r in report.results if r.stage.startswith("flash_d")), \
+        [(r.stage, r.status) for r in report.results]

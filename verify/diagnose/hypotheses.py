@@ -39,7 +39,7 @@ import numpy as np
 
 from ..check.diagnosis import Diagnosis, Suspect, equivalent
 from ..specs import SPECS
-from ..stages import STAGES
+from ..stages import KEYS, STAGES
 from ..text import indices, plural
 from . import backward as backward_bugs
 from . import heads as head_bugs, masks as mask_bugs
@@ -78,12 +78,14 @@ def _nonfinite(stage, got, want, ctx, width) -> List[Diagnosis]:
 
 
 def _empty_rows_nan(stage, got, want, ctx, width) -> List[Diagnosis]:
-    """NaN in exactly the query rows that see no key (the reference's rows of 0, or of −inf in the
-    lse): a softmax with no guard for a row whose every score is masked, where exp(s − max) is
-    exp(−inf − (−inf)) and the row's sum 0."""
-    if STAGES[stage].rows != "N" or got.ndim != 2:
+    """NaN in exactly the query rows that see no key (under the head's mask, where the reference
+    holds 0, or −inf in the lse): a softmax with no guard for a row whose every score is masked,
+    where exp(s − max) is exp(−inf − (−inf)) and the row's sum 0."""
+    head = ctx.head_ctx
+    if STAGES[stage].rows != "N" or got.ndim != 2 or head is None:
         return []
-    empty = ((want == 0) | np.isneginf(want)).all(axis=1)
+    hidden = head.hidden(got.shape[0], np.asarray(head.own(KEYS)).shape[0]).all(axis=1)
+    empty = hidden & ((want == 0) | np.isneginf(want)).all(axis=1)
     nan_rows = np.isnan(got).all(axis=1)
     wrong = (~np.isfinite(got) & ~(got == want)).any(axis=1)
     if not empty.any() or not (nan_rows == empty).all() or not (wrong <= empty).all():

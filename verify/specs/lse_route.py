@@ -108,8 +108,13 @@ def _own_terms(stage: str, want: np.ndarray, ctx: HeadContext, chained: bool):
         own = np.asarray(ctx.got[SCALED_SCORES], np.float64) if SCALED_SCORES in ctx.got else None
         if own is None or own.shape != S.shape:
             return 0.0
+        b = _scores_bound(ctx)
+        if b is None:
+            return 0.0
         both = finite & np.isfinite(own)
-        return np.where(both, want * want * np.abs(np.expm1(np.where(both, own - S, 0.0))), 0.0)
+        # (no more than a correct program's scores may err by: a wrong QK_scaled widens nothing)
+        delta = np.minimum(np.abs(np.where(both, own - S, 0.0)), np.where(both, b, 0.0))
+        return np.where(both, want * want * np.expm1(delta), 0.0)
 
 
 def fitted(stage: str, got: np.ndarray, want: np.ndarray, allowed: np.ndarray, ctx: HeadContext,
@@ -141,17 +146,27 @@ def fitted(stage: str, got: np.ndarray, want: np.ndarray, allowed: np.ndarray, c
         if bound.shape[0] != want.shape[0]:
             return want, allowed
         routed = np.broadcast_to(allowed + _own_terms(stage, want, ctx, chained), want.shape)
-        lo, hi = _fitting(got, want, routed, both)
-        fit, spread = _least_squares(got, want, routed, both & (want != 0))
-        c = np.clip(fit, lo + (hi - lo) / 4, hi - (hi - lo) / 4)
-        inside = (lo <= hi) & (np.abs(c - fit) <= FIT_SPREAD * spread)
-        if own is not None:  # (the program's own factor, where it fits: no estimate needed)
-            fits = (lo <= own) & (own <= hi)
-            c, inside = np.where(fits, own, c), inside | fits
-        use = inside & (np.abs(np.log(c)) <= bound) & ~((lo <= 1.0) & (1.0 <= hi)) & np.isfinite(c)
+        # (the factor fitted under the model's own allowance first: the routed one, wider, moves the
+        # interval's middle half away from a fit that the narrower one takes)
+        c, use = _factor(got, want, np.broadcast_to(allowed, want.shape), both, own, bound)
+        c2, use2 = _factor(got, want, routed, both, own, bound)
+        c, use = np.where(use, c, c2), use | use2
     # (a row off without the route: its subtractions' roundings allowed, with or without a factor)
     off = np.any((np.abs(got - want) > allowed) & both, axis=1, keepdims=True)
     return want * np.where(use, c, 1.0) if use.any() else want, np.where(off, routed, allowed)
+
+
+def _factor(got, want, allowed, both, own, bound):
+    """(each row's factor c, whether it is taken) under `allowed`: fitted()'s rule."""
+    lo, hi = _fitting(got, want, allowed, both)
+    fit, spread = _least_squares(got, want, allowed, both & (want != 0))
+    c = np.clip(fit, lo + (hi - lo) / 4, hi - (hi - lo) / 4)
+    inside = (lo <= hi) & (np.abs(c - fit) <= FIT_SPREAD * spread)
+    if own is not None:
+        fits = (lo <= own) & (own <= hi)
+        c, inside = np.where(fits, own, c), inside | fits
+    use = inside & (np.abs(np.log(c)) <= bound) & ~((lo <= 1.0) & (1.0 <= hi)) & np.isfinite(c)
+    return c, use
 
 
 def _least_squares(got, want, allowed, used):

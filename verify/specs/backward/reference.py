@@ -6,7 +6,8 @@ failing stage from.
 Under a variant (verify/model/scores.py HeadVariant): dS = P∘(dP∘Z/(1 − p) − D) under dropout
 (Z the program's keep-mask), dV = (P∘Z/(1 − p))ᵀ·dO; the gradients of Q and K go through the
 softcap's derivative f = 1 − t² (t = tanh(scale·QK/C)): dQ = scale·(dS∘f)·K, dK = scale·(dS∘f)ᵀ·Q.
-A row that sees no key has P, dS and its dQ row 0, as has a row whose lse is ±inf.
+A row that sees no key has P, dS and its dQ row 0, as has a row whose lse is +inf, or −inf beside an
+output row of 0 (a row whose sum is 0).
 """
 from __future__ import annotations
 
@@ -55,15 +56,21 @@ def flash_terms(src, scale: float, masked: np.ndarray, D=None, lse=None, head: H
     lse = float64(src[FLASH_LSE]) if lse is None else lse
     S0 = (Q @ K.T if qk is None else qk) * scale
     xp, masked = namespace(S0), like(S0, masked)
-    # An lse of −inf says the row's sum is 0: it holds no weight, as flash-attn's +inf says (a
-    # program's own wrong lse, in a row that sees keys, then gives P = 0, not exp(S + inf)).
-    lse = namespace(lse).where(lse == -math.inf, math.inf, lse)
+    # An lse of −inf with an output row of 0 says the row's sum is 0: it holds no weight, as
+    # flash-attn's +inf says (a program's own wrong lse, in a row that sees keys, then gives P = 0,
+    # not exp(S + inf)). With an output row that holds values, −inf is a buffer never written, and
+    # stays what it is.
+    O = float64(src[FLASH_OUTPUT])
+    empty = lse == -math.inf
+    if O.shape[0] == lse.shape[0]:
+        empty = empty & namespace(O).all(O == 0, axis=1, keepdims=True)
+    lse = namespace(lse).where(empty, math.inf, lse)
     hides = not (isinstance(masked, np.ndarray) and not masked.any())  # (nothing hidden: no where()s)
     S = xp.where(masked, -math.inf, head.modified(S0)) if hides else head.modified(S0)
     with quiet(xp):  # rows that see no key: −inf − lse
         P = xp.exp(S - lse)
     P = put(P, 0.0, masked) if hides else P
-    D = d_reference(dO, float64(src[FLASH_OUTPUT])) if D is None else D
+    D = d_reference(dO, O) if D is None else D
     dP = dO @ V.T if dp is None else dp
     dS = ds_reference(P, dP, D, head)
     return P, dP, D, dS, through_cap(dS, cap_factor(S0, head))
