@@ -144,7 +144,7 @@ def _factor_row(monkeypatch, rows=200, d=64, seed=0):
     sigma = 1e-6
     noise = np.clip(rng.normal(0, sigma, want.shape), -3 * sigma, 3 * sigma)
     got = (1 + 20 * sigma) * want + noise
-    monkeypatch.setattr(lse_route, "factor_bound", lambda ctx, recomputed=True: np.full((rows, 1), 1e-4))
+    monkeypatch.setattr(lse_route, "factor_bound", lambda ctx, recomputed=True, **_: np.full((rows, 1), 1e-4))
     return lse_route, got, want, np.full(want.shape, 6.5 * sigma), sigma
 
 

@@ -28,11 +28,11 @@ ROUTED = (WEIGHTS, OUTPUT)
 _U32 = unit_roundoff("fp32")  # the lse is float32 at every precision (docs/contract.md)
 
 
-def factor_bound(ctx: HeadContext, recomputed: bool = True) -> np.ndarray:
+def factor_bound(ctx: HeadContext, recomputed: bool = True, rows=None) -> np.ndarray:
     """|Δlse| that a correct float32 lse of each row may err by (N×1; 0 for a row without keys,
     or where the head's scores are not at hand); recomputed: against scores computed apart from
-    the lse's own (_scores_shift)."""
-    rows = _row_lse(ctx)
+    the lse's own (_scores_shift); rows: _row_lse(ctx), where the caller has it."""
+    rows = _row_lse(ctx) if rows is None else rows
     if rows is None:
         return np.zeros((1, 1))
     S, finite, seen, m, log_l = rows
@@ -85,7 +85,7 @@ def _scores_bound(ctx: HeadContext):
                 lambda: scaled_chained(need(ctx.chain, SCALED_SCORES, QUERIES, KEYS), problem))
 
 
-def _own_terms(stage: str, want: np.ndarray, ctx: HeadContext, chained: bool):
+def _own_terms(stage: str, want: np.ndarray, ctx: HeadContext, chained: bool, rows):
     """What each weight exponentiated against the lse, exp(S_j − lse), errs by on its own, beside
     the row's factor (0 for other stages):
     - isolated (from the program's own scores): its float32 subtraction S_j − lse, at most
@@ -96,10 +96,10 @@ def _own_terms(stage: str, want: np.ndarray, ctx: HeadContext, chained: bool):
       = S_j − the reference's as those scores show it. That route's e_j/l errs by
       (1 − p_j)·δ_j − Σ_k≠j p_k·δ_k, cancelling most of a dominant weight's; exp(S_j − lse) with
       the scores computed apart from the lse's (a backward's own GEMM) errs by δ_j − Δlse, whose
-      common part is the factor. (Their error as written, not its bound: the QK_scaled check holds
-      δ to that bound, and a weight wrong by more than that still fails here.)"""
-    rows = _row_lse(ctx) if stage == WEIGHTS else None
-    if rows is None or rows[0].shape != want.shape:
+      common part is the factor. δ as written, capped at the scores' chained bound: a wrong
+      QK_scaled file (which fails on its own) widens no weight past a correct program's.
+    rows: _row_lse(ctx) (None where the scores are not at hand)."""
+    if stage != WEIGHTS or rows is None or rows[0].shape != want.shape:
         return 0.0
     S, finite, _, m, log_l = rows
     with np.errstate(invalid="ignore", over="ignore"):
@@ -142,17 +142,20 @@ def fitted(stage: str, got: np.ndarray, want: np.ndarray, allowed: np.ndarray, c
             return want, allowed
         own = _weights_factor(stage, ctx, want.shape[0]) if chained else None
         # (where the program wrote its weights, its output's factor is theirs: no other scores' shift)
-        bound = factor_bound(ctx, recomputed=own is None)
+        # (the weights' own terms and the bound from one pass over the head's scores)
+        rows = _row_lse(ctx) if stage == WEIGHTS else None
+        bound = factor_bound(ctx, recomputed=own is None, rows=rows)
         if bound.shape[0] != want.shape[0]:
             return want, allowed
-        routed = np.broadcast_to(allowed + _own_terms(stage, want, ctx, chained), want.shape)
-        # (the factor fitted under the model's own allowance first: the routed one, wider, moves the
-        # interval's middle half away from a fit that the narrower one takes)
+        routed = np.broadcast_to(allowed + _own_terms(stage, want, ctx, chained, rows), want.shape)
+        # (a row off without the route: each weight's own error allowed, with or without a factor)
+        off = np.any((np.abs(got - want) > allowed) & both, axis=1, keepdims=True)
+        # The factor fitted under the model's own allowance first; the routed one, wider, only in the
+        # off rows that finds none (its interval's middle half moves away from fits the narrower takes).
         c, use = _factor(got, want, np.broadcast_to(allowed, want.shape), both, own, bound)
-        c2, use2 = _factor(got, want, routed, both, own, bound)
-        c, use = np.where(use, c, c2), use | use2
-    # (a row off without the route: its subtractions' roundings allowed, with or without a factor)
-    off = np.any((np.abs(got - want) > allowed) & both, axis=1, keepdims=True)
+        if (off & ~use).any():
+            c2, use2 = _factor(got, want, routed, both, own, bound)
+            c, use = np.where(use, c, c2), use | use2
     return want * np.where(use, c, 1.0) if use.any() else want, np.where(off, routed, allowed)
 
 
