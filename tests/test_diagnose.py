@@ -334,3 +334,23 @@ def test_wrong_scales_and_masks_are_recomputed_whole_only_where_the_worst_rows_f
     assert codes(run("flash_output", got.astype(np.float32).astype(np.float64), chains, dims, scale, True))[0] == \
         "mask_offset"
     assert whole["mask"] == 1, whole
+
+
+def test_a_factor_is_named_only_where_it_takes_the_failure_away():
+    """got ≈ f·want within the match's widths is a `scaled` stage only where f·want lies much closer
+    to got than want does: errors that lean one way (a gradient from another head's D) fit a
+    factor near 1 as loosely as they fit the reference, and are no factor."""
+    rng = np.random.default_rng(0)
+    want = rng.standard_normal((64, 32))
+    width = 0.01
+    ctx = Suspect(bound=np.full(want.shape, width))
+    # a true factor: f·want reproduces got to its rounding
+    found = diagnose("output", 1.25 * want + width * 0.1 * rng.standard_normal(want.shape), want, ctx)
+    assert [d.code for d in found][:1] == ["scaled"] and abs(found[0].detail["factor"] - 1.25) < 1e-3
+    # errors of up to 6 widths, positive on the large elements: a factor 1 + ε fits within 8 widths
+    # but leaves got as far from f·want as from want
+    lean = 6 * width * np.sign(want) * (np.abs(want) > 1.0) * rng.random(want.shape)
+    got = want + lean
+    f = float(got.ravel() @ want.ravel()) / float(want.ravel() @ want.ravel())
+    assert np.abs(got - f * want).max() <= 8 * width and abs(f - 1) > 1e-3
+    assert "scaled" not in [d.code for d in diagnose("output", got, want, ctx)]

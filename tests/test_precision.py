@@ -368,27 +368,33 @@ def test_number_pair_widens_until_the_two_differ(got, want, shown):
     assert number_pair(got, want) == shown
 
 
-def _half_flash_backward(q, k, v, do, fmt: str, k_prescaled: bool):
+def _half_flash_backward(q, k, v, do, fmt: str, k_prescaled: bool, d_head_shift: int = 0):
     """A half flash backward as a kernel computes it (inputs in the format, float32 products, P and dS
     rounded for their GEMMs, the gradients stored in the format) from a float32 forward's output and
     lse; k_prescaled: K times scale·log2 e stored in the format for the recomputed scores and dQ
-    (the Triton tutorial's backward, with exp2)."""
+    (the Triton tutorial's backward, with exp2); d_head_shift: D = rowsum(dO∘O) from the O of head
+    h + shift (a head offset off by one: a bug)."""
     scale = np.float32(1 / np.sqrt(q.shape[2]))
     c = scale * np.float32(1 / np.log(2))
     stages = {n: [] for n in ("flash_output", "flash_lse", "flash_dQ", "flash_dK", "flash_dV")}
-    for h in range(q.shape[0]):
-        qh, kh, vh, doh = (_rounded(x[h], fmt) for x in (q, k, v, do))
+    heads = q.shape[0]
+    for h in range(heads):
+        qh, kh, vh = (_rounded(x[h], fmt) for x in (q, k, v))
         s = (qh @ kh.T) * scale
         mx = s.max(axis=1, keepdims=True)
-        lse = mx + np.log(np.exp(s - mx).sum(axis=1, keepdims=True))
-        o = _rounded(np.exp(s - lse) @ vh, fmt)
+        stages["flash_lse"].append(mx + np.log(np.exp(s - mx).sum(axis=1, keepdims=True)))
+        stages["flash_output"].append(_rounded(np.exp(s - stages["flash_lse"][h]) @ vh, fmt))
+    for h in range(heads):
+        qh, kh, vh, doh = (_rounded(x[h], fmt) for x in (q, k, v, do))
+        lse, o = stages["flash_lse"][h], stages["flash_output"][(h + d_head_shift) % heads]
         k_used = _rounded(kh * c, fmt) if k_prescaled else kh
         p = np.exp2(qh @ k_used.T - lse * np.float32(1 / np.log(2))) if k_prescaled else np.exp((qh @ kh.T) * scale - lse)
         ds = p * (doh @ vh.T - (doh * o).sum(axis=1, keepdims=True))
         dq = (_rounded(ds, fmt) @ k_used) * (np.float32(np.log(2)) if k_prescaled else scale)
-        for name, x in (("flash_output", o), ("flash_lse", lse[:, 0]), ("flash_dQ", dq),
-                        ("flash_dK", (_rounded(ds, fmt).T @ qh) * scale), ("flash_dV", _rounded(p, fmt).T @ doh)):
-            stages[name].append(x if name == "flash_lse" else _rounded(x, fmt))
+        for name, x in (("flash_dQ", dq), ("flash_dK", (_rounded(ds, fmt).T @ qh) * scale),
+                        ("flash_dV", _rounded(p, fmt).T @ doh)):
+            stages[name].append(_rounded(x, fmt))
+    stages["flash_lse"] = [x[:, 0] for x in stages["flash_lse"]]
     return {n: np.stack(x) for n, x in stages.items()}
 
 
@@ -408,3 +414,23 @@ def test_a_key_scaled_and_stored_in_the_half_format_in_the_backward_is_named():
     assert named and all([d.code for d in r.diagnosis] == ["prescaled_rounded"] for r in named), \
         [(r.stage, [d.message for d in r.diagnosis]) for r in failed]
     assert "K·scale·log2 e" in named[0].diagnosis[0].message
+
+
+@pytest.mark.parametrize("seed", [3, 4, 5])
+def test_d_from_the_next_heads_output_in_a_bf16_backward_is_named_on_every_head(seed):
+    """A bf16 flash backward whose D reads the next head's O (its offset off by a head), at logits
+    of a few: every failing gradient of every head is named D_wrong_O with the head it read, none
+    `scaled`. The bug leans the gradients one way, so a factor fits them within its widths while
+    taking little of the failure away; the candidate, within the program's bf16 roundings, is some
+    50-120 times closer to got than the reference is."""
+    rng = np.random.default_rng(seed)
+    q, k, v = (rng.standard_normal((2, 128, 64)).astype(np.float32) for _ in range(3))
+    do = np.random.default_rng(seed + 100).standard_normal(q.shape).astype(np.float32)
+    report = attnstep.check_arrays(q, k, v, _half_flash_backward(q, k, v, do, "bf16", False, d_head_shift=1),
+                                   do=do, precision="bf16")
+    failed = [r for r in report.results if r.status == "FAIL"]
+    assert {r.stage for r in failed} == {"flash_dQ", "flash_dK"}, [(r.stage, r.status) for r in report.results]
+    for r in failed:
+        assert r.diagnosis and r.diagnosis[0].code == "D_wrong_O", (r.stage, r.head, [d.message for d in r.diagnosis])
+        assert r.diagnosis[0].detail["read_head"] == (r.head + 1) % q.shape[0]
+        assert "scaled" not in [d.code for d in r.diagnosis]

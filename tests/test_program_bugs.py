@@ -538,3 +538,33 @@ def test_keys_left_out_otherwise_are_no_tile_pattern(tmp_path, dims, keys):
     assert report["first_failing_stage"] == "flash_output", result.output
     named = {d["code"] for e in report["results"] for d in e["diagnosis"]}
     assert "tile_keys_skipped" not in named, result.output
+
+
+def _bf16(x: np.ndarray) -> np.ndarray:
+    from verify.model.half import round_to_format32
+    return round_to_format32(np.asarray(x, np.float32), "bf16")
+
+
+def test_the_tile_searches_recompute_few_whole_stages_over_many_keys(monkeypatch):
+    """A bf16 output with a key tile skipped, over 2048 keys: the loops' searches (every tile width
+    from 2 to 256, three readings each) recompute the whole stage only for the readings whose
+    sampled rows could still be told from the reference, not for every tiling whose left-out keys
+    weigh too little to move those rows; the bug is named as before."""
+    from verify.diagnose import softmax_loops
+    rng = np.random.default_rng(3)
+    q, k, v = (rng.standard_normal((1, n, 64)).astype(np.float32) for n in (64, 2048, 2048))
+    s = (_bf16(q[0]) @ _bf16(k[0]).T) / 8.0
+    s[:, 64:128] = -np.inf
+    p = np.exp(s - s.max(axis=1, keepdims=True))
+    out = _bf16((_bf16(p / p.sum(axis=1, keepdims=True)) @ _bf16(v[0]))[None])
+    whole = []
+    real_stage, real_online = softmax_loops._Head.softmax_stage, softmax_loops._online
+    monkeypatch.setattr(softmax_loops._Head, "softmax_stage", lambda self, logits, rows=slice(None): (
+        whole.append(1) if isinstance(rows, slice) else None) or real_stage(self, logits, rows))
+    monkeypatch.setattr(softmax_loops, "_online", lambda head, tile, a, b, rows=slice(None): (
+        whole.append(1) if isinstance(rows, slice) else None) or real_online(head, tile, a, b, rows))
+    report = attnstep.check_arrays(q, k, v, {"flash_output": out}, precision="bf16")
+    failed = [r for r in report.results if r.status == "FAIL"]
+    assert failed and all(r.diagnosis[0].code == "key_tile_skipped" for r in failed), \
+        [(r.stage, [d.message for d in r.diagnosis]) for r in failed]
+    assert len(whole) <= 10, len(whole)

@@ -13,6 +13,11 @@ import numpy as np
 # differs from want by more than DISTINCT_WIDTHS widths somewhere.
 MATCH_WIDTHS = 8.0
 DISTINCT_WIDTHS = 100.0
+# A candidate that reproduces got this many times more closely than want does, element by element
+# at worst, is evidence for it (explains_closely): a correct result lies as close to any other
+# candidate as to want. Half of DISTINCT_WIDTHS: a half-precision gradient's own rounding is about
+# a hundredth of a bug a few of its widths wide.
+CLOSER = 50.0
 # Values a poisoned or uninitialised buffer shows (besides NaN and 0): float32 max and its kin.
 POISON_VALUES = (3.4028234663852886e38, -3.4028234663852886e38, 1e30, -1e30)
 UNWRITTEN_DENSITY = 0.9      # fraction of the region's entries that must be zero/NaN/poison
@@ -112,18 +117,18 @@ def explains(got: np.ndarray, cand: np.ndarray, want: np.ndarray, width: float,
 def explains_closely(got: np.ndarray, cand: np.ndarray, want: np.ndarray, width: float,
                      nan_evidence: bool = False) -> Optional[float]:
     """explains(), where a candidate that reproduces got far more closely than a width is a real
-    alternative when it differs from want by DISTINCT_WIDTHS times that closeness: a bound much
-    wider than the program's own error (a gradient's through a softcap) otherwise hides a bug
-    whose effect is a few hundred widths or less. A candidate that got lies a hundred times closer
-    to than to want is evidence for it whatever it was built from (the program's own files, where
-    its distance to got is the program's rounding, or the reference chain, where it is no closer
-    than a width and this adds nothing)."""
+    alternative when it differs from want by CLOSER times that closeness: a bound much wider than
+    the program's own error (a gradient's through a softcap, a half-precision pipeline's) otherwise
+    hides a bug whose effect is a few hundred widths or less. A candidate that got lies CLOSER
+    times closer to than to want is evidence for it whatever it was built from (the program's own
+    files, where its distance to got is the program's rounding, or the reference chain, where it is
+    that rounding and the chain's own error)."""
     diff = maxdiff(got, cand)  # (inf for another shape)
     if not diff <= MATCH_WIDTHS * width:
         return None
     close = max(diff, float(np.max(np.abs(want[np.isfinite(want)]), initial=0.0)) * 2.0**-20)
-    # (min(width, close) ≤ width: every candidate explains() takes is taken)
-    return diff if differs(got, cand, want, DISTINCT_WIDTHS * min(width, close), nan_evidence) else None
+    # (the limit is at most DISTINCT_WIDTHS·width: every candidate explains() takes is taken)
+    return diff if differs(got, cand, want, min(DISTINCT_WIDTHS * width, CLOSER * close), nan_evidence) else None
 
 
 def gap(got: np.ndarray, cand: np.ndarray, beyond=0.0) -> float:

@@ -19,8 +19,8 @@ from ..check.diagnosis import KEY_TILE_SKIPPED, Diagnosis
 from ..check.splits import combine
 from ..model.attention import log_sum_exp_rows, softmax_rows
 from .base import KEY_TILES, MIN_SEARCHED_VALUES
-from .inputs import blank_rows, run_key_tile, worst_rows
-from .softmax_loops import MIN_ROWS, SAMPLED_ROWS, loop_fits_rows, loop_head, loop_matches
+from .inputs import run_key_tile
+from .softmax_loops import MIN_ROWS, SAMPLED_ROWS, loop_head, loop_matches, loop_rows, loop_screen
 
 CODES = (KEY_TILE_SKIPPED,)
 _ORDINALS = ("first", "second", "third", "fourth", "fifth", "sixth", "seventh", "eighth", "ninth", "tenth")
@@ -85,16 +85,15 @@ def key_tile(stage, got, want, ctx, width) -> List[Diagnosis]:
     if head is None or got.size < MIN_SEARCHED_VALUES or got.shape[0] < MIN_ROWS:
         return []
     m = head.logits.shape[1]
-    written = np.flatnonzero(~blank_rows(got, want))  # (rows never written are the unwritten diagnosis's)
-    if written.size < MIN_ROWS:
+    rows = loop_rows(got, want)  # (rows never written are the unwritten diagnosis's)
+    if rows.size < min(MIN_ROWS, SAMPLED_ROWS):
         return []
-    rows = written[worst_rows(got[written], want[written], SAMPLED_ROWS)]
-    cols = np.arange(m)
+    cols, fits = np.arange(m), loop_screen(got, want, head)
     for w in _widths(ctx, m):
         for t, (lse, out) in _without_each(_tile_states(head, rows, w)):
             skipped = (cols >= t * w) & (cols < (t + 1) * w)
             sampled = head.from_state(lse, out, np.where(head.hidden[rows] | skipped, -np.inf, head.logits[rows]))
-            if not loop_fits_rows(got, head, sampled, rows):
+            if not fits(sampled, rows):
                 continue
             diff = loop_matches(got, want, head, head.softmax_stage(np.where(skipped, -np.inf, head.logits)))
             if diff is not None:

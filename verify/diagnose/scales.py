@@ -81,6 +81,10 @@ def _factor_words(f: float, names: List[str]) -> str:
 # rounds an operand of its recomputed scores moves its gradients by 1.002-1.01).
 _NEAR_ONE = 1e-3
 _NEAR_ONE_UNITS = 4
+# A factor names a stage's failure only where it takes away most of it: f·want at least this much
+# closer to got than want is. A fit within the match widths that leaves got as far from f·want as
+# from want (a bug whose errors lean one way: D from another head's O) is no factor.
+_EXPLAINED = 0.5
 
 
 def _near_one(ctx) -> float:
@@ -107,7 +111,7 @@ def linear_factor(stage, got, want, ctx, width) -> List[Diagnosis]:
     if f == 0 or abs(f - 1) <= _near_one(ctx):
         return []
     diff = maxdiff(got[fin], f * want[fin])
-    if diff > MATCH_WIDTHS * width * max(1.0, abs(f)):
+    if diff > MATCH_WIDTHS * width * max(1.0, abs(f)) or diff > _EXPLAINED * maxdiff(got[fin], want[fin]):
         return []
     names = _scale_names(f, ctx.scale, d_k, stage)
     rest = f", apart from {int(blank.sum())} blank entries" if blank.any() else ""

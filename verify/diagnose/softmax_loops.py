@@ -16,12 +16,14 @@ scores all lie below about −104 (−87 where subnormals are flushed to 0) sums
 that underflow to 0.
 
 A kernel's key tile may be any width: each width from 2 keys up to MAX_TILE_SEARCHED is tried on a
-few sampled rows first, and the stage recomputed whole only for the widths those rows fit.
+few sampled rows first (loop_screen), and the stage recomputed whole only for the widths those rows
+fit closely enough to be told from the reference. The online softmax is computed in closed form,
+not tile by tile.
 """
 from __future__ import annotations
 
 import copy
-from typing import Iterator, List, Optional, Tuple
+from typing import Callable, Iterator, List, Optional, Tuple
 
 import numpy as np
 
@@ -32,7 +34,7 @@ from ..specs import SPECS
 from ..specs.output import scores_from_inputs
 from ..stages import KEYS, QUERIES, STAGES, VALUES
 from ..text import indices
-from .base import MATCH_WIDTHS, MIN_SEARCHED_VALUES, maxdiff
+from .base import CLOSER, DISTINCT_WIDTHS, MATCH_WIDTHS, MIN_SEARCHED_VALUES, maxdiff
 from .inputs import (blank_rows, case_inputs, explains_rows, rebuilder, run_hidden, slope_of, variant_of,
                      variant_tensors, worst_rows)
 from .splits import split_cols
@@ -126,8 +128,27 @@ def loop_matches(got, want, head: _Head, cand: np.ndarray) -> Optional[float]:
     return explains_rows(got, cand, want, head.width, ~blank_rows(got, want), closely=True)
 
 
-def loop_fits_rows(got, head: _Head, cand_rows: np.ndarray, rows: np.ndarray) -> bool:
-    return maxdiff(got[rows], cand_rows) <= MATCH_WIDTHS * head.width
+def loop_screen(got, want, head: _Head) -> Callable[[np.ndarray, np.ndarray], bool]:
+    """fits(candidate's rows, rows): whether a candidate's stage on a few of got's rows leaves it
+    one that loop_matches may take, so that only those are computed whole. On the rows it judges
+    (those written), the candidate must fit got, and it must be able to lie farther from want than
+    got lies closer to it, CLOSER times (or DISTINCT_WIDTHS widths): at most got's own distance
+    from want and the match's widths. Over many keys a tiling that leaves out keys of little weight
+    fits every row; this is what rules it out."""
+    judged = ~blank_rows(got, want)
+    reach = maxdiff(got[judged], want[judged]) + MATCH_WIDTHS * head.width
+
+    def fits(cand_rows: np.ndarray, rows: np.ndarray) -> bool:
+        j = judged[rows]
+        diff = maxdiff(got[rows][j], cand_rows[j])
+        return diff <= MATCH_WIDTHS * head.width and reach > min(DISTINCT_WIDTHS * head.width, CLOSER * diff)
+    return fits
+
+
+def loop_rows(got, want) -> np.ndarray:
+    """The rows a search tries its candidates on first: the most wrong of those written."""
+    written = np.flatnonzero(~blank_rows(got, want))
+    return written[worst_rows(got[written], want[written], SAMPLED_ROWS)]
 
 
 def _widths(m: int) -> range:
@@ -177,12 +198,12 @@ def tile_keys(stage, got, want, ctx, width) -> List[Diagnosis]:
     if head is None or got.size < MIN_SEARCHED_VALUES or got.shape[0] < MIN_ROWS:
         return []
     m = head.logits.shape[1]
-    rows = worst_rows(got, want, SAMPLED_ROWS)
-    sampled = head.logits[rows]
+    rows = loop_rows(got, want)
+    sampled, fits = head.logits[rows], loop_screen(got, want, head)
     for tile in _widths(m // 2):  # (at least two full tiles: one tile's key is no pattern)
         for how, skipped in _skipped_keys(m, tile):
             with np.errstate(invalid="ignore", over="ignore"):
-                if not loop_fits_rows(got, head, head.softmax_stage(np.where(skipped, -np.inf, sampled), rows), rows):
+                if not fits(head.softmax_stage(np.where(skipped, -np.inf, sampled), rows), rows):
                     continue
                 diff = loop_matches(got, want, head, head.softmax_stage(np.where(skipped, -np.inf, head.logits)))
             if diff is not None:
@@ -207,25 +228,25 @@ _LSE_RESCALES = (("does not rescale the running sum l by exp(m_old − m_new)", 
 
 def _online(head: _Head, tile: int, sum_scaled: bool, out_scaled: bool, rows=slice(None)) -> np.ndarray:
     """The stage from an online softmax of `rows` over key tiles of `tile` keys, with its running
-    sum and output rescaled when a tile raises the row maximum, or not."""
+    sum and output rescaled when a tile raises the row maximum, or not. A rescaled sum (output) is
+    the one over every key against the final maximum; one never rescaled weighs each key against
+    the running maximum its tile was read under: both in closed form, not a loop over the tiles."""
     logits = np.where(head.hidden[rows], -np.inf, head.logits[rows])
-    n, m = logits.shape
-    mx, total = np.full(n, -np.inf), np.zeros(n)
-    lse = head.kind == _LOG_SUM_EXP  # (the running output does not reach it)
-    acc = np.zeros((n, 0 if lse else head.values.shape[1]))
-    for k0 in range(0, m, tile):
-        s = logits[:, k0:k0 + tile]
-        new = np.maximum(mx, s.max(axis=1))
-        seen = np.isfinite(new)
-        factor = np.where(seen, np.exp(mx - new), 1.0)
-        p = np.where(seen[:, None], np.exp(s - np.where(seen, new, 0.0)[:, None]), 0.0)
-        total = (factor if sum_scaled else 1.0) * total + p.sum(axis=1)
-        if not lse:
-            acc = (factor[:, None] if out_scaled else 1.0) * acc + p @ head.values[k0:k0 + tile]
-        mx = new
-    if lse:
-        return (mx + np.log(total))[:, None]
-    return acc / total[:, None]
+    m = logits.shape[1]
+    starts = np.arange(0, m, tile)
+    running = np.maximum.accumulate(np.maximum.reduceat(logits, starts, axis=1), axis=1)
+    final = running[:, -1:]
+
+    def weighed(mx: np.ndarray) -> np.ndarray:  # exp(s − mx), 0 under a maximum no key has raised
+        seen = np.isfinite(mx)
+        return np.where(seen, np.exp(logits - np.where(seen, mx, 0.0)), 0.0)
+    at_final = weighed(final)
+    at_read = weighed(np.repeat(running, np.diff(np.append(starts, m)), axis=1)) if not (sum_scaled and out_scaled) \
+        else at_final
+    total = (at_final if sum_scaled else at_read).sum(axis=1)
+    if head.kind == _LOG_SUM_EXP:  # (the running output does not reach it)
+        return final + np.log(total)[:, None]
+    return ((at_final if out_scaled else at_read) @ head.values) / total[:, None]
 
 
 def online_rescale(stage, got, want, ctx, width) -> List[Diagnosis]:
@@ -265,11 +286,11 @@ def online_rescale_in_splits(stage, got, want, ctx, width) -> List[Diagnosis]:
 def _online_search(head: _Head, got, want) -> Optional[Tuple[int, str, bool, bool, float]]:
     """(tile, what the loop does, sum rescaled, output rescaled, max diff) of the first tiling whose
     online softmax without a rescale explains got; None where none does."""
-    rows = worst_rows(got, want, SAMPLED_ROWS)
+    rows, fits = loop_rows(got, want), loop_screen(got, want, head)
     for tile in _widths(head.logits.shape[1]):
         for how, sum_scaled, out_scaled in _LSE_RESCALES if head.kind == _LOG_SUM_EXP else _RESCALES:
             with np.errstate(invalid="ignore", over="ignore"):
-                if not loop_fits_rows(got, head, _online(head, tile, sum_scaled, out_scaled, rows), rows):
+                if not fits(_online(head, tile, sum_scaled, out_scaled, rows), rows):
                     continue
                 diff = loop_matches(got, want, head, _online(head, tile, sum_scaled, out_scaled))
             if diff is not None:
