@@ -30,7 +30,8 @@
 #   HALF_BENCH_ARGS="--pass forward" scripts/gpu_check.sh halfbench              (one pass alone)
 #   variants: the variants' goals (attnstep bench --variants goals: GQA, a window (1024, 0) and
 #   softcap 50, each against the same kernel without it, flash forward and backward); into
-#   $OUT/bench_variants.json.
+#   $OUT/bench_variants.json; then a window's cost by its length (scripts/window_cost.py) and
+#   FlexAttention's own ratios on the same shapes (scripts/flex_variant_ratios.py, flex_variants.json).
 #   decode: the paged decode kernel's goals (attnstep bench --decode goals: B 64, H 32, Hk 8, d 128,
 #   bf16, caches of 8192 and 32768 keys in pages of 64) against a device copy and PyTorch SDPA on the
 #   gathered cache; into $OUT/bench_decode.json; DECODE_BENCH_ARGS="--reps 50" adds options.
@@ -248,6 +249,11 @@ fi
 if want variants; then
     step variants $ATTNSTEP bench --variants goals --binary $BUILD/main --json "$OUT/bench_variants.json"
     sed -n '/^goals:/,$p' "$OUT/variants.log"
+    # Where a window's time goes, and FlexAttention's own ratios on the goals' shapes.
+    step window_cost python3 scripts/window_cost.py --binary $BUILD/main
+    tail -n 2 "$OUT/window_cost.log"
+    step flex_variants python3 scripts/flex_variant_ratios.py --json "$OUT/flex_variants.json"
+    tail -n 5 "$OUT/flex_variants.log"
 fi
 
 if want decode; then
@@ -283,7 +289,7 @@ fi
 
 echo "== summary ($(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1))"
 rc=0
-for name in build tests gputests alarms sdpa xcheck demo example memcheck racecheck large bigbwd bench halfbench variants decode sweep; do
+for name in build tests gputests alarms sdpa xcheck demo example memcheck racecheck large bigbwd bench halfbench variants window_cost flex_variants decode sweep; do
     [ -n "${result[$name]:-}" ] || continue
     printf '%-10s %s\n' "$name" "${result[$name]}"
     case "${result[$name]}" in FAIL*) rc=1 ;; esac
