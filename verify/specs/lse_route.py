@@ -91,13 +91,13 @@ def _own_terms(stage: str, want: np.ndarray, ctx: HeadContext, chained: bool, ro
     - isolated (from the program's own scores): its float32 subtraction S_j − lse, at most
       u·|S_j − lse|, which moves exp by that relative amount; the isolated bound models the
       normalized route's S_j − m exactly (known bits), which says nothing of S_j − lse;
-    - chained (from the inputs), where the program wrote the scores it exponentiated: the part of
-      each score's own error that the normalized route's bound leaves out, p_j·δ_j (relative), δ_j
-      = S_j − the reference's as those scores show it. That route's e_j/l errs by
-      (1 − p_j)·δ_j − Σ_k≠j p_k·δ_k, cancelling most of a dominant weight's; exp(S_j − lse) with
-      the scores computed apart from the lse's (a backward's own GEMM) errs by δ_j − Δlse, whose
-      common part is the factor. δ as written, capped at the scores' chained bound: a wrong
-      QK_scaled file (which fails on its own) widens no weight past a correct program's.
+    - chained (from the inputs): the part of each score's own error that the normalized route's
+      bound leaves out, p_j·δ_j (relative). That route's e_j/l errs by (1 − p_j)·δ_j − Σ_k≠j p_k·δ_k,
+      cancelling most of a dominant weight's; exp(S_j − lse) with the scores computed apart from the
+      lse's (a backward's own GEMM) errs by δ_j − Δlse, whose common part is the factor. δ_j = S_j −
+      the reference's as the scores the program wrote show it, capped at the scores' chained bound
+      (a wrong QK_scaled file, which fails on its own, widens no weight past a correct program's);
+      where it wrote none, that bound itself: what a correct program's own scores may err by.
     rows: _row_lse(ctx) (None where the scores are not at hand)."""
     if stage != WEIGHTS or rows is None or rows[0].shape != want.shape:
         return 0.0
@@ -106,14 +106,13 @@ def _own_terms(stage: str, want: np.ndarray, ctx: HeadContext, chained: bool, ro
         if not chained:
             return np.where(finite, np.abs(want) * _U32 * np.abs(np.where(finite, S, 0.0) - (m + log_l)), 0.0)
         own = np.asarray(ctx.got[SCALED_SCORES], np.float64) if SCALED_SCORES in ctx.got else None
-        if own is None or own.shape != S.shape:
-            return 0.0
         b = _scores_bound(ctx)
-        if b is None:
+        if b is None or (own is not None and own.shape != S.shape):
             return 0.0
-        both = finite & np.isfinite(own)
+        both = finite & (np.isfinite(own) if own is not None else True)
         # (no more than a correct program's scores may err by: a wrong QK_scaled widens nothing)
-        delta = np.minimum(np.abs(np.where(both, own - S, 0.0)), np.where(both, b, 0.0))
+        delta = np.where(both, b, 0.0) if own is None else \
+            np.minimum(np.abs(np.where(both, own - S, 0.0)), np.where(both, b, 0.0))
         return np.where(both, want * want * np.expm1(delta), 0.0)
 
 
