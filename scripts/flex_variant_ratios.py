@@ -16,8 +16,12 @@ Needs a CUDA GPU and PyTorch 2.5 or later (docs/performance.md quotes a run).
 """
 import argparse
 import json
+import os
 import sys
-from typing import Callable, Dict, Optional, Tuple
+from typing import Dict, Optional, Tuple
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from verify.bench.sdpa import median_ms  # noqa: E402 (the bench's own timing: CUDA events, the median)
 
 WINDOW_LEFT, SOFTCAP = 1024, 50.0
 # (goal, shape of the variant's run: B, H, Hk, N, d, precision, what it is timed against)
@@ -29,27 +33,12 @@ GOALS = (
 )
 
 
-def _median_ms(torch, fn: Callable, warmup: int, reps: int) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
-
-
 def _forward_backward(torch, flex, q, k, v, reps: int, **kw) -> Tuple[float, float]:
     """(forward ms, backward ms) of one FlexAttention call."""
-    fwd = _median_ms(torch, lambda: flex(q, k, v, **kw), 3, reps)
+    fwd = median_ms(torch, lambda: flex(q, k, v, **kw), 3, reps)
     out = flex(q, k, v, **kw)
     grad = torch.randn_like(out)
-    bwd = _median_ms(torch, lambda: torch.autograd.grad(out, (q, k, v), grad, retain_graph=True), 3, reps)
+    bwd = median_ms(torch, lambda: torch.autograd.grad(out, (q, k, v), grad, retain_graph=True), 3, reps)
     return fwd, bwd
 
 

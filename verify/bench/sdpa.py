@@ -45,7 +45,7 @@ def torch_available() -> Optional[str]:
     return torch.__version__ if torch.cuda.is_available() else None
 
 
-def _median_ms(torch, fn, warmup: int, reps: int) -> float:
+def median_ms(torch, fn, warmup: int, reps: int) -> float:
     """Median device time of fn() in ms, by CUDA events, after `warmup` untimed calls."""
     for _ in range(warmup):
         fn()
@@ -148,7 +148,7 @@ def _timed(shape: Shape, precision: str, flop: float, setup, backend: Optional[s
                 fn, warmup, reps = _probe(torch, lambda: setup(torch, F))
                 _probe(torch, fn)
             torch.cuda.synchronize()
-            ms = _median_ms(torch, fn, warmup, reps)
+            ms = median_ms(torch, fn, warmup, reps)
         return {"status": "ok", "ms": ms, "tflops": flop / (ms * 1e-3) / 1e12,
                 "peak_mib": round(torch.cuda.max_memory_allocated() / MIB, 1), **about}
     except _Refused as exc:
