@@ -81,12 +81,18 @@ def main(argv: Optional[list] = None) -> int:
     parser.add_argument("--reps", type=int, default=10, help="timed runs of each call (default 10)")
     parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args(argv)
+    if args.reps < 1:
+        parser.error("--reps must be at least 1")
     try:
         import torch
     except ImportError:
         sys.exit("flex_variant_ratios.py: needs PyTorch with CUDA (pip install torch)")
     if not torch.cuda.is_available():
         sys.exit("flex_variant_ratios.py: PyTorch sees no CUDA device")
+    try:
+        import torch.nn.attention.flex_attention  # noqa: F401
+    except ImportError:
+        sys.exit(f"flex_variant_ratios.py: needs FlexAttention (PyTorch 2.5 or later; this is {torch.__version__})")
     results = measure(args.reps)
     print(f"FlexAttention on {torch.cuda.get_device_name()}, torch {torch.__version__}: the variant's time over "
           "the same call without it")

@@ -30,10 +30,18 @@ def _times(binary: str, mask: list, reps: int) -> dict:
             run = subprocess.run(cmd, capture_output=True, text=True)
         except OSError as exc:
             sys.exit(f"window_cost.py: cannot run {binary}: {exc.strerror} (build it with CUDA first)")
+        said = (run.stderr or run.stdout).strip().splitlines()
         if run.returncode != 0:
-            sys.exit(f"window_cost.py: {' '.join(cmd)} failed: {(run.stderr or run.stdout).strip()[-300:]}")
-        kernels = json.loads(out.read_text())["kernels"]
-    return {k["name"]: k["ms"] for k in kernels if k["name"] in ("flash", "flash_backward") and k["status"] == "ok"}
+            sys.exit(f"window_cost.py: {binary} --bench {' '.join(mask)} failed: {said[0] if said else 'no output'}")
+        try:
+            kernels = {k["name"]: k for k in json.loads(out.read_text())["kernels"]}
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            sys.exit(f"window_cost.py: {binary} --bench {' '.join(mask)} wrote no readable results ({exc})")
+    for name in ("flash", "flash_backward"):
+        k = kernels.get(name, {"status": "not run"})
+        if k.get("status") != "ok":
+            sys.exit(f"window_cost.py: {name} {k.get('status')} under {' '.join(mask)}: {k.get('reason', '')}".rstrip(": "))
+    return {name: kernels[name]["ms"] for name in ("flash", "flash_backward")}
 
 
 def _fit(xs, ys):
@@ -48,6 +56,8 @@ def main() -> int:
     parser.add_argument("--binary", default="build/main", help="the CUDA build's main (default build/main)")
     parser.add_argument("--reps", type=int, default=10, help="timed runs of each kernel (default 10)")
     args = parser.parse_args()
+    if args.reps < 1:
+        parser.error("--reps must be at least 1")
     causal = _times(args.binary, ["--causal"], args.reps)
     windows = {w: _times(args.binary, ["--window", f"{w},0"], args.reps) for w in WINDOWS}
     print(f"{'mask':>14} {'forward ms':>11} {'backward ms':>12}")

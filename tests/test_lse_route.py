@@ -312,3 +312,33 @@ def test_a_wrong_scores_file_widens_no_weight():
     p[5, top] += [-f32(0.1), f32(0.1)]
     report = attnstep.check_arrays(q, k, v, {"QK_scaled": s, "attention_weights": p})
     assert [r.status for r in report.results] == ["FAIL", "FAIL"], [(r.stage, r.status) for r in report.results]
+
+
+def _exp_against_lse(seed: int):
+    """A float32 program at logits up to about 17: P = exp(S − lse), written without its scores."""
+    rng = np.random.default_rng(seed)
+    q, k, v = (rng.standard_normal((1, n, 64)).astype(f32) for n in (32, 96, 96))
+    q = (q * f32(4)).astype(f32)
+    s = ((q[0] @ k[0].T).astype(f32) * f32(1 / 8)).astype(f32)
+    mx = s.max(axis=1, keepdims=True)
+    lse = (mx + np.log(np.exp(s - mx).astype(f32).sum(axis=1, keepdims=True, dtype=f32))).astype(f32)
+    return q, k, v, np.exp(s - lse).astype(f32), lse
+
+
+def test_a_dominant_weight_off_by_a_few_of_its_largest_errors_fails_without_the_scores():
+    """Weights exponentiated against the lse, written without their scores: each weight is allowed
+    its scores' typical error (their bound's deviation), not their whole bound, so a row's largest
+    weight off by 1e-5 (four times the largest error a correct run shows there) still fails in most
+    programs; the correct ones pass."""
+    import attnstep
+    caught = 0
+    for seed in range(12):
+        q, k, v, p, lse = _exp_against_lse(1000 + seed)
+        assert attnstep.check_arrays(q, k, v, {"attention_weights": p[None], "flash_lse": lse[:, 0][None]}).passed
+        row = seed % p.shape[0]
+        wrong = p.astype(np.float64)
+        wrong[row, np.argmax(wrong[row])] *= 1 + 1e-5
+        report = attnstep.check_arrays(q, k, v, {"attention_weights": wrong.astype(f32)[None],
+                                                 "flash_lse": lse[:, 0][None]})
+        caught += {r.stage: r.status for r in report.results}["attention_weights"] == "FAIL"
+    assert caught >= 9, caught

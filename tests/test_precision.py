@@ -368,12 +368,12 @@ def test_number_pair_widens_until_the_two_differ(got, want, shown):
     assert number_pair(got, want) == shown
 
 
-def _half_flash_backward(q, k, v, do, fmt: str, k_prescaled: bool, d_head_shift: int = 0):
+def _half_flash_backward(q, k, v, do, fmt: str, k_prescaled: bool, d_head_shift: int = 0, ds_without_p: bool = False):
     """A half flash backward as a kernel computes it (inputs in the format, float32 products, P and dS
     rounded for their GEMMs, the gradients stored in the format) from a float32 forward's output and
     lse; k_prescaled: K times scale·log2 e stored in the format for the recomputed scores and dQ
     (the Triton tutorial's backward, with exp2); d_head_shift: D = rowsum(dO∘O) from the O of head
-    h + shift (a head offset off by one: a bug)."""
+    h + shift (a head offset off by one: a bug); ds_without_p: dS = dP − D, P left out (a bug)."""
     scale = np.float32(1 / np.sqrt(q.shape[2]))
     c = scale * np.float32(1 / np.log(2))
     stages = {n: [] for n in ("flash_output", "flash_lse", "flash_dQ", "flash_dK", "flash_dV")}
@@ -389,7 +389,7 @@ def _half_flash_backward(q, k, v, do, fmt: str, k_prescaled: bool, d_head_shift:
         lse, o = stages["flash_lse"][h], stages["flash_output"][(h + d_head_shift) % heads]
         k_used = _rounded(kh * c, fmt) if k_prescaled else kh
         p = np.exp2(qh @ k_used.T - lse * np.float32(1 / np.log(2))) if k_prescaled else np.exp((qh @ kh.T) * scale - lse)
-        ds = p * (doh @ vh.T - (doh * o).sum(axis=1, keepdims=True))
+        ds = (1.0 if ds_without_p else p) * (doh @ vh.T - (doh * o).sum(axis=1, keepdims=True))
         dq = (_rounded(ds, fmt) @ k_used) * (np.float32(np.log(2)) if k_prescaled else scale)
         for name, x in (("flash_dQ", dq), ("flash_dK", (_rounded(ds, fmt).T @ qh) * scale),
                         ("flash_dV", _rounded(p, fmt).T @ doh)):
@@ -434,3 +434,19 @@ def test_d_from_the_next_heads_output_in_a_bf16_backward_is_named_on_every_head(
         assert r.diagnosis and r.diagnosis[0].code == "D_wrong_O", (r.stage, r.head, [d.message for d in r.diagnosis])
         assert r.diagnosis[0].detail["read_head"] == (r.head + 1) % q.shape[0]
         assert "scaled" not in [d.code for d in r.diagnosis]
+
+
+def test_ds_without_p_in_a_bf16_backward_over_many_keys_is_named():
+    """dS = dP − D without P, at bf16 over 1024 keys: the gradients grow a hundredfold and each is
+    rounded to bf16 at that size, far past a correct run's widths; the candidate is matched within
+    widths grown as its values are, and named on dQ and dK."""
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((2, n, 64)).astype(np.float32) for n in (128, 1024, 1024))
+    do = np.random.default_rng(1).standard_normal(q.shape).astype(np.float32)
+    report = attnstep.check_arrays(q, k, v, _half_flash_backward(q, k, v, do, "bf16", False, ds_without_p=True),
+                                   do=do, precision="bf16")
+    failed = {(r.stage, r.head): [d.code for d in r.diagnosis] for r in report.results if r.status == "FAIL"}
+    assert {s for s, _ in failed} >= {"flash_dQ", "flash_dK"}, failed
+    for (stage, head), codes in failed.items():
+        if stage in ("flash_dQ", "flash_dK"):
+            assert "dS_missing_P" in codes, failed

@@ -568,3 +568,30 @@ def test_the_tile_searches_recompute_few_whole_stages_over_many_keys(monkeypatch
     assert failed and all(r.diagnosis[0].code == "key_tile_skipped" for r in failed), \
         [(r.stage, [d.message for d in r.diagnosis]) for r in failed]
     assert len(whole) <= 10, len(whole)
+
+
+def test_a_cause_named_only_on_a_later_stage_is_in_the_verdict():
+    """A bf16 flash forward whose causal mask lets each row see one key past the diagonal, over 1024
+    keys: its output's own rounding hides the mask among the output's widths (no name), its float32
+    lse does not (mask_offset); the verdict line, on the output, says what the lse names."""
+    rng = np.random.default_rng(0)
+    n, m = 128, 1024
+    q, k, v = (rng.standard_normal((2, x, 64)).astype(np.float32) for x in (n, m, m))
+    out, lse = [], []
+    for h in range(2):
+        s = (_bf16(q[h]) @ _bf16(k[h]).T) / 8.0
+        s = np.where(np.arange(m)[None, :] <= np.arange(n)[:, None] + m - n + 1, s, -np.inf)
+        mx = s.max(axis=1, keepdims=True)
+        p = np.exp(s - mx)
+        out.append(_bf16(_bf16(p / p.sum(axis=1, keepdims=True)) @ _bf16(v[h])))
+        lse.append((mx + np.log(p.sum(axis=1, keepdims=True)))[:, 0].astype(np.float32))
+    report = attnstep.check_arrays(q, k, v, {"flash_output": np.stack(out), "flash_lse": np.stack(lse)},
+                                   precision="bf16", causal="bottom-right")
+    codes = {(r.stage, r.head): [d.code for d in r.diagnosis] for r in report.results if r.status == "FAIL"}
+    assert codes[("flash_lse", 0)][:1] == ["mask_offset"], codes
+    verdict = [line for line in attnstep.format_report(report).splitlines() if "first failing stage" in line]
+    assert verdict and "first failing stage: flash_output" in verdict[0], verdict
+    if not codes[("flash_output", 0)]:
+        assert "flash_lse, failing on the same head, names mask_offset" in verdict[0], verdict
+    else:  # (named on the output itself: the verdict says that name)
+        assert "mask_offset" in verdict[0], verdict

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from verify.diagnose import softmax_loops
+from verify.diagnose import screens, softmax_loops
 
 
 def _loop(logits, values, tile: int, sum_scaled: bool, out_scaled: bool, lse: bool) -> np.ndarray:
@@ -57,15 +57,16 @@ def test_the_screen_never_drops_a_candidate_the_whole_stage_would_take():
     for seed in range(60):
         rng = np.random.default_rng(seed)
         n, m = int(rng.integers(4, 40)), int(rng.integers(2, 30))
-        head = SimpleNamespace(width=10.0 ** rng.uniform(-4, -1))
+        width = 10.0 ** rng.uniform(-4, -1)
         want = rng.standard_normal((n, m))
-        bug = rng.standard_normal((n, m)) * head.width * 10.0 ** rng.uniform(0, 3)
-        got = want + bug + rng.standard_normal((n, m)) * head.width * 10.0 ** rng.uniform(-3, 0)
+        bug = rng.standard_normal((n, m)) * width * 10.0 ** rng.uniform(0, 3)
+        got = want + bug + rng.standard_normal((n, m)) * width * 10.0 ** rng.uniform(-3, 0)
+        head = SimpleNamespace(width=width)
         got[rng.random(n) < 0.1] = 0.0  # rows never written
-        rows = softmax_loops.loop_rows(got, want)
-        fits = softmax_loops.loop_screen(got, want, head)
+        rows = screens.loop_rows(got, want)
+        fits = screens.loop_screen(got, want, head)
         for noise in 10.0 ** np.linspace(-5, 1, 40):
-            cand = want + bug + rng.standard_normal((n, m)) * head.width * noise
+            cand = want + bug + np.clip(rng.standard_normal((n, m)), -9, 9) * head.width * noise
             if softmax_loops.loop_matches(got, want, head, cand) is not None:
                 taken += 1
                 assert fits(cand[rows], rows), (seed, noise)

@@ -100,6 +100,17 @@ def differs(got: np.ndarray, cand: np.ndarray, want: np.ndarray, limit: float, n
     return maxdiff(cand, want) > limit
 
 
+def match_width(cand: np.ndarray, want: np.ndarray, width: float) -> float:
+    """How far got may lie from a candidate that explains it: MATCH_WIDTHS of the stage's widths,
+    times how much larger the candidate's values are than the reference's. A program's rounding
+    grows with the values it computes, and a bug that inflates them (dS without P: gradients a
+    hundred times too large, each rounded to bf16) rounds them by as much more than a correct run's
+    bound allows."""
+    top = float(np.max(np.abs(want[np.isfinite(want)]), initial=0.0))
+    big = float(np.max(np.abs(cand[np.isfinite(cand)]), initial=0.0))
+    return MATCH_WIDTHS * width * (max(1.0, big / top) if top > 0 else 1.0)
+
+
 def explains(got: np.ndarray, cand: np.ndarray, want: np.ndarray, width: float,
              nan_evidence: bool = False) -> Optional[float]:
     """max|got - cand| when cand explains got and is a real alternative to want, else None
@@ -107,7 +118,7 @@ def explains(got: np.ndarray, cand: np.ndarray, want: np.ndarray, width: float,
     if cand.shape != got.shape:
         return None
     diff = maxdiff(got, cand)
-    if not diff <= MATCH_WIDTHS * width:
+    if not diff <= match_width(cand, want, width):
         return None
     if not differs(got, cand, want, DISTINCT_WIDTHS * width, nan_evidence):
         return None
@@ -124,7 +135,7 @@ def explains_closely(got: np.ndarray, cand: np.ndarray, want: np.ndarray, width:
     files, where its distance to got is the program's rounding, or the reference chain, where it is
     that rounding and the chain's own error)."""
     diff = maxdiff(got, cand)  # (inf for another shape)
-    if not diff <= MATCH_WIDTHS * width:
+    if not diff <= match_width(cand, want, width):
         return None
     close = max(diff, float(np.max(np.abs(want[np.isfinite(want)]), initial=0.0)) * 2.0**-20)
     # (the limit is at most DISTINCT_WIDTHS·width: every candidate explains() takes is taken)

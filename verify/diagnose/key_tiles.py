@@ -20,7 +20,8 @@ from ..check.splits import combine
 from ..model.attention import log_sum_exp_rows, softmax_rows
 from .base import KEY_TILES, MIN_SEARCHED_VALUES
 from .inputs import run_key_tile
-from .softmax_loops import MIN_ROWS, SAMPLED_ROWS, loop_head, loop_matches, loop_rows, loop_screen
+from .screens import SAMPLED_ROWS, loop_rows, loop_screen
+from .softmax_loops import MIN_ROWS, loop_head, loop_matches
 
 CODES = (KEY_TILE_SKIPPED,)
 _ORDINALS = ("first", "second", "third", "fourth", "fifth", "sixth", "seventh", "eighth", "ninth", "tenth")

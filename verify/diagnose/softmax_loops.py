@@ -23,7 +23,7 @@ not tile by tile.
 from __future__ import annotations
 
 import copy
-from typing import Callable, Iterator, List, Optional, Tuple
+from typing import Iterator, List, Optional, Tuple
 
 import numpy as np
 
@@ -34,9 +34,10 @@ from ..specs import SPECS
 from ..specs.output import scores_from_inputs
 from ..stages import KEYS, QUERIES, STAGES, VALUES
 from ..text import indices
-from .base import CLOSER, DISTINCT_WIDTHS, MATCH_WIDTHS, MIN_SEARCHED_VALUES, maxdiff
+from .base import MATCH_WIDTHS, MIN_SEARCHED_VALUES, maxdiff
 from .inputs import (blank_rows, case_inputs, explains_rows, rebuilder, run_hidden, slope_of, variant_of,
-                     variant_tensors, worst_rows)
+                     variant_tensors)
+from .screens import loop_rows, loop_screen
 from .splits import split_cols
 
 MASK_AFTER_SOFTMAX = "mask_after_softmax"
@@ -48,7 +49,6 @@ CODES = (MASK_AFTER_SOFTMAX, TILE_KEYS_SKIPPED, ONLINE_RESCALE_MISSING, SOFTMAX_
 # MIN_SEARCHED_VALUES: a search over every tile width).
 MIN_ROWS = 4
 MAX_TILE_SEARCHED = 256
-SAMPLED_ROWS = 4
 # What a stage holds, by its table entry's columns: the weights (one per key), one log-sum-exp a
 # row, or the attention's output (V's columns).
 _PROBABILITIES, _LOG_SUM_EXP, _ATTENTION = "probabilities", "log-sum-exp", "attention"
@@ -128,29 +128,6 @@ def loop_matches(got, want, head: _Head, cand: np.ndarray) -> Optional[float]:
     return explains_rows(got, cand, want, head.width, ~blank_rows(got, want), closely=True)
 
 
-def loop_screen(got, want, head: _Head) -> Callable[[np.ndarray, np.ndarray], bool]:
-    """fits(candidate's rows, rows): whether a candidate's stage on a few of got's rows leaves it
-    one that loop_matches may take, so that only those are computed whole. On the rows it judges
-    (those written), the candidate must fit got, and it must be able to lie farther from want than
-    got lies closer to it, CLOSER times (or DISTINCT_WIDTHS widths): at most got's own distance
-    from want and the match's widths. Over many keys a tiling that leaves out keys of little weight
-    fits every row; this is what rules it out."""
-    judged = ~blank_rows(got, want)
-    reach = maxdiff(got[judged], want[judged]) + MATCH_WIDTHS * head.width
-
-    def fits(cand_rows: np.ndarray, rows: np.ndarray) -> bool:
-        j = judged[rows]
-        diff = maxdiff(got[rows][j], cand_rows[j])
-        return diff <= MATCH_WIDTHS * head.width and reach > min(DISTINCT_WIDTHS * head.width, CLOSER * diff)
-    return fits
-
-
-def loop_rows(got, want) -> np.ndarray:
-    """The rows a search tries its candidates on first: the most wrong of those written."""
-    written = np.flatnonzero(~blank_rows(got, want))
-    return written[worst_rows(got[written], want[written], SAMPLED_ROWS)]
-
-
 def _widths(m: int) -> range:
     """The tile widths below m keys searched."""
     return range(2, min(m, MAX_TILE_SEARCHED + 1))
@@ -228,9 +205,21 @@ _LSE_RESCALES = (("does not rescale the running sum l by exp(m_old − m_new)", 
 
 def _online(head: _Head, tile: int, sum_scaled: bool, out_scaled: bool, rows=slice(None)) -> np.ndarray:
     """The stage from an online softmax of `rows` over key tiles of `tile` keys, with its running
-    sum and output rescaled when a tile raises the row maximum, or not. A rescaled sum (output) is
-    the one over every key against the final maximum; one never rescaled weighs each key against
-    the running maximum its tile was read under: both in closed form, not a loop over the tiles."""
+    sum and output rescaled when a tile raises the row maximum, or not (_online_rows), a block of
+    rows of at most _ONLINE_BLOCK scores at a time: its few N×M temporaries stay small."""
+    idx = np.arange(head.logits.shape[0])[rows]
+    step = max(1, _ONLINE_BLOCK // max(1, head.logits.shape[1]))
+    parts = [_online_rows(head, tile, sum_scaled, out_scaled, idx[i:i + step]) for i in range(0, idx.size, step)]
+    return np.concatenate(parts) if parts else _online_rows(head, tile, sum_scaled, out_scaled, idx)
+
+
+_ONLINE_BLOCK = 1 << 22
+
+
+def _online_rows(head: _Head, tile: int, sum_scaled: bool, out_scaled: bool, rows: np.ndarray) -> np.ndarray:
+    """_online's rows. A rescaled sum (output) is the one over every key against the final maximum;
+    one never rescaled weighs each key against the running maximum its tile was read under: both in
+    closed form, not a loop over the tiles."""
     logits = np.where(head.hidden[rows], -np.inf, head.logits[rows])
     m = logits.shape[1]
     starts = np.arange(0, m, tile)

@@ -202,6 +202,24 @@ def culprit_heads(report: Report, first: HeadResult) -> str:
     return f"{noun(first)} {first.head}: batch {first.batch}, {noun(first)} {first.head_in_batch}{serves(first)}"
 
 
+# ---- a cause named on a later stage ---------------------------------------------------------------
+
+# Codes that say where a stage is wrong or which invariant it breaks, not why: no cause to lend.
+_NOT_CAUSES = {"nonfinite", "unwritten", "tile_boundary", "negative_weights", "row_sum", "not_transpose",
+               "echo_mismatch", "flash_vs_output", "lse_vs_scores", "column_sum", "flash_vs_stages"}
+
+
+def cause_elsewhere(report: Report, first: HeadResult) -> Optional[HeadResult]:
+    """Where the first failing stage names no cause: the first later failing stage of the same
+    head that does (a bug moves a float32 lse by many of its widths where a bf16 output's own
+    rounding hides it among its widths), or None."""
+    if first.diagnosis:
+        return None
+    later = [r for r in report.results if r.status == FAIL and r.head == first.head and r.kv == first.kv
+             and r.stage != first.stage and r.diagnosis and r.diagnosis[0].code not in _NOT_CAUSES]
+    return min(later, key=result_order) if later else None
+
+
 # ---- stages that cannot be checked ---------------------------------------------------------------
 
 def unchecked(report: Report) -> List[HeadResult]:

@@ -251,9 +251,12 @@ def summary_lines(report: Report) -> List[str]:
     inherited = [s for s in report.stages
                  if stage_status(report.stage_results(s)) == INHERITED]
     half = states.half_hint(report)
+    elsewhere = states.cause_elsewhere(report, first)
     lines.append(f"{verdict} first failing stage: {first.stage} "
                  f"({states.culprit_heads(report, first)})"
                  + (f"; {first.diagnosis[0].code}: {first.diagnosis[0].message}" if first.diagnosis else "")
+                 + (f"; unnamed there; {elsewhere.stage}, failing on the same head, names "
+                    f"{elsewhere.diagnosis[0].code}: {elsewhere.diagnosis[0].message}" if elsewhere else "")
                  + (f"; {half}" if half else ""))
     if inherited:
         lines.append(f"      inherited downstream (pass in isolation): {', '.join(inherited)}")

@@ -97,7 +97,9 @@ def _own_terms(stage: str, want: np.ndarray, ctx: HeadContext, chained: bool, ro
       lse's (a backward's own GEMM) errs by δ_j − Δlse, whose common part is the factor. δ_j = S_j −
       the reference's as the scores the program wrote show it, capped at the scores' chained bound
       (a wrong QK_scaled file, which fails on its own, widens no weight past a correct program's);
-      where it wrote none, that bound itself: what a correct program's own scores may err by.
+      where it wrote none, that bound's deviation (b/LAMBDA), what a correct program's own scores
+      typically err by: the whole bound would let a dominant weight off by a few times its largest
+      correct error pass, as a row's factor would.
     rows: _row_lse(ctx) (None where the scores are not at hand)."""
     if stage != WEIGHTS or rows is None or rows[0].shape != want.shape:
         return 0.0
@@ -111,7 +113,7 @@ def _own_terms(stage: str, want: np.ndarray, ctx: HeadContext, chained: bool, ro
             return 0.0
         both = finite & (np.isfinite(own) if own is not None else True)
         # (no more than a correct program's scores may err by: a wrong QK_scaled widens nothing)
-        delta = np.where(both, b, 0.0) if own is None else \
+        delta = np.where(both, b / LAMBDA, 0.0) if own is None else \
             np.minimum(np.abs(np.where(both, own - S, 0.0)), np.where(both, b, 0.0))
         return np.where(both, want * want * np.expm1(delta), 0.0)
 
