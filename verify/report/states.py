@@ -211,12 +211,12 @@ _NOT_CAUSES = {"nonfinite", "unwritten", "tile_boundary", "negative_weights", "r
 
 def cause_elsewhere(report: Report, first: HeadResult) -> Optional[HeadResult]:
     """Where the first failing stage names no cause: the first later failing stage of the same
-    head that does (a bug moves a float32 lse by many of its widths where a bf16 output's own
+    head (and sequence, in a packed case) that does (a bug moves a float32 lse by many of its widths where a bf16 output's own
     rounding hides it among its widths), or None."""
     if first.diagnosis:
         return None
-    later = [r for r in report.results if r.status == FAIL and r.head == first.head and r.kv == first.kv
-             and r.stage != first.stage and r.diagnosis and r.diagnosis[0].code not in _NOT_CAUSES]
+    later = [r for r in report.results if r.status == FAIL and (r.head, r.kv, r.sequence) == (first.head, first.kv,
+             first.sequence) and r.stage != first.stage and r.diagnosis and r.diagnosis[0].code not in _NOT_CAUSES]
     return min(later, key=result_order) if later else None
 
 
