@@ -450,3 +450,19 @@ def test_ds_without_p_in_a_bf16_backward_over_many_keys_is_named():
     for (stage, head), codes in failed.items():
         if stage in ("flash_dQ", "flash_dK"):
             assert "dS_missing_P" in codes, failed
+
+
+def test_d_from_a_head_two_away_is_named_with_the_head_it_read():
+    """D read from head h + 2 of 4 (an offset off by two heads): every head's failing gradients are
+    named D_wrong_O with the head read, the heads beside each and the first and last tried first,
+    then the others by distance."""
+    rng = np.random.default_rng(3)
+    q, k, v = (rng.standard_normal((4, 128, 64)).astype(np.float32) for _ in range(3))
+    do = np.random.default_rng(103).standard_normal(q.shape).astype(np.float32)
+    report = attnstep.check_arrays(q, k, v, _half_flash_backward(q, k, v, do, "bf16", False, d_head_shift=2),
+                                   do=do, precision="bf16")
+    failed = [r for r in report.results if r.status == "FAIL"]
+    assert {r.head for r in failed} == {0, 1, 2, 3}, [(r.stage, r.head) for r in failed]
+    for r in failed:
+        assert r.diagnosis and r.diagnosis[0].code == "D_wrong_O", (r.stage, r.head, [d.message for d in r.diagnosis])
+        assert r.diagnosis[0].detail["read_head"] == (r.head + 2) % 4, r.diagnosis[0].message

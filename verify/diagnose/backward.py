@@ -19,7 +19,7 @@ from ..model.scores import HeadVariant
 from ..specs import SPECS
 from ..specs.backward import Gradients, d_reference
 from ..stages import FLASH_LSE, GRAD_OUTPUT, KEYS, OUTPUT, QUERIES, STAGES, VALUES
-from .base import LOG2_E, explains_closely
+from .base import LOG2_E, MAX_HEADS_SEARCHED, explains_closely
 from .heads import neighbours, other_head_stage
 from .inputs import key_tiles
 
@@ -118,15 +118,18 @@ def _first_match(got, want, width: float, cands: Iterable[Tuple[str, Optional[np
 
 def _other_heads_os(ctx) -> Iterable[Tuple[str, np.ndarray, int]]:
     """(how, O, the head) of another query head's O (its reference), as a program whose offset into
-    O is off by a head reads it."""
+    O is off reads it: the heads next to it, the first and the last, then the others by distance
+    (MAX_HEADS_SEARCHED in all)."""
     dims, head = ctx.dims, ctx.head
     if dims is None or head is None:
         return
-    for other in neighbours(dims.total_heads, head):
+    near = neighbours(dims.total_heads, head)
+    rest = sorted((j for j in range(dims.total_heads) if j != head and j not in near), key=lambda j: abs(j - head))
+    for other in (near + rest)[:MAX_HEADS_SEARCHED]:
         O = other_head_stage(OUTPUT, ctx, other)
         if O is not None:
-            which = {head + 1: "the next head's", head - 1: "the previous head's"}.get(
-                other, "the first head's" if other == 0 else "the last head's")
+            which = {head + 1: "the next head's", head - 1: "the previous head's", 0: "the first head's",
+                     dims.total_heads - 1: "the last head's"}.get(other, f"{other - head:+d} heads away")
             yield f"the O of head {other} ({which}) instead of its own, head {head}", O, other
 
 
@@ -142,11 +145,12 @@ def d_wrong_o(stage, got, want, ctx, width) -> List[Diagnosis]:
     hit = _first_match(got, want, _width(ctx, stage, width), cands)
     read = {}
     if hit is None:  # (another head's O is the reference chain's: its width is the chained bound's)
-        others = list(_other_heads_os(ctx))
-        read = {how: other for how, _, other in others}
-        cands = ((how, _rebuilt(stage, g.replaced(D=d_reference(dO, O)))) for how, O, _ in others
-                 if O.shape == dO.shape)
-        hit = _first_match(got, want, _chained_width(ctx, stage, width), cands)
+        def others():  # (each head's O computed only when the heads before it fail)
+            for how, O, other in _other_heads_os(ctx):
+                if O.shape == dO.shape:
+                    read[how] = other
+                    yield how, _rebuilt(stage, g.replaced(D=d_reference(dO, O)))
+        hit = _first_match(got, want, _chained_width(ctx, stage, width), others())
     if hit is None:
         return []
     how, diff = hit
