@@ -466,3 +466,21 @@ def test_d_from_a_head_two_away_is_named_with_the_head_it_read():
     for r in failed:
         assert r.diagnosis and r.diagnosis[0].code == "D_wrong_O", (r.stage, r.head, [d.message for d in r.diagnosis])
         assert r.diagnosis[0].detail["read_head"] == (r.head + 2) % 4, r.diagnosis[0].message
+
+
+def test_d_from_another_head_tries_the_heads_nearby_not_every_head(monkeypatch):
+    """Each other head tried costs its whole forward: beyond the heads beside it, the first and the
+    last, only those up to four heads away are tried (D read from six heads away, of 12, is left
+    unnamed rather than searched through every head)."""
+    from verify.diagnose import backward
+    tried = []
+    real = backward.other_head_stage
+    monkeypatch.setattr(backward, "other_head_stage",
+                        lambda stage, ctx, other: tried.append((ctx.head, other)) or real(stage, ctx, other))
+    rng = np.random.default_rng(3)
+    q, k, v = (rng.standard_normal((12, 32, 16)).astype(np.float32) for _ in range(3))
+    do = np.random.default_rng(103).standard_normal(q.shape).astype(np.float32)
+    report = attnstep.check_arrays(q, k, v, _half_flash_backward(q, k, v, do, "bf16", False, d_head_shift=6),
+                                   do=do, precision="bf16")
+    assert any(r.status == "FAIL" for r in report.results)
+    assert tried and all(abs(h - o) <= 4 or o in (0, 11) for h, o in tried), sorted(set(tried))

@@ -28,7 +28,10 @@ def _loop(logits, values, tile: int, sum_scaled: bool, out_scaled: bool, lse: bo
 
 
 @pytest.mark.parametrize("seed", range(40))
-def test_the_closed_form_is_the_loop(seed):
+def test_the_closed_form_is_the_loop(seed, monkeypatch):
+    """(odd seeds: in blocks of a few rows, as a long head's rows are)"""
+    if seed % 2:
+        monkeypatch.setattr(softmax_loops, "_ONLINE_BLOCK", 64)
     rng = np.random.default_rng(seed)
     n, m, d = int(rng.integers(1, 9)), int(rng.integers(1, 300)), int(rng.integers(1, 5))
     head = SimpleNamespace(logits=rng.standard_normal((n, m)) * rng.choice([1, 5, 50]),

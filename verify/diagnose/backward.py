@@ -19,7 +19,7 @@ from ..model.scores import HeadVariant
 from ..specs import SPECS
 from ..specs.backward import Gradients, d_reference
 from ..stages import FLASH_LSE, GRAD_OUTPUT, KEYS, OUTPUT, QUERIES, STAGES, VALUES
-from .base import LOG2_E, MAX_HEADS_SEARCHED, explains_closely
+from .base import LOG2_E, MAX_HEAD_OFFSET, explains_closely
 from .heads import neighbours, other_head_stage
 from .inputs import key_tiles
 
@@ -118,14 +118,15 @@ def _first_match(got, want, width: float, cands: Iterable[Tuple[str, Optional[np
 
 def _other_heads_os(ctx) -> Iterable[Tuple[str, np.ndarray, int]]:
     """(how, O, the head) of another query head's O (its reference), as a program whose offset into
-    O is off reads it: the heads next to it, the first and the last, then the others by distance
-    (MAX_HEADS_SEARCHED in all)."""
+    O is off reads it: the heads next to it, the first and the last, then those up to
+    MAX_HEAD_OFFSET away, nearest first."""
     dims, head = ctx.dims, ctx.head
     if dims is None or head is None:
         return
     near = neighbours(dims.total_heads, head)
-    rest = sorted((j for j in range(dims.total_heads) if j != head and j not in near), key=lambda j: abs(j - head))
-    for other in (near + rest)[:MAX_HEADS_SEARCHED]:
+    rest = sorted((j for j in range(max(0, head - MAX_HEAD_OFFSET), min(dims.total_heads, head + MAX_HEAD_OFFSET + 1))
+                   if j != head and j not in near), key=lambda j: abs(j - head))
+    for other in near + rest:
         O = other_head_stage(OUTPUT, ctx, other)
         if O is not None:
             which = {head + 1: "the next head's", head - 1: "the previous head's", 0: "the first head's",

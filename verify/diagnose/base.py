@@ -23,6 +23,9 @@ POISON_VALUES = (3.4028234663852886e38, -3.4028234663852886e38, 1e30, -1e30)
 UNWRITTEN_DENSITY = 0.9      # fraction of the region's entries that must be zero/NaN/poison
 TILE_DENSITY = 0.5           # fraction of a wrong tile's entries that must be wrong
 MAX_HEADS_SEARCHED = 64
+# Beyond the heads next to it, the first and the last: another head's operand an offset this far
+# off reads (each candidate a head's whole forward recomputed: a few, not every head).
+MAX_HEAD_OFFSET = 4
 MAX_MASK_OFFSET = 8
 # Tile sizes tried besides the run's own (run.toml's flash_block_q/k): the widths kernels tile and
 # vectorize by; a period of 2 is what any alternating error pattern shows by chance.
