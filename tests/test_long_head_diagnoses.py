@@ -276,3 +276,18 @@ def test_a_slab_that_cannot_tell_no_mask_from_the_other_alignment_says_both(long
     for found in _named(report, "flash_output"):
         assert found[0].code == "mask_missing" and "or with it top-left aligned (PyTorch's convention)" in \
             found[0].message, [d.message for d in found]
+
+
+def test_one_query_row_aligned_bottom_right_under_a_top_left_mask_says_both():
+    """A decode step's one query row checked as top-left causal, computed bottom-right: that row sees
+    every key, as with no mask at all; the finding says both (as a slab's rows do)."""
+    rng = np.random.default_rng(5)
+    q, k, v = rng.standard_normal((1, 1, 32)), rng.standard_normal((1, 40, 32)), rng.standard_normal((1, 40, 32))
+    q, k, v = (x.astype(np.float32) for x in (q, k, v))
+    s = (q[0] @ k[0].T) / np.sqrt(32)
+    p = np.exp(s - s.max()) / np.exp(s - s.max()).sum()
+    out = (p @ v[0]).astype(np.float32)[None]
+    report = attnstep.check_arrays(q, k, v, {"flash_output": out}, causal="top-left")
+    found = _named(report, "flash_output")
+    assert found and all(d[0].code == "mask_missing" and "or with it bottom-right aligned (flash-attn's convention)"
+                         in d[0].message for d in found), [[x.message for x in d] for d in found]

@@ -85,6 +85,41 @@ def test_a_paging_bug_is_named(tmp_path, case, bug, code, words, fmt):
     assert set(first) == {code}, first
 
 
+def test_a_cause_named_in_another_sequence_of_the_head_is_in_the_verdict(tmp_path, case):
+    """Sequence 0 wrong without a name (noise on its rows), sequence 1's pages read one off: the
+    verdict, on sequence 0, says what sequence 1 names."""
+    out = run_program(case, tmp_path / "out", "page_shift")
+    rng = np.random.default_rng(0)
+    for h in range(4):
+        noise = rng.standard_normal((2, 16)) * 1e-3  # (sequence 0: the first 2 query rows)
+        for name in ("output", "flash_output"):
+            path = out / f"{name}_head_{h}.txt"
+            o = np.loadtxt(path, ndmin=2)
+            o[:2] += noise
+            np.savetxt(path, o.astype(np.float32), fmt="%.9g")
+    checked = invoke("check", "--in", case, "--out", out)
+    verdict = [line for line in checked.output.splitlines() if "first failing stage" in line]
+    assert verdict and "first failing stage: output (all 4 heads, sequence 0)" in verdict[0], checked.output
+    assert "unnamed there; output of sequence 1, failing on the same head, names paged_page_shift" in verdict[0]
+
+
+@pytest.mark.parametrize("bug, code", [("length_plus_one", "cache_length_off_by_one"),
+                                       ("wrong_page", "paged_wrong_page"), ("past_length", "paged_past_length")])
+def test_a_paging_bug_of_a_bf16_program_is_named(tmp_path, bug, code):
+    """A bf16 kernel's rows lie a few of the format's units from any reading's: the readings are
+    screened against the format's rounding, not float32's (one key more moves a decode step's
+    output by less than a tenth of a bf16 program's distance from the right reading)."""
+    r = invoke("generate", "--out", tmp_path / "case", "--heads", 2, "--d-k", 64, "--d-v", 64, "--seqlens", "1,1,2",
+               "--seqlens-k", "100,300,37", "--page-size", 16, "--seed", 102)
+    assert r.exit_code == 0, r.output
+    out = run_program(tmp_path / "case", tmp_path / "out", bug, half=True)
+    checked = invoke("check", "--in", tmp_path / "case", "--out", out, "--precision", "bf16")
+    assert checked.exit_code == 1, checked.output
+    assert f"diagnosis {code}: " in checked.output, checked.output
+    right = run_program(tmp_path / "case", tmp_path / "right", half=True)
+    assert invoke("check", "--in", tmp_path / "case", "--out", right, "--precision", "bf16").exit_code == 0
+
+
 @pytest.mark.parametrize("bug, code", [("wrong_page", "paged_wrong_page"), ("past_length", "paged_past_length")])
 def test_a_paging_bug_of_a_split_kv_program_is_named_in_its_first_failing_split(tmp_path, case, bug, code):
     """Each split reads its keys through the table as the whole step does: the split that first

@@ -148,6 +148,24 @@ def test_a_missing_sequence_file_is_named(tmp_path):
     assert all(r.status == PASS for r in report.stage_results("QK_scaled") if r.sequence != 2 or r.head != 1)
 
 
+def test_a_per_token_stage_written_one_file_per_sequence_is_told_how_it_is_stored(tmp_path):
+    """flash_output_head_0_seq_1.txt and the like: a per-token stage is one file per head over every
+    sequence's tokens; the message says so, and which stages are per sequence."""
+    case = PackedCase(**CAUSAL)
+    write_case(case, tmp_path / "in")
+    run_program(case, tmp_path / "out", ("flash_output",))
+    for h in range(case.heads):
+        whole = np.loadtxt(tmp_path / "out" / f"flash_output_head_{h}.txt", ndmin=2)
+        (tmp_path / "out" / f"flash_output_head_{h}.txt").unlink()
+        for b in range(case.count):
+            write_text(tmp_path / "out" / f"flash_output_head_{h}_seq_{b}.txt", whole[case.cu_q[b]:case.cu_q[b + 1]])
+    report = check_packed(tmp_path / "in", tmp_path / "out", Options(**BOTTOM_RIGHT))
+    bad = failing(report, "flash_output")
+    assert bad and all(r.status == "MISSING" for r in bad)
+    assert ("HINT: flash_output is stored packed, one file per head over every sequence's tokens; the _seq_<b> "
+            "files are for the N×M stages (QK, ") in bad[0].message, bad[0].message
+
+
 # ---- K, V and KT on the key rows no query reads: echoed as read -----------------------------------
 
 # A sequence without queries (1) beside a padded slot (2): key rows 3-7 and 12 are read by no query.

@@ -212,3 +212,30 @@ def test_one_padding_key_read_is_said_in_the_singular(tmp_path):
     report = packed_run(tmp_path, shape, bug="padding_read")
     assert_named(report, "padding_read")
     assert "reads the 1 padding key of its slot" in text(report) and "packed key row 5)" in text(report), text(report)
+
+
+# ---- at bf16: a half pipeline's output bound is wide beside a misread sequence's effect --------------
+
+BF16_FORWARD = ("flash_output", "flash_lse")
+BF16 = {"jobs": 1, "precision": "bf16"}
+BF16_SLOTS = dict(seqlens_q=[20, 30, 17], seqlens_k=[20, 30, 17], heads=2, kv_heads=1, d=64, precision="bf16")
+# Decode: one query a sequence, padded key slots.
+BF16_DECODE = dict(seqlens_q=[1, 1, 1], seqlens_k=[100, 64, 50], seqused_k=[70, 64, 33], heads=2, kv_heads=1,
+                   d=64, precision="bf16")
+
+
+def test_bf16_correct_packed_runs_pass(tmp_path):
+    for i, shape in enumerate((BF16_SLOTS, BF16_DECODE)):
+        for seed in range(3):
+            report = packed_run(tmp_path / f"{i}_{seed}", {**shape, "seed": seed}, BF16_FORWARD, opts=BF16)
+            assert report.passed, [(r.stage, r.head, r.sequence, r.message) for r in report.results if not r.passed]
+
+
+def test_bf16_sequence_bugs_are_named_on_the_output(tmp_path):
+    """The output, not only the lse (whose bound is a float32 one): a decode step's lse is one value a
+    sequence, which no reading is named on."""
+    for bug, shape, code in (("leak", BF16_SLOTS, "sequence_leak"), ("off_by_one", BF16_SLOTS, "sequence_boundary"),
+                             ("padding_read", BF16_DECODE, "padding_read")):
+        report = packed_run(tmp_path / bug, shape, BF16_FORWARD, bug=bug, opts=BF16)
+        found = json_codes(report, "flash_output")
+        assert found and all(codes[:1] == [code] for codes in found.values()), (bug, found)

@@ -177,6 +177,17 @@ def test_a_gap_is_named_with_the_key_it_leaves_out_and_the_split_and_row(tmp_pat
     assert any("split" in line and line.startswith("split_output") for line in table_lines(report))
 
 
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@pytest.mark.parametrize("bug, code", [("gap", "split_gap"), ("overlap", "split_overlap")])
+def test_a_split_boundary_at_half_precision_is_named_on_the_split_output(tmp_path, bug, code, precision):
+    """A key more or fewer in a split of 64 moves its output by some ten of a half pipeline's bounds,
+    not the hundred a float32 one gives: the split's output names it as its lse does."""
+    report = split_run(tmp_path, dict(split_size=64, seq_q=4, seq_k=300, d=64, causal="bottom-right"), bug, precision)
+    assert report.first_failing_stage == SPLIT_OUTPUT, text(report)
+    for stage in SPLITS:
+        assert code in codes(report, stage), (stage, text(report))
+
+
 def test_a_correct_split_program_at_bf16_fails_when_its_splits_are_rounded_like_its_output(tmp_path):
     """The split stages are float32 at every precision: a bf16 program's rounded splits do not pass
     as float32 ones would (the check is not blind to the split stages' precision)."""
@@ -271,7 +282,85 @@ def test_a_split_past_the_split_count_is_refused_naming_the_file(tmp_path):
     in_dir, out_dir = _folders(tmp_path)
     r = invoke("check", "--in", in_dir, "--out", out_dir, "--split-size", 16)  # 3 splits, 5 written
     assert r.exit_code == 2
-    assert "split_3.txt: split 3, but 16 keys per split makes 3 splits (0..2) of the longest row's keys" in r.output
+    assert ("split_3.txt: split 3 holds keys, but 16 keys per split makes 3 splits (0..2) of the longest row's keys"
+            in r.output)
+
+
+def test_a_combine_that_guards_against_nan_splits_is_given_no_combine_bug(tmp_path):
+    """Splits that hold NaN where a row sees no key (named on the split stages), combined by a
+    program that gives a row with a NaN split output 0 and lse −inf: the combine of the program's
+    own splits is NaN there, and no reading of the combine is evidence against it."""
+    case = SplitCase(split_size=8, causal="bottom-right", window=(10, 0), d=64, seq_q=3, seq_k=100)
+    write_case(case, tmp_path / "in")
+    res = run_program(case, tmp_path / "out", "empty_nan")
+    for h in range(case.heads):
+        lses = np.hstack([np.asarray(x, np.float64).reshape(-1, 1) for x in res[SPLIT_LSE][h]])
+        nan_rows = np.isnan(lses).any(axis=1)
+        out = np.where(nan_rows[:, None], 0.0, res["flash_output"][h])
+        lse = np.where(nan_rows[:, None], -np.inf, np.asarray(res["flash_lse"][h]).reshape(-1, 1))
+        write_text(tmp_path / "out" / f"flash_output_head_{h}.txt", out.astype(np.float32))
+        write_text(tmp_path / "out" / f"flash_lse_head_{h}.txt", lse.astype(np.float32))
+    report = check(tmp_path / "in", tmp_path / "out", Options(jobs=1, split_size=8), diagnoser=diagnose)
+    assert "empty_split" in codes(report, SPLIT_OUTPUT)
+    for stage in ("flash_output", "flash_lse"):
+        assert not codes(report, stage) & {"split_exp2", "split_not_rescaled", "split_left_out"}, text(report)
+
+
+def test_a_split_lse_written_in_base_2_is_named(tmp_path):
+    in_dir, out_dir = _folders(tmp_path)
+    for h in range(4):
+        for s in range(5):
+            path = out_dir / f"split_lse_head_{h}_split_{s}.txt"
+            write_text(path, (np.loadtxt(path, ndmin=2) * np.log2(np.e)).astype(np.float32))
+    report = check(in_dir, out_dir, Options(jobs=1, split_size=8), diagnoser=diagnose)
+    assert report.first_failing_stage == SPLIT_LSE
+    assert "lse_log2" in codes(report, SPLIT_LSE), text(report)
+
+
+def test_a_split_size_smaller_than_the_programs_hints_at_the_split_size(tmp_path):
+    in_dir, out_dir = _folders(tmp_path)  # written 8 keys per split: files 0..4
+    r = invoke("check", "--in", in_dir, "--out", out_dir, "--split-size", 4)  # 10 splits asked
+    assert r.exit_code == 1
+    assert ("split_output_head_0_split_5.txt is missing (the run splits the keys 4 per split: 10 splits per head, "
+            "0..9); HINT: the split size the program used?") in r.output, r.output
+    (out_dir / "split_output_head_0_split_2.txt").unlink()  # a file missing among others: no hint
+    r = invoke("check", "--in", in_dir, "--out", out_dir, "--split-size", 8)
+    assert r.exit_code == 1 and "split_2.txt is missing" in r.output and "HINT: the split size" not in r.output
+
+
+def test_trailing_split_files_that_hold_no_key_are_left_out_and_said(tmp_path):
+    """A kernel that launches a fixed number of splits writes the ones past the keys too: lse −inf
+    (or a stand-in for it) and output 0 in every row. Those pass, said in a note; one that holds a
+    value is refused (another split size)."""
+    in_dir, out_dir = _folders(tmp_path)  # 37 keys, 8 per split: splits 0..4
+    n = 8
+    for h in range(4):
+        for s in (5, 6):
+            write_text(out_dir / f"split_output_head_{h}_split_{s}.txt", np.zeros((n, 16), np.float32))
+            write_text(out_dir / f"split_lse_head_{h}_split_{s}.txt",
+                       np.full((n, 1), -np.inf if s == 5 else -3.4028235e38, np.float32))
+    r = invoke("check", "--in", in_dir, "--out", out_dir, "--split-size", 8)
+    assert r.exit_code == 0, r.output
+    assert "split_lse: the files of splits 5..6 hold no key (lse −inf, output 0): past the 5 splits" in r.output
+    write_text(out_dir / "split_output_head_2_split_6.txt", np.full((n, 16), 0.5, np.float32))
+    r = invoke("check", "--in", in_dir, "--out", out_dir, "--split-size", 8)
+    assert r.exit_code == 2 and "split_output_head_2_split_6.txt: split 6 holds keys" in r.output, r.output
+
+
+def test_a_finite_stand_in_for_an_empty_splits_lse_passes(tmp_path):
+    """−FLT_MAX or −1e30 where a row sees no key of a split (a running maximum started there), not
+    −inf: the split is empty all the same and the combine weighs it 0. A stand-in above −1000 (lse 0)
+    is still an empty split mishandled."""
+    in_dir, out_dir = _folders(tmp_path)  # bottom-right: rows 0-2 see no key of split 4
+    for stand_in, passes in ((-3.4028235e38, True), (-1e30, True), (0.0, False)):
+        for h in range(4):
+            path = out_dir / f"split_lse_head_{h}_split_4.txt"
+            lse = np.loadtxt(path, ndmin=2)
+            write_text(path, np.where(np.isneginf(lse) | (lse < -1e3), stand_in, lse).astype(np.float32))
+        report = check(in_dir, out_dir, Options(jobs=1, split_size=8), diagnoser=diagnose)
+        assert report.passed == passes, (stand_in, text(report))
+        if not passes:
+            assert "empty_split" in codes(report, SPLIT_LSE)
 
 
 def test_a_split_past_the_split_count_of_a_packed_case_counts_its_longest_sequence(tmp_path):
@@ -280,7 +369,7 @@ def test_a_split_past_the_split_count_of_a_packed_case_counts_its_longest_sequen
     run_program(case, tmp_path / "out")
     r = invoke("check", "--in", tmp_path / "in", "--out", tmp_path / "out", "--split-size", 4)
     assert r.exit_code == 2 and len(r.output.strip().splitlines()) == 1, r.output
-    assert "split 5, but 4 keys per split makes 5 splits (0..4) of the longest row's keys" in r.output
+    assert "split 5 holds keys, but 4 keys per split makes 5 splits (0..4) of the longest row's keys" in r.output
 
 
 def test_a_mask_bug_in_a_split_run_is_not_named_an_empty_split(tmp_path):

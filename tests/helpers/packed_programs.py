@@ -45,6 +45,9 @@ class PackedCase:
     d: int = 16
     seed: int = 0
     causal: bool = False
+    # "bf16": the inputs rounded to bf16, the unnormalised weights rounded before P·V and the
+    # output after the division (a flash kernel's half pipeline); the forward alone.
+    precision: Optional[str] = None
     inputs: Dict[str, np.ndarray] = field(default_factory=dict)
 
     @property
@@ -106,6 +109,13 @@ def _key_rows(case: PackedCase, b: int, bug: Optional[str]) -> range:
     return range(start, start + used)
 
 
+def bf16(x: np.ndarray) -> np.ndarray:
+    """float32 to the nearest bf16 (ties to even), as float32: the top 16 bits, rounded."""
+    bits = np.ascontiguousarray(x, dtype=f32).view(np.uint32)
+    rounded = (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000)
+    return rounded.astype(np.uint32).view(f32)
+
+
 def _hidden(n: int, m: int, causal: bool, bottom_right: bool) -> np.ndarray:
     if not causal:
         return np.zeros((n, m), bool)
@@ -140,6 +150,8 @@ def program_stages(case: PackedCase, bug: Optional[str] = None):
                 per_token["lse"][h, qr] = -np.inf
                 continue
             q, k, v, do = Q[h, qr], K[kv, kr.start:kr.stop], V[kv, kr.start:kr.stop], dO[h, qr]
+            if case.precision == "bf16":
+                q, k, v = bf16(q), bf16(k), bf16(v)
             qk = (q @ k.T).astype(f32)
             s = (qk * scale).astype(f32)
             hide = _hidden(n, m, case.causal, bottom_right=bug != "top_left")
@@ -148,7 +160,7 @@ def program_stages(case: PackedCase, bug: Optional[str] = None):
             e = np.exp(s - mx).astype(f32)
             tot = e.sum(axis=1, keepdims=True, dtype=f32)
             p = (e / tot).astype(f32)
-            o = (p @ v).astype(f32)
+            o = (p @ v).astype(f32) if case.precision != "bf16" else bf16((bf16(e) @ v) / tot)
             lse = (mx + np.log(tot)).astype(f32)[:, 0]
             dd = np.sum(do * o, axis=1, dtype=f32)
             dp = (do @ v.T).astype(f32)

@@ -41,21 +41,34 @@ def _table_row(table: np.ndarray, b: int, pages: int, num_pages: int, bug: Optio
     return row
 
 
-def _attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float):
-    """(output, lse) of float32 attention; a row of no key: 0 and −inf (a split's, contract.md)."""
+def bf16(x: np.ndarray) -> np.ndarray:
+    """float32 to the nearest bf16 (ties to even), as float32."""
+    bits = np.ascontiguousarray(x, dtype=f32).view(np.uint32)
+    rounded = (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000)
+    return rounded.astype(np.uint32).view(f32)
+
+
+def _attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, half: bool = False):
+    """(output, lse) of float32 attention; a row of no key: 0 and −inf (a split's, contract.md).
+    half: a bf16 kernel's (the operands and the unnormalised weights rounded to bf16 before their
+    products, the output rounded after the division)."""
     if k.shape[0] == 0:
         return np.zeros((q.shape[0], v.shape[1]), f32), np.full((q.shape[0], 1), -np.inf, f32)
+    if half:
+        q, k, v = bf16(q), bf16(k), bf16(v)
     s = (q @ k.T) * f32(scale)
     top = s.max(axis=1, keepdims=True)
     e = np.exp(s - top)
     total = e.sum(axis=1, keepdims=True)
-    return (e / total) @ v, top + np.log(total)
+    out = bf16((bf16(e) @ v) / total) if half else (e / total) @ v
+    return out, top + np.log(total)
 
 
 def run_program(case: Path, out: Path, bug: Optional[str] = None, fmt: str = "%.9g",
-                split_size: Optional[int] = None) -> Path:
+                split_size: Optional[int] = None, half: bool = False) -> Path:
     """Computes the case in `case` into `out` (created), its text written with `fmt`; returns `out`.
-    With split_size K, also each split's output and lse over the keys [s·K, (s+1)·K) it read."""
+    With split_size K, also each split's output and lse over the keys [s·K, (s+1)·K) it read;
+    half: as a bf16 kernel computes it (_attend)."""
     manifest = tomllib.loads((case / "manifest.toml").read_text())
     P, H, Hk = manifest["page_size"], manifest["heads"], manifest.get("kv_heads", manifest["heads"])
     scale = manifest.get("scale", 1 / np.sqrt(manifest["d_k"]))
@@ -82,7 +95,7 @@ def run_program(case: Path, out: Path, bug: Optional[str] = None, fmt: str = "%.
             j = np.arange(count)
             rows = row[j // P] * P + j % P
             span = slice(cu_q[b], cu_q[b + 1])
-            o[span], lse[span] = _attend(q[span], k[rows], v[rows], scale)
+            o[span], lse[span] = _attend(q[span], k[rows], v[rows], scale, half)
             for sp in range(splits):
                 part = rows[sp * split_size:(sp + 1) * split_size]
                 split_o[sp, span], split_lse[sp, span] = _attend(q[span], k[part], v[part], scale)

@@ -29,6 +29,7 @@ import numpy as np
 from ..files.kv_cache import KVCache, cache_after_problem, decode_stage, packed_keys
 from ..sequences import Sequences
 from ..stages import KEYS, STAGES, VALUES
+from ..model.half import is_half, storage_unit
 from ..model.rounding import unit_roundoff
 from ..variant import Variant, hidden, modified_scores
 from .diagnosis import SEARCHED_CODES, Diagnosis, equivalent
@@ -107,7 +108,9 @@ class Screen:
         # (the case's slopes: its file or array, else the standard ones)
         slopes = (np.array([report.case.alibi_slope(h) for h in range(run.dims.heads)], np.float64)
                   if run.variant.alibi else None)
-        return cls(run.scale, run.variant, slopes, ROUNDING_FLOOR * unit_roundoff(run.precision))
+        # (a bf16/fp16 program's rows are stored in the format: its unit, not float32's)
+        unit = storage_unit(run.precision) if is_half(run.precision) else unit_roundoff(run.precision)
+        return cls(run.scale, run.variant, slopes, ROUNDING_FLOOR * unit)
 
     def close(self, distance: float, right: float) -> bool:
         """Whether a reading at `distance` from the program's rows is much closer than the right one."""
@@ -187,11 +190,15 @@ def _distance(want: Dict[str, np.ndarray], got: Dict[str, np.ndarray]) -> float:
     return worst
 
 
-def _screened(kv: KVCache, b: int, tried: List[Reading], stages: Dict[str, np.ndarray], screen: Screen
-              ) -> List[Reading]:
+def _screened(kv: KVCache, b: int, tried: List[Reading], stages: Dict[str, np.ndarray], screen: Screen,
+              failing: Optional[set] = None) -> List[Reading]:
     """The readings of sequence b much closer to the program's rows than its right reading, at
-    most MAX_RECHECKED of a kind (all of them when its rows are not finite: no screen)."""
-    got = {s: _rows(s, x, kv.q_span(b)).astype(np.float64) for s, x in stages.items()}
+    most MAX_RECHECKED of a kind (all of them when its rows are not finite: no screen). The
+    distances are over the sequence's failing stages where any are given: a bf16 output that passes
+    lies a few units of the format from every reading alike, and would hide the lse that tells them
+    apart."""
+    names = [s for s in stages if s in failing] if failing else list(stages)
+    got = {s: _rows(s, stages[s], kv.q_span(b)).astype(np.float64) for s in (names or stages)}
     if not all(np.isfinite(g).all() for g in got.values()):
         return tried
 
@@ -236,7 +243,9 @@ def diagnose_paged(report: Report, kv: KVCache, stages: Dict[str, np.ndarray], r
              and any(d.code not in PAGED_CODES + PACKED_CODES + SEARCHED_CODES and not equivalent(d)
                      for d in r.diagnosis)}
     screen = Screen.of(report)
-    tried = [r for b in failing if b not in other for r in _screened(kv, b, readings(kv, b), stages, screen)]
+    failing_stages = {b: {r.stage for r in report.results if r.sequence == b and not r.passed} for b in failing}
+    tried = [r for b in failing if b not in other
+             for r in _screened(kv, b, readings(kv, b), stages, screen, failing_stages[b])]
     if not tried:
         return
     axis = {s: 1 if STAGES[s].cols == "1" else 0 for s in stages}

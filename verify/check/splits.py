@@ -29,6 +29,7 @@ import numpy as np
 from ..model.half import is_half, storage_bound
 from ..model.rounding import FLUSH, HeadCache
 from ..specs import HeadContext
+from ..files.split_files import EMPTY_LSE_CEILING
 from ..specs.splits import key_ranges, restricted
 from ..stages import (FLASH_LSE, FLASH_OUTPUT, INPUT_NAMES, SPLIT_LSE, SPLIT_OUTPUT, SPLIT_STAGES, STAGES,
                       split_columns)
@@ -192,10 +193,11 @@ def check_split_stage(res: HeadResult, run, ctx: HeadContext, opts, diagnoser) -
         res.diagnosis.append(Diagnosis(STATUS_CODES[bad_status], msg, {}))
         return res
     res.resolution = resolution.describe()
+    want, bound, keyless = wide(stage, ctx)
+    mat = _stand_ins_read_as_empty(stage, mat, keyless)
     ctx.got[stage] = mat
     quantum = resolution.quantum(mat) if override is None else None
     ctx.quanta[stage] = quantum
-    want, bound, keyless = wide(stage, ctx)
     got = _shifted_back(mat, want, ctx) if row_statistic(stage) else mat
     if override is not None:
         atol, rtol = override
@@ -211,6 +213,16 @@ def check_split_stage(res: HeadResult, run, ctx: HeadContext, opts, diagnoser) -
                                                             None, None, allowed, ctx,
                                                             splits=suspect("split", stage, ctx, allowed)))
     return res
+
+
+def _stand_ins_read_as_empty(stage: str, mat: np.ndarray, keyless: np.ndarray) -> np.ndarray:
+    """split_lse with a finite stand-in for −inf (at or below EMPTY_LSE_CEILING: a running maximum
+    started at −FLT_MAX) read as −inf where the row sees no key of the split; the combine reads it so
+    too (its weight exp(lse_s − lse) is 0 either way)."""
+    if not row_statistic(stage):
+        return mat
+    with np.errstate(invalid="ignore"):
+        return np.where(keyless & np.isfinite(mat) & (mat <= EMPTY_LSE_CEILING), -np.inf, mat)
 
 
 def ratio_map(got: np.ndarray, resolution, ctx: HeadContext, stage: str) -> np.ndarray:

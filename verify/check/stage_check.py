@@ -46,6 +46,16 @@ class SequenceRun(RunInfo):
         return super().crc(stage, head)
 
 
+def _per_sequence_hint(path, stage: str) -> str:
+    """Where a packed run wrote a per-token stage one file per sequence (`<stage>_head_0_seq_1.txt`):
+    that such a stage is one file per head over every sequence's tokens."""
+    if STAGES[stage].cols == "M" or not any(path.parent.glob(f"{path.stem}_seq_*")):
+        return ""
+    per_sequence = ", ".join(s for s, st in STAGES.items() if st.rows == "N" and st.cols == "M")
+    return (f"; HINT: {stage} is stored packed, one file per head over every sequence's tokens; the "
+            f"_seq_<b> files are for the N×M stages ({per_sequence})")
+
+
 def load_output(run: RunInfo, stage: str, index: int) -> Loaded:
     """(matrix or None, its Resolution, HeadResult-status or None, message) for one stage's matrix
     `index` (a query head's; a K/V head's for a stage of the K/V heads)."""
@@ -60,7 +70,7 @@ def load_output(run: RunInfo, stage: str, index: int) -> Loaded:
         if not path.exists():
             why = f"run.toml lists stage {stage}" if run.lists_stages else \
                 f"the other {stage} files exist"
-            return None, EXACT, MISSING, f"{path} is missing ({why})"
+            return None, EXACT, MISSING, f"{path} is missing ({why})" + _per_sequence_hint(path, stage)
         try:
             data = read_bytes(path, STAGES[stage].shape(run.dims), STAGE_ITEMSIZE, STAGE_NPY)  # a FIFO, too large
         except CaseError as exc:

@@ -87,7 +87,8 @@ def maxdiff(a: np.ndarray, b: np.ndarray) -> float:
     fin = np.isfinite(a) & np.isfinite(b)
     if (~same & ~fin).any():
         return np.inf
-    d = np.abs(np.where(same, 0.0, a - b))
+    with np.errstate(invalid="ignore"):  # (inf − inf where both are the same infinity: taken as 0)
+        d = np.abs(np.where(same, 0.0, a - b))
     return float(d.max()) if d.size else 0.0
 
 
@@ -143,6 +144,38 @@ def explains_closely(got: np.ndarray, cand: np.ndarray, want: np.ndarray, width:
     close = max(diff, float(np.max(np.abs(want[np.isfinite(want)]), initial=0.0)) * 2.0**-20)
     # (the limit is at most DISTINCT_WIDTHS·width: every candidate explains() takes is taken)
     return diff if differs(got, cand, want, min(DISTINCT_WIDTHS * width, CLOSER * close), nan_evidence) else None
+
+
+# explains_within_bound: got may lie this many of its bounds from a candidate the program computed
+# at its own precision (the candidate's reading sums other terms than the reference's, with
+# roundings of their own), and the candidate must lie SEPARATED_BOUNDS of them from the reference
+# at MIN_SEPARATED elements or more: a result within its bound of the reference is then at least
+# SEPARATED_BOUNDS − BOUND_SLACK bounds from the candidate there, never within BOUND_SLACK of it.
+BOUND_SLACK = 2.0
+SEPARATED_BOUNDS = 4.0
+MIN_SEPARATED = 4
+
+
+def explains_within_bound(got: np.ndarray, cand: np.ndarray, want: np.ndarray,
+                          bound: Optional[np.ndarray]) -> Optional[float]:
+    """max|got − cand| where got lies within BOUND_SLACK of its bounds (per element: the stage's
+    allowance) of cand everywhere and cand lies SEPARATED_BOUNDS of them from want at MIN_SEPARATED
+    elements or more; else None. The program computed the candidate's reading as precisely as the
+    check asks of the reference, and the elements the reading moves tell the two apart. For a
+    stage whose bound is wide beside the bug's effect (a half-precision pipeline's output, a bug
+    that moves it by ten bounds), where explains() asks for a difference of many widths."""
+    if bound is None or cand.shape != got.shape or np.shape(bound) != got.shape:
+        return None
+    b = np.asarray(bound, dtype=np.float64)
+    fin = np.isfinite(got) & np.isfinite(cand) & np.isfinite(want) & np.isfinite(b)
+    if maxdiff(got[~fin & np.isfinite(b)], cand[~fin & np.isfinite(b)]) > 0:
+        return None  # an infinity or NaN where the candidate has none, or another one
+    d = np.abs(got[fin] - cand[fin])
+    if np.any(d > BOUND_SLACK * b[fin]):
+        return None
+    if np.count_nonzero(np.abs(cand[fin] - want[fin]) > SEPARATED_BOUNDS * b[fin]) < MIN_SEPARATED:
+        return None
+    return float(d.max(initial=0.0))
 
 
 def gap(got: np.ndarray, cand: np.ndarray, beyond=0.0) -> float:

@@ -118,8 +118,10 @@ def _unwritten(stage, got, want, ctx, width) -> List[Diagnosis]:
                             ("poison", np.isin(region, POISON_VALUES))) if m.any()]
     whole = "whole matrix holds" if (r1 - r0 + 1, c1 - c0 + 1) == got.shape else \
         f"rows {r0}..{r1}, cols {c0}..{c1} hold"
+    # (zeros alone are also what a row that sees no key holds: a mask that hid every key)
+    how = "never written, or computed as if no key were seen" if kinds == ["zeros"] else "never written"
     return [Diagnosis("unwritten", f"{stage}: {whole} {'/'.join(kinds)} where the reference "
-                      f"holds other values: never written ({plural(int(suspect.sum()), 'entry', 'entries')})",
+                      f"holds other values: {how} ({plural(int(suspect.sum()), 'entry', 'entries')})",
                       {"rows": [r0, r1], "cols": [c0, c1], "values": kinds,
                        "count": int(suspect.sum())}, 0.9)]
 
@@ -246,6 +248,7 @@ def diagnose(stage: str, got: np.ndarray, want: np.ndarray, ctx: Suspect) -> Lis
     if ctx.splits is not None:  # a split-KV run's split or combine: split_overlap, split_gap, empty_split, ...
         return (split_bugs.diagnose(stage, got, want, ctx.splits, width)
                 or loop_bugs.online_rescale_in_splits(stage, got, want, ctx, width)
+                or (_lse_log2(stage, got, want, ctx, width) if "lse_log2" in SPECS[stage].diagnoses else [])
                 or _nonfinite(stage, got, want, ctx, width))
     if ctx.slab is not None:
         return _patterns_and_slab(stage, got, want, ctx, width)

@@ -107,8 +107,9 @@ def _missing(masks: Masks) -> Iterator[Candidate]:
     what = f"causal masking and the window {v.window} are on" if window else "causal masking is on"
     words = f"{what} but got matches the result without {'them' if window else 'it'}"
     other = next(a for a in ALIGNMENTS if a != v.align)
-    if masks.n < masks.N and masks.N != masks.M and (masks.of(v.with_(align=other)) == masks.files).all():
-        # A slab's rows that the other alignment lets see every key cannot tell the two apart.
+    if masks.N != masks.M and (masks.of(v.with_(align=other)) == masks.files).all():
+        # Rows that the other alignment lets see every key (a slab's, or a decode step's one query
+        # row) cannot tell the two apart.
         words += (f", or with it {ALIGNMENT_WORDS[other]} (on these rows the two hide the same keys; the case's "
                   f"is {ALIGNMENT_WORDS[v.align].split(' (')[0]})")
     yield Candidate("mask_missing", words, masks.files, {"window": list(v.window), "causal": True}, 0.9)

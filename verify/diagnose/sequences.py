@@ -27,7 +27,7 @@ from ..specs import SPECS
 from ..stages import INPUT_NAMES, STAGES
 from ..text import plural
 from ..variant import UNBOUNDED, Variant
-from .base import MIN_READ_VALUES, explains, width_of
+from .base import MIN_READ_VALUES, explains, explains_within_bound, width_of
 from .inputs import slope_of, variant_of
 
 PADDING_READ = "padding_read"
@@ -333,6 +333,8 @@ def sequences(stage, got, want, ctx, width) -> List[Diagnosis]:
         if cand is None:
             continue
         diff = explains(got, cand, want, width)
+        if diff is None:  # (a half-precision output: the reading moves it by some ten bounds)
+            diff = explains_within_bound(got, cand, want, ctx.bound)
         if diff is not None:
             found.append(Diagnosis(reading.code, f"{stage}: {reading.words} (max diff {diff:.2g})",
                                    {**reading.detail, "max_diff": diff}, 0.95))

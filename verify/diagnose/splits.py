@@ -30,7 +30,7 @@ import numpy as np
 from ..check.diagnosis import Diagnosis
 from ..check.splits import EMPTY_SPLIT, FLASH_OF, SplitSuspect, combine, row_statistic
 from ..specs import SPECS
-from .base import MATCH_WIDTHS, explains, explains_closely
+from .base import MATCH_WIDTHS, explains, explains_closely, explains_within_bound
 
 SPLIT_OVERLAP, SPLIT_GAP, SPLIT_NOT_RESCALED = "split_overlap", "split_gap", "split_not_rescaled"
 SPLIT_EXP2, SPLIT_LEFT_OUT = "split_exp2", "split_left_out"
@@ -101,7 +101,8 @@ def _boundaries(stage: str, got: np.ndarray, want: np.ndarray, view: SplitSuspec
     s = failing[0]
     ref = view.references[s]
     cut = slice(s * cols, (s + 1) * cols)
-    found = _shifted_range(stage, got[:, cut], want[:, cut], view, ref.first, ref.end, width)
+    allowed = np.broadcast_to(np.asarray(view.allowed, dtype=np.float64), got.shape)
+    found = _shifted_range(stage, got[:, cut], want[:, cut], allowed[:, cut], view, ref.first, ref.end, width)
     if found is None:
         return []
     (a, b), diff = found
@@ -111,7 +112,8 @@ def _boundaries(stage: str, got: np.ndarray, want: np.ndarray, view: SplitSuspec
         r = view.references[t]
         f2, e2 = max(0, r.first + a), min(view.keys, r.end + b)
         cut_t = slice(t * cols, (t + 1) * cols)
-        if explains(got[:, cut_t], view.recompute(FLASH_OF[stage], f2, e2), want[:, cut_t], width) is not None:
+        cand = view.recompute(FLASH_OF[stage], f2, e2)
+        if _split_explains(got[:, cut_t], cand, want[:, cut_t], allowed[:, cut_t], width) is not None:
             alike.append(t)
     extra, missed = _outside(first, end, ref.first, ref.end), _outside(ref.first, ref.end, first, end)
     detail = {"split": s, "keys": [ref.first, ref.end], "covered": [first, end], "splits_alike": alike,
@@ -138,15 +140,23 @@ def _keys_words(keys: List[int]) -> str:
     return f"key {keys[0]}" if len(keys) == 1 else f"keys {keys[0]}..{keys[-1]}"
 
 
-def _shifted_range(stage: str, got: np.ndarray, want: np.ndarray, view: SplitSuspect, first: int, end: int,
-                   width: float) -> Optional[Tuple[Tuple[int, int], float]]:
+def _split_explains(got: np.ndarray, cand: np.ndarray, want: np.ndarray, allowed: np.ndarray,
+                    width: float) -> Optional[float]:
+    """explains(), or at half precision (a bound wide beside a few keys' weight) explains_within_bound()
+    against the split's own allowance."""
+    diff = explains(got, cand, want, width)
+    return diff if diff is not None else explains_within_bound(got, cand, want, allowed)
+
+
+def _shifted_range(stage: str, got: np.ndarray, want: np.ndarray, allowed: np.ndarray, view: SplitSuspect,
+                   first: int, end: int, width: float) -> Optional[Tuple[Tuple[int, int], float]]:
     tried = set()
     for a, b in _shifts():
         f2, e2 = max(0, first + a), min(view.keys, end + b)
         if f2 >= e2 or (f2, e2) == (first, end) or (f2, e2) in tried:
             continue
         tried.add((f2, e2))
-        diff = explains(got, view.recompute(FLASH_OF[stage], f2, e2), want, width)
+        diff = _split_explains(got, view.recompute(FLASH_OF[stage], f2, e2), want, allowed, width)
         if diff is not None:
             return (f2 - first, e2 - end), diff
     return None
@@ -164,6 +174,15 @@ def _combine(stage: str, got: np.ndarray, want: np.ndarray, view: SplitSuspect, 
     lse_s, out_s = view.split_lse, view.split_output
     if lse_s is None:
         return []
+    # Rows whose combine of the program's own splits is NaN (a split holding NaN, named on the split
+    # stages) are no evidence: any candidate that treats the NaN its own way "explains" a program
+    # that guards against it. The rows judged are the others.
+    judged = ~np.isnan(want).reshape(want.shape[0], -1).any(axis=1)
+    if not judged.any():
+        return []
+    if not judged.all():
+        got, want = got[judged], want[judged]
+        lse_s, out_s = lse_s[judged], None if out_s is None else out_s[judged]
     empty = np.isneginf(lse_s)
     found: List[Diagnosis] = []
     with np.errstate(all="ignore"):

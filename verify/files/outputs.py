@@ -272,7 +272,8 @@ def open_run(folder: Path, case: InputCase, over: Overrides = Overrides(), packi
     max_keys = dims.seq_k if case.sequences is None or not packing else \
         max((case.sequences.m(b) for b in range(case.sequences.count)), default=0)
     dims = split_dims(dims, run_split_size(values, over.split_size, folder), max_keys)
-    sources = split_sources(folder, sources, dims, "stages" in values, over.names)
+    split_notes: List[str] = []
+    sources = split_sources(folder, sources, dims, "stages" in values, over.names, split_notes)
     check_heads_named({s: StageSource(s, folder, over.names[s]) for s in unmatched}, dims)  # (a wrong pattern first)
     unnamed = [f"the name map's {s}={printable(over.names[s])}" for s in unmatched]
     if not sources and unnamed:
@@ -298,6 +299,7 @@ def open_run(folder: Path, case: InputCase, over: Overrides = Overrides(), packi
     elif not run.verify_crc:
         run.notes.append(f"{RUN_MANIFEST} has no CRC-32 table: files not checked for staleness")
     run.notes += [f"{n}: no file in {printable(str(folder))} matches it: not checked" for n in unnamed]
+    run.notes += split_notes
     past = [] if "stages" in values else files_past_the_heads(folder, sources, dims)
     if past:
         run.notes.append(f"{plural(len(past), 'stage file')} for heads the input case does not have "

@@ -17,8 +17,8 @@ from typing import Dict, List, Mapping, Optional, Tuple
 
 import numpy as np
 
-from ..stages import (FORMATS, RUN_MANIFEST, SPLIT_SIZE_KEY, SPLIT_STAGES, STAGES, Dims, parse_stage_file,
-                      split_columns, split_count, stage_file)
+from ..stages import (FORMATS, RUN_MANIFEST, SPLIT_SIZE_KEY, SPLIT_STAGES, STAGES, Dims,
+                      parse_stage_file, split_columns, split_count, stage_file)
 from ..text import plural
 from .arrays import as_array, native_float
 from .kinds import CaseError
@@ -29,6 +29,10 @@ from .stage_files import STAGE_ITEMSIZE, STAGE_NPY, StageSource, _as_matrix, _lo
 # A file's state, as verify/check/results.py names it (that module sits above this one).
 _MISSING, _STALE, _SHAPE, _UNREADABLE = "MISSING", "STALE", "SHAPE", "UNREADABLE"
 SPLIT_SIZE_OPTION = "--split-size"
+# A split no key of which a row sees has lse −inf; a kernel whose running maximum starts at −FLT_MAX
+# (or −1e30) writes that instead, and anything at or below this stands in for −inf there (as for
+# the scores of a row that sees no key: verify/specs/scores.py STAND_IN_CEILING).
+EMPTY_LSE_CEILING = -1e3
 SPLIT_SIZE_HINT = (f"pass {SPLIT_SIZE_OPTION} K (the keys per split the program used), or write "
                    f"{SPLIT_SIZE_KEY} = K in {RUN_MANIFEST}")
 
@@ -65,8 +69,12 @@ class SplitSource(StageSource):
             name = self.split_name(head, s)
             path = Path(self.folder) / name
             if not path.exists():
+                # (no file past it either: the program split its keys in fewer, larger splits?)
+                fewer = not any(Path(self.folder, self.split_name(head, t)).exists() for t in range(s, dims.splits))
+                hint = f"; HINT: the split size the program used? {SPLIT_SIZE_HINT}" if fewer and s > 0 else ""
                 return None, EXACT, _MISSING, (f"{path} is missing (the run splits the keys {dims.split_size} per "
-                                               f"split: {plural(dims.splits, 'split')} per head, 0..{dims.splits - 1})")
+                                               f"split: {plural(dims.splits, 'split')} per head, 0..{dims.splits - 1})"
+                                               + hint)
             try:
                 data = read_bytes(path, (rows, cols), STAGE_ITEMSIZE, STAGE_NPY)
                 if path.suffix == ".npy":
@@ -139,11 +147,13 @@ def split_dims(dims: Dims, split_size: Optional[int], max_keys: int) -> Dims:
 
 
 def split_sources(folder: Path, sources: Mapping[str, StageSource], dims: Dims, listed: bool,
-                  names: Mapping[str, str]) -> Dict[str, StageSource]:
+                  names: Mapping[str, str], notes: Optional[List[str]] = None) -> Dict[str, StageSource]:
     """The run's sources with its split stages read from their split files: those present (or, where
-    run.toml lists the stages, those it lists). Refused in one line: split files and no split size,
-    both .txt and .npy for one stage, a split past the split count (another split size), a name map
-    for a split stage, and split files in a run with dropout (checked by the caller)."""
+    run.toml lists the stages, those it lists). Files of splits past the split count that hold no key
+    (a kernel that launches a fixed number of splits writes such trailing ones) are left out, said in
+    `notes`. Refused in one line: split files and no split size, both .txt and .npy for one stage, a
+    split past the split count holding keys (another split size), a name map for a split stage, and
+    split files in a run with dropout (checked by the caller)."""
     found = split_files_in(folder)
     out = {s: src for s, src in sources.items() if not STAGES[s].split}
     named = [s for s in SPLIT_STAGES if s in names]
@@ -163,13 +173,37 @@ def split_sources(folder: Path, sources: Mapping[str, StageSource], dims: Dims, 
             raise CaseError(f"{folder}: {stage} has both .txt and .npy split files; HINT: remove one set")
         fmt = fmts[0] if fmts else _listed_format(sources.get(stage))
         beyond = sorted(p for p in found.get(stage, {}).get(fmt, []) if p[1] >= dims.splits)
-        if beyond:
-            head, split = beyond[0]
-            raise CaseError(f"{folder / stage_file(stage, head, fmt, split=split)}: split {split}, but {dims.split_size} "
-                            f"keys per split makes {plural(dims.splits, 'split')} (0..{dims.splits - 1}) of the "
-                            f"longest row's keys; HINT: the split size the program used? {SPLIT_SIZE_HINT}")
+        held = next((p for p in beyond if not _holds_no_key(folder / stage_file(stage, p[0], fmt, split=p[1]),
+                                                              stage, dims)), None)
+        if held is not None:
+            head, split = held
+            raise CaseError(f"{folder / stage_file(stage, head, fmt, split=split)}: split {split} holds keys, but "
+                            f"{dims.split_size} keys per split makes {plural(dims.splits, 'split')} "
+                            f"(0..{dims.splits - 1}) of the longest row's keys; HINT: the split size the program "
+                            f"used? {SPLIT_SIZE_HINT}")
+        if beyond and notes is not None:
+            last = max(split for _, split in beyond)
+            which = f"split {last}" if last == dims.splits else f"splits {dims.splits}..{last}"
+            notes.append(f"{stage}: the files of {which} hold no key (lse −inf, output 0): "
+                         f"past the {plural(dims.splits, 'split')} that {dims.split_size} keys per split makes, "
+                         "left out")
         out[stage] = SplitSource(stage, folder, stage_file(stage, 0, fmt, split=0), fmt=fmt)
     return {s: out[s] for s in STAGES if s in out}
+
+
+def _holds_no_key(path: Path, stage: str, dims: Dims) -> bool:
+    """Whether a split file holds what a split no row sees a key of holds: split_lse −inf (or a
+    finite stand-in at or below EMPTY_LSE_CEILING) and split_output 0, every entry."""
+    shape = (dims.size(STAGES[stage].rows), split_columns(stage, dims))
+    try:
+        data = read_bytes(path, shape, STAGE_ITEMSIZE, STAGE_NPY)
+        mat = _load_npy(data, path) if path.suffix == ".npy" else parse_matrix(data, path, None)
+    except CaseError:
+        return False
+    mat = np.asarray(mat, dtype=np.float64)
+    if STAGES[stage].cols == "S":  # a log-sum-exp, one column a split
+        return bool(np.all(mat <= EMPTY_LSE_CEILING))  # (−inf included; NaN is not)
+    return bool(np.all(mat == 0.0))
 
 
 def _listed_format(src: Optional[StageSource]) -> str:

@@ -211,13 +211,29 @@ _NOT_CAUSES = {"nonfinite", "unwritten", "tile_boundary", "negative_weights", "r
 
 def cause_elsewhere(report: Report, first: HeadResult) -> Optional[HeadResult]:
     """Where the first failing stage names no cause: the first later failing stage of the same
-    head (and sequence, in a packed case) that does (a bug moves a float32 lse by many of its widths where a bf16 output's own
-    rounding hides it among its widths), or None."""
+    head (and sequence, in a packed case) that does (a bug moves a float32 lse by many of its widths
+    where a bf16 output's own rounding hides it among its widths); in a packed case without one,
+    the first failing stage of another sequence of the head that does (a paging bug that shows
+    plainest in another sequence: a page index past the pool in one, a page of another in the
+    next). None where nothing of the head names a cause."""
     if first.diagnosis:
         return None
-    later = [r for r in report.results if r.status == FAIL and (r.head, r.kv, r.sequence) == (first.head, first.kv,
-             first.sequence) and r.stage != first.stage and r.diagnosis and r.diagnosis[0].code not in _NOT_CAUSES]
-    return min(later, key=result_order) if later else None
+
+    def names_a_cause(r: HeadResult) -> bool:
+        return (r.status == FAIL and (r.head, r.kv) == (first.head, first.kv) and bool(r.diagnosis)
+                and r.diagnosis[0].code not in _NOT_CAUSES)
+
+    same = [r for r in report.results if names_a_cause(r) and r.sequence == first.sequence and r.stage != first.stage]
+    if same or first.sequence is None:
+        return min(same, key=result_order) if same else None
+    other = [r for r in report.results if names_a_cause(r) and r.sequence is not None]
+    return min(other, key=result_order) if other else None
+
+
+def where_else(first: HeadResult, elsewhere: HeadResult) -> str:
+    """The stage cause_elsewhere found, with its sequence where that is another."""
+    other = elsewhere.sequence is not None and elsewhere.sequence != first.sequence
+    return f"{elsewhere.stage} of sequence {elsewhere.sequence}" if other else elsewhere.stage
 
 
 # ---- stages that cannot be checked ---------------------------------------------------------------

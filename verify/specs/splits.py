@@ -47,5 +47,5 @@ def _per_split(src, problem: Problem):
 
 SPECS = (
     StageSpec(SPLIT_OUTPUT, reference=_per_split, scaled=True, keyless=0.0),
-    StageSpec(SPLIT_LSE, reference=_per_split, scaled=True, keyless=-np.inf),
+    StageSpec(SPLIT_LSE, reference=_per_split, scaled=True, keyless=-np.inf, diagnoses=("lse_log2",)),
 )
