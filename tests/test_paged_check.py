@@ -71,6 +71,8 @@ def test_a_right_program_without_a_manifest_passes_with_the_page_size_given(tmp_
     ("past_length", "paged_past_length", "sequence 0 attended 48 keys, 8 past its 40 (seqused_k[0])"),
     ("length_plus_one", "cache_length_off_by_one", "sequence 1 attended 71 keys, one past its 70 (seqused_k[1]): "
      "key 70 read"),
+    ("table_late", "paged_page_shift", "sequence 0 read block_table[0, j + 1] for its page j (the table read one "
+     "entry late) (a −1 read as the pool's last page, as Python and PyTorch index)"),
 ])
 @pytest.mark.parametrize("fmt", ["%.9g", "%g"])
 def test_a_paging_bug_is_named(tmp_path, case, bug, code, words, fmt):

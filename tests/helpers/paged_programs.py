@@ -20,6 +20,8 @@ BUGS = {
     "past_length": "each sequence's last page read to its end (keys past seqused_k attended)",
     "length_plus_one": "sequence 1 attends one key past seqused_k",
     "pool_order": "each sequence's pages read in pool order from its first page (the table's order ignored)",
+    "table_late": "sequence 0 reads block_table[0, j + 1] for its page j: its last page from the table's −1 "
+                  "padding, which NumPy indexes as the pool's last page",
 }
 
 
@@ -35,6 +37,8 @@ def _table_row(table: np.ndarray, b: int, pages: int, num_pages: int, bug: Optio
     if bug == "page_shift" and b == 1:
         step = 1 if (row[:pages] + 1 < num_pages).all() else -1
         row[:pages] += step
+    if bug == "table_late" and b == 0:
+        row = np.concatenate((row[1:], row[-1:]))
     if bug == "pool_order":
         row[:pages] = row[0] + np.arange(pages)
         row[:pages] %= num_pages

@@ -6,7 +6,7 @@ one key, the new keys unseen or written one key off.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -51,20 +51,33 @@ def _valid(kv: KVCache, row: np.ndarray, pages: int) -> bool:
     return bool(((row[:pages] >= 0) & (row[:pages] < kv.num_pages)).all())
 
 
+def _indexed(kv: KVCache, row: np.ndarray, pages: int) -> Tuple[Optional[np.ndarray], str]:
+    """The pages a program reads for table row `row`: the row itself where every entry is a page,
+    else where a negative entry (the table's −1 padding read, or page 0 − 1) is a page as Python
+    and PyTorch index (−1 the pool's last page), that reading, said; else None."""
+    if _valid(kv, row, pages):
+        return row, ""
+    wrapped = row.copy()
+    wrapped[:pages] = np.where((row[:pages] < 0) & (row[:pages] >= -kv.num_pages), row[:pages] + kv.num_pages,
+                               row[:pages])
+    if _valid(kv, wrapped, pages):
+        return wrapped, " (a −1 read as the pool's last page, as Python and PyTorch index)"
+    return None, ""
+
+
 def _shifts(kv: KVCache, b: int) -> List[Reading]:
     """Every page of sequence b one off: its table entries ± 1, or its table read one entry late."""
     out, table, pages, m = [], kv.table[b], kv.pages_read(b), kv.m(b)
     for s in (1, -1):
-        row = table.copy()
-        row[:pages] += s
-        if _valid(kv, row, pages):
+        row, how = _indexed(kv, np.where(np.arange(table.size) < pages, table + s, table), pages)
+        if row is not None:
             out.append(Reading(b, row, m, PAGED_PAGE_SHIFT, f"sequence {b} read every page {s:+d}: page "
-                               f"block_table[{b}, j] {'+' if s > 0 else '-'} 1 for its page j", {"shift": s}))
+                               f"block_table[{b}, j] {'+' if s > 0 else '-'} 1 for its page j{how}", {"shift": s}))
     if pages < table.size:
-        row = np.concatenate((table[1:], table[-1:]))
-        if _valid(kv, row, pages):
+        row, how = _indexed(kv, np.concatenate((table[1:], table[-1:])), pages)
+        if row is not None:
             out.append(Reading(b, row, m, PAGED_PAGE_SHIFT, f"sequence {b} read block_table[{b}, j + 1] for its "
-                               "page j (the table read one entry late)", {"table_offset": 1}))
+                               f"page j (the table read one entry late){how}", {"table_offset": 1}))
     return out
 
 
