@@ -199,7 +199,8 @@ _TABLE = (
     Stage(OUTPUT, "N", "DV", (WEIGHTS, VALUES), "attention_weights·V (dropped and rescaled under dropout)"),
     # Under a split of the keys only (flash-decoding): each split's partial output, normalised by
     # its own sum, and its log-sum-exp, before the combine that gives flash_output and flash_lse.
-    # Kept float32 at every precision (flash-attn's out_accum and lse_accum).
+    # Kept float32 at every precision (flash-attn's out_accum and lse_accum), or stored in the run's half
+    # format (vLLM's partial outputs: verify/check/split_values.py).
     Stage(SPLIT_OUTPUT, "N", "SDV", (QUERIES, KEYS, VALUES), "each split's output over its keys, normalised by "
           "its own sum", flash=True, float32=True, split=True),
     Stage(SPLIT_LSE, "N", "S", (QUERIES, KEYS), "each split's log-sum-exp over its keys", flash=True,

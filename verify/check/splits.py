@@ -29,7 +29,6 @@ import numpy as np
 from ..model.half import is_half, storage_bound
 from ..model.rounding import FLUSH, HeadCache
 from ..specs import HeadContext
-from ..files.split_files import EMPTY_LSE_CEILING
 from ..specs.splits import key_ranges, restricted
 from ..stages import (FLASH_LSE, FLASH_OUTPUT, INPUT_NAMES, SPLIT_LSE, SPLIT_OUTPUT, SPLIT_STAGES, STAGES,
                       split_columns)
@@ -38,6 +37,7 @@ from .diagnosis import Diagnosis, Suspect
 from .half_rounding import route_error
 from .reference import compute_stage
 from .results import FAIL, HeadResult, compare_arrays, elementwise_error
+from .split_values import stand_ins_read_as_empty, stored_in_format
 from .stage_check import STATUS_CODES, load_output, with_quantum
 
 # The diagnosis of a split a row sees no key of, mishandled (verify/diagnose/splits.py names it).
@@ -194,7 +194,7 @@ def check_split_stage(res: HeadResult, run, ctx: HeadContext, opts, diagnoser) -
         return res
     res.resolution = resolution.describe()
     want, bound, keyless = wide(stage, ctx)
-    mat = _stand_ins_read_as_empty(stage, mat, keyless)
+    mat = stand_ins_read_as_empty(mat, keyless) if row_statistic(stage) else mat
     ctx.got[stage] = mat
     quantum = resolution.quantum(mat) if override is None else None
     ctx.quanta[stage] = quantum
@@ -202,6 +202,8 @@ def check_split_stage(res: HeadResult, run, ctx: HeadContext, opts, diagnoser) -
     if override is not None:
         atol, rtol = override
         bound = atol + rtol * np.where(np.isfinite(want), np.abs(want), 0.0)
+    if override is None and stored_in_format(mat, want, ctx.precision):
+        bound = bound + storage_bound(want, ctx.precision, ctx.half_rounding)
     allowed = np.where(keyless, 0.0, with_quantum(bound, quantum))  # a split no key of which the row sees: exact
     res.chained = res.isolated = compare_arrays(got, want, allowed, allow_nonfinite)
     if res.chained.passed:
@@ -213,16 +215,6 @@ def check_split_stage(res: HeadResult, run, ctx: HeadContext, opts, diagnoser) -
                                                             None, None, allowed, ctx,
                                                             splits=suspect("split", stage, ctx, allowed)))
     return res
-
-
-def _stand_ins_read_as_empty(stage: str, mat: np.ndarray, keyless: np.ndarray) -> np.ndarray:
-    """split_lse with a finite stand-in for −inf (at or below EMPTY_LSE_CEILING: a running maximum
-    started at −FLT_MAX) read as −inf where the row sees no key of the split; the combine reads it so
-    too (its weight exp(lse_s − lse) is 0 either way)."""
-    if not row_statistic(stage):
-        return mat
-    with np.errstate(invalid="ignore"):
-        return np.where(keyless & np.isfinite(mat) & (mat <= EMPTY_LSE_CEILING), -np.inf, mat)
 
 
 def ratio_map(got: np.ndarray, resolution, ctx: HeadContext, stage: str) -> np.ndarray:
