@@ -9,7 +9,7 @@ import re
 import numpy as np
 import pytest
 
-from helpers.kv_cache_programs import DecodeCase, decode
+from helpers.kv_cache_programs import DecodeCase, decode, decode_splits
 import attnstep
 from verify.check import paged
 
@@ -369,3 +369,51 @@ def test_keys_left_out_under_a_causal_mask_are_named_as_the_mask_and_as_the_read
     assert codes[0] == "mask_offset" and reading in codes, attnstep.format_report(report)
     if n_new == 1:  # (one new key, said so)
         assert "without its new key" in attnstep.format_report(report)
+
+
+# ---- a flash-decoding step's splits --------------------------------------------------------------
+
+def check_splits(case: DecodeCase, split_size: int, bug=None, combine_bug=None, **kwargs):
+    out, lse, _, _ = decode(case, bug)
+    out_accum, lse_accum = decode_splits(case, split_size, bug)
+    if combine_bug == "not_rescaled":  # the splits' outputs summed without their weights
+        out = out_accum.transpose(1, 3, 2, 0, 4).sum(axis=3).astype(np.float32)
+    return attnstep.check_kvcache(case.q, case.k_cache, case.v_cache, {"flash_output": out, "flash_lse": lse},
+                                  split_output=out_accum, split_lse=lse_accum, split_size=split_size,
+                                  **case.arguments(), **kwargs)
+
+
+@pytest.mark.parametrize("page_size", [None, 16])
+@pytest.mark.parametrize("nq, n_new, causal", [(1, 0, False), (4, 2, True)])
+def test_a_correct_step_with_its_splits_passes(page_size, nq, n_new, causal):
+    case = DecodeCase(SEQLENS, n_new=n_new, nq=nq, page_size=page_size, causal=causal)
+    report = check_splits(case, 16)
+    assert report, attnstep.format_report(report)
+    assert {"split_output", "split_lse", "flash_output", "flash_lse"} <= set(report.stages)
+
+
+def test_a_wrong_page_is_named_in_the_first_split_that_reads_it():
+    report = check_splits(DecodeCase(SEQLENS, n_new=2, nq=4, causal=True), 16, bug="wrong_page")
+    assert not report and report.first_failing_stage == "split_output", attnstep.format_report(report)
+    failing = [r for r in report.results if not r.passed and r.stage == "split_output"]
+    assert {r.sequence for r in failing} == {1} and failing[0].diagnosis[0].code == "paged_wrong_page"
+
+
+def test_a_combine_that_does_not_rescale_its_splits_is_named():
+    report = check_splits(DecodeCase(SEQLENS, nq=1), 16, combine_bug="not_rescaled")
+    assert not report and report.first_failing_stage == "flash_output", attnstep.format_report(report)
+    assert all(r.diagnosis[0].code == "split_not_rescaled" for r in report.results
+               if not r.passed and r.stage == "flash_output" and r.sequence in (0, 1))
+
+
+def test_splits_of_the_wrong_shape_are_named():
+    case = DecodeCase(SEQLENS, nq=1)
+    out, lse, _, _ = decode(case)
+    out_accum, lse_accum = decode_splits(case, 16)
+    with pytest.raises(ValueError, match=re.escape("split_lse is (3, 3, 4, 1): expected (num_splits, batch, heads, "
+                                                   "queries) = (4, 3, 4, 1): 4 splits of 12 keys")):
+        attnstep.check_kvcache(case.q, case.k_cache, case.v_cache, {"flash_output": out}, split_lse=lse_accum[:, :, :, :],
+                               split_size=12, **case.arguments())
+    with pytest.raises(ValueError, match="pass split_size="):
+        attnstep.check_kvcache(case.q, case.k_cache, case.v_cache, {"flash_output": out}, split_output=out_accum,
+                               **case.arguments())

@@ -35,7 +35,7 @@ from .diagnose.hypotheses import diagnose
 from .files.arrays import as_array, bias_heads, dims_of, mask_heads, slopes_rows, stage_heads
 from .files.case import InputCase, validate_dims
 from .files.kinds import CaseError
-from .files.kv_cache import kv_cache, packed_keys, step_stages
+from .files.kv_cache import kv_cache, packed_keys, step_splits, step_stages
 from .files.packed_arrays import packed_layout, packing
 from .files.outputs import RunInfo, StageSource, half_rounding_for
 from .files.split_files import split_arguments, split_run
@@ -188,7 +188,7 @@ def check_kvcache(q, k_cache, v_cache, stages: Mapping[str, object], *, cache_se
                   softcap: Optional[float] = None, alibi=False, scale: Optional[float] = None, precision: str = "fp32",
                   math: str = "ieee", atol: Optional[float] = None, rtol: Optional[float] = None, jobs: int = 1,
                   allow_nonfinite: bool = False, half_rounding: Optional[str] = None, k_cache_after=None,
-                  v_cache_after=None) -> Report:
+                  v_cache_after=None, split_output=None, split_lse=None, split_size=None) -> Report:
     """Checks a decode step against a KV cache, as flash-attn's flash_attn_with_kvcache or vLLM's
     paged attention computes it; returns the Report, true when every stage (and the cache after
     the step) passes.
@@ -201,26 +201,32 @@ def check_kvcache(q, k_cache, v_cache, stages: Mapping[str, object], *, cache_se
     (batch, heads, queries). causal=True and window are flash-attn's (bottom-right); softcap, alibi ((H,)
     slopes), scale, precision, math, atol, rtol, jobs, allow_nonfinite, half_rounding as check_arrays'.
     k_cache_after, v_cache_after: the cache after the step, checked exactly (the new keys written through the
-    table, every other slot unchanged). Each sequence's keys are gathered and every sequence checked as a packed
-    case; a failing one is explained by the paged bugs' diagnoses (paged_*, new_keys_unseen; a cache after:
-    cache_* in its `diagnosis`). A ValueError or TypeError names the argument and what is wrong."""
+    table, every other slot unchanged). split_output, split_lse, split_size: a flash-decoding step's splits of
+    split_size keys each, out_accum (num_splits, batch, heads, queries, dim) and lse_accum (num_splits, batch,
+    heads, queries), each checked on its own and the flash stages against their combine. Each sequence's keys are
+    gathered and every sequence checked as a packed case; a failing one is explained by the paged bugs' diagnoses
+    (paged_*, new_keys_unseen; a cache after: cache_* in its `diagnosis`). A ValueError or TypeError names the
+    argument and what is wrong."""
     args = validated(stages=stages, causal=causal, align=None, window=window, softcap=softcap, alibi=alibi,
                       dropout_p=0.0, layout=None, scale=scale, precision=precision, math=math, atol=atol, rtol=rtol,
                       jobs=jobs, allow_nonfinite=allow_nonfinite, half_rounding=half_rounding)
+    splits = split_arguments(split_output, split_lse, split_size, stages)
     kv = kv_cache(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new)
     packed = step_stages(kv, args["stages"])
     aligned = isinstance(args["causal"], str)
     args.update(causal=BOTTOM_RIGHT if args["causal"] is True else args["causal"],
                 align=None if aligned else BOTTOM_RIGHT)
 
-    def recheck(q, k, v, stages, seqs, diagnoser=None) -> Report:
-        run, case, options = _opened(q, k, v, stages, None, dict(args), None, None, (seqs.cu_q, seqs.cu_k, None))
+    def recheck(q, k, v, stages, seqs, diagnoser=None, splits=None) -> Report:
+        # (a reading's re-check is of the step's own stages: the splits are the whole step's)
+        run, case, options = _opened(q, k, v, stages, None, dict(args, splits=splits), None, None,
+                                     (seqs.cu_q, seqs.cu_k, None))
         case.sequences = seqs  # (the packing the check gathered from the cache, known as such)
         return check_run(run, case, options, diagnoser=diagnoser)
 
     keys = packed_keys(kv, [kv.gather(b) for b in range(kv.batch)])
     report = recheck(kv.q.reshape((-1,) + kv.q.shape[2:]), *keys, packed,
-                     kv.sequences([kv.m(b) for b in range(kv.batch)]), diagnose)
+                     kv.sequences([kv.m(b) for b in range(kv.batch)]), diagnose, step_splits(kv, splits))
     diagnose_paged(report, kv, packed, recheck)
     report.run_checks += cache_after_checks(kv, k_cache_after, v_cache_after)
     return report

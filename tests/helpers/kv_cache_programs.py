@@ -113,6 +113,41 @@ def _table_read(case: DecodeCase, bug: Optional[str]):
     return t
 
 
+def _read(case: DecodeCase, k_pool, v_pool, table, b: int, bug: Optional[str]):
+    """(keys (count, Hk, d), values, m, count) sequence b attends: its m keys, or count read."""
+    m = case.seqlens[b] + case.n_new
+    count = m
+    if (bug == "past_length" or bug == "past_length_0" and b == 0) and case.page_size is not None:
+        count = -(-m // case.page_size) * case.page_size
+    if (b == 1 and bug in ("length_plus_one", "length_minus_one")) or bug == "lengths_plus_one":
+        m = count = m + (1 if bug in ("length_plus_one", "lengths_plus_one") else -1)
+    if b == 1 and bug == "new_keys_unseen":
+        m = count = case.seqlens[b]
+    places = [_where(case, table, b, j) for j in range(count)]
+    return np.stack([k_pool[p] for p in places]), np.stack([v_pool[p] for p in places]), m, count
+
+
+def _scores(case: DecodeCase, b: int, h: int, keys: np.ndarray, m: int, count: int) -> np.ndarray:
+    """Query head h's scaled scores over the keys read, masked bottom-right when causal."""
+    nq, group = case.q.shape[1], case.heads // case.kv_heads
+    s = (case.q[b, :, h] @ keys[:, h // group].T) * f32(1 / np.sqrt(case.d))
+    if case.causal:
+        i, j = np.arange(nq)[:, None], np.arange(count)[None, :]
+        s = np.where(j <= i + m - nq, s, -np.inf).astype(f32)
+    return s
+
+
+def _attend(s: np.ndarray, vals: np.ndarray):
+    """(output, lse) over the scores' keys; a row that sees none: 0 and −inf."""
+    mx = s.max(axis=1, keepdims=True, initial=-np.inf)
+    safe = np.where(np.isfinite(mx), mx, f32(0))
+    p = np.exp(s - safe).astype(f32)
+    total = p.sum(axis=1, keepdims=True)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        out = np.where(total > 0, (p / np.where(total > 0, total, 1)) @ vals, f32(0))
+        return out, np.where(total > 0, safe + np.log(total), -np.inf)[:, 0]
+
+
 def decode(case: DecodeCase, bug: Optional[str] = None):
     """(out, lse, k_cache_after, v_cache_after) as the program computes them."""
     k_pool, v_pool = _write(case, bug)
@@ -121,29 +156,10 @@ def decode(case: DecodeCase, bug: Optional[str] = None):
     group = H // case.kv_heads
     out = np.zeros((B, nq, H, d), f32)
     lse = np.zeros((B, H, nq), f32)
-    scale = f32(1 / np.sqrt(d))
     for b in range(B):
-        m = case.seqlens[b] + case.n_new
-        count = m
-        if (bug == "past_length" or bug == "past_length_0" and b == 0) and case.page_size is not None:
-            count = -(-m // case.page_size) * case.page_size
-        if (b == 1 and bug in ("length_plus_one", "length_minus_one")) or bug == "lengths_plus_one":
-            m = count = m + (1 if bug in ("length_plus_one", "lengths_plus_one") else -1)
-        if b == 1 and bug == "new_keys_unseen":
-            m = count = case.seqlens[b]
-        places = [_where(case, table, b, j) for j in range(count)]
-        keys = np.stack([k_pool[p] for p in places])     # (count, Hk, d)
-        vals = np.stack([v_pool[p] for p in places])
+        keys, vals, m, count = _read(case, k_pool, v_pool, table, b, bug)
         for h in range(H):
-            s = (case.q[b, :, h] @ keys[:, h // group].T) * scale
-            if case.causal:
-                i, j = np.arange(nq)[:, None], np.arange(count)[None, :]
-                s = np.where(j <= i + m - nq, s, -np.inf).astype(f32)
-            mx = s.max(axis=1, keepdims=True)
-            p = np.exp(s - mx).astype(f32)
-            total = p.sum(axis=1, keepdims=True)
-            out[b, :, h] = (p / total) @ vals[:, h // group]
-            lse[b, h] = (mx + np.log(total))[:, 0]
+            out[b, :, h], lse[b, h] = _attend(_scores(case, b, h, keys, m, count), vals[:, h // group])
     if bug == "scaled":
         out *= f32(1.01)
     elif bug == "lse_log2":
@@ -151,3 +167,25 @@ def decode(case: DecodeCase, bug: Optional[str] = None):
     elif bug == "noise":
         out[0] += (0.01 * np.abs(out[0]).max() * np.random.default_rng(1).standard_normal(out[0].shape)).astype(f32)
     return out, lse, k_pool, v_pool
+
+
+def decode_splits(case: DecodeCase, split_size: int, bug: Optional[str] = None):
+    """A flash-decoding step's splits as flash-attn lays them out: out_accum (S, B, H, nq, d), each
+    split's output over the keys [s·K, (s+1)·K) it read, normalised by its own sum, and lse_accum
+    (S, B, H, nq); S = ⌈most keys / K⌉; a row that sees no key of a split: 0 and −inf."""
+    k_pool, v_pool = _write(case, bug)
+    table = _table_read(case, bug)
+    B, nq, H, d = case.q.shape
+    group = H // case.kv_heads
+    S = max(1, -(-max(n + case.n_new for n in case.seqlens) // split_size))
+    out = np.zeros((S, B, H, nq, d), f32)
+    lse = np.full((S, B, H, nq), -np.inf, f32)
+    for b in range(B):
+        keys, vals, m, count = _read(case, k_pool, v_pool, table, b, bug)
+        for h in range(H):
+            s = _scores(case, b, h, keys, m, count)
+            for sp in range(S):
+                cols = slice(sp * split_size, min(count, (sp + 1) * split_size))
+                if cols.start < cols.stop:
+                    out[sp, b, h], lse[sp, b, h] = _attend(s[:, cols], vals[cols, h // group])
+    return out, lse

@@ -238,6 +238,8 @@ def _rows(stage: str, x: np.ndarray, span: Tuple[int, int]) -> np.ndarray:
 def diagnose_paged(report: Report, kv: KVCache, stages: Dict[str, np.ndarray], recheck: Recheck) -> None:
     """Adds to each failing sequence's results the readings that explain them (first): those of a
     sequence whose failure has no other cause, screened (_screened), re-checked in one packed check."""
+    if not stages:  # (the splits alone given: nothing a reading's re-check could tell apart)
+        return
     failing = sorted({r.sequence for r in report.results if not r.passed and r.sequence is not None})
     other = {r.sequence for r in report.results if not r.passed and decode_stage(r.stage)
              and any(d.code not in PAGED_CODES + PACKED_CODES + SEARCHED_CODES and not equivalent(d)

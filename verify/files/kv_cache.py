@@ -22,7 +22,7 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from ..sequences import Sequences, packed_sequences
-from ..stages import STAGES
+from ..stages import SPLIT_LSE, SPLIT_OUTPUT, STAGES, split_count
 from ..text import plural
 from .arrays import as_array, native_float
 from .packed_arrays import offsets
@@ -300,6 +300,31 @@ def step_stages(kv: KVCache, stages: Dict[str, object]) -> Dict[str, np.ndarray]
                              + (f"(batch, heads, queries) = {want}" if lse else f"{LAYOUT_WORDS} = {want}"))
         out[name] = a.transpose(1, 0, 2).reshape(H, B * nq) if lse else a.reshape(B * nq, H, want[3])
     return out
+
+
+def step_splits(kv: KVCache, splits) -> Optional[Tuple[Optional[np.ndarray], Optional[np.ndarray], int]]:
+    """check_arrays' split triple (split_output, split_lse, split_size) in the packed layout, from
+    flash-attn's split layouts of a decode step: out_accum (S, B, H, nq, d) as (S, B·nq, H, d) and
+    lse_accum (S, B, H, nq) as (S, H, B·nq), S = ⌈most keys a sequence attends / K⌉; None for none."""
+    if splits is None:
+        return None
+    B, nq, H, _ = kv.q.shape
+    size, d = splits[2], kv.v_pages.shape[3]
+    S = split_count(max(kv.m(b) for b in range(kv.batch)), size)
+    out = []
+    for name, given, want, words in ((SPLIT_OUTPUT, splits[0], (S, B, H, nq, d), "(num_splits, batch, heads, "
+                                      "queries, dim)"), (SPLIT_LSE, splits[1], (S, B, H, nq),
+                                                         "(num_splits, batch, heads, queries)")):
+        if given is None:
+            out.append(None)
+            continue
+        a = native_float(as_array(given, name), name)
+        if tuple(a.shape) != want:
+            raise ValueError(f"{name} is {tuple(a.shape)}: expected {words} = {want}: {plural(S, 'split')} of "
+                             f"{size} keys")
+        out.append(a.transpose(0, 1, 3, 2, 4).reshape(S, B * nq, H, d) if a.ndim == 5
+                   else a.transpose(0, 2, 1, 3).reshape(S, H, B * nq))
+    return out[0], out[1], size
 
 
 def packed_keys(kv: KVCache, keys: List[Tuple[np.ndarray, np.ndarray]]) -> Tuple[np.ndarray, np.ndarray]:
