@@ -102,7 +102,7 @@ def test_a_cause_named_in_another_sequence_of_the_head_is_in_the_verdict(tmp_pat
     checked = invoke("check", "--in", case, "--out", out)
     verdict = [line for line in checked.output.splitlines() if "first failing stage" in line]
     assert verdict and "first failing stage: output (all 4 heads, sequence 0)" in verdict[0], checked.output
-    assert "unnamed there; output of sequence 1, failing on the same head, names paged_page_shift" in verdict[0]
+    assert "unnamed there; sequence 1 of the same head fails at output with paged_page_shift" in verdict[0]
 
 
 @pytest.mark.parametrize("bug, code", [("length_plus_one", "cache_length_off_by_one"),

@@ -239,3 +239,15 @@ def test_bf16_sequence_bugs_are_named_on_the_output(tmp_path):
         report = packed_run(tmp_path / bug, shape, BF16_FORWARD, bug=bug, opts=BF16)
         found = json_codes(report, "flash_output")
         assert found and all(codes[:1] == [code] for codes in found.values()), (bug, found)
+
+
+def test_bf16_a_boundary_one_key_off_is_not_named_a_leak_that_fits_less_closely(tmp_path):
+    """Sequence 1 reads one key of sequence 0 (two keys long): reading both of them (a leak) fits
+    the bf16 output within a few bounds too, less closely. The closest reading is named, never the
+    first that fits; where two fit about as closely, neither."""
+    shape = dict(seqlens_q=[1, 1, 1, 1], seqlens_k=[2, 60, 3, 80], heads=2, kv_heads=1, d=64, precision="bf16")
+    named = []
+    for seed in (13, 0, 1, 2, 3):
+        report = packed_run(tmp_path / str(seed), {**shape, "seed": seed}, BF16_FORWARD, bug="off_by_one", opts=BF16)
+        named += [codes[0] for codes in json_codes(report, "flash_output").values() if codes]
+    assert named and set(named) == {"sequence_boundary"}, named

@@ -298,8 +298,8 @@ def test_a_split_past_the_split_count_is_refused_naming_the_file(tmp_path):
     in_dir, out_dir = _folders(tmp_path)
     r = invoke("check", "--in", in_dir, "--out", out_dir, "--split-size", 16)  # 3 splits, 5 written
     assert r.exit_code == 2
-    assert ("split_3.txt: split 3 holds keys, but 16 keys per split makes 3 splits (0..2) of the longest row's keys"
-            in r.output)
+    assert "split_3.txt: split 3 holds keys (e.g. " in r.output
+    assert "but 16 keys per split makes 3 splits (0..2) of the longest row's keys" in r.output
 
 
 def test_a_combine_that_guards_against_nan_splits_is_given_no_combine_bug(tmp_path):
@@ -344,6 +344,30 @@ def test_a_split_size_smaller_than_the_programs_hints_at_the_split_size(tmp_path
     assert r.exit_code == 1 and "split_2.txt is missing" in r.output and "HINT: the split size" not in r.output
 
 
+def test_a_stand_in_for_the_splits_of_a_sequence_without_keys_passes(tmp_path):
+    """A packed case whose last sequence has no key: its splits' lse −FLT_MAX passes as −inf does."""
+    case = SplitCase(**PACKED)
+    write_case(case, tmp_path / "in")
+    run_program(case, tmp_path / "out")
+    for h in range(case.heads):
+        for s in range(case.splits):
+            path = tmp_path / "out" / f"split_lse_head_{h}_split_{s}.txt"
+            lse = np.loadtxt(path, ndmin=2)
+            write_text(path, np.where(np.isneginf(lse), -3.4028235e38, lse).astype(np.float32))
+    report = check(tmp_path / "in", tmp_path / "out", Options(jobs=1, split_size=case.split_size), diagnoser=diagnose)
+    assert report.passed, text(report)
+
+
+def test_a_stand_in_must_lie_far_below_the_rows_lse():
+    """−1000 weighs 0 beside a row whose log-sum-exp is near 0, not beside one near −950: a stand-in
+    is read as −inf only STAND_IN_GAP below the row's log-sum-exp over its splits."""
+    from verify.check.split_values import stand_ins_read_as_empty
+    keyless = np.array([[False, True], [False, True]])
+    want = np.array([[2.0, -np.inf], [-950.0, -np.inf]])
+    got = np.array([[2.0, -1000.0], [-950.0, -1000.0]])
+    assert np.array_equal(stand_ins_read_as_empty(got, keyless, want), [[2.0, -np.inf], [-950.0, -1000.0]])
+
+
 def test_trailing_split_files_that_hold_no_key_are_left_out_and_said(tmp_path):
     """A kernel that launches a fixed number of splits writes the ones past the keys too: lse −inf
     (or a stand-in for it) and output 0 in every row. Those pass, said in a note; one that holds a
@@ -357,10 +381,12 @@ def test_trailing_split_files_that_hold_no_key_are_left_out_and_said(tmp_path):
                        np.full((n, 1), -np.inf if s == 5 else -3.4028235e38, np.float32))
     r = invoke("check", "--in", in_dir, "--out", out_dir, "--split-size", 8)
     assert r.exit_code == 0, r.output
-    assert "split_lse: the files of splits 5..6 hold no key (lse −inf, output 0): past the 5 splits" in r.output
-    write_text(out_dir / "split_output_head_2_split_6.txt", np.full((n, 16), 0.5, np.float32))
-    r = invoke("check", "--in", in_dir, "--out", out_dir, "--split-size", 8)
-    assert r.exit_code == 2 and "split_output_head_2_split_6.txt: split 6 holds keys" in r.output, r.output
+    assert "split_lse: the files of splits 5, 6 hold no key (lse −inf, output 0): past the 5 splits" in r.output
+    for values, said in ((np.full((n, 16), 0.5), "holds keys (e.g. 0.5)"), (np.full((n, 16), np.nan), "holds NaN"),
+                         (np.zeros((3, 5)), "is 3x5, not 8x16")):
+        write_text(out_dir / "split_output_head_2_split_6.txt", values.astype(np.float32))
+        r = invoke("check", "--in", in_dir, "--out", out_dir, "--split-size", 8)
+        assert r.exit_code == 2 and f"split_output_head_2_split_6.txt: split 6 {said}, but" in r.output, r.output
 
 
 def test_a_finite_stand_in_for_an_empty_splits_lse_passes(tmp_path):
@@ -385,7 +411,8 @@ def test_a_split_past_the_split_count_of_a_packed_case_counts_its_longest_sequen
     run_program(case, tmp_path / "out")
     r = invoke("check", "--in", tmp_path / "in", "--out", tmp_path / "out", "--split-size", 4)
     assert r.exit_code == 2 and len(r.output.strip().splitlines()) == 1, r.output
-    assert "split 5 holds keys, but 4 keys per split makes 5 splits (0..4) of the longest row's keys" in r.output
+    assert "split 5 holds keys (e.g. " in r.output
+    assert "but 4 keys per split makes 5 splits (0..4) of the longest row's keys" in r.output
 
 
 def test_a_mask_bug_in_a_split_run_is_not_named_an_empty_split(tmp_path):

@@ -39,6 +39,7 @@ from ..model.half import echoed, is_half, round_to_format
 from .diagnosis import Diagnoser, Diagnosis, Packing
 from .invariants import NONFINITE
 from .results import FAIL, HeadResult, compare_arrays, result_order
+from .split_values import stand_ins_read_as_empty
 from .splits import COMBINED_FROM as COMBINED, EMPTY_SPLIT
 from .stage_check import STATUS_CODES, Loaded, SequenceRun, case_inputs, file_index, load_output, new_result
 
@@ -285,6 +286,8 @@ class PackedRun:
                 else:
                     if keyless == -np.inf and not STAGES[stage].split:  # (a split's lse is −inf: contract.md)
                         mat = np.where(mat == np.inf, -np.inf, mat)  # flash-attn's +inf for a row without keys
+                    elif keyless == -np.inf:  # (or a finite stand-in for it: split_values.py)
+                        mat = stand_ins_read_as_empty(mat, np.ones(mat.shape, bool))
                     want = np.full(mat.shape, keyless)
                 quantum = resolution.quantum(mat)
                 allowed = np.zeros(mat.shape) if quantum is None else quantum

@@ -4,10 +4,13 @@ the run's half format.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import numpy as np
 
 from ..files.resolution import half_values
 from ..files.split_files import EMPTY_LSE_CEILING
+from ..specs.scores import STAND_IN_GAP
 from ..model.half import is_half
 
 
@@ -18,9 +21,15 @@ def stored_in_format(mat: np.ndarray, want: np.ndarray, precision: str) -> bool:
     return is_half(precision) and half_values(mat, want, "fp32") == precision
 
 
-def stand_ins_read_as_empty(mat: np.ndarray, keyless: np.ndarray) -> np.ndarray:
-    """split_lse with a finite stand-in for −inf (at or below EMPTY_LSE_CEILING: a running maximum
-    started at −FLT_MAX) read as −inf where the row sees no key of the split; the combine reads it so
-    too (its weight exp(lse_s − lse) is 0 either way)."""
+def stand_ins_read_as_empty(mat: np.ndarray, keyless: np.ndarray, want: Optional[np.ndarray] = None) -> np.ndarray:
+    """split_lse with a finite stand-in for −inf (a running maximum started at −FLT_MAX or −1e30)
+    read as −inf where the row sees no key of the split: at or below EMPTY_LSE_CEILING, and
+    STAND_IN_GAP below the row's log-sum-exp over every split (want: the splits' references), so
+    that its weight exp(lse_s − lse) in the combine is 0 in float32, as −inf's is."""
+    limit = np.full((mat.shape[0], 1), EMPTY_LSE_CEILING)
+    if want is not None:
+        with np.errstate(invalid="ignore", divide="ignore"):
+            row = np.logaddexp.reduce(np.where(keyless, -np.inf, want), axis=1, keepdims=True)
+        limit = np.minimum(limit, np.where(np.isfinite(row), row - STAND_IN_GAP, EMPTY_LSE_CEILING))
     with np.errstate(invalid="ignore"):
-        return np.where(keyless & np.isfinite(mat) & (mat <= EMPTY_LSE_CEILING), -np.inf, mat)
+        return np.where(keyless & np.isfinite(mat) & (mat <= limit), -np.inf, mat)

@@ -194,7 +194,7 @@ def check_split_stage(res: HeadResult, run, ctx: HeadContext, opts, diagnoser) -
         return res
     res.resolution = resolution.describe()
     want, bound, keyless = wide(stage, ctx)
-    mat = stand_ins_read_as_empty(mat, keyless) if row_statistic(stage) else mat
+    mat = stand_ins_read_as_empty(mat, keyless, want) if row_statistic(stage) else mat
     ctx.got[stage] = mat
     quantum = resolution.quantum(mat) if override is None else None
     ctx.quanta[stage] = quantum

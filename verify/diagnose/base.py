@@ -3,7 +3,7 @@
 found on are the check engine's (verify/check/diagnosis.py)."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -146,36 +146,55 @@ def explains_closely(got: np.ndarray, cand: np.ndarray, want: np.ndarray, width:
     return diff if differs(got, cand, want, min(DISTINCT_WIDTHS * width, CLOSER * close), nan_evidence) else None
 
 
-# explains_within_bound: got may lie this many of its bounds from a candidate the program computed
-# at its own precision (the candidate's reading sums other terms than the reference's, with
-# roundings of their own), and the candidate must lie SEPARATED_BOUNDS of them from the reference
-# at MIN_SEPARATED elements or more: a result within its bound of the reference is then at least
+# best_within_bound: got may lie this many of its bounds from a candidate the program computed at
+# its own precision (the candidate's reading sums other terms than the reference's, with roundings
+# of their own), and the candidate must lie SEPARATED_BOUNDS of them from the reference at
+# MIN_SEPARATED elements or more: a result within its bound of the reference is then at least
 # SEPARATED_BOUNDS − BOUND_SLACK bounds from the candidate there, never within BOUND_SLACK of it.
+# Another candidate that fits within AMBIGUOUS of the best's fit is one the values cannot tell from it.
 BOUND_SLACK = 2.0
 SEPARATED_BOUNDS = 4.0
 MIN_SEPARATED = 4
+AMBIGUOUS = 1.5
 
 
-def explains_within_bound(got: np.ndarray, cand: np.ndarray, want: np.ndarray,
-                          bound: Optional[np.ndarray]) -> Optional[float]:
-    """max|got − cand| where got lies within BOUND_SLACK of its bounds (per element: the stage's
-    allowance) of cand everywhere and cand lies SEPARATED_BOUNDS of them from want at MIN_SEPARATED
-    elements or more; else None. The program computed the candidate's reading as precisely as the
-    check asks of the reference, and the elements the reading moves tell the two apart. For a
-    stage whose bound is wide beside the bug's effect (a half-precision pipeline's output, a bug
-    that moves it by ten bounds), where explains() asks for a difference of many widths."""
-    if bound is None or cand.shape != got.shape or np.shape(bound) != got.shape:
-        return None
-    b = np.asarray(bound, dtype=np.float64)
+def _bound_fit(got: np.ndarray, cand: np.ndarray, want: np.ndarray, b: np.ndarray) -> Tuple[float, int, float]:
+    """(max |got − cand| in bounds, elements where cand lies SEPARATED_BOUNDS from want, max
+    |got − cand|); an infinite fit where a non-finite value or an exact entry (bound 0) differs."""
     fin = np.isfinite(got) & np.isfinite(cand) & np.isfinite(want) & np.isfinite(b)
     if maxdiff(got[~fin & np.isfinite(b)], cand[~fin & np.isfinite(b)]) > 0:
-        return None  # an infinity or NaN where the candidate has none, or another one
-    d = np.abs(got[fin] - cand[fin])
-    if np.any(d > BOUND_SLACK * b[fin]):
+        return np.inf, 0, np.inf
+    d, bf = np.abs(got[fin] - cand[fin]), b[fin]
+    if np.any(d[bf == 0] > 0):
+        return np.inf, 0, np.inf
+    with np.errstate(divide="ignore", invalid="ignore"):
+        fit = float(np.max(np.where(bf > 0, d / bf, 0.0), initial=0.0))
+    separated = int(np.count_nonzero(np.abs(cand[fin] - want[fin]) > SEPARATED_BOUNDS * bf))
+    return fit, separated, float(d.max(initial=0.0))
+
+
+def best_within_bound(got: np.ndarray, want: np.ndarray, bound: Optional[np.ndarray],
+                      tried: Sequence[Tuple[object, Optional[np.ndarray]]]) -> Optional[Tuple[object, float]]:
+    """(its key, max|got − cand|) of the candidate got lies closest to in its bounds (per element:
+    the stage's allowance), where got lies within BOUND_SLACK of them everywhere, the candidate lies
+    SEPARATED_BOUNDS of them from want at MIN_SEPARATED elements or more, and no other candidate
+    fits within AMBIGUOUS of it; else None. The program computed that reading as precisely as the
+    check asks of the reference, and the elements it moves tell it from the reference. For a stage
+    whose bound is wide beside the bug's effect (a half-precision pipeline's output, a bug that
+    moves it by ten bounds), where explains() asks for a difference of many widths; the best fit,
+    not the first, since over a few bounds a neighbouring reading may fit too."""
+    if bound is None or np.shape(bound) != got.shape:
         return None
-    if np.count_nonzero(np.abs(cand[fin] - want[fin]) > SEPARATED_BOUNDS * b[fin]) < MIN_SEPARATED:
+    b = np.asarray(bound, dtype=np.float64)
+    fits = [(_bound_fit(got, cand, want, b), key) for key, cand in tried
+            if cand is not None and cand.shape == got.shape]
+    fits = sorted(((f, key) for f, key in fits if f[0] <= BOUND_SLACK), key=lambda fk: fk[0][0])
+    if not fits:
         return None
-    return float(d.max(initial=0.0))
+    (fit, separated, diff), key = fits[0]
+    if separated < MIN_SEPARATED or (len(fits) > 1 and fits[1][0][0] <= AMBIGUOUS * max(fit, 1e-3)):
+        return None
+    return key, diff
 
 
 def gap(got: np.ndarray, cand: np.ndarray, beyond=0.0) -> float:

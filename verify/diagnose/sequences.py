@@ -27,7 +27,7 @@ from ..specs import SPECS
 from ..stages import INPUT_NAMES, STAGES
 from ..text import plural
 from ..variant import UNBOUNDED, Variant
-from .base import MIN_READ_VALUES, explains, explains_within_bound, width_of
+from .base import MIN_READ_VALUES, best_within_bound, explains, width_of
 from .inputs import slope_of, variant_of
 
 PADDING_READ = "padding_read"
@@ -310,8 +310,10 @@ def applies(stage: str, ctx: Suspect) -> bool:
 def sequences(stage, got, want, ctx, width) -> List[Diagnosis]:
     """The first reading of the sequence's rows that explains got and, after it, its padding read
     where that explains got too (where the weights are near one-hot, reading the padding keys and
-    a broader reading give the same rows); not on a stage of one value (a one-query sequence's lse),
-    which some reading fits by chance."""
+    a broader reading give the same rows); where none does, the reading got lies closest to within
+    its bounds (best_within_bound: a half-precision output, which a misread sequence moves by some
+    ten of its bounds). Not on a stage of one value (a one-query sequence's lse), which some reading
+    fits by chance."""
     if not applies(stage, ctx) or got.size < MIN_READ_VALUES:
         return []
     packing = ctx.packing
@@ -321,6 +323,7 @@ def sequences(stage, got, want, ctx, width) -> List[Diagnosis]:
     width = _width(stage, ctx, width)
     found: List[Diagnosis] = []
     seen = set()
+    tried = []  # (reading, candidate): every reading computed, for the closest fit where none explains
     for reading in readings(seqs, b, variant_of(ctx)):
         same = _what_it_reads(reading)
         if same in seen or (found and (reading.code != PADDING_READ or reading.code in {d.code for d in found})):
@@ -332,10 +335,16 @@ def sequences(stage, got, want, ctx, width) -> List[Diagnosis]:
             continue
         if cand is None:
             continue
+        tried.append((reading, cand))
         diff = explains(got, cand, want, width)
-        if diff is None:  # (a half-precision output: the reading moves it by some ten bounds)
-            diff = explains_within_bound(got, cand, want, ctx.bound)
         if diff is not None:
-            found.append(Diagnosis(reading.code, f"{stage}: {reading.words} (max diff {diff:.2g})",
-                                   {**reading.detail, "max_diff": diff}, 0.95))
+            found.append(_named(stage, reading, diff))
+    best = None if found else best_within_bound(got, want, ctx.bound, tried)
+    if best is not None:
+        found.append(_named(stage, *best))
     return sorted(found, key=lambda d: d.detail["max_diff"])
+
+
+def _named(stage: str, reading: Reading, diff: float) -> Diagnosis:
+    return Diagnosis(reading.code, f"{stage}: {reading.words} (max diff {diff:.2g})",
+                     {**reading.detail, "max_diff": diff}, 0.95)

@@ -30,7 +30,7 @@ import numpy as np
 from ..check.diagnosis import Diagnosis
 from ..check.splits import EMPTY_SPLIT, FLASH_OF, SplitSuspect, combine, row_statistic
 from ..specs import SPECS
-from .base import MATCH_WIDTHS, explains, explains_closely, explains_within_bound
+from .base import MATCH_WIDTHS, best_within_bound, explains, explains_closely
 
 SPLIT_OVERLAP, SPLIT_GAP, SPLIT_NOT_RESCALED = "split_overlap", "split_gap", "split_not_rescaled"
 SPLIT_EXP2, SPLIT_LEFT_OUT = "split_exp2", "split_left_out"
@@ -142,24 +142,34 @@ def _keys_words(keys: List[int]) -> str:
 
 def _split_explains(got: np.ndarray, cand: np.ndarray, want: np.ndarray, allowed: np.ndarray,
                     width: float) -> Optional[float]:
-    """explains(), or at half precision (a bound wide beside a few keys' weight) explains_within_bound()
-    against the split's own allowance."""
+    """explains(), or at half precision (a bound wide beside a few keys' weight) the candidate taken
+    by best_within_bound() against the split's own allowance (alone: no other to tell it from)."""
     diff = explains(got, cand, want, width)
-    return diff if diff is not None else explains_within_bound(got, cand, want, allowed)
+    if diff is not None:
+        return diff
+    best = best_within_bound(got, want, allowed, [(0, cand)])
+    return None if best is None else best[1]
 
 
 def _shifted_range(stage: str, got: np.ndarray, want: np.ndarray, allowed: np.ndarray, view: SplitSuspect,
                    first: int, end: int, width: float) -> Optional[Tuple[Tuple[int, int], float]]:
-    tried = set()
+    """The split's range shifted by a few keys that explains got, the nearest first; where none does,
+    the shift got lies closest to within its bounds (best_within_bound)."""
+    tried = []
     for a, b in _shifts():
         f2, e2 = max(0, first + a), min(view.keys, end + b)
-        if f2 >= e2 or (f2, e2) == (first, end) or (f2, e2) in tried:
+        if f2 >= e2 or (f2, e2) == (first, end) or any(r == (f2, e2) for r, _ in tried):
             continue
-        tried.add((f2, e2))
-        diff = _split_explains(got, view.recompute(FLASH_OF[stage], f2, e2), want, allowed, width)
+        cand = view.recompute(FLASH_OF[stage], f2, e2)
+        tried.append(((f2, e2), cand))
+        diff = explains(got, cand, want, width)
         if diff is not None:
             return (f2 - first, e2 - end), diff
-    return None
+    best = best_within_bound(got, want, allowed, tried)
+    if best is None:
+        return None
+    (f2, e2), diff = best
+    return (f2 - first, e2 - end), diff
 
 
 # ---- the combine ------------------------------------------------------------------------------

@@ -173,17 +173,16 @@ def split_sources(folder: Path, sources: Mapping[str, StageSource], dims: Dims, 
             raise CaseError(f"{folder}: {stage} has both .txt and .npy split files; HINT: remove one set")
         fmt = fmts[0] if fmts else _listed_format(sources.get(stage))
         beyond = sorted(p for p in found.get(stage, {}).get(fmt, []) if p[1] >= dims.splits)
-        held = next((p for p in beyond if not _holds_no_key(folder / stage_file(stage, p[0], fmt, split=p[1]),
-                                                              stage, dims)), None)
-        if held is not None:
-            head, split = held
-            raise CaseError(f"{folder / stage_file(stage, head, fmt, split=split)}: split {split} holds keys, but "
-                            f"{dims.split_size} keys per split makes {plural(dims.splits, 'split')} "
-                            f"(0..{dims.splits - 1}) of the longest row's keys; HINT: the split size the program "
-                            f"used? {SPLIT_SIZE_HINT}")
+        for head, split in beyond:
+            path = folder / stage_file(stage, head, fmt, split=split)
+            why = _why_not_empty(path, stage, dims)
+            if why:
+                raise CaseError(f"{path}: split {split} {why}, but {dims.split_size} keys per split makes "
+                                f"{plural(dims.splits, 'split')} (0..{dims.splits - 1}) of the longest row's keys; "
+                                f"HINT: the split size the program used? {SPLIT_SIZE_HINT}")
         if beyond and notes is not None:
-            last = max(split for _, split in beyond)
-            which = f"split {last}" if last == dims.splits else f"splits {dims.splits}..{last}"
+            past = sorted({split for _, split in beyond})
+            which = f"split {past[0]}" if len(past) == 1 else f"splits {', '.join(str(x) for x in past)}"
             notes.append(f"{stage}: the files of {which} hold no key (lse −inf, output 0): "
                          f"past the {plural(dims.splits, 'split')} that {dims.split_size} keys per split makes, "
                          "left out")
@@ -191,19 +190,24 @@ def split_sources(folder: Path, sources: Mapping[str, StageSource], dims: Dims, 
     return {s: out[s] for s in STAGES if s in out}
 
 
-def _holds_no_key(path: Path, stage: str, dims: Dims) -> bool:
-    """Whether a split file holds what a split no row sees a key of holds: split_lse −inf (or a
-    finite stand-in at or below EMPTY_LSE_CEILING) and split_output 0, every entry."""
+def _why_not_empty(path: Path, stage: str, dims: Dims) -> Optional[str]:
+    """None where a split file holds what a split no row sees a key of holds, every entry (split_lse
+    −inf or a finite stand-in at or below EMPTY_LSE_CEILING, split_output 0, in the stage's shape);
+    else what it holds instead."""
     shape = (dims.size(STAGES[stage].rows), split_columns(stage, dims))
     try:
         data = read_bytes(path, shape, STAGE_ITEMSIZE, STAGE_NPY)
         mat = _load_npy(data, path) if path.suffix == ".npy" else parse_matrix(data, path, None)
-    except CaseError:
-        return False
+    except CaseError as exc:
+        return f"cannot be read ({exc})"
     mat = np.asarray(mat, dtype=np.float64)
-    if STAGES[stage].cols == "S":  # a log-sum-exp, one column a split
-        return bool(np.all(mat <= EMPTY_LSE_CEILING))  # (−inf included; NaN is not)
-    return bool(np.all(mat == 0.0))
+    if mat.shape != shape:
+        return f"is {mat.shape[0]}x{mat.shape[1] if mat.ndim > 1 else 1}, not {shape[0]}x{shape[1]}"
+    if np.isnan(mat).any():
+        return "holds NaN"
+    lse = STAGES[stage].cols == "S"  # (a log-sum-exp: one column a split)
+    held = ~(mat <= EMPTY_LSE_CEILING) if lse else mat != 0.0
+    return f"holds keys (e.g. {mat[held].flat[0]:g})" if held.any() else None
 
 
 def _listed_format(src: Optional[StageSource]) -> str:

@@ -231,9 +231,11 @@ def cause_elsewhere(report: Report, first: HeadResult) -> Optional[HeadResult]:
 
 
 def where_else(first: HeadResult, elsewhere: HeadResult) -> str:
-    """The stage cause_elsewhere found, with its sequence where that is another."""
-    other = elsewhere.sequence is not None and elsewhere.sequence != first.sequence
-    return f"{elsewhere.stage} of sequence {elsewhere.sequence}" if other else elsewhere.stage
+    """Where cause_elsewhere found its cause, as the verdict says it: another stage of the head, or
+    another sequence (whose cause may be its own: said as that sequence's)."""
+    if elsewhere.sequence is not None and elsewhere.sequence != first.sequence:
+        return f"sequence {elsewhere.sequence} of the same head fails at {elsewhere.stage} with"
+    return f"{elsewhere.stage}, failing on the same head, names"
 
 
 # ---- stages that cannot be checked ---------------------------------------------------------------
