@@ -354,3 +354,18 @@ def test_a_factor_is_named_only_where_it_takes_the_failure_away():
     f = float(got.ravel() @ want.ravel()) / float(want.ravel() @ want.ravel())
     assert np.abs(got - f * want).max() <= 8 * width and abs(f - 1) > 1e-3
     assert "scaled" not in [d.code for d in diagnose("output", got, want, ctx)]
+
+
+def test_the_closest_reading_within_its_bounds_is_named_and_none_where_two_fit_alike():
+    """best_within_bound: of the candidates got lies within two bounds of, the closest, where it lies
+    four bounds from the reference at four elements at least and no other fits within 1.5× as
+    closely (a runner-up just past two bounds counts)."""
+    from verify.diagnose.base import best_within_bound
+    want, bound = np.zeros(8), np.ones(8)
+    got = np.full(8, 10.0)
+    assert best_within_bound(got, want, bound, [("A", got - 1.9)]) == ("A", pytest.approx(1.9))
+    assert best_within_bound(got, want, bound, [("A", got - 1.9), ("B", got + 0.5)]) == ("B", pytest.approx(0.5))
+    assert best_within_bound(got, want, bound, [("A", got - 1.9), ("B", got + 2.05)]) is None
+    assert best_within_bound(got, want, bound, [("A", got - 2.5)]) is None  # (beyond two bounds)
+    near = np.where(np.arange(8) < 3, 9.5, 1.0)  # (four bounds from want at three elements only)
+    assert best_within_bound(np.where(np.arange(8) < 3, 10.0, 1.5), want, bound, [("A", near)]) is None

@@ -24,7 +24,7 @@ from verify.files.outputs import load_run
 from verify.model.half import round_to_format, storage_unit
 from verify.runs.runner import run_binary
 from verify.stages import (FLASH_LSE, FLASH_OUTPUT, HALF_PRECISIONS, INPUT_NAMES, OUTPUT, QUERIES,
-                           RUN_MANIFEST, SCALED_SCORES, STAGES, Dims, stage_file)
+                           RUN_MANIFEST, SCALED_SCORES, STAGES, WEIGHTS, Dims, stage_file)
 
 from helpers.end_to_end import run_and_check
 from helpers.foreign_routes import mm_blas, mm_pairwise, mm_reverse
@@ -207,6 +207,20 @@ def test_an_independent_half_program_passes(tmp_path, precision, mm, causal, fmt
     in_dir, out_dir = half_program_case(tmp_path, precision, mm, causal, fmt=fmt)
     code, verdict = check_verdict(in_dir, out_dir, "--precision", precision, *(["--causal"] if causal else []))
     assert code == 0 and verdict.startswith(f"PASS (bounds for {precision})"), verdict
+
+
+def test_an_fp16_stage_read_from_a_float16_array_is_bounded_as_its_text_is(tmp_path):
+    """A float16 .npy holds exactly what an fp16 program stored; the bound already holds that
+    storage's rounding, so reading the file adds nothing (half a unit more would let a value one
+    unit off through): the same values as %.9g text and as '<f2' use the same share of their bound."""
+    from verify.check.compare import Options, check
+    used = {}
+    for fmt in ("npy", "txt"):
+        in_dir, out_dir = half_program_case(tmp_path / fmt, "fp16", mm_blas, False, fmt=fmt)
+        report = check(in_dir, out_dir, Options(jobs=1, precision="fp16"))
+        used[fmt] = {(r.stage, r.head): round(r.chained.tol_used, 6) for r in report.results
+                     if r.stage in (FLASH_OUTPUT, OUTPUT, WEIGHTS)}
+    assert used["npy"] == used["txt"], used
 
 
 @pytest.mark.parametrize("precision", HALF_PRECISIONS)

@@ -417,3 +417,19 @@ def test_splits_of_the_wrong_shape_are_named():
     with pytest.raises(ValueError, match="pass split_size="):
         attnstep.check_kvcache(case.q, case.k_cache, case.v_cache, {"flash_output": out}, split_output=out_accum,
                                **case.arguments())
+
+
+def test_trailing_splits_that_hold_no_key_are_left_out():
+    """flash-attn's num_splits may exceed the splits the keys fill: the trailing ones hold no key
+    (lse −inf, output 0) and are left out; one that holds a value is refused."""
+    case = DecodeCase(SEQLENS, nq=1)
+    out, lse, _, _ = decode(case)
+    out_accum, lse_accum = decode_splits(case, 16)  # 3 splits
+    more_out = np.concatenate([out_accum, np.zeros((2,) + out_accum.shape[1:], np.float32)])
+    more_lse = np.concatenate([lse_accum, np.full((2,) + lse_accum.shape[1:], -np.inf, np.float32)])
+    assert attnstep.check_kvcache(case.q, case.k_cache, case.v_cache, {"flash_output": out, "flash_lse": lse},
+                                  split_output=more_out, split_lse=more_lse, split_size=16, **case.arguments())
+    more_out[4, 0, 0, 0, 0] = 0.5
+    with pytest.raises(ValueError, match=re.escape("split_output is (5, 3, 4, 1, 16): expected")):
+        attnstep.check_kvcache(case.q, case.k_cache, case.v_cache, {"flash_output": out},
+                               split_output=more_out, split_size=16, **case.arguments())

@@ -46,6 +46,17 @@ def test_flash_attn_split_layouts_of_a_correct_program_pass():
     assert report.stages == ["split_output", "split_lse", "flash_output", "flash_lse"]
 
 
+def test_trailing_splits_of_no_key_are_left_out():
+    """flash-attn launches num_splits splits whatever the keys fill: the trailing ones hold no key."""
+    case = _case(split_size=8, causal="bottom-right")
+    q, k, v, stages, out_accum, lse_accum = _dense_arrays(case)
+    out_accum = np.concatenate([out_accum, np.zeros((3,) + out_accum.shape[1:], np.float32)])
+    lse_accum = np.concatenate([lse_accum, np.full((3,) + lse_accum.shape[1:], -np.inf, np.float32)])
+    report = attnstep.check_arrays(q, k, v, stages, causal="bottom-right", split_output=out_accum,
+                                   split_lse=lse_accum, split_size=8)
+    assert report.passed, attnstep.format_report(report)
+
+
 def test_the_splits_alone_are_checked():
     case = _case(split_size=8, causal="bottom-right")
     q, k, v, _, out_accum, lse_accum = _dense_arrays(case)

@@ -48,7 +48,9 @@ from .stage_diagnosis import diagnose_stage, diagnose_through_splits
 from .stage_check import (STATUS_CODES, Loaded, allowed, bit_identical, blamed_elsewhere, chain_of, head_chain,
                           classify, compare_fitted, derived_sources, early_outputs, failed_upstream, file_index,
                           head_inputs, isolated_sources, keep_mask, load_output, new_result, nonfinite_propagated,
-                          quantization, query_keys_values, reference, sources, variant_inputs, with_quantum)
+                          quantization, query_keys_values, read_quantum, reference, sources, variant_inputs,
+                          with_quantum)
+from .half_rounding import stored_in_format
 
 __all__ = ["Options", "check", "check_run", "check_head", "error_ratio_map", "Report", "HeadResult", "Comparison",
            "compare_arrays", "elementwise_error", "head_jobs", "RunInfo", "PASS", "FAIL", "INHERITED", "MISSING",
@@ -163,7 +165,8 @@ def _check_stage(res: HeadResult, loaded: Loaded, ctx: HeadContext, results: Dic
         return None, None
     res.resolution = resolution.describe()
     ctx.got[stage] = mat
-    ctx.quanta[stage] = resolution.quantum(mat) if opts.override(stage) is None else None
+    ctx.quanta[stage] = (read_quantum(resolution, mat, run.precision, stored_in_format(stage))
+                         if opts.override(stage) is None else None)
     isolated, chained = _compare(res, ctx, results, run, opts)
     res.flash_attn = flash_attn_criterion.head_errors(stage, mat, ctx)  # informational
     res.violations = invariants.check_invariants(stage, mat, ctx)

@@ -39,8 +39,8 @@ from .diagnosis import Diagnoser, Diagnosis, Suspect
 from .half_rounding import stored_in_format
 from .results import FAIL, UNCHECKABLE, HeadResult, compare_arrays, print_limited
 from .stage_check import (STATUS_CODES, blamed_elsewhere, classify, failed_upstream, isolated_sources,
-                          load_output, new_result, nonfinite_propagated, quantization, reference, sources,
-                          with_quantum)
+                          load_output, new_result, nonfinite_propagated, quantization, read_quantum, reference,
+                          sources, with_quantum)
 
 # The group's sum is formed in float32 whatever the precision (the half pipelines accumulate in it).
 SUM_U = UNIT_ROUNDOFF["fp32"]
@@ -196,7 +196,7 @@ def _check_sum(group: KVGroup, stage: str, opts, ref_of_head, diagnoser) -> Head
         return _done(group, res)
     override = opts.override(stage)
     res.resolution = resolution.describe()
-    quantum = resolution.quantum(mat) if override is None else None
+    quantum = read_quantum(resolution, mat, run.precision, stored_in_format(stage)) if override is None else None
     if override is None:
         a_iso, a_chain = acc.bounds(run, stage)
     else:

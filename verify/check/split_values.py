@@ -14,7 +14,7 @@ from ..specs.scores import STAND_IN_GAP
 from ..model.half import is_half
 
 
-def stored_in_format(mat: np.ndarray, want: np.ndarray, precision: str) -> bool:
+def stored_in_half_format(mat: np.ndarray, want: np.ndarray, precision: str) -> bool:
     """Whether a bf16/fp16 run stored a split stage in its format (vLLM's paged attention keeps its
     partial outputs in the query's dtype, where flash-attn's accumulators are float32): every
     finite value is one of the format's, where the exact results are not."""

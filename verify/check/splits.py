@@ -37,8 +37,8 @@ from .diagnosis import Diagnosis, Suspect
 from .half_rounding import route_error
 from .reference import compute_stage
 from .results import FAIL, HeadResult, compare_arrays, elementwise_error
-from .split_values import stand_ins_read_as_empty, stored_in_format
-from .stage_check import STATUS_CODES, load_output, with_quantum
+from .split_values import stand_ins_read_as_empty, stored_in_half_format
+from .stage_check import STATUS_CODES, load_output, read_quantum, with_quantum
 
 # The diagnosis of a split a row sees no key of, mishandled (verify/diagnose/splits.py names it).
 EMPTY_SPLIT = "empty_split"
@@ -196,13 +196,14 @@ def check_split_stage(res: HeadResult, run, ctx: HeadContext, opts, diagnoser) -
     want, bound, keyless = wide(stage, ctx)
     mat = stand_ins_read_as_empty(mat, keyless, want) if row_statistic(stage) else mat
     ctx.got[stage] = mat
-    quantum = resolution.quantum(mat) if override is None else None
+    stored = override is None and stored_in_half_format(mat, want, ctx.precision)
+    quantum = None if override is not None else read_quantum(resolution, mat, ctx.precision, stored)
     ctx.quanta[stage] = quantum
     got = _shifted_back(mat, want, ctx) if row_statistic(stage) else mat
     if override is not None:
         atol, rtol = override
         bound = atol + rtol * np.where(np.isfinite(want), np.abs(want), 0.0)
-    if override is None and stored_in_format(mat, want, ctx.precision):
+    if stored:
         bound = bound + storage_bound(want, ctx.precision, ctx.half_rounding)
     allowed = np.where(keyless, 0.0, with_quantum(bound, quantum))  # a split no key of which the row sees: exact
     res.chained = res.isolated = compare_arrays(got, want, allowed, allow_nonfinite)

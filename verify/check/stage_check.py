@@ -239,6 +239,16 @@ def compare_fitted(stage: str, got: np.ndarray, want: np.ndarray, allowance: np.
     return compare_arrays(got, judged, allowance, nan_agrees, measured=want), judged, allowance
 
 
+def read_quantum(resolution, mat: np.ndarray, precision: str, stored: bool) -> Optional[np.ndarray]:
+    """The reading's term of a stage's bound (resolution.quantum): none where the file is a float16
+    array at fp16 and the bound already holds the format's storage rounding (`stored`): the file
+    then holds exactly the value the program stored, and counting its half unit again would allow
+    a value one unit off."""
+    if stored and precision == "fp16" and resolution.kind == "half":
+        return None
+    return resolution.quantum(mat)
+
+
 def with_quantum(allowed: np.ndarray, *extra) -> np.ndarray:
     """allowed plus the printed-resolution terms that apply (None or 0: exact)."""
     out = allowed

@@ -186,12 +186,12 @@ def best_within_bound(got: np.ndarray, want: np.ndarray, bound: Optional[np.ndar
     if bound is None or np.shape(bound) != got.shape:
         return None
     b = np.asarray(bound, dtype=np.float64)
-    fits = [(_bound_fit(got, cand, want, b), key) for key, cand in tried
-            if cand is not None and cand.shape == got.shape]
-    fits = sorted(((f, key) for f, key in fits if f[0] <= BOUND_SLACK), key=lambda fk: fk[0][0])
-    if not fits:
+    fits = sorted(((_bound_fit(got, cand, want, b), key) for key, cand in tried
+                   if cand is not None and cand.shape == got.shape), key=lambda fk: fk[0][0])
+    if not fits or fits[0][0][0] > BOUND_SLACK:
         return None
     (fit, separated, diff), key = fits[0]
+    # (the runner-up counts whether or not it is within BOUND_SLACK itself: 1.9 and 2.05 bounds are alike)
     if separated < MIN_SEPARATED or (len(fits) > 1 and fits[1][0][0] <= AMBIGUOUS * max(fit, 1e-3)):
         return None
     return key, diff

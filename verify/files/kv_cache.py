@@ -26,6 +26,7 @@ from ..stages import SPLIT_LSE, SPLIT_OUTPUT, STAGES, split_count
 from ..text import plural
 from .arrays import as_array, native_float
 from .packed_arrays import offsets
+from .split_files import trailing_empty_left_out
 
 # The smallest page size of a paged cache (FA3 takes 1, vLLM 8 to 32, flash-attn 2 multiples of 256).
 MIN_PAGE_SIZE = 1
@@ -318,10 +319,11 @@ def step_splits(kv: KVCache, splits) -> Optional[Tuple[Optional[np.ndarray], Opt
         if given is None:
             out.append(None)
             continue
-        a = native_float(as_array(given, name), name)
+        a = trailing_empty_left_out(native_float(as_array(given, name), name), S, STAGES[name].cols == "S")
         if tuple(a.shape) != want:
             raise ValueError(f"{name} is {tuple(a.shape)}: expected {words} = {want}: {plural(S, 'split')} of "
-                             f"{size} keys")
+                             f"{size} keys (more splits only where the trailing ones hold no key; a kernel that "
+                             "pads its head dimension: pass out_accum[..., :dim])")
         out.append(a.transpose(0, 1, 3, 2, 4).reshape(S, B * nq, H, d) if a.ndim == 5
                    else a.transpose(0, 2, 1, 3).reshape(S, H, B * nq))
     return out[0], out[1], size

@@ -248,7 +248,7 @@ def split_arrays(out_accum, lse_accum, dims: Dims, packed: bool) -> Dict[str, np
     for stage, given in (("split_output", out_accum), ("split_lse", lse_accum)):
         if given is None:
             continue
-        arr = native_float(as_array(given, stage), stage)
+        arr = trailing_empty_left_out(native_float(as_array(given, stage), stage), S, STAGES[stage].cols == "S")
         shape, words = layouts[stage]
         if tuple(arr.shape) != shape:
             raise ValueError(f"{stage}: shape {tuple(arr.shape)}, expected {shape} {words}: {plural(S, 'split')} of "
@@ -261,6 +261,17 @@ def split_arrays(out_accum, lse_accum, dims: Dims, packed: bool) -> Dict[str, np
             heads = arr.transpose(1, 2, 0) if packed else arr.transpose(1, 2, 3, 0).reshape(B * H, N, S)
             out[stage] = np.ascontiguousarray(heads)
     return out
+
+
+def trailing_empty_left_out(arr: np.ndarray, splits: int, lse: bool) -> np.ndarray:
+    """A split array (the splits on its first axis) without its splits past `splits` where each of
+    them holds no key (lse −inf or at or below EMPTY_LSE_CEILING, output 0): a kernel that launches a
+    fixed number of splits (flash-attn's num_splits heuristic) fills its trailing ones so."""
+    if arr.ndim == 0 or arr.shape[0] <= splits:
+        return arr
+    extra = np.asarray(arr[splits:], dtype=np.float64)
+    empty = bool(np.all(extra <= EMPTY_LSE_CEILING)) if lse else bool(np.all(extra == 0.0))
+    return arr[:splits] if empty else arr
 
 
 def split_arguments(split_output, split_lse, split_size, stages) -> Optional[Tuple[object, object, int]]:
