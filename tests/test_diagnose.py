@@ -369,3 +369,14 @@ def test_the_closest_reading_within_its_bounds_is_named_and_none_where_two_fit_a
     assert best_within_bound(got, want, bound, [("A", got - 2.5)]) is None  # (beyond two bounds)
     near = np.where(np.arange(8) < 3, 9.5, 1.0)  # (four bounds from want at three elements only)
     assert best_within_bound(np.where(np.arange(8) < 3, 10.0, 1.5), want, bound, [("A", near)]) is None
+
+
+def test_zeros_where_values_belong_are_said_to_be_unwritten_or_computed_over_no_key():
+    """Zeros alone are also what a row that sees no key holds (a mask that hid every key): the
+    message says both; NaN is said to be unwritten alone."""
+    chains, dims, scale = make_case()
+    zeros = next(d for d in run("output", _unwritten_rows(chains[1], "output"), chains, dims, scale, False)
+                 if d.code == "unwritten")
+    assert "never written, or computed as if no key were seen" in zeros.message
+    nan = next(d for d in run("QK", _nan_rect(chains[1], "QK"), chains, dims, scale, False) if d.code == "unwritten")
+    assert "never written (" in nan.message and "no key" not in nan.message

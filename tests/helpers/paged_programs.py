@@ -12,6 +12,8 @@ from typing import Optional
 
 import numpy as np
 
+from helpers.packed_programs import bf16  # (the same rounding a bf16 kernel does)
+
 f32 = np.float32
 
 BUGS = {
@@ -43,13 +45,6 @@ def _table_row(table: np.ndarray, b: int, pages: int, num_pages: int, bug: Optio
         row[:pages] = row[0] + np.arange(pages)
         row[:pages] %= num_pages
     return row
-
-
-def bf16(x: np.ndarray) -> np.ndarray:
-    """float32 to the nearest bf16 (ties to even), as float32."""
-    bits = np.ascontiguousarray(x, dtype=f32).view(np.uint32)
-    rounded = (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000)
-    return rounded.astype(np.uint32).view(f32)
 
 
 def _attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, half: bool = False):

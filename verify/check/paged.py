@@ -197,8 +197,8 @@ def _screened(kv: KVCache, b: int, tried: List[Reading], stages: Dict[str, np.nd
     distances are over the sequence's failing stages where any are given: a bf16 output that passes
     lies a few units of the format from every reading alike, and would hide the lse that tells them
     apart."""
-    names = [s for s in stages if s in failing] if failing else list(stages)
-    got = {s: _rows(s, stages[s], kv.q_span(b)).astype(np.float64) for s in (names or stages)}
+    names = [s for s in stages if s in (failing or ())] or list(stages)
+    got = {s: _rows(s, stages[s], kv.q_span(b)).astype(np.float64) for s in names}
     if not all(np.isfinite(g).all() for g in got.values()):
         return tried
 

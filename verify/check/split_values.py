@@ -8,7 +8,7 @@ from typing import Optional
 
 import numpy as np
 
-from ..files.resolution import half_values
+from ..files.resolution import holds_format
 from ..files.split_files import EMPTY_LSE_CEILING
 from ..specs.scores import STAND_IN_GAP
 from ..model.half import is_half
@@ -18,7 +18,7 @@ def stored_in_half_format(mat: np.ndarray, want: np.ndarray, precision: str) -> 
     """Whether a bf16/fp16 run stored a split stage in its format (vLLM's paged attention keeps its
     partial outputs in the query's dtype, where flash-attn's accumulators are float32): every
     finite value is one of the format's, where the exact results are not."""
-    return is_half(precision) and half_values(mat, want, "fp32") == precision
+    return is_half(precision) and holds_format(mat, want, precision)
 
 
 def stand_ins_read_as_empty(mat: np.ndarray, keyless: np.ndarray, want: Optional[np.ndarray] = None) -> np.ndarray:

@@ -313,17 +313,17 @@ def step_splits(kv: KVCache, splits) -> Optional[Tuple[Optional[np.ndarray], Opt
     size, d = splits[2], kv.v_pages.shape[3]
     S = split_count(max(kv.m(b) for b in range(kv.batch)), size)
     out = []
-    for name, given, want, words in ((SPLIT_OUTPUT, splits[0], (S, B, H, nq, d), "(num_splits, batch, heads, "
-                                      "queries, dim)"), (SPLIT_LSE, splits[1], (S, B, H, nq),
-                                                         "(num_splits, batch, heads, queries)")):
+    layouts = ((SPLIT_OUTPUT, splits[0], (S, B, H, nq, d), "(num_splits, batch, heads, queries, dim)",
+                "; a kernel that pads its head dimension: pass out_accum[..., :dim]"),
+               (SPLIT_LSE, splits[1], (S, B, H, nq), "(num_splits, batch, heads, queries)", ""))
+    for name, given, want, words, padded in layouts:
         if given is None:
             out.append(None)
             continue
-        a = trailing_empty_left_out(native_float(as_array(given, name), name), S, STAGES[name].cols == "S")
+        a = trailing_empty_left_out(native_float(as_array(given, name), name), S, name)
         if tuple(a.shape) != want:
             raise ValueError(f"{name} is {tuple(a.shape)}: expected {words} = {want}: {plural(S, 'split')} of "
-                             f"{size} keys (more splits only where the trailing ones hold no key; a kernel that "
-                             "pads its head dimension: pass out_accum[..., :dim])")
+                             f"{size} keys (more splits only where the trailing ones hold no key{padded})")
         out.append(a.transpose(0, 1, 3, 2, 4).reshape(S, B * nq, H, d) if a.ndim == 5
                    else a.transpose(0, 2, 1, 3).reshape(S, H, B * nq))
     return out[0], out[1], size

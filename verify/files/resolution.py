@@ -123,12 +123,15 @@ def half_values(values: np.ndarray, exact: np.ndarray, precision: str) -> Option
     bf16 is tried first: its values are mostly float16 values too, not the other way round."""
     if is_half(precision):
         return None
+    return next((fmt for fmt in _NARROWEST_FIRST if holds_format(values, exact, fmt)), None)
+
+
+def holds_format(values: np.ndarray, exact: np.ndarray, fmt: str) -> bool:
+    """Whether every finite value of `values` is one of the format's though at least HALF_EVIDENCE
+    of the `exact` results are not: values stored in that format."""
     sample = values.ravel()[:_SAMPLE_VALUES]  # (a view: a float32 stage costs no copy of itself)
-    for fmt in _NARROWEST_FIRST:
-        if _all_in_format(sample, fmt) and _all_in_format(values, fmt) \
-                and _evidence(values, exact, fmt) >= HALF_EVIDENCE:
-            return fmt
-    return None
+    return (_all_in_format(sample, fmt) and _all_in_format(values, fmt)
+            and _evidence(values, exact, fmt) >= HALF_EVIDENCE)
 
 
 def _in_format(x: np.ndarray, fmt: str) -> np.ndarray:

@@ -202,12 +202,17 @@ def _why_not_empty(path: Path, stage: str, dims: Dims) -> Optional[str]:
         return f"cannot be read ({exc})"
     mat = np.asarray(mat, dtype=np.float64)
     if mat.shape != shape:
-        return f"is {mat.shape[0]}x{mat.shape[1] if mat.ndim > 1 else 1}, not {shape[0]}x{shape[1]}"
+        return f"is {'x'.join(str(n) for n in mat.shape) or 'one value'}, not {shape[0]}x{shape[1]}"
     if np.isnan(mat).any():
         return "holds NaN"
-    lse = STAGES[stage].cols == "S"  # (a log-sum-exp: one column a split)
-    held = ~(mat <= EMPTY_LSE_CEILING) if lse else mat != 0.0
+    held = ~_keyless_values(mat, stage)
     return f"holds keys (e.g. {mat[held].flat[0]:g})" if held.any() else None
+
+
+def _keyless_values(values: np.ndarray, stage: str) -> np.ndarray:
+    """Where a split stage holds what a split no row sees a key of holds: a log-sum-exp (one column
+    a split) −inf or at or below EMPTY_LSE_CEILING, an output 0."""
+    return values <= EMPTY_LSE_CEILING if STAGES[stage].cols == "S" else values == 0.0
 
 
 def _listed_format(src: Optional[StageSource]) -> str:
@@ -248,7 +253,7 @@ def split_arrays(out_accum, lse_accum, dims: Dims, packed: bool) -> Dict[str, np
     for stage, given in (("split_output", out_accum), ("split_lse", lse_accum)):
         if given is None:
             continue
-        arr = trailing_empty_left_out(native_float(as_array(given, stage), stage), S, STAGES[stage].cols == "S")
+        arr = trailing_empty_left_out(native_float(as_array(given, stage), stage), S, stage)
         shape, words = layouts[stage]
         if tuple(arr.shape) != shape:
             raise ValueError(f"{stage}: shape {tuple(arr.shape)}, expected {shape} {words}: {plural(S, 'split')} of "
@@ -263,15 +268,13 @@ def split_arrays(out_accum, lse_accum, dims: Dims, packed: bool) -> Dict[str, np
     return out
 
 
-def trailing_empty_left_out(arr: np.ndarray, splits: int, lse: bool) -> np.ndarray:
-    """A split array (the splits on its first axis) without its splits past `splits` where each of
-    them holds no key (lse −inf or at or below EMPTY_LSE_CEILING, output 0): a kernel that launches a
-    fixed number of splits (flash-attn's num_splits heuristic) fills its trailing ones so."""
+def trailing_empty_left_out(arr: np.ndarray, splits: int, stage: str) -> np.ndarray:
+    """A split stage's array (the splits on its first axis) without its splits past `splits` where
+    each of them holds no key (_keyless_values): a kernel that launches a fixed number of splits
+    (flash-attn's num_splits heuristic) fills its trailing ones so."""
     if arr.ndim == 0 or arr.shape[0] <= splits:
         return arr
-    extra = np.asarray(arr[splits:], dtype=np.float64)
-    empty = bool(np.all(extra <= EMPTY_LSE_CEILING)) if lse else bool(np.all(extra == 0.0))
-    return arr[:splits] if empty else arr
+    return arr[:splits] if _keyless_values(np.asarray(arr[splits:], dtype=np.float64), stage).all() else arr
 
 
 def split_arguments(split_output, split_lse, split_size, stages) -> Optional[Tuple[object, object, int]]:
