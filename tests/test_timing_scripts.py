@@ -1,5 +1,6 @@
-"""The GPU timing scripts' user errors (scripts/window_cost.py, flex_variant_ratios.py): each a
-one-line message and a non-zero exit, never a traceback, where no GPU is needed to see them."""
+"""The GPU timing scripts' user errors (scripts/window_cost.py, flex_variant_ratios.py,
+ab_half_forward.sh): each a one-line message and a non-zero exit, never a traceback, where no GPU is
+needed to see them."""
 from __future__ import annotations
 
 import stat
@@ -49,3 +50,17 @@ def test_a_kernel_the_bench_skipped_is_named(tmp_path):
 def test_results_it_cannot_read_are_named(tmp_path):
     _one_line_error(_run("window_cost.py", "--binary", str(_fake_bench(tmp_path, "not json"))),
                     "wrote no readable results")
+
+
+@pytest.mark.parametrize("args, words", [
+    ((), "usage: scripts/ab_half_forward.sh PATCH [ROUNDS]"),
+    (("no_such.patch",), "no_such.patch: no such patch file"),
+    (("README.md",), "README.md does not apply to this tree"),
+    (("docs/experiments/persistent_half_forward.patch", "0"), "ROUNDS must be a whole number >= 1, got '0'"),
+])
+def test_the_ab_scripts_user_errors_are_one_line_before_any_build(args, words):
+    existed = (SCRIPTS.parent / "build-ab").exists()
+    done = subprocess.run(["bash", str(SCRIPTS / "ab_half_forward.sh"), *args], capture_output=True, text=True,
+                          timeout=60, cwd=SCRIPTS.parent)
+    _one_line_error(done, words)
+    assert done.returncode == 2 and (SCRIPTS.parent / "build-ab").exists() == existed  # (refused before building)
