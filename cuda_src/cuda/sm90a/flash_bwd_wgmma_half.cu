@@ -67,10 +67,15 @@ void launch_tiles(const FlashBwdArgs& a, cudaStream_t stream) {
     const int blocks = static_cast<int>(std::min<long long>((rows + 7) / 8, 64LL * device_sm_count()));
     rows_kernel<typename T::Fmt><<<blocks, 256, 0, stream>>>(a.dO, a.O, a.lse, lse2, Drow, dOh, rows, a.N, n_pad, a.d);
     LAUNCH_CHECK(rows_kernel);
-    const BwdMaps by_keys{tma::rows_map(a.Qh, T::D, a.N, a.heads, T::STREAM), tma::rows_map(a.Kh, T::D, a.M, a.heads, T::OWN),
-                          tma::rows_map(a.Vh, T::D, a.M, a.heads, T::OWN), tma::rows_map(dOh, T::D, a.N, a.heads, T::STREAM)};
-    const BwdMaps by_rows{tma::rows_map(a.Qh, T::D, a.N, a.heads, T::OWN), tma::rows_map(a.Kh, T::D, a.M, a.heads, T::STREAM),
-                          tma::rows_map(a.Vh, T::D, a.M, a.heads, T::STREAM), tma::rows_map(dOh, T::D, a.N, a.heads, T::OWN)};
+    // L2 fetches each 128-byte row a copy reads and no more: with the 256-byte promotion the d64
+    // backward took 2.5% longer on an H200 (docs/performance.md, "Decode"); d128 the same either way.
+    const auto map = [&](const void* p, int rows, int box) {
+        return tma::rows_map(p, T::D, rows, a.heads, box, 2, CU_TENSOR_MAP_L2_PROMOTION_L2_128B);
+    };
+    const BwdMaps by_keys{map(a.Qh, a.N, T::STREAM), map(a.Kh, a.M, T::OWN), map(a.Vh, a.M, T::OWN),
+                          map(dOh, a.N, T::STREAM)};
+    const BwdMaps by_rows{map(a.Qh, a.N, T::OWN), map(a.Kh, a.M, T::STREAM), map(a.Vh, a.M, T::STREAM),
+                          map(dOh, a.N, T::OWN)};
     launch_kernels<T, kCausal, kVariant>(a, by_keys, by_rows, lse2, Drow, n_pad, stream);
     ws.release();
 }

@@ -24,8 +24,10 @@ constexpr int kRowValues = 64;
 
 // The tensor [heads][rows][d] of 16-bit values (elem_bytes 2) or 32-bit ones (4) at `base` (16-byte
 // aligned, d a multiple of one 128-byte row), copied box_rows rows × 128 bytes at a time (the
-// 128-byte swizzle; zeros past the last row).
-inline CUtensorMap rows_map(const void* base, int d, int rows, int heads, int box_rows, int elem_bytes = 2) {
+// 128-byte swizzle; zeros past the last row). `promotion`: how much L2 fetches around each
+// 128-byte row a copy reads.
+inline CUtensorMap rows_map(const void* base, int d, int rows, int heads, int box_rows, int elem_bytes = 2,
+                            CUtensorMapL2promotion promotion = CU_TENSOR_MAP_L2_PROMOTION_L2_256B) {
     using Encode = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
                                 const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
                                 CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
@@ -54,7 +56,7 @@ inline CUtensorMap rows_map(const void* base, int d, int rows, int heads, int bo
     CUtensorMap map;
     const CUresult r = encode(&map, elem_bytes == 4 ? CU_TENSOR_MAP_DATA_TYPE_UINT32 : CU_TENSOR_MAP_DATA_TYPE_UINT16, 3, const_cast<void*>(base), dims, strides, box,
                               unit, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                              CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+                              promotion, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
     if (r != CUDA_SUCCESS) {
         fail(kExitInternal, where(__FILE__, __LINE__) + ": cuTensorMapEncodeTiled failed (" + std::to_string(r) +
                                 ") for a [" + std::to_string(heads) + "][" + std::to_string(rows) + "][" +
