@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from helpers.kv_cache_programs import DecodeCase, decode, decode_splits
+from helpers.packed_programs import bf16
 import attnstep
 from verify.check import paged
 
@@ -397,6 +398,42 @@ def test_a_wrong_page_is_named_in_the_first_split_that_reads_it():
     assert not report and report.first_failing_stage == "split_output", attnstep.format_report(report)
     failing = [r for r in report.results if not r.passed and r.stage == "split_output"]
     assert {r.sequence for r in failing} == {1} and failing[0].diagnosis[0].code == "paged_wrong_page"
+
+
+@pytest.mark.parametrize("bug, causal, code", [("wrong_page", True, "paged_wrong_page"),
+                                             ("page_shift", True, "paged_page_shift"),
+                                             ("new_keys_unseen", True, "new_keys_unseen"),
+                                             ("past_length", False, "paged_past_length"),
+                                             ("length_minus_one", False, "cache_length_off_by_one")])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_paging_bug_is_named_from_the_splits_alone(bug, causal, code, precision):
+    """A program that gives its splits and no combined output (the step's partials as they come from
+    the split kernel): the readings are told apart on the float64 combine of its splits."""
+    case = DecodeCase(SEQLENS, n_new=2, nq=4, causal=causal)
+    half = precision == "bf16"
+    if half:  # (a bf16 program: its inputs and partial outputs in the format, the lse in float32)
+        for name in ("q", "k_cache", "v_cache", "k_new", "v_new"):
+            setattr(case, name, bf16(getattr(case, name)))
+    out_accum, lse_accum = decode_splits(case, 16, bug)
+    report = attnstep.check_kvcache(case.q, case.k_cache, case.v_cache, {},
+                                    split_output=bf16(out_accum) if half else out_accum, split_lse=lse_accum,
+                                    split_size=16, precision=precision, **case.arguments())
+    assert not report, attnstep.format_report(report)
+    failing = [r for r in report.results if not r.passed]
+    assert failing and all(r.stage in ("split_output", "split_lse") for r in failing)
+    assert all(r.diagnosis and r.diagnosis[0].code == code for r in failing), attnstep.format_report(report)
+
+
+def test_splits_alone_wrong_otherwise_name_no_paging_bug():
+    case = DecodeCase(SEQLENS, n_new=2, nq=4, causal=True)
+    out_accum, lse_accum = decode_splits(case, 16)
+    assert attnstep.check_kvcache(case.q, case.k_cache, case.v_cache, {}, split_output=out_accum,
+                                  split_lse=lse_accum, split_size=16, **case.arguments())
+    out_accum[:, 1] *= 1.01  # (sequence 1's partial outputs 1% off: no reading of the cache gives that)
+    report = attnstep.check_kvcache(case.q, case.k_cache, case.v_cache, {}, split_output=out_accum,
+                                    split_lse=lse_accum, split_size=16, **case.arguments())
+    failing = [r for r in report.results if not r.passed]
+    assert failing and not any(d.code in paged.PAGED_CODES for r in failing for d in r.diagnosis)
 
 
 def test_a_combine_that_does_not_rescale_its_splits_is_named():

@@ -30,7 +30,7 @@ import numpy as np
 from .api_arguments import expect_report, validated
 from .check import flash_attn_criterion as fa_criterion
 from .check.compare import Options, Report, check_run
-from .check.paged import cache_after_checks, diagnose_paged
+from .check.paged import cache_after_checks, diagnose_paged, split_combine
 from .diagnose.hypotheses import diagnose
 from .files.arrays import as_array, bias_heads, dims_of, mask_heads, slopes_rows, stage_heads
 from .files.case import InputCase, validate_dims
@@ -203,7 +203,8 @@ def check_kvcache(q, k_cache, v_cache, stages: Mapping[str, object], *, cache_se
     k_cache_after, v_cache_after: the cache after the step, checked exactly (the new keys written through the
     table, every other slot unchanged). split_output, split_lse, split_size: a flash-decoding step's splits of
     split_size keys each, out_accum (num_splits, batch, heads, queries, dim) and lse_accum (num_splits, batch,
-    heads, queries), each checked on its own and the flash stages against their combine. Each sequence's keys are
+    heads, queries), each checked on its own and the flash stages against their combine (stages may be {}: the
+    splits alone, a paging bug then named from their combine). Each sequence's keys are
     gathered and every sequence checked as a packed case; a failing one is explained by the paged bugs' diagnoses
     (paged_*, new_keys_unseen; a cache after: cache_* in its `diagnosis`). A ValueError or TypeError names the
     argument and what is wrong."""
@@ -224,10 +225,10 @@ def check_kvcache(q, k_cache, v_cache, stages: Mapping[str, object], *, cache_se
         case.sequences = seqs  # (the packing the check gathered from the cache, known as such)
         return check_run(run, case, options, diagnoser=diagnoser)
 
-    keys = packed_keys(kv, [kv.gather(b) for b in range(kv.batch)])
+    keys, packed_splits = packed_keys(kv, [kv.gather(b) for b in range(kv.batch)]), step_splits(kv, splits)
     report = recheck(kv.q.reshape((-1,) + kv.q.shape[2:]), *keys, packed,
-                     kv.sequences([kv.m(b) for b in range(kv.batch)]), diagnose, step_splits(kv, splits))
-    diagnose_paged(report, kv, packed, recheck)
+                     kv.sequences([kv.m(b) for b in range(kv.batch)]), diagnose, packed_splits)
+    diagnose_paged(report, kv, packed or split_combine(packed_splits), recheck)
     report.run_checks += cache_after_checks(kv, k_cache_after, v_cache_after)
     return report
 

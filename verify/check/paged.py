@@ -28,7 +28,7 @@ import numpy as np
 
 from ..files.kv_cache import KVCache, cache_after_problem, decode_stage, packed_keys
 from ..sequences import Sequences
-from ..stages import KEYS, STAGES, VALUES
+from ..stages import FLASH_LSE, FLASH_OUTPUT, KEYS, STAGES, VALUES
 from ..model.half import is_half, storage_unit
 from ..model.rounding import unit_roundoff
 from ..variant import Variant, hidden, modified_scores
@@ -37,6 +37,7 @@ from .new_keys import CACHE_WRITE_OFFSET, cache_findings, pool_layout
 from .paged_readings import (CACHE_LENGTH_OFF, NEW_KEYS_UNSEEN, PAGED_PAST_LENGTH, PAGED_PAGE_SHIFT, PAGED_WRONG_PAGE,
                              Reading, readings)
 from .results import Report, RunCheck
+from .splits import combine
 
 CACHE_AFTER, CACHE_AFTER_TITLE = "cache_after", "cache after the step"
 PAGED_CODES = (PAGED_WRONG_PAGE, PAGED_PAGE_SHIFT, PAGED_PAST_LENGTH, CACHE_LENGTH_OFF, NEW_KEYS_UNSEEN,
@@ -235,10 +236,23 @@ def _rows(stage: str, x: np.ndarray, span: Tuple[int, int]) -> np.ndarray:
     return x[:, span[0]:span[1]] if STAGES[stage].cols == "1" else x[span[0]:span[1]]
 
 
+def split_combine(splits) -> Dict[str, np.ndarray]:
+    """The step's flash stages as the float64 combine of the program's splits (packed: split_output
+    (S, T, H, d), split_lse (S, H, T)), what a right combine of them writes: where the program gave
+    its splits alone, the readings are told apart on these. Empty unless both are given."""
+    if splits is None or splits[0] is None or splits[1] is None:
+        return {}
+    out_s, lse_s = np.asarray(splits[0], np.float64), np.asarray(splits[1], np.float64)
+    S, T, H, d = out_s.shape
+    lse, out, _ = combine(lse_s.transpose(2, 1, 0).reshape(T * H, S), out_s.transpose(1, 2, 0, 3).reshape(T * H, S, d))
+    return {FLASH_OUTPUT: out.reshape(T, H, d), FLASH_LSE: lse.reshape(T, H).T}
+
+
 def diagnose_paged(report: Report, kv: KVCache, stages: Dict[str, np.ndarray], recheck: Recheck) -> None:
     """Adds to each failing sequence's results the readings that explain them (first): those of a
-    sequence whose failure has no other cause, screened (_screened), re-checked in one packed check."""
-    if not stages:  # (the splits alone given: nothing a reading's re-check could tell apart)
+    sequence whose failure has no other cause, screened (_screened), re-checked in one packed check.
+    stages: the step's flash stages (or split_combine's, where the splits alone were given)."""
+    if not stages:  # (no flash stage, nor both split stages: nothing a reading could be checked on)
         return
     failing = sorted({r.sequence for r in report.results if not r.passed and r.sequence is not None})
     other = {r.sequence for r in report.results if not r.passed and decode_stage(r.stage)
