@@ -3,7 +3,6 @@ and plot from canned results, forward and backward; the binary's --bench options
 and (gpu) tiny real runs whose float64 checks must pass."""
 from __future__ import annotations
 
-import copy
 import json
 import re
 import subprocess

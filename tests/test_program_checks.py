@@ -18,7 +18,7 @@ import pytest
 from verify.cli.group import cli
 from verify.files.generate import generate_case
 from verify.runs import sanitizer
-from verify.runs.program_checks import ProgramCheck, repeat_check
+from verify.runs.program_checks import repeat_check
 from verify.stages import PROGRAM_CHECKS, Dims
 
 SMALL = Dims(1, 3, 24, 40, 16, 16)

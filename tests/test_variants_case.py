@@ -18,8 +18,8 @@ from verify.files.case import load_input_case, read_matrix
 from verify.files.kinds import CaseError
 from verify.files.outputs import Mismatch, Overrides, open_run
 from verify.files.stage_files import StageSource
-from verify.stages import (ALIBI_SLOPES_INPUT, BIAS_INPUT, DROPOUT_MASK, INPUT_MANIFEST, INPUT_NAMES, KEYS, MASK_INPUT,
-                           OUTPUT, RUN_MANIFEST, SCALED_SCORES, VALUES, Dims, default_scale, stage_file)
+from verify.stages import (BIAS_INPUT, DROPOUT_MASK, INPUT_MANIFEST, INPUT_NAMES, KEYS, MASK_INPUT,
+                           OUTPUT, RUN_MANIFEST, SCALED_SCORES, VALUES, default_scale, stage_file)
 from verify.variant import BOTTOM_RIGHT, BROADCAST, NONE, PER_HEAD, TOP_LEFT, Variant, alibi_slopes
 
 # Irregular sizes: 2 K/V heads of 6 query heads, N != M, d not a power of two.

@@ -8,7 +8,7 @@ import signal
 from pathlib import Path
 from typing import Iterator, Optional
 
-from click.testing import CliRunner
+from click.testing import CliRunner, Result
 
 from verify.cli.group import cli
 from verify.stages import INPUT_MANIFEST, Dims
@@ -29,7 +29,7 @@ def time_limit(seconds: int, what: str) -> Iterator[None]:
         signal.signal(signal.SIGALRM, old)
 
 
-def invoke(*args) -> "click.testing.Result":
+def invoke(*args) -> Result:
     """attnstep ARGS (each made a string); an exception propagates instead of becoming exit code 1."""
     return CliRunner().invoke(cli, [str(a) for a in args], catch_exceptions=False)
 

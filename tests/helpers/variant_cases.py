@@ -11,7 +11,7 @@ from typing import Dict, Tuple
 
 import numpy as np
 
-from helpers.matrix_files import load, save
+from helpers.matrix_files import save
 from verify.stages import (ALIBI_SLOPES_INPUT, GRAD_INPUT, KEYS, QUERIES, VALUES, Dims, stage_file)
 
 

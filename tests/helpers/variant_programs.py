@@ -157,7 +157,7 @@ class Program:
 
     # ---- one query head -----------------------------------------------------------------------
     def query_head(self, case: InputCase, head: int, rng) -> Head:
-        v, scale = case.variant, self.scale(case)
+        v = case.variant
         j = self.kv_head(case, head)
         q, k, vv = (case.load(QUERIES, head).astype(f32), case.load(KEYS, j).astype(f32),
                     case.load(VALUES, j).astype(f32))
