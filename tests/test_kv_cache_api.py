@@ -424,6 +424,21 @@ def test_a_paging_bug_is_named_from_the_splits_alone(bug, causal, code, precisio
     assert all(r.diagnosis and r.diagnosis[0].code == code for r in failing), attnstep.format_report(report)
 
 
+def test_a_paging_bug_is_named_from_torch_bf16_splits_alone():
+    """vLLM's paged attention keeps its partial outputs in the query's dtype: bf16 tensors."""
+    torch = pytest.importorskip("torch", reason="torch is not installed: the NumPy tests cover the same path")
+    case = DecodeCase(SEQLENS, n_new=2, nq=4, causal=True)
+    for name in ("q", "k_cache", "v_cache", "k_new", "v_new"):
+        setattr(case, name, bf16(getattr(case, name)))
+    out_accum, lse_accum = decode_splits(case, 16, "wrong_page")
+    t = lambda x: torch.from_numpy(np.asarray(x)).to(torch.bfloat16)  # noqa: E731 (exact: the values are bf16)
+    args = {n: (t(x) if isinstance(x, np.ndarray) and x.dtype == np.float32 else x) for n, x in case.arguments().items()}
+    report = attnstep.check_kvcache(t(case.q), t(case.k_cache), t(case.v_cache), {}, split_output=t(out_accum),
+                                    split_lse=torch.from_numpy(lse_accum), split_size=16, precision="bf16", **args)
+    failing = [r for r in report.results if not r.passed]
+    assert failing and all(r.diagnosis[0].code == "paged_wrong_page" for r in failing), attnstep.format_report(report)
+
+
 def test_splits_alone_wrong_otherwise_name_no_paging_bug():
     case = DecodeCase(SEQLENS, n_new=2, nq=4, causal=True)
     out_accum, lse_accum = decode_splits(case, 16)
