@@ -228,7 +228,8 @@ StageSet select_stages(const Options& o, const InputCase& c) {
              names_flash_explicitly(o.stages_text)
                  ? "drop the flash stages (--stages stages) or generate a case with a supported head size"
                  : "drop --split-size, or generate a case with a supported head size");
-    notice(why + "; skipping " + stage_list(flash));
+    // (the split stages, part of the group, are written only by a run that splits: not named here)
+    notice(why + "; skipping " + stage_list(o.split_size > 0 ? flash : flash.minus(StageSet::splits())));
     return sel.minus(flash);
 }
 

@@ -1,4 +1,4 @@
-// seed_io.h: the file side every example shares, in the original workflow's style.
+// seed_io.h: the file side every example shares, in the classic course layout.
 //
 //   ./program CASE [--causal]     run from the build folder
 //

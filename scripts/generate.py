@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Seed-style entry point: `python scripts/generate.py [OPTIONS]` is `attnstep generate`."""
+"""The classic course layout's entry point: `python scripts/generate.py [OPTIONS]` is `attnstep generate`."""
 import sys
 from pathlib import Path
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Seed-style entry point: `python scripts/verify.py [OPTIONS]` is `attnstep check`."""
+"""The classic course layout's entry point: `python scripts/verify.py [OPTIONS]` is `attnstep check`."""
 import sys
 from pathlib import Path
 

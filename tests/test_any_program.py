@@ -179,6 +179,15 @@ def test_a_missing_head_file_is_named_with_its_folder(tmp_path):
     assert f"{path} is missing (the other output files exist)" in r.output, r.output
 
 
+def test_a_missing_file_adds_no_resolution_of_its_own(tmp_path):
+    """The resolution reported is the files' that were read: a missing one is not "exact"."""
+    inputs = make_input(tmp_path / "in")
+    write_heads(tmp_path / "out", correct_heads(inputs)[:1], ["output"], fmt="%g")
+    r, rep = check(tmp_path / "in", tmp_path / "out", json_path=tmp_path / "r.json")
+    assert r.exit_code == 1 and rep["stages"][0]["resolution"] == "6 significant digits", r.output
+    assert "exact" not in r.output, r.output
+
+
 @pytest.mark.parametrize("text", ["", "# written by my program\n"])
 def test_a_run_toml_without_keys_is_named_as_such(tmp_path, text):
     """An empty (or comments-only) run.toml says nothing, as no run.toml says nothing, but the note

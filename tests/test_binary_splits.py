@@ -29,12 +29,6 @@ D = 16
 SPLIT = 16
 
 
-
-
-
-
-
-
 def write_case(path: Path, N: int, M: int, *, heads: int = 2, kv_heads: int = 1, d: int = D, fmt: str = "txt",
                bf16_inputs: bool = False, backward: bool = False, extra: str = "",
                packed: Optional[Dict[str, Sequence[int]]] = None, seed: int = 0) -> Dict[str, List[np.ndarray]]:
@@ -293,6 +287,16 @@ def test_a_split_size_without_a_flash_head_size_is_refused(binary, tmp_path):
     line = error_line(run_cpu(binary, tmp_path / "in", tmp_path / "out", "--split-size", "4"))
     assert line.startswith("main: error: --split-size 4: flash stages need d_k = d_v in"), line
     assert not (tmp_path / "out").exists()
+
+
+def test_a_run_that_does_not_split_names_no_split_stage_it_skips(binary, tmp_path):
+    """A head size without flash kernels: the default run leaves the flash stages out, and says so;
+    the split stages, written only by a run that splits, are not among them."""
+    write_case(tmp_path / "in", 4, 8, d=20)
+    proc = run_cpu(binary, tmp_path / "in", tmp_path / "out")
+    assert proc.returncode == 0, proc.stderr
+    line = next(ln for ln in proc.stderr.splitlines() if "skipping" in ln)
+    assert line.endswith("skipping flash_output,flash_lse"), line
 
 
 def test_attnstep_run_passes_the_split_size_on(binary, tmp_path, runner):

@@ -31,9 +31,11 @@ def test_generate_writes_case_and_manifest(runner, tmp_path):
     assert read_matrix(tmp_path / "c" / "K_head_1.txt").shape == (13, 16)
 
 
-def test_generate_rejects_bad_dims(runner, tmp_path):
-    res = runner.invoke(cli, ["generate", "--out", str(tmp_path), "--d-k", "0"])
-    assert res.exit_code == 2 and "--d-k" in res.output
+@pytest.mark.parametrize("option, value", [("--d-k", "0"), ("--d-k", "300"), ("--d-v", "257")])
+def test_generate_rejects_bad_dims(runner, tmp_path, option, value):
+    res = runner.invoke(cli, ["generate", "--out", str(tmp_path / "case"), option, value])
+    assert res.exit_code == 2 and option in res.output and "d_k" not in res.output, res.output
+    assert not (tmp_path / "case").exists()
 
 
 _LONG = "x" * 300  # past any file system's limit on one name (255 bytes)
@@ -190,6 +192,23 @@ def test_check_passes_with_json_and_junit(runner, good_run, tmp_path):
         assert key in entry
     suite = ET.parse(tmp_path / "r.xml").getroot().find("testsuite")
     assert suite.get("failures") == "0" and int(suite.get("tests")) == len(rep["results"])
+
+
+def test_the_error_maps_of_a_causal_run_compute_no_nan(runner, binary, tmp_path):
+    """A masked score is −inf on both sides: its ratio is 0, not 0·inf (a warning, and a NaN that
+    the map drew as failing)."""
+    pytest.importorskip("matplotlib")
+    in_dir, out_dir = tmp_path / "in", tmp_path / "out"
+    assert runner.invoke(cli, ["generate", "--out", str(in_dir), *SMALL, "--causal"]).exit_code == 0
+    subprocess.run([str(binary), "--in", str(in_dir), "--out", str(out_dir), "--backend", "cpu", "--scale", "1"],
+                   check=True, capture_output=True)
+    (out_dir / "run.toml").unlink()  # (read as another program's files, whose scale is left out)
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        res = runner.invoke(cli, ["check", "--in", str(in_dir), "--out", str(out_dir), "--plot", str(tmp_path / "p")])
+    assert res.exit_code == 1 and not isinstance(res.exception, RuntimeWarning), (res.exception, res.output)
+    assert "wrote" in res.output and "error map" in res.output, res.output
 
 
 def test_check_names_first_failing_stage_and_writes_plots(runner, good_run, tmp_path):

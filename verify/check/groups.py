@@ -126,8 +126,9 @@ class GroupSum:
         """(isolated, chained) bounds of the group's sum (see the module doc); of one term, its own."""
         gamma = sum_gamma(self.count)
         own = np.zeros(self.want_iso.shape) if self.parts is None else self.parts.bound(self.want_iso)
-        iso = own + self.propagated + gamma * self.abs_iso
-        chain = self.chained + gamma * self.abs_chain
+        iso, chain = own + self.propagated, self.chained
+        if gamma:  # (one term adds nothing: 0·inf where a term is infinite would make the bound NaN)
+            iso, chain = iso + gamma * self.abs_iso, chain + gamma * self.abs_chain
         if self.count > 1 and is_half(run.precision) and stored_in_format(stage):
             iso = iso + storage_bound(self.want_iso, run.precision, run.half_rounding)
             chain = chain + storage_bound(self.want_chain, run.precision, run.half_rounding)

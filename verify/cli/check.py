@@ -76,7 +76,7 @@ CHECK_HELP = f"""Check every stage of a run against a float64 reference.
 
 Compares OUT's stage files with float64 references from the input case IN; names the first
 failing stage. Exit 0: all pass; 1: a stage fails; 2: bad input. Tolerances: {TOLERANCES_DOC}.
-Over IN's manifest and run.toml ({CLI_DOC}): --causal [ALIGN], --no-causal, --align ALIGN,
+Overriding IN's manifest and run.toml ({CLI_DOC}): --causal [ALIGN], --no-causal, --align ALIGN,
 --window LEFT,RIGHT, --softcap C, --alibi/--no-alibi, --dropout P; --split-size K, --page-size P.
 A Dask cluster: --scheduler ADDRESS|local.
 """

@@ -23,7 +23,7 @@ from ..files.generate import DEFAULT_DIMS, MAX_SEED
 from ..files.kinds import CaseError
 from ..files.outputs import parse_name_map, read_names_file
 from ..runs.runner import DEFAULT_BUILD_DIR, DEFAULT_RUN_TIMEOUT_S, RunnerError
-from ..stages import DEFAULT_INPUT_DIR, DEFAULT_OUTPUT_DIR, DROPOUT_MASK
+from ..stages import DEFAULT_INPUT_DIR, DEFAULT_OUTPUT_DIR, DROPOUT_MASK, MAX_HEAD_DIM
 from ..variant import ALIGNMENTS, TOP_LEFT, WINDOW_KEYS, dropout_problem, softcap_problem, window_bound_problem
 
 BACKENDS = ("auto", "cuda", "cpu")
@@ -243,9 +243,11 @@ def dims_options(fn):
     for name, flag, help_text in reversed((
             ("batch", "--batch", "Batch size B."), ("heads", "--heads", "Heads per batch element H."),
             ("seq_q", "--seq-q", "Query rows N."), ("seq_k", "--seq-k", "Key/value rows M."),
-            ("d_k", "--d-k", "Query/key width d_k (1..256; flash needs 16, 32, 64 or 128)."),
-            ("d_v", "--d-v", "Value width d_v (1..256; flash needs d_v = d_k)."))):
-        fn = click.option(flag, name, type=click.IntRange(min=1), default=getattr(defaults, name),
+            ("d_k", "--d-k", f"Query/key width d_k (1..{MAX_HEAD_DIM}; flash needs 16, 32, 64 or 128)."),
+            ("d_v", "--d-v", f"Value width d_v (1..{MAX_HEAD_DIM}; flash needs d_v = d_k)."))):
+        # (the widths' bound in the option itself, so that a refusal names --d-k, not the manifest's d_k)
+        top = MAX_HEAD_DIM if name in ("d_k", "d_v") else None
+        fn = click.option(flag, name, type=click.IntRange(min=1, max=top), default=getattr(defaults, name),
                           show_default=True, help=help_text)(fn)
     return fn
 

@@ -134,7 +134,7 @@ def run(in_dir, out_dir, backend, build_dir, binary, timeout, cwd, stages, fmt, 
 @force_option
 @click.option("--example", type=click.Choice(example_names()),
               help="Run a program of the examples gallery (examples/, a GPU needed) instead of the binary, "
-                   "as the original workflow ran it: from BUILD_DIR, reading ../data.")
+                   "as such a program runs: from BUILD_DIR, reading ../data.")
 @click.option("--backward", is_flag=True,
               help="Also the backward pass: an output gradient dO in the case, and the gradients.")
 @quiet_option
@@ -143,7 +143,7 @@ def run(in_dir, out_dir, backend, build_dir, binary, timeout, cwd, stages, fmt, 
 def demo(ctx, data_dir, backend, build_dir, binary, timeout, json_path, seed, force, example, backward, quiet):
     """Build, generate the default case, run, and check.
 
-    The original workflow in one command: 12 heads, N = M = 128, d = 64, uniform inputs, into
+    One command from nothing to a verdict: 12 heads, N = M = 128, d = 64, uniform inputs, into
     DATA_DIR/random_test and DATA_DIR/random_verify. With --example NAME, the same with one of the
     gallery's programs (a classic bug each) in place of attnstep's binary.
     """

@@ -27,9 +27,9 @@ SKIP_TILES = tuple(range(16, 257, 16))
 CODES = ("mask_missing", "mask_extra", "mask_offset", "window_off", "window_missing", "mask_file_ignored",
          "mask_file_transposed", "mask_file_inverted", "causal_tile_skip")
 # What a causal mask the case does not have most often is: a case without a manifest, checked
-# without --causal.
+# without --causal (from Python: without causal=True).
 EXTRA_HINT = ("HINT: if the program is meant to mask, the case must say so (its manifest; a case without one is "
-               "not causal unless checked with --causal [ALIGN])")
+               "not causal unless checked with --causal [ALIGN], or from Python with causal=True)")
 
 
 @dataclass

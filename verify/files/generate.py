@@ -50,7 +50,7 @@ MAX_SEED = INT64 - 1
 # The manifest's `generator` value. Without --force, generate replaces only a case that has it.
 GENERATOR = "attnstep generate"
 
-# The original workflow's case: 12 heads, N = M = 128, d = 64.
+# The classic course layout's default case: 12 heads, N = M = 128, d = 64.
 DEFAULT_DIMS = Dims(batch=1, heads=12, seq_q=128, seq_k=128, d_k=64, d_v=64)
 
 # The most files one generated case may have. Both formats hold one file per input and head, so

@@ -139,8 +139,9 @@ def _sequence_label(r: HeadResult) -> str:
 
 
 def resolution_words(results: List[HeadResult]) -> str:
-    """The printed resolutions of a stage's files (one, or each that occurs)."""
-    seen = sorted({r.resolution for r in results})
+    """The printed resolutions of a stage's files (one, or each that occurs), of the files read: a
+    missing or unreadable file has none."""
+    seen = sorted({r.resolution for r in results if r.isolated is not None or r.chained is not None})
     return ", ".join(seen)
 
 

@@ -298,8 +298,8 @@ def run_binary(binary: Path, in_dir: Path, out_dir: Path, *, backend: str = "aut
         first, rest = _binary_error(proc.stderr)
         code = proc.returncode if proc.returncode in (EXIT_BAD_INPUT, EXIT_NO_MEMORY) else 1
         if proc.returncode < 0:
-            first = f"the binary was killed by signal {-proc.returncode}" + (f": {first}" if first else "")
-        raise RunnerError(first or f"the binary exited with status {proc.returncode}", rest, exit_code=code)
+            first = f"{Path(binary).name} was killed by signal {-proc.returncode}" + (f": {first}" if first else "")
+        raise RunnerError(first or f"{Path(binary).name} exited with status {proc.returncode}", rest, exit_code=code)
     return result
 
 
@@ -309,7 +309,10 @@ def _binary_error(stderr: str) -> Tuple[str, str]:
     lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
     said = [next((ln for ln in lines if ": error:" in ln), lines[0])] if lines else []
     said += [ln for ln in lines if ln.startswith("HINT:")]
-    return "; ".join(said), _tail("\n".join(ln for ln in lines if ln not in said))
+    rest = _tail("\n".join(ln for ln in lines if ln not in said))
+    if said:  # ("main: error: X" reads "Error: X" once the command prints it)
+        said[0] = re.sub(r"^[\w.-]+: error: ", "", said[0])
+    return "; ".join(said), rest
 
 
 # ----------------------------------------------------------------------------------------------
