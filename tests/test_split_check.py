@@ -274,6 +274,7 @@ def test_the_command_line_checks_a_split_run_with_split_size(tmp_path):
     r = invoke("check", "--in", in_dir, "--out", out_dir, "--split-size", 8, "--json", tmp_path / "r.json")
     assert r.exit_code == 0, r.output
     assert json.loads((tmp_path / "r.json").read_text())["passed"]
+    assert "split-KV in splits of 8 keys" in r.output.splitlines()[0], r.output  # (the bounds it is checked with)
 
 
 def test_split_files_without_a_split_size_are_refused_in_one_line(tmp_path):

@@ -82,6 +82,7 @@ def header_lines(report: Report) -> List[str]:
             f"{', ' + run.device if run.device else ''}), "
             f"{plural(d.total_heads, 'head')} (batch {d.batch} x {d.heads}){kv}, N={d.seq_q} M={d.seq_k} "
             f"d_k={d.d_k} d_v={d.d_v}, {variant_words(run)}, "
+            + (f"split-KV in splits of {plural(d.split_size, 'key')}, " if d.split_size else "") +
             f"scale {run.scale:.6g}" + (f", flash kernel {printable(run.flash_kernel)}" if run.flash_kernel else "")]
 
 
