@@ -231,6 +231,8 @@ ONLINE = [  # (id, dims, the program's options, the stages that fail, the tile n
     ("last-key-skipped-tail", PAST_TILE, {"skip": "last"}, FLASH, 32, "(the partial last tile's included)"),
     ("first-key-skipped", PAST_TILE, {"skip": "first"}, FLASH, 32, "the first key of every tile of 32"),
     ("key-tile-skipped", PAST_TILE, {"skip": "tile"}, FLASH, 32, "keys 32..63 (the second tile of 32 keys) are never"),
+    # (a tile of 48 keys: not one of the usual widths, no run.toml to say it)
+    ("key-tile-skipped-48", SQUARE, {"skip": "tile"}, FLASH, 48, "keys 48..95 (the second tile of 48 keys) are never"),
 ]
 _CODES = {"tile": "key_tile_skipped", "last": "tile_keys_skipped", "first": "tile_keys_skipped"}
 

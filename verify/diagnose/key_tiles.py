@@ -4,10 +4,11 @@ A hypothesis of verify/diagnose/hypotheses.py, searched with the softmax loops' 
 cause) on the stages whose spec names it.
 
 The widths tried are the run's own key tile (run.toml's flash_block_k) where it is known, else the
-usual ones (base.KEY_TILES), each at every tile. The rows without tile t are the combine of the
-tiles before it and those after it (each tile's log-sum-exp and output computed once on a few
-sampled rows, then merged from either end: no tile's sum is subtracted from the row's, where it
-could cancel the rest), and the stage is recomputed whole only for a tile those rows fit.
+usual ones (base.KEY_TILES) and then every multiple of 16 up to 256, each at every tile. The rows
+without tile t are the combine of the tiles before it and those after it (each tile's log-sum-exp
+and output computed once on a few sampled rows, then merged from either end: no tile's sum is
+subtracted from the row's, where it could cancel the rest), and the stage is recomputed whole only
+for a tile those rows fit.
 """
 from __future__ import annotations
 
@@ -30,11 +31,17 @@ _ORDINALS = ("first", "second", "third", "fourth", "fifth", "sixth", "seventh", 
 _State = Tuple[np.ndarray, Optional[np.ndarray]]
 
 
+# Without the run's own width: the usual widths first, then every other multiple of 16 up to 256
+# (48, 80, 96, … : key tiles a kernel sizes to its shared memory), each first screened on the
+# sampled rows.
+SEARCHED_WIDTHS = KEY_TILES + tuple(w for w in range(16, 257, 16) if w not in KEY_TILES)
+
+
 def _widths(ctx, m: int) -> List[int]:
-    """The tile widths tried: the run's own where known, else the usual ones; two tiles at least
+    """The tile widths tried: the run's own where known, else SEARCHED_WIDTHS; two tiles at least
     (a kernel that skips its only tile reads no key)."""
     own = run_key_tile(ctx)
-    return [w for w in (KEY_TILES if own is None else (own,)) if w < m]
+    return [w for w in (SEARCHED_WIDTHS if own is None else (own,)) if w < m]
 
 
 def _tile_states(head, rows: np.ndarray, width: int) -> List[_State]:
