@@ -271,6 +271,10 @@ def test_a_name_map_entry_that_names_no_file_is_a_stage_not_written(tmp_path):
     typo = invoke("check", "--in", tmp_path / "in", "--out", out, "--name", "output=Out_{i}.txt")
     assert typo.exit_code == 2 and typo.output.strip().splitlines()[-1].startswith(
         f"Error: {out}: no file matches the name map's output=Out_{{i}}.txt; nothing would be checked")
+    assert "named alike" not in typo.output
+    case = invoke("check", "--in", tmp_path / "in", "--out", out, "--name", "output=o_{i}.txt")  # (the files: O_0.txt)
+    assert case.exit_code == 2 and case.output.strip().endswith(
+        "named alike but for case: O_0.txt, O_1.txt (names are case-sensitive)"), case.output
 
 
 def test_files_for_heads_the_case_does_not_have_are_noted(tmp_path):

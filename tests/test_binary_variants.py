@@ -22,8 +22,9 @@ from verify.stages import (DROPOUT_MASK, FORMATS, KEYS, KV_HEADS_KEY, KV_STAGES,
                            stage_file)
 from verify.variant import VARIANT_KEYS, Variant, alibi_slopes
 
-from helpers.variant_cases import (GqaCase, expand_to_mha, load, save, tensor_file, write_bias, write_gqa_case,
-                                   write_mask, write_slopes)
+from helpers.matrix_files import load, save
+from helpers.variant_cases import (GqaCase, expand_to_mha, tensor_file, write_bias, write_gqa_case, write_mask,
+                                   write_slopes)
 
 GQA = GqaCase(Dims(batch=2, heads=6, seq_q=37, seq_k=53, d_k=16, d_v=16, kv_heads=2))
 SMALL = GqaCase(Dims(batch=1, heads=2, seq_q=5, seq_k=7, d_k=16, d_v=16))

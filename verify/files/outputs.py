@@ -35,7 +35,7 @@ from .kinds import CaseError
 from .run_settings import Mismatch, resolve_variant
 from .split_files import SplitSource, refuse_split_variants, run_split_size, split_dims, split_sources
 from .stage_files import (STACKED_SUFFIX, STAGE_ITEMSIZE, StageSource, check_heads_named, discover_sources,
-                          files_past_the_heads, parse_name_map, pattern_regex, read_names_file,
+                          files_past_the_heads, named_alike, parse_name_map, pattern_regex, read_names_file,
                           refuse_query_head_kv_files)
 from .unfinished import refuse_unfinished
 
@@ -277,8 +277,10 @@ def open_run(folder: Path, case: InputCase, over: Overrides = Overrides(), packi
     check_heads_named({s: StageSource(s, folder, over.names[s]) for s in unmatched}, dims)  # (a wrong pattern first)
     unnamed = [f"the name map's {s}={printable(over.names[s])}" for s in unmatched]
     if not sources and unnamed:
+        alike = [n for s in unmatched for n in named_alike(folder, over.names[s])]
         raise CaseError(f"{folder}: no file matches {', '.join(unnamed)}; nothing would be checked; HINT: the "
-                        "pattern is a file name in the output folder, {i} the head's number")
+                        "pattern is a file name in the output folder, {i} the head's number ({j} the K/V head's)"
+                        + (f"; named alike but for case: {', '.join(alike)} (names are case-sensitive)" if alike else ""))
     if not sources:
         raise CaseError(f"{folder}: no stage files (<stage>_head_<i>.txt or .npy, or <stage>.npy, "
                         f"stages {', '.join(STAGES)}); HINT: is this the folder your program writes? "

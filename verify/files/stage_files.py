@@ -206,6 +206,17 @@ def pattern_regex(pattern: str) -> "re.Pattern[str]":
     return re.compile("".join(out))
 
 
+def named_alike(folder: Path, pattern: str, most: int = 3) -> List[str]:
+    """Files of FOLDER that the pattern would match but for upper and lower case (first `most`,
+    sorted): a name map's usual slip, dK_{i} for dk_0."""
+    rx = re.compile(pattern_regex(pattern).pattern, re.IGNORECASE)
+    try:
+        names = sorted(e.name for e in folder.iterdir() if rx.fullmatch(e.name))
+    except OSError:
+        return []
+    return names[:most]
+
+
 def _nameable(folder: Path, stage: str, pattern: str) -> None:
     """A pattern no file could have: a name past the file system's limit is said as such (not as a
     stage the program did not write)."""
