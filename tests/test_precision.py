@@ -368,12 +368,15 @@ def test_number_pair_widens_until_the_two_differ(got, want, shown):
     assert number_pair(got, want) == shown
 
 
-def _half_flash_backward(q, k, v, do, fmt: str, k_prescaled: bool, d_head_shift: int = 0, ds_without_p: bool = False):
+def _half_flash_backward(q, k, v, do, fmt: str, k_prescaled: bool, d_head_shift: int = 0, ds_without_p: bool = False,
+                        scores_rounded: bool = False, stored: bool = True):
     """A half flash backward as a kernel computes it (inputs in the format, float32 products, P and dS
-    rounded for their GEMMs, the gradients stored in the format) from a float32 forward's output and
-    lse; k_prescaled: K times scale·log2 e stored in the format for the recomputed scores and dQ
-    (the Triton tutorial's backward, with exp2); d_head_shift: D = rowsum(dO∘O) from the O of head
-    h + shift (a head offset off by one: a bug); ds_without_p: dS = dP − D, P left out (a bug)."""
+    rounded for their GEMMs, the gradients stored in the format, or kept in float32 where not
+    `stored`) from a float32 forward's output and lse; k_prescaled: K times scale·log2 e stored in
+    the format for the recomputed scores and dQ (the Triton tutorial's backward, with exp2);
+    d_head_shift: D = rowsum(dO∘O) from the O of head h + shift (a head offset off by one: a bug);
+    ds_without_p: dS = dP − D, P left out (a bug); scores_rounded: the recomputed scores rounded to
+    the format before the exponent (a bug)."""
     scale = np.float32(1 / np.sqrt(q.shape[2]))
     c = scale * np.float32(1 / np.log(2))
     stages = {n: [] for n in ("flash_output", "flash_lse", "flash_dQ", "flash_dK", "flash_dV")}
@@ -388,12 +391,13 @@ def _half_flash_backward(q, k, v, do, fmt: str, k_prescaled: bool, d_head_shift:
         qh, kh, vh, doh = (_rounded(x[h], fmt) for x in (q, k, v, do))
         lse, o = stages["flash_lse"][h], stages["flash_output"][(h + d_head_shift) % heads]
         k_used = _rounded(kh * c, fmt) if k_prescaled else kh
-        p = np.exp2(qh @ k_used.T - lse * np.float32(1 / np.log(2))) if k_prescaled else np.exp((qh @ kh.T) * scale - lse)
+        p = np.exp2(qh @ k_used.T - lse * np.float32(1 / np.log(2))) if k_prescaled else \
+            np.exp((_rounded((qh @ kh.T) * scale, fmt) if scores_rounded else (qh @ kh.T) * scale) - lse)
         ds = (1.0 if ds_without_p else p) * (doh @ vh.T - (doh * o).sum(axis=1, keepdims=True))
         dq = (_rounded(ds, fmt) @ k_used) * (np.float32(np.log(2)) if k_prescaled else scale)
         for name, x in (("flash_dQ", dq), ("flash_dK", (_rounded(ds, fmt).T @ qh) * scale),
                         ("flash_dV", _rounded(p, fmt).T @ doh)):
-            stages[name].append(_rounded(x, fmt))
+            stages[name].append(_rounded(x, fmt) if stored else x)
     stages["flash_lse"] = [x[:, 0] for x in stages["flash_lse"]]
     return {n: np.stack(x) for n, x in stages.items()}
 
@@ -414,6 +418,24 @@ def test_a_key_scaled_and_stored_in_the_half_format_in_the_backward_is_named():
     assert named and all([d.code for d in r.diagnosis] == ["prescaled_rounded"] for r in named), \
         [(r.stage, [d.message for d in r.diagnosis]) for r in failed]
     assert "K·scale·log2 e" in named[0].diagnosis[0].message
+
+
+@pytest.mark.parametrize("stored", [True, False], ids=["gradients-in-bf16", "gradients-in-float32"])
+def test_scores_recomputed_in_the_half_format_in_the_backward_are_named(stored):
+    """A bf16 flash backward that keeps the scores it recomputes in bf16 before the exponent: named
+    scores_rounded on the gradients, whether it stores them in bf16 or in float32; the same backward
+    with float32 scores passes."""
+    q, k, v = _half_inputs(9, 64, 96, 128)
+    do = np.random.default_rng(10).standard_normal(q.shape).astype(np.float32)
+    right = _half_flash_backward(q, k, v, do, "bf16", False, stored=stored)
+    assert attnstep.check_arrays(q, k, v, right, do=do, precision="bf16").passed
+    wrong = _half_flash_backward(q, k, v, do, "bf16", False, scores_rounded=True, stored=stored)
+    report = attnstep.check_arrays(q, k, v, wrong, do=do, precision="bf16")
+    failed = [r for r in report.results if r.status == "FAIL"]
+    named = [r for r in failed if r.diagnosis]
+    assert named and all([d.code for d in r.diagnosis] == ["scores_rounded"] for r in named), \
+        [(r.stage, [d.message for d in r.diagnosis]) for r in failed]
+    assert report.first_failing_stage in {r.stage for r in named}
 
 
 @pytest.mark.parametrize("seed", [3, 4, 5])

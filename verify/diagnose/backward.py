@@ -95,16 +95,17 @@ def _problem(ctx) -> Optional[Tuple[Own, float, HeadVariant]]:
     return own, ctx.scale, ctx.head_ctx.head()
 
 
-def rebuilt_with(stage: str, ctx, replaced: Dict[str, np.ndarray]) -> Optional[np.ndarray]:
+def rebuilt_with(stage: str, ctx, replaced: Dict[str, np.ndarray], qk: Optional[np.ndarray] = None
+                 ) -> Optional[np.ndarray]:
     """The stage rebuilt from the program's own files (a flash gradient recomputing P from its
-    saved lse) with some sources replaced (an operand as a kernel rounded it), None without the
-    head's context."""
+    saved lse) with some sources replaced (an operand as a kernel rounded it), or the Q·Kᵀ its
+    scores are recomputed from (qk), None without the head's context."""
     problem = _problem(ctx)
     if problem is None:
         return None
     own, scale, head = problem
     return _rebuilt(stage, _gradients(stage, lambda name: replaced[name] if name in replaced else own(name),
-                                      scale, head))
+                                      scale, head).replaced(qk=qk))
 
 
 def _first_match(got, want, width: float, cands: Iterable[Tuple[str, Optional[np.ndarray]]]):

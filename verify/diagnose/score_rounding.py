@@ -84,33 +84,52 @@ def diagnose(stage, got, want, ctx, fmt: str) -> List[Diagnosis]:
 
 
 def gradients(stage, got, want, ctx, fmt: str) -> List[Diagnosis]:
-    """prescaled_rounded on a flash gradient: got matches the gradient rebuilt from the program's own
-    files with K (or Q) times the scale, or scale·log2 e, rounded to fmt far better than want (the
-    Triton tutorial's backward: k·(sm_scale·log2 e) stored in the format, for P and dQ)."""
+    """prescaled_rounded or scores_rounded on a flash gradient: got matches the gradient rebuilt
+    from the program's own files with K (or Q) times the scale, or scale·log2 e, rounded to fmt (the
+    Triton tutorial's backward: k·(sm_scale·log2 e) stored in the format, for P and dQ), or with the
+    recomputed scores rounded to fmt (an S tile of the format), far better than want."""
     head = ctx.head_ctx
     if head is None or not STAGES[stage].flash or not STAGES[stage].backward:
         return []
     own = storage_bound(want, fmt) if stored_in_format(stage) else 0.0
     base = gap(got, want, own)
     found = []
+    for code, words, cand in _gradient_routes(stage, ctx, fmt):
+        if cand is not None and cand.shape == got.shape:
+            left = gap(got, cand, own)
+            if left <= FAR_BETTER * base:
+                found.append((left, code, words))
+    if not found:
+        return []
+    left, code, words = min(found)
+    if code == SCORES_ROUNDED:
+        what = (f"the scores it recomputes rounded to {fmt} ({words}) before P = exp(S − lse): it matches that "
+                f"gradient to {left:.2g}, against {base:.2g} for scores kept in float32. Each recomputed weight "
+                f"then carries a rounding of {fmt} that the forward's lse did not; keep the recomputed scores in "
+                "float32 until P, as FlashAttention does")
+    else:
+        what = (f"{words} stored in {fmt} before the scores are recomputed: it matches that gradient to "
+                f"{left:.2g}, against {base:.2g} for the operand as given (Triton's fused-attention tutorial's "
+                f"backward stores k * (sm_scale * log2 e) in {fmt}). Each score, and so each recomputed weight, "
+                f"then carries a rounding of {fmt}; multiply the float32 scores by the scale instead, as "
+                "FlashAttention does")
+    return [Diagnosis(code, f"{stage} follows {what}", {"precision": fmt, "max_diff": left, "float32_diff": base},
+                      PRECISION_CONFIDENCE)]
+
+
+def _gradient_routes(stage, ctx, fmt: str):
+    """(code, words, the flash gradient rebuilt so) of each rounding a backward kernel may do: an
+    operand times the scale (or scale·log2 e) stored in fmt, then its recomputed scores rounded."""
+    head = ctx.head_ctx
     for name in (KEYS, QUERIES):
         for factor, words in _prescales(head.scale):
             x = np.asarray(head.own(name), np.float64)
             prescaled = round_to_format((x.astype(np.float32) * factor).astype(np.float64), fmt, NEAREST)
-            cand = rebuilt_with(stage, ctx, {name: prescaled / float(factor)})
-            if cand is not None and cand.shape == got.shape:
-                left = gap(got, cand, own)
-                if left <= FAR_BETTER * base:
-                    found.append((left, words.replace("Q", name)))
-    if not found:
-        return []
-    left, words = min(found)
-    return [Diagnosis(PRESCALED_ROUNDED, f"{stage} follows {words} stored in {fmt} before the scores are "
-                      f"recomputed: it matches that gradient to {left:.2g}, against {base:.2g} for the operand "
-                      f"as given (Triton's fused-attention tutorial's backward stores k * (sm_scale * log2 e) in "
-                      f"{fmt}). Each score, and so each recomputed weight, then carries a rounding of {fmt}; "
-                      "multiply the float32 scores by the scale instead, as FlashAttention does",
-                      {"precision": fmt, "max_diff": left, "float32_diff": base}, PRECISION_CONFIDENCE)]
+            yield PRESCALED_ROUNDED, words.replace("Q", name), rebuilt_with(stage, ctx, {name: prescaled / float(factor)})
+    qk = np.asarray(head.own(QUERIES), np.float64) @ np.asarray(head.own(KEYS), np.float64).T
+    for words, rounded in (("Q·Kᵀ·scale rounded", round_to_format(qk * head.scale, fmt, NEAREST) / head.scale),
+                           ("Q·Kᵀ rounded, then scaled", round_to_format(qk, fmt, NEAREST))):
+        yield SCORES_ROUNDED, words, rebuilt_with(stage, ctx, {}, qk=rounded)
 
 
 def _prescales(scale: float):

@@ -76,10 +76,11 @@ def flash_terms(src, scale: float, masked: np.ndarray, D=None, lse=None, head: H
     return P, dP, D, dS, through_cap(dS, cap_factor(S0, head))
 
 
-def flash_backward(src, scale: float, masked: np.ndarray, D=None, lse=None, head: HeadVariant = PLAIN):
-    """(dQ, dK, dV, P, dP, D, dS) of the FlashAttention backward of a whole head (flash_terms)."""
+def flash_backward(src, scale: float, masked: np.ndarray, D=None, lse=None, head: HeadVariant = PLAIN, qk=None):
+    """(dQ, dK, dV, P, dP, D, dS) of the FlashAttention backward of a whole head (flash_terms; qk:
+    the Q·Kᵀ its scores are recomputed from, where a diagnosis replaces it)."""
     Q, K, dO = (np.asarray(src[n], np.float64) for n in (QUERIES, KEYS, GRAD_OUTPUT))
-    P, dP, D, dS, G = flash_terms(src, scale, masked, D, lse, head)
+    P, dP, D, dS, G = flash_terms(src, scale, masked, D, lse, head, qk=qk)
     return scale * G @ K, scale * G.T @ Q, head.dropped(P).T @ dO, P, dP, D, dS
 
 
@@ -124,21 +125,22 @@ class Gradients:
 
     def __init__(self, own: Own, scale: float, masked: np.ndarray, recompute: bool,
                  D: Optional[np.ndarray] = None, dS: Optional[np.ndarray] = None,
-                 lse: Optional[np.ndarray] = None, head: HeadVariant = PLAIN, cap_slope: bool = True) -> None:
+                 lse: Optional[np.ndarray] = None, head: HeadVariant = PLAIN, cap_slope: bool = True,
+                 qk: Optional[np.ndarray] = None) -> None:
         self.own, self.scale, self.masked, self.recompute = own, scale, masked, recompute
-        self._D, self._dS, self._lse, self.head, self.cap_slope = D, dS, lse, head, cap_slope
+        self._D, self._dS, self._lse, self.head, self.cap_slope, self._qk = D, dS, lse, head, cap_slope, qk
 
     def replaced(self, **parts) -> "Gradients":
-        """The same computation with parts replaced (D, dS, lse, head, or cap_slope=False: G = dS,
-        the softcap's derivative left out)."""
-        kw = dict(D=self._D, dS=self._dS, lse=self._lse, head=self.head, cap_slope=self.cap_slope)
+        """The same computation with parts replaced (D, dS, lse, head, qk: the recomputed scores'
+        Q·Kᵀ, or cap_slope=False: G = dS, the softcap's derivative left out)."""
+        kw = dict(D=self._D, dS=self._dS, lse=self._lse, head=self.head, cap_slope=self.cap_slope, qk=self._qk)
         kw.update(parts)
         return Gradients(self.own, self.scale, self.masked, self.recompute, **kw)
 
     @cached_property
     def _flash(self):
         src = {n: self.own(n) for n in FLASH_SOURCES}
-        return flash_backward(src, self.scale, self.masked, D=self._D, lse=self._lse, head=self.head)
+        return flash_backward(src, self.scale, self.masked, D=self._D, lse=self._lse, head=self.head, qk=self._qk)
 
     @cached_property
     def P(self) -> np.ndarray:
