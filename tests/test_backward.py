@@ -328,3 +328,45 @@ def test_the_python_api_leaves_the_callers_garbage_collector_as_it_was():
     finally:
         gc.unfreeze()
     del keep
+
+
+# ---- a mask bug in a program that wrote its gradients alone ------------------------------------------
+
+def _gradients_under(q, k, v, do, hidden):
+    """dQ, dK, dV (B, H, ·, d) of attention under `hidden` (N×M, True hides), in float64, then float32:
+    a program whose forward and backward both apply that mask, and write only the gradients."""
+    scale = 1.0 / np.sqrt(q.shape[-1])
+    q, k, v, do = (x.astype(np.float64) for x in (q, k, v, do))
+    s = np.where(hidden, -np.inf, q @ np.swapaxes(k, -1, -2) * scale)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    dp = do @ np.swapaxes(v, -1, -2)
+    ds = p * (dp - (do * (p @ v)).sum(-1, keepdims=True))
+    return [np.asarray(x, np.float32) for x in (scale * ds @ k, scale * np.swapaxes(ds, -1, -2) @ q,
+                                                 np.swapaxes(p, -1, -2) @ do)]
+
+
+@pytest.mark.parametrize("names, bug, code", [
+    (("dQ", "dK", "dV"), "top-left", "mask_offset"),
+    (("flash_dQ", "flash_dK", "flash_dV"), "top-left", "mask_offset"),
+    (("flash_dQ", "flash_dK", "flash_dV"), "window", "window_off"),
+])
+def test_a_mask_bug_is_named_where_the_program_wrote_its_gradients_alone(names, bug, code):
+    """The case is causal bottom-right (N < M), with a window (16, 0) for the window bug; the program
+    aligned its mask top-left, or let each row see one key more on the left, in both passes."""
+    import attnstep
+    rng = np.random.default_rng(5)
+    N, M, d = 40, 64, 16
+    q, do = (rng.standard_normal((1, 2, N, d)).astype(np.float32) for _ in range(2))
+    k, v = (rng.standard_normal((1, 2, M, d)).astype(np.float32) for _ in range(2))
+    i, j = np.arange(N)[:, None], np.arange(M)[None, :]
+    diag = i + M - N
+    window = (16, 0) if bug == "window" else None
+    right = (j > diag) | ((j < diag - 16) if window else False)
+    wrong = (j > i) if bug == "top-left" else (j > diag) | (j < diag - 17)
+    args = dict(do=do, causal="bottom-right", window=window)
+    assert attnstep.check_arrays(q, k, v, dict(zip(names, _gradients_under(q, k, v, do, right))), **args)
+    report = attnstep.check_arrays(q, k, v, dict(zip(names, _gradients_under(q, k, v, do, wrong))), **args)
+    first = [r for r in report.results if r.stage == report.first_failing_stage and not r.passed]
+    assert first and all(r.diagnosis and r.diagnosis[0].code == code for r in first), \
+        attnstep.format_report(report)

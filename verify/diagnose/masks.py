@@ -33,6 +33,7 @@ from .mask_candidates import EXTRA_HINT, CODES, Masks, candidates  # noqa: F401 
 from .mask_words import ALIGNMENT_WORDS, alignment_words, offset_detail, shift_words
 from .heads import group_rebuildable, group_sum
 from .inputs import case_inputs, rebuilder, rows_fit, slope_of, variant_of, variant_tensors, worst_rows
+from .mask_gradients import gradient_recompute
 
 # ---- the hypothesis -------------------------------------------------------------------------------
 
@@ -158,6 +159,9 @@ def _mask_recompute(stage: str, ctx, width):
         return (lambda masked: rebuild(qkv, masked)), _row_fitter(rebuild, qkv, ctx), (N, M), width
     if ctx.head_ctx is None and group_rebuildable(ctx):
         return _group_recompute(stage, ctx, width)
+    gradient = gradient_recompute(stage, ctx, width)  # (a program that wrote its gradients alone)
+    if gradient is not None:
+        return gradient
     src, with_mask = ctx.src, SPECS[stage].with_mask
     if with_mask is None or not all(n in src for n in STAGES[stage].inputs):
         return None

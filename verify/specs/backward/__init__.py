@@ -38,6 +38,8 @@ CAP_BUGS = ("cap_derivative",)  # the flash backward's dQ and dK without the sof
 DQ_BUGS = ("dq_rows",)  # the flash backward's dQ accumulated at the key tile's rows
 _GRAD_PATTERNS = PATTERNS + ("scaled",)
 _FLASH_PATTERNS = _GRAD_PATTERNS + ("mask", "grad_lse_log2")
+# (the stage path's dQ, dK, dV: a mask their program applied wrong, named where it wrote them alone)
+_STAGE_GRAD_PATTERNS = _GRAD_PATTERNS + ("mask",)
 
 
 def _flash_spec(name: str, index: int, partner: str, rebuild, invariants=(), given_upstream=(), bugs=()):
@@ -65,17 +67,18 @@ SPECS = (
     StageSpec(GRAD_QUERIES, reference=dq_reference, isolated=dq_isolated, chained=dq_chained,
               floor=lambda src: flush_sum(src[GRAD_SCORES], src[KEYS]) + FLUSH,
               quantization=grad_quantization(KEYS, False), scaled=True, linear=True,
-              rebuild=grad_queries, diagnoses=_GRAD_PATTERNS + DS_BUGS + SCALE_BUGS, baseline=GRAD_QUERIES,
+              rebuild=grad_queries, diagnoses=_STAGE_GRAD_PATTERNS + DS_BUGS + SCALE_BUGS, baseline=GRAD_QUERIES,
               variant_sources=cap_sources),
     StageSpec(GRAD_KEYS, reference=dk_reference, isolated=dk_isolated, chained=dk_chained,
               floor=lambda src: flush_sum(np.asarray(src[GRAD_SCORES]).T, src[QUERIES]) + FLUSH,
               quantization=grad_quantization(QUERIES, True), invariants=(dk_column_sums,),
               given_upstream=(COLUMN_SUM,), scaled=True, linear=True, rebuild=grad_keys,
-              diagnoses=_GRAD_PATTERNS + DS_BUGS + SCALE_BUGS, baseline=GRAD_KEYS, variant_sources=cap_sources),
+              diagnoses=_STAGE_GRAD_PATTERNS + DS_BUGS + SCALE_BUGS, baseline=GRAD_KEYS, variant_sources=cap_sources),
     StageSpec(GRAD_VALUES, reference=dv_reference, isolated=dv_isolated, chained=dv_chained,
               floor=lambda src: flush_sum(np.asarray(src[WEIGHTS]).T, src[GRAD_OUTPUT]) + FLUSH,
               quantization=dv_quantization, linear=True, rebuild=grad_values,
-              diagnoses=_GRAD_PATTERNS + ("dV_untransposed_P",), baseline=GRAD_VALUES, variant_sources=dropout_sources,
+              diagnoses=_STAGE_GRAD_PATTERNS + ("dV_untransposed_P",), baseline=GRAD_VALUES,
+              variant_sources=dropout_sources,
               dropped=(WEIGHTS,)),
     _flash_spec(FLASH_GRAD_QUERIES, 0, GRAD_QUERIES, grad_queries, bugs=DS_BUGS + SCALE_BUGS + CAP_BUGS + DQ_BUGS),
     _flash_spec(FLASH_GRAD_KEYS, 1, GRAD_KEYS, grad_keys, invariants=(flash_dk_column_sums,),
