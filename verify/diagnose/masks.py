@@ -158,7 +158,8 @@ def _mask_recompute(stage: str, ctx, width):
         N, M = qkv[QUERIES].shape[0], qkv[KEYS].shape[0]
         return (lambda masked: rebuild(qkv, masked)), _row_fitter(rebuild, qkv, ctx), (N, M), width
     if ctx.head_ctx is None and group_rebuildable(ctx):
-        return _group_recompute(stage, ctx, width)
+        # (group_sum rebuilds under a mask the stages with a masked reference: the flash dK, dV)
+        return _group_recompute(stage, ctx, width) if SPECS[stage].with_mask is not None else None
     gradient = gradient_recompute(stage, ctx, width)  # (a program that wrote its gradients alone)
     if gradient is not None:
         return gradient
