@@ -608,6 +608,18 @@ def test_run_says_the_binary_error_once(runner, tmp_path, binary):
     line = _one_line_error(res)
     assert res.output.count("V_head_1.txt") == 1, res.output
     assert "HINT:" in line and res.output.count("HINT:") == 1  # the binary's hint, on the same line
+    assert line.startswith("Error: ") and "main: error:" not in line, line  # (its own prefix once: "Error: ")
+
+
+def test_a_program_that_fails_silently_is_named_by_its_file(runner, tmp_path):
+    """`run --binary` of a user's program that exits non-zero and says nothing: named, not "the binary"."""
+    runner.invoke(cli, ["generate", "--out", str(tmp_path / "in"), *SMALL])
+    program = tmp_path / "my_kernel.sh"
+    program.write_text("#!/bin/sh\nexit 5\n")
+    program.chmod(0o755)
+    line = _one_line_error(runner.invoke(cli, ["run", "--in", str(tmp_path / "in"), "--binary", str(program),
+                                               "--out", str(tmp_path / "out")]), code=1)
+    assert line == "Error: my_kernel.sh exited with status 5", line
 
 
 def test_run_on_a_terminal_shows_the_binarys_progress(runner, tmp_path, binary, monkeypatch):
