@@ -370,3 +370,24 @@ def test_a_mask_bug_is_named_where_the_program_wrote_its_gradients_alone(names, 
     first = [r for r in report.results if r.stage == report.first_failing_stage and not r.passed]
     assert first and all(r.diagnosis and r.diagnosis[0].code == code for r in first), \
         attnstep.format_report(report)
+
+
+def test_a_mask_bug_in_gradient_files_alone_is_named(tmp_path):
+    """The same as another program's files: %g text under its own names, no run.toml, the gradients
+    alone; its causal mask lets each row see one key past the diagonal in both passes."""
+    from helpers.cli import invoke
+    N = M = 48
+    in_dir, out_dir = tmp_path / "in", tmp_path / "out"
+    assert invoke("generate", "--out", in_dir, "--heads", 2, "--seq-q", N, "--seq-k", M, "--d-k", 16, "--d-v", 16,
+                  "--causal", "--backward").exit_code == 0
+    load = lambda name, h: np.loadtxt(in_dir / stage_file(name, h, "txt"), ndmin=2).astype(np.float32)  # noqa: E731
+    out_dir.mkdir()
+    wrong = np.arange(M)[None, :] > np.arange(N)[:, None] + 1
+    for h in range(2):
+        q, k, v, do = (load(n, h)[None, None] for n in (*INPUT_NAMES, GRAD_INPUT))
+        for name, g in zip(("dq", "dk", "dv"), _gradients_under(q, k, v, do, wrong)):
+            np.savetxt(out_dir / f"{name}_{h}.txt", g[0, 0], fmt="%g")
+    r = invoke("check", "--in", in_dir, "--out", out_dir, "--name", "flash_dQ=dq_{i}.txt",
+               "--name", "flash_dK=dk_{i}.txt", "--name", "flash_dV=dv_{i}.txt")
+    assert r.exit_code == 1 and "first failing stage: flash_dQ" in r.output, r.output
+    assert "flash_dQ (both heads); mask_offset:" in r.output, r.output

@@ -374,6 +374,13 @@ def test_keys_left_out_under_a_causal_mask_are_named_as_the_mask_and_as_the_read
 
 # ---- a flash-decoding step's splits --------------------------------------------------------------
 
+def _in_bf16(case: DecodeCase) -> DecodeCase:
+    """The case's inputs rounded to bf16 (a bf16 program's), in place."""
+    for name in ("q", "k_cache", "v_cache", "k_new", "v_new"):
+        setattr(case, name, bf16(getattr(case, name)))
+    return case
+
+
 def check_splits(case: DecodeCase, split_size: int, bug=None, combine_bug=None, **kwargs):
     out, lse, _, _ = decode(case, bug)
     out_accum, lse_accum = decode_splits(case, split_size, bug)
@@ -409,11 +416,9 @@ def test_a_wrong_page_is_named_in_the_first_split_that_reads_it():
 def test_a_paging_bug_is_named_from_the_splits_alone(bug, causal, code, precision):
     """A program that gives its splits and no combined output (the step's partials as they come from
     the split kernel): the readings are told apart on the float64 combine of its splits."""
+    half = precision == "bf16"  # (a bf16 program: its inputs and partial outputs in the format, the lse in float32)
     case = DecodeCase(SEQLENS, n_new=2, nq=4, causal=causal)
-    half = precision == "bf16"
-    if half:  # (a bf16 program: its inputs and partial outputs in the format, the lse in float32)
-        for name in ("q", "k_cache", "v_cache", "k_new", "v_new"):
-            setattr(case, name, bf16(getattr(case, name)))
+    case = _in_bf16(case) if half else case
     out_accum, lse_accum = decode_splits(case, 16, bug)
     report = attnstep.check_kvcache(case.q, case.k_cache, case.v_cache, {},
                                     split_output=bf16(out_accum) if half else out_accum, split_lse=lse_accum,
@@ -427,12 +432,11 @@ def test_a_paging_bug_is_named_from_the_splits_alone(bug, causal, code, precisio
 def test_a_paging_bug_is_named_from_torch_bf16_splits_alone():
     """vLLM's paged attention keeps its partial outputs in the query's dtype: bf16 tensors."""
     torch = pytest.importorskip("torch", reason="torch is not installed: the NumPy tests cover the same path")
-    case = DecodeCase(SEQLENS, n_new=2, nq=4, causal=True)
-    for name in ("q", "k_cache", "v_cache", "k_new", "v_new"):
-        setattr(case, name, bf16(getattr(case, name)))
+    case = _in_bf16(DecodeCase(SEQLENS, n_new=2, nq=4, causal=True))
     out_accum, lse_accum = decode_splits(case, 16, "wrong_page")
     t = lambda x: torch.from_numpy(np.asarray(x)).to(torch.bfloat16)  # noqa: E731 (exact: the values are bf16)
-    args = {n: (t(x) if isinstance(x, np.ndarray) and x.dtype == np.float32 else x) for n, x in case.arguments().items()}
+    args = {n: (t(x) if isinstance(x, np.ndarray) and x.dtype == np.float32 else x)
+            for n, x in case.arguments().items()}
     report = attnstep.check_kvcache(t(case.q), t(case.k_cache), t(case.v_cache), {}, split_output=t(out_accum),
                                     split_lse=torch.from_numpy(lse_accum), split_size=16, precision="bf16", **args)
     failing = [r for r in report.results if not r.passed]
@@ -464,7 +468,7 @@ def test_splits_of_the_wrong_shape_are_named():
     out_accum, lse_accum = decode_splits(case, 16)
     with pytest.raises(ValueError, match=re.escape("split_lse is (3, 3, 4, 1): expected (num_splits, batch, heads, "
                                                    "queries) = (4, 3, 4, 1): 4 splits of 12 keys")):
-        attnstep.check_kvcache(case.q, case.k_cache, case.v_cache, {"flash_output": out}, split_lse=lse_accum[:, :, :, :],
+        attnstep.check_kvcache(case.q, case.k_cache, case.v_cache, {"flash_output": out}, split_lse=lse_accum,
                                split_size=12, **case.arguments())
     with pytest.raises(ValueError, match="pass split_size="):
         attnstep.check_kvcache(case.q, case.k_cache, case.v_cache, {"flash_output": out}, split_output=out_accum,

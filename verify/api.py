@@ -204,10 +204,10 @@ def check_kvcache(q, k_cache, v_cache, stages: Mapping[str, object], *, cache_se
     table, every other slot unchanged). split_output, split_lse, split_size: a flash-decoding step's splits of
     split_size keys each, out_accum (num_splits, batch, heads, queries, dim) and lse_accum (num_splits, batch,
     heads, queries), each checked on its own and the flash stages against their combine (stages may be {}: the
-    splits alone, a paging bug then named from their combine). Each sequence's keys are
-    gathered and every sequence checked as a packed case; a failing one is explained by the paged bugs' diagnoses
-    (paged_*, new_keys_unseen; a cache after: cache_* in its `diagnosis`). A ValueError or TypeError names the
-    argument and what is wrong."""
+    splits alone, a paging bug then named from their combine). Each sequence's keys are gathered and every
+    sequence checked as a packed case; a failing one is explained by the paged bugs' diagnoses (paged_*,
+    new_keys_unseen; a cache after: cache_* in its `diagnosis`). A ValueError or TypeError names the argument
+    and what is wrong."""
     args = validated(stages=stages, causal=causal, align=None, window=window, softcap=softcap, alibi=alibi,
                       dropout_p=0.0, layout=None, scale=scale, precision=precision, math=math, atol=atol, rtol=rtol,
                       jobs=jobs, allow_nonfinite=allow_nonfinite, half_rounding=half_rounding)

@@ -301,10 +301,9 @@ def diagnose(stage: str, got: np.ndarray, want: np.ndarray, ctx: Suspect,
     if head is None or any(d.code not in mimicked for d in found) or not _stored(stage):
         return []
     fmt = half_format_of(stage, got, ctx)
-    if fmt is None and is_half(head.precision) and score_rounding.from_scores(stage):  # (a float32 lse written alone)
-        return score_rounding.diagnose(stage, got, want, ctx, head.precision)
-    if fmt is None and is_half(head.precision) and STAGES[stage].flash and STAGES[stage].backward:
-        return score_rounding.gradients(stage, got, want, ctx, head.precision)  # (float32 gradients of a half run)
+    if fmt is None and is_half(head.precision):  # (a half run's float32 values: its flash lse, its flash gradients)
+        rounded = score_rounding.diagnose if score_rounding.from_scores(stage) else score_rounding.gradients
+        return rounded(stage, got, want, ctx, head.precision)
     if fmt is None:
         small = gap(got, want) <= TF32_GATE * float(np.max(np.abs(want[np.isfinite(want)]), initial=0.0))
         return _tf32(stage, got, want, ctx) if head.precision == "fp32" and small else []

@@ -125,7 +125,8 @@ def _gradient_routes(stage, ctx, fmt: str):
         for factor, words in _prescales(head.scale):
             x = np.asarray(head.own(name), np.float64)
             prescaled = round_to_format((x.astype(np.float32) * factor).astype(np.float64), fmt, NEAREST)
-            yield PRESCALED_ROUNDED, words.replace("Q", name), rebuilt_with(stage, ctx, {name: prescaled / float(factor)})
+            cand = rebuilt_with(stage, ctx, {name: prescaled / float(factor)})
+            yield PRESCALED_ROUNDED, words.replace("Q", name), cand
     qk = np.asarray(head.own(QUERIES), np.float64) @ np.asarray(head.own(KEYS), np.float64).T
     for words, rounded in (("Q·Kᵀ·scale rounded", round_to_format(qk * head.scale, fmt, NEAREST) / head.scale),
                            ("Q·Kᵀ rounded, then scaled", round_to_format(qk, fmt, NEAREST))):

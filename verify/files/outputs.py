@@ -278,9 +278,10 @@ def open_run(folder: Path, case: InputCase, over: Overrides = Overrides(), packi
     unnamed = [f"the name map's {s}={printable(over.names[s])}" for s in unmatched]
     if not sources and unnamed:
         alike = [n for s in unmatched for n in named_alike(folder, over.names[s])]
+        case_words = f"; named alike but for case: {', '.join(alike)} (names are case-sensitive)" if alike else ""
         raise CaseError(f"{folder}: no file matches {', '.join(unnamed)}; nothing would be checked; HINT: the "
                         "pattern is a file name in the output folder, {i} the head's number ({j} the K/V head's)"
-                        + (f"; named alike but for case: {', '.join(alike)} (names are case-sensitive)" if alike else ""))
+                        + case_words)
     if not sources:
         raise CaseError(f"{folder}: no stage files (<stage>_head_<i>.txt or .npy, or <stage>.npy, "
                         f"stages {', '.join(STAGES)}); HINT: is this the folder your program writes? "

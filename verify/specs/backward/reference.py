@@ -167,7 +167,8 @@ class Gradients:
         """dS through the softcap's derivative (dS without a cap): what dQ and dK are made of."""
         if self.head.cap == 0 or not self.cap_slope:
             return self.dS
-        QK = self.own(QUERIES) @ self.own(KEYS).T if self.recompute else self.own(SCORES)
+        QK = self.own(SCORES) if not self.recompute else \
+            self._qk if self._qk is not None else self.own(QUERIES) @ self.own(KEYS).T
         return through_cap(self.dS, cap_factor(np.asarray(QK, np.float64) * self.scale, self.head))
 
 
