@@ -126,7 +126,8 @@ def _call(case: DecodeCase, **changes):
 
 
 REFUSALS = [
-    (dict(q=np.zeros((3, 4, 16))), r"^q is \(3, 4, 16\): expected \(batch, queries, heads, dim\), flash-attn's layout$"),
+    (dict(q=np.zeros((3, 64))), r"^q is \(3, 64\): expected \(batch, queries, heads, dim\), flash-attn's layout, or "
+                                r"\(batch, heads, dim\), one query a sequence$"),
     (dict(k_cache=np.zeros((12, 16, 2))), r"^k_cache is \(12, 16, 2\): expected \(num_blocks, page_size, kv_heads, dim\) "
                                           "with block_table$"),
     (dict(v_cache=np.zeros((15, 32, 2, 16))), "^k_cache has a page size of 16, v_cache a page size of 32: they must match$"),

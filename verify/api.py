@@ -35,7 +35,9 @@ from .diagnose.hypotheses import diagnose
 from .files.arrays import as_array, bias_heads, dims_of, mask_heads, slopes_rows, stage_heads
 from .files.case import InputCase, validate_dims
 from .files.kinds import CaseError
-from .files.kv_cache import kv_cache, packed_keys, step_splits, step_stages
+from .files.cache_layouts import NHD
+from .files.kv_cache import kv_cache
+from .files.kv_step import packed_keys, step_splits, step_stages
 from .files.packed_arrays import packed_layout, packing
 from .files.outputs import RunInfo, StageSource, half_rounding_for
 from .files.split_files import split_arguments, split_run
@@ -188,17 +190,22 @@ def check_kvcache(q, k_cache, v_cache, stages: Mapping[str, object], *, cache_se
                   softcap: Optional[float] = None, alibi=False, scale: Optional[float] = None, precision: str = "fp32",
                   math: str = "ieee", atol: Optional[float] = None, rtol: Optional[float] = None, jobs: int = 1,
                   allow_nonfinite: bool = False, half_rounding: Optional[str] = None, k_cache_after=None,
-                  v_cache_after=None, split_output=None, split_lse=None, split_size=None) -> Report:
+                  v_cache_after=None, split_output=None, split_lse=None, split_size=None,
+                  cache_layout: str = NHD) -> Report:
     """Checks a decode step against a KV cache, as flash-attn's flash_attn_with_kvcache or vLLM's
     paged attention computes it; returns the Report, true when every stage (and the cache after
     the step) passes.
 
-    q: (batch, queries, heads, dim), the queries aligned bottom-right (speculative decoding); k_cache, v_cache:
-    (batch, max_seqlen, kv_heads, dim), or pages (num_blocks, page_size, kv_heads, dim) with block_table (batch,
-    max_blocks_per_seq) (any page size >= 1); cache_seqlens: the keys each sequence holds before the step (an
-    int or (batch,)); k_new, v_new: (batch, new keys, kv_heads, dim), written at cache_seqlens[b] before the
-    attention (flash-attn's k and v). stages: output or flash_output (batch, queries, heads, dim) and flash_lse
-    (batch, heads, queries). causal=True and window are flash-attn's (bottom-right); softcap, alibi ((H,)
+    q: (batch, queries, heads, dim), the queries aligned bottom-right (speculative decoding), or (batch, heads,
+    dim), one query a sequence (vLLM's; the stages then drop the queries' axis too); k_cache, v_cache: (batch,
+    max_seqlen, kv_heads, dim), or pages (num_blocks, page_size, kv_heads, dim) with block_table (batch,
+    max_blocks_per_seq) (any page size >= 1); cache_layout: "nhd" (those, flash-attn's), "hnd" (FlashInfer's:
+    (num_blocks, kv_heads, page_size, dim), dense (batch, kv_heads, max_seqlen, dim)) or "vllm" (vLLM's
+    paged_attention kernels': keys (num_blocks, kv_heads, dim / x, block_size, x), values (num_blocks, kv_heads,
+    dim, block_size)), the cache after the step in the same; cache_seqlens: the keys each sequence holds before
+    the step (an int or (batch,)); k_new, v_new: (batch, new keys, kv_heads, dim) or (batch, kv_heads, dim),
+    written at cache_seqlens[b] before the attention (flash-attn's k and v). stages: output or flash_output
+    (batch, queries, heads, dim) and flash_lse (batch, heads, queries). causal=True and window are flash-attn's (bottom-right); softcap, alibi ((H,)
     slopes), scale, precision, math, atol, rtol, jobs, allow_nonfinite, half_rounding as check_arrays'.
     k_cache_after, v_cache_after: the cache after the step, checked exactly (the new keys written through the
     table, every other slot unchanged). split_output, split_lse, split_size: a flash-decoding step's splits of
@@ -210,9 +217,10 @@ def check_kvcache(q, k_cache, v_cache, stages: Mapping[str, object], *, cache_se
     and what is wrong."""
     args = validated(stages=stages, causal=causal, align=None, window=window, softcap=softcap, alibi=alibi,
                       dropout_p=0.0, layout=None, scale=scale, precision=precision, math=math, atol=atol, rtol=rtol,
-                      jobs=jobs, allow_nonfinite=allow_nonfinite, half_rounding=half_rounding)
+                      jobs=jobs, allow_nonfinite=allow_nonfinite, half_rounding=half_rounding,
+                      cache_layout=cache_layout)
     splits = split_arguments(split_output, split_lse, split_size, stages)
-    kv = kv_cache(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new)
+    kv = kv_cache(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, args["cache_layout"])
     packed = step_stages(kv, args["stages"])
     aligned = isinstance(args["causal"], str)
     args.update(causal=BOTTOM_RIGHT if args["causal"] is True else args["causal"],

@@ -11,6 +11,7 @@ import numpy as np
 
 from .check.compare import Report
 from .files.arrays import LAYOUTS
+from .files.cache_layouts import CACHE_LAYOUTS
 from .files.case import check_scale
 from .files.kinds import CaseError
 from .files.outputs import MATH_MODES
@@ -153,6 +154,7 @@ _ARGUMENT_RULES: Dict[str, Callable[[str, Any], Any]] = {
     "alibi": _expect_alibi,
     "dropout_p": _expect_probability,
     "layout": lambda name, x: None if x is None else _expect_choice(LAYOUTS + (PACKED_LAYOUT,))(name, x),
+    "cache_layout": _expect_choice(tuple(CACHE_LAYOUTS)),
     "scale": _expect_scale,
     "precision": _expect_choice(PRECISIONS),
     "math": _expect_choice(MATH_MODES),

@@ -26,7 +26,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from ..files.kv_cache import KVCache, cache_after_problem, decode_stage, packed_keys
+from ..files.kv_cache import KVCache, cache_after_problem, decode_stage
+from ..files.kv_step import packed_keys
 from ..sequences import Sequences
 from ..stages import FLASH_LSE, FLASH_OUTPUT, KEYS, STAGES, VALUES
 from ..model.half import is_half, storage_unit
@@ -34,14 +35,14 @@ from ..model.rounding import unit_roundoff
 from ..variant import Variant, hidden, modified_scores
 from .diagnosis import SEARCHED_CODES, Diagnosis, equivalent
 from .new_keys import CACHE_WRITE_OFFSET, cache_findings, pool_layout
-from .paged_readings import (CACHE_LENGTH_OFF, NEW_KEYS_UNSEEN, PAGED_PAST_LENGTH, PAGED_PAGE_SHIFT, PAGED_WRONG_PAGE,
-                             Reading, readings)
+from .paged_readings import (CACHE_LAYOUT_MISREAD, CACHE_LENGTH_OFF, NEW_KEYS_UNSEEN, PAGED_PAST_LENGTH,
+                             PAGED_PAGE_SHIFT, PAGED_WRONG_PAGE, Reading, readings)
 from .results import Report, RunCheck
 from .splits import combine
 
 CACHE_AFTER, CACHE_AFTER_TITLE = "cache_after", "cache after the step"
 PAGED_CODES = (PAGED_WRONG_PAGE, PAGED_PAGE_SHIFT, PAGED_PAST_LENGTH, CACHE_LENGTH_OFF, NEW_KEYS_UNSEEN,
-               CACHE_WRITE_OFFSET)
+               CACHE_WRITE_OFFSET, CACHE_LAYOUT_MISREAD)
 # The diagnoses of the packed engine that a paging bug may also show as (verify/diagnose/sequences.py).
 PACKED_CODES = ("sequence_leak", "sequence_boundary", "padding_read")
 # The readings re-checked per kind after the screen.
@@ -64,6 +65,7 @@ def cache_after_checks(kv: KVCache, k_after, v_after) -> List[RunCheck]:
     for stage, name, after in ((KEYS, "k_cache_after", k_after), (VALUES, "v_cache_after", v_after)):
         if after is None:
             continue
+        after = kv.after(name, after)
         problem = cache_after_problem(kv, name, after)
         message, detail = problem or (f"{name}: the new keys at cache_seqlens, every other slot unchanged", {})
         if problem:  # (the named ways it went wrong, as a folder's K and V stages name them)

@@ -19,6 +19,8 @@ PAGED_WRONG_PAGE, PAGED_PAGE_SHIFT, PAGED_PAST_LENGTH = "paged_wrong_page", "pag
 CACHE_LENGTH_OFF = "cache_length_off_by_one"
 # A decode step with new keys: attention over the cache without them (or before they were written).
 NEW_KEYS_UNSEEN = "new_keys_unseen"
+# The cache's pools read in another layout than their own (verify/files/cache_layouts.py misreads).
+CACHE_LAYOUT_MISREAD = "cache_layout_misread"
 MAX_SCREENED = 2048  # the readings screened per failing sequence and kind
 
 
@@ -33,9 +35,15 @@ class Reading:
     detail: dict
     before: bool = False  # read from the cache before the step's new keys are written ...
     shift: int = 0        # ... and then with the new keys written `shift` keys late (early: < 0)
+    misread: Optional[int] = None  # the pools read as kv.misreads()[misread] gives them
 
     def keys(self, kv: KVCache) -> Tuple[np.ndarray, np.ndarray]:
         """The keys and values this reading reads."""
+        if self.misread is not None:
+            m = kv.misreads()[self.misread]
+            pages, slots = kv.places(self.row, self.count)
+            return ((kv.k_pages if m.keys is None else m.keys)[pages, slots],
+                    (kv.v_pages if m.values is None else m.values)[pages, slots])
         k, v = kv.gather(self.b, self.row, self.count, self.before)
         if self.shift:
             u, n = kv.seqlens[self.b], kv.n_new
@@ -155,9 +163,15 @@ def _unseen(kv: KVCache, b: int) -> List[Reading]:
     return out
 
 
+def _misread(kv: KVCache, b: int) -> List[Reading]:
+    """Sequence b's keys read from the cache's pools laid out in another way than they are."""
+    return [Reading(b, kv.table[b], kv.m(b), CACHE_LAYOUT_MISREAD, f"sequence {b} read {m.what}",
+                    {"sequence": b, "read_as": m.what}, misread=i) for i, m in enumerate(kv.misreads())]
+
+
 def _read_key(kv: KVCache, r: Reading) -> Tuple:
     """The pages a reading reads and its count of keys: two readings with one key read the same."""
-    return tuple(int(p) for p in r.row[:-(-r.count // kv.page_size)]), r.count, r.before, r.shift
+    return tuple(int(p) for p in r.row[:-(-r.count // kv.page_size)]), r.count, r.before, r.shift, r.misread
 
 
 def _same_keys(kv: KVCache, b: int, r: Reading, right_k: np.ndarray, right_v: np.ndarray) -> bool:
@@ -177,7 +191,8 @@ def readings(kv: KVCache, b: int) -> List[Reading]:
     of a kind: past-length, a length off by one and shifts first, then wrong pages, the last
     (partial) page first."""
     wrong = sorted(_wrong_pages(kv, b), key=lambda r: -r.detail["page_index"]) if kv.paged else []
-    found = _unseen(kv, b) + _past_length(kv, b) + _off_by_one(kv, b) + (_shifts(kv, b) if kv.paged else []) + wrong
+    found = _unseen(kv, b) + _past_length(kv, b) + _off_by_one(kv, b) + (_shifts(kv, b) if kv.paged else []) + wrong \
+        + _misread(kv, b)
     right_k, right_v = kv.gather(b)
     out: Dict[Tuple, Reading] = {}
     kinds: Dict[str, int] = {}

@@ -16,17 +16,17 @@ Every refusal is one line naming the argument and what is wrong with it.
 from __future__ import annotations
 
 import numbers
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
 from ..sequences import Sequences, packed_sequences
-from ..stages import SPLIT_LSE, SPLIT_OUTPUT, STAGES, split_count
+from ..stages import STAGES
 from ..text import plural
 from .arrays import as_array, native_float
+from .cache_layouts import CACHE_LAYOUTS, NHD, Misread, PoolLayout, misreads, other_fits, read_after, read_pools
 from .packed_arrays import offsets
-from .split_files import trailing_empty_left_out
 
 # The smallest page size of a paged cache (FA3 takes 1, vLLM 8 to 32, flash-attn 2 multiples of 256).
 MIN_PAGE_SIZE = 1
@@ -61,6 +61,11 @@ class KVCache:
     # diagnose_paged_case): q packed (total_q, H, d), sequence b's rows cu_q[b]..cu_q[b+1]-1.
     # None: q (B, nq, H, d), nq queries each.
     cu_q: Optional[Tuple[int, ...]] = None
+    # False: q was given (B, H, d), one query a sequence (vLLM's), and the stages drop that axis too.
+    query_axis: bool = True
+    layout: PoolLayout = CACHE_LAYOUTS[NHD]  # the cache's as given (read here as flash-attn's)
+    given: Dict[str, Tuple[int, ...]] = field(default_factory=dict)  # k_cache's, v_cache's shapes as given
+    _misreads: Optional[List[Misread]] = field(default=None, repr=False)
 
     @property
     def batch(self) -> int:
@@ -116,6 +121,20 @@ class KVCache:
         packing = packed_sequences(np.concatenate(([0], np.cumsum(queries, dtype=np.int64))).tolist(), cu_k)
         return replace(packing, from_cache=True)
 
+    def misreads(self) -> List[Misread]:
+        """The ways a kernel may read this cache (with the new keys) in another layout than its own."""
+        if self._misreads is None:
+            x = self.given["k_cache"][-1] if self.layout.key_dims == 5 else 0
+            self._misreads = misreads(self.layout, self.k_pages, self.v_pages, x, self.paged)
+        return self._misreads
+
+    def after(self, name: str, after) -> np.ndarray:
+        """The cache after the step (`name`: k_cache_after or v_cache_after) read as the cache given
+        was (flash-attn's layout); ValueError for another shape than the cache's as given."""
+        got = native_float(as_array(after, name), name)
+        given = self.given.get(name[:7])
+        return got if given is None else read_after(name, got, given, self.layout)
+
     def table_key(self, b: int, page: int, slot: int) -> int:
         """The key of sequence b that (page, slot) holds (past its keys: -1)."""
         hits = np.flatnonzero(self.table[b, :self.pages_read(b)] == page)
@@ -133,19 +152,21 @@ class KVCache:
 # ----------------------------------------------------------------------------------------------
 # Reading the arguments.
 
-def _float4(name: str, x, words: str) -> np.ndarray:
-    a = native_float(as_array(x, name), name)
-    if a.ndim != 4:
-        raise ValueError(f"{name} is {tuple(a.shape)}: expected {words}")
-    return a
+def _query(q) -> Tuple[np.ndarray, Tuple[int, ...]]:
+    """q as (B, nq, H, d), and its shape as given ((B, H, d): one query a sequence, vLLM's)."""
+    a = native_float(as_array(q, "q"), "q")
+    if a.ndim not in (3, 4):
+        raise ValueError(f"q is {tuple(a.shape)}: expected {LAYOUT_WORDS}, flash-attn's layout, or (batch, heads, "
+                         "dim), one query a sequence")
+    return (a[:, None] if a.ndim == 3 else a), tuple(a.shape)
 
 
-def _caches(q, k_cache, v_cache, paged: bool) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """q and the two caches read and checked against each other."""
-    q = _float4("q", q, f"{LAYOUT_WORDS}, flash-attn's layout")
-    words = ("(num_blocks, page_size, kv_heads, dim) with block_table" if paged
-             else "(batch, max_seqlen, kv_heads, dim), or pages with block_table=")
-    k, v = _float4("k_cache", k_cache, words), _float4("v_cache", v_cache, words)
+def _caches(q, k_cache, v_cache, paged: bool, layout: PoolLayout) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """q and the two caches (read as flash-attn's layout) checked against each other."""
+    q, q_shape = _query(q)
+    given = [native_float(as_array(x, n), n) for x, n in ((k_cache, "k_cache"), (v_cache, "v_cache"))]
+    k, v = read_pools(*given, layout, paged)
+    shapes = {"q": q_shape, "k_cache": given[0].shape, "v_cache": given[1].shape}
     what = ("{} pages", "a page size of {}") if paged else ("{} sequences", "{} slots per sequence")
     for axis, words in enumerate(what + ("{} K/V heads",)):
         if k.shape[axis] != v.shape[axis]:
@@ -154,18 +175,18 @@ def _caches(q, k_cache, v_cache, paged: bool) -> Tuple[np.ndarray, np.ndarray, n
     H, Hk = q.shape[2], k.shape[2]
     for name, a in (("q", q), ("k_cache", k), ("v_cache", v)):
         if 0 in a.shape[2:]:
-            raise ValueError(f"{name} is {tuple(a.shape)}: needs at least one head, of a width of at least 1")
+            raise ValueError(f"{name} is {shapes[name]}: needs at least one head, of a width of at least 1")
     if Hk > H or H % Hk:
         raise ValueError(f"k_cache has {plural(Hk, 'K/V head')} and q {H}: grouped K/V heads must divide the "
                          "query heads")
     if k.shape[3] != q.shape[3]:
         raise ValueError(f"q's head dimension is {q.shape[3]}, k_cache's {k.shape[3]}: Q and K share it")
     if q.shape[1] < 1:
-        raise ValueError(f"q is {tuple(q.shape)}: a decode step has at least one query per sequence")
+        raise ValueError(f"q is {q_shape}: a decode step has at least one query per sequence")
     if q.shape[0] < 1:
-        raise ValueError(f"q is {tuple(q.shape)}: a decode step has at least one sequence (batch >= 1)")
+        raise ValueError(f"q is {q_shape}: a decode step has at least one sequence (batch >= 1)")
     if not paged and k.shape[1] < 1:
-        raise ValueError(f"k_cache is {tuple(k.shape)}: a dense cache holds at least one slot per sequence "
+        raise ValueError(f"k_cache is {shapes['k_cache']}: a dense cache holds at least one slot per sequence "
                          "(max_seqlen >= 1)")
     return q, k, v
 
@@ -180,7 +201,11 @@ def _new_keys(k_new, v_new, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> Tupl
         return np.zeros((B, 0) + k.shape[2:], k.dtype), np.zeros((B, 0) + v.shape[2:], v.dtype)
     out = []
     for name, x, cache in (("k_new", k_new, k), ("v_new", v_new, v)):
-        a = _float4(name, x, "(batch, new keys, kv_heads, dim)")
+        a = native_float(as_array(x, name), name)
+        a = a[:, None] if a.ndim == 3 else a  # (batch, kv_heads, dim): one new key each (vLLM's key, value)
+        if a.ndim != 4:
+            raise ValueError(f"{name} is {tuple(a.shape)}: expected (batch, new keys, kv_heads, dim), or (batch, "
+                             "kv_heads, dim) for one each")
         if a.shape[0] != B or a.shape[2:] != cache.shape[2:]:
             raise ValueError(f"{name} is {tuple(a.shape)}: expected (batch, new keys, kv_heads, dim) = "
                              f"({B}, n, {Hk}, {cache.shape[3]})")
@@ -232,18 +257,19 @@ def _table_entries(table: np.ndarray, seqlens, n_new: int, page_size: int, num_p
                                  f"holds {plural(num_pages, 'page')}); sequence {b} reads it")
 
 
-def _layout(k: np.ndarray, q: np.ndarray, block_table, seqlens, n_new: int) -> Tuple[np.ndarray, int]:
+def _layout(k: np.ndarray, q: np.ndarray, block_table, seqlens, n_new: int, layout: PoolLayout
+            ) -> Tuple[np.ndarray, int]:
     """The table and page size: a paged cache's, checked; a dense cache's, one page per sequence."""
-    B = q.shape[0]
+    B, slots = q.shape[0], f"k_cache.shape[{layout.slot_axis}]"
     if block_table is None:
         if k.shape[0] != B:
-            raise ValueError(f"k_cache holds {plural(k.shape[0], 'sequence')}, q {B}: a dense cache is (batch, "
-                             "max_seqlen, kv_heads, dim); pass block_table= for a paged one")
-        _fits(seqlens, n_new, k.shape[1], "the cache's slots (k_cache.shape[1])")
+            raise ValueError(f"k_cache holds {plural(k.shape[0], 'sequence')}, q {B}: a dense cache is "
+                             f"{layout.dense_keys}; pass block_table= for a paged one")
+        _fits(seqlens, n_new, k.shape[1], f"the cache's slots ({slots})")
         return np.arange(B, dtype=np.int64)[:, None], k.shape[1]
     table, page_size = _table(block_table, B), k.shape[1]
     if page_size < MIN_PAGE_SIZE:
-        raise ValueError(f"k_cache's page size is {page_size} (k_cache.shape[1]): a page holds at least "
+        raise ValueError(f"k_cache's page size is {page_size} ({slots}): a page holds at least "
                          f"{plural(MIN_PAGE_SIZE, 'key')}")
     _fits(seqlens, n_new, table.shape[1] * page_size,
           f"the {plural(table.shape[1], 'page')} of {page_size} that block_table gives each sequence")
@@ -251,16 +277,38 @@ def _layout(k: np.ndarray, q: np.ndarray, block_table, seqlens, n_new: int) -> T
     return table.astype(np.int64), page_size  # (an entry no sequence reads may wrap: it is never used)
 
 
-def kv_cache(q, k_cache, v_cache, cache_seqlens, block_table=None, k_new=None, v_new=None) -> KVCache:
-    """The step's arrays validated, and the cache as the attention reads it (the new keys written)."""
-    q, k, v = _caches(q, k_cache, v_cache, block_table is not None)
+def kv_cache(q, k_cache, v_cache, cache_seqlens, block_table=None, k_new=None, v_new=None, layout: str = NHD
+             ) -> KVCache:
+    """The step's arrays validated, and the cache as the attention reads it (the new keys written);
+    the cache in CACHE_LAYOUTS[layout]. A refusal of arrays that another layout would take says so."""
+    paged = block_table is not None
+
+    def read(pools: PoolLayout) -> KVCache:
+        return _read(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, pools)
+
+    def fits(other: PoolLayout) -> bool:
+        try:
+            read(other)
+        except (ValueError, TypeError):
+            return False
+        return True
+    try:
+        return read(CACHE_LAYOUTS[layout])
+    except ValueError as e:
+        raise ValueError(f"{e}{other_fits(fits, CACHE_LAYOUTS[layout], paged)}") from None
+
+
+def _read(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, layout: PoolLayout) -> KVCache:
+    q_axis = np.ndim(q) != 3
+    q, k, v = _caches(q, k_cache, v_cache, block_table is not None, layout)
     k_add, v_add = _new_keys(k_new, v_new, q, k, v)
     seqlens = _seqlens(cache_seqlens, q.shape[0])
-    table, page_size = _layout(k, q, block_table, seqlens, k_add.shape[1])
+    table, page_size = _layout(k, q, block_table, seqlens, k_add.shape[1], layout)
     if not any(seqlens) and not k_add.shape[1]:
         raise ValueError("cache_seqlens are all 0 and there are no new keys (k_new): no sequence has a key to "
                          "attend to")
-    kv = KVCache(q, k, v, k.copy(), v.copy(), table, page_size, seqlens, k_add.shape[1], block_table is not None)
+    kv = KVCache(q, k, v, k.copy(), v.copy(), table, page_size, seqlens, k_add.shape[1], block_table is not None,
+                 query_axis=q_axis, layout=layout, given={"k_cache": np.shape(k_cache), "v_cache": np.shape(v_cache)})
     _no_shared_slot(kv)
     for b in range(kv.batch):
         pages, slots = kv.places(table[b], kv.m(b))
@@ -282,57 +330,6 @@ def _no_shared_slot(kv: KVCache) -> None:
                                  f"{at[1]} (block_table[{c}, {u // kv.page_size}] = block_table[{b}, "
                                  f"{t // kv.page_size}] = {at[0]}): their new keys would overwrite each other")
             owner[at] = (b, t)
-
-
-def step_stages(kv: KVCache, stages: Dict[str, object]) -> Dict[str, np.ndarray]:
-    """The step's stages in the packed layout: output and flash_output (B, nq, H, d) as (B·nq, H,
-    d); flash_lse (B, H, nq) as (H, B·nq)."""
-    unknown = [n for n in stages if not decode_stage(n)]
-    if unknown:
-        raise ValueError(f"stage {unknown[0]!r}: a decode step is checked on {', '.join(KV_CACHE_STAGES)}")
-    B, nq, H, _ = kv.q.shape
-    out = {}
-    for name, x in stages.items():
-        a = native_float(as_array(x, name), name)
-        lse = STAGES[name].cols == "1"
-        want = (B, H, nq) if lse else (B, nq, H, kv.v_pages.shape[3])
-        if tuple(a.shape) != want:
-            raise ValueError(f"{name} is {tuple(a.shape)}: expected "
-                             + (f"(batch, heads, queries) = {want}" if lse else f"{LAYOUT_WORDS} = {want}"))
-        out[name] = a.transpose(1, 0, 2).reshape(H, B * nq) if lse else a.reshape(B * nq, H, want[3])
-    return out
-
-
-def step_splits(kv: KVCache, splits) -> Optional[Tuple[Optional[np.ndarray], Optional[np.ndarray], int]]:
-    """check_arrays' split triple (split_output, split_lse, split_size) in the packed layout, from
-    flash-attn's split layouts of a decode step: out_accum (S, B, H, nq, d) as (S, B·nq, H, d) and
-    lse_accum (S, B, H, nq) as (S, H, B·nq), S = ⌈most keys a sequence attends / K⌉; None for none."""
-    if splits is None:
-        return None
-    B, nq, H, _ = kv.q.shape
-    size, d = splits[2], kv.v_pages.shape[3]
-    S = split_count(max(kv.m(b) for b in range(kv.batch)), size)
-    out = []
-    layouts = ((SPLIT_OUTPUT, splits[0], (S, B, H, nq, d), "(num_splits, batch, heads, queries, dim)",
-                "; a kernel that pads its head dimension: pass out_accum[..., :dim]"),
-               (SPLIT_LSE, splits[1], (S, B, H, nq), "(num_splits, batch, heads, queries)", ""))
-    for name, given, want, words, padded in layouts:
-        if given is None:
-            out.append(None)
-            continue
-        a = trailing_empty_left_out(native_float(as_array(given, name), name), S, name)
-        if tuple(a.shape) != want:
-            raise ValueError(f"{name} is {tuple(a.shape)}: expected {words} = {want}: {plural(S, 'split')} of "
-                             f"{size} keys (more splits only where the trailing ones hold no key{padded})")
-        out.append(a.transpose(0, 1, 3, 2, 4).reshape(S, B * nq, H, d) if a.ndim == 5
-                   else a.transpose(0, 2, 1, 3).reshape(S, H, B * nq))
-    return out[0], out[1], size
-
-
-def packed_keys(kv: KVCache, keys: List[Tuple[np.ndarray, np.ndarray]]) -> Tuple[np.ndarray, np.ndarray]:
-    """Sequences' gathered (keys, values), packed along the keys."""
-    return (np.concatenate([k for k, _ in keys]) if keys else kv.k_pages[:0, 0],
-            np.concatenate([v for _, v in keys]) if keys else kv.v_pages[:0, 0])
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,0 +1,81 @@
+"""A float32 NumPy decode step written the way vLLM's paged_attention kernels read their cache (from
+vLLM's documented layouts, not from verify/): key_cache (num_blocks, num_kv_heads, head_size / x,
+block_size, x), x values of 16 bytes a vector; value_cache (num_blocks, num_kv_heads, head_size,
+block_size); query and out (num_seqs, num_heads, head_size), one query a sequence; seq_lens counting
+the keys each sequence attends, the current token's included (its key and value written into the
+cache beforehand, by reshape_and_cache, at slot_mapping). A bug changes what it reads or writes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import numpy as np
+
+f32 = np.float32
+
+BUGS = {
+    "wrong_block": "sequence 1's second block read from the block number after it",
+    "past_length": "every sequence's last block read to its end",
+    "vector_order": "each key row read with its vectors and their lanes swapped (head_size / x by x read as x by "
+                    "head_size / x)",
+    "write_offset": "reshape_and_cache writes the new token one slot late",
+}
+
+
+@dataclass
+class VllmCase:
+    """seq_lens: the keys each sequence attends after the step's token is written."""
+    seq_lens: Sequence[int]
+    heads: int = 4
+    kv_heads: int = 2
+    head_size: int = 16
+    block_size: int = 16
+    x: int = 4           # values per 16-byte vector: 4 at float32 (8 at float16)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        rng = np.random.default_rng(self.seed)
+        B, Hk, d, S, x = len(self.seq_lens), self.kv_heads, self.head_size, self.block_size, self.x
+        per_seq = max(-(-n // S) for n in self.seq_lens) + 1
+        blocks = B * per_seq + 2
+        self.key_cache = rng.standard_normal((blocks, Hk, d // x, S, x)).astype(f32)
+        self.value_cache = rng.standard_normal((blocks, Hk, d, S)).astype(f32)
+        self.block_tables = rng.permutation(blocks)[:B * per_seq].reshape(B, per_seq).astype(np.int32)
+        self.query = rng.standard_normal((B, self.heads, d)).astype(f32)
+        self.key = rng.standard_normal((B, Hk, d)).astype(f32)    # the step's token, one a sequence
+        self.value = rng.standard_normal((B, Hk, d)).astype(f32)
+
+
+def reshape_and_cache(case: VllmCase, bug: Optional[str] = None):
+    """The caches with each sequence's token written at its slot (seq_lens[b] − 1)."""
+    k, v = case.key_cache.copy(), case.value_cache.copy()
+    S, x = case.block_size, case.x
+    for b, n in enumerate(case.seq_lens):
+        t = n - 1 + (bug == "write_offset")
+        block, off = case.block_tables[b, t // S], t % S
+        k[block, :, :, off, :] = case.key[b].reshape(case.kv_heads, -1, x)
+        v[block, :, :, off] = case.value[b]
+    return k, v
+
+
+def paged_attention(case: VllmCase, key_cache: np.ndarray, value_cache: np.ndarray, bug: Optional[str] = None):
+    """out (num_seqs, num_heads, head_size) over each sequence's seq_lens[b] keys."""
+    B, H, d = case.query.shape
+    S, group, scale = case.block_size, H // case.kv_heads, f32(1 / np.sqrt(d))
+    out = np.zeros((B, H, d), f32)
+    for b, n in enumerate(case.seq_lens):
+        count = -(-n // S) * S if bug == "past_length" else n
+        for h in range(H):
+            kv = h // group
+            logits = np.empty(count, f32)
+            rows = []
+            for t in range(count):
+                block = case.block_tables[b, t // S] + (bug == "wrong_block" and b == 1 and t // S == 1)
+                vectors = key_cache[block, kv, :, t % S, :]       # (head_size / x, x)
+                k = (vectors.T if bug == "vector_order" else vectors).reshape(d)
+                logits[t] = f32(np.dot(case.query[b, h], k)) * scale
+                rows.append(value_cache[block, kv, :, t % S])
+            p = np.exp(logits - logits.max()).astype(f32)
+            out[b, h] = (p / p.sum()) @ np.stack(rows)
+    return out

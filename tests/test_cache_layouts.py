@@ -1,0 +1,218 @@
+"""check_kvcache on caches in the layouts other kernels keep: FlashInfer's HND and vLLM's
+paged_attention layout (keys split into vectors of x values), and q without its queries' axis (one
+query a sequence, vLLM's). A correct step passes in each; a paging bug is named as in flash-attn's
+layout; a kernel that reads the pools in another layout than they are in is named
+(cache_layout_misread); arrays passed in one layout and declared in another are refused with the
+layout they fit."""
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+from helpers.kv_cache_programs import DecodeCase, decode, decode_splits
+from helpers.vllm_programs import VllmCase, paged_attention, reshape_and_cache
+import attnstep
+
+SEQLENS = [37, 45, 20]
+
+
+def _hnd(a: np.ndarray) -> np.ndarray:
+    """A cache in flash-attn's layout, (pages, slots, kv_heads, dim), laid out as FlashInfer's HND."""
+    return np.ascontiguousarray(a.transpose(0, 2, 1, 3))
+
+
+def _failing(report, sequence=None):
+    return [r for r in report.results if not r.passed and sequence in (None, r.sequence)]
+
+
+def _first_codes(report):
+    return {r.diagnosis[0].code if r.diagnosis else None for r in _failing(report)}
+
+
+# ---- vLLM's paged_attention layout -------------------------------------------------------------
+
+def _vllm(case: VllmCase, bug=None, **kwargs):
+    k, v = reshape_and_cache(case, bug)
+    out = paged_attention(case, k, v, bug)
+    return attnstep.check_kvcache(case.query, case.key_cache, case.value_cache, {"output": out},
+                                  cache_seqlens=np.asarray(case.seq_lens) - 1, block_table=case.block_tables,
+                                  k_new=case.key, v_new=case.value, k_cache_after=k, v_cache_after=v,
+                                  cache_layout="vllm", **kwargs)
+
+
+@pytest.mark.parametrize("block_size, x, kv_heads", [(16, 4, 2), (8, 8, 1), (32, 2, 4)])
+def test_a_correct_vllm_step_passes(block_size, x, kv_heads):
+    report = _vllm(VllmCase(SEQLENS, block_size=block_size, x=x, kv_heads=kv_heads))
+    assert report, attnstep.format_report(report)
+    assert [c.passed for c in report.run_checks] == [True, True]
+
+
+@pytest.mark.parametrize("bug, code", [("wrong_block", "paged_wrong_page"), ("past_length", "paged_past_length"),
+                                       ("vector_order", "cache_layout_misread")])
+def test_a_vllm_kernel_s_bug_is_named(bug, code):
+    report = _vllm(VllmCase(SEQLENS), bug)
+    assert not report
+    assert _first_codes(report) == {code}, attnstep.format_report(report)
+    if bug == "vector_order":
+        message = _failing(report)[0].diagnosis[0].message
+        assert "read its keys with each row's vectors and their x = 4 lanes swapped" in message
+        assert code in attnstep.format_report(report)
+
+
+def test_a_vllm_cache_write_one_slot_late_is_named_in_the_cache_after_the_step():
+    report = _vllm(VllmCase(SEQLENS), "write_offset")
+    k_after = report.run_checks[0]
+    assert not k_after.passed and k_after.message.startswith("k_cache_after: sequence 0, page ")
+    assert k_after.detail["diagnosis"][0]["code"] == "cache_write_offset"
+
+
+# ---- FlashInfer's HND --------------------------------------------------------------------------
+
+def _hnd_check(case: DecodeCase, bug=None, **kwargs):
+    out, lse, k_after, v_after = decode(case, bug)
+    return attnstep.check_kvcache(case.q, _hnd(case.k_cache), _hnd(case.v_cache),
+                                  {"flash_output": out, "flash_lse": lse}, **case.arguments(),
+                                  k_cache_after=_hnd(k_after), v_cache_after=_hnd(v_after), cache_layout="hnd",
+                                  **kwargs)
+
+
+@pytest.mark.parametrize("page_size", [16, None])
+def test_a_correct_hnd_step_passes_paged_and_dense(page_size):
+    report = _hnd_check(DecodeCase(SEQLENS, n_new=2, nq=4, causal=True, page_size=page_size))
+    assert report, attnstep.format_report(report)
+    assert [c.passed for c in report.run_checks] == [True, True]
+
+
+@pytest.mark.parametrize("bug, code", [("wrong_page", "paged_wrong_page"), ("page_shift", "paged_page_shift"),
+                                       ("past_length", "paged_past_length")])
+def test_a_paging_bug_in_an_hnd_cache_is_named(bug, code):
+    report = _hnd_check(DecodeCase(SEQLENS, n_new=1), bug)
+    assert not report and code in _first_codes(report), attnstep.format_report(report)
+
+
+def test_an_hnd_cache_written_one_slot_late_is_named_as_in_flash_attn_s_layout():
+    case = DecodeCase(SEQLENS, n_new=2)
+    hnd = _hnd_check(case, "write_offset").run_checks
+    out, lse, k_after, v_after = decode(case, "write_offset")
+    nhd = attnstep.check_kvcache(case.q, case.k_cache, case.v_cache, {"flash_output": out, "flash_lse": lse},
+                                 **case.arguments(), k_cache_after=k_after, v_cache_after=v_after).run_checks
+    assert not hnd[0].passed and hnd[0].detail["diagnosis"][0]["code"] == "cache_write_offset"
+    assert [(c.message, c.detail) for c in hnd] == [(c.message, c.detail) for c in nhd]
+    assert re.match(r"k_cache_after: sequence \d, page \d+ \(block_table\[\d, \d\]\), slot \d+ \(key \d+\), K/V head 0",
+                    hnd[0].message)
+
+
+# ---- a kernel reading the pools in another layout -----------------------------------------------
+
+def _misread_output(case: DecodeCase, pools, heads_first_memory: bool):
+    """The program's flash stages when it reads `pools` ("k", "v" or "kv") of the cache in the other
+    of the two layouts: heads_first_memory: the cache is HND in memory and read as flash-attn's."""
+    P, S, Hk, d = case.k_cache.shape
+    program = DecodeCase(case.seqlens, n_new=case.n_new, nq=case.nq, page_size=case.page_size)
+    for name in ("k_cache", "v_cache"):
+        right = getattr(case, name)
+        read = _hnd(right).reshape(P, S, Hk, d) if heads_first_memory else \
+            right.reshape(P, Hk, S, d).transpose(0, 2, 1, 3)
+        setattr(program, name, read if name[0] in pools else right)
+    out, lse, _, _ = decode(program)
+    return {"flash_output": out, "flash_lse": lse}
+
+
+@pytest.mark.parametrize("pools, words", [("k", "its keys as"), ("v", "its values as"),
+                                          ("kv", "its keys as (num_blocks, kv_heads, page_size, dim), heads before "
+                                                 "slots and its values as")])
+def test_a_cache_read_in_the_other_layout_is_named(pools, words):
+    case = DecodeCase(SEQLENS, nq=2)
+    report = attnstep.check_kvcache(case.q, case.k_cache, case.v_cache, _misread_output(case, pools, False),
+                                    **case.arguments())
+    assert _first_codes(report) == {"cache_layout_misread"}, attnstep.format_report(report)
+    message = _failing(report)[0].diagnosis[0].message
+    assert words in message and "(num_blocks, kv_heads, page_size, dim), heads before slots" in message
+
+
+def test_an_hnd_cache_read_as_flash_attn_s_is_named():
+    case = DecodeCase(SEQLENS, nq=2)
+    report = attnstep.check_kvcache(case.q, _hnd(case.k_cache), _hnd(case.v_cache),
+                                    _misread_output(case, "k", True), **case.arguments(), cache_layout="hnd")
+    assert _first_codes(report) == {"cache_layout_misread"}, attnstep.format_report(report)
+    assert "its keys as (num_blocks, page_size, kv_heads, dim), slots before heads" in \
+        _failing(report)[0].diagnosis[0].message
+
+
+@pytest.mark.parametrize("bug", ["noise", "scaled", "lse_log2"])
+def test_a_wrong_output_of_another_cause_is_not_named_a_misread(bug):
+    case = DecodeCase(SEQLENS, n_new=1)
+    out, lse, _, _ = decode(case, bug)
+    report = attnstep.check_kvcache(case.q, case.k_cache, case.v_cache, {"flash_output": out, "flash_lse": lse},
+                                    **case.arguments())
+    assert not report
+    assert not any(d.code == "cache_layout_misread" for r in _failing(report) for d in r.diagnosis)
+
+
+# ---- q without its queries' axis ------------------------------------------------------------------
+
+def test_one_query_a_sequence_without_the_queries_axis():
+    case = DecodeCase(SEQLENS, n_new=1)
+    out, lse, _, _ = decode(case)
+    stages = {"flash_output": out[:, 0], "flash_lse": lse[:, :, 0]}
+    assert attnstep.check_kvcache(case.q[:, 0], case.k_cache, case.v_cache, stages, **case.arguments())
+    args = {**case.arguments(), "k_new": case.k_new[:, 0], "v_new": case.v_new[:, 0]}  # (batch, kv_heads, dim)
+    assert attnstep.check_kvcache(case.q[:, 0], case.k_cache, case.v_cache, stages, **args)
+    with pytest.raises(ValueError, match=r"^flash_output is \(3, 1, 4, 16\): expected \(batch, heads, dim\) = "
+                                         r"\(3, 4, 16\)$"):
+        attnstep.check_kvcache(case.q[:, 0], case.k_cache, case.v_cache, {"flash_output": out}, **case.arguments())
+
+
+def test_splits_without_the_queries_axis():
+    case = DecodeCase(SEQLENS, n_new=1)
+    out_s, lse_s = decode_splits(case, 16)
+    report = attnstep.check_kvcache(case.q[:, 0], case.k_cache, case.v_cache, {}, **case.arguments(),
+                                    split_output=out_s[:, :, :, 0], split_lse=lse_s[:, :, :, 0], split_size=16)
+    assert report, attnstep.format_report(report)
+    with pytest.raises(ValueError, match=r"^split_lse is \(\d+, 3, 4, 1\): expected \(num_splits, batch, heads\)"):
+        attnstep.check_kvcache(case.q[:, 0], case.k_cache, case.v_cache, {}, **case.arguments(), split_output=None,
+                               split_lse=lse_s, split_size=16)
+
+
+# ---- refusals -------------------------------------------------------------------------------------
+
+def test_an_hnd_cache_passed_without_its_layout_is_refused_with_the_layout_it_fits():
+    case = DecodeCase(SEQLENS, n_new=2)
+    out, lse, _, _ = decode(case)
+    with pytest.raises(ValueError, match=r"^k_cache has 16 K/V heads and q 4: grouped K/V heads must divide the query "
+                                         r"heads; the arrays would fit cache_layout='hnd' \(FlashInfer's HND: k_cache "
+                                         r"\(num_blocks, kv_heads, page_size, dim\)\)$"):
+        attnstep.check_kvcache(case.q, _hnd(case.k_cache), _hnd(case.v_cache), {"flash_output": out},
+                               **case.arguments())
+
+
+def test_a_vllm_cache_passed_without_its_layout_is_refused_with_the_layout_it_fits():
+    case = VllmCase(SEQLENS)
+    with pytest.raises(ValueError, match=r"^k_cache is \(\d+, 2, 4, 16, 4\): expected \(num_blocks, page_size, "
+                                         r"kv_heads, dim\) with block_table; the arrays would fit "
+                                         r"cache_layout='vllm' \(vLLM's paged_attention kernels': k_cache"):
+        attnstep.check_kvcache(case.query, case.key_cache, case.value_cache, {}, cache_seqlens=case.seq_lens,
+                               block_table=case.block_tables, split_output=np.zeros((1, 3, 4, 16)), split_size=64)
+
+
+def test_layout_refusals():
+    case = VllmCase(SEQLENS)
+    args = dict(cache_seqlens=case.seq_lens, block_table=case.block_tables)
+    out = paged_attention(case, case.key_cache, case.value_cache)
+    with pytest.raises(ValueError, match=r"^cache_layout='vllm' \(vLLM's paged_attention kernels'\) is a paged "
+                                         "cache: pass block_table=$"):
+        attnstep.check_kvcache(case.query, case.key_cache, case.value_cache, {"output": out}, cache_layout="vllm",
+                               cache_seqlens=case.seq_lens)
+    with pytest.raises(ValueError, match=r"^cache_layout 'NHD': expected one of nhd, hnd, vllm$"):
+        attnstep.check_kvcache(case.query, case.key_cache, case.value_cache, {"output": out}, cache_layout="NHD",
+                               **args)
+    with pytest.raises(ValueError, match=r"^v_cache is \(\d+, 2, 16, 16, 1\): expected \(num_blocks, kv_heads, dim, "
+                                         r"block_size\)$"):
+        attnstep.check_kvcache(case.query, case.key_cache, case.value_cache[..., None], {"output": out},
+                               cache_layout="vllm", **args)
+    with pytest.raises(ValueError, match=r"^k_cache_after is \(2, 2\), the cache \(\d+, 2, 4, 16, 4\): the cache "
+                                         "after the step has the cache's shape$"):
+        attnstep.check_kvcache(case.query, case.key_cache, case.value_cache, {"output": out}, cache_layout="vllm",
+                               k_cache_after=np.zeros((2, 2)), **args)
