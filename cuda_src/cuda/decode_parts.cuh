@@ -238,6 +238,10 @@ struct MmaWarp {
     RowInfo row_a, row_b;
     float m_a = -INFINITY, m_b = -INFINITY, l_a = 0.f, l_b = 0.f, acc[M::ND][4];
     int gr, tq;
+    // Whether any lane's second row (gr + 8) sees a key: a decode step's group of 4 query heads and
+    // one query fills rows 0-3 of the 16, so rows 8-15 are padding whose scores, weights and
+    // rescales the warp skips (their weights are 0 either way: the same bits).
+    bool live_b;
 
     __device__ __forceinline__ void begin(const uint16_t* q_s, const RowInfo* rows_s, int lane) {
         gr = lane / 4;
@@ -253,6 +257,7 @@ struct MmaWarp {
         }
         row_a = rows_s[gr];
         row_b = rows_s[gr + 8];
+        live_b = __any_sync(0xffffffffu, row_b.lo < row_b.hi);
 #pragma unroll
         for (int nd = 0; nd < M::ND; ++nd) acc[nd][0] = acc[nd][1] = acc[nd][2] = acc[nd][3] = 0.f;
     }
@@ -278,49 +283,74 @@ struct MmaWarp {
             }
         // The scores as the softmax reads them, masked, and the running max of rows gr, gr + 8.
         float mx_a = -INFINITY, mx_b = -INFINITY;
+        auto masked = [&](int nt, int e) {
+            const RowInfo& info = e < 2 ? row_a : row_b;
+            const int key = key0 + nt * 8 + 2 * tq + (e & 1);
+            float x = sc[nt][e] * a.scale;
+            if (a.softcap > 0.f) x = a.softcap * tanhf(x / a.softcap);
+            if (a.slopes) x -= info.slope * static_cast<float>(abs(info.diag - key));
+            return key >= info.lo && key < info.hi ? x : -INFINITY;
+        };
 #pragma unroll
         for (int nt = 0; nt < M::NT; ++nt)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const RowInfo& info = e < 2 ? row_a : row_b;
-                const int key = key0 + nt * 8 + 2 * tq + (e & 1);
-                float x = sc[nt][e] * a.scale;
-                if (a.softcap > 0.f) x = a.softcap * tanhf(x / a.softcap);
-                if (a.slopes) x -= info.slope * static_cast<float>(abs(info.diag - key));
-                x = key >= info.lo && key < info.hi ? x : -INFINITY;
-                sc[nt][e] = x;
-                if (e < 2) mx_a = fmaxf(mx_a, x);
-                else mx_b = fmaxf(mx_b, x);
+            for (int e = 0; e < 2; ++e) {
+                sc[nt][e] = masked(nt, e);
+                mx_a = fmaxf(mx_a, sc[nt][e]);
             }
+        if (live_b) {
+#pragma unroll
+            for (int nt = 0; nt < M::NT; ++nt)
+#pragma unroll
+                for (int e = 2; e < 4; ++e) {
+                    sc[nt][e] = masked(nt, e);
+                    mx_b = fmaxf(mx_b, sc[nt][e]);
+                }
+        }
 #pragma unroll
         for (int off = 1; off < 4; off <<= 1) {
             mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, off));
             mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, off));
         }
         const float new_a = fmaxf(m_a, mx_a), new_b = fmaxf(m_b, mx_b);
-        const float alpha_a = new_a == -INFINITY ? 1.f : expf(m_a - new_a);
-        const float alpha_b = new_b == -INFINITY ? 1.f : expf(m_b - new_b);
-        m_a = new_a;
-        m_b = new_b;
-        l_a *= alpha_a;
-        l_b *= alpha_b;
+        // A row whose maximum stayed put rescales by e^0 = 1: where no row of the warp's moved, the
+        // rescale is skipped (the same bits), which after a sequence's first keys is most chunks.
+        if (__any_sync(0xffffffffu, new_a != m_a || new_b != m_b)) {
+            const float alpha_a = new_a == -INFINITY ? 1.f : expf(m_a - new_a);
+            const float alpha_b = new_b == -INFINITY ? 1.f : expf(m_b - new_b);
+            m_a = new_a;
+            m_b = new_b;
+            l_a *= alpha_a;
+            l_b *= alpha_b;
 #pragma unroll
-        for (int nd = 0; nd < M::ND; ++nd) {
-            acc[nd][0] *= alpha_a;
-            acc[nd][1] *= alpha_a;
-            acc[nd][2] *= alpha_b;
-            acc[nd][3] *= alpha_b;
+            for (int nd = 0; nd < M::ND; ++nd) {
+                acc[nd][0] *= alpha_a;
+                acc[nd][1] *= alpha_a;
+                acc[nd][2] *= alpha_b;
+                acc[nd][3] *= alpha_b;
+            }
         }
 #pragma unroll
         for (int nt = 0; nt < M::NT; ++nt)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const float x = sc[nt][e], mx = e < 2 ? new_a : new_b;
-                const float p = x == -INFINITY ? 0.f : expf(x - mx);
+            for (int e = 0; e < 2; ++e) {
+                const float x = sc[nt][e], p = x == -INFINITY ? 0.f : expf(x - new_a);
                 sc[nt][e] = p;
-                if (e < 2) l_a += p;
-                else l_b += p;
+                l_a += p;
             }
+        if (live_b) {
+#pragma unroll
+            for (int nt = 0; nt < M::NT; ++nt)
+#pragma unroll
+                for (int e = 2; e < 4; ++e) {
+                    const float x = sc[nt][e], p = x == -INFINITY ? 0.f : expf(x - new_b);
+                    sc[nt][e] = p;
+                    l_b += p;
+                }
+        } else {
+#pragma unroll
+            for (int nt = 0; nt < M::NT; ++nt) sc[nt][2] = sc[nt][3] = 0.f;
+        }
         // O += P·V, 16 keys per k-step: P's A fragment is S's C fragments of two n-tiles.
 #pragma unroll
         for (int kk = 0; kk < M::C / 16; ++kk) {
