@@ -48,12 +48,11 @@ def step_splits(kv: KVCache, splits) -> Optional[Tuple[Optional[np.ndarray], Opt
     size, d = splits[2], kv.v_pages.shape[3]
     S = split_count(max(kv.m(b) for b in range(kv.batch)), size)
     out = []
-    queries = ("queries, ", (nq,)) if kv.query_axis else ("", ())
-    layouts = ((SPLIT_OUTPUT, splits[0], (S, B, H) + queries[1] + (d,),
-                f"(num_splits, batch, heads, {queries[0]}dim)",
+    # (q given as (batch, heads, dim): the splits without the queries' axis too)
+    axis, named = ((nq,), ", queries") if kv.query_axis else ((), "")
+    layouts = ((SPLIT_OUTPUT, splits[0], (S, B, H) + axis + (d,), f"(num_splits, batch, heads{named}, dim)",
                 "; a kernel that pads its head dimension: pass out_accum[..., :dim]"),
-               (SPLIT_LSE, splits[1], (S, B, H) + queries[1], f"(num_splits, batch, heads{', queries' * kv.query_axis})",
-                ""))
+               (SPLIT_LSE, splits[1], (S, B, H) + axis, f"(num_splits, batch, heads{named})", ""))
     for name, given, want, words, padded in layouts:
         if given is None:
             out.append(None)
