@@ -238,9 +238,8 @@ struct MmaWarp {
     RowInfo row_a, row_b;
     float m_a = -INFINITY, m_b = -INFINITY, l_a = 0.f, l_b = 0.f, acc[M::ND][4];
     int gr, tq;
-    // Whether any lane's second row (gr + 8) sees a key: a decode step's group of 4 query heads and
-    // one query fills rows 0-3 of the 16, so rows 8-15 are padding whose scores, weights and
-    // rescales the warp skips (their weights are 0 either way: the same bits).
+    // Whether any lane's second row (gr + 8) sees a key: a decode step's 4 query heads fill rows 0-3 of
+    // 16; rows 8-15 are then padding, whose softmax the warp skips (weights 0 either way: the same bits).
     bool live_b;
 
     __device__ __forceinline__ void begin(const uint16_t* q_s, const RowInfo* rows_s, int lane) {

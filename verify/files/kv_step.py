@@ -51,9 +51,11 @@ def step_splits(kv: KVCache, splits) -> Optional[Tuple[Optional[np.ndarray], Opt
     # (q given as (batch, heads, dim): the splits without the queries' axis too)
     axis, named = ((nq,), ", queries") if kv.query_axis else ((), "")
     layouts = ((SPLIT_OUTPUT, splits[0], (S, B, H) + axis + (d,), f"(num_splits, batch, heads{named}, dim)",
-                "; a kernel that pads its head dimension: pass out_accum[..., :dim]"),
-               (SPLIT_LSE, splits[1], (S, B, H) + axis, f"(num_splits, batch, heads{named})", ""))
-    for name, given, want, words, padded in layouts:
+                "; a kernel that pads its head dimension: pass out_accum[..., :dim]",
+                lambda a: a.reshape(S, B, H, nq, d).transpose(0, 1, 3, 2, 4).reshape(S, B * nq, H, d)),
+               (SPLIT_LSE, splits[1], (S, B, H) + axis, f"(num_splits, batch, heads{named})", "",
+                lambda a: a.reshape(S, B, H, nq).transpose(0, 2, 1, 3).reshape(S, H, B * nq)))
+    for name, given, want, words, padded, packed in layouts:
         if given is None:
             out.append(None)
             continue
@@ -61,8 +63,7 @@ def step_splits(kv: KVCache, splits) -> Optional[Tuple[Optional[np.ndarray], Opt
         if tuple(a.shape) != want:
             raise ValueError(f"{name} is {tuple(a.shape)}: expected {words} = {want}: {plural(S, 'split')} of "
                              f"{size} keys (more splits only where the trailing ones hold no key{padded})")
-        out.append(a.reshape(S, B, H, nq, d).transpose(0, 1, 3, 2, 4).reshape(S, B * nq, H, d) if name == SPLIT_OUTPUT
-                   else a.reshape(S, B, H, nq).transpose(0, 2, 1, 3).reshape(S, H, B * nq))
+        out.append(packed(a))
     return out[0], out[1], size
 
 
