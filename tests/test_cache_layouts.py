@@ -49,15 +49,22 @@ def test_a_correct_vllm_step_passes(block_size, x, kv_heads):
     assert [c.passed for c in report.run_checks] == [True, True]
 
 
+MISREAD_WORDS = {
+    "vector_order": "read its keys with each row's vectors and their x = 4 lanes swapped",
+    "keys_unsplit": "read its keys as (num_blocks, kv_heads, block_size, head_size), without their rows' split into "
+                    "vectors of x = 4",
+    "values_transposed": "read its values as (num_blocks, kv_heads, block_size, head_size), where they are",
+}
+
+
 @pytest.mark.parametrize("bug, code", [("wrong_block", "paged_wrong_page"), ("past_length", "paged_past_length"),
-                                       ("vector_order", "cache_layout_misread")])
+                                       *((bug, "cache_layout_misread") for bug in MISREAD_WORDS)])
 def test_a_vllm_kernel_s_bug_is_named(bug, code):
     report = _vllm(VllmCase(SEQLENS), bug)
     assert not report
     assert _first_codes(report) == {code}, attnstep.format_report(report)
-    if bug == "vector_order":
-        message = _failing(report)[0].diagnosis[0].message
-        assert "read its keys with each row's vectors and their x = 4 lanes swapped" in message
+    if bug in MISREAD_WORDS:
+        assert MISREAD_WORDS[bug] in _failing(report)[0].diagnosis[0].message
         assert code in attnstep.format_report(report)
 
 
@@ -66,6 +73,7 @@ def test_a_vllm_cache_write_one_slot_late_is_named_in_the_cache_after_the_step()
     k_after = report.run_checks[0]
     assert not k_after.passed and k_after.message.startswith("k_cache_after: sequence 0, page ")
     assert k_after.detail["diagnosis"][0]["code"] == "cache_write_offset"
+    assert re.search(r"\(k_new\[\d, \d, \d\]\)", k_after.message)  # (the new keys as given: (batch, kv_heads, dim))
 
 
 # ---- FlashInfer's HND --------------------------------------------------------------------------
@@ -132,16 +140,31 @@ def test_a_cache_read_in_the_other_layout_is_named(pools, words):
     assert words in message and "(num_blocks, kv_heads, page_size, dim), heads before slots" in message
 
 
-def test_an_hnd_cache_read_as_flash_attn_s_is_named():
+@pytest.mark.parametrize("pools, words", [("k", "its keys as"), ("v", "its values as"), ("kv", "and its values as")])
+def test_an_hnd_cache_read_as_flash_attn_s_is_named(pools, words):
     case = DecodeCase(SEQLENS, nq=2)
     report = attnstep.check_kvcache(case.q, _hnd(case.k_cache), _hnd(case.v_cache),
-                                    _misread_output(case, "k", True), **case.arguments(), cache_layout="hnd")
+                                    _misread_output(case, pools, True), **case.arguments(), cache_layout="HND")
     assert _first_codes(report) == {"cache_layout_misread"}, attnstep.format_report(report)
-    assert "its keys as (num_blocks, page_size, kv_heads, dim), slots before heads" in \
-        _failing(report)[0].diagnosis[0].message
+    message = _failing(report)[0].diagnosis[0].message
+    assert words in message and "(num_blocks, page_size, kv_heads, dim), slots before heads" in message
 
 
-@pytest.mark.parametrize("bug", ["noise", "scaled", "lse_log2"])
+@pytest.mark.parametrize("declared, given", [("nhd", _hnd), ("hnd", lambda a: a)])
+def test_a_correct_step_checked_in_the_wrong_layout_names_the_layout_it_is_in(declared, given):
+    """Page size 2 and 4 K/V heads: either layout reads the pools (no refusal); a correct step read in
+    the other fails, and the check names the layout it passes in."""
+    case = DecodeCase([7, 9, 4], heads=8, kv_heads=4, page_size=2)
+    out, lse, _, _ = decode(case)
+    report = attnstep.check_kvcache(case.q, given(case.k_cache), given(case.v_cache),
+                                    {"flash_output": out, "flash_lse": lse}, **case.arguments(), cache_layout=declared)
+    assert not report
+    assert _first_codes(report) == {"cache_layout_declared"}, attnstep.format_report(report)
+    other = "hnd" if declared == "nhd" else "nhd"
+    assert f"the step passes with cache_layout='{other}'" in _failing(report)[0].diagnosis[0].message
+
+
+@pytest.mark.parametrize("bug", ["noise", "scaled"])
 def test_a_wrong_output_of_another_cause_is_not_named_a_misread(bug):
     case = DecodeCase(SEQLENS, n_new=1)
     out, lse, _, _ = decode(case, bug)
@@ -160,6 +183,9 @@ def test_one_query_a_sequence_without_the_queries_axis():
     assert attnstep.check_kvcache(case.q[:, 0], case.k_cache, case.v_cache, stages, **case.arguments())
     args = {**case.arguments(), "k_new": case.k_new[:, 0], "v_new": case.v_new[:, 0]}  # (batch, kv_heads, dim)
     assert attnstep.check_kvcache(case.q[:, 0], case.k_cache, case.v_cache, stages, **args)
+    with pytest.raises(ValueError, match=r"^k_new is \(3, 3, 16\): expected \(batch, kv_heads, dim\) = \(3, 2, 16\)$"):
+        attnstep.check_kvcache(case.q[:, 0], case.k_cache, case.v_cache, stages,
+                               **{**args, "k_new": np.zeros((3, 3, 16), np.float32)})
     with pytest.raises(ValueError, match=r"^flash_output is \(3, 1, 4, 16\): expected \(batch, heads, dim\) = "
                                          r"\(3, 4, 16\)$"):
         attnstep.check_kvcache(case.q[:, 0], case.k_cache, case.v_cache, {"flash_output": out}, **case.arguments())
@@ -205,9 +231,16 @@ def test_layout_refusals():
                                          "cache: pass block_table=$"):
         attnstep.check_kvcache(case.query, case.key_cache, case.value_cache, {"output": out}, cache_layout="vllm",
                                cache_seqlens=case.seq_lens)
-    with pytest.raises(ValueError, match=r"^cache_layout 'NHD': expected one of nhd, hnd, vllm$"):
-        attnstep.check_kvcache(case.query, case.key_cache, case.value_cache, {"output": out}, cache_layout="NHD",
+    with pytest.raises(ValueError, match=r"^cache_layout 'flash': expected one of nhd, hnd, vllm$"):
+        attnstep.check_kvcache(case.query, case.key_cache, case.value_cache, {"output": out}, cache_layout="flash",
                                **args)
+    with pytest.raises(ValueError, match=r"^k_cache has a page size of 16, v_cache a page size of 32: they must match "
+                                         r"\(cache_layout='vllm': k_cache \(num_blocks, kv_heads, dim / x, block_size, "
+                                         r"x\), v_cache \(num_blocks, kv_heads, dim, block_size\)\)$"):
+        wide = VllmCase(SEQLENS, head_size=32)
+        attnstep.check_kvcache(wide.query, wide.key_cache, wide.value_cache.transpose(0, 1, 3, 2), {},
+                               cache_layout="vllm", cache_seqlens=wide.seq_lens, block_table=wide.block_tables,
+                               split_output=np.zeros((1, 3, 4, 32)), split_size=64)
     with pytest.raises(ValueError, match=r"^v_cache is \(\d+, 2, 16, 16, 1\): expected \(num_blocks, kv_heads, dim, "
                                          r"block_size\)$"):
         attnstep.check_kvcache(case.query, case.key_cache, case.value_cache[..., None], {"output": out},

@@ -49,7 +49,8 @@ def _codes(report, sequence):
 
 
 @pytest.mark.parametrize("bug, code", [("wrong_page", "paged_wrong_page"), ("other_sequence_page", "paged_wrong_page"),
-                                       ("page_shift", "paged_page_shift")])
+                                       ("page_shift", "paged_page_shift"),
+                                       ("other_sequence_row", "paged_wrong_table_row")])
 def test_a_wrong_page_fails_with_its_diagnosis(bug, code):
     report = check(DecodeCase(SEQLENS, n_new=2, nq=4, causal=True), bug)
     assert not report
@@ -62,6 +63,9 @@ def test_a_wrong_page_fails_with_its_diagnosis(bug, code):
         assert "sequence 0's page 0" in diag.message
     if bug == "wrong_page":
         assert diag.detail["page_index"] == 1 and "the page after it in the pool" in diag.message
+    if bug == "other_sequence_row":
+        assert diag.message == "sequence 1 read its pages through sequence 2's row of the block table " \
+                               "(block_table[2, j] for its page j)"
     assert code in attnstep.format_report(report)
 
 

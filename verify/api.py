@@ -30,7 +30,7 @@ import numpy as np
 from .api_arguments import expect_report, validated
 from .check import flash_attn_criterion as fa_criterion
 from .check.compare import Options, Report, check_run
-from .check.paged import cache_after_checks, diagnose_paged, split_combine
+from .check.paged import cache_after_checks, diagnose_paged, name_declared_layout, split_combine
 from .diagnose.hypotheses import diagnose
 from .files.arrays import as_array, bias_heads, dims_of, mask_heads, slopes_rows, stage_heads
 from .files.case import InputCase, validate_dims
@@ -202,29 +202,48 @@ def check_kvcache(q, k_cache, v_cache, stages: Mapping[str, object], *, cache_se
     max_blocks_per_seq) (any page size >= 1); cache_layout: "nhd" (those, flash-attn's), "hnd" (FlashInfer's:
     (num_blocks, kv_heads, page_size, dim), dense (batch, kv_heads, max_seqlen, dim)) or "vllm" (vLLM's
     paged_attention kernels': keys (num_blocks, kv_heads, dim / x, block_size, x), values (num_blocks, kv_heads,
-    dim, block_size)), the cache after the step in the same; cache_seqlens: the keys each sequence holds before
-    the step (an int or (batch,)); k_new, v_new: (batch, new keys, kv_heads, dim) or (batch, kv_heads, dim),
+    dim, block_size); paged only), the cache after the step in the same; cache_seqlens: the keys each sequence
+    holds before the step (an int or (batch,)); k_new, v_new: (batch, new keys, kv_heads, dim) or (batch, kv_heads, dim),
     written at cache_seqlens[b] before the attention (flash-attn's k and v). stages: output or flash_output
-    (batch, queries, heads, dim) and flash_lse (batch, heads, queries). causal=True and window are flash-attn's (bottom-right); softcap, alibi ((H,)
-    slopes), scale, precision, math, atol, rtol, jobs, allow_nonfinite, half_rounding as check_arrays'.
+    (batch, queries, heads, dim) and flash_lse (batch, heads, queries). causal=True and window are flash-attn's
+    (bottom-right); softcap, alibi ((H,) slopes), scale, precision, math, atol, rtol, jobs, allow_nonfinite,
+    half_rounding as check_arrays'.
     k_cache_after, v_cache_after: the cache after the step, checked exactly (the new keys written through the
     table, every other slot unchanged). split_output, split_lse, split_size: a flash-decoding step's splits of
     split_size keys each, out_accum (num_splits, batch, heads, queries, dim) and lse_accum (num_splits, batch,
     heads, queries), each checked on its own and the flash stages against their combine (stages may be {}: the
     splits alone, a paging bug then named from their combine). Each sequence's keys are gathered and every
     sequence checked as a packed case; a failing one is explained by the paged bugs' diagnoses (paged_*,
-    new_keys_unseen; a cache after: cache_* in its `diagnosis`). A ValueError or TypeError names the argument
-    and what is wrong."""
+    cache_length_off_by_one, new_keys_unseen, cache_layout_misread; a correct step given in another layout than
+    cache_layout says: cache_layout_declared; a cache after: cache_* in its `diagnosis`). A ValueError or
+    TypeError names the argument and what is wrong."""
     args = validated(stages=stages, causal=causal, align=None, window=window, softcap=softcap, alibi=alibi,
                       dropout_p=0.0, layout=None, scale=scale, precision=precision, math=math, atol=atol, rtol=rtol,
                       jobs=jobs, allow_nonfinite=allow_nonfinite, half_rounding=half_rounding,
                       cache_layout=cache_layout)
     splits = split_arguments(split_output, split_lse, split_size, stages)
-    kv = kv_cache(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, args["cache_layout"])
-    packed = step_stages(kv, args["stages"])
+    arrays = (q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new)
+    kv = kv_cache(*arrays, args["cache_layout"])
     aligned = isinstance(args["causal"], str)
     args.update(causal=BOTTOM_RIGHT if args["causal"] is True else args["causal"],
                 align=None if aligned else BOTTOM_RIGHT)
+    report = _decode_step(kv, args, splits, diagnose)
+
+    def passes_as(layout) -> bool:
+        try:
+            other = kv_cache(*arrays, layout.name)
+        except (ValueError, TypeError):
+            return False
+        return bool(_decode_step(other, args, splits, None))
+    name_declared_layout(report, kv, passes_as)
+    report.run_checks += cache_after_checks(kv, k_cache_after, v_cache_after)
+    return report
+
+
+def _decode_step(kv, args: Dict[str, Any], splits, diagnoser) -> Report:
+    """check_kvcache's report of the step read from kv (its cache after aside); with a diagnoser,
+    the failures diagnosed and the paged readings searched."""
+    packed = step_stages(kv, args["stages"])
 
     def recheck(q, k, v, stages, seqs, diagnoser=None, splits=None) -> Report:
         # (a reading's re-check is of the step's own stages: the splits are the whole step's)
@@ -235,9 +254,9 @@ def check_kvcache(q, k_cache, v_cache, stages: Mapping[str, object], *, cache_se
 
     keys, packed_splits = packed_keys(kv, [kv.gather(b) for b in range(kv.batch)]), step_splits(kv, splits)
     report = recheck(kv.q.reshape((-1,) + kv.q.shape[2:]), *keys, packed,
-                     kv.sequences([kv.m(b) for b in range(kv.batch)]), diagnose, packed_splits)
-    diagnose_paged(report, kv, packed or split_combine(packed_splits), recheck)
-    report.run_checks += cache_after_checks(kv, k_cache_after, v_cache_after)
+                     kv.sequences([kv.m(b) for b in range(kv.batch)]), diagnoser, packed_splits)
+    if diagnoser is not None:
+        diagnose_paged(report, kv, packed or split_combine(packed_splits), recheck)
     return report
 
 

@@ -154,7 +154,8 @@ _ARGUMENT_RULES: Dict[str, Callable[[str, Any], Any]] = {
     "alibi": _expect_alibi,
     "dropout_p": _expect_probability,
     "layout": lambda name, x: None if x is None else _expect_choice(LAYOUTS + (PACKED_LAYOUT,))(name, x),
-    "cache_layout": _expect_choice(tuple(CACHE_LAYOUTS)),
+    # (FlashInfer spells its layouts "NHD" and "HND")
+    "cache_layout": lambda name, x: _expect_choice(tuple(CACHE_LAYOUTS))(name, x.lower() if isinstance(x, str) else x),
     "scale": _expect_scale,
     "precision": _expect_choice(PRECISIONS),
     "math": _expect_choice(MATH_MODES),

@@ -19,6 +19,8 @@ BUGS = {
     "past_length": "every sequence's last block read to its end",
     "vector_order": "each key row read with its vectors and their lanes swapped (head_size / x by x read as x by "
                     "head_size / x)",
+    "keys_unsplit": "key_cache read as (num_blocks, kv_heads, block_size, head_size), its x split left out",
+    "values_transposed": "value_cache read as (num_blocks, kv_heads, block_size, head_size)",
     "write_offset": "reshape_and_cache writes the new token one slot late",
 }
 
@@ -70,12 +72,16 @@ def paged_attention(case: VllmCase, key_cache: np.ndarray, value_cache: np.ndarr
             kv = h // group
             logits = np.empty(count, f32)
             rows = []
+            k_flat, v_flat = key_cache.reshape(key_cache.shape[0], -1), value_cache.reshape(value_cache.shape[0], -1)
             for t in range(count):
                 block = case.block_tables[b, t // S] + (bug == "wrong_block" and b == 1 and t // S == 1)
                 vectors = key_cache[block, kv, :, t % S, :]       # (head_size / x, x)
                 k = (vectors.T if bug == "vector_order" else vectors).reshape(d)
+                if bug == "keys_unsplit":  # the block's memory read as (kv_heads, block_size, head_size)
+                    k = k_flat[block].reshape(case.kv_heads, S, d)[kv, t % S]
                 logits[t] = f32(np.dot(case.query[b, h], k)) * scale
-                rows.append(value_cache[block, kv, :, t % S])
+                rows.append(v_flat[block].reshape(case.kv_heads, S, d)[kv, t % S] if bug == "values_transposed"
+                            else value_cache[block, kv, :, t % S])
             p = np.exp(logits - logits.max()).astype(f32)
             out[b, h] = (p / p.sum()) @ np.stack(rows)
     return out

@@ -26,6 +26,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
+from ..files.cache_layouts import CACHE_LAYOUTS, PoolLayout
 from ..files.kv_cache import KVCache, cache_after_problem, decode_stage
 from ..files.kv_step import packed_keys
 from ..sequences import Sequences
@@ -36,13 +37,17 @@ from ..variant import Variant, hidden, modified_scores
 from .diagnosis import SEARCHED_CODES, Diagnosis, equivalent
 from .new_keys import CACHE_WRITE_OFFSET, cache_findings, pool_layout
 from .paged_readings import (CACHE_LAYOUT_MISREAD, CACHE_LENGTH_OFF, NEW_KEYS_UNSEEN, PAGED_PAST_LENGTH,
-                             PAGED_PAGE_SHIFT, PAGED_WRONG_PAGE, Reading, readings)
+                             PAGED_PAGE_SHIFT, PAGED_WRONG_PAGE, PAGED_WRONG_TABLE_ROW, Reading, readings)
 from .results import Report, RunCheck
 from .splits import combine
 
+# The check's arrays read in another cache layout than the one declared pass: the cache is laid
+# out so (the declared layout reads arrays of an ambiguous shape with page size and heads swapped).
+CACHE_LAYOUT_DECLARED = "cache_layout_declared"
+
 CACHE_AFTER, CACHE_AFTER_TITLE = "cache_after", "cache after the step"
 PAGED_CODES = (PAGED_WRONG_PAGE, PAGED_PAGE_SHIFT, PAGED_PAST_LENGTH, CACHE_LENGTH_OFF, NEW_KEYS_UNSEEN,
-               CACHE_WRITE_OFFSET, CACHE_LAYOUT_MISREAD)
+               CACHE_WRITE_OFFSET, CACHE_LAYOUT_MISREAD, PAGED_WRONG_TABLE_ROW)
 # The diagnoses of the packed engine that a paging bug may also show as (verify/diagnose/sequences.py).
 PACKED_CODES = ("sequence_leak", "sequence_boundary", "padding_read")
 # The readings re-checked per kind after the screen.
@@ -280,3 +285,18 @@ def diagnose_paged(report: Report, kv: KVCache, stages: Dict[str, np.ndarray], r
                 # (a split reads its keys as the whole step does; a mask named first stays first)
                 at = next((i for i, d in enumerate(res.diagnosis) if not equivalent(d)), len(res.diagnosis))
                 res.diagnosis[at:at] = found
+
+
+def name_declared_layout(report: Report, kv: KVCache, passes_as: Callable[[PoolLayout], bool]) -> None:
+    """A failing step whose arrays another cache layout also reads, and which passes read so
+    (passes_as(layout)): that layout named first in every failing result."""
+    if report:
+        return
+    for other in CACHE_LAYOUTS.values():
+        if other is not kv.layout and passes_as(other):
+            message = (f"the step passes with cache_layout={other.name!r} ({other.whose}: k_cache "
+                       f"{other.words(kv.paged)}), not as cache_layout={kv.layout.name!r} reads the arrays")
+            for res in report.results:
+                if not res.passed:
+                    res.diagnosis.insert(0, Diagnosis(CACHE_LAYOUT_DECLARED, message, {"cache_layout": other.name}))
+            return

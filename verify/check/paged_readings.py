@@ -14,6 +14,8 @@ from ..files.kv_cache import KVCache
 from .new_keys import CACHE_WRITE_OFFSET
 
 PAGED_WRONG_PAGE, PAGED_PAGE_SHIFT, PAGED_PAST_LENGTH = "paged_wrong_page", "paged_page_shift", "paged_past_length"
+# A sequence's pages read through another sequence's row of the block table (a batch index off).
+PAGED_WRONG_TABLE_ROW = "paged_wrong_table_row"
 # A sequence's length read one key long or short (`<=` for `<`, or the count of keys taken as the
 # last key's index), paged or dense.
 CACHE_LENGTH_OFF = "cache_length_off_by_one"
@@ -39,11 +41,13 @@ class Reading:
 
     def keys(self, kv: KVCache) -> Tuple[np.ndarray, np.ndarray]:
         """The keys and values this reading reads."""
-        if self.misread is not None:
+        if self.misread is not None:  # (only the pages it reads converted)
             m = kv.misreads()[self.misread]
             pages, slots = kv.places(self.row, self.count)
-            return ((kv.k_pages if m.keys is None else m.keys)[pages, slots],
-                    (kv.v_pages if m.values is None else m.values)[pages, slots])
+            used, at = np.unique(pages, return_inverse=True)
+            k, v = kv.k_pages[used], kv.v_pages[used]
+            k, v = (k if m.keys is None else m.keys(k)), (v if m.values is None else m.values(v))
+            return k[at, slots], v[at, slots]
         k, v = kv.gather(self.b, self.row, self.count, self.before)
         if self.shift:
             u, n = kv.seqlens[self.b], kv.n_new
@@ -86,6 +90,19 @@ def _shifts(kv: KVCache, b: int) -> List[Reading]:
         if row is not None:
             out.append(Reading(b, row, m, PAGED_PAGE_SHIFT, f"sequence {b} read block_table[{b}, j + 1] for its "
                                f"page j (the table read one entry late){how}", {"table_offset": 1}))
+    return out
+
+
+def _other_rows(kv: KVCache, b: int) -> List[Reading]:
+    """Sequence b's keys read through another sequence's row of the block table, its own count of
+    keys (the table indexed by another sequence's number)."""
+    out, pages, m = [], kv.pages_read(b), kv.m(b)
+    for c in range(kv.batch):
+        row, how = _indexed(kv, kv.table[c].copy(), pages) if c != b else (None, "")
+        if row is not None:
+            out.append(Reading(b, row, m, PAGED_WRONG_TABLE_ROW, f"sequence {b} read its pages through sequence "
+                               f"{c}'s row of the block table (block_table[{c}, j] for its page j){how}",
+                               {"sequence": b, "table_row": c}))
     return out
 
 
@@ -188,11 +205,11 @@ def _same_keys(kv: KVCache, b: int, r: Reading, right_k: np.ndarray, right_v: np
 def readings(kv: KVCache, b: int) -> List[Reading]:
     """The readings of sequence b a buggy program may make, each of keys other than the right ones,
     each read once (a wrong page kept over a shift that reads the same pages), at most MAX_SCREENED
-    of a kind: past-length, a length off by one and shifts first, then wrong pages, the last
-    (partial) page first."""
+    of a kind: past-length, a length off by one, shifts and other sequences' table rows first, then
+    wrong pages, the last (partial) page first, then the pools read in other layouts."""
     wrong = sorted(_wrong_pages(kv, b), key=lambda r: -r.detail["page_index"]) if kv.paged else []
-    found = _unseen(kv, b) + _past_length(kv, b) + _off_by_one(kv, b) + (_shifts(kv, b) if kv.paged else []) + wrong \
-        + _misread(kv, b)
+    rows = _shifts(kv, b) + _other_rows(kv, b) if kv.paged else []
+    found = _unseen(kv, b) + _past_length(kv, b) + _off_by_one(kv, b) + rows + wrong + _misread(kv, b)
     right_k, right_v = kv.gather(b)
     out: Dict[Tuple, Reading] = {}
     kinds: Dict[str, int] = {}

@@ -5,8 +5,9 @@ than on anything else: flash-attn and vLLM's FlashAttention backend keep a page'
 FlashInfer offers its heads outermost (HND), and vLLM's paged_attention kernels split each key row
 into vectors of x values (16 bytes) behind the page's slots so that a thread reads one at a time.
 
-A layout's arrays are read as views (transposed, no copy); the words name the axes as the layout's
-authors do, so that a refusal reads in the user's terms.
+A layout's arrays are read as views where a transpose does it (vLLM's keys, whose vectors are
+joined into rows, are copied); the words name the axes as the layout's authors do, so that a
+refusal reads in the user's terms.
 """
 from __future__ import annotations
 
@@ -66,11 +67,12 @@ CACHE_LAYOUTS: Dict[str, PoolLayout] = {layout.name: layout for layout in (
 @dataclass(frozen=True)
 class Misread:
     """A way a kernel reads a pool in a layout other than the one it is in: `what` says how; keys
-    and values are the pools as it then reads them (flash-attn's layout), None where it reads that
-    pool right."""
+    and values take pages of a pool (flash-attn's layout) to those pages as it then reads them, None
+    where it reads that pool right. Every layout keeps a page's values within the page, so a
+    misread page is made of that page alone: a reading converts only the pages it reads."""
     what: str
-    keys: Optional[np.ndarray]
-    values: Optional[np.ndarray]
+    keys: Optional[Callable[[np.ndarray], np.ndarray]]
+    values: Optional[Callable[[np.ndarray], np.ndarray]]
 
 
 def _as_written(layout: PoolLayout, pool: np.ndarray, values: bool, x: int) -> np.ndarray:
@@ -108,14 +110,14 @@ def _misreaders(layout: PoolLayout, x: int, paged: bool
                    "head_size, block_size)", as_hnd)]
 
 
-def misreads(layout: PoolLayout, k: np.ndarray, v: np.ndarray, x: int, paged: bool) -> List[Misread]:
-    """The ways a kernel may read a cache of this layout (k, v: its pools in flash-attn's layout; x:
-    vLLM's values a vector) in another: each pool's alone, and each misread of the keys with each of
-    the values."""
+def misreads(layout: PoolLayout, x: int, paged: bool) -> List[Misread]:
+    """The ways a kernel may read a cache of this layout (x: vLLM's values a vector) in another:
+    each pool's alone, and each misread of the keys with each of the values."""
     keys, values = [], []
     for is_values, how, read in _misreaders(layout, x, paged):
-        pool = v if is_values else k
-        (values if is_values else keys).append((how, read(_as_written(layout, pool, is_values, x), pool.shape)))
+        def misread(pages: np.ndarray, read=read, is_values=is_values) -> np.ndarray:
+            return read(_as_written(layout, pages, is_values, x), pages.shape)
+        (values if is_values else keys).append((how, misread))
     return ([Misread(f"its keys {how}", kp, None) for how, kp in keys]
             + [Misread(f"its values {how}", None, vp) for how, vp in values]
             + [Misread(f"its keys {kh} and its values {vh}", kp, vp) for kh, kp in keys for vh, vp in values])

@@ -125,7 +125,7 @@ class KVCache:
         """The ways a kernel may read this cache (with the new keys) in another layout than its own."""
         if self._misreads is None:
             x = self.given["k_cache"][-1] if self.layout.key_dims == 5 else 0
-            self._misreads = misreads(self.layout, self.k_pages, self.v_pages, x, self.paged)
+            self._misreads = misreads(self.layout, x, self.paged)
         return self._misreads
 
     def after(self, name: str, after) -> np.ndarray:
@@ -168,10 +168,13 @@ def _caches(q, k_cache, v_cache, paged: bool, layout: PoolLayout) -> Tuple[np.nd
     k, v = read_pools(*given, layout, paged)
     shapes = {"q": q_shape, "k_cache": given[0].shape, "v_cache": given[1].shape}
     what = ("{} pages", "a page size of {}") if paged else ("{} sequences", "{} slots per sequence")
+    # (where the two pools' axes differ, as in vLLM's, each one's as that layout has it)
+    axes = "" if layout.keys == layout.values else \
+        f" (cache_layout={layout.name!r}: k_cache {layout.words(paged)}, v_cache {layout.words(paged, True)})"
     for axis, words in enumerate(what + ("{} K/V heads",)):
         if k.shape[axis] != v.shape[axis]:
             raise ValueError(f"k_cache has {words.format(k.shape[axis])}, v_cache {words.format(v.shape[axis])}: "
-                             "they must match")
+                             f"they must match{axes}")
     H, Hk = q.shape[2], k.shape[2]
     for name, a in (("q", q), ("k_cache", k), ("v_cache", v)):
         if 0 in a.shape[2:]:
@@ -201,14 +204,15 @@ def _new_keys(k_new, v_new, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> Tupl
         return np.zeros((B, 0) + k.shape[2:], k.dtype), np.zeros((B, 0) + v.shape[2:], v.dtype)
     out = []
     for name, x, cache in (("k_new", k_new, k), ("v_new", v_new, v)):
-        a = native_float(as_array(x, name), name)
-        a = a[:, None] if a.ndim == 3 else a  # (batch, kv_heads, dim): one new key each (vLLM's key, value)
+        given = native_float(as_array(x, name), name)
+        a = given[:, None] if given.ndim == 3 else given  # (batch, kv_heads, dim): one new key each (vLLM's)
         if a.ndim != 4:
-            raise ValueError(f"{name} is {tuple(a.shape)}: expected (batch, new keys, kv_heads, dim), or (batch, "
+            raise ValueError(f"{name} is {tuple(given.shape)}: expected (batch, new keys, kv_heads, dim), or (batch, "
                              "kv_heads, dim) for one each")
         if a.shape[0] != B or a.shape[2:] != cache.shape[2:]:
-            raise ValueError(f"{name} is {tuple(a.shape)}: expected (batch, new keys, kv_heads, dim) = "
-                             f"({B}, n, {Hk}, {cache.shape[3]})")
+            raise ValueError(f"{name} is {tuple(given.shape)}: expected " + (
+                f"(batch, kv_heads, dim) = ({B}, {Hk}, {cache.shape[3]})" if given.ndim == 3 else
+                f"(batch, new keys, kv_heads, dim) = ({B}, n, {Hk}, {cache.shape[3]})"))
         out.append(a)
     if out[0].shape[1] != out[1].shape[1]:
         raise ValueError(f"k_new has {plural(out[0].shape[1], 'new key')}, v_new {out[1].shape[1]}")
@@ -282,13 +286,17 @@ def kv_cache(q, k_cache, v_cache, cache_seqlens, block_table=None, k_new=None, v
     """The step's arrays validated, and the cache as the attention reads it (the new keys written);
     the cache in CACHE_LAYOUTS[layout]. A refusal of arrays that another layout would take says so."""
     paged = block_table is not None
+    # (tensors read into NumPy once, whichever layouts the arrays are tried in)
+    q, k_cache, v_cache, k_new, v_new = (x if x is None else native_float(as_array(x, name), name) for x, name in
+                                         ((q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache"), (k_new, "k_new"),
+                                          (v_new, "v_new")))
 
-    def read(pools: PoolLayout) -> KVCache:
-        return _read(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, pools)
+    def read(pools: PoolLayout, check_only: bool = False) -> KVCache:
+        return _read(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, pools, check_only)
 
     def fits(other: PoolLayout) -> bool:
         try:
-            read(other)
+            read(other, check_only=True)
         except (ValueError, TypeError):
             return False
         return True
@@ -298,7 +306,10 @@ def kv_cache(q, k_cache, v_cache, cache_seqlens, block_table=None, k_new=None, v
         raise ValueError(f"{e}{other_fits(fits, CACHE_LAYOUTS[layout], paged)}") from None
 
 
-def _read(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, layout: PoolLayout) -> KVCache:
+def _read(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, layout: PoolLayout,
+          check_only: bool = False) -> KVCache:
+    """kv_cache's KVCache in `layout`; check_only: the arrays checked, the cache not copied nor the
+    new keys written (its pools are then the arrays as given)."""
     q_axis = np.ndim(q) != 3
     q, k, v = _caches(q, k_cache, v_cache, block_table is not None, layout)
     k_add, v_add = _new_keys(k_new, v_new, q, k, v)
@@ -307,9 +318,12 @@ def _read(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, layout:
     if not any(seqlens) and not k_add.shape[1]:
         raise ValueError("cache_seqlens are all 0 and there are no new keys (k_new): no sequence has a key to "
                          "attend to")
-    kv = KVCache(q, k, v, k.copy(), v.copy(), table, page_size, seqlens, k_add.shape[1], block_table is not None,
-                 query_axis=q_axis, layout=layout, given={"k_cache": np.shape(k_cache), "v_cache": np.shape(v_cache)})
+    given = {"k_cache": np.shape(k_cache), "v_cache": np.shape(v_cache), "k_new": np.shape(k_new)}
+    kv = KVCache(q, k, v, k if check_only else k.copy(), v if check_only else v.copy(), table, page_size, seqlens,
+                 k_add.shape[1], block_table is not None, query_axis=q_axis, layout=layout, given=given)
     _no_shared_slot(kv)
+    if check_only:
+        return kv
     for b in range(kv.batch):
         pages, slots = kv.places(table[b], kv.m(b))
         pages, slots = pages[seqlens[b]:], slots[seqlens[b]:]
@@ -367,7 +381,8 @@ def cache_after_problem(kv: KVCache, name: str, after) -> Optional[Tuple[str, di
     at = (page, slot, head, col)
     if written:
         t = kv.table_key(b, page, slot) - kv.seqlens[b]
-        why = f"holds {g[at]:.9g}, the new key written there is {w[at]:.9g} ({name[0]}_new[{b}, {t}, {head}, {col}])"
+        index = f"{b}, {head}, {col}" if len(kv.given.get("k_new", ())) == 3 else f"{b}, {t}, {head}, {col}"
+        why = f"holds {g[at]:.9g}, the new key written there is {w[at]:.9g} ({name[0]}_new[{index}])"
     else:
         why = f"changed from {float(before[at]):.9g} to {g[at]:.9g}; only the new keys' slots change"
     count = int(bad.sum())
