@@ -249,3 +249,17 @@ def test_layout_refusals():
                                          "after the step has the cache's shape$"):
         attnstep.check_kvcache(case.query, case.key_cache, case.value_cache, {"output": out}, cache_layout="vllm",
                                k_cache_after=np.zeros((2, 2)), **args)
+
+
+# ---- bf16: a reading, not a precision convention fitted by chance ---------------------------------
+
+@pytest.mark.parametrize("seed", [3, 0])
+def test_a_bf16_length_bug_is_named_on_every_sequence_not_a_rounding_convention(seed):
+    """Every sequence attends one key too many; at bf16 the extra key moves some heads' output by
+    about one unit of the format, which a rounding convention (half_truncation) fits on such a head
+    (seed 3): the length is named on every failing result all the same, and no convention."""
+    case = VllmCase([209, 130, 138], heads=8, kv_heads=2, head_size=64, x=8, half=True, seed=seed)
+    report = _vllm(case, "lengths_plus_one", precision="bf16")
+    assert not report
+    assert {tuple(d.code for d in r.diagnosis) for r in _failing(report)} == {("cache_length_off_by_one",)}, \
+        attnstep.format_report(report)

@@ -22,7 +22,14 @@ BUGS = {
     "keys_unsplit": "key_cache read as (num_blocks, kv_heads, block_size, head_size), its x split left out",
     "values_transposed": "value_cache read as (num_blocks, kv_heads, block_size, head_size)",
     "write_offset": "reshape_and_cache writes the new token one slot late",
+    "lengths_plus_one": "every sequence attends one key past its seq_lens (a loop's <= for <)",
 }
+
+
+def bf16(a: np.ndarray) -> np.ndarray:
+    """float32 values rounded to the nearest bfloat16 (ties to even), kept in float32."""
+    u = np.ascontiguousarray(a, f32).view(np.uint32).astype(np.uint64)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000).astype(np.uint32).view(f32).reshape(np.shape(a))
 
 
 @dataclass
@@ -35,6 +42,7 @@ class VllmCase:
     block_size: int = 16
     x: int = 4           # values per 16-byte vector: 4 at float32 (8 at float16)
     seed: int = 0
+    half: bool = False   # bf16 values (held in float32): inputs, the weights before P·V and the output
 
     def __post_init__(self) -> None:
         rng = np.random.default_rng(self.seed)
@@ -47,6 +55,9 @@ class VllmCase:
         self.query = rng.standard_normal((B, self.heads, d)).astype(f32)
         self.key = rng.standard_normal((B, Hk, d)).astype(f32)    # the step's token, one a sequence
         self.value = rng.standard_normal((B, Hk, d)).astype(f32)
+        if self.half:
+            for name in ("key_cache", "value_cache", "query", "key", "value"):
+                setattr(self, name, bf16(getattr(self, name)))
 
 
 def reshape_and_cache(case: VllmCase, bug: Optional[str] = None):
@@ -67,7 +78,7 @@ def paged_attention(case: VllmCase, key_cache: np.ndarray, value_cache: np.ndarr
     S, group, scale = case.block_size, H // case.kv_heads, f32(1 / np.sqrt(d))
     out = np.zeros((B, H, d), f32)
     for b, n in enumerate(case.seq_lens):
-        count = -(-n // S) * S if bug == "past_length" else n
+        count = -(-n // S) * S if bug == "past_length" else n + (bug == "lengths_plus_one")
         for h in range(H):
             kv = h // group
             logits = np.empty(count, f32)
@@ -83,5 +94,6 @@ def paged_attention(case: VllmCase, key_cache: np.ndarray, value_cache: np.ndarr
                 rows.append(v_flat[block].reshape(case.kv_heads, S, d)[kv, t % S] if bug == "values_transposed"
                             else value_cache[block, kv, :, t % S])
             p = np.exp(logits - logits.max()).astype(f32)
-            out[b, h] = (p / p.sum()) @ np.stack(rows)
-    return out
+            p = p / p.sum()
+            out[b, h] = (bf16(p) if case.half else p) @ np.stack(rows)
+    return bf16(out) if case.half else out

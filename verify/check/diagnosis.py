@@ -38,6 +38,14 @@ class Diagnosis:
     confidence: float = field(default=0.5, repr=False, compare=False)
 
 
+def precision_convention(d: Diagnosis) -> bool:
+    """A diagnosis that the stage passes under another precision or rounding convention (its detail
+    names the precision: verify/diagnose/precision.py, score_rounding.py). Where a half-precision
+    head fails by a little, a wrong reading of the data may fit such a convention too: it neither
+    stops a search of the readings nor outlives a reading that explains the whole sequence."""
+    return "precision" in d.detail
+
+
 def equivalent(d: Diagnosis) -> bool:
     """A causal mask shifted by a few keys (not to the other alignment, a cause of its own), which
     shows or hides a sequence's keys at its ends as a packed or cached reading does: both are named."""

@@ -34,7 +34,7 @@ from ..stages import FLASH_LSE, FLASH_OUTPUT, KEYS, STAGES, VALUES
 from ..model.half import is_half, storage_unit
 from ..model.rounding import unit_roundoff
 from ..variant import Variant, hidden, modified_scores
-from .diagnosis import SEARCHED_CODES, Diagnosis, equivalent
+from .diagnosis import SEARCHED_CODES, Diagnosis, equivalent, precision_convention
 from .new_keys import CACHE_WRITE_OFFSET, cache_findings, pool_layout
 from .paged_readings import (CACHE_LAYOUT_MISREAD, CACHE_LENGTH_OFF, NEW_KEYS_UNSEEN, PAGED_PAST_LENGTH,
                              PAGED_PAGE_SHIFT, PAGED_WRONG_PAGE, PAGED_WRONG_TABLE_ROW, Reading, readings)
@@ -264,7 +264,7 @@ def diagnose_paged(report: Report, kv: KVCache, stages: Dict[str, np.ndarray], r
     failing = sorted({r.sequence for r in report.results if not r.passed and r.sequence is not None})
     other = {r.sequence for r in report.results if not r.passed and decode_stage(r.stage)
              and any(d.code not in PAGED_CODES + PACKED_CODES + SEARCHED_CODES and not equivalent(d)
-                     for d in r.diagnosis)}
+                     and not precision_convention(d) for d in r.diagnosis)}
     screen = Screen.of(report)
     failing_stages = {b: {r.stage for r in report.results if r.sequence == b and not r.passed} for b in failing}
     tried = [r for b in failing if b not in other
@@ -282,6 +282,8 @@ def diagnose_paged(report: Report, kv: KVCache, stages: Dict[str, np.ndarray], r
                  if r.b == b and i not in failed]
         for res in report.results:
             if res.sequence == b and not res.passed and (decode_stage(res.stage) or STAGES[res.stage].split):
+                if found:  # (the reading passes the whole sequence: a precision convention fitted by chance)
+                    res.diagnosis = [d for d in res.diagnosis if not precision_convention(d)]
                 # (a split reads its keys as the whole step does; a mask named first stays first)
                 at = next((i for i, d in enumerate(res.diagnosis) if not equivalent(d)), len(res.diagnosis))
                 res.diagnosis[at:at] = found
