@@ -240,6 +240,24 @@ def test_a_failure_with_another_cause_is_not_searched(monkeypatch):
     assert codes == {"lse_log2"} and screened == []
 
 
+def test_one_head_s_other_cause_does_not_stop_the_search_of_its_sequence(monkeypatch):
+    """A one-value lse is fitted by chance more easily than an output row: another cause named on one
+    head's flash_lse (a tile hypothesis, here planted) leaves the sequence's other failing heads
+    unexplained, and the readings are searched for it all the same."""
+    import verify.api as api
+    from verify.check.diagnosis import Diagnosis
+    real = api.diagnose_paged
+
+    def one_head_explained(report, *rest):
+        lse = next(r for r in report.results if not r.passed and r.sequence == 1 and r.stage == "flash_lse")
+        lse.diagnosis.insert(0, Diagnosis("keys_past_end", "flash_lse: 8 zero keys enter the softmax", {}))
+        return real(report, *rest)
+    monkeypatch.setattr(api, "diagnose_paged", one_head_explained)
+    report = check(DecodeCase(SEQLENS, n_new=1), "past_length", after=False)
+    outputs = [r for r in report.results if not r.passed and r.sequence == 1 and r.stage == "flash_output"]
+    assert outputs and all(r.diagnosis[0].code == "paged_past_length" for r in outputs), attnstep.format_report(report)
+
+
 def test_a_failure_no_reading_explains_is_screened_out_without_a_recheck(rechecked):
     report = check(DecodeCase([1023, 500, 700, 1000], n_new=1, d=32), "noise", after=False)
     assert not report

@@ -262,9 +262,14 @@ def diagnose_paged(report: Report, kv: KVCache, stages: Dict[str, np.ndarray], r
     if not stages:  # (no flash stage, nor both split stages: nothing a reading could be checked on)
         return
     failing = sorted({r.sequence for r in report.results if not r.passed and r.sequence is not None})
-    other = {r.sequence for r in report.results if not r.passed and decode_stage(r.stage)
-             and any(d.code not in PAGED_CODES + PACKED_CODES + SEARCHED_CODES and not equivalent(d)
-                     and not precision_convention(d) for d in r.diagnosis)}
+
+    def other_cause(r) -> bool:
+        return any(d.code not in PAGED_CODES + PACKED_CODES + SEARCHED_CODES and not equivalent(d)
+                   and not precision_convention(d) for d in r.diagnosis)
+    # (explained otherwise: each of its failing heads and stages, not one head's lse fitted by chance)
+    decode_results = [r for r in report.results if not r.passed and decode_stage(r.stage)]
+    other = {b for b in failing if all(other_cause(r) for r in decode_results if r.sequence == b)} & \
+        {r.sequence for r in decode_results}
     screen = Screen.of(report)
     failing_stages = {b: {r.stage for r in report.results if r.sequence == b and not r.passed} for b in failing}
     tried = [r for b in failing if b not in other
