@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from helpers.kv_cache_programs import DecodeCase, decode, decode_splits
-from helpers.vllm_programs import VllmCase, paged_attention, reshape_and_cache
+from helpers.vllm_programs import VllmCase, paged_attention, paged_attention_v2, reshape_and_cache
 import attnstep
 
 SEQLENS = [37, 45, 20]
@@ -263,3 +263,41 @@ def test_a_bf16_length_bug_is_named_on_every_sequence_not_a_rounding_convention(
     assert not report
     assert {tuple(d.code for d in r.diagnosis) for r in _failing(report)} == {("cache_length_off_by_one",)}, \
         attnstep.format_report(report)
+
+
+# ---- vLLM's paged_attention_v2 partitions -----------------------------------------------------
+
+def _vllm_v2(case: VllmCase, partition: int, bug=None):
+    tmp_out, max_logits, exp_sums, out = paged_attention_v2(case, case.key_cache, case.value_cache, partition, bug)
+    with np.errstate(invalid="ignore"):  # (the unused partitions' garbage: never read)
+        lse = max_logits + np.log(exp_sums)
+    return attnstep.check_kvcache(case.query, case.key_cache, case.value_cache, {"flash_output": out},
+                                  cache_seqlens=case.seq_lens, block_table=case.block_tables, cache_layout="vllm",
+                                  split_output=tmp_out, split_lse=lse, split_size=partition)
+
+
+def test_vllm_v2_partitions_pass_whatever_the_unused_ones_hold():
+    report = _vllm_v2(VllmCase([37, 100, 20]), 32)
+    assert report, attnstep.format_report(report)
+    assert {"split_output", "split_lse", "flash_output"} <= set(report.stages)
+
+
+@pytest.mark.parametrize("bug, stage", [("not_rescaled", "flash_output"), ("wrong_block", "split_output")])
+def test_a_vllm_v2_bug_is_placed(bug, stage):
+    report = _vllm_v2(VllmCase([37, 100, 20]), 32, bug)
+    assert not report
+    first = _failing(report)[0]
+    assert first.stage == stage, attnstep.format_report(report)
+    if bug == "wrong_block":
+        assert first.sequence == 1 and first.diagnosis[0].code == "paged_wrong_page", attnstep.format_report(report)
+
+
+def test_vllm_v2_partitions_of_the_wrong_shape_are_named():
+    case = VllmCase([37, 100, 20])
+    tmp_out, max_logits, exp_sums, out = paged_attention_v2(case, case.key_cache, case.value_cache, 32)
+    with pytest.raises(ValueError, match=r"^split_output is \(3, 4, 2, 16\): expected vLLM's \(num_seqs, num_heads, "
+                                         r"max_num_partitions, head_size\) = \(3, 4, 4 or more, 16\): partitions of 32 "
+                                         r"keys$"):
+        attnstep.check_kvcache(case.query, case.key_cache, case.value_cache, {}, cache_seqlens=case.seq_lens,
+                               block_table=case.block_tables, cache_layout="vllm", split_output=tmp_out[:, :, :2],
+                               split_size=32)

@@ -23,6 +23,8 @@ BUGS = {
     "values_transposed": "value_cache read as (num_blocks, kv_heads, block_size, head_size)",
     "write_offset": "reshape_and_cache writes the new token one slot late",
     "lengths_plus_one": "every sequence attends one key past its seq_lens (a loop's <= for <)",
+    "not_rescaled": "paged_attention_v2's reduce sums the partitions' exp_sums without rescaling them to the global "
+                    "maximum",
 }
 
 
@@ -97,3 +99,35 @@ def paged_attention(case: VllmCase, key_cache: np.ndarray, value_cache: np.ndarr
             p = p / p.sum()
             out[b, h] = (bf16(p) if case.half else p) @ np.stack(rows)
     return bf16(out) if case.half else out
+
+
+def paged_attention_v2(case: VllmCase, key_cache: np.ndarray, value_cache: np.ndarray, partition: int,
+                       bug: Optional[str] = None):
+    """vLLM's paged_attention_v2: each sequence's keys in partitions of `partition`, per partition
+    tmp_out (num_seqs, num_heads, max_num_partitions, head_size) normalised by its own exp_sum, its
+    max_logits and exp_sums (num_seqs, num_heads, max_num_partitions), then the reduce's out. The
+    partitions past a sequence's keys are never written: they hold what the buffers held (garbage)."""
+    B, H, d = case.query.shape
+    S, group, scale = case.block_size, H // case.kv_heads, f32(1 / np.sqrt(d))
+    P = -(-max(case.seq_lens) // partition)
+    rng = np.random.default_rng(99)
+    tmp_out = rng.standard_normal((B, H, P, d)).astype(f32) * f32(1e3)
+    max_logits, exp_sums = (rng.standard_normal((B, H, P)).astype(f32) for _ in range(2))
+    out = np.zeros((B, H, d), f32)
+    for b, n in enumerate(case.seq_lens):
+        blocks = [case.block_tables[b, t // S] + (bug == "wrong_block" and b == 1 and t // S == 1) for t in range(n)]
+        keys = np.stack([key_cache[blk, :, :, t % S, :].reshape(case.kv_heads, d) for t, blk in enumerate(blocks)])
+        vals = np.stack([value_cache[blk, :, :, t % S] for t, blk in enumerate(blocks)])
+        used = -(-n // partition)
+        for h in range(H):
+            logits = (keys[:, h // group] @ case.query[b, h]).astype(f32) * scale
+            for i in range(used):
+                part = slice(i * partition, min(n, (i + 1) * partition))
+                m = logits[part].max()
+                p = np.exp(logits[part] - m).astype(f32)
+                max_logits[b, h, i], exp_sums[b, h, i] = m, p.sum()
+                tmp_out[b, h, i] = (p / p.sum()) @ vals[part, h // group]
+            top = max_logits[b, h, :used].max()
+            weights = exp_sums[b, h, :used] * (1 if bug == "not_rescaled" else np.exp(max_logits[b, h, :used] - top))
+            out[b, h] = (weights / weights.sum()).astype(f32) @ tmp_out[b, h, :used]
+    return tmp_out, max_logits, exp_sums, out

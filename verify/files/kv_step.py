@@ -11,6 +11,7 @@ import numpy as np
 from ..stages import SPLIT_LSE, SPLIT_OUTPUT, STAGES, split_count
 from ..text import plural
 from .arrays import as_array, native_float
+from .cache_layouts import VLLM
 from .kv_cache import KV_CACHE_STAGES, LAYOUT_WORDS, KVCache, decode_stage
 from .split_files import trailing_empty_left_out
 
@@ -44,6 +45,8 @@ def step_splits(kv: KVCache, splits) -> Optional[Tuple[Optional[np.ndarray], Opt
     without its query axis, (S, B, H, d) and (S, B, H)); None for none."""
     if splits is None:
         return None
+    if kv.layout.name == VLLM:
+        return _vllm_partitions(kv, splits)
     B, nq, H, _ = kv.q.shape
     size, d = splits[2], kv.v_pages.shape[3]
     S = split_count(max(kv.m(b) for b in range(kv.batch)), size)
@@ -64,6 +67,34 @@ def step_splits(kv: KVCache, splits) -> Optional[Tuple[Optional[np.ndarray], Opt
             raise ValueError(f"{name} is {tuple(a.shape)}: expected {words} = {want}: {plural(S, 'split')} of "
                              f"{size} keys (more splits only where the trailing ones hold no key{padded})")
         out.append(packed(a))
+    return out[0], out[1], size
+
+
+def _vllm_partitions(kv: KVCache, splits) -> Tuple[Optional[np.ndarray], Optional[np.ndarray], int]:
+    """step_splits' triple from vLLM's paged_attention_v2 partitions: tmp_out (num_seqs, num_heads,
+    max_num_partitions, head_size), each partition's output normalised by its own sum, and its lse
+    (num_seqs, num_heads, max_num_partitions), max_logits + log(exp_sums). vLLM's kernel writes
+    only the partitions that hold a sequence's keys and its reduce reads only those: the others are
+    taken as an empty split holds them (output 0, lse −inf), whatever the arrays hold there."""
+    B, nq, H, _ = kv.q.shape
+    size, d = splits[2], kv.v_pages.shape[3]
+    if nq != 1:
+        raise ValueError(f"split_output/split_lse: vLLM's partitions hold one query a sequence; q has {nq}")
+    S = split_count(max(kv.m(b) for b in range(B)), size)
+    out = []
+    for name, given, tail, empty in ((SPLIT_OUTPUT, splits[0], (d,), 0.0), (SPLIT_LSE, splits[1], (), -np.inf)):
+        if given is None:
+            out.append(None)
+            continue
+        a = native_float(as_array(given, name), name)
+        if a.ndim != 3 + len(tail) or a.shape[:2] != (B, H) or a.shape[2] < S or a.shape[3:] != tail:
+            raise ValueError(f"{name} is {tuple(a.shape)}: expected vLLM's (num_seqs, num_heads, max_num_partitions"
+                             f"{', head_size' if tail else ''}) = ({B}, {H}, {S} or more{''.join(f', {t}' for t in tail)})"
+                             f": partitions of {size} keys")
+        parts = np.moveaxis(a[:, :, :S], 2, 0).copy()  # (S, B, H, ...)
+        for b in range(B):
+            parts[-(-kv.m(b) // size):, b] = empty  # (never written nor read: vLLM's unused partitions)
+        out.append(parts if tail else parts.transpose(0, 2, 1))
     return out[0], out[1], size
 
 
