@@ -212,7 +212,8 @@ def check_kvcache(q, k_cache, v_cache, stages: Mapping[str, object], *, cache_se
     table, every other slot unchanged). split_output, split_lse, split_size: a flash-decoding step's splits of
     split_size keys each, out_accum (num_splits, batch, heads, queries, dim) and lse_accum (num_splits, batch,
     heads, queries), each checked on its own and the flash stages against their combine (stages may be {}: the
-    splits alone, a paging bug then named from their combine). Each sequence's keys are gathered and every
+    splits alone, a paging bug then named from their combine); with cache_layout="vllm", paged_attention_v2's
+    partitions: tmp_out (num_seqs, num_heads, max_num_partitions, head_size) and max_logits + log(exp_sums). Each sequence's keys are gathered and every
     sequence checked as a packed case; a failing one is explained by the paged bugs' diagnoses (paged_*,
     cache_length_off_by_one, new_keys_unseen, cache_layout_misread; a correct step given in another layout than
     cache_layout says: cache_layout_declared; a cache after: cache_* in its `diagnosis`). A ValueError or
