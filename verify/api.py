@@ -202,21 +202,21 @@ def check_kvcache(q, k_cache, v_cache, stages: Mapping[str, object], *, cache_se
     max_blocks_per_seq) (any page size >= 1); cache_layout: "nhd" (those, flash-attn's), "hnd" (FlashInfer's:
     (num_blocks, kv_heads, page_size, dim), dense (batch, kv_heads, max_seqlen, dim)) or "vllm" (vLLM's
     paged_attention kernels': keys (num_blocks, kv_heads, dim / x, block_size, x), values (num_blocks, kv_heads,
-    dim, block_size); paged only), the cache after the step in the same; cache_seqlens: the keys each sequence
-    holds before the step (an int or (batch,)); k_new, v_new: (batch, new keys, kv_heads, dim) or (batch, kv_heads, dim),
-    written at cache_seqlens[b] before the attention (flash-attn's k and v). stages: output or flash_output
-    (batch, queries, heads, dim) and flash_lse (batch, heads, queries). causal=True and window are flash-attn's
+    dim, block_size); paged only), the cache after the step in the same; cache_seqlens: the keys each sequence holds
+    before the step (an int or (batch,)); k_new, v_new: (batch, new keys, kv_heads, dim) or (batch, kv_heads, dim),
+    written at cache_seqlens[b] before the attention (flash-attn's k and v). stages: output or flash_output (batch,
+    queries, heads, dim) and flash_lse (batch, heads, queries). causal=True and window are flash-attn's
     (bottom-right); softcap, alibi ((H,) slopes), scale, precision, math, atol, rtol, jobs, allow_nonfinite,
     half_rounding as check_arrays'.
-    k_cache_after, v_cache_after: the cache after the step, checked exactly (the new keys written through the
-    table, every other slot unchanged). split_output, split_lse, split_size: a flash-decoding step's splits of
-    split_size keys each, out_accum (num_splits, batch, heads, queries, dim) and lse_accum (num_splits, batch,
-    heads, queries), each checked on its own and the flash stages against their combine (stages may be {}: the
-    splits alone, a paging bug then named from their combine); with cache_layout="vllm", paged_attention_v2's
-    partitions: tmp_out (num_seqs, num_heads, max_num_partitions, head_size) and max_logits + log(exp_sums). Each sequence's keys are gathered and every
-    sequence checked as a packed case; a failing one is explained by the paged bugs' diagnoses (paged_*,
-    cache_length_off_by_one, new_keys_unseen, cache_layout_misread; a correct step given in another layout than
-    cache_layout says: cache_layout_declared; a cache after: cache_* in its `diagnosis`). A ValueError or
+    k_cache_after, v_cache_after: the cache after the step, checked exactly (the new keys written through the table,
+    every other slot unchanged). split_output, split_lse, split_size: a flash-decoding step's splits of split_size
+    keys each, out_accum (num_splits, batch, heads, queries, dim) and lse_accum (num_splits, batch, heads, queries),
+    each checked on its own and the flash stages against their combine (stages may be {}: the splits alone, a paging
+    bug then named from their combine); with cache_layout="vllm", paged_attention_v2's partitions: tmp_out
+    (num_seqs, num_heads, max_num_partitions, head_size) and max_logits + log(exp_sums). Each sequence's keys are
+    gathered and every sequence checked as a packed case; a failing one is explained by the paged bugs' diagnoses
+    (paged_*, cache_length_off_by_one, new_keys_unseen, cache_layout_misread; a correct step given in another layout
+    than cache_layout says: cache_layout_declared; a cache after: cache_* in its `diagnosis`). A ValueError or
     TypeError names the argument and what is wrong."""
     args = validated(stages=stages, causal=causal, align=None, window=window, softcap=softcap, alibi=alibi,
                       dropout_p=0.0, layout=None, scale=scale, precision=precision, math=math, atol=atol, rtol=rtol,

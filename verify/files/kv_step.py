@@ -88,9 +88,9 @@ def _vllm_partitions(kv: KVCache, splits) -> Tuple[Optional[np.ndarray], Optiona
             continue
         a = native_float(as_array(given, name), name)
         if a.ndim != 3 + len(tail) or a.shape[:2] != (B, H) or a.shape[2] < S or a.shape[3:] != tail:
+            axes, sizes = (", head_size", f", {d}") if tail else ("", "")
             raise ValueError(f"{name} is {tuple(a.shape)}: expected vLLM's (num_seqs, num_heads, max_num_partitions"
-                             f"{', head_size' if tail else ''}) = ({B}, {H}, {S} or more{''.join(f', {t}' for t in tail)})"
-                             f": partitions of {size} keys")
+                             f"{axes}) = ({B}, {H}, {S} or more{sizes}): partitions of {size} keys")
         parts = np.moveaxis(a[:, :, :S], 2, 0).copy()  # (S, B, H, ...)
         for b in range(B):
             parts[-(-kv.m(b) // size):, b] = empty  # (never written nor read: vLLM's unused partitions)
