@@ -72,6 +72,16 @@ def test_a_wrong_kv_head_map_is_named_so_where_a_sequence_has_one_key():
     assert {r.sequence for r in failed} >= {1}
 
 
+def test_a_query_head_s_unnamed_gradient_borrows_its_k_v_head_s_cause():
+    """Gradients only, the map h % Hk: dQ (a query head's) is unnamed where dK and dV (its K/V
+    head's sums over the group) name kv_head_map; the verdict says so."""
+    q, k, v, do, stages, offsets = varlen("kv_modulo", dict(SHAPE, seqused_k=None, heads=8, kv_heads=2))
+    report = attnstep.check_arrays(q, k, v, {n: stages[n] for n in ("dQ", "dK", "dV")}, do=do, **offsets)
+    verdict = attnstep.format_report(report).splitlines()[-1]
+    assert "first failing stage: dQ" in verdict and "unnamed there; dK, failing on its K/V head 0, names kv_head_map" \
+        in verdict, verdict
+
+
 def test_tensors_that_do_not_fit_the_offsets_are_named():
     q, k, v, do, stages, offsets = varlen()
     with pytest.raises(ValueError, match="^q has 22 tokens, cu_seqlens_q ends at 21$"):

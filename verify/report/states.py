@@ -219,8 +219,13 @@ def cause_elsewhere(report: Report, first: HeadResult) -> Optional[HeadResult]:
     if first.diagnosis:
         return None
 
+    def same_head(r: HeadResult) -> bool:  # (a K/V head's stage, dK or dV, serves its group's query heads)
+        if r.kv and not first.kv:
+            return report.run.dims.kv_head_of(first.head) == r.head
+        return (r.head, r.kv) == (first.head, first.kv)
+
     def names_a_cause(r: HeadResult) -> bool:
-        return (r.status == FAIL and (r.head, r.kv) == (first.head, first.kv) and bool(r.diagnosis)
+        return (r.status == FAIL and same_head(r) and bool(r.diagnosis)
                 and r.diagnosis[0].code not in _NOT_CAUSES)
 
     same = [r for r in report.results if names_a_cause(r) and r.sequence == first.sequence and r.stage != first.stage]
@@ -235,6 +240,8 @@ def where_else(first: HeadResult, elsewhere: HeadResult) -> str:
     another sequence (whose cause may be its own: said as that sequence's)."""
     if elsewhere.sequence is not None and elsewhere.sequence != first.sequence:
         return f"sequence {elsewhere.sequence} of the same head fails at {elsewhere.stage} with"
+    if elsewhere.kv and not first.kv:
+        return f"{elsewhere.stage}, failing on its K/V head {elsewhere.head}, names"
     return f"{elsewhere.stage}, failing on the same head, names"
 
 
