@@ -31,6 +31,7 @@ from .api_arguments import expect_report, validated
 from .check import flash_attn_criterion as fa_criterion
 from .check.compare import Options, Report, check_run
 from .check.paged import cache_after_checks, diagnose_paged, name_declared_layout, split_combine
+from .check.row_order import name_transposed_rows
 from .diagnose.hypotheses import diagnose
 from .files.arrays import as_array, bias_heads, dims_of, mask_heads, slopes_rows, stage_heads
 from .files.case import InputCase, validate_dims
@@ -152,7 +153,13 @@ def check_arrays(q, k, v, stages: Mapping[str, object], *, do=None, causal=False
                       rtol=rtol, jobs=jobs, allow_nonfinite=allow_nonfinite, half_rounding=half_rounding, device=device)
     offsets = (cu_seqlens_q, cu_seqlens_k, seqused_k)
     args["splits"] = split_arguments(split_output, split_lse, split_size, stages)
-    return check_run(*_opened(q, k, v, stages, do, args, attn_mask, attn_bias, offsets), diagnoser=diagnose)
+    report = check_run(*_opened(q, k, v, stages, do, args, attn_mask, attn_bias, offsets), diagnoser=diagnose)
+
+    def passes(alone: Dict[str, np.ndarray]) -> bool:
+        return bool(check_run(*_opened(q, k, v, alone, do, dict(args, splits=None), attn_mask, attn_bias, offsets)))
+    if not report:
+        name_transposed_rows(report, stages, passes)
+    return report
 
 
 def _opened(q, k, v, stages, do, args: Dict[str, Any], attn_mask, attn_bias,
