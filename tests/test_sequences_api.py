@@ -72,6 +72,15 @@ def test_a_wrong_kv_head_map_is_named_so_where_a_sequence_has_one_key():
     assert {r.sequence for r in failed} >= {1}
 
 
+def test_keys_read_at_the_queries_offsets_are_named():
+    q, k, v, do, stages, offsets = varlen("cu_q_for_keys", dict(SHAPE, seqused_k=None))
+    report = attnstep.check_arrays(q, k, v, {"flash_output": stages["flash_output"]}, **offsets)
+    failed = [r for r in report.results if not r.passed]
+    assert failed and {r.diagnosis[0].code for r in failed} == {"sequence_offsets_swapped"}, \
+        attnstep.format_report(report)
+    assert "cu_seqlens_q used for the keys" in failed[0].diagnosis[0].message
+
+
 def test_a_query_head_s_unnamed_gradient_borrows_its_k_v_head_s_cause():
     """Gradients only, the map h % Hk: dQ (a query head's) is unnamed where dK and dV (its K/V
     head's sums over the group) name kv_head_map; the verdict says so."""

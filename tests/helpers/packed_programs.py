@@ -24,6 +24,7 @@ BUGS = {
     "padding_dk": "a padding key row of dK (and flash_dK) left nonzero",
     "top_left": "the causal mask aligned top-left in every sequence (bottom-right asked)",
     "kv_modulo": "query head h reads K/V head h % Hk (interleaved), not h // (H/Hk)",
+    "cu_q_for_keys": "sequence b's keys read at cu_seqlens_q's offsets (the queries' array passed for the keys')",
 }
 
 PER_TOKEN = ("Q", "K", "V", "KT", "output", "flash_output", "flash_lse", "dO", "D", "dQ", "dK", "dV",
@@ -106,6 +107,8 @@ def _key_rows(case: PackedCase, b: int, bug: Optional[str]) -> range:
         return range(start - 1, start + used)
     if bug == "padding_read":
         return range(start, case.cu_k[b + 1])
+    if bug == "cu_q_for_keys":
+        return range(case.cu_q[b], case.cu_q[b + 1])
     return range(start, start + used)
 
 

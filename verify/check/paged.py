@@ -49,7 +49,7 @@ CACHE_AFTER, CACHE_AFTER_TITLE = "cache_after", "cache after the step"
 PAGED_CODES = (PAGED_WRONG_PAGE, PAGED_PAGE_SHIFT, PAGED_PAST_LENGTH, CACHE_LENGTH_OFF, NEW_KEYS_UNSEEN,
                CACHE_WRITE_OFFSET, CACHE_LAYOUT_MISREAD, PAGED_WRONG_TABLE_ROW)
 # The diagnoses of the packed engine that a paging bug may also show as (verify/diagnose/sequences.py).
-PACKED_CODES = ("sequence_leak", "sequence_boundary", "padding_read")
+PACKED_CODES = ("sequence_leak", "sequence_boundary", "padding_read", "sequence_offsets_swapped")
 # The readings re-checked per kind after the screen.
 MAX_RECHECKED = 16
 # A reading goes to the re-check when its distance to the program's rows is at most this share

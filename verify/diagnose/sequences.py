@@ -11,7 +11,7 @@ earlier key of the packed stream as a causal mask over the whole stream does, or
 key as dense attention does), sequence_boundary (a boundary off by k rows: sequence b's keys start
 or end k rows early or late, or its whole key range shifted; its queries' boundary moved, or its
 query rows shifted), padding_read (keys of the slot past seqused_k read: the whole slot, or the
-first k past m(b)).
+first k past m(b)), sequence_offsets_swapped (sequence b's keys read at cu_seqlens_q's offsets).
 """
 from __future__ import annotations
 
@@ -30,8 +30,8 @@ from ..variant import UNBOUNDED, Variant
 from .base import MIN_READ_VALUES, best_within_bound, explains, width_of
 from .inputs import slope_of, variant_of
 
-PADDING_READ = "padding_read"
-CODES = ("sequence_leak", "sequence_boundary", PADDING_READ)
+PADDING_READ, OFFSETS_SWAPPED = "padding_read", "sequence_offsets_swapped"
+CODES = ("sequence_leak", "sequence_boundary", PADDING_READ, OFFSETS_SWAPPED)
 # A boundary off by up to this many rows is named (a larger error is another bug, or a leak).
 MAX_BOUNDARY_SHIFT = 3
 # What a sequence that read other rows also looks like (its rows wrong everywhere, which a factor,
@@ -181,6 +181,18 @@ def _padding(seqs, b: int) -> Iterator[Reading]:
                   {"sequence": b, "padding_keys": pad, "key_rows": [slot.start, slot.stop - 1]})
 
 
+def _query_offsets(seqs, b: int) -> Iterator[Reading]:
+    """Sequence b's keys read at cu_seqlens_q's offsets (the queries' array passed for the keys')."""
+    q, used = seqs.q_rows(b), seqs.k_rows(b)
+    if (q.start, q.stop) == (used.start, used.stop) or not 0 <= q.start < q.stop <= seqs.total_k:
+        return
+    keys = _rows(q.start, q.stop)
+    yield Reading(OFFSETS_SWAPPED, f"sequence {b}'s keys read at the queries' offsets, cu_seqlens_q[{b}]..cu_seqlens_q"
+                  f"[{b + 1}] ({_instead(seqs, b, keys, _rows(used.start, used.stop))}; {_packed_rows(keys)} instead "
+                  f"of {_span(_rows(used.start, used.stop))}): cu_seqlens_q used for the keys",
+                  [Piece(q, keys)], {"sequence": b, "key_rows": [q.start, q.stop - 1]})
+
+
 def _key_boundaries(seqs, b: int, s: int) -> Iterator[Reading]:
     """Sequence b's keys with their start, their end or both moved by s rows."""
     q, used, slot = seqs.q_rows(b), seqs.k_rows(b), seqs.k_slot(b)
@@ -236,6 +248,7 @@ def readings(seqs, b: int, v: Variant) -> Iterator[Reading]:
     slot's padding, then every boundary off by a few rows, the smallest first."""
     yield from _leaks(seqs, b, v)
     yield from _padding(seqs, b)
+    yield from _query_offsets(seqs, b)
     for s in _shifts():
         yield from _key_boundaries(seqs, b, s)
         yield from _query_boundaries(seqs, b, s)
