@@ -11,6 +11,7 @@ import pytest
 from helpers.packed_programs import PackedCase, program_stages
 import attnstep
 
+f32 = np.float32
 SHAPE = dict(seqlens_q=[5, 6, 7, 3], seqlens_k=[6, 4, 5, 9], seqused_k=[4, 4, 5, 5], heads=4, kv_heads=2)
 
 
@@ -79,6 +80,36 @@ def test_keys_read_at_the_queries_offsets_are_named():
     assert failed and {r.diagnosis[0].code for r in failed} == {"sequence_offsets_swapped"}, \
         attnstep.format_report(report)
     assert "cu_seqlens_q used for the keys" in failed[0].diagnosis[0].message
+
+
+def _backward_reading_one_key_more(q, k, v, do, out, lse, cu_q, cu_k):
+    """A flash-attn-2 style backward (float32, (total, heads, d)) that recomputes P from the stored
+    lse over one key past each sequence's (its key loop's bound `<=`), the forward right."""
+    H, Hk, d = q.shape[1], k.shape[1], q.shape[2]
+    scale, dq = f32(1 / np.sqrt(d)), np.zeros_like(q)
+    for b in range(len(cu_q) - 1):
+        rows, keys = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], min(cu_k[b + 1] + 1, k.shape[0]))
+        for h in range(H):
+            kh = h // (H // Hk)
+            p = np.exp((q[rows, h] @ k[keys, kh].T).astype(f32) * scale - lse[h, rows][:, None]).astype(f32)
+            dp = (do[rows, h] @ v[keys, kh].T).astype(f32)
+            ds = p * (dp - (do[rows, h] * out[rows, h]).sum(axis=1, keepdims=True, dtype=f32))
+            dq[rows, h] = (ds @ k[keys, kh]).astype(f32) * scale
+    return dq
+
+
+def test_a_backward_alone_reading_one_key_more_is_named():
+    """The forward right, its backward's key range one key long: flash_dQ, recomputed from the
+    program's own output and lse over the keys it read, is named in the backward alone."""
+    q, k, v, do, stages, offsets = varlen(shape=dict(SHAPE, seqused_k=None))
+    out, lse = stages["flash_output"], stages["flash_lse"]
+    dq = _backward_reading_one_key_more(q, k, v, do, out, lse, offsets["cu_seqlens_q"], offsets["cu_seqlens_k"])
+    report = attnstep.check_arrays(q, k, v, {"flash_output": out, "flash_lse": lse, "flash_dQ": dq}, do=do, **offsets)
+    failed = [r for r in report.results if not r.passed]
+    assert failed and {r.stage for r in failed} == {"flash_dQ"}, attnstep.format_report(report)
+    named = [r for r in failed if r.diagnosis and r.diagnosis[0].code == "sequence_boundary"]
+    assert named and "keys end 1 row late" in named[0].diagnosis[0].message
+    assert "in the backward alone" in named[0].diagnosis[0].message, attnstep.format_report(report)
 
 
 def test_a_query_head_s_unnamed_gradient_borrows_its_k_v_head_s_cause():

@@ -24,7 +24,7 @@ from ..check import tolerance
 from ..check.diagnosis import Diagnosis, Packing, Suspect, equivalent
 from ..check.reference import reference_chain
 from ..specs import SPECS
-from ..stages import INPUT_NAMES, STAGES
+from ..stages import FLASH_GRAD_QUERIES, FLASH_LSE, FLASH_OUTPUT, INPUT_NAMES, STAGES
 from ..text import plural
 from ..variant import UNBOUNDED, Variant
 from .base import MIN_READ_VALUES, best_within_bound, explains, width_of
@@ -38,6 +38,8 @@ MAX_BOUNDARY_SHIFT = 3
 # a tile pattern or a few keys read past the end only approximate): the readings are tried after
 # these, and replace them where one explains got.
 APPROXIMATIONS = ("scaled", "tile_boundary", "unwritten", "keys_past_end", "keys_dropped")
+# The gradients a flash backward computes from the forward's stored output and lse.
+BACKWARD_FROM_FORWARD = (FLASH_GRAD_QUERIES,)
 # The largest dense problem (query rows × keys) a candidate recomputes: the whole packed stream's
 # included, which a program that ignores the packing attends over.
 MAX_CANDIDATE_ENTRIES = 1 << 22
@@ -256,21 +258,38 @@ def readings(seqs, b: int, v: Variant) -> Iterator[Reading]:
 
 # ---- the candidates -------------------------------------------------------------------------------
 
-def _solve(stage: str, piece: Piece, inputs: Dict[str, np.ndarray], ctx: Suspect, v: Variant) -> np.ndarray:
-    """`stage` of one dense problem (its rows), by the engine's reference chain."""
+def _solve(stage: str, piece: Piece, inputs: Dict[str, np.ndarray], ctx: Suspect, v: Variant,
+           forward: Optional[Dict[str, np.ndarray]] = None) -> np.ndarray:
+    """`stage` of one dense problem (its rows), by the engine's reference chain; forward: the
+    program's own flash output and lse of those rows, which the backward then starts from."""
     q = slice(piece.q.start, piece.q.stop)
     sub = {n: x[q] if STAGES[n].rows == "N" else x[piece.keys] for n, x in inputs.items()}
-    return reference_chain(sub, ctx.scale, v.causal, [stage], variant=v, slope=slope_of(ctx))[stage]
+    return reference_chain({**sub, **(forward or {})}, ctx.scale, v.causal, [stage], variant=v,
+                           slope=slope_of(ctx))[stage]
 
 
-def _candidate(stage: str, reading: Reading, packing: Packing, ctx: Suspect, cols: int) -> Optional[np.ndarray]:
-    """The sequence's rows of `stage` as the reading has them; None where it is too large."""
+def _stored_forward(stage: str, ctx: Suspect) -> Optional[Dict[str, np.ndarray]]:
+    """The sequence's flash output and lse as the program wrote them, for a flash gradient whose
+    backward alone may have misread the sequence (its forward right): the flash backward recomputes
+    the weights from the stored lse."""
+    if stage not in BACKWARD_FROM_FORWARD or not all(n in ctx.src for n in (FLASH_OUTPUT, FLASH_LSE)):
+        return None
+    return {n: np.asarray(ctx.src[n], np.float64) for n in (FLASH_OUTPUT, FLASH_LSE)}
+
+
+def _candidate(stage: str, reading: Reading, packing: Packing, ctx: Suspect, cols: int,
+               forward: Optional[Dict[str, np.ndarray]] = None) -> Optional[np.ndarray]:
+    """The sequence's rows of `stage` as the reading has them (forward: from the program's own
+    forward, the reading's pieces then being the sequence's own rows); None where it is too large."""
     seqs, b = packing.sequences, packing.sequence
     rows = seqs.q_rows(b)
     v = reading.variant or variant_of(ctx)
     if any(len(p.q) * len(p.keys) > MAX_CANDIDATE_ENTRIES for p in reading.pieces):
         return None
-    key = None if reading.shared is None else (reading.shared, stage, ctx.head)
+    if forward is not None and any((p.q.start, p.q.stop, p.at) != (rows.start, rows.stop, None)
+                                   for p in reading.pieces):
+        return None
+    key = None if reading.shared is None or forward is not None else (reading.shared, stage, ctx.head)
     cached = packing.cache.get(key) if key is not None else None
     out = np.full((len(rows), cols), np.nan)
     for piece in reading.pieces:
@@ -284,7 +303,7 @@ def _candidate(stage: str, reading: Reading, packing: Packing, ctx: Suspect, col
             solved = cached
         else:
             with np.errstate(all="ignore"):
-                solved = _solve(stage, piece, packing.inputs(ctx.head), ctx, v)
+                solved = _solve(stage, piece, packing.inputs(ctx.head), ctx, v, forward)
             if key is not None:
                 packing.cache[key] = solved
         out[lo - rows.start:hi - rows.start] = solved[lo - where.start:hi - where.start]
@@ -352,6 +371,18 @@ def sequences(stage, got, want, ctx, width) -> List[Diagnosis]:
         diff = explains(got, cand, want, width)
         if diff is not None:
             found.append(_named(stage, reading, diff))
+    forward = None if found else _stored_forward(stage, ctx)
+    for reading, _ in list(tried) if forward is not None else ():  # (the backward alone misread it)
+        try:
+            cand = _candidate(stage, reading, packing, ctx, got.shape[1], forward)
+        except (KeyError, ValueError):
+            continue
+        diff = None if cand is None else explains(got, cand, want, width)
+        if diff is not None:
+            found.append(_named(stage, Reading(reading.code, f"{reading.words}, in the backward alone (from the "
+                                               "forward's output and lse as written)", reading.pieces,
+                                               {**reading.detail, "backward_only": True}), diff))
+            break
     best = None if found else best_within_bound(got, want, ctx.bound, tried)
     if best is not None:
         found.append(_named(stage, *best))
