@@ -301,3 +301,22 @@ def test_vllm_v2_partitions_of_the_wrong_shape_are_named():
         attnstep.check_kvcache(case.query, case.key_cache, case.value_cache, {}, cache_seqlens=case.seq_lens,
                                block_table=case.block_tables, cache_layout="vllm", split_output=tmp_out[:, :, :2],
                                split_size=32)
+
+
+def test_torch_tensors_in_each_layout():
+    torch = pytest.importorskip("torch", reason="torch is not installed: the NumPy tests cover the same path")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    t = lambda x: torch.from_numpy(np.ascontiguousarray(x)).to(device)  # noqa: E731
+    case = VllmCase(SEQLENS)
+    k_after, v_after = reshape_and_cache(case)
+    out = paged_attention(case, k_after, v_after)
+    assert attnstep.check_kvcache(t(case.query), t(case.key_cache), t(case.value_cache), {"output": t(out)},
+                                  cache_seqlens=t(np.asarray(case.seq_lens) - 1), block_table=t(case.block_tables),
+                                  k_new=t(case.key), v_new=t(case.value), k_cache_after=t(k_after),
+                                  v_cache_after=t(v_after), cache_layout="vllm")
+    flash = DecodeCase(SEQLENS, n_new=2, nq=4, causal=True)
+    out, lse, k_after, v_after = decode(flash, "wrong_page")
+    report = attnstep.check_kvcache(t(flash.q), t(_hnd(flash.k_cache)), t(_hnd(flash.v_cache)),
+                                    {"flash_output": t(out), "flash_lse": t(lse)}, cache_layout="hnd",
+                                    **{n: t(x) if isinstance(x, np.ndarray) else x for n, x in flash.arguments().items()})
+    assert not report and "paged_wrong_page" in _first_codes(report), attnstep.format_report(report)

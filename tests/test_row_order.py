@@ -51,3 +51,12 @@ def test_an_lse_wrong_otherwise_is_not_named_so(wrong):
         else lse / f32(np.log(2))
     report = attnstep.check_arrays(q, k, v, {"flash_lse": bad})
     assert not report and "rows_heads_transposed" not in _codes(report)
+
+
+def test_a_torch_lse_in_rows_heads_order_is_named():
+    torch = pytest.importorskip("torch", reason="torch is not installed: the NumPy tests cover the same path")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    q, k, v, lse = _dense()
+    t = lambda x: torch.from_numpy(np.ascontiguousarray(x)).to(device)  # noqa: E731
+    report = attnstep.check_arrays(t(q), t(k), t(v), {"flash_lse": t(_in_row_order(lse))})
+    assert _codes(report) == {"rows_heads_transposed"}, attnstep.format_report(report)
