@@ -157,3 +157,15 @@ def test_torch_varlen_tensors():
     q, k, v, do, stages, offsets = varlen("off_by_one")
     report = attnstep.check_arrays(t(q), t(k), t(v), {n: t(x) for n, x in stages.items()}, do=t(do), **cu)
     assert report.first_failure.sequence == 1
+
+
+def test_a_packed_stage_of_the_wrong_shape_is_named_in_packed_terms():
+    q, k, v, do, stages, offsets = varlen(shape=dict(SHAPE, heads=8, kv_heads=2))
+    wrong = {"flash_output": (stages["flash_output"].transpose(1, 0, 2),
+                              r"^flash_output is \(8, 21, 16\): expected \(total_q, heads, dim\) = \(21, 8, 16\)"),
+             "flash_lse": (stages["flash_lse"].T, r"^flash_lse is \(21, 8\): expected \(heads, total_q\) = \(8, 21\)"),
+             "dK": (np.zeros((24, 8, 16), f32), r"^dK is \(24, 8, 16\): expected \(total_k, kv_heads, dim\) = "
+                                                r"\(24, 2, 16\)")}
+    for name, (x, message) in wrong.items():
+        with pytest.raises(ValueError, match=message + ", as packed sequences are$"):
+            attnstep.check_arrays(q, k, v, {name: x}, do=do, **offsets)

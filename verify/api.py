@@ -96,7 +96,8 @@ def _variant(args: Dict[str, Any], attn_mask, attn_bias, dims: Dims) -> Tuple[Va
     return variant, tensors
 
 
-def _stage_sources(stages: Mapping[str, object], dims: Dims, layout: str, dropout: float) -> Dict[str, StageSource]:
+def _stage_sources(stages: Mapping[str, object], dims: Dims, layout: str, dropout: float,
+                   packed: bool = False) -> Dict[str, StageSource]:
     unknown = [n for n in stages if n not in STAGES]
     if unknown:
         raise ValueError(f"unknown stage {unknown[0]!r}; stages are: {', '.join(STAGES)}")
@@ -109,7 +110,7 @@ def _stage_sources(stages: Mapping[str, object], dims: Dims, layout: str, dropou
     if dropout and not masks:
         raise ValueError(f"dropout_p={dropout}: pass the program's keep-mask too, as stages[{DROPOUT_MASK!r}] (1 kept, "
                          "0 dropped): the outputs are checked against the entries it kept")
-    return {name: StageSource(name, None, name, arrays=stage_heads(stages[name], name, dims, layout))
+    return {name: StageSource(name, None, name, arrays=stage_heads(stages[name], name, dims, layout, packed=packed))
             for name in STAGES if name in stages}
 
 
@@ -178,7 +179,8 @@ def _opened(q, k, v, stages, do, args: Dict[str, Any], attn_mask, attn_bias,
     dims, inputs, note = _problem(q, k, v, do, layout, args["allow_nonfinite"])
     note = None if seqs is not None else note  # (the tokens checked against the offsets: no doubt left)
     variant, tensors = _variant(args, attn_mask, attn_bias, dims)
-    sources = _stage_sources(stages, dims, layout, variant.dropout) if stages or not args.get("splits") else {}
+    sources = _stage_sources(stages, dims, layout, variant.dropout, seqs is not None) \
+        if stages or not args.get("splits") else {}
     scale = default_scale(dims.d_k) if args["scale"] is None else args["scale"]
     case = InputCase(ARRAYS, dims, "npy", scale=scale, manifest=True, arrays={**inputs, **tensors},
                      allow_nonfinite=args["allow_nonfinite"], backward=do is not None, variant=variant, sequences=seqs)

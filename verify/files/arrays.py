@@ -146,9 +146,11 @@ def _to_bhsd(x: np.ndarray, layout: str) -> np.ndarray:
     return x
 
 
-def stage_heads(x, stage: str, dims: Dims, layout: str, name: Optional[str] = None) -> np.ndarray:
+def stage_heads(x, stage: str, dims: Dims, layout: str, name: Optional[str] = None, packed: bool = False
+                ) -> np.ndarray:
     """A stage's (or an input's) array as (heads, rows, cols): B·H query heads, or B·Hk for the
-    stages of K/V heads; an N×1 stage may come without its last axis."""
+    stages of K/V heads; an N×1 stage may come without its last axis. packed: arrays of packed
+    sequences, (total, heads, dim) read as `layout` is, a refusal worded so."""
     name = name or stage
     x = native_float(as_array(x, name), name)
     count, (rows, cols) = dims.heads_of(stage), STAGES[stage].shape(dims)
@@ -157,6 +159,14 @@ def stage_heads(x, stage: str, dims: Dims, layout: str, name: Optional[str] = No
     if _fits(y, count, rows, cols):
         return y.reshape(count, rows, cols)
     per_batch = dims.kv if STAGES[stage].kv else dims.heads
+    if packed:  # (flash-attn's varlen layouts: tokens first where q's are, an lse (heads, total))
+        total, heads = ("total_k", "kv_heads") if STAGES[stage].kv else ("total_q", "heads")
+        if laid:
+            want, words = (rows, per_batch, cols), f"({total}, {heads}, dim)"
+        else:
+            want, words = ((per_batch, rows), f"({heads}, {total})") if cols == 1 else \
+                ((per_batch, rows, cols), "(heads, rows, cols)")
+        raise ValueError(f"{name} is {tuple(x.shape)}: expected {words} = {want}, as packed sequences are")
     if laid and x.ndim >= 3 and _fits(_to_bhsd(x, _OTHER[layout]), count, rows, cols):
         raise ValueError(f'{name} is {tuple(x.shape)}: that is {_OTHER[layout].upper()}, and q, k, v are '
                          f'{layout.upper()}; pass every array in one layout (layout="{layout}")')
