@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import attnstep
-from test_sequences_api import SHAPE, varlen
+from helpers.packed_programs import PackedCase, program_stages
 
 f32 = np.float32
 
@@ -39,8 +39,11 @@ def test_a_dense_lse_in_rows_heads_order_is_named():
 
 
 def test_a_packed_lse_in_tokens_heads_order_is_named():
-    q, k, v, do, stages, offsets = varlen(shape=dict(SHAPE, heads=8, kv_heads=2))
-    report = attnstep.check_arrays(q, k, v, {"flash_lse": _in_row_order(stages["flash_lse"])}, **offsets)
+    case = PackedCase(seqlens_q=[5, 6, 7, 3], seqlens_k=[6, 4, 5, 9], heads=8, kv_heads=2)
+    whole, _ = program_stages(case)
+    q, k, v = (np.ascontiguousarray(case.inputs[n].transpose(1, 0, 2)) for n in ("Q", "K", "V"))  # (total, heads, d)
+    offsets = dict(cu_seqlens_q=case.cu_q, cu_seqlens_k=case.cu_k)
+    report = attnstep.check_arrays(q, k, v, {"flash_lse": _in_row_order(whole["flash_lse"][..., 0])}, **offsets)
     assert not report and _codes(report) == {"rows_heads_transposed"}, attnstep.format_report(report)
 
 

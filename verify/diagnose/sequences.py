@@ -24,7 +24,7 @@ from ..check import tolerance
 from ..check.diagnosis import Diagnosis, Packing, Suspect, equivalent
 from ..check.reference import reference_chain
 from ..specs import SPECS
-from ..stages import FLASH_GRAD_QUERIES, FLASH_LSE, FLASH_OUTPUT, INPUT_NAMES, STAGES
+from ..stages import FLASH_LSE, FLASH_OUTPUT, INPUT_NAMES, STAGES
 from ..text import plural
 from ..variant import UNBOUNDED, Variant
 from .base import MIN_READ_VALUES, best_within_bound, explains, width_of
@@ -38,8 +38,6 @@ MAX_BOUNDARY_SHIFT = 3
 # a tile pattern or a few keys read past the end only approximate): the readings are tried after
 # these, and replace them where one explains got.
 APPROXIMATIONS = ("scaled", "tile_boundary", "unwritten", "keys_past_end", "keys_dropped")
-# The gradients a flash backward computes from the forward's stored output and lse.
-BACKWARD_FROM_FORWARD = (FLASH_GRAD_QUERIES,)
 # The largest dense problem (query rows × keys) a candidate recomputes: the whole packed stream's
 # included, which a program that ignores the packing attends over.
 MAX_CANDIDATE_ENTRIES = 1 << 22
@@ -272,7 +270,8 @@ def _stored_forward(stage: str, ctx: Suspect) -> Optional[Dict[str, np.ndarray]]
     """The sequence's flash output and lse as the program wrote them, for a flash gradient whose
     backward alone may have misread the sequence (its forward right): the flash backward recomputes
     the weights from the stored lse."""
-    if stage not in BACKWARD_FROM_FORWARD or not all(n in ctx.src for n in (FLASH_OUTPUT, FLASH_LSE)):
+    stored = (FLASH_OUTPUT, FLASH_LSE)
+    if not set(stored) <= set(STAGES[stage].inputs) or not all(n in ctx.src for n in stored):
         return None
     return {n: np.asarray(ctx.src[n], np.float64) for n in (FLASH_OUTPUT, FLASH_LSE)}
 
