@@ -290,22 +290,18 @@ struct MmaWarp {
             if (a.slopes) x -= info.slope * static_cast<float>(abs(info.diag - key));
             return key >= info.lo && key < info.hi ? x : -INFINITY;
         };
-#pragma unroll
-        for (int nt = 0; nt < M::NT; ++nt)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                sc[nt][e] = masked(nt, e);
-                mx_a = fmaxf(mx_a, sc[nt][e]);
-            }
-        if (live_b) {
+        // Rows gr (scores e 0, 1) or gr + 8 (e 2, 3) of the thread's scores: masked, and their max.
+        auto scores = [&](int e0, float& mx) {
 #pragma unroll
             for (int nt = 0; nt < M::NT; ++nt)
 #pragma unroll
-                for (int e = 2; e < 4; ++e) {
+                for (int e = e0; e < e0 + 2; ++e) {
                     sc[nt][e] = masked(nt, e);
-                    mx_b = fmaxf(mx_b, sc[nt][e]);
+                    mx = fmaxf(mx, sc[nt][e]);
                 }
-        }
+        };
+        scores(0, mx_a);
+        if (live_b) scores(2, mx_b);
 #pragma unroll
         for (int off = 1; off < 4; off <<= 1) {
             mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, off));
@@ -329,23 +325,20 @@ struct MmaWarp {
                 acc[nd][3] *= alpha_b;
             }
         }
-#pragma unroll
-        for (int nt = 0; nt < M::NT; ++nt)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                const float x = sc[nt][e], p = x == -INFINITY ? 0.f : expf(x - new_a);
-                sc[nt][e] = p;
-                l_a += p;
-            }
-        if (live_b) {
+        // The same rows' weights e^(x − max) and their sums; the padding rows' weights 0.
+        auto weights = [&](int e0, float mx, float& l) {
 #pragma unroll
             for (int nt = 0; nt < M::NT; ++nt)
 #pragma unroll
-                for (int e = 2; e < 4; ++e) {
-                    const float x = sc[nt][e], p = x == -INFINITY ? 0.f : expf(x - new_b);
+                for (int e = e0; e < e0 + 2; ++e) {
+                    const float x = sc[nt][e], p = x == -INFINITY ? 0.f : expf(x - mx);
                     sc[nt][e] = p;
-                    l_b += p;
+                    l += p;
                 }
+        };
+        weights(0, new_a, l_a);
+        if (live_b) {
+            weights(2, new_b, l_b);
         } else {
 #pragma unroll
             for (int nt = 0; nt < M::NT; ++nt) sc[nt][2] = sc[nt][3] = 0.f;
