@@ -164,6 +164,20 @@ def test_a_correct_step_checked_in_the_wrong_layout_names_the_layout_it_is_in(de
     assert f"the step passes with cache_layout='{other}'" in _failing(report)[0].diagnosis[0].message
 
 
+def test_a_failing_step_is_not_checked_again_in_a_layout_that_does_not_come_closer(monkeypatch):
+    """The same ambiguous shapes, a program right in its layout but for a noisy output: the other
+    layout's forward lies no closer, so the step is checked once, not again in that layout."""
+    import verify.api as api
+    calls = []
+    real = api._decode_step
+    monkeypatch.setattr(api, "_decode_step", lambda *a: calls.append(1) or real(*a))
+    case = DecodeCase([7, 9, 4], heads=8, kv_heads=4, page_size=2)
+    out, lse, _, _ = decode(case, "noise")
+    report = attnstep.check_kvcache(case.q, case.k_cache, case.v_cache, {"flash_output": out, "flash_lse": lse},
+                                    **case.arguments())
+    assert not report and "cache_layout_declared" not in _first_codes(report) and len(calls) == 1
+
+
 @pytest.mark.parametrize("bug", ["noise", "scaled"])
 def test_a_wrong_output_of_another_cause_is_not_named_a_misread(bug):
     case = DecodeCase(SEQLENS, n_new=1)

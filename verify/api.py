@@ -239,13 +239,13 @@ def check_kvcache(q, k_cache, v_cache, stages: Mapping[str, object], *, cache_se
                 align=None if aligned else BOTTOM_RIGHT)
     report = _decode_step(kv, args, splits, diagnose)
 
-    def passes_as(layout) -> bool:
+    def read_as(layout):
         try:
-            other = kv_cache(*arrays, layout.name)
+            return kv_cache(*arrays, layout.name)
         except (ValueError, TypeError):
-            return False
-        return bool(_decode_step(other, args, splits, None))
-    name_declared_layout(report, kv, passes_as)
+            return None
+    flash = step_stages(kv, args["stages"]) or split_combine(step_splits(kv, splits))
+    name_declared_layout(report, kv, flash, read_as, lambda other: bool(_decode_step(other, args, splits, None)))
     report.run_checks += cache_after_checks(kv, k_cache_after, v_cache_after)
     return report
 

@@ -294,16 +294,31 @@ def diagnose_paged(report: Report, kv: KVCache, stages: Dict[str, np.ndarray], r
                 res.diagnosis[at:at] = found
 
 
-def name_declared_layout(report: Report, kv: KVCache, passes_as: Callable[[PoolLayout], bool]) -> None:
-    """A failing step whose arrays another cache layout also reads, and which passes read so
-    (passes_as(layout)): that layout named first in every failing result."""
-    if report:
+def name_declared_layout(report: Report, kv: KVCache, stages: Dict[str, np.ndarray],
+                         read_as: Callable[[PoolLayout], Optional[KVCache]],
+                         passes: Callable[[KVCache], bool]) -> None:
+    """A failing step whose arrays another cache layout also reads (read_as(layout): None where it
+    refuses them), and which passes read so (passes(that cache)): that layout named first in every
+    failing result. A layout is re-checked only where a float64 forward of the first failing
+    sequence read in it lies much closer to the program's rows (stages: the step's flash stages)
+    than the declared one's: a failing step's whole check is not run again for nothing."""
+    failing = sorted({r.sequence for r in report.results if not r.passed and r.sequence is not None})
+    if report or not stages or not failing:
         return
+    b, screen = failing[0], Screen.of(report)
+    got = {s: _rows(s, x, kv.q_span(b)).astype(np.float64) for s, x in stages.items()}
+
+    def distance(cache: KVCache) -> float:
+        out, lse = screen.forward(cache.queries(b), *cache.gather(b))
+        return _distance({s: (lse if STAGES[s].cols == "1" else out) for s in got}, got)
+    declared = distance(kv)
     for other in CACHE_LAYOUTS.values():
-        if other is not kv.layout and passes_as(other):
-            message = (f"the step passes with cache_layout={other.name!r} ({other.whose}: k_cache "
-                       f"{other.words(kv.paged)}), not as cache_layout={kv.layout.name!r} reads the arrays")
-            for res in report.results:
-                if not res.passed:
-                    res.diagnosis.insert(0, Diagnosis(CACHE_LAYOUT_DECLARED, message, {"cache_layout": other.name}))
-            return
+        cache = None if other is kv.layout else read_as(other)
+        if cache is None or not screen.close(distance(cache), declared) or not passes(cache):
+            continue
+        message = (f"the step passes with cache_layout={other.name!r} ({other.whose}: k_cache "
+                   f"{other.words(kv.paged)}), not as cache_layout={kv.layout.name!r} reads the arrays")
+        for res in report.results:
+            if not res.passed:
+                res.diagnosis.insert(0, Diagnosis(CACHE_LAYOUT_DECLARED, message, {"cache_layout": other.name}))
+        return

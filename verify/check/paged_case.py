@@ -105,8 +105,8 @@ def diagnose_paged_case(report: Report, check_run: Callable, options, load_outpu
     """The decode-step diagnoses of a checked paged case, or a packed one with new keys, as
     check_kvcache searches them: a failing sequence's output, flash_output and flash_lse re-checked
     on the readings a buggy program makes of its pages (paged_wrong_page, paged_page_shift,
-    paged_wrong_table_row, paged_past_length, cache_layout_misread) and of its new keys
-    (new_keys_unseen); then its K and V, the cache after the step, explained (diagnose_cache_after)."""
+    paged_wrong_table_row, paged_past_length) and of its new keys (new_keys_unseen); then its K and
+    V, the cache after the step, explained (diagnose_cache_after)."""
     seqs = report.case.sequences
     if not (seqs.paged or seqs.new_keys) or all(r.passed or r.sequence is None for r in report.results):
         return diagnose_cache_after(report, load_output)

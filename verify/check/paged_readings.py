@@ -94,11 +94,12 @@ def _shifts(kv: KVCache, b: int) -> List[Reading]:
 
 
 def _other_rows(kv: KVCache, b: int) -> List[Reading]:
-    """Sequence b's keys read through another sequence's row of the block table, its own count of
-    keys (the table indexed by another sequence's number)."""
+    """Sequence b's keys read through a neighbour's row of the block table (b ± 1, wrapping: the
+    table indexed by a batch index off by one), its own count of keys. Only the neighbours: each
+    reading is screened by a whole forward of the sequence, and a batch of 64 would make 63."""
     out, pages, m = [], kv.pages_read(b), kv.m(b)
-    for c in range(kv.batch):
-        row, how = _indexed(kv, kv.table[c].copy(), pages) if c != b else (None, "")
+    for c in sorted({(b + 1) % kv.batch, (b - 1) % kv.batch} - {b}):
+        row, how = _indexed(kv, kv.table[c].copy(), pages)
         if row is not None:
             out.append(Reading(b, row, m, PAGED_WRONG_TABLE_ROW, f"sequence {b} read its pages through sequence "
                                f"{c}'s row of the block table (block_table[{c}, j] for its page j){how}",

@@ -371,7 +371,7 @@ def sequences(stage, got, want, ctx, width) -> List[Diagnosis]:
         if diff is not None:
             found.append(_named(stage, reading, diff))
     forward = None if found else _stored_forward(stage, ctx)
-    for reading, _ in list(tried) if forward is not None else ():  # (the backward alone misread it)
+    for reading, _ in tried if forward is not None else []:  # (the backward alone misread it)
         try:
             cand = _candidate(stage, reading, packing, ctx, got.shape[1], forward)
         except (KeyError, ValueError):

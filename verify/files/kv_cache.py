@@ -122,7 +122,11 @@ class KVCache:
         return replace(packing, from_cache=True)
 
     def misreads(self) -> List[Misread]:
-        """The ways a kernel may read this cache (with the new keys) in another layout than its own."""
+        """The ways a kernel may read this cache (with the new keys) in another layout than its own;
+        none for a folder's pool (given empty), one file per K/V head, whose heads and slots no
+        program can swap."""
+        if not self.given:
+            return []
         if self._misreads is None:
             x = self.given["k_cache"][-1] if self.layout.key_dims == 5 else 0
             self._misreads = misreads(self.layout, x, self.paged)
