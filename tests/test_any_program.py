@@ -138,6 +138,23 @@ def test_causal_bugs_with_fewer_queries_than_keys_are_named_first(tmp_path, bug,
     assert later and {s["status"] for s in later} == {"INHERITED"}, later
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_softmax_along_the_wrong_axis_is_named_from_the_output_alone(tmp_path, causal):
+    """A program that writes only its output (%g text, no run.toml) from weights normalized over
+    the queries: the output names the softmax's axis (N < M: under causal, columns no query sees
+    are 0/0 in the weights, NaN in every output row)."""
+    inputs = make_input(tmp_path / "in", causal=causal)
+    heads = foreign.compute_heads(inputs, default_scale(DIMS.d_k), causal, bug="axis")
+    if causal:  # (a program that guards its empty columns: 0, not NaN)
+        heads = [{**h, "output": np.nan_to_num(h["attention_weights"]) @ x["V"]} for h, x in zip(heads, inputs)]
+    write_heads(tmp_path / "out", heads, ("output",), "%g")
+    r, rep = check(tmp_path / "in", tmp_path / "out", json_path=tmp_path / "r.json")
+    assert r.exit_code == 1 and rep["first_failing_stage"] == "output", r.output
+    for entry in rep["results"]:
+        assert entry["diagnosis"][0]["code"] == "softmax_axis", entry["diagnosis"]
+    assert "softmax along the wrong axis" in r.output, r.output
+
+
 def test_nan_weights_in_a_row_the_case_empties_are_the_weights_own_failure(tmp_path):
     """Bottom-right, N > M: the first N - M rows see no key, and the contract asks weights 0 there.
     An unguarded softmax writes 0/0 = NaN: the weights fail on their own (the NaN passed on is

@@ -304,6 +304,10 @@ def test_a_vllm_v2_bug_is_placed(bug, stage):
     assert first.stage == stage, attnstep.format_report(report)
     if bug == "wrong_block":
         assert first.sequence == 1 and first.diagnosis[0].code == "paged_wrong_page", attnstep.format_report(report)
+    else:  # (the reduce weighs each partition's exp_sum without exp(max_logits − max): named in the combine)
+        failing = [r for r in _failing(report) if r.stage == "flash_output"]
+        assert all(r.diagnosis[0].code == "split_not_rescaled" and r.diagnosis[0].detail.get("own_maximum")
+                   for r in failing), attnstep.format_report(report)
 
 
 def test_vllm_v2_partitions_of_the_wrong_shape_are_named():

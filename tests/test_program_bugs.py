@@ -424,6 +424,39 @@ def test_a_softmax_without_a_part_of_its_normalization_is_named(bug, stage, code
     assert attnstep.check_arrays(q, k, v, {stage: stages[stage]}, causal=True).passed
 
 
+def _softmax_rows(s: np.ndarray) -> np.ndarray:
+    with np.errstate(invalid="ignore"):
+        e = np.exp(s - s.max(axis=-1, keepdims=True))
+        return np.nan_to_num(e / e.sum(axis=-1, keepdims=True))
+
+
+@pytest.mark.parametrize("bug, n, m, stage", [
+    ("columns", 40, 40, "flash_output"), ("columns", 40, 40, "flash_lse"), ("columns", 24, 56, "output"),
+    ("swapped", 24, 56, "flash_output"), ("swapped", 24, 56, "attention_weights"),
+])
+def test_a_softmax_along_the_wrong_axis_is_named_in_what_follows_it(bug, n, m, stage):
+    """Weights normalized over the queries (each column's softmax; a square head's lse over each
+    column), or a softmax launched with its row length and row count swapped over the N×M buffer
+    (rows of N, not M): named in the one stage the program wrote. The right axis passes."""
+    rng = np.random.default_rng(9)
+    q = rng.standard_normal((1, 2, n, 32)).astype(np.float32)
+    k, v = (rng.standard_normal((1, 2, m, 32)).astype(np.float32) for _ in range(2))
+    s = np.einsum("bhnd,bhmd->bhnm", q, k).astype(np.float64) * 32 ** -0.5
+    s = np.where(np.tril(np.ones((n, m), bool), m - n), s, -np.inf)
+    if bug == "columns":
+        p, lse = np.swapaxes(_softmax_rows(np.swapaxes(s, 2, 3)), 2, 3), np.logaddexp.reduce(s, axis=2)
+    else:
+        p, lse = _softmax_rows(s.reshape(1, 2, m, n)).reshape(s.shape), None
+    wrong = {"attention_weights": p, "flash_output": p @ v, "output": p @ v, "flash_lse": lse}[stage]
+    right = {"attention_weights": _softmax_rows(s), "flash_lse": np.logaddexp.reduce(s, axis=3)}.get(
+        stage, _softmax_rows(s) @ v)
+    report = attnstep.check_arrays(q, k, v, {stage: wrong.astype(np.float32)}, causal="bottom-right")
+    assert report.first_failing_stage == stage
+    for r in report.results:
+        assert [d.code for d in r.diagnosis][:1] == ["softmax_axis"], [(d.code, d.message) for d in r.diagnosis]
+    assert attnstep.check_arrays(q, k, v, {stage: right.astype(np.float32)}, causal="bottom-right").passed
+
+
 @pytest.mark.parametrize("operand", ["K", "V"])
 def test_one_operand_read_from_the_next_head_is_named(operand):
     """K (or V) read at the next head's offset, the other operand at the head's own: named with the

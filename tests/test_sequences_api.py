@@ -82,20 +82,26 @@ def test_keys_read_at_the_queries_offsets_are_named():
     assert "cu_seqlens_q used for the keys" in failed[0].diagnosis[0].message
 
 
-def _backward_reading_one_key_more(q, k, v, do, out, lse, cu_q, cu_k):
+def _backward_reading_one_key_more(q, k, v, do, out, lse, cu_q, cu_k, causal=False):
     """A flash-attn-2 style backward (float32, (total, heads, d)) that recomputes P from the stored
-    lse over one key past each sequence's (its key loop's bound `<=`), the forward right."""
+    lse over one key past each sequence's (its key loop's bound `<=`), the forward right: (dQ, dK,
+    dV), dK and dV added at the key rows it read (the next sequence's first key gets its share).
+    causal: bottom-right over the keys it read."""
     H, Hk, d = q.shape[1], k.shape[1], q.shape[2]
-    scale, dq = f32(1 / np.sqrt(d)), np.zeros_like(q)
+    scale, dq, dk, dv = f32(1 / np.sqrt(d)), np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
     for b in range(len(cu_q) - 1):
         rows, keys = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], min(cu_k[b + 1] + 1, k.shape[0]))
         for h in range(H):
             kh = h // (H // Hk)
             p = np.exp((q[rows, h] @ k[keys, kh].T).astype(f32) * scale - lse[h, rows][:, None]).astype(f32)
+            n, m = p.shape
+            p[np.arange(m)[None, :] > np.arange(n)[:, None] + (m - n) if causal else np.zeros(p.shape, bool)] = 0
             dp = (do[rows, h] @ v[keys, kh].T).astype(f32)
             ds = p * (dp - (do[rows, h] * out[rows, h]).sum(axis=1, keepdims=True, dtype=f32))
             dq[rows, h] = (ds @ k[keys, kh]).astype(f32) * scale
-    return dq
+            dk[keys, kh] += (ds.T @ q[rows, h]).astype(f32) * scale
+            dv[keys, kh] += (p.T @ do[rows, h]).astype(f32)
+    return dq, dk, dv
 
 
 def test_a_backward_alone_reading_one_key_more_is_named():
@@ -103,13 +109,57 @@ def test_a_backward_alone_reading_one_key_more_is_named():
     program's own output and lse over the keys it read, is named in the backward alone."""
     q, k, v, do, stages, offsets = varlen(shape=dict(SHAPE, seqused_k=None))
     out, lse = stages["flash_output"], stages["flash_lse"]
-    dq = _backward_reading_one_key_more(q, k, v, do, out, lse, offsets["cu_seqlens_q"], offsets["cu_seqlens_k"])
+    dq, _, _ = _backward_reading_one_key_more(q, k, v, do, out, lse, offsets["cu_seqlens_q"], offsets["cu_seqlens_k"])
     report = attnstep.check_arrays(q, k, v, {"flash_output": out, "flash_lse": lse, "flash_dQ": dq}, do=do, **offsets)
     failed = [r for r in report.results if not r.passed]
     assert failed and {r.stage for r in failed} == {"flash_dQ"}, attnstep.format_report(report)
     named = [r for r in failed if r.diagnosis and r.diagnosis[0].code == "sequence_boundary"]
     assert named and "keys end 1 row late" in named[0].diagnosis[0].message
     assert "in the backward alone" in named[0].diagnosis[0].message, attnstep.format_report(report)
+
+
+def test_the_key_rows_of_a_backward_alone_reading_one_key_more_are_named():
+    """The same backward's dK and dV (a K/V head's sums over its group of query heads): each
+    sequence's key rows hold its own misread gradients and, in its first row, the previous
+    sequence's share of the key it read past its end. Every failing sequence's key rows are named
+    as that reading, in the backward alone; the last sequence's too, which no own reading moves."""
+    q, k, v, do, stages, offsets = varlen(shape=dict(SHAPE, seqlens_q=[20, 9, 40], seqlens_k=[27, 13, 53],
+                                                     seqused_k=None, causal=True))
+    out, lse = stages["flash_output"], stages["flash_lse"]
+    dq, dk, dv = _backward_reading_one_key_more(q, k, v, do, out, lse, offsets["cu_seqlens_q"],
+                                                offsets["cu_seqlens_k"], causal=True)
+    report = attnstep.check_arrays(q, k, v, {"flash_output": out, "flash_lse": lse, "flash_dQ": dq, "flash_dK": dk,
+                                             "flash_dV": dv}, do=do, causal="bottom-right", **offsets)
+    failed = [r for r in report.results if not r.passed and r.stage in ("flash_dK", "flash_dV")]
+    assert {r.sequence for r in failed} == {0, 1, 2}, attnstep.format_report(report)
+    for r in failed:
+        d = r.diagnosis[0] if r.diagnosis else None
+        assert d is not None and d.code == "sequence_boundary" and d.detail["backward_only"], \
+            attnstep.format_report(report)
+        assert "keys end 1 row late" in d.message and d.detail["sequence"] == min(r.sequence, 1), d.message
+
+
+def test_a_key_loop_from_the_stream_s_first_key_is_named():
+    """Each sequence's keys read from packed row 0 to its own last (the loop's start not offset by
+    cu_seqlens_k[b]), causal bottom-right over what it read: in the third sequence, neither its
+    neighbour's leak nor a causal mask over the whole stream gives that (in the last, the whole
+    stream's mask does, and is named); named as the loop's start."""
+    q, k, v, do, _, offsets = varlen(shape=dict(SHAPE, seqlens_q=[6, 5, 7, 4], seqlens_k=[8, 6, 9, 5],
+                                                seqused_k=None))
+    cu_q, cu_k, d = offsets["cu_seqlens_q"], offsets["cu_seqlens_k"], q.shape[2]
+    out = np.zeros_like(q)
+    for b in range(len(cu_q) - 1):
+        rows, keys = slice(cu_q[b], cu_q[b + 1]), slice(0, cu_k[b + 1])
+        for h in range(q.shape[1]):
+            s = (q[rows, h] @ k[keys, h // 2].T).astype(f32) * f32(d ** -0.5)
+            n, m = s.shape
+            s[np.arange(m)[None, :] > np.arange(n)[:, None] + (m - n)] = -np.inf
+            p = np.exp(s - s.max(axis=1, keepdims=True))
+            out[rows, h] = (p / p.sum(axis=1, keepdims=True)) @ v[keys, h // 2]
+    report = attnstep.check_arrays(q, k, v, {"flash_output": out}, causal="bottom-right", **offsets)
+    later = [r for r in report.results if not r.passed and r.sequence == 2]
+    assert later and all(r.diagnosis[0].code == "sequence_leak" and "starts at key 0, not at cu_seqlens_k"
+                         in r.diagnosis[0].message for r in later), attnstep.format_report(report)
 
 
 def test_a_query_head_s_unnamed_gradient_borrows_its_k_v_head_s_cause():

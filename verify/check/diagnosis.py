@@ -64,6 +64,9 @@ class Packing:
     sequence: int
     inputs_of_head: Callable[[int], Dict[str, np.ndarray]]
     cache: dict = field(default_factory=dict)
+    # (stage, query head) -> the program's whole packed matrix of that stage (None: not written):
+    # a flash backward that misread the packing starts from its own forward's output and lse.
+    outputs_of_head: Optional[Callable[[str, int], Optional[np.ndarray]]] = None
 
     def inputs(self, head: int) -> Dict[str, np.ndarray]:
         """inputs_of_head(head), converted once per job (held in the shared cache)."""

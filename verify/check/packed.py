@@ -215,11 +215,17 @@ class PackedRun:
             out = {n: round_to_format(x, run.precision, run.half_rounding) for n, x in out.items()}
         return out
 
+    def packed_output(self, stage: str, head: int) -> Optional[np.ndarray]:
+        """The program's whole packed `stage` of query head `head` (None where it wrote none)."""
+        if stage not in self.run.sources:
+            return None
+        return self.whole_output(stage, file_index(self.run, stage, head))[0]
+
     def _diagnoser(self, b: int, diagnoser: Optional[Diagnoser]) -> Optional[Diagnoser]:
         """The diagnoser of sequence b's dense check: `diagnoser`, shown the packing around it."""
         if diagnoser is None:
             return None
-        packing = Packing(self.seqs, b, self.packed_inputs, self._candidates)
+        packing = Packing(self.seqs, b, self.packed_inputs, self._candidates, self.packed_output)
         return lambda stage, got, want, suspect: diagnoser(stage, got, want, replace(suspect, packing=packing))
 
     def sequence(self, b: int) -> Tuple[SequenceRun, SequenceCase]:

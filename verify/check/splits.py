@@ -29,7 +29,7 @@ import numpy as np
 from ..model.half import is_half, storage_bound
 from ..model.rounding import FLUSH, HeadCache
 from ..specs import HeadContext
-from ..specs.splits import key_ranges, restricted
+from ..specs.splits import key_ranges, max_logits, restricted
 from ..stages import (FLASH_LSE, FLASH_OUTPUT, INPUT_NAMES, SPLIT_LSE, SPLIT_OUTPUT, SPLIT_STAGES, STAGES,
                       split_columns)
 from . import tolerance
@@ -162,6 +162,7 @@ class SplitSuspect:
     recompute: Callable[[str, int, int], np.ndarray]
     keys: int
     split_size: int
+    max_logits: Callable[[], np.ndarray]  # (N, S): each split's row maximum of the scores (specs.splits)
 
 
 def _program_splits(ctx: HeadContext) -> Tuple[Optional[np.ndarray], Optional[np.ndarray]]:
@@ -176,7 +177,14 @@ def _program_splits(ctx: HeadContext) -> Tuple[Optional[np.ndarray], Optional[np
 def suspect(kind: str, stage: str, ctx: HeadContext, allowed: np.ndarray) -> SplitSuspect:
     out, lse = _program_splits(ctx)
     return SplitSuspect(kind, stage, split_references(ctx), out, lse, allowed,
-                        functools.partial(restricted_reference, ctx), ctx.dims.seq_k, ctx.dims.split_size)
+                        functools.partial(restricted_reference, ctx), ctx.dims.seq_k, ctx.dims.split_size,
+                        functools.partial(split_max_logits, ctx))
+
+
+def split_max_logits(ctx: HeadContext) -> np.ndarray:
+    d = ctx.dims
+    return max_logits(_flash_sources(ctx), ctx.effective_variant, ctx.scale, ctx.slope,
+                      key_ranges(d.split_size, d.splits, d.seq_k))
 
 
 # ---- a split stage's check -----------------------------------------------------------------------

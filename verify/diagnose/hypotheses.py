@@ -45,6 +45,7 @@ from . import backward as backward_bugs
 from . import heads as head_bugs, masks as mask_bugs
 from . import precision as precision_bugs
 from . import sequences as sequence_bugs
+from . import sequence_keys
 from . import splits as split_bugs, variants as variant_bugs
 from . import softmax_loops as loop_bugs
 from . import key_tiles as key_tile_bugs
@@ -272,7 +273,7 @@ def diagnose(stage: str, got: np.ndarray, want: np.ndarray, ctx: Suspect) -> Lis
     # few keys off is named first, and the sequence's readings that give the same rows after it.
     if sequence_bugs.applies(stage, ctx) and not sequence_bugs.caused_elsewhere(found):
         with np.errstate(all="ignore"):
-            sequence_found = sequence_bugs.sequences(stage, got, want, ctx, width)
+            sequence_found = sequence_keys.diagnose(stage, got, want, ctx, width)
         shifts = [d.confidence for d in found if equivalent(d)]
         for d in sequence_found if shifts else ():
             d.confidence = min(d.confidence, min(shifts) - _AFTER)

@@ -51,7 +51,7 @@ MIN_ROWS = 4
 MAX_TILE_SEARCHED = 256
 # What a stage holds, by its table entry's columns: the weights (one per key), one log-sum-exp a
 # row, or the attention's output (V's columns).
-_PROBABILITIES, _LOG_SUM_EXP, _ATTENTION = "probabilities", "log-sum-exp", "attention"
+PROBABILITIES, LOG_SUM_EXP, ATTENTION = "probabilities", "log-sum-exp", "attention"
 
 
 class _Head:
@@ -62,13 +62,13 @@ class _Head:
     def __init__(self, stage: str, ctx: Suspect, width: float) -> None:
         self.ok = False
         st = STAGES[stage]
-        self.kind = _PROBABILITIES if st.cols == "M" else _LOG_SUM_EXP if st.cols == "1" else _ATTENTION
+        self.kind = PROBABILITIES if st.cols == "M" else LOG_SUM_EXP if st.cols == "1" else ATTENTION
         built = rebuilder(stage, ctx, width)
         qkv = case_inputs(ctx)
         got = ctx.head_ctx.got if ctx.head_ctx is not None else {}
         # The program's own scores, where it wrote those the stage is the softmax of.
         own = [n for n in st.inputs if SPECS[n].masked_value == -np.inf and n in got and n in ctx.src]
-        if built is None and own and self.kind == _PROBABILITIES:
+        if built is None and own and self.kind == PROBABILITIES:
             self.logits, self.values, self.width = np.asarray(ctx.src[own[0]], np.float64), None, width
         elif built is not None and qkv is not None and not variant_of(ctx).dropout:
             # (under dropout the program's keep-mask multiplies P: not modelled here)
@@ -77,7 +77,7 @@ class _Head:
         else:
             return
         self.hidden = run_hidden(ctx, *self.logits.shape)
-        self.ok = self.kind == _PROBABILITIES or self.values is not None
+        self.ok = self.kind == PROBABILITIES or self.values is not None
 
     def keys(self, first: int, end: int) -> "_Head":
         """This head over its keys [first, end) alone (a split of a split-KV run)."""
@@ -88,21 +88,21 @@ class _Head:
 
     def from_weights(self, weights: np.ndarray) -> np.ndarray:
         """The stage as the program writes it from these weights (normalized or not)."""
-        return weights if self.kind == _PROBABILITIES else weights @ self.values
+        return weights if self.kind == PROBABILITIES else weights @ self.values
 
     def from_state(self, lse: np.ndarray, out: Optional[np.ndarray], masked: np.ndarray) -> np.ndarray:
         """The stage from a softmax's log-sum-exp (a column) and output over the keys it read, and
         its logits with the hidden and unread keys −inf (the weights: exp(s − lse))."""
-        if self.kind == _LOG_SUM_EXP:
+        if self.kind == LOG_SUM_EXP:
             return lse
-        if self.kind == _ATTENTION:
+        if self.kind == ATTENTION:
             return out
         return np.exp(masked - np.where(np.isfinite(lse), lse, 0.0))
 
     def softmax_stage(self, logits: np.ndarray, rows=slice(None)) -> np.ndarray:
         """The stage from these logits of `rows` under the run's mask."""
         s = np.where(self.hidden[rows], -np.inf, logits)
-        if self.kind == _LOG_SUM_EXP:
+        if self.kind == LOG_SUM_EXP:
             return log_sum_exp_rows(s)
         return self.from_weights(softmax_rows(s))
 
@@ -137,7 +137,7 @@ def _widths(m: int) -> range:
 
 def mask_after_softmax(stage, got, want, ctx, width) -> List[Diagnosis]:
     head = loop_head(stage, got, ctx, width)
-    if head is None or head.kind == _LOG_SUM_EXP or not (head.hidden.any(axis=1) & ~head.hidden.all(axis=1)).any():
+    if head is None or head.kind == LOG_SUM_EXP or not (head.hidden.any(axis=1) & ~head.hidden.all(axis=1)).any():
         return []
     logits = head.logits
     if head.values is None:  # the program's own masked scores: the hidden ones are the inputs' scores
@@ -233,14 +233,14 @@ def _online_rows(head: _Head, tile: int, sum_scaled: bool, out_scaled: bool, row
     at_read = weighed(np.repeat(running, np.diff(np.append(starts, m)), axis=1)) if not (sum_scaled and out_scaled) \
         else at_final
     total = (at_final if sum_scaled else at_read).sum(axis=1)
-    if head.kind == _LOG_SUM_EXP:  # (the running output does not reach it)
+    if head.kind == LOG_SUM_EXP:  # (the running output does not reach it)
         return final + np.log(total)[:, None]
     return ((at_final if out_scaled else at_read) @ head.values) / total[:, None]
 
 
 def online_rescale(stage, got, want, ctx, width) -> List[Diagnosis]:
     head = loop_head(stage, got, ctx, width)
-    if head is None or head.values is None or head.kind == _PROBABILITIES or got.size < MIN_SEARCHED_VALUES:
+    if head is None or head.values is None or head.kind == PROBABILITIES or got.size < MIN_SEARCHED_VALUES:
         return []
     found = _online_search(head, got, want)
     return [_online_diagnosis(stage, *found)] if found else []
@@ -277,7 +277,7 @@ def _online_search(head: _Head, got, want) -> Optional[Tuple[int, str, bool, boo
     online softmax without a rescale explains got; None where none does."""
     rows, fits = loop_rows(got, want), loop_screen(got, want, head)
     for tile in _widths(head.logits.shape[1]):
-        for how, sum_scaled, out_scaled in _LSE_RESCALES if head.kind == _LOG_SUM_EXP else _RESCALES:
+        for how, sum_scaled, out_scaled in _LSE_RESCALES if head.kind == LOG_SUM_EXP else _RESCALES:
             with np.errstate(invalid="ignore", over="ignore"):
                 if not fits(_online(head, tile, sum_scaled, out_scaled, rows), rows):
                     continue
@@ -304,12 +304,12 @@ def _normalizations(head: _Head) -> List[Tuple[str, str, np.ndarray]]:
     mx = s.max(axis=1, keepdims=True)
     seen = np.isfinite(mx)
     p = np.where(seen, np.exp(s - np.where(seen, mx, 0.0)), 0.0)
-    if head.kind == _LOG_SUM_EXP:
+    if head.kind == LOG_SUM_EXP:
         return [(LSE_SUM_MISSING, "is the row maximum alone: log l, the log of the row sum of exp(s - max), is "
                  "not added", mx),
                 (LSE_MAX_MISSING, "is log l alone, the log of the row sum of exp(s - max): the row maximum is not "
                  "added back", np.log(p.sum(axis=1, keepdims=True)))]
-    what = "output" if head.kind == _ATTENTION else "weights"
+    what = "output" if head.kind == ATTENTION else "weights"
     return [(SOFTMAX_UNNORMALIZED, f"is not divided by the row sum l = sum of exp(s - max): the {what} of the "
              "unnormalized exponentials", head.from_weights(p))]
 
@@ -329,7 +329,7 @@ def _max_from_zero(head: _Head, flush: bool) -> Tuple[np.ndarray, np.ndarray]:
         p[p < _FLOAT32_TINY] = 0.0
     total = p.sum(axis=1, keepdims=True)
     empty = (total[:, 0] == 0) & ~head.hidden.all(axis=1)
-    if head.kind == _LOG_SUM_EXP:
+    if head.kind == LOG_SUM_EXP:
         return mx + np.log(total), empty
     return head.from_weights(p / total), empty
 
@@ -348,7 +348,7 @@ def normalization(stage, got, want, ctx, width) -> List[Diagnosis]:
             cand, empty = _max_from_zero(head, flush)
             if not empty.any():
                 continue
-            for fill in ((np.nan, 0.0) if head.kind != _LOG_SUM_EXP else (-np.inf, np.inf)):  # (+inf: guarded)
+            for fill in ((np.nan, 0.0) if head.kind != LOG_SUM_EXP else (-np.inf, np.inf)):  # (+inf: guarded)
                 diff = explains_rows(got, np.where(empty[:, None], fill, cand), want, head.width, every,
                                      nan_evidence=True)
                 if diff is not None:

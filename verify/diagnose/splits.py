@@ -10,7 +10,9 @@ the bug would have written explains the program's values and the correct result 
   as 0, or as weight one), or a row whose every split is empty combined to NaN.
 * split_not_rescaled: flash_output combined without each split's weight exp(lse_s − lse) (the
   outputs summed, or one split's added as it is), or with weights that do not sum to one
-  (exp(lse_s − max) not divided by their sum, exp(lse_s) as they are).
+  (exp(lse_s − max) not divided by their sum, exp(lse_s) as they are), or with each split's own
+  row sum l_s = exp(lse_s − m_s), m_s the split's own maximum, over their total: the sums never
+  brought to a common maximum by exp(m_s − max) (vLLM's exp_sums without its max_logits).
 * split_exp2: the combine's exponentials in base 2 of the natural-log lse (exp2 without the
   log2(e) factor a base-2 kernel multiplies its exponents by): weights 2^(lse_s − max) over their
   sum, lse = max + ln or log2 of that sum.
@@ -205,7 +207,7 @@ def _combine(stage: str, got: np.ndarray, want: np.ndarray, view: SplitSuspect, 
         use_out = None if row_statistic(stage) else out_s
         if use_out is None and not row_statistic(stage):
             return found
-        for code, candidates in ((SPLIT_NOT_RESCALED, _rescale_candidates(lse_s, out_s, empty) if use_out is not None
+        for code, candidates in ((SPLIT_NOT_RESCALED, _rescale_candidates(lse_s, out_s, empty, view, judged) if use_out is not None
                                   else ()),
                                  (SPLIT_EXP2, _exp2_candidates(stage, lse_s, use_out, empty)),
                                  (SPLIT_LEFT_OUT, _left_out_candidates(stage, lse_s, use_out, empty))):
@@ -291,7 +293,8 @@ def _left_out_candidates(stage: str, lse_s: np.ndarray, out_s: Optional[np.ndarr
         yield how, (lse if row_statistic(stage) else out), detail
 
 
-def _rescale_candidates(lse_s: np.ndarray, out_s: np.ndarray, empty: np.ndarray):
+def _rescale_candidates(lse_s: np.ndarray, out_s: np.ndarray, empty: np.ndarray, view: SplitSuspect,
+                        judged: np.ndarray):
     seen = ~empty
     lse, _, w = combine(lse_s, out_s)
     m = np.max(np.where(empty, -np.inf, lse_s), axis=1, keepdims=True)
@@ -315,6 +318,13 @@ def _rescale_candidates(lse_s: np.ndarray, out_s: np.ndarray, empty: np.ndarray)
         w2 = w.copy()
         w2[:, t] = np.where(seen[:, t], 1.0, 0.0)
         yield (f"added split {t}'s output without its weight exp(lse_{t} − lse)", _weighted(out_s, w2), {"split": t})
+    if lse_s.shape[1] > 1:
+        own = view.max_logits()[judged]
+        sums = np.where(seen & np.isfinite(own), np.exp(lse_s - np.where(np.isfinite(own), own, 0.0)), 0.0)
+        total = sums.sum(axis=1, keepdims=True)
+        yield ("weighted each split by its own row sum l_s = exp(lse_s − m_s) over their total, m_s the split's own "
+               "maximum: the sums not brought to the common maximum by exp(m_s − max) (a split not rescaled)",
+               _weighted(out_s, sums / np.where(total > 0, total, 1.0)), {"own_maximum": True})
 
 
 __all__ = ["diagnose", "CODES", "MAX_SHIFT", "MATCH_WIDTHS"]

@@ -301,7 +301,7 @@ SPECS = (
               quantization=_output_quantization, invariants=(_output_vs_partner,), scaled=True,
               partner=OUTPUT, given_partner=(FLASH_VS_OUTPUT,), with_mask=_with_mask_output,
               from_inputs=_with_mask_output,
-              diagnoses=PATTERNS + ("scaled", "mask", "keys", "overflow", "mask_after_softmax", "tile_keys", "key_tile",
+              diagnoses=PATTERNS + ("scaled", "mask", "keys", "overflow", "mask_after_softmax", "softmax_axis", "tile_keys", "key_tile",
                                     "online_rescale", "normalization"),
               baseline=OUTPUT, variant_sources=flash_sources, stands_for=OUTPUT),
     StageSpec(FLASH_LSE, reference=_lse_reference, isolated=_lse_isolated, keyless=-np.inf,
@@ -309,7 +309,7 @@ SPECS = (
               quantization=_lse_quantization, invariants=(_lse_vs_partner,), scaled=True, partner=SCALED_SCORES,
               given_partner=(LSE_VS_SCORES,),
               with_mask=_with_mask_lse, from_inputs=_with_mask_lse,
-              diagnoses=PATTERNS + ("scaled", "mask", "lse_log2", "keys", "overflow", "tile_keys", "key_tile",
+              diagnoses=PATTERNS + ("scaled", "mask", "lse_log2", "keys", "overflow", "softmax_axis", "tile_keys", "key_tile",
                                     "online_rescale", "normalization"),
               variant_sources=score_sources, canonical=_lse_canonical),
 )

@@ -21,6 +21,7 @@ from ..model.rounding import ToleranceError
 from ..stages import MASK_INPUT, SPLIT_LSE, SPLIT_OUTPUT
 from ..variant import NONE, PER_HEAD, Variant
 from .base import Problem, StageSpec
+from .output import scores_from_inputs
 
 
 def key_ranges(split_size: int, splits: int, keys: int) -> List[Tuple[int, int]]:
@@ -38,6 +39,15 @@ def restricted(src: Dict[str, np.ndarray], variant: Variant, first: int, end: in
     if variant.mask != NONE and MASK_INPUT in src:
         mask = mask & (np.asarray(src[MASK_INPUT]) != 0)
     return {**src, MASK_INPUT: np.ascontiguousarray(mask)}, variant.with_(mask=PER_HEAD)
+
+
+def max_logits(src: Dict[str, np.ndarray], variant: Variant, scale: float, slope: float,
+               ranges: List[Tuple[int, int]]) -> np.ndarray:
+    """(N, S) in float64: each split's row maximum of the scores over its keys (−inf where a row
+    sees none of them), what a kernel that keeps its split's own maximum (vLLM's max_logits)
+    weighs its split's sum against."""
+    scores = scores_from_inputs(src, scale, None, variant, slope)
+    return np.stack([np.max(scores[:, first:end], axis=1, initial=-np.inf) for first, end in ranges], axis=1)
 
 
 def _per_split(src, problem: Problem):
