@@ -69,6 +69,22 @@ def test_a_wrong_page_fails_with_its_diagnosis(bug, code):
     assert code in attnstep.format_report(report)
 
 
+@pytest.mark.parametrize("padding", [0, -1])
+def test_a_page_read_from_another_sequence_s_padding_entry_is_named(padding):
+    """Sequence 1's last page read through sequence 2's row, where sequence 2 has no page there: the
+    table's padding entry (0, as vLLM pads, or -1, which Python and PyTorch index as the pool's last
+    page) is what it read."""
+    case = DecodeCase(SEQLENS, n_new=1, nq=1)
+    for b, n in enumerate(SEQLENS):
+        case.block_table[b, -(-(n + 1) // case.page_size):] = padding
+    report = check(case, "other_sequence_entry")
+    assert not report and {r.sequence for r in report.results if not r.passed} == {1}, attnstep.format_report(report)
+    d = next(r for r in report.results if not r.passed).diagnosis[0]
+    assert d.code == "paged_wrong_page" and d.detail["page_index"] == 2, attnstep.format_report(report)
+    assert "the padding entry block_table[2, 2] past sequence 2's pages" in d.message, d.message
+    assert ("read as the pool's page" in d.message) == (padding < 0), d.message
+
+
 @pytest.mark.parametrize("page_size, seqlens", [(16, SEQLENS), (64, [70, 45, 130])])
 def test_the_last_page_read_past_its_length_is_named(page_size, seqlens):
     report = check(DecodeCase(seqlens, n_new=1, nq=1, page_size=page_size), "past_length")

@@ -19,6 +19,8 @@ BUGS = {
     "other_sequence_page": "sequence 1's page 0 read from sequence 0's page 0",
     "page_shift": "every page of sequence 1 read one page further in the pool",
     "other_sequence_row": "sequence 1's pages read through sequence 2's row of the block table",
+    "other_sequence_entry": "sequence 1's last page read through sequence 2's row at the same index (past "
+                            "sequence 2's pages: its padding entry)",
     "past_length": "each sequence's last page read to its end (keys past cache_seqlens + n_new attended)",
     "past_length_0": "sequence 0's last page read to its end (the other sequences right)",
     "page_before": "sequence 1's page 0 read from the pool's page before it",
@@ -113,6 +115,9 @@ def _table_read(case: DecodeCase, bug: Optional[str]):
         t[1, 0] -= 1
     elif bug == "other_sequence_row":
         t[1] = t[2]
+    elif bug == "other_sequence_entry":
+        last = (case.seqlens[1] + case.n_new - 1) // case.page_size
+        t[1, last] = t[2, last]
     return t
 
 

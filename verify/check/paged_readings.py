@@ -109,14 +109,15 @@ def _other_rows(kv: KVCache, b: int) -> List[Reading]:
 
 def _wrong_pages(kv: KVCache, b: int) -> List[Reading]:
     """One page j of sequence b read from another page: the pool's page before or after it, or
-    another sequence's page j."""
+    what another sequence's row holds at j: its page j, or past its pages the table's padding
+    (0, or −1 read as the pool's last page)."""
     out, table, m = [], kv.table[b], kv.m(b)
     for j in range(kv.pages_read(b)):
         right = int(table[j])
         others = {right - 1: "the page before it in the pool", right + 1: "the page after it in the pool"}
         for c in range(kv.batch):
-            if c != b and j < kv.table.shape[1] and j < kv.pages_read(c):
-                others.setdefault(int(kv.table[c, j]), f"sequence {c}'s page {j}")
+            if c != b and j < kv.table.shape[1]:
+                others.setdefault(*_entry(kv, c, j))
         for page, words in others.items():
             if page == right or not 0 <= page < kv.num_pages:
                 continue
@@ -127,6 +128,17 @@ def _wrong_pages(kv: KVCache, b: int) -> List[Reading]:
                                f"instead of page {right} (block_table[{b}, {j}])",
                                {"sequence": b, "page_index": j, "read": page, "expected": right}))
     return out
+
+
+def _entry(kv: KVCache, c: int, j: int) -> Tuple[int, str]:
+    """(the page, in words) that block_table[c, j] names: sequence c's page j, or past its pages
+    a padding entry (a negative one indexed as Python and PyTorch do)."""
+    entry = int(kv.table[c, j])
+    if j < kv.pages_read(c):
+        return entry, f"sequence {c}'s page {j}"
+    wrapped = entry + kv.num_pages if -kv.num_pages <= entry < 0 else entry
+    how = f" ({entry} read as the pool's page {wrapped}, as Python and PyTorch index)" if wrapped != entry else ""
+    return wrapped, f"the padding entry block_table[{c}, {j}] past sequence {c}'s pages{how}"
 
 
 def _past_length(kv: KVCache, b: int) -> List[Reading]:
