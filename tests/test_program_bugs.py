@@ -457,6 +457,50 @@ def test_a_softmax_along_the_wrong_axis_is_named_in_what_follows_it(bug, n, m, s
     assert attnstep.check_arrays(q, k, v, {stage: right.astype(np.float32)}, causal="bottom-right").passed
 
 
+def _flash_heads(q, k, v, do, lse_head=lambda h: h, route=foreign.BackwardRoute()):
+    """A float32 FlashAttention-2 forward and backward per head (tests/helpers/foreign_routes.py),
+    the backward of head h recomputing P against head lse_head(h)'s lse."""
+    H, scale = q.shape[1], default_scale(q.shape[-1])
+    fwd = [foreign.flash_forward(q[0, h], k[0, h], v[0, h], scale, False, 32, False) for h in range(H)]
+    bwd = [foreign.flash_backward(q[0, h], k[0, h], v[0, h], do[0, h], fwd[h][0], fwd[lse_head(h)][1], scale, False,
+                                  route) for h in range(H)]
+    out = {"flash_output": np.stack([o for o, _ in fwd])[None], "flash_lse": np.stack([x[:, 0] for _, x in fwd])[None]}
+    return {**out, **{n: np.stack([b[n] for b in bwd])[None] for n in ("flash_dQ", "flash_dK", "flash_dV")}}
+
+
+def test_a_flash_backward_reading_the_next_head_s_lse_is_named():
+    """The backward of head h recomputes P against head h + 1's lse (its offset into the saved lse
+    off by one head): named with the head it read, the forward right."""
+    rng = np.random.default_rng(12)
+    q, k, v, do = (rng.standard_normal((1, 3, 40, 32)).astype(np.float32) for _ in range(4))
+    stages = _flash_heads(q, k, v, do, lse_head=lambda h: (h + 1) % 3)
+    report = attnstep.check_arrays(q, k, v, stages, do=do)
+    assert report.first_failing_stage == "flash_dQ", attnstep.format_report(report)
+    for r in (r for r in report.results if r.stage == "flash_dQ"):
+        d = r.diagnosis[0]
+        assert d.code == "lse_wrong_head" and d.detail["read_head"] == (r.head + 1) % 3, (d.code, d.message)
+
+
+@pytest.mark.parametrize("keys", [90, 96])
+def test_the_last_key_row_of_every_tile_left_out_of_dk_and_dv_is_named(keys):
+    """dK and dV never accumulated at the last key row of each 32-key tile: with M = 90 the partial
+    last tile's own last row (89) too. Named as the tile pattern it is, whether or not M is a
+    multiple of the tile."""
+    rng = np.random.default_rng(13)
+    q, do = (rng.standard_normal((1, 2, 64, 32)).astype(np.float32) for _ in range(2))
+    k, v = (rng.standard_normal((1, 2, keys, 32)).astype(np.float32) for _ in range(2))
+    stages = _flash_heads(q, k, v, do, route=foreign.BackwardRoute(flash="exp-32"))
+    left_out = [r for r in range(keys) if r % 32 == 31 or r == keys - 1]
+    for name in ("flash_dK", "flash_dV"):
+        stages[name][0, :, left_out] = 0.0
+    report = attnstep.check_arrays(q, k, v, stages, do=do)
+    assert report.first_failing_stage == "flash_dK", attnstep.format_report(report)
+    for r in (r for r in report.results if r.stage in ("flash_dK", "flash_dV")):
+        d = r.diagnosis[0]
+        assert d.code == "tile_boundary" and d.detail["period"] == 32, (d.code, d.message)
+        assert d.detail["lines"] == left_out, d.detail
+
+
 @pytest.mark.parametrize("operand", ["K", "V"])
 def test_one_operand_read_from_the_next_head_is_named(operand):
     """K (or V) read at the next head's offset, the other operand at the head's own: named with the

@@ -346,7 +346,8 @@ def read_inputs(folder: Path, heads: int) -> List[Dict[str, np.ndarray]]:
 # feeds the natural-log lse into an exp2 without converting it; "dq_key_rows" adds each tile's dQ
 # term at the key tile's rows; "dV_untransposed_tile" adds P_tile·dO_tile to dV (square tiles).
 BACKWARD_BUGS = ("D_wrong_O", "dS_missing_P", "grad_unscaled", "dV_untransposed_P", "bwd_mask", "bwd_lse_log2",
-                 "dq_key_rows", "dV_untransposed_tile")
+                 "dq_key_rows", "dV_untransposed_tile", "dq_uses_v", "dv_uses_ds", "dk_untransposed_tile",
+                 "bwd_lse_max", "dq_first_key_tile", "dkdv_first_query_tile")
 
 
 @dataclass(frozen=True)
@@ -415,7 +416,13 @@ def flash_backward(q, k, v, do, o, lse, scale: float, causal: bool, route: Backw
     dq = np.zeros(q.shape, f32)
     dk = np.zeros(k.shape, f32)
     dv = np.zeros(v.shape, f32)
+    if bug == "bwd_lse_max":  # P = exp(S − m): the row maximum for the lse (log l left out)
+        s_all = np.where(np.tril(np.ones((n, m), bool)) | (not causal), mm_blas(q, np.ascontiguousarray(k.T)) *
+                         f32(scale), -np.inf)
+        lse = s_all.max(axis=1, keepdims=True).astype(f32)
     for c0, r0 in ((c0, r0) for c0 in range(0, m, block) for r0 in range(0, n, block)):
+        # (the bug's loop stopped after its first tile: dQ, or dK and dV, get no more terms)
+        dq_stopped, kv_stopped = bug == "dq_first_key_tile" and c0 > 0, bug == "dkdv_first_query_tile" and r0 > 0
         kc, vc = k[c0:c0 + block], v[c0:c0 + block]
         with np.errstate(over="ignore"):  # masked logits may overflow exp before the mask zeroes them
             qr = q[r0:r0 + block]
@@ -440,14 +447,19 @@ def flash_backward(q, k, v, do, o, lse, scale: float, causal: bool, route: Backw
                 dv[r0:r0 + block] += mm_blas(p, do[c0:c0 + block])
             elif bug == "dV_untransposed_tile":  # each tile of P untransposed (N, M multiples of the tile)
                 dv[c0:c0 + block] += mm_blas(p, dor)
-            else:
-                dv[c0:c0 + block] += mm_blas(np.ascontiguousarray(p.T), dor)
-            dk[c0:c0 + block] += mm_blas(np.ascontiguousarray(ds.T), qr) * s_used
+            elif not kv_stopped:
+                pv = ds if bug == "dv_uses_ds" else p  # (dV = dSᵀ·dO: dS where P belongs)
+                dv[c0:c0 + block] += mm_blas(np.ascontiguousarray(pv.T), dor)
+            if bug == "dk_untransposed_tile":  # each tile of dS untransposed (N, M multiples of the tile)
+                dk[c0:c0 + block] += mm_blas(ds, qr) * s_used
+            elif not kv_stopped:
+                dk[c0:c0 + block] += mm_blas(np.ascontiguousarray(ds.T), qr) * s_used
+            other = vc if bug == "dq_uses_v" else kc  # (dQ = dS·V: V where K belongs)
             if bug == "dq_key_rows":  # dQ[k0 + r] where dQ[q0 + r] belongs
                 end = min(c0 + qr.shape[0], n)
                 dq[c0:end] += (mm_blas(ds, kc) * s_used)[:end - c0]
-            else:
-                dq[r0:r0 + block] += mm_blas(ds, kc) * s_used
+            elif not dq_stopped:
+                dq[r0:r0 + block] += mm_blas(ds, other) * s_used
     return {"flash_dQ": dq, "flash_dK": dk, "flash_dV": dv}
 
 

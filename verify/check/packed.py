@@ -1,23 +1,22 @@
 """Checking a packed case (verify/sequences.py) sequence by sequence.
 
-Each sequence b with queries is an ordinary dense problem: the same heads, K/V heads, d and
-variant, with N = n(b) and M = m(b) (so a causal mask or window aligned bottom-right meets each
-sequence's own corner), checked by the dense engine (compare.check_head, groups.check_summed)
-on a SequenceRun and a SequenceCase: the row slices of the packed per-head files (Q, dO and every
-stage of N rows: rows q_rows(b); K, V, dK, dV and their flash twins: rows k_rows(b); KT: those
-columns) and the sequence's own N×M files, `<stage>_head_{i}_seq_{b}`. A job is still one K/V
-head's group: its packed matrices are read once and sliced for every sequence.
+Each sequence b with queries is an ordinary dense problem: the same heads, K/V heads, d and variant,
+with N = n(b) and M = m(b) (so a causal mask or window aligned bottom-right meets each sequence's own
+corner), checked by the dense engine (compare.check_head, groups.check_summed) on a SequenceRun and a
+SequenceCase: the row slices of the packed per-head files (Q, dO and every stage of N rows: rows
+q_rows(b); K, V, dK, dV and their flash twins: rows k_rows(b); KT: those columns) and the sequence's
+own N×M files, `<stage>_head_{i}_seq_{b}`. A job is still one K/V head's group: its packed matrices
+are read once and sliced for every sequence.
 
-What the dense problems cannot see is checked here, exactly: a sequence that reads no key
-(m(b) = 0) outputs 0 on its rows and flash_lse −inf (+inf accepted, as for any row that sees no
-key); and a key row no query reads (padding past m(b) in a slot, or the keys of a sequence without
-queries) has dK, dV, flash_dK and flash_dV exactly 0, and K, V and KT (its column) echo the input
-as read.
+What the dense problems cannot see is checked here, exactly: a sequence that reads no key (m(b) = 0)
+outputs 0 on its rows and flash_lse −inf (+inf accepted, as for any row that sees no key); and a key
+row no query reads (padding past m(b) in a slot, or the keys of a sequence without queries) has dK,
+dV, flash_dK and flash_dV exactly 0, and K, V and KT (its column) echo the input as read.
 
-A paged case (verify/sequences.py) is checked the same way, each sequence's keys gathered through
-its block table (key_rows): its K and V rows of the SequenceCase are the pool rows the table names,
-in the sequence's key order. K, V and KT echo the pool: they are checked over all of it once per
-K/V head (an ordinary result of the K/V head), not per sequence.
+A paged case (verify/sequences.py) is checked the same way, each sequence's keys gathered through its
+block table (key_rows): its K and V rows of the SequenceCase are the pool rows the table names, in the
+sequence's key order. K, V and KT echo the pool: they are checked over all of it once per K/V head (an
+ordinary result of the K/V head), not per sequence.
 """
 from __future__ import annotations
 
@@ -217,9 +216,7 @@ class PackedRun:
 
     def packed_output(self, stage: str, head: int) -> Optional[np.ndarray]:
         """The program's whole packed `stage` of query head `head` (None where it wrote none)."""
-        if stage not in self.run.sources:
-            return None
-        return self.whole_output(stage, file_index(self.run, stage, head))[0]
+        return self.whole_output(stage, file_index(self.run, stage, head))[0] if stage in self.run.sources else None
 
     def _diagnoser(self, b: int, diagnoser: Optional[Diagnoser]) -> Optional[Diagnoser]:
         """The diagnoser of sequence b's dense check: `diagnoser`, shown the packing around it."""
@@ -324,11 +321,9 @@ class PackedRun:
         return unread
 
     def _why_unread(self, row: int) -> str:
-        seqs = self.seqs
-        b = seqs.sequence_of_key(row)
-        if seqs.n(b) == 0:
-            return f"a key of sequence {b}, which has no queries"
-        return (f"padding of sequence {b}: key {row - seqs.cu_k[b]} of its slot of {len(seqs.k_slot(b))}, past the "
+        seqs, b = self.seqs, self.seqs.sequence_of_key(row)
+        return (f"a key of sequence {b}, which has no queries" if seqs.n(b) == 0 else
+                f"padding of sequence {b}: key {row - seqs.cu_k[b]} of its slot of {len(seqs.k_slot(b))}, past the "
                 f"{seqs.m(b)} it uses")
 
     def _unread_rows(self, kv_head: int) -> List[HeadResult]:
@@ -338,8 +333,7 @@ class PackedRun:
         rows = self._unread
         if not rows.any():
             return []
-        out = []
-        paged = self.seqs.paged
+        out, paged = [], self.seqs.paged
         for stage in (s for s in self.stages if STAGES[s].kv):
             st = STAGES[stage]
             res = new_result(self.run, stage, self.run.dims.query_heads_of(kv_head)[0])

@@ -8,66 +8,18 @@ and fires when that explains got while the correct computation does not.
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, Iterable, List, Optional, Tuple
+from typing import Callable, Dict, Iterable, List, Tuple
 
 import numpy as np
 
-from ..check import tolerance
 from ..check.diagnosis import Diagnosis
 from ..model.attention import softmax_rows
 from ..model.scores import HeadVariant
-from ..specs import SPECS
-from ..specs.backward import Gradients, d_reference
-from ..stages import FLASH_LSE, GRAD_OUTPUT, KEYS, OUTPUT, QUERIES, STAGES, VALUES
-from .base import LOG2_E, MAX_HEAD_OFFSET, explains_closely
-from .heads import neighbours, other_head_stage
-from .inputs import key_tiles
-
-Own = Callable[[str], np.ndarray]
-
-
-def _own(ctx) -> Optional[Own]:
-    head = ctx.head_ctx
-    if head is None:
-        return None
-    return lambda name: np.asarray(head.own(name), np.float64)
-
-
-def _masked(own: Own, head: HeadVariant) -> np.ndarray:
-    """Where the head's variant hides a key (the causal mask, the window, the mask and bias files)."""
-    return head.hidden(own(QUERIES).shape[0], own(KEYS).shape[0])
-
-
-def _gradients(stage: str, own: Own, scale: float, head: HeadVariant) -> Gradients:
-    """What the stage is computed from: the program's own P, dP, D on the stage path; recomputed
-    from its saved output and lse in the flash backward (under the head's variant)."""
-    return Gradients(own, scale, _masked(own, head), recompute=STAGES[stage].flash, head=head)
-
-
-def _rebuilt(stage: str, g: Gradients) -> Optional[np.ndarray]:
-    """The stage from g (its spec's rebuild), None where it has none."""
-    rebuild = SPECS[stage].rebuild
-    return None if rebuild is None else rebuild(g)
-
-
-def _width(ctx, stage: str, width: float) -> float:
-    """Candidates built from the reference chain (where the program wrote no upstream file) carry
-    the chain's error: allow the chained bound's width as well."""
-    head = ctx.head_ctx
-    if head is None or all(n in head.got for n in STAGES[stage].inputs):
-        return width  # every candidate is built from the program's own files
-    return _chained_width(ctx, stage, width)
-
-
-def _chained_width(ctx, stage: str, width: float) -> float:
-    """The width of a candidate built from the reference chain: the chained bound's, at least."""
-    head = ctx.head_ctx
-    try:
-        chained = tolerance.chained_bound(stage, head.chain, **head.bound_args())
-    except (KeyError, ValueError):
-        return width
-    finite = chained[np.isfinite(chained)]
-    return max(width, float(finite.max()) if finite.size else 0.0)
+from ..specs.backward import d_reference
+from ..stages import FLASH_LSE, GRAD_OUTPUT, KEYS, OUTPUT, QUERIES, VALUES
+from .backward_base import (Own, chained_width, first_match, gradients, hidden_by, other_heads_stage, problem_of,
+                            rebuilt, untransposed_candidates, width_for)
+from .base import LOG2_E
 
 
 def _wrong_os(own: Own, scale: float, head: HeadVariant) -> Iterable[Tuple[str, np.ndarray]]:
@@ -76,83 +28,35 @@ def _wrong_os(own: Own, scale: float, head: HeadVariant) -> Iterable[Tuple[str, 
     yield "dO instead of O (D = rowsum(dO∘dO))", dO
     Q, K, V = own(QUERIES), own(KEYS), own(VALUES)
     S = head.modified((Q @ K.T) * scale)
-    masked = _masked(own, head)
-    S_m = np.where(masked, -np.inf, S)
+    hidden = hidden_by(own, head)
+    S_m = np.where(hidden, -np.inf, S)
     m = np.max(S_m, axis=1, keepdims=True)
-    e = np.where(masked, 0.0, np.exp(S_m - np.where(np.isfinite(m), m, 0.0)))
+    e = np.where(hidden, 0.0, np.exp(S_m - np.where(np.isfinite(m), m, 0.0)))
     yield "O before the division by the row sum (unnormalized)", head.dropped(e) @ V
-    if masked.any():
+    if hidden.any():
         yield "O without the mask", head.dropped(softmax_rows(S)) @ V
     if V.shape[0] == Q.shape[0]:
         yield "V instead of O", V
 
 
-def _problem(ctx) -> Optional[Tuple[Own, float, HeadVariant]]:
-    """(own, scale, the head's variant) of the head being diagnosed, or None without its context."""
-    own = _own(ctx)
-    if own is None:
-        return None
-    return own, ctx.scale, ctx.head_ctx.head()
-
-
-def rebuilt_with(stage: str, ctx, replaced: Dict[str, np.ndarray], qk: Optional[np.ndarray] = None
-                 ) -> Optional[np.ndarray]:
-    """The stage rebuilt from the program's own files (a flash gradient recomputing P from its
-    saved lse) with some sources replaced (an operand as a kernel rounded it), or the Q·Kᵀ its
-    scores are recomputed from (qk), None without the head's context."""
-    problem = _problem(ctx)
-    if problem is None:
-        return None
-    own, scale, head = problem
-    return _rebuilt(stage, _gradients(stage, lambda name: replaced[name] if name in replaced else own(name),
-                                      scale, head).replaced(qk=qk))
-
-
-def _first_match(got, want, width: float, cands: Iterable[Tuple[str, Optional[np.ndarray]]]):
-    """(how, max diff) of the first candidate that explains got (see explains_closely), or None."""
-    for how, cand in cands:
-        diff = None if cand is None else explains_closely(got, cand, want, width)
-        if diff is not None:
-            return how, diff
-    return None
-
-
-def _other_heads_os(ctx) -> Iterable[Tuple[str, np.ndarray, int]]:
-    """(how, O, the head) of another query head's O (its reference), as a program whose offset into
-    O is off reads it: the heads next to it, the first and the last, then those up to
-    MAX_HEAD_OFFSET away, nearest first."""
-    dims, head = ctx.dims, ctx.head
-    if dims is None or head is None:
-        return
-    near = neighbours(dims.total_heads, head)
-    rest = sorted((j for j in range(max(0, head - MAX_HEAD_OFFSET), min(dims.total_heads, head + MAX_HEAD_OFFSET + 1))
-                   if j != head and j not in near), key=lambda j: abs(j - head))
-    for other in near + rest:
-        O = other_head_stage(OUTPUT, ctx, other)
-        if O is not None:
-            which = {head + 1: "the next head's", head - 1: "the previous head's", 0: "the first head's",
-                     dims.total_heads - 1: "the last head's"}.get(other, f"{other - head:+d} heads away")
-            yield f"the O of head {other} ({which}) instead of its own, head {head}", O, other
-
-
 def d_wrong_o(stage, got, want, ctx, width) -> List[Diagnosis]:
-    problem = _problem(ctx)
+    problem = problem_of(ctx)
     if problem is None:
         return []
     own, scale, head = problem
     dO = own(GRAD_OUTPUT)
-    g = _gradients(stage, own, scale, head)
-    cands = ((how, _rebuilt(stage, g.replaced(D=d_reference(dO, O))))
+    g = gradients(stage, own, scale, head)
+    cands = ((how, rebuilt(stage, g.replaced(D=d_reference(dO, O))))
              for how, O in _wrong_os(own, scale, head) if O.shape == dO.shape)
-    hit = _first_match(got, want, _width(ctx, stage, width), cands)
+    hit = first_match(got, want, width_for(ctx, stage, width), cands)
     read = {}
     if hit is None:  # (another head's O is the reference chain's: its width is the chained bound's)
         def others():  # (each head's O computed only when the heads before it fail)
-            for how, O, other in _other_heads_os(ctx):
+            for how, O, other in other_heads_stage(OUTPUT, ctx, "O"):
                 if O.shape == dO.shape:
                     read[how] = other
-                    yield how, _rebuilt(stage, g.replaced(D=d_reference(dO, O)))
-        hit = _first_match(got, want, _chained_width(ctx, stage, width), others())
+                    yield how, rebuilt(stage, g.replaced(D=d_reference(dO, O)))
+        hit = first_match(got, want, chained_width(ctx, stage, width), others())
     if hit is None:
         return []
     how, diff = hit
@@ -164,17 +68,17 @@ def d_wrong_o(stage, got, want, ctx, width) -> List[Diagnosis]:
 def _missing_p_candidates(stage, own: Own, scale, head):
     """The stage with dS = dP − D, masked entries zeroed or not (from the program's dP and D on
     the stage path; the flash backward's recomputed from its saved output and lse)."""
-    g = _gradients(stage, own, scale, head)
+    g = gradients(stage, own, scale, head)
     raw = g.dP - g.D
     for dS in (np.where(g.masked, 0.0, raw), raw):
-        yield "", _rebuilt(stage, g.replaced(dS=dS))
+        yield "", rebuilt(stage, g.replaced(dS=dS))
 
 
 def ds_missing_p(stage, got, want, ctx, width) -> List[Diagnosis]:
-    problem = _problem(ctx)
+    problem = problem_of(ctx)
     if problem is None:
         return []
-    hit = _first_match(got, want, _width(ctx, stage, width), _missing_p_candidates(stage, *problem))
+    hit = first_match(got, want, width_for(ctx, stage, width), _missing_p_candidates(stage, *problem))
     if hit is None:
         return []
     return [Diagnosis("dS_missing_P", f"{stage}: dS lacks its P factor: dS = dP − D instead of P∘(dP − D) "
@@ -185,7 +89,7 @@ def grad_unscaled(stage, got, want, ctx, width) -> List[Diagnosis]:
     scale = ctx.scale
     if scale in (0.0, 1.0) or not np.isfinite(scale):
         return []
-    hit = _first_match(got, want, width * max(1.0, 1.0 / abs(scale)),
+    hit = first_match(got, want, width * max(1.0, 1.0 / abs(scale)),
                        (("the scale is missing: got ≈ want/scale", want / scale),
                         ("the scale is applied twice: got ≈ want·scale", want * scale)))
     if hit is None:
@@ -196,41 +100,16 @@ def grad_unscaled(stage, got, want, ctx, width) -> List[Diagnosis]:
                       {"how": how, "scale": scale, "max_diff": diff}, 0.95)]
 
 
-def _untransposed_tiles(P: np.ndarray, dO: np.ndarray, tile: int) -> np.ndarray:
-    """dV as a flash backward over square tiles of `tile` queries and keys that adds P_tile·dO_tile
-    where P_tileᵀ·dO_tile belongs: dV[c·t + a] = Σ_r Σ_b P[r·t + a, c·t + b]·dO[r·t + b], the tiles
-    past the ends padded with zeros (a kernel's masked P and unread dO rows)."""
-    n, m = P.shape
-    rows, cols = -(-n // tile), -(-m // tile)
-    padded = np.zeros((rows * tile, cols * tile))
-    padded[:n, :m] = P
-    d_out = np.zeros((rows * tile, dO.shape[1]))
-    d_out[:n] = dO
-    blocks = np.einsum("racb,rbd->cad", padded.reshape(rows, tile, cols, tile), d_out.reshape(rows, tile, -1))
-    return blocks.reshape(cols * tile, -1)[:m]
-
-
-def _untransposed_candidates(P: np.ndarray, dO: np.ndarray, ctx):
-    """(the square tile's width, 0 for the whole matrix; dV from P untransposed): P·dO where N = M,
-    then tile by tile for the run's own key tile width and the usual ones, below N or M."""
-    n, m = P.shape
-    if n == m:
-        yield 0, P @ dO
-    for tile in key_tiles(ctx):
-        if tile < max(n, m):
-            yield tile, _untransposed_tiles(P, dO, tile)
-
-
 def dv_untransposed_p(stage, got, want, ctx, width) -> List[Diagnosis]:
-    problem = _problem(ctx)
+    problem = problem_of(ctx)
     if problem is None:
         return []
     own, scale, head = problem
-    P = _gradients(stage, own, scale, head).P
+    P = gradients(stage, own, scale, head).P
     dO = own(GRAD_OUTPUT)
     if P.shape[0] != dO.shape[0] or P.shape[1] != got.shape[0]:
         return []
-    hit = _first_match(got, want, _width(ctx, stage, width), _untransposed_candidates(P, dO, ctx))
+    hit = first_match(got, want, width_for(ctx, stage, width), untransposed_candidates(P, dO, ctx))
     if hit is None:
         return []
     tile, diff = hit
@@ -243,15 +122,15 @@ def dv_untransposed_p(stage, got, want, ctx, width) -> List[Diagnosis]:
 
 def flash_lse_base(stage, got, want, ctx, width) -> List[Diagnosis]:
     """The flash backward feeds the natural-log lse into exp2 (or a base-2 one into exp)."""
-    problem = _problem(ctx)
+    problem = problem_of(ctx)
     if problem is None:
         return []
     own, scale, head = problem
-    g = _gradients(stage, own, scale, head)
-    cands = ((how, _rebuilt(stage, g.replaced(lse=own(FLASH_LSE) * factor)))
+    g = gradients(stage, own, scale, head)
+    cands = ((how, rebuilt(stage, g.replaced(lse=own(FLASH_LSE) * factor)))
              for how, factor in (("the natural-log lse is used as a base-2 one (exp2 without ·log2(e))", np.log(2.0)),
                                  ("a base-2 lse is used as a natural one", LOG2_E)))
-    hit = _first_match(got, want, _width(ctx, stage, width), cands)
+    hit = first_match(got, want, width_for(ctx, stage, width), cands)
     if hit is None:
         return []
     how, diff = hit
@@ -263,12 +142,12 @@ def flash_cap_derivative(stage, got, want, ctx, width) -> List[Diagnosis]:
     """A flash backward whose forward caps the logits (P from C·tanh(S/C)) but whose dQ and dK
     leave out the cap's derivative 1 − t². (The stage path's, from the program's own dS, is a
     variant's bug: verify/diagnose/variants.py.)"""
-    problem = _problem(ctx)
+    problem = problem_of(ctx)
     if problem is None or problem[2].cap <= 0:
         return []
     own, scale, head = problem
-    cand = _rebuilt(stage, _gradients(stage, own, scale, head).replaced(cap_slope=False))
-    hit = _first_match(got, want, _width(ctx, stage, width), (("", cand),))
+    cand = rebuilt(stage, gradients(stage, own, scale, head).replaced(cap_slope=False))
+    hit = first_match(got, want, width_for(ctx, stage, width), (("", cand),))
     if hit is None:
         return []
     return [Diagnosis("softcap_derivative_missing", f"{stage}: dS is not multiplied by the softcap's derivative "
@@ -297,16 +176,16 @@ def _dq_at_key_rows(G: np.ndarray, K: np.ndarray, scale: float, rows: int, keys:
 def dq_key_tile_rows(stage, got, want, ctx, width) -> List[Diagnosis]:
     """A flash backward that accumulates dQ at the rows of the key tile (dQ[k0 + r]) where the
     query tile's belong (dQ[q0 + r]), as a loop over key tiles that mixes up its two offsets."""
-    problem = _problem(ctx)
+    problem = problem_of(ctx)
     if problem is None or ctx.rows_of_head is not None:
         return []  # (on a slab of a long head's rows: the bug mixes the terms of every query tile)
     own, scale, head = problem
-    G, K = _gradients(stage, own, scale, head).G, own(KEYS)
+    G, K = gradients(stage, own, scale, head).G, own(KEYS)
     if G.shape[0] <= min(DQ_TILES):
         return []
     cands = (((rows, keys), _dq_at_key_rows(G, K, scale, rows, keys)) for rows in DQ_TILES for keys in DQ_TILES
              if rows < G.shape[0] or keys < G.shape[1])
-    hit = _first_match(got, want, _width(ctx, stage, width), cands)
+    hit = first_match(got, want, width_for(ctx, stage, width), cands)
     if hit is None:
         return []
     (rows, keys), diff = hit

@@ -20,7 +20,8 @@ softcap_derivative_missing, alibi_missing, alibi_sign, alibi_alignment, alibi_sl
 bias_transposed, dropout_unscaled, dropout_not_applied, dropout_mask_inverted
 (verify/diagnose/variants.py); the backward's D_wrong_O, dS_missing_P, grad_unscaled,
 dV_untransposed_P, lse_log2 and the flash gradients' softcap_derivative_missing, dq_key_tile_rows
-(verify/diagnose/backward.py); the precision ones: tf32, half_storage, half_truncation,
+(verify/diagnose/backward.py), grad_wrong_operand, dK_untransposed_dS, lse_wrong_head, lse_sum_missing
+(a backward's) and grad_first_tile_only (verify/diagnose/backward_operands.py); the precision ones: tf32, half_storage, half_truncation,
 half_accumulation (verify/diagnose/precision.py), scores_rounded, prescaled_rounded,
 row_sum_rounded (verify/diagnose/score_rounding.py); and in a packed case, the
 sequences' sequence_leak, sequence_boundary, padding_read (verify/diagnose/sequences.py: a
@@ -42,6 +43,7 @@ from ..specs import SPECS
 from ..stages import KEYS, STAGES
 from ..text import indices, plural
 from . import backward as backward_bugs
+from . import backward_operands as operand_bugs
 from . import heads as head_bugs, masks as mask_bugs
 from . import precision as precision_bugs
 from . import sequences as sequence_bugs
@@ -200,6 +202,10 @@ def _lse_log2(stage, got, want, ctx, width) -> List[Diagnosis]:
                       {"factor": LOG2_E, "max_diff": diff}, 0.93)]
 
 
+# The backward's bugs (verify/diagnose/backward.py, backward_operands.py), and the codes only they give.
+_BACKWARD_HYPOTHESES = {**backward_bugs.HYPOTHESES, **operand_bugs.HYPOTHESES}
+_BACKWARD_CODES = backward_bugs.CODES + operand_bugs.CODES
+
 # Bugs that leave whole rows or columns empty or renormalized, explaining every element.
 _EMPTIES_LINES = {"softmax_axis", EMPTY_ROWS_NAN, loop_bugs.RUNNING_MAX_ZERO, *mask_bugs.CODES}
 
@@ -210,7 +216,7 @@ _HYPOTHESES = {"nonfinite": _nonfinite, EMPTY_ROWS_NAN: _empty_rows_nan, "unwrit
                "transposed": _transposed, "layout": _layout,
                "scaled": scaled, "softmax_axis": softmax_axis, "head_permuted": head_bugs.heads, "mask": mask_bugs.mask,
                "tile_boundary": _tile_boundary, "lse_log2": _lse_log2, "keys": _keys, "overflow": _overflow,
-               **loop_bugs.HYPOTHESES, **key_tile_bugs.HYPOTHESES, **backward_bugs.HYPOTHESES}
+               **loop_bugs.HYPOTHESES, **key_tile_bugs.HYPOTHESES, **_BACKWARD_HYPOTHESES}
 # The hypotheses that try many readings (every operand's layouts, every other head, every mask
 # offset): one of them fits a stage of one value by chance (a decode step's lse, one a head).
 _SEARCHES = ("layout", "head_permuted", "mask")
@@ -313,7 +319,7 @@ def _patterns_and_slab(stage, got, want, ctx: Suspect, width) -> List[Diagnosis]
     codes = {d.code for d in found}
     causes = [d for d in ctx.slab() if d.code not in codes and d.code not in _PLACES]
     # (the slab's own settling knew which hypotheses fired: here its codes stand for them)
-    fired = set(backward_bugs.HYPOTHESES) if {d.code for d in causes} & set(backward_bugs.CODES) else set()
+    fired = set(_BACKWARD_HYPOTHESES) if {d.code for d in causes} & set(_BACKWARD_CODES) else set()
     return _settled(found + causes, fired, _rounding(want))
 
 
@@ -365,7 +371,7 @@ def _settled(found: List[Diagnosis], fired, rounding: float) -> List[Diagnosis]:
     if codes & _LOOP_CODES:
         # A key of every tile left out, a tile skipped or a tile's rescale forgotten is wrong tile by tile.
         found = _without(found, ("tile_boundary",))
-    if fired & set(backward_bugs.HYPOTHESES):
+    if fired & set(_BACKWARD_HYPOTHESES):
         found = _without(found, _EXPLAINED_BY_BACKWARD_BUGS)
     if codes & _FACTORS:
         found = _without(found, ("scaled",))

@@ -40,23 +40,42 @@ def tile_boundary(stage, got, want, ctx, width) -> List[Diagnosis]:
     return out
 
 
+# A kernel's loop that stops short of (or starts late in) each tile leaves out up to this many lines
+# of every tile.
+MAX_LINES_A_TILE = 3
+
+
+def _tile_lines(n: int, p: int, k: int, last: bool, clipped: bool) -> np.ndarray:
+    """The first (last) k lines of every p-line tile of n: of the partial last tile, the k before
+    its own end where `clipped` (a loop bounded by n), else those before its full width's end."""
+    starts = np.arange(0, n, p)
+    ends = np.minimum(starts + p, n) if clipped else starts + p
+    lines = (ends[:, None] - k if last else starts[:, None]) + np.arange(k)[None, :]
+    lines = lines.reshape(-1)
+    return np.unique(lines[(lines >= 0) & (lines < n)])
+
+
 def _periodic(lines: np.ndarray, n: int, periods: List[int], name: str) -> Optional[Diagnosis]:
-    if len(lines) < 2:
-        return None
+    """Errors on the first or last k ≤ MAX_LINES_A_TILE lines of every p-line tile (at least three
+    tiles' worth of lines, three quarters of them wrong), the largest period first, the fewest
+    lines a tile first."""
     if len(lines) < 3:
         return None
     for p in sorted(periods, reverse=True):
-        if p < 2 or n < 3 * p:
+        if p < 2 or n < 2 * p:
             continue
-        for phase, label in ((0, "first"), (p - 1, "last")):
-            if (lines % p == phase).all():
-                expected = len(range(phase, n, p))
-                if len(lines) >= max(3, 0.75 * expected):
-                    return Diagnosis("tile_boundary", f"errors sit on the {label} {name[:-1]} of every "
-                                     f"{p}-{name[:-1]} tile ({name} {', '.join(map(str, lines[:6]))}"
+        for k in range(1, min(MAX_LINES_A_TILE, p // 2) + 1):
+            for label, last, clipped in (("first", False, False), ("last", True, False), ("last", True, True)):
+                expected = _tile_lines(n, p, k, last, clipped)
+                if len(expected) >= 3 and np.isin(lines, expected).all() and len(lines) >= 0.75 * len(expected):
+                    which = f"{label} {name[:-1]}" if k == 1 else f"{label} {k} {name}"
+                    partial = " (the partial last tile's own last" + (f" {k})" if k > 1 else ")") \
+                        if clipped and n % p else ""
+                    return Diagnosis("tile_boundary", f"errors sit on the {which} of every {p}-{name[:-1]} tile"
+                                     f"{partial} ({name} {', '.join(map(str, lines[:6]))}"
                                      f"{'…' if len(lines) > 6 else ''}): period {p}",
-                                     {"period": p, "axis": name, "lines": [int(x) for x in lines[:64]]},
-                                     0.8)
+                                     {"period": p, "axis": name, "lines_a_tile": k,
+                                      "lines": [int(x) for x in lines[:64]]}, 0.8)
     return None
 
 

@@ -25,7 +25,7 @@ from ..check.reference import reference_chain
 from ..model.attention import log_sum_exp_rows
 from ..model.half import NEAREST, round_to_format, storage_bound
 from ..stages import KEYS, QUERIES, SCALED_SCORES, SCORES, STAGES, VALUES
-from .backward import rebuilt_with
+from .backward_base import rebuilt_with
 from .base import FAR_BETTER, LOG2_E, PRECISION_CONFIDENCE, gap
 
 SCORES_ROUNDED, PRESCALED_ROUNDED, ROW_SUM_ROUNDED = "scores_rounded", "prescaled_rounded", "row_sum_rounded"

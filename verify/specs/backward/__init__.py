@@ -36,6 +36,10 @@ DS_BUGS = D_BUGS + ("dS_missing_P",)
 SCALE_BUGS = ("grad_unscaled",)
 CAP_BUGS = ("cap_derivative",)  # the flash backward's dQ and dK without the softcap's derivative
 DQ_BUGS = ("dq_rows",)  # the flash backward's dQ accumulated at the key tile's rows
+OPERAND_BUGS = ("grad_operand",)  # a gradient's GEMM with a wrong operand (verify/diagnose/backward_operands.py)
+DK_BUGS = ("dk_untransposed",)  # dK from dS untransposed
+# the flash backward's P against a wrong lse, and a gradient's loop stopped after its first tile
+FLASH_BUGS = OPERAND_BUGS + ("grad_lse", "grad_first_tile")
 _GRAD_PATTERNS = PATTERNS + ("scaled",)
 _FLASH_PATTERNS = _GRAD_PATTERNS + ("mask", "grad_lse_log2")
 # (the stage path's dQ, dK, dV: a mask their program applied wrong, named where it wrote them alone)
@@ -67,21 +71,24 @@ SPECS = (
     StageSpec(GRAD_QUERIES, reference=dq_reference, isolated=dq_isolated, chained=dq_chained,
               floor=lambda src: flush_sum(src[GRAD_SCORES], src[KEYS]) + FLUSH,
               quantization=grad_quantization(KEYS, False), scaled=True, linear=True,
-              rebuild=grad_queries, diagnoses=_STAGE_GRAD_PATTERNS + DS_BUGS + SCALE_BUGS, baseline=GRAD_QUERIES,
+              rebuild=grad_queries, diagnoses=_STAGE_GRAD_PATTERNS + DS_BUGS + SCALE_BUGS + OPERAND_BUGS,
+              baseline=GRAD_QUERIES,
               variant_sources=cap_sources),
     StageSpec(GRAD_KEYS, reference=dk_reference, isolated=dk_isolated, chained=dk_chained,
               floor=lambda src: flush_sum(np.asarray(src[GRAD_SCORES]).T, src[QUERIES]) + FLUSH,
               quantization=grad_quantization(QUERIES, True), invariants=(dk_column_sums,),
               given_upstream=(COLUMN_SUM,), scaled=True, linear=True, rebuild=grad_keys,
-              diagnoses=_STAGE_GRAD_PATTERNS + DS_BUGS + SCALE_BUGS, baseline=GRAD_KEYS, variant_sources=cap_sources),
+              diagnoses=_STAGE_GRAD_PATTERNS + DS_BUGS + SCALE_BUGS + OPERAND_BUGS + DK_BUGS, baseline=GRAD_KEYS,
+              variant_sources=cap_sources),
     StageSpec(GRAD_VALUES, reference=dv_reference, isolated=dv_isolated, chained=dv_chained,
               floor=lambda src: flush_sum(np.asarray(src[WEIGHTS]).T, src[GRAD_OUTPUT]) + FLUSH,
               quantization=dv_quantization, linear=True, rebuild=grad_values,
-              diagnoses=_STAGE_GRAD_PATTERNS + ("dV_untransposed_P",), baseline=GRAD_VALUES,
+              diagnoses=_STAGE_GRAD_PATTERNS + ("dV_untransposed_P",) + OPERAND_BUGS, baseline=GRAD_VALUES,
               variant_sources=dropout_sources,
               dropped=(WEIGHTS,)),
-    _flash_spec(FLASH_GRAD_QUERIES, 0, GRAD_QUERIES, grad_queries, bugs=DS_BUGS + SCALE_BUGS + CAP_BUGS + DQ_BUGS),
+    _flash_spec(FLASH_GRAD_QUERIES, 0, GRAD_QUERIES, grad_queries,
+                bugs=DS_BUGS + SCALE_BUGS + CAP_BUGS + DQ_BUGS + FLASH_BUGS),
     _flash_spec(FLASH_GRAD_KEYS, 1, GRAD_KEYS, grad_keys, invariants=(flash_dk_column_sums,),
-                given_upstream=(COLUMN_SUM,), bugs=DS_BUGS + SCALE_BUGS + CAP_BUGS),
-    _flash_spec(FLASH_GRAD_VALUES, 2, GRAD_VALUES, grad_values, bugs=("dV_untransposed_P",)),
+                given_upstream=(COLUMN_SUM,), bugs=DS_BUGS + SCALE_BUGS + CAP_BUGS + DK_BUGS + FLASH_BUGS),
+    _flash_spec(FLASH_GRAD_VALUES, 2, GRAD_VALUES, grad_values, bugs=("dV_untransposed_P",) + FLASH_BUGS),
 )
