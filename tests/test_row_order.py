@@ -63,3 +63,19 @@ def test_a_torch_lse_in_rows_heads_order_is_named():
     t = lambda x: torch.from_numpy(np.ascontiguousarray(x)).to(device)  # noqa: E731
     report = attnstep.check_arrays(t(q), t(k), t(v), {"flash_lse": t(_in_row_order(lse))})
     assert _codes(report) == {"rows_heads_transposed"}, attnstep.format_report(report)
+
+
+def test_a_wrong_decode_lse_fails_without_an_error():
+    """One query a sequence (a decode step, the lse (B, H, 1)): there is no other order to read it
+    in; a wrong lse is a FAIL report, not a refusal of a reordered array."""
+    q, k, v, lse = _dense(N=1)
+    report = attnstep.check_arrays(q, k, v, {"flash_lse": lse - f32(0.1)})
+    assert not report and report.first_failing_stage == "flash_lse", attnstep.format_report(report)
+    assert "rows_heads_transposed" not in _codes(report)
+
+
+def test_a_column_lse_in_rows_heads_order_is_named():
+    """An lse given as (B, H, N, 1) columns, written in (rows, heads) order: its trailing axis kept."""
+    q, k, v, lse = _dense()
+    report = attnstep.check_arrays(q, k, v, {"flash_lse": _in_row_order(lse)[..., None]})
+    assert _codes(report) == {"rows_heads_transposed"}, attnstep.format_report(report)
