@@ -122,6 +122,8 @@ def test_a_split_run_is_read_from_its_run_toml_and_each_split_is_a_column_block(
     ("overlap", SPLITS, "split_overlap", INHERITED),
     ("gap", SPLITS, "split_gap", INHERITED),
     ("tile_not_rescaled", SPLITS, "online_rescale_missing", INHERITED),
+    ("split_unnormalized", (SPLIT_OUTPUT,), "softmax_unnormalized", INHERITED),
+    ("lse_is_max", ("flash_lse",), "lse_sum_missing", PASS),
 ])
 def test_a_split_bug_is_named_where_it_begins(tmp_path, bug, culprits, code, combine):
     report = split_run(tmp_path, DECODE, bug)

@@ -158,7 +158,7 @@ def _one_split(s: np.ndarray, v: np.ndarray, first: int, end: int, precision: st
         if bug == "tile_not_rescaled":
             l, acc = _unrescaled_tiles(t, v[first:end], 4)
         with np.errstate(invalid="ignore", divide="ignore"):
-            out = np.where(sees[:, None], acc / l[:, None], f32(0)).astype(f32)
+            out = np.where(sees[:, None], acc if bug == "split_unnormalized" else acc / l[:, None], f32(0)).astype(f32)
             lse = np.where(sees, m + np.log(l), -np.inf).astype(f32)
     if bug == "empty_lse_zero":
         lse = np.where(sees, lse, f32(0)).astype(f32)
@@ -207,6 +207,8 @@ def _combine(outs: np.ndarray, lses: np.ndarray, bug: Optional[str]):
         l = e.sum(axis=1, dtype=f32)
         lse = np.where(empty, -np.inf, m0 + np.log(l)).astype(f32)
         w = np.exp(lses - np.where(empty, f32(0), lse)[:, None], dtype=f32)
+        if bug == "lse_is_max":  # (the output right, the lse the largest split's alone)
+            lse = np.where(empty, -np.inf, m0).astype(f32)
         if bug == "exp2":
             e = np.exp2(lses - m0[:, None], dtype=f32)
             l = e.sum(axis=1, dtype=f32)

@@ -28,6 +28,12 @@ from ..variant import Variant
 TILE_KEYS_SKIPPED, ONLINE_RESCALE_MISSING = "tile_keys_skipped", "online_rescale_missing"
 KEY_TILE_SKIPPED = "key_tile_skipped"
 SEARCHED_CODES = (TILE_KEYS_SKIPPED, ONLINE_RESCALE_MISSING, KEY_TILE_SKIPPED)
+# A softmax's output not divided by its row sum (verify/diagnose/softmax_loops.py; a split's own, in
+# verify/diagnose/splits.py).
+SOFTMAX_UNNORMALIZED = "softmax_unnormalized"
+# An lse that is the row's (or the splits') largest term alone, log of the sum left out (the same
+# modules, and a flash backward's P: verify/diagnose/backward_operands.py).
+LSE_SUM_MISSING = "lse_sum_missing"
 
 
 @dataclass

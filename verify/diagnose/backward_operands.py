@@ -20,14 +20,13 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 
-from ..check.diagnosis import Diagnosis
+from ..check.diagnosis import LSE_SUM_MISSING, Diagnosis
 from ..specs import SPECS
 from ..specs.backward.reference import Gradients, grad_keys, grad_queries, grad_values
 from ..stages import FLASH_LSE, GRAD_OUTPUT, KEYS, QUERIES, STAGES, VALUES
 from .backward_base import (first_match, gradients, hidden_by, other_heads_stage, problem_of, untransposed_candidates,
                             width_for)
 from .inputs import key_tiles
-from .softmax_loops import LSE_SUM_MISSING
 
 GRAD_WRONG_OPERAND, LSE_WRONG_HEAD = "grad_wrong_operand", "lse_wrong_head"
 DK_UNTRANSPOSED, GRAD_FIRST_TILE = "dK_untransposed_dS", "grad_first_tile_only"

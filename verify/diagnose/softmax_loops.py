@@ -27,7 +27,8 @@ from typing import Iterator, List, Optional, Tuple
 
 import numpy as np
 
-from ..check.diagnosis import ONLINE_RESCALE_MISSING, TILE_KEYS_SKIPPED, Diagnosis, Suspect
+from ..check.diagnosis import (LSE_SUM_MISSING, ONLINE_RESCALE_MISSING, SOFTMAX_UNNORMALIZED, TILE_KEYS_SKIPPED,
+                               Diagnosis, Suspect)
 from ..check.splits import FLASH_OF
 from ..model.attention import log_sum_exp_rows, softmax_rows
 from ..specs import SPECS
@@ -41,7 +42,7 @@ from .screens import loop_rows, loop_screen
 from .splits import split_cols
 
 MASK_AFTER_SOFTMAX = "mask_after_softmax"
-SOFTMAX_UNNORMALIZED, LSE_SUM_MISSING, LSE_MAX_MISSING = "softmax_unnormalized", "lse_sum_missing", "lse_max_missing"
+LSE_MAX_MISSING = "lse_max_missing"
 RUNNING_MAX_ZERO = "running_max_zero"
 CODES = (MASK_AFTER_SOFTMAX, TILE_KEYS_SKIPPED, ONLINE_RESCALE_MISSING, SOFTMAX_UNNORMALIZED, LSE_SUM_MISSING,
          LSE_MAX_MISSING, RUNNING_MAX_ZERO)

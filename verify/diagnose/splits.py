@@ -5,6 +5,8 @@ the bug would have written explains the program's values and the correct result 
   the failing split's check passes when re-run on boundaries shifted by up to MAX_SHIFT keys
   (overlap when the range it covered reaches past its own, gap when it leaves some of its own out;
   a range shifted both ways is both). Found on split_output and split_lse.
+* softmax_unnormalized (of a split): split_output not divided by the split's own row sum l_s =
+  Σ exp(s − m_s) over its keys (m_s its own largest score), its lse right.
 * empty_split: a split a row sees no key of, mishandled: in the split stages, anything but output
   0 and lse −inf there (NaN, lse 0 or finite); in the combine, such a split counted (its lse taken
   as 0, or as weight one), or a row whose every split is empty combined to NaN.
@@ -29,9 +31,10 @@ from typing import List, Optional, Tuple
 
 import numpy as np
 
-from ..check.diagnosis import Diagnosis
+from ..check.diagnosis import LSE_SUM_MISSING, SOFTMAX_UNNORMALIZED, Diagnosis
 from ..check.splits import EMPTY_SPLIT, FLASH_OF, SplitSuspect, combine, row_statistic
 from ..specs import SPECS
+from ..stages import FLASH_LSE
 from .base import MATCH_WIDTHS, best_within_bound, explains, explains_closely
 
 SPLIT_OVERLAP, SPLIT_GAP, SPLIT_NOT_RESCALED = "split_overlap", "split_gap", "split_not_rescaled"
@@ -44,7 +47,8 @@ def diagnose(stage: str, got: np.ndarray, want: np.ndarray, view: SplitSuspect, 
     """The split bugs that explain a failing split stage or combine."""
     with np.errstate(all="ignore"):
         if view.kind == "split":
-            return _empty_in_split(stage, got, want, view) + _boundaries(stage, got, want, view, width)
+            return (_empty_in_split(stage, got, want, view) + _boundaries(stage, got, want, view, width)
+                    or _unnormalized(stage, got, want, view, width))
         return _combine(stage, got, want, view, width)
 
 
@@ -79,6 +83,26 @@ def _empty_in_split(stage: str, got: np.ndarray, want: np.ndarray, view: SplitSu
                       f"{rule} exactly); {int(bad.sum())} such entries in {rows} rows ({n_nan} NaN): an empty split "
                       "mishandled", {"split": split, "row": row, "value": value, "count": int(bad.sum()),
                                      "nan": n_nan}, 0.95)]
+
+
+def _unnormalized(stage: str, got: np.ndarray, want: np.ndarray, view: SplitSuspect, width: float) -> List[Diagnosis]:
+    """split_output as each split's sum Σ exp(s − m_s)·v before the division by l_s: the reference
+    of each split times l_s = exp(lse_s − m_s), rows without a key of the split 0."""
+    if row_statistic(stage) or not view.references:
+        return []
+    cols, top = split_cols(stage, view, got), view.max_logits()
+    cand = want.copy()
+    for s, ref in enumerate(view.references):
+        lse = ref.refs[FLASH_LSE][:, 0]
+        l_s = np.where(np.isfinite(top[:, s]) & np.isfinite(lse), np.exp(lse - np.where(np.isfinite(top[:, s]),
+                                                                                        top[:, s], 0.0)), 0.0)
+        cand[:, s * cols:(s + 1) * cols] *= l_s[:, None]
+    diff = explains_closely(got, cand, want, width)
+    if diff is None:
+        return []
+    return [Diagnosis(SOFTMAX_UNNORMALIZED, f"{stage}: each split's output is not divided by its own row sum "
+                      f"l_s = sum of exp(s − m_s) over its keys, m_s its largest score (max diff {diff:.2g})",
+                      {"max_diff": diff}, 0.93)]
 
 
 def _failing_splits(got: np.ndarray, want: np.ndarray, view: SplitSuspect, cols: int) -> List[int]:
@@ -209,6 +233,7 @@ def _combine(stage: str, got: np.ndarray, want: np.ndarray, view: SplitSuspect, 
             return found
         for code, candidates in ((SPLIT_NOT_RESCALED, _rescale_candidates(lse_s, out_s, empty, view, judged) if use_out is not None
                                   else ()),
+                                 (LSE_SUM_MISSING, _lse_max_candidates(stage, lse_s, empty)),
                                  (SPLIT_EXP2, _exp2_candidates(stage, lse_s, use_out, empty)),
                                  (SPLIT_LEFT_OUT, _left_out_candidates(stage, lse_s, use_out, empty))):
             if found:
@@ -249,6 +274,15 @@ def _empty_candidates(stage: str, lse_s: np.ndarray, out_s: Optional[np.ndarray]
         outs = None if out_s is None else np.where(empty[:, :, None] & ~np.isfinite(out_s), 0.0, out_s)
         lse, out, _ = combine(lse2, outs)
         yield how, (lse if row_statistic(stage) else out)
+
+
+def _lse_max_candidates(stage: str, lse_s: np.ndarray, empty: np.ndarray):
+    """The combine's lse as the largest split lse alone: max_s lse_s, the log of Σ_s exp(lse_s − max)
+    left out (rows whose every split is empty: −inf)."""
+    if row_statistic(stage) and lse_s.shape[1] > 1:
+        yield ("took the largest split lse for the lse: max over s of lse_s, the log of the sum of exp(lse_s − max) "
+               "left out (the lse is max + log of that sum)"), np.max(np.where(empty, -np.inf, lse_s), axis=1,
+                                                                      keepdims=True), {}
 
 
 def _exp2_candidates(stage: str, lse_s: np.ndarray, out_s: Optional[np.ndarray], empty: np.ndarray):
