@@ -253,3 +253,20 @@ def test_the_python_check_refuses_a_folder_checked_against_itself(tmp_path):
     in_dir = _case(tmp_path)
     with pytest.raises(CaseError, match="are the same folder"):
         compare.check(in_dir, in_dir)
+
+
+def test_a_first_failure_named_only_by_a_symptom_says_so():
+    """A block of output rows never written: the verdict gives where (unwritten) and says that no
+    cause is named; a finding that names a cause says nothing of the kind."""
+    rng = np.random.default_rng(21)
+    q, k, v = (rng.standard_normal((1, 2, 64, 16)).astype(np.float32) for _ in range(3))
+    s = np.einsum("bhnd,bhmd->bhnm", q.astype(np.float64), k) / 4.0
+    p = np.exp(s - s.max(axis=-1, keepdims=True))
+    out = ((p / p.sum(axis=-1, keepdims=True)) @ v).astype(np.float32)
+    out[:, :, 32:48] = 0.0
+    verdict = attnstep.format_report(attnstep.check_arrays(q, k, v, {"flash_output": out})).splitlines()[-1]
+    assert "unwritten" in verdict and verdict.endswith("(a symptom: no cause named)"), verdict
+    pc = np.exp(s - s.max(axis=-2, keepdims=True))  # (the softmax over the queries: a cause)
+    out2 = ((pc / pc.sum(axis=-2, keepdims=True)) @ v).astype(np.float32)
+    verdict = attnstep.format_report(attnstep.check_arrays(q, k, v, {"flash_output": out2})).splitlines()[-1]
+    assert "softmax_axis" in verdict and "no cause named" not in verdict, verdict

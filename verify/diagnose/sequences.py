@@ -9,10 +9,11 @@ stages are verify/diagnose/sequence_keys.py's, the readings verify/diagnose/sequ
 
 Codes: sequence_leak (sequence b also attends to the keys of the sequence before it, or to every
 earlier key of the packed stream as a causal mask over the whole stream does, or to every packed
-key as dense attention does, or to every key from the stream's first), sequence_boundary (a boundary off by k rows: sequence b's keys start
-or end k rows early or late, or its whole key range shifted; its queries' boundary moved, or its
-query rows shifted), padding_read (keys of the slot past seqused_k read: the whole slot, or the
-first k past m(b)), sequence_offsets_swapped (sequence b's keys read at cu_seqlens_q's offsets).
+key as dense attention does, or to every key from the stream's first), sequence_boundary (a
+boundary off by k rows: sequence b's keys start or end k rows early or late, or its whole key
+range shifted; its queries' boundary moved, or its query rows shifted), padding_read (keys of the
+slot past seqused_k read: the whole slot, or the first k past m(b)), sequence_offsets_swapped
+(sequence b's keys read at cu_seqlens_q's offsets).
 """
 from __future__ import annotations
 
@@ -118,8 +119,9 @@ def caused_elsewhere(found: List[Diagnosis]) -> bool:
 
 def applies(stage: str, ctx: Suspect) -> bool:
     """A stage of a packed case's query rows, computed from its inputs (not an echo: Q and dO), of
-    a query head; or of its key rows (dK, dV: verify/diagnose/sequence_keys.py). Not in a paged case, whose keys are no slots: its readings are the paged ones
-    (verify/check/paged.py, searched once the whole case is checked)."""
+    a query head; or of its key rows (dK, dV: verify/diagnose/sequence_keys.py). Not in a paged
+    case, whose keys are no slots: its readings are the paged ones (verify/check/paged.py,
+    searched once the whole case is checked)."""
     st = STAGES[stage]
     return (ctx.packing is not None and not ctx.packing.sequences.paged and not ctx.packing.sequences.from_cache
             and ctx.head is not None and st.cols != "M" and not SPECS[stage].echo

@@ -231,8 +231,8 @@ def _combine(stage: str, got: np.ndarray, want: np.ndarray, view: SplitSuspect, 
         use_out = None if row_statistic(stage) else out_s
         if use_out is None and not row_statistic(stage):
             return found
-        for code, candidates in ((SPLIT_NOT_RESCALED, _rescale_candidates(lse_s, out_s, empty, view, judged) if use_out is not None
-                                  else ()),
+        rescaled = _rescale_candidates(lse_s, out_s, empty, view, judged) if use_out is not None else ()
+        for code, candidates in ((SPLIT_NOT_RESCALED, rescaled),
                                  (LSE_SUM_MISSING, _lse_max_candidates(stage, lse_s, empty)),
                                  (SPLIT_EXP2, _exp2_candidates(stage, lse_s, use_out, empty)),
                                  (SPLIT_LEFT_OUT, _left_out_candidates(stage, lse_s, use_out, empty))):

@@ -209,14 +209,19 @@ _NOT_CAUSES = {"nonfinite", "unwritten", "tile_boundary", "negative_weights", "r
                "echo_mismatch", "flash_vs_output", "lse_vs_scores", "column_sum", "flash_vs_stages"}
 
 
+def names_no_cause(r: HeadResult) -> bool:
+    """Whether r's findings say only where it is wrong or which check it breaks (none a cause)."""
+    return all(d.code in _NOT_CAUSES for d in r.diagnosis)
+
+
 def cause_elsewhere(report: Report, first: HeadResult) -> Optional[HeadResult]:
-    """Where the first failing stage names no cause: the first later failing stage of the same
-    head (and sequence, in a packed case) that does (a bug moves a float32 lse by many of its widths
-    where a bf16 output's own rounding hides it among its widths); in a packed case without one,
-    the first failing stage of another sequence of the head that does (a paging bug that shows
-    plainest in another sequence: a page index past the pool in one, a page of another in the
-    next). None where nothing of the head names a cause."""
-    if first.diagnosis:
+    """Where the first failing stage names no cause (no finding, or only where it is wrong): the
+    first later failing stage of the same head (and sequence, in a packed case) that does (a bug
+    moves a float32 lse by many of its widths where a bf16 output's own rounding hides it among
+    its widths); in a packed case without one, the first failing stage of another sequence of the
+    head that does (a paging bug that shows plainest in another sequence: a page index past the
+    pool in one, a page of another in the next). None where nothing of the head names a cause."""
+    if any(d.code not in _NOT_CAUSES for d in first.diagnosis):
         return None
 
     def same_head(r: HeadResult) -> bool:  # (a K/V head's stage, dK or dV, serves its group's query heads)

@@ -95,7 +95,7 @@ SPECS = (
     StageSpec(OUTPUT, reference=_reference, isolated=_isolated, chained=_chained,
               floor=lambda src: values_floor(src[VALUES]), quantization=_quantization, linear=True,
               from_inputs=attention_from_inputs,
-              diagnoses=PATTERNS + ("scaled", "mask", "keys", "overflow", "mask_after_softmax", "softmax_axis", "tile_keys", "key_tile",
-                                    "online_rescale", "normalization"),
+              diagnoses=PATTERNS + ("scaled", "mask", "keys", "overflow", "mask_after_softmax", "softmax_axis",
+                                    "tile_keys", "key_tile", "online_rescale", "normalization"),
               baseline=OUTPUT, variant_sources=dropout_sources, dropped=(WEIGHTS,)),
 )
