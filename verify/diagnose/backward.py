@@ -18,7 +18,7 @@ from ..model.scores import HeadVariant
 from ..specs.backward import d_reference
 from ..stages import FLASH_LSE, GRAD_OUTPUT, KEYS, OUTPUT, QUERIES, VALUES
 from .backward_base import (Own, chained_width, first_match, gradients, hidden_by, other_heads_stage, problem_of,
-                            rebuilt, untransposed_candidates, width_for)
+                            rebuilt, untransposed_finding, width_for)
 from .base import LOG2_E
 
 
@@ -105,19 +105,8 @@ def dv_untransposed_p(stage, got, want, ctx, width) -> List[Diagnosis]:
     if problem is None:
         return []
     own, scale, head = problem
-    P = gradients(stage, own, scale, head).P
-    dO = own(GRAD_OUTPUT)
-    if P.shape[0] != dO.shape[0] or P.shape[1] != got.shape[0]:
-        return []
-    hit = first_match(got, want, width_for(ctx, stage, width), untransposed_candidates(P, dO, ctx))
-    if hit is None:
-        return []
-    tile, diff = hit
-    how = ("dV = P·dO instead of Pᵀ·dO" if not tile else
-           f"dV accumulated tile by tile as P_tile·dO_tile instead of P_tileᵀ·dO_tile (square tiles of {tile} "
-           "queries and keys: each tile of P used untransposed)")
-    return [Diagnosis("dV_untransposed_P", f"{stage}: {how} (max diff {diff:.2g})",
-                      {"tile": tile, "max_diff": diff}, 0.96)]
+    return untransposed_finding(stage, got, want, ctx, width, gradients(stage, own, scale, head).P, own(GRAD_OUTPUT),
+                                1.0, "dV_untransposed_P", ("dV", "P", "dO"))
 
 
 def flash_lse_base(stage, got, want, ctx, width) -> List[Diagnosis]:

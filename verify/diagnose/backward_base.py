@@ -4,11 +4,12 @@ its saved lse) with a part replaced by a bug's, the width a candidate is matched
 candidate that explains got."""
 from __future__ import annotations
 
-from typing import Callable, Dict, Iterable, Optional, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 import numpy as np
 
 from ..check import tolerance
+from ..check.diagnosis import Diagnosis
 from ..model.scores import HeadVariant
 from ..specs import SPECS
 from ..specs.backward import Gradients
@@ -135,3 +136,24 @@ def untransposed_candidates(P: np.ndarray, dO: np.ndarray, ctx):
     for tile in key_tiles(ctx):
         if tile < max(n, m):
             yield tile, untransposed_tiles(P, dO, tile)
+
+
+def untransposed_finding(stage: str, got, want, ctx, width: float, X: np.ndarray, Y: np.ndarray, factor: float,
+                         code: str, names: Tuple[str, str, str]) -> List[Diagnosis]:
+    """A gradient summed over the query rows, factor·Xᵀ·Y (dV: P and dO; dK: dS and Q, the scale),
+    computed with X untransposed: factor·X·Y where N = M, or tile by tile over square tiles
+    (untransposed_candidates); names: how the message says the gradient, X and Y ("dK", "scale·dS",
+    "Q")."""
+    if X.shape[0] != Y.shape[0] or X.shape[1] != got.shape[0]:
+        return []
+    cands = ((tile, factor * c) for tile, c in untransposed_candidates(X, Y, ctx))
+    hit = first_match(got, want, width_for(ctx, stage, width), cands)
+    if hit is None:
+        return []
+    tile, diff = hit
+    grad, x, y = names
+    bare = x.split("·")[-1]
+    how = (f"{grad} = {x}·{y} instead of {x}ᵀ·{y}" if not tile else
+           f"{grad} accumulated tile by tile as {bare}_tile·{y}_tile instead of {bare}_tileᵀ·{y}_tile (square tiles "
+           f"of {tile} queries and keys: each tile of {bare} used untransposed)")
+    return [Diagnosis(code, f"{stage}: {how} (max diff {diff:.2g})", {"tile": tile, "max_diff": diff}, 0.96)]

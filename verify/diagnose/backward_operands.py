@@ -24,7 +24,7 @@ from ..check.diagnosis import LSE_SUM_MISSING, Diagnosis
 from ..specs import SPECS
 from ..specs.backward.reference import Gradients, grad_keys, grad_queries, grad_values
 from ..stages import FLASH_LSE, GRAD_OUTPUT, KEYS, QUERIES, STAGES, VALUES
-from .backward_base import (first_match, gradients, hidden_by, other_heads_stage, problem_of, untransposed_candidates,
+from .backward_base import (first_match, gradients, hidden_by, other_heads_stage, problem_of, untransposed_finding,
                             width_for)
 from .inputs import key_tiles
 
@@ -109,19 +109,8 @@ def dk_untransposed(stage, got, want, ctx, width) -> List[Diagnosis]:
     if setting is None or SPECS[stage].rebuild is not grad_keys:
         return []
     g, (own, scale, _) = setting
-    G, Q = g.G, own(QUERIES)
-    if G.shape[0] != Q.shape[0] or G.shape[1] != got.shape[0]:
-        return []
-    cands = ((tile, _fits(scale * dk, got)) for tile, dk in untransposed_candidates(G, Q, ctx))
-    hit = first_match(got, want, width_for(ctx, stage, width), cands)
-    if hit is None:
-        return []
-    tile, diff = hit
-    how = ("dK = scale·dS·Q instead of scale·dSᵀ·Q" if not tile else
-           f"dK accumulated tile by tile as dS_tile·Q_tile instead of dS_tileᵀ·Q_tile (square tiles of {tile} "
-           "queries and keys: each tile of dS used untransposed)")
-    return [Diagnosis(DK_UNTRANSPOSED, f"{stage}: {how} (max diff {diff:.2g})", {"tile": tile, "max_diff": diff},
-                      0.96)]
+    return untransposed_finding(stage, got, want, ctx, width, g.G, own(QUERIES), scale, DK_UNTRANSPOSED,
+                                ("dK", "scale·dS", "Q"))
 
 
 def _first_tiles(rebuild, g: Gradients, tile: int) -> Optional[np.ndarray]:
