@@ -367,7 +367,8 @@ def _settled(found: List[Diagnosis], fired, rounding: float) -> List[Diagnosis]:
         # guarded), and NaN written by an overflowing exp follows the large logits: those lines
         # are the cause's consequence, not a region never written nor a tile's.
         found = _without(found, ("unwritten", "tile_boundary"))
-    if "transposed" in codes:
+    if "transposed" in codes or codes & set(head_bugs.CODES):
+        # (a head's result read transposed, or another head's: wrong everywhere, on tiles by chance)
         found = _without(found, ("tile_boundary",))
     if codes & _LOOP_CODES:
         # A key of every tile left out, a tile skipped or a tile's rescale forgotten is wrong tile by tile.
