@@ -494,10 +494,10 @@ def test_d_from_another_head_tries_the_heads_nearby_not_every_head(monkeypatch):
     """Each other head tried costs its whole forward: beyond the heads beside it, the first and the
     last, only those up to four heads away are tried (D read from six heads away, of 12, is left
     unnamed rather than searched through every head)."""
-    from verify.diagnose import backward
+    from verify.diagnose import backward_base
     tried = []
-    real = backward.other_head_stage
-    monkeypatch.setattr(backward, "other_head_stage",
+    real = backward_base.other_head_stage
+    monkeypatch.setattr(backward_base, "other_head_stage",
                         lambda stage, ctx, other: tried.append((ctx.head, other)) or real(stage, ctx, other))
     rng = np.random.default_rng(3)
     q, k, v = (rng.standard_normal((12, 32, 16)).astype(np.float32) for _ in range(3))

@@ -37,18 +37,18 @@ def test_the_closed_form_is_the_loop(seed, monkeypatch):
     head = SimpleNamespace(logits=rng.standard_normal((n, m)) * rng.choice([1, 5, 50]),
                            hidden=rng.random((n, m)) < rng.choice([0.0, 0.3, 0.9, 1.0]),
                            values=rng.standard_normal((m, d)))
-    for kind in (softmax_loops._LOG_SUM_EXP, softmax_loops._ATTENTION):
+    for kind in (softmax_loops.LOG_SUM_EXP, softmax_loops.ATTENTION):
         head.kind = kind
         for tile in (1, 2, 3, 7, 64, 500):
             for sum_scaled, out_scaled in ((True, False), (False, True), (False, False), (True, True)):
                 with np.errstate(all="ignore"):
                     got = softmax_loops._online(head, tile, sum_scaled, out_scaled)
                     want = _loop(np.where(head.hidden, -np.inf, head.logits), head.values, tile, sum_scaled,
-                                 out_scaled, kind == softmax_loops._LOG_SUM_EXP)
+                                 out_scaled, kind == softmax_loops.LOG_SUM_EXP)
                 assert got.shape == want.shape
                 assert (np.isnan(got) == np.isnan(want)).all() and (np.isinf(got) == np.isinf(want)).all()
                 fin = np.isfinite(want)
-                scale = np.abs(head.values).max() if kind == softmax_loops._ATTENTION else np.abs(want[fin]).max(initial=1)
+                scale = np.abs(head.values).max() if kind == softmax_loops.ATTENTION else np.abs(want[fin]).max(initial=1)
                 assert np.abs(got[fin] - want[fin]).max(initial=0) <= 1e-13 * scale
 
 

@@ -16,7 +16,7 @@ from ..check.diagnosis import Diagnosis
 from ..model.attention import softmax_rows
 from ..model.scores import HeadVariant
 from ..specs.backward import d_reference
-from ..stages import FLASH_LSE, GRAD_OUTPUT, KEYS, OUTPUT, QUERIES, VALUES
+from ..stages import FLASH_LSE, GRAD_OUTPUT, GRAD_VALUES, KEYS, OUTPUT, QUERIES, VALUES
 from .backward_base import (Own, chained_width, first_match, gradients, hidden_by, other_heads_stage, problem_of,
                             rebuilt, untransposed_finding, width_for)
 from .base import LOG2_E
@@ -106,7 +106,7 @@ def dv_untransposed_p(stage, got, want, ctx, width) -> List[Diagnosis]:
         return []
     own, scale, head = problem
     return untransposed_finding(stage, got, want, ctx, width, gradients(stage, own, scale, head).P, own(GRAD_OUTPUT),
-                                1.0, "dV_untransposed_P", ("dV", "P", "dO"))
+                                1.0, "dV_untransposed_P", (GRAD_VALUES, "P", GRAD_OUTPUT))
 
 
 def flash_lse_base(stage, got, want, ctx, width) -> List[Diagnosis]:

@@ -23,7 +23,7 @@ import numpy as np
 from ..check.diagnosis import LSE_SUM_MISSING, Diagnosis
 from ..specs import SPECS
 from ..specs.backward.reference import Gradients, grad_keys, grad_queries, grad_values
-from ..stages import FLASH_LSE, GRAD_OUTPUT, KEYS, QUERIES, STAGES, VALUES
+from ..stages import FLASH_LSE, GRAD_KEYS, GRAD_OUTPUT, KEYS, QUERIES, STAGES, VALUES
 from .backward_base import (first_match, gradients, hidden_by, other_heads_stage, problem_of, untransposed_finding,
                             width_for)
 from .inputs import key_tiles
@@ -110,7 +110,7 @@ def dk_untransposed(stage, got, want, ctx, width) -> List[Diagnosis]:
         return []
     g, (own, scale, _) = setting
     return untransposed_finding(stage, got, want, ctx, width, g.G, own(QUERIES), scale, DK_UNTRANSPOSED,
-                                ("dK", "scale·dS", "Q"))
+                                (GRAD_KEYS, "scale·dS", QUERIES))
 
 
 def _first_tiles(rebuild, g: Gradients, tile: int) -> Optional[np.ndarray]:
