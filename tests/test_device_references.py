@@ -50,6 +50,14 @@ def _torch():
     return pytest.importorskip("torch", reason="PyTorch is not installed (pip install 'attnstep[gpu]')")
 
 
+@pytest.fixture
+def cuda_arrays(cuda_torch):
+    """PyTorch with a CUDA device and the array namespace the device references run through
+    (array-api-compat, the gpu extra): skipped with the reason where either is missing."""
+    _torch()
+    return cuda_torch
+
+
 FLASH = (FLASH_OUTPUT, FLASH_LSE, FLASH_GRAD_QUERIES, FLASH_GRAD_KEYS, FLASH_GRAD_VALUES)
 VARIANTS = {
     "plain": Variant(),
@@ -551,7 +559,7 @@ def test_the_python_api_takes_a_device():
 
 
 @pytest.mark.gpu
-def test_check_on_the_gpu_reports_what_the_cpu_does(tmp_path, binary, cuda_torch):
+def test_check_on_the_gpu_reports_what_the_cpu_does(tmp_path, binary, cuda_arrays):
     case, out = tmp_path / "in", tmp_path / "out"
     r = invoke("generate", "--out", case, "--heads", 4, "--seq-q", 300, "--seq-k", 400, "--d-k", 64, "--d-v", 64,
                "--causal", "--backward", "--format", "npy")
@@ -642,11 +650,11 @@ def test_on_a_gpu_results_come_back_as_numpy_arrays_of_their_values_and_dtype(cu
 
 
 @pytest.mark.gpu
-def test_on_a_gpu_a_tiles_host_work_queues_without_waiting(cuda_torch):
+def test_on_a_gpu_a_tiles_host_work_queues_without_waiting(cuda_arrays):
     """Grouping and summing equal terms, arrays.like's upload and arrays.to_numpy_later's copy
     queue their work without waiting for the GPU (a wait would make a tile's host work and the
     GPU's take turns): PyTorch's sync debug mode raises on an operation that waits."""
-    torch = cuda_torch
+    torch = cuda_arrays
     rng = np.random.default_rng(7)
     terms = torch.as_tensor(rng.choice(rng.random(5).astype(np.float32), size=(6, 50)), device="cuda")
     var = torch.as_tensor(rng.random((6, 50)), device="cuda")
