@@ -366,6 +366,24 @@ def test_the_python_api_reports_the_criterion():
     assert attnstep.flash_attn_criterion(attnstep.check_arrays(q, k, v, {OUTPUT: o}, causal=True, scale=0.25)) == []
 
 
+def test_a_grouped_k_v_head_s_gradients_get_the_criterion():
+    """K/V with fewer heads (GQA): dK and dV are the group's sums, and flash-attn's criterion covers
+    them too, against the eager baseline's parts summed: the baseline itself, checked as a program
+    (each query head's part, summed and rounded once), meets it at ratio 1."""
+    rng = np.random.default_rng(4)
+    q, do = (round_to_format(rng.standard_normal((1, 4, 24, 16)), "bf16").astype(np.float32) for _ in range(2))
+    k, v = (round_to_format(rng.standard_normal((1, 2, 30, 16)), "bf16").astype(np.float32) for _ in range(2))
+    parts = [eager_half_attention(q[0, h], k[0, h // 2], v[0, h // 2], do[0, h], 0.25, False, "bf16") for h in range(4)]
+    summed = {n: np.stack([round_to_format(parts[2 * g][n].astype(np.float64) + parts[2 * g + 1][n], "bf16")
+                           for g in range(2)])[None] for n in (GRAD_KEYS, GRAD_VALUES)}
+    stages = {"flash_dQ": np.stack([p[GRAD_QUERIES] for p in parts])[None], "flash_dK": summed[GRAD_KEYS],
+              "flash_dV": summed[GRAD_VALUES]}
+    report = attnstep.check_arrays(q, k, v, stages, do=do, scale=0.25, precision="bf16")
+    crits = {c.stage: c for c in attnstep.flash_attn_criterion(report)}
+    assert set(crits) == {"flash_dQ", "flash_dK", "flash_dV"}, attnstep.format_report(report)
+    assert all(c.meets and c.ratio == 1.0 for c in crits.values()), [(c.stage, c.ratio) for c in crits.values()]
+
+
 @pytest.mark.parametrize("fn", [attnstep.format_report, attnstep.flash_attn_criterion])
 @pytest.mark.parametrize("given", ["a report's text", None, {"passed": True}])
 def test_the_report_functions_refuse_what_is_not_a_report_in_one_line(fn, given):

@@ -107,10 +107,10 @@ def _head(ctx):
     return ctx.head() if hasattr(ctx, "head") else ctx.causal
 
 
-def head_errors(stage: str, got: np.ndarray, ctx: HeadContext) -> Optional[Tuple[float, float]]:
-    """(the program's, the baseline's) worst |error| on one head against the reference rounded to
-    the format; None where the criterion does not apply (fp32/tf32, a stage flash-attn's tests do
-    not compare). The baseline is computed once per head (the head cache), for every stage."""
+def head_baseline(stage: str, ctx: HeadContext) -> Optional[np.ndarray]:
+    """The eager half baseline's value of `stage` for one query head (a K/V head's gradient: this
+    query head's part); None where the criterion does not apply (fp32/tf32, a stage flash-attn's
+    tests do not compare). Computed once per head (the head cache), for every stage."""
     key = SPECS[stage].baseline
     if key is None or not is_half(ctx.precision):
         return None
@@ -118,8 +118,25 @@ def head_errors(stage: str, got: np.ndarray, ctx: HeadContext) -> Optional[Tuple
     baseline = memo(ctx.cache, "eager half baseline", tuple(ctx.inputs.values()),
                     (ctx.scale, _head(ctx), ctx.precision),
                     lambda: _quiet_baseline(q, k, v, do, ctx))
+    return baseline[key]
+
+
+def head_errors(stage: str, got: np.ndarray, ctx: HeadContext) -> Optional[Tuple[float, float]]:
+    """(the program's, the baseline's) worst |error| on one head against the reference rounded to
+    the format; None where the criterion does not apply."""
+    base = head_baseline(stage, ctx)
+    if base is None:
+        return None
     ref = round_to_format(ctx.chain[stage], ctx.precision)
-    return _max_error(got, ref), _max_error(baseline[key], ref)
+    return _max_error(got, ref), _max_error(base, ref)
+
+
+def summed_errors(got: np.ndarray, reference: np.ndarray, baseline: np.ndarray, precision: str) -> Tuple[float, float]:
+    """head_errors of a K/V head's gradient summed over its query heads: the baseline's parts
+    summed and rounded once to the format (an eager program's reduction over the repeated K/V
+    heads), against the summed reference rounded to it."""
+    ref = round_to_format(reference, precision)
+    return _max_error(got, ref), _max_error(round_to_format(baseline, precision), ref)
 
 
 def stage_criteria(report: Report) -> List[StageCriterion]:

@@ -34,7 +34,7 @@ from ..model.rounding import UNIT_ROUNDOFF
 from ..specs import SPECS, HeadContext, upstream
 from ..specs.base import NONFINITE, consistency, nonfinite
 from ..stages import STAGES
-from . import tolerance
+from . import flash_attn_criterion, tolerance
 from .diagnosis import Diagnoser, Diagnosis, Suspect
 from .half_rounding import stored_in_format
 from .results import FAIL, UNCHECKABLE, HeadResult, compare_arrays, print_limited
@@ -69,6 +69,7 @@ class Term:
     chained: Optional[np.ndarray] = None
     upstream_failed: List[str] = field(default_factory=list)
     unchecked: Optional[str] = None
+    baseline: Optional[np.ndarray] = None  # the eager half baseline's part (flash-attn's criterion)
 
     def isolated_bound(self) -> np.ndarray:
         """Its isolated bound (0 for an exact copy, whose parts are None)."""
@@ -83,7 +84,8 @@ def head_term(stage: str, ctx: HeadContext, results: Dict[str, HeadResult],
         return Term(unchecked=unchecked)
     src, q = isolated_sources(sources(stage, ctx), ctx.got, ctx.quanta, results, ctx.chain)
     want = reference(stage, src, ctx, with_bound=override is None)
-    term = Term(want, ctx.chain[stage], upstream_failed=failed_upstream(stage, results))
+    term = Term(want, ctx.chain[stage], upstream_failed=failed_upstream(stage, results),
+                baseline=flash_attn_criterion.head_baseline(stage, ctx))
     if override is None:
         term.parts = tolerance.stage_bound_parts(stage, src, want, **ctx.bound_args())
         term.propagated = quantization(stage, src, q, ctx)
@@ -104,6 +106,8 @@ class GroupSum:
         self.terms: List[np.ndarray] = []  # each query head's isolated reference, for the diagnoses
         self.upstream_failed: List[str] = []
         self.unchecked: Optional[str] = None
+        self.baseline: Optional[np.ndarray] = None  # the baselines' parts summed, while every term has one
+        self.baselines = 0
 
     def add(self, t: Term) -> None:
         self.count += 1
@@ -112,6 +116,8 @@ class GroupSum:
             return
         self.upstream_failed += [u for u in t.upstream_failed if u not in self.upstream_failed]
         self.terms.append(t.want_iso)
+        if t.baseline is not None:
+            self.baseline, self.baselines = _plus(self.baseline, t.baseline), self.baselines + 1
         self.want_iso = _plus(self.want_iso, t.want_iso)
         self.want_chain = _plus(self.want_chain, t.want_chain)
         if t.chained is not None:  # (None under a user tolerance)
@@ -205,6 +211,8 @@ def _check_sum(group: KVGroup, stage: str, opts, ref_of_head, diagnoser) -> Head
     res.chained = compare_arrays(mat, acc.want_chain, with_quantum(a_chain, quantum), opts.allow_nonfinite)
     res.isolated = compare_arrays(mat, acc.want_iso, with_quantum(a_iso, quantum), nan_agrees=True)
     res.half_values = half_values(mat, acc.want_chain, run.precision)
+    if acc.baseline is not None and acc.baselines == acc.count:  # (informational)
+        res.flash_attn = flash_attn_criterion.summed_errors(mat, acc.want_chain, acc.baseline, run.precision)
     res.print_limited = print_limited(quantum, a_chain, acc.want_chain)
     res.violations = _sum_checks(group, stage, mat, acc, a_chain, quantum, opts)
     if res.isolated.passed and nonfinite_propagated(mat, acc.want_iso):
