@@ -334,6 +334,8 @@ MUTATIONS = {
     "dK_untransposed_dS-flash_dK": ("backward-square-causal", _flash_bug("flash_dK", "dk_untransposed_tile"),
                                     "dK_untransposed_dS", EVERY),
     "lse_sum_missing-flash_dQ": ("backward-tiles", _flash_bug("flash_dQ", "bwd_lse_max"), "lse_sum_missing", EVERY),
+    "grad_scores_scaled-flash_dQ": ("backward-tiles", _flash_bug("flash_dQ", "bwd_scores_1_over_d"), "grad_scores_scaled",
+                                    EVERY),
     "grad_first_tile_only-flash_dQ": ("backward-tiles", _flash_bug("flash_dQ", "dq_first_key_tile"),
                                       "grad_first_tile_only", EVERY),
     "grad_first_tile_only-flash_dK": ("backward-tiles", _flash_bug("flash_dK", "dkdv_first_query_tile"),

@@ -347,7 +347,7 @@ def read_inputs(folder: Path, heads: int) -> List[Dict[str, np.ndarray]]:
 # term at the key tile's rows; "dV_untransposed_tile" adds P_tile·dO_tile to dV (square tiles).
 BACKWARD_BUGS = ("D_wrong_O", "dS_missing_P", "grad_unscaled", "dV_untransposed_P", "bwd_mask", "bwd_lse_log2",
                  "dq_key_rows", "dV_untransposed_tile", "dq_uses_v", "dv_uses_ds", "dk_untransposed_tile",
-                 "bwd_lse_max", "dq_first_key_tile", "dkdv_first_query_tile")
+                 "bwd_lse_max", "dq_first_key_tile", "dkdv_first_query_tile", "bwd_scores_1_over_d")
 
 
 @dataclass(frozen=True)
@@ -430,8 +430,8 @@ def flash_backward(q, k, v, do, o, lse, scale: float, causal: bool, route: Backw
             if use_exp2 or bug == "bwd_lse_log2":
                 lse2 = lse[r0:r0 + block] if bug == "bwd_lse_log2" else lse[r0:r0 + block] * LOG2E
                 p = np.exp2(s * f32(scale * LOG2E) - lse2)
-            else:
-                p = np.exp(s * f32(scale) - lse[r0:r0 + block])
+            else:  # (the bug: the scores recomputed under 1/d_k, the forward's lse right)
+                p = np.exp(s * f32(1.0 / q.shape[1] if bug == "bwd_scores_1_over_d" else scale) - lse[r0:r0 + block])
             if route.ftz:
                 p = _flush_subnormals(p)
             if causal and bug != "bwd_mask":

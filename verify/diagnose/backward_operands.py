@@ -9,6 +9,8 @@
   twin.
 * grad_first_tile_only: a gradient summed over its loop's first tile alone (dQ over the first key
   tile, dK and dV over the first query tile: a loop that stops after one).
+* grad_scores_scaled: a flash backward that recomputes the scores for P under a wrong scale (the
+  scale missing, 1/d_k, applied twice, ...: scales.wrong_scales), its forward right.
 
 Each rebuilds the failing stage the way the bug computes it, from the program's own upstream files
 (a flash gradient recomputing P from its saved output and lse), and fires when that explains got
@@ -27,10 +29,12 @@ from ..stages import FLASH_LSE, GRAD_KEYS, GRAD_OUTPUT, KEYS, QUERIES, STAGES, V
 from .backward_base import (first_match, gradients, hidden_by, other_heads_stage, problem_of, untransposed_finding,
                             width_for)
 from .inputs import key_tiles
+from .scales import scale_names_of, wrong_scales
 
 GRAD_WRONG_OPERAND, LSE_WRONG_HEAD = "grad_wrong_operand", "lse_wrong_head"
 DK_UNTRANSPOSED, GRAD_FIRST_TILE = "dK_untransposed_dS", "grad_first_tile_only"
-CODES = (GRAD_WRONG_OPERAND, LSE_WRONG_HEAD, DK_UNTRANSPOSED, GRAD_FIRST_TILE)
+GRAD_SCORES_SCALED = "grad_scores_scaled"
+CODES = (GRAD_WRONG_OPERAND, LSE_WRONG_HEAD, DK_UNTRANSPOSED, GRAD_FIRST_TILE, GRAD_SCORES_SCALED)
 
 Build = Callable[[Gradients], np.ndarray]
 # Each gradient (its spec's rebuild) and the GEMMs with a wrong operand a program may write for it.
@@ -104,6 +108,28 @@ def grad_lse(stage, got, want, ctx, width) -> List[Diagnosis]:
                       f"(max diff {diff:.2g})", {"how": how, "read_head": read[how], "max_diff": diff}, 0.93)]
 
 
+def grad_scores_scale(stage, got, want, ctx, width) -> List[Diagnosis]:
+    """A flash backward that recomputes S = scale·Q·Kᵀ under a wrong scale (its P = exp(S − lse)
+    against the forward's right lse)."""
+    setting = _setting(stage, ctx)
+    if setting is None or not STAGES[stage].flash or SPECS[stage].rebuild is None or ctx.scale in (0.0,):
+        return []
+    g, (own, scale, _) = setting
+    qk, rebuild = own(QUERIES) @ own(KEYS).T, SPECS[stage].rebuild
+    used = {s2: n for n, s2 in wrong_scales(scale, own(QUERIES).shape[1]).items() if abs(s2 - scale) > 1e-6 * scale}
+    cands = ((s2, _fits(rebuild(g.replaced(qk=qk * (s2 / scale))), got)) for s2 in used)
+    with np.errstate(all="ignore"):
+        hit = first_match(got, want, width_for(ctx, stage, width), cands)
+    if hit is None:
+        return []
+    s2, diff = hit
+    names = scale_names_of(s2, wrong_scales(scale, own(QUERIES).shape[1]))
+    return [Diagnosis(GRAD_SCORES_SCALED, f"{stage}: the backward recomputes the scores with scale {s2:.6g} instead of "
+                      f"{scale:.6g}: {', or '.join(names)} (its P = exp(S − lse) against the forward's lse) "
+                      f"(max diff {diff:.2g})", {"used_scale": s2, "factor": s2 / scale, "names": names,
+                                                 "max_diff": diff}, 0.9)]
+
+
 def dk_untransposed(stage, got, want, ctx, width) -> List[Diagnosis]:
     setting = _setting(stage, ctx)
     if setting is None or SPECS[stage].rebuild is not grad_keys:
@@ -147,5 +173,5 @@ def grad_first_tile(stage, got, want, ctx, width) -> List[Diagnosis]:
 
 
 # Keys: the hypothesis names the specs list (verify/specs/backward/); each finding's code is its own.
-HYPOTHESES: Dict[str, Callable] = {"grad_operand": grad_operand, "grad_lse": grad_lse,
+HYPOTHESES: Dict[str, Callable] = {"grad_operand": grad_operand, "grad_lse": grad_lse, "grad_scale": grad_scores_scale,
                                    "dk_untransposed": dk_untransposed, "grad_first_tile": grad_first_tile}

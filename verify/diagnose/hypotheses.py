@@ -21,9 +21,9 @@ bias_transposed, dropout_unscaled, dropout_not_applied, dropout_mask_inverted
 (verify/diagnose/variants.py); the backward's D_wrong_O, dS_missing_P, grad_unscaled,
 dV_untransposed_P, lse_log2 and the flash gradients' softcap_derivative_missing, dq_key_tile_rows
 (verify/diagnose/backward.py), grad_wrong_operand, dK_untransposed_dS, lse_wrong_head,
-lse_sum_missing (a backward's) and grad_first_tile_only (verify/diagnose/backward_operands.py);
-the precision ones: tf32, half_storage, half_truncation, half_accumulation
-(verify/diagnose/precision.py), scores_rounded, prescaled_rounded,
+lse_sum_missing (a backward's), grad_first_tile_only and grad_scores_scaled
+(verify/diagnose/backward_operands.py); the precision ones: tf32, half_storage, half_truncation,
+half_accumulation (verify/diagnose/precision.py), scores_rounded, prescaled_rounded,
 row_sum_rounded (verify/diagnose/score_rounding.py); and in a packed case, the
 sequences' sequence_leak, sequence_boundary, padding_read (verify/diagnose/sequences.py: a
 sequence's rows recomputed from the packed rows a buggy program read). overflow, keys_past_end and keys_dropped are in

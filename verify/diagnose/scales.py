@@ -27,7 +27,7 @@ _DEFAULT_USED = "the default 1/√d_k used, not the case's scale"
 _EXP2_WITHOUT_LOG2E = "exp2 used without log2(e) folded into the scale (scale·ln 2)"
 
 
-def _wrong_scales(scale: float, d_k: int) -> Dict[str, float]:
+def wrong_scales(scale: float, d_k: int) -> Dict[str, float]:
     """The scales a program uses by mistake, each with what it is: dividing by d_k instead of √d_k
     first (with the default scale 1/√d_k it is also the scale applied twice: both are named), the
     default 1/√d_k where the case gives another scale (the case's scale ignored), and an exp2
@@ -39,7 +39,7 @@ def _wrong_scales(scale: float, d_k: int) -> Dict[str, float]:
 
 
 
-def _named(value: float, named: Dict[str, float]) -> List[str]:
+def scale_names_of(value: float, named: Dict[str, float]) -> List[str]:
     return [n for n, v in named.items() if abs(value - v) <= SCALE_NAME_RTOL * abs(v)]
 
 
@@ -48,7 +48,7 @@ def _scale_names(f: float, scale: float, d_k: int, stage: str) -> List[str]:
     named = {"√d_k": d_k ** 0.5, "1/√d_k": d_k ** -0.5, "d_k": float(d_k), "1/d_k": 1.0 / d_k}
     if scale != 0.0:
         if SPECS[stage].scaled:
-            used = [n for n in _named(f * scale, _wrong_scales(scale, d_k))
+            used = [n for n in scale_names_of(f * scale, wrong_scales(scale, d_k))
                     if n.startswith("1/d_k") or n == _DEFAULT_USED]
             named = {**{n: f for n in used}, **named}  # the scale it used, named first
             named["scale (scale applied twice)"] = scale
@@ -58,7 +58,7 @@ def _scale_names(f: float, scale: float, d_k: int, stage: str) -> List[str]:
         else:
             named["scale"] = scale
             named["1/scale"] = 1.0 / scale
-    return _named(f, named)
+    return scale_names_of(f, named)
 
 
 def _factor_words(f: float, names: List[str]) -> str:
@@ -168,7 +168,7 @@ def _wrong_scale(stage, got, want, ctx, width) -> List[Diagnosis]:
         return []
     recompute, width = rescaled
     screen = _row_screen(stage, got, want, ctx, width)
-    for s2 in dict.fromkeys(_wrong_scales(scale, d_k).values()):
+    for s2 in dict.fromkeys(wrong_scales(scale, d_k).values()):
         if abs(s2 - scale) <= 1e-6 * abs(scale) or (screen is not None and not screen(s2)):
             continue
         try:
@@ -179,7 +179,7 @@ def _wrong_scale(stage, got, want, ctx, width) -> List[Diagnosis]:
         # reproduces the program's float32 to its own rounding)
         diff = explains_closely(got, cand, want, width)
         if diff is not None:
-            names = _named(s2, _wrong_scales(scale, d_k))
+            names = scale_names_of(s2, wrong_scales(scale, d_k))
             return [Diagnosis("scaled", f"{stage} used scale {s2:.6g} instead of {scale:.6g}: "
                               f"{', or '.join(names)} (max diff {diff:.2g})",
                               {"factor": s2 / scale, "used_scale": s2, "names": names, "max_diff": diff}, 0.9)]

@@ -38,8 +38,9 @@ CAP_BUGS = ("cap_derivative",)  # the flash backward's dQ and dK without the sof
 DQ_BUGS = ("dq_rows",)  # the flash backward's dQ accumulated at the key tile's rows
 OPERAND_BUGS = ("grad_operand",)  # a gradient's GEMM with a wrong operand (verify/diagnose/backward_operands.py)
 DK_BUGS = ("dk_untransposed",)  # dK from dS untransposed
-# the flash backward's P against a wrong lse, and a gradient's loop stopped after its first tile
-FLASH_BUGS = OPERAND_BUGS + ("grad_lse", "grad_first_tile")
+# the flash backward's P against a wrong lse or from scores under a wrong scale, and a gradient's loop
+# stopped after its first tile
+FLASH_BUGS = OPERAND_BUGS + ("grad_lse", "grad_scale", "grad_first_tile")
 _GRAD_PATTERNS = PATTERNS + ("scaled",)
 _FLASH_PATTERNS = _GRAD_PATTERNS + ("mask", "grad_lse_log2")
 # (the stage path's dQ, dK, dV: a mask their program applied wrong, named where it wrote them alone)
