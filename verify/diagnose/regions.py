@@ -56,9 +56,9 @@ def _tile_lines(n: int, p: int, k: int, last: bool, clipped: bool) -> np.ndarray
 
 
 def _periodic(lines: np.ndarray, n: int, periods: List[int], name: str) -> Optional[Diagnosis]:
-    """Errors on the first or last k ≤ MAX_LINES_A_TILE lines of every p-line tile (at least three
-    tiles' worth of lines, three quarters of them wrong), the largest period first, the fewest
-    lines a tile first."""
+    """Errors on the first or last k ≤ MAX_LINES_A_TILE lines of every p-line tile (two tiles at
+    least, three such lines or more, three quarters of them wrong, none elsewhere), the largest
+    period first, the fewest lines a tile first."""
     if len(lines) < 3:
         return None
     for p in sorted(periods, reverse=True):

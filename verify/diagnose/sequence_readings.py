@@ -16,6 +16,8 @@ from ..variant import UNBOUNDED, Variant
 PADDING_READ, OFFSETS_SWAPPED = "padding_read", "sequence_offsets_swapped"
 # A boundary off by up to this many rows is named (a larger error is another bug, or a leak).
 MAX_BOUNDARY_SHIFT = 3
+# How a leak from the stream's first key is said in its detail.
+FROM_STREAM_START = "from the stream's first key"
 
 @dataclass
 class Piece:
@@ -148,7 +150,7 @@ def _leaks(seqs, b: int, v: Variant) -> Iterator[Reading]:
                       f"({_instead(seqs, b, keys, own)}; {_packed_rows(keys)} instead of {_span(own)}): its key loop "
                       f"starts at key 0, not at cu_seqlens_k[{b}]",
                       [Piece(q, keys)], {"sequence": b, "read_sequence": 0, "key_rows": [0, int(keys[-1])],
-                                         "how": "from the stream's first key"})
+                                         "how": FROM_STREAM_START})
 
 
 def _padding(seqs, b: int) -> Iterator[Reading]:

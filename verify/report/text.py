@@ -257,7 +257,8 @@ def summary_lines(report: Report) -> List[str]:
     lines.append(f"{verdict} first failing stage: {first.stage} "
                  f"({states.culprit_heads(report, first)})"
                  + (f"; {first.diagnosis[0].code}: {first.diagnosis[0].message}" if first.diagnosis else "")
-                 + (" (a symptom: no cause named)" if first.diagnosis and states.names_no_cause(first) else "")
+                 + (" (a symptom: no cause named)" if first.diagnosis and states.names_no_cause(first)
+                    and not elsewhere else "")
                  + (f"; unnamed there; {states.where_else(first, elsewhere)} "
                     f"{elsewhere.diagnosis[0].code}: {elsewhere.diagnosis[0].message}" if elsewhere else "")
                  + (f"; {half}" if half else ""))
