@@ -380,3 +380,12 @@ def test_zeros_where_values_belong_are_said_to_be_unwritten_or_computed_over_no_
     assert "never written, or computed as if no key were seen" in zeros.message
     nan = next(d for d in run("QK", _nan_rect(chains[1], "QK"), chains, dims, scale, False) if d.code == "unwritten")
     assert "never written (" in nan.message and "no key" not in nan.message
+
+
+def test_a_head_s_bug_carries_no_tile_pattern_beside_it():
+    """A K/V group not summed (or another head read) is wrong everywhere; the tile lines its errors
+    happen to fill are no second finding."""
+    from verify.diagnose.hypotheses import Diagnosis, _settled
+    found = [Diagnosis("kv_group_not_summed", "the group's last part only", {"max_diff": 1e-7}, 0.95),
+             Diagnosis("tile_boundary", "errors fill tile 1", {"period": 4}, 0.75)]
+    assert [d.code for d in _settled(found, set(), 0.0)] == ["kv_group_not_summed"]

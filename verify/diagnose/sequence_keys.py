@@ -21,10 +21,10 @@ import numpy as np
 from ..check.diagnosis import Diagnosis, Packing, Suspect
 from ..stages import FLASH_LSE, FLASH_OUTPUT, STAGES
 from ..variant import Variant
-from .base import MIN_READ_VALUES, explains, explains_closely, maxdiff
+from .base import explains, explains_closely, maxdiff
 from .inputs import slope_of, variant_of
 from .sequence_readings import FROM_STREAM_START, Piece, Reading, readings
-from .sequences import MAX_CANDIDATE_ENTRIES, applies, named_reading, sequences, solve
+from .sequences import MAX_CANDIDATE_ENTRIES, named_reading, sequence_of, sequences, solve
 
 # The stored forward a flash backward starts from (the program's own, where it wrote it).
 _FORWARD = (FLASH_OUTPUT, FLASH_LSE)
@@ -36,7 +36,6 @@ MAX_KEY_ROW_SEARCHES = 4
 _NAMED, _SEARCHES, _SOLVED = "key rows: named", "key rows: searches", "key rows: solved"
 # The solved problems kept for the next sequences' rows, at most.
 MEMO_BYTES = 1 << 26
-_FROM_START = FROM_STREAM_START
 
 
 def diagnose(stage, got, want, ctx: Suspect, width) -> List[Diagnosis]:
@@ -44,12 +43,10 @@ def diagnose(stage, got, want, ctx: Suspect, width) -> List[Diagnosis]:
     rows (sequences.py), or of its key rows (below)."""
     if STAGES[stage].rows != "M":
         return sequences(stage, got, want, ctx, width)
-    if not applies(stage, ctx) or got.size < MIN_READ_VALUES:
+    if not sequence_of(stage, got, ctx):
         return []
     packing = ctx.packing
     seqs, b = packing.sequences, packing.sequence
-    if got.shape[0] != seqs.m(b) or seqs.n(b) == 0:
-        return []
     rows = seqs.k_rows(b)
     stored = _FORWARD if set(_FORWARD) <= set(STAGES[stage].inputs) and packing.outputs_of_head else None
     table = _table(packing, variant_of(ctx))
@@ -113,7 +110,7 @@ def _local(rule: Optional[tuple]) -> bool:
     """Whether a rule reads each sequence's keys near its own: the whole stream's readings, and keys
     read from the stream's first, reach every sequence's rows from all the sequences after it (as
     many dense problems as sequences for each sequence's rows): those are named on the query rows."""
-    return rule is not None and rule[0] != "whole" and _FROM_START not in rule
+    return rule is not None and rule[0] != "whole" and FROM_STREAM_START not in rule
 
 
 def _table(packing: Packing, v: Variant) -> Dict[int, List[Tuple[tuple, Reading]]]:

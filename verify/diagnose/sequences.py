@@ -128,6 +128,17 @@ def applies(stage: str, ctx: Suspect) -> bool:
             and ((st.rows == "N" and ctx.head_ctx is not None) or (st.rows == "M" and ctx.dims is not None)))
 
 
+def sequence_of(stage: str, got: np.ndarray, ctx: Suspect) -> bool:
+    """Whether the readings apply to got, a failing stage of one packed sequence: its rows are the
+    sequence's queries (or keys, for dK and dV), the sequence reads keys (or has queries), and got
+    holds more than one value (some reading fits a single value by chance)."""
+    if not applies(stage, ctx) or got.size < MIN_READ_VALUES:
+        return False
+    seqs, b = ctx.packing.sequences, ctx.packing.sequence
+    rows, other = (seqs.n(b), seqs.m(b)) if STAGES[stage].rows == "N" else (seqs.m(b), seqs.n(b))
+    return got.shape[0] == rows and other > 0
+
+
 def sequences(stage, got, want, ctx, width) -> List[Diagnosis]:
     """The first reading of the sequence's rows that explains got and, after it, its padding read
     where that explains got too (where the weights are near one-hot, reading the padding keys and
@@ -135,12 +146,10 @@ def sequences(stage, got, want, ctx, width) -> List[Diagnosis]:
     its bounds (best_within_bound: a half-precision output, which a misread sequence moves by some
     ten of its bounds). Not on a stage of one value (a one-query sequence's lse), which some reading
     fits by chance."""
-    if not applies(stage, ctx) or got.size < MIN_READ_VALUES:
+    if not sequence_of(stage, got, ctx):
         return []
     packing = ctx.packing
     seqs, b = packing.sequences, packing.sequence
-    if got.shape[0] != seqs.n(b) or seqs.m(b) == 0:
-        return []
     width = _width(stage, ctx, width)
     found: List[Diagnosis] = []
     seen = set()
